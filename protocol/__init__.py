@@ -1,0 +1,5 @@
+"""Wire types shared by every part: message schemas, codec, validation. Torch-free."""
+
+from infer.protocol.sampling import SamplingParams
+
+__all__ = ["SamplingParams"]

@@ -1,0 +1,99 @@
+"""EngineConfig: the engine's options, vLLM's names, validated once.
+
+Environment variables are read here and nowhere else, all with the prefix INFER_.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine (one DP rank).
+
+    model: a safetensors directory (HF layout), a .gguf file, or None for the embedded default model.
+    max_model_len: None takes the model's `max_position_embeddings`.
+    max_num_batched_tokens: the per-step token budget; None picks 2048 (with chunked prefill) or
+        max_model_len (without, since a whole prompt must then fit in one step).
+    kv_cache_memory: bytes for the KV pool (all layers, K and V); None takes `kv_cache_memory_fraction`
+        of the machine's memory (CPU) or of the free device memory (CUDA).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.2
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model must be a non-empty path string or None, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("block_size", self.block_size)
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory", "num_threads"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if not isinstance(self.kv_cache_memory_fraction, (int, float)) or not (
+            0 < self.kv_cache_memory_fraction <= 0.95
+        ):
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if (self.max_num_batched_tokens is not None and self.max_model_len is not None
+                and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) so a whole prompt fits in one step")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """Build from keyword options; an unknown name is a ValueError that names it."""
+        unknown = sorted(set(options) - ENGINE_OPTION_NAMES)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(ENGINE_OPTION_NAMES))}")
+        return cls(**options)
+
+    def budget_tokens(self, max_model_len: int) -> int:
+        """The per-step token budget once the model's context length is known."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+
+
+ENGINE_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def model_cache_dir() -> Path:
+    """Where converted models (GGUF -> safetensors) are kept: $INFER_MODEL_CACHE or ~/.cache/infer/models."""
+    env = os.environ.get("INFER_MODEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "infer" / "models"

@@ -1,0 +1,1 @@
+"""Model implementations, built from a transformers config."""

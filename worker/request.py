@@ -1,0 +1,94 @@
+"""Request: one generation request inside the engine.
+
+State is an explicit status plus a few counters; everything else is derived.
+Torch-free (the scheduler and block manager use it and are tested without torch).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from infer.protocol.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"            # queued, no KV blocks (new, or preempted and waiting to recompute)
+    RUNNING = "running"            # holds KV blocks; prefilling (chunk by chunk) or decoding
+    FINISHED_STOPPED = "stop"      # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"     # max_tokens or the context length reached
+    FINISHED_ABORTED = "abort"     # aborted by the caller
+    FINISHED_ERROR = "error"       # failed alone (e.g. can never fit in the KV pool)
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" / "length" / "abort" / "error" once finished, else None."""
+        return self.value if self.finished else None
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt, its generated tokens and where it stands.
+
+    Invariants:
+    - `token_ids` is prompt followed by output; `num_prompt_tokens` splits them.
+    - `num_computed_tokens` tokens of `token_ids` have their KV in the blocks of `block_table`.
+      Preemption (recompute) drops the blocks and resets it to 0; the output tokens are kept and
+      recomputed as part of the "prompt" of the next prefill.
+    - `block_hashes[i]` is the prefix-cache hash of full block i of `token_ids` (filled lazily).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_order: int = 0
+    max_tokens: int = 16             # resolved: params.max_tokens, capped by the context length
+    eos_token_ids: frozenset[int] = frozenset()
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0       # prompt tokens served by the prefix cache at the latest schedule
+    num_preemptions: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV is not in the cache yet (the whole prompt when new, 1 when decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
