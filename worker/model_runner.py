@@ -1,0 +1,82 @@
+"""ModelRunner: turns a SchedulerOutput into one model forward and one sampling step."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from infer.worker.scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    """Owns the model and the KV pool on one device; stateless between steps otherwise."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, device: torch.device,
+                 sampler: Sampler) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+        self.vocab_size = int(model.vocab_size)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> SamplerOutput | None:
+        """Run one forward over `chunks` (decodes first) and sample one token for each chunk whose
+        `samples` is set, in chunk order. Returns None when no chunk samples (all mid-prefill)."""
+        batch = build_forward_batch(chunks, self.block_size, self.device)
+        hidden = self.model(batch, self.kv_cache)
+        if batch.logits_indices.numel() == 0:
+            return None
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        sampling = [c.request for c in chunks if c.samples]
+        meta = SamplingMetadata.build(sampling, self.vocab_size, self.device)
+        return self.sampler.sample(logits, meta)
+
+
+def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device) -> ForwardBatch:
+    """Flatten the step's chunks into the token-major tensors of ForwardBatch (see its docstring)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    tables: list[list[int]] = []
+    logits_indices: list[int] = []
+    num_decodes = 0
+    for chunk in chunks:
+        req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
+        if n == 1 and num_decodes == len(query_lens):
+            num_decodes += 1
+        input_ids.extend(req.token_ids[start:start + n])
+        positions.extend(range(start, start + n))
+        query_lens.append(n)
+        context_lens.append(start + n)
+        tables.append(req.block_table)
+        if chunk.samples:
+            logits_indices.append(len(input_ids) - 1)
+
+    max_blocks = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    lens = torch.tensor(query_lens, dtype=torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), lens)
+    block_of_token = table[seq_of_token, pos // block_size].to(torch.int64)
+    slot_mapping = block_of_token * block_size + pos % block_size
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(lens, 0)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device),
+        positions=pos.to(device),
+        slot_mapping=slot_mapping.to(device),
+        block_tables=table.to(device),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int32).to(device),
+        query_start_loc=query_start_loc.to(device),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(device),
+        num_decodes=num_decodes,
+        query_lens=tuple(query_lens),
+        context_lens=tuple(context_lens),
+        block_size=block_size,
+    )
