@@ -1,0 +1,245 @@
+"""Engine acceptance: greedy output token-identical to transformers in one continuous batch, under
+small blocks, forced preemption and chunked prefill; prefix caching; seeded sampling; bad input."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.worker.config import EngineConfig
+from infer.worker.engine import Engine
+from infer.worker.forward_batch import KVCache
+from prompts import prompt_of_length, varied_prompts
+
+MAX_NEW = 12
+
+
+def _kv_bytes_for_blocks(model_dir, num_blocks: int, block_size: int) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return num_blocks * KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
+                                                head_dim, torch.float32)
+
+
+def _reference(model_dir, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding effects)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
+                               pad_token_id=model.config.eos_token_id)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def _prompts_for(model_name: str, tokenizer) -> list[list[int]]:
+    if model_name == "smollm2":
+        texts = varied_prompts(16, longest_words=700)
+        return [tokenizer(t)["input_ids"] for t in texts]
+    rng = random.Random(7)
+    lengths = [1, 2, 5, 9, 16, 17, 31, 64, 100, 128, 200, 255, 300, 511, 700, 1000]
+    return [[rng.randrange(3, len(tokenizer)) for _ in range(n)] for n in lengths]
+
+
+SCENARIOS = {
+    # (a) every sequence spans many blocks
+    "small-blocks": lambda d: dict(block_size=4),
+    # (b) KV pool far smaller than the batch needs: preemption by recompute must happen
+    "preemption": lambda d: dict(block_size=16, kv_cache_memory=_kv_bytes_for_blocks(d, 80, 16)),
+    # (c) chunked prefill at a 64-token step budget
+    "chunked-64": lambda d: dict(block_size=16, max_num_batched_tokens=64),
+}
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen3", "mistral"])
+def model_case(request, smollm2_dir, tiny_model_dir, smollm2_tokenizer):
+    name = request.param
+    path = smollm2_dir if name == "smollm2" else tiny_model_dir(name)
+    prompts = _prompts_for(name, smollm2_tokenizer)
+    return name, path, prompts, _reference(path, prompts, MAX_NEW)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_matches_transformers_in_one_batch(model_case, scenario):
+    name, path, prompts, expected = model_case
+    options = SCENARIOS[scenario](path)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, **options)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert max(len(p) for p in prompts) >= 900 and min(len(p) for p in prompts) <= 20
+    for i, (completion, want) in enumerate(zip(got, expected)):
+        assert completion.token_ids == want, f"{name}/{scenario}: prompt {i} ({len(prompts[i])} tokens) differs"
+    if scenario == "preemption":
+        assert llm.engine.scheduler.stats.num_preemptions > 0
+    if scenario == "small-blocks":
+        assert llm.engine.block_size == 4
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir):
+    return Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=1024,
+                               kv_cache_memory=64 << 20))
+
+
+def _run(engine: Engine, requests: dict[str, tuple]) -> dict[str, list[int]]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id].extend(delta.token_ids)
+    return out
+
+
+def test_prefix_cache_computes_only_the_suffix(smollm2_dir, smollm2_tokenizer):
+    prefix = smollm2_tokenizer(prompt_of_length(400, 1))["input_ids"][:256]
+    first = prefix + smollm2_tokenizer(" Tell me about lighthouses.")["input_ids"]
+    second = prefix + smollm2_tokenizer(" What is the time complexity?")["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outputs = {}
+    for caching in (True, False):
+        eng = Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=1024,
+                                  kv_cache_memory=64 << 20, enable_prefix_caching=caching))
+        _run(eng, {"a": (first, params)})
+        before = eng.stats.prefill_tokens_computed
+        outputs[caching] = _run(eng, {"b": (second, params)})["b"]
+        computed = eng.stats.prefill_tokens_computed - before
+        if caching:
+            assert computed == len(second) - 256
+        else:
+            assert computed == len(second)
+    assert outputs[True] == outputs[False]
+
+
+def test_seeded_sampling_is_batch_independent(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = _run(engine, {"solo": ("Once upon a time", params)})["solo"]
+    batch = {"solo": ("Once upon a time", params)}
+    for i in range(31):
+        other = SamplingParams(temperature=1.0 if i % 2 else 0, seed=i if i % 3 else None, max_tokens=8 + i % 9)
+        batch[f"other-{i}"] = (prompt_of_length(5 + 7 * i, i), other)
+    together = _run(engine, batch)
+    assert together["solo"] == alone
+    again = _run(engine, {"solo": ("Once upon a time", SamplingParams(**{**params.to_dict(), "seed": 99}))})
+    assert again["solo"] != alone
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", None, "prompt is empty"),
+    ([], None, "prompt is empty"),
+    ([1, 2, 10**9], None, "outside the vocabulary"),
+    ([-1], None, "outside the vocabulary"),
+    ("word " * 1100, None, "context length is 1024"),
+    ("hello", "temperature=0", "params must be SamplingParams"),
+])
+def test_bad_requests_are_rejected_while_others_complete(engine, prompt, params, message):
+    good = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("good", "The sea is", good)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    engine.add_request("good2", "A second good request", good)
+    out = {}
+    while engine.has_unfinished():
+        for d in engine.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    assert sorted(out) == ["good", "good2"] and all(len(v) == 6 for v in out.values())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-2), "top_k must be -1"),
+    (dict(min_p=2.0), "min_p must be in"),
+    (dict(logprobs=99), "logprobs must be in"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_bad_sampling_params_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_option_names_are_named():
+    with pytest.raises(ValueError, match="unknown sampling option.*temprature"):
+        SamplingParams.from_dict({"temprature": 0.5})
+    with pytest.raises(ValueError, match="unknown engine option.*max_num_seq\\b"):
+        EngineConfig.from_options(max_num_seq=4)
+
+
+def test_kv_budget_too_small_for_one_block(smollm2_dir):
+    with pytest.raises(ValueError, match="too small for one KV block"):
+        Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", kv_cache_memory=1000))
+
+
+def test_request_that_can_never_fit_fails_alone(smollm2_dir):
+    llm = LLM(model=str(smollm2_dir), dtype="float32", max_model_len=1024, block_size=16,
+              kv_cache_memory=_kv_bytes_for_blocks(smollm2_dir, 8, 16))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    small, huge = "Hello there", prompt_of_length(300, 0)
+    got = llm.generate([small, huge, small], params, use_tqdm=False)
+    assert [c.finish_reason for c in got] == ["length", "error", "length"]
+    assert "KV" in got[1].error and "blocks" in got[1].error
+    assert got[0].token_ids == got[2].token_ids
+
+
+def test_stop_strings_and_streamed_text(engine):
+    text_params = SamplingParams(temperature=0, max_tokens=40)
+    full = _run(engine, {"full": ("Count: 1, 2, 3, 4,", text_params)})["full"]
+    full_text = engine.tokenizer.decode(full, skip_special_tokens=True)
+    stop = full_text.strip()[3:6]
+    assert stop
+    engine.add_request("s", "Count: 1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=40, stop=[stop]))
+    pieces, final = [], None
+    while engine.has_unfinished():
+        for d in engine.step():
+            pieces.append(d.text)
+            if d.finished:
+                final = d
+    streamed = "".join(pieces)
+    assert final.finish_reason == "stop"
+    assert stop not in streamed and full_text.startswith(streamed)
+
+
+def test_abort_running_and_waiting(engine):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt_of_length(20, i), params)
+    engine.step()
+    assert engine.abort("r0") and engine.abort("r2") and not engine.abort("missing")
+    reasons = {}
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.finished:
+                reasons[d.request_id] = d.finish_reason
+    assert reasons == {"r0": "abort", "r1": "length", "r2": "abort"}
+    assert engine.scheduler.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_logprobs_are_returned(engine):
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    llm_like = _collect_logprobs(engine, params)
+    assert len(llm_like) == 4
+    for row in llm_like:
+        assert 3 <= len(row) <= 4 and all(v <= 0 for v in row.values())
+
+
+def _collect_logprobs(engine, params):
+    engine.add_request("lp", "The capital of France is", params)
+    rows = []
+    while engine.has_unfinished():
+        for d in engine.step():
+            rows.extend(d.logprobs or [])
+    return rows
