@@ -148,8 +148,11 @@ class Engine:
         return ids
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        room = self.max_model_len - num_prompt_tokens
-        return room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is not None:
+            return min(params.max_tokens, self.max_model_len - num_prompt_tokens)
+        # "Up to the context length": the context a lone request can really have is also bounded by the pool.
+        usable = min(self.max_model_len, self.kv_cache.num_blocks * self.block_size)
+        return max(1, usable - num_prompt_tokens)
 
     # ---- output ------------------------------------------------------------------------------
 

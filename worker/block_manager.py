@@ -1,0 +1,360 @@
+"""BlockManager: bookkeeping of the paged KV cache (which block holds which tokens), torch-free.
+
+The pool has `num_blocks` blocks of `block_size` token slots. A request's `block_table[i]` is the block
+holding its tokens `[i * block_size, (i + 1) * block_size)`.
+
+Prefix caching keeps the KV of full blocks reusable across requests. Block `i` of a token sequence is
+named by a hash chain, `hash_i = xxh64(hash_{i-1} as 8 bytes + tokens of block i as int64)`, and
+`request.block_hashes` caches those hashes so they are computed once per request. A hash only finds
+candidates: a hit also needs equal tokens and the same parent (see `_Content`), so a hash
+collision can cost a hit but never gives a request the KV of other tokens.
+
+Free blocks wait in one queue; allocation takes blocks from its front (evicting any cached content
+they still hold). A freed block that holds cached content keeps it and can be revived by a later hit
+until the allocator hands it out again.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from infer.worker.request import Request
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chain hash of one full block: xxh64 over the parent's hash (8 bytes, absent for the first block)
+    followed by the block's token ids as native-endian int64."""
+    parent = b"" if parent_hash is None else parent_hash.to_bytes(8, "little")
+    return xxhash.xxh64_intdigest(parent + array("q", token_ids).tobytes())
+
+
+@dataclass(frozen=True)
+class _Content:
+    """What a cached block holds. `key` is unique to this registration, so a block later handed out for
+    other tokens never matches an old reference to it. `parent_key` is the key of the block holding the
+    previous block of the same sequence (None for a sequence's first block): a chain of verified parents
+    plus equal tokens proves the whole prefix equal, whatever the hashes do."""
+
+    key: int
+    hash: int
+    parent_key: int | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class _Block:
+    """One block of the pool; `content` is set iff it holds registered (cached) prefix content."""
+
+    block_id: int
+    ref_count: int = 0
+    content: _Content | None = None
+
+
+class BlockManager:
+    """Ref-counted blocks, an eviction-ordered free queue and a prefix cache over full blocks.
+
+    Invariants (checked by `check_invariants`):
+    - every block is either free (ref_count 0, in the free queue exactly once) or held
+      (ref_count > 0 = the number of block-table entries naming it, not in the free queue);
+    - `_cached[h]` holds exactly the cached blocks whose hash is h, and holds no empty sets;
+    - a request's table has no repeated block, and its cached blocks form a leading run (blocks are
+      registered in order, and a held block keeps its registration).
+
+    Free order: when a request frees its blocks, blocks that hold cached content go to the back of the
+    queue in reverse table order (a sequence's tail is evicted before its head, as in vLLM); blocks with
+    no cached content go to the front, since reusing them first loses nothing. Allocation takes from the
+    front, so among cached blocks the least recently freed is evicted first (LRU).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        _check_positive_int("num_blocks", num_blocks)
+        _check_positive_int("block_size", block_size)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = next out
+        self._cached: dict[int, dict[int, None]] = {}  # hash -> ids of cached blocks with that hash
+        self._next_key = 0
+        self.num_queried_tokens = 0   # tokens of first-scheduled requests looked up in the prefix cache
+        self.num_hit_tokens = 0       # of those, tokens served from the cache
+        self.num_evicted_blocks = 0   # cached blocks handed out for new content
+
+    # ---- sizes -----------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request (free cached blocks included: they are evictable)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by requests, in [0, 1]."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding reusable prefix content, held or free."""
+        return sum(len(ids) for ids in self._cached.values())
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache lookup ---------------------------------------------------------------------
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Ids of cached blocks holding the request's leading full blocks, in table order.
+
+        Takes no references. Covers at most `request.num_tokens - 1` tokens (the last token is always
+        computed, to produce logits), so it returns at most `(num_tokens - 1) // block_size` blocks.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        found: list[int] = []
+        parent_key: int | None = None
+        for i in range(max_blocks):
+            hit = self._lookup(hashes[i], parent_key, self._block_tokens(request, i))
+            if hit is None:
+                break
+            found.append(hit[0])
+            parent_key = hit[1].key
+        return found
+
+    def _lookup(self, block_hash: int, parent_key: int | None,
+                token_ids: tuple[int, ...]) -> tuple[int, _Content] | None:
+        """The cached block (id, content) with this hash, parent and tokens, if any: equal hashes alone
+        are never trusted."""
+        for block_id in self._cached.get(block_hash, ()):
+            content = self._blocks[block_id].content
+            if content is not None and content.parent_key == parent_key and content.token_ids == token_ids:
+                return block_id, content
+        return None
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        """`request.block_hashes`, extended (once, cached on the request) to cover `num_full_blocks`."""
+        hashes = request.block_hashes
+        while len(hashes) < num_full_blocks:
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, self._block_tokens(request, len(hashes))))
+        return hashes
+
+    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(request.token_ids[start:start + self.block_size])
+
+    # ---- allocation ------------------------------------------------------------------------------
+
+    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int,
+                               cached_blocks: Sequence[int] = ()) -> int:
+        """Free blocks that `allocate(request, num_new_tokens, cached_blocks)` would consume: new blocks
+        plus cached blocks revived out of the free queue. Validates like `allocate`."""
+        self._check_allocation(request, num_new_tokens, cached_blocks)
+        num_cached_tokens = len(cached_blocks) * self.block_size
+        total = request.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_new_blocks = max(0, self.blocks_for_tokens(total) - len(request.block_table) - len(cached_blocks))
+        num_revived = sum(1 for block_id in cached_blocks if self._blocks[block_id].ref_count == 0)
+        return num_new_blocks + num_revived
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Grow `request.block_table` to cover its computed tokens plus `num_new_tokens`.
+
+        `cached_blocks` (from `find_cached_prefix`, only when the request holds no blocks yet) are
+        referenced first and count as computed: `num_computed_tokens` and `num_cached_tokens` become
+        `len(cached_blocks) * block_size`, and `num_new_tokens` is counted after them.
+        Returns False, changing nothing, when the free queue is too short.
+        """
+        if self.num_blocks_to_allocate(request, num_new_tokens, cached_blocks) > len(self._free):
+            return False
+        if not request.block_table:
+            self._start(request, cached_blocks)
+        total = request.num_computed_tokens + num_new_tokens
+        while len(request.block_table) < self.blocks_for_tokens(total):
+            request.block_table.append(self._take_free_block())
+        return True
+
+    def _check_allocation(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int]) -> None:
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be a positive integer, got {num_new_tokens!r}")
+        if cached_blocks:
+            self._check_cached_blocks(request, cached_blocks)
+        end = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        if end > request.num_tokens:
+            raise ValueError(f"request {request.request_id!r}: cannot allocate up to token {end}, "
+                             f"it has only {request.num_tokens} tokens")
+        if request.num_computed_tokens > len(request.block_table) * self.block_size:
+            raise ValueError(f"request {request.request_id!r}: {request.num_computed_tokens} computed tokens "
+                             f"but only {len(request.block_table)} blocks")
+
+    def _check_cached_blocks(self, request: Request, cached_blocks: Sequence[int]) -> None:
+        if request.block_table or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r}: cached blocks can only be given when it holds "
+                             f"no blocks and has no computed tokens")
+        if len(cached_blocks) * self.block_size > request.num_tokens - 1:
+            raise ValueError(f"request {request.request_id!r}: {len(cached_blocks)} cached blocks cover its "
+                             f"last token; at most {request.num_tokens - 1} tokens may come from the cache")
+        if len(set(cached_blocks)) != len(cached_blocks):
+            raise ValueError(f"cached blocks repeat a block: {list(cached_blocks)}")
+        for block_id in cached_blocks:
+            if not 0 <= block_id < self.num_blocks or self._blocks[block_id].content is None:
+                raise ValueError(f"block {block_id} holds no cached content "
+                                 f"(a stale find_cached_prefix result?)")
+
+    def _start(self, request: Request, cached_blocks: Sequence[int]) -> None:
+        """First allocation of a request: reference its cache hits and count the lookup."""
+        for block_id in cached_blocks:
+            self._ref(block_id)
+            request.block_table.append(block_id)
+        request.num_computed_tokens = request.num_cached_tokens = len(cached_blocks) * self.block_size
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += request.num_tokens
+            self.num_hit_tokens += request.num_cached_tokens
+
+    def _ref(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]  # revive a free cached block
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        """Pop the front of the free queue, evicting the cached content it may hold."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.content is not None:
+            self._uncache(block, block.content)
+            self.num_evicted_blocks += 1
+        block.ref_count = 1
+        return block_id
+
+    def _uncache(self, block: _Block, content: _Content) -> None:
+        ids = self._cached[content.hash]
+        del ids[block.block_id]
+        if not ids:
+            del self._cached[content.hash]
+        block.content = None
+
+    # ---- registration and freeing ----------------------------------------------------------------
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are full and computed, so later requests can hit them.
+
+        Call after advancing `num_computed_tokens`. Idempotent; registers each block once, in order.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        hashes = self._block_hashes(request, num_full)
+        first = num_full
+        while first > 0 and self._blocks[request.block_table[first - 1]].content is None:
+            first -= 1
+        for i in range(first, num_full):
+            parent_key = self._parent_key(request, i)
+            self._register(self._blocks[request.block_table[i]], hashes[i], parent_key,
+                           self._block_tokens(request, i))
+
+    def _parent_key(self, request: Request, index: int) -> int | None:
+        if index == 0:
+            return None
+        parent = self._blocks[request.block_table[index - 1]].content
+        if parent is None:  # unreachable while cached blocks form a leading run of every table
+            raise ValueError(f"request {request.request_id!r}: block {index - 1} is not cached "
+                             f"before block {index}")
+        return parent.key
+
+    def _register(self, block: _Block, block_hash: int, parent_key: int | None,
+                  token_ids: tuple[int, ...]) -> None:
+        block.content = _Content(self._next_key, block_hash, parent_key, token_ids)
+        self._next_key += 1
+        self._cached.setdefault(block_hash, {})[block.block_id] = None
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references (tail first), clear its table and its computed count.
+
+        A block whose count reaches 0 joins the free queue (see the class docstring for where).
+        Raises ValueError, changing nothing, if the table names a block more often than it is
+        referenced (a double free).
+        """
+        for block_id, count in Counter(request.block_table).items():
+            if self._blocks[block_id].ref_count < count:
+                raise ValueError(f"request {request.request_id!r} frees block {block_id}, "
+                                 f"which is already free")
+        for block_id in reversed(request.block_table):
+            self._unref(block_id)
+        request.block_table.clear()
+        request.num_computed_tokens = 0
+
+    def _unref(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.content is None:
+                self._free.move_to_end(block_id, last=False)
+
+    # ---- checks ----------------------------------------------------------------------------------
+
+    def check_invariants(self, holders: Iterable[Request] | None = None) -> None:
+        """Raise ValueError if the pool is inconsistent. With `holders` (every request that holds
+        blocks), also check that each block's ref count equals the table entries naming it."""
+        self._check_free_queue()
+        self._check_cache_map()
+        if holders is not None:
+            self._check_ref_counts(holders)
+
+    def _check_free_queue(self) -> None:
+        for block in self._blocks:
+            if block.ref_count < 0:
+                raise ValueError(f"block {block.block_id} has a negative ref count {block.ref_count}")
+            if (block.ref_count == 0) != (block.block_id in self._free):
+                raise ValueError(f"block {block.block_id} has ref count {block.ref_count} but is "
+                                 f"{'' if block.block_id in self._free else 'not '}in the free queue")
+        if len(self._free) != sum(1 for b in self._blocks if b.ref_count == 0):
+            raise ValueError("the free queue names a block that does not exist")
+
+    def _check_cache_map(self) -> None:
+        for block_hash, ids in self._cached.items():
+            if not ids:
+                raise ValueError(f"hash {block_hash:#x} maps to no blocks")
+            for block_id in ids:
+                content = self._blocks[block_id].content
+                if content is None or content.hash != block_hash:
+                    raise ValueError(f"hash {block_hash:#x} maps to block {block_id}, which does not hold it")
+        for block in self._blocks:
+            if block.content is None:
+                continue
+            if block.block_id not in self._cached.get(block.content.hash, {}):
+                raise ValueError(f"cached block {block.block_id} is missing from the hash map")
+            if len(block.content.token_ids) != self.block_size:
+                raise ValueError(f"cached block {block.block_id} holds {len(block.content.token_ids)} tokens")
+
+    def _check_ref_counts(self, holders: Iterable[Request]) -> None:
+        counts = [0] * self.num_blocks
+        for request in holders:
+            if len(set(request.block_table)) != len(request.block_table):
+                raise ValueError(f"request {request.request_id!r} names a block twice: {request.block_table}")
+            for block_id in request.block_table:
+                counts[block_id] += 1
+        for block, count in zip(self._blocks, counts, strict=True):
+            if block.ref_count != count:
+                raise ValueError(f"block {block.block_id} has ref count {block.ref_count} but "
+                                 f"{count} table entries")
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,388 @@
+"""Scheduler: continuous batching over the paged KV cache, torch-free.
+
+Each step gives every scheduled request a number of new tokens to compute, starting at its
+`num_computed_tokens`: a prefill chunk, or 1 for a decode. One step's loop in the engine:
+
+    output = scheduler.schedule()          # which requests compute which tokens
+    ... run the model on output.chunks ...
+    scheduler.update_after_step(output)    # those tokens are now computed (and cached)
+    ... append a sampled token to every chunk with .samples; finish() the requests that stop ...
+
+Policy (vLLM v1 style, "unified" prefill/decode):
+- Per step at most `max_num_seqs` requests and `max_num_batched_tokens` tokens.
+- Running requests first, oldest first, each up to what it still has to compute; when blocks run out,
+  the newest running request is preempted by recompute (blocks dropped, back to the waiting queue in
+  arrival order) until the allocation fits.
+- Then waiting requests strictly first-come first-served: a request that does not fit stops admission
+  (no skipping ahead). Without chunked prefill, waiting prompts are admitted before running decodes
+  (a whole prompt must fit the budget, which decodes would otherwise eat), keeping back the blocks
+  the running requests need this step.
+No starvation: the oldest unfinished request is never preempted by another (victims are the newest).
+With chunked prefill it is scheduled in every step: first among the running, or, when it waits, nothing
+else runs (newer requests are never admitted ahead of it) and it is admitted first. Without chunked
+prefill, admissions go first but stop at `max_num_seqs` running requests, so decodes are delayed only
+while free slots fill.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from infer.worker.block_manager import BlockManager
+from infer.worker.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine's scheduler. Without chunked prefill the token budget must hold a whole
+    `max_model_len` prompt, else a long prompt (or a preempted request's recompute) could never run."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) so a whole prompt fits in one step")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens `[start, start + num_new_tokens)` of `request.token_ids` are computed this step.
+
+    `request_num_tokens` is `request.num_tokens` when scheduled (the request keeps growing afterwards).
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    request_num_tokens: int
+
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> ScheduledChunk:
+        return cls(request, request.num_computed_tokens, num_new_tokens, request.num_tokens)
+
+    @property
+    def end(self) -> int:
+        """Context length after this step (computed tokens + new tokens)."""
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the request's last token, so the step samples a new token."""
+        return self.end == self.request_num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. `chunks`: decodes (one token) first, then prefill chunks; arrival order within
+    each group. `preempted`: requests that lost their blocks this step (now waiting, to recompute)."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[Request, ...]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for chunk in self.chunks if chunk.is_decode)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for metrics and load reports. Prefix-cache counts are totals since start."""
+
+    num_running: int
+    num_waiting: int
+    num_queued_tokens: int            # tokens still to compute, over waiting and running requests
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_free_blocks: int
+    num_used_blocks: int
+    kv_cache_usage: float
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if not self.prefix_cache_queried_tokens:
+            return 0.0
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens
+
+
+@dataclass
+class _Step:
+    """The step being built: remaining budgets, chunks so far, requests preempted so far."""
+
+    token_budget: int
+    max_seqs: int
+    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)  # by request id
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def full(self) -> bool:
+        return self.token_budget <= 0 or len(self.chunks) >= self.max_seqs
+
+    def has(self, request: Request) -> bool:
+        return request.request_id in self.chunks
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.chunks[request.request_id] = ScheduledChunk.of(request, num_new_tokens)
+        self.token_budget -= num_new_tokens
+
+    def drop(self, request: Request) -> None:
+        """Unschedule a request (it is being preempted), giving its tokens back to the budget."""
+        self.token_budget += self.chunks.pop(request.request_id).num_new_tokens
+
+    def output(self) -> SchedulerOutput:
+        chunks = sorted(self.chunks.values(), key=lambda c: (not c.is_decode, c.request.arrival_order))
+        return SchedulerOutput(tuple(chunks), tuple(self.preempted), sum(c.num_new_tokens for c in chunks))
+
+
+def _arrival(request: Request) -> int:
+    return request.arrival_order
+
+
+class Scheduler:
+    """Decides, each step, which requests compute which tokens, and owns their KV blocks.
+
+    Invariants (checked by `check_invariants`):
+    - every unfinished request is in exactly one of `waiting` (status WAITING, no blocks, nothing
+      computed) or `running` (status RUNNING, blocks covering its computed tokens);
+    - both queues are sorted by `arrival_order`;
+    - block ref counts equal the block-table entries of the running requests.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self._requests: dict[str, Request] = {}
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._num_preemptions = 0
+
+    # ---- requests in and out ---------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError if it is malformed or could never run: prompt longer
+        than max_model_len, or more KV blocks than the whole pool for prompt + max_tokens."""
+        self._check_new(request)
+        self._requests[request.request_id] = request
+        bisect.insort(self._waiting, request, key=_arrival)
+
+    def _check_new(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.status is not RequestStatus.WAITING or request.block_table or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} must be new "
+                             f"(waiting, no blocks, nothing computed)")
+        if request.num_prompt_tokens < 1:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if request.max_tokens < 1:
+            raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1, "
+                             f"got {request.max_tokens}")
+        if request.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens "
+                             f"is longer than max_model_len ({self.config.max_model_len})")
+        needed_tokens = request.num_prompt_tokens + request.max_tokens
+        needed_blocks = self.block_manager.blocks_for_tokens(needed_tokens)
+        if needed_blocks > self.config.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} can never fit in the KV cache: prompt + max_tokens = "
+                f"{needed_tokens} tokens need {needed_blocks} KV blocks of {self.config.block_size} tokens, "
+                f"but the pool has only {self.config.num_blocks} blocks "
+                f"({self.config.num_blocks * self.config.block_size} tokens)")
+
+    def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """Remove an unfinished request (waiting or running), free its blocks, set its final status."""
+        if not status.finished:
+            raise ValueError(f"finish() needs a finished status, got {status}")
+        if self._requests.get(request.request_id) is not request:
+            raise ValueError(f"request {request.request_id!r} is not in the scheduler (finished already?)")
+        queue = self._running if request.status is RequestStatus.RUNNING else self._waiting
+        queue.remove(request)
+        del self._requests[request.request_id]
+        self.block_manager.free(request)
+        request.status = status
+        request.error = error
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a waiting or running request as aborted; None if the id is unknown (or finished)."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        return tuple(self._waiting)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._running)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        blocks = self.block_manager
+        queued = sum(r.num_tokens_to_compute for r in self._waiting) + sum(
+            r.num_tokens_to_compute for r in self._running)
+        return SchedulerStats(
+            num_running=len(self._running), num_waiting=len(self._waiting), num_queued_tokens=queued,
+            num_preemptions=self._num_preemptions, prefix_cache_queried_tokens=blocks.num_queried_tokens,
+            prefix_cache_hit_tokens=blocks.num_hit_tokens, num_free_blocks=blocks.num_free_blocks,
+            num_used_blocks=blocks.num_used_blocks, kv_cache_usage=blocks.usage)
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (see the module docstring for the policy). Allocates the blocks it plans for."""
+        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        if self.config.enable_chunked_prefill:
+            self._schedule_running(step)
+            if not step.preempted:  # blocks are short: admitting now would only preempt again
+                self._schedule_waiting(step, reserved_blocks=0)
+        else:
+            self._schedule_waiting(step, reserved_blocks=self._blocks_needed_by_running())
+            self._schedule_running(step)
+        return step.output()
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Mark each chunk's tokens computed and register newly full blocks in the prefix cache.
+        Chunks of requests finished or aborted since `schedule()` are skipped."""
+        for chunk in output.chunks:
+            request = chunk.request
+            if not self._is_running(request):
+                continue
+            if request.num_computed_tokens != chunk.start:
+                raise ValueError(f"request {request.request_id!r}: chunk starts at {chunk.start} but "
+                                 f"{request.num_computed_tokens} tokens are computed "
+                                 f"(a stale or repeated output?)")
+            request.num_computed_tokens = chunk.end
+            self.block_manager.cache_full_blocks(request)
+
+    def _is_running(self, request: Request) -> bool:
+        return self._requests.get(request.request_id) is request and request.status is RequestStatus.RUNNING
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Give running requests (oldest first) what they still need, preempting the newest when needed."""
+        for request in list(self._running):
+            if step.full:
+                return
+            if request.status is not RequestStatus.RUNNING or step.has(request):
+                continue  # preempted a moment ago, or admitted this step
+            num_new = min(request.num_tokens_to_compute, step.token_budget)
+            if num_new <= 0:
+                continue  # nothing to compute until the engine appends its sampled token
+            if not self._allocate_or_preempt(request, num_new, step):
+                return
+            step.add(request, num_new)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> bool:
+        """Allocate for `request`, preempting the newest running requests until it fits. False if the
+        request itself had to be preempted."""
+        while not self.block_manager.allocate(request, num_new):
+            victim = self._running[-1]
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        """Preempt by recompute: drop blocks and progress; the tokens so far are kept and recomputed."""
+        self._running.remove(request)
+        if step.has(request):
+            step.drop(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        bisect.insort(self._waiting, request, key=_arrival)
+        step.preempted.append(request)
+
+    def _schedule_waiting(self, step: _Step, reserved_blocks: int) -> None:
+        """Admit waiting requests in arrival order until one does not fit; leave `reserved_blocks` free."""
+        while self._waiting and not step.full and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            cached = self.block_manager.find_cached_prefix(request)
+            num_new = self._prefill_chunk(request, len(cached), step.token_budget)
+            if num_new == 0:
+                return
+            needed = self.block_manager.num_blocks_to_allocate(request, num_new, cached)
+            if needed + reserved_blocks > self.block_manager.num_free_blocks:
+                return
+            if not self.block_manager.allocate(request, num_new, cached):
+                return
+            self._waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self._running, request, key=_arrival)
+            step.add(request, num_new)
+
+    def _prefill_chunk(self, request: Request, num_cached_blocks: int, token_budget: int) -> int:
+        """Tokens of a waiting request to compute now (0: it must wait). Without chunked prefill all of
+        the rest must fit."""
+        remaining = request.num_tokens - num_cached_blocks * self.config.block_size
+        if self.config.enable_chunked_prefill:
+            return min(remaining, token_budget)
+        return remaining if remaining <= token_budget else 0
+
+    def _blocks_needed_by_running(self) -> int:
+        """Free blocks the running requests need to compute all they still have to compute."""
+        return sum(self.block_manager.num_blocks_to_allocate(r, r.num_tokens_to_compute)
+                   for r in self._running if r.num_tokens_to_compute > 0)
+
+    # ---- checks ----------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise ValueError if the queues, statuses or block ownership are inconsistent."""
+        for queue, status in ((self._waiting, RequestStatus.WAITING), (self._running, RequestStatus.RUNNING)):
+            orders = [r.arrival_order for r in queue]
+            if orders != sorted(orders):
+                raise ValueError(f"the {status.value} queue is out of arrival order: {orders}")
+            for request in queue:
+                if request.status is not status or self._requests.get(request.request_id) is not request:
+                    raise ValueError(f"request {request.request_id!r} ({request.status.value}) "
+                                     f"misplaced in {status.value}")
+        for request in self._waiting:
+            if request.block_table or request.num_computed_tokens:
+                raise ValueError(f"waiting request {request.request_id!r} holds blocks or computed tokens")
+        for request in self._running:
+            if request.num_computed_tokens > len(request.block_table) * self.config.block_size:
+                raise ValueError(f"running request {request.request_id!r} computed more tokens "
+                                 f"than its blocks hold")
+        if len(self._waiting) + len(self._running) != len(self._requests):
+            raise ValueError("a request is in no queue, or in both")
+        self.block_manager.check_invariants(holders=self._running)
