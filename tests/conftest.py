@@ -81,3 +81,11 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]
         return path
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded model as a safetensors directory: converted once into the model cache, then reused."""
+    from infer.worker.loader import resolve_model
+
+    return resolve_model(None)

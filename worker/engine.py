@@ -57,7 +57,7 @@ class Engine:
         self.model_path: Path = resolve_model(config.model)
         self.model_id = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(self.model_path)
-        self.eos_token_ids = eos_token_ids(self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.vocab_size = int(self.model.vocab_size)
         self.max_model_len = _max_model_len(config, self.model.config)

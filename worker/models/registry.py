@@ -1,0 +1,65 @@
+"""Which of our model classes implements a transformers config, and the contract they all meet."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.models.llama import LlamaForCausalLM
+
+
+class CausalLM(Protocol):
+    """What the model runner relies on.
+
+    Construction: `cls(config, dtype)` under a `torch.device` scope; parameters are empty until the loader
+    fills them (module names follow transformers', except those in `packed_modules_mapping`, which maps a
+    checkpoint module name to (our fused module, shard)).
+    `forward` reads batch.input_ids / positions, writes each layer's new K, V into kv_cache at
+    batch.slot_mapping and returns hidden states [T, hidden]; `compute_logits` takes rows of them
+    (hidden[batch.logits_indices]) to float32 logits [N, vocab]. KV cache tensors have the model's dtype and
+    shape [num_blocks, block_size, num_kv_heads, head_dim], one K and one V per layer.
+    """
+
+    config: Any
+    dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    packed_modules_mapping: dict[str, tuple[str, str]]
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def tie_lm_head(self) -> None: ...
+
+
+MODEL_TYPES: dict[str, type] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+ARCHITECTURES: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(config: Any) -> type:
+    """Our class for `config`, by model_type, else by its `architectures`; ValueError if none fits."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    for arch in getattr(config, "architectures", None) or ():
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise ValueError(f"unsupported model: model_type {model_type!r}, architectures "
+                     f"{getattr(config, 'architectures', None)}; supported model types: "
+                     f"{', '.join(sorted(MODEL_TYPES))}")
