@@ -16,28 +16,31 @@ from infer.worker.forward_batch import ForwardBatch
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' k, v [T, Hkv, D] at their slots; slot -1 (padding) is skipped."""
+             slot_mapping: torch.Tensor, has_padding: bool = True) -> None:
+    """Store the new tokens' k, v [T, Hkv, D] at their slots; slot -1 (padding) is skipped.
+    `has_padding=False` promises there is no -1 slot and skips the (syncing) mask."""
     k_slots, v_slots = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_slots.index_copy_(0, slots, k[valid])
-    v_slots.index_copy_(0, slots, v[valid])
+    if has_padding:
+        valid = slot_mapping >= 0
+        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    k_slots.index_copy_(0, slot_mapping, k)
+    v_slots.index_copy_(0, slot_mapping, v)
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-              max_len: int) -> torch.Tensor:
-    """cache [num_blocks, bs, Hkv, D], block_tables [B, max_blocks], seq_lens [B] -> [B, max_len, Hkv, D].
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """cache [num_blocks, bs, Hkv, D], block_tables [B, max_blocks] -> [B, L, Hkv, D], L = max_len rounded
+    up to whole blocks.
 
-    Positions at or past a sequence's length repeat its last token: real, finite values that the caller
-    masks. (Stale slots may hold NaN, and a masked score times NaN is still NaN.)
+    Whole blocks are copied (one row of bs * Hkv * D per block), which is several times faster than a
+    per-token gather. Positions past a sequence's length hold whatever the pool has there (another
+    sequence's K/V or zeros): finite values, since the pool is zero-initialised and only finite K/V are
+    written (see KVCache.allocate). Callers mask them.
     """
     block_size = cache.shape[1]
-    positions = torch.arange(max_len, device=cache.device)[None, :]
-    positions = torch.minimum(positions, seq_lens[:, None].long() - 1)                    # [B, L]
-    slots = block_tables.long().gather(1, positions // block_size) * block_size + positions % block_size
-    rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots.flatten())
-    return rows.view(*slots.shape, *cache.shape[2:])
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks]
+    rows = cache.view(cache.shape[0], -1).index_select(0, tables.flatten())
+    return rows.view(tables.shape[0], num_blocks * block_size, *cache.shape[2:])
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -48,9 +51,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     at positions seq_len - n .. seq_len - 1 attends causally to its cached prefix and itself.
     Returns [T, H, D] in q's dtype; softmax accumulates in float32 (SDPA's CPU kernels do).
     """
-    write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-    out = torch.empty_like(q)
     num_real = sum(batch.query_lens)
+    write_kv(k, v, k_cache, v_cache, batch.slot_mapping, has_padding=num_real < q.shape[0])
+    out = torch.empty_like(q)
     if num_real < q.shape[0]:  # padding tokens after the last sequence: defined output, never attended
         out[num_real:] = 0
     num_decodes = batch.num_decodes
@@ -76,9 +79,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    keys = gather_kv(k_cache, block_tables, seq_lens, max_len).transpose(1, 2)  # [B, Hkv, L, D]
-    values = gather_kv(v_cache, block_tables, seq_lens, max_len).transpose(1, 2)
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    keys = gather_kv(k_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, L, D]
+    values = gather_kv(v_cache, block_tables, max_len).transpose(1, 2)
+    valid = torch.arange(keys.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
     grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, None, None, :],
                                          scale=scale)
@@ -90,9 +93,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """One chunk: q [n, H, D] for the last n of `context_len` positions -> [n, H, D], causal."""
     n = q.shape[0]
     # 4-D, contiguous inputs: what SDPA's fused CPU kernel takes (3-D falls back to the slow math path)
-    seq_len = torch.full((1,), context_len, device=q.device)
-    keys = gather_kv(k_cache, block_table[None], seq_len, context_len)  # [1, ctx, Hkv, D]
-    values = gather_kv(v_cache, block_table[None], seq_len, context_len)
+    keys = gather_kv(k_cache, block_table[None], context_len)[:, :context_len]  # [1, ctx, Hkv, D]
+    values = gather_kv(v_cache, block_table[None], context_len)[:, :context_len]
     keys, values = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()  # [1, Hkv, ctx, D]
     queries = q.transpose(0, 1).unsqueeze(0).contiguous()                                  # [1, H, n, D]
     if n == context_len:

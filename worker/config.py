@@ -34,7 +34,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
-    kv_cache_memory_fraction: float = 0.2
+    kv_cache_memory_fraction: float = 0.1
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0

@@ -50,10 +50,11 @@ class KVCache:
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> "KVCache":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # empty, not zeros: pages are committed as blocks get written; stale values are never read
-        # (attention masks every position past a sequence's length).
-        return cls(k=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                   v=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+        # Invariant: the pool holds only finite values. Attention reads whole blocks and masks the
+        # positions past a sequence's length, and a masked position still poisons the result if it holds
+        # NaN/inf (0 * NaN = NaN), so the pool starts zeroed rather than uninitialised.
+        return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+                   v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from infer.worker.config import model_cache_dir
+from infer.worker.models.layers import PackedLinear
 from infer.worker.models.registry import model_class
 
 if TYPE_CHECKING:
@@ -150,6 +151,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Modul
     with torch.device(device):
         model = cls(config, dtype)
     load_weights(model, weight_files(path))
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.pack_weights()
     return model.eval()
 
 

@@ -48,11 +48,47 @@ class RMSNorm(nn.Module):
         self.weight = _param(size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return normed.mul_(self.weight)
+        if x.dtype == torch.float32:  # exactly transformers' order of operations
+            return F.rms_norm(x, (x.shape[-1],), eps=self.eps).mul_(self.weight)
+        # bf16/fp16: one fused kernel (float accumulation inside) instead of two dtype round trips
+        return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
 
 
-class ColumnLinear(nn.Module):
+class PackedLinear(nn.Module):
+    """Base of the linear layers: `self.weight` [out, in] (+ optional `self.bias`), and on CPU an optional
+    oneDNN pre-packed copy of the weight that `pack_weights()` makes once the checkpoint is loaded.
+
+    Measured on the 2-core development CPU at decode shapes (M=64): 1.2x faster than F.linear in bf16,
+    1.6-2x in fp32. The plain weight stays (checkpoint loading, tied embeddings, tests read it).
+    """
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        self.packed = _pack_for_cpu(self.weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [N, in] -> x W^T + bias, [N, out]."""
+        if self.packed is not None and x.dim() == 2:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
+
+def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked layout of `weight` for CPU matmuls, or None where that path does not apply."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+    except (RuntimeError, AttributeError):  # a torch build without these ops: plain F.linear
+        return None
+
+
+class ColumnLinear(PackedLinear):
     """y = x W^T + b with W's output rows split across tensor-parallel ranks (no communication)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -65,7 +101,7 @@ class ColumnLinear(nn.Module):
         self.bias = _param(out_features // tp_size, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def load_shard(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy this rank's rows of the full checkpoint tensor into `weight` or `bias`."""
@@ -111,7 +147,7 @@ class MergedColumnLinear(ColumnLinear):
         return y.split(list(self.shard_sizes.values()), dim=-1)
 
 
-class RowLinear(nn.Module):
+class RowLinear(PackedLinear):
     """y = x W^T + b with W's input columns split across ranks; x arrives sharded, and the partial sums are
     all-reduced over the default process group unless `reduce_results` is False (the caller reduces).
     The bias is added once, after the reduction.
@@ -127,7 +163,7 @@ class RowLinear(nn.Module):
         self.bias = _param(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, None)
         if self.tp_size > 1 and self.reduce_results:
             torch.distributed.all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)
@@ -152,18 +188,19 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(PackedLinear):
     """hidden [N, hidden] -> logits [N, vocab] in float32. `tie_to` shares the embedding's table."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = _param(vocab_size, hidden_size, dtype=dtype)
+        self.bias = None
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        return self.matmul(hidden, None).float()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
