@@ -1,0 +1,387 @@
+"""Wire messages: small typed classes with named fields, one registry, explicit msgpack encode/decode.
+
+A frame is one msgpack map: {"type": <header>, "v": <schema version>, "body": {<field>: <value>, ...}}.
+Decoding validates everything (frame size, msgpack, header, version, missing / extra fields, field
+types, value ranges) and raises ProtocolError whose text names the problem; nothing from the wire is
+ever pickled or evaluated. Token ids travel as packed little-endian int32 bytes (`TokenIds`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+import msgpack
+
+from infer.protocol.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 << 20          # also set as the sockets' ZMQ_MAXMSGSIZE
+MAX_ID_LEN = 256
+LIFECYCLE_COMMANDS = ("pause", "unpause", "suspend", "resume", "stop")
+ROLES = ("client", "worker")
+
+
+class ProtocolError(ValueError):
+    """A frame or message that is not valid; the text says what is wrong (and is sent back as is)."""
+
+
+class TokenIds(list):
+    """A list of token ids that travels as packed little-endian int32 bytes."""
+
+    def pack(self) -> bytes:
+        packed = array("i", self)
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return packed.tobytes()
+
+    @classmethod
+    def unpack(cls, data: bytes, name: str) -> "TokenIds":
+        if len(data) % 4:
+            raise ProtocolError(f"field {name!r}: packed int32 token ids need a multiple of 4 bytes, got {len(data)}")
+        values = array("i")
+        values.frombytes(data)
+        if sys.byteorder != "little":
+            values.byteswap()
+        if values and min(values) < 0:
+            raise ProtocolError(f"field {name!r}: token ids must be >= 0, got {min(values)}")
+        return cls(values)
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message. Subclasses set TYPE (the header) and declare named, typed fields."""
+
+    TYPE: ClassVar[str] = ""
+
+    def validate(self) -> None:
+        """Range checks beyond types; raise ProtocolError. Called on construction and after decode."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+
+REGISTRY: dict[str, type[Message]] = {}
+
+
+def message(cls: type[Message]) -> type[Message]:
+    """Class decorator: register `cls` under its TYPE header."""
+    if not cls.TYPE or cls.TYPE in REGISTRY:
+        raise RuntimeError(f"message type {cls.TYPE!r} is empty or registered twice")
+    REGISTRY[cls.TYPE] = cls
+    return cls
+
+
+def _require(condition: bool, text: str) -> None:
+    if not condition:
+        raise ProtocolError(text)
+
+
+def _check_id(name: str, value: str) -> None:
+    _require(0 < len(value) <= MAX_ID_LEN, f"field {name!r} must be 1..{MAX_ID_LEN} characters, got {len(value)}")
+
+
+# ---- handshake -----------------------------------------------------------------------------------
+
+@message
+@dataclass(frozen=True)
+class Hello(Message):
+    """First frame of every peer. Workers also state what they serve and what they can hold."""
+
+    TYPE: ClassVar[str] = "hello"
+    role: str
+    peer_id: str
+    protocol_version: int = PROTOCOL_VERSION
+    model_id: str | None = None
+    dp_rank: int | None = None
+    group_id: str | None = None
+    num_kv_blocks: int | None = None
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    running: list[str] = field(default_factory=list)   # request ids a worker still runs (re-registration)
+
+    def validate(self) -> None:
+        _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
+        _check_id("peer_id", self.peer_id)
+        if self.role == "worker":
+            for name in ("model_id", "dp_rank", "group_id", "num_kv_blocks", "block_size", "max_num_seqs",
+                         "max_model_len"):
+                _require(getattr(self, name) is not None, f"a worker hello needs field {name!r}")
+            _require(self.dp_rank >= 0, f"field 'dp_rank' must be >= 0, got {self.dp_rank}")
+            for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len"):
+                _require(getattr(self, name) >= 1, f"field {name!r} must be >= 1, got {getattr(self, name)}")
+
+
+@message
+@dataclass(frozen=True)
+class Welcome(Message):
+    TYPE: ClassVar[str] = "welcome"
+    coordinator_id: str
+    state: str
+    model_id: str | None = None
+
+
+@message
+@dataclass(frozen=True)
+class Refused(Message):
+    """The peer is not accepted; `reason` says exactly what differs or is wrong."""
+
+    TYPE: ClassVar[str] = "refused"
+    reason: str
+
+
+# ---- requests and their streams ------------------------------------------------------------------
+
+@message
+@dataclass(frozen=True)
+class Submit(Message):
+    """A generation request: a prompt string or token ids, and SamplingParams as named fields."""
+
+    TYPE: ClassVar[str] = "submit"
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: TokenIds | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    pin_rank: int | None = None
+
+    def validate(self) -> None:
+        _check_id("request_id", self.request_id)
+        _require((self.prompt is None) != (self.prompt_token_ids is None),
+                 "exactly one of 'prompt' and 'prompt_token_ids' must be given")
+        _require(self.pin_rank is None or self.pin_rank >= 0, f"field 'pin_rank' must be >= 0, got {self.pin_rank}")
+        self.sampling_params()
+
+    def sampling_params(self) -> SamplingParams:
+        try:
+            return SamplingParams.from_dict(self.sampling)
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"field 'sampling': {e}") from None
+
+
+@message
+@dataclass(frozen=True)
+class Dispatch(Message):
+    """Coordinator -> worker: run this request. After a failover the prompt is the original prompt plus
+    the tokens already delivered, and `max_tokens` in `sampling` is the remaining budget."""
+
+    TYPE: ClassVar[str] = "dispatch"
+    request_id: str
+    prompt_token_ids: TokenIds
+    sampling: dict[str, Any]
+    num_delivered: int = 0        # tokens of the prompt that are earlier output of this request
+
+    def validate(self) -> None:
+        _check_id("request_id", self.request_id)
+        _require(len(self.prompt_token_ids) > 0, "field 'prompt_token_ids' must not be empty")
+        _require(0 <= self.num_delivered < len(self.prompt_token_ids) + 1,
+                 f"field 'num_delivered' out of range: {self.num_delivered}")
+        try:
+            SamplingParams.from_dict(self.sampling)
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"field 'sampling': {e}") from None
+
+
+@message
+@dataclass(frozen=True)
+class Accepted(Message):
+    TYPE: ClassVar[str] = "accepted"
+    request_id: str
+
+
+@message
+@dataclass(frozen=True)
+class Delta(Message):
+    """New tokens of one request (a stream delta); the last one has `finished` and `finish_reason`."""
+
+    TYPE: ClassVar[str] = "delta"
+    request_id: str
+    token_ids: TokenIds
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def validate(self) -> None:
+        _check_id("request_id", self.request_id)
+        _require(self.finish_reason in (None, "stop", "length", "abort", "error"),
+                 f"field 'finish_reason' must be stop, length, abort, error or null, got {self.finish_reason!r}")
+        _require(self.finished == (self.finish_reason is not None),
+                 "a finished delta needs a finish_reason, and only a finished one")
+
+
+@message
+@dataclass(frozen=True)
+class Abort(Message):
+    TYPE: ClassVar[str] = "abort"
+    request_ids: list[str]
+
+    def validate(self) -> None:
+        for rid in self.request_ids:
+            _check_id("request_ids", rid)
+
+
+@message
+@dataclass(frozen=True)
+class Error(Message):
+    """A failure sent back to the peer: for a request (request_id set) or for a frame/command."""
+
+    TYPE: ClassVar[str] = "error"
+    message: str
+    request_id: str | None = None
+
+
+# ---- load, liveness, lifecycle -------------------------------------------------------------------
+
+@message
+@dataclass(frozen=True)
+class Load(Message):
+    """A worker's load, sent with every batch of deltas and on each heartbeat."""
+
+    TYPE: ClassVar[str] = "load"
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_queued_tokens: int
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _require(value >= 0, f"field {f.name!r} must be >= 0, got {value}")
+
+
+@message
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "heartbeat"
+    sent_at: float
+
+
+@message
+@dataclass(frozen=True)
+class Control(Message):
+    """A lifecycle command: pause / unpause / suspend / resume / stop."""
+
+    TYPE: ClassVar[str] = "control"
+    command: str
+
+    def validate(self) -> None:
+        _require(self.command in LIFECYCLE_COMMANDS,
+                 f"field 'command' must be one of {', '.join(LIFECYCLE_COMMANDS)}, got {self.command!r}")
+
+
+@message
+@dataclass(frozen=True)
+class ControlAck(Message):
+    TYPE: ClassVar[str] = "control_ack"
+    command: str
+    state: str
+
+
+# ---- codec ---------------------------------------------------------------------------------------
+
+def encode(msg: Message) -> bytes:
+    """One frame for `msg`."""
+    body = {}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        body[f.name] = value.pack() if isinstance(value, TokenIds) else value
+    return msgpack.packb({"type": msg.TYPE, "v": PROTOCOL_VERSION, "body": body}, use_bin_type=True)
+
+
+def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """The message in `frame`, fully validated; ProtocolError (naming the problem) otherwise."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"a frame must be bytes, got {type(frame).__name__}")
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
+    try:
+        outer = msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated exception types on bad input
+        raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(outer, dict) or set(outer) != {"type", "v", "body"}:
+        keys = sorted(map(str, outer)) if isinstance(outer, dict) else type(outer).__name__
+        raise ProtocolError(f"a frame must be a map with exactly 'type', 'v' and 'body', got {keys}")
+    kind, version, body = outer["type"], outer["v"], outer["body"]
+    cls = REGISTRY.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {kind!r}; known: {', '.join(sorted(REGISTRY))}")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"schema version {version!r} of {kind!r} is not supported (this side speaks "
+                            f"{PROTOCOL_VERSION})")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the body of {kind!r} must be a map, got {type(body).__name__}")
+    return _build(cls, body)
+
+
+def _build(cls: type[Message], body: dict) -> Message:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in body if k not in fields)
+    if unknown:
+        raise ProtocolError(f"{cls.TYPE!r} has no field(s) {', '.join(unknown)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, f in fields.items():
+        if name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.TYPE!r} is missing field {name!r}")
+            continue
+        values[name] = _coerce(body[name], hints[name], f"{cls.TYPE}.{name}")
+    try:
+        return cls(**values)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"{cls.TYPE!r}: {e}") from None
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """`value` checked against the annotation `hint` (and TokenIds unpacked); ProtocolError if it does not fit."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, name)
+            except ProtocolError as e:
+                errors.append(str(e))
+        raise ProtocolError(errors[0] if len(errors) == 1 else f"field {name!r}: {value!r:.80} fits none of its types")
+    if hint is TokenIds:
+        if not isinstance(value, (bytes, bytearray)):
+            raise ProtocolError(f"field {name!r} must be packed int32 bytes, got {type(value).__name__}")
+        return TokenIds.unpack(bytes(value), name)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"field {name!r} must be a list, got {type(value).__name__}")
+        (item,) = typing.get_args(hint)
+        return [_coerce(v, item, name) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"field {name!r} must be a map, got {type(value).__name__}")
+        key_t, val_t = typing.get_args(hint)
+        return {_coerce(k, key_t, name): _coerce(v, val_t, name) for k, v in value.items()}
+    if hint is Any:
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"field {name!r} must be a number, got {type(value).__name__}")
+        return float(value)
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ProtocolError(f"field {name!r} must be an integer, got {type(value).__name__}")
+    if hint in (str, bool) and not isinstance(value, hint):
+        raise ProtocolError(f"field {name!r} must be a {hint.__name__}, got {type(value).__name__}")
+    return value

@@ -1,0 +1,134 @@
+"""Wire messages: every type round-trips; every kind of malformed frame is a ProtocolError naming the problem."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from infer.protocol.messages import (
+    MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, Control, ControlAck, Delta, Dispatch, Error,
+    Heartbeat, Hello, Load, ProtocolError, Refused, Submit, TokenIds, Welcome, decode, encode,
+)
+
+EXAMPLES = [
+    Hello(role="client", peer_id="c1"),
+    Hello(role="worker", peer_id="w0", model_id="m", dp_rank=0, group_id="g0", num_kv_blocks=100, block_size=16,
+          max_num_seqs=8, max_model_len=2048, running=["a", "b"]),
+    Welcome(coordinator_id="coord", state="running", model_id="m"),
+    Refused(reason="model id differs: coordinator serves 'a', worker has 'b'"),
+    Submit(request_id="r1", prompt="hello", sampling={"temperature": 0.0, "max_tokens": 4, "stop": ["\n"]}),
+    Submit(request_id="r2", prompt_token_ids=TokenIds([1, 2, 2**31 - 1]), pin_rank=1),
+    Dispatch(request_id="r1", prompt_token_ids=TokenIds([5, 6, 7]), sampling={"max_tokens": 3}, num_delivered=1),
+    Accepted(request_id="r1"),
+    Delta(request_id="r1", token_ids=TokenIds([9, 10]), text="ab", logprobs=[{9: -0.5, 3: -1.5}, {10: -0.1}]),
+    Delta(request_id="r1", token_ids=TokenIds([]), text="", finished=True, finish_reason="error", error="boom"),
+    Abort(request_ids=["r1", "r2"]),
+    Error(message="bad frame"),
+    Load(num_waiting=1, num_running=2, num_free_blocks=3, num_total_blocks=4, num_queued_tokens=5),
+    Heartbeat(sent_at=12.5),
+    Control(command="pause"),
+    ControlAck(command="pause", state="paused"),
+]
+
+
+def test_every_registered_type_has_an_example():
+    assert {type(m).TYPE for m in EXAMPLES} == set(REGISTRY)
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).TYPE)
+def test_round_trip(msg):
+    back = decode(encode(msg))
+    assert back == msg and type(back) is type(msg)
+
+
+def test_token_ids_travel_packed():
+    frame = msgpack.unpackb(encode(EXAMPLES[5]), raw=False)
+    assert isinstance(frame["body"]["prompt_token_ids"], bytes) and len(frame["body"]["prompt_token_ids"]) == 12
+
+
+def _frame(kind, body, version=PROTOCOL_VERSION):
+    return msgpack.packb({"type": kind, "v": version, "body": body}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("frame, message", [
+    (b"\xc1", "not valid msgpack"),
+    (msgpack.packb([1, 2, 3]), "must be a map with exactly"),
+    (msgpack.packb({"type": "submit", "body": {}}), "must be a map with exactly"),
+    (_frame("nope", {}), "unknown message type 'nope'"),
+    (_frame("accepted", {"request_id": "r"}, version=99), "schema version 99"),
+    (_frame("accepted", [1]), "body of 'accepted' must be a map"),
+    (_frame("accepted", {}), "missing field 'request_id'"),
+    (_frame("accepted", {"request_id": "r", "extra": 1}), "no field\\(s\\) extra"),
+    (_frame("accepted", {"request_id": 5}), "must be a str"),
+    (_frame("heartbeat", {"sent_at": "soon"}), "must be a number"),
+    (_frame("load", {"num_waiting": -1, "num_running": 0, "num_free_blocks": 0, "num_total_blocks": 0,
+                     "num_queued_tokens": 0}), "'num_waiting' must be >= 0"),
+    (_frame("load", {"num_waiting": True, "num_running": 0, "num_free_blocks": 0, "num_total_blocks": 0,
+                     "num_queued_tokens": 0}), "must be an integer"),
+    (_frame("submit", {"request_id": "r"}), "exactly one of 'prompt' and 'prompt_token_ids'"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temperature": -1}}),
+     "sampling.*temperature must be >= 0"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temprature": 1}}),
+     "unknown sampling option.*temprature"),
+    (_frame("submit", {"request_id": "r", "prompt_token_ids": b"\x01\x02\x03"}), "multiple of 4 bytes"),
+    (_frame("submit", {"request_id": "r", "prompt_token_ids": b"\xff\xff\xff\xff"}), "token ids must be >= 0"),
+    (_frame("submit", {"request_id": "r", "prompt_token_ids": [1, 2]}), "packed int32 bytes"),
+    (_frame("submit", {"request_id": "", "prompt": "x"}), "'request_id' must be 1..256"),
+    (_frame("control", {"command": "explode"}), "'command' must be one of"),
+    (_frame("hello", {"role": "worker", "peer_id": "w"}), "a worker hello needs field 'model_id'"),
+    (_frame("hello", {"role": "admin", "peer_id": "w"}), "'role' must be one of"),
+    (_frame("delta", {"request_id": "r", "token_ids": b"", "text": "", "finished": True}), "needs a finish_reason"),
+])
+def test_malformed_frames_name_the_problem(frame, message):
+    with pytest.raises(ProtocolError, match=message):
+        decode(frame)
+
+
+def test_oversized_frame_is_refused_before_parsing():
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        decode(b"\x00" * 101, max_bytes=100)
+    assert MAX_FRAME_BYTES >= 1 << 20
+
+
+def test_non_bytes_frame():
+    with pytest.raises(ProtocolError, match="must be bytes"):
+        decode("text")  # type: ignore[arg-type]
+
+
+def test_constructing_an_invalid_message_raises_too():
+    with pytest.raises(ProtocolError, match="'command' must be one of"):
+        Control(command="halt")
+
+
+def _mutations(rng: random.Random, frame: bytes) -> bytes:
+    data = bytearray(frame)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(3)
+        if op == 0 and data:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        elif op == 1 and data:
+            del data[rng.randrange(len(data)):]
+        else:
+            data.insert(rng.randrange(len(data) + 1), rng.randrange(256))
+    return bytes(data)
+
+
+def test_fuzz_only_protocol_errors():
+    """20,000 random and mutated frames: each decodes to a valid message or raises ProtocolError, never
+    anything else."""
+    rng = random.Random(2026)
+    valid = [encode(m) for m in EXAMPLES]
+    outcomes = {"ok": 0, "error": 0}
+    for i in range(20_000):
+        if i % 2:
+            frame = bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+        else:
+            frame = _mutations(rng, rng.choice(valid))
+        try:
+            decode(frame)
+            outcomes["ok"] += 1
+        except ProtocolError:
+            outcomes["error"] += 1
+    assert outcomes["error"] > 10_000 and sum(outcomes.values()) == 20_000
