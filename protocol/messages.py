@@ -167,20 +167,26 @@ class Submit(Message):
 @message
 @dataclass(frozen=True)
 class Dispatch(Message):
-    """Coordinator -> worker: run this request. After a failover the prompt is the original prompt plus
-    the tokens already delivered, and `max_tokens` in `sampling` is the remaining budget."""
+    """Coordinator -> worker: run this request.
+
+    After a failover, `resumed_token_ids` holds the tokens already delivered to the client: the worker
+    appends them to the prompt, and `sampling["max_tokens"]` is the remaining budget, so the stream goes
+    on with no token lost or repeated.
+    """
 
     TYPE: ClassVar[str] = "dispatch"
     request_id: str
-    prompt_token_ids: TokenIds
     sampling: dict[str, Any]
-    num_delivered: int = 0        # tokens of the prompt that are earlier output of this request
+    prompt: str | None = None
+    prompt_token_ids: TokenIds | None = None
+    resumed_token_ids: TokenIds = field(default_factory=TokenIds)
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
-        _require(len(self.prompt_token_ids) > 0, "field 'prompt_token_ids' must not be empty")
-        _require(0 <= self.num_delivered < len(self.prompt_token_ids) + 1,
-                 f"field 'num_delivered' out of range: {self.num_delivered}")
+        _require((self.prompt is None) != (self.prompt_token_ids is None),
+                 "exactly one of 'prompt' and 'prompt_token_ids' must be given")
+        _require(not self.resumed_token_ids or self.prompt_token_ids is not None,
+                 "'resumed_token_ids' needs 'prompt_token_ids'")
         try:
             SamplingParams.from_dict(self.sampling)
         except (TypeError, ValueError) as e:
@@ -209,6 +215,7 @@ class Delta(Message):
     logprobs: list[dict[int, float]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_token_ids: TokenIds | None = None   # a worker's first delta of a request: what it tokenized
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
@@ -261,6 +268,16 @@ class Load(Message):
 
 @message
 @dataclass(frozen=True)
+class StepBatch(Message):
+    """Worker -> coordinator, once per engine step: every request's delta of that step and the load after it."""
+
+    TYPE: ClassVar[str] = "step_batch"
+    deltas: list[Delta]
+    load: Load
+
+
+@message
+@dataclass(frozen=True)
 class Heartbeat(Message):
     TYPE: ClassVar[str] = "heartbeat"
     sent_at: float
@@ -291,11 +308,21 @@ class ControlAck(Message):
 
 def encode(msg: Message) -> bytes:
     """One frame for `msg`."""
-    body = {}
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        body[f.name] = value.pack() if isinstance(value, TokenIds) else value
-    return msgpack.packb({"type": msg.TYPE, "v": PROTOCOL_VERSION, "body": body}, use_bin_type=True)
+    return msgpack.packb({"type": msg.TYPE, "v": PROTOCOL_VERSION, "body": _body(msg)}, use_bin_type=True)
+
+
+def _body(msg: Message) -> dict[str, Any]:
+    return {f.name: _wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+
+
+def _wire(value: Any) -> Any:
+    if isinstance(value, TokenIds):
+        return value.pack()
+    if isinstance(value, Message):
+        return _body(value)
+    if isinstance(value, list) and value and isinstance(value[0], Message):
+        return [_body(v) for v in value]
+    return value
 
 
 def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
@@ -360,6 +387,10 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             except ProtocolError as e:
                 errors.append(str(e))
         raise ProtocolError(errors[0] if len(errors) == 1 else f"field {name!r}: {value!r:.80} fits none of its types")
+    if isinstance(hint, type) and issubclass(hint, Message):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"field {name!r} must be a {hint.TYPE!r} map, got {type(value).__name__}")
+        return _build(hint, value)
     if hint is TokenIds:
         if not isinstance(value, (bytes, bytearray)):
             raise ProtocolError(f"field {name!r} must be packed int32 bytes, got {type(value).__name__}")

@@ -9,7 +9,7 @@ import pytest
 
 from infer.protocol.messages import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, Control, ControlAck, Delta, Dispatch, Error,
-    Heartbeat, Hello, Load, ProtocolError, Refused, Submit, TokenIds, Welcome, decode, encode,
+    Heartbeat, Hello, Load, ProtocolError, Refused, StepBatch, Submit, TokenIds, Welcome, decode, encode,
 )
 
 EXAMPLES = [
@@ -20,13 +20,18 @@ EXAMPLES = [
     Refused(reason="model id differs: coordinator serves 'a', worker has 'b'"),
     Submit(request_id="r1", prompt="hello", sampling={"temperature": 0.0, "max_tokens": 4, "stop": ["\n"]}),
     Submit(request_id="r2", prompt_token_ids=TokenIds([1, 2, 2**31 - 1]), pin_rank=1),
-    Dispatch(request_id="r1", prompt_token_ids=TokenIds([5, 6, 7]), sampling={"max_tokens": 3}, num_delivered=1),
+    Dispatch(request_id="r1", prompt_token_ids=TokenIds([5, 6, 7]), sampling={"max_tokens": 3},
+             resumed_token_ids=TokenIds([8])),
+    Dispatch(request_id="r3", prompt="text", sampling={}),
     Accepted(request_id="r1"),
     Delta(request_id="r1", token_ids=TokenIds([9, 10]), text="ab", logprobs=[{9: -0.5, 3: -1.5}, {10: -0.1}]),
     Delta(request_id="r1", token_ids=TokenIds([]), text="", finished=True, finish_reason="error", error="boom"),
     Abort(request_ids=["r1", "r2"]),
     Error(message="bad frame"),
     Load(num_waiting=1, num_running=2, num_free_blocks=3, num_total_blocks=4, num_queued_tokens=5),
+    StepBatch(deltas=[Delta(request_id="a", token_ids=TokenIds([1]), text="x", prompt_token_ids=TokenIds([4, 5])),
+                      Delta(request_id="b", token_ids=TokenIds([2]), text="y", finished=True, finish_reason="stop")],
+              load=Load(num_waiting=0, num_running=1, num_free_blocks=9, num_total_blocks=10, num_queued_tokens=1)),
     Heartbeat(sent_at=12.5),
     Control(command="pause"),
     ControlAck(command="pause", state="paused"),
@@ -80,6 +85,10 @@ def _frame(kind, body, version=PROTOCOL_VERSION):
     (_frame("hello", {"role": "worker", "peer_id": "w"}), "a worker hello needs field 'model_id'"),
     (_frame("hello", {"role": "admin", "peer_id": "w"}), "'role' must be one of"),
     (_frame("delta", {"request_id": "r", "token_ids": b"", "text": "", "finished": True}), "needs a finish_reason"),
+    (_frame("step_batch", {"deltas": [{"request_id": "r"}], "load": {}}), "'delta' is missing field 'token_ids'"),
+    (_frame("step_batch", {"deltas": [5], "load": {}}), "must be a 'delta' map"),
+    (_frame("dispatch", {"request_id": "r", "sampling": {}, "prompt": "x", "resumed_token_ids": b"\x01\0\0\0"}),
+     "'resumed_token_ids' needs 'prompt_token_ids'"),
 ])
 def test_malformed_frames_name_the_problem(frame, message):
     with pytest.raises(ProtocolError, match=message):
