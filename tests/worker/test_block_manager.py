@@ -10,16 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer.protocol.sampling import SamplingParams
 from infer.worker import block_manager as bm_module
 from infer.worker.block_manager import BlockManager, hash_block_tokens
 from infer.worker.request import Request, RequestStatus
+from sched_sim import finish_step, make_request
+
 from infer.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-
-
-def make_request(i: int, prompt: list[int], max_tokens: int = 4) -> Request:
-    return Request(request_id=f"r{i}", prompt_token_ids=list(prompt),
-                   params=SamplingParams(max_tokens=max_tokens), arrival_order=i, max_tokens=max_tokens)
 
 
 def compute(manager: BlockManager, request: Request, num_new_tokens: int,
@@ -321,14 +317,7 @@ def fake_next_token(token_ids: list[int]) -> int:
 def engine_step(scheduler: Scheduler, kv: FakeKV) -> SchedulerOutput:
     output = scheduler.schedule()
     kv.run(output)
-    scheduler.update_after_step(output)
-    for chunk in output.chunks:
-        request = chunk.request
-        if chunk.samples and not request.is_finished:
-            request.append_token(fake_next_token(request.token_ids))
-            if request.num_output_tokens >= request.max_tokens:
-                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
-    scheduler.check_invariants()
+    finish_step(scheduler, output, fake_next_token)
     return output
 
 

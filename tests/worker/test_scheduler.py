@@ -10,12 +10,9 @@ import pytest
 
 from infer.protocol.sampling import SamplingParams
 from infer.worker.request import Request, RequestStatus
+from sched_sim import finish_step, make_request
+
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-
-
-def make_request(i: int, prompt: list[int], max_tokens: int = 4) -> Request:
-    return Request(request_id=f"r{i}", prompt_token_ids=list(prompt),
-                   params=SamplingParams(max_tokens=max_tokens), arrival_order=i, max_tokens=max_tokens)
 
 
 def make_scheduler(**overrides) -> Scheduler:
@@ -61,14 +58,7 @@ def engine_step(scheduler: Scheduler) -> SchedulerOutput:
     """What the engine does around the model: schedule, 'run', update, append sampled tokens, finish."""
     output = scheduler.schedule()
     check_step(scheduler, output)
-    scheduler.update_after_step(output)
-    for chunk in output.chunks:
-        request = chunk.request
-        if chunk.samples and not request.is_finished:
-            request.append_token(fake_next_token(request.token_ids))
-            if request.num_output_tokens >= request.max_tokens:
-                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
-    scheduler.check_invariants()
+    finish_step(scheduler, output, fake_next_token)
     return output
 
 

@@ -1,0 +1,29 @@
+"""A torch-free stand-in for the engine around the scheduler: requests, a deterministic fake model, and the
+post-step bookkeeping (append the sampled token, finish at max_tokens). Shared by the scheduler and block
+manager tests."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from infer.protocol.sampling import SamplingParams
+from infer.worker.request import Request, RequestStatus
+from infer.worker.scheduler import Scheduler, SchedulerOutput
+
+
+def make_request(i: int, prompt: list[int], max_tokens: int = 4) -> Request:
+    return Request(request_id=f"r{i}", prompt_token_ids=list(prompt),
+                   params=SamplingParams(max_tokens=max_tokens), arrival_order=i, max_tokens=max_tokens)
+
+
+def finish_step(scheduler: Scheduler, output: SchedulerOutput, next_token: Callable[[list[int]], int]) -> None:
+    """What the engine does after the model ran: advance the scheduler, append one token to every chunk that
+    samples, finish requests at max_tokens, and check the scheduler's invariants."""
+    scheduler.update_after_step(output)
+    for chunk in output.chunks:
+        request = chunk.request
+        if chunk.samples and not request.is_finished:
+            request.append_token(next_token(request.token_ids))
+            if request.num_output_tokens >= request.max_tokens:
+                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+    scheduler.check_invariants()
