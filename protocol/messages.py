@@ -25,10 +25,17 @@ MAX_FRAME_BYTES = 64 << 20          # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
 LIFECYCLE_COMMANDS = ("pause", "unpause", "suspend", "resume", "stop")
 ROLES = ("client", "worker")
+MAX_STATS_WAIT_S = 3600.0
 
 
 class ProtocolError(ValueError):
-    """A frame or message that is not valid; the text says what is wrong (and is sent back as is)."""
+    """A frame or message that is not valid; the text says what is wrong (and is sent back as is).
+
+    `message_type` is the frame's header when it could be read (so a receiver can, say, answer a bad
+    "hello" with Refused rather than Error), else None.
+    """
+
+    message_type: str | None = None
 
 
 class TokenIds(list):
@@ -279,8 +286,11 @@ class StepBatch(Message):
 @message
 @dataclass(frozen=True)
 class Heartbeat(Message):
+    """Liveness, both ways. A worker may attach its load (an idle worker sends no StepBatch)."""
+
     TYPE: ClassVar[str] = "heartbeat"
     sent_at: float
+    load: Load | None = None
 
 
 @message
@@ -304,6 +314,86 @@ class ControlAck(Message):
     state: str
 
 
+# ---- coordinator <-> client extras ---------------------------------------------------------------
+
+@message
+@dataclass(frozen=True)
+class DeltaBatch(Message):
+    """Coordinator -> client: the deltas of one client's requests gathered into one frame."""
+
+    TYPE: ClassVar[str] = "delta_batch"
+    deltas: list[Delta]
+
+
+@message
+@dataclass(frozen=True)
+class StatsRequest(Message):
+    """Client -> coordinator: ask for ClusterStats.
+
+    With `min_healthy_workers` > 0 the answer waits (at most `timeout_s`) until that many workers are
+    healthy, so a launcher can wait for readiness without polling; the answer comes either way.
+    """
+
+    TYPE: ClassVar[str] = "stats_request"
+    min_healthy_workers: int = 0
+    timeout_s: float = 0.0
+
+    def validate(self) -> None:
+        _require(self.min_healthy_workers >= 0,
+                 f"field 'min_healthy_workers' must be >= 0, got {self.min_healthy_workers}")
+        _require(0.0 <= self.timeout_s <= MAX_STATS_WAIT_S,
+                 f"field 'timeout_s' must be in [0, {MAX_STATS_WAIT_S}], got {self.timeout_s}")
+
+
+@message
+@dataclass(frozen=True)
+class WorkerStats(Message):
+    """One worker (DP rank) as the coordinator sees it: identity, health, capacity, its last load report
+    (None before the first) and the coordinator's own counts."""
+
+    TYPE: ClassVar[str] = "worker_stats"
+    worker_id: str
+    dp_rank: int
+    group_id: str
+    healthy: bool
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    requests_routed: int          # dispatches sent to it (re-dispatches included)
+    num_in_flight: int            # requests the coordinator has on it now
+    seconds_since_heard: float
+    registrations: int = 1        # 1 + how often it re-registered
+    load: Load | None = None
+
+
+@message
+@dataclass(frozen=True)
+class ClusterStats(Message):
+    """Coordinator -> client: the cluster's state, every known worker, and the coordinator's counters."""
+
+    TYPE: ClassVar[str] = "cluster_stats"
+    coordinator_id: str
+    state: str
+    policy: str
+    model_id: str | None
+    workers: list[WorkerStats]
+    num_clients: int
+    num_in_flight: int            # dispatched to a worker, not finished
+    num_held: int                 # waiting in the coordinator (paused, or no healthy worker)
+    requests_submitted: int
+    requests_completed: int
+    requests_failed: int
+    requests_aborted: int
+    requests_redispatched: int
+    frames_rejected: int
+    uptime_s: float
+
+    @property
+    def num_healthy_workers(self) -> int:
+        return sum(w.healthy for w in self.workers)
+
+
 # ---- codec ---------------------------------------------------------------------------------------
 
 def encode(msg: Message) -> bytes:
@@ -312,7 +402,7 @@ def encode(msg: Message) -> bytes:
 
 
 def _body(msg: Message) -> dict[str, Any]:
-    return {f.name: _wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    return {name: _wire(getattr(msg, name)) for name in _schema(type(msg)).names}
 
 
 def _wire(value: Any) -> Any:
@@ -343,26 +433,58 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type {kind!r}; known: {', '.join(sorted(REGISTRY))}")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"schema version {version!r} of {kind!r} is not supported (this side speaks "
-                            f"{PROTOCOL_VERSION})")
-    if not isinstance(body, dict):
-        raise ProtocolError(f"the body of {kind!r} must be a map, got {type(body).__name__}")
-    return _build(cls, body)
+        error = ProtocolError(f"schema version {version!r} of {kind!r} is not supported (this side speaks "
+                              f"{PROTOCOL_VERSION})")
+        error.message_type = kind
+        raise error
+    try:
+        if not isinstance(body, dict):
+            raise ProtocolError(f"the body of {kind!r} must be a map, got {type(body).__name__}")
+        return _build(cls, body)
+    except ProtocolError as e:
+        e.message_type = kind
+        raise
+
+
+@dataclass(frozen=True)
+class _Schema:
+    """A message class's fields, resolved once: names in order, type hints, which ones are required."""
+
+    names: tuple[str, ...]
+    hints: dict[str, Any]
+    required: tuple[str, ...]      # in declaration order
+    labels: dict[str, str]          # field name -> "type.field", for error texts
+
+
+_SCHEMAS: dict[type, _Schema] = {}
+
+
+def _schema(cls: type[Message]) -> _Schema:
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        fields = dataclasses.fields(cls)
+        hints = typing.get_type_hints(cls)
+        schema = _Schema(
+            names=tuple(f.name for f in fields),
+            hints={f.name: hints[f.name] for f in fields},
+            required=tuple(f.name for f in fields if f.default is dataclasses.MISSING
+                           and f.default_factory is dataclasses.MISSING),
+            labels={f.name: f"{cls.TYPE}.{f.name}" for f in fields})
+        _SCHEMAS[cls] = schema
+    return schema
 
 
 def _build(cls: type[Message], body: dict) -> Message:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(str(k) for k in body if k not in fields)
-    if unknown:
+    schema = _schema(cls)
+    hints = schema.hints
+    if len(body) > len(hints) or any(k not in hints for k in body):
+        unknown = sorted(str(k) for k in body if k not in hints)
         raise ProtocolError(f"{cls.TYPE!r} has no field(s) {', '.join(unknown)}")
-    hints = typing.get_type_hints(cls)
-    values = {}
-    for name, f in fields.items():
+    for name in schema.required:
         if name not in body:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{cls.TYPE!r} is missing field {name!r}")
-            continue
-        values[name] = _coerce(body[name], hints[name], f"{cls.TYPE}.{name}")
+            raise ProtocolError(f"{cls.TYPE!r} is missing field {name!r}")
+    labels = schema.labels
+    values = {name: _coerce(value, hints[name], labels[name]) for name, value in body.items()}
     try:
         return cls(**values)
     except ProtocolError:

@@ -6,7 +6,7 @@ Torch-free: it travels over the wire (as a dict of named fields) and is validate
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20

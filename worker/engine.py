@@ -5,6 +5,7 @@ The step loop reads in four lines: schedule, run the model, advance the schedule
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -14,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from infer.protocol.messages import Load
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
@@ -84,8 +86,15 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None) -> Request:
-        """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged."""
+                    params: SamplingParams | None = None,
+                    resumed_token_ids: Sequence[int] = ()) -> Request:
+        """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged.
+
+        `resumed_token_ids` continue a request another engine started (failover): they are output tokens
+        already delivered, so they count as output (penalties, min_tokens, stop ids) and their text is not
+        produced again; `params.max_tokens` and `params.min_tokens` are what is left to generate. Greedy
+        output then continues exactly where the first engine stopped.
+        """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if self.scheduler.get(request_id) is not None:
@@ -94,12 +103,15 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt_ids = self._prompt_token_ids(prompt)
-        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
+        resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids)
+        whole = _counting_resumed(params, len(resumed))
+        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=whole,
                           arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
-                          max_tokens=self._resolve_max_tokens(len(prompt_ids), params))
+                          max_tokens=self._resolve_max_tokens(len(prompt_ids), whole),
+                          token_ids=prompt_ids + resumed)
         self.scheduler.add(request)   # raises ValueError if it can never fit in the KV pool
         self._arrivals += 1
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids + resumed, params)
         self.stats.prompt_tokens += len(prompt_ids)
         return request
 
@@ -125,6 +137,22 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    def take_pending(self) -> list[RequestOutput]:
+        """The deltas ready without a model step (final deltas of aborts), which step() would return
+        first. For a caller that does not step now (a paused worker)."""
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def load(self) -> Load:
+        """Load snapshot for routing. `num_queued_tokens` = over all unfinished requests, tokens whose KV is
+        not computed yet (prompt, or prompt + output after a preemption) + tokens still to generate (up to
+        max_tokens): an upper bound on the work left."""
+        requests = self.scheduler.waiting + self.scheduler.running
+        queued = sum(r.num_tokens_to_compute + r.max_tokens - r.num_output_tokens for r in requests)
+        return Load(num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+                    num_free_blocks=self.scheduler.block_manager.num_free_blocks,
+                    num_total_blocks=self.num_kv_blocks, num_queued_tokens=queued)
+
     # ---- input -------------------------------------------------------------------------------
 
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -145,6 +173,17 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, but the context length is {self.max_model_len}: "
                              f"it must be shorter to leave room for at least one generated token")
+        return ids
+
+    def _resumed_token_ids(self, num_prompt_tokens: int, resumed: Sequence[int]) -> list[int]:
+        ids = list(resumed)
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                    or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"resumed token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if num_prompt_tokens + len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + resumed tokens ({len(ids)}) reach the "
+                             f"context length {self.max_model_len}: nothing is left to generate")
         return ids
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -232,6 +271,14 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+
+def _counting_resumed(params: SamplingParams, num_resumed: int) -> SamplingParams:
+    """`params` whose token counts (given as what is left) also count the `num_resumed` tokens already out."""
+    if not num_resumed:
+        return params
+    max_tokens = None if params.max_tokens is None else params.max_tokens + num_resumed
+    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=params.min_tokens + num_resumed)
 
 
 def _logprobs_rows(sampled: SamplerOutput, sampling: list[ScheduledChunk]) -> list[TokenLogprobs | None]:

@@ -8,8 +8,9 @@ import msgpack
 import pytest
 
 from infer.protocol.messages import (
-    MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, Control, ControlAck, Delta, Dispatch, Error,
-    Heartbeat, Hello, Load, ProtocolError, Refused, StepBatch, Submit, TokenIds, Welcome, decode, encode,
+    MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, ClusterStats, Control, ControlAck, Delta,
+    DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, StatsRequest, StepBatch, Submit,
+    TokenIds, Welcome, WorkerStats, decode, encode,
 )
 
 EXAMPLES = [
@@ -33,8 +34,24 @@ EXAMPLES = [
                       Delta(request_id="b", token_ids=TokenIds([2]), text="y", finished=True, finish_reason="stop")],
               load=Load(num_waiting=0, num_running=1, num_free_blocks=9, num_total_blocks=10, num_queued_tokens=1)),
     Heartbeat(sent_at=12.5),
+    Heartbeat(sent_at=1.0, load=Load(num_waiting=0, num_running=0, num_free_blocks=7, num_total_blocks=7,
+                                     num_queued_tokens=0)),
     Control(command="pause"),
     ControlAck(command="pause", state="paused"),
+    DeltaBatch(deltas=[Delta(request_id="a", token_ids=TokenIds([3]), text="z", prompt_token_ids=TokenIds([1])),
+                       Delta(request_id="b", token_ids=TokenIds([]), text="", finished=True, finish_reason="abort")]),
+    StatsRequest(),
+    StatsRequest(min_healthy_workers=2, timeout_s=30.0),
+    WorkerStats(worker_id="w0", dp_rank=0, group_id="g0", healthy=True, num_kv_blocks=10, block_size=16,
+                max_num_seqs=8, max_model_len=256, requests_routed=3, num_in_flight=1, seconds_since_heard=0.2),
+    ClusterStats(coordinator_id="coord", state="running", policy="least-loaded", model_id="m",
+                 workers=[WorkerStats(worker_id="w1", dp_rank=1, group_id="g1", healthy=False, num_kv_blocks=10,
+                                      block_size=16, max_num_seqs=8, max_model_len=256, requests_routed=0,
+                                      num_in_flight=0, seconds_since_heard=9.5, registrations=2,
+                                      load=Load(num_waiting=1, num_running=2, num_free_blocks=3,
+                                                num_total_blocks=10, num_queued_tokens=40))],
+                 num_clients=1, num_in_flight=0, num_held=2, requests_submitted=5, requests_completed=3,
+                 requests_failed=0, requests_aborted=0, requests_redispatched=1, frames_rejected=4, uptime_s=1.5),
 ]
 
 
@@ -89,10 +106,28 @@ def _frame(kind, body, version=PROTOCOL_VERSION):
     (_frame("step_batch", {"deltas": [5], "load": {}}), "must be a 'delta' map"),
     (_frame("dispatch", {"request_id": "r", "sampling": {}, "prompt": "x", "resumed_token_ids": b"\x01\0\0\0"}),
      "'resumed_token_ids' needs 'prompt_token_ids'"),
+    (_frame("stats_request", {"min_healthy_workers": -1}), "'min_healthy_workers' must be >= 0"),
+    (_frame("stats_request", {"timeout_s": 1e9}), "'timeout_s' must be in"),
+    (_frame("delta_batch", {"deltas": {}}), "must be a list"),
+    (_frame("heartbeat", {"sent_at": 1.0, "load": 3}), "must be a 'load' map"),
+    (_frame("cluster_stats", {"workers": []}), "missing field 'coordinator_id'"),
 ])
+
 def test_malformed_frames_name_the_problem(frame, message):
     with pytest.raises(ProtocolError, match=message):
         decode(frame)
+
+
+def test_protocol_error_names_the_header_when_readable():
+    with pytest.raises(ProtocolError) as info:
+        decode(_frame("hello", {"role": "worker", "peer_id": "w"}, version=7))
+    assert info.value.message_type == "hello"
+    with pytest.raises(ProtocolError) as info:
+        decode(_frame("hello", {"role": 1, "peer_id": "w"}))
+    assert info.value.message_type == "hello"
+    with pytest.raises(ProtocolError) as info:
+        decode(b"\xc1")
+    assert info.value.message_type is None
 
 
 def test_oversized_frame_is_refused_before_parsing():

@@ -1,0 +1,576 @@
+"""infer-worker: one DP rank on the wire. `infer-worker --coordinator tcp://H:P [--model M] [engine options]`.
+
+One zmq DEALER (identity = worker id) talks to the coordinator's ROUTER. The loop reads in four lines:
+take every pending frame (blocking in poll only while there is nothing to compute), step the engine, send
+that step's deltas as one StepBatch, keep the link alive (heartbeats, re-registration).
+
+Lifecycle and exit codes:
+- start: Hello -> Welcome ("worker ready" is logged) or Refused (exit 3); no Welcome within
+  --connect-timeout: exit 1.
+- the coordinator silent for --coordinator-timeout, or an Error("unknown worker ..."): Hello again with the
+  ids still running (re-registration); running requests keep going meanwhile.
+- SIGTERM / SIGINT: drain (new Dispatches get an error delta "worker is draining"; running requests finish,
+  the rest is aborted after --drain-timeout), exit 0. A second signal ends the drain at once.
+- Control "stop": abort everything, exit 0. Bad options: exit 2. Any other fatal error: exit 1.
+Nothing from the wire can end the worker except Refused and "stop": a bad frame gets an Error back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import msgpack
+import zmq
+
+from infer.protocol.messages import (MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat,
+                                     Hello, Load, Message, ProtocolError, Refused, StepBatch, TokenIds, Welcome,
+                                     decode)
+from infer.protocol.outputs import RequestOutput
+from infer.protocol.sampling import SamplingParams
+from infer.protocol.transport import frames_for, make_socket
+from infer.worker.config import DTYPES, EngineConfig
+from infer.worker.request import Request
+
+log = logging.getLogger("infer.worker")
+
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"   # the Engine's model_id with no --model (kept in step with it)
+EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+_CLOSE_LINGER_MS = 2000      # how long the final frames may take to leave on exit
+_MAX_FRAMES_PER_TURN = 4096  # frames handled between two engine steps, so a flood cannot starve the engine
+
+
+class WorkerExit(Exception):
+    """Ends the worker with exit `code` once its message is logged."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EngineLike(Protocol):
+    """What the worker needs of an engine: the real Engine, or BenchmarkEngine."""
+
+    config: EngineConfig
+    model_id: str
+    block_size: int
+    max_model_len: int
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    resumed_token_ids: Sequence[int] = ()) -> Request: ...
+    def step(self) -> list[RequestOutput]: ...
+    def take_pending(self) -> list[RequestOutput]: ...
+    def abort(self, request_id: str) -> bool: ...
+    def has_unfinished(self) -> bool: ...
+    def load(self) -> Load: ...
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """The worker's own options (the engine's are EngineConfig). Times are seconds."""
+
+    coordinator: str
+    worker_id: str
+    dp_rank: int = 0
+    group_id: str = "dp0"
+    heartbeat_interval: float = 1.0
+    coordinator_timeout: float = 10.0   # silence after which the worker says Hello again
+    drain_timeout: float = 30.0
+    connect_timeout: float = 60.0       # for the first Welcome
+    benchmark_mode: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.coordinator.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--coordinator must be tcp://HOST:PORT (or ipc://PATH), got {self.coordinator!r}")
+        for name in ("worker_id", "group_id"):
+            if not 0 < len(getattr(self, name)) <= MAX_ID_LEN:
+                raise ValueError(f"{name} must be 1..{MAX_ID_LEN} characters, got {getattr(self, name)!r}")
+        if self.dp_rank < 0:
+            raise ValueError(f"dp_rank must be >= 0, got {self.dp_rank}")
+        for name in ("heartbeat_interval", "coordinator_timeout", "connect_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.drain_timeout >= 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.coordinator_timeout <= self.heartbeat_interval:
+            raise ValueError(f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "
+                             f"({self.heartbeat_interval})")
+
+
+class _RateLimitedLog:
+    """Warns at most `burst` times per `period` seconds, then says how many warnings it held back."""
+
+    def __init__(self, burst: int = 5, period: float = 10.0) -> None:
+        self.burst, self.period = burst, period
+        self._window_start, self._count, self._dropped = 0.0, 0, 0
+
+    def warning(self, text: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= self.period:
+            if self._dropped:
+                log.warning("(%d similar warnings suppressed)", self._dropped)
+            self._window_start, self._count, self._dropped = now, 0, 0
+        self._count += 1
+        if self._count <= self.burst:
+            log.warning(text, *args)
+        else:
+            self._dropped += 1
+
+
+class Worker:
+    """Runs `engine` for the coordinator at `options.coordinator` until told to stop (see the module doc).
+
+    Invariant: `_requests` holds exactly the ids dispatched here whose finished delta has not been sent;
+    its value is the prompt ids the first delta must echo, None once sent.
+    """
+
+    def __init__(self, engine: EngineLike, options: WorkerOptions, ctx: zmq.Context) -> None:
+        self.engine, self.options = engine, options
+        self.sock = make_socket(ctx, zmq.DEALER, identity=options.worker_id.encode())
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.state = "running"                 # running | paused | suspended (lifecycle, by Control)
+        self._requests: dict[str, TokenIds | None] = {}
+        self._outbox: list[Delta] = []         # deltas made outside a step (rejected Dispatches)
+        now = time.monotonic()
+        self._last_sent = self._last_heard = self._hello_sent_at = now
+        self._connect_deadline = now + options.connect_timeout
+        self._welcomed = False                 # a Welcome answered the latest Hello
+        self._ever_welcomed = False
+        self._signals = 0                      # SIGTERM / SIGINT received (set by the handler)
+        self._wakeup: socket.socket | None = None
+        self._wakeup_writer: socket.socket | None = None
+        self._drain_deadline: float | None = None
+        self._warn = _RateLimitedLog()
+
+    # ---- running -------------------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM / SIGINT start a drain; a wakeup fd in the poller makes a blocked poll return at once."""
+        self._wakeup, writer = socket.socketpair()
+        self._wakeup.setblocking(False)
+        writer.setblocking(False)
+        self._wakeup_writer = writer           # kept open for as long as the fd is installed
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self.poller.register(self._wakeup, zmq.POLLIN)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signals += 1
+
+    def run(self) -> int:
+        """Serve until the end; returns the exit code. The socket is closed on return."""
+        try:
+            self.sock.connect(self.options.coordinator)
+            self._send_hello()
+            while True:
+                self._receive(self._poll_timeout())
+                self._handle_signals()
+                self._advance()
+                self._keep_alive()
+                if self._drain_finished():
+                    log.info("drained; exiting")
+                    return EXIT_OK
+        except WorkerExit as e:
+            (log.info if e.code == EXIT_OK else log.error)("%s", e)
+            return e.code
+        finally:   # let the last frames leave, unless no coordinator ever answered
+            self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS if self._ever_welcomed else 0)
+            self.sock.close()
+
+    def _poll_timeout(self) -> float:
+        """Seconds to block in poll: 0 while the engine has work, else until the next timer is due."""
+        if self.state == "running" and self.engine.has_unfinished():
+            return 0.0
+        now = time.monotonic()
+        due = [max(self._last_heard, self._hello_sent_at) + self.options.coordinator_timeout]
+        due.append(self._last_sent + self.options.heartbeat_interval if self._ever_welcomed
+                   else self._connect_deadline)
+        if self._drain_deadline is not None:
+            due.append(self._drain_deadline)
+        return max(0.0, min(due) - now)
+
+    def _receive(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for a frame, then handle every frame already queued."""
+        events = dict(self.poller.poll(math.ceil(timeout_s * 1000)))
+        if self._wakeup is not None and self._wakeup in events:
+            self._wakeup.recv(4096)
+        for _ in range(_MAX_FRAMES_PER_TURN):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_heard = time.monotonic()
+            self._on_frames(frames)
+
+    def _advance(self) -> None:
+        """One engine step (unless paused), then one StepBatch with its deltas and any rejections."""
+        if self.state == "running" and self.engine.has_unfinished():
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # any engine failure ends this rank: fatal, exit 1
+                log.exception("engine step failed")
+                self._send(Error(message=f"worker {self.options.worker_id} failed: engine step: {e!r}"))
+                raise WorkerExit(EXIT_FATAL, f"fatal: engine step failed: {e!r}") from None
+        else:
+            outputs = self.engine.take_pending()
+        self._send_step_batch(outputs)
+
+    def _send_step_batch(self, outputs: list[RequestOutput]) -> None:
+        deltas, self._outbox = self._outbox + [self._delta(out) for out in outputs], []
+        if deltas:
+            self._send(StepBatch(deltas=deltas, load=self.engine.load()))
+
+    def _delta(self, out: RequestOutput) -> Delta:
+        prompt_ids = self._requests.get(out.request_id)
+        if out.finished:
+            self._requests.pop(out.request_id, None)
+        elif out.request_id in self._requests:
+            self._requests[out.request_id] = None
+        return Delta(request_id=out.request_id, token_ids=TokenIds(out.token_ids), text=out.text,
+                     finished=out.finished, finish_reason=out.finish_reason, error=out.error,
+                     logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
+                     num_cached_tokens=out.num_cached_tokens, prompt_token_ids=prompt_ids)
+
+    # ---- liveness and registration ----------------------------------------------------------------
+
+    def _keep_alive(self) -> None:
+        now = time.monotonic()
+        if not self._ever_welcomed and now >= self._connect_deadline:
+            raise WorkerExit(EXIT_FATAL, f"fatal: no Welcome from the coordinator at {self.options.coordinator} "
+                                         f"within {self.options.connect_timeout:g} s")
+        if now - max(self._last_heard, self._hello_sent_at) >= self.options.coordinator_timeout:
+            log.warning("nothing heard from the coordinator for %.1f s; registering again", now - self._last_heard)
+            self._send_hello()
+        elif self._ever_welcomed and now - self._last_sent >= self.options.heartbeat_interval:
+            self._send(Heartbeat(sent_at=time.time(), load=self.engine.load()))
+
+    def _send_hello(self) -> None:
+        engine = self.engine
+        self._send(Hello(role="worker", peer_id=self.options.worker_id, model_id=engine.model_id,
+                         dp_rank=self.options.dp_rank, group_id=self.options.group_id,
+                         num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
+                         max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
+                         running=list(self._requests)))
+        self._welcomed = False
+        self._hello_sent_at = time.monotonic()
+
+    def _on_welcome(self, msg: Welcome) -> None:
+        if self._welcomed:
+            return
+        self._welcomed = True
+        if self._ever_welcomed:
+            log.info("re-registered with coordinator %s (%d requests running)", msg.coordinator_id,
+                     len(self._requests))
+            return
+        self._ever_welcomed = True
+        opts = self.options
+        log.info("worker ready: rank %d group %s id %s coordinator %s (%s, state %s) model %s, %d KV blocks "
+                 "of %d tokens", opts.dp_rank, opts.group_id, opts.worker_id, opts.coordinator,
+                 msg.coordinator_id, msg.state, self.engine.model_id, self.engine.num_kv_blocks,
+                 self.engine.block_size)
+
+    def _on_refused(self, msg: Refused) -> None:
+        raise WorkerExit(EXIT_REFUSED, f"the coordinator refused this worker: {msg.reason}")
+
+    def _on_error(self, msg: Error) -> None:
+        self._warn.warning("coordinator reports an error%s: %s",
+                           f" for request {msg.request_id!r}" if msg.request_id else "", msg.message)
+        # Many frames may cross a coordinator restart: one Hello per heartbeat interval answers them all.
+        recent_hello = not self._welcomed and time.monotonic() - self._hello_sent_at < self.options.heartbeat_interval
+        if msg.message.startswith("unknown worker") and not recent_hello:
+            self._send_hello()
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def _on_dispatch(self, msg: Dispatch) -> None:
+        self._handle_signals()   # a signal that came while this frame was queued wins
+        if self._drain_deadline is not None:
+            return self._reject(msg.request_id, "worker is draining", msg.prompt_token_ids)
+        if msg.request_id in self._requests:
+            return self._reject(msg.request_id, f"request id {msg.request_id!r} is already running on this worker",
+                                msg.prompt_token_ids)
+        prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids)
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids)
+        except ValueError as e:
+            return self._reject(msg.request_id, str(e), msg.prompt_token_ids)
+        self._requests[msg.request_id] = TokenIds(request.prompt_token_ids)
+
+    def _reject(self, request_id: str, reason: str, prompt_token_ids: TokenIds | None = None) -> None:
+        self._warn.warning("request %r rejected: %s", request_id, reason)
+        self._outbox.append(Delta(request_id=request_id, token_ids=TokenIds(), text="", finished=True,
+                                  finish_reason="error", error=reason, prompt_token_ids=prompt_token_ids))
+
+    def _on_abort(self, msg: Abort) -> None:
+        for request_id in msg.request_ids:
+            self.engine.abort(request_id)   # unknown or finished ids: nothing to do
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._requests):
+            self.engine.abort(request_id)
+        self._send_step_batch(self.engine.take_pending())
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def _on_control(self, msg: Control) -> None:
+        if msg.command == "stop":
+            self._abort_all()
+            self._send(ControlAck(command=msg.command, state="stopped"))
+            raise WorkerExit(EXIT_OK, "stopped by the coordinator")
+        self.state = {"pause": "paused", "suspend": "suspended"}.get(msg.command, "running")
+        log.info("%s: now %s", msg.command, self.state)
+        self._send(ControlAck(command=msg.command, state=self._state_name()))
+
+    def _state_name(self) -> str:
+        return "draining" if self._drain_deadline is not None and self.state == "running" else self.state
+
+    def _handle_signals(self) -> None:
+        if not self._signals:
+            return
+        now = time.monotonic()
+        if self._drain_deadline is None:
+            self._drain_deadline = now + self.options.drain_timeout
+            log.info("signal received: draining %d requests (at most %g s)", len(self._requests),
+                     self.options.drain_timeout)
+        elif self._signals > 1 and self._drain_deadline > now:
+            log.info("second signal: aborting the %d requests left", len(self._requests))
+            self._drain_deadline = now
+
+    def _drain_finished(self) -> bool:
+        if self._drain_deadline is None:
+            return False
+        if self._requests and time.monotonic() >= self._drain_deadline:
+            log.warning("drain timeout: aborting %d requests", len(self._requests))
+            self._abort_all()
+        return not self._requests and not self.engine.has_unfinished()
+
+    # ---- frames --------------------------------------------------------------------------------
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            return self._bad_frame(f"expected one frame per message, got {len(frames)}", frames[0][:64])
+        try:
+            msg = decode(frames[0])
+        except ProtocolError as e:
+            return self._bad_frame(e, frames[0])
+        handler = self._HANDLERS.get(type(msg))
+        if handler is None:
+            self._send(Error(message=f"a worker does not handle {msg.TYPE!r} messages"))
+            return
+        handler(self, msg)
+
+    def _bad_frame(self, problem: str | ProtocolError, frame: bytes) -> None:
+        """Answer an undecodable frame: an error delta when it is a Dispatch whose id can be read (so that
+        request fails alone), else an Error naming the problem (and the request id when readable)."""
+        self._warn.warning("bad frame from the coordinator (%d bytes): %s", len(frame), problem)
+        kind = problem.message_type if isinstance(problem, ProtocolError) else None
+        problem, request_id = str(problem), _peek_request_id(frame)
+        if kind == Dispatch.TYPE and request_id is not None:
+            self._reject(request_id, f"bad dispatch: {problem}")
+        else:
+            self._send(Error(message=problem, request_id=request_id))
+
+    def _send(self, msg: Message) -> None:
+        try:
+            self.sock.send_multipart(frames_for(msg), zmq.NOBLOCK)
+        except zmq.Again:   # the coordinator is away and the queue is full: the frame is lost
+            self._warn.warning("send queue to the coordinator is full; dropped a %r frame", msg.TYPE)
+        self._last_sent = time.monotonic()
+
+    _HANDLERS: ClassVar[dict[type[Message], Callable[[Worker, Any], None]]] = {
+        Welcome: _on_welcome, Refused: _on_refused, Error: _on_error, Dispatch: _on_dispatch,
+        Abort: _on_abort, Control: _on_control, Heartbeat: lambda self, msg: None,
+    }
+
+
+def _peek_request_id(frame: bytes) -> str | None:
+    """The request id of a frame that failed to decode, when it can be read; never raises."""
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=False).get("body")
+        request_id = body.get("request_id") if isinstance(body, dict) else None
+    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types; a frame we cannot read
+        return None
+    return request_id if isinstance(request_id, str) and 0 < len(request_id) <= MAX_ID_LEN else None
+
+
+# ---- benchmark mode -------------------------------------------------------------------------------
+
+class BenchmarkEngine:
+    """--benchmark-mode: the engine interface with no model and no torch, for measuring coordinator overhead.
+
+    Every request "generates" one token per step: token i (0-based, resumed tokens included) of a request
+    with a P-token prompt is `(P + i) % 1000`, with empty text, until max_tokens (or the context length):
+    finish_reason "length". A string prompt counts one token per UTF-8 byte. The first `max_num_seqs`
+    requests in arrival order run; the KV pool is bookkept (blocks of the tokens held) but not allocated.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_id = config.model or DEFAULT_MODEL_ID
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or 4096
+        self._requests: dict[str, Request] = {}   # arrival order
+        self._pending: list[RequestOutput] = []
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    resumed_token_ids: Sequence[int] = ()) -> Request:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        prompt_ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
+        num_tokens = len(prompt_ids) + len(resumed_token_ids)
+        if not prompt_ids or num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt + resumed tokens must be 1..{self.max_model_len - 1} tokens, got {num_tokens}")
+        left = self.max_model_len - num_tokens if params.max_tokens is None else params.max_tokens
+        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
+                          max_tokens=len(resumed_token_ids) + left, token_ids=prompt_ids + list(resumed_token_ids))
+        self._requests[request_id] = request
+        return request
+
+    def _running(self) -> list[Request]:
+        return list(self._requests.values())[:self.config.max_num_seqs]
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.take_pending()
+        for request in self._running():
+            token = (request.num_prompt_tokens + request.num_output_tokens) % 1000
+            request.append_token(token)
+            done = request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len
+            if done:
+                del self._requests[request.request_id]
+            outputs.append(RequestOutput(request.request_id, [token], "", finished=done,
+                                         finish_reason="length" if done else None,
+                                         num_prompt_tokens=request.num_prompt_tokens))
+        return outputs
+
+    def take_pending(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self._pending.append(RequestOutput(request_id, [], "", finished=True, finish_reason="abort",
+                                               num_prompt_tokens=request.num_prompt_tokens))
+        return request is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def load(self) -> Load:
+        running = self._running()
+        used = sum(-(-r.num_tokens // self.block_size) for r in running)
+        return Load(num_waiting=len(self._requests) - len(running), num_running=len(running),
+                    num_free_blocks=self.num_kv_blocks - used, num_total_blocks=self.num_kv_blocks,
+                    num_queued_tokens=sum(r.max_tokens - r.num_output_tokens for r in self._requests.values()))
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infer-worker", description="An inference worker (one DP rank): runs an "
+                                "engine for the coordinator and streams token deltas back.")
+    p.add_argument("--coordinator", required=True, help="the coordinator's address, tcp://HOST:PORT")
+    engine = p.add_argument_group("engine options (vLLM's names)")
+    engine.add_argument("--model", help="a safetensors model directory or a .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    engine.add_argument("--dtype", choices=DTYPES, default="auto")
+    engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--seed"):
+        engine.add_argument(flag, type=int)
+    engine.add_argument("--kv-cache-memory", type=int, help="bytes for the KV cache pool")
+    engine.add_argument("--kv-cache-memory-fraction", type=float,
+                        help="share of memory for the KV pool when --kv-cache-memory is not given")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    engine.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
+    worker = p.add_argument_group("worker options")
+    worker.add_argument("--dp-rank", type=int, default=0)
+    worker.add_argument("--group-id", help="the EP group of this rank (default: dp<rank>)")
+    worker.add_argument("--worker-id", help="this worker's identity (default: hostname-pid)")
+    worker.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds (default 1)")
+    worker.add_argument("--coordinator-timeout", type=float, default=10.0,
+                        help="seconds of coordinator silence before registering again (default 10)")
+    worker.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds running requests get to finish after SIGTERM (default 30)")
+    worker.add_argument("--connect-timeout", type=float, default=60.0,
+                        help="seconds to wait for the first Welcome (default 60)")
+    worker.add_argument("--benchmark-mode", action="store_true",
+                        help="no model: each request yields token (prompt_len + i) %% 1000 per step, empty text, "
+                        "up to max_tokens (for measuring coordinator overhead)")
+    worker.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+_ENGINE_FLAGS = ("model", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "seed", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching",
+                 "enable_chunked_prefill", "num_threads")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the flags given (the others keep EngineConfig's defaults); ValueError if invalid."""
+    return EngineConfig.from_options(**{k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None})
+
+
+def worker_options(args: argparse.Namespace) -> WorkerOptions:
+    return WorkerOptions(
+        coordinator=args.coordinator, worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        dp_rank=args.dp_rank, group_id=args.group_id or f"dp{args.dp_rank}",
+        heartbeat_interval=args.heartbeat_interval, coordinator_timeout=args.coordinator_timeout,
+        drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout, benchmark_mode=args.benchmark_mode)
+
+
+def make_engine(config: EngineConfig, benchmark_mode: bool) -> EngineLike:
+    if benchmark_mode:
+        return BenchmarkEngine(config)
+    from infer.worker.engine import Engine  # torch is imported only when a model runs
+
+    return Engine(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config, options = engine_config(args), worker_options(args)
+    except ValueError as e:
+        parser.error(str(e))   # exit 2
+    try:
+        engine = make_engine(config, options.benchmark_mode)
+    except ValueError as e:    # options the engine finds impossible (model path, KV budget, context length)
+        log.error("fatal: %s", e)
+        sys.exit(EXIT_USAGE)
+    except Exception:  # reported with its traceback: exit 1
+        log.exception("fatal: the engine failed to start")
+        sys.exit(EXIT_FATAL)
+    ctx = zmq.Context()
+    worker = Worker(engine, options, ctx)
+    worker.install_signal_handlers()
+    code = worker.run()
+    ctx.term()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
