@@ -57,10 +57,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if num_real < q.shape[0]:  # padding tokens after the last sequence: defined output, never attended
         out[num_real:] = 0
     num_decodes = batch.num_decodes
-    if num_decodes:
+    groups = batch.decode_groups if num_decodes else ()
+    if len(groups) == 1:
         out[:num_decodes] = decode_attention(
             q[:num_decodes], k_cache, v_cache, batch.block_tables[:num_decodes], batch.seq_lens[:num_decodes],
-            max(batch.context_lens[:num_decodes]), scale)
+            groups[0][1], scale)
+    else:  # mixed lengths: one call per group of similar lengths instead of padding all to the longest
+        for rows, max_len in groups:
+            out.index_copy_(0, rows, decode_attention(
+                q.index_select(0, rows), k_cache, v_cache, batch.block_tables.index_select(0, rows),
+                batch.seq_lens.index_select(0, rows), max_len, scale))
     starts = (0, *itertools.accumulate(batch.query_lens))  # host copies: no device sync
     for i in range(num_decodes, batch.num_seqs):
         start, end = starts[i], starts[i + 1]
