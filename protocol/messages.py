@@ -13,6 +13,7 @@ import sys
 import types
 import typing
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -48,7 +49,7 @@ class TokenIds(list):
         return packed.tobytes()
 
     @classmethod
-    def unpack(cls, data: bytes, name: str) -> "TokenIds":
+    def unpack(cls, data: bytes, name: str) -> TokenIds:
         if len(data) % 4:
             raise ProtocolError(f"field {name!r}: packed int32 token ids need a multiple of 4 bytes, got {len(data)}")
         values = array("i")
@@ -91,6 +92,32 @@ def _require(condition: bool, text: str) -> None:
 
 def _check_id(name: str, value: str) -> None:
     _require(0 < len(value) <= MAX_ID_LEN, f"field {name!r} must be 1..{MAX_ID_LEN} characters, got {len(value)}")
+
+
+_VALID_SAMPLING: set[tuple] = set()     # keys of sampling dicts already validated (bounded, cleared when full)
+_MAX_VALID_SAMPLING = 4096
+
+
+def _check_sampling(sampling: dict[str, Any]) -> None:
+    """ProtocolError unless `sampling` builds valid SamplingParams. Remembers what passed: most requests
+    carry one of a few sampling dicts, and validating them is a measurable share of the coordinator's time.
+    The key keeps every value's type, so True never passes for 1."""
+    try:
+        key = tuple((k, type(v), tuple((type(x), x) for x in v) if type(v) is list else v)
+                    for k, v in sampling.items())
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _VALID_SAMPLING:
+        return
+    try:
+        SamplingParams.from_dict(sampling)
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"field 'sampling': {e}") from None
+    if key is not None:
+        if len(_VALID_SAMPLING) >= _MAX_VALID_SAMPLING:
+            _VALID_SAMPLING.clear()
+        _VALID_SAMPLING.add(key)
 
 
 # ---- handshake -----------------------------------------------------------------------------------
@@ -162,7 +189,7 @@ class Submit(Message):
         _require((self.prompt is None) != (self.prompt_token_ids is None),
                  "exactly one of 'prompt' and 'prompt_token_ids' must be given")
         _require(self.pin_rank is None or self.pin_rank >= 0, f"field 'pin_rank' must be >= 0, got {self.pin_rank}")
-        self.sampling_params()
+        _check_sampling(self.sampling)
 
     def sampling_params(self) -> SamplingParams:
         try:
@@ -194,10 +221,7 @@ class Dispatch(Message):
                  "exactly one of 'prompt' and 'prompt_token_ids' must be given")
         _require(not self.resumed_token_ids or self.prompt_token_ids is not None,
                  "'resumed_token_ids' needs 'prompt_token_ids'")
-        try:
-            SamplingParams.from_dict(self.sampling)
-        except (TypeError, ValueError) as e:
-            raise ProtocolError(f"field 'sampling': {e}") from None
+        _check_sampling(self.sampling)
 
 
 @message
@@ -402,17 +426,14 @@ def encode(msg: Message) -> bytes:
 
 
 def _body(msg: Message) -> dict[str, Any]:
-    return {name: _wire(getattr(msg, name)) for name in _schema(type(msg)).names}
-
-
-def _wire(value: Any) -> Any:
-    if isinstance(value, TokenIds):
-        return value.pack()
-    if isinstance(value, Message):
-        return _body(value)
-    if isinstance(value, list) and value and isinstance(value[0], Message):
-        return [_body(v) for v in value]
-    return value
+    """The named fields of `msg` in wire form. A field still at its default is left out (the decoder
+    restores it): most deltas then carry 3 fields, not 10."""
+    body = {}
+    for name, to_wire, is_default in _schema(type(msg)).encoders:
+        value = getattr(msg, name)
+        if is_default is None or not is_default(value):
+            body[name] = value if to_wire is None else to_wire(value)
+    return body
 
 
 def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
@@ -446,14 +467,17 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
         raise
 
 
+Coercer = Callable[[Any], Any]
+
+
 @dataclass(frozen=True)
 class _Schema:
-    """A message class's fields, resolved once: names in order, type hints, which ones are required."""
+    """A message class's fields, compiled once: per field a coercer (wire value -> checked Python value,
+    ProtocolError otherwise) and an encoder (None where the value goes on the wire as it is)."""
 
-    names: tuple[str, ...]
-    hints: dict[str, Any]
-    required: tuple[str, ...]      # in declaration order
-    labels: dict[str, str]          # field name -> "type.field", for error texts
+    required: tuple[str, ...]                         # in declaration order
+    coercers: dict[str, Coercer]
+    encoders: tuple[tuple[str, Coercer | None, Callable[[Any], bool] | None], ...]   # name, to wire, is default
 
 
 _SCHEMAS: dict[type, _Schema] = {}
@@ -465,26 +489,24 @@ def _schema(cls: type[Message]) -> _Schema:
         fields = dataclasses.fields(cls)
         hints = typing.get_type_hints(cls)
         schema = _Schema(
-            names=tuple(f.name for f in fields),
-            hints={f.name: hints[f.name] for f in fields},
             required=tuple(f.name for f in fields if f.default is dataclasses.MISSING
                            and f.default_factory is dataclasses.MISSING),
-            labels={f.name: f"{cls.TYPE}.{f.name}" for f in fields})
+            coercers={f.name: _coercer(hints[f.name], f"{cls.TYPE}.{f.name}") for f in fields},
+            encoders=tuple((f.name, _encoder(hints[f.name]), _default_test(f)) for f in fields))
         _SCHEMAS[cls] = schema
     return schema
 
 
 def _build(cls: type[Message], body: dict) -> Message:
     schema = _schema(cls)
-    hints = schema.hints
-    if len(body) > len(hints) or any(k not in hints for k in body):
-        unknown = sorted(str(k) for k in body if k not in hints)
+    coercers = schema.coercers
+    if not body.keys() <= coercers.keys():
+        unknown = sorted(str(k) for k in body if k not in coercers)
         raise ProtocolError(f"{cls.TYPE!r} has no field(s) {', '.join(unknown)}")
     for name in schema.required:
         if name not in body:
             raise ProtocolError(f"{cls.TYPE!r} is missing field {name!r}")
-    labels = schema.labels
-    values = {name: _coerce(value, hints[name], labels[name]) for name, value in body.items()}
+    values = {name: coercers[name](value) for name, value in body.items()}
     try:
         return cls(**values)
     except ProtocolError:
@@ -493,48 +515,107 @@ def _build(cls: type[Message], body: dict) -> Message:
         raise ProtocolError(f"{cls.TYPE!r}: {e}") from None
 
 
-def _coerce(value: Any, hint: Any, name: str) -> Any:
-    """`value` checked against the annotation `hint` (and TokenIds unpacked); ProtocolError if it does not fit."""
+def _coercer(hint: Any, name: str) -> Coercer:
+    """A function that checks a wire value against the annotation `hint` (unpacking TokenIds, building
+    nested messages) and raises ProtocolError naming field `name` when it does not fit."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
+        return _union_coercer(hint, name)
+    if isinstance(hint, type) and issubclass(hint, Message):
+        def nested(value: Any, cls: type[Message] = hint) -> Message:
+            if not isinstance(value, dict):
+                raise ProtocolError(f"field {name!r} must be a {cls.TYPE!r} map, got {type(value).__name__}")
+            return _build(cls, value)
+        return nested
+    if hint is TokenIds:
+        def token_ids(value: Any) -> TokenIds:
+            if not isinstance(value, (bytes, bytearray)):
+                raise ProtocolError(f"field {name!r} must be packed int32 bytes, got {type(value).__name__}")
+            return TokenIds.unpack(bytes(value), name)
+        return token_ids
+    if origin is list:
+        item = _coercer(typing.get_args(hint)[0], name)
+
+        def items(value: Any) -> list:
+            if not isinstance(value, list):
+                raise ProtocolError(f"field {name!r} must be a list, got {type(value).__name__}")
+            return [item(v) for v in value]
+        return items
+    if origin is dict:
+        key_of, value_of = (_coercer(h, name) for h in typing.get_args(hint))
+
+        def mapping(value: Any) -> dict:
+            if not isinstance(value, dict):
+                raise ProtocolError(f"field {name!r} must be a map, got {type(value).__name__}")
+            return {key_of(k): value_of(v) for k, v in value.items()}
+        return mapping
+    if hint is float:
+        def number(value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ProtocolError(f"field {name!r} must be a number, got {type(value).__name__}")
+            return float(value)
+        return number
+    if hint in (int, str, bool):
+        def scalar(value: Any, kind: type = hint) -> Any:
+            if type(value) is not kind and (kind is not int or isinstance(value, bool) or not isinstance(value, int)):
+                article = "an" if kind is int else "a"
+                raise ProtocolError(f"field {name!r} must be {article} {'integer' if kind is int else kind.__name__}, "
+                                    f"got {type(value).__name__}")
+            return value
+        return scalar
+    return _identity
+
+
+def _union_coercer(hint: Any, name: str) -> Coercer:
+    options = typing.get_args(hint)
+    nullable = type(None) in options
+    coercers = [_coercer(option, name) for option in options if option is not type(None)]
+
+    def union(value: Any) -> Any:
+        if value is None and nullable:
             return None
         errors = []
-        for option in options:
-            if option is type(None):
-                continue
+        for coerce in coercers:
             try:
-                return _coerce(value, option, name)
+                return coerce(value)
             except ProtocolError as e:
                 errors.append(str(e))
         raise ProtocolError(errors[0] if len(errors) == 1 else f"field {name!r}: {value!r:.80} fits none of its types")
-    if isinstance(hint, type) and issubclass(hint, Message):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"field {name!r} must be a {hint.TYPE!r} map, got {type(value).__name__}")
-        return _build(hint, value)
-    if hint is TokenIds:
-        if not isinstance(value, (bytes, bytearray)):
-            raise ProtocolError(f"field {name!r} must be packed int32 bytes, got {type(value).__name__}")
-        return TokenIds.unpack(bytes(value), name)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"field {name!r} must be a list, got {type(value).__name__}")
-        (item,) = typing.get_args(hint)
-        return [_coerce(v, item, name) for v in value]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"field {name!r} must be a map, got {type(value).__name__}")
-        key_t, val_t = typing.get_args(hint)
-        return {_coerce(k, key_t, name): _coerce(v, val_t, name) for k, v in value.items()}
-    if hint is Any:
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"field {name!r} must be a number, got {type(value).__name__}")
-        return float(value)
-    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ProtocolError(f"field {name!r} must be an integer, got {type(value).__name__}")
-    if hint in (str, bool) and not isinstance(value, hint):
-        raise ProtocolError(f"field {name!r} must be a {hint.__name__}, got {type(value).__name__}")
+    return union
+
+
+def _identity(value: Any) -> Any:
     return value
+
+
+def _default_test(f: dataclasses.Field) -> Callable[[Any], bool] | None:
+    """A test for "this value equals the field's default" (None for a required field)."""
+    if f.default_factory is not dataclasses.MISSING:      # an empty list / dict / TokenIds
+        return lambda value: not value
+    if f.default is dataclasses.MISSING:
+        return None
+    if f.default is None:
+        return lambda value: value is None
+    default, kind = f.default, type(f.default)
+    return lambda value: type(value) is kind and value == default
+
+
+def _encoder(hint: Any) -> Coercer | None:
+    """How a field of annotation `hint` goes on the wire; None where the value is sent as it is."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = [o for o in typing.get_args(hint) if o is not type(None)]
+        inner = [_encoder(o) for o in options]
+        if all(e is None for e in inner):
+            return None
+        if len(inner) == 1:
+            return lambda value, to_wire=inner[0]: None if value is None else to_wire(value)
+        raise TypeError(f"a union of several wire-encoded types is not supported: {hint}")
+    if hint is TokenIds:
+        return TokenIds.pack
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return _body
+    if origin is list:
+        item = _encoder(typing.get_args(hint)[0])
+        return None if item is None else (lambda values: [item(v) for v in values])
+    return None

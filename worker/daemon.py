@@ -205,7 +205,8 @@ class Worker:
     def _receive(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for a frame, then handle every frame already queued."""
         events = dict(self.poller.poll(math.ceil(timeout_s * 1000)))
-        if self._wakeup is not None and self._wakeup in events:
+        # zmq.Poller reports a plain socket by its fd number, not by the object it was registered with
+        if self._wakeup is not None and (self._wakeup.fileno() in events or self._wakeup in events):
             self._wakeup.recv(4096)
         for _ in range(_MAX_FRAMES_PER_TURN):
             try:

@@ -9,8 +9,8 @@ import pytest
 
 from infer.protocol.messages import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, ClusterStats, Control, ControlAck, Delta,
-    DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, StatsRequest, StepBatch, Submit,
-    TokenIds, Welcome, WorkerStats, decode, encode,
+    DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, StatsRequest, StepBatch,
+    Submit, TokenIds, Welcome, WorkerStats, decode, encode
 )
 
 EXAMPLES = [
@@ -68,6 +68,17 @@ def test_round_trip(msg):
 def test_token_ids_travel_packed():
     frame = msgpack.unpackb(encode(EXAMPLES[5]), raw=False)
     assert isinstance(frame["body"]["prompt_token_ids"], bytes) and len(frame["body"]["prompt_token_ids"]) == 12
+
+
+def test_fields_at_their_default_stay_off_the_wire():
+    body = msgpack.unpackb(encode(Delta(request_id="r", token_ids=TokenIds([1]), text="a")), raw=False)["body"]
+    assert set(body) == {"request_id", "token_ids", "text"}
+    full = Delta(request_id="r", token_ids=TokenIds([]), text="", finished=True, finish_reason="stop", error="",
+                 num_prompt_tokens=0, num_cached_tokens=3, prompt_token_ids=TokenIds([]))
+    body = msgpack.unpackb(encode(full), raw=False)["body"]
+    assert set(body) == {"request_id", "token_ids", "text", "finished", "finish_reason", "error",
+                         "num_cached_tokens", "prompt_token_ids"}   # [] is not None, "" is not None
+    assert decode(encode(full)) == full
 
 
 def _frame(kind, body, version=PROTOCOL_VERSION):

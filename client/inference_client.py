@@ -1,0 +1,486 @@
+"""InferenceClient: submit, stream, abort and drive the lifecycle of an infer cluster; SyncInferenceClient wraps it.
+
+One DEALER socket per client (zmq.asyncio) and a single receive task that demultiplexes the
+coordinator's frames by request id into per-request queues. While requests or calls are outstanding
+the client sends a Heartbeat every `heartbeat_interval` (the coordinator answers with one); if nothing
+arrives for `silence_timeout`, every outstanding request and call fails with ClusterError.
+
+Errors, and where they surface:
+- Request-level failures (the prompt is too long, its worker failed and retries ran out, the cluster was
+  stopped before it finished) are *returned*: `generate` gives a Completion with finish_reason "error"
+  and the server's text in `error`; `stream` ends with a delta carrying the same.
+- Transport and cluster failures *raise* ClusterError with the server's message: no answer to connect,
+  a refused handshake, a coordinator gone silent, a refused lifecycle command, the client closed.
+Closing a stream early (break, aclose, garbage collection) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from infer.protocol.messages import (
+    Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello, Message,
+    ProtocolError, Refused, StatsRequest, Submit, TokenIds, Welcome, decode, encode
+)
+from infer.protocol.outputs import Completion, RequestOutput
+from infer.protocol.sampling import SamplingParams
+from infer.protocol.transport import make_socket
+
+log = logging.getLogger("infer.client")
+
+Prompt = str | Sequence[int]
+CLOSE_LINGER_MS = 200
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be reached or refused something; the text is the server's message where it gave one."""
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | ClusterError
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass(eq=False)
+class _Call:
+    expect: tuple[type[Message], ...]
+    future: asyncio.Future
+
+
+@functools.lru_cache(maxsize=256)
+def _sampling_dict(params: SamplingParams) -> dict[str, Any]:
+    """The fields of `params` that differ from the defaults (what travels). Cached: params are frozen."""
+    defaults = _DEFAULT_PARAMS.to_dict()
+    return {k: v for k, v in params.to_dict().items() if v != defaults[k]}
+
+
+_DEFAULT_PARAMS = SamplingParams()
+
+
+class InferenceClient:
+    """Async client of one coordinator. Use as `async with InferenceClient("tcp://host:port") as client:`."""
+
+    def __init__(self, address: str, *, connect_timeout: float = 10.0, call_timeout: float = 30.0,
+                 heartbeat_interval: float = 1.0, silence_timeout: float = 10.0,
+                 client_id: str | None = None) -> None:
+        if heartbeat_interval <= 0 or silence_timeout <= heartbeat_interval:
+            raise ValueError(f"need 0 < heartbeat_interval ({heartbeat_interval}) < silence_timeout "
+                             f"({silence_timeout})")
+        if connect_timeout <= 0 or call_timeout <= 0:
+            raise ValueError("connect_timeout and call_timeout must be > 0")
+        self.address = address
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
+        self.connect_timeout = connect_timeout
+        self.call_timeout = call_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.silence_timeout = silence_timeout
+        self.welcome: Welcome | None = None
+        self._ids = itertools.count()
+        self._requests: dict[str, _Request] = {}
+        self._call: _Call | None = None
+        self._call_lock: asyncio.Lock | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._closed: asyncio.Event | None = None
+        self._failure: ClusterError | None = None
+        self._last_heard = 0.0
+
+    # ---- connection -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> InferenceClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def connect(self) -> Welcome:
+        """Connect and handshake; ClusterError if refused or unanswered within `connect_timeout`."""
+        if self._sock is not None:
+            raise ClusterError("already connected")
+        self._ctx = zmq.asyncio.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, identity=self.client_id.encode())
+        self._sock.connect(self.address)
+        self._closed = asyncio.Event()
+        self._call_lock = asyncio.Lock()
+        self._last_heard = time.monotonic()
+        self._tasks = [asyncio.create_task(self._receive_loop(), name=f"{self.client_id}-receive"),
+                       asyncio.create_task(self._heartbeat_loop(), name=f"{self.client_id}-heartbeat")]
+        try:
+            self.welcome = await self._request_reply(Hello(role="client", peer_id=self.client_id), (Welcome,),
+                                                     self.connect_timeout)
+        except BaseException:
+            await self.close()
+            raise
+        return self.welcome
+
+    async def close(self) -> None:
+        """Abort what is still in flight, fail its waiters, and release the socket."""
+        if self._sock is None:
+            return
+        if self._requests:
+            self._send_nowait(Abort(request_ids=list(self._requests)))
+        self._fail_all(ClusterError("the client was closed"))
+        self._closed.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.close(linger=CLOSE_LINGER_MS)
+        self._ctx.term()
+        self._sock = None
+        self._ctx = None
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                       request_id: str | None = None, pin_rank: int | None = None,
+                       timeout: float | None = None) -> Completion:
+        """Run one request to the end. Request-level failures come back as finish_reason "error";
+        transport failures (and `timeout`, which aborts the request) raise."""
+        request = await self._submit(prompt, params, request_id, pin_rank)
+        completion = Completion(request.request_id, prompt_token_ids=[],
+                                prompt=prompt if isinstance(prompt, str) else None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while completion.finish_reason is None:
+                completion.add(await self._next(request, deadline))
+        finally:
+            if completion.finish_reason is None:
+                self._abandon(request)
+        completion.prompt_token_ids = request.prompt_token_ids or (list(prompt) if not isinstance(prompt, str)
+                                                                   else [])
+        return completion
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                     request_id: str | None = None, pin_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request as they arrive (`token_ids` and `text` new since the last one); the last
+        has `finished` and `finish_reason`. Leaving the loop early aborts the request."""
+        request = await self._submit(prompt, params, request_id, pin_rank)
+        finished = False
+        try:
+            while not finished:
+                delta = await self._next(request, None)
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self._abandon(request)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream (or generate) ends with finish_reason "abort"."""
+        await self._send(Abort(request_ids=[request_id]))
+
+    def prompt_token_ids(self, request_id: str) -> list[int] | None:
+        """The prompt's token ids as the cluster tokenized them, once the first delta arrived (in flight only)."""
+        request = self._requests.get(request_id)
+        return None if request is None else request.prompt_token_ids
+
+    async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                      pin_rank: int | None) -> _Request:
+        self._check_open()
+        params = _DEFAULT_PARAMS if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        rid = request_id or f"{self.client_id}-{next(self._ids)}"
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        if isinstance(prompt, str):
+            submit = Submit(request_id=rid, prompt=prompt, sampling=_sampling_dict(params), pin_rank=pin_rank)
+        else:
+            submit = Submit(request_id=rid, prompt_token_ids=TokenIds(prompt), sampling=_sampling_dict(params),
+                            pin_rank=pin_rank)
+        request = self._requests[rid] = _Request(rid)
+        if len(self._requests) == 1 and self._call is None:
+            self._last_heard = time.monotonic()   # the silence clock starts when there is something to wait for
+        try:
+            await self._send(submit)
+        except BaseException:
+            self._requests.pop(rid, None)
+            raise
+        return request
+
+    async def _next(self, request: _Request, deadline: float | None) -> RequestOutput:
+        if deadline is None:
+            item = await request.queue.get()
+        else:
+            try:
+                item = await asyncio.wait_for(request.queue.get(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"request {request.request_id!r} did not finish in time") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _abandon(self, request: _Request) -> None:
+        """The caller stopped waiting before the end: abort it on the cluster."""
+        if self._requests.pop(request.request_id, None) is not None and self._sock is not None:
+            self._send_nowait(Abort(request_ids=[request.request_id]))
+
+    # ---- lifecycle and stats --------------------------------------------------------------------
+
+    async def pause(self) -> str:
+        """Hold new requests in the coordinator (in-flight ones may pause too); returns the new state."""
+        return await self._control("pause")
+
+    async def unpause(self) -> str:
+        return await self._control("unpause")
+
+    async def suspend(self) -> str:
+        """From paused: let workers release memory. Returns the new state."""
+        return await self._control("suspend")
+
+    async def resume(self) -> str:
+        """From suspended back to paused. Returns the new state."""
+        return await self._control("resume")
+
+    async def stop(self) -> str:
+        """Stop the cluster: pending requests fail with an error, workers stop, the coordinator exits."""
+        return await self._control("stop")
+
+    async def _control(self, command: str) -> str:
+        ack = await self._request_reply(Control(command=command), (ControlAck,), self.call_timeout)
+        return ack.state
+
+    async def stats(self) -> ClusterStats:
+        """Per-worker load and health, and the coordinator's own counts."""
+        return await self._request_reply(StatsRequest(), (ClusterStats,), self.call_timeout)
+
+    async def wait_for_workers(self, count: int, timeout: float) -> ClusterStats:
+        """Wait (on the coordinator's side, no polling) until `count` workers are healthy; ClusterError if
+        they are not within `timeout` seconds."""
+        stats = await self._request_reply(StatsRequest(min_healthy_workers=count, timeout_s=timeout),
+                                          (ClusterStats,), timeout + self.call_timeout)
+        if stats.num_healthy_workers < count:
+            raise ClusterError(f"only {stats.num_healthy_workers} of {count} workers are healthy after {timeout} s")
+        return stats
+
+    async def _request_reply(self, msg: Message, expect: tuple[type[Message], ...], timeout: float) -> Any:
+        """Send `msg` and wait for the answer; one such call at a time (answers carry no request id)."""
+        self._check_open()
+        async with self._call_lock:
+            call = self._call = _Call(expect, asyncio.get_running_loop().create_future())
+            if not self._requests:
+                self._last_heard = time.monotonic()
+            try:
+                await self._send(msg)
+                return await asyncio.wait_for(call.future, timeout)
+            except asyncio.TimeoutError:
+                raise ClusterError(f"no answer to {msg.TYPE!r} from the coordinator at {self.address} "
+                                   f"within {timeout} s") from None
+            finally:
+                self._call = None
+
+    # ---- the receive side -----------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        sock = self._sock
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as e:
+                self._fail_all(ClusterError(f"the connection to {self.address} failed: {e}"))
+                return
+            self._last_heard = time.monotonic()
+            if len(frames) != 1:
+                log.warning("dropped a %d-frame message from the coordinator", len(frames))
+                continue
+            try:
+                msg = decode(frames[0])
+            except ProtocolError as e:
+                log.warning("dropped a bad frame from the coordinator: %s", e)
+                continue
+            self._on_message(msg)
+
+    def _on_message(self, msg: Message) -> None:
+        if isinstance(msg, DeltaBatch):
+            for delta in msg.deltas:
+                self._on_delta(delta)
+        elif isinstance(msg, Delta):
+            self._on_delta(msg)
+        elif isinstance(msg, Error):
+            self._on_error(msg)
+        elif isinstance(msg, Refused):
+            self._answer(msg, ClusterError(f"refused by the coordinator: {msg.reason}"))
+        elif not isinstance(msg, Heartbeat):
+            self._answer(msg, None)
+
+    def _on_delta(self, delta: Delta) -> None:
+        request = self._requests.get(delta.request_id)
+        if request is None:
+            return   # a late delta of a request abandoned here
+        if delta.prompt_token_ids is not None and request.prompt_token_ids is None:
+            request.prompt_token_ids = list(delta.prompt_token_ids)
+        request.queue.put_nowait(RequestOutput(
+            delta.request_id, list(delta.token_ids), delta.text, finished=delta.finished,
+            finish_reason=delta.finish_reason, logprobs=delta.logprobs, error=delta.error,
+            num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens))
+        if delta.finished:
+            del self._requests[delta.request_id]
+
+    def _on_error(self, error: Error) -> None:
+        if error.request_id is not None:   # a request's failure: never a call's
+            request = self._requests.pop(error.request_id, None)
+            if request is not None:
+                request.queue.put_nowait(RequestOutput(error.request_id, [], "", finished=True,
+                                                       finish_reason="error", error=error.message))
+            return
+        if self._call is not None and not self._call.future.done():
+            self._call.future.set_exception(ClusterError(error.message))
+        else:
+            log.warning("error from the coordinator: %s", error.message)
+
+    def _answer(self, msg: Message, error: ClusterError | None) -> None:
+        call = self._call
+        if call is None or call.future.done() or (error is None and not isinstance(msg, call.expect)):
+            log.debug("unexpected %r from the coordinator", msg.TYPE)
+            return
+        if error is None:
+            call.future.set_result(msg)
+        else:
+            call.future.set_exception(error)
+
+    # ---- liveness -------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        closed = self._closed
+        while True:
+            try:
+                await asyncio.wait_for(closed.wait(), self.heartbeat_interval)
+                return
+            except asyncio.TimeoutError:
+                pass
+            if not self._requests and self._call is None:
+                continue
+            silent = time.monotonic() - self._last_heard
+            if silent > self.silence_timeout:
+                self._fail_all(ClusterError(f"no frame from the coordinator at {self.address} for {silent:.1f} s "
+                                            f"(silence timeout {self.silence_timeout} s)"))
+            else:
+                self._send_nowait(Heartbeat(sent_at=time.time()))
+
+    def _fail_all(self, error: ClusterError) -> None:
+        for request in self._requests.values():
+            request.queue.put_nowait(error)
+        self._requests.clear()
+        if self._call is not None and not self._call.future.done():
+            self._call.future.set_exception(error)
+
+    # ---- sending --------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._sock is None:
+            raise ClusterError("the client is not connected (use `async with InferenceClient(...)` or connect())")
+
+    async def _send(self, msg: Message) -> None:
+        await self._sock.send_multipart([encode(msg)])
+
+    def _send_nowait(self, msg: Message) -> None:
+        future = self._sock.send_multipart([encode(msg)])
+        future.add_done_callback(_consume)
+
+
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.debug("send failed: %s", future.exception())
+
+
+class SyncInferenceClient:
+    """Blocking facade: an InferenceClient on an event loop in a background thread.
+
+    `with SyncInferenceClient("tcp://host:port") as client: client.generate("Hi", params)`.
+    """
+
+    def __init__(self, address: str, **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="infer-sync-client", daemon=True)
+        self._thread.start()
+        self.client = InferenceClient(address, **options)
+        try:
+            self._run(self.client.connect())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def __enter__(self) -> SyncInferenceClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Completion:
+        return self._run(self.client.generate(prompt, params, **kwargs))
+
+    def generate_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Completion]:
+        """All prompts concurrently; completions in prompt order."""
+        async def run() -> list[Completion]:
+            return list(await asyncio.gather(*(self.client.generate(p, params) for p in prompts)))
+        return self._run(run())
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Iterator[RequestOutput]:
+        agen = self.client.stream(prompt, params, **kwargs)
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    def abort(self, request_id: str) -> None:
+        self._run(self.client.abort(request_id))
+
+    def pause(self) -> str:
+        return self._run(self.client.pause())
+
+    def unpause(self) -> str:
+        return self._run(self.client.unpause())
+
+    def suspend(self) -> str:
+        return self._run(self.client.suspend())
+
+    def resume(self) -> str:
+        return self._run(self.client.resume())
+
+    def stop(self) -> str:
+        return self._run(self.client.stop())
+
+    def stats(self) -> ClusterStats:
+        return self._run(self.client.stats())
+
+    def wait_for_workers(self, count: int, timeout: float) -> ClusterStats:
+        return self._run(self.client.wait_for_workers(count, timeout))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self.client.close())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -1,0 +1,238 @@
+"""infer-serve: a whole cluster on one machine: a coordinator and N workers, checked ready, shut down cleanly.
+
+`infer-serve [--model M] [--workers N] [--threads T] [engine options] [-- extra worker flags]` starts
+`infer-coordinator` and N `infer-worker`s (dp ranks 0..N-1), each in its own process group, waits until
+the coordinator reports N healthy workers (ClusterStats, answered by the coordinator when ready: no
+polling), prints the address clients connect to, and serves until Ctrl-C / SIGTERM or until the cluster
+is stopped (InferenceClient.stop()). Shutdown: SIGTERM to every process group, wait, SIGKILL what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from infer.client.inference_client import ClusterError, InferenceClient
+from infer.protocol.messages import ClusterStats
+
+log = logging.getLogger("infer.serve")
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def free_port(host: str) -> int:
+    """A TCP port nothing listens on right now (the coordinator binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalCluster:
+    """A coordinator and `num_workers` workers as child processes of this one.
+
+    `worker_args` are passed to every worker (engine options as flags); `coordinator_args` to the
+    coordinator. Each child runs in its own session (process group), so a signal to this process does not
+    reach them and shutdown can take the whole group, grandchildren included.
+    """
+
+    num_workers: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    worker_args: list[str] = field(default_factory=list)
+    coordinator_args: list[str] = field(default_factory=list)
+    python: str = sys.executable
+    coordinator: asyncio.subprocess.Process | None = None
+    workers: list[asyncio.subprocess.Process] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        if self.port == 0:
+            self.port = free_port(self.host)
+        self.coordinator = await self._spawn("infer.coordinator.daemon", "--host", self.host, "--port",
+                                             str(self.port), *self.coordinator_args)
+        for rank in range(self.num_workers):
+            self.workers.append(await self._spawn("infer.worker.daemon", "--coordinator", self.address,
+                                                  "--dp-rank", str(rank), *self.worker_args))
+
+    async def _spawn(self, module: str, *args: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(self.python, "-m", module, *args, start_new_session=True)
+
+    @property
+    def processes(self) -> list[asyncio.subprocess.Process]:
+        return [p for p in [self.coordinator, *self.workers] if p is not None]
+
+    async def wait_ready(self, timeout: float) -> ClusterStats:
+        """ClusterStats once every worker is healthy; ClusterError if a child exits first or time runs out."""
+        async with InferenceClient(self.address, connect_timeout=timeout) as client:
+            ready = asyncio.create_task(client.wait_for_workers(self.num_workers, timeout))
+            exits = {asyncio.create_task(p.wait()): p for p in self.processes}
+            try:
+                done, _ = await asyncio.wait([ready, *exits], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in [ready, *exits]:
+                    task.cancel()
+            if ready in done:
+                return ready.result()
+            exited = next(exits[t] for t in done if t in exits)
+            raise ClusterError(f"{self._name(exited)} exited with code {exited.returncode} before the cluster "
+                               f"was ready")
+
+    def _name(self, proc: asyncio.subprocess.Process) -> str:
+        if proc is self.coordinator:
+            return "the coordinator"
+        return f"worker {self.workers.index(proc)} (pid {proc.pid})"
+
+    async def wait_any_exit(self) -> asyncio.subprocess.Process:
+        exits = {asyncio.create_task(p.wait()): p for p in self.processes}
+        try:
+            done, _ = await asyncio.wait(exits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in exits:
+                task.cancel()
+        return exits[next(iter(done))]
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the coordinator and every worker (workers drain), wait up to `timeout`, then SIGKILL
+        the process groups left. Returns when every child has been reaped."""
+        for proc in self.processes:
+            _signal_group(proc, signal.SIGTERM)
+        waits = [asyncio.create_task(p.wait()) for p in self.processes]
+        _, pending = await asyncio.wait(waits, timeout=timeout) if waits else (set(), set())
+        for proc in self.processes:
+            _signal_group(proc, signal.SIGKILL)   # stragglers, and anything a child left in its group
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+
+
+def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)   # start_new_session: the child leads its own group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infer-serve", description=__doc__.split("\n\n")[0],
+                                epilog="Arguments after `--` go to every worker unchanged.")
+    p.add_argument("--model", help="safetensors dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--workers", type=int, default=1, help="number of workers (DP ranks) (default 1)")
+    p.add_argument("--threads", type=int, help="torch threads per worker")
+    p.add_argument("--host", default="127.0.0.1", help="the coordinator's bind address (default 127.0.0.1)")
+    p.add_argument("--coordinator-port", type=int, default=0, help="the coordinator's port (default: a free one)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="the HTTP front's port (reserved: the HTTP front is not part of this build yet)")
+    engine = p.add_argument_group("engine options (passed to every worker)")
+    engine.add_argument("--dtype", choices=_DTYPES)
+    engine.add_argument("--device")
+    for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--seed",
+                 "--kv-cache-memory"):
+        engine.add_argument(flag, type=int)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    engine.add_argument("--benchmark-mode", action="store_true", help="workers without a model (benchmarks)")
+    coord = p.add_argument_group("coordinator options")
+    coord.add_argument("--policy", choices=("least-loaded", "round-robin", "prefix-affinity"))
+    for flag in ("--heartbeat-interval", "--worker-timeout", "--client-timeout"):
+        coord.add_argument(flag, type=float)
+    coord.add_argument("--max-retries", type=int)
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers (default 300)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds the children get to exit after SIGTERM before SIGKILL (default 30)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+_WORKER_VALUE_FLAGS = ("model", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                       "block_size", "seed", "kv_cache_memory", "threads")
+_COORDINATOR_FLAGS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "max_retries")
+
+
+def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    out = _flags(args, _WORKER_VALUE_FLAGS)
+    for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        value = getattr(args, name)
+        if value is not None:
+            out.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
+    if args.benchmark_mode:
+        out.append("--benchmark-mode")
+    if args.heartbeat_interval is not None:
+        out += ["--heartbeat-interval", str(args.heartbeat_interval)]
+    return out + extra
+
+
+async def serve(cluster: LocalCluster, ready_timeout: float, shutdown_timeout: float) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await cluster.start()
+        stats = await cluster.wait_ready(ready_timeout)
+        print(f"infer-serve: ready: {stats.num_healthy_workers} worker(s) serving {stats.model_id!r}; "
+              f"clients connect to {cluster.address}", flush=True)
+        stopped = asyncio.create_task(stop.wait())
+        exited = asyncio.create_task(_watch(cluster))
+        await asyncio.wait([stopped, exited], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        exited.cancel()
+        return 0
+    except ClusterError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        log.info("shutting down")
+        await cluster.shutdown(shutdown_timeout)
+
+
+async def _watch(cluster: LocalCluster) -> None:
+    """Returns when the coordinator exits (a STOP); worker exits are logged and serving goes on."""
+    while True:
+        proc = await cluster.wait_any_exit()
+        if proc is cluster.coordinator:
+            log.info("the coordinator exited (code %s)", proc.returncode)
+            return
+        log.warning("worker %d (pid %d) exited with code %s", cluster.workers.index(proc), proc.pid, proc.returncode)
+        cluster.workers.remove(proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.workers < 1:
+        print("infer-serve: --workers must be >= 1", file=sys.stderr)
+        return 2
+    cluster = LocalCluster(num_workers=args.workers, host=args.host, port=args.coordinator_port,
+                           worker_args=worker_args(args, extra) + ["--log-level", args.log_level],
+                           coordinator_args=_flags(args, _COORDINATOR_FLAGS) + ["--log-level", args.log_level])
+    return asyncio.run(serve(cluster, args.ready_timeout, args.shutdown_timeout))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,642 @@
+"""The coordinator's logic: one handler per message type, routing, failover, lifecycle, stats. No sockets.
+
+The daemon (daemon.py) feeds it frames (`handle`), timer ticks (`tick`) and peers found unroutable
+(`peer_gone`), and sends what it queued (`take_outgoing`). Time is passed in, so tests drive it directly.
+
+A request's path: Submit -> held (paused, or no healthy worker) or routed -> Dispatch to a worker ->
+the worker's StepBatch deltas are relayed to the client (gathered per client into one DeltaBatch per
+cycle) and `delivered` grows -> the finished delta removes it. If its worker dies, hangs, or aborts it on
+its own (a draining worker), the request is held again at the front of the queue and re-dispatched as
+prompt + delivered tokens with the remaining budget, so the client's stream goes on without a gap or a
+repeat. Deltas from a worker that does not own the request are dropped and the request aborted there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from infer.coordinator.config import CoordinatorConfig
+from infer.coordinator.lifecycle import Action, ClusterState, Refusal, commands_to_reach, transition
+from infer.coordinator.routing import make_policy
+from infer.coordinator.state import ClientRecord, RequestRecord, RequestTable, WorkerRecord, WorkerTable
+from infer.protocol.messages import (
+    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello,
+    Message, ProtocolError, Refused, StatsRequest, StepBatch, Submit, TokenIds, Welcome, WorkerStats, decode
+)
+from infer.protocol.sampling import SamplingParams
+
+log = logging.getLogger("infer.coordinator")
+
+_DEFAULTS = SamplingParams()
+MAX_STATS_WAITERS = 1024
+CLIENT_IDLE_PRUNE_S = 300.0      # a client with nothing in flight, silent this long, is forgotten
+WORKER_DRAINING = "worker is draining"   # the error a draining worker (SIGTERM) answers a Dispatch with
+
+
+@dataclass
+class Counters:
+    requests_submitted: int = 0
+    requests_completed: int = 0
+    requests_failed: int = 0
+    requests_aborted: int = 0
+    requests_redispatched: int = 0
+    frames_rejected: int = 0
+
+
+@dataclass
+class _StatsWaiter:
+    identity: bytes
+    min_healthy_workers: int
+    deadline: float
+
+
+class Coordinator:
+    """All coordinator state and every decision; see the module docstring for the request path."""
+
+    def __init__(self, config: CoordinatorConfig, now: float) -> None:
+        self.config = config
+        self.state = ClusterState.RUNNING
+        self.policy = make_policy(config.policy)
+        self.workers = WorkerTable()
+        self.clients: dict[bytes, ClientRecord] = {}
+        self.requests = RequestTable()
+        self.model_id = config.model_id
+        self.counters = Counters()
+        self._out: list[tuple[bytes, Message]] = []
+        self._client_deltas: dict[bytes, list[Delta]] = {}
+        self._stats_waiters: list[_StatsWaiter] = []
+        self._routable_cache: list[WorkerRecord] | None = None
+        self._started = now
+        self._next_tick = now
+        self._stop_pending: set[str] | None = None     # workers yet to acknowledge STOP
+        self._stop_deadline = math.inf
+        self._rejected_logged = 0
+        self._handlers: dict[type[Message], Callable[[bytes, Message, float], None]] = {
+            Hello: self._on_hello, Submit: self._on_submit, Abort: self._on_abort, Control: self._on_control,
+            StatsRequest: self._on_stats_request, Heartbeat: self._on_heartbeat, StepBatch: self._on_step_batch,
+            ControlAck: self._on_control_ack, Error: self._on_error,
+        }
+
+    # ---- inputs ---------------------------------------------------------------------------------
+
+    def handle(self, identity: bytes, payload: list[bytes], now: float) -> None:
+        """One multipart message from the ROUTER (identity stripped). Never raises."""
+        if len(payload) != 1:
+            self._reject(identity, f"expected exactly one frame after the routing identity, got {len(payload)}")
+            return
+        try:
+            msg = decode(payload[0])
+        except ProtocolError as e:
+            self._reject(identity, f"bad frame: {e}", refuse=e.message_type == "hello")
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._reject(identity, f"the coordinator does not accept {msg.TYPE!r} messages")
+            return
+        try:
+            handler(identity, msg, now)
+        except Exception as e:   # a bug must cost one message, never the loop
+            log.exception("internal error handling %r from %s", msg.TYPE, identity.hex())
+            self._send(identity, Error(message=f"internal error handling {msg.TYPE!r}: {type(e).__name__}: {e}"))
+
+    def tick(self, now: float) -> None:
+        """Timers: heartbeats to workers, worker / client / queue timeouts, stats waiters, STOP deadline."""
+        if now < self._next_tick:
+            return
+        self._next_tick = now + self.config.heartbeat_interval
+        self._check_workers(now)
+        self._check_clients(now)
+        self._check_held(now)
+        self._answer_stats_waiters(now)
+        self._log_rejections()
+
+    def peer_gone(self, identity: bytes, now: float) -> None:
+        """A send to `identity` was unroutable: its connection is gone (the process died or closed)."""
+        worker = self.workers.by_identity.get(identity)
+        if worker is not None and worker.healthy:
+            self._mark_dead(worker, "its connection is gone", now)
+            return
+        client = self.clients.get(identity)
+        if client is not None:
+            self._client_lost(client, "its connection is gone", now)
+
+    def shutdown(self, reason: str, now: float) -> None:
+        """STOP without a requesting client (a signal)."""
+        if self.state is not ClusterState.STOPPED:
+            self._apply_command("stop", reason, now)
+
+    def next_deadline(self) -> float:
+        return min(self._next_tick, self._stop_deadline)
+
+    def done(self, now: float) -> bool:
+        """STOP ran and every worker acknowledged it, or the stop timeout passed: the daemon may exit."""
+        return self._stop_pending is not None and (not self._stop_pending or now >= self._stop_deadline)
+
+    # ---- outputs --------------------------------------------------------------------------------
+
+    def take_outgoing(self) -> list[tuple[bytes, Message]]:
+        """Everything queued since the last call: each client's deltas as one DeltaBatch, then the rest
+        in the order it was queued."""
+        out = [(identity, DeltaBatch(deltas=deltas)) for identity, deltas in self._client_deltas.items()]
+        out.extend(self._out)
+        self._client_deltas = {}
+        self._out = []
+        return out
+
+    def _send(self, identity: bytes, msg: Message) -> None:
+        self._out.append((identity, msg))
+
+    def _to_client(self, request: RequestRecord, delta: Delta) -> None:
+        deltas = self._client_deltas.get(request.client)
+        if deltas is None:
+            self._client_deltas[request.client] = [delta]
+        else:
+            deltas.append(delta)
+
+    def _reject(self, identity: bytes, text: str, refuse: bool = False) -> None:
+        self.counters.frames_rejected += 1
+        self._send(identity, Refused(reason=text) if refuse else Error(message=text))
+
+    # ---- handshake ------------------------------------------------------------------------------
+
+    def _on_hello(self, identity: bytes, hello: Hello, now: float) -> None:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            self._refuse(identity, hello, f"protocol version differs: the coordinator speaks {PROTOCOL_VERSION}, "
+                                          f"{hello.role} {hello.peer_id!r} speaks {hello.protocol_version}")
+            return
+        if self.state is ClusterState.STOPPED:
+            self._refuse(identity, hello, "the coordinator is stopping")
+            return
+        if hello.role == "client":
+            client = self._client(identity, now)
+            if client is not None:
+                client.peer_id = hello.peer_id
+                self._send(identity, self._welcome())
+            return
+        problem = self._admission_problem(hello)
+        if problem is not None:
+            self._refuse(identity, hello, problem)
+            return
+        self._register_worker(identity, hello, now)
+
+    def _refuse(self, identity: bytes, hello: Hello, reason: str) -> None:
+        log.warning("refused %s %r: %s", hello.role, hello.peer_id, reason)
+        self._send(identity, Refused(reason=reason))
+
+    def _welcome(self) -> Welcome:
+        return Welcome(coordinator_id=self.config.coordinator_id, state=self.state.value, model_id=self.model_id)
+
+    def _admission_problem(self, hello: Hello) -> str | None:
+        if self.model_id is not None and hello.model_id != self.model_id:
+            source = "--model-id" if self.config.model_id is not None else "the first worker"
+            return (f"model id differs: the cluster serves {self.model_id!r} (from {source}), worker "
+                    f"{hello.peer_id!r} has {hello.model_id!r}")
+        other = self.workers.live_with_rank(hello.dp_rank)
+        if other is not None and other.worker_id != hello.peer_id:
+            return (f"duplicate dp_rank {hello.dp_rank}: live worker {other.worker_id!r} already serves it "
+                    f"(give each worker its own --dp-rank)")
+        return None
+
+    def _register_worker(self, identity: bytes, hello: Hello, now: float) -> None:
+        old = self.workers.by_id.get(hello.peer_id)
+        worker = WorkerRecord(worker_id=hello.peer_id, identity=identity, hello=hello, last_seen=now)
+        if old is not None:
+            worker.requests_routed = old.requests_routed
+            worker.registrations = old.registrations + 1
+            # It re-registered without being declared dead (it lost contact, or restarted): keep what it
+            # still runs, move what it lost.
+            running = set(hello.running)
+            for request in [r for r in map(self.requests.get, list(old.requests)) if r is not None]:
+                if request.request_id in running:
+                    worker.requests.add(request.request_id)
+                    worker.cost_in_flight += request.charged
+                else:
+                    self._failover(request, f"worker {old.worker_id!r} re-registered without it", now)
+        for superseded in [w for w in self.workers if not w.healthy and w.dp_rank == hello.dp_rank
+                           and w.worker_id != hello.peer_id]:
+            self.workers.remove(superseded)
+        self.workers.add(worker)
+        self._routable_cache = None
+        if self.model_id is None:
+            self.model_id = hello.model_id
+        stale = [rid for rid in hello.running if rid not in worker.requests]
+        if stale:
+            self._send(identity, Abort(request_ids=stale))
+        self._send(identity, self._welcome())
+        for command in commands_to_reach(self.state):
+            self._send(identity, Control(command=command))
+        log.info("worker %s: %s%s", "re-registered" if old is not None else "joined", worker.describe(),
+                 f"; aborting {len(stale)} request(s) it still ran that moved elsewhere" if stale else "")
+        self._dispatch_held(now)
+        self._answer_stats_waiters(now)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def _client(self, identity: bytes, now: float) -> ClientRecord | None:
+        """The client behind `identity` (registered on first contact); None (and an Error) if it is a worker."""
+        client = self.clients.get(identity)
+        if client is None:
+            if identity in self.workers.by_identity:
+                self._reject(identity, "this peer registered as a worker and may not act as a client")
+                return None
+            client = self.clients[identity] = ClientRecord(identity=identity, last_seen=now)
+        client.last_seen = now
+        return client
+
+    def _on_submit(self, identity: bytes, submit: Submit, now: float) -> None:
+        client = self._client(identity, now)
+        if client is None:
+            return
+        rid = submit.request_id
+        if self.state is ClusterState.STOPPED:
+            self._send(identity, Error(message=f"request {rid!r} not accepted: the cluster is stopping", request_id=rid))
+            return
+        if rid in self.requests.by_id:
+            self._send(identity, Error(message=f"request id {rid!r} is already in flight", request_id=rid))
+            return
+        sampling = submit.sampling
+        request = RequestRecord(
+            request_id=rid, client=identity, prompt=submit.prompt, prompt_token_ids=submit.prompt_token_ids,
+            sampling=sampling, max_tokens=sampling.get("max_tokens", _DEFAULTS.max_tokens),
+            min_tokens=sampling.get("min_tokens", _DEFAULTS.min_tokens), pin_rank=submit.pin_rank,
+            submitted_at=now)
+        self.requests.add(request)
+        client.requests.add(rid)
+        self.counters.requests_submitted += 1
+        if self.state is ClusterState.RUNNING and not self.requests.held:
+            self._dispatch(request, now)
+        else:
+            self.requests.hold(request, now)
+
+    def _dispatch(self, request: RequestRecord, now: float) -> bool:
+        """Route and send `request`; False (it stays or becomes held) if no worker can take it now."""
+        candidates = self._routable()
+        if not candidates:
+            self.requests.hold(request, now)
+            return False
+        if request.pin_rank is not None and request.retries == 0:
+            worker = next((w for w in candidates if w.dp_rank == request.pin_rank), None)
+            if worker is None:
+                ranks = ", ".join(str(w.dp_rank) for w in sorted(candidates, key=lambda w: w.dp_rank))
+                self._fail(request, f"request {request.request_id!r} is pinned to dp_rank {request.pin_rank}, "
+                                    f"which is not available (healthy ranks: {ranks})")
+                return True
+        else:
+            worker = self.policy.choose(request.routing_prompt, candidates)
+        if request.delivered and request.prompt_token_ids is None:
+            self._fail(request, f"request {request.request_id!r} cannot be resumed: its worker never reported "
+                                f"the prompt's token ids")
+            return True
+        if request.remaining_budget() == 0:      # every token is out; only the final delta was lost
+            self.counters.requests_completed += 1
+            self._finish(request, Delta(request_id=request.request_id, token_ids=TokenIds(), text="",
+                                        finished=True, finish_reason="length"), {})
+            return True
+        self.requests.unhold(request)
+        request.worker_id = worker.worker_id
+        request.charged = request.cost
+        worker.requests.add(request.request_id)
+        worker.cost_in_flight += request.charged
+        worker.requests_routed += 1
+        self._send(worker.identity, request.dispatch())
+        return True
+
+    def _dispatch_held(self, now: float) -> None:
+        if self.state is not ClusterState.RUNNING or not self.requests.held or not self._routable():
+            return
+        for request in list(self.requests.held.values()):
+            if not self._dispatch(request, now):
+                return
+
+    def _routable(self) -> list[WorkerRecord]:
+        """Healthy workers whose whole group is healthy (a dead member stalls an EP group's collectives)."""
+        if self._routable_cache is None:
+            dead_groups = {w.group_id for w in self.workers if not w.healthy}
+            self._routable_cache = [w for w in self.workers
+                                    if w.healthy and not w.draining and w.group_id not in dead_groups]
+        return self._routable_cache
+
+    def _on_abort(self, identity: bytes, abort: Abort, now: float) -> None:
+        client = self._client(identity, now)
+        if client is None:
+            return
+        to_workers: dict[str, list[str]] = {}
+        for rid in abort.request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.client != identity:
+                continue   # finished already, or not this client's
+            self._finish(request, Delta(request_id=rid, token_ids=TokenIds(), text="", finished=True,
+                                        finish_reason="abort"), to_workers)
+            self.counters.requests_aborted += 1
+        self._send_aborts(to_workers)
+
+    def _finish(self, request: RequestRecord, final: Delta | None, to_workers: dict[str, list[str]]) -> None:
+        """Forget `request`; send `final` to its client; note an abort for its worker if it runs on one."""
+        if request.worker_id is not None:
+            to_workers.setdefault(request.worker_id, []).append(request.request_id)
+        self._detach(request)
+        self.requests.remove(request)
+        client = self.clients.get(request.client)
+        if client is not None:
+            client.requests.discard(request.request_id)
+            if final is not None:
+                self._to_client(request, final)
+
+    def _send_aborts(self, to_workers: dict[str, list[str]]) -> None:
+        for worker_id, rids in to_workers.items():
+            worker = self.workers.by_id.get(worker_id)
+            if worker is not None and worker.healthy:
+                self._send(worker.identity, Abort(request_ids=rids))
+
+    def _detach(self, request: RequestRecord) -> None:
+        """Take `request` off its worker's books (the worker is not told)."""
+        worker = self.workers.by_id.get(request.worker_id) if request.worker_id is not None else None
+        if worker is not None:
+            worker.requests.discard(request.request_id)
+            worker.cost_in_flight -= request.charged
+        request.charged = 0
+        request.worker_id = None
+
+    def _fail(self, request: RequestRecord, message: str) -> None:
+        self.counters.requests_failed += 1
+        to_workers: dict[str, list[str]] = {}
+        self._finish(request, Delta(request_id=request.request_id, token_ids=TokenIds(), text="", finished=True,
+                                    finish_reason="error", error=message), to_workers)
+        self._send_aborts(to_workers)
+
+    # ---- worker output --------------------------------------------------------------------------
+
+    def _on_step_batch(self, identity: bytes, batch: StepBatch, now: float) -> None:
+        worker = self.workers.by_identity.get(identity)
+        if worker is None or not worker.healthy:
+            self._unknown_worker(identity, worker, [d.request_id for d in batch.deltas if not d.finished])
+            return
+        worker.last_seen = now
+        worker.load = batch.load
+        stray = []
+        for delta in batch.deltas:
+            request = self.requests.get(delta.request_id)
+            if request is None or request.worker_id != worker.worker_id:
+                if not delta.finished:
+                    stray.append(delta.request_id)
+                continue
+            self._relay(request, worker, delta, now)
+        if stray:
+            self._send(identity, Abort(request_ids=stray))
+
+    def _unknown_worker(self, identity: bytes, worker: WorkerRecord | None, running: list[str]) -> None:
+        who = f"{worker.worker_id!r}, declared dead" if worker is not None else f"with identity {identity.hex()}"
+        self._send(identity, Error(message=f"unknown worker ({who}): send hello to register again"))
+        if running:
+            self._send(identity, Abort(request_ids=running))
+
+    def _relay(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
+        if request.prompt_token_ids is None:    # a string prompt: keep the ids its first worker made
+            request.prompt_token_ids = delta.prompt_token_ids
+        if delta.finish_reason == "abort":   # not asked for by us (we forget a request before aborting it)
+            self._worker_gave_up(request, worker, delta, now)
+            return
+        if delta.finish_reason == "error" and delta.error == WORKER_DRAINING:
+            self._worker_draining(request, worker, now)
+            return
+        if request.retries or request.sent_prompt_ids:
+            delta = self._continuation(request, delta)
+        request.sent_prompt_ids = True
+        request.delivered.extend(delta.token_ids)
+        if delta.finished:
+            if delta.finish_reason == "error":
+                self.counters.requests_failed += 1
+            else:
+                self.counters.requests_completed += 1
+            self._finish(request, delta, {})
+        else:
+            self._to_client(request, delta)
+
+    def _continuation(self, request: RequestRecord, delta: Delta) -> Delta:
+        """`delta` as the client should see it: the prompt ids only once, counted from the original prompt."""
+        prompt_ids = None if request.sent_prompt_ids else request.prompt_token_ids
+        if delta.prompt_token_ids is None and prompt_ids is None:
+            return delta
+        return Delta(request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text,
+                     finished=delta.finished, finish_reason=delta.finish_reason, error=delta.error,
+                     logprobs=delta.logprobs, num_prompt_tokens=len(request.prompt_token_ids or ()),
+                     num_cached_tokens=delta.num_cached_tokens, prompt_token_ids=prompt_ids)
+
+    def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
+        """The worker aborted a request on its own (draining): relay its last tokens, then move it."""
+        if delta.token_ids or delta.text:
+            self._relay(request, worker, Delta(request_id=delta.request_id, token_ids=delta.token_ids,
+                                               text=delta.text, logprobs=delta.logprobs,
+                                               num_prompt_tokens=delta.num_prompt_tokens,
+                                               num_cached_tokens=delta.num_cached_tokens,
+                                               prompt_token_ids=delta.prompt_token_ids), now)
+        self._failover(request, f"worker {worker.worker_id!r} aborted it", now)
+        self._dispatch_held(now)
+
+    def _worker_draining(self, request: RequestRecord, worker: WorkerRecord, now: float) -> None:
+        """The worker refused a dispatch because it drains (SIGTERM): route nothing more to it."""
+        if not worker.draining:
+            worker.draining = True
+            self._routable_cache = None
+            log.info("worker %r (dp_rank %d) is draining: no new requests go to it", worker.worker_id,
+                     worker.dp_rank)
+        self._failover(request, f"worker {worker.worker_id!r} is draining", now)
+        self._dispatch_held(now)
+
+    def _on_error(self, identity: bytes, error: Error, now: float) -> None:
+        worker = self.workers.by_identity.get(identity)
+        if worker is None or not worker.healthy:
+            client = self.clients.get(identity)
+            if client is not None:
+                client.last_seen = now
+            log.warning("error reported by peer %s: %s", identity.hex(), error.message)
+            return
+        worker.last_seen = now
+        request = self.requests.get(error.request_id) if error.request_id is not None else None
+        if request is not None and request.worker_id == worker.worker_id:
+            self._fail(request, f"worker {worker.worker_id!r} failed request {request.request_id!r}: {error.message}")
+        else:
+            log.warning("error reported by worker %r: %s", worker.worker_id, error.message)
+
+    # ---- liveness and failover ------------------------------------------------------------------
+
+    def _on_heartbeat(self, identity: bytes, heartbeat: Heartbeat, now: float) -> None:
+        worker = self.workers.by_identity.get(identity)
+        if worker is not None:
+            if not worker.healthy:
+                self._unknown_worker(identity, worker, [])
+                return
+            worker.last_seen = now
+            if heartbeat.load is not None:
+                worker.load = heartbeat.load
+            return
+        if self._client(identity, now) is not None:
+            self._send(identity, Heartbeat(sent_at=time.time()))
+
+    def _check_workers(self, now: float) -> None:
+        beat = Heartbeat(sent_at=time.time())
+        for worker in [w for w in self.workers if w.healthy]:
+            silent = now - worker.last_seen
+            if silent > self.config.worker_timeout:
+                self._mark_dead(worker, f"silent for {silent:.1f} s (worker timeout {self.config.worker_timeout} s)",
+                                now)
+            else:
+                self._send(worker.identity, beat)
+
+    def _mark_dead(self, worker: WorkerRecord, reason: str, now: float) -> None:
+        worker.healthy = False
+        self._routable_cache = None
+        self.policy.forget_rank(worker.dp_rank)
+        if self._stop_pending is not None:
+            self._stop_pending.discard(worker.worker_id)
+        mates = [w for w in self.workers if w.healthy and w.group_id == worker.group_id]
+        log.warning("worker left: %s: %s; moving its %d request(s)%s", worker.describe(), reason,
+                    len(worker.requests), f"; its group {worker.group_id!r} is unhealthy until it returns"
+                    if mates else "")
+        for w in [worker, *mates]:
+            moved = [r for r in map(self.requests.get, list(w.requests)) if r is not None]
+            if w is not worker and moved:
+                self._send(w.identity, Abort(request_ids=[r.request_id for r in moved]))
+            for request in moved:
+                self._failover(request, f"worker {worker.worker_id!r} (dp_rank {worker.dp_rank}) {reason}", now)
+        self._dispatch_held(now)
+
+    def _failover(self, request: RequestRecord, reason: str, now: float) -> None:
+        """Move `request` off its worker and queue it (first in line) to resume where its stream stands."""
+        self._detach(request)
+        if request.retries >= self.config.max_retries:
+            self._fail(request, f"request {request.request_id!r} failed: {reason}; it was already re-dispatched "
+                                f"{request.retries} time(s), the limit (--max-retries)")
+            return
+        request.retries += 1
+        self.counters.requests_redispatched += 1
+        self.requests.hold(request, now)
+        self.requests.held.move_to_end(request.request_id, last=False)
+
+    def _check_clients(self, now: float) -> None:
+        for client in list(self.clients.values()):
+            silent = now - client.last_seen
+            if client.requests and silent > self.config.client_timeout:
+                self._client_lost(client, f"silent for {silent:.1f} s (client timeout "
+                                          f"{self.config.client_timeout} s)", now)
+            elif not client.requests and silent > max(CLIENT_IDLE_PRUNE_S, self.config.client_timeout):
+                del self.clients[client.identity]
+
+    def _client_lost(self, client: ClientRecord, reason: str, now: float) -> None:
+        to_workers: dict[str, list[str]] = {}
+        requests = [r for r in map(self.requests.get, list(client.requests)) if r is not None]
+        for request in requests:
+            self._finish(request, None, to_workers)
+        self.counters.requests_aborted += len(requests)
+        self._send_aborts(to_workers)
+        del self.clients[client.identity]
+        log.warning("client lost: %r (identity %s): %s; aborted its %d request(s)", client.peer_id,
+                    client.identity.hex(), reason, len(requests))
+
+    def _check_held(self, now: float) -> None:
+        self._dispatch_held(now)
+        if self.state is not ClusterState.RUNNING:
+            return   # paused requests wait as long as the pause lasts
+        limit = self.config.queue_timeout
+        for request in [r for r in self.requests.held.values() if now - r.held_since > limit]:
+            self._fail(request, f"request {request.request_id!r} waited {now - request.held_since:.1f} s for a "
+                                f"healthy worker (queue timeout {limit} s)")
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def _on_control(self, identity: bytes, control: Control, now: float) -> None:
+        client = self._client(identity, now)
+        if client is None:
+            return
+        refusal = self._apply_command(control.command, f"client {client.peer_id or identity.hex()}", now)
+        if refusal is not None:
+            self._send(identity, Error(message=refusal))
+        else:
+            self._send(identity, ControlAck(command=control.command, state=self.state.value))
+
+    def _apply_command(self, command: str, source: str, now: float) -> str | None:
+        """Run the lifecycle table's transition; the refusal's reason, or None."""
+        step = transition(self.state, command)
+        if isinstance(step, Refusal):
+            log.warning("lifecycle: %s refused (%s): %s", command, source, step.reason)
+            return step.reason
+        before, self.state = self.state, step.state
+        log.info("lifecycle: %s: %s -> %s (from %s)", command, before.value, step.state.value, source)
+        for action in step.actions:
+            if action is Action.TELL_WORKERS:
+                for worker in [w for w in self.workers if w.healthy]:
+                    self._send(worker.identity, Control(command=command))
+            elif action is Action.RELEASE_HELD:
+                self._dispatch_held(now)
+            elif action is Action.FAIL_PENDING:
+                for request in list(self.requests.by_id.values()):
+                    self._fail(request, f"the cluster was stopped ({source}) before request "
+                                        f"{request.request_id!r} finished")
+            elif action is Action.EXIT:
+                self._stop_pending = {w.worker_id for w in self.workers if w.healthy}
+                self._stop_deadline = now + self.config.stop_timeout
+                self._answer_stats_waiters(now, force=True)
+        return None
+
+    def _on_control_ack(self, identity: bytes, ack: ControlAck, now: float) -> None:
+        worker = self.workers.by_identity.get(identity)
+        if worker is None:
+            self._reject(identity, "only workers send control_ack")
+            return
+        worker.last_seen = now
+        if ack.command == "stop" and self._stop_pending is not None:
+            self._stop_pending.discard(worker.worker_id)
+        log.debug("worker %r acknowledged %s (state %s)", worker.worker_id, ack.command, ack.state)
+
+    # ---- stats ----------------------------------------------------------------------------------
+
+    def _on_stats_request(self, identity: bytes, request: StatsRequest, now: float) -> None:
+        if self._client(identity, now) is None:
+            return
+        if (request.min_healthy_workers <= len(self._routable()) or request.timeout_s <= 0
+                or len(self._stats_waiters) >= MAX_STATS_WAITERS or self.state is ClusterState.STOPPED):
+            self._send(identity, self.stats(now))
+        else:
+            self._stats_waiters.append(_StatsWaiter(identity, request.min_healthy_workers, now + request.timeout_s))
+
+    def _answer_stats_waiters(self, now: float, force: bool = False) -> None:
+        if not self._stats_waiters:
+            return
+        healthy = len(self._routable())
+        waiting = []
+        for waiter in self._stats_waiters:
+            if force or healthy >= waiter.min_healthy_workers or now >= waiter.deadline:
+                self._send(waiter.identity, self.stats(now))
+            else:
+                waiting.append(waiter)
+        self._stats_waiters = waiting
+
+    def stats(self, now: float) -> ClusterStats:
+        routable = {w.worker_id for w in self._routable()}
+        workers = [WorkerStats(worker_id=w.worker_id, dp_rank=w.dp_rank, group_id=w.group_id,
+                               healthy=w.worker_id in routable, num_kv_blocks=w.hello.num_kv_blocks,
+                               block_size=w.hello.block_size, max_num_seqs=w.hello.max_num_seqs,
+                               max_model_len=w.hello.max_model_len, requests_routed=w.requests_routed,
+                               num_in_flight=w.num_in_flight, seconds_since_heard=round(now - w.last_seen, 3),
+                               registrations=w.registrations, load=w.load)
+                   for w in sorted(self.workers, key=lambda w: (w.dp_rank, w.worker_id))]
+        c = self.counters
+        return ClusterStats(
+            coordinator_id=self.config.coordinator_id, state=self.state.value, policy=self.policy.name,
+            model_id=self.model_id, workers=workers, num_clients=len(self.clients),
+            num_in_flight=self.requests.num_in_flight, num_held=len(self.requests.held),
+            requests_submitted=c.requests_submitted, requests_completed=c.requests_completed,
+            requests_failed=c.requests_failed, requests_aborted=c.requests_aborted,
+            requests_redispatched=c.requests_redispatched, frames_rejected=c.frames_rejected,
+            uptime_s=round(now - self._started, 3))
+
+    def _log_rejections(self) -> None:
+        rejected = self.counters.frames_rejected
+        if rejected != self._rejected_logged:
+            log.warning("rejected %d malformed or unexpected frame(s) since the last report (%d in all)",
+                        rejected - self._rejected_logged, rejected)
+            self._rejected_logged = rejected

@@ -1,0 +1,190 @@
+"""infer-coordinator: one ROUTER socket for clients and workers; the logic lives in core.py.
+
+The loop: wait on the socket (and on a signal wakeup fd) until the next timer deadline, drain what
+arrived (bounded per cycle), run the timers, send what the core queued. A send that finds its peer
+unroutable (ROUTER_MANDATORY: the connection is gone) is reported back to the core, which treats the
+peer as dead. SIGTERM / SIGINT run STOP: pending requests fail, workers are told to stop, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import logging
+import math
+import signal
+import socket
+import sys
+import time
+
+import zmq
+
+from infer.coordinator.config import CoordinatorConfig
+from infer.coordinator.core import Coordinator
+from infer.coordinator.routing import POLICIES
+from infer.protocol.messages import encode
+from infer.protocol.transport import make_socket
+
+log = logging.getLogger("infer.coordinator")
+
+MAX_MESSAGES_PER_CYCLE = 1024
+EXIT_LINGER_MS = 2000
+
+
+class CoordinatorDaemon:
+    """Owns the socket and the loop; `run()` returns the process exit code."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.ctx = zmq.Context()
+        self.sock = make_socket(self.ctx, zmq.ROUTER)
+        self.sock.setsockopt(zmq.SNDHWM, 0)      # never drop or block a delta: memory is the bound
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if config.port == 0:
+            port = self.sock.bind_to_random_port(f"tcp://{config.host}")
+            config = dataclasses.replace(config, port=port)
+        else:
+            self.sock.bind(config.endpoint)
+        self.config = config
+        self.core = Coordinator(config, time.monotonic())
+        self._wake_r, self._wake_w = socket.socketpair()
+
+    def run(self) -> int:
+        self._install_signal_handlers()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)   # a plain fd: poll() reports it by number
+        log.info("coordinator %r listening on %s (policy %s, heartbeat %.2f s, worker timeout %.1f s, "
+                 "client timeout %.1f s, max retries %d)", self.config.coordinator_id, self.config.endpoint,
+                 self.config.policy, self.config.heartbeat_interval, self.config.worker_timeout,
+                 self.config.client_timeout, self.config.max_retries)
+        core = self.core
+        while True:
+            now = time.monotonic()
+            timeout_ms = max(0, math.ceil((core.next_deadline() - now) * 1000))
+            events = dict(poller.poll(timeout_ms))
+            if self._wake_r.fileno() in events:
+                self._on_signal()
+            if self.sock in events:
+                self._drain()
+            now = time.monotonic()
+            core.tick(now)
+            self._flush(now)
+            if core.done(now):
+                break
+        self._close()
+        log.info("coordinator stopped")
+        return 0
+
+    def _drain(self) -> None:
+        sock, core = self.sock, self.core
+        now = time.monotonic()
+        for _ in range(MAX_MESSAGES_PER_CYCLE):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            core.handle(frames[0], frames[1:], now)
+
+    def _flush(self, now: float) -> None:
+        send, core = self.sock.send, self.core
+        more, last = zmq.SNDMORE | zmq.NOBLOCK, zmq.NOBLOCK
+        outgoing = core.take_outgoing()
+        while outgoing:
+            for identity, msg in outgoing:
+                try:
+                    frame = encode(msg)
+                except Exception:   # a value that cannot be packed: lose this message, never the loop
+                    log.exception("cannot encode %r for %s", msg.TYPE, identity.hex())
+                    continue
+                try:
+                    send(identity, more)    # unroutable: raises here (ROUTER_MANDATORY), nothing half-sent
+                    send(frame, last)
+                except zmq.ZMQError as e:
+                    if e.errno != errno.EHOSTUNREACH:
+                        log.warning("send of %r to %s failed: %s", msg.TYPE, identity.hex(), e)
+                    core.peer_gone(identity, now)
+            outgoing = core.take_outgoing()   # peer_gone may have queued more (re-dispatches, aborts)
+
+    def _install_signal_handlers(self) -> None:
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        signal.set_wakeup_fd(self._wake_w.fileno())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)   # the wakeup fd carries the signal into the loop
+
+    def _on_signal(self) -> None:
+        try:
+            data = self._wake_r.recv(64)
+        except BlockingIOError:
+            return
+        self.core.shutdown(f"signal {', '.join(sorted({_signal_name(b) for b in data}))}", time.monotonic())
+
+    def _close(self) -> None:
+        self.sock.setsockopt(zmq.LINGER, EXIT_LINGER_MS)   # let the last acks and errors leave
+        self.sock.close()
+        self.ctx.term()
+        signal.set_wakeup_fd(-1)
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = CoordinatorConfig()
+    p = argparse.ArgumentParser(prog="infer-coordinator", description="The infer cluster's coordinator.")
+    p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host}; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=d.port, help=f"TCP port (default {d.port}; 0 picks a free one)")
+    p.add_argument("--policy", default=d.policy, choices=POLICIES, help="routing policy (default %(default)s)")
+    p.add_argument("--model-id", default=None,
+                   help="the model id every worker must serve (default: the first worker's)")
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval, metavar="S")
+    p.add_argument("--worker-timeout", type=float, default=d.worker_timeout, metavar="S",
+                   help="declare a silent worker dead after S seconds")
+    p.add_argument("--client-timeout", type=float, default=d.client_timeout, metavar="S",
+                   help="abort the requests of a client silent for S seconds")
+    p.add_argument("--max-retries", type=int, default=d.max_retries, metavar="N",
+                   help="re-dispatches allowed per request after worker failures")
+    p.add_argument("--queue-timeout", type=float, default=d.queue_timeout, metavar="S",
+                   help="fail a request that waited S seconds for a healthy worker")
+    p.add_argument("--stop-timeout", type=float, default=d.stop_timeout, metavar="S",
+                   help="on STOP, wait at most S seconds for workers to acknowledge")
+    p.add_argument("--coordinator-id", default=d.coordinator_id)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        host=args.host, port=args.port, policy=args.policy, model_id=args.model_id,
+        heartbeat_interval=args.heartbeat_interval, worker_timeout=args.worker_timeout,
+        client_timeout=args.client_timeout, max_retries=args.max_retries, queue_timeout=args.queue_timeout,
+        stop_timeout=args.stop_timeout, coordinator_id=args.coordinator_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"infer-coordinator: {e}", file=sys.stderr)
+        return 2
+    try:
+        daemon = CoordinatorDaemon(config)
+    except zmq.ZMQError as e:
+        print(f"infer-coordinator: cannot bind {config.endpoint}: {e}", file=sys.stderr)
+        return 1
+    return daemon.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The cluster's lifecycle as a declarative table: (state, command) -> new state + actions, or a refusal.
+
+Requests are dispatched only in RUNNING; in every other state new requests wait in the coordinator.
+PAUSE holds new work (and asks workers to stop stepping); SUSPEND additionally lets workers release
+memory, and is only allowed from PAUSED; RESUME brings a suspended cluster back to PAUSED; UNPAUSE
+releases what waited. STOP is accepted from any live state: pending requests fail, workers are told
+to stop, the coordinator exits.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ClusterState(str, enum.Enum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    SUSPENDED = "suspended"
+    STOPPED = "stopped"
+
+
+class Action(enum.Enum):
+    TELL_WORKERS = "forward the command to every live worker"
+    RELEASE_HELD = "dispatch the requests that waited"
+    FAIL_PENDING = "fail every held and in-flight request with a clear error"
+    EXIT = "shut the coordinator down once workers acknowledged (or a timeout passed)"
+
+
+@dataclass(frozen=True)
+class Transition:
+    state: ClusterState
+    actions: tuple[Action, ...] = ()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    reason: str
+
+
+_R, _P, _S, _X = ClusterState.RUNNING, ClusterState.PAUSED, ClusterState.SUSPENDED, ClusterState.STOPPED
+_STOP = Transition(_X, (Action.FAIL_PENDING, Action.TELL_WORKERS, Action.EXIT))
+
+TABLE: dict[tuple[ClusterState, str], Transition | Refusal] = {
+    (_R, "pause"): Transition(_P, (Action.TELL_WORKERS,)),
+    (_R, "unpause"): Transition(_R),
+    (_R, "suspend"): Refusal("cannot suspend a running cluster: pause it first"),
+    (_R, "resume"): Transition(_R),
+    (_R, "stop"): _STOP,
+    (_P, "pause"): Transition(_P),
+    (_P, "unpause"): Transition(_R, (Action.TELL_WORKERS, Action.RELEASE_HELD)),
+    (_P, "suspend"): Transition(_S, (Action.TELL_WORKERS,)),
+    (_P, "resume"): Transition(_P),
+    (_P, "stop"): _STOP,
+    (_S, "pause"): Transition(_S),
+    (_S, "unpause"): Refusal("cannot unpause a suspended cluster: resume it first"),
+    (_S, "suspend"): Transition(_S),
+    (_S, "resume"): Transition(_P, (Action.TELL_WORKERS,)),
+    (_S, "stop"): _STOP,
+}
+
+
+def transition(state: ClusterState, command: str) -> Transition | Refusal:
+    """What `command` does in `state`. Unknown commands and anything after STOP are refusals."""
+    if state is ClusterState.STOPPED:
+        return Refusal(f"the cluster is stopped; {command!r} is not possible")
+    return TABLE.get((state, command), Refusal(f"unknown lifecycle command {command!r}"))
+
+
+def commands_to_reach(state: ClusterState) -> tuple[str, ...]:
+    """The commands that take a fresh (running) worker to `state`: sent to a worker joining late."""
+    return {_R: (), _P: ("pause",), _S: ("pause", "suspend"), _X: ("stop",)}[state]

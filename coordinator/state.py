@@ -1,0 +1,198 @@
+"""What the coordinator remembers: in-flight requests, workers (DP ranks) and clients. No I/O.
+
+Invariants (kept by coordinator/core.py):
+- a request is either held (worker_id is None, it sits in RequestTable.held) or runs on exactly one
+  worker (worker_id set, the id is in that worker's `requests`);
+- `delivered` is every token id already relayed to the client, in order; with the prompt token ids it
+  is what a re-dispatch resumes from;
+- a worker's `cost_in_flight` is the sum of its requests' `charged` (their estimated cost when dispatched).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from infer.protocol.messages import Dispatch, Hello, Load, TokenIds
+
+CHARS_PER_TOKEN = 4            # rough prompt-length estimate for routing, before a worker tokenized it
+UNBOUNDED_OUTPUT_ESTIMATE = 256  # routing cost of a request with max_tokens=None
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    """One request the coordinator is responsible for, from Submit until its final delta."""
+
+    request_id: str
+    client: bytes                       # the client's ROUTER identity
+    prompt: str | None
+    prompt_token_ids: TokenIds | None   # as submitted, or as the first worker tokenized the prompt
+    sampling: dict[str, Any]
+    max_tokens: int | None              # as resolved from `sampling` (None: up to the context length)
+    min_tokens: int
+    pin_rank: int | None
+    submitted_at: float
+    worker_id: str | None = None        # where it runs now; None while held
+    held_since: float | None = None
+    delivered: TokenIds = field(default_factory=TokenIds)
+    charged: int = 0                    # its estimated cost when dispatched, counted in its worker's cost_in_flight
+    sent_prompt_ids: bool = False       # the client has had the prompt token ids
+    retries: int = 0
+
+    @property
+    def cost(self) -> int:
+        """Estimated tokens this request adds to a rank: prompt (not yet computed) + output still to come."""
+        if self.prompt_token_ids is not None:
+            prompt = len(self.prompt_token_ids) + len(self.delivered)
+        else:
+            prompt = len(self.prompt or "") // CHARS_PER_TOKEN + 1
+        max_tokens = self.max_tokens
+        output = UNBOUNDED_OUTPUT_ESTIMATE if max_tokens is None else max(0, max_tokens - len(self.delivered))
+        return prompt + output
+
+    @property
+    def routing_prompt(self) -> str | TokenIds:
+        return self.prompt_token_ids if self.prompt_token_ids is not None else (self.prompt or "")
+
+    def remaining_budget(self) -> int | None:
+        """max_tokens left after what was delivered (None: up to the context length)."""
+        max_tokens = self.max_tokens
+        return None if max_tokens is None else max_tokens - len(self.delivered)
+
+    def dispatch(self) -> Dispatch:
+        """The Dispatch that (re)starts this request where the client's stream stands."""
+        if not self.delivered:
+            return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt=self.prompt
+                            if self.prompt_token_ids is None else None, prompt_token_ids=self.prompt_token_ids)
+        sampling = dict(self.sampling)
+        sampling["max_tokens"] = self.remaining_budget()
+        sampling["min_tokens"] = max(0, self.min_tokens - len(self.delivered))
+        return Dispatch(request_id=self.request_id, sampling=sampling, prompt_token_ids=self.prompt_token_ids,
+                        resumed_token_ids=TokenIds(self.delivered))
+
+
+@dataclass(eq=False)
+class WorkerRecord:
+    """One DP rank: what it said in its Hello, its last load report, and the coordinator's own counts."""
+
+    worker_id: str
+    identity: bytes
+    hello: Hello
+    last_seen: float
+    healthy: bool = True                # alive: heard from within the timeout, connection present
+    draining: bool = False              # refused a dispatch while draining: alive, but routed nothing new
+    load: Load | None = None
+    requests: set[str] = field(default_factory=set)
+    cost_in_flight: int = 0
+    requests_routed: int = 0
+    registrations: int = 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.hello.dp_rank
+
+    @property
+    def group_id(self) -> str:
+        return self.hello.group_id
+
+    @property
+    def capacity_tokens(self) -> int:
+        return max(1, self.hello.num_kv_blocks * self.hello.block_size)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.requests)
+
+    @property
+    def score(self) -> float:
+        """Load as a fraction of KV capacity, in tokens: queued + running tokens from the last report, plus
+        the requests the coordinator has here that the report does not count yet (dispatched after it was
+        made), each at the mean estimated cost of this worker's in-flight requests."""
+        in_flight = len(self.requests)
+        load = self.load
+        if load is None:
+            return self.cost_in_flight / self.capacity_tokens
+        used_blocks = max(0, load.num_total_blocks - load.num_free_blocks)
+        reported = load.num_queued_tokens + used_blocks * self.hello.block_size
+        unreported = in_flight - load.num_waiting - load.num_running
+        if unreported > 0:
+            reported += unreported * self.cost_in_flight // in_flight
+        return reported / self.capacity_tokens
+
+    def describe(self) -> str:
+        return (f"worker {self.worker_id!r} (dp_rank {self.dp_rank}, group {self.group_id!r}, "
+                f"{self.hello.num_kv_blocks} KV blocks x {self.hello.block_size}, max_num_seqs "
+                f"{self.hello.max_num_seqs}, max_model_len {self.hello.max_model_len})")
+
+
+@dataclass(eq=False)
+class ClientRecord:
+    identity: bytes
+    last_seen: float
+    peer_id: str | None = None
+    requests: set[str] = field(default_factory=set)
+
+
+class WorkerTable:
+    """Workers by id and by ROUTER identity. Dead workers stay (unhealthy) until they re-register or a new
+    worker takes their rank; the identity of a removed worker keeps pointing at its (dead) record, so its
+    late frames are answered "unknown worker" rather than mistaken for a client's."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, WorkerRecord] = {}
+        self.by_identity: dict[bytes, WorkerRecord] = {}
+
+    def __iter__(self):
+        return iter(self.by_id.values())
+
+    def healthy(self) -> list[WorkerRecord]:
+        return [w for w in self.by_id.values() if w.healthy]
+
+    def live_with_rank(self, dp_rank: int) -> WorkerRecord | None:
+        return next((w for w in self.by_id.values() if w.healthy and w.dp_rank == dp_rank), None)
+
+    def add(self, worker: WorkerRecord) -> None:
+        old = self.by_id.get(worker.worker_id)
+        if old is not None:
+            self.by_identity.pop(old.identity, None)
+        self.by_id[worker.worker_id] = worker
+        self.by_identity[worker.identity] = worker
+
+    def remove(self, worker: WorkerRecord) -> None:
+        self.by_id.pop(worker.worker_id, None)
+
+
+class RequestTable:
+    """Every request from Submit to its final delta; `held` keeps the waiting ones in arrival order."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, RequestRecord] = {}
+        self.held: OrderedDict[str, RequestRecord] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        return self.by_id.get(request_id)
+
+    def add(self, request: RequestRecord) -> None:
+        self.by_id[request.request_id] = request
+
+    def hold(self, request: RequestRecord, now: float) -> None:
+        request.worker_id = None
+        if request.held_since is None:
+            request.held_since = now
+        self.held[request.request_id] = request
+
+    def unhold(self, request: RequestRecord) -> None:
+        self.held.pop(request.request_id, None)
+        request.held_since = None
+
+    def remove(self, request: RequestRecord) -> None:
+        self.by_id.pop(request.request_id, None)
+        self.held.pop(request.request_id, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.by_id) - len(self.held)

@@ -1,0 +1,188 @@
+"""Real clusters for acceptance tests: infer-coordinator and infer-worker processes on loopback TCP.
+
+Every process runs in its own session (process group) with its log in the test's tmp dir; whatever a
+test leaves running is SIGKILLed (group-wide) and reaped at teardown. Heartbeats and timeouts are short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from infer.client.inference_client import InferenceClient, SyncInferenceClient
+
+COORDINATOR_FLAGS = ["--heartbeat-interval", "0.2", "--worker-timeout", "5", "--client-timeout", "1.5",
+                     "--stop-timeout", "3"]
+WORKER_FLAGS = ["--heartbeat-interval", "0.2", "--coordinator-timeout", "3", "--drain-timeout", "2"]
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def kill9(self) -> None:
+        _killpg(self.popen, signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout=timeout)
+
+
+def _killpg(popen: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class Cluster:
+    """Starts and tracks the processes of one test cluster (see the module docstring)."""
+
+    logs: Path
+    port: int = field(default_factory=free_port)
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def spawn(self, name: str, *argv: str) -> Proc:
+        log = self.logs / f"{name}-{len(self.procs)}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def coordinator(self, *flags: str) -> Proc:
+        return self.spawn("coordinator", "-m", "infer.coordinator.daemon", "--port", str(self.port),
+                          *COORDINATOR_FLAGS, *flags)
+
+    def worker(self, rank: int, *flags: str, model: str | Path | None = None, benchmark: bool = False) -> Proc:
+        argv = ["-m", "infer.worker.daemon", "--coordinator", self.address, "--dp-rank", str(rank),
+                "--worker-id", f"w{rank}-{len(self.procs)}", *WORKER_FLAGS]
+        if benchmark:
+            argv.append("--benchmark-mode")
+        if model is not None:
+            argv += ["--model", str(model)]
+        return self.spawn(f"worker{rank}", *argv, *flags)
+
+    def client(self, **options) -> InferenceClient:
+        options = {"heartbeat_interval": 0.2, "silence_timeout": 10.0, "connect_timeout": 10.0, **options}
+        return InferenceClient(self.address, **options)
+
+    def alive(self) -> list[Proc]:
+        return [p for p in self.procs if p.popen.poll() is None]
+
+    def dump(self) -> str:
+        return "\n".join(f"==== {p.name} ({p.log.name}, exit {p.popen.poll()}) ====\n{p.text()[-4000:]}"
+                         for p in self.procs)
+
+    def teardown(self) -> None:
+        for proc in self.procs:
+            _killpg(proc.popen, signal.SIGKILL)
+        for proc in self.procs:
+            proc.popen.wait(timeout=10)
+
+
+@pytest.fixture
+def cluster_factory(tmp_path_factory, request) -> Callable[[], Cluster]:
+    """Factory of clusters torn down (SIGKILL + reap) after the test; logs are printed if it failed."""
+    made: list[Cluster] = []
+
+    def make() -> Cluster:
+        cluster = Cluster(logs=tmp_path_factory.mktemp("cluster"))
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+            print(cluster.dump())
+        cluster.teardown()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+async def _wait_until(predicate, timeout: float, what: str):
+    """Re-check an async predicate until it holds (returns its value) or `timeout` passes (AssertionError)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def wait_until():
+    return _wait_until
+
+
+def start_model_cluster(cluster: Cluster, model: Path, workers: int = 2, coordinator_flags: tuple[str, ...] = (),
+                        engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS)) -> Cluster:
+    cluster.coordinator(*coordinator_flags)
+    for rank in range(workers):
+        cluster.worker(rank, *engine_flags, model=model)
+    try:
+        with SyncInferenceClient(cluster.address, connect_timeout=30) as client:
+            client.wait_for_workers(workers, timeout=120)
+    except BaseException:
+        print(cluster.dump())
+        raise
+    return cluster
+
+
+@pytest.fixture
+def model_cluster(cluster_factory, tiny_llama) -> Callable[..., Cluster]:
+    """Factory: a started, ready cluster of `workers` workers on the tiny Llama (torn down after the test)."""
+    def make(workers: int = 2, coordinator_flags: tuple[str, ...] = (),
+             engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS)) -> Cluster:
+        return start_model_cluster(cluster_factory(), tiny_llama, workers, coordinator_flags, engine_flags)
+    return make
+
+
+@pytest.fixture(scope="module")
+def serving_cluster(tmp_path_factory, tiny_llama) -> Cluster:
+    """A coordinator and two workers on the tiny Llama, shared by one test module."""
+    cluster = Cluster(logs=tmp_path_factory.mktemp("serving"))
+    try:
+        yield start_model_cluster(cluster, tiny_llama)
+    finally:
+        cluster.teardown()

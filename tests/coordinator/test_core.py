@@ -1,0 +1,508 @@
+"""The coordinator's logic, driven by hand: frames in, decoded messages out, a clock the test moves.
+
+Handshake and refusals, routing a burst, relaying deltas, failover with resumed tokens (no gap, no
+repeat), retries running out, re-registration, client death, client abort, the lifecycle, stats that
+wait for workers, malformed frames. Every message the core emits goes through the codec.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from infer.coordinator.config import CoordinatorConfig
+from infer.coordinator.core import Coordinator
+from infer.protocol.messages import (
+    Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load,
+    Message, Refused, StatsRequest, StepBatch, Submit, TokenIds, Welcome, decode, encode
+)
+
+MODEL = "tiny-model"
+
+
+class Harness:
+    def __init__(self, **options) -> None:
+        defaults = {"heartbeat_interval": 0.1, "worker_timeout": 1.0, "client_timeout": 1.0, "max_retries": 2,
+                    "queue_timeout": 5.0, "stop_timeout": 1.0}
+        self.now = 0.0
+        self.core = Coordinator(CoordinatorConfig(**{**defaults, **options}), self.now)
+
+    def send(self, identity: bytes, msg: Message) -> list[tuple[bytes, Message]]:
+        self.core.handle(identity, [encode(msg)], self.now)
+        return self.out()
+
+    def raw(self, identity: bytes, frames: list[bytes]) -> list[tuple[bytes, Message]]:
+        self.core.handle(identity, frames, self.now)
+        return self.out()
+
+    def out(self) -> list[tuple[bytes, Message]]:
+        """What the core queued, each message through the codec (proves it encodes)."""
+        return [(identity, decode(encode(msg))) for identity, msg in self.core.take_outgoing()]
+
+    def advance(self, seconds: float) -> list[tuple[bytes, Message]]:
+        self.now += seconds
+        self.core.tick(self.now)
+        return self.out()
+
+    def worker(self, wid: str, rank: int, *, group: str | None = None, model: str = MODEL, blocks: int = 100,
+               running: list[str] | None = None) -> list[tuple[bytes, Message]]:
+        return self.send(wid.encode(), worker_hello(wid, rank, group=group, model=model, blocks=blocks,
+                                                    running=running))
+
+    def submit(self, client: bytes, rid: str, prompt_ids: list[int] | None = None, prompt: str | None = None,
+               **sampling) -> list[tuple[bytes, Message]]:
+        sampling = {"temperature": 0.0, "max_tokens": 10, **sampling}
+        pin = sampling.pop("pin_rank", None)
+        if prompt is None:
+            return self.send(client, Submit(request_id=rid, prompt_token_ids=TokenIds(prompt_ids or [1, 2, 3]),
+                                            sampling=sampling, pin_rank=pin))
+        return self.send(client, Submit(request_id=rid, prompt=prompt, sampling=sampling, pin_rank=pin))
+
+    def step(self, wid: str, *deltas: Delta, free: int = 90) -> list[tuple[bytes, Message]]:
+        load = Load(num_waiting=0, num_running=len(deltas), num_free_blocks=free, num_total_blocks=100,
+                    num_queued_tokens=0)
+        return self.send(wid.encode(), StepBatch(deltas=list(deltas), load=load))
+
+
+def worker_hello(wid: str, rank: int, *, group: str | None = None, model: str = MODEL, blocks: int = 100,
+                 running: list[str] | None = None, **extra) -> Hello:
+    return Hello(role="worker", peer_id=wid, model_id=model, dp_rank=rank, group_id=group or f"dp{rank}",
+                 num_kv_blocks=blocks, block_size=16, max_num_seqs=64, max_model_len=256, running=running or [],
+                 **extra)
+
+
+def delta(rid: str, *tokens: int, prompt: list[int] | None = None, finish: str | None = None,
+          error: str | None = None) -> Delta:
+    return Delta(request_id=rid, token_ids=TokenIds(tokens), text="".join(f"<{t}>" for t in tokens),
+                 finished=finish is not None, finish_reason=finish, error=error,
+                 prompt_token_ids=None if prompt is None else TokenIds(prompt))
+
+
+def of_type(out: list[tuple[bytes, Message]], kind: type, to: bytes | None = None) -> list[Message]:
+    return [m for identity, m in out if isinstance(m, kind) and (to is None or identity == to)]
+
+
+def client_deltas(out: list[tuple[bytes, Message]], client: bytes) -> list[Delta]:
+    return [d for batch in of_type(out, DeltaBatch, client) for d in batch.deltas]
+
+
+def dispatches(out: list[tuple[bytes, Message]]) -> dict[bytes, list[Dispatch]]:
+    by_worker: dict[bytes, list[Dispatch]] = {}
+    for identity, m in out:
+        if isinstance(m, Dispatch):
+            by_worker.setdefault(identity, []).append(m)
+    return by_worker
+
+
+C1, C2 = b"client-1", b"client-2"
+W0, W1 = b"w0", b"w1"
+
+
+def two_workers(**options) -> Harness:
+    h = Harness(**options)
+    h.worker("w0", 0)
+    h.worker("w1", 1)
+    return h
+
+
+# ---- handshake -------------------------------------------------------------------------------------
+
+def test_worker_is_welcomed_and_the_first_model_id_is_the_clusters():
+    h = Harness()
+    out = h.worker("w0", 0)
+    (welcome,) = of_type(out, Welcome, W0)
+    assert welcome.model_id == MODEL and welcome.state == "running"
+    (refused,) = of_type(h.worker("w1", 1, model="other"), Refused, W1)
+    assert "model id differs" in refused.reason and "'tiny-model'" in refused.reason and "'other'" in refused.reason
+
+
+def test_model_id_flag_wins_over_the_first_worker():
+    h = Harness(model_id="wanted")
+    (refused,) = of_type(h.worker("w0", 0), Refused, W0)
+    assert "from --model-id" in refused.reason and "'wanted'" in refused.reason
+
+
+def test_protocol_version_and_duplicate_rank_are_refused_with_what_differs():
+    h = Harness()
+    h.worker("w0", 0)
+    (refused,) = of_type(h.send(b"x", worker_hello("x", 3, protocol_version=2)), Refused)
+    assert "protocol version differs" in refused.reason and "speaks 1" in refused.reason and "speaks 2" in refused.reason
+    (refused,) = of_type(h.worker("w9", 0), Refused)
+    assert "duplicate dp_rank 0" in refused.reason and "'w0'" in refused.reason
+    # a hello with a schema version the coordinator cannot read is refused too (not just an error)
+    frame = msgpack.packb({"type": "hello", "v": 9, "body": {}})
+    (refused,) = of_type(h.raw(b"y", [frame]), Refused)
+    assert "schema version 9" in refused.reason
+
+
+def test_a_dead_ranks_replacement_is_accepted():
+    h = two_workers()
+    h.core.peer_gone(W0, h.now)
+    h.out()
+    assert of_type(h.worker("w0-new", 0), Welcome)
+    assert [w.worker_id for w in h.core.workers] == ["w1", "w0-new"]   # the dead record is superseded
+    # the old one comes back to life: it is told to register again (and will find its rank taken)
+    (err,) = of_type(h.send(W0, Heartbeat(sent_at=0.0)), Error, W0)
+    assert err.message.startswith("unknown worker")
+    assert "duplicate dp_rank 0" in of_type(h.worker("w0", 0), Refused)[0].reason
+
+
+# ---- routing and relaying --------------------------------------------------------------------------
+
+def test_a_burst_spreads_before_any_load_report():
+    h = two_workers()
+    out = []
+    for i in range(100):
+        out += h.submit(C1, f"r{i}")
+    counts = {w: len(d) for w, d in dispatches(out).items()}
+    assert counts == {W0: 50, W1: 50}
+
+
+def test_least_loaded_follows_the_reports():
+    h = two_workers()
+    h.submit(C1, "a")
+    h.submit(C1, "b")
+    h.step("w0", delta("a", 5, prompt=[1, 2, 3]), free=10)     # w0 reports a nearly full pool
+    h.step("w1", delta("b", 5, prompt=[1, 2, 3]), free=99)
+    out = []
+    for i in range(4):
+        out += h.submit(C1, f"n{i}")
+    assert set(dispatches(out)) == {W1}
+
+
+def test_deltas_are_relayed_and_the_request_is_forgotten_when_finished():
+    h = two_workers()
+    (d,) = dispatches(h.submit(C1, "r", prompt="hello world", max_tokens=3))[W0]
+    assert d.prompt == "hello world" and d.sampling["max_tokens"] == 3 and not d.resumed_token_ids
+    out = h.step("w0", delta("r", 7, prompt=[11, 12]), free=90)
+    (first,) = client_deltas(out, C1)
+    assert first.token_ids == [7] and first.prompt_token_ids == [11, 12]
+    out = h.step("w0", delta("r", 8), delta("r", 9, finish="length"))
+    assert [x.token_ids for x in client_deltas(out, C1)] == [[8], [9]]
+    assert h.core.requests.get("r") is None and h.core.stats(h.now).requests_completed == 1
+
+
+def test_pinned_request_goes_to_its_rank_or_fails_clearly():
+    h = two_workers()
+    assert set(dispatches(h.submit(C1, "p", pin_rank=1))) == {W1}
+    (final,) = client_deltas(h.submit(C1, "q", pin_rank=7), C1)
+    assert final.finish_reason == "error" and "pinned to dp_rank 7" in final.error and "0, 1" in final.error
+
+
+def test_duplicate_request_id_is_an_error_for_that_request():
+    h = two_workers()
+    h.submit(C1, "r")
+    (err,) = of_type(h.submit(C1, "r"), Error, C1)
+    assert err.request_id == "r" and "already in flight" in err.message
+
+
+def test_no_worker_yet_means_the_request_waits_then_runs():
+    h = Harness()
+    assert not dispatches(h.submit(C1, "early"))
+    assert set(dispatches(h.worker("w0", 0))) == {W0}
+
+
+def test_queue_timeout_fails_a_request_nobody_can_run():
+    h = Harness(queue_timeout=0.5)
+    h.submit(C1, "lonely")
+    out = h.advance(0.3) + h.advance(0.3)
+    (final,) = client_deltas(out, C1)
+    assert final.finish_reason == "error" and "queue timeout" in final.error
+
+
+# ---- failover --------------------------------------------------------------------------------------
+
+def _run_until_three_tokens(h: Harness) -> None:
+    h.submit(C1, "r", prompt="some prompt", max_tokens=10, min_tokens=5)
+    h.step("w0", delta("r", 7, prompt=[11, 12]))
+    h.step("w0", delta("r", 8))
+    h.step("w0", delta("r", 9))
+
+
+def test_worker_death_resumes_the_stream_with_no_gap_and_no_repeat():
+    h = two_workers()
+    _run_until_three_tokens(h)
+    h.core.peer_gone(W0, h.now)            # a send found w0's connection gone (kill -9)
+    (d,) = dispatches(h.out())[W1]
+    assert d.prompt is None and d.prompt_token_ids == [11, 12] and d.resumed_token_ids == [7, 8, 9]
+    assert d.sampling["max_tokens"] == 7 and d.sampling["min_tokens"] == 2
+    # the new worker echoes prompt ids in its first delta: the client must not see them twice
+    out = h.step("w1", delta("r", 10, prompt=[11, 12, 7, 8, 9]))
+    (cont,) = client_deltas(out, C1)
+    assert cont.token_ids == [10] and cont.prompt_token_ids is None and cont.num_prompt_tokens == 2
+    # the dead worker's late frames are refused and its copy aborted
+    out = h.step("w0", delta("r", 99))
+    assert "unknown worker" in of_type(out, Error, W0)[0].message
+    assert of_type(out, Abort, W0)[0].request_ids == ["r"]
+    assert not client_deltas(out, C1)
+    assert h.core.requests.get("r").delivered == [7, 8, 9, 10]
+
+
+def test_a_silent_worker_is_declared_dead_and_its_requests_move():
+    h = two_workers()
+    _run_until_three_tokens(h)
+    out = []
+    for _ in range(8):                      # w1 keeps talking, w0 is hung
+        h.send(W1, Heartbeat(sent_at=0.0))
+        out += h.advance(0.15)
+    assert [d.resumed_token_ids for d in dispatches(out)[W1]] == [[7, 8, 9]]
+    assert not h.core.workers.by_id["w0"].healthy
+
+
+def test_death_before_the_first_delta_resends_the_original_prompt():
+    h = two_workers()
+    h.submit(C1, "r", prompt="text")
+    h.core.peer_gone(W0, h.now)
+    (d,) = dispatches(h.out())[W1]
+    assert d.prompt == "text" and not d.resumed_token_ids
+
+
+def test_a_request_whose_tokens_were_all_delivered_is_finished_not_resent():
+    h = two_workers()
+    h.submit(C1, "r", max_tokens=2)
+    h.step("w0", delta("r", 4, prompt=[1, 2, 3]))
+    h.step("w0", delta("r", 5))               # the last token, without its finish (not what workers do)
+    h.core.peer_gone(W0, h.now)
+    out = h.out()
+    assert not dispatches(out)
+    assert client_deltas(out, C1)[-1].finish_reason == "length"
+
+
+def test_exhausted_retries_fail_the_request_with_a_clear_error():
+    h = Harness(max_retries=1)
+    for i in range(3):
+        h.worker(f"w{i}", i)
+    h.submit(C1, "r")
+    h.core.peer_gone(W0, h.now)
+    h.out()
+    h.core.peer_gone(W1, h.now)
+    final = [d for d in client_deltas(h.out(), C1) if d.finished]
+    assert final[0].finish_reason == "error"
+    assert "re-dispatched 1 time(s), the limit (--max-retries)" in final[0].error
+
+
+def test_worker_that_gave_up_a_request_is_routed_around():
+    h = two_workers()
+    h.submit(C1, "r")
+    h.step("w0", delta("r", 4, prompt=[1, 2, 3]))
+    out = h.step("w0", Delta(request_id="r", token_ids=TokenIds([5]), text="x", finished=True,
+                             finish_reason="abort"))
+    assert [x.token_ids for x in client_deltas(out, C1)] == [[5]]      # its last token still counts
+    assert dispatches(out)[W1][0].resumed_token_ids == [4, 5]
+    # a draining worker refuses new dispatches: they move, and it gets nothing new
+    h.submit(C1, "s", pin_rank=0)
+    out = h.step("w0", delta("s", finish="error", error="worker is draining"))
+    assert set(dispatches(out)) == {W1} and not client_deltas(out, C1)
+    assert set(dispatches(h.submit(C1, "t"))) == {W1}
+
+
+def test_reregistration_aborts_what_moved_and_keeps_what_it_still_owns():
+    h = two_workers(worker_timeout=0.5)
+    h.submit(C1, "a")                       # -> w0
+    h.submit(C1, "b")                       # -> w1
+    for _ in range(5):
+        h.send(W1, Heartbeat(sent_at=0.0))
+        h.advance(0.15)                     # w0 silent: declared dead, "a" moves to w1
+    assert h.core.requests.get("a").worker_id == "w1"
+    out = h.worker("w0", 0, running=["a"])
+    assert of_type(out, Abort, W0)[0].request_ids == ["a"] and of_type(out, Welcome, W0)
+    # a live worker re-registering (it lost contact) keeps what it still runs; what it lost moves
+    h.submit(C1, "c", pin_rank=1)
+    out = h.worker("w1", 1, running=["a"])
+    assert not of_type(out, Abort, W1)
+    assert h.core.requests.get("a").worker_id == "w1"
+    moved = [d for ds in dispatches(out).values() for d in ds]
+    assert sorted(d.request_id for d in moved) == ["b", "c"] and not any(d.resumed_token_ids for d in moved)
+    assert {w.worker_id: w.cost_in_flight for w in h.core.workers} == {
+        w.worker_id: sum(h.core.requests.get(rid).charged for rid in w.requests) for w in h.core.workers}
+
+
+def test_a_dead_group_member_takes_its_group_out_of_routing():
+    h = Harness()
+    h.worker("e0", 0, group="ep")
+    h.worker("e1", 1, group="ep")
+    h.worker("solo", 2)
+    h.submit(C1, "r", pin_rank=1)
+    h.core.peer_gone(b"e0", h.now)
+    out = h.out()
+    assert of_type(out, Abort, b"e1")[0].request_ids == ["r"]
+    assert set(dispatches(out)) == {b"solo"}
+    assert [w.healthy for w in h.core.stats(h.now).workers] == [False, False, True]
+
+
+# ---- clients ---------------------------------------------------------------------------------------
+
+def test_client_abort_ends_the_stream_and_frees_the_worker():
+    h = two_workers()
+    h.submit(C1, "r")
+    out = h.send(C1, Abort(request_ids=["r", "unknown"]))
+    (final,) = client_deltas(out, C1)
+    assert final.finish_reason == "abort"
+    assert of_type(out, Abort, W0)[0].request_ids == ["r"]
+    assert not client_deltas(h.step("w0", delta("r", 1, prompt=[1])), C1)   # late deltas are dropped
+
+
+def test_a_client_cannot_abort_another_clients_request():
+    h = two_workers()
+    h.submit(C1, "r")
+    assert not h.send(C2, Abort(request_ids=["r"]))
+    assert h.core.requests.get("r") is not None
+
+
+def test_a_silent_client_loses_its_requests():
+    h = two_workers()
+    h.submit(C1, "a")
+    h.submit(C1, "b")
+    h.submit(C2, "c")
+    out = []
+    for _ in range(8):
+        h.send(C2, Heartbeat(sent_at=0.0))
+        h.send(W0, Heartbeat(sent_at=0.0))
+        h.send(W1, Heartbeat(sent_at=0.0))
+        out += h.advance(0.15)
+    aborted = sorted(rid for m in of_type(out, Abort) for rid in m.request_ids)
+    assert aborted == ["a", "b"] and h.core.requests.get("c") is not None
+    assert h.core.stats(h.now).requests_aborted == 2
+
+
+def test_an_unroutable_client_loses_its_requests_at_once():
+    h = two_workers()
+    h.submit(C1, "a")
+    h.core.peer_gone(C1, h.now)
+    assert of_type(h.out(), Abort, W0)[0].request_ids == ["a"]
+
+
+def test_client_heartbeat_is_answered():
+    h = Harness()
+    assert of_type(h.send(C1, Heartbeat(sent_at=1.0)), Heartbeat, C1)
+
+
+# ---- lifecycle -------------------------------------------------------------------------------------
+
+def test_paused_requests_wait_then_run_on_unpause():
+    h = two_workers()
+    out = h.send(C1, Control(command="pause"))
+    assert of_type(out, ControlAck, C1)[0].state == "paused"
+    assert {m.command for m in of_type(out, Control)} == {"pause"} and len(of_type(out, Control)) == 2
+    assert not dispatches(h.submit(C1, "r1") + h.submit(C1, "r2"))
+    assert h.core.stats(h.now).num_held == 2
+    out = []
+    for _ in range(60):                     # a pause, however long, does not time requests out
+        for peer in (C1, W0, W1):
+            h.send(peer, Heartbeat(sent_at=0.0))
+        out += h.advance(0.15)
+    assert not client_deltas(out, C1) and h.core.stats(h.now).num_held == 2
+    out = h.send(C1, Control(command="unpause"))
+    assert sum(len(d) for d in dispatches(out).values()) == 2
+
+
+def test_refused_commands_say_why():
+    h = two_workers()
+    (err,) = of_type(h.send(C1, Control(command="suspend")), Error, C1)
+    assert "pause it first" in err.message
+    h.send(C1, Control(command="pause"))
+    assert of_type(h.send(C1, Control(command="suspend")), ControlAck)[0].state == "suspended"
+    (err,) = of_type(h.send(C1, Control(command="unpause")), Error, C1)
+    assert "resume it first" in err.message
+    assert of_type(h.send(C1, Control(command="resume")), ControlAck)[0].state == "paused"
+
+
+def test_a_worker_joining_a_paused_cluster_is_paused_too():
+    h = Harness()
+    h.send(C1, Control(command="pause"))
+    h.send(C1, Control(command="suspend"))
+    out = h.worker("w0", 0)
+    assert of_type(out, Welcome)[0].state == "suspended"
+    assert [m.command for m in of_type(out, Control, W0)] == ["pause", "suspend"]
+
+
+def test_stop_fails_pending_requests_tells_workers_and_finishes():
+    h = two_workers()
+    h.submit(C1, "running")
+    h.send(C1, Control(command="pause"))
+    h.submit(C2, "held")
+    out = h.send(C2, Control(command="stop"))
+    finals = client_deltas(out, C1) + client_deltas(out, C2)
+    assert {d.request_id for d in finals} == {"running", "held"}
+    assert all(d.finish_reason == "error" and "the cluster was stopped" in d.error for d in finals)
+    assert len([m for m in of_type(out, Control) if m.command == "stop"]) == 2
+    assert of_type(out, ControlAck, C2)[0].state == "stopped"
+    (err,) = of_type(h.submit(C1, "late"), Error, C1)
+    assert "stopping" in err.message
+    assert not h.core.done(h.now)
+    h.send(W0, ControlAck(command="stop", state="stopped"))
+    h.send(W1, ControlAck(command="stop", state="stopped"))
+    assert h.core.done(h.now)
+
+
+def test_stop_does_not_wait_forever_for_acks():
+    h = two_workers(stop_timeout=0.5)
+    h.core.shutdown("signal SIGTERM", h.now)
+    assert not h.core.done(h.now)
+    h.now += 0.6
+    assert h.core.done(h.now)
+
+
+# ---- stats -----------------------------------------------------------------------------------------
+
+def test_stats_report_workers_and_counts():
+    h = two_workers()
+    h.submit(C1, "r")
+    h.step("w0", delta("r", 1, prompt=[1]), free=80)
+    (stats,) = of_type(h.send(C1, StatsRequest()), ClusterStats, C1)
+    w0 = stats.workers[0]
+    assert (w0.worker_id, w0.dp_rank, w0.healthy, w0.requests_routed, w0.num_in_flight) == ("w0", 0, True, 1, 1)
+    assert w0.load.num_free_blocks == 80 and stats.workers[1].load is None
+    assert stats.num_in_flight == 1 and stats.requests_submitted == 1 and stats.state == "running"
+
+
+def test_stats_can_wait_for_workers():
+    h = Harness()
+    assert not h.send(C1, StatsRequest(min_healthy_workers=2, timeout_s=5.0))
+    assert not of_type(h.worker("w0", 0), ClusterStats)
+    (stats,) = of_type(h.worker("w1", 1), ClusterStats, C1)
+    assert stats.num_healthy_workers == 2
+    h.send(C1, StatsRequest(min_healthy_workers=3, timeout_s=0.2))
+    h.send(W0, Heartbeat(sent_at=0.0))
+    (late,) = of_type(h.advance(0.3), ClusterStats, C1)
+    assert late.num_healthy_workers == 2
+
+
+# ---- malformed input -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("frames, text", [
+    ([b"\xc1"], "not valid msgpack"),
+    ([encode(Heartbeat(sent_at=0.0)), b"x"], "exactly one frame"),
+    ([msgpack.packb({"type": "submit", "v": 1, "body": {"request_id": 5}})], "must be a str"),
+    ([encode(Welcome(coordinator_id="x", state="running"))], "does not accept 'welcome'"),
+    ([encode(StepBatch(deltas=[], load=Load(num_waiting=0, num_running=0, num_free_blocks=0,
+                                            num_total_blocks=0, num_queued_tokens=0)))], "unknown worker"),
+])
+def test_malformed_frames_get_an_error_and_change_nothing(frames, text):
+    h = two_workers()
+    (err,) = of_type(h.raw(C1, frames), Error, C1)
+    assert text in err.message
+    assert h.core.stats(h.now).frames_rejected >= (0 if "unknown worker" in text else 1)
+    assert set(dispatches(h.submit(C1, "ok"))) <= {W0, W1}
+
+
+def test_a_worker_may_not_act_as_a_client():
+    h = two_workers()
+    (err,) = of_type(h.submit(W0, "r"), Error, W0)
+    assert "registered as a worker" in err.message
+
+
+def test_load_score_counts_unreported_requests_once():
+    h = two_workers()
+    h.submit(C1, "a", max_tokens=20)
+    h.submit(C1, "b", max_tokens=20)        # least-loaded: one each
+    h.submit(C1, "c", max_tokens=20)        # -> w0 again
+    w0 = h.core.workers.by_id["w0"]
+    before = w0.score
+    assert before == pytest.approx(2 * (3 + 20) / 1600)   # prompt tokens + max_tokens, each; 100 x 16 capacity
+    # a report that already counts both requests replaces the estimate instead of adding to it
+    h.send(W0, StepBatch(deltas=[], load=Load(num_waiting=0, num_running=2, num_free_blocks=100,
+                                                 num_total_blocks=100, num_queued_tokens=40)))
+    assert w0.score == pytest.approx(40 / 1600)
+    h.submit(C1, "d", max_tokens=20, pin_rank=0)   # dispatched after that report: estimated on top
+    assert w0.score == pytest.approx((40 + 23) / 1600)
