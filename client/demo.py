@@ -1,14 +1,20 @@
-"""Offline generation on the embedded default model: `python -m infer.client.demo`.
+"""The main job: a local cluster on the embedded default model, answering a few chat prompts.
 
-Prints the model's answers to a few chat prompts, run together in one continuous batch.
+    python -m infer.client.demo [--workers 2] [--model M] [--offline]
+
+Starts a coordinator and N workers as child processes (as `infer-serve` does), waits until every worker
+has joined, streams the first answer token by token through `InferenceClient`, sends the other prompts
+concurrently, prints the answers and which worker served how many, and shuts the cluster down.
+`--offline` runs the same prompts through the in-process `LLM` instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
 import time
 
-from infer.client.llm import LLM
 from infer.protocol.sampling import SamplingParams
 
 QUESTIONS = [
@@ -19,23 +25,72 @@ QUESTIONS = [
 ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None, help="safetensors dir or .gguf file (default: embedded SmolLM2)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--max-tokens", type=int, default=96)
-    args = parser.parse_args()
+def chat_prompts(model: str | None) -> list[str]:
+    from infer.worker.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(model))
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                          add_generation_prompt=True) for q in QUESTIONS]
+
+
+async def run_cluster(args: argparse.Namespace, prompts: list[str], params: SamplingParams) -> None:
+    from infer.client.inference_client import InferenceClient
+    from infer.client.serve import LocalCluster
+
+    worker_args = ["--dtype", args.dtype, "--threads", str(args.threads), "--max-model-len", "2048"]
+    if args.model:
+        worker_args += ["--model", args.model]
+    cluster = LocalCluster(num_workers=args.workers, worker_args=worker_args)
+    await cluster.start()
+    try:
+        await cluster.wait_ready(timeout=600)
+        print(f"cluster ready: coordinator {cluster.address}, {args.workers} worker(s)\n", flush=True)
+        async with InferenceClient(cluster.address) as client:
+            start = time.perf_counter()
+            others = [asyncio.create_task(client.generate(p, params)) for p in prompts[1:]]
+            print(f">>> {QUESTIONS[0]}", flush=True)
+            async for delta in client.stream(prompts[0], params):
+                print(delta.text, end="", flush=True)
+            print()
+            for question, completion in zip(QUESTIONS[1:], await asyncio.gather(*others)):
+                print(f"\n>>> {question}\n{completion.text.strip()}  [{completion.finish_reason}]")
+            elapsed = time.perf_counter() - start
+            stats = await client.stats()
+            routed = ", ".join(f"rank {w.dp_rank}: {w.requests_routed}" for w in stats.workers)
+            print(f"\n{len(prompts)} answers in {elapsed:.1f} s; requests per worker: {routed}")
+    finally:
+        await cluster.shutdown()
+
+
+def run_offline(args: argparse.Namespace, prompts: list[str], params: SamplingParams) -> None:
+    from infer.client.llm import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     start = time.perf_counter()
-    completions = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    completions = llm.generate(prompts, params, use_tqdm=False)
     for question, completion in zip(QUESTIONS, completions):
         print(f"\n>>> {question}\n{completion.text.strip()}  [{completion.finish_reason}]")
-    tokens = sum(len(c.token_ids) for c in completions)
-    print(f"\n{len(completions)} answers, {tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.0f} tok/s)")
+    print(f"\n{len(prompts)} answers in {time.perf_counter() - start:.1f} s (in-process engine)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="safetensors dir or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--offline", action="store_true", help="in-process LLM instead of a local cluster")
+    args = parser.parse_args()
+    if args.workers < 1 or args.threads < 1 or args.max_tokens < 1:
+        parser.error("--workers, --threads and --max-tokens must be >= 1")
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    prompts = chat_prompts(args.model)
+    if args.offline:
+        run_offline(args, prompts, params)
+    else:
+        asyncio.run(run_cluster(args, prompts, params))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
