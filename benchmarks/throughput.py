@@ -26,7 +26,8 @@ from common import make_workload, write_result  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE / ".peers" / "vllm-venv"
-SYSTEMS = ("infer", "transformers", "vllm")
+SYSTEMS = ("infer", "vllm", "transformers")
+KV_CACHE_GIB = 4
 
 
 def model_dir() -> Path:
@@ -40,7 +41,8 @@ def model_dir() -> Path:
 def run_infer(path: Path, dtype: str, workload) -> dict:
     from infer import LLM, SamplingParams
 
-    llm = LLM(model=str(path), dtype=dtype, max_model_len=2048, max_num_seqs=256)
+    # the same KV budget as vLLM's VLLM_CPU_KVCACHE_SPACE below (4 GiB)
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=2048, max_num_seqs=256, kv_cache_memory=KV_CACHE_GIB << 30)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
     llm.generate(workload.prompts[:2], params[:2], use_tqdm=False)   # warm-up
     start = time.perf_counter()
@@ -122,7 +124,7 @@ def setup_vllm() -> Path:
 
 def run_child(system: str, dtype: str, workload: str, path: Path, timeout: float) -> dict:
     python = setup_vllm() if system == "vllm" else Path(sys.executable)
-    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), TOKENIZERS_PARALLELISM="false")
     # The vLLM venv has no `infer`; the child needs only common.py and this file.
     cmd = [str(python), str(Path(__file__).resolve()), "--child", system, dtype, workload, str(path)]
     print(f"-- {system} {dtype} {workload}", flush=True)
@@ -153,7 +155,11 @@ def main() -> None:
     rows = []
     for workload in args.workloads:
         for dtype in args.dtypes:
-            results = {s: run_child(s, dtype, workload, path, args.timeout) for s in args.systems}
+            results = {}
+            for system in args.systems:
+                results[system] = run_child(system, dtype, workload, path, args.timeout)
+                print(f"   {system} {dtype} {workload}: {results[system].get('tok_per_s', results[system].get('error'))}",
+                      flush=True)
             rows.append({"workload": workload, "dtype": dtype, "results": results})
     _print_table(rows)
     out = write_result("throughput", {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)", "rows": rows})
