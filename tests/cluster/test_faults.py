@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from aioprocs import kill_group
 
 from infer import LLM, SamplingParams
 from prompts import prompt_of_length
@@ -143,9 +144,4 @@ async def test_kill_9_of_a_client_frees_its_blocks_within_5_s(model_cluster, wai
         assert after.requests_aborted - before.requests_aborted == 10   # aborted, not finished on their own
         assert after.requests_completed == before.requests_completed
     finally:
-        if proc.returncode is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await proc.wait()
+        await kill_group(proc)

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+from aioprocs import kill_group
+
 from infer import SamplingParams
 from infer.client import InferenceClient
 
@@ -37,13 +39,6 @@ async def _start_serve(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
     return proc, match.group(2)
 
 
-async def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        await proc.wait()
 
 
 async def test_serve_runs_a_cluster_and_sigterm_leaves_no_process():
@@ -61,7 +56,7 @@ async def test_serve_runs_a_cluster_and_sigterm_leaves_no_process():
         assert await asyncio.wait_for(proc.wait(), 30) == 0
         assert all(_gone(pid) for pid in children)
     finally:
-        await _kill_group(proc)
+        await kill_group(proc)
         for pid in children:
             if not _gone(pid):
                 os.killpg(pid, signal.SIGKILL)
@@ -76,4 +71,4 @@ async def test_a_client_stop_ends_infer_serve():
         assert await asyncio.wait_for(proc.wait(), 30) == 0
         assert all(_gone(pid) for pid in children)
     finally:
-        await _kill_group(proc)
+        await kill_group(proc)

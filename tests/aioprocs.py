@@ -1,0 +1,17 @@
+"""Helpers for asyncio child processes that lead their own process group (start_new_session=True)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+
+async def kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the child's whole process group (if it is still running) and reap it."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await proc.wait()
