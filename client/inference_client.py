@@ -330,7 +330,8 @@ class InferenceClient:
         request.queue.put_nowait(RequestOutput(
             delta.request_id, list(delta.token_ids), delta.text, finished=delta.finished,
             finish_reason=delta.finish_reason, logprobs=delta.logprobs, error=delta.error,
-            num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens))
+            num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
+            error_code=delta.error_code, queue_time_s=delta.queue_time_s))
         if delta.finished:
             del self._requests[delta.request_id]
 
@@ -339,7 +340,8 @@ class InferenceClient:
             request = self._requests.pop(error.request_id, None)
             if request is not None:
                 request.queue.put_nowait(RequestOutput(error.request_id, [], "", finished=True,
-                                                       finish_reason="error", error=error.message))
+                                                       finish_reason="error", error=error.message,
+                                                       error_code=error.code or "internal"))
             return
         if self._call is not None and not self._call.future.done():
             self._call.future.set_exception(ClusterError(error.message))

@@ -34,7 +34,6 @@ log = logging.getLogger("infer.coordinator")
 _DEFAULTS = SamplingParams()
 MAX_STATS_WAITERS = 1024
 CLIENT_IDLE_PRUNE_S = 300.0      # a client with nothing in flight, silent this long, is forgotten
-WORKER_DRAINING = "worker is draining"   # the error a draining worker (SIGTERM) answers a Dispatch with
 
 
 @dataclass
@@ -253,10 +252,12 @@ class Coordinator:
             return
         rid = submit.request_id
         if self.state is ClusterState.STOPPED:
-            self._send(identity, Error(message=f"request {rid!r} not accepted: the cluster is stopping", request_id=rid))
+            self._send(identity, Error(message=f"request {rid!r} not accepted: the cluster is stopping", request_id=rid,
+                                         code="unavailable"))
             return
         if rid in self.requests.by_id:
-            self._send(identity, Error(message=f"request id {rid!r} is already in flight", request_id=rid))
+            self._send(identity, Error(message=f"request id {rid!r} is already in flight", request_id=rid,
+                                         code="invalid_request"))
             return
         sampling = submit.sampling
         request = RequestRecord(
@@ -361,11 +362,11 @@ class Coordinator:
         request.charged = 0
         request.worker_id = None
 
-    def _fail(self, request: RequestRecord, message: str) -> None:
+    def _fail(self, request: RequestRecord, message: str, code: str = "unavailable") -> None:
         self.counters.requests_failed += 1
         to_workers: dict[str, list[str]] = {}
         self._finish(request, Delta(request_id=request.request_id, token_ids=TokenIds(), text="", finished=True,
-                                    finish_reason="error", error=message), to_workers)
+                                    finish_reason="error", error=message, error_code=code), to_workers)
         self._send_aborts(to_workers)
 
     # ---- worker output --------------------------------------------------------------------------
@@ -400,7 +401,7 @@ class Coordinator:
         if delta.finish_reason == "abort":   # not asked for by us (we forget a request before aborting it)
             self._worker_gave_up(request, worker, delta, now)
             return
-        if delta.finish_reason == "error" and delta.error == WORKER_DRAINING:
+        if delta.finish_reason == "error" and delta.error_code == "unavailable":   # e.g. it drains
             self._worker_draining(request, worker, now)
             return
         if request.retries or request.sent_prompt_ids:
@@ -424,7 +425,8 @@ class Coordinator:
         return Delta(request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text,
                      finished=delta.finished, finish_reason=delta.finish_reason, error=delta.error,
                      logprobs=delta.logprobs, num_prompt_tokens=len(request.prompt_token_ids or ()),
-                     num_cached_tokens=delta.num_cached_tokens, prompt_token_ids=prompt_ids)
+                     num_cached_tokens=delta.num_cached_tokens, prompt_token_ids=prompt_ids,
+                     error_code=delta.error_code, queue_time_s=delta.queue_time_s)
 
     def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         """The worker aborted a request on its own (draining): relay its last tokens, then move it."""
@@ -458,7 +460,8 @@ class Coordinator:
         worker.last_seen = now
         request = self.requests.get(error.request_id) if error.request_id is not None else None
         if request is not None and request.worker_id == worker.worker_id:
-            self._fail(request, f"worker {worker.worker_id!r} failed request {request.request_id!r}: {error.message}")
+            self._fail(request, f"worker {worker.worker_id!r} failed request {request.request_id!r}: {error.message}",
+                       error.code or "internal")
         else:
             log.warning("error reported by worker %r: %s", worker.worker_id, error.message)
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Union
 
 import msgpack
 
+from infer.protocol.outputs import ERROR_CODES
 from infer.protocol.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -247,9 +248,13 @@ class Delta(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_token_ids: TokenIds | None = None   # a worker's first delta of a request: what it tokenized
+    error_code: str | None = None              # with finish_reason "error": one of outputs.ERROR_CODES
+    queue_time_s: float | None = None          # a worker's first delta: seconds waiting before first scheduled
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
+        _require(self.error_code is None or self.error_code in ERROR_CODES,
+                 f"field 'error_code' must be one of {', '.join(ERROR_CODES)} or null, got {self.error_code!r}")
         _require(self.finish_reason in (None, "stop", "length", "abort", "error"),
                  f"field 'finish_reason' must be stop, length, abort, error or null, got {self.finish_reason!r}")
         _require(self.finished == (self.finish_reason is not None),
@@ -275,6 +280,11 @@ class Error(Message):
     TYPE: ClassVar[str] = "error"
     message: str
     request_id: str | None = None
+    code: str | None = None        # for a request's failure: one of outputs.ERROR_CODES
+
+    def validate(self) -> None:
+        _require(self.code is None or self.code in ERROR_CODES,
+                 f"field 'code' must be one of {', '.join(ERROR_CODES)} or null, got {self.code!r}")
 
 
 # ---- load, liveness, lifecycle -------------------------------------------------------------------
@@ -290,6 +300,11 @@ class Load(Message):
     num_free_blocks: int
     num_total_blocks: int
     num_queued_tokens: int
+    # Counters since the worker started (for metrics): preemptions, and prompt tokens looked up in the prefix
+    # cache / found there.
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -9,6 +9,12 @@ TokenLogprobs = dict[int, float]
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
+# Why a request failed (with finish_reason "error"), for callers that must tell bad input from a busy cluster:
+#   invalid_request: the request itself can never be served (prompt too long, bad token ids, bad options);
+#   unavailable:     the cluster cannot serve it now (no healthy worker in time, draining, stopping, retries spent);
+#   internal:        a component failed while serving it.
+ERROR_CODES = ("invalid_request", "unavailable", "internal")
+
 
 @dataclass
 class RequestOutput:
@@ -27,6 +33,8 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error_code: str | None = None
+    queue_time_s: float | None = None   # first delta only: seconds it waited in the engine before it was scheduled
 
 
 @dataclass
@@ -42,6 +50,7 @@ class Completion:
     error: str | None = None
     prompt: str | None = None
     num_cached_tokens: int = 0
+    error_code: str | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold one stream delta into this completion."""
@@ -52,4 +61,5 @@ class Completion:
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.error = delta.error
+            self.error_code = delta.error_code
             self.num_cached_tokens = delta.num_cached_tokens

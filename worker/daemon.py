@@ -243,7 +243,8 @@ class Worker:
         return Delta(request_id=out.request_id, token_ids=TokenIds(out.token_ids), text=out.text,
                      finished=out.finished, finish_reason=out.finish_reason, error=out.error,
                      logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
-                     num_cached_tokens=out.num_cached_tokens, prompt_token_ids=prompt_ids)
+                     num_cached_tokens=out.num_cached_tokens, prompt_token_ids=prompt_ids,
+                     error_code=out.error_code, queue_time_s=out.queue_time_s)
 
     # ---- liveness and registration ----------------------------------------------------------------
 
@@ -299,22 +300,23 @@ class Worker:
     def _on_dispatch(self, msg: Dispatch) -> None:
         self._handle_signals()   # a signal that came while this frame was queued wins
         if self._drain_deadline is not None:
-            return self._reject(msg.request_id, "worker is draining", msg.prompt_token_ids)
+            return self._reject(msg.request_id, "worker is draining", "unavailable", msg.prompt_token_ids)
         if msg.request_id in self._requests:
             return self._reject(msg.request_id, f"request id {msg.request_id!r} is already running on this worker",
-                                msg.prompt_token_ids)
+                                "internal", msg.prompt_token_ids)
         prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids)
         try:
             params = SamplingParams.from_dict(msg.sampling)
             request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids)
         except ValueError as e:
-            return self._reject(msg.request_id, str(e), msg.prompt_token_ids)
+            return self._reject(msg.request_id, str(e), "invalid_request", msg.prompt_token_ids)
         self._requests[msg.request_id] = TokenIds(request.prompt_token_ids)
 
-    def _reject(self, request_id: str, reason: str, prompt_token_ids: TokenIds | None = None) -> None:
+    def _reject(self, request_id: str, reason: str, code: str, prompt_token_ids: TokenIds | None = None) -> None:
         self._warn.warning("request %r rejected: %s", request_id, reason)
         self._outbox.append(Delta(request_id=request_id, token_ids=TokenIds(), text="", finished=True,
-                                  finish_reason="error", error=reason, prompt_token_ids=prompt_token_ids))
+                                  finish_reason="error", error=reason, error_code=code,
+                                  prompt_token_ids=prompt_token_ids))
 
     def _on_abort(self, msg: Abort) -> None:
         for request_id in msg.request_ids:
@@ -381,7 +383,7 @@ class Worker:
         kind = problem.message_type if isinstance(problem, ProtocolError) else None
         problem, request_id = str(problem), _peek_request_id(frame)
         if kind == Dispatch.TYPE and request_id is not None:
-            self._reject(request_id, f"bad dispatch: {problem}")
+            self._reject(request_id, f"bad dispatch: {problem}", "invalid_request")
         else:
             self._send(Error(message=problem, request_id=request_id))
 

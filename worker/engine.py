@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -108,7 +109,7 @@ class Engine:
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=whole,
                           arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
                           max_tokens=self._resolve_max_tokens(len(prompt_ids), whole),
-                          token_ids=prompt_ids + resumed)
+                          token_ids=prompt_ids + resumed, arrival_time=time.monotonic())
         self.scheduler.add(request)   # raises ValueError if it can never fit in the KV pool
         self._arrivals += 1
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids + resumed, params)
@@ -121,6 +122,7 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return outputs
+        _stamp_queue_time(scheduled)
         sampled = self.runner.execute(scheduled.chunks)
         self.scheduler.update_after_step(scheduled)
         outputs.extend(self._postprocess(scheduled, sampled))
@@ -149,9 +151,11 @@ class Engine:
         max_tokens): an upper bound on the work left."""
         requests = self.scheduler.waiting + self.scheduler.running
         queued = sum(r.num_tokens_to_compute + r.max_tokens - r.num_output_tokens for r in requests)
+        blocks = self.scheduler.block_manager
         return Load(num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
-                    num_free_blocks=self.scheduler.block_manager.num_free_blocks,
-                    num_total_blocks=self.num_kv_blocks, num_queued_tokens=queued)
+                    num_free_blocks=blocks.num_free_blocks, num_total_blocks=self.num_kv_blocks,
+                    num_queued_tokens=queued, num_preemptions=self.scheduler.num_preemptions,
+                    prefix_cache_queries=blocks.num_queried_tokens, prefix_cache_hits=blocks.num_hit_tokens)
 
     # ---- input -------------------------------------------------------------------------------
 
@@ -218,11 +222,16 @@ class Engine:
         status = self._stop_status(request, token_id, detok)
         lps = None if lp is None else [lp]
         if status is None:
-            return RequestOutput(request.request_id, [token_id], text, logprobs=lps,
-                                 num_prompt_tokens=request.num_prompt_tokens,
-                                 num_cached_tokens=request.num_cached_tokens)
-        self.scheduler.finish(request, status)
-        return self._final_output(request, text, [token_id], lps)
+            output = RequestOutput(request.request_id, [token_id], text, logprobs=lps,
+                                   num_prompt_tokens=request.num_prompt_tokens,
+                                   num_cached_tokens=request.num_cached_tokens)
+        else:
+            self.scheduler.finish(request, status)
+            output = self._final_output(request, text, [token_id], lps)
+        if not request.queue_time_reported:
+            request.queue_time_reported = True
+            output.queue_time_s = request.queue_time_s
+        return output
 
     def _stop_status(self, request: Request, token_id: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
         params = request.params
@@ -271,6 +280,16 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+
+def _stamp_queue_time(scheduled: SchedulerOutput) -> None:
+    """Record how long each request scheduled for the first time waited since add_request."""
+    now = None
+    for chunk in scheduled.chunks:
+        request = chunk.request
+        if request.queue_time_s is None:
+            now = now or time.monotonic()
+            request.queue_time_s = now - request.arrival_time
 
 
 def _counting_resumed(params: SamplingParams, num_resumed: int) -> SamplingParams:

@@ -240,6 +240,10 @@ class Scheduler:
         return bool(self._requests)
 
     @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 

@@ -72,9 +72,9 @@ def worker_hello(wid: str, rank: int, *, group: str | None = None, model: str = 
 
 
 def delta(rid: str, *tokens: int, prompt: list[int] | None = None, finish: str | None = None,
-          error: str | None = None) -> Delta:
+          error: str | None = None, code: str | None = None) -> Delta:
     return Delta(request_id=rid, token_ids=TokenIds(tokens), text="".join(f"<{t}>" for t in tokens),
-                 finished=finish is not None, finish_reason=finish, error=error,
+                 finished=finish is not None, finish_reason=finish, error=error, error_code=code,
                  prompt_token_ids=None if prompt is None else TokenIds(prompt))
 
 
@@ -291,7 +291,7 @@ def test_worker_that_gave_up_a_request_is_routed_around():
     assert dispatches(out)[W1][0].resumed_token_ids == [4, 5]
     # a draining worker refuses new dispatches: they move, and it gets nothing new
     h.submit(C1, "s", pin_rank=0)
-    out = h.step("w0", delta("s", finish="error", error="worker is draining"))
+    out = h.step("w0", delta("s", finish="error", error="worker is draining", code="unavailable"))
     assert set(dispatches(out)) == {W1} and not client_deltas(out, C1)
     assert set(dispatches(h.submit(C1, "t"))) == {W1}
 
