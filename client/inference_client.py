@@ -100,6 +100,11 @@ class InferenceClient:
         self._failure: ClusterError | None = None
         self._last_heard = 0.0
 
+    @property
+    def model_id(self) -> str | None:
+        """The model the cluster serves (from the coordinator's Welcome); None before connect()."""
+        return None if self.welcome is None else self.welcome.model_id
+
     # ---- connection -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> InferenceClient:

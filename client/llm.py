@@ -1,78 +1,593 @@
-"""LLM: offline batch generation on an in-process engine (vLLM's `LLM`, same names)."""
+"""LLM (blocking) and AsyncLLM (asyncio): the high-level Python API, vLLM's names.
+
+Two modes, chosen by the options both classes share (LLMOptions):
+- direct (the default): one engine in this process. `LLM` steps it in the caller's thread (the fastest
+  path for offline batches); `AsyncLLM` runs it on an engine thread behind a LocalEngine.
+- coordinator (`use_coordinator=True`, `data_parallel_size=N`): a local coordinator and N workers are
+  started as child processes (LocalCluster) and spoken to through an InferenceClient; or, with
+  `coordinator_address=...`, an existing cluster is joined (and never stopped by us).
+
+Both modes give the same greedy outputs. Lifecycle commands (pause / unpause / suspend / resume) exist only in
+coordinator mode; in direct mode they raise RuntimeError saying so. `close()` (or leaving `with` /
+`async with`) stops every process this object started.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-from typing import Any, Sequence
+import os
+import signal
+import threading
+import weakref
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from infer.protocol.outputs import Completion
+from infer.client.engine_client import EngineClient
+from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
+from infer.protocol.messages import ClusterStats
+from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
+from infer.worker.config import EngineConfig
+
+if TYPE_CHECKING:
+    from infer.client.inference_client import InferenceClient
+    from infer.client.serve import LocalCluster
+    from infer.worker.engine import Engine
 
 Prompt = str | list[int]
+T = TypeVar("T")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+SHUTDOWN_TIMEOUT_S = 30.0       # children get this long to exit after SIGTERM, then SIGKILL
+LOOP_STOP_TIMEOUT_S = 5.0       # LLM's event-loop thread joins within this after close()
+_WORKER_FLAG_NAMES = {"num_threads": "--threads"}   # EngineConfig field -> infer-worker flag, where not just dashed
+
+
+def global_rank() -> int:
+    """This process's global rank in a multi-process program: $RANK (torchrun), else $SLURM_PROCID (srun),
+    else 0 (a single process). ValueError if the variable is set but not a non-negative integer."""
+    for name in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            if not value.isdigit():
+                raise ValueError(f"environment variable {name}={value!r} is not a non-negative integer rank")
+            return int(value)
+    return 0
+
+
+@dataclass(frozen=True)
+class LLMOptions:
+    """The options LLM and AsyncLLM share, validated on construction (ValueError names the culprit).
+
+    model: safetensors dir or .gguf file; None = the embedded SmolLM2-135M-Instruct. When joining a cluster it
+        only picks the tokenizer (get_tokenizer / chat); it should be the model the cluster serves.
+    use_coordinator: run a local coordinator and `data_parallel_size` workers as child processes.
+    data_parallel_size: number of workers (DP ranks); > 1 needs coordinator mode. When joining, the number of
+        healthy workers to wait for.
+    coordinator_address: tcp://host:port of a running coordinator to join (implies coordinator mode).
+    ready_timeout: seconds to wait for the engine / the workers to be ready.
+    log_level: log level of the child processes (coordinator mode).
+    engine_options: EngineConfig's fields (vLLM's names). Direct mode builds the engine from them; coordinator
+        mode passes them to every worker as flags. Unknown names raise ValueError in both modes; joining an
+        existing cluster takes none (its workers are already configured).
+    """
+
+    model: str | None = None
+    use_coordinator: bool = False
+    data_parallel_size: int = 1
+    coordinator_address: str | None = None
+    ready_timeout: float = 300.0
+    log_level: str = "WARNING"
+    engine_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {dp!r}")
+        if dp > 1 and not self.coordinator_mode:
+            raise ValueError(f"data_parallel_size={dp} needs coordinator mode (use_coordinator=True): direct mode "
+                             f"runs one engine in this process")
+        if self.coordinator_address is not None and (not isinstance(self.coordinator_address, str)
+                                                     or "://" not in self.coordinator_address):
+            raise ValueError(f"coordinator_address must look like tcp://host:port, got {self.coordinator_address!r}")
+        if not isinstance(self.ready_timeout, (int, float)) or self.ready_timeout <= 0:
+            raise ValueError(f"ready_timeout must be > 0 seconds, got {self.ready_timeout!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        self.engine_config()   # unknown names and bad values raise here, in both modes
+        if self.joins_cluster and self.engine_options:
+            raise ValueError(f"engine option(s) {', '.join(sorted(self.engine_options))} cannot apply when joining "
+                             f"the cluster at {self.coordinator_address}: its workers are already configured")
+
+    @property
+    def coordinator_mode(self) -> bool:
+        return self.use_coordinator or self.coordinator_address is not None
+
+    @property
+    def joins_cluster(self) -> bool:
+        return self.coordinator_address is not None
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.from_options(model=self.model, **self.engine_options)
+
+    def worker_args(self) -> list[str]:
+        """The infer-worker flags for the engine options (model included), plus the log level."""
+        options = dict(self.engine_options, model=self.model)
+        args: list[str] = []
+        for name, value in options.items():
+            if value is None:
+                continue
+            flag = _WORKER_FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + flag.removeprefix("--"))
+            else:
+                args += [flag, str(value)]
+        return args + ["--log-level", self.log_level]
+
+
+def _model_path(model: str | os.PathLike[str] | None) -> str | None:
+    return None if model is None else os.fspath(model)
+
+
+class AsyncLLM:
+    """The asyncio API. Build, then `await llm.start()` (or `async with AsyncLLM(...) as llm:`).
+
+        async with AsyncLLM(model, use_coordinator=True, data_parallel_size=2) as llm:
+            async for delta in llm.generate("Hello", SamplingParams(max_tokens=32)):
+                print(delta.text, end="")
+
+    The constructor only validates (LLMOptions); start() loads the engine (direct mode, on a worker thread) or
+    starts / joins the cluster. In coordinator mode the object belongs to the event loop that started it; in
+    direct mode any event loop may use it.
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, *, use_coordinator: bool = False,
+                 data_parallel_size: int = 1, coordinator_address: str | None = None,
+                 ready_timeout: float = 300.0, log_level: str = "WARNING", **engine_options: Any) -> None:
+        self._init(LLMOptions(_model_path(model), use_coordinator, data_parallel_size, coordinator_address,
+                              ready_timeout, log_level, engine_options))
+
+    @classmethod
+    def from_options(cls, options: LLMOptions) -> AsyncLLM:
+        llm = cls.__new__(cls)
+        llm._init(options)
+        return llm
+
+    def _init(self, options: LLMOptions) -> None:
+        self.options = options
+        self._engine: EngineClient | None = None
+        self._cluster: LocalCluster | None = None
+        self._reaper: weakref.finalize | None = None   # kills our children if we are dropped without close()
+        self._tokenizer: Any = None
+        self._closed = False
+
+    # ---- startup and shutdown -------------------------------------------------------------------
+
+    async def start(self) -> AsyncLLM:
+        """Load the engine or start / join the cluster (idempotent). Raises what the engine raises (ValueError
+        for bad options) or ClusterError when the cluster is not ready within `ready_timeout`."""
+        if self._closed:
+            raise RuntimeError("this AsyncLLM is closed")
+        if self._engine is None:
+            if not self.options.coordinator_mode:
+                self._engine = await _start_local_engine(self.options)
+            elif self.options.joins_cluster:
+                self._engine = await _join_cluster(self.options.coordinator_address, self.options)
+            else:
+                self._engine = await self._start_cluster()
+        return self
+
+    async def _start_cluster(self) -> InferenceClient:
+        from infer.client.serve import LocalCluster
+
+        cluster = LocalCluster(num_workers=self.options.data_parallel_size, worker_args=self.options.worker_args(),
+                               coordinator_args=["--log-level", self.options.log_level])
+        self._cluster = cluster
+        try:
+            await cluster.start()
+            self._reaper = weakref.finalize(self, _kill_process_groups, [p.pid for p in cluster.processes])
+            await cluster.wait_ready(self.options.ready_timeout)
+            return await _join_cluster(cluster.address, self.options)
+        except BaseException:
+            await self._stop_cluster()
+            raise
+
+    async def close(self) -> None:
+        """Abort what is in flight and stop every process started here (coordinator and workers: SIGTERM,
+        then SIGKILL after SHUTDOWN_TIMEOUT_S). A joined cluster keeps running. Idempotent."""
+        self._closed = True
+        engine, self._engine = self._engine, None
+        try:
+            if engine is not None:
+                await engine.close()
+        finally:
+            await self._stop_cluster()
+
+    async def _stop_cluster(self) -> None:
+        cluster, self._cluster = self._cluster, None
+        if cluster is not None:
+            await cluster.shutdown(SHUTDOWN_TIMEOUT_S)
+        if self._reaper is not None:
+            self._reaper.detach()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ---- properties -----------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> EngineClient:
+        """The EngineClient behind this object: a LocalEngine (direct) or an InferenceClient (coordinator)."""
+        if self._engine is None:
+            raise RuntimeError("this AsyncLLM is closed" if self._closed else
+                               "this AsyncLLM is not started: `await llm.start()` or use `async with AsyncLLM(...)`")
+        return self._engine
+
+    @property
+    def coordinator_address(self) -> str | None:
+        """tcp://host:port of the coordinator (started or joined); None in direct mode."""
+        if self._cluster is not None:
+            return self._cluster.address
+        return self.options.coordinator_address
+
+    @property
+    def child_pids(self) -> list[int]:
+        """Process ids of the coordinator and workers this object started (empty otherwise)."""
+        return [] if self._cluster is None else [p.pid for p in self._cluster.processes]
+
+    @property
+    def is_primary_rank(self) -> bool:
+        """True in the process whose global rank (global_rank(): $RANK, else $SLURM_PROCID, else 0) is 0: the one
+        rank of a multi-process program (torchrun, srun) that should feed prompts."""
+        return global_rank() == 0
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (a copy of its own in direct mode, so the engine thread's is never shared).
+        Loads it on first use (blocking)."""
+        if self._tokenizer is None:
+            from infer.worker.loader import load_tokenizer, resolve_model
+
+            self._tokenizer = load_tokenizer(resolve_model(self._tokenizer_model()))
+        return self._tokenizer
+
+    def _tokenizer_model(self) -> str | None:
+        if self.options.model is not None or not self.options.joins_cluster:
+            return self.options.model
+        served = self.engine.model_id   # a joined cluster serves this; a path when it was started with one
+        return served if served is not None and Path(served).exists() else None
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request (token_ids / text new since the previous one); the last has `finished` and
+        `finish_reason`. A rejected prompt is one delta with finish_reason "error" and error_code
+        "invalid_request". Leaving the loop early (break, aclose) aborts the request."""
+        async with aclosing(self.engine.stream(prompt, sampling_params, request_id=request_id)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def generate_batch(self, prompts: Prompt | Sequence[Prompt],
+                             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                             use_tqdm: bool = False) -> list[Completion]:
+        """Every prompt concurrently (one params for all, or one per prompt); Completions in prompt order.
+        The same contract as LLM.generate; `use_tqdm` shows a progress bar for lists."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        engine = self.engine
+        bar = _progress(len(prompts), use_tqdm)
+
+        async def one(prompt: Prompt, sp: SamplingParams) -> Completion:
+            completion = await engine.generate(prompt, sp)
+            bar.update(1)
+            return completion
+
+        try:
+            return await _gather_all([one(p, sp) for p, sp in zip(prompts, params)])
+        finally:
+            bar.close()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason "abort"."""
+        await self.engine.abort(request_id)
+
+    # ---- cluster control ------------------------------------------------------------------------
+
+    async def stats(self) -> ClusterStats:
+        """Live state of the engine(s): direct mode reports one worker (answered by the engine thread)."""
+        return await self.engine.stats()
+
+    async def pause(self) -> str:
+        """Coordinator mode: hold new requests (workers stop stepping); returns "paused". RuntimeError in
+        direct mode."""
+        return await self.engine.pause()
+
+    async def unpause(self) -> str:
+        """Coordinator mode: release what was held; returns "running". RuntimeError in direct mode."""
+        return await self.engine.unpause()
+
+    async def suspend(self) -> str:
+        """Coordinator mode, from paused: workers may release memory; returns "suspended". RuntimeError in
+        direct mode."""
+        return await self.engine.suspend()
+
+    async def resume(self) -> str:
+        """Coordinator mode, from suspended back to "paused". RuntimeError in direct mode."""
+        return await self.engine.resume()
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                    served_model_name: str | None = None) -> None:
+        """Run the OpenAI-compatible HTTP front on this engine (either mode) until cancelled."""
+        from infer.client.api.server import serve_http
+
+        engine = self.engine
+        tokenizer = await asyncio.to_thread(self.get_tokenizer)
+        await serve_http(engine, tokenizer=tokenizer, host=host, port=port, served_model_name=served_model_name,
+                         api_key=api_key)
+
+
+async def _start_local_engine(options: LLMOptions) -> EngineClient:
+    from infer.client.local_engine import LocalEngine
+    from infer.worker.engine import Engine
+
+    config = options.engine_config()
+    engine = await asyncio.wait_for(asyncio.to_thread(Engine, config), options.ready_timeout)
+    return LocalEngine(engine)
+
+
+async def _join_cluster(address: str, options: LLMOptions) -> InferenceClient:
+    """A connected InferenceClient once `data_parallel_size` workers are healthy (ClusterError otherwise)."""
+    from infer.client.inference_client import InferenceClient
+
+    client = InferenceClient(address, connect_timeout=options.ready_timeout)
+    await client.connect()
+    try:
+        await client.wait_for_workers(options.data_parallel_size, options.ready_timeout)
+    except BaseException:
+        await client.close()
+        raise
+    return client
+
+
+async def _gather_all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run all; results in order. If one raises (or the caller is cancelled) the others are cancelled."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _kill_process_groups(pids: list[int]) -> None:
+    """Last resort (garbage collection or interpreter exit without close()): SIGKILL our children's groups."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class _LoopThread:
+    """An asyncio event loop on a daemon thread; run() blocks the caller until a coroutine is done."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="infer-llm-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """The coroutine's result; if the caller is interrupted (Ctrl-C), the coroutine is cancelled."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(LOOP_STOP_TIMEOUT_S)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 class LLM:
-    """`LLM(model=None, **engine_options).generate(prompts, sampling_params)` -> one Completion per prompt.
+    """`LLM(model=None, **options).generate(prompts, sampling_params)` -> one Completion per prompt.
 
-    Engine options are EngineConfig's fields (vLLM's names: dtype, max_model_len, max_num_seqs,
-    max_num_batched_tokens, block_size, kv_cache_memory, enable_prefix_caching, enable_chunked_prefill,
-    seed, ...); an unknown name raises ValueError naming it.
+    Options are LLMOptions (use_coordinator, data_parallel_size, coordinator_address, ready_timeout, log_level)
+    and engine options, EngineConfig's fields (vLLM's names: dtype, max_model_len, max_num_seqs,
+    max_num_batched_tokens, block_size, kv_cache_memory, enable_prefix_caching, enable_chunked_prefill, seed,
+    num_threads, ...); an unknown name raises ValueError naming it.
+
+    Direct mode steps one engine (`self.engine`) in the caller's thread. Coordinator mode runs an AsyncLLM on an
+    event loop in a background thread (`self.engine` is None). Use `with LLM(...) as llm:` or call close().
     """
 
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        from infer.worker.config import EngineConfig
-        from infer.worker.engine import Engine
-
-        self.engine = Engine(EngineConfig.from_options(model=model, **engine_options))
+    def __init__(self, model: str | os.PathLike[str] | None = None, *, use_coordinator: bool = False,
+                 data_parallel_size: int = 1, coordinator_address: str | None = None,
+                 ready_timeout: float = 300.0, log_level: str = "WARNING", **engine_options: Any) -> None:
+        self.options = LLMOptions(_model_path(model), use_coordinator, data_parallel_size, coordinator_address,
+                                  ready_timeout, log_level, engine_options)
+        self.engine: Engine | None = None
+        self._remote: AsyncLLM | None = None
+        self._loop: _LoopThread | None = None
         self._ids = itertools.count()
+        self._counters = RequestCounters()
+        if self.options.coordinator_mode:
+            self._start_remote()
+        else:
+            from infer.worker.engine import Engine
 
-    def get_tokenizer(self):
-        return self.engine.tokenizer
+            self.engine = Engine(self.options.engine_config())
+        self._started_at = _monotonic()
+
+    def _start_remote(self) -> None:
+        self._loop = _LoopThread()
+        self._remote = AsyncLLM.from_options(self.options)
+        try:
+            self._loop.run(self._remote.start())
+        except BaseException:
+            self._loop.stop()
+            self._loop = self._remote = None
+            raise
+
+    # ---- lifetime -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the engine; in coordinator mode stop every process started here (a joined cluster keeps
+        running). Idempotent."""
+        self.engine = None
+        remote, loop, self._remote, self._loop = self._remote, self._loop, None, None
+        if loop is None:
+            return
+        try:
+            loop.run(remote.close())
+        finally:
+            loop.stop()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def coordinator_address(self) -> str | None:
+        """tcp://host:port of the coordinator (started or joined); None in direct mode."""
+        return None if self._remote is None else self._remote.coordinator_address
+
+    @property
+    def child_pids(self) -> list[int]:
+        """Process ids of the coordinator and workers this LLM started (empty otherwise)."""
+        return [] if self._remote is None else self._remote.child_pids
+
+    @property
+    def is_primary_rank(self) -> bool:
+        """True in the process whose global rank ($RANK, else $SLURM_PROCID, else 0) is 0: the one rank of a
+        multi-process program (torchrun, srun) that should feed prompts."""
+        return global_rank() == 0
+
+    def get_tokenizer(self) -> Any:
+        if self.engine is not None:
+            return self.engine.tokenizer
+        return self._require_remote().get_tokenizer()
+
+    # ---- generation -----------------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[Completion]:
-        """Run every prompt in one continuous batch; results come back in prompt order.
+        """Run every prompt in one continuous batch (direct) or spread over the workers (coordinator);
+        results come back in prompt order. `use_tqdm` shows a progress bar for lists.
 
-        A prompt the engine rejects (empty, too long, unknown token ids, cannot fit in the KV pool)
-        yields a Completion with finish_reason "error" and the reason in `error`; the others still run.
+        A prompt the engine rejects (empty, too long, unknown token ids, cannot fit in the KV pool) yields a
+        Completion with finish_reason "error", the reason in `error` and error_code "invalid_request"; the
+        others still run.
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        completions = [self._submit(p, sp) for p, sp in zip(prompts, params)]
-        by_id = {c.request_id: c for c in completions if c.finish_reason is None}
-        bar = _progress(len(completions), use_tqdm)
-        bar.update(len(completions) - len(by_id))
-        while self.engine.has_unfinished():
-            for delta in self.engine.step():
-                completion = by_id.get(delta.request_id)
-                if completion is None:
-                    continue
-                completion.add(delta)
-                if delta.finished:
-                    bar.update(1)
-        bar.close()
-        return completions
+        if self.engine is None:
+            return self._run(self._require_remote().generate_batch(prompts, params, use_tqdm=use_tqdm))
+        return self._generate_direct(prompts, params, use_tqdm)
 
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[Completion]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        tokenizer = self.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _submit(self, prompt: Prompt, params: SamplingParams) -> Completion:
+    def _generate_direct(self, prompts: list[Prompt], params: list[SamplingParams],
+                         use_tqdm: bool) -> list[Completion]:
+        engine = self.engine
+        completions = [self._submit(engine, p, sp) for p, sp in zip(prompts, params)]
+        by_id = {c.request_id: c for c in completions if c.finish_reason is None}
+        bar = _progress(len(completions), use_tqdm)
+        bar.update(len(completions) - len(by_id))
+        while engine.has_unfinished():
+            for delta in engine.step():
+                completion = by_id.get(delta.request_id)
+                if completion is None:
+                    continue
+                completion.add(delta)
+                if delta.finished:
+                    self._counters.record_final(delta.finish_reason)
+                    bar.update(1)
+        bar.close()
+        return completions
+
+    def _submit(self, engine: Engine, prompt: Prompt, params: SamplingParams) -> Completion:
         request_id = f"llm-{next(self._ids)}"
+        text = prompt if isinstance(prompt, str) else None
+        self._counters.submitted += 1
         try:
-            request = self.engine.add_request(request_id, prompt, params)
+            request = engine.add_request(request_id, prompt, params)
         except ValueError as e:
+            self._counters.record_final("error")
             ids = list(prompt) if isinstance(prompt, list) else []
-            return Completion(request_id, ids, finish_reason="error", error=str(e),
-                              prompt=prompt if isinstance(prompt, str) else None)
-        return Completion(request_id, list(request.prompt_token_ids),
-                          prompt=prompt if isinstance(prompt, str) else None)
+            return Completion(request_id, ids, finish_reason="error", error=str(e), prompt=text,
+                              error_code="invalid_request")
+        return Completion(request_id, list(request.prompt_token_ids), prompt=text)
+
+    # ---- cluster control ------------------------------------------------------------------------
+
+    def stats(self) -> ClusterStats:
+        """Live state: the cluster's ClusterStats, or in direct mode one worker with the engine's load."""
+        if self.engine is not None:
+            return local_stats(self.engine, self._counters, num_in_flight=0,
+                               uptime_s=_monotonic() - self._started_at)
+        return self._run(self._require_remote().stats())
+
+    def pause(self) -> str:
+        """Coordinator mode: hold new requests; returns "paused". RuntimeError in direct mode."""
+        return self._lifecycle("pause")
+
+    def unpause(self) -> str:
+        """Coordinator mode: release held requests; returns "running". RuntimeError in direct mode."""
+        return self._lifecycle("unpause")
+
+    def suspend(self) -> str:
+        """Coordinator mode, from paused; returns "suspended". RuntimeError in direct mode."""
+        return self._lifecycle("suspend")
+
+    def resume(self) -> str:
+        """Coordinator mode, from suspended back to "paused". RuntimeError in direct mode."""
+        return self._lifecycle("resume")
+
+    def _lifecycle(self, command: str) -> str:
+        if self.engine is not None:
+            raise direct_mode_error(command)
+        return self._run(getattr(self._require_remote(), command)())
+
+    def _require_remote(self) -> AsyncLLM:
+        if self._remote is None:
+            raise RuntimeError("this LLM is closed")
+        return self._remote
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("this LLM is closed")
+        return self._loop.run(coro)
+
+
+def _monotonic() -> float:
+    import time
+
+    return time.monotonic()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,10 +1,11 @@
-"""infer-serve: a whole cluster on one machine: a coordinator and N workers, checked ready, shut down cleanly.
+"""infer-serve: a whole cluster on one machine: a coordinator, N workers and the HTTP front, shut down cleanly.
 
-`infer-serve [--model M] [--workers N] [--threads T] [engine options] [-- extra worker flags]` starts
-`infer-coordinator` and N `infer-worker`s (dp ranks 0..N-1), each in its own process group, waits until
-the coordinator reports N healthy workers (ClusterStats, answered by the coordinator when ready: no
-polling), prints the address clients connect to, and serves until Ctrl-C / SIGTERM or until the cluster
-is stopped (InferenceClient.stop()). Shutdown: SIGTERM to every process group, wait, SIGKILL what is left.
+`infer-serve [--model M] [--workers N] [--threads T] [--host H] [--port 8000] [--api-key K] [engine options]
+[-- extra worker flags]` starts `infer-coordinator` and N `infer-worker`s (dp ranks 0..N-1), each in its
+own process group, waits until the coordinator reports N healthy workers (ClusterStats, answered by the
+coordinator when ready: no polling), starts the OpenAI-compatible HTTP front in this process, prints both
+addresses, and serves until Ctrl-C / SIGTERM or until the cluster is stopped (InferenceClient.stop()).
+Shutdown: the front stops, then SIGTERM to every process group, wait, SIGKILL what is left.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
+from infer.client.api.server import HttpFront, add_front_arguments, front_config, load_front_tokenizer
 from infer.client.inference_client import ClusterError, InferenceClient
 from infer.protocol.messages import ClusterStats
 
@@ -129,10 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="safetensors dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--workers", type=int, default=1, help="number of workers (DP ranks) (default 1)")
     p.add_argument("--threads", type=int, help="torch threads per worker")
-    p.add_argument("--host", default="127.0.0.1", help="the coordinator's bind address (default 127.0.0.1)")
+    add_front_arguments(p)
+    p.add_argument("--coordinator-host", default="127.0.0.1",
+                   help="the coordinator's bind address (default 127.0.0.1)")
     p.add_argument("--coordinator-port", type=int, default=0, help="the coordinator's port (default: a free one)")
-    p.add_argument("--port", type=int, default=8000,
-                   help="the HTTP front's port (reserved: the HTTP front is not part of this build yet)")
     engine = p.add_argument_group("engine options (passed to every worker)")
     engine.add_argument("--dtype", choices=_DTYPES)
     engine.add_argument("--device")
@@ -181,28 +183,41 @@ def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return out + extra
 
 
-async def serve(cluster: LocalCluster, ready_timeout: float, shutdown_timeout: float) -> int:
+async def serve(cluster: LocalCluster, args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         await cluster.start()
-        stats = await cluster.wait_ready(ready_timeout)
-        print(f"infer-serve: ready: {stats.num_healthy_workers} worker(s) serving {stats.model_id!r}; "
-              f"clients connect to {cluster.address}", flush=True)
-        stopped = asyncio.create_task(stop.wait())
-        exited = asyncio.create_task(_watch(cluster))
-        await asyncio.wait([stopped, exited], return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        exited.cancel()
+        stats = await cluster.wait_ready(args.ready_timeout)
+        async with InferenceClient(cluster.address) as client:
+            front = HttpFront(client, load_front_tokenizer(args.model, client.model_id),
+                              front_config(args, client.model_id), args.host, args.port)
+            front.bind()
+            print(f"infer-serve: ready: {stats.num_healthy_workers} worker(s) serving {stats.model_id!r}; "
+                  f"HTTP at {front.url}; clients connect to {cluster.address}", flush=True)
+            await _serve_until_stopped(cluster, front, stop)
         return 0
-    except ClusterError as e:
+    except (ClusterError, ValueError, OSError) as e:
         log.error("%s", e)
         return 1
     finally:
         log.info("shutting down")
-        await cluster.shutdown(shutdown_timeout)
+        await cluster.shutdown(args.shutdown_timeout)
+
+
+async def _serve_until_stopped(cluster: LocalCluster, front: HttpFront, stop: asyncio.Event) -> None:
+    """Until a signal, the coordinator's exit (a STOP) or the front failing; then the front stops first."""
+    tasks = [asyncio.create_task(stop.wait()), asyncio.create_task(_watch(cluster)),
+             serving := asyncio.create_task(front.serve())]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    front.shutdown()
+    for task in tasks[:2]:
+        task.cancel()
+    await asyncio.wait([serving], timeout=10)
+    if serving.done() and not serving.cancelled() and serving.exception() is not None:
+        raise serving.exception()
 
 
 async def _watch(cluster: LocalCluster) -> None:
@@ -228,10 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         print("infer-serve: --workers must be >= 1", file=sys.stderr)
         return 2
-    cluster = LocalCluster(num_workers=args.workers, host=args.host, port=args.coordinator_port,
+    try:
+        front_config(args, None)
+    except ValueError as e:
+        print(f"infer-serve: {e}", file=sys.stderr)
+        return 2
+    cluster = LocalCluster(num_workers=args.workers, host=args.coordinator_host, port=args.coordinator_port,
                            worker_args=worker_args(args, extra) + ["--log-level", args.log_level],
                            coordinator_args=_flags(args, _COORDINATOR_FLAGS) + ["--log-level", args.log_level])
-    return asyncio.run(serve(cluster, args.ready_timeout, args.shutdown_timeout))
+    return asyncio.run(serve(cluster, args))
 
 
 if __name__ == "__main__":

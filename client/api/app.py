@@ -1,0 +1,665 @@
+"""The OpenAI-compatible HTTP front: an ASGI app over any EngineClient (a cluster or an in-process engine).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
+GET /v1/models, GET /health, GET /metrics.
+
+The path of a request:
+1. `_authorize` (401 without the API key when one is set), `_parse` (400 for malformed JSON or an invalid
+   field, naming it), the model name (404 if it is not the served one).
+2. Prompts are tokenized here (chat: the tokenizer's chat template), so the length is checked against the
+   cluster's context length before anything is sent (400, with both numbers).
+3. `_admit`: 503 with Retry-After when this front is at its concurrency limit, the cluster is stopping,
+   or no worker is healthy (a cluster view at most `view_max_age` old, refreshed by one stats round trip).
+4. One engine request per (prompt, choice). Non-streaming: all run to the end, then one JSON answer.
+   Streaming: the first delta of every request is awaited before the 200 goes out, so a request the
+   cluster rejects still gets its proper status (400 / 503); then SSE chunks as deltas arrive, a usage
+   chunk when asked for, and `data: [DONE]`.
+5. A client that disconnects has its requests aborted: a watcher on the ASGI receive channel cancels the
+   work (non-streaming and before the first byte), and the server cancels a stream whose client is gone;
+   cancelling a stream aborts its request on the worker, which frees its KV blocks.
+A failure inside the cluster mid-stream is sent as an SSE `error` event followed by `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
+from infer.client.api.schemas import ApiError, ChatCompletionRequest, CompletionRequest
+from infer.client.engine_client import EngineClient
+from infer.client.inference_client import ClusterError
+from infer.protocol.messages import ClusterStats
+from infer.protocol.outputs import RequestOutput, TokenLogprobs
+from infer.protocol.sampling import SamplingParams
+
+log = logging.getLogger("infer.api")
+
+Body = TypeVar("Body", bound=BaseModel)
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    """Options of one HTTP front. `served_model_name`: the name clients put in `model`."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_concurrent_requests: int = 1024   # engine requests in flight through this front (n counts n times)
+    health_timeout: float = 5.0           # seconds /health (and /metrics) wait for the cluster's answer
+    view_max_age: float = 1.0             # seconds a cluster view serves admission before a fresh round trip
+    retry_after: int = 1                  # seconds, in the Retry-After header of a 503
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        for name in ("health_timeout", "view_max_age"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.retry_after < 0:
+            raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
+
+
+@dataclass
+class Job:
+    """One engine request of an HTTP request: prompt `prompt_index`, choice `index` of the response."""
+
+    index: int
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    tracker: RequestTracker
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+
+    def add(self, delta: RequestOutput) -> None:
+        self.tracker.on_delta(delta)
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.num_prompt_tokens:
+            self.num_prompt_tokens = delta.num_prompt_tokens
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+
+
+class Front:
+    """The handlers and the state they share; `build_app` wires them to routes."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Any, config: FrontConfig) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = FrontMetrics(config.served_model_name)
+        self.in_flight = 0
+        self._view: ClusterStats | None = None
+        self._view_at = 0.0
+        self._refresh: asyncio.Task | None = None
+        self._token_text: dict[int, str] = {}
+        self.created = int(time.time())
+
+    # ---- routes -----------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request, CompletionRequest)
+        prompts = [self._tokenize(p, add_special_tokens=True) for p in body.prompts()]
+        fmt = CompletionFormat(self, body)
+        return await self._serve(request, body, prompts, body.max_tokens, body.logprobs, fmt)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._parse(request, ChatCompletionRequest)
+        prompt = self._chat_prompt(body)
+        fmt = ChatFormat(self, body)
+        return await self._serve(request, body, [prompt], body.max_new_tokens, body.num_logprobs, fmt)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        try:
+            view = await self._cluster_view()
+        except ApiError:
+            view = self._view
+        max_len = _max_model_len(view, healthy_only=False) if view is not None else None
+        card = {"id": self.config.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "infer", "root": self.engine.model_id, "max_model_len": max_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        """200 only if a fresh round trip to the cluster shows it running with a healthy worker."""
+        try:
+            view = await self._cluster_view(fresh=True)
+        except ApiError as e:
+            return _unhealthy(e.message, self.config.retry_after)
+        healthy = view.num_healthy_workers
+        if view.state != "running" or healthy == 0:
+            why = f"cluster is {view.state}" if view.state != "running" else "no healthy worker"
+            return _unhealthy(why, self.config.retry_after, view)
+        return JSONResponse({"status": "ok", "state": view.state, "healthy_workers": healthy,
+                             "workers": len(view.workers)})
+
+    async def metrics_text(self, request: Request) -> Response:
+        try:
+            view = await self._cluster_view(fresh=True)
+        except ApiError:
+            view = None
+        return Response(self.metrics.exposition(view), media_type=CONTENT_TYPE)
+
+    # ---- parsing ----------------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def _parse(self, request: Request, model: type[Body]) -> Body:
+        self._authorize(request)
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if body.model != self.config.served_model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{self.config.served_model_name!r}", param="model", code="model_not_found")
+        return body
+
+    def _tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "prompt must not be empty", param="prompt")
+            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        if not prompt:
+            raise ApiError(400, "a token-id prompt must not be empty", param="prompt")
+        vocab = len(self.tokenizer)
+        bad = next((t for t in prompt if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        return prompt
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        messages = [m.as_template_message() for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=body.add_generation_prompt)
+        except Exception as e:   # the template's own checks (jinja raise_exception), e.g. role order
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return self._tokenize(text, add_special_tokens=False)
+
+    # ---- admission --------------------------------------------------------------------------------
+
+    async def _cluster_view(self, fresh: bool = False) -> ClusterStats:
+        """The cluster's stats, at most `view_max_age` old (or fresh); one round trip serves every waiter."""
+        if not fresh and self._view is not None and time.monotonic() - self._view_at < self.config.view_max_age:
+            return self._view
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.create_task(self._fetch_view())
+        return await asyncio.shield(self._refresh)
+
+    async def _fetch_view(self) -> ClusterStats:
+        try:
+            view = await asyncio.wait_for(self.engine.stats(), self.config.health_timeout)
+        except (ClusterError, asyncio.TimeoutError) as e:
+            raise ApiError(503, f"the cluster did not answer: {e or 'timed out'}", code="unavailable",
+                           retry_after=self.config.retry_after) from None
+        self._view, self._view_at = view, time.monotonic()
+        return view
+
+    async def _admit(self, num_requests: int) -> int:
+        """The context length to check prompts against; ApiError 503 when the cluster cannot take them."""
+        limit = self.config.max_concurrent_requests
+        if self.in_flight + num_requests > limit:
+            raise self._unavailable(f"the server is at capacity ({self.in_flight} requests in flight, limit "
+                                    f"{limit}); retry later")
+        view = await self._cluster_view()
+        if view.state == "stopped":
+            raise self._unavailable("the cluster is stopping")
+        max_len = _max_model_len(view)
+        if max_len is None:
+            if view.state == "running":
+                raise self._unavailable("no worker is available to serve the request")
+            max_len = _max_model_len(view, healthy_only=False) or 0
+        return max_len
+
+    def _unavailable(self, message: str) -> ApiError:
+        return ApiError(503, message, code="unavailable", retry_after=self.config.retry_after)
+
+    # ---- running requests -------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                     prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
+                     fmt: ResponseFormat) -> Response:
+        max_len = await self._admit(len(prompts) * body.n)
+        for ids in prompts:
+            _check_length(len(ids), max_tokens, max_len)
+        jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs)
+        if not body.stream:
+            self.in_flight += len(jobs)
+            try:
+                await _cancel_on_disconnect(request, self._run_to_end(jobs))
+            finally:
+                self.in_flight -= len(jobs)
+            return JSONResponse(fmt.response(jobs))
+        run = StreamRun(self, jobs)
+        await _cancel_on_disconnect(request, run.start())   # on failure, start() closed the run
+        return _EventStream(self._sse(run, fmt, body.include_usage), run)
+
+    def _jobs(self, base_id: str, prompts: list[list[int]], body: Any, max_tokens: int | None,
+              logprobs: int | None) -> list[Job]:
+        jobs = []
+        for p, ids in enumerate(prompts):
+            for c in range(body.n):
+                index = p * body.n + c
+                try:
+                    params = body.sampling_params(max_tokens, logprobs, seed_offset=c)
+                except ValueError as e:
+                    raise ApiError(400, str(e)) from None
+                jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker()))
+        return jobs
+
+    async def _run_to_end(self, jobs: list[Job]) -> None:
+        async def one(job: Job) -> None:
+            async for delta in self.engine.stream(job.prompt_token_ids, job.params, request_id=job.request_id):
+                job.add(delta)
+                if delta.finish_reason == "error":
+                    raise _request_error(delta)
+        try:
+            await _gather_or_cancel([one(job) for job in jobs])
+        except ClusterError as e:
+            raise self._unavailable(f"the cluster failed: {e}") from None
+
+    async def _sse(self, run: StreamRun, fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
+        for chunk in fmt.opening_chunks(run.jobs):
+            yield _event(chunk)
+        try:
+            async for job, delta in run.deltas():
+                if delta.finish_reason == "error":
+                    yield _event(_request_error(delta).body())
+                    break
+                chunk = fmt.chunk(job, delta)
+                if chunk is not None:
+                    yield _event(chunk)
+            else:
+                if include_usage:
+                    yield _event(fmt.usage_chunk(run.jobs))
+        except ApiError as e:
+            yield _event(e.body())
+        yield "data: [DONE]\n\n"
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+class StreamRun:
+    """The engine requests of one streaming HTTP request, merged into one sequence of (job, delta).
+
+    One pump task per job feeds a shared queue. `start()` returns once every job has its first delta (or
+    one failed); those are replayed first by `deltas()`. `close()` cancels the pumps, which aborts every
+    request not finished yet.
+    """
+
+    def __init__(self, front: Front, jobs: list[Job]) -> None:
+        self.front = front
+        self.jobs = jobs
+        self._queue: asyncio.Queue[tuple[Job, RequestOutput | BaseException]] = asyncio.Queue()
+        self._buffer: list[tuple[Job, RequestOutput]] = []
+        self._pumps: list[asyncio.Task] = []
+        self._unfinished = len(jobs)
+        self._closed = False
+        front.in_flight += len(jobs)
+
+    async def start(self) -> None:
+        self._pumps = [asyncio.create_task(self._pump(job)) for job in self.jobs]
+        started: set[int] = set()
+        try:
+            while len(started) < len(self.jobs):
+                job, delta = await self._next()
+                if delta.finish_reason == "error":
+                    raise _request_error(delta)
+                started.add(job.index)
+                self._buffer.append((job, delta))
+        except BaseException:
+            await self.close()
+            raise
+
+    async def deltas(self) -> AsyncIterator[tuple[Job, RequestOutput]]:
+        buffered, self._buffer = self._buffer, []
+        for job, delta in buffered:
+            yield job, self._account(job, delta)
+        while self._unfinished:
+            job, delta = await self._next()
+            yield job, self._account(job, delta)
+
+    def _account(self, job: Job, delta: RequestOutput) -> RequestOutput:
+        job.add(delta)
+        if delta.finished:
+            self._unfinished -= 1
+        return delta
+
+    async def _next(self) -> tuple[Job, RequestOutput]:
+        job, item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return job, item
+
+    async def _pump(self, job: Job) -> None:
+        try:
+            async for delta in self.front.engine.stream(job.prompt_token_ids, job.params,
+                                                        request_id=job.request_id):
+                self._queue.put_nowait((job, delta))
+        except ClusterError as e:
+            self._queue.put_nowait((job, ApiError(503, f"the cluster failed: {e}", code="unavailable",
+                                                  retry_after=self.front.config.retry_after)))
+
+    async def close(self) -> None:
+        """Cancel the pumps (aborting unfinished requests) and release the front's capacity; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.front.in_flight -= len(self.jobs)
+        for task in self._pumps:
+            task.cancel()
+        if self._pumps:
+            await asyncio.gather(*self._pumps, return_exceptions=True)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose StreamRun is closed however the response ends: finished, failed, or
+    cancelled because the client went away (possibly before the generator ever ran)."""
+
+    def __init__(self, content: AsyncIterator[str], run: StreamRun) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.run.close()
+
+
+# ---- response shapes ------------------------------------------------------------------------------
+
+class ResponseFormat:
+    """How one endpoint shapes its JSON: the whole response, stream chunks, the usage chunk."""
+
+    object_name = ""
+    chunk_object_name = ""
+    id_prefix = ""
+
+    def __init__(self, front: Front, body: Any) -> None:
+        self.front = front
+        self.body = body
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = body.model
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def response(self, jobs: list[Job]) -> dict[str, Any]:
+        out = self._envelope(self.object_name, [self.choice(job) for job in jobs])
+        out["usage"] = _usage(jobs)
+        return out
+
+    def usage_chunk(self, jobs: list[Job]) -> dict[str, Any]:
+        out = self._envelope(self.chunk_object_name, [])
+        out["usage"] = _usage(jobs)
+        return out
+
+    def opening_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
+        return []
+
+    def choice(self, job: Job) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk(self, job: Job, delta: RequestOutput) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def choice(self, job: Job) -> dict[str, Any]:
+        return {"index": job.index, "text": job.text, "finish_reason": job.finish_reason,
+                "logprobs": self._logprobs(job.token_ids, job.logprobs, 0) if job.params.logprobs is not None
+                else None}
+
+    def chunk(self, job: Job, delta: RequestOutput) -> dict[str, Any] | None:
+        if not delta.text and not delta.finished and not delta.logprobs:
+            return None
+        logprobs = None
+        if job.params.logprobs is not None and delta.logprobs:
+            start = len(job.text) - len(delta.text)
+            logprobs = self._logprobs(delta.token_ids, delta.logprobs, start)
+        choice = {"index": job.index, "text": delta.text, "logprobs": logprobs,
+                  "finish_reason": delta.finish_reason}
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+        text = self.front.token_text
+        n = self.body.logprobs or 0
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token_id, row in zip(token_ids, rows):
+            piece = text(token_id)
+            tokens.append(piece)
+            token_lps.append(_finite(row.get(token_id)))
+            tops.append({text(t): _finite(lp) for t, lp in _top(row, n)})
+            offsets.append(offset)
+            offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+class ChatFormat(ResponseFormat):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def choice(self, job: Job) -> dict[str, Any]:
+        return {"index": job.index, "message": {"role": "assistant", "content": job.text},
+                "logprobs": self._logprobs(job.token_ids, job.logprobs) if job.params.logprobs is not None
+                else None, "finish_reason": job.finish_reason}
+
+    def opening_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
+        return [self._envelope(self.chunk_object_name, [{"index": job.index, "delta": {"role": "assistant",
+                                                                                       "content": ""},
+                                                         "logprobs": None, "finish_reason": None}])
+                for job in jobs]
+
+    def chunk(self, job: Job, delta: RequestOutput) -> dict[str, Any] | None:
+        if not delta.text and not delta.finished and not delta.logprobs:
+            return None
+        logprobs = None
+        if job.params.logprobs is not None and delta.logprobs:
+            logprobs = self._logprobs(delta.token_ids, delta.logprobs)
+        choice = {"index": job.index, "delta": {"content": delta.text} if delta.text or not delta.finished
+                  else {}, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs]) -> dict[str, Any]:
+        text = self.front.token_text
+        n = self.body.top_logprobs or 0
+        content = []
+        for token_id, row in zip(token_ids, rows):
+            piece = text(token_id)
+            top = [{"token": text(t), "logprob": _finite(lp), "bytes": list(text(t).encode())}
+                   for t, lp in _top(row, n)]
+            content.append({"token": piece, "logprob": _finite(row.get(token_id)), "bytes": list(piece.encode()),
+                            "top_logprobs": top})
+        return {"content": content}
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+def _top(row: TokenLogprobs, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of a logprobs row (the row holds the top n plus the sampled token)."""
+    return sorted(row.items(), key=lambda kv: -kv[1])[:n]
+
+
+def _finite(value: float | None) -> float:
+    """JSON has no -inf: a token the sampler could not pick (masked) reports OpenAI's floor, -9999."""
+    if value is None or value != value or value == float("-inf"):
+        return -9999.0
+    return value
+
+
+def _usage(jobs: list[Job]) -> dict[str, int]:
+    prompt = sum({job.prompt_index: job.num_prompt_tokens or len(job.prompt_token_ids) for job in jobs}.values())
+    completion = sum(len(job.token_ids) for job in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _max_model_len(view: ClusterStats, healthy_only: bool = True) -> int | None:
+    lens = [w.max_model_len for w in view.workers if w.healthy or not healthy_only]
+    return min(lens) if lens else None
+
+
+def _check_length(num_prompt: int, max_tokens: int | None, max_len: int) -> None:
+    if num_prompt >= max_len:
+        raise ApiError(400, f"this model's maximum context length is {max_len} tokens, but the prompt has "
+                            f"{num_prompt} tokens; shorten it to leave room for at least one generated token",
+                       param="prompt", code="context_length_exceeded")
+    if max_tokens is not None and num_prompt + max_tokens > max_len:
+        raise ApiError(400, f"this model's maximum context length is {max_len} tokens, but {num_prompt + max_tokens}"
+                            f" were requested ({num_prompt} in the prompt, {max_tokens} in the completion); "
+                            f"reduce the prompt or max_tokens", param="max_tokens", code="context_length_exceeded")
+
+
+def _request_error(delta: RequestOutput) -> ApiError:
+    message = delta.error or "the request failed"
+    if delta.error_code == "invalid_request":
+        return ApiError(400, message)
+    if delta.error_code == "unavailable":
+        return ApiError(503, message, code="unavailable", retry_after=1)
+    return ApiError(500, message, code="internal_error")
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    first = e.errors()[0]
+    param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part)) or None
+    given = first.get("input")
+    detail = first["msg"]
+    if first["type"] not in ("missing", "extra_forbidden"):
+        detail += f" (got {json.dumps(given, default=str)[:80]})"
+    if first["type"] == "extra_forbidden":
+        detail = "unknown field"
+    more = f" (and {len(e.errors()) - 1} more problem(s))" if len(e.errors()) > 1 else ""
+    return ApiError(400, f"{param}: {detail}{more}" if param else f"{detail}{more}", param=param)
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names union members in `loc` (e.g. 'list[str]', 'function-after[...]'); not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
+
+
+def _unhealthy(why: str, retry_after: int, view: ClusterStats | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"status": "unavailable", "reason": why}
+    if view is not None:
+        body.update(state=view.state, healthy_workers=view.num_healthy_workers, workers=len(view.workers))
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(retry_after)})
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[None]) -> None:
+    """Await `work`; if the client disconnects first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_until_disconnected(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ApiError(499, "the client disconnected")
+    task.result()
+
+
+async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
+    """Run all; the first exception cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- the app --------------------------------------------------------------------------------------
+
+def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> FastAPI:
+    """The ASGI app of one front. Every error leaves as OpenAI's error body; bad input never gets a 500."""
+    front = Front(engine, tokenizer, config)
+    app = FastAPI(title="infer", version="0.1.0", openapi_url=None)
+    app.state.front = front
+
+    def route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ApiError as e:
+                headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+                return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        endpoint.__name__ = handler.__name__
+        return endpoint
+
+    app.add_api_route("/v1/completions", route(front.completions), methods=["POST"])
+    app.add_api_route("/v1/chat/completions", route(front.chat_completions), methods=["POST"])
+    app.add_api_route("/v1/models", route(front.models), methods=["GET"])
+    app.add_api_route("/health", route(front.health), methods=["GET"])
+    app.add_api_route("/metrics", route(front.metrics_text), methods=["GET"])
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+
+    return app

@@ -1,0 +1,144 @@
+"""GET /metrics: Prometheus text format, vLLM's metric names under an `infer:` prefix.
+
+Two sources:
+- Request metrics (token counters, latency histograms, finished requests) are observed by this front for
+  the requests it served. Several fronts on one cluster each report their own; sum them in Prometheus.
+  They count engine work: a request with n choices is n engine requests (n x its prompt tokens).
+- Cluster metrics (running / waiting requests, KV usage, prefix-cache and preemption counters) come from
+  the workers' latest load reports, fetched with a fresh stats round trip at every scrape. Worker counters
+  restart from 0 when a worker restarts; the front keeps a per-worker last value so the exported counters
+  never go down.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from infer.protocol.messages import ClusterStats
+from infer.protocol.outputs import RequestOutput
+
+# vLLM's bucket boundaries, so dashboards built for it read ours the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+disable_created_metrics()   # no `_created` series: vLLM does not export them and scrapers do not need them
+
+
+class FrontMetrics:
+    """The metrics of one HTTP front, in its own registry (two fronts in one process do not collide)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self._gauges = {
+            "running": Gauge("infer:num_requests_running", "Requests running on the workers.", labels, registry=r),
+            "waiting": Gauge("infer:num_requests_waiting",
+                             "Requests waiting: in the workers' queues and held by the coordinator.", labels,
+                             registry=r),
+            "kv": Gauge("infer:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1) over healthy "
+                        "workers.", labels, registry=r),
+            "workers": Gauge("infer:num_healthy_workers", "Workers the coordinator can route to.", labels,
+                             registry=r),
+        }
+        self._worker_counters = {
+            "num_preemptions": Counter("infer:num_preemptions", "Preemptions (requests that lost their KV "
+                                       "blocks and recompute).", labels, registry=r),
+            "prefix_cache_queries": Counter("infer:prefix_cache_queries", "Prompt tokens looked up in the "
+                                            "prefix cache.", labels, registry=r),
+            "prefix_cache_hits": Counter("infer:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                         labels, registry=r),
+        }
+        self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of served requests.", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("infer:generation_tokens", "Generated tokens of served requests.",
+                                         labels, registry=r).labels(model_name)
+        self._success = Counter("infer:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram("infer:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("infer:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             labels, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("infer:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("infer:request_queue_time_seconds", "Time a request waited in its worker "
+                                    "before it was first scheduled.", labels, buckets=LATENCY_BUCKETS,
+                                    registry=r).labels(model_name)
+        self.model_name = model_name
+        self._last_worker_totals: dict[tuple[str, str], int] = {}
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def exposition(self, stats: ClusterStats | None) -> bytes:
+        """The text to answer a scrape with; `stats` None (cluster unreachable) leaves the gauges at 0."""
+        self._update_cluster(stats)
+        return generate_latest(self.registry)
+
+    def _update_cluster(self, stats: ClusterStats | None) -> None:
+        healthy = [] if stats is None else [w for w in stats.workers if w.healthy]
+        loads = [w.load for w in healthy if w.load is not None]
+        name = self.model_name
+        self._gauges["running"].labels(name).set(sum(load.num_running for load in loads))
+        held = 0 if stats is None else stats.num_held
+        self._gauges["waiting"].labels(name).set(sum(load.num_waiting for load in loads) + held)
+        total = sum(load.num_total_blocks for load in loads)
+        used = sum(load.num_total_blocks - load.num_free_blocks for load in loads)
+        self._gauges["kv"].labels(name).set(used / total if total else 0.0)
+        self._gauges["workers"].labels(name).set(len(healthy))
+        for worker in [] if stats is None else stats.workers:
+            if worker.load is not None:
+                for attr, counter in self._worker_counters.items():
+                    self._add_worker_total(counter, worker.worker_id, attr, getattr(worker.load, attr))
+
+    def _add_worker_total(self, counter: Counter, worker_id: str, attr: str, total: int) -> None:
+        last = self._last_worker_totals.get((worker_id, attr), 0)
+        increase = total - last if total >= last else total   # below the last value: the worker restarted
+        self._last_worker_totals[(worker_id, attr)] = total
+        if increase:
+            counter.labels(self.model_name).inc(increase)
+
+
+@dataclass
+class RequestTracker:
+    """Observes one engine request's deltas into the front's histograms and counters."""
+
+    metrics: FrontMetrics
+    start: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
+    prompt_counted: bool = False
+
+    def on_delta(self, delta: RequestOutput) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        if not self.prompt_counted and delta.num_prompt_tokens:
+            self.prompt_counted = True
+            m.prompt_tokens.inc(delta.num_prompt_tokens)
+        if delta.queue_time_s is not None:
+            m.queue_time.observe(delta.queue_time_s)
+        if delta.token_ids:
+            m.generation_tokens.inc(len(delta.token_ids))
+            if self.last_token_at is None:
+                m.ttft.observe(now - self.start)
+                gaps = len(delta.token_ids) - 1
+                gap = 0.0
+            else:
+                gaps = len(delta.token_ids)
+                gap = (now - self.last_token_at) / gaps
+            for _ in range(gaps):    # tokens that came together share the gap since the previous delta
+                m.itl.observe(gap)
+            self.last_token_at = now
+        if delta.finished:
+            m.e2e.observe(now - self.start)
+            m.finished(delta.finish_reason or "error")

@@ -1,0 +1,190 @@
+"""Running the HTTP front: `HttpFront` (uvicorn on a socket we bind), `serve_http`, and `infer-api`.
+
+`infer-api --coordinator tcp://H:P [--port 8000] [--host 127.0.0.1] [--api-key K] [--model M]` puts a front
+on an existing cluster; several fronts may share one coordinator. `--model` is where the front reads the
+tokenizer (chat template, prompt lengths, logprob token strings); by default the model the cluster
+reports, and the embedded default model for the cluster's default id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from infer.client.api.app import FrontConfig, build_app
+from infer.client.engine_client import EngineClient
+from infer.client.inference_client import ClusterError, InferenceClient
+
+log = logging.getLogger("infer.api")
+
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"   # the id workers report when they serve the embedded model
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: the program that embeds the front owns SIGINT / SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpFront:
+    """The HTTP front on a bound socket. `port=0` picks a free port (read `.port` after `bind()`)."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Any, config: FrontConfig, host: str = "127.0.0.1",
+                 port: int = 8000) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        self.app = build_app(engine, tokenizer, config)
+        self.host = host
+        self.port = port
+        self._socket: socket.socket | None = None
+        self._server = _Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                              timeout_graceful_shutdown=5))
+
+    def bind(self) -> int:
+        """Bind and listen now (so the caller can print the address before serving); returns the port."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"cannot listen on {self.host}:{self.port}: {e.strerror}") from None
+        sock.listen(2048)
+        sock.set_inheritable(True)
+        self._socket = sock
+        self.port = sock.getsockname()[1]
+        return self.port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def serve(self) -> None:
+        """Serve until cancelled (or `shutdown()`); open connections get a bounded graceful close."""
+        if self._socket is None:
+            self.bind()
+        try:
+            await self._server.serve(sockets=[self._socket])
+        except asyncio.CancelledError:
+            self._server.should_exit = True
+            raise
+        finally:
+            self._socket.close()
+
+    def shutdown(self) -> None:
+        self._server.should_exit = True
+
+
+async def serve_http(engine: EngineClient, *, tokenizer: Any, host: str = "127.0.0.1", port: int = 8000,
+                     served_model_name: str | None = None, api_key: str | None = None,
+                     max_concurrent_requests: int = 1024) -> None:
+    """Serve `engine` over HTTP until cancelled."""
+    name = served_model_name or engine.model_id or DEFAULT_MODEL_ID
+    front = HttpFront(engine, tokenizer, FrontConfig(served_model_name=name, api_key=api_key,
+                                                     max_concurrent_requests=max_concurrent_requests),
+                      host=host, port=port)
+    front.bind()
+    log.info("HTTP front on %s serving %r", front.url, name)
+    await front.serve()
+
+
+def load_front_tokenizer(model: str | None, model_id: str | None) -> Any:
+    """The tokenizer of `model` (a path), else of the model the cluster reports (`model_id`)."""
+    from infer.worker.loader import load_tokenizer, resolve_model
+
+    source = model if model is not None else (None if model_id in (None, DEFAULT_MODEL_ID) else model_id)
+    try:
+        return load_tokenizer(resolve_model(source))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer from {source or 'the embedded default model'!r}: {e}; "
+                         f"pass --model with the model's directory or .gguf file") from None
+
+
+# ---- infer-api ------------------------------------------------------------------------------------
+
+def add_front_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags every command that runs a front shares (infer-api, infer-serve)."""
+    p.add_argument("--host", default="127.0.0.1", help="the HTTP front's bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="the HTTP front's port (default 8000; 0: a free one)")
+    p.add_argument("--api-key", default=os.environ.get("INFER_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' (default: $INFER_API_KEY; unset: no key)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the cluster's model id)")
+    p.add_argument("--max-concurrent-requests", type=int, default=1024,
+                   help="engine requests in flight through this front before it answers 503 (default 1024)")
+
+
+def front_config(args: argparse.Namespace, model_id: str | None) -> FrontConfig:
+    return FrontConfig(served_model_name=args.served_model_name or model_id or DEFAULT_MODEL_ID,
+                       api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infer-api", description="An OpenAI-compatible HTTP front on an existing "
+                                "infer cluster (several may share one coordinator).")
+    p.add_argument("--coordinator", required=True, help="the coordinator's address, tcp://HOST:PORT")
+    p.add_argument("--model", help="where to read the tokenizer (default: the model the cluster serves)")
+    add_front_arguments(p)
+    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the coordinator")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+async def run_front(client: InferenceClient, front: HttpFront) -> None:
+    """Serve until SIGINT / SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    serving = asyncio.create_task(front.serve())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([serving, stopped], return_when=asyncio.FIRST_COMPLETED)
+    front.shutdown()
+    stopped.cancel()
+    await asyncio.wait([serving], timeout=10)
+    if serving.done() and not serving.cancelled() and serving.exception() is not None:
+        raise serving.exception()
+
+
+async def _main(args: argparse.Namespace) -> int:
+    try:
+        async with InferenceClient(args.coordinator, connect_timeout=args.connect_timeout) as client:
+            tokenizer = load_front_tokenizer(args.model, client.model_id)
+            front = HttpFront(client, tokenizer, front_config(args, client.model_id), args.host, args.port)
+            front.bind()
+            print(f"infer-api: serving {front.app.state.front.config.served_model_name!r} on {front.url}, "
+                  f"cluster {args.coordinator}", flush=True)
+            await run_front(client, front)
+    except (ClusterError, ValueError, OSError) as e:
+        print(f"infer-api: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        front_config(args, None)
+    except ValueError as e:
+        print(f"infer-api: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(_main(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""EngineClient: what the HTTP front and AsyncLLM need from "something that generates".
+
+Two implementations share it: `InferenceClient` (a cluster behind a coordinator) and `LocalEngine`
+(one engine in this process, stepped by its own thread). Code written against this protocol runs on
+either, which is how `AsyncLLM.serve()` puts the same HTTP front on direct mode and on a cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol, runtime_checkable
+
+from infer.protocol.messages import ClusterStats
+from infer.protocol.outputs import Completion, RequestOutput
+from infer.protocol.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """An async source of generations.
+
+    Contract:
+    - `stream` yields deltas (`token_ids`/`text` new since the previous one); the last has `finished` and a
+      `finish_reason`. A request-level failure is the last delta with finish_reason "error", `error` (text)
+      and `error_code` (one of protocol.outputs.ERROR_CODES); it never raises for that. The first delta
+      carries `num_prompt_tokens` (and `queue_time_s` where known). Leaving the iteration early aborts
+      the request and frees its KV blocks.
+    - `generate` is `stream` folded into one Completion.
+    - `stats` answers from the live engine(s), never from a cache: it is the health check's round trip.
+    - `pause / unpause / suspend / resume` return the new state, or raise RuntimeError where the
+      implementation has no such lifecycle (direct mode) with a message that says so.
+    - Transport failures (cluster unreachable, client closed) raise `ClusterError`.
+    """
+
+    @property
+    def model_id(self) -> str | None: ...
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               request_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                       request_id: str | None = None, timeout: float | None = None) -> Completion: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def stats(self) -> ClusterStats: ...
+
+    async def pause(self) -> str: ...
+
+    async def unpause(self) -> str: ...
+
+    async def suspend(self) -> str: ...
+
+    async def resume(self) -> str: ...
+
+    async def close(self) -> None: ...

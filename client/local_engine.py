@@ -1,0 +1,373 @@
+"""LocalEngine: the EngineClient over one Engine in this process, stepped by a thread of its own.
+
+The engine thread owns the Engine. Its loop: apply every queued command (add, abort, stats), step while
+there is work, otherwise block on the command queue. Callers live on asyncio event loops (any number);
+each request's deltas go to its own asyncio.Queue on the loop that submitted it, posted with
+`loop.call_soon_threadsafe` once per step per loop.
+
+Failures, and where they surface (the EngineClient contract):
+- A prompt or option the engine rejects: the request's only delta, finish_reason "error", error_code
+  "invalid_request". Nothing raises.
+- An engine step that raises: every in-flight request ends with an "error" delta, error_code "internal";
+  the engine thread then stops and later calls raise ClusterError with the reason.
+- After close(): calls raise ClusterError; requests still in flight at close were aborted on the engine
+  and their waiters get ClusterError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
+
+from infer.client.inference_client import ClusterError
+from infer.protocol.messages import ClusterStats, WorkerStats
+from infer.protocol.outputs import Completion, RequestOutput
+from infer.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from infer.worker.engine import Engine
+
+log = logging.getLogger("infer.local_engine")
+
+Prompt = str | Sequence[int]
+
+IDLE_WAIT_S = 1.0        # an idle engine thread wakes up this often (a bounded wait, nothing is polled)
+CALL_TIMEOUT_S = 30.0    # stats() round trip through the engine thread
+CLOSE_TIMEOUT_S = 30.0   # close() waits this long for the engine thread (it may be inside a long step)
+
+
+def direct_mode_error(command: str) -> RuntimeError:
+    """The error of a lifecycle command in direct mode (shared by LocalEngine and LLM)."""
+    return RuntimeError(
+        f"{command}() needs coordinator mode: this engine runs in-process (direct mode), where there is no "
+        f"cluster to {command}; create the LLM / AsyncLLM with use_coordinator=True (or coordinator_address=...)")
+
+
+@dataclass
+class RequestCounters:
+    """Requests seen by one in-process engine, counted like the coordinator counts them (for ClusterStats)."""
+
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    aborted: int = 0
+
+    def record_final(self, finish_reason: str | None) -> None:
+        if finish_reason == "error":
+            self.failed += 1
+        elif finish_reason == "abort":
+            self.aborted += 1
+        else:
+            self.completed += 1
+
+
+def local_stats(engine: Engine, counters: RequestCounters, *, num_in_flight: int, uptime_s: float) -> ClusterStats:
+    """ClusterStats of a one-engine "cluster": state "running", one healthy worker with the engine's live
+    load. Call it on the thread that owns the engine."""
+    worker = WorkerStats(worker_id="local", dp_rank=0, group_id="dp0", healthy=True,
+                         num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
+                         max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
+                         requests_routed=counters.submitted, num_in_flight=num_in_flight,
+                         seconds_since_heard=0.0, load=engine.load())
+    return ClusterStats(coordinator_id="local", state="running", policy="direct", model_id=engine.model_id,
+                        workers=[worker], num_clients=1, num_in_flight=num_in_flight, num_held=0,
+                        requests_submitted=counters.submitted, requests_completed=counters.completed,
+                        requests_failed=counters.failed, requests_aborted=counters.aborted,
+                        requests_redispatched=0, frames_rejected=0, uptime_s=uptime_s)
+
+
+# ---- commands: caller -> engine thread -------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Stream:
+    """One request as its caller sees it. `queue` (RequestOutput | ClusterError) is filled on `loop` only;
+    `prompt_token_ids` is set by the engine thread before the first delta is posted."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class _Add:
+    stream: _Stream
+    prompt: Prompt
+    params: SamplingParams | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _StatsQuery:
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _Close:
+    pass
+
+
+_Command = Union[_Add, _Abort, _StatsQuery, _Close]
+
+
+class LocalEngine:
+    """EngineClient over one in-process Engine (direct mode of AsyncLLM and the HTTP front).
+
+    `LocalEngine(engine)` takes ownership of `engine`: from then on only the engine thread touches it.
+    Usable from any event loop (each request's deltas go to the loop that submitted it); close() once.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._ids = itertools.count()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()         # orders "is it closed?" + put against close()
+        self._closed_reason: str | None = None
+        self._streams: dict[str, _Stream] = {}   # engine thread only: requests in the engine
+        self._counters = RequestCounters()       # engine thread only
+        self._started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="infer-local-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def model_id(self) -> str | None:
+        return self.engine.model_id
+
+    @property
+    def closed(self) -> bool:
+        return self._closed_reason is not None
+
+    # ---- EngineClient ---------------------------------------------------------------------------
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request; the last has `finished`. Leaving the loop early aborts the request."""
+        stream = self._open(prompt, params, request_id)
+        async with aclosing(self._deltas(stream)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                       request_id: str | None = None, timeout: float | None = None) -> Completion:
+        """The request run to the end as one Completion; `timeout` aborts it and raises TimeoutError."""
+        stream = self._open(prompt, params, request_id)
+        completion = Completion(stream.request_id, [], prompt=prompt if isinstance(prompt, str) else None)
+        try:
+            await asyncio.wait_for(self._fold(stream, completion), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"request {stream.request_id!r} did not finish in {timeout} s") from None
+        completion.prompt_token_ids = stream.prompt_token_ids or ([] if isinstance(prompt, str) else list(prompt))
+        return completion
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        self._send(_Abort(request_id))
+
+    async def stats(self) -> ClusterStats:
+        """A ClusterStats answered by the engine thread (a real round trip: a stuck thread times out)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_StatsQuery(future))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ClusterError(f"the engine thread did not answer stats within {CALL_TIMEOUT_S} s") from None
+
+    async def pause(self) -> str:
+        raise direct_mode_error("pause")
+
+    async def unpause(self) -> str:
+        raise direct_mode_error("unpause")
+
+    async def suspend(self) -> str:
+        raise direct_mode_error("suspend")
+
+    async def resume(self) -> str:
+        raise direct_mode_error("resume")
+
+    async def close(self) -> None:
+        """Stop the engine thread: in-flight requests are aborted on the engine and their waiters get
+        ClusterError. Waits up to CLOSE_TIMEOUT_S for the thread (it finishes its current step first)."""
+        with self._lock:
+            if self._closed_reason is None:
+                self._closed_reason = "the local engine was closed"
+                self._commands.put(_Close())
+        await asyncio.to_thread(self._thread.join, CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.warning("the engine thread is still inside a step %s s after close(); leaving it (daemon)",
+                        CLOSE_TIMEOUT_S)
+
+    # ---- caller side ----------------------------------------------------------------------------
+
+    def _open(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> _Stream:
+        stream = _Stream(request_id or f"local-{next(self._ids)}", asyncio.get_running_loop())
+        self._send(_Add(stream, prompt, params))
+        return stream
+
+    async def _deltas(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True   # the engine thread already forgot this request
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._send(_Abort(stream.request_id), quiet=True)
+
+    async def _fold(self, stream: _Stream, completion: Completion) -> None:
+        async with aclosing(self._deltas(stream)) as deltas:
+            async for delta in deltas:
+                completion.add(delta)
+
+    def _send(self, command: _Command, quiet: bool = False) -> None:
+        """Queue a command for the engine thread; ClusterError once closed (ignored when `quiet`)."""
+        with self._lock:
+            if self._closed_reason is None:
+                self._commands.put(command)
+                return
+        if not quiet:
+            raise ClusterError(self._closed_reason)
+
+    # ---- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        reason = None
+        try:
+            while self._apply_commands(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+        except Exception as e:   # a failed step: the engine's state is unknown, so it serves nothing more
+            log.exception("the engine failed; failing every request in flight")
+            reason = f"the engine failed: {type(e).__name__}: {e}"
+            self._fail_streams(reason)
+        finally:
+            self._stop(reason)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every queued command, waiting up to IDLE_WAIT_S for the first when `block`. False on close."""
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while not isinstance(command, _Close):
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            self.engine.abort(command.request_id)   # the "abort" delta comes with the next step
+        elif isinstance(command, _StatsQuery):
+            self._answer_stats(command.future)
+
+    def _add(self, command: _Add) -> None:
+        stream = command.stream
+        self._counters.submitted += 1
+        if stream.request_id in self._streams:
+            return self._reject(stream, f"request id {stream.request_id!r} is already in flight", "invalid_request")
+        try:
+            request = self.engine.add_request(stream.request_id, command.prompt, command.params)
+        except ValueError as e:
+            return self._reject(stream, str(e), "invalid_request")
+        except Exception as e:   # the engine is unchanged by a failed add; only this request fails
+            log.exception("add_request(%r) failed", stream.request_id)
+            return self._reject(stream, f"{type(e).__name__}: {e}", "internal")
+        stream.prompt_token_ids = list(request.prompt_token_ids)
+        self._streams[stream.request_id] = stream
+
+    def _reject(self, stream: _Stream, reason: str, code: str) -> None:
+        self._counters.record_final("error")
+        _post(stream.loop, [(stream, _error_delta(stream.request_id, reason, code))])
+
+    def _answer_stats(self, future: concurrent.futures.Future) -> None:
+        uptime = time.monotonic() - self._started_at
+        try:
+            future.set_result(local_stats(self.engine, self._counters, num_in_flight=len(self._streams),
+                                          uptime_s=uptime))
+        except Exception as e:
+            future.set_exception(ClusterError(f"stats failed: {type(e).__name__}: {e}"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Post one step's deltas: one call_soon_threadsafe per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+                self._counters.record_final(output.finish_reason)
+            by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            _post(loop, items)
+
+    def _fail_streams(self, reason: str) -> None:
+        for stream in self._streams.values():
+            self._counters.record_final("error")
+            _post(stream.loop, [(stream, _error_delta(stream.request_id, reason, "internal"))])
+        self._streams.clear()
+
+    def _stop(self, failure: str | None) -> None:
+        """Refuse new commands, answer the queued ones, abort what is still in the engine."""
+        with self._lock:
+            if self._closed_reason is None or failure is not None:
+                self._closed_reason = failure or "the local engine stopped"
+            reason = self._closed_reason
+        error = ClusterError(reason)
+        for command in _drain(self._commands):
+            if isinstance(command, _Add):
+                _post(command.stream.loop, [(command.stream, error)])
+            elif isinstance(command, _StatsQuery):
+                command.future.set_exception(error)
+        for stream in self._streams.values():
+            if failure is None:
+                self.engine.abort(stream.request_id)
+            _post(stream.loop, [(stream, error)])
+        self._streams.clear()
+
+
+def _error_delta(request_id: str, reason: str, code: str) -> RequestOutput:
+    return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=reason, error_code=code)
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    """Put each item into its stream's queue on `loop`; a closed loop has nobody waiting, so it is skipped."""
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:
+        pass
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _drain(commands: queue.SimpleQueue) -> list[_Command]:
+    out = []
+    while True:
+        try:
+            out.append(commands.get_nowait())
+        except queue.Empty:
+            return out
