@@ -1,10 +1,10 @@
 """infer: a ZeroMQ LLM serving cluster.
 
-Public API: `from infer import LLM, SamplingParams`.
+Public API: `from infer import LLM, AsyncLLM, SamplingParams`.
 """
 
-from infer.client.llm import LLM
-from infer.protocol.outputs import Completion
+from infer.client.llm import LLM, AsyncLLM
+from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
 
-__all__ = ["LLM", "Completion", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "Completion", "RequestOutput", "SamplingParams"]

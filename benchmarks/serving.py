@@ -326,16 +326,18 @@ def free_port() -> int:
 
 
 def server_env(args: argparse.Namespace) -> dict[str, str]:
-    """The environment both servers get; vLLM's CPU knobs as throughput.py sets them."""
-    return dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+    """The environment both servers get: vLLM's CPU knobs as throughput.py sets them, no API keys."""
+    env = {k: v for k, v in os.environ.items() if k not in ("INFER_API_KEY", "VLLM_API_KEY")}
+    return dict(env, TOKENIZERS_PARALLELISM="false", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                 VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
 
 
 def infer_command(args: argparse.Namespace, model: Path, port: int) -> list[str]:
     serve = Path(sys.executable).with_name("infer-serve")
     kv_per_worker = (args.kv_cache_gib << 30) // args.infer_workers   # the same total bytes as vLLM's
-    return [str(serve), "--model", str(model), "--workers", str(args.infer_workers),
-            "--threads", str(args.infer_threads), "--port", str(port), "--dtype", args.dtype,
+    return [str(serve), "--model", str(model), "--served-model-name", SERVED_NAME, "--host", HOST,
+            "--port", str(port), "--workers", str(args.infer_workers), "--threads", str(args.infer_threads),
+            "--dtype", args.dtype,
             "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
             "--kv-cache-memory", str(kv_per_worker), "--seed", str(args.seed),
             *shlex.split(args.infer_args)]

@@ -19,6 +19,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import aclosing
@@ -429,7 +430,7 @@ class LLM:
             from infer.worker.engine import Engine
 
             self.engine = Engine(self.options.engine_config())
-        self._started_at = _monotonic()
+        self._started_at = time.monotonic()
 
     def _start_remote(self) -> None:
         self._loop = _LoopThread()
@@ -548,7 +549,7 @@ class LLM:
         """Live state: the cluster's ClusterStats, or in direct mode one worker with the engine's load."""
         if self.engine is not None:
             return local_stats(self.engine, self._counters, num_in_flight=0,
-                               uptime_s=_monotonic() - self._started_at)
+                               uptime_s=time.monotonic() - self._started_at)
         return self._run(self._require_remote().stats())
 
     def pause(self) -> str:
@@ -582,12 +583,6 @@ class LLM:
             coro.close()
             raise RuntimeError("this LLM is closed")
         return self._loop.run(coro)
-
-
-def _monotonic() -> float:
-    import time
-
-    return time.monotonic()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -277,7 +277,8 @@ class LocalEngine:
         if isinstance(command, _Add):
             self._add(command)
         elif isinstance(command, _Abort):
-            self.engine.abort(command.request_id)   # the "abort" delta comes with the next step
+            if self.engine.abort(command.request_id):
+                self._deliver(self.engine.take_pending())   # the "abort" delta now, not after the next step
         elif isinstance(command, _StatsQuery):
             self._answer_stats(command.future)
 

@@ -73,6 +73,8 @@ class FrontMetrics:
                                     "before it was first scheduled.", labels, buckets=LATENCY_BUCKETS,
                                     registry=r).labels(model_name)
         self.model_name = model_name
+        for metric in [*self._gauges.values(), *self._worker_counters.values()]:
+            metric.labels(model_name)   # a labelled series exists (at 0) before its first change
         self._last_worker_totals: dict[tuple[str, str], int] = {}
 
     def tracker(self) -> RequestTracker:

@@ -1,6 +1,10 @@
-"""LLM.generate: order, mixed prompt kinds, per-prompt errors that do not stop the batch."""
+"""LLM: order, mixed prompt kinds, per-prompt errors that do not stop the batch; direct vs coordinator mode
+(same greedy outputs), lifecycle, options, ranks, and closing stops every process it started."""
 
 from __future__ import annotations
+
+import concurrent.futures
+import os
 
 import pytest
 
@@ -51,3 +55,134 @@ def test_chat_uses_the_template(llm):
     out = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                    use_tqdm=False)[0]
     assert out.prompt is not None and "<|im_start|>user" in out.prompt and len(out.token_ids) == 2
+
+
+# ---- coordinator mode, options, ranks ---------------------------------------------------------------
+
+ENGINE_OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = ["The capital of France", [5, 6, 7, 8], "a much longer prompt " * 10, "one", [9, 10], "two words"]
+
+
+@pytest.fixture(scope="module")
+def cluster_llm(tiny_model_dir):
+    """A coordinator and two workers started by LLM, shared by this module."""
+    llm = LLM(model=tiny_model_dir("llama"), use_coordinator=True, data_parallel_size=2, num_threads=1,
+              ready_timeout=120, **ENGINE_OPTIONS)
+    yield llm
+    llm.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_direct_and_coordinator_mode_give_the_same_greedy_outputs(llm, cluster_llm):
+    direct = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    clustered = cluster_llm.generate(PROMPTS, GREEDY, use_tqdm=True)
+    assert [(c.token_ids, c.text, c.finish_reason) for c in clustered] == \
+           [(d.token_ids, d.text, d.finish_reason) for d in direct]
+    assert [c.prompt_token_ids for c in clustered] == [d.prompt_token_ids for d in direct]
+    stats = cluster_llm.stats()
+    assert stats.num_healthy_workers == 2 and all(w.requests_routed > 0 for w in stats.workers)
+
+
+def test_a_bad_prompt_is_an_invalid_request_in_both_modes(llm, cluster_llm):
+    for model in (llm, cluster_llm):
+        bad, fine = model.generate(["x " * 400, "fine"], GREEDY, use_tqdm=False)
+        assert (bad.finish_reason, bad.error_code) == ("error", "invalid_request") and "context length" in bad.error
+        assert fine.finish_reason == "length"
+
+
+def test_lifecycle_in_coordinator_mode(cluster_llm):
+    assert cluster_llm.pause() == "paused"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(cluster_llm.generate, "held while paused", GREEDY, use_tqdm=False)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            held.result(timeout=0.5)
+        assert cluster_llm.stats().num_held == 1
+        assert cluster_llm.suspend() == "suspended"
+        assert cluster_llm.resume() == "paused"
+        assert cluster_llm.unpause() == "running"
+        [completion] = held.result(timeout=30)
+    assert completion.finish_reason == "length" and len(completion.token_ids) == GREEDY.max_tokens
+
+
+def test_lifecycle_raises_in_direct_mode(llm):
+    for command in ("pause", "unpause", "suspend", "resume"):
+        with pytest.raises(RuntimeError, match=f"{command}\\(\\) needs coordinator mode"):
+            getattr(llm, command)()
+    stats = llm.stats()
+    assert stats.state == "running" and stats.workers[0].load.num_running == 0
+
+
+def test_chat_in_coordinator_mode_uses_the_template(llm, cluster_llm):
+    conversation = [{"role": "user", "content": "Hello"}]
+    clustered = cluster_llm.chat(conversation, GREEDY, use_tqdm=False)[0]
+    assert clustered.prompt is not None and "<|im_start|>user" in clustered.prompt
+    assert clustered.token_ids == llm.chat(conversation, GREEDY, use_tqdm=False)[0].token_ids
+
+
+def test_joining_a_cluster_and_closing_leaves_it_running(tiny_model_dir, cluster_llm):
+    with LLM(model=tiny_model_dir("llama"), coordinator_address=cluster_llm.coordinator_address,
+             data_parallel_size=2) as joined:
+        assert joined.child_pids == []
+        out = joined.generate([5, 6, 7], GREEDY, use_tqdm=False)[0]
+    assert cluster_llm.generate([5, 6, 7], GREEDY, use_tqdm=False)[0].token_ids == out.token_ids
+    assert not any(_gone(pid) for pid in cluster_llm.child_pids)
+
+
+def test_closing_stops_every_process_it_started(tiny_model_dir):
+    with LLM(model=tiny_model_dir("llama"), use_coordinator=True, num_threads=1, ready_timeout=120,
+             **ENGINE_OPTIONS) as llm:
+        pids = llm.child_pids
+        assert len(pids) == 2 and not any(_gone(pid) for pid in pids)   # the coordinator and one worker
+        assert llm.generate("hi", GREEDY, use_tqdm=False)[0].finish_reason == "length"
+    assert all(_gone(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("hi", GREEDY)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(use_coordinator=True, gpu_memory_utilisation=0.5), "unknown engine option.*gpu_memory_utilisation"),
+    (dict(use_coordinater=True), "unknown engine option.*use_coordinater"),
+    (dict(data_parallel_size=2), "data_parallel_size=2 needs coordinator mode"),
+    (dict(coordinator_address="tcp://127.0.0.1:1", max_num_seqs=4), "max_num_seqs cannot apply when joining"),
+    (dict(use_coordinator=True, max_num_seqs=0), "max_num_seqs must be a positive integer"),
+])
+def test_bad_options_raise_before_anything_starts(options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(**options)
+
+
+def test_engine_options_become_the_same_worker_config():
+    from infer.client.llm import LLMOptions
+    from infer.worker.daemon import build_parser, engine_config
+
+    options = LLMOptions(model="/m", use_coordinator=True, engine_options=dict(
+        dtype="float32", device="cpu", max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64, block_size=8,
+        kv_cache_memory=1 << 20, kv_cache_memory_fraction=0.2, enable_prefix_caching=False,
+        enable_chunked_prefill=True, seed=7, num_threads=1))
+    args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1", *options.worker_args()])
+    assert engine_config(args) == options.engine_config()
+    assert args.log_level == "WARNING"
+
+
+@pytest.mark.parametrize("env, primary", [({}, True), ({"RANK": "0"}, True), ({"RANK": "1"}, False),
+                                          ({"SLURM_PROCID": "2"}, False), ({"RANK": "0", "SLURM_PROCID": "3"}, True)])
+def test_is_primary_rank_reads_rank_then_slurm_procid(llm, monkeypatch, env, primary):
+    for name in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert llm.is_primary_rank is primary
+
+
+def test_a_malformed_rank_is_named(llm, monkeypatch):
+    monkeypatch.setenv("RANK", "zero")
+    with pytest.raises(ValueError, match="RANK='zero'"):
+        llm.is_primary_rank

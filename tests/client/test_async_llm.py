@@ -1,0 +1,177 @@
+"""AsyncLLM and LocalEngine: deltas that add up to LLM's output, early exit aborts, errors come back as deltas,
+lifecycle per mode, a failed engine step and close() never leave a caller hanging; coordinator mode streams the
+same greedy tokens and stops the processes it started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from infer import LLM, AsyncLLM, SamplingParams
+from infer.client.inference_client import ClusterError
+from infer.client.local_engine import LocalEngine
+from infer.worker.config import EngineConfig
+
+ENGINE_OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+PROMPTS = ["The capital of France", [5, 6, 7, 8], "a much longer prompt " * 10, "one"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> LLM:
+    """The blocking LLM in direct mode: the outputs AsyncLLM must reproduce."""
+    return LLM(tiny_llama, **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def direct(tiny_llama):
+    """A direct-mode AsyncLLM shared by the module (a LocalEngine serves any event loop)."""
+    llm = AsyncLLM(tiny_llama, **ENGINE_OPTIONS)
+    asyncio.run(llm.start())
+    yield llm
+    asyncio.run(llm.close())
+
+
+def _local_engine(model: Path) -> LocalEngine:
+    from infer.worker.engine import Engine
+
+    return LocalEngine(Engine(EngineConfig.from_options(model=str(model), **ENGINE_OPTIONS)))
+
+
+async def test_generate_yields_deltas_that_add_up_to_llms_output(direct, reference):
+    expected = reference.generate("The capital of France", GREEDY, use_tqdm=False)[0]
+    deltas = [d async for d in direct.generate("The capital of France", GREEDY)]
+    assert len(deltas) == GREEDY.max_tokens and [d.finished for d in deltas] == [False] * 7 + [True]
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert "".join(d.text for d in deltas) == expected.text and deltas[-1].finish_reason == "length"
+    assert deltas[0].num_prompt_tokens == len(expected.prompt_token_ids) and deltas[0].queue_time_s is not None
+
+
+async def test_generate_batch_matches_llm_in_prompt_order(direct, reference):
+    expected = reference.generate(PROMPTS, GREEDY, use_tqdm=False)
+    got = await direct.generate_batch(PROMPTS, GREEDY)
+    assert [(c.token_ids, c.text, c.prompt_token_ids, c.finish_reason) for c in got] == \
+           [(c.token_ids, c.text, c.prompt_token_ids, c.finish_reason) for c in expected]
+
+
+async def test_leaving_generate_early_aborts_the_request(direct):
+    before = await direct.stats()
+    async with aclosing(direct.generate("keep going", LONG)) as deltas:
+        async for delta in deltas:
+            assert not delta.finished
+            break
+    stats = await direct.stats()
+    load = stats.workers[0].load
+    assert (load.num_waiting, load.num_running, stats.num_in_flight) == (0, 0, 0)
+    assert load.num_free_blocks == load.num_total_blocks
+    assert stats.requests_aborted == before.requests_aborted + 1
+
+
+async def test_a_too_long_prompt_is_an_invalid_request_delta(direct):
+    [delta] = [d async for d in direct.generate("x " * 400, GREEDY)]
+    assert (delta.finished, delta.finish_reason, delta.error_code) == (True, "error", "invalid_request")
+    assert "context length" in delta.error
+
+
+async def test_a_request_id_in_flight_is_refused_and_abort_ends_its_stream(direct):
+    async with aclosing(direct.generate([1, 2, 3], LONG, request_id="dup")) as first:
+        await anext(first)
+        [refused] = [d async for d in direct.generate([4, 5], GREEDY, request_id="dup")]
+        assert refused.error_code == "invalid_request" and "already in flight" in refused.error
+        await direct.abort("dup")
+        rest = [d async for d in first]
+    assert rest[-1].finish_reason == "abort"
+
+
+async def test_lifecycle_raises_in_direct_mode(direct):
+    for command in ("pause", "unpause", "suspend", "resume"):
+        with pytest.raises(RuntimeError, match=f"{command}\\(\\) needs coordinator mode"):
+            await getattr(direct, command)()
+
+
+async def test_a_failed_step_fails_every_request_and_then_every_call(tiny_llama, monkeypatch):
+    local = _local_engine(tiny_llama)
+    execute = local.engine.runner.execute
+
+    def fail_once_both_run(chunks):   # the fault: the first step that holds both requests raises
+        if len(chunks) == 2:
+            raise RuntimeError("injected fault")
+        return execute(chunks)
+
+    monkeypatch.setattr(local.engine.runner, "execute", fail_once_both_run)
+
+    async def collect(prompt):
+        return [d async for d in local.stream(prompt, LONG)]
+
+    for deltas in await asyncio.gather(collect([1, 2, 3]), collect([4, 5, 6])):
+        last = deltas[-1]
+        assert (last.finish_reason, last.error_code) == ("error", "internal") and "injected fault" in last.error
+    with pytest.raises(ClusterError, match="injected fault"):
+        await local.generate([7, 8], GREEDY)
+    with pytest.raises(ClusterError, match="injected fault"):
+        await local.stats()
+    await local.close()
+
+
+async def test_close_fails_waiters_and_refuses_new_requests(tiny_llama):
+    local = _local_engine(tiny_llama)
+    async with aclosing(local.stream([1, 2, 3], LONG)) as deltas:
+        await anext(deltas)
+        await local.close()
+        with pytest.raises(ClusterError, match="closed"):
+            async for _ in deltas:
+                pass
+    assert not local._thread.is_alive()
+    with pytest.raises(ClusterError, match="closed"):
+        await local.generate([4, 5], GREEDY)
+
+
+async def test_an_unstarted_or_closed_async_llm_says_so(tiny_llama):
+    llm = AsyncLLM(tiny_llama, **ENGINE_OPTIONS)
+    with pytest.raises(RuntimeError, match="not started"):
+        await llm.stats()
+    await llm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await llm.start()
+
+
+async def test_coordinator_mode_streams_the_same_tokens_and_stops_its_processes(tiny_llama, reference):
+    expected = reference.generate("The capital of France", GREEDY, use_tqdm=False)[0]
+    async with AsyncLLM(tiny_llama, use_coordinator=True, num_threads=1, ready_timeout=120,
+                        **ENGINE_OPTIONS) as llm:
+        pids = llm.child_pids
+        deltas = [d async for d in llm.generate("The capital of France", GREEDY)]
+        assert len(deltas) > 1 and [t for d in deltas for t in d.token_ids] == expected.token_ids
+        assert "".join(d.text for d in deltas) == expected.text
+
+        async with aclosing(llm.generate("keep going", LONG)) as stream:
+            await anext(stream)
+        stats = await llm.stats()
+        assert stats.num_in_flight == 0 and stats.requests_aborted == 1
+
+        assert await llm.pause() == "paused"
+        held = asyncio.create_task(llm.generate_batch("held", GREEDY))
+        done, _ = await asyncio.wait([held], timeout=0.5)
+        assert not done and (await llm.stats()).num_held == 1
+        assert await llm.unpause() == "running"
+        [completion] = await asyncio.wait_for(held, 30)
+        assert completion.finish_reason == "length"
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False

@@ -1,0 +1,316 @@
+"""The official `openai` client against `infer-serve` (2 workers, the tiny Llama): chat and completions,
+streaming and not, n, stop, logprobs, usage, errors with the documented statuses, 64 concurrent streams of
+which 8 are cut off (and aborted on the workers), /metrics moving by known amounts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from openai.types import Completion as OpenAICompletion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from prometheus_client.parser import text_string_to_metric_families
+
+from infer.client.inference_client import SyncInferenceClient
+
+MODEL = "tiny-llama"
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1"]
+GREEDY = dict(temperature=0)
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """One line of the child's stdout within `timeout` seconds (AssertionError otherwise)."""
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not selector.select(timeout):
+            raise AssertionError(f"infer-serve printed nothing in {timeout} s")
+        return proc.stdout.readline().decode()
+    finally:
+        selector.close()
+
+
+class Served:
+    def __init__(self, model: Path, log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "infer.client.serve", "--model", str(model), "--workers", "2", "--port", "0",
+                 "--served-model-name", MODEL, "--heartbeat-interval", "0.2", "--log-level", "WARNING",
+                 *ENGINE_FLAGS], stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        line = _read_line(self.proc, 120)
+        match = re.search(r"HTTP at (http://\S+?);.*connect to (tcp://\S+)", line)
+        assert match, f"{line!r}\n{log.read_text()}"
+        self.url, self.address = match.group(1), match.group(2)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory) -> Served:
+    server = Served(tiny_llama, tmp_path_factory.mktemp("serve") / "serve.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def aclient(served) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _valid(model_type, obj):
+    """Re-validate a response the client built (it skips validation) against the package's own type."""
+    return model_type.model_validate(obj.to_dict())
+
+
+# ---- completions and chat -----------------------------------------------------------------------
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+def test_completion_stream_equals_non_stream_and_usage_counts_tokens(client):
+    prompt = list(range(100, 112))
+    full = _valid(OpenAICompletion, client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                                              extra_body={"ignore_eos": True}, **GREEDY))
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.prompt_tokens == 12 and full.usage.completion_tokens == 12 and full.usage.total_tokens == 24
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}, **GREEDY))
+    for chunk in chunks:   # the package types finish_reason as non-null, so mid-stream chunks cannot validate
+        if not chunk.choices or chunk.choices[0].finish_reason:
+            _valid(OpenAICompletion, chunk)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_stream_equals_non_stream(client, smollm2_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    full = _valid(ChatCompletion, client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                                                 **GREEDY))
+    expected_prompt = smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(expected_prompt, "keys"):    # newer transformers return a BatchEncoding
+        expected_prompt = expected_prompt["input_ids"]
+    assert full.usage.prompt_tokens == len(expected_prompt)
+    assert full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    for chunk in chunks:
+        _valid(ChatCompletionChunk, chunk)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def test_n_choices_and_batch_prompts(client):
+    out = _valid(OpenAICompletion, client.completions.create(
+        model=MODEL, prompt=[[5, 6, 7], [8, 9, 10, 11]], n=2, max_tokens=4, seed=3, temperature=1.0,
+        extra_body={"ignore_eos": True}))
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == 3 + 4 and out.usage.completion_tokens == 16
+    again = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9, 10, 11]], n=2, max_tokens=4, seed=3,
+                                      temperature=1.0, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]   # seeded: reproducible
+
+
+def test_stop_string_cuts_the_text(client):
+    prompt = [42, 43, 44]
+    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, extra_body={"ignore_eos": True},
+                                     **GREEDY).choices[0].text
+    assert len(free) > 8
+    stop = free[5:8]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, stop=[stop], **GREEDY).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free[:free.index(stop)]
+
+
+def test_logprobs_in_completions_and_chat(client):
+    out = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=5, logprobs=3,
+                                    extra_body={"ignore_eos": True}, **GREEDY)
+    lp = _valid(OpenAICompletion, out).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens == 5
+    for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(token_lp)   # greedy picks the top token
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = _valid(ChatCompletion, client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=2,
+        **GREEDY))
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and bytes(t.bytes).decode(errors="replace")
+               for t in content)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override, status, words", [
+    (dict(temperature=-1), 400, "temperature"),
+    (dict(top_p=1.5), 400, "top_p"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(n=0), 400, "n"),
+    (dict(model="no-such-model"), 404, "no-such-model"),
+    (dict(prompt=[7] * 300), 400, "maximum context length is 256"),
+    (dict(max_tokens=250, prompt=[7] * 10), 400, "250 in the completion"),
+    (dict(extra_body={"frobnicate": 1}), 400, "frobnicate"),
+    (dict(extra_body={"top_k": -5}), 400, "top_k"),
+    (dict(prompt=[10 ** 9]), 400, "outside the vocabulary"),
+])
+def test_invalid_parameters_get_the_documented_status(client, override, status, words):
+    kwargs = dict(model=MODEL, prompt="hello", max_tokens=4)
+    kwargs.update(override)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(**kwargs)
+    assert err.value.status_code == status
+    assert words in err.value.message
+    assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).choices   # unharmed
+
+
+def test_malformed_json_is_a_400_naming_the_problem(served):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{served.url}/v1/chat/completions", data=b'{"model": "x", ',
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 400
+    body = json.loads(err.value.read())
+    assert "not valid JSON" in body["error"]["message"] and body["error"]["type"] == "invalid_request_error"
+
+
+# ---- concurrency and disconnects ------------------------------------------------------------------
+
+async def _open_stream(url: str, body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw HTTP/1.1 streaming request, read until its first SSE data line (so it is running)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    payload = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), 60)
+    assert b" 200 " in status, status
+    while b"data: " not in await asyncio.wait_for(reader.readline(), 60):
+        pass
+    return reader, writer
+
+
+async def test_64_streams_with_8_cut_off_aborts_those_and_finishes_the_rest(served, aclient):
+    with SyncInferenceClient(served.address) as cluster:
+        before = cluster.stats()
+    long = dict(model=MODEL, prompt=[3, 4, 5, 6], max_tokens=200, stream=True, ignore_eos=True, temperature=0)
+    cut = [await _open_stream(served.url, long) for _ in range(8)]
+
+    async def complete(i: int) -> tuple[str, int]:
+        stream = await aclient.completions.create(model=MODEL, prompt=[10 + i, 11, 12], max_tokens=24, stream=True,
+                                                  stream_options={"include_usage": True}, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+        reasons, usage = [], None
+        async for chunk in stream:
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+            usage = chunk.usage or usage
+        return reasons[-1], usage.completion_tokens
+
+    others = [asyncio.create_task(complete(i)) for i in range(56)]
+    await asyncio.sleep(0.5)
+    for _, writer in cut:
+        writer.transport.abort()   # the client vanishes (RST), mid-stream
+    cut_at = time.monotonic()
+    with SyncInferenceClient(served.address) as cluster:
+        while cluster.stats().requests_aborted < before.requests_aborted + 8:
+            assert time.monotonic() - cut_at < 5, "the cut-off streams were not aborted within 5 s"
+            await asyncio.sleep(0.1)
+        results = await asyncio.wait_for(asyncio.gather(*others), 120)
+        assert results == [("length", 24)] * 56
+        after = cluster.stats()
+    assert after.requests_aborted == before.requests_aborted + 8
+    assert after.requests_completed >= before.requests_completed + 56
+    for worker in after.workers:     # every KV block is back
+        assert worker.load.num_running == 0 and worker.load.num_free_blocks == worker.load.num_total_blocks
+
+
+async def test_a_non_streaming_request_whose_client_leaves_is_aborted(served):
+    with SyncInferenceClient(served.address) as cluster:
+        before = cluster.stats().requests_aborted
+    host, port = served.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    payload = json.dumps(dict(model=MODEL, prompt=[9, 9, 9], max_tokens=250 - 4, ignore_eos=True)).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    await writer.drain()
+    with SyncInferenceClient(served.address) as cluster:
+        deadline = time.monotonic() + 10
+        while cluster.stats().num_in_flight == 0:          # it reached a worker
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        writer.transport.abort()
+        deadline = time.monotonic() + 5
+        while cluster.stats().requests_aborted < before + 1:
+            assert time.monotonic() < deadline, "the abandoned request was not aborted within 5 s"
+            await asyncio.sleep(0.1)
+
+
+# ---- metrics --------------------------------------------------------------------------------------
+
+def _scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("model_name", "le"))
+            if "le" in sample.labels:
+                continue
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def test_metrics_move_by_the_workload(served, client):
+    before = _scrape(served.url)
+    lengths = [10, 20, 30]
+    for n in lengths:
+        client.completions.create(model=MODEL, prompt=list(range(200, 200 + n)), max_tokens=5,
+                                  extra_body={"ignore_eos": True})
+    after = _scrape(served.url)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("infer:prompt_tokens_total{}") == 60
+    assert moved("infer:generation_tokens_total{}") == 15
+    assert moved("infer:request_success_total{finished_reason=length}") == 3
+    assert moved("infer:time_to_first_token_seconds_count{}") == 3
+    assert moved("infer:e2e_request_latency_seconds_count{}") == 3
+    assert moved("infer:request_queue_time_seconds_count{}") == 3
+    assert moved("infer:inter_token_latency_seconds_count{}") == 3 * 4
+    assert moved("infer:prefix_cache_queries_total{}") == 60
+    assert after["infer:num_requests_running{}"] == 0 and after["infer:num_healthy_workers{}"] == 2
+    for name in ("infer:num_requests_waiting{}", "infer:kv_cache_usage_perc{}", "infer:num_preemptions_total{}",
+                 "infer:prefix_cache_hits_total{}"):
+        assert name in after
