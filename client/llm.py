@@ -86,6 +86,11 @@ class LLMOptions:
     engine_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.use_coordinator, bool):
+            raise ValueError(f"use_coordinator must be a bool, got {self.use_coordinator!r}")
+        if self.model is not None and not Path(self.model).expanduser().exists():
+            raise ValueError(f"model path {self.model!r} does not exist (expected a .gguf file or a directory with "
+                             f"config.json and *.safetensors)")
         dp = self.data_parallel_size
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {dp!r}")
@@ -325,11 +330,12 @@ class AsyncLLM:
 
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                     served_model_name: str | None = None) -> None:
-        """Run the OpenAI-compatible HTTP front on this engine (either mode) until cancelled."""
+        """Run the OpenAI-compatible HTTP front (infer.client.api) on this engine, either mode, until cancelled.
+        The socket is bound before the first suspension once the tokenizer is loaded (get_tokenizer())."""
         from infer.client.api.server import serve_http
 
         engine = self.engine
-        tokenizer = await asyncio.to_thread(self.get_tokenizer)
+        tokenizer = self._tokenizer or await asyncio.to_thread(self.get_tokenizer)
         await serve_http(engine, tokenizer=tokenizer, host=host, port=port, served_model_name=served_model_name,
                          api_key=api_key)
 

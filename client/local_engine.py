@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 from infer.client.inference_client import ClusterError
 from infer.protocol.messages import ClusterStats, WorkerStats
@@ -120,7 +120,7 @@ class _Close:
     pass
 
 
-_Command = Union[_Add, _Abort, _StatsQuery, _Close]
+_Command = _Add | _Abort | _StatsQuery | _Close
 
 
 class LocalEngine:

@@ -10,8 +10,8 @@ from contextlib import aclosing
 from pathlib import Path
 
 import pytest
-
 from infer import LLM, AsyncLLM, SamplingParams
+from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError
 from infer.client.local_engine import LocalEngine
 from infer.worker.config import EngineConfig
@@ -94,6 +94,7 @@ async def test_a_request_id_in_flight_is_refused_and_abort_ends_its_stream(direc
 
 
 async def test_lifecycle_raises_in_direct_mode(direct):
+    assert isinstance(direct.engine, LocalEngine) and isinstance(direct.engine, EngineClient)
     for command in ("pause", "unpause", "suspend", "resume"):
         with pytest.raises(RuntimeError, match=f"{command}\\(\\) needs coordinator mode"):
             await getattr(direct, command)()
@@ -143,6 +144,28 @@ async def test_an_unstarted_or_closed_async_llm_says_so(tiny_llama):
     await llm.close()
     with pytest.raises(RuntimeError, match="closed"):
         await llm.start()
+
+
+async def test_serve_puts_the_http_front_on_the_local_engine(direct, reference):
+    import openai
+    from infer.client.serve import free_port
+
+    port = free_port("127.0.0.1")
+    direct.get_tokenizer()   # loaded now, so serve() has bound its socket by its first suspension
+    server = asyncio.create_task(direct.serve(port=port, served_model_name="tiny"))
+    await asyncio.sleep(0)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+        models = await asyncio.to_thread(client.models.list)
+        assert [m.id for m in models.data] == ["tiny"]
+        answer = await asyncio.to_thread(client.completions.create, model="tiny", prompt="The capital of France",
+                                         max_tokens=8, temperature=0)
+        expected = reference.generate("The capital of France", SamplingParams(temperature=0, max_tokens=8),
+                                      use_tqdm=False)[0]
+        assert answer.choices[0].text == expected.text
+    finally:
+        server.cancel()
+        await asyncio.wait_for(asyncio.gather(server, return_exceptions=True), 10)
 
 
 async def test_coordinator_mode_streams_the_same_tokens_and_stops_its_processes(tiny_llama, reference):

@@ -7,7 +7,6 @@ import concurrent.futures
 import os
 
 import pytest
-
 from infer import LLM, SamplingParams
 
 
@@ -153,17 +152,18 @@ def test_closing_stops_every_process_it_started(tiny_model_dir):
     (dict(data_parallel_size=2), "data_parallel_size=2 needs coordinator mode"),
     (dict(coordinator_address="tcp://127.0.0.1:1", max_num_seqs=4), "max_num_seqs cannot apply when joining"),
     (dict(use_coordinator=True, max_num_seqs=0), "max_num_seqs must be a positive integer"),
+    (dict(model="/no/such/model", use_coordinator=True), "model path '/no/such/model' does not exist"),
 ])
 def test_bad_options_raise_before_anything_starts(options, message):
     with pytest.raises(ValueError, match=message):
         LLM(**options)
 
 
-def test_engine_options_become_the_same_worker_config():
+def test_engine_options_become_the_same_worker_config(tmp_path):
     from infer.client.llm import LLMOptions
     from infer.worker.daemon import build_parser, engine_config
 
-    options = LLMOptions(model="/m", use_coordinator=True, engine_options=dict(
+    options = LLMOptions(model=str(tmp_path), use_coordinator=True, engine_options=dict(
         dtype="float32", device="cpu", max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64, block_size=8,
         kv_cache_memory=1 << 20, kv_cache_memory_fraction=0.2, enable_prefix_caching=False,
         enable_chunked_prefill=True, seed=7, num_threads=1))
@@ -185,4 +185,4 @@ def test_is_primary_rank_reads_rank_then_slurm_procid(llm, monkeypatch, env, pri
 def test_a_malformed_rank_is_named(llm, monkeypatch):
     monkeypatch.setenv("RANK", "zero")
     with pytest.raises(ValueError, match="RANK='zero'"):
-        llm.is_primary_rank
+        _ = llm.is_primary_rank
