@@ -4,7 +4,8 @@
 
 Starts a coordinator and N workers as child processes (as `infer-serve` does), waits until every worker
 has joined, streams the first answer token by token through `InferenceClient`, sends the other prompts
-concurrently, prints the answers and which worker served how many, and shuts the cluster down.
+concurrently, prints the answers and which worker served how many, then puts the OpenAI-compatible HTTP
+front on the cluster and streams one chat completion through it over HTTP, and shuts everything down.
 `--offline` runs the same prompts through the in-process `LLM` instead.
 """
 
@@ -23,6 +24,7 @@ QUESTIONS = [
     "Give me three tips for writing clear code.",
     "Explain what a KV cache is in one sentence.",
 ]
+HTTP_QUESTION = "Name three primary colours."
 
 
 def chat_prompts(model: str | None) -> list[str]:
@@ -58,8 +60,53 @@ async def run_cluster(args: argparse.Namespace, prompts: list[str], params: Samp
             stats = await client.stats()
             routed = ", ".join(f"rank {w.dp_rank}: {w.requests_routed}" for w in stats.workers)
             print(f"\n{len(prompts)} answers in {elapsed:.1f} s; requests per worker: {routed}")
+            await ask_over_http(client, args)
     finally:
         await cluster.shutdown()
+
+
+async def ask_over_http(client, args: argparse.Namespace) -> None:
+    """The HTTP front on this cluster (a free port), and one streamed chat completion through it."""
+    from infer.client.api.app import FrontConfig
+    from infer.client.api.server import HttpFront, load_front_tokenizer
+
+    front = HttpFront(client, load_front_tokenizer(args.model, client.model_id),
+                      FrontConfig(served_model_name="default"), port=0)
+    front.bind()
+    serving = asyncio.create_task(front.serve())
+    try:
+        body = {"model": "default", "stream": True, "max_tokens": args.max_tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": HTTP_QUESTION}]}
+        print(f"\nHTTP front at {front.url}: POST /v1/chat/completions (stream)\n>>> {HTTP_QUESTION}", flush=True)
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        reading = asyncio.create_task(asyncio.to_thread(_read_sse, f"{front.url}/v1/chat/completions", body,
+                                                        lambda text: loop.call_soon_threadsafe(pieces.put_nowait,
+                                                                                               text)))
+        while (text := await pieces.get()) is not None:
+            print(text, end="", flush=True)
+        await reading
+        print()
+    finally:
+        front.shutdown()
+        await asyncio.wait([serving], timeout=10)
+
+
+def _read_sse(url: str, body: dict, emit) -> None:
+    """POST `body` and hand every content piece of the event stream to `emit` (None at the end)."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            for line in response:
+                if line.startswith(b"data: {"):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        emit(choice["delta"].get("content") or "")
+    finally:
+        emit(None)
 
 
 def run_offline(args: argparse.Namespace, prompts: list[str], params: SamplingParams) -> None:
