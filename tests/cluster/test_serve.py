@@ -32,7 +32,7 @@ def _gone(pid: int) -> bool:
 async def _start_serve(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "infer.client.serve", "--benchmark-mode", "--heartbeat-interval", "0.2",
-        "--log-level", "WARNING", *flags, stdout=asyncio.subprocess.PIPE, start_new_session=True)
+        "--log-level", "WARNING", "--port", "0", *flags, stdout=asyncio.subprocess.PIPE, start_new_session=True)
     line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
     match = re.search(r"ready: (\d+) worker\(s\).*connect to (tcp://\S+)", line)
     assert match, line
