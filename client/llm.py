@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,15 +329,15 @@ class AsyncLLM:
         return await self.engine.resume()
 
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                    served_model_name: str | None = None) -> None:
+                    served_model_name: str | None = None, on_ready: Callable[[str], None] | None = None) -> None:
         """Run the OpenAI-compatible HTTP front (infer.client.api) on this engine, either mode, until cancelled.
-        The socket is bound before the first suspension once the tokenizer is loaded (get_tokenizer())."""
+        `port=0` picks a free port; `on_ready(url)` is called once it listens."""
         from infer.client.api.server import serve_http
 
         engine = self.engine
         tokenizer = self._tokenizer or await asyncio.to_thread(self.get_tokenizer)
         await serve_http(engine, tokenizer=tokenizer, host=host, port=port, served_model_name=served_model_name,
-                         api_key=api_key)
+                         api_key=api_key, on_ready=on_ready)
 
 
 async def _start_local_engine(options: LLMOptions) -> EngineClient:

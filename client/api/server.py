@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -91,14 +91,17 @@ class HttpFront:
 
 async def serve_http(engine: EngineClient, *, tokenizer: Any, host: str = "127.0.0.1", port: int = 8000,
                      served_model_name: str | None = None, api_key: str | None = None,
-                     max_concurrent_requests: int = 1024) -> None:
-    """Serve `engine` over HTTP until cancelled."""
+                     max_concurrent_requests: int = 1024, on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve `engine` over HTTP until cancelled. `port=0` picks a free port; `on_ready(url)` is called once
+    the socket listens (connections made from then on are served)."""
     name = served_model_name or engine.model_id or DEFAULT_MODEL_ID
     front = HttpFront(engine, tokenizer, FrontConfig(served_model_name=name, api_key=api_key,
                                                      max_concurrent_requests=max_concurrent_requests),
                       host=host, port=port)
     front.bind()
     log.info("HTTP front on %s serving %r", front.url, name)
+    if on_ready is not None:
+        on_ready(front.url)
     await front.serve()
 
 

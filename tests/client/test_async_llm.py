@@ -148,14 +148,12 @@ async def test_an_unstarted_or_closed_async_llm_says_so(tiny_llama):
 
 async def test_serve_puts_the_http_front_on_the_local_engine(direct, reference):
     import openai
-    from infer.client.serve import free_port
 
-    port = free_port("127.0.0.1")
-    direct.get_tokenizer()   # loaded now, so serve() has bound its socket by its first suspension
-    server = asyncio.create_task(direct.serve(port=port, served_model_name="tiny"))
-    await asyncio.sleep(0)
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(direct.serve(port=0, served_model_name="tiny", on_ready=ready.set_result))
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+        url = await asyncio.wait_for(ready, 60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
         models = await asyncio.to_thread(client.models.list)
         assert [m.id for m in models.data] == ["tiny"]
         answer = await asyncio.to_thread(client.completions.create, model="tiny", prompt="The capital of France",
