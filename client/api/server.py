@@ -131,6 +131,9 @@ def add_front_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def front_config(args: argparse.Namespace, model_id: str | None) -> FrontConfig:
+    """The FrontConfig the flags describe; ValueError (naming the flag) if they are invalid."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
     return FrontConfig(served_model_name=args.served_model_name or model_id or DEFAULT_MODEL_ID,
                        api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests)
 
