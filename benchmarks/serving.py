@@ -1,4 +1,4 @@
-"""Online serving, in the style of `vllm bench serve`: our `infer-serve` against vLLM's OpenAI server (CPU build).
+"""Online serving in the style of `vllm bench serve`: `infer-serve` against vLLM's OpenAI server (CPU build).
 
 Each system is started as a server in its own process group, one after the other in the same run, with the
 same model directory (the embedded SmolLM2-135M-Instruct, converted once to safetensors), dtype,
@@ -225,8 +225,8 @@ class ServerError(RuntimeError):
 class Server:
     """One system's OpenAI server as a child process leading its own process group, log to `log_path`.
 
-    stop(): SIGTERM to the group, wait, then SIGKILL the group and every descendant's group (infer-serve starts
-    its coordinator and workers in sessions of their own, so its group alone does not reach them)."""
+    stop(): SIGTERM to the group, wait, then SIGKILL the group and every descendant's group (infer-serve
+    starts its coordinator and workers in sessions of their own, so its group alone does not reach them)."""
 
     name: str
     command: list[str]
@@ -337,10 +337,9 @@ def infer_command(args: argparse.Namespace, model: Path, port: int) -> list[str]
     kv_per_worker = (args.kv_cache_gib << 30) // args.infer_workers   # the same total bytes as vLLM's
     return [str(serve), "--model", str(model), "--served-model-name", SERVED_NAME, "--host", HOST,
             "--port", str(port), "--workers", str(args.infer_workers), "--threads", str(args.infer_threads),
-            "--dtype", args.dtype,
-            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--kv-cache-memory", str(kv_per_worker), "--seed", str(args.seed),
-            *shlex.split(args.infer_args)]
+            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", str(kv_per_worker),
+            "--seed", str(args.seed), *shlex.split(args.infer_args)]
 
 
 def vllm_command(args: argparse.Namespace, model: Path, port: int) -> list[str]:
@@ -376,6 +375,9 @@ async def bench_system(system: str, args: argparse.Namespace, model: Path, sched
             outcomes, duration = await run_schedule(url, name, schedule, args.max_concurrency,
                                                     args.request_timeout)
             metrics = result["rates"][schedule.label] = summarize(outcomes, duration, slo)
+            if server.proc is not None and server.proc.poll() is not None:
+                raise ServerError(f"{system} server exited with code {server.proc.returncode} during rate "
+                                  f"{schedule.label}")
             print(f"   rate {schedule.label}: {metrics['completed']}/{len(outcomes)} ok in {duration:.1f} s, "
                   f"p99 TTFT {_fmt(metrics['ttft_ms']['p99'])} ms, goodput {metrics['goodput']:.2f} req/s"
                   + (f", errors: {metrics['errors']}" if metrics["errors"] else ""), flush=True)
@@ -400,7 +402,9 @@ def _fmt(x: float | None, digits: int = 0) -> str:
 
 
 def _ratio(ours: float | None, theirs: float | None) -> str:
-    return f"{ours / theirs:.2f}x" if ours is not None and theirs else "-"
+    if ours is None or theirs is None or ours == theirs == 0:
+        return "-"
+    return f"{ours / theirs:.2f}x" if theirs else "inf"
 
 
 ROWS = [("requests ok/failed", None), ("request throughput (req/s)", "request_throughput"),
@@ -434,7 +438,8 @@ def print_tables(results: dict[str, dict], schedules: list[Schedule], slo: Slo,
                 ratio = ""
                 if both and per["infer"] and per["vllm"]:
                     ratio = _ratio(per["infer"][key][stat], per["vllm"][key][stat])
-                print(f"{name + ' ' + stat + ' (ms)':28}" + "".join(f"{c:>12}" for c in cells) + f"{ratio:>12}")
+                label = f"{name} {stat} (ms)"
+                print(f"{label:28}" + "".join(f"{c:>12}" for c in cells) + f"{ratio:>12}")
     if both:
         print_verdict(results, schedules)
 
@@ -477,10 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--request-rates", nargs="+", type=parse_rate, help="requests/s, inf = all at once "
                    "(default 0.5 1 2 inf; --quick: 2 inf)")
-    p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight (default: no cap)")
+    p.add_argument("--max-concurrency", type=int, metavar="K",
+                   help="at most K requests in flight (default: no cap)")
     p.add_argument("--num-prompts", type=int, help="requests per rate (default 48; --quick: 8)")
-    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="default 32 512; --quick 32 128")
-    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="default 32 256; --quick 16 48")
+    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="prompt tokens, uniform (default 32 512; --quick 32 128)")
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="output tokens, uniform (default 32 256; --quick 16 48)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smoke run of about a minute per system")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds (default 2)")
@@ -496,8 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--request-timeout", type=float, default=900.0, help="seconds one request may take")
     engine.add_argument("--infer-workers", type=int, default=1, help="infer-serve --workers (default 1)")
     engine.add_argument("--infer-threads", type=int, default=2, help="infer-serve --threads (default 2)")
-    engine.add_argument("--infer-args", default="", help="more infer-serve flags, one shell-quoted string")
-    engine.add_argument("--vllm-args", default="", help="more vLLM server flags, one shell-quoted string")
+    engine.add_argument("--infer-args", default="",
+                        help='more infer-serve flags as one string: --infer-args="--flag value"')
+    engine.add_argument("--vllm-args", default="",
+                        help='more vLLM server flags as one string: --vllm-args="--flag value"')
     return p
 
 
@@ -540,6 +550,9 @@ async def bench(args: argparse.Namespace) -> dict[str, dict]:
     print(f"model {model}\nserver logs in {log_dir}", flush=True)
     results = {s: await bench_system(s, args, model, schedules, slo, log_dir) for s in args.systems}
     print_tables(results, schedules, slo, args.max_concurrency)
+    if not any(r["rates"] for r in results.values()):
+        print("no system ran; nothing written")
+        return results
     config = {k: (["inf" if math.isinf(r) else r for r in v] if k == "request_rates" else v)
               for k, v in vars(args).items()}
     verdicts = {s.label: verdict(results, s.label) for s in schedules} if len(results) == 2 else {}
