@@ -15,3 +15,12 @@ async def kill_group(proc: asyncio.subprocess.Process) -> None:
         except ProcessLookupError:
             pass
         await proc.wait()
+
+
+def pid_gone(pid: int) -> bool:
+    """True once no process has this pid (it exited and was reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False

@@ -5,11 +5,12 @@ same greedy tokens and stops the processes it started."""
 from __future__ import annotations
 
 import asyncio
-import os
 from contextlib import aclosing
 from pathlib import Path
 
 import pytest
+from aioprocs import pid_gone
+
 from infer import LLM, AsyncLLM, SamplingParams
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError
@@ -187,12 +188,4 @@ async def test_coordinator_mode_streams_the_same_tokens_and_stops_its_processes(
         assert await llm.unpause() == "running"
         [completion] = await asyncio.wait_for(held, 30)
         assert completion.finish_reason == "length"
-    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    assert len(pids) == 2 and all(pid_gone(pid) for pid in pids)

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import concurrent.futures
-import os
 
 import pytest
+from aioprocs import pid_gone
+
 from infer import LLM, SamplingParams
 
 
@@ -72,14 +73,6 @@ def cluster_llm(tiny_model_dir):
     llm.close()
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_direct_and_coordinator_mode_give_the_same_greedy_outputs(llm, cluster_llm):
     direct = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     clustered = cluster_llm.generate(PROMPTS, GREEDY, use_tqdm=True)
@@ -132,16 +125,16 @@ def test_joining_a_cluster_and_closing_leaves_it_running(tiny_model_dir, cluster
         assert joined.child_pids == []
         out = joined.generate([5, 6, 7], GREEDY, use_tqdm=False)[0]
     assert cluster_llm.generate([5, 6, 7], GREEDY, use_tqdm=False)[0].token_ids == out.token_ids
-    assert not any(_gone(pid) for pid in cluster_llm.child_pids)
+    assert not any(pid_gone(pid) for pid in cluster_llm.child_pids)
 
 
 def test_closing_stops_every_process_it_started(tiny_model_dir):
     with LLM(model=tiny_model_dir("llama"), use_coordinator=True, num_threads=1, ready_timeout=120,
              **ENGINE_OPTIONS) as llm:
         pids = llm.child_pids
-        assert len(pids) == 2 and not any(_gone(pid) for pid in pids)   # the coordinator and one worker
+        assert len(pids) == 2 and not any(pid_gone(pid) for pid in pids)   # the coordinator and one worker
         assert llm.generate("hi", GREEDY, use_tqdm=False)[0].finish_reason == "length"
-    assert all(_gone(pid) for pid in pids)
+    assert all(pid_gone(pid) for pid in pids)
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("hi", GREEDY)
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import selectors
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 
-from aioprocs import kill_group
+from aioprocs import kill_group, pid_gone
 
 from infer import SamplingParams
 from infer.client import InferenceClient
@@ -19,14 +19,6 @@ from infer.client import InferenceClient
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
     return [int(x) for x in out.split()]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 async def _start_serve(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
@@ -54,11 +46,11 @@ async def test_serve_runs_a_cluster_and_sigterm_leaves_no_process():
             assert {c.finish_reason for c in done} == {"length"}
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
-        assert all(_gone(pid) for pid in children)
+        assert all(pid_gone(pid) for pid in children)
     finally:
         await kill_group(proc)
         for pid in children:
-            if not _gone(pid):
+            if not pid_gone(pid):
                 os.killpg(pid, signal.SIGKILL)
 
 
@@ -69,6 +61,6 @@ async def test_a_client_stop_ends_infer_serve():
         async with InferenceClient(address) as client:
             assert await client.stop() == "stopped"
         assert await asyncio.wait_for(proc.wait(), 30) == 0
-        assert all(_gone(pid) for pid in children)
+        assert all(pid_gone(pid) for pid in children)
     finally:
         await kill_group(proc)
