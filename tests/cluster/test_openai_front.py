@@ -54,10 +54,20 @@ class Served:
         self.url, self.address = match.group(1), match.group(2)
 
     def stop(self) -> None:
+        """SIGTERM (infer-serve stops its coordinator and workers), then SIGKILL whatever is left: infer-serve's
+        group and its children's groups (each child leads its own session)."""
+        children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True,
+                                  check=False).stdout.split()
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
             pass
+        for pgid in [self.proc.pid, *map(int, children)]:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait(10)
 
 
