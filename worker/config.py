@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"   # the model id an engine reports when it serves the embedded model
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class EngineConfig:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) so a whole prompt fits in one step")
+
+    @property
+    def model_id(self) -> str:
+        """The id workers report and clients name: the model path given, or the embedded model's name."""
+        return self.model or DEFAULT_MODEL_ID
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":

@@ -43,7 +43,6 @@ from infer.worker.request import Request
 
 log = logging.getLogger("infer.worker")
 
-DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"   # the Engine's model_id with no --model (kept in step with it)
 EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 _CLOSE_LINGER_MS = 2000      # how long the final frames may take to leave on exit
 _MAX_FRAMES_PER_TURN = 4096  # frames handled between two engine steps, so a flood cannot starve the engine
@@ -423,7 +422,7 @@ class BenchmarkEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_id = config.model or DEFAULT_MODEL_ID
+        self.model_id = config.model_id
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or 4096
         self._requests: dict[str, Request] = {}   # arrival order

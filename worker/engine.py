@@ -58,7 +58,7 @@ class Engine:
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
         self.model_path: Path = resolve_model(config.model)
-        self.model_id = config.model or "SmolLM2-135M-Instruct"
+        self.model_id = config.model_id
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
         self.model = load_model(self.model_path, self.dtype, self.device)

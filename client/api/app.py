@@ -451,6 +451,12 @@ class ResponseFormat:
         raise NotImplementedError
 
     def chunk(self, job: Job, delta: RequestOutput) -> dict[str, Any] | None:
+        """The SSE chunk of one delta; None for a delta with nothing to show (no text, logprobs or end)."""
+        if not delta.text and not delta.finished and not delta.logprobs:
+            return None
+        return self._envelope(self.chunk_object_name, [self.chunk_choice(job, delta)])
+
+    def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -464,16 +470,12 @@ class CompletionFormat(ResponseFormat):
                 "logprobs": self._logprobs(job.token_ids, job.logprobs, 0) if job.params.logprobs is not None
                 else None}
 
-    def chunk(self, job: Job, delta: RequestOutput) -> dict[str, Any] | None:
-        if not delta.text and not delta.finished and not delta.logprobs:
-            return None
+    def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
         logprobs = None
         if job.params.logprobs is not None and delta.logprobs:
             start = len(job.text) - len(delta.text)
             logprobs = self._logprobs(delta.token_ids, delta.logprobs, start)
-        choice = {"index": job.index, "text": delta.text, "logprobs": logprobs,
-                  "finish_reason": delta.finish_reason}
-        return self._envelope(self.chunk_object_name, [choice])
+        return {"index": job.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs], offset: int) -> dict[str, Any]:
         text = self.front.token_text
@@ -505,15 +507,12 @@ class ChatFormat(ResponseFormat):
                                                          "logprobs": None, "finish_reason": None}])
                 for job in jobs]
 
-    def chunk(self, job: Job, delta: RequestOutput) -> dict[str, Any] | None:
-        if not delta.text and not delta.finished and not delta.logprobs:
-            return None
+    def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
         logprobs = None
         if job.params.logprobs is not None and delta.logprobs:
             logprobs = self._logprobs(delta.token_ids, delta.logprobs)
-        choice = {"index": job.index, "delta": {"content": delta.text} if delta.text or not delta.finished
-                  else {}, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-        return self._envelope(self.chunk_object_name, [choice])
+        return {"index": job.index, "delta": {"content": delta.text} if delta.text or not delta.finished else {},
+                "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs]) -> dict[str, Any]:
         text = self.front.token_text

@@ -24,10 +24,9 @@ import uvicorn
 from infer.client.api.app import FrontConfig, build_app
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError, InferenceClient
+from infer.worker.config import DEFAULT_MODEL_ID
 
 log = logging.getLogger("infer.api")
-
-DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"   # the id workers report when they serve the embedded model
 
 
 class _Server(uvicorn.Server):
