@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+# The Triton kernels run in Triton's interpreter on CPU-only machines. The flag is read when a kernel is
+# decorated, i.e. when infer.kernels is first imported, so it is set here, before any test module imports.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 import importlib.util
 from pathlib import Path
 from typing import Callable

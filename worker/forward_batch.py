@@ -12,11 +12,6 @@ from functools import cached_property
 
 import torch
 
-# Decodes whose context lengths differ by more than this factor go to separate attention calls, so that
-# padding every sequence of a call to its longest costs at most ~25% extra work.
-DECODE_GROUP_SPREAD = 1.25
-
-
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor        # [T] int64
@@ -39,39 +34,44 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @cached_property
-    def decode_groups(self) -> tuple[tuple[torch.Tensor, int], ...]:
-        """The decodes split into groups of similar context length: (row indices [G] int64, longest context).
+    @property
+    def num_real_tokens(self) -> int:
+        """Tokens that belong to a sequence; rows of T past them are padding."""
+        return sum(self.query_lens)
 
-        Computed once per step (on the host copies) and reused by every layer.
-        """
-        order = sorted(range(self.num_decodes), key=self.context_lens.__getitem__)
-        groups: list[list[int]] = []
-        for row in order:
-            if groups and self.context_lens[row] <= DECODE_GROUP_SPREAD * self.context_lens[groups[-1][0]]:
-                groups[-1].append(row)
-            else:
-                groups.append([row])
-        device = self.input_ids.device
-        return tuple((torch.tensor(g, dtype=torch.int64, device=device), self.context_lens[g[-1]]) for g in groups)
+    @property
+    def max_prefill_len(self) -> int:
+        """The longest prefill chunk (0 without prefills): sizes the prefill kernel's grid."""
+        return max(self.query_lens[self.num_decodes:], default=0)
+
+    @cached_property
+    def prefill_query_start_loc(self) -> torch.Tensor:
+        """[B - num_decodes + 1] int32: query_start_loc of the prefill sequences, offsets from their first
+        token (computed once per step, shared by every layer)."""
+        return self.query_start_loc[self.num_decodes:] - self.num_decodes
 
 
 @dataclass
 class KVCache:
-    """The paged KV pool: per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """The paged KV pool: per layer, K and V of shape [num_kv_heads, num_blocks, block_size, head_dim].
+
+    Head-major: one KV head's block is a contiguous [block_size, head_dim] tile (what the Triton kernels
+    load), and one head's blocks gathered in table order are directly the [L, head_dim] operand of the CPU
+    twins' matmuls, with no transpose copy.
+    """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
 
     @property
     def num_blocks(self) -> int:
-        return int(self.k[0].shape[0])
+        return int(self.k[0].shape[1])
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> "KVCache":
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # Invariant: the pool holds only finite values. Attention reads whole blocks and masks the
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        # Invariant: the pool holds only finite values. The CPU twins read whole blocks and mask the
         # positions past a sequence's length, and a masked position still poisons the result if it holds
         # NaN/inf (0 * NaN = NaN), so the pool starts zeroed rather than uninitialised.
         return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],

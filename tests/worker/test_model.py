@@ -213,7 +213,7 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, tol: float, num_heads
     shapes = [(9, 1), (0, 1), (22, 1), (13, 6), (0, 11)]
     pager = Pager(num_blocks, block_size, seed=3)
     # finite garbage in every stale slot (the pool's invariant); SENTINEL marks slots nothing may write
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, dtype=dtype)
+    k_cache = torch.full((num_kv_heads, num_blocks, block_size, head_dim), SENTINEL, dtype=dtype)
     v_cache = k_cache.clone()
     full_k = [torch.randn(c + n, num_kv_heads, head_dim, dtype=dtype) for c, n in shapes]
     full_v = [torch.randn(c + n, num_kv_heads, head_dim, dtype=dtype) for c, n in shapes]
@@ -222,7 +222,7 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, tol: float, num_heads
     for i, (c, _) in enumerate(shapes):  # the cached prefixes, as earlier steps would have written them
         for p in range(c):
             block = pager.tables[str(i)][p // block_size]
-            k_cache[block, p % block_size], v_cache[block, p % block_size] = full_k[i][p], full_v[i][p]
+            k_cache[:, block, p % block_size], v_cache[:, block, p % block_size] = full_k[i][p], full_v[i][p]
     q = torch.randn(batch.num_tokens, num_heads, head_dim, dtype=dtype)
     padding = torch.randn(3, num_kv_heads, head_dim, dtype=dtype)
     k = torch.cat([fk[c:] for fk, (c, _) in zip(full_k, shapes, strict=True)] + [padding])
@@ -240,9 +240,9 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, tol: float, num_heads
     for i, (c, n) in enumerate(shapes):  # new tokens landed in their slots
         for p in range(c, c + n):
             block = pager.tables[str(i)][p // block_size]
-            assert torch.equal(k_cache[block, p % block_size], full_k[i][p])
+            assert torch.equal(k_cache[:, block, p % block_size], full_k[i][p])
     written = sum(c + n for c, n in shapes)
-    assert (k_cache[..., 0, 0] != SENTINEL).sum().item() == written  # padding wrote nothing
+    assert (k_cache[0, ..., 0] != SENTINEL).sum().item() == written  # padding wrote nothing
 
 
 # ---------------------------------------------------------------------------------------------------------

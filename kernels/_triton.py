@@ -1,0 +1,65 @@
+"""Triton, when it is installed; otherwise stand-ins that let the kernel modules import.
+
+Triton ships for Linux only. Elsewhere `HAS_TRITON` is False, the `@triton.jit` functions become
+placeholders that raise when launched, and the engine runs the PyTorch twins (see `use_triton`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton has no wheel
+    HAS_TRITON = False
+
+    class _Unavailable:
+        def __init__(self, fn: Any) -> None:
+            self.__name__ = getattr(fn, "__name__", "kernel")
+
+        def __getitem__(self, grid: Any) -> Any:
+            raise RuntimeError(f"{self.__name__}: triton is not installed; use the PyTorch twin")
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"{self.__name__}: triton is not installed; use the PyTorch twin")
+
+    class _TritonStandIn:
+        @staticmethod
+        def jit(fn: Any = None, **kwargs: Any) -> Any:
+            return _Unavailable(fn) if fn is not None else _Unavailable
+
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        @staticmethod
+        def next_power_of_2(n: int) -> int:
+            return 1 << max(0, int(n) - 1).bit_length()
+
+    class _LanguageStandIn:
+        constexpr = Any  # only used as an annotation by the kernels' signatures
+
+    triton = _TritonStandIn()  # type: ignore[assignment]
+    tl = _LanguageStandIn()  # type: ignore[assignment]
+
+# INFER_KERNELS=torch forces the twins on every device (debugging a suspected kernel bug on a GPU).
+_FORCE_TWINS = os.environ.get("INFER_KERNELS", "").strip().lower() == "torch"
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether the dispatching entry points run Triton for `tensor`: on CUDA devices with triton present."""
+    return HAS_TRITON and tensor.is_cuda and not _FORCE_TWINS
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (the CPU test mode: kernels run in Triton's NumPy interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+__all__ = ["HAS_TRITON", "interpreting", "tl", "triton", "use_triton"]

@@ -1,0 +1,432 @@
+"""Paged attention over the head-major KV pool [Hkv, num_blocks, block_size, D] (see kv_append.py).
+
+Two operations, each a Triton kernel plus a PyTorch twin of the same signature:
+
+- `paged_decode_attention`: one query token per sequence over its block table. The Triton kernel is
+  grouped-query aware (one program loads each K/V tile once for all H / Hkv query heads sharing it) and
+  split along the sequence (flash-decoding): NUM_SPLITS programs per (sequence, KV head) each reduce a
+  slice of the context to a partial output and its log-sum-exp, which a second kernel merges. One long
+  sequence therefore still fills the device.
+- `paged_prefill_attention`: variable-length query chunks, sequence i's queries being its last
+  q_len_i = query_start_loc[i + 1] - query_start_loc[i] positions, attending causally to their cached
+  prefix and themselves (all read from the pool, so K/V must be appended first). A query length of 1 is a
+  decode, so this one kernel serves mixed prefill + decode batches.
+
+Sequence i's token j lives at slot block_tables[i, j // block_size] * block_size + j % block_size.
+Scores and the softmax run in float32 (fp32 inputs use IEEE fp32 dot products, not TF32); outputs are in
+q's dtype.
+
+Pool invariant the twins rely on: every element of the pool is finite. The twins read whole blocks and
+mask the positions past a sequence's length, and a masked NaN still poisons the product with V
+(0 * NaN = NaN); KVCache.allocate zero-fills the pool for that reason. The Triton kernels never read
+past a sequence's length.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from infer.kernels._triton import tl, triton, use_triton
+
+# The decode twin works in tiles of sequences whose gathered K + V take about this many bytes: big enough
+# that the per-tile Python overhead is small next to the tile's work, small enough to stay in the CPU's
+# cache between the gather and the attention (measured on the 2-core dev VM: 2-3x faster at batch 64,
+# context 1024-2048, than one gather of the whole batch).
+_TILE_BYTES = 2 << 20
+# A tile's sequences are padded to the tile's longest; a tile holds lengths within this factor.
+_TILE_SPREAD = 1.25
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, num_seqs: int) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError(f"caches must both be [Hkv, num_blocks, block_size, D], got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
+        raise ValueError(f"q must be [*, H, {head_dim}] with H a multiple of {num_kv_heads}, got {tuple(q.shape)}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        raise ValueError(f"block_tables [{num_seqs}, max_blocks] and seq_lens [{num_seqs}] expected, got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Twins
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache [Hkv, NB, bs, D], tables [n, nblk] -> [Hkv, n, nblk * bs, D], one row copy per block."""
+    num_kv_heads, num_blocks, block_size, head_dim = cache.shape
+    rows = cache.view(num_kv_heads, num_blocks, block_size * head_dim).index_select(1, tables.flatten())
+    return rows.view(num_kv_heads, tables.shape[0], tables.shape[1] * block_size, head_dim)
+
+
+def _decode_tiles(lens: list[int], bytes_per_token: int, block_size: int) -> list[tuple[list[int], int]]:
+    """Rows sorted by length, cut into tiles: (rows, longest length) with lengths within _TILE_SPREAD and
+    about _TILE_BYTES of K + V."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    tiles: list[tuple[list[int], int]] = []
+    rows: list[int] = []
+    for row in order:
+        length = lens[row]
+        padded = -(-max(length, 1) // block_size) * block_size
+        if rows and (length > _TILE_SPREAD * max(lens[rows[0]], 1)
+                     or (len(rows) + 1) * padded * bytes_per_token > _TILE_BYTES):
+            tiles.append((rows, lens[rows[-1]]))
+            rows = []
+        rows.append(row)
+    if rows:
+        tiles.append((rows, lens[rows[-1]]))
+    return tiles
+
+
+def _as_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A slice when rows are consecutive (no copies), else an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                 out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """q [B, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks] int32; seq_lens [B] int32 (>= 1).
+    Returns out [B, H, D] (written in place when given). `num_splits` only steers the Triton kernel.
+
+    Grouped-query attention without repeating K/V: SDPA sees the KV heads as its batch and the sequences as
+    its heads, q [Hkv, n, H / Hkv, D] against K, V [Hkv, n, L, D], which is exactly the gathered layout.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return out
+    lens = seq_lens.tolist()
+    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    bytes_per_token = 2 * num_kv_heads * head_dim * k_cache.element_size()
+    for rows, max_len in _decode_tiles(lens, bytes_per_token, block_size):
+        index = _as_index(rows, q.device)
+        num_blocks = -(-max_len // block_size)
+        tables = block_tables[index, :num_blocks]
+        keys, values = _gather(k_cache, tables), _gather(v_cache, tables)  # [Hkv, n, Lp, D]
+        tile_lens = seq_lens[index]
+        mask = None
+        if any(lens[r] != keys.shape[2] for r in rows):
+            mask = (torch.arange(keys.shape[2], device=q.device)[None, :] < tile_lens[:, None])[None, :, None, :]
+        tile_out = F.scaled_dot_product_attention(grouped[:, index], keys, values, attn_mask=mask, scale=scale)
+        out[index] = tile_out.transpose(0, 1).reshape(len(rows), num_heads, head_dim)
+    return out
+
+
+def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                  query_start_loc: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                                  max_query_len: int | None = None) -> torch.Tensor:
+    """q [T, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks]; seq_lens [B] (context after this
+    step); query_start_loc [B + 1] int32 (offsets into T). Returns out [T, H, D]; rows of T past
+    query_start_loc[B] are left as they are. `max_query_len` only steers the Triton kernel's grid.
+
+    The query-length-1 sequences go, all together, to the decode twin; each longer chunk is one SDPA call.
+    """
+    num_seqs = block_tables.shape[0]
+    _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    out = torch.empty_like(q) if out is None else out
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    decodes = [i for i in range(num_seqs) if starts[i + 1] - starts[i] == 1]
+    if decodes:
+        seqs, tokens = _as_index(decodes, q.device), _as_index([starts[i] for i in decodes], q.device)
+        out[tokens] = paged_decode_attention_torch(q[tokens], k_cache, v_cache, block_tables[seqs],
+                                                   seq_lens[seqs], scale)
+    for i in range(num_seqs):
+        start, end = starts[i], starts[i + 1]
+        if end - start > 1:
+            out[start:end] = _chunk_attention(q[start:end], k_cache, v_cache, block_tables[i], lens[i], scale)
+    return out
+
+
+def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     context_len: int, scale: float) -> torch.Tensor:
+    """One chunk: q [n, H, D], the last n of `context_len` positions -> [n, H, D], causal."""
+    n = q.shape[0]
+    if n > context_len:
+        raise ValueError(f"a chunk of {n} queries cannot end a context of {context_len} tokens")
+    num_blocks = -(-context_len // k_cache.shape[2])
+    tables = block_table[None, :num_blocks]
+    keys = _gather(k_cache, tables).transpose(0, 1)[:, :, :context_len]  # [1, Hkv, ctx, D]
+    values = _gather(v_cache, tables).transpose(0, 1)[:, :, :context_len]
+    queries = q.transpose(0, 1).unsqueeze(0)                                # [1, H, n, D]
+    if n == context_len:
+        mask, causal = None, True
+    else:  # causal, aligned to the bottom right: query j sits at position context_len - n + j
+        key_pos = torch.arange(context_len, device=q.device)
+        query_pos = torch.arange(context_len - n, context_len, device=q.device)
+        mask, causal = key_pos[None, :] <= query_pos[:, None], False
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton: decode (flash-decoding) and its merge
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    stride_qb, stride_qh,
+    stride_kh, stride_kb, stride_ks,          # K and V share strides; D is contiguous
+    stride_tb,
+    stride_ob, stride_oh,
+    scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    # grid: (B, Hkv, NUM_SPLITS). Rows = the GROUP query heads of one KV head (padded to GROUP_PAD >= 16
+    # for tl.dot); columns = BLOCK_N context tokens per step, which may span several pool blocks.
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + g
+    row_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    head_base = kv_head * stride_kh
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        token = head_base + block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_ks
+        tile_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + token[:, None] + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_N, DIM_PAD]
+        v = tl.load(v_ptr + token[:, None] + d[None, :], mask=tile_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                                             # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+
+    nonempty = l_sum > 0
+    result = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 result.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        # partials: part_out [B, H, NUM_SPLITS, DIM_PAD] float32, part_lse [B, H, NUM_SPLITS], contiguous
+        num_heads = tl.num_programs(1) * GROUP
+        part_row = (seq * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part_row[:, None] * DIM_PAD + d[None, :], result, mask=row_mask)
+        lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l_sum, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    # grid: (B, H). out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max); empty splits weigh 0.
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    row = seq * tl.num_programs(1) + head
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, DIM_PAD)
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s)
+    weight = tl.exp(lse - tl.max(lse, 0))
+    parts = tl.load(part_out_ptr + (row * NUM_SPLITS + s)[:, None] * DIM_PAD + d[None, :])
+    result = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, result.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_num_splits(q: torch.Tensor, num_kv_heads: int, max_context: int) -> int:
+    """Enough programs to fill the device about twice over, each reducing at least 256 tokens."""
+    if not q.is_cuda:
+        return 1
+    programs = q.shape[0] * num_kv_heads
+    wanted = -(-2 * _num_sms(q.device.index or 0) // max(programs, 1))
+    return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(-(-max_context // 256)), 64))
+
+
+def _pads(group: int, head_dim: int) -> tuple[int, int]:
+    return max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(head_dim))
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                  out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as `paged_decode_attention_torch`. `num_splits` (a power of two) defaults to enough
+    programs to fill the device, bounded by the context the block tables can hold."""
+    num_seqs, num_heads, head_dim = q.shape
+    _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    if q.stride(2) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("paged_decode_attention_triton needs a contiguous head dim and K/V of equal strides")
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = _default_num_splits(q, num_kv_heads, block_tables.shape[1] * block_size)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    group = num_heads // num_kv_heads
+    group_pad, dim_pad = _pads(group, head_dim)
+    if num_splits == 1:
+        part_out = part_lse = out
+    else:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits,
+    )
+    if num_splits > 1:
+        _merge_kernel[(num_seqs, num_heads)](part_out, part_lse, out, out.stride(0), out.stride(1),
+                                             HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton: prefill / mixed batches
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, starts_ptr, out_ptr,
+    stride_qt, stride_qh,
+    stride_kh, stride_kb, stride_ks,
+    stride_tb,
+    stride_ot, stride_oh,
+    scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # grid: (query tiles of the longest chunk, B, Hkv). Rows = BLOCK_Q query tokens x GROUP_PAD heads of one
+    # KV head (row r: token r // GROUP_PAD, head r % GROUP_PAD), so each K/V tile is loaded once for the
+    # whole group; columns = BLOCK_N context tokens per step, up to the tile's causal limit.
+    tile = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(starts_ptr + seq).to(tl.int32)
+    q_len = tl.load(starts_ptr + seq + 1).to(tl.int32) - q_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(lens_ptr + seq).to(tl.int32)
+    prefix = seq_len - q_len
+
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    local = tile * BLOCK_Q + r // GROUP_PAD       # query index within the chunk
+    g = r % GROUP_PAD
+    d = tl.arange(0, DIM_PAD)
+    row_valid = (local < q_len) & (g < GROUP)
+    # Rows that hold no query take the chunk's last position, so that no row sees only masked keys.
+    query_pos = tl.where(row_valid, prefix + local, seq_len - 1)
+    token = (q_start + local).to(tl.int64)
+    heads = kv_head * GROUP + g
+    io_mask = row_valid[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=io_mask,
+                other=0.0)
+
+    m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
+    end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_Q)  # the tile's last query sees keys < end
+    head_base = kv_head * stride_kh
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = head_base + block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_ks
+        tile_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=tile_mask, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=tile_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(valid[None, :] & (pos[None, :] <= query_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+    result = acc / l_sum[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             result.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                                   max_query_len: int | None = None) -> torch.Tensor:
+    """Same contract as `paged_prefill_attention_torch`. `max_query_len` (a host int) sizes the grid; without
+    it, the grid covers T query tokens per sequence (correct, with idle programs)."""
+    num_seqs = block_tables.shape[0]
+    _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    if q.stride(2) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("paged_prefill_attention_triton needs a contiguous head dim and K/V of equal strides")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad, dim_pad = triton.next_power_of_2(group), max(16, triton.next_power_of_2(head_dim))
+    block_q = max(1, 64 // group_pad)  # 64 rows per program (>= 16 for tl.dot)
+    longest = num_tokens if max_query_len is None else max_query_len
+    grid = (triton.cdiv(longest, block_q), num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=64,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Triton on CUDA, the twin elsewhere (see `paged_decode_attention_torch`)."""
+    impl = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_torch
+    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, out: torch.Tensor | None = None,
+                            max_query_len: int | None = None) -> torch.Tensor:
+    """Triton on CUDA, the twin elsewhere (see `paged_prefill_attention_torch`)."""
+    impl = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_torch
+    return impl(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len)
