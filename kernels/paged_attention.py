@@ -257,7 +257,7 @@ def _merge_kernel(
              mask=d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

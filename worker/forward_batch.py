@@ -69,7 +69,7 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> "KVCache":
+                 dtype: torch.dtype, device: torch.device) -> KVCache:
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         # Invariant: the pool holds only finite values. The CPU twins read whole blocks and mask the
         # positions past a sequence's length, and a masked position still poisons the result if it holds

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from kernel_checks import DEVICE, KERNEL_DTYPES, assert_close, requires_triton
@@ -53,8 +52,8 @@ def test_append_writes_exactly_the_named_slots(impl, dtype, rope, shape):
     k_before = k.clone()
     kwargs = {}
     if rope is not None:
-        kwargs = dict(positions=positions.to(DEVICE), cos_sin_cache=_cos_sin_cache(4096, head_dim).to(DEVICE),
-                      is_neox=rope == "neox")
+        kwargs = {"positions": positions.to(DEVICE), "is_neox": rope == "neox",
+                  "cos_sin_cache": _cos_sin_cache(4096, head_dim).to(DEVICE)}
     impl(k, v, k_cache, v_cache, slots.to(DEVICE), **kwargs)
 
     assert torch.equal(k, k_before), "the input K must not be modified"
