@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from infer.kernels.rmsnorm import rms_norm
+from infer.kernels.rotary import build_cos_sin_cache, rotary_embedding
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -40,18 +43,29 @@ def _rank_slice(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int, what
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / rms(x) over the last dim, computed in float32 and cast back before the weight (as HF)."""
+    """y = w * x / rms(x) over the last dim (`infer.kernels.rmsnorm`: float32 statistics, cast back to x's
+    dtype before the weight, as transformers).
+
+    `norm(x)` returns y. `norm(x, residual)` is the fused pre-norm of a residual stream: it adds x into
+    `residual` in place (the new stream) and returns (norm of that sum, residual).
+    """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _param(size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # exactly transformers' order of operations
-            return F.rms_norm(x, (x.shape[-1],), eps=self.eps).mul_(self.weight)
-        # bf16/fp16: one fused kernel (float accumulation inside) instead of two dtype round trips
-        return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, residual), residual
 
 
 class PackedLinear(nn.Module):
@@ -288,13 +302,25 @@ _ROPE_TYPES = {
 }
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves of the head dim), shared by all layers.
+# Cache length for configs that state no max_position_embeddings (the engine's context length is then 4096 too).
+DEFAULT_MAX_POSITIONS = 4096
 
-    `cos_sin(positions)` is computed once per forward; `apply` rotates q or k of shape [T, heads, head_dim].
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, one instance shared by all layers of a model.
+
+    Holds the cos/sin cache [max_positions, head_dim] float32 (`infer.kernels.rotary`), with the config's
+    theta and rope scaling (`inv_freq`, `attention_scaling`). `rotary(positions, q, k)` rotates q and k in
+    place. `is_neox` picks the layout of the rotated pairs: the two halves of the head dim (the Llama family,
+    the default) or GPT-J's interleaved pairs.
+
+    The cache covers config.max_position_embeddings positions, which the engine's max_model_len never exceeds.
+    A caller that goes further (a model driven directly, past its context length) calls `reserve` first; the
+    cache then grows to the next power of two. Positions past the cache are not checked per call (that would
+    sync a device): the twin raises IndexError, the Triton kernel would read out of bounds.
     """
 
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, head_dim: int, is_neox: bool = True) -> None:
         super().__init__()
         params = rope_parameters(config)
         rope_type = params["rope_type"]
@@ -305,19 +331,23 @@ class RotaryEmbedding(nn.Module):
         if partial != 1.0:
             raise NotImplementedError(f"partial_rotary_factor {partial} is not supported")
         inv_freq, self.attention_scaling = _ROPE_TYPES[rope_type](params, head_dim, config)
+        self.is_neox = is_neox
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or DEFAULT_MAX_POSITIONS
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(inv_freq, self.attention_scaling, max_positions),
+                             persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, head_dim / 2] in `dtype` (frequencies computed in float32)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        if self.attention_scaling != 1.0:
-            cos.mul_(self.attention_scaling)
-            sin.mul_(self.attention_scaling)
-        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+    @property
+    def max_positions(self) -> int:
+        return int(self.cos_sin_cache.shape[0])
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] -> rotated copy: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def reserve(self, num_positions: int) -> None:
+        """Make the cache cover positions 0 .. num_positions - 1 (growing it to the next power of two)."""
+        if num_positions > self.max_positions:
+            size = 1 << (num_positions - 1).bit_length()
+            self.cos_sin_cache = build_cos_sin_cache(self.inv_freq, self.attention_scaling, size)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None) -> None:
+        """Rotate q [T, Hq, head_dim] and k [T, Hk, head_dim] (views into the qkv output are fine) in place,
+        token i by positions[i] [T]."""
+        rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)

@@ -57,7 +57,8 @@ def sliding_window_of(config: Any) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, rotary_emb: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -69,10 +70,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowLinear(q_size, config.hidden_size, variant.o_bias, dtype)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
+        self.rotary_emb = rotary_emb  # shared by all layers
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """hidden [T, hidden_size] -> [T, hidden_size]; writes this layer's new K, V into the cache."""
+        """positions [T], hidden [T, hidden_size] -> [T, hidden_size]; writes this layer's new K, V into the
+        cache."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -80,7 +83,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        self.rotary_emb(positions, q, k)  # in place (q, k may be views into the qkv output)
         out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
         return self.o_proj(out.view(num_tokens, -1))
 
@@ -100,17 +103,29 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, dtype: torch.dtype) -> None:
+    """Pre-norm block over a residual stream that is carried between layers (vLLM's layout): each norm adds
+    the previous sublayer's output into `residual` in place, fused with the norm."""
+
+    def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, rotary_emb: RotaryEmbedding,
+                 dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, variant, head_dim, dtype)
+        self.self_attn = LlamaAttention(config, variant, head_dim, rotary_emb, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, variant, dtype)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, batch, k_cache, v_cache).add_(hidden)
-        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden_size]: the previous layer's MLP output (or, with residual None, the embeddings)
+        -> (this layer's MLP output, residual stream up to its input)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch, k_cache, v_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -118,17 +133,17 @@ class LlamaModel(nn.Module):
         super().__init__()
         variant = LlamaVariant.from_config(config)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.rotary = RotaryEmbedding(config, head_dim)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, head_dim, dtype)
+        self.rotary_emb = RotaryEmbedding(config, head_dim)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions, hidden.dtype)
+        hidden, residual = self.embed_tokens(batch.input_ids), None
+        self.rotary_emb.reserve(max(batch.context_lens, default=0))
         for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
-            hidden = layer(hidden, cos, sin, batch, k_cache, v_cache)
-        return self.norm(hidden)
+            hidden, residual = layer(batch.positions, hidden, residual, batch, k_cache, v_cache)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
