@@ -83,8 +83,9 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary_emb(positions, q, k)  # in place (q, k may be views into the qkv output)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+        self.rotary_emb(positions, q, None)  # q in place; K is rotated by the KV append as it is stored
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.rotary_emb.cos_sin_cache,
+                              self.rotary_emb.is_neox)
         return self.o_proj(out.view(num_tokens, -1))
 
 
