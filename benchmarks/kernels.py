@@ -223,7 +223,9 @@ def _w1_child(python_path: str | None) -> dict:
             "p = throughput.model_dir(); w = make_workload('W1', AutoConfig.from_pretrained(p).vocab_size); "
             "r = throughput.run_infer(p, 'bfloat16', w); r['tok_per_s'] = w.output_tokens / r['elapsed_s']; "
             "r['infer_from'] = infer.__file__; print('RESULT ' + json.dumps(r))") % str(Path(__file__).parent)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600)
+    # cwd outside the repository: its kernels/ folder would shadow the `kernels` package transformers probes for
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600,
+                          cwd=tempfile.gettempdir())
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
