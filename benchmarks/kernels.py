@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -218,12 +219,17 @@ def _w1_child(python_path: str | None) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if python_path:
         env["PYTHONPATH"] = python_path
+    # throughput.py and common.py from a folder of their own: with benchmarks/ on sys.path, this file would
+    # answer transformers' probe for a package named `kernels`
+    helpers = Path(tempfile.mkdtemp(prefix="w1-"))
+    for name in ("throughput.py", "common.py"):
+        shutil.copy(Path(__file__).parent / name, helpers / name)
     code = ("import sys, json; sys.path.insert(0, %r); import throughput, infer; "
             "from common import make_workload; from transformers import AutoConfig; "
             "p = throughput.model_dir(); w = make_workload('W1', AutoConfig.from_pretrained(p).vocab_size); "
             "r = throughput.run_infer(p, 'bfloat16', w); r['tok_per_s'] = w.output_tokens / r['elapsed_s']; "
-            "r['infer_from'] = infer.__file__; print('RESULT ' + json.dumps(r))") % str(Path(__file__).parent)
-    # cwd outside the repository: its kernels/ folder would shadow the `kernels` package transformers probes for
+            "r['infer_from'] = infer.__file__; print('RESULT ' + json.dumps(r))") % str(helpers)
+    # cwd outside the repository, whose kernels/ folder would answer the same probe
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600,
                           cwd=tempfile.gettempdir())
     for line in proc.stdout.splitlines():
