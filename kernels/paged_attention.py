@@ -177,6 +177,33 @@ def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
+def _load_kv_tile(k_ptr, v_ptr, tables_ptr, table_base, head_base, stride_kb, stride_ks, n0, end, d,
+                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Context tokens n0 .. n0 + BLOCK_N - 1 (those < end) of one sequence and KV head, through its block
+    table: (positions [BLOCK_N], valid [BLOCK_N], K [BLOCK_N, DIM_PAD], V [BLOCK_N, DIM_PAD])."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    block = tl.load(tables_ptr + table_base + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = head_base + block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_ks
+    tile_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=tile_mask, other=0.0)
+    v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=tile_mask, other=0.0)
+    return pos, valid, k, v
+
+
+@triton.jit
+def _online_softmax_step(s, v, m, l_sum, acc):
+    """Fold one tile of masked scores s [R, N] (-inf where hidden) and its V [N, DIM_PAD] into the running
+    max m [R], normaliser l_sum [R] and unnormalised output acc [R, DIM_PAD]."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_sum, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_qb, stride_qh,
@@ -208,21 +235,11 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     head_base = kv_head * stride_kh
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        token = head_base + block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_ks
-        tile_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + token[:, None] + d[None, :], mask=tile_mask, other=0.0)     # [BLOCK_N, DIM_PAD]
-        v = tl.load(v_ptr + token[:, None] + d[None, :], mask=tile_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                                             # [GROUP_PAD, BLOCK_N]
+        _, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
+                                       stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                     # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        m, l_sum, acc = _online_softmax_step(s, v, m, l_sum, acc)
 
     nonempty = l_sum > 0
     result = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
@@ -359,21 +376,11 @@ def _prefill_kernel(
     end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_Q)  # the tile's last query sees keys < end
     head_base = kv_head * stride_kh
     for n0 in range(0, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = head_base + block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_ks
-        tile_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=tile_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=tile_mask, other=0.0)
+        pos, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
+                                         stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         s = tl.where(valid[None, :] & (pos[None, :] <= query_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        m, l_sum, acc = _online_softmax_step(s, v, m, l_sum, acc)
     result = acc / l_sum[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              result.to(out_ptr.dtype.element_ty), mask=io_mask)

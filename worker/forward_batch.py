@@ -12,6 +12,7 @@ from functools import cached_property
 
 import torch
 
+
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor        # [T] int64
@@ -34,12 +35,12 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
+    @cached_property
     def num_real_tokens(self) -> int:
         """Tokens that belong to a sequence; rows of T past them are padding."""
         return sum(self.query_lens)
 
-    @property
+    @cached_property
     def max_prefill_len(self) -> int:
         """The longest prefill chunk (0 without prefills): sizes the prefill kernel's grid."""
         return max(self.query_lens[self.num_decodes:], default=0)
