@@ -15,7 +15,7 @@ must move / time, as a fraction of the measured copy bandwidth, and decode atten
 same data laid out dense.
 
 W1 (--w1-before REV): the engine's offline W1 throughput (64 x 128 prompt, 128 out, bf16) at git revision
-REV and at the working tree, each in its own process, one after the other.
+REV and at the working tree, each in its own process, alternating for --w1-rounds rounds (medians compared).
 
     .venv/bin/python benchmarks/kernels.py                         # CPU table (and GPU when present)
     .venv/bin/python benchmarks/kernels.py --w1-before 31df831     # + W1 before/after
@@ -41,7 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import git_revision, write_result  # noqa: E402
 
 from infer.kernels.kv_append import append_kv, append_kv_torch  # noqa: E402
-from infer.kernels.paged_attention import paged_decode_attention, paged_decode_attention_torch  # noqa: E402
+from infer.kernels.paged_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_attention_torch,
+    plan_decode,
+)
 from infer.kernels.reference import paged_attention_reference  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE = 9, 3, 64, 30, 16
@@ -102,7 +106,11 @@ def cpu_decode_table(batches: list[int], contexts: list[int]) -> list[dict]:
             old_k = k_cache.permute(1, 2, 0, 3).contiguous()  # [blocks, bs, Hkv, D], same contents
             old_v = v_cache.permute(1, 2, 0, 3).contiguous()
             starts = torch.arange(batch + 1, dtype=torch.int32)
-            twin = _time_cpu(lambda: paged_decode_attention_torch(q, k_cache, v_cache, tables, seq_lens, scale))
+            # the engine plans the twin's tiles once per step and every layer reuses the plan
+            plan = plan_decode(tables, seq_lens, k_cache)
+            twin = (_time_cpu(lambda: paged_decode_attention_torch(q, k_cache, v_cache, tables, seq_lens, scale,
+                                                                   plan=plan))
+                    + _time_cpu(lambda: plan_decode(tables, seq_lens, k_cache)) / NUM_LAYERS)
             previous = _time_cpu(lambda: _previous_engine_decode(q, old_k, old_v, tables, seq_lens, scale))
             plain = _time_cpu(lambda: paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, starts,
                                                                 scale))
@@ -238,8 +246,11 @@ def _w1_child(python_path: str | None) -> dict:
     return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-2000:]}
 
 
-def w1_before_after(revision: str) -> dict:
-    """W1 bf16 at `revision` (a git worktree, imported as `infer` through a PYTHONPATH shim) and here."""
+def w1_before_after(revision: str, rounds: int) -> dict:
+    """W1 bf16 at `revision` (a git worktree, imported as `infer` through a PYTHONPATH shim) and here,
+    alternating for `rounds` rounds: this VM's throughput drifts by 10-20% between runs minutes apart, so
+    one before/after pair can mislead; the medians are compared."""
+    before, after = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), revision], cwd=REPO, check=True,
@@ -248,13 +259,20 @@ def w1_before_after(revision: str) -> dict:
             shim = Path(tmp) / "shim"
             shim.mkdir()
             (shim / "infer").symlink_to(tree)
-            before = _w1_child(str(shim))
+            for i in range(rounds):
+                pair = [("before", str(shim), before), ("after", None, after)]
+                for name, path, samples in (pair if i % 2 == 0 else pair[::-1]):
+                    samples.append(_w1_child(path))
+                    print(f"W1 bf16 round {i + 1} {name}: {samples[-1].get('tok_per_s', float('nan')):.1f} tok/s",
+                          flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
-    after = _w1_child(None)
-    print(f"W1 bf16: before ({revision}) {before.get('tok_per_s', float('nan')):.1f} tok/s, "
-          f"after {after.get('tok_per_s', float('nan')):.1f} tok/s", flush=True)
-    return {"revision_before": revision, "before": before, "after": after}
+    medians = {name: statistics.median(r.get("tok_per_s", float("nan")) for r in samples)
+               for name, samples in (("before", before), ("after", after))}
+    print(f"W1 bf16 medians of {rounds}: before ({revision}) {medians['before']:.1f} tok/s, "
+          f"after {medians['after']:.1f} tok/s ({medians['after'] / medians['before']:.2f}x)", flush=True)
+    return {"revision_before": revision, "rounds": rounds, "before": before, "after": after,
+            "median_tok_per_s": medians, "after_over_before": medians["after"] / medians["before"]}
 
 
 def main() -> None:
@@ -262,6 +280,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048])
     parser.add_argument("--w1-before", metavar="REV", help="also measure W1 throughput at REV and here")
+    parser.add_argument("--w1-rounds", type=int, default=3, help="alternating before/after W1 rounds")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU tables")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -275,7 +294,7 @@ def main() -> None:
         payload["gpu"] = None
         print("no CUDA device: GPU tables skipped", flush=True)
     if args.w1_before:
-        payload["w1"] = w1_before_after(args.w1_before)
+        payload["w1"] = w1_before_after(args.w1_before, args.w1_rounds)
     print("wrote", write_result("kernels", payload))
 
 

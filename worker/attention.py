@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from infer.kernels._triton import use_triton
 from infer.kernels.kv_append import append_kv
-from infer.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from infer.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, plan_decode
 from infer.worker.forward_batch import ForwardBatch
 
 
@@ -25,8 +26,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if num_real < q.shape[0]:  # padding tokens after the last sequence: defined output, never attended
         out[num_real:] = 0
     if num_decodes:
-        paged_decode_attention(q[:num_decodes], k_cache, v_cache, batch.block_tables[:num_decodes],
-                               batch.seq_lens[:num_decodes], scale, out=out[:num_decodes])
+        tables, lens = batch.block_tables[:num_decodes], batch.seq_lens[:num_decodes]
+        plan = None
+        if not use_triton(q):  # the twin's tiling, planned by the first layer of the step
+            plan = batch.per_step.get("decode_plan")
+            if plan is None:
+                plan = batch.per_step["decode_plan"] = plan_decode(tables, lens, k_cache,
+                                                                   batch.context_lens[:num_decodes])
+        paged_decode_attention(q[:num_decodes], k_cache, v_cache, tables, lens, scale, out=out[:num_decodes],
+                               plan=plan)
     if num_decodes < batch.num_seqs:
         paged_prefill_attention(q[num_decodes:num_real], k_cache, v_cache, batch.block_tables[num_decodes:],
                                 batch.seq_lens[num_decodes:], batch.prefill_query_start_loc, scale,

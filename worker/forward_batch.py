@@ -7,7 +7,7 @@ chunks of `query_lens[i]` tokens that attend causally to their cached prefix plu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -26,6 +26,8 @@ class ForwardBatch:
     query_lens: tuple[int, ...]    # host copies, for loops over prefill chunks
     context_lens: tuple[int, ...]  # host copy of seq_lens
     block_size: int
+    # values every layer needs, derived once by the first layer that asks (e.g. the decode twin's plan)
+    per_step: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

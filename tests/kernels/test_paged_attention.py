@@ -14,6 +14,7 @@ from infer.kernels.paged_attention import (
     paged_decode_attention_triton,
     paged_prefill_attention_torch,
     paged_prefill_attention_triton,
+    plan_decode,
 )
 
 # (query heads, KV heads): MHA, GQA 4:1, an odd group of 5
@@ -49,6 +50,33 @@ def test_decode_matches_reference(impl, dtype, heads, head_dim):
     out = impl(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale,
                out=poisoned(batch.q.shape, dtype))
     assert_close(out, reference_attention(batch, scale), dtype, "decode vs float64")
+
+
+def test_decode_plan_tiles_cover_each_sequence_once_and_is_reusable(monkeypatch):
+    """The twin's plan (made once per step by the engine, reused by every layer): small tiles force
+    several tiles, lengths spread beyond _TILE_SPREAD split tiles, every row lands in exactly one tile, and
+    the planned call gives the unplanned answer. A plan for another batch or pool is refused."""
+    import infer.kernels.paged_attention as module
+
+    monkeypatch.setattr(module, "_TILE_BYTES", 4 * 2 * 2 * 64 * 4 * 16)  # about four 16-token sequences
+    seq_lens = [130, 1, 16, 37, 33, 35, 129, 16, 16, 2]
+    batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, 64, block_size=16, dtype=torch.float32,
+                       seed=_seed("plan"))
+    plan = plan_decode(batch.block_tables, batch.seq_lens, batch.k_cache)
+    rows = [range(len(seq_lens))[t.rows] if isinstance(t.rows, slice) else t.rows.tolist() for t in plan.tiles]
+    covered = sorted(r for tile_rows in rows for r in tile_rows)
+    assert covered == list(range(len(seq_lens))) and len(plan.tiles) >= 4
+    for tile in plan.tiles:
+        lens = batch.seq_lens[tile.rows]
+        assert int(lens.max()) <= tile.padded_len < int(lens.max()) + 16
+        assert int(lens.max()) <= module._TILE_SPREAD * max(int(lens.min()), 1)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    planned = paged_decode_attention_torch(*args, out=poisoned(batch.q.shape, torch.float32), plan=plan)
+    assert_close(planned, reference_attention(batch, 0.125), torch.float32, "planned decode vs float64")
+    assert torch.equal(planned, paged_decode_attention_torch(*args))
+    with pytest.raises(ValueError, match="decode plan is for 10 sequences"):
+        paged_decode_attention_torch(batch.q[:3], *args[1:3], batch.block_tables[:3], batch.seq_lens[:3], 0.125,
+                                     plan=plan)
 
 
 @requires_triton
