@@ -21,6 +21,7 @@ from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
+from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
 from infer.worker.model_runner import ModelRunner
@@ -51,8 +52,9 @@ class Engine:
     Thread-unsafe by design: one thread owns an engine (the worker loop or LLM).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, ep: ExpertParallel | None = None) -> None:
         self.config = config
+        self.ep = ExpertParallel.single() if ep is None else ep  # this rank's share of an MoE model's experts
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = _pick_device(config.device)
@@ -61,7 +63,7 @@ class Engine:
         self.model_id = config.model_id
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
-        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.model = load_model(self.model_path, self.dtype, self.device, self.ep)
         self.vocab_size = int(self.model.vocab_size)
         self.max_model_len = _max_model_len(config, self.model.config)
         self.block_size = config.block_size

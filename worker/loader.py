@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from infer.worker.config import model_cache_dir
+from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.models.layers import PackedLinear
 from infer.worker.models.registry import model_class
 
@@ -140,16 +141,24 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 # Loading
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Our implementation of the model in directory `path`, weights loaded, on `device` in `dtype`."""
+def load_model(path: Path, dtype: torch.dtype, device: torch.device,
+               ep: ExpertParallel | None = None) -> nn.Module:
+    """Our implementation of the model in directory `path`, weights loaded, on `device` in `dtype`.
+    MoE models (classes with `supports_expert_parallel`) take `ep`, this rank's place in its EP group, and
+    load only its experts; a dense model refuses an EP group of more than one rank."""
     from transformers import AutoConfig
 
     path = Path(path)
     validate_model_dir(path)
     config = AutoConfig.from_pretrained(str(path))
     cls = model_class(config)
+    ep = ExpertParallel.single() if ep is None else ep
+    moe = getattr(cls, "supports_expert_parallel", False)
+    if ep.size > 1 and not moe:
+        raise ValueError(f"an EP group of {ep.size} ranks needs an MoE model; {config.model_type!r} has no "
+                         "experts to shard (run its ranks as separate groups)")
     with torch.device(device):
-        model = cls(config, dtype)
+        model = cls(config, dtype, ep=ep) if moe else cls(config, dtype)
     load_weights(model, weight_files(path))
     for module in model.modules():
         if isinstance(module, PackedLinear):

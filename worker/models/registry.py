@@ -13,13 +13,14 @@ from infer.worker.models.llama import LlamaForCausalLM
 class CausalLM(Protocol):
     """What the model runner relies on.
 
-    Construction: `cls(config, dtype)` under a `torch.device` scope; parameters are empty until the loader
+    Construction: `cls(config, dtype)` under a `torch.device` scope (MoE classes, which set
+    `supports_expert_parallel = True`, take `cls(config, dtype, ep=ExpertParallel)`); parameters are empty until the loader
     fills them (module names follow transformers', except those in `packed_modules_mapping`, which maps a
     checkpoint module name to (our fused module, shard)).
     `forward` reads batch.input_ids / positions, writes each layer's new K, V into kv_cache at
     batch.slot_mapping and returns hidden states [T, hidden]; `compute_logits` takes rows of them
     (hidden[batch.logits_indices]) to float32 logits [N, vocab]. KV cache tensors have the model's dtype and
-    shape [num_blocks, block_size, num_kv_heads, head_dim], one K and one V per layer.
+    shape [num_kv_heads, num_blocks, block_size, head_dim], one K and one V per layer.
     """
 
     config: Any
