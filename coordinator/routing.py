@@ -31,6 +31,11 @@ class RankLoad(Protocol):
     @property
     def num_in_flight(self) -> int: ...
 
+    @property
+    def group_id(self) -> str:
+        """The rank's EP group (a DP-only rank is a group of one): a group steps at its busiest rank's pace."""
+        ...
+
 
 class RoutingPolicy(Protocol):
     """Chooses one of `candidates` (never empty, all healthy) for a request."""
@@ -44,19 +49,25 @@ class RoutingPolicy(Protocol):
         ...
 
 
-def _least_loaded_key(rank: RankLoad) -> tuple[float, int, int]:
-    return rank.score, rank.num_in_flight, rank.dp_rank
+def least_loaded(candidates: Sequence[RankLoad]) -> RankLoad:
+    """The least loaded rank of the group whose busiest rank is least loaded (the ranks of an EP group step
+    together, so a group's step costs what its busiest rank's costs); within it the lowest score, then fewer
+    in-flight requests, then the lower rank. With groups of one rank: simply the lowest score."""
+    if len(candidates) == 1:
+        return candidates[0]
+    busiest: dict[str, float] = {}
+    for rank in candidates:
+        busiest[rank.group_id] = max(busiest.get(rank.group_id, 0.0), rank.score)
+    return min(candidates, key=lambda r: (busiest[r.group_id], r.score, r.num_in_flight, r.dp_rank))
 
 
 class LeastLoaded:
-    """The rank with the lowest load score; ties go to fewer in-flight requests, then the lower rank."""
+    """See `least_loaded`."""
 
     name = "least-loaded"
 
     def choose(self, prompt: Prompt, candidates: Sequence[RankLoad]) -> RankLoad:
-        if len(candidates) == 1:
-            return candidates[0]
-        return min(candidates, key=_least_loaded_key)
+        return least_loaded(candidates)
 
     def forget_rank(self, dp_rank: int) -> None:
         pass
@@ -109,7 +120,7 @@ class PrefixAffinity:
 
     def choose(self, prompt: Prompt, candidates: Sequence[RankLoad]) -> RankLoad:
         hashes = self.prefix_hashes(prompt)
-        best = min(candidates, key=_least_loaded_key)
+        best = least_loaded(candidates)
         home = self._lookup(hashes, {c.dp_rank: c for c in candidates})
         chosen = best if home is None or self._overloaded(home, best) else home
         self._remember(hashes, chosen.dp_rank)

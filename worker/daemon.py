@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol
 
 import msgpack
 import zmq
@@ -39,7 +39,11 @@ from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.transport import frames_for, make_socket
 from infer.worker.config import DTYPES, EngineConfig
+from infer.worker.group_sync import EpOptions, GroupBroken
 from infer.worker.request import Request
+
+if TYPE_CHECKING:
+    from infer.worker.group_sync import GroupSync
 
 log = logging.getLogger("infer.worker")
 
@@ -88,6 +92,7 @@ class WorkerOptions:
     drain_timeout: float = 30.0
     connect_timeout: float = 60.0       # for the first Welcome
     benchmark_mode: bool = False
+    ep: EpOptions | None = None         # this rank's EP group (None: a group of one)
 
     def __post_init__(self) -> None:
         if not self.coordinator.startswith(("tcp://", "ipc://")):
@@ -102,6 +107,8 @@ class WorkerOptions:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.drain_timeout >= 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.ep is not None and self.benchmark_mode:
+            raise ValueError("--benchmark-mode has no model, so no EP group: leave out --ep-size")
         if self.coordinator_timeout <= self.heartbeat_interval:
             raise ValueError(f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "
                              f"({self.heartbeat_interval})")
@@ -134,11 +141,16 @@ class Worker:
     its value is the prompt ids the first delta must echo, None once sent.
     """
 
-    def __init__(self, engine: EngineLike, options: WorkerOptions, ctx: zmq.Context) -> None:
-        self.engine, self.options = engine, options
+    def __init__(self, engine: EngineLike, options: WorkerOptions, ctx: zmq.Context,
+                 group: GroupSync | None = None) -> None:
+        self.engine, self.options, self.group = engine, options, group
         self.sock = make_socket(ctx, zmq.DEALER, identity=options.worker_id.encode())
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
+        if group is not None:
+            self.poller.register(group.wake_socket, zmq.POLLIN)
+        self._leaving: str | None = None       # why this rank leaves its EP group (said in the next round)
+        self._last_round = time.monotonic()
         self.state = "running"                 # running | paused | suspended (lifecycle, by Control)
         self._requests: dict[str, TokenIds | None] = {}
         self._outbox: list[Delta] = []         # deltas made outside a step (rejected Dispatches)
@@ -180,6 +192,8 @@ class Worker:
                 self._advance()
                 self._keep_alive()
                 if self._drain_finished():
+                    if self.group is not None:   # the group cannot step without this rank: it leaves too
+                        self._leave_group("drained")
                     log.info("drained; exiting")
                     return EXIT_OK
         except WorkerExit as e:
@@ -188,10 +202,14 @@ class Worker:
         finally:   # let the last frames leave, unless no coordinator ever answered
             self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS if self._ever_welcomed else 0)
             self.sock.close()
+            if self.group is not None:
+                self.group.close()
 
     def _poll_timeout(self) -> float:
         """Seconds to block in poll: 0 while the engine has work, else until the next timer is due."""
         if self.state == "running" and self.engine.has_unfinished():
+            return 0.0
+        if self.group is not None and (self.group.active or self._leaving is not None):
             return 0.0
         now = time.monotonic()
         due = [max(self._last_heard, self._hello_sent_at) + self.options.coordinator_timeout]
@@ -199,6 +217,8 @@ class Worker:
                    else self._connect_deadline)
         if self._drain_deadline is not None:
             due.append(self._drain_deadline)
+        if self.group is not None:   # an idle group checks its members once per heartbeat interval
+            due.append(self._last_round + self.options.heartbeat_interval)
         return max(0.0, min(due) - now)
 
     def _receive(self, timeout_s: float) -> None:
@@ -217,16 +237,67 @@ class Worker:
 
     def _advance(self) -> None:
         """One engine step (unless paused), then one StepBatch with its deltas and any rejections."""
+        if self.group is not None:
+            return self._advance_group()
         if self.state == "running" and self.engine.has_unfinished():
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # any engine failure ends this rank: fatal, exit 1
-                log.exception("engine step failed")
-                self._send(Error(message=f"worker {self.options.worker_id} failed: engine step: {e!r}"))
-                raise WorkerExit(EXIT_FATAL, f"fatal: engine step failed: {e!r}") from None
+            outputs = self._engine_step(self.engine.step)
         else:
             outputs = self.engine.take_pending()
         self._send_step_batch(outputs)
+
+    def _engine_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+        try:
+            return step()
+        except GroupBroken as e:   # raised by a MoE layer's exchange: a member of the group is gone
+            self._group_broken(str(e))
+        except Exception as e:  # any engine failure ends this rank: fatal, exit 1
+            log.exception("engine step failed")
+            self._send(Error(message=f"worker {self.options.worker_id} failed: engine step: {e!r}"))
+            raise WorkerExit(EXIT_FATAL, f"fatal: engine step failed: {e!r}") from None
+
+    # ---- EP group lockstep (see infer.worker.group_sync) -------------------------------------------
+
+    def _advance_group(self) -> None:
+        """Enter the group's next round when anyone may have work (or to check the members while idle),
+        then run this rank's step, or a dummy forward, if anyone has work."""
+        group, now = self.group, time.monotonic()
+        has_work = self.state == "running" and self.engine.has_unfinished()
+        woken = group.woken()
+        check_due = now - self._last_round >= self.options.heartbeat_interval
+        if not (group.active or has_work or woken or check_due or self._leaving is not None):
+            return self._send_step_batch(self.engine.take_pending())
+        if not (group.active or woken):
+            group.wake_peers()   # the peers are idle in their polls: bring them into this round
+        try:
+            any_work, any_leaving = group.agree(has_work, self._leaving is not None)
+        except GroupBroken as e:
+            self._group_broken(str(e))
+        self._last_round = time.monotonic()
+        if any_leaving:
+            if self._leaving is not None:
+                return
+            self._group_broken(f"a member of EP group {self.options.group_id!r} left")
+        if any_work:
+            outputs = self._engine_step(self.engine.step if has_work else self.engine.dummy_step)
+        else:
+            outputs = self.engine.take_pending()
+        self._send_step_batch(outputs)
+
+    def _leave_group(self, reason: str) -> None:
+        """Tell the group this rank is leaving (one last round), so the others leave too instead of hanging
+        in a collective."""
+        self._leaving = reason
+        try:
+            self._advance_group()
+        except WorkerExit:
+            pass
+
+    def _group_broken(self, reason: str) -> NoReturn:
+        """The group cannot step any more: give every request back (the coordinator moves them to another
+        group, resuming each stream where it stands) and exit."""
+        log.error("%s; giving back %d request(s) and exiting", reason, len(self._requests))
+        self._abort_all()
+        raise WorkerExit(EXIT_FATAL, f"fatal: {reason}")
 
     def _send_step_batch(self, outputs: list[RequestOutput]) -> None:
         deltas, self._outbox = self._outbox + [self._delta(out) for out in outputs], []
@@ -332,6 +403,8 @@ class Worker:
         if msg.command == "stop":
             self._abort_all()
             self._send(ControlAck(command=msg.command, state="stopped"))
+            if self.group is not None:
+                self._leave_group("stopped by the coordinator")
             raise WorkerExit(EXIT_OK, "stopped by the coordinator")
         self.state = {"pause": "paused", "suspend": "suspended"}.get(msg.command, "running")
         log.info("%s: now %s", msg.command, self.state)
@@ -515,6 +588,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds running requests get to finish after SIGTERM (default 30)")
     worker.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to wait for the first Welcome (default 60)")
+    ep = p.add_argument_group("expert parallelism (an EP group of ranks sharing an MoE model's experts)")
+    ep.add_argument("--ep-size", type=int, default=1, help="ranks in this EP group (default 1: no group)")
+    ep.add_argument("--ep-rank", type=int,
+                    help="this rank in the group (default: $RANK, else $SLURM_PROCID %% ep-size)")
+    ep.add_argument("--dist-init", help="the group's rendezvous, tcp://HOST:PORT, the same on every member "
+                    "(default: tcp://$MASTER_ADDR:$MASTER_PORT)")
+    ep.add_argument("--ep-timeout", type=float, default=60.0,
+                    help="seconds a group collective waits for a member before giving up (default 60)")
     worker.add_argument("--benchmark-mode", action="store_true",
                         help="no model: each request yields token (prompt_len + i) %% 1000 per step, empty text, "
                         "up to max_tokens (for measuring coordinator overhead)")
@@ -534,19 +615,33 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
+    if args.ep_size < 1:
+        raise ValueError(f"--ep-size must be >= 1, got {args.ep_size}")
+    ep = None
+    if args.ep_size > 1:
+        ep = EpOptions.resolve(args.ep_size, args.ep_rank, args.dist_init, args.ep_timeout)
+    elif args.ep_rank not in (None, 0) or args.dist_init is not None:
+        raise ValueError("--ep-rank and --dist-init need --ep-size > 1")
+    group_id = args.group_id or (ep.default_group_id if ep is not None else f"dp{args.dp_rank}")
     return WorkerOptions(
         coordinator=args.coordinator, worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
-        dp_rank=args.dp_rank, group_id=args.group_id or f"dp{args.dp_rank}",
+        dp_rank=args.dp_rank, group_id=group_id,
         heartbeat_interval=args.heartbeat_interval, coordinator_timeout=args.coordinator_timeout,
-        drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout, benchmark_mode=args.benchmark_mode)
+        drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
+        benchmark_mode=args.benchmark_mode, ep=ep)
 
 
-def make_engine(config: EngineConfig, benchmark_mode: bool) -> EngineLike:
+def make_engine(config: EngineConfig, benchmark_mode: bool, ep: EpOptions | None = None) -> EngineLike:
+    """The engine; with `ep`, after joining the EP group's torch.distributed world (every member must)."""
     if benchmark_mode:
         return BenchmarkEngine(config)
-    from infer.worker.engine import Engine  # torch is imported only when a model runs
+    from infer.worker.engine import Engine, pick_device  # torch is imported only when a model runs
 
-    return Engine(config)
+    if ep is None:
+        return Engine(config)
+    from infer.worker.group_sync import init_group
+
+    return Engine(config, init_group(ep, pick_device(config.device)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -559,7 +654,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))   # exit 2
     try:
-        engine = make_engine(config, options.benchmark_mode)
+        engine = make_engine(config, options.benchmark_mode, options.ep)
     except ValueError as e:    # options the engine finds impossible (model path, KV budget, context length)
         log.error("fatal: %s", e)
         sys.exit(EXIT_USAGE)
@@ -567,7 +662,16 @@ def main(argv: list[str] | None = None) -> None:
         log.exception("fatal: the engine failed to start")
         sys.exit(EXIT_FATAL)
     ctx = zmq.Context()
-    worker = Worker(engine, options, ctx)
+    group = None
+    if options.ep is not None:
+        from infer.worker.group_sync import GroupSync
+
+        try:
+            group = GroupSync(options.ep, ctx)
+        except Exception:
+            log.exception("fatal: the EP group's wake channel could not be set up")
+            sys.exit(EXIT_FATAL)
+    worker = Worker(engine, options, ctx, group)
     worker.install_signal_handlers()
     code = worker.run()
     ctx.term()

@@ -57,7 +57,7 @@ class Engine:
         self.ep = ExpertParallel.single() if ep is None else ep  # this rank's share of an MoE model's experts
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = _pick_device(config.device)
+        self.device = pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
         self.model_path: Path = resolve_model(config.model)
         self.model_id = config.model_id
@@ -123,12 +123,20 @@ class Engine:
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            if self.ep.size > 1:  # the group steps together: this rank's MoE layers must join in
+                self.runner.execute_dummy()
             return outputs
         _stamp_queue_time(scheduled)
         sampled = self.runner.execute(scheduled.chunks)
         self.scheduler.update_after_step(scheduled)
         outputs.extend(self._postprocess(scheduled, sampled))
         return outputs
+
+    def dummy_step(self) -> list[RequestOutput]:
+        """The step of an EP-group rank with nothing to run (paused, or no requests): one forward of a
+        padding token so the group's collectives complete; returns the deltas ready without a step."""
+        self.runner.execute_dummy()
+        return self.take_pending()
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; its final delta comes with the next step()."""
@@ -324,7 +332,7 @@ def _logprobs_rows(sampled: SamplerOutput, sampling: list[ScheduledChunk]) -> li
     return rows
 
 
-def _pick_device(device: str) -> torch.device:
+def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from infer.worker.group_sync import GroupBroken
+
 # (rows [N, hidden], local expert ids [N] int64) -> each row through its expert [N, hidden], unweighted
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -46,24 +48,38 @@ class ExpertParallel:
     def run_experts(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     num_experts: int, experts: ExpertsFn) -> torch.Tensor:
         """hidden [T, H]; topk_ids [T, k] global expert ids; topk_weights [T, k] -> [T, H] in hidden's dtype:
-        sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]), as transformers' Mixtral
-        (each weighted expert output cast to hidden's dtype, then summed in that dtype).
+        sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]), with transformers' arithmetic:
+        each expert output times its weight in the promoted dtype of the two (float32 weights, as Mixtral's
+        router gives, weight in float32; weights already in hidden's dtype, as Qwen3-MoE's, in that dtype),
+        cast to hidden's dtype, then summed in hidden's dtype into zeros in ascending expert order per token
+        (transformers' loop over experts; the order matters for k > 2).
 
         `experts` runs rows through this rank's experts (local ids). With size > 1 this is a collective:
         every rank of the group must call it, T may be 0."""
         num_tokens, top_k = topk_ids.shape
+        topk_ids, order = topk_ids.to(torch.int64).sort(dim=1)
+        topk_weights = topk_weights.gather(1, order)
         token_of_pair = torch.arange(num_tokens, device=hidden.device).repeat_interleave(top_k)
-        pair_ids = topk_ids.reshape(-1).to(torch.int64)
+        pair_ids = topk_ids.reshape(-1)
         if self.size == 1:
             pair_out = experts(hidden.index_select(0, token_of_pair), pair_ids)
         else:
             pair_out = self._exchange(hidden, token_of_pair, pair_ids, num_experts, experts)
-        weighted = (pair_out * topk_weights.reshape(-1, 1).to(pair_out.dtype)).to(hidden.dtype)
+        weighted = (pair_out * topk_weights.reshape(-1, 1)).to(hidden.dtype)
         out = torch.zeros_like(hidden)
         return out.index_add_(0, token_of_pair, weighted)
 
     def _exchange(self, hidden: torch.Tensor, token_of_pair: torch.Tensor, pair_ids: torch.Tensor,
                   num_experts: int, experts: ExpertsFn) -> torch.Tensor:
+        try:
+            return self._all_to_all(hidden, token_of_pair, pair_ids, num_experts, experts)
+        except GroupBroken:
+            raise
+        except (RuntimeError, OSError) as e:  # gloo / NCCL failures: a member died, hung or left
+            raise GroupBroken(f"EP group exchange failed: {e}") from e
+
+    def _all_to_all(self, hidden: torch.Tensor, token_of_pair: torch.Tensor, pair_ids: torch.Tensor,
+                    num_experts: int, experts: ExpertsFn) -> torch.Tensor:
         import torch.distributed as dist
 
         per_rank = len(self.expert_range(num_experts))

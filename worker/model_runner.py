@@ -36,6 +36,26 @@ class ModelRunner:
         meta = SamplingMetadata.build(sampling, self.vocab_size, self.device)
         return self.sampler.sample(logits, meta)
 
+    @torch.inference_mode()
+    def execute_dummy(self) -> None:
+        """A forward of one padding token that belongs to no sequence (nothing is cached, nothing sampled):
+        what a rank of an EP group with no work runs so that its MoE layers join the group's collectives."""
+        self.model(dummy_forward_batch(self.block_size, self.device), self.kv_cache)
+
+
+def dummy_forward_batch(block_size: int, device: torch.device) -> ForwardBatch:
+    """One padding token (slot -1, never written) and no sequences."""
+    return ForwardBatch(
+        input_ids=torch.zeros(1, dtype=torch.int64, device=device),
+        positions=torch.zeros(1, dtype=torch.int64, device=device),
+        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros((0, 1), dtype=torch.int32, device=device),
+        seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
+        query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
+        logits_indices=torch.zeros(0, dtype=torch.int64, device=device),
+        num_decodes=0, query_lens=(), context_lens=(), block_size=block_size,
+    )
+
 
 def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device) -> ForwardBatch:
     """Flatten the step's chunks into the token-major tensors of ForwardBatch (see its docstring)."""

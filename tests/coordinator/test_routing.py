@@ -15,6 +15,7 @@ class Rank:
     dp_rank: int
     score: float = 0.0
     num_in_flight: int = 0
+    group_id: str = "one"
 
 
 def test_least_loaded_takes_the_lowest_score_then_fewest_in_flight_then_lowest_rank():
@@ -22,6 +23,17 @@ def test_least_loaded_takes_the_lowest_score_then_fewest_in_flight_then_lowest_r
     assert policy.choose("p", [Rank(0, 0.5), Rank(1, 0.2), Rank(2, 0.9)]).dp_rank == 1
     assert policy.choose("p", [Rank(0, 0.2, 3), Rank(1, 0.2, 1)]).dp_rank == 1
     assert policy.choose("p", [Rank(3, 0.2, 1), Rank(1, 0.2, 1)]).dp_rank == 1
+
+
+def test_least_loaded_weighs_an_ep_group_by_its_busiest_rank():
+    """Group a's idle rank is less loaded than any rank of b, but a steps at its busy rank's pace: b wins,
+    and within b the less loaded rank. Once b's busiest passes a's, a's idle rank is taken."""
+    policy = LeastLoaded()
+    ranks = [Rank(0, 0.6, group_id="a"), Rank(1, 0.0, group_id="a"), Rank(2, 0.3, group_id="b"),
+             Rank(3, 0.2, group_id="b")]
+    assert policy.choose("p", ranks).dp_rank == 3
+    ranks[2].score = 0.7
+    assert policy.choose("p", ranks).dp_rank == 1
 
 
 def test_round_robin_cycles_and_survives_membership_changes():

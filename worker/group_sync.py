@@ -1,0 +1,192 @@
+"""Lockstep for the ranks of an EP group: torch.distributed setup, the per-step agreement, and wake-ups.
+(torch is imported only when a group is joined: the worker daemon imports this module to parse its flags.)
+
+The MoE layers of an EP group exchange tokens with collectives, so every rank must run one forward per
+group step, a dummy one when it has nothing to do. Each rank still has its own requests, so the group
+agrees before every step:
+
+- **Rounds.** A round is one `agree()` call on every rank: a tiny all_reduce of (has work, leaving). If
+  anyone has work, every rank then runs one forward (its step, or a dummy) and the next round follows at
+  once. If nobody has work, the group goes idle: every rank blocks in its own zmq poll, costing nothing.
+- **Waking an idle group.** The rank that gets work first sends a wake naming the next round's number to
+  every peer (zmq PUSH -> each peer's PULL socket, which is in the peer's poller) and enters the round;
+  the woken peers enter it too. Stale wakes (an older round's) are dropped, so no rank ever enters a round
+  its peers will not.
+- **Leaving.** A rank that stops (told to, or drained) says so in the round; every rank then leaves with
+  it (the group's collectives cannot run with a member gone). A member that dies makes the next
+  collective fail at once (its connections close) or time out after `timeout_s`; the survivors then give
+  their requests back and exit instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import zmq
+
+if TYPE_CHECKING:
+    import torch
+
+    from infer.worker.expert_parallel import ExpertParallel
+
+log = logging.getLogger("infer.worker")
+
+_WAKE = struct.Struct("<q")   # the round number the sender is about to enter
+
+
+class GroupBroken(RuntimeError):
+    """A collective of the group failed or timed out: a member died, hung or left."""
+
+
+@dataclass(frozen=True)
+class EpOptions:
+    """Where this rank sits in its EP group, from flags or the launcher's environment."""
+
+    size: int
+    rank: int
+    dist_init: str        # tcp://HOST:PORT of the group's rendezvous (rank 0 listens there)
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.size < 2:
+            raise ValueError(f"an EP group has at least 2 ranks, got --ep-size {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"--ep-rank must be in [0, {self.size}), got {self.rank}")
+        parts = urlsplit(self.dist_init)
+        if parts.scheme != "tcp" or not parts.hostname or not parts.port:
+            raise ValueError(f"--dist-init must be tcp://HOST:PORT, got {self.dist_init!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--ep-timeout must be > 0, got {self.timeout_s}")
+
+    @classmethod
+    def resolve(cls, size: int, rank: int | None, dist_init: str | None, timeout_s: float,
+                env: dict[str, str] | None = None) -> EpOptions:
+        """Flags first; else torchrun's RANK / MASTER_ADDR / MASTER_PORT, else Slurm's SLURM_PROCID (rank
+        within the group = SLURM_PROCID % size; the launcher exports MASTER_ADDR / MASTER_PORT)."""
+        env = dict(os.environ) if env is None else env
+        if rank is None:
+            if "RANK" in env:
+                rank = _env_int(env, "RANK")
+            elif "SLURM_PROCID" in env:
+                rank = _env_int(env, "SLURM_PROCID") % size
+            else:
+                raise ValueError("--ep-size > 1 needs --ep-rank (or RANK / SLURM_PROCID in the environment)")
+        if dist_init is None:
+            if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+                raise ValueError("--ep-size > 1 needs --dist-init tcp://HOST:PORT (or MASTER_ADDR and "
+                                 "MASTER_PORT in the environment)")
+            dist_init = f"tcp://{env['MASTER_ADDR']}:{_env_int(env, 'MASTER_PORT')}"
+        return cls(size=size, rank=rank, dist_init=dist_init, timeout_s=timeout_s)
+
+    @property
+    def default_group_id(self) -> str:
+        """The same on every member: named after the rendezvous address."""
+        parts = urlsplit(self.dist_init)
+        return f"ep-{parts.hostname}:{parts.port}"
+
+
+def _env_int(env: dict[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {env[name]!r}") from None
+
+
+def init_group(options: EpOptions, device: torch.device) -> ExpertParallel:
+    """Join the group's torch.distributed world (blocks until every rank has joined, at most timeout_s)."""
+    import torch.distributed as dist
+
+    from infer.worker.expert_parallel import ExpertParallel
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=options.dist_init, rank=options.rank, world_size=options.size,
+                            timeout=datetime.timedelta(seconds=options.timeout_s))
+    log.info("EP group joined: rank %d of %d at %s (%s)", options.rank, options.size, options.dist_init, backend)
+    return ExpertParallel(rank=options.rank, size=options.size)
+
+
+class GroupSync:
+    """The per-step agreement and the wake channel of one rank (see the module doc)."""
+
+    def __init__(self, options: EpOptions, ctx: zmq.Context) -> None:
+        import torch.distributed as dist
+
+        self.options = options
+        self.round = 0            # rounds completed; the same number on every rank
+        self.active = False       # the last round had work: the next one follows without a wake
+        # the agreement runs on CPU tensors; with NCCL as the default backend it needs a gloo group of its own
+        self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.wake_socket = ctx.socket(zmq.PULL)
+        host = _local_address_towards(urlsplit(options.dist_init).hostname or "127.0.0.1")
+        port = self.wake_socket.bind_to_random_port(f"tcp://{host}")
+        addresses: list[str | None] = [None] * options.size
+        dist.all_gather_object(addresses, f"tcp://{host}:{port}", group=self._group)
+        self._peers = []
+        for rank, address in enumerate(addresses):
+            if rank != options.rank:
+                push = ctx.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 0)
+                push.setsockopt(zmq.SNDHWM, 16)
+                push.connect(address)
+                self._peers.append(push)
+
+    def woken(self) -> bool:
+        """Drain the wake socket; True when a peer is entering round `self.round` (older wakes are stale)."""
+        woken = False
+        while True:
+            try:
+                frame = self.wake_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return woken
+            if len(frame) == _WAKE.size and _WAKE.unpack(frame)[0] == self.round:
+                woken = True
+
+    def wake_peers(self) -> None:
+        frame = _WAKE.pack(self.round)
+        for push in self._peers:
+            try:
+                push.send(frame, zmq.NOBLOCK)
+            except zmq.Again:   # a peer's queue is full of wakes already: it will wake
+                pass
+
+    def agree(self, has_work: bool, leaving: bool) -> tuple[bool, bool]:
+        """One round: (does any rank have work, is any rank leaving). Raises GroupBroken when a member is
+        gone or silent past the timeout."""
+        import torch
+        import torch.distributed as dist
+
+        flags = torch.tensor([int(has_work), int(leaving)], dtype=torch.int64)
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError variants
+            raise GroupBroken(f"EP group collective failed in round {self.round}: {e}") from e
+        self.round += 1
+        any_work, any_leaving = bool(flags[0]), bool(flags[1])
+        self.active = any_work and not any_leaving
+        return any_work, any_leaving
+
+    def close(self) -> None:
+        for push in self._peers:
+            push.close(0)
+        self.wake_socket.close(0)
+
+
+def _local_address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (loopback for a loopback rendezvous). No packet is
+    sent: connecting a UDP socket only picks the route."""
+    try:
+        target = socket.gethostbyname(host)
+    except OSError as e:
+        raise ValueError(f"cannot resolve the --dist-init host {host!r}: {e}") from None
+    if target.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((target, 9))
+        return probe.getsockname()[0]
