@@ -33,7 +33,7 @@ class RankLoad(Protocol):
 
     @property
     def group_id(self) -> str:
-        """The rank's EP group (a DP-only rank is a group of one): a group steps at its busiest rank's pace."""
+        """Its EP group (a DP-only rank is a group of one): a group steps at its busiest rank's pace."""
         ...
 
 

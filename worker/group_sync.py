@@ -106,9 +106,11 @@ def init_group(options: EpOptions, device: torch.device) -> ExpertParallel:
     from infer.worker.expert_parallel import ExpertParallel
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=options.dist_init, rank=options.rank, world_size=options.size,
+    dist.init_process_group(backend, init_method=options.dist_init, rank=options.rank,
+                            world_size=options.size,
                             timeout=datetime.timedelta(seconds=options.timeout_s))
-    log.info("EP group joined: rank %d of %d at %s (%s)", options.rank, options.size, options.dist_init, backend)
+    log.info("EP group joined: rank %d of %d at %s (%s)", options.rank, options.size, options.dist_init,
+             backend)
     return ExpertParallel(rank=options.rank, size=options.size)
 
 
