@@ -346,6 +346,13 @@ def test_no_coordinator_exits_1_after_connect_timeout(spawn):
     (["--block-size", "0"], "block_size must be a positive integer"),
     (["--dtype", "int3"], "invalid choice"),
     (["--heartbeat-interval", "5", "--coordinator-timeout", "2"], "must exceed heartbeat_interval"),
+    (["--ep-size", "0"], "--ep-size must be >= 1"),
+    (["--ep-rank", "1"], "--ep-rank and --dist-init need --ep-size > 1"),
+    (["--ep-size", "2", "--ep-rank", "2", "--dist-init", "tcp://127.0.0.1:9"], "--ep-rank must be in [0, 2)"),
+    (["--ep-size", "2", "--ep-rank", "0", "--dist-init", "127.0.0.1:9"], "--dist-init must be tcp://HOST:PORT"),
+    (["--ep-size", "2", "--ep-rank", "0"], "needs --dist-init"),
+    (["--ep-size", "2", "--ep-rank", "0", "--dist-init", "tcp://127.0.0.1:9", "--benchmark-mode"],
+     "--benchmark-mode has no model, so no EP group"),
 ])
 def test_bad_options_exit_2_with_the_message(spawn, args, message):
     worker = spawn("tcp://127.0.0.1:9", *args)
