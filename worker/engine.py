@@ -174,6 +174,10 @@ class Engine:
             if not prompt:
                 raise ValueError("prompt is empty")
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:  # the model directory's tokenizer knows more tokens than the model
+                raise ValueError(f"the tokenizer turned the prompt into token id {bad}, outside the model's "
+                                 f"vocabulary [0, {self.vocab_size}): the tokenizer does not match the model")
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)

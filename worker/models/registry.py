@@ -8,15 +8,19 @@ import torch
 
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.llama import LlamaForCausalLM
+from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 
 class CausalLM(Protocol):
     """What the model runner relies on.
 
     Construction: `cls(config, dtype)` under a `torch.device` scope (MoE classes, which set
-    `supports_expert_parallel = True`, take `cls(config, dtype, ep=ExpertParallel)`); parameters are empty until the loader
-    fills them (module names follow transformers', except those in `packed_modules_mapping`, which maps a
-    checkpoint module name to (our fused module, shard)).
+    `supports_expert_parallel = True`, take `cls(config, dtype, ep=ExpertParallel)` and hold only
+    `ep.expert_range(num_experts)`); parameters are empty until the loader fills them. Names follow
+    transformers' modules, except where class attributes say otherwise (see `infer.worker.loader`):
+    `packed_modules_mapping` maps a checkpoint module name to (our fused module, shard); MoE classes add
+    `expert_modules_mapping` (per-expert checkpoint module -> (fused expert parameter, projection)) and
+    optionally `checkpoint_module_renames` (checkpoint module name -> ours).
     `forward` reads batch.input_ids / positions, writes each layer's new K, V into kv_cache at
     batch.slot_mapping and returns hidden states [T, hidden]; `compute_logits` takes rows of them
     (hidden[batch.logits_indices]) to float32 logits [N, vocab]. KV cache tensors have the model's dtype and
@@ -43,6 +47,8 @@ MODEL_TYPES: dict[str, type] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 ARCHITECTURES: dict[str, type] = {
@@ -50,6 +56,8 @@ ARCHITECTURES: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
