@@ -169,6 +169,36 @@ def start_model_cluster(cluster: Cluster, model: Path, workers: int = 2, coordin
     return cluster
 
 
+def start_ep_groups(cluster: Cluster, model: Path, groups: int,
+                    coordinator_flags: tuple[str, ...] = ()) -> list[list[Proc]]:
+    """A coordinator and `groups` EP groups of 2 ranks on `model` (an MoE model), ready. Group g holds dp
+    ranks 2g and 2g + 1; returns each group's [rank 0, rank 1] processes."""
+    cluster.coordinator(*coordinator_flags)
+    members = []
+    for g in range(groups):
+        dist_init = f"tcp://127.0.0.1:{free_port()}"
+        members.append([cluster.worker(2 * g + r, *ENGINE_FLAGS, "--ep-size", "2", "--ep-rank", str(r),
+                                       "--dist-init", dist_init, "--ep-timeout", "20", model=model)
+                        for r in range(2)])
+    try:
+        with SyncInferenceClient(cluster.address, connect_timeout=30) as client:
+            client.wait_for_workers(2 * groups, timeout=120)
+    except BaseException:
+        print(cluster.dump())
+        raise
+    return members
+
+
+@pytest.fixture
+def ep_groups(cluster_factory) -> Callable[..., tuple[Cluster, list[list[Proc]]]]:
+    """Factory: (cluster, members) of `groups` ready EP groups of 2 ranks on an MoE model (see
+    start_ep_groups), torn down after the test."""
+    def make(model: Path, groups: int, coordinator_flags: tuple[str, ...] = ()):
+        cluster = cluster_factory()
+        return cluster, start_ep_groups(cluster, model, groups, coordinator_flags)
+    return make
+
+
 @pytest.fixture
 def model_cluster(cluster_factory, tiny_llama) -> Callable[..., Cluster]:
     """Factory: a started, ready cluster of `workers` workers on the tiny Llama (torn down after the test)."""
