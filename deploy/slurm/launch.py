@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""The launcher behind deploy/slurm/infer.sbatch: one infer cluster over the nodes of a Slurm job.
+
+`launch.py head [options] [-- worker options]` is the batch step, on the job's first node. It starts
+infer-coordinator there, then the workers as one `srun` step over every node of the job (each task runs
+`launch.py worker`), waits until every worker has joined, starts the OpenAI-compatible HTTP front, prints
+its address, and serves until the job ends (infer-serve's loop: LocalCluster, with srun as the workers).
+On `scancel` or the time limit Slurm sends SIGTERM to every process of the job at once, and everything
+drains for at most --drain-timeout: the coordinator refuses new requests and lets accepted ones finish, then
+runs STOP (what is still running ends with an error message); the workers finish theirs; the front refuses
+new connections and lets open ones finish. Then the head SIGKILLs whatever still runs after
+--shutdown-timeout (keep both under Slurm's KillWait), so nothing outlives the job.
+
+`launch.py worker [options] [-- worker options]` is one srun task. From Slurm's environment (SLURM_PROCID,
+the step's node list and tasks per node) it derives the coordinator's address (--coordinator-port on the
+job's first node), its DP rank (the task's global index i) and, with --ep-size E > 1, its EP group
+g = i // E, its rank in the group i % E, the group id `ep<g>` and the group's torch.distributed rendezvous
+tcp://<node of the group's rank 0>:<--dist-port + g>; then it execs infer-worker.
+
+Options that are not the launcher's own (engine options such as --dtype or --threads, worker options such as
+--coordinator-timeout) go to every worker unchanged, as do the arguments after `--`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from infer.client.api.server import add_front_arguments, front_config
+from infer.client.serve import LocalCluster, serve
+
+DEFAULT_COORDINATOR_PORT = 5555
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_DIST_PORT = 29500
+
+log = logging.getLogger("infer.slurm")
+
+
+# ---- where each worker goes (pure) ------------------------------------------------------------------
+
+def expand_counts(spec: str) -> list[int]:
+    """Slurm's compressed per-node counts ("2(x3),1", as in SLURM_STEP_TASKS_PER_NODE) -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            raise ValueError(f"cannot read the per-node count list {spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def node_of(index: int, nodes: list[str], tasks_per_node: list[int]) -> str:
+    """The node that runs global task `index` when tasks fill the nodes in order (srun --distribution=block)."""
+    if len(tasks_per_node) != len(nodes):
+        raise ValueError(f"{len(nodes)} nodes but {len(tasks_per_node)} per-node task counts")
+    first = 0
+    for node, count in zip(nodes, tasks_per_node):
+        if index < first + count:
+            return node
+        first += count
+    raise ValueError(f"task {index} is beyond the {first} tasks of the step")
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker of the job: its global index (= DP rank) and, when ep_size > 1, its EP group."""
+
+    index: int
+    ep_size: int = 1
+    group_master: str | None = None   # the node of the group's rank 0 (ep_size > 1)
+    dist_port: int = DEFAULT_DIST_PORT
+
+    def __post_init__(self) -> None:
+        if self.index < 0 or self.ep_size < 1:
+            raise ValueError(f"bad worker index {self.index} or EP size {self.ep_size}")
+        if self.ep_size > 1 and self.group_master is None:
+            raise ValueError("an EP group needs the node of its rank 0")
+
+    @property
+    def group(self) -> int:
+        return self.index // self.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.index % self.ep_size
+
+    def flags(self) -> list[str]:
+        """infer-worker's rank flags; the EP ones only for a real group (ep_size > 1)."""
+        out = ["--dp-rank", str(self.index)]
+        if self.ep_size > 1:
+            out += ["--ep-size", str(self.ep_size), "--ep-rank", str(self.ep_rank), "--group-id", f"ep{self.group}",
+                    "--dist-init", f"tcp://{self.group_master}:{self.dist_port + self.group}"]
+        return out
+
+
+def plan_worker(index: int, nodes: list[str], tasks_per_node: list[int], ep_size: int,
+                dist_port: int = DEFAULT_DIST_PORT) -> WorkerPlan:
+    total = sum(tasks_per_node)
+    if total % ep_size:
+        raise ValueError(f"{total} workers do not split into EP groups of {ep_size}")
+    master = node_of(index // ep_size * ep_size, nodes, tasks_per_node) if ep_size > 1 else None
+    return WorkerPlan(index, ep_size, master, dist_port)
+
+
+# ---- Slurm's environment (read here only) ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SlurmEnv:
+    job_id: str
+    job_nodelist: str
+    node_name: str | None           # SLURMD_NODENAME: the node this process runs on
+    ntasks_per_node: int | None     # sbatch --ntasks-per-node
+    procid: int | None              # the srun task's global index
+    step_nodelist: str | None
+    step_tasks_per_node: str | None
+
+    @classmethod
+    def from_environ(cls, env: dict[str, str] | os._Environ = os.environ) -> SlurmEnv:
+        if "SLURM_JOB_ID" not in env or "SLURM_JOB_NODELIST" not in env:
+            raise ValueError("not inside a Slurm job (SLURM_JOB_ID / SLURM_JOB_NODELIST unset): submit "
+                             "deploy/slurm/infer.sbatch with sbatch")
+
+        def integer(name: str) -> int | None:
+            return int(env[name]) if env.get(name, "").isdigit() else None
+
+        return cls(job_id=env["SLURM_JOB_ID"], job_nodelist=env["SLURM_JOB_NODELIST"],
+                   node_name=env.get("SLURMD_NODENAME"), ntasks_per_node=integer("SLURM_NTASKS_PER_NODE"),
+                   procid=integer("SLURM_PROCID"), step_nodelist=env.get("SLURM_STEP_NODELIST"),
+                   step_tasks_per_node=env.get("SLURM_STEP_TASKS_PER_NODE"))
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """`scontrol show hostnames`: Slurm's own expansion of a node list such as n[1-3,7]."""
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    if not out:
+        raise ValueError(f"the node list {nodelist!r} names no node")
+    return out
+
+
+def reachable_address(node: str, nodes: list[str]) -> str:
+    """The address to bind on `node` so the other nodes reach it: what `node` resolves to here, or every
+    interface (0.0.0.0) when that is a loopback address (Debian maps the own hostname to 127.0.1.1)."""
+    address = socket.gethostbyname(node)
+    if ipaddress.ip_address(address).is_loopback and len(nodes) > 1:
+        log.warning("%s resolves to %s here: binding 0.0.0.0 instead (pass --coordinator-host / --host to "
+                    "choose an interface)", node, address)
+        return "0.0.0.0"
+    return address
+
+
+# ---- worker: one srun task ---------------------------------------------------------------------------
+
+def worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch.py worker", allow_abbrev=False,
+                                description="One srun task: work out this worker's place, exec infer-worker.")
+    p.add_argument("--coordinator-port", type=int, default=DEFAULT_COORDINATOR_PORT)
+    p.add_argument("--coordinator-host", help="the coordinator's address (default: the job's first node)")
+    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--dist-port", type=int, default=DEFAULT_DIST_PORT,
+                   help="EP group g rendezvouses on this port + g on the node of its rank 0")
+    return p
+
+
+def worker_argv(args: argparse.Namespace, extra: list[str], index: int, step_nodes: list[str],
+                tasks_per_node: list[int], first_node: str) -> list[str]:
+    """The infer-worker command line of srun task `index` (the job's first node runs the coordinator)."""
+    host = args.coordinator_host or first_node
+    plan = plan_worker(index, step_nodes, tasks_per_node, args.ep_size, args.dist_port)
+    return [sys.executable, "-m", "infer.worker.daemon", "--coordinator", f"tcp://{host}:{args.coordinator_port}",
+            *plan.flags(), *extra]
+
+
+def run_worker(argv: list[str]) -> int:
+    own, extra = split_extra(argv)
+    args, unknown = worker_parser().parse_known_args(own)
+    try:
+        env = SlurmEnv.from_environ()
+        if env.procid is None or env.step_tasks_per_node is None:
+            raise ValueError("not an srun task (SLURM_PROCID / SLURM_STEP_TASKS_PER_NODE unset)")
+        command = worker_argv(args, unknown + extra, env.procid, hostnames(env.step_nodelist or env.job_nodelist),
+                              expand_counts(env.step_tasks_per_node), hostnames(env.job_nodelist)[0])
+    except (ValueError, OSError, subprocess.SubprocessError) as e:
+        print(f"launch.py worker: {e}", file=sys.stderr)
+        return 2
+    os.execv(command[0], command)   # the worker takes this task's place: srun's signals reach it directly
+
+
+# ---- head: the batch step ----------------------------------------------------------------------------
+
+def head_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infer.sbatch", allow_abbrev=False,
+                                description="An infer cluster over the nodes of this Slurm job.",
+                                epilog="Other options, and the arguments after `--`, go to every worker unchanged.")
+    p.add_argument("--model", help="safetensors dir or .gguf file on a shared path (default: the embedded model)")
+    p.add_argument("--workers-per-node", type=int,
+                   help="workers (DP ranks) per node (default: sbatch's --ntasks-per-node, else 1)")
+    p.add_argument("--ep-size", type=int, default=1, help="ranks per EP group (default 1: dense, no groups)")
+    p.add_argument("--dist-port", type=int, default=DEFAULT_DIST_PORT,
+                   help="EP group g's torch.distributed rendezvous port is this + g (default %(default)s)")
+    p.add_argument("--coordinator-host", help="the coordinator's bind address (default: the first node's address)")
+    p.add_argument("--coordinator-port", type=int, default=DEFAULT_COORDINATOR_PORT,
+                   help="the coordinator's port (default %(default)s)")
+    add_front_arguments(p)   # --host (default: the first node's address), --port, --api-key, ...
+    p.set_defaults(host=None, port=DEFAULT_HTTP_PORT)
+    coord = p.add_argument_group("coordinator options")
+    coord.add_argument("--policy", choices=("least-loaded", "round-robin", "prefix-affinity"))
+    for flag in ("--heartbeat-interval", "--worker-timeout", "--client-timeout", "--queue-timeout", "--stop-timeout"):
+        coord.add_argument(flag, type=float)
+    coord.add_argument("--max-retries", type=int)
+    p.add_argument("--drain-timeout", type=float, default=15.0, metavar="S",
+                   help="on scancel, seconds requests already accepted get to finish: the coordinator refuses new "
+                        "ones and waits for them, the workers and the HTTP front drain too (default %(default)s; "
+                        "keep S + --shutdown-timeout under Slurm's KillWait)")
+    p.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds for every worker to join (default %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=20.0,
+                   help="seconds the daemons get after SIGTERM before SIGKILL (default %(default)s; keep it "
+                        "below Slurm's KillWait)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+_COORDINATOR_FLAGS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "queue_timeout",
+                      "stop_timeout", "max_retries", "drain_timeout", "log_level")
+_WORKER_FLAGS = ("model", "heartbeat_interval", "drain_timeout", "log_level")
+
+
+def flags_of(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return [part for name in names if getattr(args, name) is not None
+            for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """What the head starts: the coordinator's bind address, the front's, and the workers' srun command."""
+
+    nodes: list[str]
+    workers_per_node: int
+    ep_size: int
+    coordinator_host: str
+    coordinator_port: int
+    http_host: str
+    srun: list[str] = field(default_factory=list)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.nodes) * self.workers_per_node
+
+
+def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str], env: SlurmEnv) -> HeadPlan:
+    """Validate the options against the job's `nodes` and build the plan; ValueError naming what is wrong."""
+    if env.node_name is not None and env.node_name != nodes[0]:
+        raise ValueError(f"the head must run on the job's first node {nodes[0]}, not {env.node_name} "
+                         f"(submit infer.sbatch with sbatch)")
+    per_node = args.workers_per_node or env.ntasks_per_node or 1
+    total = len(nodes) * per_node
+    if per_node < 1:
+        raise ValueError(f"--workers-per-node must be >= 1, got {per_node}")
+    if args.ep_size < 1 or total % args.ep_size:
+        raise ValueError(f"{len(nodes)} nodes x {per_node} workers do not split into EP groups of {args.ep_size}")
+    for name in ("coordinator_port", "port", "dist_port"):
+        if not 0 < getattr(args, name) < 65536:
+            raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535 (the other nodes must know it)")
+    explicit_host = args.coordinator_host not in (None, "0.0.0.0", "::")
+    coordinator_host = args.coordinator_host or reachable_address(nodes[0], nodes)
+    worker = [sys.executable, os.path.abspath(__file__), "worker", "--coordinator-port", str(args.coordinator_port),
+              "--ep-size", str(args.ep_size), "--dist-port", str(args.dist_port),
+              *(["--coordinator-host", coordinator_host] if explicit_host else []),
+              "--", *flags_of(args, _WORKER_FLAGS), *worker_extra]
+    srun = ["srun", f"--nodes={len(nodes)}", f"--ntasks={total}", f"--ntasks-per-node={per_node}",
+            "--distribution=block", "--overcommit", "--kill-on-bad-exit=0", "--label", "--job-name=infer-workers",
+            *worker]
+    return HeadPlan(nodes, per_node, args.ep_size, coordinator_host, args.coordinator_port,
+                    args.host or coordinator_host, srun)
+
+
+@dataclass
+class SrunCluster(LocalCluster):
+    """infer-serve's LocalCluster with the workers as one srun step over the job's nodes: the coordinator
+    is a child of this process, srun the only 'worker' process (it exits when every task has)."""
+
+    srun: list[str] = field(default_factory=list)
+
+    async def start(self) -> None:
+        self.coordinator = await self._spawn("infer.coordinator.daemon", "--host", self.host, "--port",
+                                             str(self.port), *self.coordinator_args)
+        self.workers.append(await asyncio.create_subprocess_exec(*self.srun, start_new_session=True))
+
+    def _name(self, proc: asyncio.subprocess.Process) -> str:
+        return "the coordinator" if proc is self.coordinator else f"the workers' srun step (pid {proc.pid})"
+
+
+def run_head(argv: list[str]) -> int:
+    own, extra = split_extra(argv)
+    args, unknown = head_parser().parse_known_args(own)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        env = SlurmEnv.from_environ()
+        plan = plan_head(args, unknown + extra, hostnames(env.job_nodelist), env)
+        front_config(args, None)
+    except (ValueError, OSError, subprocess.SubprocessError) as e:
+        print(f"infer.sbatch: {e}", file=sys.stderr)
+        return 2
+    args.host = plan.http_host
+    print(f"infer.sbatch: job {env.job_id}: coordinator tcp://{plan.coordinator_host}:{plan.coordinator_port} on "
+          f"{plan.nodes[0]}; {plan.num_workers} workers ({plan.workers_per_node} per node on {','.join(plan.nodes)}, "
+          f"EP size {plan.ep_size}); HTTP front on {plan.http_host}:{args.port} once every worker has joined",
+          flush=True)
+    cluster = SrunCluster(num_workers=plan.num_workers, host=plan.coordinator_host, port=plan.coordinator_port,
+                          coordinator_args=flags_of(args, _COORDINATOR_FLAGS), srun=plan.srun)
+    return asyncio.run(serve(cluster, args))
+
+
+def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the arguments before `--`, the ones after it)."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("head", "worker"):
+        print("usage: launch.py head|worker [options] [-- worker options]", file=sys.stderr)
+        return 2
+    return run_head(argv[1:]) if argv[0] == "head" else run_worker(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""deploy/slurm/launch.py without a cluster: where each worker goes (DP rank, EP group, rendezvous), what
+the head passes to srun and the workers, and the systemd examples' command lines against the daemons' parsers."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from infer.coordinator.daemon import build_parser as coordinator_parser
+from infer.worker.daemon import build_parser as worker_daemon_parser
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_launcher():
+    """deploy/slurm/launch.py is a script, not part of the package: load it from its path."""
+    spec = importlib.util.spec_from_file_location("infer_slurm_launch", REPO / "deploy" / "slurm" / "launch.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+launch = _load_launcher()
+
+
+@pytest.mark.parametrize("spec, counts", [("1", [1]), ("2(x3)", [2, 2, 2]), ("2(x3),1", [2, 2, 2, 1]),
+                                          ("4,1(x2)", [4, 1, 1])])
+def test_slurm_count_lists_expand(spec, counts):
+    assert launch.expand_counts(spec) == counts
+
+
+@pytest.mark.parametrize("spec", ["", "2(3)", "x", "2(x)"])
+def test_a_bad_count_list_is_refused(spec):
+    with pytest.raises(ValueError, match="per-node count list"):
+        launch.expand_counts(spec)
+
+
+def _plans(nodes, per_node, ep_size, dist_port=29500):
+    return [launch.plan_worker(i, nodes, per_node, ep_size, dist_port) for i in range(sum(per_node))]
+
+
+def test_dense_workers_get_their_dp_rank_and_no_ep_flags():
+    plans = _plans(["n1", "n2"], [1, 1], ep_size=1)
+    assert [p.flags() for p in plans] == [["--dp-rank", "0"], ["--dp-rank", "1"]]
+
+
+def test_ep_groups_of_two_on_two_nodes_of_two_rendezvous_on_their_own_node():
+    plans = _plans(["n1", "n2"], [2, 2], ep_size=2, dist_port=7000)
+    assert [(p.group, p.ep_rank, p.group_master) for p in plans] == [(0, 0, "n1"), (0, 1, "n1"),
+                                                                      (1, 0, "n2"), (1, 1, "n2")]
+    assert plans[3].flags() == ["--dp-rank", "3", "--ep-size", "2", "--ep-rank", "1", "--group-id", "ep1",
+                                "--dist-init", "tcp://n2:7001"]
+
+
+def test_a_group_spanning_nodes_rendezvouses_on_its_rank_0s_node():
+    # 3 + 1 tasks: group 1 = tasks 2 (on n1) and 3 (on n2); both meet on n1, port base + 1
+    plans = _plans(["n1", "n2"], [3, 1], ep_size=2)
+    assert [(p.index, p.group, p.ep_rank, p.group_master) for p in plans[2:]] == [(2, 1, 0, "n1"), (3, 1, 1, "n1")]
+    assert plans[3].flags()[-1] == "tcp://n1:29501"
+    everyone = _plans(["a", "b", "c"], [2, 2, 2], ep_size=6)
+    assert {p.flags()[-1] for p in everyone} == {"tcp://a:29500"} and [p.ep_rank for p in everyone] == list(range(6))
+
+
+def test_workers_that_do_not_fill_whole_groups_are_refused():
+    with pytest.raises(ValueError, match="EP groups of 2"):
+        launch.plan_worker(0, ["n1", "n2", "n3"], [1, 1, 1], ep_size=2)
+    with pytest.raises(ValueError, match="beyond"):
+        launch.node_of(4, ["n1", "n2"], [2, 2])
+
+
+def _env(**overrides) -> object:
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "localhost,n2", "SLURMD_NODENAME": "localhost"}
+    return launch.SlurmEnv.from_environ({**env, **overrides})
+
+
+def _head(argv: list[str], nodes=("localhost", "n2"), **env):
+    own, extra = launch.split_extra(argv)
+    args, unknown = launch.head_parser().parse_known_args(own)
+    return args, launch.plan_head(args, unknown + extra, list(nodes), _env(**env))
+
+
+def _worker_command(plan, index: int, nodes: list[str]) -> list[str]:
+    """What srun task `index` would exec, parsing the head's srun command the way the task does."""
+    worker = plan.srun[plan.srun.index("worker") + 1:]
+    own, extra = launch.split_extra(worker)
+    args, unknown = launch.worker_parser().parse_known_args(own)
+    return launch.worker_argv(args, unknown + extra, index, nodes, [plan.workers_per_node] * len(nodes), nodes[0])
+
+
+def test_the_head_runs_one_srun_step_and_passes_unknown_options_to_every_worker():
+    _, plan = _head(["--ep-size", "2", "--workers-per-node", "2", "--model", "/m", "--dtype", "float32",
+                        "--worker-timeout", "3", "--port", "8123", "--", "--drain-timeout", "5"])
+    assert plan.num_workers == 4 and plan.coordinator_port == 5555
+    assert plan.coordinator_host == "0.0.0.0" == plan.http_host   # localhost is loopback: bind every interface
+    assert plan.srun[:5] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--distribution=block"]
+    command = _worker_command(plan, 2, ["localhost", "n2"])
+    assert command[1:5] == ["-m", "infer.worker.daemon", "--coordinator", "tcp://localhost:5555"]
+    daemon = worker_daemon_parser().parse_args(command[3:])   # infer-worker accepts all of it
+    assert (daemon.model, daemon.dtype, daemon.drain_timeout) == ("/m", "float32", 5.0)
+    assert (daemon.dp_rank, daemon.ep_size, daemon.ep_rank, daemon.group_id, daemon.dist_init) == (
+        2, 2, 0, "ep1", "tcp://n2:29501")
+    assert "--worker-timeout" not in command                  # a coordinator option stays with the coordinator
+
+
+def test_an_explicit_coordinator_address_reaches_the_workers():
+    _, plan = _head(["--coordinator-host", "10.1.2.3", "--host", "0.0.0.0"])
+    assert (plan.coordinator_host, plan.http_host, plan.workers_per_node) == ("10.1.2.3", "0.0.0.0", 1)
+    assert _worker_command(plan, 1, ["localhost", "n2"])[4] == "tcp://10.1.2.3:5555"
+
+
+def test_the_workers_per_node_default_is_sbatchs_ntasks_per_node():
+    assert _head([], SLURM_NTASKS_PER_NODE="3")[1].num_workers == 6
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--ep-size", "4"], {}, "EP groups of 4"),
+    (["--coordinator-port", "0"], {}, "--coordinator-port must be"),
+    ([], {"SLURMD_NODENAME": "n2"}, "first node localhost"),
+])
+def test_the_head_refuses_a_plan_that_cannot_work(argv, env, message):
+    with pytest.raises(ValueError, match=message):
+        _head(argv, **env)
+
+
+def test_outside_a_slurm_job_the_launcher_says_so():
+    with pytest.raises(ValueError, match="not inside a Slurm job"):
+        launch.SlurmEnv.from_environ({})
+    assert launch.main(["nonsense"]) == 2
+
+
+def _exec_start(unit: Path) -> list[str]:
+    line = next(ln for ln in unit.read_text().splitlines() if ln.startswith("ExecStart="))
+    return shlex.split(line.removeprefix("ExecStart=").replace("%i", "0").replace("%H", "host"))
+
+
+@pytest.mark.parametrize("unit, parser", [("infer-coordinator.service", coordinator_parser),
+                                          ("infer-worker@.service", worker_daemon_parser)])
+def test_the_systemd_examples_run_commands_the_daemons_accept(unit, parser: argparse.ArgumentParser):
+    argv = _exec_start(REPO / "deploy" / "local" / "systemd" / unit)
+    assert Path(argv[0]).name == unit.split("@")[0].split(".")[0]
+    parser().parse_args(argv[1:])
