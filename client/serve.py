@@ -193,7 +193,8 @@ async def serve(cluster: LocalCluster, args: argparse.Namespace) -> int:
         stats = await cluster.wait_ready(args.ready_timeout)
         async with InferenceClient(cluster.address) as client:
             front = HttpFront(client, load_front_tokenizer(args.model, client.model_id),
-                              front_config(args, client.model_id), args.host, args.port)
+                              front_config(args, client.model_id), args.host, args.port,
+                              graceful_timeout=getattr(args, "drain_timeout", None) or 5.0)
             front.bind()
             print(f"infer-serve: ready: {stats.num_healthy_workers} worker(s) serving {stats.model_id!r}; "
                   f"HTTP at {front.url}; clients connect to {cluster.address}", flush=True)
@@ -215,7 +216,7 @@ async def _serve_until_stopped(cluster: LocalCluster, front: HttpFront, stop: as
     front.shutdown()
     for task in tasks[:2]:
         task.cancel()
-    await asyncio.wait([serving], timeout=10)
+    await asyncio.wait([serving], timeout=front.graceful_timeout + 5)
     if serving.done() and not serving.cancelled() and serving.exception() is not None:
         raise serving.exception()
 

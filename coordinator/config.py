@@ -19,6 +19,8 @@ class CoordinatorConfig:
     max_retries: how many times one request may be re-dispatched after worker failures before it fails.
     queue_timeout: how long a request may wait for a healthy worker (while running) before it fails.
     stop_timeout: how long STOP waits for workers to acknowledge before the coordinator exits anyway.
+    drain_timeout: on SIGTERM / SIGINT, how long requests already accepted get to finish (new ones are
+        refused as "unavailable") before STOP; 0 runs STOP at once. A second signal runs STOP at once.
     model_id: the model every worker must serve; None takes the first worker's.
     """
 
@@ -31,6 +33,7 @@ class CoordinatorConfig:
     max_retries: int = 3
     queue_timeout: float = 120.0
     stop_timeout: float = 5.0
+    drain_timeout: float = 0.0
     model_id: str | None = None
     coordinator_id: str = "coordinator"
 
@@ -43,6 +46,8 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.drain_timeout, (int, float)) or not self.drain_timeout >= 0:
+            raise ValueError(f"drain_timeout must be a number of seconds >= 0, got {self.drain_timeout!r}")
         if self.worker_timeout <= self.heartbeat_interval or self.client_timeout <= self.heartbeat_interval:
             raise ValueError(f"worker_timeout ({self.worker_timeout}) and client_timeout ({self.client_timeout}) "
                              f"must exceed heartbeat_interval ({self.heartbeat_interval})")

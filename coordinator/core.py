@@ -73,6 +73,7 @@ class Coordinator:
         self._next_tick = now
         self._stop_pending: set[str] | None = None     # workers yet to acknowledge STOP
         self._stop_deadline = math.inf
+        self._drain: tuple[str, float] | None = None     # (why, deadline) of a drain before STOP
         self._rejected_logged = 0
         self._handlers: dict[type[Message], Callable[[bytes, Message, float], None]] = {
             Hello: self._on_hello, Submit: self._on_submit, Abort: self._on_abort, Control: self._on_control,
@@ -101,6 +102,7 @@ class Coordinator:
         except Exception as e:   # a bug must cost one message, never the loop
             log.exception("internal error handling %r from %s", msg.TYPE, identity.hex())
             self._send(identity, Error(message=f"internal error handling {msg.TYPE!r}: {type(e).__name__}: {e}"))
+        self._check_drain(now)   # the last request of a drain may just have finished
 
     def tick(self, now: float) -> None:
         """Timers: heartbeats to workers, worker / client / queue timeouts, stats waiters, STOP deadline."""
@@ -112,6 +114,7 @@ class Coordinator:
         self._check_held(now)
         self._answer_stats_waiters(now)
         self._log_rejections()
+        self._check_drain(now)
 
     def peer_gone(self, identity: bytes, now: float) -> None:
         """A send to `identity` was unroutable: its connection is gone (the process died or closed)."""
@@ -128,8 +131,25 @@ class Coordinator:
         if self.state is not ClusterState.STOPPED:
             self._apply_command("stop", reason, now)
 
+    def on_signal(self, reason: str, now: float) -> None:
+        """SIGTERM / SIGINT: drain for at most config.drain_timeout (new requests refused, accepted ones run
+        on), then STOP; STOP at once without a drain timeout, or on a second signal."""
+        if self._drain is not None or self.config.drain_timeout <= 0:
+            return self.shutdown(reason, now)
+        self._drain = (reason, now + self.config.drain_timeout)
+        log.info("%s: draining %d request(s) for at most %g s (new requests are refused), then STOP", reason,
+                 len(self.requests.by_id), self.config.drain_timeout)
+        self._check_drain(now)
+
+    def _check_drain(self, now: float) -> None:
+        if self._drain is not None and self.state is not ClusterState.STOPPED:
+            reason, deadline = self._drain
+            if not self.requests.by_id or now >= deadline:
+                self.shutdown(f"{reason} (drained)" if not self.requests.by_id else f"{reason} (drain timeout)", now)
+
     def next_deadline(self) -> float:
-        return min(self._next_tick, self._stop_deadline)
+        drain_deadline = self._drain[1] if self._drain is not None else math.inf
+        return min(self._next_tick, self._stop_deadline, drain_deadline)
 
     def done(self, now: float) -> bool:
         """STOP ran and every worker acknowledged it, or the stop timeout passed: the daemon may exit."""
@@ -251,9 +271,10 @@ class Coordinator:
         if client is None:
             return
         rid = submit.request_id
-        if self.state is ClusterState.STOPPED:
-            self._send(identity, Error(message=f"request {rid!r} not accepted: the cluster is stopping", request_id=rid,
-                                         code="unavailable"))
+        if self.state is ClusterState.STOPPED or self._drain is not None:
+            self._send(identity, Error(message=f"request {rid!r} not accepted: the cluster is "
+                                               f"{'stopping' if self._drain is None else 'draining to stop'}",
+                                       request_id=rid, code="unavailable"))
             return
         if rid in self.requests.by_id:
             self._send(identity, Error(message=f"request id {rid!r} is already in flight", request_id=rid,

@@ -3,7 +3,8 @@
 The loop: wait on the socket (and on a signal wakeup fd) until the next timer deadline, drain what
 arrived (bounded per cycle), run the timers, send what the core queued. A send that finds its peer
 unroutable (ROUTER_MANDATORY: the connection is gone) is reported back to the core, which treats the
-peer as dead. SIGTERM / SIGINT run STOP: pending requests fail, workers are told to stop, exit 0.
+peer as dead. SIGTERM / SIGINT run STOP (after a drain of at most --drain-timeout, when given): pending
+requests fail, workers are told to stop, exit 0.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class CoordinatorDaemon:
             data = self._wake_r.recv(64)
         except BlockingIOError:
             return
-        self.core.shutdown(f"signal {', '.join(sorted({_signal_name(b) for b in data}))}", time.monotonic())
+        self.core.on_signal(f"signal {', '.join(sorted({_signal_name(b) for b in data}))}", time.monotonic())
 
     def _close(self) -> None:
         self.sock.setsockopt(zmq.LINGER, EXIT_LINGER_MS)   # let the last acks and errors leave
@@ -156,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail a request that waited S seconds for a healthy worker")
     p.add_argument("--stop-timeout", type=float, default=d.stop_timeout, metavar="S",
                    help="on STOP, wait at most S seconds for workers to acknowledge")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout, metavar="S",
+                   help="on SIGTERM / SIGINT, let accepted requests finish for up to S seconds (new ones are "
+                   "refused) before STOP (default 0: STOP at once; a second signal: STOP at once)")
     p.add_argument("--coordinator-id", default=d.coordinator_id)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -166,7 +170,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         host=args.host, port=args.port, policy=args.policy, model_id=args.model_id,
         heartbeat_interval=args.heartbeat_interval, worker_timeout=args.worker_timeout,
         client_timeout=args.client_timeout, max_retries=args.max_retries, queue_timeout=args.queue_timeout,
-        stop_timeout=args.stop_timeout, coordinator_id=args.coordinator_id)
+        stop_timeout=args.stop_timeout, drain_timeout=args.drain_timeout, coordinator_id=args.coordinator_id)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,15 +41,19 @@ class HttpFront:
     """The HTTP front on a bound socket. `port=0` picks a free port (read `.port` after `bind()`)."""
 
     def __init__(self, engine: EngineClient, tokenizer: Any, config: FrontConfig, host: str = "127.0.0.1",
-                 port: int = 8000) -> None:
+                 port: int = 8000, graceful_timeout: float = 5.0) -> None:
+        """`graceful_timeout`: on shutdown, seconds open requests get to finish (new connections refused)."""
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
+        if not graceful_timeout >= 0:
+            raise ValueError(f"graceful_timeout must be >= 0 seconds, got {graceful_timeout}")
+        self.graceful_timeout = graceful_timeout
         self.app = build_app(engine, tokenizer, config)
         self.host = host
         self.port = port
         self._socket: socket.socket | None = None
         self._server = _Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                              timeout_graceful_shutdown=5))
+                                              timeout_graceful_shutdown=graceful_timeout))
 
     def bind(self) -> int:
         """Bind and listen now (so the caller can print the address before serving); returns the port."""

@@ -443,6 +443,42 @@ def test_stop_does_not_wait_forever_for_acks():
     assert h.core.done(h.now)
 
 
+def test_signal_with_a_drain_timeout_lets_accepted_requests_finish_then_stops():
+    h = two_workers(drain_timeout=5.0)
+    out = h.submit(C1, "a") + h.submit(C1, "b")
+    worker_of = {d.request_id: identity for identity, ds in dispatches(out).items() for d in ds}
+    h.core.on_signal("signal SIGTERM", h.now)
+    (err,) = of_type(h.submit(C2, "late"), Error, C2)
+    assert err.code == "unavailable" and "draining to stop" in err.message
+    out = h.step(worker_of["a"].decode(), delta("a", 7, prompt=[1, 2, 3], finish="length"))
+    assert [d.finish_reason for d in client_deltas(out, C1)] == ["length"]
+    assert not of_type(out, Control)                       # "b" still runs: no STOP yet
+    out = h.step(worker_of["b"].decode(), delta("b", 8, prompt=[1, 2, 3], finish="length"))
+    assert [d.finish_reason for d in client_deltas(out, C1)] == ["length"]
+    assert len([m for m in of_type(out, Control) if m.command == "stop"]) == 2   # drained: STOP at once
+
+
+def test_drain_timeout_expires_into_stop_and_a_second_signal_stops_at_once():
+    h = two_workers(drain_timeout=2.0, worker_timeout=10.0, client_timeout=10.0)
+    h.submit(C1, "slow")
+    h.core.on_signal("signal SIGTERM", h.now)
+    assert not of_type(h.advance(1.0), Control)
+    out = h.advance(1.1)
+    (final,) = client_deltas(out, C1)
+    assert final.finish_reason == "error" and "the cluster was stopped" in final.error
+    assert len([m for m in of_type(out, Control) if m.command == "stop"]) == 2
+    h2 = two_workers(drain_timeout=30.0)
+    h2.submit(C1, "r")
+    h2.core.on_signal("signal SIGTERM", h2.now)
+    h2.core.on_signal("signal SIGINT", h2.now)
+    assert len([m for m in of_type(h2.out(), Control) if m.command == "stop"]) == 2
+
+
+def test_drain_timeout_must_not_be_negative():
+    with pytest.raises(ValueError, match="drain_timeout must be a number of seconds >= 0"):
+        Harness(drain_timeout=-1)
+
+
 # ---- stats -----------------------------------------------------------------------------------------
 
 def test_stats_report_workers_and_counts():
