@@ -145,7 +145,7 @@ class Coordinator:
         if self._drain is not None and self.state is not ClusterState.STOPPED:
             reason, deadline = self._drain
             if not self.requests.by_id or now >= deadline:
-                self.shutdown(f"{reason} (drained)" if not self.requests.by_id else f"{reason} (drain timeout)", now)
+                self.shutdown(f"{reason} ({'drain timeout' if self.requests.by_id else 'drained'})", now)
 
     def next_deadline(self) -> float:
         drain_deadline = self._drain[1] if self._drain is not None else math.inf
