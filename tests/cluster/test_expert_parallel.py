@@ -10,6 +10,7 @@ import asyncio
 import random
 
 import pytest
+from fault_streams import assert_exact_streams, streams_through_a_fault
 from moe_models import tiny_mixtral
 
 from infer import LLM, SamplingParams
@@ -78,36 +79,25 @@ async def test_two_groups_complete_100_requests_balanced(ep_groups, moe_model):
 
 async def test_kill_9_of_an_ep_member_moves_its_group_requests(ep_groups, moe_model, reference, wait_until):
     cluster, members = ep_groups(moe_model, groups=2)
-    started: set[int] = set()
-    all_started = asyncio.Event()
+    struck: dict[str, int] = {}
 
-    async def run(i: int):
-        deltas = []
-        async for delta in client.stream(LOAD_PROMPTS[i], LONG):
-            deltas.append(delta)
-            if len(deltas) == 3:
-                started.add(i)
-                if len(started) == len(LOAD_PROMPTS):
-                    all_started.set()
-        return deltas
-
-    async with cluster.client() as client:
-        tasks = [asyncio.create_task(run(i)) for i in range(len(LOAD_PROMPTS))]
-        await asyncio.wait_for(all_started.wait(), 120)
+    async def kill_a_member_of_the_busiest_group(client):
         by_rank = {w.dp_rank: w for w in (await client.stats()).workers}
-        group = max((0, 1), key=lambda g: by_rank[2 * g].num_in_flight + by_rank[2 * g + 1].num_in_flight)
-        victim, survivor = members[group]
-        victim.kill9()
+        group = struck["group"] = max((0, 1), key=lambda g: by_rank[2 * g].num_in_flight
+                                      + by_rank[2 * g + 1].num_in_flight)
+        members[group][0].kill9()
 
         async def victim_unhealthy():
             return not next(w for w in (await client.stats()).workers if w.dp_rank == 2 * group).healthy
 
         await wait_until(victim_unhealthy, 8, "the killed member marked unhealthy (worker timeout 5 s)")
-        streams = await asyncio.wait_for(asyncio.gather(*tasks), 180)
-        stats = await client.stats()
-    for deltas, want in zip(streams, reference["long"], strict=True):
-        assert deltas[-1].finish_reason == "length" and not any(d.finished for d in deltas[:-1])
-        assert [t for d in deltas for t in d.token_ids] == want             # no gap, no repeat
+
+    streams, stats = await streams_through_a_fault(cluster, LOAD_PROMPTS, LONG,
+                                                   kill_a_member_of_the_busiest_group, start_timeout=120,
+                                                   finish_timeout=180)
+    assert_exact_streams(streams, reference["long"])
+    group = struck["group"]
+    survivor = members[group][1]
     assert stats.requests_redispatched > 0
     assert survivor.wait(timeout=30) != 0       # it left the broken group instead of hanging in a collective
     assert "giving back" in survivor.text()

@@ -13,9 +13,10 @@ import time
 
 import pytest
 from aioprocs import kill_group
+from fault_streams import assert_exact_streams, streams_through_a_fault
+from prompts import prompt_of_length
 
 from infer import LLM, SamplingParams
-from prompts import prompt_of_length
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 PROMPTS = [prompt_of_length(4 + 3 * i, i) for i in range(20)]
@@ -30,33 +31,16 @@ def reference(tiny_llama):
 async def _streams_through_a_fault(cluster, fault) -> tuple[list, object]:
     """Run PROMPTS as streams; once every stream has 3 tokens, `fault(victim_proc)` hits the busiest worker.
     Returns every stream's deltas and the stats after."""
-    all_started = asyncio.Event()
-    started: set[int] = set()
-
-    async def run(i: int):
-        deltas = []
-        async for delta in client.stream(PROMPTS[i], LONG):
-            deltas.append(delta)
-            if len(deltas) == 3:
-                started.add(i)
-                if len(started) == len(PROMPTS):
-                    all_started.set()
-        return deltas
-
-    async with cluster.client() as client:
-        tasks = [asyncio.create_task(run(i)) for i in range(len(PROMPTS))]
-        await asyncio.wait_for(all_started.wait(), 60)
+    async def on_busiest(client):
         victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
         assert victim.num_in_flight > 0
         await fault(next(p for p in cluster.procs if p.name == f"worker{victim.dp_rank}"))
-        streams = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        return streams, await client.stats()
+
+    return await streams_through_a_fault(cluster, PROMPTS, LONG, on_busiest)
 
 
 def _assert_exact(streams, reference) -> None:
-    for deltas, want in zip(streams, reference):
-        assert deltas[-1].finish_reason == "length" and not any(d.finished for d in deltas[:-1])
-        assert [t for d in deltas for t in d.token_ids] == want.token_ids      # no gap, no repeat
+    assert_exact_streams(streams, [want.token_ids for want in reference])
 
 
 async def test_kill_9_of_a_worker_mid_generation_loses_and_repeats_nothing(model_cluster, reference):
