@@ -22,6 +22,13 @@ class CoordinatorConfig:
     drain_timeout: on SIGTERM / SIGINT, how long requests already accepted get to finish (new ones are
         refused as "unavailable") before STOP; 0 runs STOP at once. A second signal runs STOP at once.
     model_id: the model every worker must serve; None takes the first worker's.
+    max_requests_per_worker: admission bound on the requests one worker has at a time (running and
+        waiting in its engine); None takes each worker's own bound (its max_num_seqs + max_waiting). A
+        request that finds every routable worker full is refused at once with error code "overloaded".
+    max_held_requests: bound on requests held in the coordinator (paused, no healthy worker yet); past it
+        new requests are refused as "overloaded".
+    restart_grace: after the coordinator starts, how long a request a client re-attaches (after a restart)
+        waits for its worker to register again with it before it is re-dispatched from the client's tokens.
     """
 
     host: str = "127.0.0.1"
@@ -36,6 +43,9 @@ class CoordinatorConfig:
     drain_timeout: float = 0.0
     model_id: str | None = None
     coordinator_id: str = "coordinator"
+    max_requests_per_worker: int | None = None
+    max_held_requests: int = 10000
+    restart_grace: float = 5.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -53,6 +63,12 @@ class CoordinatorConfig:
                              f"must exceed heartbeat_interval ({self.heartbeat_interval})")
         if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
+        for name in ("max_requests_per_worker", "max_held_requests"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.restart_grace, (int, float)) or not 0 <= self.restart_grace <= 3600:
+            raise ValueError(f"restart_grace must be in [0, 3600] seconds, got {self.restart_grace!r}")
 
     @property
     def endpoint(self) -> str:

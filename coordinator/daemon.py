@@ -160,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout, metavar="S",
                    help="on SIGTERM / SIGINT, let accepted requests finish for up to S seconds (new ones are "
                    "refused) before STOP (default 0: STOP at once; a second signal: STOP at once)")
+    p.add_argument("--max-requests-per-worker", type=int, default=None, metavar="N",
+                   help="requests one worker may have at a time; a request finding every worker full is refused "
+                   "as overloaded at once (default: each worker's own bound, max_num_seqs + its waiting limit)")
+    p.add_argument("--max-held-requests", type=int, default=d.max_held_requests, metavar="N",
+                   help="requests held in the coordinator (paused, no healthy worker); past it new ones are "
+                   "refused as overloaded (default %(default)s)")
+    p.add_argument("--restart-grace", type=float, default=d.restart_grace, metavar="S",
+                   help="after a restart, how long a re-attached request waits for its worker to register "
+                   "again before it is re-dispatched (default %(default)s)")
     p.add_argument("--coordinator-id", default=d.coordinator_id)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -170,7 +179,9 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         host=args.host, port=args.port, policy=args.policy, model_id=args.model_id,
         heartbeat_interval=args.heartbeat_interval, worker_timeout=args.worker_timeout,
         client_timeout=args.client_timeout, max_retries=args.max_retries, queue_timeout=args.queue_timeout,
-        stop_timeout=args.stop_timeout, drain_timeout=args.drain_timeout, coordinator_id=args.coordinator_id)
+        stop_timeout=args.stop_timeout, drain_timeout=args.drain_timeout, coordinator_id=args.coordinator_id,
+        max_requests_per_worker=args.max_requests_per_worker, max_held_requests=args.max_held_requests,
+        restart_grace=args.restart_grace)
 
 
 def main(argv: list[str] | None = None) -> int:

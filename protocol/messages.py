@@ -28,6 +28,7 @@ MAX_ID_LEN = 256
 LIFECYCLE_COMMANDS = ("pause", "unpause", "suspend", "resume", "stop")
 ROLES = ("client", "worker")
 MAX_STATS_WAIT_S = 3600.0
+MAX_REQUEST_TIMEOUT_S = 7 * 86400.0
 
 
 class ProtocolError(ValueError):
@@ -125,6 +126,52 @@ def _check_sampling(sampling: dict[str, Any]) -> None:
 
 @message
 @dataclass(frozen=True)
+class RequestSnapshot(Message):
+    """A request a worker is running, as it stands, sent in its Hello when it registers again (say, with a
+    restarted coordinator), so the coordinator can hand the stream back to its client without a gap.
+
+    `token_ids` is every output token so far; the first `resumed` of them came with the Dispatch
+    (`resumed_token_ids`: the client had them before this worker ran it), the rest left in deltas. Delta j
+    carried output tokens up to `delta_ends[j]` and text up to `text_ends[j]` of `text` (the text of the
+    tokens after the resumed ones); a client that holds n tokens gets the rest from that boundary on.
+    """
+
+    TYPE: ClassVar[str] = "request_snapshot"
+    request_id: str
+    prompt_token_ids: TokenIds
+    token_ids: TokenIds = field(default_factory=TokenIds)
+    resumed: int = 0
+    text: str = ""
+    delta_ends: list[int] = field(default_factory=list)
+    text_ends: list[int] = field(default_factory=list)
+
+    def validate(self) -> None:
+        _check_id("request_id", self.request_id)
+        _require(0 <= self.resumed <= len(self.token_ids),
+                 f"field 'resumed' must be in [0, {len(self.token_ids)}], got {self.resumed}")
+        _require(len(self.delta_ends) == len(self.text_ends), "'delta_ends' and 'text_ends' differ in length")
+        _require(list(self.delta_ends) == sorted(self.delta_ends) and list(self.text_ends) == sorted(self.text_ends),
+                 "'delta_ends' and 'text_ends' must not decrease")
+        _require(not self.delta_ends or (self.resumed <= self.delta_ends[0]
+                                         and self.delta_ends[-1] <= len(self.token_ids)
+                                         and self.text_ends[-1] <= len(self.text)),
+                 "'delta_ends' / 'text_ends' point outside 'token_ids' / 'text'")
+
+    def catch_up(self, num_held: int) -> tuple[TokenIds, str] | None:
+        """The tokens and text after the first `num_held` output tokens (what a client holding that many
+        still lacks), or None when `num_held` is not a delta boundary this worker knows the text of."""
+        if num_held == self.resumed:
+            text_start = 0
+        elif num_held in self.delta_ends:
+            text_start = self.text_ends[self.delta_ends.index(num_held)]
+        else:
+            return None
+        end = self.delta_ends[-1] if self.delta_ends else self.resumed
+        return TokenIds(self.token_ids[num_held:end]), self.text[text_start:self.text_ends[-1] if self.text_ends
+                                                                   else 0]
+
+@message
+@dataclass(frozen=True)
 class Hello(Message):
     """First frame of every peer. Workers also state what they serve and what they can hold."""
 
@@ -140,6 +187,8 @@ class Hello(Message):
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     running: list[str] = field(default_factory=list)   # request ids a worker still runs (re-registration)
+    snapshots: list[RequestSnapshot] = field(default_factory=list)   # those requests as they stand
+    max_waiting: int | None = None    # a worker's bound on requests waiting in its engine (admission control)
 
     def validate(self) -> None:
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -151,6 +200,10 @@ class Hello(Message):
             _require(self.dp_rank >= 0, f"field 'dp_rank' must be >= 0, got {self.dp_rank}")
             for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len"):
                 _require(getattr(self, name) >= 1, f"field {name!r} must be >= 1, got {getattr(self, name)}")
+            _require(self.max_waiting is None or self.max_waiting >= 0,
+                     f"field 'max_waiting' must be >= 0, got {self.max_waiting}")
+            _require({s.request_id for s in self.snapshots} <= set(self.running),
+                     "every snapshot must be of a request listed in 'running'")
 
 
 @message
@@ -160,6 +213,7 @@ class Welcome(Message):
     coordinator_id: str
     state: str
     model_id: str | None = None
+    instance: str | None = None    # new with every coordinator process: a change means it restarted
 
 
 @message
@@ -176,7 +230,14 @@ class Refused(Message):
 @message
 @dataclass(frozen=True)
 class Submit(Message):
-    """A generation request: a prompt string or token ids, and SamplingParams as named fields."""
+    """A generation request: a prompt string or token ids, and SamplingParams as named fields.
+
+    `timeout_s`: the request fails with error code "timeout" (and is aborted, its KV blocks freed) unless it
+    finishes within that many seconds of reaching the coordinator.
+    `reattach`: the client sends it again after the coordinator restarted; `delivered_token_ids` are the
+    output tokens the client already holds, so the stream goes on from there (a request the coordinator
+    already has from this client is left as it is).
+    """
 
     TYPE: ClassVar[str] = "submit"
     request_id: str
@@ -184,12 +245,19 @@ class Submit(Message):
     prompt_token_ids: TokenIds | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     pin_rank: int | None = None
+    timeout_s: float | None = None
+    reattach: bool = False
+    delivered_token_ids: TokenIds = field(default_factory=TokenIds)
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
         _require((self.prompt is None) != (self.prompt_token_ids is None),
                  "exactly one of 'prompt' and 'prompt_token_ids' must be given")
         _require(self.pin_rank is None or self.pin_rank >= 0, f"field 'pin_rank' must be >= 0, got {self.pin_rank}")
+        _require(self.timeout_s is None or 0 < self.timeout_s <= MAX_REQUEST_TIMEOUT_S,
+                 f"field 'timeout_s' must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got {self.timeout_s}")
+        _require(not self.delivered_token_ids or (self.reattach and self.prompt_token_ids is not None),
+                 "'delivered_token_ids' needs 'reattach' and 'prompt_token_ids'")
         _check_sampling(self.sampling)
 
     def sampling_params(self) -> SamplingParams:
@@ -325,11 +393,13 @@ class StepBatch(Message):
 @message
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Liveness, both ways. A worker may attach its load (an idle worker sends no StepBatch)."""
+    """Liveness, both ways. A worker attaches its load (an idle worker sends no StepBatch); the coordinator
+    its instance, so a peer notices a restart."""
 
     TYPE: ClassVar[str] = "heartbeat"
     sent_at: float
     load: Load | None = None
+    instance: str | None = None    # the coordinator's (see Welcome.instance)
 
 
 @message

@@ -12,8 +12,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # Why a request failed (with finish_reason "error"), for callers that must tell bad input from a busy cluster:
 #   invalid_request: the request itself can never be served (prompt too long, bad token ids, bad options);
 #   unavailable:     the cluster cannot serve it now (no healthy worker in time, draining, stopping, retries spent);
-#   internal:        a component failed while serving it.
-ERROR_CODES = ("invalid_request", "unavailable", "internal")
+#   internal:        a component failed while serving it;
+#   overloaded:      a queue on its way was full (coordinator, worker or HTTP front): retry later, it was not run;
+#   timeout:         it did not finish within its own `timeout`; it was aborted and its KV blocks freed.
+ERROR_CODES = ("invalid_request", "unavailable", "internal", "overloaded", "timeout")
 
 
 @dataclass

@@ -93,6 +93,7 @@ class WorkerOptions:
     connect_timeout: float = 60.0       # for the first Welcome
     benchmark_mode: bool = False
     ep: EpOptions | None = None         # this rank's EP group (None: a group of one)
+    max_waiting_requests: int = 1024    # beyond max_num_seqs running: a Dispatch past it is "overloaded"
 
     def __post_init__(self) -> None:
         if not self.coordinator.startswith(("tcp://", "ipc://")):
@@ -107,6 +108,8 @@ class WorkerOptions:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.drain_timeout >= 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.ep is not None and self.benchmark_mode:
             raise ValueError("--benchmark-mode has no model, so no EP group: leave out --ep-size")
         if self.coordinator_timeout <= self.heartbeat_interval:
@@ -588,6 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds running requests get to finish after SIGTERM (default 30)")
     worker.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to wait for the first Welcome (default 60)")
+    worker.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
+                        help="requests that may wait beyond the --max-num-seqs running ones; a request past that "
+                        "is refused as overloaded (default 1024)")
     ep = p.add_argument_group("expert parallelism (an EP group of ranks sharing an MoE model's experts)")
     ep.add_argument("--ep-size", type=int, default=1, help="ranks in this EP group (default 1: no group)")
     ep.add_argument("--ep-rank", type=int,
@@ -628,7 +634,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         dp_rank=args.dp_rank, group_id=group_id,
         heartbeat_interval=args.heartbeat_interval, coordinator_timeout=args.coordinator_timeout,
         drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
-        benchmark_mode=args.benchmark_mode, ep=ep)
+        benchmark_mode=args.benchmark_mode, ep=ep, max_waiting_requests=args.max_waiting_requests)
 
 
 def make_engine(config: EngineConfig, benchmark_mode: bool, ep: EpOptions | None = None) -> EngineLike:
