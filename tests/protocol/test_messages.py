@@ -9,7 +9,8 @@ import pytest
 
 from infer.protocol.messages import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, ClusterStats, Control, ControlAck, Delta,
-    DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, StatsRequest, StepBatch,
+    DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, RequestSnapshot, StatsRequest,
+    StepBatch,
     Submit, TokenIds, Welcome, WorkerStats, decode, encode
 )
 
@@ -17,10 +18,18 @@ EXAMPLES = [
     Hello(role="client", peer_id="c1"),
     Hello(role="worker", peer_id="w0", model_id="m", dp_rank=0, group_id="g0", num_kv_blocks=100, block_size=16,
           max_num_seqs=8, max_model_len=2048, running=["a", "b"]),
+    Hello(role="worker", peer_id="w1", model_id="m", dp_rank=1, group_id="g1", num_kv_blocks=100, block_size=16,
+          max_num_seqs=8, max_model_len=2048, running=["a"], max_waiting=32,
+          snapshots=[RequestSnapshot(request_id="a", prompt_token_ids=TokenIds([1, 2]), token_ids=TokenIds([7, 8, 9]),
+                                     resumed=1, text="xy", delta_ends=[2, 3], text_ends=[1, 2])]),
+    RequestSnapshot(request_id="b", prompt_token_ids=TokenIds([3])),
     Welcome(coordinator_id="coord", state="running", model_id="m"),
+    Welcome(coordinator_id="coord", state="running", model_id="m", instance="5f3a"),
     Refused(reason="model id differs: coordinator serves 'a', worker has 'b'"),
     Submit(request_id="r1", prompt="hello", sampling={"temperature": 0.0, "max_tokens": 4, "stop": ["\n"]}),
     Submit(request_id="r2", prompt_token_ids=TokenIds([1, 2, 2**31 - 1]), pin_rank=1),
+    Submit(request_id="r4", prompt_token_ids=TokenIds([1, 2]), timeout_s=2.5, reattach=True,
+           delivered_token_ids=TokenIds([3, 4])),
     Dispatch(request_id="r1", prompt_token_ids=TokenIds([5, 6, 7]), sampling={"max_tokens": 3},
              resumed_token_ids=TokenIds([8])),
     Dispatch(request_id="r3", prompt="text", sampling={}),
@@ -34,6 +43,7 @@ EXAMPLES = [
                       Delta(request_id="b", token_ids=TokenIds([2]), text="y", finished=True, finish_reason="stop")],
               load=Load(num_waiting=0, num_running=1, num_free_blocks=9, num_total_blocks=10, num_queued_tokens=1)),
     Heartbeat(sent_at=12.5),
+    Heartbeat(sent_at=12.5, instance="5f3a"),
     Heartbeat(sent_at=1.0, load=Load(num_waiting=0, num_running=0, num_free_blocks=7, num_total_blocks=7,
                                      num_queued_tokens=0)),
     Control(command="pause"),
@@ -66,7 +76,8 @@ def test_round_trip(msg):
 
 
 def test_token_ids_travel_packed():
-    frame = msgpack.unpackb(encode(EXAMPLES[5]), raw=False)
+    r2 = next(m for m in EXAMPLES if isinstance(m, Submit) and m.request_id == "r2")
+    frame = msgpack.unpackb(encode(r2), raw=False)
     assert isinstance(frame["body"]["prompt_token_ids"], bytes) and len(frame["body"]["prompt_token_ids"]) == 12
 
 
@@ -187,3 +198,21 @@ def test_fuzz_only_protocol_errors():
         except ProtocolError:
             outcomes["error"] += 1
     assert outcomes["error"] > 10_000 and sum(outcomes.values()) == 20_000
+
+
+def test_snapshot_catch_up_starts_at_a_delta_boundary():
+    snap = RequestSnapshot(request_id="a", prompt_token_ids=TokenIds([1]), token_ids=TokenIds([5, 6, 7, 8]),
+                           resumed=1, text="xyz", delta_ends=[2, 4], text_ends=[1, 3])
+    assert snap.catch_up(1) == ([6, 7, 8], "xyz")     # the client holds only the resumed token
+    assert snap.catch_up(2) == ([7, 8], "yz")
+    assert snap.catch_up(4) == ([], "")
+    assert snap.catch_up(3) is None and snap.catch_up(0) is None   # inside a delta, or before what it resumed
+
+
+@pytest.mark.parametrize("bad, text", [
+    (dict(timeout_s=0.0), "timeout_s"), (dict(timeout_s=float("nan")), "timeout_s"),
+    (dict(delivered_token_ids=TokenIds([3])), "reattach"),
+])
+def test_submit_deadline_and_reattach_are_checked(bad, text):
+    with pytest.raises(ProtocolError, match=text):
+        Submit(request_id="r", prompt_token_ids=TokenIds([1]), **bad)
