@@ -17,6 +17,7 @@ Closing a stream early (break, aclose, garbage collection) aborts its request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -31,8 +32,8 @@ import zmq
 import zmq.asyncio
 
 from infer.protocol.messages import (
-    Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello, Message,
-    ProtocolError, Refused, StatsRequest, Submit, TokenIds, Welcome, decode, encode
+    MAX_REQUEST_TIMEOUT_S, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat,
+    Hello, Message, ProtocolError, Refused, StatsRequest, Submit, TokenIds, Welcome, decode, encode
 )
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
@@ -42,6 +43,13 @@ log = logging.getLogger("infer.client")
 
 Prompt = str | Sequence[int]
 CLOSE_LINGER_MS = 200
+DEADLINE_GRACE_S = 5.0      # past a request's timeout, how long to wait for the coordinator's own "timeout"
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout <= MAX_REQUEST_TIMEOUT_S):
+        raise ValueError(f"timeout must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S:g}], got {timeout!r}")
 
 
 class ClusterError(RuntimeError):
@@ -155,31 +163,39 @@ class InferenceClient:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str | None = None, pin_rank: int | None = None,
                        timeout: float | None = None) -> Completion:
-        """Run one request to the end. Request-level failures come back as finish_reason "error";
-        transport failures (and `timeout`, which aborts the request) raise."""
-        request = await self._submit(prompt, params, request_id, pin_rank)
+        """Run one request to the end. Request-level failures come back as finish_reason "error"; transport
+        failures raise. With `timeout` (seconds) the cluster aborts the request (freeing its KV blocks) if it
+        has not finished by then, and the completion ends with error_code "timeout"."""
+        _check_timeout(timeout)
+        request = await self._submit(prompt, params, request_id, pin_rank, timeout)
         completion = Completion(request.request_id, prompt_token_ids=[],
                                 prompt=prompt if isinstance(prompt, str) else None)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while completion.finish_reason is None:
-                completion.add(await self._next(request, deadline))
-        finally:
-            if completion.finish_reason is None:
-                self._abandon(request)
+        async with contextlib.aclosing(self._deltas(request, timeout)) as deltas:
+            async for delta in deltas:
+                completion.add(delta)
         completion.prompt_token_ids = request.prompt_token_ids or (list(prompt) if not isinstance(prompt, str)
                                                                    else [])
         return completion
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                     request_id: str | None = None, pin_rank: int | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, pin_rank: int | None = None,
+                     timeout: float | None = None) -> AsyncIterator[RequestOutput]:
         """Deltas of one request as they arrive (`token_ids` and `text` new since the last one); the last
-        has `finished` and `finish_reason`. Leaving the loop early aborts the request."""
-        request = await self._submit(prompt, params, request_id, pin_rank)
+        has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout`: as in
+        `generate`; the last delta then has error_code "timeout"."""
+        _check_timeout(timeout)
+        request = await self._submit(prompt, params, request_id, pin_rank, timeout)
+        async with contextlib.aclosing(self._deltas(request, timeout)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _deltas(self, request: _Request, timeout: float | None) -> AsyncIterator[RequestOutput]:
+        # The coordinator enforces the deadline; this one only covers a coordinator that cannot answer.
+        deadline = None if timeout is None else time.monotonic() + timeout + DEADLINE_GRACE_S
         finished = False
         try:
             while not finished:
-                delta = await self._next(request, None)
+                delta = await self._next(request, deadline)
                 finished = delta.finished
                 yield delta
         finally:
@@ -196,7 +212,7 @@ class InferenceClient:
         return None if request is None else request.prompt_token_ids
 
     async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                      pin_rank: int | None) -> _Request:
+                      pin_rank: int | None, timeout: float | None = None) -> _Request:
         self._check_open()
         params = _DEFAULT_PARAMS if params is None else params
         if not isinstance(params, SamplingParams):
@@ -205,10 +221,11 @@ class InferenceClient:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in flight")
         if isinstance(prompt, str):
-            submit = Submit(request_id=rid, prompt=prompt, sampling=_sampling_dict(params), pin_rank=pin_rank)
+            submit = Submit(request_id=rid, prompt=prompt, sampling=_sampling_dict(params), pin_rank=pin_rank,
+                            timeout_s=timeout)
         else:
             submit = Submit(request_id=rid, prompt_token_ids=TokenIds(prompt), sampling=_sampling_dict(params),
-                            pin_rank=pin_rank)
+                            pin_rank=pin_rank, timeout_s=timeout)
         request = self._requests[rid] = _Request(rid)
         if len(self._requests) == 1 and self._call is None:
             self._last_heard = time.monotonic()   # the silence clock starts when there is something to wait for
@@ -226,7 +243,10 @@ class InferenceClient:
             try:
                 item = await asyncio.wait_for(request.queue.get(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                raise TimeoutError(f"request {request.request_id!r} did not finish in time") from None
+                self._abandon(request)
+                return RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
+                                     error=f"request {request.request_id!r} did not finish within its timeout, and "
+                                     f"the coordinator did not end it either; it was aborted", error_code="timeout")
         if isinstance(item, BaseException):
             raise item
         return item

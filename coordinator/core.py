@@ -13,6 +13,7 @@ repeat. Deltas from a worker that does not own the request are dropped and the r
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
@@ -44,6 +45,8 @@ class Counters:
     requests_aborted: int = 0
     requests_redispatched: int = 0
     frames_rejected: int = 0
+    requests_rejected: int = 0
+    requests_timed_out: int = 0
 
 
 @dataclass
@@ -75,6 +78,8 @@ class Coordinator:
         self._stop_deadline = math.inf
         self._drain: tuple[str, float] | None = None     # (why, deadline) of a drain before STOP
         self._rejected_logged = 0
+        self._deadlines: list[tuple[float, str]] = []   # heap (deadline, request id); stale entries popped lazily
+        self._overload_logged = 0
         self._handlers: dict[type[Message], Callable[[bytes, Message, float], None]] = {
             Hello: self._on_hello, Submit: self._on_submit, Abort: self._on_abort, Control: self._on_control,
             StatsRequest: self._on_stats_request, Heartbeat: self._on_heartbeat, StepBatch: self._on_step_batch,
@@ -105,7 +110,9 @@ class Coordinator:
         self._check_drain(now)   # the last request of a drain may just have finished
 
     def tick(self, now: float) -> None:
-        """Timers: heartbeats to workers, worker / client / queue timeouts, stats waiters, STOP deadline."""
+        """Timers: request deadlines; every heartbeat interval: heartbeats to workers, worker / client / queue
+        timeouts, stats waiters, the drain."""
+        self._expire_deadlines(now)
         if now < self._next_tick:
             return
         self._next_tick = now + self.config.heartbeat_interval
@@ -149,7 +156,8 @@ class Coordinator:
 
     def next_deadline(self) -> float:
         drain_deadline = self._drain[1] if self._drain is not None else math.inf
-        return min(self._next_tick, self._stop_deadline, drain_deadline)
+        request_deadline = self._deadlines[0][0] if self._deadlines else math.inf
+        return min(self._next_tick, self._stop_deadline, drain_deadline, request_deadline)
 
     def done(self, now: float) -> bool:
         """STOP ran and every worker acknowledged it, or the stop timeout passed: the daemon may exit."""
@@ -280,12 +288,20 @@ class Coordinator:
             self._send(identity, Error(message=f"request id {rid!r} is already in flight", request_id=rid,
                                          code="invalid_request"))
             return
+        overloaded = self._admission_refusal(submit)
+        if overloaded is not None:
+            self.counters.requests_rejected += 1
+            self._send(identity, Error(message=f"request {rid!r} not accepted: {overloaded}", request_id=rid,
+                                       code="overloaded"))
+            return
         sampling = submit.sampling
         request = RequestRecord(
             request_id=rid, client=identity, prompt=submit.prompt, prompt_token_ids=submit.prompt_token_ids,
             sampling=sampling, max_tokens=sampling.get("max_tokens", _DEFAULTS.max_tokens),
             min_tokens=sampling.get("min_tokens", _DEFAULTS.min_tokens), pin_rank=submit.pin_rank,
-            submitted_at=now)
+            submitted_at=now, deadline=None if submit.timeout_s is None else now + submit.timeout_s)
+        if request.deadline is not None:
+            self._add_deadline(request)
         self.requests.add(request)
         client.requests.add(rid)
         self.counters.requests_submitted += 1
@@ -294,16 +310,44 @@ class Coordinator:
         else:
             self.requests.hold(request, now)
 
+    def _admission_refusal(self, submit: Submit) -> str | None:
+        """Why a new request must be refused at once as overloaded (its queues are full), or None."""
+        if self.state is not ClusterState.RUNNING or not self._routable():
+            limit = self.config.max_held_requests
+            if len(self.requests.held) >= limit:
+                return (f"the cluster is overloaded: {len(self.requests.held)} requests already wait in the "
+                        f"coordinator (the limit, --max-held-requests {limit}); retry later")
+            return None
+        if submit.pin_rank is not None:
+            pinned = [w for w in self._routable() if w.dp_rank == submit.pin_rank]
+            if pinned and not self._has_room(pinned[0]):
+                return (f"the cluster is overloaded: dp_rank {submit.pin_rank} already has "
+                        f"{pinned[0].num_in_flight} requests, its limit; retry later")
+            return None
+        if not any(self._has_room(w) for w in self._routable()):
+            busiest = max(self._routable(), key=lambda w: w.num_in_flight)
+            return (f"the cluster is overloaded: every worker has its limit of requests (dp_rank "
+                    f"{busiest.dp_rank}: {busiest.num_in_flight}); retry later")
+        return None
+
+    def _has_room(self, worker: WorkerRecord) -> bool:
+        limit = worker.request_limit(self.config.max_requests_per_worker)
+        return limit is None or worker.num_in_flight < limit
+
     def _dispatch(self, request: RequestRecord, now: float) -> bool:
         """Route and send `request`; False (it stays or becomes held) if no worker can take it now."""
-        candidates = self._routable()
+        routable = self._routable()
+        candidates = [w for w in routable if self._has_room(w)]
         if not candidates:
             self.requests.hold(request, now)
             return False
         if request.pin_rank is not None and request.retries == 0:
             worker = next((w for w in candidates if w.dp_rank == request.pin_rank), None)
+            if worker is None and any(w.dp_rank == request.pin_rank for w in routable):
+                self.requests.hold(request, now)     # its rank is full: it waits for room there
+                return False
             if worker is None:
-                ranks = ", ".join(str(w.dp_rank) for w in sorted(candidates, key=lambda w: w.dp_rank))
+                ranks = ", ".join(str(w.dp_rank) for w in sorted(routable, key=lambda w: w.dp_rank))
                 self._fail(request, f"request {request.request_id!r} is pinned to dp_rank {request.pin_rank}, "
                                     f"which is not available (healthy ranks: {ranks})")
                 return True
@@ -355,6 +399,7 @@ class Coordinator:
                                         finish_reason="abort"), to_workers)
             self.counters.requests_aborted += 1
         self._send_aborts(to_workers)
+        self._dispatch_held(now)     # the aborted ones made room
 
     def _finish(self, request: RequestRecord, final: Delta | None, to_workers: dict[str, list[str]]) -> None:
         """Forget `request`; send `final` to its client; note an abort for its worker if it runs on one."""
@@ -390,6 +435,29 @@ class Coordinator:
                                     finish_reason="error", error=message, error_code=code), to_workers)
         self._send_aborts(to_workers)
 
+    def _add_deadline(self, request: RequestRecord) -> None:
+        heapq.heappush(self._deadlines, (request.deadline, request.request_id))
+        if len(self._deadlines) > 2 * len(self.requests) + 64:   # mostly finished requests' entries: compact
+            self._deadlines = [(r.deadline, r.request_id) for r in self.requests.by_id.values()
+                               if r.deadline is not None]
+            if request.request_id not in self.requests.by_id:
+                self._deadlines.append((request.deadline, request.request_id))
+            heapq.heapify(self._deadlines)
+
+    def _expire_deadlines(self, now: float) -> None:
+        """Fail every request past its deadline with error code "timeout"; its worker aborts it (KV freed)."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            deadline, rid = heapq.heappop(deadlines)
+            request = self.requests.get(rid)
+            if request is None or request.deadline != deadline:
+                continue    # finished already (the entry is stale)
+            self.counters.requests_timed_out += 1
+            waited = now - request.submitted_at
+            self._fail(request, f"request {rid!r} did not finish within its timeout ({waited:.1f} s); it was "
+                                f"aborted after {len(request.delivered)} token(s)", "timeout")
+            self._dispatch_held(now)
+
     # ---- worker output --------------------------------------------------------------------------
 
     def _on_step_batch(self, identity: bytes, batch: StepBatch, now: float) -> None:
@@ -409,6 +477,8 @@ class Coordinator:
             self._relay(request, worker, delta, now)
         if stray:
             self._send(identity, Abort(request_ids=stray))
+        if self.requests.held:      # finished requests made room
+            self._dispatch_held(now)
 
     def _unknown_worker(self, identity: bytes, worker: WorkerRecord | None, running: list[str]) -> None:
         who = f"{worker.worker_id!r}, declared dead" if worker is not None else f"with identity {identity.hex()}"
@@ -424,6 +494,10 @@ class Coordinator:
             return
         if delta.finish_reason == "error" and delta.error_code == "unavailable":   # e.g. it drains
             self._worker_draining(request, worker, now)
+            return
+        if delta.finish_reason == "error" and delta.error_code == "overloaded":   # its queue was full
+            self._failover(request, f"worker {worker.worker_id!r} was full ({delta.error})", now)
+            self._dispatch_held(now)
             return
         if request.retries or request.sent_prompt_ids:
             delta = self._continuation(request, delta)
@@ -656,7 +730,8 @@ class Coordinator:
             requests_submitted=c.requests_submitted, requests_completed=c.requests_completed,
             requests_failed=c.requests_failed, requests_aborted=c.requests_aborted,
             requests_redispatched=c.requests_redispatched, frames_rejected=c.frames_rejected,
-            uptime_s=round(now - self._started, 3))
+            uptime_s=round(now - self._started, 3), requests_rejected=c.requests_rejected,
+            requests_timed_out=c.requests_timed_out)
 
     def _log_rejections(self) -> None:
         rejected = self.counters.frames_rejected
@@ -664,3 +739,8 @@ class Coordinator:
             log.warning("rejected %d malformed or unexpected frame(s) since the last report (%d in all)",
                         rejected - self._rejected_logged, rejected)
             self._rejected_logged = rejected
+        overloaded = self.counters.requests_rejected
+        if overloaded != self._overload_logged:
+            log.warning("overloaded: refused %d request(s) since the last report (%d in all)",
+                        overloaded - self._overload_logged, overloaded)
+            self._overload_logged = overloaded

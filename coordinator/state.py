@@ -39,6 +39,7 @@ class RequestRecord:
     charged: int = 0                    # its estimated cost when dispatched, counted in its worker's cost_in_flight
     sent_prompt_ids: bool = False       # the client has had the prompt token ids
     retries: int = 0
+    deadline: float | None = None       # monotonic time by which it must finish (Submit.timeout_s)
 
     @property
     def cost(self) -> int:
@@ -103,6 +104,14 @@ class WorkerRecord:
     @property
     def num_in_flight(self) -> int:
         return len(self.requests)
+
+    def request_limit(self, configured: int | None) -> int | None:
+        """How many requests this worker may have at a time: the coordinator's bound, capped by what the
+        worker says it holds (max_num_seqs running + max_waiting queued); None: unbounded."""
+        own = None if self.hello.max_waiting is None else self.hello.max_num_seqs + self.hello.max_waiting
+        if configured is None or own is None:
+            return own if configured is None else configured
+        return min(configured, own)
 
     @property
     def score(self) -> float:

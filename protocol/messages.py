@@ -497,6 +497,8 @@ class ClusterStats(Message):
     requests_redispatched: int
     frames_rejected: int
     uptime_s: float
+    requests_rejected: int = 0    # refused at once as "overloaded" (admission control)
+    requests_timed_out: int = 0   # ended by their own timeout
 
     @property
     def num_healthy_workers(self) -> int:

@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol
 import msgpack
 import zmq
 
-from infer.protocol.messages import (MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat,
-                                     Hello, Load, Message, ProtocolError, Refused, StepBatch, TokenIds, Welcome,
-                                     decode)
+from infer.protocol.messages import (
+    MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message,
+    ProtocolError, Refused, StepBatch, TokenIds, Welcome, decode
+)
 from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.transport import frames_for, make_socket
@@ -338,7 +339,7 @@ class Worker:
                          dp_rank=self.options.dp_rank, group_id=self.options.group_id,
                          num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
                          max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
-                         running=list(self._requests)))
+                         running=list(self._requests), max_waiting=self.options.max_waiting_requests))
         self._welcomed = False
         self._hello_sent_at = time.monotonic()
 
@@ -377,6 +378,12 @@ class Worker:
         if msg.request_id in self._requests:
             return self._reject(msg.request_id, f"request id {msg.request_id!r} is already running on this worker",
                                 "internal", msg.prompt_token_ids)
+        limit = self.engine.config.max_num_seqs + self.options.max_waiting_requests
+        if len(self._requests) >= limit:
+            return self._reject(msg.request_id, f"worker {self.options.worker_id} is full: "
+                                f"{len(self._requests)} requests (max_num_seqs + --max-waiting-requests = {limit})",
+                                "overloaded",
+                                msg.prompt_token_ids)
         prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids)
         try:
             params = SamplingParams.from_dict(msg.sampling)

@@ -9,73 +9,12 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from core_harness import MODEL, Harness, delta, worker_hello
 
-from infer.coordinator.config import CoordinatorConfig
-from infer.coordinator.core import Coordinator
 from infer.protocol.messages import (
-    Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load,
-    Message, Refused, StatsRequest, StepBatch, Submit, TokenIds, Welcome, decode, encode
+    Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Dispatch, Error, Heartbeat, Load, Message,
+    Refused, StatsRequest, StepBatch, TokenIds, Welcome, encode
 )
-
-MODEL = "tiny-model"
-
-
-class Harness:
-    def __init__(self, **options) -> None:
-        defaults = {"heartbeat_interval": 0.1, "worker_timeout": 1.0, "client_timeout": 1.0, "max_retries": 2,
-                    "queue_timeout": 5.0, "stop_timeout": 1.0}
-        self.now = 0.0
-        self.core = Coordinator(CoordinatorConfig(**{**defaults, **options}), self.now)
-
-    def send(self, identity: bytes, msg: Message) -> list[tuple[bytes, Message]]:
-        self.core.handle(identity, [encode(msg)], self.now)
-        return self.out()
-
-    def raw(self, identity: bytes, frames: list[bytes]) -> list[tuple[bytes, Message]]:
-        self.core.handle(identity, frames, self.now)
-        return self.out()
-
-    def out(self) -> list[tuple[bytes, Message]]:
-        """What the core queued, each message through the codec (proves it encodes)."""
-        return [(identity, decode(encode(msg))) for identity, msg in self.core.take_outgoing()]
-
-    def advance(self, seconds: float) -> list[tuple[bytes, Message]]:
-        self.now += seconds
-        self.core.tick(self.now)
-        return self.out()
-
-    def worker(self, wid: str, rank: int, *, group: str | None = None, model: str = MODEL, blocks: int = 100,
-               running: list[str] | None = None) -> list[tuple[bytes, Message]]:
-        return self.send(wid.encode(), worker_hello(wid, rank, group=group, model=model, blocks=blocks,
-                                                    running=running))
-
-    def submit(self, client: bytes, rid: str, prompt_ids: list[int] | None = None, prompt: str | None = None,
-               **sampling) -> list[tuple[bytes, Message]]:
-        sampling = {"temperature": 0.0, "max_tokens": 10, **sampling}
-        pin = sampling.pop("pin_rank", None)
-        if prompt is None:
-            return self.send(client, Submit(request_id=rid, prompt_token_ids=TokenIds(prompt_ids or [1, 2, 3]),
-                                            sampling=sampling, pin_rank=pin))
-        return self.send(client, Submit(request_id=rid, prompt=prompt, sampling=sampling, pin_rank=pin))
-
-    def step(self, wid: str, *deltas: Delta, free: int = 90) -> list[tuple[bytes, Message]]:
-        load = Load(num_waiting=0, num_running=len(deltas), num_free_blocks=free, num_total_blocks=100,
-                    num_queued_tokens=0)
-        return self.send(wid.encode(), StepBatch(deltas=list(deltas), load=load))
-
-
-def worker_hello(wid: str, rank: int, *, group: str | None = None, model: str = MODEL, blocks: int = 100,
-                 running: list[str] | None = None, **extra) -> Hello:
-    return Hello(role="worker", peer_id=wid, model_id=model, dp_rank=rank, group_id=group or f"dp{rank}",
-                 num_kv_blocks=blocks, block_size=16, max_num_seqs=64, max_model_len=256, running=running or [],
-                 **extra)
-
-
-def delta(rid: str, *tokens: int, prompt: list[int] | None = None, finish: str | None = None,
-          error: str | None = None, code: str | None = None) -> Delta:
-    return Delta(request_id=rid, token_ids=TokenIds(tokens), text="".join(f"<{t}>" for t in tokens),
-                 finished=finish is not None, finish_reason=finish, error=error, error_code=code,
-                 prompt_token_ids=None if prompt is None else TokenIds(prompt))
 
 
 def of_type(out: list[tuple[bytes, Message]], kind: type, to: bytes | None = None) -> list[Message]:

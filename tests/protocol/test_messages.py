@@ -9,9 +9,8 @@ import pytest
 
 from infer.protocol.messages import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, ClusterStats, Control, ControlAck, Delta,
-    DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, RequestSnapshot, StatsRequest,
-    StepBatch,
-    Submit, TokenIds, Welcome, WorkerStats, decode, encode
+    DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, RequestSnapshot,
+    StatsRequest, StepBatch, Submit, TokenIds, Welcome, WorkerStats, decode, encode
 )
 
 EXAMPLES = [
