@@ -5,6 +5,12 @@ coordinator's frames by request id into per-request queues. While requests or ca
 the client sends a Heartbeat every `heartbeat_interval` (the coordinator answers with one); if nothing
 arrives for `silence_timeout`, every outstanding request and call fails with ClusterError.
 
+Coordinator restarts: each answer names the coordinator's process (`instance`). When it changes (the
+coordinator died and a new one runs on the same address), the client re-attaches every request in flight:
+it sends each Submit again with the output tokens it already holds, so the new coordinator hands the
+stream back from the worker that still runs it, or resumes it from those tokens; no token is lost or
+repeated. A restart that takes longer than `silence_timeout` fails what is in flight instead.
+
 Errors, and where they surface:
 - Request-level failures (the prompt is too long, its worker failed and retries ran out, the cluster was
   stopped before it finished) are *returned*: `generate` gives a Completion with finish_reason "error"
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -58,9 +65,15 @@ class ClusterError(RuntimeError):
 
 @dataclass(eq=False)
 class _Request:
+    """One request in flight. `submit` and `received` are kept until it finishes: after a coordinator restart
+    they are what re-attaches it (nothing the client sent or got is lost with the coordinator)."""
+
     request_id: str
+    submit: Submit
+    deadline: float | None = None        # monotonic end of its timeout
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | ClusterError
     prompt_token_ids: list[int] | None = None
+    received: TokenIds = field(default_factory=TokenIds)          # output token ids delivered so far
 
 
 @dataclass(eq=False)
@@ -97,6 +110,7 @@ class InferenceClient:
         self.heartbeat_interval = heartbeat_interval
         self.silence_timeout = silence_timeout
         self.welcome: Welcome | None = None
+        self._instance: str | None = None     # the coordinator process last heard (Welcome / Heartbeat)
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._call: _Call | None = None
@@ -137,7 +151,7 @@ class InferenceClient:
         try:
             self.welcome = await self._request_reply(Hello(role="client", peer_id=self.client_id), (Welcome,),
                                                      self.connect_timeout)
-        except BaseException:
+        except BaseException as e:
             await self.close()
             raise
         return self.welcome
@@ -226,7 +240,7 @@ class InferenceClient:
         else:
             submit = Submit(request_id=rid, prompt_token_ids=TokenIds(prompt), sampling=_sampling_dict(params),
                             pin_rank=pin_rank, timeout_s=timeout)
-        request = self._requests[rid] = _Request(rid)
+        request = self._requests[rid] = _Request(rid, submit, None if timeout is None else time.monotonic() + timeout)
         if len(self._requests) == 1 and self._call is None:
             self._last_heard = time.monotonic()   # the silence clock starts when there is something to wait for
         try:
@@ -343,8 +357,49 @@ class InferenceClient:
             self._on_error(msg)
         elif isinstance(msg, Refused):
             self._answer(msg, ClusterError(f"refused by the coordinator: {msg.reason}"))
-        elif not isinstance(msg, Heartbeat):
+        elif isinstance(msg, Heartbeat):
+            self._check_instance(msg.instance)
+        else:
+            if isinstance(msg, Welcome):
+                self._check_instance(msg.instance)
             self._answer(msg, None)
+
+    def _check_instance(self, instance: str | None) -> None:
+        """A new coordinator instance on the same address (it restarted): re-attach what is in flight."""
+        if instance is None or instance == self._instance:
+            return
+        restarted, self._instance = self._instance is not None, instance
+        if restarted and self._sock is not None:
+            self._reattach_all()
+
+    def _reattach_all(self) -> None:
+        log.warning("the coordinator at %s restarted: re-attaching %d request(s) in flight", self.address,
+                    len(self._requests))
+        self._send_nowait(Hello(role="client", peer_id=self.client_id))
+        for request in list(self._requests.values()):
+            submit = self._resubmission(request)
+            if submit is not None:
+                self._send_nowait(submit)
+                continue
+            del self._requests[request.request_id]
+            request.queue.put_nowait(RequestOutput(
+                request.request_id, [], "", finished=True, finish_reason="error", error_code="unavailable",
+                error=f"request {request.request_id!r} was lost with the coordinator, which restarted before it "
+                      f"told this client the prompt's token ids, so it cannot be resumed without a repeat"))
+
+    @staticmethod
+    def _resubmission(request: _Request) -> Submit | None:
+        """`request`'s Submit again, marked as a re-attachment with the tokens already here and the time
+        left of its timeout; None if it cannot go on exactly (tokens arrived but not the prompt's ids)."""
+        submit = request.submit
+        timeout = None if request.deadline is None else max(1e-3, request.deadline - time.monotonic())
+        if not request.received:
+            return dataclasses.replace(submit, timeout_s=timeout, reattach=True)
+        if request.prompt_token_ids is None:
+            return None
+        return Submit(request_id=submit.request_id, prompt_token_ids=TokenIds(request.prompt_token_ids),
+                      sampling=submit.sampling, pin_rank=submit.pin_rank, timeout_s=timeout, reattach=True,
+                      delivered_token_ids=TokenIds(request.received))
 
     def _on_delta(self, delta: Delta) -> None:
         request = self._requests.get(delta.request_id)
@@ -352,6 +407,7 @@ class InferenceClient:
             return   # a late delta of a request abandoned here
         if delta.prompt_token_ids is not None and request.prompt_token_ids is None:
             request.prompt_token_ids = list(delta.prompt_token_ids)
+        request.received.extend(delta.token_ids)
         request.queue.put_nowait(RequestOutput(
             delta.request_id, list(delta.token_ids), delta.text, finished=delta.finished,
             finish_reason=delta.finish_reason, logprobs=delta.logprobs, error=delta.error,

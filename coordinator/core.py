@@ -17,11 +17,13 @@ import heapq
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import Action, ClusterState, Refusal, commands_to_reach, transition
+from infer.coordinator.orphans import Orphan, OrphanTable
 from infer.coordinator.routing import make_policy
 from infer.coordinator.state import ClientRecord, RequestRecord, RequestTable, WorkerRecord, WorkerTable
 from infer.protocol.messages import (
@@ -47,6 +49,7 @@ class Counters:
     frames_rejected: int = 0
     requests_rejected: int = 0
     requests_timed_out: int = 0
+    requests_reattached: int = 0
 
 
 @dataclass
@@ -66,6 +69,9 @@ class Coordinator:
         self.workers = WorkerTable()
         self.clients: dict[bytes, ClientRecord] = {}
         self.requests = RequestTable()
+        self.instance = uuid.uuid4().hex[:16]      # this process; peers notice a restart when it changes
+        self.orphans = OrphanTable()
+        self._reattaching: dict[str, RequestRecord] = {}   # re-attached, waiting (restart_grace) for their worker
         self.model_id = config.model_id
         self.counters = Counters()
         self._out: list[tuple[bytes, Message]] = []
@@ -118,6 +124,7 @@ class Coordinator:
         self._next_tick = now + self.config.heartbeat_interval
         self._check_workers(now)
         self._check_clients(now)
+        self._check_reattaching(now)
         self._check_held(now)
         self._answer_stats_waiters(now)
         self._log_rejections()
@@ -215,7 +222,8 @@ class Coordinator:
         self._send(identity, Refused(reason=reason))
 
     def _welcome(self) -> Welcome:
-        return Welcome(coordinator_id=self.config.coordinator_id, state=self.state.value, model_id=self.model_id)
+        return Welcome(coordinator_id=self.config.coordinator_id, state=self.state.value, model_id=self.model_id,
+                       instance=self.instance)
 
     def _admission_problem(self, hello: Hello) -> str | None:
         if self.model_id is not None and hello.model_id != self.model_id:
@@ -250,7 +258,7 @@ class Coordinator:
         self._routable_cache = None
         if self.model_id is None:
             self.model_id = hello.model_id
-        stale = [rid for rid in hello.running if rid not in worker.requests]
+        stale = self._take_back(worker, hello, now)
         if stale:
             self._send(identity, Abort(request_ids=stale))
         self._send(identity, self._welcome())
@@ -258,8 +266,104 @@ class Coordinator:
             self._send(identity, Control(command=command))
         log.info("worker %s: %s%s", "re-registered" if old is not None else "joined", worker.describe(),
                  f"; aborting {len(stale)} request(s) it still ran that moved elsewhere" if stale else "")
+        if len(self.orphans):
+            log.info("%d request(s) of workers that registered again wait for their clients to re-attach",
+                     len(self.orphans))
         self._dispatch_held(now)
         self._answer_stats_waiters(now)
+
+    def _take_back(self, worker: WorkerRecord, hello: Hello, now: float) -> list[str]:
+        """The requests `worker` still runs that this coordinator does not place on it: a re-attached one
+        waiting for it is handed back, one no client claimed yet becomes an orphan (its client will), the
+        rest (moved elsewhere, or with no snapshot) are returned to be aborted there."""
+        snapshots = {s.request_id: s for s in hello.snapshots}
+        stale = []
+        for rid in hello.running:
+            if rid in worker.requests:
+                continue
+            snapshot = snapshots.get(rid)
+            waiting = self._reattaching.pop(rid, None)
+            if snapshot is not None and waiting is not None:
+                if self._adopt(waiting, Orphan.from_snapshot(worker.worker_id, snapshot, now), now):
+                    continue
+                self.requests.hold(waiting, now)
+            elif snapshot is not None and self.requests.get(rid) is None:
+                self.orphans.add(Orphan.from_snapshot(worker.worker_id, snapshot, now))
+                continue
+            stale.append(rid)
+        return stale
+
+    def _adopt(self, request: RequestRecord, orphan: Orphan, now: float) -> bool:
+        """Hand `orphan` (its worker runs it) back to `request`'s client: send what the client lacks, then
+        relay as usual. False when the client's copy does not fit the worker's (resume it instead)."""
+        worker = self.workers.by_id.get(orphan.worker_id)
+        catch_up = orphan.catch_up(request.delivered) if worker is not None and worker.healthy else None
+        if catch_up is None:
+            if worker is not None and worker.healthy and orphan.final is None:
+                self._send(worker.identity, Abort(request_ids=[orphan.request_id]))
+            return False
+        tokens, text = catch_up
+        self.counters.requests_reattached += 1
+        if request.prompt_token_ids is None:
+            request.prompt_token_ids = orphan.prompt_token_ids
+        final = orphan.final
+        delta = Delta(request_id=request.request_id, token_ids=tokens, text=text,
+                      num_prompt_tokens=len(request.prompt_token_ids),
+                      prompt_token_ids=None if request.sent_prompt_ids else request.prompt_token_ids,
+                      finished=final is not None, finish_reason=None if final is None else final.finish_reason,
+                      error=None if final is None else final.error,
+                      error_code=None if final is None else final.error_code)
+        request.sent_prompt_ids = True
+        request.delivered.extend(tokens)
+        if final is not None:
+            self.counters.requests_failed += final.finish_reason == "error"
+            self.counters.requests_completed += final.finish_reason != "error"
+            self._finish(request, delta, {})
+            return True
+        if tokens or text or delta.prompt_token_ids is not None:
+            self._to_client(request, delta)
+        self.requests.unhold(request)
+        request.worker_id = worker.worker_id
+        request.charged = request.cost
+        worker.requests.add(request.request_id)
+        worker.cost_in_flight += request.charged
+        log.debug("request %r re-attached on worker %r after %d token(s)", request.request_id, worker.worker_id,
+                  len(request.delivered))
+        return True
+
+    def _reattach(self, client: ClientRecord, submit: Submit, now: float) -> None:
+        """A client sends an unfinished request again after this coordinator (re)started: take over the
+        worker's copy if one registered, wait for it during restart_grace, else resume from the client's."""
+        rid = submit.request_id
+        request = self._new_record(client.identity, submit, now)
+        request.delivered = TokenIds(submit.delivered_token_ids)
+        request.sent_prompt_ids = bool(request.delivered)
+        self.requests.add(request)
+        client.requests.add(rid)
+        orphan = self.orphans.take(rid)
+        if orphan is not None and self._adopt(request, orphan, now):
+            return
+        if orphan is None and now < self._started + self.config.restart_grace:
+            self._reattaching[rid] = request
+            return
+        self._admit(request, now)
+
+    def _check_reattaching(self, now: float) -> None:
+        """After restart_grace, re-attached requests whose worker never came back are resumed elsewhere;
+        orphans no client claimed are aborted on their workers."""
+        if self._reattaching and now >= self._started + self.config.restart_grace:
+            waiting, self._reattaching = list(self._reattaching.values()), {}
+            log.info("%d re-attached request(s) found no worker running them: resuming them from the clients' "
+                     "tokens", len(waiting))
+            for request in waiting:
+                self._admit(request, now)
+        to_workers: dict[str, list[str]] = {}
+        for orphan in self.orphans.expired(now, self.config.client_timeout + self.config.restart_grace):
+            if orphan.final is None:
+                to_workers.setdefault(orphan.worker_id, []).append(orphan.request_id)
+        if to_workers:
+            log.warning("aborting %d request(s) no client re-attached", sum(map(len, to_workers.values())))
+            self._send_aborts(to_workers)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -284,9 +388,15 @@ class Coordinator:
                                                f"{'stopping' if self._drain is None else 'draining to stop'}",
                                        request_id=rid, code="unavailable"))
             return
-        if rid in self.requests.by_id:
+        existing = self.requests.get(rid)
+        if existing is not None and submit.reattach and existing.client == identity:
+            return      # it got here before the client noticed the restart: nothing to re-attach
+        if existing is not None:
             self._send(identity, Error(message=f"request id {rid!r} is already in flight", request_id=rid,
                                          code="invalid_request"))
+            return
+        if submit.reattach:
+            self._reattach(client, submit, now)
             return
         overloaded = self._admission_refusal(submit)
         if overloaded is not None:
@@ -294,17 +404,26 @@ class Coordinator:
             self._send(identity, Error(message=f"request {rid!r} not accepted: {overloaded}", request_id=rid,
                                        code="overloaded"))
             return
+        request = self._new_record(identity, submit, now)
+        self.requests.add(request)
+        client.requests.add(rid)
+        self.counters.requests_submitted += 1
+        self._admit(request, now)
+
+    def _new_record(self, identity: bytes, submit: Submit, now: float) -> RequestRecord:
         sampling = submit.sampling
         request = RequestRecord(
-            request_id=rid, client=identity, prompt=submit.prompt, prompt_token_ids=submit.prompt_token_ids,
-            sampling=sampling, max_tokens=sampling.get("max_tokens", _DEFAULTS.max_tokens),
+            request_id=submit.request_id, client=identity, prompt=submit.prompt,
+            prompt_token_ids=submit.prompt_token_ids, sampling=sampling,
+            max_tokens=sampling.get("max_tokens", _DEFAULTS.max_tokens),
             min_tokens=sampling.get("min_tokens", _DEFAULTS.min_tokens), pin_rank=submit.pin_rank,
             submitted_at=now, deadline=None if submit.timeout_s is None else now + submit.timeout_s)
         if request.deadline is not None:
             self._add_deadline(request)
-        self.requests.add(request)
-        client.requests.add(rid)
-        self.counters.requests_submitted += 1
+        return request
+
+    def _admit(self, request: RequestRecord, now: float) -> None:
+        """Dispatch an accepted request now, or hold it behind the ones already waiting."""
         if self.state is ClusterState.RUNNING and not self.requests.held:
             self._dispatch(request, now)
         else:
@@ -471,7 +590,10 @@ class Coordinator:
         for delta in batch.deltas:
             request = self.requests.get(delta.request_id)
             if request is None or request.worker_id != worker.worker_id:
-                if not delta.finished:
+                orphan = self.orphans.get(delta.request_id)
+                if orphan is not None and orphan.worker_id == worker.worker_id:
+                    orphan.extend(delta)
+                elif not delta.finished:
                     stray.append(delta.request_id)
                 continue
             self._relay(request, worker, delta, now)
@@ -481,9 +603,12 @@ class Coordinator:
             self._dispatch_held(now)
 
     def _unknown_worker(self, identity: bytes, worker: WorkerRecord | None, running: list[str]) -> None:
+        """A worker frame from a peer that is not a registered, live worker: ask it to register again. One
+        declared dead also aborts what it runs (moved elsewhere); one never seen (this coordinator restarted)
+        keeps running: its Hello will bring those requests back."""
         who = f"{worker.worker_id!r}, declared dead" if worker is not None else f"with identity {identity.hex()}"
         self._send(identity, Error(message=f"unknown worker ({who}): send hello to register again"))
-        if running:
+        if running and worker is not None:
             self._send(identity, Abort(request_ids=running))
 
     def _relay(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
@@ -572,11 +697,13 @@ class Coordinator:
             if heartbeat.load is not None:
                 worker.load = heartbeat.load
             return
-        if self._client(identity, now) is not None:
-            self._send(identity, Heartbeat(sent_at=time.time()))
+        if heartbeat.load is not None:      # only workers report load: one this coordinator does not know yet
+            self._unknown_worker(identity, None, [])
+        elif self._client(identity, now) is not None:
+            self._send(identity, Heartbeat(sent_at=time.time(), instance=self.instance))
 
     def _check_workers(self, now: float) -> None:
-        beat = Heartbeat(sent_at=time.time())
+        beat = Heartbeat(sent_at=time.time(), instance=self.instance)
         for worker in [w for w in self.workers if w.healthy]:
             silent = now - worker.last_seen
             if silent > self.config.worker_timeout:
@@ -591,6 +718,7 @@ class Coordinator:
         self.policy.forget_rank(worker.dp_rank)
         if self._stop_pending is not None:
             self._stop_pending.discard(worker.worker_id)
+        self.orphans.drop_worker(worker.worker_id)
         mates = [w for w in self.workers if w.healthy and w.group_id == worker.group_id]
         log.warning("worker left: %s: %s; moving its %d request(s)%s", worker.describe(), reason,
                     len(worker.requests), f"; its group {worker.group_id!r} is unhealthy until it returns"
@@ -731,7 +859,7 @@ class Coordinator:
             requests_failed=c.requests_failed, requests_aborted=c.requests_aborted,
             requests_redispatched=c.requests_redispatched, frames_rejected=c.frames_rejected,
             uptime_s=round(now - self._started, 3), requests_rejected=c.requests_rejected,
-            requests_timed_out=c.requests_timed_out)
+            requests_timed_out=c.requests_timed_out, requests_reattached=c.requests_reattached)
 
     def _log_rejections(self) -> None:
         rejected = self.counters.frames_rejected

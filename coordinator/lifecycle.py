@@ -68,5 +68,7 @@ def transition(state: ClusterState, command: str) -> Transition | Refusal:
 
 
 def commands_to_reach(state: ClusterState) -> tuple[str, ...]:
-    """The commands that take a fresh (running) worker to `state`: sent to a worker joining late."""
-    return {_R: (), _P: ("pause",), _S: ("pause", "suspend"), _X: ("stop",)}[state]
+    """The commands that take a worker in any state to `state`: sent to every worker that registers (one may
+    join late, or come from a coordinator that died while the cluster was paused; a worker obeys the last
+    command it got, so "unpause" is harmless to one already running)."""
+    return {_R: ("unpause",), _P: ("pause",), _S: ("pause", "suspend"), _X: ("stop",)}[state]

@@ -499,6 +499,7 @@ class ClusterStats(Message):
     uptime_s: float
     requests_rejected: int = 0    # refused at once as "overloaded" (admission control)
     requests_timed_out: int = 0   # ended by their own timeout
+    requests_reattached: int = 0  # handed back to their clients from the workers' copies after a restart
 
     @property
     def num_healthy_workers(self) -> int:

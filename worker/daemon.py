@@ -34,7 +34,7 @@ import zmq
 
 from infer.protocol.messages import (
     MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message,
-    ProtocolError, Refused, StepBatch, TokenIds, Welcome, decode
+    ProtocolError, Refused, RequestSnapshot, StepBatch, TokenIds, Welcome, decode
 )
 from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
@@ -141,8 +141,9 @@ class _RateLimitedLog:
 class Worker:
     """Runs `engine` for the coordinator at `options.coordinator` until told to stop (see the module doc).
 
-    Invariant: `_requests` holds exactly the ids dispatched here whose finished delta has not been sent;
-    its value is the prompt ids the first delta must echo, None once sent.
+    Invariant: `_requests` holds exactly the ids dispatched here whose finished delta has not been sent,
+    each with what its deltas carried so far (`_Sent`): the Hello of a re-registration (say, with a
+    restarted coordinator) sends it, so the coordinator can hand each stream back to its client.
     """
 
     def __init__(self, engine: EngineLike, options: WorkerOptions, ctx: zmq.Context,
@@ -156,7 +157,9 @@ class Worker:
         self._leaving: str | None = None       # why this rank leaves its EP group (said in the next round)
         self._last_round = time.monotonic()
         self.state = "running"                 # running | paused | suspended (lifecycle, by Control)
-        self._requests: dict[str, TokenIds | None] = {}
+        self._requests: dict[str, _Sent] = {}
+        self._silenced: set[str] = set()       # aborted at the coordinator's request: their final delta is dropped
+        self._instance: str | None = None      # the coordinator process that welcomed us (a change: it restarted)
         self._outbox: list[Delta] = []         # deltas made outside a step (rejected Dispatches)
         now = time.monotonic()
         self._last_sent = self._last_heard = self._hello_sent_at = now
@@ -304,16 +307,26 @@ class Worker:
         raise WorkerExit(EXIT_FATAL, f"fatal: {reason}")
 
     def _send_step_batch(self, outputs: list[RequestOutput]) -> None:
+        silenced = 0
+        if self._silenced:
+            kept = [out for out in outputs if not self._silence(out)]
+            silenced, outputs = len(outputs) - len(kept), kept
         deltas, self._outbox = self._outbox + [self._delta(out) for out in outputs], []
-        if deltas:
+        if deltas or silenced:     # an abort freed blocks: the coordinator hears of it at once
             self._send(StepBatch(deltas=deltas, load=self.engine.load()))
 
+    def _silence(self, out: RequestOutput) -> bool:
+        if out.finish_reason == "abort" and out.request_id in self._silenced:
+            self._silenced.discard(out.request_id)
+            return True
+        return False
+
     def _delta(self, out: RequestOutput) -> Delta:
-        prompt_ids = self._requests.get(out.request_id)
-        if out.finished:
-            self._requests.pop(out.request_id, None)
-        elif out.request_id in self._requests:
-            self._requests[out.request_id] = None
+        sent = self._requests.pop(out.request_id, None) if out.finished else self._requests.get(out.request_id)
+        prompt_ids = None
+        if sent is not None:
+            prompt_ids = None if sent.echoed else sent.prompt_token_ids
+            sent.record(out.token_ids, out.text)
         return Delta(request_id=out.request_id, token_ids=TokenIds(out.token_ids), text=out.text,
                      finished=out.finished, finish_reason=out.finish_reason, error=out.error,
                      logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
@@ -339,7 +352,8 @@ class Worker:
                          dp_rank=self.options.dp_rank, group_id=self.options.group_id,
                          num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
                          max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
-                         running=list(self._requests), max_waiting=self.options.max_waiting_requests))
+                         running=list(self._requests), max_waiting=self.options.max_waiting_requests,
+                         snapshots=[sent.snapshot(rid) for rid, sent in self._requests.items()]))
         self._welcomed = False
         self._hello_sent_at = time.monotonic()
 
@@ -347,6 +361,7 @@ class Worker:
         if self._welcomed:
             return
         self._welcomed = True
+        self._instance = msg.instance
         if self._ever_welcomed:
             log.info("re-registered with coordinator %s (%d requests running)", msg.coordinator_id,
                      len(self._requests))
@@ -390,7 +405,8 @@ class Worker:
             request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids)
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request", msg.prompt_token_ids)
-        self._requests[msg.request_id] = TokenIds(request.prompt_token_ids)
+        self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), len(msg.resumed_token_ids),
+                                               TokenIds(msg.resumed_token_ids))
 
     def _reject(self, request_id: str, reason: str, code: str, prompt_token_ids: TokenIds | None = None) -> None:
         self._warn.warning("request %r rejected: %s", request_id, reason)
@@ -399,8 +415,11 @@ class Worker:
                                   prompt_token_ids=prompt_token_ids))
 
     def _on_abort(self, msg: Abort) -> None:
+        """The coordinator forgot these requests before it asked: free their KV blocks now and send no final
+        delta (so the same id may be dispatched here again at once). Unknown or finished ids: nothing to do."""
         for request_id in msg.request_ids:
-            self.engine.abort(request_id)   # unknown or finished ids: nothing to do
+            if self._requests.pop(request_id, None) is not None and self.engine.abort(request_id):
+                self._silenced.add(request_id)
 
     def _abort_all(self) -> None:
         for request_id in list(self._requests):
@@ -476,10 +495,49 @@ class Worker:
             self._warn.warning("send queue to the coordinator is full; dropped a %r frame", msg.TYPE)
         self._last_sent = time.monotonic()
 
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        if self._welcomed and msg.instance is not None and self._instance not in (None, msg.instance):
+            log.warning("the coordinator restarted (instance %s -> %s); registering again with %d request(s)",
+                        self._instance, msg.instance, len(self._requests))
+            self._send_hello()
+
     _HANDLERS: ClassVar[dict[type[Message], Callable[[Worker, Any], None]]] = {
         Welcome: _on_welcome, Refused: _on_refused, Error: _on_error, Dispatch: _on_dispatch,
-        Abort: _on_abort, Control: _on_control, Heartbeat: lambda self, msg: None,
+        Abort: _on_abort, Control: _on_control, Heartbeat: _on_heartbeat,
     }
+
+
+class _Sent:
+    """What the deltas of one request carried so far: enough to rebuild its stream from any delta boundary
+    (see RequestSnapshot). Tokens resumed from a failover come first; their text is the client's already."""
+
+    __slots__ = ("prompt_token_ids", "resumed", "token_ids", "text_parts", "delta_ends", "text_ends", "text_len",
+                 "echoed")
+
+    def __init__(self, prompt_token_ids: TokenIds, resumed: int, resumed_token_ids: TokenIds) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.resumed = resumed
+        self.token_ids = resumed_token_ids
+        self.text_parts: list[str] = []
+        self.delta_ends: list[int] = []
+        self.text_ends: list[int] = []
+        self.text_len = 0
+        self.echoed = False          # the first delta (which echoes the prompt ids) went out
+
+    def record(self, token_ids: list[int], text: str) -> None:
+        self.echoed = True
+        if token_ids or text:
+            self.token_ids.extend(token_ids)
+            if text:
+                self.text_parts.append(text)
+                self.text_len += len(text)
+            self.delta_ends.append(len(self.token_ids))
+            self.text_ends.append(self.text_len)
+
+    def snapshot(self, request_id: str) -> RequestSnapshot:
+        return RequestSnapshot(request_id=request_id, prompt_token_ids=self.prompt_token_ids,
+                               token_ids=TokenIds(self.token_ids), resumed=self.resumed, text="".join(self.text_parts),
+                               delta_ends=list(self.delta_ends), text_ends=list(self.text_ends))
 
 
 def _peek_request_id(frame: bytes) -> str | None:

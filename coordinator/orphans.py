@@ -1,0 +1,90 @@
+"""Requests a worker still runs that this coordinator has no record of: after the coordinator restarted, its
+workers register again with every running request as it stands (a RequestSnapshot), and the clients re-attach
+(Submit with `reattach`) a moment later. Until then, or until they expire, those requests are orphans: their
+later deltas are kept here, so the stream can be handed back from wherever the client's copy stops. No I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infer.protocol.messages import Delta, RequestSnapshot, TokenIds
+
+
+@dataclass(eq=False)
+class Orphan:
+    """One request a worker runs for a client the coordinator does not know yet; `final` is its finished
+    delta when it ended before the client came back."""
+
+    worker_id: str
+    request_id: str
+    prompt_token_ids: TokenIds
+    since: float
+    resumed: int = 0
+    token_ids: TokenIds = field(default_factory=TokenIds)
+    text_parts: list[str] = field(default_factory=list)
+    text_len: int = 0
+    delta_ends: list[int] = field(default_factory=list)
+    text_ends: list[int] = field(default_factory=list)
+    final: Delta | None = None
+
+    @classmethod
+    def from_snapshot(cls, worker_id: str, snapshot: RequestSnapshot, now: float) -> Orphan:
+        return cls(worker_id=worker_id, request_id=snapshot.request_id, prompt_token_ids=snapshot.prompt_token_ids,
+                   since=now, resumed=snapshot.resumed, token_ids=TokenIds(snapshot.token_ids),
+                   text_parts=[snapshot.text], text_len=len(snapshot.text), delta_ends=list(snapshot.delta_ends),
+                   text_ends=list(snapshot.text_ends))
+
+    def extend(self, delta: Delta) -> None:
+        """A later delta of this request from its worker."""
+        if delta.token_ids or delta.text:
+            self.token_ids.extend(delta.token_ids)
+            self.text_parts.append(delta.text)
+            self.text_len += len(delta.text)
+            self.delta_ends.append(len(self.token_ids))
+            self.text_ends.append(self.text_len)
+        if delta.finished:
+            self.final = delta
+
+    def catch_up(self, held: TokenIds) -> tuple[TokenIds, str] | None:
+        """What a client holding the output tokens `held` still lacks (tokens, text), or None when its copy
+        does not match this one or stops inside a delta (the request must then be resumed from `held`)."""
+        if list(self.token_ids[:len(held)]) != list(held):
+            return None
+        snapshot = RequestSnapshot(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                                   token_ids=self.token_ids, resumed=self.resumed, text="".join(self.text_parts),
+                                   delta_ends=self.delta_ends, text_ends=self.text_ends)
+        return snapshot.catch_up(len(held))
+
+
+class OrphanTable:
+    """Orphans by request id."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, Orphan] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def add(self, orphan: Orphan) -> None:
+        self.by_id[orphan.request_id] = orphan
+
+    def get(self, request_id: str) -> Orphan | None:
+        return self.by_id.get(request_id)
+
+    def take(self, request_id: str) -> Orphan | None:
+        return self.by_id.pop(request_id, None)
+
+    def drop_worker(self, worker_id: str) -> list[Orphan]:
+        """Forget the orphans of a worker that died (their clients will resume them from their own copy)."""
+        dropped = [o for o in self.by_id.values() if o.worker_id == worker_id]
+        for orphan in dropped:
+            del self.by_id[orphan.request_id]
+        return dropped
+
+    def expired(self, now: float, ttl: float) -> list[Orphan]:
+        """Remove and return the orphans no client claimed within `ttl` seconds."""
+        old = [o for o in self.by_id.values() if now - o.since > ttl]
+        for orphan in old:
+            del self.by_id[orphan.request_id]
+        return old
