@@ -30,9 +30,10 @@ class Orphan:
 
     @classmethod
     def from_snapshot(cls, worker_id: str, snapshot: RequestSnapshot, now: float) -> Orphan:
-        return cls(worker_id=worker_id, request_id=snapshot.request_id, prompt_token_ids=snapshot.prompt_token_ids,
-                   since=now, resumed=snapshot.resumed, token_ids=TokenIds(snapshot.token_ids),
-                   text_parts=[snapshot.text], text_len=len(snapshot.text), delta_ends=list(snapshot.delta_ends),
+        return cls(worker_id=worker_id, request_id=snapshot.request_id,
+                   prompt_token_ids=snapshot.prompt_token_ids, since=now, resumed=snapshot.resumed,
+                   token_ids=TokenIds(snapshot.token_ids), text_parts=[snapshot.text],
+                   text_len=len(snapshot.text), delta_ends=list(snapshot.delta_ends),
                    text_ends=list(snapshot.text_ends))
 
     def extend(self, delta: Delta) -> None:
@@ -52,8 +53,9 @@ class Orphan:
         if list(self.token_ids[:len(held)]) != list(held):
             return None
         snapshot = RequestSnapshot(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                                   token_ids=self.token_ids, resumed=self.resumed, text="".join(self.text_parts),
-                                   delta_ends=self.delta_ends, text_ends=self.text_ends)
+                                   token_ids=self.token_ids, resumed=self.resumed,
+                                   text="".join(self.text_parts), delta_ends=self.delta_ends,
+                                   text_ends=self.text_ends)
         return snapshot.catch_up(len(held))
 
 

@@ -1,0 +1,110 @@
+"""A restarted coordinator taking back what was in flight, driven frame by frame (see core_harness.py).
+
+Workers register with RequestSnapshots of what they run; clients re-attach with the tokens they hold. The
+coordinator hands each stream back from the worker's copy (sending only what the client lacks), waits
+restart_grace for a worker that has not registered yet, resumes from the client's tokens when no copy
+fits, and aborts copies no client claims.
+"""
+
+from __future__ import annotations
+
+from core_harness import Harness, delta, worker_hello
+
+from infer.protocol.messages import (
+    Abort, DeltaBatch, Dispatch, Error, Heartbeat, RequestSnapshot, Submit, TokenIds
+)
+
+CLIENT = b"client-1"
+PROMPT = [1, 2, 3]
+
+
+def _snapshot(rid: str, tokens: list[int], ends: list[int]) -> RequestSnapshot:
+    """A worker's copy whose deltas ended at `ends`; token t has text "<t>"."""
+    text_ends = [sum(len(f"<{t}>") for t in tokens[:e]) for e in ends]
+    return RequestSnapshot(request_id=rid, prompt_token_ids=TokenIds(PROMPT), token_ids=TokenIds(tokens),
+                           text="".join(f"<{t}>" for t in tokens), delta_ends=ends, text_ends=text_ends)
+
+
+def _reattach(h: Harness, rid: str, held: list[int], **extra):
+    return h.send(CLIENT, Submit(request_id=rid, prompt_token_ids=TokenIds(PROMPT), reattach=True,
+                                 sampling={"temperature": 0.0, "max_tokens": 10},
+                                 delivered_token_ids=TokenIds(held), **extra))
+
+
+def _client_deltas(out):
+    return [d for identity, m in out if identity == CLIENT and isinstance(m, DeltaBatch) for d in m.deltas]
+
+
+def _to(out, identity, kind):
+    return [m for i, m in out if i == identity and isinstance(m, kind)]
+
+
+def test_a_client_takes_back_its_request_from_the_worker_that_runs_it():
+    h = Harness(restart_grace=2.0)
+    h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[_snapshot("r", [7, 8, 9, 10], [1, 2, 4])]))
+    assert h.core.orphans.get("r") is not None
+    h.step("w0", delta("r", 11))                       # it goes on meanwhile: kept for the client
+    out = _reattach(h, "r", [7, 8])                    # the client got two deltas before the crash
+    (catch_up,) = _client_deltas(out)
+    assert list(catch_up.token_ids) == [9, 10, 11] and catch_up.text == "<9><10><11>"
+    assert not _to(out, b"w0", Dispatch) and not _to(out, b"w0", Abort)     # no recompute
+    (rest,) = _client_deltas(h.step("w0", delta("r", 12, finish="length")))
+    assert list(rest.token_ids) == [12] and rest.finish_reason == "length"
+    stats = h.core.stats(h.now)
+    assert stats.requests_reattached == 1 and stats.requests_redispatched == 0 and stats.num_in_flight == 0
+
+
+def test_a_request_that_finished_while_nobody_listened_is_handed_over_finished():
+    h = Harness()
+    h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[_snapshot("r", [7], [1])]))
+    h.step("w0", delta("r", 8, finish="length"))
+    (final,) = _client_deltas(_reattach(h, "r", [7]))
+    assert list(final.token_ids) == [8] and final.finish_reason == "length"
+    assert h.core.requests.get("r") is None
+
+
+def test_a_client_first_waits_for_its_worker_to_register():
+    h = Harness(restart_grace=2.0)
+    h.worker("w1", 1)
+    assert not _client_deltas(_reattach(h, "r", [7])) and h.core.requests.get("r").worker_id is None
+    out = h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[_snapshot("r", [7, 8], [1, 2])]))
+    assert [list(d.token_ids) for d in _client_deltas(out)] == [[8]]
+    assert h.core.requests.get("r").worker_id == "w0" and not _to(out, b"w1", Dispatch)
+
+
+def test_without_a_worker_copy_the_request_resumes_from_the_clients_tokens():
+    h = Harness(restart_grace=0.5)
+    h.worker("w0", 0)
+    assert not _reattach(h, "r", [7, 8])
+    out = h.advance(0.6)                                # grace over: nobody runs it
+    (dispatch,) = _to(out, b"w0", Dispatch)
+    assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.sampling["max_tokens"] == 8
+
+
+def test_a_copy_that_does_not_fit_the_clients_is_aborted_and_the_request_resumed():
+    h = Harness(restart_grace=0.0)
+    h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[_snapshot("r", [7, 8, 9], [3])]))
+    out = _reattach(h, "r", [7])             # the client's copy stops inside the worker's only delta
+    assert _to(out, b"w0", Abort)[0].request_ids == ["r"]
+    (dispatch,) = _to(out, b"w0", Dispatch)
+    assert list(dispatch.resumed_token_ids) == [7]
+
+
+def test_copies_no_client_claims_are_aborted_after_the_client_timeout():
+    h = Harness(restart_grace=0.2, client_timeout=1.0)
+    h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[_snapshot("r", [7], [1])]))
+    out = []
+    for _ in range(14):
+        h.send(b"w0", Heartbeat(sent_at=0.0))
+        out += h.advance(0.1)
+    assert ["r"] in [m.request_ids for m in _to(out, b"w0", Abort)] and h.core.orphans.get("r") is None
+
+
+def test_a_request_already_here_is_not_attached_twice_and_others_ids_are_refused():
+    h = Harness()
+    h.worker("w0", 0)
+    h.submit(CLIENT, "r")
+    assert not _reattach(h, "r", [])                    # the queued Submit got here first: nothing to do
+    (err,) = _to(h.send(b"other", Submit(request_id="r", prompt_token_ids=TokenIds(PROMPT), reattach=True)),
+                 b"other", Error)
+    assert "already in flight" in err.message
