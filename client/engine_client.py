@@ -27,7 +27,13 @@ class EngineClient(Protocol):
       and `error_code` (one of protocol.outputs.ERROR_CODES); it never raises for that. The first delta
       carries `num_prompt_tokens` (and `queue_time_s` where known). Leaving the iteration early aborts
       the request and frees its KV blocks.
-    - `generate` is `stream` folded into one Completion.
+    - `timeout` (seconds, in (0, MAX_REQUEST_TIMEOUT_S], counted from the call): a request that has not
+      finished by then is aborted (its KV blocks freed) and its stream ends with a last delta with
+      finish_reason "error", error_code "timeout". It never raises TimeoutError; a timeout outside that
+      range raises ValueError.
+    - A request refused because a queue on its way is full ends at once with error_code "overloaded"
+      (it was not run: retrying later is safe).
+    - `generate` is `stream` folded into one Completion (a timeout is its finish_reason / error_code).
     - `stats` answers from the live engine(s), never from a cache: it is the health check's round trip.
     - `pause / unpause / suspend / resume` return the new state, or raise RuntimeError where the
       implementation has no such lifecycle (direct mode) with a message that says so.
@@ -37,8 +43,8 @@ class EngineClient(Protocol):
     @property
     def model_id(self) -> str | None: ...
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-               request_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+               timeout: float | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str | None = None, timeout: float | None = None) -> Completion: ...

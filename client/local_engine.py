@@ -8,6 +8,11 @@ each request's deltas go to its own asyncio.Queue on the loop that submitted it,
 Failures, and where they surface (the EngineClient contract):
 - A prompt or option the engine rejects: the request's only delta, finish_reason "error", error_code
   "invalid_request". Nothing raises.
+- A request past its `timeout`: the engine thread checks deadlines each time it wakes (after every step and
+  every batch of commands; a request's deadline only matters while the engine has work, when it steps
+  without blocking), aborts it (its KV blocks are freed at once) and ends its stream with finish_reason
+  "error", error_code "timeout". A `timeout` out of range raises ValueError at the call (as in
+  InferenceClient).
 - An engine step that raises: every in-flight request ends with an "error" delta, error_code "internal";
   the engine thread then stops and later calls raise ClusterError with the reason.
 - After close(): calls raise ClusterError; requests still in flight at close were aborted on the engine
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import heapq
 import itertools
 import logging
 import queue
@@ -29,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from infer.client.inference_client import ClusterError
-from infer.protocol.messages import ClusterStats, WorkerStats
+from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
 
@@ -49,7 +56,8 @@ def direct_mode_error(command: str) -> RuntimeError:
     """The error of a lifecycle command in direct mode (shared by LocalEngine and LLM)."""
     return RuntimeError(
         f"{command}() needs coordinator mode: this engine runs in-process (direct mode), where there is no "
-        f"cluster to {command}; create the LLM / AsyncLLM with use_coordinator=True (or coordinator_address=...)")
+        f"cluster to {command}; create the LLM / AsyncLLM with use_coordinator=True "
+        f"(or coordinator_address=...)")
 
 
 @dataclass
@@ -70,7 +78,8 @@ class RequestCounters:
             self.completed += 1
 
 
-def local_stats(engine: Engine, counters: RequestCounters, *, num_in_flight: int, uptime_s: float) -> ClusterStats:
+def local_stats(engine: Engine, counters: RequestCounters, *, num_in_flight: int,
+                uptime_s: float) -> ClusterStats:
     """ClusterStats of a one-engine "cluster": state "running", one healthy worker with the engine's live
     load. Call it on the thread that owns the engine."""
     worker = WorkerStats(worker_id="local", dp_rank=0, group_id="dp0", healthy=True,
@@ -100,9 +109,13 @@ class _Stream:
 
 @dataclass(frozen=True)
 class _Add:
+    """`timeout` counts from `submitted_at` (time.monotonic() on the caller's side)."""
+
     stream: _Stream
     prompt: Prompt
     params: SamplingParams | None
+    timeout: float | None = None
+    submitted_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,9 @@ class LocalEngine:
         self._lock = threading.Lock()         # orders "is it closed?" + put against close()
         self._closed_reason: str | None = None
         self._streams: dict[str, _Stream] = {}   # engine thread only: requests in the engine
+        # engine thread only: a heap of (deadline, seq, stream, timeout); finished streams are skipped
+        self._deadlines: list[tuple[float, int, _Stream, float]] = []
+        self._deadline_seq = itertools.count()
         self._counters = RequestCounters()       # engine thread only
         self._started_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="infer-local-engine", daemon=True)
@@ -153,23 +169,25 @@ class LocalEngine:
     # ---- EngineClient ---------------------------------------------------------------------------
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Deltas of one request; the last has `finished`. Leaving the loop early aborts the request."""
-        stream = self._open(prompt, params, request_id)
+                     request_id: str | None = None,
+                     timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request; the last has `finished`. Leaving the loop early aborts the request.
+        `timeout` (seconds from this call): past it the request is aborted and its last delta has
+        finish_reason "error", error_code "timeout"."""
+        stream = self._open(prompt, params, request_id, timeout)
         async with aclosing(self._deltas(stream)) as deltas:
             async for delta in deltas:
                 yield delta
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str | None = None, timeout: float | None = None) -> Completion:
-        """The request run to the end as one Completion; `timeout` aborts it and raises TimeoutError."""
-        stream = self._open(prompt, params, request_id)
+        """The request run to the end as one Completion; past `timeout` it ends with finish_reason "error",
+        error_code "timeout" (aborted, KV blocks freed)."""
+        stream = self._open(prompt, params, request_id, timeout)
         completion = Completion(stream.request_id, [], prompt=prompt if isinstance(prompt, str) else None)
-        try:
-            await asyncio.wait_for(self._fold(stream, completion), timeout)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"request {stream.request_id!r} did not finish in {timeout} s") from None
-        completion.prompt_token_ids = stream.prompt_token_ids or ([] if isinstance(prompt, str) else list(prompt))
+        await self._fold(stream, completion)
+        given = [] if isinstance(prompt, str) else list(prompt)
+        completion.prompt_token_ids = stream.prompt_token_ids or given
         return completion
 
     async def abort(self, request_id: str) -> None:
@@ -211,9 +229,13 @@ class LocalEngine:
 
     # ---- caller side ----------------------------------------------------------------------------
 
-    def _open(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> _Stream:
+    def _open(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+              timeout: float | None) -> _Stream:
+        if timeout is not None and not _valid_timeout(timeout):
+            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S:g}], "
+                             f"got {timeout!r}")
         stream = _Stream(request_id or f"local-{next(self._ids)}", asyncio.get_running_loop())
-        self._send(_Add(stream, prompt, params))
+        self._send(_Add(stream, prompt, params, timeout, time.monotonic()))
         return stream
 
     async def _deltas(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -250,6 +272,7 @@ class LocalEngine:
         reason = None
         try:
             while self._apply_commands(block=not self.engine.has_unfinished()):
+                self._expire_deadlines()
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
         except Exception as e:   # a failed step: the engine's state is unknown, so it serves nothing more
@@ -260,7 +283,8 @@ class LocalEngine:
             self._stop(reason)
 
     def _apply_commands(self, block: bool) -> bool:
-        """Apply every queued command, waiting up to IDLE_WAIT_S for the first when `block`. False on close."""
+        """Apply every queued command, waiting up to IDLE_WAIT_S for the first when `block`. False on
+        close."""
         try:
             command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
@@ -286,7 +310,8 @@ class LocalEngine:
         stream = command.stream
         self._counters.submitted += 1
         if stream.request_id in self._streams:
-            return self._reject(stream, f"request id {stream.request_id!r} is already in flight", "invalid_request")
+            return self._reject(stream, f"request id {stream.request_id!r} is already in flight",
+                                "invalid_request")
         try:
             request = self.engine.add_request(stream.request_id, command.prompt, command.params)
         except ValueError as e:
@@ -296,6 +321,29 @@ class LocalEngine:
             return self._reject(stream, f"{type(e).__name__}: {e}", "internal")
         stream.prompt_token_ids = list(request.prompt_token_ids)
         self._streams[stream.request_id] = stream
+        if command.timeout is not None:
+            deadline = command.submitted_at + command.timeout
+            heapq.heappush(self._deadlines, (deadline, next(self._deadline_seq), stream, command.timeout))
+            if len(self._deadlines) > 2 * len(self._streams) + 64:   # drop finished requests' deadlines
+                self._deadlines = [e for e in self._deadlines if self._streams.get(e[2].request_id) is e[2]]
+                heapq.heapify(self._deadlines)
+
+    def _expire_deadlines(self) -> None:
+        """Time out every request in the engine whose deadline has passed."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, stream, timeout = heapq.heappop(self._deadlines)
+            if self._streams.get(stream.request_id) is stream:
+                self._time_out(stream, timeout)
+
+    def _time_out(self, stream: _Stream, timeout: float) -> None:
+        """Abort the request (its KV blocks are freed now) and end its stream with a "timeout" error."""
+        if not self.engine.abort(stream.request_id):
+            return
+        reason = (f"request {stream.request_id!r} did not finish within its timeout of {timeout:g} s; "
+                  f"it was aborted")
+        self._deliver([dataclasses.replace(out, finish_reason="error", error=reason, error_code="timeout")
+                       if out.request_id == stream.request_id else out for out in self.engine.take_pending()])
 
     def _reject(self, stream: _Stream, reason: str, code: str) -> None:
         self._counters.record_final("error")
@@ -348,11 +396,18 @@ class LocalEngine:
         self._streams.clear()
 
 
+def _valid_timeout(timeout: object) -> bool:
+    return (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+            and 0 < timeout <= MAX_REQUEST_TIMEOUT_S)
+
+
 def _error_delta(request_id: str, reason: str, code: str) -> RequestOutput:
-    return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=reason, error_code=code)
+    return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=reason,
+                         error_code=code)
 
 
-def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+def _post(loop: asyncio.AbstractEventLoop,
+          items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
     """Put each item into its stream's queue on `loop`; a closed loop has nobody waiting, so it is skipped."""
     try:
         loop.call_soon_threadsafe(_put_all, items)

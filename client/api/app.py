@@ -4,13 +4,17 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true
 GET /v1/models, GET /health, GET /metrics.
 
 The path of a request:
-1. `_authorize` (401 without the API key when one is set), `_parse` (400 for malformed JSON or an invalid
-   field, naming it), the model name (404 if it is not the served one).
+1. `_authorize` (401 without the API key when one is set: one answer for a missing header, another
+   scheme or a wrong key), the body (413 past `max_body_bytes`, refused from Content-Length before it is
+   read, or as soon as a chunked body passes it), `_parse` (400 for malformed JSON or an invalid field,
+   naming it), the model name (404 if it is not the served one).
 2. Prompts are tokenized here (chat: the tokenizer's chat template), so the length is checked against the
    cluster's context length before anything is sent (400, with both numbers).
-3. `_admit`: 503 with Retry-After when this front is at its concurrency limit, the cluster is stopping,
-   or no worker is healthy (a cluster view at most `view_max_age` old, refreshed by one stats round trip).
-4. One engine request per (prompt, choice). Non-streaming: all run to the end, then one JSON answer.
+3. Admission: 503 with Retry-After and code "overloaded" at once when this front already has
+   `max_concurrent_requests` engine requests in flight; 503 "unavailable" when the cluster is stopping or
+   no worker is healthy (a cluster view at most `view_max_age` old, refreshed by one stats round trip).
+4. One engine request per (prompt, choice), with the body's `timeout` as its deadline. Non-streaming: all
+   run to the end, then one JSON answer.
    Streaming: the first delta of every request is awaited before the 200 goes out, so a request the
    cluster rejects still gets its proper status (400 / 503); then SSE chunks as deltas arrive, a usage
    chunk when asked for, and `data: [DONE]`.
@@ -18,6 +22,12 @@ The path of a request:
    work (non-streaming and before the first byte), and the server cancels a stream whose client is gone;
    cancelling a stream aborts its request on the worker, which frees its KV blocks.
 A failure inside the cluster mid-stream is sent as an SSE `error` event followed by `[DONE]`.
+
+Failed requests' error codes pick the status (`_request_error`): invalid_request 400, overloaded 503 (+
+Retry-After: a queue on the way was full, nothing ran), unavailable 503, timeout 504, anything else 500.
+Nothing internal leaves the front: an unexpected exception, or an "internal" failure in the cluster, is
+answered 500 with a short id and logged here, with its traceback, under the same id. Unknown routes (404),
+wrong methods (405) and every other error also answer in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,8 +44,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
 from infer.client.api.schemas import ApiError, ChatCompletionRequest, CompletionRequest
@@ -47,7 +61,8 @@ from infer.protocol.sampling import SamplingParams
 log = logging.getLogger("infer.api")
 
 Body = TypeVar("Body", bound=BaseModel)
-MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+API_KEY_ENV = "INFER_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -60,19 +75,47 @@ class FrontConfig:
     health_timeout: float = 5.0           # seconds /health (and /metrics) wait for the cluster's answer
     view_max_age: float = 1.0             # seconds a cluster view serves admission before a fresh round trip
     retry_after: int = 1                  # seconds, in the Retry-After header of a 503
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # a larger request body is refused with 413
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
-        if self.max_concurrent_requests < 1:
-            raise ValueError(f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        for name in ("max_concurrent_requests", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("health_timeout", "view_max_age"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_after < 0:
             raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
+
+
+def resolve_api_key(api_key: str | None, api_key_file: str | None,
+                    environ: dict[str, str] | None = None) -> str | None:
+    """The front's API key: `api_key` (a flag), else the first line of `api_key_file`, else $INFER_API_KEY
+    (read here only; `environ` defaults to os.environ), else None (no key). ValueError, naming the source,
+    for both flags at once, an unreadable or empty file, or an empty value."""
+    if api_key is not None and api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
+            raise ValueError(f"--api-key-file {api_key_file}: cannot read it: {why}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {api_key_file}: the file is empty (its first line is the key)")
+        return key
+    if api_key is None:
+        api_key = (os.environ if environ is None else environ).get(API_KEY_ENV)
+        if api_key is not None and not api_key.strip():
+            raise ValueError(f"${API_KEY_ENV} is set but empty; unset it to serve without a key")
+    elif not api_key.strip():
+        raise ValueError("--api-key must not be empty")
+    return None if api_key is None else api_key.strip()
 
 
 @dataclass
@@ -85,6 +128,7 @@ class Job:
     params: SamplingParams
     request_id: str
     tracker: RequestTracker
+    timeout: float | None = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -166,20 +210,41 @@ class Front:
     # ---- parsing ----------------------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
+        """401 unless the header is 'Authorization: Bearer <key>'. The key is compared in constant time,
+        and a missing header, another scheme and a wrong key get the same answer."""
         key = self.config.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        matches = hmac.compare_digest(token.strip().encode(), key.encode())
+        if not (matches and scheme.lower() == "bearer"):
             raise ApiError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 past `max_body_bytes`: from Content-Length before reading anything,
+        and while reading (a chunked body, or one longer than it said) as soon as it passes the limit."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise ApiError(400, f"invalid Content-Length header {declared[:40]!r}")
+            if int(declared) > limit:
+                raise _too_large(f"{int(declared)} bytes", limit)
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(f"more than {limit} bytes", limit)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(499, "the client disconnected") from None
+        return b"".join(chunks)
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         self._authorize(request)
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+        raw = await self._read_body(request)
         try:
             data = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -205,7 +270,8 @@ class Front:
         vocab = len(self.tokenizer)
         bad = next((t for t in prompt if t >= vocab), None)
         if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                           param="prompt")
         return prompt
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
@@ -223,7 +289,8 @@ class Front:
 
     async def _cluster_view(self, fresh: bool = False) -> ClusterStats:
         """The cluster's stats, at most `view_max_age` old (or fresh); one round trip serves every waiter."""
-        if not fresh and self._view is not None and time.monotonic() - self._view_at < self.config.view_max_age:
+        age = time.monotonic() - self._view_at
+        if not fresh and self._view is not None and age < self.config.view_max_age:
             return self._view
         if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.create_task(self._fetch_view())
@@ -238,12 +305,18 @@ class Front:
         self._view, self._view_at = view, time.monotonic()
         return view
 
-    async def _admit(self, num_requests: int) -> int:
-        """The context length to check prompts against; ApiError 503 when the cluster cannot take them."""
+    def _reserve(self, num_requests: int) -> None:
+        """Count `num_requests` engine requests in flight, or 503 "overloaded" at once past the limit. The
+        caller releases them (`in_flight -= n`) when they end; a StreamRun does it in close()."""
         limit = self.config.max_concurrent_requests
         if self.in_flight + num_requests > limit:
-            raise self._unavailable(f"the server is at capacity ({self.in_flight} requests in flight, limit "
-                                    f"{limit}); retry later")
+            raise ApiError(503, f"the server is overloaded: {self.in_flight} requests in flight, its limit "
+                                f"is {limit} (--max-concurrent-requests); retry later", code="overloaded",
+                           retry_after=self.config.retry_after)
+        self.in_flight += num_requests
+
+    async def _admit(self) -> int:
+        """The context length to check prompts against; ApiError 503 when the cluster cannot take them."""
         view = await self._cluster_view()
         if view.state == "stopped":
             raise self._unavailable("the cluster is stopping")
@@ -262,18 +335,21 @@ class Front:
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                      prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
                      fmt: ResponseFormat) -> Response:
-        max_len = await self._admit(len(prompts) * body.n)
-        for ids in prompts:
-            _check_length(len(ids), max_tokens, max_len)
-        jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs)
-        if not body.stream:
-            self.in_flight += len(jobs)
-            try:
+        num_requests = len(prompts) * body.n
+        self._reserve(num_requests)
+        run: StreamRun | None = None
+        try:
+            max_len = await self._admit()
+            for ids in prompts:
+                _check_length(len(ids), max_tokens, max_len)
+            jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs)
+            if not body.stream:
                 await _cancel_on_disconnect(request, self._run_to_end(jobs))
-            finally:
-                self.in_flight -= len(jobs)
-            return JSONResponse(fmt.response(jobs))
-        run = StreamRun(self, jobs)
+                return JSONResponse(fmt.response(jobs))
+            run = StreamRun(self, jobs)   # releases the reservation in close()
+        finally:
+            if run is None:
+                self.in_flight -= num_requests
         await _cancel_on_disconnect(request, run.start())   # on failure, start() closed the run
         return _EventStream(self._sse(run, fmt, body.include_usage), run)
 
@@ -287,15 +363,21 @@ class Front:
                     params = body.sampling_params(max_tokens, logprobs, seed_offset=c)
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
-                jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker()))
+                jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker(),
+                                body.timeout))
         return jobs
+
+    def engine_stream(self, job: Job) -> AsyncIterator[RequestOutput]:
+        """The engine request of `job`, with its deadline."""
+        return self.engine.stream(job.prompt_token_ids, job.params, request_id=job.request_id,
+                                  timeout=job.timeout)
 
     async def _run_to_end(self, jobs: list[Job]) -> None:
         async def one(job: Job) -> None:
-            async for delta in self.engine.stream(job.prompt_token_ids, job.params, request_id=job.request_id):
+            async for delta in self.engine_stream(job):
                 job.add(delta)
                 if delta.finish_reason == "error":
-                    raise _request_error(delta)
+                    raise _request_error(delta, self.config.retry_after)
         try:
             await _gather_or_cancel([one(job) for job in jobs])
         except ClusterError as e:
@@ -307,7 +389,7 @@ class Front:
         try:
             async for job, delta in run.deltas():
                 if delta.finish_reason == "error":
-                    yield _event(_request_error(delta).body())
+                    yield _event(_request_error(delta, self.config.retry_after).body())
                     break
                 chunk = fmt.chunk(job, delta)
                 if chunk is not None:
@@ -317,6 +399,8 @@ class Front:
                     yield _event(fmt.usage_chunk(run.jobs))
         except ApiError as e:
             yield _event(e.body())
+        except Exception:   # the 200 went out already: the client gets an error event, the log the details
+            yield _event(internal_error("a response stream").body())
         yield "data: [DONE]\n\n"
 
     def token_text(self, token_id: int) -> str:
@@ -341,8 +425,7 @@ class StreamRun:
         self._buffer: list[tuple[Job, RequestOutput]] = []
         self._pumps: list[asyncio.Task] = []
         self._unfinished = len(jobs)
-        self._closed = False
-        front.in_flight += len(jobs)
+        self._closed = False   # the front counted len(jobs) in flight (Front._reserve); close() releases them
 
     async def start(self) -> None:
         self._pumps = [asyncio.create_task(self._pump(job)) for job in self.jobs]
@@ -351,7 +434,7 @@ class StreamRun:
             while len(started) < len(self.jobs):
                 job, delta = await self._next()
                 if delta.finish_reason == "error":
-                    raise _request_error(delta)
+                    raise _request_error(delta, self.front.config.retry_after)
                 started.add(job.index)
                 self._buffer.append((job, delta))
         except BaseException:
@@ -380,12 +463,13 @@ class StreamRun:
 
     async def _pump(self, job: Job) -> None:
         try:
-            async for delta in self.front.engine.stream(job.prompt_token_ids, job.params,
-                                                        request_id=job.request_id):
+            async for delta in self.front.engine_stream(job):
                 self._queue.put_nowait((job, delta))
         except ClusterError as e:
             self._queue.put_nowait((job, ApiError(503, f"the cluster failed: {e}", code="unavailable",
                                                   retry_after=self.front.config.retry_after)))
+        except Exception:   # never leave the reader waiting for a delta that cannot come
+            self._queue.put_nowait((job, internal_error(f"engine request {job.request_id}")))
 
     async def close(self) -> None:
         """Cancel the pumps (aborting unfinished requests) and release the front's capacity; idempotent."""
@@ -475,7 +559,8 @@ class CompletionFormat(ResponseFormat):
         if job.params.logprobs is not None and delta.logprobs:
             start = len(job.text) - len(delta.text)
             logprobs = self._logprobs(delta.token_ids, delta.logprobs, start)
-        return {"index": job.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        return {"index": job.index, "text": delta.text, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
 
     def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs], offset: int) -> dict[str, Any]:
         text = self.front.token_text
@@ -511,8 +596,9 @@ class ChatFormat(ResponseFormat):
         logprobs = None
         if job.params.logprobs is not None and delta.logprobs:
             logprobs = self._logprobs(delta.token_ids, delta.logprobs)
-        return {"index": job.index, "delta": {"content": delta.text} if delta.text or not delta.finished else {},
-                "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        content = {"content": delta.text} if delta.text or not delta.finished else {}
+        return {"index": job.index, "delta": content, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
 
     def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs]) -> dict[str, Any]:
         text = self.front.token_text
@@ -522,8 +608,8 @@ class ChatFormat(ResponseFormat):
             piece = text(token_id)
             top = [{"token": text(t), "logprob": _finite(lp), "bytes": list(text(t).encode())}
                    for t, lp in _top(row, n)]
-            content.append({"token": piece, "logprob": _finite(row.get(token_id)), "bytes": list(piece.encode()),
-                            "top_logprobs": top})
+            content.append({"token": piece, "logprob": _finite(row.get(token_id)),
+                            "bytes": list(piece.encode()), "top_logprobs": top})
         return {"content": content}
 
 
@@ -542,7 +628,8 @@ def _finite(value: float | None) -> float:
 
 
 def _usage(jobs: list[Job]) -> dict[str, int]:
-    prompt = sum({job.prompt_index: job.num_prompt_tokens or len(job.prompt_token_ids) for job in jobs}.values())
+    per_prompt = {job.prompt_index: job.num_prompt_tokens or len(job.prompt_token_ids) for job in jobs}
+    prompt = sum(per_prompt.values())
     completion = sum(len(job.token_ids) for job in jobs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -562,18 +649,41 @@ def _check_length(num_prompt: int, max_tokens: int | None, max_len: int) -> None
                             f"{num_prompt} tokens; shorten it to leave room for at least one generated token",
                        param="prompt", code="context_length_exceeded")
     if max_tokens is not None and num_prompt + max_tokens > max_len:
-        raise ApiError(400, f"this model's maximum context length is {max_len} tokens, but {num_prompt + max_tokens}"
-                            f" were requested ({num_prompt} in the prompt, {max_tokens} in the completion); "
-                            f"reduce the prompt or max_tokens", param="max_tokens", code="context_length_exceeded")
+        raise ApiError(400, f"this model's maximum context length is {max_len} tokens, but "
+                            f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
+                            f"{max_tokens} in the completion); reduce the prompt or max_tokens",
+                       param="max_tokens", code="context_length_exceeded")
 
 
-def _request_error(delta: RequestOutput) -> ApiError:
+def _request_error(delta: RequestOutput, retry_after: int = 1) -> ApiError:
+    """The answer to a request the cluster failed, by its error code. An internal failure's text stays in
+    this front's log (it may quote exceptions); the client gets its id."""
     message = delta.error or "the request failed"
-    if delta.error_code == "invalid_request":
+    code = delta.error_code
+    if code == "invalid_request":
         return ApiError(400, message)
-    if delta.error_code == "unavailable":
-        return ApiError(503, message, code="unavailable", retry_after=1)
-    return ApiError(500, message, code="internal_error")
+    if code in ("overloaded", "unavailable"):
+        return ApiError(503, message, code=code, retry_after=retry_after)
+    if code == "timeout":
+        return ApiError(504, message, code="timeout")
+    return internal_error(f"engine request {delta.request_id}", detail=f"{code}: {message}")
+
+
+def internal_error(where: str, detail: str | None = None) -> ApiError:
+    """A 500 that reveals nothing but a short id; the log gets the id with `detail`, or the exception being
+    handled and its traceback."""
+    error_id = uuid.uuid4().hex[:12]
+    if detail is None:
+        log.exception("internal error %s in %s", error_id, where)
+    else:
+        log.error("internal error %s in %s: %s", error_id, where, detail)
+    return ApiError(500, f"internal server error (id {error_id}); the server log has the details under "
+                         f"this id", code="internal_error")
+
+
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body is {size}; the limit is {limit} bytes (--max-body-bytes)",
+                    code="request_too_large")
 
 
 def _validation_error(e: ValidationError) -> ApiError:
@@ -635,9 +745,10 @@ async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
 # ---- the app --------------------------------------------------------------------------------------
 
 def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> FastAPI:
-    """The ASGI app of one front. Every error leaves as OpenAI's error body; bad input never gets a 500."""
+    """The ASGI app of one front. Every error leaves as OpenAI's error body; bad input never gets a 500,
+    and no answer carries a traceback, an exception's text or a path."""
     front = Front(engine, tokenizer, config)
-    app = FastAPI(title="infer", version="0.1.0", openapi_url=None)
+    app = FastAPI(title="infer", version="0.1.0", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.front = front
 
     def route(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -645,8 +756,9 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
             try:
                 return await handler(request)
             except ApiError as e:
-                headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
-                return JSONResponse(e.body(), status_code=e.status, headers=headers)
+                return _error_response(e)
+            except Exception:
+                return _error_response(internal_error(f"{request.method} {request.url.path}"))
         endpoint.__name__ = handler.__name__
         return endpoint
 
@@ -656,9 +768,41 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     app.add_api_route("/health", route(front.health), methods=["GET"])
     app.add_api_route("/metrics", route(front.metrics_text), methods=["GET"])
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:   # 404, 405, ...
+        if exc.status_code == 404:
+            error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are POST "
+                                  "/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+                                  "GET /metrics", code="not_found")
+        elif exc.status_code == 405:
+            error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}",
+                             code="method_not_allowed", headers=exc.headers)
+        else:
+            error = ApiError(exc.status_code, _http_phrase(exc.status_code), headers=exc.headers)
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(ApiError(400, "invalid request"))
+
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
-        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+        return _error_response(internal_error(f"{request.method} {request.url.path}"))
 
     return app
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    headers = dict(error.headers)
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(error.retry_after)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
+
+
+def _http_phrase(status: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "error"

@@ -15,7 +15,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import RequestOutput
@@ -40,7 +47,8 @@ class FrontMetrics:
         labels = ["model_name"]
         r = self.registry
         self._gauges = {
-            "running": Gauge("infer:num_requests_running", "Requests running on the workers.", labels, registry=r),
+            "running": Gauge("infer:num_requests_running", "Requests running on the workers.", labels,
+                             registry=r),
             "waiting": Gauge("infer:num_requests_waiting",
                              "Requests waiting: in the workers' queues and held by the coordinator.", labels,
                              registry=r),
@@ -54,8 +62,8 @@ class FrontMetrics:
                                        "blocks and recompute).", labels, registry=r),
             "prefix_cache_queries": Counter("infer:prefix_cache_queries", "Prompt tokens looked up in the "
                                             "prefix cache.", labels, registry=r),
-            "prefix_cache_hits": Counter("infer:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                         labels, registry=r),
+            "prefix_cache_hits": Counter("infer:prefix_cache_hits", "Prompt tokens found in the prefix "
+                                         "cache.", labels, registry=r),
         }
         self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of served requests.", labels,
                                      registry=r).labels(model_name)

@@ -4,14 +4,20 @@ Field names and ranges follow OpenAI's API reference; the extra vLLM-style sampl
 `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...) are accepted too. An
 unknown field is an error that names it (a typo must not be silently ignored); a known OpenAI field we
 do not implement is accepted only at its neutral value.
+
+Our extension: `timeout` (seconds, > 0, at most 7 days), a per-request deadline counted from when the
+request reaches the engine client. A request not finished by then is aborted (its KV blocks freed) and
+answered 504 with code "timeout" (an SSE `error` event once a stream has begun).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S
 from infer.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
@@ -25,17 +31,19 @@ class ApiError(Exception):
     """An error answered with OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 499: "client_closed_request", 500: "internal_error",
-             503: "service_unavailable_error"}
+             405: "invalid_request_error", 413: "invalid_request_error", 499: "client_closed_request",
+             500: "internal_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, headers: Mapping[str, str] | None = None) -> None:
+        """`retry_after` (seconds) becomes the Retry-After header; `headers` are sent as given."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
@@ -49,7 +57,11 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """The sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
+    """The sampling fields both endpoints share (OpenAI's, then vLLM's extras), and `timeout`.
+
+    `timeout` (our extension): seconds the request may take, in (0, 7 days]; past it the request is
+    aborted, its KV blocks freed, and the answer is 504 with code "timeout" (mid-stream: an SSE error event).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -76,6 +88,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: TokenIdList | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # our extension: a per-request deadline
+    timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -98,8 +112,9 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
-        """SamplingParams of choice number `seed_offset` (a seeded request's choices get seed, seed+1, ...)."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        seed_offset: int = 0) -> SamplingParams:
+        """SamplingParams of choice number `seed_offset` (a seeded request's choices get seed, seed+1...)."""
         seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -193,7 +208,8 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported (only 'text')")
+            kind = self.response_format.get("type")
+            raise ValueError(f"response_format {kind!r} is not supported (only 'text')")
         if self.tools:
             raise ValueError("tools are not supported")
         if self.tool_choice not in (None, "none"):

@@ -1,10 +1,12 @@
-"""AsyncLLM and LocalEngine: deltas that add up to LLM's output, early exit aborts, errors come back as deltas,
-lifecycle per mode, a failed engine step and close() never leave a caller hanging; coordinator mode streams the
-same greedy tokens and stops the processes it started."""
+"""AsyncLLM and LocalEngine: deltas that add up to LLM's output, early exit aborts, errors come back as
+deltas, lifecycle per mode, a failed engine step and close() never leave a caller hanging, a request past its
+timeout ends with a "timeout" delta and frees its KV blocks; coordinator mode streams the same greedy tokens
+and stops the processes it started."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import aclosing
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from infer.worker.config import EngineConfig
 ENGINE_OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+STEP_DELAY_S = 0.01   # the slowed engine's extra time per step: LONG takes more than 2 s there
 PROMPTS = ["The capital of France", [5, 6, 7, 8], "a much longer prompt " * 10, "one"]
 
 
@@ -49,13 +52,36 @@ def _local_engine(model: Path) -> LocalEngine:
     return LocalEngine(Engine(EngineConfig.from_options(model=str(model), **ENGINE_OPTIONS)))
 
 
+@pytest.fixture(scope="module")
+def slow_local(tiny_llama):
+    """A LocalEngine whose steps take at least STEP_DELAY_S, so LONG reliably outlives a short timeout."""
+    local = _local_engine(tiny_llama)
+    execute = local.engine.runner.execute
+
+    def slowed(chunks):
+        time.sleep(STEP_DELAY_S)
+        return execute(chunks)
+
+    local.engine.runner.execute = slowed   # before any request: the engine thread is idle
+    yield local
+    asyncio.run(local.close())
+
+
+async def _assert_every_block_free(local: LocalEngine) -> None:
+    stats = await local.stats()
+    load = stats.workers[0].load
+    assert (load.num_waiting, load.num_running, stats.num_in_flight) == (0, 0, 0)
+    assert load.num_free_blocks == load.num_total_blocks
+
+
 async def test_generate_yields_deltas_that_add_up_to_llms_output(direct, reference):
     expected = reference.generate("The capital of France", GREEDY, use_tqdm=False)[0]
     deltas = [d async for d in direct.generate("The capital of France", GREEDY)]
     assert len(deltas) == GREEDY.max_tokens and [d.finished for d in deltas] == [False] * 7 + [True]
     assert [t for d in deltas for t in d.token_ids] == expected.token_ids
     assert "".join(d.text for d in deltas) == expected.text and deltas[-1].finish_reason == "length"
-    assert deltas[0].num_prompt_tokens == len(expected.prompt_token_ids) and deltas[0].queue_time_s is not None
+    assert deltas[0].num_prompt_tokens == len(expected.prompt_token_ids)
+    assert deltas[0].queue_time_s is not None
 
 
 async def test_generate_batch_matches_llm_in_prompt_order(direct, reference):
@@ -117,7 +143,8 @@ async def test_a_failed_step_fails_every_request_and_then_every_call(tiny_llama,
 
     for deltas in await asyncio.gather(collect([1, 2, 3]), collect([4, 5, 6])):
         last = deltas[-1]
-        assert (last.finish_reason, last.error_code) == ("error", "internal") and "injected fault" in last.error
+        assert (last.finish_reason, last.error_code) == ("error", "internal")
+        assert "injected fault" in last.error
     with pytest.raises(ClusterError, match="injected fault"):
         await local.generate([7, 8], GREEDY)
     with pytest.raises(ClusterError, match="injected fault"):
@@ -157,8 +184,8 @@ async def test_serve_puts_the_http_front_on_the_local_engine(direct, reference):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
         models = await asyncio.to_thread(client.models.list)
         assert [m.id for m in models.data] == ["tiny"]
-        answer = await asyncio.to_thread(client.completions.create, model="tiny", prompt="The capital of France",
-                                         max_tokens=8, temperature=0)
+        answer = await asyncio.to_thread(client.completions.create, model="tiny",
+                                         prompt="The capital of France", max_tokens=8, temperature=0)
         expected = reference.generate("The capital of France", SamplingParams(temperature=0, max_tokens=8),
                                       use_tqdm=False)[0]
         assert answer.choices[0].text == expected.text
@@ -189,3 +216,62 @@ async def test_coordinator_mode_streams_the_same_tokens_and_stops_its_processes(
         [completion] = await asyncio.wait_for(held, 30)
         assert completion.finish_reason == "length"
     assert len(pids) == 2 and all(pid_gone(pid) for pid in pids)
+
+
+# ---- per-request timeouts (direct mode) -----------------------------------------------------------
+
+async def test_a_stream_past_its_timeout_ends_with_a_timeout_delta_and_frees_its_blocks(slow_local):
+    before = await slow_local.stats()
+    started = time.monotonic()
+    deltas = [d async for d in slow_local.stream([1, 2, 3], LONG, request_id="late", timeout=0.5)]
+    elapsed = time.monotonic() - started
+    last = deltas[-1]
+    assert (last.finished, last.finish_reason, last.error_code) == (True, "error", "timeout")
+    assert "'late' did not finish within its timeout of 0.5 s" in last.error
+    assert 0 < sum(len(d.token_ids) for d in deltas) < LONG.max_tokens   # it ran, and was cut off
+    assert not any(d.finished for d in deltas[:-1]) and 0.5 <= elapsed < 2.0
+    await _assert_every_block_free(slow_local)
+    after = await slow_local.stats()
+    assert after.requests_failed == before.requests_failed + 1
+
+
+async def test_generate_past_its_timeout_returns_the_timeout_instead_of_raising(slow_local):
+    completion = await slow_local.generate("The capital of France", LONG, timeout=0.3)
+    assert (completion.finish_reason, completion.error_code) == ("error", "timeout")
+    assert completion.prompt_token_ids and len(completion.token_ids) < LONG.max_tokens
+    await _assert_every_block_free(slow_local)
+
+
+async def test_timeouts_cut_only_their_own_requests(slow_local, reference):
+    timed = [asyncio.create_task(slow_local.generate([20 + i, 21, 22], LONG, timeout=0.4)) for i in range(3)]
+    untimed = [asyncio.create_task(slow_local.generate(p, GREEDY)) for p in PROMPTS]   # in the same batches
+    assert [c.error_code for c in await asyncio.gather(*timed)] == ["timeout"] * 3
+    done = await asyncio.gather(*untimed)
+    expected = reference.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [(c.token_ids, c.finish_reason) for c in done] == \
+           [(c.token_ids, c.finish_reason) for c in expected]
+    await _assert_every_block_free(slow_local)
+
+
+async def test_a_finished_requests_deadline_does_not_touch_a_later_request_with_its_id(slow_local):
+    first = await slow_local.generate([4, 5, 6], GREEDY, request_id="again", timeout=0.4)
+    assert first.finish_reason == "length"
+    longer = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)   # runs past the first's deadline
+    second = await slow_local.generate([4, 5, 6], longer, request_id="again")
+    assert (second.finish_reason, len(second.token_ids)) == ("length", 60)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, 7 * 86400.0 + 1, float("nan"), True, "5"])
+async def test_an_invalid_timeout_raises_value_error(direct, timeout):
+    with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+        [d async for d in direct.engine.stream([1, 2], GREEDY, timeout=timeout)]
+    with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+        await direct.engine.generate([1, 2], GREEDY, timeout=timeout)
+    await _assert_every_block_free(direct.engine)
+
+
+async def test_deadlines_of_finished_requests_do_not_pile_up(direct):
+    one = SamplingParams(temperature=0, max_tokens=1)
+    for _ in range(20):   # 400 requests with a deadline an hour away, each done in a step or two
+        await asyncio.gather(*(direct.engine.generate([1, 2, i], one, timeout=3600) for i in range(20)))
+    assert len(direct.engine._deadlines) <= 2 * 20 + 64 + 1   # finished ones are pruned, not kept an hour

@@ -10,9 +10,12 @@ import os
 import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -24,8 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from infer.client.inference_client import SyncInferenceClient
 
 MODEL = "tiny-llama"
-ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1"]
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000",
+                "--threads", "1"]
 GREEDY = dict(temperature=0)
+MAX_BODY_BYTES = 100_000
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:
@@ -45,17 +50,18 @@ class Served:
         self.log = log
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "infer.client.serve", "--model", str(model), "--workers", "2", "--port", "0",
-                 "--served-model-name", MODEL, "--heartbeat-interval", "0.2", "--log-level", "WARNING",
-                 *ENGINE_FLAGS], stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+                [sys.executable, "-m", "infer.client.serve", "--model", str(model), "--workers", "2",
+                 "--port", "0", "--served-model-name", MODEL, "--heartbeat-interval", "0.2", "--log-level",
+                 "WARNING", "--max-body-bytes", str(MAX_BODY_BYTES), *ENGINE_FLAGS],
+                stdout=subprocess.PIPE, stderr=err, start_new_session=True)
         line = _read_line(self.proc, 120)
         match = re.search(r"HTTP at (http://\S+?);.*connect to (tcp://\S+)", line)
         assert match, f"{line!r}\n{log.read_text()}"
         self.url, self.address = match.group(1), match.group(2)
 
     def stop(self) -> None:
-        """SIGTERM (infer-serve stops its coordinator and workers), then SIGKILL whatever is left: infer-serve's
-        group and its children's groups (each child leads its own session)."""
+        """SIGTERM (infer-serve stops its coordinator and workers), then SIGKILL whatever is left:
+        infer-serve's group and its children's groups (each child leads its own session)."""
         children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True,
                                   check=False).stdout.split()
         self.proc.send_signal(signal.SIGTERM)
@@ -105,7 +111,7 @@ def test_completion_stream_equals_non_stream_and_usage_counts_tokens(client):
     full = _valid(OpenAICompletion, client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
                                                               extra_body={"ignore_eos": True}, **GREEDY))
     assert full.choices[0].finish_reason == "length"
-    assert full.usage.prompt_tokens == 12 and full.usage.completion_tokens == 12 and full.usage.total_tokens == 24
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (12, 12, 24)
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
                                             stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}, **GREEDY))
@@ -120,9 +126,10 @@ def test_completion_stream_equals_non_stream_and_usage_counts_tokens(client):
 
 def test_chat_stream_equals_non_stream(client, smollm2_tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-    full = _valid(ChatCompletion, client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
-                                                                 **GREEDY))
-    expected_prompt = smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    full = _valid(ChatCompletion, client.chat.completions.create(model=MODEL, messages=messages,
+                                                                 max_tokens=10, **GREEDY))
+    expected_prompt = smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                            tokenize=True)
     if hasattr(expected_prompt, "keys"):    # newer transformers return a BatchEncoding
         expected_prompt = expected_prompt["input_ids"]
     assert full.usage.prompt_tokens == len(expected_prompt)
@@ -143,18 +150,19 @@ def test_n_choices_and_batch_prompts(client):
         extra_body={"ignore_eos": True}))
     assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
     assert out.usage.prompt_tokens == 3 + 4 and out.usage.completion_tokens == 16
-    again = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9, 10, 11]], n=2, max_tokens=4, seed=3,
-                                      temperature=1.0, extra_body={"ignore_eos": True})
+    again = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9, 10, 11]], n=2, max_tokens=4,
+                                      seed=3, temperature=1.0, extra_body={"ignore_eos": True})
     assert [c.text for c in again.choices] == [c.text for c in out.choices]   # seeded: reproducible
 
 
 def test_stop_string_cuts_the_text(client):
     prompt = [42, 43, 44]
-    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, extra_body={"ignore_eos": True},
-                                     **GREEDY).choices[0].text
+    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
+                                     extra_body={"ignore_eos": True}, **GREEDY).choices[0].text
     assert len(free) > 8
     stop = free[5:8]
-    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, stop=[stop], **GREEDY).choices[0]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, stop=[stop],
+                                    **GREEDY).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.text == free[:free.index(stop)]
 
@@ -163,13 +171,14 @@ def test_logprobs_in_completions_and_chat(client):
     out = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=5, logprobs=3,
                                     extra_body={"ignore_eos": True}, **GREEDY)
     lp = _valid(OpenAICompletion, out).choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens == 5
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert out.usage.completion_tokens == 5
     for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 3 and max(top.values()) == pytest.approx(token_lp)   # greedy picks the top token
     assert "".join(lp.tokens) == out.choices[0].text
     chat = _valid(ChatCompletion, client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=2,
-        **GREEDY))
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True,
+        top_logprobs=2, **GREEDY))
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and bytes(t.bytes).decode(errors="replace")
@@ -201,9 +210,6 @@ def test_invalid_parameters_get_the_documented_status(client, override, status, 
 
 
 def test_malformed_json_is_a_400_naming_the_problem(served):
-    import urllib.error
-    import urllib.request
-
     request = urllib.request.Request(f"{served.url}/v1/chat/completions", data=b'{"model": "x", ',
                                      headers={"Content-Type": "application/json"}, method="POST")
     with pytest.raises(urllib.error.HTTPError) as err:
@@ -211,6 +217,25 @@ def test_malformed_json_is_a_400_naming_the_problem(served):
     assert err.value.code == 400
     body = json.loads(err.value.read())
     assert "not valid JSON" in body["error"]["message"] and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_over_max_body_bytes_is_refused_before_it_is_read_and_errors_reveal_nothing(served):
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:   # headers only, never the body
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: " + str(MAX_BODY_BYTES + 1).encode()
+                     + b"\r\n\r\n")
+        answer = sock.makefile("rb").read()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b" 413 " in head.split(b"\r\n")[0]
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    for url, method in ((f"{served.url}/v1/nothing", "GET"), (f"{served.url}/v1/completions", "GET")):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=30)
+        text = err.value.read().decode()
+        assert err.value.code in (404, 405) and set(json.loads(text)["error"]) == {"message", "type", "param",
+                                                                                  "code"}
+        assert "Traceback" not in text and ".py" not in text
 
 
 # ---- concurrency and disconnects ------------------------------------------------------------------
@@ -237,9 +262,9 @@ async def test_64_streams_with_8_cut_off_aborts_those_and_finishes_the_rest(serv
     cut = [await _open_stream(served.url, long) for _ in range(8)]
 
     async def complete(i: int) -> tuple[str, int]:
-        stream = await aclient.completions.create(model=MODEL, prompt=[10 + i, 11, 12], max_tokens=24, stream=True,
-                                                  stream_options={"include_usage": True}, temperature=0,
-                                                  extra_body={"ignore_eos": True})
+        stream = await aclient.completions.create(model=MODEL, prompt=[10 + i, 11, 12], max_tokens=24,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  temperature=0, extra_body={"ignore_eos": True})
         reasons, usage = [], None
         async for chunk in stream:
             reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
@@ -288,13 +313,12 @@ async def test_a_non_streaming_request_whose_client_leaves_is_aborted(served):
 # ---- metrics --------------------------------------------------------------------------------------
 
 def _scrape(url: str) -> dict[str, float]:
-    import urllib.request
-
     text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("model_name", "le"))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                              if k not in ("model_name", "le"))
             if "le" in sample.labels:
                 continue
             samples[f"{sample.name}{{{labels}}}"] = sample.value
@@ -321,6 +345,6 @@ def test_metrics_move_by_the_workload(served, client):
     assert moved("infer:inter_token_latency_seconds_count{}") == 3 * 4
     assert moved("infer:prefix_cache_queries_total{}") == 60
     assert after["infer:num_requests_running{}"] == 0 and after["infer:num_healthy_workers{}"] == 2
-    for name in ("infer:num_requests_waiting{}", "infer:kv_cache_usage_perc{}", "infer:num_preemptions_total{}",
-                 "infer:prefix_cache_hits_total{}"):
+    for name in ("infer:num_requests_waiting{}", "infer:kv_cache_usage_perc{}",
+                 "infer:num_preemptions_total{}", "infer:prefix_cache_hits_total{}"):
         assert name in after

@@ -1,0 +1,382 @@
+"""The HTTP front's hardening, on a direct-mode front (HttpFront over a LocalEngine, the tiny Llama): body
+size limits (from Content-Length before reading, and while reading a chunked body), no internals in any
+answer, the API key (one 401 for every way of getting it wrong; --api-key-file and $INFER_API_KEY),
+overload (the front's own limit and "overloaded" from the cluster: 503 + Retry-After), and per-request
+timeouts (504, or an SSE error event mid-stream; the engine's KV blocks all free afterwards)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infer.client.api.app import FrontConfig, resolve_api_key
+from infer.client.api.server import HttpFront
+from infer.client.local_engine import LocalEngine
+from infer.protocol.outputs import RequestOutput
+from infer.worker.config import EngineConfig
+
+MODEL = "tiny"
+ENGINE_OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+STEP_DELAY_S = 0.01     # the slowed engine's extra time per step: 240 tokens take more than 2.4 s
+SECRET = "secret-detail at /srv/infer/private/module.py line 42"
+LONG = dict(model=MODEL, prompt=[3, 4, 5], max_tokens=240, ignore_eos=True, temperature=0)
+SHORT = dict(model=MODEL, prompt=[3, 4, 5], max_tokens=4, temperature=0)
+POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"   # a raw request's first lines
+
+
+# ---- fixtures -------------------------------------------------------------------------------------
+
+def _local_engine(model: Path, step_delay: float = 0.0) -> LocalEngine:
+    from infer.worker.engine import Engine
+
+    local = LocalEngine(Engine(EngineConfig.from_options(model=str(model), **ENGINE_OPTIONS)))
+    if step_delay:
+        execute = local.engine.runner.execute
+
+        def slowed(chunks):   # the engine thread is idle now; from here on it runs this
+            time.sleep(step_delay)
+            return execute(chunks)
+
+        local.engine.runner.execute = slowed
+    return local
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model_dir) -> Iterator[LocalEngine]:
+    engine = _local_engine(tiny_model_dir("llama"))
+    yield engine
+    asyncio.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def slow_local(tiny_model_dir) -> Iterator[LocalEngine]:
+    """Steps at least STEP_DELAY_S long, so a long request reliably outlives a short timeout."""
+    engine = _local_engine(tiny_model_dir("llama"), STEP_DELAY_S)
+    yield engine
+    asyncio.run(engine.close())
+
+
+@contextmanager
+def serving(engine: Any, tokenizer: Any, **options: Any) -> Iterator[str]:
+    """An HttpFront on a free port, served by an event loop on its own thread; yields its URL."""
+    front = HttpFront(engine, tokenizer, FrontConfig(served_model_name=MODEL, **options), port=0)
+    front.bind()
+    thread = threading.Thread(target=asyncio.run, args=(front.serve(),), daemon=True)
+    thread.start()
+    try:
+        yield front.url
+    finally:
+        front.shutdown()
+        thread.join(10)
+
+
+class FailingEngine:
+    """An EngineClient over a real LocalEngine that fails on cue, as a broken component or a full cluster
+    would: `raises` is raised by stream(); `error_code` ends each stream with that error after `after` real
+    deltas (the real request is left, so the engine aborts it)."""
+
+    def __init__(self, inner: LocalEngine, *, raises: Exception | None = None, error_code: str | None = None,
+                 error: str = "", after: int = 0) -> None:
+        self.inner, self.raises, self.error_code, self.error = inner, raises, error_code, error
+        self.after = after
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def stream(self, prompt, params=None, *, request_id=None,
+                     timeout=None) -> AsyncIterator[RequestOutput]:
+        if self.raises is not None:
+            raise self.raises
+        inner = self.inner.stream(prompt, params, request_id=request_id, timeout=timeout)
+        async with aclosing(inner) as deltas:
+            n = 0
+            async for delta in deltas:
+                if n == self.after:
+                    yield RequestOutput(delta.request_id, [], "", finished=True, finish_reason="error",
+                                        error=self.error, error_code=self.error_code)
+                    return
+                yield delta
+                n += 1
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+
+def _http(url: str, body: Any = None, *, method: str | None = None,
+          headers: dict[str, str] | None = None) -> tuple[int, Any, str]:
+    """(status, headers, body text) of one request; a dict body is sent as JSON."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
+
+
+def _error(text: str) -> dict[str, Any]:
+    """The `error` object of an OpenAI-shaped error body (every key present)."""
+    error = json.loads(text)["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error
+
+
+def _raw(url: str, head: bytes, *chunks: bytes, read_timeout: float = 10.0) -> bytes:
+    """Send `head` and `chunks` on one connection, then read until the server closes or `read_timeout`."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=read_timeout) as sock:
+        sock.sendall(head)
+        for chunk in chunks:
+            sock.sendall(chunk)
+        out = b""
+        try:
+            while data := sock.recv(65536):
+                out += data
+        except TimeoutError:
+            pass
+        return out
+
+
+def _response(raw: bytes) -> tuple[int, dict[str, Any]]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _sse_events(text: str) -> list[Any]:
+    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+            for line in text.splitlines() if line.startswith("data: ")]
+
+
+def _no_internals(text: str) -> None:
+    for leak in ("Traceback", "secret", "/srv/", ".py", "RuntimeError", "File \""):
+        assert leak not in text, f"{leak!r} leaked: {text}"
+
+
+async def _all_blocks_free(engine: LocalEngine) -> None:
+    stats = await engine.stats()
+    load = stats.workers[0].load
+    assert (load.num_waiting, load.num_running, stats.num_in_flight) == (0, 0, 0)
+    assert load.num_free_blocks == load.num_total_blocks
+
+
+# ---- request body size ----------------------------------------------------------------------------
+
+def test_a_body_over_the_limit_is_refused_from_content_length_before_it_is_read(local, smollm2_tokenizer):
+    with serving(local, smollm2_tokenizer, max_body_bytes=1000) as url:
+        started = time.monotonic()
+        raw = _raw(url, POST + b"Content-Type: application/json\r\n"
+                        b"Content-Length: 1000000000\r\n\r\n")   # and not one byte of the body
+        status, body = _response(raw)
+        assert status == 413 and time.monotonic() - started < 5
+        error = _error(json.dumps(body))
+        assert error["code"] == "request_too_large" and "1000000000 bytes" in error["message"]
+        assert "1000" in error["message"] and error["type"] == "invalid_request_error"
+        ok = json.dumps(SHORT).encode()   # a body under the limit is served
+        assert len(ok) < 1000 and _http(f"{url}/v1/completions", ok)[0] == 200
+
+
+def test_a_chunked_body_is_cut_off_at_the_limit(local, smollm2_tokenizer):
+    with serving(local, smollm2_tokenizer, max_body_bytes=1000) as url:
+        piece = b" " * 400
+        chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+        # three chunks pass the limit; the body never ends (no last chunk), so only a cut-off can answer
+        raw = _raw(url, POST + b"Content-Type: application/json\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n", chunk, chunk, chunk)
+        status, body = _response(raw)
+        assert status == 413 and body["error"]["code"] == "request_too_large"
+        assert "more than 1000 bytes" in body["error"]["message"]
+
+
+def test_max_body_bytes_must_be_positive():
+    with pytest.raises(ValueError, match="max_body_bytes must be >= 1"):
+        FrontConfig(served_model_name=MODEL, max_body_bytes=0)
+
+
+# ---- no internals in answers ----------------------------------------------------------------------
+
+def test_an_exception_in_a_handler_is_a_500_with_an_id_and_nothing_else(local, smollm2_tokenizer, caplog):
+    caplog.set_level(logging.ERROR, logger="infer.api")
+    engine = FailingEngine(local, raises=RuntimeError(SECRET))
+    with serving(engine, smollm2_tokenizer) as url:
+        for stream in (False, True):   # streaming fails before the 200, so it gets the same answer
+            status, _, text = _http(f"{url}/v1/completions", {**SHORT, "stream": stream})
+            assert status == 500
+            _no_internals(text)
+            error = _error(text)
+            assert error["code"] == "internal_error" and error["type"] == "internal_error"
+            error_id = error["message"].split("(id ")[1].split(")")[0]
+            logged = [r for r in caplog.records if error_id in r.getMessage()]
+            assert logged and logged[0].exc_info and SECRET in str(logged[0].exc_info[1])
+
+
+def test_an_internal_failure_in_the_cluster_is_a_500_with_an_id(local, smollm2_tokenizer, caplog):
+    caplog.set_level(logging.ERROR, logger="infer.api")
+    engine = FailingEngine(local, error_code="internal", error=f"Traceback (most recent call last): {SECRET}")
+    with serving(engine, smollm2_tokenizer) as url:
+        status, _, text = _http(f"{url}/v1/completions", SHORT)
+        assert status == 500 and _error(text)["code"] == "internal_error"
+        _no_internals(text)
+        assert any(SECRET in r.getMessage() for r in caplog.records)   # the log keeps what the client lacks
+        engine.after = 2    # mid-stream: an SSE error event, then [DONE]
+        status, _, text = _http(f"{url}/v1/completions", {**SHORT, "stream": True})
+        events = _sse_events(text)
+        assert status == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"
+        _no_internals(text)
+    asyncio.run(_all_blocks_free(local))
+
+
+def test_unknown_routes_wrong_methods_and_bad_headers_answer_in_openais_shape(local, smollm2_tokenizer):
+    with serving(local, smollm2_tokenizer) as url:
+        status, _, text = _http(f"{url}/v1/nothing-here")
+        assert status == 404 and _error(text)["type"] == "not_found_error" and "/v1/completions" in text
+        status, headers, text = _http(f"{url}/v1/completions")            # GET on a POST route
+        assert status == 405 and _error(text)["code"] == "method_not_allowed" and headers["Allow"] == "POST"
+        status, _, text = _http(f"{url}/health", b"{}", method="POST")
+        assert status == 405 and "POST" in _error(text)["message"]
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert _http(f"{url}{path}")[0] == 404
+        raw = _raw(url, POST + b"Content-Length: 12\r\n\r\n{\"model\": 1}")
+        status, body = _response(raw)
+        assert status == 400 and body["error"]["param"] == "model"
+
+
+# ---- API key --------------------------------------------------------------------------------------
+
+def test_every_wrong_key_gets_the_same_401(local, smollm2_tokenizer):
+    with serving(local, smollm2_tokenizer, api_key="s3cret") as url:
+        wrong = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                 {"Authorization": "s3cret"}, {"Authorization": "Bearer s3cret-and-more"},
+                 {"Authorization": "Bearer "}, {"Authorization": "Bearer s3cre"}]
+        answers = set()
+        for headers in wrong:
+            for path, body in (("/v1/models", None), ("/v1/completions", SHORT)):
+                status, got, text = _http(f"{url}{path}", body, headers=headers)
+                assert status == 401 and got["WWW-Authenticate"] == "Bearer"
+                answers.add(text)
+        assert len(answers) == 1
+        assert _error(answers.pop())["code"] == "invalid_api_key"
+        for scheme in ("Bearer", "bearer"):
+            headers = {"Authorization": f"{scheme} s3cret"}
+            assert _http(f"{url}/v1/completions", SHORT, headers=headers)[0] == 200
+
+
+def test_the_key_comes_from_the_flag_a_file_or_the_environment(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert resolve_api_key("flag", None, {"INFER_API_KEY": "env"}) == "flag"
+    assert resolve_api_key(None, str(key_file), {"INFER_API_KEY": "env"}) == "from-file"
+    assert resolve_api_key(None, None, {"INFER_API_KEY": "env"}) == "env"
+    assert resolve_api_key(None, None, {}) is None
+    with pytest.raises(ValueError, match="not both"):
+        resolve_api_key("flag", str(key_file), {})
+    with pytest.raises(ValueError, match="cannot read it"):
+        resolve_api_key(None, str(tmp_path / "missing"), {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_api_key(None, str(tmp_path / "empty"), {})
+    with pytest.raises(ValueError, match="INFER_API_KEY is set but empty"):
+        resolve_api_key(None, None, {"INFER_API_KEY": " "})
+
+
+@pytest.mark.parametrize("command", ["infer.client.api.server", "infer.client.serve"])
+def test_a_missing_or_empty_key_file_stops_the_command_at_startup(tmp_path, command):
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    for path, words in ((tmp_path / "missing", "cannot read it"), (empty, "is empty")):
+        argv = [sys.executable, "-m", command, "--api-key-file", str(path)]
+        if command == "infer.client.api.server":
+            argv += ["--coordinator", "tcp://127.0.0.1:1"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and words in done.stderr and str(path) in done.stderr
+
+
+# ---- overload -------------------------------------------------------------------------------------
+
+def test_past_the_fronts_limit_a_request_is_overloaded_at_once_and_accepted_ones_complete(
+        slow_local, smollm2_tokenizer):
+    with serving(slow_local, smollm2_tokenizer, max_concurrent_requests=2, retry_after=3) as url:
+        host, port = url.removeprefix("http://").split(":")
+        payload = json.dumps({**LONG, "max_tokens": 60, "n": 2, "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=60) as sock:   # holds both slots
+            sock.sendall(POST + b"Content-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            reader = sock.makefile("rb")
+            assert b" 200 " in reader.readline()
+            for body in (SHORT, {**SHORT, "stream": True}):
+                started = time.monotonic()
+                status, headers, text = _http(f"{url}/v1/completions", body)
+                assert status == 503 and headers["Retry-After"] == "3" and time.monotonic() - started < 2
+                error = _error(text)
+                assert error["code"] == "overloaded" and "--max-concurrent-requests" in error["message"]
+            events = [json.loads(line[6:]) for line in reader if line.startswith(b"data: {")]
+        finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c["finish_reason"]]
+        assert finish == ["length", "length"]   # the accepted request ran to the end
+        assert _http(f"{url}/v1/completions", SHORT)[0] == 200   # and the slots are free again
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_overloaded_from_the_cluster_is_a_503_with_retry_after(local, smollm2_tokenizer, stream):
+    engine = FailingEngine(local, error_code="overloaded",
+                           error="the cluster is overloaded: every worker is full")
+    with serving(engine, smollm2_tokenizer, retry_after=2) as url:
+        status, headers, text = _http(f"{url}/v1/completions", {**SHORT, "stream": stream})
+        assert status == 503 and headers["Retry-After"] == "2"
+        error = _error(text)
+        assert error["code"] == "overloaded" and "every worker is full" in error["message"]
+        engine.after = 1
+        if stream:   # after the 200: an SSE error event
+            status, _, text = _http(f"{url}/v1/completions", {**SHORT, "stream": True})
+            events = _sse_events(text)
+            assert status == 200 and events[-2]["error"]["code"] == "overloaded" and events[-1] == "[DONE]"
+    asyncio.run(_all_blocks_free(local))
+
+
+# ---- per-request timeouts -------------------------------------------------------------------------
+
+def test_a_request_past_its_timeout_is_a_504_and_its_kv_blocks_are_freed(slow_local, smollm2_tokenizer):
+    with serving(slow_local, smollm2_tokenizer) as url:
+        started = time.monotonic()
+        status, _, text = _http(f"{url}/v1/completions", {**LONG, "timeout": 0.5, "n": 2})
+        elapsed = time.monotonic() - started
+        assert status == 504 and 0.5 <= elapsed < 2.0
+        error = _error(text)
+        assert error["code"] == "timeout" and error["type"] == "timeout_error" and "0.5 s" in error["message"]
+        asyncio.run(_all_blocks_free(slow_local))
+        chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=150,
+                    ignore_eos=True, timeout=0.3)
+        status, _, text = _http(f"{url}/v1/chat/completions", chat)
+        assert status == 504 and _error(text)["code"] == "timeout"
+        asyncio.run(_all_blocks_free(slow_local))
+        status, _, text = _http(f"{url}/v1/completions", {**SHORT, "timeout": 60})   # time enough: served
+        assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stream_past_its_timeout_ends_with_an_error_event(slow_local, smollm2_tokenizer):
+    with serving(slow_local, smollm2_tokenizer) as url:
+        status, _, text = _http(f"{url}/v1/completions", {**LONG, "timeout": 1.0, "stream": True})
+        events = _sse_events(text)
+        assert status == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
+        tokens = [e for e in events[:-2] if e["choices"][0]["text"]]
+        assert tokens and all(e["choices"][0]["finish_reason"] is None for e in events[:-2])
+        asyncio.run(_all_blocks_free(slow_local))
+
+
+@pytest.mark.parametrize("timeout", [0, -1, 7 * 86400 + 1, "soon"])
+def test_an_invalid_timeout_is_a_400_naming_it(local, smollm2_tokenizer, timeout):
+    with serving(local, smollm2_tokenizer) as url:
+        status, _, text = _http(f"{url}/v1/completions", {**SHORT, "timeout": timeout})
+        assert status == 400 and _error(text)["param"] == "timeout"
