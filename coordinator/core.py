@@ -242,11 +242,15 @@ class Coordinator:
         if old is not None:
             worker.requests_routed = old.requests_routed
             worker.registrations = old.registrations + 1
-            # It re-registered without being declared dead (it lost contact, or restarted): keep what it
-            # still runs, move what it lost.
+            # It registered again (it lost contact, or restarted): keep what it still runs, and what was
+            # dispatched after it sent this Hello (a Hello queued during a partition arrives late); move the rest.
+            same_process = hello.incarnation is not None and hello.incarnation == old.hello.incarnation
+            if same_process:
+                worker.dispatches_sent = old.dispatches_sent
             running = set(hello.running)
+            seen = hello.dispatches_seen if same_process and hello.dispatches_seen is not None else math.inf
             for request in [r for r in map(self.requests.get, list(old.requests)) if r is not None]:
-                if request.request_id in running:
+                if request.request_id in running or request.dispatch_seq > seen:
                     worker.requests.add(request.request_id)
                     worker.cost_in_flight += request.charged
                 else:
@@ -315,6 +319,7 @@ class Coordinator:
                       error_code=None if final is None else final.error_code)
         request.sent_prompt_ids = True
         request.delivered.extend(tokens)
+        request.dispatch_seq = 0        # every Hello of that worker lists it (no Dispatch of ours to cross)
         if final is not None:
             self.counters.requests_failed += final.finish_reason == "error"
             self.counters.requests_completed += final.finish_reason != "error"
@@ -487,6 +492,8 @@ class Coordinator:
         worker.requests.add(request.request_id)
         worker.cost_in_flight += request.charged
         worker.requests_routed += 1
+        worker.dispatches_sent += 1
+        request.dispatch_seq = worker.dispatches_sent
         self._send(worker.identity, request.dispatch())
         return True
 

@@ -40,6 +40,7 @@ class RequestRecord:
     sent_prompt_ids: bool = False       # the client has had the prompt token ids
     retries: int = 0
     deadline: float | None = None       # monotonic time by which it must finish (Submit.timeout_s)
+    dispatch_seq: int = 0               # its Dispatch was the n-th sent to its worker (0: none sent there)
 
     @property
     def cost(self) -> int:
@@ -88,6 +89,7 @@ class WorkerRecord:
     cost_in_flight: int = 0
     requests_routed: int = 0
     registrations: int = 1
+    dispatches_sent: int = 0            # Dispatch frames sent to this worker process (see Hello.dispatches_seen)
 
     @property
     def dp_rank(self) -> int:

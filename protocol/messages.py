@@ -189,6 +189,10 @@ class Hello(Message):
     running: list[str] = field(default_factory=list)   # request ids a worker still runs (re-registration)
     snapshots: list[RequestSnapshot] = field(default_factory=list)   # those requests as they stand
     max_waiting: int | None = None    # a worker's bound on requests waiting in its engine (admission control)
+    # A worker process's random id, and the Dispatch frames it had received (since the Welcome of this
+    # coordinator instance) when it sent this Hello: a Hello that crossed later Dispatches does not lose them.
+    incarnation: str | None = None
+    dispatches_seen: int | None = None
 
     def validate(self) -> None:
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")

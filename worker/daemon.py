@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol
@@ -160,6 +161,8 @@ class Worker:
         self._requests: dict[str, _Sent] = {}
         self._silenced: set[str] = set()       # aborted at the coordinator's request: their final delta is dropped
         self._instance: str | None = None      # the coordinator process that welcomed us (a change: it restarted)
+        self._incarnation = uuid.uuid4().hex[:16]   # this process, as the coordinator tells it from another
+        self._dispatches_seen = 0              # Dispatch frames received since that coordinator's Welcome
         self._outbox: list[Delta] = []         # deltas made outside a step (rejected Dispatches)
         now = time.monotonic()
         self._last_sent = self._last_heard = self._hello_sent_at = now
@@ -353,6 +356,7 @@ class Worker:
                          num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
                          max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
                          running=list(self._requests), max_waiting=self.options.max_waiting_requests,
+                         incarnation=self._incarnation, dispatches_seen=self._dispatches_seen,
                          snapshots=[sent.snapshot(rid) for rid, sent in self._requests.items()]))
         self._welcomed = False
         self._hello_sent_at = time.monotonic()
@@ -361,7 +365,8 @@ class Worker:
         if self._welcomed:
             return
         self._welcomed = True
-        self._instance = msg.instance
+        if msg.instance != self._instance:     # a coordinator process new to us counts its Dispatches from 0
+            self._instance, self._dispatches_seen = msg.instance, 0
         if self._ever_welcomed:
             log.info("re-registered with coordinator %s (%d requests running)", msg.coordinator_id,
                      len(self._requests))
@@ -387,6 +392,7 @@ class Worker:
     # ---- requests ------------------------------------------------------------------------------
 
     def _on_dispatch(self, msg: Dispatch) -> None:
+        self._dispatches_seen += 1
         self._handle_signals()   # a signal that came while this frame was queued wins
         if self._drain_deadline is not None:
             return self._reject(msg.request_id, "worker is draining", "unavailable", msg.prompt_token_ids)

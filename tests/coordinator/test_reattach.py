@@ -108,3 +108,19 @@ def test_a_request_already_here_is_not_attached_twice_and_others_ids_are_refused
     (err,) = _to(h.send(b"other", Submit(request_id="r", prompt_token_ids=TokenIds(PROMPT), reattach=True)),
                  b"other", Error)
     assert "already in flight" in err.message
+
+
+def test_a_hello_that_crossed_a_dispatch_does_not_move_it():
+    """A partition queues Hellos at the worker; they arrive after the coordinator has dispatched to it again.
+    A Hello counts the Dispatches its worker had seen, so a late one loses nothing; a new process does."""
+    h = Harness()
+    h.send(b"w0", worker_hello("w0", 0, incarnation="p1", dispatches_seen=0))
+    h.submit(CLIENT, "r")
+    request = h.core.requests.get("r")
+    assert request.worker_id == "w0" and request.dispatch_seq == 1
+    h.send(b"w0", worker_hello("w0", 0, incarnation="p1", dispatches_seen=0))     # sent before the Dispatch
+    assert request.worker_id == "w0" and request.retries == 0
+    h.send(b"w0", worker_hello("w0", 0, incarnation="p1", dispatches_seen=1))     # saw it, and lost it
+    assert request.retries == 1
+    h.send(b"w0", worker_hello("w0", 0, incarnation="p2", dispatches_seen=0))     # a new process
+    assert request.retries == 2
