@@ -38,6 +38,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from infer.protocol.keys import CurveKeys, PathLike
 from infer.protocol.messages import (
     MAX_REQUEST_TIMEOUT_S, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat,
     Hello, Message, ProtocolError, Refused, StatsRequest, Submit, TokenIds, Welcome, decode, encode
@@ -50,6 +51,9 @@ log = logging.getLogger("infer.client")
 
 Prompt = str | Sequence[int]
 CLOSE_LINGER_MS = 200
+_CURVE_HINT = ("CURVE keys are configured: the coordinator may have refused this client's key (its log names "
+               "refused keys), or coordinator_key is not the coordinator's public key")
+_NO_CURVE_HINT = "if the coordinator requires CURVE keys, pass curve_key and coordinator_key"
 DEADLINE_GRACE_S = 5.0      # past a request's timeout, how long to wait for the coordinator's own "timeout"
 
 
@@ -97,13 +101,17 @@ class InferenceClient:
 
     def __init__(self, address: str, *, connect_timeout: float = 10.0, call_timeout: float = 30.0,
                  heartbeat_interval: float = 1.0, silence_timeout: float = 10.0,
-                 client_id: str | None = None) -> None:
+                 client_id: str | None = None, curve_key: PathLike | None = None,
+                 coordinator_key: PathLike | None = None) -> None:
+        """`curve_key`, `coordinator_key`: CurveZMQ (both or neither): this client's secret key file and the
+        coordinator's public key file (infer-keygen); the files are read here (ValueError if unusable)."""
         if heartbeat_interval <= 0 or silence_timeout <= heartbeat_interval:
             raise ValueError(f"need 0 < heartbeat_interval ({heartbeat_interval}) < silence_timeout "
                              f"({silence_timeout})")
         if connect_timeout <= 0 or call_timeout <= 0:
             raise ValueError("connect_timeout and call_timeout must be > 0")
         self.address = address
+        self.curve = CurveKeys.from_files(curve_key, coordinator_key)
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
@@ -141,7 +149,7 @@ class InferenceClient:
         if self._sock is not None:
             raise ClusterError("already connected")
         self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, identity=self.client_id.encode())
+        self._sock = make_socket(self._ctx, zmq.DEALER, identity=self.client_id.encode(), curve=self.curve)
         self._sock.connect(self.address)
         self._closed = asyncio.Event()
         self._call_lock = asyncio.Lock()
@@ -153,6 +161,9 @@ class InferenceClient:
                                                      self.connect_timeout)
         except BaseException as e:
             await self.close()
+            if isinstance(e, ClusterError) and isinstance(e.__context__, asyncio.TimeoutError):
+                # a refused CURVE handshake looks like silence from here: say what it may be
+                raise ClusterError(f"{e} ({_CURVE_HINT if self.curve else _NO_CURVE_HINT})") from None
             raise
         return self.welcome
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from infer.client.engine_client import EngineClient
 from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
+from infer.protocol.keys import CurveKeys
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
@@ -75,6 +76,8 @@ class LLMOptions:
     engine_options: EngineConfig's fields (vLLM's names). Direct mode builds the engine from them; coordinator
         mode passes them to every worker as flags. Unknown names raise ValueError in both modes; joining an
         existing cluster takes none (its workers are already configured).
+    curve_key, coordinator_key: joining a cluster whose coordinator has CurveZMQ keys: this client's secret
+        key file and the coordinator's public key file (both or neither; see infer.protocol.keys).
     """
 
     model: str | None = None
@@ -84,6 +87,8 @@ class LLMOptions:
     ready_timeout: float = 300.0
     log_level: str = "WARNING"
     engine_options: dict[str, Any] = field(default_factory=dict)
+    curve_key: str | None = None
+    coordinator_key: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.use_coordinator, bool):
@@ -105,6 +110,10 @@ class LLMOptions:
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         self.engine_config()   # unknown names and bad values raise here, in both modes
+        if (self.curve_key is not None or self.coordinator_key is not None) and not self.joins_cluster:
+            raise ValueError("curve_key / coordinator_key are for joining a cluster with "
+                             "coordinator_address=...; a cluster started here listens on loopback only")
+        self.client_options()   # unusable key files raise here
         if self.joins_cluster and self.engine_options:
             raise ValueError(f"engine option(s) {', '.join(sorted(self.engine_options))} cannot apply when joining "
                              f"the cluster at {self.coordinator_address}: its workers are already configured")
@@ -119,6 +128,11 @@ class LLMOptions:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.from_options(model=self.model, **self.engine_options)
+
+    def client_options(self) -> dict[str, Any]:
+        """InferenceClient's key options; CurveKeys.from_files validates them (ValueError)."""
+        CurveKeys.from_files(self.curve_key, self.coordinator_key)
+        return {"curve_key": self.curve_key, "coordinator_key": self.coordinator_key}
 
     def worker_args(self) -> list[str]:
         """The infer-worker flags for the engine options (model included), plus the log level."""
@@ -153,9 +167,12 @@ class AsyncLLM:
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, use_coordinator: bool = False,
                  data_parallel_size: int = 1, coordinator_address: str | None = None,
-                 ready_timeout: float = 300.0, log_level: str = "WARNING", **engine_options: Any) -> None:
+                 ready_timeout: float = 300.0, log_level: str = "WARNING",
+                 curve_key: str | os.PathLike[str] | None = None,
+                 coordinator_key: str | os.PathLike[str] | None = None, **engine_options: Any) -> None:
         self._init(LLMOptions(_model_path(model), use_coordinator, data_parallel_size, coordinator_address,
-                              ready_timeout, log_level, engine_options))
+                              ready_timeout, log_level, engine_options, curve_key=_model_path(curve_key),
+                              coordinator_key=_model_path(coordinator_key)))
 
     @classmethod
     def from_options(cls, options: LLMOptions) -> AsyncLLM:
@@ -353,7 +370,7 @@ async def _join_cluster(address: str, options: LLMOptions) -> InferenceClient:
     """A connected InferenceClient once `data_parallel_size` workers are healthy (ClusterError otherwise)."""
     from infer.client.inference_client import InferenceClient
 
-    client = InferenceClient(address, connect_timeout=options.ready_timeout)
+    client = InferenceClient(address, connect_timeout=options.ready_timeout, **options.client_options())
     await client.connect()
     try:
         await client.wait_for_workers(options.data_parallel_size, options.ready_timeout)
@@ -422,9 +439,12 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, use_coordinator: bool = False,
                  data_parallel_size: int = 1, coordinator_address: str | None = None,
-                 ready_timeout: float = 300.0, log_level: str = "WARNING", **engine_options: Any) -> None:
+                 ready_timeout: float = 300.0, log_level: str = "WARNING",
+                 curve_key: str | os.PathLike[str] | None = None,
+                 coordinator_key: str | os.PathLike[str] | None = None, **engine_options: Any) -> None:
         self.options = LLMOptions(_model_path(model), use_coordinator, data_parallel_size, coordinator_address,
-                                  ready_timeout, log_level, engine_options)
+                                  ready_timeout, log_level, engine_options, curve_key=_model_path(curve_key),
+                                  coordinator_key=_model_path(coordinator_key))
         self.engine: Engine | None = None
         self._remote: AsyncLLM | None = None
         self._loop: _LoopThread | None = None

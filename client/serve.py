@@ -1,11 +1,16 @@
 """infer-serve: a whole cluster on one machine: a coordinator, N workers and the HTTP front, shut down cleanly.
 
-`infer-serve [--model M] [--workers N] [--threads T] [--host H] [--port 8000] [--api-key K] [engine options]
-[-- extra worker flags]` starts `infer-coordinator` and N `infer-worker`s (dp ranks 0..N-1), each in its
-own process group, waits until the coordinator reports N healthy workers (ClusterStats, answered by the
-coordinator when ready: no polling), starts the OpenAI-compatible HTTP front in this process, prints both
-addresses, and serves until Ctrl-C / SIGTERM or until the cluster is stopped (InferenceClient.stop()).
+`infer-serve [--model M] [--workers N] [--threads T] [--host H] [--port 8000] [--api-key K] [--keys-dir D]
+[engine options] [-- extra worker flags]` starts `infer-coordinator` and N `infer-worker`s (dp ranks
+0..N-1), each in its own process group, waits until the coordinator reports N healthy workers (ClusterStats,
+answered by the coordinator when ready: no polling), starts the OpenAI-compatible HTTP front in this
+process, prints both addresses, and serves until Ctrl-C / SIGTERM or until the cluster is stopped
+(InferenceClient.stop()).
 Shutdown: the front stops, then SIGTERM to every process group, wait, SIGKILL what is left.
+
+Security: with `--keys-dir D` (`infer-keygen coordinator worker client --dir D`) every ZeroMQ link runs
+CurveZMQ; a non-loopback `--coordinator-host` needs it, and a non-loopback `--host` an API key, unless
+`--trusted-network`.
 """
 
 from __future__ import annotations
@@ -19,8 +24,15 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from infer.client.api.server import HttpFront, add_front_arguments, front_config, load_front_tokenizer
+from infer.client.api.server import (
+    HttpFront,
+    add_front_arguments,
+    check_front_exposure,
+    front_config,
+    load_front_tokenizer,
+)
 from infer.client.inference_client import ClusterError, InferenceClient
+from infer.protocol.keys import ClusterKeyDir, refuse_open_bind
 from infer.protocol.messages import ClusterStats
 
 log = logging.getLogger("infer.serve")
@@ -41,7 +53,9 @@ class LocalCluster:
 
     `worker_args` are passed to every worker (engine options as flags); `coordinator_args` to the
     coordinator. Each child runs in its own session (process group), so a signal to this process does not
-    reach them and shutdown can take the whole group, grandchildren included.
+    reach them and shutdown can take the whole group, grandchildren included. `keys`: CurveZMQ on every
+    link (the coordinator, the workers and `client_options` get their key files); `trusted_network`: the
+    coordinator may bind a non-loopback host without keys.
     """
 
     num_workers: int
@@ -49,6 +63,8 @@ class LocalCluster:
     port: int = 0
     worker_args: list[str] = field(default_factory=list)
     coordinator_args: list[str] = field(default_factory=list)
+    keys: ClusterKeyDir | None = None
+    trusted_network: bool = False
     python: str = sys.executable
     coordinator: asyncio.subprocess.Process | None = None
     workers: list[asyncio.subprocess.Process] = field(default_factory=list)
@@ -57,14 +73,28 @@ class LocalCluster:
     def address(self) -> str:
         return f"tcp://{self.host}:{self.port}"
 
+    @property
+    def client_options(self) -> dict[str, str]:
+        """InferenceClient's key options for this cluster (none without keys)."""
+        return {} if self.keys is None else self.keys.client_options()
+
+    def security_args(self, role: str) -> list[str]:
+        """The key flags of the coordinator (`role` "coordinator") or of a worker."""
+        if role == "coordinator":
+            flags = [] if self.keys is None else self.keys.coordinator_flags()
+            return flags + (["--trusted-network"] if self.trusted_network else [])
+        return [] if self.keys is None else self.keys.worker_flags()
+
     async def start(self) -> None:
         if self.port == 0:
             self.port = free_port(self.host)
         self.coordinator = await self._spawn("infer.coordinator.daemon", "--host", self.host, "--port",
-                                             str(self.port), *self.coordinator_args)
+                                             str(self.port), *self.security_args("coordinator"),
+                                             *self.coordinator_args)
         for rank in range(self.num_workers):
             self.workers.append(await self._spawn("infer.worker.daemon", "--coordinator", self.address,
-                                                  "--dp-rank", str(rank), *self.worker_args))
+                                                  "--dp-rank", str(rank), *self.security_args("worker"),
+                                                  *self.worker_args))
 
     async def _spawn(self, module: str, *args: str) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(self.python, "-m", module, *args, start_new_session=True)
@@ -75,7 +105,7 @@ class LocalCluster:
 
     async def wait_ready(self, timeout: float) -> ClusterStats:
         """ClusterStats once every worker is healthy; ClusterError if a child exits first or time runs out."""
-        async with InferenceClient(self.address, connect_timeout=timeout) as client:
+        async with InferenceClient(self.address, connect_timeout=timeout, **self.client_options) as client:
             ready = asyncio.create_task(client.wait_for_workers(self.num_workers, timeout))
             exits = {asyncio.create_task(p.wait()): p for p in self.processes}
             try:
@@ -116,6 +146,18 @@ class LocalCluster:
             await asyncio.wait(pending, timeout=10)
 
 
+def check_cluster_security(coordinator_host: str, keys_dir: str | None,
+                           trusted_network: bool) -> ClusterKeyDir | None:
+    """The cluster's keys (`--keys-dir`), checked; ValueError for unusable key files, or for a non-loopback
+    coordinator without keys unless the network is declared trusted."""
+    if keys_dir is not None:
+        return ClusterKeyDir(keys_dir)
+    if not trusted_network:
+        refuse_open_bind(coordinator_host, what="the coordinator", remedy="pass --keys-dir DIR (made by "
+                         "`infer-keygen coordinator worker client --dir DIR`)")
+    return None
+
+
 def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
     try:
         os.killpg(proc.pid, sig)   # start_new_session: the child leads its own group
@@ -135,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator-host", default="127.0.0.1",
                    help="the coordinator's bind address (default 127.0.0.1)")
     p.add_argument("--coordinator-port", type=int, default=0, help="the coordinator's port (default: a free one)")
+    p.add_argument("--keys-dir", metavar="DIR", help="CurveZMQ on every link, with the key pairs in DIR made "
+                   "by `infer-keygen coordinator worker client --dir DIR` (needed for a non-loopback "
+                   "--coordinator-host unless --trusted-network)")
     engine = p.add_argument_group("engine options (passed to every worker)")
     engine.add_argument("--dtype", choices=_DTYPES)
     engine.add_argument("--device")
@@ -191,7 +236,7 @@ async def serve(cluster: LocalCluster, args: argparse.Namespace) -> int:
     try:
         await cluster.start()
         stats = await cluster.wait_ready(args.ready_timeout)
-        async with InferenceClient(cluster.address) as client:
+        async with InferenceClient(cluster.address, **cluster.client_options) as client:
             front = HttpFront(client, load_front_tokenizer(args.model, client.model_id),
                               front_config(args, client.model_id), args.host, args.port,
                               graceful_timeout=getattr(args, "drain_timeout", None) or 5.0)
@@ -245,13 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         print("infer-serve: --workers must be >= 1", file=sys.stderr)
         return 2
     try:
-        front_config(args, None)
+        check_front_exposure(args.host, front_config(args, None), args.trusted_network)
+        keys = check_cluster_security(args.coordinator_host, args.keys_dir, args.trusted_network)
     except ValueError as e:
         print(f"infer-serve: {e}", file=sys.stderr)
         return 2
+    log_level = ["--log-level", args.log_level]
     cluster = LocalCluster(num_workers=args.workers, host=args.coordinator_host, port=args.coordinator_port,
-                           worker_args=worker_args(args, extra) + ["--log-level", args.log_level],
-                           coordinator_args=_flags(args, _COORDINATOR_FLAGS) + ["--log-level", args.log_level])
+                           worker_args=worker_args(args, extra) + log_level,
+                           coordinator_args=_flags(args, _COORDINATOR_FLAGS) + log_level,
+                           keys=keys, trusted_network=args.trusted_network)
     return asyncio.run(serve(cluster, args))
 
 

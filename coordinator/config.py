@@ -29,6 +29,10 @@ class CoordinatorConfig:
         new requests are refused as "overloaded".
     restart_grace: after the coordinator starts, how long a request a client re-attaches (after a restart)
         waits for its worker to register again with it before it is re-dispatched from the client's tokens.
+    curve_secret_key, authorized_keys: CurveZMQ (both or neither): the coordinator's secret key file and the
+        directory of the public keys (*.key) of the workers and clients it lets in (infer.protocol.keys).
+    trusted_network: allow binding a non-loopback host without keys (plaintext, anyone who reaches the port
+        may connect); without it such a bind is refused.
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +50,9 @@ class CoordinatorConfig:
     max_requests_per_worker: int | None = None
     max_held_requests: int = 10000
     restart_grace: float = 5.0
+    curve_secret_key: str | None = None
+    authorized_keys: str | None = None
+    trusted_network: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -69,6 +76,10 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.restart_grace, (int, float)) or not 0 <= self.restart_grace <= 3600:
             raise ValueError(f"restart_grace must be in [0, 3600] seconds, got {self.restart_grace!r}")
+        if (self.curve_secret_key is None) != (self.authorized_keys is None):
+            raise ValueError("--curve-secret-key and --authorized-keys go together: give both (the "
+                             "coordinator's secret key file and the directory of the public keys it lets in) "
+                             "or neither")
 
     @property
     def endpoint(self) -> str:

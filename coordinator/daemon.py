@@ -24,8 +24,9 @@ import zmq
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.core import Coordinator
 from infer.coordinator.routing import POLICIES
+from infer.protocol.keys import AuthorizedKeys, CurveKeys, refuse_open_bind
 from infer.protocol.messages import encode
-from infer.protocol.transport import make_socket
+from infer.protocol.transport import KeyGate, make_socket
 
 log = logging.getLogger("infer.coordinator")
 
@@ -37,8 +38,17 @@ class CoordinatorDaemon:
     """Owns the socket and the loop; `run()` returns the process exit code."""
 
     def __init__(self, config: CoordinatorConfig) -> None:
+        """ValueError for a bad key file, or a non-loopback host without keys or trusted_network;
+        zmq.ZMQError when the address cannot be bound."""
+        curve, authorized = load_security(config)
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.ROUTER)
+        self.sock = make_socket(self.ctx, zmq.ROUTER, curve=curve)
+        self.gate: KeyGate | None = None
+        if authorized is not None:   # before bind: no handshake may find the gate missing
+            self.gate = KeyGate(self.ctx, authorized.allows, logger=log, peers="worker or client",
+                                watch=self.sock)
+            log.info("CurveZMQ on: coordinator public key %s; %d authorized key(s) in %s",
+                     curve.public_key.decode(), len(authorized.keys), authorized.directory)
         self.sock.setsockopt(zmq.SNDHWM, 0)      # never drop or block a delta: memory is the bound
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -125,10 +135,24 @@ class CoordinatorDaemon:
     def _close(self) -> None:
         self.sock.setsockopt(zmq.LINGER, EXIT_LINGER_MS)   # let the last acks and errors leave
         self.sock.close()
+        if self.gate is not None:
+            self.gate.close()
         self.ctx.term()
         signal.set_wakeup_fd(-1)
         self._wake_r.close()
         self._wake_w.close()
+
+
+def load_security(config: CoordinatorConfig) -> tuple[CurveKeys | None, AuthorizedKeys | None]:
+    """The coordinator's CURVE keys and the keys it lets in, or (None, None) without keys. ValueError for a
+    bad key file, or for a non-loopback host without keys unless the network is declared trusted."""
+    if config.curve_secret_key is None:
+        if not config.trusted_network:
+            refuse_open_bind(config.host, what="the coordinator",
+                             remedy="pass --curve-secret-key FILE and --authorized-keys DIR (infer-keygen "
+                             "makes them)")
+        return None, None
+    return CurveKeys.server(config.curve_secret_key), AuthorizedKeys(config.authorized_keys)
 
 
 def _signal_name(number: int) -> str:
@@ -170,6 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after a restart, how long a re-attached request waits for its worker to register "
                    "again before it is re-dispatched (default %(default)s)")
     p.add_argument("--coordinator-id", default=d.coordinator_id)
+    security = p.add_argument_group("security (CurveZMQ: encrypted, and only known keys get in)")
+    security.add_argument("--curve-secret-key", metavar="FILE",
+                          help="the coordinator's secret key file (infer-keygen NAME writes NAME.key_secret)")
+    security.add_argument("--authorized-keys", metavar="DIR",
+                          help="directory of the public key files (*.key) of the workers and clients allowed "
+                          "in; re-read when they change. A refused peer is logged and never reaches the "
+                          "coordinator")
+    security.add_argument("--trusted-network", action="store_true",
+                          help="allow a non-loopback --host without keys (plaintext: anyone who reaches the "
+                          "port is a client or a worker); without keys, only loopback is allowed otherwise")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -181,7 +215,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         client_timeout=args.client_timeout, max_retries=args.max_retries, queue_timeout=args.queue_timeout,
         stop_timeout=args.stop_timeout, drain_timeout=args.drain_timeout, coordinator_id=args.coordinator_id,
         max_requests_per_worker=args.max_requests_per_worker, max_held_requests=args.max_held_requests,
-        restart_grace=args.restart_grace)
+        restart_grace=args.restart_grace, curve_secret_key=args.curve_secret_key,
+        authorized_keys=args.authorized_keys, trusted_network=args.trusted_network)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         daemon = CoordinatorDaemon(config)
+    except ValueError as e:   # a bad key file, or an unprotected non-loopback bind
+        print(f"infer-coordinator: {e}", file=sys.stderr)
+        return 2
     except zmq.ZMQError as e:
         print(f"infer-coordinator: cannot bind {config.endpoint}: {e}", file=sys.stderr)
         return 1

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol
 import msgpack
 import zmq
 
+from infer.protocol.keys import CurveKeys
 from infer.protocol.messages import (
     MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message,
     ProtocolError, Refused, RequestSnapshot, StepBatch, TokenIds, Welcome, decode
@@ -96,6 +97,7 @@ class WorkerOptions:
     benchmark_mode: bool = False
     ep: EpOptions | None = None         # this rank's EP group (None: a group of one)
     max_waiting_requests: int = 1024    # beyond max_num_seqs running: a Dispatch past it is "overloaded"
+    curve: CurveKeys | None = None      # CurveZMQ towards the coordinator (and the EP group's wake channel)
 
     def __post_init__(self) -> None:
         if not self.coordinator.startswith(("tcp://", "ipc://")):
@@ -150,7 +152,7 @@ class Worker:
     def __init__(self, engine: EngineLike, options: WorkerOptions, ctx: zmq.Context,
                  group: GroupSync | None = None) -> None:
         self.engine, self.options, self.group = engine, options, group
-        self.sock = make_socket(ctx, zmq.DEALER, identity=options.worker_id.encode())
+        self.sock = make_socket(ctx, zmq.DEALER, identity=options.worker_id.encode(), curve=options.curve)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         if group is not None:
@@ -673,6 +675,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: tcp://$MASTER_ADDR:$MASTER_PORT)")
     ep.add_argument("--ep-timeout", type=float, default=60.0,
                     help="seconds a group collective waits for a member before giving up (default 60)")
+    security = p.add_argument_group("security (CurveZMQ: both flags, when the coordinator has keys)")
+    security.add_argument("--curve-key", metavar="FILE",
+                          help="this worker's secret key file (infer-keygen NAME writes NAME.key_secret; its "
+                          "NAME.key goes into the coordinator's --authorized-keys directory)")
+    security.add_argument("--coordinator-key", metavar="FILE",
+                          help="the coordinator's public key file (its NAME.key)")
     worker.add_argument("--benchmark-mode", action="store_true",
                         help="no model: each request yields token (prompt_len + i) %% 1000 per step, empty text, "
                         "up to max_tokens (for measuring coordinator overhead)")
@@ -705,7 +713,9 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         dp_rank=args.dp_rank, group_id=group_id,
         heartbeat_interval=args.heartbeat_interval, coordinator_timeout=args.coordinator_timeout,
         drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
-        benchmark_mode=args.benchmark_mode, ep=ep, max_waiting_requests=args.max_waiting_requests)
+        benchmark_mode=args.benchmark_mode, ep=ep, max_waiting_requests=args.max_waiting_requests,
+        curve=CurveKeys.from_files(args.curve_key, args.coordinator_key,
+                                   flags=("--curve-key", "--coordinator-key")))
 
 
 def make_engine(config: EngineConfig, benchmark_mode: bool, ep: EpOptions | None = None) -> EngineLike:
@@ -738,13 +748,15 @@ def main(argv: list[str] | None = None) -> None:
     except Exception:  # reported with its traceback: exit 1
         log.exception("fatal: the engine failed to start")
         sys.exit(EXIT_FATAL)
+    if options.curve is not None:   # the coordinator's --authorized-keys must hold this key
+        log.info("CurveZMQ on: this worker's public key %s", options.curve.public_key.decode())
     ctx = zmq.Context()
     group = None
     if options.ep is not None:
         from infer.worker.group_sync import GroupSync
 
         try:
-            group = GroupSync(options.ep, ctx)
+            group = GroupSync(options.ep, ctx, curve=options.curve)
         except Exception:
             log.exception("fatal: the EP group's wake channel could not be set up")
             sys.exit(EXIT_FATAL)

@@ -16,6 +16,11 @@ agrees before every step:
   it (the group's collectives cannot run with a member gone). A member that dies makes the next
   collective fail at once (its connections close) or time out after `timeout_s`; the survivors then give
   their requests back and exit instead of hanging.
+- **Keys.** With CurveKeys (the worker's --curve-key), the wake channel is CurveZMQ: each rank's PULL is a
+  CURVE server with the rank's own key pair, its peers' PUSH sockets connect with the public key it
+  published in the group's key exchange, and its KeyGate lets in only the group's keys. The group's
+  torch.distributed traffic (the rendezvous, gloo and NCCL collectives, the key and address exchange
+  itself) is NOT encrypted or authenticated: the ranks of an EP group must share a trusted fabric.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from infer.protocol.keys import CurveKeys, is_loopback
+from infer.protocol.transport import KeyGate, make_socket
+
 if TYPE_CHECKING:
     import torch
 
@@ -39,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("infer.worker")
 
 _WAKE = struct.Struct("<q")   # the round number the sender is about to enter
+_ZAP_DOMAIN = "infer-ep"
 
 
 class GroupBroken(RuntimeError):
@@ -117,7 +126,9 @@ def init_group(options: EpOptions, device: torch.device) -> ExpertParallel:
 class GroupSync:
     """The per-step agreement and the wake channel of one rank (see the module doc)."""
 
-    def __init__(self, options: EpOptions, ctx: zmq.Context) -> None:
+    def __init__(self, options: EpOptions, ctx: zmq.Context, curve: CurveKeys | None = None) -> None:
+        """`curve`: this rank's keys (its server key, the coordinator's, is not used here): the wake channel
+        runs CurveZMQ among the group's keys. Every rank must have keys, or none (ValueError on all)."""
         import torch.distributed as dist
 
         self.options = options
@@ -125,19 +136,40 @@ class GroupSync:
         self.active = False       # the last round had work: the next one follows without a wake
         # the agreement runs on CPU tensors; with NCCL as the default backend it needs a gloo group of its own
         self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        self.wake_socket = ctx.socket(zmq.PULL)
+        # keys first, so every gate knows the group's keys before any peer can connect (after the addresses)
+        keys = self._gather(None if curve is None else curve.public_key)
+        if any(k is None for k in keys) and any(k is not None for k in keys):
+            missing = [r for r, k in enumerate(keys) if k is None]
+            raise ValueError(f"EP group ranks {missing} have no CURVE key and the others do: give every rank "
+                             f"--curve-key and --coordinator-key, or none")
+        self._gate: KeyGate | None = None
+        if curve is not None:
+            group_keys = frozenset(keys)
+            self._gate = KeyGate(ctx, group_keys.__contains__, logger=log, peers="EP peer")
+        self.wake_socket = make_socket(ctx, zmq.PULL, curve=None if curve is None else curve.as_server(),
+                                       zap_domain=_ZAP_DOMAIN)
         host = _local_address_towards(urlsplit(options.dist_init).hostname or "127.0.0.1")
         port = self.wake_socket.bind_to_random_port(f"tcp://{host}")
-        addresses: list[str | None] = [None] * options.size
-        dist.all_gather_object(addresses, f"tcp://{host}:{port}", group=self._group)
+        if curve is not None and not is_loopback(host):
+            log.info("EP group wake channel on CurveZMQ; the group's torch.distributed traffic is not "
+                     "encrypted: its ranks must share a trusted network")
+        addresses = self._gather(f"tcp://{host}:{port}")
         self._peers = []
         for rank, address in enumerate(addresses):
             if rank != options.rank:
-                push = ctx.socket(zmq.PUSH)
-                push.setsockopt(zmq.LINGER, 0)
+                peer_curve = None if curve is None else curve.towards(keys[rank])
+                push = make_socket(ctx, zmq.PUSH, curve=peer_curve)
                 push.setsockopt(zmq.SNDHWM, 16)
                 push.connect(address)
                 self._peers.append(push)
+
+    def _gather(self, value: object) -> list:
+        """`value` of every rank, by rank (a collective: every rank calls it, in the same order)."""
+        import torch.distributed as dist
+
+        values: list[object] = [None] * self.options.size
+        dist.all_gather_object(values, value, group=self._group)
+        return values
 
     def woken(self) -> bool:
         """Drain the wake socket; True when a peer is entering round `self.round` (older wakes are stale)."""
@@ -178,6 +210,8 @@ class GroupSync:
         for push in self._peers:
             push.close(0)
         self.wake_socket.close(0)
+        if self._gate is not None:
+            self._gate.close()
 
 
 def _local_address_towards(host: str) -> str:

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -21,9 +20,10 @@ from typing import Any
 
 import uvicorn
 
-from infer.client.api.app import FrontConfig, build_app
+from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app, resolve_api_key
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError, InferenceClient
+from infer.protocol.keys import CurveKeys, refuse_open_bind
 from infer.worker.config import DEFAULT_MODEL_ID
 
 log = logging.getLogger("infer.api")
@@ -126,11 +126,26 @@ def add_front_arguments(p: argparse.ArgumentParser) -> None:
     """The flags every command that runs a front shares (infer-api, infer-serve)."""
     p.add_argument("--host", default="127.0.0.1", help="the HTTP front's bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the HTTP front's port (default 8000; 0: a free one)")
-    p.add_argument("--api-key", default=os.environ.get("INFER_API_KEY"),
-                   help="require 'Authorization: Bearer <key>' (default: $INFER_API_KEY; unset: no key)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' (visible in the process list: "
+                   "prefer --api-key-file or $INFER_API_KEY; none of the three: no key)")
+    p.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
     p.add_argument("--served-model-name", help="the model name clients send (default: the cluster's model id)")
     p.add_argument("--max-concurrent-requests", type=int, default=1024,
-                   help="engine requests in flight through this front before it answers 503 (default 1024)")
+                   help="engine requests in flight through this front; past it new requests get 503 "
+                   "'overloaded' at once (default 1024)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--trusted-network", action="store_true",
+                   help="allow a non-loopback bind with nothing protecting it: the HTTP front without an API "
+                   "key (and a coordinator this command starts without CURVE keys); otherwise it is refused")
+
+
+def check_front_exposure(host: str, config: FrontConfig, trusted_network: bool) -> None:
+    """ValueError when the front would serve a non-loopback `host` with no API key and the network is not
+    declared trusted."""
+    if config.api_key is None and not trusted_network:
+        refuse_open_bind(host, what="the HTTP front",
+                         remedy="give it a key (--api-key-file FILE, $INFER_API_KEY or --api-key K)")
 
 
 def front_config(args: argparse.Namespace, model_id: str | None) -> FrontConfig:
@@ -138,7 +153,9 @@ def front_config(args: argparse.Namespace, model_id: str | None) -> FrontConfig:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     return FrontConfig(served_model_name=args.served_model_name or model_id or DEFAULT_MODEL_ID,
-                       api_key=args.api_key, max_concurrent_requests=args.max_concurrent_requests)
+                       api_key=resolve_api_key(args.api_key, args.api_key_file),
+                       max_concurrent_requests=args.max_concurrent_requests,
+                       max_body_bytes=args.max_body_bytes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="where to read the tokenizer (default: the model the cluster serves)")
     add_front_arguments(p)
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the coordinator")
+    p.add_argument("--curve-key", metavar="FILE", help="CurveZMQ: this front's secret key file, as a client "
+                   "of a coordinator with keys (with --coordinator-key; infer-keygen makes both)")
+    p.add_argument("--coordinator-key", metavar="FILE", help="CurveZMQ: the coordinator's public key file")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -170,7 +190,8 @@ async def run_front(client: InferenceClient, front: HttpFront) -> None:
 
 async def _main(args: argparse.Namespace) -> int:
     try:
-        async with InferenceClient(args.coordinator, connect_timeout=args.connect_timeout) as client:
+        async with InferenceClient(args.coordinator, connect_timeout=args.connect_timeout,
+                                   curve_key=args.curve_key, coordinator_key=args.coordinator_key) as client:
             tokenizer = load_front_tokenizer(args.model, client.model_id)
             front = HttpFront(client, tokenizer, front_config(args, client.model_id), args.host, args.port)
             front.bind()
@@ -188,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        front_config(args, None)
+        check_front_exposure(args.host, front_config(args, None), args.trusted_network)
+        CurveKeys.from_files(args.curve_key, args.coordinator_key, flags=("--curve-key", "--coordinator-key"))
     except ValueError as e:
         print(f"infer-api: {e}", file=sys.stderr)
         return 2

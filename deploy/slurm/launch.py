@@ -19,6 +19,13 @@ tcp://<node of the group's rank 0>:<--dist-port + g>; then it execs infer-worker
 
 Options that are not the launcher's own (engine options such as --dtype or --threads, worker options such as
 --coordinator-timeout) go to every worker unchanged, as do the arguments after `--`.
+
+Security: the head binds addresses the other nodes reach, so every ZeroMQ link runs CurveZMQ: with the key
+pairs of `--keys-dir D` (`infer-keygen coordinator worker client --dir D`, on a path every node reads), else
+with a fresh set the head writes for this job into $SLURM_SUBMIT_DIR/.infer-keys-$SLURM_JOB_ID (mode 0700; the
+submit directory is on the shared filesystem) and removes when the job ends. The HTTP front needs an API key
+(--api-key-file, $INFER_API_KEY or --api-key). `--trusted-network` drops both requirements: plaintext, no
+keys, no API key needed. The EP groups' torch.distributed traffic is never encrypted (trusted fabric only).
 """
 
 from __future__ import annotations
@@ -29,13 +36,16 @@ import ipaddress
 import logging
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from infer.client.api.server import add_front_arguments, front_config
+from infer.client.api.server import add_front_arguments, check_front_exposure, front_config
 from infer.client.serve import LocalCluster, serve
+from infer.protocol.keys import ClusterKeyDir
 
 DEFAULT_COORDINATOR_PORT = 5555
 DEFAULT_HTTP_PORT = 8000
@@ -121,6 +131,7 @@ class SlurmEnv:
     procid: int | None              # the srun task's global index
     step_nodelist: str | None
     step_tasks_per_node: str | None
+    submit_dir: str | None = None   # SLURM_SUBMIT_DIR: where sbatch ran (a shared filesystem)
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | os._Environ = os.environ) -> SlurmEnv:
@@ -134,7 +145,8 @@ class SlurmEnv:
         return cls(job_id=env["SLURM_JOB_ID"], job_nodelist=env["SLURM_JOB_NODELIST"],
                    node_name=env.get("SLURMD_NODENAME"), ntasks_per_node=integer("SLURM_NTASKS_PER_NODE"),
                    procid=integer("SLURM_PROCID"), step_nodelist=env.get("SLURM_STEP_NODELIST"),
-                   step_tasks_per_node=env.get("SLURM_STEP_TASKS_PER_NODE"))
+                   step_tasks_per_node=env.get("SLURM_STEP_TASKS_PER_NODE"),
+                   submit_dir=env.get("SLURM_SUBMIT_DIR"))
 
 
 def hostnames(nodelist: str) -> list[str]:
@@ -225,6 +237,10 @@ def head_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="seconds the daemons get after SIGTERM before SIGKILL (default %(default)s; keep it "
                         "below Slurm's KillWait)")
+    p.add_argument("--keys-dir", metavar="DIR",
+                   help="CurveZMQ key pairs from `infer-keygen coordinator worker client --dir DIR`, on a "
+                   "path every node reads (default: a fresh set for this job in "
+                   "$SLURM_SUBMIT_DIR/.infer-keys-<job id>, removed at the end; none with --trusted-network)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -256,8 +272,10 @@ class HeadPlan:
         return len(self.nodes) * self.workers_per_node
 
 
-def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str], env: SlurmEnv) -> HeadPlan:
-    """Validate the options against the job's `nodes` and build the plan; ValueError naming what is wrong."""
+def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str], env: SlurmEnv,
+              keys: ClusterKeyDir | None = None) -> HeadPlan:
+    """Validate the options against the job's `nodes` and build the plan; ValueError naming what is wrong.
+    `keys`: the workers get their key flags from it."""
     if env.node_name is not None and env.node_name != nodes[0]:
         raise ValueError(f"the head must run on the job's first node {nodes[0]}, not {env.node_name} "
                          f"(submit infer.sbatch with sbatch)")
@@ -275,7 +293,7 @@ def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str
     worker = [sys.executable, os.path.abspath(__file__), "worker", "--coordinator-port", str(args.coordinator_port),
               "--ep-size", str(args.ep_size), "--dist-port", str(args.dist_port),
               *(["--coordinator-host", coordinator_host] if explicit_host else []),
-              "--", *flags_of(args, _WORKER_FLAGS), *worker_extra]
+              "--", *flags_of(args, _WORKER_FLAGS), *(keys.worker_flags() if keys else []), *worker_extra]
     srun = ["srun", f"--nodes={len(nodes)}", f"--ntasks={total}", f"--ntasks-per-node={per_node}",
             "--distribution=block", "--overcommit", "--kill-on-bad-exit=0", "--label", "--job-name=infer-workers",
             *worker]
@@ -292,11 +310,40 @@ class SrunCluster(LocalCluster):
 
     async def start(self) -> None:
         self.coordinator = await self._spawn("infer.coordinator.daemon", "--host", self.host, "--port",
-                                             str(self.port), *self.coordinator_args)
+                                             str(self.port), *self.security_args("coordinator"),
+                                             *self.coordinator_args)
         self.workers.append(await asyncio.create_subprocess_exec(*self.srun, start_new_session=True))
 
     def _name(self, proc: asyncio.subprocess.Process) -> str:
         return "the coordinator" if proc is self.coordinator else f"the workers' srun step (pid {proc.pid})"
+
+
+def job_keys_dir(env: SlurmEnv) -> Path:
+    """Where the head writes this job's fresh key set: the submit directory, which every node mounts."""
+    if not env.submit_dir:
+        raise ValueError("SLURM_SUBMIT_DIR is unset: pass --keys-dir DIR (on a path every node reads) or "
+                         "--trusted-network")
+    return Path(env.submit_dir) / f".infer-keys-{env.job_id}"
+
+
+def job_keys(args: argparse.Namespace, env: SlurmEnv) -> tuple[ClusterKeyDir | None, Path | None]:
+    """(the job's keys, the directory to remove at the end): --keys-dir's, none with --trusted-network,
+    else a fresh set in job_keys_dir (0700)."""
+    if args.keys_dir is not None:
+        return ClusterKeyDir(Path(args.keys_dir)), None
+    if args.trusted_network:
+        return None, None
+    directory = job_keys_dir(env)
+    try:
+        directory.mkdir(mode=0o700)
+    except FileExistsError:
+        raise ValueError(f"{directory} exists (a job with this id ran before?): remove it, or pass "
+                         f"--keys-dir") from None
+    try:
+        return ClusterKeyDir.create(directory), directory
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
 
 
 def run_head(argv: list[str]) -> int:
@@ -304,20 +351,40 @@ def run_head(argv: list[str]) -> int:
     args, unknown = head_parser().parse_known_args(own)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    made = None
     try:
         env = SlurmEnv.from_environ()
-        plan = plan_head(args, unknown + extra, hostnames(env.job_nodelist), env)
-        front_config(args, None)
+        nodes = hostnames(env.job_nodelist)
+        front = front_config(args, None)
+        keys, made = job_keys(args, env)
+        plan = plan_head(args, unknown + extra, nodes, env, keys)
+        check_front_exposure(plan.http_host, front, args.trusted_network)
     except (ValueError, OSError, subprocess.SubprocessError) as e:
         print(f"infer.sbatch: {e}", file=sys.stderr)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
         return 2
+    try:
+        return _serve_job(args, env, plan, keys, made)
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def _serve_job(args: argparse.Namespace, env: SlurmEnv, plan: HeadPlan, keys: ClusterKeyDir | None,
+               made: Path | None) -> int:
     args.host = plan.http_host
+    if keys is not None:
+        print(f"infer.sbatch: CurveZMQ on every link, keys in {keys.path}"
+              f"{' (made for this job, removed when it ends)' if made else ''}; clients connect with "
+              f"curve_key={keys.secret('client')} coordinator_key={keys.public('coordinator')}", flush=True)
     print(f"infer.sbatch: job {env.job_id}: coordinator tcp://{plan.coordinator_host}:{plan.coordinator_port} on "
           f"{plan.nodes[0]}; {plan.num_workers} workers ({plan.workers_per_node} per node on {','.join(plan.nodes)}, "
           f"EP size {plan.ep_size}); HTTP front on {plan.http_host}:{args.port} once every worker has joined",
           flush=True)
     cluster = SrunCluster(num_workers=plan.num_workers, host=plan.coordinator_host, port=plan.coordinator_port,
-                          coordinator_args=flags_of(args, _COORDINATOR_FLAGS), srun=plan.srun)
+                          coordinator_args=flags_of(args, _COORDINATOR_FLAGS), srun=plan.srun, keys=keys,
+                          trusted_network=args.trusted_network)
     return asyncio.run(serve(cluster, args))
 
 
