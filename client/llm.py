@@ -289,26 +289,31 @@ class AsyncLLM:
     # ---- generation -----------------------------------------------------------------------------
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *,
+                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
         """Deltas of one request (token_ids / text new since the previous one); the last has `finished` and
         `finish_reason`. A rejected prompt is one delta with finish_reason "error" and error_code
-        "invalid_request". Leaving the loop early (break, aclose) aborts the request."""
-        async with aclosing(self.engine.stream(prompt, sampling_params, request_id=request_id)) as deltas:
+        "invalid_request". Leaving the loop early (break, aclose) aborts the request. With `timeout`
+        (seconds), a request not finished by then is aborted (its KV blocks freed) and ends with error_code
+        "timeout"."""
+        stream = self.engine.stream(prompt, sampling_params, request_id=request_id, timeout=timeout)
+        async with aclosing(stream) as deltas:
             async for delta in deltas:
                 yield delta
 
     async def generate_batch(self, prompts: Prompt | Sequence[Prompt],
                              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                             use_tqdm: bool = False) -> list[Completion]:
+                             use_tqdm: bool = False, timeout: float | None = None) -> list[Completion]:
         """Every prompt concurrently (one params for all, or one per prompt); Completions in prompt order.
-        The same contract as LLM.generate; `use_tqdm` shows a progress bar for lists."""
+        The same contract as LLM.generate; `use_tqdm` shows a progress bar for lists; `timeout` applies to
+        each request (see generate)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         engine = self.engine
         bar = _progress(len(prompts), use_tqdm)
 
         async def one(prompt: Prompt, sp: SamplingParams) -> Completion:
-            completion = await engine.generate(prompt, sp)
+            completion = await engine.generate(prompt, sp, timeout=timeout)
             bar.update(1)
             return completion
 

@@ -81,7 +81,7 @@ async def test_a_client_with_an_unknown_key_is_refused_logged_and_never_a_client
         started = time.monotonic()
         with pytest.raises(ClusterError, match="coordinator may have refused this client's key"):
             await intruder.connect()
-        assert time.monotonic() - started < 4
+        assert time.monotonic() - started < 15     # its connect timeout, not a hang
         key = read_public_key(stranger.public("client")).decode()
         await wait_until(_log_has(coordinator, f"from 127.0.0.1 with unknown public key {key}"), 5,
                          "the refusal in the coordinator's log")
