@@ -1,8 +1,9 @@
 """deploy/slurm/infer.sbatch on a real Slurm: ../shared/slurm-sandbox/cluster.sh runs slurmctld and three
 slurmd, each node in its own network namespace with its own address. One job of 2 nodes x 1 worker on the
 embedded default model serves chat completions to the official `openai` client from the host; cutting the
-link of the worker node that is not the head moves its streams to the other node with no token lost or
-repeated while new requests keep succeeding; `scancel` leaves no process of the job behind.
+link of the worker node that is not the head for 20 s moves its streams to the other node with no token lost
+or repeated while new requests keep succeeding, and once the link is back that worker registers again, takes
+new requests, and no request finished twice; `scancel` leaves no process of the job behind.
 
 Needs root and network namespaces (skips without them) and Debian's slurmctld, slurmd, slurm-client and
 munge (deploy/local/test.sh installs them when it runs as root). The sandbox script is found through
@@ -19,6 +20,7 @@ import selectors
 import shutil
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +37,9 @@ SANDBOX_LOCK = Path("/run/lock/infer-slurm-sandbox.lock")
 READY = "INFER-SANDBOX-READY"
 MODEL = "SmolLM2-135M-Instruct"
 COORDINATOR_PORT, HTTP_PORT = 5555, 8000
-# Short timeouts: a silent worker is dead after 3 s; small KV pools, one torch thread per worker.
-JOB_OPTIONS = ["--heartbeat-interval", "0.5", "--worker-timeout", "3", "--ready-timeout", "240",
+# Short timeouts: a silent worker is dead after 3 s; small KV pools, one torch thread per worker. The sandbox's
+# network is private: --trusted-network (no CurveZMQ keys, no API key), so the host's clients need neither.
+JOB_OPTIONS = ["--heartbeat-interval", "0.5", "--worker-timeout", "3", "--ready-timeout", "240", "--trusted-network",
                "--coordinator-port", str(COORDINATOR_PORT), "--port", str(HTTP_PORT),
                "--dtype", "float32", "--threads", "1", "--max-model-len", "512", "--kv-cache-memory", "64000000",
                "--", "--coordinator-timeout", "3", "--drain-timeout", "3"]
@@ -286,9 +289,60 @@ LONG = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 PROMPTS = [[1, 504, 3458, 282, 4649, 314] + [100 + i] * (3 + i) for i in range(4)]
 
 
-async def test_cutting_a_worker_nodes_link_moves_its_streams_with_no_token_lost_or_repeated(job, sandbox):
+CUT_S = 20.0   # how long the partition lasts
+
+
+class RecordingClient(InferenceClient):
+    """An InferenceClient that also keeps every delta reaching it, in arrival order: (request id, token ids,
+    finished). The public API drops deltas of a request that already finished; this record keeps them, so a
+    request finished twice, or tokens relayed twice (by the cut-off worker and by its replacement), show."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.received: list[tuple[str, list[int], bool]] = []
+
+    def _on_delta(self, delta) -> None:
+        self.received.append((delta.request_id, list(delta.token_ids), bool(delta.finished)))
+        super()._on_delta(delta)
+
+    def _on_error(self, error) -> None:
+        if error.request_id is not None:
+            self.received.append((error.request_id, [], True))
+        super()._on_error(error)
+
+
+async def wait_for_stats(client: InferenceClient, predicate, timeout: float, what: str):
+    """Re-read the coordinator's stats until `predicate(stats)` holds (returns the stats) or `timeout`
+    passes (AssertionError naming `what` and the last stats)."""
+    deadline = time.monotonic() + timeout
+    while not predicate(stats := await client.stats()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; last stats: {stats}")
+        await asyncio.sleep(0.25)
+    return stats
+
+
+def worker_in(stats, worker_id: str):
+    return next(w for w in stats.workers if w.worker_id == worker_id)
+
+
+def idle(stats) -> bool:
+    """Nothing in flight anywhere and every worker's KV pool entirely free (from its last load report)."""
+    return stats.num_in_flight == 0 and all(
+        w.load is not None and w.load.num_running == 0 and w.load.num_waiting == 0
+        and w.load.num_free_blocks == w.load.num_total_blocks for w in stats.workers)
+
+
+async def test_a_worker_node_cut_off_for_20_s_hands_its_streams_over_then_rejoins_with_nothing_duplicated(
+        job, sandbox):
+    """The link of the worker node that is not the head goes down for CUT_S seconds, mid-stream. Its streams
+    move to the head's worker and end with the reference tokens (no gap, no repeat); a new request succeeds
+    meanwhile and nothing is routed to the cut-off worker. With the link back it registers again (its stale
+    requests are aborted: every KV pool empties), takes new requests, and no request finished twice or got
+    a token twice at the client."""
     head = job.nodes[0]
-    async with coordinator_client(job) as cluster:
+    async with RecordingClient(job.coordinator, heartbeat_interval=0.5, connect_timeout=30) as cluster:
+        first = await cluster.stats()
         reference = [c.token_ids for c in await asyncio.wait_for(
             asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)]
         started = [asyncio.Event() for _ in PROMPTS]
@@ -308,21 +362,53 @@ async def test_cutting_a_worker_nodes_link_moves_its_streams_with_no_token_lost_
         assert victim.num_in_flight > 0, "the non-head worker should be running some of the streams"
         link = f"v-ci-{node_of(victim.worker_id)}"
         await set_link(link, "down")
+        cut_at = time.monotonic()
         try:
-            fresh = await asyncio.wait_for(openai_client(job).chat.completions.create(   # a new request, link down
-                model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6, temperature=0), 90)
+            fresh = await asyncio.wait_for(openai_client(job).chat.completions.create(   # a new request
+                model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6,
+                temperature=0), 90)
             results = await asyncio.wait_for(asyncio.gather(*streams), 120)
-            after = await cluster.stats()
+            during = await cluster.stats()
+            await asyncio.sleep(max(0.0, cut_at + CUT_S - time.monotonic()))   # the partition lasts CUT_S
+            end_of_cut = await cluster.stats()
         finally:
             await set_link(link, "up")
         for deltas, want in zip(results, reference):
             assert deltas[-1].finish_reason == "length" and not any(d.finished for d in deltas[:-1])
             assert [t for d in deltas for t in d.token_ids] == want          # no gap, no repeat
         assert fresh.choices[0].message.content and fresh.choices[0].finish_reason in ("stop", "length")
-        assert after.requests_redispatched - before.requests_redispatched >= victim.num_in_flight
-        assert not next(w for w in after.workers if w.worker_id == victim.worker_id).healthy
-        rejoined = await cluster.wait_for_workers(2, 60)       # the link is back: the worker registers again
-    assert rejoined.num_healthy_workers == 2
+        assert during.requests_redispatched - before.requests_redispatched >= victim.num_in_flight
+        assert not worker_in(end_of_cut, victim.worker_id).healthy
+        # the fresh request may have gone to it before it was declared dead; the moved streams never did
+        assert worker_in(end_of_cut, victim.worker_id).requests_routed <= victim.requests_routed + 1
+
+        def back(stats) -> bool:
+            cut_off = worker_in(stats, victim.worker_id)
+            return (cut_off.healthy and cut_off.registrations >= 2 and stats.num_healthy_workers == 2
+                    and idle(stats))
+
+        rejoined = await wait_for_stats(cluster, back, 90, "the cut-off worker to rejoin, every pool empty")
+        again = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)
+        after = await cluster.stats()
+    ended = [(c.finish_reason, c.error, c.token_ids) for c in again]
+    assert ended == [("length", None, want) for want in reference]
+    routed = [worker_in(stats, victim.worker_id).requests_routed for stats in (rejoined, after)]
+    assert routed[1] > routed[0], "new requests should be routed to the worker that rejoined"
+
+    # nothing duplicated: every request of ours finished exactly once, with exactly its tokens
+    expected = {c.request_id: c.token_ids for c in again}
+    expected.update({deltas[0].request_id: want for deltas, want in zip(results, reference)})
+    finishes = Counter(rid for rid, _, finished in cluster.received if finished)
+    tokens: dict[str, list[int]] = {}
+    for rid, ids, _ in cluster.received:
+        tokens.setdefault(rid, []).extend(ids)
+    assert all(count == 1 for count in finishes.values()), finishes
+    assert len(finishes) == 3 * len(PROMPTS)      # reference, streams, again
+    assert all(tokens[rid] == want for rid, want in expected.items())
+    ours = 3 * len(PROMPTS) + 1                  # + the fresh chat completion through the HTTP front
+    assert after.requests_completed - first.requests_completed == ours
+    assert after.requests_submitted - first.requests_submitted == ours
+    assert after.requests_failed == first.requests_failed
 
 
 def test_scancel_stops_every_process_of_the_job(job, sandbox):

@@ -1,0 +1,1 @@
+"""Hardening programs (chaos, soak) and their shared harness; tests/cluster/test_chaos.py runs chaos short."""
