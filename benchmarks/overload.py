@@ -96,7 +96,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     workload = Workload((args.prompt_len[0], args.prompt_len[1]), (args.max_tokens[0], args.max_tokens[1]),
                         stream_fraction=0.0, seed=args.seed, tag="cap")
     bound = args.workers * (args.max_num_seqs + args.max_waiting_requests)
-    try:
+    with cluster.dumped_on_failure():
         await cluster.start(ready_timeout=args.ready_timeout)
         clients = [cluster.client(call_timeout=30.0) for _ in range(args.clients)]
         for c in clients:
@@ -118,14 +118,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                   oracle, seed=args.seed)
         cpu_after = cluster.cpu()
         after = await clients[0].stats()
-        for c in clients:
-            await c.close()
-        peaks = cluster.peaks()
-        shutdown = await cluster.shutdown()
-    except BaseException:
-        print(cluster.dump(), file=sys.stderr)
-        cluster.kill_all()
-        raise
+        peaks, shutdown = await cluster.finish(clients)
     over = summarize(run, capacity["requests_per_s"])
     over["loadgen_loop_lag_ms"] = percentiles_ms(lag.lags)
     wall = run["end"] - run["start"]

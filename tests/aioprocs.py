@@ -1,10 +1,12 @@
-"""Helpers for asyncio child processes that lead their own process group (start_new_session=True)."""
+"""Helpers for child processes: asyncio children that lead their own process group (start_new_session=True),
+and a /proc scan for processes a test or script left behind."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 
 async def kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -24,3 +26,22 @@ def pid_gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def processes_mentioning(marker: bytes, *, in_cmdline: bool = True) -> list[str]:
+    """Live processes (not zombies), this one excepted, whose environment (or command line, unless
+    `in_cmdline` is False) contains `marker`; one "pid: command" line each."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
+            if marker in (entry / "environ").read_bytes() or (in_cmdline and marker in cmdline):
+                command = cmdline.replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{entry.name}: {command[:160]}")
+        except (OSError, IndexError):      # it exited meanwhile, or is not ours to read
+            continue
+    return found

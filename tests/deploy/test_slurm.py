@@ -26,6 +26,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from aioprocs import processes_mentioning
 
 from infer import SamplingParams
 from infer.client import InferenceClient
@@ -43,7 +44,6 @@ JOB_OPTIONS = ["--heartbeat-interval", "0.5", "--worker-timeout", "3", "--ready-
                "--coordinator-port", str(COORDINATOR_PORT), "--port", str(HTTP_PORT),
                "--dtype", "float32", "--threads", "1", "--max-model-len", "512", "--kv-cache-memory", "64000000",
                "--", "--coordinator-timeout", "3", "--drain-timeout", "3"]
-NUL = b"\0"
 SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "scontrol", "srun", "slurmctld", "slurmd", "munged")
 
 
@@ -127,23 +127,6 @@ class Sandbox:
                 os.killpg(self.holder.pid, 9)
                 self.holder.wait(timeout=10)
                 raise
-
-
-def processes_mentioning(marker: bytes) -> list[str]:
-    """Live processes (not zombies) whose environment or command line contains `marker`, but this one."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            cmdline = (entry / "cmdline").read_bytes()
-            if marker in (entry / "environ").read_bytes() or marker in cmdline:
-                found.append(f"{entry.name}: {cmdline.replace(NUL, b' ').decode(errors='replace')[:160]}")
-        except (FileNotFoundError, ProcessLookupError, PermissionError, IndexError):
-            continue
-    return found
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):

@@ -215,7 +215,7 @@ async def run_chaos(config: ChaosConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in
                                          asdict(config).items()}, "logs": str(logs),
                               "workload": workload.describe()}
-    try:
+    with cluster.dumped_on_failure():
         await cluster.start()
         clients = [cluster.client() for _ in range(config.clients)]
         control = cluster.client(call_timeout=10.0)
@@ -228,14 +228,7 @@ async def run_chaos(config: ChaosConfig) -> dict[str, Any]:
         await chaos
         settled = await wait_until(lambda: _idle_stats(control, config.workers), config.settle_timeout)
         final = settled or await _stats_or_none(control)
-        for c in [*clients, control]:
-            await c.close()
-        peaks = cluster.peaks()
-        shutdown = await cluster.shutdown()
-    except BaseException:
-        print(cluster.dump(), file=sys.stderr)
-        cluster.kill_all()
-        raise
+        peaks, shutdown = await cluster.finish([*clients, control])
     outcomes = load["outcomes"]
     statuses = count_statuses(outcomes)
     checks = {

@@ -15,6 +15,7 @@ and tests/cluster/test_chaos.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -25,10 +26,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from aioprocs import processes_mentioning  # tests/ is on sys.path (pytest, and each script's first lines)
 
 from infer import SamplingParams
 from infer.client.inference_client import ClusterError, InferenceClient
@@ -81,20 +84,7 @@ def cpu_seconds(pid: int) -> float | None:
 
 def processes_marked(marker: str) -> list[str]:
     """Live (not zombie) processes whose environment holds `marker` (MARKER_VAR=run id), this one excepted."""
-    needle = marker.encode() + b"\0"
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            if needle in (entry / "environ").read_bytes():
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                found.append(f"{entry.name}: {cmd[:160]}")
-        except (OSError, IndexError):
-            continue
-    return found
+    return processes_mentioning(marker.encode() + b"\0", in_cmdline=False)
 
 
 # ---- the processes -------------------------------------------------------------------------------------
@@ -259,10 +249,27 @@ class ProcessCluster:
                 "exit_codes": {d.instance: d.popen.returncode for d in self.daemons},
                 "leaked": processes_marked(f"{MARKER_VAR}={self.run_id}")}
 
+    async def finish(self, clients: list[InferenceClient]) -> tuple[dict[str, int], dict[str, Any]]:
+        """The end of a run: close `clients`, then the peak RSS of every process and the shutdown's report."""
+        for client in clients:
+            await client.close()
+        peaks = self.peaks()
+        return peaks, await self.shutdown()
+
     def kill_all(self) -> None:
         """The last resort (a finally): SIGKILL and reap every process of the cluster."""
         for daemon in self.daemons:
             daemon.kill9()
+
+    @contextlib.contextmanager
+    def dumped_on_failure(self) -> Iterator[None]:
+        """Around a run: if it raises, print every process's log tail and SIGKILL them all."""
+        try:
+            yield
+        except BaseException:
+            print(self.dump(), file=sys.stderr)
+            self.kill_all()
+            raise
 
     def dump(self, chars: int = 3000) -> str:
         return "\n".join(f"==== {d.instance} ({d.log}, exit {d.popen.poll()}) ====\n{d.log_tail(chars)}"

@@ -168,7 +168,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                         tag="cap")
     tally = Tally(seed=args.seed)
     samples: list[dict[str, Any]] = []
-    try:
+    with cluster.dumped_on_failure():
         await cluster.start(ready_timeout=args.ready_timeout)
         clients = [cluster.client(call_timeout=30.0) for _ in range(args.clients)]
         for c in clients:
@@ -194,14 +194,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         await sampler
         alive = {d.instance: d.alive() for d in cluster.daemons}
         final = await clients[0].stats()
-        for c in clients:
-            await c.close()
-        peaks = cluster.peaks()
-        shutdown = await cluster.shutdown()
-    except BaseException:
-        print(cluster.dump(), file=sys.stderr)
-        cluster.kill_all()
-        raise
+        peaks, shutdown = await cluster.finish(clients)
     verdict = memory_verdict(samples, args.duration, args.settle, args.tolerance)
     no_errors = all(n == 0 for status, n in [*tally.counts.items(), *capacity["statuses"].items()]
                     if status != "completed")
