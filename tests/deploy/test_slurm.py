@@ -346,16 +346,23 @@ async def test_a_worker_node_cut_off_for_20_s_hands_its_streams_over_then_rejoin
         link = f"v-ci-{node_of(victim.worker_id)}"
         await set_link(link, "down")
         cut_at = time.monotonic()
+
+        async def restore() -> None:   # after CUT_S whatever happens meanwhile: past SlurmdTimeout (30 s in
+            await asyncio.sleep(CUT_S)  # the sandbox) Slurm would mark the node down and end the job
+            await set_link(link, "up")
+
+        restoring = asyncio.create_task(restore())
         try:
-            fresh = await asyncio.wait_for(openai_client(job).chat.completions.create(   # a new request
+            fresh_request = asyncio.create_task(asyncio.wait_for(openai_client(job).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6,
-                temperature=0), 90)
-            results = await asyncio.wait_for(asyncio.gather(*streams), 120)
-            during = await cluster.stats()
-            await asyncio.sleep(max(0.0, cut_at + CUT_S - time.monotonic()))   # the partition lasts CUT_S
+                temperature=0), 90))
+            await asyncio.sleep(max(0.0, cut_at + CUT_S - 3 - time.monotonic()))
             end_of_cut = await cluster.stats()
         finally:
-            await set_link(link, "up")
+            await restoring
+        results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        fresh = await fresh_request
+        during = end_of_cut
         for deltas, want in zip(results, reference):
             assert deltas[-1].finish_reason == "length" and not any(d.finished for d in deltas[:-1])
             assert [t for d in deltas for t in d.token_ids] == want          # no gap, no repeat
