@@ -98,15 +98,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     bound = args.workers * (args.max_num_seqs + args.max_waiting_requests)
     with cluster.dumped_on_failure():
         await cluster.start(ready_timeout=args.ready_timeout)
-        clients = [cluster.client(call_timeout=30.0) for _ in range(args.clients)]
-        for c in clients:
-            await c.connect()
+        clients = await cluster.connected_clients(args.clients, call_timeout=30.0)
         print(f"cluster up ({'benchmark-mode' if oracle else args.model or 'embedded model'} workers); "
               f"measuring capacity with {bound} outstanding for {args.capacity_seconds:g} s ...", flush=True)
         capacity = await measure_capacity(clients, workload, bound, args.capacity_seconds, args.warmup,
                                           args.request_deadline, oracle)
-        if capacity["requests_per_s"] <= 0:
-            raise RuntimeError(f"no request completed while measuring capacity: {capacity['statuses']}")
         rate = args.factor * capacity["requests_per_s"]
         print(f"capacity {capacity['requests_per_s']:.1f} req/s ({capacity['tokens_per_s']:.0f} tok/s); "
               f"offering {rate:.1f} req/s for {args.duration:g} s ...", flush=True)

@@ -327,11 +327,7 @@ class Coordinator:
             return True
         if tokens or text or delta.prompt_token_ids is not None:
             self._to_client(request, delta)
-        self.requests.unhold(request)
-        request.worker_id = worker.worker_id
-        request.charged = request.cost
-        worker.requests.add(request.request_id)
-        worker.cost_in_flight += request.charged
+        self._place(request, worker)
         log.debug("request %r re-attached on worker %r after %d token(s)", request.request_id, worker.worker_id,
                   len(request.delivered))
         return True
@@ -486,16 +482,20 @@ class Coordinator:
             self._finish(request, Delta(request_id=request.request_id, token_ids=TokenIds(), text="",
                                         finished=True, finish_reason="length"), {})
             return True
-        self.requests.unhold(request)
-        request.worker_id = worker.worker_id
-        request.charged = request.cost
-        worker.requests.add(request.request_id)
-        worker.cost_in_flight += request.charged
+        self._place(request, worker)
         worker.requests_routed += 1
         worker.dispatches_sent += 1
         request.dispatch_seq = worker.dispatches_sent
         self._send(worker.identity, request.dispatch())
         return True
+
+    def _place(self, request: RequestRecord, worker: WorkerRecord) -> None:
+        """Put `request` on `worker`'s books (it runs there from now on), charged at its estimated cost."""
+        self.requests.unhold(request)
+        request.worker_id = worker.worker_id
+        request.charged = request.cost
+        worker.requests.add(request.request_id)
+        worker.cost_in_flight += request.charged
 
     def _dispatch_held(self, now: float) -> None:
         if self.state is not ClusterState.RUNNING or not self.requests.held or not self._routable():

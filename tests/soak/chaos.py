@@ -217,10 +217,8 @@ async def run_chaos(config: ChaosConfig) -> dict[str, Any]:
                               "workload": workload.describe()}
     with cluster.dumped_on_failure():
         await cluster.start()
-        clients = [cluster.client() for _ in range(config.clients)]
-        control = cluster.client(call_timeout=10.0)
-        for c in [*clients, control]:
-            await c.connect()
+        clients = await cluster.connected_clients(config.clients)
+        (control,) = await cluster.connected_clients(1, call_timeout=10.0)
         start = time.monotonic()
         chaos = asyncio.create_task(controller(cluster, control, config, start, events))
         load = await open_loop(clients, workload, config.rate, config.duration, config.request_deadline,

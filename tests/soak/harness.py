@@ -202,6 +202,12 @@ class ProcessCluster:
                    "connect_timeout": 30.0, **options}
         return InferenceClient(self.address, **options)
 
+    async def connected_clients(self, count: int, **options: Any) -> list[InferenceClient]:
+        clients = [self.client(**options) for _ in range(count)]
+        for client in clients:
+            await client.connect()
+        return clients
+
     async def start(self, ready_timeout: float = 180.0) -> None:
         """Start everything and wait (on the coordinator's side) until every worker is healthy."""
         self.start_coordinator()
@@ -506,10 +512,12 @@ def completed_rate(outcomes: list[Outcome], start: float, end: float) -> float:
 async def measure_capacity(clients: list[InferenceClient], workload: Workload, concurrency: int,
                            seconds: float, warmup: float, deadline_s: float, oracle: bool) -> dict[str, Any]:
     """Completed requests/s at saturation: a closed loop of `concurrency` outstanding requests; completions in
-    the `seconds` after a `warmup` count."""
+    the `seconds` after a `warmup` count. RuntimeError when none completed (nothing to scale a load by)."""
     start = time.monotonic()
     outcomes, _ = await closed_loop(clients, workload, concurrency, warmup + seconds, deadline_s, oracle)
     rate = completed_rate(outcomes, start + warmup, start + warmup + seconds)
+    if rate <= 0:
+        raise RuntimeError(f"no request completed while measuring capacity: {count_statuses(outcomes)}")
     tokens = sum(o.num_tokens for o in outcomes if o.status == "completed" and o.ended_at is not None
                  and start + warmup <= o.ended_at <= start + warmup + seconds)
     return {"requests_per_s": rate, "tokens_per_s": tokens / seconds, "concurrency": concurrency,

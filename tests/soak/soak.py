@@ -170,15 +170,11 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     with cluster.dumped_on_failure():
         await cluster.start(ready_timeout=args.ready_timeout)
-        clients = [cluster.client(call_timeout=30.0) for _ in range(args.clients)]
-        for c in clients:
-            await c.connect()
+        clients = await cluster.connected_clients(args.clients, call_timeout=30.0)
         concurrency = args.workers * args.max_num_seqs
         print(f"cluster up; capacity: {concurrency} outstanding for {args.capacity_seconds:g} s", flush=True)
         capacity = await measure_capacity(clients, workload, concurrency, args.capacity_seconds, args.warmup,
                                           args.request_deadline, oracle)
-        if capacity["requests_per_s"] <= 0:
-            raise RuntimeError(f"no request completed while measuring capacity: {capacity['statuses']}")
         rate = args.load * capacity["requests_per_s"]
         print(f"capacity {capacity['requests_per_s']:.2f} req/s ({capacity['tokens_per_s']:.0f} tok/s); "
               f"steady {rate:.2f} req/s for {args.duration:g} s, RSS every {args.sample_every:g} s",
