@@ -1,8 +1,8 @@
 """infer-serve: a whole cluster on one machine: a coordinator, N workers and the HTTP front, shut down cleanly.
 
 `infer-serve [--model M] [--workers N] [--threads T] [--host H] [--port 8000] [--api-key K] [--keys-dir D]
-[engine options] [-- extra worker flags]` starts `infer-coordinator` and N `infer-worker`s (dp ranks
-0..N-1), each in its own process group, waits until the coordinator reports N healthy workers (ClusterStats,
+[engine options] [-- extra worker flags]` starts `infer-coordinator` and N `infer-worker`s (the
+coordinator assigns their dp ranks), each in its own process group, waits until the coordinator reports N healthy workers (ClusterStats,
 answered by the coordinator when ready: no polling), starts the OpenAI-compatible HTTP front in this
 process, prints both addresses, and serves until Ctrl-C / SIGTERM or until the cluster is stopped
 (InferenceClient.stop()).
@@ -91,9 +91,9 @@ class LocalCluster:
         self.coordinator = await self._spawn("infer.coordinator.daemon", "--host", self.host, "--port",
                                              str(self.port), *self.security_args("coordinator"),
                                              *self.coordinator_args)
-        for rank in range(self.num_workers):
+        for _ in range(self.num_workers):
             self.workers.append(await self._spawn("infer.worker.daemon", "--coordinator", self.address,
-                                                  "--dp-rank", str(rank), *self.security_args("worker"),
+                                                  *self.security_args("worker"),
                                                   *self.worker_args))
 
     async def _spawn(self, module: str, *args: str) -> asyncio.subprocess.Process:

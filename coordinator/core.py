@@ -19,7 +19,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import Action, ClusterState, Refusal, commands_to_reach, transition
@@ -230,15 +230,17 @@ class Coordinator:
             source = "--model-id" if self.config.model_id is not None else "the first worker"
             return (f"model id differs: the cluster serves {self.model_id!r} (from {source}), worker "
                     f"{hello.peer_id!r} has {hello.model_id!r}")
-        other = self.workers.live_with_rank(hello.dp_rank)
+        other = None if hello.dp_rank is None else self.workers.live_with_rank(hello.dp_rank)
         if other is not None and other.worker_id != hello.peer_id:
             return (f"duplicate dp_rank {hello.dp_rank}: live worker {other.worker_id!r} already serves it "
-                    f"(give each worker its own --dp-rank)")
+                    f"(give each worker its own --dp-rank, or leave it out to have one assigned)")
         return None
 
     def _register_worker(self, identity: bytes, hello: Hello, now: float) -> None:
         old = self.workers.by_id.get(hello.peer_id)
-        worker = WorkerRecord(worker_id=hello.peer_id, identity=identity, hello=hello, last_seen=now)
+        rank = self.workers.rank_for(hello)
+        worker = WorkerRecord(worker_id=hello.peer_id, identity=identity, hello=hello, last_seen=now,
+                              dp_rank=rank, group_id=hello.group_id or f"dp{rank}")
         if old is not None:
             worker.requests_routed = old.requests_routed
             worker.registrations = old.registrations + 1
@@ -255,7 +257,7 @@ class Coordinator:
                     worker.cost_in_flight += request.charged
                 else:
                     self._failover(request, f"worker {old.worker_id!r} re-registered without it", now)
-        for superseded in [w for w in self.workers if not w.healthy and w.dp_rank == hello.dp_rank
+        for superseded in [w for w in self.workers if not w.healthy and w.dp_rank == rank
                            and w.worker_id != hello.peer_id]:
             self.workers.remove(superseded)
         self.workers.add(worker)
@@ -265,7 +267,7 @@ class Coordinator:
         stale = self._take_back(worker, hello, now)
         if stale:
             self._send(identity, Abort(request_ids=stale))
-        self._send(identity, self._welcome())
+        self._send(identity, replace(self._welcome(), dp_rank=rank, group_id=worker.group_id))
         for command in commands_to_reach(self.state):
             self._send(identity, Control(command=command))
         log.info("worker %s: %s%s", "re-registered" if old is not None else "joined", worker.describe(),

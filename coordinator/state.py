@@ -82,6 +82,8 @@ class WorkerRecord:
     identity: bytes
     hello: Hello
     last_seen: float
+    dp_rank: int                        # as the Hello gave it, or as the coordinator assigned it
+    group_id: str
     healthy: bool = True                # alive: heard from within the timeout, connection present
     draining: bool = False              # refused a dispatch while draining: alive, but routed nothing new
     load: Load | None = None
@@ -90,14 +92,6 @@ class WorkerRecord:
     requests_routed: int = 0
     registrations: int = 1
     dispatches_sent: int = 0            # Dispatch frames sent to this worker process (see Hello.dispatches_seen)
-
-    @property
-    def dp_rank(self) -> int:
-        return self.hello.dp_rank
-
-    @property
-    def group_id(self) -> str:
-        return self.hello.group_id
 
     @property
     def capacity_tokens(self) -> int:
@@ -162,6 +156,19 @@ class WorkerTable:
 
     def live_with_rank(self, dp_rank: int) -> WorkerRecord | None:
         return next((w for w in self.by_id.values() if w.healthy and w.dp_rank == dp_rank), None)
+
+    def rank_for(self, hello: Hello) -> int:
+        """The DP rank a worker serves: the one its Hello names; else the one it already has here (it
+        registers again after a partition); else its hint (the rank an earlier coordinator process gave it)
+        when no live worker holds that; else the lowest rank no live worker holds."""
+        if hello.dp_rank is not None:
+            return hello.dp_rank
+        old = self.by_id.get(hello.peer_id)
+        held = {w.dp_rank for w in self.by_id.values() if w.healthy and w.worker_id != hello.peer_id}
+        for wanted in (old.dp_rank if old is not None else None, hello.rank_hint):
+            if wanted is not None and wanted not in held:
+                return wanted
+        return next(rank for rank in range(len(held) + 1) if rank not in held)
 
     def add(self, worker: WorkerRecord) -> None:
         old = self.by_id.get(worker.worker_id)

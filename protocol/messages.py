@@ -25,6 +25,7 @@ from infer.protocol.sampling import SamplingParams
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20          # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
+MAX_DP_RANK = (1 << 20) - 1
 LIFECYCLE_COMMANDS = ("pause", "unpause", "suspend", "resume", "stop")
 ROLES = ("client", "worker")
 MAX_STATS_WAIT_S = 3600.0
@@ -180,8 +181,11 @@ class Hello(Message):
     peer_id: str
     protocol_version: int = PROTOCOL_VERSION
     model_id: str | None = None
+    # A worker's DP rank and EP group: None asks the coordinator to assign them (the lowest free rank, group
+    # "dp<rank>"); `rank_hint` is the rank a coordinator gave this process before (kept across a restart).
     dp_rank: int | None = None
     group_id: str | None = None
+    rank_hint: int | None = None
     num_kv_blocks: int | None = None
     block_size: int | None = None
     max_num_seqs: int | None = None
@@ -198,10 +202,14 @@ class Hello(Message):
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check_id("peer_id", self.peer_id)
         if self.role == "worker":
-            for name in ("model_id", "dp_rank", "group_id", "num_kv_blocks", "block_size", "max_num_seqs",
-                         "max_model_len"):
+            for name in ("model_id", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len"):
                 _require(getattr(self, name) is not None, f"a worker hello needs field {name!r}")
-            _require(self.dp_rank >= 0, f"field 'dp_rank' must be >= 0, got {self.dp_rank}")
+            for name in ("dp_rank", "rank_hint"):
+                value = getattr(self, name)
+                _require(value is None or 0 <= value <= MAX_DP_RANK,
+                         f"field {name!r} must be in [0, {MAX_DP_RANK}], got {value}")
+            if self.group_id is not None:
+                _check_id("group_id", self.group_id)
             for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len"):
                 _require(getattr(self, name) >= 1, f"field {name!r} must be >= 1, got {getattr(self, name)}")
             _require(self.max_waiting is None or self.max_waiting >= 0,
@@ -218,6 +226,8 @@ class Welcome(Message):
     state: str
     model_id: str | None = None
     instance: str | None = None    # new with every coordinator process: a change means it restarted
+    dp_rank: int | None = None     # to a worker: the DP rank it serves (assigned when its Hello gave none)
+    group_id: str | None = None    # to a worker: its group
 
 
 @message

@@ -33,7 +33,7 @@ class Harness:
         self.core.tick(self.now)
         return self.out()
 
-    def worker(self, wid: str, rank: int, *, group: str | None = None, model: str = MODEL, blocks: int = 100,
+    def worker(self, wid: str, rank: int | None, *, group: str | None = None, model: str = MODEL, blocks: int = 100,
                running: list[str] | None = None) -> list[tuple[bytes, Message]]:
         return self.send(wid.encode(), worker_hello(wid, rank, group=group, model=model, blocks=blocks,
                                                     running=running))
@@ -53,9 +53,12 @@ class Harness:
         return self.send(wid.encode(), StepBatch(deltas=list(deltas), load=load))
 
 
-def worker_hello(wid: str, rank: int, *, group: str | None = None, model: str = MODEL, blocks: int = 100,
+def worker_hello(wid: str, rank: int | None, *, group: str | None = None, model: str = MODEL, blocks: int = 100,
                  running: list[str] | None = None, **extra) -> Hello:
-    return Hello(role="worker", peer_id=wid, model_id=model, dp_rank=rank, group_id=group or f"dp{rank}",
+    """A worker's Hello; rank None: no --dp-rank (the coordinator assigns one; the group follows it)."""
+    if group is None and rank is not None:
+        group = f"dp{rank}"
+    return Hello(role="worker", peer_id=wid, model_id=model, dp_rank=rank, group_id=group,
                  num_kv_blocks=blocks, block_size=16, max_num_seqs=64, max_model_len=256,
                  running=running or [], **extra)
 

@@ -35,7 +35,7 @@ import zmq
 
 from infer.protocol.keys import CurveKeys
 from infer.protocol.messages import (
-    MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message,
+    MAX_DP_RANK, MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message,
     ProtocolError, Refused, RequestSnapshot, StepBatch, TokenIds, Welcome, decode
 )
 from infer.protocol.outputs import RequestOutput
@@ -88,8 +88,8 @@ class WorkerOptions:
 
     coordinator: str
     worker_id: str
-    dp_rank: int = 0
-    group_id: str = "dp0"
+    dp_rank: int | None = None          # None: the coordinator assigns one (the lowest free rank)
+    group_id: str | None = None         # None: "dp<rank>" (an EP group's members name their group)
     heartbeat_interval: float = 1.0
     coordinator_timeout: float = 10.0   # silence after which the worker says Hello again
     drain_timeout: float = 30.0
@@ -103,10 +103,11 @@ class WorkerOptions:
         if not self.coordinator.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--coordinator must be tcp://HOST:PORT (or ipc://PATH), got {self.coordinator!r}")
         for name in ("worker_id", "group_id"):
-            if not 0 < len(getattr(self, name)) <= MAX_ID_LEN:
-                raise ValueError(f"{name} must be 1..{MAX_ID_LEN} characters, got {getattr(self, name)!r}")
-        if self.dp_rank < 0:
-            raise ValueError(f"dp_rank must be >= 0, got {self.dp_rank}")
+            value = getattr(self, name)
+            if value is not None and not 0 < len(value) <= MAX_ID_LEN:
+                raise ValueError(f"{name} must be 1..{MAX_ID_LEN} characters, got {value!r}")
+        if self.dp_rank is not None and not 0 <= self.dp_rank <= MAX_DP_RANK:
+            raise ValueError(f"dp_rank must be in [0, {MAX_DP_RANK}], got {self.dp_rank}")
         for name in ("heartbeat_interval", "coordinator_timeout", "connect_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -165,6 +166,8 @@ class Worker:
         self._instance: str | None = None      # the coordinator process that welcomed us (a change: it restarted)
         self._incarnation = uuid.uuid4().hex[:16]   # this process, as the coordinator tells it from another
         self._dispatches_seen = 0              # Dispatch frames received since that coordinator's Welcome
+        self._rank = options.dp_rank           # the DP rank and group the coordinator's Welcome gave us
+        self._group_id = options.group_id
         self._outbox: list[Delta] = []         # deltas made outside a step (rejected Dispatches)
         now = time.monotonic()
         self._last_sent = self._last_heard = self._hello_sent_at = now
@@ -288,7 +291,7 @@ class Worker:
         if any_leaving:
             if self._leaving is not None:
                 return
-            self._group_broken(f"a member of EP group {self.options.group_id!r} left")
+            self._group_broken(f"a member of EP group {self._group_id!r} left")
         if any_work:
             outputs = self._engine_step(self.engine.step if has_work else self.engine.dummy_step)
         else:
@@ -354,7 +357,7 @@ class Worker:
     def _send_hello(self) -> None:
         engine = self.engine
         self._send(Hello(role="worker", peer_id=self.options.worker_id, model_id=engine.model_id,
-                         dp_rank=self.options.dp_rank, group_id=self.options.group_id,
+                         dp_rank=self.options.dp_rank, group_id=self.options.group_id, rank_hint=self._rank,
                          num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
                          max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
                          running=list(self._requests), max_waiting=self.options.max_waiting_requests,
@@ -369,14 +372,18 @@ class Worker:
         self._welcomed = True
         if msg.instance != self._instance:     # a coordinator process new to us counts its Dispatches from 0
             self._instance, self._dispatches_seen = msg.instance, 0
+        if msg.dp_rank is not None:
+            if self._rank is not None and msg.dp_rank != self._rank:
+                log.warning("the coordinator moved this worker from dp_rank %d to %d", self._rank, msg.dp_rank)
+            self._rank, self._group_id = msg.dp_rank, msg.group_id or self._group_id
         if self._ever_welcomed:
             log.info("re-registered with coordinator %s (%d requests running)", msg.coordinator_id,
                      len(self._requests))
             return
         self._ever_welcomed = True
         opts = self.options
-        log.info("worker ready: rank %d group %s id %s coordinator %s (%s, state %s) model %s, %d KV blocks "
-                 "of %d tokens", opts.dp_rank, opts.group_id, opts.worker_id, opts.coordinator,
+        log.info("worker ready: rank %s group %s id %s coordinator %s (%s, state %s) model %s, %d KV blocks "
+                 "of %d tokens", self._rank, self._group_id, opts.worker_id, opts.coordinator,
                  msg.coordinator_id, msg.state, self.engine.model_id, self.engine.num_kv_blocks,
                  self.engine.block_size)
 
@@ -654,8 +661,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
     engine.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
     worker = p.add_argument_group("worker options")
-    worker.add_argument("--dp-rank", type=int, default=0)
-    worker.add_argument("--group-id", help="the EP group of this rank (default: dp<rank>)")
+    worker.add_argument("--dp-rank", type=int, help="this worker's DP rank (default: the coordinator assigns the "
+                        "lowest free one, and keeps it when the worker registers again)")
+    worker.add_argument("--group-id", help="the group of this rank (default: an EP group is named after its "
+                        "--dist-init; otherwise dp<rank>)")
     worker.add_argument("--worker-id", help="this worker's identity (default: hostname-pid)")
     worker.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds (default 1)")
     worker.add_argument("--coordinator-timeout", type=float, default=10.0,
@@ -707,7 +716,8 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         ep = EpOptions.resolve(args.ep_size, args.ep_rank, args.dist_init, args.ep_timeout)
     elif args.ep_rank not in (None, 0) or args.dist_init is not None:
         raise ValueError("--ep-rank and --dist-init need --ep-size > 1")
-    group_id = args.group_id or (ep.default_group_id if ep is not None else f"dp{args.dp_rank}")
+    group_id = args.group_id or (ep.default_group_id if ep is not None
+                                 else None if args.dp_rank is None else f"dp{args.dp_rank}")
     return WorkerOptions(
         coordinator=args.coordinator, worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
         dp_rank=args.dp_rank, group_id=group_id,

@@ -38,6 +38,7 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log: Path
+    worker_id: str | None = None     # a worker's --worker-id
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -82,14 +83,25 @@ class Cluster:
         return self.spawn("coordinator", "-m", "infer.coordinator.daemon", "--port", str(self.port),
                           *COORDINATOR_FLAGS, *flags)
 
-    def worker(self, rank: int, *flags: str, model: str | Path | None = None, benchmark: bool = False) -> Proc:
-        argv = ["-m", "infer.worker.daemon", "--coordinator", self.address, "--dp-rank", str(rank),
-                "--worker-id", f"w{rank}-{len(self.procs)}", *WORKER_FLAGS]
+    def worker(self, index: int, *flags: str, model: str | Path | None = None, benchmark: bool = False,
+               dp_rank: int | None = None) -> Proc:
+        """Worker `index` (its name, and its --worker-id w<index>-<n>), started as the README starts one:
+        no --dp-rank (the coordinator assigns it) unless `dp_rank` is given."""
+        worker_id = f"w{index}-{len(self.procs)}"
+        argv = ["-m", "infer.worker.daemon", "--coordinator", self.address, "--worker-id", worker_id, *WORKER_FLAGS]
+        if dp_rank is not None:
+            argv += ["--dp-rank", str(dp_rank)]
         if benchmark:
             argv.append("--benchmark-mode")
         if model is not None:
             argv += ["--model", str(model)]
-        return self.spawn(f"worker{rank}", *argv, *flags)
+        proc = self.spawn(f"worker{index}", *argv, *flags)
+        proc.worker_id = worker_id
+        return proc
+
+    def proc_of(self, worker_id: str) -> Proc:
+        """The process of the worker the coordinator's stats call `worker_id`."""
+        return next(p for p in self.procs if p.worker_id == worker_id)
 
     def client(self, **options) -> InferenceClient:
         options = {"heartbeat_interval": 0.2, "silence_timeout": 10.0, "connect_timeout": 10.0, **options}
@@ -171,8 +183,9 @@ def start_model_cluster(cluster: Cluster, model: Path, workers: int = 2, coordin
 
 def start_ep_groups(cluster: Cluster, model: Path, groups: int,
                     coordinator_flags: tuple[str, ...] = ()) -> list[list[Proc]]:
-    """A coordinator and `groups` EP groups of 2 ranks on `model` (an MoE model), ready. Group g holds dp
-    ranks 2g and 2g + 1; returns each group's [rank 0, rank 1] processes."""
+    """A coordinator and `groups` EP groups of 2 ranks on `model` (an MoE model), ready, started as the
+    README starts them (no --dp-rank: the coordinator assigns them); returns each group's [ep rank 0, ep rank
+    1] processes."""
     cluster.coordinator(*coordinator_flags)
     members = []
     for g in range(groups):

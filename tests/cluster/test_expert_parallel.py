@@ -82,13 +82,14 @@ async def test_kill_9_of_an_ep_member_moves_its_group_requests(ep_groups, moe_mo
     struck: dict[str, int] = {}
 
     async def kill_a_member_of_the_busiest_group(client):
-        by_rank = {w.dp_rank: w for w in (await client.stats()).workers}
-        group = struck["group"] = max((0, 1), key=lambda g: by_rank[2 * g].num_in_flight
-                                      + by_rank[2 * g + 1].num_in_flight)
-        members[group][0].kill9()
+        by_id = {w.worker_id: w for w in (await client.stats()).workers}
+        group = struck["group"] = max((0, 1), key=lambda g: sum(by_id[p.worker_id].num_in_flight
+                                                                for p in members[g]))
+        victim = members[group][0]
+        victim.kill9()
 
         async def victim_unhealthy():
-            return not next(w for w in (await client.stats()).workers if w.dp_rank == 2 * group).healthy
+            return not next(w for w in (await client.stats()).workers if w.worker_id == victim.worker_id).healthy
 
         await wait_until(victim_unhealthy, 8, "the killed member marked unhealthy (worker timeout 5 s)")
 

@@ -34,7 +34,7 @@ async def _streams_through_a_fault(cluster, fault) -> tuple[list, object]:
     async def on_busiest(client):
         victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
         assert victim.num_in_flight > 0
-        await fault(next(p for p in cluster.procs if p.name == f"worker{victim.dp_rank}"))
+        await fault(cluster.proc_of(victim.worker_id))
 
     return await streams_through_a_fault(cluster, PROMPTS, LONG, on_busiest)
 
@@ -43,11 +43,15 @@ def _assert_exact(streams, reference) -> None:
     assert_exact_streams(streams, [want.token_ids for want in reference])
 
 
-async def test_kill_9_of_a_worker_mid_generation_loses_and_repeats_nothing(model_cluster, reference):
+@pytest.mark.parametrize("workers", [2, 3])
+async def test_kill_9_of_a_worker_mid_generation_loses_and_repeats_nothing(model_cluster, reference, workers):
+    """Workers started as the README starts them (only --coordinator): the coordinator gives them ranks
+    0..N-1, and a kill -9 of the busiest loses and repeats nothing."""
     async def kill(proc):
         proc.kill9()
 
-    streams, after = await _streams_through_a_fault(model_cluster(workers=2), kill)
+    streams, after = await _streams_through_a_fault(model_cluster(workers=workers), kill)
+    assert sorted(w.dp_rank for w in after.workers) == list(range(workers))
     assert after.requests_redispatched > 0
     _assert_exact(streams, reference)
 

@@ -86,6 +86,50 @@ def test_a_dead_ranks_replacement_is_accepted():
     assert "duplicate dp_rank 0" in of_type(h.worker("w0", 0), Refused)[0].reason
 
 
+def _assigned(out: list[tuple[bytes, Message]], to: bytes) -> tuple[int | None, str | None]:
+    (welcome,) = of_type(out, Welcome, to)
+    return welcome.dp_rank, welcome.group_id
+
+
+def test_workers_without_a_rank_get_the_lowest_free_one():
+    h = Harness()
+    assert _assigned(h.worker("a", None), b"a") == (0, "dp0")
+    assert _assigned(h.worker("b", None), b"b") == (1, "dp1")
+    assert _assigned(h.worker("c", 3), b"c") == (3, "dp3")          # an explicit rank is honoured
+    assert _assigned(h.worker("d", None), b"d") == (2, "dp2")       # the gap below it is filled
+    assert _assigned(h.worker("e", None), b"e") == (4, "dp4")
+    assert sorted(w.dp_rank for w in h.core.workers) == [0, 1, 2, 3, 4]
+    assert "duplicate dp_rank 1" in of_type(h.worker("f", 1), Refused)[0].reason   # explicit duplicates: refused
+
+
+def test_an_assigned_worker_keeps_its_rank_when_it_registers_again():
+    h = Harness()
+    h.worker("a", None)
+    h.worker("b", None)
+    assert _assigned(h.worker("b", None), b"b") == (1, "dp1")       # again while live (coordinator silent)
+    h.core.peer_gone(b"b", h.now)
+    h.out()
+    assert _assigned(h.worker("b", None), b"b") == (1, "dp1")       # back after a partition
+    h.core.peer_gone(b"a", h.now)
+    h.out()
+    assert _assigned(h.worker("new", None), b"new") == (0, "dp0")   # a dead rank's replacement takes it
+    assert [w.worker_id for w in h.core.workers] == ["b", "new"]    # and supersedes the dead record
+
+
+def test_a_restarted_coordinator_gives_workers_back_their_ranks_when_free():
+    h = Harness()                                                   # a new coordinator process
+    assert _assigned(h.send(b"b", worker_hello("b", None, rank_hint=1)), b"b") == (1, "dp1")
+    assert _assigned(h.send(b"x", worker_hello("x", None)), b"x") == (0, "dp0")
+    assert _assigned(h.send(b"a", worker_hello("a", None, rank_hint=0)), b"a") == (2, "dp2")   # taken meanwhile
+
+
+def test_ep_members_without_ranks_get_distinct_ranks_in_their_group():
+    h = Harness()
+    assert _assigned(h.worker("m0", None, group="ep-h:1"), b"m0") == (0, "ep-h:1")
+    assert _assigned(h.worker("m1", None, group="ep-h:1"), b"m1") == (1, "ep-h:1")
+    assert {w.group_id for w in h.core.workers} == {"ep-h:1"}
+
+
 # ---- routing and relaying --------------------------------------------------------------------------
 
 def test_a_burst_spreads_before_any_load_report():
