@@ -24,6 +24,7 @@ from infer.worker.detokenizer import IncrementalDetokenizer
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
+from infer.worker.memory import HeapTrimmer
 from infer.worker.model_runner import ModelRunner
 from infer.worker.request import Request, RequestStatus
 from infer.worker.sampler import Sampler, SamplerOutput
@@ -78,6 +79,7 @@ class Engine:
             enable_chunked_prefill=config.enable_chunked_prefill))
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device, self.sampler)
+        self.heap = HeapTrimmer()      # freed activations go back to the OS now and then (worker/memory.py)
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []   # final outputs of aborts, returned by the next step
@@ -130,6 +132,7 @@ class Engine:
         sampled = self.runner.execute(scheduled.chunks)
         self.scheduler.update_after_step(scheduled)
         outputs.extend(self._postprocess(scheduled, sampled))
+        self.heap.after_step(busy=self.scheduler.has_unfinished())
         return outputs
 
     def dummy_step(self) -> list[RequestOutput]:

@@ -1,0 +1,54 @@
+"""Giving freed heap memory back to the operating system.
+
+Torch's CPU allocator takes tensor memory from malloc. Each engine step allocates activations whose sizes
+change with the batch, and glibc keeps what they free in its arenas, fragmented, instead of returning it: a
+worker's resident memory then creeps up for hours although nothing leaks (measured on the 2-core dev VM,
+2026-11-23: +82 MiB after 20 mixed batches, all of it returned by one malloc_trim). `HeapTrimmer` calls
+glibc's `malloc_trim(0)` now and then (when the engine goes idle, or after many busy steps); elsewhere
+(another libc, no libc) it does nothing. A trim takes milliseconds, so it runs rarely.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger("infer.worker")
+
+
+def _malloc_trim() -> Callable[[], None] | None:
+    """glibc's malloc_trim(0), or None where the C library has none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+class HeapTrimmer:
+    """Trims the heap after `idle_steps` steps or more when a step leaves the engine idle, and after
+    `busy_steps` steps in a row otherwise (a server that is never idle still gets its memory back). A
+    trickle of single requests does not trim after each one."""
+
+    def __init__(self, idle_steps: int = 100, busy_steps: int = 2000,
+                 trim: Callable[[], None] | None = None) -> None:
+        if not 1 <= idle_steps <= busy_steps:
+            raise ValueError(f"need 1 <= idle_steps <= busy_steps, got {idle_steps} and {busy_steps}")
+        self.idle_steps, self.busy_steps = idle_steps, busy_steps
+        self._trim = trim if trim is not None else _malloc_trim()
+        self._steps = 0            # steps since the last trim
+        self.num_trims = 0
+
+    def after_step(self, busy: bool) -> None:
+        """Called after each engine step that ran a forward; `busy`: requests remain."""
+        self._steps += 1
+        if self._steps < (self.busy_steps if busy else self.idle_steps):
+            return
+        self._steps = 0
+        if self._trim is not None:
+            self._trim()
+            self.num_trims += 1
