@@ -51,7 +51,8 @@ def max_token_bytes(tokenizer: Any) -> int | None:
         longest = max(len(piece.encode("utf-8", "surrogatepass")) for piece in pieces)
     else:
         return None
-    added = [len(t.get("content", "").encode("utf-8", "surrogatepass")) for t in spec.get("added_tokens") or []]
+    added = [len(token.get("content", "").encode("utf-8", "surrogatepass"))
+             for token in spec.get("added_tokens") or []]
     longest = max([longest, *added])
     return longest * (NORMALIZER_SLACK if spec.get("normalizer") else 1)
 

@@ -63,7 +63,7 @@ class Engine:
         self.model_path: Path = resolve_model(config.model)
         self.model_id = config.model_id
         self.tokenizer = load_tokenizer(self.model_path)
-        self.prompt_token_bytes = max_token_bytes(self.tokenizer)   # a longer text prompt is refused untokenized
+        self.prompt_token_bytes = max_token_bytes(self.tokenizer)   # bounds text prompts before tokenizing
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
         self.model = load_model(self.model_path, self.dtype, self.device, self.ep)
         self.vocab_size = int(self.model.vocab_size)

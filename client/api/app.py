@@ -6,13 +6,15 @@ GET /v1/models, GET /health, GET /metrics.
 The path of a request:
 1. `_authorize` (401 without the API key when one is set: one answer for a missing header, another
    scheme or a wrong key), the body (413 past `max_body_bytes`, refused from Content-Length before it is
-   read, or as soon as a chunked body passes it), `_parse` (400 for malformed JSON or an invalid field,
-   naming it), the model name (404 if it is not the served one).
-2. Prompts are tokenized here (chat: the tokenizer's chat template), so the length is checked against the
-   cluster's context length before anything is sent (400, with both numbers).
-3. Admission: 503 with Retry-After and code "overloaded" at once when this front already has
+   read, or as soon as a chunked body passes it), `_parse` (400 for malformed or hostile JSON (body.py) or
+   an invalid field, naming it), the model name (404 if it is not the served one).
+2. Admission: 503 with Retry-After and code "overloaded" at once when this front already has
    `max_concurrent_requests` engine requests in flight; 503 "unavailable" when the cluster is stopping or
    no worker is healthy (a cluster view at most `view_max_age` old, refreshed by one stats round trip).
+3. Prompts are tokenized here (chat: the tokenizer's chat template), so the length is checked against the
+   cluster's context length before anything is sent (400, with both numbers). A text prompt is first
+   checked by its size (protocol/prompt_limits.py: one too big to fit is refused untokenized); the body's
+   JSON, the template and the tokenizer run on the front's tokenizer threads, never on the event loop.
 4. One engine request per (prompt, choice), with the body's `timeout` as its deadline. Non-streaming: all
    run to the end, then one JSON answer.
    Streaming: the first delta of every request is awaited before the 200 goes out, so a request the
@@ -21,7 +23,8 @@ The path of a request:
 5. A client that disconnects has its requests aborted: a watcher on the ASGI receive channel cancels the
    work (non-streaming and before the first byte), and the server cancels a stream whose client is gone;
    cancelling a stream aborts its request on the worker, which frees its KV blocks.
-A failure inside the cluster mid-stream is sent as an SSE `error` event followed by `[DONE]`.
+A stream always ends with `[DONE]`: a failure once the 200 is out (the cluster's, a timeout, an engine
+stream that ends without a final delta, an exception here) is an SSE `error` event just before it.
 
 Failed requests' error codes pick the status (`_request_error`): invalid_request 400, overloaded 503 (+
 Retry-After: a queue on the way was full, nothing ran), unavailable 503, timeout 504, anything else 500.
@@ -176,7 +179,8 @@ class Front:
 
     async def _off_loop(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """`fn(*args, **kwargs)` on the tokenizer threads, so the event loop keeps serving meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        work = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
     # ---- routes -----------------------------------------------------------------------------------
 

@@ -54,7 +54,8 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise _invalid_json(f"it is not UTF-8 ({e.reason} at byte {e.start})") from None
     data = _loads(text)
     if not isinstance(data, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {_JSON_TYPES.get(type(data), 'NaN or Infinity')}")
+        kind = _JSON_TYPES.get(type(data), "NaN or Infinity")
+        raise ApiError(400, f"request body must be a JSON object, got {kind}")
     check_json_value(data)
     return data
 
@@ -66,7 +67,7 @@ def _loads(text: str) -> Any:
         raise _too_deep(_deep_field(text)) from None
     except json.JSONDecodeError as e:
         raise _invalid_json(str(e)) from None
-    except ValueError:   # an integer past Python's digit limit: parse again keeping it aside, to name its field
+    except ValueError:   # an integer past Python's digit limit: parse again, keeping it aside to name its field
         pass
     try:
         return json.loads(text, parse_constant=_Constant, parse_int=_bounded_int)
@@ -143,8 +144,8 @@ def _check_string(value: str, path: Path) -> None:
     if match is not None:
         param = field_name(path)
         raise ApiError(400, f"{param or 'the request body'}: contains an unpaired UTF-16 surrogate "
-                            f"(U+{ord(match.group()):04X}) at character {match.start()}; strings must be valid "
-                            f"Unicode", param=param)
+                            f"(U+{ord(match.group()):04X}) at character {match.start()}; strings must be "
+                            f"valid Unicode", param=param)
 
 
 def field_name(path: Path) -> str | None:

@@ -447,7 +447,8 @@ def test_a_hostile_body_is_a_400_naming_the_field(front_url, path, name, stream)
 
 
 def test_a_body_that_is_no_object_or_not_json_is_a_400(front_url):
-    for raw in (b"NaN", b"[1, 2]", _deep(100_000).encode(), b"\xff\xfe", b'{"model": "tiny", "prompt": 1e999'):
+    bodies = (b"NaN", b"[1, 2]", _deep(100_000).encode(), b"\xff\xfe", b'{"model": "tiny", "prompt": 1e999')
+    for raw in bodies:
         status, _, answer = _http(f"{front_url}/v1/completions", raw)
         assert status == 400 and _error(answer)["type"] == "invalid_request_error", answer
 
@@ -490,7 +491,8 @@ def test_a_20_mb_prompt_is_refused_at_once_while_a_stream_goes_on_and_health_sta
         streaming.join(60)
         events = _sse_events(b"".join(lines).decode())
         assert events[-1] == "[DONE]"
-        assert [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]] == ["length"]
+        finish = [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
+        assert finish == ["length"]
         assert len([e for e in events[:-1] if e["choices"][0]["text"]]) > 0
     asyncio.run(_all_blocks_free(slow_local))
 
