@@ -421,6 +421,8 @@ class Front:
                 job.add(delta)
                 if delta.finish_reason == "error":
                     raise _request_error(delta, self.config.retry_after)
+            if job.finish_reason is None:
+                raise _ended_early(job)
         try:
             await _gather_or_cancel([one(job) for job in jobs])
         except ClusterError as e:
@@ -514,8 +516,7 @@ class StreamRun:
                 finished = delta.finished
                 self._queue.put_nowait((job, delta))
             if not finished:   # the reader waits for a final delta: it gets an error instead
-                self._queue.put_nowait((job, internal_error(f"engine request {job.request_id}",
-                                                            detail="its stream ended without a final delta")))
+                self._queue.put_nowait((job, _ended_early(job)))
         except ClusterError as e:
             self._queue.put_nowait((job, ApiError(503, f"the cluster failed: {e}", code="unavailable",
                                                   retry_after=self.front.config.retry_after)))
@@ -724,6 +725,10 @@ def _request_error(delta: RequestOutput, retry_after: int = 1) -> ApiError:
     if code == "timeout":
         return ApiError(504, message, code="timeout")
     return internal_error(f"engine request {delta.request_id}", detail=f"{code}: {message}")
+
+
+def _ended_early(job: Job) -> ApiError:
+    return internal_error(f"engine request {job.request_id}", detail="its stream ended without a final delta")
 
 
 def internal_error(where: str, detail: str | None = None) -> ApiError:

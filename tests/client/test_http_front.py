@@ -529,6 +529,9 @@ class CutEngine(FailingEngine):
 def test_a_stream_cut_mid_way_ends_with_an_error_event_and_done(local, smollm2_tokenizer, raises):
     engine = CutEngine(local, raises=raises, after=2)
     with serving(engine, smollm2_tokenizer) as url:
+        status, _, text = _http(f"{url}/v1/completions", LONG)   # not streaming: a 500, not a cut answer
+        assert status == 500 and _error(text)["code"] == "internal_error"
+        _no_internals(text)
         request = urllib.request.Request(f"{url}/v1/completions", method="POST",
                                          data=json.dumps({**LONG, "stream": True}).encode(),
                                          headers={"Content-Type": "application/json"})
