@@ -275,7 +275,7 @@ class Front:
         except ValidationError as e:
             raise _validation_error(e) from None
         if body.model != self.config.served_model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+            raise ApiError(404, f"the model {body.model[:200]!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}", param="model", code="model_not_found")
         return body
 
