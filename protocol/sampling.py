@@ -133,5 +133,8 @@ def _number(name: str, value: Any) -> None:
 
 
 def _integer(name: str, value: Any) -> None:
+    """An int within 64 bits (the wire carries no more; torch would overflow on it)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name} must fit in 64 bits, got an integer of {value.bit_length()} bits")

@@ -593,6 +593,9 @@ class BenchmarkEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
+        if isinstance(prompt, str) and len(prompt) >= self.max_model_len:   # a token per byte: never fits
+            raise ValueError(f"the prompt is {len(prompt)} characters; the context is {self.max_model_len} "
+                             f"tokens")
         prompt_ids = list(prompt.encode()) if isinstance(prompt, str) else list(prompt)
         num_tokens = len(prompt_ids) + len(resumed_token_ids)
         if not prompt_ids or num_tokens >= self.max_model_len:

@@ -18,6 +18,7 @@ import torch
 
 from infer.protocol.messages import Load
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
+from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
@@ -63,6 +64,7 @@ class Engine:
         self.model_path: Path = resolve_model(config.model)
         self.model_id = config.model_id
         self.tokenizer = load_tokenizer(self.model_path)
+        self.prompt_token_bytes = max_token_bytes(self.tokenizer)   # bounds text prompts before tokenizing
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
         self.model = load_model(self.model_path, self.dtype, self.device, self.ep)
         self.vocab_size = int(self.model.vocab_size)
@@ -176,6 +178,9 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            too_long = prompt_size_error(prompt, self.max_model_len, self.prompt_token_bytes)
+            if too_long is not None:   # before tokenizing: that is linear in the prompt, and this loop's time
+                raise ValueError(too_long)
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:  # the model directory's tokenizer knows more tokens than the model

@@ -6,13 +6,15 @@ GET /v1/models, GET /health, GET /metrics.
 The path of a request:
 1. `_authorize` (401 without the API key when one is set: one answer for a missing header, another
    scheme or a wrong key), the body (413 past `max_body_bytes`, refused from Content-Length before it is
-   read, or as soon as a chunked body passes it), `_parse` (400 for malformed JSON or an invalid field,
-   naming it), the model name (404 if it is not the served one).
-2. Prompts are tokenized here (chat: the tokenizer's chat template), so the length is checked against the
-   cluster's context length before anything is sent (400, with both numbers).
-3. Admission: 503 with Retry-After and code "overloaded" at once when this front already has
+   read, or as soon as a chunked body passes it), `_parse` (400 for malformed or hostile JSON (body.py) or
+   an invalid field, naming it), the model name (404 if it is not the served one).
+2. Admission: 503 with Retry-After and code "overloaded" at once when this front already has
    `max_concurrent_requests` engine requests in flight; 503 "unavailable" when the cluster is stopping or
    no worker is healthy (a cluster view at most `view_max_age` old, refreshed by one stats round trip).
+3. Prompts are tokenized here (chat: the tokenizer's chat template), so the length is checked against the
+   cluster's context length before anything is sent (400, with both numbers). A text prompt is first
+   checked by its size (protocol/prompt_limits.py: one too big to fit is refused untokenized); the body's
+   JSON, the template and the tokenizer run on the front's tokenizer threads, never on the event loop.
 4. One engine request per (prompt, choice), with the body's `timeout` as its deadline. Non-streaming: all
    run to the end, then one JSON answer.
    Streaming: the first delta of every request is awaited before the 200 goes out, so a request the
@@ -21,7 +23,8 @@ The path of a request:
 5. A client that disconnects has its requests aborted: a watcher on the ASGI receive channel cancels the
    work (non-streaming and before the first byte), and the server cancels a stream whose client is gone;
    cancelling a stream aborts its request on the worker, which frees its KV blocks.
-A failure inside the cluster mid-stream is sent as an SSE `error` event followed by `[DONE]`.
+A stream always ends with `[DONE]`: a failure once the 200 is out (the cluster's, a timeout, an engine
+stream that ends without a final delta, an exception here) is an SSE `error` event just before it.
 
 Failed requests' error codes pick the status (`_request_error`): invalid_request 400, overloaded 503 (+
 Retry-After: a queue on the way was full, nothing ran), unavailable 503, timeout 504, anything else 500.
@@ -33,6 +36,7 @@ wrong methods (405) and every other error also answer in OpenAI's error shape.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -40,6 +44,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -50,19 +55,23 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from infer.client.api.body import decode_body
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
 from infer.client.api.schemas import ApiError, ChatCompletionRequest, CompletionRequest
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
+from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
 
 log = logging.getLogger("infer.api")
 
 Body = TypeVar("Body", bound=BaseModel)
+R = TypeVar("R")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 API_KEY_ENV = "INFER_API_KEY"
+TOKENIZER_THREADS = 2   # body parsing, chat templates and tokenization run on these, never on the event loop
 
 
 @dataclass(frozen=True)
@@ -161,20 +170,35 @@ class Front:
         self._refresh: asyncio.Task | None = None
         self._token_text: dict[int, str] = {}
         self.created = int(time.time())
+        self.token_bytes = max_token_bytes(tokenizer)   # bounds a text prompt's size before tokenizing it
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="infer-tokenize")
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (work already queued is dropped)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """`fn(*args, **kwargs)` on the tokenizer threads, so the event loop keeps serving meanwhile."""
+        work = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
     # ---- routes -----------------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)
-        prompts = [self._tokenize(p, add_special_tokens=True) for p in body.prompts()]
+
+        async def token_ids(max_len: int) -> list[list[int]]:
+            return await self._prompt_token_ids(body.prompts(), max_len)
         fmt = CompletionFormat(self, body)
-        return await self._serve(request, body, prompts, body.max_tokens, body.logprobs, fmt)
+        return await self._serve(request, body, token_ids, body.max_tokens, body.logprobs, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
-        prompt = self._chat_prompt(body)
+
+        async def token_ids(max_len: int) -> list[list[int]]:
+            return [await self._chat_token_ids(body, max_len)]
         fmt = ChatFormat(self, body)
-        return await self._serve(request, body, [prompt], body.max_new_tokens, body.num_logprobs, fmt)
+        return await self._serve(request, body, token_ids, body.max_new_tokens, body.num_logprobs, fmt)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -245,45 +269,61 @@ class Front:
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         self._authorize(request)
         raw = await self._read_body(request)
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        data = await self._off_loop(decode_body, raw)   # 400 for what JSON allows and we cannot take
         try:
             body = model.model_validate(data)
         except ValidationError as e:
             raise _validation_error(e) from None
         if body.model != self.config.served_model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+            raise ApiError(404, f"the model {body.model[:200]!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}", param="model", code="model_not_found")
         return body
 
-    def _tokenize(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ApiError(400, "prompt must not be empty", param="prompt")
-            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-        if not prompt:
-            raise ApiError(400, "a token-id prompt must not be empty", param="prompt")
-        vocab = len(self.tokenizer)
-        bad = next((t for t in prompt if t >= vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
-                           param="prompt")
-        return prompt
+    async def _prompt_token_ids(self, prompts: list[str | list[int]], max_len: int) -> list[list[int]]:
+        """Every prompt checked against the context without tokenizing, then tokenized off the loop."""
+        for prompt in prompts:
+            self._check_prompt(prompt, max_len, "prompt")
+        return [prompt if isinstance(prompt, list) else
+                await self._off_loop(self._encode, prompt, add_special_tokens=True) for prompt in prompts]
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def _check_prompt(self, prompt: str | list[int], max_len: int, param: str) -> None:
+        """400 for an empty prompt, a token id outside the vocabulary, or a prompt that cannot fit the
+        context: token ids by their count, text by its size (prompt_limits), both without tokenizing."""
+        if not prompt:
+            raise ApiError(400, f"{param} must not be empty", param=param)
+        if isinstance(prompt, str):
+            return self._check_text_size(prompt, max_len, param)
+        _check_length(len(prompt), None, max_len)
+        vocab = len(self.tokenizer)
+        if max(prompt) >= vocab:
+            bad = next(t for t in prompt if t >= vocab)
+            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+    def _check_text_size(self, text: str, max_len: int, param: str) -> None:
+        too_long = prompt_size_error(text, max_len, self.token_bytes)
+        if too_long is not None:
+            raise ApiError(400, f"{param}: {too_long}", param=param, code="context_length_exceeded")
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    async def _chat_token_ids(self, body: ChatCompletionRequest, max_len: int) -> list[int]:
+        """The chat template's text, tokenized; the messages' content is checked against the context before
+        the template runs, and the text before it is tokenized (both off the loop)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in body.messages]
+        self._check_text_size("".join(m["content"] for m in messages), max_len, "messages")
+        text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt)
+        self._check_text_size(text, max_len, "messages")
+        return await self._off_loop(self._encode, text, add_special_tokens=False)
+
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=body.add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
         except Exception as e:   # the template's own checks (jinja raise_exception), e.g. role order
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return self._tokenize(text, add_special_tokens=False)
 
     # ---- admission --------------------------------------------------------------------------------
 
@@ -333,13 +373,16 @@ class Front:
     # ---- running requests -------------------------------------------------------------------------
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                     prompts: list[list[int]], max_tokens: int | None, logprobs: int | None,
-                     fmt: ResponseFormat) -> Response:
-        num_requests = len(prompts) * body.n
+                     token_ids: Callable[[int], Awaitable[list[list[int]]]], max_tokens: int | None,
+                     logprobs: int | None, fmt: ResponseFormat) -> Response:
+        """`token_ids(max_len)`: the prompts' token ids, or a 400 for a prompt that cannot fit max_len."""
+        num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+        num_requests = num_prompts * body.n
         self._reserve(num_requests)
         run: StreamRun | None = None
         try:
             max_len = await self._admit()
+            prompts = await token_ids(max_len)
             for ids in prompts:
                 _check_length(len(ids), max_tokens, max_len)
             jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs)
@@ -378,15 +421,20 @@ class Front:
                 job.add(delta)
                 if delta.finish_reason == "error":
                     raise _request_error(delta, self.config.retry_after)
+            if job.finish_reason is None:
+                raise _ended_early(job)
         try:
             await _gather_or_cancel([one(job) for job in jobs])
         except ClusterError as e:
             raise self._unavailable(f"the cluster failed: {e}") from None
 
     async def _sse(self, run: StreamRun, fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
-        for chunk in fmt.opening_chunks(run.jobs):
-            yield _event(chunk)
+        """The events of a stream whose 200 went out: chunks, then `[DONE]` however it ends (an error of
+        the cluster or of this front is an `error` event first). Only cancellation (the client is gone)
+        ends it otherwise."""
         try:
+            for chunk in fmt.opening_chunks(run.jobs):
+                yield _event(chunk)
             async for job, delta in run.deltas():
                 if delta.finish_reason == "error":
                     yield _event(_request_error(delta, self.config.retry_after).body())
@@ -462,9 +510,13 @@ class StreamRun:
         return job, item
 
     async def _pump(self, job: Job) -> None:
+        finished = False
         try:
             async for delta in self.front.engine_stream(job):
+                finished = delta.finished
                 self._queue.put_nowait((job, delta))
+            if not finished:   # the reader waits for a final delta: it gets an error instead
+                self._queue.put_nowait((job, _ended_early(job)))
         except ClusterError as e:
             self._queue.put_nowait((job, ApiError(503, f"the cluster failed: {e}", code="unavailable",
                                                   retry_after=self.front.config.retry_after)))
@@ -635,7 +687,13 @@ def _usage(jobs: list[Job]) -> dict[str, int]:
 
 
 def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    """One SSE event; text that is not valid Unicode (it cannot be sent as UTF-8) goes \\u-escaped."""
+    text = json.dumps(payload, separators=(',', ':'), ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(payload, separators=(',', ':'))
+    return f"data: {text}\n\n"
 
 
 def _max_model_len(view: ClusterStats, healthy_only: bool = True) -> int | None:
@@ -667,6 +725,10 @@ def _request_error(delta: RequestOutput, retry_after: int = 1) -> ApiError:
     if code == "timeout":
         return ApiError(504, message, code="timeout")
     return internal_error(f"engine request {delta.request_id}", detail=f"{code}: {message}")
+
+
+def _ended_early(job: Job) -> ApiError:
+    return internal_error(f"engine request {job.request_id}", detail="its stream ended without a final delta")
 
 
 def internal_error(where: str, detail: str | None = None) -> ApiError:

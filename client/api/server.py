@@ -87,6 +87,7 @@ class HttpFront:
             raise
         finally:
             self._socket.close()
+            self.app.state.front.close()
 
     def shutdown(self) -> None:
         self._server.should_exit = True

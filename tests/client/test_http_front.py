@@ -380,3 +380,165 @@ def test_an_invalid_timeout_is_a_400_naming_it(local, smollm2_tokenizer, timeout
     with serving(local, smollm2_tokenizer) as url:
         status, _, text = _http(f"{url}/v1/completions", {**SHORT, "timeout": timeout})
         assert status == 400 and _error(text)["param"] == "timeout"
+
+
+# ---- hostile input --------------------------------------------------------------------------------
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+_BIG = 2**64
+HOSTILE_COMPLETIONS = {   # name: (JSON body text, the field the 400 names)
+    "100000-deep prompt": ('{"model": "tiny", "prompt": %s}' % _deep(100_000), "prompt"),
+    "40-deep prompt": ('{"model": "tiny", "prompt": %s}' % _deep(40), "prompt"),
+    "surrogate in prompt": ('{"model": "tiny", "prompt": "ab\\ud800cd"}', "prompt"),
+    "surrogate in a prompt list": ('{"model": "tiny", "prompt": ["ok", "\\udfff"]}', "prompt.1"),
+    "surrogate in stop": ('{"model": "tiny", "prompt": "hi", "stop": "\\ud83d"}', "stop"),
+    "surrogate in a stop list": ('{"model": "tiny", "prompt": "hi", "stop": ["x", "\\udc00"]}', "stop.1"),
+    "2^64 top_k": (f'{{"model": "tiny", "prompt": "hi", "top_k": {_BIG}}}', "top_k"),
+    "-2^63-1 top_k": (f'{{"model": "tiny", "prompt": "hi", "top_k": {-2**63 - 1}}}', "top_k"),
+    "2^64 stop_token_ids": (f'{{"model": "tiny", "prompt": "hi", "stop_token_ids": [1, {_BIG}]}}',
+                            "stop_token_ids.1"),
+    "2^64 min_tokens": (f'{{"model": "tiny", "prompt": "hi", "min_tokens": {_BIG}}}', "min_tokens"),
+    "2^64 max_tokens": (f'{{"model": "tiny", "prompt": "hi", "max_tokens": {_BIG}}}', "max_tokens"),
+    "2^64 seed": (f'{{"model": "tiny", "prompt": "hi", "seed": {_BIG}}}', "seed"),
+    "2^64 logprobs": (f'{{"model": "tiny", "prompt": "hi", "logprobs": {_BIG}}}', "logprobs"),
+    "2^64 n": (f'{{"model": "tiny", "prompt": "hi", "n": {_BIG}}}', "n"),
+    "2^64 token id": (f'{{"model": "tiny", "prompt": [3, {_BIG}]}}', "prompt.1"),
+    "2^64 in a token-id list": (f'{{"model": "tiny", "prompt": [[3], [4, {_BIG}]]}}', "prompt.1.1"),
+    "5000-digit max_tokens": ('{"model": "tiny", "prompt": "hi", "max_tokens": %s}' % ("9" * 5000),
+                              "max_tokens"),
+    "NaN temperature": ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature"),
+}
+HOSTILE_CHATS = {
+    "surrogate in content": ('{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                             "messages.0.content"),
+    "surrogate in a content part": ('{"model": "tiny", "messages": [{"role": "user", "content": '
+                                    '[{"type": "text", "text": "a\\udbff"}]}]}', "messages.0.content.0.text"),
+    "100000-deep content": ('{"model": "tiny", "messages": [{"role": "user", "content": %s}]}'
+                            % _deep(100_000), "messages"),
+    "2^64 max_completion_tokens": ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                                   f'"max_completion_tokens": {_BIG}}}', "max_completion_tokens"),
+    "2^64 top_logprobs": ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                          f'"logprobs": true, "top_logprobs": {_BIG}}}', "top_logprobs"),
+}
+
+
+@pytest.fixture(scope="module")
+def front_url(local, smollm2_tokenizer) -> Iterator[str]:
+    with serving(local, smollm2_tokenizer) as url:
+        yield url
+
+
+@pytest.mark.parametrize("path, name", [("/v1/completions", n) for n in HOSTILE_COMPLETIONS]
+                         + [("/v1/chat/completions", n) for n in HOSTILE_CHATS])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hostile_body_is_a_400_naming_the_field(front_url, path, name, stream):
+    text, param = {**HOSTILE_COMPLETIONS, **HOSTILE_CHATS}[name]
+    if stream:
+        text = text[:-1] + ', "stream": true}'
+    status, _, answer = _http(f"{front_url}{path}", text.encode())
+    assert status == 400, answer
+    error = _error(answer)
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert param in error["message"]
+    _no_internals(answer)
+
+
+def test_a_body_that_is_no_object_or_not_json_is_a_400(front_url):
+    bodies = (b"NaN", b"[1, 2]", _deep(100_000).encode(), b"\xff\xfe", b'{"model": "tiny", "prompt": 1e999')
+    for raw in bodies:
+        status, _, answer = _http(f"{front_url}/v1/completions", raw)
+        assert status == 400 and _error(answer)["type"] == "invalid_request_error", answer
+
+
+def _stream_lines(url: str, body: dict[str, Any], lines: list[bytes]) -> threading.Thread:
+    """A thread that posts a streaming `body` and collects the response's lines into `lines`."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps({**body, "stream": True}).encode()
+
+    def run() -> None:
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(POST + b"Content-Type: application/json\r\nContent-Length: "
+                         + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            lines.extend(sock.makefile("rb"))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_20_mb_prompt_is_refused_at_once_while_a_stream_goes_on_and_health_stays_fast(
+        slow_local, smollm2_tokenizer):
+    huge = "hello world " * (20_000_000 // 12)
+    with serving(slow_local, smollm2_tokenizer) as url:
+        lines: list[bytes] = []
+        streaming = _stream_lines(url, LONG, lines)
+        bodies = [json.dumps({**SHORT, "prompt": huge}).encode(),
+                  json.dumps(dict(model=MODEL, messages=[{"role": "user", "content": huge}])).encode()]
+        for path, body, param in (("/v1/completions", bodies[0], "prompt"),
+                                  ("/v1/chat/completions", bodies[1], "messages")):
+            started = time.monotonic()
+            status, _, text = _http(f"{url}{path}", body)
+            elapsed = time.monotonic() - started
+            assert status == 400 and elapsed < 1.0, (status, elapsed)   # at once: nothing was tokenized
+            error = _error(text)
+            assert error["param"] == param and error["code"] == "context_length_exceeded"
+            assert "256 tokens" in error["message"] and "without tokenizing" in error["message"]
+            started = time.monotonic()
+            assert _http(f"{url}/health")[0] == 200 and time.monotonic() - started < 1.0
+        streaming.join(60)
+        events = _sse_events(b"".join(lines).decode())
+        assert events[-1] == "[DONE]"
+        finish = [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
+        assert finish == ["length"]
+        assert len([e for e in events[:-1] if e["choices"][0]["text"]]) > 0
+    asyncio.run(_all_blocks_free(slow_local))
+
+
+def test_a_prompt_just_under_the_size_bound_is_tokenized_and_gets_the_exact_count(front_url):
+    text = "hello " * 300   # ~300 tokens, 1800 bytes: under the size bound, over the context of 256
+    status, _, answer = _http(f"{front_url}/v1/completions", {**SHORT, "prompt": text})
+    error = _error(answer)
+    assert status == 400 and error["code"] == "context_length_exceeded" and "tokens" in error["message"]
+    assert "without tokenizing" not in error["message"]
+
+
+# ---- a stream always ends -------------------------------------------------------------------------
+
+class CutEngine(FailingEngine):
+    """An EngineClient whose streams stop after `after` real deltas: silently (`raises` None, the stream
+    just ends with no final delta) or by raising `raises` (the real request is left; the engine aborts it)."""
+
+    async def stream(self, prompt, params=None, *, request_id=None,
+                     timeout=None) -> AsyncIterator[RequestOutput]:
+        inner = self.inner.stream(prompt, params, request_id=request_id, timeout=timeout)
+        async with aclosing(inner) as deltas:
+            n = 0
+            async for delta in deltas:
+                if n == self.after:
+                    if self.raises is not None:
+                        raise self.raises
+                    return
+                yield delta
+                n += 1
+
+
+@pytest.mark.parametrize("raises", [None, RuntimeError(SECRET)], ids=["ends-early", "raises"])
+def test_a_stream_cut_mid_way_ends_with_an_error_event_and_done(local, smollm2_tokenizer, raises):
+    engine = CutEngine(local, raises=raises, after=2)
+    with serving(engine, smollm2_tokenizer) as url:
+        status, _, text = _http(f"{url}/v1/completions", LONG)   # not streaming: a 500, not a cut answer
+        assert status == 500 and _error(text)["code"] == "internal_error"
+        _no_internals(text)
+        request = urllib.request.Request(f"{url}/v1/completions", method="POST",
+                                         data=json.dumps({**LONG, "stream": True}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=20) as r:   # a stream that never ends: timeout
+            status, text = r.status, r.read().decode()
+        events = _sse_events(text)
+        assert status == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"
+        assert len(events) == 4   # two token chunks, the error, [DONE]
+        _no_internals(text)
+    asyncio.run(_all_blocks_free(local))

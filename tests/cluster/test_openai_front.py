@@ -198,6 +198,10 @@ def test_logprobs_in_completions_and_chat(client):
     (dict(extra_body={"frobnicate": 1}), 400, "frobnicate"),
     (dict(extra_body={"top_k": -5}), 400, "top_k"),
     (dict(prompt=[10 ** 9]), 400, "outside the vocabulary"),
+    (dict(extra_body={"top_k": 2 ** 64}), 400, "top_k: 18446744073709551616 is outside the 64-bit"),
+    (dict(seed=-2 ** 63 - 1), 400, "seed"),
+    (dict(extra_body={"stop_token_ids": [3, 2 ** 64]}), 400, "stop_token_ids.1"),
+    (dict(prompt="hello " * 15_000), 400, "refused without tokenizing"),   # 90 kB: far past 256 tokens
 ])
 def test_invalid_parameters_get_the_documented_status(client, override, status, words):
     kwargs = dict(model=MODEL, prompt="hello", max_tokens=4)
@@ -206,6 +210,23 @@ def test_invalid_parameters_get_the_documented_status(client, override, status, 
         client.completions.create(**kwargs)
     assert err.value.status_code == status
     assert words in err.value.message
+    assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).choices   # unharmed
+
+
+@pytest.mark.parametrize("path, body, param", [   # the openai client cannot send these: raw JSON
+    ("/v1/completions", '{"model": "%s", "prompt": "a\\ud800b"}' % MODEL, "prompt"),
+    ("/v1/completions", '{"model": "%s", "prompt": "hi", "stop": ["\\udc00"]}' % MODEL, "stop.0"),
+    ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "\\udbff"}]}' % MODEL,
+     "messages.0.content"),
+    ("/v1/completions", '{"model": "%s", "prompt": %s}' % (MODEL, "[" * 40_000 + "]" * 40_000), "prompt"),
+])
+def test_unpaired_surrogates_and_deep_nesting_are_400s_naming_the_field(served, client, path, body, param):
+    request = urllib.request.Request(f"{served.url}{path}", data=body.encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == 400 and error["param"] == param and param in error["message"]
     assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).choices   # unharmed
 
 

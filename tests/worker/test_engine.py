@@ -142,6 +142,7 @@ def test_seeded_sampling_is_batch_independent(engine):
     ([1, 2, 10**9], None, "outside the vocabulary"),
     ([-1], None, "outside the vocabulary"),
     ("word " * 1100, None, "context length is 1024"),
+    ("word " * 200_000, None, "refused without tokenizing"),   # too long to fit, whatever its tokens
     ("hello", "temperature=0", "params must be SamplingParams"),
 ])
 def test_bad_requests_are_rejected_while_others_complete(engine, prompt, params, message):
@@ -166,6 +167,8 @@ def test_bad_requests_are_rejected_while_others_complete(engine, prompt, params,
     (dict(min_p=2.0), "min_p must be in"),
     (dict(logprobs=99), "logprobs must be in"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(top_k=2**64), "top_k must fit in 64 bits"),
+    (dict(stop_token_ids=[1, -2**63 - 1]), "stop_token_ids must fit in 64 bits"),
 ])
 def test_bad_sampling_params_name_the_problem(kwargs, message):
     with pytest.raises(ValueError, match=message):
