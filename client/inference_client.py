@@ -43,6 +43,7 @@ from infer.protocol.messages import (
     MAX_REQUEST_TIMEOUT_S, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat,
     Hello, Message, ProtocolError, Refused, StatsRequest, Submit, TokenIds, Welcome, decode, encode
 )
+from infer.protocol.logsafe import safe
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.transport import make_socket
@@ -354,7 +355,7 @@ class InferenceClient:
             try:
                 msg = decode(frames[0])
             except ProtocolError as e:
-                log.warning("dropped a bad frame from the coordinator: %s", e)
+                log.warning("dropped a bad frame from the coordinator: %s", safe(e))
                 continue
             self._on_message(msg)
 
@@ -438,7 +439,7 @@ class InferenceClient:
         if self._call is not None and not self._call.future.done():
             self._call.future.set_exception(ClusterError(error.message))
         else:
-            log.warning("error from the coordinator: %s", error.message)
+            log.warning("error from the coordinator: %s", safe(error.message))
 
     def _answer(self, msg: Message, error: ClusterError | None) -> None:
         call = self._call

@@ -33,6 +33,7 @@ from infer.client.api.server import (
 )
 from infer.client.inference_client import ClusterError, InferenceClient
 from infer.protocol.keys import ClusterKeyDir, refuse_open_bind
+from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.messages import ClusterStats
 
 log = logging.getLogger("infer.serve")
@@ -197,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers (default 300)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds the children get to exit after SIGTERM before SIGKILL (default 30)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_logging_args(p)
     return p
 
 
@@ -284,8 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if args.workers < 1:
         print("infer-serve: --workers must be >= 1", file=sys.stderr)
         return 2
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"infer-serve: {e}", file=sys.stderr)
         return 2
-    log_level = ["--log-level", args.log_level]
+    log_level = logging_flags(args)
     cluster = LocalCluster(num_workers=args.workers, host=args.coordinator_host, port=args.coordinator_port,
                            worker_args=worker_args(args, extra) + log_level,
                            coordinator_args=_flags(args, _COORDINATOR_FLAGS) + log_level,

@@ -30,6 +30,7 @@ from infer.protocol.messages import (
     PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello,
     Message, ProtocolError, Refused, StatsRequest, StepBatch, Submit, TokenIds, Welcome, WorkerStats, decode
 )
+from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.sampling import SamplingParams
 
 log = logging.getLogger("infer.coordinator")
@@ -86,6 +87,7 @@ class Coordinator:
         self._rejected_logged = 0
         self._deadlines: list[tuple[float, str]] = []   # heap (deadline, request id); stale entries popped lazily
         self._overload_logged = 0
+        self._peer_warnings = RateLimitedLog(log)   # warnings a peer can trigger at will
         self._handlers: dict[type[Message], Callable[[bytes, Message, float], None]] = {
             Hello: self._on_hello, Submit: self._on_submit, Abort: self._on_abort, Control: self._on_control,
             StatsRequest: self._on_stats_request, Heartbeat: self._on_heartbeat, StepBatch: self._on_step_batch,
@@ -111,7 +113,7 @@ class Coordinator:
         try:
             handler(identity, msg, now)
         except Exception as e:   # a bug must cost one message, never the loop
-            log.exception("internal error handling %r from %s", msg.TYPE, identity.hex())
+            log.exception("internal error handling %r from %s", msg.TYPE, safe(identity))
             self._send(identity, Error(message=f"internal error handling {msg.TYPE!r}: {type(e).__name__}: {e}"))
         self._check_drain(now)   # the last request of a drain may just have finished
 
@@ -218,7 +220,7 @@ class Coordinator:
         self._register_worker(identity, hello, now)
 
     def _refuse(self, identity: bytes, hello: Hello, reason: str) -> None:
-        log.warning("refused %s %r: %s", hello.role, hello.peer_id, reason)
+        self._peer_warnings.warning("refused %s %s: %s", hello.role, safe(hello.peer_id), safe(reason, 600))
         self._send(identity, Refused(reason=reason))
 
     def _welcome(self) -> Welcome:
@@ -330,7 +332,7 @@ class Coordinator:
         if tokens or text or delta.prompt_token_ids is not None:
             self._to_client(request, delta)
         self._place(request, worker)
-        log.debug("request %r re-attached on worker %r after %d token(s)", request.request_id, worker.worker_id,
+        log.debug("request %s re-attached on worker %s after %d token(s)", safe(request.request_id), safe(worker.worker_id),
                   len(request.delivered))
         return True
 
@@ -673,7 +675,7 @@ class Coordinator:
         if not worker.draining:
             worker.draining = True
             self._routable_cache = None
-            log.info("worker %r (dp_rank %d) is draining: no new requests go to it", worker.worker_id,
+            log.info("worker %s (dp_rank %d) is draining: no new requests go to it", safe(worker.worker_id),
                      worker.dp_rank)
         self._failover(request, f"worker {worker.worker_id!r} is draining", now)
         self._dispatch_held(now)
@@ -684,7 +686,7 @@ class Coordinator:
             client = self.clients.get(identity)
             if client is not None:
                 client.last_seen = now
-            log.warning("error reported by peer %s: %s", identity.hex(), error.message)
+            self._peer_warnings.warning("error reported by peer %s: %s", safe(identity), safe(error.message))
             return
         worker.last_seen = now
         request = self.requests.get(error.request_id) if error.request_id is not None else None
@@ -692,7 +694,8 @@ class Coordinator:
             self._fail(request, f"worker {worker.worker_id!r} failed request {request.request_id!r}: {error.message}",
                        error.code or "internal")
         else:
-            log.warning("error reported by worker %r: %s", worker.worker_id, error.message)
+            self._peer_warnings.warning("error reported by worker %s: %s", safe(worker.worker_id),
+                                        safe(error.message))
 
     # ---- liveness and failover ------------------------------------------------------------------
 
@@ -729,8 +732,8 @@ class Coordinator:
             self._stop_pending.discard(worker.worker_id)
         self.orphans.drop_worker(worker.worker_id)
         mates = [w for w in self.workers if w.healthy and w.group_id == worker.group_id]
-        log.warning("worker left: %s: %s; moving its %d request(s)%s", worker.describe(), reason,
-                    len(worker.requests), f"; its group {worker.group_id!r} is unhealthy until it returns"
+        log.warning("worker left: %s: %s; moving its %d request(s)%s", worker.describe(), safe(reason, 600),
+                    len(worker.requests), f"; its group {safe(worker.group_id)} is unhealthy until it returns"
                     if mates else "")
         for w in [worker, *mates]:
             moved = [r for r in map(self.requests.get, list(w.requests)) if r is not None]
@@ -769,8 +772,8 @@ class Coordinator:
         self.counters.requests_aborted += len(requests)
         self._send_aborts(to_workers)
         del self.clients[client.identity]
-        log.warning("client lost: %r (identity %s): %s; aborted its %d request(s)", client.peer_id,
-                    client.identity.hex(), reason, len(requests))
+        self._peer_warnings.warning("client lost: %s (identity %s): %s; aborted its %d request(s)",
+                                    safe(client.peer_id), safe(client.identity), reason, len(requests))
 
     def _check_held(self, now: float) -> None:
         self._dispatch_held(now)
@@ -797,10 +800,10 @@ class Coordinator:
         """Run the lifecycle table's transition; the refusal's reason, or None."""
         step = transition(self.state, command)
         if isinstance(step, Refusal):
-            log.warning("lifecycle: %s refused (%s): %s", command, source, step.reason)
+            log.warning("lifecycle: %s refused (%s): %s", command, safe(source), step.reason)
             return step.reason
         before, self.state = self.state, step.state
-        log.info("lifecycle: %s: %s -> %s (from %s)", command, before.value, step.state.value, source)
+        log.info("lifecycle: %s: %s -> %s (from %s)", command, before.value, step.state.value, safe(source))
         for action in step.actions:
             if action is Action.TELL_WORKERS:
                 for worker in [w for w in self.workers if w.healthy]:
@@ -825,7 +828,7 @@ class Coordinator:
         worker.last_seen = now
         if ack.command == "stop" and self._stop_pending is not None:
             self._stop_pending.discard(worker.worker_id)
-        log.debug("worker %r acknowledged %s (state %s)", worker.worker_id, ack.command, ack.state)
+        log.debug("worker %s acknowledged %s (state %s)", safe(worker.worker_id), safe(ack.command), safe(ack.state))
 
     # ---- stats ----------------------------------------------------------------------------------
 

@@ -24,7 +24,9 @@ import zmq
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.core import Coordinator
 from infer.coordinator.routing import POLICIES
+from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.keys import AuthorizedKeys, CurveKeys, refuse_open_bind
+from infer.protocol.logsafe import safe
 from infer.protocol.messages import encode
 from infer.protocol.transport import KeyGate, make_socket
 
@@ -107,14 +109,14 @@ class CoordinatorDaemon:
                 try:
                     frame = encode(msg)
                 except Exception:   # a value that cannot be packed: lose this message, never the loop
-                    log.exception("cannot encode %r for %s", msg.TYPE, identity.hex())
+                    log.exception("cannot encode %r for %s", msg.TYPE, safe(identity))
                     continue
                 try:
                     send(identity, more)    # unroutable: raises here (ROUTER_MANDATORY), nothing half-sent
                     send(frame, last)
                 except zmq.ZMQError as e:
                     if e.errno != errno.EHOSTUNREACH:
-                        log.warning("send of %r to %s failed: %s", msg.TYPE, identity.hex(), e)
+                        log.warning("send of %r to %s failed: %s", msg.TYPE, safe(identity), e)
                     core.peer_gone(identity, now)
             outgoing = core.take_outgoing()   # peer_gone may have queued more (re-dispatches, aborts)
 
@@ -204,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--trusted-network", action="store_true",
                           help="allow a non-loopback --host without keys (plaintext: anyone who reaches the "
                           "port is a client or a worker); without keys, only loopback is allowed otherwise")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_logging_args(p)
     return p
 
 
@@ -221,8 +223,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
     except ValueError as e:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.protocol.messages import Dispatch, Hello, Load, TokenIds
+from infer.protocol.logsafe import safe
 
 CHARS_PER_TOKEN = 4            # rough prompt-length estimate for routing, before a worker tokenized it
 UNBOUNDED_OUTPUT_ESTIMATE = 256  # routing cost of a request with max_tokens=None
@@ -126,7 +127,7 @@ class WorkerRecord:
         return reported / self.capacity_tokens
 
     def describe(self) -> str:
-        return (f"worker {self.worker_id!r} (dp_rank {self.dp_rank}, group {self.group_id!r}, "
+        return (f"worker {safe(self.worker_id)} (dp_rank {self.dp_rank}, group {safe(self.group_id)}, "
                 f"{self.hello.num_kv_blocks} KV blocks x {self.hello.block_size}, max_num_seqs "
                 f"{self.hello.max_num_seqs}, max_model_len {self.hello.max_model_len})")
 

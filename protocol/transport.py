@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import zmq
@@ -18,6 +17,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from infer.protocol.keys import CurveKeys
+from infer.protocol.logsafe import Throttle, safe
 from infer.protocol.messages import MAX_FRAME_BYTES, Message, encode
 
 ZAP_DOMAIN = "infer"                       # the coordinator's socket; EP wake sockets use their own
@@ -62,29 +62,6 @@ def _set_curve(sock: zmq.Socket, curve: CurveKeys, zap_domain: str) -> None:
         pass
 
 
-class _Throttle:
-    """Lets `burst` messages through per `period` seconds and counts the rest: a flood cannot fill the log."""
-
-    def __init__(self, burst: int = 5, period: float = 10.0) -> None:
-        self.burst, self.period = burst, period
-        self._window_start, self._count = -period, 0
-        self.suppressed = 0     # held back since the last message let through
-
-    def allow(self) -> bool:
-        now = time.monotonic()
-        if now - self._window_start >= self.period:
-            self._window_start, self._count = now, 0
-        self._count += 1
-        if self._count > self.burst:
-            self.suppressed += 1
-            return False
-        return True
-
-    def take_suppressed(self) -> int:
-        n, self.suppressed = self.suppressed, 0
-        return n
-
-
 _HANDSHAKE_FAILURES = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "it does not speak CURVE (no keys configured there)",
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "it holds another server public key than this one's, or a bad key",
@@ -108,7 +85,7 @@ class KeyGate:
         self.allows, self.log, self.peers = allows, logger, peers
         self.refused = 0                 # refusals so far (the gate thread counts, anyone may read)
         # refused keys, and handshakes failed before ZAP (those retry every 100 ms): neither hides the other
-        self._throttles = {"key": _Throttle(burst, period), "handshake": _Throttle(burst, period)}
+        self._throttles = {"key": Throttle(burst, period), "handshake": Throttle(burst, period)}
         self._zap = ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(ZAP_ENDPOINT)     # EADDRINUSE: this context has a gate already
@@ -168,12 +145,12 @@ class KeyGate:
         if len(frames) < 6:
             return [b"1.0", frames[1] if len(frames) > 1 else b"", b"400", b"malformed ZAP request", b"", b""]
         version, request_id, _domain, address, _identity, mechanism = frames[:6]
-        ip = address.decode(errors="replace") or "unknown address"
+        ip = safe(address.decode(errors="replace")) or "unknown address"
         if version != b"1.0":
             return [b"1.0", request_id, b"400", b"unsupported ZAP version", b"", b""]
         if mechanism != b"CURVE" or len(frames) != 7 or len(frames[6]) != 32:
             self._refuse("key", f"a {self.peers} from {ip} without a CURVE key "
-                         f"({mechanism.decode(errors='replace')})")
+                         f"({safe(mechanism.decode(errors='replace'))})")
             return [b"1.0", request_id, b"400", b"CURVE required", b"", b""]
         key = z85.encode(frames[6])
         try:

@@ -34,6 +34,8 @@ import msgpack
 import zmq
 
 from infer.protocol.keys import CurveKeys
+from infer.protocol.logs import add_logging_args, setup_logging
+from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
     MAX_DP_RANK, MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message,
     ProtocolError, Refused, RequestSnapshot, StepBatch, TokenIds, Welcome, decode
@@ -122,26 +124,6 @@ class WorkerOptions:
                              f"({self.heartbeat_interval})")
 
 
-class _RateLimitedLog:
-    """Warns at most `burst` times per `period` seconds, then says how many warnings it held back."""
-
-    def __init__(self, burst: int = 5, period: float = 10.0) -> None:
-        self.burst, self.period = burst, period
-        self._window_start, self._count, self._dropped = 0.0, 0, 0
-
-    def warning(self, text: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._window_start >= self.period:
-            if self._dropped:
-                log.warning("(%d similar warnings suppressed)", self._dropped)
-            self._window_start, self._count, self._dropped = now, 0, 0
-        self._count += 1
-        if self._count <= self.burst:
-            log.warning(text, *args)
-        else:
-            self._dropped += 1
-
-
 class Worker:
     """Runs `engine` for the coordinator at `options.coordinator` until told to stop (see the module doc).
 
@@ -178,7 +160,7 @@ class Worker:
         self._wakeup: socket.socket | None = None
         self._wakeup_writer: socket.socket | None = None
         self._drain_deadline: float | None = None
-        self._warn = _RateLimitedLog()
+        self._warn = RateLimitedLog(log)
 
     # ---- running -------------------------------------------------------------------------------
 
@@ -212,7 +194,7 @@ class Worker:
                     log.info("drained; exiting")
                     return EXIT_OK
         except WorkerExit as e:
-            (log.info if e.code == EXIT_OK else log.error)("%s", e)
+            (log.info if e.code == EXIT_OK else log.error)("%s", safe(e, 2000))
             return e.code
         finally:   # let the last frames leave, unless no coordinator ever answered
             self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS if self._ever_welcomed else 0)
@@ -377,14 +359,14 @@ class Worker:
                 log.warning("the coordinator moved this worker from dp_rank %d to %d", self._rank, msg.dp_rank)
             self._rank, self._group_id = msg.dp_rank, msg.group_id or self._group_id
         if self._ever_welcomed:
-            log.info("re-registered with coordinator %s (%d requests running)", msg.coordinator_id,
+            log.info("re-registered with coordinator %s (%d requests running)", safe(msg.coordinator_id),
                      len(self._requests))
             return
         self._ever_welcomed = True
         opts = self.options
         log.info("worker ready: rank %s group %s id %s coordinator %s (%s, state %s) model %s, %d KV blocks "
-                 "of %d tokens", self._rank, self._group_id, opts.worker_id, opts.coordinator,
-                 msg.coordinator_id, msg.state, self.engine.model_id, self.engine.num_kv_blocks,
+                 "of %d tokens", self._rank, safe(self._group_id), opts.worker_id, opts.coordinator,
+                 safe(msg.coordinator_id), safe(msg.state), self.engine.model_id, self.engine.num_kv_blocks,
                  self.engine.block_size)
 
     def _on_refused(self, msg: Refused) -> None:
@@ -392,7 +374,7 @@ class Worker:
 
     def _on_error(self, msg: Error) -> None:
         self._warn.warning("coordinator reports an error%s: %s",
-                           f" for request {msg.request_id!r}" if msg.request_id else "", msg.message)
+                           f" for request {safe(msg.request_id)}" if msg.request_id else "", safe(msg.message))
         # Many frames may cross a coordinator restart: one Hello per heartbeat interval answers them all.
         recent_hello = not self._welcomed and time.monotonic() - self._hello_sent_at < self.options.heartbeat_interval
         if msg.message.startswith("unknown worker") and not recent_hello:
@@ -424,7 +406,7 @@ class Worker:
                                                TokenIds(msg.resumed_token_ids))
 
     def _reject(self, request_id: str, reason: str, code: str, prompt_token_ids: TokenIds | None = None) -> None:
-        self._warn.warning("request %r rejected: %s", request_id, reason)
+        self._warn.warning("request %s rejected: %s", safe(request_id), safe(reason))
         self._outbox.append(Delta(request_id=request_id, token_ids=TokenIds(), text="", finished=True,
                                   finish_reason="error", error=reason, error_code=code,
                                   prompt_token_ids=prompt_token_ids))
@@ -495,7 +477,7 @@ class Worker:
     def _bad_frame(self, problem: str | ProtocolError, frame: bytes) -> None:
         """Answer an undecodable frame: an error delta when it is a Dispatch whose id can be read (so that
         request fails alone), else an Error naming the problem (and the request id when readable)."""
-        self._warn.warning("bad frame from the coordinator (%d bytes): %s", len(frame), problem)
+        self._warn.warning("bad frame from the coordinator (%d bytes): %s", len(frame), safe(problem))
         kind = problem.message_type if isinstance(problem, ProtocolError) else None
         problem, request_id = str(problem), _peek_request_id(frame)
         if kind == Dispatch.TYPE and request_id is not None:
@@ -513,7 +495,7 @@ class Worker:
     def _on_heartbeat(self, msg: Heartbeat) -> None:
         if self._welcomed and msg.instance is not None and self._instance not in (None, msg.instance):
             log.warning("the coordinator restarted (instance %s -> %s); registering again with %d request(s)",
-                        self._instance, msg.instance, len(self._requests))
+                        safe(self._instance), safe(msg.instance), len(self._requests))
             self._send_hello()
 
     _HANDLERS: ClassVar[dict[type[Message], Callable[[Worker, Any], None]]] = {
@@ -696,8 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--benchmark-mode", action="store_true",
                         help="no model: each request yields token (prompt_len + i) %% 1000 per step, empty text, "
                         "up to max_tokens (for measuring coordinator overhead)")
-    worker.add_argument("--log-level", default="INFO", type=str.upper,
-                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_logging_args(p)
     return p
 
 
@@ -747,8 +728,7 @@ def make_engine(config: EngineConfig, benchmark_mode: bool, ep: EpOptions | None
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         config, options = engine_config(args), worker_options(args)
     except ValueError as e:

@@ -24,6 +24,7 @@ from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app,
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError, InferenceClient
 from infer.protocol.keys import CurveKeys, refuse_open_bind
+from infer.protocol.logs import add_logging_args, setup_logging
 from infer.worker.config import DEFAULT_MODEL_ID
 
 log = logging.getLogger("infer.api")
@@ -169,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-key", metavar="FILE", help="CurveZMQ: this front's secret key file, as a client "
                    "of a coordinator with keys (with --coordinator-key; infer-keygen makes both)")
     p.add_argument("--coordinator-key", metavar="FILE", help="CurveZMQ: the coordinator's public key file")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_logging_args(p)
     return p
 
 
@@ -207,8 +208,7 @@ async def _main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         check_front_exposure(args.host, front_config(args, None), args.trusted_network)
         CurveKeys.from_files(args.curve_key, args.coordinator_key, flags=("--curve-key", "--coordinator-key"))

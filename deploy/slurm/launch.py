@@ -46,6 +46,7 @@ from pathlib import Path
 from infer.client.api.server import add_front_arguments, check_front_exposure, front_config
 from infer.client.serve import LocalCluster, serve
 from infer.protocol.keys import ClusterKeyDir
+from infer.protocol.logs import add_logging_args, setup_logging
 
 DEFAULT_COORDINATOR_PORT = 5555
 DEFAULT_HTTP_PORT = 8000
@@ -241,13 +242,13 @@ def head_parser() -> argparse.ArgumentParser:
                    help="CurveZMQ key pairs from `infer-keygen coordinator worker client --dir DIR`, on a "
                    "path every node reads (default: a fresh set for this job in "
                    "$SLURM_SUBMIT_DIR/.infer-keys-<job id>, removed at the end; none with --trusted-network)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_logging_args(p)
     return p
 
 
 _COORDINATOR_FLAGS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "queue_timeout",
-                      "stop_timeout", "max_retries", "drain_timeout", "log_level")
-_WORKER_FLAGS = ("model", "heartbeat_interval", "drain_timeout", "log_level")
+                      "stop_timeout", "max_retries", "drain_timeout", "log_level", "log_format")
+_WORKER_FLAGS = ("model", "heartbeat_interval", "drain_timeout", "log_level", "log_format")
 
 
 def flags_of(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -349,8 +350,7 @@ def job_keys(args: argparse.Namespace, env: SlurmEnv) -> tuple[ClusterKeyDir | N
 def run_head(argv: list[str]) -> int:
     own, extra = split_extra(argv)
     args, unknown = head_parser().parse_known_args(own)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     made = None
     try:
         env = SlurmEnv.from_environ()
