@@ -382,11 +382,10 @@ class InferenceClient:
             return
         restarted, self._instance = self._instance is not None, instance
         if restarted and self._sock is not None:
-            self._reattach_all()
+            self._reattach_all("the coordinator restarted")
 
-    def _reattach_all(self) -> None:
-        log.warning("the coordinator at %s restarted: re-attaching %d request(s) in flight", self.address,
-                    len(self._requests))
+    def _reattach_all(self, why: str) -> None:
+        log.warning("%s (%s): re-attaching %d request(s) in flight", why, self.address, len(self._requests))
         self._send_nowait(Hello(role="client", peer_id=self.client_id))
         for request in list(self._requests.values()):
             submit = self._resubmission(request)
@@ -396,8 +395,8 @@ class InferenceClient:
             del self._requests[request.request_id]
             request.queue.put_nowait(RequestOutput(
                 request.request_id, [], "", finished=True, finish_reason="error", error_code="unavailable",
-                error=f"request {request.request_id!r} was lost with the coordinator, which restarted before it "
-                      f"told this client the prompt's token ids, so it cannot be resumed without a repeat"))
+                error=f"request {request.request_id!r} cannot be resumed ({why}) without a repeat: the "
+                      f"coordinator never told this client the prompt's token ids"))
 
     @staticmethod
     def _resubmission(request: _Request) -> Submit | None:
@@ -429,6 +428,8 @@ class InferenceClient:
             del self._requests[delta.request_id]
 
     def _on_error(self, error: Error) -> None:
+        if error.request_id is None and error.code in ("client_lost", "client_too_slow"):
+            return self._on_dropped(error)
         if error.request_id is not None:   # a request's failure: never a call's
             request = self._requests.pop(error.request_id, None)
             if request is not None:
@@ -440,6 +441,20 @@ class InferenceClient:
             self._call.future.set_exception(ClusterError(error.message))
         else:
             log.warning("error from the coordinator: %s", safe(error.message))
+
+    def _on_dropped(self, error: Error) -> None:
+        """The coordinator declared this client lost (it was silent, say stopped, past the client timeout) or
+        too slow (it did not read), aborted its requests and dropped the frame this answers. Lost: re-attach
+        every request (each resumes from the tokens received); too slow: each ends with that error."""
+        if self._call is not None and not self._call.future.done():
+            self._call.future.set_exception(ClusterError(error.message))
+        if error.code == "client_lost" and self._sock is not None:
+            return self._reattach_all("the coordinator declared this client lost")
+        log.warning("%s", safe(error.message, 500))
+        for request in list(self._requests.values()):
+            request.queue.put_nowait(RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
+                                                   error=error.message, error_code=error.code))
+        self._requests.clear()
 
     def _answer(self, msg: Message, error: ClusterError | None) -> None:
         call = self._call
@@ -455,15 +470,22 @@ class InferenceClient:
 
     async def _heartbeat_loop(self) -> None:
         closed = self._closed
+        woke = time.monotonic()
         while True:
             try:
                 await asyncio.wait_for(closed.wait(), self.heartbeat_interval)
                 return
             except asyncio.TimeoutError:
                 pass
+            now, slept = time.monotonic(), time.monotonic() - woke
+            woke = now
+            if slept > self.heartbeat_interval + self.silence_timeout / 2:
+                # this process was stopped (SIGSTOP, a suspended laptop) or starved: the silence was ours, so
+                # the coordinator gets a heartbeat (and a chance to answer) before it is judged
+                self._last_heard = max(self._last_heard, now - self.heartbeat_interval)
             if not self._requests and self._call is None:
                 continue
-            silent = time.monotonic() - self._last_heard
+            silent = now - self._last_heard
             if silent > self.silence_timeout:
                 self._fail_all(ClusterError(f"no frame from the coordinator at {self.address} for {silent:.1f} s "
                                             f"(silence timeout {self.silence_timeout} s)"))

@@ -27,6 +27,8 @@ class CoordinatorConfig:
         request that finds every routable worker full is refused at once with error code "overloaded".
     max_held_requests: bound on requests held in the coordinator (paused, no healthy worker yet); past it
         new requests are refused as "overloaded".
+    max_step_time: a worker whose heartbeat says its current engine step has run longer than this is declared
+        dead (its engine is stuck; heartbeats come from a thread of their own, so a long step alone is fine).
     restart_grace: after the coordinator starts, how long a request a client re-attaches (after a restart)
         waits for its worker to register again with it before it is re-dispatched from the client's tokens.
     curve_secret_key, authorized_keys: CurveZMQ (both or neither): the coordinator's secret key file and the
@@ -50,6 +52,7 @@ class CoordinatorConfig:
     max_requests_per_worker: int | None = None
     max_held_requests: int = 10000
     restart_grace: float = 5.0
+    max_step_time: float = 600.0
     curve_secret_key: str | None = None
     authorized_keys: str | None = None
     trusted_network: bool = False
@@ -59,7 +62,8 @@ class CoordinatorConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("heartbeat_interval", "worker_timeout", "client_timeout", "queue_timeout", "stop_timeout"):
+        for name in ("heartbeat_interval", "worker_timeout", "client_timeout", "queue_timeout", "stop_timeout",
+                     "max_step_time"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

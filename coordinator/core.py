@@ -18,6 +18,7 @@ import logging
 import math
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,7 +38,11 @@ log = logging.getLogger("infer.coordinator")
 
 _DEFAULTS = SamplingParams()
 MAX_STATS_WAITERS = 1024
+MAX_STATS_WAITERS_PER_CLIENT = 8
+MAX_STATS_PER_CLIENT_S = 100     # StatsRequests one client may send per second; past it: Error "overloaded"
 CLIENT_IDLE_PRUNE_S = 300.0      # a client with nothing in flight, silent this long, is forgotten
+MAX_LOST_CLIENTS = 4096          # tombstones of clients declared lost, kept until they come back ...
+LOST_CLIENT_TTL_S = 600.0        # ... or this long
 
 
 @dataclass
@@ -51,6 +56,18 @@ class Counters:
     requests_rejected: int = 0
     requests_timed_out: int = 0
     requests_reattached: int = 0
+    clients_lost: int = 0
+    clients_too_slow: int = 0
+
+
+@dataclass
+class _LostClient:
+    """A client declared lost, until it comes back (a Hello) or the tombstone ages out: every other frame from
+    it is answered with `notice` (at most once per heartbeat interval) and dropped."""
+
+    notice: Error
+    at: float
+    noticed_at: float = -math.inf
 
 
 @dataclass
@@ -69,6 +86,7 @@ class Coordinator:
         self.policy = make_policy(config.policy)
         self.workers = WorkerTable()
         self.clients: dict[bytes, ClientRecord] = {}
+        self._lost: OrderedDict[bytes, _LostClient] = OrderedDict()   # oldest first
         self.requests = RequestTable()
         self.instance = uuid.uuid4().hex[:16]      # this process; peers notice a restart when it changes
         self.orphans = OrphanTable()
@@ -110,6 +128,8 @@ class Coordinator:
         if handler is None:
             self._reject(identity, f"the coordinator does not accept {msg.TYPE!r} messages")
             return
+        if identity in self._lost and self._remind_lost(identity, msg, now):
+            return
         try:
             handler(identity, msg, now)
         except Exception as e:   # a bug must cost one message, never the loop
@@ -141,6 +161,20 @@ class Coordinator:
         client = self.clients.get(identity)
         if client is not None:
             self._client_lost(client, "its connection is gone", now)
+
+    def peer_too_slow(self, identity: bytes, now: float) -> None:
+        """A send to `identity` found its queue at the high-water mark: the peer does not read what it is sent.
+        A client has its requests aborted (error code "client_too_slow", told when it reads again); a worker
+        is declared dead (its requests move)."""
+        worker = self.workers.by_identity.get(identity)
+        if worker is not None:
+            if worker.healthy:
+                self._mark_dead(worker, "it reads nothing: its send queue is full (high-water mark)", now)
+            return
+        client = self.clients.get(identity)
+        if client is not None:
+            self._client_lost(client, "it does not read what it is sent: its send queue is full (high-water "
+                                      "mark)", now, code="client_too_slow")
 
     def shutdown(self, reason: str, now: float) -> None:
         """STOP without a requesting client (a signal)."""
@@ -628,7 +662,7 @@ class Coordinator:
         if delta.finish_reason == "abort":   # not asked for by us (we forget a request before aborting it)
             self._worker_gave_up(request, worker, delta, now)
             return
-        if delta.finish_reason == "error" and delta.error_code == "unavailable":   # e.g. it drains
+        if delta.finish_reason == "error" and delta.error_code == "draining":
             self._worker_draining(request, worker, now)
             return
         if delta.finish_reason == "error" and delta.error_code == "overloaded":   # its queue was full
@@ -708,6 +742,10 @@ class Coordinator:
             worker.last_seen = now
             if heartbeat.load is not None:
                 worker.load = heartbeat.load
+            age = heartbeat.step_age_s
+            if age is not None and age > self.config.max_step_time:
+                self._mark_dead(worker, f"its engine step has run for {age:.0f} s (--max-step-time "
+                                        f"{self.config.max_step_time:g} s): the engine is stuck", now)
             return
         if heartbeat.load is not None:      # only workers report load: one this coordinator does not know yet
             self._unknown_worker(identity, None, [])
@@ -763,8 +801,12 @@ class Coordinator:
                                           f"{self.config.client_timeout} s)", now)
             elif not client.requests and silent > max(CLIENT_IDLE_PRUNE_S, self.config.client_timeout):
                 del self.clients[client.identity]
+        while self._lost and now - next(iter(self._lost.values())).at > LOST_CLIENT_TTL_S:
+            self._lost.popitem(last=False)
 
-    def _client_lost(self, client: ClientRecord, reason: str, now: float) -> None:
+    def _client_lost(self, client: ClientRecord, reason: str, now: float, code: str = "client_lost") -> None:
+        """Abort `client`'s requests on their workers and keep a tombstone, so that the client is told when
+        it comes back (see _LostClient): "client_lost" asks it to re-attach them, "client_too_slow" ends them."""
         to_workers: dict[str, list[str]] = {}
         requests = [r for r in map(self.requests.get, list(client.requests)) if r is not None]
         for request in requests:
@@ -772,8 +814,40 @@ class Coordinator:
         self.counters.requests_aborted += len(requests)
         self._send_aborts(to_workers)
         del self.clients[client.identity]
+        self._stats_waiters = [w for w in self._stats_waiters if w.identity != client.identity]
+        self._tombstone(client.identity, self._lost_notice(code, reason, len(requests)), now)
+        self._dispatch_held(now)     # the aborted requests made room
         self._peer_warnings.warning("client lost: %s (identity %s): %s; aborted its %d request(s)",
                                     safe(client.peer_id), safe(client.identity), reason, len(requests))
+
+    def _lost_notice(self, code: str, reason: str, num_requests: int) -> Error:
+        if code == "client_too_slow":
+            self.counters.clients_too_slow += 1
+            return Error(code=code, message=f"this client was too slow: {reason}; the coordinator aborted its "
+                                            f"{num_requests} request(s) in flight")
+        self.counters.clients_lost += 1
+        return Error(code=code, message=f"this client was declared lost: {reason}; the coordinator aborted its "
+                                        f"{num_requests} request(s) on the workers: send them again with "
+                                        f"reattach to resume them from the tokens received")
+
+    def _tombstone(self, identity: bytes, notice: Error, now: float) -> None:
+        self._lost.pop(identity, None)
+        self._lost[identity] = _LostClient(notice, now)
+        while len(self._lost) > MAX_LOST_CLIENTS:
+            self._lost.popitem(last=False)
+
+    def _remind_lost(self, identity: bytes, msg: Message, now: float) -> bool:
+        """A frame from a client declared lost. A Hello is its return: the tombstone goes and the frame is
+        handled (False). Any other frame is dropped (True), answered with the notice at most once per
+        heartbeat interval (a flood of frames costs no flood of answers)."""
+        if isinstance(msg, Hello):
+            del self._lost[identity]
+            return False
+        lost = self._lost[identity]
+        if now - lost.noticed_at >= self.config.heartbeat_interval:
+            lost.noticed_at = now
+            self._send(identity, lost.notice)
+        return True
 
     def _check_held(self, now: float) -> None:
         self._dispatch_held(now)
@@ -833,13 +907,28 @@ class Coordinator:
     # ---- stats ----------------------------------------------------------------------------------
 
     def _on_stats_request(self, identity: bytes, request: StatsRequest, now: float) -> None:
-        if self._client(identity, now) is None:
+        client = self._client(identity, now)
+        if client is None:
+            return
+        if not self._stats_budget_left(client, now):
+            self._send(identity, Error(message=f"too many stats requests from this client (at most "
+                                               f"{MAX_STATS_PER_CLIENT_S} per second); retry later", code="overloaded"))
             return
         if (request.min_healthy_workers <= len(self._routable()) or request.timeout_s <= 0
-                or len(self._stats_waiters) >= MAX_STATS_WAITERS or self.state is ClusterState.STOPPED):
+                or len(self._stats_waiters) >= MAX_STATS_WAITERS or self.state is ClusterState.STOPPED
+                or client.stats_waiting >= MAX_STATS_WAITERS_PER_CLIENT):
             self._send(identity, self.stats(now))
         else:
+            client.stats_waiting += 1
             self._stats_waiters.append(_StatsWaiter(identity, request.min_healthy_workers, now + request.timeout_s))
+
+    @staticmethod
+    def _stats_budget_left(client: ClientRecord, now: float) -> bool:
+        """Count one StatsRequest against the client's budget (MAX_STATS_PER_CLIENT_S per one-second window)."""
+        if now - client.stats_window >= 1.0:
+            client.stats_window, client.stats_in_window = now, 0
+        client.stats_in_window += 1
+        return client.stats_in_window <= MAX_STATS_PER_CLIENT_S
 
     def _answer_stats_waiters(self, now: float, force: bool = False) -> None:
         if not self._stats_waiters:
@@ -849,6 +938,9 @@ class Coordinator:
         for waiter in self._stats_waiters:
             if force or healthy >= waiter.min_healthy_workers or now >= waiter.deadline:
                 self._send(waiter.identity, self.stats(now))
+                client = self.clients.get(waiter.identity)
+                if client is not None:
+                    client.stats_waiting -= 1
             else:
                 waiting.append(waiter)
         self._stats_waiters = waiting
@@ -871,7 +963,8 @@ class Coordinator:
             requests_failed=c.requests_failed, requests_aborted=c.requests_aborted,
             requests_redispatched=c.requests_redispatched, frames_rejected=c.frames_rejected,
             uptime_s=round(now - self._started, 3), requests_rejected=c.requests_rejected,
-            requests_timed_out=c.requests_timed_out, requests_reattached=c.requests_reattached)
+            requests_timed_out=c.requests_timed_out, requests_reattached=c.requests_reattached,
+            clients_lost=c.clients_lost, clients_too_slow=c.clients_too_slow)
 
     def _log_rejections(self) -> None:
         rejected = self.counters.frames_rejected

@@ -33,6 +33,7 @@ from infer.protocol.transport import KeyGate, make_socket
 log = logging.getLogger("infer.coordinator")
 
 MAX_MESSAGES_PER_CYCLE = 1024
+PEER_HWM = 1000            # messages queued per peer, each way (see CoordinatorDaemon.__init__)
 EXIT_LINGER_MS = 2000
 
 
@@ -51,8 +52,11 @@ class CoordinatorDaemon:
                                 watch=self.sock)
             log.info("CurveZMQ on: coordinator public key %s; %d authorized key(s) in %s",
                      curve.public_key.decode(), len(authorized.keys), authorized.directory)
-        self.sock.setsockopt(zmq.SNDHWM, 0)      # never drop or block a delta: memory is the bound
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        # Per peer: a peer that reads nothing fills its queue to SNDHWM, then a send to it raises zmq.Again
+        # (ROUTER_MANDATORY): the core aborts its requests ("client_too_slow"). One that floods us waits in
+        # TCP once RCVHWM frames of it are queued here. Memory is bounded per peer either way.
+        self.sock.setsockopt(zmq.SNDHWM, PEER_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, PEER_HWM)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if config.port == 0:
             port = self.sock.bind_to_random_port(f"tcp://{config.host}")
@@ -112,8 +116,10 @@ class CoordinatorDaemon:
                     log.exception("cannot encode %r for %s", msg.TYPE, safe(identity))
                     continue
                 try:
-                    send(identity, more)    # unroutable: raises here (ROUTER_MANDATORY), nothing half-sent
+                    send(identity, more)    # unroutable or queue full: raises here (ROUTER_MANDATORY), nothing sent
                     send(frame, last)
+                except zmq.Again:           # its queue is at the high-water mark: it does not read
+                    core.peer_too_slow(identity, now)
                 except zmq.ZMQError as e:
                     if e.errno != errno.EHOSTUNREACH:
                         log.warning("send of %r to %s failed: %s", msg.TYPE, safe(identity), e)
@@ -195,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-grace", type=float, default=d.restart_grace, metavar="S",
                    help="after a restart, how long a re-attached request waits for its worker to register "
                    "again before it is re-dispatched (default %(default)s)")
+    p.add_argument("--max-step-time", type=float, default=d.max_step_time, metavar="S",
+                   help="declare a worker dead when its heartbeat says one engine step has run longer than S "
+                   "seconds (a stuck engine; default %(default)s)")
     p.add_argument("--coordinator-id", default=d.coordinator_id)
     security = p.add_argument_group("security (CurveZMQ: encrypted, and only known keys get in)")
     security.add_argument("--curve-secret-key", metavar="FILE",
@@ -217,7 +226,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         client_timeout=args.client_timeout, max_retries=args.max_retries, queue_timeout=args.queue_timeout,
         stop_timeout=args.stop_timeout, drain_timeout=args.drain_timeout, coordinator_id=args.coordinator_id,
         max_requests_per_worker=args.max_requests_per_worker, max_held_requests=args.max_held_requests,
-        restart_grace=args.restart_grace, curve_secret_key=args.curve_secret_key,
+        restart_grace=args.restart_grace, max_step_time=args.max_step_time, curve_secret_key=args.curve_secret_key,
         authorized_keys=args.authorized_keys, trusted_network=args.trusted_network)
 
 

@@ -138,6 +138,9 @@ class ClientRecord:
     last_seen: float
     peer_id: str | None = None
     requests: set[str] = field(default_factory=set)
+    stats_window: float = -1.0     # start of the current one-second window of its StatsRequests
+    stats_in_window: int = 0       # StatsRequests in that window (a per-client budget)
+    stats_waiting: int = 0         # its StatsRequests waiting for workers (wait_for_workers)
 
 
 class WorkerTable:

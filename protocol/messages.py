@@ -22,7 +22,7 @@ import msgpack
 from infer.protocol.outputs import ERROR_CODES
 from infer.protocol.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2                # 2: error codes client_lost / client_too_slow / draining, Heartbeat.step_age_s
 MAX_FRAME_BYTES = 64 << 20          # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
 MAX_DP_RANK = (1 << 20) - 1
@@ -414,6 +414,7 @@ class Heartbeat(Message):
     sent_at: float
     load: Load | None = None
     instance: str | None = None    # the coordinator's (see Welcome.instance)
+    step_age_s: float | None = None   # a worker inside an engine step: how long that step has run so far
 
 
 @message
@@ -514,6 +515,8 @@ class ClusterStats(Message):
     requests_rejected: int = 0    # refused at once as "overloaded" (admission control)
     requests_timed_out: int = 0   # ended by their own timeout
     requests_reattached: int = 0  # handed back to their clients from the workers' copies after a restart
+    clients_lost: int = 0         # clients declared lost (silent past --client-timeout, or unroutable)
+    clients_too_slow: int = 0     # clients whose send queue reached the high-water mark (they read nothing)
 
     @property
     def num_healthy_workers(self) -> int:

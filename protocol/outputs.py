@@ -14,8 +14,16 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 #   unavailable:     the cluster cannot serve it now (no healthy worker in time, draining, stopping, retries spent);
 #   internal:        a component failed while serving it;
 #   overloaded:      a queue on its way was full (coordinator, worker or HTTP front): retry later, it was not run;
-#   timeout:         it did not finish within its own `timeout`; it was aborted and its KV blocks freed.
-ERROR_CODES = ("invalid_request", "unavailable", "internal", "overloaded", "timeout")
+#   timeout:         it did not finish within its own `timeout`; it was aborted and its KV blocks freed;
+#   client_too_slow: its client did not read what the coordinator sent it (its queue reached the high-water
+#                    mark), so the coordinator aborted its requests; the client hears it when it reads again;
+#   client_lost:     (an Error, no request id) the coordinator declared this client lost (silent past
+#                    --client-timeout, or unroutable) and aborted its requests on the workers; the client
+#                    re-attaches them (they resume from the tokens it holds) or fails them;
+#   draining:        (worker -> coordinator only) a draining worker refused a dispatch; the coordinator moves
+#                    the request to another worker and routes nothing more to this one.
+ERROR_CODES = ("invalid_request", "unavailable", "internal", "overloaded", "timeout", "client_too_slow",
+               "client_lost", "draining")
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 from core_harness import MODEL, Harness, delta, worker_hello
 
 from infer.protocol.messages import (
-    Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Dispatch, Error, Heartbeat, Load, Message,
+    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Dispatch, Error, Heartbeat, Load, Message,
     Refused, StatsRequest, StepBatch, TokenIds, Welcome, encode
 )
 
@@ -64,8 +64,10 @@ def test_model_id_flag_wins_over_the_first_worker():
 def test_protocol_version_and_duplicate_rank_are_refused_with_what_differs():
     h = Harness()
     h.worker("w0", 0)
-    (refused,) = of_type(h.send(b"x", worker_hello("x", 3, protocol_version=2)), Refused)
-    assert "protocol version differs" in refused.reason and "speaks 1" in refused.reason and "speaks 2" in refused.reason
+    other = PROTOCOL_VERSION + 1
+    (refused,) = of_type(h.send(b"x", worker_hello("x", 3, protocol_version=other)), Refused)
+    assert "protocol version differs" in refused.reason and f"speaks {PROTOCOL_VERSION}" in refused.reason
+    assert f"speaks {other}" in refused.reason
     (refused,) = of_type(h.worker("w9", 0), Refused)
     assert "duplicate dp_rank 0" in refused.reason and "'w0'" in refused.reason
     # a hello with a schema version the coordinator cannot read is refused too (not just an error)
@@ -274,7 +276,7 @@ def test_worker_that_gave_up_a_request_is_routed_around():
     assert dispatches(out)[W1][0].resumed_token_ids == [4, 5]
     # a draining worker refuses new dispatches: they move, and it gets nothing new
     h.submit(C1, "s", pin_rank=0)
-    out = h.step("w0", delta("s", finish="error", error="worker is draining", code="unavailable"))
+    out = h.step("w0", delta("s", finish="error", error="worker is draining", code="draining"))
     assert set(dispatches(out)) == {W1} and not client_deltas(out, C1)
     assert set(dispatches(h.submit(C1, "t"))) == {W1}
 
@@ -492,7 +494,7 @@ def test_stats_can_wait_for_workers():
 @pytest.mark.parametrize("frames, text", [
     ([b"\xc1"], "not valid msgpack"),
     ([encode(Heartbeat(sent_at=0.0)), b"x"], "exactly one frame"),
-    ([msgpack.packb({"type": "submit", "v": 1, "body": {"request_id": 5}})], "must be a str"),
+    ([msgpack.packb({"type": "submit", "v": PROTOCOL_VERSION, "body": {"request_id": 5}})], "must be a str"),
     ([encode(Welcome(coordinator_id="x", state="running"))], "does not accept 'welcome'"),
     ([encode(StepBatch(deltas=[], load=Load(num_waiting=0, num_running=0, num_free_blocks=0,
                                             num_total_blocks=0, num_queued_tokens=0)))], "unknown worker"),

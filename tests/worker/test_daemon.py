@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from infer.protocol.messages import (Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load,
+from infer.protocol.messages import (PROTOCOL_VERSION, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load,
                                      Message, Refused, StepBatch, TokenIds, Welcome, decode, encode)
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.transport import frames_for, make_socket
@@ -273,12 +273,12 @@ def test_bad_dispatches_fail_alone(served, engine):
 
 def test_garbage_frames_get_errors_and_serving_goes_on(served):
     coord, _, worker = served
-    bad_sampling = msgpack.packb({"type": "dispatch", "v": 1, "body": {
+    bad_sampling = msgpack.packb({"type": "dispatch", "v": PROTOCOL_VERSION, "body": {
         "request_id": "bad-sampling", "sampling": {"temperature": -1}, "prompt": "hi"}})
     cases = [
         (b"\xc1garbage", "not valid msgpack"),
         (msgpack.packb([1, 2]), "exactly 'type', 'v' and 'body'"),
-        (msgpack.packb({"type": "nope", "v": 1, "body": {}}), "unknown message type 'nope'"),
+        (msgpack.packb({"type": "nope", "v": PROTOCOL_VERSION, "body": {}}), "unknown message type 'nope'"),
         (msgpack.packb({"type": "abort", "v": 99, "body": {}}), "schema version 99"),
         (encode(Delta(request_id="x", token_ids=TokenIds(), text="")), "does not handle 'delta'"),
     ]
@@ -308,7 +308,7 @@ def test_sigterm_drains_running_requests_then_exits_0(coordinator, spawn, model_
     worker.proc.send_signal(signal.SIGTERM)
     coordinator.send(dispatch("late", PROMPTS[2], **GREEDY))
     got = coordinator.deltas_until_finished(["d1", "d2", "late"])
-    assert got["late"][-1].finish_reason == "error" and got["late"][-1].error == "worker is draining"
+    assert got["late"][-1].finish_reason == "error" and got["late"][-1].error_code == "draining"
     for rid in ("d1", "d2"):
         deltas = [d for d in first.deltas if d.request_id == rid] + got[rid]
         assert deltas[-1].finish_reason == "length" and len(joined(deltas)[0]) == 120
