@@ -41,6 +41,7 @@ MAX_STATS_WAITERS = 1024
 MAX_STATS_WAITERS_PER_CLIENT = 8
 MAX_STATS_PER_CLIENT_S = 100     # StatsRequests one client may send per second; past it: Error "overloaded"
 CLIENT_IDLE_PRUNE_S = 300.0      # a client with nothing in flight, silent this long, is forgotten
+MAX_REJECTION_CHARS = 2000       # of the text answering a bad frame (which may quote the frame)
 MAX_LOST_CLIENTS = 4096          # tombstones of clients declared lost, kept until they come back ...
 LOST_CLIENT_TTL_S = 600.0        # ... or this long
 
@@ -228,7 +229,9 @@ class Coordinator:
             deltas.append(delta)
 
     def _reject(self, identity: bytes, text: str, refuse: bool = False) -> None:
+        """Answer a bad frame. The text may quote the frame: bounded, so junk cannot make big answers."""
         self.counters.frames_rejected += 1
+        text = safe(text, MAX_REJECTION_CHARS)
         self._send(identity, Refused(reason=text) if refuse else Error(message=text))
 
     # ---- handshake ------------------------------------------------------------------------------
@@ -817,8 +820,9 @@ class Coordinator:
         self._stats_waiters = [w for w in self._stats_waiters if w.identity != client.identity]
         self._tombstone(client.identity, self._lost_notice(code, reason, len(requests)), now)
         self._dispatch_held(now)     # the aborted requests made room
-        self._peer_warnings.warning("client lost: %s (identity %s): %s; aborted its %d request(s)",
-                                    safe(client.peer_id), safe(client.identity), reason, len(requests))
+        self._peer_warnings.warning("client %s: %s (identity %s): %s; aborted its %d request(s)",
+                                    "too slow" if code == "client_too_slow" else "lost", safe(client.peer_id),
+                                    safe(client.identity), reason, len(requests))
 
     def _lost_notice(self, code: str, reason: str, num_requests: int) -> Error:
         if code == "client_too_slow":

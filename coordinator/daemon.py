@@ -33,7 +33,8 @@ from infer.protocol.transport import KeyGate, make_socket
 log = logging.getLogger("infer.coordinator")
 
 MAX_MESSAGES_PER_CYCLE = 1024
-PEER_HWM = 1000            # messages queued per peer, each way (see CoordinatorDaemon.__init__)
+PEER_SNDHWM = 1000         # messages queued to one peer (see CoordinatorDaemon.__init__)
+PEER_RCVHWM = 100          # messages queued from one peer; more wait in TCP (the loop reads ~1000 per cycle)
 EXIT_LINGER_MS = 2000
 
 
@@ -54,9 +55,10 @@ class CoordinatorDaemon:
                      curve.public_key.decode(), len(authorized.keys), authorized.directory)
         # Per peer: a peer that reads nothing fills its queue to SNDHWM, then a send to it raises zmq.Again
         # (ROUTER_MANDATORY): the core aborts its requests ("client_too_slow"). One that floods us waits in
-        # TCP once RCVHWM frames of it are queued here. Memory is bounded per peer either way.
-        self.sock.setsockopt(zmq.SNDHWM, PEER_HWM)
-        self.sock.setsockopt(zmq.RCVHWM, PEER_HWM)
+        # TCP once RCVHWM frames of it are queued here. Memory is bounded per peer either way (in frames:
+        # what the coordinator sends is bounded in size, except what a peer's own requests carry).
+        self.sock.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
+        self.sock.setsockopt(zmq.RCVHWM, PEER_RCVHWM)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if config.port == 0:
             port = self.sock.bind_to_random_port(f"tcp://{config.host}")

@@ -4,6 +4,12 @@ One zmq DEALER (identity = worker id) talks to the coordinator's ROUTER. The loo
 take every pending frame (blocking in poll only while there is nothing to compute), step the engine, send
 that step's deltas as one StepBatch, keep the link alive (heartbeats, re-registration).
 
+Liveness does not depend on step length: the loop's thread owns the socket except during an engine step,
+when it hands it (a lock: a full memory barrier, so one thread at a time uses it) to a heartbeat thread that
+sends a Heartbeat each interval the step lasts, with the last load and the step's age (`step_age_s`). A
+stopped process (SIGSTOP) stops both threads, so silence still means hung; an engine stuck inside one step
+shows in the age (the coordinator's --max-step-time).
+
 Lifecycle and exit codes:
 - start: Hello -> Welcome ("worker ready" is logged) or Refused (exit 3); no Welcome within
   --connect-timeout: exit 1.
@@ -24,9 +30,11 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol
 
@@ -97,6 +105,7 @@ class WorkerOptions:
     drain_timeout: float = 30.0
     connect_timeout: float = 60.0       # for the first Welcome
     benchmark_mode: bool = False
+    benchmark_step_time: float = 0.0    # with benchmark_mode: seconds each step lasts
     ep: EpOptions | None = None         # this rank's EP group (None: a group of one)
     max_waiting_requests: int = 1024    # beyond max_num_seqs running: a Dispatch past it is "overloaded"
     curve: CurveKeys | None = None      # CurveZMQ towards the coordinator (and the EP group's wake channel)
@@ -117,6 +126,9 @@ class WorkerOptions:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if not 0 <= self.benchmark_step_time <= 3600 or (self.benchmark_step_time and not self.benchmark_mode):
+            raise ValueError(f"--benchmark-step-time must be in [0, 3600] s and needs --benchmark-mode, got "
+                             f"{self.benchmark_step_time}")
         if self.ep is not None and self.benchmark_mode:
             raise ValueError("--benchmark-mode has no model, so no EP group: leave out --ep-size")
         if self.coordinator_timeout <= self.heartbeat_interval:
@@ -161,6 +173,10 @@ class Worker:
         self._wakeup_writer: socket.socket | None = None
         self._drain_deadline: float | None = None
         self._warn = RateLimitedLog(log)
+        self._socket_lock = threading.Lock()    # held by the loop's thread except inside an engine step
+        self._step_started: float | None = None
+        self._last_load: Load = engine.load()  # what a heartbeat sent during a step reports
+        self._beats_stop = threading.Event()
 
     # ---- running -------------------------------------------------------------------------------
 
@@ -180,6 +196,9 @@ class Worker:
 
     def run(self) -> int:
         """Serve until the end; returns the exit code. The socket is closed on return."""
+        self._socket_lock.acquire()
+        beats = threading.Thread(target=self._beat_during_steps, name="infer-worker-heartbeat", daemon=True)
+        beats.start()
         try:
             self.sock.connect(self.options.coordinator)
             self._send_hello()
@@ -197,6 +216,9 @@ class Worker:
             (log.info if e.code == EXIT_OK else log.error)("%s", safe(e, 2000))
             return e.code
         finally:   # let the last frames leave, unless no coordinator ever answered
+            self._beats_stop.set()
+            self._socket_lock.release()
+            beats.join(timeout=5)
             self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS if self._ever_welcomed else 0)
             self.sock.close()
             if self.group is not None:
@@ -244,13 +266,39 @@ class Worker:
 
     def _engine_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
         try:
-            return step()
+            with self._socket_handed_over():
+                return step()
         except GroupBroken as e:   # raised by a MoE layer's exchange: a member of the group is gone
             self._group_broken(str(e))
         except Exception as e:  # any engine failure ends this rank: fatal, exit 1
             log.exception("engine step failed")
             self._send(Error(message=f"worker {self.options.worker_id} failed: engine step: {e!r}"))
             raise WorkerExit(EXIT_FATAL, f"fatal: engine step failed: {e!r}") from None
+
+    @contextmanager
+    def _socket_handed_over(self) -> Iterator[None]:
+        """The socket belongs to the heartbeat thread for the length of the block (an engine step)."""
+        self._step_started = time.monotonic()
+        self._socket_lock.release()
+        try:
+            yield
+        finally:
+            self._socket_lock.acquire()
+            self._step_started = None
+
+    def _beat_during_steps(self) -> None:
+        """The heartbeat thread: while an engine step runs, a Heartbeat each interval (see the module doc)."""
+        interval = self.options.heartbeat_interval
+        while not self._beats_stop.wait(interval / 4):
+            if self._step_started is None or not self._socket_lock.acquire(blocking=False):
+                continue
+            try:
+                started, now = self._step_started, time.monotonic()
+                if started is not None and self._ever_welcomed and now - self._last_sent >= interval:
+                    self._send(Heartbeat(sent_at=time.time(), load=self._last_load,
+                                         step_age_s=round(now - started, 3)))
+            finally:
+                self._socket_lock.release()
 
     # ---- EP group lockstep (see infer.worker.group_sync) -------------------------------------------
 
@@ -303,7 +351,8 @@ class Worker:
             silenced, outputs = len(outputs) - len(kept), kept
         deltas, self._outbox = self._outbox + [self._delta(out) for out in outputs], []
         if deltas or silenced:     # an abort freed blocks: the coordinator hears of it at once
-            self._send(StepBatch(deltas=deltas, load=self.engine.load()))
+            self._last_load = self.engine.load()
+            self._send(StepBatch(deltas=deltas, load=self._last_load))
 
     def _silence(self, out: RequestOutput) -> bool:
         if out.finish_reason == "abort" and out.request_id in self._silenced:
@@ -330,11 +379,13 @@ class Worker:
         if not self._ever_welcomed and now >= self._connect_deadline:
             raise WorkerExit(EXIT_FATAL, f"fatal: no Welcome from the coordinator at {self.options.coordinator} "
                                          f"within {self.options.connect_timeout:g} s")
-        if now - max(self._last_heard, self._hello_sent_at) >= self.options.coordinator_timeout:
+        if (now - max(self._last_heard, self._hello_sent_at) >= self.options.coordinator_timeout
+                and not self.sock.poll(0, zmq.POLLIN)):     # frames that came during a long step: not silence
             log.warning("nothing heard from the coordinator for %.1f s; registering again", now - self._last_heard)
             self._send_hello()
         elif self._ever_welcomed and now - self._last_sent >= self.options.heartbeat_interval:
-            self._send(Heartbeat(sent_at=time.time(), load=self.engine.load()))
+            self._last_load = self.engine.load()
+            self._send(Heartbeat(sent_at=time.time(), load=self._last_load))
 
     def _send_hello(self) -> None:
         engine = self.engine
@@ -386,7 +437,7 @@ class Worker:
         self._dispatches_seen += 1
         self._handle_signals()   # a signal that came while this frame was queued wins
         if self._drain_deadline is not None:
-            return self._reject(msg.request_id, "worker is draining", "unavailable", msg.prompt_token_ids)
+            return self._reject(msg.request_id, "worker is draining", "draining", msg.prompt_token_ids)
         if msg.request_id in self._requests:
             return self._reject(msg.request_id, f"request id {msg.request_id!r} is already running on this worker",
                                 "internal", msg.prompt_token_ids)
@@ -558,8 +609,9 @@ class BenchmarkEngine:
     requests in arrival order run; the KV pool is bookkept (blocks of the tokens held) but not allocated.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, step_time: float = 0.0) -> None:
         self.config = config
+        self.step_time = step_time      # --benchmark-step-time: each step lasts this long (a long prefill)
         self.model_id = config.model_id
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or 4096
@@ -592,6 +644,8 @@ class BenchmarkEngine:
         return list(self._requests.values())[:self.config.max_num_seqs]
 
     def step(self) -> list[RequestOutput]:
+        if self.step_time > 0:
+            time.sleep(self.step_time)      # stands for compute: the step's cost, not a wait for anything
         outputs = self.take_pending()
         for request in self._running():
             token = (request.num_prompt_tokens + request.num_output_tokens) % 1000
@@ -678,6 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--benchmark-mode", action="store_true",
                         help="no model: each request yields token (prompt_len + i) %% 1000 per step, empty text, "
                         "up to max_tokens (for measuring coordinator overhead)")
+    worker.add_argument("--benchmark-step-time", type=float, default=0.0, metavar="S",
+                        help="with --benchmark-mode: each engine step lasts S seconds (to test long steps)")
     add_logging_args(p)
     return p
 
@@ -707,15 +763,16 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         dp_rank=args.dp_rank, group_id=group_id,
         heartbeat_interval=args.heartbeat_interval, coordinator_timeout=args.coordinator_timeout,
         drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
-        benchmark_mode=args.benchmark_mode, ep=ep, max_waiting_requests=args.max_waiting_requests,
+        benchmark_mode=args.benchmark_mode, benchmark_step_time=args.benchmark_step_time, ep=ep, max_waiting_requests=args.max_waiting_requests,
         curve=CurveKeys.from_files(args.curve_key, args.coordinator_key,
                                    flags=("--curve-key", "--coordinator-key")))
 
 
-def make_engine(config: EngineConfig, benchmark_mode: bool, ep: EpOptions | None = None) -> EngineLike:
+def make_engine(config: EngineConfig, benchmark_mode: bool, ep: EpOptions | None = None,
+                benchmark_step_time: float = 0.0) -> EngineLike:
     """The engine; with `ep`, after joining the EP group's torch.distributed world (every member must)."""
     if benchmark_mode:
-        return BenchmarkEngine(config)
+        return BenchmarkEngine(config, benchmark_step_time)
     from infer.worker.engine import Engine, pick_device  # torch is imported only when a model runs
 
     if ep is None:
@@ -734,7 +791,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))   # exit 2
     try:
-        engine = make_engine(config, options.benchmark_mode, options.ep)
+        engine = make_engine(config, options.benchmark_mode, options.ep, options.benchmark_step_time)
     except ValueError as e:    # options the engine finds impossible (model path, KV budget, context length)
         log.error("fatal: %s", e)
         sys.exit(EXIT_USAGE)
