@@ -9,7 +9,10 @@ Coordinator restarts: each answer names the coordinator's process (`instance`). 
 coordinator died and a new one runs on the same address), the client re-attaches every request in flight:
 it sends each Submit again with the output tokens it already holds, so the new coordinator hands the
 stream back from the worker that still runs it, or resumes it from those tokens; no token is lost or
-repeated. A restart that takes longer than `silence_timeout` fails what is in flight instead.
+repeated. A restart that takes longer than `silence_timeout` fails what is in flight instead. The same
+re-attachment runs when the coordinator answers with Error "client_lost" (this client was stopped, or cut off,
+past the coordinator's client timeout); "client_too_slow" (it did not read) ends every request with that code.
+A pause of this process itself (SIGSTOP) is not taken for the coordinator's silence.
 
 Errors, and where they surface:
 - Request-level failures (the prompt is too long, its worker failed and retries ran out, the cluster was
