@@ -369,8 +369,8 @@ class Coordinator:
         if tokens or text or delta.prompt_token_ids is not None:
             self._to_client(request, delta)
         self._place(request, worker)
-        log.debug("request %s re-attached on worker %s after %d token(s)", safe(request.request_id), safe(worker.worker_id),
-                  len(request.delivered))
+        log.debug("request %s re-attached on worker %s after %d token(s)", safe(request.request_id),
+                  safe(worker.worker_id), len(request.delivered))
         return True
 
     def _reattach(self, client: ClientRecord, submit: Submit, now: float) -> None:
@@ -943,7 +943,7 @@ class Coordinator:
             if force or healthy >= waiter.min_healthy_workers or now >= waiter.deadline:
                 self._send(waiter.identity, self.stats(now))
                 client = self.clients.get(waiter.identity)
-                if client is not None:
+                if client is not None and client.stats_waiting > 0:
                     client.stats_waiting -= 1
             else:
                 waiting.append(waiter)

@@ -763,7 +763,8 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         dp_rank=args.dp_rank, group_id=group_id,
         heartbeat_interval=args.heartbeat_interval, coordinator_timeout=args.coordinator_timeout,
         drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
-        benchmark_mode=args.benchmark_mode, benchmark_step_time=args.benchmark_step_time, ep=ep, max_waiting_requests=args.max_waiting_requests,
+        benchmark_mode=args.benchmark_mode, benchmark_step_time=args.benchmark_step_time, ep=ep,
+        max_waiting_requests=args.max_waiting_requests,
         curve=CurveKeys.from_files(args.curve_key, args.coordinator_key,
                                    flags=("--curve-key", "--coordinator-key")))
 

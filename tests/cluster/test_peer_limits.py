@@ -127,8 +127,8 @@ async def test_fifty_clients_that_never_read_are_cut_off_and_others_are_served(c
             stats = await client.stats()
             assert stats.requests_aborted >= 100 and stats.requests_completed >= 5
             rss = _rss_kib(coordinator.popen.pid)
-            # bounded: per peer at most 1000 queued messages to it, 100 from it (PEER_SNDHWM, PEER_RCVHWM); without the bound this flood
-            # grows the coordinator by hundreds of MiB
+            # bounded: per peer at most 1000 queued messages to it, 100 from it (PEER_SNDHWM, PEER_RCVHWM);
+            # with the old unbounded queues this flood grew the coordinator by hundreds of MiB
             assert rss < max(2 * baseline, baseline + 150 * 1024), (baseline, rss)
             print(f"coordinator VmRSS: {baseline} KiB before the flood, {rss} KiB after")
     finally:
