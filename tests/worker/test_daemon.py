@@ -333,6 +333,28 @@ def test_benchmark_mode_tokens_and_stop(coordinator, spawn):
     assert worker.wait() == 0
 
 
+def test_heartbeats_go_on_during_a_long_engine_step_and_say_its_age(coordinator, spawn):
+    worker = spawn(coordinator.address, "--benchmark-mode", "--benchmark-step-time", "1.5",
+                   "--heartbeat-interval", "0.2", "--coordinator-timeout", "15")   # this stand-in never beats
+    coordinator.welcome()
+    coordinator.send(dispatch("slow", [1, 2, 3], max_tokens=2))
+    ages, deltas, deadline = [], [], time.monotonic() + WAIT
+    while not any(d.finished for d in deltas):
+        msg = coordinator.recv(max(0.0, deadline - time.monotonic()))
+        if isinstance(msg, Heartbeat) and msg.step_age_s is not None:
+            assert msg.load is not None          # an unknown coordinator must still tell a worker's heartbeat
+            ages.append(msg.step_age_s)
+        elif isinstance(msg, StepBatch):
+            deltas += msg.deltas
+        else:
+            assert not isinstance(msg, Hello), "registered again"
+    assert [t for d in deltas for t in d.token_ids] == [3, 4]
+    assert len(ages) >= 4 and max(ages) >= 1.0 and all(0 < a < 2.0 for a in ages)   # ~every 0.2 s in each step
+    coordinator.send(Control(command="stop"))
+    assert coordinator.expect(ControlAck).state == "stopped"
+    assert worker.wait() == 0
+
+
 def test_refused_exits_3_with_the_reason(coordinator, spawn):
     worker = spawn(coordinator.address, "--benchmark-mode")
     coordinator.expect(Hello)
