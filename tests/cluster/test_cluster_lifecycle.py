@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from infer import SamplingParams
 from infer.client import ClusterError
-from infer.protocol.messages import Hello, Refused, decode, encode
+from infer.protocol.messages import PROTOCOL_VERSION, Hello, Refused, decode, encode
 
 BENCH = ("--max-model-len", "1000000")      # benchmark workers: one token per step, contexts long enough
 SHORT = SamplingParams(max_tokens=5)
@@ -91,7 +91,8 @@ async def test_incompatible_workers_are_refused_with_what_differs(cluster_factor
             role="worker", peer_id="future", protocol_version=99, model_id="model-a", dp_rank=5, group_id="g",
             num_kv_blocks=1, block_size=16, max_num_seqs=1, max_model_len=16))
         assert isinstance(refused, Refused)
-        assert refused.reason == "protocol version differs: the coordinator speaks 1, worker 'future' speaks 99"
+        assert refused.reason == (f"protocol version differs: the coordinator speaks {PROTOCOL_VERSION}, worker "
+                                  f"'future' speaks 99")
         stats = await client.stats()
     assert [w.worker_id for w in stats.workers] == ["w0-1"] and first.popen.poll() is None
     assert cluster.procs[0].text().count("refused worker") == 3
