@@ -34,6 +34,7 @@ from infer.client.api.server import (
 from infer.client.inference_client import ClusterError, InferenceClient
 from infer.protocol.keys import ClusterKeyDir, refuse_open_bind
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
+from infer.protocol.logsafe import safe
 from infer.protocol.messages import ClusterStats
 
 log = logging.getLogger("infer.serve")
@@ -247,7 +248,7 @@ async def serve(cluster: LocalCluster, args: argparse.Namespace) -> int:
             await _serve_until_stopped(cluster, front, stop)
         return 0
     except (ClusterError, ValueError, OSError) as e:
-        log.error("%s", e)
+        log.error("%s", safe(e, 2000))     # may quote the coordinator
         return 1
     finally:
         log.info("shutting down")

@@ -60,6 +60,7 @@ from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
 from infer.client.api.schemas import ApiError, ChatCompletionRequest, CompletionRequest
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError
+from infer.protocol.logsafe import safe
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
@@ -738,7 +739,7 @@ def internal_error(where: str, detail: str | None = None) -> ApiError:
     if detail is None:
         log.exception("internal error %s in %s", error_id, where)
     else:
-        log.error("internal error %s in %s: %s", error_id, where, detail)
+        log.error("internal error %s in %s: %s", error_id, safe(where), safe(detail, 2000))   # the cluster's text
     return ApiError(500, f"internal server error (id {error_id}); the server log has the details under "
                          f"this id", code="internal_error")
 
