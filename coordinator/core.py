@@ -818,7 +818,8 @@ class Coordinator:
         self._send_aborts(to_workers)
         del self.clients[client.identity]
         self._stats_waiters = [w for w in self._stats_waiters if w.identity != client.identity]
-        self._tombstone(client.identity, self._lost_notice(code, reason, len(requests)), now)
+        if requests or code == "client_too_slow":    # an idle client lost nothing: nothing to tell it
+            self._tombstone(client.identity, self._lost_notice(code, reason, len(requests)), now)
         self._dispatch_held(now)     # the aborted requests made room
         self._peer_warnings.warning("client %s: %s (identity %s): %s; aborted its %d request(s)",
                                     "too slow" if code == "client_too_slow" else "lost", safe(client.peer_id),

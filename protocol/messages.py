@@ -515,7 +515,7 @@ class ClusterStats(Message):
     requests_rejected: int = 0    # refused at once as "overloaded" (admission control)
     requests_timed_out: int = 0   # ended by their own timeout
     requests_reattached: int = 0  # handed back to their clients from the workers' copies after a restart
-    clients_lost: int = 0         # clients declared lost (silent past --client-timeout, or unroutable)
+    clients_lost: int = 0         # clients declared lost with requests in flight (silent, or unroutable)
     clients_too_slow: int = 0     # clients whose send queue reached the high-water mark (they read nothing)
 
     @property

@@ -71,6 +71,14 @@ def test_an_unroutable_client_is_told_too_when_it_reconnects():
     assert h.core.requests.get("b") is None           # dropped until it says hello again
 
 
+def test_an_idle_client_whose_connection_went_is_simply_forgotten():
+    h = two_workers()
+    h.send(C1, Heartbeat(sent_at=0.0))
+    h.core.peer_gone(C1, h.now)
+    assert of_type(h.send(C1, StatsRequest()), ClusterStats, C1)     # nothing was lost: no notice
+    assert h.core.stats(h.now).clients_lost == 0
+
+
 def test_a_client_that_reads_nothing_loses_its_requests_as_too_slow_and_others_go_on():
     h = two_workers()
     h.submit(C1, "a")
@@ -103,8 +111,8 @@ def test_lost_client_tombstones_are_bounded_in_number_and_age(monkeypatch):
     monkeypatch.setattr(core_module, "MAX_LOST_CLIENTS", 3)
     h = two_workers()
     clients = [f"c{i}".encode() for i in range(5)]
-    for c in clients:
-        h.send(c, Heartbeat(sent_at=0.0))
+    for i, c in enumerate(clients):
+        h.submit(c, f"r{i}")
         h.core.peer_gone(c, h.now)
     h.out()
     assert of_type(h.send(clients[0], Heartbeat(sent_at=0.0)), Heartbeat)        # forgotten: the oldest
