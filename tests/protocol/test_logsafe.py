@@ -79,3 +79,20 @@ def test_setup_logging_writes_one_line_per_record(fmt):
 def test_setup_logging_refuses_an_unknown_format():
     with pytest.raises(ValueError, match="log format"):
         setup_logging("INFO", "xml")
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("infer.coordinator.daemon", []),
+    ("infer.worker.daemon", ["--coordinator", "tcp://127.0.0.1:5555"]),
+    ("infer.client.serve", []),
+    ("infer.client.api.server", ["--coordinator", "tcp://127.0.0.1:5555"]),
+])
+def test_every_command_takes_the_same_logging_flags(module, argv):
+    import importlib
+
+    parser = importlib.import_module(module).build_parser()
+    args = parser.parse_args([*argv, "--log-format", "json", "--log-level", "debug"])
+    assert (args.log_format, args.log_level) == ("json", "DEBUG")
+    assert parser.parse_args(argv).log_format == "text"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*argv, "--log-format", "xml"])
