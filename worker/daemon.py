@@ -4,11 +4,11 @@ One zmq DEALER (identity = worker id) talks to the coordinator's ROUTER. The loo
 take every pending frame (blocking in poll only while there is nothing to compute), step the engine, send
 that step's deltas as one StepBatch, keep the link alive (heartbeats, re-registration).
 
-Liveness does not depend on step length: the loop's thread owns the socket except during an engine step,
-when it hands it (a lock: a full memory barrier, so one thread at a time uses it) to a heartbeat thread that
-sends a Heartbeat each interval the step lasts, with the last load and the step's age (`step_age_s`). A
-stopped process (SIGSTOP) stops both threads, so silence still means hung; an engine stuck inside one step
-shows in the age (the coordinator's --max-step-time).
+Liveness does not depend on step length: the loop's thread owns the socket except during an engine step (or
+an add_request, which tokenizes), when it hands it (a lock: a full memory barrier, so one thread at a time
+uses it) to a heartbeat thread that sends a Heartbeat each interval the step lasts, with the last load and
+the step's age (`step_age_s`). A stopped process (SIGSTOP) stops both threads, so silence still means hung;
+an engine stuck inside one step shows in the age (the coordinator's --max-step-time).
 
 Lifecycle and exit codes:
 - start: Hello -> Welcome ("worker ready" is logged) or Refused (exit 3); no Welcome within
@@ -277,7 +277,8 @@ class Worker:
 
     @contextmanager
     def _socket_handed_over(self) -> Iterator[None]:
-        """The socket belongs to the heartbeat thread for the length of the block (an engine step)."""
+        """The socket belongs to the heartbeat thread for the length of the block (an engine step, or an
+        add_request that tokenizes a prompt)."""
         self._step_started = time.monotonic()
         self._socket_lock.release()
         try:
@@ -450,7 +451,8 @@ class Worker:
         prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids)
         try:
             params = SamplingParams.from_dict(msg.sampling)
-            request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids)
+            with self._socket_handed_over():     # a huge prompt's tokenization: heartbeats go on meanwhile
+                request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids)
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request", msg.prompt_token_ids)
         self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), len(msg.resumed_token_ids),
