@@ -37,13 +37,15 @@ def add_logging_args(parser: argparse.ArgumentParser, default_level: str = "INFO
                         help="text lines (default) or one JSON object per line")
 
 
-def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) -> None:
-    """Configure the root logger once for a command's process (replaces any earlier handler)."""
+def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None,
+                  force: bool = False) -> None:
+    """Configure the root logger of a command's process. Like logging.basicConfig, a no-op when the root
+    logger has handlers already (a main() run inside pytest or another application) unless `force`."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.basicConfig(level=level, handlers=[handler], force=force)
 
 
 def logging_flags(args: argparse.Namespace) -> list[str]:

@@ -57,7 +57,7 @@ def test_setup_logging_writes_one_line_per_record(fmt):
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     try:
-        setup_logging("INFO", fmt, stream=stream)
+        setup_logging("INFO", fmt, stream=stream, force=True)
         logging.getLogger("infer.test.logs").warning("hello %s", "world")
         try:
             raise RuntimeError("boom")
