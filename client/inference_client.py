@@ -480,8 +480,8 @@ class InferenceClient:
                 return
             except asyncio.TimeoutError:
                 pass
-            now, slept = time.monotonic(), time.monotonic() - woke
-            woke = now
+            now = time.monotonic()
+            slept, woke = now - woke, now
             if slept > self.heartbeat_interval + self.silence_timeout / 2:
                 # this process was stopped (SIGSTOP, a suspended laptop) or starved: the silence was ours, so
                 # the coordinator gets a heartbeat (and a chance to answer) before it is judged
