@@ -183,8 +183,9 @@ class _KeyFolder:
 
 def role_folders(directory: PathLike) -> dict[Role, Path]:
     """The role folders of an `--authorized-keys DIR`: DIR/workers, DIR/clients, DIR/admins (at least one
-    must exist; a missing one holds no keys until it is made). ValueError for a directory without any, naming what to do; in particular for the flat layout
-    from before key roles (`*.key` files directly in DIR), which is never read as "every role"."""
+    must exist; a missing one holds no keys until it is made). ValueError for a directory without any,
+    naming what to do; in particular for the flat layout from before key roles (`*.key` files directly in
+    DIR), which is never read as "every role"."""
     d = Path(directory).expanduser()
     if not d.is_dir():
         raise ValueError(f"authorized keys directory {d} does not exist or is not a directory")
