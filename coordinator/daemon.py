@@ -5,6 +5,13 @@ arrived (bounded per cycle), run the timers, send what the core queued. A send t
 unroutable (ROUTER_MANDATORY: the connection is gone) is reported back to the core, which treats the
 peer as dead. SIGTERM / SIGINT run STOP (after a drain of at most --drain-timeout, when given): pending
 requests fail, workers are told to stop, exit 0.
+
+With CurveZMQ keys (--curve-secret-key with --authorized-keys DIR or per-role key directories) a KeyGate lets
+in the authorized keys; each frame reaches the core with its connection's key (the ZAP User-Id), and the core
+checks the key's role (infer.coordinator.access). The key folders are re-read every heartbeat interval, so a
+removed key's open connections are cut off at the next tick. A routing identity is never handed over to a
+second connection then (ROUTER_HANDOVER off): a peer reconnecting while the coordinator still holds its old
+connection is heard once that one closes.
 """
 
 from __future__ import annotations
