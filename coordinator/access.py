@@ -8,7 +8,8 @@ with (the ZAP User-Id). AccessControl decides, frame by frame:
   key (the first connection is gone and someone else took its id) cuts the identity off;
 - the message needs a role: Hello "worker", StepBatch and ControlAck a worker key; Hello "client",
   Submit, Abort and StatsRequest a client or administrator key; Control (pause, unpause, suspend, resume,
-  stop) an administrator key. Heartbeat and Error go with any role.
+  stop) an administrator key. A Heartbeat with a load report (a worker's) needs a worker key, one without a
+  client or administrator key; Error goes with any role.
 
 Without keys (loopback or --trusted-network) everything is allowed, as before roles existed.
 """
@@ -31,7 +32,7 @@ ADMIN_ROLES = frozenset({Role.ADMIN})
 ANY_ROLE = frozenset(Role)
 _REQUIRED: dict[type[Message], frozenset[Role]] = {
     Submit: CLIENT_ROLES, Abort: CLIENT_ROLES, StatsRequest: CLIENT_ROLES, Control: ADMIN_ROLES,
-    StepBatch: WORKER_ROLES, ControlAck: WORKER_ROLES, Heartbeat: ANY_ROLE, Error: ANY_ROLE,
+    StepBatch: WORKER_ROLES, ControlAck: WORKER_ROLES, Error: ANY_ROLE,
 }
 LOG_BURST, LOG_PERIOD_S = 5, 10.0
 
@@ -40,6 +41,8 @@ def required_roles(msg: Message) -> frozenset[Role]:
     """The roles of which a sender of `msg` needs one."""
     if isinstance(msg, Hello):
         return WORKER_ROLES if msg.role == "worker" else CLIENT_ROLES
+    if isinstance(msg, Heartbeat):
+        return WORKER_ROLES if msg.load is not None else CLIENT_ROLES
     return _REQUIRED.get(type(msg), ANY_ROLE)
 
 

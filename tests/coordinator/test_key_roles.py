@@ -8,8 +8,8 @@ from __future__ import annotations
 from core_harness import Harness, delta, worker_hello
 
 from infer.protocol.messages import (
-    Abort, Control, ControlAck, Delta, DeltaBatch, Dispatch, Error, Hello, Load, Message, Refused, StatsRequest,
-    StepBatch, Submit, TokenIds, Welcome
+    Abort, Control, ControlAck, Delta, DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, Message, Refused,
+    StatsRequest, StepBatch, Submit, TokenIds, Welcome
 )
 from infer.protocol.roles import Role, StaticKeyRoles
 
@@ -70,6 +70,8 @@ def test_a_worker_key_cannot_act_as_a_client_and_an_admin_key_can():
     assert error.request_id == "r0" and error.code == "invalid_request" and "needs a admin or client key" in \
         error.message
     assert h.core.requests.get("r0") is None
+    assert of_type(h.send(b"w-as-client", Heartbeat(sent_at=0.0), WORKER_KEY), Error)   # no client record
+    assert b"w-as-client" not in h.core.clients
     assert of_type(h.send(ADMIN, Hello(role="client", peer_id="ops"), ADMIN_KEY), Welcome, ADMIN)
     assert of_type(submit(h, ADMIN, ADMIN_KEY, "r1"), Dispatch, W0)
 
