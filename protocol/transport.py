@@ -120,7 +120,9 @@ def handshake_failure(event: dict, curve: bool, flags: tuple[str, str]) -> str |
 
 class KeyGate:
     """The ZAP handler of one zmq.Context: a CURVE server socket of that context lets a peer in only if
-    `allows(public key as z85 text)` says so (any other mechanism is refused). A thread answers libzmq's
+    `allows(public key as z85 text)` says so (any other mechanism is refused). The connection's ZAP User-Id is
+    that key: every frame received on it carries it (`frame.get("User-Id")`), which is how the coordinator
+    knows the role of each frame's sender. A thread answers libzmq's
     ZAP requests (one per handshake); each refusal is logged as a WARNING naming the key and the peer's IP
     address, at most `burst` per `period` seconds (the rest are counted, and the count is logged).
 
