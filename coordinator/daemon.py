@@ -33,6 +33,7 @@ from infer.coordinator.core import Coordinator
 from infer.coordinator.routing import POLICIES
 from infer.protocol.keys import AuthorizedKeys, CurveKeys, refuse_open_bind
 from infer.protocol.messages import encode
+from infer.protocol.roles import Role
 from infer.protocol.transport import KeyGate, make_socket
 
 log = logging.getLogger("infer.coordinator")
@@ -57,6 +58,7 @@ class CoordinatorDaemon:
                                 watch=self.sock)
             log.info("CurveZMQ on: coordinator public key %s; %d authorized key(s): %s",
                      curve.public_key.decode(), len(authorized.keys), authorized.describe())
+            _warn_missing_roles(authorized)
         self.sock.setsockopt(zmq.SNDHWM, 0)      # never drop or block a delta: memory is the bound
         self.sock.setsockopt(zmq.RCVHWM, 0)
         # Without keys a peer that reconnects takes its routing id back at once. With keys a routing id stays
@@ -194,6 +196,16 @@ def load_security(config: CoordinatorConfig) -> tuple[CurveKeys | None, Authoriz
     authorized = AuthorizedKeys.from_options(config.authorized_keys, workers=config.worker_keys,
                                              clients=config.client_keys, admins=config.admin_keys)
     return CurveKeys.server(config.curve_secret_key), authorized
+
+
+def _warn_missing_roles(authorized: AuthorizedKeys) -> None:
+    """A role no key holds yet: say what that means (the folders are re-read, so keys may come later)."""
+    held = {role for roles in map(authorized.roles_of, authorized.keys) for role in roles}
+    if Role.WORKER not in held:
+        log.warning("no worker keys yet: no worker can register until one is added")
+    if Role.ADMIN not in held:
+        log.info("no admin keys: pause, suspend, resume and stop are refused to every peer (signals still stop "
+                 "the coordinator)")
 
 
 def _user_id(frame: zmq.Frame) -> bytes | None:
