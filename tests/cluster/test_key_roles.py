@@ -164,3 +164,21 @@ async def test_a_revoked_key_is_cut_off_and_the_others_are_served(cluster, keys,
         assert done.token_ids == list(range(3, 43))
         stats = await admin.stats()
         assert stats.num_healthy_workers == 1 and stats.num_clients == 2
+
+
+async def test_one_directory_per_role(cluster_factory, keys):
+    """--worker-keys / --client-keys instead of --authorized-keys; no admin keys: nobody drives the lifecycle."""
+    cluster = cluster_factory()
+    coordinator = cluster.coordinator("--curve-secret-key", str(keys.secret("coordinator")),
+                                      "--worker-keys", str(keys.path / "workers"),
+                                      "--client-keys", str(keys.path / "clients"))
+    cluster.worker(0, *BENCH, *keys.worker_flags(), benchmark=True)
+    async with cluster.client(**keys.client_options()) as client:
+        await client.wait_for_workers(1, timeout=30)
+        assert (await client.generate([1, 2, 3], SHORT)).token_ids == [3, 4, 5, 6]
+        with pytest.raises(ClusterError, match="needs a admin key"):
+            await client.pause()
+    admin = cluster.client(**keys.admin_options())
+    with pytest.raises(ClusterError, match="refused this peer's CURVE key"):
+        await admin.connect()
+    assert "no admin keys" in coordinator.text()

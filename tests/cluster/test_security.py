@@ -146,7 +146,7 @@ def test_without_keys_a_non_loopback_bind_needs_trusted_network(cluster_factory)
 
 
 @pytest.mark.parametrize("case", ["public-as-secret", "one-flag", "no-directory", "empty-directory", "flat-directory",
-                                  "worker-public-as-secret", "worker-one-flag"])
+                                  "no-role-directory", "worker-public-as-secret", "worker-one-flag"])
 def test_bad_key_options_exit_2_with_the_reason(case, keys, tmp_path):
     coordinator = ("-m", "infer.coordinator.daemon", "--port", "0")
     worker = ("-m", "infer.worker.daemon", "--coordinator", "tcp://127.0.0.1:9", "--benchmark-mode")
@@ -162,6 +162,9 @@ def test_bad_key_options_exit_2_with_the_reason(case, keys, tmp_path):
                           "--authorized-keys", str(tmp_path / "missing")), "does not exist or is not a "),
         "empty-directory": ((*coordinator, "--curve-secret-key", str(keys.secret("coordinator")),
                              "--authorized-keys", str(tmp_path / "empty")), "no public key files"),
+        "no-role-directory": ((*coordinator, "--curve-secret-key", str(keys.secret("coordinator")),
+                               "--authorized-keys", str(keys.path), "--admin-keys", str(tmp_path / "missing")),
+                              "admin keys directory"),
         "flat-directory": ((*coordinator, "--curve-secret-key", str(keys.secret("coordinator")),
                             "--authorized-keys", str(tmp_path / "flat")), "the layout from before key roles"),
         "worker-public-as-secret": ((*worker, "--curve-key", str(keys.public("worker")), "--coordinator-key",
