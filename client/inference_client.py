@@ -20,6 +20,13 @@ Errors, and where they surface:
   and the server's text in `error`; `stream` ends with a delta carrying the same.
 - Transport and cluster failures *raise* ClusterError with the server's message: no answer to connect,
   a refused handshake, a coordinator gone silent, a refused lifecycle command, the client closed.
+  A CURVE handshake the coordinator refuses (an unknown key, a wrong coordinator key, keys on one side
+  only) fails connect() at once, from the socket's handshake events, not at the connect timeout. A
+  `Refused` from the coordinator at any time (this key lost its role, or was revoked) ends the client:
+  everything in flight and every later call fails with its reason.
+
+The socket's routing identity is a random secret (never `client_id`, which request ids carry): with keys
+the coordinator keeps a routing identity with the connection that has it, and no other peer can learn it.
 Closing a stream early (break, aclose, garbage collection) aborts its request.
 """
 
@@ -31,6 +38,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -40,6 +48,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from infer.protocol.keys import CurveKeys, PathLike
 from infer.protocol.messages import (
@@ -49,12 +58,13 @@ from infer.protocol.messages import (
 from infer.protocol.logsafe import safe
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
-from infer.protocol.transport import make_socket
+from infer.protocol.transport import HANDSHAKE_EVENTS, handshake_failure, make_socket
 
 log = logging.getLogger("infer.client")
 
 Prompt = str | Sequence[int]
 CLOSE_LINGER_MS = 200
+_KEY_FLAGS = ("curve_key", "coordinator_key")
 _CURVE_HINT = ("CURVE keys are configured: the coordinator may have refused this client's key (its log names "
                "refused keys), or coordinator_key is not the coordinator's public key")
 _NO_CURVE_HINT = "if the coordinator requires CURVE keys, pass curve_key and coordinator_key"
@@ -153,13 +163,16 @@ class InferenceClient:
         if self._sock is not None:
             raise ClusterError("already connected")
         self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, identity=self.client_id.encode(), curve=self.curve)
+        self._sock = make_socket(self._ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=self.curve)
+        self._monitor = self._sock.get_monitor_socket(HANDSHAKE_EVENTS)
         self._sock.connect(self.address)
         self._closed = asyncio.Event()
         self._call_lock = asyncio.Lock()
         self._last_heard = time.monotonic()
+        self._failure = None
         self._tasks = [asyncio.create_task(self._receive_loop(), name=f"{self.client_id}-receive"),
-                       asyncio.create_task(self._heartbeat_loop(), name=f"{self.client_id}-heartbeat")]
+                       asyncio.create_task(self._heartbeat_loop(), name=f"{self.client_id}-heartbeat"),
+                       asyncio.create_task(self._handshake_loop(), name=f"{self.client_id}-handshakes")]
         try:
             self.welcome = await self._request_reply(Hello(role="client", peer_id=self.client_id), (Welcome,),
                                                      self.connect_timeout)
@@ -182,6 +195,8 @@ class InferenceClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=CLOSE_LINGER_MS)
         self._ctx.term()
         self._sock = None
@@ -370,8 +385,8 @@ class InferenceClient:
             self._on_delta(msg)
         elif isinstance(msg, Error):
             self._on_error(msg)
-        elif isinstance(msg, Refused):
-            self._answer(msg, ClusterError(f"refused by the coordinator: {msg.reason}"))
+        elif isinstance(msg, Refused):   # a refused Hello, or this client cut off: nothing more will work
+            self._end(ClusterError(f"refused by the coordinator: {msg.reason}"))
         elif isinstance(msg, Heartbeat):
             self._check_instance(msg.instance)
         else:
@@ -495,6 +510,25 @@ class InferenceClient:
             else:
                 self._send_nowait(Heartbeat(sent_at=time.time()))
 
+    async def _handshake_loop(self) -> None:
+        """Failed CURVE handshakes, as the socket reports them: before the Welcome (and a refused key at any
+        time) they end the client at once with what they mean; a later one that may be a restarting
+        coordinator is only logged (the silence timeout covers a coordinator that never comes back)."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            problem = handshake_failure(event, self.curve is not None, _KEY_FLAGS)
+            if problem is None:
+                continue
+            if self.welcome is not None and event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                log.warning("a reconnection to %s failed in the handshake: %s", self.address, problem)
+                continue
+            self._end(ClusterError(f"cannot talk to the coordinator at {self.address}: {problem}"))
+
+    def _end(self, error: ClusterError) -> None:
+        """The coordinator will not serve this client: fail what waits, and every later call, with `error`."""
+        self._failure = error
+        self._fail_all(error)
+
     def _fail_all(self, error: ClusterError) -> None:
         for request in self._requests.values():
             request.queue.put_nowait(error)
@@ -507,6 +541,8 @@ class InferenceClient:
     def _check_open(self) -> None:
         if self._sock is None:
             raise ClusterError("the client is not connected (use `async with InferenceClient(...)` or connect())")
+        if self._failure is not None:
+            raise self._failure
 
     async def _send(self, msg: Message) -> None:
         await self._sock.send_multipart([encode(msg)])

@@ -77,7 +77,8 @@ class LLMOptions:
         mode passes them to every worker as flags. Unknown names raise ValueError in both modes; joining an
         existing cluster takes none (its workers are already configured).
     curve_key, coordinator_key: joining a cluster whose coordinator has CurveZMQ keys: this client's secret
-        key file and the coordinator's public key file (both or neither; see infer.protocol.keys).
+        key file and the coordinator's public key file (both or neither; see infer.protocol.keys). A client
+        key generates; pause / unpause / suspend / resume need an administrator key (the coordinator's admins/).
     """
 
     model: str | None = None

@@ -8,8 +8,10 @@ process, prints both addresses, and serves until Ctrl-C / SIGTERM or until the c
 (InferenceClient.stop()).
 Shutdown: the front stops, then SIGTERM to every process group, wait, SIGKILL what is left.
 
-Security: with `--keys-dir D` (`infer-keygen coordinator worker client --dir D`) every ZeroMQ link runs
-CurveZMQ; a non-loopback `--coordinator-host` needs it, and a non-loopback `--host` an API key, unless
+Security: with `--keys-dir D` (`infer-keygen --cluster --dir D`) every ZeroMQ link runs CurveZMQ, each key
+in its role: the workers hold the worker key, the HTTP front a client key (it can submit, never pause or
+stop), this launcher the admin key; `--authorized-keys D` gives the coordinator the role folders. A
+non-loopback `--coordinator-host` needs keys, and a non-loopback `--host` an API key, unless
 `--trusted-network`.
 """
 
@@ -77,8 +79,13 @@ class LocalCluster:
 
     @property
     def client_options(self) -> dict[str, str]:
-        """InferenceClient's key options for this cluster (none without keys)."""
+        """InferenceClient's key options for this cluster's clients, the HTTP front (none without keys)."""
         return {} if self.keys is None else self.keys.client_options()
+
+    @property
+    def admin_options(self) -> dict[str, str]:
+        """InferenceClient's key options for the launcher itself: the administrator key (none without keys)."""
+        return {} if self.keys is None else self.keys.admin_options()
 
     def security_args(self, role: str) -> list[str]:
         """The key flags of the coordinator (`role` "coordinator") or of a worker."""
@@ -107,7 +114,7 @@ class LocalCluster:
 
     async def wait_ready(self, timeout: float) -> ClusterStats:
         """ClusterStats once every worker is healthy; ClusterError if a child exits first or time runs out."""
-        async with InferenceClient(self.address, connect_timeout=timeout, **self.client_options) as client:
+        async with InferenceClient(self.address, connect_timeout=timeout, **self.admin_options) as client:
             ready = asyncio.create_task(client.wait_for_workers(self.num_workers, timeout))
             exits = {asyncio.create_task(p.wait()): p for p in self.processes}
             try:
@@ -156,7 +163,7 @@ def check_cluster_security(coordinator_host: str, keys_dir: str | None,
         return ClusterKeyDir(keys_dir)
     if not trusted_network:
         refuse_open_bind(coordinator_host, what="the coordinator", remedy="pass --keys-dir DIR (made by "
-                         "`infer-keygen coordinator worker client --dir DIR`)")
+                         "`infer-keygen --cluster --dir DIR`)")
     return None
 
 
@@ -180,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the coordinator's bind address (default 127.0.0.1)")
     p.add_argument("--coordinator-port", type=int, default=0, help="the coordinator's port (default: a free one)")
     p.add_argument("--keys-dir", metavar="DIR", help="CurveZMQ on every link, with the key pairs in DIR made "
-                   "by `infer-keygen coordinator worker client --dir DIR` (needed for a non-loopback "
+                   "by `infer-keygen --cluster --dir DIR` (workers/worker for the workers, clients/client for "
+                   "the HTTP front, admins/admin for this launcher; needed for a non-loopback "
                    "--coordinator-host unless --trusted-network)")
     engine = p.add_argument_group("engine options (passed to every worker)")
     engine.add_argument("--dtype", choices=_DTYPES)

@@ -31,8 +31,10 @@ class CoordinatorConfig:
         dead (its engine is stuck; heartbeats come from a thread of their own, so a long step alone is fine).
     restart_grace: after the coordinator starts, how long a request a client re-attaches (after a restart)
         waits for its worker to register again with it before it is re-dispatched from the client's tokens.
-    curve_secret_key, authorized_keys: CurveZMQ (both or neither): the coordinator's secret key file and the
-        directory of the public keys (*.key) of the workers and clients it lets in (infer.protocol.keys).
+    curve_secret_key, authorized_keys: CurveZMQ: the coordinator's secret key file and the directory of the
+        public keys (*.key) it lets in, one folder per role: workers/, clients/, admins/ (infer.protocol.keys).
+    worker_keys, client_keys, admin_keys: one directory of public keys per role, instead of (or replacing
+        that role's folder of) authorized_keys. With curve_secret_key, at least one of the four is needed.
     trusted_network: allow binding a non-loopback host without keys (plaintext, anyone who reaches the port
         may connect); without it such a bind is refused.
     """
@@ -55,6 +57,9 @@ class CoordinatorConfig:
     max_step_time: float = 600.0
     curve_secret_key: str | None = None
     authorized_keys: str | None = None
+    worker_keys: str | None = None
+    client_keys: str | None = None
+    admin_keys: str | None = None
     trusted_network: bool = False
 
     def __post_init__(self) -> None:
@@ -80,10 +85,11 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.restart_grace, (int, float)) or not 0 <= self.restart_grace <= 3600:
             raise ValueError(f"restart_grace must be in [0, 3600] seconds, got {self.restart_grace!r}")
-        if (self.curve_secret_key is None) != (self.authorized_keys is None):
+        key_dirs = (self.authorized_keys, self.worker_keys, self.client_keys, self.admin_keys)
+        if (self.curve_secret_key is None) != all(d is None for d in key_dirs):
             raise ValueError("--curve-secret-key and --authorized-keys go together: give both (the "
-                             "coordinator's secret key file and the directory of the public keys it lets in) "
-                             "or neither")
+                             "coordinator's secret key file and the directory of the public keys it lets in, "
+                             "or --worker-keys / --client-keys / --admin-keys) or neither")
 
     @property
     def endpoint(self) -> str:

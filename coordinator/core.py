@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from infer.coordinator.access import WORKER_ROLES, AccessControl, Denial
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import Action, ClusterState, Refusal, commands_to_reach, transition
 from infer.coordinator.orphans import Orphan, OrphanTable
@@ -32,6 +33,7 @@ from infer.protocol.messages import (
     Message, ProtocolError, Refused, StatsRequest, StepBatch, Submit, TokenIds, Welcome, WorkerStats, decode
 )
 from infer.protocol.logsafe import RateLimitedLog, safe
+from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
 from infer.protocol.sampling import SamplingParams
 
 log = logging.getLogger("infer.coordinator")
@@ -81,8 +83,10 @@ class _StatsWaiter:
 class Coordinator:
     """All coordinator state and every decision; see the module docstring for the request path."""
 
-    def __init__(self, config: CoordinatorConfig, now: float) -> None:
+    def __init__(self, config: CoordinatorConfig, now: float, keys: KeyRoles | None = None) -> None:
+        """`keys`: the roles of the authenticated keys (CurveZMQ); None: no keys, every peer trusted."""
         self.config = config
+        self.access = AccessControl(keys)
         self.state = ClusterState.RUNNING
         self.policy = make_policy(config.policy)
         self.workers = WorkerTable()
@@ -115,8 +119,9 @@ class Coordinator:
 
     # ---- inputs ---------------------------------------------------------------------------------
 
-    def handle(self, identity: bytes, payload: list[bytes], now: float) -> None:
-        """One multipart message from the ROUTER (identity stripped). Never raises."""
+    def handle(self, identity: bytes, payload: list[bytes], now: float, key: bytes | None = None) -> None:
+        """One multipart message from the ROUTER (identity stripped), authenticated as `key` (the public key
+        of its CURVE connection; None without keys). Never raises."""
         if len(payload) != 1:
             self._reject(identity, f"expected exactly one frame after the routing identity, got {len(payload)}")
             return
@@ -128,6 +133,10 @@ class Coordinator:
         handler = self._handlers.get(type(msg))
         if handler is None:
             self._reject(identity, f"the coordinator does not accept {msg.TYPE!r} messages")
+            return
+        denial = self.access.check(identity, key, msg)
+        if denial is not None:
+            self._deny(identity, msg, denial, now)
             return
         if identity in self._lost and self._remind_lost(identity, msg, now):
             return
@@ -145,6 +154,7 @@ class Coordinator:
         if now < self._next_tick:
             return
         self._next_tick = now + self.config.heartbeat_interval
+        self._check_keys(now)
         self._check_workers(now)
         self._check_clients(now)
         self._check_reattaching(now)
@@ -233,6 +243,53 @@ class Coordinator:
         self.counters.frames_rejected += 1
         text = safe(text, MAX_REJECTION_CHARS)
         self._send(identity, Refused(reason=text) if refuse else Error(message=text))
+
+    # ---- access (key roles) ---------------------------------------------------------------------
+
+    def _deny(self, identity: bytes, msg: Message, denial: Denial, now: float) -> None:
+        """A frame its key may not send: Refused for a Hello, Error otherwise; a cut-off peer loses all."""
+        self.counters.frames_rejected += 1
+        if denial.silent:
+            return
+        self.access.log_denial(identity, msg, denial, now)
+        if denial.cut_off:
+            self._cut_off(identity, denial.reason, now)
+        elif isinstance(msg, Hello):
+            self._send(identity, Refused(reason=denial.reason))
+        elif isinstance(msg, Submit):
+            self._send(identity, Error(message=f"request {msg.request_id!r} not accepted: {denial.reason}",
+                                       request_id=msg.request_id, code="invalid_request"))
+        else:
+            self._send(identity, Error(message=denial.reason))
+
+    def _cut_off(self, identity: bytes, reason: str, now: float) -> None:
+        """The peer behind `identity` may do nothing more (its key was revoked, or its routing id now
+        belongs to another key): its requests are aborted (a worker's move elsewhere), nothing queued for
+        it leaves, it gets one Refused, and its later frames are dropped unanswered."""
+        self.access.cut_off(identity)
+        worker = self.workers.by_identity.get(identity)
+        if worker is not None and worker.healthy:
+            self._mark_dead(worker, f"cut off: {reason}", now)
+        client = self.clients.get(identity)
+        if client is not None:
+            self._client_lost(client, f"cut off: {reason}", now)
+        self._stats_waiters = [w for w in self._stats_waiters if w.identity != identity]
+        self._client_deltas.pop(identity, None)
+        self._out = [(i, m) for i, m in self._out if i != identity]
+        self._send(identity, Refused(reason=f"the coordinator cut this connection off: {reason}"))
+
+    def _check_keys(self, now: float) -> None:
+        """After the authorized keys changed: cut off the peers whose key lost the role they act in."""
+        for identity, reason in self.access.lost_roles(self._acting_as):
+            log.warning("peer %s: %s; cutting it off", identity.hex()[:16], reason)
+            self._cut_off(identity, reason, now)
+        self.access.prune(lambda i: i in self.clients or i in self.workers.by_identity)
+
+    def _acting_as(self, identity: bytes) -> frozenset[Role] | None:
+        """The roles `identity` needs for what it is to this coordinator: a worker, a client, or nothing yet."""
+        if identity in self.workers.by_identity:
+            return WORKER_ROLES
+        return CLIENT_ROLES if identity in self.clients else None
 
     # ---- handshake ------------------------------------------------------------------------------
 

@@ -5,6 +5,13 @@ arrived (bounded per cycle), run the timers, send what the core queued. A send t
 unroutable (ROUTER_MANDATORY: the connection is gone) is reported back to the core, which treats the
 peer as dead. SIGTERM / SIGINT run STOP (after a drain of at most --drain-timeout, when given): pending
 requests fail, workers are told to stop, exit 0.
+
+With CurveZMQ keys (--curve-secret-key with --authorized-keys DIR or per-role key directories) a KeyGate lets
+in the authorized keys; each frame reaches the core with its connection's key (the ZAP User-Id), and the core
+checks the key's role (infer.coordinator.access). The key folders are re-read every heartbeat interval, so a
+removed key's open connections are cut off at the next tick. A routing identity is never handed over to a
+second connection then (ROUTER_HANDOVER off): a peer reconnecting while the coordinator still holds its old
+connection is heard once that one closes.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.keys import AuthorizedKeys, CurveKeys, refuse_open_bind
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import encode
+from infer.protocol.roles import Role
 from infer.protocol.transport import KeyGate, make_socket
 
 log = logging.getLogger("infer.coordinator")
@@ -48,25 +56,31 @@ class CoordinatorDaemon:
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, curve=curve)
         self.gate: KeyGate | None = None
+        self.authorized = authorized
         if authorized is not None:   # before bind: no handshake may find the gate missing
             self.gate = KeyGate(self.ctx, authorized.allows, logger=log, peers="worker or client",
                                 watch=self.sock)
-            log.info("CurveZMQ on: coordinator public key %s; %d authorized key(s) in %s",
-                     curve.public_key.decode(), len(authorized.keys), authorized.directory)
+            log.info("CurveZMQ on: coordinator public key %s; %d authorized key(s): %s",
+                     curve.public_key.decode(), len(authorized.keys), authorized.describe())
+            _warn_missing_roles(authorized)
         # Per peer: a peer that reads nothing fills its queue to SNDHWM, then a send to it raises zmq.Again
         # (ROUTER_MANDATORY): the core aborts its requests ("client_too_slow"). One that floods us waits in
         # TCP once RCVHWM frames of it are queued here. Memory is bounded per peer either way (in frames:
         # what the coordinator sends is bounded in size, except what a peer's own requests carry).
         self.sock.setsockopt(zmq.SNDHWM, PEER_SNDHWM)
         self.sock.setsockopt(zmq.RCVHWM, PEER_RCVHWM)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Without keys a peer that reconnects takes its routing id back at once. With keys a routing id stays
+        # with the connection that has it: another connection presenting it (another key that learnt it) is
+        # ignored by ZeroMQ and never receives that peer's frames (peers pick random, secret ids).
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if authorized is not None else 1)
         if config.port == 0:
             port = self.sock.bind_to_random_port(f"tcp://{config.host}")
             config = dataclasses.replace(config, port=port)
         else:
             self.sock.bind(config.endpoint)
         self.config = config
-        self.core = Coordinator(config, time.monotonic())
+        self.core = Coordinator(config, time.monotonic(), keys=authorized)
+        self._next_key_check = time.monotonic() + config.heartbeat_interval
         self._wake_r, self._wake_w = socket.socketpair()
 
     def run(self) -> int:
@@ -81,13 +95,14 @@ class CoordinatorDaemon:
         core = self.core
         while True:
             now = time.monotonic()
-            timeout_ms = max(0, math.ceil((core.next_deadline() - now) * 1000))
+            timeout_ms = max(0, math.ceil((self._next_deadline() - now) * 1000))
             events = dict(poller.poll(timeout_ms))
             if self._wake_r.fileno() in events:
                 self._on_signal()
             if self.sock in events:
                 self._drain()
             now = time.monotonic()
+            self._check_keys(now)
             core.tick(now)
             self._flush(now)
             if core.done(now):
@@ -96,7 +111,21 @@ class CoordinatorDaemon:
         log.info("coordinator stopped")
         return 0
 
+    def _next_deadline(self) -> float:
+        if self.authorized is None:
+            return self.core.next_deadline()
+        return min(self.core.next_deadline(), self._next_key_check)
+
+    def _check_keys(self, now: float) -> None:
+        """Every heartbeat interval, read the authorized keys again if their files changed (the core cuts off
+        peers whose key was revoked at its next tick)."""
+        if self.authorized is not None and now >= self._next_key_check:
+            self._next_key_check = now + self.config.heartbeat_interval
+            self.authorized.refresh()
+
     def _drain(self) -> None:
+        if self.authorized is not None:
+            return self._drain_authenticated()
         sock, core = self.sock, self.core
         now = time.monotonic()
         for _ in range(MAX_MESSAGES_PER_CYCLE):
@@ -105,6 +134,18 @@ class CoordinatorDaemon:
             except zmq.Again:
                 return
             core.handle(frames[0], frames[1:], now)
+
+    def _drain_authenticated(self) -> None:
+        """As _drain, with each frame's authenticated key: the User-Id the KeyGate gave its connection."""
+        sock, core = self.sock, self.core
+        now = time.monotonic()
+        for _ in range(MAX_MESSAGES_PER_CYCLE):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            key = _user_id(frames[-1])
+            core.handle(frames[0].bytes, [f.bytes for f in frames[1:]], now, key=key)
 
     def _flush(self, now: float) -> None:
         send, core = self.sock.send, self.core
@@ -162,7 +203,28 @@ def load_security(config: CoordinatorConfig) -> tuple[CurveKeys | None, Authoriz
                              remedy="pass --curve-secret-key FILE and --authorized-keys DIR (infer-keygen "
                              "makes them)")
         return None, None
-    return CurveKeys.server(config.curve_secret_key), AuthorizedKeys(config.authorized_keys)
+    authorized = AuthorizedKeys.from_options(config.authorized_keys, workers=config.worker_keys,
+                                             clients=config.client_keys, admins=config.admin_keys)
+    return CurveKeys.server(config.curve_secret_key), authorized
+
+
+def _warn_missing_roles(authorized: AuthorizedKeys) -> None:
+    """A role no key holds yet: say what that means (the folders are re-read, so keys may come later)."""
+    held = {role for roles in map(authorized.roles_of, authorized.keys) for role in roles}
+    if Role.WORKER not in held:
+        log.warning("no worker keys yet: no worker can register until one is added")
+    if Role.ADMIN not in held:
+        log.info("no admin keys: pause, suspend, resume and stop are refused to every peer (signals still stop "
+                 "the coordinator)")
+
+
+def _user_id(frame: zmq.Frame) -> bytes | None:
+    """The ZAP User-Id of the connection `frame` came on (the KeyGate sets the peer's public key)."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:   # no such property: the connection was not authenticated
+        return None
+    return user.encode() if isinstance(user, str) else user
 
 
 def _signal_name(number: int) -> str:
@@ -211,12 +273,21 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--curve-secret-key", metavar="FILE",
                           help="the coordinator's secret key file (infer-keygen NAME writes NAME.key_secret)")
     security.add_argument("--authorized-keys", metavar="DIR",
-                          help="directory of the public key files (*.key) of the workers and clients allowed "
-                          "in; re-read when they change. A refused peer is logged and never reaches the "
-                          "coordinator")
+                          help="the public key files (*.key) allowed in, one folder per role: DIR/workers "
+                          "(register and serve), DIR/clients (submit, stream, abort, stats), DIR/admins (a "
+                          "client that may also pause, unpause, suspend, resume and stop the cluster). Re-read "
+                          "when they change: a removed key's open connections are cut off. A refused peer is "
+                          "logged and never reaches the coordinator; a flat DIR (no role folders) is refused")
+    security.add_argument("--worker-keys", metavar="DIR", help="directory of the workers' public keys "
+                          "(instead of --authorized-keys DIR/workers)")
+    security.add_argument("--client-keys", metavar="DIR", help="directory of the clients' public keys "
+                          "(instead of --authorized-keys DIR/clients)")
+    security.add_argument("--admin-keys", metavar="DIR", help="directory of the administrators' public keys "
+                          "(instead of --authorized-keys DIR/admins)")
     security.add_argument("--trusted-network", action="store_true",
                           help="allow a non-loopback --host without keys (plaintext: anyone who reaches the "
-                          "port is a client or a worker); without keys, only loopback is allowed otherwise")
+                          "port is a worker, a client and an administrator); without keys, only loopback is "
+                          "allowed otherwise")
     add_logging_args(p)
     return p
 
@@ -229,7 +300,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
         stop_timeout=args.stop_timeout, drain_timeout=args.drain_timeout, coordinator_id=args.coordinator_id,
         max_requests_per_worker=args.max_requests_per_worker, max_held_requests=args.max_held_requests,
         restart_grace=args.restart_grace, max_step_time=args.max_step_time, curve_secret_key=args.curve_secret_key,
-        authorized_keys=args.authorized_keys, trusted_network=args.trusted_network)
+        authorized_keys=args.authorized_keys, worker_keys=args.worker_keys, client_keys=args.client_keys,
+        admin_keys=args.admin_keys, trusted_network=args.trusted_network)
 
 
 def main(argv: list[str] | None = None) -> int:

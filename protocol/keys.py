@@ -1,18 +1,21 @@
-"""CurveZMQ keys (torch-free): key files, the keys one peer uses, the keys a server lets in, the rule for
-binding without keys, and `infer-keygen`.
+"""CurveZMQ keys (torch-free): key files, the keys one peer uses, the keys a server lets in and the role of
+each, the rule for binding without keys, and `infer-keygen`.
 
 Key files are pyzmq's certificate format (zmq.auth): `NAME.key` holds a public key (hand it out),
 `NAME.key_secret` the key pair (mode 0600, never leaves its peer). Keys are z85 text, 40 characters.
 
-- The coordinator is the CURVE server: its secret key file and a directory of the public keys it lets in
-  (`--curve-secret-key FILE --authorized-keys DIR`, the `*.key` files there: workers and clients).
+- The coordinator is the CURVE server: its secret key file and the public keys it lets in, each with its role
+  (infer.protocol.roles): `--curve-secret-key FILE --authorized-keys DIR` with DIR/workers/*.key,
+  DIR/clients/*.key, DIR/admins/*.key, and / or one directory per role (`--worker-keys`, `--client-keys`,
+  `--admin-keys`). A flat DIR (the layout before roles) is refused with a message saying where keys go.
 - Workers and clients are CURVE clients: their own secret key file and the coordinator's public key file
   (`--curve-key FILE --coordinator-key FILE`).
-- Without keys, traffic is plaintext and anyone who reaches the port is a client or a worker: the daemons
-  bind only loopback addresses then, unless told the network is trusted (`--trusted-network`).
+- Without keys, traffic is plaintext and anyone who reaches the port is a client, a worker or an
+  administrator: the daemons bind only loopback addresses then, unless told the network is trusted
+  (`--trusted-network`).
 
-`infer-keygen NAME [NAME ...] [--dir D] [--force]` writes D/NAME.key and D/NAME.key_secret; one cluster's
-set is `infer-keygen coordinator worker client --dir D` (ClusterKeyDir reads it back).
+`infer-keygen NAME [NAME ...] [--dir D] [--role ROLE] [--force]` writes D[/ROLE folder]/NAME.key and
+NAME.key_secret; one cluster's set is `infer-keygen --cluster --dir D` (ClusterKeyDir reads it back).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import socket
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,12 +37,15 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from infer.protocol.roles import NO_ROLES, ROLE_FOLDERS, Role
+
 log = logging.getLogger("infer.keys")
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 Z85_KEY_LEN = 40                                   # a 32-byte CURVE key in z85 text
-CLUSTER_KEY_NAMES = ("coordinator", "worker", "client")
+CLUSTER_KEY_ROLES = {"coordinator": None, "worker": Role.WORKER, "client": Role.CLIENT, "admin": Role.ADMIN}
+CLUSTER_KEY_NAMES = tuple(CLUSTER_KEY_ROLES)
 TRUSTED_NETWORK_HINT = "or --trusted-network if every host that can reach it is trusted"
 
 PathLike = str | os.PathLike[str]
@@ -152,56 +159,142 @@ class CurveKeys:
         return replace(self, server_key=server_key)
 
 
-class AuthorizedKeys:
-    """The public keys a server lets in: the `*.key` files of one directory (secret files are never read).
+class _KeyFolder:
+    """The `*.key` files of one directory (secret files are never read); a missing directory holds none."""
 
-    The directory is read again when its `*.key` files change (checked at each handshake, a directory
-    listing), so keys are added and revoked without a restart; connections already made stay. A directory
-    that cannot be read again keeps the previous set (logged).
-    """
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
 
-    def __init__(self, directory: PathLike) -> None:
-        self.directory = Path(directory).expanduser()
+    def files(self) -> list[Path]:
         if not self.directory.is_dir():
-            raise ValueError(f"authorized keys directory {self.directory} does not exist or is not a "
-                             f"directory")
-        self._signature = self._files_signature()
-        self.keys = self._read()
-        if not self.keys:
-            raise ValueError(f"no public key files (*{PUBLIC_SUFFIX}) in {self.directory}: no worker or "
-                             f"client could connect; copy their {PUBLIC_SUFFIX} files there (infer-keygen "
-                             f"makes them)")
-
-    def _files(self) -> list[Path]:
+            return []
         return sorted(p for p in self.directory.iterdir() if p.name.endswith(PUBLIC_SUFFIX) and p.is_file())
 
-    def _files_signature(self) -> tuple[tuple[str, int, int], ...]:
+    def signature(self) -> tuple[tuple[str, int, int], ...]:
         try:
-            return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in self._files())
+            return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in self.files())
         except OSError as e:
             raise ValueError(f"cannot list authorized keys directory {self.directory}: "
                              f"{e.strerror or e}") from None
 
-    def _read(self) -> frozenset[bytes]:
-        return frozenset(read_public_key(p) for p in self._files())
+    def read(self) -> frozenset[bytes]:
+        return frozenset(read_public_key(p) for p in self.files())
 
-    def refresh(self) -> None:
-        """Read the directory again if its key files changed since the last read."""
-        try:
-            signature = self._files_signature()
-            if signature == self._signature:
-                return
-            keys = self._read()
-        except ValueError as e:
-            log.error("authorized keys not reloaded, keeping the %d loaded before: %s", len(self.keys), e)
-            return
-        self._signature, self.keys = signature, keys
-        log.info("authorized keys reloaded from %s: %d key(s)", self.directory, len(keys))
+
+def role_folders(directory: PathLike) -> dict[Role, Path]:
+    """The role folders of an `--authorized-keys DIR`: DIR/workers, DIR/clients, DIR/admins (at least one
+    must exist; a missing one holds no keys until it is made). ValueError for a directory without any,
+    naming what to do; in particular for the flat layout from before key roles (`*.key` files directly in
+    DIR), which is never read as "every role"."""
+    d = Path(directory).expanduser()
+    if not d.is_dir():
+        raise ValueError(f"authorized keys directory {d} does not exist or is not a directory")
+    folders = {role: d / name for role, name in ROLE_FOLDERS.items()}
+    if any(folder.is_dir() for folder in folders.values()):
+        return folders   # one made later is read then
+    flat = sorted(p.name for p in d.iterdir() if p.name.endswith(PUBLIC_SUFFIX))
+    folders = ", ".join(f"{d / name}/ ({role.value}s)" for role, name in ROLE_FOLDERS.items())
+    if flat:
+        raise ValueError(f"{d} holds public key files directly ({', '.join(flat[:4])}"
+                         f"{', ...' if len(flat) > 4 else ''}): the layout from before key roles, where any key "
+                         f"could act as a worker, a client or an administrator. Each key now goes in the folder "
+                         f"of its role: {folders}; move the files there (or name one directory per role with "
+                         f"--worker-keys, --client-keys, --admin-keys). No key is let in until then")
+    raise ValueError(f"no public key files (*{PUBLIC_SUFFIX}) in {d}: no worker or client could connect; put "
+                     f"each key's {PUBLIC_SUFFIX} file in the folder of its role: {folders} (infer-keygen "
+                     f"--cluster --dir {d} makes a whole set)")
+
+
+class AuthorizedKeys:
+    """The public keys a server lets in, and the roles of each (a KeyRoles): one directory of `*.key` files
+    per role (secret files are never read). A key may be in several; admins may also act as clients.
+
+    The directories are read again when their `*.key` files change: at each handshake (`allows`, from the
+    KeyGate's thread) and whenever the server calls `refresh()` (the coordinator: every heartbeat interval),
+    so keys are added, moved and revoked without a restart. `generation` counts the reloads: the coordinator
+    then re-checks the peers already connected, and cuts off those whose key lost its role. A directory that
+    cannot be read again keeps the previous set (logged); a role folder that was removed holds no keys.
+    """
+
+    def __init__(self, folders: Mapping[Role, PathLike]) -> None:
+        self.folders = {role: _KeyFolder(Path(d).expanduser()) for role, d in folders.items()}
+        self._lock = threading.Lock()
+        self.generation = 0
+        self._signature = self._files_signature()
+        self._roles = self._read()
+        if not self._roles:
+            where = ", ".join(str(f.directory) for f in self.folders.values())
+            raise ValueError(f"no public key files (*{PUBLIC_SUFFIX}) in {where}: no worker or client could "
+                             f"connect; copy their {PUBLIC_SUFFIX} files there (infer-keygen makes them)")
+
+    @classmethod
+    def from_options(cls, directory: PathLike | None = None, *, workers: PathLike | None = None,
+                     clients: PathLike | None = None, admins: PathLike | None = None) -> AuthorizedKeys:
+        """`--authorized-keys DIR` (its role folders) and / or one directory per role; a per-role directory
+        replaces DIR's folder for that role. ValueError when none is given or one is unusable."""
+        folders: dict[Role, PathLike] = dict(role_folders(directory)) if directory is not None else {}
+        for role, path in ((Role.WORKER, workers), (Role.CLIENT, clients), (Role.ADMIN, admins)):
+            if path is not None:
+                if not Path(path).expanduser().is_dir():
+                    raise ValueError(f"{role.value} keys directory {path} does not exist or is not a directory")
+                folders[role] = path
+        if not folders:
+            raise ValueError("no authorized keys: give --authorized-keys DIR (with role folders workers/, "
+                             "clients/, admins/) or --worker-keys / --client-keys / --admin-keys DIR")
+        return cls(folders)
+
+    @property
+    def keys(self) -> frozenset[bytes]:
+        """Every key let in, whatever its roles."""
+        return frozenset(self._roles)
+
+    def roles_of(self, key: bytes) -> frozenset[Role]:
+        """The roles of `key` in the set loaded last (no disk access); empty when it is not authorized."""
+        return self._roles.get(key, NO_ROLES)
+
+    def describe(self) -> str:
+        """'1 worker key(s) in D/workers, 2 client key(s) in D/clients, no admin keys'."""
+        parts = []
+        for role in Role:
+            folder = self.folders.get(role)
+            n = sum(role in roles for roles in self._roles.values())
+            parts.append(f"{n} {role.value} key(s) in {folder.directory}" if folder is not None and n
+                         else f"no {role.value} keys")
+        return ", ".join(parts)
+
+    def _files_signature(self) -> tuple:
+        return tuple((role.value, folder.signature()) for role, folder in self.folders.items())
+
+    def _read(self) -> dict[bytes, frozenset[Role]]:
+        roles: dict[bytes, set[Role]] = {}
+        for role, folder in self.folders.items():
+            for key in folder.read():
+                roles.setdefault(key, set()).add(role)
+        return {key: frozenset(r) for key, r in roles.items()}
+
+    def refresh(self) -> bool:
+        """Read the directories again if their key files changed since the last read; True if the set
+        changed. Safe to call from several threads."""
+        with self._lock:
+            try:
+                signature = self._files_signature()
+                if signature == self._signature:
+                    return False
+                roles = self._read()
+            except ValueError as e:
+                log.error("authorized keys not reloaded, keeping the %d loaded before: %s", len(self._roles), e)
+                return False
+            changed = roles != self._roles
+            self._signature, self._roles = signature, roles
+            if changed:
+                self.generation += 1
+                log.info("authorized keys reloaded: %s", self.describe())
+            return changed
 
     def allows(self, public_key: bytes) -> bool:
-        """Is `public_key` (z85 text) one of the directory's keys (re-read first if it changed)?"""
+        """Does `public_key` (z85 text) hold any role (the directories re-read first if they changed)?"""
         self.refresh()
-        return public_key in self.keys
+        return public_key in self._roles
 
 
 # ---- writing keys: infer-keygen ------------------------------------------------------------------
@@ -242,11 +335,16 @@ def write_key_pair(directory: PathLike, name: str, *, force: bool = False) -> tu
 
 @dataclass(frozen=True)
 class ClusterKeyDir:
-    """One cluster's keys in one directory, as `infer-keygen coordinator worker client --dir D` writes them.
+    """One cluster's keys in one directory, as `infer-keygen --cluster --dir D` writes them:
 
-    The coordinator uses coordinator.key_secret and lets in the directory's `*.key` files; every worker uses
-    worker.key_secret, every client client.key_secret, both with coordinator.key. The directory must be
-    readable where each daemon runs (a shared filesystem across nodes) and by no one else.
+        D/coordinator.key_secret        the coordinator's pair (D/coordinator.key: its public key)
+        D/workers/worker.key_secret     every worker's pair
+        D/clients/client.key_secret     clients' pair (the HTTP front, InferenceClient, LLM joining)
+        D/admins/admin.key_secret       the administrator's pair (the launcher; lifecycle commands)
+
+    The coordinator uses coordinator.key_secret and `--authorized-keys D` (the role folders). The directory
+    must be readable where each daemon runs (a shared filesystem across nodes) and by no one else. More keys
+    of a role: `infer-keygen NAME --role ROLE --dir D`.
     """
 
     path: Path
@@ -254,23 +352,29 @@ class ClusterKeyDir:
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path).expanduser().resolve())
         if not self.path.is_dir():
-            raise ValueError(f"keys directory {self.path} does not exist (make it with `infer-keygen "
-                             f"{' '.join(CLUSTER_KEY_NAMES)} --dir {self.path}`)")
+            raise ValueError(f"keys directory {self.path} does not exist (make it with `infer-keygen --cluster "
+                             f"--dir {self.path}`)")
+        if (self.path / "worker.key_secret").exists() and not (self.path / ROLE_FOLDERS[Role.WORKER]).exists():
+            raise ValueError(f"{self.path} holds a key set from before key roles (worker and client keys side by "
+                             f"side, either able to act as anything); make a new set with `infer-keygen --cluster "
+                             f"--dir NEW_DIR`, or move worker.key* into {self.path / 'workers'}/, client.key* into "
+                             f"{self.path / 'clients'}/ and add an administrator with `infer-keygen admin --role "
+                             f"admin --dir {self.path}`")
         for name in CLUSTER_KEY_NAMES:
             read_key_pair(self.secret(name))
 
     @classmethod
     def create(cls, path: PathLike, *, force: bool = False) -> ClusterKeyDir:
-        """Write a fresh set (the directory is made 0700)."""
+        """Write a fresh set (the directories are made 0700)."""
         for name in CLUSTER_KEY_NAMES:
-            write_key_pair(path, name, force=force)
+            write_key_pair(cluster_key_dir(path, name), name, force=force)
         return cls(Path(path))
 
     def public(self, name: str) -> Path:
-        return key_paths(self.path, name)[0]
+        return key_paths(cluster_key_dir(self.path, name), name)[0]
 
     def secret(self, name: str) -> Path:
-        return key_paths(self.path, name)[1]
+        return key_paths(cluster_key_dir(self.path, name), name)[1]
 
     def coordinator_flags(self) -> list[str]:
         return ["--curve-secret-key", str(self.secret("coordinator")), "--authorized-keys", str(self.path)]
@@ -279,9 +383,19 @@ class ClusterKeyDir:
         return ["--curve-key", str(self.secret("worker")),
                 "--coordinator-key", str(self.public("coordinator"))]
 
-    def client_options(self) -> dict[str, str]:
-        """InferenceClient's keyword options."""
-        return {"curve_key": str(self.secret("client")), "coordinator_key": str(self.public("coordinator"))}
+    def client_options(self, name: str = "client") -> dict[str, str]:
+        """InferenceClient's keyword options with key pair `name` ("admin": the administrator's)."""
+        return {"curve_key": str(self.secret(name)), "coordinator_key": str(self.public("coordinator"))}
+
+    def admin_options(self) -> dict[str, str]:
+        """InferenceClient's keyword options as the administrator (lifecycle commands allowed)."""
+        return self.client_options("admin")
+
+
+def cluster_key_dir(path: PathLike, name: str) -> Path:
+    """Where ClusterKeyDir keeps pair `name`: the coordinator's in `path`, the others in their role folder."""
+    role = CLUSTER_KEY_ROLES.get(name)
+    return Path(path) if role is None else Path(path) / ROLE_FOLDERS[role]
 
 
 # ---- binding without keys ----------------------------------------------------------------------------
@@ -316,33 +430,55 @@ def refuse_open_bind(host: str, *, what: str, remedy: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="infer-keygen",
-        description="Write CurveZMQ key pairs: NAME.key (public: give it to the coordinator's "
-        "--authorized-keys directory, or to workers and clients as --coordinator-key) and NAME.key_secret "
-        "(secret, mode 0600: it stays with its peer).",
-        epilog=f"A whole cluster's set: infer-keygen {' '.join(CLUSTER_KEY_NAMES)} --dir D (infer-serve and "
-        "the Slurm launcher take it as --keys-dir D).")
-    p.add_argument("names", nargs="+", metavar="NAME",
-                   help="key pair name(s): coordinator, worker, client, ...")
+        description="Write CurveZMQ key pairs: NAME.key (public: it goes in the coordinator's --authorized-keys "
+        "directory, in the folder of its role, or to workers and clients as --coordinator-key) and "
+        "NAME.key_secret (secret, mode 0600: it stays with its peer).",
+        epilog="A whole cluster's set: infer-keygen --cluster --dir D (D/coordinator.key_secret, "
+        "D/workers/worker.key_secret, D/clients/client.key_secret, D/admins/admin.key_secret; infer-serve and the "
+        "Slurm launcher take it as --keys-dir D). One more key of a role: infer-keygen NAME --role client --dir D.")
+    p.add_argument("names", nargs="*", metavar="NAME", help="key pair name(s)")
     p.add_argument("--dir", default=".", help="where to write the files (default: the current directory; "
                    "made with mode 0700 if missing)")
+    p.add_argument("--role", choices=[r.value for r in Role],
+                   help="write into the role's folder of DIR (workers/, clients/, admins/): the coordinator's "
+                   "--authorized-keys DIR lets the key in with that role")
+    p.add_argument("--cluster", action="store_true",
+                   help="write a whole cluster's set into DIR: coordinator, workers/worker, clients/client, "
+                   "admins/admin")
     p.add_argument("--force", action="store_true", help="replace existing key files")
     return p
 
 
-def keygen(names: Iterable[str], directory: PathLike, force: bool) -> list[tuple[Path, Path]]:
-    names = [_check_name(n) for n in names]
+def keygen(names: Iterable[str], directory: PathLike, force: bool,
+           role: Role | None = None) -> list[tuple[Path, Path]]:
+    """Write pairs `names` into `directory` (its `role` folder when given), refusing before writing anything
+    if a file exists (unless `force`)."""
+    target = Path(directory) if role is None else Path(directory) / ROLE_FOLDERS[role]
+    return _write_all([(target, _check_name(n)) for n in names], force)
+
+
+def keygen_cluster(directory: PathLike, force: bool) -> list[tuple[Path, Path]]:
+    """A whole cluster's set in ClusterKeyDir's layout."""
+    return _write_all([(cluster_key_dir(directory, name), name) for name in CLUSTER_KEY_NAMES], force)
+
+
+def _write_all(pairs: list[tuple[Path, str]], force: bool) -> list[tuple[Path, Path]]:
     if not force:   # refuse before writing anything
-        for name in names:
+        for directory, name in pairs:
             for path in key_paths(directory, name):
                 if path.exists():
                     raise FileExistsError(f"{path} exists: refusing to overwrite it (--force replaces it)")
-    return [write_key_pair(directory, name, force=force) for name in names]
+    return [write_key_pair(directory, name, force=force) for directory, name in pairs]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.names and not args.cluster:
+        parser.error("give key pair NAME(s), or --cluster for a whole cluster's set")
     try:
-        written = keygen(args.names, args.dir, args.force)
+        written = keygen_cluster(args.dir, args.force) if args.cluster else []
+        written += keygen(args.names, args.dir, args.force, Role(args.role) if args.role else None)
     except ValueError as e:
         print(f"infer-keygen: {e}", file=sys.stderr)
         return 2

@@ -68,9 +68,38 @@ _HANDSHAKE_FAILURES = {
 }
 
 
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def handshake_failure(event: dict, curve: bool, flags: tuple[str, str]) -> str | None:
+    """What a failed handshake, as a connecting socket's monitor reports it (HANDSHAKE_EVENTS), says about
+    this peer's keys; None for any other event. `curve`: this peer has keys; `flags`: how its key options are
+    spelled (its secret key file, the coordinator's public key file), for the hint."""
+    kind, value = event["event"], event["value"]
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"the coordinator refused this peer's CURVE key (status {value}): its public key is not among "
+                f"the coordinator's authorized keys in the folder of its role (workers/, clients/, admins/), or "
+                f"was revoked; its log names the refused key")
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        if curve:
+            return "the coordinator does not speak CURVE (it runs without keys): leave out this peer's keys"
+        return (f"the coordinator requires CURVE keys: pass {flags[0]} and {flags[1]} (this peer's secret key "
+                f"file and the coordinator's public key file)")
+    if kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        if curve:
+            return (f"the coordinator closed the CURVE handshake: {flags[1]} is not the coordinator's public "
+                    f"key, or this peer's key is unusable")
+        return (f"the coordinator closed the connection in the handshake: it probably requires CURVE keys: pass "
+                f"{flags[0]} and {flags[1]} (or this is not a coordinator's address)")
+    return None
+
+
 class KeyGate:
     """The ZAP handler of one zmq.Context: a CURVE server socket of that context lets a peer in only if
-    `allows(public key as z85 text)` says so (any other mechanism is refused). A thread answers libzmq's
+    `allows(public key as z85 text)` says so (any other mechanism is refused). The connection's ZAP User-Id is
+    that key: every frame received on it carries it (`frame.get("User-Id")`), which is how the coordinator
+    knows the role of each frame's sender. A thread answers libzmq's
     ZAP requests (one per handshake); each refusal is logged as a WARNING naming the key and the peer's IP
     address, at most `burst` per `period` seconds (the rest are counted, and the count is logged).
 

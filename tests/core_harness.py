@@ -10,14 +10,15 @@ MODEL = "tiny-model"
 
 
 class Harness:
-    def __init__(self, **options) -> None:
+    def __init__(self, keys=None, **options) -> None:
+        """`keys`: a KeyRoles (CurveZMQ roles; frames then go in with the key `send` is given)."""
         defaults = {"heartbeat_interval": 0.1, "worker_timeout": 1.0, "client_timeout": 1.0, "max_retries": 2,
                     "queue_timeout": 5.0, "stop_timeout": 1.0}
         self.now = 0.0
-        self.core = Coordinator(CoordinatorConfig(**{**defaults, **options}), self.now)
+        self.core = Coordinator(CoordinatorConfig(**{**defaults, **options}), self.now, keys=keys)
 
-    def send(self, identity: bytes, msg: Message) -> list[tuple[bytes, Message]]:
-        self.core.handle(identity, [encode(msg)], self.now)
+    def send(self, identity: bytes, msg: Message, key: bytes | None = None) -> list[tuple[bytes, Message]]:
+        self.core.handle(identity, [encode(msg)], self.now, key=key)
         return self.out()
 
     def raw(self, identity: bytes, frames: list[bytes]) -> list[tuple[bytes, Message]]:

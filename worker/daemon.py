@@ -1,6 +1,7 @@
 """infer-worker: one DP rank on the wire. `infer-worker --coordinator tcp://H:P [--model M] [engine options]`.
 
-One zmq DEALER (identity = worker id) talks to the coordinator's ROUTER. The loop reads in four lines:
+One zmq DEALER (its routing identity a random secret, never the worker id others may guess) talks to the
+coordinator's ROUTER. The loop reads in four lines:
 take every pending frame (blocking in poll only while there is nothing to compute), step the engine, send
 that step's deltas as one StepBatch, keep the link alive (heartbeats, re-registration).
 
@@ -11,8 +12,9 @@ the step's age (`step_age_s`). A stopped process (SIGSTOP) stops both threads, s
 an engine stuck inside one step shows in the age (the coordinator's --max-step-time).
 
 Lifecycle and exit codes:
-- start: Hello -> Welcome ("worker ready" is logged) or Refused (exit 3); no Welcome within
-  --connect-timeout: exit 1.
+- start: Hello -> Welcome ("worker ready" is logged) or Refused (exit 3); a handshake the coordinator
+  refuses (a key it does not let in as a worker, a wrong --coordinator-key, keys on one side only): exit 3
+  at once, saying which; no Welcome within --connect-timeout: exit 1.
 - the coordinator silent for --coordinator-timeout, or an Error("unknown worker ..."): Hello again with the
   ids still running (re-registration); running requests keep going meanwhile.
 - SIGTERM / SIGINT: drain (new Dispatches get an error delta "worker is draining"; running requests finish,
@@ -27,6 +29,7 @@ import argparse
 import logging
 import math
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -40,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, Protocol
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from infer.protocol.keys import CurveKeys
 from infer.protocol.logs import add_logging_args, setup_logging
@@ -50,7 +54,7 @@ from infer.protocol.messages import (
 )
 from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
-from infer.protocol.transport import frames_for, make_socket
+from infer.protocol.transport import HANDSHAKE_EVENTS, frames_for, handshake_failure, make_socket
 from infer.worker.config import DTYPES, EngineConfig
 from infer.worker.group_sync import EpOptions, GroupBroken
 from infer.worker.request import Request
@@ -147,9 +151,11 @@ class Worker:
     def __init__(self, engine: EngineLike, options: WorkerOptions, ctx: zmq.Context,
                  group: GroupSync | None = None) -> None:
         self.engine, self.options, self.group = engine, options, group
-        self.sock = make_socket(ctx, zmq.DEALER, identity=options.worker_id.encode(), curve=options.curve)
+        self.sock = make_socket(ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=options.curve)
+        self.handshakes = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.handshakes, zmq.POLLIN)
         if group is not None:
             self.poller.register(group.wake_socket, zmq.POLLIN)
         self._leaving: str | None = None       # why this rank leaves its EP group (said in the next round)
@@ -220,6 +226,8 @@ class Worker:
             self._socket_lock.release()
             beats.join(timeout=5)
             self.sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS if self._ever_welcomed else 0)
+            self.sock.disable_monitor()
+            self.handshakes.close(0)
             self.sock.close()
             if self.group is not None:
                 self.group.close()
@@ -246,6 +254,8 @@ class Worker:
         # zmq.Poller reports a plain socket by its fd number, not by the object it was registered with
         if self._wakeup is not None and (self._wakeup.fileno() in events or self._wakeup in events):
             self._wakeup.recv(4096)
+        if self.handshakes in events:
+            self._on_handshake_events()
         for _ in range(_MAX_FRAMES_PER_TURN):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -420,6 +430,23 @@ class Worker:
                  "of %d tokens", self._rank, safe(self._group_id), opts.worker_id, opts.coordinator,
                  safe(msg.coordinator_id), safe(msg.state), self.engine.model_id, self.engine.num_kv_blocks,
                  self.engine.block_size)
+
+    def _on_handshake_events(self) -> None:
+        """A failed CURVE handshake: before the first Welcome (or a refused key at any time) it ends the worker
+        at once saying why; after it, one that may be a restarting coordinator is only logged."""
+        while True:
+            try:
+                event = recv_monitor_message(self.handshakes, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            problem = handshake_failure(event, self.options.curve is not None, ("--curve-key", "--coordinator-key"))
+            if problem is None:
+                continue
+            if self._ever_welcomed and event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._warn.warning("a reconnection to the coordinator failed in the handshake: %s", problem)
+                continue
+            raise WorkerExit(EXIT_REFUSED, f"fatal: cannot register with the coordinator at "
+                                           f"{self.options.coordinator}: {problem}")
 
     def _on_refused(self, msg: Refused) -> None:
         raise WorkerExit(EXIT_REFUSED, f"the coordinator refused this worker: {msg.reason}")
@@ -801,7 +828,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception:  # reported with its traceback: exit 1
         log.exception("fatal: the engine failed to start")
         sys.exit(EXIT_FATAL)
-    if options.curve is not None:   # the coordinator's --authorized-keys must hold this key
+    if options.curve is not None:   # the coordinator must hold this key in its workers/ folder
         log.info("CurveZMQ on: this worker's public key %s", options.curve.public_key.decode())
     ctx = zmq.Context()
     group = None

@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_front_arguments(p)
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the coordinator")
     p.add_argument("--curve-key", metavar="FILE", help="CurveZMQ: this front's secret key file, as a client "
-                   "of a coordinator with keys (with --coordinator-key; infer-keygen makes both)")
+                   "of a coordinator with keys (with --coordinator-key; infer-keygen makes both): a client key "
+                   "(the coordinator's clients/ folder), never an admin key, since HTTP callers act with it")
     p.add_argument("--coordinator-key", metavar="FILE", help="CurveZMQ: the coordinator's public key file")
     add_logging_args(p)
     return p

@@ -21,9 +21,11 @@ Options that are not the launcher's own (engine options such as --dtype or --thr
 --coordinator-timeout) go to every worker unchanged, as do the arguments after `--`.
 
 Security: the head binds addresses the other nodes reach, so every ZeroMQ link runs CurveZMQ: with the key
-pairs of `--keys-dir D` (`infer-keygen coordinator worker client --dir D`, on a path every node reads), else
-with a fresh set the head writes for this job into $SLURM_SUBMIT_DIR/.infer-keys-$SLURM_JOB_ID (mode 0700; the
-submit directory is on the shared filesystem) and removes when the job ends. The HTTP front needs an API key
+pairs of `--keys-dir D` (`infer-keygen --cluster --dir D`, on a path every node reads), else with a fresh set
+the head writes for this job into $SLURM_SUBMIT_DIR/.infer-keys-$SLURM_JOB_ID (mode 0700; the submit directory
+is on the shared filesystem) and removes when the job ends. Each key has its role: the workers get the worker
+key (workers/), the HTTP front and outside clients a client key (clients/: submit and stream, never pause or
+stop), the head itself the admin key (admins/: also the lifecycle commands). The HTTP front needs an API key
 (--api-key-file, $INFER_API_KEY or --api-key). `--trusted-network` drops both requirements: plaintext, no
 keys, no API key needed. The EP groups' torch.distributed traffic is never encrypted (trusted fabric only).
 """
@@ -239,8 +241,8 @@ def head_parser() -> argparse.ArgumentParser:
                    help="seconds the daemons get after SIGTERM before SIGKILL (default %(default)s; keep it "
                         "below Slurm's KillWait)")
     p.add_argument("--keys-dir", metavar="DIR",
-                   help="CurveZMQ key pairs from `infer-keygen coordinator worker client --dir DIR`, on a "
-                   "path every node reads (default: a fresh set for this job in "
+                   help="CurveZMQ key pairs from `infer-keygen --cluster --dir DIR` (role folders workers/, "
+                   "clients/, admins/), on a path every node reads (default: a fresh set for this job in "
                    "$SLURM_SUBMIT_DIR/.infer-keys-<job id>, removed at the end; none with --trusted-network)")
     add_logging_args(p)
     return p
@@ -377,7 +379,8 @@ def _serve_job(args: argparse.Namespace, env: SlurmEnv, plan: HeadPlan, keys: Cl
     if keys is not None:
         print(f"infer.sbatch: CurveZMQ on every link, keys in {keys.path}"
               f"{' (made for this job, removed when it ends)' if made else ''}; clients connect with "
-              f"curve_key={keys.secret('client')} coordinator_key={keys.public('coordinator')}", flush=True)
+              f"curve_key={keys.secret('client')} coordinator_key={keys.public('coordinator')}; administrators "
+              f"(pause, suspend, stop) with curve_key={keys.secret('admin')}", flush=True)
     print(f"infer.sbatch: job {env.job_id}: coordinator tcp://{plan.coordinator_host}:{plan.coordinator_port} on "
           f"{plan.nodes[0]}; {plan.num_workers} workers ({plan.workers_per_node} per node on {','.join(plan.nodes)}, "
           f"EP size {plan.ep_size}); HTTP front on {plan.http_host}:{args.port} once every worker has joined",

@@ -1,6 +1,7 @@
 """deploy/slurm/launch.py's keys without a cluster: a job with neither --keys-dir nor --trusted-network gets
-a fresh private key set in the submit directory, the workers' srun command and the coordinator carry the
-key files, and the HTTP front on a non-loopback address needs an API key unless the network is trusted."""
+a fresh private key set in the submit directory (role folders: workers/, clients/, admins/), the workers'
+srun command carries the worker key, the coordinator the role folders, the HTTP front a client key and the
+head the admin key; the HTTP front on a non-loopback address needs an API key unless the network is trusted."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def test_a_job_without_keys_gets_a_fresh_private_set_in_the_submit_directory(tmp
     assert made == tmp_path / ".infer-keys-42" == keys.path
     assert stat.S_IMODE(made.stat().st_mode) == 0o700
     assert stat.S_IMODE(keys.secret("worker").stat().st_mode) == 0o600
+    assert [keys.secret(n).parent.name for n in ("worker", "client", "admin")] == ["workers", "clients", "admins"]
+    assert stat.S_IMODE((made / "admins").stat().st_mode) == 0o700
     with pytest.raises(ValueError, match="exists"):   # never reuses (or overwrites) another job's keys
         launch.job_keys(_args(), _env(tmp_path))
     with pytest.raises(ValueError, match="SLURM_SUBMIT_DIR is unset"):
@@ -70,13 +73,14 @@ def test_the_workers_and_the_coordinator_get_their_key_files(tmp_path):
     wargs, unknown = launch.worker_parser().parse_known_args(own)
     command = launch.worker_argv(wargs, unknown + extra, 1, ["localhost", "n2"], [1, 1], "localhost")
     daemon = worker_daemon_parser().parse_args(command[3:])
-    assert daemon.curve_key == str(keys.secret("worker"))
+    assert daemon.curve_key == str(keys.secret("worker")) == str(keys.path / "workers" / "worker.key_secret")
     assert daemon.coordinator_key == str(keys.public("coordinator"))
     cluster = launch.SrunCluster(num_workers=2, host=plan.coordinator_host, keys=keys, srun=plan.srun)
     coordinator = coordinator_parser().parse_args(cluster.security_args("coordinator"))
     assert (coordinator.curve_secret_key, coordinator.authorized_keys) == (str(keys.secret("coordinator")),
                                                                             str(keys.path))
-    assert cluster.client_options == keys.client_options()
+    assert cluster.client_options == keys.client_options()                       # the HTTP front: a client
+    assert cluster.admin_options["curve_key"] == str(keys.path / "admins" / "admin.key_secret")   # the head
 
 
 def test_the_http_front_off_loopback_needs_an_api_key_or_a_trusted_network(monkeypatch, tmp_path):

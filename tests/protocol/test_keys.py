@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from infer.protocol import keys as K
+from infer.protocol.roles import Role
 
 
 def _mode(path: Path) -> int:
@@ -100,24 +101,49 @@ def test_client_keys_need_both_files_and_a_server_needs_its_secret(tmp_path):
         K.CurveKeys(server.public_key, keys.secret_key)
 
 
-def test_authorized_keys_are_the_public_files_and_follow_the_directory(tmp_path, caplog):
+def test_authorized_keys_are_the_role_folders_public_files_and_follow_them(tmp_path, caplog):
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     with pytest.raises(ValueError, match=r"no public key files \(\*\.key\)"):
-        K.AuthorizedKeys(allowed)
+        K.AuthorizedKeys.from_options(allowed)
     with pytest.raises(ValueError, match="does not exist or is not a directory"):
-        K.AuthorizedKeys(tmp_path / "nowhere")
-    a_public, _ = K.write_key_pair(allowed, "a")       # a.key_secret in the same directory is never a key
-    b_public, b_secret = K.write_key_pair(tmp_path, "b")
-    gate = K.AuthorizedKeys(allowed)
-    a, b = K.read_public_key(a_public), K.read_public_key(b_public)
-    assert gate.keys == {a} and gate.allows(a) and not gate.allows(b)
-    (allowed / "b.key").write_bytes(b_public.read_bytes())          # added: allowed at the next handshake
-    assert gate.allows(b)
-    a_public.unlink()                                                 # revoked
-    assert not gate.allows(a) and gate.allows(b)
-    (allowed / "broken.key").write_text("nonsense")                   # a bad file keeps the last good set
-    assert gate.allows(b) and "authorized keys not reloaded" in caplog.text
+        K.AuthorizedKeys.from_options(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="--authorized-keys DIR"):
+        K.AuthorizedKeys.from_options()
+    w_public, _ = K.write_key_pair(allowed / "workers", "w")   # w.key_secret next to it is never a key
+    c_public, _ = K.write_key_pair(allowed / "clients", "c")
+    b_public, _ = K.write_key_pair(tmp_path, "b")
+    gate = K.AuthorizedKeys.from_options(allowed)
+    w, c, b = (K.read_public_key(p) for p in (w_public, c_public, b_public))
+    assert gate.keys == {w, c} and gate.allows(w) and gate.allows(c) and not gate.allows(b)
+    assert gate.roles_of(w) == {Role.WORKER} and gate.roles_of(c) == {Role.CLIENT} and gate.roles_of(b) == set()
+    assert "1 worker key(s)" in gate.describe() and "no admin keys" in gate.describe()
+    generation = gate.generation
+    (allowed / "admins").mkdir()
+    (allowed / "admins" / "b.key").write_bytes(b_public.read_bytes())   # a role folder made later is read
+    assert gate.allows(b) and gate.roles_of(b) == {Role.ADMIN}
+    generation = gate.generation
+    (allowed / "admins" / "c.key").write_bytes(c_public.read_bytes())   # a key in two folders: both roles
+    assert gate.refresh() and gate.roles_of(c) == {Role.CLIENT, Role.ADMIN} and gate.generation > generation
+    assert not gate.refresh()                                            # nothing changed since
+    w_public.unlink()                                                    # revoked
+    assert not gate.allows(w) and gate.roles_of(w) == set() and gate.allows(b)
+    (allowed / "clients" / "broken.key").write_text("nonsense")          # a bad file keeps the last good set
+    assert gate.allows(c) and "authorized keys not reloaded" in caplog.text
+
+
+def test_a_flat_authorized_keys_directory_is_refused_saying_where_keys_go(tmp_path):
+    K.write_key_pair(tmp_path / "flat", "worker")
+    K.write_key_pair(tmp_path / "flat", "client")
+    with pytest.raises(ValueError, match=r"holds public key files directly \(client.key, worker.key\).*"
+                                         r"any key could act as a worker, a client or an administrator.*"
+                                         r"flat/workers/ \(workers\)"):
+        K.AuthorizedKeys.from_options(tmp_path / "flat")
+    admins = tmp_path / "ops"
+    K.write_key_pair(admins, "root")
+    gate = K.AuthorizedKeys.from_options(admins=admins, clients=tmp_path / "flat")  # per-role directories
+    assert gate.roles_of(K.read_public_key(admins / "root.key")) == {Role.ADMIN}
+    assert gate.roles_of(K.read_public_key(tmp_path / "flat" / "worker.key")) == {Role.CLIENT}
 
 
 def test_a_cluster_key_directory_gives_each_daemon_its_files(tmp_path):
@@ -127,13 +153,22 @@ def test_a_cluster_key_directory_gives_each_daemon_its_files(tmp_path):
     d = keys.path
     assert keys.coordinator_flags() == ["--curve-secret-key", str(d / "coordinator.key_secret"),
                                         "--authorized-keys", str(d)]
-    assert keys.worker_flags() == ["--curve-key", str(d / "worker.key_secret"),
+    assert keys.worker_flags() == ["--curve-key", str(d / "workers" / "worker.key_secret"),
                                    "--coordinator-key", str(d / "coordinator.key")]
-    assert keys.client_options() == {"curve_key": str(d / "client.key_secret"),
+    assert keys.client_options() == {"curve_key": str(d / "clients" / "client.key_secret"),
                                      "coordinator_key": str(d / "coordinator.key")}
-    (d / "worker.key_secret").unlink()
+    assert keys.admin_options()["curve_key"] == str(d / "admins" / "admin.key_secret")
+    gate = K.AuthorizedKeys.from_options(d)
+    assert [gate.roles_of(K.read_public_key(keys.public(n))) for n in ("worker", "client", "admin")] == [
+        {Role.WORKER}, {Role.CLIENT}, {Role.ADMIN}]
+    assert gate.roles_of(K.read_public_key(keys.public("coordinator"))) == set()
+    (d / "workers" / "worker.key_secret").unlink()
     with pytest.raises(ValueError, match="worker.key_secret does not exist"):
         K.ClusterKeyDir(d)
+    for name in ("coordinator", "worker", "client"):                 # the set infer-keygen wrote before roles
+        K.write_key_pair(tmp_path / "old", name)
+    with pytest.raises(ValueError, match="from before key roles.*infer-keygen --cluster"):
+        K.ClusterKeyDir(tmp_path / "old")
 
 
 @pytest.mark.parametrize("host, loopback", [
@@ -152,15 +187,19 @@ def test_an_open_bind_is_refused_with_both_ways_out():
 
 
 def test_keygen_command_line(tmp_path, capsys):
-    assert K.main(["coordinator", "worker", "client", "--dir", str(tmp_path / "k")]) == 0
+    assert K.main(["--cluster", "--dir", str(tmp_path / "k")]) == 0
     out = capsys.readouterr().out
-    assert out.count("public key") == 3 and "client.key_secret (secret, mode 0600)" in out
+    assert out.count("public key") == 4 and "clients/client.key_secret (secret, mode 0600)" in out
     K.ClusterKeyDir(tmp_path / "k")
-    before = (tmp_path / "k" / "client.key_secret").read_bytes()
-    assert K.main(["extra", "client", "--dir", str(tmp_path / "k")]) == 1   # refused before writing anything
+    before = (tmp_path / "k" / "clients" / "client.key_secret").read_bytes()
+    assert K.main(["extra", "client", "--role", "client", "--dir", str(tmp_path / "k")]) == 1   # nothing written
     assert "refusing to overwrite" in capsys.readouterr().err
-    assert not (tmp_path / "k" / "extra.key").exists()
-    assert (tmp_path / "k" / "client.key_secret").read_bytes() == before
-    assert K.main(["client", "--dir", str(tmp_path / "k"), "--force"]) == 0
-    assert (tmp_path / "k" / "client.key_secret").read_bytes() != before
+    assert not (tmp_path / "k" / "clients" / "extra.key").exists()
+    assert (tmp_path / "k" / "clients" / "client.key_secret").read_bytes() == before
+    assert K.main(["client", "--role", "client", "--dir", str(tmp_path / "k"), "--force"]) == 0
+    assert (tmp_path / "k" / "clients" / "client.key_secret").read_bytes() != before
+    assert K.main(["ops", "--role", "admin", "--dir", str(tmp_path / "k")]) == 0
+    assert (tmp_path / "k" / "admins" / "ops.key").exists()
     assert K.main(["../x", "--dir", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit):
+        K.main(["--dir", str(tmp_path)])                             # neither names nor --cluster
