@@ -27,7 +27,8 @@ A stream always ends with `[DONE]`: a failure once the 200 is out (the cluster's
 stream that ends without a final delta, an exception here) is an SSE `error` event just before it.
 
 Failed requests' error codes pick the status (`_request_error`): invalid_request 400, overloaded 503 (+
-Retry-After: a queue on the way was full, nothing ran), unavailable 503, timeout 504, anything else 500.
+Retry-After: a queue on the way was full, nothing ran), unavailable, client_too_slow and client_lost 503 (the
+last two: this front, the coordinator's client, fell behind or was cut off), timeout 504, anything else 500.
 Nothing internal leaves the front: an unexpected exception, or an "internal" failure in the cluster, is
 answered 500 with a short id and logged here, with its traceback, under the same id. Unknown routes (404),
 wrong methods (405) and every other error also answer in OpenAI's error shape.
@@ -714,6 +715,11 @@ def _check_length(num_prompt: int, max_tokens: int | None, max_len: int) -> None
                        param="max_tokens", code="context_length_exceeded")
 
 
+# Failures of the cluster or of this front's link to it, not of the request: 503 + Retry-After. The front is
+# the coordinator's client, so client_too_slow / client_lost mean this process fell behind or was cut off.
+_RETRY_LATER = ("overloaded", "unavailable", "client_too_slow", "client_lost")
+
+
 def _request_error(delta: RequestOutput, retry_after: int = 1) -> ApiError:
     """The answer to a request the cluster failed, by its error code. An internal failure's text stays in
     this front's log (it may quote exceptions); the client gets its id."""
@@ -721,7 +727,7 @@ def _request_error(delta: RequestOutput, retry_after: int = 1) -> ApiError:
     code = delta.error_code
     if code == "invalid_request":
         return ApiError(400, message)
-    if code in ("overloaded", "unavailable"):
+    if code in _RETRY_LATER:
         return ApiError(503, message, code=code, retry_after=retry_after)
     if code == "timeout":
         return ApiError(504, message, code="timeout")

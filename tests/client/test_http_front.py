@@ -542,3 +542,15 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event_and_done(local, smollm2_t
         assert len(events) == 4   # two token chunks, the error, [DONE]
         _no_internals(text)
     asyncio.run(_all_blocks_free(local))
+
+
+@pytest.mark.parametrize("code, status", [("invalid_request", 400), ("overloaded", 503), ("unavailable", 503),
+                                          ("client_too_slow", 503), ("client_lost", 503), ("timeout", 504),
+                                          ("internal", 500)])
+def test_a_failed_requests_error_code_picks_the_status(code, status):
+    from infer.client.api.app import _request_error
+
+    error = _request_error(RequestOutput(request_id="r", token_ids=[], text="", finished=True,
+                                         finish_reason="error", error="why", error_code=code))
+    assert error.status == status
+    assert (error.retry_after is not None) == (status == 503)
