@@ -10,6 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20
+# The detokenizer holds back up to the longest stop string's length of text and searches every delta for
+# each one: a hostile request must not make that unbounded (OpenAI allows 4 stop sequences).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -70,9 +75,16 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise ValueError(f"stop must hold non-empty strings, got {str(s)[:40]!r}")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string may be at most {MAX_STOP_CHARS} characters, got {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t)
             if t < 0:

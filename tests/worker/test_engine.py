@@ -169,6 +169,9 @@ def test_bad_requests_are_rejected_while_others_complete(engine, prompt, params,
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(top_k=2**64), "top_k must fit in 64 bits"),
     (dict(stop_token_ids=[1, -2**63 - 1]), "stop_token_ids must fit in 64 bits"),
+    (dict(stop="x" * 20_000_000), "each stop string may be at most 1024 characters, got 20000000"),
+    (dict(stop=["a"] * 65), "stop may hold at most 64 strings"),
+    (dict(stop_token_ids=[1] * 1025), "stop_token_ids may hold at most 1024 ids"),
 ])
 def test_bad_sampling_params_name_the_problem(kwargs, message):
     with pytest.raises(ValueError, match=message):
