@@ -6,6 +6,8 @@ Torch-free: it travels over the wire (as a dict of named fields) and is validate
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,11 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# The sampler divides positive logits by the repetition penalty and multiplies the others by it (float32):
+# within these bounds a logit of any size a model produces stays finite and keeps its sign.
+MIN_REPETITION_PENALTY = 1e-3
+MAX_REPETITION_PENALTY = 1e3
+MAX_TOP_K = 2**31 - 1        # larger is "off" anyway (k >= vocabulary size); bounded so it fits an int32
 
 
 @dataclass(frozen=True)
@@ -54,17 +61,16 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _number("temperature", self.temperature)
-        if self.temperature < 0:
+        """Floats are checked as the float32 values the sampler computes with (module `_float32`)."""
+        if _float32("temperature", self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _number("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < _float32("top_p", self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1] as a float32 (values below 1.4e-45 round to 0), "
+                             f"got {self.top_p}")
         _integer("top_k", self.top_k)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
-        _number("min_p", self.min_p)
-        if not 0 <= self.min_p <= 1:
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1 (disabled) or in [0, {MAX_TOP_K}], got {self.top_k}")
+        if not 0 <= _float32("min_p", self.min_p) <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None:
             _integer("max_tokens", self.max_tokens)
@@ -98,12 +104,12 @@ class SamplingParams:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _number(name, value)
-            if not -2 <= value <= 2:
+            if not -2 <= _float32(name, value) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        _number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= _float32("repetition_penalty", self.repetition_penalty) \
+                <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}] (1 is off), got {self.repetition_penalty}")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -142,6 +148,19 @@ _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 def _number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def _float32(name: str, value: Any) -> float:
+    """`value` rounded to float32, as the sampler holds it; ValueError unless it is a finite number there
+    (1e39 is inf in float32, NaN and inf are refused too)."""
+    _number(name, value)
+    try:
+        rounded = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:      # beyond float32's range (or an int beyond float64's)
+        rounded = math.inf
+    if not math.isfinite(rounded):
+        raise ValueError(f"{name} must be a finite number within float32's range (|x| <= 3.4e38), got {value!r}")
+    return rounded
 
 
 def _integer(name: str, value: Any) -> None:
