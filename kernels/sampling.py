@@ -11,6 +11,9 @@ Semantics (the Triton kernel and the twin agree token for token, up to float rou
   into groups of GROUP consecutive ids; a group wins with probability proportional to its kept mass
   (argmax of log mass + Gumbel noise), then a token of that group with probability proportional to its own
   (argmax of s + Gumbel noise). Only G + GROUP noise values are drawn per row, not V.
+- Hostile input never raises and always gives a token id of the vocabulary: a cut search that finds no value
+  (a row of NaN or inf, whose masses compare false) keeps at least the row's max. Such a row's token means
+  nothing; the engine checks the logits and fails its request (worker/sampler.py).
 - The noise is a counter-based hash of (seed, offset, counter): a row key mixed from the seed and the
   offset, then mix32(key + counter * golden ratio) per token id or group, computed identically by both paths
   (uint32 in Triton, int64 masked to 32 bits in torch, multipliers < 2**31 so products fit in int64). A
@@ -175,7 +178,8 @@ def _race(row_ptr, inv_t, s_max, cut, key, vocab_size, GROUP: tl.constexpr):
     s = tl.load(row_ptr + ids, mask=valid, other=float("-inf")).to(tl.float32) * inv_t
     token_keys = tl.where(valid & (s >= cut), s + _gumbel(ids.to(tl.uint32), key), float("-inf"))
     _, col = tl.max(token_keys, axis=0, return_indices=True)
-    return (best_group * GROUP + col).to(tl.int64)
+    # clamped: a spoiled row (NaN keys) may pick a padding column of the last group; never past the vocabulary
+    return tl.minimum(best_group * GROUP + col, vocab_size - 1).to(tl.int64)
 
 
 @triton.jit
@@ -381,7 +385,8 @@ def _top_p_cut_sorted(values: torch.Tensor,   # [R, K] scaled logits, descending
                       ) -> torch.Tensor:      # [R] the largest value v with mass(s >= v) >= target
     last = (values >= floor.unsqueeze(1)).sum(dim=-1) - 1
     first_enough = (kept.cumsum(dim=-1) < target.unsqueeze(1)).sum(dim=-1)
-    return values.gather(1, torch.minimum(first_enough, last).unsqueeze(1)).squeeze(1)
+    # clamped at 0: a row whose comparisons all fail (NaN) keeps at least its first value, the max
+    return values.gather(1, torch.minimum(first_enough, last).clamp_(min=0).unsqueeze(1)).squeeze(1)
 
 
 def _top_p_cut_binned(s: torch.Tensor, e: torch.Tensor,  # [R, V] scaled logits, exp(s - max)
@@ -400,10 +405,12 @@ def _top_p_cut_binned(s: torch.Tensor, e: torch.Tensor,  # [R, V] scaled logits,
     above = (cumulative - mass).gather(1, cut_bin)  # the mass of the bins before it
     in_bin = bins == cut_bin
     count = in_bin.sum(dim=-1)
-    tied = torch.where(in_bin, s, -math.inf).topk(int(count.max().item()), dim=-1).values
+    tied = torch.where(in_bin, s, -math.inf).topk(max(1, int(count.max().item())), dim=-1).values
     reached = (tied - s_max.unsqueeze(1)).exp_().cumsum(dim=-1).add_(above)
     first_enough = (reached < target.unsqueeze(1)).sum(dim=-1)
-    return tied.gather(1, torch.minimum(first_enough, count - 1).unsqueeze(1)).squeeze(1)
+    cut = tied.gather(1, torch.minimum(first_enough, count - 1).clamp_(min=0).unsqueeze(1)).squeeze(1)
+    # An empty cut bin only happens on a spoiled row (NaN / inf masses): it keeps its max, never nothing.
+    return torch.where(count > 0, cut, s_max)
 
 
 def _race_candidates(top: _Candidates,

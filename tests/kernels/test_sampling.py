@@ -266,3 +266,43 @@ def test_noise_follows_seed_and_offset():
     assert len(set(base)) > steps * 3 // 4
     assert stream(12345) == base
     assert stream(12345 + 2**32) != base and stream(12346) != base and stream(2**62 + 12345) != base
+
+
+# ---- hostile rows: never raise, always a token id of the vocabulary ------------------------------------
+
+HOSTILE_ROWS = {   # how one row's logits are spoiled
+    "nan": lambda row: row.index_fill_(0, torch.tensor([3, 700]), math.nan),
+    "all_nan": lambda row: row.fill_(math.nan),
+    "plus_inf": lambda row: row.index_fill_(0, torch.tensor([11]), math.inf),
+    "two_plus_inf": lambda row: row.index_fill_(0, torch.tensor([11, 900]), math.inf),
+    "all_minus_inf": lambda row: row.fill_(-math.inf),
+    "huge": lambda row: row.mul_(1e37),
+    "tiny": lambda row: row.mul_(1e-42),
+}
+HOSTILE_FILTERS = [(1.0, 0, 0.5, 0.0), (1.0, 40, 0.5, 0.0), (1e30, 0, 0.9, 0.0), (1e-5, 0, 1e-30, 0.0),
+                   (0.7, 100, 0.9, 1e-40), (1.0, 0, 1.0, 1.0), (3e38, 2**31 - 1, 0.3, 0.99)]
+
+
+@pytest.mark.parametrize("impl", [sample_torch, pytest.param(sample_triton, marks=requires_triton)],
+                         ids=["twin", "triton"])
+@pytest.mark.parametrize("filters", HOSTILE_FILTERS, ids=str)
+def test_spoiled_rows_never_raise_and_give_a_vocabulary_token(impl, filters):
+    """NaN / inf / absurd logits beside healthy rows (the engine fails such a request, but the kernel must
+    still answer for the whole batch): every row gets a token id in [0, V); a healthy finite row keeps at
+    least its argmax, so its token is the argmax when top_p or min_p leaves only it."""
+    vocab = 1000
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(len(HOSTILE_ROWS) + 1, vocab, generator=g) * 3
+    for i, spoil in enumerate(HOSTILE_ROWS.values()):
+        spoil(x[i])
+    rows = x.shape[0]
+    t, k, p, m = filters
+
+    def column(value, dtype):
+        return torch.full((rows,), value, dtype=dtype, device=DEVICE)
+
+    tokens = impl(x.to(DEVICE), column(t, torch.float32), column(k, torch.int64), column(p, torch.float32),
+                  column(m, torch.float32), *_noise_args(rows, g).values()).cpu()
+    assert ((tokens >= 0) & (tokens < vocab)).all(), tokens.tolist()
+    if m == 1.0 and t == 1.0:   # the healthy last row: only its max is within min_p of itself
+        assert tokens[-1] == x[-1].argmax()
