@@ -9,6 +9,13 @@ cycle) and `delivered` grows -> the finished delta removes it. If its worker die
 its own (a draining worker), the request is held again at the front of the queue and re-dispatched as
 prompt + delivered tokens with the remaining budget, so the client's stream goes on without a gap or a
 repeat. Deltas from a worker that does not own the request are dropped and the request aborted there.
+
+Poison quarantine: a request that may kill its worker must not walk through the fleet. Every request
+running on a worker when it dies (connection gone, or silent past the timeout) records that death and is a
+suspect: it is re-dispatched to one worker, preferably one running no other suspect. A second worker dying
+while running it fails it with code "internal" (quarantined). Requests on a dying worker alongside it fail
+over as usual: one death proves nothing. Group mates aborted because a member died, drains and full queues
+are not deaths.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from infer.protocol.sampling import SamplingParams
 log = logging.getLogger("infer.coordinator")
 
 _DEFAULTS = SamplingParams()
+QUARANTINE_DEATHS = 2            # worker deaths while it ran that fail a request as a likely poison
 MAX_STATS_WAITERS = 1024
 MAX_STATS_WAITERS_PER_CLIENT = 8
 MAX_STATS_PER_CLIENT_S = 100     # StatsRequests one client may send per second; past it: Error "overloaded"
@@ -570,7 +578,7 @@ class Coordinator:
                                     f"which is not available (healthy ranks: {ranks})")
                 return True
         else:
-            worker = self.policy.choose(request.routing_prompt, candidates)
+            worker = self.policy.choose(request.routing_prompt, self._for_suspect(request, candidates))
         if request.delivered and request.prompt_token_ids is None:
             self._fail(request, f"request {request.request_id!r} cannot be resumed: its worker never reported "
                                 f"the prompt's token ids")
@@ -586,6 +594,15 @@ class Coordinator:
         request.dispatch_seq = worker.dispatches_sent
         self._send(worker.identity, request.dispatch())
         return True
+
+    def _for_suspect(self, request: RequestRecord, candidates: list[WorkerRecord]) -> list[WorkerRecord]:
+        """A suspect goes where no other suspect runs, when such a worker can take it: should one of them be a
+        poison, the next death then hits it alone, not the bystanders that died with it once."""
+        if not request.suspect:
+            return candidates
+        clear = [w for w in candidates
+                 if not any(r is not None and r.suspect for r in map(self.requests.get, w.requests))]
+        return clear or candidates
 
     def _place(self, request: RequestRecord, worker: WorkerRecord) -> None:
         """Put `request` on `worker`'s books (it runs there from now on), charged at its estimated cost."""
@@ -838,6 +855,8 @@ class Coordinator:
             if w is not worker and moved:
                 self._send(w.identity, Abort(request_ids=[r.request_id for r in moved]))
             for request in moved:
+                if w is worker:
+                    request.worker_deaths.append(worker.worker_id)
                 self._failover(request, f"worker {worker.worker_id!r} (dp_rank {worker.dp_rank}) {reason}", now)
         self._dispatch_held(now)
 
@@ -848,10 +867,22 @@ class Coordinator:
             self._fail(request, f"request {request.request_id!r} failed: {reason}; it was already re-dispatched "
                                 f"{request.retries} time(s), the limit (--max-retries)")
             return
+        if len(request.worker_deaths) >= QUARANTINE_DEATHS:
+            self._quarantine(request, reason)
+            return
         request.retries += 1
         self.counters.requests_redispatched += 1
         self.requests.hold(request, now)
         self.requests.held.move_to_end(request.request_id, last=False)
+
+    def _quarantine(self, request: RequestRecord, reason: str) -> None:
+        """Fail a request that was running on QUARANTINE_DEATHS workers when they died: a likely poison."""
+        workers = ", ".join(repr(w) for w in request.worker_deaths)
+        log.warning("request %r quarantined: running on %d workers that died (%s)", request.request_id,
+                    len(request.worker_deaths), workers)
+        self._fail(request, f"request {request.request_id!r} failed: it was running on two workers that died "
+                            f"({workers}; last: {reason}), so it is quarantined as their likely cause instead "
+                            f"of being moved to another worker", "internal")
 
     def _check_clients(self, now: float) -> None:
         for client in list(self.clients.values()):

@@ -5,7 +5,9 @@ Invariants (kept by coordinator/core.py):
   worker (worker_id set, the id is in that worker's `requests`);
 - `delivered` is every token id already relayed to the client, in order; with the prompt token ids it
   is what a re-dispatch resumes from;
-- a worker's `cost_in_flight` is the sum of its requests' `charged` (their estimated cost when dispatched).
+- a worker's `cost_in_flight` is the sum of its requests' `charged` (their estimated cost when dispatched);
+- `worker_deaths` names the workers that died while running the request, in order: one makes it a suspect,
+  two quarantine it (core.py `_failover`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class RequestRecord:
     retries: int = 0
     deadline: float | None = None       # monotonic time by which it must finish (Submit.timeout_s)
     dispatch_seq: int = 0               # its Dispatch was the n-th sent to its worker (0: none sent there)
+    worker_deaths: list[str] = field(default_factory=list)   # workers that died while running it
+
+    @property
+    def suspect(self) -> bool:
+        """A worker died while running it: it may be what killed that worker."""
+        return bool(self.worker_deaths)
 
     @property
     def cost(self) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.core import Coordinator
-from infer.protocol.messages import Delta, Hello, Load, Message, StepBatch, Submit, TokenIds, decode, encode
+from infer.protocol.messages import (
+    Delta, DeltaBatch, Dispatch, Hello, Load, Message, StepBatch, Submit, TokenIds, decode, encode
+)
 
 MODEL = "tiny-model"
 
@@ -69,3 +71,17 @@ def delta(rid: str, *tokens: int, prompt: list[int] | None = None, finish: str |
     return Delta(request_id=rid, token_ids=TokenIds(tokens), text="".join(f"<{t}>" for t in tokens),
                  finished=finish is not None, finish_reason=finish, error=error, error_code=code,
                  prompt_token_ids=None if prompt is None else TokenIds(prompt))
+
+
+def client_deltas(out: list[tuple[bytes, Message]], client: bytes) -> list[Delta]:
+    """Every delta the core queued for `client`, in order (its DeltaBatches unpacked)."""
+    return [d for identity, m in out if identity == client and isinstance(m, DeltaBatch) for d in m.deltas]
+
+
+def dispatches(out: list[tuple[bytes, Message]]) -> dict[bytes, list[Dispatch]]:
+    """The Dispatches the core queued, by worker identity."""
+    by_worker: dict[bytes, list[Dispatch]] = {}
+    for identity, m in out:
+        if isinstance(m, Dispatch):
+            by_worker.setdefault(identity, []).append(m)
+    return by_worker
