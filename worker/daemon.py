@@ -280,7 +280,7 @@ class Worker:
                 return step()
         except GroupBroken as e:   # raised by a MoE layer's exchange: a member of the group is gone
             self._group_broken(str(e))
-        except Exception as e:  # any engine failure ends this rank: fatal, exit 1
+        except Exception as e:  # the engine fails single requests itself; this is the engine broken: exit 1
             log.exception("engine step failed")
             self._send(Error(message=f"worker {self.options.worker_id} failed: engine step: {e!r}"))
             raise WorkerExit(EXIT_FATAL, f"fatal: engine step failed: {e!r}") from None

@@ -1,6 +1,17 @@
 """Engine: continuous batching over a paged KV cache. One engine is one DP rank.
 
 The step loop reads in four lines: schedule, run the model, advance the scheduler, post-process.
+
+Fault isolation: a failure while computing one request fails that request alone (finish_reason "error",
+error_code "internal", its KV blocks freed) and the engine goes on with the others:
+- a row whose logits are not finite (NaN / inf: the sampler reports it) fails its request; its token is not
+  used (failing is the honest choice: a sanitized row would be sampled from numbers that mean nothing);
+- a step that raises is run again one request at a time (the KV slots each rewrites are its own, and the
+  scheduler has not moved yet); requests that fail alone fail, the others get their tokens. When every
+  request fails alone and a forward with no request fails too, the engine itself is broken: step() raises
+  the first error (the worker exits; the coordinator moves its requests). EP group ranks raise at once: a
+  retry would call collectives their peers do not;
+- post-processing that raises for one request (detokenizing, stop checks) fails that request.
 """
 
 from __future__ import annotations
@@ -131,9 +142,10 @@ class Engine:
                 self.runner.execute_dummy()
             return outputs
         _stamp_queue_time(scheduled)
-        sampled = self.runner.execute(scheduled.chunks)
+        rows = self._execute(scheduled.chunks)
+        outputs.extend(self._fail_rows(scheduled.chunks, rows))
         self.scheduler.update_after_step(scheduled)
-        outputs.extend(self._postprocess(scheduled, sampled))
+        outputs.extend(self._postprocess(scheduled, rows))
         self.heap.after_step(busy=self.scheduler.has_unfinished())
         return outputs
 
@@ -171,6 +183,50 @@ class Engine:
                     num_free_blocks=blocks.num_free_blocks, num_total_blocks=self.num_kv_blocks,
                     num_queued_tokens=queued, num_preemptions=self.scheduler.num_preemptions,
                     prefix_cache_queries=blocks.num_queried_tokens, prefix_cache_hits=blocks.num_hit_tokens)
+
+    # ---- running a step, one request's failure isolated -------------------------------------
+
+    def _execute(self, chunks: Sequence[ScheduledChunk]) -> list[StepRow]:
+        """One forward and sampling step over `chunks`: one StepRow per chunk (module docstring: a step that
+        raises is retried one request at a time)."""
+        try:
+            return step_rows(chunks, self.runner.execute(chunks))
+        except Exception as error:
+            if self.ep.size > 1:
+                raise
+            log.exception("an engine step over %d request(s) failed; running them one at a time", len(chunks))
+            return self._execute_one_by_one(chunks, error)
+
+    def _execute_one_by_one(self, chunks: Sequence[ScheduledChunk], error: Exception) -> list[StepRow]:
+        rows = [self._execute_alone(chunk) for chunk in chunks]
+        if all(row.error is not None for row in rows):
+            self._raise_unless_healthy(error)
+        return rows
+
+    def _execute_alone(self, chunk: ScheduledChunk) -> StepRow:
+        try:
+            return step_rows([chunk], self.runner.execute([chunk]))[0]
+        except Exception as e:
+            log.exception("request %r fails on its own", chunk.request.request_id)
+            return StepRow(error=f"the engine failed while computing it: {type(e).__name__}: {e}")
+
+    def _raise_unless_healthy(self, error: Exception) -> None:
+        """Every request of the step failed alone: the engine is healthy if a forward with no request runs."""
+        try:
+            self.runner.execute_dummy()
+        except Exception:
+            log.exception("a forward with no request fails too: the engine is broken")
+            raise error from None
+
+    def _fail_rows(self, chunks: Sequence[ScheduledChunk], rows: list[StepRow]) -> list[RequestOutput]:
+        return [self._fail(chunk.request, row.error) for chunk, row in zip(chunks, rows) if row.error is not None]
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        """Finish `request` alone as failed by the engine (code "internal"), its KV blocks freed."""
+        log.error("request %r failed: %s", request.request_id, message)
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message)
+        request.error_code = "internal"
+        return self._final_output(request, "", [])
 
     # ---- input -------------------------------------------------------------------------------
 
@@ -221,20 +277,24 @@ class Engine:
 
     # ---- output ------------------------------------------------------------------------------
 
-    def _postprocess(self, scheduled: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
-        sampling = [c for c in scheduled.chunks if c.samples]
+    def _postprocess(self, scheduled: SchedulerOutput, rows: list[StepRow]) -> list[RequestOutput]:
+        computed = [(c, row) for c, row in zip(scheduled.chunks, rows) if row.error is None]
         self.stats.num_steps += 1
-        self.stats.prefill_tokens_computed += sum(c.num_new_tokens for c in scheduled.chunks
+        self.stats.prefill_tokens_computed += sum(c.num_new_tokens for c, _ in computed
                                                   if c.start < c.request.num_prompt_tokens)
-        if sampled is None:
-            return []
-        token_ids = sampled.token_ids.tolist()
-        logprobs = _logprobs_rows(sampled, sampling)
-        outputs = []
-        for chunk, token_id, lp in zip(sampling, token_ids, logprobs):
-            outputs.append(self._append_token(chunk, token_id, lp))
-        self.stats.generation_tokens += len(token_ids)
+        outputs = [self._append_token_or_fail(c, row) for c, row in computed if row.token_id is not None]
+        self.stats.generation_tokens += len(outputs)
         return outputs
+
+    def _append_token_or_fail(self, chunk: ScheduledChunk, row: StepRow) -> RequestOutput:
+        try:
+            return self._append_token(chunk, row.token_id, row.logprobs)
+        except Exception as e:
+            if chunk.request.is_finished:   # it failed while finishing: nothing is left to fail
+                raise
+            log.exception("post-processing request %r failed", chunk.request.request_id)
+            return self._fail(chunk.request, f"the engine failed after sampling token {row.token_id}: "
+                                             f"{type(e).__name__}: {e}")
 
     def _append_token(self, chunk: ScheduledChunk, token_id: int, lp: TokenLogprobs | None) -> RequestOutput:
         request = chunk.request
@@ -276,7 +336,7 @@ class Engine:
         self.stats.num_requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
         return RequestOutput(request.request_id, token_ids, text, finished=True, finish_reason=reason,
-                             logprobs=logprobs, error=request.error,
+                             logprobs=logprobs, error=request.error, error_code=request.error_code,
                              num_prompt_tokens=request.num_prompt_tokens,
                              num_cached_tokens=request.num_cached_tokens)
 
@@ -302,6 +362,38 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+
+NON_FINITE_LOGITS = ("the model produced non-finite logits (NaN or inf) for this request, after its penalties; "
+                     "it was stopped rather than sampled from them")
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """What one step gave one scheduled chunk: a sampled token (and its logprobs), nothing (a chunk that does
+    not sample: mid-prefill), or the error that fails its request."""
+
+    token_id: int | None = None
+    logprobs: TokenLogprobs | None = None
+    error: str | None = None
+
+
+def step_rows(chunks: Sequence[ScheduledChunk], sampled: SamplerOutput | None) -> list[StepRow]:
+    """One StepRow per chunk from the sampler's tensors (one host copy each); rows the sampler found
+    non-finite carry NON_FINITE_LOGITS."""
+    if sampled is None:
+        return [StepRow() for _ in chunks]
+    sampling = [c for c in chunks if c.samples]
+    token_ids = iter(zip(range(len(sampling)), sampled.token_ids.tolist(), _logprobs_rows(sampled, sampling)))
+    bad = set(sampled.bad_rows)
+    rows = []
+    for chunk in chunks:
+        if not chunk.samples:
+            rows.append(StepRow())
+            continue
+        i, token_id, lp = next(token_ids)
+        rows.append(StepRow(error=NON_FINITE_LOGITS) if i in bad else StepRow(token_id, lp))
+    return rows
 
 
 def _stamp_queue_time(scheduled: SchedulerOutput) -> None:

@@ -60,6 +60,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     error: str | None = None
+    error_code: str | None = None    # with FINISHED_ERROR: one of protocol.outputs.ERROR_CODES
     arrival_time: float = 0.0              # time.monotonic() at add_request
     queue_time_s: float | None = None      # set when first scheduled; reported once, with the first token
     queue_time_reported: bool = False

@@ -11,10 +11,16 @@ in the batch, nor on preemption (the count survives a recompute), and a seeded r
 engine with its delivered tokens continues the same stream.
 
 Logprobs are those of the raw logits (before penalties and temperature: vLLM's default).
+
+Spoiled rows: a row whose logits after the penalties hold NaN or +inf (or are all -inf) cannot be sampled
+honestly. `SamplerOutput.bad_rows` names them and the engine fails their requests ("internal"); they are
+sampled as zeros meanwhile, so the kernel sees finite input and the rest of the batch is unaffected. The
+check is one min/max pass over the logits and one host read per step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -168,6 +174,7 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor | None = None  # [B] float32
     top_ids: torch.Tensor | None = None           # [B, n] int64
     top_logprobs: torch.Tensor | None = None      # [B, n] float32
+    bad_rows: tuple[int, ...] = ()                # rows whose logits were not finite: their outputs mean nothing
 
 
 class Sampler:
@@ -186,10 +193,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32, not modified."""
         if meta.fast_greedy:
-            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+            return SamplerOutput(token_ids=logits.argmax(dim=-1), bad_rows=non_finite_rows(logits))
         processed = logits.float()
         if meta.penalties is not None:
             processed = apply_penalties(processed, meta.penalties)
+        bad_rows = non_finite_rows(processed)
+        if bad_rows:
+            processed = processed.index_fill(0, torch.tensor(bad_rows, device=processed.device), 0.0)
         if meta.min_tokens_mask is not None:
             processed = processed.index_put(meta.min_tokens_mask, processed.new_tensor(-math.inf))
         if meta.all_greedy:
@@ -198,8 +208,9 @@ class Sampler:
             token_ids = sample_kernel(processed, meta.temperature, meta.top_k, meta.top_p, meta.min_p,
                                       self._seeds(meta), meta.offsets)
         if meta.max_num_logprobs is None:
-            return SamplerOutput(token_ids=token_ids)
-        return _with_logprobs(logits, token_ids, meta.logprob_rows, meta.max_num_logprobs)
+            return SamplerOutput(token_ids=token_ids, bad_rows=bad_rows)
+        return dataclasses.replace(_with_logprobs(logits, token_ids, meta.logprob_rows, meta.max_num_logprobs),
+                                   bad_rows=bad_rows)
 
     def _seeds(self, meta: SamplingMetadata) -> torch.Tensor:
         """[B] int64: params.seed, else the request's drawn seed (drawn on first use)."""
@@ -212,6 +223,16 @@ class Sampler:
         if seed is None:
             seed = self._drawn_seeds[request_id] = self._generator.getrandbits(63)
         return seed
+
+
+def non_finite_rows(logits: torch.Tensor) -> tuple[int, ...]:
+    """Rows of [B, V] `logits` holding a NaN or +inf, or nothing above -inf (-inf entries alone are fine: masked
+    tokens). One min/max pass; one host read."""
+    low, high = torch.aminmax(logits, dim=-1)
+    bad = low.isnan() | ~high.isfinite()
+    if not bool(bad.any()):
+        return ()
+    return tuple(bad.nonzero().squeeze(1).tolist())
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
