@@ -130,13 +130,20 @@ async def test_lifecycle_raises_in_direct_mode(direct):
 async def test_a_failed_step_fails_every_request_and_then_every_call(tiny_llama, monkeypatch):
     local = _local_engine(tiny_llama)
     execute = local.engine.runner.execute
+    broken = []
 
-    def fail_once_both_run(chunks):   # the fault: the first step that holds both requests raises
+    def breaks_once_both_run(chunks):   # the fault: once a step holds both requests, no forward runs any more
         if len(chunks) == 2:
+            broken.append(True)
+        if broken:
             raise RuntimeError("injected fault")
         return execute(chunks)
 
-    monkeypatch.setattr(local.engine.runner, "execute", fail_once_both_run)
+    def dummy_fails_too():   # so the engine finds itself broken (one request's failure would fail it alone)
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(local.engine.runner, "execute", breaks_once_both_run)
+    monkeypatch.setattr(local.engine.runner, "execute_dummy", dummy_fails_too)
 
     async def collect(prompt):
         return [d async for d in local.stream(prompt, LONG)]
