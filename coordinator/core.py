@@ -852,7 +852,9 @@ class Coordinator:
                     if mates else "")
         for w in [worker, *mates]:
             moved = [r for r in map(self.requests.get, list(w.requests)) if r is not None]
-            if w is not worker and moved:
+            # The dead worker too: if it only hung, the Abort waits ahead of its next step, so a request
+            # never runs on two workers at once (an unroutable send is ignored: it is dead already).
+            if moved:
                 self._send(w.identity, Abort(request_ids=[r.request_id for r in moved]))
             for request in moved:
                 if w is worker:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from core_harness import Harness, client_deltas, delta, dispatches
 
+from infer.protocol.messages import Abort, Heartbeat
+
 C1, C2 = b"client-1", b"client-2"
 W0, W1, W2 = b"w0", b"w1", b"w2"
 
@@ -107,3 +109,20 @@ def test_failover_after_one_death_keeps_the_stream_exact():
     assert d.resumed_token_ids == [7] and d.sampling["max_tokens"] == 4
     out = h.step("w1", delta("r", 8, prompt=[1, 2, 3, 7]), delta("r", 9, finish="length"))
     assert [x.token_ids for x in client_deltas(out, C1)] == [[8], [9]]
+
+
+def test_a_hung_workers_copy_is_aborted_so_a_suspect_never_runs_on_two_workers():
+    """Declared dead by silence, a worker may only be hung: the Abort of what it ran is queued for it (it
+    reads it before its next step when it wakes), and the request is dispatched to exactly one other worker."""
+    h = three_workers(worker_timeout=0.5)
+    h.submit(C1, "r", pin_rank=0)
+    h.step("w0", delta("r", 7, prompt=[1, 2, 3]))
+    out = []
+    for _ in range(8):                           # w1 and w2 keep talking, w0 is silent
+        h.send(W1, Heartbeat(sent_at=0.0))
+        h.send(W2, Heartbeat(sent_at=0.0))
+        out += h.advance(0.1)
+    assert [m.request_ids for identity, m in out if identity == W0 and isinstance(m, Abort)] == [["r"]]
+    moved = dispatches(out)
+    assert sum(len(d) for d in moved.values()) == 1 and W0 not in moved
+    assert h.core.requests.get("r").worker_deaths == ["w0"]
