@@ -92,7 +92,7 @@ def test_deaths_count_only_the_worker_that_died_not_its_group_mates_nor_a_drain(
     h.core.peer_gone(W0, h.now)                  # w1's group is broken: its request moves, no strike
     assert h.core.requests.get("on-mate").worker_deaths == []
     h.submit(C1, "drained", pin_rank=2)
-    out = h.step("w2", delta("drained", finish="error", error="worker is draining", code="unavailable"))
+    out = h.step("w2", delta("drained", finish="error", error="worker is draining", code="draining"))
     assert h.core.requests.get("drained").worker_deaths == []
     assert not _finals(out, C1)
 
