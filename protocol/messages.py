@@ -104,10 +104,12 @@ _MAX_VALID_SAMPLING = 4096
 def _check_sampling(sampling: dict[str, Any]) -> None:
     """ProtocolError unless `sampling` builds valid SamplingParams. Remembers what passed: most requests
     carry one of a few sampling dicts, and validating them is a measurable share of the coordinator's time.
-    The key keeps every value's type, so True never passes for 1."""
+    The key keeps every value's type, so True never passes for 1. The seed (one per request: the coordinator
+    assigns one to every sampled request) is checked on its own and left out of the key."""
+    _check_seed(sampling.get("seed"), "sampling.seed")
     try:
         key = tuple((k, type(v), tuple((type(x), x) for x in v) if type(v) is list else v)
-                    for k, v in sampling.items())
+                    for k, v in sampling.items() if k != "seed")
         hash(key)
     except TypeError:
         key = None
@@ -121,6 +123,11 @@ def _check_sampling(sampling: dict[str, Any]) -> None:
         if len(_VALID_SAMPLING) >= _MAX_VALID_SAMPLING:
             _VALID_SAMPLING.clear()
         _VALID_SAMPLING.add(key)
+
+
+def _check_seed(seed: Any, name: str = "seed") -> None:
+    _require(seed is None or (type(seed) is int and 0 <= seed < 2**63),
+             f"field {name!r} must be an integer in [0, 2**63) or null, got {seed!r}")
 
 
 # ---- handshake -----------------------------------------------------------------------------------
@@ -145,9 +152,11 @@ class RequestSnapshot(Message):
     text: str = ""
     delta_ends: list[int] = field(default_factory=list)
     text_ends: list[int] = field(default_factory=list)
+    seed: int | None = None       # the sampling seed it runs with
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
+        _check_seed(self.seed)
         _require(0 <= self.resumed <= len(self.token_ids),
                  f"field 'resumed' must be in [0, {len(self.token_ids)}], got {self.resumed}")
         _require(len(self.delta_ends) == len(self.text_ends), "'delta_ends' and 'text_ends' differ in length")
@@ -249,8 +258,9 @@ class Submit(Message):
     `timeout_s`: the request fails with error code "timeout" (and is aborted, its KV blocks freed) unless it
     finishes within that many seconds of reaching the coordinator.
     `reattach`: the client sends it again after the coordinator restarted; `delivered_token_ids` are the
-    output tokens the client already holds, so the stream goes on from there (a request the coordinator
-    already has from this client is left as it is).
+    output tokens the client already holds and `delivered_text_len` the characters of text it has of them,
+    so the stream goes on from there (a request the coordinator already has from this client is left as
+    it is). Its `sampling` then carries the seed the first delta reported.
     """
 
     TYPE: ClassVar[str] = "submit"
@@ -262,11 +272,14 @@ class Submit(Message):
     timeout_s: float | None = None
     reattach: bool = False
     delivered_token_ids: TokenIds = field(default_factory=TokenIds)
+    delivered_text_len: int | None = None
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
         _require((self.prompt is None) != (self.prompt_token_ids is None),
                  "exactly one of 'prompt' and 'prompt_token_ids' must be given")
+        _require(self.delivered_text_len is None or self.delivered_text_len >= 0,
+                 f"field 'delivered_text_len' must be >= 0, got {self.delivered_text_len}")
         _require(self.pin_rank is None or self.pin_rank >= 0, f"field 'pin_rank' must be >= 0, got {self.pin_rank}")
         _require(self.timeout_s is None or 0 < self.timeout_s <= MAX_REQUEST_TIMEOUT_S,
                  f"field 'timeout_s' must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got {self.timeout_s}")
@@ -286,9 +299,12 @@ class Submit(Message):
 class Dispatch(Message):
     """Coordinator -> worker: run this request.
 
-    After a failover, `resumed_token_ids` holds the tokens already delivered to the client: the worker
-    appends them to the prompt, and `sampling["max_tokens"]` is the remaining budget, so the stream goes
-    on with no token lost or repeated.
+    After a failover, `resumed_token_ids` holds the tokens already delivered to the client and
+    `resumed_text_len` the characters of their text the client has (None: unknown, all that the worker's
+    detokenizer would have shown): the worker appends the tokens to the prompt, rebuilds its detokenizer
+    and stop-string state from them, and sends only the text past that point; `sampling["max_tokens"]` is
+    the remaining budget and `sampling["seed"]` the request's seed, so the stream goes on with no token or
+    character lost or repeated, as if nothing had happened.
     """
 
     TYPE: ClassVar[str] = "dispatch"
@@ -297,6 +313,7 @@ class Dispatch(Message):
     prompt: str | None = None
     prompt_token_ids: TokenIds | None = None
     resumed_token_ids: TokenIds = field(default_factory=TokenIds)
+    resumed_text_len: int | None = None
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
@@ -304,6 +321,8 @@ class Dispatch(Message):
                  "exactly one of 'prompt' and 'prompt_token_ids' must be given")
         _require(not self.resumed_token_ids or self.prompt_token_ids is not None,
                  "'resumed_token_ids' needs 'prompt_token_ids'")
+        _require(self.resumed_text_len is None or self.resumed_text_len >= 0,
+                 f"field 'resumed_text_len' must be >= 0, got {self.resumed_text_len}")
         _check_sampling(self.sampling)
 
 
@@ -332,9 +351,11 @@ class Delta(Message):
     prompt_token_ids: TokenIds | None = None   # a worker's first delta of a request: what it tokenized
     error_code: str | None = None              # with finish_reason "error": one of outputs.ERROR_CODES
     queue_time_s: float | None = None          # a worker's first delta: seconds waiting before first scheduled
+    seed: int | None = None                    # the first delta: the sampling seed the request runs with
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
+        _check_seed(self.seed)
         _require(self.error_code is None or self.error_code in ERROR_CODES,
                  f"field 'error_code' must be one of {', '.join(ERROR_CODES)} or null, got {self.error_code!r}")
         _require(self.finish_reason in (None, "stop", "length", "abort", "error"),

@@ -45,6 +45,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error_code: str | None = None
     queue_time_s: float | None = None   # first delta only: seconds it waited in the engine before it was scheduled
+    seed: int | None = None             # first delta only: the sampling seed (given, or assigned when none was)
 
 
 @dataclass
@@ -61,11 +62,14 @@ class Completion:
     prompt: str | None = None
     num_cached_tokens: int = 0
     error_code: str | None = None
+    seed: int | None = None     # the sampling seed it ran with (assigned when none was given): a replay key
 
     def add(self, delta: RequestOutput) -> None:
         """Fold one stream delta into this completion."""
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
+        if delta.seed is not None:
+            self.seed = delta.seed
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         if delta.finished:

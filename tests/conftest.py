@@ -99,3 +99,54 @@ def smollm2_dir() -> Path:
     from infer.worker.loader import resolve_model
 
     return resolve_model(None)
+
+
+# Words of a "word chain" model: multi-byte characters (emoji, CJK, Latin-1) that SmolLM2's byte-level BPE splits
+# over several tokens, a plain word, and punctuation.
+CHAIN_WORDS = ("😀", "🎉", "你好", "世界", "é", " ok", "日本語", ".")
+
+
+@pytest.fixture(scope="session")
+def word_chain_model(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A tiny Llama (real loader, SmolLM2's tokenizer) whose next token depends only on the last one: inside
+    a word of CHAIN_WORDS it is the word's next token; after a word's last token (or any token outside the
+    words) it is the first token of any word, each equally likely. Sampled at temperature 1 it writes random
+    sequences of those words: valid UTF-8 whose characters straddle token boundaries, a good test of
+    incremental detokenization and stop strings. Greedy output is degenerate (ties)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    words = [smollm2_tokenizer.encode(w, add_special_tokens=False) for w in CHAIN_WORDS]
+    nexts: dict[int, set[int]] = {}            # token -> the tokens that may follow it
+    starts = {w[0] for w in words}
+    for w in words:
+        for a, b in zip(w, w[1:]):
+            nexts.setdefault(a, set()).add(b)
+        nexts.setdefault(w[-1], set()).update(starts)
+    states = sorted(nexts)                      # tokens that have a hidden dimension of their own
+    hidden = 64
+    other = hidden - 1                          # the dimension of every other token (-> any word's start)
+    config = AutoConfig.for_model("llama", vocab_size=len(smollm2_tokenizer), hidden_size=hidden,
+                                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=2048,
+                                  bos_token_id=smollm2_tokenizer.bos_token_id,
+                                  eos_token_id=smollm2_tokenizer.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    big = 40.0 / hidden ** 0.5                  # RMSNorm scales a one-hot row to sqrt(hidden): logit 40
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()                           # attention and MLP add nothing: the last token decides
+        model.model.norm.weight.fill_(1.0)
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed[:, other] = 1.0
+        for dim, token in enumerate(states):
+            embed[token].zero_()
+            embed[token, dim] = 1.0
+            for b in nexts[token]:
+                head[b, dim] = big
+        for b in starts:
+            head[b, other] = big
+    path = tmp_path_factory.mktemp("word-chain")
+    model.save_pretrained(path, safe_serialization=True)
+    smollm2_tokenizer.save_pretrained(path)
+    return path

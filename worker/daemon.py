@@ -88,10 +88,10 @@ class EngineLike(Protocol):
     @property
     def num_kv_blocks(self) -> int: ...
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    resumed_token_ids: Sequence[int] = ()) -> Request: ...
+                    resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None) -> Request: ...
     def step(self) -> list[RequestOutput]: ...
     def take_pending(self) -> list[RequestOutput]: ...
-    def abort(self, request_id: str) -> bool: ...
+    def abort(self, request_id: str, release_text: bool = True) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def load(self) -> Load: ...
 
@@ -381,7 +381,7 @@ class Worker:
                      finished=out.finished, finish_reason=out.finish_reason, error=out.error,
                      logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
                      num_cached_tokens=out.num_cached_tokens, prompt_token_ids=prompt_ids,
-                     error_code=out.error_code, queue_time_s=out.queue_time_s)
+                     error_code=out.error_code, queue_time_s=out.queue_time_s, seed=out.seed)
 
     # ---- liveness and registration ----------------------------------------------------------------
 
@@ -479,11 +479,12 @@ class Worker:
         try:
             params = SamplingParams.from_dict(msg.sampling)
             with self._socket_handed_over():     # a huge prompt's tokenization: heartbeats go on meanwhile
-                request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids)
+                request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids,
+                                                  msg.resumed_text_len)
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request", msg.prompt_token_ids)
         self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), len(msg.resumed_token_ids),
-                                               TokenIds(msg.resumed_token_ids))
+                                               TokenIds(msg.resumed_token_ids), request.params.seed)
 
     def _reject(self, request_id: str, reason: str, code: str, prompt_token_ids: TokenIds | None = None) -> None:
         self._warn.warning("request %s rejected: %s", safe(request_id), safe(reason))
@@ -499,8 +500,10 @@ class Worker:
                 self._silenced.add(request_id)
 
     def _abort_all(self) -> None:
+        """Give every request back. Text held back stays out of the final deltas: whoever resumes a request
+        from its delivered tokens produces it (a stop string may yet cut it)."""
         for request_id in list(self._requests):
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, release_text=False)
         self._send_step_batch(self.engine.take_pending())
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -589,10 +592,12 @@ class _Sent:
     (see RequestSnapshot). Tokens resumed from a failover come first; their text is the client's already."""
 
     __slots__ = ("prompt_token_ids", "resumed", "token_ids", "text_parts", "delta_ends", "text_ends", "text_len",
-                 "echoed")
+                 "echoed", "seed")
 
-    def __init__(self, prompt_token_ids: TokenIds, resumed: int, resumed_token_ids: TokenIds) -> None:
+    def __init__(self, prompt_token_ids: TokenIds, resumed: int, resumed_token_ids: TokenIds,
+                 seed: int | None = None) -> None:
         self.prompt_token_ids = prompt_token_ids
+        self.seed = seed
         self.resumed = resumed
         self.token_ids = resumed_token_ids
         self.text_parts: list[str] = []
@@ -614,7 +619,7 @@ class _Sent:
     def snapshot(self, request_id: str) -> RequestSnapshot:
         return RequestSnapshot(request_id=request_id, prompt_token_ids=self.prompt_token_ids,
                                token_ids=TokenIds(self.token_ids), resumed=self.resumed, text="".join(self.text_parts),
-                               delta_ends=list(self.delta_ends), text_ends=list(self.text_ends))
+                               delta_ends=list(self.delta_ends), text_ends=list(self.text_ends), seed=self.seed)
 
 
 def _peek_request_id(frame: bytes) -> str | None:
@@ -652,7 +657,7 @@ class BenchmarkEngine:
         return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    resumed_token_ids: Sequence[int] = ()) -> Request:
+                    resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -691,7 +696,7 @@ class BenchmarkEngine:
         outputs, self._pending = self._pending, []
         return outputs
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, release_text: bool = True) -> bool:
         request = self._requests.pop(request_id, None)
         if request is not None:
             self._pending.append(RequestOutput(request_id, [], "", finished=True, finish_reason="abort",

@@ -9,7 +9,12 @@ Stop strings: a match counts when it ends in text produced by an output token pa
 `params.min_tokens` (as vLLM); it may start earlier, across token boundaries. While stop strings are set,
 the last (longest stop - 1) characters are held back from the deltas, since they may start a match.
 Invariant: concatenated deltas + held-back text == `text`; after `finish()` nothing is held back.
-Torch-free.
+
+Resuming (a failover): `resume(tokens, num_delivered_chars)` replays the output tokens another engine already
+delivered, which rebuilds exactly the state that engine had at that point (the decode window, bytes of an
+unfinished character, the text held back for stop strings), then marks the first `num_delivered_chars`
+characters as shown. The continued deltas then equal the uninterrupted ones, and a stop string that began
+before the cut is still found. Torch-free.
 """
 
 from __future__ import annotations
@@ -72,6 +77,19 @@ class IncrementalDetokenizer:
             self._tokens.append(self._tokenizer.convert_ids_to_tokens(int(token_id)))
             deltas.append(self._append(self._decode_window(final=False)))
         return "".join(deltas)
+
+    def resume(self, delivered_token_ids: Sequence[int], num_delivered_chars: int | None = None) -> None:
+        """Replay output tokens already delivered by another engine; their text up to `num_delivered_chars`
+        counts as shown (None: as much as this detokenizer would have shown), the rest is owed and comes out
+        with the next delta (or `finish`). Call once, before `add`."""
+        if self.num_tokens:
+            raise RuntimeError("IncrementalDetokenizer.resume after add()")
+        self.add(delivered_token_ids)
+        if num_delivered_chars is None:
+            return
+        text = self.text
+        shown = min(num_delivered_chars, len(text))
+        self._emitted, self._held = [text[:shown]], text[shown:]
 
     def finish(self) -> str:
         """Release everything held back (the request ended); idempotent. Incomplete trailing bytes come out

@@ -105,13 +105,20 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
-                    resumed_token_ids: Sequence[int] = ()) -> Request:
+                    resumed_token_ids: Sequence[int] = (),
+                    resumed_text_len: int | None = None) -> Request:
         """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged.
 
+        A sampled request without a seed gets one here (drawn from the engine's `seed`), reported with its
+        first output: the request's randomness is then a function of that seed and its token count.
+
         `resumed_token_ids` continue a request another engine started (failover): they are output tokens
-        already delivered, so they count as output (penalties, min_tokens, stop ids) and their text is not
-        produced again; `params.max_tokens` and `params.min_tokens` are what is left to generate. Greedy
-        output then continues exactly where the first engine stopped.
+        already delivered, so they count as output (penalties, min_tokens, stop ids, the place in the seed's
+        noise) and the detokenizer replays them, so that the text comes out as if it had never stopped:
+        `resumed_text_len` is how much of their text the client has (None: what our detokenizer would have
+        shown); the rest (bytes of an unfinished character, text held back for a stop string) comes with the
+        next output. `params.max_tokens` and `params.min_tokens` are what is left to generate. With the same
+        seed, the output continues exactly where the first engine stopped, tokens and text.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -120,6 +127,8 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.seed is None and params.temperature > 0:
+            params = dataclasses.replace(params, seed=self.sampler.draw_seed())
         prompt_ids = self._prompt_token_ids(prompt)
         resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids)
         whole = _counting_resumed(params, len(resumed))
@@ -127,9 +136,12 @@ class Engine:
                           arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
                           max_tokens=self._resolve_max_tokens(len(prompt_ids), whole),
                           token_ids=prompt_ids + resumed, arrival_time=time.monotonic())
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, whole)
+        if resumed:
+            detok.resume(resumed, resumed_text_len)
         self.scheduler.add(request)   # raises ValueError if it can never fit in the KV pool
         self._arrivals += 1
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids + resumed, params)
+        self._detokenizers[request_id] = detok
         self.stats.prompt_tokens += len(prompt_ids)
         return request
 
@@ -155,12 +167,14 @@ class Engine:
         self.runner.execute_dummy()
         return self.take_pending()
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a waiting or running request; its final delta comes with the next step()."""
+    def abort(self, request_id: str, release_text: bool = True) -> bool:
+        """Abort a waiting or running request; its final delta comes with the next step(). With
+        `release_text` False the final delta leaves out the text still held back (for a request that goes
+        on elsewhere from its delivered tokens: that text is produced there)."""
         request = self.scheduler.abort(request_id)
         if request is None:
             return False
-        self._pending.append(self._final_output(request, "", []))
+        self._pending.append(self._final_output(request, "", [], release_text=release_text))
         return True
 
     def has_unfinished(self) -> bool:
@@ -313,6 +327,7 @@ class Engine:
         if not request.queue_time_reported:
             request.queue_time_reported = True
             output.queue_time_s = request.queue_time_s
+            output.seed = request.params.seed
         return output
 
     def _stop_status(self, request: Request, token_id: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
@@ -327,9 +342,9 @@ class Engine:
         return None
 
     def _final_output(self, request: Request, text: str, token_ids: list[int],
-                      logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+                      logprobs: list[TokenLogprobs] | None = None, release_text: bool = True) -> RequestOutput:
         detok = self._detokenizers.pop(request.request_id, None)
-        if detok is not None:
+        if detok is not None and release_text:
             text += detok.finish()
         self.sampler.release(request.request_id)
         reason = request.status.finish_reason

@@ -4,11 +4,12 @@ Order (as vLLM): penalties on the raw logits, the min_tokens mask, then one fuse
 (infer.kernels.sampling): greedy rows take the argmax; the others are scaled by their temperature, filtered by
 top-k, top-p and min-p and drawn by an exponential race, per-row parameters in one launch, no host sync.
 
-Reproducibility: a row's noise is a hash of (seed, offset). The seed is `params.seed`, or one the sampler
-draws for the request from its own generator (seeded by `Sampler(seed=...)`) and keeps until `release`; the
-offset is the number of tokens the request has generated. So a request's tokens do not depend on what else is
-in the batch, nor on preemption (the count survives a recompute), and a seeded request resumed on another
-engine with its delivered tokens continues the same stream.
+Reproducibility: a row's noise is a hash of (seed, offset). The seed is `params.seed` (the engine gives every
+sampled request one, from `draw_seed`), or for a row without one, a seed the sampler draws for the request from
+its own generator (seeded by `Sampler(seed=...)`) and keeps until `release`; the offset is the number of tokens
+the request has generated. So a request's tokens do not depend on what else is in the batch, nor on preemption
+(the count survives a recompute), and a request resumed on another engine with its seed and delivered tokens
+continues the same stream.
 
 Logprobs are those of the raw logits (before penalties and temperature: vLLM's default).
 
@@ -186,6 +187,10 @@ class Sampler:
         self._generator = random.Random(seed)
         self._drawn_seeds: dict[str, int] = {}
 
+    def draw_seed(self) -> int:
+        """A new seed from this sampler's generator (the engine gives one to each unseeded sampled request)."""
+        return self._generator.getrandbits(63)
+
     def release(self, request_id: str) -> None:
         """Forget the request's drawn seed (call when it finishes); unknown ids are ignored."""
         self._drawn_seeds.pop(request_id, None)
@@ -221,7 +226,7 @@ class Sampler:
     def _drawn_seed(self, request_id: str) -> int:
         seed = self._drawn_seeds.get(request_id)
         if seed is None:
-            seed = self._drawn_seeds[request_id] = self._generator.getrandbits(63)
+            seed = self._drawn_seeds[request_id] = self.draw_seed()
         return seed
 
 
