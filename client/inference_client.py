@@ -92,6 +92,8 @@ class _Request:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | ClusterError
     prompt_token_ids: list[int] | None = None
     received: TokenIds = field(default_factory=TokenIds)          # output token ids delivered so far
+    received_text_len: int = 0                                    # characters of text delivered with them
+    seed: int | None = None                                       # the seed the first delta reported
 
 
 @dataclass(eq=False)
@@ -418,17 +420,19 @@ class InferenceClient:
 
     @staticmethod
     def _resubmission(request: _Request) -> Submit | None:
-        """`request`'s Submit again, marked as a re-attachment with the tokens already here and the time
-        left of its timeout; None if it cannot go on exactly (tokens arrived but not the prompt's ids)."""
+        """`request`'s Submit again, marked as a re-attachment with the tokens (and the length of the text)
+        already here, the seed it runs with and the time left of its timeout; None if it cannot go on
+        exactly (tokens arrived but not the prompt's ids)."""
         submit = request.submit
         timeout = None if request.deadline is None else max(1e-3, request.deadline - time.monotonic())
+        sampling = submit.sampling if request.seed is None else {**submit.sampling, "seed": request.seed}
         if not request.received:
-            return dataclasses.replace(submit, timeout_s=timeout, reattach=True)
+            return dataclasses.replace(submit, sampling=sampling, timeout_s=timeout, reattach=True)
         if request.prompt_token_ids is None:
             return None
         return Submit(request_id=submit.request_id, prompt_token_ids=TokenIds(request.prompt_token_ids),
-                      sampling=submit.sampling, pin_rank=submit.pin_rank, timeout_s=timeout, reattach=True,
-                      delivered_token_ids=TokenIds(request.received))
+                      sampling=sampling, pin_rank=submit.pin_rank, timeout_s=timeout, reattach=True,
+                      delivered_token_ids=TokenIds(request.received), delivered_text_len=request.received_text_len)
 
     def _on_delta(self, delta: Delta) -> None:
         request = self._requests.get(delta.request_id)
@@ -437,11 +441,14 @@ class InferenceClient:
         if delta.prompt_token_ids is not None and request.prompt_token_ids is None:
             request.prompt_token_ids = list(delta.prompt_token_ids)
         request.received.extend(delta.token_ids)
+        request.received_text_len += len(delta.text)
+        if delta.seed is not None:
+            request.seed = delta.seed
         request.queue.put_nowait(RequestOutput(
             delta.request_id, list(delta.token_ids), delta.text, finished=delta.finished,
             finish_reason=delta.finish_reason, logprobs=delta.logprobs, error=delta.error,
             num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-            error_code=delta.error_code, queue_time_s=delta.queue_time_s))
+            error_code=delta.error_code, queue_time_s=delta.queue_time_s, seed=delta.seed))
         if delta.finished:
             del self._requests[delta.request_id]
 

@@ -16,6 +16,11 @@ suspect: it is re-dispatched to one worker, preferably one running no other susp
 while running it fails it with code "internal" (quarantined). Requests on a dying worker alongside it fail
 over as usual: one death proves nothing. Group mates aborted because a member died, drains and full queues
 are not deaths.
+
+Exactly once: every sampled request gets a seed on Submit when it has none (reported to the client with the
+first delta), and a re-dispatch carries it with the delivered tokens and how much of their text the client
+has, so the new worker continues the same random stream and the same text (its detokenizer and stop-string
+state rebuilt from those tokens): tokens and text equal a run without the fault, greedy, seeded or not.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import random
 import time
 import uuid
 from collections import OrderedDict
@@ -103,6 +109,7 @@ class Coordinator:
         self.requests = RequestTable()
         self.instance = uuid.uuid4().hex[:16]      # this process; peers notice a restart when it changes
         self.orphans = OrphanTable()
+        self._seeds = random.Random()                # seeds for sampled requests that come without one
         self._reattaching: dict[str, RequestRecord] = {}   # re-attached, waiting (restart_grace) for their worker
         self.model_id = config.model_id
         self.counters = Counters()
@@ -416,15 +423,21 @@ class Coordinator:
         self.counters.requests_reattached += 1
         if request.prompt_token_ids is None:
             request.prompt_token_ids = orphan.prompt_token_ids
+        if orphan.seed is not None:         # what the worker runs with (the client may not have heard it yet)
+            request.sampling = {**request.sampling, "seed": orphan.seed}
         final = orphan.final
+        first = not request.sent_prompt_ids
         delta = Delta(request_id=request.request_id, token_ids=tokens, text=text,
                       num_prompt_tokens=len(request.prompt_token_ids),
-                      prompt_token_ids=None if request.sent_prompt_ids else request.prompt_token_ids,
+                      prompt_token_ids=request.prompt_token_ids if first else None,
                       finished=final is not None, finish_reason=None if final is None else final.finish_reason,
                       error=None if final is None else final.error,
-                      error_code=None if final is None else final.error_code)
+                      error_code=None if final is None else final.error_code,
+                      seed=request.sampling.get("seed") if first else None)
         request.sent_prompt_ids = True
         request.delivered.extend(tokens)
+        if request.delivered_text_len is not None:
+            request.delivered_text_len += len(text)
         request.dispatch_seq = 0        # every Hello of that worker lists it (no Dispatch of ours to cross)
         if final is not None:
             self.counters.requests_failed += final.finish_reason == "error"
@@ -444,6 +457,7 @@ class Coordinator:
         rid = submit.request_id
         request = self._new_record(client.identity, submit, now)
         request.delivered = TokenIds(submit.delivered_token_ids)
+        request.delivered_text_len = submit.delivered_text_len if request.delivered else 0
         request.sent_prompt_ids = bool(request.delivered)
         self.requests.add(request)
         client.requests.add(rid)
@@ -518,7 +532,7 @@ class Coordinator:
         self._admit(request, now)
 
     def _new_record(self, identity: bytes, submit: Submit, now: float) -> RequestRecord:
-        sampling = submit.sampling
+        sampling = self._seeded(submit.sampling)
         request = RequestRecord(
             request_id=submit.request_id, client=identity, prompt=submit.prompt,
             prompt_token_ids=submit.prompt_token_ids, sampling=sampling,
@@ -528,6 +542,13 @@ class Coordinator:
         if request.deadline is not None:
             self._add_deadline(request)
         return request
+
+    def _seeded(self, sampling: dict) -> dict:
+        """`sampling` with a seed of its own if it samples (temperature > 0) and has none: a re-dispatch then
+        continues the same random stream, and the client can replay it (the first delta reports it)."""
+        if sampling.get("seed") is not None or sampling.get("temperature", _DEFAULTS.temperature) <= 0:
+            return sampling
+        return {**sampling, "seed": self._seeds.getrandbits(63)}
 
     def _admit(self, request: RequestRecord, now: float) -> None:
         """Dispatch an accepted request now, or hold it behind the ones already waiting."""
@@ -750,6 +771,8 @@ class Coordinator:
             delta = self._continuation(request, delta)
         request.sent_prompt_ids = True
         request.delivered.extend(delta.token_ids)
+        if request.delivered_text_len is not None:
+            request.delivered_text_len += len(delta.text)
         if delta.finished:
             if delta.finish_reason == "error":
                 self.counters.requests_failed += 1
@@ -760,15 +783,17 @@ class Coordinator:
             self._to_client(request, delta)
 
     def _continuation(self, request: RequestRecord, delta: Delta) -> Delta:
-        """`delta` as the client should see it: the prompt ids only once, counted from the original prompt."""
+        """`delta` as the client should see it: the prompt ids and the seed only once, counted from the
+        original prompt."""
         prompt_ids = None if request.sent_prompt_ids else request.prompt_token_ids
-        if delta.prompt_token_ids is None and prompt_ids is None:
+        if delta.prompt_token_ids is None and prompt_ids is None and delta.seed is None:
             return delta
         return Delta(request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text,
                      finished=delta.finished, finish_reason=delta.finish_reason, error=delta.error,
                      logprobs=delta.logprobs, num_prompt_tokens=len(request.prompt_token_ids or ()),
                      num_cached_tokens=delta.num_cached_tokens, prompt_token_ids=prompt_ids,
-                     error_code=delta.error_code, queue_time_s=delta.queue_time_s)
+                     error_code=delta.error_code, queue_time_s=delta.queue_time_s,
+                     seed=None if prompt_ids is None else request.sampling.get("seed"))
 
     def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         """The worker aborted a request on its own (draining): relay its last tokens, then move it."""
@@ -777,7 +802,7 @@ class Coordinator:
                                                text=delta.text, logprobs=delta.logprobs,
                                                num_prompt_tokens=delta.num_prompt_tokens,
                                                num_cached_tokens=delta.num_cached_tokens,
-                                               prompt_token_ids=delta.prompt_token_ids), now)
+                                               prompt_token_ids=delta.prompt_token_ids, seed=delta.seed), now)
         self._failover(request, f"worker {worker.worker_id!r} aborted it", now)
         self._dispatch_held(now)
 

@@ -27,6 +27,7 @@ class Orphan:
     delta_ends: list[int] = field(default_factory=list)
     text_ends: list[int] = field(default_factory=list)
     final: Delta | None = None
+    seed: int | None = None         # the sampling seed it runs with
 
     @classmethod
     def from_snapshot(cls, worker_id: str, snapshot: RequestSnapshot, now: float) -> Orphan:
@@ -34,7 +35,7 @@ class Orphan:
                    prompt_token_ids=snapshot.prompt_token_ids, since=now, resumed=snapshot.resumed,
                    token_ids=TokenIds(snapshot.token_ids), text_parts=[snapshot.text],
                    text_len=len(snapshot.text), delta_ends=list(snapshot.delta_ends),
-                   text_ends=list(snapshot.text_ends))
+                   text_ends=list(snapshot.text_ends), seed=snapshot.seed)
 
     def extend(self, delta: Delta) -> None:
         """A later delta of this request from its worker."""

@@ -3,8 +3,9 @@
 Invariants (kept by coordinator/core.py):
 - a request is either held (worker_id is None, it sits in RequestTable.held) or runs on exactly one
   worker (worker_id set, the id is in that worker's `requests`);
-- `delivered` is every token id already relayed to the client, in order; with the prompt token ids it
-  is what a re-dispatch resumes from;
+- `delivered` is every token id already relayed to the client, in order, and `delivered_text_len` the
+  characters of text relayed with them; with the prompt token ids and the seed in `sampling` they are what a
+  re-dispatch resumes from (the worker rebuilds its detokenizer from them);
 - a worker's `cost_in_flight` is the sum of its requests' `charged` (their estimated cost when dispatched);
 - `worker_deaths` names the workers that died while running the request, in order: one makes it a suspect,
   two quarantine it (core.py `_failover`).
@@ -39,6 +40,7 @@ class RequestRecord:
     worker_id: str | None = None        # where it runs now; None while held
     held_since: float | None = None
     delivered: TokenIds = field(default_factory=TokenIds)
+    delivered_text_len: int | None = 0  # characters of text relayed with `delivered` (None: unknown)
     charged: int = 0                    # its estimated cost when dispatched, counted in its worker's cost_in_flight
     sent_prompt_ids: bool = False       # the client has had the prompt token ids
     retries: int = 0
@@ -80,7 +82,7 @@ class RequestRecord:
         sampling["max_tokens"] = self.remaining_budget()
         sampling["min_tokens"] = max(0, self.min_tokens - len(self.delivered))
         return Dispatch(request_id=self.request_id, sampling=sampling, prompt_token_ids=self.prompt_token_ids,
-                        resumed_token_ids=TokenIds(self.delivered))
+                        resumed_token_ids=TokenIds(self.delivered), resumed_text_len=self.delivered_text_len)
 
 
 @dataclass(eq=False)

@@ -223,6 +223,40 @@ def test_worker_death_resumes_the_stream_with_no_gap_and_no_repeat():
     assert h.core.requests.get("r").delivered == [7, 8, 9, 10]
 
 
+def test_an_unseeded_sampled_request_gets_a_seed_that_the_client_hears_and_the_redispatch_keeps():
+    h = two_workers()
+    out = h.submit(C1, "r", prompt="some prompt", temperature=1.0, max_tokens=10, stop=["xy"])
+    (d0,) = dispatches(out)[W0]
+    seed = d0.sampling["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**63
+    # the worker's first delta reports the seed it runs with; the client hears it once
+    out = h.step("w0", Delta(request_id="r", token_ids=TokenIds([7]), text="a",
+                             prompt_token_ids=TokenIds([11, 12]), seed=seed))
+    (d,) = client_deltas(out, C1)
+    assert d.seed == seed and d.prompt_token_ids == [11, 12]
+    h.step("w0", Delta(request_id="r", token_ids=TokenIds([8]), text=""))         # a character still incomplete
+    h.step("w0", Delta(request_id="r", token_ids=TokenIds([9]), text="\u00e9"))   # its "x" held back: stop "xy"?
+    h.core.peer_gone(W0, h.now)
+    (d1,) = dispatches(h.out())[W1]
+    assert d1.sampling["seed"] == seed and d1.resumed_token_ids == [7, 8, 9]
+    assert d1.resumed_text_len == len("a\u00e9") and d1.sampling["max_tokens"] == 7
+    out = h.step("w1", Delta(request_id="r", token_ids=TokenIds([10]), text="xz",
+                             prompt_token_ids=TokenIds([11, 12]), seed=seed))
+    (cont,) = client_deltas(out, C1)
+    assert cont.seed is None and cont.prompt_token_ids is None and cont.token_ids == [10]
+
+
+def test_seeds_are_kept_given_distinct_and_left_out_of_greedy_requests():
+    h = two_workers()
+    out = h.submit(C1, "s", temperature=0.7, seed=5)
+    out += h.submit(C1, "g", temperature=0.0)
+    out += h.submit(C1, "u1", temperature=1.0)
+    out += h.submit(C1, "u2", temperature=1.0)
+    sent = {d.request_id: d.sampling for ds in dispatches(out).values() for d in ds}
+    assert sent["s"]["seed"] == 5 and "seed" not in sent["g"]
+    assert sent["u1"]["seed"] != sent["u2"]["seed"]
+
+
 def test_a_silent_worker_is_declared_dead_and_its_requests_move():
     h = two_workers()
     _run_until_three_tokens(h)
