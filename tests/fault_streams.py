@@ -11,17 +11,19 @@ from typing import Any
 async def streams_through_a_fault(cluster: Any, prompts: list, params: Any,
                                   fault: Callable[[Any], Awaitable[None]],
                                   start_timeout: float = 60,
-                                  finish_timeout: float = 120) -> tuple[list, object]:
-    """Stream every prompt; once every stream has 3 tokens, `await fault(client)` (the client sees the
-    cluster's stats). Returns every stream's deltas, in prompt order, and the stats after."""
+                                  finish_timeout: float = 120, strike_after: int = 3) -> tuple[list, object]:
+    """Stream every prompt (`params`: one SamplingParams for all, or a list, one per prompt); once every
+    stream has `strike_after` deltas (or ended), `await fault(client)` (the client sees the cluster's stats).
+    Returns every stream's deltas, in prompt order, and the stats after."""
     all_started = asyncio.Event()
     started: set[int] = set()
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
 
     async def run(i: int):
         deltas = []
-        async for delta in client.stream(prompts[i], params):
+        async for delta in client.stream(prompts[i], per_prompt[i]):
             deltas.append(delta)
-            if len(deltas) == 3:
+            if len(deltas) == strike_after or (delta.finished and len(deltas) < strike_after):
                 started.add(i)
                 if len(started) == len(prompts):
                     all_started.set()

@@ -214,10 +214,12 @@ def ep_groups(cluster_factory) -> Callable[..., tuple[Cluster, list[list[Proc]]]
 
 @pytest.fixture
 def model_cluster(cluster_factory, tiny_llama) -> Callable[..., Cluster]:
-    """Factory: a started, ready cluster of `workers` workers on the tiny Llama (torn down after the test)."""
+    """Factory: a started, ready cluster of `workers` workers on the tiny Llama, or on `model` (torn down after
+    the test)."""
     def make(workers: int = 2, coordinator_flags: tuple[str, ...] = (),
-             engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS)) -> Cluster:
-        return start_model_cluster(cluster_factory(), tiny_llama, workers, coordinator_flags, engine_flags)
+             engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS), model: Path | None = None) -> Cluster:
+        return start_model_cluster(cluster_factory(), model or tiny_llama, workers, coordinator_flags,
+                                   engine_flags)
     return make
 
 
