@@ -1,11 +1,24 @@
 """Streams through a fault, for the cluster fault tests: start streams, strike once every stream is under way,
-then check every stream against the reference token for token."""
+then check every stream against the reference token for token (and character for character)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from infer import SamplingParams
+
+# Sampled streams on the word-chain model (tests/conftest.py): random words of multi-byte text.
+CHAIN_PROMPTS = ["Words:", "More words:", "Go on:", "Write:", "Next:", "List:"]
+CHAIN_STOPS = ("好😀", "語é", "界.")     # each spans a token boundary inside a multi-byte character
+
+
+def chain_params(i: int) -> SamplingParams:
+    """Temperature 1, seeded (even i) and unseeded, with stop strings (i < 4; the stop in the output for
+    i == 2) and without."""
+    return SamplingParams(temperature=1.0, max_tokens=120, seed=1000 + i if i % 2 == 0 else None,
+                          stop=CHAIN_STOPS if i < 4 else (), include_stop_str_in_output=i == 2)
 
 
 async def streams_through_a_fault(cluster: Any, prompts: list, params: Any,
@@ -42,3 +55,21 @@ def assert_exact_streams(streams: list, want_token_ids: list[list[int]]) -> None
     for deltas, want in zip(streams, want_token_ids, strict=True):
         assert deltas[-1].finish_reason == "length" and not any(d.finished for d in deltas[:-1])
         assert [t for d in deltas for t in d.token_ids] == want
+
+
+def reported_seeds(streams: list, params: list) -> list[int]:
+    """The seed each stream's first delta reported: the given one, or the one the cluster assigned."""
+    seeds = [deltas[0].seed for deltas in streams]
+    assert all(s is not None for s in seeds)
+    assert all(s == p.seed for s, p in zip(seeds, params) if p.seed is not None)
+    return seeds
+
+
+def assert_same_streams(streams: list, reference: list, where: str = "") -> None:
+    """Each stream ends once and equals its reference Completion: tokens, text and finish reason."""
+    for i, (deltas, want) in enumerate(zip(streams, reference, strict=True)):
+        at = f"stream {i}{where}"
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1]), at
+        assert [t for d in deltas for t in d.token_ids] == want.token_ids, at
+        assert "".join(d.text for d in deltas) == want.text, at
+        assert deltas[-1].finish_reason == want.finish_reason, at

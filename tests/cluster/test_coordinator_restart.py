@@ -1,14 +1,20 @@
 """kill -9 of the coordinator mid-generation, and a new one on the same address: the workers register again
 with the requests they run (snapshots), the clients notice the new instance and re-attach their requests, and
 every stream ends exactly as the in-process greedy reference, tokens and text, with no gap and no repeat.
-Requests that were only queued in the dead coordinator are sent again by their clients and complete."""
+Sampled streams (seeded or not) of multi-byte text with stop strings whose worker died with the coordinator
+resume from their clients' copies (tokens, text length, seed) and equal a run without a fault. Requests that
+were only queued in the dead coordinator are sent again by their clients and complete."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
 
 import pytest
-from fault_streams import assert_exact_streams, streams_through_a_fault
+from fault_streams import (
+    CHAIN_PROMPTS, assert_exact_streams, assert_same_streams, chain_params, reported_seeds, streams_through_a_fault
+)
 from prompts import prompt_of_length
 
 from infer import LLM, SamplingParams
@@ -50,6 +56,28 @@ async def test_streams_survive_a_coordinator_kill_9_and_restart(model_cluster, r
             return all(w.load is not None and w.load.num_running == w.load.num_waiting == 0
                        and w.load.num_free_blocks == w.load.num_total_blocks for w in workers)
         await wait_until(idle, 15, "every worker's KV blocks to be free")
+
+
+async def test_sampled_streams_resume_exactly_from_the_clients_copies(model_cluster, word_chain_model):
+    """The coordinator and a worker die together: that worker's streams resume from what their clients hold."""
+    cluster = model_cluster(workers=2, coordinator_flags=RESTART_FLAGS, model=word_chain_model)
+    params = [chain_params(i) for i in range(len(CHAIN_PROMPTS))]
+    strike_after = random.randint(3, 8)
+
+    async def restart_without_a_worker(client):
+        victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
+        assert victim.num_in_flight > 0
+        next(p for p in cluster.procs if p.name == f"worker{victim.dp_rank}").kill9()
+        _restart_coordinator(cluster)
+
+    streams, _ = await streams_through_a_fault(cluster, CHAIN_PROMPTS, params, restart_without_a_worker,
+                                               strike_after=strike_after)
+    seeds = reported_seeds(streams, params)
+    llm = LLM(model=str(word_chain_model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000,
+              num_threads=1)
+    reference = await asyncio.to_thread(llm.generate, CHAIN_PROMPTS, [
+        dataclasses.replace(p, seed=s) for p, s in zip(params, seeds)], use_tqdm=False)
+    assert_same_streams(streams, reference, f" (struck after {strike_after} deltas)")
 
 
 async def test_requests_queued_in_a_dead_coordinator_are_sent_again(model_cluster, reference):

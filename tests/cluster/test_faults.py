@@ -17,7 +17,9 @@ import time
 
 import pytest
 from aioprocs import kill_group
-from fault_streams import assert_exact_streams, streams_through_a_fault
+from fault_streams import (
+    CHAIN_PROMPTS, assert_exact_streams, assert_same_streams, chain_params, reported_seeds, streams_through_a_fault
+)
 from prompts import prompt_of_length
 
 from infer import LLM, SamplingParams
@@ -60,20 +62,10 @@ async def test_kill_9_of_a_worker_mid_generation_loses_and_repeats_nothing(model
     _assert_exact(streams, reference)
 
 
-CHAIN_PROMPTS = ["Words:", "More words:", "Go on:", "Write:", "Next:", "List:"]
-CHAIN_STOPS = ("好😀", "語é", "界.")     # each spans a token boundary inside a multi-byte character
-
-
-def _chain_params(i: int) -> SamplingParams:
-    """Seeded and unseeded, with and without stop strings (the stop in the output, or not)."""
-    return SamplingParams(temperature=1.0, max_tokens=120, seed=1000 + i if i % 2 == 0 else None,
-                          stop=CHAIN_STOPS if i < 4 else (), include_stop_str_in_output=i == 2)
-
-
 async def test_sampled_streams_of_multibyte_text_with_stop_strings_continue_exactly_after_kill_9(
         model_cluster, word_chain_model):
     cluster = model_cluster(workers=2, model=word_chain_model)
-    params = [_chain_params(i) for i in range(len(CHAIN_PROMPTS))]
+    params = [chain_params(i) for i in range(len(CHAIN_PROMPTS))]
     strike_after = random.randint(3, 8)      # a random place in the streams
 
     async def kill_the_busiest(client):
@@ -84,18 +76,12 @@ async def test_sampled_streams_of_multibyte_text_with_stop_strings_continue_exac
     streams, after = await streams_through_a_fault(cluster, CHAIN_PROMPTS, params, kill_the_busiest,
                                                    strike_after=strike_after)
     assert after.requests_redispatched > 0
-    seeds = [deltas[0].seed for deltas in streams]
-    assert all(s is not None for s in seeds) and seeds[0::2] == [p.seed for p in params[0::2]]
+    seeds = reported_seeds(streams, params)
     llm = LLM(model=str(word_chain_model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000,
               num_threads=1)
     reference = await asyncio.to_thread(llm.generate, CHAIN_PROMPTS, [
         dataclasses.replace(p, seed=s) for p, s in zip(params, seeds)], use_tqdm=False)
-    for i, (deltas, want) in enumerate(zip(streams, reference, strict=True)):
-        where = f"stream {i} (struck after {strike_after} deltas)"
-        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1]), where
-        assert [t for d in deltas for t in d.token_ids] == want.token_ids, where
-        assert "".join(d.text for d in deltas) == want.text, where
-        assert deltas[-1].finish_reason == want.finish_reason, where
+    assert_same_streams(streams, reference, f" (struck after {strike_after} deltas)")
     assert any(w.finish_reason == "stop" for w in reference[:4])
     assert any(ord(c) > 0xFFFF for w in reference for c in w.text)     # emoji: 4 bytes over several tokens
 
