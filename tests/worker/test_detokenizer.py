@@ -166,3 +166,24 @@ def test_per_token_work_does_not_grow_with_the_output(tok):
     detok = IncrementalDetokenizer(Counting(tok), encode(tok, PROMPT_TEXT), SamplingParams(stop=["<END>"]))
     assert "".join(stream(detok, ids)) == text
     assert len(ids) > 1500 and max(windows) <= 8
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_resumed_detokenizer_continues_the_text_exactly_at_every_cut(tok, case):
+    """A detokenizer resumed from the first k ids and the text delivered with them (as after a failover)
+    produces exactly the rest: bytes of a character split at the cut, text held back for a stop string, a
+    stop string straddling the cut."""
+    rng = random.Random(100 + case)
+    text = random_text(rng) + "".join(rng.choice(PIECES) for _ in range(12))
+    ids = encode(tok, text)
+    middle = len(text) // 2
+    stops = (text[middle - 2:middle + 2],) if case % 2 else ()
+    params = SamplingParams(stop=stops, include_stop_str_in_output=case % 3 == 0)
+    whole = stream(IncrementalDetokenizer(tok, encode(tok, PROMPT_TEXT), params), ids)
+    for k in range(1, len(ids)):
+        delivered = "".join(whole[:k])
+        for shown in {len(delivered), max(0, len(delivered) - 2)}:    # less: text a dying worker never sent
+            detok = IncrementalDetokenizer(tok, encode(tok, PROMPT_TEXT), params)
+            detok.resume(ids[:k], shown)
+            rest = stream(detok, ids[k:])
+            assert delivered[:shown] + "".join(rest) == "".join(whole), (k, shown)
