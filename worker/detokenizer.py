@@ -44,8 +44,8 @@ class IncrementalDetokenizer:
         self._tokens: list[str] = self._token_strings(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._read_offset = len(self._tokens)
         self._prefix_text = self._decode(self._tokens)
-        # A prompt ending inside a character (a resubmitted prompt + delivered tokens, cut where the stream
-        # was holding bytes back) has its incomplete tail decoded with the output, so the character appears.
+        # A prompt ending inside a character (token ids a caller cut there) has its incomplete tail decoded
+        # with the output, so the character appears. (A resumed request replays its output instead: resume.)
         while self._read_offset > 0 and self._prefix_text.endswith(_INCOMPLETE):
             self._read_offset -= 1
             self._prefix_text = self._decode(self._tokens[:self._read_offset])
