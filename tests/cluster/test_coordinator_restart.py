@@ -67,7 +67,7 @@ async def test_sampled_streams_resume_exactly_from_the_clients_copies(model_clus
     async def restart_without_a_worker(client):
         victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
         assert victim.num_in_flight > 0
-        next(p for p in cluster.procs if p.name == f"worker{victim.dp_rank}").kill9()
+        cluster.proc_of(victim.worker_id).kill9()
         _restart_coordinator(cluster)
 
     streams, _ = await streams_through_a_fault(cluster, CHAIN_PROMPTS, params, restart_without_a_worker,

@@ -71,7 +71,7 @@ async def test_sampled_streams_of_multibyte_text_with_stop_strings_continue_exac
     async def kill_the_busiest(client):
         victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
         assert victim.num_in_flight > 0
-        next(p for p in cluster.procs if p.name == f"worker{victim.dp_rank}").kill9()
+        cluster.proc_of(victim.worker_id).kill9()
 
     streams, after = await streams_through_a_fault(cluster, CHAIN_PROMPTS, params, kill_the_busiest,
                                                    strike_after=strike_after)
