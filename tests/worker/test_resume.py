@@ -178,3 +178,28 @@ def test_llm_reports_the_assigned_seed_and_replays_with_it(word_chain_model):
     assert (replay.token_ids, replay.text, replay.seed) == (first.token_ids, first.text, first.seed)
     greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert greedy.seed is None
+
+
+def test_a_request_given_back_mid_stream_resumes_exactly_elsewhere(engines, smollm2_tokenizer):
+    """A worker that gives a request back (drain, a broken EP group) aborts it without releasing the text it
+    holds back; the engine that resumes it from the delivered tokens produces that text, once."""
+    first, second = engines
+    stop, plain = _straddling_stop(engines, smollm2_tokenizer, 31337)
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, stop=[stop], seed=31337)
+    reference = _run(first, {"ref": (PROMPT, params, (), None)})["ref"]
+    start = plain.text.find(stop)
+    cut = next(k for k in range(1, len(plain.token_ids)) if start < len(smollm2_tokenizer.decode(
+        plain.token_ids[:k], skip_special_tokens=True).rstrip("\ufffd")))     # inside the match
+    first.add_request("given-back", PROMPT, params)
+    delivered = Stream()
+    while len(delivered.token_ids) < cut:
+        for out in first.step():
+            delivered.token_ids += out.token_ids
+            delivered.texts.append(out.text)
+    first.abort("given-back", release_text=False)
+    (final,) = first.step()
+    assert final.finish_reason == "abort" and final.text == "" and not final.token_ids
+    resumed = _run(second, {"r": (PROMPT, _remaining(params, cut, 31337), delivered.token_ids,
+                                  len(delivered.text))})["r"]
+    assert delivered.token_ids + resumed.token_ids == reference.token_ids
+    assert delivered.text + resumed.text == reference.text and resumed.finish_reason == "stop"
