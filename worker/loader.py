@@ -104,13 +104,17 @@ def build_once(dest: Path, build: Callable[[Path], None]) -> Path:
     """Return `dest`, first running `build(tmp)` and renaming tmp to dest if dest does not exist yet.
 
     Safe across processes: builders serialize on an flock next to dest (released by the kernel if the
-    holder dies), and dest appears atomically complete, so its existence alone means "done".
+    holder dies), and dest appears atomically complete, so its existence alone means "done". A builder
+    killed mid-way (kill -9) leaves its tmp dir; whoever holds the lock next removes it (nobody else can be
+    building then).
     """
     if dest.is_dir():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest.parent / f".{dest.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a conversion takes seconds; the holder cannot leave it held
+        for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         if dest.is_dir():  # another process built it while we waited
             return dest
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import multiprocessing
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -86,6 +88,20 @@ def test_failed_build_leaves_nothing_and_is_retried(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [".model-x.lock"]
     assert build_once(dest, lambda out: (out / "ok").write_text("1")) == dest
     assert (dest / "ok").exists()
+
+
+def test_a_builder_killed_mid_way_leaves_nothing_behind_the_next_one(tmp_path: Path) -> None:
+    dest = tmp_path / "model-x"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from infer.worker.loader import build_once\n"
+        "def hang(out): (out / 'partial').write_text('half'); print('building', flush=True); time.sleep(600)\n"
+        f"build_once(Path({str(dest)!r}), hang)")], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "building\n"
+    child.kill()                                        # kill -9 while it holds the lock, tmp dir half built
+    child.wait(timeout=10)
+    assert [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert build_once(dest, lambda out: (out / "ok").write_text("1")) == dest
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model-x.lock", "model-x"]
 
 
 def test_model_paths_are_validated(tmp_path: Path) -> None:
