@@ -13,6 +13,7 @@ import re
 import socket
 import time
 
+from infer.client.inference_client import SyncInferenceClient
 from infer.protocol.sampling import SamplingParams
 
 HUGE_PROMPT = "hello world " * (20_000_000 // 12)   # 20 MB
@@ -64,6 +65,9 @@ def test_a_stream_ends_with_an_error_event_and_done_when_the_coordinator_dies(cl
     cluster.coordinator()
     cluster.worker(0, "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory", "16000000",
                    "--threads", "1", model=tiny_llama)
+    with SyncInferenceClient(cluster.address, connect_timeout=30) as client:   # the front's tokenizer: the
+        # model the cluster serves, known once a worker joined (before that it would load the default model)
+        client.wait_for_workers(1, timeout=120)
     host, port = _start_front(cluster)
     body = json.dumps(dict(model="tiny", prompt=[3, 4, 5], max_tokens=2000, ignore_eos=True, temperature=0,
                            stream=True)).encode()
