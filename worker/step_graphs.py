@@ -156,7 +156,9 @@ class _CompiledLayers(_Backend):
 
     def __init__(self, graphs: StepGraphs) -> None:
         self.graphs = graphs
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))  # FX graph cache across runs
+        # inductor's FX graph cache, kept across restarts; inductor reads this on every use (and writes its
+        # /tmp default there on first use, so the variable is set here rather than defaulted)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
         # The layer's code holds one entry per (model, bucket, first layer or not), shared by every engine
         # of the process; the default limit (8) would silently send the larger buckets back to eager.
         config = torch._dynamo.config
