@@ -28,8 +28,10 @@ class EngineConfig:
     enforce_eager: no step graphs; every step runs the model op by op (vLLM's name). With False, pure-decode
         steps of up to `max_graph_batch_size` sequences replay graphs made per padded batch size
         (torch.compile on CPU, CUDA graphs on CUDA; worker/step_graphs.py). The default is True for now: on
-        the 2-core dev CPU the compiled step measured no faster than eager (benchmarks/step_graphs.py,
-        2026-11-23) while its start-up compile took about a minute, and CUDA graphs await a GPU run.
+        the 2-core dev CPU the compiled decode step measured no faster than eager (bf16, load ~2-4: batch 1
+        51.6 vs 54.8 tok/s, batch 8 310.8 vs 316.5; benchmarks/results/step_graphs-20261123T232340Z.json)
+        while its start-up compile costs 5.6 s with a warm compile cache and 41 s cold, and CUDA graphs
+        await a run on a GPU.
     """
 
     model: str | None = None
