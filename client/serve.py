@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
         engine.add_argument(flag, type=int)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    engine.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
+                        help="no step graphs (the default for now); --no-enforce-eager: decode steps "
+                        "replay graphs made per batch size")
+    engine.add_argument("--max-graph-batch-size", type=int, metavar="N",
+                        help="the largest decode batch a step graph is made for (default 256)")
     engine.add_argument("--benchmark-mode", action="store_true", help="workers without a model (benchmarks)")
     coord = p.add_argument_group("coordinator options")
     coord.add_argument("--policy", choices=("least-loaded", "round-robin", "prefix-affinity"))
@@ -212,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _WORKER_VALUE_FLAGS = ("model", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                       "block_size", "seed", "kv_cache_memory", "threads")
+                       "block_size", "seed", "kv_cache_memory", "threads", "max_graph_batch_size")
 _COORDINATOR_FLAGS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "max_retries")
 
 
@@ -227,7 +232,7 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
     out = _flags(args, _WORKER_VALUE_FLAGS)
-    for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+    for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
         value = getattr(args, name)
         if value is not None:
             out.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")

@@ -40,14 +40,21 @@ def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def append_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
-                    cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True) -> None:
+                    cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True,
+                    pad_slot: int | None = None) -> None:
     """k, v [T, Hkv, D]; caches [Hkv, NB, bs, D]; slot_mapping [T] int64 (-1 = skip); positions [T] int64;
-    cos_sin_cache [P, D] float32 (cos | sin halves). Writes the caches in place."""
+    cos_sin_cache [P, D] float32 (cos | sin halves). Writes the caches in place.
+
+    `pad_slot` (a slot no sequence owns, e.g. KVCache.pad_slot): padding rows are written there instead of
+    being filtered out, which needs no host sync (the form step graphs compile). The Triton kernel skips
+    slot -1 without a sync and ignores it."""
     _check(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache)
     if cos_sin_cache is not None:
         k = _rotated(k, positions, cos_sin_cache, is_neox)
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
-    if bool((slot_mapping < 0).any()):
+    if pad_slot is not None:
+        slot_mapping = torch.where(slot_mapping < 0, pad_slot, slot_mapping)
+    elif bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     k_slots = k_cache.view(num_kv_heads, -1, head_dim)  # [Hkv, NB * bs, D]
@@ -119,8 +126,9 @@ def _append_kv_kernel(
 
 def append_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
-                     cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True) -> None:
-    """Same contract as `append_kv_torch`."""
+                     cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True,
+                     pad_slot: int | None = None) -> None:
+    """Same contract as `append_kv_torch` (padding rows are always skipped: `pad_slot` is not needed)."""
     _check(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache)
     if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("append_kv_triton needs a contiguous head dim and K/V caches of the same strides")
@@ -143,7 +151,8 @@ def append_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
 
 def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
-              cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True) -> None:
+              cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True,
+              pad_slot: int | None = None) -> None:
     """Triton on CUDA, the twin elsewhere (see `append_kv_torch` for the contract)."""
     impl = append_kv_triton if use_triton(k_cache) else append_kv_torch
-    impl(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox)
+    impl(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, pad_slot)

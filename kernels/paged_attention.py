@@ -134,6 +134,20 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: tor
     return DecodePlan(len(lens), tuple(k_cache.shape), tuple(tiles))
 
 
+def plan_decode_padded(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor) -> DecodePlan:
+    """The plan of a padded batch, made without reading anything back to the host (the form step graphs
+    compile): one tile of every row over the whole table width, positions past each length masked.
+    block_tables [B, W] must hold a readable block in every entry and seq_lens [B] be >= 1 (padding rows:
+    length 1 over a scratch block), so every row attends to something finite."""
+    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    num_rows, width = block_tables.shape
+    positions = torch.arange(width * block_size, device=seq_lens.device)
+    mask = (positions[None, :] < seq_lens[:, None])[None, :, None, :]  # [1, B, 1, W * bs]
+    pool_rows = _pool_rows(block_tables, num_kv_heads, num_blocks)
+    return DecodePlan(num_rows, tuple(k_cache.shape),
+                      (DecodeTile(slice(0, num_rows), num_rows, width * block_size, pool_rows, mask),))
+
+
 def _as_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     """A slice when rows are consecutive (no copies), else an index tensor."""
     if rows == list(range(rows[0], rows[0] + len(rows))):

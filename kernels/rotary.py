@@ -54,6 +54,8 @@ def _heads_together(q: torch.Tensor, k: torch.Tensor | None) -> tuple[torch.Tens
     Halves the number of elementwise calls at decode sizes, where their overhead dominates."""
     if k is None:
         return (q,)
+    if torch.compiler.is_compiling():  # data_ptr cannot be traced; the compiler fuses the two anyway
+        return (q, k)
     (num_tokens, num_q_heads, head_dim), q_strides, k_strides = q.shape, q.stride(), k.stride()
     num_heads, q_offset, k_offset = num_q_heads + k.shape[1], q.storage_offset(), k.storage_offset()
     if (q_strides[1] == head_dim == k_strides[1] and k_offset == q_offset + num_q_heads * head_dim

@@ -11,7 +11,12 @@ import torch
 
 from infer.kernels._triton import use_triton
 from infer.kernels.kv_append import append_kv
-from infer.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, plan_decode
+from infer.kernels.paged_attention import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    plan_decode,
+    plan_decode_padded,
+)
 from infer.worker.forward_batch import ForwardBatch
 
 
@@ -20,6 +25,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True) -> torch.Tensor:
     """Store k, v [T, Hkv, D] at the batch's slots (rotating k there when `cos_sin_cache` is given), then
     attend q [T, H, D] over each sequence's context. Returns [T, H, D] in q's dtype; padding rows are 0."""
+    if batch.step_graph:
+        return _padded_decode(q, k, v, k_cache, v_cache, batch, scale, cos_sin_cache, is_neox)
     append_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox)
     out = torch.empty_like(q)
     num_real, num_decodes = batch.num_real_tokens, batch.num_decodes
@@ -40,3 +47,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                 batch.seq_lens[num_decodes:], batch.prefill_query_start_loc, scale,
                                 out=out[num_decodes:num_real], max_query_len=batch.max_prefill_len)
     return out
+
+
+def _padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, batch: ForwardBatch, scale: float, cos_sin_cache: torch.Tensor | None,
+                   is_neox: bool) -> torch.Tensor:
+    """A step graph's attention: every row decodes, padding rows included (they write the scratch slot and
+    attend to it), with no host sync and no shape that depends on the lengths' values."""
+    append_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox,
+              pad_slot=batch.pad_slot)
+    plan = None if use_triton(q) else plan_decode_padded(batch.block_tables, batch.seq_lens, k_cache)
+    return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, plan=plan)

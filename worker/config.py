@@ -25,6 +25,13 @@ class EngineConfig:
         max_model_len (without, since a whole prompt must then fit in one step).
     kv_cache_memory: bytes for the KV pool (all layers, K and V); None takes `kv_cache_memory_fraction`
         of the machine's memory (CPU) or of the free device memory (CUDA).
+    enforce_eager: no step graphs; every step runs the model op by op (vLLM's name). With False, pure-decode
+        steps of up to `max_graph_batch_size` sequences replay graphs made per padded batch size
+        (torch.compile on CPU, CUDA graphs on CUDA; worker/step_graphs.py). The default is True for now: on
+        the 2-core dev CPU the compiled decode step measured no faster than eager (bf16, load ~2-4: batch 1
+        51.6 vs 54.8 tok/s, batch 8 310.8 vs 316.5; benchmarks/results/step_graphs-20261123T232340Z.json)
+        while its start-up compile costs 5.6 s with a warm compile cache and 41 s cold, and CUDA graphs
+        await a run on a GPU.
     """
 
     model: str | None = None
@@ -40,6 +47,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     num_threads: int | None = None
+    enforce_eager: bool = True
+    max_graph_batch_size: int = 256
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -59,7 +68,8 @@ class EngineConfig:
             0 < self.kv_cache_memory_fraction <= 0.95
         ):
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        _positive_int("max_graph_batch_size", self.max_graph_batch_size)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -103,3 +113,10 @@ def model_cache_dir() -> Path:
     """Where converted models (GGUF -> safetensors) are kept: $INFER_MODEL_CACHE or ~/.cache/infer/models."""
     env = os.environ.get("INFER_MODEL_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "infer" / "models"
+
+
+def compile_cache_dir() -> Path:
+    """Where compiled step graphs are cached across restarts (inductor's FX graph cache):
+    $INFER_COMPILE_CACHE or ~/.cache/infer/compile."""
+    env = os.environ.get("INFER_COMPILE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "infer" / "compile"

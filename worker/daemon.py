@@ -732,6 +732,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share of memory for the KV pool when --kv-cache-memory is not given")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    engine.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
+                        help="no step graphs: every step runs op by op (the default for now); "
+                        "--no-enforce-eager: decode steps replay graphs compiled (CPU) or captured (CUDA) per "
+                        "batch size")
+    engine.add_argument("--max-graph-batch-size", type=int, metavar="N",
+                        help="the largest decode batch a step graph is made for (default 256)")
     engine.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
     worker = p.add_argument_group("worker options")
     worker.add_argument("--dp-rank", type=int, help="this worker's DP rank (default: the coordinator assigns the "
@@ -774,7 +780,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("model", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "seed", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching",
-                 "enable_chunked_prefill", "num_threads")
+                 "enable_chunked_prefill", "num_threads", "enforce_eager", "max_graph_batch_size")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

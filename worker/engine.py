@@ -41,6 +41,7 @@ from infer.worker.model_runner import ModelRunner
 from infer.worker.request import Request, RequestStatus
 from infer.worker.sampler import Sampler, SamplerOutput
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from infer.worker.step_graphs import make_step_graphs
 
 log = logging.getLogger("infer.engine")
 
@@ -91,7 +92,8 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill))
         self.sampler = Sampler(seed=config.seed, device=self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device, self.sampler)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device, self.sampler,
+                                  make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device))
         self.heap = HeapTrimmer()      # freed activations go back to the OS now and then (worker/memory.py)
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -26,6 +26,11 @@ class ForwardBatch:
     query_lens: tuple[int, ...]    # host copies, for loops over prefill chunks
     context_lens: tuple[int, ...]  # host copy of seq_lens
     block_size: int
+    # Step graphs (worker/step_graphs.py): every row is a decode, rows past the real ones are padding (slot -1,
+    # length 1 over the pool's scratch block), and no host copy of the lengths is read, so the forward traces
+    # into one graph. `pad_slot` is where the CPU twin writes the padding rows' K/V (KVCache.pad_slot).
+    step_graph: bool = False
+    pad_slot: int | None = None
     # values every layer needs, derived once by the first layer that asks (e.g. the decode twin's plan)
     per_step: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -61,6 +66,9 @@ class KVCache:
     Head-major: one KV head's block is a contiguous [block_size, head_dim] tile (what the Triton kernels
     load), and one head's blocks gathered in table order are directly the [L, head_dim] operand of the CPU
     twins' matmuls, with no transpose copy.
+
+    One block past `num_blocks`, the scratch block, belongs to no sequence: padding rows of step graphs
+    write their K/V there and attend to it (`pad_slot`), so a padded step needs no host-side filtering.
     """
 
     k: list[torch.Tensor]
@@ -68,12 +76,21 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return int(self.k[0].shape[1])
+        """Blocks sequences can own (the scratch block not counted)."""
+        return int(self.k[0].shape[1]) - 1
+
+    @property
+    def scratch_block(self) -> int:
+        return int(self.k[0].shape[1]) - 1
+
+    @property
+    def pad_slot(self) -> int:
+        return self.scratch_block * int(self.k[0].shape[2])
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> KVCache:
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)  # + the scratch block
         # Invariant: the pool holds only finite values. The CPU twins read whole blocks and mask the
         # positions past a sequence's length, and a masked position still poisons the result if it holds
         # NaN/inf (0 * NaN = NaN), so the pool starts zeroed rather than uninitialised.

@@ -9,29 +9,36 @@ import torch
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from infer.worker.scheduler import ScheduledChunk
+from infer.worker.step_graphs import StepGraphs
 
 
 class ModelRunner:
     """Owns the model and the KV pool on one device; stateless between steps otherwise."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, device: torch.device,
-                 sampler: Sampler) -> None:
+                 sampler: Sampler, step_graphs: StepGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
         self.vocab_size = int(model.vocab_size)
+        self.step_graphs = step_graphs  # None: every step eager (enforce_eager, or a model without them)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> SamplerOutput | None:
         """Run one forward over `chunks` (decodes first) and sample one token for each chunk whose
-        `samples` is set, in chunk order. Returns None when no chunk samples (all mid-prefill)."""
-        batch = build_forward_batch(chunks, self.block_size, self.device)
-        hidden = self.model(batch, self.kv_cache)
-        if batch.logits_indices.numel() == 0:
-            return None
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        `samples` is set, in chunk order. Returns None when no chunk samples (all mid-prefill).
+        Pure-decode steps that fit a step-graph bucket replay its graph; the others run eagerly."""
+        bucket = self.step_graphs.bucket_for(chunks) if self.step_graphs is not None else None
+        if bucket is not None:
+            logits = self.step_graphs.run(chunks, bucket)
+        else:
+            batch = build_forward_batch(chunks, self.block_size, self.device)
+            hidden = self.model(batch, self.kv_cache)
+            if batch.logits_indices.numel() == 0:
+                return None
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampling = [c.request for c in chunks if c.samples]
         meta = SamplingMetadata.build(sampling, self.vocab_size, self.device)
         return self.sampler.sample(logits, meta)

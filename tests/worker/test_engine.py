@@ -59,6 +59,9 @@ SCENARIOS = {
     "preemption": lambda d: dict(block_size=16, kv_cache_memory=_kv_bytes_for_blocks(d, 80, 16)),
     # (c) chunked prefill at a 64-token step budget
     "chunked-64": lambda d: dict(block_size=16, max_num_batched_tokens=64),
+    # (d) = (b) with step graphs (buckets 1, 2, 4: the batch's tail decodes in graphs, the rest eagerly)
+    "preemption-graphs": lambda d: dict(block_size=16, kv_cache_memory=_kv_bytes_for_blocks(d, 80, 16),
+                                        enforce_eager=False, max_graph_batch_size=4),
 }
 
 
@@ -81,8 +84,11 @@ def test_greedy_matches_transformers_in_one_batch(model_case, scenario):
     assert max(len(p) for p in prompts) >= 900 and min(len(p) for p in prompts) <= 20
     for i, (completion, want) in enumerate(zip(got, expected)):
         assert completion.token_ids == want, f"{name}/{scenario}: prompt {i} ({len(prompts[i])} tokens) differs"
-    if scenario == "preemption":
+    if scenario.startswith("preemption"):
         assert llm.engine.scheduler.stats.num_preemptions > 0
+    if scenario.endswith("graphs"):
+        graphs = llm.engine.runner.step_graphs
+        assert graphs is not None and sum(graphs.replays.values()) > 0   # some decode steps ran in a graph
     if scenario == "small-blocks":
         assert llm.engine.block_size == 4
 

@@ -86,8 +86,23 @@ class PackedLinear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [N, in] -> x W^T + bias, [N, out]."""
         if self.packed is not None and x.dim() == 2:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+            if torch.compiler.is_compiling():
+                return packed_linear(x, self.packed, self.weight, bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # (no op overhead)
         return F.linear(x, self.weight, bias)
+
+
+@torch.library.custom_op("infer::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x [N, in] @ weight^T (+ bias) through oneDNN's pre-packed `packed` copy of weight [out, in]. An opaque
+    op to the compiler (inductor has no lowering for a packed weight it did not pack itself)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:

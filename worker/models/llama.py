@@ -9,7 +9,7 @@ Module and parameter names follow transformers', except for the fused `qkv_proj`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -154,10 +154,13 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache,
+                layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None) -> torch.Tensor:
+        """`layers` stand in for self.layers, one for one (the step graphs' compiled copies)."""
         hidden, residual = self.embed_tokens(batch.input_ids), None
         self.rotary_emb.reserve(max(batch.context_lens, default=0))
-        for layer, k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v, strict=True):
+        for layer, k_cache, v_cache in zip(self.layers if layers is None else layers, kv_cache.k, kv_cache.v,
+                                           strict=True):
             hidden, residual = layer(batch.positions, hidden, residual, batch, k_cache, v_cache)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
@@ -170,6 +173,10 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
+
+    # Step graphs (worker/step_graphs.py) can compile its decoder layers: dense layers trace into one graph
+    # each. (The MoE models' expert dispatch is data-dependent: they run eagerly.)
+    supports_step_graphs: ClassVar[bool] = True
 
     def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None) -> None:
         super().__init__()
@@ -198,9 +205,11 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_tied(self) -> bool:
         return self.lm_head.weight is self.model.embed_tokens.weight
 
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Hidden states [T, hidden_size] of every token of the batch; K, V of the new tokens are cached."""
-        return self.model(batch, kv_cache)
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache,
+                layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden_size] of every token of the batch; K, V of the new tokens are cached.
+        `layers`: see LlamaModel.forward."""
+        return self.model(batch, kv_cache, layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (e.g. hidden[batch.logits_indices]) -> logits [N, vocab] float32."""

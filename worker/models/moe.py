@@ -153,6 +153,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: every layer sparse, `num_local_experts` experts of `intermediate_size`, top-k always
     renormalized, float32 routing weights."""
 
+    supports_step_graphs: ClassVar[bool] = False  # expert dispatch is data-dependent
     supports_expert_parallel: ClassVar[bool] = True
     # checkpoint module name -> ours (transformers renames these on load too)
     checkpoint_module_renames: ClassVar[dict[str, str]] = {"block_sparse_moe": "mlp"}
@@ -180,6 +181,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     `intermediate_size`. `num_experts` experts of `moe_intermediate_size`; the top-k weights are
     renormalized when `norm_topk_prob`, then rounded to the model dtype."""
 
+    supports_step_graphs: ClassVar[bool] = False  # expert dispatch is data-dependent
     supports_expert_parallel: ClassVar[bool] = True
     expert_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),

@@ -1,0 +1,97 @@
+"""Step graphs against eager steps: the same tokens at every bucket boundary, through preemption and aborts.
+
+Buckets 1, 2, 4 (max_graph_batch_size=4) on tiny fp32 models keep the compile to seconds. Batches shrink
+from 5 sequences (past the largest bucket: eager) through 4, 3, 2 and 1 as requests finish, are aborted or
+are preempted (a pool too small for the workload), and regrow as preempted ones come back, so every
+boundary (bucket - 1, bucket, bucket + 1) is crossed in both directions.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from moe_models import tiny_mixtral
+
+from infer import SamplingParams
+from infer.worker.config import EngineConfig
+from infer.worker.engine import Engine
+from infer.worker.forward_batch import KVCache
+
+GRAPH_OPTIONS = dict(dtype="float32", max_model_len=256, block_size=4, max_num_seqs=5, max_graph_batch_size=4,
+                     enable_prefix_caching=False)
+
+
+def _kv_bytes(path: str, num_blocks: int) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return num_blocks * KVCache.bytes_per_block(cfg.num_hidden_layers, GRAPH_OPTIONS["block_size"],
+                                                cfg.num_key_value_heads, head_dim, torch.float32)
+
+
+def _workload(vocab: int) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Five requests of different lengths (so the batch shrinks one by one), greedy, EOS ignored."""
+    rng = random.Random(3)
+    lengths, outputs = [3, 9, 17, 30, 6], [40, 8, 23, 31, 14]
+    return {f"r{i}": ([rng.randrange(3, vocab) for _ in range(n)],
+                      SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+            for i, (n, m) in enumerate(zip(lengths, outputs))}
+
+
+def _drive(engine: Engine, requests: dict, abort_at: dict[int, str]) -> dict[str, list[int]]:
+    """Add all requests, step to the end, aborting abort_at[step] before that step. Returns tokens per id."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    step = 0
+    while engine.has_unfinished():
+        if step in abort_at:
+            assert engine.abort(abort_at[step])
+        for delta in engine.step():
+            out[delta.request_id].extend(delta.token_ids)
+        step += 1
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def engines(request, tiny_model_dir):
+    """(eager, compiled) engines over a pool of 24 blocks of 4 slots: the workload's ~180 tokens of context
+    do not fit, so requests are preempted and recomputed, shrinking and regrowing the batch."""
+    path = str(tiny_model_dir(request.param))
+    budget = _kv_bytes(path, 24)
+    return tuple(Engine(EngineConfig(model=path, enforce_eager=eager, kv_cache_memory=budget, **GRAPH_OPTIONS))
+                 for eager in (True, False))
+
+
+def test_graphs_are_made_for_the_small_buckets_at_start(engines):
+    eager, compiled = engines
+    assert eager.runner.step_graphs is None
+    graphs = compiled.runner.step_graphs
+    assert graphs is not None and graphs.buckets == (1, 2, 4)
+    assert set(graphs.compile_seconds) == {1, 2, 4}
+
+
+@pytest.mark.parametrize("abort_at", [{}, {6: "r3", 9: "r0"}], ids=["no-abort", "aborts"])
+def test_compiled_steps_match_eager_across_bucket_boundaries(engines, abort_at):
+    eager, compiled = engines
+    requests = _workload(eager.vocab_size)
+    replays_before = dict(compiled.runner.step_graphs.replays)
+    preemptions_before = [e.scheduler.stats.num_preemptions for e in engines]
+    want = _drive(eager, requests, abort_at)
+    got = _drive(compiled, requests, abort_at)
+    assert got == want
+    replays = {b: n - replays_before.get(b, 0) for b, n in compiled.runner.step_graphs.replays.items()}
+    assert all(replays.get(b, 0) > 0 for b in (1, 2, 4)), replays   # 3 sequences ran in bucket 4
+    if not abort_at:   # (aborts free blocks early enough that nothing needs preempting)
+        assert all(e.scheduler.stats.num_preemptions > before for e, before in zip(engines, preemptions_before))
+
+
+def test_a_model_without_step_graph_support_runs_eagerly(tmp_path, smollm2_tokenizer):
+    path = tiny_mixtral(tmp_path / "mixtral", tokenizer=smollm2_tokenizer)
+    engine = Engine(EngineConfig(model=str(path), enforce_eager=False, **GRAPH_OPTIONS))
+    assert engine.runner.step_graphs is None
+    out = _drive(engine, {"a": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))}, {})
+    assert len(out["a"]) == 3
