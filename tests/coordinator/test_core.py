@@ -9,28 +9,16 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from core_harness import MODEL, Harness, delta, worker_hello
+from core_harness import MODEL, Harness, client_deltas, delta, dispatches, worker_hello
 
 from infer.protocol.messages import (
-    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Dispatch, Error, Heartbeat, Load, Message,
-    Refused, StatsRequest, StepBatch, TokenIds, Welcome, encode
+    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, Error, Heartbeat, Load, Message, Refused,
+    StatsRequest, StepBatch, TokenIds, Welcome, encode
 )
 
 
 def of_type(out: list[tuple[bytes, Message]], kind: type, to: bytes | None = None) -> list[Message]:
     return [m for identity, m in out if isinstance(m, kind) and (to is None or identity == to)]
-
-
-def client_deltas(out: list[tuple[bytes, Message]], client: bytes) -> list[Delta]:
-    return [d for batch in of_type(out, DeltaBatch, client) for d in batch.deltas]
-
-
-def dispatches(out: list[tuple[bytes, Message]]) -> dict[bytes, list[Dispatch]]:
-    by_worker: dict[bytes, list[Dispatch]] = {}
-    for identity, m in out:
-        if isinstance(m, Dispatch):
-            by_worker.setdefault(identity, []).append(m)
-    return by_worker
 
 
 C1, C2 = b"client-1", b"client-2"
