@@ -8,12 +8,12 @@ were only queued in the dead coordinator are sent again by their clients and com
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 
 import pytest
 from fault_streams import (
-    CHAIN_PROMPTS, assert_exact_streams, assert_same_streams, chain_params, reported_seeds, streams_through_a_fault
+    CHAIN_PROMPTS, assert_exact_streams, assert_same_streams, chain_params, replayed_without_a_fault,
+    streams_through_a_fault
 )
 from prompts import prompt_of_length
 
@@ -72,11 +72,7 @@ async def test_sampled_streams_resume_exactly_from_the_clients_copies(model_clus
 
     streams, _ = await streams_through_a_fault(cluster, CHAIN_PROMPTS, params, restart_without_a_worker,
                                                strike_after=strike_after)
-    seeds = reported_seeds(streams, params)
-    llm = LLM(model=str(word_chain_model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000,
-              num_threads=1)
-    reference = await asyncio.to_thread(llm.generate, CHAIN_PROMPTS, [
-        dataclasses.replace(p, seed=s) for p, s in zip(params, seeds)], use_tqdm=False)
+    reference = await replayed_without_a_fault(word_chain_model, CHAIN_PROMPTS, streams, params)
     assert_same_streams(streams, reference, f" (struck after {strike_after} deltas)")
 
 

@@ -8,7 +8,6 @@ blocks are freed within 5 s."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import random
 import signal
@@ -18,7 +17,8 @@ import time
 import pytest
 from aioprocs import kill_group
 from fault_streams import (
-    CHAIN_PROMPTS, assert_exact_streams, assert_same_streams, chain_params, reported_seeds, streams_through_a_fault
+    CHAIN_PROMPTS, assert_exact_streams, assert_same_streams, chain_params, replayed_without_a_fault,
+    streams_through_a_fault
 )
 from prompts import prompt_of_length
 
@@ -76,11 +76,7 @@ async def test_sampled_streams_of_multibyte_text_with_stop_strings_continue_exac
     streams, after = await streams_through_a_fault(cluster, CHAIN_PROMPTS, params, kill_the_busiest,
                                                    strike_after=strike_after)
     assert after.requests_redispatched > 0
-    seeds = reported_seeds(streams, params)
-    llm = LLM(model=str(word_chain_model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000,
-              num_threads=1)
-    reference = await asyncio.to_thread(llm.generate, CHAIN_PROMPTS, [
-        dataclasses.replace(p, seed=s) for p, s in zip(params, seeds)], use_tqdm=False)
+    reference = await replayed_without_a_fault(word_chain_model, CHAIN_PROMPTS, streams, params)
     assert_same_streams(streams, reference, f" (struck after {strike_after} deltas)")
     assert any(w.finish_reason == "stop" for w in reference[:4])
     assert any(ord(c) > 0xFFFF for w in reference for c in w.text)     # emoji: 4 bytes over several tokens
