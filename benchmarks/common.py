@@ -50,10 +50,22 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    facts = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+             "python": platform.python_version()}
+    try:
+        import torch
+
+        facts["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            facts["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return facts
 
 
 def git_revision() -> str:
+    if os.environ.get("INFER_GIT_REVISION"):  # a copy of the tree without .git (the lent GPU machine)
+        return os.environ["INFER_GIT_REVISION"]
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, check=True).stdout.strip()
@@ -71,4 +83,34 @@ def write_result(kind: str, payload: dict) -> Path:
                "git_revision": git_revision(), **payload}
     path = RESULTS / f"{kind}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+# Shapes of random-weight Llama models, for machines that cannot take real weights (the lent GPU machine) or
+# for sizes the embedded model does not have. Throughput does not depend on the weights' values.
+RANDOM_SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
+}
+
+
+def random_model(shape: str, tokenizer_dir: str, folder: Path) -> Path:
+    """A Llama of RANDOM_SHAPES[shape] with random bf16 weights and the tokenizer of `tokenizer_dir`,
+    saved (safetensors) under `folder`; made once, then reused."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = folder / f"random-{shape}"
+    if (path / "config.json").exists():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         **RANDOM_SHAPES[shape])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
     return path

@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import make_workload, write_result  # noqa: E402
+from common import RANDOM_SHAPES, make_workload, random_model, write_result  # noqa: E402
 
 PROMPT, KV_BYTES = 128, 1 << 30
+MODEL: str | None = None   # --model / --random-model; None: the embedded model
 
 
 def _engine(dtype: str, enforce_eager: bool, threads: int | None, max_num_seqs: int = 256):
@@ -37,8 +38,8 @@ def _engine(dtype: str, enforce_eager: bool, threads: int | None, max_num_seqs: 
     from infer.worker.engine import Engine
 
     start = time.perf_counter()
-    engine = Engine(EngineConfig(dtype=dtype, max_model_len=2048, kv_cache_memory=KV_BYTES, num_threads=threads,
-                                 enforce_eager=enforce_eager, max_num_seqs=max_num_seqs))
+    engine = Engine(EngineConfig(model=MODEL, dtype=dtype, max_model_len=2048, kv_cache_memory=KV_BYTES,
+                                 num_threads=threads, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs))
     return engine, time.perf_counter() - start
 
 
@@ -79,10 +80,10 @@ def offline(dtype: str, rounds: int, threads: int | None) -> dict:
     from infer import LLM, SamplingParams
     from infer.worker.loader import resolve_model
 
-    path = str(resolve_model(None))
+    path = MODEL or str(resolve_model(None))
     llms = {name: LLM(model=path, dtype=dtype, max_model_len=2048, kv_cache_memory=KV_BYTES, num_threads=threads,
                       enforce_eager=(name == "eager")) for name in ("eager", "compiled")}
-    workload = make_workload("W1", 49152)
+    workload = make_workload("W1", 49152)  # SmolLM2's vocabulary (the random models share its tokenizer)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
     for llm in llms.values():   # warm-up: every decode bucket W1 reaches gets made here, not in the timing
         llm.generate(workload.prompts, [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)] * 64,
@@ -123,6 +124,8 @@ def ttft(dtype: str, threads: int | None) -> dict:
             if cache is not None:
                 env["INFER_COMPILE_CACHE"] = cache
             cmd = [sys.executable, __file__, "--ttft-child", dtype, str(int(eager)), str(threads or 0)]
+            if MODEL:
+                cmd += ["--model", MODEL]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             result[name] = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-2000:]}
@@ -139,8 +142,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--model", help="a safetensors model directory (default: the embedded model)")
+    parser.add_argument("--random-model", choices=sorted(RANDOM_SHAPES),
+                        help="a random-weight Llama of this shape, made with --tokenizer's tokenizer")
+    parser.add_argument("--tokenizer", help="the tokenizer folder of --random-model")
     parser.add_argument("--ttft-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global MODEL
+    if args.random_model:
+        if not args.tokenizer:
+            parser.error("--random-model needs --tokenizer")
+        MODEL = str(random_model(args.random_model, args.tokenizer, Path(tempfile.gettempdir())))
+    else:
+        MODEL = args.model
     if args.ttft_child:
         dtype, eager, threads = args.ttft_child
         ttft_child(dtype, eager == "1", int(threads) or None)
@@ -162,7 +176,8 @@ def main() -> None:
         if "ttft" in args.parts:
             results.setdefault("ttft_fresh_engine", {})[dtype] = ttft(dtype, args.threads)
     results["load_avg_end"] = os.getloadavg()
-    out = write_result("step_graphs", {"model": "SmolLM2-135M-Instruct", "prompt_tokens": PROMPT, **results})
+    model = args.random_model and f"random {args.random_model}" or MODEL or "SmolLM2-135M-Instruct"
+    out = write_result("step_graphs", {"model": model, "prompt_tokens": PROMPT, **results})
     print("wrote", out)
 
 

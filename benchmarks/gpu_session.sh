@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The CUDA half of the tests and benchmarks, in one call on a lent GPU machine (a bare image with torch,
+# triton and transformers, no network, 64 MiB of tree per call: no embedded model, see tests/conftest.py).
+#
+# Prepared on the dev machine first (both folders are git-ignored and travel as the call's `carry`):
+#   .whl/            pyzmq and pytest-asyncio wheels for the machine's Python (pip download ... -d .whl)
+#   .gpu/tokenizer/  SmolLM2's tokenizer files (from the converted embedded model in ~/.cache/infer/models)
+# Then:  bash benchmarks/gpu_session.sh [tests] [bench] [kernels]   (default: all three)
+# Logs and result JSON go to $OUT (or benchmarks/results/ when OUT is unset).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+PARTS=${*:-tests bench kernels}
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/infer   # the repository root is the `infer` package
+export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1 INFER_TEST_TOKENIZER_DIR=$PWD/.gpu/tokenizer
+export INFER_GIT_REVISION=${INFER_GIT_REVISION:-unknown} INFER_COMPILE_CACHE=/tmp/infer-compile
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+
+for part in $PARTS; do
+  case $part in
+  tests)
+    # The GPU-relevant tests: compiled Triton kernels (bf16 included), CUDA-graph step graphs vs eager,
+    # the engine on the kernels, the model against transformers.
+    timeout 280 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/kernels tests/worker/test_step_graphs.py \
+        tests/worker/test_step_buckets.py tests/worker/test_engine_kernels.py tests/worker/test_model.py \
+        tests/worker/test_sampler.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^\s*$" | tail -60
+    ;;
+  bench)
+    timeout 280 python3 benchmarks/step_graphs.py --random-model smollm2-135m --tokenizer .gpu/tokenizer \
+        --parts decode offline ttft --batches 1 8 32 128 --dtypes bfloat16 --steps 100 --rounds 3 2>&1 \
+        | tee "$OUT/gpu-bench.log" | grep -v "^\s*$" | tail -30
+    cp "$(ls -t benchmarks/results/step_graphs-*.json | head -1)" "$OUT/"
+    ;;
+  kernels)
+    timeout 150 python3 benchmarks/kernels.py --no-cpu 2>&1 | tee "$OUT/gpu-kernels.log" | tail -30
+    cp "$(ls -t benchmarks/results/kernels-*.json | head -1)" "$OUT/"
+    ;;
+  esac
+done
