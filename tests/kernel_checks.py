@@ -37,4 +37,4 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     """actual vs expected (any dtypes) within `dtype`'s stated tolerance; NaN anywhere fails."""
     atol, rtol = TOLERANCES[dtype]
     assert not torch.isnan(actual).any(), f"{what}: NaN in the output (an element was not written)"
-    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")

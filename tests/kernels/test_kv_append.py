@@ -21,7 +21,8 @@ def _cos_sin_cache(max_positions: int, head_dim: int, theta: float = 10000.0) ->
 
 def _rotate64(x: torch.Tensor, positions: torch.Tensor, head_dim: int, is_neox: bool) -> torch.Tensor:
     """The definition in float64: pairs (i, i + D/2) for neox, (2i, 2i + 1) for GPT-J, angle pos * theta_i."""
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+                                 / head_dim)
     angle = positions.double()[:, None, None] * inv_freq  # [T, 1, D/2]
     x = x.double()
     if is_neox:

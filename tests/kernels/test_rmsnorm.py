@@ -108,7 +108,7 @@ def test_twin_is_transformers_llama_rmsnorm_bitwise() -> None:
 
     for dtype in (torch.float32, torch.bfloat16):
         x, weight, residual = inputs(37, 576, dtype, seed=5)
-        hf = LlamaRMSNorm(576, eps=EPS).to(dtype)
+        hf = LlamaRMSNorm(576, eps=EPS).to(dtype=dtype, device=x.device)
         hf.weight.data.copy_(weight)
         with torch.inference_mode():
             assert torch.equal(rms_norm_torch(x, weight, EPS), hf(x)), dtype
@@ -117,7 +117,7 @@ def test_twin_is_transformers_llama_rmsnorm_bitwise() -> None:
 
 
 def test_dispatch_and_shape_errors() -> None:
-    x, weight, residual = inputs(3, 8, torch.float32, seed=6)
+    x, weight, residual = (t.cpu() for t in inputs(3, 8, torch.float32, seed=6))
     expected = rms_norm_torch(x, weight, EPS)
     assert torch.equal(rms_norm(x, weight, EPS), expected)  # CPU tensors: the twin
     with pytest.raises(ValueError, match=r"weight of shape \(7,\) does not match x of shape \(3, 8\)"):

@@ -200,7 +200,7 @@ def test_rotary_module_rotates_in_place_and_grows_its_cache() -> None:
 
     gptj.reserve(256)
     for module in (rotary, gptj):
-        _, q, k, _ = fused_qkv(5, 4, 2, 16, torch.float32, seed=10)
+        q, k, _ = heads_of(fused_qkv(5, 4, 2, 16, torch.float32, seed=10)[0].cpu(), 4, 2, 16)  # its cache: CPU
         positions = torch.tensor([255, 3, 0, 120, 3])
         expected_q, expected_k = (rotate64(t, positions, module.cos_sin_cache, module.is_neox) for t in (q, k))
         module(positions, q, k)
@@ -209,8 +209,8 @@ def test_rotary_module_rotates_in_place_and_grows_its_cache() -> None:
 
 
 def test_dispatch_and_errors() -> None:
-    _, q, k, _ = fused_qkv(3, 2, 1, 8, torch.float32, seed=11)
-    cache, positions = cache_for(8), torch.tensor([5, 1, 5])
+    q, k, _ = heads_of(fused_qkv(3, 2, 1, 8, torch.float32, seed=11)[0].cpu(), 2, 1, 8)  # CPU: the twin
+    cache, positions = cache_for(8).cpu(), torch.tensor([5, 1, 5])
     expected = rotate64(q, positions, cache, True)
     rotary_embedding(positions, q, k, cache, True)  # CPU tensors: the twin
     assert_close(q, expected, torch.float32, "q")

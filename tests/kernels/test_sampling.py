@@ -163,7 +163,8 @@ def test_twin_kept_set_matches_float64(regime, ties):
         logits = (logits * 4).round() / 4
     params = _random_filters(num_rows, g, regime)
     cutoffs = torch.empty(num_rows)
-    sample_torch(logits, *params.values(), *_noise_args(num_rows, g).values(), cutoffs=cutoffs)
+    noise = [t.cpu() for t in _noise_args(num_rows, g).values()]   # the twin, on CPU tensors
+    sample_torch(logits, *params.values(), *noise, cutoffs=cutoffs)
     scaled = logits * (1.0 / params["temperature"]).unsqueeze(1)
     skipped = 0
     for row in range(num_rows):
