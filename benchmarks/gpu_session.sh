@@ -27,18 +27,22 @@ for part in $PARTS; do
   tests)
     # The GPU-relevant tests: compiled Triton kernels (bf16 included), CUDA-graph step graphs vs eager,
     # the engine on the kernels, the model against transformers.
-    timeout 280 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/kernels tests/worker/test_step_graphs.py \
+    timeout 230 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/kernels tests/worker/test_step_graphs.py \
         tests/worker/test_step_buckets.py tests/worker/test_engine_kernels.py tests/worker/test_model.py \
-        tests/worker/test_sampler.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^\s*$" | tail -60
+        tests/worker/test_sampler.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -30
     ;;
   bench)
-    timeout 280 python3 benchmarks/step_graphs.py --random-model smollm2-135m --tokenizer .gpu/tokenizer \
+    timeout 170 python3 benchmarks/step_graphs.py --random-model smollm2-135m --tokenizer .gpu/tokenizer \
         --parts decode offline ttft --batches 1 8 32 128 --dtypes bfloat16 --steps 100 --rounds 3 2>&1 \
-        | tee "$OUT/gpu-bench.log" | grep -v "^\s*$" | tail -30
+        | tee "$OUT/gpu-bench.log" | grep -v "^\s*$" | tail -12
+    cp "$(ls -t benchmarks/results/step_graphs-*.json | head -1)" "$OUT/"
+    timeout 130 python3 benchmarks/step_graphs.py --random-model llama-1b --tokenizer .gpu/tokenizer \
+        --parts decode --batches 1 32 --dtypes bfloat16 --steps 60 2>&1 \
+        | tee "$OUT/gpu-bench-1b.log" | grep -v "^\s*$" | tail -4
     cp "$(ls -t benchmarks/results/step_graphs-*.json | head -1)" "$OUT/"
     ;;
   kernels)
-    timeout 150 python3 benchmarks/kernels.py --no-cpu 2>&1 | tee "$OUT/gpu-kernels.log" | tail -30
+    timeout 60 python3 benchmarks/kernels.py --no-cpu 2>&1 | tee "$OUT/gpu-kernels.log" | tail -30
     cp "$(ls -t benchmarks/results/kernels-*.json | head -1)" "$OUT/"
     ;;
   esac

@@ -276,17 +276,21 @@ def _decode_kernel(
     stride_kh, stride_kb, stride_ks,          # K and V share strides; D is contiguous
     stride_tb,
     stride_ob, stride_oh,
-    scale,
+    scale, split_tokens,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     # grid: (B, Hkv, NUM_SPLITS). Rows = the GROUP query heads of one KV head (padded to GROUP_PAD >= 16
     # for tl.dot); columns = BLOCK_N context tokens per step, which may span several pool blocks.
+    # Split s reduces context tokens [s * per_split, (s + 1) * per_split): `split_tokens` when it is > 0
+    # (fixed boundaries: the result does not depend on the batch or the grid), else the length / NUM_SPLITS.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq).to(tl.int32)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if split_tokens > 0:
+        per_split = split_tokens
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -354,6 +358,21 @@ def _default_num_splits(q: torch.Tensor, num_kv_heads: int, max_context: int) ->
     return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(-(-max_context // 256)), 64))
 
 
+DECODE_TILE = 64   # context tokens per inner step of the decode kernel (BLOCK_N)
+
+
+def decode_split_tokens(max_context: int) -> int:
+    """Context tokens per split of the decode kernel in an engine whose sequences reach `max_context`
+    tokens: at least 256, and at most 64 splits (a power of two, a multiple of the kernel's tile).
+
+    Fixed per engine, so that the bits of a sequence's attention depend on nothing but the sequence: not on
+    the sequences batched with it, the block-table width or the padded rows of a step graph. A CUDA-graph
+    step and the eager step of the same batch then give the same tokens."""
+    if max_context < 1:
+        raise ValueError(f"max_context must be >= 1, got {max_context}")
+    return max(256, 1 << (-(-max_context // 64) - 1).bit_length())
+
+
 def _pads(group: int, head_dim: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(head_dim))
 
@@ -361,10 +380,11 @@ def _pads(group: int, head_dim: int) -> tuple[int, int]:
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                   out: torch.Tensor | None = None, num_splits: int | None = None,
-                                  plan: DecodePlan | None = None) -> torch.Tensor:
+                                  plan: DecodePlan | None = None, split_tokens: int | None = None) -> torch.Tensor:
     """Same contract as `paged_decode_attention_torch`. `num_splits` (a power of two) defaults to enough
-    programs to fill the device, bounded by the context the block tables can hold; `plan` is the twin's
-    and is ignored here."""
+    programs to fill the device, bounded by the context the block tables can hold; `split_tokens` (from
+    `decode_split_tokens`, a multiple of 64) instead fixes each split's span, and the splits then cover
+    what the tables can hold. `plan` is the twin's and is ignored here."""
     num_seqs, num_heads, head_dim = q.shape
     _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     if q.stride(2) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
@@ -373,7 +393,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
-    if num_splits is None:
+    if split_tokens is not None:
+        if num_splits is not None:
+            raise ValueError("give num_splits or split_tokens, not both")
+        if split_tokens < DECODE_TILE or split_tokens % DECODE_TILE:
+            raise ValueError(f"split_tokens must be a positive multiple of {DECODE_TILE}, got {split_tokens}")
+        spans = -(-block_tables.shape[1] * block_size // split_tokens)
+        num_splits = 1 << (spans - 1).bit_length()   # a power of two for the merge; splits past a length are empty
+    elif num_splits is None:
         num_splits = _default_num_splits(q, num_kv_heads, block_tables.shape[1] * block_size)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
@@ -387,9 +414,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale,
+        block_tables.stride(0), out.stride(0), out.stride(1), scale, split_tokens or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=64, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=DECODE_TILE, NUM_SPLITS=num_splits,
     )
     if num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](part_out, part_lse, out, out.stride(0), out.stride(1),
@@ -493,10 +520,13 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
-                           plan: DecodePlan | None = None) -> torch.Tensor:
-    """Triton on CUDA, the twin elsewhere (see `paged_decode_attention_torch`)."""
-    impl = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_torch
-    return impl(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan)
+                           plan: DecodePlan | None = None, split_tokens: int | None = None) -> torch.Tensor:
+    """Triton on CUDA, the twin elsewhere (see `paged_decode_attention_torch`; the twin reduces each
+    sequence in one pass and ignores `num_splits` / `split_tokens`)."""
+    if use_triton(q):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits,
+                                             plan, split_tokens)
+    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

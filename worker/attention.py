@@ -41,7 +41,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 plan = batch.per_step["decode_plan"] = plan_decode(tables, lens, k_cache,
                                                                    batch.context_lens[:num_decodes])
         paged_decode_attention(q[:num_decodes], k_cache, v_cache, tables, lens, scale, out=out[:num_decodes],
-                               plan=plan)
+                               plan=plan, split_tokens=batch.decode_split_tokens)
     if num_decodes < batch.num_seqs:
         paged_prefill_attention(q[num_decodes:num_real], k_cache, v_cache, batch.block_tables[num_decodes:],
                                 batch.seq_lens[num_decodes:], batch.prefill_query_start_loc, scale,
@@ -57,4 +57,5 @@ def _padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     append_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox,
               pad_slot=batch.pad_slot)
     plan = None if use_triton(q) else plan_decode_padded(batch.block_tables, batch.seq_lens, k_cache)
-    return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, plan=plan)
+    return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, plan=plan,
+                                  split_tokens=batch.decode_split_tokens)

@@ -92,7 +92,8 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill))
         self.sampler = Sampler(seed=config.seed, device=self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device, self.sampler,
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.max_model_len, self.device,
+                                  self.sampler,
                                   make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device))
         self.heap = HeapTrimmer()      # freed activations go back to the OS now and then (worker/memory.py)
         self.stats = EngineStats()

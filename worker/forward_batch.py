@@ -31,6 +31,9 @@ class ForwardBatch:
     # into one graph. `pad_slot` is where the CPU twin writes the padding rows' K/V (KVCache.pad_slot).
     step_graph: bool = False
     pad_slot: int | None = None
+    # Context tokens per split of the GPU decode kernel, fixed per engine (kernels.paged_attention.
+    # decode_split_tokens): a sequence's attention then has the same bits in any batch, graph or eager.
+    decode_split_tokens: int | None = None
     # values every layer needs, derived once by the first layer that asks (e.g. the decode twin's plan)
     per_step: dict = field(default_factory=dict, compare=False, repr=False)
 

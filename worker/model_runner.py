@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from infer.kernels.paged_attention import decode_split_tokens
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from infer.worker.scheduler import ScheduledChunk
@@ -15,11 +16,12 @@ from infer.worker.step_graphs import StepGraphs
 class ModelRunner:
     """Owns the model and the KV pool on one device; stateless between steps otherwise."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, device: torch.device,
-                 sampler: Sampler, step_graphs: StepGraphs | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, max_model_len: int,
+                 device: torch.device, sampler: Sampler, step_graphs: StepGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.split_tokens = decode_split_tokens(max_model_len)
         self.device = device
         self.sampler = sampler
         self.vocab_size = int(model.vocab_size)
@@ -34,7 +36,7 @@ class ModelRunner:
         if bucket is not None:
             logits = self.step_graphs.run(chunks, bucket)
         else:
-            batch = build_forward_batch(chunks, self.block_size, self.device)
+            batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
             hidden = self.model(batch, self.kv_cache)
             if batch.logits_indices.numel() == 0:
                 return None
@@ -64,7 +66,8 @@ def dummy_forward_batch(block_size: int, device: torch.device) -> ForwardBatch:
     )
 
 
-def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device) -> ForwardBatch:
+def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device,
+                        decode_split_tokens: int | None = None) -> ForwardBatch:
     """Flatten the step's chunks into the token-major tensors of ForwardBatch (see its docstring)."""
     input_ids: list[int] = []
     positions: list[int] = []
@@ -106,4 +109,5 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
         query_lens=tuple(query_lens),
         context_lens=tuple(context_lens),
         block_size=block_size,
+        decode_split_tokens=decode_split_tokens,
     )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from infer.kernels.paged_attention import decode_split_tokens
 from infer.worker.config import EngineConfig, compile_cache_dir
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.scheduler import ScheduledChunk
@@ -62,14 +63,15 @@ class DecodeBuffers:
         tables = torch.tensor(padded.block_tables, dtype=torch.int32).view(rows, width)
         self.block_tables[:rows, :width].copy_(tables, non_blocking=True)
 
-    def batch(self, rows: int, width: int, block_size: int, pad_slot: int) -> ForwardBatch:
+    def batch(self, rows: int, width: int, block_size: int, pad_slot: int,
+              split_tokens: int | None = None) -> ForwardBatch:
         """The ForwardBatch of a step graph over the buffers' first `rows` rows and `width` columns."""
         return ForwardBatch(
             input_ids=self.input_ids[:rows], positions=self.positions[:rows],
             slot_mapping=self.slot_mapping[:rows], block_tables=self.block_tables[:rows, :width],
             seq_lens=self.seq_lens[:rows], query_start_loc=self.query_start_loc[:rows + 1],
             logits_indices=self.positions[:0], num_decodes=rows, query_lens=(1,) * rows, context_lens=(),
-            block_size=block_size, step_graph=True, pad_slot=pad_slot)
+            block_size=block_size, step_graph=True, pad_slot=pad_slot, decode_split_tokens=split_tokens)
 
 
 class StepGraphs:
@@ -86,6 +88,7 @@ class StepGraphs:
         self.block_size = block_size
         self.buckets = batch_buckets(max_num_seqs, max_bucket)
         self.max_width = -(-max_model_len // block_size)
+        self.split_tokens = decode_split_tokens(max_model_len)   # the eager steps' too: the same bits
         self.device = device
         self.buffers = DecodeBuffers(self.buckets[-1], max(self.max_width, 2), device)
         self.backend: _Backend = (_CudaGraphs(self) if device.type == "cuda" else _CompiledLayers(self))
@@ -174,7 +177,7 @@ class _CompiledLayers(_Backend):
 
     def run(self, bucket: int, width: int) -> torch.Tensor:
         graphs = self.graphs
-        batch = graphs.buffers.batch(bucket, width, graphs.block_size, graphs.kv_cache.pad_slot)
+        batch = graphs.buffers.batch(bucket, width, graphs.block_size, graphs.kv_cache.pad_slot, graphs.split_tokens)
         torch._dynamo.mark_dynamic(batch.block_tables, 1)
         return graphs.forward(batch, self.layers)
 
@@ -195,7 +198,7 @@ class _CudaGraphs(_Backend):
     def make(self, bucket: int) -> None:
         graphs = self.graphs
         batch = graphs.buffers.batch(bucket, graphs.buffers.block_tables.shape[1], graphs.block_size,
-                                     graphs.kv_cache.pad_slot)
+                                     graphs.kv_cache.pad_slot, graphs.split_tokens)
         stream = torch.cuda.Stream(device=graphs.device)
         stream.wait_stream(torch.cuda.current_stream(graphs.device))
         with torch.cuda.stream(stream):  # warm-up launches (Triton autotuning, allocator) off the capture

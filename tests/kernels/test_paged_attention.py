@@ -10,6 +10,7 @@ from kernel_checks import DEVICE, KERNEL_DTYPES, assert_close, poisoned, require
 from paged_cases import make_batch, random_pool, random_tables, reference_attention
 
 from infer.kernels.paged_attention import (
+    decode_split_tokens,
     paged_decode_attention_torch,
     paged_decode_attention_triton,
     paged_prefill_attention_torch,
@@ -92,6 +93,47 @@ def test_decode_splits_merge_to_the_twin(num_splits, dtype):
     twin_out = paged_decode_attention_torch(*args, out=poisoned(batch.q.shape, dtype))
     assert_close(triton_out, twin_out, dtype, f"{num_splits} splits vs twin")
     assert_close(triton_out, reference_attention(batch, 0.125), dtype, f"{num_splits} splits vs float64")
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_fixed_split_tokens_give_the_same_bits_in_any_batch(dtype):
+    """With split_tokens (what engines pass), a sequence's output does not depend on the rows batched with
+    it or on the table width: alone, in a batch, and in a wider table padded as a step graph pads it, the
+    bits are equal. Lengths straddle split boundaries (255, 256, 257, 600 at 256 tokens a split)."""
+    seq_lens = [600, 5, 257, 256, 255, 64]
+    batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, 64, block_size=16, dtype=dtype,
+                       seed=_seed("fixed-splits", dtype))
+    split_tokens = decode_split_tokens(700)
+    assert split_tokens == 256
+
+    def run(rows: list[int], extra_columns: int) -> torch.Tensor:
+        tables = batch.block_tables[rows]
+        tables = torch.cat((tables, tables.new_zeros(len(rows), extra_columns)), dim=1)
+        return paged_decode_attention_triton(batch.q[rows], batch.k_cache, batch.v_cache, tables,
+                                             batch.seq_lens[rows], 0.125, out=poisoned((len(rows), 8, 64), dtype),
+                                             split_tokens=split_tokens)
+
+    whole = run(list(range(len(seq_lens))), 0)
+    assert_close(whole, reference_attention(batch, 0.125), dtype, "fixed splits vs float64")
+    for row in range(len(seq_lens)):
+        for extra in (0, 7, 40):   # 40 more blocks: 2.5x more splits in the grid, all empty for this row
+            assert torch.equal(run([row], extra)[0], whole[row]), (row, extra)
+    assert torch.equal(run([2, 0, 2], 13)[1], whole[0])
+    with pytest.raises(ValueError, match="split_tokens must be a positive multiple of 64"):
+        paged_decode_attention_triton(
+            batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125, split_tokens=100)
+    with pytest.raises(ValueError, match="not both"):
+        paged_decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                      0.125, num_splits=2, split_tokens=256)
+
+
+def test_decode_split_tokens_per_engine():
+    """At least 256 tokens a split, at most 64 splits of the longest context, a power of two."""
+    assert [decode_split_tokens(n) for n in (1, 2048, 16384, 16385, 32768, 131072)] == [256, 256, 256, 512,
+                                                                                          512, 2048]
+    with pytest.raises(ValueError, match="max_context must be >= 1"):
+        decode_split_tokens(0)
 
 
 @pytest.mark.parametrize("impl", list(PREFILL_IMPLS.values()), ids=list(PREFILL_IMPLS))

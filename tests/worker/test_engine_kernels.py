@@ -17,7 +17,8 @@ from infer.kernels.reference import paged_attention_reference
 from prompts import varied_prompts
 
 
-def _reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, plan=None):
+def _reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, plan=None,
+                      split_tokens=None):
     starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, starts, scale, out)
 
