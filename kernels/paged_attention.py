@@ -331,15 +331,20 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     # grid: (B, H). out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max); empty splits weigh 0.
+    # The sums run in split order, one split at a time: empty splits at the end add exact zeros, so the bits
+    # do not depend on how many the grid has (a tree reduction's order would change with NUM_SPLITS).
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     row = seq * tl.num_programs(1) + head
-    s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, DIM_PAD)
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s)
-    weight = tl.exp(lse - tl.max(lse, 0))
-    parts = tl.load(part_out_ptr + (row * NUM_SPLITS + s)[:, None] * DIM_PAD + d[None, :])
-    result = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    lse_max = tl.max(tl.load(part_lse_ptr + row * NUM_SPLITS + tl.arange(0, NUM_SPLITS)), 0)
+    acc = tl.zeros([DIM_PAD], tl.float32)
+    weight_sum = 0.0
+    for s in range(NUM_SPLITS):
+        weight = tl.exp(tl.load(part_lse_ptr + row * NUM_SPLITS + s) - lse_max)
+        acc += weight * tl.load(part_out_ptr + (row * NUM_SPLITS + s) * DIM_PAD + d)
+        weight_sum += weight
+    result = acc / weight_sum
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, result.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 
