@@ -16,7 +16,8 @@ Logprobs are those of the raw logits (before penalties and temperature: vLLM's d
 Spoiled rows: a row whose logits after the penalties hold NaN or +inf (or are all -inf) cannot be sampled
 honestly. `SamplerOutput.bad_rows` names them and the engine fails their requests ("internal"); they are
 sampled as zeros meanwhile, so the kernel sees finite input and the rest of the batch is unaffected. The
-check is one min/max pass over the logits and one host read per step.
+check reads each row's maximum (NaN propagates through it): greedy rows get it from the same pass as their
+argmax, the others from one max pass; one host read per step.
 """
 
 from __future__ import annotations
@@ -197,8 +198,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32, not modified."""
-        if meta.fast_greedy:
-            return SamplerOutput(token_ids=logits.argmax(dim=-1), bad_rows=non_finite_rows(logits))
+        if meta.fast_greedy:   # one pass: each row's max (the check) and its first index (the token)
+            top, token_ids = logits.max(dim=-1)
+            return SamplerOutput(token_ids=token_ids, bad_rows=_rows_not_finite(top))
         processed = logits.float()
         if meta.penalties is not None:
             processed = apply_penalties(processed, meta.penalties)
@@ -232,9 +234,13 @@ class Sampler:
 
 def non_finite_rows(logits: torch.Tensor) -> tuple[int, ...]:
     """Rows of [B, V] `logits` holding a NaN or +inf, or nothing above -inf (-inf entries alone are fine: masked
-    tokens). One min/max pass; one host read."""
-    low, high = torch.aminmax(logits, dim=-1)
-    bad = low.isnan() | ~high.isfinite()
+    tokens). One max pass (a NaN anywhere makes the row's max NaN); one host read."""
+    return _rows_not_finite(logits.amax(dim=-1))
+
+
+def _rows_not_finite(row_max: torch.Tensor) -> tuple[int, ...]:
+    """The rows whose maximum is NaN, +inf or -inf (see `non_finite_rows`)."""
+    bad = ~row_max.isfinite()
     if not bool(bad.any()):
         return ()
     return tuple(bad.nonzero().squeeze(1).tolist())
