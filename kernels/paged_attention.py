@@ -134,18 +134,29 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: tor
     return DecodePlan(len(lens), tuple(k_cache.shape), tuple(tiles))
 
 
-def plan_decode_padded(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor) -> DecodePlan:
-    """The plan of a padded batch, made without reading anything back to the host (the form step graphs
-    compile): one tile of every row over the whole table width, positions past each length masked.
-    block_tables [B, W] must hold a readable block in every entry and seq_lens [B] be >= 1 (padding rows:
-    length 1 over a scratch block), so every row attends to something finite."""
-    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
-    num_rows, width = block_tables.shape
-    positions = torch.arange(width * block_size, device=seq_lens.device)
-    mask = (positions[None, :] < seq_lens[:, None])[None, :, None, :]  # [1, B, 1, W * bs]
-    pool_rows = _pool_rows(block_tables, num_kv_heads, num_blocks)
-    return DecodePlan(num_rows, tuple(k_cache.shape),
-                      (DecodeTile(slice(0, num_rows), num_rows, width * block_size, pool_rows, mask),))
+def paged_decode_attention_compiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention written for the compiler (CPU step graphs): q [B, H, D] over every row's whole table
+    width, positions past each length masked; returns [B, H, D] in q's dtype, float32 inside.
+
+    Scores and outputs are broadcast products reduced over the head dim and over the context, taken from the
+    pool through the block tables. Under torch.compile, inductor folds each indexing into the loop of its
+    reduction, so K and V are read where they sit in the pool and never copied (the twin copies every block
+    it reads, then calls SDPA); run eagerly, this materialises those copies and is slower than the twin.
+    Every table entry must name a readable block and every length be >= 1 (step graphs pad their rows so)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    tables = block_tables.to(torch.int64)
+    context = tables.shape[1] * block_size
+    keys = k_cache[:, tables].view(num_kv_heads, num_seqs, 1, context, head_dim)
+    values = v_cache[:, tables].view(num_kv_heads, num_seqs, context, 1, head_dim)
+    queries = q.view(num_seqs, num_kv_heads, group, 1, head_dim).transpose(0, 1)   # [Hkv, B, G, 1, D]
+    scores = (queries.float() * keys.float()).sum(-1) * scale                       # [Hkv, B, G, L]
+    hidden = torch.arange(context, device=q.device)[None, :] >= seq_lens[:, None]   # [B, L]
+    probs = scores.masked_fill(hidden[None, :, None, :], float("-inf")).softmax(-1)
+    out = (probs.transpose(2, 3).unsqueeze(-1) * values.float()).sum(2)            # [Hkv, B, G, D]
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def _as_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:

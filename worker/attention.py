@@ -13,9 +13,9 @@ from infer.kernels._triton import use_triton
 from infer.kernels.kv_append import append_kv
 from infer.kernels.paged_attention import (
     paged_decode_attention,
+    paged_decode_attention_compiled,
     paged_prefill_attention,
     plan_decode,
-    plan_decode_padded,
 )
 from infer.worker.forward_batch import ForwardBatch
 
@@ -56,6 +56,8 @@ def _padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     attend to it), with no host sync and no shape that depends on the lengths' values."""
     append_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox,
               pad_slot=batch.pad_slot)
-    plan = None if use_triton(q) else plan_decode_padded(batch.block_tables, batch.seq_lens, k_cache)
-    return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, plan=plan,
-                                  split_tokens=batch.decode_split_tokens)
+    if use_triton(q):   # captured in a CUDA graph
+        return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
+                                      split_tokens=batch.decode_split_tokens)
+    # compiled by inductor (CPU): reads K and V in place in the pool
+    return paged_decode_attention_compiled(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale)
