@@ -42,7 +42,7 @@ for part in $PARTS; do
     cp "$(ls -t benchmarks/results/step_graphs-*.json | head -1)" "$OUT/"
     ;;
   kernels)
-    timeout 60 python3 benchmarks/kernels.py --no-cpu 2>&1 | tee "$OUT/gpu-kernels.log" | tail -30
+    timeout 100 python3 benchmarks/kernels.py --no-cpu 2>&1 | tee "$OUT/gpu-kernels.log" | tail -30
     cp "$(ls -t benchmarks/results/kernels-*.json | head -1)" "$OUT/"
     ;;
   esac
