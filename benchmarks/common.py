@@ -26,13 +26,16 @@ class Workload:
 
 
 def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
-    """W1: 64 x (128 prompt, 128 out). W2: 200 x (16-1024 prompt, 16-512 out), fixed seed. Greedy, ignore EOS."""
+    """W1: 64 x (128 prompt, 128 out). W2: 200 x (16-1024 prompt, 16-512 out), fixed seed. B1: 1 x (128, 128).
+    Greedy, ignore EOS."""
     rng = random.Random(seed)
     if name == "W1":
         lens, outs = [128] * 64, [128] * 64
     elif name == "W2":
         lens = [rng.randint(16, 1024) for _ in range(200)]
         outs = [rng.randint(16, 512) for _ in range(200)]
+    elif name == "B1":     # one request: batch-1 latency-bound decoding
+        lens, outs = [128], [128]
     elif name == "tiny":   # smoke-test size
         lens, outs = [32] * 8, [16] * 8
     else:

