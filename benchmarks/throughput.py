@@ -25,6 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import make_workload, write_result  # noqa: E402
 
+# benchmarks/ leaves the path once `common` is in (here and in vLLM's engine processes, which import this file
+# again): transformers probes for a package named `kernels`, and would import benchmarks/kernels.py.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE / ".peers" / "vllm-venv"
 SYSTEMS = ("infer", "infer-compiled", "vllm", "transformers")
