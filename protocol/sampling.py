@@ -145,6 +145,13 @@ class SamplingParams:
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
+def check_priority(priority: Any) -> int:
+    """A request's priority (lower is served first, vLLM's convention): an integer within 64 bits, else
+    ValueError naming `priority`."""
+    _integer("priority", priority)
+    return priority
+
+
 def _number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")

@@ -90,7 +90,8 @@ class Engine:
             max_num_batched_tokens=config.budget_tokens(self.max_model_len),
             max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill))
+            enable_chunked_prefill=config.enable_chunked_prefill, policy=config.scheduling_policy,
+            priority_aging_steps=config.priority_aging_steps))
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.device, self.sampler,
                                   make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device))
@@ -108,7 +109,7 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
                     resumed_token_ids: Sequence[int] = (),
-                    resumed_text_len: int | None = None) -> Request:
+                    resumed_text_len: int | None = None, priority: int = 0) -> Request:
         """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged.
 
         A sampled request without a seed gets one here (drawn from the engine's `seed`), reported with its
@@ -121,6 +122,8 @@ class Engine:
         shown); the rest (bytes of an unfinished character, text held back for a stop string) comes with the
         next output. `params.max_tokens` and `params.min_tokens` are what is left to generate. With the same
         seed, the output continues exactly where the first engine stopped, tokens and text.
+
+        `priority` (a 64-bit integer, lower first) matters under `scheduling_policy="priority"`.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -137,7 +140,7 @@ class Engine:
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=whole,
                           arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
                           max_tokens=self._resolve_max_tokens(len(prompt_ids), whole),
-                          token_ids=prompt_ids + resumed, arrival_time=time.monotonic())
+                          token_ids=prompt_ids + resumed, arrival_time=time.monotonic(), priority=priority)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, whole)
         if resumed:
             detok.resume(resumed, resumed_text_len)

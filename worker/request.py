@@ -50,6 +50,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_order: int = 0
+    priority: int = 0                # lower runs first under the "priority" scheduling policy (vLLM's rule)
+    arrival_step: int = 0            # the scheduler's step count when it was added (the aging clock)
     max_tokens: int = 16             # resolved: params.max_tokens, capped by the context length
     eos_token_ids: frozenset[int] = frozenset()
     status: RequestStatus = RequestStatus.WAITING

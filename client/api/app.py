@@ -140,6 +140,7 @@ class Job:
     request_id: str
     tracker: RequestTracker
     timeout: float | None = None
+    priority: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -409,13 +410,14 @@ class Front:
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
                 jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker(),
-                                body.timeout))
+                                body.timeout, body.priority))
         return jobs
 
     def engine_stream(self, job: Job) -> AsyncIterator[RequestOutput]:
         """The engine request of `job`, with its deadline."""
+        extra = {"priority": job.priority} if job.priority else {}   # engine clients older than priorities work on
         return self.engine.stream(job.prompt_token_ids, job.params, request_id=job.request_id,
-                                  timeout=job.timeout)
+                                  timeout=job.timeout, **extra)
 
     async def _run_to_end(self, jobs: list[Job]) -> None:
         async def one(job: Job) -> None:

@@ -90,6 +90,8 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     # our extension: a per-request deadline
     timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
+    # vLLM's: lower is served first (workers with --scheduling-policy priority; the coordinator sheds by it)
+    priority: Annotated[int, Field(ge=-2**63, lt=2**63, strict=True)] = 0
 
     @field_validator("stop")
     @classmethod
