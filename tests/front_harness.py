@@ -69,3 +69,9 @@ def error_of(text: str) -> dict[str, Any]:
     error = json.loads(text)["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
     return error
+
+
+def sse_events(text: str) -> list[Any]:
+    """The JSON payloads of an SSE body, "[DONE]" as that string."""
+    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+            for line in text.splitlines() if line.startswith("data: ")]

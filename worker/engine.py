@@ -135,12 +135,14 @@ class Engine:
         if params.seed is None and params.temperature > 0:
             params = dataclasses.replace(params, seed=self.sampler.draw_seed())
         prompt_ids = self._prompt_token_ids(prompt)
+        self._check_token_lists(params)
         resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids)
         whole = _counting_resumed(params, len(resumed))
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=whole,
                           arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
                           max_tokens=self._resolve_max_tokens(len(prompt_ids), whole),
-                          token_ids=prompt_ids + resumed, arrival_time=time.monotonic(), priority=priority)
+                          token_ids=prompt_ids + resumed, arrival_time=time.monotonic(), priority=priority,
+                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, whole)
         if resumed:
             detok.resume(resumed, resumed_text_len)
@@ -248,6 +250,27 @@ class Engine:
         return self._final_output(request, "", [])
 
     # ---- input -------------------------------------------------------------------------------
+
+    def _check_token_lists(self, params: SamplingParams) -> None:
+        """ValueError naming the field if logit_bias or allowed_token_ids names a token outside the vocabulary."""
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias or ()]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _bad_words_token_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
+        """Each bad word's token ids as it starts the text and as it follows a space (vLLM keeps the second
+        only when it is as long as the first, which lets " word" through when "word" splits differently)."""
+        out: list[list[int]] = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            variants = [plain]
+            if spaced != plain:
+                variants.append(spaced)
+            out += [ids for ids in variants if ids and max(ids) < self.vocab_size]
+        return out
 
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

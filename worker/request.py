@@ -66,6 +66,7 @@ class Request:
     arrival_time: float = 0.0              # time.monotonic() at add_request
     queue_time_s: float | None = None      # set when first scheduled; reported once, with the first token
     queue_time_reported: bool = False
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)   # params.bad_words, tokenized
 
     def __post_init__(self) -> None:
         if not self.token_ids:

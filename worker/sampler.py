@@ -1,6 +1,8 @@
 """Sampler: one batched sampling step over the logits of B requests.
 
-Order (as vLLM): penalties on the raw logits, the min_tokens mask, then one fused sampling kernel
+Order (as vLLM): penalties on the raw logits, then the per-request logit processors (logit_bias added,
+tokens outside allowed_token_ids and those banned by min_tokens or bad_words set to -inf), then one fused
+sampling kernel
 (infer.kernels.sampling): greedy rows take the argmax; the others are scaled by their temperature, filtered by
 top-k, top-p and min-p and drawn by an exponential race, per-row parameters in one launch, no host sync.
 
@@ -75,7 +77,9 @@ class SamplingMetadata:
     seeds: tuple[int | None, ...]              # params.seed; None on a sampled row that has none
     num_random_rows: int
     penalties: Penalties | None                # None: no row has a penalty
-    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf: min_tokens, bad_words
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, float32 biases)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R], [R, V] bool: may be sampled)
     num_logprobs: tuple[int | None, ...]       # params.logprobs of each row
     max_num_logprobs: int | None               # None: no row wants logprobs
     logprob_rows: torch.Tensor | None          # [R] int64 rows wanting logprobs; None when all do
@@ -99,8 +103,12 @@ class SamplingMetadata:
     @property
     def fast_greedy(self) -> bool:
         """All greedy with nothing to adjust or report: the step is `logits.argmax(-1)`."""
-        return (self.all_greedy and self.no_penalties and self.min_tokens_mask is None
+        return (self.all_greedy and self.no_penalties and not self.has_processors
                 and self.max_num_logprobs is None)
+
+    @property
+    def has_processors(self) -> bool:
+        return self.banned is not None or self.logit_bias is not None or self.allowed is not None
 
     @classmethod
     def build(cls, requests: Sequence[Request], vocab_size: int,
@@ -129,7 +137,9 @@ class SamplingMetadata:
             num_random_rows=greedy.count(False),
             penalties=(Penalties.build(requests, vocab_size, device)
                        if any(p.needs_penalties for p in params) else None),
-            min_tokens_mask=_min_tokens_mask(requests, vocab_size, device),
+            banned=_banned_tokens(requests, vocab_size, device),
+            logit_bias=_logit_bias(requests, device),
+            allowed=_allowed_tokens(requests, vocab_size, device),
             num_logprobs=tuple(p.logprobs for p in params),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             logprob_rows=(ints(logprob_rows) if 0 < len(logprob_rows) < len(requests) else None),
@@ -142,17 +152,17 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device | str) -> torc
                         device=device).reshape(len(rows), width)
 
 
-def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
-                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) to mask while a request is under min_tokens: its stop token ids always, its EOS
-    ids unless ignore_eos."""
+def _banned_tokens(requests: Sequence[Request], vocab_size: int,
+                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) to mask: while a request is under min_tokens its stop token ids always and its EOS
+    ids unless ignore_eos; the last token of each bad word whose other tokens end the output."""
     rows: list[int] = []
     ids: list[int] = []
     for i, r in enumerate(requests):
         p = r.params
-        if r.num_output_tokens >= p.min_tokens:
-            continue
-        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+        banned = _bad_word_bans(r)
+        if r.num_output_tokens < p.min_tokens:
+            banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
         for token_id in sorted(t for t in banned if t < vocab_size):
             rows.append(i)
             ids.append(token_id)
@@ -160,6 +170,49 @@ def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
         return None
     return (torch.tensor(rows, dtype=torch.int64, device=device),
             torch.tensor(ids, dtype=torch.int64, device=device))
+
+
+def _bad_word_bans(request: Request) -> set[int]:
+    if not request.bad_words_token_ids:
+        return set()
+    output = request.output_token_ids
+    return {word[-1] for word in request.bad_words_token_ids
+            if len(word) == 1 or output[len(output) - len(word) + 1:] == word[:-1]}
+
+
+def _logit_bias(requests: Sequence[Request],
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, r in enumerate(requests) for _ in r.params.logit_bias or ()]
+    if not rows:
+        return None
+    pairs = [pair for r in requests for pair in r.params.logit_bias or ()]
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=device),
+            torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device))
+
+
+def _allowed_tokens(requests: Sequence[Request], vocab_size: int,
+                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, r in enumerate(requests) if r.params.allowed_token_ids is not None]
+    if not rows:
+        return None
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for k, i in enumerate(rows):
+        mask[k, list(requests[i].params.allowed_token_ids)] = True
+    return torch.tensor(rows, dtype=torch.int64, device=device), mask.to(device)
+
+
+def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[B, V] float32 logits with logit_bias added and disallowed or banned tokens at -inf (a new tensor)."""
+    if meta.logit_bias is not None:
+        rows, ids, bias = meta.logit_bias
+        logits = logits.index_put((rows, ids), bias, accumulate=True)
+    if meta.allowed is not None:
+        rows, mask = meta.allowed
+        logits = logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~mask, -math.inf))
+    if meta.banned is not None:
+        logits = logits.index_put(meta.banned, logits.new_tensor(-math.inf))
+    return logits
 
 
 @dataclass(frozen=True)
@@ -205,8 +258,8 @@ class Sampler:
         bad_rows = non_finite_rows(processed)
         if bad_rows:
             processed = processed.index_fill(0, torch.tensor(bad_rows, device=processed.device), 0.0)
-        if meta.min_tokens_mask is not None:
-            processed = processed.index_put(meta.min_tokens_mask, processed.new_tensor(-math.inf))
+        if meta.has_processors:
+            processed = apply_processors(processed, meta)
         if meta.all_greedy:
             token_ids = processed.argmax(dim=-1)
         else:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front: an ASGI app over any EngineClient (a cluster or an in-process engine).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
-GET /v1/models, GET /health, GET /metrics.
+GET /v1/models, GET /health, GET /metrics; vLLM's POST /tokenize, POST /detokenize and GET /version.
 
 The path of a request:
 1. `_authorize` (401 without the API key when one is set: one answer for a missing header, another
@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import importlib.metadata
 import json
 import logging
 import os
@@ -58,7 +59,9 @@ from starlette.requests import ClientDisconnect
 
 from infer.client.api.body import decode_body
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
-from infer.client.api.schemas import ApiError, ChatCompletionRequest, CompletionRequest
+from infer.client.api.schemas import (
+    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+)
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError
 from infer.protocol.logsafe import safe
@@ -73,6 +76,10 @@ Body = TypeVar("Body", bound=BaseModel)
 R = TypeVar("R")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 API_KEY_ENV = "INFER_API_KEY"
+try:
+    VERSION = importlib.metadata.version("infer")
+except importlib.metadata.PackageNotFoundError:   # running from a tree that was never installed
+    VERSION = "0+unknown"
 TOKENIZER_THREADS = 2   # body parsing, chat templates and tokenization run on these, never on the event loop
 
 
@@ -141,6 +148,7 @@ class Job:
     tracker: RequestTracker
     timeout: float | None = None
     priority: int = 0
+    echo: str = ""                 # completions' `echo`: the prompt's text, shown before the first text
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -202,6 +210,54 @@ class Front:
             return [await self._chat_token_ids(body, max_len)]
         fmt = ChatFormat(self, body)
         return await self._serve(request, body, token_ids, body.max_new_tokens, body.num_logprobs, fmt)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt (or chat messages through the template) -> its token ids."""
+        body = await self._parse(request, TokenizeRequest)
+        max_len = await self._any_max_model_len()
+        if body.prompt is not None:
+            self._check_text_size(body.prompt, max_len, "prompt")
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await self._off_loop(self._encode, body.prompt, add_special_tokens=special)
+        else:
+            messages = [m.as_template_message() for m in body.messages]
+            self._check_text_size("".join(m["content"] for m in messages), max_len, "messages")
+            text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt)
+            ids = await self._off_loop(self._encode, text, add_special_tokens=bool(body.add_special_tokens))
+        strs = [self.token_text(t) for t in ids] if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids -> text."""
+        body = await self._parse(request, DetokenizeRequest)
+        max_len = await self._any_max_model_len()
+        if len(body.tokens) > max_len:
+            raise ApiError(400, f"tokens: {len(body.tokens)} token ids; at most the context length ({max_len})",
+                           param="tokens")
+        self._check_vocab("tokens", body.tokens)
+        text = await self._off_loop(self.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    async def version(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"version": VERSION})
+
+    async def _any_max_model_len(self) -> int:
+        """The context length of the cluster's workers (healthy or not: tokenizing needs no worker)."""
+        try:
+            view = await self._cluster_view()
+        except ApiError:
+            view = self._view
+        max_len = _max_model_len(view, healthy_only=False) if view is not None else None
+        if max_len is None:
+            raise self._unavailable("no worker has reported its context length yet")
+        return max_len
+
+    def _check_vocab(self, param: str, token_ids: list[int]) -> None:
+        vocab = len(self.tokenizer)
+        bad = next((t for t in token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -277,7 +333,7 @@ class Front:
             body = model.model_validate(data)
         except ValidationError as e:
             raise _validation_error(e) from None
-        if body.model != self.config.served_model_name:
+        if body.model is not None and body.model != self.config.served_model_name:
             raise ApiError(404, f"the model {body.model[:200]!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}", param="model", code="model_not_found")
         return body
@@ -380,7 +436,9 @@ class Front:
                      logprobs: int | None, fmt: ResponseFormat) -> Response:
         """`token_ids(max_len)`: the prompts' token ids, or a 400 for a prompt that cannot fit max_len."""
         num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
-        num_requests = num_prompts * body.n
+        num_requests = num_prompts * _candidates(body)
+        for param, ids in body.token_id_fields().items():
+            self._check_vocab(param, ids)
         self._reserve(num_requests)
         run: StreamRun | None = None
         try:
@@ -391,7 +449,7 @@ class Front:
             jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs)
             if not body.stream:
                 await _cancel_on_disconnect(request, self._run_to_end(jobs))
-                return JSONResponse(fmt.response(jobs))
+                return JSONResponse(fmt.response(_best(jobs, body.n), usage_of=jobs))
             run = StreamRun(self, jobs)   # releases the reservation in close()
         finally:
             if run is None:
@@ -402,15 +460,21 @@ class Front:
     def _jobs(self, base_id: str, prompts: list[list[int]], body: Any, max_tokens: int | None,
               logprobs: int | None) -> list[Job]:
         jobs = []
+        candidates = _candidates(body)
+        if candidates > body.n and logprobs is None:
+            logprobs = 0      # best_of ranks candidates by the sum of their sampled tokens' logprobs
+        echoes = body.prompts() if getattr(body, "echo", False) else None
         for p, ids in enumerate(prompts):
-            for c in range(body.n):
-                index = p * body.n + c
+            echo = "" if echoes is None else (echoes[p] if isinstance(echoes[p], str)
+                                              else self.tokenizer.decode(ids))
+            for c in range(candidates):
+                index = p * candidates + c
                 try:
                     params = body.sampling_params(max_tokens, logprobs, seed_offset=c)
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
                 jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker(),
-                                body.timeout, body.priority))
+                                body.timeout, body.priority, echo=echo))
         return jobs
 
     def engine_stream(self, job: Job) -> AsyncIterator[RequestOutput]:
@@ -574,9 +638,10 @@ class ResponseFormat:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def response(self, jobs: list[Job]) -> dict[str, Any]:
+    def response(self, jobs: list[Job], usage_of: list[Job] | None = None) -> dict[str, Any]:
+        """The whole answer with `jobs` as its choices; usage counts `usage_of` (every candidate of best_of)."""
         out = self._envelope(self.object_name, [self.choice(job) for job in jobs])
-        out["usage"] = _usage(jobs)
+        out["usage"] = _usage(jobs if usage_of is None else usage_of)
         return out
 
     def usage_chunk(self, jobs: list[Job]) -> dict[str, Any]:
@@ -606,17 +671,17 @@ class CompletionFormat(ResponseFormat):
     id_prefix = "cmpl"
 
     def choice(self, job: Job) -> dict[str, Any]:
-        return {"index": job.index, "text": job.text, "finish_reason": job.finish_reason,
-                "logprobs": self._logprobs(job.token_ids, job.logprobs, 0) if job.params.logprobs is not None
+        return {"index": job.index, "text": job.echo + job.text, "finish_reason": job.finish_reason,
+                "logprobs": self._logprobs(job.token_ids, job.logprobs, 0) if self.body.logprobs is not None
                 else None}
 
     def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
         logprobs = None
-        if job.params.logprobs is not None and delta.logprobs:
+        if self.body.logprobs is not None and delta.logprobs:
             start = len(job.text) - len(delta.text)
             logprobs = self._logprobs(delta.token_ids, delta.logprobs, start)
-        return {"index": job.index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}
+        text, job.echo = job.echo + delta.text, ""     # the prompt's text goes out once, before the first text
+        return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs], offset: int) -> dict[str, Any]:
         text = self.front.token_text
@@ -670,6 +735,29 @@ class ChatFormat(ResponseFormat):
 
 
 # ---- helpers --------------------------------------------------------------------------------------
+
+def _candidates(body: Any) -> int:
+    """Engine requests per prompt: completions' best_of (>= n) when given, else n."""
+    return getattr(body, "best_of", None) or body.n
+
+
+def _best(jobs: list[Job], n: int) -> list[Job]:
+    """Per prompt, the n candidates with the highest sum of sampled-token logprobs (OpenAI's best_of),
+    renumbered as choices 0..n-1 of their prompt; all of them when there are no more than n."""
+    by_prompt: dict[int, list[Job]] = {}
+    for job in jobs:
+        by_prompt.setdefault(job.prompt_index, []).append(job)
+    if all(len(group) <= n for group in by_prompt.values()):
+        return jobs
+    chosen = []
+    for p, group in sorted(by_prompt.items()):
+        ranked = sorted(group, key=lambda job: -sum(_finite(row.get(t)) for t, row in zip(job.token_ids,
+                                                                                              job.logprobs)))
+        for rank, job in enumerate(ranked[:n]):
+            job.index = p * n + rank
+            chosen.append(job)
+    return chosen
+
 
 def _top(row: TokenLogprobs, n: int) -> list[tuple[int, float]]:
     """The n most likely tokens of a logprobs row (the row holds the top n plus the sampled token)."""
@@ -838,13 +926,17 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     app.add_api_route("/v1/models", route(front.models), methods=["GET"])
     app.add_api_route("/health", route(front.health), methods=["GET"])
     app.add_api_route("/metrics", route(front.metrics_text), methods=["GET"])
+    app.add_api_route("/tokenize", route(front.tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", route(front.detokenize), methods=["POST"])
+    app.add_api_route("/version", route(front.version), methods=["GET"])
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:   # 404, 405, ...
         if exc.status_code == 404:
             error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are POST "
                                   "/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
-                                  "GET /metrics", code="not_found")
+                                  "GET /metrics, POST /tokenize, POST /detokenize, GET /version",
+                             code="not_found")
         elif exc.status_code == 405:
             error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}",
                              code="method_not_allowed", headers=exc.headers)

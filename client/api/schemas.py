@@ -15,14 +15,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S
-from infer.protocol.sampling import MAX_LOGPROBS, SamplingParams
+from infer.protocol.sampling import (
+    MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS,
+    SamplingParams,
+)
 
 MAX_N = 16
 MAX_STOP = 8
 MAX_COMPLETIONS_LOGPROBS = 5   # OpenAI's limit for /v1/completions
+MAX_USER_CHARS = 512
 
 TokenIdList = list[Annotated[int, Field(ge=0)]]
 
@@ -76,9 +80,10 @@ class _SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None                       # accepted, not used
-    # OpenAI fields we accept only at their neutral value
-    logit_bias: dict[str, float] | None = None
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None   # OpenAI's end-user id: accepted, unused
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE,
+                                                            allow_inf_nan=False)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM-style extras
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
@@ -86,6 +91,9 @@ class _SamplingFields(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: TokenIdList | None = None
+    allowed_token_ids: Annotated[TokenIdList, Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # our extension: a per-request deadline
@@ -103,10 +111,25 @@ class _SamplingFields(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return None
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdecimal() and len(key) <= 10):
+                raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key[:20]!r}")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_not_blank(cls, value: list[str] | None) -> list[str] | None:
+        if any(not word.strip() for word in value or []):
+            raise ValueError("bad_words must not hold blank strings")
+        return value
+
+    def token_id_fields(self) -> dict[str, list[int]]:
+        """The token ids the body names outside its prompt, by field (the front checks them against the
+        vocabulary)."""
+        return {"logit_bias": [int(k) for k in self.logit_bias or {}],
+                "allowed_token_ids": list(self.allowed_token_ids or ()),
+                "stop_token_ids": list(self.stop_token_ids or ())}
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -128,7 +151,8 @@ class _SamplingFields(BaseModel):
             seed=seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias or None,
+            allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()))
 
     @property
     def include_usage(self) -> bool:
@@ -142,7 +166,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = 16     # OpenAI's default for completions
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETIONS_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -152,15 +176,36 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be an empty list")
         return value
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
+    # Field validators (not a model validator) so that a 400 names the field: each sees the fields declared
+    # before it in `info.data`.
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs needs prompt logprobs, which are not supported yet")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value < n:
+            raise ValueError(f"best_of must be >= n (best_of={value}, n={n})")
+        if value is not None and value > n and info.data.get("stream"):
+            raise ValueError("best_of greater than n cannot be streamed (the best are known only at the end)")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> None:
+        if value:
             raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of other than n is not supported (best_of={self.best_of}, n={self.n})")
-        return self
+        return None
+
+    @property
+    def num_candidates(self) -> int:
+        """Engine requests per prompt: best_of when given, else n."""
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (one request each)."""
@@ -225,3 +270,31 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a text `prompt`, or chat `messages` rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None        # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: TokenIdList
