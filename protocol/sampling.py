@@ -11,6 +11,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from infer.protocol.structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 # The detokenizer holds back up to the longest stop string's length of text and searches every delta for
 # each one: a hostile request must not make that unbounded (OpenAI allows 4 stop sequences).
@@ -41,7 +43,8 @@ class SamplingParams:
     that params stay hashable), `allowed_token_ids` (only these may be sampled) and `bad_words` (words whose
     last token is banned once the output ends with the rest of it, tokenized with and without a leading
     space) are applied before sampling; token ids are checked against the vocabulary by the
-    engine.
+    engine. `structured_outputs` (protocol/structured.py; a dict of its fields is taken too) constrains the
+    output to a JSON schema, a regex, a choice, an EBNF grammar or any JSON object.
     """
 
     temperature: float = 1.0
@@ -63,6 +66,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept the forms users write (a single stop string, lists) and store tuples (hashable, frozen).
@@ -77,6 +81,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", _tuple("allowed_token_ids", self.allowed_token_ids))
         object.__setattr__(self, "bad_words", _tuple("bad_words", self.bad_words or ()))
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
         self._validate()
         self._validate_token_lists()
 
@@ -177,6 +183,8 @@ class SamplingParams:
             d["logit_bias"] = [[token_id, bias] for token_id, bias in self.logit_bias]
         if self.allowed_token_ids is not None:
             d["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
         return d
 
     @classmethod

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from infer.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:   # worker/structured.py imports torch; the scheduler's tests run without it
+    from infer.worker.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +71,7 @@ class Request:
     queue_time_s: float | None = None      # set when first scheduled; reported once, with the first token
     queue_time_reported: bool = False
     bad_words_token_ids: list[list[int]] = field(default_factory=list)   # params.bad_words, tokenized
+    grammar: GrammarState | None = None   # params.structured_outputs' matcher, once compiled
 
     def __post_init__(self) -> None:
         if not self.token_ids:

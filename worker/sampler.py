@@ -1,8 +1,9 @@
 """Sampler: one batched sampling step over the logits of B requests.
 
 Order (as vLLM): penalties on the raw logits, then the per-request logit processors (logit_bias added,
-tokens outside allowed_token_ids and those banned by min_tokens or bad_words set to -inf), then one fused
-sampling kernel
+tokens outside allowed_token_ids and those banned by min_tokens or bad_words set to -inf), then the grammar
+bitmask of the rows with structured outputs (each request's matcher fills its row of one [R, V/32] int32 mask;
+one kernel launch applies them all: kernels/token_bitmask.py), then one fused sampling kernel
 (infer.kernels.sampling): greedy rows take the argmax; the others are scaled by their temperature, filtered by
 top-k, top-p and min-p and drawn by an exponential race, per-row parameters in one launch, no host sync.
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from infer.kernels.sampling import GREEDY_TEMPERATURE
 from infer.kernels.sampling import sample as sample_kernel
+from infer.kernels.token_bitmask import apply_token_bitmask
 from infer.worker.request import Request
 
 
@@ -80,6 +82,7 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf: min_tokens, bad_words
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, float32 biases)
     allowed: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R], [R, V] bool: may be sampled)
+    grammar: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R] int64, [R, ceil(V/32)] int32 bitmask)
     num_logprobs: tuple[int | None, ...]       # params.logprobs of each row
     max_num_logprobs: int | None               # None: no row wants logprobs
     logprob_rows: torch.Tensor | None          # [R] int64 rows wanting logprobs; None when all do
@@ -108,7 +111,8 @@ class SamplingMetadata:
 
     @property
     def has_processors(self) -> bool:
-        return self.banned is not None or self.logit_bias is not None or self.allowed is not None
+        return (self.banned is not None or self.logit_bias is not None or self.allowed is not None
+                or self.grammar is not None)
 
     @classmethod
     def build(cls, requests: Sequence[Request], vocab_size: int,
@@ -140,6 +144,7 @@ class SamplingMetadata:
             banned=_banned_tokens(requests, vocab_size, device),
             logit_bias=_logit_bias(requests, device),
             allowed=_allowed_tokens(requests, vocab_size, device),
+            grammar=_grammar_bitmask(requests, vocab_size, device),
             num_logprobs=tuple(p.logprobs for p in params),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             logprob_rows=(ints(logprob_rows) if 0 < len(logprob_rows) < len(requests) else None),
@@ -202,6 +207,17 @@ def _allowed_tokens(requests: Sequence[Request], vocab_size: int,
     return torch.tensor(rows, dtype=torch.int64, device=device), mask.to(device)
 
 
+def _grammar_bitmask(requests: Sequence[Request], vocab_size: int,
+                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return None
+    bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32)
+    for k, i in enumerate(rows):
+        requests[i].grammar.fill(bitmask, k)
+    return torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device)
+
+
 def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """[B, V] float32 logits with logit_bias added and disallowed or banned tokens at -inf (a new tensor)."""
     if meta.logit_bias is not None:
@@ -212,6 +228,11 @@ def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         logits = logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~mask, -math.inf))
     if meta.banned is not None:
         logits = logits.index_put(meta.banned, logits.new_tensor(-math.inf))
+    if meta.grammar is not None:
+        rows, bitmask = meta.grammar
+        logits = logits.clone() if meta.logit_bias is None and meta.allowed is None and meta.banned is None \
+            else logits     # the steps above made a new tensor already
+        apply_token_bitmask(logits, bitmask, rows)
     return logits
 
 

@@ -203,12 +203,13 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a new request. Raises ValueError if it is malformed or could never run: prompt longer
         than max_model_len, or more KV blocks than the whole pool for prompt + max_tokens."""
-        self._check_new(request)
+        self.check_new(request)
         self._requests[request.request_id] = request
         request.arrival_step = self._num_steps
         bisect.insort(self._waiting, request, key=self._rank)
 
-    def _check_new(self, request: Request) -> None:
+    def check_new(self, request: Request) -> None:
+        """The checks of `add`, without adding (for a request that must wait for something first)."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         if request.status is not RequestStatus.WAITING or request.block_table or request.num_computed_tokens:
