@@ -69,6 +69,7 @@ from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
+from infer.protocol.structured import StructuredOutputsParams, grammar_error
 
 log = logging.getLogger("infer.api")
 
@@ -80,6 +81,7 @@ try:
     VERSION = importlib.metadata.version("infer")
 except importlib.metadata.PackageNotFoundError:   # running from a tree that was never installed
     VERSION = "0+unknown"
+GRAMMAR_CHECK_TIMEOUT_S = 5.0
 TOKENIZER_THREADS = 2   # body parsing, chat templates and tokenization run on these, never on the event loop
 
 
@@ -183,10 +185,13 @@ class Front:
         self.created = int(time.time())
         self.token_bytes = max_token_bytes(tokenizer)   # bounds a text prompt's size before tokenizing it
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="infer-tokenize")
+        # its own thread, so that a spec slow to parse never holds up tokenizing
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="infer-grammar-check")
 
     def close(self) -> None:
         """Stop the tokenizer threads (work already queued is dropped)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _off_loop(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """`fn(*args, **kwargs)` on the tokenizer threads, so the event loop keeps serving meanwhile."""
@@ -439,6 +444,7 @@ class Front:
         num_requests = num_prompts * _candidates(body)
         for param, ids in body.token_id_fields().items():
             self._check_vocab(param, ids)
+        structured = await self._structured(body)
         self._reserve(num_requests)
         run: StreamRun | None = None
         try:
@@ -446,7 +452,7 @@ class Front:
             prompts = await token_ids(max_len)
             for ids in prompts:
                 _check_length(len(ids), max_tokens, max_len)
-            jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs)
+            jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs, structured)
             if not body.stream:
                 await _cancel_on_disconnect(request, self._run_to_end(jobs))
                 return JSONResponse(fmt.response(_best(jobs, body.n), usage_of=jobs))
@@ -457,8 +463,25 @@ class Front:
         await _cancel_on_disconnect(request, run.start())   # on failure, start() closed the run
         return _EventStream(self._sse(run, fmt, body.include_usage), run)
 
+    async def _structured(self, body: Any) -> StructuredOutputsParams | None:
+        """The body's output constraint, parsed by xgrammar on the front's grammar thread (400 naming the field
+        if it does not parse, or if parsing takes longer than GRAMMAR_CHECK_TIMEOUT_S)."""
+        given = body.structured_spec()
+        if given is None:
+            return None
+        param, spec = given
+        check = asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammar_error, spec)
+        try:
+            error = await asyncio.wait_for(check, GRAMMAR_CHECK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"{param}: checking it took longer than {GRAMMAR_CHECK_TIMEOUT_S:g} s; simplify it",
+                           param=param) from None
+        if error is not None:
+            raise ApiError(400, f"{param}: {error}", param=param)
+        return spec
+
     def _jobs(self, base_id: str, prompts: list[list[int]], body: Any, max_tokens: int | None,
-              logprobs: int | None) -> list[Job]:
+              logprobs: int | None, structured: StructuredOutputsParams | None = None) -> list[Job]:
         jobs = []
         candidates = _candidates(body)
         if candidates > body.n and logprobs is None:
@@ -470,7 +493,7 @@ class Front:
             for c in range(candidates):
                 index = p * candidates + c
                 try:
-                    params = body.sampling_params(max_tokens, logprobs, seed_offset=c)
+                    params = body.sampling_params(max_tokens, logprobs, seed_offset=c, structured=structured)
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
                 jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker(),

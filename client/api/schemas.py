@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S
+from infer.protocol.structured import StructuredOutputsParams
 from infer.protocol.sampling import (
     MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS,
     SamplingParams,
@@ -60,6 +61,48 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_only_with_its_type(cls, value: JsonSchemaFormat | None, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("type") != "json_schema":
+            raise ValueError("json_schema goes with type 'json_schema' only")
+        return value
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return self
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json (a schema), regex, choice, grammar (EBNF), json_object."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(BaseModel):
     """The sampling fields both endpoints share (OpenAI's, then vLLM's extras), and `timeout`.
 
@@ -96,6 +139,13 @@ class _SamplingFields(BaseModel):
                          Field(max_length=MAX_BAD_WORDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # our extension: a per-request deadline
     timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
     # vLLM's: lower is served first (workers with --scheduling-policy priority; the coordinator sheds by it)
@@ -124,6 +174,34 @@ class _SamplingFields(BaseModel):
             raise ValueError("bad_words must not hold blank strings")
         return value
 
+    def structured_spec(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The body's output constraint and the field that gave it; ApiError (400 naming the field) if more
+        than one field gives one or the one given is malformed. Whether it compiles is checked by the front."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            given.append(("response_format.json_schema.schema", {"json": self.response_format.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            if fields.get("json_object") is False:
+                del fields["json_object"]
+            given.append(("structured_outputs", fields))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise ApiError(400, f"give one output constraint, got several: {names}", param=given[1][0])
+        field, spec = given[0]
+        try:
+            return field, StructuredOutputsParams.from_dict(spec)
+        except ValueError as e:
+            raise ApiError(400, f"{field}: {e}", param=field) from None
+
     def token_id_fields(self) -> dict[str, list[int]]:
         """The token ids the body names outside its prompt, by field (the front checks them against the
         vocabulary)."""
@@ -137,8 +215,8 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        seed_offset: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams of choice number `seed_offset` (a seeded request's choices get seed, seed+1...)."""
         seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
         return SamplingParams(
@@ -152,7 +230,8 @@ class _SamplingFields(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias or None,
-            allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()))
+            allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),
+            structured_outputs=structured)
 
     @property
     def include_usage(self) -> bool:
@@ -244,7 +323,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -254,9 +332,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _unsupported(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            kind = self.response_format.get("type")
-            raise ValueError(f"response_format {kind!r} is not supported (only 'text')")
         if self.tools:
             raise ValueError("tools are not supported")
         if self.tool_choice not in (None, "none"):

@@ -156,3 +156,27 @@ def test_bad_tokenize_and_detokenize_bodies_are_refused_naming_the_field(url, pa
 def test_version(url):
     status, _, text = http(f"{url}/version", method="GET")
     assert status == 200 and json.loads(text)["version"]
+
+
+# ---- structured outputs: validation (the outputs themselves: tests/cluster/test_structured_http.py) --------
+
+@pytest.mark.parametrize("body, param, reason", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format.json_schema.schema", "Type should be a string"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", ""),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "parenthesis is not closed"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs", "is not defined"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "1 to 256 strings"),
+    ({"structured_outputs": {"yaml": "x"}}, "structured_outputs.yaml", ""),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_regex": "x" * 5000}, "guided_regex", "at most 4096 characters"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "several"),
+    ({"guided_json": "[" * 40 + "]" * 40}, "guided_json", "deeper than 32"),
+])
+def test_an_invalid_output_constraint_is_a_400_naming_the_field(url, body, param, reason):
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    status, _, text = http(f"{url}/v1/chat/completions", {**chat, **body})
+    error = error_of(text)
+    assert status == 400 and error["param"] == param and reason in error["message"], text
