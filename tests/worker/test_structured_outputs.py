@@ -109,6 +109,17 @@ def test_a_request_waits_unscheduled_while_its_grammar_compiles(engine):
     assert final.finish_reason == "abort" and request.status.value == "abort" and not engine.has_unfinished()
 
 
+def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_the_engine_goes_on(engine, monkeypatch):
+    import infer.worker.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.05)
+    slow = Spec(json={"type": "string", "minLength": 1, "maxLength": 10**7})   # seconds of compiling
+    out = run(engine, {"slow": SamplingParams(max_tokens=4, structured_outputs=slow),
+                       "free": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)})
+    assert out["slow"][2] == "error" and "did not compile within 0.05 s" in out["slow"][3]
+    assert out["free"][2] == "length"
+
+
 def test_a_resumed_request_rebuilds_its_matcher_from_the_delivered_tokens(tiny_model_dir, engine):
     schema = SCHEMAS["array of objects"]
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=MAX_TOKENS, structured_outputs=Spec(json=schema))
