@@ -58,6 +58,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from infer.client.api.body import decode_body
+from infer.client.api.reasoning import REASONING_PARSERS, ReasoningSplitter
+from infer.client.api.tools import (
+    PARSERS, TOOL_PARSERS, ToolCall, calls_of_required, default_parser, new_call_id, template_messages,
+    tools_system_prompt
+)
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
 from infer.client.api.schemas import (
     ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -96,6 +101,8 @@ class FrontConfig:
     view_max_age: float = 1.0             # seconds a cluster view serves admission before a fresh round trip
     retry_after: int = 1                  # seconds, in the Retry-After header of a 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # a larger request body is refused with 413
+    tool_call_parser: str | None = None   # client/api/tools.py; None: the one the chat template's format calls for
+    reasoning_parser: str | None = None   # client/api/reasoning.py; None: no reasoning_content
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -110,6 +117,11 @@ class FrontConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_after < 0:
             raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
 
 def resolve_api_key(api_key: str | None, api_key_file: str | None,
@@ -187,6 +199,7 @@ class Front:
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="infer-tokenize")
         # its own thread, so that a spec slow to parse never holds up tokenizing
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="infer-grammar-check")
+        self.tool_call_parser = config.tool_call_parser or default_parser(getattr(tokenizer, "chat_template", None))
 
     def close(self) -> None:
         """Stop the tokenizer threads (work already queued is dropped)."""
@@ -376,16 +389,21 @@ class Front:
         the template runs, and the text before it is tokenized (both off the loop)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [m.as_template_message() for m in body.messages]
-        self._check_text_size("".join(m["content"] for m in messages), max_len, "messages")
-        text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt)
+        messages = template_messages([m.as_template_message() for m in body.messages])
+        tools = body.tool_dicts if body.tool_mode is not None else None
+        if tools and "tools" not in self.tokenizer.chat_template:   # a template that ignores `tools`
+            messages = [{"role": "system", "content": tools_system_prompt(tools)}, *messages]
+        self._check_text_size("".join(m["content"] for m in messages) + json.dumps(tools or []), max_len, "messages")
+        text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt, tools,
+                                    body.chat_template_kwargs)
         self._check_text_size(text, max_len, "messages")
         return await self._off_loop(self._encode, text, add_special_tokens=False)
 
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **(kwargs or {}))
         except Exception as e:   # the template's own checks (jinja raise_exception), e.g. role order
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -530,8 +548,7 @@ class Front:
                 if delta.finish_reason == "error":
                     yield _event(_request_error(delta, self.config.retry_after).body())
                     break
-                chunk = fmt.chunk(job, delta)
-                if chunk is not None:
+                for chunk in fmt.chunks(job, delta):
                     yield _event(chunk)
             else:
                 if include_usage:
@@ -678,11 +695,12 @@ class ResponseFormat:
     def choice(self, job: Job) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk(self, job: Job, delta: RequestOutput) -> dict[str, Any] | None:
-        """The SSE chunk of one delta; None for a delta with nothing to show (no text, logprobs or end)."""
+    def chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        """The SSE chunks of one delta (`job` has taken it in already); none for a delta with nothing to
+        show (no text, logprobs or end)."""
         if not delta.text and not delta.finished and not delta.logprobs:
-            return None
-        return self._envelope(self.chunk_object_name, [self.chunk_choice(job, delta)])
+            return []
+        return [self._envelope(self.chunk_object_name, [self.chunk_choice(job, delta)])]
 
     def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
         raise NotImplementedError
@@ -725,10 +743,84 @@ class ChatFormat(ResponseFormat):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def __init__(self, front: Front, body: Any) -> None:
+        super().__init__(front, body)
+        self.tool_mode = body.tool_mode
+        self.reasoning = front.config.reasoning_parser
+        self.parse_tools = PARSERS[front.tool_call_parser]
+        self._splitters: dict[int, ReasoningSplitter] = {}
+
     def choice(self, job: Job) -> dict[str, Any]:
-        return {"index": job.index, "message": {"role": "assistant", "content": job.text},
+        message, finish_reason = self._message(job)
+        return {"index": job.index, "message": message,
                 "logprobs": self._logprobs(job.token_ids, job.logprobs) if job.params.logprobs is not None
-                else None, "finish_reason": job.finish_reason}
+                else None, "finish_reason": finish_reason}
+
+    def _message(self, job: Job) -> tuple[dict[str, Any], str | None]:
+        """A finished job's assistant message (reasoning split off, tool calls parsed) and its finish_reason
+        ("tool_calls" when it called tools)."""
+        reasoning, content = ReasoningSplitter(self.reasoning).split(job.text) if self.reasoning else (None, job.text)
+        calls: list[ToolCall] = []
+        if self.tool_mode is not None and content:
+            content, calls = self._tool_calls(content)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        return message, "tool_calls" if calls and job.finish_reason == "stop" else job.finish_reason
+
+    def _tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.tool_mode == "named":
+            try:
+                arguments = json.loads(text)
+            except ValueError:
+                return text, []            # cut short by max_tokens: the text as it is
+            name = self.body.tool_choice.function.name
+            return None, [ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())]
+        if self.tool_mode == "required":
+            calls = calls_of_required(text)
+            return (text, []) if calls is None else (None, calls)
+        return self.parse_tools(text)
+
+    def chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        if self.tool_mode is not None:
+            return self._tool_chunks(job) if delta.finished else []
+        if self.reasoning:
+            return self._reasoning_chunks(job, delta)
+        return super().chunks(job, delta)
+
+    def _tool_chunks(self, job: Job) -> list[dict[str, Any]]:
+        """With tools the stream is buffered: tool calls are known only once the output is. Then, OpenAI's
+        shape: reasoning, content, per call its id and name, then its arguments, then the finish."""
+        message, finish_reason = self._message(job)
+        deltas: list[dict[str, Any]] = []
+        if message.get("reasoning_content"):
+            deltas.append({"reasoning_content": message["reasoning_content"]})
+        if message["content"]:
+            deltas.append({"content": message["content"]})
+        for i, call in enumerate(message.get("tool_calls", [])):
+            function = call["function"]
+            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                           "function": {"name": function["name"], "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]})
+        out = [self._chunk_of(job, d, None) for d in deltas]
+        return out + [self._chunk_of(job, {}, finish_reason)]
+
+    def _reasoning_chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        splitter = self._splitters.setdefault(job.index, ReasoningSplitter(self.reasoning))
+        reasoning, content = splitter.feed(delta.text)
+        if delta.finished:
+            rest = splitter.finish()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        fields = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        if not fields and not delta.finished:
+            return []
+        return [self._chunk_of(job, fields, delta.finish_reason)]
+
+    def _chunk_of(self, job: Job, fields: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return self._envelope(self.chunk_object_name, [{"index": job.index, "delta": fields, "logprobs": None,
+                                                        "finish_reason": finish_reason}])
 
     def opening_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
         return [self._envelope(self.chunk_object_name, [{"index": job.index, "delta": {"role": "assistant",

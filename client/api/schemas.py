@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S
+from infer.client.api.tools import MAX_TOOLS, parameters_schema, required_schema
 from infer.protocol.structured import StructuredOutputsParams
 from infer.protocol.sampling import (
     MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS,
@@ -316,27 +317,108 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Annotated[str, Field(max_length=8192)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    """One entry of `tools`: OpenAI's function tool."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "tokenize",
+                                      "add_generation_prompt", "chat_template", "return_dict", "continue_final_message"})
+MAX_TEMPLATE_KWARGS = 32
+
+
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions. Tools: see client/api/tools.py."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported")
-        return self
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_its_tool(cls, value: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if value in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice {value!r} needs tools")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"tool_choice names {value.function.name[:64]!r}, which is not among the tools")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        return value
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools, or tool_choice "none"), "auto" (the default with tools), "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def structured_spec(self) -> tuple[str, StructuredOutputsParams] | None:
+        """As for completions, plus tool_choice "required" or a named function, which constrain the output
+        themselves (client/api/tools.py) and so exclude the other constraints."""
+        given = super().structured_spec()
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return given
+        if given is not None:
+            raise ApiError(400, f"tool_choice {mode!r} constrains the output itself; it cannot be combined with "
+                                f"{given[0]}", param=given[0])
+        if mode == "named":
+            tool = next(t for t in self.tool_dicts if t["function"]["name"] == self.tool_choice.function.name)
+            schema = parameters_schema(tool)
+        else:
+            schema = required_schema(self.tool_dicts, self.parallel_tool_calls)
+        try:
+            return "tools", StructuredOutputsParams(json=schema)
+        except ValueError as e:
+            raise ApiError(400, f"tools: {e}", param="tools") from None
 
     @property
     def max_new_tokens(self) -> int | None:

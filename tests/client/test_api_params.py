@@ -11,6 +11,7 @@ import pytest
 
 from front_harness import MODEL, error_of, http, local_engine, serving, sse_events
 from infer.client.local_engine import LocalEngine
+from infer.protocol.outputs import RequestOutput
 
 SHORT = dict(model=MODEL, prompt=[3, 4, 5], max_tokens=4, temperature=0)
 
@@ -180,3 +181,116 @@ def test_an_invalid_output_constraint_is_a_400_naming_the_field(url, body, param
     status, _, text = http(f"{url}/v1/chat/completions", {**chat, **body})
     error = error_of(text)
     assert status == 400 and error["param"] == param and reason in error["message"], text
+
+
+# ---- tool calls and reasoning on recorded outputs ---------------------------------------------------------
+
+class RecordedEngine:
+    """An EngineClient whose every request "generates" `text`, three characters a delta: a model's recorded
+    output, so that the front's parsers run on exactly that text (the rest is the real LocalEngine)."""
+
+    def __init__(self, inner: LocalEngine, text: str) -> None:
+        self.inner, self.text = inner, text
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def stream(self, prompt, params=None, *, request_id=None, timeout=None, priority=0):
+        pieces = [self.text[i:i + 3] for i in range(0, len(self.text), 3)] or [""]
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            yield RequestOutput(request_id, [7], piece, finished=last, finish_reason="stop" if last else None,
+                                num_prompt_tokens=len(prompt))
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_CHAT = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL])
+
+
+def answer_of(url: str, body: dict) -> tuple[dict, str]:
+    """The message and finish_reason of a chat answer, non-streamed; then checks that the streamed answer
+    reassembles to it."""
+    status, _, text = http(f"{url}/v1/chat/completions", body)
+    assert status == 200, text
+    choice = json.loads(text)["choices"][0]
+    status, _, text = http(f"{url}/v1/chat/completions", {**body, "stream": True})
+    assert status == 200, text
+    message: dict = {"role": "assistant", "content": None}
+    calls: dict[int, dict] = {}
+    reason = None
+    for event in sse_events(text):
+        if event == "[DONE]" or not event["choices"]:
+            continue
+        choice_delta = event["choices"][0]
+        reason = choice_delta["finish_reason"] or reason
+        delta = choice_delta["delta"]
+        for key in ("content", "reasoning_content"):
+            if delta.get(key):
+                message[key] = (message.get(key) or "") + delta[key]
+        for d in delta.get("tool_calls", []):
+            call = calls.setdefault(d["index"], {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+            call["id"] = d.get("id") or call["id"]
+            call["function"]["name"] += d.get("function", {}).get("name", "")
+            call["function"]["arguments"] += d.get("function", {}).get("arguments", "")
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    got = choice["message"]
+    assert reason == choice["finish_reason"]
+    assert {k: v for k, v in message.items() if k != "tool_calls" and v} == \
+        {k: v for k, v in got.items() if k != "tool_calls" and v}
+    strip = lambda cs: [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in cs or []]  # noqa: E731
+    assert strip(message.get("tool_calls")) == strip(got.get("tool_calls"))
+    return got, choice["finish_reason"]
+
+
+@pytest.mark.parametrize("recorded, content, calls", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None,
+     [("get_weather", {"city": "Paris"})]),
+    ('I will look. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>', "I will look.",
+     [("get_weather", {"city": "Rome"})]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', []),
+    ("It is sunny.", "It is sunny.", []),
+])
+def test_auto_tool_calls_are_parsed_from_recorded_outputs_and_malformed_ones_are_content(
+        local, smollm2_tokenizer, recorded, content, calls):
+    with serving(RecordedEngine(local, recorded), smollm2_tokenizer) as url:
+        message, reason = answer_of(url, TOOL_CHAT)
+    assert message["content"] == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])] \
+        == calls
+    assert reason == ("tool_calls" if calls else "stop")
+
+
+def test_the_reasoning_parser_splits_thinking_from_content_streamed_and_not(local, smollm2_tokenizer):
+    recorded = "<think>The user wants 2+2.</think>It is 4."
+    with serving(RecordedEngine(local, recorded), smollm2_tokenizer, reasoning_parser="qwen3") as url:
+        message, _ = answer_of(url, dict(model=MODEL, messages=[{"role": "user", "content": "2+2?"}]))
+        assert (message["reasoning_content"], message["content"]) == ("The user wants 2+2.", "It is 4.")
+        recorded_call = '<think>Use the tool.</think><tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    with serving(RecordedEngine(local, recorded_call), smollm2_tokenizer, reasoning_parser="qwen3") as url:
+        message, reason = answer_of(url, TOOL_CHAT)
+        assert message["reasoning_content"] == "Use the tool." and reason == "tool_calls"
+
+
+@pytest.mark.parametrize("extra, param", [
+    (dict(tool_choice="required", tools=None), "tool_choice"),
+    (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools.0.function.name"),
+    (dict(tools=[{"type": "retrieval"}]), "tools.0.type"),
+    (dict(tool_choice="required", tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]),
+     "tools"),
+    (dict(tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    (dict(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
+    (dict(chat_template_kwargs={str(i): 1 for i in range(33)}), "chat_template_kwargs"),
+])
+def test_invalid_tool_fields_are_400s_naming_the_field(url, extra, param):
+    status, _, text = http(f"{url}/v1/chat/completions", {**TOOL_CHAT, "max_tokens": 2, **extra})
+    assert status == 400 and error_of(text)["param"] == param, text
+
+
+def test_chat_template_kwargs_are_accepted(url):
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                chat_template_kwargs={"enable_thinking": False})
+    assert http(f"{url}/v1/chat/completions", body)[0] == 200

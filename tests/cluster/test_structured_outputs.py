@@ -106,3 +106,83 @@ async def test_a_structured_stream_survives_kill_9_of_its_worker_and_still_valid
     for name, deltas in zip(names, streams):
         assert deltas[-1].finish_reason == "stop", (name, deltas[-1])
         jsonschema.validate(json.loads("".join(d.text for d in deltas)), SCHEMAS[name])
+
+
+# ---- tool calling -----------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "timezone": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}/[A-Z][a-z]{1,12}$"}}, "required": ["timezone"]}}}
+TOOLS = [WEATHER, TIME]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+async def stream_tool_calls(client, **kwargs):
+    """The tool calls of a streamed answer, reassembled from their deltas, and its finish reason."""
+    calls: dict[int, dict] = {}
+    reason = None
+    async for chunk in await client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                if d.function is not None:
+                    call["name"] += d.function.name or ""
+                    call["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.slow
+async def test_tool_choice_required_gives_valid_calls_streamed_the_same(client):
+    kwargs = dict(messages=QUESTION, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0,
+                  max_tokens=MAX_TOKENS)   # in parallel, SmolLM2-135M repeats its call until max_tokens
+    done = await client.chat.completions.create(model=MODEL, **kwargs)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    check_calls(choice.message.tool_calls)
+    streamed, reason = await stream_tool_calls(client, **kwargs)
+    assert reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+
+
+@pytest.mark.slow
+async def test_a_named_function_and_the_tool_result_round_trip(client, served):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    done = await client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=named,
+                                                temperature=1.0, seed=3, max_tokens=MAX_TOKENS)
+    [call] = done.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    check_calls([call])
+    conversation = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "It is 14:05 in Europe/Paris."}]
+    answer = await client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, temperature=0,
+                                                  max_tokens=24)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    rendered = await asyncio.to_thread(_post_json, f"{served.url}/tokenize", {
+        "messages": conversation, "return_token_strs": True})
+    assert "It is 14:05 in Europe/Paris." in "".join(rendered["token_strs"])
+
+
+def _post_json(url: str, body: dict) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.loads(r.read())
