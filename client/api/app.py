@@ -199,6 +199,7 @@ class Front:
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="infer-tokenize")
         # its own thread, so that a spec slow to parse never holds up tokenizing
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="infer-grammar-check")
+        self._xgrammar: asyncio.Future | None = None
         self.tool_call_parser = config.tool_call_parser or default_parser(getattr(tokenizer, "chat_template", None))
 
     def close(self) -> None:
@@ -488,6 +489,9 @@ class Front:
         if given is None:
             return None
         param, spec = given
+        if self._xgrammar is None:   # imported on first use, on the grammar thread (seconds: not on the clock)
+            self._xgrammar = asyncio.wrap_future(self._grammar_pool.submit(importlib.import_module, "xgrammar"))
+        await asyncio.shield(self._xgrammar)
         check = asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammar_error, spec)
         try:
             error = await asyncio.wait_for(check, GRAMMAR_CHECK_TIMEOUT_S)
