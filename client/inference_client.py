@@ -451,7 +451,8 @@ class InferenceClient:
             delta.request_id, list(delta.token_ids), delta.text, finished=delta.finished,
             finish_reason=delta.finish_reason, logprobs=delta.logprobs, error=delta.error,
             num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-            error_code=delta.error_code, queue_time_s=delta.queue_time_s, seed=delta.seed))
+            error_code=delta.error_code, queue_time_s=delta.queue_time_s, seed=delta.seed,
+            prompt_logprobs=delta.prompt_logprobs))
         if delta.finished:
             del self._requests[delta.request_id]
 

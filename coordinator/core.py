@@ -826,7 +826,8 @@ class Coordinator:
                      logprobs=delta.logprobs, num_prompt_tokens=len(request.prompt_token_ids or ()),
                      num_cached_tokens=delta.num_cached_tokens, prompt_token_ids=prompt_ids,
                      error_code=delta.error_code, queue_time_s=delta.queue_time_s,
-                     seed=None if prompt_ids is None else request.sampling.get("seed"))
+                     seed=None if prompt_ids is None else request.sampling.get("seed"),
+                     prompt_logprobs=delta.prompt_logprobs)
 
     def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         """The worker aborted a request on its own (draining): relay its last tokens, then move it."""
@@ -835,7 +836,8 @@ class Coordinator:
                                                text=delta.text, logprobs=delta.logprobs,
                                                num_prompt_tokens=delta.num_prompt_tokens,
                                                num_cached_tokens=delta.num_cached_tokens,
-                                               prompt_token_ids=delta.prompt_token_ids, seed=delta.seed), now)
+                                               prompt_token_ids=delta.prompt_token_ids, seed=delta.seed,
+                                               prompt_logprobs=delta.prompt_logprobs), now)
         self._failover(request, f"worker {worker.worker_id!r} aborted it", now)
         self._dispatch_held(now)
 

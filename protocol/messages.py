@@ -362,6 +362,7 @@ class Delta(Message):
     error_code: str | None = None              # with finish_reason "error": one of outputs.ERROR_CODES
     queue_time_s: float | None = None          # a worker's first delta: seconds waiting before first scheduled
     seed: int | None = None                    # the first delta: the sampling seed the request runs with
+    prompt_logprobs: list[dict[int, float]] | None = None   # the first delta, when asked: prompt tokens 1..
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)

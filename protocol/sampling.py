@@ -38,7 +38,9 @@ class SamplingParams:
     """Decoding options of one request. `temperature=0` is greedy.
 
     `top_k` of -1 (or 0) disables top-k; `max_tokens=None` means "up to the context length";
-    `logprobs=N` returns the sampled token's logprob plus the top N (0: only the sampled one).
+    `logprobs=N` returns the sampled token's logprob plus the top N (0: only the sampled one);
+    `prompt_logprobs=N` the same for every prompt token after the first (with the first output; such a request
+    does not use the prefix cache, whose tokens have no logits).
     `logit_bias` ({token id: bias in [-100, 100]}, added to the logits; stored as sorted (id, bias) pairs so
     that params stay hashable), `allowed_token_ids` (only these may be sampled) and `bad_words` (words whose
     last token is banned once the output ends with the rest of it, tokenized with and without a leading
@@ -67,6 +69,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept the forms users write (a single stop string, lists) and store tuples (hashable, frozen).
@@ -136,10 +139,12 @@ class SamplingParams:
                 <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
                              f"{MAX_REPETITION_PENALTY:g}] (1 is off), got {self.repetition_penalty}")
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _integer(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     def _validate_token_lists(self) -> None:
         bias = self.logit_bias or ()

@@ -383,7 +383,8 @@ class Worker:
                      finished=out.finished, finish_reason=out.finish_reason, error=out.error,
                      logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
                      num_cached_tokens=out.num_cached_tokens, prompt_token_ids=prompt_ids,
-                     error_code=out.error_code, queue_time_s=out.queue_time_s, seed=out.seed)
+                     error_code=out.error_code, queue_time_s=out.queue_time_s, seed=out.seed,
+                     prompt_logprobs=out.prompt_logprobs)
 
     # ---- liveness and registration ----------------------------------------------------------------
 

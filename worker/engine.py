@@ -158,7 +158,8 @@ class Engine:
                           arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
                           max_tokens=self._resolve_max_tokens(len(prompt_ids), whole),
                           token_ids=prompt_ids + resumed, arrival_time=time.monotonic(), priority=priority,
-                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+                          prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, whole)
         if resumed:
             detok.resume(resumed, resumed_text_len)
@@ -429,6 +430,7 @@ class Engine:
             request.queue_time_reported = True
             output.queue_time_s = request.queue_time_s
             output.seed = request.params.seed
+            output.prompt_logprobs = request.prompt_logprobs
         return output
 
     def _stop_status(self, request: Request, token_id: int, detok: IncrementalDetokenizer) -> RequestStatus | None:

@@ -72,6 +72,9 @@ class Request:
     queue_time_reported: bool = False
     bad_words_token_ids: list[list[int]] = field(default_factory=list)   # params.bad_words, tokenized
     grammar: GrammarState | None = None   # params.structured_outputs' matcher, once compiled
+    # with params.prompt_logprobs (and not resumed elsewhere: its first output went out there): row j is prompt
+    # token j + 1's logprobs, filled as prefill chunks run (worker/sampler.py: record_prompt_logprobs)
+    prompt_logprobs: list[dict[int, float]] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

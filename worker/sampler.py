@@ -304,6 +304,40 @@ class Sampler:
         return seed
 
 
+PROMPT_LOGPROBS_ROWS = 256   # prompt positions per log-softmax: bounds the [rows, V] float32 temporaries
+
+
+def record_prompt_logprobs(chunks: Sequence, hidden: torch.Tensor, compute_logits) -> None:
+    """Append to each chunk's `request.prompt_logprobs` (where not None) the rows of the prompt positions this
+    step computed: position p gives prompt token p + 1's logprob and the top params.prompt_logprobs. `hidden` is
+    the step's [T, H] hidden states, chunks flattened in order. Positions already recorded (a recompute after a
+    preemption, a step retried one request at a time) are skipped, so each row is recorded once."""
+    offset = 0
+    for chunk in chunks:
+        request = chunk.request
+        rows = request.prompt_logprobs
+        first, last = max(chunk.start, 0 if rows is None else len(rows)), min(chunk.end, request.num_prompt_tokens - 1)
+        if rows is not None and first < last:
+            for lo in range(first, last, PROMPT_LOGPROBS_ROWS):
+                hi = min(last, lo + PROMPT_LOGPROBS_ROWS)
+                logits = compute_logits(hidden[offset + lo - chunk.start:offset + hi - chunk.start]).float()
+                rows += _prompt_rows(logits.log_softmax(dim=-1), request.prompt_token_ids[lo + 1:hi + 1],
+                                     request.params.prompt_logprobs)
+        offset += chunk.num_new_tokens
+
+
+def _prompt_rows(logprobs: torch.Tensor, targets: list[int], n: int) -> list[dict[int, float]]:
+    target = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
+    picked = logprobs.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
+    top_lps, top_ids = logprobs.topk(n, dim=-1) if n else (None, None)
+    rows = []
+    for i, (token_id, lp) in enumerate(zip(targets, picked)):
+        row = {} if n == 0 else dict(zip(top_ids[i].tolist(), top_lps[i].tolist()))
+        row[token_id] = lp
+        rows.append(row)
+    return rows
+
+
 def non_finite_rows(logits: torch.Tensor) -> tuple[int, ...]:
     """Rows of [B, V] `logits` holding a NaN or +inf, or nothing above -inf (-inf entries alone are fine: masked
     tokens). One min/max pass; one host read."""

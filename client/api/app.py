@@ -168,6 +168,7 @@ class Job:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None   # prompt tokens 1..
 
     def add(self, delta: RequestOutput) -> None:
         self.tracker.on_delta(delta)
@@ -177,6 +178,8 @@ class Job:
             self.logprobs.extend(delta.logprobs)
         if delta.num_prompt_tokens:
             self.num_prompt_tokens = delta.num_prompt_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.finish_reason = delta.finish_reason
 
@@ -515,7 +518,9 @@ class Front:
             for c in range(candidates):
                 index = p * candidates + c
                 try:
-                    params = body.sampling_params(max_tokens, logprobs, seed_offset=c, structured=structured)
+                    params = body.sampling_params(max_tokens, logprobs, seed_offset=c, structured=structured,
+                                                  prompt_logprobs=getattr(body, "prompt_logprobs_wanted",
+                                                                          body.prompt_logprobs))
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
                 jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker(),
@@ -716,9 +721,28 @@ class CompletionFormat(ResponseFormat):
     id_prefix = "cmpl"
 
     def choice(self, job: Job) -> dict[str, Any]:
-        return {"index": job.index, "text": job.echo + job.text, "finish_reason": job.finish_reason,
-                "logprobs": self._logprobs(job.token_ids, job.logprobs, 0) if self.body.logprobs is not None
-                else None}
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = self._logprobs(job.token_ids, job.logprobs, len(job.echo))
+            if self.body.echo:
+                logprobs = self._with_prompt(job, logprobs)
+        out = {"index": job.index, "text": job.echo + job.text, "finish_reason": job.finish_reason,
+               "logprobs": logprobs}
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
+        return out
+
+    def _with_prompt(self, job: Job, completion: dict[str, Any]) -> dict[str, Any]:
+        """echo with logprobs: the prompt's tokens first (the first with no logprob), then the completion's."""
+        rows = job.prompt_logprobs or []
+        ids = job.prompt_token_ids
+        head = self._logprobs(ids[1:], rows, 0)
+        first = self.front.token_text(ids[0])
+        offsets = [0] + [o + len(first) for o in head["text_offset"]]
+        return {"tokens": [first, *head["tokens"], *completion["tokens"]],
+                "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
+                "top_logprobs": [None, *head["top_logprobs"], *completion["top_logprobs"]],
+                "text_offset": [*offsets, *completion["text_offset"]]}
 
     def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
         logprobs = None
@@ -756,9 +780,12 @@ class ChatFormat(ResponseFormat):
 
     def choice(self, job: Job) -> dict[str, Any]:
         message, finish_reason = self._message(job)
-        return {"index": job.index, "message": message,
-                "logprobs": self._logprobs(job.token_ids, job.logprobs) if job.params.logprobs is not None
-                else None, "finish_reason": finish_reason}
+        out = {"index": job.index, "message": message,
+               "logprobs": self._logprobs(job.token_ids, job.logprobs) if job.params.logprobs is not None
+               else None, "finish_reason": finish_reason}
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
+        return out
 
     def _message(self, job: Job) -> tuple[dict[str, Any], str | None]:
         """A finished job's assistant message (reasoning split off, tool calls parsed) and its finish_reason
@@ -854,6 +881,17 @@ class ChatFormat(ResponseFormat):
 
 
 # ---- helpers --------------------------------------------------------------------------------------
+
+def prompt_logprobs_json(front: Front, job: Job, n: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob,
+    decoded_token}} for the token itself and the top n."""
+    out: list[dict[str, Any] | None] = [None]
+    for token_id, row in zip(job.prompt_token_ids[1:], job.prompt_logprobs or []):
+        keep = dict(_top(row, n))
+        keep[token_id] = row.get(token_id)
+        out.append({str(t): {"logprob": _finite(lp), "decoded_token": front.token_text(t)} for t, lp in keep.items()})
+    return out
+
 
 def _candidates(body: Any) -> int:
     """Engine requests per prompt: completions' best_of (>= n) when given, else n."""

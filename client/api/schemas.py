@@ -147,6 +147,8 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the logprobs of the prompt's tokens (not with stream)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # our extension: a per-request deadline
     timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
     # vLLM's: lower is served first (workers with --scheduling-policy priority; the coordinator sheds by it)
@@ -166,6 +168,13 @@ class _SamplingFields(BaseModel):
         for key in value or {}:
             if not (key.isascii() and key.isdecimal() and len(key) <= 10):
                 raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key[:20]!r}")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs cannot be streamed yet")
         return value
 
     @field_validator("bad_words")
@@ -217,7 +226,8 @@ class _SamplingFields(BaseModel):
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams of choice number `seed_offset` (a seeded request's choices get seed, seed+1...)."""
         seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
         return SamplingParams(
@@ -232,7 +242,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias or None,
             allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),
-            structured_outputs=structured)
+            structured_outputs=structured, prompt_logprobs=prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -260,10 +270,16 @@ class CompletionRequest(_SamplingFields):
     # before it in `info.data`.
     @field_validator("echo")
     @classmethod
-    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which are not supported yet")
+    def _echo_with_logprobs_not_streamed(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None and info.data.get("stream"):
+            raise ValueError("echo with logprobs cannot be streamed yet (it needs the prompt's logprobs)")
         return value
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The prompt logprobs to ask the engine for: prompt_logprobs, and echo's logprobs of the prompt."""
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(wanted) if wanted else None
 
     @field_validator("best_of")
     @classmethod

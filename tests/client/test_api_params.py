@@ -77,9 +77,11 @@ def test_an_invalid_extra_parameter_is_a_400_naming_it(url, field, value):
     assert status == 400 and error_of(text)["param"].split(".")[0] == field, text
 
 
-def test_best_of_below_n_streamed_best_of_and_echo_with_logprobs_are_400s_naming_the_field(url):
+def test_best_of_below_n_and_what_cannot_be_streamed_yet_are_400s_naming_the_field(url):
     for extra, field in ((dict(n=3, best_of=2), "best_of"), (dict(n=1, best_of=2, stream=True), "best_of"),
-                         (dict(echo=True, logprobs=1), "echo")):
+                         (dict(echo=True, logprobs=1, stream=True), "echo"),
+                         (dict(prompt_logprobs=1, stream=True), "prompt_logprobs"),
+                         (dict(prompt_logprobs=21), "prompt_logprobs")):
         status, _, text = http(f"{url}/v1/completions", {**SHORT, **extra})
         assert status == 400 and error_of(text)["param"] == field, (extra, text)
 
@@ -117,6 +119,27 @@ def test_echo_puts_the_prompt_before_the_completion(url, stream):
     else:
         got = json.loads(text)["choices"][0]["text"]
     assert got == "Once upon a time" + plain["choices"][0]["text"]
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(url, smollm2_tokenizer):
+    prompt = [3, 4, 5, 6]
+    body = {**SHORT, "prompt": prompt, "max_tokens": 2, "logprobs": 1, "prompt_logprobs": 2}
+    status, _, text = http(f"{url}/v1/completions", body)
+    assert status == 200, text
+    choice = json.loads(text)["choices"][0]
+    rows = choice["prompt_logprobs"]
+    assert len(rows) == 4 and rows[0] is None
+    for token_id, row in zip(prompt[1:], rows[1:]):
+        assert str(token_id) in row and 2 <= len(row) <= 3
+        assert row[str(token_id)]["decoded_token"] == smollm2_tokenizer.decode([token_id])
+    status, _, text = http(f"{url}/v1/completions", {**body, "echo": True, "prompt_logprobs": None})
+    echoed = json.loads(text)["choices"][0]
+    lp = echoed["logprobs"]
+    assert len(lp["tokens"]) == 4 + 2 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:4] == [rows[i][str(prompt[i])]["logprob"] for i in range(1, 4)]
+    assert lp["token_logprobs"][4:] == choice["logprobs"]["token_logprobs"]
+    assert "".join(lp["tokens"]) == echoed["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(6)]
 
 
 def test_user_is_accepted(url):

@@ -1,4 +1,5 @@
-"""Priorities in the coordinator's logic (lower first), driven frame by frame: a request's priority travels
+"""Priorities in the coordinator's logic (lower first), driven frame by frame (and, at the end, prompt logprobs
+relayed with the first delta): a request's priority travels
 to its worker (and with a re-dispatch); held requests are dispatched best first; under admission pressure
 the lowest priority is refused (or shed from the held queue) first."""
 
@@ -7,7 +8,9 @@ from __future__ import annotations
 import pytest
 from core_harness import Harness, delta
 
-from infer.protocol.messages import DeltaBatch, Dispatch, Error, ProtocolError, Submit, TokenIds, decode, encode
+from infer.protocol.messages import (
+    Delta, DeltaBatch, Dispatch, Error, ProtocolError, Submit, TokenIds, decode, encode
+)
 
 CLIENT = b"client-1"
 
@@ -73,3 +76,14 @@ def test_a_full_held_queue_sheds_its_worst_priority_for_a_better_newcomer():
     assert refused[0].code == "overloaded" and refused[0].request_id == "also-bad"
     out = h.worker("w0", 0)
     assert [d.request_id for d in _of(out, Dispatch)] == ["best", "mid"]
+
+
+def test_prompt_logprobs_of_the_first_delta_reach_the_client():
+    h = Harness()
+    h.worker("w0", 0)
+    submit(h, "a", 0)
+    first = delta("a", 5, prompt=[1, 2, 3])
+    first = Delta(**{**first.__dict__, "prompt_logprobs": [{2: -0.5}, {3: -1.5, 9: -0.1}]})
+    out = h.step("w0", first)
+    [got] = [d for m in _of(out, DeltaBatch) for d in m.deltas]
+    assert got.prompt_logprobs == [{2: -0.5}, {3: -1.5, 9: -0.1}] and got.prompt_token_ids == [1, 2, 3]

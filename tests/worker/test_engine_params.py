@@ -47,3 +47,29 @@ def test_a_bad_word_is_never_generated_however_it_is_tokenized(llm):
     llm.engine.step()
     [banned] = llm.generate([[3, 4, 5]], greedy(bad_words=[word]), use_tqdm=False)
     assert word not in banned.text and banned.token_ids != plain.token_ids
+
+
+def test_prompt_logprobs_match_transformers_across_prefill_chunks_and_a_warm_prefix_cache(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir("llama")
+    prompt = [(7 * i + 3) % 900 + 3 for i in range(45)]
+    with LLM(model=str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory=4 << 20,
+             max_num_batched_tokens=16) as llm:       # the prompt is prefilled in 3 chunks
+        warm = llm.generate([prompt], greedy(), use_tqdm=False)[0]          # fills the prefix cache
+        [done] = llm.generate([prompt], greedy(prompt_logprobs=3), use_tqdm=False)
+    assert warm.prompt_logprobs is None and done.token_ids == warm.token_ids
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(
+        torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert len(done.prompt_logprobs) == len(prompt) and done.prompt_logprobs[0] is None
+    for j in range(1, len(prompt)):
+        row = done.prompt_logprobs[j]
+        assert row[prompt[j]] == pytest.approx(reference[j - 1, prompt[j]].item(), abs=1e-4)
+        top = reference[j - 1].topk(3).indices.tolist()
+        assert set(top) <= set(row) and len(row) <= 4
+
+
+def test_prompt_logprobs_out_of_range_are_refused():
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=21)
