@@ -57,7 +57,7 @@ from infer.protocol.messages import (
 )
 from infer.protocol.logsafe import safe
 from infer.protocol.outputs import Completion, RequestOutput
-from infer.protocol.sampling import SamplingParams
+from infer.protocol.sampling import SamplingParams, check_priority
 from infer.protocol.transport import HANDSHAKE_EVENTS, handshake_failure, make_socket
 
 log = logging.getLogger("infer.client")
@@ -208,12 +208,13 @@ class InferenceClient:
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str | None = None, pin_rank: int | None = None,
-                       timeout: float | None = None) -> Completion:
+                       timeout: float | None = None, priority: int = 0) -> Completion:
         """Run one request to the end. Request-level failures come back as finish_reason "error"; transport
         failures raise. With `timeout` (seconds) the cluster aborts the request (freeing its KV blocks) if it
-        has not finished by then, and the completion ends with error_code "timeout"."""
+        has not finished by then, and the completion ends with error_code "timeout". `priority`: lower is
+        served first (workers with --scheduling-policy priority; the coordinator sheds the highest first)."""
         _check_timeout(timeout)
-        request = await self._submit(prompt, params, request_id, pin_rank, timeout)
+        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority)
         completion = Completion(request.request_id, prompt_token_ids=[],
                                 prompt=prompt if isinstance(prompt, str) else None)
         async with contextlib.aclosing(self._deltas(request, timeout)) as deltas:
@@ -225,12 +226,12 @@ class InferenceClient:
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None, pin_rank: int | None = None,
-                     timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                     timeout: float | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Deltas of one request as they arrive (`token_ids` and `text` new since the last one); the last
-        has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout`: as in
-        `generate`; the last delta then has error_code "timeout"."""
+        has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout` and
+        `priority`: as in `generate`; after a timeout the last delta has error_code "timeout"."""
         _check_timeout(timeout)
-        request = await self._submit(prompt, params, request_id, pin_rank, timeout)
+        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority)
         async with contextlib.aclosing(self._deltas(request, timeout)) as deltas:
             async for delta in deltas:
                 yield delta
@@ -258,8 +259,9 @@ class InferenceClient:
         return None if request is None else request.prompt_token_ids
 
     async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                      pin_rank: int | None, timeout: float | None = None) -> _Request:
+                      pin_rank: int | None, timeout: float | None = None, priority: int = 0) -> _Request:
         self._check_open()
+        check_priority(priority)
         params = _DEFAULT_PARAMS if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -268,10 +270,10 @@ class InferenceClient:
             raise ValueError(f"request id {rid!r} is already in flight")
         if isinstance(prompt, str):
             submit = Submit(request_id=rid, prompt=prompt, sampling=_sampling_dict(params), pin_rank=pin_rank,
-                            timeout_s=timeout)
+                            timeout_s=timeout, priority=priority)
         else:
             submit = Submit(request_id=rid, prompt_token_ids=TokenIds(prompt), sampling=_sampling_dict(params),
-                            pin_rank=pin_rank, timeout_s=timeout)
+                            pin_rank=pin_rank, timeout_s=timeout, priority=priority)
         request = self._requests[rid] = _Request(rid, submit, None if timeout is None else time.monotonic() + timeout)
         if len(self._requests) == 1 and self._call is None:
             self._last_heard = time.monotonic()   # the silence clock starts when there is something to wait for
@@ -432,6 +434,7 @@ class InferenceClient:
             return None
         return Submit(request_id=submit.request_id, prompt_token_ids=TokenIds(request.prompt_token_ids),
                       sampling=sampling, pin_rank=submit.pin_rank, timeout_s=timeout, reattach=True,
+                      priority=submit.priority,
                       delivered_token_ids=TokenIds(request.received), delivered_text_len=request.received_text_len)
 
     def _on_delta(self, delta: Delta) -> None:
@@ -448,7 +451,8 @@ class InferenceClient:
             delta.request_id, list(delta.token_ids), delta.text, finished=delta.finished,
             finish_reason=delta.finish_reason, logprobs=delta.logprobs, error=delta.error,
             num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-            error_code=delta.error_code, queue_time_s=delta.queue_time_s, seed=delta.seed))
+            error_code=delta.error_code, queue_time_s=delta.queue_time_s, seed=delta.seed,
+            prompt_logprobs=delta.prompt_logprobs))
         if delta.finished:
             del self._requests[delta.request_id]
 

@@ -32,7 +32,7 @@ from infer.client.local_engine import RequestCounters, direct_mode_error, local_
 from infer.protocol.keys import CurveKeys
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import Completion, RequestOutput
-from infer.protocol.sampling import SamplingParams
+from infer.protocol.sampling import SamplingParams, check_priority
 from infer.worker.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -290,36 +290,39 @@ class AsyncLLM:
     # ---- generation -----------------------------------------------------------------------------
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *,
-                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, timeout: float | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Deltas of one request (token_ids / text new since the previous one); the last has `finished` and
         `finish_reason`. A rejected prompt is one delta with finish_reason "error" and error_code
         "invalid_request". Leaving the loop early (break, aclose) aborts the request. With `timeout`
         (seconds), a request not finished by then is aborted (its KV blocks freed) and ends with error_code
-        "timeout"."""
-        stream = self.engine.stream(prompt, sampling_params, request_id=request_id, timeout=timeout)
+        "timeout". `priority`: lower is served first (vLLM's convention; scheduling_policy "priority")."""
+        stream = self.engine.stream(prompt, sampling_params, request_id=request_id, timeout=timeout,
+                                    priority=priority)
         async with aclosing(stream) as deltas:
             async for delta in deltas:
                 yield delta
 
     async def generate_batch(self, prompts: Prompt | Sequence[Prompt],
                              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                             use_tqdm: bool = False, timeout: float | None = None) -> list[Completion]:
+                             use_tqdm: bool = False, timeout: float | None = None,
+                             priority: Sequence[int] | None = None) -> list[Completion]:
         """Every prompt concurrently (one params for all, or one per prompt); Completions in prompt order.
         The same contract as LLM.generate; `use_tqdm` shows a progress bar for lists; `timeout` applies to
         each request (see generate)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        priorities = _as_priority_list(priority, len(prompts))
         engine = self.engine
         bar = _progress(len(prompts), use_tqdm)
 
-        async def one(prompt: Prompt, sp: SamplingParams) -> Completion:
-            completion = await engine.generate(prompt, sp, timeout=timeout)
+        async def one(prompt: Prompt, sp: SamplingParams, pr: int) -> Completion:
+            completion = await engine.generate(prompt, sp, timeout=timeout, priority=pr)
             bar.update(1)
             return completion
 
         try:
-            return await _gather_all([one(p, sp) for p, sp in zip(prompts, params)])
+            return await _gather_all([one(p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)])
         finally:
             bar.close()
 
@@ -519,9 +522,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[Completion]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[Completion]:
         """Run every prompt in one continuous batch (direct) or spread over the workers (coordinator);
-        results come back in prompt order. `use_tqdm` shows a progress bar for lists.
+        results come back in prompt order. `use_tqdm` shows a progress bar for lists. `priority`: one integer
+        per prompt, lower first (vLLM's convention; matters under scheduling_policy "priority").
 
         A prompt the engine rejects (empty, too long, unknown token ids, cannot fit in the KV pool) yields a
         Completion with finish_reason "error", the reason in `error` and error_code "invalid_request"; the
@@ -529,9 +533,11 @@ class LLM:
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        priorities = _as_priority_list(priority, len(prompts))
         if self.engine is None:
-            return self._run(self._require_remote().generate_batch(prompts, params, use_tqdm=use_tqdm))
-        return self._generate_direct(prompts, params, use_tqdm)
+            return self._run(self._require_remote().generate_batch(prompts, params, use_tqdm=use_tqdm,
+                                                                   priority=priorities))
+        return self._generate_direct(prompts, params, use_tqdm, priorities)
 
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -544,9 +550,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _generate_direct(self, prompts: list[Prompt], params: list[SamplingParams],
-                         use_tqdm: bool) -> list[Completion]:
+                         use_tqdm: bool, priorities: list[int]) -> list[Completion]:
         engine = self.engine
-        completions = [self._submit(engine, p, sp) for p, sp in zip(prompts, params)]
+        completions = [self._submit(engine, p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)]
         by_id = {c.request_id: c for c in completions if c.finish_reason is None}
         bar = _progress(len(completions), use_tqdm)
         bar.update(len(completions) - len(by_id))
@@ -562,12 +568,12 @@ class LLM:
         bar.close()
         return completions
 
-    def _submit(self, engine: Engine, prompt: Prompt, params: SamplingParams) -> Completion:
+    def _submit(self, engine: Engine, prompt: Prompt, params: SamplingParams, priority: int = 0) -> Completion:
         request_id = f"llm-{next(self._ids)}"
         text = prompt if isinstance(prompt, str) else None
         self._counters.submitted += 1
         try:
-            request = engine.add_request(request_id, prompt, params)
+            request = engine.add_request(request_id, prompt, params, priority=priority)
         except ValueError as e:
             self._counters.record_final("error")
             ids = list(prompt) if isinstance(prompt, list) else []
@@ -639,6 +645,17 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
     return params
+
+
+def _as_priority_list(priority: Sequence[int] | None, n: int) -> list[int]:
+    if priority is None:
+        return [0] * n
+    if isinstance(priority, (int, str, bytes)):
+        raise ValueError(f"priority must be a list of integers, one per prompt, got {priority!r}")
+    priorities = [check_priority(p) for p in priority]
+    if len(priorities) != n:
+        raise ValueError(f"got {len(priorities)} priorities for {n} prompts; pass one per prompt")
+    return priorities
 
 
 def _progress(total: int, enabled: bool):

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from infer.client.inference_client import ClusterError
 from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
 from infer.protocol.outputs import Completion, RequestOutput
-from infer.protocol.sampling import SamplingParams
+from infer.protocol.sampling import SamplingParams, check_priority
 
 if TYPE_CHECKING:
     from infer.worker.engine import Engine
@@ -116,6 +116,7 @@ class _Add:
     params: SamplingParams | None
     timeout: float | None = None
     submitted_at: float = 0.0
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,21 +170,22 @@ class LocalEngine:
     # ---- EngineClient ---------------------------------------------------------------------------
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                     request_id: str | None = None,
-                     timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, timeout: float | None = None,
+                     priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Deltas of one request; the last has `finished`. Leaving the loop early aborts the request.
         `timeout` (seconds from this call): past it the request is aborted and its last delta has
-        finish_reason "error", error_code "timeout"."""
-        stream = self._open(prompt, params, request_id, timeout)
+        finish_reason "error", error_code "timeout". `priority`: lower first (scheduling_policy "priority")."""
+        stream = self._open(prompt, params, request_id, timeout, priority)
         async with aclosing(self._deltas(stream)) as deltas:
             async for delta in deltas:
                 yield delta
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                       request_id: str | None = None, timeout: float | None = None) -> Completion:
+                       request_id: str | None = None, timeout: float | None = None,
+                       priority: int = 0) -> Completion:
         """The request run to the end as one Completion; past `timeout` it ends with finish_reason "error",
         error_code "timeout" (aborted, KV blocks freed)."""
-        stream = self._open(prompt, params, request_id, timeout)
+        stream = self._open(prompt, params, request_id, timeout, priority)
         completion = Completion(stream.request_id, [], prompt=prompt if isinstance(prompt, str) else None)
         await self._fold(stream, completion)
         given = [] if isinstance(prompt, str) else list(prompt)
@@ -230,12 +232,13 @@ class LocalEngine:
     # ---- caller side ----------------------------------------------------------------------------
 
     def _open(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-              timeout: float | None) -> _Stream:
+              timeout: float | None, priority: int = 0) -> _Stream:
         if timeout is not None and not _valid_timeout(timeout):
             raise ValueError(f"timeout must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S:g}], "
                              f"got {timeout!r}")
+        check_priority(priority)
         stream = _Stream(request_id or f"local-{next(self._ids)}", asyncio.get_running_loop())
-        self._send(_Add(stream, prompt, params, timeout, time.monotonic()))
+        self._send(_Add(stream, prompt, params, timeout, time.monotonic(), priority))
         return stream
 
     async def _deltas(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -313,7 +316,8 @@ class LocalEngine:
             return self._reject(stream, f"request id {stream.request_id!r} is already in flight",
                                 "invalid_request")
         try:
-            request = self.engine.add_request(stream.request_id, command.prompt, command.params)
+            request = self.engine.add_request(stream.request_id, command.prompt, command.params,
+                                              priority=command.priority)
         except ValueError as e:
             return self._reject(stream, str(e), "invalid_request")
         except Exception as e:   # the engine is unchanged by a failed add; only this request fails

@@ -203,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "replay graphs made per batch size")
     engine.add_argument("--max-graph-batch-size", type=int, metavar="N",
                         help="the largest decode batch a step graph is made for (default 256)")
+    engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                        help="fcfs (the default) or priority: lower request priority first, with aging")
+    engine.add_argument("--priority-aging-steps", type=int, metavar="N",
+                        help="with --scheduling-policy priority: steps after which a waiting request ranks "
+                        "ahead of every younger one (default 1000)")
     engine.add_argument("--benchmark-mode", action="store_true", help="workers without a model (benchmarks)")
     coord = p.add_argument_group("coordinator options")
     coord.add_argument("--policy", choices=("least-loaded", "round-robin", "prefix-affinity"))
@@ -217,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _WORKER_VALUE_FLAGS = ("model", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                       "block_size", "seed", "kv_cache_memory", "threads", "max_graph_batch_size")
+                       "block_size", "seed", "kv_cache_memory", "threads", "max_graph_batch_size",
+                       "scheduling_policy", "priority_aging_steps")
 _COORDINATOR_FLAGS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "max_retries")
 
 

@@ -538,6 +538,7 @@ class Coordinator:
             prompt_token_ids=submit.prompt_token_ids, sampling=sampling,
             max_tokens=sampling.get("max_tokens", _DEFAULTS.max_tokens),
             min_tokens=sampling.get("min_tokens", _DEFAULTS.min_tokens), pin_rank=submit.pin_rank,
+            priority=submit.priority,
             submitted_at=now, deadline=None if submit.timeout_s is None else now + submit.timeout_s)
         if request.deadline is not None:
             self._add_deadline(request)
@@ -558,13 +559,14 @@ class Coordinator:
             self.requests.hold(request, now)
 
     def _admission_refusal(self, submit: Submit) -> str | None:
-        """Why a new request must be refused at once as overloaded (its queues are full), or None."""
+        """Why a new request must be refused at once as overloaded (its queues are full), or None.
+
+        Priority (lower first) decides who is shed: with every worker at its limit, a request of a better
+        priority than some request in flight is held (first in line for the next free seat, and its worker
+        ranks it first) instead of refused; with the held queue full, a newcomer of a better priority
+        takes the place of the worst held request that has not started, which fails as "overloaded"."""
         if self.state is not ClusterState.RUNNING or not self._routable():
-            limit = self.config.max_held_requests
-            if len(self.requests.held) >= limit:
-                return (f"the cluster is overloaded: {len(self.requests.held)} requests already wait in the "
-                        f"coordinator (the limit, --max-held-requests {limit}); retry later")
-            return None
+            return self._held_room(submit)
         if submit.pin_rank is not None:
             pinned = [w for w in self._routable() if w.dp_rank == submit.pin_rank]
             if pinned and not self._has_room(pinned[0]):
@@ -572,10 +574,33 @@ class Coordinator:
                         f"{pinned[0].num_in_flight} requests, its limit; retry later")
             return None
         if not any(self._has_room(w) for w in self._routable()):
+            if submit.priority < self._worst_priority_in_flight():
+                return self._held_room(submit)
             busiest = max(self._routable(), key=lambda w: w.num_in_flight)
             return (f"the cluster is overloaded: every worker has its limit of requests (dp_rank "
                     f"{busiest.dp_rank}: {busiest.num_in_flight}); retry later")
         return None
+
+    def _held_room(self, submit: Submit) -> str | None:
+        """None if `submit` may wait in the coordinator, shedding a held request of a worse priority to make room
+        when the queue is full; else why it is refused."""
+        limit = self.config.max_held_requests
+        if len(self.requests.held) < limit:
+            return None
+        fresh = [r for r in self.requests.held.values() if not r.delivered]
+        victim = max(reversed(fresh), key=lambda r: r.priority, default=None)   # the newest of the worst
+        if victim is not None and victim.priority > submit.priority:
+            self._fail(victim, f"request {victim.request_id!r} was shed from the coordinator's full queue for a "
+                               f"request of a better priority ({submit.priority} < {victim.priority}); retry "
+                               f"later", code="overloaded")
+            return None
+        return (f"the cluster is overloaded: {len(self.requests.held)} requests already wait in the "
+                f"coordinator (the limit, --max-held-requests {limit}); retry later")
+
+    def _worst_priority_in_flight(self) -> int:
+        """The largest priority among the requests on workers (so the least urgent); on the refusal path only."""
+        return max((r.priority for r in self.requests.by_id.values() if r.worker_id is not None),
+                   default=-2**63)
 
     def _has_room(self, worker: WorkerRecord) -> bool:
         limit = worker.request_limit(self.config.max_requests_per_worker)
@@ -636,9 +661,17 @@ class Coordinator:
     def _dispatch_held(self, now: float) -> None:
         if self.state is not ClusterState.RUNNING or not self.requests.held or not self._routable():
             return
-        for request in list(self.requests.held.values()):
+        for request in self._held_in_order():
             if not self._dispatch(request, now):
                 return
+
+    def _held_in_order(self) -> list[RequestRecord]:
+        """Held requests in dispatch order: resumed ones (a failover) first, then by priority, each in the order
+        they were held."""
+        held = list(self.requests.held.values())
+        if all(r.priority == held[0].priority for r in held):
+            return held
+        return sorted(held, key=lambda r: (r.retries == 0, r.priority))
 
     def _routable(self) -> list[WorkerRecord]:
         """Healthy workers whose whole group is healthy (a dead member stalls an EP group's collectives)."""
@@ -793,7 +826,8 @@ class Coordinator:
                      logprobs=delta.logprobs, num_prompt_tokens=len(request.prompt_token_ids or ()),
                      num_cached_tokens=delta.num_cached_tokens, prompt_token_ids=prompt_ids,
                      error_code=delta.error_code, queue_time_s=delta.queue_time_s,
-                     seed=None if prompt_ids is None else request.sampling.get("seed"))
+                     seed=None if prompt_ids is None else request.sampling.get("seed"),
+                     prompt_logprobs=delta.prompt_logprobs)
 
     def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         """The worker aborted a request on its own (draining): relay its last tokens, then move it."""
@@ -802,7 +836,8 @@ class Coordinator:
                                                text=delta.text, logprobs=delta.logprobs,
                                                num_prompt_tokens=delta.num_prompt_tokens,
                                                num_cached_tokens=delta.num_cached_tokens,
-                                               prompt_token_ids=delta.prompt_token_ids, seed=delta.seed), now)
+                                               prompt_token_ids=delta.prompt_token_ids, seed=delta.seed,
+                                               prompt_logprobs=delta.prompt_logprobs), now)
         self._failover(request, f"worker {worker.worker_id!r} aborted it", now)
         self._dispatch_held(now)
 

@@ -47,6 +47,7 @@ class RequestRecord:
     deadline: float | None = None       # monotonic time by which it must finish (Submit.timeout_s)
     dispatch_seq: int = 0               # its Dispatch was the n-th sent to its worker (0: none sent there)
     worker_deaths: list[str] = field(default_factory=list)   # workers that died while running it
+    priority: int = 0                   # lower first (Submit.priority): held, dispatched and shed by it
 
     @property
     def suspect(self) -> bool:
@@ -77,12 +78,14 @@ class RequestRecord:
         """The Dispatch that (re)starts this request where the client's stream stands."""
         if not self.delivered:
             return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt=self.prompt
-                            if self.prompt_token_ids is None else None, prompt_token_ids=self.prompt_token_ids)
+                            if self.prompt_token_ids is None else None, prompt_token_ids=self.prompt_token_ids,
+                            priority=self.priority)
         sampling = dict(self.sampling)
         sampling["max_tokens"] = self.remaining_budget()
         sampling["min_tokens"] = max(0, self.min_tokens - len(self.delivered))
         return Dispatch(request_id=self.request_id, sampling=sampling, prompt_token_ids=self.prompt_token_ids,
-                        resumed_token_ids=TokenIds(self.delivered), resumed_text_len=self.delivered_text_len)
+                        resumed_token_ids=TokenIds(self.delivered), resumed_text_len=self.delivered_text_len,
+                        priority=self.priority)
 
 
 @dataclass(eq=False)

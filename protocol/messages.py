@@ -101,6 +101,10 @@ _VALID_SAMPLING: set[tuple] = set()     # keys of sampling dicts already validat
 _MAX_VALID_SAMPLING = 4096
 
 
+def _check_priority(priority: int) -> None:
+    _require(-2**63 <= priority < 2**63, f"field 'priority' must be a 64-bit integer, got {priority}")
+
+
 def _check_sampling(sampling: dict[str, Any]) -> None:
     """ProtocolError unless `sampling` builds valid SamplingParams. Remembers what passed: most requests
     carry one of a few sampling dicts, and validating them is a measurable share of the coordinator's time.
@@ -261,6 +265,8 @@ class Submit(Message):
     output tokens the client already holds and `delivered_text_len` the characters of text it has of them,
     so the stream goes on from there (a request the coordinator already has from this client is left as
     it is). Its `sampling` then carries the seed the first delta reported.
+    `priority`: lower is served first (vLLM's convention) by workers with the priority scheduling policy;
+    the coordinator holds and sheds requests by it too (coordinator/core.py).
     """
 
     TYPE: ClassVar[str] = "submit"
@@ -273,9 +279,11 @@ class Submit(Message):
     reattach: bool = False
     delivered_token_ids: TokenIds = field(default_factory=TokenIds)
     delivered_text_len: int | None = None
+    priority: int = 0
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
+        _check_priority(self.priority)
         _require((self.prompt is None) != (self.prompt_token_ids is None),
                  "exactly one of 'prompt' and 'prompt_token_ids' must be given")
         _require(self.delivered_text_len is None or self.delivered_text_len >= 0,
@@ -314,9 +322,11 @@ class Dispatch(Message):
     prompt_token_ids: TokenIds | None = None
     resumed_token_ids: TokenIds = field(default_factory=TokenIds)
     resumed_text_len: int | None = None
+    priority: int = 0
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
+        _check_priority(self.priority)
         _require((self.prompt is None) != (self.prompt_token_ids is None),
                  "exactly one of 'prompt' and 'prompt_token_ids' must be given")
         _require(not self.resumed_token_ids or self.prompt_token_ids is not None,
@@ -352,6 +362,7 @@ class Delta(Message):
     error_code: str | None = None              # with finish_reason "error": one of outputs.ERROR_CODES
     queue_time_s: float | None = None          # a worker's first delta: seconds waiting before first scheduled
     seed: int | None = None                    # the first delta: the sampling seed the request runs with
+    prompt_logprobs: list[dict[int, float]] | None = None   # the first delta, when asked: prompt tokens 1..
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)

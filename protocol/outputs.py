@@ -46,6 +46,8 @@ class RequestOutput:
     error_code: str | None = None
     queue_time_s: float | None = None   # first delta only: seconds it waited in the engine before it was scheduled
     seed: int | None = None             # first delta only: the sampling seed (given, or assigned when none was)
+    prompt_logprobs: list[TokenLogprobs] | None = None   # first delta only, with params.prompt_logprobs: prompt
+                                                         # tokens 1.. (token 0 has none), each row holding the token
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Completion:
     num_cached_tokens: int = 0
     error_code: str | None = None
     seed: int | None = None     # the sampling seed it ran with (assigned when none was given): a replay key
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # vLLM's: None for the first prompt token
 
     def add(self, delta: RequestOutput) -> None:
         """Fold one stream delta into this completion."""
@@ -70,6 +73,8 @@ class Completion:
         self.text += delta.text
         if delta.seed is not None:
             self.seed = delta.seed
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = [None, *delta.prompt_logprobs]
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         if delta.finished:

@@ -11,6 +11,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from infer.protocol.structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 # The detokenizer holds back up to the longest stop string's length of text and searches every delta for
 # each one: a hostile request must not make that unbounded (OpenAI allows 4 stop sequences).
@@ -22,6 +24,13 @@ MAX_STOP_TOKEN_IDS = 1024
 MIN_REPETITION_PENALTY = 1e-3
 MAX_REPETITION_PENALTY = 1e3
 MAX_TOP_K = 2**31 - 1        # larger is "off" anyway (k >= vocabulary size); bounded so it fits an int32
+# Per-request token lists are validated in Python by every component they cross: bounded so a request
+# cannot make that (or the per-step masks built from them) arbitrarily slow.
+MAX_LOGIT_BIAS = 1024        # entries of logit_bias
+MAX_LOGIT_BIAS_VALUE = 100.0 # OpenAI's range: [-100, 100]
+MAX_ALLOWED_TOKEN_IDS = 65536
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -29,7 +38,15 @@ class SamplingParams:
     """Decoding options of one request. `temperature=0` is greedy.
 
     `top_k` of -1 (or 0) disables top-k; `max_tokens=None` means "up to the context length";
-    `logprobs=N` returns the sampled token's logprob plus the top N (0: only the sampled one).
+    `logprobs=N` returns the sampled token's logprob plus the top N (0: only the sampled one);
+    `prompt_logprobs=N` the same for every prompt token after the first (with the first output; such a request
+    does not use the prefix cache, whose tokens have no logits).
+    `logit_bias` ({token id: bias in [-100, 100]}, added to the logits; stored as sorted (id, bias) pairs so
+    that params stay hashable), `allowed_token_ids` (only these may be sampled) and `bad_words` (words whose
+    last token is banned once the output ends with the rest of it, tokenized with and without a leading
+    space) are applied before sampling; token ids are checked against the vocabulary by the
+    engine. `structured_outputs` (protocol/structured.py; a dict of its fields is taken too) constrains the
+    output to a JSON schema, a regex, a choice, an EBNF grammar or any JSON object.
     """
 
     temperature: float = 1.0
@@ -48,6 +65,11 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept the forms users write (a single stop string, lists) and store tuples (hashable, frozen).
@@ -58,7 +80,14 @@ class SamplingParams:
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _tuple("allowed_token_ids", self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", _tuple("bad_words", self.bad_words or ()))
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
         self._validate()
+        self._validate_token_lists()
 
     def _validate(self) -> None:
         """Floats are checked as the float32 values the sampler computes with (module `_float32`)."""
@@ -110,10 +139,36 @@ class SamplingParams:
                 <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
                              f"{MAX_REPETITION_PENALTY:g}] (1 is off), got {self.repetition_penalty}")
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _integer(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    def _validate_token_lists(self) -> None:
+        bias = self.logit_bias or ()
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for token_id, value in bias:
+            _token_id("logit_bias", token_id)
+            if not -MAX_LOGIT_BIAS_VALUE <= _float32("logit_bias", value) <= MAX_LOGIT_BIAS_VALUE:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token_id}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                                 f"got {len(self.allowed_token_ids)}")
+            for token_id in self.allowed_token_ids:
+                _token_id("allowed_token_ids", token_id)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must hold non-blank strings, got {str(word)[:40]!r}")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"each bad word may be at most {MAX_BAD_WORD_CHARS} characters, got {len(word)}")
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +183,13 @@ class SamplingParams:
         d = dataclasses.asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["bad_words"] = list(self.bad_words)
+        if self.logit_bias is not None:       # pairs: msgpack maps take string keys only
+            d["logit_bias"] = [[token_id, bias] for token_id, bias in self.logit_bias]
+        if self.allowed_token_ids is not None:
+            d["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
         return d
 
     @classmethod
@@ -143,6 +205,47 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _tuple(name: str, values: Any) -> tuple:
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a list, got {type(values).__name__}")
+    return tuple(values)
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...] | None:
+    """logit_bias as sorted (token id, bias) pairs: from a mapping (vLLM's, OpenAI's form) or pairs (the wire's).
+    Keys that are decimal strings (JSON's) are taken as ids."""
+    if bias is None:
+        return None
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bias):
+        items = [tuple(p) for p in bias]
+    else:
+        raise ValueError(f"logit_bias must map token ids to biases, got {type(bias).__name__}")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(items)}")
+    pairs = {}
+    for key, value in items:
+        if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 20:
+            key = int(key)
+        _token_id("logit_bias", key)
+        pairs[key] = value
+    return tuple(sorted(pairs.items()))
+
+
+def _token_id(name: str, value: Any) -> None:
+    _integer(name, value)
+    if value < 0:
+        raise ValueError(f"{name} token ids must be >= 0, got {value}")
+
+
+def check_priority(priority: Any) -> int:
+    """A request's priority (lower is served first, vLLM's convention): an integer within 64 bits, else
+    ValueError naming `priority`."""
+    _integer("priority", priority)
+    return priority
 
 
 def _number(name: str, value: Any) -> None:

@@ -27,3 +27,15 @@ def finish_step(scheduler: Scheduler, output: SchedulerOutput, next_token: Calla
             if request.num_output_tokens >= request.max_tokens:
                 scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
     scheduler.check_invariants()
+
+
+def fake_next_token(token_ids: list[int]) -> int:
+    """A deterministic 'model': the next token is a function of the whole sequence so far."""
+    return (sum((i + 1) * t for i, t in enumerate(token_ids)) * 7 + len(token_ids)) % 1000
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        ids.append(fake_next_token(ids))
+    return ids[len(prompt):]

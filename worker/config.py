@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infer.worker.scheduler import SCHEDULING_POLICIES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"   # the model id an engine reports when it serves the embedded model
 
@@ -32,6 +34,9 @@ class EngineConfig:
         51.6 vs 54.8 tok/s, batch 8 310.8 vs 316.5; benchmarks/results/step_graphs-20261123T232340Z.json)
         while its start-up compile costs 5.6 s with a warm compile cache and 41 s cold, and CUDA graphs
         await a run on a GPU.
+    scheduling_policy: "fcfs" (arrival order) or "priority" (lower `priority` first, with preemption of worse
+        ranked requests and the aging rule of worker/scheduler.py: a request waiting `priority_aging_steps`
+        engine steps ranks ahead of every younger one).
     """
 
     model: str | None = None
@@ -49,6 +54,8 @@ class EngineConfig:
     num_threads: int | None = None
     enforce_eager: bool = True
     max_graph_batch_size: int = 256
+    scheduling_policy: str = "fcfs"
+    priority_aging_steps: int = 1000
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -69,6 +76,10 @@ class EngineConfig:
         ):
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}")
         _positive_int("max_graph_batch_size", self.max_graph_batch_size)
+        _positive_int("priority_aging_steps", self.priority_aging_steps)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

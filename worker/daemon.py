@@ -56,6 +56,7 @@ from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.transport import HANDSHAKE_EVENTS, frames_for, handshake_failure, make_socket
 from infer.worker.config import DTYPES, EngineConfig
+from infer.worker.scheduler import SCHEDULING_POLICIES
 from infer.worker.group_sync import EpOptions, GroupBroken
 from infer.worker.request import Request
 
@@ -88,7 +89,8 @@ class EngineLike(Protocol):
     @property
     def num_kv_blocks(self) -> int: ...
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None) -> Request: ...
+                    resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None,
+                    priority: int = 0) -> Request: ...
     def step(self) -> list[RequestOutput]: ...
     def take_pending(self) -> list[RequestOutput]: ...
     def abort(self, request_id: str, release_text: bool = True) -> bool: ...
@@ -381,7 +383,8 @@ class Worker:
                      finished=out.finished, finish_reason=out.finish_reason, error=out.error,
                      logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
                      num_cached_tokens=out.num_cached_tokens, prompt_token_ids=prompt_ids,
-                     error_code=out.error_code, queue_time_s=out.queue_time_s, seed=out.seed)
+                     error_code=out.error_code, queue_time_s=out.queue_time_s, seed=out.seed,
+                     prompt_logprobs=out.prompt_logprobs)
 
     # ---- liveness and registration ----------------------------------------------------------------
 
@@ -480,7 +483,7 @@ class Worker:
             params = SamplingParams.from_dict(msg.sampling)
             with self._socket_handed_over():     # a huge prompt's tokenization: heartbeats go on meanwhile
                 request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids,
-                                                  msg.resumed_text_len)
+                                                  msg.resumed_text_len, priority=msg.priority)
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request", msg.prompt_token_ids)
         self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), len(msg.resumed_token_ids),
@@ -657,7 +660,8 @@ class BenchmarkEngine:
         return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None) -> Request:
+                    resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None,
+                    priority: int = 0) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -739,6 +743,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-graph-batch-size", type=int, metavar="N",
                         help="the largest decode batch a step graph is made for (default 256)")
     engine.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
+    engine.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                        help="fcfs (the default) or priority: lower request priority first, with aging")
+    engine.add_argument("--priority-aging-steps", type=int, metavar="N",
+                        help="with --scheduling-policy priority: a request that has waited N engine steps ranks "
+                        "ahead of every younger one (default 1000)")
     worker = p.add_argument_group("worker options")
     worker.add_argument("--dp-rank", type=int, help="this worker's DP rank (default: the coordinator assigns the "
                         "lowest free one, and keeps it when the worker registers again)")
@@ -780,7 +789,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 _ENGINE_FLAGS = ("model", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "seed", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching",
-                 "enable_chunked_prefill", "num_threads", "enforce_eager", "max_graph_batch_size")
+                 "enable_chunked_prefill", "num_threads", "enforce_eager", "max_graph_batch_size",
+                 "scheduling_policy", "priority_aging_steps")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

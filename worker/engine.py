@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -31,6 +32,7 @@ from infer.protocol.messages import Load
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
+from infer.protocol.structured import grammar_reason
 from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
 from infer.worker.expert_parallel import ExpertParallel
@@ -42,10 +44,22 @@ from infer.worker.request import Request, RequestStatus
 from infer.worker.sampler import Sampler, SamplerOutput
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.step_graphs import make_step_graphs
+from infer.worker.structured import COMPILE_TIMEOUT_S, GrammarCompilerPool, GrammarState
 
 log = logging.getLogger("infer.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GRAMMAR_WAIT_S = 0.05   # a step with nothing to run but grammars compiling waits this long for one
+
+
+@dataclass
+class _Compiling:
+    """A structured-output request whose grammar is compiling: scheduled when `future` is done."""
+
+    request: Request
+    future: Future
+    deadline: float                  # time.monotonic() past which it fails
+    resumed: list[int]               # delivered tokens (a failover) its matcher must replay
 
 
 @dataclass
@@ -90,7 +104,8 @@ class Engine:
             max_num_batched_tokens=config.budget_tokens(self.max_model_len),
             max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill))
+            enable_chunked_prefill=config.enable_chunked_prefill, policy=config.scheduling_policy,
+            priority_aging_steps=config.priority_aging_steps))
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.max_model_len, self.device,
                                   self.sampler,
@@ -99,6 +114,8 @@ class Engine:
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []   # final outputs of aborts, returned by the next step
+        self._grammars: GrammarCompilerPool | None = None   # made at the first structured-output request
+        self._compiling: dict[str, _Compiling] = {}   # requests waiting for their grammar, not yet scheduled
         self._arrivals = 0
         log.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens",
                  self.model_id, str(self.dtype).removeprefix("torch."), self.device, self.max_model_len,
@@ -109,7 +126,7 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
                     resumed_token_ids: Sequence[int] = (),
-                    resumed_text_len: int | None = None) -> Request:
+                    resumed_text_len: int | None = None, priority: int = 0) -> Request:
         """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged.
 
         A sampled request without a seed gets one here (drawn from the engine's `seed`), reported with its
@@ -122,10 +139,12 @@ class Engine:
         shown); the rest (bytes of an unfinished character, text held back for a stop string) comes with the
         next output. `params.max_tokens` and `params.min_tokens` are what is left to generate. With the same
         seed, the output continues exactly where the first engine stopped, tokens and text.
+
+        `priority` (a 64-bit integer, lower first) matters under `scheduling_policy="priority"`.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if self.scheduler.get(request_id) is not None:
+        if self.scheduler.get(request_id) is not None or request_id in self._compiling:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -133,16 +152,23 @@ class Engine:
         if params.seed is None and params.temperature > 0:
             params = dataclasses.replace(params, seed=self.sampler.draw_seed())
         prompt_ids = self._prompt_token_ids(prompt)
+        self._check_token_lists(params)
         resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids)
         whole = _counting_resumed(params, len(resumed))
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=whole,
                           arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
                           max_tokens=self._resolve_max_tokens(len(prompt_ids), whole),
-                          token_ids=prompt_ids + resumed, arrival_time=time.monotonic())
+                          token_ids=prompt_ids + resumed, arrival_time=time.monotonic(), priority=priority,
+                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+                          prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, whole)
         if resumed:
             detok.resume(resumed, resumed_text_len)
-        self.scheduler.add(request)   # raises ValueError if it can never fit in the KV pool
+        if params.structured_outputs is None:
+            self.scheduler.add(request)   # raises ValueError if it can never fit in the KV pool
+        else:
+            self.scheduler.check_new(request)
+            self._compile_grammar(request, resumed)
         self._arrivals += 1
         self._detokenizers[request_id] = detok
         self.stats.prompt_tokens += len(prompt_ids)
@@ -151,10 +177,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule, run, advance, post-process. Returns this step's deltas."""
         outputs, self._pending = self._pending, []
+        if self._compiling:
+            outputs.extend(self._admit_compiled())
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if self.ep.size > 1:  # the group steps together: this rank's MoE layers must join in
                 self.runner.execute_dummy()
+            elif self._compiling:   # only grammars to wait for: a bounded wait instead of a busy loop
+                wait([c.future for c in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return outputs
         _stamp_queue_time(scheduled)
         rows = self._execute(scheduled.chunks)
@@ -175,13 +205,16 @@ class Engine:
         `release_text` False the final delta leaves out the text still held back (for a request that goes
         on elsewhere from its delivered tokens: that text is produced there)."""
         request = self.scheduler.abort(request_id)
+        if request is None and request_id in self._compiling:
+            request = self._compiling.pop(request_id).request
+            request.status = RequestStatus.FINISHED_ABORTED
         if request is None:
             return False
         self._pending.append(self._final_output(request, "", [], release_text=release_text))
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling)
 
     def take_pending(self) -> list[RequestOutput]:
         """The deltas ready without a model step (final deltas of aborts), which step() would return
@@ -196,7 +229,8 @@ class Engine:
         requests = self.scheduler.waiting + self.scheduler.running
         queued = sum(r.num_tokens_to_compute + r.max_tokens - r.num_output_tokens for r in requests)
         blocks = self.scheduler.block_manager
-        return Load(num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+        return Load(num_waiting=self.scheduler.num_waiting + len(self._compiling),
+                    num_running=self.scheduler.num_running,
                     num_free_blocks=blocks.num_free_blocks, num_total_blocks=self.num_kv_blocks,
                     num_queued_tokens=queued, num_preemptions=self.scheduler.num_preemptions,
                     prefix_cache_queries=blocks.num_queried_tokens, prefix_cache_hits=blocks.num_hit_tokens)
@@ -245,7 +279,71 @@ class Engine:
         request.error_code = "internal"
         return self._final_output(request, "", [])
 
+    # ---- structured outputs ------------------------------------------------------------------
+
+    def _compile_grammar(self, request: Request, resumed: list[int]) -> None:
+        """Compile the request's grammar on the compiler's thread; `_admit_compiled` schedules it once ready."""
+        if self._grammars is None:
+            self._grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
+        future = self._grammars.submit(request.params.structured_outputs)
+        self._compiling[request.request_id] = _Compiling(request, future, time.monotonic() + COMPILE_TIMEOUT_S,
+                                                         resumed)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is ready (their matcher replays tokens already delivered);
+        fail those whose spec did not compile, or not in time, as invalid requests."""
+        outputs = []
+        now = time.monotonic()
+        for rid, waiting in list(self._compiling.items()):
+            if not waiting.future.done() and now < waiting.deadline:
+                continue
+            del self._compiling[rid]
+            error = self._start_grammar(waiting)
+            if error is None:
+                self.scheduler.add(waiting.request)
+                continue
+            request = waiting.request
+            request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, error, "invalid_request"
+            outputs.append(self._final_output(request, "", []))
+        return outputs
+
+    def _start_grammar(self, waiting: _Compiling) -> str | None:
+        """Give the request its matcher, advanced over its resumed tokens; the reason it cannot have one."""
+        if not waiting.future.done():
+            waiting.future.cancel()
+            return f"structured_outputs: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s"
+        try:
+            state = GrammarState(waiting.future.result())
+        except Exception as e:   # xgrammar's reason: an invalid schema, regex or grammar
+            return f"structured_outputs: {grammar_reason(e)}"
+        for token_id in waiting.resumed:
+            if not state.accept(token_id):
+                return f"structured_outputs: resumed token {token_id} does not match the grammar"
+        waiting.request.grammar = state
+        return None
+
     # ---- input -------------------------------------------------------------------------------
+
+    def _check_token_lists(self, params: SamplingParams) -> None:
+        """ValueError naming the field if logit_bias or allowed_token_ids names a token outside the vocabulary."""
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias or ()]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _bad_words_token_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
+        """Each bad word's token ids as it starts the text and as it follows a space (vLLM keeps the second
+        only when it is as long as the first, which lets " word" through when "word" splits differently)."""
+        out: list[list[int]] = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            variants = [plain]
+            if spaced != plain:
+                variants.append(spaced)
+            out += [ids for ids in variants if ids and max(ids) < self.vocab_size]
+        return out
 
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -316,6 +414,8 @@ class Engine:
     def _append_token(self, chunk: ScheduledChunk, token_id: int, lp: TokenLogprobs | None) -> RequestOutput:
         request = chunk.request
         request.append_token(token_id)
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            raise RuntimeError(f"the grammar rejected sampled token {token_id}")
         detok = self._detokenizers[request.request_id]
         text = detok.add([token_id])
         status = self._stop_status(request, token_id, detok)
@@ -331,10 +431,13 @@ class Engine:
             request.queue_time_reported = True
             output.queue_time_s = request.queue_time_s
             output.seed = request.params.seed
+            output.prompt_logprobs = request.prompt_logprobs
         return output
 
     def _stop_status(self, request: Request, token_id: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
         params = request.params
+        if request.grammar is not None and request.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if (token_id in request.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -8,7 +8,7 @@ import torch
 
 from infer.kernels.paged_attention import decode_split_tokens
 from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, record_prompt_logprobs
 from infer.worker.scheduler import ScheduledChunk
 from infer.worker.step_graphs import StepGraphs
 
@@ -38,6 +38,8 @@ class ModelRunner:
         else:
             batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
             hidden = self.model(batch, self.kv_cache)
+            if any(c.request.prompt_logprobs is not None for c in chunks):
+                record_prompt_logprobs(chunks, hidden, self.model.compute_logits)
             if batch.logits_indices.numel() == 0:
                 return None
             logits = self.model.compute_logits(hidden[batch.logits_indices])

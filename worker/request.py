@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from infer.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:   # worker/structured.py imports torch; the scheduler's tests run without it
+    from infer.worker.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +54,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_order: int = 0
+    priority: int = 0                # lower runs first under the "priority" scheduling policy (vLLM's rule)
+    arrival_step: int = 0            # the scheduler's step count when it was added (the aging clock)
     max_tokens: int = 16             # resolved: params.max_tokens, capped by the context length
     eos_token_ids: frozenset[int] = frozenset()
     status: RequestStatus = RequestStatus.WAITING
@@ -64,6 +70,11 @@ class Request:
     arrival_time: float = 0.0              # time.monotonic() at add_request
     queue_time_s: float | None = None      # set when first scheduled; reported once, with the first token
     queue_time_reported: bool = False
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)   # params.bad_words, tokenized
+    grammar: GrammarState | None = None   # params.structured_outputs' matcher, once compiled
+    # with params.prompt_logprobs (and not resumed elsewhere: its first output went out there): row j is prompt
+    # token j + 1's logprobs, filled as prefill chunks run (worker/sampler.py: record_prompt_logprobs)
+    prompt_logprobs: list[dict[int, float]] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

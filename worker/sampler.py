@@ -1,6 +1,9 @@
 """Sampler: one batched sampling step over the logits of B requests.
 
-Order (as vLLM): penalties on the raw logits, the min_tokens mask, then one fused sampling kernel
+Order (as vLLM): penalties on the raw logits, then the per-request logit processors (logit_bias added,
+tokens outside allowed_token_ids and those banned by min_tokens or bad_words set to -inf), then the grammar
+bitmask of the rows with structured outputs (each request's matcher fills its row of one [R, V/32] int32 mask;
+one kernel launch applies them all: kernels/token_bitmask.py), then one fused sampling kernel
 (infer.kernels.sampling): greedy rows take the argmax; the others are scaled by their temperature, filtered by
 top-k, top-p and min-p and drawn by an exponential race, per-row parameters in one launch, no host sync.
 
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from infer.kernels.sampling import GREEDY_TEMPERATURE
 from infer.kernels.sampling import sample as sample_kernel
+from infer.kernels.token_bitmask import apply_token_bitmask
 from infer.worker.request import Request
 
 
@@ -76,7 +80,10 @@ class SamplingMetadata:
     seeds: tuple[int | None, ...]              # params.seed; None on a sampled row that has none
     num_random_rows: int
     penalties: Penalties | None                # None: no row has a penalty
-    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf: min_tokens, bad_words
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, float32 biases)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R], [R, V] bool: may be sampled)
+    grammar: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R] int64, [R, ceil(V/32)] int32 bitmask)
     num_logprobs: tuple[int | None, ...]       # params.logprobs of each row
     max_num_logprobs: int | None               # None: no row wants logprobs
     logprob_rows: torch.Tensor | None          # [R] int64 rows wanting logprobs; None when all do
@@ -100,8 +107,13 @@ class SamplingMetadata:
     @property
     def fast_greedy(self) -> bool:
         """All greedy with nothing to adjust or report: the step is `logits.argmax(-1)`."""
-        return (self.all_greedy and self.no_penalties and self.min_tokens_mask is None
+        return (self.all_greedy and self.no_penalties and not self.has_processors
                 and self.max_num_logprobs is None)
+
+    @property
+    def has_processors(self) -> bool:
+        return (self.banned is not None or self.logit_bias is not None or self.allowed is not None
+                or self.grammar is not None)
 
     @classmethod
     def build(cls, requests: Sequence[Request], vocab_size: int,
@@ -130,7 +142,10 @@ class SamplingMetadata:
             num_random_rows=greedy.count(False),
             penalties=(Penalties.build(requests, vocab_size, device)
                        if any(p.needs_penalties for p in params) else None),
-            min_tokens_mask=_min_tokens_mask(requests, vocab_size, device),
+            banned=_banned_tokens(requests, vocab_size, device),
+            logit_bias=_logit_bias(requests, device),
+            allowed=_allowed_tokens(requests, vocab_size, device),
+            grammar=_grammar_bitmask(requests, vocab_size, device),
             num_logprobs=tuple(p.logprobs for p in params),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
             logprob_rows=(ints(logprob_rows) if 0 < len(logprob_rows) < len(requests) else None),
@@ -143,17 +158,17 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device | str) -> torc
                         device=device).reshape(len(rows), width)
 
 
-def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
-                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) to mask while a request is under min_tokens: its stop token ids always, its EOS
-    ids unless ignore_eos."""
+def _banned_tokens(requests: Sequence[Request], vocab_size: int,
+                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) to mask: while a request is under min_tokens its stop token ids always and its EOS
+    ids unless ignore_eos; the last token of each bad word whose other tokens end the output."""
     rows: list[int] = []
     ids: list[int] = []
     for i, r in enumerate(requests):
         p = r.params
-        if r.num_output_tokens >= p.min_tokens:
-            continue
-        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+        banned = _bad_word_bans(r)
+        if r.num_output_tokens < p.min_tokens:
+            banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
         for token_id in sorted(t for t in banned if t < vocab_size):
             rows.append(i)
             ids.append(token_id)
@@ -161,6 +176,65 @@ def _min_tokens_mask(requests: Sequence[Request], vocab_size: int,
         return None
     return (torch.tensor(rows, dtype=torch.int64, device=device),
             torch.tensor(ids, dtype=torch.int64, device=device))
+
+
+def _bad_word_bans(request: Request) -> set[int]:
+    if not request.bad_words_token_ids:
+        return set()
+    output = request.output_token_ids
+    return {word[-1] for word in request.bad_words_token_ids
+            if len(word) == 1 or output[len(output) - len(word) + 1:] == word[:-1]}
+
+
+def _logit_bias(requests: Sequence[Request],
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, r in enumerate(requests) for _ in r.params.logit_bias or ()]
+    if not rows:
+        return None
+    pairs = [pair for r in requests for pair in r.params.logit_bias or ()]
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=device),
+            torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device))
+
+
+def _allowed_tokens(requests: Sequence[Request], vocab_size: int,
+                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, r in enumerate(requests) if r.params.allowed_token_ids is not None]
+    if not rows:
+        return None
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for k, i in enumerate(rows):
+        mask[k, list(requests[i].params.allowed_token_ids)] = True
+    return torch.tensor(rows, dtype=torch.int64, device=device), mask.to(device)
+
+
+def _grammar_bitmask(requests: Sequence[Request], vocab_size: int,
+                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return None
+    bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32)
+    for k, i in enumerate(rows):
+        requests[i].grammar.fill(bitmask, k)
+    return torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device)
+
+
+def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[B, V] float32 logits with logit_bias added and disallowed or banned tokens at -inf (a new tensor)."""
+    if meta.logit_bias is not None:
+        rows, ids, bias = meta.logit_bias
+        logits = logits.index_put((rows, ids), bias, accumulate=True)
+    if meta.allowed is not None:
+        rows, mask = meta.allowed
+        logits = logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~mask, -math.inf))
+    if meta.banned is not None:
+        logits = logits.index_put(meta.banned, logits.new_tensor(-math.inf))
+    if meta.grammar is not None:
+        rows, bitmask = meta.grammar
+        logits = logits.clone() if meta.logit_bias is None and meta.allowed is None and meta.banned is None \
+            else logits     # the steps above made a new tensor already
+        apply_token_bitmask(logits, bitmask, rows)
+    return logits
 
 
 @dataclass(frozen=True)
@@ -207,8 +281,8 @@ class Sampler:
         bad_rows = non_finite_rows(processed)
         if bad_rows:
             processed = processed.index_fill(0, torch.tensor(bad_rows, device=processed.device), 0.0)
-        if meta.min_tokens_mask is not None:
-            processed = processed.index_put(meta.min_tokens_mask, processed.new_tensor(-math.inf))
+        if meta.has_processors:
+            processed = apply_processors(processed, meta)
         if meta.all_greedy:
             token_ids = processed.argmax(dim=-1)
         else:
@@ -230,6 +304,40 @@ class Sampler:
         if seed is None:
             seed = self._drawn_seeds[request_id] = self.draw_seed()
         return seed
+
+
+PROMPT_LOGPROBS_ROWS = 256   # prompt positions per log-softmax: bounds the [rows, V] float32 temporaries
+
+
+def record_prompt_logprobs(chunks: Sequence, hidden: torch.Tensor, compute_logits) -> None:
+    """Append to each chunk's `request.prompt_logprobs` (where not None) the rows of the prompt positions this
+    step computed: position p gives prompt token p + 1's logprob and the top params.prompt_logprobs. `hidden` is
+    the step's [T, H] hidden states, chunks flattened in order. Positions already recorded (a recompute after a
+    preemption, a step retried one request at a time) are skipped, so each row is recorded once."""
+    offset = 0
+    for chunk in chunks:
+        request = chunk.request
+        rows = request.prompt_logprobs
+        first, last = max(chunk.start, 0 if rows is None else len(rows)), min(chunk.end, request.num_prompt_tokens - 1)
+        if rows is not None and first < last:
+            for lo in range(first, last, PROMPT_LOGPROBS_ROWS):
+                hi = min(last, lo + PROMPT_LOGPROBS_ROWS)
+                logits = compute_logits(hidden[offset + lo - chunk.start:offset + hi - chunk.start]).float()
+                rows += _prompt_rows(logits.log_softmax(dim=-1), request.prompt_token_ids[lo + 1:hi + 1],
+                                     request.params.prompt_logprobs)
+        offset += chunk.num_new_tokens
+
+
+def _prompt_rows(logprobs: torch.Tensor, targets: list[int], n: int) -> list[dict[int, float]]:
+    target = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
+    picked = logprobs.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
+    top_lps, top_ids = logprobs.topk(n, dim=-1) if n else (None, None)
+    rows = []
+    for i, (token_id, lp) in enumerate(zip(targets, picked)):
+        row = {} if n == 0 else dict(zip(top_ids[i].tolist(), top_lps[i].tolist()))
+        row[token_id] = lp
+        rows.append(row)
+    return rows
 
 
 def non_finite_rows(logits: torch.Tensor) -> tuple[int, ...]:

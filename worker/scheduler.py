@@ -22,6 +22,17 @@ With chunked prefill it is scheduled in every step: first among the running, or,
 else runs (newer requests are never admitted ahead of it) and it is admitted first. Without chunked
 prefill, admissions go first but stop at `max_num_seqs` running requests, so decodes are delayed only
 while free slots fill.
+
+Policy "priority" (`SchedulerConfig.policy`; vLLM's convention, lower `Request.priority` first): every
+request has a rank, `(priority, arrival)`, and "oldest" above becomes "best ranked". Running and waiting
+requests are served in one order, best rank first, so a waiting request of a better rank than a running
+one is admitted before it gets its tokens; when seats (`max_num_seqs`) or blocks are short, the worst
+ranked running request is preempted (by recompute) for a better ranked one, never for a worse one.
+Aging rule: a request that has waited `priority_aging_steps` engine steps since it arrived (preemptions do
+not reset the clock) is *aged*: aged requests rank ahead of every request that is not, first-come
+first-served among themselves. So under any flood of better priorities a request is served FCFS-fairly
+at the latest `priority_aging_steps` steps after it arrived, and the FCFS argument above applies to it
+(the oldest aged request is never preempted). With "fcfs" every request ranks by arrival alone.
 """
 
 from __future__ import annotations
@@ -29,8 +40,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from infer.protocol.sampling import check_priority
 from infer.worker.block_manager import BlockManager
 from infer.worker.request import Request, RequestStatus
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -45,9 +60,14 @@ class SchedulerConfig:
     num_blocks: int
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"                 # "fcfs" or "priority" (see the module docstring)
+    priority_aging_steps: int = 1000     # "priority": steps after which a waiting request ranks first (aging)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks",
+                     "priority_aging_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -159,17 +179,13 @@ class _Step:
         return SchedulerOutput(tuple(chunks), tuple(self.preempted), sum(c.num_new_tokens for c in chunks))
 
 
-def _arrival(request: Request) -> int:
-    return request.arrival_order
-
-
 class Scheduler:
     """Decides, each step, which requests compute which tokens, and owns their KV blocks.
 
     Invariants (checked by `check_invariants`):
     - every unfinished request is in exactly one of `waiting` (status WAITING, no blocks, nothing
       computed) or `running` (status RUNNING, blocks covering its computed tokens);
-    - both queues are sorted by `arrival_order`;
+    - both queues are sorted by rank (`_rank`: arrival order under "fcfs");
     - block ref counts equal the block-table entries of the running requests.
     """
 
@@ -180,22 +196,26 @@ class Scheduler:
         self._waiting: list[Request] = []
         self._running: list[Request] = []
         self._num_preemptions = 0
+        self._num_steps = 0              # schedule() calls: the aging clock of the priority policy
 
     # ---- requests in and out ---------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         """Queue a new request. Raises ValueError if it is malformed or could never run: prompt longer
         than max_model_len, or more KV blocks than the whole pool for prompt + max_tokens."""
-        self._check_new(request)
+        self.check_new(request)
         self._requests[request.request_id] = request
-        bisect.insort(self._waiting, request, key=_arrival)
+        request.arrival_step = self._num_steps
+        bisect.insort(self._waiting, request, key=self._rank)
 
-    def _check_new(self, request: Request) -> None:
+    def check_new(self, request: Request) -> None:
+        """The checks of `add`, without adding (for a request that must wait for something first)."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         if request.status is not RequestStatus.WAITING or request.block_table or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} must be new "
                              f"(waiting, no blocks, nothing computed)")
+        check_priority(request.priority)
         if request.num_prompt_tokens < 1:
             raise ValueError(f"request {request.request_id!r}: the prompt is empty")
         if request.max_tokens < 1:
@@ -274,8 +294,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy). Allocates the blocks it plans for."""
+        self._num_steps += 1
         step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        if self.config.enable_chunked_prefill:
+        if self.config.policy == "priority":
+            self._schedule_by_rank(step)
+        elif self.config.enable_chunked_prefill:
             self._schedule_running(step)
             if not step.preempted:  # blocks are short: admitting now would only preempt again
                 self._schedule_waiting(step, reserved_blocks=0)
@@ -297,6 +320,37 @@ class Scheduler:
                                  f"(a stale or repeated output?)")
             request.num_computed_tokens = chunk.end
             self.block_manager.cache_full_blocks(request)
+
+    def _rank(self, request: Request) -> tuple[int, int, int]:
+        """Lower is served first: arrival under "fcfs"; under "priority" aged requests by arrival, then the
+        others by (priority, arrival). Changes only when schedule() advances the clock (aging)."""
+        if self.config.policy == "fcfs" or self._is_aged(request):
+            return (0, 0, request.arrival_order)
+        return (1, request.priority, request.arrival_order)
+
+    def _is_aged(self, request: Request) -> bool:
+        return self._num_steps - request.arrival_step >= self.config.priority_aging_steps
+
+    def _schedule_by_rank(self, step: _Step) -> None:
+        """Priority policy: running and waiting requests in one order, best rank first. A waiting request
+        that does not fit preempts worse ranked running ones, or ends admission for this step."""
+        self._waiting.sort(key=self._rank)   # aging may have reordered both since the last step
+        self._running.sort(key=self._rank)
+        running = list(self._running)
+        admitting = True
+        while not step.full:
+            while running and (running[0].status is not RequestStatus.RUNNING or step.has(running[0])):
+                running.pop(0)   # preempted by a better ranked request a moment ago
+            head = self._waiting[0] if admitting and self._waiting else None
+            if head is not None and (not running or self._rank(head) < self._rank(running[0])):
+                admitting = self._admit(head, step, reserved_blocks=0, may_preempt=True)
+                continue
+            if not running:
+                return
+            request = running.pop(0)
+            num_new = min(request.num_tokens_to_compute, step.token_budget)
+            if num_new > 0 and self._allocate_or_preempt(request, num_new, step):
+                step.add(request, num_new)
 
     def _is_running(self, request: Request) -> bool:
         return self._requests.get(request.request_id) is request and request.status is RequestStatus.RUNNING
@@ -334,26 +388,37 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self._num_preemptions += 1
-        bisect.insort(self._waiting, request, key=_arrival)
+        bisect.insort(self._waiting, request, key=self._rank)
         step.preempted.append(request)
 
     def _schedule_waiting(self, step: _Step, reserved_blocks: int) -> None:
         """Admit waiting requests in arrival order until one does not fit; leave `reserved_blocks` free."""
-        while self._waiting and not step.full and len(self._running) < self.config.max_num_seqs:
-            request = self._waiting[0]
-            cached = self.block_manager.find_cached_prefix(request)
-            num_new = self._prefill_chunk(request, len(cached), step.token_budget)
-            if num_new == 0:
+        while self._waiting and not step.full:
+            if not self._admit(self._waiting[0], step, reserved_blocks, may_preempt=False):
                 return
-            needed = self.block_manager.num_blocks_to_allocate(request, num_new, cached)
-            if needed + reserved_blocks > self.block_manager.num_free_blocks:
-                return
-            if not self.block_manager.allocate(request, num_new, cached):
-                return
-            self._waiting.pop(0)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self._running, request, key=_arrival)
-            step.add(request, num_new)
+
+    def _admit(self, request: Request, step: _Step, reserved_blocks: int, may_preempt: bool) -> bool:
+        """Move the head of the waiting queue to running with its first chunk; False if it does not fit
+        (a seat, the token budget, blocks beyond `reserved_blocks`). With `may_preempt`, worse ranked running
+        requests are preempted while seats or blocks are short."""
+        cached = [] if request.prompt_logprobs is not None else self.block_manager.find_cached_prefix(request)
+        num_new = self._prefill_chunk(request, len(cached), step.token_budget)
+        if num_new == 0:
+            return False
+        while (len(self._running) >= self.config.max_num_seqs
+               or self.block_manager.num_blocks_to_allocate(request, num_new, cached) + reserved_blocks
+               > self.block_manager.num_free_blocks):
+            victim = self._running[-1] if self._running else None
+            if not may_preempt or victim is None or self._rank(victim) <= self._rank(request):
+                return False
+            self._preempt(victim, step)
+        if not self.block_manager.allocate(request, num_new, cached):
+            return False
+        self._waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=self._rank)
+        step.add(request, num_new)
+        return True
 
     def _prefill_chunk(self, request: Request, num_cached_blocks: int, token_budget: int) -> int:
         """Tokens of a waiting request to compute now (0: it must wait). Without chunked prefill all of
@@ -373,9 +438,9 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise ValueError if the queues, statuses or block ownership are inconsistent."""
         for queue, status in ((self._waiting, RequestStatus.WAITING), (self._running, RequestStatus.RUNNING)):
-            orders = [r.arrival_order for r in queue]
-            if orders != sorted(orders):
-                raise ValueError(f"the {status.value} queue is out of arrival order: {orders}")
+            ranks = [self._rank(r) for r in queue]
+            if ranks != sorted(ranks):
+                raise ValueError(f"the {status.value} queue is out of rank order: {ranks}")
             for request in queue:
                 if request.status is not status or self._requests.get(request.request_id) is not request:
                     raise ValueError(f"request {request.request_id!r} ({request.status.value}) "

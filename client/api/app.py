@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front: an ASGI app over any EngineClient (a cluster or an in-process engine).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
-GET /v1/models, GET /health, GET /metrics.
+GET /v1/models, GET /health, GET /metrics; vLLM's POST /tokenize, POST /detokenize and GET /version.
 
 The path of a request:
 1. `_authorize` (401 without the API key when one is set: one answer for a missing header, another
@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import importlib.metadata
 import json
 import logging
 import os
@@ -57,8 +58,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from infer.client.api.body import decode_body
+from infer.client.api.reasoning import REASONING_PARSERS, ReasoningSplitter
+from infer.client.api.tools import (
+    PARSERS, TOOL_PARSERS, ToolCall, calls_of_required, default_parser, new_call_id, template_messages,
+    tools_system_prompt
+)
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
-from infer.client.api.schemas import ApiError, ChatCompletionRequest, CompletionRequest
+from infer.client.api.schemas import (
+    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+)
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError
 from infer.protocol.logsafe import safe
@@ -66,6 +74,7 @@ from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
+from infer.protocol.structured import StructuredOutputsParams, grammar_error
 
 log = logging.getLogger("infer.api")
 
@@ -73,6 +82,11 @@ Body = TypeVar("Body", bound=BaseModel)
 R = TypeVar("R")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 API_KEY_ENV = "INFER_API_KEY"
+try:
+    VERSION = importlib.metadata.version("infer")
+except importlib.metadata.PackageNotFoundError:   # running from a tree that was never installed
+    VERSION = "0+unknown"
+GRAMMAR_CHECK_TIMEOUT_S = 5.0
 TOKENIZER_THREADS = 2   # body parsing, chat templates and tokenization run on these, never on the event loop
 
 
@@ -87,6 +101,8 @@ class FrontConfig:
     view_max_age: float = 1.0             # seconds a cluster view serves admission before a fresh round trip
     retry_after: int = 1                  # seconds, in the Retry-After header of a 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # a larger request body is refused with 413
+    tool_call_parser: str | None = None   # client/api/tools.py; None: the one the chat template's format calls for
+    reasoning_parser: str | None = None   # client/api/reasoning.py; None: no reasoning_content
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -101,6 +117,11 @@ class FrontConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.retry_after < 0:
             raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
 
 def resolve_api_key(api_key: str | None, api_key_file: str | None,
@@ -140,11 +161,14 @@ class Job:
     request_id: str
     tracker: RequestTracker
     timeout: float | None = None
+    priority: int = 0
+    echo: str = ""                 # completions' `echo`: the prompt's text, shown before the first text
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None   # prompt tokens 1..
 
     def add(self, delta: RequestOutput) -> None:
         self.tracker.on_delta(delta)
@@ -154,6 +178,8 @@ class Job:
             self.logprobs.extend(delta.logprobs)
         if delta.num_prompt_tokens:
             self.num_prompt_tokens = delta.num_prompt_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.finish_reason = delta.finish_reason
 
@@ -174,10 +200,15 @@ class Front:
         self.created = int(time.time())
         self.token_bytes = max_token_bytes(tokenizer)   # bounds a text prompt's size before tokenizing it
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="infer-tokenize")
+        # its own thread, so that a spec slow to parse never holds up tokenizing
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="infer-grammar-check")
+        self._xgrammar: asyncio.Future | None = None
+        self.tool_call_parser = config.tool_call_parser or default_parser(getattr(tokenizer, "chat_template", None))
 
     def close(self) -> None:
         """Stop the tokenizer threads (work already queued is dropped)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _off_loop(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """`fn(*args, **kwargs)` on the tokenizer threads, so the event loop keeps serving meanwhile."""
@@ -201,6 +232,54 @@ class Front:
             return [await self._chat_token_ids(body, max_len)]
         fmt = ChatFormat(self, body)
         return await self._serve(request, body, token_ids, body.max_new_tokens, body.num_logprobs, fmt)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt (or chat messages through the template) -> its token ids."""
+        body = await self._parse(request, TokenizeRequest)
+        max_len = await self._any_max_model_len()
+        if body.prompt is not None:
+            self._check_text_size(body.prompt, max_len, "prompt")
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await self._off_loop(self._encode, body.prompt, add_special_tokens=special)
+        else:
+            messages = [m.as_template_message() for m in body.messages]
+            self._check_text_size("".join(m["content"] for m in messages), max_len, "messages")
+            text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt)
+            ids = await self._off_loop(self._encode, text, add_special_tokens=bool(body.add_special_tokens))
+        strs = [self.token_text(t) for t in ids] if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids -> text."""
+        body = await self._parse(request, DetokenizeRequest)
+        max_len = await self._any_max_model_len()
+        if len(body.tokens) > max_len:
+            raise ApiError(400, f"tokens: {len(body.tokens)} token ids; at most the context length ({max_len})",
+                           param="tokens")
+        self._check_vocab("tokens", body.tokens)
+        text = await self._off_loop(self.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    async def version(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"version": VERSION})
+
+    async def _any_max_model_len(self) -> int:
+        """The context length of the cluster's workers (healthy or not: tokenizing needs no worker)."""
+        try:
+            view = await self._cluster_view()
+        except ApiError:
+            view = self._view
+        max_len = _max_model_len(view, healthy_only=False) if view is not None else None
+        if max_len is None:
+            raise self._unavailable("no worker has reported its context length yet")
+        return max_len
+
+    def _check_vocab(self, param: str, token_ids: list[int]) -> None:
+        vocab = len(self.tokenizer)
+        bad = next((t for t in token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -276,7 +355,7 @@ class Front:
             body = model.model_validate(data)
         except ValidationError as e:
             raise _validation_error(e) from None
-        if body.model != self.config.served_model_name:
+        if body.model is not None and body.model != self.config.served_model_name:
             raise ApiError(404, f"the model {body.model[:200]!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}", param="model", code="model_not_found")
         return body
@@ -314,16 +393,21 @@ class Front:
         the template runs, and the text before it is tokenized (both off the loop)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [m.as_template_message() for m in body.messages]
-        self._check_text_size("".join(m["content"] for m in messages), max_len, "messages")
-        text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt)
+        messages = template_messages([m.as_template_message() for m in body.messages])
+        tools = body.tool_dicts if body.tool_mode is not None else None
+        if tools and "tools" not in self.tokenizer.chat_template:   # a template that ignores `tools`
+            messages = [{"role": "system", "content": tools_system_prompt(tools)}, *messages]
+        self._check_text_size("".join(m["content"] for m in messages) + json.dumps(tools or []), max_len, "messages")
+        text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt, tools,
+                                    body.chat_template_kwargs)
         self._check_text_size(text, max_len, "messages")
         return await self._off_loop(self._encode, text, add_special_tokens=False)
 
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **(kwargs or {}))
         except Exception as e:   # the template's own checks (jinja raise_exception), e.g. role order
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -379,7 +463,10 @@ class Front:
                      logprobs: int | None, fmt: ResponseFormat) -> Response:
         """`token_ids(max_len)`: the prompts' token ids, or a 400 for a prompt that cannot fit max_len."""
         num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
-        num_requests = num_prompts * body.n
+        num_requests = num_prompts * _candidates(body)
+        for param, ids in body.token_id_fields().items():
+            self._check_vocab(param, ids)
+        structured = await self._structured(body)
         self._reserve(num_requests)
         run: StreamRun | None = None
         try:
@@ -387,10 +474,10 @@ class Front:
             prompts = await token_ids(max_len)
             for ids in prompts:
                 _check_length(len(ids), max_tokens, max_len)
-            jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs)
+            jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs, structured)
             if not body.stream:
                 await _cancel_on_disconnect(request, self._run_to_end(jobs))
-                return JSONResponse(fmt.response(jobs))
+                return JSONResponse(fmt.response(_best(jobs, body.n), usage_of=jobs))
             run = StreamRun(self, jobs)   # releases the reservation in close()
         finally:
             if run is None:
@@ -398,24 +485,53 @@ class Front:
         await _cancel_on_disconnect(request, run.start())   # on failure, start() closed the run
         return _EventStream(self._sse(run, fmt, body.include_usage), run)
 
+    async def _structured(self, body: Any) -> StructuredOutputsParams | None:
+        """The body's output constraint, parsed by xgrammar on the front's grammar thread (400 naming the field
+        if it does not parse, or if parsing takes longer than GRAMMAR_CHECK_TIMEOUT_S)."""
+        given = body.structured_spec()
+        if given is None:
+            return None
+        param, spec = given
+        if self._xgrammar is None:   # imported on first use, on the grammar thread (seconds: not on the clock)
+            self._xgrammar = asyncio.wrap_future(self._grammar_pool.submit(importlib.import_module, "xgrammar"))
+        await asyncio.shield(self._xgrammar)
+        check = asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammar_error, spec)
+        try:
+            error = await asyncio.wait_for(check, GRAMMAR_CHECK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(400, f"{param}: checking it took longer than {GRAMMAR_CHECK_TIMEOUT_S:g} s; simplify it",
+                           param=param) from None
+        if error is not None:
+            raise ApiError(400, f"{param}: {error}", param=param)
+        return spec
+
     def _jobs(self, base_id: str, prompts: list[list[int]], body: Any, max_tokens: int | None,
-              logprobs: int | None) -> list[Job]:
+              logprobs: int | None, structured: StructuredOutputsParams | None = None) -> list[Job]:
         jobs = []
+        candidates = _candidates(body)
+        if candidates > body.n and logprobs is None:
+            logprobs = 0      # best_of ranks candidates by the sum of their sampled tokens' logprobs
+        echoes = body.prompts() if getattr(body, "echo", False) else None
         for p, ids in enumerate(prompts):
-            for c in range(body.n):
-                index = p * body.n + c
+            echo = "" if echoes is None else (echoes[p] if isinstance(echoes[p], str)
+                                              else self.tokenizer.decode(ids))
+            for c in range(candidates):
+                index = p * candidates + c
                 try:
-                    params = body.sampling_params(max_tokens, logprobs, seed_offset=c)
+                    params = body.sampling_params(max_tokens, logprobs, seed_offset=c, structured=structured,
+                                                  prompt_logprobs=getattr(body, "prompt_logprobs_wanted",
+                                                                          body.prompt_logprobs))
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
                 jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker(),
-                                body.timeout))
+                                body.timeout, body.priority, echo=echo))
         return jobs
 
     def engine_stream(self, job: Job) -> AsyncIterator[RequestOutput]:
         """The engine request of `job`, with its deadline."""
+        extra = {"priority": job.priority} if job.priority else {}   # engine clients older than priorities work on
         return self.engine.stream(job.prompt_token_ids, job.params, request_id=job.request_id,
-                                  timeout=job.timeout)
+                                  timeout=job.timeout, **extra)
 
     async def _run_to_end(self, jobs: list[Job]) -> None:
         async def one(job: Job) -> None:
@@ -441,8 +557,7 @@ class Front:
                 if delta.finish_reason == "error":
                     yield _event(_request_error(delta, self.config.retry_after).body())
                     break
-                chunk = fmt.chunk(job, delta)
-                if chunk is not None:
+                for chunk in fmt.chunks(job, delta):
                     yield _event(chunk)
             else:
                 if include_usage:
@@ -572,9 +687,10 @@ class ResponseFormat:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def response(self, jobs: list[Job]) -> dict[str, Any]:
+    def response(self, jobs: list[Job], usage_of: list[Job] | None = None) -> dict[str, Any]:
+        """The whole answer with `jobs` as its choices; usage counts `usage_of` (every candidate of best_of)."""
         out = self._envelope(self.object_name, [self.choice(job) for job in jobs])
-        out["usage"] = _usage(jobs)
+        out["usage"] = _usage(jobs if usage_of is None else usage_of)
         return out
 
     def usage_chunk(self, jobs: list[Job]) -> dict[str, Any]:
@@ -588,11 +704,12 @@ class ResponseFormat:
     def choice(self, job: Job) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk(self, job: Job, delta: RequestOutput) -> dict[str, Any] | None:
-        """The SSE chunk of one delta; None for a delta with nothing to show (no text, logprobs or end)."""
+    def chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        """The SSE chunks of one delta (`job` has taken it in already); none for a delta with nothing to
+        show (no text, logprobs or end)."""
         if not delta.text and not delta.finished and not delta.logprobs:
-            return None
-        return self._envelope(self.chunk_object_name, [self.chunk_choice(job, delta)])
+            return []
+        return [self._envelope(self.chunk_object_name, [self.chunk_choice(job, delta)])]
 
     def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
         raise NotImplementedError
@@ -604,17 +721,36 @@ class CompletionFormat(ResponseFormat):
     id_prefix = "cmpl"
 
     def choice(self, job: Job) -> dict[str, Any]:
-        return {"index": job.index, "text": job.text, "finish_reason": job.finish_reason,
-                "logprobs": self._logprobs(job.token_ids, job.logprobs, 0) if job.params.logprobs is not None
-                else None}
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = self._logprobs(job.token_ids, job.logprobs, len(job.echo))
+            if self.body.echo:
+                logprobs = self._with_prompt(job, logprobs)
+        out = {"index": job.index, "text": job.echo + job.text, "finish_reason": job.finish_reason,
+               "logprobs": logprobs}
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
+        return out
+
+    def _with_prompt(self, job: Job, completion: dict[str, Any]) -> dict[str, Any]:
+        """echo with logprobs: the prompt's tokens first (the first with no logprob), then the completion's."""
+        rows = job.prompt_logprobs or []
+        ids = job.prompt_token_ids
+        head = self._logprobs(ids[1:], rows, 0)
+        first = self.front.token_text(ids[0])
+        offsets = [0] + [o + len(first) for o in head["text_offset"]]
+        return {"tokens": [first, *head["tokens"], *completion["tokens"]],
+                "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
+                "top_logprobs": [None, *head["top_logprobs"], *completion["top_logprobs"]],
+                "text_offset": [*offsets, *completion["text_offset"]]}
 
     def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
         logprobs = None
-        if job.params.logprobs is not None and delta.logprobs:
+        if self.body.logprobs is not None and delta.logprobs:
             start = len(job.text) - len(delta.text)
             logprobs = self._logprobs(delta.token_ids, delta.logprobs, start)
-        return {"index": job.index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}
+        text, job.echo = job.echo + delta.text, ""     # the prompt's text goes out once, before the first text
+        return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs], offset: int) -> dict[str, Any]:
         text = self.front.token_text
@@ -635,10 +771,87 @@ class ChatFormat(ResponseFormat):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def __init__(self, front: Front, body: Any) -> None:
+        super().__init__(front, body)
+        self.tool_mode = body.tool_mode
+        self.reasoning = front.config.reasoning_parser
+        self.parse_tools = PARSERS[front.tool_call_parser]
+        self._splitters: dict[int, ReasoningSplitter] = {}
+
     def choice(self, job: Job) -> dict[str, Any]:
-        return {"index": job.index, "message": {"role": "assistant", "content": job.text},
-                "logprobs": self._logprobs(job.token_ids, job.logprobs) if job.params.logprobs is not None
-                else None, "finish_reason": job.finish_reason}
+        message, finish_reason = self._message(job)
+        out = {"index": job.index, "message": message,
+               "logprobs": self._logprobs(job.token_ids, job.logprobs) if job.params.logprobs is not None
+               else None, "finish_reason": finish_reason}
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
+        return out
+
+    def _message(self, job: Job) -> tuple[dict[str, Any], str | None]:
+        """A finished job's assistant message (reasoning split off, tool calls parsed) and its finish_reason
+        ("tool_calls" when it called tools)."""
+        reasoning, content = ReasoningSplitter(self.reasoning).split(job.text) if self.reasoning else (None, job.text)
+        calls: list[ToolCall] = []
+        if self.tool_mode is not None and content:
+            content, calls = self._tool_calls(content)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        return message, "tool_calls" if calls and job.finish_reason == "stop" else job.finish_reason
+
+    def _tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.tool_mode == "named":
+            try:
+                arguments = json.loads(text)
+            except ValueError:
+                return text, []            # cut short by max_tokens: the text as it is
+            name = self.body.tool_choice.function.name
+            return None, [ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())]
+        if self.tool_mode == "required":
+            calls = calls_of_required(text)
+            return (text, []) if calls is None else (None, calls)
+        return self.parse_tools(text)
+
+    def chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        if self.tool_mode is not None:
+            return self._tool_chunks(job) if delta.finished else []
+        if self.reasoning:
+            return self._reasoning_chunks(job, delta)
+        return super().chunks(job, delta)
+
+    def _tool_chunks(self, job: Job) -> list[dict[str, Any]]:
+        """With tools the stream is buffered: tool calls are known only once the output is. Then, OpenAI's
+        shape: reasoning, content, per call its id and name, then its arguments, then the finish."""
+        message, finish_reason = self._message(job)
+        deltas: list[dict[str, Any]] = []
+        if message.get("reasoning_content"):
+            deltas.append({"reasoning_content": message["reasoning_content"]})
+        if message["content"]:
+            deltas.append({"content": message["content"]})
+        for i, call in enumerate(message.get("tool_calls", [])):
+            function = call["function"]
+            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                           "function": {"name": function["name"], "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]})
+        out = [self._chunk_of(job, d, None) for d in deltas]
+        return out + [self._chunk_of(job, {}, finish_reason)]
+
+    def _reasoning_chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        splitter = self._splitters.setdefault(job.index, ReasoningSplitter(self.reasoning))
+        reasoning, content = splitter.feed(delta.text)
+        if delta.finished:
+            rest = splitter.finish()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        fields = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        if not fields and not delta.finished:
+            return []
+        return [self._chunk_of(job, fields, delta.finish_reason)]
+
+    def _chunk_of(self, job: Job, fields: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return self._envelope(self.chunk_object_name, [{"index": job.index, "delta": fields, "logprobs": None,
+                                                        "finish_reason": finish_reason}])
 
     def opening_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
         return [self._envelope(self.chunk_object_name, [{"index": job.index, "delta": {"role": "assistant",
@@ -668,6 +881,40 @@ class ChatFormat(ResponseFormat):
 
 
 # ---- helpers --------------------------------------------------------------------------------------
+
+def prompt_logprobs_json(front: Front, job: Job, n: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob,
+    decoded_token}} for the token itself and the top n."""
+    out: list[dict[str, Any] | None] = [None]
+    for token_id, row in zip(job.prompt_token_ids[1:], job.prompt_logprobs or []):
+        keep = dict(_top(row, n))
+        keep[token_id] = row.get(token_id)
+        out.append({str(t): {"logprob": _finite(lp), "decoded_token": front.token_text(t)} for t, lp in keep.items()})
+    return out
+
+
+def _candidates(body: Any) -> int:
+    """Engine requests per prompt: completions' best_of (>= n) when given, else n."""
+    return getattr(body, "best_of", None) or body.n
+
+
+def _best(jobs: list[Job], n: int) -> list[Job]:
+    """Per prompt, the n candidates with the highest sum of sampled-token logprobs (OpenAI's best_of),
+    renumbered as choices 0..n-1 of their prompt; all of them when there are no more than n."""
+    by_prompt: dict[int, list[Job]] = {}
+    for job in jobs:
+        by_prompt.setdefault(job.prompt_index, []).append(job)
+    if all(len(group) <= n for group in by_prompt.values()):
+        return jobs
+    chosen = []
+    for p, group in sorted(by_prompt.items()):
+        ranked = sorted(group, key=lambda job: -sum(_finite(row.get(t)) for t, row in zip(job.token_ids,
+                                                                                              job.logprobs)))
+        for rank, job in enumerate(ranked[:n]):
+            job.index = p * n + rank
+            chosen.append(job)
+    return chosen
+
 
 def _top(row: TokenLogprobs, n: int) -> list[tuple[int, float]]:
     """The n most likely tokens of a logprobs row (the row holds the top n plus the sampled token)."""
@@ -836,13 +1083,17 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     app.add_api_route("/v1/models", route(front.models), methods=["GET"])
     app.add_api_route("/health", route(front.health), methods=["GET"])
     app.add_api_route("/metrics", route(front.metrics_text), methods=["GET"])
+    app.add_api_route("/tokenize", route(front.tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", route(front.detokenize), methods=["POST"])
+    app.add_api_route("/version", route(front.version), methods=["GET"])
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:   # 404, 405, ...
         if exc.status_code == 404:
             error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are POST "
                                   "/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
-                                  "GET /metrics", code="not_found")
+                                  "GET /metrics, POST /tokenize, POST /detokenize, GET /version",
+                             code="not_found")
         elif exc.status_code == 405:
             error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}",
                              code="method_not_allowed", headers=exc.headers)

@@ -15,14 +15,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S
-from infer.protocol.sampling import MAX_LOGPROBS, SamplingParams
+from infer.client.api.tools import MAX_TOOLS, parameters_schema, required_schema
+from infer.protocol.structured import StructuredOutputsParams
+from infer.protocol.sampling import (
+    MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS,
+    SamplingParams,
+)
 
 MAX_N = 16
 MAX_STOP = 8
 MAX_COMPLETIONS_LOGPROBS = 5   # OpenAI's limit for /v1/completions
+MAX_USER_CHARS = 512
 
 TokenIdList = list[Annotated[int, Field(ge=0)]]
 
@@ -56,6 +62,48 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_only_with_its_type(cls, value: JsonSchemaFormat | None, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("type") != "json_schema":
+            raise ValueError("json_schema goes with type 'json_schema' only")
+        return value
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        return self
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json (a schema), regex, choice, grammar (EBNF), json_object."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(BaseModel):
     """The sampling fields both endpoints share (OpenAI's, then vLLM's extras), and `timeout`.
 
@@ -76,9 +124,10 @@ class _SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None                       # accepted, not used
-    # OpenAI fields we accept only at their neutral value
-    logit_bias: dict[str, float] | None = None
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None   # OpenAI's end-user id: accepted, unused
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE,
+                                                            allow_inf_nan=False)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM-style extras
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
@@ -86,10 +135,24 @@ class _SamplingFields(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: TokenIdList | None = None
+    allowed_token_ids: Annotated[TokenIdList, Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's: the logprobs of the prompt's tokens (not with stream)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # our extension: a per-request deadline
     timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
+    # vLLM's: lower is served first (workers with --scheduling-policy priority; the coordinator sheds by it)
+    priority: Annotated[int, Field(ge=-2**63, lt=2**63, strict=True)] = 0
 
     @field_validator("stop")
     @classmethod
@@ -101,10 +164,60 @@ class _SamplingFields(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return None
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdecimal() and len(key) <= 10):
+                raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key[:20]!r}")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs cannot be streamed yet")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_not_blank(cls, value: list[str] | None) -> list[str] | None:
+        if any(not word.strip() for word in value or []):
+            raise ValueError("bad_words must not hold blank strings")
+        return value
+
+    def structured_spec(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The body's output constraint and the field that gave it; ApiError (400 naming the field) if more
+        than one field gives one or the one given is malformed. Whether it compiles is checked by the front."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            given.append(("response_format.json_schema.schema", {"json": self.response_format.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            if fields.get("json_object") is False:
+                del fields["json_object"]
+            given.append(("structured_outputs", fields))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise ApiError(400, f"give one output constraint, got several: {names}", param=given[1][0])
+        field, spec = given[0]
+        try:
+            return field, StructuredOutputsParams.from_dict(spec)
+        except ValueError as e:
+            raise ApiError(400, f"{field}: {e}", param=field) from None
+
+    def token_id_fields(self) -> dict[str, list[int]]:
+        """The token ids the body names outside its prompt, by field (the front checks them against the
+        vocabulary)."""
+        return {"logit_bias": [int(k) for k in self.logit_bias or {}],
+                "allowed_token_ids": list(self.allowed_token_ids or ()),
+                "stop_token_ids": list(self.stop_token_ids or ())}
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -112,8 +225,9 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        seed_offset: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0,
+                        structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams of choice number `seed_offset` (a seeded request's choices get seed, seed+1...)."""
         seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
         return SamplingParams(
@@ -126,7 +240,9 @@ class _SamplingFields(BaseModel):
             seed=seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias or None,
+            allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),
+            structured_outputs=structured, prompt_logprobs=prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -140,7 +256,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = 16     # OpenAI's default for completions
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETIONS_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -150,15 +266,42 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be an empty list")
         return value
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
+    # Field validators (not a model validator) so that a 400 names the field: each sees the fields declared
+    # before it in `info.data`.
+    @field_validator("echo")
+    @classmethod
+    def _echo_with_logprobs_not_streamed(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None and info.data.get("stream"):
+            raise ValueError("echo with logprobs cannot be streamed yet (it needs the prompt's logprobs)")
+        return value
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """The prompt logprobs to ask the engine for: prompt_logprobs, and echo's logprobs of the prompt."""
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(wanted) if wanted else None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value < n:
+            raise ValueError(f"best_of must be >= n (best_of={value}, n={n})")
+        if value is not None and value > n and info.data.get("stream"):
+            raise ValueError("best_of greater than n cannot be streamed (the best are known only at the end)")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> None:
+        if value:
             raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of other than n is not supported (best_of={self.best_of}, n={self.n})")
-        return self
+        return None
+
+    @property
+    def num_candidates(self) -> int:
+        """Engine requests per prompt: best_of when given, else n."""
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (one request each)."""
@@ -190,31 +333,108 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Annotated[str, Field(max_length=8192)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    """One entry of `tools`: OpenAI's function tool."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "tokenize",
+                                      "add_generation_prompt", "chat_template", "return_dict", "continue_final_message"})
+MAX_TEMPLATE_KWARGS = 32
+
+
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions. Tools: see client/api/tools.py."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            kind = self.response_format.get("type")
-            raise ValueError(f"response_format {kind!r} is not supported (only 'text')")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported")
-        return self
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_its_tool(cls, value: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if value in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice {value!r} needs tools")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"tool_choice names {value.function.name[:64]!r}, which is not among the tools")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        return value
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools, or tool_choice "none"), "auto" (the default with tools), "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def structured_spec(self) -> tuple[str, StructuredOutputsParams] | None:
+        """As for completions, plus tool_choice "required" or a named function, which constrain the output
+        themselves (client/api/tools.py) and so exclude the other constraints."""
+        given = super().structured_spec()
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return given
+        if given is not None:
+            raise ApiError(400, f"tool_choice {mode!r} constrains the output itself; it cannot be combined with "
+                                f"{given[0]}", param=given[0])
+        if mode == "named":
+            tool = next(t for t in self.tool_dicts if t["function"]["name"] == self.tool_choice.function.name)
+            schema = parameters_schema(tool)
+        else:
+            schema = required_schema(self.tool_dicts, self.parallel_tool_calls)
+        try:
+            return "tools", StructuredOutputsParams(json=schema)
+        except ValueError as e:
+            raise ApiError(400, f"tools: {e}", param="tools") from None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -223,3 +443,31 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a text `prompt`, or chat `messages` rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None        # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: TokenIdList

@@ -21,6 +21,8 @@ from typing import Any
 import uvicorn
 
 from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app, resolve_api_key
+from infer.client.api.reasoning import REASONING_PARSERS
+from infer.client.api.tools import TOOL_PARSERS
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError, InferenceClient
 from infer.protocol.keys import CurveKeys, refuse_open_bind
@@ -137,6 +139,11 @@ def add_front_arguments(p: argparse.ArgumentParser) -> None:
                    "'overloaded' at once (default 1024)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
+                   help="the format of the model's tool calls (default: the one its chat template uses: mistral, "
+                   "llama3_json, else hermes)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="split <think>...</think> into reasoning_content (default: off)")
     p.add_argument("--trusted-network", action="store_true",
                    help="allow a non-loopback bind with nothing protecting it: the HTTP front without an API "
                    "key (and a coordinator this command starts without CURVE keys); otherwise it is refused")
@@ -157,7 +164,8 @@ def front_config(args: argparse.Namespace, model_id: str | None) -> FrontConfig:
     return FrontConfig(served_model_name=args.served_model_name or model_id or DEFAULT_MODEL_ID,
                        api_key=resolve_api_key(args.api_key, args.api_key_file),
                        max_concurrent_requests=args.max_concurrent_requests,
-                       max_body_bytes=args.max_body_bytes)
+                       max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
+                       reasoning_parser=args.reasoning_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,20 +17,18 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing, contextmanager
-from pathlib import Path
+from contextlib import aclosing
 from typing import Any
 
 import pytest
 
 from infer.client.api.app import FrontConfig, resolve_api_key
-from infer.client.api.server import HttpFront
 from infer.client.local_engine import LocalEngine
 from infer.protocol.outputs import RequestOutput
-from infer.worker.config import EngineConfig
+from front_harness import MODEL, local_engine, serving
+from front_harness import error_of as _error
+from front_harness import http as _http
 
-MODEL = "tiny"
-ENGINE_OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
 STEP_DELAY_S = 0.01     # the slowed engine's extra time per step: 240 tokens take more than 2.4 s
 SECRET = "secret-detail at /srv/infer/private/module.py line 42"
 LONG = dict(model=MODEL, prompt=[3, 4, 5], max_tokens=240, ignore_eos=True, temperature=0)
@@ -40,24 +38,9 @@ POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"   # 
 
 # ---- fixtures -------------------------------------------------------------------------------------
 
-def _local_engine(model: Path, step_delay: float = 0.0) -> LocalEngine:
-    from infer.worker.engine import Engine
-
-    local = LocalEngine(Engine(EngineConfig.from_options(model=str(model), **ENGINE_OPTIONS)))
-    if step_delay:
-        execute = local.engine.runner.execute
-
-        def slowed(chunks):   # the engine thread is idle now; from here on it runs this
-            time.sleep(step_delay)
-            return execute(chunks)
-
-        local.engine.runner.execute = slowed
-    return local
-
-
 @pytest.fixture(scope="module")
 def local(tiny_model_dir) -> Iterator[LocalEngine]:
-    engine = _local_engine(tiny_model_dir("llama"))
+    engine = local_engine(tiny_model_dir("llama"))
     yield engine
     asyncio.run(engine.close())
 
@@ -65,23 +48,9 @@ def local(tiny_model_dir) -> Iterator[LocalEngine]:
 @pytest.fixture(scope="module")
 def slow_local(tiny_model_dir) -> Iterator[LocalEngine]:
     """Steps at least STEP_DELAY_S long, so a long request reliably outlives a short timeout."""
-    engine = _local_engine(tiny_model_dir("llama"), STEP_DELAY_S)
+    engine = local_engine(tiny_model_dir("llama"), STEP_DELAY_S)
     yield engine
     asyncio.run(engine.close())
-
-
-@contextmanager
-def serving(engine: Any, tokenizer: Any, **options: Any) -> Iterator[str]:
-    """An HttpFront on a free port, served by an event loop on its own thread; yields its URL."""
-    front = HttpFront(engine, tokenizer, FrontConfig(served_model_name=MODEL, **options), port=0)
-    front.bind()
-    thread = threading.Thread(target=asyncio.run, args=(front.serve(),), daemon=True)
-    thread.start()
-    try:
-        yield front.url
-    finally:
-        front.shutdown()
-        thread.join(10)
 
 
 class FailingEngine:
@@ -97,11 +66,11 @@ class FailingEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def stream(self, prompt, params=None, *, request_id=None,
-                     timeout=None) -> AsyncIterator[RequestOutput]:
+    async def stream(self, prompt, params=None, *, request_id=None, timeout=None,
+                     priority=0) -> AsyncIterator[RequestOutput]:
         if self.raises is not None:
             raise self.raises
-        inner = self.inner.stream(prompt, params, request_id=request_id, timeout=timeout)
+        inner = self.inner.stream(prompt, params, request_id=request_id, timeout=timeout, priority=priority)
         async with aclosing(inner) as deltas:
             n = 0
             async for delta in deltas:
@@ -114,26 +83,6 @@ class FailingEngine:
 
 
 # ---- helpers --------------------------------------------------------------------------------------
-
-def _http(url: str, body: Any = None, *, method: str | None = None,
-          headers: dict[str, str] | None = None) -> tuple[int, Any, str]:
-    """(status, headers, body text) of one request; a dict body is sent as JSON."""
-    data = json.dumps(body).encode() if isinstance(body, dict) else body
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, r.headers, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, e.read().decode()
-
-
-def _error(text: str) -> dict[str, Any]:
-    """The `error` object of an OpenAI-shaped error body (every key present)."""
-    error = json.loads(text)["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    return error
-
 
 def _raw(url: str, head: bytes, *chunks: bytes, read_timeout: float = 10.0) -> bytes:
     """Send `head` and `chunks` on one connection, then read until the server closes or `read_timeout`."""

@@ -6,17 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import selectors
-import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -25,6 +18,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
 from infer.client.inference_client import SyncInferenceClient
+from serve_harness import Served
 
 MODEL = "tiny-llama"
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000",
@@ -33,53 +27,10 @@ GREEDY = dict(temperature=0)
 MAX_BODY_BYTES = 100_000
 
 
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """One line of the child's stdout within `timeout` seconds (AssertionError otherwise)."""
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
-    try:
-        if not selector.select(timeout):
-            raise AssertionError(f"infer-serve printed nothing in {timeout} s")
-        return proc.stdout.readline().decode()
-    finally:
-        selector.close()
-
-
-class Served:
-    def __init__(self, model: Path, log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "infer.client.serve", "--model", str(model), "--workers", "2",
-                 "--port", "0", "--served-model-name", MODEL, "--heartbeat-interval", "0.2", "--log-level",
-                 "WARNING", "--max-body-bytes", str(MAX_BODY_BYTES), *ENGINE_FLAGS],
-                stdout=subprocess.PIPE, stderr=err, start_new_session=True)
-        line = _read_line(self.proc, 120)
-        match = re.search(r"HTTP at (http://\S+?);.*connect to (tcp://\S+)", line)
-        assert match, f"{line!r}\n{log.read_text()}"
-        self.url, self.address = match.group(1), match.group(2)
-
-    def stop(self) -> None:
-        """SIGTERM (infer-serve stops its coordinator and workers), then SIGKILL whatever is left:
-        infer-serve's group and its children's groups (each child leads its own session)."""
-        children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True,
-                                  check=False).stdout.split()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
-        for pgid in [self.proc.pid, *map(int, children)]:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def served(tiny_llama, tmp_path_factory) -> Served:
-    server = Served(tiny_llama, tmp_path_factory.mktemp("serve") / "serve.log")
+    server = Served(tiny_llama, tmp_path_factory.mktemp("serve") / "serve.log", MODEL,
+                    ["--max-body-bytes", str(MAX_BODY_BYTES), *ENGINE_FLAGS])
     yield server
     server.stop()
 

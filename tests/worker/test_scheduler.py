@@ -10,7 +10,7 @@ import pytest
 
 from infer.protocol.sampling import SamplingParams
 from infer.worker.request import Request, RequestStatus
-from sched_sim import finish_step, make_request
+from sched_sim import expected_output, fake_next_token, finish_step, make_request
 
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -19,18 +19,6 @@ def make_scheduler(**overrides) -> Scheduler:
     options = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048, block_size=4, num_blocks=64)
     options.update(overrides)
     return Scheduler(SchedulerConfig(**options))
-
-
-def fake_next_token(token_ids: list[int]) -> int:
-    """A deterministic 'model': the next token is a function of the whole sequence so far."""
-    return (sum((i + 1) * t for i, t in enumerate(token_ids)) * 7 + len(token_ids)) % 1000
-
-
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(max_tokens):
-        ids.append(fake_next_token(ids))
-    return ids[len(prompt):]
 
 
 def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:

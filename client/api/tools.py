@@ -1,0 +1,195 @@
+"""Tool calling for the chat endpoint: the parsers of the tool-call formats our models write, the output
+constraints of `tool_choice`, and the messages' tool fields as chat templates want them.
+
+Parsers (vLLM's `--tool-call-parser` names) turn a finished output into (content, tool calls):
+- `hermes` (Qwen2 / Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more;
+  text outside the tags is content.
+- `llama3_json` (Llama 3.x): the whole output is `{"name": ..., "parameters": {...}}` (or "arguments"),
+  optionally after `<|python_tag|>`, several joined by `;`.
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or the newer `[TOOL_CALLS]name[ARGS]{...}`.
+A parser never raises: output that does not parse as its format (malformed JSON, a call without a name) is
+returned whole as content, with no tool calls.
+
+`tool_choice` "required" and a named function are enforced with structured outputs: the output must be the
+named function's arguments (a JSON object of its parameters schema), or a JSON array of
+`{"name", "parameters"}` objects, one per call (at most one without parallel_tool_calls, else at most
+MAX_PARALLEL_CALLS), each matching its
+tool; "auto" generates freely and parses; "none" leaves the tools out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+MAX_TOOLS = 128
+MAX_PARALLEL_CALLS = 16   # "required" with parallel_tool_calls: a small model may otherwise repeat calls forever
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str          # JSON text of the arguments object
+    id: str = ""
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
+    """A ToolCall from a parsed {"name": str, "arguments" | "parameters": object}; None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    if "<tool_call>" not in text:
+        return text, []
+    calls = [_call(_json(m.group(1))) for m in _HERMES.finditer(text)]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    content = _HERMES.sub("", text).strip()
+    return content or None, calls
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = [_call(_json(part)) for part in _split_top_level(body, ";")]
+    if not calls or any(c is None for c in calls):
+        return text, []
+    return None, calls
+
+
+def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
+    if "[TOOL_CALLS]" not in text:
+        return text, []
+    content, _, rest = text.partition("[TOOL_CALLS]")
+    rest = rest.strip()
+    if rest.startswith("["):
+        items = _json(rest)
+        calls = [_call(item) for item in items] if isinstance(items, list) and items else [None]
+    else:       # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
+        calls = []
+        for part in rest.split("[TOOL_CALLS]"):
+            name, sep, args = part.partition("[ARGS]")
+            calls.append(_call({"name": name.strip(), "arguments": _json(args)}) if sep else None)
+    if any(c is None for c in calls):
+        return text, []
+    return content.strip() or None, calls
+
+
+PARSERS: dict[str, Callable[[str], tuple[str | None, list[ToolCall]]]] = {
+    "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+
+
+def _split_top_level(text: str, sep: str) -> list[str]:
+    """`text` split at `sep` outside JSON strings and brackets."""
+    parts, depth, start, in_string, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def default_parser(chat_template: str | None) -> str:
+    """The parser of the format a chat template teaches: Mistral's or Llama 3's markers, else Hermes'."""
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+# ---- tool_choice as an output constraint ----------------------------------------------------------------
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """tool_choice "required": a JSON array of calls, each {"name": one tool's name, "parameters": its
+    arguments}; one call unless parallel."""
+    items = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                               "parameters": parameters_schema(t)},
+              "required": ["name", "parameters"]} for t in tools]
+    return {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+            "items": items[0] if len(items) == 1 else {"anyOf": items}}
+
+
+def parameters_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def calls_of_required(text: str) -> list[ToolCall] | None:
+    """The calls of an output made under `required_schema`; None if it is not such an array."""
+    items = _json(text)
+    if not isinstance(items, list) or not items:
+        return None
+    calls = [_call(item, ("parameters",)) for item in items]
+    return None if any(c is None for c in calls) else calls
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: an assistant's tool-call arguments as objects, not JSON text
+    (what Qwen's and Llama's templates `tojson`)."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message = {**message, "tool_calls": [_with_object_arguments(c) for c in calls]}
+        out.append(message)
+    return out
+
+
+def _with_object_arguments(call: Any) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    arguments = call["function"].get("arguments")
+    parsed = _json(arguments) if isinstance(arguments, str) else arguments
+    return {**call, "function": {**call["function"], "arguments": parsed if isinstance(parsed, dict) else {}}}
+
+
+def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
+    """Hermes' tool instructions, for a chat template that does not render `tools` itself."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("You may call one or more functions to assist with the user query. The functions are:\n<tools>\n"
+            f"{lines}\n</tools>\nTo call a function, reply with a JSON object of its name and arguments in "
+            "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")

@@ -1,0 +1,164 @@
+"""StructuredOutputsParams: what a request's output must match (vLLM's `structured_outputs`). Torch-free.
+
+Exactly one of: `json` (a JSON schema, given as a dict or its JSON text), `regex`, `choice` (one of these
+strings), `grammar` (EBNF, xgrammar's GBNF dialect: `root ::= ...`) or `json_object=True` (any JSON
+object). Sizes are bounded here, on construction, so that no component spends unbounded time on one
+request's spec; whether the spec compiles is checked by `grammar_error` (the HTTP front, before anything
+runs) and by the worker's compiler (worker/structured.py), which answers "invalid_request" with xgrammar's
+message otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+MAX_SCHEMA_CHARS = 64 * 1024
+MAX_SCHEMA_DEPTH = 32
+MAX_REGEX_CHARS = 4096
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output; `json` is kept as compact JSON text (hashable; key order is kept,
+    since it orders the output's properties)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            object.__setattr__(self, "json", _canonical_schema(self.json))
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes, dict)) or not hasattr(self.choice, "__iter__"):
+                raise ValueError(f"structured_outputs.choice must be a list of strings, got "
+                                 f"{type(self.choice).__name__}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        self._validate()
+
+    def _validate(self) -> None:
+        given = [k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}, got "
+                             f"{', '.join(given) or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for name, limit in (("regex", MAX_REGEX_CHARS), ("grammar", MAX_GRAMMAR_CHARS)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+            if value is not None and len(value) > limit:
+                raise ValueError(f"structured_outputs.{name} may be at most {limit} characters, got {len(value)}")
+        if self.choice is not None:
+            if not 1 <= len(self.choice) <= MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice must hold 1 to {MAX_CHOICES} strings, "
+                                 f"got {len(self.choice)}")
+            for c in self.choice:
+                if not isinstance(c, str) or not c or len(c) > MAX_CHOICE_CHARS:
+                    raise ValueError(f"structured_outputs.choice must hold non-empty strings of at most "
+                                     f"{MAX_CHOICE_CHARS} characters, got {str(c)[:40]!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Named fields only, the one given (for the wire)."""
+        kind = self.kind
+        if kind == "json_object":
+            return {"json_object": True}
+        value = getattr(self, kind)
+        return {kind: list(value) if kind == "choice" else value}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> StructuredOutputsParams:
+        if isinstance(d, StructuredOutputsParams):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"structured_outputs must be a mapping, got {type(d).__name__}")
+        unknown = sorted(str(k) for k in d if k not in KINDS)
+        if unknown:
+            raise ValueError(f"unknown structured_outputs field(s): {', '.join(unknown)}; known: {', '.join(KINDS)}")
+        return cls(**d)
+
+
+def _canonical_schema(schema: Any) -> str:
+    """A JSON schema (dict or JSON text) as sorted, compact JSON text; ValueError if it is not a JSON object,
+    is too large or nests deeper than MAX_SCHEMA_DEPTH."""
+    if isinstance(schema, str):
+        if len(schema) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"structured_outputs.json may be at most {MAX_SCHEMA_CHARS} characters, "
+                             f"got {len(schema)}")
+        _check_depth(schema)
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)   # key order kept: it orders properties
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"structured_outputs.json is not JSON-serializable: {e}") from None
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"structured_outputs.json may be at most {MAX_SCHEMA_CHARS} characters, got {len(text)}")
+    _check_depth(text)
+    return text
+
+
+def _check_depth(text: str) -> None:
+    """ValueError if the JSON text nests arrays / objects deeper than MAX_SCHEMA_DEPTH (one pass, no parse)."""
+    depth = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"structured_outputs.json nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        elif ch in "]}":
+            depth -= 1
+
+
+def grammar_error(spec: StructuredOutputsParams) -> str | None:
+    """xgrammar's complaint about `spec` (parsed without a tokenizer: cheap, but a real parse of the schema,
+    regex or EBNF), or None if it is valid. Imports xgrammar on first use; not for the coordinator."""
+    import xgrammar as xgr
+
+    try:
+        kind = spec.kind
+        if kind == "json":
+            xgr.Grammar.from_json_schema(spec.json)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(spec.regex)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(spec.grammar)
+    except Exception as e:     # xgrammar raises RuntimeError (C++) or its own error types, with the reason
+        return grammar_reason(e)
+    return None
+
+
+def grammar_reason(error: Exception) -> str:
+    """xgrammar's message without the C++ source location prefix ("[time] /path/file.cc:123: "), one line."""
+    text = _SOURCE_PREFIX.sub("", str(error).strip())
+    return text.splitlines()[0][:500] if text else type(error).__name__
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")

@@ -1,0 +1,135 @@
+"""Structured outputs in the engine on a tiny random Llama (SmolLM2's tokenizer): whatever the model prefers,
+the output matches the JSON schema (checked with jsonschema), regex, choice or grammar, greedy and sampled, and
+stops when the grammar is complete; compiling happens off the step (a request waits, unscheduled, for its
+grammar); an invalid spec fails its request alone with xgrammar's reason; a request resumed on another engine
+from its delivered tokens continues exactly, its matcher rebuilt from them."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import jsonschema
+import pytest
+
+from infer import SamplingParams
+from infer.protocol.structured import StructuredOutputsParams as Spec
+from infer.worker.config import EngineConfig
+from infer.worker.engine import Engine
+from structured_cases import MAX_TOKENS, SCHEMAS
+
+PROMPT = [3, 17, 42, 99]
+
+
+def make_engine(model_dir, seed: int = 0) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=512, max_num_seqs=64,
+                               kv_cache_memory=32 << 20, seed=seed))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return make_engine(tiny_model_dir("llama"))
+
+
+def run(engine: Engine, params: dict[str, SamplingParams], resumed: dict[str, list[int]] | None = None):
+    """All requests in one batch; id -> (token ids, text, finish reason, error)."""
+    for rid, p in params.items():
+        engine.add_request(rid, PROMPT, p, (resumed or {}).get(rid, ()))
+    out = {rid: ([], [], None, None) for rid in params}
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        for delta in engine.step():
+            ids, texts, _, _ = out[delta.request_id]
+            ids += delta.token_ids
+            texts.append(delta.text)
+            if delta.finished:
+                out[delta.request_id] = (ids, texts, delta.finish_reason, delta.error)
+    assert not engine.has_unfinished()
+    return {rid: (ids, "".join(texts), reason, error) for rid, (ids, texts, reason, error) in out.items()}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_schema_is_matched_greedy_and_sampled(engine, temperature):
+    params = {name: SamplingParams(temperature=temperature, seed=7, max_tokens=MAX_TOKENS,
+                                   structured_outputs=Spec(json=schema)) for name, schema in SCHEMAS.items()}
+    for name, (_, text, reason, error) in run(engine, params).items():
+        assert reason == "stop", (name, reason, error, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_choice_and_grammar_are_matched(engine, temperature):
+    specs = {
+        "regex": Spec(regex=r"[A-Z]{2}-\d{3}(\.[a-z]{1,4})?"),
+        "choice": Spec(choice=["left", "right", "up \"quoted\"", "日本"]),
+        "grammar": Spec(grammar='root ::= num (op num)? (op num)?\nnum ::= [1-9] [0-9]?\nop ::= "+" | "*" | "-"'),
+    }   # json_object: a random model never closes its strings (the HTTP tests run it on the real model)
+    params = {k: SamplingParams(temperature=temperature, seed=3, max_tokens=MAX_TOKENS, structured_outputs=s)
+              for k, s in specs.items()}
+    out = run(engine, params)
+    assert all(reason == "stop" for _, _, reason, _ in out.values()), out
+    assert re.fullmatch(r"[A-Z]{2}-\d{3}(\.[a-z]{1,4})?", out["regex"][1])
+    assert out["choice"][1] in specs["choice"].choice
+    assert set(out["grammar"][1]) <= set("0123456789+*-")
+    ast.parse(out["grammar"][1], mode="eval")
+
+
+def test_a_constrained_request_shares_the_batch_with_free_ones_which_it_does_not_change(engine):
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = run(engine, {"free": free})["free"][0]
+    both = run(engine, {"free": free, "json": SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, structured_outputs=Spec(json=SCHEMAS["flat object"]))})
+    assert both["free"][0] == alone
+    jsonschema.validate(json.loads(both["json"][1]), SCHEMAS["flat object"])
+
+
+@pytest.mark.parametrize("spec, reason", [
+    (Spec(regex="a(b"), "The parenthesis is not closed"),
+    (Spec(json='{"type": 5}'), "Type should be a string"),
+    (Spec(grammar="root ::= nothing"), 'Rule "nothing" is not defined'),
+])
+def test_an_invalid_spec_fails_its_request_alone_as_invalid(engine, spec, reason):
+    out = run(engine, {"bad": SamplingParams(max_tokens=4, structured_outputs=spec),
+                       "good": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)})
+    _, _, finish, error = out["bad"]
+    assert finish == "error" and error.startswith("structured_outputs: ") and reason in error
+    assert out["good"][2] == "length"
+
+
+def test_a_request_waits_unscheduled_while_its_grammar_compiles(engine):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                            structured_outputs=Spec(json={**SCHEMAS["mixed"], "title": "fresh"}))
+    request = engine.add_request("compiling", PROMPT, params)
+    assert engine.scheduler.get("compiling") is None and engine.has_unfinished()
+    assert engine.load().num_waiting == 1
+    assert engine.abort("compiling")                       # an abort while compiling ends it at once
+    [final] = engine.step()
+    assert final.finish_reason == "abort" and request.status.value == "abort" and not engine.has_unfinished()
+
+
+def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_the_engine_goes_on(engine, monkeypatch):
+    import infer.worker.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.05)
+    slow = Spec(json={"type": "string", "minLength": 1, "maxLength": 10**7})   # seconds of compiling
+    out = run(engine, {"slow": SamplingParams(max_tokens=4, structured_outputs=slow),
+                       "free": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)})
+    assert out["slow"][2] == "error" and "did not compile within 0.05 s" in out["slow"][3]
+    assert out["free"][2] == "length"
+
+
+def test_a_resumed_request_rebuilds_its_matcher_from_the_delivered_tokens(tiny_model_dir, engine):
+    schema = SCHEMAS["array of objects"]
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=MAX_TOKENS, structured_outputs=Spec(json=schema))
+    ids, text, reason, _ = run(engine, {"whole": params})["whole"]
+    assert reason == "stop" and len(ids) > 6
+    other = make_engine(tiny_model_dir("llama"), seed=99)
+    for k in (1, len(ids) // 2, len(ids) - 1):
+        rest = SamplingParams(temperature=1.0, seed=11, max_tokens=MAX_TOKENS - k,
+                              structured_outputs=Spec(json=schema))
+        tail, _, reason, _ = run(other, {f"cut{k}": rest}, {f"cut{k}": ids[:k]})[f"cut{k}"]
+        assert ids[:k] + tail == ids and reason == "stop"
+    bad = run(other, {"bad": params}, {"bad": [PROMPT[0]] * 3})["bad"]
+    assert bad[2] == "error" and "does not match the grammar" in bad[3]
