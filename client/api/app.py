@@ -242,9 +242,13 @@ class Front:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await self._off_loop(self._encode, body.prompt, add_special_tokens=special)
         else:
-            messages = [m.as_template_message() for m in body.messages]
+            messages = template_messages([m.as_template_message() for m in body.messages])
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            if tools and "tools" not in (self.tokenizer.chat_template or ""):   # as the chat endpoint renders it
+                messages = [{"role": "system", "content": tools_system_prompt(tools)}, *messages]
             self._check_text_size("".join(m["content"] for m in messages), max_len, "messages")
-            text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt)
+            text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt, tools,
+                                        body.chat_template_kwargs)
             ids = await self._off_loop(self._encode, text, add_special_tokens=bool(body.add_special_tokens))
         strs = [self.token_text(t) for t in ids] if body.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs})

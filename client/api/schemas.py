@@ -365,6 +365,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "docu
 MAX_TEMPLATE_KWARGS = 32
 
 
+def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs, unless they set what the front itself passes to the template."""
+    reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    return value
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. Tools: see client/api/tools.py."""
 
@@ -398,10 +406,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _no_reserved_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(set(value or {}) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-        return value
+        return _template_kwargs(value)
 
     @property
     def tool_mode(self) -> str | None:
@@ -456,6 +461,14 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None        # default: True for a prompt, False for messages (vLLM's)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None       # with messages, as in chat
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _template_kwargs(value)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

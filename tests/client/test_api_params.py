@@ -177,6 +177,15 @@ def test_bad_tokenize_and_detokenize_bodies_are_refused_naming_the_field(url, pa
     assert status in (400, 404) and error_of(text)["param"] == field, text
 
 
+def test_tokenize_renders_tools_and_template_kwargs_as_the_chat_endpoint_does(url):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL], "return_token_strs": True,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    status, _, text = http(f"{url}/tokenize", body)
+    assert status == 200 and "get_weather" in "".join(json.loads(text)["token_strs"]), text
+    status, _, text = http(f"{url}/tokenize", {**body, "chat_template_kwargs": {"messages": []}})
+    assert status == 400 and error_of(text)["param"] == "chat_template_kwargs", text
+
+
 def test_version(url):
     status, _, text = http(f"{url}/version", method="GET")
     assert status == 200 and json.loads(text)["version"]
