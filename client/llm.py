@@ -79,6 +79,9 @@ class LLMOptions:
     curve_key, coordinator_key: joining a cluster whose coordinator has CurveZMQ keys: this client's secret
         key file and the coordinator's public key file (both or neither; see infer.protocol.keys). A client
         key generates; pause / unpause / suspend / resume need an administrator key (the coordinator's admins/).
+    in_memory_model, tokenizer: `model=<an object>` (a transformers PreTrainedModel or one of infer's model
+        objects) with its tokenizer: the engine is built around weights already in memory (worker/in_memory.py).
+        In coordinator mode such an engine runs in this process (SPMD ranks, client/spmd.py).
     """
 
     model: str | None = None
@@ -90,8 +93,16 @@ class LLMOptions:
     engine_options: dict[str, Any] = field(default_factory=dict)
     curve_key: str | None = None
     coordinator_key: str | None = None
+    in_memory_model: Any = field(default=None, compare=False, repr=False)
+    tokenizer: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if (self.tokenizer is None) != (self.in_memory_model is None):
+            raise ValueError("an in-memory model (model=<a transformers PreTrainedModel or infer model object>) "
+                             "needs tokenizer=<its tokenizer>, and tokenizer= goes only with one")
+        if self.in_memory_model is not None and self.joins_cluster:
+            raise ValueError("an in-memory model cannot join an existing cluster (coordinator_address=...): its "
+                             "weights live in this process; use use_coordinator=True (SPMD ranks) or direct mode")
         if not isinstance(self.use_coordinator, bool):
             raise ValueError(f"use_coordinator must be a bool, got {self.use_coordinator!r}")
         if self.model is not None and not Path(self.model).expanduser().exists():
@@ -154,6 +165,13 @@ def _model_path(model: str | os.PathLike[str] | None) -> str | None:
     return None if model is None else os.fspath(model)
 
 
+def _model_options(model: object, tokenizer: Any) -> dict[str, Any]:
+    """LLMOptions' model fields for what `model=` was given: a path (or None), or an in-memory model object."""
+    if model is None or isinstance(model, (str, os.PathLike)):
+        return {"model": _model_path(model), "tokenizer": tokenizer}
+    return {"model": None, "in_memory_model": model, "tokenizer": tokenizer}
+
+
 class AsyncLLM:
     """The asyncio API. Build, then `await llm.start()` (or `async with AsyncLLM(...) as llm:`).
 
@@ -166,14 +184,16 @@ class AsyncLLM:
     direct mode any event loop may use it.
     """
 
-    def __init__(self, model: str | os.PathLike[str] | None = None, *, use_coordinator: bool = False,
+    def __init__(self, model: str | os.PathLike[str] | Any = None, *, use_coordinator: bool = False,
                  data_parallel_size: int = 1, coordinator_address: str | None = None,
                  ready_timeout: float = 300.0, log_level: str = "WARNING",
                  curve_key: str | os.PathLike[str] | None = None,
-                 coordinator_key: str | os.PathLike[str] | None = None, **engine_options: Any) -> None:
-        self._init(LLMOptions(_model_path(model), use_coordinator, data_parallel_size, coordinator_address,
-                              ready_timeout, log_level, engine_options, curve_key=_model_path(curve_key),
-                              coordinator_key=_model_path(coordinator_key)))
+                 coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
+                 **engine_options: Any) -> None:
+        self._init(LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
+                              coordinator_address=coordinator_address, ready_timeout=ready_timeout,
+                              log_level=log_level, engine_options=engine_options, curve_key=_model_path(curve_key),
+                              coordinator_key=_model_path(coordinator_key), **_model_options(model, tokenizer)))
 
     @classmethod
     def from_options(cls, options: LLMOptions) -> AsyncLLM:
@@ -275,6 +295,8 @@ class AsyncLLM:
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (a copy of its own in direct mode, so the engine thread's is never shared).
         Loads it on first use (blocking)."""
+        if self._tokenizer is None and self.options.tokenizer is not None:
+            self._tokenizer = self.options.tokenizer
         if self._tokenizer is None:
             from infer.worker.loader import load_tokenizer, resolve_model
 
@@ -351,6 +373,13 @@ class AsyncLLM:
         """Coordinator mode, from suspended back to "paused". RuntimeError in direct mode."""
         return await self.engine.resume()
 
+    async def update_weights(self, source: Any, *, on_running: str = "drain", timeout: float = 600.0) -> int:
+        """Load new weights (a safetensors directory, or (checkpoint name, tensor) pairs: in coordinator mode
+        broadcast to every worker over torch.distributed) and return the new weight version once every engine
+        serves it. `on_running`: "drain" (requests in flight finish on the old weights; new ones wait) or
+        "abort". A tensor with a wrong name, shape or dtype fails it all; the old weights keep serving."""
+        return await self.engine.update_weights(source, on_running=on_running, timeout=timeout)
+
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                     served_model_name: str | None = None, on_ready: Callable[[str], None] | None = None) -> None:
         """Run the OpenAI-compatible HTTP front (infer.client.api) on this engine, either mode, until cancelled.
@@ -365,11 +394,16 @@ class AsyncLLM:
 
 async def _start_local_engine(options: LLMOptions) -> EngineClient:
     from infer.client.local_engine import LocalEngine
+
+    engine = await asyncio.wait_for(asyncio.to_thread(_make_engine, options), options.ready_timeout)
+    return LocalEngine(engine)
+
+
+def _make_engine(options: LLMOptions) -> Engine:
+    """This process's engine: from the model path, or around the in-memory model."""
     from infer.worker.engine import Engine
 
-    config = options.engine_config()
-    engine = await asyncio.wait_for(asyncio.to_thread(Engine, config), options.ready_timeout)
-    return LocalEngine(engine)
+    return Engine(options.engine_config(), model=options.in_memory_model, tokenizer=options.tokenizer)
 
 
 async def _join_cluster(address: str, options: LLMOptions) -> InferenceClient:
@@ -443,14 +477,17 @@ class LLM:
     event loop in a background thread (`self.engine` is None). Use `with LLM(...) as llm:` or call close().
     """
 
-    def __init__(self, model: str | os.PathLike[str] | None = None, *, use_coordinator: bool = False,
+    def __init__(self, model: str | os.PathLike[str] | Any = None, *, use_coordinator: bool = False,
                  data_parallel_size: int = 1, coordinator_address: str | None = None,
                  ready_timeout: float = 300.0, log_level: str = "WARNING",
                  curve_key: str | os.PathLike[str] | None = None,
-                 coordinator_key: str | os.PathLike[str] | None = None, **engine_options: Any) -> None:
-        self.options = LLMOptions(_model_path(model), use_coordinator, data_parallel_size, coordinator_address,
-                                  ready_timeout, log_level, engine_options, curve_key=_model_path(curve_key),
-                                  coordinator_key=_model_path(coordinator_key))
+                 coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
+                 **engine_options: Any) -> None:
+        self.options = LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
+                                  coordinator_address=coordinator_address, ready_timeout=ready_timeout,
+                                  log_level=log_level, engine_options=engine_options,
+                                  curve_key=_model_path(curve_key), coordinator_key=_model_path(coordinator_key),
+                                  **_model_options(model, tokenizer))
         self.engine: Engine | None = None
         self._remote: AsyncLLM | None = None
         self._loop: _LoopThread | None = None
@@ -459,9 +496,7 @@ class LLM:
         if self.options.coordinator_mode:
             self._start_remote()
         else:
-            from infer.worker.engine import Engine
-
-            self.engine = Engine(self.options.engine_config())
+            self.engine = _make_engine(self.options)
         self._started_at = time.monotonic()
 
     def _start_remote(self) -> None:
@@ -599,6 +634,19 @@ class LLM:
     def resume(self) -> str:
         """Coordinator mode, from suspended back to "paused". RuntimeError in direct mode."""
         return self._lifecycle("resume")
+
+    def update_weights(self, source: Any, *, on_running: str = "drain", timeout: float = 600.0) -> int:
+        """Load new weights: a safetensors directory, or an iterable of (checkpoint name, tensor) pairs (names
+        as in the checkpoint; in coordinator mode they are broadcast to every worker over torch.distributed).
+        Returns the new weight version, carried by every later Completion (`weight_version`). All or nothing:
+        a wrong name, shape or dtype raises (ValueError in direct mode, ClusterError in coordinator mode) and
+        the old weights keep serving. The prefix cache is emptied. Direct mode runs nothing concurrently, so
+        `on_running` matters in coordinator mode: "drain" or "abort" the requests in flight."""
+        if self.engine is not None and self._remote is None:
+            if on_running not in ("drain", "abort"):
+                raise ValueError(f"on_running must be one of drain, abort, got {on_running!r}")
+            return self.engine.update_weights(source)
+        return self._run(self._require_remote().update_weights(source, on_running=on_running, timeout=timeout))
 
     def _lifecycle(self, command: str) -> str:
         if self.engine is not None:

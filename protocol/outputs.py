@@ -46,6 +46,7 @@ class RequestOutput:
     error_code: str | None = None
     queue_time_s: float | None = None   # first delta only: seconds it waited in the engine before it was scheduled
     seed: int | None = None             # first delta only: the sampling seed (given, or assigned when none was)
+    weight_version: int = 0             # the version of the weights that computed this delta (0: as loaded)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Completion:
     num_cached_tokens: int = 0
     error_code: str | None = None
     seed: int | None = None     # the sampling seed it ran with (assigned when none was given): a replay key
+    weight_version: int = 0     # the weights' version of its last delta (update_weights counts versions)
 
     def add(self, delta: RequestOutput) -> None:
         """Fold one stream delta into this completion."""
@@ -70,6 +72,7 @@ class Completion:
         self.text += delta.text
         if delta.seed is not None:
             self.seed = delta.seed
+        self.weight_version = delta.weight_version
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         if delta.finished:
