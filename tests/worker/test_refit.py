@@ -4,6 +4,7 @@ output on the new weights, all or nothing, with versions and no stale prefix cac
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,26 @@ def test_an_in_memory_transformers_model_matches_the_same_model_from_disk(weight
         Engine(_config(), model=hf)
     with pytest.raises(ValueError, match="model must be"):
         Engine(_config(), model=object(), tokenizer=tokenizer)
+
+
+async def test_async_llm_direct_mode_drains_or_aborts_around_a_refit(weights_a, weights_b) -> None:
+    from infer import AsyncLLM
+
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    async with AsyncLLM(weights_a, dtype="float32", max_model_len=256, kv_cache_memory=4_000_000,
+                        num_threads=1) as llm:
+        running = asyncio.ensure_future(llm.engine.generate(PROMPTS[0], long))
+        await asyncio.sleep(0.2)
+        assert await llm.update_weights(weights_b) == 1          # drain: the running request ends on A
+        old = await running
+        assert old.finish_reason == "length" and old.weight_version == 0
+        new = await llm.engine.generate(PROMPTS[1], GREEDY)
+        assert new.weight_version == 1 and new.token_ids == _transformers_greedy(weights_b, [PROMPTS[1]])[0]
+        running = asyncio.ensure_future(llm.engine.generate(PROMPTS[0], long))
+        await asyncio.sleep(0.2)
+        assert await llm.update_weights(weights_a, on_running="abort") == 2
+        aborted = await running
+        assert aborted.finish_reason == "abort" and "update_weights" in aborted.error
+        with pytest.raises(ValueError, match="matches no parameter"):
+            await llm.update_weights([("nope.weight", torch.zeros(3))])
+        assert (await llm.engine.generate(PROMPTS[1], GREEDY)).weight_version == 2
