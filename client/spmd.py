@@ -103,6 +103,11 @@ class InProcessWorker:
         self._thread.start()
 
     def _run(self) -> None:
+        threads = getattr(getattr(self.engine, "config", None), "num_threads", None)
+        if threads is not None:   # torch's intra-op thread count is per thread: set it where the engine steps
+            import torch
+
+            torch.set_num_threads(threads)
         try:
             self.exit_code = self.worker.run()
         finally:
