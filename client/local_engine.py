@@ -92,7 +92,8 @@ def local_stats(engine: Engine, counters: RequestCounters, *, num_in_flight: int
                         workers=[worker], num_clients=1, num_in_flight=num_in_flight, num_held=0,
                         requests_submitted=counters.submitted, requests_completed=counters.completed,
                         requests_failed=counters.failed, requests_aborted=counters.aborted,
-                        requests_redispatched=0, frames_rejected=0, uptime_s=uptime_s)
+                        requests_redispatched=0, frames_rejected=0, uptime_s=uptime_s,
+                        weight_version=engine.weight_version)
 
 
 # ---- commands: caller -> engine thread -------------------------------------------------------------

@@ -94,8 +94,9 @@ class InProcessWorker:
 
     def __init__(self, engine: object, coordinator: str, dp_rank: int, connect_timeout: float) -> None:
         self.context = zmq.Context()
-        options = WorkerOptions(coordinator=coordinator, worker_id=f"{socket.gethostname()}-rank{dp_rank}-{os.getpid()}",
-                                dp_rank=dp_rank, connect_timeout=connect_timeout)
+        worker_id = f"{socket.gethostname()}-rank{dp_rank}-{os.getpid()}"
+        options = WorkerOptions(coordinator=coordinator, worker_id=worker_id, dp_rank=dp_rank,
+                                connect_timeout=connect_timeout)
         self.worker = Worker(engine, options, self.context)
         self.engine = engine
         self.exit_code: int | None = None
@@ -112,7 +113,8 @@ class InProcessWorker:
             self.exit_code = self.worker.run()
         finally:
             self.context.term()
-        (log.info if self.exit_code == EXIT_OK else log.error)("the in-process worker ended (exit %s)", self.exit_code)
+        report = log.info if self.exit_code == EXIT_OK else log.error
+        report("the in-process worker ended (exit %s)", self.exit_code)
 
     @property
     def running(self) -> bool:

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from infer.worker.loader import (
-    build_model, checkpoint_target, file_tensors, load_named_tensors, load_tensor, pack_weights, tied_aliases, weight_files
+    build_model, checkpoint_target, file_tensors, load_named_tensors, load_tensor, pack_weights, tied_aliases,
+    weight_files
 )
 from infer.worker.models.layers import PackedLinear
 
@@ -107,15 +108,16 @@ def check_specs(model: nn.Module, specs: Iterable[TensorSpec]) -> None:
             raise ValueError(f"weight update: tensor {spec.name!r} is given twice")
         seen.add(spec.name)
         if spec.dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weight update: tensor {spec.name!r} has dtype {str(spec.dtype).removeprefix('torch.')}"
-                             f"; weights must be float32, bfloat16 or float16")
+            dtype = str(spec.dtype).removeprefix("torch.")
+            raise ValueError(f"weight update: tensor {spec.name!r} has dtype {dtype}; weights must be float32, "
+                             f"bfloat16 or float16")
         target = checkpoint_target(twin, params, aliases, spec.name, "in the weight update")
         if target is None:
             continue
         module, name, shard = target
+        shape_only = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
         with torch.no_grad():
-            load_tensor(module, name, shard, params[name], torch.empty(spec.shape, dtype=spec.dtype, device="meta"),
-                        f"{spec.name!r} in the weight update")
+            load_tensor(module, name, shard, params[name], shape_only, f"{spec.name!r} in the weight update")
 
 
 def apply_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -153,8 +155,8 @@ def _file_specs(files: list[Path]) -> list[TensorSpec]:
                 piece = f.get_slice(key)
                 dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
                 if dtype is None:
-                    raise ValueError(f"weight update: tensor {key!r} in {file.name} has dtype {piece.get_dtype()}; "
-                                     f"weights must be float32, bfloat16 or float16")
+                    raise ValueError(f"weight update: tensor {key!r} in {file.name} has dtype "
+                                     f"{piece.get_dtype()}; weights must be float32, bfloat16 or float16")
                 specs.append(TensorSpec(key, tuple(piece.get_shape()), dtype))
     return specs
 
@@ -190,8 +192,8 @@ class SuspendedWeights:
     shapes: dict[str, tuple[torch.Size, torch.dtype]]
     bytes_released: int
     host: dict[str, torch.Tensor] = field(default_factory=dict)     # host_copy: the copies
-    files: list[list[Path]] = field(default_factory=list)           # reload: checkpoint files, applied in order
-    spill: Path | None = None                                       # reload: a spill file (our parameter names)
+    files: list[list[Path]] = field(default_factory=list)   # reload: checkpoint files, applied in order
+    spill: Path | None = None                               # reload: a spill file (our parameter names)
 
     def restore(self, model: nn.Module, device: torch.device) -> int:
         """Put the weights back on `device`; returns the bytes restored."""
@@ -226,7 +228,8 @@ class SuspendedWeights:
             self.spill = None
 
 
-def release_weights(model: nn.Module, mode: str, device: torch.device, files: list[list[Path]] | None) -> SuspendedWeights:
+def release_weights(model: nn.Module, mode: str, device: torch.device,
+                    files: list[list[Path]] | None) -> SuspendedWeights:
     """Empty every parameter of `model` (see the module docstring). `files`: the checkpoint files the current
     weights came from, in order (a base checkpoint, then refits from directories), or None when some came from
     tensors in memory (then "reload" spills them to a temporary file first)."""
@@ -260,7 +263,8 @@ def release_weights(model: nn.Module, mode: str, device: torch.device, files: li
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes of the CPU pre-packed copies of the linear weights (released with the weights)."""
-    return sum(_nbytes(m.packed) for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None)
+    return sum(_nbytes(m.packed) for m in model.modules()
+               if isinstance(m, PackedLinear) and m.packed is not None)
 
 
 def _param_bytes(model: nn.Module) -> int:

@@ -223,3 +223,13 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class UpdateWeightsRequest(BaseModel):
+    """POST /v1/update_weights: new weights from a safetensors directory every worker can read."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    path: str = Field(min_length=1, max_length=4096)
+    on_running: Literal["drain", "abort"] = "drain"
+    timeout: float = Field(default=600.0, gt=0, le=86400.0)
