@@ -215,3 +215,18 @@ async def test_async_llm_direct_mode_drains_or_aborts_around_a_refit(weights_a, 
         with pytest.raises(ValueError, match="matches no parameter"):
             await llm.update_weights([("nope.weight", torch.zeros(3))])
         assert (await llm.engine.generate(PROMPTS[1], GREEDY)).weight_version == 2
+
+
+def test_weight_sync_buckets_group_consecutive_tensors_of_one_dtype_up_to_the_size() -> None:
+    from infer.protocol.messages import WeightTensor
+    from infer.worker.weight_sync import describe, plan_buckets
+
+    tensors = [WeightTensor("a", "float32", [4]), WeightTensor("b", "float32", [4]), WeightTensor("c", "float32", [100]),
+               WeightTensor("d", "bfloat16", [2]), WeightTensor("e", "bfloat16", [2]), WeightTensor("f", "float32", [1])]
+    # 16 bytes each for a, b; c (400 bytes) travels alone; a dtype change starts a new bucket
+    assert plan_buckets(tensors, bucket_bytes=32) == [[0, 1], [2], [3, 4], [5]]
+    assert plan_buckets(tensors, bucket_bytes=1 << 20) == [[0, 1, 2], [3, 4], [5]]
+    with pytest.raises(ValueError, match="tensor 'x'.*float32, bfloat16 or float16"):
+        describe([("x", torch.zeros(2, dtype=torch.int64))])
+    with pytest.raises(ValueError, match="weight #0 must be a \\(name, torch.Tensor\\) pair"):
+        describe([("x",)])
