@@ -37,6 +37,10 @@ class EngineClient(Protocol):
     - `stats` answers from the live engine(s), never from a cache: it is the health check's round trip.
     - `pause / unpause / suspend / resume` return the new state, or raise RuntimeError where the
       implementation has no such lifecycle (direct mode) with a message that says so.
+    - `update_weights(source)` loads new weights (a safetensors directory, or (name, tensor) pairs) and
+      returns the new weight version once the engine(s) serve it; every later delta carries it
+      (`weight_version`). A bad tensor raises (ValueError in-process, ClusterError from a cluster) and the
+      old weights keep serving.
     - Transport failures (cluster unreachable, client closed) raise `ClusterError`.
     """
 
@@ -61,5 +65,7 @@ class EngineClient(Protocol):
     async def suspend(self) -> str: ...
 
     async def resume(self) -> str: ...
+
+    async def update_weights(self, source: object, *, on_running: str = "drain", timeout: float = 600.0) -> int: ...
 
     async def close(self) -> None: ...

@@ -37,12 +37,15 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import ipaddress
 import logging
+import os
 import secrets
+import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +55,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from infer.protocol.keys import CurveKeys, PathLike
 from infer.protocol.messages import (
-    MAX_REQUEST_TIMEOUT_S, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat,
-    Hello, Message, ProtocolError, Refused, StatsRequest, Submit, TokenIds, Welcome, decode, encode
+    MAX_REFIT_TIMEOUT_S, MAX_REQUEST_TIMEOUT_S, ON_RUNNING, Abort, ClusterStats, Control, ControlAck, Delta,
+    DeltaBatch, Error, Heartbeat, Hello, Message, ProtocolError, Refused, StatsRequest, Submit, TokenIds,
+    UpdateWeights, Welcome, WeightsUpdated, decode, encode
 )
 from infer.protocol.logsafe import safe
 from infer.protocol.outputs import Completion, RequestOutput
@@ -131,6 +135,7 @@ class InferenceClient:
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
+        self.last_ack: ControlAck | None = None   # the last lifecycle answer (suspend / resume: the bytes)
         self.heartbeat_interval = heartbeat_interval
         self.silence_timeout = silence_timeout
         self.welcome: Welcome | None = None
@@ -326,8 +331,89 @@ class InferenceClient:
         return await self._control("stop")
 
     async def _control(self, command: str) -> str:
-        ack = await self._request_reply(Control(command=command), (ControlAck,), self.call_timeout)
+        # suspend and resume are answered once every worker released / restored its memory
+        timeout = self.call_timeout if command not in ("suspend", "resume") else self.call_timeout + 300.0
+        ack = await self._request_reply(Control(command=command), (ControlAck,), timeout)
+        if ack.error is not None:
+            raise ClusterError(ack.error)
+        self.last_ack = ack
         return ack.state
+
+    # ---- weight refit ---------------------------------------------------------------------------
+
+    async def update_weights(self, source: str | os.PathLike[str] | Iterable[tuple[str, Any]] | Mapping[str, Any], *,
+                             on_running: str = "drain", timeout: float = 600.0, sync_host: str | None = None,
+                             bucket_bytes: int = 64 << 20) -> int:
+        """Load new weights into every worker; returns the new weight version once every worker serves it
+        (each delta carries its version: `RequestOutput.weight_version`, `Completion.weight_version`).
+
+        `source`: a safetensors directory (a path every worker can read), or (checkpoint name, tensor) pairs
+        (or a dict), which this process broadcasts to the workers over torch.distributed (a weight-sync group
+        of its own: gloo, NCCL when the tensors are on a GPU; `sync_host`: this host's address as the workers
+        reach it, found from the route to the coordinator when not given). `on_running`: requests in flight
+        finish on the old weights first ("drain") or are aborted ("abort", finish_reason "abort" with the
+        reason); new requests wait until the update is done. Needs an administrator key (with keys).
+
+        All or nothing: a tensor with a wrong name, shape or dtype fails the update (ClusterError naming it)
+        and the old weights keep serving. ValueError for bad arguments.
+        """
+        if on_running not in ON_RUNNING:
+            raise ValueError(f"on_running must be one of {', '.join(ON_RUNNING)}, got {on_running!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_REFIT_TIMEOUT_S:
+            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_REFIT_TIMEOUT_S:g}], got {timeout!r}")
+        wait = timeout + self.call_timeout + 30.0
+        if isinstance(source, (str, os.PathLike)):
+            path = os.path.abspath(os.fspath(source))
+            if not os.path.isdir(path):
+                raise ValueError(f"weight directory {path!r} does not exist here (every worker reads it: give a path "
+                                 f"they all see)")
+            msg = UpdateWeights(path=path, on_running=on_running, timeout_s=float(timeout))
+            reply = await self._request_reply(msg, (WeightsUpdated,), wait)
+            return reply.version
+        return await self._update_from_tensors(source, on_running, float(timeout), sync_host, bucket_bytes, wait)
+
+    async def _update_from_tensors(self, source: Any, on_running: str, timeout: float, sync_host: str | None,
+                                   bucket_bytes: int, wait: float) -> int:
+        from infer.worker.weight_sync import WeightSender, describe   # torch: only for a trainer's tensors
+
+        if isinstance(source, Mapping):
+            source = source.items()
+        if isinstance(source, (bytes, str)) or not isinstance(source, Iterable):
+            raise ValueError(f"a weight source must be a safetensors directory or an iterable of (name, tensor) "
+                             f"pairs, got {type(source).__name__}")
+        pairs = list(source)
+        describe(pairs)    # ValueError for a pair that is not (name, float tensor)
+        num_workers = (await self.stats()).num_healthy_workers
+        if num_workers < 1:
+            raise ClusterError("update_weights: no healthy worker to send the weights to")
+        host = sync_host or self._sync_host()
+        sender = await asyncio.to_thread(WeightSender.open, host, num_workers, timeout, bucket_bytes)
+        msg = UpdateWeights(sync=sender.sync(pairs), on_running=on_running, timeout_s=timeout)
+        reply = asyncio.ensure_future(self._request_reply(msg, (WeightsUpdated,), wait))
+        sending = asyncio.ensure_future(asyncio.to_thread(sender.send, pairs))
+        await asyncio.wait({reply, sending}, return_when=asyncio.FIRST_EXCEPTION)
+        if reply.done() and reply.exception() is not None:
+            sending.add_done_callback(_consume)   # its thread ends at its own timeout: nobody joins the group
+            raise reply.exception()
+        try:
+            await sending
+        except Exception as e:
+            reply.cancel()
+            raise ClusterError(f"update_weights: broadcasting the weights failed: {type(e).__name__}: {e}") from None
+        return (await reply).version
+
+    def _sync_host(self) -> str:
+        """This host's address as seen on the route to the coordinator (loopback for a local coordinator)."""
+        host, _, port = self.address.removeprefix("tcp://").rpartition(":")
+        host = host.strip("[]")
+        try:
+            if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+                return "127.0.0.1"
+        except ValueError:
+            pass   # a host name
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:   # no packet is sent
+            probe.connect((host, int(port or 5555)))
+            return probe.getsockname()[0]
 
     async def stats(self) -> ClusterStats:
         """Per-worker load and health, and the coordinator's own counts."""
@@ -452,7 +538,7 @@ class InferenceClient:
             finish_reason=delta.finish_reason, logprobs=delta.logprobs, error=delta.error,
             num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
             error_code=delta.error_code, queue_time_s=delta.queue_time_s, seed=delta.seed,
-            prompt_logprobs=delta.prompt_logprobs))
+            prompt_logprobs=delta.prompt_logprobs, weight_version=delta.weight_version))
         if delta.finished:
             del self._requests[delta.request_id]
 
@@ -631,6 +717,9 @@ class SyncInferenceClient:
 
     def stop(self) -> str:
         return self._run(self.client.stop())
+
+    def update_weights(self, source: Any, **options: Any) -> int:
+        return self._run(self.client.update_weights(source, **options))
 
     def stats(self) -> ClusterStats:
         return self._run(self.client.stats())

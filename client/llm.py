@@ -15,7 +15,9 @@ coordinator mode; in direct mode they raise RuntimeError saying so. `close()` (o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import os
 import signal
 import threading
@@ -37,14 +39,17 @@ from infer.worker.config import EngineConfig
 
 if TYPE_CHECKING:
     from infer.client.inference_client import InferenceClient
+    from infer.client.spmd import InProcessWorker, SpmdWorld
     from infer.client.serve import LocalCluster
     from infer.worker.engine import Engine
 
 Prompt = str | list[int]
 T = TypeVar("T")
+log = logging.getLogger("infer.llm")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 SHUTDOWN_TIMEOUT_S = 30.0       # children get this long to exit after SIGTERM, then SIGKILL
+SPMD_WAIT_S = 7 * 86400.0       # close() on an SPMD rank > 0 waits this long for rank 0 to stop the cluster
 LOOP_STOP_TIMEOUT_S = 5.0       # LLM's event-loop thread joins within this after close()
 _WORKER_FLAG_NAMES = {"num_threads": "--threads"}   # EngineConfig field -> infer-worker flag, where not just dashed
 
@@ -79,6 +84,9 @@ class LLMOptions:
     curve_key, coordinator_key: joining a cluster whose coordinator has CurveZMQ keys: this client's secret
         key file and the coordinator's public key file (both or neither; see infer.protocol.keys). A client
         key generates; pause / unpause / suspend / resume need an administrator key (the coordinator's admins/).
+    in_memory_model, tokenizer: `model=<an object>` (a transformers PreTrainedModel or one of infer's model
+        objects) with its tokenizer: the engine is built around weights already in memory (worker/in_memory.py).
+        In coordinator mode such an engine runs in this process (SPMD ranks, client/spmd.py).
     """
 
     model: str | None = None
@@ -90,8 +98,16 @@ class LLMOptions:
     engine_options: dict[str, Any] = field(default_factory=dict)
     curve_key: str | None = None
     coordinator_key: str | None = None
+    in_memory_model: Any = field(default=None, compare=False, repr=False)
+    tokenizer: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if (self.tokenizer is None) != (self.in_memory_model is None):
+            raise ValueError("an in-memory model (model=<a transformers PreTrainedModel or infer model object>) "
+                             "needs tokenizer=<its tokenizer>, and tokenizer= goes only with one")
+        if self.in_memory_model is not None and self.joins_cluster:
+            raise ValueError("an in-memory model cannot join an existing cluster (coordinator_address=...): its "
+                             "weights live in this process; use use_coordinator=True (SPMD ranks) or direct mode")
         if not isinstance(self.use_coordinator, bool):
             raise ValueError(f"use_coordinator must be a bool, got {self.use_coordinator!r}")
         if self.model is not None and not Path(self.model).expanduser().exists():
@@ -150,8 +166,31 @@ class LLMOptions:
         return args + ["--log-level", self.log_level]
 
 
+@dataclass(frozen=True)
+class EngineContext:
+    """An engine's memory primitives (expert use): the paged KV pool and its block manager."""
+
+    kv_cache: Any
+    block_manager: Any
+
+
+@dataclass(frozen=True)
+class EngineController:
+    """An engine's token primitives (expert use): its tokenizer and its sampler."""
+
+    tokenizer: Any
+    sampler: Any
+
+
 def _model_path(model: str | os.PathLike[str] | None) -> str | None:
     return None if model is None else os.fspath(model)
+
+
+def _model_options(model: object, tokenizer: Any) -> dict[str, Any]:
+    """LLMOptions' model fields for what `model=` was given: a path (or None), or an in-memory model object."""
+    if model is None or isinstance(model, (str, os.PathLike)):
+        return {"model": _model_path(model), "tokenizer": tokenizer}
+    return {"model": None, "in_memory_model": model, "tokenizer": tokenizer}
 
 
 class AsyncLLM:
@@ -166,14 +205,16 @@ class AsyncLLM:
     direct mode any event loop may use it.
     """
 
-    def __init__(self, model: str | os.PathLike[str] | None = None, *, use_coordinator: bool = False,
+    def __init__(self, model: str | os.PathLike[str] | Any = None, *, use_coordinator: bool = False,
                  data_parallel_size: int = 1, coordinator_address: str | None = None,
                  ready_timeout: float = 300.0, log_level: str = "WARNING",
                  curve_key: str | os.PathLike[str] | None = None,
-                 coordinator_key: str | os.PathLike[str] | None = None, **engine_options: Any) -> None:
-        self._init(LLMOptions(_model_path(model), use_coordinator, data_parallel_size, coordinator_address,
-                              ready_timeout, log_level, engine_options, curve_key=_model_path(curve_key),
-                              coordinator_key=_model_path(coordinator_key)))
+                 coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
+                 **engine_options: Any) -> None:
+        self._init(LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
+                              coordinator_address=coordinator_address, ready_timeout=ready_timeout,
+                              log_level=log_level, engine_options=engine_options, curve_key=_model_path(curve_key),
+                              coordinator_key=_model_path(coordinator_key), **_model_options(model, tokenizer)))
 
     @classmethod
     def from_options(cls, options: LLMOptions) -> AsyncLLM:
@@ -188,6 +229,8 @@ class AsyncLLM:
         self._reaper: weakref.finalize | None = None   # kills our children if we are dropped without close()
         self._tokenizer: Any = None
         self._closed = False
+        self._local: InProcessWorker | None = None     # SPMD: this rank's engine on a worker thread
+        self._world: SpmdWorld | None = None
 
     # ---- startup and shutdown -------------------------------------------------------------------
 
@@ -196,14 +239,55 @@ class AsyncLLM:
         for bad options) or ClusterError when the cluster is not ready within `ready_timeout`."""
         if self._closed:
             raise RuntimeError("this AsyncLLM is closed")
-        if self._engine is None:
+        if self._engine is None and self._local is None:
             if not self.options.coordinator_mode:
                 self._engine = await _start_local_engine(self.options)
             elif self.options.joins_cluster:
                 self._engine = await _join_cluster(self.options.coordinator_address, self.options)
+            elif self._spmd():
+                self._engine = await self._start_spmd()
             else:
                 self._engine = await self._start_cluster()
         return self
+
+    def _spmd(self) -> bool:
+        """SPMD ranks (client/spmd.py): a multi-process program, or an in-memory model (a world of one)."""
+        from infer.client.spmd import SpmdWorld
+
+        self._world = SpmdWorld.from_env()
+        if self._world.world_size == 1 and self.options.in_memory_model is None:
+            return False
+        if self.options.data_parallel_size not in (1, self._world.world_size):
+            raise ValueError(f"data_parallel_size={self.options.data_parallel_size} does not match the "
+                             f"{self._world.world_size} SPMD ranks: each rank hosts one engine")
+        return True
+
+    async def _start_spmd(self) -> InferenceClient | None:
+        """Rank 0: the coordinator; every rank: its engine behind an in-process worker; rank 0: the client."""
+        from infer.client.serve import LocalCluster
+        from infer.client.spmd import InProcessWorker
+
+        world = self._world
+        try:
+            if world.rank == 0:
+                if not world.is_loopback:
+                    log.warning("SPMD: the coordinator listens on %s without keys: the ranks' network is trusted, "
+                                "as their torch.distributed traffic is", world.address)
+                self._cluster = LocalCluster(num_workers=0, host=world.host, port=world.port,
+                                             trusted_network=not world.is_loopback,
+                                             coordinator_args=["--log-level", self.options.log_level])
+                await self._cluster.start()
+                self._reaper = weakref.finalize(self, _kill_process_groups, [p.pid for p in self._cluster.processes])
+            engine = await asyncio.wait_for(asyncio.to_thread(_make_engine, self.options), self.options.ready_timeout)
+            self._local = InProcessWorker(engine, world.address, world.rank, self.options.ready_timeout)
+            if world.rank != 0:
+                return None
+            options = dataclasses.replace(self.options, data_parallel_size=world.world_size)
+            return await _join_cluster(world.address, options)
+        except BaseException:
+            await self._stop_cluster()
+            await self._stop_local(graceful=False)
+            raise
 
     async def _start_cluster(self) -> InferenceClient:
         from infer.client.serve import LocalCluster
@@ -229,7 +313,21 @@ class AsyncLLM:
             if engine is not None:
                 await engine.close()
         finally:
-            await self._stop_cluster()
+            await self._stop_cluster()   # SPMD rank 0: the coordinator's STOP ends every rank's worker
+            await self._stop_local(graceful=True)
+
+    async def _stop_local(self, graceful: bool) -> None:
+        """End this SPMD rank's worker: on rank 0 (whose coordinator is gone) and after a failed start at once,
+        elsewhere when rank 0 stops the cluster (bounded by SPMD_WAIT_S, or the coordinator's silence)."""
+        local, self._local = self._local, None
+        if local is None:
+            return
+        if graceful and self._world is not None and self._world.rank != 0:
+            if await asyncio.to_thread(local.wait, SPMD_WAIT_S):
+                return
+        local.stop()
+        if not await asyncio.to_thread(local.wait, SHUTDOWN_TIMEOUT_S):
+            log.warning("the in-process worker did not end within %s s; leaving its thread", SHUTDOWN_TIMEOUT_S)
 
     async def _stop_cluster(self) -> None:
         cluster, self._cluster = self._cluster, None
@@ -249,6 +347,9 @@ class AsyncLLM:
     @property
     def engine(self) -> EngineClient:
         """The EngineClient behind this object: a LocalEngine (direct) or an InferenceClient (coordinator)."""
+        if self._engine is None and self._local is not None:
+            raise RuntimeError(f"this is rank {self._world.rank} of {self._world.world_size} SPMD ranks: it serves "
+                               f"with its engine, and prompts go in on rank 0 only (check llm.is_primary_rank)")
         if self._engine is None:
             raise RuntimeError("this AsyncLLM is closed" if self._closed else
                                "this AsyncLLM is not started: `await llm.start()` or use `async with AsyncLLM(...)`")
@@ -268,13 +369,20 @@ class AsyncLLM:
 
     @property
     def is_primary_rank(self) -> bool:
-        """True in the process whose global rank (global_rank(): $RANK, else $SLURM_PROCID, else 0) is 0: the one
-        rank of a multi-process program (torchrun, srun) that should feed prompts."""
-        return global_rank() == 0
+        """Whether this process feeds prompts and reads outputs: always in direct mode; with a coordinator, only
+        in the process whose global rank (global_rank(): $RANK, else $SLURM_PROCID, else 0) is 0."""
+        return not self.options.coordinator_mode or global_rank() == 0
+
+    @property
+    def local_engine(self) -> Engine | None:
+        """This SPMD rank's engine (its worker thread steps it); None otherwise."""
+        return None if self._local is None else self._local.engine
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (a copy of its own in direct mode, so the engine thread's is never shared).
         Loads it on first use (blocking)."""
+        if self._tokenizer is None and self.options.tokenizer is not None:
+            self._tokenizer = self.options.tokenizer
         if self._tokenizer is None:
             from infer.worker.loader import load_tokenizer, resolve_model
 
@@ -354,6 +462,13 @@ class AsyncLLM:
         """Coordinator mode, from suspended back to "paused". RuntimeError in direct mode."""
         return await self.engine.resume()
 
+    async def update_weights(self, source: Any, *, on_running: str = "drain", timeout: float = 600.0) -> int:
+        """Load new weights (a safetensors directory, or (checkpoint name, tensor) pairs: in coordinator mode
+        broadcast to every worker over torch.distributed) and return the new weight version once every engine
+        serves it. `on_running`: "drain" (requests in flight finish on the old weights; new ones wait) or
+        "abort". A tensor with a wrong name, shape or dtype fails it all; the old weights keep serving."""
+        return await self.engine.update_weights(source, on_running=on_running, timeout=timeout)
+
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                     served_model_name: str | None = None, on_ready: Callable[[str], None] | None = None) -> None:
         """Run the OpenAI-compatible HTTP front (infer.client.api) on this engine, either mode, until cancelled.
@@ -368,11 +483,16 @@ class AsyncLLM:
 
 async def _start_local_engine(options: LLMOptions) -> EngineClient:
     from infer.client.local_engine import LocalEngine
+
+    engine = await asyncio.wait_for(asyncio.to_thread(_make_engine, options), options.ready_timeout)
+    return LocalEngine(engine)
+
+
+def _make_engine(options: LLMOptions) -> Engine:
+    """This process's engine: from the model path, or around the in-memory model."""
     from infer.worker.engine import Engine
 
-    config = options.engine_config()
-    engine = await asyncio.wait_for(asyncio.to_thread(Engine, config), options.ready_timeout)
-    return LocalEngine(engine)
+    return Engine(options.engine_config(), model=options.in_memory_model, tokenizer=options.tokenizer)
 
 
 async def _join_cluster(address: str, options: LLMOptions) -> InferenceClient:
@@ -442,19 +562,23 @@ class LLM:
     max_num_batched_tokens, block_size, kv_cache_memory, enable_prefix_caching, enable_chunked_prefill, seed,
     num_threads, ...); an unknown name raises ValueError naming it.
 
-    Direct mode steps one engine (`self.engine`) in the caller's thread. Coordinator mode runs an AsyncLLM on an
-    event loop in a background thread (`self.engine` is None). Use `with LLM(...) as llm:` or call close().
+    Direct mode steps one engine (`engine`) in the caller's thread. Coordinator mode runs an AsyncLLM on an
+    event loop in a background thread; with SPMD ranks (client/spmd.py) `engine` is this rank's engine, served
+    by its worker thread. Use `with LLM(...) as llm:` or call close() (on every rank).
     """
 
-    def __init__(self, model: str | os.PathLike[str] | None = None, *, use_coordinator: bool = False,
+    def __init__(self, model: str | os.PathLike[str] | Any = None, *, use_coordinator: bool = False,
                  data_parallel_size: int = 1, coordinator_address: str | None = None,
                  ready_timeout: float = 300.0, log_level: str = "WARNING",
                  curve_key: str | os.PathLike[str] | None = None,
-                 coordinator_key: str | os.PathLike[str] | None = None, **engine_options: Any) -> None:
-        self.options = LLMOptions(_model_path(model), use_coordinator, data_parallel_size, coordinator_address,
-                                  ready_timeout, log_level, engine_options, curve_key=_model_path(curve_key),
-                                  coordinator_key=_model_path(coordinator_key))
-        self.engine: Engine | None = None
+                 coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
+                 **engine_options: Any) -> None:
+        self.options = LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
+                                  coordinator_address=coordinator_address, ready_timeout=ready_timeout,
+                                  log_level=log_level, engine_options=engine_options,
+                                  curve_key=_model_path(curve_key), coordinator_key=_model_path(coordinator_key),
+                                  **_model_options(model, tokenizer))
+        self._engine: Engine | None = None       # direct mode's engine, stepped by the caller
         self._remote: AsyncLLM | None = None
         self._loop: _LoopThread | None = None
         self._ids = itertools.count()
@@ -462,9 +586,7 @@ class LLM:
         if self.options.coordinator_mode:
             self._start_remote()
         else:
-            from infer.worker.engine import Engine
-
-            self.engine = Engine(self.options.engine_config())
+            self._engine = _make_engine(self.options)
         self._started_at = time.monotonic()
 
     def _start_remote(self) -> None:
@@ -482,7 +604,7 @@ class LLM:
     def close(self) -> None:
         """Release the engine; in coordinator mode stop every process started here (a joined cluster keeps
         running). Idempotent."""
-        self.engine = None
+        self._engine = None
         remote, loop, self._remote, self._loop = self._remote, self._loop, None, None
         if loop is None:
             return
@@ -509,13 +631,41 @@ class LLM:
 
     @property
     def is_primary_rank(self) -> bool:
-        """True in the process whose global rank ($RANK, else $SLURM_PROCID, else 0) is 0: the one rank of a
-        multi-process program (torchrun, srun) that should feed prompts."""
-        return global_rank() == 0
+        """Whether this process feeds prompts and reads outputs: always in direct mode (each rank of a
+        multi-process program serves its own prompts); with a coordinator, only in the process whose global rank
+        ($RANK, else $SLURM_PROCID, else 0) is 0."""
+        return not self.options.coordinator_mode or global_rank() == 0
+
+    @property
+    def engine(self) -> Engine | None:
+        """This process's Engine, for expert use: direct mode's, or this SPMD rank's (stepped by its worker
+        thread: read it, do not drive it); None when the engines run in worker processes."""
+        if self._engine is not None:
+            return self._engine
+        return None if self._remote is None else self._remote.local_engine
+
+    @property
+    def context(self) -> EngineContext:
+        """The engine's KV cache and block manager (expert use); RuntimeError without an engine here."""
+        engine = self._require_engine("context")
+        return EngineContext(kv_cache=engine.kv_cache, block_manager=engine.scheduler.block_manager)
+
+    @property
+    def controller(self) -> EngineController:
+        """The engine's tokenizer and sampler (expert use); RuntimeError without an engine here."""
+        engine = self._require_engine("controller")
+        return EngineController(tokenizer=engine.tokenizer, sampler=engine.sampler)
+
+    def _require_engine(self, what: str) -> Engine:
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError(f"{what} needs an engine in this process: direct mode, or SPMD ranks; this LLM's "
+                               f"engines run in worker processes")
+        return engine
 
     def get_tokenizer(self) -> Any:
-        if self.engine is not None:
-            return self.engine.tokenizer
+        if self._engine is not None:
+            return self._engine.tokenizer
         return self._require_remote().get_tokenizer()
 
     # ---- generation -----------------------------------------------------------------------------
@@ -534,7 +684,7 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
-        if self.engine is None:
+        if self._engine is None:
             return self._run(self._require_remote().generate_batch(prompts, params, use_tqdm=use_tqdm,
                                                                    priority=priorities))
         return self._generate_direct(prompts, params, use_tqdm, priorities)
@@ -551,7 +701,7 @@ class LLM:
 
     def _generate_direct(self, prompts: list[Prompt], params: list[SamplingParams],
                          use_tqdm: bool, priorities: list[int]) -> list[Completion]:
-        engine = self.engine
+        engine = self._engine
         completions = [self._submit(engine, p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)]
         by_id = {c.request_id: c for c in completions if c.finish_reason is None}
         bar = _progress(len(completions), use_tqdm)
@@ -585,8 +735,8 @@ class LLM:
 
     def stats(self) -> ClusterStats:
         """Live state: the cluster's ClusterStats, or in direct mode one worker with the engine's load."""
-        if self.engine is not None:
-            return local_stats(self.engine, self._counters, num_in_flight=0,
+        if self._engine is not None:
+            return local_stats(self._engine, self._counters, num_in_flight=0,
                                uptime_s=time.monotonic() - self._started_at)
         return self._run(self._require_remote().stats())
 
@@ -606,8 +756,21 @@ class LLM:
         """Coordinator mode, from suspended back to "paused". RuntimeError in direct mode."""
         return self._lifecycle("resume")
 
+    def update_weights(self, source: Any, *, on_running: str = "drain", timeout: float = 600.0) -> int:
+        """Load new weights: a safetensors directory, or an iterable of (checkpoint name, tensor) pairs (names
+        as in the checkpoint; in coordinator mode they are broadcast to every worker over torch.distributed).
+        Returns the new weight version, carried by every later Completion (`weight_version`). All or nothing:
+        a wrong name, shape or dtype raises (ValueError in direct mode, ClusterError in coordinator mode) and
+        the old weights keep serving. The prefix cache is emptied. Direct mode runs nothing concurrently, so
+        `on_running` matters in coordinator mode: "drain" or "abort" the requests in flight."""
+        if self._engine is not None and self._remote is None:
+            if on_running not in ("drain", "abort"):
+                raise ValueError(f"on_running must be one of drain, abort, got {on_running!r}")
+            return self._engine.update_weights(source)
+        return self._run(self._require_remote().update_weights(source, on_running=on_running, timeout=timeout))
+
     def _lifecycle(self, command: str) -> str:
-        if self.engine is not None:
+        if self._engine is not None:
             raise direct_mode_error(command)
         return self._run(getattr(self._require_remote(), command)())
 

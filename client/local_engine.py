@@ -27,10 +27,11 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -91,7 +92,8 @@ def local_stats(engine: Engine, counters: RequestCounters, *, num_in_flight: int
                         workers=[worker], num_clients=1, num_in_flight=num_in_flight, num_held=0,
                         requests_submitted=counters.submitted, requests_completed=counters.completed,
                         requests_failed=counters.failed, requests_aborted=counters.aborted,
-                        requests_redispatched=0, frames_rejected=0, uptime_s=uptime_s)
+                        requests_redispatched=0, frames_rejected=0, uptime_s=uptime_s,
+                        weight_version=engine.weight_version)
 
 
 # ---- commands: caller -> engine thread -------------------------------------------------------------
@@ -130,11 +132,18 @@ class _StatsQuery:
 
 
 @dataclass(frozen=True)
+class _UpdateWeights:
+    source: object                 # a directory, or a list of (name, tensor) pairs
+    on_running: str
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
 class _Close:
     pass
 
 
-_Command = _Add | _Abort | _StatsQuery | _Close
+_Command = _Add | _Abort | _StatsQuery | _UpdateWeights | _Close
 
 
 class LocalEngine:
@@ -155,6 +164,8 @@ class LocalEngine:
         self._deadlines: list[tuple[float, int, _Stream, float]] = []
         self._deadline_seq = itertools.count()
         self._counters = RequestCounters()       # engine thread only
+        self._refit: _UpdateWeights | None = None   # engine thread only: a drain before new weights
+        self._deferred: list[_Add] = []          # engine thread only: requests that came during that drain
         self._started_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="infer-local-engine", daemon=True)
         self._thread.start()
@@ -217,6 +228,22 @@ class LocalEngine:
     async def resume(self) -> str:
         raise direct_mode_error("resume")
 
+    async def update_weights(self, source: object, *, on_running: str = "drain", timeout: float = 600.0) -> int:
+        """Load new weights into the engine (see Engine.update_weights); returns the new weight version.
+        `on_running`: requests in flight finish on the old weights first ("drain": new ones wait meanwhile) or
+        are aborted ("abort": finish_reason "abort" with the reason). ValueError for a bad source or tensor
+        (the old weights keep serving); ClusterError if the engine thread does not answer within `timeout`."""
+        if on_running not in ("drain", "abort"):
+            raise ValueError(f"on_running must be one of drain, abort, got {on_running!r}")
+        if not isinstance(source, (str, os.PathLike)):
+            source = list(source.items() if isinstance(source, Mapping) else source)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_UpdateWeights(source, on_running, future))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except asyncio.TimeoutError:
+            raise ClusterError(f"the engine thread did not finish update_weights within {timeout} s") from None
+
     async def close(self) -> None:
         """Stop the engine thread: in-flight requests are aborted on the engine and their waiters get
         ClusterError. Waits up to CLOSE_TIMEOUT_S for the thread (it finishes its current step first)."""
@@ -278,6 +305,8 @@ class LocalEngine:
                 self._expire_deadlines()
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
+                if self._refit is not None and not self.engine.has_unfinished():
+                    self._finish_refit()
         except Exception as e:   # a failed step: the engine's state is unknown, so it serves nothing more
             log.exception("the engine failed; failing every request in flight")
             reason = f"the engine failed: {type(e).__name__}: {e}"
@@ -301,8 +330,12 @@ class LocalEngine:
         return False
 
     def _apply(self, command: _Command) -> None:
-        if isinstance(command, _Add):
+        if isinstance(command, _Add) and self._refit is not None:
+            self._deferred.append(command)     # it runs on the new weights
+        elif isinstance(command, _Add):
             self._add(command)
+        elif isinstance(command, _UpdateWeights):
+            self._start_refit(command)
         elif isinstance(command, _Abort):
             if self.engine.abort(command.request_id):
                 self._deliver(self.engine.take_pending())   # the "abort" delta now, not after the next step
@@ -353,6 +386,29 @@ class LocalEngine:
         self._counters.record_final("error")
         _post(stream.loop, [(stream, _error_delta(stream.request_id, reason, code))])
 
+    def _start_refit(self, command: _UpdateWeights) -> None:
+        if self._refit is not None:
+            command.future.set_exception(ClusterError("a weight update is already under way"))
+            return
+        if command.on_running == "abort":
+            for stream in list(self._streams.values()):
+                self.engine.abort(stream.request_id)
+            reason = "aborted: the weights are being updated (update_weights with on_running='abort')"
+            self._deliver([dataclasses.replace(out, error=reason) for out in self.engine.take_pending()])
+        self._refit = command
+        if not self.engine.has_unfinished():
+            self._finish_refit()
+
+    def _finish_refit(self) -> None:
+        command, self._refit = self._refit, None
+        try:
+            command.future.set_result(self.engine.update_weights(command.source))
+        except Exception as e:   # noqa: BLE001 - a bad source or tensor: the old weights keep serving
+            command.future.set_exception(e)
+        deferred, self._deferred = self._deferred, []
+        for add in deferred:
+            self._add(add)
+
     def _answer_stats(self, future: concurrent.futures.Future) -> None:
         uptime = time.monotonic() - self._started_at
         try:
@@ -391,8 +447,14 @@ class LocalEngine:
         for command in _drain(self._commands):
             if isinstance(command, _Add):
                 _post(command.stream.loop, [(command.stream, error)])
-            elif isinstance(command, _StatsQuery):
+            elif isinstance(command, (_StatsQuery, _UpdateWeights)):
                 command.future.set_exception(error)
+        for command in [*self._deferred, *([self._refit] if self._refit is not None else [])]:
+            if isinstance(command, _Add):
+                _post(command.stream.loop, [(command.stream, error)])
+            else:
+                command.future.set_exception(error)
+        self._deferred, self._refit = [], None
         for stream in self._streams.values():
             if failure is None:
                 self.engine.abort(stream.request_id)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from infer.protocol.messages import (Abort, Control, ControlAck, Error, Heartbeat, Hello, Message, StatsRequest,
-                                     StepBatch, Submit)
+                                     StepBatch, Submit, UpdateWeights, WeightsUpdated)
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
 
 log = logging.getLogger("infer.coordinator")
@@ -32,7 +32,8 @@ ADMIN_ROLES = frozenset({Role.ADMIN})
 ANY_ROLE = frozenset(Role)
 _REQUIRED: dict[type[Message], frozenset[Role]] = {
     Submit: CLIENT_ROLES, Abort: CLIENT_ROLES, StatsRequest: CLIENT_ROLES, Control: ADMIN_ROLES,
-    StepBatch: WORKER_ROLES, ControlAck: WORKER_ROLES, Error: ANY_ROLE,
+    StepBatch: WORKER_ROLES, ControlAck: WORKER_ROLES, Error: ANY_ROLE, UpdateWeights: ADMIN_ROLES,
+    WeightsUpdated: WORKER_ROLES,
 }
 LOG_BURST, LOG_PERIOD_S = 5, 10.0
 

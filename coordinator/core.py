@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from infer.coordinator.access import WORKER_ROLES, AccessControl, Denial
+from infer.coordinator.barriers import WorkerBarrier
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import Action, ClusterState, Refusal, commands_to_reach, transition
 from infer.coordinator.orphans import Orphan, OrphanTable
@@ -43,7 +44,8 @@ from infer.coordinator.routing import make_policy
 from infer.coordinator.state import ClientRecord, RequestRecord, RequestTable, WorkerRecord, WorkerTable
 from infer.protocol.messages import (
     PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello,
-    Message, ProtocolError, Refused, StatsRequest, StepBatch, Submit, TokenIds, Welcome, WorkerStats, decode
+    Message, ProtocolError, Refused, StatsRequest, StepBatch, Submit, TokenIds, UpdateWeights, Welcome,
+    WeightsUpdated, WorkerStats, decode
 )
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
@@ -60,6 +62,7 @@ CLIENT_IDLE_PRUNE_S = 300.0      # a client with nothing in flight, silent this 
 MAX_REJECTION_CHARS = 2000       # of the text answering a bad frame (which may quote the frame)
 MAX_LOST_CLIENTS = 4096          # tombstones of clients declared lost, kept until they come back ...
 LOST_CLIENT_TTL_S = 600.0        # ... or this long
+ACK_TIMEOUT_S = 300.0            # suspend / resume: how long the client's answer waits for every worker's
 
 
 @dataclass
@@ -122,6 +125,8 @@ class Coordinator:
         self._stop_pending: set[str] | None = None     # workers yet to acknowledge STOP
         self._stop_deadline = math.inf
         self._drain: tuple[str, float] | None = None     # (why, deadline) of a drain before STOP
+        self._barrier: WorkerBarrier | None = None       # suspend / resume / update_weights awaiting the workers
+        self.weight_version = 0                          # the weights every worker serves (update_weights)
         self._rejected_logged = 0
         self._deadlines: list[tuple[float, str]] = []   # heap (deadline, request id); stale entries popped lazily
         self._overload_logged = 0
@@ -129,7 +134,8 @@ class Coordinator:
         self._handlers: dict[type[Message], Callable[[bytes, Message, float], None]] = {
             Hello: self._on_hello, Submit: self._on_submit, Abort: self._on_abort, Control: self._on_control,
             StatsRequest: self._on_stats_request, Heartbeat: self._on_heartbeat, StepBatch: self._on_step_batch,
-            ControlAck: self._on_control_ack, Error: self._on_error,
+            ControlAck: self._on_control_ack, Error: self._on_error, UpdateWeights: self._on_update_weights,
+            WeightsUpdated: self._on_weights_updated,
         }
 
     # ---- inputs ---------------------------------------------------------------------------------
@@ -166,6 +172,7 @@ class Coordinator:
         """Timers: request deadlines; every heartbeat interval: heartbeats to workers, worker / client / queue
         timeouts, stats waiters, the drain."""
         self._expire_deadlines(now)
+        self._check_barrier(now)
         if now < self._next_tick:
             return
         self._next_tick = now + self.config.heartbeat_interval
@@ -226,7 +233,8 @@ class Coordinator:
     def next_deadline(self) -> float:
         drain_deadline = self._drain[1] if self._drain is not None else math.inf
         request_deadline = self._deadlines[0][0] if self._deadlines else math.inf
-        return min(self._next_tick, self._stop_deadline, drain_deadline, request_deadline)
+        barrier_deadline = self._barrier.deadline if self._barrier is not None else math.inf
+        return min(self._next_tick, self._stop_deadline, drain_deadline, request_deadline, barrier_deadline)
 
     def done(self, now: float) -> bool:
         """STOP ran and every worker acknowledged it, or the stop timeout passed: the daemon may exit."""
@@ -553,7 +561,7 @@ class Coordinator:
 
     def _admit(self, request: RequestRecord, now: float) -> None:
         """Dispatch an accepted request now, or hold it behind the ones already waiting."""
-        if self.state is ClusterState.RUNNING and not self.requests.held:
+        if self._dispatching and not self.requests.held:
             self._dispatch(request, now)
         else:
             self.requests.hold(request, now)
@@ -658,8 +666,13 @@ class Coordinator:
         worker.requests.add(request.request_id)
         worker.cost_in_flight += request.charged
 
+    @property
+    def _dispatching(self) -> bool:
+        """New work goes to the workers: running, and no weight update under way (it holds new requests)."""
+        return self.state is ClusterState.RUNNING and (self._barrier is None or self._barrier.version == 0)
+
     def _dispatch_held(self, now: float) -> None:
-        if self.state is not ClusterState.RUNNING or not self.requests.held or not self._routable():
+        if not self._dispatching or not self.requests.held or not self._routable():
             return
         for request in self._held_in_order():
             if not self._dispatch(request, now):
@@ -1019,9 +1032,18 @@ class Coordinator:
         client = self._client(identity, now)
         if client is None:
             return
+        if self._barrier is not None and control.command != "stop":
+            self._send(identity, Error(message=f"{control.command} refused: {self._barrier.what} is still waiting for "
+                                               f"the workers"))
+            return
+        before = self.state
         refusal = self._apply_command(control.command, f"client {client.peer_id or identity.hex()}", now)
         if refusal is not None:
             self._send(identity, Error(message=refusal))
+            return
+        workers = {w.worker_id for w in self.workers if w.healthy}
+        if control.command in ("suspend", "resume") and self.state is not before and workers:
+            self._barrier = WorkerBarrier(control.command, identity, workers, now + ACK_TIMEOUT_S)
         else:
             self._send(identity, ControlAck(command=control.command, state=self.state.value))
 
@@ -1057,7 +1079,101 @@ class Coordinator:
         worker.last_seen = now
         if ack.command == "stop" and self._stop_pending is not None:
             self._stop_pending.discard(worker.worker_id)
+        barrier = self._barrier
+        if barrier is not None and barrier.version == 0 and ack.command == barrier.what:
+            barrier.answer(worker.worker_id, ack.error, ack.bytes_released, ack.bytes_restored)
+            self._check_barrier(now)
         log.debug("worker %s acknowledged %s (state %s)", safe(worker.worker_id), safe(ack.command), safe(ack.state))
+
+    # ---- commands every worker must carry out: suspend, resume, update_weights ---------------------
+
+    def _on_update_weights(self, identity: bytes, msg: UpdateWeights, now: float) -> None:
+        """Send the new weights' source to every healthy worker (a weight-sync group gets one rank each) and
+        answer WeightsUpdated once all serve them. New requests wait meanwhile; requests in flight finish on
+        the old weights (drain: each worker applies once its last one is done) or are aborted now."""
+        client = self._client(identity, now)
+        if client is None:
+            return
+        workers = sorted((w for w in self._routable()), key=lambda w: w.dp_rank)
+        refusal = self._refit_refusal(msg, len(workers))
+        if refusal is not None:
+            self._send(identity, Error(message=f"update_weights refused: {refusal}"))
+            return
+        version = self.weight_version + 1
+        if msg.on_running == "abort":
+            self._abort_in_flight(f"aborted: the weights are being updated to version {version} "
+                                  f"(update_weights with on_running='abort')")
+        self._barrier = WorkerBarrier(f"update_weights to version {version}", identity,
+                                      {w.worker_id for w in workers}, now + msg.timeout_s + 30.0, version=version)
+        for rank, worker in enumerate(workers, start=1):
+            sync = None if msg.sync is None else replace(msg.sync, rank=rank)
+            self._send(worker.identity, replace(msg, sync=sync, version=version))
+        log.info("update_weights to version %d: sent to %d worker(s) (%s, on_running=%s)", version, len(workers),
+                 "a trainer's broadcast" if msg.sync is not None else f"directory {safe(msg.path)}", msg.on_running)
+
+    def _refit_refusal(self, msg: UpdateWeights, num_workers: int) -> str | None:
+        if self.state in (ClusterState.STOPPED, ClusterState.SUSPENDED) or self._drain is not None:
+            return f"the cluster is {'draining to stop' if self._drain is not None else self.state.value}" + (
+                "; resume it first" if self.state is ClusterState.SUSPENDED else "")
+        if self._barrier is not None:
+            return f"{self._barrier.what} is still waiting for the workers"
+        if not num_workers:
+            return "no healthy worker"
+        if msg.sync is not None and msg.sync.world_size != num_workers + 1:
+            return (f"the weight-sync group has world_size {msg.sync.world_size}, but {num_workers} worker(s) are "
+                    f"healthy (world_size = workers + the trainer = {num_workers + 1}); ask again")
+        if (msg.on_running == "drain" and self.state is ClusterState.PAUSED and self.requests.num_in_flight):
+            return (f"{self.requests.num_in_flight} request(s) in flight cannot drain while the cluster is "
+                    f"paused: unpause it, or use on_running='abort'")
+        return None
+
+    def _abort_in_flight(self, reason: str) -> None:
+        """End every request running on a worker with finish_reason "abort" and `reason`; the workers free
+        their KV blocks. Held requests stay held."""
+        to_workers: dict[str, list[str]] = {}
+        for request in [r for r in self.requests.by_id.values() if r.worker_id is not None]:
+            self._finish(request, Delta(request_id=request.request_id, token_ids=TokenIds(), text="", finished=True,
+                                        finish_reason="abort", error=reason), to_workers)
+            self.counters.requests_aborted += 1
+        self._send_aborts(to_workers)
+
+    def _on_weights_updated(self, identity: bytes, msg: WeightsUpdated, now: float) -> None:
+        worker = self.workers.by_identity.get(identity)
+        if worker is None:
+            self._reject(identity, "only workers send weights_updated")
+            return
+        worker.last_seen = now
+        barrier = self._barrier
+        if barrier is not None and barrier.version and msg.version == barrier.version:
+            barrier.answer(worker.worker_id, msg.error)
+            self._check_barrier(now)
+
+    def _check_barrier(self, now: float) -> None:
+        """Answer the client of the pending suspend / resume / update_weights once every worker answered (or
+        the deadline passed)."""
+        barrier = self._barrier
+        if barrier is None:
+            return
+        barrier.forget({w.worker_id for w in self.workers if w.healthy})
+        if not barrier.done() and not barrier.expired(now):
+            return
+        self._barrier = None
+        failure = barrier.failure()
+        if barrier.version:
+            if failure is None:
+                self.weight_version = barrier.version
+                log.info("update_weights: every worker serves version %d", barrier.version)
+                self._send(barrier.client, WeightsUpdated(version=barrier.version))
+            else:
+                log.warning("%s", safe(failure, 2000))
+                self._send(barrier.client, Error(message=failure))
+            self._dispatch_held(now)
+            return
+        if failure is not None:
+            log.warning("%s", safe(failure, 2000))
+        self._send(barrier.client, ControlAck(command=barrier.what, state=self.state.value,
+                                              bytes_released=barrier.bytes_released,
+                                              bytes_restored=barrier.bytes_restored, error=failure))
 
     # ---- stats ----------------------------------------------------------------------------------
 
@@ -1119,7 +1235,7 @@ class Coordinator:
             requests_redispatched=c.requests_redispatched, frames_rejected=c.frames_rejected,
             uptime_s=round(now - self._started, 3), requests_rejected=c.requests_rejected,
             requests_timed_out=c.requests_timed_out, requests_reattached=c.requests_reattached,
-            clients_lost=c.clients_lost, clients_too_slow=c.clients_too_slow)
+            clients_lost=c.clients_lost, clients_too_slow=c.clients_too_slow, weight_version=self.weight_version)
 
     def _log_rejections(self) -> None:
         rejected = self.counters.frames_rejected

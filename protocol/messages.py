@@ -363,6 +363,7 @@ class Delta(Message):
     queue_time_s: float | None = None          # a worker's first delta: seconds waiting before first scheduled
     seed: int | None = None                    # the first delta: the sampling seed the request runs with
     prompt_logprobs: list[dict[int, float]] | None = None   # the first delta, when asked: prompt tokens 1..
+    weight_version: int = 0                    # the version of the weights that computed it (update_weights)
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
@@ -419,6 +420,9 @@ class Load(Message):
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    weight_version: int = 0         # the weights it serves (update_weights)
+    suspended: bool = False         # its KV pool and weights are released (suspend)
+    bytes_released: int = 0         # while suspended: what suspend gave back
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -465,9 +469,105 @@ class Control(Message):
 @message
 @dataclass(frozen=True)
 class ControlAck(Message):
+    """A worker's (or the coordinator's) answer to a Control. A worker's suspend / resume ack says the bytes
+    its engine released / restored; the coordinator answers suspend and resume once every worker acked."""
+
     TYPE: ClassVar[str] = "control_ack"
     command: str
     state: str
+    bytes_released: int = 0
+    bytes_restored: int = 0
+    error: str | None = None        # a worker whose engine failed to carry the command out
+
+
+# ---- weight refit --------------------------------------------------------------------------------
+
+ON_RUNNING = ("drain", "abort")
+SYNC_BACKENDS = ("gloo", "nccl")
+MAX_REFIT_TIMEOUT_S = 24 * 3600.0
+
+
+@message
+@dataclass(frozen=True)
+class WeightTensor(Message):
+    """One tensor a trainer broadcasts: its checkpoint name, dtype ("float32", "bfloat16", "float16") and
+    shape, in broadcast order."""
+
+    TYPE: ClassVar[str] = "weight_tensor"
+    name: str
+    dtype: str
+    shape: list[int]
+
+    def validate(self) -> None:
+        _require(0 < len(self.name) <= 1024, f"field 'name' must be 1..1024 characters, got {len(self.name)}")
+        _require(self.dtype in ("float32", "bfloat16", "float16"),
+                 f"tensor {self.name!r}: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(all(type(d) is int and d >= 0 for d in self.shape),
+                 f"tensor {self.name!r}: shape must be non-negative integers, got {self.shape!r}")
+
+
+@message
+@dataclass(frozen=True)
+class WeightSync(Message):
+    """A weight-sync group: the trainer (rank 0) hosts the rendezvous store at `init_method` and broadcasts
+    `tensors` in buckets of at most `bucket_bytes` (consecutive tensors of one dtype; one tensor larger than
+    that is a bucket of its own) to ranks 1..world_size-1, one per worker (`rank`: set by the coordinator)."""
+
+    TYPE: ClassVar[str] = "weight_sync"
+    init_method: str
+    world_size: int
+    tensors: list[WeightTensor]
+    rank: int = 0
+    backend: str = "gloo"
+    bucket_bytes: int = 64 << 20
+
+    def validate(self) -> None:
+        _require(self.init_method.startswith("tcp://") and ":" in self.init_method[6:],
+                 f"field 'init_method' must be tcp://HOST:PORT, got {self.init_method!r}")
+        _require(self.world_size >= 2, f"field 'world_size' must be >= 2 (the trainer and a worker), got "
+                                       f"{self.world_size}")
+        _require(0 <= self.rank < self.world_size, f"field 'rank' must be in [0, {self.world_size}), got {self.rank}")
+        _require(self.backend in SYNC_BACKENDS, f"field 'backend' must be one of {', '.join(SYNC_BACKENDS)}, got "
+                                                f"{self.backend!r}")
+        _require(self.bucket_bytes >= 1, f"field 'bucket_bytes' must be >= 1, got {self.bucket_bytes}")
+        _require(bool(self.tensors), "field 'tensors' must name at least one tensor")
+
+
+@message
+@dataclass(frozen=True)
+class UpdateWeights(Message):
+    """Load new weights into every worker (client -> coordinator -> workers): from the safetensors directory
+    `path` (read by each worker), or from a trainer over torch.distributed (`sync`). Requests in flight
+    either finish on the old weights first ("drain") or are aborted ("abort"); new ones wait. `version`: set
+    by the coordinator (the cluster's next weight version)."""
+
+    TYPE: ClassVar[str] = "update_weights"
+    path: str | None = None
+    sync: WeightSync | None = None
+    on_running: str = "drain"
+    timeout_s: float = 600.0
+    version: int | None = None
+
+    def validate(self) -> None:
+        _require((self.path is None) != (self.sync is None), "exactly one of 'path' and 'sync' must be given")
+        _require(self.path is None or 0 < len(self.path) <= 4096, "field 'path' must be 1..4096 characters")
+        _require(self.on_running in ON_RUNNING,
+                 f"field 'on_running' must be one of {', '.join(ON_RUNNING)}, got {self.on_running!r}")
+        _require(0 < self.timeout_s <= MAX_REFIT_TIMEOUT_S,
+                 f"field 'timeout_s' must be in (0, {MAX_REFIT_TIMEOUT_S:g}], got {self.timeout_s}")
+        _require(self.version is None or self.version >= 1, f"field 'version' must be >= 1, got {self.version}")
+
+
+@message
+@dataclass(frozen=True)
+class WeightsUpdated(Message):
+    """The answer to UpdateWeights: a worker's (its engine serves `version` now, or `error` says why it still
+    serves the old weights), then the coordinator's to the client once every worker answered."""
+
+    TYPE: ClassVar[str] = "weights_updated"
+    version: int
+    error: str | None = None
+    num_tensors: int = 0
 
 
 # ---- coordinator <-> client extras ---------------------------------------------------------------
@@ -549,6 +649,7 @@ class ClusterStats(Message):
     requests_reattached: int = 0  # handed back to their clients from the workers' copies after a restart
     clients_lost: int = 0         # clients declared lost with requests in flight (silent, or unroutable)
     clients_too_slow: int = 0     # clients whose send queue reached the high-water mark (they read nothing)
+    weight_version: int = 0       # the weights the cluster serves (the last update_weights every worker applied)
 
     @property
     def num_healthy_workers(self) -> int:

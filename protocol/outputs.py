@@ -48,6 +48,7 @@ class RequestOutput:
     seed: int | None = None             # first delta only: the sampling seed (given, or assigned when none was)
     prompt_logprobs: list[TokenLogprobs] | None = None   # first delta only, with params.prompt_logprobs: prompt
                                                          # tokens 1.. (token 0 has none), each row holding the token
+    weight_version: int = 0             # the version of the weights that computed this delta (0: as loaded)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Completion:
     error_code: str | None = None
     seed: int | None = None     # the sampling seed it ran with (assigned when none was given): a replay key
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # vLLM's: None for the first prompt token
+    weight_version: int = 0     # the weights' version of its last delta (update_weights counts versions)
 
     def add(self, delta: RequestOutput) -> None:
         """Fold one stream delta into this completion."""
@@ -75,6 +77,7 @@ class Completion:
             self.seed = delta.seed
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = [None, *delta.prompt_logprobs]
+        self.weight_version = delta.weight_version
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         if delta.finished:

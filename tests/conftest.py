@@ -163,3 +163,30 @@ def word_chain_model(tmp_path_factory, smollm2_tokenizer) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     smollm2_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_weights_b(tmp_path_factory, tiny_model_dir) -> Callable[[str], Path]:
+    """Factory: tiny_weights_b("llama") -> tiny_model_dir("llama")'s architecture with other random weights
+    (weights "B" of a refit), saved the same way."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    made: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            base = tiny_model_dir(arch)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            torch.manual_seed(99)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() > 1:
+                        p.normal_(0.0, 0.08)
+            path = tmp_path_factory.mktemp(f"tiny-{arch}-b")
+            model.save_pretrained(path, safe_serialization=True)
+            AutoTokenizer.from_pretrained(base).save_pretrained(path)
+            made[arch] = path
+        return made[arch]
+
+    return make

@@ -282,6 +282,19 @@ class BlockManager:
         self._next_key += 1
         self._cached.setdefault(block_hash, {})[block.block_id] = None
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block's content (the KV it holds is no longer valid: new weights, or a pool
+        released by suspend). Raises ValueError, changing nothing, while any block is held: its request's
+        KV would be registered again later. Returns the number of blocks forgotten."""
+        if len(self._free) != self.num_blocks:
+            raise ValueError(f"cannot reset the prefix cache while {self.num_used_blocks} block(s) are held")
+        forgotten = 0
+        for block in self._blocks:
+            if block.content is not None:
+                self._uncache(block, block.content)
+                forgotten += 1
+        return forgotten
+
     def free(self, request: Request) -> None:
         """Drop the request's references (tail first), clear its table and its computed count.
 

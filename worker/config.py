@@ -14,6 +14,7 @@ from typing import Any
 from infer.worker.scheduler import SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SUSPEND_WEIGHTS = ("auto", "host_copy", "reload")
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"   # the model id an engine reports when it serves the embedded model
 
 
@@ -37,6 +38,10 @@ class EngineConfig:
     scheduling_policy: "fcfs" (arrival order) or "priority" (lower `priority` first, with preemption of worse
         ranked requests and the aging rule of worker/scheduler.py: a request waiting `priority_aging_steps`
         engine steps ranks ahead of every younger one).
+    suspend_weights: what suspend does with the weights: "host_copy" moves them to pinned host memory (on a
+        CPU they stay where they are: nothing of them is freed), "reload" frees them and reloads them on resume
+        from the files they came from (or from a spill file, when they came from tensors in memory); "auto"
+        is host_copy on a GPU, reload on a CPU. The KV pool is always freed.
     """
 
     model: str | None = None
@@ -56,6 +61,7 @@ class EngineConfig:
     max_graph_batch_size: int = 256
     scheduling_policy: str = "fcfs"
     priority_aging_steps: int = 1000
+    suspend_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -83,6 +89,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.suspend_weights not in SUSPEND_WEIGHTS:
+            raise ValueError(f"suspend_weights must be one of {', '.join(SUSPEND_WEIGHTS)}, got "
+                             f"{self.suspend_weights!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if (self.max_num_batched_tokens is not None and self.max_model_len is not None

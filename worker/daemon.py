@@ -50,12 +50,12 @@ from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
     MAX_DP_RANK, MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message,
-    ProtocolError, Refused, RequestSnapshot, StepBatch, TokenIds, Welcome, decode
+    ProtocolError, Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode
 )
 from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.transport import HANDSHAKE_EVENTS, frames_for, handshake_failure, make_socket
-from infer.worker.config import DTYPES, EngineConfig
+from infer.worker.config import DTYPES, SUSPEND_WEIGHTS, EngineConfig
 from infer.worker.scheduler import SCHEDULING_POLICIES
 from infer.worker.group_sync import EpOptions, GroupBroken
 from infer.worker.request import Request
@@ -96,6 +96,19 @@ class EngineLike(Protocol):
     def abort(self, request_id: str, release_text: bool = True) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def load(self) -> Load: ...
+    def suspend(self) -> int: ...
+    def resume(self) -> int: ...
+    def prepare_update(self, msg: UpdateWeights) -> object: ...
+    def update_weights(self, source: object, version: int | None = None) -> int: ...
+
+
+@dataclass
+class _PendingRefit:
+    """An UpdateWeights whose tensors are checked and waiting for the engine's requests to finish (a drain)."""
+
+    msg: UpdateWeights
+    update: object          # the engine's WeightUpdate
+    deadline: float
 
 
 @dataclass(frozen=True)
@@ -185,6 +198,7 @@ class Worker:
         self._step_started: float | None = None
         self._last_load: Load = engine.load()  # what a heartbeat sent during a step reports
         self._beats_stop = threading.Event()
+        self._refit: _PendingRefit | None = None   # an UpdateWeights waiting for a drain
 
     # ---- running -------------------------------------------------------------------------------
 
@@ -238,6 +252,8 @@ class Worker:
         """Seconds to block in poll: 0 while the engine has work, else until the next timer is due."""
         if self.state == "running" and self.engine.has_unfinished():
             return 0.0
+        if self._refit is not None:
+            return 0.0 if not self.engine.has_unfinished() else max(0.0, self._refit.deadline - time.monotonic())
         if self.group is not None and (self.group.active or self._leaving is not None):
             return 0.0
         now = time.monotonic()
@@ -275,6 +291,8 @@ class Worker:
         else:
             outputs = self.engine.take_pending()
         self._send_step_batch(outputs)
+        if self._refit is not None:
+            self._apply_refit()
 
     def _engine_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
         try:
@@ -384,7 +402,7 @@ class Worker:
                      logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
                      num_cached_tokens=out.num_cached_tokens, prompt_token_ids=prompt_ids,
                      error_code=out.error_code, queue_time_s=out.queue_time_s, seed=out.seed,
-                     prompt_logprobs=out.prompt_logprobs)
+                     prompt_logprobs=out.prompt_logprobs, weight_version=out.weight_version)
 
     # ---- liveness and registration ----------------------------------------------------------------
 
@@ -518,9 +536,61 @@ class Worker:
             if self.group is not None:
                 self._leave_group("stopped by the coordinator")
             raise WorkerExit(EXIT_OK, "stopped by the coordinator")
-        self.state = {"pause": "paused", "suspend": "suspended"}.get(msg.command, "running")
-        log.info("%s: now %s", msg.command, self.state)
-        self._send(ControlAck(command=msg.command, state=self._state_name()))
+        released = restored = 0
+        try:
+            if msg.command == "suspend":
+                released = self.engine.suspend()
+            elif msg.command == "resume":
+                restored = self.engine.resume()
+        except Exception as e:   # the engine could not release or restore: say so, keep the old state
+            log.exception("%s failed", msg.command)
+            self._send(ControlAck(command=msg.command, state=self._state_name(), error=f"{type(e).__name__}: {e}"))
+            return
+        # resume brings a suspended worker back to paused, as the cluster (coordinator/lifecycle.py)
+        self.state = {"pause": "paused", "suspend": "suspended", "resume": "paused"}.get(msg.command, "running")
+        log.info("%s: now %s%s", msg.command, self.state, f" ({released} bytes released)" if released else
+                 f" ({restored} bytes restored)" if restored else "")
+        self._last_load = self.engine.load()
+        self._send(Heartbeat(sent_at=time.time(), load=self._last_load))   # the new state, before the ack
+        self._send(ControlAck(command=msg.command, state=self._state_name(), bytes_released=released,
+                              bytes_restored=restored))
+
+    # ---- weight refit --------------------------------------------------------------------------
+
+    def _on_update_weights(self, msg: UpdateWeights) -> None:
+        """Receive (from a trainer) and check the new weights now; apply them once no request is left (the
+        coordinator aborted them first, or holds new ones while these drain). Answer WeightsUpdated."""
+        if self._refit is not None:
+            return self._send(WeightsUpdated(version=msg.version or 0, error="a weight update is already pending "
+                                                                            "on this worker"))
+        try:
+            with self._socket_handed_over():      # a broadcast of many tensors: heartbeats go on meanwhile
+                update = self.engine.prepare_update(msg)
+        except Exception as e:   # noqa: BLE001 - a bad tensor, a failed transfer: the old weights keep serving
+            log.error("weight update to version %s refused: %s", msg.version, e)
+            return self._send(WeightsUpdated(version=msg.version or 0, error=f"{type(e).__name__}: {e}"))
+        self._refit = _PendingRefit(msg, update, time.monotonic() + msg.timeout_s)
+        self._apply_refit()
+
+    def _apply_refit(self) -> None:
+        refit = self._refit
+        if self.engine.has_unfinished():
+            if time.monotonic() < refit.deadline:
+                return
+            self._refit = None
+            return self._send(WeightsUpdated(version=refit.msg.version or 0, error=(
+                f"{len(self._requests)} request(s) did not finish within {refit.msg.timeout_s:g} s; the old "
+                f"weights keep serving")))
+        self._refit = None
+        try:
+            with self._socket_handed_over():
+                version = self.engine.update_weights(refit.update, refit.msg.version)
+        except Exception as e:   # noqa: BLE001
+            log.exception("applying the weight update failed")
+            return self._send(WeightsUpdated(version=refit.msg.version or 0, error=f"{type(e).__name__}: {e}"))
+        self._last_load = self.engine.load()
+        self._send(Heartbeat(sent_at=time.time(), load=self._last_load))
+        self._send(WeightsUpdated(version=version, num_tensors=len(getattr(refit.update, "specs", ()))))
 
     def _state_name(self) -> str:
         return "draining" if self._drain_deadline is not None and self.state == "running" else self.state
@@ -586,7 +656,7 @@ class Worker:
 
     _HANDLERS: ClassVar[dict[type[Message], Callable[[Worker, Any], None]]] = {
         Welcome: _on_welcome, Refused: _on_refused, Error: _on_error, Dispatch: _on_dispatch,
-        Abort: _on_abort, Control: _on_control, Heartbeat: _on_heartbeat,
+        Abort: _on_abort, Control: _on_control, Heartbeat: _on_heartbeat, UpdateWeights: _on_update_weights,
     }
 
 
@@ -710,6 +780,18 @@ class BenchmarkEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._pending)
 
+    def suspend(self) -> int:
+        return 0       # no KV pool, no weights
+
+    def resume(self) -> int:
+        return 0
+
+    def prepare_update(self, msg: UpdateWeights) -> object:
+        raise ValueError("a --benchmark-mode worker has no weights to update")
+
+    def update_weights(self, source: object, version: int | None = None) -> int:
+        raise ValueError("a --benchmark-mode worker has no weights to update")
+
     def load(self) -> Load:
         running = self._running()
         used = sum(-(-r.num_tokens // self.block_size) for r in running)
@@ -748,6 +830,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--priority-aging-steps", type=int, metavar="N",
                         help="with --scheduling-policy priority: a request that has waited N engine steps ranks "
                         "ahead of every younger one (default 1000)")
+    engine.add_argument("--suspend-weights", choices=SUSPEND_WEIGHTS,
+                        help="what suspend does with the weights: host_copy (pinned host memory on a GPU; kept on "
+                        "a CPU), reload (freed, reloaded from their files on resume); default auto: host_copy on a "
+                        "GPU, reload on a CPU. The KV pool is always freed")
     worker = p.add_argument_group("worker options")
     worker.add_argument("--dp-rank", type=int, help="this worker's DP rank (default: the coordinator assigns the "
                         "lowest free one, and keeps it when the worker registers again)")
@@ -790,7 +876,7 @@ def build_parser() -> argparse.ArgumentParser:
 _ENGINE_FLAGS = ("model", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "seed", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching",
                  "enable_chunked_prefill", "num_threads", "enforce_eager", "max_graph_batch_size",
-                 "scheduling_policy", "priority_aging_steps")
+                 "scheduling_policy", "priority_aging_steps", "suspend_weights")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from infer.protocol.messages import Load
+from infer.protocol.messages import Load, UpdateWeights
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
@@ -37,7 +37,8 @@ from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
-from infer.worker.loader import eos_token_ids, load_model, load_tokenizer, resolve_model
+from infer.worker.in_memory import in_memory_model
+from infer.worker.loader import eos_token_ids, load_model, load_tokenizer, resolve_model, weight_files
 from infer.worker.memory import HeapTrimmer
 from infer.worker.model_runner import ModelRunner
 from infer.worker.request import Request, RequestStatus
@@ -45,6 +46,7 @@ from infer.worker.sampler import Sampler, SamplerOutput
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.step_graphs import make_step_graphs
 from infer.worker.structured import COMPILE_TIMEOUT_S, GrammarCompilerPool, GrammarState
+from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 
 log = logging.getLogger("infer.engine")
 
@@ -80,19 +82,36 @@ class Engine:
     Thread-unsafe by design: one thread owns an engine (the worker loop or LLM).
     """
 
-    def __init__(self, config: EngineConfig, ep: ExpertParallel | None = None) -> None:
+    def __init__(self, config: EngineConfig, ep: ExpertParallel | None = None, *, model: object = None,
+                 tokenizer: object = None) -> None:
+        """`model` / `tokenizer`: build the engine around weights already in memory (a transformers
+        PreTrainedModel, whose weights are copied into our implementation, or one of our own model objects,
+        used as is) instead of `config.model`'s files; the tokenizer is then required (see worker/in_memory.py)."""
         self.config = config
         self.ep = ExpertParallel.single() if ep is None else ep  # this rank's share of an MoE model's experts
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
-        self.model_path: Path = resolve_model(config.model)
-        self.model_id = config.model_id
-        self.tokenizer = load_tokenizer(self.model_path)
+        self.weight_version = 0                    # +1 (or the coordinator's number) per update_weights
+        self._suspended: SuspendedWeights | None = None
+        self._released_bytes = 0                   # what the current suspend released
+        if model is not None:
+            loaded = in_memory_model(model, tokenizer, self.dtype, self.device, self.ep)
+            self.model_path: Path | None = None
+            self.model_id = config.model or loaded.model_id
+            self.tokenizer, self.eos_token_ids, self.model = loaded.tokenizer, loaded.eos_token_ids, loaded.model
+            self._weight_files: list[list[Path]] | None = None   # nothing to reload them from: spill on suspend
+        else:
+            if tokenizer is not None:
+                raise ValueError("tokenizer= goes with model=<an in-memory model>; a model path brings its own")
+            self.model_path = resolve_model(config.model)
+            self.model_id = config.model_id
+            self.tokenizer = load_tokenizer(self.model_path)
+            self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+            self.model = load_model(self.model_path, self.dtype, self.device, self.ep)
+            self._weight_files = [weight_files(self.model_path)]
         self.prompt_token_bytes = max_token_bytes(self.tokenizer)   # bounds text prompts before tokenizing
-        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
-        self.model = load_model(self.model_path, self.dtype, self.device, self.ep)
         self.vocab_size = int(self.model.vocab_size)
         self.max_model_len = _max_model_len(config, self.model.config)
         self.block_size = config.block_size
@@ -176,6 +195,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule, run, advance, post-process. Returns this step's deltas."""
+        self._check_not_suspended("step()")
         outputs, self._pending = self._pending, []
         if self._compiling:
             outputs.extend(self._admit_compiled())
@@ -197,6 +217,7 @@ class Engine:
     def dummy_step(self) -> list[RequestOutput]:
         """The step of an EP-group rank with nothing to run (paused, or no requests): one forward of a
         padding token so the group's collectives complete; returns the deltas ready without a step."""
+        self._check_not_suspended("dummy_step()")
         self.runner.execute_dummy()
         return self.take_pending()
 
@@ -233,7 +254,100 @@ class Engine:
                     num_running=self.scheduler.num_running,
                     num_free_blocks=blocks.num_free_blocks, num_total_blocks=self.num_kv_blocks,
                     num_queued_tokens=queued, num_preemptions=self.scheduler.num_preemptions,
-                    prefix_cache_queries=blocks.num_queried_tokens, prefix_cache_hits=blocks.num_hit_tokens)
+                    prefix_cache_queries=blocks.num_queried_tokens, prefix_cache_hits=blocks.num_hit_tokens,
+                    weight_version=self.weight_version, suspended=self.suspended,
+                    bytes_released=self._released_bytes)
+
+    # ---- suspend / resume, weight refit -------------------------------------------------------
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended is not None
+
+    def suspend(self) -> int:
+        """Release the KV pool and the weights (`config.suspend_weights` says how); returns the bytes released.
+        Requests stay: running ones are preempted by recompute and continue after resume() with the same
+        tokens (greedy, or seeded: the noise is a function of seed and token count). step() raises until
+        resume(). Idempotent (0 when already suspended)."""
+        if self._suspended is not None:
+            return 0
+        self.scheduler.preempt_all()
+        self.scheduler.block_manager.reset_prefix_cache()   # the cached KV goes with the pool
+        self.runner.step_graphs = None                      # they hold the pool (CUDA graphs: its addresses)
+        released = self.kv_cache.release()
+        self._suspended = release_weights(self.model, self.config.suspend_weights, self.device, self._weight_files)
+        released += self._suspended.bytes_released
+        self._released_bytes = released
+        self._give_memory_back()
+        log.info("suspended: %d bytes released (KV pool and weights: %s)", released, self._suspended.mode)
+        return released
+
+    def resume(self) -> int:
+        """Restore the weights and a fresh (zeroed) KV pool after suspend(); returns the bytes restored.
+        Idempotent (0 when not suspended)."""
+        if self._suspended is None:
+            return 0
+        restored = self._suspended.restore(self.model, self.device) + self.kv_cache.restore()
+        self._suspended = None
+        self._released_bytes = 0
+        self.runner.step_graphs = make_step_graphs(self.config, self.model, self.kv_cache, self.max_model_len,
+                                                   self.device)
+        log.info("resumed: %d bytes restored", restored)
+        return restored
+
+    def update_weights(self, source: object, version: int | None = None) -> int:
+        """Load new weights: a safetensors directory, an iterable of (checkpoint name, tensor) pairs, or a
+        WeightUpdate. All or nothing: every tensor's name, shape and dtype is checked first (ValueError naming
+        the first bad one, the old weights untouched). A subset of the weights may be given. Returns the new
+        weight version (`version`, else the current one + 1), which every later output carries.
+
+        Requests still running are preempted by recompute (they continue on the new weights); callers that
+        want them to finish on the old weights first step until `num_running` is 0 (a drain), or abort them.
+        The prefix cache is emptied: KV computed by the old weights is never served again."""
+        self._check_not_suspended("update_weights()")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise ValueError(f"version must be a non-negative integer, got {version!r}")
+        update = source if isinstance(source, WeightUpdate) else WeightUpdate.of(source)
+        check_specs(self.model, update.specs)
+        self.scheduler.preempt_all()
+        self.scheduler.block_manager.reset_prefix_cache()
+        applied = apply_tensors(self.model, update.tensors)
+        if self._weight_files is not None and update.files is not None:
+            self._weight_files.append(update.files)
+        else:
+            self._weight_files = None
+        if self.runner.step_graphs is not None:   # compiled code may hold the old packed weights
+            self.runner.step_graphs = make_step_graphs(self.config, self.model, self.kv_cache, self.max_model_len,
+                                                       self.device)
+        self.weight_version = self.weight_version + 1 if version is None else version
+        log.info("weights updated to version %d: %d tensor(s) from %s", self.weight_version, applied,
+                 update.description)
+        return self.weight_version
+
+    def prepare_update(self, msg: UpdateWeights) -> WeightUpdate:
+        """The checked WeightUpdate of an UpdateWeights message, nothing changed yet: the safetensors directory
+        `msg.path`, or the tensors received now from the trainer's weight-sync group (`msg.sync`, within
+        `msg.timeout_s`; received in full even when they turn out not to fit, so the trainer's broadcast
+        completes). ValueError naming a bad tensor."""
+        if msg.sync is not None:
+            from infer.worker.weight_sync import receive_weights
+
+            update = WeightUpdate.from_pairs(receive_weights(msg.sync, self.device, msg.timeout_s))
+            update.description = f"the trainer at {msg.sync.init_method}"
+        else:
+            update = WeightUpdate.of(msg.path)
+        check_specs(self.model, update.specs)
+        return update
+
+    def _check_not_suspended(self, what: str) -> None:
+        if self._suspended is not None:
+            raise RuntimeError(f"{what} on a suspended engine: its KV pool and weights are released; resume() first")
+
+    def _give_memory_back(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            self.heap.trim_now()
 
     # ---- running a step, one request's failure isolated -------------------------------------
 
@@ -423,7 +537,7 @@ class Engine:
         if status is None:
             output = RequestOutput(request.request_id, [token_id], text, logprobs=lps,
                                    num_prompt_tokens=request.num_prompt_tokens,
-                                   num_cached_tokens=request.num_cached_tokens)
+                                   num_cached_tokens=request.num_cached_tokens, weight_version=self.weight_version)
         else:
             self.scheduler.finish(request, status)
             output = self._final_output(request, text, [token_id], lps)
@@ -459,7 +573,7 @@ class Engine:
         return RequestOutput(request.request_id, token_ids, text, finished=True, finish_reason=reason,
                              logprobs=logprobs, error=request.error, error_code=request.error_code,
                              num_prompt_tokens=request.num_prompt_tokens,
-                             num_cached_tokens=request.num_cached_tokens)
+                             num_cached_tokens=request.num_cached_tokens, weight_version=self.weight_version)
 
     # ---- sizing ------------------------------------------------------------------------------
 

@@ -76,19 +76,25 @@ class KVCache:
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    _shape: tuple | None = None   # (shape, dtype, device) of each tensor while released
 
     @property
     def num_blocks(self) -> int:
         """Blocks sequences can own (the scratch block not counted)."""
-        return int(self.k[0].shape[1]) - 1
+        return int(self.shape[1]) - 1
 
     @property
     def scratch_block(self) -> int:
-        return int(self.k[0].shape[1]) - 1
+        return int(self.shape[1]) - 1
 
     @property
     def pad_slot(self) -> int:
-        return self.scratch_block * int(self.k[0].shape[2])
+        return self.scratch_block * int(self.shape[2])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """[num_kv_heads, num_blocks + 1, block_size, head_dim] of each layer's K (and V), released or not."""
+        return tuple(self.k[0].shape) if self._shape is None else self._shape[0]
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -99,6 +105,38 @@ class KVCache:
         # NaN/inf (0 * NaN = NaN), so the pool starts zeroed rather than uninitialised.
         return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
                    v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds now (0 while released)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def released(self) -> bool:
+        return self._shape is not None
+
+    def release(self) -> int:
+        """Free the pool's memory (suspend); its shape is kept for `restore`. Returns the bytes freed. The
+        lists keep their identity (the model runner holds this object), only their tensors change."""
+        if self._shape is not None:
+            return 0
+        freed = self.nbytes
+        self._shape = (tuple(self.k[0].shape), self.k[0].dtype, self.k[0].device)
+        for pool in (self.k, self.v):
+            for i, t in enumerate(pool):
+                pool[i] = torch.empty(0, dtype=t.dtype, device=t.device)
+        return freed
+
+    def restore(self) -> int:
+        """Reallocate a released pool, zeroed (the finite-values invariant); returns the bytes allocated."""
+        if self._shape is None:
+            return 0
+        shape, dtype, device = self._shape
+        for pool in (self.k, self.v):
+            for i in range(len(pool)):
+                pool[i] = torch.zeros(shape, dtype=dtype, device=device)
+        self._shape = None
+        return self.nbytes
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -15,9 +15,9 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -159,7 +159,16 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
 
     path = Path(path)
     validate_model_dir(path)
-    config = AutoConfig.from_pretrained(str(path))
+    model = build_model(AutoConfig.from_pretrained(str(path)), dtype, device, ep)
+    load_weights(model, weight_files(path))
+    pack_weights(model)
+    return model.eval()
+
+
+def build_model(config: Any, dtype: torch.dtype, device: torch.device | str,
+                ep: ExpertParallel | None = None) -> nn.Module:
+    """Our implementation of a transformers `config`, parameters allocated (uninitialised) on `device`
+    ("meta" for a shape-only twin). ValueError for a dense model in an EP group of more than one rank."""
     cls = model_class(config)
     ep = ExpertParallel.single() if ep is None else ep
     moe = getattr(cls, "supports_expert_parallel", False)
@@ -167,12 +176,14 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"an EP group of {ep.size} ranks needs an MoE model; {config.model_type!r} has no "
                          "experts to shard (run its ranks as separate groups)")
     with torch.device(device):
-        model = cls(config, dtype, ep=ep) if moe else cls(config, dtype)
-    load_weights(model, weight_files(path))
+        return cls(config, dtype, ep=ep) if moe else cls(config, dtype)
+
+
+def pack_weights(model: nn.Module) -> None:
+    """(Re)make the CPU pre-packed copies of every linear layer's weight, after its weights changed."""
     for module in model.modules():
         if isinstance(module, PackedLinear):
             module.pack_weights()
-    return model.eval()
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -197,28 +208,34 @@ def load_weights(model: nn.Module, files: Iterable[Path]) -> None:
     naming the parameters left unfilled. A missing lm_head is tied to the embedding. Tensors of experts
     that another expert-parallel rank holds (the module's `holds(shard)` is False) are skipped unread.
     """
+    load_named_tensors(model, file_tensors(files))
+
+
+def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor], str]]:
+    """(checkpoint name, a function reading the tensor, where it is) for every tensor of `files`, read lazily."""
     from safetensors import safe_open
 
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield key, lambda f=f, key=key: f.get_tensor(key), f"in {file.name}"
+
+
+def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Callable[[], torch.Tensor], str]]) -> None:
+    """load_weights over (checkpoint name, tensor reader, where) triples: a whole checkpoint, complete."""
     params = dict(model.named_parameters())
-    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)  # tied copies
+    aliases = tied_aliases(model)
     loaded: set[tuple[str, Shard]] = set()
     with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if key.endswith("rotary_emb.inv_freq") or key in aliases:
-                        continue
-                    name, shard = _parameter_of(model, key)
-                    if name not in params:
-                        raise ValueError(f"checkpoint tensor {key!r} in {file.name} matches no parameter of "
-                                         f"{type(model).__name__}")
-                    module, param_name = _owner(model, name)
-                    if hasattr(module, "holds") and not module.holds(shard):
-                        continue  # another rank's expert
-                    _load_one(module, name, shard, params[name], f.get_tensor(key), f"{key!r} in {file.name}")
-                    # a whole tensor fills every shard of its parameter
-                    filled = _shards_of(module, param_name) if shard is None else (shard,)
-                    loaded.update((name, part) for part in filled)
+        for key, read, where in tensors:
+            target = checkpoint_target(model, params, aliases, key, where)
+            if target is None:
+                continue
+            module, name, shard = target
+            load_tensor(module, name, shard, params[name], read(), f"{key!r} {where}")
+            # a whole tensor fills every shard of its parameter
+            filled = _shards_of(module, name.rpartition(".")[2]) if shard is None else (shard,)
+            loaded.update((name, part) for part in filled)
     if "lm_head.weight" in params and not any(name == "lm_head.weight" for name, _ in loaded):
         logger.info("checkpoint has no lm_head.weight: tying it to the embedding")
         model.tie_lm_head()  # type: ignore[operator]
@@ -228,6 +245,29 @@ def load_weights(model: nn.Module, files: Iterable[Path]) -> None:
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s) of {type(model).__name__}: "
                          f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """Parameter names that are tied copies of another (a tied lm_head.weight): checkpoint tensors of these
+    names are skipped, the parameter they share is filled under its own name."""
+    return set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
+
+
+def checkpoint_target(model: nn.Module, params: dict[str, nn.Parameter], aliases: set[str], key: str,
+                      where: str = "") -> tuple[nn.Module, str, Shard] | None:
+    """Where checkpoint tensor `key` goes in `model`: (owning module, parameter name, shard), or None for a
+    tensor that is skipped (rotary caches, tied copies, another expert-parallel rank's experts). ValueError
+    naming the tensor if it fits no parameter."""
+    if key.endswith("rotary_emb.inv_freq") or key in aliases:
+        return None
+    name, shard = _parameter_of(model, key)
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {key!r}{' ' + where if where else ''} matches no parameter of "
+                         f"{type(model).__name__}")
+    module, _param_name = _owner(model, name)
+    if hasattr(module, "holds") and not module.holds(shard):
+        return None  # another rank's expert
+    return module, name, shard
 
 
 def _parameter_of(model: nn.Module, key: str) -> tuple[str, Shard]:
@@ -266,8 +306,10 @@ def _shards_of(module: nn.Module, param_name: str) -> tuple[Shard, ...]:
     return tuple(getattr(module, "shard_names", (None,)))
 
 
-def _load_one(module: nn.Module, name: str, shard: Shard, param: torch.Tensor, tensor: torch.Tensor,
-              where: str) -> None:
+def load_tensor(module: nn.Module, name: str, shard: Shard, param: torch.Tensor, tensor: torch.Tensor,
+                where: str) -> None:
+    """Copy one checkpoint tensor into its parameter (or its shard of it); ValueError naming `where` on a
+    bad shape."""
     try:
         if hasattr(module, "load_shard"):
             module.load_shard(name.rpartition(".")[2], tensor, shard)

@@ -43,6 +43,13 @@ class HeapTrimmer:
         self._steps = 0            # steps since the last trim
         self.num_trims = 0
 
+    def trim_now(self) -> None:
+        """Give free heap memory back at once (after a large release, such as a suspend)."""
+        self._steps = 0
+        if self._trim is not None:
+            self._trim()
+            self.num_trims += 1
+
     def after_step(self, busy: bool) -> None:
         """Called after each engine step that ran a forward; `busy`: requests remain."""
         self._steps += 1

@@ -253,6 +253,15 @@ class Scheduler:
             self.finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def preempt_all(self) -> int:
+        """Preempt every running request by recompute (their blocks freed, their tokens kept): before the KV
+        pool is released or the weights change. Returns how many were preempted."""
+        step = _Step(0, 0)
+        running = list(self._running)
+        for request in reversed(running):
+            self._preempt(request, step)
+        return len(running)
+
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 

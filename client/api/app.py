@@ -65,7 +65,7 @@ from infer.client.api.tools import (
 )
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
 from infer.client.api.schemas import (
-    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UpdateWeightsRequest
 )
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError
@@ -308,6 +308,18 @@ class Front:
             return _unhealthy(why, self.config.retry_after, view)
         return JSONResponse({"status": "ok", "state": view.state, "healthy_workers": healthy,
                              "workers": len(view.workers)})
+
+    async def update_weights(self, request: Request) -> Response:
+        """POST /v1/update_weights {"model", "path", "on_running", "timeout"}: every engine loads the safetensors
+        directory `path` (all or nothing); 200 {"weight_version": N} once all serve it. Behind the API key; through
+        a cluster it needs the front's key to be an administrator's. 400 with the reason when the update is refused
+        (a bad tensor, a path no worker reads, a suspended cluster): the old weights keep serving."""
+        body = await self._parse(request, UpdateWeightsRequest)
+        try:
+            version = await self.engine.update_weights(body.path, on_running=body.on_running, timeout=body.timeout)
+        except (ValueError, ClusterError) as e:
+            raise ApiError(400, f"update_weights failed: {safe(e, 2000)}", param="path") from None
+        return JSONResponse({"object": "weight_update", "weight_version": version, "path": body.path})
 
     async def metrics_text(self, request: Request) -> Response:
         try:
@@ -1090,6 +1102,7 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     app.add_api_route("/tokenize", route(front.tokenize), methods=["POST"])
     app.add_api_route("/detokenize", route(front.detokenize), methods=["POST"])
     app.add_api_route("/version", route(front.version), methods=["GET"])
+    app.add_api_route("/v1/update_weights", route(front.update_weights), methods=["POST"])
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:   # 404, 405, ...

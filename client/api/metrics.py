@@ -39,6 +39,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()   # no `_created` series: vLLM does not export them and scrapers do not need them
 
 
+LIFECYCLE_STATES = ("running", "paused", "suspended", "stopped")
+
+
 class FrontMetrics:
     """The metrics of one HTTP front, in its own registry (two fronts in one process do not collide)."""
 
@@ -56,7 +59,13 @@ class FrontMetrics:
                         "workers.", labels, registry=r),
             "workers": Gauge("infer:num_healthy_workers", "Workers the coordinator can route to.", labels,
                              registry=r),
+            "weight_version": Gauge("infer:weight_version", "The weights the cluster serves (update_weights "
+                                    "counts versions; 0: as loaded).", labels, registry=r),
+            "released": Gauge("infer:suspended_bytes", "Bytes of KV pool and weights the workers released while "
+                              "suspended.", labels, registry=r),
         }
+        self._state = Gauge("infer:cluster_state", "1 for the cluster's lifecycle state (running, paused, suspended, "
+                            "stopped), 0 for the others.", labels + ["state"], registry=r)
         self._worker_counters = {
             "num_preemptions": Counter("infer:num_preemptions", "Preemptions (requests that lost their KV "
                                        "blocks and recompute).", labels, registry=r),
@@ -107,6 +116,11 @@ class FrontMetrics:
         used = sum(load.num_total_blocks - load.num_free_blocks for load in loads)
         self._gauges["kv"].labels(name).set(used / total if total else 0.0)
         self._gauges["workers"].labels(name).set(len(healthy))
+        self._gauges["weight_version"].labels(name).set(0 if stats is None else stats.weight_version)
+        every = [] if stats is None else [w.load for w in stats.workers if w.load is not None]
+        self._gauges["released"].labels(name).set(sum(load.bytes_released for load in every))
+        for state in LIFECYCLE_STATES:
+            self._state.labels(name, state).set(1 if stats is not None and stats.state == state else 0)
         for worker in [] if stats is None else stats.workers:
             if worker.load is not None:
                 for attr, counter in self._worker_counters.items():

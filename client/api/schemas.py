@@ -484,3 +484,13 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: TokenIdList
+
+
+class UpdateWeightsRequest(BaseModel):
+    """POST /v1/update_weights: new weights from a safetensors directory every worker can read."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    path: str = Field(min_length=1, max_length=4096)
+    on_running: Literal["drain", "abort"] = "drain"
+    timeout: float = Field(default=600.0, gt=0, le=86400.0)

@@ -167,15 +167,26 @@ def test_engine_options_become_the_same_worker_config(tmp_path):
 
 @pytest.mark.parametrize("env, primary", [({}, True), ({"RANK": "0"}, True), ({"RANK": "1"}, False),
                                           ({"SLURM_PROCID": "2"}, False), ({"RANK": "0", "SLURM_PROCID": "3"}, True)])
-def test_is_primary_rank_reads_rank_then_slurm_procid(llm, monkeypatch, env, primary):
+def test_is_primary_rank_reads_rank_then_slurm_procid_with_a_coordinator(llm, cluster_llm, monkeypatch, env,
+                                                                         primary):
     for name in ("RANK", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert llm.is_primary_rank is primary
+    assert cluster_llm.is_primary_rank is primary
+    assert llm.is_primary_rank is True          # without a coordinator every rank serves its own prompts
 
 
-def test_a_malformed_rank_is_named(llm, monkeypatch):
+def test_a_malformed_rank_is_named(cluster_llm, monkeypatch):
     monkeypatch.setenv("RANK", "zero")
     with pytest.raises(ValueError, match="RANK='zero'"):
-        _ = llm.is_primary_rank
+        _ = cluster_llm.is_primary_rank
+
+
+def test_engine_context_and_controller_for_expert_use(llm, cluster_llm):
+    assert llm.context.kv_cache is llm.engine.kv_cache
+    assert llm.context.block_manager is llm.engine.scheduler.block_manager
+    assert llm.controller.tokenizer is llm.engine.tokenizer and llm.controller.sampler is llm.engine.sampler
+    assert cluster_llm.engine is None                # its engines run in worker processes
+    with pytest.raises(RuntimeError, match="needs an engine in this process"):
+        _ = cluster_llm.context

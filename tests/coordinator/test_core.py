@@ -408,10 +408,24 @@ def test_refused_commands_say_why():
     (err,) = of_type(h.send(C1, Control(command="suspend")), Error, C1)
     assert "pause it first" in err.message
     h.send(C1, Control(command="pause"))
-    assert of_type(h.send(C1, Control(command="suspend")), ControlAck)[0].state == "suspended"
+    assert not of_type(h.send(C1, Control(command="suspend")), ControlAck, C1)   # answered once the workers did
+    h.send(W0, ControlAck(command="suspend", state="suspended", bytes_released=100))
+    (ack,) = of_type(h.send(W1, ControlAck(command="suspend", state="suspended", bytes_released=20)), ControlAck, C1)
+    assert ack.state == "suspended" and ack.bytes_released == 120
     (err,) = of_type(h.send(C1, Control(command="unpause")), Error, C1)
     assert "resume it first" in err.message
-    assert of_type(h.send(C1, Control(command="resume")), ControlAck)[0].state == "paused"
+    h.send(C1, Control(command="resume"))
+    h.send(W0, ControlAck(command="resume", state="paused", bytes_restored=100))
+    assert of_type(h.send(W1, ControlAck(command="resume", state="paused")), ControlAck, C1)[0].state == "paused"
+
+
+def test_a_suspend_answers_when_a_worker_fails_or_stays_silent():
+    h = two_workers()
+    h.send(C1, Control(command="pause"))
+    h.send(C1, Control(command="suspend"))
+    h.send(W0, ControlAck(command="suspend", state="paused", error="RuntimeError: no"))
+    (ack,) = of_type(h.advance(301.0), ControlAck, C1)
+    assert "worker w0: RuntimeError: no" in ack.error and "w1" in ack.error
 
 
 def test_a_worker_joining_a_paused_cluster_is_paused_too():

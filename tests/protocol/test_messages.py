@@ -10,7 +10,8 @@ import pytest
 from infer.protocol.messages import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, ClusterStats, Control, ControlAck, Delta,
     DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, RequestSnapshot,
-    StatsRequest, StepBatch, Submit, TokenIds, Welcome, WorkerStats, decode, encode
+    StatsRequest, StepBatch, Submit, TokenIds, UpdateWeights, Welcome, WeightsUpdated, WeightSync, WeightTensor,
+    WorkerStats, decode, encode
 )
 
 EXAMPLES = [
@@ -47,6 +48,17 @@ EXAMPLES = [
                                      num_queued_tokens=0)),
     Control(command="pause"),
     ControlAck(command="pause", state="paused"),
+    ControlAck(command="suspend", state="suspended", bytes_released=123456789),
+    WeightTensor(name="model.norm.weight", dtype="float32", shape=[64]),
+    WeightSync(init_method="tcp://10.0.0.1:29511", world_size=3, rank=2, backend="gloo", bucket_bytes=1 << 20,
+               tensors=[WeightTensor(name="a.weight", dtype="bfloat16", shape=[2, 3])]),
+    UpdateWeights(path="/models/step-100", on_running="abort", timeout_s=60.0, version=4),
+    UpdateWeights(sync=WeightSync(init_method="tcp://h:1", world_size=2,
+                                  tensors=[WeightTensor(name="x", dtype="float16", shape=[])])),
+    WeightsUpdated(version=3, num_tensors=20),
+    WeightsUpdated(version=3, error="weight update: tensor 'x' has dtype int32"),
+    Load(num_waiting=0, num_running=0, num_free_blocks=3, num_total_blocks=4, num_queued_tokens=0, weight_version=2,
+         suspended=True, bytes_released=1 << 30),
     DeltaBatch(deltas=[Delta(request_id="a", token_ids=TokenIds([3]), text="z", prompt_token_ids=TokenIds([1])),
                        Delta(request_id="b", token_ids=TokenIds([]), text="", finished=True, finish_reason="abort")]),
     StatsRequest(),
@@ -215,3 +227,20 @@ def test_snapshot_catch_up_starts_at_a_delta_boundary():
 def test_submit_deadline_and_reattach_are_checked(bad, text):
     with pytest.raises(ProtocolError, match=text):
         Submit(request_id="r", prompt_token_ids=TokenIds([1]), **bad)
+
+
+@pytest.mark.parametrize("build, text", [
+    (lambda: UpdateWeights(), "exactly one of 'path' and 'sync'"),
+    (lambda: UpdateWeights(path="/m", on_running="later"), "'on_running' must be one of drain, abort"),
+    (lambda: UpdateWeights(path="/m", timeout_s=0), "'timeout_s' must be in"),
+    (lambda: WeightSync(init_method="10.0.0.1:5", world_size=2, tensors=[WeightTensor("x", "float32", [1])]),
+     "tcp://HOST:PORT"),
+    (lambda: WeightSync(init_method="tcp://h:5", world_size=1, tensors=[WeightTensor("x", "float32", [1])]),
+     "'world_size' must be >= 2"),
+    (lambda: WeightSync(init_method="tcp://h:5", world_size=2, tensors=[]), "at least one tensor"),
+    (lambda: WeightTensor(name="x", dtype="int8", shape=[1]), "tensor 'x': dtype must be"),
+    (lambda: WeightTensor(name="x", dtype="float32", shape=[-1]), "tensor 'x': shape"),
+])
+def test_weight_update_messages_are_checked(build, text):
+    with pytest.raises(ProtocolError, match=text):
+        build()

@@ -1,0 +1,120 @@
+"""Inference inside training loops, on real processes: suspend frees each worker's memory (its RSS, read from
+/proc) and resume restores identical outputs; held requests survive; update_weights from a directory and from a
+trainer over gloo reaches every worker (transformers' output on the new weights, the version on every delta,
+no stale prefix cache), all or nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer import SamplingParams
+from infer.client.inference_client import ClusterError
+from hf_reference import transformers_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[5, 17, 300, 41, 9, 77, 1023, 64, 12, 88, 301, 7, 450, 33, 2, 19, 600, 3], [1000, 2000, 3000], [42, 43]]
+BIG_POOL = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(96 << 20), "--threads", "1",
+            "--max-num-seqs", "512"]
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+async def _generate(client, prompts=PROMPTS, params=GREEDY):
+    return await asyncio.gather(*(client.generate(p, params) for p in prompts))
+
+
+async def test_suspend_frees_worker_memory_and_resume_restores_identical_outputs(model_cluster, tiny_llama) -> None:
+    cluster = model_cluster(workers=1, engine_flags=tuple(BIG_POOL))
+    async with cluster.client() as client:
+        before = [c.token_ids for c in await _generate(client)]
+        [worker] = (await client.stats()).workers
+        pid = cluster.proc_of(worker.worker_id).popen.pid
+        assert await client.pause() == "paused"
+        held = asyncio.ensure_future(client.generate(PROMPTS[0], GREEDY))
+        rss = _rss(pid)
+        assert await client.suspend() == "suspended"
+        released = client.last_ack.bytes_released
+        assert released >= 64 << 20                          # the KV pool (all the blocks it can use) + weights
+        assert rss - _rss(pid) >= 0.9 * released             # given back to the OS
+        stats = await client.stats()
+        assert stats.state == "suspended" and stats.workers[0].load.suspended
+        assert stats.workers[0].load.bytes_released == released and stats.num_held == 1
+        await asyncio.sleep(0.5)
+        assert not held.done()                               # not run while suspended
+        assert await client.resume() == "paused"
+        assert client.last_ack.bytes_restored >= released * 0.99
+        assert not (await client.stats()).workers[0].load.suspended
+        assert await client.unpause() == "running"
+        assert (await asyncio.wait_for(held, 60)).token_ids == before[0]
+        assert [c.token_ids for c in await _generate(client)] == before
+
+
+async def test_refit_from_a_directory_reaches_every_worker(model_cluster, tiny_llama, tiny_weights_b) -> None:
+    weights_b = tiny_weights_b("llama")
+    cluster = model_cluster(workers=2)
+    async with cluster.client() as client:
+        on_a = await _generate(client)
+        assert [c.token_ids for c in on_a] == transformers_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens)
+        assert {c.weight_version for c in on_a} == {0}
+        warm = await _generate(client, [PROMPTS[0]] * 4)     # cached on both workers now
+        assert max(c.num_cached_tokens for c in warm) > 0
+        assert await client.update_weights(weights_b) == 1
+        assert (await client.generate(PROMPTS[0], GREEDY)).num_cached_tokens == 0   # recomputed, not stale
+        on_b = await _generate(client, PROMPTS * 2)          # both workers get some
+        assert [c.token_ids for c in on_b] == transformers_greedy(weights_b, PROMPTS, GREEDY.max_tokens) * 2
+        assert {c.weight_version for c in on_b} == {1}
+        stats = await client.stats()
+        assert stats.weight_version == 1 and {w.load.weight_version for w in stats.workers} == {1}
+        # a bad tensor: the whole update fails, naming it, and B keeps serving
+        from safetensors.torch import load_file, save_file
+
+        bad = cluster.logs / "bad"
+        bad.mkdir()
+        tensors = load_file(str(tiny_llama / "model.safetensors"))
+        tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:, :-1].contiguous()
+        save_file(tensors, str(bad / "model.safetensors"))
+        with pytest.raises(ClusterError, match="'model.layers.1.mlp.down_proj.weight'.*shape"):
+            await client.update_weights(bad)
+        again = await _generate(client)
+        assert [c.token_ids for c in again] == [c.token_ids for c in on_b[:3]]
+        assert {c.weight_version for c in again} == {1}
+
+
+async def test_refit_from_a_trainer_over_gloo(model_cluster, tiny_llama, tiny_weights_b) -> None:
+    from safetensors.torch import load_file
+
+    weights_b = tiny_weights_b("llama")
+    cluster = model_cluster(workers=2)
+    async with cluster.client() as client:
+        trainer = load_file(str(weights_b / "model.safetensors"))   # the trainer's tensors, in its memory
+        version = await client.update_weights(trainer.items(), bucket_bytes=1 << 20)
+        on_b = await _generate(client, PROMPTS * 2)
+        assert version == 1 and {c.weight_version for c in on_b} == {1}
+        assert [c.token_ids for c in on_b] == transformers_greedy(weights_b, PROMPTS, GREEDY.max_tokens) * 2
+        # a name no parameter has: refused by every worker, the old weights (B) keep serving
+        bad = {**trainer, "model.layers.0.mlp.gate_prj.weight": trainer["model.layers.0.mlp.gate_proj.weight"]}
+        with pytest.raises(ClusterError, match="'model.layers.0.mlp.gate_prj.weight'.*matches no parameter"):
+            await client.update_weights(bad)
+        assert [c.token_ids for c in await _generate(client)] == [c.token_ids for c in on_b[:3]]
+        # abort mode: a long request in flight ends with the reason; the next runs on the new weights
+        long = asyncio.ensure_future(client.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200,
+                                                                                ignore_eos=True)))
+        await asyncio.sleep(0.3)
+        assert await client.update_weights(load_file(str(tiny_llama / "model.safetensors")),
+                                           on_running="abort") == 2
+        aborted = await long
+        assert aborted.finish_reason == "abort" and "update_weights" in aborted.error
+        on_a = await _generate(client)
+        assert [c.token_ids for c in on_a] == transformers_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens)
+        assert {c.weight_version for c in on_a} == {2}
+        with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+            await client.update_weights([("model.norm.weight", torch.zeros(64, dtype=torch.int64))])
