@@ -106,12 +106,14 @@ async def test_refit_from_a_trainer_over_gloo(model_cluster, tiny_llama, tiny_we
             await client.update_weights(bad)
         assert [c.token_ids for c in await _generate(client)] == [c.token_ids for c in on_b[:3]]
         # abort mode: a long request in flight ends with the reason; the next runs on the new weights
-        long = asyncio.ensure_future(client.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200,
-                                                                                ignore_eos=True)))
-        await asyncio.sleep(0.3)
-        assert await client.update_weights(load_file(str(tiny_llama / "model.safetensors")),
-                                           on_running="abort") == 2
-        aborted = await long
+        # (the refit is sent once the request's first token is out: a fixed sleep raced its end on a fast machine)
+        stream = client.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        aborted = await anext(stream)
+        refit = asyncio.ensure_future(client.update_weights(load_file(str(tiny_llama / "model.safetensors")),
+                                                            on_running="abort"))
+        async for aborted in stream:
+            pass
+        assert await refit == 2
         assert aborted.finish_reason == "abort" and "update_weights" in aborted.error
         on_a = await _generate(client)
         assert [c.token_ids for c in on_a] == transformers_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens)

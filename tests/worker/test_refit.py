@@ -207,11 +207,15 @@ async def test_async_llm_direct_mode_drains_or_aborts_around_a_refit(weights_a, 
         assert old.finish_reason == "length" and old.weight_version == 0
         new = await llm.engine.generate(PROMPTS[1], GREEDY)
         assert new.weight_version == 1 and new.token_ids == _transformers_greedy(weights_b, [PROMPTS[1]])[0]
-        running = asyncio.ensure_future(llm.engine.generate(PROMPTS[0], long))
-        await asyncio.sleep(0.2)
-        assert await llm.update_weights(weights_a, on_running="abort") == 2
-        aborted = await running
-        assert aborted.finish_reason == "abort" and "update_weights" in aborted.error
+        # abort: the refit is sent as soon as the request's first token is out (a fixed sleep raced the
+        # request's end on a fast machine), and 200 tokens take far longer than that round trip
+        stream = llm.engine.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        last = await anext(stream)
+        refit = asyncio.ensure_future(llm.update_weights(weights_a, on_running="abort"))
+        async for last in stream:
+            pass
+        assert await refit == 2
+        assert last.finish_reason == "abort" and "update_weights" in last.error
         with pytest.raises(ValueError, match="matches no parameter"):
             await llm.update_weights([("nope.weight", torch.zeros(3))])
         assert (await llm.engine.generate(PROMPTS[1], GREEDY)).weight_version == 2
