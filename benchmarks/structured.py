@@ -31,8 +31,15 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 VLLM_PYTHON = HERE / ".peers" / "vllm-venv" / "bin" / "python"
 
 
-def _requests(count: int) -> list[str]:
-    return [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(count)]
+def _requests(tokenizer, count: int, max_tokens: int, sampling_params: type, structured: type) -> tuple[list, list]:
+    """The chat prompts and constrained parameters of `count` requests (schemas in turn), built with the
+    system's own SamplingParams and structured-outputs classes (both take vLLM's names)."""
+    names = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(count)]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Reply with JSON for '{n}'."}],
+                                             tokenize=False, add_generation_prompt=True) for n in names]
+    constrained = [sampling_params(temperature=1.0, seed=i, max_tokens=max_tokens,
+                                   structured_outputs=structured(json=SCHEMAS[n])) for i, n in enumerate(names)]
+    return prompts, constrained
 
 
 def _is_json(text: str) -> bool:
@@ -57,13 +64,7 @@ def run_infer(model: str, dtype: str, count: int, max_tokens: int) -> dict:
     from infer.protocol.structured import StructuredOutputsParams
 
     llm = LLM(model=model, dtype=dtype, max_model_len=1024, max_num_seqs=256, kv_cache_memory=1 << 30)
-    tokenizer = llm.get_tokenizer()
-    names = _requests(count)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Reply with JSON for '{n}'."}],
-                                             tokenize=False, add_generation_prompt=True) for n in names]
-    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens,
-                                  structured_outputs=StructuredOutputsParams(json=SCHEMAS[n]))
-                   for i, n in enumerate(names)]
+    prompts, constrained = _requests(llm.get_tokenizer(), count, max_tokens, SamplingParams, StructuredOutputsParams)
     llm.generate(prompts[:4], constrained[:4], use_tqdm=False)          # warm-up: compiles 4 grammars
     start = time.perf_counter()
     outs = llm.generate(prompts, constrained, use_tqdm=False)
@@ -82,13 +83,7 @@ def run_vllm(model: str, dtype: str, count: int, max_tokens: int) -> dict:
     from vllm.sampling_params import StructuredOutputsParams
 
     llm = LLM(model=model, dtype=dtype, max_model_len=1024, seed=0)
-    tokenizer = llm.get_tokenizer()
-    names = _requests(count)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Reply with JSON for '{n}'."}],
-                                             tokenize=False, add_generation_prompt=True) for n in names]
-    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens,
-                                  structured_outputs=StructuredOutputsParams(json=SCHEMAS[n]))
-                   for i, n in enumerate(names)]
+    prompts, constrained = _requests(llm.get_tokenizer(), count, max_tokens, SamplingParams, StructuredOutputsParams)
     llm.generate(prompts[:4], constrained[:4], use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, constrained, use_tqdm=False)
