@@ -1071,12 +1071,19 @@ class Coordinator:
                 self._answer_stats_waiters(now, force=True)
         return None
 
-    def _on_control_ack(self, identity: bytes, ack: ControlAck, now: float) -> None:
+    def _worker_frame(self, identity: bytes, kind: str, now: float) -> WorkerRecord | None:
+        """The registered worker that sent a `kind` frame, now seen; None (the sender refused) for any other."""
         worker = self.workers.by_identity.get(identity)
         if worker is None:
-            self._reject(identity, "only workers send control_ack")
-            return
+            self._reject(identity, f"only workers send {kind}")
+            return None
         worker.last_seen = now
+        return worker
+
+    def _on_control_ack(self, identity: bytes, ack: ControlAck, now: float) -> None:
+        worker = self._worker_frame(identity, "control_ack", now)
+        if worker is None:
+            return
         if ack.command == "stop" and self._stop_pending is not None:
             self._stop_pending.discard(worker.worker_id)
         barrier = self._barrier
@@ -1138,11 +1145,9 @@ class Coordinator:
         self._send_aborts(to_workers)
 
     def _on_weights_updated(self, identity: bytes, msg: WeightsUpdated, now: float) -> None:
-        worker = self.workers.by_identity.get(identity)
+        worker = self._worker_frame(identity, "weights_updated", now)
         if worker is None:
-            self._reject(identity, "only workers send weights_updated")
             return
-        worker.last_seen = now
         barrier = self._barrier
         if barrier is not None and barrier.version and msg.version == barrier.version:
             barrier.answer(worker.worker_id, msg.error)
