@@ -15,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -23,7 +22,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from infer.worker.daemon import EXIT_OK, Worker, WorkerOptions
+from infer.worker.core import EXIT_OK
+from infer.worker.daemon import Worker
+from infer.worker.options import WorkerOptions
 
 log = logging.getLogger("infer.spmd")
 
@@ -122,7 +123,7 @@ class InProcessWorker:
 
     def stop(self) -> None:
         """Drain and leave (as SIGTERM does to infer-worker): running requests finish, within its drain timeout."""
-        self.worker._on_signal(signal.SIGTERM, None)
+        self.worker.request_drain()
 
     def wait(self, timeout: float) -> bool:
         """Wait for the worker to end: told to stop by the coordinator (rank 0 closed), or the coordinator silent
@@ -130,7 +131,7 @@ class InProcessWorker:
         deadline = time.monotonic() + timeout
         while self._thread.is_alive() and time.monotonic() < deadline:
             self._thread.join(1.0)
-            if time.monotonic() - self.worker._last_heard > COORDINATOR_SILENCE_S:
+            if time.monotonic() - self.worker.last_heard > COORDINATOR_SILENCE_S:
                 log.warning("the coordinator has been silent for %.0f s; leaving", COORDINATOR_SILENCE_S)
                 self.stop()
         return not self._thread.is_alive()

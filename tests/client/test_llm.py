@@ -154,7 +154,7 @@ def test_bad_options_raise_before_anything_starts(options, message):
 
 def test_engine_options_become_the_same_worker_config(tmp_path):
     from infer.client.llm import LLMOptions
-    from infer.worker.daemon import build_parser, engine_config
+    from infer.worker.cli import build_parser, engine_config
 
     options = LLMOptions(model=str(tmp_path), use_coordinator=True, engine_options=dict(
         dtype="float32", device="cpu", max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64, block_size=8,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from infer.coordinator.daemon import build_parser as coordinator_parser
-from infer.worker.daemon import build_parser as worker_daemon_parser
+from infer.worker.cli import build_parser as worker_daemon_parser
 
 REPO = Path(__file__).resolve().parents[2]
 

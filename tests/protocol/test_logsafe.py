@@ -83,7 +83,7 @@ def test_setup_logging_refuses_an_unknown_format():
 
 @pytest.mark.parametrize("module, argv", [
     ("infer.coordinator.daemon", []),
-    ("infer.worker.daemon", ["--coordinator", "tcp://127.0.0.1:5555"]),
+    ("infer.worker.cli", ["--coordinator", "tcp://127.0.0.1:5555"]),
     ("infer.client.serve", []),
     ("infer.client.api.server", ["--coordinator", "tcp://127.0.0.1:5555"]),
 ])

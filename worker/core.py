@@ -1,0 +1,520 @@
+"""The worker's logic with no I/O: frames in, messages out, time passed in (the worker's twin of the
+coordinator's `handle / tick / take_outgoing`; `tests/worker_harness.py` drives it frame by frame).
+
+The shell (`worker/daemon.py`) owns the socket, the poller, the signal handlers, the heartbeat thread and the
+EP group's collectives; it calls, in its loop:
+
+    core.on_frame(frames, now)        each frame the coordinator sent (Dispatch -> Engine.add_request, ...)
+    core.check_signals(now)           SIGTERM / SIGINT counted in `core.signals` start (or end) the drain
+    core.after_step(outputs, now)     the engine step it ran when `core.wants_step()`: one StepBatch
+    core.tick(now, inbox_empty)       liveness: first Welcome deadline, re-registration, heartbeat
+    core.drained(now)                 the drain is over (its deadline gave the rest back): exit 0
+    core.take_outgoing()              the messages to send, in order
+
+and `core.poll_timeout(now)` says how long it may block. A decision that ends the worker raises `WorkerExit`
+(after queuing what must still go out). Long engine calls (a prompt's tokenization, a refit) run inside
+`busy()`, the shell's hook that lets the heartbeat thread send meanwhile (`beat_during_step`).
+
+Invariant: `_requests` holds exactly the ids dispatched here whose finished delta has not been sent, each with
+what its deltas carried so far (`_Sent`): the Hello of a re-registration (say, with a restarted coordinator)
+sends it, so the coordinator can hand each stream back to its client.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, ClassVar, NoReturn, Protocol
+
+import msgpack
+
+from infer.protocol.logsafe import RateLimitedLog, safe
+from infer.protocol.messages import (
+    MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
+    Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode
+)
+from infer.protocol.outputs import RequestOutput
+from infer.protocol.sampling import SamplingParams
+from infer.worker.config import EngineConfig
+from infer.worker.lifecycle import Action, WorkerState, transition
+from infer.worker.options import WorkerOptions
+from infer.worker.request import Request
+
+log = logging.getLogger("infer.worker")
+
+EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+
+
+class WorkerExit(Exception):
+    """Ends the worker with exit `code` once its message is logged; `leave_group`: the reason this rank tells
+    its EP group it leaves (None: the group is gone, or there is none)."""
+
+    def __init__(self, code: int, message: str, leave_group: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.leave_group = leave_group
+
+
+class EngineLike(Protocol):
+    """What the worker needs of an engine: the real Engine, or BenchmarkEngine."""
+
+    config: EngineConfig
+    model_id: str
+    block_size: int
+    max_model_len: int
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None,
+                    priority: int = 0) -> Request: ...
+    def step(self) -> list[RequestOutput]: ...
+    def take_pending(self) -> list[RequestOutput]: ...
+    def abort(self, request_id: str, release_text: bool = True) -> bool: ...
+    def has_unfinished(self) -> bool: ...
+    def load(self) -> Load: ...
+    def suspend(self) -> int: ...
+    def resume(self) -> int: ...
+    def prepare_update(self, msg: UpdateWeights) -> object: ...
+    def update_weights(self, source: object, version: int | None = None) -> int: ...
+
+
+@dataclass
+class _PendingRefit:
+    """An UpdateWeights whose tensors are checked and waiting for the engine's requests to finish (a drain)."""
+
+    msg: UpdateWeights
+    update: object          # the engine's WeightUpdate
+    deadline: float
+
+
+class WorkerCore:
+    """Decides everything one DP rank does on the wire (see the module doc); `now` is monotonic seconds and
+    `wall_offset` turns it into the wall-clock time heartbeats carry."""
+
+    def __init__(self, engine: EngineLike, options: WorkerOptions, now: float, *, wall_offset: float = 0.0,
+                 busy: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
+        self.engine, self.options = engine, options
+        self.busy = busy
+        self.wall_offset = wall_offset
+        self.state = WorkerState.RUNNING       # by Control (worker/lifecycle.py)
+        self.signals = 0                       # SIGTERM / SIGINT received (the shell's handler counts them)
+        self._outgoing: list[Message] = []
+        self._requests: dict[str, _Sent] = {}
+        self._silenced: set[str] = set()       # aborted at the coordinator's request: their final delta is dropped
+        self._instance: str | None = None      # the coordinator process that welcomed us (a change: it restarted)
+        self._incarnation = uuid.uuid4().hex[:16]   # this process, as the coordinator tells it from another
+        self._dispatches_seen = 0              # Dispatch frames received since that coordinator's Welcome
+        self.rank = options.dp_rank            # the DP rank and group the coordinator's Welcome gave us
+        self.group_id = options.group_id
+        self._outbox: list[Delta] = []         # deltas made outside a step (rejected Dispatches)
+        self._last_sent = self.last_heard = self._hello_sent_at = now
+        self._connect_deadline = now + options.connect_timeout
+        self._welcomed = False                 # a Welcome answered the latest Hello
+        self.ever_welcomed = False
+        self._signals_seen = 0
+        self._drain_deadline: float | None = None
+        self._warn = RateLimitedLog(log)
+        self.last_load: Load = engine.load()   # what a heartbeat sent during a step reports
+        self._refit: _PendingRefit | None = None   # an UpdateWeights waiting for a drain
+
+    # ---- the shell's surface -------------------------------------------------------------------
+
+    def start(self, now: float) -> None:
+        """The first Hello (the shell has connected)."""
+        self._send_hello(now)
+
+    def on_frame(self, frames: list[bytes], now: float) -> None:
+        """One multipart message from the coordinator."""
+        self.last_heard = now
+        if len(frames) != 1:
+            return self._bad_frame(f"expected one frame per message, got {len(frames)}", frames[0][:64], now)
+        try:
+            msg = decode(frames[0])
+        except ProtocolError as e:
+            return self._bad_frame(e, frames[0], now)
+        handler = self._HANDLERS.get(type(msg))
+        if handler is None:
+            return self._send(Error(message=f"a worker does not handle {msg.TYPE!r} messages"), now)
+        handler(self, msg, now)
+
+    def wants_step(self) -> bool:
+        """The engine has work and the lifecycle lets it step."""
+        return self.state is WorkerState.RUNNING and self.engine.has_unfinished()
+
+    def after_step(self, outputs: list[RequestOutput], now: float, refit: bool = True) -> None:
+        """The outputs of the step the shell ran (or of `take_pending` when it did not step): one StepBatch with
+        their deltas and any rejections; then a pending refit is applied if the engine has emptied (`refit`;
+        an EP group's rank never applies one here)."""
+        self._send_step_batch(outputs, now)
+        if refit and self._refit is not None:
+            self._apply_refit(now)
+
+    def engine_broken(self, error: Exception, now: float) -> NoReturn:
+        """The engine step raised (the engine fails single requests itself, so this is the engine broken)."""
+        self._send(Error(message=f"worker {self.options.worker_id} failed: engine step: {error!r}"), now)
+        raise WorkerExit(EXIT_FATAL, f"fatal: engine step failed: {error!r}")
+
+    def group_broken(self, reason: str, now: float) -> NoReturn:
+        """The EP group cannot step any more: give every request back (the coordinator moves them to another
+        group, resuming each stream where it stands) and exit."""
+        log.error("%s; giving back %d request(s) and exiting", reason, len(self._requests))
+        self._abort_all(now)
+        raise WorkerExit(EXIT_FATAL, f"fatal: {reason}")
+
+    def check_signals(self, now: float) -> None:
+        """The first signal starts the drain (deadline --drain-timeout); a second ends it at once."""
+        if self.signals == self._signals_seen:
+            return
+        self._signals_seen = self.signals
+        if self._drain_deadline is None:
+            self._drain_deadline = now + self.options.drain_timeout
+            log.info("signal received: draining %d requests (at most %g s)", len(self._requests),
+                     self.options.drain_timeout)
+        elif self.signals > 1 and self._drain_deadline > now:
+            log.info("second signal: aborting the %d requests left", len(self._requests))
+            self._drain_deadline = now
+
+    def silence_due(self, now: float) -> bool:
+        """The coordinator has been silent for --coordinator-timeout (since it was heard, or since our Hello)."""
+        return now - max(self.last_heard, self._hello_sent_at) >= self.options.coordinator_timeout
+
+    def tick(self, now: float, inbox_empty: bool = True) -> None:
+        """Liveness: no first Welcome by --connect-timeout ends the worker; coordinator silence (`silence_due`,
+        with nothing waiting in the inbox: frames that came during a long step are not silence) registers
+        again; otherwise a heartbeat each interval."""
+        if not self.ever_welcomed and now >= self._connect_deadline:
+            raise WorkerExit(EXIT_FATAL, f"fatal: no Welcome from the coordinator at {self.options.coordinator} "
+                                         f"within {self.options.connect_timeout:g} s")
+        if self.silence_due(now) and inbox_empty:
+            log.warning("nothing heard from the coordinator for %.1f s; registering again", now - self.last_heard)
+            self._send_hello(now)
+        elif self.ever_welcomed and now - self._last_sent >= self.options.heartbeat_interval:
+            self._heartbeat(now)
+
+    def beat_during_step(self, now: float, step_started: float) -> None:
+        """Called by the shell's heartbeat thread while an engine call runs: a Heartbeat (the last load and the
+        step's age) when an interval passed since the last frame out."""
+        if self.ever_welcomed and now - self._last_sent >= self.options.heartbeat_interval:
+            self._send(Heartbeat(sent_at=now + self.wall_offset, load=self.last_load,
+                                 step_age_s=round(now - step_started, 3)), now)
+
+    def drained(self, now: float) -> bool:
+        """A drain is under way and over: every request finished (those left at its deadline given back)."""
+        if self._drain_deadline is None:
+            return False
+        if self._requests and now >= self._drain_deadline:
+            log.warning("drain timeout: aborting %d requests", len(self._requests))
+            self._abort_all(now)
+        return not self._requests and not self.engine.has_unfinished()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def poll_timeout(self, now: float, group_busy: bool = False, group_check_due: float | None = None) -> float:
+        """Seconds the shell may block in poll: 0 while the engine has work (or the EP group is in rounds:
+        `group_busy`), else until the next timer is due (`group_check_due`: the idle group's member check)."""
+        if self.wants_step():
+            return 0.0
+        if self._refit is not None:
+            return 0.0 if not self.engine.has_unfinished() else max(0.0, self._refit.deadline - now)
+        if group_busy:
+            return 0.0
+        due = [max(self.last_heard, self._hello_sent_at) + self.options.coordinator_timeout]
+        due.append(self._last_sent + self.options.heartbeat_interval if self.ever_welcomed
+                   else self._connect_deadline)
+        if self._drain_deadline is not None:
+            due.append(self._drain_deadline)
+        if group_check_due is not None:
+            due.append(group_check_due)
+        return max(0.0, min(due) - now)
+
+    def on_handshake_failure(self, problem: str, refused_key: bool) -> None:
+        """A failed CURVE handshake (`problem`, from transport.handshake_failure): before the first Welcome, or a
+        key the coordinator refused (`refused_key`) at any time, it ends the worker saying why; after it, one
+        that may be a restarting coordinator is only logged."""
+        if self.ever_welcomed and not refused_key:
+            self._warn.warning("a reconnection to the coordinator failed in the handshake: %s", problem)
+            return
+        raise WorkerExit(EXIT_REFUSED, f"fatal: cannot register with the coordinator at "
+                                       f"{self.options.coordinator}: {problem}")
+
+    def take_outgoing(self) -> list[Message]:
+        out, self._outgoing = self._outgoing, []
+        return out
+
+    def state_name(self) -> str:
+        return "draining" if self._drain_deadline is not None and self.state is WorkerState.RUNNING \
+            else self.state.value
+
+    # ---- out -----------------------------------------------------------------------------------
+
+    def _send(self, msg: Message, now: float) -> None:
+        self._outgoing.append(msg)
+        self._last_sent = now
+
+    def _heartbeat(self, now: float) -> None:
+        self.last_load = self.engine.load()
+        self._send(Heartbeat(sent_at=now + self.wall_offset, load=self.last_load), now)
+
+    def _send_step_batch(self, outputs: list[RequestOutput], now: float) -> None:
+        silenced = 0
+        if self._silenced:
+            kept = [out for out in outputs if not self._silence(out)]
+            silenced, outputs = len(outputs) - len(kept), kept
+        deltas, self._outbox = self._outbox + [self._delta(out) for out in outputs], []
+        if deltas or silenced:     # an abort freed blocks: the coordinator hears of it at once
+            self.last_load = self.engine.load()
+            self._send(StepBatch(deltas=deltas, load=self.last_load), now)
+
+    def _silence(self, out: RequestOutput) -> bool:
+        if out.finish_reason == "abort" and out.request_id in self._silenced:
+            self._silenced.discard(out.request_id)
+            return True
+        return False
+
+    def _delta(self, out: RequestOutput) -> Delta:
+        sent = self._requests.pop(out.request_id, None) if out.finished else self._requests.get(out.request_id)
+        prompt_ids = None
+        if sent is not None:
+            prompt_ids = None if sent.echoed else sent.prompt_token_ids
+            sent.record(out.token_ids, out.text)
+        return Delta(request_id=out.request_id, token_ids=TokenIds(out.token_ids), text=out.text,
+                     finished=out.finished, finish_reason=out.finish_reason, error=out.error,
+                     logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
+                     num_cached_tokens=out.num_cached_tokens, prompt_token_ids=prompt_ids,
+                     error_code=out.error_code, queue_time_s=out.queue_time_s, seed=out.seed,
+                     prompt_logprobs=out.prompt_logprobs, weight_version=out.weight_version)
+
+    # ---- registration ----------------------------------------------------------------------------
+
+    def _send_hello(self, now: float) -> None:
+        engine = self.engine
+        self._send(Hello(role="worker", peer_id=self.options.worker_id, model_id=engine.model_id,
+                         dp_rank=self.options.dp_rank, group_id=self.options.group_id, rank_hint=self.rank,
+                         num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
+                         max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
+                         running=list(self._requests), max_waiting=self.options.max_waiting_requests,
+                         incarnation=self._incarnation, dispatches_seen=self._dispatches_seen,
+                         snapshots=[sent.snapshot(rid) for rid, sent in self._requests.items()]), now)
+        self._welcomed = False
+        self._hello_sent_at = now
+
+    def _on_welcome(self, msg: Welcome, now: float) -> None:
+        if self._welcomed:
+            return
+        self._welcomed = True
+        if msg.instance != self._instance:     # a coordinator process new to us counts its Dispatches from 0
+            self._instance, self._dispatches_seen = msg.instance, 0
+        if msg.dp_rank is not None:
+            if self.rank is not None and msg.dp_rank != self.rank:
+                log.warning("the coordinator moved this worker from dp_rank %d to %d", self.rank, msg.dp_rank)
+            self.rank, self.group_id = msg.dp_rank, msg.group_id or self.group_id
+        if self.ever_welcomed:
+            log.info("re-registered with coordinator %s (%d requests running)", safe(msg.coordinator_id),
+                     len(self._requests))
+            return
+        self.ever_welcomed = True
+        opts = self.options
+        log.info("worker ready: rank %s group %s id %s coordinator %s (%s, state %s) model %s, %d KV blocks "
+                 "of %d tokens", self.rank, safe(self.group_id), opts.worker_id, opts.coordinator,
+                 safe(msg.coordinator_id), safe(msg.state), self.engine.model_id, self.engine.num_kv_blocks,
+                 self.engine.block_size)
+
+    def _on_refused(self, msg: Refused, now: float) -> None:
+        raise WorkerExit(EXIT_REFUSED, f"the coordinator refused this worker: {msg.reason}")
+
+    def _on_error(self, msg: Error, now: float) -> None:
+        self._warn.warning("coordinator reports an error%s: %s",
+                           f" for request {safe(msg.request_id)}" if msg.request_id else "", safe(msg.message))
+        # Many frames may cross a coordinator restart: one Hello per heartbeat interval answers them all.
+        recent_hello = not self._welcomed and now - self._hello_sent_at < self.options.heartbeat_interval
+        if msg.message.startswith("unknown worker") and not recent_hello:
+            self._send_hello(now)
+
+    def _on_heartbeat(self, msg: Heartbeat, now: float) -> None:
+        if self._welcomed and msg.instance is not None and self._instance not in (None, msg.instance):
+            log.warning("the coordinator restarted (instance %s -> %s); registering again with %d request(s)",
+                        safe(self._instance), safe(msg.instance), len(self._requests))
+            self._send_hello(now)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def _on_dispatch(self, msg: Dispatch, now: float) -> None:
+        self._dispatches_seen += 1
+        self.check_signals(now)   # a signal that came while this frame was queued wins
+        if self._drain_deadline is not None:
+            return self._reject(msg.request_id, "worker is draining", "draining", msg.prompt_token_ids)
+        if msg.request_id in self._requests:
+            return self._reject(msg.request_id, f"request id {msg.request_id!r} is already running on this worker",
+                                "internal", msg.prompt_token_ids)
+        limit = self.engine.config.max_num_seqs + self.options.max_waiting_requests
+        if len(self._requests) >= limit:
+            return self._reject(msg.request_id, f"worker {self.options.worker_id} is full: "
+                                f"{len(self._requests)} requests (max_num_seqs + --max-waiting-requests = {limit})",
+                                "overloaded", msg.prompt_token_ids)
+        prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids)
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            with self.busy():     # a huge prompt's tokenization: heartbeats go on meanwhile
+                request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids,
+                                                  msg.resumed_text_len, priority=msg.priority)
+        except ValueError as e:
+            return self._reject(msg.request_id, str(e), "invalid_request", msg.prompt_token_ids)
+        self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), len(msg.resumed_token_ids),
+                                               TokenIds(msg.resumed_token_ids), request.params.seed)
+
+    def _reject(self, request_id: str, reason: str, code: str, prompt_token_ids: TokenIds | None = None) -> None:
+        self._warn.warning("request %s rejected: %s", safe(request_id), safe(reason))
+        self._outbox.append(Delta(request_id=request_id, token_ids=TokenIds(), text="", finished=True,
+                                  finish_reason="error", error=reason, error_code=code,
+                                  prompt_token_ids=prompt_token_ids))
+
+    def _on_abort(self, msg: Abort, now: float) -> None:
+        """The coordinator forgot these requests before it asked: free their KV blocks now and send no final
+        delta (so the same id may be dispatched here again at once). Unknown or finished ids: nothing to do."""
+        for request_id in msg.request_ids:
+            if self._requests.pop(request_id, None) is not None and self.engine.abort(request_id):
+                self._silenced.add(request_id)
+
+    def _abort_all(self, now: float) -> None:
+        """Give every request back. Text held back stays out of the final deltas: whoever resumes a request
+        from its delivered tokens produces it (a stop string may yet cut it)."""
+        for request_id in list(self._requests):
+            self.engine.abort(request_id, release_text=False)
+        self._send_step_batch(self.engine.take_pending(), now)
+
+    # ---- lifecycle (worker/lifecycle.py) ---------------------------------------------------------
+
+    def _on_control(self, msg: Control, now: float) -> None:
+        step = transition(self.state, msg.command)
+        released = restored = 0
+        try:
+            if Action.SUSPEND_ENGINE in step.actions:
+                released = self.engine.suspend()
+            if Action.RESUME_ENGINE in step.actions:
+                restored = self.engine.resume()
+        except Exception as e:   # the engine could not release or restore: say so, keep the old state
+            log.exception("%s failed", msg.command)
+            return self._send(ControlAck(command=msg.command, state=self.state_name(),
+                                         error=f"{type(e).__name__}: {e}"), now)
+        if Action.ABORT_ALL in step.actions:
+            self._abort_all(now)
+        self.state = step.state
+        if Action.EXIT in step.actions:
+            self._send(ControlAck(command=msg.command, state=step.state.value), now)
+            raise WorkerExit(EXIT_OK, "stopped by the coordinator", leave_group="stopped by the coordinator")
+        log.info("%s: now %s%s", msg.command, self.state.value, f" ({released} bytes released)" if released else
+                 f" ({restored} bytes restored)" if restored else "")
+        self._heartbeat(now)   # the new state, before the ack
+        self._send(ControlAck(command=msg.command, state=self.state_name(), bytes_released=released,
+                              bytes_restored=restored), now)
+
+    # ---- weight refit --------------------------------------------------------------------------
+
+    def _on_update_weights(self, msg: UpdateWeights, now: float) -> None:
+        """Receive (from a trainer) and check the new weights now; apply them once no request is left (the
+        coordinator aborted them first, or holds new ones while these drain). Answer WeightsUpdated."""
+        if self._refit is not None:
+            return self._send(WeightsUpdated(version=msg.version or 0, error="a weight update is already pending "
+                                                                            "on this worker"), now)
+        try:
+            with self.busy():      # a broadcast of many tensors: heartbeats go on meanwhile
+                update = self.engine.prepare_update(msg)
+        except Exception as e:   # noqa: BLE001 - a bad tensor, a failed transfer: the old weights keep serving
+            log.error("weight update to version %s refused: %s", msg.version, e)
+            return self._send(WeightsUpdated(version=msg.version or 0, error=f"{type(e).__name__}: {e}"), now)
+        self._refit = _PendingRefit(msg, update, now + msg.timeout_s)
+        self._apply_refit(now)
+
+    def _apply_refit(self, now: float) -> None:
+        refit = self._refit
+        if refit is None:
+            return
+        if self.engine.has_unfinished():
+            if now < refit.deadline:
+                return
+            self._refit = None
+            return self._send(WeightsUpdated(version=refit.msg.version or 0, error=(
+                f"{len(self._requests)} request(s) did not finish within {refit.msg.timeout_s:g} s; the old "
+                f"weights keep serving")), now)
+        self._refit = None
+        try:
+            with self.busy():
+                version = self.engine.update_weights(refit.update, refit.msg.version)
+        except Exception as e:   # noqa: BLE001
+            log.exception("applying the weight update failed")
+            return self._send(WeightsUpdated(version=refit.msg.version or 0, error=f"{type(e).__name__}: {e}"), now)
+        self._heartbeat(now)
+        self._send(WeightsUpdated(version=version, num_tensors=len(getattr(refit.update, "specs", ()))), now)
+
+    # ---- frames --------------------------------------------------------------------------------
+
+    def _bad_frame(self, problem: str | ProtocolError, frame: bytes, now: float) -> None:
+        """Answer an undecodable frame: an error delta when it is a Dispatch whose id can be read (so that
+        request fails alone), else an Error naming the problem (and the request id when readable)."""
+        self._warn.warning("bad frame from the coordinator (%d bytes): %s", len(frame), safe(problem))
+        kind = problem.message_type if isinstance(problem, ProtocolError) else None
+        problem, request_id = str(problem), _peek_request_id(frame)
+        if kind == Dispatch.TYPE and request_id is not None:
+            self._reject(request_id, f"bad dispatch: {problem}", "invalid_request")
+        else:
+            self._send(Error(message=problem, request_id=request_id), now)
+
+    _HANDLERS: ClassVar[dict[type[Message], Callable[[WorkerCore, Any, float], None]]] = {
+        Welcome: _on_welcome, Refused: _on_refused, Error: _on_error, Dispatch: _on_dispatch,
+        Abort: _on_abort, Control: _on_control, Heartbeat: _on_heartbeat, UpdateWeights: _on_update_weights,
+    }
+
+
+class _Sent:
+    """What the deltas of one request carried so far: enough to rebuild its stream from any delta boundary
+    (see RequestSnapshot). Tokens resumed from a failover come first; their text is the client's already."""
+
+    __slots__ = ("prompt_token_ids", "resumed", "token_ids", "text_parts", "delta_ends", "text_ends", "text_len",
+                 "echoed", "seed")
+
+    def __init__(self, prompt_token_ids: TokenIds, resumed: int, resumed_token_ids: TokenIds,
+                 seed: int | None = None) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.seed = seed
+        self.resumed = resumed
+        self.token_ids = resumed_token_ids
+        self.text_parts: list[str] = []
+        self.delta_ends: list[int] = []
+        self.text_ends: list[int] = []
+        self.text_len = 0
+        self.echoed = False          # the first delta (which echoes the prompt ids) went out
+
+    def record(self, token_ids: list[int], text: str) -> None:
+        self.echoed = True
+        if token_ids or text:
+            self.token_ids.extend(token_ids)
+            if text:
+                self.text_parts.append(text)
+                self.text_len += len(text)
+            self.delta_ends.append(len(self.token_ids))
+            self.text_ends.append(self.text_len)
+
+    def snapshot(self, request_id: str) -> RequestSnapshot:
+        return RequestSnapshot(request_id=request_id, prompt_token_ids=self.prompt_token_ids,
+                               token_ids=TokenIds(self.token_ids), resumed=self.resumed, text="".join(self.text_parts),
+                               delta_ends=list(self.delta_ends), text_ends=list(self.text_ends), seed=self.seed)
+
+
+def _peek_request_id(frame: bytes) -> str | None:
+    """The request id of a frame that failed to decode, when it can be read; never raises."""
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=False).get("body")
+        request_id = body.get("request_id") if isinstance(body, dict) else None
+    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types; a frame we cannot read
+        return None
+    return request_id if isinstance(request_id, str) and 0 < len(request_id) <= MAX_ID_LEN else None
