@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import heapq
 import itertools
 import logging
 import os
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from infer.client.inference_client import ClusterError
+from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
@@ -160,9 +160,8 @@ class LocalEngine:
         self._lock = threading.Lock()         # orders "is it closed?" + put against close()
         self._closed_reason: str | None = None
         self._streams: dict[str, _Stream] = {}   # engine thread only: requests in the engine
-        # engine thread only: a heap of (deadline, seq, stream, timeout); finished streams are skipped
-        self._deadlines: list[tuple[float, int, _Stream, float]] = []
-        self._deadline_seq = itertools.count()
+        # engine thread only: (stream, timeout) by deadline; finished streams are skipped
+        self._deadlines: DeadlineHeap[tuple[_Stream, float]] = DeadlineHeap()
         self._counters = RequestCounters()       # engine thread only
         self._refit: _UpdateWeights | None = None   # engine thread only: a drain before new weights
         self._deferred: list[_Add] = []          # engine thread only: requests that came during that drain
@@ -360,18 +359,15 @@ class LocalEngine:
         self._streams[stream.request_id] = stream
         if command.timeout is not None:
             deadline = command.submitted_at + command.timeout
-            heapq.heappush(self._deadlines, (deadline, next(self._deadline_seq), stream, command.timeout))
-            if len(self._deadlines) > 2 * len(self._streams) + 64:   # drop finished requests' deadlines
-                self._deadlines = [e for e in self._deadlines if self._streams.get(e[2].request_id) is e[2]]
-                heapq.heapify(self._deadlines)
+            self._deadlines.push(deadline, (stream, command.timeout), len(self._streams), self._in_engine)
 
     def _expire_deadlines(self) -> None:
         """Time out every request in the engine whose deadline has passed."""
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, stream, timeout = heapq.heappop(self._deadlines)
-            if self._streams.get(stream.request_id) is stream:
-                self._time_out(stream, timeout)
+        for _, (stream, timeout) in self._deadlines.pop_due(time.monotonic(), self._in_engine):
+            self._time_out(stream, timeout)
+
+    def _in_engine(self, _deadline: float, entry: tuple[_Stream, float]) -> bool:
+        return self._streams.get(entry[0].request_id) is entry[0]
 
     def _time_out(self, stream: _Stream, timeout: float) -> None:
         """Abort the request (its KV blocks are freed now) and end its stream with a "timeout" error."""

@@ -79,7 +79,7 @@ class CoordinatorDaemon:
         else:
             self.sock.bind(config.endpoint)
         self.config = config
-        self.core = Coordinator(config, time.monotonic(), keys=authorized)
+        self.core = Coordinator(config, time.monotonic(), keys=authorized, wall_offset=time.time() - time.monotonic())
         self._next_key_check = time.monotonic() + config.heartbeat_interval
         self._wake_r, self._wake_w = socket.socketpair()
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from core_harness import Harness, delta
 
-import infer.coordinator.core as core_module
-from infer.coordinator.core import MAX_STATS_PER_CLIENT_S, MAX_STATS_WAITERS_PER_CLIENT
+import infer.coordinator.liveness as liveness_module
+from infer.coordinator.statistics import MAX_STATS_PER_CLIENT_S, MAX_STATS_WAITERS_PER_CLIENT
 from infer.protocol.messages import (
     Abort, ClusterStats, DeltaBatch, Dispatch, Error, Heartbeat, Hello, Message, StatsRequest, Submit, TokenIds,
     Welcome
@@ -108,7 +108,7 @@ def test_a_worker_that_reads_nothing_is_declared_dead_and_its_requests_move():
 
 
 def test_lost_client_tombstones_are_bounded_in_number_and_age(monkeypatch):
-    monkeypatch.setattr(core_module, "MAX_LOST_CLIENTS", 3)
+    monkeypatch.setattr(liveness_module, "MAX_LOST_CLIENTS", 3)
     h = two_workers()
     clients = [f"c{i}".encode() for i in range(5)]
     for i, c in enumerate(clients):
@@ -117,7 +117,7 @@ def test_lost_client_tombstones_are_bounded_in_number_and_age(monkeypatch):
     h.out()
     assert of_type(h.send(clients[0], Heartbeat(sent_at=0.0)), Heartbeat)        # forgotten: the oldest
     assert of_type(h.send(clients[4], Heartbeat(sent_at=0.0)), Error)[0].code == "client_lost"
-    h.advance(core_module.LOST_CLIENT_TTL_S + 1)
+    h.advance(liveness_module.LOST_CLIENT_TTL_S + 1)
     assert of_type(h.send(clients[3], Heartbeat(sent_at=0.0)), Heartbeat)        # aged out
 
 

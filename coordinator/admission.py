@@ -1,0 +1,220 @@
+"""Admission, routing and deadlines: a Submit is refused as overloaded, held, or routed and dispatched; held
+requests go out in order (resumed ones first, then by priority) when room appears; requests past their timeout
+fail from one deadline heap (protocol/deadlines.py, which LocalEngine uses too). No I/O: a job of the
+Coordinator (core.py)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import TYPE_CHECKING
+
+from infer.coordinator.lifecycle import ClusterState
+from infer.coordinator.state import RequestRecord, WorkerRecord
+from infer.protocol.deadlines import DeadlineHeap
+from infer.protocol.messages import (
+    Delta, Submit, TokenIds
+)
+from infer.protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from infer.coordinator.core import Coordinator
+
+log = logging.getLogger("infer.coordinator")
+
+_DEFAULTS = SamplingParams()
+
+
+class Admission:
+    """Which requests go where, and when; the deadline heap; the routable workers."""
+
+    def __init__(self, core: Coordinator) -> None:
+        self.core = core
+        self._seeds = random.Random()                # seeds for sampled requests that come without one
+        self.routable_cache: list[WorkerRecord] | None = None
+        self.deadlines: DeadlineHeap[str] = DeadlineHeap()   # request ids by deadline; stale entries skipped
+
+    def new_record(self, identity: bytes, submit: Submit, now: float) -> RequestRecord:
+        sampling = self._seeded(submit.sampling)
+        request = RequestRecord(
+            request_id=submit.request_id, client=identity, prompt=submit.prompt,
+            prompt_token_ids=submit.prompt_token_ids, sampling=sampling,
+            max_tokens=sampling.get("max_tokens", _DEFAULTS.max_tokens),
+            min_tokens=sampling.get("min_tokens", _DEFAULTS.min_tokens), pin_rank=submit.pin_rank,
+            priority=submit.priority,
+            submitted_at=now, deadline=None if submit.timeout_s is None else now + submit.timeout_s)
+        if request.deadline is not None:
+            self._add_deadline(request)
+        return request
+
+    def _seeded(self, sampling: dict) -> dict:
+        """`sampling` with a seed of its own if it samples (temperature > 0) and has none: a re-dispatch then
+        continues the same random stream, and the client can replay it (the first delta reports it)."""
+        if sampling.get("seed") is not None or sampling.get("temperature", _DEFAULTS.temperature) <= 0:
+            return sampling
+        return {**sampling, "seed": self._seeds.getrandbits(63)}
+
+    def admit(self, request: RequestRecord, now: float) -> None:
+        """Dispatch an accepted request now, or hold it behind the ones already waiting."""
+        if self._dispatching and not self.core.requests.held:
+            self._dispatch(request, now)
+        else:
+            self.core.requests.hold(request, now)
+
+    def admission_refusal(self, submit: Submit) -> str | None:
+        """Why a new request must be refused at once as overloaded (its queues are full), or None.
+
+        Priority (lower first) decides who is shed: with every worker at its limit, a request of a better
+        priority than some request in flight is held (first in line for the next free seat, and its worker
+        ranks it first) instead of refused; with the held queue full, a newcomer of a better priority
+        takes the place of the worst held request that has not started, which fails as "overloaded"."""
+        if self.core.state is not ClusterState.RUNNING or not self.routable():
+            return self._held_room(submit)
+        if submit.pin_rank is not None:
+            pinned = [w for w in self.routable() if w.dp_rank == submit.pin_rank]
+            if pinned and not self._has_room(pinned[0]):
+                return (f"the cluster is overloaded: dp_rank {submit.pin_rank} already has "
+                        f"{pinned[0].num_in_flight} requests, its limit; retry later")
+            return None
+        if not any(self._has_room(w) for w in self.routable()):
+            if submit.priority < self._worst_priority_in_flight():
+                return self._held_room(submit)
+            busiest = max(self.routable(), key=lambda w: w.num_in_flight)
+            return (f"the cluster is overloaded: every worker has its limit of requests (dp_rank "
+                    f"{busiest.dp_rank}: {busiest.num_in_flight}); retry later")
+        return None
+
+    def _held_room(self, submit: Submit) -> str | None:
+        """None if `submit` may wait in the coordinator, shedding a held request of a worse priority to make room
+        when the queue is full; else why it is refused."""
+        limit = self.core.config.max_held_requests
+        if len(self.core.requests.held) < limit:
+            return None
+        fresh = [r for r in self.core.requests.held.values() if not r.delivered]
+        victim = max(reversed(fresh), key=lambda r: r.priority, default=None)   # the newest of the worst
+        if victim is not None and victim.priority > submit.priority:
+            self.core.fail(victim, f"request {victim.request_id!r} was shed from the coordinator's full queue for a "
+                               f"request of a better priority ({submit.priority} < {victim.priority}); retry "
+                               f"later", code="overloaded")
+            return None
+        return (f"the cluster is overloaded: {len(self.core.requests.held)} requests already wait in the "
+                f"coordinator (the limit, --max-held-requests {limit}); retry later")
+
+    def _worst_priority_in_flight(self) -> int:
+        """The largest priority among the requests on workers (so the least urgent); on the refusal path only."""
+        return max((r.priority for r in self.core.requests.by_id.values() if r.worker_id is not None),
+                   default=-2**63)
+
+    def _has_room(self, worker: WorkerRecord) -> bool:
+        limit = worker.request_limit(self.core.config.max_requests_per_worker)
+        return limit is None or worker.num_in_flight < limit
+
+    def _dispatch(self, request: RequestRecord, now: float) -> bool:
+        """Route and send `request`; False (it stays or becomes held) if no worker can take it now."""
+        routable = self.routable()
+        candidates = [w for w in routable if self._has_room(w)]
+        if not candidates:
+            self.core.requests.hold(request, now)
+            return False
+        if request.pin_rank is not None and request.retries == 0:
+            worker = next((w for w in candidates if w.dp_rank == request.pin_rank), None)
+            if worker is None and any(w.dp_rank == request.pin_rank for w in routable):
+                self.core.requests.hold(request, now)     # its rank is full: it waits for room there
+                return False
+            if worker is None:
+                ranks = ", ".join(str(w.dp_rank) for w in sorted(routable, key=lambda w: w.dp_rank))
+                self.core.fail(request, f"request {request.request_id!r} is pinned to dp_rank {request.pin_rank}, "
+                                    f"which is not available (healthy ranks: {ranks})")
+                return True
+        else:
+            worker = self.core.policy.choose(request.routing_prompt, self._for_suspect(request, candidates))
+        if request.delivered and request.prompt_token_ids is None:
+            self.core.fail(request, f"request {request.request_id!r} cannot be resumed: its worker never reported "
+                                f"the prompt's token ids")
+            return True
+        if request.remaining_budget() == 0:      # every token is out; only the final delta was lost
+            self.core.counters.requests_completed += 1
+            self.core.finish(request, Delta(request_id=request.request_id, token_ids=TokenIds(), text="",
+                                        finished=True, finish_reason="length"), {})
+            return True
+        self.place(request, worker)
+        worker.requests_routed += 1
+        worker.dispatches_sent += 1
+        request.dispatch_seq = worker.dispatches_sent
+        self.core.send(worker.identity, request.dispatch())
+        return True
+
+    def _for_suspect(self, request: RequestRecord, candidates: list[WorkerRecord]) -> list[WorkerRecord]:
+        """A suspect goes where no other suspect runs, when such a worker can take it: should one of them be a
+        poison, the next death then hits it alone, not the bystanders that died with it once."""
+        if not request.suspect:
+            return candidates
+        clear = [w for w in candidates
+                 if not any(r is not None and r.suspect for r in map(self.core.requests.get, w.requests))]
+        return clear or candidates
+
+    def place(self, request: RequestRecord, worker: WorkerRecord) -> None:
+        """Put `request` on `worker`'s books (it runs there from now on), charged at its estimated cost."""
+        self.core.requests.unhold(request)
+        request.worker_id = worker.worker_id
+        request.charged = request.cost
+        worker.requests.add(request.request_id)
+        worker.cost_in_flight += request.charged
+
+    @property
+    def _dispatching(self) -> bool:
+        """New work goes to the workers: running, and no weight update under way (it holds new requests)."""
+        return self.core.state is ClusterState.RUNNING and not self.core.commands.refit_pending
+
+    def dispatch_held(self, now: float) -> None:
+        if not self._dispatching or not self.core.requests.held or not self.routable():
+            return
+        for request in self._held_in_order():
+            if not self._dispatch(request, now):
+                return
+
+    def _held_in_order(self) -> list[RequestRecord]:
+        """Held requests in dispatch order: resumed ones (a failover) first, then by priority, each in the order
+        they were held."""
+        held = list(self.core.requests.held.values())
+        if all(r.priority == held[0].priority for r in held):
+            return held
+        return sorted(held, key=lambda r: (r.retries == 0, r.priority))
+
+    def routes_changed(self) -> None:
+        """A worker joined, died or drains: `routable` is worked out afresh."""
+        self.routable_cache = None
+
+    def routable(self) -> list[WorkerRecord]:
+        """Healthy workers whose whole group is healthy (a dead member stalls an EP group's collectives)."""
+        if self.routable_cache is None:
+            dead_groups = {w.group_id for w in self.core.workers if not w.healthy}
+            self.routable_cache = [w for w in self.core.workers
+                                    if w.healthy and not w.draining and w.group_id not in dead_groups]
+        return self.routable_cache
+
+    def _add_deadline(self, request: RequestRecord) -> None:
+        self.deadlines.push(request.deadline, request.request_id, len(self.core.requests), self._deadline_current)
+
+    def _deadline_current(self, deadline: float, request_id: str) -> bool:
+        request = self.core.requests.get(request_id)
+        return request is not None and request.deadline == deadline
+
+    def expire_deadlines(self, now: float) -> None:
+        """Fail every request past its deadline with error code "timeout"; its worker aborts it (KV freed)."""
+        for _, rid in self.deadlines.pop_due(now, self._deadline_current):
+            request = self.core.requests.by_id[rid]
+            self.core.counters.requests_timed_out += 1
+            waited = now - request.submitted_at
+            self.core.fail(request, f"request {rid!r} did not finish within its timeout ({waited:.1f} s); it was "
+                                    f"aborted after {len(request.delivered)} token(s)", "timeout")
+            self.dispatch_held(now)
+
+    def check_held(self, now: float) -> None:
+        self.dispatch_held(now)
+        if self.core.state is not ClusterState.RUNNING:
+            return   # paused requests wait as long as the pause lasts
+        limit = self.core.config.queue_timeout
+        for request in [r for r in self.core.requests.held.values() if now - r.held_since > limit]:
+            self.core.fail(request, f"request {request.request_id!r} waited {now - request.held_since:.1f} s for a "
+                                f"healthy worker (queue timeout {limit} s)")

@@ -1,0 +1,196 @@
+"""Commands the cluster carries out: the lifecycle (coordinator/lifecycle.py's table applied: pause / unpause /
+suspend / resume / stop) and weight updates; suspend, resume and update_weights answer their client once every
+worker did (barriers.py). No I/O: a job of the Coordinator (core.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from infer.coordinator.barriers import WorkerBarrier
+from infer.coordinator.lifecycle import Action, ClusterState, Refusal, transition
+from infer.coordinator.state import WorkerRecord
+from infer.protocol.logsafe import safe
+from infer.protocol.messages import (
+    Control, ControlAck, Delta, Error, TokenIds, UpdateWeights, WeightsUpdated
+)
+
+if TYPE_CHECKING:
+    from infer.coordinator.core import Coordinator
+
+log = logging.getLogger("infer.coordinator")
+
+ACK_TIMEOUT_S = 300.0            # suspend / resume: how long the client's answer waits for every worker's
+
+
+class Commands:
+    """The lifecycle and weight updates, with their barriers."""
+
+    def __init__(self, core: Coordinator) -> None:
+        self.core = core
+        self.stop_pending: set[str] | None = None     # workers yet to acknowledge STOP
+        self.stop_deadline = math.inf
+        self.barrier: WorkerBarrier | None = None       # suspend / resume / update_weights awaiting the workers
+        self.weight_version = 0                          # the weights every worker serves (update_weights)
+
+    @property
+    def refit_pending(self) -> bool:
+        """A weight update waits for the workers (it holds new requests)."""
+        return self.barrier is not None and self.barrier.version != 0
+
+    def done(self, now: float) -> bool:
+        """STOP ran and every worker acknowledged it, or the stop timeout passed."""
+        return self.stop_pending is not None and (not self.stop_pending or now >= self.stop_deadline)
+
+    def on_control(self, identity: bytes, control: Control, now: float) -> None:
+        client = self.core.client(identity, now)
+        if client is None:
+            return
+        if self.barrier is not None and control.command != "stop":
+            self.core.send(identity, Error(message=f"{control.command} refused: {self.barrier.what} is still waiting "
+                                                   f"for "
+                                               f"the workers"))
+            return
+        before = self.core.state
+        refusal = self.apply_command(control.command, f"client {client.peer_id or identity.hex()}", now)
+        if refusal is not None:
+            self.core.send(identity, Error(message=refusal))
+            return
+        workers = {w.worker_id for w in self.core.workers if w.healthy}
+        if control.command in ("suspend", "resume") and self.core.state is not before and workers:
+            self.barrier = WorkerBarrier(control.command, identity, workers, now + ACK_TIMEOUT_S)
+        else:
+            self.core.send(identity, ControlAck(command=control.command, state=self.core.state.value))
+
+    def apply_command(self, command: str, source: str, now: float) -> str | None:
+        """Run the lifecycle table's transition; the refusal's reason, or None."""
+        step = transition(self.core.state, command)
+        if isinstance(step, Refusal):
+            log.warning("lifecycle: %s refused (%s): %s", command, safe(source), step.reason)
+            return step.reason
+        before, self.core.state = self.core.state, step.state
+        log.info("lifecycle: %s: %s -> %s (from %s)", command, before.value, step.state.value, safe(source))
+        for action in step.actions:
+            if action is Action.TELL_WORKERS:
+                for worker in [w for w in self.core.workers if w.healthy]:
+                    self.core.send(worker.identity, Control(command=command))
+            elif action is Action.RELEASE_HELD:
+                self.core.admission.dispatch_held(now)
+            elif action is Action.FAIL_PENDING:
+                for request in list(self.core.requests.by_id.values()):
+                    self.core.fail(request, f"the cluster was stopped ({source}) before request "
+                                        f"{request.request_id!r} finished")
+            elif action is Action.EXIT:
+                self.stop_pending = {w.worker_id for w in self.core.workers if w.healthy}
+                self.stop_deadline = now + self.core.config.stop_timeout
+                self.core.statistics.answer_stats_waiters(now, force=True)
+        return None
+
+    def _worker_frame(self, identity: bytes, kind: str, now: float) -> WorkerRecord | None:
+        """The registered worker that sent a `kind` frame, now seen; None (the sender refused) for any other."""
+        worker = self.core.workers.by_identity.get(identity)
+        if worker is None:
+            self.core.reject(identity, f"only workers send {kind}")
+            return None
+        worker.last_seen = now
+        return worker
+
+    def on_control_ack(self, identity: bytes, ack: ControlAck, now: float) -> None:
+        worker = self._worker_frame(identity, "control_ack", now)
+        if worker is None:
+            return
+        if ack.command == "stop" and self.stop_pending is not None:
+            self.stop_pending.discard(worker.worker_id)
+        barrier = self.barrier
+        if barrier is not None and barrier.version == 0 and ack.command == barrier.what:
+            barrier.answer(worker.worker_id, ack.error, ack.bytes_released, ack.bytes_restored)
+            self.check_barrier(now)
+        log.debug("worker %s acknowledged %s (state %s)", safe(worker.worker_id), safe(ack.command), safe(ack.state))
+
+    def on_update_weights(self, identity: bytes, msg: UpdateWeights, now: float) -> None:
+        """Send the new weights' source to every healthy worker (a weight-sync group gets one rank each) and
+        answer WeightsUpdated once all serve them. New requests wait meanwhile; requests in flight finish on
+        the old weights (drain: each worker applies once its last one is done) or are aborted now."""
+        client = self.core.client(identity, now)
+        if client is None:
+            return
+        workers = sorted((w for w in self.core.admission.routable()), key=lambda w: w.dp_rank)
+        refusal = self._refit_refusal(msg, len(workers))
+        if refusal is not None:
+            self.core.send(identity, Error(message=f"update_weights refused: {refusal}"))
+            return
+        version = self.weight_version + 1
+        if msg.on_running == "abort":
+            self._abort_in_flight(f"aborted: the weights are being updated to version {version} "
+                                  f"(update_weights with on_running='abort')")
+        self.barrier = WorkerBarrier(f"update_weights to version {version}", identity,
+                                      {w.worker_id for w in workers}, now + msg.timeout_s + 30.0, version=version)
+        for rank, worker in enumerate(workers, start=1):
+            sync = None if msg.sync is None else replace(msg.sync, rank=rank)
+            self.core.send(worker.identity, replace(msg, sync=sync, version=version))
+        log.info("update_weights to version %d: sent to %d worker(s) (%s, on_running=%s)", version, len(workers),
+                 "a trainer's broadcast" if msg.sync is not None else f"directory {safe(msg.path)}", msg.on_running)
+
+    def _refit_refusal(self, msg: UpdateWeights, num_workers: int) -> str | None:
+        if self.core.state in (ClusterState.STOPPED, ClusterState.SUSPENDED) or self.core.draining:
+            return f"the cluster is {'draining to stop' if self.core.draining else self.core.state.value}" + (
+                "; resume it first" if self.core.state is ClusterState.SUSPENDED else "")
+        if self.barrier is not None:
+            return f"{self.barrier.what} is still waiting for the workers"
+        if not num_workers:
+            return "no healthy worker"
+        if msg.sync is not None and msg.sync.world_size != num_workers + 1:
+            return (f"the weight-sync group has world_size {msg.sync.world_size}, but {num_workers} worker(s) are "
+                    f"healthy (world_size = workers + the trainer = {num_workers + 1}); ask again")
+        if (msg.on_running == "drain" and self.core.state is ClusterState.PAUSED and self.core.requests.num_in_flight):
+            return (f"{self.core.requests.num_in_flight} request(s) in flight cannot drain while the cluster is "
+                    f"paused: unpause it, or use on_running='abort'")
+        return None
+
+    def _abort_in_flight(self, reason: str) -> None:
+        """End every request running on a worker with finish_reason "abort" and `reason`; the workers free
+        their KV blocks. Held requests stay held."""
+        to_workers: dict[str, list[str]] = {}
+        for request in [r for r in self.core.requests.by_id.values() if r.worker_id is not None]:
+            self.core.finish(request, Delta(request_id=request.request_id, token_ids=TokenIds(), text="", finished=True,
+                                        finish_reason="abort", error=reason), to_workers)
+            self.core.counters.requests_aborted += 1
+        self.core.send_aborts(to_workers)
+
+    def on_weights_updated(self, identity: bytes, msg: WeightsUpdated, now: float) -> None:
+        worker = self._worker_frame(identity, "weights_updated", now)
+        if worker is None:
+            return
+        barrier = self.barrier
+        if barrier is not None and barrier.version and msg.version == barrier.version:
+            barrier.answer(worker.worker_id, msg.error)
+            self.check_barrier(now)
+
+    def check_barrier(self, now: float) -> None:
+        """Answer the client of the pending suspend / resume / update_weights once every worker answered (or
+        the deadline passed)."""
+        barrier = self.barrier
+        if barrier is None:
+            return
+        barrier.forget({w.worker_id for w in self.core.workers if w.healthy})
+        if not barrier.done() and not barrier.expired(now):
+            return
+        self.barrier = None
+        failure = barrier.failure()
+        if barrier.version:
+            if failure is None:
+                self.weight_version = barrier.version
+                log.info("update_weights: every worker serves version %d", barrier.version)
+                self.core.send(barrier.client, WeightsUpdated(version=barrier.version))
+            else:
+                log.warning("%s", safe(failure, 2000))
+                self.core.send(barrier.client, Error(message=failure))
+            self.core.admission.dispatch_held(now)
+            return
+        if failure is not None:
+            log.warning("%s", safe(failure, 2000))
+        self.core.send(barrier.client, ControlAck(command=barrier.what, state=self.core.state.value,
+                                              bytes_released=barrier.bytes_released,
+                                              bytes_restored=barrier.bytes_restored, error=failure))

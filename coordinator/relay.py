@@ -1,0 +1,141 @@
+"""Relaying worker output: each StepBatch's deltas go to their clients (continued from the original prompt after
+a failover), a worker's own abort or drain moves the request, stray deltas are aborted at their worker, a
+worker's Error fails its request. No I/O: a job of the Coordinator (core.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from infer.coordinator.state import RequestRecord, WorkerRecord
+from infer.protocol.logsafe import safe
+from infer.protocol.messages import (
+    Abort, Delta, Error, StepBatch
+)
+
+if TYPE_CHECKING:
+    from infer.coordinator.core import Coordinator
+
+log = logging.getLogger("infer.coordinator")
+
+
+class Relay:
+    """Worker output to the clients."""
+
+    def __init__(self, core: Coordinator) -> None:
+        self.core = core
+
+
+    def on_step_batch(self, identity: bytes, batch: StepBatch, now: float) -> None:
+        worker = self.core.workers.by_identity.get(identity)
+        if worker is None or not worker.healthy:
+            self.unknown_worker(identity, worker, [d.request_id for d in batch.deltas if not d.finished])
+            return
+        worker.last_seen = now
+        worker.load = batch.load
+        stray = []
+        for delta in batch.deltas:
+            request = self.core.requests.get(delta.request_id)
+            if request is None or request.worker_id != worker.worker_id:
+                orphan = self.core.reattachment.orphans.get(delta.request_id)
+                if orphan is not None and orphan.worker_id == worker.worker_id:
+                    orphan.extend(delta)
+                elif not delta.finished:
+                    stray.append(delta.request_id)
+                continue
+            self._relay(request, worker, delta, now)
+        if stray:
+            self.core.send(identity, Abort(request_ids=stray))
+        if self.core.requests.held:      # finished requests made room
+            self.core.admission.dispatch_held(now)
+
+    def unknown_worker(self, identity: bytes, worker: WorkerRecord | None, running: list[str]) -> None:
+        """A worker frame from a peer that is not a registered, live worker: ask it to register again. One
+        declared dead also aborts what it runs (moved elsewhere); one never seen (this coordinator restarted)
+        keeps running: its Hello will bring those requests back."""
+        who = f"{worker.worker_id!r}, declared dead" if worker is not None else f"with identity {identity.hex()}"
+        self.core.send(identity, Error(message=f"unknown worker ({who}): send hello to register again"))
+        if running and worker is not None:
+            self.core.send(identity, Abort(request_ids=running))
+
+    def _relay(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
+        if request.prompt_token_ids is None:    # a string prompt: keep the ids its first worker made
+            request.prompt_token_ids = delta.prompt_token_ids
+        if delta.finish_reason == "abort":   # not asked for by us (we forget a request before aborting it)
+            self._worker_gave_up(request, worker, delta, now)
+            return
+        if delta.finish_reason == "error" and delta.error_code == "draining":
+            self._worker_draining(request, worker, now)
+            return
+        if delta.finish_reason == "error" and delta.error_code == "overloaded":   # its queue was full
+            self.core.liveness.failover(request, f"worker {worker.worker_id!r} was full ({delta.error})", now)
+            self.core.admission.dispatch_held(now)
+            return
+        if request.retries or request.sent_prompt_ids:
+            delta = self._continuation(request, delta)
+        request.sent_prompt_ids = True
+        request.delivered.extend(delta.token_ids)
+        if request.delivered_text_len is not None:
+            request.delivered_text_len += len(delta.text)
+        if delta.finished:
+            if delta.finish_reason == "error":
+                self.core.counters.requests_failed += 1
+            else:
+                self.core.counters.requests_completed += 1
+            self.core.finish(request, delta, {})
+        else:
+            self.core.to_client(request, delta)
+
+    def _continuation(self, request: RequestRecord, delta: Delta) -> Delta:
+        """`delta` as the client should see it: the prompt ids and the seed only once, counted from the
+        original prompt."""
+        prompt_ids = None if request.sent_prompt_ids else request.prompt_token_ids
+        if delta.prompt_token_ids is None and prompt_ids is None and delta.seed is None:
+            return delta
+        return Delta(request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text,
+                     finished=delta.finished, finish_reason=delta.finish_reason, error=delta.error,
+                     logprobs=delta.logprobs, num_prompt_tokens=len(request.prompt_token_ids or ()),
+                     num_cached_tokens=delta.num_cached_tokens, prompt_token_ids=prompt_ids,
+                     error_code=delta.error_code, queue_time_s=delta.queue_time_s,
+                     seed=None if prompt_ids is None else request.sampling.get("seed"),
+                     prompt_logprobs=delta.prompt_logprobs)
+
+    def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
+        """The worker aborted a request on its own (draining): relay its last tokens, then move it."""
+        if delta.token_ids or delta.text:
+            self._relay(request, worker, Delta(request_id=delta.request_id, token_ids=delta.token_ids,
+                                               text=delta.text, logprobs=delta.logprobs,
+                                               num_prompt_tokens=delta.num_prompt_tokens,
+                                               num_cached_tokens=delta.num_cached_tokens,
+                                               prompt_token_ids=delta.prompt_token_ids, seed=delta.seed,
+                                               prompt_logprobs=delta.prompt_logprobs), now)
+        self.core.liveness.failover(request, f"worker {worker.worker_id!r} aborted it", now)
+        self.core.admission.dispatch_held(now)
+
+    def _worker_draining(self, request: RequestRecord, worker: WorkerRecord, now: float) -> None:
+        """The worker refused a dispatch because it drains (SIGTERM): route nothing more to it."""
+        if not worker.draining:
+            worker.draining = True
+            self.core.admission.routes_changed()
+            log.info("worker %s (dp_rank %d) is draining: no new requests go to it", safe(worker.worker_id),
+                     worker.dp_rank)
+        self.core.liveness.failover(request, f"worker {worker.worker_id!r} is draining", now)
+        self.core.admission.dispatch_held(now)
+
+    def on_error(self, identity: bytes, error: Error, now: float) -> None:
+        worker = self.core.workers.by_identity.get(identity)
+        if worker is None or not worker.healthy:
+            client = self.core.clients.get(identity)
+            if client is not None:
+                client.last_seen = now
+            self.core.peer_warnings.warning("error reported by peer %s: %s", safe(identity), safe(error.message))
+            return
+        worker.last_seen = now
+        request = self.core.requests.get(error.request_id) if error.request_id is not None else None
+        if request is not None and request.worker_id == worker.worker_id:
+            self.core.fail(request, f"worker {worker.worker_id!r} failed request {request.request_id!r}: "
+                                    f"{error.message}",
+                       error.code or "internal")
+        else:
+            self.core.peer_warnings.warning("error reported by worker %s: %s", safe(worker.worker_id),
+                                        safe(error.message))
