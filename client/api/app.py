@@ -1,10 +1,12 @@
-"""The OpenAI-compatible HTTP front: an ASGI app over any EngineClient (a cluster or an in-process engine).
+"""The OpenAI-compatible HTTP front's routes: an ASGI app over any EngineClient (a cluster or an in-process engine).
+Beside it: `admission.py` (the API key, admission), `formats.py` (OpenAI's response objects and stream chunks),
+`errors.py` (error codes to statuses, the error body).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
 GET /v1/models, GET /health, GET /metrics; vLLM's POST /tokenize, POST /detokenize and GET /version.
 
 The path of a request:
-1. `_authorize` (401 without the API key when one is set: one answer for a missing header, another
+1. `authorize` (admission.py: 401 without the API key when one is set: one answer for a missing header, another
    scheme or a wrong key), the body (413 past `max_body_bytes`, refused from Content-Length before it is
    read, or as soon as a chunked body passes it), `_parse` (400 for malformed or hostile JSON (body.py) or
    an invalid field, naming it), the model name (404 if it is not the served one).
@@ -26,7 +28,7 @@ The path of a request:
 A stream always ends with `[DONE]`: a failure once the 200 is out (the cluster's, a timeout, an engine
 stream that ends without a final delta, an exception here) is an SSE `error` event just before it.
 
-Failed requests' error codes pick the status (`_request_error`): invalid_request 400, overloaded 503 (+
+Failed requests' error codes pick the status (`errors.request_error`): invalid_request 400, overloaded 503 (+
 Retry-After: a queue on the way was full, nothing ran), unavailable, client_too_slow and client_lost 503 (the
 last two: this front, the coordinator's client, fell behind or was cut off), timeout 504, anything else 500.
 Nothing internal leaves the front: an unexpected exception, or an "internal" failure in the cluster, is
@@ -38,13 +40,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import importlib.metadata
 import json
 import logging
-import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,12 +56,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from infer.client.api.admission import Admission, authorize, check_length, max_model_len
 from infer.client.api.body import decode_body
-from infer.client.api.reasoning import REASONING_PARSERS, ReasoningSplitter
-from infer.client.api.tools import (
-    PARSERS, TOOL_PARSERS, ToolCall, calls_of_required, default_parser, new_call_id, template_messages,
-    tools_system_prompt
+from infer.client.api.errors import (
+    ended_early, error_response, http_phrase, internal_error, request_error, too_large, unhealthy, validation_error
 )
+from infer.client.api.formats import ChatFormat, CompletionFormat, ResponseFormat, best_of, num_candidates, sse_event
+from infer.client.api.reasoning import REASONING_PARSERS
+from infer.client.api.tools import TOOL_PARSERS, default_parser, template_messages, tools_system_prompt
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
 from infer.client.api.schemas import (
     ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UpdateWeightsRequest
@@ -70,7 +71,6 @@ from infer.client.api.schemas import (
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
@@ -81,7 +81,6 @@ log = logging.getLogger("infer.api")
 Body = TypeVar("Body", bound=BaseModel)
 R = TypeVar("R")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-API_KEY_ENV = "INFER_API_KEY"
 try:
     VERSION = importlib.metadata.version("infer")
 except importlib.metadata.PackageNotFoundError:   # running from a tree that was never installed
@@ -122,32 +121,6 @@ class FrontConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
-
-
-def resolve_api_key(api_key: str | None, api_key_file: str | None,
-                    environ: dict[str, str] | None = None) -> str | None:
-    """The front's API key: `api_key` (a flag), else the first line of `api_key_file`, else $INFER_API_KEY
-    (read here only; `environ` defaults to os.environ), else None (no key). ValueError, naming the source,
-    for both flags at once, an unreadable or empty file, or an empty value."""
-    if api_key is not None and api_key_file is not None:
-        raise ValueError("give --api-key or --api-key-file, not both")
-    if api_key_file is not None:
-        try:
-            with open(api_key_file, encoding="utf-8") as f:
-                key = f.readline().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            why = getattr(e, "strerror", None) or e
-            raise ValueError(f"--api-key-file {api_key_file}: cannot read it: {why}") from None
-        if not key:
-            raise ValueError(f"--api-key-file {api_key_file}: the file is empty (its first line is the key)")
-        return key
-    if api_key is None:
-        api_key = (os.environ if environ is None else environ).get(API_KEY_ENV)
-        if api_key is not None and not api_key.strip():
-            raise ValueError(f"${API_KEY_ENV} is set but empty; unset it to serve without a key")
-    elif not api_key.strip():
-        raise ValueError("--api-key must not be empty")
-    return None if api_key is None else api_key.strip()
 
 
 @dataclass
@@ -192,10 +165,7 @@ class Front:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = FrontMetrics(config.served_model_name)
-        self.in_flight = 0
-        self._view: ClusterStats | None = None
-        self._view_at = 0.0
-        self._refresh: asyncio.Task | None = None
+        self.admission = Admission(engine, config)
         self._token_text: dict[int, str] = {}
         self.created = int(time.time())
         self.token_bytes = max_token_bytes(tokenizer)   # bounds a text prompt's size before tokenizing it
@@ -265,18 +235,18 @@ class Front:
         return JSONResponse({"prompt": text})
 
     async def version(self, request: Request) -> Response:
-        self._authorize(request)
+        authorize(request, self.config.api_key)
         return JSONResponse({"version": VERSION})
 
     async def _any_max_model_len(self) -> int:
         """The context length of the cluster's workers (healthy or not: tokenizing needs no worker)."""
         try:
-            view = await self._cluster_view()
+            view = await self.admission.cluster_view()
         except ApiError:
-            view = self._view
-        max_len = _max_model_len(view, healthy_only=False) if view is not None else None
+            view = self.admission.last_view
+        max_len = max_model_len(view, healthy_only=False) if view is not None else None
         if max_len is None:
-            raise self._unavailable("no worker has reported its context length yet")
+            raise self.admission.unavailable("no worker has reported its context length yet")
         return max_len
 
     def _check_vocab(self, param: str, token_ids: list[int]) -> None:
@@ -286,12 +256,12 @@ class Front:
             raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
     async def models(self, request: Request) -> Response:
-        self._authorize(request)
+        authorize(request, self.config.api_key)
         try:
-            view = await self._cluster_view()
+            view = await self.admission.cluster_view()
         except ApiError:
-            view = self._view
-        max_len = _max_model_len(view, healthy_only=False) if view is not None else None
+            view = self.admission.last_view
+        max_len = max_model_len(view, healthy_only=False) if view is not None else None
         card = {"id": self.config.served_model_name, "object": "model", "created": self.created,
                 "owned_by": "infer", "root": self.engine.model_id, "max_model_len": max_len}
         return JSONResponse({"object": "list", "data": [card]})
@@ -299,13 +269,13 @@ class Front:
     async def health(self, request: Request) -> Response:
         """200 only if a fresh round trip to the cluster shows it running with a healthy worker."""
         try:
-            view = await self._cluster_view(fresh=True)
+            view = await self.admission.cluster_view(fresh=True)
         except ApiError as e:
-            return _unhealthy(e.message, self.config.retry_after)
+            return unhealthy(e.message, self.config.retry_after)
         healthy = view.num_healthy_workers
         if view.state != "running" or healthy == 0:
             why = f"cluster is {view.state}" if view.state != "running" else "no healthy worker"
-            return _unhealthy(why, self.config.retry_after, view)
+            return unhealthy(why, self.config.retry_after, view)
         return JSONResponse({"status": "ok", "state": view.state, "healthy_workers": healthy,
                              "workers": len(view.workers)})
 
@@ -323,24 +293,12 @@ class Front:
 
     async def metrics_text(self, request: Request) -> Response:
         try:
-            view = await self._cluster_view(fresh=True)
+            view = await self.admission.cluster_view(fresh=True)
         except ApiError:
             view = None
         return Response(self.metrics.exposition(view), media_type=CONTENT_TYPE)
 
     # ---- parsing ----------------------------------------------------------------------------------
-
-    def _authorize(self, request: Request) -> None:
-        """401 unless the header is 'Authorization: Bearer <key>'. The key is compared in constant time,
-        and a missing header, another scheme and a wrong key get the same answer."""
-        key = self.config.api_key
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        matches = hmac.compare_digest(token.strip().encode(), key.encode())
-        if not (matches and scheme.lower() == "bearer"):
-            raise ApiError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused with 413 past `max_body_bytes`: from Content-Length before reading anything,
@@ -351,26 +309,26 @@ class Front:
             if not declared.isdigit():
                 raise ApiError(400, f"invalid Content-Length header {declared[:40]!r}")
             if int(declared) > limit:
-                raise _too_large(f"{int(declared)} bytes", limit)
+                raise too_large(f"{int(declared)} bytes", limit)
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise _too_large(f"more than {limit} bytes", limit)
+                    raise too_large(f"more than {limit} bytes", limit)
                 chunks.append(chunk)
         except ClientDisconnect:
             raise ApiError(499, "the client disconnected") from None
         return b"".join(chunks)
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
-        self._authorize(request)
+        authorize(request, self.config.api_key)
         raw = await self._read_body(request)
         data = await self._off_loop(decode_body, raw)   # 400 for what JSON allows and we cannot take
         try:
             body = model.model_validate(data)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
         if body.model is not None and body.model != self.config.served_model_name:
             raise ApiError(404, f"the model {body.model[:200]!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}", param="model", code="model_not_found")
@@ -390,7 +348,7 @@ class Front:
             raise ApiError(400, f"{param} must not be empty", param=param)
         if isinstance(prompt, str):
             return self._check_text_size(prompt, max_len, param)
-        _check_length(len(prompt), None, max_len)
+        check_length(len(prompt), None, max_len)
         vocab = len(self.tokenizer)
         if max(prompt) >= vocab:
             bad = next(t for t in prompt if t >= vocab)
@@ -429,49 +387,6 @@ class Front:
 
     # ---- admission --------------------------------------------------------------------------------
 
-    async def _cluster_view(self, fresh: bool = False) -> ClusterStats:
-        """The cluster's stats, at most `view_max_age` old (or fresh); one round trip serves every waiter."""
-        age = time.monotonic() - self._view_at
-        if not fresh and self._view is not None and age < self.config.view_max_age:
-            return self._view
-        if self._refresh is None or self._refresh.done():
-            self._refresh = asyncio.create_task(self._fetch_view())
-        return await asyncio.shield(self._refresh)
-
-    async def _fetch_view(self) -> ClusterStats:
-        try:
-            view = await asyncio.wait_for(self.engine.stats(), self.config.health_timeout)
-        except (ClusterError, asyncio.TimeoutError) as e:
-            raise ApiError(503, f"the cluster did not answer: {e or 'timed out'}", code="unavailable",
-                           retry_after=self.config.retry_after) from None
-        self._view, self._view_at = view, time.monotonic()
-        return view
-
-    def _reserve(self, num_requests: int) -> None:
-        """Count `num_requests` engine requests in flight, or 503 "overloaded" at once past the limit. The
-        caller releases them (`in_flight -= n`) when they end; a StreamRun does it in close()."""
-        limit = self.config.max_concurrent_requests
-        if self.in_flight + num_requests > limit:
-            raise ApiError(503, f"the server is overloaded: {self.in_flight} requests in flight, its limit "
-                                f"is {limit} (--max-concurrent-requests); retry later", code="overloaded",
-                           retry_after=self.config.retry_after)
-        self.in_flight += num_requests
-
-    async def _admit(self) -> int:
-        """The context length to check prompts against; ApiError 503 when the cluster cannot take them."""
-        view = await self._cluster_view()
-        if view.state == "stopped":
-            raise self._unavailable("the cluster is stopping")
-        max_len = _max_model_len(view)
-        if max_len is None:
-            if view.state == "running":
-                raise self._unavailable("no worker is available to serve the request")
-            max_len = _max_model_len(view, healthy_only=False) or 0
-        return max_len
-
-    def _unavailable(self, message: str) -> ApiError:
-        return ApiError(503, message, code="unavailable", retry_after=self.config.retry_after)
-
     # ---- running requests -------------------------------------------------------------------------
 
     async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
@@ -479,25 +394,25 @@ class Front:
                      logprobs: int | None, fmt: ResponseFormat) -> Response:
         """`token_ids(max_len)`: the prompts' token ids, or a 400 for a prompt that cannot fit max_len."""
         num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
-        num_requests = num_prompts * _candidates(body)
+        num_requests = num_prompts * num_candidates(body)
         for param, ids in body.token_id_fields().items():
             self._check_vocab(param, ids)
         structured = await self._structured(body)
-        self._reserve(num_requests)
+        self.admission.reserve(num_requests)
         run: StreamRun | None = None
         try:
-            max_len = await self._admit()
+            max_len = await self.admission.admit()
             prompts = await token_ids(max_len)
             for ids in prompts:
-                _check_length(len(ids), max_tokens, max_len)
+                check_length(len(ids), max_tokens, max_len)
             jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs, structured)
             if not body.stream:
                 await _cancel_on_disconnect(request, self._run_to_end(jobs))
-                return JSONResponse(fmt.response(_best(jobs, body.n), usage_of=jobs))
+                return JSONResponse(fmt.response(best_of(jobs, body.n), usage_of=jobs))
             run = StreamRun(self, jobs)   # releases the reservation in close()
         finally:
             if run is None:
-                self.in_flight -= num_requests
+                self.admission.release(num_requests)
         await _cancel_on_disconnect(request, run.start())   # on failure, start() closed the run
         return _EventStream(self._sse(run, fmt, body.include_usage), run)
 
@@ -524,7 +439,7 @@ class Front:
     def _jobs(self, base_id: str, prompts: list[list[int]], body: Any, max_tokens: int | None,
               logprobs: int | None, structured: StructuredOutputsParams | None = None) -> list[Job]:
         jobs = []
-        candidates = _candidates(body)
+        candidates = num_candidates(body)
         if candidates > body.n and logprobs is None:
             logprobs = 0      # best_of ranks candidates by the sum of their sampled tokens' logprobs
         echoes = body.prompts() if getattr(body, "echo", False) else None
@@ -554,13 +469,13 @@ class Front:
             async for delta in self.engine_stream(job):
                 job.add(delta)
                 if delta.finish_reason == "error":
-                    raise _request_error(delta, self.config.retry_after)
+                    raise request_error(delta, self.config.retry_after)
             if job.finish_reason is None:
-                raise _ended_early(job)
+                raise ended_early(job)
         try:
             await _gather_or_cancel([one(job) for job in jobs])
         except ClusterError as e:
-            raise self._unavailable(f"the cluster failed: {e}") from None
+            raise self.admission.unavailable(f"the cluster failed: {e}") from None
 
     async def _sse(self, run: StreamRun, fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
         """The events of a stream whose 200 went out: chunks, then `[DONE]` however it ends (an error of
@@ -568,20 +483,20 @@ class Front:
         ends it otherwise."""
         try:
             for chunk in fmt.opening_chunks(run.jobs):
-                yield _event(chunk)
+                yield sse_event(chunk)
             async for job, delta in run.deltas():
                 if delta.finish_reason == "error":
-                    yield _event(_request_error(delta, self.config.retry_after).body())
+                    yield sse_event(request_error(delta, self.config.retry_after).body())
                     break
                 for chunk in fmt.chunks(job, delta):
-                    yield _event(chunk)
+                    yield sse_event(chunk)
             else:
                 if include_usage:
-                    yield _event(fmt.usage_chunk(run.jobs))
+                    yield sse_event(fmt.usage_chunk(run.jobs))
         except ApiError as e:
-            yield _event(e.body())
+            yield sse_event(e.body())
         except Exception:   # the 200 went out already: the client gets an error event, the log the details
-            yield _event(internal_error("a response stream").body())
+            yield sse_event(internal_error("a response stream").body())
         yield "data: [DONE]\n\n"
 
     def token_text(self, token_id: int) -> str:
@@ -606,7 +521,7 @@ class StreamRun:
         self._buffer: list[tuple[Job, RequestOutput]] = []
         self._pumps: list[asyncio.Task] = []
         self._unfinished = len(jobs)
-        self._closed = False   # the front counted len(jobs) in flight (Front._reserve); close() releases them
+        self._closed = False   # the front counted len(jobs) in flight (Admission.reserve); close() releases them
 
     async def start(self) -> None:
         self._pumps = [asyncio.create_task(self._pump(job)) for job in self.jobs]
@@ -615,7 +530,7 @@ class StreamRun:
             while len(started) < len(self.jobs):
                 job, delta = await self._next()
                 if delta.finish_reason == "error":
-                    raise _request_error(delta, self.front.config.retry_after)
+                    raise request_error(delta, self.front.config.retry_after)
                 started.add(job.index)
                 self._buffer.append((job, delta))
         except BaseException:
@@ -649,7 +564,7 @@ class StreamRun:
                 finished = delta.finished
                 self._queue.put_nowait((job, delta))
             if not finished:   # the reader waits for a final delta: it gets an error instead
-                self._queue.put_nowait((job, _ended_early(job)))
+                self._queue.put_nowait((job, ended_early(job)))
         except ClusterError as e:
             self._queue.put_nowait((job, ApiError(503, f"the cluster failed: {e}", code="unavailable",
                                                   retry_after=self.front.config.retry_after)))
@@ -661,7 +576,7 @@ class StreamRun:
         if self._closed:
             return
         self._closed = True
-        self.front.in_flight -= len(self.jobs)
+        self.front.admission.release(len(self.jobs))
         for task in self._pumps:
             task.cancel()
         if self._pumps:
@@ -685,362 +600,12 @@ class _EventStream(StreamingResponse):
 
 # ---- response shapes ------------------------------------------------------------------------------
 
-class ResponseFormat:
-    """How one endpoint shapes its JSON: the whole response, stream chunks, the usage chunk."""
-
-    object_name = ""
-    chunk_object_name = ""
-    id_prefix = ""
-
-    def __init__(self, front: Front, body: Any) -> None:
-        self.front = front
-        self.body = body
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.model = body.model
-
-    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def response(self, jobs: list[Job], usage_of: list[Job] | None = None) -> dict[str, Any]:
-        """The whole answer with `jobs` as its choices; usage counts `usage_of` (every candidate of best_of)."""
-        out = self._envelope(self.object_name, [self.choice(job) for job in jobs])
-        out["usage"] = _usage(jobs if usage_of is None else usage_of)
-        return out
-
-    def usage_chunk(self, jobs: list[Job]) -> dict[str, Any]:
-        out = self._envelope(self.chunk_object_name, [])
-        out["usage"] = _usage(jobs)
-        return out
-
-    def opening_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
-        return []
-
-    def choice(self, job: Job) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
-        """The SSE chunks of one delta (`job` has taken it in already); none for a delta with nothing to
-        show (no text, logprobs or end)."""
-        if not delta.text and not delta.finished and not delta.logprobs:
-            return []
-        return [self._envelope(self.chunk_object_name, [self.chunk_choice(job, delta)])]
-
-    def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-class CompletionFormat(ResponseFormat):
-    object_name = "text_completion"
-    chunk_object_name = "text_completion"
-    id_prefix = "cmpl"
-
-    def choice(self, job: Job) -> dict[str, Any]:
-        logprobs = None
-        if self.body.logprobs is not None:
-            logprobs = self._logprobs(job.token_ids, job.logprobs, len(job.echo))
-            if self.body.echo:
-                logprobs = self._with_prompt(job, logprobs)
-        out = {"index": job.index, "text": job.echo + job.text, "finish_reason": job.finish_reason,
-               "logprobs": logprobs}
-        if self.body.prompt_logprobs is not None:
-            out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
-        return out
-
-    def _with_prompt(self, job: Job, completion: dict[str, Any]) -> dict[str, Any]:
-        """echo with logprobs: the prompt's tokens first (the first with no logprob), then the completion's."""
-        rows = job.prompt_logprobs or []
-        ids = job.prompt_token_ids
-        head = self._logprobs(ids[1:], rows, 0)
-        first = self.front.token_text(ids[0])
-        offsets = [0] + [o + len(first) for o in head["text_offset"]]
-        return {"tokens": [first, *head["tokens"], *completion["tokens"]],
-                "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
-                "top_logprobs": [None, *head["top_logprobs"], *completion["top_logprobs"]],
-                "text_offset": [*offsets, *completion["text_offset"]]}
-
-    def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
-        logprobs = None
-        if self.body.logprobs is not None and delta.logprobs:
-            start = len(job.text) - len(delta.text)
-            logprobs = self._logprobs(delta.token_ids, delta.logprobs, start)
-        text, job.echo = job.echo + delta.text, ""     # the prompt's text goes out once, before the first text
-        return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-
-    def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs], offset: int) -> dict[str, Any]:
-        text = self.front.token_text
-        n = self.body.logprobs or 0
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for token_id, row in zip(token_ids, rows):
-            piece = text(token_id)
-            tokens.append(piece)
-            token_lps.append(_finite(row.get(token_id)))
-            tops.append({text(t): _finite(lp) for t, lp in _top(row, n)})
-            offsets.append(offset)
-            offset += len(piece)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-class ChatFormat(ResponseFormat):
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
-    id_prefix = "chatcmpl"
-
-    def __init__(self, front: Front, body: Any) -> None:
-        super().__init__(front, body)
-        self.tool_mode = body.tool_mode
-        self.reasoning = front.config.reasoning_parser
-        self.parse_tools = PARSERS[front.tool_call_parser]
-        self._splitters: dict[int, ReasoningSplitter] = {}
-
-    def choice(self, job: Job) -> dict[str, Any]:
-        message, finish_reason = self._message(job)
-        out = {"index": job.index, "message": message,
-               "logprobs": self._logprobs(job.token_ids, job.logprobs) if job.params.logprobs is not None
-               else None, "finish_reason": finish_reason}
-        if self.body.prompt_logprobs is not None:
-            out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
-        return out
-
-    def _message(self, job: Job) -> tuple[dict[str, Any], str | None]:
-        """A finished job's assistant message (reasoning split off, tool calls parsed) and its finish_reason
-        ("tool_calls" when it called tools)."""
-        reasoning, content = ReasoningSplitter(self.reasoning).split(job.text) if self.reasoning else (None, job.text)
-        calls: list[ToolCall] = []
-        if self.tool_mode is not None and content:
-            content, calls = self._tool_calls(content)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if self.reasoning:
-            message["reasoning_content"] = reasoning
-        if calls:
-            message["tool_calls"] = [call.to_openai() for call in calls]
-        return message, "tool_calls" if calls and job.finish_reason == "stop" else job.finish_reason
-
-    def _tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.tool_mode == "named":
-            try:
-                arguments = json.loads(text)
-            except ValueError:
-                return text, []            # cut short by max_tokens: the text as it is
-            name = self.body.tool_choice.function.name
-            return None, [ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())]
-        if self.tool_mode == "required":
-            calls = calls_of_required(text)
-            return (text, []) if calls is None else (None, calls)
-        return self.parse_tools(text)
-
-    def chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
-        if self.tool_mode is not None:
-            return self._tool_chunks(job) if delta.finished else []
-        if self.reasoning:
-            return self._reasoning_chunks(job, delta)
-        return super().chunks(job, delta)
-
-    def _tool_chunks(self, job: Job) -> list[dict[str, Any]]:
-        """With tools the stream is buffered: tool calls are known only once the output is. Then, OpenAI's
-        shape: reasoning, content, per call its id and name, then its arguments, then the finish."""
-        message, finish_reason = self._message(job)
-        deltas: list[dict[str, Any]] = []
-        if message.get("reasoning_content"):
-            deltas.append({"reasoning_content": message["reasoning_content"]})
-        if message["content"]:
-            deltas.append({"content": message["content"]})
-        for i, call in enumerate(message.get("tool_calls", [])):
-            function = call["function"]
-            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                           "function": {"name": function["name"], "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]})
-        out = [self._chunk_of(job, d, None) for d in deltas]
-        return out + [self._chunk_of(job, {}, finish_reason)]
-
-    def _reasoning_chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
-        splitter = self._splitters.setdefault(job.index, ReasoningSplitter(self.reasoning))
-        reasoning, content = splitter.feed(delta.text)
-        if delta.finished:
-            rest = splitter.finish()
-            reasoning, content = reasoning + rest[0], content + rest[1]
-        fields = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
-        if not fields and not delta.finished:
-            return []
-        return [self._chunk_of(job, fields, delta.finish_reason)]
-
-    def _chunk_of(self, job: Job, fields: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return self._envelope(self.chunk_object_name, [{"index": job.index, "delta": fields, "logprobs": None,
-                                                        "finish_reason": finish_reason}])
-
-    def opening_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
-        return [self._envelope(self.chunk_object_name, [{"index": job.index, "delta": {"role": "assistant",
-                                                                                       "content": ""},
-                                                         "logprobs": None, "finish_reason": None}])
-                for job in jobs]
-
-    def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
-        logprobs = None
-        if job.params.logprobs is not None and delta.logprobs:
-            logprobs = self._logprobs(delta.token_ids, delta.logprobs)
-        content = {"content": delta.text} if delta.text or not delta.finished else {}
-        return {"index": job.index, "delta": content, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}
-
-    def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs]) -> dict[str, Any]:
-        text = self.front.token_text
-        n = self.body.top_logprobs or 0
-        content = []
-        for token_id, row in zip(token_ids, rows):
-            piece = text(token_id)
-            top = [{"token": text(t), "logprob": _finite(lp), "bytes": list(text(t).encode())}
-                   for t, lp in _top(row, n)]
-            content.append({"token": piece, "logprob": _finite(row.get(token_id)),
-                            "bytes": list(piece.encode()), "top_logprobs": top})
-        return {"content": content}
-
 
 # ---- helpers --------------------------------------------------------------------------------------
-
-def prompt_logprobs_json(front: Front, job: Job, n: int) -> list[dict[str, Any] | None]:
-    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob,
-    decoded_token}} for the token itself and the top n."""
-    out: list[dict[str, Any] | None] = [None]
-    for token_id, row in zip(job.prompt_token_ids[1:], job.prompt_logprobs or []):
-        keep = dict(_top(row, n))
-        keep[token_id] = row.get(token_id)
-        out.append({str(t): {"logprob": _finite(lp), "decoded_token": front.token_text(t)} for t, lp in keep.items()})
-    return out
-
-
-def _candidates(body: Any) -> int:
-    """Engine requests per prompt: completions' best_of (>= n) when given, else n."""
-    return getattr(body, "best_of", None) or body.n
-
-
-def _best(jobs: list[Job], n: int) -> list[Job]:
-    """Per prompt, the n candidates with the highest sum of sampled-token logprobs (OpenAI's best_of),
-    renumbered as choices 0..n-1 of their prompt; all of them when there are no more than n."""
-    by_prompt: dict[int, list[Job]] = {}
-    for job in jobs:
-        by_prompt.setdefault(job.prompt_index, []).append(job)
-    if all(len(group) <= n for group in by_prompt.values()):
-        return jobs
-    chosen = []
-    for p, group in sorted(by_prompt.items()):
-        ranked = sorted(group, key=lambda job: -sum(_finite(row.get(t)) for t, row in zip(job.token_ids,
-                                                                                              job.logprobs)))
-        for rank, job in enumerate(ranked[:n]):
-            job.index = p * n + rank
-            chosen.append(job)
-    return chosen
-
-
-def _top(row: TokenLogprobs, n: int) -> list[tuple[int, float]]:
-    """The n most likely tokens of a logprobs row (the row holds the top n plus the sampled token)."""
-    return sorted(row.items(), key=lambda kv: -kv[1])[:n]
-
-
-def _finite(value: float | None) -> float:
-    """JSON has no -inf: a token the sampler could not pick (masked) reports OpenAI's floor, -9999."""
-    if value is None or value != value or value == float("-inf"):
-        return -9999.0
-    return value
-
-
-def _usage(jobs: list[Job]) -> dict[str, int]:
-    per_prompt = {job.prompt_index: job.num_prompt_tokens or len(job.prompt_token_ids) for job in jobs}
-    prompt = sum(per_prompt.values())
-    completion = sum(len(job.token_ids) for job in jobs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _event(payload: dict[str, Any]) -> str:
-    """One SSE event; text that is not valid Unicode (it cannot be sent as UTF-8) goes \\u-escaped."""
-    text = json.dumps(payload, separators=(',', ':'), ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(payload, separators=(',', ':'))
-    return f"data: {text}\n\n"
-
-
-def _max_model_len(view: ClusterStats, healthy_only: bool = True) -> int | None:
-    lens = [w.max_model_len for w in view.workers if w.healthy or not healthy_only]
-    return min(lens) if lens else None
-
-
-def _check_length(num_prompt: int, max_tokens: int | None, max_len: int) -> None:
-    if num_prompt >= max_len:
-        raise ApiError(400, f"this model's maximum context length is {max_len} tokens, but the prompt has "
-                            f"{num_prompt} tokens; shorten it to leave room for at least one generated token",
-                       param="prompt", code="context_length_exceeded")
-    if max_tokens is not None and num_prompt + max_tokens > max_len:
-        raise ApiError(400, f"this model's maximum context length is {max_len} tokens, but "
-                            f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
-                            f"{max_tokens} in the completion); reduce the prompt or max_tokens",
-                       param="max_tokens", code="context_length_exceeded")
 
 
 # Failures of the cluster or of this front's link to it, not of the request: 503 + Retry-After. The front is
 # the coordinator's client, so client_too_slow / client_lost mean this process fell behind or was cut off.
-_RETRY_LATER = ("overloaded", "unavailable", "client_too_slow", "client_lost")
-
-
-def _request_error(delta: RequestOutput, retry_after: int = 1) -> ApiError:
-    """The answer to a request the cluster failed, by its error code. An internal failure's text stays in
-    this front's log (it may quote exceptions); the client gets its id."""
-    message = delta.error or "the request failed"
-    code = delta.error_code
-    if code == "invalid_request":
-        return ApiError(400, message)
-    if code in _RETRY_LATER:
-        return ApiError(503, message, code=code, retry_after=retry_after)
-    if code == "timeout":
-        return ApiError(504, message, code="timeout")
-    return internal_error(f"engine request {delta.request_id}", detail=f"{code}: {message}")
-
-
-def _ended_early(job: Job) -> ApiError:
-    return internal_error(f"engine request {job.request_id}", detail="its stream ended without a final delta")
-
-
-def internal_error(where: str, detail: str | None = None) -> ApiError:
-    """A 500 that reveals nothing but a short id; the log gets the id with `detail`, or the exception being
-    handled and its traceback."""
-    error_id = uuid.uuid4().hex[:12]
-    if detail is None:
-        log.exception("internal error %s in %s", error_id, where)
-    else:
-        log.error("internal error %s in %s: %s", error_id, safe(where), safe(detail, 2000))   # the cluster's text
-    return ApiError(500, f"internal server error (id {error_id}); the server log has the details under "
-                         f"this id", code="internal_error")
-
-
-def _too_large(size: str, limit: int) -> ApiError:
-    return ApiError(413, f"the request body is {size}; the limit is {limit} bytes (--max-body-bytes)",
-                    code="request_too_large")
-
-
-def _validation_error(e: ValidationError) -> ApiError:
-    first = e.errors()[0]
-    param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part)) or None
-    given = first.get("input")
-    detail = first["msg"]
-    if first["type"] not in ("missing", "extra_forbidden"):
-        detail += f" (got {json.dumps(given, default=str)[:80]})"
-    if first["type"] == "extra_forbidden":
-        detail = "unknown field"
-    more = f" (and {len(e.errors()) - 1} more problem(s))" if len(e.errors()) > 1 else ""
-    return ApiError(400, f"{param}: {detail}{more}" if param else f"{detail}{more}", param=param)
-
-
-def _is_union_tag(part: Any) -> bool:
-    """pydantic names union members in `loc` (e.g. 'list[str]', 'function-after[...]'); not a field."""
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
-
-
-def _unhealthy(why: str, retry_after: int, view: ClusterStats | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"status": "unavailable", "reason": why}
-    if view is not None:
-        body.update(state=view.state, healthy_workers=view.num_healthy_workers, workers=len(view.workers))
-    return JSONResponse(body, status_code=503, headers={"Retry-After": str(retry_after)})
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -1088,9 +653,9 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
             try:
                 return await handler(request)
             except ApiError as e:
-                return _error_response(e)
+                return error_response(e)
             except Exception:
-                return _error_response(internal_error(f"{request.method} {request.url.path}"))
+                return error_response(internal_error(f"{request.method} {request.url.path}"))
         endpoint.__name__ = handler.__name__
         return endpoint
 
@@ -1115,31 +680,17 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
             error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}",
                              code="method_not_allowed", headers=exc.headers)
         else:
-            error = ApiError(exc.status_code, _http_phrase(exc.status_code), headers=exc.headers)
-        return _error_response(error)
+            error = ApiError(exc.status_code, http_phrase(exc.status_code), headers=exc.headers)
+        return error_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(ApiError(400, "invalid request"))
+        return error_response(ApiError(400, "invalid request"))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        return _error_response(internal_error(f"{request.method} {request.url.path}"))
+        return error_response(internal_error(f"{request.method} {request.url.path}"))
 
     return app
 
 
-def _error_response(error: ApiError) -> JSONResponse:
-    headers = dict(error.headers)
-    if error.retry_after is not None:
-        headers["Retry-After"] = str(error.retry_after)
-    return JSONResponse(error.body(), status_code=error.status, headers=headers or None)
-
-
-def _http_phrase(status: int) -> str:
-    from http import HTTPStatus
-
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "error"

@@ -20,7 +20,8 @@ from typing import Any
 
 import uvicorn
 
-from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app, resolve_api_key
+from infer.client.api.admission import resolve_api_key
+from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app
 from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tools import TOOL_PARSERS
 from infer.client.engine_client import EngineClient

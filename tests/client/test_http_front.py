@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from infer.client.api.app import FrontConfig, resolve_api_key
+from infer.client.api.admission import resolve_api_key
+from infer.client.api.app import FrontConfig
 from infer.client.local_engine import LocalEngine
 from infer.protocol.outputs import RequestOutput
 from front_harness import MODEL, local_engine, serving
@@ -497,7 +498,7 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event_and_done(local, smollm2_t
                                           ("client_too_slow", 503), ("client_lost", 503), ("timeout", 504),
                                           ("internal", 500)])
 def test_a_failed_requests_error_code_picks_the_status(code, status):
-    from infer.client.api.app import _request_error
+    from infer.client.api.errors import request_error as _request_error
 
     error = _request_error(RequestOutput(request_id="r", token_ids=[], text="", finished=True,
                                          finish_reason="error", error="why", error_code=code))

@@ -1,0 +1,296 @@
+"""The HTTP front's response formats: OpenAI's completion and chat completion objects and their stream chunks
+(text, logprobs, tool calls, reasoning content), usage, best-of-n, server-sent events."""
+
+from __future__ import annotations
+
+import uuid
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+
+from infer.client.api.tools import ToolCall
+from infer.protocol.outputs import RequestOutput, TokenLogprobs
+
+from infer.client.api.reasoning import ReasoningSplitter
+from infer.client.api.tools import PARSERS, calls_of_required, new_call_id
+
+if TYPE_CHECKING:
+    from infer.client.api.app import Front, Job
+
+log = logging.getLogger("infer.api")
+
+
+class ResponseFormat:
+    """How one endpoint shapes its JSON: the whole response, stream chunks, the usage chunk."""
+
+    object_name = ""
+    chunk_object_name = ""
+    id_prefix = ""
+
+    def __init__(self, front: Front, body: Any) -> None:
+        self.front = front
+        self.body = body
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = body.model
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def response(self, jobs: list[Job], usage_of: list[Job] | None = None) -> dict[str, Any]:
+        """The whole answer with `jobs` as its choices; usage counts `usage_of` (every candidate of best_of)."""
+        out = self._envelope(self.object_name, [self.choice(job) for job in jobs])
+        out["usage"] = _usage(jobs if usage_of is None else usage_of)
+        return out
+
+    def usage_chunk(self, jobs: list[Job]) -> dict[str, Any]:
+        out = self._envelope(self.chunk_object_name, [])
+        out["usage"] = _usage(jobs)
+        return out
+
+    def opening_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
+        return []
+
+    def choice(self, job: Job) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        """The SSE chunks of one delta (`job` has taken it in already); none for a delta with nothing to
+        show (no text, logprobs or end)."""
+        if not delta.text and not delta.finished and not delta.logprobs:
+            return []
+        return [self._envelope(self.chunk_object_name, [self.chunk_choice(job, delta)])]
+
+    def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def choice(self, job: Job) -> dict[str, Any]:
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = self._logprobs(job.token_ids, job.logprobs, len(job.echo))
+            if self.body.echo:
+                logprobs = self._with_prompt(job, logprobs)
+        out = {"index": job.index, "text": job.echo + job.text, "finish_reason": job.finish_reason,
+               "logprobs": logprobs}
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
+        return out
+
+    def _with_prompt(self, job: Job, completion: dict[str, Any]) -> dict[str, Any]:
+        """echo with logprobs: the prompt's tokens first (the first with no logprob), then the completion's."""
+        rows = job.prompt_logprobs or []
+        ids = job.prompt_token_ids
+        head = self._logprobs(ids[1:], rows, 0)
+        first = self.front.token_text(ids[0])
+        offsets = [0] + [o + len(first) for o in head["text_offset"]]
+        return {"tokens": [first, *head["tokens"], *completion["tokens"]],
+                "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
+                "top_logprobs": [None, *head["top_logprobs"], *completion["top_logprobs"]],
+                "text_offset": [*offsets, *completion["text_offset"]]}
+
+    def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
+        logprobs = None
+        if self.body.logprobs is not None and delta.logprobs:
+            start = len(job.text) - len(delta.text)
+            logprobs = self._logprobs(delta.token_ids, delta.logprobs, start)
+        text, job.echo = job.echo + delta.text, ""     # the prompt's text goes out once, before the first text
+        return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+    def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+        text = self.front.token_text
+        n = self.body.logprobs or 0
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for token_id, row in zip(token_ids, rows):
+            piece = text(token_id)
+            tokens.append(piece)
+            token_lps.append(_finite(row.get(token_id)))
+            tops.append({text(t): _finite(lp) for t, lp in _top(row, n)})
+            offsets.append(offset)
+            offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+class ChatFormat(ResponseFormat):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, front: Front, body: Any) -> None:
+        super().__init__(front, body)
+        self.tool_mode = body.tool_mode
+        self.reasoning = front.config.reasoning_parser
+        self.parse_tools = PARSERS[front.tool_call_parser]
+        self._splitters: dict[int, ReasoningSplitter] = {}
+
+    def choice(self, job: Job) -> dict[str, Any]:
+        message, finish_reason = self._message(job)
+        out = {"index": job.index, "message": message,
+               "logprobs": self._logprobs(job.token_ids, job.logprobs) if job.params.logprobs is not None
+               else None, "finish_reason": finish_reason}
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
+        return out
+
+    def _message(self, job: Job) -> tuple[dict[str, Any], str | None]:
+        """A finished job's assistant message (reasoning split off, tool calls parsed) and its finish_reason
+        ("tool_calls" when it called tools)."""
+        reasoning, content = ReasoningSplitter(self.reasoning).split(job.text) if self.reasoning else (None, job.text)
+        calls: list[ToolCall] = []
+        if self.tool_mode is not None and content:
+            content, calls = self._tool_calls(content)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        return message, "tool_calls" if calls and job.finish_reason == "stop" else job.finish_reason
+
+    def _tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.tool_mode == "named":
+            try:
+                arguments = json.loads(text)
+            except ValueError:
+                return text, []            # cut short by max_tokens: the text as it is
+            name = self.body.tool_choice.function.name
+            return None, [ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())]
+        if self.tool_mode == "required":
+            calls = calls_of_required(text)
+            return (text, []) if calls is None else (None, calls)
+        return self.parse_tools(text)
+
+    def chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        if self.tool_mode is not None:
+            return self._tool_chunks(job) if delta.finished else []
+        if self.reasoning:
+            return self._reasoning_chunks(job, delta)
+        return super().chunks(job, delta)
+
+    def _tool_chunks(self, job: Job) -> list[dict[str, Any]]:
+        """With tools the stream is buffered: tool calls are known only once the output is. Then, OpenAI's
+        shape: reasoning, content, per call its id and name, then its arguments, then the finish."""
+        message, finish_reason = self._message(job)
+        deltas: list[dict[str, Any]] = []
+        if message.get("reasoning_content"):
+            deltas.append({"reasoning_content": message["reasoning_content"]})
+        if message["content"]:
+            deltas.append({"content": message["content"]})
+        for i, call in enumerate(message.get("tool_calls", [])):
+            function = call["function"]
+            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                           "function": {"name": function["name"], "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]})
+        out = [self._chunk_of(job, d, None) for d in deltas]
+        return out + [self._chunk_of(job, {}, finish_reason)]
+
+    def _reasoning_chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        splitter = self._splitters.setdefault(job.index, ReasoningSplitter(self.reasoning))
+        reasoning, content = splitter.feed(delta.text)
+        if delta.finished:
+            rest = splitter.finish()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        fields = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        if not fields and not delta.finished:
+            return []
+        return [self._chunk_of(job, fields, delta.finish_reason)]
+
+    def _chunk_of(self, job: Job, fields: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return self._envelope(self.chunk_object_name, [{"index": job.index, "delta": fields, "logprobs": None,
+                                                        "finish_reason": finish_reason}])
+
+    def opening_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
+        return [self._envelope(self.chunk_object_name, [{"index": job.index, "delta": {"role": "assistant",
+                                                                                       "content": ""},
+                                                         "logprobs": None, "finish_reason": None}])
+                for job in jobs]
+
+    def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
+        logprobs = None
+        if job.params.logprobs is not None and delta.logprobs:
+            logprobs = self._logprobs(delta.token_ids, delta.logprobs)
+        content = {"content": delta.text} if delta.text or not delta.finished else {}
+        return {"index": job.index, "delta": content, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
+
+    def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs]) -> dict[str, Any]:
+        text = self.front.token_text
+        n = self.body.top_logprobs or 0
+        content = []
+        for token_id, row in zip(token_ids, rows):
+            piece = text(token_id)
+            top = [{"token": text(t), "logprob": _finite(lp), "bytes": list(text(t).encode())}
+                   for t, lp in _top(row, n)]
+            content.append({"token": piece, "logprob": _finite(row.get(token_id)),
+                            "bytes": list(piece.encode()), "top_logprobs": top})
+        return {"content": content}
+
+
+def prompt_logprobs_json(front: Front, job: Job, n: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob,
+    decoded_token}} for the token itself and the top n."""
+    out: list[dict[str, Any] | None] = [None]
+    for token_id, row in zip(job.prompt_token_ids[1:], job.prompt_logprobs or []):
+        keep = dict(_top(row, n))
+        keep[token_id] = row.get(token_id)
+        out.append({str(t): {"logprob": _finite(lp), "decoded_token": front.token_text(t)} for t, lp in keep.items()})
+    return out
+
+
+def num_candidates(body: Any) -> int:
+    """Engine requests per prompt: completions' best_of (>= n) when given, else n."""
+    return getattr(body, "best_of", None) or body.n
+
+
+def best_of(jobs: list[Job], n: int) -> list[Job]:
+    """Per prompt, the n candidates with the highest sum of sampled-token logprobs (OpenAI's best_of),
+    renumbered as choices 0..n-1 of their prompt; all of them when there are no more than n."""
+    by_prompt: dict[int, list[Job]] = {}
+    for job in jobs:
+        by_prompt.setdefault(job.prompt_index, []).append(job)
+    if all(len(group) <= n for group in by_prompt.values()):
+        return jobs
+    chosen = []
+    for p, group in sorted(by_prompt.items()):
+        ranked = sorted(group, key=lambda job: -sum(_finite(row.get(t)) for t, row in zip(job.token_ids,
+                                                                                              job.logprobs)))
+        for rank, job in enumerate(ranked[:n]):
+            job.index = p * n + rank
+            chosen.append(job)
+    return chosen
+
+
+def _top(row: TokenLogprobs, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens of a logprobs row (the row holds the top n plus the sampled token)."""
+    return sorted(row.items(), key=lambda kv: -kv[1])[:n]
+
+
+def _finite(value: float | None) -> float:
+    """JSON has no -inf: a token the sampler could not pick (masked) reports OpenAI's floor, -9999."""
+    if value is None or value != value or value == float("-inf"):
+        return -9999.0
+    return value
+
+
+def _usage(jobs: list[Job]) -> dict[str, int]:
+    per_prompt = {job.prompt_index: job.num_prompt_tokens or len(job.prompt_token_ids) for job in jobs}
+    prompt = sum(per_prompt.values())
+    completion = sum(len(job.token_ids) for job in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    """One SSE event; text that is not valid Unicode (it cannot be sent as UTF-8) goes \\u-escaped."""
+    text = json.dumps(payload, separators=(',', ':'), ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(payload, separators=(',', ':'))
+    return f"data: {text}\n\n"
