@@ -12,7 +12,6 @@ import argparse
 import random
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from infer import SamplingParams

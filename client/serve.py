@@ -2,10 +2,10 @@
 
 `infer-serve [--model M] [--workers N] [--threads T] [--host H] [--port 8000] [--api-key K] [--keys-dir D]
 [engine options] [-- extra worker flags]` starts `infer-coordinator` and N `infer-worker`s (the
-coordinator assigns their dp ranks), each in its own process group, waits until the coordinator reports N healthy workers (ClusterStats,
-answered by the coordinator when ready: no polling), starts the OpenAI-compatible HTTP front in this
-process, prints both addresses, and serves until Ctrl-C / SIGTERM or until the cluster is stopped
-(InferenceClient.stop()).
+coordinator assigns their dp ranks), each in its own process group, waits until the coordinator reports N
+healthy workers (ClusterStats, answered by the coordinator when ready: no polling), starts the
+OpenAI-compatible HTTP front in this process, prints both addresses, and serves until Ctrl-C / SIGTERM or
+until the cluster is stopped (InferenceClient.stop()).
 Shutdown: the front stops, then SIGTERM to every process group, wait, SIGKILL what is left.
 
 Security: with `--keys-dir D` (`infer-keygen --cluster --dir D`) every ZeroMQ link runs CurveZMQ, each key

@@ -61,7 +61,7 @@ class CoordinatorDaemon:
             self.gate = KeyGate(self.ctx, authorized.allows, logger=log, peers="worker or client",
                                 watch=self.sock)
             log.info("CurveZMQ on: coordinator public key %s; %d authorized key(s): %s",
-                     curve.public_key.decode(), len(authorized.keys), authorized.describe())
+                     "?" if curve is None else curve.public_key.decode(), len(authorized.keys), authorized.describe())
             _warn_missing_roles(authorized)
         # Per peer: a peer that reads nothing fills its queue to SNDHWM, then a send to it raises zmq.Again
         # (ROUTER_MANDATORY): the core aborts its requests ("client_too_slow"). One that floods us waits in
@@ -224,7 +224,7 @@ def _user_id(frame: zmq.Frame) -> bytes | None:
         user = frame.get("User-Id")
     except zmq.ZMQError:   # no such property: the connection was not authenticated
         return None
-    return user.encode() if isinstance(user, str) else user
+    return user.encode() if isinstance(user, str) else None
 
 
 def _signal_name(number: int) -> str:

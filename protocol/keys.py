@@ -193,15 +193,15 @@ def role_folders(directory: PathLike) -> dict[Role, Path]:
     if any(folder.is_dir() for folder in folders.values()):
         return folders   # one made later is read then
     flat = sorted(p.name for p in d.iterdir() if p.name.endswith(PUBLIC_SUFFIX))
-    folders = ", ".join(f"{d / name}/ ({role.value}s)" for role, name in ROLE_FOLDERS.items())
+    layout = ", ".join(f"{d / name}/ ({role.value}s)" for role, name in ROLE_FOLDERS.items())
     if flat:
         raise ValueError(f"{d} holds public key files directly ({', '.join(flat[:4])}"
                          f"{', ...' if len(flat) > 4 else ''}): the layout from before key roles, where any key "
                          f"could act as a worker, a client or an administrator. Each key now goes in the folder "
-                         f"of its role: {folders}; move the files there (or name one directory per role with "
+                         f"of its role: {layout}; move the files there (or name one directory per role with "
                          f"--worker-keys, --client-keys, --admin-keys). No key is let in until then")
     raise ValueError(f"no public key files (*{PUBLIC_SUFFIX}) in {d}: no worker or client could connect; put "
-                     f"each key's {PUBLIC_SUFFIX} file in the folder of its role: {folders} (infer-keygen "
+                     f"each key's {PUBLIC_SUFFIX} file in the folder of its role: {layout} (infer-keygen "
                      f"--cluster --dir {d} makes a whole set)")
 
 
@@ -414,7 +414,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except (OSError, UnicodeError):
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
 def refuse_open_bind(host: str, *, what: str, remedy: str) -> None:

@@ -847,7 +847,9 @@ def _encoder(hint: Any) -> Coercer | None:
         if all(e is None for e in inner):
             return None
         if len(inner) == 1:
-            return lambda value, to_wire=inner[0]: None if value is None else to_wire(value)
+            only = inner[0]
+            if only is not None:   # (it is: not all None, and alone)
+                return lambda value: None if value is None else only(value)
         raise TypeError(f"a union of several wire-encoded types is not supported: {hint}")
     if hint is TokenIds:
         return TokenIds.pack

@@ -144,11 +144,11 @@ def grammar_error(spec: StructuredOutputsParams) -> str | None:
 
     try:
         kind = spec.kind
-        if kind == "json":
+        if kind == "json" and spec.json is not None:
             xgr.Grammar.from_json_schema(spec.json)
-        elif kind == "regex":
+        elif kind == "regex" and spec.regex is not None:
             xgr.Grammar.from_regex(spec.regex)
-        elif kind == "grammar":
+        elif kind == "grammar" and spec.grammar is not None:
             xgr.Grammar.from_ebnf(spec.grammar)
     except Exception as e:     # xgrammar raises RuntimeError (C++) or its own error types, with the reason
         return grammar_reason(e)

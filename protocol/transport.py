@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import zmq
 from zmq.utils import z85
@@ -192,7 +193,7 @@ class KeyGate:
             return [b"1.0", request_id, b"400", b"unknown key", b"", b""]
         return [b"1.0", request_id, b"200", b"OK", key, b""]
 
-    def _on_event(self, event: dict) -> None:
+    def _on_event(self, event: Mapping[str, Any]) -> None:
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:   # the peer hung up (mismatch seen there)
             why = "the peer closed it: it does not speak CURVE, or holds another server public key"
         else:

@@ -361,7 +361,8 @@ class NamedToolChoice(BaseModel):
 
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "tokenize",
-                                      "add_generation_prompt", "chat_template", "return_dict", "continue_final_message"})
+                                      "add_generation_prompt", "chat_template", "return_dict",
+                                      "continue_final_message"})
 MAX_TEMPLATE_KWARGS = 32
 
 

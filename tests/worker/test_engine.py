@@ -3,7 +3,6 @@ small blocks, forced preemption and chunked prefill; prefix caching; seeded samp
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
