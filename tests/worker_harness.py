@@ -33,9 +33,10 @@ class WorkerHarness:
         return [decode(encode(msg)) for msg in self.core.take_outgoing()]
 
     def step(self) -> list[Message]:
-        """One turn of the daemon's loop after its frames: the signals, a step if the core wants one (else
-        what the engine has pending), then the liveness timers."""
+        """One turn of the daemon's loop after its frames: the signals, the queue-time bound, a step if the core
+        wants one (else what the engine has pending), then the liveness timers."""
         self.core.check_signals(self.now)
+        self.core.shed_overdue(self.now)
         outputs = self.engine.step() if self.core.wants_step() else self.engine.take_pending()
         self.core.after_step(outputs, self.now)
         self.core.tick(self.now)

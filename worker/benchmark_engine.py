@@ -10,7 +10,7 @@ from infer.protocol.messages import Load, UpdateWeights
 from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
-from infer.worker.request import Request
+from infer.worker.request import Request, overdue_message
 
 
 class BenchmarkEngine:
@@ -50,7 +50,8 @@ class BenchmarkEngine:
             raise ValueError(f"prompt + resumed tokens must be 1..{self.max_model_len - 1} tokens, got {num_tokens}")
         left = self.max_model_len - num_tokens if params.max_tokens is None else params.max_tokens
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                          max_tokens=len(resumed_token_ids) + left, token_ids=prompt_ids + list(resumed_token_ids))
+                          max_tokens=len(resumed_token_ids) + left, token_ids=prompt_ids + list(resumed_token_ids),
+                          arrival_time=time.monotonic())
         self._requests[request_id] = request
         return request
 
@@ -75,6 +76,20 @@ class BenchmarkEngine:
     def take_pending(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         return outputs
+
+    def shed_overdue(self, max_queue_time: float) -> int:
+        """As Engine.shed_overdue: the requests past the first max_num_seqs have not started."""
+        now = time.monotonic()
+        overdue = [r for r in list(self._requests.values())[self.config.max_num_seqs:]
+                   if now - r.arrival_time > max_queue_time]
+        for request in overdue:
+            waited = now - request.arrival_time
+            del self._requests[request.request_id]
+            self._pending.append(RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
+                                               error=overdue_message(waited, max_queue_time),
+                                               error_code="overloaded", queue_time_s=waited,
+                                               num_prompt_tokens=request.num_prompt_tokens))
+        return len(overdue)
 
     def abort(self, request_id: str, release_text: bool = True) -> bool:
         request = self._requests.pop(request_id, None)

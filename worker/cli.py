@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
                         help="requests that may wait beyond the --max-num-seqs running ones; a request past that "
                         "is refused as overloaded (default 1024)")
+    worker.add_argument("--max-queue-time", type=float, default=60.0, metavar="S",
+                        help="a request that has waited S seconds in this worker's queue without starting fails "
+                        "as overloaded, so its client can retry instead of waiting without end (default 60; "
+                        "0: no bound)")
     ep = p.add_argument_group("expert parallelism (an EP group of ranks sharing an MoE model's experts)")
     ep.add_argument("--ep-size", type=int, default=1, help="ranks in this EP group (default 1: no group)")
     ep.add_argument("--ep-rank", type=int,
@@ -124,7 +128,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         heartbeat_interval=args.heartbeat_interval, coordinator_timeout=args.coordinator_timeout,
         drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
         benchmark_mode=args.benchmark_mode, benchmark_step_time=args.benchmark_step_time, ep=ep,
-        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_requests=args.max_waiting_requests, max_queue_time=args.max_queue_time,
         curve=CurveKeys.from_files(args.curve_key, args.coordinator_key,
                                    flags=("--curve-key", "--coordinator-key")))
 

@@ -46,6 +46,7 @@ from infer.worker.request import Request
 log = logging.getLogger("infer.worker")
 
 EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+_SHED_CHECK_S = 0.25         # how often the queue is checked for requests past --max-queue-time
 
 
 class WorkerExit(Exception):
@@ -73,6 +74,7 @@ class EngineLike(Protocol):
                     priority: int = 0) -> Request: ...
     def step(self) -> list[RequestOutput]: ...
     def take_pending(self) -> list[RequestOutput]: ...
+    def shed_overdue(self, max_queue_time: float) -> int: ...
     def abort(self, request_id: str, release_text: bool = True) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def load(self) -> Load: ...
@@ -120,6 +122,7 @@ class WorkerCore:
         self._warn = RateLimitedLog(log)
         self.last_load: Load = engine.load()   # what a heartbeat sent during a step reports
         self._refit: _PendingRefit | None = None   # an UpdateWeights waiting for a drain
+        self._last_shed_check = -_SHED_CHECK_S
 
     # ---- the shell's surface -------------------------------------------------------------------
 
@@ -144,6 +147,16 @@ class WorkerCore:
     def wants_step(self) -> bool:
         """The engine has work and the lifecycle lets it step."""
         return self.state is WorkerState.RUNNING and self.engine.has_unfinished()
+
+    def shed_overdue(self, now: float) -> None:
+        """Before each step, at most once per _SHED_CHECK_S: fail the requests that waited past --max-queue-time
+        without starting (the cluster is overloaded: the client hears it now instead of waiting without end).
+        Not while paused: a pause holds requests on purpose. Their final deltas go out with the step's."""
+        limit = self.options.max_queue_time
+        if not limit or self.state is not WorkerState.RUNNING or now - self._last_shed_check < _SHED_CHECK_S:
+            return
+        self._last_shed_check = now
+        self.engine.shed_overdue(limit)
 
     def after_step(self, outputs: list[RequestOutput], now: float, refit: bool = True) -> None:
         """The outputs of the step the shell ran (or of `take_pending` when it did not step): one StepBatch with

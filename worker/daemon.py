@@ -192,6 +192,7 @@ class Worker:
 
     def _advance(self) -> None:
         """One engine step (unless paused), then one StepBatch with its deltas and any rejections."""
+        self.core.shed_overdue(time.monotonic())
         if self.group is not None:
             return self._advance_group()
         outputs = self._engine_step(self.engine.step) if self.core.wants_step() else self.engine.take_pending()

@@ -9,6 +9,8 @@ from infer.protocol.keys import CurveKeys
 from infer.protocol.messages import MAX_DP_RANK, MAX_ID_LEN
 from infer.worker.group_sync import EpOptions
 
+MAX_QUEUE_TIME_S = 86400.0   # the largest --max-queue-time
+
 
 @dataclass(frozen=True)
 class WorkerOptions:
@@ -26,6 +28,7 @@ class WorkerOptions:
     benchmark_step_time: float = 0.0    # with benchmark_mode: seconds each step lasts
     ep: EpOptions | None = None         # this rank's EP group (None: a group of one)
     max_waiting_requests: int = 1024    # beyond max_num_seqs running: a Dispatch past it is "overloaded"
+    max_queue_time: float = 60.0        # a request not started this long after it came fails "overloaded"; 0: never
     curve: CurveKeys | None = None      # CurveZMQ towards the coordinator (and the EP group's wake channel)
 
     def __post_init__(self) -> None:
@@ -44,6 +47,9 @@ class WorkerOptions:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if not 0 <= self.max_queue_time <= MAX_QUEUE_TIME_S:
+            raise ValueError(f"max_queue_time must be in [0, {MAX_QUEUE_TIME_S:g}] s (0: no bound), got "
+                             f"{self.max_queue_time}")
         if not 0 <= self.benchmark_step_time <= 3600 or (self.benchmark_step_time and not self.benchmark_mode):
             raise ValueError(f"--benchmark-step-time must be in [0, 3600] s and needs --benchmark-mode, got "
                              f"{self.benchmark_step_time}")
