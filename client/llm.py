@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from infer.client.engine_client import EngineClient
 from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
 from infer.protocol.keys import CurveKeys
+from infer.protocol.logs import LOG_LEVELS
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import Completion, RequestOutput
+from infer.protocol.options import to_argv
 from infer.protocol.sampling import SamplingParams, check_priority
 from infer.worker.config import EngineConfig
 
@@ -47,11 +49,9 @@ Prompt = str | list[int]
 T = TypeVar("T")
 log = logging.getLogger("infer.llm")
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 SHUTDOWN_TIMEOUT_S = 30.0       # children get this long to exit after SIGTERM, then SIGKILL
 SPMD_WAIT_S = 7 * 86400.0       # close() on an SPMD rank > 0 waits this long for rank 0 to stop the cluster
 LOOP_STOP_TIMEOUT_S = 5.0       # LLM's event-loop thread joins within this after close()
-_WORKER_FLAG_NAMES = {"num_threads": "--threads"}   # EngineConfig field -> infer-worker flag, where not just dashed
 
 
 def global_rank() -> int:
@@ -153,17 +153,7 @@ class LLMOptions:
 
     def worker_args(self) -> list[str]:
         """The infer-worker flags for the engine options (model included), plus the log level."""
-        options = dict(self.engine_options, model=self.model)
-        args: list[str] = []
-        for name, value in options.items():
-            if value is None:
-                continue
-            flag = _WORKER_FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
-            if isinstance(value, bool):
-                args.append(flag if value else "--no-" + flag.removeprefix("--"))
-            else:
-                args += [flag, str(value)]
-        return args + ["--log-level", self.log_level]
+        return to_argv(EngineConfig, dict(self.engine_options, model=self.model)) + ["--log-level", self.log_level]
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,11 @@ from infer.protocol.keys import ClusterKeyDir, refuse_open_bind
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import ClusterStats
+from infer.protocol.options import add_options, given, to_argv
+from infer.worker.config import EngineConfig
 
 log = logging.getLogger("infer.serve")
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def free_port(host: str) -> int:
@@ -191,23 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the HTTP front, admins/admin for this launcher; needed for a non-loopback "
                    "--coordinator-host unless --trusted-network)")
     engine = p.add_argument_group("engine options (passed to every worker)")
-    engine.add_argument("--dtype", choices=_DTYPES)
-    engine.add_argument("--device")
-    for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--seed",
-                 "--kv-cache-memory"):
-        engine.add_argument(flag, type=int)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
-    engine.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
-                        help="no step graphs (the default for now); --no-enforce-eager: decode steps "
-                        "replay graphs made per batch size")
-    engine.add_argument("--max-graph-batch-size", type=int, metavar="N",
-                        help="the largest decode batch a step graph is made for (default 256)")
-    engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
-                        help="fcfs (the default) or priority: lower request priority first, with aging")
-    engine.add_argument("--priority-aging-steps", type=int, metavar="N",
-                        help="with --scheduling-policy priority: steps after which a waiting request ranks "
-                        "ahead of every younger one (default 1000)")
+    add_options(engine, EngineConfig, exclude=_TOP_LEVEL_ENGINE_OPTIONS)
     engine.add_argument("--benchmark-mode", action="store_true", help="workers without a model (benchmarks)")
     coord = p.add_argument_group("coordinator options")
     coord.add_argument("--policy", choices=("least-loaded", "round-robin", "prefix-affinity"))
@@ -221,9 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_WORKER_VALUE_FLAGS = ("model", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                       "block_size", "seed", "kv_cache_memory", "threads", "max_graph_batch_size",
-                       "scheduling_policy", "priority_aging_steps")
+_TOP_LEVEL_ENGINE_OPTIONS = ("model", "num_threads")   # --model and --threads, among the launcher's own flags
 _COORDINATOR_FLAGS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "max_retries")
 
 
@@ -237,11 +220,9 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    out = _flags(args, _WORKER_VALUE_FLAGS)
-    for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
-        value = getattr(args, name)
-        if value is not None:
-            out.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
+    options = dict(given(EngineConfig, args, exclude=_TOP_LEVEL_ENGINE_OPTIONS), model=args.model,
+                   num_threads=args.threads)
+    out = to_argv(EngineConfig, options)
     if args.benchmark_mode:
         out.append("--benchmark-mode")
     if args.heartbeat_interval is not None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from infer.protocol import env
 from infer.worker.core import EXIT_OK
 from infer.worker.daemon import Worker
 from infer.worker.options import WorkerOptions
@@ -64,7 +65,7 @@ class SpmdWorld:
         if world_size > 1 and not host:
             raise ValueError(f"{world_size} ranks need MASTER_ADDR (the host of rank 0, where the coordinator "
                              f"listens); torchrun sets it")
-        port = _int_env("INFER_COORDINATOR_PORT")
+        port = _int_env(env.COORDINATOR_PORT.name)
         if port is None:
             master_port = _int_env("MASTER_PORT")
             port = (master_port or DEFAULT_MASTER_PORT) + 1 if world_size > 1 or master_port else _free_port()

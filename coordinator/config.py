@@ -1,10 +1,12 @@
-"""CoordinatorConfig: the coordinator's options, validated once (frozen)."""
+"""CoordinatorConfig: the coordinator's options, validated once (frozen); each field declares its
+infer-coordinator flag (protocol/options.py builds the parser from it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from infer.coordinator.routing import POLICIES
+from infer.protocol.options import option
 
 
 @dataclass(frozen=True)
@@ -39,28 +41,46 @@ class CoordinatorConfig:
         may connect); without it such a bind is refused.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 5555
-    policy: str = "least-loaded"
-    heartbeat_interval: float = 1.0
-    worker_timeout: float = 10.0
-    client_timeout: float = 10.0
-    max_retries: int = 3
-    queue_timeout: float = 120.0
-    stop_timeout: float = 5.0
-    drain_timeout: float = 0.0
-    model_id: str | None = None
-    coordinator_id: str = "coordinator"
-    max_requests_per_worker: int | None = None
-    max_held_requests: int = 10000
-    restart_grace: float = 5.0
-    max_step_time: float = 600.0
-    curve_secret_key: str | None = None
-    authorized_keys: str | None = None
-    worker_keys: str | None = None
-    client_keys: str | None = None
-    admin_keys: str | None = None
-    trusted_network: bool = False
+    host: str = option("127.0.0.1", "address to bind (0.0.0.0 for all)")
+    port: int = option(5555, "TCP port (0 picks a free one)")
+    policy: str = option("least-loaded", "routing policy", choices=POLICIES)
+    heartbeat_interval: float = option(1.0, "seconds between heartbeats and timer runs", metavar="S")
+    worker_timeout: float = option(10.0, "declare a silent worker dead after S seconds", metavar="S")
+    client_timeout: float = option(10.0, "abort the requests of a client silent for S seconds", metavar="S")
+    max_retries: int = option(3, "re-dispatches allowed per request after worker failures", metavar="N")
+    queue_timeout: float = option(120.0, "fail a request that waited S seconds for a healthy worker", metavar="S")
+    stop_timeout: float = option(5.0, "on STOP, wait at most S seconds for workers to acknowledge", metavar="S")
+    drain_timeout: float = option(0.0, "on SIGTERM / SIGINT, let accepted requests finish for up to S seconds (new "
+                                       "ones are refused) before STOP (0: STOP at once; a second signal: STOP at "
+                                       "once)", metavar="S")
+    model_id: str | None = option(None, "the model id every worker must serve (default: the first worker's)")
+    coordinator_id: str = option("coordinator", "the name this coordinator gives itself in Welcome and stats")
+    max_requests_per_worker: int | None = option(
+        None, "requests one worker may have at a time; a request finding every worker full is refused as "
+              "overloaded at once (default: each worker's own bound, max_num_seqs + its waiting limit)", metavar="N")
+    max_held_requests: int = option(10000, "requests held in the coordinator (paused, no healthy worker); past "
+                                           "it new ones are refused as overloaded", metavar="N")
+    restart_grace: float = option(5.0, "after a restart, how long a re-attached request waits for its worker to "
+                                       "register again before it is re-dispatched", metavar="S")
+    max_step_time: float = option(600.0, "declare a worker dead when its heartbeat says one engine step has run "
+                                         "longer than S seconds (a stuck engine)", metavar="S")
+    curve_secret_key: str | None = option(None, "the coordinator's secret key file (infer-keygen NAME writes "
+                                                "NAME.key_secret)", metavar="FILE")
+    authorized_keys: str | None = option(
+        None, "the public key files (*.key) allowed in, one folder per role: DIR/workers (register and serve), "
+              "DIR/clients (submit, stream, abort, stats), DIR/admins (a client that may also pause, unpause, "
+              "suspend, resume and stop the cluster). Re-read when they change: a removed key's open connections "
+              "are cut off. A refused peer is logged and never reaches the coordinator; a flat DIR (no role "
+              "folders) is refused", metavar="DIR")
+    worker_keys: str | None = option(None, "directory of the workers' public keys (instead of --authorized-keys "
+                                           "DIR/workers)", metavar="DIR")
+    client_keys: str | None = option(None, "directory of the clients' public keys (instead of --authorized-keys "
+                                           "DIR/clients)", metavar="DIR")
+    admin_keys: str | None = option(None, "directory of the administrators' public keys (instead of "
+                                          "--authorized-keys DIR/admins)", metavar="DIR")
+    trusted_network: bool = option(False, "allow a non-loopback --host without keys (plaintext: anyone who reaches "
+                                          "the port is a worker, a client and an administrator); without keys, "
+                                          "only loopback is allowed otherwise")
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

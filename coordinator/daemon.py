@@ -30,7 +30,7 @@ import zmq
 
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.core import Coordinator
-from infer.coordinator.routing import POLICIES
+from infer.protocol.options import add_options, given
 from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.keys import AuthorizedKeys, CurveKeys, refuse_open_bind
 from infer.protocol.logsafe import safe
@@ -234,74 +234,21 @@ def _signal_name(number: int) -> str:
         return str(number)
 
 
+_SECURITY = ("curve_secret_key", "authorized_keys", "worker_keys", "client_keys", "admin_keys", "trusted_network")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = CoordinatorConfig()
+    """The flags of every CoordinatorConfig field (coordinator/config.py declares them), and logging's."""
     p = argparse.ArgumentParser(prog="infer-coordinator", description="The infer cluster's coordinator.")
-    p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host}; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=d.port, help=f"TCP port (default {d.port}; 0 picks a free one)")
-    p.add_argument("--policy", default=d.policy, choices=POLICIES, help="routing policy (default %(default)s)")
-    p.add_argument("--model-id", default=None,
-                   help="the model id every worker must serve (default: the first worker's)")
-    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval, metavar="S")
-    p.add_argument("--worker-timeout", type=float, default=d.worker_timeout, metavar="S",
-                   help="declare a silent worker dead after S seconds")
-    p.add_argument("--client-timeout", type=float, default=d.client_timeout, metavar="S",
-                   help="abort the requests of a client silent for S seconds")
-    p.add_argument("--max-retries", type=int, default=d.max_retries, metavar="N",
-                   help="re-dispatches allowed per request after worker failures")
-    p.add_argument("--queue-timeout", type=float, default=d.queue_timeout, metavar="S",
-                   help="fail a request that waited S seconds for a healthy worker")
-    p.add_argument("--stop-timeout", type=float, default=d.stop_timeout, metavar="S",
-                   help="on STOP, wait at most S seconds for workers to acknowledge")
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout, metavar="S",
-                   help="on SIGTERM / SIGINT, let accepted requests finish for up to S seconds (new ones are "
-                   "refused) before STOP (default 0: STOP at once; a second signal: STOP at once)")
-    p.add_argument("--max-requests-per-worker", type=int, default=None, metavar="N",
-                   help="requests one worker may have at a time; a request finding every worker full is refused "
-                   "as overloaded at once (default: each worker's own bound, max_num_seqs + its waiting limit)")
-    p.add_argument("--max-held-requests", type=int, default=d.max_held_requests, metavar="N",
-                   help="requests held in the coordinator (paused, no healthy worker); past it new ones are "
-                   "refused as overloaded (default %(default)s)")
-    p.add_argument("--restart-grace", type=float, default=d.restart_grace, metavar="S",
-                   help="after a restart, how long a re-attached request waits for its worker to register "
-                   "again before it is re-dispatched (default %(default)s)")
-    p.add_argument("--max-step-time", type=float, default=d.max_step_time, metavar="S",
-                   help="declare a worker dead when its heartbeat says one engine step has run longer than S "
-                   "seconds (a stuck engine; default %(default)s)")
-    p.add_argument("--coordinator-id", default=d.coordinator_id)
-    security = p.add_argument_group("security (CurveZMQ: encrypted, and only known keys get in)")
-    security.add_argument("--curve-secret-key", metavar="FILE",
-                          help="the coordinator's secret key file (infer-keygen NAME writes NAME.key_secret)")
-    security.add_argument("--authorized-keys", metavar="DIR",
-                          help="the public key files (*.key) allowed in, one folder per role: DIR/workers "
-                          "(register and serve), DIR/clients (submit, stream, abort, stats), DIR/admins (a "
-                          "client that may also pause, unpause, suspend, resume and stop the cluster). Re-read "
-                          "when they change: a removed key's open connections are cut off. A refused peer is "
-                          "logged and never reaches the coordinator; a flat DIR (no role folders) is refused")
-    security.add_argument("--worker-keys", metavar="DIR", help="directory of the workers' public keys "
-                          "(instead of --authorized-keys DIR/workers)")
-    security.add_argument("--client-keys", metavar="DIR", help="directory of the clients' public keys "
-                          "(instead of --authorized-keys DIR/clients)")
-    security.add_argument("--admin-keys", metavar="DIR", help="directory of the administrators' public keys "
-                          "(instead of --authorized-keys DIR/admins)")
-    security.add_argument("--trusted-network", action="store_true",
-                          help="allow a non-loopback --host without keys (plaintext: anyone who reaches the "
-                          "port is a worker, a client and an administrator); without keys, only loopback is "
-                          "allowed otherwise")
+    add_options(p, CoordinatorConfig, exclude=_SECURITY)
+    add_options(p.add_argument_group("security (CurveZMQ: encrypted, and only known keys get in)"),
+                CoordinatorConfig, names=_SECURITY)
     add_logging_args(p)
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
-    return CoordinatorConfig(
-        host=args.host, port=args.port, policy=args.policy, model_id=args.model_id,
-        heartbeat_interval=args.heartbeat_interval, worker_timeout=args.worker_timeout,
-        client_timeout=args.client_timeout, max_retries=args.max_retries, queue_timeout=args.queue_timeout,
-        stop_timeout=args.stop_timeout, drain_timeout=args.drain_timeout, coordinator_id=args.coordinator_id,
-        max_requests_per_worker=args.max_requests_per_worker, max_held_requests=args.max_held_requests,
-        restart_grace=args.restart_grace, max_step_time=args.max_step_time, curve_secret_key=args.curve_secret_key,
-        authorized_keys=args.authorized_keys, worker_keys=args.worker_keys, client_keys=args.client_keys,
-        admin_keys=args.admin_keys, trusted_network=args.trusted_network)
+    return CoordinatorConfig(**given(CoordinatorConfig, args))
 
 
 def main(argv: list[str] | None = None) -> int:

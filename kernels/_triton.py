@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from infer.protocol import env
+
 try:
     import triton
     import triton.language as tl
@@ -49,7 +51,7 @@ except ImportError:  # pragma: no cover - exercised only where triton has no whe
     tl = _LanguageStandIn()  # type: ignore[assignment]
 
 # INFER_KERNELS=torch forces the twins on every device (debugging a suspected kernel bug on a GPU).
-_FORCE_TWINS = os.environ.get("INFER_KERNELS", "").strip().lower() == "torch"
+_FORCE_TWINS = (env.read(env.KERNELS) or "").lower() == "torch"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

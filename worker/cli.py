@@ -16,12 +16,12 @@ import zmq
 
 from infer.protocol.keys import CurveKeys
 from infer.protocol.logs import add_logging_args, setup_logging
-from infer.worker.config import DTYPES, SUSPEND_WEIGHTS, EngineConfig
+from infer.protocol.options import add_options, given
+from infer.worker.config import EngineConfig
 from infer.worker.core import EXIT_FATAL, EXIT_USAGE, EngineLike
 from infer.worker.daemon import Worker
 from infer.worker.group_sync import EpOptions
 from infer.worker.options import WorkerOptions
-from infer.worker.scheduler import SCHEDULING_POLICIES
 
 log = logging.getLogger("infer.worker")
 
@@ -30,34 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infer-worker", description="An inference worker (one DP rank): runs an "
                                 "engine for the coordinator and streams token deltas back.")
     p.add_argument("--coordinator", required=True, help="the coordinator's address, tcp://HOST:PORT")
-    engine = p.add_argument_group("engine options (vLLM's names)")
-    engine.add_argument("--model", help="a safetensors model directory or a .gguf file (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
-    engine.add_argument("--dtype", choices=DTYPES, default="auto")
-    engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--seed"):
-        engine.add_argument(flag, type=int)
-    engine.add_argument("--kv-cache-memory", type=int, help="bytes for the KV cache pool")
-    engine.add_argument("--kv-cache-memory-fraction", type=float,
-                        help="share of memory for the KV pool when --kv-cache-memory is not given")
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
-    engine.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
-                        help="no step graphs: every step runs op by op (the default for now); "
-                        "--no-enforce-eager: decode steps replay graphs compiled (CPU) or captured (CUDA) per "
-                        "batch size")
-    engine.add_argument("--max-graph-batch-size", type=int, metavar="N",
-                        help="the largest decode batch a step graph is made for (default 256)")
-    engine.add_argument("--threads", type=int, dest="num_threads", help="torch threads")
-    engine.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
-                        help="fcfs (the default) or priority: lower request priority first, with aging")
-    engine.add_argument("--priority-aging-steps", type=int, metavar="N",
-                        help="with --scheduling-policy priority: a request that has waited N engine steps ranks "
-                        "ahead of every younger one (default 1000)")
-    engine.add_argument("--suspend-weights", choices=SUSPEND_WEIGHTS,
-                        help="what suspend does with the weights: host_copy (pinned host memory on a GPU; kept on "
-                        "a CPU), reload (freed, reloaded from their files on resume); default auto: host_copy on a "
-                        "GPU, reload on a CPU. The KV pool is always freed")
+    add_options(p.add_argument_group("engine options (vLLM's names)"), EngineConfig)
     worker = p.add_argument_group("worker options")
     worker.add_argument("--dp-rank", type=int, help="this worker's DP rank (default: the coordinator assigns the "
                         "lowest free one, and keeps it when the worker registers again)")
@@ -101,15 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_ENGINE_FLAGS = ("model", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "seed", "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching",
-                 "enable_chunked_prefill", "num_threads", "enforce_eager", "max_graph_batch_size",
-                 "scheduling_policy", "priority_aging_steps", "suspend_weights")
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags given (the others keep EngineConfig's defaults); ValueError if invalid."""
-    return EngineConfig.from_options(**{k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None})
+    return EngineConfig.from_options(**given(EngineConfig, args))
 
 
 def worker_options(args: argparse.Namespace) -> WorkerOptions:

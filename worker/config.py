@@ -1,16 +1,18 @@
 """EngineConfig: the engine's options, vLLM's names, validated once.
 
-Environment variables are read here and nowhere else, all with the prefix INFER_.
+Each field declares its infer-worker flag (protocol/options.py builds the parsers from it); the INFER_ variables
+the engine reads are declared in protocol/env.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infer.protocol import env
+from infer.protocol.options import option
 from infer.worker.scheduler import SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -44,24 +46,33 @@ class EngineConfig:
         is host_copy on a GPU, reload on a CPU. The KV pool is always freed.
     """
 
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    kv_cache_memory_fraction: float = 0.1
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    num_threads: int | None = None
-    enforce_eager: bool = True
-    max_graph_batch_size: int = 256
-    scheduling_policy: str = "fcfs"
-    priority_aging_steps: int = 1000
-    suspend_weights: str = "auto"
+    model: str | None = option(None, "a safetensors model directory or a .gguf file (default: the embedded "
+                                     "SmolLM2-135M-Instruct)")
+    dtype: str = option("auto", "weights and activations; auto: bfloat16 where the CPU or GPU computes it natively",
+                        choices=DTYPES)
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    max_model_len: int | None = option(None, "the context length (default: the model's)")
+    max_num_seqs: int = option(256, "requests running at once")
+    max_num_batched_tokens: int | None = option(None, "tokens per engine step (default 2048 with chunked prefill)")
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory: int | None = option(None, "bytes for the KV cache pool")
+    kv_cache_memory_fraction: float = option(0.1, "share of memory for the KV pool when --kv-cache-memory is "
+                                                  "not given")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of a shared prompt prefix")
+    enable_chunked_prefill: bool = option(True, "split long prompts over steps, mixed with decodes")
+    seed: int = option(0, "the engine's seed (a request's own seed wins)")
+    num_threads: int | None = option(None, "torch threads", flag="--threads", metavar="N")
+    enforce_eager: bool = option(True, "no step graphs: every step runs op by op; --no-enforce-eager: decode "
+                                       "steps replay graphs compiled (CPU) or captured (CUDA) per batch size")
+    max_graph_batch_size: int = option(256, "the largest decode batch a step graph is made for", metavar="N")
+    scheduling_policy: str = option("fcfs", "fcfs, or priority: lower request priority first, with aging",
+                                    choices=SCHEDULING_POLICIES)
+    priority_aging_steps: int = option(1000, "with --scheduling-policy priority: a request that has waited N "
+                                             "engine steps ranks ahead of every younger one", metavar="N")
+    suspend_weights: str = option("auto", "what suspend does with the weights: host_copy (pinned host memory on "
+                                          "a GPU; kept on a CPU), reload (freed, reloaded from their files on "
+                                          "resume); auto: host_copy on a GPU, reload on a CPU. The KV pool is "
+                                          "always freed", choices=SUSPEND_WEIGHTS)
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -131,12 +142,12 @@ def _positive_int(name: str, value: Any) -> None:
 
 def model_cache_dir() -> Path:
     """Where converted models (GGUF -> safetensors) are kept: $INFER_MODEL_CACHE or ~/.cache/infer/models."""
-    env = os.environ.get("INFER_MODEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "infer" / "models"
+    value = env.read(env.MODEL_CACHE)
+    return Path(value) if value else Path.home() / ".cache" / "infer" / "models"
 
 
 def compile_cache_dir() -> Path:
     """Where compiled step graphs are cached across restarts (inductor's FX graph cache):
     $INFER_COMPILE_CACHE or ~/.cache/infer/compile."""
-    env = os.environ.get("INFER_COMPILE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "infer" / "compile"
+    value = env.read(env.COMPILE_CACHE)
+    return Path(value) if value else Path.home() / ".cache" / "infer" / "compile"

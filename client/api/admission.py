@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import time
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from infer.client.api.schemas import ApiError
+from infer.protocol import env
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError
 from infer.protocol.messages import ClusterStats
@@ -60,7 +60,7 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None,
             raise ValueError(f"--api-key-file {api_key_file}: the file is empty (its first line is the key)")
         return key
     if api_key is None:
-        api_key = (os.environ if environ is None else environ).get(API_KEY_ENV)
+        api_key = env.read_raw(env.API_KEY, environ)
         if api_key is not None and not api_key.strip():
             raise ValueError(f"${API_KEY_ENV} is set but empty; unset it to serve without a key")
     elif not api_key.strip():
@@ -68,7 +68,7 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None,
     return None if api_key is None else api_key.strip()
 
 
-API_KEY_ENV = "INFER_API_KEY"
+API_KEY_ENV = env.API_KEY.name
 
 
 def authorize(request: Request, key: str | None) -> None:

@@ -1,0 +1,43 @@
+"""The INFER_* environment variables: one registry, read through `read` (and nowhere else in the package).
+
+Each variable is declared once with what it does; README's table and `infer-worker --help`-style listings come
+from `VARIABLES`. Reading takes an `environ` mapping (os.environ by default) so that callers and tests can
+pass their own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    doc: str
+
+
+MODEL_CACHE = Variable("INFER_MODEL_CACHE", "where converted models (GGUF -> safetensors) are kept "
+                                            "(default ~/.cache/infer/models)")
+COMPILE_CACHE = Variable("INFER_COMPILE_CACHE", "where compiled step graphs are cached across restarts "
+                                                "(default ~/.cache/infer/compile)")
+KERNELS = Variable("INFER_KERNELS", "'torch': run the kernels' PyTorch twins even on CUDA")
+API_KEY = Variable("INFER_API_KEY", "the HTTP front's API key when neither --api-key nor --api-key-file is given")
+COORDINATOR_PORT = Variable("INFER_COORDINATOR_PORT", "SPMD programs: the port of the coordinator rank 0 starts "
+                                                      "(default $MASTER_PORT + 1)")
+
+VARIABLES: tuple[Variable, ...] = (MODEL_CACHE, COMPILE_CACHE, KERNELS, API_KEY, COORDINATOR_PORT)
+
+
+def read(variable: Variable, environ: Mapping[str, str] | None = None) -> str | None:
+    """The variable's value, or None when it is unset or blank (surrounding spaces stripped)."""
+    value = (os.environ if environ is None else environ).get(variable.name)
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
+def read_raw(variable: Variable, environ: Mapping[str, str] | None = None) -> str | None:
+    """The variable's value as set (None when unset): for callers that tell "set but blank" apart."""
+    return (os.environ if environ is None else environ).get(variable.name)

@@ -1,0 +1,107 @@
+"""Options declared once: command-line flags built from config dataclasses, parsed flags turned back into
+configs, and configs turned into argv for launchers. No I/O.
+
+A config field says what its flag needs in its metadata (`option(...)`): the help text, and where the flag is
+not just the field's name dashed, its flag; `cli=False` keeps a field off the command line. Its type comes from
+the annotation: `bool` is an `--x / --no-x` pair, `int | None` takes an int, and so on; `choices` come from
+the metadata. Flags are added with default None, so only the flags given override the config's own defaults
+(`given`), and `to_argv` writes back the fields that differ from those defaults: the one path from a config to
+another process's command line (infer-serve's workers, LLM's local cluster, the Slurm launcher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
+           metavar: str | None = None, choices: Sequence[str] | None = None, cli: bool = True,
+           default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with what its command-line flag needs (see the module doc)."""
+    metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "cli": cli}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def cli_fields(cls: type, names: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> list[dataclasses.Field]:
+    """`cls`'s fields that have flags, in declaration order (only `names`, when given; never `exclude`)."""
+    wanted = None if names is None else set(names)
+    skip = set(exclude)
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True) and f.name not in skip
+            and (wanted is None or f.name in wanted)]
+
+
+def _scalar_type(cls: type, f: dataclasses.Field) -> type:
+    """The flag's value type: the annotation without its `| None`."""
+    hint = typing.get_type_hints(cls)[f.name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) != 1:
+            raise TypeError(f"{cls.__name__}.{f.name}: a flag needs one type, got {hint}")
+        hint = options[0]
+    return hint
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is dataclasses.MISSING or f.default is None:
+        return ""
+    if isinstance(f.default, bool):
+        return f" (default: {'on' if f.default else 'off'})"
+    return f" (default {f.default})"
+
+
+def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                names: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> None:
+    """One flag per field of `cls` (see the module doc), with default None: an omitted flag leaves the field to
+    the config's default."""
+    for f in cli_fields(cls, names, exclude):
+        kind = _scalar_type(cls, f)
+        help_text = (f.metadata.get("help") or "") + _default_text(f)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text or None}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if f.metadata.get("choices"):
+                kwargs["choices"] = tuple(f.metadata["choices"])
+            if f.metadata.get("metavar"):
+                kwargs["metavar"] = f.metadata["metavar"]
+        parser.add_argument(flag_of(f), **kwargs)
+
+
+def given(cls: type, args: argparse.Namespace, names: Iterable[str] | None = None,
+          exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """The fields of `cls` whose flags were given (to pass on as keyword options: the rest keep defaults)."""
+    return {f.name: getattr(args, f.name) for f in cli_fields(cls, names, exclude)
+            if getattr(args, f.name, None) is not None}
+
+
+def to_argv(cls: type, values: Mapping[str, Any] | Any, names: Iterable[str] | None = None,
+            exclude: Iterable[str] = ()) -> list[str]:
+    """The flags that give `values` (a config of `cls`, or a mapping of its field names) to a command whose
+    parser `add_options(..., cls)` built: only the fields that differ from `cls`'s defaults."""
+    if isinstance(values, Mapping):
+        fields: Mapping[str, Any] = values
+    else:
+        fields = {f.name: getattr(values, f.name) for f in dataclasses.fields(values)}
+    argv: list[str] = []
+    for f in cli_fields(cls, names, exclude):
+        value = fields.get(f.name)
+        if value is None or value == f.default:
+            continue
+        flag = flag_of(f)
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
