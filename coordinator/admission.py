@@ -13,7 +13,7 @@ from infer.coordinator.lifecycle import ClusterState
 from infer.coordinator.state import RequestRecord, WorkerRecord
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.messages import (
-    Delta, Submit, TokenIds
+    Delta, Submit
 )
 from infer.protocol.sampling import SamplingParams
 
@@ -134,8 +134,7 @@ class Admission:
             return True
         if request.remaining_budget() == 0:      # every token is out; only the final delta was lost
             self.core.counters.requests_completed += 1
-            self.core.finish(request, Delta(request_id=request.request_id, token_ids=TokenIds(), text="",
-                                        finished=True, finish_reason="length"), {})
+            self.core.finish(request, Delta.final(request.request_id, "length"), {})
             return True
         self.place(request, worker)
         worker.requests_routed += 1

@@ -14,7 +14,7 @@ from infer.coordinator.lifecycle import Action, ClusterState, Refusal, transitio
 from infer.coordinator.state import WorkerRecord
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import (
-    Control, ControlAck, Delta, Error, TokenIds, UpdateWeights, WeightsUpdated
+    Control, ControlAck, Delta, Error, UpdateWeights, WeightsUpdated
 )
 
 if TYPE_CHECKING:
@@ -154,8 +154,7 @@ class Commands:
         their KV blocks. Held requests stay held."""
         to_workers: dict[str, list[str]] = {}
         for request in [r for r in self.core.requests.by_id.values() if r.worker_id is not None]:
-            self.core.finish(request, Delta(request_id=request.request_id, token_ids=TokenIds(), text="", finished=True,
-                                        finish_reason="abort", error=reason), to_workers)
+            self.core.finish(request, Delta.final(request.request_id, "abort", reason), to_workers)
             self.core.counters.requests_aborted += 1
         self.core.send_aborts(to_workers)
 

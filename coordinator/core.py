@@ -53,7 +53,7 @@ from infer.coordinator.statistics import MAX_REJECTION_CHARS, Counters, Statisti
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
     PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello, Message,
-    ProtocolError, Refused, StatsRequest, StepBatch, Submit, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode
+    ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated, decode
 )
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
 
@@ -417,8 +417,7 @@ class Coordinator:
             request = self.requests.get(rid)
             if request is None or request.client != identity:
                 continue   # finished already, or not this client's
-            self.finish(request, Delta(request_id=rid, token_ids=TokenIds(), text="", finished=True,
-                                        finish_reason="abort"), to_workers)
+            self.finish(request, Delta.final(rid, "abort"), to_workers)
             self.counters.requests_aborted += 1
         self.send_aborts(to_workers)
         self.admission.dispatch_held(now)     # the aborted ones made room
@@ -453,6 +452,5 @@ class Coordinator:
     def fail(self, request: RequestRecord, message: str, code: str = "unavailable") -> None:
         self.counters.requests_failed += 1
         to_workers: dict[str, list[str]] = {}
-        self.finish(request, Delta(request_id=request.request_id, token_ids=TokenIds(), text="", finished=True,
-                                    finish_reason="error", error=message, error_code=code), to_workers)
+        self.finish(request, Delta.final(request.request_id, "error", message, code), to_workers)
         self.send_aborts(to_workers)

@@ -365,6 +365,13 @@ class Delta(Message):
     prompt_logprobs: list[dict[int, float]] | None = None   # the first delta, when asked: prompt tokens 1..
     weight_version: int = 0                    # the version of the weights that computed it (update_weights)
 
+    @classmethod
+    def final(cls, request_id: str, finish_reason: str, error: str | None = None, error_code: str | None = None,
+              prompt_token_ids: TokenIds | None = None) -> Delta:
+        """A last delta with no tokens: how a request ends when it is refused, aborted, failed or out of budget."""
+        return cls(request_id=request_id, token_ids=TokenIds(), text="", finished=True, finish_reason=finish_reason,
+                   error=error, error_code=error_code, prompt_token_ids=prompt_token_ids)
+
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
         _check_seed(self.seed)

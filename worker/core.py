@@ -387,9 +387,7 @@ class WorkerCore:
 
     def _reject(self, request_id: str, reason: str, code: str, prompt_token_ids: TokenIds | None = None) -> None:
         self._warn.warning("request %s rejected: %s", safe(request_id), safe(reason))
-        self._outbox.append(Delta(request_id=request_id, token_ids=TokenIds(), text="", finished=True,
-                                  finish_reason="error", error=reason, error_code=code,
-                                  prompt_token_ids=prompt_token_ids))
+        self._outbox.append(Delta.final(request_id, "error", reason, code, prompt_token_ids))
 
     def _on_abort(self, msg: Abort, now: float) -> None:
         """The coordinator forgot these requests before it asked: free their KV blocks now and send no final
