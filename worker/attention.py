@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from infer.kernels._triton import use_triton
+from infer.kernels.cpu_kernels import decode_kernel_fits
 from infer.kernels.kv_append import append_kv
 from infer.kernels.paged_attention import (
     paged_decode_attention,
@@ -35,7 +36,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if num_decodes:
         tables, lens = batch.block_tables[:num_decodes], batch.seq_lens[:num_decodes]
         plan = None
-        if not use_triton(q):  # the twin's tiling, planned by the first layer of the step
+        if not use_triton(q) and not decode_kernel_fits(q, k_cache, tables, lens):
+            # the twin's tiling, planned by the first layer of the step
             plan = batch.per_step.get("decode_plan")
             if plan is None:
                 plan = batch.per_step["decode_plan"] = plan_decode(tables, lens, k_cache,
