@@ -17,6 +17,11 @@ from infer.protocol.sampling import SamplingParams
 Prompt = str | Sequence[int]
 
 
+class ClusterError(RuntimeError):
+    """The cluster could not be reached or refused something; the text is the server's message where it gave one.
+    Raised by every EngineClient (InferenceClient, LocalEngine) for what the cluster or the engine refused."""
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """An async source of generations.

@@ -53,6 +53,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from infer.client.engine_client import ClusterError
 from infer.protocol.keys import CurveKeys, PathLike
 from infer.protocol.messages import (
     MAX_REFIT_TIMEOUT_S, MAX_REQUEST_TIMEOUT_S, ON_RUNNING, Abort, ClusterStats, Control, ControlAck, Delta,
@@ -79,10 +80,6 @@ def _check_timeout(timeout: float | None) -> None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not 0 < timeout <= MAX_REQUEST_TIMEOUT_S):
         raise ValueError(f"timeout must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S:g}], got {timeout!r}")
-
-
-class ClusterError(RuntimeError):
-    """The cluster could not be reached or refused something; the text is the server's message where it gave one."""
 
 
 @dataclass(eq=False)

@@ -35,7 +35,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from infer.client.inference_client import ClusterError
+from infer.client.engine_client import ClusterError
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
 from infer.protocol.outputs import Completion, RequestOutput

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from infer.protocol import env
+
 log = logging.getLogger("infer.kernels")
 
 SOURCE = Path(__file__).resolve().parent / "cpu" / "paged_decode.c"
@@ -75,7 +77,7 @@ def _build(compiler: str, target: Path) -> None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("INFER_CPU_KERNELS", "1") == "0":
+    if env.read(env.CPU_KERNELS) == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:

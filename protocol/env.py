@@ -23,11 +23,12 @@ MODEL_CACHE = Variable("INFER_MODEL_CACHE", "where converted models (GGUF -> saf
 COMPILE_CACHE = Variable("INFER_COMPILE_CACHE", "where compiled step graphs are cached across restarts "
                                                 "(default ~/.cache/infer/compile)")
 KERNELS = Variable("INFER_KERNELS", "'torch': run the kernels' PyTorch twins even on CUDA")
+CPU_KERNELS = Variable("INFER_CPU_KERNELS", "'0': no C kernels on a CPU (kernels/cpu_kernels.py): the twins run")
 API_KEY = Variable("INFER_API_KEY", "the HTTP front's API key when neither --api-key nor --api-key-file is given")
 COORDINATOR_PORT = Variable("INFER_COORDINATOR_PORT", "SPMD programs: the port of the coordinator rank 0 starts "
                                                       "(default $MASTER_PORT + 1)")
 
-VARIABLES: tuple[Variable, ...] = (MODEL_CACHE, COMPILE_CACHE, KERNELS, API_KEY, COORDINATOR_PORT)
+VARIABLES: tuple[Variable, ...] = (MODEL_CACHE, COMPILE_CACHE, KERNELS, CPU_KERNELS, API_KEY, COORDINATOR_PORT)
 
 
 def read(variable: Variable, environ: Mapping[str, str] | None = None) -> str | None:

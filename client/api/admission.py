@@ -15,7 +15,7 @@ from fastapi import Request
 from infer.client.api.schemas import ApiError
 from infer.protocol import env
 from infer.client.engine_client import EngineClient
-from infer.client.inference_client import ClusterError
+from infer.client.engine_client import ClusterError
 from infer.protocol.messages import ClusterStats
 
 

@@ -69,7 +69,7 @@ from infer.client.api.schemas import (
     ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UpdateWeightsRequest
 )
 from infer.client.engine_client import EngineClient
-from infer.client.inference_client import ClusterError
+from infer.client.engine_client import ClusterError
 from infer.protocol.logsafe import safe
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error

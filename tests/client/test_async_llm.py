@@ -15,7 +15,7 @@ from aioprocs import pid_gone
 
 from infer import LLM, AsyncLLM, SamplingParams
 from infer.client.engine_client import EngineClient
-from infer.client.inference_client import ClusterError
+from infer.client.engine_client import ClusterError
 from infer.client.local_engine import LocalEngine
 from infer.worker.config import EngineConfig
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.client.inference_client import ClusterError
+from infer.client.engine_client import ClusterError
 from hf_reference import transformers_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
