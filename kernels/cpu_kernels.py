@@ -106,7 +106,11 @@ def _load() -> ctypes.CDLL | None:
         if not path.exists():
             _build(compiler, path)
             log.info("built the native CPU kernels: %s", path)
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:   # a damaged file in the cache: build it again, once
+            _build(compiler, path)
+            lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("the native CPU kernels could not be built (%s): their PyTorch twins run instead", e)
         return None

@@ -175,3 +175,16 @@ def test_bad_slots_and_positions_are_refused_with_nothing_written(case):
         with pytest.raises(ValueError, match="outside the cos/sin cache"):
             rotary_native(positions, q, cos_sin, True)
         assert torch.equal(q, before)
+
+
+def test_the_library_is_built_again_over_a_damaged_cache_file_and_not_at_all_without_a_compiler(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setenv("INFER_COMPILE_CACHE", str(tmp_path))
+    compiler = cpu_kernels.shutil.which("cc") or cpu_kernels.shutil.which("gcc")
+    path = cpu_kernels._library_path(compiler)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    assert cpu_kernels._load() is not None and path.stat().st_size > 1000
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    assert cpu_kernels._load() is None
