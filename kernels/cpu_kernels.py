@@ -1,8 +1,10 @@
 """Native CPU kernels: small C files under kernels/cpu/, built with the system C compiler on first use.
 
-The one kernel today is paged decode attention (cpu/paged_decode.c): it reads K and V where they sit in the
-pool, where the PyTorch twin gathers each sequence's blocks into a padded copy first and hands it to SDPA.
-That copy, and SDPA's packing of each tiny per-head problem, were most of a CPU decode step's attention time.
+- Paged decode attention (cpu/paged_decode.c): it reads K and V where they sit in the pool, where the PyTorch
+  twin gathers each sequence's blocks into a padded copy first and hands it to SDPA. That copy, and SDPA's
+  packing of each tiny per-head problem, were most of a CPU decode step's attention time.
+- Rotary embedding in place and the KV append with K rotated on the way (cpu/elementwise.c): one pass each
+  instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
 
 Built with `cc -O3 -march=native -fopenmp -shared` into INFER_COMPILE_CACHE (see worker/config.py) under a
 name that hashes the source, the flags, the compiler and this CPU's feature flags, so a shared home directory
@@ -31,7 +33,7 @@ from infer.protocol import env
 
 log = logging.getLogger("infer.kernels")
 
-SOURCE = Path(__file__).resolve().parent / "cpu" / "paged_decode.c"
+SOURCES = tuple(Path(__file__).resolve().parent / "cpu" / name for name in ("paged_decode.c", "elementwise.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")
 BUILD_TIMEOUT_S = 120
 # What the compiled kernel accepts (the C file's MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK).
@@ -55,9 +57,9 @@ def _cpu_flags() -> str:
 
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    return _cache_dir() / f"paged_decode-{key}.so"
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), " ".join(FLAGS), version,
+                                    _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+    return _cache_dir() / f"infer_cpu-{key}.so"
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -65,8 +67,8 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -75,28 +77,53 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+_LOADED = False   # set by the first _library() call; what native_ready() says under torch.compile
+
+
+def native_ready() -> bool:
+    """Whether the native kernels are built and loaded (building them on the first call). Under torch.compile
+    it answers what an eager call found before (dynamo reads the flag as a constant, and traces no build)."""
+    if torch.compiler.is_compiling():
+        return _LOADED
+    return _library() is not None
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
+    lib = _load()
+    global _LOADED
+    _LOADED = lib is not None
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
     if env.read(env.CPU_KERNELS) == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: CPU decode attention runs on the PyTorch twin (slower)")
+        log.warning("no C compiler found: the CPU kernels run as their PyTorch twins (slower)")
         return None
     try:
         path = _library_path(compiler)
         if not path.exists():
             _build(compiler, path)
-            log.info("built the CPU decode-attention kernel: %s", path)
-        lib = ctypes.CDLL(str(path))
+            log.info("built the native CPU kernels: %s", path)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:   # a damaged file in the cache: build it again, once
+            _build(compiler, path)
+            lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("the CPU decode-attention kernel could not be built (%s): the PyTorch twin runs instead", e)
+        log.warning("the native CPU kernels could not be built (%s): their PyTorch twins run instead", e)
         return None
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     for name in _ENTRY.values():
         fn = getattr(lib, name)
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, f32]
         fn.restype = i32
+    lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
+    lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
+    lib.rotary_inplace.restype = lib.append_kv.restype = i32
     return lib
 
 
@@ -112,7 +139,7 @@ def decode_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: tor
             and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
             and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
             and q.shape[1] % num_kv_heads == 0 and q.shape[1] // num_kv_heads <= MAX_GROUP
-            and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK and _library() is not None)
+            and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK and native_ready())
 
 
 def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -137,3 +164,72 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         raise ValueError("a sequence length is < 1 or past its block table, or a block table entry is outside "
                          f"the pool of {num_blocks} blocks")
     return out
+
+
+def _rows_fit(x: torch.Tensor) -> bool:
+    """[T, heads, D] with contiguous heads (rows may be views into a wider tensor), of a type the kernels take."""
+    return (x.device.type == "cpu" and x.dtype in _ENTRY and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == x.shape[2] and x.shape[2] <= MAX_HEAD_DIM and x.shape[2] % 2 == 0)
+
+
+def rotary_fits(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+    """Whether the native rotary takes these (never under torch.compile: inductor fuses the twin there)."""
+    return (not torch.compiler.is_compiling() and _rows_fit(q) and positions.dtype == torch.int64
+            and positions.is_contiguous()
+            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() and native_ready())
+
+
+def rotary_native(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """q [T, H, D] rotated in place at positions [T] (int64), as `rotary_embedding_torch` (checked args)."""
+    status = _library().rotary_inplace(q.data_ptr(), q.stride(0), q.shape[0], q.shape[1], q.shape[2],
+                                       positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
+                                       int(is_neox), int(q.dtype == torch.bfloat16))
+    if status != 0:
+        raise ValueError(f"head_dim {q.shape[2]} is odd or past {MAX_HEAD_DIM}, or a position is outside the "
+                         f"cos/sin cache of {cos_sin_cache.shape[0]} positions")
+
+
+def append_fits(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, positions: torch.Tensor | None,
+                cos_sin_cache: torch.Tensor | None) -> bool:
+    """Whether the native append takes these (never under torch.compile: inductor fuses the twin there)."""
+    return (not torch.compiler.is_compiling() and _rows_fit(k) and _rows_fit(v)
+            and v.dtype == k.dtype == k_cache.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and (cos_sin_cache is None or (positions is not None and positions.dtype == torch.int64
+                                           and positions.is_contiguous() and cos_sin_cache.is_contiguous()))
+            and native_ready())
+
+
+def append_kv_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, positions: torch.Tensor | None, cos_sin_cache: torch.Tensor | None,
+                     is_neox: bool, pad_slot: int | None) -> None:
+    """As `append_kv_torch` (checked args that pass `append_fits`): k, v [T, Hkv, D] into the pools at
+    slot_mapping, K rotated when `cos_sin_cache` is given; slot -1 skipped, or written at `pad_slot`."""
+    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    rotate = cos_sin_cache is not None
+    status = _library().append_kv(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        num_blocks * block_size, slot_mapping.data_ptr(), -1 if pad_slot is None else pad_slot, k.shape[0],
+        num_kv_heads, head_dim, positions.data_ptr() if rotate else None,
+        cos_sin_cache.data_ptr() if rotate else None, cos_sin_cache.shape[0] if rotate else 0, int(is_neox),
+        int(k.dtype == torch.bfloat16))
+    if status != 0:
+        raise ValueError(f"a slot is outside [-1, {num_blocks * block_size}) (or pad_slot past the pool), or a "
+                         f"position outside the cos/sin cache")
+
+
+
+@torch.library.custom_op("infer::paged_decode_cpu", mutates_args=("out",))
+def paged_decode_cpu_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """`paged_decode_attention_native` as a torch operator, so that a compiled step graph (worker/step_graphs.py)
+    calls the kernel instead of tracing into it; `out` is written in place."""
+    paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+
+
+@paged_decode_cpu_op.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+      seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    return None

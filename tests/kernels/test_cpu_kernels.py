@@ -102,3 +102,89 @@ def test_what_it_does_not_take_goes_to_the_twin():
     assert_close(got, reference_attention(batch, 0.125), torch.float16, "fp16 through the twin")
     wide = make_batch([10], [1], 34, 2, 64, 16, torch.float32, seed=2)   # a group of 17: past MAX_GROUP
     assert not decode_kernel_fits(wide.q, wide.k_cache, wide.block_tables, wide.seq_lens)
+
+
+# ---- rotary and KV append: the twins' bits --------------------------------------------------------------
+
+def _cos_sin(max_positions: int, head_dim: int = 64) -> torch.Tensor:
+    from infer.kernels.rotary import build_cos_sin_cache
+
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return build_cos_sin_cache(inv_freq, 1.0, max_positions)
+
+
+def _qkv(tokens: int, dtype: torch.dtype, heads=(6, 2), head_dim=64, seed=0):
+    """q, k, v as views into one [T, (H + 2 Hkv) D] projection output, as a layer makes them."""
+    generator = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    qkv = (torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator) * 3).to(dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    return (q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim),
+            v.view(tokens, num_kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rotary_gives_the_twins_bits(dtype, is_neox):
+    from infer.kernels.rotary import rotary_embedding, rotary_embedding_torch
+
+    cos_sin = _cos_sin(4096)
+    positions = torch.tensor([0, 5, 17, 4095, 300, 1], dtype=torch.int64)
+    native, twin = _qkv(6, dtype)[0], _qkv(6, dtype)[0]
+    rotary_embedding(positions, native, None, cos_sin, is_neox)
+    rotary_embedding_torch(positions, twin, None, cos_sin, is_neox)
+    assert torch.equal(native, twin)
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("rotate", [True, False], ids=["rotated", "plain"])
+@pytest.mark.parametrize("pad_slot", [None, 5], ids=["skip-padding", "pad-slot"])
+def test_append_gives_the_twins_bits(dtype, rotate, pad_slot):
+    from infer.kernels.kv_append import append_kv, append_kv_torch
+
+    _, k, v = _qkv(7, dtype, seed=1)
+    cos_sin = _cos_sin(2048) if rotate else None
+    positions = torch.tensor([3, 9, 0, 2047, 64, 65, 7], dtype=torch.int64)
+    slots = torch.tensor([40, -1, 3, 127, 16, -1, 0], dtype=torch.int64)
+    pools = [torch.zeros(2, 8, 16, 64, dtype=dtype) for _ in range(4)]
+    append_kv(k, v, pools[0], pools[1], slots, positions, cos_sin, True, pad_slot)
+    append_kv_torch(k, v, pools[2], pools[3], slots, positions, cos_sin, True, pad_slot)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+
+
+@pytest.mark.parametrize("case", ["slot past the pool", "slot below -1", "position past the cache"])
+def test_bad_slots_and_positions_are_refused_with_nothing_written(case):
+    from infer.kernels.cpu_kernels import append_kv_native, rotary_native
+
+    q, k, v = _qkv(3, torch.float32, seed=2)
+    cos_sin = _cos_sin(100)
+    positions = torch.tensor([1, 2, 3], dtype=torch.int64)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int64)
+    if case == "slot past the pool":
+        slots[2] = 2 * 8 * 16
+    elif case == "slot below -1":
+        slots[0] = -2
+    else:
+        positions[1] = 100
+    k_pool, v_pool = torch.zeros(2, 8, 16, 64), torch.zeros(2, 8, 16, 64)
+    with pytest.raises(ValueError, match="outside"):
+        append_kv_native(k, v, k_pool, v_pool, slots, positions, cos_sin, True, None)
+    assert not k_pool.any() and not v_pool.any()
+    if case == "position past the cache":
+        before = q.clone()
+        with pytest.raises(ValueError, match="outside the cos/sin cache"):
+            rotary_native(positions, q, cos_sin, True)
+        assert torch.equal(q, before)
+
+
+def test_the_library_is_built_again_over_a_damaged_cache_file_and_not_at_all_without_a_compiler(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setenv("INFER_COMPILE_CACHE", str(tmp_path))
+    compiler = cpu_kernels.shutil.which("cc") or cpu_kernels.shutil.which("gcc")
+    path = cpu_kernels._library_path(compiler)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    assert cpu_kernels._load() is not None and path.stat().st_size > 1000
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    assert cpu_kernels._load() is None
