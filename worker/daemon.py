@@ -58,6 +58,7 @@ from infer.protocol.transport import HANDSHAKE_EVENTS, frames_for, handshake_fai
 from infer.worker.config import DTYPES, SUSPEND_WEIGHTS, EngineConfig
 from infer.worker.scheduler import SCHEDULING_POLICIES
 from infer.worker.group_sync import EpOptions, GroupBroken
+from infer.worker.tp_group import TpOptions, resolve_ranks
 from infer.worker.request import Request
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ class WorkerOptions:
     benchmark_mode: bool = False
     benchmark_step_time: float = 0.0    # with benchmark_mode: seconds each step lasts
     ep: EpOptions | None = None         # this rank's EP group (None: a group of one)
+    tp: TpOptions | None = None         # this DP rank's TP group (None: one process)
     max_waiting_requests: int = 1024    # beyond max_num_seqs running: a Dispatch past it is "overloaded"
     curve: CurveKeys | None = None      # CurveZMQ towards the coordinator (and the EP group's wake channel)
 
@@ -150,6 +152,8 @@ class WorkerOptions:
                              f"{self.benchmark_step_time}")
         if self.ep is not None and self.benchmark_mode:
             raise ValueError("--benchmark-mode has no model, so no EP group: leave out --ep-size")
+        if self.tp is not None and self.benchmark_mode:
+            raise ValueError("--benchmark-mode has no model, so no TP group: leave out --tp-size")
         if self.coordinator_timeout <= self.heartbeat_interval:
             raise ValueError(f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "
                              f"({self.heartbeat_interval})")
@@ -850,12 +854,23 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
                         help="requests that may wait beyond the --max-num-seqs running ones; a request past that "
                         "is refused as overloaded (default 1024)")
+    tp = p.add_argument_group("tensor parallelism (a DP rank of several processes, each holding a shard of "
+                              "every layer)")
+    tp.add_argument("--tp-size", type=int, default=1,
+                    help="processes in this DP rank (default 1). Without --tp-rank, this command starts and "
+                    "supervises all of them on this node")
+    tp.add_argument("--tp-rank", type=int, help="this process's rank in its TP group (one process per rank, "
+                    "with --dist-init; default: from $RANK or $SLURM_PROCID, global rank = ep_rank x tp_size + "
+                    "tp_rank; TP rank 0 talks to the coordinator)")
+    tp.add_argument("--tp-timeout", type=float, default=60.0,
+                    help="seconds a TP collective waits for a member, and a follower waits to hear from TP "
+                    "rank 0, before giving up (default 60)")
     ep = p.add_argument_group("expert parallelism (an EP group of ranks sharing an MoE model's experts)")
     ep.add_argument("--ep-size", type=int, default=1, help="ranks in this EP group (default 1: no group)")
     ep.add_argument("--ep-rank", type=int,
                     help="this rank in the group (default: $RANK, else $SLURM_PROCID %% ep-size)")
-    ep.add_argument("--dist-init", help="the group's rendezvous, tcp://HOST:PORT, the same on every member "
-                    "(default: tcp://$MASTER_ADDR:$MASTER_PORT)")
+    ep.add_argument("--dist-init", help="the EP / TP group's rendezvous, tcp://HOST:PORT, the same on every "
+                    "member (default: tcp://$MASTER_ADDR:$MASTER_PORT)")
     ep.add_argument("--ep-timeout", type=float, default=60.0,
                     help="seconds a group collective waits for a member before giving up (default 60)")
     security = p.add_argument_group("security (CurveZMQ: both flags, when the coordinator has keys)")
@@ -887,11 +902,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def worker_options(args: argparse.Namespace) -> WorkerOptions:
     if args.ep_size < 1:
         raise ValueError(f"--ep-size must be >= 1, got {args.ep_size}")
+    if args.tp_size < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {args.tp_size}")
+    tp_rank, ep_rank = resolve_ranks(args.tp_size, args.tp_rank, args.ep_size, args.ep_rank)
     ep = None
     if args.ep_size > 1:
-        ep = EpOptions.resolve(args.ep_size, args.ep_rank, args.dist_init, args.ep_timeout)
-    elif args.ep_rank not in (None, 0) or args.dist_init is not None:
-        raise ValueError("--ep-rank and --dist-init need --ep-size > 1")
+        ep = EpOptions.resolve(args.ep_size, ep_rank, args.dist_init, args.ep_timeout)
+    elif args.ep_rank not in (None, 0) or (args.dist_init is not None and args.tp_size == 1):
+        raise ValueError("--ep-rank and --dist-init need --ep-size > 1 (or --tp-size > 1)")
+    tp = None
+    if args.tp_size > 1:
+        tp = TpOptions(size=args.tp_size, rank=tp_rank, dist_init=_tp_dist_init(args, ep, tp_rank),
+                       timeout_s=args.tp_timeout)
+    elif args.tp_rank not in (None, 0):
+        raise ValueError("--tp-rank needs --tp-size > 1")
     group_id = args.group_id or (ep.default_group_id if ep is not None
                                  else None if args.dp_rank is None else f"dp{args.dp_rank}")
     return WorkerOptions(
@@ -899,19 +923,37 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         dp_rank=args.dp_rank, group_id=group_id,
         heartbeat_interval=args.heartbeat_interval, coordinator_timeout=args.coordinator_timeout,
         drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
-        benchmark_mode=args.benchmark_mode, benchmark_step_time=args.benchmark_step_time, ep=ep,
+        benchmark_mode=args.benchmark_mode, benchmark_step_time=args.benchmark_step_time, ep=ep, tp=tp,
         max_waiting_requests=args.max_waiting_requests,
         curve=CurveKeys.from_files(args.curve_key, args.coordinator_key,
                                    flags=("--curve-key", "--coordinator-key")))
 
 
+def _tp_dist_init(args: argparse.Namespace, ep: EpOptions | None, tp_rank: int | None) -> str | None:
+    """The TP group's rendezvous: --dist-init, the EP group's, $MASTER_ADDR:$MASTER_PORT, or (a supervisor
+    with none of these) None: it picks a local port for the processes it starts."""
+    if args.dist_init is not None or ep is not None:
+        return args.dist_init if ep is None else ep.dist_init
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    return None
+
+
 def make_engine(config: EngineConfig, benchmark_mode: bool, ep: EpOptions | None = None,
-                benchmark_step_time: float = 0.0) -> EngineLike:
-    """The engine; with `ep`, after joining the EP group's torch.distributed world (every member must)."""
+                benchmark_step_time: float = 0.0, parallel: Any = None) -> EngineLike:
+    """The engine; with `ep`, after joining the EP group's torch.distributed world (every member must);
+    with `parallel` (TP rank 0 of a TP group, world joined), the engine on this rank's shards, connected to
+    its followers."""
     if benchmark_mode:
         return BenchmarkEngine(config, benchmark_step_time)
     from infer.worker.engine import Engine, pick_device  # torch is imported only when a model runs
 
+    if parallel is not None:
+        from infer.worker.tp_group import TpLeader
+
+        engine = Engine(config, parallel.ep, tp=parallel.tp)
+        engine.runner.followers = TpLeader(parallel)
+        return engine
     if ep is None:
         return Engine(config)
     from infer.worker.group_sync import init_group
@@ -921,14 +963,22 @@ def make_engine(config: EngineConfig, benchmark_mode: bool, ep: EpOptions | None
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
         config, options = engine_config(args), worker_options(args)
     except ValueError as e:
         parser.error(str(e))   # exit 2
+    if options.tp is not None and options.tp.rank is None:   # this DP rank's processes, on this node
+        from infer.worker.tp_group import supervise
+
+        sys.exit(supervise(argv, options.tp))
+    parallel = None
     try:
-        engine = make_engine(config, options.benchmark_mode, options.ep, options.benchmark_step_time)
+        if options.tp is not None:
+            parallel = _join_tp_group(config, options)
+        engine = make_engine(config, options.benchmark_mode, options.ep, options.benchmark_step_time, parallel)
     except ValueError as e:    # options the engine finds impossible (model path, KV budget, context length)
         log.error("fatal: %s", e)
         sys.exit(EXIT_USAGE)
@@ -937,21 +987,43 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_FATAL)
     if options.curve is not None:   # the coordinator must hold this key in its workers/ folder
         log.info("CurveZMQ on: this worker's public key %s", options.curve.public_key.decode())
+    followers = getattr(getattr(engine, "runner", None), "followers", None)
+    try:
+        code = _serve(engine, options, parallel)
+    finally:
+        if followers is not None:   # rank 0 of a TP group: the other ranks end with it
+            followers.stop()
+    sys.exit(code)
+
+
+def _join_tp_group(config: EngineConfig, options: WorkerOptions) -> Any:
+    """Join the TP group's world (TP rank 0: returns its place there). A follower runs here until its group
+    ends and exits the process."""
+    from infer.worker.tp_group import join, run_follower
+
+    parallel, path = join(config, options.tp, options.ep)
+    if parallel.tp.rank == 0:
+        return parallel
+    sys.exit(run_follower(config, parallel, path))
+
+
+def _serve(engine: EngineLike, options: WorkerOptions, parallel: Any) -> int:
     ctx = zmq.Context()
     group = None
     if options.ep is not None:
         from infer.worker.group_sync import GroupSync
 
         try:
-            group = GroupSync(options.ep, ctx, curve=options.curve)
+            group = GroupSync(options.ep, ctx, curve=options.curve,
+                              group=None if parallel is None else parallel.ep_leaders_group)
         except Exception:
             log.exception("fatal: the EP group's wake channel could not be set up")
-            sys.exit(EXIT_FATAL)
+            return EXIT_FATAL
     worker = Worker(engine, options, ctx, group)
     worker.install_signal_handlers()
     code = worker.run()
     ctx.term()
-    sys.exit(code)
+    return code
 
 
 if __name__ == "__main__":
