@@ -1,6 +1,6 @@
 """infer-serve: a whole cluster on one machine: a coordinator, N workers and the HTTP front, shut down cleanly.
 
-`infer-serve [--model M] [--workers N] [--threads T] [--host H] [--port 8000] [--api-key K] [--keys-dir D]
+`infer-serve [--model M] [--workers N] [--tp-size T] [--threads T] [--host H] [--port 8000] [--api-key K] [--keys-dir D]
 [engine options] [-- extra worker flags]` starts `infer-coordinator` and N `infer-worker`s (the
 coordinator assigns their dp ranks), each in its own process group, waits until the coordinator reports N healthy workers (ClusterStats,
 answered by the coordinator when ready: no polling), starts the OpenAI-compatible HTTP front in this
@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="safetensors dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--workers", type=int, default=1, help="number of workers (DP ranks) (default 1)")
     p.add_argument("--threads", type=int, help="torch threads per worker")
+    p.add_argument("--tp-size", type=int, help="processes per worker (tensor parallelism; default 1): each "
+                   "worker starts and supervises its TP group, each process holding 1/T of every layer")
     add_front_arguments(p)
     p.add_argument("--coordinator-host", default="127.0.0.1",
                    help="the coordinator's bind address (default 127.0.0.1)")
@@ -223,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _WORKER_VALUE_FLAGS = ("model", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                        "block_size", "seed", "kv_cache_memory", "threads", "max_graph_batch_size",
-                       "scheduling_policy", "priority_aging_steps")
+                       "scheduling_policy", "priority_aging_steps", "tp_size")
 _COORDINATOR_FLAGS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "max_retries")
 
 

@@ -809,7 +809,8 @@ class BenchmarkEngine:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infer-worker", description="An inference worker (one DP rank): runs an "
                                 "engine for the coordinator and streams token deltas back.")
-    p.add_argument("--coordinator", required=True, help="the coordinator's address, tcp://HOST:PORT")
+    p.add_argument("--coordinator", help="the coordinator's address, tcp://HOST:PORT (required, except by TP "
+                   "ranks > 0: only TP rank 0 talks to the coordinator)")
     engine = p.add_argument_group("engine options (vLLM's names)")
     engine.add_argument("--model", help="a safetensors model directory or a .gguf file (default: the embedded "
                         "SmolLM2-135M-Instruct)")
@@ -899,7 +900,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_options(**{k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None})
 
 
-def worker_options(args: argparse.Namespace) -> WorkerOptions:
+def parallel_options(args: argparse.Namespace) -> tuple[EpOptions | None, TpOptions | None]:
+    """This process's EP and TP groups from the flags (or torchrun / Slurm variables); None: a group of one."""
     if args.ep_size < 1:
         raise ValueError(f"--ep-size must be >= 1, got {args.ep_size}")
     if args.tp_size < 1:
@@ -916,6 +918,13 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
                        timeout_s=args.tp_timeout)
     elif args.tp_rank not in (None, 0):
         raise ValueError("--tp-rank needs --tp-size > 1")
+    return ep, tp
+
+
+def worker_options(args: argparse.Namespace) -> WorkerOptions:
+    ep, tp = parallel_options(args)
+    if args.coordinator is None:
+        raise ValueError("--coordinator is required (tcp://HOST:PORT)")
     group_id = args.group_id or (ep.default_group_id if ep is not None
                                  else None if args.dp_rank is None else f"dp{args.dp_rank}")
     return WorkerOptions(
@@ -967,44 +976,63 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
-        config, options = engine_config(args), worker_options(args)
+        config, (ep, tp) = engine_config(args), parallel_options(args)
+        if tp is None or not tp.rank:   # TP ranks > 0 never talk to the coordinator
+            options = worker_options(args)
     except ValueError as e:
         parser.error(str(e))   # exit 2
-    if options.tp is not None and options.tp.rank is None:   # this DP rank's processes, on this node
+    if tp is not None and tp.rank is None:   # this DP rank's processes, on this node
         from infer.worker.tp_group import supervise
 
-        sys.exit(supervise(argv, options.tp))
+        sys.exit(supervise(argv, tp))
+    _exit(_run(config, options if tp is None or not tp.rank else None, ep, tp))
+
+
+def _run(config: EngineConfig, options: WorkerOptions | None, ep: EpOptions | None, tp: TpOptions | None) -> int:
+    """Start the engine (joining its TP group first) and serve; the exit code. A TP rank > 0 (`options`
+    None) serves its group's rank 0 instead."""
     parallel = None
     try:
-        if options.tp is not None:
-            parallel = _join_tp_group(config, options)
+        if tp is not None:
+            parallel, path = _join_tp_group(config, tp, ep)
+            if parallel.tp.rank > 0:
+                from infer.worker.tp_group import run_follower
+
+                return run_follower(config, parallel, path)
         engine = make_engine(config, options.benchmark_mode, options.ep, options.benchmark_step_time, parallel)
     except ValueError as e:    # options the engine finds impossible (model path, KV budget, context length)
         log.error("fatal: %s", e)
-        sys.exit(EXIT_USAGE)
+        return EXIT_USAGE
     except Exception:  # reported with its traceback: exit 1
         log.exception("fatal: the engine failed to start")
-        sys.exit(EXIT_FATAL)
+        return EXIT_FATAL
     if options.curve is not None:   # the coordinator must hold this key in its workers/ folder
         log.info("CurveZMQ on: this worker's public key %s", options.curve.public_key.decode())
     followers = getattr(getattr(engine, "runner", None), "followers", None)
     try:
-        code = _serve(engine, options, parallel)
+        return _serve(engine, options, parallel)
     finally:
         if followers is not None:   # rank 0 of a TP group: the other ranks end with it
             followers.stop()
+
+
+def _exit(code: int) -> NoReturn:
+    """Exit with `code`. A member of a torch.distributed world leaves at once, skipping the C++ destructors of
+    its process groups: with a peer already gone they can abort the process (SIGABRT) instead of exiting."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
-def _join_tp_group(config: EngineConfig, options: WorkerOptions) -> Any:
-    """Join the TP group's world (TP rank 0: returns its place there). A follower runs here until its group
-    ends and exits the process."""
-    from infer.worker.tp_group import join, run_follower
+def _join_tp_group(config: EngineConfig, tp: TpOptions, ep: EpOptions | None) -> tuple[Any, Any]:
+    """Join the TP group's world: (this process's place there, the model directory)."""
+    from infer.worker.tp_group import join
 
-    parallel, path = join(config, options.tp, options.ep)
-    if parallel.tp.rank == 0:
-        return parallel
-    sys.exit(run_follower(config, parallel, path))
+    return join(config, tp, ep)
 
 
 def _serve(engine: EngineLike, options: WorkerOptions, parallel: Any) -> int:

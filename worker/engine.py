@@ -247,6 +247,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling)
 
+    def close(self) -> None:
+        """End what the engine started outside itself: the other ranks of its TP group. Idempotent; the
+        engine steps no more after it (with tensor parallelism)."""
+        if self.runner.followers is not None:
+            self.runner.followers.stop()
+
     def take_pending(self) -> list[RequestOutput]:
         """The deltas ready without a model step (final deltas of aborts), which step() would return
         first. For a caller that does not step now (a paused worker)."""
@@ -601,6 +607,27 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+
+def tensor_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequence[str],
+                           timeout_s: float = 60.0) -> Engine:
+    """An engine that is TP rank 0 of a group of `size`, the other ranks started now as child processes of
+    this one on this machine (`infer-worker` with `worker_flags`: the same engine options); `close()` ends
+    them. (LLM / AsyncLLM's direct mode with tensor_parallel_size > 1.)"""
+    from infer.worker.tp_group import TpLeader, TpOptions, free_local_port, join, start_followers
+
+    dist_init = f"tcp://127.0.0.1:{free_local_port()}"
+    children = start_followers(size, dist_init, worker_flags)
+    try:
+        parallel, _ = join(config, TpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s), None)
+        engine = Engine(config, parallel.ep, tp=parallel.tp)
+        engine.runner.followers = TpLeader(parallel, children=children)
+    except BaseException:
+        for child in children:
+            child.kill()
+            child.wait(timeout=10)
+        raise
+    return engine
 
 
 def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,

@@ -275,8 +275,12 @@ class TpLeader:
     """TP rank 0's side of the command channel: a PUSH socket to each follower, and a thread that pings
     them while nothing else is sent (a follower takes silence for rank 0's death)."""
 
-    def __init__(self, parallel: Parallel, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, parallel: Parallel, ctx: zmq.Context | None = None,
+                 children: Sequence[subprocess.Popen] = ()) -> None:
+        """`children`: the follower processes this process started (stop() waits for them, and leaves the
+        torch.distributed world so that another group can be made here)."""
         self.tp = parallel.tp
+        self._children = list(children)
         ctx = ctx or zmq.Context.instance()
         self._lock = threading.Lock()
         self._pushes = []
@@ -325,6 +329,31 @@ class TpLeader:
         for push in self._pushes:
             push.setsockopt(zmq.LINGER, 2000)
             push.close()
+        if self._children:
+            _reap(self._children)
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _reap(children: Sequence[subprocess.Popen]) -> None:
+    """Wait SUPERVISOR_GRACE_S for each child to exit, then SIGKILL it."""
+    for child in children:
+        try:
+            child.wait(timeout=SUPERVISOR_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.warning("TP member pid %d did not exit with its group; killing it", child.pid)
+            child.kill()
+            child.wait(timeout=SUPERVISOR_GRACE_S)
+
+
+def start_followers(size: int, dist_init: str, worker_flags: Sequence[str]) -> list[subprocess.Popen]:
+    """TP ranks 1 .. size-1 as `infer-worker` child processes of this one (which is TP rank 0)."""
+    env = {**os.environ, "INFER_TP_SUPERVISED": "1"}
+    return [subprocess.Popen([sys.executable, "-m", "infer.worker.daemon", *worker_flags, "--tp-size", str(size),
+                              "--tp-rank", str(rank), "--dist-init", dist_init], env=env,
+                             preexec_fn=_die_with_parent, process_group=0) for rank in range(1, size)]
 
 
 class FollowerChannel:
@@ -401,13 +430,15 @@ def free_local_port() -> int:
 def supervise(argv: Sequence[str], options: TpOptions) -> int:
     """Start this DP rank's T processes (this command line + --tp-rank r, one shared --dist-init) and wait;
     once one exits, the others get SUPERVISOR_GRACE_S to follow, then SIGKILL. SIGTERM / SIGINT go to TP
-    rank 0 (it drains, then stops the others). Returns rank 0's exit code, else the first non-zero one."""
+    rank 0 (it drains, then stops the others). Returns rank 0's exit code, else the first non-zero one.
+    The members run in a process group of their own (a signal to the supervisor's group reaches only it) and
+    die with it (SIGKILL when it dies, kill -9 included)."""
     dist_init = options.dist_init or f"tcp://127.0.0.1:{free_local_port()}"
     env = {**os.environ, "INFER_TP_SUPERVISED": "1"}
     children = []
     for rank in range(options.size):
         cmd = [sys.executable, "-m", "infer.worker.daemon", *argv, "--tp-rank", str(rank), "--dist-init", dist_init]
-        children.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        children.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, process_group=0))
         log.info("TP rank %d of this DP rank: pid %d", rank, children[-1].pid)
 
     def forward(signum: int, _frame: object) -> None:
