@@ -195,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.tp = TensorParallel.single() if tp is None else tp
         self.num_layers: int = config.num_hidden_layers
+        self.tp.part(config.num_attention_heads, "the number of attention heads")
         self.num_kv_heads: int = len(self.tp.kv_heads(config.num_key_value_heads))  # on this rank
         self.head_dim: int = (getattr(config, "head_dim", None)
                               or config.hidden_size // config.num_attention_heads)
