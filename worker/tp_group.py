@@ -506,7 +506,8 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     kv_cache = KVCache.allocate(model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim,
                                 dtype, device)
     channel = FollowerChannel(parallel)
-    log.info("TP rank %d ready: %d KV blocks of %d KV head(s)", parallel.tp.rank, blocks, model.num_kv_heads)
+    log.info("TP rank %d ready on %s: %d KV blocks of %d KV head(s)", parallel.tp.rank, socket.gethostname(),
+             blocks, model.num_kv_heads)
     try:
         serve_follower(model, kv_cache, config.block_size, channel, device)
         return 0
