@@ -84,6 +84,11 @@ def test_tp_groups_take_adjacent_tasks_and_rendezvous_on_their_rank_0s_node():
     assert plan.num_workers == 1 and "--ntasks=2" in plan.srun
     daemon = worker_daemon_parser().parse_args(_worker_command(plan, 1, ["localhost", "n2"])[3:])
     assert (daemon.dp_rank, daemon.tp_size, daemon.tp_rank, daemon.dist_init) == (0, 2, 1, "tcp://localhost:29500")
+    from infer.client.serve import build_parser as serve_parser
+    from infer.client.serve import worker_args
+
+    served = worker_args(serve_parser().parse_args(["--tp-size", "2"]), [])      # infer-serve --tp-size
+    assert worker_daemon_parser().parse_args(["--coordinator", "tcp://h:1", *served]).tp_size == 2
 
 
 def test_workers_that_do_not_fill_whole_groups_are_refused():
