@@ -994,7 +994,7 @@ def _run(config: EngineConfig, options: WorkerOptions | None, ep: EpOptions | No
     parallel = None
     try:
         if tp is not None:
-            parallel, path = _join_tp_group(config, tp, ep)
+            parallel, path, config = _join_tp_group(config, tp, ep)
             if parallel.tp.rank > 0:
                 from infer.worker.tp_group import run_follower
 
@@ -1028,8 +1028,9 @@ def _exit(code: int) -> NoReturn:
     sys.exit(code)
 
 
-def _join_tp_group(config: EngineConfig, tp: TpOptions, ep: EpOptions | None) -> tuple[Any, Any]:
-    """Join the TP group's world: (this process's place there, the model directory)."""
+def _join_tp_group(config: EngineConfig, tp: TpOptions, ep: EpOptions | None) -> tuple[Any, Any, EngineConfig]:
+    """Join the TP group's world: (this process's place there, the model directory, the config with this
+    process's own GPU)."""
     from infer.worker.tp_group import join
 
     return join(config, tp, ep)

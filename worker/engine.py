@@ -619,7 +619,8 @@ def tensor_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequen
     dist_init = f"tcp://127.0.0.1:{free_local_port()}"
     children = start_followers(size, dist_init, worker_flags)
     try:
-        parallel, _ = join(config, TpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s), None)
+        parallel, _, config = join(config, TpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s),
+                                   None)
         engine = Engine(config, parallel.ep, tp=parallel.tp)
         engine.runner.followers = TpLeader(parallel, children=children)
     except BaseException:

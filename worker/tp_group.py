@@ -473,16 +473,32 @@ def engine_facts(config: Any, path: Path, weight_files: Sequence[Path], dtype: A
 
 # ---- the processes' entry points (the worker daemon calls these) -------------------------------------------
 
-def join(config: Any, options: TpOptions, ep: EpOptions | None) -> tuple[Parallel, Path]:
+def join(config: Any, options: TpOptions, ep: EpOptions | None) -> tuple[Parallel, Path, Any]:
     """Join the world and check that every member serves the same model: (this process's place, the model
-    directory)."""
+    directory, `config` with this process's own GPU when it runs on CUDA)."""
+    import dataclasses
+
     from infer.worker.engine import pick_device
     from infer.worker.loader import resolve_model, weight_files
 
     path = resolve_model(config.model)
-    parallel = init_world(options, ep, pick_device(config.device))
+    device = pick_device(config.device)
+    if device.type == "cuda" and device.index is None:
+        config = dataclasses.replace(config, device=f"cuda:{_local_gpu(options, ep)}")
+        device = pick_device(config.device)
+    parallel = init_world(options, ep, device)
     check_same_model(parallel.tp, None, engine_facts(config, path, weight_files(path), config.dtype))
-    return parallel, path
+    return parallel, path, config
+
+
+def _local_gpu(options: TpOptions, ep: EpOptions | None) -> int:
+    """This process's GPU on its node: $LOCAL_RANK (torchrun), else $SLURM_LOCALID, else its global rank,
+    modulo the GPUs it sees (a TP group started on one node takes GPUs 0 .. T-1)."""
+    import torch
+
+    global_rank = (ep.rank if ep is not None else 0) * options.size + (options.rank or 0)
+    local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or str(global_rank)
+    return int(local) % max(1, torch.cuda.device_count())
 
 
 def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
