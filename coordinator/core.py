@@ -809,7 +809,9 @@ class Coordinator:
         if delta.finish_reason == "error" and delta.error_code == "draining":
             self._worker_draining(request, worker, now)
             return
-        if delta.finish_reason == "error" and delta.error_code == "overloaded":   # its queue was full
+        if delta.finish_reason == "error" and delta.error_code == "overloaded" and delta.queue_time_s is None:
+            # its queue was full: another worker may have room. (One that waited past the worker's
+            # --max-queue-time carries queue_time_s: the cluster is overloaded, and the client hears it.)
             self._failover(request, f"worker {worker.worker_id!r} was full ({delta.error})", now)
             self._dispatch_held(now)
             return

@@ -58,8 +58,8 @@ from infer.protocol.transport import HANDSHAKE_EVENTS, frames_for, handshake_fai
 from infer.worker.config import DTYPES, SUSPEND_WEIGHTS, EngineConfig
 from infer.worker.scheduler import SCHEDULING_POLICIES
 from infer.worker.group_sync import EpOptions, GroupBroken
+from infer.worker.request import Request, overdue_message
 from infer.worker.tp_group import TpOptions, resolve_ranks
-from infer.worker.request import Request
 
 if TYPE_CHECKING:
     from infer.worker.group_sync import GroupSync
@@ -69,6 +69,8 @@ log = logging.getLogger("infer.worker")
 EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 _CLOSE_LINGER_MS = 2000      # how long the final frames may take to leave on exit
 _MAX_FRAMES_PER_TURN = 4096  # frames handled between two engine steps, so a flood cannot starve the engine
+_SHED_CHECK_S = 0.25         # how often the queue is checked for requests past --max-queue-time
+MAX_QUEUE_TIME_S = 86400.0   # the largest --max-queue-time
 
 
 class WorkerExit(Exception):
@@ -94,6 +96,7 @@ class EngineLike(Protocol):
                     priority: int = 0) -> Request: ...
     def step(self) -> list[RequestOutput]: ...
     def take_pending(self) -> list[RequestOutput]: ...
+    def shed_overdue(self, max_queue_time: float) -> int: ...
     def abort(self, request_id: str, release_text: bool = True) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def load(self) -> Load: ...
@@ -129,6 +132,7 @@ class WorkerOptions:
     ep: EpOptions | None = None         # this rank's EP group (None: a group of one)
     tp: TpOptions | None = None         # this DP rank's TP group (None: one process)
     max_waiting_requests: int = 1024    # beyond max_num_seqs running: a Dispatch past it is "overloaded"
+    max_queue_time: float = 60.0        # a request not started this long after it came fails "overloaded"; 0: never
     curve: CurveKeys | None = None      # CurveZMQ towards the coordinator (and the EP group's wake channel)
 
     def __post_init__(self) -> None:
@@ -147,6 +151,9 @@ class WorkerOptions:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if not 0 <= self.max_queue_time <= MAX_QUEUE_TIME_S:
+            raise ValueError(f"max_queue_time must be in [0, {MAX_QUEUE_TIME_S:g}] s (0: no bound), got "
+                             f"{self.max_queue_time}")
         if not 0 <= self.benchmark_step_time <= 3600 or (self.benchmark_step_time and not self.benchmark_mode):
             raise ValueError(f"--benchmark-step-time must be in [0, 3600] s and needs --benchmark-mode, got "
                              f"{self.benchmark_step_time}")
@@ -179,6 +186,7 @@ class Worker:
             self.poller.register(group.wake_socket, zmq.POLLIN)
         self._leaving: str | None = None       # why this rank leaves its EP group (said in the next round)
         self._last_round = time.monotonic()
+        self._last_shed_check = 0.0
         self.state = "running"                 # running | paused | suspended (lifecycle, by Control)
         self._requests: dict[str, _Sent] = {}
         self._silenced: set[str] = set()       # aborted at the coordinator's request: their final delta is dropped
@@ -288,6 +296,7 @@ class Worker:
 
     def _advance(self) -> None:
         """One engine step (unless paused), then one StepBatch with its deltas and any rejections."""
+        self._shed_overdue()
         if self.group is not None:
             return self._advance_group()
         if self.state == "running" and self.engine.has_unfinished():
@@ -297,6 +306,16 @@ class Worker:
         self._send_step_batch(outputs)
         if self._refit is not None:
             self._apply_refit()
+
+    def _shed_overdue(self) -> None:
+        """At most once per _SHED_CHECK_S: fail the requests that waited past --max-queue-time without starting
+        (the cluster is overloaded: the client hears it now instead of waiting without end). Not while paused:
+        a pause holds requests on purpose."""
+        limit, now = self.options.max_queue_time, time.monotonic()
+        if not limit or self.state != "running" or now - self._last_shed_check < _SHED_CHECK_S:
+            return
+        self._last_shed_check = now
+        self.engine.shed_overdue(limit)
 
     def _engine_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
         try:
@@ -748,7 +767,8 @@ class BenchmarkEngine:
             raise ValueError(f"prompt + resumed tokens must be 1..{self.max_model_len - 1} tokens, got {num_tokens}")
         left = self.max_model_len - num_tokens if params.max_tokens is None else params.max_tokens
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                          max_tokens=len(resumed_token_ids) + left, token_ids=prompt_ids + list(resumed_token_ids))
+                          max_tokens=len(resumed_token_ids) + left, token_ids=prompt_ids + list(resumed_token_ids),
+                          arrival_time=time.monotonic())
         self._requests[request_id] = request
         return request
 
@@ -773,6 +793,20 @@ class BenchmarkEngine:
     def take_pending(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         return outputs
+
+    def shed_overdue(self, max_queue_time: float) -> int:
+        """As Engine.shed_overdue: the requests past the first max_num_seqs have not started."""
+        now = time.monotonic()
+        overdue = [r for r in list(self._requests.values())[self.config.max_num_seqs:]
+                   if now - r.arrival_time > max_queue_time]
+        for request in overdue:
+            waited = now - request.arrival_time
+            del self._requests[request.request_id]
+            self._pending.append(RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
+                                               error=overdue_message(waited, max_queue_time),
+                                               error_code="overloaded", queue_time_s=waited,
+                                               num_prompt_tokens=request.num_prompt_tokens))
+        return len(overdue)
 
     def abort(self, request_id: str, release_text: bool = True) -> bool:
         request = self._requests.pop(request_id, None)
@@ -855,6 +889,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
                         help="requests that may wait beyond the --max-num-seqs running ones; a request past that "
                         "is refused as overloaded (default 1024)")
+    worker.add_argument("--max-queue-time", type=float, default=60.0, metavar="S",
+                        help="a request that has waited S seconds in this worker's queue without starting fails "
+                        "as overloaded, so its client can retry instead of waiting without end (default 60; "
+                        "0: no bound)")
     tp = p.add_argument_group("tensor parallelism (a DP rank of several processes, each holding a shard of "
                               "every layer)")
     tp.add_argument("--tp-size", type=int, default=1,
@@ -933,7 +971,7 @@ def worker_options(args: argparse.Namespace) -> WorkerOptions:
         heartbeat_interval=args.heartbeat_interval, coordinator_timeout=args.coordinator_timeout,
         drain_timeout=args.drain_timeout, connect_timeout=args.connect_timeout,
         benchmark_mode=args.benchmark_mode, benchmark_step_time=args.benchmark_step_time, ep=ep, tp=tp,
-        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_requests=args.max_waiting_requests, max_queue_time=args.max_queue_time,
         curve=CurveKeys.from_files(args.curve_key, args.coordinator_key,
                                    flags=("--curve-key", "--coordinator-key")))
 

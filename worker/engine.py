@@ -41,7 +41,7 @@ from infer.worker.in_memory import in_memory_model
 from infer.worker.loader import eos_token_ids, load_model, load_tokenizer, resolve_model, weight_files
 from infer.worker.memory import HeapTrimmer
 from infer.worker.model_runner import ModelRunner
-from infer.worker.request import Request, RequestStatus
+from infer.worker.request import Request, RequestStatus, overdue_message
 from infer.worker.sampler import Sampler, SamplerOutput
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.step_graphs import make_step_graphs
@@ -252,6 +252,26 @@ class Engine:
         engine steps no more after it (with tensor parallelism)."""
         if self.runner.followers is not None:
             self.runner.followers.stop()
+
+    def shed_overdue(self, max_queue_time: float) -> int:
+        """Fail, with error code "overloaded", each request that has waited more than `max_queue_time` seconds
+        since add_request without being scheduled once (a preempted request has started: it stays). Their
+        final deltas, with `queue_time_s`, come with the next step(). Returns how many were shed."""
+        now = time.monotonic()
+        overdue = [r for r in self.scheduler.waiting
+                   if r.queue_time_s is None and now - r.arrival_time > max_queue_time]
+        for request in overdue:
+            waited = now - request.arrival_time
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, overdue_message(waited, max_queue_time))
+            request.error_code = "overloaded"
+            request.queue_time_s = waited
+            output = self._final_output(request, "", [])
+            output.queue_time_s = waited
+            self._pending.append(output)
+        if overdue:
+            log.warning("shed %d request(s) that waited over %g s without starting (overloaded)", len(overdue),
+                        max_queue_time)
+        return len(overdue)
 
     def take_pending(self) -> list[RequestOutput]:
         """The deltas ready without a model step (final deltas of aborts), which step() would return

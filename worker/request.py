@@ -107,3 +107,9 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+def overdue_message(waited: float, max_queue_time: float) -> str:
+    """The error of a request shed after waiting past --max-queue-time without starting."""
+    return (f"the worker is overloaded: the request waited {waited:.1f} s in its queue without starting "
+            f"(--max-queue-time {max_queue_time:g} s); retry later")

@@ -8,6 +8,8 @@ once with error code "overloaded" and nothing already accepted is dropped. Deadl
 
 from __future__ import annotations
 
+import dataclasses
+
 from core_harness import Harness, delta
 
 from infer.protocol.messages import Abort, DeltaBatch, Dispatch, Error, Hello, Submit, TokenIds
@@ -84,6 +86,22 @@ def test_a_worker_that_says_it_is_full_gets_its_request_moved():
     out = h.step(first, delta("a", prompt=[1, 2, 3], finish="error", error="worker is full", code="overloaded"))
     again = _of(out, Dispatch)
     assert again and again[0][0].decode() != first and _final(out, "a") is None
+
+
+def test_a_request_that_waited_past_the_workers_queue_time_fails_as_overloaded_without_moving():
+    h = Harness()
+    h.worker("w0", 0)
+    h.worker("w1", 1)
+    h.submit(CLIENT, "a")
+    first = h.core.requests.get("a").worker_id
+    waited = dataclasses.replace(delta("a", prompt=[1, 2, 3], finish="error", code="overloaded",
+                                       error="the worker is overloaded: ... (--max-queue-time 60 s)"),
+                                 queue_time_s=60.2)
+    out = h.step(first, waited)
+    final = _final(out, "a")
+    assert not _of(out, Dispatch), "a whole cluster's overload is not moved from worker to worker"
+    assert final.error_code == "overloaded" and "--max-queue-time" in final.error and final.queue_time_s == 60.2
+    assert "a" not in h.core.requests.by_id and h.core.stats(h.now).requests_failed == 1
 
 
 def test_a_request_past_its_timeout_fails_and_is_aborted_on_its_worker():

@@ -16,6 +16,9 @@ flat and no request may fail. A program (not a test, not in CI).
                 windows are 5 minutes long, or a quarter of the run when it is shorter than 20 minutes.
    no_errors    every request (capacity phase included) completed with all its tokens (status "completed";
                 see harness.Outcome).
+   none_lost    every request ended, with all its tokens or with a clear error (a refusal as "overloaded",
+                at once or after --max-queue-time in a worker's queue, counts as clear): none hung past
+                --request-deadline, raised, or broke the stream's promises.
    Also reported: every process's RSS at each sample, its peak (VmHWM), latency percentiles, and whether
    all processes outlived the run and stopped cleanly afterwards.
 
@@ -194,6 +197,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     verdict = memory_verdict(samples, args.duration, args.settle, args.tolerance)
     no_errors = all(n == 0 for status, n in [*tally.counts.items(), *capacity["statuses"].items()]
                     if status != "completed")
+    none_lost = all(n == 0 for status, n in [*tally.counts.items(), *capacity["statuses"].items()]
+                    if status in ("hung", "raised", "bad"))
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "logs": str(logs),
@@ -206,7 +211,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                                                               "requests_redispatched", "num_in_flight")},
         "memory": verdict, "rss_samples": samples, "peak_rss_kb": {**peaks, "loadgen": self_memory_kb()[1]},
         "processes_alive_at_end": alive, "shutdown": shutdown,
-        "checks": {"memory_flat": verdict["flat"], "no_errors": no_errors,
+        "checks": {"memory_flat": verdict["flat"], "no_errors": no_errors, "none_lost": none_lost,
                    "all_processes_alive": all(alive.values()), "no_leaks": not shutdown["leaked"]},
     }
 

@@ -333,6 +333,21 @@ def test_benchmark_mode_tokens_and_stop(coordinator, spawn):
     assert worker.wait() == 0
 
 
+def test_a_request_waiting_past_max_queue_time_fails_as_overloaded_and_the_running_one_goes_on(coordinator, spawn):
+    worker = spawn(coordinator.address, "--benchmark-mode", "--max-num-seqs", "1", "--benchmark-step-time", "0.02",
+                   "--max-queue-time", "0.5")
+    coordinator.welcome()
+    started = time.monotonic()
+    got = coordinator.run([dispatch("runs", [1, 2], max_tokens=100), dispatch("waits", [1, 2], max_tokens=2)])
+    shed = got["waits"][-1]
+    assert (shed.finish_reason, shed.error_code, shed.token_ids) == ("error", "overloaded", [])
+    assert "--max-queue-time 0.5 s" in shed.error and 0.5 <= shed.queue_time_s < 1.5
+    assert joined(got["runs"])[0] == [(2 + i) % 1000 for i in range(100)]      # the running one is untouched
+    assert time.monotonic() - started >= 2.0       # 100 steps of 0.02 s: it was shed long before its turn
+    coordinator.send(Control(command="stop"))
+    assert worker.wait() == 0
+
+
 def test_heartbeats_go_on_during_a_long_engine_step_and_say_its_age(coordinator, spawn):
     worker = spawn(coordinator.address, "--benchmark-mode", "--benchmark-step-time", "1.5",
                    "--heartbeat-interval", "0.2", "--coordinator-timeout", "15")   # this stand-in never beats
@@ -376,6 +391,7 @@ def test_no_coordinator_exits_1_after_connect_timeout(spawn):
     (["--block-size", "0"], "block_size must be a positive integer"),
     (["--dtype", "int3"], "invalid choice"),
     (["--heartbeat-interval", "5", "--coordinator-timeout", "2"], "must exceed heartbeat_interval"),
+    (["--max-queue-time", "-1"], "max_queue_time must be in [0, 86400] s (0: no bound), got -1.0"),
     (["--ep-size", "0"], "--ep-size must be >= 1"),
     (["--ep-rank", "1"], "--ep-rank and --dist-init need --ep-size > 1"),
     (["--ep-size", "2", "--ep-rank", "2", "--dist-init", "tcp://127.0.0.1:9"], "--ep-rank must be in [0, 2)"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -237,6 +238,24 @@ def test_abort_running_and_waiting(engine):
             if d.finished:
                 reasons[d.request_id] = d.finish_reason
     assert reasons == {"r0": "abort", "r1": "length", "r2": "abort"}
+    assert engine.scheduler.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_shed_overdue_fails_only_requests_that_never_started(engine):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("started", prompt_of_length(20, 1), params)
+    engine.step()
+    engine.scheduler.preempt_all()        # back in the queue, but it has started: it is not shed
+    engine.add_request("queued", prompt_of_length(20, 2), params)
+    time.sleep(0.02)
+    assert engine.shed_overdue(0.01) == 1 and engine.shed_overdue(0.01) == 0
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({d.request_id: d for d in engine.step() if d.finished})
+    shed = finals["queued"]
+    assert (shed.finish_reason, shed.error_code, shed.token_ids) == ("error", "overloaded", [])
+    assert "--max-queue-time 0.01 s" in shed.error and shed.queue_time_s >= 0.02
+    assert finals["started"].finish_reason == "length"
     assert engine.scheduler.block_manager.num_free_blocks == engine.num_kv_blocks
 
 
