@@ -996,7 +996,7 @@ def make_engine(config: EngineConfig, benchmark_mode: bool, ep: EpOptions | None
     from infer.worker.engine import Engine, pick_device  # torch is imported only when a model runs
 
     if parallel is not None:
-        from infer.worker.tp_group import TpLeader
+        from infer.worker.tp_commands import TpLeader
 
         engine = Engine(config, parallel.ep, tp=parallel.tp)
         engine.runner.followers = TpLeader(parallel)
@@ -1020,7 +1020,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))   # exit 2
     if tp is not None and tp.rank is None:   # this DP rank's processes, on this node
-        from infer.worker.tp_group import supervise
+        from infer.worker.tp_supervisor import supervise
 
         sys.exit(supervise(argv, tp))
     _exit(_run(config, options if tp is None or not tp.rank else None, ep, tp))

@@ -13,7 +13,7 @@ from infer.worker.scheduler import ScheduledChunk
 from infer.worker.step_graphs import StepGraphs
 
 if TYPE_CHECKING:
-    from infer.worker.tp_group import TpLeader
+    from infer.worker.tp_commands import TpLeader
 
 
 class ModelRunner:
