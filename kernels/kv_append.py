@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from infer.kernels._triton import tl, triton, use_triton
+from infer.kernels.cpu_kernels import append_fits, append_kv_native
 
 
 def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -153,6 +154,13 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
               slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
               cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True,
               pad_slot: int | None = None) -> None:
-    """Triton on CUDA, the twin elsewhere (see `append_kv_torch` for the contract)."""
-    impl = append_kv_triton if use_triton(k_cache) else append_kv_torch
+    """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
+    the twin (see `append_kv_torch` for the contract)."""
+    if use_triton(k_cache):
+        impl = append_kv_triton
+    elif append_fits(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache):
+        _check(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache)
+        impl = append_kv_native
+    else:
+        impl = append_kv_torch
     impl(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, pad_slot)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.kernels._triton import tl, triton, use_triton
+from infer.kernels.cpu_kernels import decode_kernel_fits, paged_decode_attention_native
 
 # The decode twin works in tiles of sequences whose gathered K + V take about this many bytes: big enough
 # that the per-tile Python overhead is small next to the tile's work, small enough to stay in the CPU's
@@ -537,11 +538,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            plan: DecodePlan | None = None, split_tokens: int | None = None) -> torch.Tensor:
-    """Triton on CUDA, the twin elsewhere (see `paged_decode_attention_torch`; the twin reduces each
-    sequence in one pass and ignores `num_splits` / `split_tokens`)."""
+    """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
+    the twin (see `paged_decode_attention_torch`). The CPU paths reduce each sequence in one pass and ignore
+    `num_splits` / `split_tokens` (and the native kernel `plan`)."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits,
                                              plan, split_tokens)
+    if decode_kernel_fits(q, k_cache, block_tables, seq_lens) and (out is None or out.is_contiguous()):
+        _check(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
+        out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+        return paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from infer.kernels._triton import tl, triton, use_triton
+from infer.kernels.cpu_kernels import rotary_fits, rotary_native
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor,    # [rot_dim / 2] float32
@@ -169,9 +170,14 @@ def rotary_embedding_triton(positions: torch.Tensor,       # [T] int64
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
                      cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
-    """Triton on CUDA devices, the twin elsewhere (see `rotary_embedding_torch` for shapes)."""
+    """Triton on CUDA devices; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py),
+    else the twin (see `rotary_embedding_torch` for shapes)."""
     if use_triton(q):
         rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox)
+    elif rotary_fits(positions, q, cos_sin_cache) and (k is None or rotary_fits(positions, k, cos_sin_cache)):
+        _check(positions, q, k, cos_sin_cache)
+        for x in (q, k) if k is not None else (q,):
+            rotary_native(positions, x, cos_sin_cache, is_neox)
     else:
         rotary_embedding_torch(positions, q, k, cos_sin_cache, is_neox)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from infer.kernels._triton import use_triton
+from infer.kernels.cpu_kernels import decode_kernel_fits, paged_decode_cpu_op
 from infer.kernels.kv_append import append_kv
 from infer.kernels.paged_attention import (
     paged_decode_attention,
@@ -35,7 +36,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if num_decodes:
         tables, lens = batch.block_tables[:num_decodes], batch.seq_lens[:num_decodes]
         plan = None
-        if not use_triton(q):  # the twin's tiling, planned by the first layer of the step
+        if not use_triton(q) and not decode_kernel_fits(q, k_cache, tables, lens):
+            # the twin's tiling, planned by the first layer of the step
             plan = batch.per_step.get("decode_plan")
             if plan is None:
                 plan = batch.per_step["decode_plan"] = plan_decode(tables, lens, k_cache,
@@ -59,5 +61,9 @@ def _padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     if use_triton(q):   # captured in a CUDA graph
         return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
                                       split_tokens=batch.decode_split_tokens)
-    # compiled by inductor (CPU): reads K and V in place in the pool
+    if decode_kernel_fits(q, k_cache, batch.block_tables, batch.seq_lens):   # the native kernel, as an operator
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        paged_decode_cpu_op(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, out)
+        return out
+    # else compiled by inductor (CPU): reads K and V in place in the pool
     return paged_decode_attention_compiled(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale)

@@ -30,11 +30,12 @@ class EngineConfig:
         of the machine's memory (CPU) or of the free device memory (CUDA).
     enforce_eager: no step graphs; every step runs the model op by op (vLLM's name). With False, pure-decode
         steps of up to `max_graph_batch_size` sequences replay graphs made per padded batch size
-        (torch.compile on CPU, CUDA graphs on CUDA; worker/step_graphs.py). The default is True for now: on
-        the 2-core dev CPU the compiled decode step measured no faster than eager (bf16, load ~2-4: batch 1
-        51.6 vs 54.8 tok/s, batch 8 310.8 vs 316.5; benchmarks/results/step_graphs-20261123T232340Z.json)
-        while its start-up compile costs 5.6 s with a warm compile cache and 41 s cold, and CUDA graphs
-        await a run on a GPU.
+        (torch.compile on CPU, CUDA graphs on CUDA; worker/step_graphs.py). The default is True for now. On
+        a CPU the eager step with the native kernels (kernels/cpu_kernels.py) measured faster than the
+        compiled one (2-core dev VM, 2026-11-24, batch 48 bf16, 1 thread: 80 vs 93 ms of CPU a step), and
+        the compile costs start-up time (seconds with a warm cache, minutes cold). On an H100, CUDA graphs
+        measured 9.6x eager at batch 1 and 3.8x at batch 128 (benchmarks/results/step_graphs-20261124T0148*):
+        pass enforce_eager=False (--no-enforce-eager) on a GPU.
     scheduling_policy: "fcfs" (arrival order) or "priority" (lower `priority` first, with preemption of worse
         ranked requests and the aging rule of worker/scheduler.py: a request waiting `priority_aging_steps`
         engine steps ranks ahead of every younger one).

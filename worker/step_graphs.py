@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from infer.kernels import cpu_kernels
 from infer.kernels.paged_attention import decode_split_tokens
 from infer.worker.config import EngineConfig, compile_cache_dir
 from infer.worker.forward_batch import ForwardBatch, KVCache
@@ -167,6 +168,7 @@ class _CompiledLayers(_Backend):
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 1024)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4096)
+        cpu_kernels.native_ready()   # built (or found missing) now: the compiled layers call it as an operator
         self.layers = [torch.compile(layer, dynamic=False, fullgraph=True) for layer in graphs.model.model.layers]
 
     def width(self, longest: int) -> int:

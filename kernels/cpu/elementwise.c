@@ -1,0 +1,121 @@
+/* Per-layer elementwise steps on CPU, each one pass over its tokens in place of several torch ops: rotary
+ * embedding of q, and the KV append (K rotated on the way).
+ *
+ * Built with paged_decode.c into one library (kernels/cpu_kernels.py). The arithmetic follows the PyTorch
+ * twins step by step, in fp32 with one rounding to the tensor's type at the end (bf16: round to nearest even),
+ * and with no fused multiply-add, so that they give the twins' bits. (SiLU * mul stays with torch: its
+ * vectorized exp was as fast as one written here, and gives the bits transformers gives.)
+ *
+ * Element types: bf16 (as uint16_t) or fp32; `is_bf16` picks. Rows are `stride` elements apart; a row's
+ * heads are contiguous, `head_dim` elements each.
+ */
+
+#include <math.h>
+#include <stdint.h>
+
+#pragma GCC optimize("fp-contract=off")
+
+static inline float to_f32(const void *base, int64_t i, int is_bf16) {
+    if (is_bf16) {
+        union { uint32_t u; float f; } v;
+        v.u = (uint32_t)((const uint16_t *)base)[i] << 16;
+        return v.f;
+    }
+    return ((const float *)base)[i];
+}
+
+static inline void from_f32(void *base, int64_t i, float f, int is_bf16) {
+    if (!is_bf16) {
+        ((float *)base)[i] = f;
+        return;
+    }
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint16_t out = (v.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((v.u >> 16) | 0x40u)
+                                                      : (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+    ((uint16_t *)base)[i] = out;
+}
+
+/* Rotate one head (head_dim elements at src) into dst (may be src): neox halves or GPT-J pairs, with this
+ * position's cos | sin row (head_dim / 2 each). Inlined with constant flags, so each variant's loop is
+ * branch-free and vectorizes. */
+static inline __attribute__((always_inline)) void rotate_head(const void *src, void *dst, const float *cos_sin,
+                                                              int head_dim, const int is_neox, const int is_bf16) {
+    int half = head_dim / 2;
+    float r1[128], r2[128];   /* head_dim <= 256 (checked by the callers) */
+#pragma omp simd
+    for (int i = 0; i < half; i++) {
+        int64_t a = is_neox ? i : 2 * i, b = is_neox ? i + half : 2 * i + 1;
+        float x1 = to_f32(src, a, is_bf16), x2 = to_f32(src, b, is_bf16);
+        float c = cos_sin[i], s = cos_sin[half + i];
+        r1[i] = x1 * c - x2 * s;
+        r2[i] = x2 * c + x1 * s;
+    }
+#pragma omp simd
+    for (int i = 0; i < half; i++) {
+        int64_t a = is_neox ? i : 2 * i, b = is_neox ? i + half : 2 * i + 1;
+        from_f32(dst, a, r1[i], is_bf16);
+        from_f32(dst, b, r2[i], is_bf16);
+    }
+}
+
+static void rotate_any(const void *src, void *dst, const float *cos_sin, int head_dim, int is_neox, int is_bf16) {
+    if (is_neox && is_bf16) rotate_head(src, dst, cos_sin, head_dim, 1, 1);
+    else if (is_neox) rotate_head(src, dst, cos_sin, head_dim, 1, 0);
+    else if (is_bf16) rotate_head(src, dst, cos_sin, head_dim, 0, 1);
+    else rotate_head(src, dst, cos_sin, head_dim, 0, 0);
+}
+
+/* x [T, heads, D] rows `stride` elements apart, rotated in place at positions [T]. -1: head_dim odd or past
+ * 256; -2: a position outside the cos/sin cache of `num_positions` rows. */
+int rotary_inplace(void *x, int64_t stride, int64_t num_tokens, int num_heads, int head_dim,
+                   const int64_t *positions, const float *cos_sin, int64_t num_positions, int is_neox, int is_bf16) {
+    if (head_dim > 256 || head_dim % 2) return -1;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -2;
+    int elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for if (num_tokens * num_heads * head_dim > 32768)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const float *row = cos_sin + positions[t] * head_dim;
+        for (int h = 0; h < num_heads; h++) {
+            char *head = (char *)x + (t * stride + (int64_t)h * head_dim) * elem;
+            rotate_any(head, head, row, head_dim, is_neox, is_bf16);
+        }
+    }
+    return 0;
+}
+
+/* k, v [T, Hkv, D] (rows k_stride / v_stride elements apart) into the pools [Hkv, num_slots, D] at slots [T];
+ * slot -1 is skipped, or written at pad_slot when pad_slot >= 0. With cos_sin, K is rotated at positions.
+ * -1: head_dim odd or past 256; -2: a slot outside [-1, num_slots) or a position outside the cos/sin cache
+ * (nothing written then). */
+int append_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_pool, void *v_pool,
+              int64_t num_slots, const int64_t *slots, int64_t pad_slot, int64_t num_tokens, int num_kv_heads,
+              int head_dim, const int64_t *positions, const float *cos_sin, int64_t num_positions, int is_neox,
+              int is_bf16) {
+    if (head_dim > 256 || head_dim % 2) return -1;
+    if (pad_slot >= num_slots) return -2;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < -1 || slots[t] >= num_slots) return -2;
+        if (cos_sin && (positions[t] < 0 || positions[t] >= num_positions)) return -2;
+    }
+    int elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for if (num_tokens * num_kv_heads * head_dim > 32768)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        int64_t slot = slots[t] >= 0 ? slots[t] : pad_slot;
+        if (slot < 0) continue;
+        for (int h = 0; h < num_kv_heads; h++) {
+            int64_t dst = ((int64_t)h * num_slots + slot) * head_dim;
+            const char *k_head = (const char *)k + (t * k_stride + (int64_t)h * head_dim) * elem;
+            const char *v_head = (const char *)v + (t * v_stride + (int64_t)h * head_dim) * elem;
+            char *k_dst = (char *)k_pool + dst * elem, *v_dst = (char *)v_pool + dst * elem;
+            if (cos_sin) {
+                rotate_any(k_head, k_dst, cos_sin + positions[t] * head_dim, head_dim, is_neox, is_bf16);
+            } else {
+                for (int d = 0; d < head_dim * elem; d++) k_dst[d] = k_head[d];
+            }
+            for (int d = 0; d < head_dim * elem; d++) v_dst[d] = v_head[d];
+        }
+    }
+    return 0;
+}

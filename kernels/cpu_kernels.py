@@ -1,0 +1,227 @@
+"""Native CPU kernels: small C files under kernels/cpu/, built with the system C compiler on first use.
+
+- Paged decode attention (cpu/paged_decode.c): it reads K and V where they sit in the pool, where the PyTorch
+  twin gathers each sequence's blocks into a padded copy first and hands it to SDPA. That copy, and SDPA's
+  packing of each tiny per-head problem, were most of a CPU decode step's attention time.
+- Rotary embedding in place and the KV append with K rotated on the way (cpu/elementwise.c): one pass each
+  instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
+
+Built with `cc -O3 -march=native -fopenmp -shared` into INFER_COMPILE_CACHE (see worker/config.py) under a
+name that hashes the source, the flags, the compiler and this CPU's feature flags, so a shared home directory
+serves machines of different kinds; a build is written to a temporary name and renamed, so processes starting
+together do not read half a file. Loaded after torch, the library's OpenMP is torch's own runtime (the same
+soname), so it runs on torch's threads. Where no compiler works, or the environment sets
+INFER_CPU_KERNELS=0, `decode_kernel()` is None and the callers use the twins.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("infer.kernels")
+
+SOURCES = tuple(Path(__file__).resolve().parent / "cpu" / name for name in ("paged_decode.c", "elementwise.c"))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")
+BUILD_TIMEOUT_S = 120
+# What the compiled kernel accepts (the C file's MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK).
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
+_ENTRY = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+
+
+def _cache_dir() -> Path:
+    from infer.worker.config import compile_cache_dir
+
+    return compile_cache_dir() / "cpu_kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), " ".join(FLAGS), version,
+                                    _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+    return _cache_dir() / f"infer_cpu-{key}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_LOADED = False   # set by the first _library() call; what native_ready() says under torch.compile
+
+
+def native_ready() -> bool:
+    """Whether the native kernels are built and loaded (building them on the first call). Under torch.compile
+    it answers what an eager call found before (dynamo reads the flag as a constant, and traces no build)."""
+    if torch.compiler.is_compiling():
+        return _LOADED
+    return _library() is not None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = _load()
+    global _LOADED
+    _LOADED = lib is not None
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("INFER_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: the CPU kernels run as their PyTorch twins (slower)")
+        return None
+    try:
+        path = _library_path(compiler)
+        if not path.exists():
+            _build(compiler, path)
+            log.info("built the native CPU kernels: %s", path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("the native CPU kernels could not be built (%s): their PyTorch twins run instead", e)
+        return None
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    for name in _ENTRY.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, f32]
+        fn.restype = i32
+    lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
+    lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
+    lib.rotary_inplace.restype = lib.append_kv.restype = i32
+    return lib
+
+
+def decode_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor) -> bool:
+    """Whether the native kernel takes these arguments (CPU, a type it has, layouts and sizes in its
+    limits); without it the caller runs the twin."""
+    if q.dim() != 3 or k_cache.dim() != 4 or block_tables.dim() != 2:
+        return False
+    num_kv_heads, _, block_size, head_dim = k_cache.shape
+    return (q.device.type == "cpu" and q.dtype in _ENTRY and k_cache.dtype == q.dtype
+            and q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous()
+            and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+            and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+            and q.shape[1] % num_kv_heads == 0 and q.shape[1] // num_kv_heads <= MAX_GROUP
+            and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK and native_ready())
+
+
+def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                  out: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D] over the pool [Hkv, NB, bs, D] into out [B, H, D] (contiguous), as
+    `paged_decode_attention_torch`; the arguments must pass `decode_kernel_fits` (and v_cache be shaped
+    like k_cache). Every length must be >= 1 and every table entry it reaches a block of the pool."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    if not (v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous()):
+        raise ValueError("the native decode kernel needs a contiguous v_cache shaped like k_cache and a "
+                         "contiguous out")
+    fn = getattr(_library(), _ENTRY[q.dtype])
+    status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs,
+                num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale)
+    if status == -1:
+        raise ValueError(f"the native decode kernel takes no group {num_heads // num_kv_heads}, head_dim "
+                         f"{head_dim}, block_size {block_size}")
+    if status != 0:
+        raise ValueError("a sequence length is < 1 or past its block table, or a block table entry is outside "
+                         f"the pool of {num_blocks} blocks")
+    return out
+
+
+def _rows_fit(x: torch.Tensor) -> bool:
+    """[T, heads, D] with contiguous heads (rows may be views into a wider tensor), of a type the kernels take."""
+    return (x.device.type == "cpu" and x.dtype in _ENTRY and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == x.shape[2] and x.shape[2] <= MAX_HEAD_DIM and x.shape[2] % 2 == 0)
+
+
+def rotary_fits(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+    """Whether the native rotary takes these (never under torch.compile: inductor fuses the twin there)."""
+    return (not torch.compiler.is_compiling() and _rows_fit(q) and positions.dtype == torch.int64 and positions.is_contiguous()
+            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() and native_ready())
+
+
+def rotary_native(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """q [T, H, D] rotated in place at positions [T] (int64), as `rotary_embedding_torch` (checked args)."""
+    status = _library().rotary_inplace(q.data_ptr(), q.stride(0), q.shape[0], q.shape[1], q.shape[2],
+                                       positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
+                                       int(is_neox), int(q.dtype == torch.bfloat16))
+    if status != 0:
+        raise ValueError(f"head_dim {q.shape[2]} is odd or past {MAX_HEAD_DIM}, or a position is outside the "
+                         f"cos/sin cache of {cos_sin_cache.shape[0]} positions")
+
+
+def append_fits(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, positions: torch.Tensor | None,
+                cos_sin_cache: torch.Tensor | None) -> bool:
+    """Whether the native append takes these (never under torch.compile: inductor fuses the twin there)."""
+    return (not torch.compiler.is_compiling() and _rows_fit(k) and _rows_fit(v) and v.dtype == k.dtype == k_cache.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and (cos_sin_cache is None or (positions is not None and positions.dtype == torch.int64
+                                           and positions.is_contiguous() and cos_sin_cache.is_contiguous()))
+            and native_ready())
+
+
+def append_kv_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, positions: torch.Tensor | None, cos_sin_cache: torch.Tensor | None,
+                     is_neox: bool, pad_slot: int | None) -> None:
+    """As `append_kv_torch` (checked args that pass `append_fits`): k, v [T, Hkv, D] into the pools at
+    slot_mapping, K rotated when `cos_sin_cache` is given; slot -1 skipped, or written at `pad_slot`."""
+    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    rotate = cos_sin_cache is not None
+    status = _library().append_kv(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        num_blocks * block_size, slot_mapping.data_ptr(), -1 if pad_slot is None else pad_slot, k.shape[0],
+        num_kv_heads, head_dim, positions.data_ptr() if rotate else None,
+        cos_sin_cache.data_ptr() if rotate else None, cos_sin_cache.shape[0] if rotate else 0, int(is_neox),
+        int(k.dtype == torch.bfloat16))
+    if status != 0:
+        raise ValueError(f"a slot is outside [-1, {num_blocks * block_size}) (or pad_slot past the pool), or a "
+                         f"position outside the cos/sin cache")
+
+
+
+@torch.library.custom_op("infer::paged_decode_cpu", mutates_args=("out",))
+def paged_decode_cpu_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """`paged_decode_attention_native` as a torch operator, so that a compiled step graph (worker/step_graphs.py)
+    calls the kernel instead of tracing into it; `out` is written in place."""
+    paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+
+
+@paged_decode_cpu_op.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+      seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    return None

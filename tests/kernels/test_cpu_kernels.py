@@ -1,0 +1,177 @@
+"""The native CPU decode-attention kernel (kernels/cpu/paged_decode.c) against the float64 definition, the
+twin, and the inputs it must refuse instead of reading outside the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import assert_close, poisoned
+from paged_cases import make_batch, random_pool, random_tables, reference_attention
+
+from infer.kernels import cpu_kernels
+from infer.kernels.cpu_kernels import decode_kernel_fits, paged_decode_attention_native
+from infer.kernels.paged_attention import paged_decode_attention, paged_decode_attention_torch
+
+pytestmark = pytest.mark.skipif(cpu_kernels._library() is None, reason="no C compiler: the twin runs instead")
+
+NATIVE_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _native(batch, scale, out=None):
+    out = poisoned(batch.q.shape, batch.q.dtype) if out is None else out
+    assert decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
+    return paged_decode_attention_native(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                         batch.seq_lens, scale, out)
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (5, 1), (32, 2)], ids=lambda h: f"{h[0]}:{h[1]}")
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 4), (80, 32), (72, 16)])
+def test_decode_matches_float64(dtype, heads, head_dim, block_size):
+    """Group sizes with and without a specialised task (1, 3, 5, 16), head dims on the AVX-512 path (64, 128,
+    80) and off it (72), blocks smaller and larger than its 16-position chunks."""
+    num_heads, num_kv_heads = heads
+    seq_lens = [1, 15, 16, 17, 37, 130, 300]
+    batch = make_batch(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype,
+                       seed=hash((num_heads, head_dim, block_size)) % 2**31)
+    scale = head_dim ** -0.5
+    assert_close(_native(batch, scale), reference_attention(batch, scale), dtype, "native decode vs float64")
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+def test_dispatch_picks_native_and_agrees_with_the_twin(dtype):
+    batch = make_batch([5, 64, 200], [1, 1, 1], 8, 2, 64, 16, dtype, seed=3)
+    qkv = torch.cat([batch.q.flatten(1), torch.zeros(3, 256, dtype=dtype)], dim=1)   # q as a view, as in a layer
+    q = qkv[:, :8 * 64].view(3, 8, 64)
+    native = paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    twin = paged_decode_attention_torch(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    assert_close(native, twin, dtype, "native vs twin")
+
+
+def test_a_sequences_output_does_not_depend_on_its_batch():
+    batch = make_batch([33, 70, 140, 9], [1] * 4, 6, 2, 64, 16, torch.bfloat16, seed=5)
+    alone = torch.empty(1, 6, 64, dtype=torch.bfloat16)
+    together = _native(batch, 0.125)
+    paged_decode_attention_native(batch.q[2:3], batch.k_cache, batch.v_cache, batch.block_tables[2:3],
+                                  batch.seq_lens[2:3], 0.125, alone)
+    assert torch.equal(alone[0], together[2])
+
+
+def test_reads_only_the_positions_of_each_sequence():
+    """Everything outside the named positions is NaN, even inside a sequence's own last block."""
+    generator = torch.Generator().manual_seed(11)
+    seq_lens = [3, 21]
+    k_cache, v_cache = random_pool(2, 12, 8, 64, torch.float32, generator)
+    tables = random_tables(seq_lens, 12, 8, generator)
+    keep_k, keep_v = k_cache.clone(), v_cache.clone()
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    for i, length in enumerate(seq_lens):
+        for pos in range(length):
+            block, offset = tables[i, pos // 8], pos % 8
+            k_cache[:, block, offset] = keep_k[:, block, offset]
+            v_cache[:, block, offset] = keep_v[:, block, offset]
+    q = torch.randn(2, 4, 64, generator=generator)
+    out = paged_decode_attention_native(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32),
+                                        0.125, poisoned(q.shape, torch.float32))
+    assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("case", ["block past the pool", "negative block", "length past the table", "length 0"])
+def test_bad_tables_are_refused_before_anything_is_read(case):
+    batch = make_batch([20, 40], [1, 1], 4, 2, 64, 16, torch.float32, seed=9)
+    tables, lens = batch.block_tables.clone(), batch.seq_lens.clone()
+    if case == "block past the pool":
+        tables[1, 2] = batch.k_cache.shape[1]
+    elif case == "negative block":
+        tables[0, 0] = -1
+    elif case == "length past the table":
+        lens[1] = tables.shape[1] * 16 + 1
+    else:
+        lens[0] = 0
+    out = poisoned(batch.q.shape, torch.float32)
+    with pytest.raises(ValueError, match="outside the pool|past its block table"):
+        paged_decode_attention_native(batch.q, batch.k_cache, batch.v_cache, tables, lens, 0.125, out)
+    assert torch.isnan(out).all()
+
+
+def test_what_it_does_not_take_goes_to_the_twin():
+    batch = make_batch([10, 30], [1, 1], 4, 2, 64, 16, torch.float16, seed=1)
+    assert not decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
+    got = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    assert_close(got, reference_attention(batch, 0.125), torch.float16, "fp16 through the twin")
+    wide = make_batch([10], [1], 34, 2, 64, 16, torch.float32, seed=2)   # a group of 17: past MAX_GROUP
+    assert not decode_kernel_fits(wide.q, wide.k_cache, wide.block_tables, wide.seq_lens)
+
+
+# ---- rotary and KV append: the twins' bits --------------------------------------------------------------
+
+def _cos_sin(max_positions: int, head_dim: int = 64) -> torch.Tensor:
+    from infer.kernels.rotary import build_cos_sin_cache
+
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return build_cos_sin_cache(inv_freq, 1.0, max_positions)
+
+
+def _qkv(tokens: int, dtype: torch.dtype, heads=(6, 2), head_dim=64, seed=0):
+    """q, k, v as views into one [T, (H + 2 Hkv) D] projection output, as a layer makes them."""
+    generator = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    qkv = (torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator) * 3).to(dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    return (q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim),
+            v.view(tokens, num_kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rotary_gives_the_twins_bits(dtype, is_neox):
+    from infer.kernels.rotary import rotary_embedding, rotary_embedding_torch
+
+    cos_sin = _cos_sin(4096)
+    positions = torch.tensor([0, 5, 17, 4095, 300, 1], dtype=torch.int64)
+    native, twin = _qkv(6, dtype)[0], _qkv(6, dtype)[0]
+    rotary_embedding(positions, native, None, cos_sin, is_neox)
+    rotary_embedding_torch(positions, twin, None, cos_sin, is_neox)
+    assert torch.equal(native, twin)
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("rotate", [True, False], ids=["rotated", "plain"])
+@pytest.mark.parametrize("pad_slot", [None, 5], ids=["skip-padding", "pad-slot"])
+def test_append_gives_the_twins_bits(dtype, rotate, pad_slot):
+    from infer.kernels.kv_append import append_kv, append_kv_torch
+
+    _, k, v = _qkv(7, dtype, seed=1)
+    cos_sin = _cos_sin(2048) if rotate else None
+    positions = torch.tensor([3, 9, 0, 2047, 64, 65, 7], dtype=torch.int64)
+    slots = torch.tensor([40, -1, 3, 127, 16, -1, 0], dtype=torch.int64)
+    pools = [torch.zeros(2, 8, 16, 64, dtype=dtype) for _ in range(4)]
+    append_kv(k, v, pools[0], pools[1], slots, positions, cos_sin, True, pad_slot)
+    append_kv_torch(k, v, pools[2], pools[3], slots, positions, cos_sin, True, pad_slot)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+
+
+@pytest.mark.parametrize("case", ["slot past the pool", "slot below -1", "position past the cache"])
+def test_bad_slots_and_positions_are_refused_with_nothing_written(case):
+    from infer.kernels.cpu_kernels import append_kv_native, rotary_native
+
+    q, k, v = _qkv(3, torch.float32, seed=2)
+    cos_sin = _cos_sin(100)
+    positions = torch.tensor([1, 2, 3], dtype=torch.int64)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int64)
+    if case == "slot past the pool":
+        slots[2] = 2 * 8 * 16
+    elif case == "slot below -1":
+        slots[0] = -2
+    else:
+        positions[1] = 100
+    k_pool, v_pool = torch.zeros(2, 8, 16, 64), torch.zeros(2, 8, 16, 64)
+    with pytest.raises(ValueError, match="outside"):
+        append_kv_native(k, v, k_pool, v_pool, slots, positions, cos_sin, True, None)
+    assert not k_pool.any() and not v_pool.any()
+    if case == "position past the cache":
+        before = q.clone()
+        with pytest.raises(ValueError, match="outside the cos/sin cache"):
+            rotary_native(positions, q, cos_sin, True)
+        assert torch.equal(q, before)
