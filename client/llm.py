@@ -87,6 +87,9 @@ class LLMOptions:
     in_memory_model, tokenizer: `model=<an object>` (a transformers PreTrainedModel or one of infer's model
         objects) with its tokenizer: the engine is built around weights already in memory (worker/in_memory.py).
         In coordinator mode such an engine runs in this process (SPMD ranks, client/spmd.py).
+    tensor_parallel_size: processes per engine (vLLM's name): each holds a 1/T shard of every layer
+        (worker/tensor_parallel.py). Direct mode: this process is TP rank 0 and starts the other T - 1 as child
+        processes; coordinator mode: every worker is started with --tp-size T.
     """
 
     model: str | None = None
@@ -100,8 +103,15 @@ class LLMOptions:
     coordinator_key: str | None = None
     in_memory_model: Any = field(default=None, compare=False, repr=False)
     tokenizer: Any = field(default=None, compare=False, repr=False)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and (self.in_memory_model is not None or self.coordinator_address is not None):
+            raise ValueError(f"tensor_parallel_size={tp} needs a model path and workers started here: an in-memory "
+                             f"model cannot be sharded across processes, a joined cluster is already configured")
         if (self.tokenizer is None) != (self.in_memory_model is None):
             raise ValueError("an in-memory model (model=<a transformers PreTrainedModel or infer model object>) "
                              "needs tokenizer=<its tokenizer>, and tokenizer= goes only with one")
@@ -152,8 +162,13 @@ class LLMOptions:
         return {"curve_key": self.curve_key, "coordinator_key": self.coordinator_key}
 
     def worker_args(self) -> list[str]:
-        """The infer-worker flags for the engine options (model included), plus the log level."""
-        return to_argv(EngineConfig, dict(self.engine_options, model=self.model)) + ["--log-level", self.log_level]
+        """The infer-worker flags for the engine options (model included), the TP size, and the log level."""
+        tp = ["--tp-size", str(self.tensor_parallel_size)] if self.tensor_parallel_size > 1 else []
+        return self.engine_flags() + tp + ["--log-level", self.log_level]
+
+    def engine_flags(self) -> list[str]:
+        """The infer-worker flags for the engine options (model included)."""
+        return to_argv(EngineConfig, dict(self.engine_options, model=self.model))
 
 
 @dataclass(frozen=True)
@@ -200,8 +215,9 @@ class AsyncLLM:
                  ready_timeout: float = 300.0, log_level: str = "WARNING",
                  curve_key: str | os.PathLike[str] | None = None,
                  coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
-                 **engine_options: Any) -> None:
+                 tensor_parallel_size: int = 1, **engine_options: Any) -> None:
         self._init(LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
+                              tensor_parallel_size=tensor_parallel_size,
                               coordinator_address=coordinator_address, ready_timeout=ready_timeout,
                               log_level=log_level, engine_options=engine_options, curve_key=_model_path(curve_key),
                               coordinator_key=_model_path(coordinator_key), **_model_options(model, tokenizer)))
@@ -479,9 +495,13 @@ async def _start_local_engine(options: LLMOptions) -> EngineClient:
 
 
 def _make_engine(options: LLMOptions) -> Engine:
-    """This process's engine: from the model path, or around the in-memory model."""
-    from infer.worker.engine import Engine
+    """This process's engine: from the model path, or around the in-memory model; with tensor parallelism,
+    TP rank 0, the other ranks started as child processes."""
+    from infer.worker.engine import Engine, tensor_parallel_engine
 
+    if options.tensor_parallel_size > 1:
+        flags = options.engine_flags() + ["--log-level", options.log_level]
+        return tensor_parallel_engine(options.engine_config(), options.tensor_parallel_size, flags)
     return Engine(options.engine_config(), model=options.in_memory_model, tokenizer=options.tokenizer)
 
 
@@ -562,8 +582,9 @@ class LLM:
                  ready_timeout: float = 300.0, log_level: str = "WARNING",
                  curve_key: str | os.PathLike[str] | None = None,
                  coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
-                 **engine_options: Any) -> None:
+                 tensor_parallel_size: int = 1, **engine_options: Any) -> None:
         self.options = LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
+                                  tensor_parallel_size=tensor_parallel_size,
                                   coordinator_address=coordinator_address, ready_timeout=ready_timeout,
                                   log_level=log_level, engine_options=engine_options,
                                   curve_key=_model_path(curve_key), coordinator_key=_model_path(coordinator_key),
@@ -594,7 +615,9 @@ class LLM:
     def close(self) -> None:
         """Release the engine; in coordinator mode stop every process started here (a joined cluster keeps
         running). Idempotent."""
-        self._engine = None
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
         remote, loop, self._remote, self._loop = self._remote, self._loop, None, None
         if loop is None:
             return

@@ -312,6 +312,7 @@ class LocalEngine:
             self._fail_streams(reason)
         finally:
             self._stop(reason)
+            self.engine.close()
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command, waiting up to IDLE_WAIT_S for the first when `block`. False on

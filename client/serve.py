@@ -1,6 +1,6 @@
 """infer-serve: a whole cluster on one machine: a coordinator, N workers and the HTTP front, shut down cleanly.
 
-`infer-serve [--model M] [--workers N] [--threads T] [--host H] [--port 8000] [--api-key K] [--keys-dir D]
+`infer-serve [--model M] [--workers N] [--tp-size T] [--threads T] [--host H] [--port 8000] [--api-key K] [--keys-dir D]
 [engine options] [-- extra worker flags]` starts `infer-coordinator` and N `infer-worker`s (the
 coordinator assigns their dp ranks), each in its own process group, waits until the coordinator reports N
 healthy workers (ClusterStats, answered by the coordinator when ready: no polling), starts the
@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="safetensors dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--workers", type=int, default=1, help="number of workers (DP ranks) (default 1)")
     p.add_argument("--threads", type=int, help="torch threads per worker")
+    p.add_argument("--tp-size", type=int, help="processes per worker (tensor parallelism; default 1): each "
+                   "worker starts and supervises its TP group, each process holding 1/T of every layer")
     add_front_arguments(p)
     p.add_argument("--coordinator-host", default="127.0.0.1",
                    help="the coordinator's bind address (default 127.0.0.1)")
@@ -223,6 +225,8 @@ def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
     options = dict(given(EngineConfig, args, exclude=_TOP_LEVEL_ENGINE_OPTIONS), model=args.model,
                    num_threads=args.threads)
     out = to_argv(EngineConfig, options)
+    if args.tp_size is not None:
+        out += ["--tp-size", str(args.tp_size)]
     if args.benchmark_mode:
         out.append("--benchmark-mode")
     if args.heartbeat_interval is not None:

@@ -9,8 +9,8 @@ error_code "internal", its KV blocks freed) and the engine goes on with the othe
 - a step that raises is run again one request at a time (the KV slots each rewrites are its own, and the
   scheduler has not moved yet); requests that fail alone fail, the others get their tokens. When every
   request fails alone and a forward with no request fails too, the engine itself is broken: step() raises
-  the first error (the worker exits; the coordinator moves its requests). EP group ranks raise at once: a
-  retry would call collectives their peers do not;
+  the first error (the worker exits; the coordinator moves its requests). EP and TP group ranks raise at
+  once: a retry would call collectives their peers do not;
 - post-processing that raises for one request (detokenizing, stop checks) fails that request.
 """
 
@@ -46,6 +46,7 @@ from infer.worker.sampler import Sampler, SamplerOutput
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.step_graphs import make_step_graphs
 from infer.worker.structured import COMPILE_TIMEOUT_S, GrammarCompilerPool, GrammarState
+from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 
 log = logging.getLogger("infer.engine")
@@ -83,20 +84,25 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, ep: ExpertParallel | None = None, *, model: object = None,
-                 tokenizer: object = None) -> None:
+                 tokenizer: object = None, tp: TensorParallel | None = None) -> None:
         """`model` / `tokenizer`: build the engine around weights already in memory (a transformers
         PreTrainedModel, whose weights are copied into our implementation, or one of our own model objects,
-        used as is) instead of `config.model`'s files; the tokenizer is then required (see worker/in_memory.py)."""
+        used as is) instead of `config.model`'s files; the tokenizer is then required (see worker/in_memory.py).
+        `tp`: this is TP rank 0 of a TP group (worker/tp_group.py); the KV pool's size is agreed with the
+        group, and `self.runner.followers` must be set before the first step."""
         self.config = config
         self.ep = ExpertParallel.single() if ep is None else ep  # this rank's share of an MoE model's experts
+        self.tp = TensorParallel.single() if tp is None else tp  # this rank's shard of every layer
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device)
-        self.dtype = _pick_dtype(config.dtype, self.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
         self.weight_version = 0                    # +1 (or the coordinator's number) per update_weights
         self._suspended: SuspendedWeights | None = None
         self._released_bytes = 0                   # what the current suspend released
         if model is not None:
+            if self.tp.size > 1:
+                raise ValueError("an in-memory model cannot be tensor-parallel: give a model path")
             loaded = in_memory_model(model, tokenizer, self.dtype, self.device, self.ep)
             self.model_path: Path | None = None
             self.model_id = config.model or loaded.model_id
@@ -109,13 +115,17 @@ class Engine:
             self.model_id = config.model_id
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
-            self.model = load_model(self.model_path, self.dtype, self.device, self.ep)
+            self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp)
             self._weight_files = [weight_files(self.model_path)]
         self.prompt_token_bytes = max_token_bytes(self.tokenizer)   # bounds text prompts before tokenizing
         self.vocab_size = int(self.model.vocab_size)
-        self.max_model_len = _max_model_len(config, self.model.config)
+        self.max_model_len = context_length(config, self.model.config)
         self.block_size = config.block_size
         num_blocks = self._num_kv_blocks()
+        if self.tp.size > 1:
+            from infer.worker.tp_group import agree_min
+
+            num_blocks = agree_min(self.tp, num_blocks)   # every member's pool holds the same block ids
         self.kv_cache = KVCache.allocate(self.model.num_layers, num_blocks, self.block_size,
                                          self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -237,6 +247,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling)
 
+    def close(self) -> None:
+        """End what the engine started outside itself: the other ranks of its TP group. Idempotent; the
+        engine steps no more after it (with tensor parallelism)."""
+        if self.runner.followers is not None:
+            self.runner.followers.stop()
+
     def shed_overdue(self, max_queue_time: float) -> int:
         """Fail, with error code "overloaded", each request that has waited more than `max_queue_time` seconds
         since add_request without being scheduled once (a preempted request has started: it stays). Their
@@ -291,6 +307,7 @@ class Engine:
         resume(). Idempotent (0 when already suspended)."""
         if self._suspended is not None:
             return 0
+        self._check_not_tensor_parallel("suspend")
         self.scheduler.preempt_all()
         self.scheduler.block_manager.reset_prefix_cache()   # the cached KV goes with the pool
         self.runner.step_graphs = None                      # they hold the pool (CUDA graphs: its addresses)
@@ -325,6 +342,7 @@ class Engine:
         want them to finish on the old weights first step until `num_running` is 0 (a drain), or abort them.
         The prefix cache is emptied: KV computed by the old weights is never served again."""
         self._check_not_suspended("update_weights()")
+        self._check_not_tensor_parallel("a weight update")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be a non-negative integer, got {version!r}")
         update = source if isinstance(source, WeightUpdate) else WeightUpdate.of(source)
@@ -349,6 +367,7 @@ class Engine:
         `msg.path`, or the tensors received now from the trainer's weight-sync group (`msg.sync`, within
         `msg.timeout_s`; received in full even when they turn out not to fit, so the trainer's broadcast
         completes). ValueError naming a bad tensor."""
+        self._check_not_tensor_parallel("a weight update")
         if msg.sync is not None:
             from infer.worker.weight_sync import receive_weights
 
@@ -358,6 +377,11 @@ class Engine:
             update = WeightUpdate.of(msg.path)
         check_specs(self.model, update.specs)
         return update
+
+    def _check_not_tensor_parallel(self, what: str) -> None:
+        if self.tp.size > 1:
+            raise ValueError(f"{what} is not supported with tensor parallelism yet (tensor_parallel_size "
+                             f"{self.tp.size}): the other ranks of the group hold their own shards")
 
     def _check_not_suspended(self, what: str) -> None:
         if self._suspended is not None:
@@ -377,7 +401,7 @@ class Engine:
         try:
             return step_rows(chunks, self.runner.execute(chunks))
         except Exception as error:
-            if self.ep.size > 1:
+            if self.ep.size > 1 or self.tp.size > 1:
                 raise
             log.exception("an engine step over %d request(s) failed; running them one at a time", len(chunks))
             return self._execute_one_by_one(chunks, error)
@@ -598,25 +622,56 @@ class Engine:
     # ---- sizing ------------------------------------------------------------------------------
 
     def _num_kv_blocks(self) -> int:
-        per_block = KVCache.bytes_per_block(self.model.num_layers, self.block_size, self.model.num_kv_heads,
-                                            self.model.head_dim, self.dtype)
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            budget = int(_memory_bytes(self.device) * self.config.kv_cache_memory_fraction)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory of {budget} bytes is too small for one KV block: a block of {self.block_size} "
-                f"tokens needs {per_block} bytes ({self.model.num_layers} layers x K and V x "
-                f"{self.model.num_kv_heads} KV heads x head_dim {self.model.head_dim} x "
-                f"{torch.empty((), dtype=self.dtype).element_size()} bytes)")
-        # More blocks than max_num_seqs full-length sequences can use would only waste memory.
-        useful = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
-        return int(min(num_blocks, useful))
+        return num_kv_blocks(self.config, self.model, self.dtype, self.device, self.max_model_len)
 
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+
+def tensor_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequence[str],
+                           timeout_s: float = 60.0) -> Engine:
+    """An engine that is TP rank 0 of a group of `size`, the other ranks started now as child processes of
+    this one on this machine (`infer-worker` with `worker_flags`: the same engine options); `close()` ends
+    them. (LLM / AsyncLLM's direct mode with tensor_parallel_size > 1.)"""
+    from infer.worker.tp_commands import TpLeader
+    from infer.worker.tp_group import TpOptions, join
+    from infer.worker.tp_supervisor import free_local_port, start_followers
+
+    dist_init = f"tcp://127.0.0.1:{free_local_port()}"
+    children = start_followers(size, dist_init, worker_flags)
+    try:
+        parallel, _, config = join(config, TpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s),
+                                   None)
+        engine = Engine(config, parallel.ep, tp=parallel.tp)
+        engine.runner.followers = TpLeader(parallel, children=children)
+    except BaseException:
+        for child in children:
+            child.kill()
+            child.wait(timeout=10)
+        raise
+    return engine
+
+
+def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                  max_model_len: int) -> int:
+    """Blocks of the KV pool: `config.kv_cache_memory` (else its fraction of the memory) over the bytes of one
+    block of this rank's KV heads, at most what max_num_seqs full-length sequences can use."""
+    per_block = KVCache.bytes_per_block(model.num_layers, config.block_size, model.num_kv_heads,
+                                        model.head_dim, dtype)
+    budget = config.kv_cache_memory
+    if budget is None:
+        budget = int(_memory_bytes(device) * config.kv_cache_memory_fraction)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory of {budget} bytes is too small for one KV block: a block of {config.block_size} "
+            f"tokens needs {per_block} bytes ({model.num_layers} layers x K and V x "
+            f"{model.num_kv_heads} KV heads x head_dim {model.head_dim} x "
+            f"{torch.empty((), dtype=dtype).element_size()} bytes)")
+    # More blocks than max_num_seqs full-length sequences can use would only waste memory.
+    useful = config.max_num_seqs * math.ceil(max_model_len / config.block_size) + 1
+    return int(min(num_blocks, useful))
 
 
 NON_FINITE_LOGITS = ("the model produced non-finite logits (NaN or inf) for this request, after its penalties; "
@@ -699,7 +754,7 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type == "cuda":
@@ -722,7 +777,7 @@ def _memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _max_model_len(config: EngineConfig, hf_config) -> int:
+def context_length(config: EngineConfig, hf_config) -> int:
     model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
     if config.max_model_len is None:
         return model_max

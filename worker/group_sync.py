@@ -126,16 +126,21 @@ def init_group(options: EpOptions, device: torch.device) -> ExpertParallel:
 class GroupSync:
     """The per-step agreement and the wake channel of one rank (see the module doc)."""
 
-    def __init__(self, options: EpOptions, ctx: zmq.Context, curve: CurveKeys | None = None) -> None:
+    def __init__(self, options: EpOptions, ctx: zmq.Context, curve: CurveKeys | None = None,
+                 group: object = None) -> None:
         """`curve`: this rank's keys (its server key, the coordinator's, is not used here): the wake channel
-        runs CurveZMQ among the group's keys. Every rank must have keys, or none (ValueError on all)."""
+        runs CurveZMQ among the group's keys. Every rank must have keys, or none (ValueError on all).
+        `group`: the gloo process group of the EP ranks (TP x EP: the TP rank 0 processes); None: the world."""
         import torch.distributed as dist
 
         self.options = options
         self.round = 0            # rounds completed; the same number on every rank
         self.active = False       # the last round had work: the next one follows without a wake
         # the agreement runs on CPU tensors; with NCCL as the default backend it needs a gloo group of its own
-        self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        if group is not None:
+            self._group = group
+        else:
+            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         # keys first, so every gate knows the group's keys before any peer can connect (after the addresses)
         keys = self._gather(None if curve is None else curve.public_key)
         if any(k is None for k in keys) and any(k is not None for k in keys):

@@ -27,6 +27,7 @@ from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.models.layers import PackedLinear
 from infer.worker.models.moe import ExpertShard
 from infer.worker.models.registry import model_class
+from infer.worker.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -151,32 +152,35 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device,
-               ep: ExpertParallel | None = None) -> nn.Module:
+               ep: ExpertParallel | None = None, tp: TensorParallel | None = None) -> nn.Module:
     """Our implementation of the model in directory `path`, weights loaded, on `device` in `dtype`.
     MoE models (classes with `supports_expert_parallel`) take `ep`, this rank's place in its EP group, and
-    load only its experts; a dense model refuses an EP group of more than one rank."""
+    load only its experts; a dense model refuses an EP group of more than one rank. `tp`: this process's
+    place in its TP group; it reads only its shard of each sharded tensor from the files."""
     from transformers import AutoConfig
 
     path = Path(path)
     validate_model_dir(path)
-    model = build_model(AutoConfig.from_pretrained(str(path)), dtype, device, ep)
+    model = build_model(AutoConfig.from_pretrained(str(path)), dtype, device, ep, tp)
     load_weights(model, weight_files(path))
     pack_weights(model)
     return model.eval()
 
 
 def build_model(config: Any, dtype: torch.dtype, device: torch.device | str,
-                ep: ExpertParallel | None = None) -> nn.Module:
+                ep: ExpertParallel | None = None, tp: TensorParallel | None = None) -> nn.Module:
     """Our implementation of a transformers `config`, parameters allocated (uninitialised) on `device`
-    ("meta" for a shape-only twin). ValueError for a dense model in an EP group of more than one rank."""
+    ("meta" for a shape-only twin), this TP rank's shard of it. ValueError for a dense model in an EP group
+    of more than one rank, or a TP size that does not divide the heads, the vocabulary or the MLP."""
     cls = model_class(config)
     ep = ExpertParallel.single() if ep is None else ep
+    tp = TensorParallel.single() if tp is None else tp
     moe = getattr(cls, "supports_expert_parallel", False)
     if ep.size > 1 and not moe:
         raise ValueError(f"an EP group of {ep.size} ranks needs an MoE model; {config.model_type!r} has no "
                          "experts to shard (run its ranks as separate groups)")
     with torch.device(device):
-        return cls(config, dtype, ep=ep) if moe else cls(config, dtype)
+        return cls(config, dtype, ep=ep, tp=tp) if moe else cls(config, dtype, tp=tp)
 
 
 def pack_weights(model: nn.Module) -> None:
@@ -211,14 +215,33 @@ def load_weights(model: nn.Module, files: Iterable[Path]) -> None:
     load_named_tensors(model, file_tensors(files))
 
 
-def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor], str]]:
-    """(checkpoint name, a function reading the tensor, where it is) for every tensor of `files`, read lazily."""
+class FileTensor:
+    """A checkpoint tensor in a safetensors file, not read yet: `shape`, `narrow(dim, start, length)` (reads
+    only that part: a tensor-parallel rank's shard) and `read()` (all of it). What `load_shard` receives
+    from the loader in place of a torch.Tensor."""
+
+    def __init__(self, piece: Any) -> None:
+        self._piece = piece            # safetensors' PySafeSlice
+        self.shape = tuple(piece.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._piece[tuple(index)]
+
+    def read(self) -> torch.Tensor:
+        return self._piece[:] if self.shape else self._piece[...]
+
+
+def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], Any], str]]:
+    """(checkpoint name, a function giving the tensor as a FileTensor, where it is) for every tensor of
+    `files`, read lazily."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield key, lambda f=f, key=key: f.get_tensor(key), f"in {file.name}"
+                yield key, lambda f=f, key=key: FileTensor(f.get_slice(key)), f"in {file.name}"
 
 
 def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Callable[[], torch.Tensor], str]]) -> None:
@@ -318,7 +341,7 @@ def load_tensor(module: nn.Module, name: str, shard: Shard, param: torch.Tensor,
         elif tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(param.shape)} of {name}")
         else:
-            param.copy_(tensor)
+            param.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.read())
     except ValueError as error:
         raise ValueError(f"checkpoint tensor {where}: {error}") from None
 

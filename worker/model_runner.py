@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -12,9 +12,17 @@ from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, recor
 from infer.worker.scheduler import ScheduledChunk
 from infer.worker.step_graphs import StepGraphs
 
+if TYPE_CHECKING:
+    from infer.worker.tp_commands import TpLeader
+
 
 class ModelRunner:
-    """Owns the model and the KV pool on one device; stateless between steps otherwise."""
+    """Owns the model and the KV pool on one device; stateless between steps otherwise.
+
+    In a TP group (TP rank 0 runs the engine) `followers` is the command channel to the other ranks: each
+    forward and each logits computation is sent to them first, so that they run the same collectives."""
+
+    followers: TpLeader | None = None
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, max_model_len: int,
                  device: torch.device, sampler: Sampler, step_graphs: StepGraphs | None = None) -> None:
@@ -37,12 +45,13 @@ class ModelRunner:
             logits = self.step_graphs.run(chunks, bucket)
         else:
             batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
-            hidden = self.model(batch, self.kv_cache)
+            hidden = self._forward(batch)
             if any(c.request.prompt_logprobs is not None for c in chunks):
-                record_prompt_logprobs(chunks, hidden, self.model.compute_logits)
+                record_prompt_logprobs(chunks, lambda start, stop: self._logits(
+                    hidden, torch.arange(start, stop, device=hidden.device)))
             if batch.logits_indices.numel() == 0:
                 return None
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            logits = self._logits(hidden, batch.logits_indices)
         sampling = [c.request for c in chunks if c.samples]
         meta = SamplingMetadata.build(sampling, self.vocab_size, self.device)
         return self.sampler.sample(logits, meta)
@@ -51,7 +60,19 @@ class ModelRunner:
     def execute_dummy(self) -> None:
         """A forward of one padding token that belongs to no sequence (nothing is cached, nothing sampled):
         what a rank of an EP group with no work runs so that its MoE layers join the group's collectives."""
+        if self.followers is not None:
+            self.followers.dummy()
         self.model(dummy_forward_batch(self.block_size, self.device), self.kv_cache)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.followers is not None:
+            self.followers.forward(batch)
+        return self.model(batch, self.kv_cache)
+
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if self.followers is not None:
+            self.followers.logits(rows)
+        return self.model.compute_logits(hidden[rows])
 
 
 def dummy_forward_batch(block_size: int, device: torch.device) -> ForwardBatch:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from infer.protocol.keys import CurveKeys
 from infer.protocol.messages import MAX_DP_RANK, MAX_ID_LEN
 from infer.worker.group_sync import EpOptions
+from infer.worker.tp_group import TpOptions
 
 MAX_QUEUE_TIME_S = 86400.0   # the largest --max-queue-time
 
@@ -27,6 +28,7 @@ class WorkerOptions:
     benchmark_mode: bool = False
     benchmark_step_time: float = 0.0    # with benchmark_mode: seconds each step lasts
     ep: EpOptions | None = None         # this rank's EP group (None: a group of one)
+    tp: TpOptions | None = None         # this DP rank's TP group (None: one process)
     max_waiting_requests: int = 1024    # beyond max_num_seqs running: a Dispatch past it is "overloaded"
     max_queue_time: float = 60.0        # a request not started this long after it came fails "overloaded"; 0: never
     curve: CurveKeys | None = None      # CurveZMQ towards the coordinator (and the EP group's wake channel)
@@ -55,6 +57,8 @@ class WorkerOptions:
                              f"{self.benchmark_step_time}")
         if self.ep is not None and self.benchmark_mode:
             raise ValueError("--benchmark-mode has no model, so no EP group: leave out --ep-size")
+        if self.tp is not None and self.benchmark_mode:
+            raise ValueError("--benchmark-mode has no model, so no TP group: leave out --tp-size")
         if self.coordinator_timeout <= self.heartbeat_interval:
             raise ValueError(f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "
                              f"({self.heartbeat_interval})")

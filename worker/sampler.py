@@ -309,11 +309,12 @@ class Sampler:
 PROMPT_LOGPROBS_ROWS = 256   # prompt positions per log-softmax: bounds the [rows, V] float32 temporaries
 
 
-def record_prompt_logprobs(chunks: Sequence, hidden: torch.Tensor, compute_logits) -> None:
+def record_prompt_logprobs(chunks: Sequence, logits_of_rows) -> None:
     """Append to each chunk's `request.prompt_logprobs` (where not None) the rows of the prompt positions this
-    step computed: position p gives prompt token p + 1's logprob and the top params.prompt_logprobs. `hidden` is
-    the step's [T, H] hidden states, chunks flattened in order. Positions already recorded (a recompute after a
-    preemption, a step retried one request at a time) are skipped, so each row is recorded once."""
+    step computed: position p gives prompt token p + 1's logprob and the top params.prompt_logprobs.
+    `logits_of_rows(start, stop)` gives the logits of rows start..stop-1 of the step's [T, H] hidden states,
+    chunks flattened in order. Positions already recorded (a recompute after a preemption, a step retried one
+    request at a time) are skipped, so each row is recorded once."""
     offset = 0
     for chunk in chunks:
         request = chunk.request
@@ -322,7 +323,7 @@ def record_prompt_logprobs(chunks: Sequence, hidden: torch.Tensor, compute_logit
         if rows is not None and first < last:
             for lo in range(first, last, PROMPT_LOGPROBS_ROWS):
                 hi = min(last, lo + PROMPT_LOGPROBS_ROWS)
-                logits = compute_logits(hidden[offset + lo - chunk.start:offset + hi - chunk.start]).float()
+                logits = logits_of_rows(offset + lo - chunk.start, offset + hi - chunk.start).float()
                 rows += _prompt_rows(logits.log_softmax(dim=-1), request.prompt_token_ids[lo + 1:hi + 1],
                                      request.params.prompt_logprobs)
         offset += chunk.num_new_tokens

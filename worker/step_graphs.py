@@ -229,6 +229,9 @@ def make_step_graphs(config: EngineConfig, model: torch.nn.Module, kv_cache: KVC
     if not getattr(model, "supports_step_graphs", False):
         log.info("step graphs: off (%s runs eagerly)", type(model).__name__)
         return None
+    if getattr(getattr(model, "tp", None), "size", 1) > 1:
+        log.info("step graphs: off (tensor parallelism runs eagerly: its followers replay no graphs)")
+        return None
     graphs = StepGraphs(model, kv_cache, config.block_size, max_model_len, config.max_num_seqs,
                         config.max_graph_batch_size, device)
     try:

@@ -139,7 +139,7 @@ def apply_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]])
 
 def meta_twin(model: nn.Module) -> nn.Module:
     """A shape-only copy of `model` on the meta device (same class, config, dtype, EP share and tying)."""
-    twin = build_model(model.config, model.dtype, "meta", getattr(model, "ep", None))
+    twin = build_model(model.config, model.dtype, "meta", getattr(model, "ep", None), getattr(model, "tp", None))
     if getattr(model, "lm_head_tied", False) and not twin.lm_head_tied:
         twin.tie_lm_head()
     return twin

@@ -15,7 +15,10 @@ new connections and lets open ones finish. Then the head SIGKILLs whatever still
 the step's node list and tasks per node) it derives the coordinator's address (--coordinator-port on the
 job's first node), its DP rank (the task's global index i) and, with --ep-size E > 1, its EP group
 g = i // E, its rank in the group i % E, the group id `ep<g>` and the group's torch.distributed rendezvous
-tcp://<node of the group's rank 0>:<--dist-port + g>; then it execs infer-worker.
+tcp://<node of the group's rank 0>:<--dist-port + g>; then it execs infer-worker. With --tp-size T > 1 each
+task is one process of a TP group: tasks i..i+T-1 (adjacent, so on one node when T divides the tasks per
+node; a group may span nodes) serve DP rank i // T, task i being TP rank i % T; the DP ranks then form
+the EP groups as above, and one world of T x E tasks rendezvouses per EP group (per DP rank without EP).
 
 Options that are not the launcher's own (engine options such as --dtype or --threads, worker options such as
 --coordinator-timeout) go to every worker unchanged, as do the arguments after `--`.
@@ -84,43 +87,58 @@ def node_of(index: int, nodes: list[str], tasks_per_node: list[int]) -> str:
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """One worker of the job: its global index (= DP rank) and, when ep_size > 1, its EP group."""
+    """One srun task of the job: its global index, and from it its DP rank, its EP group (ep_size > 1) and
+    its TP rank (tp_size > 1: `index` is one process of DP rank index // tp_size)."""
 
     index: int
     ep_size: int = 1
-    group_master: str | None = None   # the node of the group's rank 0 (ep_size > 1)
+    group_master: str | None = None   # the node of the world's rank 0 (ep_size > 1 or tp_size > 1)
     dist_port: int = DEFAULT_DIST_PORT
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.index < 0 or self.ep_size < 1:
-            raise ValueError(f"bad worker index {self.index} or EP size {self.ep_size}")
-        if self.ep_size > 1 and self.group_master is None:
-            raise ValueError("an EP group needs the node of its rank 0")
+        if self.index < 0 or self.ep_size < 1 or self.tp_size < 1:
+            raise ValueError(f"bad worker index {self.index}, EP size {self.ep_size} or TP size {self.tp_size}")
+        if (self.ep_size > 1 or self.tp_size > 1) and self.group_master is None:
+            raise ValueError("an EP or TP group needs the node of its rank 0")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.index // self.tp_size
 
     @property
     def group(self) -> int:
-        return self.index // self.ep_size
+        return self.dp_rank // self.ep_size
 
     @property
     def ep_rank(self) -> int:
-        return self.index % self.ep_size
+        return self.dp_rank % self.ep_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.index % self.tp_size
 
     def flags(self) -> list[str]:
-        """infer-worker's rank flags; the EP ones only for a real group (ep_size > 1)."""
-        out = ["--dp-rank", str(self.index)]
+        """infer-worker's rank flags; the EP / TP ones only for a real group (size > 1)."""
+        out = ["--dp-rank", str(self.dp_rank)]
         if self.ep_size > 1:
-            out += ["--ep-size", str(self.ep_size), "--ep-rank", str(self.ep_rank), "--group-id", f"ep{self.group}",
-                    "--dist-init", f"tcp://{self.group_master}:{self.dist_port + self.group}"]
+            out += ["--ep-size", str(self.ep_size), "--ep-rank", str(self.ep_rank), "--group-id", f"ep{self.group}"]
+        if self.tp_size > 1:
+            out += ["--tp-size", str(self.tp_size), "--tp-rank", str(self.tp_rank)]
+        if self.ep_size > 1 or self.tp_size > 1:
+            out += ["--dist-init", f"tcp://{self.group_master}:{self.dist_port + self.group}"]
         return out
 
 
 def plan_worker(index: int, nodes: list[str], tasks_per_node: list[int], ep_size: int,
-                dist_port: int = DEFAULT_DIST_PORT) -> WorkerPlan:
+                dist_port: int = DEFAULT_DIST_PORT, tp_size: int = 1) -> WorkerPlan:
     total = sum(tasks_per_node)
-    if total % ep_size:
-        raise ValueError(f"{total} workers do not split into EP groups of {ep_size}")
-    master = node_of(index // ep_size * ep_size, nodes, tasks_per_node) if ep_size > 1 else None
-    return WorkerPlan(index, ep_size, master, dist_port)
+    if total % (ep_size * tp_size):
+        raise ValueError(f"{total} tasks do not split into {'TP x EP groups' if tp_size > 1 else 'EP groups'} of "
+                         f"{tp_size * ep_size if tp_size > 1 else ep_size}")
+    world = ep_size * tp_size
+    master = node_of(index // world * world, nodes, tasks_per_node) if world > 1 else None
+    return WorkerPlan(index, ep_size, master, dist_port, tp_size)
 
 
 # ---- Slurm's environment (read here only) ------------------------------------------------------------
@@ -180,6 +198,7 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator-port", type=int, default=DEFAULT_COORDINATOR_PORT)
     p.add_argument("--coordinator-host", help="the coordinator's address (default: the job's first node)")
     p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dist-port", type=int, default=DEFAULT_DIST_PORT,
                    help="EP group g rendezvouses on this port + g on the node of its rank 0")
     return p
@@ -189,7 +208,7 @@ def worker_argv(args: argparse.Namespace, extra: list[str], index: int, step_nod
                 tasks_per_node: list[int], first_node: str) -> list[str]:
     """The infer-worker command line of srun task `index` (the job's first node runs the coordinator)."""
     host = args.coordinator_host or first_node
-    plan = plan_worker(index, step_nodes, tasks_per_node, args.ep_size, args.dist_port)
+    plan = plan_worker(index, step_nodes, tasks_per_node, args.ep_size, args.dist_port, args.tp_size)
     return [sys.executable, "-m", "infer.worker.daemon", "--coordinator", f"tcp://{host}:{args.coordinator_port}",
             *plan.flags(), *extra]
 
@@ -219,6 +238,9 @@ def head_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers-per-node", type=int,
                    help="workers (DP ranks) per node (default: sbatch's --ntasks-per-node, else 1)")
     p.add_argument("--ep-size", type=int, default=1, help="ranks per EP group (default 1: dense, no groups)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="processes (srun tasks) per DP rank, each holding 1/T of every layer (default 1); a "
+                   "group's tasks are adjacent: on one node when T divides the workers per node")
     p.add_argument("--dist-port", type=int, default=DEFAULT_DIST_PORT,
                    help="EP group g's torch.distributed rendezvous port is this + g (default %(default)s)")
     p.add_argument("--coordinator-host", help="the coordinator's bind address (default: the first node's address)")
@@ -269,10 +291,12 @@ class HeadPlan:
     coordinator_port: int
     http_host: str
     srun: list[str] = field(default_factory=list)
+    tp_size: int = 1
 
     @property
     def num_workers(self) -> int:
-        return len(self.nodes) * self.workers_per_node
+        """DP ranks (what registers with the coordinator): srun tasks / tp_size."""
+        return len(self.nodes) * self.workers_per_node // self.tp_size
 
 
 def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str], env: SlurmEnv,
@@ -288,20 +312,23 @@ def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str
         raise ValueError(f"--workers-per-node must be >= 1, got {per_node}")
     if args.ep_size < 1 or total % args.ep_size:
         raise ValueError(f"{len(nodes)} nodes x {per_node} workers do not split into EP groups of {args.ep_size}")
+    if args.tp_size < 1 or total % (args.tp_size * args.ep_size):
+        raise ValueError(f"{len(nodes)} nodes x {per_node} tasks do not split into TP groups of {args.tp_size} "
+                         f"(x EP groups of {args.ep_size})")
     for name in ("coordinator_port", "port", "dist_port"):
         if not 0 < getattr(args, name) < 65536:
             raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535 (the other nodes must know it)")
     explicit_host = args.coordinator_host not in (None, "0.0.0.0", "::")
     coordinator_host = args.coordinator_host or reachable_address(nodes[0], nodes)
     worker = [sys.executable, os.path.abspath(__file__), "worker", "--coordinator-port", str(args.coordinator_port),
-              "--ep-size", str(args.ep_size), "--dist-port", str(args.dist_port),
+              "--ep-size", str(args.ep_size), "--tp-size", str(args.tp_size), "--dist-port", str(args.dist_port),
               *(["--coordinator-host", coordinator_host] if explicit_host else []),
               "--", *flags_of(args, _WORKER_FLAGS), *(keys.worker_flags() if keys else []), *worker_extra]
     srun = ["srun", f"--nodes={len(nodes)}", f"--ntasks={total}", f"--ntasks-per-node={per_node}",
             "--distribution=block", "--overcommit", "--kill-on-bad-exit=0", "--label", "--job-name=infer-workers",
             *worker]
     return HeadPlan(nodes, per_node, args.ep_size, coordinator_host, args.coordinator_port,
-                    args.host or coordinator_host, srun)
+                    args.host or coordinator_host, srun, args.tp_size)
 
 
 @dataclass
@@ -382,9 +409,9 @@ def _serve_job(args: argparse.Namespace, env: SlurmEnv, plan: HeadPlan, keys: Cl
               f"curve_key={keys.secret('client')} coordinator_key={keys.public('coordinator')}; administrators "
               f"(pause, suspend, stop) with curve_key={keys.secret('admin')}", flush=True)
     print(f"infer.sbatch: job {env.job_id}: coordinator tcp://{plan.coordinator_host}:{plan.coordinator_port} on "
-          f"{plan.nodes[0]}; {plan.num_workers} workers ({plan.workers_per_node} per node on {','.join(plan.nodes)}, "
-          f"EP size {plan.ep_size}); HTTP front on {plan.http_host}:{args.port} once every worker has joined",
-          flush=True)
+          f"{plan.nodes[0]}; {plan.num_workers} workers ({plan.workers_per_node} tasks per node on "
+          f"{','.join(plan.nodes)}, EP size {plan.ep_size}, TP size {plan.tp_size}); HTTP front on "
+          f"{plan.http_host}:{args.port} once every worker has joined", flush=True)
     cluster = SrunCluster(num_workers=plan.num_workers, host=plan.coordinator_host, port=plan.coordinator_port,
                           coordinator_args=flags_of(args, _COORDINATOR_FLAGS), srun=plan.srun, keys=keys,
                           trusted_network=args.trusted_network)

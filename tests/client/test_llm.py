@@ -162,7 +162,9 @@ def test_engine_options_become_the_same_worker_config(tmp_path):
         enable_chunked_prefill=True, seed=7, num_threads=1))
     args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1", *options.worker_args()])
     assert engine_config(args) == options.engine_config()
-    assert args.log_level == "WARNING"
+    assert args.log_level == "WARNING" and args.tp_size == 1
+    tp = LLMOptions(model=str(tmp_path), use_coordinator=True, tensor_parallel_size=2)
+    assert build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1", *tp.worker_args()]).tp_size == 2
 
 
 @pytest.mark.parametrize("env, primary", [({}, True), ({"RANK": "0"}, True), ({"RANK": "1"}, False),

@@ -67,6 +67,30 @@ def test_a_group_spanning_nodes_rendezvouses_on_its_rank_0s_node():
     assert {p.flags()[-1] for p in everyone} == {"tcp://a:29500"} and [p.ep_rank for p in everyone] == list(range(6))
 
 
+def test_tp_groups_take_adjacent_tasks_and_rendezvous_on_their_rank_0s_node():
+    # TP=2 on 2 nodes x 1 task: one DP rank whose two processes sit on two nodes
+    across = [launch.plan_worker(i, ["n1", "n2"], [1, 1], 1, 7000, tp_size=2) for i in range(2)]
+    assert [p.flags() for p in across] == [
+        ["--dp-rank", "0", "--tp-size", "2", "--tp-rank", str(r), "--dist-init", "tcp://n1:7000"] for r in range(2)]
+    # TP=2 x EP=2 on 2 nodes x 4 tasks: two worlds of 4 tasks, one per node
+    plans = [launch.plan_worker(i, ["n1", "n2"], [4, 4], 2, 7000, tp_size=2) for i in range(8)]
+    assert [(p.dp_rank, p.ep_rank, p.tp_rank, p.group, p.group_master) for p in plans[4:]] == [
+        (2, 0, 0, 1, "n2"), (2, 0, 1, 1, "n2"), (3, 1, 0, 1, "n2"), (3, 1, 1, 1, "n2")]
+    assert plans[7].flags() == ["--dp-rank", "3", "--ep-size", "2", "--ep-rank", "1", "--group-id", "ep1",
+                                "--tp-size", "2", "--tp-rank", "1", "--dist-init", "tcp://n2:7001"]
+    with pytest.raises(ValueError, match="TP x EP groups of 4"):
+        launch.plan_worker(0, ["n1", "n2", "n3"], [2, 2, 2], 2, tp_size=2)
+    _, plan = _head(["--tp-size", "2", "--workers-per-node", "1"])
+    assert plan.num_workers == 1 and "--ntasks=2" in plan.srun
+    daemon = worker_daemon_parser().parse_args(_worker_command(plan, 1, ["localhost", "n2"])[3:])
+    assert (daemon.dp_rank, daemon.tp_size, daemon.tp_rank, daemon.dist_init) == (0, 2, 1, "tcp://localhost:29500")
+    from infer.client.serve import build_parser as serve_parser
+    from infer.client.serve import worker_args
+
+    served = worker_args(serve_parser().parse_args(["--tp-size", "2"]), [])      # infer-serve --tp-size
+    assert worker_daemon_parser().parse_args(["--coordinator", "tcp://h:1", *served]).tp_size == 2
+
+
 def test_workers_that_do_not_fill_whole_groups_are_refused():
     with pytest.raises(ValueError, match="EP groups of 2"):
         launch.plan_worker(0, ["n1", "n2", "n3"], [1, 1, 1], ep_size=2)

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,11 +194,12 @@ class Job:
         return self.output.read_text(errors="replace") if self.output.exists() else ""
 
 
-@pytest.fixture(scope="module")
-def job(sandbox, tmp_path_factory):
-    output = tmp_path_factory.mktemp("job") / "infer-%j.out"
+@contextmanager
+def running_job(sandbox: Sandbox, output_dir: Path, options: list[str]):
+    """An infer.sbatch job on 2 nodes with `options`, once its HTTP front is up; cancelled on exit if still queued."""
+    output = output_dir / "infer-%j.out"
     job_id = sandbox.slurm("sbatch", "--parsable", "--nodes=2", f"--output={output}",
-                           str(REPO / "deploy" / "slurm" / "infer.sbatch"), *JOB_OPTIONS).strip().split(";")[0]
+                           str(REPO / "deploy" / "slurm" / "infer.sbatch"), *options).strip().split(";")[0]
     output = Path(str(output).replace("%j", job_id))
     try:
         def ready():
@@ -217,6 +219,12 @@ def job(sandbox, tmp_path_factory):
         if sandbox.job_active(job_id):
             sandbox.slurm("scancel", job_id)
             wait_for(lambda: not sandbox.job_active(job_id), 90, f"job {job_id} to end after scancel")
+
+
+@pytest.fixture(scope="module")
+def job(sandbox, tmp_path_factory):
+    with running_job(sandbox, tmp_path_factory.mktemp("job"), JOB_OPTIONS) as started:
+        yield started
 
 
 def openai_client(job: Job) -> openai.AsyncOpenAI:
@@ -410,3 +418,37 @@ def test_scancel_stops_every_process_of_the_job(job, sandbox):
     assert "JobState=CANCELLED" in sandbox.slurm("scontrol", "show", "job", job.id)
     text = job.text()
     assert "coordinator stopped" in text and "Traceback" not in text, text[-3000:]
+
+
+# ---- tensor parallelism: one DP rank whose two processes run on two nodes (after the job above ended) -----
+
+def test_one_tp2_worker_group_spans_two_nodes_and_equals_one_process(sandbox, tmp_path_factory, tiny_model_dir):
+    """--tp-size 2 on 2 nodes x 1 task: one DP rank, TP rank 0 on one node, TP rank 1 on the other, joined
+    over the sandbox's network (gloo); its greedy output equals one process on the same tiny Llama; scancel
+    leaves no process of the job."""
+    from infer import LLM
+
+    model = tiny_model_dir("llama")
+    cut = JOB_OPTIONS.index("--")
+    options = [*JOB_OPTIONS[:cut], "--model", str(model), "--tp-size", "2", *JOB_OPTIONS[cut:], "--tp-timeout", "20"]
+    prompts = [[5, 6, 7, 8], list(range(20, 60)), [300, 301, 302]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [c.token_ids for c in LLM(model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000,
+                                      num_threads=1).generate(prompts, params, use_tqdm=False)]
+    with running_job(sandbox, tmp_path_factory.mktemp("tp-job"), options) as tp_job:
+        async def serve() -> tuple[object, list[list[int]]]:
+            async with coordinator_client(tp_job) as cluster:
+                done = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, params) for p in prompts)), 120)
+                return await cluster.stats(), [c.token_ids for c in done]
+
+        stats, got = asyncio.run(serve())
+        assert got == want
+        assert len(stats.workers) == 1 and stats.workers[0].healthy         # T processes, one DP rank
+        leader_node = node_of(stats.workers[0].worker_id)
+        follower = re.search(r"TP rank 1 ready on (\S+):", tp_job.text())
+        assert follower is not None, tp_job.text()[-3000:]
+        assert {leader_node, follower.group(1)} == set(tp_job.nodes)       # one process on each node
+        marker = f"SLURM_JOB_ID={tp_job.id}\0".encode()
+        sandbox.slurm("scancel", tp_job.id)
+        wait_for(lambda: not sandbox.job_active(tp_job.id), 60, f"job {tp_job.id} to leave the queue")
+        wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {tp_job.id} to exit")

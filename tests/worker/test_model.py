@@ -18,6 +18,7 @@ from infer.worker.attention import paged_attention
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.loader import load_model
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, RotaryEmbedding, RowLinear
+from infer.worker.tensor_parallel import TensorParallel
 
 TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 CPU = torch.device("cpu")
@@ -254,8 +255,8 @@ def test_linear_layers_shard_for_tensor_parallelism() -> None:
     torch.manual_seed(0)
     x = torch.randn(3, 8)
     q, k, v, bias = torch.randn(8, 8), torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
-    fused = [MergedColumnLinear(8, {"q": 8, "k": 4, "v": 4}, bias=False, dtype=torch.float32, tp_rank=r,
-                                tp_size=2) for r in range(2)]
+    fused = [MergedColumnLinear(8, {"q": 8, "k": 4, "v": 4}, bias=False, dtype=torch.float32,
+                                tp=TensorParallel(rank=r, size=2)) for r in range(2)]
     for rank in fused:
         for name, w in (("q", q), ("k", k), ("v", v)):
             rank.load_shard("weight", w, name)
@@ -263,10 +264,11 @@ def test_linear_layers_shard_for_tensor_parallelism() -> None:
     for i, w in enumerate((q, k, v)):
         assert torch.allclose(torch.cat([h[i] for h in halves], -1), x @ w.T)
 
-    column = [ColumnLinear(8, 8, bias=True, dtype=torch.float32, tp_rank=r, tp_size=2) for r in range(2)]
+    column = [ColumnLinear(8, 8, bias=True, dtype=torch.float32, tp=TensorParallel(rank=r, size=2))
+              for r in range(2)]
     row = RowLinear(8, 8, bias=False, dtype=torch.float32)
-    parts = [RowLinear(8, 8, bias=False, dtype=torch.float32, tp_rank=r, tp_size=2, reduce_results=False)
-             for r in range(2)]
+    parts = [RowLinear(8, 8, bias=False, dtype=torch.float32, tp=TensorParallel(rank=r, size=2),
+                       reduce_results=False) for r in range(2)]
     for r in range(2):
         column[r].load_shard("weight", q)
         column[r].load_shard("bias", bias)

@@ -2,8 +2,10 @@
 
 Linear layers store W as [out_features, in_features] (the checkpoint layout) and are written for tensor
 parallelism: `ColumnLinear` shards output rows across `tp_size` ranks, `RowLinear` shards input columns and
-sums partial results across ranks. Each takes full checkpoint tensors through `load_shard`, which slices out
-this rank's part, so the loader never needs to know how a layer is split. Today tp_size is 1.
+sums partial results across ranks (see `infer.worker.tensor_parallel`). Each takes full checkpoint tensors
+through `load_shard`, which slices out this rank's part, so the loader never needs to know how a layer is
+split. A checkpoint tensor may be a lazy view of a safetensors file (the loader's `FileTensor`): narrowing it
+reads only this rank's part, so no rank ever holds a full copy of a sharded weight.
 
 Parameters are created with `torch.empty` on the current default device (the loader scopes it); weights
 always come from a checkpoint.
@@ -21,25 +23,29 @@ from torch import nn
 
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rotary import build_cos_sin_cache, rotary_embedding
+from infer.worker.tensor_parallel import TensorParallel
+
+_SINGLE = TensorParallel.single()
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
-def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+def _copy_checked(param: torch.Tensor, tensor: Any, what: str) -> None:
+    """Copy a checkpoint tensor (a torch.Tensor, or a lazy file tensor with `shape` and `read()`) into param."""
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-    param.copy_(tensor)
+    param.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.read())
 
 
-def _rank_slice(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int, what: str) -> torch.Tensor:
-    """This rank's contiguous 1/tp_size part of `tensor` along `dim`."""
+def _rank_slice(tensor: Any, dim: int, index: int, num_parts: int, what: str) -> torch.Tensor:
+    """Part `index` of `tensor` cut into `num_parts` contiguous equal parts along `dim` (a rank's share)."""
     size = tensor.shape[dim]
-    if size % tp_size:
-        raise ValueError(f"{what}: dimension {dim} of size {size} does not split across {tp_size} ranks")
-    part = size // tp_size
-    return tensor.narrow(dim, tp_rank * part, part)
+    if size % num_parts:
+        raise ValueError(f"{what}: dimension {dim} of size {size} does not split across {num_parts} ranks")
+    part = size // num_parts
+    return tensor.narrow(dim, index * part, part)
 
 
 class RMSNorm(nn.Module):
@@ -121,13 +127,13 @@ class ColumnLinear(PackedLinear):
     """y = x W^T + b with W's output rows split across tensor-parallel ranks (no communication)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp: TensorParallel = _SINGLE) -> None:
         super().__init__()
-        if out_features % tp_size:
-            raise ValueError(f"out_features {out_features} does not split across {tp_size} ranks")
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = _param(out_features // tp_size, in_features, dtype=dtype)
-        self.bias = _param(out_features // tp_size, dtype=dtype) if bias else None
+        if out_features % tp.size:
+            raise ValueError(f"out_features {out_features} does not split across {tp.size} ranks")
+        self.tp = tp
+        self.weight = _param(out_features // tp.size, in_features, dtype=dtype)
+        self.bias = _param(out_features // tp.size, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -137,23 +143,28 @@ class ColumnLinear(PackedLinear):
         if shard is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
         param = getattr(self, param_name)
-        _copy_checked(param, _rank_slice(tensor, 0, self.tp_rank, self.tp_size, param_name), param_name)
+        _copy_checked(param, _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name), param_name)
 
 
 class MergedColumnLinear(ColumnLinear):
     """Several column-parallel projections of the same input fused into one matmul (qkv, gate_up).
 
     `shard_sizes` maps each checkpoint projection (e.g. "q", "k", "v") to its full output size, in the order
-    its rows appear in the fused weight. Each rank holds its slice of every shard, concatenated.
+    its rows appear in the fused weight. Each rank holds its slice of every shard, concatenated: part
+    tp.rank of tp.size, unless `shard_parts` gives a shard's (number of parts, this rank's part) (KV heads
+    replicated over ranks: one head of the KV heads on every size / num_kv_heads ranks).
     """
 
     def __init__(self, in_features: int, shard_sizes: Mapping[str, int], bias: bool, dtype: torch.dtype,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp: TensorParallel = _SINGLE, shard_parts: Mapping[str, tuple[int, int]] | None = None) -> None:
+        self.shard_parts = {name: (shard_parts or {}).get(name, (tp.size, tp.rank)) for name in shard_sizes}
         for name, size in shard_sizes.items():
-            if size % tp_size:
-                raise ValueError(f"shard {name!r} of size {size} does not split across {tp_size} ranks")
-        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, tp_rank, tp_size)
-        self.shard_sizes = {name: size // tp_size for name, size in shard_sizes.items()}
+            if size % self.shard_parts[name][0]:
+                raise ValueError(f"shard {name!r} of size {size} does not split across "
+                                 f"{self.shard_parts[name][0]} ranks")
+        local = {name: size // self.shard_parts[name][0] for name, size in shard_sizes.items()}
+        super().__init__(in_features, sum(local.values()) * tp.size, bias, dtype, tp)
+        self.shard_sizes = local
         offsets = [0]
         for size in self.shard_sizes.values():
             offsets.append(offsets[-1] + size)
@@ -168,7 +179,8 @@ class MergedColumnLinear(ColumnLinear):
             raise ValueError(f"{type(self).__name__} needs one of the shards {self.shard_names}, "
                              f"got {shard!r}")
         rows = getattr(self, param_name).narrow(0, self.shard_offsets[shard], self.shard_sizes[shard])
-        part = _rank_slice(tensor, 0, self.tp_rank, self.tp_size, f"{param_name}[{shard}]")
+        num_parts, index = self.shard_parts[shard]
+        part = _rank_slice(tensor, 0, index, num_parts, f"{param_name}[{shard}]")
         _copy_checked(rows, part, f"{param_name}[{shard}]")
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -178,23 +190,23 @@ class MergedColumnLinear(ColumnLinear):
 
 class RowLinear(PackedLinear):
     """y = x W^T + b with W's input columns split across ranks; x arrives sharded, and the partial sums are
-    all-reduced over the default process group unless `reduce_results` is False (the caller reduces).
+    all-reduced over the TP group unless `reduce_results` is False (the caller reduces).
     The bias is added once, after the reduction.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 tp_rank: int = 0, tp_size: int = 1, reduce_results: bool = True) -> None:
+                 tp: TensorParallel = _SINGLE, reduce_results: bool = True) -> None:
         super().__init__()
-        if in_features % tp_size:
-            raise ValueError(f"in_features {in_features} does not split across {tp_size} ranks")
-        self.tp_rank, self.tp_size, self.reduce_results = tp_rank, tp_size, reduce_results
-        self.weight = _param(out_features, in_features // tp_size, dtype=dtype)
+        if in_features % tp.size:
+            raise ValueError(f"in_features {in_features} does not split across {tp.size} ranks")
+        self.tp, self.reduce_results = tp, reduce_results
+        self.weight = _param(out_features, in_features // tp.size, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)
-        if self.tp_size > 1 and self.reduce_results:
-            torch.distributed.all_reduce(y)
+        if self.reduce_results:
+            self.tp.all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)
 
     def load_shard(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
@@ -202,34 +214,56 @@ class RowLinear(PackedLinear):
             raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
         param = getattr(self, param_name)
         if param_name == "weight":
-            tensor = _rank_slice(tensor, 1, self.tp_rank, self.tp_size, param_name)
+            tensor = _rank_slice(tensor, 1, self.tp.rank, self.tp.size, param_name)
         _copy_checked(param, tensor, param_name)
 
 
 class VocabEmbedding(nn.Module):
-    """Token id -> row of the [vocab, hidden] table. (Vocab-parallel sharding slots in here later.)"""
+    """Token id -> row of the [vocab, hidden] table. Vocab-parallel: each rank holds rows
+    [rank * V / size, (rank + 1) * V / size), looks up the ids that fall there, zeros the others, and the
+    rows are all-reduced (exactly one rank contributes each)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TensorParallel = _SINGLE) -> None:
         super().__init__()
-        self.weight = _param(vocab_size, hidden_size, dtype=dtype)
+        self.tp = tp
+        self.rows = tp.part(vocab_size, "the vocabulary size")
+        self.weight = _param(len(self.rows), hidden_size, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.rows.start) | (input_ids >= self.rows.stop)
+        local = (input_ids - self.rows.start).masked_fill_(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+    def load_shard(self, param_name: str, tensor: Any, shard: str | None = None) -> None:
+        if shard is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
+        _copy_checked(self.weight, _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name), param_name)
 
 
 class LMHead(PackedLinear):
-    """hidden [N, hidden] -> logits [N, vocab] in float32. `tie_to` shares the embedding's table."""
+    """hidden [N, hidden] -> logits [N, vocab] in float32. `tie_to` shares the embedding's table.
+    Vocab-parallel: each rank computes its vocabulary slice; TP rank 0 gathers the full rows (the other
+    ranks get None: only rank 0 samples)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TensorParallel = _SINGLE) -> None:
         super().__init__()
-        self.weight = _param(vocab_size, hidden_size, dtype=dtype)
+        self.tp = tp
+        self.weight = _param(len(tp.part(vocab_size, "the vocabulary size")), hidden_size, dtype=dtype)
         self.bias = None
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.matmul(hidden, None).float()
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.tp.gather_columns(self.matmul(hidden, None).float())
+
+    def load_shard(self, param_name: str, tensor: Any, shard: str | None = None) -> None:
+        if shard is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
+        _copy_checked(self.weight, _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name), param_name)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 
 from infer.worker.attention import paged_attention
 from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.models.layers import (
     LMHead,
     MergedColumnLinear,
@@ -59,17 +60,24 @@ def sliding_window_of(config: Any) -> int | None:
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention over the paged KV pool. With tensor parallelism this rank computes its query heads
+    (tp.part of them) and the KV heads they read (`TensorParallel.kv_heads`); o_proj sums the ranks'
+    partial outputs."""
+
     def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads = len(tp.part(total_heads, "the number of attention heads"))
+        kv_heads = tp.kv_heads(total_kv_heads)
+        self.num_kv_heads = len(kv_heads)
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
-        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        q_size, kv_size = total_heads * head_dim, total_kv_heads * head_dim
+        kv_parts = (tp.size, tp.rank) if total_kv_heads >= tp.size else (total_kv_heads, kv_heads.start)
         self.qkv_proj = MergedColumnLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                           variant.qkv_bias, dtype)
-        self.o_proj = RowLinear(q_size, config.hidden_size, variant.o_bias, dtype)
+                                           variant.qkv_bias, dtype, tp, shard_parts={"k": kv_parts, "v": kv_parts})
+        self.o_proj = RowLinear(q_size, config.hidden_size, variant.o_bias, dtype, tp)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by all layers
@@ -92,14 +100,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, variant: LlamaVariant, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, variant: LlamaVariant, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         if config.hidden_act not in ("silu", "swish"):
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         size = config.intermediate_size
+        tp.part(size, "the intermediate size")
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, {"gate": size, "up": size},
-                                               variant.mlp_bias, dtype)
-        self.down_proj = RowLinear(size, config.hidden_size, variant.mlp_bias, dtype)
+                                               variant.mlp_bias, dtype, tp)
+        self.down_proj = RowLinear(size, config.hidden_size, variant.mlp_bias, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -115,10 +124,10 @@ class LlamaDecoderLayer(nn.Module):
     sublayer (a `LlamaMLP`, or an MoE block in the MoE models)."""
 
     def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype, mlp: nn.Module) -> None:
+                 dtype: torch.dtype, mlp: nn.Module, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, variant, head_dim, rotary_emb, dtype)
+        self.self_attn = LlamaAttention(config, variant, head_dim, rotary_emb, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = mlp
 
@@ -141,16 +150,17 @@ class LlamaModel(nn.Module):
     (default: the dense `LlamaMLP`)."""
 
     def __init__(self, config: Any, head_dim: int, dtype: torch.dtype,
-                 mlp_factory: MLPFactory | None = None) -> None:
+                 mlp_factory: MLPFactory | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = TensorParallel.single() if tp is None else tp
         variant = LlamaVariant.from_config(config)
         if mlp_factory is None:
             def mlp_factory(layer_index: int) -> nn.Module:
-                return LlamaMLP(config, variant, dtype)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+                return LlamaMLP(config, variant, dtype, tp)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.rotary_emb = RotaryEmbedding(config, head_dim)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype, mlp_factory(i))
+            LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype, mlp_factory(i), tp)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -178,12 +188,15 @@ class LlamaForCausalLM(nn.Module):
     # each. (The MoE models' expert dispatch is data-dependent: they run eagerly.)
     supports_step_graphs: ClassVar[bool] = True
 
-    def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.tp = TensorParallel.single() if tp is None else tp
         self.num_layers: int = config.num_hidden_layers
-        self.num_kv_heads: int = config.num_key_value_heads
+        self.tp.part(config.num_attention_heads, "the number of attention heads")
+        self.num_kv_heads: int = len(self.tp.kv_heads(config.num_key_value_heads))  # on this rank
         self.head_dim: int = (getattr(config, "head_dim", None)
                               or config.hidden_size // config.num_attention_heads)
         self.vocab_size: int = config.vocab_size
@@ -192,8 +205,8 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("%s: sliding-window attention (window %d) is not implemented; attention is full, "
                            "which matches the model only up to %d tokens", config.model_type,
                            self.sliding_window, self.sliding_window)
-        self.model = LlamaModel(config, self.head_dim, dtype, mlp_factory)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
+        self.model = LlamaModel(config, self.head_dim, dtype, mlp_factory, self.tp)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, self.tp)
         if getattr(config, "tie_word_embeddings", False):
             self.tie_lm_head()
 
@@ -212,5 +225,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(batch, kv_cache, layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (e.g. hidden[batch.logits_indices]) -> logits [N, vocab] float32."""
+        """hidden [N, hidden_size] (e.g. hidden[batch.logits_indices]) -> logits [N, vocab] float32. With
+        tensor parallelism a collective; the logits come out on TP rank 0 only (None on the others)."""
         return self.lm_head(hidden)

@@ -27,8 +27,9 @@ from torch import nn
 
 from infer.kernels.moe import fused_experts
 from infer.worker.expert_parallel import ExpertParallel
-from infer.worker.models.layers import ColumnLinear, _copy_checked, _param
+from infer.worker.models.layers import ColumnLinear, _copy_checked, _param, _rank_slice
 from infer.worker.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant
+from infer.worker.tensor_parallel import TensorParallel
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 
@@ -51,17 +52,22 @@ class FusedExperts(nn.Module):
 
     `experts(rows, local_ids)` runs each row through its (local) expert's MLP, unweighted: the
     `ExpertsFn` that `ExpertParallel.run_experts` calls.
+
+    With tensor parallelism each rank holds its slice `tp.part(I)` of every local expert's intermediate
+    size (I below is then I / tp.size): its outputs are partial sums, which the block all-reduces.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 ep: ExpertParallel) -> None:
+                 ep: ExpertParallel, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = TensorParallel.single() if tp is None else tp
         self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = len(self.tp.part(intermediate_size, "the experts' intermediate size"))
         self.expert_range = ep.expert_range(num_experts)
         num_local = len(self.expert_range)
-        self.gate_up_proj = _param(num_local, 2 * intermediate_size, hidden_size, dtype=dtype)
-        self.down_proj = _param(num_local, hidden_size, intermediate_size, dtype=dtype)
+        self.gate_up_proj = _param(num_local, 2 * self.intermediate_size, hidden_size, dtype=dtype)
+        self.down_proj = _param(num_local, hidden_size, self.intermediate_size, dtype=dtype)
 
     def forward(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """rows [N, H], local_ids [N] int64 in [0, E_local) -> [N, H]."""
@@ -79,23 +85,36 @@ class FusedExperts(nn.Module):
         """Whether this rank loads `shard` (False for other ranks' experts: the loader skips them)."""
         return not isinstance(shard, ExpertShard) or shard.expert in self.expert_range
 
-    def load_shard(self, param_name: str, tensor: torch.Tensor, shard: object = None) -> None:
+    def load_shard(self, param_name: str, tensor: Any, shard: object = None) -> None:
         param: torch.Tensor = getattr(self, param_name)
         if shard is None:  # the fused layout: every expert's tensor stacked along dim 0
             if tensor.shape[0] != self.num_experts:
                 raise ValueError(f"{param_name}: {tensor.shape[0]} experts in the checkpoint, the config has "
                                  f"{self.num_experts}")
-            _copy_checked(param, tensor[self.expert_range.start:self.expert_range.stop], param_name)
+            ours = tensor.narrow(0, self.expert_range.start, len(self.expert_range))
+            for i in range(len(self.expert_range)):
+                if param_name == "down_proj":
+                    self._load_projection(param[i], "down", ours[i], param_name)
+                else:
+                    half = self.full_intermediate_size
+                    self._load_projection(param[i], "gate", ours[i].narrow(0, 0, half), param_name)
+                    self._load_projection(param[i], "up", ours[i].narrow(0, half, half), param_name)
             return
         if not isinstance(shard, ExpertShard) or shard.projection not in EXPERT_PROJECTIONS:
             raise ValueError(f"{param_name} takes an expert shard, got {shard!r}")
         if (param_name == "down_proj") != (shard.projection == "down"):
             raise ValueError(f"{shard} does not belong in {param_name}")
-        target = param[shard.expert - self.expert_range.start]
-        if shard.projection != "down":
-            start = 0 if shard.projection == "gate" else self.intermediate_size
-            target = target.narrow(0, start, self.intermediate_size)
-        _copy_checked(target, tensor, f"{param_name}[{shard}]")
+        self._load_projection(param[shard.expert - self.expert_range.start], shard.projection, tensor,
+                              f"{param_name}[{shard}]")
+
+    def _load_projection(self, expert_param: torch.Tensor, projection: str, tensor: Any, what: str) -> None:
+        """One expert's full gate / up [I, H] or down [H, I] -> this rank's slice of it in `expert_param`."""
+        if projection == "down":
+            _copy_checked(expert_param, _rank_slice(tensor, 1, self.tp.rank, self.tp.size, what), what)
+            return
+        start = 0 if projection == "gate" else self.intermediate_size
+        target = expert_param.narrow(0, start, self.intermediate_size)
+        _copy_checked(target, _rank_slice(tensor, 0, self.tp.rank, self.tp.size, what), what)
 
 
 @dataclass(frozen=True)
@@ -128,20 +147,23 @@ class SparseMoeBlock(nn.Module):
     """hidden [T, H] -> sum over each token's top-k experts of weight * expert(hidden), [T, H].
 
     `gate` is the router (a linear layer without bias, replicated on every rank); `experts` this rank's
-    experts. With an EP group of several ranks, forward is a collective (see `ExpertParallel.run_experts`).
+    experts. With an EP group of several ranks, forward is a collective (see `ExpertParallel.run_experts`);
+    with tensor parallelism the experts' partial sums are all-reduced over the TP group after it.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, routing: Routing, dtype: torch.dtype,
-                 ep: ExpertParallel) -> None:
+                 ep: ExpertParallel, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.routing = routing
         self.ep = ep
+        self.tp = TensorParallel.single() if tp is None else tp
         self.gate = ColumnLinear(hidden_size, routing.num_experts, bias=False, dtype=dtype)
-        self.experts = FusedExperts(routing.num_experts, hidden_size, intermediate_size, dtype, ep)
+        self.experts = FusedExperts(routing.num_experts, hidden_size, intermediate_size, dtype, ep, self.tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.routing.select(self.gate(hidden))
-        return self.ep.run_experts(hidden, expert_ids, weights, self.routing.num_experts, self.experts)
+        out = self.ep.run_experts(hidden, expert_ids, weights, self.routing.num_experts, self.experts)
+        return self.tp.all_reduce(out)
 
 
 def _check_activation(config: Any) -> None:
@@ -162,16 +184,17 @@ class MixtralForCausalLM(LlamaForCausalLM):
         "w1": ("gate_up_proj", "gate"), "w3": ("gate_up_proj", "up"), "w2": ("down_proj", "down"),
     }
 
-    def __init__(self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None,
+                 tp: TensorParallel | None = None) -> None:
         _check_activation(config)
         ep = ExpertParallel.single() if ep is None else ep
         routing = Routing(config.num_local_experts, config.num_experts_per_tok, renormalize=True,
                           weights_in_model_dtype=False)
 
         def sparse_block(layer_index: int) -> nn.Module:
-            return SparseMoeBlock(config.hidden_size, config.intermediate_size, routing, dtype, ep)
+            return SparseMoeBlock(config.hidden_size, config.intermediate_size, routing, dtype, ep, tp)
 
-        super().__init__(config, dtype, mlp_factory=sparse_block)
+        super().__init__(config, dtype, mlp_factory=sparse_block, tp=tp)
         self.ep = ep
 
 
@@ -188,19 +211,21 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         "down_proj": ("down_proj", "down"),
     }
 
-    def __init__(self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None,
+                 tp: TensorParallel | None = None) -> None:
         _check_activation(config)
         ep = ExpertParallel.single() if ep is None else ep
+        tp = TensorParallel.single() if tp is None else tp
         routing = Routing(config.num_experts, config.num_experts_per_tok,
                           renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=True)
         variant = LlamaVariant.from_config(config)
 
         def mlp_of_layer(layer_index: int) -> nn.Module:
             if Qwen3MoeForCausalLM.is_sparse_layer(config, layer_index):
-                return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, routing, dtype, ep)
-            return LlamaMLP(config, variant, dtype)
+                return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, routing, dtype, ep, tp)
+            return LlamaMLP(config, variant, dtype, tp)
 
-        super().__init__(config, dtype, mlp_factory=mlp_of_layer)
+        super().__init__(config, dtype, mlp_factory=mlp_of_layer, tp=tp)
         self.ep = ep
 
     @staticmethod

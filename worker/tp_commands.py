@@ -1,0 +1,204 @@
+"""The step commands of a TP group: TP rank 0 (`TpLeader`) sends each model forward it runs to the other
+ranks before running it, and each follower (`serve_follower`) runs the same forward on its shards, so the
+collectives inside the forward keep the group in step (see worker/tp_group.py for the group itself).
+
+Commands go over zmq (PUSH -> each follower's PULL; frames are msgpack maps, tensors as raw bytes, never
+pickled): "forward" (the step's ForwardBatch), "logits" (rows of the last forward's hidden states whose
+logits rank 0 gathers), "dummy" (an EP group's dummy step), "ping" (while idle, every `ping_interval_s`),
+"stop". A follower that hears nothing from rank 0 for the group's timeout exits (`LeaderGone`): rank 0 is
+gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import msgpack
+import zmq
+
+from infer.protocol.transport import make_socket
+from infer.worker.group_sync import _local_address_towards
+from infer.worker.tp_supervisor import reap
+
+if TYPE_CHECKING:
+    import torch
+
+    from infer.worker.forward_batch import ForwardBatch
+    from infer.worker.tensor_parallel import TensorParallel
+    from infer.worker.tp_group import Parallel
+
+log = logging.getLogger("infer.worker")
+
+
+class LeaderGone(RuntimeError):
+    """A follower heard nothing from TP rank 0 within the timeout."""
+
+
+def _gather_addresses(tp: TensorParallel, address: str | None) -> list[str | None]:
+    import torch.distributed as dist
+
+    values: list[Any] = [None] * tp.size
+    dist.all_gather_object(values, address, group=tp.cpu_group)
+    return values
+
+
+_BATCH_TENSORS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
+                  "logits_indices")
+
+
+def _pack_tensor(t: torch.Tensor) -> list[Any]:
+    t = t.detach().to("cpu").contiguous()
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), t.numpy().tobytes()]
+
+
+def _unpack_tensor(packed: list[Any], device: torch.device) -> torch.Tensor:
+    import numpy as np
+    import torch
+
+    dtype, shape, data = packed
+    array = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+    return torch.from_numpy(array.copy()).to(device)
+
+
+def encode_batch(batch: ForwardBatch) -> dict[str, Any]:
+    body: dict[str, Any] = {name: _pack_tensor(getattr(batch, name)) for name in _BATCH_TENSORS}
+    body.update(num_decodes=batch.num_decodes, query_lens=list(batch.query_lens),
+                context_lens=list(batch.context_lens), block_size=batch.block_size,
+                decode_split_tokens=batch.decode_split_tokens)
+    return body
+
+
+def decode_batch(body: dict[str, Any], device: torch.device) -> ForwardBatch:
+    from infer.worker.forward_batch import ForwardBatch
+
+    known = {f.name for f in fields(ForwardBatch)}
+    values = {name: _unpack_tensor(body[name], device) for name in _BATCH_TENSORS}
+    values.update(num_decodes=body["num_decodes"], query_lens=tuple(body["query_lens"]),
+                  context_lens=tuple(body["context_lens"]), block_size=body["block_size"],
+                  decode_split_tokens=body["decode_split_tokens"])
+    return ForwardBatch(**{k: v for k, v in values.items() if k in known})
+
+
+class TpLeader:
+    """TP rank 0's side of the command channel: a PUSH socket to each follower, and a thread that pings
+    them while nothing else is sent (a follower takes silence for rank 0's death)."""
+
+    def __init__(self, parallel: Parallel, ctx: zmq.Context | None = None,
+                 children: Sequence[subprocess.Popen] = ()) -> None:
+        """`children`: the follower processes this process started (stop() waits for them, and leaves the
+        torch.distributed world so that another group can be made here)."""
+        self.tp = parallel.tp
+        self._children = list(children)
+        ctx = ctx or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._pushes = []
+        for address in _gather_addresses(self.tp, None)[1:]:
+            push = make_socket(ctx, zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.connect(address)
+            self._pushes.append(push)
+        self._interval = parallel.options.ping_interval_s
+        self._stop = threading.Event()
+        self._pinger = threading.Thread(target=self._ping_while_alive, name="infer-tp-ping", daemon=True)
+        self._pinger.start()
+
+    def forward(self, batch: ForwardBatch) -> None:
+        self._send({"op": "forward", "batch": encode_batch(batch)})
+
+    def logits(self, rows: torch.Tensor) -> None:
+        self._send({"op": "logits", "rows": _pack_tensor(rows)})
+
+    def dummy(self) -> None:
+        self._send({"op": "dummy"})
+
+    def _send(self, command: dict[str, Any]) -> None:
+        frame = msgpack.packb(command, use_bin_type=True)
+        with self._lock:
+            for push in self._pushes:
+                push.send(frame, copy=False)
+
+    def _ping_while_alive(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._send({"op": "ping"})
+            except zmq.ZMQError:
+                return
+
+    def stop(self) -> None:
+        """Tell the followers to exit, and close the channel (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._pinger.join(timeout=5)
+        try:
+            self._send({"op": "stop"})
+        except zmq.ZMQError:
+            pass
+        for push in self._pushes:
+            push.setsockopt(zmq.LINGER, 2000)
+            push.close()
+        if self._children:
+            reap(self._children)
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class FollowerChannel:
+    """A follower's end of the command channel: one PULL socket."""
+
+    def __init__(self, parallel: Parallel, ctx: zmq.Context | None = None) -> None:
+        ctx = ctx or zmq.Context.instance()
+        self.timeout_s = parallel.options.timeout_s
+        self.pull = make_socket(ctx, zmq.PULL)
+        dist_init = parallel.options.dist_init or "tcp://127.0.0.1:0"
+        host = _local_address_towards(urlsplit(dist_init).hostname or "127.0.0.1")
+        port = self.pull.bind_to_random_port(f"tcp://{host}")
+        _gather_addresses(parallel.tp, f"tcp://{host}:{port}")
+
+    def receive(self) -> dict[str, Any]:
+        """The next command; LeaderGone after `timeout_s` of silence."""
+        if not self.pull.poll(int(self.timeout_s * 1000)):
+            raise LeaderGone(f"nothing heard from TP rank 0 for {self.timeout_s:g} s")
+        command = msgpack.unpackb(self.pull.recv(), raw=False)
+        if not isinstance(command, dict) or not isinstance(command.get("op"), str):
+            raise ValueError(f"a malformed TP command: {type(command).__name__}")
+        return command
+
+    def close(self) -> None:
+        self.pull.close(0)
+
+
+def serve_follower(model: Any, kv_cache: Any, block_size: int, channel: FollowerChannel,
+                   device: torch.device) -> None:
+    """Run rank 0's commands on this rank's shards until "stop" (returns), silence (LeaderGone) or a broken
+    collective (GroupBroken)."""
+    import torch
+
+    from infer.worker.model_runner import dummy_forward_batch
+
+    hidden = None
+    with torch.inference_mode():
+        while True:
+            command = channel.receive()
+            op = command["op"]
+            if op == "forward":
+                hidden = model(decode_batch(command["batch"], device), kv_cache)
+            elif op == "logits":
+                if hidden is None:
+                    raise ValueError("a logits command before any forward")
+                model.compute_logits(hidden[_unpack_tensor(command["rows"], device)])
+            elif op == "dummy":
+                model(dummy_forward_batch(block_size, device), kv_cache)
+            elif op == "stop":
+                log.info("TP rank 0 says stop; exiting")
+                return
+            elif op != "ping":
+                raise ValueError(f"unknown TP command {op!r}")

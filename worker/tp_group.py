@@ -1,0 +1,275 @@
+"""The processes of a TP group: joining the torch.distributed world, agreeing before serving, and the
+members' entry points. (torch is imported only when a group is joined: the worker daemon imports this
+module to parse its flags.) The step commands are worker/tp_commands.py; starting a group's processes on
+one node, worker/tp_supervisor.py.
+
+**World.** A DP rank of T processes is a TP group; with an EP group of E DP ranks the world is T x E
+processes, global rank = ep_rank * T + tp_rank. Every process joins the same rendezvous (`--dist-init`);
+before that, each checks through the rendezvous store that it agrees with global rank 0 on T and E (a
+mismatch names both sides). Groups: one TP group per DP rank; with E > 1, one EP group per TP rank (the
+processes with the same TP rank: the MoE all-to-all runs among them); the EP lockstep (`GroupSync`) runs
+among the TP rank 0 processes. Then every process compares its model files, dtype and sizes with the
+others (`check_same_model`): a rank started with other files is refused before any request.
+
+**Faults.** Every collective has the group's timeout (`--tp-timeout`): a member that died fails the next
+collective at once, one that hangs fails it after the timeout; rank 0 then gives its requests back and
+exits (`GroupBroken`, as an EP group), and tells the followers to stop. A follower that hears nothing from
+rank 0 for the timeout exits. The supervisor that started the group's processes ends the others once one
+of them exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from infer.worker.group_sync import GroupBroken
+
+if TYPE_CHECKING:
+    import torch
+
+    from infer.worker.expert_parallel import ExpertParallel
+    from infer.worker.group_sync import EpOptions
+    from infer.worker.tensor_parallel import TensorParallel
+
+log = logging.getLogger("infer.worker")
+
+
+@dataclass(frozen=True)
+class TpOptions:
+    """Where this process sits in its TP group. `rank` None: this process supervises the group's T
+    processes on this node (it starts them with --tp-rank r)."""
+
+    size: int
+    rank: int | None
+    dist_init: str | None
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.size < 2:
+            raise ValueError(f"a TP group has at least 2 processes, got --tp-size {self.size}")
+        if self.rank is not None and not 0 <= self.rank < self.size:
+            raise ValueError(f"--tp-rank must be in [0, {self.size}), got {self.rank}")
+        if self.rank is not None and self.dist_init is None:
+            raise ValueError("--tp-rank needs --dist-init tcp://HOST:PORT (or MASTER_ADDR and MASTER_PORT)")
+        if self.dist_init is not None:
+            parts = urlsplit(self.dist_init)
+            if parts.scheme != "tcp" or not parts.hostname or not parts.port:
+                raise ValueError(f"--dist-init must be tcp://HOST:PORT, got {self.dist_init!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--tp-timeout must be > 0, got {self.timeout_s}")
+
+    @property
+    def ping_interval_s(self) -> float:
+        return min(1.0, self.timeout_s / 4)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This process's place in the world: its TP and EP shares, and the CPU group of the EP lockstep
+    (the TP rank 0 processes; None without an EP group)."""
+
+    tp: TensorParallel
+    ep: ExpertParallel
+    ep_leaders_group: Any
+    options: TpOptions
+
+
+def resolve_ranks(tp_size: int, tp_rank: int | None, ep_size: int, ep_rank: int | None,
+                  env: dict[str, str] | None = None) -> tuple[int | None, int | None]:
+    """(tp rank, ep rank) from the flags, else from torchrun's RANK or Slurm's SLURM_PROCID read as the
+    global rank ep_rank * tp_size + tp_rank (only when --tp-rank is not given: with neither flag nor
+    variables the TP rank stays None, and this process supervises its group)."""
+    env = dict(os.environ) if env is None else env
+    if tp_rank is not None or tp_size == 1:
+        return tp_rank, ep_rank
+    name = "RANK" if "RANK" in env else "SLURM_PROCID" if "SLURM_PROCID" in env else None
+    if name is None or "INFER_TP_SUPERVISED" in env:
+        return None, ep_rank
+    try:
+        global_rank = int(env[name])
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {env[name]!r}") from None
+    return global_rank % tp_size, (global_rank // tp_size) % ep_size if ep_rank is None else ep_rank
+
+
+# ---- joining the world ----------------------------------------------------------------------------------
+
+def init_world(options: TpOptions, ep: EpOptions | None, device: torch.device) -> Parallel:
+    """Join the T x E world (blocks until every process has joined, at most the timeout) and make its groups."""
+    import torch.distributed as dist
+
+    from infer.worker.expert_parallel import ExpertParallel
+    from infer.worker.tensor_parallel import TensorParallel
+
+    if options.rank is None or options.dist_init is None:
+        raise ValueError("init_world needs this process's --tp-rank and the group's --dist-init")
+    ep_size, ep_rank = (ep.size, ep.rank) if ep is not None else (1, 0)
+    size, rank = options.size * ep_size, ep_rank * options.size + options.rank
+    timeout = datetime.timedelta(seconds=options.timeout_s)
+    store = _rendezvous(options.dist_init, rank, size, f"{options.size}x{ep_size}", timeout)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    T = options.size
+    cpu = (lambda ranks: dist.new_group(ranks, backend="gloo", timeout=timeout)) if backend == "nccl" else None
+    tp_groups = [dist.new_group([e * T + t for t in range(T)], timeout=timeout) for e in range(ep_size)]
+    tp_cpu = [cpu([e * T + t for t in range(T)]) for e in range(ep_size)] if cpu else tp_groups
+    ep_groups = [dist.new_group([e * T + t for e in range(ep_size)], timeout=timeout) for t in range(T)]
+    leaders_cpu = cpu([e * T for e in range(ep_size)]) if cpu else ep_groups[0]
+    tp = TensorParallel(rank=options.rank, size=T, group=tp_groups[ep_rank], leader=ep_rank * T,
+                        cpu_group=tp_cpu[ep_rank])
+    expert = ExpertParallel(rank=ep_rank, size=ep_size, group=ep_groups[options.rank])
+    log.info("TP group joined: TP rank %d of %d, EP rank %d of %d, global rank %d of %d at %s (%s)",
+             options.rank, T, ep_rank, ep_size, rank, size, options.dist_init, backend)
+    return Parallel(tp=tp, ep=expert, ep_leaders_group=leaders_cpu if ep_size > 1 else None, options=options)
+
+
+def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: datetime.timedelta) -> Any:
+    """The world's TCPStore (global rank 0 hosts it), after checking that this process and global rank 0
+    agree on the layout (TP size x EP size): ValueError naming both sides otherwise."""
+    import torch.distributed as dist
+
+    parts = urlsplit(dist_init)
+    store = dist.TCPStore(parts.hostname, parts.port, None if rank else size, rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    store.set(f"infer/layout/{rank}", f"{layout}:{size}")
+    theirs = store.get("infer/layout/0").decode()
+    if theirs != f"{layout}:{size}":
+        raise ValueError(f"this process (global rank {rank}) was started with --tp-size x --ep-size = {layout}, "
+                         f"but global rank 0 at {dist_init} with {theirs.split(':')[0]}: every member of the "
+                         f"group must be given the same sizes")
+    if rank >= size:
+        raise ValueError(f"global rank {rank} is outside the world of {size} processes")
+    return store
+
+
+def check_same_model(tp: TensorParallel, group: Any, facts: dict[str, Any]) -> None:
+    """Compare `facts` (model files fingerprint, dtype, sizes) with every member of `group`; ValueError naming
+    the first member that differs and both values."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, {"host": socket.gethostname(), "pid": os.getpid(), **facts}, group=group)
+    mine = gathered[dist.get_rank(group)]
+    for rank, theirs in enumerate(gathered):
+        for key in facts:
+            if theirs[key] != mine[key]:
+                raise ValueError(f"rank {rank} of the group ({theirs['host']}, pid {theirs['pid']}) has {key} "
+                                 f"{theirs[key]!r}, this process ({mine['host']}, pid {mine['pid']}) has "
+                                 f"{mine[key]!r}: every member must serve the same model with the same options")
+
+
+def model_fingerprint(path: Path, weight_files: Sequence[Path]) -> str:
+    """A digest of config.json, each safetensors file's header (names, dtypes, shapes) and the first and last
+    MiB of its data: cheap, and different for files saved from different weights."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in weight_files:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            header_len = int.from_bytes(head, "little")
+            digest.update(f.read(header_len))
+            digest.update(f.read(1 << 20))
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(8 + header_len, end - (1 << 20)))
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def agree_min(tp: TensorParallel, value: int) -> int:
+    """The smallest `value` over the TP group (the KV blocks every member can hold)."""
+    if tp.size == 1:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    except Exception as e:  # noqa: BLE001
+        raise GroupBroken(f"TP group agreement failed: {e}") from e
+    return int(t.item())
+
+
+def engine_facts(config: Any, path: Path, weight_files: Sequence[Path], dtype: Any) -> dict[str, Any]:
+    """What every member of a group must agree on before serving (see check_same_model)."""
+    return {"model files": model_fingerprint(path, weight_files), "dtype": str(dtype).removeprefix("torch."),
+            "block_size": config.block_size, "max_model_len": config.max_model_len,
+            "config": json.loads((path / "config.json").read_text()).get("model_type")}
+
+
+# ---- the processes' entry points (the worker daemon calls these) -------------------------------------------
+
+def join(config: Any, options: TpOptions, ep: EpOptions | None) -> tuple[Parallel, Path, Any]:
+    """Join the world and check that every member serves the same model: (this process's place, the model
+    directory, `config` with this process's own GPU when it runs on CUDA)."""
+    import dataclasses
+
+    from infer.worker.engine import pick_device
+    from infer.worker.loader import resolve_model, weight_files
+
+    path = resolve_model(config.model)
+    device = pick_device(config.device)
+    if device.type == "cuda" and device.index is None:
+        config = dataclasses.replace(config, device=f"cuda:{_local_gpu(options, ep)}")
+        device = pick_device(config.device)
+    parallel = init_world(options, ep, device)
+    check_same_model(parallel.tp, None, engine_facts(config, path, weight_files(path), config.dtype))
+    return parallel, path, config
+
+
+def _local_gpu(options: TpOptions, ep: EpOptions | None) -> int:
+    """This process's GPU on its node: $LOCAL_RANK (torchrun), else $SLURM_LOCALID, else its global rank,
+    modulo the GPUs it sees (a TP group started on one node takes GPUs 0 .. T-1)."""
+    import torch
+
+    global_rank = (ep.rank if ep is not None else 0) * options.size + (options.rank or 0)
+    local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or str(global_rank)
+    return int(local) % max(1, torch.cuda.device_count())
+
+
+def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
+    """A follower's life: load this rank's shards, size the KV pool with the group, serve rank 0's commands.
+    Returns the exit code (0 when rank 0 said stop)."""
+    import torch
+
+    from infer.worker.engine import context_length, num_kv_blocks, pick_device, pick_dtype
+    from infer.worker.forward_batch import KVCache
+    from infer.worker.loader import load_model
+    from infer.worker.tp_commands import FollowerChannel, LeaderGone, serve_follower
+
+    for sig in (signal.SIGTERM, signal.SIGINT):   # rank 0 decides when the group ends (it drains first)
+        signal.signal(sig, signal.SIG_IGN)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    model = load_model(path, dtype, device, parallel.ep, parallel.tp)
+    max_model_len = context_length(config, model.config)
+    blocks = agree_min(parallel.tp, num_kv_blocks(config, model, dtype, device, max_model_len))
+    kv_cache = KVCache.allocate(model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim,
+                                dtype, device)
+    channel = FollowerChannel(parallel)
+    log.info("TP rank %d ready on %s: %d KV blocks of %d KV head(s)", parallel.tp.rank, socket.gethostname(),
+             blocks, model.num_kv_heads)
+    try:
+        serve_follower(model, kv_cache, config.block_size, channel, device)
+        return 0
+    except (LeaderGone, GroupBroken) as e:
+        log.error("fatal: %s; exiting", e)
+        return 1
+    finally:
+        channel.close()
