@@ -38,7 +38,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "
 BUILD_TIMEOUT_S = 120
 # What the compiled kernel accepts (the C file's MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
-_ENTRY = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)   # what the C kernels compute in (fp32 math inside)
 
 
 def _cache_dir() -> Path:
@@ -117,13 +117,10 @@ def _load() -> ctypes.CDLL | None:
         log.warning("the native CPU kernels could not be built (%s): their PyTorch twins run instead", e)
         return None
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-    for name in _ENTRY.values():
-        fn = getattr(lib, name)
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, f32]
-        fn.restype = i32
+    lib.paged_decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32]
     lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
-    lib.rotary_inplace.restype = lib.append_kv.restype = i32
+    lib.paged_decode.restype = lib.rotary_inplace.restype = lib.append_kv.restype = i32
     return lib
 
 
@@ -134,7 +131,7 @@ def decode_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: tor
     if q.dim() != 3 or k_cache.dim() != 4 or block_tables.dim() != 2:
         return False
     num_kv_heads, _, block_size, head_dim = k_cache.shape
-    return (q.device.type == "cpu" and q.dtype in _ENTRY and k_cache.dtype == q.dtype
+    return (q.device.type == "cpu" and q.dtype in NATIVE_DTYPES and k_cache.dtype == q.dtype
             and q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous()
             and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
             and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
@@ -153,10 +150,10 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if not (v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous()):
         raise ValueError("the native decode kernel needs a contiguous v_cache shaped like k_cache and a "
                          "contiguous out")
-    fn = getattr(_library(), _ENTRY[q.dtype])
-    status = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs,
-                num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale)
+    status = _library().paged_decode(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
+        num_kv_heads, head_dim, block_size, num_blocks, scale, int(q.dtype == torch.bfloat16))
     if status == -1:
         raise ValueError(f"the native decode kernel takes no group {num_heads // num_kv_heads}, head_dim "
                          f"{head_dim}, block_size {block_size}")
@@ -168,7 +165,7 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def _rows_fit(x: torch.Tensor) -> bool:
     """[T, heads, D] with contiguous heads (rows may be views into a wider tensor), of a type the kernels take."""
-    return (x.device.type == "cpu" and x.dtype in _ENTRY and x.dim() == 3 and x.stride(2) == 1
+    return (x.device.type == "cpu" and x.dtype in NATIVE_DTYPES and x.dim() == 3 and x.stride(2) == 1
             and x.stride(1) == x.shape[2] and x.shape[2] <= MAX_HEAD_DIM and x.shape[2] % 2 == 0)
 
 

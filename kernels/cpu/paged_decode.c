@@ -326,24 +326,14 @@ static int run(task_fn task, const char *q, int64_t q_stride, const char *k_pool
     return 0;
 }
 
-/* The entry points: 0 on success; -1 for shapes past the limits above (the caller checks them first), -2 for a
- * length < 1 or past the table, or a table entry outside the pool (nothing is computed then). */
-int paged_decode_bf16(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
-                      const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
-                      void *out,
-                      int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,
-                      float scale) {
-    return run(pick_bf16(num_heads / num_kv_heads, head_dim), q, q_stride, k_pool, v_pool, block_tables,
-               table_stride, table_width, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-               scale, 2);
-}
-
-int paged_decode_f32(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
-                     const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
-                     void *out,
-                     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,
-                     float scale) {
-    return run(pick_f32(num_heads / num_kv_heads, head_dim), q, q_stride, k_pool, v_pool, block_tables,
-               table_stride, table_width, seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-               scale, 4);
+/* The entry point (bf16 or fp32 by is_bf16): 0 on success; -1 for shapes past the limits above (the caller checks
+ * them first), -2 for a length < 1 or past the table, or a table entry outside the pool (nothing is computed then). */
+int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
+                 const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
+                 void *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                 int64_t num_blocks, float scale, int is_bf16) {
+    int group = num_heads / num_kv_heads;
+    task_fn task = is_bf16 ? pick_bf16(group, head_dim) : pick_f32(group, head_dim);
+    return run(task, q, q_stride, k_pool, v_pool, block_tables, table_stride, table_width, seq_lens, out, num_seqs,
+               num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, is_bf16 ? 2 : 4);
 }

@@ -5,25 +5,18 @@ instead of a hang. Flag resolution from torchrun / Slurm environments."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
+from two_ranks import run_two_ranks
 
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.group_sync import EpOptions
 
 NUM_EXPERTS, HIDDEN, TOP_K = 4, 8, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _expert_weights() -> torch.Tensor:
@@ -48,7 +41,7 @@ def _run_experts(ep: ExpertParallel, hidden, ids, weights) -> torch.Tensor:
     return ep.run_experts(hidden, ids, weights, NUM_EXPERTS, experts)
 
 
-def _rank_main(rank: int, port: int, tokens: list[int], results, scenario: str) -> None:
+def _rank_main(rank: int, port: int, tokens: list[int], scenario: str, results) -> None:
     import torch.distributed as dist
     import zmq
 
@@ -93,24 +86,8 @@ def _rank_main(rank: int, port: int, tokens: list[int], results, scenario: str) 
 
 
 def _spawn(scenario: str, tokens: list[list[int]]) -> dict[int, object]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, tokens[rank], results, scenario))
-             for rank in (0, 1)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    try:
-        for _ in procs if scenario != "member-dies" else procs[:1]:
-            rank, value = results.get(timeout=60)
-            got[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    return got
+    return run_two_ranks(_rank_main, lambda rank: (tokens[rank], scenario), timeout_s=60,
+                         answering=(0,) if scenario == "member-dies" else (0, 1))
 
 
 def test_two_rank_exchange_equals_one_rank():

@@ -6,25 +6,18 @@ numbers; ranks from flags, torchrun and Slurm; LLM's tensor_parallel_size in dir
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 from moe_models import tiny_qwen3_moe
+from two_ranks import run_two_ranks
 
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.tp_group import TpOptions, resolve_ranks
 
 CPU = torch.device("cpu")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -43,7 +36,7 @@ def _batch(ids: list[int]):
     return build_forward_batch([ScheduledChunk(request, 0, len(ids), len(ids))], 16, CPU)
 
 
-def _rank_main(rank: int, port: int, path: str, results, scenario: str) -> None:
+def _rank_main(rank: int, port: int, path: str, scenario: str, results) -> None:
     import torch.distributed as dist
 
     from infer.worker import loader
@@ -80,23 +73,8 @@ def _rank_main(rank: int, port: int, path: str, results, scenario: str) -> None:
 
 
 def _spawn(path: Path | str, scenario: str = "load") -> dict[int, object]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, str(path), results, scenario)) for rank in (0, 1)]
-    for proc in procs:
-        proc.start()
-    got = {}
-    try:
-        for _ in procs if scenario != "member-dies" else procs[:1]:
-            rank, value = results.get(timeout=120)
-            got[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    return got
+    return run_two_ranks(_rank_main, lambda rank: (str(path), scenario), timeout_s=120,
+                         answering=(0,) if scenario == "member-dies" else (0, 1))
 
 
 @pytest.fixture(scope="module")
