@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from infer.protocol.env import TP_SUPERVISED
+from infer.protocol.env import read as read_env
 from infer.worker.group_sync import GroupBroken
 
 if TYPE_CHECKING:
@@ -94,7 +96,7 @@ def resolve_ranks(tp_size: int, tp_rank: int | None, ep_size: int, ep_rank: int 
     if tp_rank is not None or tp_size == 1:
         return tp_rank, ep_rank
     name = "RANK" if "RANK" in env else "SLURM_PROCID" if "SLURM_PROCID" in env else None
-    if name is None or "INFER_TP_SUPERVISED" in env:
+    if name is None or read_env(TP_SUPERVISED, env) is not None:
         return None, ep_rank
     try:
         global_rank = int(env[name])

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from infer.protocol.env import TP_SUPERVISED
+
 if TYPE_CHECKING:
     from infer.worker.tp_group import TpOptions
 
@@ -35,7 +37,7 @@ def reap(children: Sequence[subprocess.Popen]) -> None:
 
 def start_followers(size: int, dist_init: str, worker_flags: Sequence[str]) -> list[subprocess.Popen]:
     """TP ranks 1 .. size-1 as `infer-worker` child processes of this one (which is TP rank 0)."""
-    env = {**os.environ, "INFER_TP_SUPERVISED": "1"}
+    env = {**os.environ, TP_SUPERVISED.name: "1"}
     return [subprocess.Popen([sys.executable, "-m", "infer.worker.daemon", *worker_flags, "--tp-size", str(size),
                               "--tp-rank", str(rank), "--dist-init", dist_init], env=env,
                              preexec_fn=_die_with_parent, process_group=0) for rank in range(1, size)]
@@ -65,7 +67,7 @@ def supervise(argv: Sequence[str], options: TpOptions) -> int:
     The members run in a process group of their own (a signal to the supervisor's group reaches only it) and
     die with it (SIGKILL when it dies, kill -9 included)."""
     dist_init = options.dist_init or f"tcp://127.0.0.1:{free_local_port()}"
-    env = {**os.environ, "INFER_TP_SUPERVISED": "1"}
+    env = {**os.environ, TP_SUPERVISED.name: "1"}
     children = []
     for rank in range(options.size):
         cmd = [sys.executable, "-m", "infer.worker.daemon", *argv, "--tp-rank", str(rank), "--dist-init", dist_init]
