@@ -77,23 +77,24 @@ def test_moved_requests_wait_for_room_instead_of_failing():
     assert moved and list(moved[0].resumed_token_ids) == [5]
 
 
-def test_a_worker_that_says_it_is_full_gets_its_request_moved():
+def _one_request_on_two_workers() -> tuple[Harness, str]:
+    """A harness with workers w0 and w1 and request "a" dispatched; (the harness, a's worker)."""
     h = Harness()
     h.worker("w0", 0)
     h.worker("w1", 1)
     h.submit(CLIENT, "a")
-    first = h.core.requests.get("a").worker_id
+    return h, h.core.requests.get("a").worker_id
+
+
+def test_a_worker_that_says_it_is_full_gets_its_request_moved():
+    h, first = _one_request_on_two_workers()
     out = h.step(first, delta("a", prompt=[1, 2, 3], finish="error", error="worker is full", code="overloaded"))
     again = _of(out, Dispatch)
     assert again and again[0][0].decode() != first and _final(out, "a") is None
 
 
 def test_a_request_that_waited_past_the_workers_queue_time_fails_as_overloaded_without_moving():
-    h = Harness()
-    h.worker("w0", 0)
-    h.worker("w1", 1)
-    h.submit(CLIENT, "a")
-    first = h.core.requests.get("a").worker_id
+    h, first = _one_request_on_two_workers()
     waited = dataclasses.replace(delta("a", prompt=[1, 2, 3], finish="error", code="overloaded",
                                        error="the worker is overloaded: ... (--max-queue-time 60 s)"),
                                  queue_time_s=60.2)
