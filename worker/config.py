@@ -32,12 +32,12 @@ class EngineConfig:
         of the machine's memory (CPU) or of the free device memory (CUDA).
     enforce_eager: no step graphs; every step runs the model op by op (vLLM's name). With False, pure-decode
         steps of up to `max_graph_batch_size` sequences replay graphs made per padded batch size
-        (torch.compile on CPU, CUDA graphs on CUDA; worker/step_graphs.py). The default is True for now. On
-        a CPU the eager step with the native kernels (kernels/cpu_kernels.py) measured faster than the
-        compiled one (2-core dev VM, 2026-11-24, batch 48 bf16, 1 thread: 80 vs 93 ms of CPU a step), and
-        the compile costs start-up time (seconds with a warm cache, minutes cold). On an H100, CUDA graphs
-        measured 9.6x eager at batch 1 and 3.8x at batch 128 (benchmarks/results/step_graphs-20261124T0148*):
-        pass enforce_eager=False (--no-enforce-eager) on a GPU.
+        (torch.compile on CPU, CUDA graphs on CUDA; worker/step_graphs.py). None (the default) chooses by
+        device: graphs on CUDA, eager on a CPU. On an H100, CUDA graphs measured 9.6x eager at batch 1 and
+        3.8x at batch 128 (benchmarks/results/step_graphs-20261124T0148*). On a CPU the eager step with the
+        native kernels (kernels/cpu_kernels.py) measured faster than the compiled one (2-core dev VM,
+        2026-11-24, batch 48 bf16, 1 thread: 80 vs 93 ms of CPU a step), and the compile costs start-up time
+        (seconds with a warm cache, minutes cold).
     scheduling_policy: "fcfs" (arrival order) or "priority" (lower `priority` first, with preemption of worse
         ranked requests and the aging rule of worker/scheduler.py: a request waiting `priority_aging_steps`
         engine steps ranks ahead of every younger one).
@@ -63,8 +63,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = option(True, "split long prompts over steps, mixed with decodes")
     seed: int = option(0, "the engine's seed (a request's own seed wins)")
     num_threads: int | None = option(None, "torch threads", flag="--threads", metavar="N")
-    enforce_eager: bool = option(True, "no step graphs: every step runs op by op; --no-enforce-eager: decode "
-                                       "steps replay graphs compiled (CPU) or captured (CUDA) per batch size")
+    enforce_eager: bool | None = option(None, "no step graphs: every step runs op by op; --no-enforce-eager: "
+                                              "decode steps replay graphs compiled (CPU) or captured (CUDA) per "
+                                              "batch size (default: graphs on CUDA, eager on a CPU)")
     max_graph_batch_size: int = option(256, "the largest decode batch a step graph is made for", metavar="N")
     scheduling_policy: str = option("fcfs", "fcfs, or priority: lower request priority first, with aging",
                                     choices=SCHEDULING_POLICIES)
@@ -98,9 +99,11 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool or None (by device), got {self.enforce_eager!r}")
         if self.suspend_weights not in SUSPEND_WEIGHTS:
             raise ValueError(f"suspend_weights must be one of {', '.join(SUSPEND_WEIGHTS)}, got "
                              f"{self.suspend_weights!r}")
@@ -125,6 +128,11 @@ class EngineConfig:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(ENGINE_OPTION_NAMES))}")
         return cls(**options)
+
+    def eager_on(self, device_type: str) -> bool:
+        """Whether steps run op by op on a device of this type ("cpu", "cuda"): `enforce_eager` when given, else
+        eager everywhere but CUDA (see the class doc for the measurements behind that choice)."""
+        return self.enforce_eager if self.enforce_eager is not None else device_type != "cuda"
 
     def budget_tokens(self, max_model_len: int) -> int:
         """The per-step token budget once the model's context length is known."""

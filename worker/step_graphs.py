@@ -224,7 +224,7 @@ def make_step_graphs(config: EngineConfig, model: torch.nn.Module, kv_cache: KVC
     """The engine's step graphs, their small buckets made now (logged with the time it took), or None:
     `enforce_eager`, a model whose layers do not trace into one graph, or a failure to make them (logged;
     the engine then runs eagerly)."""
-    if config.enforce_eager:
+    if config.eager_on(device.type):
         return None
     if not getattr(model, "supports_step_graphs", False):
         log.info("step graphs: off (%s runs eagerly)", type(model).__name__)

@@ -37,7 +37,7 @@ def test_flags_parse_into_the_fields_given_and_the_rest_keep_defaults():
     assert options == {"max_num_seqs": 3, "enable_prefix_caching": False, "num_threads": 2, "dtype": "float32",
                        "kv_cache_memory_fraction": 0.2}
     config = EngineConfig.from_options(**options)
-    assert config.block_size == EngineConfig().block_size and config.enforce_eager is True
+    assert config.block_size == EngineConfig().block_size and config.enforce_eager is None   # None: by device
 
 
 def test_choices_come_from_the_field():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from infer.worker.config import EngineConfig
 from infer.worker.step_buckets import DecodeRow, batch_buckets, bucket_for, pad_decode, table_width
 
 
@@ -87,3 +88,16 @@ def test_worker_and_serve_flags_reach_the_engine_config():
     assert on.enforce_eager is False
     served = worker_args(serve_parser().parse_args(["--no-enforce-eager", "--max-graph-batch-size", "8"]), [])
     assert "--no-enforce-eager" in served and served[served.index("--max-graph-batch-size") + 1] == "8"
+
+
+@pytest.mark.parametrize("enforce_eager, device_type, eager", [
+    (None, "cpu", True), (None, "cuda", False),      # the default chooses by device
+    (True, "cuda", True), (False, "cpu", False),     # a given value wins everywhere
+])
+def test_step_graphs_default_to_on_with_cuda_and_off_on_a_cpu(enforce_eager, device_type, eager):
+    assert EngineConfig(enforce_eager=enforce_eager).eager_on(device_type) is eager
+
+
+def test_enforce_eager_must_be_a_bool_or_none():
+    with pytest.raises(ValueError, match=r"enforce_eager must be a bool or None \(by device\), got 'yes'"):
+        EngineConfig(enforce_eager="yes")
