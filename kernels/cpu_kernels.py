@@ -3,6 +3,10 @@
 - Paged decode attention (cpu/paged_decode.c): it reads K and V where they sit in the pool, where the PyTorch
   twin gathers each sequence's blocks into a padded copy first and hands it to SDPA. That copy, and SDPA's
   packing of each tiny per-head problem, were most of a CPU decode step's attention time.
+- Paged prefill / mixed-step attention (cpu/paged_prefill.c): causal chunks over the pool in place, 16 keys
+  at a time for up to 64 query rows sharing a KV head. torch's CPU flash attention, which the twin calls per
+  chunk, ran at about a fifth of this CPU's fp32 rate: 3.3 ms a layer for a 480-token prompt of
+  SmolLM2-135M against 1.3 ms here (2-core AMD EPYC, bf16, 2026-11-24), which was 40% of that prefill.
 - Rotary embedding in place and the KV append with K rotated on the way (cpu/elementwise.c): one pass each
   instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
 
@@ -33,7 +37,9 @@ from infer.protocol import env
 
 log = logging.getLogger("infer.kernels")
 
-SOURCES = tuple(Path(__file__).resolve().parent / "cpu" / name for name in ("paged_decode.c", "elementwise.c"))
+_CPU_DIR = Path(__file__).resolve().parent / "cpu"
+SOURCES = tuple(_CPU_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c"))
+HEADERS = (_CPU_DIR / "common.h",)   # included by the sources: part of the build's hash
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")
 BUILD_TIMEOUT_S = 120
 # What the compiled kernel accepts (the C file's MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK).
@@ -57,7 +63,7 @@ def _cpu_flags() -> str:
 
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES + HEADERS), " ".join(FLAGS), version,
                                     _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
     return _cache_dir() / f"infer_cpu-{key}.so"
 
@@ -120,7 +126,9 @@ def _load() -> ctypes.CDLL | None:
     lib.paged_decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32]
     lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
-    lib.paged_decode.restype = lib.rotary_inplace.restype = lib.append_kv.restype = i32
+    lib.paged_prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, i64,
+                                  f32, i32]
+    lib.paged_decode.restype = lib.paged_prefill.restype = lib.rotary_inplace.restype = lib.append_kv.restype = i32
     return lib
 
 
@@ -160,6 +168,42 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if status != 0:
         raise ValueError("a sequence length is < 1 or past its block table, or a block table entry is outside "
                          f"the pool of {num_blocks} blocks")
+    return out
+
+
+def prefill_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> bool:
+    """Whether the native prefill kernel takes these arguments (as `decode_kernel_fits`, plus a head_dim that
+    is a multiple of 16 and int32 query offsets); without it the caller runs the twin."""
+    return (decode_kernel_fits(q, k_cache, block_tables, seq_lens) and k_cache.shape[3] % 16 == 0
+            and query_start_loc.dtype == torch.int32 and query_start_loc.is_contiguous())
+
+
+def paged_prefill_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """q [T, H, D] (sequence b's chunk: rows query_start_loc[b] .. [b + 1] - 1, the last of its seq_lens[b]
+    positions) over the pool [Hkv, NB, bs, D] into out [T, H, D] (contiguous), causal, as
+    `paged_prefill_attention_torch`; the arguments must pass `prefill_kernel_fits`. Rows of out past
+    query_start_loc[B] are left as they are."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    if not (v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous()
+            and out.shape == q.shape):
+        raise ValueError("the native prefill kernel needs a contiguous v_cache shaped like k_cache and a "
+                         "contiguous out shaped like q")
+    status = _library().paged_prefill(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(), num_tokens,
+        out.data_ptr(), block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+        int(q.dtype == torch.bfloat16))
+    if status == -1:
+        raise ValueError(f"the native prefill kernel takes no group {num_heads // num_kv_heads}, head_dim "
+                         f"{head_dim}, block_size {block_size}")
+    if status != 0:
+        raise ValueError("a chunk is longer than its context, a context past its block table, a block table entry "
+                         f"outside the pool of {num_blocks} blocks, or query_start_loc not increasing within "
+                         f"[0, {num_tokens}]")
     return out
 
 

@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from infer.kernels._triton import tl, triton, use_triton
-from infer.kernels.cpu_kernels import decode_kernel_fits, paged_decode_attention_native
+from infer.kernels.cpu_kernels import (
+    decode_kernel_fits, paged_decode_attention_native, paged_prefill_attention_native, prefill_kernel_fits
+)
 
 # The decode twin works in tiles of sequences whose gathered K + V take about this many bytes: big enough
 # that the per-tile Python overhead is small next to the tile's work, small enough to stay in the CPU's
@@ -555,6 +557,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, out: torch.Tensor | None = None,
                             max_query_len: int | None = None) -> torch.Tensor:
-    """Triton on CUDA, the twin elsewhere (see `paged_prefill_attention_torch`)."""
-    impl = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_torch
-    return impl(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len)
+    """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
+    the twin (see `paged_prefill_attention_torch`)."""
+    if use_triton(q):
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                              out, max_query_len)
+    if prefill_kernel_fits(q, k_cache, block_tables, seq_lens, query_start_loc) and (out is None
+                                                                                     or out.is_contiguous()):
+        num_seqs = block_tables.shape[0]
+        _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+        if query_start_loc.shape != (num_seqs + 1,):
+            raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+        out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+        return paged_prefill_attention_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                              out)
+    return paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                         max_query_len)

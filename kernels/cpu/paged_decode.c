@@ -19,26 +19,11 @@
  * shapes run the same code with G and D known only at run time.
  */
 
-#include <math.h>
-#include <stdint.h>
+#include "common.h"
 
 #define MAX_GROUP 16     /* query heads per KV head */
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256    /* tokens per KV block */
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 /* Row `i` of a bf16 (is_bf16) or fp32 array, as fp32. */
 static inline void load_row(const void *base, int64_t i, int is_bf16, float *dst, int n) {
@@ -61,19 +46,6 @@ static inline void store_row(const float *src, void *base, int64_t i, int is_bf1
         float *dst = (float *)base + i * n;
         for (int d = 0; d < n; d++) dst[d] = src[d];
     }
-}
-
-/* exp(x) for x <= 0 (a score minus the running max), vectorizable: 2^n * p(r), n = round(x / ln 2),
- * r = x - n ln 2 in [-ln2/2, ln2/2], p the degree-6 Taylor polynomial (relative error < 3e-7); x <= -87: 0. */
-static inline float exp_nonpositive(float x) {
-    float c = x < -87.0f ? -87.0f : x;
-    float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest: 1.5 * 2^23 */
-    float r = c - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f + r * (8.3333338e-3f
-              + r * 1.3888889e-3f)))));
-    union { uint32_t u; float f; } two_n;
-    two_n.u = (uint32_t)((int32_t)n + 127) << 23;
-    return x <= -87.0f ? 0.0f : p * two_n.f;
 }
 
 static inline __attribute__((always_inline)) void decode_task(
@@ -137,14 +109,6 @@ static inline __attribute__((always_inline)) void decode_task(
  * ~3 instructions a score instead of a full horizontal sum each). Positions are found through the block
  * table one by one, so any block size works. */
 
-static inline __m512 load16(const void *row, int c, const int is_bf16) {
-    if (is_bf16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + 16 * c));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float *)row + 16 * c);
-}
-
 /* out[t] = the sum of v[t]'s 16 lanes. */
 static inline __m512 lane_sums(const __m512 *v) {
     __m512 pairs[8], quads[4];
@@ -159,24 +123,6 @@ static inline __m512 lane_sums(const __m512 *v) {
     __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
                                _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
-}
-
-/* exp(x) for x <= 0 lane-wise, as exp_nonpositive; lanes outside `valid` are 0. */
-static inline __m512 exp16(__m512 x, __mmask16 valid) {
-    __m512 c = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), c);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.3888889e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333338e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666668e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    __mmask16 live = valid & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
 static inline __attribute__((always_inline)) void decode_task_avx512(

@@ -1,5 +1,6 @@
-"""The native CPU decode-attention kernel (kernels/cpu/paged_decode.c) against the float64 definition, the
-twin, and the inputs it must refuse instead of reading outside the pool."""
+"""The native CPU attention kernels (kernels/cpu/paged_decode.c, paged_prefill.c) against the float64
+definition, the twins, and the inputs they must refuse instead of reading outside the pool; rotary and the KV
+append against their twins' bits."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ from kernel_checks import assert_close, poisoned
 from paged_cases import make_batch, random_pool, random_tables, reference_attention
 
 from infer.kernels import cpu_kernels
-from infer.kernels.cpu_kernels import decode_kernel_fits, paged_decode_attention_native
-from infer.kernels.paged_attention import paged_decode_attention, paged_decode_attention_torch
+from infer.kernels.cpu_kernels import (
+    decode_kernel_fits, paged_decode_attention_native, paged_prefill_attention_native, prefill_kernel_fits
+)
+from infer.kernels.paged_attention import (
+    paged_decode_attention, paged_decode_attention_torch, paged_prefill_attention, paged_prefill_attention_torch
+)
 
 pytestmark = pytest.mark.skipif(cpu_kernels._library() is None, reason="no C compiler: the twin runs instead")
 
@@ -102,6 +107,80 @@ def test_what_it_does_not_take_goes_to_the_twin():
     assert_close(got, reference_attention(batch, 0.125), torch.float16, "fp16 through the twin")
     wide = make_batch([10], [1], 34, 2, 64, 16, torch.float32, seed=2)   # a group of 17: past MAX_GROUP
     assert not decode_kernel_fits(wide.q, wide.k_cache, wide.block_tables, wide.seq_lens)
+
+
+# ---- prefill / mixed steps ----------------------------------------------------------------------------------
+
+def _prefill(batch, scale, out=None):
+    out = poisoned(batch.q.shape, batch.q.dtype) if out is None else out
+    assert prefill_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    return paged_prefill_attention_native(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                          batch.seq_lens, batch.query_start_loc, scale, out)
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (5, 1), (32, 2)], ids=lambda h: f"{h[0]}:{h[1]}")
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 4), (80, 32), (256, 8)])
+def test_prefill_matches_float64(dtype, heads, head_dim, block_size):
+    """One batch of decodes, whole prompts, chunks behind a cached prefix and chunks longer than a task's tile of
+    query tokens (64 rows / group), with contexts that end inside a 16-key tile and on its edge."""
+    num_heads, num_kv_heads = heads
+    seq_lens = [40, 1, 23, 50, 77, 9, 300, 16]
+    query_lens = [1, 1, 23, 17, 70, 9, 130, 16]
+    batch = make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                       seed=hash((num_heads, head_dim, block_size)) % 2**31)
+    scale = head_dim ** -0.5
+    assert_close(_prefill(batch, scale), reference_attention(batch, scale), dtype, "native prefill vs float64")
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+def test_prefill_dispatch_picks_native_agrees_with_the_twin_and_leaves_padding_rows(dtype):
+    batch = make_batch([33, 12, 1, 200], [33, 5, 1, 64], 6, 2, 64, 16, dtype, seed=4)
+    q = torch.cat([batch.q, torch.randn(3, 6, 64).to(dtype)])   # three padding tokens after the last sequence
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)
+    assert prefill_kernel_fits(q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    native = paged_prefill_attention(*args, out=poisoned(q.shape, dtype))
+    twin = paged_prefill_attention_torch(*args, out=poisoned(q.shape, dtype))
+    assert torch.isnan(native[-3:]).all()
+    assert_close(native[:-3], twin[:-3], dtype, "native prefill vs twin")
+
+
+def test_a_chunks_output_does_not_depend_on_its_batch():
+    batch = make_batch([33, 150, 140, 9], [33, 70, 1, 9], 6, 2, 64, 16, torch.bfloat16, seed=6)
+    together = _prefill(batch, 0.125)
+    alone = torch.empty(70, 6, 64, dtype=torch.bfloat16)
+    paged_prefill_attention_native(batch.q[33:103], batch.k_cache, batch.v_cache, batch.block_tables[1:2],
+                                   batch.seq_lens[1:2], torch.tensor([0, 70], dtype=torch.int32), 0.125, alone)
+    assert torch.equal(alone, together[33:103])
+
+
+@pytest.mark.parametrize("case", ["block past the pool", "chunk longer than its context", "offsets decrease",
+                                  "offsets past the tokens"])
+def test_bad_prefill_batches_are_refused_before_anything_is_read(case):
+    batch = make_batch([20, 40], [20, 8], 4, 2, 64, 16, torch.float32, seed=10)
+    tables, lens, starts = batch.block_tables.clone(), batch.seq_lens.clone(), batch.query_start_loc.clone()
+    if case == "block past the pool":
+        tables[1, 2] = batch.k_cache.shape[1]
+    elif case == "chunk longer than its context":
+        lens[0] = 19
+    elif case == "offsets decrease":
+        starts[1] = 29
+    else:
+        starts[2] = 29
+    out = poisoned(batch.q.shape, torch.float32)
+    with pytest.raises(ValueError, match="longer than its context|outside the pool|not increasing"):
+        paged_prefill_attention_native(batch.q, batch.k_cache, batch.v_cache, tables, lens, starts, 0.125, out)
+    assert torch.isnan(out).all()
+
+
+def test_prefill_shapes_it_does_not_take_go_to_the_twin():
+    odd = make_batch([10, 30], [10, 4], 4, 2, 72, 16, torch.float32, seed=12)   # head_dim 72: no multiple of 16
+    assert not prefill_kernel_fits(odd.q, odd.k_cache, odd.block_tables, odd.seq_lens, odd.query_start_loc)
+    got = paged_prefill_attention(odd.q, odd.k_cache, odd.v_cache, odd.block_tables, odd.seq_lens,
+                                  odd.query_start_loc, 0.125)
+    assert_close(got, reference_attention(odd, 0.125), torch.float32, "head_dim 72 through the twin")
+    half = make_batch([10], [10], 4, 2, 64, 16, torch.float16, seed=13)
+    assert not prefill_kernel_fits(half.q, half.k_cache, half.block_tables, half.seq_lens, half.query_start_loc)
 
 
 # ---- rotary and KV append: the twins' bits --------------------------------------------------------------
