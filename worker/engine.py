@@ -28,13 +28,14 @@ from typing import Sequence
 
 import torch
 
-from infer.protocol.messages import Load, UpdateWeights
+from infer.protocol.messages import UpdateWeights
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.structured import grammar_reason
 from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
+from infer.worker.engine_load import EngineLoad
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.in_memory import in_memory_model
@@ -279,14 +280,13 @@ class Engine:
         outputs, self._pending = self._pending, []
         return outputs
 
-    def load(self) -> Load:
-        """Load snapshot for routing. `num_queued_tokens` = over all unfinished requests, tokens whose KV is
-        not computed yet (prompt, or prompt + output after a preemption) + tokens still to generate (up to
-        max_tokens): an upper bound on the work left."""
+    def load(self) -> EngineLoad:
+        """This engine's load now (the worker reports it for routing; worker/engine_load.py says what each count
+        means)."""
         requests = self.scheduler.waiting + self.scheduler.running
         queued = sum(r.num_tokens_to_compute + r.max_tokens - r.num_output_tokens for r in requests)
         blocks = self.scheduler.block_manager
-        return Load(num_waiting=self.scheduler.num_waiting + len(self._compiling),
+        return EngineLoad(num_waiting=self.scheduler.num_waiting + len(self._compiling),
                     num_running=self.scheduler.num_running,
                     num_free_blocks=blocks.num_free_blocks, num_total_blocks=self.num_kv_blocks,
                     num_queued_tokens=queued, num_preemptions=self.scheduler.num_preemptions,
