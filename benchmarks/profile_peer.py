@@ -328,7 +328,7 @@ def main() -> None:
         system, model, batch, prompt, steps = args.child
         child_main(system, model, int(batch), int(prompt), int(steps))
         return
-    from infer.worker.loader import resolve_model
+    from infer.worker.model_files import resolve_model
 
     model = str(resolve_model(None))
     results = {}

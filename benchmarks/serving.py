@@ -539,7 +539,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 async def bench(args: argparse.Namespace) -> dict[str, dict]:
     task = asyncio.current_task()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)   # stop the servers on kill
-    from infer.worker.loader import resolve_model
+    from infer.worker.model_files import resolve_model
 
     model = resolve_model(None)
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]

@@ -129,7 +129,7 @@ def main() -> int:
         print("RESULT " + json.dumps(RUNNERS[system](model, args.dtype, args.requests, args.max_tokens)), flush=True)
         return 0
 
-    from infer.worker.loader import resolve_model
+    from infer.worker.model_files import resolve_model
 
     model = str(resolve_model(None))
     results = {system: run_child(system, model, args) for system in args.systems}

@@ -36,7 +36,7 @@ KV_CACHE_GIB = 4
 
 
 def model_dir() -> Path:
-    from infer.worker.loader import resolve_model
+    from infer.worker.model_files import resolve_model
 
     return resolve_model(None)
 

@@ -28,7 +28,7 @@ HTTP_QUESTION = "Name three primary colours."
 
 
 def chat_prompts(model: str | None) -> list[str]:
-    from infer.worker.loader import load_tokenizer, resolve_model
+    from infer.worker.model_files import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(model))
     return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,

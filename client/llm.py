@@ -390,7 +390,7 @@ class AsyncLLM:
         if self._tokenizer is None and self.options.tokenizer is not None:
             self._tokenizer = self.options.tokenizer
         if self._tokenizer is None:
-            from infer.worker.loader import load_tokenizer, resolve_model
+            from infer.worker.model_files import load_tokenizer, resolve_model
 
             self._tokenizer = load_tokenizer(resolve_model(self._tokenizer_model()))
         return self._tokenizer

@@ -107,7 +107,7 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded model as a safetensors directory: converted once into the model cache, then reused."""
-    from infer.worker.loader import resolve_model
+    from infer.worker.model_files import resolve_model
 
     if TOKENIZER_ONLY:
         pytest.skip("INFER_TEST_TOKENIZER_DIR is set: no embedded model on this machine")

@@ -39,8 +39,9 @@ from infer.worker.engine_load import EngineLoad
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.in_memory import in_memory_model
-from infer.worker.loader import eos_token_ids, load_model, load_tokenizer, resolve_model, weight_files
+from infer.worker.loader import load_model, weight_files
 from infer.worker.memory import HeapTrimmer
+from infer.worker.model_files import eos_token_ids, load_tokenizer, resolve_model
 from infer.worker.model_runner import ModelRunner
 from infer.worker.request import Request, RequestStatus, overdue_message
 from infer.worker.sampler import Sampler, SamplerOutput

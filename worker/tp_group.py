@@ -221,7 +221,8 @@ def join(config: Any, options: TpOptions, ep: EpOptions | None) -> tuple[Paralle
     import dataclasses
 
     from infer.worker.engine import pick_device
-    from infer.worker.loader import resolve_model, weight_files
+    from infer.worker.loader import weight_files
+    from infer.worker.model_files import resolve_model
 
     path = resolve_model(config.model)
     device = pick_device(config.device)

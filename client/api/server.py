@@ -114,12 +114,14 @@ async def serve_http(engine: EngineClient, *, tokenizer: Any, host: str = "127.0
 
 
 def load_front_tokenizer(model: str | None, model_id: str | None) -> Any:
-    """The tokenizer of `model` (a path), else of the model the cluster reports (`model_id`)."""
-    from infer.worker.loader import load_tokenizer, resolve_model
+    """The tokenizer of `model` (a path), else of the model the cluster reports (`model_id`), read without
+    importing torch (worker/model_files.py: a GGUF not converted on this machine yet is converted here, which
+    does import it)."""
+    from infer.worker.model_files import front_tokenizer, resolve_model
 
     source = model if model is not None else (None if model_id in (None, DEFAULT_MODEL_ID) else model_id)
     try:
-        return load_tokenizer(resolve_model(source))
+        return front_tokenizer(resolve_model(source))
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load the tokenizer from {source or 'the embedded default model'!r}: {e}; "
                          f"pass --model with the model's directory or .gguf file") from None

@@ -15,14 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infer.worker.loader import (
-    build_once,
-    default_model_gguf,
-    eos_token_ids,
-    load_model,
-    load_tokenizer,
-    resolve_model,
-)
+from infer.worker.loader import load_model
+from infer.worker.model_files import build_once, default_model_gguf, eos_token_ids, load_tokenizer, resolve_model
 
 CPU = torch.device("cpu")
 
@@ -93,7 +87,7 @@ def test_failed_build_leaves_nothing_and_is_retried(tmp_path: Path) -> None:
 def test_a_builder_killed_mid_way_leaves_nothing_behind_the_next_one(tmp_path: Path) -> None:
     dest = tmp_path / "model-x"
     child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from infer.worker.loader import build_once\n"
+        "import sys, time; from pathlib import Path; from infer.worker.model_files import build_once\n"
         "def hang(out): (out / 'partial').write_text('half'); print('building', flush=True); time.sleep(600)\n"
         f"build_once(Path({str(dest)!r}), hang)")], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline() == "building\n"
