@@ -5,8 +5,9 @@ A config field says what its flag needs in its metadata (`option(...)`): the hel
 not just the field's name dashed, its flag; `cli=False` keeps a field off the command line. Its type comes from
 the annotation: `bool` is an `--x / --no-x` pair, `int | None` takes an int, and so on; `choices` come from
 the metadata. Flags are added with default None, so only the flags given override the config's own defaults
-(`given`), and `to_argv` writes back the fields that differ from those defaults: the one path from a config to
-another process's command line (infer-serve's workers, LLM's local cluster, the Slurm launcher).
+(`given`; a launcher reading its own options as parsed asks for the fields' defaults instead), and `to_argv`
+writes back the fields that differ from those defaults: the one path from a config to another process's command
+line (infer-serve's workers, LLM's local cluster, the Slurm launcher).
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ def _default_text(f: dataclasses.Field) -> str:
 
 
 def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
-                names: Iterable[str] | None = None, exclude: Iterable[str] = ()) -> None:
+                names: Iterable[str] | None = None, exclude: Iterable[str] = (), *, defaults: bool = False) -> None:
     """One flag per field of `cls` (see the module doc), with default None: an omitted flag leaves the field to
-    the config's default."""
+    the config's default. `defaults`: the flags default to the fields' defaults instead, for a command that reads
+    its own options from the parsed args as they are (a launcher; nothing else fills in its defaults)."""
     for f in cli_fields(cls, names, exclude):
         kind = _scalar_type(cls, f)
         help_text = (f.metadata.get("help") or "") + _default_text(f)
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text or None}
+        default = f.default if defaults and f.default is not dataclasses.MISSING else None
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text or None}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

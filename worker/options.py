@@ -1,37 +1,53 @@
 """The worker's own options (the engine's are EngineConfig): what the coordinator is, who this rank is, its
-timers and limits."""
+timers and limits (WorkerOptions), and the flags of its EP / TP groups and keys as given (WorkerFlags), which it
+resolves into WorkerOptions' `ep`, `tp` and `curve`. Each flag is declared once, on its field: infer-worker's
+parser is built from these classes (protocol/options.py), and launchers write a worker's argv with `to_argv`."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from infer.protocol.keys import CurveKeys
 from infer.protocol.messages import MAX_DP_RANK, MAX_ID_LEN
+from infer.protocol.options import option
 from infer.worker.group_sync import EpOptions
-from infer.worker.tp_group import TpOptions
+from infer.worker.tp_group import TpOptions, resolve_ranks
 
 MAX_QUEUE_TIME_S = 86400.0   # the largest --max-queue-time
+TP_FLAGS = ("tp_size", "tp_rank", "tp_timeout")
+EP_FLAGS = ("ep_size", "ep_rank", "dist_init", "ep_timeout")
+KEY_FLAGS = ("curve_key", "coordinator_key")
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
     """The worker's own options (the engine's are EngineConfig). Times are seconds."""
 
-    coordinator: str
-    worker_id: str
-    dp_rank: int | None = None          # None: the coordinator assigns one (the lowest free rank)
-    group_id: str | None = None         # None: "dp<rank>" (an EP group's members name their group)
-    heartbeat_interval: float = 1.0
-    coordinator_timeout: float = 10.0   # silence after which the worker says Hello again
-    drain_timeout: float = 30.0
-    connect_timeout: float = 60.0       # for the first Welcome
-    benchmark_mode: bool = False
-    benchmark_step_time: float = 0.0    # with benchmark_mode: seconds each step lasts
-    ep: EpOptions | None = None         # this rank's EP group (None: a group of one)
-    tp: TpOptions | None = None         # this DP rank's TP group (None: one process)
-    max_waiting_requests: int = 1024    # beyond max_num_seqs running: a Dispatch past it is "overloaded"
-    max_queue_time: float = 60.0        # a request not started this long after it came fails "overloaded"; 0: never
-    curve: CurveKeys | None = None      # CurveZMQ towards the coordinator (and the EP group's wake channel)
+    coordinator: str = option(help="the coordinator's address, tcp://HOST:PORT (required, except by TP ranks > 0: "
+                                   "only TP rank 0 talks to the coordinator)")
+    worker_id: str = option(help="this worker's identity (default: hostname-pid)")
+    dp_rank: int | None = option(None, "this worker's DP rank (default: the coordinator assigns the lowest free "
+                                       "one, and keeps it when the worker registers again)")
+    group_id: str | None = option(None, "the group of this rank (default: an EP group is named after its "
+                                        "--dist-init; otherwise dp<rank>)")
+    heartbeat_interval: float = option(1.0, "seconds between heartbeats", metavar="S")
+    coordinator_timeout: float = option(10.0, "seconds of coordinator silence before registering again",
+                                        metavar="S")
+    drain_timeout: float = option(30.0, "seconds running requests get to finish after SIGTERM", metavar="S")
+    connect_timeout: float = option(60.0, "seconds to wait for the first Welcome", metavar="S")
+    benchmark_mode: bool = option(False, "no model: each request yields token (prompt_len + i) %% 1000 per step, "
+                                         "empty text, up to max_tokens (for measuring coordinator overhead)")
+    benchmark_step_time: float = option(0.0, "with --benchmark-mode: each engine step lasts S seconds (to test "
+                                             "long steps)", metavar="S")
+    ep: EpOptions | None = option(None, cli=False)       # this rank's EP group (None: a group of one)
+    tp: TpOptions | None = option(None, cli=False)       # this DP rank's TP group (None: one process)
+    max_waiting_requests: int = option(1024, "requests that may wait beyond the --max-num-seqs running ones; a "
+                                             "request past that is refused as overloaded", metavar="N")
+    max_queue_time: float = option(60.0, "a request that has waited S seconds in this worker's queue without "
+                                         "starting fails as overloaded, so its client can retry instead of waiting "
+                                         "without end (0: no bound)", metavar="S")
+    curve: CurveKeys | None = option(None, cli=False)    # CurveZMQ towards the coordinator (and the EP wake channel)
 
     def __post_init__(self) -> None:
         if not self.coordinator.startswith(("tcp://", "ipc://")):
@@ -62,3 +78,63 @@ class WorkerOptions:
         if self.coordinator_timeout <= self.heartbeat_interval:
             raise ValueError(f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "
                              f"({self.heartbeat_interval})")
+
+
+@dataclass(frozen=True)
+class WorkerFlags:
+    """infer-worker's EP / TP group and key flags as given: `groups()` resolves the groups (ranks not given come
+    from torchrun's or Slurm's variables) into WorkerOptions' `ep` and `tp`, `curve_keys()` reads the key files
+    into its `curve`."""
+
+    tp_size: int = option(1, "processes in this DP rank. Without --tp-rank, this command starts and supervises all "
+                             "of them on this node")
+    tp_rank: int | None = option(None, "this process's rank in its TP group (one process per rank, with "
+                                       "--dist-init; default: from $RANK or $SLURM_PROCID, global rank = ep_rank x "
+                                       "tp_size + tp_rank; TP rank 0 talks to the coordinator)")
+    tp_timeout: float = option(60.0, "seconds a TP collective waits for a member, and a follower waits to hear "
+                                     "from TP rank 0, before giving up", metavar="S")
+    ep_size: int = option(1, "ranks in this EP group (1: no group)")
+    ep_rank: int | None = option(None, "this rank in the group (default: $RANK, else $SLURM_PROCID %% ep-size)")
+    dist_init: str | None = option(None, "the EP / TP group's rendezvous, tcp://HOST:PORT, the same on every "
+                                         "member (default: tcp://$MASTER_ADDR:$MASTER_PORT)")
+    ep_timeout: float = option(60.0, "seconds a group collective waits for a member before giving up", metavar="S")
+    curve_key: str | None = option(None, "this worker's secret key file (infer-keygen NAME writes NAME.key_secret; "
+                                         "its NAME.key goes into the coordinator's --authorized-keys directory)",
+                                   metavar="FILE")
+    coordinator_key: str | None = option(None, "the coordinator's public key file (its NAME.key)", metavar="FILE")
+
+    def __post_init__(self) -> None:
+        if self.ep_size < 1:
+            raise ValueError(f"--ep-size must be >= 1, got {self.ep_size}")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+
+    def groups(self, environ: dict[str, str] | None = None) -> tuple[EpOptions | None, TpOptions | None]:
+        """This process's EP and TP groups (None: a group of one); ValueError for flags that do not fit."""
+        environ = dict(os.environ) if environ is None else environ
+        tp_rank, ep_rank = resolve_ranks(self.tp_size, self.tp_rank, self.ep_size, self.ep_rank, environ)
+        ep = None
+        if self.ep_size > 1:
+            ep = EpOptions.resolve(self.ep_size, ep_rank, self.dist_init, self.ep_timeout, environ)
+        elif self.ep_rank not in (None, 0) or (self.dist_init is not None and self.tp_size == 1):
+            raise ValueError("--ep-rank and --dist-init need --ep-size > 1 (or --tp-size > 1)")
+        tp = None
+        if self.tp_size > 1:
+            tp = TpOptions(size=self.tp_size, rank=tp_rank, dist_init=self._tp_dist_init(ep, environ),
+                           timeout_s=self.tp_timeout)
+        elif self.tp_rank not in (None, 0):
+            raise ValueError("--tp-rank needs --tp-size > 1")
+        return ep, tp
+
+    def _tp_dist_init(self, ep: EpOptions | None, environ: dict[str, str]) -> str | None:
+        """The TP group's rendezvous: --dist-init, the EP group's, $MASTER_ADDR:$MASTER_PORT, or (a supervisor
+        with none of these) None: it picks a local port for the processes it starts."""
+        if self.dist_init is not None or ep is not None:
+            return self.dist_init if ep is None else ep.dist_init
+        if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
+            return f"tcp://{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+        return None
+
+    def curve_keys(self) -> CurveKeys | None:
+        """CurveZMQ towards the coordinator: both key files, or neither (ValueError naming the flags)."""
+        return CurveKeys.from_files(self.curve_key, self.coordinator_key, flags=("--curve-key", "--coordinator-key"))

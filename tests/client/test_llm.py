@@ -154,7 +154,7 @@ def test_bad_options_raise_before_anything_starts(options, message):
 
 def test_engine_options_become_the_same_worker_config(tmp_path):
     from infer.client.llm import LLMOptions
-    from infer.worker.cli import build_parser, engine_config
+    from infer.worker.cli import build_parser, engine_config, worker_flags
 
     options = LLMOptions(model=str(tmp_path), use_coordinator=True, engine_options=dict(
         dtype="float32", device="cpu", max_model_len=128, max_num_seqs=3, max_num_batched_tokens=64, block_size=8,
@@ -162,7 +162,7 @@ def test_engine_options_become_the_same_worker_config(tmp_path):
         enable_chunked_prefill=True, seed=7, num_threads=1))
     args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1", *options.worker_args()])
     assert engine_config(args) == options.engine_config()
-    assert args.log_level == "WARNING" and args.tp_size == 1
+    assert args.log_level == "WARNING" and worker_flags(args).tp_size == 1
     tp = LLMOptions(model=str(tmp_path), use_coordinator=True, tensor_parallel_size=2)
     assert build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1", *tp.worker_args()]).tp_size == 2
 
