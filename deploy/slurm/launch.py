@@ -50,8 +50,12 @@ from pathlib import Path
 
 from infer.client.api.server import add_front_arguments, check_front_exposure, front_config
 from infer.client.serve import LocalCluster, serve
+from infer.coordinator.config import CoordinatorConfig
 from infer.protocol.keys import ClusterKeyDir
-from infer.protocol.logs import add_logging_args, setup_logging
+from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
+from infer.protocol.options import add_options, given, option, to_argv
+from infer.worker.config import EngineConfig
+from infer.worker.options import WorkerFlags, WorkerOptions
 
 DEFAULT_COORDINATOR_PORT = 5555
 DEFAULT_HTTP_PORT = 8000
@@ -120,14 +124,12 @@ class WorkerPlan:
 
     def flags(self) -> list[str]:
         """infer-worker's rank flags; the EP / TP ones only for a real group (size > 1)."""
-        out = ["--dp-rank", str(self.dp_rank)]
-        if self.ep_size > 1:
-            out += ["--ep-size", str(self.ep_size), "--ep-rank", str(self.ep_rank), "--group-id", f"ep{self.group}"]
-        if self.tp_size > 1:
-            out += ["--tp-size", str(self.tp_size), "--tp-rank", str(self.tp_rank)]
-        if self.ep_size > 1 or self.tp_size > 1:
-            out += ["--dist-init", f"tcp://{self.group_master}:{self.dist_port + self.group}"]
-        return out
+        ep, tp = self.ep_size > 1, self.tp_size > 1
+        rank = {"dp_rank": self.dp_rank, "group_id": f"ep{self.group}" if ep else None}
+        groups = {"ep_size": self.ep_size, "ep_rank": self.ep_rank if ep else None, "tp_size": self.tp_size,
+                  "tp_rank": self.tp_rank if tp else None,
+                  "dist_init": f"tcp://{self.group_master}:{self.dist_port + self.group}" if ep or tp else None}
+        return to_argv(WorkerOptions, rank) + to_argv(WorkerFlags, groups)
 
 
 def plan_worker(index: int, nodes: list[str], tasks_per_node: list[int], ep_size: int,
@@ -192,24 +194,32 @@ def reachable_address(node: str, nodes: list[str]) -> str:
 
 # ---- worker: one srun task ---------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class TaskOptions:
+    """`launch.py worker`'s own options: where the coordinator listens and how the job's tasks form groups. The
+    head writes them into the srun command (`to_argv`), every task reads them back."""
+
+    coordinator_port: int = option(DEFAULT_COORDINATOR_PORT, "the coordinator's port")
+    coordinator_host: str | None = option(None, "the coordinator's address (default: the job's first node)")
+    ep_size: int = option(1, "ranks per EP group")
+    tp_size: int = option(1, "processes (srun tasks) per DP rank")
+    dist_port: int = option(DEFAULT_DIST_PORT, "EP group g rendezvouses on this port + g on the node of its rank 0")
+
+
 def worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch.py worker", allow_abbrev=False,
                                 description="One srun task: work out this worker's place, exec infer-worker.")
-    p.add_argument("--coordinator-port", type=int, default=DEFAULT_COORDINATOR_PORT)
-    p.add_argument("--coordinator-host", help="the coordinator's address (default: the job's first node)")
-    p.add_argument("--ep-size", type=int, default=1)
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--dist-port", type=int, default=DEFAULT_DIST_PORT,
-                   help="EP group g rendezvouses on this port + g on the node of its rank 0")
+    add_options(p, TaskOptions)
     return p
 
 
 def worker_argv(args: argparse.Namespace, extra: list[str], index: int, step_nodes: list[str],
                 tasks_per_node: list[int], first_node: str) -> list[str]:
     """The infer-worker command line of srun task `index` (the job's first node runs the coordinator)."""
-    host = args.coordinator_host or first_node
-    plan = plan_worker(index, step_nodes, tasks_per_node, args.ep_size, args.dist_port, args.tp_size)
-    return [sys.executable, "-m", "infer.worker.daemon", "--coordinator", f"tcp://{host}:{args.coordinator_port}",
+    task = TaskOptions(**given(TaskOptions, args))
+    host = task.coordinator_host or first_node
+    plan = plan_worker(index, step_nodes, tasks_per_node, task.ep_size, task.dist_port, task.tp_size)
+    return [sys.executable, "-m", "infer.worker.daemon", "--coordinator", f"tcp://{host}:{task.coordinator_port}",
             *plan.flags(), *extra]
 
 
@@ -230,54 +240,65 @@ def run_worker(argv: list[str]) -> int:
 
 # ---- head: the batch step ----------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class JobOptions:
+    """The head's own options (infer.sbatch's): the workers and their groups, the coordinator's address, how long
+    the job's start and end may take, and its keys. --drain-timeout goes to the coordinator and every worker."""
+
+    workers_per_node: int | None = option(None, "workers (DP ranks) per node (default: sbatch's --ntasks-per-node, "
+                                                "else 1)")
+    ep_size: int = option(1, "ranks per EP group (1: dense, no groups)")
+    tp_size: int = option(1, "processes (srun tasks) per DP rank, each holding 1/T of every layer; a group's tasks "
+                             "are adjacent: on one node when T divides the workers per node")
+    dist_port: int = option(DEFAULT_DIST_PORT, "EP group g's torch.distributed rendezvous port is this + g")
+    coordinator_host: str | None = option(None, "the coordinator's bind address (default: the first node's "
+                                                "address)")
+    coordinator_port: int = option(DEFAULT_COORDINATOR_PORT, "the coordinator's port")
+    drain_timeout: float = option(15.0, "on scancel, seconds requests already accepted get to finish: the "
+                                        "coordinator refuses new ones and waits for them, the workers and the HTTP "
+                                        "front drain too (keep S + --shutdown-timeout under Slurm's KillWait)",
+                                  metavar="S")
+    ready_timeout: float = option(600.0, "seconds for every worker to join", metavar="S")
+    shutdown_timeout: float = option(20.0, "seconds the daemons get after SIGTERM before SIGKILL (keep it below "
+                                           "Slurm's KillWait)", metavar="S")
+    keys_dir: str | None = option(None, "CurveZMQ key pairs from `infer-keygen --cluster --dir DIR` (role folders "
+                                        "workers/, clients/, admins/), on a path every node reads (default: a fresh "
+                                        "set for this job in $SLURM_SUBMIT_DIR/.infer-keys-<job id>, removed at the "
+                                        "end; none with --trusted-network)", metavar="DIR")
+
+
+# The coordinator's options the head takes (its --drain-timeout is the job's: JobOptions).
+COORDINATOR_OPTIONS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "queue_timeout",
+                       "stop_timeout", "max_retries")
+
+
 def head_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infer.sbatch", allow_abbrev=False,
-                                description="An infer cluster over the nodes of this Slurm job.",
+                                description="An infer cluster over the nodes of this Slurm job (--model: on a "
+                                "path every node reads).",
                                 epilog="Other options, and the arguments after `--`, go to every worker unchanged.")
-    p.add_argument("--model", help="safetensors dir or .gguf file on a shared path (default: the embedded model)")
-    p.add_argument("--workers-per-node", type=int,
-                   help="workers (DP ranks) per node (default: sbatch's --ntasks-per-node, else 1)")
-    p.add_argument("--ep-size", type=int, default=1, help="ranks per EP group (default 1: dense, no groups)")
-    p.add_argument("--tp-size", type=int, default=1,
-                   help="processes (srun tasks) per DP rank, each holding 1/T of every layer (default 1); a "
-                   "group's tasks are adjacent: on one node when T divides the workers per node")
-    p.add_argument("--dist-port", type=int, default=DEFAULT_DIST_PORT,
-                   help="EP group g's torch.distributed rendezvous port is this + g (default %(default)s)")
-    p.add_argument("--coordinator-host", help="the coordinator's bind address (default: the first node's address)")
-    p.add_argument("--coordinator-port", type=int, default=DEFAULT_COORDINATOR_PORT,
-                   help="the coordinator's port (default %(default)s)")
+    add_options(p, EngineConfig, names=("model",))
+    add_options(p, JobOptions, defaults=True)
     add_front_arguments(p)   # --host (default: the first node's address), --port, --api-key, ...
     p.set_defaults(host=None, port=DEFAULT_HTTP_PORT)
-    coord = p.add_argument_group("coordinator options")
-    coord.add_argument("--policy", choices=("least-loaded", "round-robin", "prefix-affinity"))
-    for flag in ("--heartbeat-interval", "--worker-timeout", "--client-timeout", "--queue-timeout", "--stop-timeout"):
-        coord.add_argument(flag, type=float)
-    coord.add_argument("--max-retries", type=int)
-    p.add_argument("--drain-timeout", type=float, default=15.0, metavar="S",
-                   help="on scancel, seconds requests already accepted get to finish: the coordinator refuses new "
-                        "ones and waits for them, the workers and the HTTP front drain too (default %(default)s; "
-                        "keep S + --shutdown-timeout under Slurm's KillWait)")
-    p.add_argument("--ready-timeout", type=float, default=600.0,
-                   help="seconds for every worker to join (default %(default)s)")
-    p.add_argument("--shutdown-timeout", type=float, default=20.0,
-                   help="seconds the daemons get after SIGTERM before SIGKILL (default %(default)s; keep it "
-                        "below Slurm's KillWait)")
-    p.add_argument("--keys-dir", metavar="DIR",
-                   help="CurveZMQ key pairs from `infer-keygen --cluster --dir DIR` (role folders workers/, "
-                   "clients/, admins/), on a path every node reads (default: a fresh set for this job in "
-                   "$SLURM_SUBMIT_DIR/.infer-keys-<job id>, removed at the end; none with --trusted-network)")
+    add_options(p.add_argument_group("coordinator options"), CoordinatorConfig, names=COORDINATOR_OPTIONS)
     add_logging_args(p)
     return p
 
 
-_COORDINATOR_FLAGS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "queue_timeout",
-                      "stop_timeout", "max_retries", "drain_timeout", "log_level", "log_format")
-_WORKER_FLAGS = ("model", "heartbeat_interval", "drain_timeout", "log_level", "log_format")
+def coordinator_flags(args: argparse.Namespace) -> list[str]:
+    """The coordinator's command line: its options given to the head, the job's drain timeout, logging."""
+    options = dict(given(CoordinatorConfig, args, names=COORDINATOR_OPTIONS), drain_timeout=args.drain_timeout)
+    return to_argv(CoordinatorConfig, options) + logging_flags(args)
 
 
-def flags_of(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    return [part for name in names if getattr(args, name) is not None
-            for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """What every worker gets from the head's options: the model, the heartbeat interval (the coordinator's too),
+    the job's drain timeout, logging."""
+    return (to_argv(EngineConfig, {"model": args.model})
+            + to_argv(WorkerOptions, {"heartbeat_interval": args.heartbeat_interval,
+                                      "drain_timeout": args.drain_timeout})
+            + logging_flags(args))
 
 
 @dataclass(frozen=True)
@@ -320,10 +341,10 @@ def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str
             raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535 (the other nodes must know it)")
     explicit_host = args.coordinator_host not in (None, "0.0.0.0", "::")
     coordinator_host = args.coordinator_host or reachable_address(nodes[0], nodes)
-    worker = [sys.executable, os.path.abspath(__file__), "worker", "--coordinator-port", str(args.coordinator_port),
-              "--ep-size", str(args.ep_size), "--tp-size", str(args.tp_size), "--dist-port", str(args.dist_port),
-              *(["--coordinator-host", coordinator_host] if explicit_host else []),
-              "--", *flags_of(args, _WORKER_FLAGS), *(keys.worker_flags() if keys else []), *worker_extra]
+    task = TaskOptions(coordinator_port=args.coordinator_port, coordinator_host=coordinator_host if explicit_host
+                       else None, ep_size=args.ep_size, tp_size=args.tp_size, dist_port=args.dist_port)
+    worker = [sys.executable, os.path.abspath(__file__), "worker", *to_argv(TaskOptions, task),
+              "--", *worker_flags(args), *(keys.worker_flags() if keys else []), *worker_extra]
     srun = ["srun", f"--nodes={len(nodes)}", f"--ntasks={total}", f"--ntasks-per-node={per_node}",
             "--distribution=block", "--overcommit", "--kill-on-bad-exit=0", "--label", "--job-name=infer-workers",
             *worker]
@@ -413,7 +434,7 @@ def _serve_job(args: argparse.Namespace, env: SlurmEnv, plan: HeadPlan, keys: Cl
           f"{','.join(plan.nodes)}, EP size {plan.ep_size}, TP size {plan.tp_size}); HTTP front on "
           f"{plan.http_host}:{args.port} once every worker has joined", flush=True)
     cluster = SrunCluster(num_workers=plan.num_workers, host=plan.coordinator_host, port=plan.coordinator_port,
-                          coordinator_args=flags_of(args, _COORDINATOR_FLAGS), srun=plan.srun, keys=keys,
+                          coordinator_args=coordinator_flags(args), srun=plan.srun, keys=keys,
                           trusted_network=args.trusted_network)
     return asyncio.run(serve(cluster, args))
 

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.daemon import build_parser as coordinator_parser
+from infer.coordinator.daemon import config_from_args
+from infer.protocol.options import given, to_argv
 from infer.worker.cli import build_parser as worker_daemon_parser
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +57,7 @@ def test_ep_groups_of_two_on_two_nodes_of_two_rendezvous_on_their_own_node():
     plans = _plans(["n1", "n2"], [2, 2], ep_size=2, dist_port=7000)
     assert [(p.group, p.ep_rank, p.group_master) for p in plans] == [(0, 0, "n1"), (0, 1, "n1"),
                                                                       (1, 0, "n2"), (1, 1, "n2")]
-    assert plans[3].flags() == ["--dp-rank", "3", "--ep-size", "2", "--ep-rank", "1", "--group-id", "ep1",
+    assert plans[3].flags() == ["--dp-rank", "3", "--group-id", "ep1", "--ep-size", "2", "--ep-rank", "1",
                                 "--dist-init", "tcp://n2:7001"]
 
 
@@ -76,8 +79,8 @@ def test_tp_groups_take_adjacent_tasks_and_rendezvous_on_their_rank_0s_node():
     plans = [launch.plan_worker(i, ["n1", "n2"], [4, 4], 2, 7000, tp_size=2) for i in range(8)]
     assert [(p.dp_rank, p.ep_rank, p.tp_rank, p.group, p.group_master) for p in plans[4:]] == [
         (2, 0, 0, 1, "n2"), (2, 0, 1, 1, "n2"), (3, 1, 0, 1, "n2"), (3, 1, 1, 1, "n2")]
-    assert plans[7].flags() == ["--dp-rank", "3", "--ep-size", "2", "--ep-rank", "1", "--group-id", "ep1",
-                                "--tp-size", "2", "--tp-rank", "1", "--dist-init", "tcp://n2:7001"]
+    assert plans[7].flags() == ["--dp-rank", "3", "--group-id", "ep1", "--tp-size", "2", "--tp-rank", "1",
+                                "--ep-size", "2", "--ep-rank", "1", "--dist-init", "tcp://n2:7001"]
     with pytest.raises(ValueError, match="TP x EP groups of 4"):
         launch.plan_worker(0, ["n1", "n2", "n3"], [2, 2, 2], 2, tp_size=2)
     _, plan = _head(["--tp-size", "2", "--workers-per-node", "1"])
@@ -146,10 +149,39 @@ def test_the_workers_per_node_default_is_sbatchs_ntasks_per_node():
     (["--ep-size", "4"], {}, "EP groups of 4"),
     (["--coordinator-port", "0"], {}, "--coordinator-port must be"),
     ([], {"SLURMD_NODENAME": "n2"}, "first node localhost"),
+    (["--workers-per-node", "-1"], {}, "--workers-per-node must be >= 1, got -1"),
+    (["--tp-size", "3"], {}, "do not split into TP groups of 3"),
+    (["--dist-port", "70000"], {}, "--dist-port must be in 1..65535"),
 ])
 def test_the_head_refuses_a_plan_that_cannot_work(argv, env, message):
     with pytest.raises(ValueError, match=message):
         _head(argv, **env)
+
+
+def test_the_launchers_own_options_are_declared_once_on_their_dataclasses():
+    assert launch.JobOptions(**given(launch.JobOptions, launch.head_parser().parse_args([]))) == launch.JobOptions()
+    task = launch.TaskOptions(coordinator_port=6000, coordinator_host="10.0.0.1", ep_size=2, tp_size=2, dist_port=7000)
+    parsed = launch.worker_parser().parse_args(to_argv(launch.TaskOptions, task))
+    assert launch.TaskOptions(**given(launch.TaskOptions, parsed)) == task
+
+
+def test_the_coordinator_and_the_workers_get_the_heads_options_for_them():
+    args, _ = launch.head_parser().parse_known_args(["--policy", "round-robin", "--heartbeat-interval", "0.5",
+                                                     "--worker-timeout", "3", "--log-level", "debug", "--dtype", "f32"])
+    coordinator = config_from_args(coordinator_parser().parse_args(launch.coordinator_flags(args)))
+    assert coordinator == CoordinatorConfig(policy="round-robin", heartbeat_interval=0.5, worker_timeout=3.0,
+                                            drain_timeout=15.0)   # the job's drain timeout
+    worker = worker_daemon_parser().parse_args(["--coordinator", "tcp://h:1", *launch.worker_flags(args)])
+    assert (worker.heartbeat_interval, worker.drain_timeout, worker.log_level) == (0.5, 15.0, "DEBUG")
+
+
+@pytest.mark.parametrize("argv, message", [(["--policy", "random"], "invalid choice: 'random'"),
+                                           (["--ep-size", "two"], "invalid int value: 'two'"),
+                                           (["--drain-timeout", "soon"], "invalid float value: 'soon'")])
+def test_the_head_refuses_bad_values_with_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        launch.head_parser().parse_known_args(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_outside_a_slurm_job_the_launcher_says_so():

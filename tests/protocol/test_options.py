@@ -62,6 +62,13 @@ def test_to_argv_writes_only_what_differs_from_the_defaults():
         "--port", "7", "--trusted-network"]
 
 
+def test_a_launcher_may_take_the_fields_defaults_as_its_flags_defaults():
+    p = argparse.ArgumentParser()
+    add_options(p, CoordinatorConfig, names=("port", "model_id", "trusted_network"), defaults=True)
+    assert vars(p.parse_args([])) == {"port": 5555, "model_id": None, "trusted_network": False}
+    assert vars(p.parse_args(["--port", "7"]))["port"] == 7
+
+
 def test_coordinator_flags_build_its_config():
     from infer.coordinator.daemon import build_parser, config_from_args
 
