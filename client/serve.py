@@ -34,12 +34,14 @@ from infer.client.api.server import (
     load_front_tokenizer,
 )
 from infer.client.inference_client import ClusterError, InferenceClient
+from infer.coordinator.config import CoordinatorConfig
 from infer.protocol.keys import ClusterKeyDir, refuse_open_bind
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import ClusterStats
 from infer.protocol.options import add_options, given, to_argv
 from infer.worker.config import EngineConfig
+from infer.worker.options import WorkerFlags, WorkerOptions
 
 log = logging.getLogger("infer.serve")
 
@@ -195,12 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--coordinator-host unless --trusted-network)")
     engine = p.add_argument_group("engine options (passed to every worker)")
     add_options(engine, EngineConfig, exclude=_TOP_LEVEL_ENGINE_OPTIONS)
-    engine.add_argument("--benchmark-mode", action="store_true", help="workers without a model (benchmarks)")
-    coord = p.add_argument_group("coordinator options")
-    coord.add_argument("--policy", choices=("least-loaded", "round-robin", "prefix-affinity"))
-    for flag in ("--heartbeat-interval", "--worker-timeout", "--client-timeout"):
-        coord.add_argument(flag, type=float)
-    coord.add_argument("--max-retries", type=int)
+    add_options(engine, WorkerOptions, names=("benchmark_mode",))
+    add_options(p.add_argument_group("coordinator options"), CoordinatorConfig, names=_COORDINATOR_OPTIONS)
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers (default 300)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds the children get to exit after SIGTERM before SIGKILL (default 30)")
@@ -209,29 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _TOP_LEVEL_ENGINE_OPTIONS = ("model", "num_threads")   # --model and --threads, among the launcher's own flags
-_COORDINATOR_FLAGS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "max_retries")
+_COORDINATOR_OPTIONS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "max_retries")
 
 
-def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    out = []
-    for name in names:
-        value = getattr(args, name)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    return out
+def coordinator_args(args: argparse.Namespace) -> list[str]:
+    """The coordinator's flags: its options given here (infer-serve takes a few of them)."""
+    return to_argv(CoordinatorConfig, given(CoordinatorConfig, args, names=_COORDINATOR_OPTIONS))
 
 
 def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    options = dict(given(EngineConfig, args, exclude=_TOP_LEVEL_ENGINE_OPTIONS), model=args.model,
-                   num_threads=args.threads)
-    out = to_argv(EngineConfig, options)
-    if args.tp_size is not None:
-        out += ["--tp-size", str(args.tp_size)]
-    if args.benchmark_mode:
-        out.append("--benchmark-mode")
-    if args.heartbeat_interval is not None:
-        out += ["--heartbeat-interval", str(args.heartbeat_interval)]
-    return out + extra
+    """Every worker's flags: the engine options, the TP size, benchmark mode and the heartbeat interval given here
+    (the coordinator's too), then `extra` (after `--`)."""
+    engine = dict(given(EngineConfig, args, exclude=_TOP_LEVEL_ENGINE_OPTIONS), model=args.model,
+                  num_threads=args.threads)
+    worker = {"benchmark_mode": args.benchmark_mode, "heartbeat_interval": args.heartbeat_interval}
+    return (to_argv(EngineConfig, engine) + to_argv(WorkerFlags, {"tp_size": args.tp_size})
+            + to_argv(WorkerOptions, worker) + extra)
 
 
 async def serve(cluster: LocalCluster, args: argparse.Namespace) -> int:
@@ -303,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     log_level = logging_flags(args)
     cluster = LocalCluster(num_workers=args.workers, host=args.coordinator_host, port=args.coordinator_port,
                            worker_args=worker_args(args, extra) + log_level,
-                           coordinator_args=_flags(args, _COORDINATOR_FLAGS) + log_level,
+                           coordinator_args=coordinator_args(args) + log_level,
                            keys=keys, trusted_network=args.trusted_network)
     return asyncio.run(serve(cluster, args))
 

@@ -184,6 +184,18 @@ def test_the_head_refuses_bad_values_with_exit_2(argv, message, capsys):
     assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_infer_serve_hands_its_coordinator_and_worker_options_on():
+    from infer.client.serve import build_parser as serve_parser
+    from infer.client.serve import coordinator_args, worker_args
+
+    args = serve_parser().parse_args(["--policy", "round-robin", "--heartbeat-interval", "0.5", "--max-retries", "1",
+                                      "--benchmark-mode", "--tp-size", "2"])
+    coordinator = config_from_args(coordinator_parser().parse_args(coordinator_args(args)))
+    assert coordinator == CoordinatorConfig(policy="round-robin", heartbeat_interval=0.5, max_retries=1)
+    worker = worker_daemon_parser().parse_args(["--coordinator", "tcp://h:1", *worker_args(args, ["--seed", "3"])])
+    assert (worker.benchmark_mode, worker.heartbeat_interval, worker.tp_size, worker.seed) == (True, 0.5, 2, 3)
+
+
 def test_outside_a_slurm_job_the_launcher_says_so():
     with pytest.raises(ValueError, match="not inside a Slurm job"):
         launch.SlurmEnv.from_environ({})
