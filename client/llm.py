@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from infer.client.engine_client import EngineClient
 from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
 from infer.protocol.keys import CurveKeys
-from infer.protocol.logs import LOG_LEVELS
+from infer.protocol.logs import LOG_LEVELS, logging_argv
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.options import to_argv
 from infer.protocol.sampling import SamplingParams, check_priority
 from infer.worker.config import EngineConfig
+from infer.worker.options import WorkerFlags
 
 if TYPE_CHECKING:
     from infer.client.inference_client import InferenceClient
@@ -163,8 +164,8 @@ class LLMOptions:
 
     def worker_args(self) -> list[str]:
         """The infer-worker flags for the engine options (model included), the TP size, and the log level."""
-        tp = ["--tp-size", str(self.tensor_parallel_size)] if self.tensor_parallel_size > 1 else []
-        return self.engine_flags() + tp + ["--log-level", self.log_level]
+        return (self.engine_flags() + to_argv(WorkerFlags, {"tp_size": self.tensor_parallel_size})
+                + logging_argv(self.log_level))
 
     def engine_flags(self) -> list[str]:
         """The infer-worker flags for the engine options (model included)."""
@@ -281,7 +282,7 @@ class AsyncLLM:
                                 "as their torch.distributed traffic is", world.address)
                 self._cluster = LocalCluster(num_workers=0, host=world.host, port=world.port,
                                              trusted_network=not world.is_loopback,
-                                             coordinator_args=["--log-level", self.options.log_level])
+                                             coordinator_args=logging_argv(self.options.log_level))
                 await self._cluster.start()
                 self._reaper = weakref.finalize(self, _kill_process_groups, [p.pid for p in self._cluster.processes])
             engine = await asyncio.wait_for(asyncio.to_thread(_make_engine, self.options), self.options.ready_timeout)
@@ -299,7 +300,7 @@ class AsyncLLM:
         from infer.client.serve import LocalCluster
 
         cluster = LocalCluster(num_workers=self.options.data_parallel_size, worker_args=self.options.worker_args(),
-                               coordinator_args=["--log-level", self.options.log_level])
+                               coordinator_args=logging_argv(self.options.log_level))
         self._cluster = cluster
         try:
             await cluster.start()
@@ -500,7 +501,7 @@ def _make_engine(options: LLMOptions) -> Engine:
     from infer.worker.engine import Engine, tensor_parallel_engine
 
     if options.tensor_parallel_size > 1:
-        flags = options.engine_flags() + ["--log-level", options.log_level]
+        flags = options.engine_flags() + logging_argv(options.log_level)
         return tensor_parallel_engine(options.engine_config(), options.tensor_parallel_size, flags)
     return Engine(options.engine_config(), model=options.in_memory_model, tokenizer=options.tokenizer)
 

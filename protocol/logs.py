@@ -48,6 +48,11 @@ def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None 
     logging.basicConfig(level=level, handlers=[handler], force=force)
 
 
+def logging_argv(level: str = "INFO", fmt: str = "text") -> list[str]:
+    """The flags that give a child command (one that called add_logging_args) this level and format."""
+    return ["--log-level", level, "--log-format", fmt]
+
+
 def logging_flags(args: argparse.Namespace) -> list[str]:
     """The logging flags of `args`, to hand on to child processes."""
-    return ["--log-level", args.log_level, "--log-format", args.log_format]
+    return logging_argv(args.log_level, args.log_format)

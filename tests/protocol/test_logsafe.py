@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from infer.protocol.logs import setup_logging
+from infer.protocol.logs import logging_argv, logging_flags, setup_logging
 from infer.protocol.logsafe import RateLimitedLog, Throttle, safe
 
 
@@ -96,3 +96,10 @@ def test_every_command_takes_the_same_logging_flags(module, argv):
     assert parser.parse_args(argv).log_format == "text"
     with pytest.raises(SystemExit):
         parser.parse_args([*argv, "--log-format", "xml"])
+
+
+def test_child_processes_get_the_logging_flags_the_same_way():
+    from infer.worker.cli import build_parser
+
+    args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:5555", *logging_argv("DEBUG", "json")])
+    assert (args.log_level, args.log_format) == ("DEBUG", "json") and logging_flags(args) == logging_argv("DEBUG", "json")
