@@ -129,7 +129,8 @@ def _load() -> ctypes.CDLL | None:
     lib.paged_prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, i64,
                                   f32, i32]
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
-    for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm):
+    lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+    for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max):
         fn.restype = i32
     return lib
 
@@ -309,6 +310,23 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     if status != 0:
         raise ValueError(f"hidden size {x.shape[-1]} is past 16384")
     return out
+
+
+def row_max_fits(x: torch.Tensor) -> bool:
+    """Whether the native row max takes x: [B, V] fp32 on a CPU with unit column stride, V >= 1."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] >= 1
+            and x.stride(1) == 1 and not torch.compiler.is_compiling() and native_ready())
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [B], indices [B] int64) as `x.max(dim=-1)` (first index of the maximum; a NaN wins), for x
+    that passes `row_max_fits`."""
+    rows = x.shape[0]
+    top = torch.empty(rows, dtype=torch.float32)
+    index = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        _library().row_max(x.data_ptr(), rows, x.shape[1], x.stride(0), top.data_ptr(), index.data_ptr())
+    return top, index
 
 
 @torch.library.custom_op("infer::paged_decode_cpu", mutates_args=("out",))
