@@ -376,9 +376,8 @@ class WorkerCore:
                                 "overloaded", msg.prompt_token_ids)
         prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids)
         try:
-            params = SamplingParams.from_dict(msg.sampling)
             with self.busy():     # a huge prompt's tokenization: heartbeats go on meanwhile
-                request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids,
+                request = self.engine.add_request(msg.request_id, prompt, msg.sampling, msg.resumed_token_ids,
                                                   msg.resumed_text_len, priority=msg.priority)
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request", msg.prompt_token_ids)

@@ -146,7 +146,7 @@ def test_least_loaded_follows_the_reports():
 def test_deltas_are_relayed_and_the_request_is_forgotten_when_finished():
     h = two_workers()
     (d,) = dispatches(h.submit(C1, "r", prompt="hello world", max_tokens=3))[W0]
-    assert d.prompt == "hello world" and d.sampling["max_tokens"] == 3 and not d.resumed_token_ids
+    assert d.prompt == "hello world" and d.sampling.max_tokens == 3 and not d.resumed_token_ids
     out = h.step("w0", delta("r", 7, prompt=[11, 12]), free=90)
     (first,) = client_deltas(out, C1)
     assert first.token_ids == [7] and first.prompt_token_ids == [11, 12]
@@ -198,7 +198,7 @@ def test_worker_death_resumes_the_stream_with_no_gap_and_no_repeat():
     h.core.peer_gone(W0, h.now)            # a send found w0's connection gone (kill -9)
     (d,) = dispatches(h.out())[W1]
     assert d.prompt is None and d.prompt_token_ids == [11, 12] and d.resumed_token_ids == [7, 8, 9]
-    assert d.sampling["max_tokens"] == 7 and d.sampling["min_tokens"] == 2
+    assert d.sampling.max_tokens == 7 and d.sampling.min_tokens == 2
     # the new worker echoes prompt ids in its first delta: the client must not see them twice
     out = h.step("w1", delta("r", 10, prompt=[11, 12, 7, 8, 9]))
     (cont,) = client_deltas(out, C1)
@@ -215,7 +215,7 @@ def test_an_unseeded_sampled_request_gets_a_seed_that_the_client_hears_and_the_r
     h = two_workers()
     out = h.submit(C1, "r", prompt="some prompt", temperature=1.0, max_tokens=10, stop=["xy"])
     (d0,) = dispatches(out)[W0]
-    seed = d0.sampling["seed"]
+    seed = d0.sampling.seed
     assert isinstance(seed, int) and 0 <= seed < 2**63
     # the worker's first delta reports the seed it runs with; the client hears it once
     out = h.step("w0", Delta(request_id="r", token_ids=TokenIds([7]), text="a",
@@ -226,8 +226,8 @@ def test_an_unseeded_sampled_request_gets_a_seed_that_the_client_hears_and_the_r
     h.step("w0", Delta(request_id="r", token_ids=TokenIds([9]), text="\u00e9"))   # its "x" held back: stop "xy"?
     h.core.peer_gone(W0, h.now)
     (d1,) = dispatches(h.out())[W1]
-    assert d1.sampling["seed"] == seed and d1.resumed_token_ids == [7, 8, 9]
-    assert d1.resumed_text_len == len("a\u00e9") and d1.sampling["max_tokens"] == 7
+    assert d1.sampling.seed == seed and d1.resumed_token_ids == [7, 8, 9]
+    assert d1.resumed_text_len == len("a\u00e9") and d1.sampling.max_tokens == 7
     out = h.step("w1", Delta(request_id="r", token_ids=TokenIds([10]), text="xz",
                              prompt_token_ids=TokenIds([11, 12]), seed=seed))
     (cont,) = client_deltas(out, C1)
@@ -241,8 +241,8 @@ def test_seeds_are_kept_given_distinct_and_left_out_of_greedy_requests():
     out += h.submit(C1, "u1", temperature=1.0)
     out += h.submit(C1, "u2", temperature=1.0)
     sent = {d.request_id: d.sampling for ds in dispatches(out).values() for d in ds}
-    assert sent["s"]["seed"] == 5 and "seed" not in sent["g"]
-    assert sent["u1"]["seed"] != sent["u2"]["seed"]
+    assert sent["s"].seed == 5 and sent["g"].seed is None
+    assert sent["u1"].seed != sent["u2"].seed
 
 
 def test_a_silent_worker_is_declared_dead_and_its_requests_move():

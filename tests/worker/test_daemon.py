@@ -99,7 +99,7 @@ class Coordinator:
 def dispatch(request_id: str, prompt: str | list[int], resumed: list[int] = (), **sampling) -> Dispatch:
     text = prompt if isinstance(prompt, str) else None
     ids = TokenIds(prompt) if not isinstance(prompt, str) else None
-    return Dispatch(request_id=request_id, sampling=SamplingParams(**sampling).to_dict(), prompt=text,
+    return Dispatch(request_id=request_id, sampling=SamplingParams(**sampling), prompt=text,
                     prompt_token_ids=ids, resumed_token_ids=TokenIds(resumed))
 
 
