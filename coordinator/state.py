@@ -13,7 +13,6 @@ Invariants (kept by coordinator/core.py):
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -69,19 +68,19 @@ class RequestRecord:
         return self.prompt_token_ids if self.prompt_token_ids is not None else (self.prompt or "")
 
     def remaining_budget(self) -> int | None:
-        """max_tokens left after what was delivered (None: up to the context length)."""
+        """max_tokens left after what was delivered (None: up to the context length); for routing and for a
+        request whose every token is out. A Dispatch carries max_tokens as submitted: the engine counts."""
         max_tokens = self.sampling.max_tokens
         return None if max_tokens is None else max_tokens - len(self.delivered)
 
     def dispatch(self) -> Dispatch:
-        """The Dispatch that (re)starts this request where the client's stream stands."""
+        """The Dispatch that (re)starts this request where the client's stream stands: its SamplingParams as
+        they are, and the tokens already delivered, which the engine counts toward max_tokens / min_tokens."""
         if not self.delivered:
             return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt=self.prompt
                             if self.prompt_token_ids is None else None, prompt_token_ids=self.prompt_token_ids,
                             priority=self.priority)
-        sampling = dataclasses.replace(self.sampling, max_tokens=self.remaining_budget(),
-                                       min_tokens=max(0, self.sampling.min_tokens - len(self.delivered)))
-        return Dispatch(request_id=self.request_id, sampling=sampling, prompt_token_ids=self.prompt_token_ids,
+        return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt_token_ids=self.prompt_token_ids,
                         resumed_token_ids=TokenIds(self.delivered), resumed_text_len=self.delivered_text_len,
                         priority=self.priority)
 

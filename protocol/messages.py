@@ -23,7 +23,9 @@ from infer.protocol.outputs import ERROR_CODES
 from infer.protocol.sampling import FieldError, SamplingParams
 from infer.protocol.structured import StructuredOutputsParams
 
-PROTOCOL_VERSION = 2                # 2: error codes client_lost / client_too_slow / draining, Heartbeat.step_age_s
+# 2: error codes client_lost / client_too_slow / draining, Heartbeat.step_age_s
+# 3: a re-dispatch carries the request's own max_tokens / min_tokens (the engine counts the resumed tokens)
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 << 20          # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
 MAX_DP_RANK = (1 << 20) - 1
@@ -273,6 +275,10 @@ class Submit(Message):
         _require(not self.delivered_token_ids or (self.reattach and self.prompt_token_ids is not None),
                  "'delivered_token_ids' needs 'reattach' and 'prompt_token_ids'")
         _check_sampling(self.sampling)
+        max_tokens = self.sampling.max_tokens
+        _require(max_tokens is None or len(self.delivered_token_ids) <= max_tokens,
+                 f"'delivered_token_ids' hold {len(self.delivered_token_ids)} tokens, more than sampling.max_tokens "
+                 f"({max_tokens})")
 
 
 @message
@@ -283,9 +289,9 @@ class Dispatch(Message):
     After a failover, `resumed_token_ids` holds the tokens already delivered to the client and
     `resumed_text_len` the characters of their text the client has (None: unknown, all that the worker's
     detokenizer would have shown): the worker appends the tokens to the prompt, rebuilds its detokenizer
-    and stop-string state from them, and sends only the text past that point; `sampling.max_tokens` is
-    the remaining budget and `sampling.seed` the request's seed, so the stream goes on with no token or
-    character lost or repeated, as if nothing had happened.
+    and stop-string state from them, and sends only the text past that point. `sampling` is the request's
+    own, unchanged (the engine counts the resumed tokens toward max_tokens and min_tokens), with its seed, so
+    the stream goes on with no token or character lost or repeated, as if nothing had happened.
     """
 
     TYPE: ClassVar[str] = "dispatch"

@@ -15,6 +15,7 @@ from infer.protocol.messages import (
     PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, Error, Heartbeat, Load, Message, Refused,
     StatsRequest, StepBatch, TokenIds, Welcome, encode
 )
+from infer.protocol.sampling import SamplingParams
 
 
 def of_type(out: list[tuple[bytes, Message]], kind: type, to: bytes | None = None) -> list[Message]:
@@ -198,7 +199,8 @@ def test_worker_death_resumes_the_stream_with_no_gap_and_no_repeat():
     h.core.peer_gone(W0, h.now)            # a send found w0's connection gone (kill -9)
     (d,) = dispatches(h.out())[W1]
     assert d.prompt is None and d.prompt_token_ids == [11, 12] and d.resumed_token_ids == [7, 8, 9]
-    assert d.sampling.max_tokens == 7 and d.sampling.min_tokens == 2
+    # the request's own SamplingParams: the engine counts the 3 resumed tokens toward max_tokens / min_tokens
+    assert d.sampling == SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5)
     # the new worker echoes prompt ids in its first delta: the client must not see them twice
     out = h.step("w1", delta("r", 10, prompt=[11, 12, 7, 8, 9]))
     (cont,) = client_deltas(out, C1)
@@ -209,6 +211,23 @@ def test_worker_death_resumes_the_stream_with_no_gap_and_no_repeat():
     assert of_type(out, Abort, W0)[0].request_ids == ["r"]
     assert not client_deltas(out, C1)
     assert h.core.requests.get("r").delivered == [7, 8, 9, 10]
+
+
+def test_a_redispatch_carries_the_params_unchanged_and_routing_charges_only_what_is_left():
+    h = two_workers()
+    _run_until_three_tokens(h)                       # max_tokens 10, min_tokens 5, 3 tokens delivered
+    h.core.peer_gone(W0, h.now)
+    (d,) = dispatches(h.out())[W1]
+    assert d.sampling == h.core.requests.get("r").sampling == SamplingParams(temperature=0.0, max_tokens=10,
+                                                                             min_tokens=5)
+    assert h.core.workers.by_id["w1"].cost_in_flight == (2 + 3) + (10 - 3)   # prompt + resumed, then what is left
+    # every token out, only the final delta lost with its worker: the request ends, nothing is dispatched
+    h.submit(C1, "done", max_tokens=2, pin_rank=1)
+    h.step("w1", delta("done", 4, prompt=[1, 2, 3]), delta("done", 5))
+    h.core.peer_gone(W1, h.now)
+    out = h.out() + h.worker("w2", 2)
+    assert [x.finish_reason for x in client_deltas(out, C1) if x.request_id == "done"] == ["length"]
+    assert all(x.request_id != "done" for ds in dispatches(out).values() for x in ds)
 
 
 def test_an_unseeded_sampled_request_gets_a_seed_that_the_client_hears_and_the_redispatch_keeps():
@@ -227,7 +246,7 @@ def test_an_unseeded_sampled_request_gets_a_seed_that_the_client_hears_and_the_r
     h.core.peer_gone(W0, h.now)
     (d1,) = dispatches(h.out())[W1]
     assert d1.sampling.seed == seed and d1.resumed_token_ids == [7, 8, 9]
-    assert d1.resumed_text_len == len("a\u00e9") and d1.sampling.max_tokens == 7
+    assert d1.resumed_text_len == len("a\u00e9") and d1.sampling == d0.sampling
     out = h.step("w1", Delta(request_id="r", token_ids=TokenIds([10]), text="xz",
                              prompt_token_ids=TokenIds([11, 12]), seed=seed))
     (cont,) = client_deltas(out, C1)

@@ -57,7 +57,7 @@ def test_a_lost_client_is_told_when_it_comes_back_and_resumes_by_reattaching():
     out = h.send(C1, Submit(request_id="a", prompt_token_ids=TokenIds([1, 2, 3]), reattach=True,
                             sampling=SamplingParams(temperature=0.0, max_tokens=10), delivered_token_ids=TokenIds([4, 5])))
     (dispatch,) = of_type(out, Dispatch)
-    assert list(dispatch.resumed_token_ids) == [4, 5] and dispatch.sampling.max_tokens == 8
+    assert list(dispatch.resumed_token_ids) == [4, 5] and dispatch.sampling.max_tokens == 10
     assert of_type(h.send(C1, Heartbeat(sent_at=0.0)), Heartbeat, C1)   # served as usual again
     assert h.core.stats(h.now).clients_lost == 1
 

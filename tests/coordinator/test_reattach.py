@@ -81,7 +81,7 @@ def test_without_a_worker_copy_the_request_resumes_from_the_clients_tokens():
     assert not _reattach(h, "r", [7, 8])
     out = h.advance(0.6)                                # grace over: nobody runs it
     (dispatch,) = _to(out, b"w0", Dispatch)
-    assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.sampling.max_tokens == 8
+    assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.sampling.max_tokens == 10
 
 
 def test_a_copy_that_does_not_fit_the_clients_is_aborted_and_the_request_resumed():

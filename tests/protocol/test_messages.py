@@ -261,6 +261,8 @@ def test_snapshot_catch_up_starts_at_a_delta_boundary():
 @pytest.mark.parametrize("bad, text", [
     (dict(timeout_s=0.0), "timeout_s"), (dict(timeout_s=float("nan")), "timeout_s"),
     (dict(delivered_token_ids=TokenIds([3])), "reattach"),
+    (dict(reattach=True, delivered_token_ids=TokenIds([3, 4, 5]), sampling=SamplingParams(max_tokens=2)),
+     "'delivered_token_ids' hold 3 tokens, more than sampling.max_tokens \\(2\\)"),
 ])
 def test_submit_deadline_and_reattach_are_checked(bad, text):
     with pytest.raises(ProtocolError, match=text):

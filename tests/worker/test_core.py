@@ -118,6 +118,15 @@ def test_a_stream_echoes_its_prompt_once_and_ends_with_length(h):
     assert h.core.num_requests == 0
 
 
+def test_a_resumed_dispatch_counts_its_resumed_tokens_toward_max_tokens(h):
+    h.send(dispatch("a", [1, 2, 3], max_tokens=5, resumed=[3, 4]))
+    ds = h.run_until_finished()
+    assert tokens(ds) == [5, 6, 7] and ds[-1].finish_reason == "length"
+    h.send(dispatch("b", [1, 2, 3], max_tokens=2, resumed=[3, 4]))
+    (d,) = deltas(h.step())
+    assert d.error_code == "invalid_request" and "the resumed tokens (2) reach max_tokens (2)" in d.error
+
+
 def test_duplicate_dispatch_is_refused_and_the_first_goes_on(h):
     h.send(dispatch("a", max_tokens=3))
     h.send(dispatch("a", max_tokens=3))

@@ -223,8 +223,8 @@ def test_resumed_dispatch_continues_the_greedy_stream(served, engine):
     prompt_ids, steps, texts = run_in_process(engine, "ref-full", PROMPTS[0], SamplingParams(**params))
     full = [t for s in steps for t in s]
     k = 6   # a dead worker delivered the first k tokens (and their text)
-    deltas = coord.run([dispatch("resumed", prompt_ids, resumed=full[:k], temperature=0.0, max_tokens=14 - k,
-                                 ignore_eos=True)])["resumed"]
+    deltas = coord.run([dispatch("resumed", prompt_ids, resumed=full[:k], temperature=0.0, max_tokens=14,
+                                 ignore_eos=True)])["resumed"]     # the resumed tokens count toward max_tokens
     tokens, text = joined(deltas)
     assert tokens == full[k:]
     assert "".join(texts[:k]) + text == "".join(texts)
@@ -321,7 +321,7 @@ def test_benchmark_mode_tokens_and_stop(coordinator, spawn):
     hello = coordinator.welcome()
     assert hello.model_id == "SmolLM2-135M-Instruct" and hello.max_num_seqs == 2
     got = coordinator.run([dispatch("b1", [9] * 5, max_tokens=7), dispatch("b2", "héllo", max_tokens=3),
-                           dispatch("b3", [9] * 5, resumed=[5, 6], max_tokens=3)])
+                           dispatch("b3", [9] * 5, resumed=[5, 6], max_tokens=5)])
     assert joined(got["b1"]) == ([5, 6, 7, 8, 9, 10, 11], "")
     assert joined(got["b2"]) == ([6, 7, 8], "") and got["b2"][0].prompt_token_ids == list("héllo".encode())
     assert joined(got["b3"]) == ([7, 8, 9], "") and got["b3"][0].prompt_token_ids == [9] * 5
