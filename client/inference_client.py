@@ -90,7 +90,7 @@ class _Request:
     submit: Submit
     deadline: float | None = None        # monotonic end of its timeout
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | ClusterError
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None   # a token-id prompt's own; a text prompt's from its first delta
     received: TokenIds = field(default_factory=TokenIds)          # output token ids delivered so far
     received_text_len: int = 0                                    # characters of text delivered with them
     seed: int | None = None                                       # the seed the first delta reported
@@ -248,7 +248,8 @@ class InferenceClient:
         await self._send(Abort(request_ids=[request_id]))
 
     def prompt_token_ids(self, request_id: str) -> list[int] | None:
-        """The prompt's token ids as the cluster tokenized them, once the first delta arrived (in flight only)."""
+        """The prompt's token ids (in flight only): a token-id prompt's at once, a text prompt's as the cluster
+        tokenized them once the first delta arrived."""
         request = self._requests.get(request_id)
         return None if request is None else request.prompt_token_ids
 
@@ -268,7 +269,8 @@ class InferenceClient:
         else:
             submit = Submit(request_id=rid, prompt_token_ids=TokenIds(prompt), sampling=params,
                             pin_rank=pin_rank, timeout_s=timeout, priority=priority)
-        request = self._requests[rid] = _Request(rid, submit, None if timeout is None else time.monotonic() + timeout)
+        request = self._requests[rid] = _Request(rid, submit, None if timeout is None else time.monotonic() + timeout,
+                                                 prompt_token_ids=None if isinstance(prompt, str) else list(prompt))
         if len(self._requests) == 1 and self._call is None:
             self._last_heard = time.monotonic()   # the silence clock starts when there is something to wait for
         try:

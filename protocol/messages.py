@@ -24,7 +24,8 @@ from infer.protocol.sampling import FieldError, SamplingParams
 from infer.protocol.structured import StructuredOutputsParams
 
 # 2: error codes client_lost / client_too_slow / draining, Heartbeat.step_age_s
-# 3: a re-dispatch carries the request's own max_tokens / min_tokens (the engine counts the resumed tokens)
+# 3: a re-dispatch carries the request's own max_tokens / min_tokens (the engine counts the resumed tokens); a worker
+#    echoes the prompt's token ids only for a text prompt
 PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 << 20          # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
@@ -337,7 +338,7 @@ class Delta(Message):
     logprobs: list[dict[int, float]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    prompt_token_ids: TokenIds | None = None   # a worker's first delta of a request: what it tokenized
+    prompt_token_ids: TokenIds | None = None   # a worker's first delta of a text prompt: what it tokenized
     error_code: str | None = None              # with finish_reason "error": one of outputs.ERROR_CODES
     queue_time_s: float | None = None          # a worker's first delta: seconds waiting before first scheduled
     seed: int | None = None                    # the first delta: the sampling seed the request runs with
