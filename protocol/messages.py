@@ -692,6 +692,17 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
         raise
 
 
+def peek_request_id(frame: bytes) -> str | None:
+    """The request id of a frame that failed to decode, when it can be read (so that request alone fails);
+    never raises."""
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=False).get("body")
+        request_id = body.get("request_id") if isinstance(body, dict) else None
+    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types; a frame we cannot read
+        return None
+    return request_id if isinstance(request_id, str) and 0 < len(request_id) <= MAX_ID_LEN else None
+
+
 Coercer = Callable[[Any], Any]
 
 

@@ -29,12 +29,10 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn, Protocol
 
-import msgpack
-
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
-    MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
-    Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode
+    Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
+    Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode, peek_request_id
 )
 from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
@@ -475,7 +473,7 @@ class WorkerCore:
         request fails alone), else an Error naming the problem (and the request id when readable)."""
         self._warn.warning("bad frame from the coordinator (%d bytes): %s", len(frame), safe(problem))
         kind = problem.message_type if isinstance(problem, ProtocolError) else None
-        problem, request_id = str(problem), _peek_request_id(frame)
+        problem, request_id = str(problem), peek_request_id(frame)
         if kind == Dispatch.TYPE and request_id is not None:
             self._reject(request_id, f"bad dispatch: {problem}", "invalid_request")
         else:
@@ -523,12 +521,3 @@ class _Sent:
                                token_ids=TokenIds(self.token_ids), resumed=self.resumed, text="".join(self.text_parts),
                                delta_ends=list(self.delta_ends), text_ends=list(self.text_ends), seed=self.seed)
 
-
-def _peek_request_id(frame: bytes) -> str | None:
-    """The request id of a frame that failed to decode, when it can be read; never raises."""
-    try:
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=False).get("body")
-        request_id = body.get("request_id") if isinstance(body, dict) else None
-    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types; a frame we cannot read
-        return None
-    return request_id if isinstance(request_id, str) and 0 < len(request_id) <= MAX_ID_LEN else None

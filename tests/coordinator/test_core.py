@@ -562,6 +562,30 @@ def test_malformed_frames_get_an_error_and_change_nothing(frames, text):
     assert set(dispatches(h.submit(C1, "ok"))) <= {W0, W1}
 
 
+def _submit_frame(rid, sampling) -> bytes:
+    return msgpack.packb({"type": "submit", "v": PROTOCOL_VERSION,
+                          "body": {"request_id": rid, "prompt": "x", "sampling": sampling}})
+
+
+@pytest.mark.parametrize("sampling, text", [
+    ({"temperature": 0.0, "top_p": 1.5}, "field 'sampling.top_p': top_p must be in (0, 1]"),
+    ({"max_tokens": 2**64 - 1}, "field 'sampling.max_tokens': max_tokens must fit in 64 bits"),
+    ({"stop": {"a": 1}}, "field 'sampling.stop': stop must be a list, got dict"),
+    ({"structured_outputs": {"choice": "ab"}}, "field 'sampling.structured_outputs': structured_outputs.choice"),
+    ({"logit_bias": [[1, 2, 3]]}, "field 'sampling.logit_bias': logit_bias must map token ids to biases"),
+    ({"temperature": 0.0, "teperature": 1}, "field 'sampling': unknown sampling option(s): teperature"),
+    ("hot", "field 'submit.sampling' must be a map of sampling params, got str"),
+])
+def test_a_submit_with_bad_sampling_fails_that_request_alone_naming_the_field(sampling, text):
+    h = two_workers()
+    ((worker, (running,)),) = dispatches(h.submit(C1, "ok")).items()
+    (err,) = of_type(h.raw(C1, [_submit_frame("bad", sampling)]), Error, C1)
+    assert err.request_id == "bad" and err.code == "invalid_request" and text in err.message
+    assert h.core.requests.get("bad") is None and h.core.stats(h.now).frames_rejected == 1
+    out = h.step(worker.decode(), delta("ok", 5, finish="length"))     # the client's other request goes on
+    assert [d.finish_reason for d in client_deltas(out, C1)] == ["length"]
+
+
 def test_a_worker_may_not_act_as_a_client():
     h = two_workers()
     (err,) = of_type(h.submit(W0, "r"), Error, W0)
