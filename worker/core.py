@@ -520,4 +520,3 @@ class _Sent:
         return RequestSnapshot(request_id=request_id, prompt_token_ids=self.prompt_token_ids,
                                token_ids=TokenIds(self.token_ids), resumed=self.resumed, text="".join(self.text_parts),
                                delta_ends=list(self.delta_ends), text_ends=list(self.text_ends), seed=self.seed)
-
