@@ -64,7 +64,7 @@ class Reattachment:
         if request.prompt_token_ids is None:
             request.prompt_token_ids = orphan.prompt_token_ids
         if orphan.seed is not None:         # what the worker runs with (the client may not have heard it yet)
-            request.sampling = {**request.sampling, "seed": orphan.seed}
+            request.sampling = request.sampling.with_seed(orphan.seed)
         final = orphan.final
         first = not request.sent_prompt_ids
         delta = Delta(request_id=request.request_id, token_ids=tokens, text=text,
@@ -73,7 +73,7 @@ class Reattachment:
                       finished=final is not None, finish_reason=None if final is None else final.finish_reason,
                       error=None if final is None else final.error,
                       error_code=None if final is None else final.error_code,
-                      seed=request.sampling.get("seed") if first else None)
+                      seed=request.sampling.seed if first else None)
         request.sent_prompt_ids = True
         request.delivered.extend(tokens)
         if request.delivered_text_len is not None:

@@ -99,7 +99,7 @@ class Relay:
                      logprobs=delta.logprobs, num_prompt_tokens=len(request.prompt_token_ids or ()),
                      num_cached_tokens=delta.num_cached_tokens, prompt_token_ids=prompt_ids,
                      error_code=delta.error_code, queue_time_s=delta.queue_time_s,
-                     seed=None if prompt_ids is None else request.sampling.get("seed"),
+                     seed=None if prompt_ids is None else request.sampling.seed,
                      prompt_logprobs=delta.prompt_logprobs)
 
     def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:

@@ -29,12 +29,10 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn, Protocol
 
-import msgpack
-
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
-    MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
-    Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode
+    Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
+    Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode, peek_request_id
 )
 from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
@@ -305,7 +303,7 @@ class WorkerCore:
         sent = self._requests.pop(out.request_id, None) if out.finished else self._requests.get(out.request_id)
         prompt_ids = None
         if sent is not None:
-            prompt_ids = None if sent.echoed else sent.prompt_token_ids
+            prompt_ids = sent.prompt_token_ids if sent.echo_prompt else None
             sent.record(out.token_ids, out.text)
         return Delta(request_id=out.request_id, token_ids=TokenIds(out.token_ids), text=out.text,
                      finished=out.finished, finish_reason=out.finish_reason, error=out.error,
@@ -372,29 +370,30 @@ class WorkerCore:
         self._dispatches_seen += 1
         self.check_signals(now)   # a signal that came while this frame was queued wins
         if self._drain_deadline is not None:
-            return self._reject(msg.request_id, "worker is draining", "draining", msg.prompt_token_ids)
+            return self._reject(msg.request_id, "worker is draining", "draining")
         if msg.request_id in self._requests:
             return self._reject(msg.request_id, f"request id {msg.request_id!r} is already running on this worker",
-                                "internal", msg.prompt_token_ids)
+                                "internal")
         limit = self.engine.config.max_num_seqs + self.options.max_waiting_requests
         if len(self._requests) >= limit:
             return self._reject(msg.request_id, f"worker {self.options.worker_id} is full: "
                                 f"{len(self._requests)} requests (max_num_seqs + --max-waiting-requests = {limit})",
-                                "overloaded", msg.prompt_token_ids)
+                                "overloaded")
         prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids)
         try:
-            params = SamplingParams.from_dict(msg.sampling)
             with self.busy():     # a huge prompt's tokenization: heartbeats go on meanwhile
-                request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids,
+                request = self.engine.add_request(msg.request_id, prompt, msg.sampling, msg.resumed_token_ids,
                                                   msg.resumed_text_len, priority=msg.priority)
         except ValueError as e:
-            return self._reject(msg.request_id, str(e), "invalid_request", msg.prompt_token_ids)
+            return self._reject(msg.request_id, str(e), "invalid_request")
         self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), len(msg.resumed_token_ids),
-                                               TokenIds(msg.resumed_token_ids), request.params.seed)
+                                               TokenIds(msg.resumed_token_ids), request.params.seed,
+                                               echo_prompt=msg.prompt is not None)
 
-    def _reject(self, request_id: str, reason: str, code: str, prompt_token_ids: TokenIds | None = None) -> None:
+    def _reject(self, request_id: str, reason: str, code: str) -> None:
+        """A final error delta; it echoes no prompt ids (a text prompt refused here was not tokenized)."""
         self._warn.warning("request %s rejected: %s", safe(request_id), safe(reason))
-        self._outbox.append(Delta.final(request_id, "error", reason, code, prompt_token_ids))
+        self._outbox.append(Delta.final(request_id, "error", reason, code))
 
     def _on_abort(self, msg: Abort, now: float) -> None:
         """The coordinator forgot these requests before it asked: free their KV blocks now and send no final
@@ -481,7 +480,7 @@ class WorkerCore:
         request fails alone), else an Error naming the problem (and the request id when readable)."""
         self._warn.warning("bad frame from the coordinator (%d bytes): %s", len(frame), safe(problem))
         kind = problem.message_type if isinstance(problem, ProtocolError) else None
-        problem, request_id = str(problem), _peek_request_id(frame)
+        problem, request_id = str(problem), peek_request_id(frame)
         if kind == Dispatch.TYPE and request_id is not None:
             self._reject(request_id, f"bad dispatch: {problem}", "invalid_request")
         else:
@@ -498,10 +497,10 @@ class _Sent:
     (see RequestSnapshot). Tokens resumed from a failover come first; their text is the client's already."""
 
     __slots__ = ("prompt_token_ids", "resumed", "token_ids", "text_parts", "delta_ends", "text_ends", "text_len",
-                 "echoed", "seed")
+                 "echo_prompt", "seed")
 
     def __init__(self, prompt_token_ids: TokenIds, resumed: int, resumed_token_ids: TokenIds,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, echo_prompt: bool = False) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.seed = seed
         self.resumed = resumed
@@ -510,10 +509,12 @@ class _Sent:
         self.delta_ends: list[int] = []
         self.text_ends: list[int] = []
         self.text_len = 0
-        self.echoed = False          # the first delta (which echoes the prompt ids) went out
+        # The next delta echoes the prompt ids: the first one, when the prompt was text (the client of a token-id
+        # prompt has them; the coordinator keeps a text prompt's ids, for a re-dispatch)
+        self.echo_prompt = echo_prompt
 
     def record(self, token_ids: list[int], text: str) -> None:
-        self.echoed = True
+        self.echo_prompt = False
         if token_ids or text:
             self.token_ids.extend(token_ids)
             if text:
@@ -526,13 +527,3 @@ class _Sent:
         return RequestSnapshot(request_id=request_id, prompt_token_ids=self.prompt_token_ids,
                                token_ids=TokenIds(self.token_ids), resumed=self.resumed, text="".join(self.text_parts),
                                delta_ends=list(self.delta_ends), text_ends=list(self.text_ends), seed=self.seed)
-
-
-def _peek_request_id(frame: bytes) -> str | None:
-    """The request id of a frame that failed to decode, when it can be read; never raises."""
-    try:
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=False).get("body")
-        request_id = body.get("request_id") if isinstance(body, dict) else None
-    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types; a frame we cannot read
-        return None
-    return request_id if isinstance(request_id, str) and 0 < len(request_id) <= MAX_ID_LEN else None
