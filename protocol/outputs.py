@@ -4,26 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infer.protocol.codes import ErrorCode, FinishReason
+
 # One generated token's logprobs: {token_id: logprob} holding the sampled token and the top-n.
 TokenLogprobs = dict[int, float]
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
-# Why a request failed (with finish_reason "error"), for callers that must tell bad input from a busy cluster:
-#   invalid_request: the request itself can never be served (prompt too long, bad token ids, bad options);
-#   unavailable:     the cluster cannot serve it now (no healthy worker in time, draining, stopping, retries spent);
-#   internal:        a component failed while serving it;
-#   overloaded:      a queue on its way was full (coordinator, worker or HTTP front): retry later, it was not run;
-#   timeout:         it did not finish within its own `timeout`; it was aborted and its KV blocks freed;
-#   client_too_slow: its client did not read what the coordinator sent it (its queue reached the high-water
-#                    mark), so the coordinator aborted its requests; the client hears it when it reads again;
-#   client_lost:     (an Error, no request id) the coordinator declared this client lost (silent past
-#                    --client-timeout, or unroutable) and aborted its requests on the workers; the client
-#                    re-attaches them (they resume from the tokens it holds) or fails them;
-#   draining:        (worker -> coordinator only) a draining worker refused a dispatch; the coordinator moves
-#                    the request to another worker and routes nothing more to this one.
-ERROR_CODES = ("invalid_request", "unavailable", "internal", "overloaded", "timeout", "client_too_slow",
-               "client_lost", "draining")
+# The words of `finish_reason` and `error_code`, as tuples (protocol/codes.py has them with their meanings).
+FINISH_REASONS = tuple(FinishReason)
+ERROR_CODES = tuple(ErrorCode)
 
 
 @dataclass

@@ -264,9 +264,10 @@ class WorkerCore:
         out, self._outgoing = self._outgoing, []
         return out
 
-    def state_name(self) -> str:
-        return "draining" if self._drain_deadline is not None and self.state is WorkerState.RUNNING \
-            else self.state.value
+    def state_name(self) -> WorkerState:
+        """The state this worker reports: its table state, or DRAINING for a running worker after SIGTERM."""
+        return WorkerState.DRAINING if self._drain_deadline is not None and self.state is WorkerState.RUNNING \
+            else self.state
 
     # ---- out -----------------------------------------------------------------------------------
 
@@ -421,7 +422,7 @@ class WorkerCore:
             self._abort_all(now)
         self.state = step.state
         if Action.EXIT in step.actions:
-            self._send(ControlAck(command=msg.command, state=step.state.value), now)
+            self._send(ControlAck(command=msg.command, state=step.state), now)
             raise WorkerExit(EXIT_OK, "stopped by the coordinator", leave_group="stopped by the coordinator")
         log.info("%s: now %s%s", msg.command, self.state.value, f" ({released} bytes released)" if released else
                  f" ({restored} bytes restored)" if restored else "")
