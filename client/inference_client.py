@@ -54,6 +54,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from infer.client.engine_client import ClusterError
+from infer.protocol.journal import StreamJournal
 from infer.protocol.keys import CurveKeys, PathLike
 from infer.protocol.messages import (
     MAX_REFIT_TIMEOUT_S, MAX_REQUEST_TIMEOUT_S, ON_RUNNING, Abort, ClusterStats, Control, ControlAck, Delta,
@@ -92,9 +93,8 @@ class _Request:
     deadline: float | None = None        # monotonic end of its timeout
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | ClusterError
     prompt_token_ids: list[int] | None = None
-    received: TokenIds = field(default_factory=TokenIds)          # output token ids delivered so far
-    received_text_len: int = 0                                    # characters of text delivered with them
-    seed: int | None = None                                       # the seed the first delta reported
+    received: StreamJournal = field(default_factory=StreamJournal)   # the output tokens and text delivered so far
+    seed: int | None = None                                          # the seed the first delta reported
 
 
 @dataclass(eq=False)
@@ -511,14 +511,15 @@ class InferenceClient:
         submit = request.submit
         timeout = None if request.deadline is None else max(1e-3, request.deadline - time.monotonic())
         sampling = submit.sampling if request.seed is None else {**submit.sampling, "seed": request.seed}
-        if not request.received:
+        if not request.received.token_ids:
             return dataclasses.replace(submit, sampling=sampling, timeout_s=timeout, reattach=True)
         if request.prompt_token_ids is None:
             return None
         return Submit(request_id=submit.request_id, prompt_token_ids=TokenIds(request.prompt_token_ids),
                       sampling=sampling, pin_rank=submit.pin_rank, timeout_s=timeout, reattach=True,
                       priority=submit.priority,
-                      delivered_token_ids=TokenIds(request.received), delivered_text_len=request.received_text_len)
+                      delivered_token_ids=TokenIds(request.received.token_ids),
+                      delivered_text_len=request.received.text_len)
 
     def _on_delta(self, delta: Delta) -> None:
         request = self._requests.get(delta.request_id)
@@ -526,8 +527,7 @@ class InferenceClient:
             return   # a late delta of a request abandoned here
         if delta.prompt_token_ids is not None and request.prompt_token_ids is None:
             request.prompt_token_ids = list(delta.prompt_token_ids)
-        request.received.extend(delta.token_ids)
-        request.received_text_len += len(delta.text)
+        request.received.record(delta.token_ids, delta.text)
         if delta.seed is not None:
             request.seed = delta.seed
         request.queue.put_nowait(RequestOutput(

@@ -172,7 +172,8 @@ class RequestSnapshot(Message):
     `token_ids` is every output token so far; the first `resumed` of them came with the Dispatch
     (`resumed_token_ids`: the client had them before this worker ran it), the rest left in deltas. Delta j
     carried output tokens up to `delta_ends[j]` and text up to `text_ends[j]` of `text` (the text of the
-    tokens after the resumed ones); a client that holds n tokens gets the rest from that boundary on.
+    tokens after the resumed ones); a client that holds n tokens gets the rest from that boundary on
+    (protocol/journal.py: StreamJournal, which makes and reads these).
     """
 
     TYPE: ClassVar[str] = "request_snapshot"
@@ -198,18 +199,6 @@ class RequestSnapshot(Message):
                                          and self.text_ends[-1] <= len(self.text)),
                  "'delta_ends' / 'text_ends' point outside 'token_ids' / 'text'")
 
-    def catch_up(self, num_held: int) -> tuple[TokenIds, str] | None:
-        """The tokens and text after the first `num_held` output tokens (what a client holding that many
-        still lacks), or None when `num_held` is not a delta boundary this worker knows the text of."""
-        if num_held == self.resumed:
-            text_start = 0
-        elif num_held in self.delta_ends:
-            text_start = self.text_ends[self.delta_ends.index(num_held)]
-        else:
-            return None
-        end = self.delta_ends[-1] if self.delta_ends else self.resumed
-        return TokenIds(self.token_ids[num_held:end]), self.text[text_start:self.text_ends[-1] if self.text_ends
-                                                                   else 0]
 
 @message
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ and `core.poll_timeout(now)` says how long it may block. A decision that ends th
 `busy()`, the shell's hook that lets the heartbeat thread send meanwhile (`beat_during_step`).
 
 Invariant: `_requests` holds exactly the ids dispatched here whose finished delta has not been sent, each with
-what its deltas carried so far (`_Sent`): the Hello of a re-registration (say, with a restarted coordinator)
-sends it, so the coordinator can hand each stream back to its client.
+what its deltas carried so far (`_Sent`: a StreamJournal, protocol/journal.py): the Hello of a re-registration
+(say, with a restarted coordinator) sends it, so the coordinator can hand each stream back to its client.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any, ClassVar, NoReturn, Protocol
 
 import msgpack
 
+from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
     MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
@@ -300,7 +301,8 @@ class WorkerCore:
         prompt_ids = None
         if sent is not None:
             prompt_ids = None if sent.echoed else sent.prompt_token_ids
-            sent.record(out.token_ids, out.text)
+            sent.echoed = True
+            sent.journal.record(out.token_ids, out.text)
         return Delta(request_id=out.request_id, token_ids=TokenIds(out.token_ids), text=out.text,
                      finished=out.finished, finish_reason=out.finish_reason, error=out.error,
                      logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
@@ -383,8 +385,8 @@ class WorkerCore:
                                                   msg.resumed_text_len, priority=msg.priority)
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request", msg.prompt_token_ids)
-        self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), len(msg.resumed_token_ids),
-                                               TokenIds(msg.resumed_token_ids), request.params.seed)
+        self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), msg.resumed_token_ids,
+                                               request.params.seed)
 
     def _reject(self, request_id: str, reason: str, code: str, prompt_token_ids: TokenIds | None = None) -> None:
         self._warn.warning("request %s rejected: %s", safe(request_id), safe(reason))
@@ -488,38 +490,20 @@ class WorkerCore:
 
 
 class _Sent:
-    """What the deltas of one request carried so far: enough to rebuild its stream from any delta boundary
-    (see RequestSnapshot). Tokens resumed from a failover come first; their text is the client's already."""
+    """A request dispatched here: what its snapshot needs beside the stream journal of what its deltas carried
+    (tokens resumed from a failover come first; their text is the client's already), and whether its first
+    delta, which echoes the prompt ids, went out."""
 
-    __slots__ = ("prompt_token_ids", "resumed", "token_ids", "text_parts", "delta_ends", "text_ends", "text_len",
-                 "echoed", "seed")
+    __slots__ = ("prompt_token_ids", "seed", "journal", "echoed")
 
-    def __init__(self, prompt_token_ids: TokenIds, resumed: int, resumed_token_ids: TokenIds,
-                 seed: int | None = None) -> None:
+    def __init__(self, prompt_token_ids: TokenIds, resumed_token_ids: TokenIds, seed: int | None = None) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.seed = seed
-        self.resumed = resumed
-        self.token_ids = resumed_token_ids
-        self.text_parts: list[str] = []
-        self.delta_ends: list[int] = []
-        self.text_ends: list[int] = []
-        self.text_len = 0
-        self.echoed = False          # the first delta (which echoes the prompt ids) went out
-
-    def record(self, token_ids: list[int], text: str) -> None:
-        self.echoed = True
-        if token_ids or text:
-            self.token_ids.extend(token_ids)
-            if text:
-                self.text_parts.append(text)
-                self.text_len += len(text)
-            self.delta_ends.append(len(self.token_ids))
-            self.text_ends.append(self.text_len)
+        self.journal = StreamJournal(resumed_token_ids)
+        self.echoed = False
 
     def snapshot(self, request_id: str) -> RequestSnapshot:
-        return RequestSnapshot(request_id=request_id, prompt_token_ids=self.prompt_token_ids,
-                               token_ids=TokenIds(self.token_ids), resumed=self.resumed, text="".join(self.text_parts),
-                               delta_ends=list(self.delta_ends), text_ends=list(self.text_ends), seed=self.seed)
+        return self.journal.snapshot(request_id, self.prompt_token_ids, self.seed)
 
 
 def _peek_request_id(frame: bytes) -> str | None:

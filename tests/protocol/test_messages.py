@@ -211,15 +211,6 @@ def test_fuzz_only_protocol_errors():
     assert outcomes["error"] > 10_000 and sum(outcomes.values()) == 20_000
 
 
-def test_snapshot_catch_up_starts_at_a_delta_boundary():
-    snap = RequestSnapshot(request_id="a", prompt_token_ids=TokenIds([1]), token_ids=TokenIds([5, 6, 7, 8]),
-                           resumed=1, text="xyz", delta_ends=[2, 4], text_ends=[1, 3])
-    assert snap.catch_up(1) == ([6, 7, 8], "xyz")     # the client holds only the resumed token
-    assert snap.catch_up(2) == ([7, 8], "yz")
-    assert snap.catch_up(4) == ([], "")
-    assert snap.catch_up(3) is None and snap.catch_up(0) is None   # inside a delta, or before what it resumed
-
-
 @pytest.mark.parametrize("bad, text", [
     (dict(timeout_s=0.0), "timeout_s"), (dict(timeout_s=float("nan")), "timeout_s"),
     (dict(delivered_token_ids=TokenIds([3])), "reattach"),
