@@ -15,16 +15,21 @@ from infer.protocol.messages import Delta, RequestSnapshot, TokenIds
 @dataclass(eq=False)
 class Orphan:
     """One request a worker runs for a client the coordinator does not know yet: the worker's snapshot and the
-    deltas after it, in one stream journal; `final` is its finished delta when it ended before the client came
-    back."""
+    deltas after it, in one stream journal; `latest` is the last of those deltas (its weight version, and
+    whether it ended before the client came back: `final`)."""
 
     worker_id: str
     request_id: str
     prompt_token_ids: TokenIds
     since: float
     journal: StreamJournal = field(default_factory=StreamJournal)
-    final: Delta | None = None
+    latest: Delta | None = None
     seed: int | None = None         # the sampling seed it runs with
+
+    @property
+    def final(self) -> Delta | None:
+        """Its finished delta, when it ended before the client came back."""
+        return self.latest if self.latest is not None and self.latest.finished else None
 
     @classmethod
     def from_snapshot(cls, worker_id: str, snapshot: RequestSnapshot, now: float) -> Orphan:
@@ -34,8 +39,7 @@ class Orphan:
     def extend(self, delta: Delta) -> None:
         """A later delta of this request from its worker."""
         self.journal.record(delta.token_ids, delta.text)
-        if delta.finished:
-            self.final = delta
+        self.latest = delta
 
     def catch_up(self, held: TokenIds) -> tuple[TokenIds, str] | None:
         """What a client holding the output tokens `held` still lacks (tokens, text), or None when its copy
