@@ -294,9 +294,9 @@ class InferenceClient:
                 item = await asyncio.wait_for(request.queue.get(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self._abandon(request)
-                return RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
-                                     error=f"request {request.request_id!r} did not finish within its timeout, and "
-                                     f"the coordinator did not end it either; it was aborted", error_code="timeout")
+                return Delta.final(request.request_id, "error", f"request {request.request_id!r} did not finish "
+                                   f"within its timeout, and the coordinator did not end it either; it was aborted",
+                                   "timeout")
         if isinstance(item, BaseException):
             raise item
         return item
@@ -498,10 +498,9 @@ class InferenceClient:
                 self._send_nowait(submit)
                 continue
             del self._requests[request.request_id]
-            request.queue.put_nowait(RequestOutput(
-                request.request_id, [], "", finished=True, finish_reason="error", error_code="unavailable",
-                error=f"request {request.request_id!r} cannot be resumed ({why}) without a repeat: the "
-                      f"coordinator never told this client the prompt's token ids"))
+            request.queue.put_nowait(Delta.final(
+                request.request_id, "error", f"request {request.request_id!r} cannot be resumed ({why}) without a "
+                f"repeat: the coordinator never told this client the prompt's token ids", "unavailable"))
 
     @staticmethod
     def _resubmission(request: _Request) -> Submit | None:
@@ -530,12 +529,7 @@ class InferenceClient:
         request.received.record(delta.token_ids, delta.text)
         if delta.seed is not None:
             request.seed = delta.seed
-        request.queue.put_nowait(RequestOutput(
-            delta.request_id, list(delta.token_ids), delta.text, finished=delta.finished,
-            finish_reason=delta.finish_reason, logprobs=delta.logprobs, error=delta.error,
-            num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-            error_code=delta.error_code, queue_time_s=delta.queue_time_s, seed=delta.seed,
-            prompt_logprobs=delta.prompt_logprobs, weight_version=delta.weight_version))
+        request.queue.put_nowait(delta)
         if delta.finished:
             del self._requests[delta.request_id]
 
@@ -545,9 +539,8 @@ class InferenceClient:
         if error.request_id is not None:   # a request's failure: never a call's
             request = self._requests.pop(error.request_id, None)
             if request is not None:
-                request.queue.put_nowait(RequestOutput(error.request_id, [], "", finished=True,
-                                                       finish_reason="error", error=error.message,
-                                                       error_code=error.code or "internal"))
+                request.queue.put_nowait(Delta.final(error.request_id, "error", error.message,
+                                                     error.code or "internal"))
             return
         if self._call is not None and not self._call.future.done():
             self._call.future.set_exception(ClusterError(error.message))
@@ -564,8 +557,7 @@ class InferenceClient:
             return self._reattach_all("the coordinator declared this client lost")
         log.warning("%s", safe(error.message, 500))
         for request in list(self._requests.values()):
-            request.queue.put_nowait(RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
-                                                   error=error.message, error_code=error.code))
+            request.queue.put_nowait(Delta.final(request.request_id, "error", error.message, error.code))
         self._requests.clear()
 
     def _answer(self, msg: Message, error: ClusterError | None) -> None:

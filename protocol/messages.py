@@ -13,7 +13,7 @@ import sys
 import types
 import typing
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -365,7 +365,12 @@ class Accepted(Message):
 @message
 @dataclass(frozen=True)
 class Delta(Message):
-    """New tokens of one request (a stream delta); the last one has `finished` and `finish_reason`."""
+    """New tokens of one request (a stream delta); the last one has `finished` and `finish_reason`.
+
+    The one record of a request's output, from the engine that makes it (`Engine.step`) over the wire to the
+    user (`RequestOutput` is this class): `token_ids` and `text` are new since the previous delta; the last
+    delta carries `finish_reason` (and `error`, `error_code` when it is "error"); make it with `final`.
+    """
 
     TYPE: ClassVar[str] = "delta"
     request_id: str
@@ -386,12 +391,14 @@ class Delta(Message):
 
     @classmethod
     def final(cls, request_id: str, finish_reason: FinishReason | str, error: str | None = None,
-              error_code: ErrorCode | str | None = None, prompt_token_ids: TokenIds | None = None) -> Delta:
-        """A last delta with no tokens: how a request ends when it is refused, aborted, failed or out of budget."""
-        return cls(request_id=request_id, token_ids=TokenIds(), text="", finished=True,
+              error_code: ErrorCode | str | None = None, *, token_ids: Sequence[int] = (), text: str = "",
+              **fields: Any) -> Delta:
+        """The last delta of a request; every one is made here. With no tokens: how a request ends when it is
+        refused, aborted, failed or out of budget; the engine's carries its last tokens and text. `fields`: any
+        other Delta field (prompt_token_ids, num_prompt_tokens, queue_time_s, ...)."""
+        return cls(request_id=request_id, token_ids=TokenIds(token_ids), text=text, finished=True,
                    finish_reason=_member((FinishReason,), finish_reason, "finish_reason"), error=error,
-                   error_code=_member((ErrorCode,), error_code, "error_code", nullable=True),
-                   prompt_token_ids=prompt_token_ids)
+                   error_code=_member((ErrorCode,), error_code, "error_code", nullable=True), **fields)
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)

@@ -22,6 +22,7 @@ what its deltas carried so far (`_Sent`: a StreamJournal, protocol/journal.py): 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -37,7 +38,6 @@ from infer.protocol.messages import (
     MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
     Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode
 )
-from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.lifecycle import Action, WorkerState, transition
@@ -73,8 +73,8 @@ class EngineLike(Protocol):
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None,
                     priority: int = 0) -> Request: ...
-    def step(self) -> list[RequestOutput]: ...
-    def take_pending(self) -> list[RequestOutput]: ...
+    def step(self) -> list[Delta]: ...
+    def take_pending(self) -> list[Delta]: ...
     def shed_overdue(self, max_queue_time: float) -> int: ...
     def abort(self, request_id: str, release_text: bool = True) -> bool: ...
     def has_unfinished(self) -> bool: ...
@@ -159,7 +159,7 @@ class WorkerCore:
         self._last_shed_check = now
         self.engine.shed_overdue(limit)
 
-    def after_step(self, outputs: list[RequestOutput], now: float, refit: bool = True) -> None:
+    def after_step(self, outputs: list[Delta], now: float, refit: bool = True) -> None:
         """The outputs of the step the shell ran (or of `take_pending` when it did not step): one StepBatch with
         their deltas and any rejections; then a pending refit is applied if the engine has emptied (`refit`;
         an EP group's rank never applies one here)."""
@@ -280,7 +280,7 @@ class WorkerCore:
         self.last_load = self.engine.load()
         self._send(Heartbeat(sent_at=now + self.wall_offset, load=self.last_load), now)
 
-    def _send_step_batch(self, outputs: list[RequestOutput], now: float) -> None:
+    def _send_step_batch(self, outputs: list[Delta], now: float) -> None:
         silenced = 0
         if self._silenced:
             kept = [out for out in outputs if not self._silence(out)]
@@ -290,25 +290,22 @@ class WorkerCore:
             self.last_load = self.engine.load()
             self._send(StepBatch(deltas=deltas, load=self.last_load), now)
 
-    def _silence(self, out: RequestOutput) -> bool:
+    def _silence(self, out: Delta) -> bool:
         if out.finish_reason == "abort" and out.request_id in self._silenced:
             self._silenced.discard(out.request_id)
             return True
         return False
 
-    def _delta(self, out: RequestOutput) -> Delta:
+    def _delta(self, out: Delta) -> Delta:
+        """An engine output as it goes out: recorded in its request's journal, the first echoing the prompt ids."""
         sent = self._requests.pop(out.request_id, None) if out.finished else self._requests.get(out.request_id)
-        prompt_ids = None
-        if sent is not None:
-            prompt_ids = None if sent.echoed else sent.prompt_token_ids
-            sent.echoed = True
-            sent.journal.record(out.token_ids, out.text)
-        return Delta(request_id=out.request_id, token_ids=TokenIds(out.token_ids), text=out.text,
-                     finished=out.finished, finish_reason=out.finish_reason, error=out.error,
-                     logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
-                     num_cached_tokens=out.num_cached_tokens, prompt_token_ids=prompt_ids,
-                     error_code=out.error_code, queue_time_s=out.queue_time_s, seed=out.seed,
-                     prompt_logprobs=out.prompt_logprobs, weight_version=out.weight_version)
+        if sent is None:
+            return out
+        sent.journal.record(out.token_ids, out.text)
+        if sent.echoed:
+            return out
+        sent.echoed = True
+        return dataclasses.replace(out, prompt_token_ids=sent.prompt_token_ids)
 
     # ---- registration ----------------------------------------------------------------------------
 
@@ -390,7 +387,7 @@ class WorkerCore:
 
     def _reject(self, request_id: str, reason: str, code: str, prompt_token_ids: TokenIds | None = None) -> None:
         self._warn.warning("request %s rejected: %s", safe(request_id), safe(reason))
-        self._outbox.append(Delta.final(request_id, "error", reason, code, prompt_token_ids))
+        self._outbox.append(Delta.final(request_id, "error", reason, code, prompt_token_ids=prompt_token_ids))
 
     def _on_abort(self, msg: Abort, now: float) -> None:
         """The coordinator forgot these requests before it asked: free their KV blocks now and send no final

@@ -13,6 +13,7 @@ from infer.protocol.messages import (
     StatsRequest, StepBatch, Submit, TokenIds, UpdateWeights, Welcome, WeightsUpdated, WeightSync, WeightTensor,
     WorkerStats, decode, encode
 )
+from infer.protocol.outputs import Completion, RequestOutput
 
 EXAMPLES = [
     Hello(role="client", peer_id="c1"),
@@ -235,3 +236,16 @@ def test_submit_deadline_and_reattach_are_checked(bad, text):
 def test_weight_update_messages_are_checked(build, text):
     with pytest.raises(ProtocolError, match=text):
         build()
+
+
+def test_request_output_is_the_wire_delta_and_final_makes_every_last_one():
+    """The engine emits the record that travels (no copy per hop); users import it as RequestOutput."""
+    assert RequestOutput is Delta
+    last = Delta.final("r", "length", token_ids=[4, 5], text="ab", num_prompt_tokens=3, weight_version=2)
+    assert last.finished and last.finish_reason == "length" and isinstance(last.token_ids, TokenIds)
+    assert decode(encode(last)) == last
+    completion = Completion("r", [1, 2, 3])
+    completion.add(Delta(request_id="r", token_ids=TokenIds([3]), text="x", seed=7))
+    completion.add(last)
+    assert (completion.token_ids, completion.text, completion.finish_reason) == ([3, 4, 5], "xab", "length")
+    assert completion.seed == 7 and completion.weight_version == 2
