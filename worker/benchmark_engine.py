@@ -67,7 +67,6 @@ class BenchmarkEngine:
             done = request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len
             if done:
                 del self._requests[request.request_id]
-            if done:
                 outputs.append(Delta.final(request.request_id, "length", token_ids=[token],
                                            num_prompt_tokens=request.num_prompt_tokens))
             else:
