@@ -31,6 +31,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 from infer.protocol.messages import Hello, Submit, TokenIds, Welcome, decode, encode
+from infer.protocol.sampling import SamplingParams
 
 PROMPT = TokenIds(range(1, 17))
 RELAY = """
@@ -115,7 +116,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def submit_frames(count: int, tag: str) -> list[bytes]:
-    return [encode(Submit(request_id=f"{tag}{i}", prompt_token_ids=PROMPT, sampling={"max_tokens": 1}))
+    return [encode(Submit(request_id=f"{tag}{i}", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=1)))
             for i in range(count)]
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import itertools
 import ipaddress
 import logging
@@ -92,7 +91,7 @@ class _Request:
     submit: Submit
     deadline: float | None = None        # monotonic end of its timeout
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | ClusterError
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None   # a token-id prompt's own; a text prompt's from its first delta
     received: StreamJournal = field(default_factory=StreamJournal)   # the output tokens and text delivered so far
     seed: int | None = None                                          # the seed the first delta reported
 
@@ -101,13 +100,6 @@ class _Request:
 class _Call:
     expect: tuple[type[Message], ...]
     future: asyncio.Future
-
-
-@functools.lru_cache(maxsize=256)
-def _sampling_dict(params: SamplingParams) -> dict[str, Any]:
-    """The fields of `params` that differ from the defaults (what travels). Cached: params are frozen."""
-    defaults = _DEFAULT_PARAMS.to_dict()
-    return {k: v for k, v in params.to_dict().items() if v != defaults[k]}
 
 
 _DEFAULT_PARAMS = SamplingParams()
@@ -256,7 +248,8 @@ class InferenceClient:
         await self._send(Abort(request_ids=[request_id]))
 
     def prompt_token_ids(self, request_id: str) -> list[int] | None:
-        """The prompt's token ids as the cluster tokenized them, once the first delta arrived (in flight only)."""
+        """The prompt's token ids (in flight only): a token-id prompt's at once, a text prompt's as the cluster
+        tokenized them once the first delta arrived."""
         request = self._requests.get(request_id)
         return None if request is None else request.prompt_token_ids
 
@@ -271,12 +264,13 @@ class InferenceClient:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in flight")
         if isinstance(prompt, str):
-            submit = Submit(request_id=rid, prompt=prompt, sampling=_sampling_dict(params), pin_rank=pin_rank,
+            submit = Submit(request_id=rid, prompt=prompt, sampling=params, pin_rank=pin_rank,
                             timeout_s=timeout, priority=priority)
         else:
-            submit = Submit(request_id=rid, prompt_token_ids=TokenIds(prompt), sampling=_sampling_dict(params),
+            submit = Submit(request_id=rid, prompt_token_ids=TokenIds(prompt), sampling=params,
                             pin_rank=pin_rank, timeout_s=timeout, priority=priority)
-        request = self._requests[rid] = _Request(rid, submit, None if timeout is None else time.monotonic() + timeout)
+        request = self._requests[rid] = _Request(rid, submit, None if timeout is None else time.monotonic() + timeout,
+                                                 prompt_token_ids=None if isinstance(prompt, str) else list(prompt))
         if len(self._requests) == 1 and self._call is None:
             self._last_heard = time.monotonic()   # the silence clock starts when there is something to wait for
         try:
@@ -509,7 +503,7 @@ class InferenceClient:
         exactly (tokens arrived but not the prompt's ids)."""
         submit = request.submit
         timeout = None if request.deadline is None else max(1e-3, request.deadline - time.monotonic())
-        sampling = submit.sampling if request.seed is None else {**submit.sampling, "seed": request.seed}
+        sampling = submit.sampling if request.seed is None else submit.sampling.with_seed(request.seed)
         if not request.received.token_ids:
             return dataclasses.replace(submit, sampling=sampling, timeout_s=timeout, reattach=True)
         if request.prompt_token_ids is None:

@@ -22,8 +22,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer.coordinator")
 
-_DEFAULTS = SamplingParams()
-
 
 class Admission:
     """Which requests go where, and when; the deadline heap; the routable workers."""
@@ -35,24 +33,21 @@ class Admission:
         self.deadlines: DeadlineHeap[str] = DeadlineHeap()   # request ids by deadline; stale entries skipped
 
     def new_record(self, identity: bytes, submit: Submit, now: float) -> RequestRecord:
-        sampling = self._seeded(submit.sampling)
         request = RequestRecord(
             request_id=submit.request_id, client=identity, prompt=submit.prompt,
-            prompt_token_ids=submit.prompt_token_ids, sampling=sampling,
-            max_tokens=sampling.get("max_tokens", _DEFAULTS.max_tokens),
-            min_tokens=sampling.get("min_tokens", _DEFAULTS.min_tokens), pin_rank=submit.pin_rank,
-            priority=submit.priority,
+            prompt_token_ids=submit.prompt_token_ids, sampling=self._seeded(submit.sampling),
+            pin_rank=submit.pin_rank, priority=submit.priority,
             submitted_at=now, deadline=None if submit.timeout_s is None else now + submit.timeout_s)
         if request.deadline is not None:
             self._add_deadline(request)
         return request
 
-    def _seeded(self, sampling: dict) -> dict:
+    def _seeded(self, sampling: SamplingParams) -> SamplingParams:
         """`sampling` with a seed of its own if it samples (temperature > 0) and has none: a re-dispatch then
         continues the same random stream, and the client can replay it (the first delta reports it)."""
-        if sampling.get("seed") is not None or sampling.get("temperature", _DEFAULTS.temperature) <= 0:
+        if sampling.seed is not None or sampling.greedy:
             return sampling
-        return {**sampling, "seed": self._seeds.getrandbits(63)}
+        return sampling.with_seed(self._seeds.getrandbits(63))
 
     def admit(self, request: RequestRecord, now: float) -> None:
         """Dispatch an accepted request now, or hold it behind the ones already waiting."""

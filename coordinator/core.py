@@ -54,7 +54,8 @@ from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
     PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello, Message,
-    ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated, decode
+    ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated, decode,
+    peek_request_id
 )
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
 
@@ -124,7 +125,8 @@ class Coordinator:
         try:
             msg = decode(payload[0])
         except ProtocolError as e:
-            self.reject(identity, f"bad frame: {e}", refuse=e.message_type == "hello")
+            request_id = peek_request_id(payload[0]) if e.message_type == Submit.TYPE else None
+            self.reject(identity, f"bad frame: {e}", refuse=e.message_type == "hello", request_id=request_id)
             return
         handler = self._handlers.get(type(msg))
         if handler is None:
@@ -234,11 +236,17 @@ class Coordinator:
         else:
             deltas.append(delta)
 
-    def reject(self, identity: bytes, text: str, refuse: bool = False) -> None:
-        """Answer a bad frame. The text may quote the frame: bounded, so junk cannot make big answers."""
+    def reject(self, identity: bytes, text: str, refuse: bool = False, request_id: str | None = None) -> None:
+        """Answer a bad frame. The text may quote the frame: bounded, so junk cannot make big answers. A Submit
+        whose request id could be read fails that request alone (its client hears "invalid_request")."""
         self.counters.frames_rejected += 1
         text = safe(text, MAX_REJECTION_CHARS)
-        self.send(identity, Refused(reason=text) if refuse else Error(message=text))
+        if refuse:
+            self.send(identity, Refused(reason=text))
+        elif request_id is not None:
+            self.send(identity, Error(message=text, request_id=request_id, code="invalid_request"))
+        else:
+            self.send(identity, Error(message=text))
 
     def _deny(self, identity: bytes, msg: Message, denial: Denial, now: float) -> None:
         """A frame its key may not send: Refused for a Hello, Error otherwise; a cut-off peer loses all."""

@@ -65,7 +65,7 @@ class Reattachment:
         if request.prompt_token_ids is None:
             request.prompt_token_ids = orphan.prompt_token_ids
         if orphan.seed is not None:         # what the worker runs with (the client may not have heard it yet)
-            request.sampling = {**request.sampling, "seed": orphan.seed}
+            request.sampling = request.sampling.with_seed(orphan.seed)
         final = orphan.final
         first = not request.sent_prompt_ids
         # the worker's latest delta (its final one, if it ended), carrying all the client lacks; no logprobs:
@@ -74,7 +74,7 @@ class Reattachment:
         delta = dataclasses.replace(latest, token_ids=tokens, text=text, logprobs=None,
                                     num_prompt_tokens=len(request.prompt_token_ids),
                                     prompt_token_ids=request.prompt_token_ids if first else None,
-                                    seed=request.sampling.get("seed") if first else None)
+                                    seed=request.sampling.seed if first else None)
         request.sent_prompt_ids = True
         request.delivered.extend(tokens)
         if request.delivered_text_len is not None:

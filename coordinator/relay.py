@@ -97,7 +97,7 @@ class Relay:
             return delta
         return dataclasses.replace(delta, num_prompt_tokens=len(request.prompt_token_ids or ()),
                                    prompt_token_ids=prompt_ids,
-                                   seed=None if prompt_ids is None else request.sampling.get("seed"))
+                                   seed=None if prompt_ids is None else request.sampling.seed)
 
     def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         """The worker aborted a request on its own (draining): relay its last tokens, then move it."""

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
-from infer.protocol.messages import Dispatch, Hello, Load, TokenIds
 from infer.protocol.logsafe import safe
+from infer.protocol.messages import Dispatch, Hello, Load, TokenIds
+from infer.protocol.sampling import SamplingParams
 
 CHARS_PER_TOKEN = 4            # rough prompt-length estimate for routing, before a worker tokenized it
 UNBOUNDED_OUTPUT_ESTIMATE = 256  # routing cost of a request with max_tokens=None
@@ -32,9 +32,7 @@ class RequestRecord:
     client: bytes                       # the client's ROUTER identity
     prompt: str | None
     prompt_token_ids: TokenIds | None   # as submitted, or as the first worker tokenized the prompt
-    sampling: dict[str, Any]
-    max_tokens: int | None              # as resolved from `sampling` (None: up to the context length)
-    min_tokens: int
+    sampling: SamplingParams            # as submitted; a sampled request without a seed is given one
     pin_rank: int | None
     submitted_at: float
     worker_id: str | None = None        # where it runs now; None while held
@@ -61,7 +59,7 @@ class RequestRecord:
             prompt = len(self.prompt_token_ids) + len(self.delivered)
         else:
             prompt = len(self.prompt or "") // CHARS_PER_TOKEN + 1
-        max_tokens = self.max_tokens
+        max_tokens = self.sampling.max_tokens
         output = UNBOUNDED_OUTPUT_ESTIMATE if max_tokens is None else max(0, max_tokens - len(self.delivered))
         return prompt + output
 
@@ -70,20 +68,19 @@ class RequestRecord:
         return self.prompt_token_ids if self.prompt_token_ids is not None else (self.prompt or "")
 
     def remaining_budget(self) -> int | None:
-        """max_tokens left after what was delivered (None: up to the context length)."""
-        max_tokens = self.max_tokens
+        """max_tokens left after what was delivered (None: up to the context length); for routing and for a
+        request whose every token is out. A Dispatch carries max_tokens as submitted: the engine counts."""
+        max_tokens = self.sampling.max_tokens
         return None if max_tokens is None else max_tokens - len(self.delivered)
 
     def dispatch(self) -> Dispatch:
-        """The Dispatch that (re)starts this request where the client's stream stands."""
+        """The Dispatch that (re)starts this request where the client's stream stands: its SamplingParams as
+        they are, and the tokens already delivered, which the engine counts toward max_tokens / min_tokens."""
         if not self.delivered:
             return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt=self.prompt
                             if self.prompt_token_ids is None else None, prompt_token_ids=self.prompt_token_ids,
                             priority=self.priority)
-        sampling = dict(self.sampling)
-        sampling["max_tokens"] = self.remaining_budget()
-        sampling["min_tokens"] = max(0, self.min_tokens - len(self.delivered))
-        return Dispatch(request_id=self.request_id, sampling=sampling, prompt_token_ids=self.prompt_token_ids,
+        return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt_token_ids=self.prompt_token_ids,
                         resumed_token_ids=TokenIds(self.delivered), resumed_text_len=self.delivered_text_len,
                         priority=self.priority)
 

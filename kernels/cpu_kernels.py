@@ -128,7 +128,10 @@ def _load() -> ctypes.CDLL | None:
     lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.paged_prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, i64,
                                   f32, i32]
-    lib.paged_decode.restype = lib.paged_prefill.restype = lib.rotary_inplace.restype = lib.append_kv.restype = i32
+    lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
+    lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+    for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max):
+        fn.restype = i32
     return lib
 
 
@@ -260,6 +263,66 @@ def append_kv_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
         raise ValueError(f"a slot is outside [-1, {num_blocks * block_size}) (or pad_slot past the pool), or a "
                          f"position outside the cos/sin cache")
 
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The row stride of t [..., H] as [N, H] rows with unit column stride: a 2-D tensor's, or H for a
+    contiguous one; None for other layouts (the twin takes them). Called per layer: no view is built."""
+    if t.dim() == 2:
+        return t.stride(0) if t.stride(1) == 1 else None
+    return t.shape[-1] if t.is_contiguous() else None
+
+
+# Rows from which the native RMSNorm runs: below, the call's overhead (ctypes, ~8 us) eats what it saves (on the
+# 2-core dev VM, hidden 576: 21 vs 23 us at 48 rows, 109 vs 167 us at 480, bf16, 1 thread).
+RMS_NORM_MIN_ROWS = 64
+
+
+def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                  out: torch.Tensor | None) -> bool:
+    """Whether the native RMSNorm takes these: a prefill's rows (RMS_NORM_MIN_ROWS) on a CPU, never under
+    torch.compile (inductor fuses the twin there)."""
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype in NATIVE_DTYPES
+            and x.numel() >= RMS_NORM_MIN_ROWS * x.shape[-1]
+            and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.shape[-1] <= 16384
+            and _row_stride(x) is not None and (residual is None or _row_stride(residual) is not None)
+            and (out is None or _row_stride(out) is not None) and native_ready())
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """As `rms_norm_torch` (checked args, of a type `rms_norm_fits` takes): residual updated in place to
+    x + residual when given, the norm into out (or a new tensor). x, residual and out must each flatten into
+    rows of unit column stride without a copy."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if any(t is not None and _row_stride(t) is None for t in (x, residual, out)):
+        raise ValueError("the native RMSNorm needs x, residual and out as rows with unit column stride")
+    rows = x.numel() // x.shape[-1]
+    status = _library().rms_norm(
+        x.data_ptr(), _row_stride(x), residual.data_ptr() if residual is not None else None,
+        _row_stride(residual) if residual is not None else 0, weight.data_ptr(), out.data_ptr(), _row_stride(out),
+        rows, x.shape[-1], eps, int(x.dtype == torch.bfloat16))
+    if status != 0:
+        raise ValueError(f"hidden size {x.shape[-1]} is past 16384")
+    return out
+
+
+def row_max_fits(x: torch.Tensor) -> bool:
+    """Whether the native row max takes x: [B, V] fp32 on a CPU with unit column stride, V >= 1."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] >= 1
+            and x.stride(1) == 1 and not torch.compiler.is_compiling() and native_ready())
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [B], indices [B] int64) as `x.max(dim=-1)` (first index of the maximum; a NaN wins), for x
+    that passes `row_max_fits`."""
+    rows = x.shape[0]
+    top = torch.empty(rows, dtype=torch.float32)
+    index = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        _library().row_max(x.data_ptr(), rows, x.shape[1], x.stride(0), top.data_ptr(), index.data_ptr())
+    return top, index
 
 
 @torch.library.custom_op("infer::paged_decode_cpu", mutates_args=("out",))

@@ -20,9 +20,13 @@ from typing import Any, ClassVar, Union
 import msgpack
 
 from infer.protocol.codes import ClusterState, Command, ErrorCode, FinishReason, Word, WorkerState
-from infer.protocol.sampling import SamplingParams
+from infer.protocol.sampling import FieldError, SamplingParams
+from infer.protocol.structured import StructuredOutputsParams
 
-PROTOCOL_VERSION = 2                # 2: error codes client_lost / client_too_slow / draining, Heartbeat.step_age_s
+# 2: error codes client_lost / client_too_slow / draining, Heartbeat.step_age_s
+# 3: a re-dispatch carries the request's own max_tokens / min_tokens (the engine counts the resumed tokens); a worker
+#    echoes the prompt's token ids only for a text prompt
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 << 20          # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
 MAX_DP_RANK = (1 << 20) - 1
@@ -97,36 +101,14 @@ def _check_id(name: str, value: str) -> None:
     _require(0 < len(value) <= MAX_ID_LEN, f"field {name!r} must be 1..{MAX_ID_LEN} characters, got {len(value)}")
 
 
-_VALID_SAMPLING: set[tuple] = set()     # keys of sampling dicts already validated (bounded, cleared when full)
-_MAX_VALID_SAMPLING = 4096
-
-
 def _check_priority(priority: int) -> None:
     _require(-2**63 <= priority < 2**63, f"field 'priority' must be a 64-bit integer, got {priority}")
 
 
-def _check_sampling(sampling: dict[str, Any]) -> None:
-    """ProtocolError unless `sampling` builds valid SamplingParams. Remembers what passed: most requests
-    carry one of a few sampling dicts, and validating them is a measurable share of the coordinator's time.
-    The key keeps every value's type, so True never passes for 1. The seed (one per request: the coordinator
-    assigns one to every sampled request) is checked on its own and left out of the key."""
-    _check_seed(sampling.get("seed"), "sampling.seed")
-    try:
-        key = tuple((k, type(v), tuple((type(x), x) for x in v) if type(v) is list else v)
-                    for k, v in sampling.items() if k != "seed")
-        hash(key)
-    except TypeError:
-        key = None
-    if key is not None and key in _VALID_SAMPLING:
-        return
-    try:
-        SamplingParams.from_dict(sampling)
-    except (TypeError, ValueError) as e:
-        raise ProtocolError(f"field 'sampling': {e}") from None
-    if key is not None:
-        if len(_VALID_SAMPLING) >= _MAX_VALID_SAMPLING:
-            _VALID_SAMPLING.clear()
-        _VALID_SAMPLING.add(key)
+def _check_sampling(sampling: SamplingParams) -> None:
+    """The type only: SamplingParams validate themselves when made (a decoded frame's, by the codec)."""
+    _require(isinstance(sampling, SamplingParams),
+             f"field 'sampling' must be SamplingParams, got {type(sampling).__name__}")
 
 
 def _check_seed(seed: Any, name: str = "seed") -> None:
@@ -276,7 +258,7 @@ class Refused(Message):
 @message
 @dataclass(frozen=True)
 class Submit(Message):
-    """A generation request: a prompt string or token ids, and SamplingParams as named fields.
+    """A generation request: a prompt string or token ids, and its SamplingParams (nested, defaults left out).
 
     `timeout_s`: the request fails with error code "timeout" (and is aborted, its KV blocks freed) unless it
     finishes within that many seconds of reaching the coordinator.
@@ -292,7 +274,7 @@ class Submit(Message):
     request_id: str
     prompt: str | None = None
     prompt_token_ids: TokenIds | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     pin_rank: int | None = None
     timeout_s: float | None = None
     reattach: bool = False
@@ -313,12 +295,10 @@ class Submit(Message):
         _require(not self.delivered_token_ids or (self.reattach and self.prompt_token_ids is not None),
                  "'delivered_token_ids' needs 'reattach' and 'prompt_token_ids'")
         _check_sampling(self.sampling)
-
-    def sampling_params(self) -> SamplingParams:
-        try:
-            return SamplingParams.from_dict(self.sampling)
-        except (TypeError, ValueError) as e:
-            raise ProtocolError(f"field 'sampling': {e}") from None
+        max_tokens = self.sampling.max_tokens
+        _require(max_tokens is None or len(self.delivered_token_ids) <= max_tokens,
+                 f"'delivered_token_ids' hold {len(self.delivered_token_ids)} tokens, more than sampling.max_tokens "
+                 f"({max_tokens})")
 
 
 @message
@@ -329,14 +309,14 @@ class Dispatch(Message):
     After a failover, `resumed_token_ids` holds the tokens already delivered to the client and
     `resumed_text_len` the characters of their text the client has (None: unknown, all that the worker's
     detokenizer would have shown): the worker appends the tokens to the prompt, rebuilds its detokenizer
-    and stop-string state from them, and sends only the text past that point; `sampling["max_tokens"]` is
-    the remaining budget and `sampling["seed"]` the request's seed, so the stream goes on with no token or
-    character lost or repeated, as if nothing had happened.
+    and stop-string state from them, and sends only the text past that point. `sampling` is the request's
+    own, unchanged (the engine counts the resumed tokens toward max_tokens and min_tokens), with its seed, so
+    the stream goes on with no token or character lost or repeated, as if nothing had happened.
     """
 
     TYPE: ClassVar[str] = "dispatch"
     request_id: str
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     prompt: str | None = None
     prompt_token_ids: TokenIds | None = None
     resumed_token_ids: TokenIds = field(default_factory=TokenIds)
@@ -382,7 +362,7 @@ class Delta(Message):
     logprobs: list[dict[int, float]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    prompt_token_ids: TokenIds | None = None   # a worker's first delta of a request: what it tokenized
+    prompt_token_ids: TokenIds | None = None   # a worker's first delta of a text prompt: what it tokenized
     error_code: ErrorCode | None = None        # with finish_reason "error": why (protocol/codes.py)
     queue_time_s: float | None = None          # a worker's first delta: seconds waiting before first scheduled
     seed: int | None = None                    # the first delta: the sampling seed the request runs with
@@ -742,6 +722,17 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
         raise
 
 
+def peek_request_id(frame: bytes) -> str | None:
+    """The request id of a frame that failed to decode, when it can be read (so that request alone fails);
+    never raises."""
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=False).get("body")
+        request_id = body.get("request_id") if isinstance(body, dict) else None
+    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types; a frame we cannot read
+        return None
+    return request_id if isinstance(request_id, str) and 0 < len(request_id) <= MAX_ID_LEN else None
+
+
 Coercer = Callable[[Any], Any]
 
 
@@ -802,6 +793,8 @@ def _coercer(hint: Any, name: str) -> Coercer:
                 raise ProtocolError(f"field {name!r} must be a {cls.TYPE!r} map, got {type(value).__name__}")
             return _build(cls, value)
         return nested
+    if hint is SamplingParams:
+        return _sampling_coercer(name)
     if hint is TokenIds:
         def token_ids(value: Any) -> TokenIds:
             if not isinstance(value, (bytes, bytearray)):
@@ -841,6 +834,37 @@ def _coercer(hint: Any, name: str) -> Coercer:
     return _identity
 
 
+def _sampling_coercer(name: str) -> Coercer:
+    """SamplingParams from their wire map, validated once, here; an error names the field inside it
+    ("field 'sampling.top_p': ...")."""
+    path = name.rsplit(".", 1)[-1]
+
+    def sampling(value: Any) -> SamplingParams:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"field {name!r} must be a map of sampling params, got {type(value).__name__}")
+        try:
+            return SamplingParams.from_dict(value)
+        except FieldError as e:
+            raise ProtocolError(f"field '{path}.{e.field}': {e}") from None
+        except (TypeError, ValueError) as e:     # an unknown field (or a value no check foresaw)
+            raise ProtocolError(f"field {path!r}: {e}") from None
+    return sampling
+
+
+def _sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """The fields of `params` that differ from the defaults (the decoder restores the rest): most requests
+    carry two or three. Tuples travel as msgpack arrays."""
+    wire = {}
+    for name, default in _SAMPLING_DEFAULTS:
+        value = getattr(params, name)
+        if value != default:
+            wire[name] = value.to_dict() if isinstance(value, StructuredOutputsParams) else value
+    return wire
+
+
+_SAMPLING_DEFAULTS = tuple((f.name, f.default) for f in dataclasses.fields(SamplingParams))
+
+
 def _union_coercer(hint: Any, name: str) -> Coercer:
     options = typing.get_args(hint)
     nullable = type(None) in options
@@ -865,8 +889,9 @@ def _identity(value: Any) -> Any:
 
 def _default_test(f: dataclasses.Field) -> Callable[[Any], bool] | None:
     """A test for "this value equals the field's default" (None for a required field)."""
-    if f.default_factory is not dataclasses.MISSING:      # an empty list / dict / TokenIds
-        return lambda value: not value
+    if f.default_factory is not dataclasses.MISSING:      # an empty list / TokenIds, default SamplingParams
+        empty = f.default_factory()
+        return lambda value: value == empty
     if f.default is dataclasses.MISSING:
         return None
     if f.default is None:
@@ -890,6 +915,8 @@ def _encoder(hint: Any) -> Coercer | None:
         raise TypeError(f"a union of several wire-encoded types is not supported: {hint}")
     if hint is TokenIds:
         return TokenIds.pack
+    if hint is SamplingParams:
+        return _sampling_to_wire
     if isinstance(hint, type) and issubclass(hint, Message):
         return _body
     if origin is list:

@@ -1,10 +1,13 @@
 """SamplingParams: how one request is decoded. vLLM's field names, validated on construction.
 
-Torch-free: it travels over the wire (as a dict of named fields) and is validated again on arrival.
+Torch-free: it travels over the wire nested in Submit and Dispatch (protocol/messages.py sends the fields that
+differ from the defaults, as a map) and is validated once more where a frame is decoded. Every complaint is a
+`FieldError` naming its field, so a frame's error points at it ("field 'sampling.top_p': ...").
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import struct
@@ -31,6 +34,14 @@ MAX_LOGIT_BIAS_VALUE = 100.0 # OpenAI's range: [-100, 100]
 MAX_ALLOWED_TOKEN_IDS = 65536
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 256
+
+
+class FieldError(ValueError):
+    """A value SamplingParams cannot take; `field` names it (a field of SamplingParams, or "priority")."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -78,97 +89,106 @@ class SamplingParams:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
-        object.__setattr__(self, "stop", tuple(stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop", _tuple("stop", stop))
+        object.__setattr__(self, "stop_token_ids", _tuple("stop_token_ids", self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", _tuple("allowed_token_ids", self.allowed_token_ids))
         object.__setattr__(self, "bad_words", _tuple("bad_words", self.bad_words or ()))
         if self.structured_outputs is not None:
-            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
+            try:
+                spec = StructuredOutputsParams.from_dict(self.structured_outputs)
+            except (TypeError, ValueError) as e:   # its messages name the part ("structured_outputs.regex ...")
+                raise FieldError("structured_outputs", str(e)) from None
+            object.__setattr__(self, "structured_outputs", spec)
         self._validate()
         self._validate_token_lists()
 
     def _validate(self) -> None:
         """Floats are checked as the float32 values the sampler computes with (module `_float32`)."""
         if _float32("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise FieldError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < _float32("top_p", self.top_p) <= 1:
-            raise ValueError(f"top_p must be in (0, 1] as a float32 (values below 1.4e-45 round to 0), "
-                             f"got {self.top_p}")
+            raise FieldError("top_p", f"top_p must be in (0, 1] as a float32 (values below 1.4e-45 round to 0), "
+                                      f"got {self.top_p}")
         _integer("top_k", self.top_k)
         if not -1 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be -1 (disabled) or in [0, {MAX_TOP_K}], got {self.top_k}")
+            raise FieldError("top_k", f"top_k must be -1 (disabled) or in [0, {MAX_TOP_K}], got {self.top_k}")
         if not 0 <= _float32("min_p", self.min_p) <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise FieldError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None:
             _integer("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+                raise FieldError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         _integer("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise FieldError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise FieldError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+            raise FieldError("stop", f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {str(s)[:40]!r}")
+                raise FieldError("stop", f"stop must hold non-empty strings, got {str(s)[:40]!r}")
             if len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"each stop string may be at most {MAX_STOP_CHARS} characters, got {len(s)}")
+                raise FieldError("stop", f"each stop string may be at most {MAX_STOP_CHARS} characters, got {len(s)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
-                             f"got {len(self.stop_token_ids)}")
+            raise FieldError("stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                                               f"got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t)
             if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+                raise FieldError("stop_token_ids", f"stop_token_ids must be >= 0, got {t}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise FieldError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
             _integer("seed", self.seed)
             if not 0 <= self.seed < 2**63:
-                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+                raise FieldError("seed", f"seed must be in [0, 2**63), got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2 <= _float32(name, value) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise FieldError(name, f"{name} must be in [-2, 2], got {value}")
         if not MIN_REPETITION_PENALTY <= _float32("repetition_penalty", self.repetition_penalty) \
                 <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
-                             f"{MAX_REPETITION_PENALTY:g}] (1 is off), got {self.repetition_penalty}")
+            raise FieldError("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                                                   f"{MAX_REPETITION_PENALTY:g}] (1 is off), got "
+                                                   f"{self.repetition_penalty}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _integer(name, value)
                 if not 0 <= value <= MAX_LOGPROBS:
-                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+                    raise FieldError(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     def _validate_token_lists(self) -> None:
         bias = self.logit_bias or ()
         if len(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+            raise FieldError("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
         for token_id, value in bias:
             _token_id("logit_bias", token_id)
             if not -MAX_LOGIT_BIAS_VALUE <= _float32("logit_bias", value) <= MAX_LOGIT_BIAS_VALUE:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token_id}")
+                raise FieldError("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for token "
+                                               f"{token_id}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+                raise FieldError("allowed_token_ids", "allowed_token_ids must not be empty (leave it out to allow "
+                                                      "every token)")
             if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
-                raise ValueError(f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, "
-                                 f"got {len(self.allowed_token_ids)}")
+                raise FieldError("allowed_token_ids", f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} "
+                                                      f"ids, got {len(self.allowed_token_ids)}")
             for token_id in self.allowed_token_ids:
                 _token_id("allowed_token_ids", token_id)
         if len(self.bad_words) > MAX_BAD_WORDS:
-            raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+            raise FieldError("bad_words", f"bad_words may hold at most {MAX_BAD_WORDS} words, got "
+                                          f"{len(self.bad_words)}")
         for word in self.bad_words:
             if not isinstance(word, str) or not word.strip():
-                raise ValueError(f"bad_words must hold non-blank strings, got {str(word)[:40]!r}")
+                raise FieldError("bad_words", f"bad_words must hold non-blank strings, got {str(word)[:40]!r}")
             if len(word) > MAX_BAD_WORD_CHARS:
-                raise ValueError(f"each bad word may be at most {MAX_BAD_WORD_CHARS} characters, got {len(word)}")
+                raise FieldError("bad_words", f"each bad word may be at most {MAX_BAD_WORD_CHARS} characters, got "
+                                              f"{len(word)}")
 
     @property
     def greedy(self) -> bool:
@@ -178,8 +198,19 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    def with_seed(self, seed: int) -> SamplingParams:
+        """These params with `seed` (a seed assigned to a sampled request that came without one, or the one a
+        re-attached stream runs with). Only the seed is checked: the rest was validated when these were made."""
+        _integer("seed", seed)
+        if not 0 <= seed < 2**63:
+            raise FieldError("seed", f"seed must be in [0, 2**63), got {seed}")
+        params = copy.copy(self)              # not dataclasses.replace: that would validate every field again
+        object.__setattr__(params, "seed", seed)
+        return params
+
     def to_dict(self) -> dict[str, Any]:
-        """Named fields only, for the wire; `from_dict(to_dict())` round-trips."""
+        """Every field, named, in JSON / msgpack types; `from_dict(to_dict())` round-trips. (Frames carry only
+        the fields that differ from the defaults: protocol/messages.py.)"""
         d = dataclasses.asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
@@ -194,12 +225,12 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
-        """Build from named fields; an unknown name is a ValueError that names it."""
+        """Build from named fields; an unknown name is a ValueError that names it, a bad value a FieldError."""
         if not isinstance(d, dict):
             raise ValueError(f"sampling params must be a mapping, got {type(d).__name__}")
-        unknown = sorted(set(d) - _FIELD_NAMES)
+        unknown = sorted(str(k) for k in d if k not in _FIELD_NAMES)     # str: keys off the wire may be of any type
         if unknown:
-            raise ValueError(f"unknown sampling option(s): {', '.join(map(str, unknown))}; "
+            raise ValueError(f"unknown sampling option(s): {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(_FIELD_NAMES))}")
         return cls(**d)
 
@@ -209,7 +240,7 @@ _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 def _tuple(name: str, values: Any) -> tuple:
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
-        raise ValueError(f"{name} must be a list, got {type(values).__name__}")
+        raise FieldError(name, f"{name} must be a list, got {type(values).__name__}")
     return tuple(values)
 
 
@@ -223,9 +254,9 @@ def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...] | None:
     elif isinstance(bias, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bias):
         items = [tuple(p) for p in bias]
     else:
-        raise ValueError(f"logit_bias must map token ids to biases, got {type(bias).__name__}")
+        raise FieldError("logit_bias", f"logit_bias must map token ids to biases, got {type(bias).__name__}")
     if len(items) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(items)}")
+        raise FieldError("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(items)}")
     pairs = {}
     for key, value in items:
         if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 20:
@@ -238,7 +269,7 @@ def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...] | None:
 def _token_id(name: str, value: Any) -> None:
     _integer(name, value)
     if value < 0:
-        raise ValueError(f"{name} token ids must be >= 0, got {value}")
+        raise FieldError(name, f"{name} token ids must be >= 0, got {value}")
 
 
 def check_priority(priority: Any) -> int:
@@ -250,7 +281,7 @@ def check_priority(priority: Any) -> int:
 
 def _number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise FieldError(name, f"{name} must be a number, got {value!r}")
 
 
 def _float32(name: str, value: Any) -> float:
@@ -262,13 +293,14 @@ def _float32(name: str, value: Any) -> float:
     except OverflowError:      # beyond float32's range (or an int beyond float64's)
         rounded = math.inf
     if not math.isfinite(rounded):
-        raise ValueError(f"{name} must be a finite number within float32's range (|x| <= 3.4e38), got {value!r}")
+        raise FieldError(name, f"{name} must be a finite number within float32's range (|x| <= 3.4e38), got "
+                               f"{value!r}")
     return rounded
 
 
 def _integer(name: str, value: Any) -> None:
     """An int within 64 bits (the wire carries no more; torch would overflow on it)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise FieldError(name, f"{name} must be an integer, got {value!r}")
     if not -2**63 <= value < 2**63:
-        raise ValueError(f"{name} must fit in 64 bits, got an integer of {value.bit_length()} bits")
+        raise FieldError(name, f"{name} must fit in 64 bits, got an integer of {value.bit_length()} bits")

@@ -7,6 +7,7 @@ from infer.coordinator.core import Coordinator
 from infer.protocol.messages import (
     Delta, DeltaBatch, Dispatch, Hello, Load, Message, StepBatch, Submit, TokenIds, decode, encode
 )
+from infer.protocol.sampling import SamplingParams
 
 MODEL = "tiny-model"
 
@@ -43,12 +44,12 @@ class Harness:
 
     def submit(self, client: bytes, rid: str, prompt_ids: list[int] | None = None, prompt: str | None = None,
                **sampling) -> list[tuple[bytes, Message]]:
-        sampling = {"temperature": 0.0, "max_tokens": 10, **sampling}
         pin = sampling.pop("pin_rank", None)
+        params = SamplingParams(**{"temperature": 0.0, "max_tokens": 10, **sampling})
         if prompt is None:
             ids = TokenIds(prompt_ids or [1, 2, 3])
-            return self.send(client, Submit(request_id=rid, prompt_token_ids=ids, sampling=sampling, pin_rank=pin))
-        return self.send(client, Submit(request_id=rid, prompt=prompt, sampling=sampling, pin_rank=pin))
+            return self.send(client, Submit(request_id=rid, prompt_token_ids=ids, sampling=params, pin_rank=pin))
+        return self.send(client, Submit(request_id=rid, prompt=prompt, sampling=params, pin_rank=pin))
 
     def step(self, wid: str, *deltas: Delta, free: int = 90) -> list[tuple[bytes, Message]]:
         load = Load(num_waiting=0, num_running=len(deltas), num_free_blocks=free, num_total_blocks=100,

@@ -5,6 +5,7 @@ clock the test moves, and BenchmarkEngine as the engine (no model, no torch: tok
 from __future__ import annotations
 
 from infer.protocol.messages import Delta, Dispatch, Heartbeat, Message, StepBatch, TokenIds, Welcome, decode, encode
+from infer.protocol.sampling import SamplingParams
 from infer.worker.benchmark_engine import BenchmarkEngine
 from infer.worker.config import EngineConfig
 from infer.worker.core import WorkerCore
@@ -66,7 +67,7 @@ def dispatch(rid: str, prompt: list[int] | str = (1, 2, 3), max_tokens: int = 4,
              **fields) -> Dispatch:
     text = prompt if isinstance(prompt, str) else None
     ids = None if isinstance(prompt, str) else TokenIds(list(prompt))
-    return Dispatch(request_id=rid, sampling={"temperature": 0.0, "max_tokens": max_tokens}, prompt=text,
+    return Dispatch(request_id=rid, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens), prompt=text,
                     prompt_token_ids=ids, resumed_token_ids=TokenIds(list(resumed)), **fields)
 
 

@@ -16,9 +16,10 @@ class BenchmarkEngine:
     """--benchmark-mode: the engine interface with no model and no torch, for measuring coordinator overhead.
 
     Every request "generates" one token per step: token i (0-based, resumed tokens included) of a request
-    with a P-token prompt is `(P + i) % 1000`, with empty text, until max_tokens (or the context length):
-    finish_reason "length". A string prompt counts one token per UTF-8 byte. The first `max_num_seqs`
-    requests in arrival order run; the KV pool is bookkept (blocks of the tokens held) but not allocated.
+    with a P-token prompt is `(P + i) % 1000`, with empty text, until max_tokens (resumed tokens count toward
+    it) or the context length: finish_reason "length". A string prompt counts one token per UTF-8 byte. The
+    first `max_num_seqs` requests in arrival order run; the KV pool is bookkept (blocks of the tokens held) but
+    not allocated.
     """
 
     def __init__(self, config: EngineConfig, step_time: float = 0.0) -> None:
@@ -47,10 +48,12 @@ class BenchmarkEngine:
         num_tokens = len(prompt_ids) + len(resumed_token_ids)
         if not prompt_ids or num_tokens >= self.max_model_len:
             raise ValueError(f"prompt + resumed tokens must be 1..{self.max_model_len - 1} tokens, got {num_tokens}")
-        left = self.max_model_len - num_tokens if params.max_tokens is None else params.max_tokens
-        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                          max_tokens=len(resumed_token_ids) + left, token_ids=prompt_ids + list(resumed_token_ids),
-                          arrival_time=time.monotonic())
+        max_tokens = self.max_model_len - len(prompt_ids) if params.max_tokens is None else params.max_tokens
+        if len(resumed_token_ids) >= max_tokens:     # resumed tokens count toward max_tokens (as in Engine)
+            raise ValueError(f"the resumed tokens ({len(resumed_token_ids)}) reach max_tokens ({max_tokens}): "
+                             f"nothing is left to generate")
+        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params, max_tokens=max_tokens,
+                          token_ids=prompt_ids + list(resumed_token_ids), arrival_time=time.monotonic())
         self._requests[request_id] = request
         return request
 

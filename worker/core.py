@@ -30,13 +30,11 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn, Protocol
 
-import msgpack
-
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
-    MAX_ID_LEN, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
-    Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode
+    Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
+    Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode, peek_request_id
 )
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
@@ -297,14 +295,15 @@ class WorkerCore:
         return False
 
     def _delta(self, out: Delta) -> Delta:
-        """An engine output as it goes out: recorded in its request's journal, the first echoing the prompt ids."""
+        """An engine output as it goes out: recorded in its request's journal, the first of a text prompt echoing
+        the prompt ids."""
         sent = self._requests.pop(out.request_id, None) if out.finished else self._requests.get(out.request_id)
         if sent is None:
             return out
         sent.journal.record(out.token_ids, out.text)
-        if sent.echoed:
+        if not sent.echo_prompt:
             return out
-        sent.echoed = True
+        sent.echo_prompt = False
         return dataclasses.replace(out, prompt_token_ids=sent.prompt_token_ids)
 
     # ---- registration ----------------------------------------------------------------------------
@@ -365,29 +364,29 @@ class WorkerCore:
         self._dispatches_seen += 1
         self.check_signals(now)   # a signal that came while this frame was queued wins
         if self._drain_deadline is not None:
-            return self._reject(msg.request_id, "worker is draining", "draining", msg.prompt_token_ids)
+            return self._reject(msg.request_id, "worker is draining", "draining")
         if msg.request_id in self._requests:
             return self._reject(msg.request_id, f"request id {msg.request_id!r} is already running on this worker",
-                                "internal", msg.prompt_token_ids)
+                                "internal")
         limit = self.engine.config.max_num_seqs + self.options.max_waiting_requests
         if len(self._requests) >= limit:
             return self._reject(msg.request_id, f"worker {self.options.worker_id} is full: "
                                 f"{len(self._requests)} requests (max_num_seqs + --max-waiting-requests = {limit})",
-                                "overloaded", msg.prompt_token_ids)
+                                "overloaded")
         prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids)
         try:
-            params = SamplingParams.from_dict(msg.sampling)
             with self.busy():     # a huge prompt's tokenization: heartbeats go on meanwhile
-                request = self.engine.add_request(msg.request_id, prompt, params, msg.resumed_token_ids,
+                request = self.engine.add_request(msg.request_id, prompt, msg.sampling, msg.resumed_token_ids,
                                                   msg.resumed_text_len, priority=msg.priority)
         except ValueError as e:
-            return self._reject(msg.request_id, str(e), "invalid_request", msg.prompt_token_ids)
+            return self._reject(msg.request_id, str(e), "invalid_request")
         self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), msg.resumed_token_ids,
-                                               request.params.seed)
+                                               request.params.seed, echo_prompt=msg.prompt is not None)
 
-    def _reject(self, request_id: str, reason: str, code: str, prompt_token_ids: TokenIds | None = None) -> None:
+    def _reject(self, request_id: str, reason: str, code: str) -> None:
+        """A final error delta; it echoes no prompt ids (a text prompt refused here was not tokenized)."""
         self._warn.warning("request %s rejected: %s", safe(request_id), safe(reason))
-        self._outbox.append(Delta.final(request_id, "error", reason, code, prompt_token_ids=prompt_token_ids))
+        self._outbox.append(Delta.final(request_id, "error", reason, code))
 
     def _on_abort(self, msg: Abort, now: float) -> None:
         """The coordinator forgot these requests before it asked: free their KV blocks now and send no final
@@ -474,7 +473,7 @@ class WorkerCore:
         request fails alone), else an Error naming the problem (and the request id when readable)."""
         self._warn.warning("bad frame from the coordinator (%d bytes): %s", len(frame), safe(problem))
         kind = problem.message_type if isinstance(problem, ProtocolError) else None
-        problem, request_id = str(problem), _peek_request_id(frame)
+        problem, request_id = str(problem), peek_request_id(frame)
         if kind == Dispatch.TYPE and request_id is not None:
             self._reject(request_id, f"bad dispatch: {problem}", "invalid_request")
         else:
@@ -488,26 +487,19 @@ class WorkerCore:
 
 class _Sent:
     """A request dispatched here: what its snapshot needs beside the stream journal of what its deltas carried
-    (tokens resumed from a failover come first; their text is the client's already), and whether its first
-    delta, which echoes the prompt ids, went out."""
+    (tokens resumed from a failover come first; their text is the client's already), and whether its next
+    delta echoes the prompt ids."""
 
-    __slots__ = ("prompt_token_ids", "seed", "journal", "echoed")
+    __slots__ = ("prompt_token_ids", "seed", "journal", "echo_prompt")
 
-    def __init__(self, prompt_token_ids: TokenIds, resumed_token_ids: TokenIds, seed: int | None = None) -> None:
+    def __init__(self, prompt_token_ids: TokenIds, resumed_token_ids: TokenIds, seed: int | None = None,
+                 echo_prompt: bool = False) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.seed = seed
         self.journal = StreamJournal(resumed_token_ids)
-        self.echoed = False
+        # The next delta echoes the prompt ids: the first one, when the prompt was text (the client of a token-id
+        # prompt has them; the coordinator keeps a text prompt's ids, for a re-dispatch)
+        self.echo_prompt = echo_prompt
 
     def snapshot(self, request_id: str) -> RequestSnapshot:
         return self.journal.snapshot(request_id, self.prompt_token_ids, self.seed)
-
-
-def _peek_request_id(frame: bytes) -> str | None:
-    """The request id of a frame that failed to decode, when it can be read; never raises."""
-    try:
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=False).get("body")
-        request_id = body.get("request_id") if isinstance(body, dict) else None
-    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types; a frame we cannot read
-        return None
-    return request_id if isinstance(request_id, str) and 0 < len(request_id) <= MAX_ID_LEN else None

@@ -16,7 +16,6 @@ error_code "internal", its KV blocks freed) and the engine goes on with the othe
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -166,8 +165,9 @@ class Engine:
         noise) and the detokenizer replays them, so that the text comes out as if it had never stopped:
         `resumed_text_len` is how much of their text the client has (None: what our detokenizer would have
         shown); the rest (bytes of an unfinished character, text held back for a stop string) comes with the
-        next output. `params.max_tokens` and `params.min_tokens` are what is left to generate. With the same
-        seed, the output continues exactly where the first engine stopped, tokens and text.
+        next output. `params` are the request's own: the resumed tokens count toward `max_tokens` and
+        `min_tokens` here (the one place that counts them). With the same seed, the output continues exactly
+        where the first engine stopped, tokens and text.
 
         `priority` (a 64-bit integer, lower first) matters under `scheduling_policy="priority"`.
         """
@@ -180,18 +180,17 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.seed is None and params.temperature > 0:
-            params = dataclasses.replace(params, seed=self.sampler.draw_seed())
+            params = params.with_seed(self.sampler.draw_seed())
         prompt_ids = self._prompt_token_ids(prompt)
         self._check_token_lists(params)
-        resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids)
-        whole = _counting_resumed(params, len(resumed))
-        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=whole,
+        resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids, params.max_tokens)
+        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
                           arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
-                          max_tokens=self._resolve_max_tokens(len(prompt_ids), whole),
+                          max_tokens=self._resolve_max_tokens(len(prompt_ids), params),
                           token_ids=prompt_ids + resumed, arrival_time=time.monotonic(), priority=priority,
                           bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
                           prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, whole)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
         if resumed:
             detok.resume(resumed, resumed_text_len)
         if params.structured_outputs is None:
@@ -529,7 +528,7 @@ class Engine:
                              f"it must be shorter to leave room for at least one generated token")
         return ids
 
-    def _resumed_token_ids(self, num_prompt_tokens: int, resumed: Sequence[int]) -> list[int]:
+    def _resumed_token_ids(self, num_prompt_tokens: int, resumed: Sequence[int], max_tokens: int | None) -> list[int]:
         ids = list(resumed)
         bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
                     or not 0 <= t < self.vocab_size), None)
@@ -538,6 +537,9 @@ class Engine:
         if num_prompt_tokens + len(ids) >= self.max_model_len:
             raise ValueError(f"prompt ({num_prompt_tokens} tokens) + resumed tokens ({len(ids)}) reach the "
                              f"context length {self.max_model_len}: nothing is left to generate")
+        if max_tokens is not None and len(ids) >= max_tokens:
+            raise ValueError(f"the resumed tokens ({len(ids)}) reach max_tokens ({max_tokens}): nothing is left to "
+                             f"generate")
         return ids
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -718,14 +720,6 @@ def _stamp_queue_time(scheduled: SchedulerOutput) -> None:
         if request.queue_time_s is None:
             now = now or time.monotonic()
             request.queue_time_s = now - request.arrival_time
-
-
-def _counting_resumed(params: SamplingParams, num_resumed: int) -> SamplingParams:
-    """`params` whose token counts (given as what is left) also count the `num_resumed` tokens already out."""
-    if not num_resumed:
-        return params
-    max_tokens = None if params.max_tokens is None else params.max_tokens + num_resumed
-    return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=params.min_tokens + num_resumed)
 
 
 def _logprobs_rows(sampled: SamplerOutput, sampling: list[ScheduledChunk]) -> list[TokenLogprobs | None]:

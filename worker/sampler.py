@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from infer.kernels.cpu_kernels import row_max, row_max_fits
 from infer.kernels.sampling import GREEDY_TEMPERATURE
 from infer.kernels.sampling import sample as sample_kernel
 from infer.kernels.token_bitmask import apply_token_bitmask
@@ -272,8 +273,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32, not modified."""
-        if meta.fast_greedy:   # one pass: each row's max (the check) and its first index (the token)
-            top, token_ids = logits.max(dim=-1)
+        if meta.fast_greedy:   # each row's max (the check) and its first index (the token)
+            top, token_ids = row_max(logits) if row_max_fits(logits) else logits.max(dim=-1)
             return SamplerOutput(token_ids=token_ids, bad_rows=_rows_not_finite(top))
         processed = logits.float()
         if meta.penalties is not None:

@@ -134,12 +134,24 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
     __m512 partial[MAX_GROUP][16];
     float m[MAX_GROUP], l[MAX_GROUP];
     int64_t rows[16];   /* byte offsets of the chunk's rows in a KV head's pool */
+#if defined(__AVX512BF16__)
+    /* bf16 rows whose dims come in whole 32s: q . k by pairs of dims (vdpbf16ps) on the raw bf16, the scale
+     * applied to the scores; no conversion of K and half the multiply-adds */
+    const int dp = is_bf16 && head_dim % 32 == 0;
+    __m512i q2[MAX_GROUP][MAX_HEAD_DIM / 32];
+#else
+    const int dp = 0;
+#endif
     for (int g = 0; g < group; g++) {
+        const char *q_row = (const char *)q + (int64_t)g * head_dim * elem;
         for (int c = 0; c < nv; c++) {
-            qv[g][c] = _mm512_mul_ps(load16((const char *)q + (int64_t)g * head_dim * elem, c, is_bf16),
-                                     _mm512_set1_ps(scale));
+            if (!dp) qv[g][c] = _mm512_mul_ps(load16(q_row, c, is_bf16), _mm512_set1_ps(scale));
             acc[g][c] = _mm512_setzero_ps();
         }
+#if defined(__AVX512BF16__)
+        if (dp)
+            for (int c = 0; c < head_dim / 32; c++) q2[g][c] = _mm512_loadu_si512((const void *)(q_row + 64 * c));
+#endif
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
@@ -161,6 +173,19 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
                 continue;
             }
             const char *row = (const char *)k_pool + rows[t];
+#if defined(__AVX512BF16__)
+            if (dp) {
+                __m512i k2[MAX_HEAD_DIM / 32];
+                for (int c = 0; c < head_dim / 32; c++) k2[c] = _mm512_loadu_si512((const void *)(row + 64 * c));
+                for (int g = 0; g < group; g++) {
+                    __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)k2[0], (__m512bh)q2[g][0]);
+                    for (int c = 1; c < head_dim / 32; c++)
+                        sum = _mm512_dpbf16_ps(sum, (__m512bh)k2[c], (__m512bh)q2[g][c]);
+                    partial[g][t] = sum;
+                }
+                continue;
+            }
+#endif
             __m512 k[MAX_HEAD_DIM / 16];
             for (int c = 0; c < nv; c++) k[c] = load16(row, c, is_bf16);
             for (int g = 0; g < group; g++) {
@@ -172,6 +197,7 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
         float probs[MAX_GROUP][16];
         for (int g = 0; g < group; g++) {
             __m512 scores = lane_sums(partial[g]);
+            if (dp) scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
             float top = _mm512_mask_reduce_max_ps(valid, scores);
             top = top > m[g] ? top : m[g];
             float rescale = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - top);

@@ -12,7 +12,7 @@
  * heads of that KV head, all of which read the same keys. Keys come 16 at a time: the tile's K rows are
  * converted to fp32 and transposed (kt[d][j]), so that the scores of R rows and 16 keys are R x 16 fp32
  * accumulators fed by one load of kt[d] and R broadcasts of q per d (a small GEMM the compiler keeps in
- * vector registers); the V rows are converted to fp32 once and each row's output accumulates p * v. An
+ * vector registers); in bf16 on a CPU with AVX512-BF16 the same by pairs of dims, unconverted; the V rows are converted to fp32 once and each row's output accumulates p * v. An
  * online softmax (running max m, sum l) in fp32 per row, as in the decode kernel; query token t at position
  * len - n + t sees keys 0 .. len - n + t. The output is acc / l in the pool's type. Every task's arithmetic
  * depends only on its own rows and keys, so a sequence's output does not change with the batch around it.
@@ -65,6 +65,27 @@ static inline __attribute__((always_inline)) void pf_scores(const float (*q)[PF_
         for (int j = 0; j < PF_KEYS; j++) s[r][j] = acc[r][j];
 #endif
 }
+
+#if defined(__AVX512BF16__)
+#define PF_DP 1   /* bf16 scores by pairs of dims (vdpbf16ps): half the multiply-adds of the fp32 path */
+
+/* As pf_scores for bf16 rows kept as pairs of dims (q[r][i] holds dims 2i, 2i + 1; kt[i][j] the same pair of
+ * key j): each instruction adds both products of a pair to 16 fp32 scores. Then times `scale`. */
+static inline __attribute__((always_inline)) void pf_scores_dp(const uint32_t (*q)[PF_MAX_HEAD_DIM / 2],
+                                                               const uint32_t (*kt)[PF_KEYS], int pairs,
+                                                               float (*s)[PF_KEYS], float scale, const int R) {
+    __m512 acc[PF_RB];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int i = 0; i < pairs; i++) {
+        __m512bh k = (__m512bh)_mm512_load_si512((const void *)kt[i]);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], k, (__m512bh)_mm512_set1_epi32((int)q[r][i]));
+    }
+    for (int r = 0; r < R; r++) _mm512_store_ps(s[r], _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+}
+#else
+#define PF_DP 0
+#endif
 
 /* Row r's online-softmax step over the first `seen` keys of the tile (1..16): its scores become probabilities
  * (0 past `seen`), m and l move on, and acc is rescaled to the new max. */
@@ -135,10 +156,19 @@ static void prefill_task(const char *q, int64_t token_bytes, const char *k_pool,
     float s[PF_ROWS][PF_KEYS] __attribute__((aligned(64)));
     float krow[PF_MAX_HEAD_DIM], m[PF_ROWS], l[PF_ROWS];
     int last[PF_ROWS];   /* the last key position row r sees */
+    const int dp = PF_DP && is_bf16, pairs = head_dim / 2;
+    uint32_t q2[dp ? PF_ROWS : 1][PF_MAX_HEAD_DIM / 2] __attribute__((aligned(64)));
+    uint32_t kt2[dp ? PF_MAX_HEAD_DIM / 2 : 1][PF_KEYS] __attribute__((aligned(64)));
     for (int r = 0; r < rows; r++) {
         int t = t0 + r / group, g = r % group;
-        pf_load(q + t * token_bytes + (int64_t)g * row_bytes, is_bf16, qf[r], head_dim);
-        for (int d = 0; d < head_dim; d++) { qf[r][d] *= scale; acc[r][d] = 0.0f; }
+        const char *src = q + t * token_bytes + (int64_t)g * row_bytes;
+        if (dp) {
+            memcpy(q2[r], src, (size_t)row_bytes);
+        } else {
+            pf_load(src, is_bf16, qf[r], head_dim);
+            for (int d = 0; d < head_dim; d++) qf[r][d] *= scale;
+        }
+        for (int d = 0; d < head_dim; d++) acc[r][d] = 0.0f;
         m[r] = -INFINITY;
         l[r] = 0.0f;
         last[r] = len - n + t;
@@ -150,19 +180,33 @@ static void prefill_task(const char *q, int64_t token_bytes, const char *k_pool,
             if (j < nk) {
                 int pos = k0 + j;
                 int64_t row = (int64_t)table[pos / block_size] * block_size + pos % block_size;
-                pf_load(k_pool + row * row_bytes, is_bf16, krow, head_dim);
-                for (int d = 0; d < head_dim; d++) kt[d][j] = krow[d];
+                if (dp) {
+                    const uint32_t *words = (const uint32_t *)(k_pool + row * row_bytes);
+                    for (int i = 0; i < pairs; i++) kt2[i][j] = words[i];
+                } else {
+                    pf_load(k_pool + row * row_bytes, is_bf16, krow, head_dim);
+                    for (int d = 0; d < head_dim; d++) kt[d][j] = krow[d];
+                }
                 pf_load(v_pool + row * row_bytes, is_bf16, vf[j], head_dim);
+            } else if (dp) {
+                for (int i = 0; i < pairs; i++) kt2[i][j] = 0;
             } else {
                 for (int d = 0; d < head_dim; d++) kt[d][j] = 0.0f;
             }
         }
-        /* rows before `first` see every key of the tile: the tile's first rows may see none (causal) */
+        /* rows before `first` see none of the tile's keys (causal: the tile starts past their position) */
         int first = 0;
         while (first < rows && last[first] < k0) first++;
         int r = first;
-        for (; r + PF_RB <= rows; r += PF_RB) pf_scores(qf + r, kt, head_dim, s + r, PF_RB);
-        for (; r < rows; r++) pf_scores(qf + r, kt, head_dim, s + r, 1);
+        if (dp) {
+#if PF_DP
+            for (; r + PF_RB <= rows; r += PF_RB) pf_scores_dp(q2 + r, kt2, pairs, s + r, scale, PF_RB);
+            for (; r < rows; r++) pf_scores_dp(q2 + r, kt2, pairs, s + r, scale, 1);
+#endif
+        } else {
+            for (; r + PF_RB <= rows; r += PF_RB) pf_scores(qf + r, kt, head_dim, s + r, PF_RB);
+            for (; r < rows; r++) pf_scores(qf + r, kt, head_dim, s + r, 1);
+        }
         for (r = first; r < rows; r++) {
             int seen = last[r] - k0 + 1;
             pf_softmax(s[r], seen < nk ? seen : nk, &m[r], &l[r], acc[r], head_dim);

@@ -83,6 +83,33 @@ async def test_client_lost_re_attaches_every_request_with_the_tokens_it_holds(st
         await client.close()
 
 
+async def test_a_token_id_prompt_is_not_echoed_and_still_re_attaches_with_its_own_ids(stand_in):
+    """The worker echoes prompt ids only for a text prompt: a client that sent ids re-attaches from its own."""
+    client = await _connected(stand_in)
+    try:
+        params = SamplingParams(temperature=0.5, max_tokens=5)
+        stream = client.stream([1, 2, 3], params, request_id="r")
+        first = asyncio.create_task(stream.__anext__())
+        submit = await stand_in.recv(Submit)
+        assert submit.sampling == params
+        await stand_in.send(DeltaBatch(deltas=[Delta(request_id="r", token_ids=TokenIds([7, 8]), text="ab",
+                                                     num_prompt_tokens=3, seed=77)]))
+        got = await asyncio.wait_for(first, WAIT)
+        assert got.token_ids == [7, 8] and got.num_prompt_tokens == 3
+        assert client.prompt_token_ids("r") == [1, 2, 3]
+        await stand_in.send(Error(message="this client was declared lost: silent", code="client_lost"))
+        await stand_in.recv(Hello)
+        again = await stand_in.recv(Submit)
+        assert again.reattach and list(again.prompt_token_ids) == [1, 2, 3] and again.prompt is None
+        assert list(again.delivered_token_ids) == [7, 8] and again.delivered_text_len == 2
+        assert again.sampling == params.with_seed(77)        # the seed the first delta reported
+        await stand_in.send(DeltaBatch(deltas=[Delta(request_id="r", token_ids=TokenIds([9]), text="",
+                                                     finished=True, finish_reason="length")]))
+        assert [d.finish_reason async for d in stream] == ["length"]
+    finally:
+        await client.close()
+
+
 async def test_client_too_slow_ends_every_request_and_the_pending_call_with_that_error(stand_in):
     client = await _connected(stand_in)
     try:

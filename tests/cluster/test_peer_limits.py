@@ -107,7 +107,7 @@ async def test_fifty_clients_that_never_read_are_cut_off_and_others_are_served(c
                 sock.connect(cluster.address)
                 for j in range(2):
                     submit = Submit(request_id=f"flood-{i}-{j}", prompt_token_ids=TokenIds([1, 2, 3]),
-                                    sampling={"max_tokens": 4000})   # 200 s of steps
+                                    sampling=SamplingParams(max_tokens=4000))   # 200 s of steps
                     sock.send(encode(submit))
                 floods.append(sock)
 

@@ -91,7 +91,7 @@ def _frame(kind, body, version=1) -> bytes:
 def _malformed(rng: random.Random) -> list[bytes]:
     """One malformed message (usually one frame) the coordinator must answer with Error or Refused."""
     valid = [encode(m) for m in (
-        Submit(request_id="fz", prompt="hi", sampling={"max_tokens": 2}), Hello(role="client", peer_id="fz"),
+        Submit(request_id="fz", prompt="hi", sampling=SamplingParams(max_tokens=2)), Hello(role="client", peer_id="fz"),
         Heartbeat(sent_at=1.0), Abort(request_ids=["x"]), StatsRequest(), Control(command="pause"))]
     kind = rng.randrange(9)
     if kind == 0:                                                     # random bytes

@@ -13,6 +13,7 @@ import dataclasses
 from core_harness import Harness, delta
 
 from infer.protocol.messages import Abort, DeltaBatch, Dispatch, Error, Hello, Submit, TokenIds
+from infer.protocol.sampling import SamplingParams
 
 CLIENT = b"client-1"
 
@@ -108,9 +109,9 @@ def test_a_request_that_waited_past_the_workers_queue_time_fails_as_overloaded_w
 def test_a_request_past_its_timeout_fails_and_is_aborted_on_its_worker():
     h = Harness()
     h.worker("w0", 0)
-    h.send(CLIENT, Submit(request_id="slow", prompt_token_ids=TokenIds([1, 2]), sampling={"max_tokens": 50},
+    h.send(CLIENT, Submit(request_id="slow", prompt_token_ids=TokenIds([1, 2]), sampling=SamplingParams(max_tokens=50),
                           timeout_s=0.25))
-    h.send(CLIENT, Submit(request_id="fast", prompt_token_ids=TokenIds([1, 2]), sampling={"max_tokens": 50},
+    h.send(CLIENT, Submit(request_id="fast", prompt_token_ids=TokenIds([1, 2]), sampling=SamplingParams(max_tokens=50),
                           timeout_s=30.0))
     h.step("w0", delta("slow", 4, prompt=[1, 2]), delta("fast", 4, prompt=[1, 2]))
     assert h.core.next_deadline() <= 0.25

@@ -15,6 +15,7 @@ from infer.protocol.messages import (
     PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, Error, Heartbeat, Load, Message, Refused,
     StatsRequest, StepBatch, TokenIds, Welcome, encode
 )
+from infer.protocol.sampling import SamplingParams
 
 
 def of_type(out: list[tuple[bytes, Message]], kind: type, to: bytes | None = None) -> list[Message]:
@@ -146,7 +147,7 @@ def test_least_loaded_follows_the_reports():
 def test_deltas_are_relayed_and_the_request_is_forgotten_when_finished():
     h = two_workers()
     (d,) = dispatches(h.submit(C1, "r", prompt="hello world", max_tokens=3))[W0]
-    assert d.prompt == "hello world" and d.sampling["max_tokens"] == 3 and not d.resumed_token_ids
+    assert d.prompt == "hello world" and d.sampling.max_tokens == 3 and not d.resumed_token_ids
     out = h.step("w0", delta("r", 7, prompt=[11, 12]), free=90)
     (first,) = client_deltas(out, C1)
     assert first.token_ids == [7] and first.prompt_token_ids == [11, 12]
@@ -198,7 +199,8 @@ def test_worker_death_resumes_the_stream_with_no_gap_and_no_repeat():
     h.core.peer_gone(W0, h.now)            # a send found w0's connection gone (kill -9)
     (d,) = dispatches(h.out())[W1]
     assert d.prompt is None and d.prompt_token_ids == [11, 12] and d.resumed_token_ids == [7, 8, 9]
-    assert d.sampling["max_tokens"] == 7 and d.sampling["min_tokens"] == 2
+    # the request's own SamplingParams: the engine counts the 3 resumed tokens toward max_tokens / min_tokens
+    assert d.sampling == SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5)
     # the new worker echoes prompt ids in its first delta: the client must not see them twice
     out = h.step("w1", delta("r", 10, prompt=[11, 12, 7, 8, 9]))
     (cont,) = client_deltas(out, C1)
@@ -224,11 +226,28 @@ def test_a_continued_stream_reports_the_weight_version_that_computed_it():
     assert cont.weight_version == 3 and cont.prompt_token_ids is None and cont.finish_reason == "length"
 
 
+def test_a_redispatch_carries_the_params_unchanged_and_routing_charges_only_what_is_left():
+    h = two_workers()
+    _run_until_three_tokens(h)                       # max_tokens 10, min_tokens 5, 3 tokens delivered
+    h.core.peer_gone(W0, h.now)
+    (d,) = dispatches(h.out())[W1]
+    assert d.sampling == h.core.requests.get("r").sampling == SamplingParams(temperature=0.0, max_tokens=10,
+                                                                             min_tokens=5)
+    assert h.core.workers.by_id["w1"].cost_in_flight == (2 + 3) + (10 - 3)   # prompt + resumed, then what is left
+    # every token out, only the final delta lost with its worker: the request ends, nothing is dispatched
+    h.submit(C1, "done", max_tokens=2, pin_rank=1)
+    h.step("w1", delta("done", 4, prompt=[1, 2, 3]), delta("done", 5))
+    h.core.peer_gone(W1, h.now)
+    out = h.out() + h.worker("w2", 2)
+    assert [x.finish_reason for x in client_deltas(out, C1) if x.request_id == "done"] == ["length"]
+    assert all(x.request_id != "done" for ds in dispatches(out).values() for x in ds)
+
+
 def test_an_unseeded_sampled_request_gets_a_seed_that_the_client_hears_and_the_redispatch_keeps():
     h = two_workers()
     out = h.submit(C1, "r", prompt="some prompt", temperature=1.0, max_tokens=10, stop=["xy"])
     (d0,) = dispatches(out)[W0]
-    seed = d0.sampling["seed"]
+    seed = d0.sampling.seed
     assert isinstance(seed, int) and 0 <= seed < 2**63
     # the worker's first delta reports the seed it runs with; the client hears it once
     out = h.step("w0", Delta(request_id="r", token_ids=TokenIds([7]), text="a",
@@ -239,8 +258,8 @@ def test_an_unseeded_sampled_request_gets_a_seed_that_the_client_hears_and_the_r
     h.step("w0", Delta(request_id="r", token_ids=TokenIds([9]), text="\u00e9"))   # its "x" held back: stop "xy"?
     h.core.peer_gone(W0, h.now)
     (d1,) = dispatches(h.out())[W1]
-    assert d1.sampling["seed"] == seed and d1.resumed_token_ids == [7, 8, 9]
-    assert d1.resumed_text_len == len("a\u00e9") and d1.sampling["max_tokens"] == 7
+    assert d1.sampling.seed == seed and d1.resumed_token_ids == [7, 8, 9]
+    assert d1.resumed_text_len == len("a\u00e9") and d1.sampling == d0.sampling
     out = h.step("w1", Delta(request_id="r", token_ids=TokenIds([10]), text="xz",
                              prompt_token_ids=TokenIds([11, 12]), seed=seed))
     (cont,) = client_deltas(out, C1)
@@ -254,8 +273,8 @@ def test_seeds_are_kept_given_distinct_and_left_out_of_greedy_requests():
     out += h.submit(C1, "u1", temperature=1.0)
     out += h.submit(C1, "u2", temperature=1.0)
     sent = {d.request_id: d.sampling for ds in dispatches(out).values() for d in ds}
-    assert sent["s"]["seed"] == 5 and "seed" not in sent["g"]
-    assert sent["u1"]["seed"] != sent["u2"]["seed"]
+    assert sent["s"].seed == 5 and sent["g"].seed is None
+    assert sent["u1"].seed != sent["u2"].seed
 
 
 def test_a_silent_worker_is_declared_dead_and_its_requests_move():
@@ -554,6 +573,30 @@ def test_malformed_frames_get_an_error_and_change_nothing(frames, text):
     assert text in err.message
     assert h.core.stats(h.now).frames_rejected >= (0 if "unknown worker" in text else 1)
     assert set(dispatches(h.submit(C1, "ok"))) <= {W0, W1}
+
+
+def _submit_frame(rid, sampling) -> bytes:
+    return msgpack.packb({"type": "submit", "v": PROTOCOL_VERSION,
+                          "body": {"request_id": rid, "prompt": "x", "sampling": sampling}})
+
+
+@pytest.mark.parametrize("sampling, text", [
+    ({"temperature": 0.0, "top_p": 1.5}, "field 'sampling.top_p': top_p must be in (0, 1]"),
+    ({"max_tokens": 2**64 - 1}, "field 'sampling.max_tokens': max_tokens must fit in 64 bits"),
+    ({"stop": {"a": 1}}, "field 'sampling.stop': stop must be a list, got dict"),
+    ({"structured_outputs": {"choice": "ab"}}, "field 'sampling.structured_outputs': structured_outputs.choice"),
+    ({"logit_bias": [[1, 2, 3]]}, "field 'sampling.logit_bias': logit_bias must map token ids to biases"),
+    ({"temperature": 0.0, "teperature": 1}, "field 'sampling': unknown sampling option(s): teperature"),
+    ("hot", "field 'submit.sampling' must be a map of sampling params, got str"),
+])
+def test_a_submit_with_bad_sampling_fails_that_request_alone_naming_the_field(sampling, text):
+    h = two_workers()
+    ((worker, (running,)),) = dispatches(h.submit(C1, "ok")).items()
+    (err,) = of_type(h.raw(C1, [_submit_frame("bad", sampling)]), Error, C1)
+    assert err.request_id == "bad" and err.code == "invalid_request" and text in err.message
+    assert h.core.requests.get("bad") is None and h.core.stats(h.now).frames_rejected == 1
+    out = h.step(worker.decode(), delta("ok", 5, finish="length"))     # the client's other request goes on
+    assert [d.finish_reason for d in client_deltas(out, C1)] == ["length"]
 
 
 def test_a_worker_may_not_act_as_a_client():

@@ -11,6 +11,7 @@ from infer.protocol.messages import (
     Abort, Control, ControlAck, Delta, DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, Message, Refused,
     StatsRequest, StepBatch, Submit, TokenIds, Welcome
 )
+from infer.protocol.sampling import SamplingParams
 from infer.protocol.roles import Role, StaticKeyRoles
 
 WORKER_KEY, CLIENT_KEY, OTHER_CLIENT_KEY, ADMIN_KEY = (c * 40 for c in (b"W", b"C", b"D", b"A"))
@@ -39,7 +40,7 @@ def keyed() -> tuple[Harness, StaticKeyRoles]:
 
 def submit(h: Harness, client: bytes, key: bytes, rid: str) -> list[tuple[bytes, Message]]:
     return h.send(client, Submit(request_id=rid, prompt_token_ids=TokenIds([1, 2, 3]),
-                                 sampling={"temperature": 0.0, "max_tokens": 10}), key)
+                                 sampling=SamplingParams(temperature=0.0, max_tokens=10)), key)
 
 
 def step(h: Harness, identity: bytes, key: bytes, *deltas: Delta) -> list[tuple[bytes, Message]]:

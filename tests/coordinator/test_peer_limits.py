@@ -13,6 +13,7 @@ from infer.protocol.messages import (
     Abort, ClusterStats, DeltaBatch, Dispatch, Error, Heartbeat, Hello, Message, StatsRequest, Submit, TokenIds,
     Welcome
 )
+from infer.protocol.sampling import SamplingParams
 
 C1, C2 = b"client-1", b"client-2"
 W0, W1 = b"w0", b"w1"
@@ -54,9 +55,9 @@ def test_a_lost_client_is_told_when_it_comes_back_and_resumes_by_reattaching():
     # the client re-registers and re-attaches: the stream resumes from the tokens it holds
     assert of_type(h.send(C1, Hello(role="client", peer_id="c1")), Welcome, C1)
     out = h.send(C1, Submit(request_id="a", prompt_token_ids=TokenIds([1, 2, 3]), reattach=True,
-                            sampling={"temperature": 0.0, "max_tokens": 10}, delivered_token_ids=TokenIds([4, 5])))
+                            sampling=SamplingParams(temperature=0.0, max_tokens=10), delivered_token_ids=TokenIds([4, 5])))
     (dispatch,) = of_type(out, Dispatch)
-    assert list(dispatch.resumed_token_ids) == [4, 5] and dispatch.sampling["max_tokens"] == 8
+    assert list(dispatch.resumed_token_ids) == [4, 5] and dispatch.sampling.max_tokens == 10
     assert of_type(h.send(C1, Heartbeat(sent_at=0.0)), Heartbeat, C1)   # served as usual again
     assert h.core.stats(h.now).clients_lost == 1
 

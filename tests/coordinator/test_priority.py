@@ -11,13 +11,14 @@ from core_harness import Harness, delta
 from infer.protocol.messages import (
     Delta, DeltaBatch, Dispatch, Error, ProtocolError, Submit, TokenIds, decode, encode
 )
+from infer.protocol.sampling import SamplingParams
 
 CLIENT = b"client-1"
 
 
 def submit(h: Harness, rid: str, priority: int):
     return h.send(CLIENT, Submit(request_id=rid, prompt_token_ids=TokenIds([1, 2, 3]),
-                                 sampling={"temperature": 0.0, "max_tokens": 10}, priority=priority))
+                                 sampling=SamplingParams(temperature=0.0, max_tokens=10), priority=priority))
 
 
 def _of(out, kind):

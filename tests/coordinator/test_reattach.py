@@ -15,6 +15,7 @@ from core_harness import Harness, delta, worker_hello
 from infer.protocol.messages import (
     Abort, DeltaBatch, Dispatch, Error, Heartbeat, RequestSnapshot, Submit, TokenIds
 )
+from infer.protocol.sampling import SamplingParams
 
 CLIENT = b"client-1"
 PROMPT = [1, 2, 3]
@@ -29,7 +30,7 @@ def _snapshot(rid: str, tokens: list[int], ends: list[int]) -> RequestSnapshot:
 
 def _reattach(h: Harness, rid: str, held: list[int], **extra):
     return h.send(CLIENT, Submit(request_id=rid, prompt_token_ids=TokenIds(PROMPT), reattach=True,
-                                 sampling={"temperature": 0.0, "max_tokens": 10},
+                                 sampling=SamplingParams(temperature=0.0, max_tokens=10),
                                  delivered_token_ids=TokenIds(held), **extra))
 
 
@@ -92,7 +93,7 @@ def test_without_a_worker_copy_the_request_resumes_from_the_clients_tokens():
     assert not _reattach(h, "r", [7, 8])
     out = h.advance(0.6)                                # grace over: nobody runs it
     (dispatch,) = _to(out, b"w0", Dispatch)
-    assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.sampling["max_tokens"] == 8
+    assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.sampling.max_tokens == 10
 
 
 def test_a_copy_that_does_not_fit_the_clients_is_aborted_and_the_request_resumed():
@@ -108,11 +109,11 @@ def test_a_resume_from_the_clients_copy_keeps_its_seed_and_the_length_of_its_tex
     h = Harness(restart_grace=0.0)
     h.worker("w0", 0)
     out = h.send(CLIENT, Submit(request_id="r", prompt_token_ids=TokenIds(PROMPT), reattach=True,
-                                sampling={"temperature": 1.0, "max_tokens": 10, "seed": 42},
+                                sampling=SamplingParams(temperature=1.0, max_tokens=10, seed=42),
                                 delivered_token_ids=TokenIds([7, 8]), delivered_text_len=3))
     (dispatch,) = _to(out, b"w0", Dispatch)
     assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.resumed_text_len == 3
-    assert dispatch.sampling["seed"] == 42
+    assert dispatch.sampling.seed == 42
 
 
 def test_a_taken_back_copy_keeps_the_seed_it_runs_with_and_reports_it_first():
@@ -121,12 +122,12 @@ def test_a_taken_back_copy_keeps_the_seed_it_runs_with_and_reports_it_first():
     snapshot = dataclasses.replace(_snapshot("r", [7, 8], [1, 2]), seed=99)
     h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[snapshot]))
     out = h.send(CLIENT, Submit(request_id="r", prompt_token_ids=TokenIds(PROMPT), reattach=True,
-                                sampling={"temperature": 1.0, "max_tokens": 10}))
+                                sampling=SamplingParams(temperature=1.0, max_tokens=10)))
     (catch_up,) = _client_deltas(out)
     assert catch_up.seed == 99 and list(catch_up.token_ids) == [7, 8] and catch_up.text == "<7><8>"
     h.core.peer_gone(b"w0", h.now)
     (dispatch,) = _to(h.worker("w1", 1), b"w1", Dispatch)
-    assert dispatch.sampling["seed"] == 99 and dispatch.resumed_text_len == len("<7><8>")
+    assert dispatch.sampling.seed == 99 and dispatch.resumed_text_len == len("<7><8>")
 
 
 def test_copies_no_client_claims_are_aborted_after_the_client_timeout():

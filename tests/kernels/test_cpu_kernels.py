@@ -267,3 +267,27 @@ def test_the_library_is_built_again_over_a_damaged_cache_file_and_not_at_all_wit
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
     assert cpu_kernels._load() is None
+
+
+# ---- the greedy step's row max -----------------------------------------------------------------------------
+
+def test_row_max_is_torch_max_over_the_last_dim_ties_nans_and_infinities_included():
+    from infer.kernels.cpu_kernels import row_max, row_max_fits
+
+    generator = torch.Generator().manual_seed(21)
+    wide = torch.randn(12, 49152 + 40, generator=generator)
+    x = wide[:, 3:49155]                        # rows of a wider buffer: row stride != V
+    x[0, 100], x[0, 50] = float("nan"), float("nan")           # a NaN wins, the first one
+    x[1] = float("-inf")                                        # nothing above -inf: index 0
+    x[2, 7] = x[2, 9000] = x[2].max() + 1                       # a tie: the first index
+    x[3, -1] = float("inf")                                     # the last element
+    x[4] = 1.0                                                  # all equal
+    x[5, 63], x[5, 64] = 50.0, 50.0                             # a tie across the 64-element blocks
+    assert row_max_fits(x)
+    top, index = row_max(x)
+    want_top, want_index = x.max(dim=-1)
+    assert torch.equal(index, want_index)
+    assert torch.equal(top.nan_to_num(), want_top.nan_to_num()) and top[0].isnan()
+    for odd in (torch.randn(3, 5, generator=generator), torch.randn(2, 1, generator=generator)):
+        assert torch.equal(row_max(odd)[1], odd.max(dim=-1).indices)
+    assert not row_max_fits(x.to(torch.bfloat16)) and not row_max_fits(x.t())

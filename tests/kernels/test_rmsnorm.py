@@ -1,4 +1,5 @@
-"""RMSNorm (optionally fused with the residual add): the Triton kernel and the twin against float64.
+"""RMSNorm (optionally fused with the residual add): the Triton kernel, the native CPU one and the twin against
+float64.
 
 The reference rounds the residual sum to the storage dtype (the op defines it there) and does everything
 else in float64; the op's two further roundings (x / rms(x) to the dtype, then the weight product) stay
@@ -13,6 +14,8 @@ import pytest
 import torch
 from kernel_checks import DEVICE, KERNEL_DTYPES, assert_close, poisoned, requires_triton
 
+from infer.kernels import cpu_kernels
+from infer.kernels.cpu_kernels import RMS_NORM_MIN_ROWS, rms_norm_native
 from infer.kernels.rmsnorm import rms_norm, rms_norm_torch, rms_norm_triton
 
 TWIN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # the twin is the CPU path, bf16 included
@@ -77,6 +80,44 @@ def test_triton_matches_float64_and_twin(n: int, h: int, with_residual: bool, dt
     twin = rms_norm_torch(x, weight, EPS, twin_residual if with_residual else None)
     assert_close(got, twin, dtype, "triton vs twin")
     assert torch.equal(residual, twin_residual), "the residual sum is one rounding of x + residual in both"
+
+
+requires_native = pytest.mark.skipif(cpu_kernels._library() is None, reason="no C compiler: the twin runs instead")
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, h, with_residual", [(n, h, res) for n in (1, 64, 200) for h in (576, 100, 4096)
+                                                 for res in (False, True)])
+def test_native_matches_float64_and_the_twin(n: int, h: int, with_residual: bool, dtype: torch.dtype,
+                                             seed: int) -> None:
+    """Within the dtype's tolerance of float64; the residual sum bit for bit the twin's (one rounding of
+    x + residual), the output the twin's but for an occasional last bit (another order of summing squares)."""
+    x, weight, residual = (t.cpu() for t in inputs(n, h, dtype, seed))
+    check(lambda *a, **k: rms_norm_native(*a, **k), n, h, dtype, with_residual, seed)
+    twin_residual = residual.clone()
+    got = rms_norm_native(x, weight, EPS, residual if with_residual else None)
+    twin = rms_norm_torch(x, weight, EPS, twin_residual if with_residual else None)
+    assert torch.equal(residual, twin_residual)
+    if dtype == torch.bfloat16:   # in fp32 one ulp of 1 / rms moves every element of the row by an ulp
+        assert (got != twin).float().mean().item() < 1e-3
+    torch.testing.assert_close(got, twin, rtol=2 ** -6 if dtype == torch.bfloat16 else 4e-7, atol=0)
+
+
+@requires_native
+def test_cpu_dispatch_takes_the_native_kernel_for_a_prefills_rows_only(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr("infer.kernels.rmsnorm.rms_norm_native",
+                        lambda *a: calls.append(a[0].shape[0]) or rms_norm_native(*a))
+    for n in (1, RMS_NORM_MIN_ROWS - 1, RMS_NORM_MIN_ROWS, 300):
+        x, weight, residual = (t.cpu() for t in inputs(n, 576, torch.bfloat16, seed=n))
+        rms_norm(x, weight, EPS, residual)
+    assert calls == [RMS_NORM_MIN_ROWS, 300]
+    x, weight, _ = (t.cpu() for t in inputs(80, 7 * 16, torch.float32, seed=7))
+    q = x[:, :4 * 16].view(80, 4, 16)[:, :3]          # heads that do not flatten into rows: the twin
+    expected, _ = reference(q, weight[:16], EPS, None)
+    assert_close(rms_norm(q, weight[:16].contiguous(), EPS), expected, torch.float32, "strided heads")
+    assert calls == [RMS_NORM_MIN_ROWS, 300]
 
 
 @pytest.mark.parametrize("op", [rms_norm_torch, pytest.param(rms_norm_triton, marks=requires_triton)])

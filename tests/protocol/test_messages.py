@@ -14,6 +14,7 @@ from infer.protocol.messages import (
     WorkerStats, decode, encode
 )
 from infer.protocol.outputs import Completion, RequestOutput
+from infer.protocol.sampling import SamplingParams
 
 EXAMPLES = [
     Hello(role="client", peer_id="c1"),
@@ -27,13 +28,13 @@ EXAMPLES = [
     Welcome(coordinator_id="coord", state="running", model_id="m"),
     Welcome(coordinator_id="coord", state="running", model_id="m", instance="5f3a"),
     Refused(reason="model id differs: coordinator serves 'a', worker has 'b'"),
-    Submit(request_id="r1", prompt="hello", sampling={"temperature": 0.0, "max_tokens": 4, "stop": ["\n"]}),
+    Submit(request_id="r1", prompt="hello", sampling=SamplingParams(temperature=0.0, max_tokens=4, stop=["\n"])),
     Submit(request_id="r2", prompt_token_ids=TokenIds([1, 2, 2**31 - 1]), pin_rank=1),
     Submit(request_id="r4", prompt_token_ids=TokenIds([1, 2]), timeout_s=2.5, reattach=True,
            delivered_token_ids=TokenIds([3, 4])),
-    Dispatch(request_id="r1", prompt_token_ids=TokenIds([5, 6, 7]), sampling={"max_tokens": 3},
+    Dispatch(request_id="r1", prompt_token_ids=TokenIds([5, 6, 7]), sampling=SamplingParams(max_tokens=3),
              resumed_token_ids=TokenIds([8])),
-    Dispatch(request_id="r3", prompt="text", sampling={}),
+    Dispatch(request_id="r3", prompt="text", sampling=SamplingParams()),
     Accepted(request_id="r1"),
     Delta(request_id="r1", token_ids=TokenIds([9, 10]), text="ab", logprobs=[{9: -0.5, 3: -1.5}, {10: -0.1}]),
     Delta(request_id="r1", token_ids=TokenIds([]), text="", finished=True, finish_reason="error", error="boom"),
@@ -104,6 +105,18 @@ def test_fields_at_their_default_stay_off_the_wire():
     assert decode(encode(full)) == full
 
 
+def test_sampling_travels_nested_with_only_the_fields_that_differ_from_the_defaults():
+    assert "sampling" not in msgpack.unpackb(encode(Submit(request_id="r", prompt="x")), raw=False)["body"]
+    params = SamplingParams(temperature=0.0, max_tokens=None, stop="\n", logit_bias={5: -1.5}, seed=0,
+                            structured_outputs={"choice": ["a", "b"]})
+    submit = Submit(request_id="r", prompt="x", sampling=params)
+    assert msgpack.unpackb(encode(submit), raw=False)["body"]["sampling"] == {
+        "temperature": 0.0, "max_tokens": None, "stop": ["\n"], "seed": 0, "logit_bias": [[5, -1.5]],
+        "structured_outputs": {"choice": ["a", "b"]}}
+    back = decode(encode(submit))
+    assert back.sampling == params and type(back.sampling) is SamplingParams
+
+
 def _frame(kind, body, version=PROTOCOL_VERSION):
     return msgpack.packb({"type": kind, "v": version, "body": body}, use_bin_type=True)
 
@@ -128,6 +141,31 @@ def _frame(kind, body, version=PROTOCOL_VERSION):
      "sampling.*temperature must be >= 0"),
     (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temprature": 1}}),
      "unknown sampling option.*temprature"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"top_p": 2}}),
+     "field 'sampling.top_p': top_p must be in \\(0, 1\\]"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"top_p": "x"}}),
+     "field 'sampling.top_p': top_p must be a number, got 'x'"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"max_tokens": 2**64 - 1}}),
+     "field 'sampling.max_tokens': max_tokens must fit in 64 bits"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"min_tokens": 9, "max_tokens": 3}}),
+     "field 'sampling.min_tokens': min_tokens \\(9\\) must be <= max_tokens \\(3\\)"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": 5}}),
+     "field 'sampling.stop': stop must be a list, got int"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": ["a", 3]}}),
+     "field 'sampling.stop': stop must hold non-empty strings"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"logit_bias": [[1, 1e9]]}}),
+     "field 'sampling.logit_bias': logit_bias values must be in \\[-100, 100\\]"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": 5}}}),
+     "field 'sampling.structured_outputs': structured_outputs.regex must be a non-empty string"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": "a", "x": 1}}}),
+     "field 'sampling.structured_outputs': unknown structured_outputs field\\(s\\): x"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {1: 2, "b": 3}}),
+     "field 'sampling': unknown sampling option\\(s\\): 1, b"),
+    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": [1]}),
+     "field 'submit.sampling' must be a map of sampling params, got list"),
+    (_frame("dispatch", {"request_id": "r", "prompt": "x", "sampling": {"seed": -1}}),
+     "field 'sampling.seed': seed must be in \\[0, 2\\*\\*63\\)"),
+    (_frame("dispatch", {"request_id": "r", "prompt": "x"}), "'dispatch' is missing field 'sampling'"),
     (_frame("submit", {"request_id": "r", "prompt_token_ids": b"\x01\x02\x03"}), "multiple of 4 bytes"),
     (_frame("submit", {"request_id": "r", "prompt_token_ids": b"\xff\xff\xff\xff"}), "token ids must be >= 0"),
     (_frame("submit", {"request_id": "r", "prompt_token_ids": [1, 2]}), "packed int32 bytes"),
@@ -215,6 +253,8 @@ def test_fuzz_only_protocol_errors():
 @pytest.mark.parametrize("bad, text", [
     (dict(timeout_s=0.0), "timeout_s"), (dict(timeout_s=float("nan")), "timeout_s"),
     (dict(delivered_token_ids=TokenIds([3])), "reattach"),
+    (dict(reattach=True, delivered_token_ids=TokenIds([3, 4, 5]), sampling=SamplingParams(max_tokens=2)),
+     "'delivered_token_ids' hold 3 tokens, more than sampling.max_tokens \\(2\\)"),
 ])
 def test_submit_deadline_and_reattach_are_checked(bad, text):
     with pytest.raises(ProtocolError, match=text):

@@ -110,12 +110,30 @@ def test_beat_during_step_reports_the_step_age(h):
 
 # ---- requests -----------------------------------------------------------------------------------------
 
-def test_a_stream_echoes_its_prompt_once_and_ends_with_length(h):
-    h.send(dispatch("a", [1, 2, 3], max_tokens=3))
+def test_a_text_prompt_is_echoed_once_and_the_stream_ends_with_length(h):
+    h.send(dispatch("a", "abc", max_tokens=3))
     ds = h.run_until_finished()
     assert tokens(ds) == [3, 4, 5] and ds[-1].finish_reason == "length"
-    assert list(ds[0].prompt_token_ids) == [1, 2, 3] and all(d.prompt_token_ids is None for d in ds[1:])
+    assert list(ds[0].prompt_token_ids) == [97, 98, 99] and all(d.prompt_token_ids is None for d in ds[1:])
     assert h.core.num_requests == 0
+
+
+def test_a_token_id_prompt_is_never_echoed_its_client_has_it(h):
+    h.send(dispatch("a", [1, 2, 3], max_tokens=3))
+    h.send(dispatch("b", [1, 2, 3], max_tokens=3, resumed=[3]))       # a re-dispatch: the ids it was given
+    ds = h.run_until_finished()
+    assert tokens([d for d in ds if d.request_id == "a"]) == [3, 4, 5]
+    assert all(d.prompt_token_ids is None for d in ds) and {d.request_id for d in ds} == {"a", "b"}
+    assert all(d.num_prompt_tokens == 3 for d in ds)                   # usage counts do not need the echo
+
+
+def test_a_resumed_dispatch_counts_its_resumed_tokens_toward_max_tokens(h):
+    h.send(dispatch("a", [1, 2, 3], max_tokens=5, resumed=[3, 4]))
+    ds = h.run_until_finished()
+    assert tokens(ds) == [5, 6, 7] and ds[-1].finish_reason == "length"
+    h.send(dispatch("b", [1, 2, 3], max_tokens=2, resumed=[3, 4]))
+    (d,) = deltas(h.step())
+    assert d.error_code == "invalid_request" and "the resumed tokens (2) reach max_tokens (2)" in d.error
 
 
 def test_duplicate_dispatch_is_refused_and_the_first_goes_on(h):
@@ -140,7 +158,7 @@ def test_dispatch_past_the_waiting_bound_is_overloaded():
 def test_invalid_dispatch_fails_alone(h):
     h.send(dispatch("a", list(range(1, 70))))              # longer than the 64-token context
     (d,) = deltas(h.step())
-    assert d.error_code == "invalid_request" and d.finished and list(d.prompt_token_ids)[:3] == [1, 2, 3]
+    assert d.error_code == "invalid_request" and d.finished and d.prompt_token_ids is None
 
 
 def test_abort_is_silenced_and_frees_the_id_at_once(h):

@@ -99,7 +99,7 @@ class Coordinator:
 def dispatch(request_id: str, prompt: str | list[int], resumed: list[int] = (), **sampling) -> Dispatch:
     text = prompt if isinstance(prompt, str) else None
     ids = TokenIds(prompt) if not isinstance(prompt, str) else None
-    return Dispatch(request_id=request_id, sampling=SamplingParams(**sampling).to_dict(), prompt=text,
+    return Dispatch(request_id=request_id, sampling=SamplingParams(**sampling), prompt=text,
                     prompt_token_ids=ids, resumed_token_ids=TokenIds(resumed))
 
 
@@ -212,7 +212,8 @@ def test_greedy_streams_match_the_in_process_engine(served, engine):
         prompt_ids, steps, texts = run_in_process(engine, f"ref-g{i}", prompt, SamplingParams(**GREEDY))
         deltas = got[f"g{i}"]
         assert joined(deltas) == ([t for s in steps for t in s], "".join(texts))
-        assert deltas[0].prompt_token_ids == prompt_ids                 # the first delta echoes the prompt ids
+        echo = prompt_ids if isinstance(prompt, str) else None        # the first delta echoes a text prompt's ids
+        assert deltas[0].prompt_token_ids == echo
         assert all(d.prompt_token_ids is None for d in deltas[1:])
         assert deltas[-1].finish_reason in ("stop", "length") and deltas[-1].num_prompt_tokens == len(prompt_ids)
 
@@ -223,12 +224,12 @@ def test_resumed_dispatch_continues_the_greedy_stream(served, engine):
     prompt_ids, steps, texts = run_in_process(engine, "ref-full", PROMPTS[0], SamplingParams(**params))
     full = [t for s in steps for t in s]
     k = 6   # a dead worker delivered the first k tokens (and their text)
-    deltas = coord.run([dispatch("resumed", prompt_ids, resumed=full[:k], temperature=0.0, max_tokens=14 - k,
-                                 ignore_eos=True)])["resumed"]
+    deltas = coord.run([dispatch("resumed", prompt_ids, resumed=full[:k], temperature=0.0, max_tokens=14,
+                                 ignore_eos=True)])["resumed"]     # the resumed tokens count toward max_tokens
     tokens, text = joined(deltas)
     assert tokens == full[k:]
     assert "".join(texts[:k]) + text == "".join(texts)
-    assert deltas[0].prompt_token_ids == prompt_ids                     # without the resumed tokens
+    assert deltas[0].prompt_token_ids is None                           # token ids were sent: no echo
     assert deltas[-1].finish_reason == "length" and deltas[-1].num_prompt_tokens == len(prompt_ids)
 
 
@@ -321,10 +322,10 @@ def test_benchmark_mode_tokens_and_stop(coordinator, spawn):
     hello = coordinator.welcome()
     assert hello.model_id == "SmolLM2-135M-Instruct" and hello.max_num_seqs == 2
     got = coordinator.run([dispatch("b1", [9] * 5, max_tokens=7), dispatch("b2", "héllo", max_tokens=3),
-                           dispatch("b3", [9] * 5, resumed=[5, 6], max_tokens=3)])
+                           dispatch("b3", [9] * 5, resumed=[5, 6], max_tokens=5)])
     assert joined(got["b1"]) == ([5, 6, 7, 8, 9, 10, 11], "")
     assert joined(got["b2"]) == ([6, 7, 8], "") and got["b2"][0].prompt_token_ids == list("héllo".encode())
-    assert joined(got["b3"]) == ([7, 8, 9], "") and got["b3"][0].prompt_token_ids == [9] * 5
+    assert joined(got["b3"]) == ([7, 8, 9], "") and got["b3"][0].prompt_token_ids is None
     assert all(got[r][-1].finish_reason == "length" for r in got)
     coordinator.send(Error(message="unknown worker 'w-test'"))   # a coordinator that forgot this worker
     assert coordinator.expect(Hello, timeout=5).peer_id == "w-test"

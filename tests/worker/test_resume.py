@@ -67,10 +67,10 @@ def _run(engine: Engine, requests: dict[str, tuple]) -> dict[str, Stream]:
     return streams
 
 
-def _remaining(params: SamplingParams, k: int, seed: int | None) -> SamplingParams:
-    """What a re-dispatch sends after k tokens (coordinator/state.py RequestRecord.dispatch)."""
-    return dataclasses.replace(params, max_tokens=params.max_tokens - k, min_tokens=max(0, params.min_tokens - k),
-                               seed=seed)
+def _redispatched(params: SamplingParams, seed: int | None) -> SamplingParams:
+    """What a re-dispatch sends (coordinator/state.py RequestRecord.dispatch): the request's own params with its
+    seed; the engine counts the resumed tokens toward max_tokens and min_tokens."""
+    return dataclasses.replace(params, seed=seed)
 
 
 def _cuts_inside_a_character(tokenizer, tokens: list[int]) -> list[int]:
@@ -101,7 +101,7 @@ def _check_cuts(engines, params: SamplingParams, cut_seed: int = 0,
         assert reference.seed == params.seed
     cuts = sorted(set(_cuts(first.tokenizer, reference, cut_seed)) | set(extra_cuts))
     resumed = _run(second, {
-        f"cut{k}": (PROMPT, _remaining(params, k, reference.seed), reference.token_ids[:k],
+        f"cut{k}": (PROMPT, _redispatched(params, reference.seed), reference.token_ids[:k],
                     len(reference.delivered_text(k)))
         for k in cuts})
     for k in cuts:
@@ -169,6 +169,20 @@ def test_min_tokens_counts_the_delivered_tokens_when_a_stop_string_is_searched(e
     assert len(reference.token_ids) > first_end
 
 
+def test_the_engine_counts_the_resumed_tokens_toward_max_tokens(engines):
+    """A re-dispatch carries the request's own max_tokens: k resumed tokens leave max_tokens - k to generate;
+    resumed tokens that reach max_tokens leave nothing, and the request is refused saying so."""
+    first, second = engines
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reference = _run(first, {"ref": (PROMPT, params, (), None)})["ref"]
+    assert len(reference.token_ids) == 6 and reference.finish_reason == "length"
+    got = _run(second, {"r": (PROMPT, params, reference.token_ids[:4], None)})["r"]
+    assert got.token_ids == reference.token_ids[4:] and got.finish_reason == "length"
+    with pytest.raises(ValueError, match=r"the resumed tokens \(6\) reach max_tokens \(6\)"):
+        second.add_request("spent", PROMPT, params, reference.token_ids)
+    assert not second.has_unfinished()
+
+
 def test_llm_reports_the_assigned_seed_and_replays_with_it(word_chain_model):
     llm = LLM(model=str(word_chain_model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000)
     params = SamplingParams(temperature=1.0, max_tokens=24)
@@ -199,7 +213,7 @@ def test_a_request_given_back_mid_stream_resumes_exactly_elsewhere(engines, smol
     first.abort("given-back", release_text=False)
     (final,) = first.step()
     assert final.finish_reason == "abort" and final.text == "" and not final.token_ids
-    resumed = _run(second, {"r": (PROMPT, _remaining(params, cut, 31337), delivered.token_ids,
+    resumed = _run(second, {"r": (PROMPT, _redispatched(params, 31337), delivered.token_ids,
                                   len(delivered.text))})["r"]
     assert delivered.token_ids + resumed.token_ids == reference.token_ids
     assert delivered.text + resumed.text == reference.text and resumed.finish_reason == "stop"

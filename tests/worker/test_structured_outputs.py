@@ -127,9 +127,7 @@ def test_a_resumed_request_rebuilds_its_matcher_from_the_delivered_tokens(tiny_m
     assert reason == "stop" and len(ids) > 6
     other = make_engine(tiny_model_dir("llama"), seed=99)
     for k in (1, len(ids) // 2, len(ids) - 1):
-        rest = SamplingParams(temperature=1.0, seed=11, max_tokens=MAX_TOKENS - k,
-                              structured_outputs=Spec(json=schema))
-        tail, _, reason, _ = run(other, {f"cut{k}": rest}, {f"cut{k}": ids[:k]})[f"cut{k}"]
+        tail, _, reason, _ = run(other, {f"cut{k}": params}, {f"cut{k}": ids[:k]})[f"cut{k}"]
         assert ids[:k] + tail == ids and reason == "stop"
     bad = run(other, {"bad": params}, {"bad": [PROMPT[0]] * 3})["bad"]
     assert bad[2] == "error" and "does not match the grammar" in bad[3]
