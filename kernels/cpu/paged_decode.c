@@ -167,6 +167,19 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
                 block++;
             }
         }
+        /* the next chunk's K and V rows, fetched while this one computes: blocks sit anywhere in the pool,
+         * so the hardware prefetcher sees only short runs */
+        for (int t = 0, next_block = block, next_offset = offset; t < 16 && start + 16 + t < len; t++) {
+            const int64_t ahead = ((int64_t)table[next_block] * block_size + next_offset) * row_bytes;
+            for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+                _mm_prefetch((const char *)k_pool + ahead + byte, _MM_HINT_T0);
+                _mm_prefetch((const char *)v_pool + ahead + byte, _MM_HINT_T0);
+            }
+            if (++next_offset == block_size) {
+                next_offset = 0;
+                next_block++;
+            }
+        }
         for (int t = 0; t < 16; t++) {
             if (t >= n) {
                 for (int g = 0; g < group; g++) partial[g][t] = _mm512_setzero_ps();
