@@ -53,6 +53,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from infer.client.engine_client import ClusterError
+from infer.protocol.journal import StreamJournal
 from infer.protocol.keys import CurveKeys, PathLike
 from infer.protocol.messages import (
     MAX_REFIT_TIMEOUT_S, MAX_REQUEST_TIMEOUT_S, ON_RUNNING, Abort, ClusterStats, Control, ControlAck, Delta,
@@ -91,9 +92,8 @@ class _Request:
     deadline: float | None = None        # monotonic end of its timeout
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | ClusterError
     prompt_token_ids: list[int] | None = None   # a token-id prompt's own; a text prompt's from its first delta
-    received: TokenIds = field(default_factory=TokenIds)          # output token ids delivered so far
-    received_text_len: int = 0                                    # characters of text delivered with them
-    seed: int | None = None                                       # the seed the first delta reported
+    received: StreamJournal = field(default_factory=StreamJournal)   # the output tokens and text delivered so far
+    seed: int | None = None                                          # the seed the first delta reported
 
 
 @dataclass(eq=False)
@@ -288,9 +288,9 @@ class InferenceClient:
                 item = await asyncio.wait_for(request.queue.get(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self._abandon(request)
-                return RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
-                                     error=f"request {request.request_id!r} did not finish within its timeout, and "
-                                     f"the coordinator did not end it either; it was aborted", error_code="timeout")
+                return Delta.final(request.request_id, "error", f"request {request.request_id!r} did not finish "
+                                   f"within its timeout, and the coordinator did not end it either; it was aborted",
+                                   "timeout")
         if isinstance(item, BaseException):
             raise item
         return item
@@ -492,10 +492,9 @@ class InferenceClient:
                 self._send_nowait(submit)
                 continue
             del self._requests[request.request_id]
-            request.queue.put_nowait(RequestOutput(
-                request.request_id, [], "", finished=True, finish_reason="error", error_code="unavailable",
-                error=f"request {request.request_id!r} cannot be resumed ({why}) without a repeat: the "
-                      f"coordinator never told this client the prompt's token ids"))
+            request.queue.put_nowait(Delta.final(
+                request.request_id, "error", f"request {request.request_id!r} cannot be resumed ({why}) without a "
+                f"repeat: the coordinator never told this client the prompt's token ids", "unavailable"))
 
     @staticmethod
     def _resubmission(request: _Request) -> Submit | None:
@@ -505,14 +504,15 @@ class InferenceClient:
         submit = request.submit
         timeout = None if request.deadline is None else max(1e-3, request.deadline - time.monotonic())
         sampling = submit.sampling if request.seed is None else submit.sampling.with_seed(request.seed)
-        if not request.received:
+        if not request.received.token_ids:
             return dataclasses.replace(submit, sampling=sampling, timeout_s=timeout, reattach=True)
         if request.prompt_token_ids is None:
             return None
         return Submit(request_id=submit.request_id, prompt_token_ids=TokenIds(request.prompt_token_ids),
                       sampling=sampling, pin_rank=submit.pin_rank, timeout_s=timeout, reattach=True,
                       priority=submit.priority,
-                      delivered_token_ids=TokenIds(request.received), delivered_text_len=request.received_text_len)
+                      delivered_token_ids=TokenIds(request.received.token_ids),
+                      delivered_text_len=request.received.text_len)
 
     def _on_delta(self, delta: Delta) -> None:
         request = self._requests.get(delta.request_id)
@@ -520,16 +520,10 @@ class InferenceClient:
             return   # a late delta of a request abandoned here
         if delta.prompt_token_ids is not None and request.prompt_token_ids is None:
             request.prompt_token_ids = list(delta.prompt_token_ids)
-        request.received.extend(delta.token_ids)
-        request.received_text_len += len(delta.text)
+        request.received.record(delta.token_ids, delta.text)
         if delta.seed is not None:
             request.seed = delta.seed
-        request.queue.put_nowait(RequestOutput(
-            delta.request_id, list(delta.token_ids), delta.text, finished=delta.finished,
-            finish_reason=delta.finish_reason, logprobs=delta.logprobs, error=delta.error,
-            num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-            error_code=delta.error_code, queue_time_s=delta.queue_time_s, seed=delta.seed,
-            prompt_logprobs=delta.prompt_logprobs, weight_version=delta.weight_version))
+        request.queue.put_nowait(delta)
         if delta.finished:
             del self._requests[delta.request_id]
 
@@ -539,9 +533,8 @@ class InferenceClient:
         if error.request_id is not None:   # a request's failure: never a call's
             request = self._requests.pop(error.request_id, None)
             if request is not None:
-                request.queue.put_nowait(RequestOutput(error.request_id, [], "", finished=True,
-                                                       finish_reason="error", error=error.message,
-                                                       error_code=error.code or "internal"))
+                request.queue.put_nowait(Delta.final(error.request_id, "error", error.message,
+                                                     error.code or "internal"))
             return
         if self._call is not None and not self._call.future.done():
             self._call.future.set_exception(ClusterError(error.message))
@@ -558,8 +551,7 @@ class InferenceClient:
             return self._reattach_all("the coordinator declared this client lost")
         log.warning("%s", safe(error.message, 500))
         for request in list(self._requests.values()):
-            request.queue.put_nowait(RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
-                                                   error=error.message, error_code=error.code))
+            request.queue.put_nowait(Delta.final(request.request_id, "error", error.message, error.code))
         self._requests.clear()
 
     def _answer(self, msg: Message, error: ClusterError | None) -> None:

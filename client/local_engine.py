@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from infer.client.engine_client import ClusterError
 from infer.protocol.deadlines import DeadlineHeap
-from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
+from infer.protocol.messages import MAX_ID_LEN, MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
 from infer.worker.core import wire_load
@@ -264,6 +264,8 @@ class LocalEngine:
             raise ValueError(f"timeout must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S:g}], "
                              f"got {timeout!r}")
         check_priority(priority)
+        if request_id is not None and len(request_id) > MAX_ID_LEN:   # as a cluster refuses it: deltas carry it
+            raise ValueError(f"request_id must be at most {MAX_ID_LEN} characters, got {len(request_id)}")
         stream = _Stream(request_id or f"local-{next(self._ids)}", asyncio.get_running_loop())
         self._send(_Add(stream, prompt, params, timeout, time.monotonic(), priority))
         return stream
@@ -466,8 +468,7 @@ def _valid_timeout(timeout: object) -> bool:
 
 
 def _error_delta(request_id: str, reason: str, code: str) -> RequestOutput:
-    return RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=reason,
-                         error_code=code)
+    return RequestOutput.final(request_id, "error", reason, code)
 
 
 def _post(loop: asyncio.AbstractEventLoop,

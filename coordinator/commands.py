@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from infer.coordinator.barriers import WorkerBarrier
 from infer.coordinator.lifecycle import Action, ClusterState, Refusal, transition
 from infer.coordinator.state import WorkerRecord
+from infer.protocol.codes import Command
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import (
     Control, ControlAck, Delta, Error, UpdateWeights, WeightsUpdated
@@ -62,9 +63,9 @@ class Commands:
         if control.command in ("suspend", "resume") and self.core.state is not before and workers:
             self.barrier = WorkerBarrier(control.command, identity, workers, now + ACK_TIMEOUT_S)
         else:
-            self.core.send(identity, ControlAck(command=control.command, state=self.core.state.value))
+            self.core.send(identity, ControlAck(command=control.command, state=self.core.state))
 
-    def apply_command(self, command: str, source: str, now: float) -> str | None:
+    def apply_command(self, command: Command, source: str, now: float) -> str | None:
         """Run the lifecycle table's transition; the refusal's reason, or None."""
         step = transition(self.core.state, command)
         if isinstance(step, Refusal):
@@ -190,6 +191,6 @@ class Commands:
             return
         if failure is not None:
             log.warning("%s", safe(failure, 2000))
-        self.core.send(barrier.client, ControlAck(command=barrier.what, state=self.core.state.value,
+        self.core.send(barrier.client, ControlAck(command=Command(barrier.what), state=self.core.state,
                                               bytes_released=barrier.bytes_released,
                                               bytes_restored=barrier.bytes_restored, error=failure))

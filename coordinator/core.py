@@ -50,6 +50,7 @@ from infer.coordinator.relay import Relay
 from infer.coordinator.routing import make_policy
 from infer.coordinator.state import ClientRecord, RequestRecord, RequestTable, WorkerRecord, WorkerTable
 from infer.coordinator.statistics import MAX_REJECTION_CHARS, Counters, Statistics
+from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
     PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello, Message,
@@ -183,12 +184,12 @@ class Coordinator:
         client = self.clients.get(identity)
         if client is not None:
             self.liveness.client_lost(client, "it does not read what it is sent: its send queue is full (high-water "
-                                      "mark)", now, code="client_too_slow")
+                                      "mark)", now, code=ErrorCode.CLIENT_TOO_SLOW)
 
     def shutdown(self, reason: str, now: float) -> None:
         """STOP without a requesting client (a signal)."""
         if self.state is not ClusterState.STOPPED:
-            self.commands.apply_command("stop", reason, now)
+            self.commands.apply_command(Command.STOP, reason, now)
 
     def on_signal(self, reason: str, now: float) -> None:
         """SIGTERM / SIGINT: drain for at most config.drain_timeout (new requests refused, accepted ones run
@@ -259,7 +260,7 @@ class Coordinator:
             self.send(identity, Refused(reason=denial.reason))
         elif isinstance(msg, Submit):
             self.send(identity, Error(message=f"request {msg.request_id!r} not accepted: {denial.reason}",
-                                       request_id=msg.request_id, code="invalid_request"))
+                                       request_id=msg.request_id, code=ErrorCode.INVALID_REQUEST))
         else:
             self.send(identity, Error(message=denial.reason))
 
@@ -317,7 +318,7 @@ class Coordinator:
         self.send(identity, Refused(reason=reason))
 
     def _welcome(self) -> Welcome:
-        return Welcome(coordinator_id=self.config.coordinator_id, state=self.state.value, model_id=self.model_id,
+        return Welcome(coordinator_id=self.config.coordinator_id, state=self.state, model_id=self.model_id,
                        instance=self.instance)
 
     def _admission_problem(self, hello: Hello) -> str | None:
@@ -392,14 +393,14 @@ class Coordinator:
         if self.state is ClusterState.STOPPED or self._drain is not None:
             self.send(identity, Error(message=f"request {rid!r} not accepted: the cluster is "
                                                f"{'stopping' if self._drain is None else 'draining to stop'}",
-                                       request_id=rid, code="unavailable"))
+                                       request_id=rid, code=ErrorCode.UNAVAILABLE))
             return
         existing = self.requests.get(rid)
         if existing is not None and submit.reattach and existing.client == identity:
             return      # it got here before the client noticed the restart: nothing to re-attach
         if existing is not None:
             self.send(identity, Error(message=f"request id {rid!r} is already in flight", request_id=rid,
-                                         code="invalid_request"))
+                                         code=ErrorCode.INVALID_REQUEST))
             return
         if submit.reattach:
             self.reattachment.reattach(client, submit, now)
@@ -408,7 +409,7 @@ class Coordinator:
         if overloaded is not None:
             self.counters.requests_rejected += 1
             self.send(identity, Error(message=f"request {rid!r} not accepted: {overloaded}", request_id=rid,
-                                       code="overloaded"))
+                                       code=ErrorCode.OVERLOADED))
             return
         request = self.admission.new_record(identity, submit, now)
         self.requests.add(request)

@@ -12,12 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-
-class ClusterState(str, enum.Enum):
-    RUNNING = "running"
-    PAUSED = "paused"
-    SUSPENDED = "suspended"
-    STOPPED = "stopped"
+from infer.protocol.codes import ClusterState, Command
 
 
 class Action(enum.Enum):
@@ -41,34 +36,35 @@ class Refusal:
 _R, _P, _S, _X = ClusterState.RUNNING, ClusterState.PAUSED, ClusterState.SUSPENDED, ClusterState.STOPPED
 _STOP = Transition(_X, (Action.FAIL_PENDING, Action.TELL_WORKERS, Action.EXIT))
 
-TABLE: dict[tuple[ClusterState, str], Transition | Refusal] = {
-    (_R, "pause"): Transition(_P, (Action.TELL_WORKERS,)),
-    (_R, "unpause"): Transition(_R),
-    (_R, "suspend"): Refusal("cannot suspend a running cluster: pause it first"),
-    (_R, "resume"): Transition(_R),
-    (_R, "stop"): _STOP,
-    (_P, "pause"): Transition(_P),
-    (_P, "unpause"): Transition(_R, (Action.TELL_WORKERS, Action.RELEASE_HELD)),
-    (_P, "suspend"): Transition(_S, (Action.TELL_WORKERS,)),
-    (_P, "resume"): Transition(_P),
-    (_P, "stop"): _STOP,
-    (_S, "pause"): Transition(_S),
-    (_S, "unpause"): Refusal("cannot unpause a suspended cluster: resume it first"),
-    (_S, "suspend"): Transition(_S),
-    (_S, "resume"): Transition(_P, (Action.TELL_WORKERS,)),
-    (_S, "stop"): _STOP,
+TABLE: dict[tuple[ClusterState, Command], Transition | Refusal] = {
+    (_R, Command.PAUSE): Transition(_P, (Action.TELL_WORKERS,)),
+    (_R, Command.UNPAUSE): Transition(_R),
+    (_R, Command.SUSPEND): Refusal("cannot suspend a running cluster: pause it first"),
+    (_R, Command.RESUME): Transition(_R),
+    (_R, Command.STOP): _STOP,
+    (_P, Command.PAUSE): Transition(_P),
+    (_P, Command.UNPAUSE): Transition(_R, (Action.TELL_WORKERS, Action.RELEASE_HELD)),
+    (_P, Command.SUSPEND): Transition(_S, (Action.TELL_WORKERS,)),
+    (_P, Command.RESUME): Transition(_P),
+    (_P, Command.STOP): _STOP,
+    (_S, Command.PAUSE): Transition(_S),
+    (_S, Command.UNPAUSE): Refusal("cannot unpause a suspended cluster: resume it first"),
+    (_S, Command.SUSPEND): Transition(_S),
+    (_S, Command.RESUME): Transition(_P, (Action.TELL_WORKERS,)),
+    (_S, Command.STOP): _STOP,
 }
 
 
-def transition(state: ClusterState, command: str) -> Transition | Refusal:
+def transition(state: ClusterState, command: Command | str) -> Transition | Refusal:
     """What `command` does in `state`. Unknown commands and anything after STOP are refusals."""
     if state is ClusterState.STOPPED:
         return Refusal(f"the cluster is stopped; {command!r} is not possible")
     return TABLE.get((state, command), Refusal(f"unknown lifecycle command {command!r}"))
 
 
-def commands_to_reach(state: ClusterState) -> tuple[str, ...]:
+def commands_to_reach(state: ClusterState) -> tuple[Command, ...]:
     """The commands that take a worker in any state to `state`: sent to every worker that registers (one may
     join late, or come from a coordinator that died while the cluster was paused; a worker obeys the last
     command it got, so "unpause" is harmless to one already running)."""
-    return {_R: ("unpause",), _P: ("pause",), _S: ("pause", "suspend"), _X: ("stop",)}[state]
+    return {_R: (Command.UNPAUSE,), _P: (Command.PAUSE,), _S: (Command.PAUSE, Command.SUSPEND),
+            _X: (Command.STOP,)}[state]

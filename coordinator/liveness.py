@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from infer.coordinator.state import ClientRecord, RequestRecord, WorkerRecord
+from infer.protocol.codes import ErrorCode
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import (
     Abort, Error, Heartbeat, Hello, Message
@@ -133,7 +134,8 @@ class Liveness:
         while self.lost and now - next(iter(self.lost.values())).at > LOST_CLIENT_TTL_S:
             self.lost.popitem(last=False)
 
-    def client_lost(self, client: ClientRecord, reason: str, now: float, code: str = "client_lost") -> None:
+    def client_lost(self, client: ClientRecord, reason: str, now: float,
+                    code: ErrorCode = ErrorCode.CLIENT_LOST) -> None:
         """Abort `client`'s requests on their workers and keep a tombstone, so that the client is told when
         it comes back (see _LostClient): "client_lost" asks it to re-attach them, "client_too_slow" ends them."""
         to_workers: dict[str, list[str]] = {}
@@ -151,7 +153,7 @@ class Liveness:
                                     "too slow" if code == "client_too_slow" else "lost", safe(client.peer_id),
                                     safe(client.identity), reason, len(requests))
 
-    def _lost_notice(self, code: str, reason: str, num_requests: int) -> Error:
+    def _lost_notice(self, code: ErrorCode, reason: str, num_requests: int) -> Error:
         if code == "client_too_slow":
             self.core.counters.clients_too_slow += 1
             return Error(code=code, message=f"this client was too slow: {reason}; the coordinator aborted its "

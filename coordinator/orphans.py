@@ -8,56 +8,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infer.protocol.journal import StreamJournal
 from infer.protocol.messages import Delta, RequestSnapshot, TokenIds
 
 
 @dataclass(eq=False)
 class Orphan:
-    """One request a worker runs for a client the coordinator does not know yet; `final` is its finished
-    delta when it ended before the client came back."""
+    """One request a worker runs for a client the coordinator does not know yet: the worker's snapshot and the
+    deltas after it, in one stream journal; `latest` is the last of those deltas (its weight version, and
+    whether it ended before the client came back: `final`)."""
 
     worker_id: str
     request_id: str
     prompt_token_ids: TokenIds
     since: float
-    resumed: int = 0
-    token_ids: TokenIds = field(default_factory=TokenIds)
-    text_parts: list[str] = field(default_factory=list)
-    text_len: int = 0
-    delta_ends: list[int] = field(default_factory=list)
-    text_ends: list[int] = field(default_factory=list)
-    final: Delta | None = None
+    journal: StreamJournal = field(default_factory=StreamJournal)
+    latest: Delta | None = None
     seed: int | None = None         # the sampling seed it runs with
+
+    @property
+    def final(self) -> Delta | None:
+        """Its finished delta, when it ended before the client came back."""
+        return self.latest if self.latest is not None and self.latest.finished else None
 
     @classmethod
     def from_snapshot(cls, worker_id: str, snapshot: RequestSnapshot, now: float) -> Orphan:
-        return cls(worker_id=worker_id, request_id=snapshot.request_id,
-                   prompt_token_ids=snapshot.prompt_token_ids, since=now, resumed=snapshot.resumed,
-                   token_ids=TokenIds(snapshot.token_ids), text_parts=[snapshot.text],
-                   text_len=len(snapshot.text), delta_ends=list(snapshot.delta_ends),
-                   text_ends=list(snapshot.text_ends), seed=snapshot.seed)
+        return cls(worker_id=worker_id, request_id=snapshot.request_id, prompt_token_ids=snapshot.prompt_token_ids,
+                   since=now, journal=StreamJournal.from_snapshot(snapshot), seed=snapshot.seed)
 
     def extend(self, delta: Delta) -> None:
         """A later delta of this request from its worker."""
-        if delta.token_ids or delta.text:
-            self.token_ids.extend(delta.token_ids)
-            self.text_parts.append(delta.text)
-            self.text_len += len(delta.text)
-            self.delta_ends.append(len(self.token_ids))
-            self.text_ends.append(self.text_len)
-        if delta.finished:
-            self.final = delta
+        self.journal.record(delta.token_ids, delta.text)
+        self.latest = delta
 
     def catch_up(self, held: TokenIds) -> tuple[TokenIds, str] | None:
         """What a client holding the output tokens `held` still lacks (tokens, text), or None when its copy
         does not match this one or stops inside a delta (the request must then be resumed from `held`)."""
-        if list(self.token_ids[:len(held)]) != list(held):
-            return None
-        snapshot = RequestSnapshot(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                                   token_ids=self.token_ids, resumed=self.resumed,
-                                   text="".join(self.text_parts), delta_ends=self.delta_ends,
-                                   text_ends=self.text_ends)
-        return snapshot.catch_up(len(held))
+        return self.journal.catch_up(held)
 
 
 class OrphanTable:

@@ -5,6 +5,7 @@ client's copy stops, or resumed from the client's tokens. No I/O: a job of the C
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -67,13 +68,13 @@ class Reattachment:
             request.sampling = request.sampling.with_seed(orphan.seed)
         final = orphan.final
         first = not request.sent_prompt_ids
-        delta = Delta(request_id=request.request_id, token_ids=tokens, text=text,
-                      num_prompt_tokens=len(request.prompt_token_ids),
-                      prompt_token_ids=request.prompt_token_ids if first else None,
-                      finished=final is not None, finish_reason=None if final is None else final.finish_reason,
-                      error=None if final is None else final.error,
-                      error_code=None if final is None else final.error_code,
-                      seed=request.sampling.seed if first else None)
+        # the worker's latest delta (its final one, if it ended), carrying all the client lacks; no logprobs:
+        # the journal does not keep them
+        latest = orphan.latest or Delta(request_id=request.request_id, token_ids=TokenIds(), text="")
+        delta = dataclasses.replace(latest, token_ids=tokens, text=text, logprobs=None,
+                                    num_prompt_tokens=len(request.prompt_token_ids),
+                                    prompt_token_ids=request.prompt_token_ids if first else None,
+                                    seed=request.sampling.seed if first else None)
         request.sent_prompt_ids = True
         request.delivered.extend(tokens)
         if request.delivered_text_len is not None:

@@ -4,6 +4,7 @@ worker's Error fails its request. No I/O: a job of the Coordinator (core.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -90,27 +91,19 @@ class Relay:
 
     def _continuation(self, request: RequestRecord, delta: Delta) -> Delta:
         """`delta` as the client should see it: the prompt ids and the seed only once, counted from the
-        original prompt."""
+        original prompt; the rest (tokens, weight version, ...) as the worker sent it."""
         prompt_ids = None if request.sent_prompt_ids else request.prompt_token_ids
         if delta.prompt_token_ids is None and prompt_ids is None and delta.seed is None:
             return delta
-        return Delta(request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text,
-                     finished=delta.finished, finish_reason=delta.finish_reason, error=delta.error,
-                     logprobs=delta.logprobs, num_prompt_tokens=len(request.prompt_token_ids or ()),
-                     num_cached_tokens=delta.num_cached_tokens, prompt_token_ids=prompt_ids,
-                     error_code=delta.error_code, queue_time_s=delta.queue_time_s,
-                     seed=None if prompt_ids is None else request.sampling.seed,
-                     prompt_logprobs=delta.prompt_logprobs)
+        return dataclasses.replace(delta, num_prompt_tokens=len(request.prompt_token_ids or ()),
+                                   prompt_token_ids=prompt_ids,
+                                   seed=None if prompt_ids is None else request.sampling.seed)
 
     def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         """The worker aborted a request on its own (draining): relay its last tokens, then move it."""
         if delta.token_ids or delta.text:
-            self._relay(request, worker, Delta(request_id=delta.request_id, token_ids=delta.token_ids,
-                                               text=delta.text, logprobs=delta.logprobs,
-                                               num_prompt_tokens=delta.num_prompt_tokens,
-                                               num_cached_tokens=delta.num_cached_tokens,
-                                               prompt_token_ids=delta.prompt_token_ids, seed=delta.seed,
-                                               prompt_logprobs=delta.prompt_logprobs), now)
+            self._relay(request, worker, dataclasses.replace(delta, finished=False, finish_reason=None, error=None,
+                                                             error_code=None), now)
         self.core.liveness.failover(request, f"worker {worker.worker_id!r} aborted it", now)
         self.core.admission.dispatch_held(now)
 

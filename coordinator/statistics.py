@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from infer.coordinator.lifecycle import ClusterState
 from infer.coordinator.state import ClientRecord
+from infer.protocol.codes import ErrorCode
 from infer.protocol.messages import (
     ClusterStats, Error, StatsRequest, WorkerStats
 )
@@ -66,7 +67,8 @@ class Statistics:
             return
         if not self._stats_budget_left(client, now):
             self.core.send(identity, Error(message=f"too many stats requests from this client (at most "
-                                               f"{MAX_STATS_PER_CLIENT_S} per second); retry later", code="overloaded"))
+                                               f"{MAX_STATS_PER_CLIENT_S} per second); retry later",
+                                           code=ErrorCode.OVERLOADED))
             return
         if (request.min_healthy_workers <= len(self.core.admission.routable()) or request.timeout_s <= 0
                 or len(self.stats_waiters) >= MAX_STATS_WAITERS or self.core.state is ClusterState.STOPPED
@@ -110,7 +112,7 @@ class Statistics:
                    for w in sorted(self.core.workers, key=lambda w: (w.dp_rank, w.worker_id))]
         c = self.core.counters
         return ClusterStats(
-            coordinator_id=self.core.config.coordinator_id, state=self.core.state.value, policy=self.core.policy.name,
+            coordinator_id=self.core.config.coordinator_id, state=self.core.state, policy=self.core.policy.name,
             model_id=self.core.model_id, workers=workers, num_clients=len(self.core.clients),
             num_in_flight=self.core.requests.num_in_flight, num_held=len(self.core.requests.held),
             requests_submitted=c.requests_submitted, requests_completed=c.requests_completed,

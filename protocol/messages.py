@@ -13,13 +13,13 @@ import sys
 import types
 import typing
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
 import msgpack
 
-from infer.protocol.outputs import ERROR_CODES
+from infer.protocol.codes import ClusterState, Command, ErrorCode, FinishReason, Word, WorkerState
 from infer.protocol.sampling import FieldError, SamplingParams
 from infer.protocol.structured import StructuredOutputsParams
 
@@ -30,7 +30,7 @@ PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 << 20          # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
 MAX_DP_RANK = (1 << 20) - 1
-LIFECYCLE_COMMANDS = ("pause", "unpause", "suspend", "resume", "stop")
+LIFECYCLE_COMMANDS = tuple(Command)
 ROLES = ("client", "worker")
 MAX_STATS_WAIT_S = 3600.0
 MAX_REQUEST_TIMEOUT_S = 7 * 86400.0
@@ -116,6 +116,33 @@ def _check_seed(seed: Any, name: str = "seed") -> None:
              f"field {name!r} must be an integer in [0, 2**63) or null, got {seed!r}")
 
 
+_Kind = type[Word]
+
+
+def _member(kinds: tuple[_Kind, ...], value: Any, name: str, nullable: bool = False) -> Any:
+    """`value` as a member of the first of `kinds` that has it (a member of one of them stays as it is), or
+    ProtocolError naming field `name` and its choices. A str enum is its string, so this never changes a frame."""
+    if type(value) in kinds or (value is None and nullable):
+        return value
+    if isinstance(value, str):
+        for kind in kinds:
+            member = kind._value2member_map_.get(value)
+            if member is not None:
+                return member
+    choices = ", ".join(dict.fromkeys(m.value for kind in kinds for m in kind))
+    raise ProtocolError(f"field {name!r} must be one of {choices}{' or null' if nullable else ''}, "
+                        f"got {value!r:.80}")
+
+
+def _set_members(msg: Message, nullable: bool = False, **kinds: _Kind | tuple[_Kind, ...]) -> None:
+    """In `validate`: each named field of `msg` (frozen) as a member of its enum(s) (see `_member`)."""
+    for name, kind in kinds.items():
+        value = getattr(msg, name)
+        member = _member(kind if isinstance(kind, tuple) else (kind,), value, name, nullable)
+        if member is not value:
+            object.__setattr__(msg, name, member)
+
+
 # ---- handshake -----------------------------------------------------------------------------------
 
 @message
@@ -127,7 +154,8 @@ class RequestSnapshot(Message):
     `token_ids` is every output token so far; the first `resumed` of them came with the Dispatch
     (`resumed_token_ids`: the client had them before this worker ran it), the rest left in deltas. Delta j
     carried output tokens up to `delta_ends[j]` and text up to `text_ends[j]` of `text` (the text of the
-    tokens after the resumed ones); a client that holds n tokens gets the rest from that boundary on.
+    tokens after the resumed ones); a client that holds n tokens gets the rest from that boundary on
+    (protocol/journal.py: StreamJournal, which makes and reads these).
     """
 
     TYPE: ClassVar[str] = "request_snapshot"
@@ -153,18 +181,6 @@ class RequestSnapshot(Message):
                                          and self.text_ends[-1] <= len(self.text)),
                  "'delta_ends' / 'text_ends' point outside 'token_ids' / 'text'")
 
-    def catch_up(self, num_held: int) -> tuple[TokenIds, str] | None:
-        """The tokens and text after the first `num_held` output tokens (what a client holding that many
-        still lacks), or None when `num_held` is not a delta boundary this worker knows the text of."""
-        if num_held == self.resumed:
-            text_start = 0
-        elif num_held in self.delta_ends:
-            text_start = self.text_ends[self.delta_ends.index(num_held)]
-        else:
-            return None
-        end = self.delta_ends[-1] if self.delta_ends else self.resumed
-        return TokenIds(self.token_ids[num_held:end]), self.text[text_start:self.text_ends[-1] if self.text_ends
-                                                                   else 0]
 
 @message
 @dataclass(frozen=True)
@@ -218,11 +234,14 @@ class Hello(Message):
 class Welcome(Message):
     TYPE: ClassVar[str] = "welcome"
     coordinator_id: str
-    state: str
+    state: ClusterState
     model_id: str | None = None
     instance: str | None = None    # new with every coordinator process: a change means it restarted
     dp_rank: int | None = None     # to a worker: the DP rank it serves (assigned when its Hello gave none)
     group_id: str | None = None    # to a worker: its group
+
+    def validate(self) -> None:
+        _set_members(self, state=ClusterState)
 
 
 @message
@@ -326,39 +345,45 @@ class Accepted(Message):
 @message
 @dataclass(frozen=True)
 class Delta(Message):
-    """New tokens of one request (a stream delta); the last one has `finished` and `finish_reason`."""
+    """New tokens of one request (a stream delta); the last one has `finished` and `finish_reason`.
+
+    The one record of a request's output, from the engine that makes it (`Engine.step`) over the wire to the
+    user (`RequestOutput` is this class): `token_ids` and `text` are new since the previous delta; the last
+    delta carries `finish_reason` (and `error`, `error_code` when it is "error"); make it with `final`.
+    """
 
     TYPE: ClassVar[str] = "delta"
     request_id: str
     token_ids: TokenIds
     text: str
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_token_ids: TokenIds | None = None   # a worker's first delta of a text prompt: what it tokenized
-    error_code: str | None = None              # with finish_reason "error": one of outputs.ERROR_CODES
+    error_code: ErrorCode | None = None        # with finish_reason "error": why (protocol/codes.py)
     queue_time_s: float | None = None          # a worker's first delta: seconds waiting before first scheduled
     seed: int | None = None                    # the first delta: the sampling seed the request runs with
     prompt_logprobs: list[dict[int, float]] | None = None   # the first delta, when asked: prompt tokens 1..
     weight_version: int = 0                    # the version of the weights that computed it (update_weights)
 
     @classmethod
-    def final(cls, request_id: str, finish_reason: str, error: str | None = None, error_code: str | None = None,
-              prompt_token_ids: TokenIds | None = None) -> Delta:
-        """A last delta with no tokens: how a request ends when it is refused, aborted, failed or out of budget."""
-        return cls(request_id=request_id, token_ids=TokenIds(), text="", finished=True, finish_reason=finish_reason,
-                   error=error, error_code=error_code, prompt_token_ids=prompt_token_ids)
+    def final(cls, request_id: str, finish_reason: FinishReason | str, error: str | None = None,
+              error_code: ErrorCode | str | None = None, *, token_ids: Sequence[int] = (), text: str = "",
+              **fields: Any) -> Delta:
+        """The last delta of a request; every one is made here. With no tokens: how a request ends when it is
+        refused, aborted, failed or out of budget; the engine's carries its last tokens and text. `fields`: any
+        other Delta field (prompt_token_ids, num_prompt_tokens, queue_time_s, ...)."""
+        return cls(request_id=request_id, token_ids=TokenIds(token_ids), text=text, finished=True,
+                   finish_reason=_member((FinishReason,), finish_reason, "finish_reason"), error=error,
+                   error_code=_member((ErrorCode,), error_code, "error_code", nullable=True), **fields)
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
         _check_seed(self.seed)
-        _require(self.error_code is None or self.error_code in ERROR_CODES,
-                 f"field 'error_code' must be one of {', '.join(ERROR_CODES)} or null, got {self.error_code!r}")
-        _require(self.finish_reason in (None, "stop", "length", "abort", "error"),
-                 f"field 'finish_reason' must be stop, length, abort, error or null, got {self.finish_reason!r}")
+        _set_members(self, nullable=True, finish_reason=FinishReason, error_code=ErrorCode)
         _require(self.finished == (self.finish_reason is not None),
                  "a finished delta needs a finish_reason, and only a finished one")
 
@@ -382,11 +407,10 @@ class Error(Message):
     TYPE: ClassVar[str] = "error"
     message: str
     request_id: str | None = None
-    code: str | None = None        # for a request's failure: one of outputs.ERROR_CODES
+    code: ErrorCode | None = None  # for a request's failure: why (protocol/codes.py)
 
     def validate(self) -> None:
-        _require(self.code is None or self.code in ERROR_CODES,
-                 f"field 'code' must be one of {', '.join(ERROR_CODES)} or null, got {self.code!r}")
+        _set_members(self, nullable=True, code=ErrorCode)
 
 
 # ---- load, liveness, lifecycle -------------------------------------------------------------------
@@ -446,11 +470,10 @@ class Control(Message):
     """A lifecycle command: pause / unpause / suspend / resume / stop."""
 
     TYPE: ClassVar[str] = "control"
-    command: str
+    command: Command
 
     def validate(self) -> None:
-        _require(self.command in LIFECYCLE_COMMANDS,
-                 f"field 'command' must be one of {', '.join(LIFECYCLE_COMMANDS)}, got {self.command!r}")
+        _set_members(self, command=Command)
 
 
 @message
@@ -460,11 +483,15 @@ class ControlAck(Message):
     its engine released / restored; the coordinator answers suspend and resume once every worker acked."""
 
     TYPE: ClassVar[str] = "control_ack"
-    command: str
-    state: str
+    command: Command
+    state: ClusterState | WorkerState   # the cluster's, or a worker's (decoded: a ClusterState where the name
+                                        # is one, so "draining" is the only WorkerState a decoder sees)
     bytes_released: int = 0
     bytes_restored: int = 0
     error: str | None = None        # a worker whose engine failed to carry the command out
+
+    def validate(self) -> None:
+        _set_members(self, command=Command, state=(ClusterState, WorkerState))
 
 
 # ---- weight refit --------------------------------------------------------------------------------
@@ -617,7 +644,7 @@ class ClusterStats(Message):
 
     TYPE: ClassVar[str] = "cluster_stats"
     coordinator_id: str
-    state: str
+    state: ClusterState
     policy: str
     model_id: str | None
     workers: list[WorkerStats]
@@ -637,6 +664,9 @@ class ClusterStats(Message):
     clients_lost: int = 0         # clients declared lost with requests in flight (silent, or unroutable)
     clients_too_slow: int = 0     # clients whose send queue reached the high-water mark (they read nothing)
     weight_version: int = 0       # the weights the cluster serves (the last update_weights every worker applied)
+
+    def validate(self) -> None:
+        _set_members(self, state=ClusterState)
 
     @property
     def num_healthy_workers(self) -> int:

@@ -1,54 +1,24 @@
-"""What generation returns: per-step deltas and whole completions. Torch-free, plain named fields."""
+"""What generation returns: per-step deltas (RequestOutput, the wire's Delta) and whole completions. Torch-free,
+plain named fields."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infer.protocol.codes import ErrorCode, FinishReason
+from infer.protocol.messages import Delta
+
 # One generated token's logprobs: {token_id: logprob} holding the sampled token and the top-n.
 TokenLogprobs = dict[int, float]
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
-# Why a request failed (with finish_reason "error"), for callers that must tell bad input from a busy cluster:
-#   invalid_request: the request itself can never be served (prompt too long, bad token ids, bad options);
-#   unavailable:     the cluster cannot serve it now (no healthy worker in time, draining, stopping, retries spent);
-#   internal:        a component failed while serving it;
-#   overloaded:      a queue on its way was full (coordinator, worker or HTTP front): retry later, it was not run;
-#   timeout:         it did not finish within its own `timeout`; it was aborted and its KV blocks freed;
-#   client_too_slow: its client did not read what the coordinator sent it (its queue reached the high-water
-#                    mark), so the coordinator aborted its requests; the client hears it when it reads again;
-#   client_lost:     (an Error, no request id) the coordinator declared this client lost (silent past
-#                    --client-timeout, or unroutable) and aborted its requests on the workers; the client
-#                    re-attaches them (they resume from the tokens it holds) or fails them;
-#   draining:        (worker -> coordinator only) a draining worker refused a dispatch; the coordinator moves
-#                    the request to another worker and routes nothing more to this one.
-ERROR_CODES = ("invalid_request", "unavailable", "internal", "overloaded", "timeout", "client_too_slow",
-               "client_lost", "draining")
+# The words of `finish_reason` and `error_code`, as tuples (protocol/codes.py has them with their meanings).
+FINISH_REASONS = tuple(FinishReason)
+ERROR_CODES = tuple(ErrorCode)
 
 
-@dataclass
-class RequestOutput:
-    """The part of one request produced by one engine step (a stream delta).
-
-    `token_ids` and `text` are new since the previous delta; the last delta has `finished` set
-    and carries `finish_reason` (and `error` when it is "error").
-    """
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error_code: str | None = None
-    queue_time_s: float | None = None   # first delta only: seconds it waited in the engine before it was scheduled
-    seed: int | None = None             # first delta only: the sampling seed (given, or assigned when none was)
-    prompt_logprobs: list[TokenLogprobs] | None = None   # first delta only, with params.prompt_logprobs: prompt
-                                                         # tokens 1.. (token 0 has none), each row holding the token
-    weight_version: int = 0             # the version of the weights that computed this delta (0: as loaded)
+# A stream delta, as users import it: the engine's output is the wire's Delta itself, the one record every hop
+# passes on (no copies field by field).
+RequestOutput = Delta
 
 
 @dataclass
@@ -69,7 +39,7 @@ class Completion:
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # vLLM's: None for the first prompt token
     weight_version: int = 0     # the weights' version of its last delta (update_weights counts versions)
 
-    def add(self, delta: RequestOutput) -> None:
+    def add(self, delta: Delta) -> None:
         """Fold one stream delta into this completion."""
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text

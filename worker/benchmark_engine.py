@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from infer.protocol.messages import UpdateWeights
-from infer.protocol.outputs import RequestOutput
+from infer.protocol.messages import Delta, TokenIds, UpdateWeights
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine_load import EngineLoad
@@ -31,7 +30,7 @@ class BenchmarkEngine:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or 4096
         self._requests: dict[str, Request] = {}   # arrival order
-        self._pending: list[RequestOutput] = []
+        self._pending: list[Delta] = []
 
     @property
     def num_kv_blocks(self) -> int:
@@ -62,7 +61,7 @@ class BenchmarkEngine:
     def _running(self) -> list[Request]:
         return list(self._requests.values())[:self.config.max_num_seqs]
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[Delta]:
         if self.step_time > 0:
             time.sleep(self.step_time)      # stands for compute: the step's cost, not a wait for anything
         outputs = self.take_pending()
@@ -72,12 +71,14 @@ class BenchmarkEngine:
             done = request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len
             if done:
                 del self._requests[request.request_id]
-            outputs.append(RequestOutput(request.request_id, [token], "", finished=done,
-                                         finish_reason="length" if done else None,
-                                         num_prompt_tokens=request.num_prompt_tokens))
+                outputs.append(Delta.final(request.request_id, "length", token_ids=[token],
+                                           num_prompt_tokens=request.num_prompt_tokens))
+            else:
+                outputs.append(Delta(request_id=request.request_id, token_ids=TokenIds([token]), text="",
+                                     num_prompt_tokens=request.num_prompt_tokens))
         return outputs
 
-    def take_pending(self) -> list[RequestOutput]:
+    def take_pending(self) -> list[Delta]:
         outputs, self._pending = self._pending, []
         return outputs
 
@@ -89,17 +90,15 @@ class BenchmarkEngine:
         for request in overdue:
             waited = now - request.arrival_time
             del self._requests[request.request_id]
-            self._pending.append(RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
-                                               error=overdue_message(waited, max_queue_time),
-                                               error_code="overloaded", queue_time_s=waited,
-                                               num_prompt_tokens=request.num_prompt_tokens))
+            self._pending.append(Delta.final(request.request_id, "error", overdue_message(waited, max_queue_time),
+                                             "overloaded", queue_time_s=waited,
+                                             num_prompt_tokens=request.num_prompt_tokens))
         return len(overdue)
 
     def abort(self, request_id: str, release_text: bool = True) -> bool:
         request = self._requests.pop(request_id, None)
         if request is not None:
-            self._pending.append(RequestOutput(request_id, [], "", finished=True, finish_reason="abort",
-                                               num_prompt_tokens=request.num_prompt_tokens))
+            self._pending.append(Delta.final(request_id, "abort", num_prompt_tokens=request.num_prompt_tokens))
         return request is not None
 
     def has_unfinished(self) -> bool:

@@ -16,12 +16,13 @@ and `core.poll_timeout(now)` says how long it may block. A decision that ends th
 `busy()`, the shell's hook that lets the heartbeat thread send meanwhile (`beat_during_step`).
 
 Invariant: `_requests` holds exactly the ids dispatched here whose finished delta has not been sent, each with
-what its deltas carried so far (`_Sent`): the Hello of a re-registration (say, with a restarted coordinator)
-sends it, so the coordinator can hand each stream back to its client.
+what its deltas carried so far (`_Sent`: a StreamJournal, protocol/journal.py): the Hello of a re-registration
+(say, with a restarted coordinator) sends it, so the coordinator can hand each stream back to its client.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -29,12 +30,12 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn, Protocol
 
+from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
     Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
     Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode, peek_request_id
 )
-from infer.protocol.outputs import RequestOutput
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine_load import EngineLoad
@@ -77,8 +78,8 @@ class EngineLike(Protocol):
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None,
                     priority: int = 0) -> Request: ...
-    def step(self) -> list[RequestOutput]: ...
-    def take_pending(self) -> list[RequestOutput]: ...
+    def step(self) -> list[Delta]: ...
+    def take_pending(self) -> list[Delta]: ...
     def shed_overdue(self, max_queue_time: float) -> int: ...
     def abort(self, request_id: str, release_text: bool = True) -> bool: ...
     def has_unfinished(self) -> bool: ...
@@ -163,7 +164,7 @@ class WorkerCore:
         self._last_shed_check = now
         self.engine.shed_overdue(limit)
 
-    def after_step(self, outputs: list[RequestOutput], now: float, refit: bool = True) -> None:
+    def after_step(self, outputs: list[Delta], now: float, refit: bool = True) -> None:
         """The outputs of the step the shell ran (or of `take_pending` when it did not step): one StepBatch with
         their deltas and any rejections; then a pending refit is applied if the engine has emptied (`refit`;
         an EP group's rank never applies one here)."""
@@ -269,9 +270,10 @@ class WorkerCore:
         out, self._outgoing = self._outgoing, []
         return out
 
-    def state_name(self) -> str:
-        return "draining" if self._drain_deadline is not None and self.state is WorkerState.RUNNING \
-            else self.state.value
+    def state_name(self) -> WorkerState:
+        """The state this worker reports: its table state, or DRAINING for a running worker after SIGTERM."""
+        return WorkerState.DRAINING if self._drain_deadline is not None and self.state is WorkerState.RUNNING \
+            else self.state
 
     # ---- out -----------------------------------------------------------------------------------
 
@@ -283,7 +285,7 @@ class WorkerCore:
         self.last_load = wire_load(self.engine.load())
         self._send(Heartbeat(sent_at=now + self.wall_offset, load=self.last_load), now)
 
-    def _send_step_batch(self, outputs: list[RequestOutput], now: float) -> None:
+    def _send_step_batch(self, outputs: list[Delta], now: float) -> None:
         silenced = 0
         if self._silenced:
             kept = [out for out in outputs if not self._silence(out)]
@@ -293,24 +295,23 @@ class WorkerCore:
             self.last_load = wire_load(self.engine.load())
             self._send(StepBatch(deltas=deltas, load=self.last_load), now)
 
-    def _silence(self, out: RequestOutput) -> bool:
+    def _silence(self, out: Delta) -> bool:
         if out.finish_reason == "abort" and out.request_id in self._silenced:
             self._silenced.discard(out.request_id)
             return True
         return False
 
-    def _delta(self, out: RequestOutput) -> Delta:
+    def _delta(self, out: Delta) -> Delta:
+        """An engine output as it goes out: recorded in its request's journal, the first of a text prompt echoing
+        the prompt ids."""
         sent = self._requests.pop(out.request_id, None) if out.finished else self._requests.get(out.request_id)
-        prompt_ids = None
-        if sent is not None:
-            prompt_ids = sent.prompt_token_ids if sent.echo_prompt else None
-            sent.record(out.token_ids, out.text)
-        return Delta(request_id=out.request_id, token_ids=TokenIds(out.token_ids), text=out.text,
-                     finished=out.finished, finish_reason=out.finish_reason, error=out.error,
-                     logprobs=out.logprobs, num_prompt_tokens=out.num_prompt_tokens,
-                     num_cached_tokens=out.num_cached_tokens, prompt_token_ids=prompt_ids,
-                     error_code=out.error_code, queue_time_s=out.queue_time_s, seed=out.seed,
-                     prompt_logprobs=out.prompt_logprobs, weight_version=out.weight_version)
+        if sent is None:
+            return out
+        sent.journal.record(out.token_ids, out.text)
+        if not sent.echo_prompt:
+            return out
+        sent.echo_prompt = False
+        return dataclasses.replace(out, prompt_token_ids=sent.prompt_token_ids)
 
     # ---- registration ----------------------------------------------------------------------------
 
@@ -386,9 +387,8 @@ class WorkerCore:
                                                   msg.resumed_text_len, priority=msg.priority)
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request")
-        self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), len(msg.resumed_token_ids),
-                                               TokenIds(msg.resumed_token_ids), request.params.seed,
-                                               echo_prompt=msg.prompt is not None)
+        self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), msg.resumed_token_ids,
+                                               request.params.seed, echo_prompt=msg.prompt is not None)
 
     def _reject(self, request_id: str, reason: str, code: str) -> None:
         """A final error delta; it echoes no prompt ids (a text prompt refused here was not tokenized)."""
@@ -427,7 +427,7 @@ class WorkerCore:
             self._abort_all(now)
         self.state = step.state
         if Action.EXIT in step.actions:
-            self._send(ControlAck(command=msg.command, state=step.state.value), now)
+            self._send(ControlAck(command=msg.command, state=step.state), now)
             raise WorkerExit(EXIT_OK, "stopped by the coordinator", leave_group="stopped by the coordinator")
         log.info("%s: now %s%s", msg.command, self.state.value, f" ({released} bytes released)" if released else
                  f" ({restored} bytes restored)" if restored else "")
@@ -493,37 +493,20 @@ class WorkerCore:
 
 
 class _Sent:
-    """What the deltas of one request carried so far: enough to rebuild its stream from any delta boundary
-    (see RequestSnapshot). Tokens resumed from a failover come first; their text is the client's already."""
+    """A request dispatched here: what its snapshot needs beside the stream journal of what its deltas carried
+    (tokens resumed from a failover come first; their text is the client's already), and whether its next
+    delta echoes the prompt ids."""
 
-    __slots__ = ("prompt_token_ids", "resumed", "token_ids", "text_parts", "delta_ends", "text_ends", "text_len",
-                 "echo_prompt", "seed")
+    __slots__ = ("prompt_token_ids", "seed", "journal", "echo_prompt")
 
-    def __init__(self, prompt_token_ids: TokenIds, resumed: int, resumed_token_ids: TokenIds,
-                 seed: int | None = None, echo_prompt: bool = False) -> None:
+    def __init__(self, prompt_token_ids: TokenIds, resumed_token_ids: TokenIds, seed: int | None = None,
+                 echo_prompt: bool = False) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.seed = seed
-        self.resumed = resumed
-        self.token_ids = resumed_token_ids
-        self.text_parts: list[str] = []
-        self.delta_ends: list[int] = []
-        self.text_ends: list[int] = []
-        self.text_len = 0
+        self.journal = StreamJournal(resumed_token_ids)
         # The next delta echoes the prompt ids: the first one, when the prompt was text (the client of a token-id
         # prompt has them; the coordinator keeps a text prompt's ids, for a re-dispatch)
         self.echo_prompt = echo_prompt
 
-    def record(self, token_ids: list[int], text: str) -> None:
-        self.echo_prompt = False
-        if token_ids or text:
-            self.token_ids.extend(token_ids)
-            if text:
-                self.text_parts.append(text)
-                self.text_len += len(text)
-            self.delta_ends.append(len(self.token_ids))
-            self.text_ends.append(self.text_len)
-
     def snapshot(self, request_id: str) -> RequestSnapshot:
-        return RequestSnapshot(request_id=request_id, prompt_token_ids=self.prompt_token_ids,
-                               token_ids=TokenIds(self.token_ids), resumed=self.resumed, text="".join(self.text_parts),
-                               delta_ends=list(self.delta_ends), text_ends=list(self.text_ends), seed=self.seed)
+        return self.journal.snapshot(request_id, self.prompt_token_ids, self.seed)

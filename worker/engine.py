@@ -23,12 +23,12 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from infer.protocol.messages import UpdateWeights
-from infer.protocol.outputs import RequestOutput, TokenLogprobs
+from infer.protocol.messages import MAX_ID_LEN, Delta, TokenIds, UpdateWeights
+from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.structured import grammar_reason
@@ -143,7 +143,7 @@ class Engine:
         self.heap = HeapTrimmer()      # freed activations go back to the OS now and then (worker/memory.py)
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._pending: list[RequestOutput] = []   # final outputs of aborts, returned by the next step
+        self._pending: list[Delta] = []   # final outputs of aborts, returned by the next step
         self._grammars: GrammarCompilerPool | None = None   # made at the first structured-output request
         self._compiling: dict[str, _Compiling] = {}   # requests waiting for their grammar, not yet scheduled
         self._arrivals = 0
@@ -173,8 +173,9 @@ class Engine:
 
         `priority` (a 64-bit integer, lower first) matters under `scheduling_policy="priority"`.
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_ID_LEN:
+            raise ValueError(f"request_id must be a non-empty string of at most {MAX_ID_LEN} characters (every "
+                             f"delta carries it), got {request_id!r:.80}")
         if self.scheduler.get(request_id) is not None or request_id in self._compiling:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = SamplingParams() if params is None else params
@@ -204,7 +205,7 @@ class Engine:
         self.stats.prompt_tokens += len(prompt_ids)
         return request
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[Delta]:
         """One engine step: schedule, run, advance, post-process. Returns this step's deltas."""
         self._check_not_suspended("step()")
         outputs, self._pending = self._pending, []
@@ -225,7 +226,7 @@ class Engine:
         self.heap.after_step(busy=self.scheduler.has_unfinished())
         return outputs
 
-    def dummy_step(self) -> list[RequestOutput]:
+    def dummy_step(self) -> list[Delta]:
         """The step of an EP-group rank with nothing to run (paused, or no requests): one forward of a
         padding token so the group's collectives complete; returns the deltas ready without a step."""
         self._check_not_suspended("dummy_step()")
@@ -266,15 +267,13 @@ class Engine:
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, overdue_message(waited, max_queue_time))
             request.error_code = "overloaded"
             request.queue_time_s = waited
-            output = self._final_output(request, "", [])
-            output.queue_time_s = waited
-            self._pending.append(output)
+            self._pending.append(self._final_output(request, "", [], queue_time_s=waited))
         if overdue:
             log.warning("shed %d request(s) that waited over %g s without starting (overloaded)", len(overdue),
                         max_queue_time)
         return len(overdue)
 
-    def take_pending(self) -> list[RequestOutput]:
+    def take_pending(self) -> list[Delta]:
         """The deltas ready without a model step (final deltas of aborts), which step() would return
         first. For a caller that does not step now (a paused worker)."""
         outputs, self._pending = self._pending, []
@@ -427,10 +426,10 @@ class Engine:
             log.exception("a forward with no request fails too: the engine is broken")
             raise error from None
 
-    def _fail_rows(self, chunks: Sequence[ScheduledChunk], rows: list[StepRow]) -> list[RequestOutput]:
+    def _fail_rows(self, chunks: Sequence[ScheduledChunk], rows: list[StepRow]) -> list[Delta]:
         return [self._fail(chunk.request, row.error) for chunk, row in zip(chunks, rows) if row.error is not None]
 
-    def _fail(self, request: Request, message: str) -> RequestOutput:
+    def _fail(self, request: Request, message: str) -> Delta:
         """Finish `request` alone as failed by the engine (code "internal"), its KV blocks freed."""
         log.error("request %r failed: %s", request.request_id, message)
         self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message)
@@ -447,7 +446,7 @@ class Engine:
         self._compiling[request.request_id] = _Compiling(request, future, time.monotonic() + COMPILE_TIMEOUT_S,
                                                          resumed)
 
-    def _admit_compiled(self) -> list[RequestOutput]:
+    def _admit_compiled(self) -> list[Delta]:
         """Schedule the requests whose grammar is ready (their matcher replays tokens already delivered);
         fail those whose spec did not compile, or not in time, as invalid requests."""
         outputs = []
@@ -553,7 +552,7 @@ class Engine:
 
     # ---- output ------------------------------------------------------------------------------
 
-    def _postprocess(self, scheduled: SchedulerOutput, rows: list[StepRow]) -> list[RequestOutput]:
+    def _postprocess(self, scheduled: SchedulerOutput, rows: list[StepRow]) -> list[Delta]:
         computed = [(c, row) for c, row in zip(scheduled.chunks, rows) if row.error is None]
         self.stats.num_steps += 1
         self.stats.prefill_tokens_computed += sum(c.num_new_tokens for c, _ in computed
@@ -562,7 +561,7 @@ class Engine:
         self.stats.generation_tokens += len(outputs)
         return outputs
 
-    def _append_token_or_fail(self, chunk: ScheduledChunk, row: StepRow) -> RequestOutput:
+    def _append_token_or_fail(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
         try:
             return self._append_token(chunk, row.token_id, row.logprobs)
         except Exception as e:
@@ -572,7 +571,7 @@ class Engine:
             return self._fail(chunk.request, f"the engine failed after sampling token {row.token_id}: "
                                              f"{type(e).__name__}: {e}")
 
-    def _append_token(self, chunk: ScheduledChunk, token_id: int, lp: TokenLogprobs | None) -> RequestOutput:
+    def _append_token(self, chunk: ScheduledChunk, token_id: int, lp: TokenLogprobs | None) -> Delta:
         request = chunk.request
         request.append_token(token_id)
         if request.grammar is not None and not request.grammar.accept(token_id):
@@ -581,19 +580,22 @@ class Engine:
         text = detok.add([token_id])
         status = self._stop_status(request, token_id, detok)
         lps = None if lp is None else [lp]
+        first = self._first_output_fields(request)
         if status is None:
-            output = RequestOutput(request.request_id, [token_id], text, logprobs=lps,
-                                   num_prompt_tokens=request.num_prompt_tokens,
-                                   num_cached_tokens=request.num_cached_tokens, weight_version=self.weight_version)
-        else:
-            self.scheduler.finish(request, status)
-            output = self._final_output(request, text, [token_id], lps)
-        if not request.queue_time_reported:
-            request.queue_time_reported = True
-            output.queue_time_s = request.queue_time_s
-            output.seed = request.params.seed
-            output.prompt_logprobs = request.prompt_logprobs
-        return output
+            return Delta(request_id=request.request_id, token_ids=TokenIds([token_id]), text=text, logprobs=lps,
+                         num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+                         weight_version=self.weight_version, **first)
+        self.scheduler.finish(request, status)
+        return self._final_output(request, text, [token_id], lps, **first)
+
+    @staticmethod
+    def _first_output_fields(request: Request) -> dict[str, Any]:
+        """What only a request's first output carries (its queue time, seed and prompt logprobs); {} after it."""
+        if request.queue_time_reported:
+            return {}
+        request.queue_time_reported = True
+        return {"queue_time_s": request.queue_time_s, "seed": request.params.seed,
+                "prompt_logprobs": request.prompt_logprobs}
 
     def _stop_status(self, request: Request, token_id: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
         params = request.params
@@ -609,7 +611,10 @@ class Engine:
         return None
 
     def _final_output(self, request: Request, text: str, token_ids: list[int],
-                      logprobs: list[TokenLogprobs] | None = None, release_text: bool = True) -> RequestOutput:
+                      logprobs: list[TokenLogprobs] | None = None, release_text: bool = True,
+                      **first: Any) -> Delta:
+        """The last output of `request` (finished, its status set): the text held back is released unless
+        `release_text` is False; `first`: the fields of a first output (`_first_output_fields`), or queue_time_s."""
         detok = self._detokenizers.pop(request.request_id, None)
         if detok is not None and release_text:
             text += detok.finish()
@@ -617,10 +622,9 @@ class Engine:
         reason = request.status.finish_reason
         self.stats.num_requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
-        return RequestOutput(request.request_id, token_ids, text, finished=True, finish_reason=reason,
-                             logprobs=logprobs, error=request.error, error_code=request.error_code,
-                             num_prompt_tokens=request.num_prompt_tokens,
-                             num_cached_tokens=request.num_cached_tokens, weight_version=self.weight_version)
+        return Delta.final(request.request_id, reason, request.error, request.error_code, token_ids=token_ids,
+                           text=text, logprobs=logprobs, num_prompt_tokens=request.num_prompt_tokens,
+                           num_cached_tokens=request.num_cached_tokens, weight_version=self.weight_version, **first)
 
     # ---- sizing ------------------------------------------------------------------------------
 

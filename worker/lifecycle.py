@@ -7,7 +7,7 @@ command is refused here; "resume" always lands in PAUSED, as the cluster's SUSPE
 suspend / resume are idempotent (0 bytes when there is nothing to release or restore).
 
 Draining (after SIGTERM) is not a state of this table: it is a deadline beside it, and a running worker that
-drains reports its state as "draining" (`WorkerCore.state_name`).
+drains reports its state as "draining" (`WorkerCore.state_name`: WorkerState.DRAINING, protocol/codes.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-
-class WorkerState(str, enum.Enum):
-    RUNNING = "running"       # steps the engine
-    PAUSED = "paused"         # keeps its requests and memory, does not step
-    SUSPENDED = "suspended"   # paused, with the KV pool and the weights released
-    STOPPED = "stopped"       # every request given back; the process exits
+from infer.protocol.codes import Command, WorkerState
 
 
 class Action(enum.Enum):
@@ -38,19 +33,19 @@ class Transition:
 
 _R, _P, _S = WorkerState.RUNNING, WorkerState.PAUSED, WorkerState.SUSPENDED
 _BY_COMMAND = {
-    "pause": Transition(_P),
-    "unpause": Transition(_R),
-    "suspend": Transition(_S, (Action.SUSPEND_ENGINE,)),
-    "resume": Transition(_P, (Action.RESUME_ENGINE,)),
-    "stop": Transition(WorkerState.STOPPED, (Action.ABORT_ALL, Action.EXIT)),
+    Command.PAUSE: Transition(_P),
+    Command.UNPAUSE: Transition(_R),
+    Command.SUSPEND: Transition(_S, (Action.SUSPEND_ENGINE,)),
+    Command.RESUME: Transition(_P, (Action.RESUME_ENGINE,)),
+    Command.STOP: Transition(WorkerState.STOPPED, (Action.ABORT_ALL, Action.EXIT)),
 }
 
-TABLE: dict[tuple[WorkerState, str], Transition] = {
+TABLE: dict[tuple[WorkerState, Command], Transition] = {
     (state, command): transition for state in (_R, _P, _S) for command, transition in _BY_COMMAND.items()
 }
 
 
-def transition(state: WorkerState, command: str) -> Transition:
+def transition(state: WorkerState, command: Command) -> Transition:
     """What `command` does to a worker in `state`. `Control` frames only carry known commands (the codec
     checks them), and a stopped worker handles no more frames: KeyError for anything else is a bug."""
     return TABLE[(state, command)]

@@ -83,6 +83,27 @@ static inline __attribute__((always_inline)) void pf_scores_dp(const uint32_t (*
     }
     for (int r = 0; r < R; r++) _mm512_store_ps(s[r], _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
 }
+
+/* As pf_values with V by pairs of keys: vt[i][d] holds dims d of keys 2i and 2i + 1 (bf16), and each row's
+ * probabilities are rounded to bf16 pairs (as transformers rounds them to the model's type before P V); each
+ * instruction adds two keys' products to 16 dims. */
+static inline __attribute__((always_inline)) void pf_values_dp(float (*acc)[PF_MAX_HEAD_DIM],
+                                                               const float (*p)[PF_KEYS],
+                                                               const uint32_t (*vt)[PF_MAX_HEAD_DIM], int key_pairs,
+                                                               int head_dim, const int R) {
+    uint32_t pp[4][PF_KEYS / 2] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++)
+        _mm256_store_si256((__m256i *)pp[r], (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[r])));
+    for (int c = 0; c < head_dim; c += 16) {
+        __m512 a[4];
+        for (int r = 0; r < R; r++) a[r] = _mm512_load_ps(acc[r] + c);
+        for (int i = 0; i < key_pairs; i++) {
+            __m512bh v2 = (__m512bh)_mm512_load_si512((const void *)(vt[i] + c));
+            for (int r = 0; r < R; r++) a[r] = _mm512_dpbf16_ps(a[r], v2, (__m512bh)_mm512_set1_epi32((int)pp[r][i]));
+        }
+        for (int r = 0; r < R; r++) _mm512_store_ps(acc[r] + c, a[r]);
+    }
+}
 #else
 #define PF_DP 0
 #endif
@@ -159,6 +180,7 @@ static void prefill_task(const char *q, int64_t token_bytes, const char *k_pool,
     const int dp = PF_DP && is_bf16, pairs = head_dim / 2;
     uint32_t q2[dp ? PF_ROWS : 1][PF_MAX_HEAD_DIM / 2] __attribute__((aligned(64)));
     uint32_t kt2[dp ? PF_MAX_HEAD_DIM / 2 : 1][PF_KEYS] __attribute__((aligned(64)));
+    uint32_t vt2[dp ? PF_KEYS / 2 : 1][dp ? PF_MAX_HEAD_DIM : 1] __attribute__((aligned(64)));
     for (int r = 0; r < rows; r++) {
         int t = t0 + r / group, g = r % group;
         const char *src = q + t * token_bytes + (int64_t)g * row_bytes;
@@ -183,13 +205,19 @@ static void prefill_task(const char *q, int64_t token_bytes, const char *k_pool,
                 if (dp) {
                     const uint32_t *words = (const uint32_t *)(k_pool + row * row_bytes);
                     for (int i = 0; i < pairs; i++) kt2[i][j] = words[i];
+                    const uint16_t *v = (const uint16_t *)(v_pool + row * row_bytes);
+                    const int shift = (j & 1) * 16;
+                    for (int d = 0; d < head_dim; d++)
+                        vt2[j / 2][d] = (vt2[j / 2][d] & (0xffff0000u >> shift)) | ((uint32_t)v[d] << shift);
                 } else {
                     pf_load(k_pool + row * row_bytes, is_bf16, krow, head_dim);
                     for (int d = 0; d < head_dim; d++) kt[d][j] = krow[d];
+                    pf_load(v_pool + row * row_bytes, is_bf16, vf[j], head_dim);
                 }
-                pf_load(v_pool + row * row_bytes, is_bf16, vf[j], head_dim);
             } else if (dp) {
                 for (int i = 0; i < pairs; i++) kt2[i][j] = 0;
+                const uint32_t keep = (j & 1) ? 0x0000ffffu : 0xffff0000u;
+                for (int d = 0; d < head_dim; d++) vt2[j / 2][d] &= keep;
             } else {
                 for (int d = 0; d < head_dim; d++) kt[d][j] = 0.0f;
             }
@@ -212,8 +240,16 @@ static void prefill_task(const char *q, int64_t token_bytes, const char *k_pool,
             pf_softmax(s[r], seen < nk ? seen : nk, &m[r], &l[r], acc[r], head_dim);
         }
         r = first;
-        for (; r + 4 <= rows; r += 4) pf_values(acc + r, s + r, vf, nk, head_dim, 4);
-        for (; r < rows; r++) pf_values(acc + r, s + r, vf, nk, head_dim, 1);
+        if (dp) {
+#if PF_DP
+            const int key_pairs = (nk + 1) / 2;
+            for (; r + 4 <= rows; r += 4) pf_values_dp(acc + r, s + r, vt2, key_pairs, head_dim, 4);
+            for (; r < rows; r++) pf_values_dp(acc + r, s + r, vt2, key_pairs, head_dim, 1);
+#endif
+        } else {
+            for (; r + 4 <= rows; r += 4) pf_values(acc + r, s + r, vf, nk, head_dim, 4);
+            for (; r < rows; r++) pf_values(acc + r, s + r, vf, nk, head_dim, 1);
+        }
     }
     for (int r = 0; r < rows; r++) {
         int t = t0 + r / group, g = r % group;

@@ -277,6 +277,14 @@ async def test_an_invalid_timeout_raises_value_error(direct, timeout):
     await _assert_every_block_free(direct.engine)
 
 
+async def test_a_request_id_longer_than_a_delta_carries_raises_value_error(direct):
+    """The engine's output is the wire's Delta, whose request id has at most 256 characters (as a cluster's)."""
+    with pytest.raises(ValueError, match="request_id must be at most 256 characters"):
+        await direct.engine.generate([1, 2], GREEDY, request_id="r" * 257)
+    assert (await direct.engine.generate([1, 2], GREEDY, request_id="r" * 256)).finish_reason == "length"
+    await _assert_every_block_free(direct.engine)
+
+
 async def test_deadlines_of_finished_requests_do_not_pile_up(direct):
     one = SamplingParams(temperature=0, max_tokens=1)
     for _ in range(20):   # 400 requests with a deadline an hour away, each done in a step or two

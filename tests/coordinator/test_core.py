@@ -213,6 +213,19 @@ def test_worker_death_resumes_the_stream_with_no_gap_and_no_repeat():
     assert h.core.requests.get("r").delivered == [7, 8, 9, 10]
 
 
+def test_a_continued_stream_reports_the_weight_version_that_computed_it():
+    """The first delta from the new worker (it echoes the prompt, so the coordinator rewrites it) keeps its
+    weight version: it was dropped there, so a stream that ended in that delta reported version 0."""
+    h = two_workers()
+    _run_until_three_tokens(h)
+    h.core.peer_gone(W0, h.now)
+    h.out()
+    out = h.step("w1", Delta(request_id="r", token_ids=TokenIds([10]), text="<10>", finished=True,
+                             finish_reason="length", prompt_token_ids=TokenIds([11, 12, 7, 8, 9]), weight_version=3))
+    (cont,) = client_deltas(out, C1)
+    assert cont.weight_version == 3 and cont.prompt_token_ids is None and cont.finish_reason == "length"
+
+
 def test_a_redispatch_carries_the_params_unchanged_and_routing_charges_only_what_is_left():
     h = two_workers()
     _run_until_three_tokens(h)                       # max_tokens 10, min_tokens 5, 3 tokens delivered

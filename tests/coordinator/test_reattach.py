@@ -57,6 +57,18 @@ def test_a_client_takes_back_its_request_from_the_worker_that_runs_it():
     assert stats.requests_reattached == 1 and stats.requests_redispatched == 0 and stats.num_in_flight == 0
 
 
+def test_a_handed_back_stream_carries_the_weight_version_of_the_workers_latest_delta():
+    h = Harness(restart_grace=2.0)
+    h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[_snapshot("r", [7, 8], [1, 2])]))
+    h.step("w0", dataclasses.replace(delta("r", 9), weight_version=2))
+    (catch_up,) = _client_deltas(_reattach(h, "r", [7]))
+    assert list(catch_up.token_ids) == [8, 9] and catch_up.weight_version == 2 and not catch_up.finished
+    h.send(b"w1", worker_hello("w1", 1, running=["s"], snapshots=[_snapshot("s", [7], [1])]))
+    h.step("w1", dataclasses.replace(delta("s", 8, finish="stop"), weight_version=4, num_cached_tokens=16))
+    (final,) = _client_deltas(_reattach(h, "s", [7]))      # it ended while nobody listened
+    assert final.finish_reason == "stop" and final.weight_version == 4 and final.num_cached_tokens == 16
+
+
 def test_a_request_that_finished_while_nobody_listened_is_handed_over_finished():
     h = Harness()
     h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[_snapshot("r", [7], [1])]))

@@ -13,6 +13,7 @@ from infer.protocol.messages import (
     StatsRequest, StepBatch, Submit, TokenIds, UpdateWeights, Welcome, WeightsUpdated, WeightSync, WeightTensor,
     WorkerStats, decode, encode
 )
+from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
 
 EXAMPLES = [
@@ -249,15 +250,6 @@ def test_fuzz_only_protocol_errors():
     assert outcomes["error"] > 10_000 and sum(outcomes.values()) == 20_000
 
 
-def test_snapshot_catch_up_starts_at_a_delta_boundary():
-    snap = RequestSnapshot(request_id="a", prompt_token_ids=TokenIds([1]), token_ids=TokenIds([5, 6, 7, 8]),
-                           resumed=1, text="xyz", delta_ends=[2, 4], text_ends=[1, 3])
-    assert snap.catch_up(1) == ([6, 7, 8], "xyz")     # the client holds only the resumed token
-    assert snap.catch_up(2) == ([7, 8], "yz")
-    assert snap.catch_up(4) == ([], "")
-    assert snap.catch_up(3) is None and snap.catch_up(0) is None   # inside a delta, or before what it resumed
-
-
 @pytest.mark.parametrize("bad, text", [
     (dict(timeout_s=0.0), "timeout_s"), (dict(timeout_s=float("nan")), "timeout_s"),
     (dict(delivered_token_ids=TokenIds([3])), "reattach"),
@@ -284,3 +276,16 @@ def test_submit_deadline_and_reattach_are_checked(bad, text):
 def test_weight_update_messages_are_checked(build, text):
     with pytest.raises(ProtocolError, match=text):
         build()
+
+
+def test_request_output_is_the_wire_delta_and_final_makes_every_last_one():
+    """The engine emits the record that travels (no copy per hop); users import it as RequestOutput."""
+    assert RequestOutput is Delta
+    last = Delta.final("r", "length", token_ids=[4, 5], text="ab", num_prompt_tokens=3, weight_version=2)
+    assert last.finished and last.finish_reason == "length" and isinstance(last.token_ids, TokenIds)
+    assert decode(encode(last)) == last
+    completion = Completion("r", [1, 2, 3])
+    completion.add(Delta(request_id="r", token_ids=TokenIds([3]), text="x", seed=7))
+    completion.add(last)
+    assert (completion.token_ids, completion.text, completion.finish_reason) == ([3, 4, 5], "xab", "length")
+    assert completion.seed == 7 and completion.weight_version == 2

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from infer.protocol.outputs import Completion
 from infer.protocol.sampling import MAX_REPETITION_PENALTY, MAX_TOP_K, MIN_REPETITION_PENALTY, SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
@@ -40,22 +41,17 @@ def reference(engine) -> dict[str, list[int]]:
     return {rid: _run(engine, {rid: (prompt, GREEDY)})[rid][0] for rid, prompt in PROMPTS.items()}
 
 
-def _run(engine: Engine, requests: dict[str, tuple]) -> dict[str, tuple[list[int], object]]:
-    """Every request to its end: (tokens, final delta) by id. The engine's books are checked after."""
+def _run(engine: Engine, requests: dict[str, tuple]) -> dict[str, tuple[list[int], Completion]]:
+    """Every request to its end: (tokens, its deltas folded into a Completion: the final one's reason and error,
+    every delta's logprobs) by id. The engine's books are checked after."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
-    logprobs: dict[str, list] = {rid: [] for rid in requests}
-    finals = {}
+    done = {rid: Completion(rid, []) for rid in requests}
     while engine.has_unfinished():
         for delta in engine.step():
-            tokens[delta.request_id].extend(delta.token_ids)
-            logprobs[delta.request_id].extend(delta.logprobs or [])
-            if delta.finished:
-                delta.logprobs_seen = logprobs[delta.request_id]   # every delta's, for the checks
-                finals[delta.request_id] = delta
+            done[delta.request_id].add(delta)
     _assert_all_blocks_free(engine)
-    return {rid: (tokens[rid], finals[rid]) for rid in requests}
+    return {rid: (done[rid].token_ids, done[rid]) for rid in requests}
 
 
 def _assert_all_blocks_free(engine: Engine) -> None:
@@ -184,4 +180,4 @@ def test_extreme_valid_parameters_never_break_a_step(engine, batch):
     for rid, (tokens, final) in got.items():
         assert final.finish_reason in ("length", "stop"), (requests[rid][1], final.error)
         assert all(0 <= t < engine.vocab_size for t in tokens)
-        assert all(math.isfinite(v) for row in final.logprobs_seen for v in row.values())
+        assert all(math.isfinite(v) for row in final.logprobs or () for v in row.values())
