@@ -243,6 +243,10 @@ async def test_64_streams_with_8_cut_off_aborts_those_and_finishes_the_rest(serv
             usage = chunk.usage or usage
         return reasons[-1], usage.completion_tokens
 
+    # Paused while the 8 are mid-stream, so that none can finish before its client vanishes (the tiny model
+    # runs 200 tokens in well under a second); the 56 others wait in the coordinator meanwhile.
+    with SyncInferenceClient(served.address) as cluster:
+        cluster.pause()
     others = [asyncio.create_task(complete(i)) for i in range(56)]
     await asyncio.sleep(0.5)
     for _, writer in cut:
@@ -252,6 +256,7 @@ async def test_64_streams_with_8_cut_off_aborts_those_and_finishes_the_rest(serv
         while cluster.stats().requests_aborted < before.requests_aborted + 8:
             assert time.monotonic() - cut_at < 5, "the cut-off streams were not aborted within 5 s"
             await asyncio.sleep(0.1)
+        cluster.unpause()
         results = await asyncio.wait_for(asyncio.gather(*others), 120)
         assert results == [("length", 24)] * 56
         after = cluster.stats()
