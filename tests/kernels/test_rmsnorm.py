@@ -94,7 +94,7 @@ def test_native_matches_float64_and_the_twin(n: int, h: int, with_residual: bool
     """Within the dtype's tolerance of float64; the residual sum bit for bit the twin's (one rounding of
     x + residual), the output the twin's but for an occasional last bit (another order of summing squares)."""
     x, weight, residual = (t.cpu() for t in inputs(n, h, dtype, seed))
-    check(lambda *a, **k: rms_norm_native(*a, **k), n, h, dtype, with_residual, seed)
+    check(rms_norm_native, n, h, dtype, with_residual, seed)
     twin_residual = residual.clone()
     got = rms_norm_native(x, weight, EPS, residual if with_residual else None)
     twin = rms_norm_torch(x, weight, EPS, twin_residual if with_residual else None)
