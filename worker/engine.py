@@ -39,7 +39,7 @@ from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.in_memory import in_memory_model
 from infer.worker.loader import load_model, weight_files
-from infer.worker.memory import HeapTrimmer
+from infer.worker.memory import HeapTrimmer, keep_freed_heap
 from infer.worker.model_files import eos_token_ids, load_tokenizer, resolve_model
 from infer.worker.model_runner import ModelRunner
 from infer.worker.request import Request, RequestStatus, overdue_message
@@ -141,6 +141,8 @@ class Engine:
                                   self.sampler,
                                   make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device))
         self.heap = HeapTrimmer()      # freed activations go back to the OS now and then (worker/memory.py)
+        if self.device.type == "cpu" and not keep_freed_heap():   # ... and stay mapped between steps
+            log.info("could not tune the C library's malloc: large activations are mapped anew every step")
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[Delta] = []   # final outputs of aborts, returned by the next step

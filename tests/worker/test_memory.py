@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -59,3 +61,35 @@ def test_glibc_trim_returns_freed_heap_pages():
     _malloc_trim()()
     assert before - _rss_kb() > 64 << 10                             # more than 64 MiB given back
     libc.free(keep)
+
+
+@pytest.mark.skipif(_malloc_trim() is None, reason="not glibc")
+def test_kept_heap_serves_a_step_sized_block_again_without_page_faults():
+    """A 12 MiB block (a 2048-token prefill's gate_up output) freed and allocated again: glibc's default maps it
+    anew (every page faults again); after keep_freed_heap() it comes back from the heap, its pages resident."""
+    script = """
+import ctypes, resource, sys
+from infer.worker.memory import keep_freed_heap
+if sys.argv[1] == "keep":
+    assert keep_freed_heap()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size = 12 << 20
+def touch():
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    return block
+libc.free(touch())
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+libc.free(touch())
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+    def faults(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
+    pages = (12 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert faults("keep") < pages // 10
+    assert faults("default") >= pages // 2          # glibc's own behaviour, which the worker changes
