@@ -212,6 +212,9 @@ def summarize(outcomes: list[Outcome], duration: float, slo: Slo) -> dict:
         "itl_ms": _stats_ms([gap for o in done for gap in o.itl]),
         "e2e_ms": _stats_ms([o.e2e for o in done]),
         "errors": errors[:5],
+        # per request, in sending order: what the means and percentiles above hide (who met the SLO, when)
+        "requests": [{"ok": o.ok, "ttft_ms": round(o.ttft * 1000, 1), "tpot_ms": round(o.tpot * 1000, 1),
+                      "e2e_ms": round(o.e2e * 1000, 1), "output_tokens": o.output_tokens} for o in outcomes],
     }
 
 
