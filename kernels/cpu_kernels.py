@@ -130,7 +130,9 @@ def _load() -> ctypes.CDLL | None:
                                   f32, i32]
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
-    for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max):
+    lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
+    for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max,
+               lib.silu_and_mul):
         fn.restype = i32
     return lib
 
@@ -305,6 +307,27 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         rows, x.shape[-1], eps, int(x.dtype == torch.bfloat16))
     if status != 0:
         raise ValueError(f"hidden size {x.shape[-1]} is past 16384")
+    return out
+
+
+# Rows from which the native SiLU * mul runs (see silu_and_mul_fits).
+SILU_MUL_MIN_ROWS = 16
+
+
+def silu_and_mul_fits(x: torch.Tensor) -> bool:
+    """Whether the native SiLU * mul takes x [N, 2d] (gate | up): bf16 rows of unit column stride on a CPU, at
+    least SILU_MUL_MIN_ROWS of them, never under torch.compile (inductor fuses the twin there). fp32 stays with
+    torch, whose bits the fp32 parity tests against transformers keep."""
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.bfloat16
+            and x.dim() == 2 and x.shape[0] >= SILU_MUL_MIN_ROWS and x.shape[1] % 2 == 0 and x.stride(1) == 1
+            and native_ready())
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    """x [N, 2d] (gate | up) -> silu(gate) * up [N, d] (a new tensor), for x that passes `silu_and_mul_fits`."""
+    rows, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, d), dtype=x.dtype)
+    _library().silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), d, rows, d, int(x.dtype == torch.bfloat16))
     return out
 
 

@@ -1,10 +1,10 @@
 /* Per-layer elementwise steps on CPU, each one pass over its tokens in place of several torch ops: rotary
- * embedding of q, the KV append (K rotated on the way), and RMSNorm with the residual add.
+ * embedding of q, the KV append (K rotated on the way), RMSNorm with the residual add, and SiLU * mul.
  *
  * Built with paged_decode.c into one library (kernels/cpu_kernels.py). The arithmetic follows the PyTorch
  * twins step by step, in fp32 with one rounding to the tensor's type at the end (bf16: round to nearest even),
- * and with no fused multiply-add, so that they give the twins' bits. (SiLU * mul stays with torch: its
- * vectorized exp was as fast as one written here, and gives the bits transformers gives.)
+ * and with no fused multiply-add, so that they give the twins' bits, except SiLU * mul: its exp is
+ * common.h's polynomial, not torch's (Sleef's), so a bf16 result may differ from torch's in the last bit.
  *
  * Element types: bf16 (as uint16_t) or fp32; `is_bf16` picks. Rows are `stride` elements apart; a row's
  * heads are contiguous, `head_dim` elements each.
@@ -208,6 +208,82 @@ int row_max(const float *x, int64_t rows, int64_t cols, int64_t stride, float *t
             top[r] = best;
             index[r] = first_index_of(row, cols, best);
         }
+    }
+    return 0;
+}
+
+/* silu(g) * u for one element (the portable path; the AVX-512 path computes the same lane-wise). */
+static inline float silu_mul_one(float g, float u, const int is_bf16) {
+    float e = exp_nonpositive(-fabsf(g));                       /* exp(-|g|), in (0, 1] */
+    float s = g >= 0.0f ? g / (1.0f + e) : g * e / (1.0f + e);  /* g * sigmoid(g), never overflowing */
+    if (is_bf16) s = bf16_to_f32(f32_to_bf16(s));               /* F.silu's output, in the type */
+    return s * u;                                               /* .mul_(up); the caller rounds */
+}
+
+#if defined(__AVX512F__)
+/* 16 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN): f32_to_bf16 lane-wise. */
+static inline __m256i to_bf16_16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    __mmask16 nan = _mm512_cmp_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                          _mm512_set1_epi32(0x7f800000), _MM_CMPINT_NLE);
+    rounded = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+
+/* The same lanes rounded to bf16 values, kept as fp32. */
+static inline __m512 round_bf16_16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(v)), 16));
+}
+
+/* 16 lanes of silu_mul_one. exp16 zeroes what is at or below -87, as exp_nonpositive does. */
+static inline __m512 silu_mul16(__m512 g, __m512 u, const int is_bf16) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)), (__mmask16)0xffff);
+    __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 s = _mm512_div_ps(_mm512_mask_mul_ps(g, neg, g, e), _mm512_add_ps(one, e));
+    if (is_bf16) s = round_bf16_16(s);
+    return _mm512_mul_ps(s, u);
+}
+#endif
+
+/* One row of silu_and_mul below, inlined with a constant flag. */
+static inline __attribute__((always_inline)) void silu_and_mul_row(const void *gate, const void *up, void *out,
+                                                                   int64_t d, const int is_bf16) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= d; i += 16) {
+        __m512 p = silu_mul16(load16((const char *)gate + i * (is_bf16 ? 2 : 4), 0, is_bf16),
+                              load16((const char *)up + i * (is_bf16 ? 2 : 4), 0, is_bf16), is_bf16);
+        if (is_bf16) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), to_bf16_16(p));
+        } else {
+            _mm512_storeu_ps((float *)out + i, p);
+        }
+    }
+#endif
+    for (; i < d; i++)
+        from_f32(out, i, silu_mul_one(to_f32(gate, i, is_bf16), to_f32(up, i, is_bf16), is_bf16), is_bf16);
+}
+
+/* silu(gate) * up over rows of x = [gate | up] (d elements each, x rows x_stride elements apart) into out [rows,
+ * d] (rows out_stride apart), as F.silu(gate).mul_(up): silu in fp32, rounded to the type, times up in fp32,
+ * rounded again. NaN and infinities as torch: silu(NaN) = NaN, silu(inf) = inf, silu(-inf) = NaN; a gate below
+ * -87 gives 0 (exp_nonpositive's floor), where torch gives a magnitude under 1e-35. */
+int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d,
+                 int is_bf16) {
+    const int elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for if (rows * d > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *gate = (const char *)x + r * x_stride * elem;
+        char *orow = (char *)out + r * out_stride * elem;
+        if (is_bf16) silu_and_mul_row(gate, gate + d * elem, orow, d, 1);
+        else silu_and_mul_row(gate, gate + d * elem, orow, d, 0);
     }
     return 0;
 }

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.kernels.cpu_kernels import silu_and_mul_fits, silu_and_mul_native
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rotary import build_cos_sin_cache, rotary_embedding
 from infer.worker.tensor_parallel import TensorParallel
@@ -267,7 +268,10 @@ class LMHead(PackedLinear):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2d] (gate | up) -> silu(gate) * up, [..., d]."""
+    """[..., 2d] (gate | up) -> silu(gate) * up, [..., d]. A CPU's bf16 rows take the native kernel (one pass;
+    `infer.kernels.cpu_kernels`), the rest torch's two ops."""
+    if silu_and_mul_fits(x):
+        return silu_and_mul_native(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 
