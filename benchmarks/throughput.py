@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -184,9 +185,63 @@ def main() -> None:
             rows.append({"workload": workload, "dtype": dtype,
                          "results": {system: _median_run(r) for system, r in runs.items()}})
     _print_table(rows)
+    floor = b1_floor(rows, path, args.threads)
     out = write_result("throughput", {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)", "threads": args.threads,
-                                      "rounds": args.rounds, "load_avg_end": os.getloadavg(), "rows": rows})
+                                      "rounds": args.rounds, "load_avg_end": os.getloadavg(), "rows": rows,
+                                      "b1_floor": floor})
     print("wrote", out)
+
+
+# ---- batch 1's physical floor: every weight byte read once per token -----------------------------------
+
+def weight_bytes_per_token(path: Path, dtype: str) -> int:
+    """Bytes of weights one decoded token reads at batch 1: every tensor of the checkpoint in `dtype`, less the
+    embedding table where the LM head has a table of its own (a lookup reads one row; a tied head reads it all)."""
+    from safetensors import safe_open
+
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            shapes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    if "lm_head.weight" in shapes:
+        shapes.pop("model.embed_tokens.weight", None)
+    return sum(math.prod(shape) for shape in shapes.values()) * size
+
+
+def read_bandwidth(threads: int | None, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s that torch's sum reads from a `gib` GiB fp32 tensor (far past the caches) on `threads` threads;
+    the best of `repeats`."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def b1_floor(rows: list[dict], path: Path, threads: int | None) -> dict | None:
+    """Batch 1's floor (tokens/s if each token cost only its weight reads at the measured bandwidth) and each
+    system's share of it, per B1 dtype measured; None without a B1 row."""
+    b1 = [row for row in rows if row["workload"] == "B1"]
+    if not b1:
+        return None
+    bandwidth = read_bandwidth(threads)
+    floor: dict = {"read_bandwidth_gb_s": bandwidth / 1e9}
+    for row in b1:
+        nbytes = weight_bytes_per_token(path, row["dtype"])
+        tok_s = bandwidth / nbytes
+        floor[row["dtype"]] = {"weight_mb_per_token": nbytes / 1e6, "floor_tok_per_s": tok_s, "share_of_floor": {
+            system: r["tok_per_s"] / tok_s for system, r in row["results"].items() if "tok_per_s" in r}}
+        shares = ", ".join(f"{system} {share:.0%}" for system, share in floor[row["dtype"]]["share_of_floor"].items())
+        print(f"B1 {row['dtype']}: {nbytes / 1e6:.0f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s read "
+              f"-> floor {tok_s:.1f} tok/s; {shares}")
+    return floor
 
 
 def _median_run(runs: list[dict]) -> dict:
