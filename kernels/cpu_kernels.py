@@ -38,7 +38,7 @@ from infer.protocol import env
 log = logging.getLogger("infer.kernels")
 
 _CPU_DIR = Path(__file__).resolve().parent / "cpu"
-SOURCES = tuple(_CPU_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c"))
+SOURCES = tuple(_CPU_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c"))
 HEADERS = (_CPU_DIR / "common.h",)   # included by the sources: part of the build's hash
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")
 BUILD_TIMEOUT_S = 120
@@ -131,8 +131,9 @@ def _load() -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
+    lib.gemv_bf16.argtypes = [ptr, ptr, ptr, i64, i64]
     for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max,
-               lib.silu_and_mul):
+               lib.silu_and_mul, lib.gemv_bf16):
         fn.restype = i32
     return lib
 
@@ -328,6 +329,26 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     rows, d = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, d), dtype=x.dtype)
     _library().silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), d, rows, d, int(x.dtype == torch.bfloat16))
+    return out
+
+
+@functools.cache
+def _has_avx512_bf16() -> bool:
+    return " avx512_bf16" in _cpu_flags()
+
+
+def gemv_takes(weight: torch.Tensor) -> bool:
+    """Whether the native GEMV can multiply by weight [N, K]: contiguous bf16 on a CPU with AVX512-BF16 (checked
+    once per weight: the caller then sends it contiguous bf16 rows [1, K], outside torch.compile)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.is_contiguous() and _has_avx512_bf16() and native_ready())
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, K] (contiguous bf16) @ weight [N, K]^T -> [1, N] bf16 (a new tensor), for a weight `gemv_takes`."""
+    out = torch.empty((1, weight.shape[0]), dtype=torch.bfloat16)
+    if _library().gemv_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1]) != 0:
+        raise ValueError("the native GEMV was built without AVX512-BF16")
     return out
 
 
