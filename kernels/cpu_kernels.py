@@ -276,17 +276,19 @@ def _row_stride(t: torch.Tensor) -> int | None:
     return t.shape[-1] if t.is_contiguous() else None
 
 
-# Rows from which the native RMSNorm runs: below, the call's overhead (ctypes, ~8 us) eats what it saves (on the
-# 2-core dev VM, hidden 576: 21 vs 23 us at 48 rows, 109 vs 167 us at 480, bf16, 1 thread).
+# fp32 rows from which the native RMSNorm runs (bf16 rows always do). Measured on the 2-core dev VM, hidden 576, 2
+# threads, 2026-11-26: native 9 / 15 / 28 us at 1 / 16 / 48 bf16 rows with the residual add, the twin 16 / 23 / 37.
+# fp32 keeps the twin below a prefill's rows: its bits are transformers' (the native sums the squares in another
+# order), which the fp32 parity tests hold decodes to.
 RMS_NORM_MIN_ROWS = 64
 
 
 def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
                   out: torch.Tensor | None) -> bool:
-    """Whether the native RMSNorm takes these: a prefill's rows (RMS_NORM_MIN_ROWS) on a CPU, never under
-    torch.compile (inductor fuses the twin there)."""
+    """Whether the native RMSNorm takes these: bf16 rows, or fp32 rows of a prefill (RMS_NORM_MIN_ROWS), on a
+    CPU, never under torch.compile (inductor fuses the twin there)."""
     return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype in NATIVE_DTYPES
-            and x.numel() >= RMS_NORM_MIN_ROWS * x.shape[-1]
+            and (x.dtype == torch.bfloat16 or x.numel() >= RMS_NORM_MIN_ROWS * x.shape[-1])
             and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.shape[-1] <= 16384
             and _row_stride(x) is not None and (residual is None or _row_stride(residual) is not None)
             and (out is None or _row_stride(out) is not None) and native_ready())
@@ -311,17 +313,13 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     return out
 
 
-# Rows from which the native SiLU * mul runs (see silu_and_mul_fits).
-SILU_MUL_MIN_ROWS = 16
-
-
 def silu_and_mul_fits(x: torch.Tensor) -> bool:
-    """Whether the native SiLU * mul takes x [N, 2d] (gate | up): bf16 rows of unit column stride on a CPU, at
-    least SILU_MUL_MIN_ROWS of them, never under torch.compile (inductor fuses the twin there). fp32 stays with
-    torch, whose bits the fp32 parity tests against transformers keep."""
+    """Whether the native SiLU * mul takes x [N, 2d] (gate | up): bf16 rows of unit column stride on a CPU (from
+    one row: 4.9 vs 5.7 us at 1 x 1536, 15 vs 22 at 16; 2-core dev VM, 2026-11-26), never under torch.compile
+    (inductor fuses the twin there). fp32 stays with torch, whose bits the fp32 parity tests against
+    transformers keep."""
     return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.bfloat16
-            and x.dim() == 2 and x.shape[0] >= SILU_MUL_MIN_ROWS and x.shape[1] % 2 == 0 and x.stride(1) == 1
-            and native_ready())
+            and x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1 and native_ready())
 
 
 def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:

@@ -105,19 +105,25 @@ def test_native_matches_float64_and_the_twin(n: int, h: int, with_residual: bool
 
 
 @requires_native
-def test_cpu_dispatch_takes_the_native_kernel_for_a_prefills_rows_only(monkeypatch) -> None:
+def test_cpu_dispatch_takes_the_native_kernel_for_bf16_and_an_fp32_prefills_rows(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr("infer.kernels.rmsnorm.rms_norm_native",
                         lambda *a: calls.append(a[0].shape[0]) or rms_norm_native(*a))
     for n in (1, RMS_NORM_MIN_ROWS - 1, RMS_NORM_MIN_ROWS, 300):
-        x, weight, residual = (t.cpu() for t in inputs(n, 576, torch.bfloat16, seed=n))
+        x, weight, residual = (t.cpu() for t in inputs(n, 576, torch.float32, seed=n))
         rms_norm(x, weight, EPS, residual)
     assert calls == [RMS_NORM_MIN_ROWS, 300]
+    calls.clear()
+    for n in (1, RMS_NORM_MIN_ROWS - 1):
+        x, weight, residual = (t.cpu() for t in inputs(n, 576, torch.bfloat16, seed=n))
+        rms_norm(x, weight, EPS, residual)
+    assert calls == [1, RMS_NORM_MIN_ROWS - 1]
+    calls.clear()
     x, weight, _ = (t.cpu() for t in inputs(80, 7 * 16, torch.float32, seed=7))
     q = x[:, :4 * 16].view(80, 4, 16)[:, :3]          # heads that do not flatten into rows: the twin
     expected, _ = reference(q, weight[:16], EPS, None)
     assert_close(rms_norm(q, weight[:16].contiguous(), EPS), expected, torch.float32, "strided heads")
-    assert calls == [RMS_NORM_MIN_ROWS, 300]
+    assert calls == []
 
 
 @pytest.mark.parametrize("op", [rms_norm_torch, pytest.param(rms_norm_triton, marks=requires_triton)])

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.kernels import cpu_kernels
-from infer.kernels.cpu_kernels import SILU_MUL_MIN_ROWS, silu_and_mul_fits, silu_and_mul_native
+from infer.kernels.cpu_kernels import silu_and_mul_fits, silu_and_mul_native
 from infer.worker.models.layers import silu_and_mul
 
 requires_native = pytest.mark.skipif(cpu_kernels._library() is None, reason="no C compiler: torch's ops run instead")
@@ -35,7 +35,7 @@ def inputs(rows: int, d: int, seed: int) -> torch.Tensor:
 
 
 @requires_native
-@pytest.mark.parametrize("rows,d", [(16, 1536), (200, 1536), (33, 1), (16, 15), (40, 17), (64, 100)])
+@pytest.mark.parametrize("rows,d", [(1, 1536), (16, 1536), (200, 1536), (33, 1), (2, 15), (40, 17), (64, 100)])
 def test_native_matches_float64_and_torch(rows: int, d: int) -> None:
     x = inputs(rows, d, seed=rows * 1000 + d)
     before = x.clone()
@@ -58,7 +58,7 @@ def test_special_values_follow_torch() -> None:
     specials = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 88.0, -88.0, 100.0, -100.0, 1e-40, -3e38, 3e38]
     gate = torch.tensor(specials * 2, dtype=torch.float32)
     up = torch.tensor([1.5] * len(specials) + [-2.0] * len(specials))
-    x = torch.cat([gate, up]).to(torch.bfloat16).expand(SILU_MUL_MIN_ROWS, -1).contiguous()
+    x = torch.cat([gate, up]).to(torch.bfloat16).expand(3, -1).contiguous()
     got, expected = silu_and_mul_native(x), torch_ops(x)
     assert torch.equal(got.isnan(), expected.isnan())
     got, expected = got[~got.isnan()], expected[~expected.isnan()]
@@ -69,21 +69,21 @@ def test_special_values_follow_torch() -> None:
 @requires_native
 def test_strided_rows_read_in_place() -> None:
     """Rows of x farther apart than 2d (a view into a wider buffer) are read where they are."""
-    wide = inputs(SILU_MUL_MIN_ROWS, 80, seed=7)
+    wide = inputs(5, 80, seed=7)
     x = wide[:, :64]                                   # rows 160 elements apart, [gate | up] of d = 32
     assert not x.is_contiguous() and silu_and_mul_fits(x)
     assert torch.equal(silu_and_mul_native(x), silu_and_mul_native(x.contiguous()))
 
 
 @requires_native
-def test_dispatch_takes_bf16_rows_of_a_batch_only(monkeypatch) -> None:
+def test_dispatch_takes_bf16_rows_only(monkeypatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr("infer.worker.models.layers.silu_and_mul_native",
                         lambda x: calls.append(x.shape[0]) or silu_and_mul_native(x))
-    silu_and_mul(inputs(SILU_MUL_MIN_ROWS, 64, seed=1))
-    silu_and_mul(inputs(SILU_MUL_MIN_ROWS - 1, 64, seed=2))                 # too few rows: torch's ops
-    fp32 = inputs(SILU_MUL_MIN_ROWS, 64, seed=3).float()
+    silu_and_mul(inputs(1, 64, seed=1))                                     # one row (a decode at batch 1)
+    silu_and_mul(inputs(40, 64, seed=2))
+    fp32 = inputs(40, 64, seed=3).float()
     assert torch.equal(silu_and_mul(fp32), torch_ops(fp32))                 # fp32 keeps torch's bits
-    assert calls == [SILU_MUL_MIN_ROWS]
-    assert not silu_and_mul_fits(inputs(SILU_MUL_MIN_ROWS, 64, seed=4).t())  # columns not unit-strided
-    assert not silu_and_mul_fits(inputs(SILU_MUL_MIN_ROWS, 64, seed=5)[:, :127])  # odd width: no gate | up
+    assert calls == [1, 40]
+    assert not silu_and_mul_fits(inputs(40, 64, seed=4).t())                # columns not unit-strided
+    assert not silu_and_mul_fits(inputs(40, 64, seed=5)[:, :127])           # odd width: no gate | up
