@@ -52,6 +52,15 @@ def test_native_matches_float64_and_torch(rows: int, d: int) -> None:
 
 
 @requires_native
+def test_native_fp32_rows_match_float64() -> None:
+    """The kernel's fp32 path (the dispatch keeps torch's ops for fp32, but the kernel takes both types)."""
+    x = inputs(40, 100, seed=11).float() + torch.randn(40, 200, generator=torch.Generator().manual_seed(12)) * 1e-3
+    got = silu_and_mul_native(x)
+    assert got.dtype == torch.float32
+    assert ((got.double() - reference(x)).abs() <= reference(x).abs() * 1e-6 + 1e-30).all()
+
+
+@requires_native
 def test_special_values_follow_torch() -> None:
     """NaN, infinities, zeros and extremes as torch gives them, but for gates below -87, where silu is under
     1e-35 in magnitude: the kernel's exp flushes those to zero."""
