@@ -102,10 +102,15 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def _compiler() -> str | None:
+    """The C compiler that builds the library: $CC, else cc, else gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _load() -> ctypes.CDLL | None:
     if env.read(env.CPU_KERNELS) == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler found: the CPU kernels run as their PyTorch twins (slower)")
         return None

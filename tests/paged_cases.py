@@ -24,16 +24,16 @@ class PagedBatch:
 
 
 def random_pool(num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator, device: torch.device = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V pools of random values (the blocks no table uses hold values too: a kernel reading a wrong
     block gets a wrong answer, not a lucky zero)."""
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    return (torch.randn(shape, generator=generator).to(dtype).to(DEVICE),
-            torch.randn(shape, generator=generator).to(dtype).to(DEVICE))
+    return (torch.randn(shape, generator=generator).to(dtype).to(device),
+            torch.randn(shape, generator=generator).to(dtype).to(device))
 
 
 def random_tables(seq_lens: list[int], num_blocks: int, block_size: int,
-                  generator: torch.Generator) -> torch.Tensor:
+                  generator: torch.Generator, device: torch.device = DEVICE) -> torch.Tensor:
     """Distinct random (non-contiguous, unordered) blocks per sequence, padded with block 0."""
     needed = [-(-n // block_size) for n in seq_lens]
     if sum(needed) > num_blocks:
@@ -44,22 +44,25 @@ def random_tables(seq_lens: list[int], num_blocks: int, block_size: int,
     for n in needed:
         rows.append(perm[used:used + n] + [0] * (width - n))
         used += n
-    return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+    return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
 def make_batch(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-               block_size: int, dtype: torch.dtype, seed: int, spare_blocks: int = 7) -> PagedBatch:
+               block_size: int, dtype: torch.dtype, seed: int, spare_blocks: int = 7,
+               device: torch.device = DEVICE) -> PagedBatch:
+    """The batch's tensors on `device` (the Triton kernels' by default; the native CPU kernels' tests ask for the
+    CPU, also on a CUDA machine)."""
     generator = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + spare_blocks
-    k_cache, v_cache = random_pool(num_kv_heads, num_blocks, block_size, head_dim, dtype, generator)
-    tables = random_tables(seq_lens, num_blocks, block_size, generator)
+    k_cache, v_cache = random_pool(num_kv_heads, num_blocks, block_size, head_dim, dtype, generator, device)
+    tables = random_tables(seq_lens, num_blocks, block_size, generator, device)
     total = sum(query_lens)
-    q = torch.randn(total, num_heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+    q = torch.randn(total, num_heads, head_dim, generator=generator).to(dtype).to(device)
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    return PagedBatch(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-                      torch.tensor(starts, dtype=torch.int32, device=DEVICE), list(query_lens))
+    return PagedBatch(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                      torch.tensor(starts, dtype=torch.int32, device=device), list(query_lens))
 
 
 def context_of(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

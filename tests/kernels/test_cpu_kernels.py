@@ -20,10 +20,11 @@ from infer.kernels.paged_attention import (
 pytestmark = pytest.mark.skipif(cpu_kernels._library() is None, reason="no C compiler: the twin runs instead")
 
 NATIVE_DTYPES = [torch.float32, torch.bfloat16]
+CPU = torch.device("cpu")   # the native kernels' tensors, also on a CUDA machine
 
 
 def _native(batch, scale, out=None):
-    out = poisoned(batch.q.shape, batch.q.dtype) if out is None else out
+    out = poisoned(batch.q.shape, batch.q.dtype, CPU) if out is None else out
     assert decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
     return paged_decode_attention_native(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
                                          batch.seq_lens, scale, out)
@@ -38,14 +39,14 @@ def test_decode_matches_float64(dtype, heads, head_dim, block_size):
     num_heads, num_kv_heads = heads
     seq_lens = [1, 15, 16, 17, 37, 130, 300]
     batch = make_batch(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype,
-                       seed=hash((num_heads, head_dim, block_size)) % 2**31)
+                       seed=hash((num_heads, head_dim, block_size)) % 2**31, device=CPU)
     scale = head_dim ** -0.5
     assert_close(_native(batch, scale), reference_attention(batch, scale), dtype, "native decode vs float64")
 
 
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
 def test_dispatch_picks_native_and_agrees_with_the_twin(dtype):
-    batch = make_batch([5, 64, 200], [1, 1, 1], 8, 2, 64, 16, dtype, seed=3)
+    batch = make_batch([5, 64, 200], [1, 1, 1], 8, 2, 64, 16, dtype, seed=3, device=CPU)
     qkv = torch.cat([batch.q.flatten(1), torch.zeros(3, 256, dtype=dtype)], dim=1)   # q as a view, as in a layer
     q = qkv[:, :8 * 64].view(3, 8, 64)
     native = paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
@@ -54,7 +55,7 @@ def test_dispatch_picks_native_and_agrees_with_the_twin(dtype):
 
 
 def test_a_sequences_output_does_not_depend_on_its_batch():
-    batch = make_batch([33, 70, 140, 9], [1] * 4, 6, 2, 64, 16, torch.bfloat16, seed=5)
+    batch = make_batch([33, 70, 140, 9], [1] * 4, 6, 2, 64, 16, torch.bfloat16, seed=5, device=CPU)
     alone = torch.empty(1, 6, 64, dtype=torch.bfloat16)
     together = _native(batch, 0.125)
     paged_decode_attention_native(batch.q[2:3], batch.k_cache, batch.v_cache, batch.block_tables[2:3],
@@ -66,8 +67,8 @@ def test_reads_only_the_positions_of_each_sequence():
     """Everything outside the named positions is NaN, even inside a sequence's own last block."""
     generator = torch.Generator().manual_seed(11)
     seq_lens = [3, 21]
-    k_cache, v_cache = random_pool(2, 12, 8, 64, torch.float32, generator)
-    tables = random_tables(seq_lens, 12, 8, generator)
+    k_cache, v_cache = random_pool(2, 12, 8, 64, torch.float32, generator, CPU)
+    tables = random_tables(seq_lens, 12, 8, generator, CPU)
     keep_k, keep_v = k_cache.clone(), v_cache.clone()
     k_cache.fill_(float("nan"))
     v_cache.fill_(float("nan"))
@@ -78,13 +79,13 @@ def test_reads_only_the_positions_of_each_sequence():
             v_cache[:, block, offset] = keep_v[:, block, offset]
     q = torch.randn(2, 4, 64, generator=generator)
     out = paged_decode_attention_native(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32),
-                                        0.125, poisoned(q.shape, torch.float32))
+                                        0.125, poisoned(q.shape, torch.float32, CPU))
     assert not torch.isnan(out).any()
 
 
 @pytest.mark.parametrize("case", ["block past the pool", "negative block", "length past the table", "length 0"])
 def test_bad_tables_are_refused_before_anything_is_read(case):
-    batch = make_batch([20, 40], [1, 1], 4, 2, 64, 16, torch.float32, seed=9)
+    batch = make_batch([20, 40], [1, 1], 4, 2, 64, 16, torch.float32, seed=9, device=CPU)
     tables, lens = batch.block_tables.clone(), batch.seq_lens.clone()
     if case == "block past the pool":
         tables[1, 2] = batch.k_cache.shape[1]
@@ -94,25 +95,25 @@ def test_bad_tables_are_refused_before_anything_is_read(case):
         lens[1] = tables.shape[1] * 16 + 1
     else:
         lens[0] = 0
-    out = poisoned(batch.q.shape, torch.float32)
+    out = poisoned(batch.q.shape, torch.float32, CPU)
     with pytest.raises(ValueError, match="outside the pool|past its block table"):
         paged_decode_attention_native(batch.q, batch.k_cache, batch.v_cache, tables, lens, 0.125, out)
     assert torch.isnan(out).all()
 
 
 def test_what_it_does_not_take_goes_to_the_twin():
-    batch = make_batch([10, 30], [1, 1], 4, 2, 64, 16, torch.float16, seed=1)
+    batch = make_batch([10, 30], [1, 1], 4, 2, 64, 16, torch.float16, seed=1, device=CPU)
     assert not decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
     got = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
     assert_close(got, reference_attention(batch, 0.125), torch.float16, "fp16 through the twin")
-    wide = make_batch([10], [1], 34, 2, 64, 16, torch.float32, seed=2)   # a group of 17: past MAX_GROUP
+    wide = make_batch([10], [1], 34, 2, 64, 16, torch.float32, seed=2, device=CPU)   # a group of 17: past MAX_GROUP
     assert not decode_kernel_fits(wide.q, wide.k_cache, wide.block_tables, wide.seq_lens)
 
 
 # ---- prefill / mixed steps ----------------------------------------------------------------------------------
 
 def _prefill(batch, scale, out=None):
-    out = poisoned(batch.q.shape, batch.q.dtype) if out is None else out
+    out = poisoned(batch.q.shape, batch.q.dtype, CPU) if out is None else out
     assert prefill_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
     return paged_prefill_attention_native(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
                                           batch.seq_lens, batch.query_start_loc, scale, out)
@@ -128,25 +129,25 @@ def test_prefill_matches_float64(dtype, heads, head_dim, block_size):
     seq_lens = [40, 1, 23, 50, 77, 9, 300, 16]
     query_lens = [1, 1, 23, 17, 70, 9, 130, 16]
     batch = make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                       seed=hash((num_heads, head_dim, block_size)) % 2**31)
+                       seed=hash((num_heads, head_dim, block_size)) % 2**31, device=CPU)
     scale = head_dim ** -0.5
     assert_close(_prefill(batch, scale), reference_attention(batch, scale), dtype, "native prefill vs float64")
 
 
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
 def test_prefill_dispatch_picks_native_agrees_with_the_twin_and_leaves_padding_rows(dtype):
-    batch = make_batch([33, 12, 1, 200], [33, 5, 1, 64], 6, 2, 64, 16, dtype, seed=4)
+    batch = make_batch([33, 12, 1, 200], [33, 5, 1, 64], 6, 2, 64, 16, dtype, seed=4, device=CPU)
     q = torch.cat([batch.q, torch.randn(3, 6, 64).to(dtype)])   # three padding tokens after the last sequence
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)
     assert prefill_kernel_fits(q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
-    native = paged_prefill_attention(*args, out=poisoned(q.shape, dtype))
-    twin = paged_prefill_attention_torch(*args, out=poisoned(q.shape, dtype))
+    native = paged_prefill_attention(*args, out=poisoned(q.shape, dtype, CPU))
+    twin = paged_prefill_attention_torch(*args, out=poisoned(q.shape, dtype, CPU))
     assert torch.isnan(native[-3:]).all()
     assert_close(native[:-3], twin[:-3], dtype, "native prefill vs twin")
 
 
 def test_a_chunks_output_does_not_depend_on_its_batch():
-    batch = make_batch([33, 150, 140, 9], [33, 70, 1, 9], 6, 2, 64, 16, torch.bfloat16, seed=6)
+    batch = make_batch([33, 150, 140, 9], [33, 70, 1, 9], 6, 2, 64, 16, torch.bfloat16, seed=6, device=CPU)
     together = _prefill(batch, 0.125)
     alone = torch.empty(70, 6, 64, dtype=torch.bfloat16)
     paged_prefill_attention_native(batch.q[33:103], batch.k_cache, batch.v_cache, batch.block_tables[1:2],
@@ -157,7 +158,7 @@ def test_a_chunks_output_does_not_depend_on_its_batch():
 @pytest.mark.parametrize("case", ["block past the pool", "chunk longer than its context", "offsets decrease",
                                   "offsets past the tokens"])
 def test_bad_prefill_batches_are_refused_before_anything_is_read(case):
-    batch = make_batch([20, 40], [20, 8], 4, 2, 64, 16, torch.float32, seed=10)
+    batch = make_batch([20, 40], [20, 8], 4, 2, 64, 16, torch.float32, seed=10, device=CPU)
     tables, lens, starts = batch.block_tables.clone(), batch.seq_lens.clone(), batch.query_start_loc.clone()
     if case == "block past the pool":
         tables[1, 2] = batch.k_cache.shape[1]
@@ -167,19 +168,19 @@ def test_bad_prefill_batches_are_refused_before_anything_is_read(case):
         starts[1] = 29
     else:
         starts[2] = 29
-    out = poisoned(batch.q.shape, torch.float32)
+    out = poisoned(batch.q.shape, torch.float32, CPU)
     with pytest.raises(ValueError, match="longer than its context|outside the pool|not increasing"):
         paged_prefill_attention_native(batch.q, batch.k_cache, batch.v_cache, tables, lens, starts, 0.125, out)
     assert torch.isnan(out).all()
 
 
 def test_prefill_shapes_it_does_not_take_go_to_the_twin():
-    odd = make_batch([10, 30], [10, 4], 4, 2, 72, 16, torch.float32, seed=12)   # head_dim 72: no multiple of 16
+    odd = make_batch([10, 30], [10, 4], 4, 2, 72, 16, torch.float32, seed=12, device=CPU)   # head_dim 72: not 16k
     assert not prefill_kernel_fits(odd.q, odd.k_cache, odd.block_tables, odd.seq_lens, odd.query_start_loc)
     got = paged_prefill_attention(odd.q, odd.k_cache, odd.v_cache, odd.block_tables, odd.seq_lens,
                                   odd.query_start_loc, 0.125)
     assert_close(got, reference_attention(odd, 0.125), torch.float32, "head_dim 72 through the twin")
-    half = make_batch([10], [10], 4, 2, 64, 16, torch.float16, seed=13)
+    half = make_batch([10], [10], 4, 2, 64, 16, torch.float16, seed=13, device=CPU)
     assert not prefill_kernel_fits(half.q, half.k_cache, half.block_tables, half.seq_lens, half.query_start_loc)
 
 
@@ -259,8 +260,7 @@ def test_bad_slots_and_positions_are_refused_with_nothing_written(case):
 def test_the_library_is_built_again_over_a_damaged_cache_file_and_not_at_all_without_a_compiler(tmp_path,
                                                                                                  monkeypatch):
     monkeypatch.setenv("INFER_COMPILE_CACHE", str(tmp_path))
-    compiler = cpu_kernels.shutil.which("cc") or cpu_kernels.shutil.which("gcc")
-    path = cpu_kernels._library_path(compiler)
+    path = cpu_kernels._library_path(cpu_kernels._compiler())   # $CC where set (the GPU image sets it)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")
     assert cpu_kernels._load() is not None and path.stat().st_size > 1000

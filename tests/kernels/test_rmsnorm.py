@@ -30,19 +30,21 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight.double() * normed, None if residual is None else s
 
 
-def inputs(n: int, h: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(n, h, generator=g, device=DEVICE).mul_(3).to(dtype)
-    weight = (1 + 0.5 * torch.randn(h, generator=g, device=DEVICE)).to(dtype)
-    residual = torch.randn(n, h, generator=g, device=DEVICE).mul_(2).to(dtype)
+def inputs(n: int, h: int, dtype: torch.dtype, seed: int,
+           device: torch.device = DEVICE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, h, generator=g, device=device).mul_(3).to(dtype)
+    weight = (1 + 0.5 * torch.randn(h, generator=g, device=device)).to(dtype)
+    residual = torch.randn(n, h, generator=g, device=device).mul_(2).to(dtype)
     return x, weight, residual
 
 
-def check(op, n: int, h: int, dtype: torch.dtype, with_residual: bool, seed: int) -> None:
-    x, weight, residual = inputs(n, h, dtype, seed)
+def check(op, n: int, h: int, dtype: torch.dtype, with_residual: bool, seed: int,
+          device: torch.device = DEVICE) -> None:
+    x, weight, residual = inputs(n, h, dtype, seed, device)
     x_before = x.clone()
     expected, expected_residual = reference(x, weight, EPS, residual if with_residual else None)
-    out = poisoned((n, h), dtype)
+    out = poisoned((n, h), dtype, device)
     got = op(x, weight, EPS, residual if with_residual else None, out=out)
     assert got is out and got.dtype == dtype
     assert_close(got, expected, dtype, "output")
@@ -94,7 +96,7 @@ def test_native_matches_float64_and_the_twin(n: int, h: int, with_residual: bool
     """Within the dtype's tolerance of float64; the residual sum bit for bit the twin's (one rounding of
     x + residual), the output the twin's but for an occasional last bit (another order of summing squares)."""
     x, weight, residual = (t.cpu() for t in inputs(n, h, dtype, seed))
-    check(rms_norm_native, n, h, dtype, with_residual, seed)
+    check(rms_norm_native, n, h, dtype, with_residual, seed, torch.device("cpu"))   # also on a CUDA machine
     twin_residual = residual.clone()
     got = rms_norm_native(x, weight, EPS, residual if with_residual else None)
     twin = rms_norm_torch(x, weight, EPS, twin_residual if with_residual else None)
