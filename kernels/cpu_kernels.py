@@ -9,6 +9,8 @@
   SmolLM2-135M against 1.3 ms here (2-core AMD EPYC, bf16, 2026-11-24), which was 40% of that prefill.
 - Rotary embedding in place and the KV append with K rotated on the way (cpu/elementwise.c): one pass each
   instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
+- RMSNorm and SiLU * mul (cpu/elementwise.c), the batch-1 GEMV (cpu/gemv.c), and a whole batch-1 bf16 decode
+  step through a dense Llama's layers in one call (cpu/decode_layers.c, driven by worker/models/batch_one.py).
 
 Built with `cc -O3 -march=native -fopenmp -shared` into INFER_COMPILE_CACHE (see worker/config.py) under a
 name that hashes the source, the flags, the compiler and this CPU's feature flags, so a shared home directory
@@ -38,7 +40,8 @@ from infer.protocol import env
 log = logging.getLogger("infer.kernels")
 
 _CPU_DIR = Path(__file__).resolve().parent / "cpu"
-SOURCES = tuple(_CPU_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c"))
+SOURCES = tuple(_CPU_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c",
+                                                  "decode_layers.c"))
 HEADERS = (_CPU_DIR / "common.h",)   # included by the sources: part of the build's hash
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")
 BUILD_TIMEOUT_S = 120
@@ -137,8 +140,10 @@ def _load() -> ctypes.CDLL | None:
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.gemv_bf16.argtypes = [ptr, ptr, ptr, i64, i64]
+    lib.decode_layers_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i64, f32, f32, i64, i64, ptr, i64,
+                                       i32, i64, i32, ptr, i64, i32, ptr]
     for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max,
-               lib.silu_and_mul, lib.gemv_bf16):
+               lib.silu_and_mul, lib.gemv_bf16, lib.decode_layers_bf16):
         fn.restype = i32
     return lib
 
@@ -353,6 +358,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if _library().gemv_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1]) != 0:
         raise ValueError("the native GEMV was built without AVX512-BF16")
     return out
+
+
+def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array, pools: ctypes.Array,
+                  num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                  scale: float, position: int, slot: int, block_table: torch.Tensor, seq_len: int,
+                  k_pool: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool, scratch: torch.Tensor) -> None:
+    """One batch-1 bf16 decode step through a dense Llama's layers and final norm (kernels/cpu/decode_layers.c):
+    h [1, hidden] (the embedding row in, the final normed row out, in place), residual [1, hidden] scratch;
+    `weights` and `pools` the pointer arrays that file describes, `k_pool` layer 0's K pool (its shape gives the
+    pools'); block_table [1, width] int32. The caller checks types, layouts and sizes (worker/models/batch_one.py);
+    the kernels check positions, the slot, the length and the table entries, and a ValueError says which."""
+    num_blocks, block_size = k_pool.shape[1], k_pool.shape[2]
+    status = _library().decode_layers_bf16(
+        h.data_ptr(), residual.data_ptr(), weights, pools, num_layers, h.shape[-1], num_heads, num_kv_heads, head_dim,
+        intermediate, eps, scale, position, slot, block_table.data_ptr(), block_table.shape[1], seq_len, num_blocks,
+        block_size, cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], int(is_neox), scratch.data_ptr())
+    if status == -1:
+        raise ValueError(f"the native decode step takes no head_dim {head_dim} or group {num_heads // num_kv_heads}")
+    if status != 0:
+        raise ValueError(f"position {position} is outside the cos/sin cache, slot {slot} outside the pool of "
+                         f"{num_blocks * block_size} slots, or length {seq_len} past the block table or a table "
+                         f"entry outside the pool")
 
 
 def row_max_fits(x: torch.Tensor) -> bool:

@@ -1,0 +1,155 @@
+"""The batch-1 decode step in one native call (worker/models/batch_one.py, kernels/cpu/decode_layers.c) gives the
+tokens and log-probabilities of the layers run one by one, bit for bit: alone, when a batch shrinks to one
+(a request finishing or aborted beside it), under preemption, and after the pools are released and restored.
+Models it cannot serve keep the layers; bad positions and slots are refused with a ValueError."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from infer import SamplingParams
+from infer.kernels import cpu_kernels
+from infer.worker.config import EngineConfig
+from infer.worker.engine import Engine
+from infer.worker.models import batch_one
+from infer.worker.models.batch_one import BatchOneDecoder
+
+pytestmark = pytest.mark.skipif(not (cpu_kernels._library() is not None and cpu_kernels._has_avx512_bf16()),
+                                reason="needs a C compiler and a CPU with AVX512-BF16: the layers run one by one")
+
+
+def _engine(model_dir, **kwargs) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), dtype="bfloat16", max_model_len=1024, num_threads=2,
+                               **kwargs))
+
+
+def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
+         abort_after: dict[str, int] | None = None) -> dict[str, list[tuple[int, dict]]]:
+    """Every request's (token, logprobs) in order; `abort_after`: request -> steps after which it is aborted."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    out: dict[str, list[tuple[int, dict]]] = {rid: [] for rid in requests}
+    steps = 0
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id].extend(zip(delta.token_ids, delta.logprobs or [], strict=True))
+        steps += 1
+        for rid, after in (abort_after or {}).items():
+            if steps == after:
+                engine.abort(rid)
+    return out
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[int]:
+    """Counts the native decode steps."""
+    seen: list[int] = []
+    real = batch_one.decode_layers
+
+    def counting(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(batch_one, "decode_layers", counting)
+    return seen
+
+
+def _both(model_dir, requests, calls, abort_after=None, **kwargs):
+    fused = _run(_engine(model_dir, **kwargs), requests, abort_after)
+    native_steps = len(calls)
+    layered_engine = _engine(model_dir, **kwargs)
+    layered_engine.model.model.batch_one = False
+    layered = _run(layered_engine, requests, abort_after)
+    assert len(calls) == native_steps, "batch_one = False must keep every step on the layers"
+    return fused, layered, native_steps
+
+
+def test_one_request_gets_the_layer_by_layer_tokens_and_logprobs(smollm2_dir, calls):
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=5, ignore_eos=True)
+    requests = {"a": (list(range(1000, 1100)), params)}
+    fused, layered, native_steps = _both(smollm2_dir, requests, calls)
+    assert native_steps == 39     # every decode step; the prefill ran the layers
+    assert fused == layered
+
+
+def test_a_batch_that_shrinks_to_one_and_an_abort(smollm2_dir, calls):
+    """Three requests: two finish or are aborted early, the last decodes alone (native) after batch steps."""
+    def params(n):
+        return SamplingParams(temperature=0, max_tokens=n, logprobs=3, ignore_eos=True)
+
+    requests = {"short": (list(range(500, 530)), params(5)), "aborted": (list(range(600, 680)), params(30)),
+                "long": (list(range(700, 750)), params(24))}
+    fused, layered, native_steps = _both(smollm2_dir, requests, calls, abort_after={"aborted": 9})
+    assert 0 < native_steps < 24
+    assert len(fused["long"]) == 24 and len(fused["short"]) == 5 and len(fused["aborted"]) < 30
+    assert fused == layered
+
+
+def test_preemption_and_released_pools(smollm2_dir, calls, tmp_path):
+    """Small blocks and a pool of 24: requests preempt each other; then the engine suspends (weights and pools
+    released) and resumes, and a request decodes alone again over the new allocations."""
+    from infer.worker.forward_batch import KVCache
+
+    blocks = KVCache.bytes_per_block(30, 4, 3, 64, torch.bfloat16) * 24
+    requests = {f"r{i}": (list(range(900 + 40 * i, 930 + 40 * i)), SamplingParams(
+        temperature=0, max_tokens=20, logprobs=2, ignore_eos=True)) for i in range(3)}
+    engine = _engine(smollm2_dir, block_size=4, kv_cache_memory=blocks)
+    fused = _run(engine, requests)
+    assert engine.scheduler.stats.num_preemptions > 0
+    engine.suspend()
+    engine.resume()
+    again = _run(engine, {"after": (list(range(300, 340)), SamplingParams(temperature=0, max_tokens=12,
+                                                                          logprobs=2, ignore_eos=True))})
+    native_steps = len(calls)
+    layered_engine = _engine(smollm2_dir, block_size=4, kv_cache_memory=blocks)
+    layered_engine.model.model.batch_one = False
+    assert _run(layered_engine, requests) == fused
+    assert _run(layered_engine, {"after": (list(range(300, 340)), SamplingParams(
+        temperature=0, max_tokens=12, logprobs=2, ignore_eos=True))}) == again
+    assert native_steps > 11 and len(calls) == native_steps
+
+
+@pytest.mark.parametrize("arch, serves", [("llama", True), ("qwen2", False), ("qwen3", False)])
+def test_which_models_it_serves(arch, serves, tiny_model_dir, calls):
+    """A plain Llama is served (here with head_dim 16, off the bf16 dot-product path of the attention kernel);
+    qkv biases (qwen2) and q/k norms (qwen3) keep the layers, with the same tokens either way."""
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)
+    fused, layered, native_steps = _both(tiny_model_dir(arch), {"a": (list(range(5, 40)), params)}, calls)
+    assert (native_steps == 9) if serves else (native_steps == 0)
+    assert fused == layered
+
+
+def test_fp32_and_multi_rank_models_keep_the_layers(smollm2_dir):
+    fp32 = Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=256, num_threads=2))
+    assert BatchOneDecoder.for_model(fp32.model.model, 1) is None
+    bf16 = _engine(smollm2_dir)
+    assert BatchOneDecoder.for_model(bf16.model.model, 1) is not None
+    assert BatchOneDecoder.for_model(bf16.model.model, 2) is None
+
+
+def test_positions_and_slots_out_of_range_are_refused(smollm2_dir):
+    engine = _engine(smollm2_dir)
+    decoder = BatchOneDecoder.for_model(engine.model.model, 1)
+    model, kv = engine.model.model, engine.kv_cache
+    weights = (ctypes.c_void_p * len(decoder.weights))(*[t.data_ptr() for t in decoder.weights])
+    pools = (ctypes.c_void_p * (2 * decoder.num_layers))(*[p.data_ptr() for pair in zip(kv.k, kv.v) for p in pair])
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    cos_sin = model.rotary_emb.cos_sin_cache
+    num_slots = kv.k[0].shape[1] * kv.k[0].shape[2]
+
+    def step(position, slot, seq_len):
+        h = torch.randn(1, decoder.hidden).to(torch.bfloat16)
+        cpu_kernels.decode_layers(h, decoder.residual, weights, pools, decoder.num_layers, decoder.num_heads,
+                                  decoder.num_kv_heads, decoder.head_dim, decoder.intermediate, decoder.eps,
+                                  decoder.scale, position, slot, table, seq_len, kv.k[0], cos_sin, True,
+                                  decoder.scratch)
+        return h
+
+    assert torch.isfinite(step(3, 3, 4).float()).all()
+    for position, slot, seq_len in [(cos_sin.shape[0], 3, 4), (-1, 3, 4), (3, num_slots, 4), (3, -2, 4),
+                                    (3, 3, 4 * kv.k[0].shape[2] + 1), (3, 3, 0)]:
+        with pytest.raises(ValueError, match="outside the cos/sin cache"):
+            step(position, slot, seq_len)
