@@ -140,10 +140,11 @@ def _load() -> ctypes.CDLL | None:
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.gemv_bf16.argtypes = [ptr, ptr, ptr, i64, i64]
-    lib.decode_layers_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32, i32, i64, f32, f32, i64, i64, ptr, i64,
-                                       i32, i64, i32, ptr, i64, i32, ptr]
+    lib.gemv_rows_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    lib.decode_layers_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i64, f32, f32, ptr, ptr, ptr,
+                                       i64, i64, ptr, i64, i32, ptr, i64, i32, ptr]
     for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max,
-               lib.silu_and_mul, lib.gemv_bf16, lib.decode_layers_bf16):
+               lib.silu_and_mul, lib.gemv_bf16, lib.gemv_rows_bf16, lib.decode_layers_bf16):
         fn.restype = i32
     return lib
 
@@ -345,41 +346,54 @@ def _has_avx512_bf16() -> bool:
     return " avx512_bf16" in _cpu_flags()
 
 
+# Rows of x up to which the linears take the native GEMV instead of oneDNN: each weight row is read once for all
+# of them. SmolLM2's 120 layer matrices of a token, 2-core dev VM, 2026-11-26: 1.4-1.8x oneDNN's packed path at
+# 1-2 rows, 1.3x at 3, 0.9-1.0x at 4 and 0.9x at 8.
+GEMV_MAX_ROWS = 3
+
+
 def gemv_takes(weight: torch.Tensor) -> bool:
     """Whether the native GEMV can multiply by weight [N, K]: contiguous bf16 on a CPU with AVX512-BF16 (checked
-    once per weight: the caller then sends it contiguous bf16 rows [1, K], outside torch.compile)."""
+    once per weight: the caller then sends it bf16 rows [M <= GEMV_MAX_ROWS, K] with unit column stride, outside
+    torch.compile)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and weight.is_contiguous() and _has_avx512_bf16() and native_ready())
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] (contiguous bf16) @ weight [N, K]^T -> [1, N] bf16 (a new tensor), for a weight `gemv_takes`."""
-    out = torch.empty((1, weight.shape[0]), dtype=torch.bfloat16)
-    if _library().gemv_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1]) != 0:
-        raise ValueError("the native GEMV was built without AVX512-BF16")
+    """x [M, K] (bf16, unit column stride, 1 <= M <= 8) @ weight [N, K]^T -> [M, N] bf16 (a new tensor), for a
+    weight `gemv_takes`."""
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+    if _library().gemv_rows_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
+                                 x.shape[0], weight.shape[0], weight.shape[1]) != 0:
+        raise ValueError(f"the native GEMV takes 1-8 rows (got {x.shape[0]}) and needs AVX512-BF16")
     return out
 
 
 def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array, pools: ctypes.Array,
                   num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                  scale: float, position: int, slot: int, block_table: torch.Tensor, seq_len: int,
-                  k_pool: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool, scratch: torch.Tensor) -> None:
-    """One batch-1 bf16 decode step through a dense Llama's layers and final norm (kernels/cpu/decode_layers.c):
-    h [1, hidden] (the embedding row in, the final normed row out, in place), residual [1, hidden] scratch;
-    `weights` and `pools` the pointer arrays that file describes, `k_pool` layer 0's K pool (its shape gives the
-    pools'); block_table [1, width] int32. The caller checks types, layouts and sizes (worker/models/batch_one.py);
-    the kernels check positions, the slot, the length and the table entries, and a ValueError says which."""
+                  scale: float, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, k_pool: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
+                  scratch: torch.Tensor) -> None:
+    """One bf16 decode step of B sequences through a dense Llama's layers and final norm (kernels/cpu/
+    decode_layers.c): h [B, hidden] (the embedding rows in, the final normed rows out, in place), residual
+    [B, hidden] and scratch the file's scratch; `weights` and `pools` the pointer arrays it describes, `k_pool`
+    layer 0's K pool (its shape gives the pools'); positions, slots [B] int64, block_tables [B, width] int32 (unit
+    column stride), seq_lens [B] int32. The caller checks types, layouts and sizes (worker/models/batch_one.py);
+    the kernels check positions, slots, lengths and table entries, and a ValueError says which."""
     num_blocks, block_size = k_pool.shape[1], k_pool.shape[2]
     status = _library().decode_layers_bf16(
-        h.data_ptr(), residual.data_ptr(), weights, pools, num_layers, h.shape[-1], num_heads, num_kv_heads, head_dim,
-        intermediate, eps, scale, position, slot, block_table.data_ptr(), block_table.shape[1], seq_len, num_blocks,
+        h.data_ptr(), residual.data_ptr(), weights, pools, num_layers, h.shape[0], h.shape[1], num_heads,
+        num_kv_heads, head_dim, intermediate, eps, scale, positions.data_ptr(), slots.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), num_blocks,
         block_size, cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], int(is_neox), scratch.data_ptr())
     if status == -1:
-        raise ValueError(f"the native decode step takes no head_dim {head_dim} or group {num_heads // num_kv_heads}")
+        raise ValueError(f"the native decode step takes no head_dim {head_dim}, group {num_heads // num_kv_heads} "
+                         f"or {h.shape[0]} rows")
     if status != 0:
-        raise ValueError(f"position {position} is outside the cos/sin cache, slot {slot} outside the pool of "
-                         f"{num_blocks * block_size} slots, or length {seq_len} past the block table or a table "
-                         f"entry outside the pool")
+        raise ValueError(f"a position is outside the cos/sin cache of {cos_sin_cache.shape[0]}, a slot outside the "
+                         f"pool of {num_blocks * block_size} slots, a length < 1 or past its block table, or a table "
+                         f"entry outside the pool of {num_blocks} blocks")
 
 
 def row_max_fits(x: torch.Tensor) -> bool:

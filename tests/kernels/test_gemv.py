@@ -56,7 +56,26 @@ def test_gemv_threads_split_the_rows_without_gaps_or_overlap() -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def test_layers_take_the_gemv_for_one_bf16_row_only(monkeypatch) -> None:
+@pytest.mark.parametrize("rows", [2, 3, 5, 8])
+def test_each_of_several_rows_gets_what_it_gets_alone(rows: int) -> None:
+    """Rows of x read from a wider buffer (row stride > K): each output row is the one-row GEMV's, bit for bit
+    (each weight row is read once for all of them, each sum taken as for one row)."""
+    wide = torch.randn(rows, 600, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    x = wide[:, 7:583]
+    _, w = operands(1000, 576, seed=rows)
+    got = gemv(x, w)
+    assert got.shape == (rows, 1000)
+    for m in range(rows):
+        assert torch.equal(got[m], gemv(x[m:m + 1].contiguous(), w)[0]), m
+
+
+def test_nine_rows_are_refused() -> None:
+    x, w = operands(16, 64, seed=1)
+    with pytest.raises(ValueError, match="takes 1-8 rows"):
+        gemv(x.expand(9, 64), w)
+
+
+def test_layers_take_the_gemv_for_one_to_three_bf16_rows(monkeypatch) -> None:
     rows_seen: list[int] = []
     monkeypatch.setattr("infer.worker.models.layers.gemv", lambda x, w: rows_seen.append(x.shape[0]) or gemv(x, w))
     layer = ColumnLinear(64, 48, bias=True, dtype=torch.bfloat16)
@@ -68,9 +87,11 @@ def test_layers_take_the_gemv_for_one_bf16_row_only(monkeypatch) -> None:
     one = layer(x)
     assert rows_seen == [1]
     assert torch.equal(one, gemv(x, w).add_(layer.bias))                # the bias after the product
-    layer(torch.cat([x, x]))                                             # two rows: oneDNN
-    layer(x.t().contiguous().t().expand(1, 64)[:, ::1])                  # still one contiguous row
-    assert rows_seen == [1, 1]
+    three = layer(torch.cat([x, x, x]))
+    assert rows_seen == [1, 3] and torch.equal(three[2], one[0])
+    layer(torch.cat([x, x, x, x]))                                       # four rows: oneDNN
+    layer(torch.cat([x, x], dim=1)[:, ::2])                              # a column stride of 2: oneDNN
+    assert rows_seen == [1, 3]
     fp32 = RowLinear(64, 48, bias=False, dtype=torch.float32)
     fp32.weight.data.copy_(w.float())
     fp32.pack_weights()

@@ -1,6 +1,7 @@
-"""The batch-1 decode step in one native call (worker/models/batch_one.py, kernels/cpu/decode_layers.c) gives the
-tokens and log-probabilities of the layers run one by one, bit for bit: alone, when a batch shrinks to one
-(a request finishing or aborted beside it), under preemption, and after the pools are released and restored.
+"""The decode step of 1-3 sequences in one native call (worker/models/batch_one.py, kernels/cpu/decode_layers.c)
+gives the tokens and log-probabilities of the layers run one by one, bit for bit: alone, in batches that grow
+past three and shrink back (requests finishing or aborted beside others), under preemption, and after the pools
+are released and restored.
 Models it cannot serve keep the layers; bad positions and slots are refused with a ValueError."""
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
 
 @pytest.fixture
 def calls(monkeypatch) -> list[int]:
-    """Counts the native decode steps."""
+    """The rows of each native decode step."""
     seen: list[int] = []
     real = batch_one.decode_layers
 
-    def counting(*args, **kwargs):
-        seen.append(1)
-        return real(*args, **kwargs)
+    def counting(h, *args, **kwargs):
+        seen.append(h.shape[0])
+        return real(h, *args, **kwargs)
 
     monkeypatch.setattr(batch_one, "decode_layers", counting)
     return seen
@@ -71,20 +72,22 @@ def test_one_request_gets_the_layer_by_layer_tokens_and_logprobs(smollm2_dir, ca
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=5, ignore_eos=True)
     requests = {"a": (list(range(1000, 1100)), params)}
     fused, layered, native_steps = _both(smollm2_dir, requests, calls)
-    assert native_steps == 39     # every decode step; the prefill ran the layers
+    assert native_steps == 39 and set(calls) == {1}     # every decode step; the prefill ran the layers
     assert fused == layered
 
 
-def test_a_batch_that_shrinks_to_one_and_an_abort(smollm2_dir, calls):
-    """Three requests: two finish or are aborted early, the last decodes alone (native) after batch steps."""
+def test_batches_growing_past_three_and_shrinking_back_with_an_abort(smollm2_dir, calls):
+    """Five requests of different lengths: steps of 4-5 decodes run the layers (oneDNN), then requests finish
+    or are aborted and the steps of 3, 2 and 1 run natively."""
     def params(n):
         return SamplingParams(temperature=0, max_tokens=n, logprobs=3, ignore_eos=True)
 
-    requests = {"short": (list(range(500, 530)), params(5)), "aborted": (list(range(600, 680)), params(30)),
-                "long": (list(range(700, 750)), params(24))}
-    fused, layered, native_steps = _both(smollm2_dir, requests, calls, abort_after={"aborted": 9})
-    assert 0 < native_steps < 24
-    assert len(fused["long"]) == 24 and len(fused["short"]) == 5 and len(fused["aborted"]) < 30
+    requests = {"a": (list(range(500, 530)), params(5)), "b": (list(range(540, 560)), params(8)),
+                "aborted": (list(range(600, 680)), params(30)), "c": (list(range(700, 750)), params(16)),
+                "long": (list(range(800, 850)), params(24))}
+    fused, layered, _ = _both(smollm2_dir, requests, calls, abort_after={"aborted": 12})
+    assert {1, 2, 3} <= set(calls) and max(calls) == 3
+    assert len(fused["long"]) == 24 and len(fused["a"]) == 5 and len(fused["aborted"]) < 30
     assert fused == layered
 
 
@@ -136,20 +139,24 @@ def test_positions_and_slots_out_of_range_are_refused(smollm2_dir):
     model, kv = engine.model.model, engine.kv_cache
     weights = (ctypes.c_void_p * len(decoder.weights))(*[t.data_ptr() for t in decoder.weights])
     pools = (ctypes.c_void_p * (2 * decoder.num_layers))(*[p.data_ptr() for pair in zip(kv.k, kv.v) for p in pair])
-    table = torch.zeros(1, 4, dtype=torch.int32)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
     cos_sin = model.rotary_emb.cos_sin_cache
-    num_slots = kv.k[0].shape[1] * kv.k[0].shape[2]
+    num_blocks, block_size = kv.k[0].shape[1], kv.k[0].shape[2]
 
-    def step(position, slot, seq_len):
-        h = torch.randn(1, decoder.hidden).to(torch.bfloat16)
+    def step(position, slot, seq_len, block=0):
+        h = torch.randn(2, decoder.hidden).to(torch.bfloat16)
+        table = tables.clone()
+        table[1, 0] = block
         cpu_kernels.decode_layers(h, decoder.residual, weights, pools, decoder.num_layers, decoder.num_heads,
                                   decoder.num_kv_heads, decoder.head_dim, decoder.intermediate, decoder.eps,
-                                  decoder.scale, position, slot, table, seq_len, kv.k[0], cos_sin, True,
+                                  decoder.scale, torch.tensor([3, position]), torch.tensor([3, slot]), table,
+                                  torch.tensor([4, seq_len], dtype=torch.int32), kv.k[0], cos_sin, True,
                                   decoder.scratch)
         return h
 
-    assert torch.isfinite(step(3, 3, 4).float()).all()
-    for position, slot, seq_len in [(cos_sin.shape[0], 3, 4), (-1, 3, 4), (3, num_slots, 4), (3, -2, 4),
-                                    (3, 3, 4 * kv.k[0].shape[2] + 1), (3, 3, 0)]:
+    assert torch.isfinite(step(3, 7 * block_size, 4, block=7).float()).all()
+    for position, slot, seq_len, block in [(cos_sin.shape[0], 3, 4, 0), (-1, 3, 4, 0), (3, num_blocks * block_size,
+                                           4, 0), (3, -2, 4, 0), (3, 3, 4 * block_size + 1, 0), (3, 3, 0, 0),
+                                           (3, 3, 4, num_blocks), (3, 3, 4, -1)]:
         with pytest.raises(ValueError, match="outside the cos/sin cache"):
-            step(position, slot, seq_len)
+            step(position, slot, seq_len, block)

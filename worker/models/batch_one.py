@@ -1,13 +1,15 @@
-"""A batch-1 decode step of a dense Llama-family model in bf16 on a CPU, in one native call.
+"""A decode step of 1-3 sequences through a dense Llama-family model in bf16 on a CPU, in one native call.
 
 At batch 1 a token is a walk through every weight (SmolLM2-135M: 269 MB), which the native GEMV streams near
 the machine's read bandwidth. What was left was the Python around the ~10 kernel calls of each layer (module
 calls, argument checks, ctypes conversions): about 5 of the 13-15 ms a token took on the 2-core dev VM
-(2026-11-26). `BatchOneDecoder` hands the embedding row, the weights' and pools' addresses and the step's
-position, slot and block table to kernels/cpu/decode_layers.c, which calls the same kernels in the same order as
-the layers do one by one, so the tokens are the eager path's, bit for bit (tests/worker/test_batch_one.py).
+(2026-11-26). `BatchOneDecoder` hands the embedding rows, the weights' and pools' addresses and the step's
+positions, slots and block tables to kernels/cpu/decode_layers.c, which calls the same kernels in the same order as
+the layers do one by one (the linears send 1-3 rows to the same GEMV), so the tokens are the eager path's, bit for
+bit (tests/worker/test_batch_one.py).
 
-It serves a step whose batch is one decoding sequence, outside step graphs, when every layer is the plain dense
+It serves a step whose batch is 1-3 decoding sequences (GEMV_MAX_ROWS; from 4 rows oneDNN's matmuls are
+faster), outside step graphs, when every layer is the plain dense
 Llama layer without biases or q/k norms, on one rank, with bf16 weights the GEMV takes. Anything else runs the
 layers one by one, as before.
 """
@@ -19,7 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.kernels.cpu_kernels import MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, decode_layers, gemv_takes, native_ready
+from infer.kernels.cpu_kernels import (
+    GEMV_MAX_ROWS, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, decode_layers, gemv_takes, native_ready
+)
 from infer.worker.forward_batch import ForwardBatch, KVCache
 
 if TYPE_CHECKING:
@@ -30,7 +34,7 @@ MAX_HIDDEN = 16384   # the native RMSNorm's limit
 
 
 class BatchOneDecoder:
-    """Runs `LlamaModel`'s layers and final norm for a batch of one decoding sequence (see the module docstring).
+    """Runs `LlamaModel`'s layers and final norm for a batch of 1-3 decoding sequences (see the module docstring).
     Build it with `for_model`, which answers None for a model it cannot serve."""
 
     def __init__(self, model: LlamaModel) -> None:
@@ -51,9 +55,9 @@ class BatchOneDecoder:
             layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
         self.weights.append(model.norm.weight)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.scratch = torch.empty(2 * self.hidden + 2 * q_size + 2 * kv_size + 3 * self.intermediate,
+        self.scratch = torch.empty(GEMV_MAX_ROWS * (2 * self.hidden + 2 * q_size + 2 * kv_size + 3 * self.intermediate),
                                    dtype=torch.bfloat16)
-        self.residual = torch.empty(1, self.hidden, dtype=torch.bfloat16)
+        self.residual = torch.empty(GEMV_MAX_ROWS, self.hidden, dtype=torch.bfloat16)
 
     @classmethod
     def for_model(cls, model: LlamaModel, tp_size: int) -> BatchOneDecoder | None:
@@ -83,26 +87,32 @@ class BatchOneDecoder:
         return cls(model) if shapes_fit and same and plain else None
 
     def takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
-        """Whether this step is one for the native call: one decoding sequence, outside a step graph, over bf16
-        pools of the shape the kernels take, with every linear on the GEMV (pack_weights decides that)."""
-        if batch.step_graph or batch.num_decodes != 1 or batch.input_ids.shape[0] != 1 or len(batch.context_lens) != 1:
+        """Whether this step is one for the native call: 1-3 decoding sequences and nothing else, outside a step
+        graph, over bf16 pools of the shape the kernels take, with every linear on the GEMV (pack_weights decides
+        that)."""
+        rows = batch.input_ids.shape[0]
+        if (batch.step_graph or not 0 < rows <= GEMV_MAX_ROWS or batch.num_decodes != rows
+                or len(batch.context_lens) != rows):
             return False
         pool, tables, cos_sin = kv_cache.k[0], batch.block_tables, self.model.rotary_emb.cos_sin_cache
-        return (cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and pool.dtype == torch.bfloat16
+        return (batch.positions.dtype == batch.slot_mapping.dtype == torch.int64 and batch.positions.is_contiguous()
+                and batch.slot_mapping.is_contiguous()
+                and batch.seq_lens.dtype == torch.int32 and batch.seq_lens.is_contiguous()
+                and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and pool.dtype == torch.bfloat16
                 and pool.dim() == 4 and pool.is_contiguous()
                 and pool.shape[2] <= MAX_BLOCK and tables.dtype == torch.int32 and tables.stride(1) == 1
                 and all(linear.gemv_ready for linear in self.linears))
 
     def run(self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """hidden [1, hidden] bf16 (the embedding row; overwritten) -> the final norm's output [1, hidden], for a
-        step that `takes` accepts. K and V of the new token are stored in every layer's pool."""
+        """hidden [B, hidden] bf16 (the embedding rows; overwritten) -> the final norm's output [B, hidden], for a
+        step that `takes` accepts. K and V of the new tokens are stored in every layer's pool."""
         weights = (ctypes.c_void_p * len(self.weights))(*[t.data_ptr() for t in self.weights])
         pools = (ctypes.c_void_p * (2 * self.num_layers))(
             *[pool.data_ptr() for pair in zip(kv_cache.k, kv_cache.v, strict=True) for pool in pair])
         h = hidden if hidden.is_contiguous() else hidden.contiguous()
         rotary = self.model.rotary_emb
         decode_layers(h, self.residual, weights, pools, self.num_layers, self.num_heads, self.num_kv_heads,
-                      self.head_dim, self.intermediate, self.eps, self.scale, int(batch.positions[0]),
-                      int(batch.slot_mapping[0]), batch.block_tables, batch.context_lens[0], kv_cache.k[0],
-                      rotary.cos_sin_cache, rotary.is_neox, self.scratch)
+                      self.head_dim, self.intermediate, self.eps, self.scale, batch.positions, batch.slot_mapping,
+                      batch.block_tables, batch.seq_lens, kv_cache.k[0], rotary.cos_sin_cache, rotary.is_neox,
+                      self.scratch)
         return h

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.kernels.cpu_kernels import gemv, gemv_takes, silu_and_mul_fits, silu_and_mul_native
+from infer.kernels.cpu_kernels import GEMV_MAX_ROWS, gemv, gemv_takes, silu_and_mul_fits, silu_and_mul_native
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rotary import build_cos_sin_cache, rotary_embedding
 from infer.worker.tensor_parallel import TensorParallel
@@ -80,9 +80,9 @@ class PackedLinear(nn.Module):
     oneDNN pre-packed copy of the weight that `pack_weights()` makes once the checkpoint is loaded.
 
     Measured on the 2-core development CPU at decode shapes (M=64): 1.2x faster than F.linear in bf16,
-    1.6-2x in fp32. The plain weight stays (checkpoint loading, tied embeddings, tests read it). A single bf16
-    row (a decode at batch 1) goes to the native GEMV instead (`infer.kernels.cpu_kernels.gemv`), which streams
-    the plain weight at a higher memory bandwidth than oneDNN reaches there.
+    1.6-2x in fp32. The plain weight stays (checkpoint loading, tied embeddings, tests read it). 1-3 bf16 rows
+    (a decode at batch 1-3) go to the native GEMV instead (`infer.kernels.cpu_kernels.gemv`), which streams the
+    plain weight at a higher memory bandwidth than oneDNN reaches there.
     """
 
     weight: nn.Parameter
@@ -99,7 +99,8 @@ class PackedLinear(nn.Module):
         if self.packed is not None and x.dim() == 2:
             if torch.compiler.is_compiling():
                 return packed_linear(x, self.packed, self.weight, bias)
-            if self.gemv_ready and x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.is_contiguous():
+            if (self.gemv_ready and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1
+                    and x.shape[0] > 0):
                 y = gemv(x, self.weight)
                 return y if bias is None else y.add_(bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # (no op overhead)

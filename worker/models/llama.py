@@ -165,7 +165,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tp_size = tp.size
-        # A batch of one decoding sequence in one native call (CPU, bf16; worker/models/batch_one.py), built on
+        # Steps of 1-3 decoding sequences in one native call (CPU, bf16; worker/models/batch_one.py), built on
         # the first step; `batch_one = False` keeps every step on the layers one by one.
         self.batch_one: BatchOneDecoder | bool | None = None
 
@@ -174,7 +174,7 @@ class LlamaModel(nn.Module):
         """`layers` stand in for self.layers, one for one (the step graphs' compiled copies)."""
         hidden, residual = self.embed_tokens(batch.input_ids), None
         self.rotary_emb.reserve(max(batch.context_lens, default=0))
-        if layers is None and batch.num_decodes == 1 and not torch.compiler.is_compiling():
+        if layers is None and batch.num_decodes and not torch.compiler.is_compiling():
             if self.batch_one is None:
                 self.batch_one = BatchOneDecoder.for_model(self, self.tp_size) or False
             if (self.batch_one and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
