@@ -346,10 +346,13 @@ def _has_avx512_bf16() -> bool:
     return " avx512_bf16" in _cpu_flags()
 
 
-# Rows of x up to which the linears take the native GEMV instead of oneDNN: each weight row is read once for all
-# of them. SmolLM2's 120 layer matrices of a token, 2-core dev VM, 2026-11-26: 1.4-1.8x oneDNN's packed path at
-# 1-2 rows, 1.3x at 3, 0.9-1.0x at 4 and 0.9x at 8.
-GEMV_MAX_ROWS = 3
+# Rows of x up to which the linears take the native GEMV instead of oneDNN (each weight row is read once for all
+# of them), and the decode steps that run in one native call (worker/models/batch_one.py). SmolLM2's 120 layer
+# matrices of a token, 2-core dev VM, 2026-11-26: 1.5-1.7x oneDNN's packed path at 1-3 rows, 1.0x at 4-6, 0.9x
+# at 8; the whole decode step, native against layer by layer on oneDNN: 15 vs 21-23 ms at 4 sequences, 16-20 vs
+# 21-24 at 6, 20-22 vs 24-25 at 8. One rule for both keeps a sequence's bits the same in either path and in any
+# batch of 1-8 (the GEMV sums each row alone).
+GEMV_MAX_ROWS = 8
 
 
 def gemv_takes(weight: torch.Tensor) -> bool:

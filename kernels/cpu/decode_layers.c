@@ -1,11 +1,11 @@
-/* A whole decode step of 1-3 sequences through a dense Llama-family model in bf16: every decoder layer and the
+/* A whole decode step of 1-8 sequences through a dense Llama-family model in bf16: every decoder layer and the
  * final norm in one call, the same kernels in the same order as the eager layers call them one by one.
  *
  * At batch 1 the weights (SmolLM2-135M: 269 MB a token) are the floor, and the GEMV streams them near the
  * machine's read bandwidth; what was left was the Python around ~10 kernel calls a layer (module calls, argument
  * checks, ctypes conversions): 5 of the 13-15 ms a token took on the 2-core dev VM (2026-11-26). Here that is one
  * call a token. Each kernel is the library's own entry point (rms_norm, gemv_rows_bf16, rotary_inplace, append_kv,
- * paged_decode, silu_and_mul), so the bits are those of the eager path, layer for layer (which sends 1-3 rows to
+ * paged_decode, silu_and_mul), so the bits are those of the eager path, layer for layer (which sends 1-8 rows to
  * the same GEMV).
  *
  * Per layer and row, as LlamaDecoderLayer.forward (residual stream carried between layers):

@@ -1,4 +1,4 @@
-/* y = x W^T for 1-8 rows x (a decode step at batch 1-3): bf16 weights streamed once from memory, front to back.
+/* y = x W^T for 1-8 rows x (a decode step at batch 1-8): bf16 weights streamed once from memory, front to back.
  *
  * At batch 1 a decode step is a walk through every weight byte (SmolLM2-135M: 269 MB a token), so its speed is
  * the memory bandwidth its matmuls reach. oneDNN's bf16 path reached 13-21 GB/s on the per-layer matrices of
@@ -15,8 +15,8 @@
  * one 269 MB matrix: 30 GB/s, where a sum over a large tensor reads 30-35). Threads take contiguous ranges of
  * rows (torch's OpenMP threads). With M rows of x, each weight row is read once and dotted with all of them,
  * each sum taken as for one row, so a row's output does not depend on the rows beside it. Per SmolLM2 token set
- * against oneDNN's packed path (same VM and day): 1.4-1.8x at M = 1-2, 1.3x at 3, 0.9-1.0x from 4 (where this
- * loop stops streaming at the bandwidth), so the linears send it 1-3 rows (GEMV_MAX_ROWS in cpu_kernels.py).
+ * against oneDNN's packed path (same VM and day): 1.5-1.7x at M = 1-3, 1.0x at 4-6, 0.9x at 8 (from 4 this loop
+ * no longer streams at the bandwidth); the linears send it up to 8 rows (GEMV_MAX_ROWS in cpu_kernels.py).
  * Needs AVX512-BF16 (with VL and DQ); elsewhere the function returns -1 and the caller keeps oneDNN.
  */
 

@@ -75,7 +75,7 @@ def test_nine_rows_are_refused() -> None:
         gemv(x.expand(9, 64), w)
 
 
-def test_layers_take_the_gemv_for_one_to_three_bf16_rows(monkeypatch) -> None:
+def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch) -> None:
     rows_seen: list[int] = []
     monkeypatch.setattr("infer.worker.models.layers.gemv", lambda x, w: rows_seen.append(x.shape[0]) or gemv(x, w))
     layer = ColumnLinear(64, 48, bias=True, dtype=torch.bfloat16)
@@ -87,11 +87,11 @@ def test_layers_take_the_gemv_for_one_to_three_bf16_rows(monkeypatch) -> None:
     one = layer(x)
     assert rows_seen == [1]
     assert torch.equal(one, gemv(x, w).add_(layer.bias))                # the bias after the product
-    three = layer(torch.cat([x, x, x]))
-    assert rows_seen == [1, 3] and torch.equal(three[2], one[0])
-    layer(torch.cat([x, x, x, x]))                                       # four rows: oneDNN
+    eight = layer(x.expand(8, 64).contiguous())
+    assert rows_seen == [1, 8] and torch.equal(eight[7], one[0])
+    layer(x.expand(9, 64).contiguous())                                  # nine rows: oneDNN
     layer(torch.cat([x, x], dim=1)[:, ::2])                              # a column stride of 2: oneDNN
-    assert rows_seen == [1, 3]
+    assert rows_seen == [1, 8]
     fp32 = RowLinear(64, 48, bias=False, dtype=torch.float32)
     fp32.weight.data.copy_(w.float())
     fp32.pack_weights()

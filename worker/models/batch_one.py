@@ -1,17 +1,16 @@
-"""A decode step of 1-3 sequences through a dense Llama-family model in bf16 on a CPU, in one native call.
+"""A decode step of 1-8 sequences through a dense Llama-family model in bf16 on a CPU, in one native call.
 
 At batch 1 a token is a walk through every weight (SmolLM2-135M: 269 MB), which the native GEMV streams near
 the machine's read bandwidth. What was left was the Python around the ~10 kernel calls of each layer (module
 calls, argument checks, ctypes conversions): about 5 of the 13-15 ms a token took on the 2-core dev VM
 (2026-11-26). `BatchOneDecoder` hands the embedding rows, the weights' and pools' addresses and the step's
 positions, slots and block tables to kernels/cpu/decode_layers.c, which calls the same kernels in the same order as
-the layers do one by one (the linears send 1-3 rows to the same GEMV), so the tokens are the eager path's, bit for
+the layers do one by one (the linears send 1-8 rows to the same GEMV), so the tokens are the eager path's, bit for
 bit (tests/worker/test_batch_one.py).
 
-It serves a step whose batch is 1-3 decoding sequences (GEMV_MAX_ROWS; from 4 rows oneDNN's matmuls are
-faster), outside step graphs, when every layer is the plain dense
-Llama layer without biases or q/k norms, on one rank, with bf16 weights the GEMV takes. Anything else runs the
-layers one by one, as before.
+It serves a step whose batch is 1-8 decoding sequences (GEMV_MAX_ROWS), outside step graphs, when every layer
+is the plain dense Llama layer without biases or q/k norms, on one rank, with bf16 weights the GEMV takes.
+Anything else runs the layers one by one, as before.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ MAX_HIDDEN = 16384   # the native RMSNorm's limit
 
 
 class BatchOneDecoder:
-    """Runs `LlamaModel`'s layers and final norm for a batch of 1-3 decoding sequences (see the module docstring).
+    """Runs `LlamaModel`'s layers and final norm for a batch of 1-8 decoding sequences (see the module docstring).
     Build it with `for_model`, which answers None for a model it cannot serve."""
 
     def __init__(self, model: LlamaModel) -> None:
@@ -87,7 +86,7 @@ class BatchOneDecoder:
         return cls(model) if shapes_fit and same and plain else None
 
     def takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
-        """Whether this step is one for the native call: 1-3 decoding sequences and nothing else, outside a step
+        """Whether this step is one for the native call: 1-8 decoding sequences and nothing else, outside a step
         graph, over bf16 pools of the shape the kernels take, with every linear on the GEMV (pack_weights decides
         that)."""
         rows = batch.input_ids.shape[0]

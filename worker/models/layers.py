@@ -80,8 +80,8 @@ class PackedLinear(nn.Module):
     oneDNN pre-packed copy of the weight that `pack_weights()` makes once the checkpoint is loaded.
 
     Measured on the 2-core development CPU at decode shapes (M=64): 1.2x faster than F.linear in bf16,
-    1.6-2x in fp32. The plain weight stays (checkpoint loading, tied embeddings, tests read it). 1-3 bf16 rows
-    (a decode at batch 1-3) go to the native GEMV instead (`infer.kernels.cpu_kernels.gemv`), which streams the
+    1.6-2x in fp32. The plain weight stays (checkpoint loading, tied embeddings, tests read it). 1-8 bf16 rows
+    (a decode at batch 1-8) go to the native GEMV instead (`infer.kernels.cpu_kernels.gemv`), which streams the
     plain weight at a higher memory bandwidth than oneDNN reaches there.
     """
 

@@ -165,7 +165,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tp_size = tp.size
-        # Steps of 1-3 decoding sequences in one native call (CPU, bf16; worker/models/batch_one.py), built on
+        # Steps of 1-8 decoding sequences in one native call (CPU, bf16; worker/models/batch_one.py), built on
         # the first step; `batch_one = False` keeps every step on the layers one by one.
         self.batch_one: BatchOneDecoder | bool | None = None
 
