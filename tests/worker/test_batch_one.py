@@ -23,8 +23,9 @@ pytestmark = pytest.mark.skipif(not (cpu_kernels._library() is not None and cpu_
 
 
 def _engine(model_dir, **kwargs) -> Engine:
+    """On the CPU also where a GPU is (the native step is the CPU's)."""
     return Engine(EngineConfig(model=str(model_dir), dtype="bfloat16", max_model_len=1024, num_threads=2,
-                               **kwargs))
+                               device="cpu", **kwargs))
 
 
 def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
@@ -125,7 +126,8 @@ def test_which_models_it_serves(arch, serves, tiny_model_dir, calls):
 
 
 def test_fp32_and_multi_rank_models_keep_the_layers(smollm2_dir):
-    fp32 = Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=256, num_threads=2))
+    fp32 = Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=256, num_threads=2,
+                               device="cpu"))
     assert BatchOneDecoder.for_model(fp32.model.model, 1) is None
     bf16 = _engine(smollm2_dir)
     assert BatchOneDecoder.for_model(bf16.model.model, 1) is not None
