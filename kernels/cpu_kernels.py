@@ -9,8 +9,9 @@
   SmolLM2-135M against 1.3 ms here (2-core AMD EPYC, bf16, 2026-11-24), which was 40% of that prefill.
 - Rotary embedding in place and the KV append with K rotated on the way (cpu/elementwise.c): one pass each
   instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
-- RMSNorm and SiLU * mul (cpu/elementwise.c), the batch-1 GEMV (cpu/gemv.c), and a whole batch-1 bf16 decode
-  step through a dense Llama's layers in one call (cpu/decode_layers.c, driven by worker/models/batch_one.py).
+- RMSNorm and SiLU * mul (cpu/elementwise.c), the GEMV for 1-8 rows (cpu/gemv.c), and a whole bf16 decode step
+  of 1-8 sequences through a dense Llama's layers in one call (cpu/decode_layers.c, driven by
+  worker/models/batch_one.py).
 
 Built with `cc -O3 -march=native -fopenmp -shared` into INFER_COMPILE_CACHE (see worker/config.py) under a
 name that hashes the source, the flags, the compiler and this CPU's feature flags, so a shared home directory

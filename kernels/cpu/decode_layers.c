@@ -14,8 +14,10 @@
  *   h = a Wo^T; residual = h + residual; n = rms(residual); h = silu(n Wgate^T) * (n Wup^T) Wdown^T
  * then out = rms(h + residual) with the final norm's weight.
  *
- * weights: 6 pointers a layer (input norm, Wqkv [q + 2 kv, hidden], Wo [hidden, q], post-attention norm,
- * Wgate_up [2 I, hidden], Wdown [hidden, I]) and the final norm's weight last; pools: K and V of each layer
+ * weights: 10 pointers a layer (input norm, Wqkv [q + 2 kv, hidden], Wo [hidden, q], post-attention norm,
+ * Wgate_up [2 I, hidden], Wdown [hidden, I], then the biases of the four linears or NULL: Qwen2 has the qkv one)
+ * and the final norm's weight last; a bias is added to the product's bf16 output and rounded again, as
+ * `y.add_(bias)`; pools: K and V of each layer
  * ([Hkv, num_blocks, block_size, D] contiguous). scratch: bf16, rows x (hidden + (q + 2 kv) + q + 3 I + hidden)
  * elements. h [rows, hidden]: the embedding rows in, the final normed rows out; residual [rows, hidden] scratch.
  * Row r: positions[r], slots[r], its block table at tables + r * table_stride (table_width entries), seq_lens[r].
@@ -24,6 +26,8 @@
  */
 
 #include <stdint.h>
+
+#include "common.h"
 
 int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride, const void *weight, void *out,
              int64_t out_stride, int64_t rows, int hidden, float eps, int is_bf16);
@@ -42,6 +46,14 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d,
                  int is_bf16);
 
+/* y [rows, N] (rows y_stride apart) += bias [N], in bf16 (one rounding of the fp32 sum, as torch's add_). */
+static void add_bias(uint16_t *y, int64_t y_stride, const uint16_t *bias, int64_t rows, int64_t N) {
+    if (!bias) return;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t n = 0; n < N; n++)
+            y[r * y_stride + n] = f32_to_bf16(bf16_to_f32(y[r * y_stride + n]) + bf16_to_f32(bias[n]));
+}
+
 int decode_layers_bf16(uint16_t *h, uint16_t *residual, const void *const *weights, void *const *pools,
                        int64_t num_layers, int64_t rows, int64_t hidden, int num_heads, int num_kv_heads, int head_dim,
                        int64_t intermediate, float eps, float scale, const int64_t *positions, const int64_t *slots,
@@ -54,7 +66,7 @@ int decode_layers_bf16(uint16_t *h, uint16_t *residual, const void *const *weigh
     uint16_t *gate_up = attn + rows * q_size, *act = gate_up + rows * inter2, *out = act + rows * intermediate;
     int status;
     for (int64_t i = 0; i < num_layers; i++) {
-        const void *const *w = weights + 6 * i;
+        const void *const *w = weights + 10 * i;
         void *k_pool = pools[2 * i], *v_pool = pools[2 * i + 1];
         if (i == 0) {
             for (int64_t d = 0; d < rows * hidden; d++) residual[d] = h[d];
@@ -64,6 +76,7 @@ int decode_layers_bf16(uint16_t *h, uint16_t *residual, const void *const *weigh
         }
         if (status) return status;
         if ((status = gemv_rows_bf16(normed, hidden, w[1], qkv, qkv_size, rows, qkv_size, hidden))) return status;
+        add_bias(qkv, qkv_size, w[6], rows, qkv_size);
         if ((status = rotary_inplace(qkv, qkv_size, rows, num_heads, head_dim, positions, cos_sin, num_positions,
                                      is_neox, 1)))
             return status;
@@ -75,11 +88,14 @@ int decode_layers_bf16(uint16_t *h, uint16_t *residual, const void *const *weigh
                                    (int)rows, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, 1)))
             return status;
         if ((status = gemv_rows_bf16(attn, q_size, w[2], out, hidden, rows, hidden, q_size))) return status;
+        add_bias(out, hidden, w[7], rows, hidden);
         if ((status = rms_norm(out, hidden, residual, hidden, w[3], normed, hidden, rows, (int)hidden, eps, 1)))
             return status;
         if ((status = gemv_rows_bf16(normed, hidden, w[4], gate_up, inter2, rows, inter2, hidden))) return status;
+        add_bias(gate_up, inter2, w[8], rows, inter2);
         if ((status = silu_and_mul(gate_up, inter2, act, intermediate, rows, intermediate, 1))) return status;
         if ((status = gemv_rows_bf16(act, intermediate, w[5], h, hidden, rows, hidden, intermediate))) return status;
+        add_bias(h, hidden, w[9], rows, hidden);
     }
-    return rms_norm(h, hidden, residual, hidden, weights[6 * num_layers], h, hidden, rows, (int)hidden, eps, 1);
+    return rms_norm(h, hidden, residual, hidden, weights[10 * num_layers], h, hidden, rows, (int)hidden, eps, 1);
 }

@@ -6,8 +6,6 @@ Models it cannot serve keep the layers; bad positions and slots are refused with
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -115,10 +113,11 @@ def test_preemption_and_released_pools(smollm2_dir, calls, tmp_path):
     assert native_steps > 11 and len(calls) == native_steps
 
 
-@pytest.mark.parametrize("arch, serves", [("llama", True), ("qwen2", False), ("qwen3", False)])
+@pytest.mark.parametrize("arch, serves", [("llama", True), ("qwen2", True), ("qwen3", False)])
 def test_which_models_it_serves(arch, serves, tiny_model_dir, calls):
-    """A plain Llama is served (here with head_dim 16, off the bf16 dot-product path of the attention kernel);
-    qkv biases (qwen2) and q/k norms (qwen3) keep the layers, with the same tokens either way."""
+    """A plain Llama is served (here with head_dim 16, off the bf16 dot-product path of the attention kernel),
+    and Qwen2 with its qkv biases (5 query heads per KV head); q/k norms (qwen3) keep the layers. The same tokens
+    either way."""
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)
     fused, layered, native_steps = _both(tiny_model_dir(arch), {"a": (list(range(5, 40)), params)}, calls)
     assert (native_steps == 9) if serves else (native_steps == 0)
@@ -138,8 +137,7 @@ def test_positions_and_slots_out_of_range_are_refused(smollm2_dir):
     engine = _engine(smollm2_dir)
     decoder = BatchOneDecoder.for_model(engine.model.model, 1)
     model, kv = engine.model.model, engine.kv_cache
-    weights = (ctypes.c_void_p * len(decoder.weights))(*[t.data_ptr() for t in decoder.weights])
-    pools = (ctypes.c_void_p * (2 * decoder.num_layers))(*[p.data_ptr() for pair in zip(kv.k, kv.v) for p in pair])
+    weights, pools = decoder.addresses(kv)
     tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
     cos_sin = model.rotary_emb.cos_sin_cache
     num_blocks, block_size = kv.k[0].shape[1], kv.k[0].shape[2]

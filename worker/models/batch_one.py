@@ -9,7 +9,8 @@ the layers do one by one (the linears send 1-8 rows to the same GEMV), so the to
 bit (tests/worker/test_batch_one.py).
 
 It serves a step whose batch is 1-8 decoding sequences (GEMV_MAX_ROWS), outside step graphs, when every layer
-is the plain dense Llama layer without biases or q/k norms, on one rank, with bf16 weights the GEMV takes.
+is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank, with bf16 weights the GEMV
+takes.
 Anything else runs the layers one by one, as before.
 """
 
@@ -47,11 +48,16 @@ class BatchOneDecoder:
         self.eps, self.scale = model.norm.eps, attn.scale
         self.linears: list[PackedLinear] = [linear for layer in layers for linear in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        # 6 a layer, in decode_layers.c's order, then the final norm's weight (Parameters keep their identity
-        # across reloads and suspend / resume; their storage may move, so the addresses are read each step)
-        self.weights: list[torch.Tensor] = [t for layer in layers for t in (
-            layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-            layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
+        # 10 a layer, in decode_layers.c's order (the four linears' biases last, None where there is none), then
+        # the final norm's weight (Parameters keep their identity across reloads and suspend / resume; their
+        # storage may move, so the addresses are read each step)
+        self.weights: list[torch.Tensor | None] = []
+        for layer in layers:
+            attn_layer, mlp_layer = layer.self_attn, layer.mlp
+            linears = (attn_layer.qkv_proj, attn_layer.o_proj, mlp_layer.gate_up_proj, mlp_layer.down_proj)
+            self.weights += [layer.input_layernorm.weight, attn_layer.qkv_proj.weight, attn_layer.o_proj.weight,
+                             layer.post_attention_layernorm.weight, mlp_layer.gate_up_proj.weight,
+                             mlp_layer.down_proj.weight, *(linear.bias for linear in linears)]
         self.weights.append(model.norm.weight)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scratch = torch.empty(GEMV_MAX_ROWS * (2 * self.hidden + 2 * q_size + 2 * kv_size + 3 * self.intermediate),
@@ -81,8 +87,9 @@ class BatchOneDecoder:
         same = all(layer.self_attn.num_heads == attn.num_heads and layer.self_attn.num_kv_heads == attn.num_kv_heads
                    and layer.self_attn.head_dim == attn.head_dim and layer.self_attn.scale == attn.scale
                    for layer in layers) and len({n.eps for n in norms}) == 1
-        plain = all(lin.bias is None and gemv_takes(lin.weight) for lin in linears) and all(
-            n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() for n in norms)
+        plain = all(gemv_takes(lin.weight) and (lin.bias is None or (
+            lin.bias.dtype == torch.bfloat16 and lin.bias.is_contiguous() and lin.bias.shape == lin.weight.shape[:1]))
+            for lin in linears) and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() for n in norms)
         return cls(model) if shapes_fit and same and plain else None
 
     def takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
@@ -102,12 +109,17 @@ class BatchOneDecoder:
                 and pool.shape[2] <= MAX_BLOCK and tables.dtype == torch.int32 and tables.stride(1) == 1
                 and all(linear.gemv_ready for linear in self.linears))
 
+    def addresses(self, kv_cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
+        """The weights' (NULL for a missing bias) and the pools' addresses as decode_layers.c takes them, now."""
+        weights = (ctypes.c_void_p * len(self.weights))(*[None if t is None else t.data_ptr() for t in self.weights])
+        pools = (ctypes.c_void_p * (2 * self.num_layers))(
+            *[pool.data_ptr() for pair in zip(kv_cache.k, kv_cache.v, strict=True) for pool in pair])
+        return weights, pools
+
     def run(self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """hidden [B, hidden] bf16 (the embedding rows; overwritten) -> the final norm's output [B, hidden], for a
         step that `takes` accepts. K and V of the new tokens are stored in every layer's pool."""
-        weights = (ctypes.c_void_p * len(self.weights))(*[t.data_ptr() for t in self.weights])
-        pools = (ctypes.c_void_p * (2 * self.num_layers))(
-            *[pool.data_ptr() for pair in zip(kv_cache.k, kv_cache.v, strict=True) for pool in pair])
+        weights, pools = self.addresses(kv_cache)
         h = hidden if hidden.is_contiguous() else hidden.contiguous()
         rotary = self.model.rotary_emb
         decode_layers(h, self.residual, weights, pools, self.num_layers, self.num_heads, self.num_kv_heads,
