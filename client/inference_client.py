@@ -426,14 +426,20 @@ class InferenceClient:
             call = self._call = _Call(expect, asyncio.get_running_loop().create_future())
             if not self._requests:
                 self._last_heard = time.monotonic()
+            # Not awaited before the answer: with no live pipe (a refused CURVE handshake tears it down, at times
+            # before the Hello is queued) a DEALER's send waits for one; the handshake monitor fails the call
+            # meanwhile, and the timeout bounds both.
+            send = self._sock.send_multipart([encode(msg)])
+            send.add_done_callback(_consume)
             try:
-                await self._send(msg)
                 return await asyncio.wait_for(call.future, timeout)
             except asyncio.TimeoutError:
                 raise ClusterError(f"no answer to {msg.TYPE!r} from the coordinator at {self.address} "
                                    f"within {timeout} s") from None
             finally:
                 self._call = None
+                if not send.done():
+                    send.cancel()
 
     # ---- the receive side -----------------------------------------------------------------------
 
@@ -625,7 +631,13 @@ class InferenceClient:
             raise self._failure
 
     async def _send(self, msg: Message) -> None:
-        await self._sock.send_multipart([encode(msg)])
+        """Queue `msg` for the coordinator. A DEALER with no live pipe (the coordinator refused the handshake, or
+        is gone and its pipe with it) waits for one: past `silence_timeout` that is a ClusterError, not a hang."""
+        try:
+            await asyncio.wait_for(self._sock.send_multipart([encode(msg)]), self.silence_timeout)
+        except asyncio.TimeoutError:
+            raise ClusterError(f"could not send {msg.TYPE!r} to the coordinator at {self.address} within "
+                               f"{self.silence_timeout} s (no connection to it)") from None
 
     def _send_nowait(self, msg: Message) -> None:
         future = self._sock.send_multipart([encode(msg)])

@@ -93,6 +93,25 @@ async def test_a_client_with_an_unknown_key_is_refused_logged_and_never_a_client
     assert "WARNING" in next(line for line in coordinator.text().splitlines() if key in line)
 
 
+@pytest.mark.parametrize("hello_delay", [0.0, 0.5])
+async def test_a_refused_client_gets_its_error_however_its_hello_and_the_refusal_race(secured, monkeypatch,
+                                                                                     hello_delay):
+    """The refusal can tear the client's only pipe down before its Hello is queued, and a DEALER's send then
+    waits for a pipe that never comes: once, CI hung here for good. With the Hello sent at once and after the
+    refusal (delayed), each try must end in a ClusterError, fast."""
+    real = InferenceClient._request_reply
+
+    async def late(self, *args):
+        await asyncio.sleep(hello_delay)
+        return await real(self, *args)
+
+    monkeypatch.setattr(InferenceClient, "_request_reply", late)
+    for _ in range(4):
+        plain = secured.client(connect_timeout=60)
+        with pytest.raises(ClusterError):
+            await asyncio.wait_for(plain.connect(), 15)
+
+
 async def test_a_client_without_keys_is_refused_by_a_coordinator_with_keys(secured, keys, wait_until):
     coordinator = secured.procs[0]
     plain = secured.client(connect_timeout=60)
