@@ -29,7 +29,7 @@ for part in $PARTS; do
     # the engine on the kernels, the model against transformers.
     timeout 230 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/kernels tests/worker/test_step_graphs.py \
         tests/worker/test_step_buckets.py tests/worker/test_engine_kernels.py tests/worker/test_model.py \
-        tests/worker/test_sampler.py tests/worker/test_batch_one.py -k "not flags_reach_the_engine_config" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -30
+        tests/worker/test_sampler.py tests/worker/test_native_decode.py -k "not flags_reach_the_engine_config" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -30
     ;;
   bench)
     timeout 170 python3 benchmarks/step_graphs.py --random-model smollm2-135m --tokenizer .gpu/tokenizer \

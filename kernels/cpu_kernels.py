@@ -11,7 +11,7 @@
   instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
 - RMSNorm and SiLU * mul (cpu/elementwise.c), the GEMV for 1-8 rows (cpu/gemv.c), and a whole bf16 decode step
   of 1-8 sequences through a dense Llama's layers in one call (cpu/decode_layers.c, driven by
-  worker/models/batch_one.py).
+  worker/models/native_decode.py).
 
 Built with `cc -O3 -march=native -fopenmp -shared` into INFER_COMPILE_CACHE (see worker/config.py) under a
 name that hashes the source, the flags, the compiler and this CPU's feature flags, so a shared home directory
@@ -48,6 +48,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "
 BUILD_TIMEOUT_S = 120
 # What the compiled kernel accepts (the C file's MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
+MAX_HIDDEN = 16384   # the native RMSNorm's widest row (elementwise.c)
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)   # what the C kernels compute in (fp32 math inside)
 
 
@@ -140,12 +141,11 @@ def _load() -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
-    lib.gemv_bf16.argtypes = [ptr, ptr, ptr, i64, i64]
     lib.gemv_rows_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.decode_layers_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i64, f32, f32, ptr, ptr, ptr,
                                        i64, i64, ptr, i64, i32, ptr, i64, i32, ptr]
     for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max,
-               lib.silu_and_mul, lib.gemv_bf16, lib.gemv_rows_bf16, lib.decode_layers_bf16):
+               lib.silu_and_mul, lib.gemv_rows_bf16, lib.decode_layers_bf16):
         fn.restype = i32
     return lib
 
@@ -301,7 +301,7 @@ def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
     CPU, never under torch.compile (inductor fuses the twin there)."""
     return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype in NATIVE_DTYPES
             and (x.dtype == torch.bfloat16 or x.numel() >= RMS_NORM_MIN_ROWS * x.shape[-1])
-            and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.shape[-1] <= 16384
+            and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.shape[-1] <= MAX_HIDDEN
             and _row_stride(x) is not None and (residual is None or _row_stride(residual) is not None)
             and (out is None or _row_stride(out) is not None) and native_ready())
 
@@ -321,7 +321,7 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         _row_stride(residual) if residual is not None else 0, weight.data_ptr(), out.data_ptr(), _row_stride(out),
         rows, x.shape[-1], eps, int(x.dtype == torch.bfloat16))
     if status != 0:
-        raise ValueError(f"hidden size {x.shape[-1]} is past 16384")
+        raise ValueError(f"hidden size {x.shape[-1]} is past {MAX_HIDDEN}")
     return out
 
 
@@ -348,11 +348,11 @@ def _has_avx512_bf16() -> bool:
 
 
 # Rows of x up to which the linears take the native GEMV instead of oneDNN (each weight row is read once for all
-# of them), and the decode steps that run in one native call (worker/models/batch_one.py). SmolLM2's 120 layer
+# of them), and the decode steps that run in one native call (worker/models/native_decode.py). SmolLM2's 120 layer
 # matrices of a token, 2-core dev VM, 2026-11-26: 1.5-1.7x oneDNN's packed path at 1-3 rows, 1.0x at 4-6, 0.9x
 # at 8; the whole decode step, native against layer by layer on oneDNN: 15 vs 21-23 ms at 4 sequences, 16-20 vs
-# 21-24 at 6, 20-22 vs 24-25 at 8. One rule for both keeps a sequence's bits the same in either path and in any
-# batch of 1-8 (the GEMV sums each row alone).
+# 21-24 at 6, 20-22 vs 24-25 at 8. One rule for both keeps a sequence's bits the same in either path, and in any
+# decode step of 1-8 sequences (the GEMV sums each row alone; oneDNN, past 8 rows, does not).
 GEMV_MAX_ROWS = 8
 
 
@@ -383,7 +383,7 @@ def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array
     decode_layers.c): h [B, hidden] (the embedding rows in, the final normed rows out, in place), residual
     [B, hidden] and scratch the file's scratch; `weights` and `pools` the pointer arrays it describes, `k_pool`
     layer 0's K pool (its shape gives the pools'); positions, slots [B] int64, block_tables [B, width] int32 (unit
-    column stride), seq_lens [B] int32. The caller checks types, layouts and sizes (worker/models/batch_one.py);
+    column stride), seq_lens [B] int32. The caller checks types, layouts and sizes (worker/models/native_decode.py);
     the kernels check positions, slots, lengths and table entries, and a ValueError says which."""
     num_blocks, block_size = k_pool.shape[1], k_pool.shape[2]
     status = _library().decode_layers_bf16(

@@ -96,8 +96,3 @@ int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int6
     return -1;
 #endif
 }
-
-/* y [N] = W [N, K] x [K]: gemv_rows_bf16 for one row. */
-int gemv_bf16(const void *x, const void *w, void *y, int64_t N, int64_t K) {
-    return gemv_rows_bf16(x, K, w, y, N, 1, N, K);
-}

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from infer.worker.attention import paged_attention
-from infer.worker.models.batch_one import BatchOneDecoder
+from infer.worker.models.native_decode import NativeDecoder
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.models.layers import (
@@ -165,9 +165,9 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tp_size = tp.size
-        # Steps of 1-8 decoding sequences in one native call (CPU, bf16; worker/models/batch_one.py), built on
-        # the first step; `batch_one = False` keeps every step on the layers one by one.
-        self.batch_one: BatchOneDecoder | bool | None = None
+        # Steps of 1-8 decoding sequences in one native call (CPU, bf16; worker/models/native_decode.py), built on
+        # the first step; `native_decode = False` keeps every step on the layers one by one.
+        self.native_decode: NativeDecoder | bool | None = None
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache,
                 layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None) -> torch.Tensor:
@@ -175,11 +175,11 @@ class LlamaModel(nn.Module):
         hidden, residual = self.embed_tokens(batch.input_ids), None
         self.rotary_emb.reserve(max(batch.context_lens, default=0))
         if layers is None and batch.num_decodes and not torch.compiler.is_compiling():
-            if self.batch_one is None:
-                self.batch_one = BatchOneDecoder.for_model(self, self.tp_size) or False
-            if (self.batch_one and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
-                    and self.batch_one.takes(batch, kv_cache)):
-                return self.batch_one.run(hidden, batch, kv_cache)
+            if self.native_decode is None:
+                self.native_decode = NativeDecoder.for_model(self, self.tp_size) or False
+            if (self.native_decode and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
+                    and self.native_decode.takes(batch, kv_cache)):
+                return self.native_decode.run(hidden, batch, kv_cache)
         for layer, k_cache, v_cache in zip(self.layers if layers is None else layers, kv_cache.k, kv_cache.v,
                                            strict=True):
             hidden, residual = layer(batch.positions, hidden, residual, batch, k_cache, v_cache)

@@ -3,15 +3,14 @@
 At batch 1 a token is a walk through every weight (SmolLM2-135M: 269 MB), which the native GEMV streams near
 the machine's read bandwidth. What was left was the Python around the ~10 kernel calls of each layer (module
 calls, argument checks, ctypes conversions): about 5 of the 13-15 ms a token took on the 2-core dev VM
-(2026-11-26). `BatchOneDecoder` hands the embedding rows, the weights' and pools' addresses and the step's
+(2026-11-26). `NativeDecoder` hands the embedding rows, the weights' and pools' addresses and the step's
 positions, slots and block tables to kernels/cpu/decode_layers.c, which calls the same kernels in the same order as
 the layers do one by one (the linears send 1-8 rows to the same GEMV), so the tokens are the eager path's, bit for
-bit (tests/worker/test_batch_one.py).
+bit (tests/worker/test_native_decode.py).
 
 It serves a step whose batch is 1-8 decoding sequences (GEMV_MAX_ROWS), outside step graphs, when every layer
 is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank, with bf16 weights the GEMV
-takes.
-Anything else runs the layers one by one, as before.
+takes. Anything else runs the layers one by one, as before.
 """
 
 from __future__ import annotations
@@ -22,18 +21,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.kernels.cpu_kernels import (
-    GEMV_MAX_ROWS, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, decode_layers, gemv_takes, native_ready
+    GEMV_MAX_ROWS, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, MAX_HIDDEN, decode_layers, gemv_takes, native_ready
 )
 from infer.worker.forward_batch import ForwardBatch, KVCache
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from infer.worker.models.layers import PackedLinear
     from infer.worker.models.llama import LlamaModel
 
-MAX_HIDDEN = 16384   # the native RMSNorm's limit
+
+def _linears(layer: nn.Module) -> tuple[PackedLinear, PackedLinear, PackedLinear, PackedLinear]:
+    """A decoder layer's four linears, in decode_layers.c's order."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
-class BatchOneDecoder:
+class NativeDecoder:
     """Runs `LlamaModel`'s layers and final norm for a batch of 1-8 decoding sequences (see the module docstring).
     Build it with `for_model`, which answers None for a model it cannot serve."""
 
@@ -46,18 +50,15 @@ class BatchOneDecoder:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.intermediate = mlp.down_proj.weight.shape[1]
         self.eps, self.scale = model.norm.eps, attn.scale
-        self.linears: list[PackedLinear] = [linear for layer in layers for linear in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.linears: list[PackedLinear] = [linear for layer in layers for linear in _linears(layer)]
         # 10 a layer, in decode_layers.c's order (the four linears' biases last, None where there is none), then
         # the final norm's weight (Parameters keep their identity across reloads and suspend / resume; their
         # storage may move, so the addresses are read each step)
         self.weights: list[torch.Tensor | None] = []
         for layer in layers:
-            attn_layer, mlp_layer = layer.self_attn, layer.mlp
-            linears = (attn_layer.qkv_proj, attn_layer.o_proj, mlp_layer.gate_up_proj, mlp_layer.down_proj)
-            self.weights += [layer.input_layernorm.weight, attn_layer.qkv_proj.weight, attn_layer.o_proj.weight,
-                             layer.post_attention_layernorm.weight, mlp_layer.gate_up_proj.weight,
-                             mlp_layer.down_proj.weight, *(linear.bias for linear in linears)]
+            qkv, o, gate_up, down = linears = _linears(layer)
+            self.weights += [layer.input_layernorm.weight, qkv.weight, o.weight, layer.post_attention_layernorm.weight,
+                             gate_up.weight, down.weight, *(linear.bias for linear in linears)]
         self.weights.append(model.norm.weight)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scratch = torch.empty(GEMV_MAX_ROWS * (2 * self.hidden + 2 * q_size + 2 * kv_size + 3 * self.intermediate),
@@ -65,7 +66,7 @@ class BatchOneDecoder:
         self.residual = torch.empty(GEMV_MAX_ROWS, self.hidden, dtype=torch.bfloat16)
 
     @classmethod
-    def for_model(cls, model: LlamaModel, tp_size: int) -> BatchOneDecoder | None:
+    def for_model(cls, model: LlamaModel, tp_size: int) -> NativeDecoder | None:
         """The decoder for `model`, or None where the native step does not apply to it."""
         from infer.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
@@ -79,8 +80,7 @@ class BatchOneDecoder:
             return None
         attn = layers[0].self_attn
         norms = [model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        linears = [linear for layer in layers for linear in _linears(layer)]
         shapes_fit = (attn.head_dim % 16 == 0 and attn.head_dim <= MAX_HEAD_DIM
                       and attn.num_heads % attn.num_kv_heads == 0 and attn.num_heads // attn.num_kv_heads <= MAX_GROUP
                       and model.norm.weight.shape[0] <= MAX_HIDDEN)

@@ -1,4 +1,4 @@
-"""The decode step of 1-8 sequences in one native call (worker/models/batch_one.py, kernels/cpu/decode_layers.c)
+"""The decode step of 1-8 sequences in one native call (worker/models/native_decode.py, kernels/cpu/decode_layers.c)
 gives the tokens and log-probabilities of the layers run one by one, bit for bit: alone, in batches that grow
 past eight and shrink back (requests finishing or aborted beside others), under preemption, and after the pools
 are released and restored.
@@ -13,8 +13,8 @@ from infer import SamplingParams
 from infer.kernels import cpu_kernels
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
-from infer.worker.models import batch_one
-from infer.worker.models.batch_one import BatchOneDecoder
+from infer.worker.models import native_decode
+from infer.worker.models.native_decode import NativeDecoder
 
 pytestmark = pytest.mark.skipif(not (cpu_kernels._library() is not None and cpu_kernels._has_avx512_bf16()),
                                 reason="needs a C compiler and a CPU with AVX512-BF16: the layers run one by one")
@@ -47,13 +47,13 @@ def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
 def calls(monkeypatch) -> list[int]:
     """The rows of each native decode step."""
     seen: list[int] = []
-    real = batch_one.decode_layers
+    real = native_decode.decode_layers
 
     def counting(h, *args, **kwargs):
         seen.append(h.shape[0])
         return real(h, *args, **kwargs)
 
-    monkeypatch.setattr(batch_one, "decode_layers", counting)
+    monkeypatch.setattr(native_decode, "decode_layers", counting)
     return seen
 
 
@@ -61,9 +61,9 @@ def _both(model_dir, requests, calls, abort_after=None, **kwargs):
     fused = _run(_engine(model_dir, **kwargs), requests, abort_after)
     native_steps = len(calls)
     layered_engine = _engine(model_dir, **kwargs)
-    layered_engine.model.model.batch_one = False
+    layered_engine.model.model.native_decode = False
     layered = _run(layered_engine, requests, abort_after)
-    assert len(calls) == native_steps, "batch_one = False must keep every step on the layers"
+    assert len(calls) == native_steps, "native_decode = False must keep every step on the layers"
     return fused, layered, native_steps
 
 
@@ -89,7 +89,7 @@ def test_batches_growing_past_eight_and_shrinking_back_with_an_abort(smollm2_dir
     assert fused == layered
 
 
-def test_preemption_and_released_pools(smollm2_dir, calls, tmp_path):
+def test_preemption_and_released_pools(smollm2_dir, calls):
     """Small blocks and a pool of 24: requests preempt each other; then the engine suspends (weights and pools
     released) and resumes, and a request decodes alone again over the new allocations."""
     from infer.worker.forward_batch import KVCache
@@ -106,7 +106,7 @@ def test_preemption_and_released_pools(smollm2_dir, calls, tmp_path):
                                                                           logprobs=2, ignore_eos=True))})
     native_steps = len(calls)
     layered_engine = _engine(smollm2_dir, block_size=4, kv_cache_memory=blocks)
-    layered_engine.model.model.batch_one = False
+    layered_engine.model.model.native_decode = False
     assert _run(layered_engine, requests) == fused
     assert _run(layered_engine, {"after": (list(range(300, 340)), SamplingParams(
         temperature=0, max_tokens=12, logprobs=2, ignore_eos=True))}) == again
@@ -127,15 +127,15 @@ def test_which_models_it_serves(arch, serves, tiny_model_dir, calls):
 def test_fp32_and_multi_rank_models_keep_the_layers(smollm2_dir):
     fp32 = Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=256, num_threads=2,
                                device="cpu"))
-    assert BatchOneDecoder.for_model(fp32.model.model, 1) is None
+    assert NativeDecoder.for_model(fp32.model.model, 1) is None
     bf16 = _engine(smollm2_dir)
-    assert BatchOneDecoder.for_model(bf16.model.model, 1) is not None
-    assert BatchOneDecoder.for_model(bf16.model.model, 2) is None
+    assert NativeDecoder.for_model(bf16.model.model, 1) is not None
+    assert NativeDecoder.for_model(bf16.model.model, 2) is None
 
 
 def test_positions_and_slots_out_of_range_are_refused(smollm2_dir):
     engine = _engine(smollm2_dir)
-    decoder = BatchOneDecoder.for_model(engine.model.model, 1)
+    decoder = NativeDecoder.for_model(engine.model.model, 1)
     model, kv = engine.model.model, engine.kv_cache
     weights, pools = decoder.addresses(kv)
     tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
