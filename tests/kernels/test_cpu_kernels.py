@@ -83,6 +83,20 @@ def test_reads_only_the_positions_of_each_sequence():
     assert not torch.isnan(out).any()
 
 
+def test_sequences_past_the_packing_budget_give_the_same_bits():
+    """bf16 keys are packed once per call for the chunks that span several tasks, up to 32 MiB; a chunk past that
+    budget packs its own tiles in each task. Two long contexts here need 47 MiB: the second goes past it."""
+    batch = make_batch([6000, 6000], [100, 100], 16, 8, 128, 16, torch.bfloat16, seed=8, device=CPU)
+    together = _prefill(batch, 128 ** -0.5)
+    for b in range(2):
+        alone = torch.empty(100, 16, 128, dtype=torch.bfloat16)
+        paged_prefill_attention_native(batch.q[100 * b:100 * (b + 1)], batch.k_cache, batch.v_cache,
+                                       batch.block_tables[b:b + 1], batch.seq_lens[b:b + 1],
+                                       torch.tensor([0, 100], dtype=torch.int32), 128 ** -0.5, alone)
+        assert torch.equal(alone, together[100 * b:100 * (b + 1)])
+    assert_close(together, reference_attention(batch, 128 ** -0.5), torch.bfloat16, "long contexts vs float64")
+
+
 @pytest.mark.parametrize("case", ["block past the pool", "negative block", "length past the table", "length 0"])
 def test_bad_tables_are_refused_before_anything_is_read(case):
     batch = make_batch([20, 40], [1, 1], 4, 2, 64, 16, torch.float32, seed=9, device=CPU)
@@ -124,10 +138,10 @@ def _prefill(batch, scale, out=None):
 @pytest.mark.parametrize("head_dim, block_size", [(64, 16), (128, 16), (64, 4), (80, 32), (256, 8)])
 def test_prefill_matches_float64(dtype, heads, head_dim, block_size):
     """One batch of decodes, whole prompts, chunks behind a cached prefix and chunks longer than a task's tile of
-    query tokens (64 rows / group), with contexts that end inside a 16-key tile and on its edge."""
+    query tokens (64 rows / group), with contexts that end inside a 16- or 32-key tile and on their edges."""
     num_heads, num_kv_heads = heads
-    seq_lens = [40, 1, 23, 50, 77, 9, 300, 16]
-    query_lens = [1, 1, 23, 17, 70, 9, 130, 16]
+    seq_lens = [40, 1, 23, 50, 77, 9, 300, 16, 96]
+    query_lens = [1, 1, 23, 17, 70, 9, 130, 16, 40]
     batch = make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
                        seed=hash((num_heads, head_dim, block_size)) % 2**31, device=CPU)
     scale = head_dim ** -0.5
