@@ -4,9 +4,9 @@
   twin gathers each sequence's blocks into a padded copy first and hands it to SDPA. That copy, and SDPA's
   packing of each tiny per-head problem, were most of a CPU decode step's attention time.
 - Paged prefill / mixed-step attention (cpu/paged_prefill.c): causal chunks over the pool in place, 32 keys
-  at a time (bf16, packed once per call for vdpbf16ps) for up to 64 query rows sharing a KV head. torch's CPU flash attention, which the twin calls per
-  chunk, ran at about a fifth of this CPU's fp32 rate: 3.3 ms a layer for a 480-token prompt of
-  SmolLM2-135M against 1.3 ms here (2-core AMD EPYC, bf16, 2026-11-24), which was 40% of that prefill.
+  at a time (bf16: packed once per call for vdpbf16ps) for up to 64 query rows sharing a KV head. torch's CPU
+  flash attention, which the twin calls per chunk, took 4.8 ms a layer for a 500-token prompt of SmolLM2-135M
+  against 1.2 ms here (2-core AMD EPYC, bf16, 2026-11-26).
 - Rotary embedding in place and the KV append with K rotated on the way (cpu/elementwise.c): one pass each
   instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
 - RMSNorm and SiLU * mul (cpu/elementwise.c), the GEMV for 1-8 rows (cpu/gemv.c), and a whole bf16 decode step
