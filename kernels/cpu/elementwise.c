@@ -119,6 +119,28 @@ int append_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, 
     return 0;
 }
 
+#if defined(__AVX512F__)
+/* 16 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN): f32_to_bf16 lane-wise. */
+static inline __m256i to_bf16_16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    __mmask16 nan = _mm512_cmp_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                          _mm512_set1_epi32(0x7f800000), _MM_CMPINT_NLE);
+    rounded = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+
+/* The same lanes rounded to bf16 values, kept as fp32. */
+static inline __m512 round_bf16_16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(v)), 16));
+}
+#endif
+
 /* One row of rms_norm below; inlined with constant flags, so each variant's loops are branch-free and
  * vectorize. */
 static inline __attribute__((always_inline)) void rms_norm_row(const void *x, void *residual, const void *weight,
@@ -146,6 +168,46 @@ static inline __attribute__((always_inline)) void rms_norm_row(const void *x, vo
     }
 }
 
+#if defined(__AVX512F__)
+/* rms_norm_row for bf16 rows, 16 lanes at a time with the same roundings (the sum of squares in 16 partial sums,
+ * another order again). */
+static inline __attribute__((always_inline)) void rms_norm_row_bf16(const uint16_t *x, uint16_t *residual,
+                                                                    const uint16_t *weight, uint16_t *out,
+                                                                    int hidden, float eps, const int has_residual) {
+    float s[16384] __attribute__((aligned(64)));
+    __m512 squares = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 16 <= hidden; d += 16) {
+        __m512 v = load16(x + d, 0, 1);
+        if (has_residual) {
+            __m256i sum = to_bf16_16(_mm512_add_ps(v, load16(residual + d, 0, 1)));   /* torch's add, rounded */
+            _mm256_storeu_si256((__m256i *)(residual + d), sum);
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sum), 16));
+        }
+        _mm512_store_ps(s + d, v);
+        squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
+    }
+    float sum = _mm512_reduce_add_ps(squares);
+    for (int e = d; e < hidden; e++) {
+        float v = bf16_to_f32(x[e]);
+        if (has_residual) {
+            v = bf16_to_f32(f32_to_bf16(v + bf16_to_f32(residual[e])));
+            residual[e] = f32_to_bf16(v);
+        }
+        s[e] = v;
+        sum += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+    const __m512 inv16 = _mm512_set1_ps(inv);
+    for (d = 0; d + 16 <= hidden; d += 16) {
+        __m512 normed = round_bf16_16(_mm512_mul_ps(_mm512_load_ps(s + d), inv16));
+        _mm256_storeu_si256((__m256i *)(out + d), to_bf16_16(_mm512_mul_ps(normed, load16(weight + d, 0, 1))));
+    }
+    for (; d < hidden; d++)
+        out[d] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[d] * inv)) * bf16_to_f32(weight[d]));
+}
+#endif
+
 /* RMSNorm of rows [rows, hidden] (x rows x_stride elements apart; out rows out_stride apart, out may be x),
  * optionally after the residual add: with `residual` (rows res_stride apart) s = x + residual rounded to the
  * type is stored into residual and normed instead of x. As the twin (kernels/rmsnorm.py): the statistics and
@@ -161,9 +223,15 @@ int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride
         const char *xr = (const char *)x + r * x_stride * elem;
         char *rr = residual ? (char *)residual + r * res_stride * elem : 0;
         char *orow = (char *)out + r * out_stride * elem;
+#if defined(__AVX512F__)
+        if (residual && is_bf16) rms_norm_row_bf16((const uint16_t *)xr, (uint16_t *)rr, weight, (uint16_t *)orow,
+                                                   hidden, eps, 1);
+        else if (is_bf16) rms_norm_row_bf16((const uint16_t *)xr, 0, weight, (uint16_t *)orow, hidden, eps, 0);
+#else
         if (residual && is_bf16) rms_norm_row(xr, rr, weight, orow, hidden, eps, 1, 1);
-        else if (residual) rms_norm_row(xr, rr, weight, orow, hidden, eps, 1, 0);
         else if (is_bf16) rms_norm_row(xr, rr, weight, orow, hidden, eps, 0, 1);
+#endif
+        else if (residual) rms_norm_row(xr, rr, weight, orow, hidden, eps, 1, 0);
         else rms_norm_row(xr, rr, weight, orow, hidden, eps, 0, 0);
     }
     return 0;
@@ -221,26 +289,6 @@ static inline float silu_mul_one(float g, float u, const int is_bf16) {
 }
 
 #if defined(__AVX512F__)
-/* 16 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN): f32_to_bf16 lane-wise. */
-static inline __m256i to_bf16_16(__m512 v) {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    __mmask16 nan = _mm512_cmp_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                          _mm512_set1_epi32(0x7f800000), _MM_CMPINT_NLE);
-    rounded = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-#endif
-}
-
-/* The same lanes rounded to bf16 values, kept as fp32. */
-static inline __m512 round_bf16_16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_16(v)), 16));
-}
-
 /* 16 lanes of silu_mul_one. exp16 zeroes what is at or below -87, as exp_nonpositive does. */
 static inline __m512 silu_mul16(__m512 g, __m512 u, const int is_bf16) {
     const __m512 one = _mm512_set1_ps(1.0f);
