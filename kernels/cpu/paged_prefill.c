@@ -205,12 +205,12 @@ static void prefill_task(const char *q, int64_t token_bytes, const char *k_pool,
  * A packed tile holds 32 keys of one KV head in the two layouts the products want, 32 * head_dim words:
  *   K part, head_dim / 2 rows of 32 words: word [i][j] is dims 2i, 2i + 1 of key j (a bf16 pair, low half first);
  *   V part, 16 rows of head_dim words: word [i][d] is dim d of keys 2i (low half) and 2i + 1 (high half).
- * Keys past the context are zeros. The scores of R query rows and 32 keys are R x 2 fp32 registers fed by two
- * loads of a K row and R broadcasts of a q pair; each row's online softmax runs on those registers; the
- * probabilities are rounded to bf16 pairs (as transformers rounds them to the model's type before P V), and
- * R' rows' output accumulates over the tile's 16 key pairs in registers, 64 dims at a time.
- * A sequence whose chunk spans several tasks has its tiles packed once, before the tasks (pf_pack_all); one
- * task's only tile set is packed by the task itself. */
+ * Keys past the context are zeros. The scores of up to 6 query rows and 32 keys are 2 fp32 registers a row, fed
+ * by two loads of a K row and a broadcast of each row's q pair; then each row's online-softmax step; the
+ * probabilities are rounded to bf16 pairs (as transformers rounds them to the model's type before P V), and up
+ * to 3 rows' output accumulates over the tile's 16 key pairs in registers, 64 dims at a time.
+ * A sequence whose chunk spans several tasks has its tiles packed once, before the tasks (in paged_prefill,
+ * within a budget); otherwise each task packs the tiles it reads itself. */
 
 #define PK_KEYS 32
 #define PK_RS 6   /* rows per score micro-tile: 12 accumulators (the product's latency is 6 cycles) */
@@ -231,11 +231,12 @@ static void pk_pack(const uint16_t *k_pool, const uint16_t *v_pool, const int32_
         vrow[j] = v_pool + row * head_dim;
     }
     for (int j = 0; j < PK_KEYS; j++) {
-        const uint32_t *words = (const uint32_t *)krow[j];
-        if (j < nk)
+        if (j < nk) {
+            const uint32_t *words = (const uint32_t *)krow[j];
             for (int i = 0; i < pairs; i++) kt[i * PK_KEYS + j] = words[i];
-        else
+        } else {
             for (int i = 0; i < pairs; i++) kt[i * PK_KEYS + j] = 0;
+        }
     }
     for (int i = 0; i < PK_KEYS / 2; i++) {
         const int a = 2 * i, b = 2 * i + 1;
@@ -249,8 +250,6 @@ static void pk_pack(const uint16_t *k_pool, const uint16_t *v_pool, const int32_
     }
 }
 
-/* Scores of R rows (q2: bf16 pairs) against a tile's 32 keys, then each row's online-softmax step: m, l and acc
- * move on, and the row's probabilities go to pp (16 bf16 pairs). last[r]: the last key position row r sees. */
 /* 2^x for x <= 0 lane-wise: 2^n * p(r), n = round(x), r = x - n in [-1/2, 1/2], p the degree-6 Taylor polynomial
  * of 2^r (relative error < 2e-7); lanes outside `valid`, and x <= -126, give 0. */
 static inline __m512 exp2_16(__m512 x, __mmask16 valid) {
@@ -421,9 +420,9 @@ static void packed_task(const char *q, int64_t token_bytes, const uint16_t *k_po
 #endif
 
 /* The entry point: 0 on success; -1 for shapes past the limits above or a head_dim that is no multiple of 16
- * (the caller checks them first); -2 for a
- * chunk longer than its context, a context past its block table, a table entry outside the pool, or query
- * offsets that are not increasing within [0, num_tokens] (nothing is computed then). */
+ * (the caller checks them first); -2 for a chunk longer than its context, a context past its block table, a
+ * table entry outside the pool, or query offsets that are not increasing within [0, num_tokens]; -3 when the
+ * packed tiles could not be allocated (nothing is computed after -1, -2 or -3). */
 int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                   const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
                   const int32_t *query_start_loc, int64_t num_tokens, void *out, int num_seqs, int num_heads,
