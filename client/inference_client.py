@@ -267,7 +267,7 @@ class InferenceClient:
             submit = Submit(request_id=rid, prompt=prompt, sampling=params, pin_rank=pin_rank,
                             timeout_s=timeout, priority=priority)
         else:
-            submit = Submit(request_id=rid, prompt_token_ids=TokenIds(prompt), sampling=params,
+            submit = Submit(request_id=rid, prompt_token_ids=TokenIds.checked(prompt, "prompt"), sampling=params,
                             pin_rank=pin_rank, timeout_s=timeout, priority=priority)
         request = self._requests[rid] = _Request(rid, submit, None if timeout is None else time.monotonic() + timeout,
                                                  prompt_token_ids=None if isinstance(prompt, str) else list(prompt))

@@ -46,8 +46,23 @@ class ProtocolError(ValueError):
     message_type: str | None = None
 
 
+MAX_TOKEN_ID = 2**31 - 1            # token ids travel as int32
+
+
 class TokenIds(list):
     """A list of token ids that travels as packed little-endian int32 bytes."""
+
+    @classmethod
+    def checked(cls, values: Any, name: str) -> TokenIds:
+        """`values` (a list or tuple of ints in [0, MAX_TOKEN_ID]) as TokenIds, else ValueError naming `name`:
+        what a sender checks before packing, since pack() can only fail on such a value."""
+        if not isinstance(values, (list, tuple)):
+            raise ValueError(f"{name} must be a string or a list of token ids, got {type(values).__name__}")
+        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID),
+                   None)
+        if bad is not None:
+            raise ValueError(f"{name} token ids must be integers in [0, {MAX_TOKEN_ID}], got {bad!r}")
+        return cls(values)
 
     def pack(self) -> bytes:
         packed = array("i", self)

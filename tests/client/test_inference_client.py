@@ -110,6 +110,17 @@ async def test_request_level_failures_are_returned_not_raised(cluster):
         assert empty.finish_reason == "error" and "prompt + resumed tokens must be 1.." in empty.error
 
 
+@pytest.mark.parametrize("prompt, bad", [([2**40], "1099511627776"), ([1, -7], "-7"), ([1.5], "1.5"),
+                                         ([True], "True"), (["7"], "'7'"), (None, "NoneType")])
+async def test_token_ids_that_cannot_travel_are_refused_before_sending(cluster, prompt, bad):
+    """Token ids go on the wire as int32: anything else is a ValueError naming the prompt, and the client goes on."""
+    async with client_of(cluster) as client:
+        with pytest.raises(ValueError, match="prompt") as refused:
+            await client.generate(prompt, SamplingParams(max_tokens=2))
+        assert bad in str(refused.value)
+        assert (await client.generate([1], SamplingParams(max_tokens=2))).finish_reason == "length"
+
+
 async def test_heartbeats_keep_a_waiting_request_alive(cluster):
     async with client_of(cluster) as client:
         await client.pause()
