@@ -112,3 +112,38 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
     inverse = torch.where(scales.float() > 0, 1 / scales.float(), torch.zeros(()))
     q = torch.round((blocks - mins.float().unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp_(0, 15)
     return QuantWeight("q4", pack_q4(q.reshape(n, k)), scales, mins)
+
+
+def to_format(weight: QuantWeight, fmt: str) -> QuantWeight:
+    """`weight` in a storage format of worker/models/layers.py ("q4", "q8", "q8+min"): as it is where it fits,
+    q4 -> q8+min exactly (the same scales, mins and values), otherwise requantized from its values."""
+    if fmt == "q4":
+        return weight if weight.format == "q4" else quantize(dequantize(weight), "q4")
+    if fmt == "q8":
+        return weight if weight.format == "q8" and weight.mins is None else quantize(dequantize(weight), "q8")
+    if fmt != "q8+min":
+        raise ValueError(f"unknown quantized storage format {fmt!r}")
+    if weight.format == "q4":
+        return QuantWeight("q8", unpack_q4(weight.qs).to(torch.int8), weight.scales, weight.mins)
+    mins = weight.mins if weight.mins is not None else torch.zeros_like(weight.scales)
+    return QuantWeight("q8", weight.qs, weight.scales, mins)
+
+
+def quant_source(tensor: object, fmt: str) -> QuantWeight:
+    """A checkpoint tensor in storage format `fmt`: a GGUF tensor's own blocks (its `quantized()`), else its dense
+    values (a torch.Tensor, or a lazy tensor's `read()`) quantized by `quantize`."""
+    own = tensor.quantized() if hasattr(tensor, "quantized") else None
+    if own is not None:
+        return to_format(own, fmt)
+    dense = tensor if isinstance(tensor, torch.Tensor) else tensor.read()  # type: ignore[attr-defined]
+    return to_format(quantize(dense, "q4" if fmt == "q4" else "q8"), fmt)
+
+
+def quant_linear_torch(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight)^T -> [M, N] in x's dtype (fp32 products and sums): the plain twin."""
+    return (x.float() @ dequantize(weight).to(x.device).T).to(x.dtype)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """x [M, K] times a quantized weight [N, K], transposed -> [M, N] in x's dtype, by the fastest path here."""
+    return quant_linear_torch(x, weight)

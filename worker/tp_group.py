@@ -260,7 +260,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
         torch.set_num_threads(config.num_threads)
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
-    model = load_model(path, dtype, device, parallel.ep, parallel.tp)
+    model = load_model(path, dtype, device, parallel.ep, parallel.tp, config.quantization)
     max_model_len = context_length(config, model.config)
     blocks = agree_min(parallel.tp, num_kv_blocks(config, model, dtype, device, max_model_len))
     kv_cache = KVCache.allocate(model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim,

@@ -9,12 +9,21 @@ reads only this rank's part, so no rank ever holds a full copy of a sharded weig
 
 Parameters are created with `torch.empty` on the current default device (the loader scopes it); weights
 always come from a checkpoint.
+
+Quantized weights (kernels/quant.py). Built inside `deferred_weights()`, the linear and embedding weights are
+shape-only (meta) until `materialize(fmt, device)` gives each its storage: dense (fmt None), or kept quantized
+("q4", "q8", "q8+min"): then `weight` holds the blocks' values (uint8 / int8), `weight_scales` and `weight_mins`
+their fp16 scales and mins, and `load_shard` turns whatever the checkpoint holds (a GGUF tensor's own blocks, or
+dense values, quantized by kernels/quant.quantize) into this layout. A refit of a quantized layer quantizes the
+dense tensors it brings the same way.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, overload
 
 import torch
@@ -22,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.kernels.cpu_kernels import GEMV_MAX_ROWS, gemv, gemv_takes, silu_and_mul_fits, silu_and_mul_native
+from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_linear, quant_source
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rotary import build_cos_sin_cache, rotary_embedding
 from infer.worker.tensor_parallel import TensorParallel
@@ -29,8 +39,117 @@ from infer.worker.tensor_parallel import TensorParallel
 _SINGLE = TensorParallel.single()
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+# Quantized storage formats a layer can be given (`materialize`): "q8+min" is q8 with per-block mins.
+QUANT_FORMATS = ("q4", "q8", "q8+min")
+_DEFER_WEIGHTS: ContextVar[bool] = ContextVar("infer_defer_weights", default=False)
+
+
+@contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Linear and embedding weights built inside are shape-only (meta) until each layer's `materialize` gives
+    them storage (the loader's plan: dense or quantized). Does not nest."""
+    if _DEFER_WEIGHTS.get():
+        raise RuntimeError("deferred_weights() does not nest")
+    token = _DEFER_WEIGHTS.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_WEIGHTS.reset(token)
+
+
+def _weight_param(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
+    return _param(rows, cols, dtype=dtype, device="meta" if _DEFER_WEIGHTS.get() else None)
+
+
+class QuantStorage(nn.Module):
+    """What linear layers and the embedding share: a weight [rows, cols] that is dense (`weight` in `dtype`) or
+    kept quantized (`quant_format`; `weight` the values, `weight_scales` / `weight_mins` the fp16 block scales and
+    mins; `quant` the QuantWeight view of them, made by `pack_weights`)."""
+
+    weight: nn.Parameter
+    weight_scales: nn.Parameter | None = None
+    weight_mins: nn.Parameter | None = None
+    quant_format: str | None = None
+    quant: QuantWeight | None = None
+    dtype: torch.dtype
+
+    def materialize(self, fmt: str | None, device: torch.device | str) -> None:
+        """Give a deferred (meta) weight its storage on `device`: dense in self.dtype (fmt None) or quantized."""
+        rows, cols = self.weight.shape
+        if fmt is None:
+            self.weight = _param(rows, cols, dtype=self.dtype, device=device)
+            return
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"quantized format must be one of {QUANT_FORMATS}, got {fmt!r}")
+        if cols % BLOCK:
+            raise ValueError(f"a quantized weight needs a multiple of {BLOCK} columns, got {cols}")
+        self.quant_format = fmt
+        width, values = (cols // 2, torch.uint8) if fmt == "q4" else (cols, torch.int8)
+        self.weight = _param(rows, width, dtype=values, device=device)
+        self.weight_scales = _param(rows, cols // BLOCK, dtype=torch.float16, device=device)
+        if fmt != "q8":
+            self.weight_mins = _param(rows, cols // BLOCK, dtype=torch.float16, device=device)
+
+    @property
+    def logical_shape(self) -> tuple[int, int]:
+        """[rows, cols] of the weight as the checkpoint has it, whatever its storage."""
+        if self.weight_scales is None:
+            return int(self.weight.shape[0]), int(self.weight.shape[1])
+        return int(self.weight_scales.shape[0]), int(self.weight_scales.shape[1]) * BLOCK
+
+    def shards_of(self, param_name: str) -> tuple[str | None, ...]:
+        """The shards a checkpoint fills `param_name` with (the loader's completeness check): the block scales and
+        mins come with the weight, from no checkpoint tensor of their own."""
+        if param_name in ("weight_scales", "weight_mins"):
+            return ()
+        return tuple(getattr(self, "shard_names", (None,)))
+
+    def share_storage(self, other: QuantStorage) -> None:
+        """Use `other`'s weight storage, quantized or not (tied embeddings)."""
+        self.weight, self.weight_scales, self.weight_mins = other.weight, other.weight_scales, other.weight_mins
+        self.quant_format, self.quant = other.quant_format, other.quant
+
+    def refresh_quant(self) -> None:
+        """Remake the QuantWeight view after the storage changed (load, refit, restore)."""
+        if self.quant_format is None or self.weight.numel() == 0:
+            self.quant = None
+            return
+        self.quant = QuantWeight("q4" if self.quant_format == "q4" else "q8", self.weight, self.weight_scales,
+                                 self.weight_mins)
+
+    def copy_weight_rows(self, start: int, length: int, tensor: Any, what: str) -> None:
+        """Fill rows [start, start + length) of the weight from a checkpoint tensor of exactly that shape (a
+        torch.Tensor, a lazy file tensor, or a GGUF tensor), quantizing or dequantizing as the storage needs."""
+        if self.quant_format is None:
+            rows = self.weight.narrow(0, start, length)
+            if tuple(rows.shape) != tuple(tensor.shape):
+                raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(rows.shape)}")
+            rows.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.read())
+            return
+        expected = (length, self.logical_shape[1])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != expected {expected}")
+        source = quant_source(tensor, self.quant_format)
+        self.weight.narrow(0, start, length).copy_(source.qs)
+        assert self.weight_scales is not None
+        self.weight_scales.narrow(0, start, length).copy_(source.scales)
+        if self.weight_mins is not None:
+            if source.mins is None:
+                self.weight_mins.narrow(0, start, length).zero_()
+            else:
+                self.weight_mins.narrow(0, start, length).copy_(source.mins)
+
+    def dense_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight in self.dtype (an embedding lookup of a quantized table)."""
+        assert self.quant is not None
+        picked = QuantWeight(self.quant.format, self.quant.qs.index_select(0, ids),
+                             self.quant.scales.index_select(0, ids),
+                             None if self.quant.mins is None else self.quant.mins.index_select(0, ids))
+        return dequantize(picked, self.dtype)
 
 
 def _copy_checked(param: torch.Tensor, tensor: Any, what: str) -> None:
@@ -40,11 +159,13 @@ def _copy_checked(param: torch.Tensor, tensor: Any, what: str) -> None:
     param.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor.read())
 
 
-def _rank_slice(tensor: Any, dim: int, index: int, num_parts: int, what: str) -> torch.Tensor:
+def _rank_slice(tensor: Any, dim: int, index: int, num_parts: int, what: str) -> Any:
     """Part `index` of `tensor` cut into `num_parts` contiguous equal parts along `dim` (a rank's share)."""
     size = tensor.shape[dim]
     if size % num_parts:
         raise ValueError(f"{what}: dimension {dim} of size {size} does not split across {num_parts} ranks")
+    if num_parts == 1:
+        return tensor   # whole: a GGUF tensor keeps its blocks
     part = size // num_parts
     return tensor.narrow(dim, index * part, part)
 
@@ -75,27 +196,35 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual), residual
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(QuantStorage):
     """Base of the linear layers: `self.weight` [out, in] (+ optional `self.bias`), and on CPU an optional
     oneDNN pre-packed copy of the weight that `pack_weights()` makes once the checkpoint is loaded.
 
     Measured on the 2-core development CPU at decode shapes (M=64): 1.2x faster than F.linear in bf16,
     1.6-2x in fp32. The plain weight stays (checkpoint loading, tied embeddings, tests read it). 1-8 bf16 rows
     (a decode at batch 1-8) go to the native GEMV instead (`infer.kernels.cpu_kernels.gemv`), which streams the
-    plain weight at a higher memory bandwidth than oneDNN reaches there.
+    plain weight at a higher memory bandwidth than oneDNN reaches there. A quantized weight (QuantStorage) is
+    multiplied by `infer.kernels.quant.quant_linear` at every row count: the native kernel on a CPU, Triton
+    on CUDA, the twin elsewhere.
     """
 
-    weight: nn.Parameter
     bias: nn.Parameter | None
     packed: torch.Tensor | None = None
     gemv_ready: bool = False             # the plain weight suits the native GEMV (decided with the packing)
 
     def pack_weights(self) -> None:
+        self.refresh_quant()
+        if self.quant is not None:
+            self.packed, self.gemv_ready = None, False
+            return
         self.packed = _pack_for_cpu(self.weight)
         self.gemv_ready = self.packed is not None and gemv_takes(self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [N, in] -> x W^T + bias, [N, out]."""
+        if self.quant is not None:
+            y = quant_linear(x.reshape(-1, x.shape[-1]), self.quant).reshape(*x.shape[:-1], -1)
+            return y if bias is None else y.add_(bias)
         if self.packed is not None and x.dim() == 2:
             if torch.compiler.is_compiling():
                 return packed_linear(x, self.packed, self.weight, bias)
@@ -105,6 +234,15 @@ class PackedLinear(nn.Module):
                 return y if bias is None else y.add_(bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # (no op overhead)
         return F.linear(x, self.weight, bias)
+
+    def load_rows(self, param_name: str, start: int, length: int, tensor: Any, what: str) -> None:
+        """Rows [start, start + length) of `weight` or `bias` from a checkpoint tensor of that many rows."""
+        if param_name == "weight":
+            self.copy_weight_rows(start, length, tensor, what)
+        elif param_name == "bias" and self.bias is not None:
+            _copy_checked(self.bias.narrow(0, start, length), tensor, what)
+        else:
+            raise ValueError(f"{type(self).__name__} has no parameter {param_name!r} in a checkpoint")
 
 
 @torch.library.custom_op("infer::packed_linear", mutates_args=())
@@ -140,8 +278,8 @@ class ColumnLinear(PackedLinear):
         super().__init__()
         if out_features % tp.size:
             raise ValueError(f"out_features {out_features} does not split across {tp.size} ranks")
-        self.tp = tp
-        self.weight = _param(out_features // tp.size, in_features, dtype=dtype)
+        self.tp, self.dtype = tp, dtype
+        self.weight = _weight_param(out_features // tp.size, in_features, dtype)
         self.bias = _param(out_features // tp.size, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,8 +289,9 @@ class ColumnLinear(PackedLinear):
         """Copy this rank's rows of the full checkpoint tensor into `weight` or `bias`."""
         if shard is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
-        param = getattr(self, param_name)
-        _copy_checked(param, _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name), param_name)
+        rows = self.logical_shape[0]
+        self.load_rows(param_name, 0, rows, _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name),
+                       param_name)
 
 
 class MergedColumnLinear(ColumnLinear):
@@ -187,10 +326,10 @@ class MergedColumnLinear(ColumnLinear):
         if shard not in self.shard_sizes:
             raise ValueError(f"{type(self).__name__} needs one of the shards {self.shard_names}, "
                              f"got {shard!r}")
-        rows = getattr(self, param_name).narrow(0, self.shard_offsets[shard], self.shard_sizes[shard])
         num_parts, index = self.shard_parts[shard]
         part = _rank_slice(tensor, 0, index, num_parts, f"{param_name}[{shard}]")
-        _copy_checked(rows, part, f"{param_name}[{shard}]")
+        self.load_rows(param_name, self.shard_offsets[shard], self.shard_sizes[shard], part,
+                       f"{param_name}[{shard}]")
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The per-shard views of a forward output, in shard order."""
@@ -208,8 +347,8 @@ class RowLinear(PackedLinear):
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"in_features {in_features} does not split across {tp.size} ranks")
-        self.tp, self.reduce_results = tp, reduce_results
-        self.weight = _param(out_features, in_features // tp.size, dtype=dtype)
+        self.tp, self.reduce_results, self.dtype = tp, reduce_results, dtype
+        self.weight = _weight_param(out_features, in_features // tp.size, dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,35 +360,43 @@ class RowLinear(PackedLinear):
     def load_shard(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         if shard is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
-        param = getattr(self, param_name)
         if param_name == "weight":
             tensor = _rank_slice(tensor, 1, self.tp.rank, self.tp.size, param_name)
-        _copy_checked(param, tensor, param_name)
+        self.load_rows(param_name, 0, self.logical_shape[0], tensor, param_name)
 
 
-class VocabEmbedding(nn.Module):
-    """Token id -> row of the [vocab, hidden] table. Vocab-parallel: each rank holds rows
-    [rank * V / size, (rank + 1) * V / size), looks up the ids that fall there, zeros the others, and the
-    rows are all-reduced (exactly one rank contributes each)."""
+class VocabEmbedding(QuantStorage):
+    """Token id -> row of the [vocab, hidden] table (dense, or quantized: the rows dequantized). Vocab-parallel:
+    each rank holds rows [rank * V / size, (rank + 1) * V / size), looks up the ids that fall there, zeros the
+    others, and the rows are all-reduced (exactly one rank contributes each)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TensorParallel = _SINGLE) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.dtype = tp, dtype
         self.rows = tp.part(vocab_size, "the vocabulary size")
-        self.weight = _param(len(self.rows), hidden_size, dtype=dtype)
+        self.weight = _weight_param(len(self.rows), hidden_size, dtype)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_format is None:
+            return F.embedding(ids, self.weight)
+        return self.dense_rows(ids.reshape(-1)).reshape(*ids.shape, -1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         outside = (input_ids < self.rows.start) | (input_ids >= self.rows.stop)
         local = (input_ids - self.rows.start).masked_fill_(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+        out = self.lookup(local).masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
+    def pack_weights(self) -> None:
+        self.refresh_quant()
+
     def load_shard(self, param_name: str, tensor: Any, shard: str | None = None) -> None:
-        if shard is not None:
-            raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
-        _copy_checked(self.weight, _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name), param_name)
+        if shard is not None or param_name != "weight":
+            raise ValueError(f"{type(self).__name__} has no shard {shard!r} of {param_name!r}")
+        self.copy_weight_rows(0, len(self.rows), _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name),
+                              param_name)
 
 
 class LMHead(PackedLinear):
@@ -259,12 +406,12 @@ class LMHead(PackedLinear):
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TensorParallel = _SINGLE) -> None:
         super().__init__()
-        self.tp = tp
-        self.weight = _param(len(tp.part(vocab_size, "the vocabulary size")), hidden_size, dtype=dtype)
+        self.tp, self.dtype = tp, dtype
+        self.weight = _weight_param(len(tp.part(vocab_size, "the vocabulary size")), hidden_size, dtype)
         self.bias = None
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
-        self.weight = embedding.weight
+        self.share_storage(embedding)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.tp.gather_columns(self.matmul(hidden, None).float())
@@ -272,7 +419,8 @@ class LMHead(PackedLinear):
     def load_shard(self, param_name: str, tensor: Any, shard: str | None = None) -> None:
         if shard is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
-        _copy_checked(self.weight, _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name), param_name)
+        self.load_rows(param_name, 0, self.logical_shape[0],
+                       _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name), param_name)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
