@@ -129,9 +129,10 @@ def build_model(config: Any, dtype: torch.dtype, device: torch.device | str,
 
 
 def pack_weights(model: nn.Module) -> None:
-    """(Re)make the CPU pre-packed copies of every linear layer's weight, after its weights changed."""
+    """(Re)make the CPU pre-packed copies of every linear layer's weight and the views of the quantized ones,
+    after its weights changed."""
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, (PackedLinear, VocabEmbedding)):
             module.pack_weights()
 
 

@@ -71,11 +71,16 @@ class QuantStorage(nn.Module):
     mins; `quant` the QuantWeight view of them, made by `pack_weights`)."""
 
     weight: nn.Parameter
-    weight_scales: nn.Parameter | None = None
-    weight_mins: nn.Parameter | None = None
-    quant_format: str | None = None
-    quant: QuantWeight | None = None
+    weight_scales: nn.Parameter | None
+    weight_mins: nn.Parameter | None
     dtype: torch.dtype
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_parameter("weight_scales", None)
+        self.register_parameter("weight_mins", None)
+        self.quant_format: str | None = None
+        self.quant: QuantWeight | None = None
 
     def materialize(self, fmt: str | None, device: torch.device | str) -> None:
         """Give a deferred (meta) weight its storage on `device`: dense in self.dtype (fmt None) or quantized."""
@@ -135,7 +140,6 @@ class QuantStorage(nn.Module):
             raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != expected {expected}")
         source = quant_source(tensor, self.quant_format)
         self.weight.narrow(0, start, length).copy_(source.qs)
-        assert self.weight_scales is not None
         self.weight_scales.narrow(0, start, length).copy_(source.scales)
         if self.weight_mins is not None:
             if source.mins is None:
@@ -145,7 +149,8 @@ class QuantStorage(nn.Module):
 
     def dense_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight in self.dtype (an embedding lookup of a quantized table)."""
-        assert self.quant is not None
+        if self.quant is None:
+            raise RuntimeError("the quantized table has no storage (released, or not loaded)")
         picked = QuantWeight(self.quant.format, self.quant.qs.index_select(0, ids),
                              self.quant.scales.index_select(0, ids),
                              None if self.quant.mins is None else self.quant.mins.index_select(0, ids))
