@@ -17,6 +17,7 @@ from infer.worker.attention import paged_attention
 from infer.worker.loader import load_model
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, RotaryEmbedding, RowLinear
 from infer.worker.tensor_parallel import TensorParallel
+from hf_reference import hf_model
 from model_batches import Pager, new_cache, token_ids
 
 TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -31,9 +32,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    hf = hf_model(path, torch.float32, attn_implementation="eager")
     with torch.inference_mode():
         return hf(torch.tensor([token_ids])).logits[0]
 
@@ -45,7 +44,7 @@ def model_dir(request, tiny_model_dir, smollm2_dir):
 
 @pytest.mark.parametrize("model_dir", [*TINY_ARCHS, "smollm2"], indirect=True)
 def test_prefill_logits_match_transformers(model_dir: Path) -> None:
-    model = load_model(model_dir, torch.float32, CPU)
+    model = load_model(model_dir, torch.float32, CPU, quantization="none")   # transformers dequantizes a GGUF
     seqs = {"a": token_ids(37, model.vocab_size, 1), "b": token_ids(12, model.vocab_size, 2)}
     pager = Pager(num_blocks=64, block_size=8)
     batch = pager.batch([(key, ids, 0, len(ids)) for key, ids in seqs.items()])
@@ -90,16 +89,15 @@ def test_chunked_prefill_and_decodes_in_mixed_batches_match_transformers(tiny_mo
 
 
 def test_greedy_generation_matches_transformers(smollm2_dir: Path, smollm2_tokenizer) -> None:
-    from transformers import AutoModelForCausalLM
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt_ids = smollm2_tokenizer(prompt)["input_ids"]
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    hf = hf_model(smollm2_dir, torch.float32)
     with torch.inference_mode():
         expected = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False)[0].tolist()
 
-    model = load_model(smollm2_dir, torch.float32, CPU)
+    model = load_model(smollm2_dir, torch.float32, CPU, quantization="none")
     pager, cache, ids = Pager(num_blocks=16, block_size=4), new_cache(model, 16, 4), list(prompt_ids)
     with torch.inference_mode():
         num_cached, num_new = 0, len(ids)
@@ -116,15 +114,14 @@ def test_greedy_generation_matches_transformers(smollm2_dir: Path, smollm2_token
 def test_bf16_is_as_close_as_transformers_bf16(model_dir: Path, smollm2_tokenizer) -> None:
     """bf16 drifts from fp32 by a few percent of the largest logit; ours must drift no more than
     transformers' own bf16 forward does (measured: SmolLM2 ~4e-2 for both)."""
-    from transformers import AutoModelForCausalLM
 
     ids = smollm2_tokenizer("The quick brown fox jumps over the lazy dog. In 1492, Columbus sailed the ocean "
                             "blue, and Paris is the capital of")["input_ids"]
     reference = hf_logits(model_dir, ids)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    hf = hf_model(model_dir, torch.bfloat16)
     with torch.inference_mode():
         hf_err = rel_err(hf(torch.tensor([ids])).logits[0], reference)
-        model = load_model(model_dir, torch.bfloat16, CPU)
+        model = load_model(model_dir, torch.bfloat16, CPU, quantization="none")
         assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
         batch = Pager(num_blocks=16, block_size=4).batch([("s", ids, 0, len(ids))])
         ours = model.compute_logits(model(batch, new_cache(model, 16, 4)))
