@@ -451,23 +451,55 @@ def test_embedded_token_embedding_repacks_exactly(smollm: GGUFFile) -> None:
     assert torch.equal(dequantize(weight), reference(raw, Q.Q8_0, 49152))
 
 
-def test_embedded_layers_agree_with_transformers_loading(smollm: GGUFFile, smollm2_gguf: Path) -> None:
-    """transformers' own GGUF load (gguf-py's dequantization, its reverse q / k permutation) against ours:
-    every tensor of layer 0 and the q / k projections of every layer, bit for bit in float32."""
+@pytest.fixture(scope="module")
+def transformers_weights(smollm2_gguf: Path) -> dict[str, torch.Tensor]:
+    """The embedded model as transformers' own GGUF loading gives it (gguf-py's dequantization, its reverse q / k
+    permutation), float32."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
                                                  dtype=torch.float32,
                                                  quantization_config=GgufConfig(dequantize=True))
-    theirs = model.state_dict()
+    return model.state_dict()
+
+
+def test_embedded_layers_agree_with_transformers_loading(smollm: GGUFFile, transformers_weights) -> None:
+    """Every tensor of layer 0 and the q / k projections of every layer, bit for bit in float32."""
     names = [name for name, _ in smollm.tensors()
              if name.startswith("model.layers.0.") or name.endswith(("q_proj.weight", "k_proj.weight"))]
     assert len(names) == 9 + 2 * 29
     for name in names:
-        assert torch.equal(smollm.tensor(name).dequantize(), theirs[name]), name
+        assert torch.equal(smollm.tensor(name).dequantize(), transformers_weights[name]), name
     q = smollm.tensor("model.layers.0.self_attn.q_proj.weight")
     packed = q.quantized()
-    assert packed is not None and torch.equal(dequantize(packed), theirs["model.layers.0.self_attn.q_proj.weight"])
+    assert packed is not None
+    assert torch.equal(dequantize(packed), transformers_weights["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_loader_fills_a_tensor_parallel_rank_from_gguf_tensors(smollm: GGUFFile, smollm_config,
+                                                                transformers_weights) -> None:
+    """The loader takes GGUFTensors where it takes safetensors' lazy tensors: rank 1 of 3 narrows rows (q / k / v,
+    gate / up, embedding) and whole blocks of columns (o_proj, down_proj) out of the unpermuted Q4_1 blocks."""
+    from infer.worker.loader import build_model, load_named_tensors
+    from infer.worker.tensor_parallel import TensorParallel
+
+    model = build_model(smollm_config, torch.float32, "cpu", tp=TensorParallel(rank=1, size=3))
+    load_named_tensors(model, ((name, lambda t=t: t, "in the embedded GGUF") for name, t in smollm.tensors()))
+    ours = dict(model.named_parameters())
+    theirs = transformers_weights
+    for i in (0, 29):
+        layer = f"model.layers.{i}."
+        qkv = torch.cat([theirs[layer + "self_attn.q_proj.weight"][192:384],
+                         theirs[layer + "self_attn.k_proj.weight"][64:128],
+                         theirs[layer + "self_attn.v_proj.weight"][64:128]])
+        gate_up = torch.cat([theirs[layer + "mlp.gate_proj.weight"][512:1024],
+                             theirs[layer + "mlp.up_proj.weight"][512:1024]])
+        assert torch.equal(ours[layer + "self_attn.qkv_proj.weight"], qkv)
+        assert torch.equal(ours[layer + "mlp.gate_up_proj.weight"], gate_up)
+        assert torch.equal(ours[layer + "self_attn.o_proj.weight"], theirs[layer + "self_attn.o_proj.weight"][:, 192:384])
+        assert torch.equal(ours[layer + "mlp.down_proj.weight"], theirs[layer + "mlp.down_proj.weight"][:, 512:1024])
+        assert torch.equal(ours[layer + "input_layernorm.weight"], theirs[layer + "input_layernorm.weight"])
+    assert torch.equal(ours["model.embed_tokens.weight"], theirs["model.embed_tokens.weight"][16384:32768])
 
 
 # ---------------------------------------------------------------------------------------------------------
