@@ -27,8 +27,9 @@ float32). The bounds of the others, per element, in float32 arithmetic:
                 (qmax = 15 for Q4_K, 31 for Q5_K: half an fp16 ulp on the product scale and min, the 2^-25 terms
                 where those fall below fp16's normal range; the products d sc, dmin mn are exact in f32)
     Q6_K:       |ours - gguf| <= S / 2 + f32 rounding, with S = fp16(absmax / 127) the new scale of the element's
-                block of 32 (so at most absmax / 254 (1 + 2^-10)): Q6_K's two 16-element sub-blocks of a
-                32-block have their own scales, which one int8 grid cannot hold in general
+                block of 32 (so at most absmax / 254 (1 + 2^-11) where absmax / 127 is a normal fp16): Q6_K's
+                two 16-element sub-blocks of a 32-block have their own scales, which one int8 grid cannot hold
+                in general
 
 A repack (or decode) that overflows fp16 (|8 d| > 65504 for Q4_0, |d sc| for a K-quant) is a ValueError naming
 the tensor; real weights are many orders of magnitude below.
@@ -42,7 +43,6 @@ decoding anything.
 from __future__ import annotations
 
 import copy
-import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,8 +53,6 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from infer.kernels.quant import BLOCK, QuantWeight, pack_q4, quantize, unpack_q4
-
-logger = logging.getLogger(__name__)
 
 Q = GGMLQuantizationType
 # Decoded (and repacked) a chunk of rows at a time: float32 temporaries stay around this many elements (4 MiB).
