@@ -86,9 +86,9 @@ def _gguf_plan(model: nn.Module, files: list[Path]) -> dict[str, str]:
     for file in files:
         if file.suffix != ".gguf":
             continue
-        from infer.worker.gguf import GGUFFile
+        from infer.worker.gguf import open_gguf
 
-        for key, tensor in GGUFFile(file).tensors():
+        for key, tensor in open_gguf(file).tensors():
             name, _shard = _parameter_of(model, key)
             module, _, param = name.rpartition(".")
             if param == "weight":
@@ -189,9 +189,9 @@ def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], Any]
 
     for file in files:
         if file.suffix == ".gguf":
-            from infer.worker.gguf import GGUFFile
+            from infer.worker.gguf import open_gguf
 
-            for key, tensor in GGUFFile(file).tensors():
+            for key, tensor in open_gguf(file).tensors():
                 yield key, lambda tensor=tensor: tensor, f"in {file.name}"
             continue
         with safe_open(str(file), framework="pt") as f:
