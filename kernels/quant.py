@@ -213,25 +213,23 @@ def quant_matmul_takes(weight: QuantWeight) -> bool:
 
 
 def quant_matmul(x: torch.Tensor, weight: QuantWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """x [M, K] (bf16 or fp32, unit column stride, M >= 1) @ weight [N, K]^T -> a new [M, N] tensor in x.dtype, by
-    the native kernel (`lib`: a library `bind` has declared; default the package's), for a weight
-    `quant_matmul_takes`. Equal to `quant_matmul_reference` up to the order of an fp32 sum; a row's bits do not
-    depend on the other rows of x or on the thread count."""
-    _check_operands(x, weight)
-    if x.dtype not in cpu_kernels.NATIVE_DTYPES or x.stride(1) != 1 or x.device.type != "cpu":
-        raise ValueError(f"the native quantized matmul takes CPU bf16 / fp32 rows with unit column stride, got "
-                         f"{x.dtype} with strides {x.stride()} on {x.device}")
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in weight.tensors().values()):
-        raise ValueError("the native quantized matmul needs the weight's tensors contiguous on the CPU")
+    """x [M, K] (bf16 or fp32 on the CPU, unit column stride, M >= 1) @ weight [N, K]^T -> a new [M, N] tensor in
+    x.dtype, by the native kernel (`lib`: a library `bind` has declared; default the package's), for a weight
+    `quant_matmul_takes` (checked once per weight by the caller, not here). Equal to `quant_matmul_reference` up to
+    the order of an fp32 sum; a row's bits do not depend on the other rows of x or on the thread count."""
+    n, k = weight.scales.shape[0], weight.scales.shape[1] * BLOCK
+    if (x.dim() != 2 or x.shape[1] != k or x.shape[0] < 1 or x.dtype not in cpu_kernels.NATIVE_DTYPES
+            or x.stride(1) != 1 or not x.is_cpu):
+        raise ValueError(f"the native quantized matmul takes CPU bf16 / fp32 rows x [M >= 1, {k}] with unit column "
+                         f"stride, got {x.dtype} {list(x.shape)} with strides {x.stride()} on {x.device}")
     lib = lib or _native()
     if lib is None:
         raise ValueError("the native CPU kernels are not built here (see quant_matmul_takes)")
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype)
-    mins = weight.mins.data_ptr() if weight.mins is not None else None
-    status = lib.quant_matmul(
-        x.data_ptr(), x.stride(0) if m > 1 else k, weight.qs.data_ptr(), weight.scales.data_ptr(), mins,
-        FORMAT_CODES[weight.format], out.data_ptr(), n, m, n, k, int(x.dtype == torch.bfloat16))
+    status = lib.quant_matmul(x.data_ptr(), x.stride(0) if m > 1 else k, weight.qs.data_ptr(),
+                              weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
+                              FORMAT_CODES[weight.format], out.data_ptr(), n, m, n, k, x.dtype == torch.bfloat16)
     if status == -2:
         raise MemoryError(f"the native quantized matmul could not allocate {m} quantized rows of {k}")
     if status != 0:
