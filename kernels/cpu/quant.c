@@ -461,7 +461,8 @@ static void multiply_range(const Acts *a, int64_t M, const Weights *w, void *y, 
 /* y [M, N] (rows y_stride elements apart) = x [M, K] (rows x_stride apart) . W^T, W [N, K] quantized.
  * fmt 0 = q4, 1 = q8; mins may be NULL for q8. x and y are bf16 (is_bf16 = 1) or fp32 (0).
  * Returns 0; -1 when K % 32 != 0 or M < 1 or a NULL that must not be (also K < 32, N < 0, an unknown fmt, and
- * rows that overlap: M > 1 with x_stride < K or y_stride < N); -2 when the activations' buffer cannot be had. */
+ * rows that overlap: M > 1 with x_stride < K or y_stride < N); -2 when the activations' buffer cannot be had.
+ * Opens its own OpenMP region: call it from serial code (inside another region it runs on one thread). */
 int quant_matmul(const void *x, int64_t x_stride, const void *qs, const uint16_t *scales, const uint16_t *mins,
                  int fmt, void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int is_bf16) {
     if (!x || !qs || !scales || !y || (fmt != FMT_Q4 && fmt != FMT_Q8) || (fmt == FMT_Q4 && !mins) || M < 1 ||

@@ -6,9 +6,11 @@ kernels/cpu/quant.c is compiled here on its own three times, as the library's bu
 (kernels/cpu_kernels.py) is checked once more through the default path.
 
 What the kernel promises: the activations' int8 quantization and the integer block dots are exact, the scale
-products are the twin's fp32 products, and only the fp32 sum of the block terms runs in another order. So the
-kernel is within (blocks + 8) * 2^-23 times the sum of the terms' magnitudes of the twin's float64 total (the
-error bound of an fp32 sum of that many terms, twice over), plus one bf16 rounding of each side for bf16 output.
+products are the twin's fp32 products, and only the fp32 sum of the block terms (split into SIMD lanes) runs in
+another order. So the kernel is within (blocks + 8) * 2^-23 * magnitude of the twin's float64 total, magnitude
+being the sum of |d_w d_x| (|q_w| . |q_x|) + |m_w s_x| over the blocks (`block_products`; it bounds every partial
+sum of any split into lanes), which is the error bound of an fp32 sum of that depth, twice over; plus one bf16
+rounding of each side for bf16 output.
 """
 
 from __future__ import annotations
