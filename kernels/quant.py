@@ -200,9 +200,15 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 @functools.cache
+def _bound(lib: ctypes.CDLL) -> ctypes.CDLL:
+    return bind(lib)
+
+
 def _native() -> ctypes.CDLL | None:
+    """The package's library as cpu_kernels._library() gives it now (the selected ISA build; tests swap it), with
+    quant_matmul declared on it once."""
     lib = cpu_kernels._library()
-    return None if lib is None else bind(lib)
+    return None if lib is None else _bound(lib)
 
 
 def quant_matmul_takes(weight: QuantWeight) -> bool:

@@ -1,8 +1,8 @@
 """The native quantized matmul (kernels/cpu/quant.c) against its twin and float64, in every ISA build this CPU runs.
 
-kernels/cpu/quant.c is compiled here on its own three times, as the library's builds pick their paths:
--march=native (on an AVX-512 VNNI CPU, the vpdpbusd path), -march=x86-64-v3 (AVX2 + FMA + F16C) and -march=x86-64
-(plain C), each loaded with ctypes and driven through `quant_matmul(..., lib=build)`. The package's own library
+kernels/cpu/quant.c is compiled here on its own once per target the library's builds use: -march=native (on an
+AVX-512 VNNI CPU, the vpdpbusd path), -march=x86-64-v3 (AVX2 + FMA + F16C), -march=x86-64-v2 and -march=x86-64
+(plain C, software fp16), each loaded with ctypes and driven through `quant_matmul(..., lib=build)`. The package's own library
 (kernels/cpu_kernels.py) is checked once more through the default path.
 
 What the kernel promises: the activations' int8 quantization and the integer block dots are exact, the scale
@@ -31,7 +31,7 @@ SOURCE = Path(cpu_kernels.__file__).resolve().parent / "cpu" / "quant.c"
 BUILD_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")   # cpu_kernels.FLAGS
 # -march of each build, and the CPU flags it needs to run here
 ISAS = {"native": ("native", ()), "x86-64-v3": ("x86-64-v3", ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")),
-        "x86-64": ("x86-64", ())}
+        "x86-64-v2": ("x86-64-v2", ("ssse3", "sse4_1", "sse4_2", "popcnt")), "x86-64": ("x86-64", ())}
 FORMATS = ("q4", "q8", "q8-affine")
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -264,3 +264,16 @@ def test_the_packages_library_by_default() -> None:
     narrowed = QuantWeight("q4", weight.qs[:, :144], weight.scales[:, :9], weight.mins[:, :9])
     copied = QuantWeight("q4", *(t.contiguous() for t in narrowed.tensors().values()))
     assert not quant_matmul_takes(narrowed) and quant_matmul_takes(copied)
+
+
+def test_the_default_path_follows_the_selected_build(builds: dict[str, ctypes.CDLL],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_kernels._library() is the build of the selected ISA level (the kernel tests swap it): quant_matmul
+    without `lib` calls whichever it gives now. The builds sum in different orders, so their bits tell them apart."""
+    weight, x = make_weight("q4", 300, 1536, seed=61), make_x(2, 1536, torch.float32, seed=62)
+    outputs = {}
+    for name, lib in builds.items():
+        monkeypatch.setattr(cpu_kernels, "_library", lambda lib=lib: lib)
+        outputs[name] = quant_matmul(x, weight)
+        assert torch.equal(outputs[name], quant_matmul(x, weight, lib=lib))
+    assert not torch.equal(outputs["native"], outputs["x86-64"])
