@@ -41,7 +41,7 @@ from infer.protocol import env
 log = logging.getLogger("infer.kernels")
 
 _CPU_DIR = Path(__file__).resolve().parent / "cpu"
-SOURCES = tuple(_CPU_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c",
+SOURCES = tuple(_CPU_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c", "quant.c",
                                                   "decode_layers.c"))
 HEADERS = (_CPU_DIR / "common.h",)   # included by the sources: part of the build's hash
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")

@@ -14,13 +14,21 @@ GGUF's formats map onto these at load (worker/gguf.py): Q4_0, Q4_1 exactly; Q4_K
 scales and mins rounded to fp16; Q8_0, Q5_0, Q5_1 exactly; Q6_K requantized to q8 blocks of 32. All three
 tensors are row-major with N leading, so a tensor-parallel rank's rows (or its whole blocks of columns) are a
 narrowing of each.
+
+y = x W^T with W kept quantized: `quant_matmul` (the native kernel, kernels/cpu/quant.c) and its twin
+`quant_matmul_reference`. Both quantize each row of x per block of 32 to int8 (`quantize_activations`) and sum
+integer block dots scaled in fp32 (`block_products` states the sum); they differ only in the order of the fp32 sum.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from infer.kernels import cpu_kernels
 
 BLOCK = 32
 FORMATS = ("q4", "q8")
@@ -144,6 +152,130 @@ def quant_linear_torch(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     return (x.float() @ dequantize(weight).to(x.device).T).to(x.dtype)
 
 
-def quant_linear(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """x [M, K] times a quantized weight [N, K], transposed -> [M, N] in x's dtype, by the fastest path here."""
+# ---- y = x W^T with W quantized: the twin, and the native kernel (kernels/cpu/quant.c) ----
+
+FORMAT_CODES = {"q4": 0, "q8": 1}   # quant_matmul's fmt argument in C
+_FLT_MIN = torch.finfo(torch.float32).tiny
+_TWIN_ROWS = 16   # rows of x the twin takes at a time (its block dots are [blocks, rows, N] float64)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of BLOCK) -> (q int8 [M, K], d float32 [M, K // BLOCK], s float32 [M, K // BLOCK]), per
+    block of 32 as the kernel does it: amax = max |x|, d = amax / 127 in fp32 (d < FLT_MIN taken as 0),
+    q = round-half-to-even(x * (1 / d)) (0 where d = 0; |q| <= 127 without a clamp), s = d * sum(q) in fp32.
+    Each element's error is at most d / 2 plus the fp32 rounding of x * (1 / d) (|x| * 2^-22 bounds both roundings).
+    Activations are assumed finite."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    d = torch.div(amax, torch.full_like(amax, 127.0))
+    d = torch.where(d >= _FLT_MIN, d, torch.zeros_like(d))
+    inverse = torch.where(d > 0, torch.div(torch.ones_like(d), torch.where(d > 0, d, torch.ones_like(d))), d)
+    q = torch.round(blocks * inverse.unsqueeze(-1))
+    s = d * q.sum(dim=-1)
+    return q.to(torch.int8).reshape(m, k), d, s
+
+
+def _check_operands(x: torch.Tensor, weight: QuantWeight) -> None:
+    if x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [M, {weight.shape[1]}] for a weight {list(weight.shape)}, got {list(x.shape)}")
+    if x.shape[0] < 1:
+        raise ValueError("x needs at least one row")
+
+
+def block_products(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's sum before it is rounded: for x [M, K] and weight [N, K], (total, magnitude), each float64
+    [M, N]. Per block b: the integer dot of the int8 activations (`quantize_activations`) with q_w (exact), times
+    d_w * d_x (an fp32 product), that product rounded to fp32, plus m_w * s_x rounded to fp32; total is the sum of
+    those fp32 terms taken in float64. magnitude is sum_b |d_w d_x| (|q_w| . |q_x|) + |m_w s_x|: it bounds every
+    partial sum of any split of the block dots into lanes, so an fp32 sum of the pieces in any order of depth D
+    is within about D * 2^-24 * magnitude of total."""
+    _check_operands(x, weight)
+    qx, dx, sx = quantize_activations(x)
+    n, k = weight.shape
+    blocks = k // BLOCK
+    qw = (unpack_q4(weight.qs) if weight.format == "q4" else weight.qs).reshape(n, blocks, BLOCK)
+    qw = qw.double().permute(1, 2, 0)                 # [blocks, 32, N]
+    dw = weight.scales.float().t()                    # [blocks, N]
+    mw = None if weight.mins is None else weight.mins.float().t()
+    totals, magnitudes = [], []
+    for start in range(0, x.shape[0], _TWIN_ROWS):
+        rows = slice(start, start + _TWIN_ROWS)
+        q = qx[rows].double().reshape(-1, blocks, BLOCK).transpose(0, 1)            # [blocks, rows, 32]
+        scale = dx[rows].t().unsqueeze(-1) * dw.unsqueeze(1)                        # [blocks, rows, N] fp32
+        terms = scale * torch.bmm(q, qw).float()                  # the dots [blocks, rows, N] are exact in fp32
+        magnitude = scale.double().abs() * torch.bmm(q.abs(), qw.abs())
+        if mw is not None:
+            terms = torch.cat((terms, sx[rows].t().unsqueeze(-1) * mw.unsqueeze(1)))
+            magnitude = torch.cat((magnitude, terms[-blocks:].double().abs()))
+        totals.append(terms.double().sum(dim=0))
+        magnitudes.append(magnitude.sum(dim=0))
+    return torch.cat(totals), torch.cat(magnitudes)
+
+
+def quant_matmul_reference(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32) @ weight [N, K]^T -> [M, N] in x.dtype, with the native kernel's arithmetic:
+    `block_products`' total rounded to fp32, then to x.dtype. The kernel sums the same fp32 terms in another
+    order (in fp32), so the two differ by at most that sum's rounding."""
+    total, _ = block_products(x, weight)
+    return total.float().to(x.dtype)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare quant_matmul's C signature on a loaded library (the package's, or a test's build of quant.c)."""
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.quant_matmul.argtypes = [ptr, i64, ptr, ptr, ptr, i32, ptr, i64, i64, i64, i64, i32]
+    lib.quant_matmul.restype = i32
+    return lib
+
+
+@functools.cache
+def _bound(lib: ctypes.CDLL) -> ctypes.CDLL:
+    return bind(lib)
+
+
+def _native() -> ctypes.CDLL | None:
+    """The package's library as cpu_kernels._library() gives it now (the selected ISA build; tests swap it), with
+    quant_matmul declared on it once."""
+    lib = cpu_kernels._library()
+    return None if lib is None else _bound(lib)
+
+
+def quant_matmul_takes(weight: QuantWeight) -> bool:
+    """Whether the native kernel multiplies by this weight: on a CPU, its tensors contiguous, the native library
+    loaded (built on first use). K is a multiple of BLOCK by construction."""
+    return (weight.qs.device.type == "cpu" and all(t.is_contiguous() for t in weight.tensors().values())
+            and not torch.compiler.is_compiling() and _native() is not None)
+
+
+def quant_matmul(x: torch.Tensor, weight: QuantWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32 on the CPU, unit column stride, M >= 1) @ weight [N, K]^T -> a new [M, N] tensor in
+    x.dtype, by the native kernel (`lib`: a library `bind` has declared; default the package's), for a weight
+    `quant_matmul_takes` (checked once per weight by the caller, not here). Equal to `quant_matmul_reference` up to
+    the order of an fp32 sum; a row's bits do not depend on the other rows of x or on the thread count."""
+    n, k = weight.scales.shape[0], weight.scales.shape[1] * BLOCK
+    if (x.dim() != 2 or x.shape[1] != k or x.shape[0] < 1 or x.dtype not in cpu_kernels.NATIVE_DTYPES
+            or x.stride(1) != 1 or not x.is_cpu):
+        raise ValueError(f"the native quantized matmul takes CPU bf16 / fp32 rows x [M >= 1, {k}] with unit column "
+                         f"stride, got {x.dtype} {list(x.shape)} with strides {x.stride()} on {x.device}")
+    lib = lib or _native()
+    if lib is None:
+        raise ValueError("the native CPU kernels are not built here (see quant_matmul_takes)")
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype)
+    status = lib.quant_matmul(x.data_ptr(), x.stride(0) if m > 1 else k, weight.qs.data_ptr(),
+                              weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
+                              FORMAT_CODES[weight.format], out.data_ptr(), n, m, n, k, x.dtype == torch.bfloat16)
+    if status == -2:
+        raise MemoryError(f"the native quantized matmul could not allocate {m} quantized rows of {k}")
+    if status != 0:
+        raise ValueError(f"the native quantized matmul refused x {list(x.shape)} (row stride {x.stride(0)}) by a "
+                         f"{weight.format} weight {list(weight.shape)}")
+    return out
+def quant_linear(x: torch.Tensor, weight: QuantWeight, native: bool) -> torch.Tensor:
+    """x [M, K] times a quantized weight [N, K], transposed -> [M, N] in x's dtype, by the fastest path here: the
+    native kernel on a CPU (`native`: the caller's `quant_matmul_takes(weight)`, decided once per weight) for bf16 /
+    fp32 rows, else the plain twin."""
+    if native and x.dtype in cpu_kernels.NATIVE_DTYPES and x.is_cpu and x.shape[0] > 0:
+        return quant_matmul(x if x.stride(1) == 1 else x.contiguous(), weight)
     return quant_linear_torch(x, weight)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.kernels.cpu_kernels import GEMV_MAX_ROWS, gemv, gemv_takes, silu_and_mul_fits, silu_and_mul_native
-from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_linear, quant_source
+from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_linear, quant_matmul_takes, quant_source
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rotary import build_cos_sin_cache, rotary_embedding
 from infer.worker.tensor_parallel import TensorParallel
@@ -81,6 +81,7 @@ class QuantStorage(nn.Module):
         self.register_parameter("weight_mins", None)
         self.quant_format: str | None = None
         self.quant: QuantWeight | None = None
+        self.quant_native = False   # the native kernel takes self.quant (decided with the view)
 
     def materialize(self, fmt: str | None, device: torch.device | str) -> None:
         """Give a deferred (meta) weight its storage on `device`: dense in self.dtype (fmt None) or quantized."""
@@ -116,15 +117,16 @@ class QuantStorage(nn.Module):
     def share_storage(self, other: QuantStorage) -> None:
         """Use `other`'s weight storage, quantized or not (tied embeddings)."""
         self.weight, self.weight_scales, self.weight_mins = other.weight, other.weight_scales, other.weight_mins
-        self.quant_format, self.quant = other.quant_format, other.quant
+        self.quant_format, self.quant, self.quant_native = other.quant_format, other.quant, other.quant_native
 
     def refresh_quant(self) -> None:
         """Remake the QuantWeight view after the storage changed (load, refit, restore)."""
         if self.quant_format is None or self.weight.numel() == 0:
-            self.quant = None
+            self.quant, self.quant_native = None, False
             return
         self.quant = QuantWeight("q4" if self.quant_format == "q4" else "q8", self.weight, self.weight_scales,
                                  self.weight_mins)
+        self.quant_native = quant_matmul_takes(self.quant)
 
     def copy_weight_rows(self, start: int, length: int, tensor: Any, what: str) -> None:
         """Fill rows [start, start + length) of the weight from a checkpoint tensor of exactly that shape (a
@@ -228,7 +230,7 @@ class PackedLinear(QuantStorage):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [N, in] -> x W^T + bias, [N, out]."""
         if self.quant is not None:
-            y = quant_linear(x.reshape(-1, x.shape[-1]), self.quant).reshape(*x.shape[:-1], -1)
+            y = quant_linear(x.reshape(-1, x.shape[-1]), self.quant, self.quant_native).reshape(*x.shape[:-1], -1)
             return y if bias is None else y.add_(bias)
         if self.packed is not None and x.dim() == 2:
             if torch.compiler.is_compiling():
