@@ -9,16 +9,23 @@
   against 1.2 ms here (2-core AMD EPYC, bf16, 2026-11-26).
 - Rotary embedding in place and the KV append with K rotated on the way (cpu/elementwise.c): one pass each
   instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
-- RMSNorm and SiLU * mul (cpu/elementwise.c), the GEMV for 1-8 rows (cpu/gemv.c), and a whole bf16 decode step
+- RMSNorm and SiLU * mul (cpu/elementwise.c), the GEMV for 1-8 rows (cpu/gemv.c: bf16, and bf16 weights with fp32
+  rows on AVX2 builds), and a whole bf16 decode step
   of 1-8 sequences through a dense Llama's layers in one call (cpu/decode_layers.c, driven by
   worker/models/native_decode.py).
 
-Built with `cc -O3 -march=native -fopenmp -shared` into INFER_COMPILE_CACHE (see worker/config.py) under a
-name that hashes the source, the flags, the compiler and this CPU's feature flags, so a shared home directory
-serves machines of different kinds; a build is written to a temporary name and renamed, so processes starting
-together do not read half a file. Loaded after torch, the library's OpenMP is torch's own runtime (the same
-soname), so it runs on torch's threads. Where no compiler works, or the environment sets
-INFER_CPU_KERNELS=0, `decode_kernel()` is None and the callers use the twins.
+Built with `cc -O3 -fopenmp -shared` once per ISA level (`ISA_LEVELS`): "avx512" (-march=native on a CPU with
+AVX-512 F/BW/VL/DQ, so its AVX512-BF16 and VNNI paths come on where the CPU has them), "avx2" (-march=x86-64-v3:
+AVX2, FMA, F16C; Zen 3), "generic" (-march=x86-64-v2: the portable C, vectorized by the compiler). Every kernel
+has an AVX-512 path and an AVX2 sibling in the same file; rotary, the KV append and the row max are portable C
+that the compiler vectorizes for the level. The level that runs is the best this CPU supports (/proc/cpuinfo),
+or the one INFER_CPU_ISA names (`selected_isa`; a level the CPU cannot run is refused); `library(isa)` loads any
+runnable level's build (the tests run each kernel through each). Each build lives in INFER_COMPILE_CACHE (see
+worker/config.py) under a name with its level and a hash of the sources, the flags, the compiler and this CPU's
+feature flags, so a shared home directory serves machines of different kinds; a build is written to a temporary
+name and renamed, so processes starting together do not read half a file. Loaded after torch, the library's
+OpenMP is torch's own runtime (the same soname), so it runs on torch's threads. Where no compiler works, or the
+environment sets INFER_CPU_KERNELS=0, `native_ready()` is False and the callers use the twins.
 """
 
 from __future__ import annotations

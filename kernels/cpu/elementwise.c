@@ -6,6 +6,9 @@
  * and with no fused multiply-add, so that they give the twins' bits, except SiLU * mul: its exp is
  * common.h's polynomial, not torch's (Sleef's), so a bf16 result may differ from torch's in the last bit.
  *
+ * RMSNorm of bf16 rows and SiLU * mul have AVX-512 (16 lanes) and AVX2 (8 lanes) paths with the roundings of the
+ * scalar code; rotary, the append and the row max are portable loops the compiler vectorizes for the build.
+ *
  * Element types: bf16 (as uint16_t) or fp32; `is_bf16` picks. Rows are `stride` elements apart; a row's
  * heads are contiguous, `head_dim` elements each.
  */

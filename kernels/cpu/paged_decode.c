@@ -1,7 +1,7 @@
 /* Paged decode attention on CPU: one query token per sequence over its block table, K and V read where they
  * sit in the pool (no gather, no padding, nothing past a sequence's length).
  *
- * Built by kernels/cpu_kernels.py on first use (cc -O3 -march=native -fopenmp) and called through ctypes.
+ * Built by kernels/cpu_kernels.py on first use (cc -O3 -fopenmp, one build per ISA level) and called through ctypes.
  * Its OpenMP is the one torch already loaded (same soname), so it runs on torch's threads and follows
  * torch.set_num_threads.
  *
@@ -13,6 +13,10 @@
  * once. Block by block, an online softmax (running max m, sum l, accumulator acc) in fp32, as the Triton
  * kernel does; the output is acc / l in the pool's type. Each task's arithmetic depends only on its own
  * sequence, so a sequence's output does not change with the batch around it.
+ *
+ * Three ways through a task: 16 positions at a time in AVX-512 lanes (bf16 q.k by pairs with AVX512-BF16), 8 at a
+ * time in AVX2 + FMA lanes (bf16 widened to fp32 in registers), or the portable loops (head_dim no multiple of
+ * the lanes, or the generic build).
  *
  * `decode_task` is written once and inlined into one function per (type, G, D) for the common head shapes,
  * where the compiler unrolls the loops over G and D and keeps q and the accumulators in registers; other

@@ -2,7 +2,7 @@
  * `len` positions), causal, over K and V read where they sit in the pool through the block table. It serves
  * prefill chunks, prompts behind a cached prefix, and the length-1 rows of a mixed step alike.
  *
- * Built with paged_decode.c by kernels/cpu_kernels.py (cc -O3 -march=native -fopenmp), same layouts:
+ * Built with paged_decode.c by kernels/cpu_kernels.py (cc -O3 -fopenmp, per ISA level), same layouts:
  * q [T, H, D] with token stride q_stride (elements) and contiguous heads; pool [Hkv, NB, bs, D] contiguous;
  * block_tables [B, *] int32 (row stride table_stride); seq_lens [B] int32, the context length after this step;
  * query_start_loc [B + 1] int32, sequence b's query tokens are rows query_start_loc[b] .. [b + 1] - 1 of q;
