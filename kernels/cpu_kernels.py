@@ -9,16 +9,23 @@
   against 1.2 ms here (2-core AMD EPYC, bf16, 2026-11-26).
 - Rotary embedding in place and the KV append with K rotated on the way (cpu/elementwise.c): one pass each
   instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
-- RMSNorm and SiLU * mul (cpu/elementwise.c), the GEMV for 1-8 rows (cpu/gemv.c), and a whole bf16 decode step
+- RMSNorm and SiLU * mul (cpu/elementwise.c), the GEMV for 1-8 rows (cpu/gemv.c: bf16, and bf16 weights with fp32
+  rows on AVX2 builds), and a whole bf16 decode step
   of 1-8 sequences through a dense Llama's layers in one call (cpu/decode_layers.c, driven by
   worker/models/native_decode.py).
 
-Built with `cc -O3 -march=native -fopenmp -shared` into INFER_COMPILE_CACHE (see worker/config.py) under a
-name that hashes the source, the flags, the compiler and this CPU's feature flags, so a shared home directory
-serves machines of different kinds; a build is written to a temporary name and renamed, so processes starting
-together do not read half a file. Loaded after torch, the library's OpenMP is torch's own runtime (the same
-soname), so it runs on torch's threads. Where no compiler works, or the environment sets
-INFER_CPU_KERNELS=0, `decode_kernel()` is None and the callers use the twins.
+Built with `cc -O3 -fopenmp -shared` once per ISA level (`ISA_LEVELS`): "avx512" (-march=native on a CPU with
+AVX-512 F/BW/VL/DQ, so its AVX512-BF16 and VNNI paths come on where the CPU has them), "avx2" (-march=x86-64-v3:
+AVX2, FMA, F16C; Zen 3), "generic" (-march=x86-64-v2: the portable C, vectorized by the compiler). Every kernel
+has an AVX-512 path and an AVX2 sibling in the same file; rotary, the KV append and the row max are portable C
+that the compiler vectorizes for the level. The level that runs is the best this CPU supports (/proc/cpuinfo),
+or the one INFER_CPU_ISA names (`selected_isa`; a level the CPU cannot run is refused); `library(isa)` loads any
+runnable level's build (the tests run each kernel through each). Each build lives in INFER_COMPILE_CACHE (see
+worker/config.py) under a name with its level and a hash of the sources, the flags, the compiler and this CPU's
+feature flags, so a shared home directory serves machines of different kinds; a build is written to a temporary
+name and renamed, so processes starting together do not read half a file. Loaded after torch, the library's
+OpenMP is torch's own runtime (the same soname), so it runs on torch's threads. Where no compiler works, or the
+environment sets INFER_CPU_KERNELS=0, `native_ready()` is False and the callers use the twins.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,12 +53,31 @@ _CPU_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCES = tuple(_CPU_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c", "quant.c",
                                                   "decode_layers.c"))
 HEADERS = (_CPU_DIR / "common.h",)   # included by the sources: part of the build's hash
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")   # plus the level's -march
 BUILD_TIMEOUT_S = 120
 # What the compiled kernel accepts (the C file's MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
 MAX_HIDDEN = 16384   # the native RMSNorm's widest row (elementwise.c)
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)   # what the C kernels compute in (fp32 math inside)
+
+
+@dataclass(frozen=True)
+class IsaLevel:
+    """One build of the library: its name, the -march it is compiled with, and the /proc/cpuinfo flags a CPU
+    must show to run it. The top level is -march=native, so it also gets what the CPU has beyond its name
+    (AVX512-BF16 and VNNI paths come on where the CPU has them)."""
+    name: str
+    march: str
+    needs: frozenset[str]
+
+
+# Best first. avx2 is x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT as "abm", MOVBE); generic is x86-64-v2.
+ISA_LEVELS = (
+    IsaLevel("avx512", "-march=native", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),
+    IsaLevel("avx2", "-march=x86-64-v3", frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"})),
+    IsaLevel("generic", "-march=x86-64-v2", frozenset({"ssse3", "sse4_1", "sse4_2", "popcnt", "cx16"})),
+)
+_LEVELS = {level.name: level for level in ISA_LEVELS}
 
 
 def _cache_dir() -> Path:
@@ -66,20 +94,65 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _library_path(compiler: str) -> Path:
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def supported_isas(cpu_flags: str | None = None) -> tuple[str, ...]:
+    """The levels this CPU (or the given cpuinfo flags line) can run, best first. Not x86: ("generic",) only,
+    built with -march=native."""
+    if not _is_x86():
+        return ("generic",)
+    flags = set((_cpu_flags() if cpu_flags is None else cpu_flags).split())
+    return tuple(level.name for level in ISA_LEVELS if level.needs <= flags or level.name == "generic")
+
+
+def selected_isa(environ: Mapping[str, str] | None = None) -> str:
+    """The level the kernels run at: INFER_CPU_ISA where set (a level this CPU runs), else the best it runs.
+    A level the CPU cannot run, or an unknown name, is a ValueError that says which levels it can."""
+    here = supported_isas()
+    asked = env.read(env.CPU_ISA, environ)
+    if asked is None:
+        return here[0]
+    if asked not in _LEVELS:
+        raise ValueError(f"INFER_CPU_ISA={asked!r} is no level of the CPU kernels: one of {', '.join(_LEVELS)}")
+    if asked not in here:
+        raise ValueError(f"INFER_CPU_ISA={asked!r}: this CPU cannot run that build (it lacks "
+                         f"{', '.join(sorted(_LEVELS[asked].needs - set(_cpu_flags().split())))}); it runs "
+                         f"{', '.join(here)}")
+    return asked
+
+
+def isas_at_or_below(isa: str) -> tuple[str, ...]:
+    """The levels this CPU runs that are no better than `isa`, best first: what the tests run each kernel at
+    (a CPU with AVX-512 forced down to avx2 tests as an AVX2-only CPU would)."""
+    here = supported_isas()
+    return here[here.index(isa):] if isa in here else ()
+
+
+def _march(isa: str) -> str:
+    """The level's -march: the table's, but -march=native off x86 and plain x86-64 for a CPU older than v2."""
+    if not _is_x86():
+        return "-march=native"
+    if isa == "generic" and not _LEVELS["generic"].needs <= set(_cpu_flags().split()):
+        return "-march=x86-64"
+    return _LEVELS[isa].march
+
+
+def _library_path(compiler: str, isa: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES + HEADERS), " ".join(FLAGS), version,
-                                    _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
-    return _cache_dir() / f"infer_cpu-{key}.so"
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES + HEADERS), " ".join(FLAGS),
+                                    _march(isa), version, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+    return _cache_dir() / f"infer_cpu-{isa}-{key}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, isa: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
-                              text=True, timeout=BUILD_TIMEOUT_S)
+        done = subprocess.run([compiler, *FLAGS, _march(isa), "-o", tmp, *map(str, SOURCES), "-lm"],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -101,10 +174,24 @@ def native_ready() -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = _load()
+    """The library of the selected level (`selected_isa`), loaded once; None without a compiler or with
+    INFER_CPU_KERNELS=0. Every kernel below calls through it (the tests swap it for another level's)."""
+    isa = selected_isa()
+    lib = library(isa)
     global _LOADED
     _LOADED = lib is not None
+    if lib is not None:
+        log.info("native CPU kernels: the %s build (of %s this CPU runs)", isa, ", ".join(supported_isas()))
     return lib
+
+
+@functools.cache
+def library(isa: str) -> ctypes.CDLL | None:
+    """The library built for level `isa` (one this CPU runs: `supported_isas`), loaded once per process;
+    None where it cannot be built or INFER_CPU_KERNELS=0."""
+    if isa not in supported_isas():
+        raise ValueError(f"this CPU cannot run the {isa} build of the CPU kernels (it runs {supported_isas()})")
+    return _load(isa)
 
 
 def _compiler() -> str | None:
@@ -112,7 +199,7 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _load() -> ctypes.CDLL | None:
+def _load(isa: str) -> ctypes.CDLL | None:
     if env.read(env.CPU_KERNELS) == "0":
         return None
     compiler = _compiler()
@@ -120,18 +207,24 @@ def _load() -> ctypes.CDLL | None:
         log.warning("no C compiler found: the CPU kernels run as their PyTorch twins (slower)")
         return None
     try:
-        path = _library_path(compiler)
+        path = _library_path(compiler, isa)
         if not path.exists():
-            _build(compiler, path)
-            log.info("built the native CPU kernels: %s", path)
+            _build(compiler, path, isa)
+            log.info("built the native CPU kernels (%s): %s", isa, path)
         try:
             lib = ctypes.CDLL(str(path))
         except OSError:   # a damaged file in the cache: build it again, once
-            _build(compiler, path)
+            _build(compiler, path, isa)
             lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("the native CPU kernels could not be built (%s): their PyTorch twins run instead", e)
         return None
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The entry points' argument types (every one returns an int status)."""
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.paged_decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32]
     lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
@@ -142,12 +235,13 @@ def _load() -> ctypes.CDLL | None:
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.gemv_rows_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    lib.gemv_rows_bf16w_f32x.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    lib.gemv_paths.argtypes = []
     lib.decode_layers_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i64, f32, f32, ptr, ptr, ptr,
                                        i64, i64, ptr, i64, i32, ptr, i64, i32, ptr]
     for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max,
-               lib.silu_and_mul, lib.gemv_rows_bf16, lib.decode_layers_bf16):
+               lib.silu_and_mul, lib.gemv_rows_bf16, lib.gemv_rows_bf16w_f32x, lib.gemv_paths, lib.decode_layers_bf16):
         fn.restype = i32
-    return lib
 
 
 def decode_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -344,35 +438,60 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@functools.cache
-def _has_avx512_bf16() -> bool:
-    return " avx512_bf16" in _cpu_flags()
-
-
-# Rows of x up to which the linears take the native GEMV instead of oneDNN (each weight row is read once for all
-# of them), and the decode steps that run in one native call (worker/models/native_decode.py). SmolLM2's 120 layer
+# Rows of x up to which the linears take the native GEMV instead of oneDNN (each weight row is read once for all of
+# them), and the decode steps that run in one native call (worker/models/native_decode.py). SmolLM2's 120 layer
 # matrices of a token, 2-core dev VM, 2026-11-26: 1.5-1.7x oneDNN's packed path at 1-3 rows, 1.0x at 4-6, 0.9x
 # at 8; the whole decode step, native against layer by layer on oneDNN: 15 vs 21-23 ms at 4 sequences, 16-20 vs
 # 21-24 at 6, 20-22 vs 24-25 at 8. One rule for both keeps a sequence's bits the same in either path, and in any
 # decode step of 1-8 sequences (the GEMV sums each row alone; oneDNN, past 8 rows, does not).
 GEMV_MAX_ROWS = 8
+GEMV_BF16_PAIRS, GEMV_BF16_FP32_CORE, GEMV_F32X = 1, 2, 4   # gemv.c's gemv_paths() bits
+
+
+def gemv_paths() -> int:
+    """What the loaded build's GEMV has (gemv.c's `gemv_paths`): GEMV_BF16_PAIRS (AVX512-BF16) or
+    GEMV_BF16_FP32_CORE (AVX2: bf16 weights widened to fp32) for `gemv`, GEMV_F32X for `gemv_bf16w_f32x`; 0
+    without a native library or in the generic build."""
+    lib = _library()
+    return lib.gemv_paths() if lib is not None else 0
 
 
 def gemv_takes(weight: torch.Tensor) -> bool:
-    """Whether the native GEMV can multiply by weight [N, K]: contiguous bf16 on a CPU with AVX512-BF16 (checked
-    once per weight: the caller then sends it bf16 rows [M <= GEMV_MAX_ROWS, K] with unit column stride, outside
-    torch.compile)."""
+    """Whether the native GEMV can multiply by weight [N, K]: contiguous bf16 on a CPU, and a build with a GEMV
+    (AVX512-BF16 or AVX2; checked once per weight: the caller then sends it bf16 rows [M <= GEMV_MAX_ROWS, K] with
+    unit column stride, outside torch.compile)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.is_contiguous() and _has_avx512_bf16() and native_ready())
+            and weight.is_contiguous() and native_ready()
+            and gemv_paths() & (GEMV_BF16_PAIRS | GEMV_BF16_FP32_CORE) != 0)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16, unit column stride, 1 <= M <= 8) @ weight [N, K]^T -> [M, N] bf16 (a new tensor), for a
-    weight `gemv_takes`."""
+    weight `gemv_takes`. Each output row is the same bits whatever M (each row's sum is taken alone)."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
-    if _library().gemv_rows_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
-                                 x.shape[0], weight.shape[0], weight.shape[1]) != 0:
-        raise ValueError(f"the native GEMV takes 1-8 rows (got {x.shape[0]}) and needs AVX512-BF16")
+    status = _library().gemv_rows_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
+                                       x.shape[0], weight.shape[0], weight.shape[1])
+    if status == -3:
+        raise MemoryError("the native GEMV could not allocate x's fp32 copy")
+    if status != 0:
+        raise ValueError(f"the native GEMV takes 1-8 rows (got {x.shape[0]}) and needs AVX512-BF16 or AVX2")
+    return out
+
+
+def gemv_bf16w_f32x(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 (unit column stride, 1 <= M <= 8) @ weight [N, K]^T (bf16, contiguous) -> [M, N] fp32 (a new
+    tensor): weights stored in bf16, computed in fp32 (the AVX2 fp32 core, also in AVX-512 builds). Each output is
+    the fp32 sum unrounded, the same bits whatever M; needs GEMV_F32X in `gemv_paths()`."""
+    if not (x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and weight.dtype == torch.bfloat16
+            and weight.dim() == 2 and weight.is_contiguous() and x.shape[1] == weight.shape[1]):
+        raise ValueError("gemv_bf16w_f32x takes fp32 rows [M, K] of unit column stride and a contiguous bf16 [N, K]")
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    status = _library().gemv_rows_bf16w_f32x(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+                                             weight.shape[0], x.shape[0], weight.shape[0], weight.shape[1])
+    if status == -3:
+        raise MemoryError("the native GEMV could not allocate x's fp32 copy")
+    if status != 0:
+        raise ValueError(f"gemv_bf16w_f32x takes 1-8 rows (got {x.shape[0]}) and needs AVX2 (not the generic build)")
     return out
 
 

@@ -38,3 +38,28 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     atol, rtol = TOLERANCES[dtype]
     assert not torch.isnan(actual).any(), f"{what}: NaN in the output (an element was not written)"
     torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def native_isa_levels() -> tuple[str, ...]:
+    """The builds of the native CPU kernels the `isa` fixtures run over: those this CPU runs at or below the selected
+    one (INFER_CPU_ISA=avx2 on an AVX-512 machine tests as an AVX2-only CPU would); ("refused",) where
+    INFER_CPU_ISA names a level this CPU cannot run, so that the tests fail on it."""
+    from infer.kernels import cpu_kernels
+
+    try:
+        return cpu_kernels.isas_at_or_below(cpu_kernels.selected_isa())
+    except ValueError:
+        return ("refused",)
+
+
+def use_native_isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Route every native kernel call of the test through the `isa` build; skip where none can be built."""
+    from infer.kernels import cpu_kernels
+
+    if isa == "refused":
+        cpu_kernels.selected_isa()   # raises the ValueError that says why
+    lib = cpu_kernels.library(isa)
+    if lib is None:
+        pytest.skip("no native CPU kernels (no C compiler, or INFER_CPU_KERNELS=0): the twins run instead")
+    monkeypatch.setattr(cpu_kernels, "_library", lambda: lib)
+    return isa

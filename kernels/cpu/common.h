@@ -1,6 +1,7 @@
 /* What the CPU kernels share: bf16 <-> fp32, and exp(x) for x <= 0 (a score minus the running max of an
- * online softmax), scalar and, where the machine has AVX-512, 16 lanes at a time. Included by the .c files of
- * this folder (kernels/cpu_kernels.py builds them into one library). */
+ * online softmax), scalar and, where the build has AVX-512, 16 lanes at a time, and where it has AVX2 + FMA, 8.
+ * Included by the .c files of this folder (kernels/cpu_kernels.py builds them into one library per ISA level:
+ * avx512 is -march=native, so it has the AVX2 helpers too; avx2 is x86-64-v3; generic has neither). */
 
 #ifndef INFER_CPU_COMMON_H
 #define INFER_CPU_COMMON_H
@@ -64,6 +65,81 @@ static inline __m512 exp16(__m512 x, __mmask16 valid) {
     __mmask16 live = valid & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
+
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* Elements 8c .. 8c + 7 of a bf16 (is_bf16) or fp32 row, as fp32 (bf16 widened exactly: vpmovzxwd, shift). */
+static inline __m256 load8(const void *row, int c, const int is_bf16) {
+    if (is_bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + 8 * c));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)row + 8 * c);
+}
+
+/* All-ones in lanes 0 .. n - 1 (n in 0..8), zeros above: the lanes of a chunk that hold data. */
+static inline __m256 lanes_below(int n) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+/* The sum of v's 8 lanes, in a fixed order. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The max of v's 8 lanes (no NaN expected). */
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* exp(x) for x <= 0 lane-wise, as exp16 (and exp_nonpositive): 2^n * p(r), 2^n built in the exponent bits;
+ * lanes outside `valid` (an all-ones / zero lane mask) and x <= -87 (NaN too) are 0. */
+static inline __m256 exp8(__m256 x, __m256 valid) {
+    __m256 c = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));   /* NaN -> -87 (the second operand) */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), c);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.3888889e-3f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3333338e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1666668e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666667e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                                          _mm256_set1_epi32(127)), 23));
+    __m256 live = _mm256_and_ps(valid, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));
+    return _mm256_and_ps(live, _mm256_mul_ps(p, two_n));
+}
+
+/* 8 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN, quieted), as f32_to_bf16 lane-wise: the 32-bit
+ * patterns with the low half cleared. */
+static inline __m256i round_bf16_bits8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_and_si256(rounded, _mm256_set1_epi32((int)0xffff0000u));
+}
+
+/* The same lanes as 8 bf16 (for a store). */
+static inline __m128i to_bf16_8(__m256 v) {
+    __m256i bits = _mm256_srli_epi32(round_bf16_bits8(v), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+
+/* The same lanes rounded to bf16 values, kept as fp32. */
+static inline __m256 round_bf16_8(__m256 v) { return _mm256_castsi256_ps(round_bf16_bits8(v)); }
 
 #endif
 

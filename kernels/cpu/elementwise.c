@@ -6,6 +6,9 @@
  * and with no fused multiply-add, so that they give the twins' bits, except SiLU * mul: its exp is
  * common.h's polynomial, not torch's (Sleef's), so a bf16 result may differ from torch's in the last bit.
  *
+ * RMSNorm of bf16 rows and SiLU * mul have AVX-512 (16 lanes) and AVX2 (8 lanes) paths with the roundings of the
+ * scalar code; rotary, the append and the row max are portable loops the compiler vectorizes for the build.
+ *
  * Element types: bf16 (as uint16_t) or fp32; `is_bf16` picks. Rows are `stride` elements apart; a row's
  * heads are contiguous, `head_dim` elements each.
  */
@@ -208,6 +211,47 @@ static inline __attribute__((always_inline)) void rms_norm_row_bf16(const uint16
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define RMS_AVX2 1
+/* rms_norm_row for bf16 rows in 8 AVX2 lanes, the same roundings as the AVX-512 row (the sum of squares in 8
+ * partial sums: another order again, so the output may differ from the twin's in a last bit; the residual sum
+ * is the twin's, bit for bit). */
+static inline __attribute__((always_inline)) void rms_norm_row_bf16(const uint16_t *x, uint16_t *residual,
+                                                                    const uint16_t *weight, uint16_t *out,
+                                                                    int hidden, float eps, const int has_residual) {
+    float s[16384] __attribute__((aligned(32)));
+    __m256 squares = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 8 <= hidden; d += 8) {
+        __m256 v = load8(x + d, 0, 1);
+        if (has_residual) {
+            v = round_bf16_8(_mm256_add_ps(v, load8(residual + d, 0, 1)));   /* torch's add, rounded */
+            _mm_storeu_si128((__m128i *)(residual + d), to_bf16_8(v));
+        }
+        _mm256_store_ps(s + d, v);
+        squares = _mm256_add_ps(squares, _mm256_mul_ps(v, v));
+    }
+    float sum = hsum8(squares);
+    for (int e = d; e < hidden; e++) {
+        float v = bf16_to_f32(x[e]);
+        if (has_residual) {
+            v = bf16_to_f32(f32_to_bf16(v + bf16_to_f32(residual[e])));
+            residual[e] = f32_to_bf16(v);
+        }
+        s[e] = v;
+        sum += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+    const __m256 inv8 = _mm256_set1_ps(inv);
+    for (d = 0; d + 8 <= hidden; d += 8) {
+        __m256 normed = round_bf16_8(_mm256_mul_ps(_mm256_load_ps(s + d), inv8));
+        _mm_storeu_si128((__m128i *)(out + d), to_bf16_8(_mm256_mul_ps(normed, load8(weight + d, 0, 1))));
+    }
+    for (; d < hidden; d++)
+        out[d] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[d] * inv)) * bf16_to_f32(weight[d]));
+}
+#endif
+
 /* RMSNorm of rows [rows, hidden] (x rows x_stride elements apart; out rows out_stride apart, out may be x),
  * optionally after the residual add: with `residual` (rows res_stride apart) s = x + residual rounded to the
  * type is stored into residual and normed instead of x. As the twin (kernels/rmsnorm.py): the statistics and
@@ -223,7 +267,7 @@ int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride
         const char *xr = (const char *)x + r * x_stride * elem;
         char *rr = residual ? (char *)residual + r * res_stride * elem : 0;
         char *orow = (char *)out + r * out_stride * elem;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(RMS_AVX2)
         if (residual && is_bf16) rms_norm_row_bf16((const uint16_t *)xr, (uint16_t *)rr, weight, (uint16_t *)orow,
                                                    hidden, eps, 1);
         else if (is_bf16) rms_norm_row_bf16((const uint16_t *)xr, 0, weight, (uint16_t *)orow, hidden, eps, 0);
@@ -280,7 +324,7 @@ int row_max(const float *x, int64_t rows, int64_t cols, int64_t stride, float *t
     return 0;
 }
 
-/* silu(g) * u for one element (the portable path; the AVX-512 path computes the same lane-wise). */
+/* silu(g) * u for one element (the portable path; the AVX-512 and AVX2 paths compute the same lane-wise). */
 static inline float silu_mul_one(float g, float u, const int is_bf16) {
     float e = exp_nonpositive(-fabsf(g));                       /* exp(-|g|), in (0, 1] */
     float s = g >= 0.0f ? g / (1.0f + e) : g * e / (1.0f + e);  /* g * sigmoid(g), never overflowing */
@@ -300,6 +344,20 @@ static inline __m512 silu_mul16(__m512 g, __m512 u, const int is_bf16) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define SILU_AVX2 1
+/* 8 lanes of silu_mul_one (exp8 zeroes what is at or below -87, and NaN, as exp_nonpositive does). */
+static inline __m256 silu_mul8(__m256 g, __m256 u, const int is_bf16) {
+    const __m256 one = _mm256_set1_ps(1.0f), all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    __m256 minus_abs = _mm256_or_ps(g, _mm256_set1_ps(-0.0f));   /* -|g| */
+    __m256 e = exp8(minus_abs, all);
+    __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    __m256 s = _mm256_div_ps(_mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg), _mm256_add_ps(one, e));
+    if (is_bf16) s = round_bf16_8(s);
+    return _mm256_mul_ps(s, u);
+}
+#endif
+
 /* One row of silu_and_mul below, inlined with a constant flag. */
 static inline __attribute__((always_inline)) void silu_and_mul_row(const void *gate, const void *up, void *out,
                                                                    int64_t d, const int is_bf16) {
@@ -312,6 +370,16 @@ static inline __attribute__((always_inline)) void silu_and_mul_row(const void *g
             _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), to_bf16_16(p));
         } else {
             _mm512_storeu_ps((float *)out + i, p);
+        }
+    }
+#elif defined(SILU_AVX2)
+    for (; i + 8 <= d; i += 8) {
+        __m256 p = silu_mul8(load8((const char *)gate + i * (is_bf16 ? 2 : 4), 0, is_bf16),
+                             load8((const char *)up + i * (is_bf16 ? 2 : 4), 0, is_bf16), is_bf16);
+        if (is_bf16) {
+            _mm_storeu_si128((__m128i *)((uint16_t *)out + i), to_bf16_8(p));
+        } else {
+            _mm256_storeu_ps((float *)out + i, p);
         }
     }
 #endif

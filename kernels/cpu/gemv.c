@@ -17,10 +17,21 @@
  * each sum taken as for one row, so a row's output does not depend on the rows beside it. Per SmolLM2 token set
  * against oneDNN's packed path (same VM and day): 1.5-1.7x at M = 1-3, 1.0x at 4-6, 0.9x at 8 (from 4 this loop
  * no longer streams at the bandwidth); the linears send it up to 8 rows (GEMV_MAX_ROWS in cpu_kernels.py).
- * Needs AVX512-BF16 (with VL and DQ); elsewhere the function returns -1 and the caller keeps oneDNN.
+ * That path needs AVX512-BF16 (with VL and DQ).
+ *
+ * AVX2 + FMA (Zen 3; also AVX-512 CPUs without BF16): no bf16 products, so the weights are widened to fp32 in
+ * registers (vpmovzxwd, shift left 16: exact) and multiplied by fp32 x with fp32 FMAs, 16 weights a step into two
+ * 8-lane accumulators per row of x; x is copied once per call into an fp32 buffer padded with zeros to 16, and the
+ * weight row's last K % 16 elements into a zero-padded chunk, so every row's sum runs the same code for every M
+ * (rows of x go 4 at a time over each weight row while it sits in L1). The same core serves
+ * `gemv_rows_bf16w_f32x`: bf16 weights, fp32 activations and fp32 outputs (an AVX2 machine computes fp32 natively;
+ * the weights keep half the bytes). Built with AVX2 only, gemv_rows_bf16(x) is bf16(gemv_rows_bf16w_f32x(x)), bit
+ * for bit. Without AVX2 or AVX512-BF16 (the generic build) both return -1 and the caller keeps oneDNN;
+ * `gemv_paths` says which paths the build has.
  */
 
 #include <omp.h>
+#include <stdlib.h>
 
 #include "common.h"
 
@@ -77,8 +88,108 @@ static void gemv_cols_any(const uint16_t *x, int64_t x_stride, const uint16_t *w
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_FP32_CORE 1
+#define F_ROWS 4   /* rows of x per pass over a weight row: 8 accumulators */
+
+/* 8 bf16 at p widened to fp32 (exact). */
+static inline __m256 widen8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* One step of dot_rows: 16 weights (two widened vectors) into R rows' accumulators, x at column k. */
+static inline __attribute__((always_inline)) void dot_step(__m256 w0, __m256 w1, const float *x, int64_t K16,
+                                                           int64_t k, __m256 *lo, __m256 *hi, const int R) {
+    for (int r = 0; r < R; r++) {
+        lo[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K16 + k), lo[r]);
+        hi[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K16 + k + 8), hi[r]);
+    }
+}
+
+/* Sums of one weight row (K bf16) against R rows of the padded fp32 x (rows K16 apart, zero past K), R a
+ * constant where inlined: 16 weights a step into two accumulators a row; the last K % 16 weights through a
+ * zero-padded chunk. Each row's arithmetic is the same whatever R. */
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t *row, const float *x, int64_t K,
+                                                           int64_t K16, float *sums, const int R) {
+    __m256 lo[F_ROWS], hi[F_ROWS];
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    const int64_t body = K / 16 * 16;
+    for (int64_t k = 0; k < body; k += 16) dot_step(widen8(row + k), widen8(row + k + 8), x, K16, k, lo, hi, R);
+    if (body < K) {
+        uint16_t tail[16] = {0};
+        for (int64_t k = body; k < K; k++) tail[k - body] = row[k];
+        dot_step(widen8(tail), widen8(tail + 8), x, K16, body, lo, hi, R);
+    }
+    for (int r = 0; r < R; r++) sums[r] = hsum8(_mm256_add_ps(lo[r], hi[r]));
+}
+
+static void dot_rows_any(const uint16_t *row, const float *x, int64_t K, int64_t K16, float *sums, int R) {
+    switch (R) {
+    case 1: dot_rows(row, x, K, K16, sums, 1); break;
+    case 2: dot_rows(row, x, K, K16, sums, 2); break;
+    case 3: dot_rows(row, x, K, K16, sums, 3); break;
+    default: dot_rows(row, x, K, K16, sums, 4); break;
+    }
+}
+
+/* Output columns [n0, n1) of M rows: each weight row read once from memory, the rows of x F_ROWS at a time
+ * over it (from L1 after the first pass). */
+static void fp32_cols(const float *x, int64_t K, const uint16_t *w, void *y, int64_t y_stride, int64_t n0,
+                      int64_t n1, int M, int y_bf16) {
+    const int64_t K16 = (K + 15) / 16 * 16;
+    float sums[MAX_ROWS];
+    for (int64_t n = n0; n < n1; n++) {
+        for (int m = 0; m < M; m += F_ROWS)
+            dot_rows_any(w + n * K, x + m * K16, K, K16, sums + m, M - m < F_ROWS ? M - m : F_ROWS);
+        for (int m = 0; m < M; m++) {
+            if (y_bf16) ((uint16_t *)y)[m * y_stride + n] = f32_to_bf16(sums[m]);
+            else ((float *)y)[m * y_stride + n] = sums[m];
+        }
+    }
+}
+
+/* The fp32 core: x [M, K] (bf16 when x_bf16, else fp32; rows x_stride apart) copied into a zero-padded fp32
+ * buffer, then threads take contiguous ranges of weight rows. -1: M outside 1..MAX_ROWS; -3: no memory. */
+static int fp32_core(const void *x, int64_t x_stride, int x_bf16, const uint16_t *w, void *y, int64_t y_stride,
+                     int y_bf16, int64_t M, int64_t N, int64_t K) {
+    if (M < 1 || M > MAX_ROWS || K < 1) return -1;
+    const int64_t K16 = (K + 15) / 16 * 16;
+    float *xf = (float *)aligned_alloc(64, (size_t)(M * K16 * 4 + 63) / 64 * 64);
+    if (!xf) return -3;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < K; k++)
+            xf[m * K16 + k] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[m * x_stride + k])
+                                     : ((const float *)x)[m * x_stride + k];
+        for (int64_t k = K; k < K16; k++) xf[m * K16 + k] = 0.0f;
+    }
+#pragma omp parallel if (N * K > 65536)
+    {
+        const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+        fp32_cols(xf, K, w, y, y_stride, N * me / threads, N * (me + 1) / threads, (int)M, y_bf16);
+    }
+    free(xf);
+    return 0;
+}
+#endif
+
+/* Which paths this build has: bit 0 gemv_rows_bf16 by bf16 pairs (AVX512-BF16), bit 1 gemv_rows_bf16 on the fp32
+ * core (AVX2 + FMA), bit 2 gemv_rows_bf16w_f32x (the fp32 core). 0: neither entry point works (generic build). */
+int gemv_paths(void) {
+    int paths = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+    paths |= 1;
+#elif defined(HAVE_FP32_CORE)
+    paths |= 2;
+#endif
+#if defined(HAVE_FP32_CORE)
+    paths |= 4;
+#endif
+    return paths;
+}
+
 /* y [M, N] = x [M, K] W^T for M in 1..MAX_ROWS rows of x (rows x_stride elements apart; y's y_stride apart), in
- * bf16 (see the top of this file). -1: not built with AVX512-BF16, or M outside 1..MAX_ROWS. */
+ * bf16 (see the top of this file). -1: a build without the bf16 GEMV (gemv_paths), or M outside 1..MAX_ROWS. */
 int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M, int64_t N,
                    int64_t K) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -91,6 +202,21 @@ int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int6
                       N * (me + 1) / threads, K, (int)M);
     }
     return 0;
+#elif defined(HAVE_FP32_CORE)
+    return fp32_core(x, x_stride, 1, (const uint16_t *)w, y, y_stride, 1, M, N, K);
+#else
+    (void)x; (void)x_stride; (void)w; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
+    return -1;
+#endif
+}
+
+/* y [M, N] fp32 = x [M, K] fp32 W^T with W [N, K] bf16, for M in 1..MAX_ROWS (strides as gemv_rows_bf16): the fp32
+ * core, each output the fp32 sum unrounded. -1: no fp32 core in this build (gemv_paths), or M outside 1..MAX_ROWS;
+ * -3: no memory for x's padded copy. */
+int gemv_rows_bf16w_f32x(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M,
+                         int64_t N, int64_t K) {
+#if defined(HAVE_FP32_CORE)
+    return fp32_core(x, x_stride, 0, (const uint16_t *)w, y, y_stride, 0, M, N, K);
 #else
     (void)x; (void)x_stride; (void)w; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
     return -1;

@@ -1,7 +1,7 @@
 /* Paged decode attention on CPU: one query token per sequence over its block table, K and V read where they
  * sit in the pool (no gather, no padding, nothing past a sequence's length).
  *
- * Built by kernels/cpu_kernels.py on first use (cc -O3 -march=native -fopenmp) and called through ctypes.
+ * Built by kernels/cpu_kernels.py on first use (cc -O3 -fopenmp, one build per ISA level) and called through ctypes.
  * Its OpenMP is the one torch already loaded (same soname), so it runs on torch's threads and follows
  * torch.set_num_threads.
  *
@@ -13,6 +13,10 @@
  * once. Block by block, an online softmax (running max m, sum l, accumulator acc) in fp32, as the Triton
  * kernel does; the output is acc / l in the pool's type. Each task's arithmetic depends only on its own
  * sequence, so a sequence's output does not change with the batch around it.
+ *
+ * Three ways through a task: 16 positions at a time in AVX-512 lanes (bf16 q.k by pairs with AVX512-BF16), 8 at a
+ * time in AVX2 + FMA lanes (bf16 widened to fp32 in registers), or the portable loops (head_dim no multiple of
+ * the lanes, or the generic build).
  *
  * `decode_task` is written once and inlined into one function per (type, G, D) for the common head shapes,
  * where the compiler unrolls the loops over G and D and keeps q and the accumulators in registers; other
@@ -239,13 +243,118 @@ static inline __attribute__((always_inline)) void decode_task_avx512(
 }
 #endif
 
-/* The AVX-512 task where the machine has it and rows are whole vectors, the portable one otherwise. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define DECODE_AVX2 1
+
+/* out[t] = the sum of v[t]'s 8 lanes (a transpose-add tree, as lane_sums in 16 lanes). */
+static inline __m256 lane_sums8(const __m256 *v) {
+    __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);   /* per 128-bit half: sums of v0..3, v4..7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* The AVX2 task (FMA; bf16 rows widened to fp32 in registers): as the AVX-512 one, 8 positions at a time, each
+ * position's q.k an 8-lane partial sum (D / 8 FMAs) and `lane_sums8` turning 8 of them into 8 scores. */
+static inline __attribute__((always_inline)) void decode_task_avx2(
+        const void *q, const void *k_pool, const void *v_pool, const int32_t *table, int len, void *out,
+        const int group, const int head_dim, int block_size, float scale, const int is_bf16) {
+    const int nv = head_dim / 8;   /* vectors per row */
+    const int elem = is_bf16 ? 2 : 4;
+    __m256 qv[MAX_GROUP][MAX_HEAD_DIM / 8], acc[MAX_GROUP][MAX_HEAD_DIM / 8];
+    __m256 partial[MAX_GROUP][8];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    int64_t rows[8];   /* byte offsets of the chunk's rows in a KV head's pool */
+    for (int g = 0; g < group; g++) {
+        const char *q_row = (const char *)q + (int64_t)g * head_dim * elem;
+        for (int c = 0; c < nv; c++) {
+            qv[g][c] = _mm256_mul_ps(load8(q_row, c, is_bf16), _mm256_set1_ps(scale));
+            acc[g][c] = _mm256_setzero_ps();
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const int64_t row_bytes = (int64_t)head_dim * elem;
+    int block = 0, offset = 0;   /* where the next position lives: table[block], row `offset` of it */
+    for (int start = 0; start < len; start += 8) {
+        int n = len - start < 8 ? len - start : 8;
+        const __m256 valid = lanes_below(n);
+        for (int t = 0; t < n; t++) {
+            rows[t] = ((int64_t)table[block] * block_size + offset) * row_bytes;
+            if (++offset == block_size) {
+                offset = 0;
+                block++;
+            }
+        }
+        /* the next chunk's K and V rows, fetched while this one computes (blocks sit anywhere in the pool) */
+        for (int t = 0, next_block = block, next_offset = offset; t < 8 && start + 8 + t < len; t++) {
+            const int64_t ahead = ((int64_t)table[next_block] * block_size + next_offset) * row_bytes;
+            for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+                _mm_prefetch((const char *)k_pool + ahead + byte, _MM_HINT_T0);
+                _mm_prefetch((const char *)v_pool + ahead + byte, _MM_HINT_T0);
+            }
+            if (++next_offset == block_size) {
+                next_offset = 0;
+                next_block++;
+            }
+        }
+        for (int t = 0; t < 8; t++) {
+            if (t >= n) {
+                for (int g = 0; g < group; g++) partial[g][t] = _mm256_setzero_ps();
+                continue;
+            }
+            const char *row = (const char *)k_pool + rows[t];
+            __m256 k[MAX_HEAD_DIM / 8];
+            for (int c = 0; c < nv; c++) k[c] = load8(row, c, is_bf16);
+            for (int g = 0; g < group; g++) {
+                __m256 sum = _mm256_mul_ps(qv[g][0], k[0]);
+                for (int c = 1; c < nv; c++) sum = _mm256_fmadd_ps(qv[g][c], k[c], sum);
+                partial[g][t] = sum;
+            }
+        }
+        float probs[MAX_GROUP][8];
+        for (int g = 0; g < group; g++) {
+            __m256 scores = lane_sums8(partial[g]);
+            float top = hmax8(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, valid));
+            top = top > m[g] ? top : m[g];
+            float rescale = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - top);
+            __m256 p = exp8(_mm256_sub_ps(scores, _mm256_set1_ps(top)), valid);
+            l[g] = l[g] * rescale + hsum8(p);
+            m[g] = top;
+            _mm256_storeu_ps(probs[g], p);
+            for (int c = 0; c < nv; c++) acc[g][c] = _mm256_mul_ps(acc[g][c], _mm256_set1_ps(rescale));
+        }
+        for (int t = 0; t < n; t++) {
+            const char *row = (const char *)v_pool + rows[t];
+            __m256 v[MAX_HEAD_DIM / 8];
+            for (int c = 0; c < nv; c++) v[c] = load8(row, c, is_bf16);
+            for (int g = 0; g < group; g++) {
+                __m256 p = _mm256_set1_ps(probs[g][t]);
+                for (int c = 0; c < nv; c++) acc[g][c] = _mm256_fmadd_ps(p, v[c], acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float row[MAX_HEAD_DIM];
+        __m256 inv = _mm256_set1_ps(1.0f / l[g]);
+        for (int c = 0; c < nv; c++) _mm256_storeu_ps(row + 8 * c, _mm256_mul_ps(acc[g][c], inv));
+        store_row(row, out, g, is_bf16, head_dim);
+    }
+}
+#endif
+
+/* The AVX-512 task where the machine has it and rows are whole vectors, else the AVX2 one, the portable one otherwise. */
 static inline __attribute__((always_inline)) void decode_any(
         const void *q, const void *k_pool, const void *v_pool, const int32_t *table, int len, void *out,
         const int group, const int head_dim, int block_size, float scale, const int is_bf16) {
 #if defined(__AVX512F__)
     if (head_dim % 16 == 0) {
         decode_task_avx512(q, k_pool, v_pool, table, len, out, group, head_dim, block_size, scale, is_bf16);
+        return;
+    }
+#elif defined(DECODE_AVX2)
+    if (head_dim % 8 == 0) {
+        decode_task_avx2(q, k_pool, v_pool, table, len, out, group, head_dim, block_size, scale, is_bf16);
         return;
     }
 #endif

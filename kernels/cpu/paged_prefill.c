@@ -2,7 +2,7 @@
  * `len` positions), causal, over K and V read where they sit in the pool through the block table. It serves
  * prefill chunks, prompts behind a cached prefix, and the length-1 rows of a mixed step alike.
  *
- * Built with paged_decode.c by kernels/cpu_kernels.py (cc -O3 -march=native -fopenmp), same layouts:
+ * Built with paged_decode.c by kernels/cpu_kernels.py (cc -O3 -fopenmp, per ISA level), same layouts:
  * q [T, H, D] with token stride q_stride (elements) and contiguous heads; pool [Hkv, NB, bs, D] contiguous;
  * block_tables [B, *] int32 (row stride table_stride); seq_lens [B] int32, the context length after this step;
  * query_start_loc [B + 1] int32, sequence b's query tokens are rows query_start_loc[b] .. [b + 1] - 1 of q;
@@ -12,9 +12,10 @@
  * heads of that KV head, all of which read the same keys. Two ways through the keys:
  * - bf16 on a CPU with AVX512-BF16 (the packed path, below): keys 32 at a time, packed once per call into the
  *   layouts that vdpbf16ps wants, and multiplied by pairs of bf16 without conversion, scores and P V alike.
- * - otherwise (fp32): keys 16 at a time, converted to fp32 and transposed (kt[d][j]), so that the scores of R
- *   rows and 16 keys are R x 16 fp32 accumulators fed by one load of kt[d] and R broadcasts of q per d; each
- *   row's output accumulates p * v over the V rows converted to fp32.
+ * - otherwise (fp32 pools, or bf16 without AVX512-BF16): keys 16 at a time, converted to fp32 and transposed
+ *   (kt[d][j]), so that the scores of R rows and 16 keys are R x 16 fp32 accumulators fed by one load of kt[d]
+ *   and R broadcasts of q per d; each row's output accumulates p * v over the V rows converted to fp32. In
+ *   AVX-512 lanes (16 keys a vector), in AVX2 + FMA lanes (two vectors of 8, rows 4 at a time), or portable C.
  * Both keep an online softmax (running max m, sum l) in fp32 per row, as the decode kernel; query token t at
  * position len - n + t sees keys 0 .. len - n + t. The output is acc / l in the pool's type. Every task's
  * arithmetic depends only on its own rows and keys, so a sequence's output does not change with the batch
@@ -55,6 +56,25 @@ static inline __attribute__((always_inline)) void pf_scores(const float (*q)[PF_
         for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k, acc[r]);
     }
     for (int r = 0; r < R; r++) _mm512_store_ps(s[r], acc[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* 16 keys are two 8-lane vectors: rows 4 at a time (8 accumulators), the tile's kt rows from L1 again */
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        const int rn = R - r0 < 4 ? R - r0 : 4;
+        __m256 lo[4], hi[4];
+        for (int r = 0; r < rn; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+        for (int d = 0; d < head_dim; d++) {
+            __m256 k0 = _mm256_load_ps(kt[d]), k1 = _mm256_load_ps(kt[d] + 8);
+            for (int r = 0; r < rn; r++) {
+                __m256 qd = _mm256_broadcast_ss(&q[r0 + r][d]);
+                lo[r] = _mm256_fmadd_ps(qd, k0, lo[r]);
+                hi[r] = _mm256_fmadd_ps(qd, k1, hi[r]);
+            }
+        }
+        for (int r = 0; r < rn; r++) {
+            _mm256_store_ps(s[r0 + r], lo[r]);
+            _mm256_store_ps(s[r0 + r] + 8, hi[r]);
+        }
+    }
 #else
     float acc[PF_RB][PF_KEYS];
     for (int r = 0; r < R; r++)
@@ -85,6 +105,20 @@ static inline void pf_softmax(float *s, int seen, float *m, float *l, float *acc
     if (rescale != 1.0f)
         for (int c = 0; c < head_dim / 16; c++)
             _mm512_store_ps(acc + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), _mm512_set1_ps(rescale)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 v0 = lanes_below(seen), v1 = lanes_below(seen - 8), minus_inf = _mm256_set1_ps(-INFINITY);
+    __m256 s0 = _mm256_load_ps(s), s1 = _mm256_load_ps(s + 8);
+    float top = hmax8(_mm256_max_ps(_mm256_blendv_ps(minus_inf, s0, v0), _mm256_blendv_ps(minus_inf, s1, v1)));
+    top = top > *m ? top : *m;
+    float rescale = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - top);
+    const __m256 top8 = _mm256_set1_ps(top);
+    __m256 p0 = exp8(_mm256_sub_ps(s0, top8), v0), p1 = exp8(_mm256_sub_ps(s1, top8), v1);
+    *l = *l * rescale + hsum8(_mm256_add_ps(p0, p1));
+    _mm256_store_ps(s, p0);
+    _mm256_store_ps(s + 8, p1);
+    if (rescale != 1.0f)
+        for (int c = 0; c < head_dim / 8; c++)
+            _mm256_store_ps(acc + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc + 8 * c), _mm256_set1_ps(rescale)));
 #else
     float top = *m;
     for (int j = 0; j < seen; j++) top = s[j] > top ? s[j] : top;
@@ -115,6 +149,26 @@ static inline __attribute__((always_inline)) void pf_values(float (*acc)[PF_MAX_
             for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vj, a[r]);
         }
         for (int r = 0; r < R; r++) _mm512_store_ps(acc[r] + c, a[r]);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (int c = 0; c < head_dim; c += 16) {   /* 16 dims a step: R x 2 accumulators (head_dim is a multiple of 16) */
+        __m256 a0[4], a1[4];
+        for (int r = 0; r < R; r++) {
+            a0[r] = _mm256_load_ps(acc[r] + c);
+            a1[r] = _mm256_load_ps(acc[r] + c + 8);
+        }
+        for (int j = 0; j < nk; j++) {
+            __m256 v0 = _mm256_load_ps(v[j] + c), v1 = _mm256_load_ps(v[j] + c + 8);
+            for (int r = 0; r < R; r++) {
+                __m256 pj = _mm256_broadcast_ss(&p[r][j]);
+                a0[r] = _mm256_fmadd_ps(pj, v0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(pj, v1, a1[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm256_store_ps(acc[r] + c, a0[r]);
+            _mm256_store_ps(acc[r] + c + 8, a1[r]);
+        }
     }
 #else
     for (int r = 0; r < R; r++)

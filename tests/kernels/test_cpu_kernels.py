@@ -17,7 +17,7 @@ from infer.kernels.paged_attention import (
     paged_decode_attention, paged_decode_attention_torch, paged_prefill_attention, paged_prefill_attention_torch
 )
 
-pytestmark = pytest.mark.skipif(cpu_kernels._library() is None, reason="no C compiler: the twin runs instead")
+pytestmark = pytest.mark.usefixtures("isa")   # every test once per build this CPU runs (conftest.py)
 
 NATIVE_DTYPES = [torch.float32, torch.bfloat16]
 CPU = torch.device("cpu")   # the native kernels' tensors, also on a CUDA machine
@@ -271,16 +271,16 @@ def test_bad_slots_and_positions_are_refused_with_nothing_written(case):
         assert torch.equal(q, before)
 
 
-def test_the_library_is_built_again_over_a_damaged_cache_file_and_not_at_all_without_a_compiler(tmp_path,
+def test_the_library_is_built_again_over_a_damaged_cache_file_and_not_at_all_without_a_compiler(tmp_path, isa,
                                                                                                  monkeypatch):
     monkeypatch.setenv("INFER_COMPILE_CACHE", str(tmp_path))
-    path = cpu_kernels._library_path(cpu_kernels._compiler())   # $CC where set (the GPU image sets it)
+    path = cpu_kernels._library_path(cpu_kernels._compiler(), isa)   # $CC where set (the GPU image sets it)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")
-    assert cpu_kernels._load() is not None and path.stat().st_size > 1000
+    assert cpu_kernels._load(isa) is not None and path.stat().st_size > 1000
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
-    assert cpu_kernels._load() is None
+    assert cpu_kernels._load(isa) is None
 
 
 # ---- the greedy step's row max -----------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""The native batch-1 GEMV (kernels/cpu/gemv.c) against float64 and F.linear, and the linear layers' dispatch to it.
+"""The native batch-1 GEMV (kernels/cpu/gemv.c) against float64 and F.linear, and the linear layers' dispatch to it,
+in every build this CPU runs (the `isa` fixture): AVX512-BF16 products by pairs, AVX2's bf16 weights widened to
+fp32 with fp32 activations or bf16 ones, and the generic build, which has none and leaves the layers on oneDNN.
 
 N = 960 / 3072 / 576 and K = 576 / 1536 are SmolLM2's projections; 1, 7, 9 and 13 rows leave a tail after the
 blocks of 8, and K = 1, 31, 33 and 100 a tail after the chunks of 32.
@@ -11,11 +13,33 @@ import torch
 import torch.nn.functional as F
 
 from infer.kernels import cpu_kernels
-from infer.kernels.cpu_kernels import gemv, gemv_takes
+from infer.kernels.cpu_kernels import (
+    GEMV_BF16_FP32_CORE, GEMV_BF16_PAIRS, GEMV_F32X, gemv, gemv_bf16w_f32x, gemv_paths, gemv_takes
+)
 from infer.worker.models.layers import ColumnLinear, RowLinear
 
-pytestmark = pytest.mark.skipif(not (cpu_kernels._library() is not None and cpu_kernels._has_avx512_bf16()),
-                                reason="needs a C compiler and a CPU with AVX512-BF16: oneDNN runs instead")
+pytestmark = pytest.mark.usefixtures("isa")   # every test once per build this CPU runs (conftest.py)
+
+
+@pytest.fixture
+def native_gemv(isa: str) -> int:
+    """The build's GEMV paths; a build without a GEMV (generic) skips: `test_each_build_has_the_gemv_it_should`
+    checks that it is only that one."""
+    paths = gemv_paths()
+    if not paths & (GEMV_BF16_PAIRS | GEMV_BF16_FP32_CORE):
+        pytest.skip(f"the {isa} build has no native GEMV: the linears keep oneDNN")
+    return paths
+
+
+def test_each_build_has_the_gemv_it_should(isa: str) -> None:
+    """avx512: bf16 pairs where the CPU has AVX512-BF16, else the fp32 core; avx2: the fp32 core; generic: none,
+    and then no weight is taken (the layers keep oneDNN)."""
+    flags = cpu_kernels._cpu_flags().split()
+    want = {"avx512": (GEMV_BF16_PAIRS if "avx512_bf16" in flags else GEMV_BF16_FP32_CORE) | GEMV_F32X,
+            "avx2": GEMV_BF16_FP32_CORE | GEMV_F32X, "generic": 0}[isa]
+    assert gemv_paths() == want
+    _, w = operands(16, 64, seed=0)
+    assert gemv_takes(w) == (want != 0)
 
 
 def operands(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +51,7 @@ def operands(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (576, 1536), (1, 576), (7, 33), (9, 31), (13, 100),
                                  (1000, 1), (4099, 64)])
-def test_gemv_matches_float64_and_oneDNN(n: int, k: int) -> None:
+def test_gemv_matches_float64_and_oneDNN(n: int, k: int, native_gemv: int) -> None:
     x, w = operands(n, k, seed=n * 7 + k)
     x_before, w_before = x.clone(), w.clone()
     got = gemv(x, w)
@@ -42,7 +66,7 @@ def test_gemv_matches_float64_and_oneDNN(n: int, k: int) -> None:
     assert apart.max() <= 1 and (apart > 0).float().mean() < 0.05   # the sums' order differs from oneDNN's
 
 
-def test_gemv_threads_split_the_rows_without_gaps_or_overlap() -> None:
+def test_gemv_threads_split_the_rows_without_gaps_or_overlap(native_gemv: int) -> None:
     """Each thread's range of blocks: every output written once, whatever the thread count."""
     x, w = operands(8 * 37 + 5, 64, seed=3)
     threads = torch.get_num_threads()
@@ -57,7 +81,7 @@ def test_gemv_threads_split_the_rows_without_gaps_or_overlap() -> None:
 
 
 @pytest.mark.parametrize("rows", [2, 3, 5, 8])
-def test_each_of_several_rows_gets_what_it_gets_alone(rows: int) -> None:
+def test_each_of_several_rows_gets_what_it_gets_alone(rows: int, native_gemv: int) -> None:
     """Rows of x read from a wider buffer (row stride > K): each output row is the one-row GEMV's, bit for bit
     (each weight row is read once for all of them, each sum taken as for one row)."""
     wide = torch.randn(rows, 600, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
@@ -69,13 +93,13 @@ def test_each_of_several_rows_gets_what_it_gets_alone(rows: int) -> None:
         assert torch.equal(got[m], gemv(x[m:m + 1].contiguous(), w)[0]), m
 
 
-def test_nine_rows_are_refused() -> None:
+def test_nine_rows_are_refused(native_gemv: int) -> None:
     x, w = operands(16, 64, seed=1)
     with pytest.raises(ValueError, match="takes 1-8 rows"):
         gemv(x.expand(9, 64), w)
 
 
-def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch) -> None:
+def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gemv: int) -> None:
     rows_seen: list[int] = []
     monkeypatch.setattr("infer.worker.models.layers.gemv", lambda x, w: rows_seen.append(x.shape[0]) or gemv(x, w))
     layer = ColumnLinear(64, 48, bias=True, dtype=torch.bfloat16)
@@ -96,3 +120,44 @@ def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch) -> None:
     fp32.weight.data.copy_(w.float())
     fp32.pack_weights()
     assert not fp32.gemv_ready and not gemv_takes(w.t())                 # fp32, and a transposed weight
+
+
+# ---- bf16 weights, fp32 activations (the fp32 core) ---------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 33), (9, 31), (1000, 1), (4099, 64)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_bf16_weights_fp32_rows_match_float64_and_each_row_alone(n: int, k: int, rows: int, native_gemv: int) -> None:
+    """fp32 outputs within the bound of fp32 sums over k products of float64 (each FMA rounds once), and each row
+    the bits it gets alone."""
+    g = torch.Generator().manual_seed(n + k + rows)
+    wide = torch.randn(rows, k + 5, generator=g)
+    x = wide[:, 2:k + 2]                                            # rows of a wider buffer: row stride > K
+    w = torch.randn(n, k, generator=g).div_(k ** 0.5).to(torch.bfloat16)
+    got = gemv_bf16w_f32x(x, w)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    exact = x.double() @ w.double().t()
+    bound = (x.double().abs() @ w.double().abs().t()) * (k + 2) * 2.0 ** -24
+    assert ((got.double() - exact).abs() <= bound).all()
+    for m in range(rows):
+        assert torch.equal(got[m], gemv_bf16w_f32x(x[m:m + 1].contiguous(), w)[0]), m
+
+
+def test_on_the_fp32_core_the_bf16_gemv_is_the_fp32_one_rounded(native_gemv: int) -> None:
+    """Where the bf16 GEMV runs on the fp32 core (AVX2), bf16 rows give the fp32 variant's sums rounded once to
+    bf16, bit for bit (x is widened exactly); with bf16 pairs (AVX512-BF16) the two are within a bf16 ulp."""
+    x, w = operands(3072, 576, seed=9)
+    x = x.expand(5, 576).contiguous().mul_(torch.linspace(0.5, 2, 5).to(torch.bfloat16)[:, None])
+    rounded = gemv_bf16w_f32x(x.float(), w).to(torch.bfloat16)
+    if native_gemv & GEMV_BF16_FP32_CORE:
+        assert torch.equal(gemv(x, w), rounded)
+    else:
+        apart = (gemv(x, w).view(torch.int16).int() - rounded.view(torch.int16).int()).abs()
+        assert apart.max() <= 1
+
+
+def test_fp32_rows_are_checked(native_gemv: int) -> None:
+    x, w = operands(16, 64, seed=2)
+    with pytest.raises(ValueError, match="takes fp32 rows"):
+        gemv_bf16w_f32x(x, w)                                           # bf16 rows
+    with pytest.raises(ValueError, match="takes 1-8 rows"):
+        gemv_bf16w_f32x(x.float().expand(9, 64), w)

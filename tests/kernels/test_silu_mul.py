@@ -10,11 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.kernels import cpu_kernels
 from infer.kernels.cpu_kernels import silu_and_mul_fits, silu_and_mul_native
 from infer.worker.models.layers import silu_and_mul
 
-requires_native = pytest.mark.skipif(cpu_kernels._library() is None, reason="no C compiler: torch's ops run instead")
+requires_native = pytest.mark.usefixtures("isa")   # once per build of the C kernels (conftest.py)
 
 
 def torch_ops(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_checks import native_isa_levels, use_native_isa
+
 from infer import SamplingParams
 from infer.kernels import cpu_kernels
 from infer.worker.config import EngineConfig
@@ -16,8 +18,15 @@ from infer.worker.engine import Engine
 from infer.worker.models import native_decode
 from infer.worker.models.native_decode import NativeDecoder
 
-pytestmark = pytest.mark.skipif(not (cpu_kernels._library() is not None and cpu_kernels._has_avx512_bf16()),
-                                reason="needs a C compiler and a CPU with AVX512-BF16: the layers run one by one")
+
+
+@pytest.fixture(autouse=True, params=[isa for isa in native_isa_levels() if isa != "generic"])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test once per build this CPU runs that has a GEMV (avx512 with AVX512-BF16 pairs or the fp32 core,
+    avx2 with the fp32 core; the generic build has none, and the layers run one by one there)."""
+    use_native_isa(request.param, monkeypatch)
+    assert cpu_kernels.gemv_paths() & (cpu_kernels.GEMV_BF16_PAIRS | cpu_kernels.GEMV_BF16_FP32_CORE)
+    return request.param
 
 
 def _engine(model_dir, **kwargs) -> Engine:

@@ -10,7 +10,8 @@ bit (tests/worker/test_native_decode.py).
 
 It serves a step whose batch is 1-8 decoding sequences (GEMV_MAX_ROWS), outside step graphs, when every layer
 is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank, with bf16 weights the GEMV
-takes. Anything else runs the layers one by one, as before.
+takes: the avx512 build (bf16 products by pairs with AVX512-BF16, else the fp32 core) and the avx2 build (bf16
+weights widened to fp32 in registers); the generic build has no GEMV. Anything else runs the layers one by one.
 """
 
 from __future__ import annotations
