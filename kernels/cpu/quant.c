@@ -137,13 +137,6 @@ static inline __m256 load8_x(const void *row, int64_t k, int is_bf16) {
     return _mm256_loadu_ps((const float *)row + k);
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
 /* 16 int32 (two vectors of 8, each within int8) -> 16 int8 in order. */
 static inline __m128i pack16(__m256i lo, __m256i hi) {
     const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
@@ -320,12 +313,6 @@ static ALWAYS_INLINE void dot_row(const Acts *a, int64_t m0, const int M, const 
 }
 
 #elif defined(QUANT_AVX2)
-static inline float hsum8(__m256 v) {
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_add_ss(t, _mm_movehdup_ps(t));
-    return _mm_cvtss_f32(t);
-}
 
 static ALWAYS_INLINE void q4_blocks(const Acts *a, int64_t m0, const int M, const Weights *w, int64_t n,
                                     __m256 acc[TILE_ROWS]) {
