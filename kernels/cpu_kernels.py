@@ -237,10 +237,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemv_rows_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.gemv_rows_bf16w_f32x.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.gemv_paths.argtypes = []
-    lib.decode_layers_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i64, f32, f32, ptr, ptr, ptr,
-                                       i64, i64, ptr, i64, i32, ptr, i64, i32, ptr]
+    lib.decode_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i64, f32, f32, ptr, ptr,
+                                  ptr, i64, i64, ptr, i64, i32, ptr, i64, i32, ptr, i32]
     for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max,
-               lib.silu_and_mul, lib.gemv_rows_bf16, lib.gemv_rows_bf16w_f32x, lib.gemv_paths, lib.decode_layers_bf16):
+               lib.silu_and_mul, lib.gemv_rows_bf16, lib.gemv_rows_bf16w_f32x, lib.gemv_paths, lib.decode_layers):
         fn.restype = i32
 
 
@@ -495,23 +495,25 @@ def gemv_bf16w_f32x(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array, pools: ctypes.Array,
-                  num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array, formats: ctypes.Array,
+                  pools: ctypes.Array, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  intermediate: int, eps: float,
                   scale: float, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, k_pool: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
                   scratch: torch.Tensor) -> None:
-    """One bf16 decode step of B sequences through a dense Llama's layers and final norm (kernels/cpu/
-    decode_layers.c): h [B, hidden] (the embedding rows in, the final normed rows out, in place), residual
-    [B, hidden] and scratch the file's scratch; `weights` and `pools` the pointer arrays it describes, `k_pool`
+    """One decode step of B sequences (bf16 or fp32 rows, h's type) through a dense Llama's layers and final norm
+    (kernels/cpu/decode_layers.c): h [B, hidden] (the embedding rows in, the final normed rows out, in place), residual
+    [B, hidden] and scratch the file's scratch; `weights`, `formats` and `pools` the arrays it describes, `k_pool`
     layer 0's K pool (its shape gives the pools'); positions, slots [B] int64, block_tables [B, width] int32 (unit
     column stride), seq_lens [B] int32. The caller checks types, layouts and sizes (worker/models/native_decode.py);
     the kernels check positions, slots, lengths and table entries, and a ValueError says which."""
     num_blocks, block_size = k_pool.shape[1], k_pool.shape[2]
-    status = _library().decode_layers_bf16(
-        h.data_ptr(), residual.data_ptr(), weights, pools, num_layers, h.shape[0], h.shape[1], num_heads,
+    status = _library().decode_layers(
+        h.data_ptr(), residual.data_ptr(), weights, formats, pools, num_layers, h.shape[0], h.shape[1], num_heads,
         num_kv_heads, head_dim, intermediate, eps, scale, positions.data_ptr(), slots.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), num_blocks,
-        block_size, cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], int(is_neox), scratch.data_ptr())
+        block_size, cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], int(is_neox), scratch.data_ptr(),
+        int(h.dtype == torch.bfloat16))
     if status == -1:
         raise ValueError(f"the native decode step takes no head_dim {head_dim}, group {num_heads // num_kv_heads} "
                          f"or {h.shape[0]} rows")

@@ -134,6 +134,8 @@ def pack_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (PackedLinear, VocabEmbedding)):
             module.pack_weights()
+        if getattr(module, "native_decode", None):
+            module.native_decode = None   # it holds the old weights' addresses: the next decode step makes it anew
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -165,8 +165,8 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tp_size = tp.size
-        # Steps of 1-8 decoding sequences in one native call (CPU, bf16; worker/models/native_decode.py), built on
-        # the first step; `native_decode = False` keeps every step on the layers one by one.
+        # Steps of 1-8 decoding sequences in one native call (CPU; worker/models/native_decode.py), built on the
+        # first step after the weights changed; `native_decode = False` keeps every step on the layers one by one.
         self.native_decode: NativeDecoder | bool | None = None
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache,
@@ -177,7 +177,7 @@ class LlamaModel(nn.Module):
         if layers is None and batch.num_decodes and not torch.compiler.is_compiling():
             if self.native_decode is None:
                 self.native_decode = NativeDecoder.for_model(self, self.tp_size) or False
-            if (self.native_decode and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
+            if (self.native_decode and hidden.dtype == self.native_decode.dtype and hidden.dim() == 2
                     and self.native_decode.takes(batch, kv_cache)):
                 return self.native_decode.run(hidden, batch, kv_cache)
         for layer, k_cache, v_cache in zip(self.layers if layers is None else layers, kv_cache.k, kv_cache.v,

@@ -1,4 +1,4 @@
-"""A decode step of 1-8 sequences through a dense Llama-family model in bf16 on a CPU, in one native call.
+"""A decode step of 1-8 sequences through a dense Llama-family model on a CPU, in one native call.
 
 At batch 1 a token is a walk through every weight (SmolLM2-135M: 269 MB), which the native GEMV streams near
 the machine's read bandwidth. What was left was the Python around the ~10 kernel calls of each layer (module
@@ -9,9 +9,10 @@ the layers do one by one (the linears send 1-8 rows to the same GEMV), so the to
 bit (tests/worker/test_native_decode.py).
 
 It serves a step whose batch is 1-8 decoding sequences (GEMV_MAX_ROWS), outside step graphs, when every layer
-is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank, with bf16 weights the GEMV
-takes: the avx512 build (bf16 products by pairs with AVX512-BF16, else the fp32 core) and the avx2 build (bf16
-weights widened to fp32 in registers); the generic build has no GEMV. Anything else runs the layers one by one.
+is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank, in bf16 or fp32, with every
+linear's weight one the native kernels take: kept quantized (kernels/cpu/quant.c, any build), or dense bf16 in a
+bf16 model (the GEMV: the avx512 build's bf16 pairs with AVX512-BF16, else its fp32 core; the avx2 build widens
+bf16 to fp32 in registers; the generic build has no GEMV). Anything else runs the layers one by one.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.kernels.cpu_kernels import (
-    GEMV_MAX_ROWS, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, MAX_HIDDEN, decode_layers, gemv_takes, native_ready
+    GEMV_MAX_ROWS, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, MAX_HIDDEN, decode_layers, native_ready
 )
+from infer.kernels.quant import FORMAT_CODES
 from infer.worker.forward_batch import ForwardBatch, KVCache
 
 if TYPE_CHECKING:
@@ -38,33 +40,51 @@ def _linears(layer: nn.Module) -> tuple[PackedLinear, PackedLinear, PackedLinear
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
+# What decode_layers.c takes for a linear's weight (its `formats`): -1 dense bf16 (the GEMV), else the quantized
+# format's code (kernels/quant.py FORMAT_CODES).
+DENSE_BF16 = -1
+
+
+def _linear_format(linear: PackedLinear, dtype: torch.dtype) -> int | None:
+    """The code decode_layers.c multiplies `linear` by, or None where it cannot (a dense fp32 weight: the GEMV
+    streams bf16 weights only)."""
+    if linear.quant is not None:
+        return FORMAT_CODES[linear.quant.format] if linear.quant_native else None
+    return DENSE_BF16 if linear.gemv_ready and dtype == torch.bfloat16 else None
+
+
 class NativeDecoder:
     """Runs `LlamaModel`'s layers and final norm for a batch of 1-8 decoding sequences (see the module docstring).
-    Build it with `for_model`, which answers None for a model it cannot serve."""
+    Build it with `for_model`, which answers None for a model it cannot serve. It holds the addresses of the
+    weights as they are when it is built: the loader's `pack_weights`, which runs after every change of the weights
+    (load, refit, resume), drops it, and the next step builds a new one."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, formats: list[int]) -> None:
         layers = list(model.layers)
         attn, mlp = layers[0].self_attn, layers[0].mlp
         self.model = model
+        self.dtype = model.norm.weight.dtype
         self.num_layers = len(layers)
         self.hidden = model.norm.weight.shape[0]
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.intermediate = mlp.down_proj.weight.shape[1]
+        self.intermediate = mlp.down_proj.logical_shape[1]
         self.eps, self.scale = model.norm.eps, attn.scale
-        self.linears: list[PackedLinear] = [linear for layer in layers for linear in _linears(layer)]
-        # 10 a layer, in decode_layers.c's order (the four linears' biases last, None where there is none), then
-        # the final norm's weight (Parameters keep their identity across reloads and suspend / resume; their
-        # storage may move, so the addresses are read each step)
-        self.weights: list[torch.Tensor | None] = []
+        # 18 a layer, in decode_layers.c's order: the norms and linears' weights, the biases (None where there is
+        # none), each linear's block scales and mins (None for a dense one); then the final norm's weight
+        weights: list[torch.Tensor | None] = []
         for layer in layers:
             qkv, o, gate_up, down = linears = _linears(layer)
-            self.weights += [layer.input_layernorm.weight, qkv.weight, o.weight, layer.post_attention_layernorm.weight,
-                             gate_up.weight, down.weight, *(linear.bias for linear in linears)]
-        self.weights.append(model.norm.weight)
+            weights += [layer.input_layernorm.weight, qkv.weight, o.weight, layer.post_attention_layernorm.weight,
+                        gate_up.weight, down.weight, *(linear.bias for linear in linears)]
+            weights += [t for linear in linears for t in (linear.weight_scales, linear.weight_mins)]
+        weights.append(model.norm.weight)
+        self.weights = (ctypes.c_void_p * len(weights))(*[None if t is None else t.data_ptr() for t in weights])
+        self.formats = (ctypes.c_int32 * len(formats))(*formats)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scratch = torch.empty(GEMV_MAX_ROWS * (2 * self.hidden + 2 * q_size + 2 * kv_size + 3 * self.intermediate),
-                                   dtype=torch.bfloat16)
-        self.residual = torch.empty(GEMV_MAX_ROWS, self.hidden, dtype=torch.bfloat16)
+                                   dtype=self.dtype)
+        self.residual = torch.empty(GEMV_MAX_ROWS, self.hidden, dtype=self.dtype)
+        self._pools: tuple[tuple[int, ...], ctypes.Array] | None = None
 
     @classmethod
     def for_model(cls, model: LlamaModel, tp_size: int) -> NativeDecoder | None:
@@ -72,7 +92,8 @@ class NativeDecoder:
         from infer.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
         layers = list(model.layers)
-        if tp_size != 1 or not layers or model.norm.weight.dtype != torch.bfloat16 or not native_ready():
+        dtype = model.norm.weight.dtype
+        if tp_size != 1 or not layers or dtype not in (torch.bfloat16, torch.float32) or not native_ready():
             return None
         if model.norm.weight.device.type != "cpu" or model.rotary_emb.cos_sin_cache.dtype != torch.float32:
             return None
@@ -88,15 +109,16 @@ class NativeDecoder:
         same = all(layer.self_attn.num_heads == attn.num_heads and layer.self_attn.num_kv_heads == attn.num_kv_heads
                    and layer.self_attn.head_dim == attn.head_dim and layer.self_attn.scale == attn.scale
                    for layer in layers) and len({n.eps for n in norms}) == 1
-        plain = all(gemv_takes(lin.weight) and (lin.bias is None or (
-            lin.bias.dtype == torch.bfloat16 and lin.bias.is_contiguous() and lin.bias.shape == lin.weight.shape[:1]))
-            for lin in linears) and all(n.weight.dtype == torch.bfloat16 and n.weight.is_contiguous() for n in norms)
-        return cls(model) if shapes_fit and same and plain else None
+        formats = [_linear_format(linear, dtype) for linear in linears]
+        plain = all(code is not None for code in formats) and all(
+            lin.bias is None or (lin.bias.dtype == dtype and lin.bias.is_contiguous()
+                                 and lin.bias.shape[0] == lin.logical_shape[0]) for lin in linears) and all(
+            n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms)
+        return cls(model, formats) if shapes_fit and same and plain else None  # type: ignore[arg-type]
 
     def takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
         """Whether this step is one for the native call: 1-8 decoding sequences and nothing else, outside a step
-        graph, over bf16 pools of the shape the kernels take, with every linear on the GEMV (pack_weights decides
-        that)."""
+        graph, over pools of the model's type and of the shape the kernels take."""
         rows = batch.input_ids.shape[0]
         if (batch.step_graph or not 0 < rows <= GEMV_MAX_ROWS or batch.num_decodes != rows
                 or len(batch.context_lens) != rows):
@@ -105,26 +127,26 @@ class NativeDecoder:
         return (batch.positions.dtype == batch.slot_mapping.dtype == torch.int64 and batch.positions.is_contiguous()
                 and batch.slot_mapping.is_contiguous()
                 and batch.seq_lens.dtype == torch.int32 and batch.seq_lens.is_contiguous()
-                and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and pool.dtype == torch.bfloat16
+                and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and pool.dtype == self.dtype
                 and pool.dim() == 4 and pool.is_contiguous()
-                and pool.shape[2] <= MAX_BLOCK and tables.dtype == torch.int32 and tables.stride(1) == 1
-                and all(linear.gemv_ready for linear in self.linears))
+                and pool.shape[2] <= MAX_BLOCK and tables.dtype == torch.int32 and tables.stride(1) == 1)
 
-    def addresses(self, kv_cache: KVCache) -> tuple[ctypes.Array, ctypes.Array]:
-        """The weights' (NULL for a missing bias) and the pools' addresses as decode_layers.c takes them, now."""
-        weights = (ctypes.c_void_p * len(self.weights))(*[None if t is None else t.data_ptr() for t in self.weights])
-        pools = (ctypes.c_void_p * (2 * self.num_layers))(
-            *[pool.data_ptr() for pair in zip(kv_cache.k, kv_cache.v, strict=True) for pool in pair])
-        return weights, pools
+    def pool_addresses(self, kv_cache: KVCache) -> ctypes.Array:
+        """The pools' addresses as decode_layers.c takes them (made again when the pool's tensors change: a
+        suspend and resume allocates new ones)."""
+        tensors = [pool for pair in zip(kv_cache.k, kv_cache.v, strict=True) for pool in pair]
+        key = tuple(id(t) for t in tensors)
+        if self._pools is None or self._pools[0] != key:
+            self._pools = key, (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+        return self._pools[1]
 
     def run(self, hidden: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """hidden [B, hidden] bf16 (the embedding rows; overwritten) -> the final norm's output [B, hidden], for a
-        step that `takes` accepts. K and V of the new tokens are stored in every layer's pool."""
-        weights, pools = self.addresses(kv_cache)
+        """hidden [B, hidden] (the embedding rows, of the model's type; overwritten) -> the final norm's output
+        [B, hidden], for a step that `takes` accepts. K and V of the new tokens are stored in every layer's pool."""
         h = hidden if hidden.is_contiguous() else hidden.contiguous()
         rotary = self.model.rotary_emb
-        decode_layers(h, self.residual, weights, pools, self.num_layers, self.num_heads, self.num_kv_heads,
-                      self.head_dim, self.intermediate, self.eps, self.scale, batch.positions, batch.slot_mapping,
-                      batch.block_tables, batch.seq_lens, kv_cache.k[0], rotary.cos_sin_cache, rotary.is_neox,
-                      self.scratch)
+        decode_layers(h, self.residual, self.weights, self.formats, self.pool_addresses(kv_cache), self.num_layers,
+                      self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, self.eps, self.scale,
+                      batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens, kv_cache.k[0],
+                      rotary.cos_sin_cache, rotary.is_neox, self.scratch)
         return h
