@@ -46,6 +46,7 @@
 #define QBLOCK 32           /* elements of a block */
 #define TILE_ROWS 8         /* rows of x dotted with a weight row per pass */
 #define CHUNK_BYTES 65536   /* weight bytes of a chunk of rows reused by every tile of x when M > TILE_ROWS */
+#define OUT_RUN 16          /* outputs of a row written together */
 #define PREFETCH_BYTES 8192 /* how far ahead in qs the rows are prefetched (whole rows, at least one) */
 
 /* A step of the dot product loops: Q4_STEP (Q8_STEP) blocks, whose block dots lie in the LANES int32 lanes of one
@@ -488,16 +489,21 @@ static inline void prefetch_row(const Weights *w, int64_t n) {
  * not from a chunk in cache (where the prefetches of rows past the chunk cost a prefill 10-30%). */
 static ALWAYS_INLINE void tile_cols(const Acts *a, int64_t m0, const int M, const Weights *w, void *y,
                                     int64_t y_stride, int is_bf16, int64_t n0, int64_t n1, int stream) {
-    for (int64_t n = n0; n < n1; n++) {
-        float sums[TILE_ROWS];
-        if (stream) prefetch_row(w, n + w->ahead);
-        dot_row(a, m0, M, w, n, sums);
-        for (int m = 0; m < M; m++) {
-            const int64_t at = (m0 + m) * y_stride + n;
-            if (is_bf16)
-                ((uint16_t *)y)[at] = f32_to_bf16(sums[m]);
-            else
-                ((float *)y)[at] = sums[m];
+    for (int64_t r0 = n0; r0 < n1; r0 += OUT_RUN) {
+        const int64_t r1 = r0 + OUT_RUN < n1 ? r0 + OUT_RUN : n1;
+        float sums[OUT_RUN][TILE_ROWS];
+        for (int64_t n = r0; n < r1; n++) {
+            if (stream) prefetch_row(w, n + w->ahead);
+            dot_row(a, m0, M, w, n, sums[n - r0]);
+        }
+        for (int m = 0; m < M; m++) {   /* each row's run of outputs written together */
+            if (is_bf16) {
+                uint16_t *out = (uint16_t *)y + (m0 + m) * y_stride;
+                for (int64_t n = r0; n < r1; n++) out[n] = f32_to_bf16(sums[n - r0][m]);
+            } else {
+                float *out = (float *)y + (m0 + m) * y_stride;
+                for (int64_t n = r0; n < r1; n++) out[n] = sums[n - r0][m];
+            }
         }
     }
 }
