@@ -28,8 +28,10 @@
  *
  * Loop order: threads take contiguous ranges of weight rows (torch's OpenMP threads). With M <= 8 rows of x each
  * weight row is read once, front to back, and dotted with every row of x (a decode step: the call streams W from
- * memory once). With M > 8 a thread's range goes in chunks of rows that stay in L2, each chunk dotted with the rows
- * of x 8 at a time; the per-output arithmetic is the same code either way.
+ * memory once, each row prefetched PREFETCH_BYTES ahead; x is quantized before the parallel region, which then
+ * has no barrier). With M > 8 the threads quantize x together, then each thread's range goes in chunks of rows
+ * that stay in cache, each chunk dotted with the rows of x 8 at a time. The per-output arithmetic is the same code
+ * either way; outputs are written 16 columns of a row at a time.
  */
 
 #include <float.h>
