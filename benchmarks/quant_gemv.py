@@ -5,8 +5,10 @@ streams W. Each case cycles through copies of one matrix totalling COPIES_BYTES 
 quant_matmul on the next copy each time, and reports weight bytes per second (qs + scales + mins) and the time per
 call; torch's F.linear on the dense bf16 weight (oneDNN) runs the same way, and a sum over one large tensor gives
 the machine's read bandwidth. Builds: kernels/cpu/quant.c compiled here with -march=native / x86-64-v3 / x86-64
-(those this CPU runs). Prints a table, writes benchmarks/results/quant_gemv-<date>.json. Indicative only on a
-shared machine: keep --seconds short.
+(those this CPU runs). Prints a table, writes benchmarks/results/quant_gemv-<date>.json with the load average.
+Indicative only on a shared machine: keep --seconds short. On the busy 2-core dev VM, 2-thread runs with OpenMP's
+default (spinning) waits lost whole scheduler slices per call, for gemv.c's bf16 GEMV as for this kernel; use
+--threads 1, or OMP_WAIT_POLICY=passive for the 2-thread picture (torch's F.linear runs under the same policy).
 
     .venv/bin/python benchmarks/quant_gemv.py [--seconds 0.2] [--rows 1 4 8] [--formats q4 q8]
         [--builds native x86-64-v3 x86-64] [--matrices ...]
