@@ -7,8 +7,8 @@ bf16) run on CUDA only.
 
 Tolerance (kernel vs twin, per element): both accumulate in fp32 and round the result to x's dtype once, and
 the dot kernel also rounds each dequantized weight to x's dtype, so
-    |kernel - twin| <= (u_w + K * 2^-23) * (|x| @ |W|^T) + 2 * u * |twin|,
-u the unit roundoff of x's dtype (fp32 2^-24, fp16 2^-11, bf16 2^-8) and u_w the same for the weights.
+    |kernel - twin| <= (u + K * 2^-23) * (|x| @ (|scale * q| + |min|)^T) + 2 * u * |twin|,
+u the unit roundoff of x's dtype (fp32 2^-24, fp16 2^-11, bf16 2^-8).
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ def random_weight(fmt: str, n: int, k: int, seed: int, device: torch.device = DE
     return QuantWeight(fmt[:2], qs.to(device), scales.to(device), None if mins is None else mins.to(device))
 
 
-def decoded64(weight: QuantWeight) -> torch.Tensor:
+def decoded64(weight: QuantWeight, absolute: bool = False) -> torch.Tensor:
     """The weight [N, K] in float64, read from the layout element by element (not through quant.dequantize):
     element k of a row is in block k // 32; for q4 in byte 16 * (k // 32) + k % 16 of the row, the low nibble
-    for k % 32 < 16, else the high one."""
+    for k % 32 < 16, else the high one. `absolute`: |scale * q| + |min| instead, the size of the terms the
+    kernels round (the gemv applies the min to the block's sum of x, apart from scale * q)."""
     n, k = weight.shape
     ks = torch.arange(k, device=weight.qs.device)
     if weight.format == "q4":
@@ -64,9 +65,8 @@ def decoded64(weight: QuantWeight) -> torch.Tensor:
     else:
         q = weight.qs.long()
     values = q.double() * weight.scales.double()[:, ks // 32]
-    if weight.mins is not None:
-        values += weight.mins.double()[:, ks // 32]
-    return values
+    mins = weight.mins.double()[:, ks // 32] if weight.mins is not None else torch.zeros_like(values)
+    return values.abs() + mins.abs() if absolute else values + mins
 
 
 def assert_within_bound(got: torch.Tensor, twin: torch.Tensor, x: torch.Tensor, weight: QuantWeight,
@@ -75,7 +75,7 @@ def assert_within_bound(got: torch.Tensor, twin: torch.Tensor, x: torch.Tensor, 
     assert got.shape == twin.shape and got.dtype == twin.dtype, (got.shape, got.dtype, twin.shape, twin.dtype)
     assert not torch.isnan(got).any(), f"{what}: NaN in the output"
     u = UNIT_ROUNDOFF[x.dtype]
-    magnitude = x.double().abs() @ decoded64(weight).abs().t()
+    magnitude = x.double().abs() @ decoded64(weight, absolute=True).t()
     bound = (u + x.shape[1] * 2.0 ** -23) * magnitude + 2 * u * twin.double().abs()
     excess = (got.double() - twin.double()).abs() - bound
     worst = int(excess.argmax())
