@@ -23,10 +23,12 @@ Split-K: when the N (and M) tiles alone would leave the GPU's SMs idle (decode s
 the K blocks are split over SPLIT programs that atomically add fp32 partial sums into a zeroed fp32 buffer,
 cast to x's dtype afterwards (two more small kernels; the order of the additions is not fixed).
 
-Block sizes (no autotuning; chosen for an H100's 132 SMs and 3.35 TB/s, see `_plan`):
-  gemv   BLOCK_N 16, BLOCKS_K 16 (512 elements of K: a 4 KiB q4 / 8 KiB q8 tile per iteration), 4 warps
-  dot    M <= 16: BLOCK_M 16, BLOCK_N 64, BLOCKS_K 8 (256 of K), 4 warps
-         M >  16: BLOCK_M 64, BLOCK_N 128, BLOCKS_K 2 (64 of K), 8 warps, 3 stages
+Block sizes (no autotuning; chosen for an H100's 132 SMs, with register counts from compiling for sm_90 so
+that none spills, see `_plan`):
+  gemv   BLOCK_N 16; BLOCKS_K (quant blocks of 32 per iteration) 16 at one row (a 4 KiB q4 / 8 KiB q8 tile,
+         ~170 registers), 8 for 2-4 rows, 4 for 5-16 rows; 4 warps
+  dot    M <= 16: BLOCK_M 16, BLOCK_N 64, BLOCKS_K 4, 8 warps, 2 stages (150 / 210 registers, q4 / q8)
+         M >  16: BLOCK_M 64, BLOCK_N 64, BLOCKS_K 2, 8 warps (200 / 210 registers)
   split  enough K splits for ~4 programs per SM, each split a whole number of iterations.
 """
 
@@ -243,11 +245,12 @@ def _plan(m: int, n: int, num_blocks: int, device: torch.device, kernel: str | N
     if kernel == "gemv":
         if m > 16:
             raise ValueError(f"the gemv kernel takes at most 16 rows, got {m}")
-        block_m, block_n, blocks_k, warps, stages = triton.next_power_of_2(m), 16, 16, 4, 1
+        block_m = triton.next_power_of_2(m)
+        block_n, blocks_k, warps, stages = 16, 16 if block_m == 1 else 8 if block_m <= 4 else 4, 4, 1
     elif m <= 16:
-        block_m, block_n, blocks_k, warps, stages = 16, 64, 8, 4, 2
+        block_m, block_n, blocks_k, warps, stages = 16, 64, 4, 8, 2
     else:
-        block_m, block_n, blocks_k, warps, stages = 64, 128, 2, 8, 3
+        block_m, block_n, blocks_k, warps, stages = 64, 64, 2, 8, 1
     if device.type != "cuda":
         blocks_k = 2
     k_steps = triton.cdiv(num_blocks, blocks_k)
