@@ -127,7 +127,12 @@ def _store(out_ptr, stride_om, acc, rows, row_mask, cols, col_mask, SPLIT: tl.co
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Runtime sizes and the strides whose alignment does not matter are not specialized on: one compilation then
+# serves every shape of a model (the qs and x column strides still are, for vectorized loads).
+_UNSPECIALIZED = ["stride_xm", "stride_sn", "stride_om", "M", "N", "num_blocks", "blocks_per_split"]
+
+
+@triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _gemv_kernel(
     x_ptr, stride_xm, stride_xk,        # x [M, K]
     qs_ptr, stride_qn,                  # q4: uint8 [N, K // 2]; q8: int8 [N, K]
@@ -175,7 +180,7 @@ def _gemv_kernel(
     _store(out_ptr, stride_om, acc, rows, row_mask, cols, col_mask, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _dot_kernel(
     x_ptr, stride_xm, stride_xk,        # x [M, K]
     qs_ptr, stride_qn,                  # q4: uint8 [N, K // 2]; q8: int8 [N, K]

@@ -222,10 +222,12 @@ SMOLLM2 = [(576, 576), (960, 576), (3072, 576), (576, 1536)]         # [N, K]: o
 LLAMA_1B = [(2048, 2048), (3072, 2048), (16384, 2048), (2048, 8192)]  # o, qkv, gate_up, down
 
 
+REAL_CASES = [(shape, m) for shape in SMOLLM2 for m in (1, 8)] + [(shape, m) for shape in LLAMA_1B for m in (1, 8, 100)]
+
+
 @requires_cuda
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m", [1, 8, 100])
-@pytest.mark.parametrize("shape", SMOLLM2 + LLAMA_1B, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape,m", REAL_CASES, ids=[f"{n}x{k}-M{m}" for (n, k), m in REAL_CASES])
 def test_real_shapes_in_bf16_on_cuda(shape, m, fmt):
     n, k = shape
     x, weight = operands(fmt, m, n, k, torch.bfloat16)
