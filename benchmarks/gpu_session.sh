@@ -5,12 +5,13 @@
 # Prepared on the dev machine first (both folders are git-ignored and travel as the call's `carry`):
 #   .whl/            pyzmq and pytest-asyncio wheels for the machine's Python (pip download ... -d .whl)
 #   .gpu/tokenizer/  SmolLM2's tokenizer files (from the converted embedded model in ~/.cache/infer/models)
-# Then:  bash benchmarks/gpu_session.sh [tests] [bench] [kernels]   (default: all three)
+# Then:  bash benchmarks/gpu_session.sh [tests] [bench] [kernels] [quant]   (default: all four; a lent machine
+# runs at most 10 minutes per call, so give `quant` (~3 minutes) a call of its own)
 # Logs and result JSON go to $OUT (or benchmarks/results/ when OUT is unset).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
-PARTS=${*:-tests bench kernels}
+PARTS=${*:-tests bench kernels quant}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
@@ -26,8 +27,9 @@ for part in $PARTS; do
   case $part in
   tests)
     # The GPU-relevant tests: compiled Triton kernels (bf16 included), CUDA-graph step graphs vs eager,
-    # the engine on the kernels, the model against transformers.
-    timeout 230 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/kernels tests/worker/test_step_graphs.py \
+    # the engine on the kernels, the model against transformers. (The quantized matmul tests run in `quant`.)
+    timeout 230 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/kernels \
+        --ignore=tests/kernels/test_quant_triton.py tests/worker/test_step_graphs.py \
         tests/worker/test_step_buckets.py tests/worker/test_engine_kernels.py tests/worker/test_model.py \
         tests/worker/test_sampler.py tests/worker/test_native_decode.py -k "not flags_reach_the_engine_config" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -30
     ;;
@@ -44,6 +46,14 @@ for part in $PARTS; do
   kernels)
     timeout 100 python3 benchmarks/kernels.py --no-cpu 2>&1 | tee "$OUT/gpu-kernels.log" | tail -30
     cp "$(ls -t benchmarks/results/kernels-*.json | head -1)" "$OUT/"
+    ;;
+  quant)
+    # Weight-only quantized matmul (kernels/quant_triton.py): the kernels against the twin, compiled (~60
+    # specializations, most of the time), then their bandwidth and a 1B Llama's batch-1 decode against the
+    # HBM floor. The benchmark writes its JSON straight to $OUT.
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout=150 tests/kernels/test_quant_triton.py 2>&1 \
+        | tee "$OUT/gpu-quant-tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -20
+    timeout 150 python3 benchmarks/quant_gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu-quant.log" | grep -v "^\s*$" | tail -150
     ;;
   esac
 done
