@@ -7,6 +7,8 @@ chunks of `query_lens[i]` tokens that attend causally to their cached prefix plu
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -103,8 +105,8 @@ class KVCache:
         # Invariant: the pool holds only finite values. The CPU twins read whole blocks and mask the
         # positions past a sequence's length, and a masked position still poisons the result if it holds
         # NaN/inf (0 * NaN = NaN), so the pool starts zeroed rather than uninitialised.
-        return cls(k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-                   v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
+        return cls(k=[zeroed_pool(shape, dtype, device) for _ in range(num_layers)],
+                   v=[zeroed_pool(shape, dtype, device) for _ in range(num_layers)])
 
     @property
     def nbytes(self) -> int:
@@ -134,7 +136,7 @@ class KVCache:
         shape, dtype, device = self._shape
         for pool in (self.k, self.v):
             for i in range(len(pool)):
-                pool[i] = torch.zeros(shape, dtype=dtype, device=device)
+                pool[i] = zeroed_pool(shape, dtype, device)
         self._shape = None
         return self.nbytes
 
@@ -142,3 +144,15 @@ class KVCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor for the KV pool. On a CPU it is an anonymous memory map: the kernel's zero pages, made
+    resident only where a step touches them, so a worker's resident memory grows with the KV it uses rather than
+    with the pool's size (torch.zeros writes every byte: the default pool, 10% of the machine's memory, was
+    resident from the start). The tensor keeps the map alive; freeing it unmaps the memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, count * torch.empty((), dtype=dtype).element_size()))
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
