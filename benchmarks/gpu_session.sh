@@ -51,7 +51,8 @@ for part in $PARTS; do
     # Weight-only quantized matmul (kernels/quant_triton.py): the kernels against the twin, compiled (~60
     # specializations, most of the time), then their bandwidth and a 1B Llama's batch-1 decode against the
     # HBM floor. The benchmark writes its JSON straight to $OUT.
-    timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout=150 tests/kernels/test_quant_triton.py 2>&1 \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout=150 tests/kernels/test_quant_triton.py \
+        tests/worker/test_quantized.py 2>&1 \
         | tee "$OUT/gpu-quant-tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -20
     timeout 150 python3 benchmarks/quant_gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu-quant.log" | grep -v "^\s*$" | tail -150
     ;;

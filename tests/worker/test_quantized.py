@@ -11,6 +11,7 @@ Both include the int8 quantization of the activations per block of 32 that the n
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -24,15 +25,24 @@ from infer.worker.models.layers import QuantStorage
 from model_batches import Pager, new_cache, token_ids
 
 CPU = torch.device("cpu")
+# The CPU's kernels (int8 activations), and Triton's on a GPU where there is one (kernels/quant_triton.py)
+DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1023, 64, 12, 88, 301, 7, 450, 33, 2, 19, 600], [1000, 2000, 3000], [42]]
 BOUNDS = {"int8": (1e-3, 0.9), "int4": (0.05, 0.4)}   # (mean KL, top-1 agreement) to the dense model
 
 
-def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+def prefill_logits(model, ids: list[int], device: torch.device = CPU) -> torch.Tensor:
     pager = Pager(num_blocks=32, block_size=8)
+    batch = pager.batch([("a", ids, 0, len(ids))])
+    if device.type != "cpu":
+        batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+                                               if isinstance(getattr(batch, f.name), torch.Tensor)})
+    cache = new_cache(model, 32, 8)
+    cache.k[:] = [t.to(device) for t in cache.k]
+    cache.v[:] = [t.to(device) for t in cache.v]
     with torch.inference_mode():
-        return model.compute_logits(model(pager.batch([("a", ids, 0, len(ids))]), new_cache(model, 32, 8)))
+        return model.compute_logits(model(batch, cache)).cpu()
 
 
 def kl_and_top1(dense: torch.Tensor, quantized: torch.Tensor) -> tuple[float, float]:
@@ -45,12 +55,14 @@ def quantized_layers(model) -> dict[str, str | None]:
     return {name: m.quant_format for name, m in model.named_modules() if isinstance(m, QuantStorage)}
 
 
+@pytest.mark.parametrize("device", DEVICES, ids=str)
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_at_load_stays_within_its_bound_of_the_dense_model(tiny_model_dir, arch, quantization) -> None:
+def test_quantized_at_load_stays_within_its_bound_of_the_dense_model(tiny_model_dir, arch, quantization,
+                                                                      device) -> None:
     path = tiny_model_dir(arch)
     dense = load_model(path, torch.float32, CPU, quantization="none")
-    quant = load_model(path, torch.float32, CPU, quantization=quantization)
+    quant = load_model(path, torch.float32, device, quantization=quantization)
     formats = quantized_layers(quant)
     linear = "q8" if quantization == "int8" else "q4"
     assert formats["model.layers.0.self_attn.qkv_proj"] == formats["model.layers.1.mlp.down_proj"] == linear
@@ -58,7 +70,7 @@ def test_quantized_at_load_stays_within_its_bound_of_the_dense_model(tiny_model_
     assert set(quantized_layers(dense).values()) == {None}
     assert quant.model.layers[0].mlp.down_proj.weight.dtype == (torch.int8 if linear == "q8" else torch.uint8)
     ids = token_ids(48, dense.vocab_size, 5)
-    kl, top1 = kl_and_top1(prefill_logits(dense, ids), prefill_logits(quant, ids))
+    kl, top1 = kl_and_top1(prefill_logits(dense, ids), prefill_logits(quant, ids, device))
     max_kl, min_top1 = BOUNDS[quantization]
     assert kl < max_kl and top1 >= min_top1, (kl, top1)
 
