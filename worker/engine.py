@@ -772,12 +772,17 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 # oneDNN) 19-29; a 500-token prefill bf16 4.3-6.7 s against fp32 1.4-1.6 s (oneDNN emulates bf16 matmuls
 # there; 2 threads: 2.2-3.5 s against 0.53-0.55). A 500-token prompt and 128 tokens out: ~8.0 s bf16, ~7.1 s fp32,
 # and the prefill gap grows with the prompt, so fp32 stays the default; dtype="bfloat16" is there for long outputs.
+# With INFER_CPU_ISA set below avx512 the engine computes as such a CPU would (the kernels' build, and this choice).
+# Weights kept quantized (GGUF, int8 / int4) run every matmul in kernels/cpu/quant.c, which takes fp32 rows as
+# fast as bf16 ones, so fp32 costs them nothing on AVX2.
 def _cpu_has_native_bf16() -> bool:
+    from infer.kernels.cpu_kernels import selected_isa
+
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    return (" avx512_bf16" in flags or " amx_bf16" in flags) and selected_isa() == "avx512"
 
 
 def _memory_bytes(device: torch.device) -> int:

@@ -674,7 +674,13 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """GGUFFile(path), opened once per version of the file (the loader reads it for its plan, then its tensors;
-    a resume reads it again): parsing the header and the vocabulary takes seconds."""
+    """GGUFFile(path), opened once per version of the file while a load runs (the loader reads it for its plan, then
+    its tensors); `close_gguf_files` ends that, unmapping the file (its pages would count as the worker's resident
+    memory)."""
     stat = Path(path).stat()
     return _open_cached(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def close_gguf_files() -> None:
+    """Forget the files `open_gguf` opened (their memory maps go with the last tensor that views them)."""
+    _open_cached.cache_clear()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from infer.worker.expert_parallel import ExpertParallel
+from infer.worker.gguf import close_gguf_files
 from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
 from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, VocabEmbedding, deferred_weights
 from infer.worker.models.moe import ExpertShard
@@ -57,7 +58,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     with deferred_weights():
         model = build_model(AutoConfig.from_pretrained(str(path)), dtype, device, ep, tp)
     materialize(model, quant_plan(model, files, quantization), device)
-    load_weights(model, files)
+    try:
+        load_weights(model, files)
+    finally:
+        close_gguf_files()
     pack_weights(model)
     return model.eval()
 

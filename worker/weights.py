@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from infer.worker.gguf import close_gguf_files
 from infer.worker.loader import (
     build_model, checkpoint_target, file_tensors, load_named_tensors, load_tensor, pack_weights, tied_aliases,
     weight_files
@@ -219,6 +220,7 @@ class SuspendedWeights:
         for layer, files in enumerate(self.files):
             if layer == 0:   # the base checkpoint: complete
                 load_named_tensors(model, file_tensors(files))
+                close_gguf_files()
             else:            # refits from directories, in order
                 apply_tensors(model, _file_pairs(files))
 
