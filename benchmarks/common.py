@@ -94,6 +94,8 @@ def write_result(kind: str, payload: dict) -> Path:
 RANDOM_SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-0.6b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=32, num_attention_heads=16,
+                       num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
 }

@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dense_model_dir, make_workload, write_result  # noqa: E402
+from common import (  # noqa: E402
+    PEER_MODELS, RANDOM_SHAPES, dense_model_dir, make_workload, random_model, write_result
+)
 
 # benchmarks/ leaves the path once `common` is in (here and in vLLM's engine processes, which import this file
 # again): transformers probes for a package named `kernels`, and would import benchmarks/kernels.py.
@@ -168,6 +170,9 @@ def main() -> None:
                         help="runs of each system, alternating (A, B, A, B, ...); the median is reported")
     parser.add_argument("--threads", type=int, help="compute threads of every system (default: each one's own)")
     parser.add_argument("--setup-vllm", action="store_true")
+    parser.add_argument("--random-model", choices=sorted(RANDOM_SHAPES),
+                        help="a Llama of this shape with random bf16 weights (and the embedded model's tokenizer) "
+                             "instead of the embedded model; infer-gguf does not apply")
     parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "DTYPE", "WORKLOAD", "MODEL_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -176,7 +181,7 @@ def main() -> None:
     if args.setup_vllm:
         setup_vllm()
         return
-    path = model_dir()
+    path = random_model(args.random_model, str(model_dir()), PEER_MODELS) if args.random_model else model_dir()
     rows = []
     for workload in args.workloads:
         for dtype in args.dtypes:
@@ -190,7 +195,9 @@ def main() -> None:
                          "results": {system: _median_run(r) for system, r in runs.items()}})
     _print_table(rows)
     floor = b1_floor(rows, path, args.threads)
-    out = write_result("throughput", {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized; infer-gguf: as it is)", "threads": args.threads,
+    model = (f"random {args.random_model} (bf16 weights)" if args.random_model
+             else "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized; infer-gguf: as it is)")
+    out = write_result("throughput", {"model": model, "threads": args.threads,
                                       "rounds": args.rounds, "load_avg_end": os.getloadavg(), "rows": rows,
                                       "b1_floor": floor})
     print("wrote", out)
