@@ -383,3 +383,22 @@ def test_an_unsupported_method_is_refused_at_load(tiny_model_dir, tmp_path) -> N
     for quantization in ("auto", "none"):
         with pytest.raises(ValueError, match="quant_method 'fp8' is not supported"):
             load_model(path, torch.float32, CPU, quantization=quantization)
+
+
+def test_a_zero_bias_of_a_layer_without_one_is_skipped_a_nonzero_one_refused(int4_dir, tmp_path) -> None:
+    """Older AutoGPTQ wrote a bias for every layer it quantized; Llama's linears have none."""
+    source = int4_dir("llama", "gptq", "gptq", True, 32)
+    for value, name in ((0.0, "zero"), (0.5, "nonzero")):
+        path = tmp_path / name
+        shutil.copytree(source, path)
+        tensors = load_file(str(path / "model.safetensors"))
+        for prefix in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
+            tensors[f"{prefix}.bias"] = torch.full((tensors[f"{prefix}.scales"].shape[1],), value, dtype=torch.float16)
+        save_file(tensors, str(path / "model.safetensors"))
+        if value == 0.0:
+            ours = dict(load_model(path, torch.float32, CPU, quantization="none").named_parameters())
+            theirs = dict(load_model(dense_twin(source), torch.float32, CPU, quantization="none").named_parameters())
+            assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+        else:
+            with pytest.raises(ValueError, match="bias' .*matches no parameter"):
+                load_model(path, torch.float32, CPU)
