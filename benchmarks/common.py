@@ -138,7 +138,15 @@ def dense_model_dir(gguf: Path | None = None) -> Path:
     path = PEER_MODELS / f"{gguf.stem}-dense"
     if (path / "config.json").exists():
         return path
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    options: dict[str, object] = {}
+    try:  # transformers >= 5 may keep GGUF weights packed; ask for plain (serializable) tensors
+        from transformers import GgufConfig
+
+        options["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 **options)
     model.save_pretrained(path, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
     return path

@@ -1,7 +1,7 @@
 """Loading weights (torch): `load_model` builds our implementation from a model directory's config.json and fills
 it from its *.safetensors, or from the GGUF its model.gguf links to (worker/gguf.py: quantized tensors kept in
-their blocks). Finding the directory (`resolve_model`), the tokenizer and the EOS ids need no torch:
-worker/model_files.py.
+their blocks). AWQ / GPTQ int4 safetensors load as they are too (worker/awq_gptq.py). Finding the directory
+(`resolve_model`), the tokenizer and the EOS ids need no torch: worker/model_files.py.
 """
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from infer.worker.awq_gptq import Int4Scheme, directory_scheme, group_tensors
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.gguf import close_gguf_files
 from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
@@ -47,7 +49,8 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device,
     MoE models (classes with `supports_expert_parallel`) take `ep`, this rank's place in its EP group, and
     load only its experts; a dense model refuses an EP group of more than one rank. `tp`: this process's
     place in its TP group; it reads only its shard of each sharded tensor from the files. `quantization`
-    (vLLM's option): "auto" keeps a GGUF's quantized tensors in their blocks and dense checkpoints dense,
+    (vLLM's option): "auto" keeps a GGUF's quantized tensors in their blocks, an AWQ / GPTQ int4 checkpoint's in q4
+    (worker/awq_gptq.py) and dense checkpoints dense,
     "none" makes every weight dense in `dtype`, "int8" / "int4" quantize the linear layers at load (weight-only,
     blocks of 32; the embedding and LM head int8); see `quant_plan`."""
     from transformers import AutoConfig
@@ -78,31 +81,52 @@ def quant_plan(model: nn.Module, files: list[Path], quantization: str) -> dict[s
         plan = {name: "q8" if quantization == "int8" or isinstance(m, (VocabEmbedding, LMHead)) else "q4"
                 for name, m in layers.items()}
     elif quantization == "auto":
-        plan = _gguf_plan(model, files)
+        plan = _stored_plan(model, files)
     else:
         plan = {}
     return {name: fmt for name, fmt in plan.items() if layers[name].logical_shape[1] % 32 == 0}
 
 
-def _gguf_plan(model: nn.Module, files: list[Path]) -> dict[str, str]:
-    """The storage format of each layer whose GGUF tensors are quantized (none for safetensors files)."""
+def _stored_plan(model: nn.Module, files: list[Path]) -> dict[str, str]:
+    """The storage format of each layer whose checkpoint tensors are quantized: GGUF block types, AWQ / GPTQ int4
+    (none for a dense safetensors checkpoint)."""
     formats: dict[str, set[str | None]] = {}
-    for file in files:
-        if file.suffix != ".gguf":
-            continue
-        from infer.worker.gguf import open_gguf
-
-        for key, tensor in open_gguf(file).tensors():
-            name, _shard = _parameter_of(model, key)
-            module, _, param = name.rpartition(".")
-            if param == "weight":
-                formats.setdefault(module, set()).add(GGUF_FORMATS.get(tensor.ggml_type))
+    for key, fmt in _stored_formats(files):
+        name, _shard = _parameter_of(model, key)
+        module, _, param = name.rpartition(".")
+        if param == "weight":
+            formats.setdefault(module, set()).add(fmt)
     plan = {}
     for module, found in formats.items():
         if found == {None}:
             continue
         plan[module] = found.pop() if len(found) == 1 else "q8+min"
     return plan
+
+
+def _stored_formats(files: list[Path]) -> Iterator[tuple[str, str | None]]:
+    """(checkpoint weight name, the storage format it keeps, None for dense) for the tensors of a GGUF file or an
+    AWQ / GPTQ checkpoint (whose `<prefix>.qweight` is the q4 weight `<prefix>.weight`)."""
+    from safetensors import safe_open
+
+    scheme = _int4_scheme(files)
+    for file in files:
+        if file.suffix == ".gguf":
+            from infer.worker.gguf import open_gguf
+
+            for key, tensor in open_gguf(file).tensors():
+                yield key, GGUF_FORMATS.get(tensor.ggml_type)
+        elif scheme is not None:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield (key.removesuffix(".qweight") + ".weight", "q4") if key.endswith(".qweight") else (key, None)
+
+
+def _int4_scheme(files: list[Path]) -> Int4Scheme | None:
+    """The AWQ / GPTQ scheme of safetensors `files` (their directory's config.json), None for a dense checkpoint."""
+    if not files or files[0].suffix == ".gguf":
+        return None
+    return directory_scheme(files[0].parent)
 
 
 def materialize(model: nn.Module, plan: dict[str, str], device: torch.device | str) -> None:
@@ -193,6 +217,11 @@ def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], Any]
     `files`, read lazily."""
     from safetensors import safe_open
 
+    files = list(files)
+    scheme = _int4_scheme(files)
+    if scheme is not None:
+        yield from _int4_file_tensors(files, scheme)
+        return
     for file in files:
         if file.suffix == ".gguf":
             from infer.worker.gguf import open_gguf
@@ -205,6 +234,22 @@ def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], Any]
                 yield key, lambda f=f, key=key: FileTensor(f.get_slice(key)), f"in {file.name}"
 
 
+def _int4_file_tensors(files: list[Path], scheme: Int4Scheme) -> Iterator[tuple[str, Callable[[], Any], str]]:
+    """file_tensors of an AWQ / GPTQ checkpoint: each layer's packed tensors (which may sit in different files) as
+    one Int4Tensor `<prefix>.weight`, the other tensors as FileTensors."""
+    from safetensors import safe_open
+
+    tensors: dict[str, FileTensor] = {}
+    where: dict[str, str] = {}
+    with ExitStack() as stack:
+        for file in files:
+            f = stack.enter_context(safe_open(str(file), framework="pt"))
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensors[key], where[key] = FileTensor(f.get_slice(key)), f"in {file.name}"
+        for name, read in group_tensors(scheme, tensors):
+            yield name, read, where.get(name) or f"{where[name.removesuffix('.weight') + '.qweight']} ({scheme.method})"
+
+
 def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Callable[[], torch.Tensor], str]]) -> None:
     """load_weights over (checkpoint name, tensor reader, where) triples: a whole checkpoint, complete."""
     params = dict(model.named_parameters())
@@ -212,6 +257,8 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Callable[[
     loaded: set[tuple[str, Shard]] = set()
     with torch.no_grad():
         for key, read, where in tensors:
+            if _unused_zero_bias(model, params, key, read):
+                continue
             target = checkpoint_target(model, params, aliases, key, where)
             if target is None:
                 continue
@@ -229,6 +276,18 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Callable[[
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s) of {type(model).__name__}: "
                          f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+
+
+def _unused_zero_bias(model: nn.Module, params: dict[str, nn.Parameter], key: str, read: Callable[[], Any]) -> bool:
+    """Whether checkpoint tensor `key` is a bias of zeros for a linear layer that has none (older AutoGPTQ wrote one
+    for every layer it quantized): skipped. A non-zero one still fails as matching no parameter."""
+    if not key.endswith(".bias"):
+        return False
+    name, _shard = _parameter_of(model, key)
+    if name in params or f"{name.removesuffix('bias')}weight" not in params:
+        return False
+    tensor = read()
+    return not bool((tensor if isinstance(tensor, torch.Tensor) else tensor.read()).any())
 
 
 def tied_aliases(model: nn.Module) -> set[str]:
