@@ -31,12 +31,14 @@ def test_default_model_missing_package_says_how_to_install(monkeypatch) -> None:
         default_model_gguf()
 
 
-def test_gguf_is_converted_once_then_reused(smollm2_dir: Path, smollm2_gguf: Path) -> None:
+def test_gguf_conversion_is_written_once_then_reused(smollm2_dir: Path, smollm2_gguf: Path) -> None:
     before = {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()}
     assert resolve_model(None) == smollm2_dir
     assert resolve_model(str(smollm2_gguf)) == smollm2_dir
     assert {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()} == before  # nothing rewritten
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(before)
+    assert {"config.json", "model.gguf", "tokenizer.json", "generation_config.json"} <= set(before)
+    assert (smollm2_dir / "model.gguf").resolve() == smollm2_gguf.resolve()   # the file itself, not a copy
+    assert not list(smollm2_dir.glob("*.safetensors"))
     assert smollm2_dir.name.startswith(smollm2_gguf.stem + "-")
     assert not [p for p in smollm2_dir.parent.iterdir() if ".tmp-" in p.name]
     assert load_tokenizer(smollm2_dir).chat_template  # the chat template came along
