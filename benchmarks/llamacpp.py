@@ -1,7 +1,8 @@
-"""Batch-1 decoding against llama.cpp, each system on the same GGUF file (issue 30). Not a test.
+"""Batch-1 (and `--batch N`) decoding against llama.cpp, each system on the same GGUF file (issue 30). Not a test.
 
     .venv/bin/python benchmarks/llamacpp.py --llama-cpp-bin $LLAMA_CPP_BIN   # Q4_1 Q8_0 BF16, 3 rounds
     .venv/bin/python benchmarks/llamacpp.py --formats Q4_1 --rounds 1        # a quick check
+    .venv/bin/python benchmarks/llamacpp.py --batch 64                       # batched decode (see below)
 
 The files: the embedded model's own GGUF (Q4_1) and Q8_0 / BF16 made from it once with
 `llama-quantize --allow-requantize SRC DST TYPE` into benchmarks/.peers/models/ (git-ignored; `--models-dir`).
@@ -34,12 +35,32 @@ A child's ru_maxrss starts from its parent's high-water mark at the spawn (Linux
 parent stays small until the rounds are over: no torch here before then (our GGUF conversion, when one is due,
 runs in a child of its own), and its own high-water mark is recorded beside the results (parent_hwm_mib).
 
+Batched (`--batch N`, N > 1): N requests at once, each 128 distinct random prompt ids -> 128 tokens, the rest as
+above. Defined identically for both:
+
+    prefill s            until every request has its first token (the TTFT of the last one; shown as TTFT ms)
+    decode tok/s         tokens / time of the steps after that, every one a decode of all N (context 128..255)
+    e2e tok/s            N * 128 generated / the whole time (the prefill + the 127 decode steps)
+
+llama.cpp: `llama-batched-bench -m F -t 2 -c N*256 -npp 128 -ntg 127 -npl N -no-kvu`: N distinct random prompts
+(no -pps, which would prefill one prompt and copy its KV to all N) prefilled together (t_pp), then 127 steps of
+one token for each of the N sequences (t_tg, its S_TG t/s is decode tok/s); -ntg 127, not 128, because its
+prefill already yields each sequence's first token, as ours does (the -pg 128,127 of batch 1). -no-kvu (its
+default here, passed to be sure): one KV stream of 256 cells per sequence, whose attention reads its own cells
+only, as ours reads its own blocks; a unified KV (-kvu) has every sequence attend over all N*256 cells, masked.
+Ours: `max_num_seqs=N`, `max_model_len=256` (a pool of exactly N full sequences' blocks, like llama.cpp's -c;
+checked to hold them, so nothing is preempted), the N requests added at once and the engine stepped as above:
+chunked prefill (2048 tokens a step) mixes the first decodes of early requests into the prefill steps; those
+count in e2e but not in decode tok/s. Both warm up first (ours: N other prompts, 8 tokens each; llama.cpp: its
+own 16-token decode). The floor is then N tokens per read of the weights (the KV's reads not counted): a bound
+a step of N tokens does not approach, being compute-bound.
+
 Building the peer (outside this tree; the tree vendored in the llama-cpp-python sdist):
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d PEERS && cd PEERS
     tar xzf llama_cpp_python-0.3.36.tar.gz && cd llama_cpp_python-0.3.36/vendor/llama.cpp
     cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DGGML_OPENMP=ON
-    cmake --build build -j --target llama-bench llama-quantize
+    cmake --build build -j --target llama-bench llama-batched-bench llama-quantize
     export LLAMA_CPP_BIN=$PWD/build/bin
 """
 
@@ -154,8 +175,24 @@ def measure_llamacpp(bin_dir: Path, gguf: Path, threads: int, timeout: float) ->
             "build": {k: decode[k] for k in ("build_commit", "cpu_info", "backends", "model_type", "flash_attn")}}
 
 
-def measure_infer(gguf: Path, threads: int, timeout: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(gguf), "--threads", str(threads)]
+def measure_llamacpp_batched(bin_dir: Path, gguf: Path, threads: int, batch: int, timeout: float) -> dict:
+    """llama-batched-bench on `batch` distinct prompts (see the docstring), one run after its own warm-up."""
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c",
+           str(batch * (PROMPT + GENERATED)), "-npp", str(PROMPT), "-ntg", str(GENERATED - 1), "-npl", str(batch),
+           "-no-kvu", "--output-format", "jsonl"]
+    code, out, err, rss = run_process(cmd, timeout)
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if code != 0 or len(records) != 1:
+        raise RuntimeError(f"llama-batched-bench exited {code} with {len(records)} records: {err[-2000:]}")
+    (r,) = records
+    return {"decode_tok_s": r["speed_tg"], "e2e_tok_s": batch * GENERATED / r["t"], "ttft_s": r["t_pp"],
+            "peak_rss_mib": rss / 1024, "build": {k: r[k] for k in ("n_kv_max", "n_batch", "n_ubatch",
+                                                                   "flash_attn", "is_pp_shared", "n_threads")}}
+
+
+def measure_infer(gguf: Path, threads: int, batch: int, timeout: float) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(gguf), "--threads", str(threads),
+           "--batch", str(batch)]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     code, out, err, rss = run_process(cmd, timeout, env)
     results = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
@@ -164,25 +201,39 @@ def measure_infer(gguf: Path, threads: int, timeout: float) -> dict:
     return {**results[0], "peak_rss_mib": rss / 1024}
 
 
-def child_main(gguf: str, threads: int) -> None:
-    """Ours, in this process: load, warm up on a prompt of the same length, then time one request."""
+def child_main(gguf: str, threads: int, batch: int) -> None:
+    """Ours, in this process: load, warm up on `batch` prompts of the same length, then time `batch` requests."""
     from infer import LLM, SamplingParams
 
-    llm = LLM(model=gguf, num_threads=threads, max_model_len=MAX_MODEL_LEN)
+    sizes = (dict(max_model_len=MAX_MODEL_LEN) if batch == 1   # batch 1: the default pool, as before
+             else dict(max_model_len=PROMPT + GENERATED, max_num_seqs=batch))
+    llm = LLM(model=gguf, num_threads=threads, **sizes)
     engine = llm.engine
-    prompt = make_workload("B1", engine.vocab_size).prompts[0]
-    warm_up = make_workload("B1", engine.vocab_size, seed=1).prompts[0]   # other ids: no prefix-cache hit
-    llm.generate([warm_up], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    if engine.kv_cache.num_blocks * engine.block_size < batch * (PROMPT + GENERATED - 1):
+        raise RuntimeError(f"a KV pool of {engine.kv_cache.num_blocks} blocks cannot hold {batch} requests")
+    # seed s: other ids for each prompt, no prefix-cache hit between them or with the warm-up's
+    prompts = [make_workload("B1", engine.vocab_size, seed=s).prompts[0] for s in range(2 * batch)]
+    llm.generate(prompts[batch:], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     start = time.perf_counter()
-    engine.add_request("bench", prompt, SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True))
-    stamps: list[float] = []
+    for i, prompt in enumerate(prompts[:batch]):
+        engine.add_request(f"bench-{i}", prompt, SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True))
+    first: set[str] = set()          # the requests that have their first token
+    prefilled = end = start          # when the last of them got it; the last token's time
+    generated = decoded = 0          # all tokens; those of the steps after `prefilled`
     while engine.has_unfinished():
-        for delta in engine.step():
-            stamps += [time.perf_counter()] * len(delta.token_ids)
-    if len(stamps) != GENERATED:
-        raise RuntimeError(f"expected {GENERATED} tokens, got {len(stamps)}")
-    result = {"decode_tok_s": (GENERATED - 1) / (stamps[-1] - stamps[0]), "e2e_tok_s": GENERATED / (stamps[-1] - start),
-              "ttft_s": stamps[0] - start, "rss_after_mib": _status_kib("VmRSS") / 1024,
+        deltas = [d for d in engine.step() if d.token_ids]
+        if deltas:
+            end, tokens = time.perf_counter(), sum(len(d.token_ids) for d in deltas)
+            generated += tokens
+            if len(first) == batch:
+                decoded += tokens
+            else:
+                first.update(d.request_id for d in deltas)
+                prefilled = end
+    if generated != batch * GENERATED or len(first) != batch:
+        raise RuntimeError(f"expected {batch} x {GENERATED} tokens, got {generated} from {len(first)} requests")
+    result = {"decode_tok_s": decoded / (end - prefilled), "e2e_tok_s": generated / (end - start),
+              "ttft_s": prefilled - start, "rss_after_mib": _status_kib("VmRSS") / 1024,
               "kv_pool_mib": engine.kv_cache.nbytes / 2**20,
               "dtype": str(engine.dtype).removeprefix("torch.")}
     print("RESULT " + json.dumps(result), flush=True)
@@ -199,7 +250,8 @@ def _status_kib(field: str) -> int:
 
 # ---- the parent: rounds, medians, the floor, the table ----------------------------------------------
 
-def run_rounds(files: dict[str, Path], bin_dir: Path, threads: int, rounds: int, timeout: float) -> dict:
+def run_rounds(files: dict[str, Path], bin_dir: Path, threads: int, batch: int, rounds: int,
+               timeout: float) -> dict:
     """format -> system -> the list of per-round results (a dict with "error" where a run failed)."""
     runs: dict[str, dict[str, list[dict]]] = {fmt: {s: [] for s in SYSTEMS} for fmt in files}
     for i in range(rounds):
@@ -207,8 +259,12 @@ def run_rounds(files: dict[str, Path], bin_dir: Path, threads: int, rounds: int,
         for fmt, gguf in files.items():
             for system in order:
                 try:
-                    r = (measure_llamacpp(bin_dir, gguf, threads, timeout) if system == "llama.cpp"
-                         else measure_infer(gguf, threads, timeout))
+                    if system == "infer":
+                        r = measure_infer(gguf, threads, batch, timeout)
+                    elif batch == 1:
+                        r = measure_llamacpp(bin_dir, gguf, threads, timeout)
+                    else:
+                        r = measure_llamacpp_batched(bin_dir, gguf, threads, batch, timeout)
                 except RuntimeError as e:
                     r = {"error": str(e)}
                 runs[fmt][system].append(r)
@@ -227,11 +283,11 @@ def median_row(results: list[dict]) -> dict:
     return {**{k: statistics.median(r[k] for r in ok) for k in keys}, "rounds_ok": len(ok)}
 
 
-def summarize(runs: dict, files: dict[str, Path], described: list[dict], bandwidth: float) -> list[dict]:
+def summarize(runs: dict, files: dict[str, Path], described: list[dict], bandwidth: float, batch: int) -> list[dict]:
     rows = []
     for (fmt, by_system), facts in zip(runs.items(), described):
         nbytes = facts["bytes_per_token"]
-        floor = bandwidth / nbytes
+        floor = batch * bandwidth / nbytes    # one read of the weights per step of `batch` tokens
         medians = {s: median_row(r) for s, r in by_system.items()}
         for m in medians.values():
             if "decode_tok_s" in m:
@@ -245,8 +301,9 @@ def summarize(runs: dict, files: dict[str, Path], described: list[dict], bandwid
     return rows
 
 
-def print_table(rows: list[dict], bandwidth: float) -> None:
-    print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s; floor = that / weight bytes each token reads")
+def print_table(rows: list[dict], bandwidth: float, batch: int) -> None:
+    print(f"\nbatch {batch}; read bandwidth {bandwidth / 1e9:.1f} GB/s; floor = {batch} x that / weight bytes "
+          f"each step reads")
     print(f"{'format':6} {'system':10} {'decode tok/s':>12} {'e2e tok/s':>10} {'TTFT ms':>8} {'RSS MiB':>8} "
           f"{'% floor':>8}")
     for row in rows:
@@ -281,6 +338,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="requests at once (> 1: llama-batched-bench)")
     parser.add_argument("--models-dir", type=Path, default=MODELS, help="where the requantized GGUFs are kept")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for one system's run")
     parser.add_argument("--child", metavar="GGUF", help=argparse.SUPPRESS)
@@ -290,10 +348,14 @@ def main() -> None:
         print(json.dumps([describe(gguf) for gguf in args.describe]))
         return
     if args.child:
-        child_main(args.child, args.threads)
+        child_main(args.child, args.threads, args.batch)
         return
-    if args.llama_cpp_bin is None or not (args.llama_cpp_bin / "llama-bench").exists():
-        parser.error("--llama-cpp-bin (or $LLAMA_CPP_BIN) must name llama.cpp's build/bin (see the docstring)")
+    if args.batch < 1:
+        parser.error("--batch must be >= 1")
+    tool = "llama-bench" if args.batch == 1 else "llama-batched-bench"
+    if args.llama_cpp_bin is None or not (args.llama_cpp_bin / tool).exists():
+        parser.error(f"--llama-cpp-bin (or $LLAMA_CPP_BIN) must name llama.cpp's build/bin, with {tool} (see the "
+                     f"docstring)")
     from infer.worker.model_files import default_model_gguf
 
     files = gguf_files(args.formats, default_model_gguf(), args.models_dir, args.llama_cpp_bin)
@@ -302,15 +364,16 @@ def main() -> None:
                         f"resolve_model({str(gguf)!r})"], check=True, timeout=args.timeout)
     described = describe_in_child(list(files.values()))
     load_start = os.getloadavg()
-    runs = run_rounds(files, args.llama_cpp_bin, args.threads, args.rounds, args.timeout)
+    runs = run_rounds(files, args.llama_cpp_bin, args.threads, args.batch, args.rounds, args.timeout)
     parent_hwm = _status_kib("VmHWM") / 1024
     bandwidth = read_bandwidth(args.threads)
-    rows = summarize(runs, files, described, bandwidth)
-    print_table(rows, bandwidth)
+    rows = summarize(runs, files, described, bandwidth, args.batch)
+    print_table(rows, bandwidth, args.batch)
     print(f"this parent's high-water mark {parent_hwm:.0f} MiB (no child's peak RSS can read below it)")
     out = write_result("llamacpp", {
         "model": "SmolLM2-135M-Instruct (the embedded GGUF and llama-quantize's requantizations)",
-        "workload": f"batch 1, {PROMPT} -> {GENERATED}, greedy, ignore EOS", "threads": args.threads,
+        "workload": f"batch {args.batch}, {PROMPT} -> {GENERATED}, greedy, ignore EOS", "batch": args.batch,
+        "threads": args.threads,
         "rounds": args.rounds, "cpu_flags": cpu_flags(), "read_bandwidth_gb_s": bandwidth / 1e9,
         "llama_cpp_bin": str(args.llama_cpp_bin), "load_avg_start": load_start,
         "load_avg_end": os.getloadavg(), "parent_hwm_mib": parent_hwm,
