@@ -113,16 +113,26 @@ class KVCache:
         """Bytes the pool holds now (0 while released)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def resident_bytes(self) -> int:
+        """Bytes of the pool in memory now: a CPU pool's pages that steps have touched (each pool tensor is a
+        memory map of its own: `zeroed_pool`; read from /proc/self/smaps), a GPU pool's whole size."""
+        tensors = self.k + self.v
+        if not tensors or tensors[0].device.type != "cpu":
+            return self.nbytes
+        starts = {t.data_ptr() for t in tensors if t.numel()}
+        return sum(rss for start, rss in _mapping_rss() if start in starts)
+
     @property
     def released(self) -> bool:
         return self._shape is not None
 
     def release(self) -> int:
-        """Free the pool's memory (suspend); its shape is kept for `restore`. Returns the bytes freed. The
-        lists keep their identity (the model runner holds this object), only their tensors change."""
+        """Free the pool's memory (suspend); its shape is kept for `restore`. Returns the bytes freed: on a CPU
+        the pool's resident bytes (its pages that steps touched; `resident_bytes`), else its size. The lists
+        keep their identity (the model runner holds this object), only their tensors change."""
         if self._shape is not None:
             return 0
-        freed = self.nbytes
+        freed = self.resident_bytes()
         self._shape = (tuple(self.k[0].shape), self.k[0].dtype, self.k[0].device)
         for pool in (self.k, self.v):
             for i, t in enumerate(pool):
@@ -146,11 +156,26 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def _mapping_rss() -> list[tuple[int, int]]:
+    """(start address, resident bytes) of every memory mapping of this process (/proc/self/smaps)."""
+    out, start = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                start = int(head.split("-")[0], 16)
+            elif head == "Rss:" and start is not None:
+                out.append((start, int(line.split()[1]) * 1024))
+    return out
+
+
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor for the KV pool. On a CPU it is an anonymous memory map: the kernel's zero pages, made
     resident only where a step touches them, so a worker's resident memory grows with the KV it uses rather than
     with the pool's size (torch.zeros writes every byte: the default pool, 10% of the machine's memory, was
-    resident from the start). The tensor keeps the map alive; freeing it unmaps the memory."""
+    resident from the start). Each is a shared anonymous map (Python's default), a mapping of its own that the
+    kernel never merges with a neighbour, so `KVCache.resident_bytes` can read its resident pages. The tensor keeps
+    the map alive; freeing it unmaps the memory."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)

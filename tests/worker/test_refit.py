@@ -66,7 +66,7 @@ def test_suspend_releases_and_resume_restores_identical_outputs(weights_a, mode)
     # a request mid-decode when suspended is preempted, recomputed after resume, and ends the same
     engine.add_request("mid", PROMPTS[0], GREEDY)
     first = engine.step()[0].token_ids
-    kv_bytes = engine.kv_cache.nbytes
+    kv_bytes = engine.kv_cache.resident_bytes()   # a CPU pool is resident where steps touched it
     released = engine.suspend()
     expected = kv_bytes + (0 if mode == "host_copy" else sum(p.numel() * 4 for p in engine.model.parameters()))
     assert released >= expected
@@ -105,7 +105,8 @@ def test_suspend_gives_the_memory_back_to_the_os(weights_a) -> None:
     released = engine.suspend()
     assert released >= 0.9 * (64 << 20)
     assert rss - _rss_bytes() >= 0.9 * released
-    assert engine.resume() == released
+    restored = engine.resume()
+    assert restored <= released < restored + 64 * 4096   # the pool's size vs its resident pages (rounded up)
 
 
 def test_refit_from_a_directory_equals_transformers_on_the_new_weights(weights_a, weights_b) -> None:
