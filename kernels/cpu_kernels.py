@@ -185,12 +185,16 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
 def library(isa: str) -> ctypes.CDLL | None:
-    """The library built for level `isa` (one this CPU runs: `supported_isas`), loaded once per process;
-    None where it cannot be built or INFER_CPU_KERNELS=0."""
+    """The library built for level `isa` (one this CPU runs: `supported_isas`, checked at every call), loaded once
+    per process; None where it cannot be built or INFER_CPU_KERNELS=0."""
     if isa not in supported_isas():
         raise ValueError(f"this CPU cannot run the {isa} build of the CPU kernels (it runs {supported_isas()})")
+    return _loaded(isa)
+
+
+@functools.cache
+def _loaded(isa: str) -> ctypes.CDLL | None:
     return _load(isa)
 
 
@@ -392,11 +396,11 @@ RMS_NORM_MIN_ROWS = 64
 
 
 def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                  out: torch.Tensor | None) -> bool:
-    """Whether the native RMSNorm takes these: bf16 rows, or fp32 rows of a prefill (RMS_NORM_MIN_ROWS), on a
-    CPU, never under torch.compile (inductor fuses the twin there)."""
+                  out: torch.Tensor | None, min_rows: int = RMS_NORM_MIN_ROWS) -> bool:
+    """Whether the native RMSNorm takes these: bf16 rows, or fp32 rows of a prefill (`min_rows`), on a CPU, never
+    under torch.compile (inductor fuses the twin there)."""
     return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype in NATIVE_DTYPES
-            and (x.dtype == torch.bfloat16 or x.numel() >= RMS_NORM_MIN_ROWS * x.shape[-1])
+            and (x.dtype == torch.bfloat16 or x.numel() >= min_rows * x.shape[-1])
             and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.shape[-1] <= MAX_HIDDEN
             and _row_stride(x) is not None and (residual is None or _row_stride(residual) is not None)
             and (out is None or _row_stride(out) is not None) and native_ready())

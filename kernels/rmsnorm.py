@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.kernels._triton import tl, triton, use_triton
-from infer.kernels.cpu_kernels import rms_norm_fits, rms_norm_native
+from infer.kernels.cpu_kernels import RMS_NORM_MIN_ROWS, rms_norm_fits, rms_norm_native
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None) -> None:
@@ -122,13 +122,14 @@ def _rows_in_place(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, any_rows: bool = False) -> torch.Tensor:
     """Triton on CUDA devices; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py:
     one pass instead of the twin's pow / mean / rsqrt / mul / mul), else the twin (see `rms_norm_torch` for
-    shapes and semantics)."""
+    shapes and semantics). fp32 rows take the native kernel from a prefill's rows on (transformers' bits for a
+    decode's), or from one row with `any_rows`: the same bits for a row in any batch."""
     if use_triton(x):
         return rms_norm_triton(x, weight, eps, residual, out)
-    if rms_norm_fits(x, weight, residual, out):
+    if rms_norm_fits(x, weight, residual, out, 1 if any_rows else RMS_NORM_MIN_ROWS):
         _check(x, weight, residual, out)
         return rms_norm_native(x, weight, eps, residual, out)
     return rms_norm_torch(x, weight, eps, residual, out)

@@ -97,7 +97,7 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
+        self.dtype = pick_dtype(config.dtype, self.device, model is None and kept_quantized(config))
         self.weight_version = 0                    # +1 (or the coordinator's number) per update_weights
         self._suspended: SuspendedWeights | None = None
         self._released_bytes = 0                   # what the current suspend released
@@ -756,16 +756,35 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def pick_dtype(dtype: str, device: torch.device, quantized: bool = False) -> torch.dtype:
+    """`dtype` ("auto": by device; see _cpu_has_native_bf16 for a CPU's rule). `quantized`: the model's matmuls
+    multiply weights kept quantized (`kept_quantized`)."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if _cpu_has_native_bf16() or (quantized and _cpu_has_avx2()) else torch.float32
+
+
+def kept_quantized(config: EngineConfig) -> bool:
+    """Whether the engine's weights will be a GGUF's (its blocks, or a BF16 file's bf16 values) or quantized
+    (--quantization int8 / int4, an AWQ / GPTQ checkpoint): their matmuls then run in kernels/cpu/quant.c
+    (or the bf16 GEMV), which take bf16 rows natively on AVX2 as well, and no oneDNN bf16 matmul is left to
+    emulate; bf16 rows also keep the native decode step (worker/models/native_decode.py)."""
+    from infer.worker.awq_gptq import directory_scheme
+    from infer.worker.model_files import model_source
+
+    if config.quantization in ("int8", "int4"):
+        return True
+    if config.quantization == "none":
+        return False
+    source = model_source(config.model)
+    return source.suffix.lower() == ".gguf" or (source.is_dir() and directory_scheme(source) is not None)
 
 
 # "auto" on a CPU: bf16 only where the CPU multiplies bf16 natively (AVX512-BF16, AMX); fp32 elsewhere (AVX2
-# machines such as Zen 3). Measured 2026-11-26/27 on the 2-core Zen 5 VM, avx2 build (INFER_CPU_ISA=avx2, with
+# machines such as Zen 3) for dense checkpoints; bf16 on AVX2 too where the weights are kept quantized (pick_dtype).
+# Measured 2026-11-26/27 on the 2-core Zen 5 VM, avx2 build (INFER_CPU_ISA=avx2, with
 # ONEDNN_MAX_CPU_ISA=AVX2 and ATEN_CPU_CAPABILITY=avx2 so that torch computes as on Zen 3), SmolLM2-135M, one
 # process, dtypes alternating over 4 rounds, 1 thread (at 2 threads the shared VM's load scattered the decode
 # figures 5-94 tok/s): batch-1 decode bf16 (the native step on the AVX2 GEMV) 36-59 tok/s against fp32 (layers on
@@ -773,8 +792,14 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 # there; 2 threads: 2.2-3.5 s against 0.53-0.55). A 500-token prompt and 128 tokens out: ~8.0 s bf16, ~7.1 s fp32,
 # and the prefill gap grows with the prompt, so fp32 stays the default; dtype="bfloat16" is there for long outputs.
 # With INFER_CPU_ISA set below avx512 the engine computes as such a CPU would (the kernels' build, and this choice).
-# Weights kept quantized (GGUF, int8 / int4) run every matmul in kernels/cpu/quant.c, which takes fp32 rows as
-# fast as bf16 ones, so fp32 costs them nothing on AVX2.
+# Weights kept quantized (a GGUF, int8 / int4, AWQ / GPTQ) leave no oneDNN bf16 matmul to emulate (kernels/cpu/
+# quant.c takes bf16 rows on AVX2 as fast as fp32 ones), and bf16 keeps the native decode step: bf16 there.
+def _cpu_has_avx2() -> bool:
+    from infer.kernels.cpu_kernels import selected_isa
+
+    return selected_isa() in ("avx512", "avx2")
+
+
 def _cpu_has_native_bf16() -> bool:
     from infer.kernels.cpu_kernels import selected_isa
 

@@ -20,7 +20,9 @@ from infer.worker.awq_gptq import Int4Scheme, directory_scheme, group_tensors
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.gguf import close_gguf_files
 from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
-from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, VocabEmbedding, deferred_weights
+from infer.worker.models.layers import (
+    LMHead, PackedLinear, QuantStorage, RMSNorm, VocabEmbedding, deferred_weights
+)
 from infer.worker.models.moe import ExpertShard
 from infer.worker.models.registry import model_class
 from infer.worker.tensor_parallel import TensorParallel
@@ -136,6 +138,8 @@ def materialize(model: nn.Module, plan: dict[str, str], device: torch.device | s
     for name, module in model.named_modules():
         if isinstance(module, QuantStorage) and module.weight.is_meta:
             module.materialize(plan.get(name), device)
+        if isinstance(module, RMSNorm) and plan:
+            module.any_rows = True
     if tied:
         model.tie_lm_head()  # type: ignore[operator]
 

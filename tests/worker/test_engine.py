@@ -13,6 +13,7 @@ from infer import LLM, SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.forward_batch import KVCache
+from hf_reference import hf_model
 from prompts import prompt_of_length, varied_prompts
 
 MAX_NEW = 12
@@ -29,10 +30,7 @@ def _kv_bytes_for_blocks(model_dir, num_blocks: int, block_size: int) -> int:
 
 def _reference(model_dir, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding effects)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
+    model = hf_model(model_dir, torch.float32)
     outs = []
     with torch.inference_mode():
         for ids in prompt_ids:
@@ -78,7 +76,8 @@ def model_case(request, smollm2_dir, tiny_model_dir, smollm2_tokenizer):
 def test_greedy_matches_transformers_in_one_batch(model_case, scenario):
     name, path, prompts, expected = model_case
     options = SCENARIOS[scenario](path)
-    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, **options)
+    # transformers dequantizes the embedded GGUF: ours too (quantization none), so that the model code is compared
+    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, quantization="none", **options)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert max(len(p) for p in prompts) >= 900 and min(len(p) for p in prompts) <= 20

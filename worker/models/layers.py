@@ -189,6 +189,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _param(size, dtype=dtype)
+        # One kernel for every row count (set by the loader for models with quantized linears: their int8
+        # activations turn the native kernel's and the twin's last-bit differences into other tokens now and then,
+        # and a row must get the same bits alone as in a batch)
+        self.any_rows = False
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
@@ -199,8 +203,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps, residual), residual
+            return rms_norm(x, self.weight, self.eps, any_rows=self.any_rows)
+        return rms_norm(x, self.weight, self.eps, residual, any_rows=self.any_rows), residual
 
 
 class PackedLinear(QuantStorage):

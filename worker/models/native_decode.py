@@ -9,8 +9,9 @@ the layers do one by one (the linears send 1-8 rows to the same GEMV), so the to
 bit (tests/worker/test_native_decode.py).
 
 It serves a step whose batch is 1-8 decoding sequences (GEMV_MAX_ROWS), outside step graphs, when every layer
-is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank, in bf16 or fp32, with every
-linear's weight one the native kernels take: kept quantized (kernels/cpu/quant.c, any build), or dense bf16 in a
+is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank, in bf16 (decode_layers.c takes
+fp32 rows too; `for_model` says why fp32 models keep their layers), with every linear's weight one the native
+kernels take: kept quantized (kernels/cpu/quant.c, any build), or dense bf16 in a
 bf16 model (the GEMV: the avx512 build's bf16 pairs with AVX512-BF16, else its fp32 core; the avx2 build widens
 bf16 to fp32 in registers; the generic build has no GEMV). Anything else runs the layers one by one.
 """
@@ -93,7 +94,11 @@ class NativeDecoder:
 
         layers = list(model.layers)
         dtype = model.norm.weight.dtype
-        if tp_size != 1 or not layers or dtype not in (torch.bfloat16, torch.float32) or not native_ready():
+        # bf16 only: an fp32 model's layers run torch's RMSNorm and SiLU on a decode's few rows (RMS_NORM_MIN_ROWS:
+        # transformers' bits), so its native step (the same C kernels for fp32 rows as for bf16) would give a
+        # sequence other bits alone than in a batch of more than 8, and with quantized linears (int8 activations)
+        # other tokens now and then: seeded sampling must not depend on the batch.
+        if tp_size != 1 or not layers or dtype != torch.bfloat16 or not native_ready():
             return None
         if model.norm.weight.device.type != "cpu" or model.rotary_emb.cos_sin_cache.dtype != torch.float32:
             return None
