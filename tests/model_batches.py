@@ -65,3 +65,17 @@ def new_cache(model, num_blocks: int, block_size: int) -> KVCache:
 
 def token_ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def kl_and_top1(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(reference || other), top-1 agreement) of two [positions, vocab] logit tensors, in float64."""
+    p, q = reference.double().log_softmax(-1), other.double().log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    return kl, (reference.argmax(-1) == other.argmax(-1)).double().mean().item()
+
+
+def quantized_layers(model) -> dict[str, str | None]:
+    """Each layer's weight storage: its quantized format, or None for dense."""
+    from infer.worker.models.layers import QuantStorage
+
+    return {name: m.quant_format for name, m in model.named_modules() if isinstance(m, QuantStorage)}

@@ -28,7 +28,7 @@ from infer.worker.tensor_parallel import TensorParallel
 from infer import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
-from model_batches import Pager, new_cache, token_ids
+from model_batches import Pager, kl_and_top1, new_cache, quantized_layers, token_ids
 
 CPU = torch.device("cpu")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -51,16 +51,6 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
     batch = pager.batch([("a", ids, 0, len(ids))])
     with torch.inference_mode():
         return model.compute_logits(model(batch, new_cache(model, 32, 8)))
-
-
-def kl_and_top1(dense: torch.Tensor, quantized: torch.Tensor) -> tuple[float, float]:
-    p, q = dense.double().log_softmax(-1), quantized.double().log_softmax(-1)
-    kl = (p.exp() * (p - q)).sum(-1).mean().item()
-    return kl, (dense.argmax(-1) == quantized.argmax(-1)).double().mean().item()
-
-
-def quantized_layers(model) -> dict[str, str | None]:
-    return {name: m.quant_format for name, m in model.named_modules() if isinstance(m, QuantStorage)}
 
 
 def new_engine(path: Path, **options) -> Engine:

@@ -21,8 +21,7 @@ from infer import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.loader import load_model, quant_plan
-from infer.worker.models.layers import QuantStorage
-from model_batches import Pager, new_cache, token_ids
+from model_batches import Pager, kl_and_top1, new_cache, quantized_layers, token_ids
 
 CPU = torch.device("cpu")
 # The CPU's kernels (int8 activations), and Triton's on a GPU where there is one (kernels/quant_triton.py)
@@ -43,16 +42,6 @@ def prefill_logits(model, ids: list[int], device: torch.device = CPU) -> torch.T
     cache.v[:] = [t.to(device) for t in cache.v]
     with torch.inference_mode():
         return model.compute_logits(model(batch, cache)).cpu()
-
-
-def kl_and_top1(dense: torch.Tensor, quantized: torch.Tensor) -> tuple[float, float]:
-    p, q = dense.double().log_softmax(-1), quantized.double().log_softmax(-1)
-    kl = (p.exp() * (p - q)).sum(-1).mean().item()
-    return kl, (dense.argmax(-1) == quantized.argmax(-1)).double().mean().item()
-
-
-def quantized_layers(model) -> dict[str, str | None]:
-    return {name: m.quant_format for name, m in model.named_modules() if isinstance(m, QuantStorage)}
 
 
 @pytest.mark.parametrize("device", DEVICES, ids=str)
