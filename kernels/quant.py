@@ -147,11 +147,6 @@ def quant_source(tensor: object, fmt: str) -> QuantWeight:
     return to_format(quantize(dense, "q4" if fmt == "q4" else "q8"), fmt)
 
 
-def quant_linear_torch(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """x [M, K] @ dequantize(weight)^T -> [M, N] in x's dtype (fp32 products and sums): the plain twin."""
-    return (x.float() @ dequantize(weight).to(x.device).T).to(x.dtype)
-
-
 # ---- y = x W^T with W quantized: the twin, and the native kernel (kernels/cpu/quant.c) ----
 
 FORMAT_CODES = {"q4": 0, "q8": 1}   # quant_matmul's fmt argument in C
@@ -275,11 +270,10 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, lib: ctypes.CDLL | None =
 def quant_linear(x: torch.Tensor, weight: QuantWeight, native: bool) -> torch.Tensor:
     """x [M, K] times a quantized weight [N, K], transposed -> [M, N] in x's dtype, by the fastest path here: the
     native kernel on a CPU (`native`: the caller's `quant_matmul_takes(weight)`, decided once per weight) for bf16 /
-    fp32 rows, Triton on CUDA (kernels/quant_triton.py), else the plain twin."""
+    fp32 rows, else kernels/quant_triton.py's dispatcher: Triton on CUDA, the plain twin (dequantize, fp32 matmul)
+    elsewhere."""
     if native and x.dtype in cpu_kernels.NATIVE_DTYPES and x.is_cpu and x.shape[0] > 0:
         return quant_matmul(x if x.stride(1) == 1 else x.contiguous(), weight)
-    if x.is_cuda:
-        from infer.kernels.quant_triton import quant_matmul_gpu
+    from infer.kernels.quant_triton import quant_matmul_gpu
 
-        return quant_matmul_gpu(x, weight)
-    return quant_linear_torch(x, weight)
+    return quant_matmul_gpu(x, weight)
