@@ -157,7 +157,8 @@ def _positive_int(name: str, value: Any) -> None:
 
 
 def model_cache_dir() -> Path:
-    """Where converted models (GGUF -> safetensors) are kept: $INFER_MODEL_CACHE or ~/.cache/infer/models."""
+    """Where GGUF conversions (config, tokenizer, a link to the file) are kept: $INFER_MODEL_CACHE or
+    ~/.cache/infer/models."""
     value = env.read(env.MODEL_CACHE)
     return Path(value) if value else Path.home() / ".cache" / "infer" / "models"
 

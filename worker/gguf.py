@@ -656,6 +656,7 @@ def write_model_dir(gguf_path: str | Path, out_dir: str | Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     source = Path(gguf_path).resolve()
+    GGUFFile(source)   # a file that is no readable GGUF of an architecture we read: a ValueError naming it, first
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     folder, name = str(source.parent), source.name

@@ -195,3 +195,13 @@ def test_bad_checkpoints_name_the_tensor(tiny_model_dir, tmp_path: Path, change,
     path = _copy_with(tiny_model_dir("qwen2"), tmp_path / "m", change)
     with pytest.raises(ValueError, match=message):
         load_model(path, torch.float32, CPU)
+
+
+@pytest.mark.parametrize("content", [b"not a gguf at all", b"GGUF\x03\x00\x00\x00\xff\xff\xff\xff\xff\xff\xff\x7f"])
+def test_a_broken_gguf_is_refused_naming_the_file(tmp_path, monkeypatch, content) -> None:
+    """Garbage, or a header cut short: a ValueError that names the file, before transformers reads it."""
+    monkeypatch.setenv("INFER_MODEL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"broken\.gguf: not a readable GGUF file"):
+        resolve_model(str(path))
