@@ -6,7 +6,9 @@
 - Paged prefill / mixed-step attention (cpu/paged_prefill.c): causal chunks over the pool in place, 32 keys
   at a time (bf16: packed once per call for vdpbf16ps) for up to 64 query rows sharing a KV head. torch's CPU
   flash attention, which the twin calls per chunk, took 4.8 ms a layer for a 500-token prompt of SmolLM2-135M
-  against 1.2 ms here (2-core AMD EPYC, bf16, 2026-11-26).
+  against 1.2 ms here (2-core AMD EPYC, bf16, 2026-11-26). Other pools (fp32, or bf16 without AVX512-BF16)
+  take paged_decode.c's arithmetic a few tokens at a time, so a prefill row has the bits of the decode of its
+  position (a failover's resumed stream goes on exactly; it costs 25-45% of the fp32 prefill attention).
 - Rotary embedding in place and the KV append with K rotated on the way (cpu/elementwise.c): one pass each
   instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
 - RMSNorm and SiLU * mul (cpu/elementwise.c), the GEMV for 1-8 rows (cpu/gemv.c: bf16, and bf16 weights with fp32
@@ -55,7 +57,7 @@ SOURCES = tuple(_CPU_DIR / name for name in ("paged_decode.c", "paged_prefill.c"
 HEADERS = (_CPU_DIR / "common.h",)   # included by the sources: part of the build's hash
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")   # plus the level's -march
 BUILD_TIMEOUT_S = 120
-# What the compiled kernel accepts (the C file's MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK).
+# What the compiled kernel accepts (paged_decode.c's MAX_ROWS: query heads per KV head, MAX_HEAD_DIM, MAX_BLOCK).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
 MAX_HIDDEN = 16384   # the native RMSNorm's widest row (elementwise.c)
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)   # what the C kernels compute in (fp32 math inside)

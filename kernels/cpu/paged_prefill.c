@@ -12,10 +12,9 @@
  * heads of that KV head, all of which read the same keys. Two ways through the keys:
  * - bf16 on a CPU with AVX512-BF16 (the packed path, below): keys 32 at a time, packed once per call into the
  *   layouts that vdpbf16ps wants, and multiplied by pairs of bf16 without conversion, scores and P V alike.
- * - otherwise (fp32 pools, or bf16 without AVX512-BF16): keys 16 at a time, converted to fp32 and transposed
- *   (kt[d][j]), so that the scores of R rows and 16 keys are R x 16 fp32 accumulators fed by one load of kt[d]
- *   and R broadcasts of q per d; each row's output accumulates p * v over the V rows converted to fp32. In
- *   AVX-512 lanes (16 keys a vector), in AVX2 + FMA lanes (two vectors of 8, rows 4 at a time), or portable C.
+ * - otherwise (fp32 pools, or bf16 without AVX512-BF16): paged_decode.c's `attend_rows`, the decode kernel's own
+ *   arithmetic for a few tokens at once, so that each row has the bits the decode of its position would have
+ *   (a stream resumed from its delivered tokens, prefilled here, goes on exactly as it would have).
  * Both keep an online softmax (running max m, sum l) in fp32 per row, as the decode kernel; query token t at
  * position len - n + t sees keys 0 .. len - n + t. The output is acc / l in the pool's type. Every task's
  * arithmetic depends only on its own rows and keys, so a sequence's output does not change with the batch
@@ -30,155 +29,28 @@
 #define PF_MAX_GROUP 16
 #define PF_MAX_HEAD_DIM 256
 #define PF_MAX_BLOCK 256
-#define PF_KEYS 16           /* keys per tile of the fp32 path */
-#define PF_ROWS 64           /* rows (query tokens x group heads) per task, at most */
-#define PF_RB 8              /* rows per score micro-tile */
+#define PF_ROWS 64           /* rows (query tokens x group heads) per task of the packed path, at most */
 
-static inline void pf_load(const char *row, int is_bf16, float *dst, int n) {
-    if (is_bf16) {
-        const uint16_t *src = (const uint16_t *)row;
-#pragma omp simd
-        for (int d = 0; d < n; d++) dst[d] = bf16_to_f32(src[d]);
-    } else {
-        memcpy(dst, row, (size_t)n * sizeof(float));
-    }
-}
+/* paged_decode.c: the decode kernel's arithmetic for up to attend_max_tokens(group) tokens of a chunk */
+int attend_max_tokens(int group);
+void attend_rows(const void *q, int64_t q_token_bytes, const void *k_pool, const void *v_pool, const int32_t *table,
+                 int first_len, int tokens, void *out, int64_t out_token_bytes, int group, int head_dim,
+                 int block_size, float scale, int is_bf16);
 
-/* One tile of 16 keys for R rows (R a compile-time constant where inlined): scores s[r][j] = q[r] . kt[:, j]. */
-static inline __attribute__((always_inline)) void pf_scores(const float (*q)[PF_MAX_HEAD_DIM],
-                                                            const float (*kt)[PF_KEYS], int head_dim,
-                                                            float (*s)[PF_KEYS], const int R) {
-#if defined(__AVX512F__)
-    __m512 acc[PF_RB];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int d = 0; d < head_dim; d++) {
-        __m512 k = _mm512_load_ps(kt[d]);
-        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k, acc[r]);
-    }
-    for (int r = 0; r < R; r++) _mm512_store_ps(s[r], acc[r]);
-#elif defined(__AVX2__) && defined(__FMA__)
-    /* 16 keys are two 8-lane vectors: rows 4 at a time (8 accumulators), the tile's kt rows from L1 again */
-    for (int r0 = 0; r0 < R; r0 += 4) {
-        const int rn = R - r0 < 4 ? R - r0 : 4;
-        __m256 lo[4], hi[4];
-        for (int r = 0; r < rn; r++) lo[r] = hi[r] = _mm256_setzero_ps();
-        for (int d = 0; d < head_dim; d++) {
-            __m256 k0 = _mm256_load_ps(kt[d]), k1 = _mm256_load_ps(kt[d] + 8);
-            for (int r = 0; r < rn; r++) {
-                __m256 qd = _mm256_broadcast_ss(&q[r0 + r][d]);
-                lo[r] = _mm256_fmadd_ps(qd, k0, lo[r]);
-                hi[r] = _mm256_fmadd_ps(qd, k1, hi[r]);
-            }
-        }
-        for (int r = 0; r < rn; r++) {
-            _mm256_store_ps(s[r0 + r], lo[r]);
-            _mm256_store_ps(s[r0 + r] + 8, hi[r]);
-        }
-    }
-#else
-    float acc[PF_RB][PF_KEYS];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < PF_KEYS; j++) acc[r][j] = 0.0f;
-    for (int d = 0; d < head_dim; d++)
-        for (int r = 0; r < R; r++) {
-            float qd = q[r][d];
-#pragma omp simd
-            for (int j = 0; j < PF_KEYS; j++) acc[r][j] += qd * kt[d][j];
-        }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < PF_KEYS; j++) s[r][j] = acc[r][j];
-#endif
-}
+#if defined(__AVX512BF16__)
+/* ---- bf16 with AVX512-BF16: keys packed once, 32 at a time, and multiplied by pairs of bf16 (vdpbf16ps) ----
+ *
+ * A packed tile holds 32 keys of one KV head in the two layouts the products want, 32 * head_dim words:
+ *   K part, head_dim / 2 rows of 32 words: word [i][j] is dims 2i, 2i + 1 of key j (a bf16 pair, low half first);
+ *   V part, 16 rows of head_dim words: word [i][d] is dim d of keys 2i (low half) and 2i + 1 (high half).
+ * Keys past the context are zeros. The scores of up to 6 query rows and 32 keys are 2 fp32 registers a row, fed
+ * by two loads of a K row and a broadcast of each row's q pair; then each row's online-softmax step; the
+ * probabilities are rounded to bf16 pairs (as transformers rounds them to the model's type before P V), and up
+ * to 3 rows' output accumulates over the tile's 16 key pairs in registers, 64 dims at a time.
+ * A sequence whose chunk spans several tasks has its tiles packed once, before the tasks (in paged_prefill,
+ * within a budget); otherwise each task packs the tiles it reads itself. */
 
-/* Row r's online-softmax step over the first `seen` keys of the tile (1..16): its scores become probabilities
- * (0 past `seen`), m and l move on, and acc is rescaled to the new max. */
-static inline void pf_softmax(float *s, int seen, float *m, float *l, float *acc, int head_dim) {
-#if defined(__AVX512F__)
-    __mmask16 visible = (__mmask16)(seen >= PF_KEYS ? 0xffffu : (1u << seen) - 1u);
-    __m512 scores = _mm512_load_ps(s);
-    float top = _mm512_mask_reduce_max_ps(visible, scores);
-    top = top > *m ? top : *m;
-    float rescale = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - top);
-    __m512 p = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(top)), visible);
-    *l = *l * rescale + _mm512_reduce_add_ps(p);
-    _mm512_store_ps(s, p);
-    if (rescale != 1.0f)
-        for (int c = 0; c < head_dim / 16; c++)
-            _mm512_store_ps(acc + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), _mm512_set1_ps(rescale)));
-#elif defined(__AVX2__) && defined(__FMA__)
-    const __m256 v0 = lanes_below(seen), v1 = lanes_below(seen - 8), minus_inf = _mm256_set1_ps(-INFINITY);
-    __m256 s0 = _mm256_load_ps(s), s1 = _mm256_load_ps(s + 8);
-    float top = hmax8(_mm256_max_ps(_mm256_blendv_ps(minus_inf, s0, v0), _mm256_blendv_ps(minus_inf, s1, v1)));
-    top = top > *m ? top : *m;
-    float rescale = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - top);
-    const __m256 top8 = _mm256_set1_ps(top);
-    __m256 p0 = exp8(_mm256_sub_ps(s0, top8), v0), p1 = exp8(_mm256_sub_ps(s1, top8), v1);
-    *l = *l * rescale + hsum8(_mm256_add_ps(p0, p1));
-    _mm256_store_ps(s, p0);
-    _mm256_store_ps(s + 8, p1);
-    if (rescale != 1.0f)
-        for (int c = 0; c < head_dim / 8; c++)
-            _mm256_store_ps(acc + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc + 8 * c), _mm256_set1_ps(rescale)));
-#else
-    float top = *m;
-    for (int j = 0; j < seen; j++) top = s[j] > top ? s[j] : top;
-    float rescale = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - top);
-    float sum = 0.0f;
-    for (int j = 0; j < PF_KEYS; j++) {
-        s[j] = j < seen ? exp_nonpositive(s[j] - top) : 0.0f;
-        sum += s[j];
-    }
-    *l = *l * rescale + sum;
-    if (rescale != 1.0f)
-        for (int d = 0; d < head_dim; d++) acc[d] *= rescale;
-#endif
-    *m = top;
-}
-
-/* acc[r] += sum_j p[r][j] * v[j] for R rows (R a compile-time constant where inlined) over the tile's nk keys. */
-static inline __attribute__((always_inline)) void pf_values(float (*acc)[PF_MAX_HEAD_DIM],
-                                                            const float (*p)[PF_KEYS],
-                                                            const float (*v)[PF_MAX_HEAD_DIM], int nk,
-                                                            int head_dim, const int R) {
-#if defined(__AVX512F__)
-    for (int c = 0; c < head_dim; c += 16) {
-        __m512 a[4];
-        for (int r = 0; r < R; r++) a[r] = _mm512_load_ps(acc[r] + c);
-        for (int j = 0; j < nk; j++) {
-            __m512 vj = _mm512_load_ps(v[j] + c);
-            for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vj, a[r]);
-        }
-        for (int r = 0; r < R; r++) _mm512_store_ps(acc[r] + c, a[r]);
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (int c = 0; c < head_dim; c += 16) {   /* 16 dims a step: R x 2 accumulators (head_dim is a multiple of 16) */
-        __m256 a0[4], a1[4];
-        for (int r = 0; r < R; r++) {
-            a0[r] = _mm256_load_ps(acc[r] + c);
-            a1[r] = _mm256_load_ps(acc[r] + c + 8);
-        }
-        for (int j = 0; j < nk; j++) {
-            __m256 v0 = _mm256_load_ps(v[j] + c), v1 = _mm256_load_ps(v[j] + c + 8);
-            for (int r = 0; r < R; r++) {
-                __m256 pj = _mm256_broadcast_ss(&p[r][j]);
-                a0[r] = _mm256_fmadd_ps(pj, v0, a0[r]);
-                a1[r] = _mm256_fmadd_ps(pj, v1, a1[r]);
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            _mm256_store_ps(acc[r] + c, a0[r]);
-            _mm256_store_ps(acc[r] + c + 8, a1[r]);
-        }
-    }
-#else
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < nk; j++) {
-            float pj = p[r][j];
-#pragma omp simd
-            for (int d = 0; d < head_dim; d++) acc[r][d] += pj * v[j][d];
-        }
-#endif
-}
+#define PK_KEYS 32
 
 /* Row r of acc / l[r] to its output row: token t0 + r / group, head r % group of the task's group. */
 static void pf_store(float (*acc)[PF_MAX_HEAD_DIM], const float *l, int rows, int t0, int group, char *out,
@@ -197,76 +69,6 @@ static void pf_store(float (*acc)[PF_MAX_HEAD_DIM], const float *l, int rows, in
         }
     }
 }
-
-/* One task of the fp32 path (fp32 pools, or bf16 ones on a CPU without AVX512-BF16): rows t0 .. t1 - 1 of a
- * sequence's chunk times the group's heads, over keys converted to fp32 16 at a time. */
-static void prefill_task(const char *q, int64_t token_bytes, const char *k_pool, const char *v_pool,
-                         const int32_t *table, int len, int n, int t0, int t1, char *out, int64_t out_token_bytes,
-                         int group, int head_dim, int block_size, float scale, int is_bf16) {
-    const int elem = is_bf16 ? 2 : 4;
-    const int64_t row_bytes = (int64_t)head_dim * elem;
-    const int rows = (t1 - t0) * group;
-    float qf[PF_ROWS][PF_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float acc[PF_ROWS][PF_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float kt[PF_MAX_HEAD_DIM][PF_KEYS] __attribute__((aligned(64)));
-    float vf[PF_KEYS][PF_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float s[PF_ROWS][PF_KEYS] __attribute__((aligned(64)));
-    float krow[PF_MAX_HEAD_DIM], m[PF_ROWS], l[PF_ROWS];
-    int last[PF_ROWS];   /* the last key position row r sees */
-    for (int r = 0; r < rows; r++) {
-        int t = t0 + r / group, g = r % group;
-        pf_load(q + t * token_bytes + (int64_t)g * row_bytes, is_bf16, qf[r], head_dim);
-        for (int d = 0; d < head_dim; d++) qf[r][d] *= scale;
-        for (int d = 0; d < head_dim; d++) acc[r][d] = 0.0f;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-        last[r] = len - n + t;
-    }
-    const int end = len - n + t1;   /* keys 0 .. end - 1 are seen by some row */
-    for (int k0 = 0; k0 < end; k0 += PF_KEYS) {
-        int nk = end - k0 < PF_KEYS ? end - k0 : PF_KEYS;
-        for (int j = 0; j < PF_KEYS; j++) {
-            if (j < nk) {
-                int pos = k0 + j;
-                int64_t row = (int64_t)table[pos / block_size] * block_size + pos % block_size;
-                pf_load(k_pool + row * row_bytes, is_bf16, krow, head_dim);
-                for (int d = 0; d < head_dim; d++) kt[d][j] = krow[d];
-                pf_load(v_pool + row * row_bytes, is_bf16, vf[j], head_dim);
-            } else {
-                for (int d = 0; d < head_dim; d++) kt[d][j] = 0.0f;
-            }
-        }
-        /* rows before `first` see none of the tile's keys (causal: the tile starts past their position) */
-        int first = 0;
-        while (first < rows && last[first] < k0) first++;
-        int r = first;
-        for (; r + PF_RB <= rows; r += PF_RB) pf_scores(qf + r, kt, head_dim, s + r, PF_RB);
-        for (; r < rows; r++) pf_scores(qf + r, kt, head_dim, s + r, 1);
-        for (int r = first; r < rows; r++) {
-            int seen = last[r] - k0 + 1;
-            pf_softmax(s[r], seen < nk ? seen : nk, &m[r], &l[r], acc[r], head_dim);
-        }
-        r = first;
-        for (; r + 4 <= rows; r += 4) pf_values(acc + r, s + r, vf, nk, head_dim, 4);
-        for (; r < rows; r++) pf_values(acc + r, s + r, vf, nk, head_dim, 1);
-    }
-    pf_store(acc, l, rows, t0, group, out, out_token_bytes, head_dim, is_bf16);
-}
-
-#if defined(__AVX512BF16__)
-/* ---- bf16 with AVX512-BF16: keys packed once, 32 at a time, and multiplied by pairs of bf16 (vdpbf16ps) ----
- *
- * A packed tile holds 32 keys of one KV head in the two layouts the products want, 32 * head_dim words:
- *   K part, head_dim / 2 rows of 32 words: word [i][j] is dims 2i, 2i + 1 of key j (a bf16 pair, low half first);
- *   V part, 16 rows of head_dim words: word [i][d] is dim d of keys 2i (low half) and 2i + 1 (high half).
- * Keys past the context are zeros. The scores of up to 6 query rows and 32 keys are 2 fp32 registers a row, fed
- * by two loads of a K row and a broadcast of each row's q pair; then each row's online-softmax step; the
- * probabilities are rounded to bf16 pairs (as transformers rounds them to the model's type before P V), and up
- * to 3 rows' output accumulates over the tile's 16 key pairs in registers, 64 dims at a time.
- * A sequence whose chunk spans several tasks has its tiles packed once, before the tasks (in paged_prefill,
- * within a budget); otherwise each task packs the tiles it reads itself. */
-
-#define PK_KEYS 32
 #define PK_RS 6   /* rows per score micro-tile: 12 accumulators (the product's latency is 6 cycles) */
 #define PK_RV 3   /* rows per value micro-tile: 3 x 4 accumulators of 16 dims */
 
@@ -496,7 +298,12 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const voi
         }
     }
     const int elem = is_bf16 ? 2 : 4;
-    const int tile = PF_ROWS / group;   /* query tokens per task */
+#if defined(__AVX512BF16__)
+    const int packing = is_bf16;
+#else
+    const int packing = 0;
+#endif
+    const int tile = packing ? PF_ROWS / group : attend_max_tokens(group);   /* query tokens per task */
     const int64_t head_stride = num_blocks * block_size * (int64_t)head_dim * elem;
     /* tasks: (sequence, KV head, tile); each sequence's tiles counted up front */
     int64_t tasks = 0;
@@ -508,7 +315,6 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const voi
     /* The packed path: a sequence whose chunk spans two tasks or more per head has its key tiles packed once,
      * here, into `packed` (at most PK_BUDGET bytes; sequences past it are packed by their tasks).
      * first_tile[b]: sequence b's first tile in packed, per head, or -1 when its tasks pack their own. */
-    const int packing = is_bf16;
     enum { PK_BUDGET = 32 << 20 };
     const int64_t tile_words = pk_tile_words(head_dim);
     int64_t *first_tile = NULL, total_tiles = 0;
@@ -574,9 +380,9 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const voi
             continue;
         }
 #endif
-        prefill_task(qh, q_stride * elem, (const char *)k_pool + h * head_stride, (const char *)v_pool + h * head_stride,
-                     block_tables + b * table_stride, seq_lens[b], n, t0, t1, oh, out_token_bytes, group, head_dim,
-                     block_size, scale, is_bf16);
+        attend_rows(qh + t0 * q_stride * elem, q_stride * elem, (const char *)k_pool + h * head_stride,
+                    (const char *)v_pool + h * head_stride, block_tables + b * table_stride, seq_lens[b] - n + t0 + 1,
+                    t1 - t0, oh + t0 * out_token_bytes, out_token_bytes, group, head_dim, block_size, scale, is_bf16);
     }
 #if defined(__AVX512BF16__)
     free(packed);

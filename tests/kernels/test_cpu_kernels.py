@@ -169,6 +169,31 @@ def test_a_chunks_output_does_not_depend_on_its_batch():
     assert torch.equal(alone, together[33:103])
 
 
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("heads, head_dim", [((9, 3), 64), ((8, 1), 128), ((32, 2), 64), ((6, 2), 80)],
+                         ids=["3x64", "8x128", "16x64", "3x80"])
+def test_a_prefill_row_has_the_bits_of_the_decode_of_its_position(dtype, heads, head_dim):
+    """A stream resumed elsewhere is its prompt and delivered tokens prefilled, then decoded: each prefill row
+    must equal the decode of the same position bit for bit, or the resumed stream drifts from the one it
+    continues. Chunks behind a cached prefix and whole prompts, lengths on and off the 16-position chunks. The
+    packed bf16 path (AVX512-BF16) rounds its probabilities to bf16 as transformers does, so it is exempt."""
+    if dtype == torch.bfloat16 and cpu_kernels.gemv_paths() & cpu_kernels.GEMV_BF16_PAIRS:
+        pytest.skip("bf16 prefill on AVX512-BF16 takes the packed path, its own arithmetic")
+    num_heads, num_kv_heads = heads
+    seq_lens, query_lens = [37, 16, 90, 17], [37, 16, 41, 5]
+    batch = make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, 16, dtype, seed=12, device=CPU)
+    prefilled = _prefill(batch, 0.125)
+    row = 0
+    for b, (length, chunk) in enumerate(zip(seq_lens, query_lens)):
+        for t in range(chunk):   # token t of the chunk sees length - chunk + t + 1 positions
+            one = torch.empty(1, num_heads, head_dim, dtype=dtype)
+            paged_decode_attention_native(batch.q[row:row + 1], batch.k_cache, batch.v_cache,
+                                          batch.block_tables[b:b + 1],
+                                          torch.tensor([length - chunk + t + 1], dtype=torch.int32), 0.125, one)
+            assert torch.equal(one[0], prefilled[row]), f"sequence {b}, token {t}"
+            row += 1
+
+
 @pytest.mark.parametrize("case", ["block past the pool", "chunk longer than its context", "offsets decrease",
                                   "offsets past the tokens"])
 def test_bad_prefill_batches_are_refused_before_anything_is_read(case):

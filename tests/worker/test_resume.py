@@ -217,3 +217,23 @@ def test_a_request_given_back_mid_stream_resumes_exactly_elsewhere(engines, smol
                                   len(delivered.text))})["r"]
     assert delivered.token_ids + resumed.token_ids == reference.token_ids
     assert delivered.text + resumed.text == reference.text and resumed.finish_reason == "stop"
+
+
+def test_the_embedded_model_kept_quantized_resumes_a_greedy_stream_exactly(smollm2_gguf):
+    """The cluster's failover as the Slurm job runs it (the embedded model, its Q4_1 blocks kept quantized, float32):
+    the resumed stream is its prompt and delivered tokens prefilled, then decoded, so each prefill row must have the
+    bits of the decode of its position. The activations' int8 rounding turns the smallest difference into a
+    different token: before the prefill attention shared the decode kernel's arithmetic, this prompt parted from
+    the uninterrupted stream at token 59 or 71 after every one of these cuts. All cuts resume in one batch, beside
+    an uninterrupted copy of the request."""
+    engines = [Engine(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory=16_000_000, num_threads=1))
+               for _ in range(2)]
+    prompt = [1, 504, 3458, 282, 4649, 314, 101, 101, 101, 101]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    reference = _run(engines[0], {"ref": (prompt, params, (), None)})["ref"].token_ids
+    cuts = (8, 23, 29, 41)
+    resumed = _run(engines[1], {"whole": (prompt, params, (), None)} | {
+        f"cut{k}": (prompt, params, reference[:k], None) for k in cuts})
+    assert resumed["whole"].token_ids == reference
+    for k in cuts:
+        assert reference[:k] + resumed[f"cut{k}"].token_ids == reference, f"tokens differ after a cut at {k}"
