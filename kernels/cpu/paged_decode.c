@@ -76,13 +76,17 @@ static inline char *out_of(const Rows *rows, int r, int group, int64_t row_bytes
     return rows->out + (int64_t)(r / group) * rows->out_token_bytes + (int64_t)(r % group) * row_bytes;
 }
 
-/* The first row that sees position `start` (rows are in token order, so lengths never decrease with r). */
-static inline int first_row_seeing(const Rows *rows, int start, int group) {
+/* The first row that sees position `start` (rows are in token order, so lengths never decrease with r). A decode
+ * (`tokens` 1, a constant where inlined) sees every position up to its length: 0, known to the compiler, so that
+ * the loops over its rows keep their constant trip counts (and q and the accumulators stay in registers). */
+static inline int first_row_seeing(const Rows *rows, int start, const int tokens, int group) {
+    if (tokens == 1) return 0;
     return start >= rows->first_len ? (start - rows->first_len + 1) * group : 0;
 }
 
-/* Of the `width` positions from `start`, how many row r sees (<= 0: none). */
-static inline int seen_by(const Rows *rows, int r, int group, int start, int width) {
+/* Of the `width` positions from `start` (all of them seen by the longest row), how many row r sees (<= 0: none). */
+static inline int seen_by(const Rows *rows, int r, const int tokens, int group, int start, int width) {
+    if (tokens == 1) return width;
     int n = rows->first_len + r / group - start;
     return n < width ? n : width;
 }
@@ -115,7 +119,7 @@ static inline __attribute__((always_inline)) void attend_portable(
     }
     for (int start = 0; start < len; start += block_size) {
         int n = len - start < block_size ? len - start : block_size;
-        int lo = first_row_seeing(rows, start, group);
+        int lo = first_row_seeing(rows, start, tokens, group);
         int64_t first = (int64_t)table[start / block_size] * block_size;   /* the block's first row */
         for (int t = 0; t < n; t++) {
             load_row(k_pool, first + t, is_bf16, row, head_dim);
@@ -124,7 +128,7 @@ static inline __attribute__((always_inline)) void attend_portable(
             }
         }
         for (int r = lo; r < nrows; r++) {
-            int nr = seen_by(rows, r, group, start, n);
+            int nr = seen_by(rows, r, tokens, group, start, n);
             float top = m[r];
             for (int t = 0; t < nr; t++) top = s[r][t] > top ? s[r][t] : top;
             float rescale = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
@@ -138,7 +142,7 @@ static inline __attribute__((always_inline)) void attend_portable(
         for (int t = 0; t < n; t++) {
             load_row(v_pool, first + t, is_bf16, row, head_dim);
             for (int r = lo; r < nrows; r++) {
-                if (t >= seen_by(rows, r, group, start, n)) continue;
+                if (t >= seen_by(rows, r, tokens, group, start, n)) continue;
                 float p = s[r][t];
 #pragma omp simd
                 for (int d = 0; d < head_dim; d++) acc[r][d] += p * row[d];
@@ -239,7 +243,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
     }
     int block = 0, offset = 0;   /* where the next position lives: table[block], row `offset` of it */
     for (int start = 0; start < len; start += 16) {
-        const int n = len - start < 16 ? len - start : 16, lo = first_row_seeing(rows, start, group);
+        const int n = len - start < 16 ? len - start : 16, lo = first_row_seeing(rows, start, tokens, group);
         next_rows(offsets, n, table, &block, &offset, block_size, row_bytes);
         prefetch_next(k_pool, v_pool, table, block, offset, start + 16, len, 16, block_size, row_bytes);
         for (int t = 0; t < 16; t++) {
@@ -271,7 +275,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
         }
         float probs[MAX_ROWS][16];
         for (int r = lo; r < nrows; r++) {
-            const int seen = seen_by(rows, r, group, start, n);
+            const int seen = seen_by(rows, r, tokens, group, start, n);
             const __mmask16 valid = (__mmask16)((1u << seen) - 1u);
             __m512 scores = lane_sums(partial[r]);
             if (dp) scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
@@ -289,7 +293,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
             __m512 v[MAX_HEAD_DIM / 16];
             for (int c = 0; c < nv; c++) v[c] = load16(row, c, is_bf16);
             for (int r = lo; r < nrows; r++) {
-                if (t >= seen_by(rows, r, group, start, n)) continue;
+                if (t >= seen_by(rows, r, tokens, group, start, n)) continue;
                 __m512 p = _mm512_set1_ps(probs[r][t]);
                 for (int c = 0; c < nv; c++) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
             }
@@ -338,7 +342,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
     }
     int block = 0, offset = 0;   /* where the next position lives: table[block], row `offset` of it */
     for (int start = 0; start < len; start += 8) {
-        const int n = len - start < 8 ? len - start : 8, lo = first_row_seeing(rows, start, group);
+        const int n = len - start < 8 ? len - start : 8, lo = first_row_seeing(rows, start, tokens, group);
         next_rows(offsets, n, table, &block, &offset, block_size, row_bytes);
         prefetch_next(k_pool, v_pool, table, block, offset, start + 8, len, 8, block_size, row_bytes);
         for (int t = 0; t < 8; t++) {
@@ -357,7 +361,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
         }
         float probs[MAX_ROWS][8];
         for (int r = lo; r < nrows; r++) {
-            const __m256 valid = lanes_below(seen_by(rows, r, group, start, n));
+            const __m256 valid = lanes_below(seen_by(rows, r, tokens, group, start, n));
             __m256 scores = lane_sums8(partial[r]);
             float top = hmax8(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, valid));
             top = top > m[r] ? top : m[r];
@@ -373,7 +377,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
             __m256 v[MAX_HEAD_DIM / 8];
             for (int c = 0; c < nv; c++) v[c] = load8(row, c, is_bf16);
             for (int r = lo; r < nrows; r++) {
-                if (t >= seen_by(rows, r, group, start, n)) continue;
+                if (t >= seen_by(rows, r, tokens, group, start, n)) continue;
                 __m256 p = _mm256_set1_ps(probs[r][t]);
                 for (int c = 0; c < nv; c++) acc[r][c] = _mm256_fmadd_ps(p, v[c], acc[r][c]);
             }
