@@ -99,7 +99,13 @@ def test_nine_rows_are_refused(native_gemv: int) -> None:
         gemv(x.expand(9, 64), w)
 
 
-def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gemv: int) -> None:
+@pytest.mark.parametrize("onednn_packs_bf16", [True, False], ids=["packed", "no-onednn-bf16"])
+def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gemv: int, onednn_packs_bf16) -> None:
+    """Also where oneDNN packs no bf16 weight (an AVX2 CPU: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT): the GEMV
+    is the fast path there most of all (it was once tied to the packing, and an AVX2 machine's bf16 decode ran on
+    ATen's bf16 matmul at 0.84x llama.cpp's speed); more rows then go to F.linear."""
+    if not onednn_packs_bf16:
+        monkeypatch.setattr("infer.worker.models.layers._pack_for_cpu", lambda w: None)
     rows_seen: list[int] = []
     monkeypatch.setattr("infer.worker.models.layers.gemv", lambda x, w: rows_seen.append(x.shape[0]) or gemv(x, w))
     layer = ColumnLinear(64, 48, bias=True, dtype=torch.bfloat16)

@@ -229,21 +229,24 @@ class PackedLinear(QuantStorage):
             self.packed, self.gemv_ready = None, False
             return
         self.packed = _pack_for_cpu(self.weight)
-        self.gemv_ready = self.packed is not None and gemv_takes(self.weight)
+        # not tied to oneDNN's packing: on an AVX2 CPU oneDNN packs no bf16 weight (it needs AVX512-BW/VL/DQ or
+        # AVX-NE-CONVERT), and the GEMV is the fast path there most of all
+        self.gemv_ready = gemv_takes(self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [N, in] -> x W^T + bias, [N, out]."""
         if self.quant is not None:
             y = quant_linear(x.reshape(-1, x.shape[-1]), self.quant, self.quant_native).reshape(*x.shape[:-1], -1)
             return y if bias is None else y.add_(bias)
-        if self.packed is not None and x.dim() == 2:
-            if torch.compiler.is_compiling():
-                return packed_linear(x, self.packed, self.weight, bias)
+        if x.dim() == 2 and not torch.compiler.is_compiling():
             if (self.gemv_ready and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1
                     and x.shape[0] > 0):
                 y = gemv(x, self.weight)
                 return y if bias is None else y.add_(bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # (no op overhead)
+            if self.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # (no op overhead)
+        elif self.packed is not None and x.dim() == 2:
+            return packed_linear(x, self.packed, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def load_rows(self, param_name: str, start: int, length: int, tensor: Any, what: str) -> None:
