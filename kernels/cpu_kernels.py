@@ -471,21 +471,29 @@ def gemv_takes(weight: torch.Tensor) -> bool:
             and gemv_paths() & (GEMV_BF16_PAIRS | GEMV_BF16_FP32_CORE) != 0)
 
 
+def gemv_takes_any_rows() -> bool:
+    """Whether `gemv` takes more than GEMV_MAX_ROWS rows: on the fp32 core (AVX2 without AVX512-BF16), where
+    oneDNN packs no bf16 weight, it multiplies a prefill's rows too (tiles, each sum as in a GEMV)."""
+    return gemv_paths() & GEMV_BF16_FP32_CORE != 0
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16, unit column stride, 1 <= M <= 8) @ weight [N, K]^T -> [M, N] bf16 (a new tensor), for a
-    weight `gemv_takes`. Each output row is the same bits whatever M (each row's sum is taken alone)."""
+    """x [M, K] (bf16, unit column stride, 1 <= M <= 8, or any M >= 1 where `gemv_takes_any_rows`) @ weight [N, K]^T
+    -> [M, N] bf16 (a new tensor), for a weight `gemv_takes`. Each output row is the same bits whatever M (each
+    row's sum is taken alone)."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
     status = _library().gemv_rows_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
                                        x.shape[0], weight.shape[0], weight.shape[1])
     if status == -3:
         raise MemoryError("the native GEMV could not allocate x's fp32 copy")
     if status != 0:
-        raise ValueError(f"the native GEMV takes 1-8 rows (got {x.shape[0]}) and needs AVX512-BF16 or AVX2")
+        raise ValueError(f"the native GEMV takes 1-8 rows (any number on AVX2's fp32 core; got {x.shape[0]}) and "
+                         "needs AVX512-BF16 or AVX2")
     return out
 
 
 def gemv_bf16w_f32x(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 (unit column stride, 1 <= M <= 8) @ weight [N, K]^T (bf16, contiguous) -> [M, N] fp32 (a new
+    """x [M, K] fp32 (unit column stride, M >= 1) @ weight [N, K]^T (bf16, contiguous) -> [M, N] fp32 (a new
     tensor): weights stored in bf16, computed in fp32 (the AVX2 fp32 core, also in AVX-512 builds). Each output is
     the fp32 sum unrounded, the same bits whatever M; needs GEMV_F32X in `gemv_paths()`."""
     if not (x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and weight.dtype == torch.bfloat16
@@ -497,7 +505,8 @@ def gemv_bf16w_f32x(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if status == -3:
         raise MemoryError("the native GEMV could not allocate x's fp32 copy")
     if status != 0:
-        raise ValueError(f"gemv_bf16w_f32x takes 1-8 rows (got {x.shape[0]}) and needs AVX2 (not the generic build)")
+        raise ValueError(f"gemv_bf16w_f32x takes at least one row (got {x.shape[0]}) and needs AVX2 (not the generic "
+                         "build)")
     return out
 
 

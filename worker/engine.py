@@ -757,13 +757,14 @@ def pick_device(device: str) -> torch.device:
 
 
 def pick_dtype(dtype: str, device: torch.device, quantized: bool = False) -> torch.dtype:
-    """`dtype` ("auto": by device; see _cpu_has_native_bf16 for a CPU's rule). `quantized`: the model's matmuls
+    """`dtype` ("auto": by device; a CPU's rule is in the comment above _cpu_isa). `quantized`: the model's matmuls
     multiply weights kept quantized (`kept_quantized`)."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_native_bf16() or (quantized and _cpu_has_avx2()) else torch.float32
+    isa = _cpu_isa()
+    return torch.bfloat16 if _cpu_has_native_bf16() or isa == "avx2" or (quantized and isa == "avx512") else torch.float32
 
 
 def kept_quantized(config: EngineConfig) -> bool:
@@ -782,22 +783,21 @@ def kept_quantized(config: EngineConfig) -> bool:
     return source.suffix.lower() == ".gguf" or (source.is_dir() and directory_scheme(source) is not None)
 
 
-# "auto" on a CPU: bf16 only where the CPU multiplies bf16 natively (AVX512-BF16, AMX); fp32 elsewhere (AVX2
-# machines such as Zen 3) for dense checkpoints; bf16 on AVX2 too where the weights are kept quantized (pick_dtype).
-# Measured 2026-11-26/27 on the 2-core Zen 5 VM, avx2 build (INFER_CPU_ISA=avx2, with
-# ONEDNN_MAX_CPU_ISA=AVX2 and ATEN_CPU_CAPABILITY=avx2 so that torch computes as on Zen 3), SmolLM2-135M, one
-# process, dtypes alternating over 4 rounds, 1 thread (at 2 threads the shared VM's load scattered the decode
-# figures 5-94 tok/s): batch-1 decode bf16 (the native step on the AVX2 GEMV) 36-59 tok/s against fp32 (layers on
-# oneDNN) 19-29; a 500-token prefill bf16 4.3-6.7 s against fp32 1.4-1.6 s (oneDNN emulates bf16 matmuls
-# there; 2 threads: 2.2-3.5 s against 0.53-0.55). A 500-token prompt and 128 tokens out: ~8.0 s bf16, ~7.1 s fp32,
-# and the prefill gap grows with the prompt, so fp32 stays the default; dtype="bfloat16" is there for long outputs.
+# "auto" on a CPU: bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX), and on AVX2 machines (Zen 3),
+# where oneDNN has no bf16 at all and our kernels multiply every bf16 linear (kernels/cpu/gemv.c's fp32 core: bf16
+# weights widened in registers, any number of rows; quant.c for weights kept quantized); fp32 on AVX-512 CPUs
+# without BF16 unless the weights are kept quantized (oneDNN emulates bf16 matmuls there; not measured). Measured 2026-11-27 on the 2-core Zen 5 VM, avx2
+# build with torch held to AVX2 (INFER_CPU_ISA=avx2, ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), the
+# embedded SmolLM2-135M dense (quantization "none"), 2 threads, two alternating rounds: batch-1 decode bf16 143-177
+# tok/s against fp32 45-46 (half the bytes a token, and oneDNN's fp32 GEMV is slower than the native one); a
+# 500-token prefill 623 tok/s against 894-918 (our tiles reach ~60% of oneDNN's sgemm); offline 16 x (200 -> 96)
+# 152 against 151 tok/s. A 500-token prompt and 128 tokens out: ~1.6 s bf16, ~3.4 s fp32. (Before the GEMV took
+# more than 8 rows and served weights oneDNN cannot pack, bf16 prefills ran on ATen's bf16 matmul at 220 tok/s.)
 # With INFER_CPU_ISA set below avx512 the engine computes as such a CPU would (the kernels' build, and this choice).
-# Weights kept quantized (a GGUF, int8 / int4, AWQ / GPTQ) leave no oneDNN bf16 matmul to emulate (kernels/cpu/
-# quant.c takes bf16 rows on AVX2 as fast as fp32 ones), and bf16 keeps the native decode step: bf16 there.
-def _cpu_has_avx2() -> bool:
+def _cpu_isa() -> str:
     from infer.kernels.cpu_kernels import selected_isa
 
-    return selected_isa() in ("avx512", "avx2")
+    return selected_isa()
 
 
 def _cpu_has_native_bf16() -> bool:

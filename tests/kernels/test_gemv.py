@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from infer.kernels import cpu_kernels
 from infer.kernels.cpu_kernels import (
-    GEMV_BF16_FP32_CORE, GEMV_BF16_PAIRS, GEMV_F32X, gemv, gemv_bf16w_f32x, gemv_paths, gemv_takes
+    GEMV_BF16_FP32_CORE, GEMV_BF16_PAIRS, GEMV_F32X, gemv, gemv_bf16w_f32x, gemv_paths, gemv_takes,
+    gemv_takes_any_rows
 )
 from infer.worker.models.layers import ColumnLinear, RowLinear
 
@@ -93,17 +94,44 @@ def test_each_of_several_rows_gets_what_it_gets_alone(rows: int, native_gemv: in
         assert torch.equal(got[m], gemv(x[m:m + 1].contiguous(), w)[0]), m
 
 
-def test_nine_rows_are_refused(native_gemv: int) -> None:
+def test_nine_rows_are_refused_by_bf16_pairs(native_gemv: int) -> None:
+    """AVX512-BF16's GEMV takes 1-8 rows (oneDNN, native in bf16 there, multiplies more); the fp32 core takes any."""
     x, w = operands(16, 64, seed=1)
-    with pytest.raises(ValueError, match="takes 1-8 rows"):
-        gemv(x.expand(9, 64), w)
+    if native_gemv & GEMV_BF16_PAIRS:
+        with pytest.raises(ValueError, match="takes 1-8 rows"):
+            gemv(x.expand(9, 64), w)
+    else:
+        assert gemv_takes_any_rows()
+        assert torch.equal(gemv(x.expand(9, 64), w)[8], gemv(x, w)[0])
+
+
+@pytest.mark.parametrize("rows", [9, 10, 11, 96, 97, 200])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 33), (9, 31), (1, 100)])
+def test_a_prefill_s_rows_on_the_fp32_core_have_the_bits_of_a_gemv(rows: int, n: int, k: int, native_gemv: int) -> None:
+    """Past 8 rows the fp32 core multiplies in tiles (3 rows x 2 weight rows, x widened 96 rows at a time): each
+    output has the bits of the one-row GEMV's (so a prefill row equals the decode of it), within float64's bound,
+    bf16 rows and fp32 ones alike. Rows of x from a wider buffer; tails of rows, weight rows and K."""
+    if not native_gemv & GEMV_BF16_FP32_CORE:
+        pytest.skip("AVX512-BF16 builds multiply more than 8 bf16 rows with oneDNN")
+    g = torch.Generator().manual_seed(rows * 31 + n)
+    wide = torch.randn(rows, k + 9, generator=g).to(torch.bfloat16)
+    x = wide[:, 5:5 + k]
+    w = torch.randn(n, k, generator=g).div_(k ** 0.5).to(torch.bfloat16)
+    got, got32 = gemv(x, w), gemv_bf16w_f32x(x.float(), w)
+    assert got.shape == got32.shape == (rows, n)
+    exact = x.double() @ w.double().t()
+    assert ((got32.double() - exact).abs() <= (x.double().abs() @ w.double().abs().t()) * (k + 2) * 2.0 ** -24).all()
+    assert torch.equal(got, got32.to(torch.bfloat16))
+    for m in sorted({0, 1, 2, 3, rows // 2, rows - 2, rows - 1}):
+        assert torch.equal(got[m], gemv(x[m:m + 1].contiguous(), w)[0]), m
+        assert torch.equal(got32[m], gemv_bf16w_f32x(x[m:m + 1].float(), w)[0]), m
 
 
 @pytest.mark.parametrize("onednn_packs_bf16", [True, False], ids=["packed", "no-onednn-bf16"])
 def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gemv: int, onednn_packs_bf16) -> None:
     """Also where oneDNN packs no bf16 weight (an AVX2 CPU: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT): the GEMV
     is the fast path there most of all (it was once tied to the packing, and an AVX2 machine's bf16 decode ran on
-    ATen's bf16 matmul at 0.84x llama.cpp's speed); more rows then go to F.linear."""
+    ATen's bf16 matmul at 0.84x llama.cpp's speed), and there the fp32 core takes a prefill's rows too."""
     if not onednn_packs_bf16:
         monkeypatch.setattr("infer.worker.models.layers._pack_for_cpu", lambda w: None)
     rows_seen: list[int] = []
@@ -119,9 +147,12 @@ def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gem
     assert torch.equal(one, gemv(x, w).add_(layer.bias))                # the bias after the product
     eight = layer(x.expand(8, 64).contiguous())
     assert rows_seen == [1, 8] and torch.equal(eight[7], one[0])
-    layer(x.expand(9, 64).contiguous())                                  # nine rows: oneDNN
-    layer(torch.cat([x, x], dim=1)[:, ::2])                              # a column stride of 2: oneDNN
-    assert rows_seen == [1, 8]
+    nine = layer(x.expand(9, 64).contiguous())                           # nine rows: oneDNN where it packs
+    layer(torch.cat([x, x], dim=1)[:, ::2])                              # a column stride of 2: not the GEMV
+    takes_nine = not onednn_packs_bf16 and bool(native_gemv & GEMV_BF16_FP32_CORE)
+    assert rows_seen == ([1, 8, 9] if takes_nine else [1, 8])
+    if takes_nine:
+        assert torch.equal(nine[8], one[0])
     fp32 = RowLinear(64, 48, bias=False, dtype=torch.float32)
     fp32.weight.data.copy_(w.float())
     fp32.pack_weights()
@@ -165,5 +196,5 @@ def test_fp32_rows_are_checked(native_gemv: int) -> None:
     x, w = operands(16, 64, seed=2)
     with pytest.raises(ValueError, match="takes fp32 rows"):
         gemv_bf16w_f32x(x, w)                                           # bf16 rows
-    with pytest.raises(ValueError, match="takes 1-8 rows"):
-        gemv_bf16w_f32x(x.float().expand(9, 64), w)
+    with pytest.raises(ValueError, match="takes at least one row"):
+        gemv_bf16w_f32x(x.float()[:0], w)

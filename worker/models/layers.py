@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.kernels.cpu_kernels import GEMV_MAX_ROWS, gemv, gemv_takes, silu_and_mul_fits, silu_and_mul_native
+from infer.kernels.cpu_kernels import (
+    GEMV_MAX_ROWS, gemv, gemv_takes, gemv_takes_any_rows, silu_and_mul_fits, silu_and_mul_native
+)
 from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_linear, quant_matmul_takes, quant_source
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rotary import build_cos_sin_cache, rotary_embedding
@@ -214,7 +216,8 @@ class PackedLinear(QuantStorage):
     Measured on the 2-core development CPU at decode shapes (M=64): 1.2x faster than F.linear in bf16,
     1.6-2x in fp32. The plain weight stays (checkpoint loading, tied embeddings, tests read it). 1-8 bf16 rows
     (a decode at batch 1-8) go to the native GEMV instead (`infer.kernels.cpu_kernels.gemv`), which streams the
-    plain weight at a higher memory bandwidth than oneDNN reaches there. A quantized weight (QuantStorage) is
+    plain weight at a higher memory bandwidth than oneDNN reaches there; where oneDNN packs no bf16 weight (an
+    AVX2 CPU), bf16 rows of any count go there (its fp32 core). A quantized weight (QuantStorage) is
     multiplied by `infer.kernels.quant.quant_linear` at every row count: the native kernel on a CPU, Triton
     on CUDA, the twin elsewhere.
     """
@@ -222,6 +225,7 @@ class PackedLinear(QuantStorage):
     bias: nn.Parameter | None
     packed: torch.Tensor | None = None
     gemv_ready: bool = False             # the plain weight suits the native GEMV (decided with the packing)
+    gemv_rows: int = GEMV_MAX_ROWS       # up to how many rows it goes there (any, where oneDNN packs no bf16)
 
     def pack_weights(self) -> None:
         self.refresh_quant()
@@ -230,8 +234,9 @@ class PackedLinear(QuantStorage):
             return
         self.packed = _pack_for_cpu(self.weight)
         # not tied to oneDNN's packing: on an AVX2 CPU oneDNN packs no bf16 weight (it needs AVX512-BW/VL/DQ or
-        # AVX-NE-CONVERT), and the GEMV is the fast path there most of all
+        # AVX-NE-CONVERT), and the GEMV is the fast path there most of all, for a prefill's rows as well
         self.gemv_ready = gemv_takes(self.weight)
+        self.gemv_rows = GEMV_MAX_ROWS if self.packed is not None or not gemv_takes_any_rows() else 1 << 62
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [N, in] -> x W^T + bias, [N, out]."""
@@ -239,8 +244,8 @@ class PackedLinear(QuantStorage):
             y = quant_linear(x.reshape(-1, x.shape[-1]), self.quant, self.quant_native).reshape(*x.shape[:-1], -1)
             return y if bias is None else y.add_(bias)
         if x.dim() == 2 and not torch.compiler.is_compiling():
-            if (self.gemv_ready and x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and x.stride(1) == 1
-                    and x.shape[0] > 0):
+            if (self.gemv_ready and 0 < x.shape[0] <= self.gemv_rows and x.dtype == torch.bfloat16
+                    and x.stride(1) == 1):
                 y = gemv(x, self.weight)
                 return y if bias is None else y.add_(bias)
             if self.packed is not None:
