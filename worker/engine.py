@@ -764,7 +764,8 @@ def pick_dtype(dtype: str, device: torch.device, quantized: bool = False) -> tor
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     isa = _cpu_isa()
-    return torch.bfloat16 if _cpu_has_native_bf16() or isa == "avx2" or (quantized and isa == "avx512") else torch.float32
+    bf16 = _cpu_has_native_bf16() or isa == "avx2" or (quantized and isa == "avx512")
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def kept_quantized(config: EngineConfig) -> bool:
@@ -786,13 +787,14 @@ def kept_quantized(config: EngineConfig) -> bool:
 # "auto" on a CPU: bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX), and on AVX2 machines (Zen 3),
 # where oneDNN has no bf16 at all and our kernels multiply every bf16 linear (kernels/cpu/gemv.c's fp32 core: bf16
 # weights widened in registers, any number of rows; quant.c for weights kept quantized); fp32 on AVX-512 CPUs
-# without BF16 unless the weights are kept quantized (oneDNN emulates bf16 matmuls there; not measured). Measured 2026-11-27 on the 2-core Zen 5 VM, avx2
-# build with torch held to AVX2 (INFER_CPU_ISA=avx2, ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), the
-# embedded SmolLM2-135M dense (quantization "none"), 2 threads, two alternating rounds: batch-1 decode bf16 143-177
-# tok/s against fp32 45-46 (half the bytes a token, and oneDNN's fp32 GEMV is slower than the native one); a
-# 500-token prefill 623 tok/s against 894-918 (our tiles reach ~60% of oneDNN's sgemm); offline 16 x (200 -> 96)
-# 152 against 151 tok/s. A 500-token prompt and 128 tokens out: ~1.6 s bf16, ~3.4 s fp32. (Before the GEMV took
-# more than 8 rows and served weights oneDNN cannot pack, bf16 prefills ran on ATen's bf16 matmul at 220 tok/s.)
+# without BF16 unless the weights are kept quantized (oneDNN emulates bf16 matmuls there; not measured).
+# Measured 2026-11-27 on the 2-core Zen 5 VM, avx2 build with torch held to AVX2 (INFER_CPU_ISA=avx2,
+# ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), the embedded SmolLM2-135M dense (quantization "none"), 2
+# threads, two alternating rounds: batch-1 decode bf16 143-177 tok/s against fp32 45-46 (half the bytes a token,
+# and oneDNN's fp32 GEMV is slower than the native one); a 500-token prefill 623 tok/s against 894-918 (our tiles
+# reach ~60% of oneDNN's sgemm); offline 16 x (200 -> 96) 152 against 151 tok/s. A 500-token prompt and 128 tokens
+# out: ~1.6 s bf16, ~3.4 s fp32. (Before the GEMV took more than 8 rows and served weights oneDNN cannot pack,
+# bf16 prefills ran on ATen's bf16 matmul at 220 tok/s.)
 # With INFER_CPU_ISA set below avx512 the engine computes as such a CPU would (the kernels' build, and this choice).
 def _cpu_isa() -> str:
     from infer.kernels.cpu_kernels import selected_isa
