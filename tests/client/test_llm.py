@@ -90,6 +90,15 @@ def test_a_bad_prompt_is_an_invalid_request_in_both_modes(llm, cluster_llm):
         assert fine.finish_reason == "length"
 
 
+@pytest.mark.parametrize("spec", [{"grammar": "root ::= a\na ::= root"}, {"json": {"$ref": "#"}}])
+def test_a_grammar_that_admits_no_token_is_an_invalid_request_in_both_modes(llm, cluster_llm, spec):
+    constrained = SamplingParams(max_tokens=4, structured_outputs=spec)
+    for model in (llm, cluster_llm):
+        bad, fine = model.generate(["hi", "fine"], [constrained, GREEDY], use_tqdm=False)
+        assert (bad.finish_reason, bad.error_code) == ("error", "invalid_request") and "admits no output" in bad.error
+        assert fine.finish_reason == "length"
+
+
 def test_lifecycle_in_coordinator_mode(cluster_llm):
     assert cluster_llm.pause() == "paused"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
