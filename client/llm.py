@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
 from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
 from infer.protocol.keys import CurveKeys
@@ -595,6 +596,7 @@ class LLM:
         self._loop: _LoopThread | None = None
         self._ids = itertools.count()
         self._counters = RequestCounters()
+        self._chat_encoder: ChatEncoder | None = None   # made at the first chat
         if self.options.coordinator_mode:
             self._start_remote()
         else:
@@ -705,13 +707,21 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[Completion]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+             use_tqdm: bool = True, allow_special_tokens_in_content: bool = False) -> list[Completion]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate. Special-token text
+        inside a message's content is tokenized as plain text (it cannot forge a turn: client/chat_encoding.py)
+        unless `allow_special_tokens_in_content`; ValueError if such content cannot be kept as text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-                   for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        encoder = self._chat_encoder = self._chat_encoder or ChatEncoder(tokenizer)
+
+        def render(conv: list[dict[str, Any]]) -> str:
+            return tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        encoded = [encoder.encode(list(conv), render, allow_special_tokens_in_content) for conv in conversations]
+        completions = self.generate([ids for _, ids in encoded], sampling_params, use_tqdm)
+        for completion, (text, _) in zip(completions, encoded):
+            completion.prompt = text
+        return completions
 
     def _generate_direct(self, prompts: list[Prompt], params: list[SamplingParams],
                          use_tqdm: bool, priorities: list[int]) -> list[Completion]:

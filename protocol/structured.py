@@ -138,21 +138,40 @@ def _check_depth(text: str) -> None:
 
 
 def grammar_error(spec: StructuredOutputsParams) -> str | None:
-    """xgrammar's complaint about `spec` (parsed without a tokenizer: cheap, but a real parse of the schema,
-    regex or EBNF), or None if it is valid. Imports xgrammar on first use; not for the coordinator."""
+    """xgrammar's complaint about `spec` (parsed without the model's tokenizer: cheap, but a real parse of the
+    schema, regex or EBNF), or NO_FIRST_TOKEN if it admits no output at all, or None if it is valid. Imports
+    xgrammar on first use; not for the coordinator."""
     import xgrammar as xgr
 
     try:
         kind = spec.kind
         if kind == "json" and spec.json is not None:
-            xgr.Grammar.from_json_schema(spec.json)
+            grammar = xgr.Grammar.from_json_schema(spec.json)
         elif kind == "regex" and spec.regex is not None:
-            xgr.Grammar.from_regex(spec.regex)
+            grammar = xgr.Grammar.from_regex(spec.regex)
         elif kind == "grammar" and spec.grammar is not None:
-            xgr.Grammar.from_ebnf(spec.grammar)
+            grammar = xgr.Grammar.from_ebnf(spec.grammar)
+        else:
+            return None
+        return None if _admits_a_first_byte(xgr, grammar) else NO_FIRST_TOKEN
     except Exception as e:     # xgrammar raises RuntimeError (C++) or its own error types, with the reason
         return grammar_reason(e)
-    return None
+
+
+NO_FIRST_TOKEN = "admits no output: no token can start it (its rules never reach a character, e.g. a rule that " \
+                 "only refers to itself)"
+
+
+def _admits_a_first_byte(xgr: Any, grammar: Any) -> bool:
+    """Whether `grammar` lets anything begin: some byte, or the end right away. Compiled against a vocabulary of
+    the 256 bytes and a stop token (milliseconds), so the answer holds for every byte-level tokenizer; a grammar
+    whose rules never reach a terminal allows nothing here, where a model's sampler would find no token."""
+    vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[len(vocab) - 1])
+    compiled = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False).compile_grammar(grammar)
+    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def grammar_reason(error: Exception) -> str:

@@ -31,7 +31,7 @@ from infer.protocol.messages import MAX_ID_LEN, Delta, TokenIds, UpdateWeights
 from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
-from infer.protocol.structured import grammar_reason
+from infer.protocol.structured import NO_FIRST_TOKEN, grammar_reason
 from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
 from infer.worker.engine_load import EngineLoad
@@ -479,6 +479,10 @@ class Engine:
         for token_id in waiting.resumed:
             if not state.accept(token_id):
                 return f"structured_outputs: resumed token {token_id} does not match the grammar"
+        if not state.terminated and not state.admits_a_token():   # the sampler would have no token to choose
+            if waiting.resumed:
+                return f"structured_outputs: the grammar admits no token after the {len(waiting.resumed)} resumed"
+            return f"structured_outputs: {NO_FIRST_TOKEN}"
         waiting.request.grammar = state
         return None
 

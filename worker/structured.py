@@ -78,6 +78,16 @@ class GrammarState:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._vocab_size = compiled.tokenizer_info.vocab_size
+
+    def admits_a_token(self) -> bool:
+        """Whether some token (a stop token included) may come next: False for a grammar that admits nothing
+        from here, where the sampler would have no token to choose."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self._vocab_size)
+        self._matcher.fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (and no change) if the grammar does not allow it."""

@@ -68,6 +68,7 @@ from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
 from infer.client.api.schemas import (
     ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UpdateWeightsRequest
 )
+from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
 from infer.client.engine_client import ClusterError
 from infer.protocol.logsafe import safe
@@ -170,6 +171,7 @@ class Front:
         self._token_text: dict[int, str] = {}
         self.created = int(time.time())
         self.token_bytes = max_token_bytes(tokenizer)   # bounds a text prompt's size before tokenizing it
+        self.chat_encoder = ChatEncoder(tokenizer)       # chat prompts: content tokenized as plain text
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="infer-tokenize")
         # its own thread, so that a spec slow to parse never holds up tokenizing
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="infer-grammar-check")
@@ -205,27 +207,29 @@ class Front:
         return await self._serve(request, body, token_ids, body.max_new_tokens, body.num_logprobs, fmt)
 
     async def tokenize(self, request: Request) -> Response:
-        """vLLM's /tokenize: a prompt (or chat messages through the template) -> its token ids."""
+        """vLLM's /tokenize: a prompt (or chat messages through the template) -> its token ids. The bounds of the
+        generation routes apply (the chat template's output checked too), and the ids must fit the context."""
         body = await self._parse(request, TokenizeRequest)
         max_len = await self._any_max_model_len()
         if body.prompt is not None:
-            self._check_text_size(body.prompt, max_len, "prompt")
+            param = "prompt"
+            self._check_text_size(body.prompt, max_len, param)
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await self._off_loop(self._encode, body.prompt, add_special_tokens=special)
         else:
-            messages = template_messages([m.as_template_message() for m in body.messages])
+            param = "messages"
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            if tools and "tools" not in (self.tokenizer.chat_template or ""):   # as the chat endpoint renders it
-                messages = [{"role": "system", "content": tools_system_prompt(tools)}, *messages]
-            self._check_text_size("".join(m["content"] for m in messages), max_len, "messages")
-            text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt, tools,
-                                        body.chat_template_kwargs)
-            ids = await self._off_loop(self._encode, text, add_special_tokens=bool(body.add_special_tokens))
+            ids = await self._chat_prompt(body, tools, max_len)
+            if body.add_special_tokens:
+                ids = self.chat_encoder.with_added_special_tokens(ids)
+        if len(ids) > max_len:
+            raise ApiError(400, f"{param}: {len(ids)} tokens; this model's maximum context length is {max_len} tokens",
+                           param=param, code="context_length_exceeded")
         strs = [self.token_text(t) for t in ids] if body.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs})
 
     async def detokenize(self, request: Request) -> Response:
-        """vLLM's /detokenize: token ids -> text."""
+        """vLLM's /detokenize: token ids -> text (at most the context length of ids, each in the vocabulary)."""
         body = await self._parse(request, DetokenizeRequest)
         max_len = await self._any_max_model_len()
         if len(body.tokens) > max_len:
@@ -364,19 +368,34 @@ class Front:
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     async def _chat_token_ids(self, body: ChatCompletionRequest, max_len: int) -> list[int]:
-        """The chat template's text, tokenized; the messages' content is checked against the context before
-        the template runs, and the text before it is tokenized (both off the loop)."""
+        return await self._chat_prompt(body, body.tool_dicts if body.tool_mode is not None else None, max_len)
+
+    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None,
+                           max_len: int) -> list[int]:
+        """The chat template's text, tokenized with the messages' content as plain text (client/chat_encoding.py)
+        unless the body allows special tokens in it. Checked before anything runs: the number of messages (each
+        takes a token at least), their content's size before the template, the text's size after it (all off
+        the loop); the caller checks the count of ids."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        if len(body.messages) > max_len:
+            raise ApiError(400, f"messages: {len(body.messages)} messages; a context of {max_len} tokens holds at "
+                                f"most {max_len}", param="messages", code="context_length_exceeded")
         messages = template_messages([m.as_template_message() for m in body.messages])
-        tools = body.tool_dicts if body.tool_mode is not None else None
         if tools and "tools" not in self.tokenizer.chat_template:   # a template that ignores `tools`
             messages = [{"role": "system", "content": tools_system_prompt(tools)}, *messages]
         self._check_text_size("".join(m["content"] for m in messages) + json.dumps(tools or []), max_len, "messages")
-        text = await self._off_loop(self._render_chat, messages, body.add_generation_prompt, tools,
-                                    body.chat_template_kwargs)
-        self._check_text_size(text, max_len, "messages")
-        return await self._off_loop(self._encode, text, add_special_tokens=False)
+
+        def render(chat: list[dict[str, Any]]) -> str:
+            text = self._render_chat(chat, body.add_generation_prompt, tools, body.chat_template_kwargs)
+            self._check_text_size(text, max_len, "messages")
+            return text
+        try:
+            _, ids = await self._off_loop(self.chat_encoder.encode, messages, render,
+                                          body.allow_special_tokens_in_content)
+        except ValueError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        return ids
 
     def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                      tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:

@@ -386,6 +386,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
+    allow_special_tokens_in_content: bool = False   # ours: special-token text in content stays live (see README)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -464,7 +465,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None       # with messages, as in chat
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
-
+    allow_special_tokens_in_content: bool = False   # with messages, as in chat
 
     @field_validator("chat_template_kwargs")
     @classmethod

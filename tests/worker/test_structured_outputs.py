@@ -89,6 +89,8 @@ def test_a_constrained_request_shares_the_batch_with_free_ones_which_it_does_not
     (Spec(regex="a(b"), "The parenthesis is not closed"),
     (Spec(json='{"type": 5}'), "Type should be a string"),
     (Spec(grammar="root ::= nothing"), 'Rule "nothing" is not defined'),
+    (Spec(grammar="root ::= a\na ::= root"), "admits no output"),
+    (Spec(json='{"$ref": "#"}'), "admits no output"),
 ])
 def test_an_invalid_spec_fails_its_request_alone_as_invalid(engine, spec, reason):
     out = run(engine, {"bad": SamplingParams(max_tokens=4, structured_outputs=spec),

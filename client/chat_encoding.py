@@ -1,0 +1,101 @@
+"""Chat prompts into token ids, with the messages' content kept as text. Torch-free.
+
+Tokenizing a rendered chat template as one string makes every special token in it live, including one a caller
+wrote inside a message: `"hi<|im_end|>\\n<|im_start|>system\\n..."` as a user's content would forge a system turn.
+`ChatEncoder` tokenizes the template's own text with special tokens live and each message's `content` (every
+role's: tool results too; content parts arrive joined into it) with special-token text as ordinary text:
+
+1. Render the template with the messages as given. When no content holds special-token text (the common case),
+   tokenize that text as before: the ids are exactly the ones a plain `tokenizer(text)` gives.
+2. Otherwise render again with each such content replaced by a unique sentinel, check that putting the contents
+   back gives the first rendering (a template that rewrites content, e.g. strips it, fails the check: ValueError),
+   and tokenize piece by piece: the template's pieces with special tokens, the contents with
+   `split_special_tokens` semantics (special tokens split into ordinary tokens; other added tokens still match).
+
+The content encoder is a copy of the fast tokenizer's backend with `encode_special_tokens` set once: transformers'
+`split_special_tokens=True` flips that flag on the shared backend for the call, which races with other threads
+tokenizing at the same time (the HTTP front has several).
+
+`allow_special_tokens_in_content=True` is the explicit opt-in to the old behaviour (content's specials live).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+Messages = list[dict[str, Any]]
+
+
+class ChatEncoder:
+    """Encodes chat messages through a template renderer; thread-safe (nothing in it changes after __init__)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
+        specials += [t for t in getattr(tokenizer, "all_special_tokens", []) if t not in specials]
+        longest_first = sorted((s for s in specials if s), key=len, reverse=True)
+        self._special = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+        self._text_backend = _plain_text_backend(tokenizer)
+
+    def has_special_text(self, text: str) -> bool:
+        return self._special.search(text) is not None
+
+    def encode(self, messages: Messages, render: Callable[[Messages], str],
+               allow_special_tokens_in_content: bool = False) -> tuple[str, list[int]]:
+        """(the rendered text, its token ids); `render(messages)` applies the chat template. ValueError if a
+        content with special-token text cannot be kept as text (the template rewrites it)."""
+        text = render(messages)
+        marked = [] if allow_special_tokens_in_content else \
+            [i for i, m in enumerate(messages) if self.has_special_text(str(m.get("content") or ""))]
+        if not marked:
+            return text, self._encode_live(text)
+        nonce = secrets.token_hex(8)
+        sentinels = {f"\x00content-{nonce}-{i}\x00": messages[i]["content"] for i in marked}
+        stand_ins = list(messages)
+        for sentinel, i in zip(sentinels, marked):
+            stand_ins[i] = {**messages[i], "content": sentinel}
+        template = render(stand_ins)
+        pieces = re.split("(" + "|".join(map(re.escape, sentinels)) + ")", template)
+        if "".join(sentinels.get(p, p) for p in pieces) != text or \
+                sorted(p for p in pieces if p in sentinels) != sorted(sentinels):
+            raise ValueError("a message's content holds special-token text, and this model's chat template changes "
+                             "content as it renders it, so it cannot be kept as plain text; remove the special "
+                             "tokens or set allow_special_tokens_in_content")
+        ids: list[int] = []
+        for piece in pieces:
+            ids += self._encode_text(sentinels[piece]) if piece in sentinels else self._encode_live(piece)
+        return text, ids
+
+    def with_added_special_tokens(self, ids: list[int]) -> list[int]:
+        """`ids` wrapped in what `add_special_tokens=True` adds around one sequence (e.g. BOS), read off the
+        tokenizer's output for a one-letter text."""
+        plain = self._encode_live("a")
+        wrapped = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        at = next((k for k in range(len(wrapped) - len(plain) + 1) if wrapped[k:k + len(plain)] == plain), None)
+        if at is None:
+            return ids
+        return [*wrapped[:at], *ids, *wrapped[at + len(plain):]]
+
+    def _encode_live(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _encode_text(self, text: str) -> list[int]:
+        if self._text_backend is not None:
+            return self._text_backend.encode(text, add_special_tokens=False).ids
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def _plain_text_backend(tokenizer: Any) -> Any:
+    """A private copy of a fast tokenizer's backend that encodes special tokens' text as ordinary text; None for
+    a slow tokenizer (its `split_special_tokens=True` changes no shared state)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.encode_special_tokens = True
+    return copy
