@@ -4,9 +4,14 @@
 [engine options] [-- extra worker flags]` starts `infer-coordinator` and N `infer-worker`s (the
 coordinator assigns their dp ranks), each in its own process group, waits until the coordinator reports N
 healthy workers (ClusterStats, answered by the coordinator when ready: no polling), starts the
-OpenAI-compatible HTTP front in this process, prints both addresses, and serves until Ctrl-C / SIGTERM or
-until the cluster is stopped (InferenceClient.stop()).
-Shutdown: the front stops, then SIGTERM to every process group, wait, SIGKILL what is left.
+OpenAI-compatible HTTP front (`infer-api`, a child too, serving on a socket this process binds and keeps),
+prints both addresses, and serves until Ctrl-C / SIGTERM or until the cluster is stopped
+(InferenceClient.stop()).
+Self-healing (client/supervisor.py): a child that dies (a worker or its TP group, the coordinator, the front)
+is restarted with exponential backoff, up to `--max-restarts` times within `--restart-window` seconds
+(client/restarts.py); past that a worker is given up (the log says why) and the others serve on, while the
+coordinator or the front given up ends the service (exit code 1).
+Shutdown: no more restarts; the front stops, then SIGTERM to every process group, wait, SIGKILL what is left.
 
 Security: with `--keys-dir D` (`infer-keygen --cluster --dir D`) every ZeroMQ link runs CurveZMQ, each key
 in its role: the workers hold the worker key, the HTTP front a client key (it can submit, never pause or
@@ -19,22 +24,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
 import socket
 import sys
+import typing
 from dataclasses import dataclass, field
 
-from infer.client.api.server import (
-    HttpFront,
-    add_front_arguments,
-    check_front_exposure,
-    front_config,
-    load_front_tokenizer,
-)
+from infer.client.api.server import add_front_arguments, check_front_exposure, front_argv, front_config, listen_socket
 from infer.client.inference_client import ClusterError, InferenceClient
+from infer.client.restarts import RestartPolicy, how_it_ended
+from infer.client.supervisor import Supervisor
 from infer.coordinator.config import CoordinatorConfig
+from infer.protocol import env
 from infer.protocol.keys import ClusterKeyDir, refuse_open_bind
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.logsafe import safe
@@ -100,13 +104,27 @@ class LocalCluster:
     async def start(self) -> None:
         if self.port == 0:
             self.port = free_port(self.host)
-        self.coordinator = await self._spawn("infer.coordinator.daemon", "--host", self.host, "--port",
-                                             str(self.port), *self.security_args("coordinator"),
-                                             *self.coordinator_args)
+        self.coordinator = await self.spawn_coordinator()
         for _ in range(self.num_workers):
-            self.workers.append(await self._spawn("infer.worker.daemon", "--coordinator", self.address,
-                                                  *self.security_args("worker"),
-                                                  *self.worker_args))
+            self.workers.append(await self.spawn_worker())
+
+    async def spawn_coordinator(self) -> asyncio.subprocess.Process:
+        """A coordinator on this cluster's address (a restarted one too: workers and clients re-attach)."""
+        return await self._spawn("infer.coordinator.daemon", "--host", self.host, "--port", str(self.port),
+                                 *self.security_args("coordinator"), *self.coordinator_args)
+
+    async def spawn_worker(self) -> asyncio.subprocess.Process:
+        """One worker (with --tp-size, its TP group's supervisor): the coordinator gives it a free DP rank."""
+        return await self._spawn("infer.worker.daemon", "--coordinator", self.address,
+                                 *self.security_args("worker"), *self.worker_args)
+
+    async def respawn_coordinator(self) -> asyncio.subprocess.Process:
+        self.coordinator = await self.spawn_coordinator()
+        return self.coordinator
+
+    async def respawn_worker(self, index: int) -> asyncio.subprocess.Process:
+        self.workers[index] = await self.spawn_worker()
+        return self.workers[index]
 
     async def _spawn(self, module: str, *args: str) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(self.python, "-m", module, *args, start_new_session=True)
@@ -115,18 +133,23 @@ class LocalCluster:
     def processes(self) -> list[asyncio.subprocess.Process]:
         return [p for p in [self.coordinator, *self.workers] if p is not None]
 
-    async def wait_ready(self, timeout: float) -> ClusterStats:
-        """ClusterStats once every worker is healthy; ClusterError if a child exits first or time runs out."""
+    async def wait_ready(self, timeout: float, trouble: asyncio.Future[str] | None = None) -> ClusterStats:
+        """ClusterStats once every worker is healthy; ClusterError if time runs out, or if a child exits first
+        (unsupervised) or `trouble` completes (supervised: children that exit are restarted; `trouble` says
+        why one will not be)."""
         async with InferenceClient(self.address, connect_timeout=timeout, **self.admin_options) as client:
             ready = asyncio.create_task(client.wait_for_workers(self.num_workers, timeout))
-            exits = {asyncio.create_task(p.wait()): p for p in self.processes}
+            exits = {} if trouble is not None else {asyncio.create_task(p.wait()): p for p in self.processes}
             try:
-                done, _ = await asyncio.wait([ready, *exits], return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait([ready, *exits, *([trouble] if trouble else [])],
+                                             return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for task in [ready, *exits]:
                     task.cancel()
             if ready in done:
                 return ready.result()
+            if trouble is not None and trouble in done:
+                raise ClusterError(f"{trouble.result()}; the cluster is not ready")
             exited = next(exits[t] for t in done if t in exits)
             raise ClusterError(f"{self._name(exited)} exited with code {exited.returncode} before the cluster "
                                f"was ready")
@@ -135,15 +158,6 @@ class LocalCluster:
         if proc is self.coordinator:
             return "the coordinator"
         return f"worker {self.workers.index(proc)} (pid {proc.pid})"
-
-    async def wait_any_exit(self) -> asyncio.subprocess.Process:
-        exits = {asyncio.create_task(p.wait()): p for p in self.processes}
-        try:
-            done, _ = await asyncio.wait(exits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in exits:
-                task.cancel()
-        return exits[next(iter(done))]
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """SIGTERM to the coordinator and every worker (workers drain), wait up to `timeout`, then SIGKILL
@@ -199,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(engine, EngineConfig, exclude=_TOP_LEVEL_ENGINE_OPTIONS)
     add_options(engine, WorkerOptions, names=("benchmark_mode",))
     add_options(p.add_argument_group("coordinator options"), CoordinatorConfig, names=_COORDINATOR_OPTIONS)
+    add_options(p.add_argument_group("restarts (of a worker, the coordinator or the HTTP front that dies)"),
+                RestartPolicy)
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers (default 300)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds the children get to exit after SIGTERM before SIGKILL (default 30)")
@@ -225,53 +241,119 @@ def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
             + to_argv(WorkerOptions, worker) + extra)
 
 
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    """The restart flags given (a launcher without them: the defaults)."""
+    return RestartPolicy(**given(RestartPolicy, args))
+
+
 async def serve(cluster: LocalCluster, args: argparse.Namespace) -> int:
+    """Start `cluster` and its HTTP front, keep every child running (client/supervisor.py), serve until a
+    signal, a STOP or a child given up; then shut down without restarting anything. 0 for a signal or a STOP."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    supervisor = Supervisor(restart_policy(args))
+    front: asyncio.subprocess.Process | None = None
+    listener = None
     try:
+        listener = listen_socket(args.host, args.port)   # before anything starts: a taken port fails at once
         await cluster.start()
-        stats = await cluster.wait_ready(args.ready_timeout)
-        async with InferenceClient(cluster.address, **cluster.client_options) as client:
-            front = HttpFront(client, load_front_tokenizer(args.model, client.model_id),
-                              front_config(args, client.model_id), args.host, args.port,
-                              graceful_timeout=getattr(args, "drain_timeout", None) or 5.0)
-            front.bind()
-            print(f"infer-serve: ready: {stats.num_healthy_workers} worker(s) serving {stats.model_id!r}; "
-                  f"HTTP at {front.url}; clients connect to {cluster.address}", flush=True)
-            await _serve_until_stopped(cluster, front, stop)
-        return 0
+        _watch_cluster(supervisor, cluster)
+        stats = await cluster.wait_ready(args.ready_timeout, supervisor.trouble)
+        front = await _start_front(cluster, args, listener, args.ready_timeout)
+        supervisor.watch("the HTTP front", front, lambda: _spawn_front(cluster, args, listener), essential=True)
+        print(f"infer-serve: ready: {stats.num_healthy_workers} worker(s) serving {stats.model_id!r}; "
+              f"HTTP at {_url(listener)}; clients connect to {cluster.address}", flush=True)
+        return await _serve_until_stopped(supervisor, stop)
     except (ClusterError, ValueError, OSError) as e:
         log.error("%s", safe(e, 2000))     # may quote the coordinator
         return 1
     finally:
         log.info("shutting down")
+        await supervisor.stop()
+        await _stop_front(supervisor, _graceful_timeout(args) + 5)
         await cluster.shutdown(args.shutdown_timeout)
+        if listener is not None:
+            listener.close()
 
 
-async def _serve_until_stopped(cluster: LocalCluster, front: HttpFront, stop: asyncio.Event) -> None:
-    """Until a signal, the coordinator's exit (a STOP) or the front failing; then the front stops first."""
-    tasks = [asyncio.create_task(stop.wait()), asyncio.create_task(_watch(cluster)),
-             serving := asyncio.create_task(front.serve())]
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    front.shutdown()
-    for task in tasks[:2]:
-        task.cancel()
-    await asyncio.wait([serving], timeout=front.graceful_timeout + 5)
-    if serving.done() and not serving.cancelled() and serving.exception() is not None:
-        raise serving.exception()
+def _watch_cluster(supervisor: Supervisor, cluster: LocalCluster) -> None:
+    """The coordinator and every worker under `supervisor` (restarted in place in `cluster`)."""
+    if cluster.coordinator is not None:
+        supervisor.watch("the coordinator", cluster.coordinator, cluster.respawn_coordinator, essential=True)
+    for index, worker in enumerate(cluster.workers):
+        supervisor.watch(f"worker {index}", worker, functools.partial(cluster.respawn_worker, index))
 
 
-async def _watch(cluster: LocalCluster) -> None:
-    """Returns when the coordinator exits (a STOP); worker exits are logged and serving goes on."""
-    while True:
-        proc = await cluster.wait_any_exit()
-        if proc is cluster.coordinator:
-            log.info("the coordinator exited (code %s)", proc.returncode)
-            return
-        log.warning("worker %d (pid %d) exited with code %s", cluster.workers.index(proc), proc.pid, proc.returncode)
-        cluster.workers.remove(proc)
+async def _serve_until_stopped(supervisor: Supervisor, stop: asyncio.Event) -> int:
+    """Until a signal (0), the coordinator's STOP (0) or an essential child given up (1)."""
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([stopped, supervisor.ended], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not supervisor.ended.done():
+        return 0
+    ended = supervisor.ended.result()
+    (log.info if ended.clean else log.error)("%s: shutting the cluster down", ended.reason)
+    return 0 if ended.clean else 1
+
+
+# ---- the HTTP front: an infer-api child on a socket this process keeps --------------------------------
+
+def _graceful_timeout(args: argparse.Namespace) -> float:
+    return getattr(args, "drain_timeout", None) or 5.0     # the Slurm launcher's --drain-timeout
+
+
+def _url(listener: socket.socket) -> str:
+    host, port = listener.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def _spawn_front(cluster: LocalCluster, args: argparse.Namespace,
+                       listener: socket.socket) -> asyncio.subprocess.Process:
+    """infer-api on `listener` (inherited), a client of `cluster` with its client key; the API key goes in its
+    environment, never on its command line. It prints one line on stdout once it serves."""
+    key_flags = [f"--{name.replace('_', '-')}={path}" for name, path in cluster.client_options.items()]
+    model = [] if getattr(args, "model", None) is None else ["--model", args.model]
+    api_key = front_config(args, None).api_key
+    environ = {k: v for k, v in os.environ.items() if k != env.API_KEY.name}
+    if api_key is not None:
+        environ[env.API_KEY.name] = api_key
+    return await asyncio.create_subprocess_exec(
+        cluster.python, "-m", "infer.client.api.server", "--coordinator", cluster.address,
+        "--listen-fd", str(listener.fileno()), "--graceful-timeout", str(_graceful_timeout(args)), *model,
+        *key_flags, *front_argv(args), *logging_flags(args), pass_fds=(listener.fileno(),), env=environ,
+        stdout=asyncio.subprocess.PIPE, start_new_session=True)
+
+
+async def _start_front(cluster: LocalCluster, args: argparse.Namespace, listener: socket.socket,
+                       timeout: float) -> asyncio.subprocess.Process:
+    """The first front, once it serves; ClusterError if it exits or stays silent for `timeout` seconds."""
+    front = await _spawn_front(cluster, args, listener)
+    stdout = typing.cast(asyncio.StreamReader, front.stdout)
+    try:
+        line = await asyncio.wait_for(stdout.readline(), timeout)
+    except asyncio.TimeoutError:
+        line = b""
+    if not line:
+        _signal_group(front, signal.SIGKILL)
+        code = await front.wait()
+        raise ClusterError(f"the HTTP front {how_it_ended(code)} before it served (its log is above)")
+    return front
+
+
+async def _stop_front(supervisor: Supervisor, timeout: float) -> None:
+    """SIGTERM to the front (it lets open requests finish), SIGKILL after `timeout` seconds."""
+    front = next((c.proc for c in supervisor.children if c.name == "the HTTP front"), None)
+    if front is None or front.returncode is not None:
+        return
+    _signal_group(front, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(front.wait(), timeout)
+    except asyncio.TimeoutError:
+        log.warning("the HTTP front did not exit in %.0f s; killing it", timeout)
+    _signal_group(front, signal.SIGKILL)
+    await asyncio.wait_for(front.wait(), 10)
 
 
 def main(argv: list[str] | None = None) -> int:

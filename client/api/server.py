@@ -61,18 +61,14 @@ class HttpFront:
 
     def bind(self) -> int:
         """Bind and listen now (so the caller can print the address before serving); returns the port."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self.port))
-        except OSError as e:
-            sock.close()
-            raise OSError(f"cannot listen on {self.host}:{self.port}: {e.strerror}") from None
-        sock.listen(2048)
-        sock.set_inheritable(True)
+        self._socket = listen_socket(self.host, self.port)
+        self.port = self._socket.getsockname()[1]
+        return self.port
+
+    def adopt(self, sock: socket.socket) -> int:
+        """Serve on `sock`, a listening socket made elsewhere (infer-serve's, inherited); returns its port."""
         self._socket = sock
-        self.port = sock.getsockname()[1]
+        self.host, self.port = sock.getsockname()[:2]
         return self.port
 
     @property
@@ -95,6 +91,22 @@ class HttpFront:
 
     def shutdown(self) -> None:
         self._server.should_exit = True
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port (0: a free port), inheritable: infer-serve keeps it and hands it to
+    each HTTP front process it starts, so connections wait in its backlog while a front restarts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 async def serve_http(engine: EngineClient, *, tokenizer: Any, host: str = "127.0.0.1", port: int = 8000,
@@ -152,6 +164,20 @@ def add_front_arguments(p: argparse.ArgumentParser) -> None:
                    "key (and a coordinator this command starts without CURVE keys); otherwise it is refused")
 
 
+def front_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of `add_front_arguments` that `args` gives, for an infer-api child (infer-serve's front), less
+    the bind address (the child inherits the socket) and the API key (resolved here, passed in its
+    environment: never on a command line)."""
+    argv = []
+    for flag, value in (("--served-model-name", args.served_model_name),
+                        ("--max-concurrent-requests", args.max_concurrent_requests),
+                        ("--max-body-bytes", args.max_body_bytes), ("--tool-call-parser", args.tool_call_parser),
+                        ("--reasoning-parser", args.reasoning_parser)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--trusted-network"] if args.trusted_network else [])
+
+
 def check_front_exposure(host: str, config: FrontConfig, trusted_network: bool) -> None:
     """ValueError when the front would serve a non-loopback `host` with no API key and the network is not
     declared trusted."""
@@ -178,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="where to read the tokenizer (default: the model the cluster serves)")
     add_front_arguments(p)
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the coordinator")
+    p.add_argument("--graceful-timeout", type=float, default=5.0,
+                   help="on SIGTERM, seconds open requests get to finish (default 5)")
+    p.add_argument("--listen-fd", type=int, metavar="FD", help="serve on this inherited listening socket "
+                   "instead of binding --host / --port (infer-serve's: it keeps the socket across restarts of "
+                   "its front)")
     p.add_argument("--curve-key", metavar="FILE", help="CurveZMQ: this front's secret key file, as a client "
                    "of a coordinator with keys (with --coordinator-key; infer-keygen makes both): a client key "
                    "(the coordinator's clients/ folder), never an admin key, since HTTP callers act with it")
@@ -197,7 +228,7 @@ async def run_front(client: InferenceClient, front: HttpFront) -> None:
     await asyncio.wait([serving, stopped], return_when=asyncio.FIRST_COMPLETED)
     front.shutdown()
     stopped.cancel()
-    await asyncio.wait([serving], timeout=10)
+    await asyncio.wait([serving], timeout=front.graceful_timeout + 5)
     if serving.done() and not serving.cancelled() and serving.exception() is not None:
         raise serving.exception()
 
@@ -207,8 +238,12 @@ async def _main(args: argparse.Namespace) -> int:
         async with InferenceClient(args.coordinator, connect_timeout=args.connect_timeout,
                                    curve_key=args.curve_key, coordinator_key=args.coordinator_key) as client:
             tokenizer = load_front_tokenizer(args.model, client.model_id)
-            front = HttpFront(client, tokenizer, front_config(args, client.model_id), args.host, args.port)
-            front.bind()
+            front = HttpFront(client, tokenizer, front_config(args, client.model_id), args.host, args.port,
+                              graceful_timeout=args.graceful_timeout)
+            if args.listen_fd is None:
+                front.bind()
+            else:
+                front.adopt(socket.socket(fileno=args.listen_fd))
             print(f"infer-api: serving {front.app.state.front.config.served_model_name!r} on {front.url}, "
                   f"cluster {args.coordinator}", flush=True)
             await run_front(client, front)

@@ -360,10 +360,12 @@ class SrunCluster(LocalCluster):
     srun: list[str] = field(default_factory=list)
 
     async def start(self) -> None:
-        self.coordinator = await self._spawn("infer.coordinator.daemon", "--host", self.host, "--port",
-                                             str(self.port), *self.security_args("coordinator"),
-                                             *self.coordinator_args)
-        self.workers.append(await asyncio.create_subprocess_exec(*self.srun, start_new_session=True))
+        self.coordinator = await self.spawn_coordinator()
+        self.workers.append(await self.spawn_worker())
+
+    async def spawn_worker(self) -> asyncio.subprocess.Process:
+        """The srun step of every worker task (restarted by infer-serve's supervision only once all have ended)."""
+        return await asyncio.create_subprocess_exec(*self.srun, start_new_session=True)
 
     def _name(self, proc: asyncio.subprocess.Process) -> str:
         return "the coordinator" if proc is self.coordinator else f"the workers' srun step (pid {proc.pid})"

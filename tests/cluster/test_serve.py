@@ -37,7 +37,7 @@ async def test_serve_runs_a_cluster_and_sigterm_leaves_no_process():
     proc, address = await _start_serve("--workers", "2", "--threads", "1")
     children = _children(proc.pid)
     try:
-        assert len(children) == 3                      # the coordinator and two workers
+        assert len(children) == 4                      # the coordinator, two workers and the HTTP front
         async with InferenceClient(address) as client:
             stats = await client.stats()
             assert stats.num_healthy_workers == 2
