@@ -236,7 +236,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.paged_prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, i64,
-                                  f32, i32]
+                                  f32, i32, ptr]
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
@@ -299,11 +299,17 @@ def prefill_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: to
 
 def paged_prefill_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+                                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
+                                   decode_from: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] (sequence b's chunk: rows query_start_loc[b] .. [b + 1] - 1, the last of its seq_lens[b]
     positions) over the pool [Hkv, NB, bs, D] into out [T, H, D] (contiguous), causal, as
     `paged_prefill_attention_torch`; the arguments must pass `prefill_kernel_fits`. Rows of out past
-    query_start_loc[B] are left as they are."""
+    query_start_loc[B] are left as they are. `decode_from` [B] int32: sequence b's rows at positions from
+    decode_from[b] on have the bits the decode kernel gives them (paged_prefill.c: a prompt's rows as its
+    prefill, a generated token's as its decode step); without it only the packed bf16 path differs from those."""
+    if decode_from is not None and not (decode_from.dtype == torch.int32 and decode_from.is_contiguous()
+                                        and decode_from.shape == (block_tables.shape[0],)):
+        raise ValueError("decode_from must be a contiguous int32 [num_seqs]")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     if not (v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous()
@@ -314,7 +320,7 @@ def paged_prefill_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(), num_tokens,
         out.data_ptr(), block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-        int(q.dtype == torch.bfloat16))
+        int(q.dtype == torch.bfloat16), None if decode_from is None else decode_from.data_ptr())
     if status == -3:
         raise MemoryError("the native prefill kernel could not allocate its packed key tiles")
     if status == -1:

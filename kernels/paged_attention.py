@@ -556,9 +556,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, out: torch.Tensor | None = None,
-                            max_query_len: int | None = None) -> torch.Tensor:
+                            max_query_len: int | None = None, decode_from: torch.Tensor | None = None) -> torch.Tensor:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
-    the twin (see `paged_prefill_attention_torch`)."""
+    the twin (see `paged_prefill_attention_torch`). `decode_from`: the native kernel's (its rows from those
+    positions with the decode kernel's bits); the others ignore it."""
     if use_triton(q):
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                               out, max_query_len)
@@ -570,6 +571,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
         out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
         return paged_prefill_attention_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                              out)
+                                              out, decode_from)
     return paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                                          max_query_len)

@@ -47,7 +47,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if num_decodes < batch.num_seqs:
         paged_prefill_attention(q[num_decodes:num_real], k_cache, v_cache, batch.block_tables[num_decodes:],
                                 batch.seq_lens[num_decodes:], batch.prefill_query_start_loc, scale,
-                                out=out[num_decodes:num_real], max_query_len=batch.max_prefill_len)
+                                out=out[num_decodes:num_real], max_query_len=batch.max_prefill_len,
+                                decode_from=batch.prefill_decode_from)
     return out
 
 

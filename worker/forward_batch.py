@@ -36,6 +36,10 @@ class ForwardBatch:
     # Context tokens per split of the GPU decode kernel, fixed per engine (kernels.paged_attention.
     # decode_split_tokens): a sequence's attention then has the same bits in any batch, graph or eager.
     decode_split_tokens: int | None = None
+    # [B - num_decodes] int32, each prefill sequence's prompt length: its rows from there on (generated tokens
+    # computed again: a failover's resumed stream, a recompute after preemption) take the decode kernel's
+    # arithmetic in the CPU prefill kernel, as they did when they were decoded (None: every row the prefill's)
+    prefill_decode_from: torch.Tensor | None = None
     # values every layer needs, derived once by the first layer that asks (e.g. the decode twin's plan)
     per_step: dict = field(default_factory=dict, compare=False, repr=False)
 

@@ -99,10 +99,15 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
     tables: list[list[int]] = []
     logits_indices: list[int] = []
     num_decodes = 0
+    prompt_lens: list[int] = []   # of the prefill chunks
     for chunk in chunks:
         req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
-        if n == 1 and num_decodes == len(query_lens):
+        # a decode: one generated token (a prompt's last token alone in its chunk stays a prefill row, computed as
+        # its prompt's other rows are, so that it has the same bits whenever the prompt is computed again)
+        if n == 1 and num_decodes == len(query_lens) and start >= req.num_prompt_tokens:
             num_decodes += 1
+        else:
+            prompt_lens.append(req.num_prompt_tokens)
         input_ids.extend(req.token_ids[start:start + n])
         positions.extend(range(start, start + n))
         query_lens.append(n)
@@ -133,4 +138,5 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
         context_lens=tuple(context_lens),
         block_size=block_size,
         decode_split_tokens=decode_split_tokens,
+        prefill_decode_from=torch.tensor(prompt_lens, dtype=torch.int32).to(device) if prompt_lens else None,
     )

@@ -275,14 +275,19 @@ static void packed_task(const char *q, int64_t token_bytes, const uint16_t *k_po
 }
 #endif
 
-/* The entry point: 0 on success; -1 for shapes past the limits above or a head_dim that is no multiple of 16
+/* The entry point. `decode_from` (NULL: none) gives, per sequence, the first position whose row is computed with
+ * the decode kernel's arithmetic on the packed path too: the engine passes each sequence's prompt length, so that
+ * a prompt's rows have the bits its first prefill gave them and a generated token's row the bits its decode step
+ * gave it, whenever they are computed again (a failover's resumed stream, a recompute after preemption).
+ * 0 on success; -1 for shapes past the limits above or a head_dim that is no multiple of 16
  * (the caller checks them first); -2 for a chunk longer than its context, a context past its block table, a
  * table entry outside the pool, or query offsets that are not increasing within [0, num_tokens]; -3 when the
  * packed tiles could not be allocated (nothing is computed after -1, -2 or -3). */
 int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                   const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
                   const int32_t *query_start_loc, int64_t num_tokens, void *out, int num_seqs, int num_heads,
-                  int num_kv_heads, int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16) {
+                  int num_kv_heads, int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16,
+                  const int32_t *decode_from) {
     int group = num_heads / num_kv_heads;
     if (group < 1 || group > PF_MAX_GROUP || group * num_kv_heads != num_heads || head_dim > PF_MAX_HEAD_DIM
             || head_dim % 16 || block_size > PF_MAX_BLOCK || block_size < 1)
@@ -371,18 +376,31 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const voi
         const char *qh = (const char *)q + (first * q_stride + (int64_t)h * group * head_dim) * elem;
         char *oh = (char *)out + ((first * num_heads + (int64_t)h * group) * head_dim) * elem;
         const int64_t out_token_bytes = (int64_t)num_heads * head_dim * elem;
+        int split = t0;   /* tokens t0 .. split - 1 take the packed path, split .. t1 - 1 the decode arithmetic */
 #if defined(__AVX512BF16__)
         if (packing) {
-            const uint32_t *tiles_of = first_tile[b] < 0 ? NULL : packed + (h * total_tiles + first_tile[b]) * tile_words;
-            packed_task(qh, q_stride * elem, (const uint16_t *)((const char *)k_pool + h * head_stride),
-                        (const uint16_t *)((const char *)v_pool + h * head_stride), block_tables + b * table_stride,
-                        tiles_of, seq_lens[b], n, t0, t1, oh, out_token_bytes, group, head_dim, block_size, scale);
-            continue;
+            split = t1;
+            if (decode_from) {
+                int64_t first_decoded = (int64_t)decode_from[b] - (seq_lens[b] - n);   /* as a token of the chunk */
+                split = first_decoded < t0 ? t0 : first_decoded < t1 ? (int)first_decoded : t1;
+            }
+            if (split > t0) {
+                const uint32_t *tiles_of = first_tile[b] < 0 ? NULL
+                                           : packed + (h * total_tiles + first_tile[b]) * tile_words;
+                packed_task(qh, q_stride * elem, (const uint16_t *)((const char *)k_pool + h * head_stride),
+                            (const uint16_t *)((const char *)v_pool + h * head_stride), block_tables + b * table_stride,
+                            tiles_of, seq_lens[b], n, t0, split, oh, out_token_bytes, group, head_dim, block_size,
+                            scale);
+            }
         }
 #endif
-        attend_rows(qh + t0 * q_stride * elem, q_stride * elem, (const char *)k_pool + h * head_stride,
-                    (const char *)v_pool + h * head_stride, block_tables + b * table_stride, seq_lens[b] - n + t0 + 1,
-                    t1 - t0, oh + t0 * out_token_bytes, out_token_bytes, group, head_dim, block_size, scale, is_bf16);
+        for (int t = split; t < t1; t += attend_max_tokens(group)) {
+            const int stop = t + attend_max_tokens(group) < t1 ? t + attend_max_tokens(group) : t1;
+            attend_rows(qh + t * q_stride * elem, q_stride * elem, (const char *)k_pool + h * head_stride,
+                        (const char *)v_pool + h * head_stride, block_tables + b * table_stride,
+                        seq_lens[b] - n + t + 1, stop - t, oh + t * out_token_bytes, out_token_bytes, group, head_dim,
+                        block_size, scale, is_bf16);
+        }
     }
 #if defined(__AVX512BF16__)
     free(packed);

@@ -194,6 +194,39 @@ def test_a_prefill_row_has_the_bits_of_the_decode_of_its_position(dtype, heads, 
             row += 1
 
 
+@pytest.mark.parametrize("heads, head_dim", [((9, 3), 64), ((8, 1), 128)], ids=["3x64", "8x128"])
+def test_rows_from_decode_from_have_the_decode_s_bits_and_the_others_the_prefill_s(heads, head_dim):
+    """`decode_from` (the engine passes each sequence's prompt length): rows at those positions and later have
+    the decode kernel's bits, in bf16 on the packed path too; rows before them keep the bits the prefill gives
+    without it. A prompt then prefilled again with its generated tokens (a resumed stream) has every row as
+    when it was first computed. Boundaries before, inside and after each chunk."""
+    num_heads, num_kv_heads = heads
+    seq_lens, query_lens = [90, 70, 33, 40], [60, 70, 33, 40]
+    decode_from = torch.tensor([50, 71, 0, 20], dtype=torch.int32)    # inside, past the end, all, at the start
+    batch = make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, seed=13,
+                       device=CPU)
+    plain = _prefill(batch, 0.125)
+    mixed = paged_prefill_attention_native(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                           batch.seq_lens, batch.query_start_loc, 0.125,
+                                           poisoned(batch.q.shape, torch.bfloat16, CPU), decode_from)
+    row = 0
+    for b, (length, chunk) in enumerate(zip(seq_lens, query_lens)):
+        for t in range(chunk):
+            position = length - chunk + t
+            if position < decode_from[b]:
+                assert torch.equal(mixed[row], plain[row]), f"sequence {b}, token {t}"
+            else:
+                one = torch.empty(1, num_heads, head_dim, dtype=torch.bfloat16)
+                paged_decode_attention_native(batch.q[row:row + 1], batch.k_cache, batch.v_cache,
+                                              batch.block_tables[b:b + 1],
+                                              torch.tensor([position + 1], dtype=torch.int32), 0.125, one)
+                assert torch.equal(mixed[row], one[0]), f"sequence {b}, token {t}"
+            row += 1
+    with pytest.raises(ValueError, match="decode_from must be"):
+        paged_prefill_attention_native(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                       batch.query_start_loc, 0.125, torch.empty_like(batch.q), decode_from[:2])
+
+
 @pytest.mark.parametrize("case", ["block past the pool", "chunk longer than its context", "offsets decrease",
                                   "offsets past the tokens"])
 def test_bad_prefill_batches_are_refused_before_anything_is_read(case):

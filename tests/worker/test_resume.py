@@ -219,14 +219,17 @@ def test_a_request_given_back_mid_stream_resumes_exactly_elsewhere(engines, smol
     assert delivered.text + resumed.text == reference.text and resumed.finish_reason == "stop"
 
 
-def test_the_embedded_model_kept_quantized_resumes_a_greedy_stream_exactly(smollm2_gguf):
-    """The cluster's failover as the Slurm job runs it (the embedded model, its Q4_1 blocks kept quantized, float32):
-    the resumed stream is its prompt and delivered tokens prefilled, then decoded, so each prefill row must have the
-    bits of the decode of its position. The activations' int8 rounding turns the smallest difference into a
-    different token: before the prefill attention shared the decode kernel's arithmetic, this prompt parted from
-    the uninterrupted stream at token 59 or 71 after every one of these cuts. All cuts resume in one batch, beside
-    an uninterrupted copy of the request."""
-    engines = [Engine(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory=16_000_000, num_threads=1))
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_the_embedded_model_kept_quantized_resumes_a_greedy_stream_exactly(smollm2_gguf, dtype):
+    """The cluster's failover on the embedded model, its Q4_1 blocks kept quantized (float32 as the Slurm job runs
+    it, and the default dtype: bf16 on a CPU with AVX2 or AVX512-BF16): the resumed stream is its prompt and
+    delivered tokens prefilled, then decoded, so a delivered token's prefill row must have the bits its decode
+    step gave it, and a prompt row those of the first prefill. The activations' int8 rounding turns the smallest
+    difference into a different token: before the prefill kernel computed those rows with the decode kernel's
+    arithmetic, this prompt parted from the uninterrupted stream at token 59 or 71 after every one of these cuts
+    in float32 (and bf16's packed prefill path, on AVX512-BF16, at 11-31 of 48 in a cluster). All cuts resume in
+    one batch, beside an uninterrupted copy of the request."""
+    engines = [Engine(EngineConfig(dtype=dtype, max_model_len=256, kv_cache_memory=16_000_000, num_threads=1))
                for _ in range(2)]
     prompt = [1, 504, 3458, 282, 4649, 314, 101, 101, 101, 101]
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
