@@ -345,8 +345,9 @@ class InferenceClient:
         finish on the old weights first ("drain") or are aborted ("abort", finish_reason "abort" with the
         reason); new requests wait until the update is done. Needs an administrator key (with keys).
 
-        All or nothing: a tensor with a wrong name, shape or dtype fails the update (ClusterError naming it)
-        and the old weights keep serving. ValueError for bad arguments.
+        All or nothing, cluster-wide: a tensor with a wrong name, shape or dtype, or NaN / inf values, or a
+        directory some worker cannot read fails the update (ClusterError naming it) on every worker, and the old
+        weights keep serving. ValueError for bad arguments.
         """
         if on_running not in ON_RUNNING:
             raise ValueError(f"on_running must be one of {', '.join(ON_RUNNING)}, got {on_running!r}")
@@ -354,10 +355,9 @@ class InferenceClient:
             raise ValueError(f"timeout must be a number of seconds in (0, {MAX_REFIT_TIMEOUT_S:g}], got {timeout!r}")
         wait = timeout + self.call_timeout + 30.0
         if isinstance(source, (str, os.PathLike)):
+            # Not looked at here: the coordinator checks this key's role first, and only the workers of an
+            # administrator's refit read the path (so the answers of a refused caller say nothing about paths).
             path = os.path.abspath(os.fspath(source))
-            if not os.path.isdir(path):
-                raise ValueError(f"weight directory {path!r} does not exist here (every worker reads it: give a path "
-                                 f"they all see)")
             msg = UpdateWeights(path=path, on_running=on_running, timeout_s=float(timeout))
             reply = await self._request_reply(msg, (WeightsUpdated,), wait)
             return reply.version

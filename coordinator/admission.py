@@ -180,11 +180,13 @@ class Admission:
         self.routable_cache = None
 
     def routable(self) -> list[WorkerRecord]:
-        """Healthy workers whose whole group is healthy (a dead member stalls an EP group's collectives)."""
+        """Healthy workers whose whole group is healthy (a dead member stalls an EP group's collectives) and
+        that serve the cluster's weight version (a worker behind is brought to it first: commands.py)."""
         if self.routable_cache is None:
             dead_groups = {w.group_id for w in self.core.workers if not w.healthy}
-            self.routable_cache = [w for w in self.core.workers
-                                    if w.healthy and not w.draining and w.group_id not in dead_groups]
+            version = self.core.commands.weight_version
+            self.routable_cache = [w for w in self.core.workers if w.healthy and not w.draining
+                                   and w.group_id not in dead_groups and w.weight_version == version]
         return self.routable_cache
 
     def _add_deadline(self, request: RequestRecord) -> None:

@@ -1,6 +1,15 @@
 """Commands the cluster carries out: the lifecycle (coordinator/lifecycle.py's table applied: pause / unpause /
 suspend / resume / stop) and weight updates; suspend, resume and update_weights answer their client once every
-worker did (barriers.py). No I/O: a job of the Coordinator (core.py)."""
+worker did (barriers.py). No I/O: a job of the Coordinator (core.py).
+
+A weight update is all or nothing, cluster-wide, in two phases. Prepare: every routable worker reads, checks and
+stages the new weights and drains (UpdateWeights -> WeightsUpdated(prepared)); if any cannot (a bad tensor, a
+path it cannot read, files changed during the drain, death, timeout), every worker drops them (CommitWeights
+with commit false) and nothing changed anywhere. Commit: each applies them (a worker that fails puts its old
+values back). The version is the cluster's once any worker serves it; the update then reports success, and
+a worker that does not serve it (failed, died, restarted, or joined later: its Hello and loads say its
+version) is out of routing (admission.routable) until it is brought to the version: the directory refits it
+lacks are sent to it in order; a worker that cannot be caught up (a trainer's broadcast it missed) stays out."""
 
 from __future__ import annotations
 
@@ -15,7 +24,7 @@ from infer.coordinator.state import WorkerRecord
 from infer.protocol.codes import Command
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import (
-    Control, ControlAck, Delta, Error, UpdateWeights, WeightsUpdated
+    CommitWeights, Control, ControlAck, Delta, Error, UpdateWeights, WeightsUpdated
 )
 
 if TYPE_CHECKING:
@@ -34,7 +43,12 @@ class Commands:
         self.stop_pending: set[str] | None = None     # workers yet to acknowledge STOP
         self.stop_deadline = math.inf
         self.barrier: WorkerBarrier | None = None       # suspend / resume / update_weights awaiting the workers
-        self.weight_version = 0                          # the weights every worker serves (update_weights)
+        self.weight_version = 0                          # the cluster's weights: every routable worker serves them
+        self.version_known = False                       # set by a refit, or by the first worker's Hello
+        self.refit_paths: dict[int, str | None] = {}     # version -> its directory (None: a trainer's broadcast)
+        self.committing = False                          # the barrier is a refit's commit phase
+        self.refit_path: str | None = None               # the pending refit's directory
+        self.catch_ups: dict[str, int] = {}              # worker id -> the version being sent to it
 
     @property
     def refit_pending(self) -> bool:
@@ -111,9 +125,10 @@ class Commands:
         log.debug("worker %s acknowledged %s (state %s)", safe(worker.worker_id), safe(ack.command), safe(ack.state))
 
     def on_update_weights(self, identity: bytes, msg: UpdateWeights, now: float) -> None:
-        """Send the new weights' source to every healthy worker (a weight-sync group gets one rank each) and
-        answer WeightsUpdated once all serve them. New requests wait meanwhile; requests in flight finish on
-        the old weights (drain: each worker applies once its last one is done) or are aborted now."""
+        """Send the new weights' source to every routable worker (a weight-sync group gets one rank each): the
+        prepare phase (see the module doc); WeightsUpdated answers once the version is committed. New requests
+        wait meanwhile; requests in flight finish on the old weights (drain: each worker is prepared once its
+        last one is done) or are aborted now."""
         client = self.core.client(identity, now)
         if client is None:
             return
@@ -128,6 +143,7 @@ class Commands:
                                   f"(update_weights with on_running='abort')")
         self.barrier = WorkerBarrier(f"update_weights to version {version}", identity,
                                       {w.worker_id for w in workers}, now + msg.timeout_s + 30.0, version=version)
+        self.committing, self.refit_path = False, msg.path
         for rank, worker in enumerate(workers, start=1):
             sync = None if msg.sync is None else replace(msg.sync, rank=rank)
             self.core.send(worker.identity, replace(msg, sync=sync, version=version))
@@ -163,14 +179,19 @@ class Commands:
         worker = self._worker_frame(identity, "weights_updated", now)
         if worker is None:
             return
+        if not msg.prepared and msg.error is None:
+            self.note_version(worker, msg.version)
+        if worker.worker_id in self.catch_ups:
+            return self._on_catch_up_answer(worker, msg, now)
         barrier = self.barrier
-        if barrier is not None and barrier.version and msg.version == barrier.version:
+        if (barrier is not None and barrier.version and msg.version == barrier.version
+                and (msg.error is not None or msg.prepared != self.committing)):
             barrier.answer(worker.worker_id, msg.error)
             self.check_barrier(now)
 
     def check_barrier(self, now: float) -> None:
         """Answer the client of the pending suspend / resume / update_weights once every worker answered (or
-        the deadline passed)."""
+        the deadline passed); a refit's prepare phase goes on to its commit."""
         barrier = self.barrier
         if barrier is None:
             return
@@ -180,17 +201,103 @@ class Commands:
         self.barrier = None
         failure = barrier.failure()
         if barrier.version:
-            if failure is None:
-                self.weight_version = barrier.version
-                log.info("update_weights: every worker serves version %d", barrier.version)
-                self.core.send(barrier.client, WeightsUpdated(version=barrier.version))
-            else:
-                log.warning("%s", safe(failure, 2000))
-                self.core.send(barrier.client, Error(message=failure))
-            self.core.admission.dispatch_held(now)
-            return
+            return self._prepared(barrier, failure, now) if not self.committing else self._committed(barrier, now)
         if failure is not None:
             log.warning("%s", safe(failure, 2000))
         self.core.send(barrier.client, ControlAck(command=Command(barrier.what), state=self.core.state,
                                               bytes_released=barrier.bytes_released,
                                               bytes_restored=barrier.bytes_restored, error=failure))
+
+    def _prepared(self, barrier: WorkerBarrier, failure: str | None, now: float) -> None:
+        """Every worker prepared: commit. Else every worker drops what it staged and the update fails."""
+        workers = [w for w in self.core.workers if w.healthy and w.worker_id in barrier.workers]
+        if failure is None:
+            self.committing = True
+            self.barrier = WorkerBarrier(barrier.what, barrier.client, {w.worker_id for w in workers},
+                                         now + ACK_TIMEOUT_S, version=barrier.version)
+            for worker in workers:
+                self.core.send(worker.identity, CommitWeights(version=barrier.version))
+            return
+        for worker in workers:
+            self.core.send(worker.identity, CommitWeights(version=barrier.version, commit=False))
+        log.warning("%s; no worker changed its weights", safe(failure, 2000))
+        self.core.send(barrier.client, Error(message=f"{failure}; no worker changed its weights"))
+        self.core.admission.dispatch_held(now)
+
+    def _committed(self, barrier: WorkerBarrier, now: float) -> None:
+        """The version is the cluster's once any worker serves it (the others are out of routing until they
+        are brought to it); the update fails only if none does."""
+        self.committing = False
+        version = barrier.version
+        serving = sorted(w.worker_id for w in self.core.workers if w.weight_version == version)
+        failure = barrier.failure()
+        if not serving:
+            log.warning("%s", safe(failure or f"{barrier.what} failed", 2000))
+            self.core.send(barrier.client, Error(message=f"{failure}; no worker changed its weights"))
+        else:
+            self.weight_version, self.version_known = version, True
+            self.refit_paths[version] = self.refit_path
+            self.core.admission.routes_changed()
+            if failure is not None:
+                log.warning("%s; version %d is the cluster's (served by %s): the others are out of routing until "
+                            "they have it", safe(failure, 2000), version, ", ".join(map(safe, serving)))
+            log.info("update_weights: version %d committed", version)
+            self.core.send(barrier.client, WeightsUpdated(version=version))
+            for worker in [w for w in self.core.workers if w.healthy]:
+                self.catch_up(worker, now)
+        self.core.admission.dispatch_held(now)
+
+    # ---- every worker at the cluster's version ----------------------------------------------------
+
+    def on_worker_registered(self, worker: WorkerRecord, now: float) -> None:
+        """A worker (re)joined saying which weights it serves: the first one tells a coordinator that never
+        committed a refit (a restarted one) the cluster's version; one at another version is brought to it."""
+        self.catch_ups.pop(worker.worker_id, None)
+        others = [w for w in self.core.workers if w.healthy and w is not worker]
+        if not self.version_known and not others:
+            self.weight_version = worker.weight_version
+        self.version_known = True
+        self.core.admission.routes_changed()
+        self.catch_up(worker, now)
+
+    def note_version(self, worker: WorkerRecord, version: int) -> None:
+        """What a worker's load or answer says it serves: it routes only at the cluster's version."""
+        if version != worker.weight_version:
+            worker.weight_version = version
+            self.core.admission.routes_changed()
+
+    def catch_up(self, worker: WorkerRecord, now: float) -> None:
+        """Send a worker behind the cluster the next directory refit it lacks (two phases, as a refit); it
+        stays out of routing meanwhile, and for good if a refit it lacks was a trainer's broadcast."""
+        have, want = worker.weight_version, self.weight_version
+        if have == want or worker.worker_id in self.catch_ups or not worker.healthy:
+            return
+        missing = [self.refit_paths.get(v) for v in range(have + 1, want + 1)]
+        if have > want or None in missing:
+            log.warning("worker %s serves weight version %d, the cluster %d, and cannot be brought to it (%s): it "
+                        "gets no requests", safe(worker.worker_id), have, want,
+                        "a refit this coordinator did not see" if have > want or not self.refit_paths
+                        else "a trainer's broadcast it missed")
+            return
+        self.catch_ups[worker.worker_id] = have + 1
+        log.info("worker %s serves weight version %d, the cluster %d: sending it version %d (out of routing "
+                 "until it has %d)", safe(worker.worker_id), have, want, have + 1, want)
+        self.core.send(worker.identity, UpdateWeights(path=missing[0], version=have + 1))
+
+    def _on_catch_up_answer(self, worker: WorkerRecord, msg: WeightsUpdated, now: float) -> None:
+        version = self.catch_ups[worker.worker_id]
+        if msg.version != version:
+            return
+        if msg.error is not None:
+            del self.catch_ups[worker.worker_id]
+            log.warning("worker %s could not be brought to weight version %d: %s; it gets no requests",
+                        safe(worker.worker_id), version, safe(msg.error, 2000))
+        elif msg.prepared:
+            self.core.send(worker.identity, CommitWeights(version=version))
+        else:
+            del self.catch_ups[worker.worker_id]
+            if worker.weight_version == self.weight_version:
+                log.info("worker %s serves weight version %d: routed again", safe(worker.worker_id), version)
+                self.core.admission.dispatch_held(now)
+            else:
+                self.catch_up(worker, now)

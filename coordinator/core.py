@@ -336,7 +336,8 @@ class Coordinator:
         old = self.workers.by_id.get(hello.peer_id)
         rank = self.workers.rank_for(hello)
         worker = WorkerRecord(worker_id=hello.peer_id, identity=identity, hello=hello, last_seen=now,
-                              dp_rank=rank, group_id=hello.group_id or f"dp{rank}")
+                              dp_rank=rank, group_id=hello.group_id or f"dp{rank}",
+                              weight_version=hello.weight_version)
         if old is not None:
             worker.requests_routed = old.requests_routed
             worker.registrations = old.registrations + 1
@@ -366,6 +367,7 @@ class Coordinator:
         self.send(identity, replace(self._welcome(), dp_rank=rank, group_id=worker.group_id))
         for command in commands_to_reach(self.state):
             self.send(identity, Control(command=command))
+        self.commands.on_worker_registered(worker, now)
         log.info("worker %s: %s%s", "re-registered" if old is not None else "joined", worker.describe(),
                  f"; aborting {len(stale)} request(s) it still ran that moved elsewhere" if stale else "")
         if len(self.reattachment.orphans):

@@ -55,6 +55,7 @@ class Liveness:
             worker.last_seen = now
             if heartbeat.load is not None:
                 worker.load = heartbeat.load
+                self.core.commands.note_version(worker, heartbeat.load.weight_version)
             age = heartbeat.step_age_s
             if age is not None and age > self.core.config.max_step_time:
                 self.mark_dead(worker, f"its engine step has run for {age:.0f} s (--max-step-time "

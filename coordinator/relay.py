@@ -34,6 +34,7 @@ class Relay:
             return
         worker.last_seen = now
         worker.load = batch.load
+        self.core.commands.note_version(worker, batch.load.weight_version)
         stray = []
         for delta in batch.deltas:
             request = self.core.requests.get(delta.request_id)

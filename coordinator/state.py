@@ -103,6 +103,7 @@ class WorkerRecord:
     requests_routed: int = 0
     registrations: int = 1
     dispatches_sent: int = 0            # Dispatch frames sent to this worker process (see Hello.dispatches_seen)
+    weight_version: int = 0             # the weights it serves (Hello, its loads, its refit answers)
 
     @property
     def capacity_tokens(self) -> int:

@@ -223,6 +223,7 @@ class Hello(Message):
     # coordinator instance) when it sent this Hello: a Hello that crossed later Dispatches does not lose them.
     incarnation: str | None = None
     dispatches_seen: int | None = None
+    weight_version: int = 0           # a worker's: the weights it serves (routed only at the cluster's version)
 
     def validate(self) -> None:
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -242,6 +243,7 @@ class Hello(Message):
                      f"field 'max_waiting' must be >= 0, got {self.max_waiting}")
             _require({s.request_id for s in self.snapshots} <= set(self.running),
                      "every snapshot must be of a request listed in 'running'")
+            _require(self.weight_version >= 0, f"field 'weight_version' must be >= 0, got {self.weight_version}")
 
 
 @message
@@ -590,13 +592,30 @@ class UpdateWeights(Message):
 @message
 @dataclass(frozen=True)
 class WeightsUpdated(Message):
-    """The answer to UpdateWeights: a worker's (its engine serves `version` now, or `error` says why it still
-    serves the old weights), then the coordinator's to the client once every worker answered."""
+    """A worker's answers in a refit's two phases, and the coordinator's to the client. To UpdateWeights:
+    `prepared` (every tensor read, checked and held in memory, no request left: ready to apply `version`), or
+    `error` (nothing changed). To CommitWeights: its engine serves `version` now, or `error` says why it still
+    serves the old weights. To the client: the version every serving worker has."""
 
     TYPE: ClassVar[str] = "weights_updated"
     version: int
     error: str | None = None
     num_tensors: int = 0
+    prepared: bool = False
+
+
+@message
+@dataclass(frozen=True)
+class CommitWeights(Message):
+    """Coordinator -> worker, a refit's second phase: apply the prepared weights of `version` (`commit`), or
+    drop them (another worker could not prepare its part: nothing changes anywhere)."""
+
+    TYPE: ClassVar[str] = "commit_weights"
+    version: int
+    commit: bool = True
+
+    def validate(self) -> None:
+        _require(self.version >= 1, f"field 'version' must be >= 1, got {self.version}")
 
 
 # ---- coordinator <-> client extras ---------------------------------------------------------------

@@ -31,6 +31,7 @@ class BenchmarkEngine:
         self.max_model_len = config.max_model_len or 4096
         self._requests: dict[str, Request] = {}   # arrival order
         self._pending: list[Delta] = []
+        self.weight_version = 0          # never changes: no weights
 
     @property
     def num_kv_blocks(self) -> int:
@@ -111,6 +112,9 @@ class BenchmarkEngine:
         return 0
 
     def prepare_update(self, msg: UpdateWeights) -> object:
+        raise ValueError("a --benchmark-mode worker has no weights to update")
+
+    def check_prepared(self, update: object) -> None:
         raise ValueError("a --benchmark-mode worker has no weights to update")
 
     def update_weights(self, source: object, version: int | None = None) -> int:

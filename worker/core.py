@@ -33,7 +33,7 @@ from typing import Any, ClassVar, NoReturn, Protocol
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
-    Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
+    Abort, CommitWeights, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
     Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode, peek_request_id
 )
 from infer.protocol.sampling import SamplingParams
@@ -87,16 +87,21 @@ class EngineLike(Protocol):
     def suspend(self) -> int: ...
     def resume(self) -> int: ...
     def prepare_update(self, msg: UpdateWeights) -> object: ...
+    def check_prepared(self, update: object) -> None: ...
     def update_weights(self, source: object, version: int | None = None) -> int: ...
+    @property
+    def weight_version(self) -> int: ...
 
 
 @dataclass
 class _PendingRefit:
-    """An UpdateWeights whose tensors are checked and waiting for the engine's requests to finish (a drain)."""
+    """An UpdateWeights whose tensors are staged and checked: waiting for the engine's requests to finish (a
+    drain), then, once `prepared` was answered, for the coordinator's CommitWeights (until `deadline`)."""
 
     msg: UpdateWeights
-    update: object          # the engine's WeightUpdate
+    update: object          # the engine's WeightUpdate, staged
     deadline: float
+    prepared: bool = False
 
 
 class WorkerCore:
@@ -127,7 +132,7 @@ class WorkerCore:
         self._drain_deadline: float | None = None
         self._warn = RateLimitedLog(log)
         self.last_load: Load = wire_load(engine.load())   # what a heartbeat sent during a step reports
-        self._refit: _PendingRefit | None = None   # an UpdateWeights waiting for a drain
+        self._refit: _PendingRefit | None = None   # an UpdateWeights waiting for a drain, then its commit
         self._last_shed_check = -_SHED_CHECK_S
 
     # ---- the shell's surface -------------------------------------------------------------------
@@ -243,8 +248,8 @@ class WorkerCore:
         `group_busy`), else until the next timer is due (`group_check_due`: the idle group's member check)."""
         if self.wants_step():
             return 0.0
-        if self._refit is not None:
-            return 0.0 if not self.engine.has_unfinished() else max(0.0, self._refit.deadline - now)
+        if self._refit is not None and not self._refit.prepared and not self.engine.has_unfinished():
+            return 0.0
         if group_busy:
             return 0.0
         due = [max(self.last_heard, self._hello_sent_at) + self.options.coordinator_timeout]
@@ -252,6 +257,8 @@ class WorkerCore:
                    else self._connect_deadline)
         if self._drain_deadline is not None:
             due.append(self._drain_deadline)
+        if self._refit is not None:
+            due.append(self._refit.deadline)
         if group_check_due is not None:
             due.append(group_check_due)
         return max(0.0, min(due) - now)
@@ -323,6 +330,7 @@ class WorkerCore:
                          max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
                          running=list(self._requests), max_waiting=self.options.max_waiting_requests,
                          incarnation=self._incarnation, dispatches_seen=self._dispatches_seen,
+                         weight_version=engine.weight_version,
                          snapshots=[sent.snapshot(rid) for rid, sent in self._requests.items()]), now)
         self._welcomed = False
         self._hello_sent_at = now
@@ -438,8 +446,9 @@ class WorkerCore:
     # ---- weight refit --------------------------------------------------------------------------
 
     def _on_update_weights(self, msg: UpdateWeights, now: float) -> None:
-        """Receive (from a trainer) and check the new weights now; apply them once no request is left (the
-        coordinator aborted them first, or holds new ones while these drain). Answer WeightsUpdated."""
+        """A refit's first phase: receive (from a trainer) or read, check and stage the new weights now; once
+        no request is left (the coordinator aborted them first, or holds new ones while these drain) answer
+        WeightsUpdated(prepared) and wait for CommitWeights. Nothing changes in this phase."""
         if self._refit is not None:
             return self._send(WeightsUpdated(version=msg.version or 0, error="a weight update is already pending "
                                                                             "on this worker"), now)
@@ -453,23 +462,50 @@ class WorkerCore:
         self._apply_refit(now)
 
     def _apply_refit(self, now: float) -> None:
+        """Answer `prepared` once the drain is over (the files checked unchanged); drop a refit whose drain or
+        commit did not come in time."""
         refit = self._refit
         if refit is None:
             return
-        if self.engine.has_unfinished():
-            if now < refit.deadline:
-                return
+        if now >= refit.deadline:
             self._refit = None
+            if refit.prepared:
+                log.warning("weight update to version %s: no commit came in time; dropped", refit.msg.version)
+                return None
             return self._send(WeightsUpdated(version=refit.msg.version or 0, error=(
                 f"{len(self._requests)} request(s) did not finish within {refit.msg.timeout_s:g} s; the old "
                 f"weights keep serving")), now)
+        if refit.prepared or self.engine.has_unfinished():
+            return None
+        try:
+            self.engine.check_prepared(refit.update)
+        except Exception as e:   # noqa: BLE001 - the files changed during the drain: nothing applied
+            self._refit = None
+            log.error("weight update to version %s refused: %s", refit.msg.version, e)
+            return self._send(WeightsUpdated(version=refit.msg.version or 0, error=f"{type(e).__name__}: {e}"), now)
+        refit.prepared = True
+        self._send(WeightsUpdated(version=refit.msg.version or 0, prepared=True,
+                                  num_tensors=len(getattr(refit.update, "specs", ()))), now)
+
+    def _on_commit_weights(self, msg: CommitWeights, now: float) -> None:
+        """A refit's second phase: apply the prepared weights (the engine puts the old ones back if that fails)
+        and answer WeightsUpdated, or drop them (`commit` false: no answer)."""
+        refit = self._refit
+        if refit is None or not refit.prepared or refit.msg.version != msg.version:
+            if msg.commit:
+                self._send(WeightsUpdated(version=msg.version, error=f"no prepared weight update of version "
+                                                                     f"{msg.version} on this worker"), now)
+            return None
         self._refit = None
+        if not msg.commit:
+            log.info("weight update to version %d dropped: another worker could not prepare it", msg.version)
+            return None
         try:
             with self.busy():
-                version = self.engine.update_weights(refit.update, refit.msg.version)
-        except Exception as e:   # noqa: BLE001
+                version = self.engine.update_weights(refit.update, msg.version)
+        except Exception as e:   # noqa: BLE001 - the engine restored the old values
             log.exception("applying the weight update failed")
-            return self._send(WeightsUpdated(version=refit.msg.version or 0, error=f"{type(e).__name__}: {e}"), now)
+            return self._send(WeightsUpdated(version=msg.version, error=f"{type(e).__name__}: {e}"), now)
         self._heartbeat(now)
         self._send(WeightsUpdated(version=version, num_tensors=len(getattr(refit.update, "specs", ()))), now)
 
@@ -489,6 +525,7 @@ class WorkerCore:
     _HANDLERS: ClassVar[dict[type[Message], Callable[[WorkerCore, Any, float], None]]] = {
         Welcome: _on_welcome, Refused: _on_refused, Error: _on_error, Dispatch: _on_dispatch,
         Abort: _on_abort, Control: _on_control, Heartbeat: _on_heartbeat, UpdateWeights: _on_update_weights,
+        CommitWeights: _on_commit_weights,
     }
 
 

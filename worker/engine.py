@@ -336,9 +336,10 @@ class Engine:
 
     def update_weights(self, source: object, version: int | None = None) -> int:
         """Load new weights: a safetensors directory, an iterable of (checkpoint name, tensor) pairs, or a
-        WeightUpdate. All or nothing: every tensor's name, shape and dtype is checked first (ValueError naming
-        the first bad one, the old weights untouched). A subset of the weights may be given. Returns the new
-        weight version (`version`, else the current one + 1), which every later output carries.
+        WeightUpdate. All or nothing: every tensor's name, shape and dtype is checked and every value read into
+        memory and checked finite first (ValueError naming the first bad one, the old weights untouched); a
+        failure while copying them in puts the old values back. A subset of the weights may be given. Returns
+        the new weight version (`version`, else the current one + 1), which every later output carries.
 
         Requests still running are preempted by recompute (they continue on the new weights); callers that
         want them to finish on the old weights first step until `num_running` is 0 (a drain), or abort them.
@@ -348,6 +349,10 @@ class Engine:
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be a non-negative integer, got {version!r}")
         update = source if isinstance(source, WeightUpdate) else WeightUpdate.of(source)
+        if not update.staged:
+            check_specs(self.model, update.specs)      # before reading any value
+        update = update.stage()
+        update.check_unchanged()
         check_specs(self.model, update.specs)
         self.scheduler.preempt_all()
         self.scheduler.block_manager.reset_prefix_cache()
@@ -365,10 +370,11 @@ class Engine:
         return self.weight_version
 
     def prepare_update(self, msg: UpdateWeights) -> WeightUpdate:
-        """The checked WeightUpdate of an UpdateWeights message, nothing changed yet: the safetensors directory
+        """The staged WeightUpdate of an UpdateWeights message, nothing changed yet: the safetensors directory
         `msg.path`, or the tensors received now from the trainer's weight-sync group (`msg.sync`, within
         `msg.timeout_s`; received in full even when they turn out not to fit, so the trainer's broadcast
-        completes). ValueError naming a bad tensor."""
+        completes); every spec checked against the model, every value in memory and finite. ValueError naming
+        a bad tensor."""
         self._check_not_tensor_parallel("a weight update")
         if msg.sync is not None:
             from infer.worker.weight_sync import receive_weights
@@ -378,7 +384,12 @@ class Engine:
         else:
             update = WeightUpdate.of(msg.path)
         check_specs(self.model, update.specs)
-        return update
+        return update.stage()
+
+    def check_prepared(self, update: WeightUpdate) -> None:
+        """ValueError if the files of a prepared (staged) update changed since they were read: what would be
+        applied is then not what the files hold (a later reload would read other values)."""
+        update.check_unchanged()
 
     def _check_not_tensor_parallel(self, what: str) -> None:
         if self.tp.size > 1:

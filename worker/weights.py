@@ -3,8 +3,11 @@
 Refit. Incoming tensors carry checkpoint names (as in the model's safetensors files). `check_specs` runs the
 loader's own placement and shape checks against a shape-only twin of the model on the meta device (no memory,
 no copy), so a wrong name, shape or dtype is found, naming the tensor, before any parameter changes;
-`apply_tensors` then copies them in and re-packs the CPU copies of the linear weights. A refit may be a
-subset of the weights (the others keep their values).
+`WeightUpdate.stage` then reads every value into memory and refuses NaN / inf (a directory's files are
+fingerprinted around the read, and `check_unchanged` refuses files that changed since: what is applied is what
+was checked, and what a later reload reads). `apply_tensors` copies the staged tensors in, keeping the old
+values of every parameter it touches (quantized storage's scales and mins too), and puts them all back if any
+copy or the re-pack fails. A refit may be a subset of the weights (the others keep their values).
 
 Release. `release_weights` empties every parameter (and the pre-packed copies): to a pinned host copy
 ("host_copy"; on a CPU the host copy is the weights themselves, so nothing is freed), or dropped ("reload"),
@@ -60,6 +63,29 @@ class WeightUpdate:
     tensors: Iterable[tuple[str, torch.Tensor]]
     files: list[Path] | None = None
     description: str = "tensors"
+    staged: bool = False                          # `tensors` is a list in memory, every value checked finite
+    fingerprint: tuple[tuple[str, int, int, int], ...] = ()   # the files as they were read (stage)
+
+    def stage(self) -> WeightUpdate:
+        """Every value read into memory and checked finite (ValueError naming the first NaN / inf tensor, or
+        saying the files changed while they were read); the specs are re-taken from the values read."""
+        if self.staged:
+            return self
+        before = _fingerprint(self.files)
+        pairs = [(name, tensor) for name, tensor in self.tensors]
+        for name, tensor in pairs:
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"weight update: tensor {name!r} has NaN or infinite values")
+        if before != _fingerprint(self.files):
+            raise ValueError(f"weight update: {self.description} changed while they were read")
+        specs = [TensorSpec(name, tuple(tensor.shape), tensor.dtype) for name, tensor in pairs]
+        return WeightUpdate(specs, pairs, self.files, self.description, True, before)
+
+    def check_unchanged(self) -> None:
+        """ValueError if the files read by `stage` changed since (the refit waited for a drain meanwhile)."""
+        if self.files is not None and self.fingerprint != _fingerprint(self.files):
+            raise ValueError(f"weight update: {self.description} changed after they were read (while the refit "
+                             f"waited); nothing was applied")
 
     @classmethod
     def of(cls, source: object) -> WeightUpdate:
@@ -122,20 +148,49 @@ def check_specs(model: nn.Module, specs: Iterable[TensorSpec]) -> None:
 
 
 def apply_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy checked tensors into `model` (cast to its dtype and device); returns how many were applied."""
+    """Copy checked tensors into `model` (cast to its dtype and device), then re-pack; returns how many were
+    applied. All or nothing: if a copy or the re-pack raises, every touched parameter gets its old values
+    back (and is re-packed) before the error propagates."""
     params = dict(model.named_parameters())
     aliases = tied_aliases(model)
+    saved = _SavedParameters()
     applied = 0
-    with torch.no_grad():
-        for key, tensor in tensors:
-            target = checkpoint_target(model, params, aliases, key, "in the weight update")
-            if target is None:
-                continue
-            module, name, shard = target
-            load_tensor(module, name, shard, params[name], tensor, f"{key!r} in the weight update")
-            applied += 1
-    pack_weights(model)
+    try:
+        with torch.no_grad():
+            for key, tensor in tensors:
+                target = checkpoint_target(model, params, aliases, key, "in the weight update")
+                if target is None:
+                    continue
+                module, name, shard = target
+                saved.keep(module)
+                load_tensor(module, name, shard, params[name], tensor, f"{key!r} in the weight update")
+                applied += 1
+        pack_weights(model)
+    except BaseException:
+        saved.restore()
+        pack_weights(model)
+        raise
     return applied
+
+
+class _SavedParameters:
+    """The old values of the parameters a refit touches: every direct parameter of each module written (a
+    quantized layer's values, scales and mins change together), kept once, before its first write."""
+
+    def __init__(self) -> None:
+        self._saved: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+
+    def keep(self, module: nn.Module) -> None:
+        if id(module) not in self._saved:
+            self._saved[id(module)] = [(p, p.detach().clone()) for p in module.parameters(recurse=False)]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for kept in self._saved.values():
+                for param, old in kept:
+                    param.copy_(old)
+        log.warning("weight update: failed while applying; the %d touched layer(s) have their old values back",
+                    len(self._saved))
 
 
 def meta_twin(model: nn.Module) -> nn.Module:
@@ -175,6 +230,21 @@ class _file_pairs:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118
                     yield key, f.get_tensor(key)
+
+
+def _fingerprint(files: list[Path] | None) -> tuple[tuple[str, int, int, int], ...]:
+    """(path, size, mtime ns, inode) of each file: a rewrite or a swap by rename changes it."""
+    if files is None:
+        return ()
+    return tuple(_file_fingerprint(file) for file in files)
+
+
+def _file_fingerprint(file: Path) -> tuple[str, int, int, int]:
+    try:
+        st = file.stat()
+    except OSError:
+        return str(file), -1, -1, -1      # gone: differs from any file that was read
+    return str(file), st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def _describe(value: object) -> str:

@@ -287,8 +287,10 @@ class Front:
     async def update_weights(self, request: Request) -> Response:
         """POST /v1/update_weights {"model", "path", "on_running", "timeout"}: every engine loads the safetensors
         directory `path` (all or nothing); 200 {"weight_version": N} once all serve it. Behind the API key; through
-        a cluster it needs the front's key to be an administrator's. 400 with the reason when the update is refused
-        (a bad tensor, a path no worker reads, a suspended cluster): the old weights keep serving."""
+        a cluster it needs the front's key to be an administrator's: the front never looks at `path` itself, so a
+        front whose key may not refit answers the same refusal whatever the path. 400 with the reason when the
+        update is refused (a bad tensor, a path no worker reads, a suspended cluster): the old weights keep
+        serving on every worker."""
         body = await self._parse(request, UpdateWeightsRequest)
         try:
             version = await self.engine.update_weights(body.path, on_running=body.on_running, timeout=body.timeout)

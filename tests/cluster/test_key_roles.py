@@ -114,6 +114,23 @@ async def test_only_an_admin_key_pauses_or_stops_and_it_may_act_as_a_client(clus
     assert "lifecycle command 'stop' refused" in cluster.procs[0].text()
 
 
+async def test_a_client_key_probing_refit_paths_learns_nothing_about_them(cluster, keys, tmp_path):
+    """The role is checked before anything reads the path: an existing directory (with weights in it) and a
+    missing one get the same refusal, which names neither."""
+    existing = tmp_path / "weights"
+    existing.mkdir()
+    (existing / "model.safetensors").write_bytes(b"not really")
+    answers = []
+    async with cluster.client(**keys.client_options()) as client:
+        await client.wait_for_workers(1, timeout=30)
+        for path in (existing, tmp_path / "missing", "/etc"):
+            with pytest.raises(ClusterError) as refused:
+                await client.update_weights(path)
+            answers.append(str(refused.value))
+    assert answers[0] == answers[1] == answers[2]
+    assert "refused: it needs a admin key" in answers[0] and str(tmp_path) not in answers[0]
+
+
 async def test_another_key_presenting_a_clients_routing_id_gets_nothing_of_its_stream(cluster, keys):
     ctx = zmq.asyncio.Context()
     try:

@@ -6,6 +6,8 @@ no stale prefix cache), all or nothing."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1023, 64, 12, 88, 301, 7, 450, 33, 2, 19, 600, 3], [1000, 2000, 3000], [42, 43]]
 BIG_POOL = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(96 << 20), "--threads", "1",
             "--max-num-seqs", "512"]
+ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1")
 
 
 def _rss(pid: int) -> int:
@@ -122,3 +125,51 @@ async def test_refit_from_a_trainer_over_gloo(model_cluster, tiny_llama, tiny_we
         assert {c.weight_version for c in on_a} == {2}
         with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
             await client.update_weights([("model.norm.weight", torch.zeros(64, dtype=torch.int64))])
+
+
+async def _all_at(client, count: int, version: int, timeout: float = 60.0) -> None:
+    """Until `count` workers report `version` (a restarted one is brought to it before it serves)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        workers = [w for w in (await client.stats()).workers if w.healthy and w.load is not None]
+        if sum(w.load.weight_version == version for w in workers) >= count:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"workers not at version {version}: {workers}"
+        await asyncio.sleep(0.2)
+
+
+async def test_a_worker_killed_mid_refit_never_leaves_mixed_versions_serving(model_cluster, tiny_llama,
+                                                                           tiny_weights_b) -> None:
+    """kill -9 of one worker mid-refit (it has the UpdateWeights, it has not answered: SIGSTOP first): the
+    refit fails everywhere and the other worker, prepared, drops what it staged. A worker killed after a refit
+    is committed comes back at version 0 and gets no request until it is brought to the cluster's version.
+    Every output comes from the cluster's version, token for token."""
+    weights_b = tiny_weights_b("llama")
+    expected = {0: transformers_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens),
+                1: transformers_greedy(weights_b, PROMPTS, GREEDY.max_tokens)}
+    cluster = model_cluster(workers=2)
+    async with cluster.client() as client:
+        victim = cluster.proc_of((await client.stats()).workers[1].worker_id)
+        os.kill(victim.popen.pid, signal.SIGSTOP)
+        refit = asyncio.ensure_future(client.update_weights(weights_b))
+        await asyncio.sleep(1.0)                            # the other worker is prepared, waiting for the commit
+        victim.kill9()
+        with pytest.raises(ClusterError, match="died before it answered.*no worker changed its weights"):
+            await refit
+        assert (await client.stats()).weight_version == 0
+        cluster.worker(1, *ENGINE_FLAGS, model=tiny_llama)   # back at version 0, as the other
+        await client.wait_for_workers(2, timeout=120)
+        outs = await _generate(client, PROMPTS * 3)
+        assert {c.weight_version for c in outs} == {0} and [c.token_ids for c in outs] == expected[0] * 3
+        assert await client.update_weights(weights_b) == 1   # the same refit now reaches both
+        # after a committed refit, a worker killed and restarted (version 0) is brought to it before it serves
+        victim = (await client.stats()).workers[0]
+        cluster.proc_of(victim.worker_id).kill9()
+        cluster.worker(0, *ENGINE_FLAGS, model=tiny_llama)
+        for _ in range(10):                                 # requests while it joins go only to the other one
+            outs = await _generate(client)
+            assert {c.weight_version for c in outs} == {1} and [c.token_ids for c in outs] == expected[1]
+        await _all_at(client, 2, 1)
+        outs = await _generate(client, PROMPTS * 3)
+        assert {c.weight_version for c in outs} == {1} and [c.token_ids for c in outs] == expected[1] * 3
+        assert "cannot be brought" not in cluster.procs[0].text()

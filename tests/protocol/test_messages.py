@@ -10,7 +10,7 @@ import pytest
 from infer.protocol.messages import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, ClusterStats, Control, ControlAck, Delta,
     DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, RequestSnapshot,
-    StatsRequest, StepBatch, Submit, TokenIds, UpdateWeights, Welcome, WeightsUpdated, WeightSync, WeightTensor,
+    StatsRequest, StepBatch, Submit, TokenIds, UpdateWeights, CommitWeights, Welcome, WeightsUpdated, WeightSync, WeightTensor,
     WorkerStats, decode, encode
 )
 from infer.protocol.outputs import Completion, RequestOutput
@@ -59,6 +59,8 @@ EXAMPLES = [
                                   tensors=[WeightTensor(name="x", dtype="float16", shape=[])])),
     WeightsUpdated(version=3, num_tensors=20),
     WeightsUpdated(version=3, error="weight update: tensor 'x' has dtype int32"),
+    WeightsUpdated(version=3, prepared=True, num_tensors=20),
+    CommitWeights(version=3), CommitWeights(version=3, commit=False),
     Load(num_waiting=0, num_running=0, num_free_blocks=3, num_total_blocks=4, num_queued_tokens=0, weight_version=2,
          suspended=True, bytes_released=1 << 30),
     DeltaBatch(deltas=[Delta(request_id="a", token_ids=TokenIds([3]), text="z", prompt_token_ids=TokenIds([1])),

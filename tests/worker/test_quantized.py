@@ -110,6 +110,29 @@ def test_a_refit_of_a_quantized_engine_quantizes_the_new_weights_as_a_load_would
     assert _greedy(engine, "a") == _greedy(_engine(tiny_weights_b("mistral"), quantization="int8"), "b")
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_refit_failing_mid_apply_restores_values_scales_and_mins(tiny_model_dir, tiny_weights_b,
+                                                                             quantization, monkeypatch) -> None:
+    from infer.worker import weights as weights_module
+
+    engine = _engine(tiny_model_dir("mistral"), quantization=quantization)
+    before_out = _greedy(engine, "a")
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    real, calls = weights_module.load_tensor, []
+
+    def failing_late(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 15:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(weights_module, "load_tensor", failing_late)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.update_weights(tiny_weights_b("mistral"))
+    assert all(torch.equal(p, before[n]) for n, p in engine.model.named_parameters())
+    assert _greedy(engine, "b") == before_out
+
+
 @pytest.mark.parametrize("mode", ["reload", "host_copy"])
 def test_suspend_and_resume_keep_a_quantized_engine_s_outputs(tiny_model_dir, mode) -> None:
     engine = _engine(tiny_model_dir("mistral"), quantization="int4", suspend_weights=mode)

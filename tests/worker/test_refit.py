@@ -162,6 +162,79 @@ def test_a_bad_tensor_fails_the_whole_refit_and_the_old_weights_keep_serving(wei
     assert _run(engine, prefix="b")[0] == on_a
 
 
+def _with(tensors: dict, name: str, value: float) -> dict:
+    bad = tensors[name].clone()
+    bad.view(-1)[bad.numel() // 2] = value
+    return {**tensors, name: bad}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_nan_or_inf_tensor_is_refused_with_nothing_changed(weights_a, weights_b, value) -> None:
+    from safetensors.torch import load_file
+
+    engine = Engine(_config(weights_a))
+    on_a = _run(engine, prefix="a")[0]
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    tensors = load_file(str(weights_b / "model.safetensors"))
+    last = list(tensors)[-1]       # the bad one comes after tensors that would have been applied
+    with pytest.raises(ValueError, match=f"{last!r} has NaN or infinite values"):
+        engine.update_weights(_with(tensors, last, value))
+    assert engine.weight_version == 0
+    assert all(torch.equal(p, before[n]) for n, p in engine.model.named_parameters())
+    assert _run(engine, prefix="b")[0] == on_a
+
+
+def test_files_swapped_while_a_prepared_refit_drains_are_refused_with_nothing_changed(weights_a, weights_b,
+                                                                                      tmp_path) -> None:
+    """The worker's path: prepare_update stages the files, requests drain, then the apply. A file swapped in
+    between (by rename, as a checkpoint writer does) fails the refit before anything is applied."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from infer.protocol.messages import UpdateWeights
+
+    engine = Engine(_config(weights_a))
+    on_a = _run(engine, prefix="a")[0]
+    refit_dir = tmp_path / "refit"
+    shutil.copytree(weights_b, refit_dir)
+    prepared = engine.prepare_update(UpdateWeights(path=str(refit_dir), version=1))
+    swapped = load_file(str(weights_b / "model.safetensors"))
+    save_file({k: v * 2 for k, v in swapped.items()}, str(tmp_path / "next.safetensors"))
+    (tmp_path / "next.safetensors").replace(refit_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="changed after they were read"):
+        engine.check_prepared(prepared)
+    with pytest.raises(ValueError, match="changed after they were read"):
+        engine.update_weights(prepared, 1)
+    assert engine.weight_version == 0 and _run(engine, prefix="b")[0] == on_a
+
+
+def test_a_failure_while_applying_puts_every_touched_value_back(weights_a, weights_b, monkeypatch) -> None:
+    """A copy that fails after others succeeded (say, memory runs out): the layers already written get their
+    old values back, re-packed, and the engine serves the old weights exactly."""
+    from infer.worker import weights as weights_module
+
+    engine = Engine(_config(weights_a))
+    on_a = _run(engine, prefix="a")[0]
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    real, calls = weights_module.load_tensor, []
+
+    def failing_late(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 15:
+            raise RuntimeError("out of memory (injected)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(weights_module, "load_tensor", failing_late)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.update_weights(weights_b)
+    monkeypatch.undo()
+    assert len(calls) == 15 and engine.weight_version == 0
+    assert all(torch.equal(p, before[n]) for n, p in engine.model.named_parameters())
+    assert _run(engine, prefix="b")[0] == on_a
+    assert engine.update_weights(weights_b) == 1            # and a later refit applies in full
+
+
 def test_refit_source_errors_are_precise(weights_a, tmp_path) -> None:
     engine = Engine(_config(weights_a))
     with pytest.raises(ValueError, match="does not exist"):
