@@ -29,11 +29,10 @@ BACK_WITHIN_S = 30.0
 
 @pytest.fixture(scope="module")
 def served(smollm2_gguf, tmp_path_factory):
-    """`infer-serve --workers 2 --threads 1` on the embedded model, shared by this module's kill tests. fp32:
-    a stream resumed by a re-prefill continues exactly only where prefill and decode compute the same bits
-    (bf16, dtype auto on an AVX-512-BF16 CPU, does not yet: the README says so)."""
-    cluster = Served(None, tmp_path_factory.mktemp("heal") / "serve.log", "smol",
-                     ["--threads", "1", "--dtype", "float32"])
+    """`infer-serve --workers 2 --threads 1` on the embedded model at its default dtype, shared by this module's
+    kill tests: a stream resumed by a re-prefill continues exactly (a generated token's row is computed again with
+    its decode step's bits, tests/worker/test_resume.py)."""
+    cluster = Served(None, tmp_path_factory.mktemp("heal") / "serve.log", "smol", ["--threads", "1"])
     yield cluster
     cluster.stop()
 
