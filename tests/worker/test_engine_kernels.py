@@ -24,7 +24,7 @@ def _reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=No
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
-                       max_query_len=None):
+                       max_query_len=None, decode_from=None):
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
 
 
