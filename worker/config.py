@@ -49,7 +49,8 @@ class EngineConfig:
         The step bound's default is 5x the costliest mask measured for the test schemas on SmolLM2's 49k-token
         vocabulary (21 ms, Zen 5); nested bounded repeats such as `([\s\S]{0,100}){0,100}` pass it within a few
         tokens and then take seconds a step. The compile bounds' defaults let a burst of 20 distinct schemas through
-        one client (the HTTP front is one) and hold one client's backlog of slow compiles (~1.5 s each) to ~25 s.
+        one client (the HTTP front is one); the compile thread takes turns between clients, so one client's backlog
+        delays another's compile by one compile each, not by the backlog.
     suspend_weights: what suspend does with the weights: "host_copy" moves them to pinned host memory (on a
         CPU they stay where they are: nothing of them is freed), "reload" frees them and reloads them on resume
         from the files they came from (or from a spill file, when they came from tensors in memory); "auto"
@@ -91,7 +92,7 @@ class EngineConfig:
     max_grammar_compiles: int = option(32, "grammars compiling or queued to compile at once (a cached spec, or one "
                                           "compiling already, takes no place); a request past it is refused as "
                                           "overloaded", metavar="N")
-    max_grammar_compiles_per_client: int = option(16, "of those, at most N for one client; its next is refused as "
+    max_grammar_compiles_per_client: int = option(24, "of those, at most N for one client; its next is refused as "
                                                      "overloaded", metavar="N")
     suspend_weights: str = option("auto", "what suspend does with the weights: host_copy (pinned host memory on "
                                           "a GPU; kept on a CPU), reload (freed, reloaded from their files on "

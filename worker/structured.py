@@ -4,8 +4,9 @@ request, and the step's token bitmask. A grammar's work is bounded three ways (R
 - Compiles, per engine and per client: `GrammarCompilerPool.compile(spec, client)` returns a Future, done at once
   for a spec compiled before (an LRU of compiled grammars by spec, bounded by CACHE_BYTES: a cached spec never
   waits behind others' compiles), shared with a compile of the same spec in flight, else queued for the pool's
-  thread. A new compile past `max_compiles` in flight on this engine, or past `max_compiles_per_client` in flight
-  for the client that asks, raises CompilesFull (the request is refused as "overloaded", not queued). The engine
+  thread, which takes turns between clients (FairQueue: one client's backlog is not another's wait). A new
+  compile past `max_compiles` in flight on this engine, or past `max_compiles_per_client` in flight for the
+  client that asks, raises CompilesFull (the request is refused as "overloaded", not queued). The engine
   keeps the request out of the scheduler until its Future is done (worker/engine.py), so a slow compile never
   stalls a step. A compile cannot be interrupted: a request whose grammar is not ready within COMPILE_TIMEOUT_S
   fails, and with one compile thread at most one runaway compile occupies a core (the specs' sizes are bounded in
@@ -28,9 +29,11 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +43,6 @@ from infer.protocol.structured import StructuredOutputsParams
 
 log = logging.getLogger("infer.structured")
 
-COMPILE_THREADS = 1
 COMPILE_TIMEOUT_S = 30.0
 CACHE_BYTES = 256 << 20          # compiled grammars kept for reuse (their memory_size_bytes)
 MAX_CACHED = 4096                # ... and at most this many specs (refusals included)
@@ -83,7 +85,7 @@ class GrammarCompilerPool:
         self.max_compiles = max_compiles
         self.max_compiles_per_client = max_compiles_per_client
         self.step_budget_s = step_budget_s
-        self._executor = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="infer-grammar")
+        self._queue = FairQueue(self._compile)
         self._compiler: Any = None        # built on the pool's thread, used only there
         self._in_flight: dict[StructuredOutputsParams, _Compile] = {}
         self._done: OrderedDict[StructuredOutputsParams, tuple[Future, int]] = OrderedDict()   # LRU: (result, bytes)
@@ -100,7 +102,7 @@ class GrammarCompilerPool:
         if running is not None:
             return running.future
         self._check_room(client)
-        future = self._executor.submit(self._compile, spec)
+        future = self._queue.submit(spec, client)
         self._in_flight[spec] = _Compile(future, client)
         return future
 
@@ -110,7 +112,7 @@ class GrammarCompilerPool:
         return len(self._in_flight)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._queue.close()
 
     def _check_room(self, client: str | None) -> None:
         if len(self._in_flight) >= self.max_compiles:
@@ -174,6 +176,58 @@ class GrammarCompilerPool:
         # xgrammar's own cache is off: the pool keeps what it compiled (`_done`), looked up without the thread
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+
+class FairQueue:
+    """One thread that runs `run(spec)` for the specs submitted, taking turns between clients (round robin; the
+    requests without a client are one more): a client's backlog delays another client's compile by at most the
+    compile running and one of each other client's, never by the whole backlog."""
+
+    def __init__(self, run: Callable[[StructuredOutputsParams], Any]) -> None:
+        self._run = run
+        self._queues: OrderedDict[str | None, deque[tuple[StructuredOutputsParams, Future]]] = OrderedDict()
+        self._cond = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._loop, name="infer-grammar", daemon=True).start()
+
+    def submit(self, spec: StructuredOutputsParams, client: str | None) -> Future:
+        future: Future = Future()
+        with self._cond:
+            self._queues.setdefault(client, deque()).append((spec, future))
+            self._cond.notify()
+        return future
+
+    def close(self) -> None:
+        """Cancel what has not started; the thread ends after the compile it runs (which cannot be stopped)."""
+        with self._cond:
+            self._closed = True
+            for queue in self._queues.values():
+                for _, future in queue:
+                    future.cancel()
+            self._queues.clear()
+            self._cond.notify()
+
+    def _next(self) -> tuple[StructuredOutputsParams, Future] | None:
+        with self._cond:
+            while not self._queues and not self._closed:
+                self._cond.wait()   # for a submit or close (both notify): nothing else wakes this thread
+            if self._closed:
+                return None
+            client, queue = self._queues.popitem(last=False)
+            job = queue.popleft()
+            if queue:
+                self._queues[client] = queue   # to the back of the line: the next client's turn
+            return job
+
+    def _loop(self) -> None:
+        while (job := self._next()) is not None:
+            spec, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._run(spec))
+            except Exception as e:   # xgrammar's reason, or GrammarTooCostly: the request's answer
+                future.set_exception(e)
 
 
 class GrammarState:

@@ -207,3 +207,19 @@ def test_compiles_past_the_engine_and_client_bounds_are_refused_as_overloaded_at
     burst["cached"] = (params(slow_schema(0)), "c0")       # compiled before: it waits behind none of them
     out = finals(engine, burst)
     assert all(d.finish_reason == "length" for d in out.values()), {rid: d.error for rid, d in out.items()}
+
+
+def test_the_compile_thread_takes_turns_between_clients(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"))
+    quick = Spec(regex=r"[a-z]{1,3}")
+    requests = {f"a{i}": (SamplingParams(temperature=0, max_tokens=4, structured_outputs=slow_schema(30 + i)), "a")
+                for i in range(3)}
+    requests["b"] = (SamplingParams(temperature=0, max_tokens=4, structured_outputs=quick), "b")   # queued last
+    for rid, (params, client) in requests.items():
+        engine.add_request(rid, PROMPT, params, client=client)
+    order = []
+    for _ in range(2000):
+        order += [d.request_id for d in engine.step() if d.finished]
+        if not engine.has_unfinished():
+            break
+    assert order.index("b") < order.index("a1") < order.index("a2"), order   # b's compile ran after a0's only
