@@ -106,11 +106,6 @@ class GrammarCompilerPool:
         self._in_flight[spec] = _Compile(future, client)
         return future
 
-    @property
-    def num_in_flight(self) -> int:
-        self._collect()
-        return len(self._in_flight)
-
     def close(self) -> None:
         self._queue.close()
 
