@@ -257,10 +257,14 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling)
 
     def close(self) -> None:
-        """End what the engine started outside itself: the other ranks of its TP group. Idempotent; the
-        engine steps no more after it (with tensor parallelism)."""
+        """End what the engine started outside itself: the other ranks of its TP group, the grammar compile
+        thread (after the compile it runs). Idempotent; the engine steps no more after it (with tensor
+        parallelism)."""
         if self.runner.followers is not None:
             self.runner.followers.stop()
+        if self._grammars is not None:
+            self._grammars.close()
+            self._grammars = None
 
     def shed_overdue(self, max_queue_time: float) -> int:
         """Fail, with error code "overloaded", each request that has waited more than `max_queue_time` seconds
