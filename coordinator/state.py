@@ -13,6 +13,7 @@ Invariants (kept by coordinator/core.py):
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -79,10 +80,18 @@ class RequestRecord:
         if not self.delivered:
             return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt=self.prompt
                             if self.prompt_token_ids is None else None, prompt_token_ids=self.prompt_token_ids,
-                            priority=self.priority)
+                            priority=self.priority, client=self.client_tag)
         return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt_token_ids=self.prompt_token_ids,
                         resumed_token_ids=TokenIds(self.delivered), resumed_text_len=self.delivered_text_len,
-                        priority=self.priority)
+                        priority=self.priority, client=self.client_tag)
+
+    @property
+    def client_tag(self) -> str | None:
+        """Dispatch.client: a structured-output request's client, by a hash of its identity (None otherwise:
+        nothing else needs it)."""
+        if self.sampling.structured_outputs is None:
+            return None
+        return hashlib.blake2b(self.client, digest_size=8).hexdigest()
 
 
 @dataclass(eq=False)

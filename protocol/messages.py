@@ -329,6 +329,9 @@ class Dispatch(Message):
     and stop-string state from them, and sends only the text past that point. `sampling` is the request's
     own, unchanged (the engine counts the resumed tokens toward max_tokens and min_tokens), with its seed, so
     the stream goes on with no token or character lost or repeated, as if nothing had happened.
+
+    `client` is a short tag of the client that submitted it (a hash of its identity, the same for all its
+    requests): the worker counts each client's grammar compiles by it (worker/structured.py).
     """
 
     TYPE: ClassVar[str] = "dispatch"
@@ -339,10 +342,13 @@ class Dispatch(Message):
     resumed_token_ids: TokenIds = field(default_factory=TokenIds)
     resumed_text_len: int | None = None
     priority: int = 0
+    client: str | None = None
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
         _check_priority(self.priority)
+        if self.client is not None:
+            _check_id("client", self.client)
         _require((self.prompt is None) != (self.prompt_token_ids is None),
                  "exactly one of 'prompt' and 'prompt_token_ids' must be given")
         _require(not self.resumed_token_ids or self.prompt_token_ids is not None,

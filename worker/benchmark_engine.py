@@ -39,7 +39,7 @@ class BenchmarkEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None,
-                    priority: int = 0) -> Request:
+                    priority: int = 0, client: str | None = None) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()

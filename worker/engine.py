@@ -46,7 +46,8 @@ from infer.worker.request import Request, RequestStatus, overdue_message
 from infer.worker.sampler import Sampler, SamplerOutput
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.step_graphs import make_step_graphs
-from infer.worker.structured import COMPILE_TIMEOUT_S, GrammarCompilerPool, GrammarState
+from infer.worker.structured import (COMPILE_TIMEOUT_S, CompilesFull, GrammarCompilerPool, GrammarState,
+                                     step_cost_error)
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 
@@ -159,7 +160,7 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
                     resumed_token_ids: Sequence[int] = (),
-                    resumed_text_len: int | None = None, priority: int = 0) -> Request:
+                    resumed_text_len: int | None = None, priority: int = 0, client: str | None = None) -> Request:
         """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged.
 
         A sampled request without a seed gets one here (drawn from the engine's `seed`), reported with its
@@ -174,7 +175,8 @@ class Engine:
         `min_tokens` here (the one place that counts them). With the same seed, the output continues exactly
         where the first engine stopped, tokens and text.
 
-        `priority` (a 64-bit integer, lower first) matters under `scheduling_policy="priority"`.
+        `priority` (a 64-bit integer, lower first) matters under `scheduling_policy="priority"`. `client` tags
+        the client it came from (Dispatch.client): a structured-output request's compile counts against it.
         """
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_ID_LEN:
             raise ValueError(f"request_id must be a non-empty string of at most {MAX_ID_LEN} characters (every "
@@ -202,10 +204,11 @@ class Engine:
             self.scheduler.add(request)   # raises ValueError if it can never fit in the KV pool
         else:
             self.scheduler.check_new(request)
-            self._compile_grammar(request, resumed)
         self._arrivals += 1
         self._detokenizers[request_id] = detok
         self.stats.prompt_tokens += len(prompt_ids)
+        if params.structured_outputs is not None:
+            self._compile_grammar(request, resumed, client)
         return request
 
     def step(self) -> list[Delta]:
@@ -226,6 +229,7 @@ class Engine:
         outputs.extend(self._fail_rows(scheduled.chunks, rows))
         self.scheduler.update_after_step(scheduled)
         outputs.extend(self._postprocess(scheduled, rows))
+        outputs.extend(self._fail_costly_grammars(scheduled.chunks))
         self.heap.after_step(busy=self.scheduler.has_unfinished())
         return outputs
 
@@ -253,10 +257,14 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling)
 
     def close(self) -> None:
-        """End what the engine started outside itself: the other ranks of its TP group. Idempotent; the
-        engine steps no more after it (with tensor parallelism)."""
+        """End what the engine started outside itself: the other ranks of its TP group, the grammar compile
+        thread (after the compile it runs). Idempotent; the engine steps no more after it (with tensor
+        parallelism)."""
         if self.runner.followers is not None:
             self.runner.followers.stop()
+        if self._grammars is not None:
+            self._grammars.close()
+            self._grammars = None
 
     def shed_overdue(self, max_queue_time: float) -> int:
         """Fail, with error code "overloaded", each request that has waited more than `max_queue_time` seconds
@@ -452,17 +460,33 @@ class Engine:
 
     # ---- structured outputs ------------------------------------------------------------------
 
-    def _compile_grammar(self, request: Request, resumed: list[int]) -> None:
-        """Compile the request's grammar on the compiler's thread; `_admit_compiled` schedules it once ready."""
+    def _compile_grammar(self, request: Request, resumed: list[int], client: str | None) -> None:
+        """Compile the request's grammar on the compiler's thread; `_admit_compiled` schedules it once ready.
+        Past the compile bounds it fails at once as "overloaded" (its final delta comes with the next step)."""
         if self._grammars is None:
-            self._grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
-        future = self._grammars.submit(request.params.structured_outputs)
+            self._grammars = GrammarCompilerPool(
+                self.tokenizer, self.vocab_size, list(self.eos_token_ids),
+                max_compiles=self.config.max_grammar_compiles,
+                max_compiles_per_client=self.config.max_grammar_compiles_per_client,
+                step_budget_s=self._grammar_budget_s)
+        try:
+            future = self._grammars.compile(request.params.structured_outputs, client)
+        except CompilesFull as e:
+            log.warning("request %r refused: %s", request.request_id, e)
+            request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, str(e), "overloaded"
+            request.queue_time_s = 0.0   # with it, the coordinator tells the client (coordinator/relay.py)
+            self._pending.append(self._final_output(request, "", [], queue_time_s=0.0))
+            return
         self._compiling[request.request_id] = _Compiling(request, future, time.monotonic() + COMPILE_TIMEOUT_S,
                                                          resumed)
 
+    @property
+    def _grammar_budget_s(self) -> float:
+        return self.config.max_grammar_step_ms / 1e3
+
     def _admit_compiled(self) -> list[Delta]:
         """Schedule the requests whose grammar is ready (their matcher replays tokens already delivered);
-        fail those whose spec did not compile, or not in time, as invalid requests."""
+        fail those whose spec did not compile, or not in time, or costs too much, as invalid requests."""
         outputs = []
         now = time.monotonic()
         for rid, waiting in list(self._compiling.items()):
@@ -479,13 +503,14 @@ class Engine:
         return outputs
 
     def _start_grammar(self, waiting: _Compiling) -> str | None:
-        """Give the request its matcher, advanced over its resumed tokens; the reason it cannot have one."""
+        """Give the request its matcher, advanced over its resumed tokens; the reason it cannot have one. (A
+        compile that is late stays in flight: other requests may share it, and it still counts against the
+        bounds while the compile thread works on it.)"""
         if not waiting.future.done():
-            waiting.future.cancel()
             return f"structured_outputs: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s"
         try:
             state = GrammarState(waiting.future.result())
-        except Exception as e:   # xgrammar's reason: an invalid schema, regex or grammar
+        except Exception as e:   # xgrammar's reason: an invalid schema, regex or grammar; or one too costly
             return f"structured_outputs: {grammar_reason(e)}"
         for token_id in waiting.resumed:
             if not state.accept(token_id):
@@ -494,8 +519,26 @@ class Engine:
             if waiting.resumed:
                 return f"structured_outputs: the grammar admits no token after the {len(waiting.resumed)} resumed"
             return f"structured_outputs: {NO_FIRST_TOKEN}"
+        cost, steps = state.take_step_cost(), 1 + len(waiting.resumed)   # a resumed request's replay: a step each
+        if cost > self._grammar_budget_s * steps:
+            return f"structured_outputs: {step_cost_error(cost, self._grammar_budget_s, 'to start', steps)}"
         waiting.request.grammar = state
         return None
+
+    def _fail_costly_grammars(self, chunks: Sequence[ScheduledChunk]) -> list[Delta]:
+        """Fail (invalid_request) each request of the step whose grammar took more CPU than its budget in it
+        (worker/structured.py): it slowed this step; it slows no other."""
+        failed = []
+        for chunk in chunks:
+            request, budget = chunk.request, self._grammar_budget_s
+            cost = 0.0 if request.grammar is None else request.grammar.take_step_cost()
+            if cost > budget and not request.is_finished:
+                message = f"structured_outputs: {step_cost_error(cost, budget)}"
+                log.warning("request %r failed: %s", request.request_id, message)
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message)
+                request.error_code = "invalid_request"
+                failed.append(self._final_output(request, "", []))
+        return failed
 
     # ---- input -------------------------------------------------------------------------------
 

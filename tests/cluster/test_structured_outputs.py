@@ -108,6 +108,59 @@ async def test_a_structured_stream_survives_kill_9_of_its_worker_and_still_valid
         jsonschema.validate(json.loads("".join(d.text for d in deltas)), SCHEMAS[name])
 
 
+# ---- bounds on a grammar's work ---------------------------------------------------------------------------------
+
+COSTLY_REGEX = r"([\s\S]{0,100}){0,100}"   # compiles in 1 s, a cheap first mask, then masks of seconds a token
+BOUNDED_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1",
+                 "--max-grammar-compiles", "2", "--max-grammar-compiles-per-client", "2"]
+
+
+@pytest.fixture(scope="module")
+def bounded_server(tmp_path_factory, tiny_llama):
+    """infer-serve (two workers) on the tiny Llama, each worker compiling at most 2 grammars at once."""
+    server = Served(tiny_llama, tmp_path_factory.mktemp("bounded") / "serve.log", "tiny", BOUNDED_FLAGS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bounded(bounded_server):
+    return openai.AsyncOpenAI(base_url=f"{bounded_server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+async def test_a_grammar_too_costly_to_follow_is_a_400_and_a_plain_request_beside_it_completes(bounded):
+    async def costly():
+        with pytest.raises(openai.BadRequestError) as err:
+            await bounded.completions.create(model="tiny", prompt="Say anything", max_tokens=64, temperature=1.0,
+                                             seed=1, extra_body={"structured_outputs": {"regex": COSTLY_REGEX}})
+        return err.value
+
+    error, plain = await asyncio.gather(costly(), bounded.completions.create(
+        model="tiny", prompt="A plain request", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}))
+    assert "the grammar is too costly to follow" in error.message and "--max-grammar-step-ms" in error.message
+    assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 24
+
+
+async def test_a_burst_of_distinct_compiles_past_the_bound_is_503_overloaded_and_the_admitted_complete(bounded):
+    schemas = [{"type": "string", "minLength": 1, "maxLength": 10**6 + i} for i in range(10)]   # slow to compile
+
+    async def one(schema):
+        try:
+            done = await bounded.completions.create(model="tiny", prompt="A string", max_tokens=4, temperature=0,
+                                                    extra_body={"structured_outputs": {"json": schema}})
+        except openai.APIStatusError as e:
+            return e
+        return done.choices[0]
+
+    results = await asyncio.gather(*(one(s) for s in schemas))
+    refused = [r for r in results if isinstance(r, openai.APIStatusError)]
+    served = [r for r in results if not isinstance(r, openai.APIStatusError)]
+    assert all(e.status_code == 503 and e.code == "overloaded" and "--max-grammar-compiles" in e.message
+               for e in refused), [(e.status_code, e.message) for e in refused]
+    assert len(refused) >= len(schemas) - 2 * 2, len(refused)     # two workers, two compiles each
+    assert served and all(c.finish_reason == "length" and c.text.startswith('"') for c in served)
+
+
 # ---- tool calling -----------------------------------------------------------------------------------------
 
 WEATHER = {"type": "function", "function": {

@@ -120,3 +120,14 @@ def test_a_request_past_its_timeout_fails_and_is_aborted_on_its_worker():
     assert final.finish_reason == "error" and final.error_code == "timeout" and "timeout" in final.error
     assert any(isinstance(m, Abort) and m.request_ids == ["slow"] for i, m in out if i == b"w0")
     assert h.core.requests.get("fast") is not None and h.core.stats(h.now).requests_timed_out == 1
+
+
+def test_a_structured_dispatch_carries_a_tag_of_its_client_for_the_workers_compile_bounds():
+    h = Harness()
+    h.worker("w0", 0)
+    spec = {"structured_outputs": {"regex": "[a-z]+"}}
+    tags = {rid: m.client for rid, client, kw in [("a1", CLIENT, spec), ("a2", CLIENT, spec),
+                                                   ("b1", b"client-2", spec), ("plain", CLIENT, {})]
+            for _, m in _of(h.submit(client, rid, **kw), Dispatch)}
+    assert tags["a1"] == tags["a2"] != tags["b1"] and len(tags["a1"]) == 16
+    assert CLIENT.hex() not in tags["a1"] and tags["plain"] is None   # a hash, and only where it is needed

@@ -35,6 +35,8 @@ EXAMPLES = [
     Dispatch(request_id="r1", prompt_token_ids=TokenIds([5, 6, 7]), sampling=SamplingParams(max_tokens=3),
              resumed_token_ids=TokenIds([8])),
     Dispatch(request_id="r3", prompt="text", sampling=SamplingParams()),
+    Dispatch(request_id="r5", prompt="text", sampling=SamplingParams(structured_outputs={"regex": "[a-z]+"}),
+             client="5f3a9c0d1e2b4a68"),
     Accepted(request_id="r1"),
     Delta(request_id="r1", token_ids=TokenIds([9, 10]), text="ab", logprobs=[{9: -0.5, 3: -1.5}, {10: -0.1}]),
     Delta(request_id="r1", token_ids=TokenIds([]), text="", finished=True, finish_reason="error", error="boom"),

@@ -133,3 +133,93 @@ def test_a_resumed_request_rebuilds_its_matcher_from_the_delivered_tokens(tiny_m
         assert ids[:k] + tail == ids and reason == "stop"
     bad = run(other, {"bad": params}, {"bad": [PROMPT[0]] * 3})["bad"]
     assert bad[2] == "error" and "does not match the grammar" in bad[3]
+
+
+# ---- bounds on a grammar's work (worker/structured.py) ----------------------------------------------------------
+
+COSTLY_REGEX = r"([\s\S]{0,100}){0,100}"   # compiles in 1 s, a cheap first mask, then masks of seconds a token
+
+
+def finals(engine: Engine, requests: dict[str, tuple[SamplingParams, str | None]]) -> dict:
+    """Add every request (params, client) at once, step until all end; id -> its final delta."""
+    for rid, (params, client) in requests.items():
+        engine.add_request(rid, PROMPT, params, client=client)
+    out = {}
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        out.update((d.request_id, d) for d in engine.step() if d.finished)
+    assert not engine.has_unfinished() and set(out) == set(requests)
+    return out
+
+
+def test_a_grammar_too_costly_to_follow_fails_alone_and_a_plain_request_beside_it_completes(engine):
+    out = finals(engine, {
+        "costly": (SamplingParams(temperature=1.0, seed=1, max_tokens=64, structured_outputs=Spec(
+            regex=COSTLY_REGEX)), None),
+        "plain": (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), None)})
+    costly = out["costly"]
+    assert costly.finish_reason == "error" and costly.error_code == "invalid_request", costly
+    assert costly.error.startswith("structured_outputs: the grammar is too costly to follow") and \
+        "--max-grammar-step-ms" in costly.error, costly.error
+    assert out["plain"].finish_reason == "length"
+
+
+def test_a_grammar_whose_first_mask_costs_more_than_a_step_is_refused_before_it_runs(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=512,
+                                 kv_cache_memory=32 << 20, max_grammar_step_ms=0.001))   # every mask costs more
+    spec = Spec(regex=r"[A-Z]{2}-\d{3}")
+    out = finals(engine, {"costly": (SamplingParams(max_tokens=8, structured_outputs=spec), None),
+                          "plain": (SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), None)})
+    costly = out["costly"]
+    assert costly.error_code == "invalid_request" and costly.token_ids == [] and costly.queue_time_s is None
+    assert "too costly to follow" in costly.error and "for its first token" in costly.error, costly.error
+    assert out["plain"].finish_reason == "length"
+    again = finals(engine, {"again": (SamplingParams(max_tokens=8, structured_outputs=spec), None)})["again"]
+    assert again.error == costly.error           # judged once: the refusal is cached with the spec
+
+
+def slow_schema(i: int) -> Spec:
+    """A distinct JSON schema that takes a good fraction of a second to compile for SmolLM2's vocabulary."""
+    return Spec(json={"type": "string", "minLength": 1, "maxLength": 10**6 + i})
+
+
+def test_compiles_past_the_engine_and_client_bounds_are_refused_as_overloaded_at_once(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=512,
+                                 kv_cache_memory=32 << 20, max_grammar_compiles=3, max_grammar_compiles_per_client=2))
+
+    def params(spec: Spec) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)
+
+    requests = {f"a{i}": (params(slow_schema(i)), "a") for i in range(3)}          # a2: past a's bound of 2
+    requests |= {f"b{i}": (params(slow_schema(10 + i)), "b") for i in range(3)}    # b1, b2: past the engine's 3
+    requests["a0 again"] = (params(slow_schema(0)), "a")   # the same spec as a0 compiling: no place taken
+    requests["b0 again"] = (params(slow_schema(10)), None)
+    out = finals(engine, requests)
+    refused = {rid: d for rid, d in out.items() if d.error_code == "overloaded"}
+    assert set(refused) == {"a2", "b1", "b2"}, {rid: d.error for rid, d in out.items()}
+    assert "--max-grammar-compiles-per-client 2" in refused["a2"].error
+    assert all("--max-grammar-compiles 3" in refused[rid].error for rid in ("b1", "b2"))
+    assert all(d.queue_time_s == 0.0 and d.token_ids == [] for d in refused.values())   # the client hears it
+    assert all(d.finish_reason == "length" for rid, d in out.items() if rid not in refused)
+
+    burst = {f"c{i}": (params(slow_schema(20 + i)), f"c{i}") for i in range(3)}   # the engine's bound, full
+    burst["cached"] = (params(slow_schema(0)), "c0")       # compiled before: it waits behind none of them
+    out = finals(engine, burst)
+    assert all(d.finish_reason == "length" for d in out.values()), {rid: d.error for rid, d in out.items()}
+
+
+def test_the_compile_thread_takes_turns_between_clients(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"))
+    quick = Spec(regex=r"[a-z]{1,3}")
+    requests = {f"a{i}": (SamplingParams(temperature=0, max_tokens=4, structured_outputs=slow_schema(30 + i)), "a")
+                for i in range(3)}
+    requests["b"] = (SamplingParams(temperature=0, max_tokens=4, structured_outputs=quick), "b")   # queued last
+    for rid, (params, client) in requests.items():
+        engine.add_request(rid, PROMPT, params, client=client)
+    order = []
+    for _ in range(2000):
+        order += [d.request_id for d in engine.step() if d.finished]
+        if not engine.has_unfinished():
+            break
+    assert order.index("b") < order.index("a1") < order.index("a2"), order   # b's compile ran after a0's only

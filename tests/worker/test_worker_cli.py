@@ -67,6 +67,9 @@ def test_options_survive_argv_and_back():
     ([*COORDINATOR, "--ep-size", "2", "--ep-rank", "0", "--dist-init", "tcp://127.0.0.1:9", "--ep-timeout", "0"],
      "--ep-timeout must be > 0, got 0.0"),
     ([*COORDINATOR, "--curve-key", "w.key_secret"], "--curve-key and --coordinator-key go together"),
+    ([*COORDINATOR, "--max-grammar-step-ms", "0"], "max_grammar_step_ms must be a number of milliseconds in (0, "),
+    ([*COORDINATOR, "--max-grammar-compiles", "0"], "max_grammar_compiles must be a positive integer, got 0"),
+    ([*COORDINATOR, "--max-grammar-compiles-per-client", "-2"], "max_grammar_compiles_per_client must be a positive"),
 ])
 def test_bad_values_exit_2_with_the_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exited:
