@@ -3,7 +3,7 @@
 # triton and transformers, no network, 64 MiB of tree per call: no embedded model, see tests/conftest.py).
 #
 # Prepared on the dev machine first (both folders are git-ignored and travel as the call's `carry`):
-#   .whl/            pyzmq and pytest-asyncio wheels for the machine's Python (pip download ... -d .whl)
+#   .whl/            pyzmq, pytest-asyncio and gguf wheels for the machine's Python (pip download ... -d .whl)
 #   .gpu/tokenizer/  SmolLM2's tokenizer files (from the converted embedded model in ~/.cache/infer/models)
 # Then:  bash benchmarks/gpu_session.sh [tests] [bench] [kernels] [quant]   (default: all four; a lent machine
 # runs at most 10 minutes per call, so give `quant` (~3 minutes) a call of its own)
@@ -28,7 +28,7 @@ for part in $PARTS; do
   tests)
     # The GPU-relevant tests: compiled Triton kernels (bf16 included), CUDA-graph step graphs vs eager,
     # the engine on the kernels, the model against transformers. (The quantized matmul tests run in `quant`.)
-    timeout 230 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/kernels \
+    timeout 400 python3 -m pytest -q -p no:cacheprovider --timeout=120 tests/kernels \
         --ignore=tests/kernels/test_quant_triton.py tests/worker/test_step_graphs.py \
         tests/worker/test_step_buckets.py tests/worker/test_engine_kernels.py tests/worker/test_model.py \
         tests/worker/test_sampler.py tests/worker/test_native_decode.py -k "not flags_reach_the_engine_config" 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|ERROR" | tail -30
