@@ -132,11 +132,13 @@ def _run(config: EngineConfig, options: WorkerOptions | None, ep: EpOptions | No
     if options.curve is not None:   # the coordinator must hold this key in its workers/ folder
         log.info("CurveZMQ on: this worker's public key %s", options.curve.public_key.decode())
     followers = getattr(getattr(engine, "runner", None), "followers", None)
+    code = EXIT_FATAL
     try:
-        return _serve(engine, options, parallel)
+        code = _serve(engine, options, parallel, followers)
+        return code
     finally:
-        if followers is not None:   # rank 0 of a TP group: the other ranks end with it
-            followers.stop()
+        if followers is not None:   # rank 0 of a TP group: the other ranks end with it, with its exit code
+            followers.stop(code)
 
 
 def _exit(code: int) -> NoReturn:
@@ -159,7 +161,9 @@ def _join_tp_group(config: EngineConfig, tp: TpOptions, ep: EpOptions | None) ->
     return join(config, tp, ep)
 
 
-def _serve(engine: EngineLike, options: WorkerOptions, parallel: Any) -> int:
+def _serve(engine: EngineLike, options: WorkerOptions, parallel: Any, followers: Any) -> int:
+    """Serve the coordinator until the end; the exit code. `followers`: TP rank 0's TpLeader (its `lost` is
+    checked while idle)."""
     ctx = zmq.Context()
     group = None
     if options.ep is not None:
@@ -171,7 +175,7 @@ def _serve(engine: EngineLike, options: WorkerOptions, parallel: Any) -> int:
         except Exception:
             log.exception("fatal: the EP group's wake channel could not be set up")
             return EXIT_FATAL
-    worker = Worker(engine, options, ctx, group)
+    worker = Worker(engine, options, ctx, group, group_lost=None if followers is None else lambda: followers.lost)
     worker.install_signal_handlers()
     code = worker.run()
     ctx.term()

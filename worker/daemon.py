@@ -61,8 +61,9 @@ class Worker:
     polls, reads signals, steps the engine, wakes the EP group, and sends what the core queued."""
 
     def __init__(self, engine: EngineLike, options: WorkerOptions, ctx: zmq.Context,
-                 group: GroupSync | None = None) -> None:
-        self.engine, self.options, self.group = engine, options, group
+                 group: GroupSync | None = None, group_lost: Callable[[], str | None] | None = None) -> None:
+        """`group_lost`: why this TP rank 0's group is broken (a follower gone), else None; checked every turn."""
+        self.engine, self.options, self.group, self._group_lost = engine, options, group, group_lost
         self.core = WorkerCore(engine, options, time.monotonic(), wall_offset=time.time() - time.monotonic(),
                                busy=self._socket_handed_over)
         self.sock = make_socket(ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=options.curve)
@@ -192,6 +193,9 @@ class Worker:
 
     def _advance(self) -> None:
         """One engine step (unless paused), then one StepBatch with its deltas and any rejections."""
+        lost = self._group_lost() if self._group_lost is not None else None
+        if lost is not None:   # a TP follower died while the group was idle
+            self.core.group_broken(lost, time.monotonic())
         self.core.shed_overdue(time.monotonic())
         if self.group is not None:
             return self._advance_group()

@@ -5,8 +5,15 @@ collectives inside the forward keep the group in step (see worker/tp_group.py fo
 Commands go over zmq (PUSH -> each follower's PULL; frames are msgpack maps, tensors as raw bytes, never
 pickled): "forward" (the step's ForwardBatch), "logits" (rows of the last forward's hidden states whose
 logits rank 0 gathers), "dummy" (an EP group's dummy step), "ping" (while idle, every `ping_interval_s`),
-"stop". A follower that hears nothing from rank 0 for the group's timeout exits (`LeaderGone`): rank 0 is
-gone.
+"stop" (with the exit code rank 0 leaves with: a follower exits with the same code, so a launcher that restarts
+failed processes restarts the whole group, and none of a group told to stop).
+
+**A member gone, even while the group is idle.** Each end watches its connections (a zmq socket monitor, and
+ZMTP heartbeats every ping interval that close a connection silent for the group's timeout): rank 0 marks the
+group `lost` when a follower's connection closes, and its worker then gives its requests back and exits as for a
+failed collective; a follower whose connection from rank 0 closes exits at once (`LeaderGone`), as after the
+timeout of silence. A process killed on another node is noticed within a second, not at the next request.
+The channel is plain TCP: like the group's torch.distributed traffic it belongs on a trusted network.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import msgpack
 import zmq
 
 from infer.protocol.transport import make_socket
-from infer.worker.group_sync import _local_address_towards
+from infer.worker.group_sync import GroupBroken, _local_address_towards
 from infer.worker.tp_supervisor import reap
 
 if TYPE_CHECKING:
@@ -37,7 +44,26 @@ log = logging.getLogger("infer.worker")
 
 
 class LeaderGone(RuntimeError):
-    """A follower heard nothing from TP rank 0 within the timeout."""
+    """A follower heard nothing from TP rank 0 within the timeout, or its connection from rank 0 closed."""
+
+
+def _watch_peer(sock: zmq.Socket, interval_s: float, timeout_s: float) -> zmq.Socket:
+    """ZMTP heartbeats on `sock` (a connection silent for `timeout_s` closes) and a monitor socket that reports
+    each closed connection (call before connecting or binding: events before it are not reported)."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval_s * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout_s * 1000)))
+    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+
+def _closed(monitor: zmq.Socket) -> bool:
+    """Whether `monitor` reported a closed connection (its queue is drained)."""
+    closed = False
+    while True:
+        try:
+            monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return closed
+        closed = True
 
 
 def _gather_addresses(tp: TensorParallel, address: str | None) -> list[str | None]:
@@ -87,7 +113,8 @@ def decode_batch(body: dict[str, Any], device: torch.device) -> ForwardBatch:
 
 class TpLeader:
     """TP rank 0's side of the command channel: a PUSH socket to each follower, and a thread that pings
-    them while nothing else is sent (a follower takes silence for rank 0's death)."""
+    them while nothing else is sent (a follower takes silence for rank 0's death) and watches their
+    connections (`lost`: why the group is broken, once a follower's connection has closed)."""
 
     def __init__(self, parallel: Parallel, ctx: zmq.Context | None = None,
                  children: Sequence[subprocess.Popen] = ()) -> None:
@@ -97,18 +124,23 @@ class TpLeader:
         self._children = list(children)
         ctx = ctx or zmq.Context.instance()
         self._lock = threading.Lock()
+        self._interval = parallel.options.ping_interval_s
         self._pushes = []
-        for address in _gather_addresses(self.tp, None)[1:]:
+        self._monitors: list[tuple[int, zmq.Socket]] = []   # used by the ping thread only
+        self.lost: str | None = None
+        for rank, address in enumerate(_gather_addresses(self.tp, None)[1:], start=1):
             push = make_socket(ctx, zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 0)
+            self._monitors.append((rank, _watch_peer(push, self._interval, parallel.options.timeout_s)))
             push.connect(address)
             self._pushes.append(push)
-        self._interval = parallel.options.ping_interval_s
         self._stop = threading.Event()
         self._pinger = threading.Thread(target=self._ping_while_alive, name="infer-tp-ping", daemon=True)
         self._pinger.start()
 
     def forward(self, batch: ForwardBatch) -> None:
+        if self.lost is not None:
+            raise GroupBroken(self.lost)
         self._send({"op": "forward", "batch": encode_batch(batch)})
 
     def logits(self, rows: torch.Tensor) -> None:
@@ -125,24 +157,35 @@ class TpLeader:
 
     def _ping_while_alive(self) -> None:
         while not self._stop.wait(self._interval):
+            self._watch_followers()
             try:
                 self._send({"op": "ping"})
             except zmq.ZMQError:
                 return
 
-    def stop(self) -> None:
-        """Tell the followers to exit, and close the channel (idempotent)."""
+    def _watch_followers(self) -> None:
+        for rank, monitor in self._monitors:
+            if self.lost is None and _closed(monitor):
+                self.lost = f"TP rank {rank}'s connection closed (the process died, or was silent for the group's " \
+                            f"timeout)"
+                log.error("TP group broken: %s", self.lost)
+
+    def stop(self, code: int = 0) -> None:
+        """Tell the followers to exit with `code` (rank 0's own exit code), and close the channel (idempotent)."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._pinger.join(timeout=5)
         try:
-            self._send({"op": "stop"})
+            self._send({"op": "stop", "code": code})
         except zmq.ZMQError:
             pass
         for push in self._pushes:
+            push.disable_monitor()
             push.setsockopt(zmq.LINGER, 2000)
             push.close()
+        for _, monitor in self._monitors:
+            monitor.close(0)
         if self._children:
             reap(self._children)
             import torch.distributed as dist
@@ -152,20 +195,27 @@ class TpLeader:
 
 
 class FollowerChannel:
-    """A follower's end of the command channel: one PULL socket."""
+    """A follower's end of the command channel: one PULL socket, and the monitor of its connection from rank 0."""
 
     def __init__(self, parallel: Parallel, ctx: zmq.Context | None = None) -> None:
         ctx = ctx or zmq.Context.instance()
         self.timeout_s = parallel.options.timeout_s
         self.pull = make_socket(ctx, zmq.PULL)
+        self.monitor = _watch_peer(self.pull, parallel.options.ping_interval_s, self.timeout_s)
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         dist_init = parallel.options.dist_init or "tcp://127.0.0.1:0"
         host = _local_address_towards(urlsplit(dist_init).hostname or "127.0.0.1")
         port = self.pull.bind_to_random_port(f"tcp://{host}")
         _gather_addresses(parallel.tp, f"tcp://{host}:{port}")
 
     def receive(self) -> dict[str, Any]:
-        """The next command; LeaderGone after `timeout_s` of silence."""
-        if not self.pull.poll(int(self.timeout_s * 1000)):
+        """The next command; LeaderGone after `timeout_s` of silence, or once rank 0's connection closes."""
+        events = dict(self.poller.poll(int(self.timeout_s * 1000)))
+        if self.pull not in events:
+            if self.monitor in events and _closed(self.monitor):
+                raise LeaderGone("TP rank 0's connection closed")
             raise LeaderGone(f"nothing heard from TP rank 0 for {self.timeout_s:g} s")
         command = msgpack.unpackb(self.pull.recv(), raw=False)
         if not isinstance(command, dict) or not isinstance(command.get("op"), str):
@@ -173,13 +223,15 @@ class FollowerChannel:
         return command
 
     def close(self) -> None:
+        self.pull.disable_monitor()
+        self.monitor.close(0)
         self.pull.close(0)
 
 
 def serve_follower(model: Any, kv_cache: Any, block_size: int, channel: FollowerChannel,
-                   device: torch.device) -> None:
-    """Run rank 0's commands on this rank's shards until "stop" (returns), silence (LeaderGone) or a broken
-    collective (GroupBroken)."""
+                   device: torch.device) -> int:
+    """Run rank 0's commands on this rank's shards until "stop" (returns rank 0's exit code, which this process
+    exits with), silence or rank 0's connection closed (LeaderGone), or a broken collective (GroupBroken)."""
     import torch
 
     from infer.worker.model_runner import dummy_forward_batch
@@ -198,7 +250,9 @@ def serve_follower(model: Any, kv_cache: Any, block_size: int, channel: Follower
             elif op == "dummy":
                 model(dummy_forward_batch(block_size, device), kv_cache)
             elif op == "stop":
-                log.info("TP rank 0 says stop; exiting")
-                return
+                code = command.get("code", 0)
+                code = code if isinstance(code, int) and 0 <= code < 256 else 1
+                (log.info if code == 0 else log.error)("TP rank 0 says stop (it exits with code %d); exiting", code)
+                return code
             elif op != "ping":
                 raise ValueError(f"unknown TP command {op!r}")

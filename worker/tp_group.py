@@ -12,10 +12,13 @@ among the TP rank 0 processes. Then every process compares its model files, dtyp
 others (`check_same_model`): a rank started with other files is refused before any request.
 
 **Faults.** Every collective has the group's timeout (`--tp-timeout`): a member that died fails the next
-collective at once, one that hangs fails it after the timeout; rank 0 then gives its requests back and
-exits (`GroupBroken`, as an EP group), and tells the followers to stop. A follower that hears nothing from
-rank 0 for the timeout exits. The supervisor that started the group's processes ends the others once one
-of them exits.
+collective at once, one that hangs fails it after the timeout; rank 0 notices a follower that died even while
+idle (its command connection closes, worker/tp_commands.py). Rank 0 then gives its requests back and exits
+(`GroupBroken`, as an EP group), telling the followers to stop with its exit code. A follower that hears nothing
+from rank 0 for the timeout, or whose connection from rank 0 closes, exits non-zero. So every member of a broken
+group exits non-zero, and a launcher that restarts failed processes (the Slurm launcher's tasks) restarts the
+whole group, which meets again at the same rendezvous. The supervisor that started the group's processes on one
+node (tp_supervisor.py) ends the others once one of them exits.
 """
 
 from __future__ import annotations
@@ -246,7 +249,7 @@ def _local_gpu(options: TpOptions, ep: EpOptions | None) -> int:
 
 def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     """A follower's life: load this rank's shards, size the KV pool with the group, serve rank 0's commands.
-    Returns the exit code (0 when rank 0 said stop)."""
+    Returns the exit code (rank 0's when it said stop: 0 only when the group was told to stop)."""
     import torch
 
     from infer.worker.engine import context_length, num_kv_blocks, pick_device, pick_dtype
@@ -269,8 +272,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     log.info("TP rank %d ready on %s: %d KV blocks of %d KV head(s)", parallel.tp.rank, socket.gethostname(),
              blocks, model.num_kv_heads)
     try:
-        serve_follower(model, kv_cache, config.block_size, channel, device)
-        return 0
+        return serve_follower(model, kv_cache, config.block_size, channel, device)
     except (LeaderGone, GroupBroken) as e:
         log.error("fatal: %s; exiting", e)
         return 1

@@ -40,10 +40,10 @@ def start_followers(size: int, dist_init: str, worker_flags: Sequence[str]) -> l
     env = {**os.environ, TP_SUPERVISED.name: "1"}
     return [subprocess.Popen([sys.executable, "-m", "infer.worker.daemon", *worker_flags, "--tp-size", str(size),
                               "--tp-rank", str(rank), "--dist-init", dist_init], env=env,
-                             preexec_fn=_die_with_parent, process_group=0) for rank in range(1, size)]
+                             preexec_fn=die_with_parent, process_group=0) for rank in range(1, size)]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGKILL when the supervisor dies (Linux; elsewhere nothing)."""
     try:
         import ctypes
@@ -71,7 +71,7 @@ def supervise(argv: Sequence[str], options: TpOptions) -> int:
     children = []
     for rank in range(options.size):
         cmd = [sys.executable, "-m", "infer.worker.daemon", *argv, "--tp-rank", str(rank), "--dist-init", dist_init]
-        children.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, process_group=0))
+        children.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, process_group=0))
         log.info("TP rank %d of this DP rank: pid %d", rank, children[-1].pid)
 
     def forward(signum: int, _frame: object) -> None:

@@ -20,6 +20,19 @@ task is one process of a TP group: tasks i..i+T-1 (adjacent, so on one node when
 node; a group may span nodes) serve DP rank i // T, task i being TP rank i % T; the DP ranks then form
 the EP groups as above, and one world of T x E tasks rendezvouses per EP group (per DP rank without EP).
 
+**Self-healing.** Each task keeps its infer-worker running (`keep_running`): a worker that ends any other way
+than exit 0 (a crash, kill -9, OOM, a broken group) is started again, with the same place, after the restart
+policy's backoff (--restart-backoff, doubled per restart within --restart-window), and given up past
+--max-restarts within the window (the task's output, labelled with its number, says why; the other tasks serve
+on). The restarted worker registers again under its DP rank and gets the cluster's weight version before it
+serves. A TP or EP group is restarted whole: when one member dies the others notice at once, even while idle
+(worker/tp_commands.py, worker/group_sync.py), give their requests back and exit non-zero, so every task of
+the group restarts its member and the group meets again at its rendezvous. A worker that exits 0 was told to
+stop (a STOP, the drain on scancel) and is not restarted. The worker runs in the task's process group, so
+Slurm's signals reach it directly (the task itself only stops restarting), and it dies with the task. The head
+restarts the coordinator and the HTTP front as infer-serve does (client/supervisor.py), and the whole srun
+step if every task has ended.
+
 Options that are not the launcher's own (engine options such as --dtype or --threads, worker options such as
 --coordinator-timeout) go to every worker unchanged, as do the arguments after `--`.
 
@@ -43,12 +56,16 @@ import os
 import re
 import shutil
 import socket
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from infer.client.api.server import add_front_arguments, check_front_exposure, front_config
+from infer.client.restarts import CrashLoop, GiveUp, RestartPolicy, how_it_ended
 from infer.client.serve import LocalCluster, serve
 from infer.coordinator.config import CoordinatorConfig
 from infer.protocol.keys import ClusterKeyDir
@@ -56,6 +73,7 @@ from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.options import add_options, given, option, to_argv
 from infer.worker.config import EngineConfig
 from infer.worker.options import WorkerFlags, WorkerOptions
+from infer.worker.tp_supervisor import die_with_parent
 
 DEFAULT_COORDINATOR_PORT = 5555
 DEFAULT_HTTP_PORT = 8000
@@ -210,6 +228,7 @@ def worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch.py worker", allow_abbrev=False,
                                 description="One srun task: work out this worker's place, exec infer-worker.")
     add_options(p, TaskOptions)
+    add_options(p.add_argument_group("restarts (of this task's worker when it dies)"), RestartPolicy)
     return p
 
 
@@ -232,10 +251,41 @@ def run_worker(argv: list[str]) -> int:
             raise ValueError("not an srun task (SLURM_PROCID / SLURM_STEP_TASKS_PER_NODE unset)")
         command = worker_argv(args, unknown + extra, env.procid, hostnames(env.step_nodelist or env.job_nodelist),
                               expand_counts(env.step_tasks_per_node), hostnames(env.job_nodelist)[0])
+        policy = RestartPolicy(**given(RestartPolicy, args))
     except (ValueError, OSError, subprocess.SubprocessError) as e:
         print(f"launch.py worker: {e}", file=sys.stderr)
         return 2
-    os.execv(command[0], command)   # the worker takes this task's place: srun's signals reach it directly
+    return keep_running(command, policy, f"launch.py worker (task {env.procid})")
+
+
+def keep_running(command: list[str], policy: RestartPolicy, name: str) -> int:
+    """Run `command` (this task's worker) until it exits 0, starting it again after any other end under `policy`
+    (see the module doc); a SIGTERM / SIGINT to the task ends the restarts (the worker, in this process group,
+    gets Slurm's signal itself and drains). Returns the worker's last exit code, as a shell reports it."""
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stopping.set())
+    crash_loop = CrashLoop(policy)
+    while True:
+        worker = subprocess.Popen(command, preexec_fn=die_with_parent)
+        code = worker.wait()
+        if code == 0 or stopping.is_set():
+            return _shell_code(code)
+        verdict = crash_loop.on_exit(time.monotonic(), how_it_ended(code))
+        if isinstance(verdict, GiveUp):
+            print(f"{name}: the worker (pid {worker.pid}) is not restarted: {verdict.reason}", file=sys.stderr,
+                  flush=True)
+            return _shell_code(code)
+        print(f"{name}: the worker (pid {worker.pid}) {how_it_ended(code)}; restarting it in {verdict.delay:.1f} s "
+              f"(restart {verdict.attempt} of at most {policy.max_restarts} within {policy.restart_window:g} s)",
+              file=sys.stderr, flush=True)
+        if stopping.wait(verdict.delay):
+            return _shell_code(code)
+
+
+def _shell_code(returncode: int) -> int:
+    """A Popen return code as an exit status: 128 + N for a process killed by signal N."""
+    return returncode if returncode >= 0 else 128 - returncode
 
 
 # ---- head: the batch step ----------------------------------------------------------------------------
@@ -282,6 +332,8 @@ def head_parser() -> argparse.ArgumentParser:
     add_front_arguments(p)   # --host (default: the first node's address), --port, --api-key, ...
     p.set_defaults(host=None, port=DEFAULT_HTTP_PORT)
     add_options(p.add_argument_group("coordinator options"), CoordinatorConfig, names=COORDINATOR_OPTIONS)
+    add_options(p.add_argument_group("restarts (of a worker, the coordinator or the HTTP front that dies)"),
+                RestartPolicy)
     add_logging_args(p)
     return p
 
@@ -339,11 +391,13 @@ def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str
     for name in ("coordinator_port", "port", "dist_port"):
         if not 0 < getattr(args, name) < 65536:
             raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535 (the other nodes must know it)")
+    restarts = RestartPolicy(**given(RestartPolicy, args))   # checked here: a bad value fails before anything starts
     explicit_host = args.coordinator_host not in (None, "0.0.0.0", "::")
     coordinator_host = args.coordinator_host or reachable_address(nodes[0], nodes)
     task = TaskOptions(coordinator_port=args.coordinator_port, coordinator_host=coordinator_host if explicit_host
                        else None, ep_size=args.ep_size, tp_size=args.tp_size, dist_port=args.dist_port)
     worker = [sys.executable, os.path.abspath(__file__), "worker", *to_argv(TaskOptions, task),
+              *to_argv(RestartPolicy, restarts),
               "--", *worker_flags(args), *(keys.worker_flags() if keys else []), *worker_extra]
     srun = ["srun", f"--nodes={len(nodes)}", f"--ntasks={total}", f"--ntasks-per-node={per_node}",
             "--distribution=block", "--overcommit", "--kill-on-bad-exit=0", "--label", "--job-name=infer-workers",

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shlex
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -163,6 +167,67 @@ def test_the_launchers_own_options_are_declared_once_on_their_dataclasses():
     task = launch.TaskOptions(coordinator_port=6000, coordinator_host="10.0.0.1", ep_size=2, tp_size=2, dist_port=7000)
     parsed = launch.worker_parser().parse_args(to_argv(launch.TaskOptions, task))
     assert launch.TaskOptions(**given(launch.TaskOptions, parsed)) == task
+
+
+def test_the_restart_flags_reach_every_task_and_bad_ones_are_refused_before_anything_starts():
+    _, plan = _head(["--max-restarts", "2", "--restart-backoff", "0.5"])
+    worker = plan.srun[plan.srun.index("worker") + 1:]
+    own, _ = launch.split_extra(worker)
+    args, unknown = launch.worker_parser().parse_known_args(own)
+    assert launch.RestartPolicy(**given(launch.RestartPolicy, args)) == launch.RestartPolicy(max_restarts=2,
+                                                                                            restart_backoff=0.5)
+    assert not unknown
+    with pytest.raises(ValueError, match="restart_backoff_max"):
+        _head(["--restart-backoff", "60"])
+
+
+def _task(tmp_path: Path, script: str, policy, *argv: str) -> subprocess.Popen:
+    """`keep_running` of a child that runs `script` (Python; its runs counted in tmp_path/runs), in a process
+    of its own as an srun task is."""
+    (tmp_path / "child.py").write_text("import pathlib, sys\nruns = pathlib.Path(sys.argv[1]) / 'runs'\n"
+                                       "runs.write_text(runs.read_text() + 'x' if runs.exists() else 'x')\n" + script)
+    code = ("import sys, importlib.util\n"
+            f"spec = importlib.util.spec_from_file_location('l', {str(REPO / 'deploy' / 'slurm' / 'launch.py')!r})\n"
+            "launch = importlib.util.module_from_spec(spec); sys.modules['l'] = launch; spec.loader.exec_module(launch)\n"
+            f"policy = launch.RestartPolicy(**{policy!r})\n"
+            f"sys.exit(launch.keep_running([sys.executable, {str(tmp_path / 'child.py')!r}, {str(tmp_path)!r}], "
+            "policy, 'task 0'))\n")
+    return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _runs(tmp_path: Path) -> int:
+    runs = tmp_path / "runs"
+    return len(runs.read_text()) if runs.exists() else 0
+
+
+def test_a_task_restarts_its_worker_until_it_exits_0(tmp_path):
+    task = _task(tmp_path, "sys.exit(0 if len(runs.read_text()) == 3 else 1)", {"restart_backoff": 0.05})
+    _, err = task.communicate(timeout=60)
+    assert task.returncode == 0 and _runs(tmp_path) == 3, err
+    assert err.count("exited with code 1; restarting it in") == 2
+    assert "restart 2 of at most 5 within 300 s" in err
+
+
+def test_a_task_gives_its_crash_looping_worker_up_and_says_why(tmp_path):
+    task = _task(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+                 {"restart_backoff": 0.01, "max_restarts": 2})
+    _, err = task.communicate(timeout=60)
+    assert task.returncode == 128 + 9 and _runs(tmp_path) == 3, err
+    assert "is not restarted: it was killed by SIGKILL after 2 restarts within 300 s" in err
+
+
+def test_a_task_told_to_stop_restarts_nothing(tmp_path):
+    """SIGTERM reaches the task and its worker together (one process group, as Slurm signals a task): the
+    worker's end, whatever its code, is not followed by a restart."""
+    task = _task(tmp_path, "import time; time.sleep(60)", {"restart_backoff": 0.01})
+    deadline = time.monotonic() + 30
+    while _runs(tmp_path) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(task.pid, signal.SIGTERM)
+    _, err = task.communicate(timeout=30)
+    assert task.returncode == 128 + signal.SIGTERM and _runs(tmp_path) == 1, err
+    assert "restarting" not in err
 
 
 def test_the_coordinator_and_the_workers_get_the_heads_options_for_them():

@@ -3,7 +3,9 @@ slurmd, each node in its own network namespace with its own address. One job of 
 embedded default model serves chat completions to the official `openai` client from the host; cutting the
 link of the worker node that is not the head for 20 s moves its streams to the other node with no token lost
 or repeated while new requests keep succeeding, and once the link is back that worker registers again, takes
-new requests, and no request finished twice; `scancel` leaves no process of the job behind.
+new requests, and no request finished twice; kill -9 of that worker mid-stream moves its streams likewise and its
+srun task restarts it on its node within 30 s; `scancel` leaves no process of the job behind. A TP group of two
+tasks on two nodes equals one process, and is restarted whole after kill -9 of its member on the other node.
 
 Needs root and network namespaces (skips without them) and Debian's slurmctld, slurmd, slurm-client and
 munge (deploy/local/test.sh installs them when it runs as root). The sandbox script is found through
@@ -18,6 +20,7 @@ import os
 import re
 import selectors
 import shutil
+import signal
 import subprocess
 import time
 from collections import Counter
@@ -28,6 +31,7 @@ from pathlib import Path
 import openai
 import pytest
 from aioprocs import processes_mentioning
+from fault_streams import assert_exact_streams, streams_through_a_fault
 
 from infer import LLM, SamplingParams
 from infer.client import InferenceClient
@@ -250,6 +254,13 @@ async def set_link(link: str, state: str) -> None:
     assert await asyncio.wait_for(proc.wait(), 30) == 0, f"ip link set {link} {state} failed"
 
 
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
 def node_of(worker_id: str) -> str:
     return worker_id.rsplit("-", 1)[0]   # infer-worker's default id: <hostname>-<pid>
 
@@ -421,6 +432,47 @@ async def test_a_worker_node_cut_off_for_20_s_hands_its_streams_over_then_rejoin
     assert after.requests_failed == first.requests_failed
 
 
+class _Clients:
+    """What streams_through_a_fault needs of the job: its clients."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def client(self) -> InferenceClient:
+        return coordinator_client(self.job)
+
+
+async def test_a_worker_killed_on_its_node_is_restarted_there_and_every_stream_completes_exactly(job):
+    """kill -9 of the worker on the node that is not the head, mid-stream: its streams end on the head's worker
+    with the reference tokens; its srun task starts it again on its node, where it registers under the same DP
+    rank and the cluster is back to two healthy workers within 30 s; the job's output says why it restarted."""
+    head = job.nodes[0]
+    async with coordinator_client(job) as cluster:
+        reference = [c.token_ids for c in await asyncio.wait_for(
+            asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)]
+    struck: dict[str, object] = {}
+
+    async def kill_the_other_nodes_worker(client) -> None:
+        victim = next(w for w in (await client.stats()).workers if w.healthy and node_of(w.worker_id) != head)
+        struck["victim"], struck["at"] = victim, time.monotonic()
+        os.kill(int(victim.worker_id.rsplit("-", 1)[1]), signal.SIGKILL)   # worker id: <hostname>-<pid>
+
+    streams, _ = await streams_through_a_fault(_Clients(job), PROMPTS, LONG, kill_the_other_nodes_worker,
+                                               finish_timeout=120)
+    assert_exact_streams(streams, reference)
+    victim = struck["victim"]
+    async with coordinator_client(job) as cluster:
+        def back(stats) -> bool:
+            healthy = [w for w in stats.workers if w.healthy]
+            return len(healthy) == 2 and any(w.dp_rank == victim.dp_rank and w.worker_id != victim.worker_id
+                                             and node_of(w.worker_id) == node_of(victim.worker_id) for w in healthy)
+
+        await wait_for_stats(cluster, back, 30 - (time.monotonic() - struck["at"]), "the killed worker's restart")
+        again = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)
+    assert [c.token_ids for c in again] == reference
+    assert "was killed by SIGKILL; restarting it in" in job.text()
+
+
 def test_scancel_stops_every_process_of_the_job(job, sandbox):
     marker = f"SLURM_JOB_ID={job.id}\0".encode()
     assert processes_mentioning(marker), "the running job should have processes"
@@ -434,7 +486,7 @@ def test_scancel_stops_every_process_of_the_job(job, sandbox):
 
 # ---- tensor parallelism: one DP rank whose two processes run on two nodes (after the job above ended) -----
 
-def test_one_tp2_worker_group_spans_two_nodes_and_equals_one_process(sandbox, tmp_path_factory, tiny_model_dir):
+def test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarted_whole(sandbox, tmp_path_factory, tiny_model_dir):
     """--tp-size 2 on 2 nodes x 1 task: one DP rank, TP rank 0 on one node, TP rank 1 on the other, joined
     over the sandbox's network (gloo); its greedy output equals one process on the same tiny Llama; scancel
     leaves no process of the job."""
@@ -461,6 +513,25 @@ def test_one_tp2_worker_group_spans_two_nodes_and_equals_one_process(sandbox, tm
         assert follower is not None, tp_job.text()[-3000:]
         assert {leader_node, follower.group(1)} == set(tp_job.nodes)       # one process on each node
         marker = f"SLURM_JOB_ID={tp_job.id}\0".encode()
+
+        # kill -9 of the member on the other node: the idle leader notices, every member restarts, the group
+        # meets again and serves the same tokens
+        pids = [int(line.split(":")[0]) for line in processes_mentioning(marker)]
+        follower_pid = next(pid for pid in pids if _argv(pid)[1:3] == ["-m", "infer.worker.daemon"]
+                            and "--tp-rank" in _argv(pid) and _argv(pid)[_argv(pid).index("--tp-rank") + 1] == "1")
+        os.kill(follower_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        async def regrouped() -> list[list[int]]:
+            async with coordinator_client(tp_job) as cluster:
+                await wait_for_stats(cluster, lambda st: any(w.healthy and w.worker_id != stats.workers[0].worker_id
+                                                             for w in st.workers), 90, "the TP group's restart")
+                done = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, params) for p in prompts)), 120)
+                return [c.token_ids for c in done]
+
+        assert asyncio.run(regrouped()) == want
+        print(f"the TP group served again {time.monotonic() - killed_at:.1f} s after kill -9 of its follower")
+        assert "TP rank 1's connection closed" in tp_job.text() and "restarting it in" in tp_job.text()
         sandbox.slurm("scancel", tp_job.id)
         wait_for(lambda: not sandbox.job_active(tp_job.id), 60, f"job {tp_job.id} to leave the queue")
         wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {tp_job.id} to exit")
