@@ -436,7 +436,7 @@ class Front:
             if run is None:
                 self.admission.release(num_requests)
         await _cancel_on_disconnect(request, run.start())   # on failure, start() closed the run
-        return _EventStream(self._sse(run, fmt, body.include_usage), run)
+        return _EventStream(self._sse(run, fmt, body.include_usage, body.continuous_usage), run)
 
     async def _structured(self, body: Any) -> StructuredOutputsParams | None:
         """The body's output constraint, parsed by xgrammar on the front's grammar thread (400 naming the field
@@ -499,19 +499,22 @@ class Front:
         except ClusterError as e:
             raise self.admission.unavailable(f"the cluster failed: {e}") from None
 
-    async def _sse(self, run: StreamRun, fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
-        """The events of a stream whose 200 went out: chunks, then `[DONE]` however it ends (an error of
-        the cluster or of this front is an `error` event first). Only cancellation (the client is gone)
-        ends it otherwise."""
+    async def _sse(self, run: StreamRun, fmt: ResponseFormat, include_usage: bool,
+                   continuous_usage: bool) -> AsyncIterator[str]:
+        """The events of a stream whose 200 went out: chunks (with `continuous_usage`, each with its choice's usage
+        so far), then the usage chunk when asked for, then `[DONE]` however it ends (an error of the cluster or of
+        this front is an `error` event first). Only cancellation (the client is gone) ends it otherwise."""
+        def event(chunk: dict[str, Any], job: Job) -> str:
+            return sse_event(fmt.with_usage(chunk, job) if continuous_usage else chunk)
         try:
-            for chunk in fmt.opening_chunks(run.jobs):
-                yield sse_event(chunk)
+            for chunk, job in zip(fmt.opening_chunks(run.jobs), run.jobs):
+                yield event(chunk, job)
             async for job, delta in run.deltas():
                 if delta.finish_reason == "error":
                     yield sse_event(request_error(delta, self.config.retry_after).body())
                     break
                 for chunk in fmt.chunks(job, delta):
-                    yield sse_event(chunk)
+                    yield event(chunk, job)
             else:
                 if include_usage:
                     yield sse_event(fmt.usage_chunk(run.jobs))

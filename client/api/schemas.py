@@ -57,6 +57,9 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
+    """`include_usage`: a last chunk with the whole request's usage (OpenAI's); `continuous_usage_stats` (vLLM's):
+    every chunk carries its choice's usage so far (with or without include_usage)."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -247,6 +250,10 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
