@@ -3,7 +3,8 @@ Beside it: `admission.py` (the API key, admission), `formats.py` (OpenAI's respo
 `errors.py` (error codes to statuses, the error body).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
-GET /v1/models, GET /health, GET /metrics; vLLM's POST /tokenize, POST /detokenize and GET /version.
+GET /v1/models, GET /health, GET /metrics; vLLM's POST /tokenize, POST /detokenize and GET /version; POST
+/v1/requests/{id}/cancel (cancel.py: by the caller that sent it, or the admin key).
 
 The path of a request:
 1. `authorize` (admission.py: 401 without the API key when one is set: one answer for a missing header, another
@@ -58,6 +59,7 @@ from starlette.requests import ClientDisconnect
 
 from infer.client.api.admission import Admission, authorize, check_length, max_model_len
 from infer.client.api.body import decode_body
+from infer.client.api.cancel import Cancellable, Cancellations, bearer_digest, caller_request_id
 from infer.client.api.errors import (
     ended_early, error_response, http_phrase, internal_error, request_error, too_large, unhealthy, validation_error
 )
@@ -103,12 +105,15 @@ class FrontConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # a larger request body is refused with 413
     tool_call_parser: str | None = None   # client/api/tools.py; None: the one the chat template's format calls for
     reasoning_parser: str | None = None   # client/api/reasoning.py; None: no reasoning_content
+    admin_api_key: str | None = None      # may cancel any request (client/api/cancel.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
+        if self.admin_api_key is not None and (not self.admin_api_key or self.admin_api_key == self.api_key):
+            raise ValueError("admin_api_key must not be empty nor the same as api_key")
         for name in ("max_concurrent_requests", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -168,6 +173,7 @@ class Front:
         self.config = config
         self.metrics = FrontMetrics(config.served_model_name)
         self.admission = Admission(engine, config)
+        self.cancellations = Cancellations(config.admin_api_key)
         self._token_text: dict[int, str] = {}
         self.created = int(time.time())
         self.token_bytes = max_token_bytes(tokenizer)   # bounds a text prompt's size before tokenizing it
@@ -420,23 +426,49 @@ class Front:
         for param, ids in body.token_id_fields().items():
             self._check_vocab(param, ids)
         structured = await self._structured(body)
+        engine_base_id = fmt.id   # the front's own: engine request ids never take the caller's X-Request-Id
+        try:
+            fmt.id = caller_request_id(request) or fmt.id
+        except ValueError as e:
+            raise ApiError(400, str(e), param="X-Request-Id") from None
         self.admission.reserve(num_requests)
         run: StreamRun | None = None
+        cancellable = Cancellable(bearer_digest(request))
         try:
             max_len = await self.admission.admit()
             prompts = await token_ids(max_len)
             for ids in prompts:
                 check_length(len(ids), max_tokens, max_len)
-            jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs, structured)
+            jobs = self._jobs(engine_base_id, prompts, body, max_tokens, logprobs, structured)
+            cancellable.engine_request_ids = [job.request_id for job in jobs]
+            self.cancellations.add(fmt.id, cancellable)
             if not body.stream:
                 await _cancel_on_disconnect(request, self._run_to_end(jobs))
-                return JSONResponse(fmt.response(best_of(jobs, body.n), usage_of=jobs))
-            run = StreamRun(self, jobs)   # releases the reservation in close()
+                return JSONResponse(fmt.response(best_of(jobs, body.n), usage_of=jobs),
+                                    headers={"X-Request-Id": fmt.id})
+            run = StreamRun(self, jobs, functools.partial(self.cancellations.remove, fmt.id, cancellable))
         finally:
-            if run is None:
+            if run is None:   # else the run's close() does both
                 self.admission.release(num_requests)
+                self.cancellations.remove(fmt.id, cancellable)
         await _cancel_on_disconnect(request, run.start())   # on failure, start() closed the run
-        return _EventStream(self._sse(run, fmt, body.include_usage, body.continuous_usage), run)
+        return _EventStream(self._sse(run, fmt, body.include_usage, body.continuous_usage), run, fmt.id)
+
+    async def cancel(self, request: Request) -> Response:
+        """POST /v1/requests/{request_id}/cancel: abort a request in flight by its id, for the caller that sent it
+        or the admin (client/api/cancel.py); its answer (or stream) ends with finish_reason "abort"."""
+        caller = bearer_digest(request)
+        if not self.cancellations.is_admin(caller):
+            authorize(request, self.config.api_key)
+        request_id = request.path_params["request_id"]
+        entries = self.cancellations.find(request_id, caller)
+        if not entries:
+            raise ApiError(404, f"no request {request_id[:128]!r} in flight that this caller may cancel: the caller "
+                                "that sent a request may cancel it with the same 'Authorization: Bearer' token, the "
+                                "admin key any", param="request_id", code="request_not_found")
+        ids = [rid for entry in entries for rid in entry.engine_request_ids]
+        await asyncio.gather(*(self.engine.abort(rid) for rid in ids))
+        return JSONResponse({"id": request_id, "object": "request.cancelled", "cancelled": len(entries)})
 
     async def _structured(self, body: Any) -> StructuredOutputsParams | None:
         """The body's output constraint, parsed by xgrammar on the front's grammar thread (400 naming the field
@@ -539,9 +571,10 @@ class StreamRun:
     request not finished yet.
     """
 
-    def __init__(self, front: Front, jobs: list[Job]) -> None:
+    def __init__(self, front: Front, jobs: list[Job], on_close: Callable[[], None] = lambda: None) -> None:
         self.front = front
         self.jobs = jobs
+        self._on_close = on_close
         self._queue: asyncio.Queue[tuple[Job, RequestOutput | BaseException]] = asyncio.Queue()
         self._buffer: list[tuple[Job, RequestOutput]] = []
         self._pumps: list[asyncio.Task] = []
@@ -602,6 +635,7 @@ class StreamRun:
             return
         self._closed = True
         self.front.admission.release(len(self.jobs))
+        self._on_close()
         for task in self._pumps:
             task.cancel()
         if self._pumps:
@@ -612,8 +646,9 @@ class _EventStream(StreamingResponse):
     """Server-sent events whose StreamRun is closed however the response ends: finished, failed, or
     cancelled because the client went away (possibly before the generator ever ran)."""
 
-    def __init__(self, content: AsyncIterator[str], run: StreamRun) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, content: AsyncIterator[str], run: StreamRun, request_id: str) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         self.run = run
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -693,13 +728,15 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     app.add_api_route("/detokenize", route(front.detokenize), methods=["POST"])
     app.add_api_route("/version", route(front.version), methods=["GET"])
     app.add_api_route("/v1/update_weights", route(front.update_weights), methods=["POST"])
+    app.add_api_route("/v1/requests/{request_id}/cancel", route(front.cancel), methods=["POST"])
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:   # 404, 405, ...
         if exc.status_code == 404:
             error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are POST "
                                   "/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
-                                  "GET /metrics, POST /tokenize, POST /detokenize, GET /version",
+                                  "GET /metrics, POST /tokenize, POST /detokenize, GET /version, "
+                                  "POST /v1/requests/{id}/cancel",
                              code="not_found")
         elif exc.status_code == 405:
             error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}",

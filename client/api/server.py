@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from infer.client.api.admission import resolve_api_key
+from infer.client.api.admission import read_key_file, resolve_api_key
 from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app
 from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tools import TOOL_PARSERS
@@ -148,6 +148,8 @@ def add_front_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' (visible in the process list: "
                    "prefer --api-key-file or $INFER_API_KEY; none of the three: no key)")
     p.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
+    p.add_argument("--admin-api-key-file", metavar="FILE", help="the admin's key, from the first line of FILE: "
+                   "its bearer may cancel any request (POST /v1/requests/{id}/cancel; a caller may cancel its own)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the cluster's model id)")
     p.add_argument("--max-concurrent-requests", type=int, default=1024,
                    help="engine requests in flight through this front; past it new requests get 503 "
@@ -170,6 +172,7 @@ def front_argv(args: argparse.Namespace) -> list[str]:
     environment: never on a command line)."""
     argv = []
     for flag, value in (("--served-model-name", args.served_model_name),
+                        ("--admin-api-key-file", args.admin_api_key_file),
                         ("--max-concurrent-requests", args.max_concurrent_requests),
                         ("--max-body-bytes", args.max_body_bytes), ("--tool-call-parser", args.tool_call_parser),
                         ("--reasoning-parser", args.reasoning_parser)):
@@ -192,6 +195,8 @@ def front_config(args: argparse.Namespace, model_id: str | None) -> FrontConfig:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     return FrontConfig(served_model_name=args.served_model_name or model_id or DEFAULT_MODEL_ID,
                        api_key=resolve_api_key(args.api_key, args.api_key_file),
+                       admin_api_key=(None if args.admin_api_key_file is None
+                                      else read_key_file(args.admin_api_key_file, "--admin-api-key-file")),
                        max_concurrent_requests=args.max_concurrent_requests,
                        max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
                        reasoning_parser=args.reasoning_parser)
