@@ -186,6 +186,9 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: an engine runs one sample per request; LLM / AsyncLLM and the HTTP "
+                             f"front run n > 1 as n requests (SamplingParams.samples())")
         if params.seed is None and params.temperature > 0:
             params = params.with_seed(self.sampler.draw_seed())
         prompt_ids = self._prompt_token_ids(prompt)
