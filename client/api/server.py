@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 
 from infer.client.api.admission import read_key_file, resolve_api_key
+from infer.protocol.options import add_vllm_flags
 from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app
 from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tools import TOOL_PARSERS
@@ -219,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the coordinator's clients/ folder), never an admin key, since HTTP callers act with it")
     p.add_argument("--coordinator-key", metavar="FILE", help="CurveZMQ: the coordinator's public key file")
     add_logging_args(p)
+    add_vllm_flags(p)
     return p
 
 
