@@ -40,6 +40,7 @@ wrong methods (405) and every other error also answer in OpenAI's error shape.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import importlib.metadata
 import json
@@ -106,6 +107,8 @@ class FrontConfig:
     tool_call_parser: str | None = None   # client/api/tools.py; None: the one the chat template's format calls for
     reasoning_parser: str | None = None   # client/api/reasoning.py; None: no reasoning_content
     admin_api_key: str | None = None      # may cancel any request (client/api/cancel.py)
+    chat_template: str | None = None      # instead of the tokenizer's (--chat-template)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)   # --generation-config: model_defaults.py
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -169,6 +172,9 @@ class Front:
 
     def __init__(self, engine: EngineClient, tokenizer: Any, config: FrontConfig) -> None:
         self.engine = engine
+        if config.chat_template is not None:   # a copy: the caller's tokenizer keeps its own template
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = config.chat_template
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = FrontMetrics(config.served_model_name)
@@ -202,7 +208,9 @@ class Front:
         async def token_ids(max_len: int) -> list[list[int]]:
             return await self._prompt_token_ids(body.prompts(), max_len)
         fmt = CompletionFormat(self, body)
-        return await self._serve(request, body, token_ids, body.max_tokens, body.logprobs, fmt)
+        max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else \
+            self.config.sampling_defaults.get("max_tokens", body.max_tokens)
+        return await self._serve(request, body, token_ids, max_tokens, body.logprobs, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
@@ -210,7 +218,10 @@ class Front:
         async def token_ids(max_len: int) -> list[list[int]]:
             return [await self._chat_token_ids(body, max_len)]
         fmt = ChatFormat(self, body)
-        return await self._serve(request, body, token_ids, body.max_new_tokens, body.num_logprobs, fmt)
+        max_tokens = body.max_new_tokens
+        if max_tokens is None:
+            max_tokens = self.config.sampling_defaults.get("max_tokens")
+        return await self._serve(request, body, token_ids, max_tokens, body.num_logprobs, fmt)
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt (or chat messages through the template) -> its token ids. The bounds of the
@@ -504,6 +515,7 @@ class Front:
                 index = p * candidates + c
                 try:
                     params = body.sampling_params(max_tokens, logprobs, seed_offset=c, structured=structured,
+                                                  defaults=self.config.sampling_defaults,
                                                   prompt_logprobs=getattr(body, "prompt_logprobs_wanted",
                                                                           body.prompt_logprobs))
                 except ValueError as e:

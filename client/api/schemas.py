@@ -230,18 +230,21 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0,
                         structured: StructuredOutputsParams | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams of choice number `seed_offset` (a seeded request's choices get seed, seed+1...)."""
+                        prompt_logprobs: int | None = None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams of choice number `seed_offset` (a seeded request's choices get seed, seed+1...). A
+        sampling field the body leaves out takes `defaults` (the generation config's), else ours."""
         seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
+        ours = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                **(defaults or {})}
+        given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        value = {name: ours[name] if v is None else v for name, v in given.items()}
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=value["temperature"], top_p=value["top_p"], top_k=value["top_k"], min_p=value["min_p"],
             max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens or self.min_tokens),
             stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             seed=seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=value["repetition_penalty"],
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias or None,
             allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),

@@ -15,12 +15,14 @@ import logging
 import signal
 import socket
 import sys
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
 
 from infer.client.api.admission import read_key_file, resolve_api_key
+from infer.client.api.model_defaults import generation_defaults, load_chat_template
 from infer.protocol.options import add_vllm_flags
 from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app
 from infer.client.api.reasoning import REASONING_PARSERS
@@ -126,17 +128,29 @@ async def serve_http(engine: EngineClient, *, tokenizer: Any, host: str = "127.0
     await front.serve()
 
 
-def load_front_tokenizer(model: str | None, model_id: str | None) -> Any:
-    """The tokenizer of `model` (a path), else of the model the cluster reports (`model_id`), read without
-    importing torch (worker/model_files.py: a GGUF not converted on this machine yet is converted here, which
-    does import it)."""
-    from infer.worker.model_files import front_tokenizer, resolve_model
+def front_model_dir(model: str | None, model_id: str | None) -> Path:
+    """The directory of `model` (a path), else of the model the cluster reports (`model_id`): where the front reads
+    the tokenizer and generation_config.json (a GGUF not converted on this machine yet is converted here, which
+    imports torch)."""
+    from infer.worker.model_files import resolve_model
 
     source = model if model is not None else (None if model_id in (None, DEFAULT_MODEL_ID) else model_id)
     try:
-        return front_tokenizer(resolve_model(source))
+        return resolve_model(source)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load the tokenizer from {source or 'the embedded default model'!r}: {e}; "
+        raise ValueError(f"cannot read the model {source or 'the embedded default model'!r}: {e}; "
+                         f"pass --model with the model's directory or .gguf file") from None
+
+
+def load_front_tokenizer(model: str | None, model_id: str | None) -> Any:
+    """The tokenizer of `front_model_dir(model, model_id)`, read without importing torch (worker/model_files.py)."""
+    from infer.worker.model_files import front_tokenizer
+
+    path = front_model_dir(model, model_id)
+    try:
+        return front_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer from {str(path)!r}: {e}; "
                          f"pass --model with the model's directory or .gguf file") from None
 
 
@@ -162,6 +176,12 @@ def add_front_arguments(p: argparse.ArgumentParser) -> None:
                    "llama3_json, else hermes)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="split <think>...</think> into reasoning_content (default: off)")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", help="the chat template to use instead of the "
+                   "tokenizer's: a file, or the Jinja template itself (vLLM's flag)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                   help="sampling defaults for requests that leave them out (vLLM's flag): auto reads the model's "
+                   "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
+                   "max_tokens), PATH that folder's (or file), vllm none; a request's own values win (default auto)")
     p.add_argument("--trusted-network", action="store_true",
                    help="allow a non-loopback bind with nothing protecting it: the HTTP front without an API "
                    "key (and a coordinator this command starts without CURVE keys); otherwise it is refused")
@@ -176,7 +196,8 @@ def front_argv(args: argparse.Namespace) -> list[str]:
                         ("--admin-api-key-file", args.admin_api_key_file),
                         ("--max-concurrent-requests", args.max_concurrent_requests),
                         ("--max-body-bytes", args.max_body_bytes), ("--tool-call-parser", args.tool_call_parser),
-                        ("--reasoning-parser", args.reasoning_parser)):
+                        ("--reasoning-parser", args.reasoning_parser), ("--chat-template", args.chat_template),
+                        ("--generation-config", None if args.generation_config == "auto" else args.generation_config)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + (["--trusted-network"] if args.trusted_network else [])
@@ -190,8 +211,9 @@ def check_front_exposure(host: str, config: FrontConfig, trusted_network: bool) 
                          remedy="give it a key (--api-key-file FILE, $INFER_API_KEY or --api-key K)")
 
 
-def front_config(args: argparse.Namespace, model_id: str | None) -> FrontConfig:
-    """The FrontConfig the flags describe; ValueError (naming the flag) if they are invalid."""
+def front_config(args: argparse.Namespace, model_id: str | None, model_dir: Path | None = None) -> FrontConfig:
+    """The FrontConfig the flags describe; ValueError (naming the flag) if they are invalid. `model_dir`: where
+    --generation-config auto looks (None: nowhere yet)."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     return FrontConfig(served_model_name=args.served_model_name or model_id or DEFAULT_MODEL_ID,
@@ -200,7 +222,9 @@ def front_config(args: argparse.Namespace, model_id: str | None) -> FrontConfig:
                                       else read_key_file(args.admin_api_key_file, "--admin-api-key-file")),
                        max_concurrent_requests=args.max_concurrent_requests,
                        max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser,
+                       chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
+                       sampling_defaults=generation_defaults(args.generation_config, model_dir))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,7 +269,8 @@ async def _main(args: argparse.Namespace) -> int:
         async with InferenceClient(args.coordinator, connect_timeout=args.connect_timeout,
                                    curve_key=args.curve_key, coordinator_key=args.coordinator_key) as client:
             tokenizer = load_front_tokenizer(args.model, client.model_id)
-            front = HttpFront(client, tokenizer, front_config(args, client.model_id), args.host, args.port,
+            model_dir = front_model_dir(args.model, client.model_id)
+            front = HttpFront(client, tokenizer, front_config(args, client.model_id, model_dir), args.host, args.port,
                               graceful_timeout=args.graceful_timeout)
             if args.listen_fd is None:
                 front.bind()
