@@ -456,6 +456,12 @@ class AsyncLLM:
         finally:
             bar.close()
 
+    async def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True, *,
+                    timeout: float | None = None) -> list[Completion]:
+        """As LLM.embed: one Completion per prompt with its `embedding`."""
+        params = SamplingParams(pooling=pooling, normalize=normalize, temperature=0, max_tokens=1)
+        return await self.generate_batch(prompts, params, timeout=timeout)
+
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort"."""
         await self.engine.abort(request_id)
@@ -723,6 +729,15 @@ class LLM:
                                                                    priority=priorities))
         flat = _Samples(prompts, params, priorities)
         return flat.results(self._generate_direct(flat.prompts, flat.params, use_tqdm, flat.priorities))
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True,
+              use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[Completion]:
+        """An embedding per prompt (`Completion.embedding`, a list of floats), in prompt order: the hidden states
+        that feed the LM head pooled by `pooling` ("last", "mean" or "cls"), L2-normalized when `normalize`
+        (worker/pooling.py). Through the same engine (or cluster) as generate; a rejected prompt is a Completion
+        with finish_reason "error", as there."""
+        params = SamplingParams(pooling=pooling, normalize=normalize, temperature=0, max_tokens=1)
+        return self.generate(prompts, params, use_tqdm, priority)
 
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

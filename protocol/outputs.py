@@ -58,6 +58,7 @@ class Completion:
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # vLLM's: None for the first prompt token
     weight_version: int = 0     # the weights' version of its last delta (update_weights counts versions)
     samples: list[Completion] | None = None   # n > 1: every sample's own Completion, sample 0 first
+    embedding: list[float] | None = None      # a pooling request's vector (SamplingParams.pooling)
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -87,6 +88,8 @@ class Completion:
         self.weight_version = delta.weight_version
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.error = delta.error

@@ -34,6 +34,7 @@ MAX_LOGIT_BIAS_VALUE = 100.0 # OpenAI's range: [-100, 100]
 MAX_ALLOWED_TOKEN_IDS = 65536
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 256
+POOLING_TYPES = ("last", "mean", "cls")   # worker/pooling.py
 MAX_N = 256                  # samples per prompt (LLM / AsyncLLM expand them into that many engine requests)
 
 
@@ -86,6 +87,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    pooling: str | None = None
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         # Accept the forms users write (a single stop string, lists) and store tuples (hashable, frozen).
@@ -160,6 +163,11 @@ class SamplingParams:
             raise FieldError("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
                                                    f"{MAX_REPETITION_PENALTY:g}] (1 is off), got "
                                                    f"{self.repetition_penalty}")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise FieldError("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)} (or None to generate), "
+                                        f"got {self.pooling!r}")
+        if not isinstance(self.normalize, bool):
+            raise FieldError("normalize", f"normalize must be a bool, got {self.normalize!r}")
         _integer("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise FieldError("n", f"n must be in [1, {MAX_N}], got {self.n}")

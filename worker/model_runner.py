@@ -8,6 +8,7 @@ import torch
 
 from infer.kernels.paged_attention import decode_split_tokens
 from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.pooling import record_pooling
 from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, record_prompt_logprobs
 from infer.worker.scheduler import ScheduledChunk
 from infer.worker.step_graphs import StepGraphs
@@ -49,6 +50,8 @@ class ModelRunner:
             if any(c.request.prompt_logprobs is not None for c in chunks):
                 record_prompt_logprobs(chunks, lambda start, stop: self._logits(
                     hidden, torch.arange(start, stop, device=hidden.device)))
+            if any(c.request.pooled is not None for c in chunks):
+                record_pooling(chunks, hidden)
             if batch.logits_indices.numel() == 0:
                 return None
             logits = self._logits(hidden, batch.logits_indices)

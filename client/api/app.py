@@ -46,6 +46,7 @@ import importlib.metadata
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -64,12 +65,15 @@ from infer.client.api.cancel import Cancellable, Cancellations, bearer_digest, c
 from infer.client.api.errors import (
     ended_early, error_response, http_phrase, internal_error, request_error, too_large, unhealthy, validation_error
 )
-from infer.client.api.formats import ChatFormat, CompletionFormat, ResponseFormat, best_of, num_candidates, sse_event
+from infer.client.api.formats import (
+    ChatFormat, CompletionFormat, ResponseFormat, best_of, embedding_json, num_candidates, sse_event
+)
 from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tools import TOOL_PARSERS, default_parser, template_messages, tools_system_prompt
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
 from infer.client.api.schemas import (
-    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UpdateWeightsRequest
+    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
+    UpdateWeightsRequest,
 )
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
@@ -105,6 +109,7 @@ class FrontConfig:
     retry_after: int = 1                  # seconds, in the Retry-After header of a 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # a larger request body is refused with 413
     tool_call_parser: str | None = None   # client/api/tools.py; None: the one the chat template's format calls for
+    matryoshka_dimensions: tuple[int, ...] | None = None   # /v1/embeddings' dimensions: None refused, () any size
     reasoning_parser: str | None = None   # client/api/reasoning.py; None: no reasoning_content
     admin_api_key: str | None = None      # may cancel any request (client/api/cancel.py)
     chat_template: str | None = None      # instead of the tokenizer's (--chat-template)
@@ -152,6 +157,7 @@ class Job:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None   # prompt tokens 1..
+    embedding: list[float] | None = None                 # a pooling request's vector
 
     def add(self, delta: RequestOutput) -> None:
         self.tracker.on_delta(delta)
@@ -163,6 +169,8 @@ class Job:
             self.num_prompt_tokens = delta.num_prompt_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.finished:
             self.finish_reason = delta.finish_reason
 
@@ -222,6 +230,44 @@ class Front:
         if max_tokens is None:
             max_tokens = self.config.sampling_defaults.get("max_tokens")
         return await self._serve(request, body, token_ids, max_tokens, body.num_logprobs, fmt)
+
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings (OpenAI's shape): one pooling request per input (worker/pooling.py), through the same
+        admission, cluster and failover as generation; `dimensions` only for a Matryoshka model (FrontConfig)."""
+        body = await self._parse(request, EmbeddingRequest)
+        self._check_dimensions(body.dimensions)
+        inputs = body.prompts()
+        params = SamplingParams(pooling=body.pooling, normalize=body.normalize, temperature=0, max_tokens=1)
+        base_id = f"embd-{uuid.uuid4().hex}"
+        self.admission.reserve(len(inputs))
+        try:
+            max_len = await self.admission.admit()
+            prompts = await self._prompt_token_ids(inputs, max_len, param="input")
+            for ids in prompts:
+                check_length(len(ids), None, max_len)
+            jobs = [Job(i, i, ids, params, f"{base_id}-{i}", self.metrics.tracker(), body.timeout, body.priority)
+                    for i, ids in enumerate(prompts)]
+            await _cancel_on_disconnect(request, self._run_to_end(jobs))
+        finally:
+            self.admission.release(len(inputs))
+        data = [{"object": "embedding", "index": job.index,
+                 "embedding": embedding_json(job.embedding or [], body.dimensions, body.normalize,
+                                             body.encoding_format)} for job in jobs]
+        tokens = sum(len(job.prompt_token_ids) for job in jobs)
+        return JSONResponse({"id": base_id, "object": "list", "data": data, "model": body.model,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        allowed = self.config.matryoshka_dimensions
+        if dimensions is None:
+            return
+        if allowed is None:
+            raise ApiError(400, "dimensions: this model does not support Matryoshka embeddings (its config.json "
+                                "declares no matryoshka_dimensions / is_matryoshka): the full vector is the only "
+                                "size", param="dimensions")
+        if allowed and dimensions not in allowed:
+            raise ApiError(400, f"dimensions: {dimensions} is not among this model's sizes "
+                                f"{', '.join(map(str, allowed))}", param="dimensions")
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt (or chat messages through the template) -> its token ids. The bounds of the
@@ -358,10 +404,11 @@ class Front:
                                 f"{self.config.served_model_name!r}", param="model", code="model_not_found")
         return body
 
-    async def _prompt_token_ids(self, prompts: list[str | list[int]], max_len: int) -> list[list[int]]:
+    async def _prompt_token_ids(self, prompts: list[str | list[int]], max_len: int,
+                                param: str = "prompt") -> list[list[int]]:
         """Every prompt checked against the context without tokenizing, then tokenized off the loop."""
         for prompt in prompts:
-            self._check_prompt(prompt, max_len, "prompt")
+            self._check_prompt(prompt, max_len, param)
         return [prompt if isinstance(prompt, list) else
                 await self._off_loop(self._encode, prompt, add_special_tokens=True) for prompt in prompts]
 
@@ -733,6 +780,7 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
 
     app.add_api_route("/v1/completions", route(front.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", route(front.chat_completions), methods=["POST"])
+    app.add_api_route("/v1/embeddings", route(front.embeddings), methods=["POST"])
     app.add_api_route("/v1/models", route(front.models), methods=["GET"])
     app.add_api_route("/health", route(front.health), methods=["GET"])
     app.add_api_route("/metrics", route(front.metrics_text), methods=["GET"])
@@ -746,8 +794,8 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:   # 404, 405, ...
         if exc.status_code == 404:
             error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are POST "
-                                  "/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
-                                  "GET /metrics, POST /tokenize, POST /detokenize, GET /version, "
+                                  "/v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, "
+                                  "GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version, "
                                   "POST /v1/requests/{id}/cancel",
                              code="not_found")
         elif exc.status_code == 405:

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
-import uuid
+import base64
 import json
+import math
+import struct
+import uuid
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -313,6 +316,19 @@ def _usage(jobs: list[Job]) -> dict[str, int]:
     prompt = sum(per_prompt.values())
     completion = sum(len(job.token_ids) for job in jobs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def embedding_json(vector: list[float], dimensions: int | None, normalize: bool, encoding: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: floats, or base64 of little-endian float32 (what the openai client asks for
+    and decodes). `dimensions`: the first that many, normalized again when the vector was (Matryoshka)."""
+    if dimensions is not None and dimensions < len(vector):
+        vector = vector[:dimensions]
+        if normalize:
+            norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+            vector = [v / norm for v in vector]
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
 
 
 def sse_event(payload: dict[str, Any]) -> str:

@@ -49,6 +49,21 @@ def load_chat_template(value: str) -> str:
     return text
 
 
+def matryoshka_dimensions(model_dir: str | os.PathLike[str] | None) -> tuple[int, ...] | None:
+    """The embedding sizes a Matryoshka model allows (vLLM reads the same keys of config.json): its
+    `matryoshka_dimensions`, () for `is_matryoshka` (any size), None for any other model (or no directory)."""
+    if model_dir is None:
+        return None
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    sizes = config.get("matryoshka_dimensions") if isinstance(config, dict) else None
+    if isinstance(sizes, list) and sizes and all(isinstance(d, int) and d > 0 for d in sizes):
+        return tuple(sizes)
+    return () if isinstance(config, dict) and config.get("is_matryoshka") is True else None
+
+
 def generation_defaults(setting: str, model_dir: str | os.PathLike[str] | None) -> dict[str, Any]:
     """The sampling defaults `--generation-config` gives (module doc); ValueError naming the file and field for
     a file that cannot be read or a value of the wrong type."""

@@ -498,6 +498,39 @@ class DetokenizeRequest(BaseModel):
     tokens: TokenIdList
 
 
+MAX_EMBEDDING_INPUTS = 512
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: OpenAI's body (`input`: a string, strings, token ids or lists of them; `encoding_format`
+    float or base64; `dimensions` for a Matryoshka model only; `user`), plus `pooling` (last / mean / cls; default
+    last, the one for decoder models) and `normalize` (L2, default true: vLLM's), and our `timeout` and vLLM's
+    `priority` as for generation."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    input: (Annotated[str, Field(min_length=1)]
+            | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+            | Annotated[TokenIdList, Field(min_length=1)]
+            | Annotated[list[Annotated[TokenIdList, Field(min_length=1)]],
+                        Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
+    pooling: Literal["last", "mean", "cls"] = "last"
+    normalize: bool = True
+    timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
+    priority: Annotated[int, Field(ge=-2**63, lt=2**63, strict=True)] = 0
+
+    def prompts(self) -> list[str | list[int]]:
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if all(isinstance(p, int) for p in value):
+            return [list(value)]
+        return list(value)
+
+
 class UpdateWeightsRequest(BaseModel):
     """POST /v1/update_weights: new weights from a safetensors directory every worker can read."""
 

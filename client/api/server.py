@@ -22,7 +22,7 @@ from typing import Any
 import uvicorn
 
 from infer.client.api.admission import read_key_file, resolve_api_key
-from infer.client.api.model_defaults import generation_defaults, load_chat_template
+from infer.client.api.model_defaults import generation_defaults, load_chat_template, matryoshka_dimensions
 from infer.protocol.options import add_vllm_flags
 from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app
 from infer.client.api.reasoning import REASONING_PARSERS
@@ -224,7 +224,8 @@ def front_config(args: argparse.Namespace, model_id: str | None, model_dir: Path
                        max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
                        reasoning_parser=args.reasoning_parser,
                        chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
-                       sampling_defaults=generation_defaults(args.generation_config, model_dir))
+                       sampling_defaults=generation_defaults(args.generation_config, model_dir),
+                       matryoshka_dimensions=matryoshka_dimensions(model_dir))
 
 
 def build_parser() -> argparse.ArgumentParser:

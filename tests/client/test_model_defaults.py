@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from front_harness import MODEL, http, local_engine, serving
-from infer.client.api.model_defaults import generation_defaults, load_chat_template
+from infer.client.api.model_defaults import generation_defaults, load_chat_template, matryoshka_dimensions
 from infer.client.local_engine import LocalEngine
 from serve_harness import Served
 
@@ -106,3 +106,12 @@ def test_infer_serve_refuses_a_bad_template_or_generation_config(flags, reason):
     done = subprocess.run([sys.executable, "-m", "infer.client.serve", "--benchmark-mode", *flags],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and reason in done.stderr, done.stderr[-500:]
+
+
+@pytest.mark.parametrize("config, sizes", [
+    ({"matryoshka_dimensions": [64, 128]}, (64, 128)), ({"is_matryoshka": True}, ()), ({}, None),
+    ({"matryoshka_dimensions": ["x"]}, None),
+])
+def test_matryoshka_sizes_come_from_config_json(tmp_path, config, sizes):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert matryoshka_dimensions(tmp_path) == sizes
