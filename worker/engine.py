@@ -627,7 +627,7 @@ class Engine:
         self.stats.prefill_tokens_computed += sum(c.num_new_tokens for c, _ in computed
                                                   if c.start < c.request.num_prompt_tokens)
         outputs = [self._append_token_or_fail(c, row) for c, row in computed if row.token_id is not None]
-        self.stats.generation_tokens += len(outputs)
+        self.stats.generation_tokens += sum(len(o.token_ids) for o in outputs)   # a pooling request's: none
         return outputs
 
     def _append_token_or_fail(self, chunk: ScheduledChunk, row: StepRow) -> Delta:

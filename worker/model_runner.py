@@ -41,7 +41,8 @@ class ModelRunner:
         """Run one forward over `chunks` (decodes first) and sample one token for each chunk whose
         `samples` is set, in chunk order. Returns None when no chunk samples (all mid-prefill).
         Pure-decode steps that fit a step-graph bucket replay its graph; the others run eagerly."""
-        bucket = self.step_graphs.bucket_for(chunks) if self.step_graphs is not None else None
+        graphs = self.step_graphs is not None and not any(c.request.pooled is not None for c in chunks)
+        bucket = self.step_graphs.bucket_for(chunks) if graphs else None   # pooling needs the hidden states
         if bucket is not None:
             logits = self.step_graphs.run(chunks, bucket)
         else:

@@ -11,7 +11,8 @@ import torch
 from hf_reference import hf_model
 from infer import LLM, SamplingParams
 
-PROMPTS = [list(range(5, 26)), [3, 4], list(range(100, 140))]   # 21, 2 and 40 tokens: chunks of 16
+# 21, 2, 40, 1 and 17 tokens: chunks of 16 (a last chunk of one token, a one-token prompt: rows of a decode's shape)
+PROMPTS = [list(range(5, 26)), [3, 4], list(range(100, 140)), [7], list(range(200, 217))]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -42,11 +43,11 @@ def test_embeddings_equal_transformers_hidden_states_pooled_the_same_way(models,
 def test_embeddings_and_generation_in_one_batch_are_each_what_they_are_alone(models):
     llm, _ = models
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    mixed = llm.generate(PROMPTS + PROMPTS, [SamplingParams(pooling="mean")] * 3 + [greedy] * 3, use_tqdm=False)
+    mixed = llm.generate(PROMPTS + PROMPTS, [SamplingParams(pooling="mean")] * 5 + [greedy] * 5, use_tqdm=False)
     alone = llm.embed(PROMPTS, pooling="mean", use_tqdm=False)
-    for m, a in zip(mixed[:3], alone):
+    for m, a in zip(mixed[:5], alone):
         torch.testing.assert_close(torch.tensor(m.embedding), torch.tensor(a.embedding), atol=1e-5, rtol=1e-5)
-    assert [m.token_ids for m in mixed[3:]] == [c.token_ids for c in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert [m.token_ids for m in mixed[5:]] == [c.token_ids for c in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     again = llm.embed(PROMPTS[:1], use_tqdm=False)[0]   # its prompt's blocks are cached now: not used, the same
     torch.testing.assert_close(torch.tensor(again.embedding), torch.tensor(llm.embed(PROMPTS[:1], use_tqdm=False)[0].embedding))
 
