@@ -21,13 +21,14 @@ import math
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from infer.protocol.messages import MAX_ID_LEN, Delta, TokenIds, UpdateWeights
+from infer.worker.pooling import PoolingState
 from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
@@ -186,6 +187,11 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: an engine runs one sample per request; LLM / AsyncLLM and the HTTP "
+                             f"front run n > 1 as n requests (SamplingParams.samples())")
+        if params.pooling is not None:
+            params = _pooling_params(params)
         if params.seed is None and params.temperature > 0:
             params = params.with_seed(self.sampler.draw_seed())
         prompt_ids = self._prompt_token_ids(prompt)
@@ -196,7 +202,9 @@ class Engine:
                           max_tokens=self._resolve_max_tokens(len(prompt_ids), params),
                           token_ids=prompt_ids + resumed, arrival_time=time.monotonic(), priority=priority,
                           bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-                          prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None)
+                          prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None,
+                          pooled=None if params.pooling is None else PoolingState(params.pooling, params.normalize,
+                                                                                  len(prompt_ids)))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
         if resumed:
             detok.resume(resumed, resumed_text_len)
@@ -619,7 +627,7 @@ class Engine:
         self.stats.prefill_tokens_computed += sum(c.num_new_tokens for c, _ in computed
                                                   if c.start < c.request.num_prompt_tokens)
         outputs = [self._append_token_or_fail(c, row) for c, row in computed if row.token_id is not None]
-        self.stats.generation_tokens += len(outputs)
+        self.stats.generation_tokens += sum(len(o.token_ids) for o in outputs)   # a pooling request's: none
         return outputs
 
     def _append_token_or_fail(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
@@ -634,6 +642,12 @@ class Engine:
 
     def _append_token(self, chunk: ScheduledChunk, token_id: int, lp: TokenLogprobs | None) -> Delta:
         request = chunk.request
+        if request.pooled is not None:   # its prompt is complete: the vector, not the token, is its output
+            if not request.pooled.complete:
+                raise RuntimeError("a pooling request reached its last prompt token with positions not pooled")
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            return self._final_output(request, "", [], embedding=request.pooled.vector(),
+                                      **self._first_output_fields(request))
         request.append_token(token_id)
         if request.grammar is not None and not request.grammar.accept(token_id):
             raise RuntimeError(f"the grammar rejected sampled token {token_id}")
@@ -695,6 +709,16 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+
+def _pooling_params(params: SamplingParams) -> SamplingParams:
+    """A pooling request's params (worker/pooling.py): what only generation takes is refused (ValueError); it runs
+    its prompt and one greedy step, whose token is dropped."""
+    names = ("structured_outputs", "prompt_logprobs", "logprobs", "bad_words", "logit_bias", "allowed_token_ids")
+    given = [name for name in names if getattr(params, name) not in (None, ())]
+    if given:
+        raise ValueError(f"pooling (an embedding) takes no generation options; got {', '.join(given)}")
+    return replace(params, temperature=0.0, max_tokens=1, min_tokens=0, seed=None)
 
 
 def tensor_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequence[str],
