@@ -37,6 +37,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import numpy as np
 
+from infer.protocol import env
+
 # ---- the requests: one seeded dataset, one arrival schedule per rate -------------------------------
 
 
@@ -280,7 +282,7 @@ def print_summary(summary: dict[str, Any], schedule: Schedule, model: str) -> No
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     base = args.url.rstrip("/")
-    key = args.api_key or os.environ.get("INFER_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    key = args.api_key or env.read(env.API_KEY) or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     model = args.model or await served_model(base, headers, 60.0)
     lengths = make_lengths(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
