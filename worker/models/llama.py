@@ -70,13 +70,17 @@ _UNSUPPORTED_FIELDS = {
     "embedding_multiplier": "an embedding multiplier",
     "attention_multiplier": "an attention multiplier",
     "residual_multiplier": "a residual multiplier",
+    "use_bidirectional_attention": "bidirectional attention",
 }
 
 
-def refuse_unsupported(config: Any) -> None:
+def refuse_unsupported(config: Any, implemented: frozenset[str] = frozenset()) -> None:
     """NotImplementedError naming the first config feature these layers do not compute (rope types are checked
-    by RotaryEmbedding, activations by the MLPs, layer types by `layer_windows`)."""
+    by RotaryEmbedding, activations by the MLPs, layer types by `layer_windows`); `implemented`: the fields a
+    family's own layers compute."""
     for name, what in _UNSUPPORTED_FIELDS.items():
+        if name in implemented:
+            continue
         value = getattr(config, name, None)
         if value is not None and value is not False and value != 0:
             raise NotImplementedError(f"{config.model_type}: {name}={value!r} ({what}) is not supported")
@@ -254,6 +258,11 @@ class LlamaForCausalLM(nn.Module):
     # each. (The MoE models' expert dispatch is data-dependent: they run eagerly.)
     supports_step_graphs: ClassVar[bool] = True
 
+    # What a family built on these classes changes: the model it runs (same constructor as LlamaModel) and the
+    # config fields of _UNSUPPORTED_FIELDS its layers compute.
+    base_model_class: ClassVar[Callable[..., nn.Module]] = LlamaModel
+    implemented_fields: ClassVar[frozenset[str]] = frozenset()
+
     def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -266,10 +275,10 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim: int = (getattr(config, "head_dim", None)
                               or config.hidden_size // config.num_attention_heads)
         self.vocab_size: int = config.vocab_size
-        refuse_unsupported(config)
+        refuse_unsupported(config, self.implemented_fields)
         # each layer's sliding window, 0 for full attention (every layer's KV blocks are kept: none are freed)
         self.layer_windows: tuple[int, ...] = layer_windows(config)
-        self.model = LlamaModel(config, self.head_dim, dtype, mlp_factory, self.tp)
+        self.model = self.base_model_class(config, self.head_dim, dtype, mlp_factory, self.tp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, self.tp)
         if getattr(config, "tie_word_embeddings", False):
             self.tie_lm_head()
