@@ -1,6 +1,5 @@
-"""Gemma 3 (text) against transformers on a tiny random checkpoint: local layers with a window of 8 and their own
-rope, global layers with linear rope scaling, query_pre_attn_scalar other than head_dim, final logit soft-capping,
-random (not zero) norm weights so that every sandwich norm matters. Greedy tokens equal transformers' `generate` in
+"""Gemma 3 (text) against transformers on a tiny random checkpoint (tests/gemma_models.py: local layers with a
+window of 8, a global one, soft-capped logits, random norm weights). Greedy tokens equal transformers' `generate` in
 fp32 past the window (direct mode, prefix-cache hits, step graphs); logprobs within 2e-4. Gemma 2 and attention
 soft-capping are refused by name."""
 
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gemma_models import tiny_gemma3
 from hf_reference import hf_model, transformers_greedy
 
 from infer import LLM, SamplingParams
@@ -25,32 +25,9 @@ _rng = random.Random(5)
 PROMPTS = [[_rng.randrange(3, 250) for _ in range(n)] for n in (19, 36, 58)]
 PROMPTS += [PROMPTS[2][:40] + [9, 10, 11]]     # shares 40 tokens with the third: cache hits
 
-GEMMA3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
-              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}},
-              final_logit_softcapping=3.0, max_position_embeddings=1024, rms_norm_eps=1e-6)
-
-
-def _save(path: Path, tokenizer, fields: dict) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("gemma3_text", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=0, **fields)
-    torch.manual_seed(99)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.3 if param.dim() == 1 else 0.08)   # norms: (1 + w) with w far from 0
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory, smollm2_tokenizer) -> Path:
-    return _save(tmp_path_factory.mktemp("gemma3"), smollm2_tokenizer, GEMMA3)
+    return tiny_gemma3(tmp_path_factory.mktemp("gemma3"), smollm2_tokenizer)
 
 
 @pytest.fixture(scope="module")
