@@ -339,9 +339,7 @@ def _decode_kernel(
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     head_base = kv_head * stride_kh
-    low = 0
-    if window > 0:
-        low = tl.maximum(seq_len - window, 0)
+    low = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)   # one type on every path (no branch)
     for n0 in range(tl.maximum(start, low // BLOCK_N * BLOCK_N), end, BLOCK_N):
         pos, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
                                          stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
@@ -516,16 +514,13 @@ def _prefill_kernel(
     head_base = kv_head * stride_kh
     # with window > 0, row r sees keys in (query_pos - window, query_pos]: tiles before the tile's first query's
     # window are skipped
-    low = 0
-    if window > 0:
-        low = tl.maximum(prefix + tile * BLOCK_Q - window + 1, 0)
+    low = tl.where(window > 0, tl.maximum(prefix + tile * BLOCK_Q - window + 1, 0), 0)
     for n0 in range(low // BLOCK_N * BLOCK_N, end, BLOCK_N):
         pos, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
                                          stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         seen = valid[None, :] & (pos[None, :] <= query_pos[:, None])
-        if window > 0:
-            seen = seen & (pos[None, :] > query_pos[:, None] - window)
+        seen = seen & ((window <= 0) | (pos[None, :] > query_pos[:, None] - window))
         s = tl.where(seen, s, float("-inf"))
         m, l_sum, acc = _online_softmax_step(s, v, m, l_sum, acc)
     result = acc / l_sum[:, None]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from gemma_models import tiny_gemma3
 from hf_reference import hf_model, transformers_greedy
+from model_batches import Pager, new_cache
 
 from infer import LLM, SamplingParams
 from infer.worker.config import EngineConfig
@@ -86,23 +87,27 @@ def test_step_graphs_give_the_tokens(gemma3, want):
     assert [out[str(i)] for i in range(len(PROMPTS))] == want
 
 
-def test_bf16_agrees_with_transformers_bf16_on_most_tokens(gemma3):
-    """Soft-capping at 3 squeezes this random model's logits into near-ties, which bf16 rounds either way:
-    transformers' own bf16 run keeps only about a quarter of its fp32 tokens here (25% measured). Ours in bf16
-    against transformers in bf16: at least 75% of the greedy tokens agree (86% measured)."""
-    hf = hf_model(gemma3, torch.bfloat16)
-    theirs = []
+def test_bf16_is_as_close_to_fp32_as_transformers_bf16(gemma3, want):
+    """bf16 logits over a prompt and its fp32 greedy continuation (70 positions, past the window): ours drift from
+    transformers' fp32 no more than transformers' own bf16 forward does (1.5x its error of the largest logit,
+    whose size is printed), and pick the same next token at 80% of the positions or more. (Greedy runs in bf16
+    part ways at the first near-tie and never meet again, so they are compared position by position here.)"""
+    ids = PROMPTS[2] + want[2]
     with torch.inference_mode():
-        for ids in PROMPTS:
-            x = torch.tensor([ids])
-            y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
-                            min_new_tokens=MAX_NEW, pad_token_id=0)
-            theirs.append(y[0, len(ids):].tolist())
-    ours = [c.token_ids for c in _llm(gemma3, dtype="bfloat16").generate(PROMPTS, GREEDY, use_tqdm=False)]
-    pairs = [(a, b) for mine, their in zip(ours, theirs) for a, b in zip(mine, their)]
-    agree = sum(a == b for a, b in pairs) / len(pairs)
-    print(f"gemma3 bf16 vs transformers bf16: {agree:.0%} of the greedy tokens agree")
-    assert agree >= 0.75
+        reference = hf_model(gemma3)(torch.tensor([ids])).logits[0].float()
+        theirs = hf_model(gemma3, torch.bfloat16)(torch.tensor([ids])).logits[0].float()
+        model = load_model(gemma3, torch.bfloat16, torch.device("cpu"))
+        batch = Pager(num_blocks=32, block_size=4).batch([("s", ids, 0, len(ids))])
+        ours = model.compute_logits(model(batch, new_cache(model, 32, 4)))
+
+    def rel_err(logits: torch.Tensor) -> float:
+        return ((logits - reference).abs().max() / reference.abs().max()).item()
+
+    same = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    print(f"gemma3 bf16: ours {rel_err(ours):.3g}, transformers' {rel_err(theirs):.3g} of the largest fp32 logit; "
+          f"{same:.0%} of the next tokens as fp32")
+    assert rel_err(ours) <= 1.5 * rel_err(theirs)
+    assert same >= 0.8
 
 
 @pytest.mark.parametrize("change, refused", [
