@@ -174,3 +174,22 @@ def test_triton_prefill_window_matches_float64_and_the_twin(window, dtype, heads
                                          window=window)
     assert_close(out, reference_attention(batch, scale, window), dtype, "triton prefill vs float64")
     assert_close(out, paged_prefill_attention_torch(*args, window=window), dtype, "triton prefill vs twin")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="real shapes: a GPU's (the interpreter takes minutes)")
+@pytest.mark.parametrize("window", [512, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_triton_window_at_real_shapes_matches_the_twin(window, dtype):
+    """Mistral-like heads (32:8, head_dim 128), blocks of 16, contexts up to 6000 (past both windows), decode with
+    fixed split spans (the engine's) and a mixed batch with long chunks."""
+    heads, scale = (32, 8), 128 ** -0.5
+    lens = [1, 700, 3000, 6000]
+    decodes = make_batch(lens, [1] * len(lens), *heads, 128, 16, dtype, seed=_seed("real-decode", window))
+    args = (decodes.q, decodes.k_cache, decodes.v_cache, decodes.block_tables, decodes.seq_lens, scale)
+    out = paged_decode_attention_triton(*args, split_tokens=512, window=window)
+    assert_close(out, paged_decode_attention_torch(*args, window=window), dtype, "triton decode vs twin")
+    mixed = make_batch([600, 5000, 2100, 1], [600, 1000, 1, 1], *heads, 128, 16, dtype,
+                       seed=_seed("real-mixed", window))
+    margs = (mixed.q, mixed.k_cache, mixed.v_cache, mixed.block_tables, mixed.seq_lens, mixed.query_start_loc, scale)
+    out = paged_prefill_attention_triton(*margs, max_query_len=1000, window=window)
+    assert_close(out, paged_prefill_attention_torch(*margs, window=window), dtype, "triton prefill vs twin")
