@@ -32,7 +32,6 @@ from infer.worker.models.layers import (
 )
 
 
-
 @dataclass(frozen=True)
 class LlamaVariant:
     """What distinguishes the family members, derived from a transformers config."""
