@@ -178,6 +178,35 @@ def test_step_graphs_give_the_tokens(windowed, want):
     assert _engine_tokens(engine, PROMPTS[:4]) == want("mixed")[:4]
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "step-graphs"])
+def test_blocks_out_of_every_window_are_given_back(windowed, want, eager):
+    """Mistral (every layer a window of 8, blocks of 4): after each step a request holds its last few blocks
+    only (the released entries read as block 0, or the step graphs' scratch block), and the tokens stay
+    transformers'. Then the same prompts again: the released blocks were still cached."""
+    engine = Engine(EngineConfig(model=str(windowed("mistral")), dtype="float32", max_model_len=256, num_threads=1,
+                                 device="cpu", block_size=4, enforce_eager=eager, max_graph_batch_size=4))
+    assert engine.scheduler.config.release_window == 8
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    held = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id].extend(delta.token_ids)
+        held.append(engine.scheduler.block_manager.num_used_blocks)
+    assert [out[str(i)] for i in range(len(PROMPTS))] == want("mistral")
+    # per request: the window's 2 blocks, the one being filled, the last registered one (the cache chain)
+    assert max(held) <= 4 * len(PROMPTS) < sum(-(-(len(p) + MAX_NEW) // 4) for p in PROMPTS) // 2
+    assert _engine_tokens(engine, PROMPTS) == want("mistral")
+    assert engine.scheduler.stats.prefix_cache_hit_tokens > 0
+
+
+def test_a_model_with_a_full_layer_keeps_every_block(windowed):
+    engine = Engine(EngineConfig(model=str(windowed("mixed")), dtype="float32", max_model_len=256, num_threads=1,
+                                 device="cpu", block_size=4))
+    assert engine.scheduler.config.release_window == 0
+
+
 def test_native_bf16_decode_step_equals_the_layers(windowed, monkeypatch):
     """bf16: the one-call native decode step (decode_layers.c, each layer's window) gives the tokens and
     log-probabilities of the layers run one by one, bit for bit."""
