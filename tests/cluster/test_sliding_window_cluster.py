@@ -1,7 +1,7 @@
 """Sliding-window models through real clusters (coordinator and infer-worker processes): a 2-worker cluster and a
 TP 2 rank give transformers' greedy tokens past the window, whichever worker serves each request, and again from
-the prefix cache. Qwen2 with use_sliding_window (layer 0 full, layers 1-2 a window of 8) and Gemma 3 (local layers
-with a window of 8, a global one)."""
+the prefix cache. Qwen2 with use_sliding_window (layer 0 full, layers 1-2 a window of 8), Gemma 3 (local layers
+with a window of 8, a global one) and Mistral (every layer a window of 8: blocks out of it given back)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,16 @@ def _qwen2(path, tokenizer):
     return save_tiny_model("qwen2", fields, path, tokenizer, seed=1234)
 
 
-MODELS = {"qwen2-swa": _qwen2, "gemma3": tiny_gemma3}
+def _mistral(path, tokenizer):
+    """Every layer a window of 8: the workers give back the blocks out of it."""
+    fields = dict(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=2048,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=8, vocab_size=len(tokenizer),
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return save_tiny_model("mistral", fields, path, tokenizer, seed=1234)
+
+
+MODELS = {"qwen2-swa": _qwen2, "gemma3": tiny_gemma3, "mistral-swa": _mistral}
 
 
 @pytest.fixture(scope="module")
