@@ -232,11 +232,12 @@ def _load(isa: str) -> ctypes.CDLL | None:
 def _declare(lib: ctypes.CDLL) -> None:
     """The entry points' argument types (every one returns an int status)."""
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-    lib.paged_decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32]
+    lib.paged_decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32,
+                                 i32]
     lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.paged_prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, i64,
-                                  f32, i32, ptr]
+                                  f32, i32, ptr, i32]
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
@@ -244,10 +245,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemv_rows_bf16w_f32x.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.gemv_paths.argtypes = []
     lib.decode_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i64, f32, f32, ptr, ptr,
-                                  ptr, i64, i64, ptr, i64, i32, ptr, i64, i32, ptr, i32]
+                                  ptr, i64, i64, ptr, i64, i32, ptr, i64, i32, ptr, i32, ptr]
     for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max,
                lib.silu_and_mul, lib.gemv_rows_bf16, lib.gemv_rows_bf16w_f32x, lib.gemv_paths, lib.decode_layers):
         fn.restype = i32
+
+
+def _window(window: int) -> int:
+    """A sliding window as the kernels take it (> 0, or 0 for none)."""
+    if window < 0:
+        raise ValueError(f"a sliding window must be >= 0 (0: none), got {window}")
+    return window
 
 
 def decode_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -267,10 +275,11 @@ def decode_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: tor
 
 def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  out: torch.Tensor) -> torch.Tensor:
+                                  out: torch.Tensor, window: int = 0) -> torch.Tensor:
     """q [B, H, D] over the pool [Hkv, NB, bs, D] into out [B, H, D] (contiguous), as
     `paged_decode_attention_torch`; the arguments must pass `decode_kernel_fits` (and v_cache be shaped
-    like k_cache). Every length must be >= 1 and every table entry it reaches a block of the pool."""
+    like k_cache). Every length must be >= 1 and every table entry it reaches a block of the pool.
+    `window` > 0: each sequence attends to its last `window` positions only (0: all)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     if not (v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous()):
@@ -279,7 +288,7 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     status = _library().paged_decode(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
-        num_kv_heads, head_dim, block_size, num_blocks, scale, int(q.dtype == torch.bfloat16))
+        num_kv_heads, head_dim, block_size, num_blocks, scale, int(q.dtype == torch.bfloat16), _window(window))
     if status == -1:
         raise ValueError(f"the native decode kernel takes no group {num_heads // num_kv_heads}, head_dim "
                          f"{head_dim}, block_size {block_size}")
@@ -300,13 +309,14 @@ def prefill_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: to
 def paged_prefill_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                    query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
-                                   decode_from: torch.Tensor | None = None) -> torch.Tensor:
+                                   decode_from: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """q [T, H, D] (sequence b's chunk: rows query_start_loc[b] .. [b + 1] - 1, the last of its seq_lens[b]
     positions) over the pool [Hkv, NB, bs, D] into out [T, H, D] (contiguous), causal, as
     `paged_prefill_attention_torch`; the arguments must pass `prefill_kernel_fits`. Rows of out past
     query_start_loc[B] are left as they are. `decode_from` [B] int32: sequence b's rows at positions from
     decode_from[b] on have the bits the decode kernel gives them (paged_prefill.c: a prompt's rows as its
-    prefill, a generated token's as its decode step); without it only the packed bf16 path differs from those."""
+    prefill, a generated token's as its decode step); without it only the packed bf16 path differs from those.
+    `window` > 0: each row attends to its last `window` positions only (all rows then take the decode arithmetic)."""
     if decode_from is not None and not (decode_from.dtype == torch.int32 and decode_from.is_contiguous()
                                         and decode_from.shape == (block_tables.shape[0],)):
         raise ValueError("decode_from must be a contiguous int32 [num_seqs]")
@@ -320,7 +330,7 @@ def paged_prefill_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(), num_tokens,
         out.data_ptr(), block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-        int(q.dtype == torch.bfloat16), None if decode_from is None else decode_from.data_ptr())
+        int(q.dtype == torch.bfloat16), None if decode_from is None else decode_from.data_ptr(), _window(window))
     if status == -3:
         raise MemoryError("the native prefill kernel could not allocate its packed key tiles")
     if status == -1:
@@ -521,12 +531,13 @@ def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array
                   intermediate: int, eps: float,
                   scale: float, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, k_pool: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
-                  scratch: torch.Tensor) -> None:
+                  scratch: torch.Tensor, windows: ctypes.Array | None = None) -> None:
     """One decode step of B sequences (bf16 or fp32 rows, h's type) through a dense Llama's layers and final norm
     (kernels/cpu/decode_layers.c): h [B, hidden] (the embedding rows in, the final normed rows out, in place), residual
     [B, hidden] and scratch the file's scratch; `weights`, `formats` and `pools` the arrays it describes, `k_pool`
     layer 0's K pool (its shape gives the pools'); positions, slots [B] int64, block_tables [B, width] int32 (unit
-    column stride), seq_lens [B] int32. The caller checks types, layouts and sizes (worker/models/native_decode.py);
+    column stride), seq_lens [B] int32, `windows` each layer's sliding window (int32, 0: full; None: all full). The
+    caller checks types, layouts and sizes (worker/models/native_decode.py);
     the kernels check positions, slots, lengths and table entries, and a ValueError says which."""
     num_blocks, block_size = k_pool.shape[1], k_pool.shape[2]
     status = _library().decode_layers(
@@ -534,7 +545,7 @@ def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array
         num_kv_heads, head_dim, intermediate, eps, scale, positions.data_ptr(), slots.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), num_blocks,
         block_size, cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], int(is_neox), scratch.data_ptr(),
-        int(h.dtype == torch.bfloat16))
+        int(h.dtype == torch.bfloat16), windows)
     if status == -1:
         raise ValueError(f"the native decode step takes no head_dim {head_dim}, group {num_heads // num_kv_heads} "
                          f"or {h.shape[0]} rows")
@@ -563,13 +574,13 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.library.custom_op("infer::paged_decode_cpu", mutates_args=("out",))
 def paged_decode_cpu_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                        seq_lens: torch.Tensor, scale: float, out: torch.Tensor, window: int = 0) -> None:
     """`paged_decode_attention_native` as a torch operator, so that a compiled step graph (worker/step_graphs.py)
     calls the kernel instead of tracing into it; `out` is written in place."""
-    paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window)
 
 
 @paged_decode_cpu_op.register_fake
 def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-      seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+      seq_lens: torch.Tensor, scale: float, out: torch.Tensor, window: int = 0) -> None:
     return None

@@ -12,6 +12,9 @@ Two operations, each a Triton kernel plus a PyTorch twin of the same signature:
   prefix and themselves (all read from the pool, so K/V must be appended first). A query length of 1 is a
   decode, so this one kernel serves mixed prefill + decode batches.
 
+Every operation takes `window`: 0 for full causal attention, W > 0 for a sliding window, where the query at
+position p attends to keys in (p - W, p] only (transformers' `sliding_window`, Mistral's and Gemma's layers).
+
 Sequence i's token j lives at slot block_tables[i, j // block_size] * block_size + j % block_size.
 Scores and the softmax run in float32 (fp32 inputs use IEEE fp32 dot products, not TF32); outputs are in
 q's dtype.
@@ -91,7 +94,8 @@ class DecodeTile:
     num_rows: int
     padded_len: int               # tile length in tokens: whole blocks, to the tile's longest sequence
     pool_rows: torch.Tensor       # [Hkv * num_rows * padded_len / bs] int64, see _pool_rows
-    mask: torch.Tensor | None     # [1, num_rows, 1, padded_len] bool
+    mask: torch.Tensor | None     # [1, num_rows, 1, padded_len] bool: positions seen (past the length, or before
+                                  # the window, hidden)
 
 
 @dataclass(frozen=True)
@@ -101,13 +105,14 @@ class DecodePlan:
     num_seqs: int
     pool_shape: tuple[int, ...]
     tiles: tuple[DecodeTile, ...]
+    window: int = 0
 
 
 def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor,
-                host_lens: Sequence[int] | None = None) -> DecodePlan:
-    """The twin's plan for these sequences over a pool shaped like `k_cache`. `host_lens`, a host copy of
-    `seq_lens`, saves reading them back from the device. Sequences sorted by length are cut into tiles
-    whose lengths lie within _TILE_SPREAD and whose gathered K + V take about _TILE_BYTES."""
+                host_lens: Sequence[int] | None = None, window: int = 0) -> DecodePlan:
+    """The twin's plan for these sequences over a pool shaped like `k_cache`, attending with `window` (0:
+    full). `host_lens`, a host copy of `seq_lens`, saves reading them back from the device. Sequences sorted by
+    length are cut into tiles whose lengths lie within _TILE_SPREAD and whose gathered K + V take about _TILE_BYTES."""
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     lens = list(host_lens) if host_lens is not None else seq_lens.tolist()
     if len(lens) != seq_lens.shape[0]:
@@ -129,18 +134,23 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: tor
         max_len = max(lens[rows[-1]], 1)
         table_width = -(-max_len // block_size)
         mask = None
-        if any(lens[r] != table_width * block_size for r in rows):
+        if window or any(lens[r] != table_width * block_size for r in rows):
             positions = torch.arange(table_width * block_size, device=seq_lens.device)
-            mask = (positions[None, :] < seq_lens[index][:, None])[None, :, None, :]
+            tile_lens = seq_lens[index][:, None]
+            seen = positions[None, :] < tile_lens
+            if window:
+                seen &= positions[None, :] >= tile_lens - window
+            mask = seen[None, :, None, :]
         pool_rows = _pool_rows(block_tables[index, :table_width], num_kv_heads, num_blocks)
         tiles.append(DecodeTile(index, len(rows), table_width * block_size, pool_rows, mask))
-    return DecodePlan(len(lens), tuple(k_cache.shape), tuple(tiles))
+    return DecodePlan(len(lens), tuple(k_cache.shape), tuple(tiles), window)
 
 
 def paged_decode_attention_compiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                    window: int = 0) -> torch.Tensor:
     """Decode attention written for the compiler (CPU step graphs): q [B, H, D] over every row's whole table
-    width, positions past each length masked; returns [B, H, D] in q's dtype, float32 inside.
+    width, positions past each length (and before its window) masked; returns [B, H, D] in q's dtype, float32 inside.
 
     Scores and outputs are broadcast products reduced over the head dim and over the context, taken from the
     pool through the block tables. Under torch.compile, inductor folds each indexing into the loop of its
@@ -156,7 +166,10 @@ def paged_decode_attention_compiled(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     values = v_cache[:, tables].view(num_kv_heads, num_seqs, context, 1, head_dim)
     queries = q.view(num_seqs, num_kv_heads, group, 1, head_dim).transpose(0, 1)   # [Hkv, B, G, 1, D]
     scores = (queries.float() * keys.float()).sum(-1) * scale                       # [Hkv, B, G, L]
-    hidden = torch.arange(context, device=q.device)[None, :] >= seq_lens[:, None]   # [B, L]
+    key_pos = torch.arange(context, device=q.device)[None, :]
+    hidden = key_pos >= seq_lens[:, None]                                            # [B, L]
+    if window:
+        hidden |= key_pos < seq_lens[:, None] - window
     probs = scores.masked_fill(hidden[None, :, None, :], float("-inf")).softmax(-1)
     out = (probs.transpose(2, 3).unsqueeze(-1) * values.float()).sum(2)            # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
@@ -172,10 +185,11 @@ def _as_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
 def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                  out: torch.Tensor | None = None, num_splits: int | None = None,
-                                 plan: DecodePlan | None = None) -> torch.Tensor:
+                                 plan: DecodePlan | None = None, window: int = 0) -> torch.Tensor:
     """q [B, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks] int32; seq_lens [B] int32 (>= 1).
     Returns out [B, H, D] (written in place when given). `num_splits` only steers the Triton kernel;
-    `plan` (from `plan_decode` on the same tables, lengths and pool shape) saves re-planning per layer.
+    `plan` (from `plan_decode` on the same tables, lengths, pool shape and window) saves re-planning per layer.
+    `window` > 0: each sequence attends to its last `window` positions (0: all).
 
     Grouped-query attention without repeating K/V: SDPA sees the KV heads as its batch and the sequences as
     its heads, q [Hkv, n, H / Hkv, D] against K, V [Hkv, n, L, D], which is exactly the gathered layout.
@@ -186,10 +200,10 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if num_seqs == 0:
         return out
     if plan is None:
-        plan = plan_decode(block_tables, seq_lens, k_cache)
-    elif plan.num_seqs != num_seqs or plan.pool_shape != tuple(k_cache.shape):
-        raise ValueError(f"the decode plan is for {plan.num_seqs} sequences over a pool {plan.pool_shape}, "
-                         f"not {num_seqs} over {tuple(k_cache.shape)}")
+        plan = plan_decode(block_tables, seq_lens, k_cache, window=window)
+    elif plan.num_seqs != num_seqs or plan.pool_shape != tuple(k_cache.shape) or plan.window != window:
+        raise ValueError(f"the decode plan is for {plan.num_seqs} sequences over a pool {plan.pool_shape} with window "
+                         f"{plan.window}, not {num_seqs} over {tuple(k_cache.shape)} with window {window}")
     num_kv_heads = k_cache.shape[0]
     grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
     for tile in plan.tiles:
@@ -205,10 +219,11 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                                  max_query_len: int | None = None) -> torch.Tensor:
+                                  max_query_len: int | None = None, window: int = 0) -> torch.Tensor:
     """q [T, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks]; seq_lens [B] (context after this
     step); query_start_loc [B + 1] int32 (offsets into T). Returns out [T, H, D]; rows of T past
-    query_start_loc[B] are left as they are. `max_query_len` only steers the Triton kernel's grid.
+    query_start_loc[B] are left as they are. `max_query_len` only steers the Triton kernel's grid. `window` > 0:
+    the query at position p attends to keys in (p - window, p] (0: [0, p]).
 
     The query-length-1 sequences go, all together, to the decode twin; each longer chunk is one SDPA call.
     """
@@ -222,17 +237,18 @@ def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if decodes:
         seqs, tokens = _as_index(decodes, q.device), _as_index([starts[i] for i in decodes], q.device)
         out[tokens] = paged_decode_attention_torch(q[tokens], k_cache, v_cache, block_tables[seqs],
-                                                   seq_lens[seqs], scale)
+                                                   seq_lens[seqs], scale, window=window)
     for i in range(num_seqs):
         start, end = starts[i], starts[i + 1]
         if end - start > 1:
-            out[start:end] = _chunk_attention(q[start:end], k_cache, v_cache, block_tables[i], lens[i], scale)
+            out[start:end] = _chunk_attention(q[start:end], k_cache, v_cache, block_tables[i], lens[i], scale,
+                                              window)
     return out
 
 
 def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     context_len: int, scale: float) -> torch.Tensor:
-    """One chunk: q [n, H, D], the last n of `context_len` positions -> [n, H, D], causal."""
+                     context_len: int, scale: float, window: int = 0) -> torch.Tensor:
+    """One chunk: q [n, H, D], the last n of `context_len` positions -> [n, H, D], causal (within `window`)."""
     n = q.shape[0]
     if n > context_len:
         raise ValueError(f"a chunk of {n} queries cannot end a context of {context_len} tokens")
@@ -241,12 +257,14 @@ def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     keys = _gather(k_cache, tables).transpose(0, 1)[:, :, :context_len]  # [1, Hkv, ctx, D]
     values = _gather(v_cache, tables).transpose(0, 1)[:, :, :context_len]
     queries = q.transpose(0, 1).unsqueeze(0)                                # [1, H, n, D]
-    if n == context_len:
+    if n == context_len and not window:
         mask, causal = None, True
     else:  # causal, aligned to the bottom right: query j sits at position context_len - n + j
         key_pos = torch.arange(context_len, device=q.device)
         query_pos = torch.arange(context_len - n, context_len, device=q.device)
         mask, causal = key_pos[None, :] <= query_pos[:, None], False
+        if window:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
                                          enable_gqa=True)
     return out[0].transpose(0, 1)
@@ -274,10 +292,12 @@ def _load_kv_tile(k_ptr, v_ptr, tables_ptr, table_base, head_base, stride_kb, st
 @triton.jit
 def _online_softmax_step(s, v, m, l_sum, acc):
     """Fold one tile of masked scores s [R, N] (-inf where hidden) and its V [N, DIM_PAD] into the running
-    max m [R], normaliser l_sum [R] and unnormalised output acc [R, DIM_PAD]."""
+    max m [R], normaliser l_sum [R] and unnormalised output acc [R, DIM_PAD]. A row that has seen nothing yet
+    (its window starts past this tile) keeps m -inf and adds zeros."""
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
     l_sum = l_sum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_sum, acc
@@ -290,7 +310,7 @@ def _decode_kernel(
     stride_kh, stride_kb, stride_ks,          # K and V share strides; D is contiguous
     stride_tb,
     stride_ob, stride_oh,
-    scale, split_tokens,
+    scale, split_tokens, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
@@ -298,6 +318,7 @@ def _decode_kernel(
     # for tl.dot); columns = BLOCK_N context tokens per step, which may span several pool blocks.
     # Split s reduces context tokens [s * per_split, (s + 1) * per_split): `split_tokens` when it is > 0
     # (fixed boundaries: the result does not depend on the batch or the grid), else the length / NUM_SPLITS.
+    # With window > 0 only positions >= seq_len - window are seen: tiles before the one holding it are skipped.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -318,11 +339,12 @@ def _decode_kernel(
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     head_base = kv_head * stride_kh
-    for n0 in range(start, end, BLOCK_N):
-        _, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
-                                       stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+    low = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)   # one type on every path (no branch)
+    for n0 in range(tl.maximum(start, low // BLOCK_N * BLOCK_N), end, BLOCK_N):
+        pos, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
+                                         stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                     # [GROUP_PAD, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where((valid & (pos >= low))[None, :], s, float("-inf"))
         m, l_sum, acc = _online_softmax_step(s, v, m, l_sum, acc)
 
     nonempty = l_sum > 0
@@ -399,7 +421,8 @@ def _pads(group: int, head_dim: int) -> tuple[int, int]:
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                   out: torch.Tensor | None = None, num_splits: int | None = None,
-                                  plan: DecodePlan | None = None, split_tokens: int | None = None) -> torch.Tensor:
+                                  plan: DecodePlan | None = None, split_tokens: int | None = None,
+                                  window: int = 0) -> torch.Tensor:
     """Same contract as `paged_decode_attention_torch`. `num_splits` (a power of two) defaults to enough
     programs to fill the device, bounded by the context the block tables can hold; `split_tokens` (from
     `decode_split_tokens`, a multiple of 64) instead fixes each split's span, and the splits then cover
@@ -433,7 +456,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale, split_tokens or 0,
+        block_tables.stride(0), out.stride(0), out.stride(1), scale, split_tokens or 0, window,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=DECODE_TILE, NUM_SPLITS=num_splits,
     )
@@ -454,7 +477,7 @@ def _prefill_kernel(
     stride_kh, stride_kb, stride_ks,
     stride_tb,
     stride_ot, stride_oh,
-    scale,
+    scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -476,8 +499,9 @@ def _prefill_kernel(
     g = r % GROUP_PAD
     d = tl.arange(0, DIM_PAD)
     row_valid = (local < q_len) & (g < GROUP)
-    # Rows that hold no query take the chunk's last position, so that no row sees only masked keys.
-    query_pos = tl.where(row_valid, prefix + local, seq_len - 1)
+    # Rows that hold no query take the tile's last position, so that no row sees only masked keys.
+    end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_Q)  # the tile's last query sees keys < end
+    query_pos = tl.where(row_valid, prefix + local, end - 1)
     token = (q_start + local).to(tl.int64)
     heads = kv_head * GROUP + g
     io_mask = row_valid[:, None] & (d < HEAD_DIM)[None, :]
@@ -487,13 +511,17 @@ def _prefill_kernel(
     m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
-    end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_Q)  # the tile's last query sees keys < end
     head_base = kv_head * stride_kh
-    for n0 in range(0, end, BLOCK_N):
+    # with window > 0, row r sees keys in (query_pos - window, query_pos]: tiles before the tile's first query's
+    # window are skipped
+    low = tl.where(window > 0, tl.maximum(prefix + tile * BLOCK_Q - window + 1, 0), 0)
+    for n0 in range(low // BLOCK_N * BLOCK_N, end, BLOCK_N):
         pos, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
                                          stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        s = tl.where(valid[None, :] & (pos[None, :] <= query_pos[:, None]), s, float("-inf"))
+        seen = valid[None, :] & (pos[None, :] <= query_pos[:, None])
+        seen = seen & ((window <= 0) | (pos[None, :] > query_pos[:, None] - window))
+        s = tl.where(seen, s, float("-inf"))
         m, l_sum, acc = _online_softmax_step(s, v, m, l_sum, acc)
     result = acc / l_sum[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -503,7 +531,7 @@ def _prefill_kernel(
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                    query_start_loc: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                                   max_query_len: int | None = None) -> torch.Tensor:
+                                   max_query_len: int | None = None, window: int = 0) -> torch.Tensor:
     """Same contract as `paged_prefill_attention_torch`. `max_query_len` (a host int) sizes the grid; without
     it, the grid covers T query tokens per sequence (correct, with idle programs)."""
     num_seqs = block_tables.shape[0]
@@ -525,7 +553,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale,
+        block_tables.stride(0), out.stride(0), out.stride(1), scale, window,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=64,
     )
@@ -539,30 +567,33 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
-                           plan: DecodePlan | None = None, split_tokens: int | None = None) -> torch.Tensor:
+                           plan: DecodePlan | None = None, split_tokens: int | None = None,
+                           window: int = 0) -> torch.Tensor:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
     the twin (see `paged_decode_attention_torch`). The CPU paths reduce each sequence in one pass and ignore
     `num_splits` / `split_tokens` (and the native kernel `plan`)."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits,
-                                             plan, split_tokens)
+                                             plan, split_tokens, window)
     if decode_kernel_fits(q, k_cache, block_tables, seq_lens) and (out is None or out.is_contiguous()):
         _check(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
         out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-        return paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
-    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan)
+        return paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window)
+    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan,
+                                        window)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, out: torch.Tensor | None = None,
-                            max_query_len: int | None = None, decode_from: torch.Tensor | None = None) -> torch.Tensor:
+                            max_query_len: int | None = None, decode_from: torch.Tensor | None = None,
+                            window: int = 0) -> torch.Tensor:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
     the twin (see `paged_prefill_attention_torch`). `decode_from`: the native kernel's (its rows from those
     positions with the decode kernel's bits); the others ignore it."""
     if use_triton(q):
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                              out, max_query_len)
+                                              out, max_query_len, window)
     if prefill_kernel_fits(q, k_cache, block_tables, seq_lens, query_start_loc) and (out is None
                                                                                      or out.is_contiguous()):
         num_seqs = block_tables.shape[0]
@@ -571,6 +602,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
         out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
         return paged_prefill_attention_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                              out, decode_from)
+                                              out, decode_from, window)
     return paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                         max_query_len)
+                                         max_query_len, window)

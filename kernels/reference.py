@@ -11,9 +11,10 @@ import torch
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                              scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                              scale: float, out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """q [T, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks]; seq_lens [B];
-    query_start_loc [B + 1]. Sequence i's queries are its last q_len_i positions and attend causally.
+    query_start_loc [B + 1]. Sequence i's queries are its last q_len_i positions and attend causally, to keys
+    in (p - window, p] with a sliding window > 0.
     Scores and softmax in float32; returns out [T, H, D] in q's dtype."""
     num_heads = q.shape[1]
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -29,6 +30,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         queries = q[start:end].float().transpose(0, 1)                          # [H, n, D]
         scores = queries @ keys.transpose(1, 2) * scale                          # [H, n, ctx]
         query_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
-        scores.masked_fill_(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
+        hidden = positions[None, None, :] > query_pos[None, :, None]
+        if window:
+            hidden |= positions[None, None, :] <= query_pos[None, :, None] - window
+        scores.masked_fill_(hidden, float("-inf"))
         out[start:end] = (scores.softmax(dim=-1) @ values).transpose(0, 1).to(q.dtype)
     return out

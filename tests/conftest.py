@@ -53,7 +53,7 @@ def smollm2_tokenizer():
 
 TINY_CONFIGS: dict[str, dict] = {
     # Small enough to run in milliseconds, shaped to exercise GQA (4:2, 6:2, 5:1), q/k norm, qkv bias,
-    # tied embeddings, rope scaling and sliding-window-free Mistral.
+    # tied embeddings, rope scaling, sliding-window-free Mistral and a Mistral with a window of 16.
     "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                   rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5),
@@ -61,6 +61,10 @@ TINY_CONFIGS: dict[str, dict] = {
                     num_attention_heads=6, num_key_value_heads=2, head_dim=16, sliding_window=None,
                     rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
                     tie_word_embeddings=False),
+    "mistral-swa": dict(model_type="mistral", hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                        num_attention_heads=6, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                        rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False),
     "qwen2": dict(model_type="qwen2", hidden_size=80, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=5, num_key_value_heads=1, rope_theta=1000000.0,
                   max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,

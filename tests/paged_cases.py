@@ -73,8 +73,9 @@ def context_of(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.T
     return cache[:, blocks, positions % block_size].transpose(0, 1)
 
 
-def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
-    """float64, one sequence and one head at a time: the definition, [T, H, D]."""
+def reference_attention(batch: PagedBatch, scale: float, window: int = 0) -> torch.Tensor:
+    """float64, one sequence and one head at a time: the definition, [T, H, D]. `window` > 0: the query at
+    position p sees keys in (p - window, p] only."""
     num_heads = batch.q.shape[1]
     group = num_heads // batch.k_cache.shape[0]
     out = torch.empty(batch.q.shape, dtype=torch.float64, device=batch.q.device)
@@ -85,7 +86,10 @@ def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         start, end = starts[i], starts[i + 1]
         n = end - start
         query_pos = torch.arange(context_len - n, context_len, device=out.device)
-        visible = torch.arange(context_len, device=out.device)[None, :] <= query_pos[:, None]  # [n, ctx]
+        key_pos = torch.arange(context_len, device=out.device)[None, :]
+        visible = key_pos <= query_pos[:, None]  # [n, ctx]
+        if window:
+            visible &= key_pos > query_pos[:, None] - window
         for h in range(num_heads):
             scores = batch.q[start:end, h].double() @ keys[:, h // group].T * scale
             probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)

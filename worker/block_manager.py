@@ -26,6 +26,12 @@ import xxhash
 from infer.worker.request import Request
 
 
+# A block-table entry whose block was given back (`release_before`): its positions are out of every layer's
+# sliding window, so no step reads them again. The tensors the kernels get name block 0 (or the step graphs'
+# scratch block) there.
+RELEASED = -1
+
+
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """Chain hash of one full block: xxh64 over the parent's hash (8 bytes, absent for the first block)
     followed by the block's token ids as native-endian int64."""
@@ -63,7 +69,9 @@ class BlockManager:
       (ref_count > 0 = the number of block-table entries naming it, not in the free queue);
     - `_cached[h]` holds exactly the cached blocks whose hash is h, and holds no empty sets;
     - a request's table has no repeated block, and its cached blocks form a leading run (blocks are
-      registered in order, and a held block keeps its registration).
+      registered in order, and a held block keeps its registration);
+    - entries RELEASED (blocks given back out of every window) form a leading run of the table, and with prefix
+      caching never reach its last registered block (the parent of the next one to register).
 
     Free order: when a request frees its blocks, blocks that hold cached content go to the back of the
     queue in reverse table order (a sequence's tail is evicted before its head, as in vLLM); blocks with
@@ -260,7 +268,8 @@ class BlockManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
         hashes = self._block_hashes(request, num_full)
         first = num_full
-        while first > 0 and self._blocks[request.block_table[first - 1]].content is None:
+        while (first > 0 and request.block_table[first - 1] != RELEASED
+               and self._blocks[request.block_table[first - 1]].content is None):
             first -= 1
         for i in range(first, num_full):
             parent_key = self._parent_key(request, i)
@@ -295,6 +304,22 @@ class BlockManager:
                 forgotten += 1
         return forgotten
 
+    def release_before(self, request: Request, position: int) -> int:
+        """Give back the request's leading blocks that hold only positions < `position` (out of every layer's
+        window for all its later queries), keeping with prefix caching its last registered block. Their table
+        entries become RELEASED; cached ones join the free queue as a freed request's do. Returns how many."""
+        count = max(0, position) // self.block_size
+        if self.enable_prefix_caching:
+            count = min(count, request.num_computed_tokens // self.block_size - 1)
+        released = 0
+        for index in range(min(count, len(request.block_table))):
+            block_id = request.block_table[index]
+            if block_id != RELEASED:
+                self._unref(block_id)
+                request.block_table[index] = RELEASED
+                released += 1
+        return released
+
     def free(self, request: Request) -> None:
         """Drop the request's references (tail first), clear its table and its computed count.
 
@@ -302,11 +327,12 @@ class BlockManager:
         Raises ValueError, changing nothing, if the table names a block more often than it is
         referenced (a double free).
         """
-        for block_id, count in Counter(request.block_table).items():
+        held = [block_id for block_id in request.block_table if block_id != RELEASED]
+        for block_id, count in Counter(held).items():
             if self._blocks[block_id].ref_count < count:
                 raise ValueError(f"request {request.request_id!r} frees block {block_id}, "
                                  f"which is already free")
-        for block_id in reversed(request.block_table):
+        for block_id in reversed(held):
             self._unref(block_id)
         request.block_table.clear()
         request.num_computed_tokens = 0
@@ -358,9 +384,14 @@ class BlockManager:
     def _check_ref_counts(self, holders: Iterable[Request]) -> None:
         counts = [0] * self.num_blocks
         for request in holders:
-            if len(set(request.block_table)) != len(request.block_table):
+            held = [block_id for block_id in request.block_table if block_id != RELEASED]
+            if len(set(held)) != len(held):
                 raise ValueError(f"request {request.request_id!r} names a block twice: {request.block_table}")
-            for block_id in request.block_table:
+            if request.block_table[:len(request.block_table) - len(held)] != [RELEASED] * (
+                    len(request.block_table) - len(held)):
+                raise ValueError(f"request {request.request_id!r}: released entries are no leading run: "
+                                 f"{request.block_table}")
+            for block_id in held:
                 counts[block_id] += 1
         for block, count in zip(self._blocks, counts, strict=True):
             if block.ref_count != count:

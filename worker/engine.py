@@ -138,7 +138,7 @@ class Engine:
             max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, policy=config.scheduling_policy,
-            priority_aging_steps=config.priority_aging_steps))
+            priority_aging_steps=config.priority_aging_steps, release_window=release_window(self.model)))
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.max_model_len, self.device,
                                   self.sampler,
@@ -743,6 +743,13 @@ def tensor_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequen
             child.wait(timeout=10)
         raise
     return engine
+
+
+def release_window(model: torch.nn.Module) -> int:
+    """The scheduler's release window (SchedulerConfig.release_window): the largest of the model's sliding windows
+    when every layer has one (`layer_windows`), else 0 (a full-attention layer needs every block)."""
+    windows = tuple(getattr(model, "layer_windows", ()))
+    return max(windows) if windows and all(windows) else 0
 
 
 def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,

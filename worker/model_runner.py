@@ -121,7 +121,8 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
             logits_indices.append(len(input_ids) - 1)
 
     max_blocks = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    # released entries (-1: out of every window, never read) name block 0
+    table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32).clamp_(min=0)
     pos = torch.tensor(positions, dtype=torch.int64)
     lens = torch.tensor(query_lens, dtype=torch.int64)
     seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), lens)

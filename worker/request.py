@@ -45,7 +45,8 @@ class Request:
 
     Invariants:
     - `token_ids` is prompt followed by output; `num_prompt_tokens` splits them.
-    - `num_computed_tokens` tokens of `token_ids` have their KV in the blocks of `block_table`.
+    - `num_computed_tokens` tokens of `token_ids` have their KV in the blocks of `block_table`, except leading
+      entries RELEASED (block_manager.py): blocks given back once out of every layer's sliding window.
       Preemption (recompute) drops the blocks and resets it to 0; the output tokens are kept and
       recomputed as part of the "prompt" of the next prefill.
     - `block_hashes[i]` is the prefix-cache hash of full block i of `token_ids` (filled lazily).

@@ -62,6 +62,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"                 # "fcfs" or "priority" (see the module docstring)
     priority_aging_steps: int = 1000     # "priority": steps after which a waiting request ranks first (aging)
+    # > 0 when every layer of the model has a sliding window: the largest. After each step a running request's
+    # blocks wholly before position num_computed_tokens - release_window + 1 are given back (no later query
+    # of it sees them). 0: every block is kept until the request ends.
+    release_window: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -71,6 +75,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.release_window, bool) or not isinstance(self.release_window, int) or self.release_window < 0:
+            raise ValueError(f"release_window must be an integer >= 0, got {self.release_window!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -317,8 +323,9 @@ class Scheduler:
         return step.output()
 
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """Mark each chunk's tokens computed and register newly full blocks in the prefix cache.
-        Chunks of requests finished or aborted since `schedule()` are skipped."""
+        """Mark each chunk's tokens computed and register newly full blocks in the prefix cache; with a
+        release window, give back the blocks out of it. Chunks of requests finished or aborted since
+        `schedule()` are skipped."""
         for chunk in output.chunks:
             request = chunk.request
             if not self._is_running(request):
@@ -329,6 +336,8 @@ class Scheduler:
                                  f"(a stale or repeated output?)")
             request.num_computed_tokens = chunk.end
             self.block_manager.cache_full_blocks(request)
+            if self.config.release_window:
+                self.block_manager.release_before(request, chunk.end - self.config.release_window + 1)
 
     def _rank(self, request: Request) -> tuple[int, int, int]:
         """Lower is served first: arrival under "fcfs"; under "priority" aged requests by arrival, then the

@@ -83,7 +83,7 @@ def pad_decode(rows: Sequence[DecodeRow], bucket: int, width: int, block_size: i
         input_ids.append(row.token_id)
         positions.append(row.position)
         slots.append(table[row.position // block_size] * block_size + row.position % block_size)
-        tables.extend(table)
+        tables.extend(block if block >= 0 else scratch_block for block in table)   # released (-1): never read
         tables.extend([scratch_block] * (width - len(table)))
         lens.append(row.position + 1)
     num_padding = bucket - len(rows)

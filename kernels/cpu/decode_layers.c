@@ -52,7 +52,7 @@ int append_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, 
 int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                  const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
                  void *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                 int64_t num_blocks, float scale, int is_bf16);
+                 int64_t num_blocks, float scale, int is_bf16, int window);
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d,
                  int is_bf16);
 
@@ -95,7 +95,7 @@ int decode_layers(void *h, void *residual, const void *const *weights, const int
                   int64_t intermediate, float eps, float scale, const int64_t *positions, const int64_t *slots,
                   const int32_t *tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
                   int64_t num_blocks, int block_size, const float *cos_sin, int64_t num_positions, int is_neox,
-                  void *scratch, int is_bf16) {
+                  void *scratch, int is_bf16, const int32_t *windows) {
     const int64_t q_size = (int64_t)num_heads * head_dim, kv_size = (int64_t)num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter2 = 2 * intermediate, elem = is_bf16 ? 2 : 4;
     char *normed = scratch, *qkv = normed + rows * hidden * elem, *attn = qkv + rows * qkv_size * elem;
@@ -123,7 +123,7 @@ int decode_layers(void *h, void *residual, const void *const *weights, const int
             return status;
         if ((status = paged_decode(qkv, qkv_size, k_pool, v_pool, tables, table_stride, table_width, seq_lens, attn,
                                    (int)rows, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-                                   is_bf16)))
+                                   is_bf16, windows ? windows[i] : 0)))
             return status;
         if ((status = linear(w, f, 1, attn, out, rows, hidden, q_size, is_bf16))) return status;
         if ((status = rms_norm(out, hidden, residual, hidden, w[3], normed, hidden, rows, (int)hidden, eps, is_bf16)))

@@ -13,11 +13,14 @@
  *
  * One task per (sequence, KV head) and its rows: `tokens` consecutive query tokens, each with the G = H / Hkv
  * query heads of that KV head (row r: token r / G, head r % G), all reading the same K and V rows, converted to
- * fp32 once; token i sees positions 0 .. first_len + i - 1 (a decode: one token seeing the whole context).
+ * fp32 once; token i sees positions 0 .. first_len + i - 1 (a decode: one token seeing the whole context), or with
+ * a sliding window W > 0 only the last W of them, first_len + i - W .. first_len + i - 1 (clamped at 0).
  * Chunk by chunk of positions, an online softmax (running max m, sum l, accumulator acc) in fp32 per row, as
  * the Triton kernel does; the output is acc / l in the pool's type.
  *
- * Each row's arithmetic depends only on its own q, its length and the keys, never on the other rows: a
+ * Chunks of positions start at multiples of the chunk width (16, 8, or a block), from the chunk holding the task's
+ * first seen position; a row takes part only in the chunks where it sees a position, masking the others in them.
+ * Each row's arithmetic depends only on its own q, its length, the window and the keys, never on the other rows: a
  * sequence's output does not change with the batch around it, and a prefill row has the bits of the decode of
  * the same position (a stream resumed elsewhere from its delivered tokens goes on as it would have).
  *
@@ -66,6 +69,7 @@ typedef struct {
     char *out;
     int64_t out_token_bytes;
     int first_len;            /* positions token 0 sees; token i sees first_len + i */
+    int window;               /* > 0: each token sees only its last `window` positions; 0: all of them */
 } Rows;
 
 static inline const char *q_of(const Rows *rows, int r, int group, int64_t row_bytes) {
@@ -89,6 +93,32 @@ static inline int seen_by(const Rows *rows, int r, const int tokens, int group, 
     if (tokens == 1) return width;
     int n = rows->first_len + r / group - start;
     return n < width ? n : width;
+}
+
+/* The first position row r sees (0 without a window). */
+static inline int row_low(const Rows *rows, int r, int group) {
+    if (!rows->window) return 0;
+    int low = rows->first_len + r / group - rows->window;
+    return low > 0 ? low : 0;
+}
+
+/* The first position of the chunk (of `width` positions, chunks aligned to multiples of it) where row 0 starts
+ * seeing: rows later in the task start no earlier. */
+static inline int first_chunk(const Rows *rows, int width) {
+    return row_low(rows, 0, 1) / width * width;
+}
+
+/* How many rows (from row 0) see a position before `end`: the rows past them start later (windows only). */
+static inline int rows_seeing_before(const Rows *rows, int end, const int tokens, int group, int nrows) {
+    if (!rows->window || tokens == 1) return nrows;
+    int t = end - rows->first_len + rows->window;   /* tokens t' < t have row_low < end */
+    return t >= tokens ? nrows : t * group;
+}
+
+/* Of the positions from `start`, how many row r skips at the front of the chunk (its window starts later). */
+static inline int skipped_by(const Rows *rows, int r, int group, int start) {
+    int n = row_low(rows, r, group) - start;
+    return n > 0 ? n : 0;
 }
 
 /* q . k in a fixed order, whatever the compiler vectorizes: 8 running sums over the dims, added pairwise, then the
@@ -117,32 +147,33 @@ static inline __attribute__((always_inline)) void attend_portable(
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    for (int start = 0; start < len; start += block_size) {
+    for (int start = first_chunk(rows, block_size); start < len; start += block_size) {
         int n = len - start < block_size ? len - start : block_size;
         int lo = first_row_seeing(rows, start, tokens, group);
+        int hi = rows_seeing_before(rows, start + n, tokens, group, nrows);
         int64_t first = (int64_t)table[start / block_size] * block_size;   /* the block's first row */
         for (int t = 0; t < n; t++) {
             load_row(k_pool, first + t, is_bf16, row, head_dim);
-            for (int r = lo; r < nrows; r++) {
+            for (int r = lo; r < hi; r++) {
                 s[r][t] = dot_fixed(qf[r], row, head_dim);
             }
         }
-        for (int r = lo; r < nrows; r++) {
-            int nr = seen_by(rows, r, tokens, group, start, n);
+        for (int r = lo; r < hi; r++) {
+            int nr = seen_by(rows, r, tokens, group, start, n), skip = skipped_by(rows, r, group, start);
             float top = m[r];
-            for (int t = 0; t < nr; t++) top = s[r][t] > top ? s[r][t] : top;
+            for (int t = skip; t < nr; t++) top = s[r][t] > top ? s[r][t] : top;
             float rescale = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
-            for (int t = 0; t < nr; t++) s[r][t] = exp_nonpositive(s[r][t] - top);
+            for (int t = skip; t < nr; t++) s[r][t] = exp_nonpositive(s[r][t] - top);
             float sum = 0.0f;
-            for (int t = 0; t < nr; t++) sum += s[r][t];
+            for (int t = skip; t < nr; t++) sum += s[r][t];
             l[r] = l[r] * rescale + sum;
             m[r] = top;
             for (int d = 0; d < head_dim; d++) acc[r][d] *= rescale;
         }
         for (int t = 0; t < n; t++) {
             load_row(v_pool, first + t, is_bf16, row, head_dim);
-            for (int r = lo; r < nrows; r++) {
-                if (t >= seen_by(rows, r, tokens, group, start, n)) continue;
+            for (int r = lo; r < hi; r++) {
+                if (t >= seen_by(rows, r, tokens, group, start, n) || t < skipped_by(rows, r, group, start)) continue;
                 float p = s[r][t];
 #pragma omp simd
                 for (int d = 0; d < head_dim; d++) acc[r][d] += p * row[d];
@@ -241,14 +272,16 @@ static inline __attribute__((always_inline)) void attend_avx512(
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    int block = 0, offset = 0;   /* where the next position lives: table[block], row `offset` of it */
-    for (int start = 0; start < len; start += 16) {
+    const int from = first_chunk(rows, 16);
+    int block = from / block_size, offset = from % block_size;   /* where the next position lives: table[block], row `offset` of it */
+    for (int start = from; start < len; start += 16) {
         const int n = len - start < 16 ? len - start : 16, lo = first_row_seeing(rows, start, tokens, group);
+        const int hi = rows_seeing_before(rows, start + n, tokens, group, nrows);
         next_rows(offsets, n, table, &block, &offset, block_size, row_bytes);
         prefetch_next(k_pool, v_pool, table, block, offset, start + 16, len, 16, block_size, row_bytes);
         for (int t = 0; t < 16; t++) {
             if (t >= n) {
-                for (int r = lo; r < nrows; r++) partial[r][t] = _mm512_setzero_ps();
+                for (int r = lo; r < hi; r++) partial[r][t] = _mm512_setzero_ps();
                 continue;
             }
             const char *row = (const char *)k_pool + offsets[t];
@@ -256,7 +289,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
             if (dp) {
                 __m512i k2[MAX_HEAD_DIM / 32];
                 for (int c = 0; c < head_dim / 32; c++) k2[c] = _mm512_loadu_si512((const void *)(row + 64 * c));
-                for (int r = lo; r < nrows; r++) {
+                for (int r = lo; r < hi; r++) {
                     __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)k2[0], (__m512bh)q2[r][0]);
                     for (int c = 1; c < head_dim / 32; c++)
                         sum = _mm512_dpbf16_ps(sum, (__m512bh)k2[c], (__m512bh)q2[r][c]);
@@ -267,16 +300,16 @@ static inline __attribute__((always_inline)) void attend_avx512(
 #endif
             __m512 k[MAX_HEAD_DIM / 16];
             for (int c = 0; c < nv; c++) k[c] = load16(row, c, is_bf16);
-            for (int r = lo; r < nrows; r++) {
+            for (int r = lo; r < hi; r++) {
                 __m512 sum = _mm512_mul_ps(qv[r][0], k[0]);
                 for (int c = 1; c < nv; c++) sum = _mm512_fmadd_ps(qv[r][c], k[c], sum);
                 partial[r][t] = sum;
             }
         }
         float probs[MAX_ROWS][16];
-        for (int r = lo; r < nrows; r++) {
-            const int seen = seen_by(rows, r, tokens, group, start, n);
-            const __mmask16 valid = (__mmask16)((1u << seen) - 1u);
+        for (int r = lo; r < hi; r++) {
+            const int seen = seen_by(rows, r, tokens, group, start, n), skip = skipped_by(rows, r, group, start);
+            const __mmask16 valid = (__mmask16)(((1u << seen) - 1u) & ~((1u << skip) - 1u));
             __m512 scores = lane_sums(partial[r]);
             if (dp) scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
             float top = _mm512_mask_reduce_max_ps(valid, scores);
@@ -292,8 +325,8 @@ static inline __attribute__((always_inline)) void attend_avx512(
             const char *row = (const char *)v_pool + offsets[t];
             __m512 v[MAX_HEAD_DIM / 16];
             for (int c = 0; c < nv; c++) v[c] = load16(row, c, is_bf16);
-            for (int r = lo; r < nrows; r++) {
-                if (t >= seen_by(rows, r, tokens, group, start, n)) continue;
+            for (int r = lo; r < hi; r++) {
+                if (t >= seen_by(rows, r, tokens, group, start, n) || t < skipped_by(rows, r, group, start)) continue;
                 __m512 p = _mm512_set1_ps(probs[r][t]);
                 for (int c = 0; c < nv; c++) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
             }
@@ -340,28 +373,31 @@ static inline __attribute__((always_inline)) void attend_avx2(
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    int block = 0, offset = 0;   /* where the next position lives: table[block], row `offset` of it */
-    for (int start = 0; start < len; start += 8) {
+    const int from = first_chunk(rows, 8);
+    int block = from / block_size, offset = from % block_size;   /* where the next position lives: table[block], row `offset` of it */
+    for (int start = from; start < len; start += 8) {
         const int n = len - start < 8 ? len - start : 8, lo = first_row_seeing(rows, start, tokens, group);
+        const int hi = rows_seeing_before(rows, start + n, tokens, group, nrows);
         next_rows(offsets, n, table, &block, &offset, block_size, row_bytes);
         prefetch_next(k_pool, v_pool, table, block, offset, start + 8, len, 8, block_size, row_bytes);
         for (int t = 0; t < 8; t++) {
             if (t >= n) {
-                for (int r = lo; r < nrows; r++) partial[r][t] = _mm256_setzero_ps();
+                for (int r = lo; r < hi; r++) partial[r][t] = _mm256_setzero_ps();
                 continue;
             }
             const char *row = (const char *)k_pool + offsets[t];
             __m256 k[MAX_HEAD_DIM / 8];
             for (int c = 0; c < nv; c++) k[c] = load8(row, c, is_bf16);
-            for (int r = lo; r < nrows; r++) {
+            for (int r = lo; r < hi; r++) {
                 __m256 sum = _mm256_mul_ps(qv[r][0], k[0]);
                 for (int c = 1; c < nv; c++) sum = _mm256_fmadd_ps(qv[r][c], k[c], sum);
                 partial[r][t] = sum;
             }
         }
         float probs[MAX_ROWS][8];
-        for (int r = lo; r < nrows; r++) {
-            const __m256 valid = lanes_below(seen_by(rows, r, tokens, group, start, n));
+        for (int r = lo; r < hi; r++) {
+            const __m256 valid = _mm256_andnot_ps(lanes_below(skipped_by(rows, r, group, start)),
+                                                  lanes_below(seen_by(rows, r, tokens, group, start, n)));
             __m256 scores = lane_sums8(partial[r]);
             float top = hmax8(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, valid));
             top = top > m[r] ? top : m[r];
@@ -376,8 +412,8 @@ static inline __attribute__((always_inline)) void attend_avx2(
             const char *row = (const char *)v_pool + offsets[t];
             __m256 v[MAX_HEAD_DIM / 8];
             for (int c = 0; c < nv; c++) v[c] = load8(row, c, is_bf16);
-            for (int r = lo; r < nrows; r++) {
-                if (t >= seen_by(rows, r, tokens, group, start, n)) continue;
+            for (int r = lo; r < hi; r++) {
+                if (t >= seen_by(rows, r, tokens, group, start, n) || t < skipped_by(rows, r, group, start)) continue;
                 __m256 p = _mm256_set1_ps(probs[r][t]);
                 for (int c = 0; c < nv; c++) acc[r][c] = _mm256_fmadd_ps(p, v[c], acc[r][c]);
             }
@@ -453,14 +489,15 @@ static int shapes_fit(int group, int head_dim, int block_size) {
            || block_size < 1 ? -1 : 0;
 }
 
-/* Decodes: 0 on success; -1 for shapes past the limits above (the caller checks them first), -2 for a length < 1
+/* Decodes (`window` > 0: each sees its last `window` positions; 0: all): 0 on success; -1 for shapes past the limits above (the caller checks them first), -2 for a length < 1
  * or past the table, or a table entry outside the pool (nothing is computed then). Elements are bf16 or fp32 by
  * is_bf16. */
 int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                  const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
                  void *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                 int64_t num_blocks, float scale, int is_bf16) {
+                 int64_t num_blocks, float scale, int is_bf16, int window) {
     int group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4;
+    if (window < 0) return -1;
     if (shapes_fit(group, head_dim, block_size)) return -1;
     for (int64_t b = 0; b < num_seqs; b++) {   /* nothing read outside the pool or the table */
         int64_t len = seq_lens[b], used = (len + block_size - 1) / block_size;
@@ -477,7 +514,7 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void
     for (int64_t i = 0; i < tasks; i++) {
         int64_t b = i / num_kv_heads, h = i % num_kv_heads;
         Rows rows = {(const char *)q + (b * q_stride + h * group * head_dim) * elem, 0,
-                     (char *)out + (b * num_heads + h * group) * head_dim * elem, 0, seq_lens[b]};
+                     (char *)out + (b * num_heads + h * group) * head_dim * elem, 0, seq_lens[b], window};
         task(&rows, (const char *)k_pool + h * head_stride, (const char *)v_pool + h * head_stride,
              block_tables + b * table_stride, 1, group, head_dim, block_size, scale);
     }
@@ -492,8 +529,8 @@ int attend_max_tokens(int group) { return MAX_ROWS / group; }
 
 void attend_rows(const void *q, int64_t q_token_bytes, const void *k_pool, const void *v_pool, const int32_t *table,
                  int first_len, int tokens, void *out, int64_t out_token_bytes, int group, int head_dim,
-                 int block_size, float scale, int is_bf16) {
-    Rows rows = {(const char *)q, q_token_bytes, (char *)out, out_token_bytes, first_len};
+                 int block_size, float scale, int is_bf16, int window) {
+    Rows rows = {(const char *)q, q_token_bytes, (char *)out, out_token_bytes, first_len, window};
     task_fn task = is_bf16 ? pick_bf16(0, group, head_dim) : pick_f32(0, group, head_dim);
     task(&rows, k_pool, v_pool, table, tokens, group, head_dim, block_size, scale);
 }

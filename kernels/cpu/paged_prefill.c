@@ -16,7 +16,8 @@
  *   arithmetic for a few tokens at once, so that each row has the bits the decode of its position would have
  *   (a stream resumed from its delivered tokens, prefilled here, goes on exactly as it would have).
  * Both keep an online softmax (running max m, sum l) in fp32 per row, as the decode kernel; query token t at
- * position len - n + t sees keys 0 .. len - n + t. The output is acc / l in the pool's type. Every task's
+ * position len - n + t sees keys 0 .. len - n + t (with a sliding window W > 0: len - n + t - W + 1 .. len - n + t, and
+ * every row takes the decode arithmetic, no packed path). The output is acc / l in the pool's type. Every task's
  * arithmetic depends only on its own rows and keys, so a sequence's output does not change with the batch
  * around it.
  */
@@ -35,7 +36,7 @@
 int attend_max_tokens(int group);
 void attend_rows(const void *q, int64_t q_token_bytes, const void *k_pool, const void *v_pool, const int32_t *table,
                  int first_len, int tokens, void *out, int64_t out_token_bytes, int group, int head_dim,
-                 int block_size, float scale, int is_bf16);
+                 int block_size, float scale, int is_bf16, int window);
 
 #if defined(__AVX512BF16__)
 /* ---- bf16 with AVX512-BF16: keys packed once, 32 at a time, and multiplied by pairs of bf16 (vdpbf16ps) ----
@@ -287,9 +288,9 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const voi
                   const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
                   const int32_t *query_start_loc, int64_t num_tokens, void *out, int num_seqs, int num_heads,
                   int num_kv_heads, int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16,
-                  const int32_t *decode_from) {
+                  const int32_t *decode_from, int window) {
     int group = num_heads / num_kv_heads;
-    if (group < 1 || group > PF_MAX_GROUP || group * num_kv_heads != num_heads || head_dim > PF_MAX_HEAD_DIM
+    if (window < 0 || group < 1 || group > PF_MAX_GROUP || group * num_kv_heads != num_heads || head_dim > PF_MAX_HEAD_DIM
             || head_dim % 16 || block_size > PF_MAX_BLOCK || block_size < 1)
         return -1;
     for (int64_t b = 0; b < num_seqs; b++) {   /* nothing read or written outside q, out, the pool or the table */
@@ -304,7 +305,7 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const voi
     }
     const int elem = is_bf16 ? 2 : 4;
 #if defined(__AVX512BF16__)
-    const int packing = is_bf16;
+    const int packing = is_bf16 && !window;   /* windowed layers: every row with the decode arithmetic */
 #else
     const int packing = 0;
 #endif
@@ -399,7 +400,7 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const voi
             attend_rows(qh + t * q_stride * elem, q_stride * elem, (const char *)k_pool + h * head_stride,
                         (const char *)v_pool + h * head_stride, block_tables + b * table_stride,
                         seq_lens[b] - n + t + 1, stop - t, oh + t * out_token_bytes, out_token_bytes, group, head_dim,
-                        block_size, scale, is_bf16);
+                        block_size, scale, is_bf16, window);
         }
     }
 #if defined(__AVX512BF16__)

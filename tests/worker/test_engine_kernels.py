@@ -18,20 +18,22 @@ from prompts import varied_prompts
 
 
 def _reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, plan=None,
-                      split_tokens=None):
+                      split_tokens=None, window=0):
     starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, starts, scale, out)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, starts, scale, out, window)
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
-                       max_query_len=None, decode_from=None):
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+                       max_query_len=None, decode_from=None, window=0):
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                     window)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["smollm2", "qwen2"])
+@pytest.mark.parametrize("model", ["smollm2", "qwen2", "mistral-swa"])
 def test_twins_match_plain_attention_greedy(model, smollm2_dir, tiny_model_dir, smollm2_tokenizer, monkeypatch):
-    path = smollm2_dir if model == "smollm2" else tiny_model_dir(model)  # qwen2: 5 query heads per KV head
+    # qwen2: 5 query heads per KV head; mistral-swa: a window of 16 on every layer
+    path = smollm2_dir if model == "smollm2" else tiny_model_dir(model)
     texts = varied_prompts(6, longest_words=400)
     prompts = [smollm2_tokenizer(t)["input_ids"] for t in texts + [texts[-1] + " and then some more"]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -1,14 +1,15 @@
 """The Llama family in one implementation: Llama, Mistral, Qwen2, Qwen3, SmolLM2.
 
 They differ only in details read from the config (`LlamaVariant`): biases on the qkv / o / MLP projections,
-per-head RMSNorm of q and k before rope (Qwen3), an explicit head_dim, and tied embeddings.
+per-head RMSNorm of q and k before rope (Qwen3), an explicit head_dim, tied embeddings, and each layer's
+sliding window (`layer_windows`). A config that asks for anything else that changes the math is refused at
+load, naming it (`refuse_unsupported`).
 Module and parameter names follow transformers', except for the fused `qkv_proj` and `gate_up_proj`
 (see `packed_modules_mapping`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,8 +31,6 @@ from infer.worker.models.layers import (
     silu_and_mul,
 )
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class LlamaVariant:
@@ -52,22 +51,80 @@ class LlamaVariant:
                    qk_norm=config.model_type in ("qwen3", "qwen3_moe"))
 
 
-def sliding_window_of(config: Any) -> int | None:
-    """The attention window if any layer of the config uses one (not implemented: attention is full)."""
-    layer_types = getattr(config, "layer_types", None) or ()
-    if config.model_type in ("qwen2", "qwen3"):
-        return config.sliding_window if "sliding_attention" in layer_types else None
-    return getattr(config, "sliding_window", None)
+# Model types whose transformers implementation applies `sliding_window` to every layer when it is set (and no
+# `layer_types` says otherwise). Llama's ignores the field.
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Config fields that change the math where set (not None / False / 0), none of which these layers implement.
+_UNSUPPORTED_FIELDS = {
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "query_pre_attn_scalar": "a query pre-attention scalar",
+    "attention_chunk_size": "chunked attention",
+    "no_rope_layers": "layers without rope",
+    "sinks": "attention sinks",
+    "use_attention_sinks": "attention sinks",
+    "logits_scaling": "logit scaling",
+    "embedding_multiplier": "an embedding multiplier",
+    "attention_multiplier": "an attention multiplier",
+    "residual_multiplier": "a residual multiplier",
+    "use_bidirectional_attention": "bidirectional attention",
+}
+
+
+def refuse_unsupported(config: Any, implemented: frozenset[str] = frozenset()) -> None:
+    """NotImplementedError naming the first config feature these layers do not compute (rope types are checked
+    by RotaryEmbedding, activations by the MLPs, layer types by `layer_windows`); `implemented`: the fields a
+    family's own layers compute."""
+    for name, what in _UNSUPPORTED_FIELDS.items():
+        if name in implemented:
+            continue
+        value = getattr(config, name, None)
+        if value is not None and value is not False and value != 0:
+            raise NotImplementedError(f"{config.model_type}: {name}={value!r} ({what}) is not supported")
+
+
+def layer_windows(config: Any) -> tuple[int, ...]:
+    """Each layer's sliding window (keys in (p - W, p] for the query at p), 0 for full attention, as transformers
+    reads the config: `layer_types` ("sliding_attention" / "full_attention", Qwen2 / Qwen3 derive it from
+    `use_sliding_window` and `max_window_layers`) where given, else `sliding_window` on every layer for the types
+    whose transformers model applies it so. NotImplementedError for another layer type, ValueError for a window
+    that is no positive int."""
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None and config.model_type in ("qwen2", "qwen3") and getattr(config, "use_sliding_window", False):
+        first = getattr(config, "max_window_layers", num_layers)
+        layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                       for i in range(num_layers)]
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+        if unknown:
+            raise NotImplementedError(f"{config.model_type}: layer type(s) {', '.join(unknown)} are not supported; "
+                                      f"supported: {', '.join(_LAYER_TYPES)}")
+        if "sliding_attention" not in layer_types:
+            return (0,) * num_layers
+    elif config.model_type in _WINDOW_ON_EVERY_LAYER and window is not None:
+        layer_types = ["sliding_attention"] * num_layers
+    else:
+        return (0,) * num_layers
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"{config.model_type}: sliding_window must be a positive int, got {window!r}")
+    return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
 class LlamaAttention(nn.Module):
     """Self-attention over the paged KV pool. With tensor parallelism this rank computes its query heads
     (tp.part of them) and the KV heads they read (`TensorParallel.kv_heads`); o_proj sums the ranks'
-    partial outputs."""
+    partial outputs. `window` > 0: a sliding window (see `layer_windows`); 0: full causal attention."""
 
     def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype, tp: TensorParallel) -> None:
+                 dtype: torch.dtype, tp: TensorParallel, window: int = 0) -> None:
         super().__init__()
+        self.window = window
         total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_heads = len(tp.part(total_heads, "the number of attention heads"))
         kv_heads = tp.kv_heads(total_kv_heads)
@@ -96,7 +153,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary_emb(positions, q, None)  # q in place; K is rotated by the KV append as it is stored
         out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.rotary_emb.cos_sin_cache,
-                              self.rotary_emb.is_neox)
+                              self.rotary_emb.is_neox, self.window)
         return self.o_proj(out.view(num_tokens, -1))
 
 
@@ -125,10 +182,10 @@ class LlamaDecoderLayer(nn.Module):
     sublayer (a `LlamaMLP`, or an MoE block in the MoE models)."""
 
     def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype, mlp: nn.Module, tp: TensorParallel) -> None:
+                 dtype: torch.dtype, mlp: nn.Module, tp: TensorParallel, window: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, variant, head_dim, rotary_emb, dtype, tp)
+        self.self_attn = LlamaAttention(config, variant, head_dim, rotary_emb, dtype, tp, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = mlp
 
@@ -160,8 +217,9 @@ class LlamaModel(nn.Module):
                 return LlamaMLP(config, variant, dtype, tp)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.rotary_emb = RotaryEmbedding(config, head_dim)
+        windows = layer_windows(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype, mlp_factory(i), tp)
+            LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype, mlp_factory(i), tp, windows[i])
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tp_size = tp.size
@@ -199,6 +257,11 @@ class LlamaForCausalLM(nn.Module):
     # each. (The MoE models' expert dispatch is data-dependent: they run eagerly.)
     supports_step_graphs: ClassVar[bool] = True
 
+    # What a family built on these classes changes: the model it runs (same constructor as LlamaModel) and the
+    # config fields of _UNSUPPORTED_FIELDS its layers compute.
+    base_model_class: ClassVar[Callable[..., nn.Module]] = LlamaModel
+    implemented_fields: ClassVar[frozenset[str]] = frozenset()
+
     def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -211,12 +274,10 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim: int = (getattr(config, "head_dim", None)
                               or config.hidden_size // config.num_attention_heads)
         self.vocab_size: int = config.vocab_size
-        self.sliding_window = sliding_window_of(config)
-        if self.sliding_window is not None:
-            logger.warning("%s: sliding-window attention (window %d) is not implemented; attention is full, "
-                           "which matches the model only up to %d tokens", config.model_type,
-                           self.sliding_window, self.sliding_window)
-        self.model = LlamaModel(config, self.head_dim, dtype, mlp_factory, self.tp)
+        refuse_unsupported(config, self.implemented_fields)
+        # each layer's sliding window, 0 for full attention (every layer's KV blocks are kept: none are freed)
+        self.layer_windows: tuple[int, ...] = layer_windows(config)
+        self.model = self.base_model_class(config, self.head_dim, dtype, mlp_factory, self.tp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, self.tp)
         if getattr(config, "tie_word_embeddings", False):
             self.tie_lm_head()

@@ -81,6 +81,8 @@ class NativeDecoder:
         weights.append(model.norm.weight)
         self.weights = (ctypes.c_void_p * len(weights))(*[None if t is None else t.data_ptr() for t in weights])
         self.formats = (ctypes.c_int32 * len(formats))(*formats)
+        # each layer's sliding window (0: full), as the layers' own attention takes it
+        self.windows = (ctypes.c_int32 * len(layers))(*[layer.self_attn.window for layer in layers])
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scratch = torch.empty(GEMV_MAX_ROWS * (2 * self.hidden + 2 * q_size + 2 * kv_size + 3 * self.intermediate),
                                    dtype=self.dtype)
@@ -153,5 +155,5 @@ class NativeDecoder:
         decode_layers(h, self.residual, self.weights, self.formats, self.pool_addresses(kv_cache), self.num_layers,
                       self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, self.eps, self.scale,
                       batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens, kv_cache.k[0],
-                      rotary.cos_sin_cache, rotary.is_neox, self.scratch)
+                      rotary.cos_sin_cache, rotary.is_neox, self.scratch, self.windows)
         return h
