@@ -2,7 +2,8 @@
 supervises a DP rank of P stage processes. Greedy output equals transformers on tiny random Llamas at PP 2 (tied
 head) and PP 3 with an uneven partition, with prompts of varied lengths in one batch, chunked prefill (a small
 token budget) and prefix-cache hits. kill -9 of a stage mid-stream: its DP rank leaves routing, every stream
-completes on the other rank with the reference tokens, and nothing of the struck rank is left running. Stages
+completes on the other rank with the reference tokens, and nothing of the struck rank is left running; the same
+for a stage that hangs (SIGSTOP: --pp-timeout). Stages
 started one by one with --pp-rank end whole when one is killed while idle; a stage started with another partition
 is refused with both sides named."""
 
@@ -117,7 +118,8 @@ def _stages(proc) -> list[int]:
     return sorted(_children(proc.popen.pid))
 
 
-async def test_a_killed_stage_takes_its_dp_rank_out(cluster_factory, five_layers, wait_until):
+@pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
+async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers, wait_until, fault):
     want = _one_process(five_layers, FAULT_PROMPTS, LONG)
     cluster = cluster_factory()
     cluster.coordinator()
@@ -131,7 +133,7 @@ async def test_a_killed_stage_takes_its_dp_rank_out(cluster_factory, five_layers
         supervisor = cluster.proc_of(busiest.worker_id)
         struck["rank"], struck["stages"] = supervisor, _stages(supervisor)
         assert len(struck["stages"]) == 3
-        os.kill(struck["stages"][1], signal.SIGKILL)       # the middle stage
+        os.kill(struck["stages"][1], signal.SIGKILL if fault == "kill -9" else signal.SIGSTOP)   # the middle stage
 
         async def out_of_routing():
             return not next(w for w in (await client.stats()).workers if w.worker_id == busiest.worker_id).healthy

@@ -114,6 +114,15 @@ def test_v1_refuses_what_it_lacks(tiny_model_dir):
     assert WorkerFlags(pp_size=2, dist_init="tcp://h:9").pipeline({"SLURM_PROCID": "5"}).rank == 1
 
 
+def test_coordinator_mode_starts_its_workers_with_the_pp_size(tiny_model_dir):
+    from infer.client.llm import LLMOptions
+    from infer.worker.cli import build_parser
+
+    options = LLMOptions(model=str(tiny_model_dir("llama")), use_coordinator=True, pipeline_parallel_size=2)
+    args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1", *options.worker_args()])
+    assert args.pp_size == 2 and args.tp_size is None
+
+
 def test_moe_models_are_refused(tmp_path, smollm2_tokenizer):
     from moe_models import tiny_mixtral
     from transformers import AutoConfig
