@@ -73,12 +73,13 @@ first non-zero one.
     The members run in a process group of their own (a signal to the supervisor's group reaches only it) and
     die with it (SIGKILL when it dies, kill -9 included)."""
     dist_init = options.dist_init or f"tcp://127.0.0.1:{free_local_port()}"
+    member = "PP stage" if rank_flag == "--pp-rank" else "TP rank"
     env = {**os.environ, TP_SUPERVISED.name: "1"}
     children = []
     for rank in range(options.size):
         cmd = [sys.executable, "-m", "infer.worker.daemon", *argv, rank_flag, str(rank), "--dist-init", dist_init]
         children.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, process_group=0))
-        log.info("TP rank %d of this DP rank: pid %d", rank, children[-1].pid)
+        log.info("%s %d of this DP rank: pid %d", member, rank, children[-1].pid)
 
     def forward(signum: int, _frame: object) -> None:
         if children[0].poll() is None:
@@ -97,7 +98,7 @@ first non-zero one.
         try:
             child.wait(timeout=SUPERVISOR_GRACE_S)
         except subprocess.TimeoutExpired:
-            log.warning("TP rank %d (pid %d) did not exit with its group; killing it", children.index(child),
+            log.warning("%s %d (pid %d) did not exit with its group; killing it", member, children.index(child),
                         child.pid)
             child.kill()
             child.wait(timeout=SUPERVISOR_GRACE_S)

@@ -94,6 +94,11 @@ def test_pp3_uneven_equals_transformers(five_layers):
     llm = LLM(model=str(five_layers), pipeline_parallel_size=3, **OPTIONS)
     try:
         assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+        engine = llm._engine                           # stage 0: layers 0 and 1 of 2,2,1, their KV, the embedding
+        names = set(dict(engine.model.lm.named_parameters()))
+        assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1"}
+        assert "model.embed_tokens.weight" in names and not any(n.startswith(("lm_head", "model.norm")) for n in names)
+        assert len(engine.kv_cache.k) == 2 and engine.model.num_layers == 2
     finally:
         llm.close()
 
