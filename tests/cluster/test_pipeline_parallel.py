@@ -3,7 +3,7 @@ supervises a DP rank of P stage processes. Greedy output equals transformers on 
 head) and PP 3 with an uneven partition, with prompts of varied lengths in one batch, chunked prefill (a small
 token budget) and prefix-cache hits. kill -9 of a stage mid-stream: its DP rank leaves routing, every stream
 completes on the other rank with the reference tokens, and nothing of the struck rank is left running; the same
-for a stage that hangs (SIGSTOP: --pp-timeout). Stages
+for a stage that hangs (SIGSTOP: --pp-timeout); `infer-serve --pp-size 2` restarts a struck rank whole. Stages
 started one by one with --pp-rank end whole when one is killed while idle; a stage started with another partition
 is refused with both sides named."""
 
@@ -188,3 +188,58 @@ def test_a_stage_with_another_partition_is_refused(cluster_factory, five_layers)
     text = other.text()
     assert "layers 1,4" in text and "stage 0" in text and "layers 3,2" in text, text
     assert first.wait(timeout=60) != 0
+
+
+class _Clients:
+    """What streams_through_a_fault needs of a cluster: its clients."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def client(self):
+        from infer.client import InferenceClient
+
+        return InferenceClient(self.address, connect_timeout=30)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+async def test_infer_serve_restarts_a_pipeline_whole_after_kill_9_of_a_stage(tiny_model_dir, tmp_path):
+    """`infer-serve --workers 2 --pp-size 2`: kill -9 of one rank's stage 1 mid-stream. The rank's streams end
+    exactly on the other rank, infer-serve restarts the whole rank (its stage 0 exits non-zero), and both DP ranks
+    are healthy again."""
+    from serve_harness import Served
+
+    from infer.client import InferenceClient
+
+    served = Served(tiny_model_dir("llama"), tmp_path / "serve.log", "tiny",
+                    ["--threads", "1", "--pp-size", "2", "--dtype", "float32"])
+    try:
+        async with InferenceClient(served.address) as client:
+            reference = [c.token_ids for c in await asyncio.gather(*(client.generate(p, LONG) for p in PROMPTS))]
+        ranks = [pid for pid in _children(served.proc.pid) if "infer.worker.daemon" in _cmdline(pid)]
+        stage1 = [pid for rank in ranks for pid in _children(rank) if "--pp-rank\x001" in _cmdline(pid)]
+        assert len(ranks) == 2 and len(stage1) == 2, (ranks, stage1)
+        killed_at = 0.0
+
+        async def kill(_client):
+            nonlocal killed_at
+            os.kill(stage1[0], signal.SIGKILL)
+            killed_at = time.monotonic()
+
+        streams, _ = await streams_through_a_fault(_Clients(served.address), PROMPTS, LONG, kill, finish_timeout=120)
+        assert_exact_streams(streams, reference)
+        async with InferenceClient(served.address, connect_timeout=30) as client:
+            stats = await client.wait_for_workers(2, 60 - (time.monotonic() - killed_at))
+        assert stats.num_healthy_workers == 2, stats
+        assert "restarting it in" in served.log.read_text()
+        now = [pid for rank in _children(served.proc.pid) if "infer.worker.daemon" in _cmdline(rank)
+               for pid in _children(rank)]
+        assert stage1[0] not in now and len(now) == 4, now
+    finally:
+        served.stop()
