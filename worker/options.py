@@ -26,8 +26,8 @@ KEY_FLAGS = ("curve_key", "coordinator_key")
 class WorkerOptions:
     """The worker's own options (the engine's are EngineConfig). Times are seconds."""
 
-    coordinator: str = option(help="the coordinator's address, tcp://HOST:PORT (required, except by TP ranks > 0: "
-                                   "only TP rank 0 talks to the coordinator)")
+    coordinator: str = option(help="the coordinator's address, tcp://HOST:PORT (required, except by TP ranks and "
+                                   "pipeline stages > 0: only rank / stage 0 talks to the coordinator)")
     worker_id: str = option(help="this worker's identity (default: hostname-pid)")
     dp_rank: int | None = option(None, "this worker's DP rank (default: the coordinator assigns the lowest free "
                                        "one, and keeps it when the worker registers again)")
@@ -107,8 +107,8 @@ class WorkerFlags:
                                      "from stage 0, before giving up", metavar="S")
     ep_size: int = option(1, "ranks in this EP group (1: no group)")
     ep_rank: int | None = option(None, "this rank in the group (default: $RANK, else $SLURM_PROCID %% ep-size)")
-    dist_init: str | None = option(None, "the EP / TP group's rendezvous, tcp://HOST:PORT, the same on every "
-                                         "member (default: tcp://$MASTER_ADDR:$MASTER_PORT)")
+    dist_init: str | None = option(None, "the EP / TP group's (or pipeline's) rendezvous, tcp://HOST:PORT, the "
+                                         "same on every member (default: tcp://$MASTER_ADDR:$MASTER_PORT)")
     ep_timeout: float = option(60.0, "seconds a group collective waits for a member before giving up", metavar="S")
     curve_key: str | None = option(None, "this worker's secret key file (infer-keygen NAME writes NAME.key_secret; "
                                          "its NAME.key goes into the coordinator's --authorized-keys directory)",
