@@ -16,7 +16,9 @@ gives capacity (a model over several processes' memory), not speed; micro-batche
 checks that it agrees with stage 0 on P and the layer partition, then every stage compares its model files, dtype
 and sizes (`check_same_model`), and the stages agree on the KV block count (the smallest).
 
-**Faults** as for TP groups: every point-to-point wait has the group's timeout (`--pp-timeout`); stage 0 notices
+**Faults** as for TP groups: every point-to-point wait of a step has the group's timeout (`--pp-timeout`; joining,
+loading and the agreements before serving have at least STARTUP_TIMEOUT_S, so that stages that load at different
+speeds on a busy machine still meet); stage 0 notices
 a stage gone even while idle (its command connection closes) and gives its requests back and exits non-zero,
 telling the others to stop with its code; a stage that hears nothing from stage 0 for the timeout, or whose
 connection closes, or whose send / receive fails, exits non-zero. A restarting launcher restarts the whole rank.
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
     from infer.worker.engine import Engine
 
 log = logging.getLogger("infer.worker")
+
+STARTUP_TIMEOUT_S = 300.0   # the least time the stages get to meet, load and agree before serving
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,7 @@ def join(config: EngineConfig, options: PpOptions) -> tuple[PipelineGroup, Path,
         local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or str(options.rank)
         config = dataclasses.replace(config, device=f"cuda:{int(local) % max(1, torch.cuda.device_count())}")
         device = pick_device(config.device)
-    timeout = datetime.timedelta(seconds=options.timeout_s)
+    timeout = datetime.timedelta(seconds=max(options.timeout_s, STARTUP_TIMEOUT_S))   # steps: options.timeout_s
     split = ",".join(str(len(r)) for r in layers)
     store = _rendezvous(options.dist_init, options.rank, options.size, split, timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
