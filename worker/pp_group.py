@@ -186,15 +186,14 @@ class PipelineGroup:
 
 # ---- joining the world ----------------------------------------------------------------------------------
 
-def refuse_unsupported(config: EngineConfig, model_config: Any) -> None:
-    """ValueError naming what v1 lacks for this model or these options."""
+def refuse_unsupported(model_config: Any) -> None:
+    """ValueError naming what v1 lacks for this model (a transformers config)."""
     from infer.worker.models.registry import model_class
 
     cls = model_class(model_config)
     if getattr(cls, "supports_expert_parallel", False):
         raise ValueError(f"pipeline parallelism does not support MoE models yet ({model_config.model_type!r}: its "
                          f"MoE layers are not split into stages); serve it with --tp-size / --ep-size")
-    del config
 
 
 def join(config: EngineConfig, options: PpOptions) -> tuple[PipelineGroup, Path, EngineConfig]:
@@ -214,7 +213,7 @@ def join(config: EngineConfig, options: PpOptions) -> tuple[PipelineGroup, Path,
         raise ValueError("joining a pipeline needs this process's --pp-rank and the group's --dist-init")
     path = resolve_model(config.model)
     model_config = AutoConfig.from_pretrained(str(path))
-    refuse_unsupported(config, model_config)
+    refuse_unsupported(model_config)
     layers = options.layers(model_config.num_hidden_layers)
     device = pick_device(config.device)
     if device.type == "cuda" and device.index is None:

@@ -25,8 +25,9 @@ from torch import nn
 
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.gguf import close_gguf_files
-from infer.worker.loader import build_model, file_tensors, load_named_tensors, materialize, pack_weights, quant_plan
-from infer.worker.loader import weight_files
+from infer.worker.loader import (
+    build_model, file_tensors, load_named_tensors, materialize, pack_weights, quant_plan, weight_files
+)
 from infer.worker.models.layers import deferred_weights
 from infer.worker.pp_group import PipelineGroup, agree_min
 
@@ -52,7 +53,9 @@ class StageModel:
         return self.forward(batch, kv_cache)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Stage 0: this stage's part of the forward, handed on; the row numbers [T] (see the module doc)."""
+        """This stage's part of the forward: from the embedding (stage 0) or the previous stage's (hidden, residual),
+        through its layers, to the next stage or (the last) the normed hidden states kept for "logits". Returns the
+        row numbers [T] (stage 0's runner indexes them; see the module doc)."""
         model = self.lm.model
         num_tokens = batch.input_ids.shape[0]
         if self.group.is_first:
