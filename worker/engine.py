@@ -23,7 +23,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -50,6 +50,9 @@ from infer.worker.structured import (COMPILE_TIMEOUT_S, CompilesFull, GrammarCom
                                      step_cost_error)
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
+
+if TYPE_CHECKING:
+    from infer.worker.pp_stage import StageLoader
 
 log = logging.getLogger("infer.engine")
 
@@ -86,7 +89,7 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, ep: ExpertParallel | None = None, *, model: object = None,
-                 tokenizer: object = None, tp: TensorParallel | None = None, stage: Any = None) -> None:
+                 tokenizer: object = None, tp: TensorParallel | None = None, stage: StageLoader | None = None) -> None:
         """`model` / `tokenizer`: build the engine around weights already in memory (a transformers
         PreTrainedModel, whose weights are copied into our implementation, or one of our own model objects,
         used as is) instead of `config.model`'s files; the tokenizer is then required (see worker/in_memory.py).
@@ -120,9 +123,11 @@ class Engine:
             self.model_id = config.model_id
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
-            self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp,
-                                    config.quantization) if stage is None else \
-                stage.load_model(self.model_path, self.dtype, self.device, config.quantization)
+            if stage is None:
+                self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp,
+                                        config.quantization)
+            else:   # this stage's layers only
+                self.model = stage.load_model(self.model_path, self.dtype, self.device, config.quantization)
             self._weight_files = [weight_files(self.model_path)]
         self.prompt_token_bytes = max_token_bytes(self.tokenizer)   # bounds text prompts before tokenizing
         self.vocab_size = int(self.model.vocab_size)
