@@ -251,8 +251,17 @@ def _rendezvous(dist_init: str, rank: int, size: int, split: str, timeout: datet
     store = dist.TCPStore(parts.hostname, parts.port, None if rank else size, rank == 0, timeout=timeout,
                           wait_for_workers=False)
     mine = f"{size} stages, layers {split}"
+    theirs = store.get("infer/pp-layout/0").decode() if rank else mine   # read before stage 0 can see ours, and go
     store.set(f"infer/pp-layout/{rank}", mine)
-    theirs = store.get("infer/pp-layout/0").decode()
+    if rank == 0:   # every stage's layout, so that stage 0 leaves at once too when one differs
+        keys = [f"infer/pp-layout/{stage}" for stage in range(size)]
+        store.wait(keys, timeout)
+        for stage, theirs in enumerate(store.multi_get(keys)):
+            if theirs.decode() != mine:
+                raise ValueError(f"pipeline stage {stage} was started with --pp-size / --pp-layer-partition giving "
+                                 f"{theirs.decode()}, this process (stage 0 at {dist_init}) with {mine}: every stage "
+                                 f"must be given the same sizes")
+        return store
     if theirs != mine:
         raise ValueError(f"this process (pipeline stage {rank}) was started with --pp-size / --pp-layer-partition "
                          f"giving {mine}, but stage 0 at {dist_init} with {theirs}: every stage must be given the "

@@ -187,7 +187,7 @@ def test_a_stage_with_another_partition_is_refused(cluster_factory, five_layers)
     assert other.wait(timeout=60) == 2
     text = other.text()
     assert "layers 1,4" in text and "stage 0" in text and "layers 3,2" in text, text
-    assert first.wait(timeout=60) != 0
+    assert first.wait(timeout=60) == 2 and "pipeline stage 1 was started with" in first.text(), first.text()
 
 
 class _Clients:
