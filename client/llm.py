@@ -93,6 +93,10 @@ class LLMOptions:
     tensor_parallel_size: processes per engine (vLLM's name): each holds a 1/T shard of every layer
         (worker/tensor_parallel.py). Direct mode: this process is TP rank 0 and starts the other T - 1 as child
         processes; coordinator mode: every worker is started with --tp-size T.
+    pipeline_parallel_size: processes per engine (vLLM's name), each holding a contiguous range of the layers
+        (worker/pp_group.py; one batch at a time through the stages: capacity, not speed). Direct mode: this
+        process is stage 0 and starts the other P - 1 as child processes; coordinator mode: every worker is
+        started with --pp-size P. Not with tensor_parallel_size > 1 yet.
     """
 
     model: str | None = None
@@ -107,8 +111,19 @@ class LLMOptions:
     in_memory_model: Any = field(default=None, compare=False, repr=False)
     tokenizer: Any = field(default=None, compare=False, repr=False)
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        pp = self.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
+        if pp > 1 and (self.in_memory_model is not None or self.coordinator_address is not None):
+            raise ValueError(f"pipeline_parallel_size={pp} needs a model path and workers started here: an "
+                             f"in-memory model cannot be split across processes, a joined cluster is already "
+                             f"configured")
+        if pp > 1 and self.tensor_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={pp} with tensor_parallel_size={self.tensor_parallel_size}: "
+                             f"pipeline stages that are TP groups (PP x TP) are not supported yet")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -166,7 +181,8 @@ class LLMOptions:
 
     def worker_args(self) -> list[str]:
         """The infer-worker flags for the engine options (model included), the TP size, and the log level."""
-        return (self.engine_flags() + to_argv(WorkerFlags, {"tp_size": self.tensor_parallel_size})
+        return (self.engine_flags() + to_argv(WorkerFlags, {"tp_size": self.tensor_parallel_size,
+                                                            "pp_size": self.pipeline_parallel_size})
                 + logging_argv(self.log_level))
 
     def engine_flags(self) -> list[str]:
@@ -218,9 +234,9 @@ class AsyncLLM:
                  ready_timeout: float = 300.0, log_level: str = "WARNING",
                  curve_key: str | os.PathLike[str] | None = None,
                  coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
-                 tensor_parallel_size: int = 1, **engine_options: Any) -> None:
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **engine_options: Any) -> None:
         self._init(LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
-                              tensor_parallel_size=tensor_parallel_size,
+                              tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                               coordinator_address=coordinator_address, ready_timeout=ready_timeout,
                               log_level=log_level, engine_options=engine_options, curve_key=_model_path(curve_key),
                               coordinator_key=_model_path(coordinator_key), **_model_options(model, tokenizer)))
@@ -521,6 +537,11 @@ def _make_engine(options: LLMOptions) -> Engine:
     TP rank 0, the other ranks started as child processes."""
     from infer.worker.engine import Engine, tensor_parallel_engine
 
+    if options.pipeline_parallel_size > 1:
+        from infer.worker.pp_group import pipeline_parallel_engine
+
+        flags = options.engine_flags() + logging_argv(options.log_level)
+        return pipeline_parallel_engine(options.engine_config(), options.pipeline_parallel_size, flags)
     if options.tensor_parallel_size > 1:
         flags = options.engine_flags() + logging_argv(options.log_level)
         return tensor_parallel_engine(options.engine_config(), options.tensor_parallel_size, flags)
@@ -604,9 +625,10 @@ class LLM:
                  ready_timeout: float = 300.0, log_level: str = "WARNING",
                  curve_key: str | os.PathLike[str] | None = None,
                  coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
-                 tensor_parallel_size: int = 1, **engine_options: Any) -> None:
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **engine_options: Any) -> None:
         self.options = LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
                                   tensor_parallel_size=tensor_parallel_size,
+                                  pipeline_parallel_size=pipeline_parallel_size,
                                   coordinator_address=coordinator_address, ready_timeout=ready_timeout,
                                   log_level=log_level, engine_options=engine_options,
                                   curve_key=_model_path(curve_key), coordinator_key=_model_path(coordinator_key),

@@ -1,9 +1,9 @@
 """infer-serve: a whole cluster on one machine: a coordinator, N workers and the HTTP front, shut down cleanly.
 
-`infer-serve [--model M] [--workers N] [--tp-size T] [--threads T] [--host H] [--port 8000] [--api-key K] [--keys-dir D]
-[engine options] [-- extra worker flags]` starts `infer-coordinator` and N `infer-worker`s (the
-coordinator assigns their dp ranks), each in its own process group, waits until the coordinator reports N
-healthy workers (ClusterStats, answered by the coordinator when ready: no polling), starts the
+`infer-serve [--model M] [--workers N] [--tp-size T | --pp-size P] [--threads T] [--host H] [--port 8000]
+[--api-key K] [--keys-dir D] [engine options] [-- extra worker flags]` starts `infer-coordinator` and N
+`infer-worker`s (the coordinator assigns their dp ranks), each in its own process group, waits until the coordinator
+reports N healthy workers (ClusterStats, answered by the coordinator when ready: no polling), starts the
 OpenAI-compatible HTTP front (`infer-api`, a child too, serving on a socket this process binds and keeps),
 prints both addresses, and serves until Ctrl-C / SIGTERM or until the cluster is stopped
 (InferenceClient.stop()).
@@ -201,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads per worker")
     p.add_argument(*flag_names("--tp-size"), type=int, help="processes per worker (tensor parallelism; default 1): "
                    "each worker starts and supervises its TP group, each process holding 1/T of every layer")
+    p.add_argument(*flag_names("--pp-size"), dest="pp_size", type=int,
+                   help="pipeline stages per worker (pipeline parallelism; default 1): each worker starts and "
+                   "supervises its P stage processes, each holding a contiguous range of the layers (capacity, not "
+                   "speed: one batch at a time through the stages)")
     add_front_arguments(p)
     p.add_argument("--coordinator-host", default="127.0.0.1",
                    help="the coordinator's bind address (default 127.0.0.1)")
@@ -233,12 +237,12 @@ def coordinator_args(args: argparse.Namespace) -> list[str]:
 
 
 def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    """Every worker's flags: the engine options, the TP size, benchmark mode and the heartbeat interval given here
-    (the coordinator's too), then `extra` (after `--`)."""
+    """Every worker's flags: the engine options, the TP and PP sizes, benchmark mode and the heartbeat interval given
+    here (the coordinator's too), then `extra` (after `--`)."""
     engine = dict(given(EngineConfig, args, exclude=_TOP_LEVEL_ENGINE_OPTIONS), model=args.model,
                   num_threads=args.threads)
     worker = {"benchmark_mode": args.benchmark_mode, "heartbeat_interval": args.heartbeat_interval}
-    return (to_argv(EngineConfig, engine) + to_argv(WorkerFlags, {"tp_size": args.tp_size})
+    return (to_argv(EngineConfig, engine) + to_argv(WorkerFlags, {"tp_size": args.tp_size, "pp_size": args.pp_size})
             + to_argv(WorkerOptions, worker) + extra)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 # our flag -> vLLM's names for it (the same meaning)
 VLLM_ALIASES: dict[str, tuple[str, ...]] = {
     "--tp-size": ("--tensor-parallel-size", "-tp"),                # processes per DP rank (a TP group)
+    "--pp-size": ("--pipeline-parallel-size", "-pp"),              # pipeline stages per DP rank
     "--workers": ("--data-parallel-size", "-dp"),                  # infer-serve: DP ranks
     "--kv-cache-memory": ("--kv-cache-memory-bytes",),             # bytes of KV cache per DP rank
 }
@@ -52,8 +53,6 @@ VLLM_REFUSED: dict[str, Refused] = {
         "infer does not size memory as a share of the whole GPU: give the KV pool in bytes (--kv-cache-memory, vLLM's "
         "--kv-cache-memory-bytes) or as a share of the memory free once the weights are loaded "
         "(--kv-cache-memory-fraction)"),
-    "--pipeline-parallel-size": Refused("pipeline parallelism is not implemented (use --tp-size, and --workers for "
-                                        "data parallelism)", accepted=("1",), aliases=("-pp",)),
     "--swap-space": Refused("preemption recomputes here; there is no CPU swap space for KV blocks"),
     "--cpu-offload-gb": Refused("weights are not offloaded to CPU memory; use --quantization int8 / int4 to fit a "
                                 "model in less memory"),

@@ -21,7 +21,8 @@ from infer.worker.config import EngineConfig
 from infer.worker.core import EXIT_FATAL, EXIT_USAGE, EngineLike
 from infer.worker.daemon import Worker
 from infer.worker.group_sync import EpOptions
-from infer.worker.options import EP_FLAGS, KEY_FLAGS, TP_FLAGS, WorkerFlags, WorkerOptions
+from infer.worker.options import EP_FLAGS, KEY_FLAGS, PP_FLAGS, TP_FLAGS, WorkerFlags, WorkerOptions
+from infer.worker.pp_group import PpOptions
 from infer.worker.tp_group import TpOptions
 
 log = logging.getLogger("infer.worker")
@@ -36,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p.add_argument_group("worker options"), WorkerOptions, exclude=("coordinator",))
     add_options(p.add_argument_group("tensor parallelism (a DP rank of several processes, each holding a shard of "
                                      "every layer)"), WorkerFlags, names=TP_FLAGS)
+    pp = p.add_argument_group("pipeline parallelism (a DP rank of several processes, each holding a range of the "
+                              "layers; one batch at a time through the stages: capacity, not speed)")
+    add_options(pp, WorkerFlags, names=PP_FLAGS)
     add_options(p.add_argument_group("expert parallelism (an EP group of ranks sharing an MoE model's experts)"),
                 WorkerFlags, names=EP_FLAGS)
     add_options(p.add_argument_group("security (CurveZMQ: both flags, when the coordinator has keys)"),
@@ -100,22 +104,37 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config, flags = engine_config(args), worker_flags(args)
         ep, tp = flags.groups()
-        if tp is None or not tp.rank:   # TP ranks > 0 never talk to the coordinator
+        pp = flags.pipeline()
+        leads = (tp is None or not tp.rank) and (pp is None or not pp.rank)
+        if leads:   # TP ranks and pipeline stages > 0 never talk to the coordinator
             options = worker_options(args, flags)
+            if pp is not None and options.benchmark_mode:
+                raise ValueError("--benchmark-mode has no model, so no pipeline: leave out --pp-size")
     except ValueError as e:
         parser.error(str(e))   # exit 2
     if tp is not None and tp.rank is None:   # this DP rank's processes, on this node
         from infer.worker.tp_supervisor import supervise
 
         sys.exit(supervise(argv, tp))
-    _exit(_run(config, options if tp is None or not tp.rank else None, ep, tp))
+    if pp is not None and pp.rank is None:   # this DP rank's stages, on this node
+        from infer.worker.tp_supervisor import supervise
+
+        sys.exit(supervise(argv, pp, rank_flag="--pp-rank"))
+    _exit(_run(config, options if leads else None, ep, tp, pp))
 
 
-def _run(config: EngineConfig, options: WorkerOptions | None, ep: EpOptions | None, tp: TpOptions | None) -> int:
-    """Start the engine (joining its TP group first) and serve; the exit code. A TP rank > 0 (`options`
-    None) serves its group's rank 0 instead."""
+def _run(config: EngineConfig, options: WorkerOptions | None, ep: EpOptions | None, tp: TpOptions | None,
+         pp: PpOptions | None = None) -> int:
+    """Start the engine (joining its TP group or pipeline first) and serve; the exit code. A TP rank or pipeline
+    stage > 0 (`options` None) serves its group's rank 0 instead."""
     parallel = None
     try:
+        if pp is not None:
+            from infer.worker.pp_group import join, leader_engine, run_stage
+
+            group, path, config = join(config, pp)
+            if group.stage > 0:
+                return run_stage(config, group, path)
         if tp is not None:
             parallel, path, config = _join_tp_group(config, tp, ep)
             if parallel.tp.rank > 0:
@@ -123,7 +142,10 @@ def _run(config: EngineConfig, options: WorkerOptions | None, ep: EpOptions | No
 
                 return run_follower(config, parallel, path)
         assert options is not None
-        engine = make_engine(config, options.benchmark_mode, options.ep, options.benchmark_step_time, parallel)
+        if pp is not None:
+            engine = leader_engine(config, group)
+        else:
+            engine = make_engine(config, options.benchmark_mode, options.ep, options.benchmark_step_time, parallel)
     except ValueError as e:    # options the engine finds impossible (model path, KV budget, context length)
         log.error("fatal: %s", e)
         return EXIT_USAGE

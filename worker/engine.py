@@ -23,7 +23,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -51,6 +51,9 @@ from infer.worker.structured import (COMPILE_TIMEOUT_S, CompilesFull, GrammarCom
                                      step_cost_error)
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
+
+if TYPE_CHECKING:
+    from infer.worker.pp_stage import StageLoader
 
 log = logging.getLogger("infer.engine")
 
@@ -87,13 +90,16 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, ep: ExpertParallel | None = None, *, model: object = None,
-                 tokenizer: object = None, tp: TensorParallel | None = None) -> None:
+                 tokenizer: object = None, tp: TensorParallel | None = None, stage: StageLoader | None = None) -> None:
         """`model` / `tokenizer`: build the engine around weights already in memory (a transformers
         PreTrainedModel, whose weights are copied into our implementation, or one of our own model objects,
         used as is) instead of `config.model`'s files; the tokenizer is then required (see worker/in_memory.py).
         `tp`: this is TP rank 0 of a TP group (worker/tp_group.py); the KV pool's size is agreed with the
-        group, and `self.runner.followers` must be set before the first step."""
+        group, and `self.runner.followers` must be set before the first step. `stage`: this is stage 0 of a
+        pipeline (a worker/pp_stage.py StageLoader: this stage's layers, the KV block count agreed with the
+        others); `self.runner.followers` must be set too (worker/pp_group.py)."""
         self.config = config
+        self.stage = stage
         self.ep = ExpertParallel.single() if ep is None else ep  # this rank's share of an MoE model's experts
         self.tp = TensorParallel.single() if tp is None else tp  # this rank's shard of every layer
         if config.num_threads is not None:
@@ -104,8 +110,8 @@ class Engine:
         self._suspended: SuspendedWeights | None = None
         self._released_bytes = 0                   # what the current suspend released
         if model is not None:
-            if self.tp.size > 1:
-                raise ValueError("an in-memory model cannot be tensor-parallel: give a model path")
+            if self.tp.size > 1 or stage is not None:
+                raise ValueError("an in-memory model cannot be tensor- or pipeline-parallel: give a model path")
             loaded = in_memory_model(model, tokenizer, self.dtype, self.device, self.ep)
             self.model_path: Path | None = None
             self.model_id = config.model or loaded.model_id
@@ -118,8 +124,11 @@ class Engine:
             self.model_id = config.model_id
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
-            self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp,
-                                    config.quantization)
+            if stage is None:
+                self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp,
+                                        config.quantization)
+            else:   # this stage's layers only
+                self.model = stage.load_model(self.model_path, self.dtype, self.device, config.quantization)
             self._weight_files = [weight_files(self.model_path)]
         self.prompt_token_bytes = max_token_bytes(self.tokenizer)   # bounds text prompts before tokenizing
         self.vocab_size = int(self.model.vocab_size)
@@ -130,6 +139,8 @@ class Engine:
             from infer.worker.tp_group import agree_min
 
             num_blocks = agree_min(self.tp, num_blocks)   # every member's pool holds the same block ids
+        if stage is not None:
+            num_blocks = stage.agree_min(num_blocks)      # every stage's pool holds the same block ids
         self.kv_cache = KVCache.allocate(self.model.num_layers, num_blocks, self.block_size,
                                          self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -411,6 +422,9 @@ class Engine:
         if self.tp.size > 1:
             raise ValueError(f"{what} is not supported with tensor parallelism yet (tensor_parallel_size "
                              f"{self.tp.size}): the other ranks of the group hold their own shards")
+        if self.stage is not None:
+            raise ValueError(f"{what} is not supported with pipeline parallelism yet (pipeline_parallel_size "
+                             f"{self.stage.group.size}): the other stages hold their own layers")
 
     def _check_not_suspended(self, what: str) -> None:
         if self._suspended is not None:
@@ -430,7 +444,7 @@ class Engine:
         try:
             return step_rows(chunks, self.runner.execute(chunks))
         except Exception as error:
-            if self.ep.size > 1 or self.tp.size > 1:
+            if self.ep.size > 1 or self.tp.size > 1 or self.stage is not None:
                 raise
             log.exception("an engine step over %d request(s) failed; running them one at a time", len(chunks))
             return self._execute_one_by_one(chunks, error)

@@ -12,10 +12,12 @@ from infer.protocol.keys import CurveKeys
 from infer.protocol.messages import MAX_DP_RANK, MAX_ID_LEN
 from infer.protocol.options import option
 from infer.worker.group_sync import EpOptions
+from infer.worker.pp_group import PpOptions, parse_partition, resolve_stage
 from infer.worker.tp_group import TpOptions, resolve_ranks
 
 MAX_QUEUE_TIME_S = 86400.0   # the largest --max-queue-time
 TP_FLAGS = ("tp_size", "tp_rank", "tp_timeout")
+PP_FLAGS = ("pp_size", "pp_rank", "pp_layer_partition", "pp_timeout")
 EP_FLAGS = ("ep_size", "ep_rank", "dist_init", "ep_timeout")
 KEY_FLAGS = ("curve_key", "coordinator_key")
 
@@ -24,8 +26,8 @@ KEY_FLAGS = ("curve_key", "coordinator_key")
 class WorkerOptions:
     """The worker's own options (the engine's are EngineConfig). Times are seconds."""
 
-    coordinator: str = option(help="the coordinator's address, tcp://HOST:PORT (required, except by TP ranks > 0: "
-                                   "only TP rank 0 talks to the coordinator)")
+    coordinator: str = option(help="the coordinator's address, tcp://HOST:PORT (required, except by TP ranks and "
+                                   "pipeline stages > 0: only rank / stage 0 talks to the coordinator)")
     worker_id: str = option(help="this worker's identity (default: hostname-pid)")
     dp_rank: int | None = option(None, "this worker's DP rank (default: the coordinator assigns the lowest free "
                                        "one, and keeps it when the worker registers again)")
@@ -93,10 +95,20 @@ class WorkerFlags:
                                        "tp_size + tp_rank; TP rank 0 talks to the coordinator)")
     tp_timeout: float = option(60.0, "seconds a TP collective waits for a member, and a follower waits to hear "
                                      "from TP rank 0, before giving up", metavar="S")
+    pp_size: int = option(1, "pipeline stages in this DP rank, each a process "
+                             "holding a contiguous range of the layers. Without --pp-rank, this command starts and "
+                             "supervises all of them on this node")
+    pp_rank: int | None = option(None, "this process's stage (one process per stage, with --dist-init; default: "
+                                       "from $RANK or $SLURM_PROCID modulo pp-size; stage 0 talks to the "
+                                       "coordinator)")
+    pp_layer_partition: str | None = option(None, "layers per stage, e.g. 10,10,10 (default: an even split, the "
+                                                  "remainder on the first stages)", metavar="N,N,...")
+    pp_timeout: float = option(60.0, "seconds a stage waits for another's hidden states or logits, and for word "
+                                     "from stage 0, before giving up", metavar="S")
     ep_size: int = option(1, "ranks in this EP group (1: no group)")
     ep_rank: int | None = option(None, "this rank in the group (default: $RANK, else $SLURM_PROCID %% ep-size)")
-    dist_init: str | None = option(None, "the EP / TP group's rendezvous, tcp://HOST:PORT, the same on every "
-                                         "member (default: tcp://$MASTER_ADDR:$MASTER_PORT)")
+    dist_init: str | None = option(None, "the EP / TP group's (or pipeline's) rendezvous, tcp://HOST:PORT, the "
+                                         "same on every member (default: tcp://$MASTER_ADDR:$MASTER_PORT)")
     ep_timeout: float = option(60.0, "seconds a group collective waits for a member before giving up", metavar="S")
     curve_key: str | None = option(None, "this worker's secret key file (infer-keygen NAME writes NAME.key_secret; "
                                          "its NAME.key goes into the coordinator's --authorized-keys directory)",
@@ -108,6 +120,8 @@ class WorkerFlags:
             raise ValueError(f"--ep-size must be >= 1, got {self.ep_size}")
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.pp_size < 1:
+            raise ValueError(f"--pp-size must be >= 1, got {self.pp_size}")
 
     def groups(self, environ: dict[str, str] | None = None) -> tuple[EpOptions | None, TpOptions | None]:
         """This process's EP and TP groups (None: a group of one); ValueError for flags that do not fit."""
@@ -116,8 +130,8 @@ class WorkerFlags:
         ep = None
         if self.ep_size > 1:
             ep = EpOptions.resolve(self.ep_size, ep_rank, self.dist_init, self.ep_timeout, environ)
-        elif self.ep_rank not in (None, 0) or (self.dist_init is not None and self.tp_size == 1):
-            raise ValueError("--ep-rank and --dist-init need --ep-size > 1 (or --tp-size > 1)")
+        elif self.ep_rank not in (None, 0) or (self.dist_init is not None and self.tp_size == self.pp_size == 1):
+            raise ValueError("--ep-rank and --dist-init need --ep-size > 1 (or --tp-size > 1, or --pp-size > 1)")
         tp = None
         if self.tp_size > 1:
             tp = TpOptions(size=self.tp_size, rank=tp_rank, dist_init=self._tp_dist_init(ep, environ),
@@ -125,6 +139,24 @@ class WorkerFlags:
         elif self.tp_rank not in (None, 0):
             raise ValueError("--tp-rank needs --tp-size > 1")
         return ep, tp
+
+    def pipeline(self, environ: dict[str, str] | None = None) -> PpOptions | None:
+        """This process's pipeline (None: one stage); ValueError for flags that do not fit, or what v1 does not
+        compose with a pipeline yet (TP, EP)."""
+        environ = dict(os.environ) if environ is None else environ
+        if self.pp_size == 1:
+            if self.pp_rank not in (None, 0) or self.pp_layer_partition is not None:
+                raise ValueError("--pp-rank and --pp-layer-partition need --pp-size > 1")
+            return None
+        if self.tp_size > 1:
+            raise ValueError(f"--pp-size {self.pp_size} with --tp-size {self.tp_size}: pipeline stages that are "
+                             f"TP groups (PP x TP) are not supported yet; use one of them")
+        if self.ep_size > 1:
+            raise ValueError(f"--pp-size {self.pp_size} with --ep-size {self.ep_size}: pipeline stages in an EP "
+                             f"group (PP x EP) are not supported yet; use one of them")
+        partition = None if self.pp_layer_partition is None else parse_partition(self.pp_layer_partition)
+        return PpOptions(size=self.pp_size, rank=resolve_stage(self.pp_size, self.pp_rank, environ),
+                         dist_init=self._tp_dist_init(None, environ), timeout_s=self.pp_timeout, partition=partition)
 
     def _tp_dist_init(self, ep: EpOptions | None, environ: dict[str, str]) -> str | None:
         """The TP group's rendezvous: --dist-init, the EP group's, $MASTER_ADDR:$MASTER_PORT, or (a supervisor

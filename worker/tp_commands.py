@@ -124,6 +124,7 @@ class TpLeader:
         """`children`: the follower processes this process started (stop() waits for them, and leaves the
         torch.distributed world so that another group can be made here)."""
         self.tp = parallel.tp
+        self._member = getattr(parallel, "member_name", "TP rank")   # "PP stage" for a pipeline (worker/pp_group.py)
         self._children = list(children)
         ctx = ctx or zmq.Context.instance()
         self._lock = threading.Lock()
@@ -169,9 +170,9 @@ class TpLeader:
     def _watch_followers(self) -> None:
         for rank, monitor in self._monitors:
             if self.lost is None and _closed(monitor):
-                self.lost = f"TP rank {rank}'s connection closed (the process died, or was silent for the group's " \
-                            f"timeout)"
-                log.error("TP group broken: %s", self.lost)
+                self.lost = f"{self._member} {rank}'s connection closed (the process died, or was silent for the " \
+                            f"group's timeout)"
+                log.error("group broken: %s", self.lost)
 
     def stop(self, code: int = 0) -> None:
         """Tell the followers to exit with `code` (rank 0's own exit code), and close the channel (idempotent)."""
@@ -203,6 +204,7 @@ class FollowerChannel:
     def __init__(self, parallel: Parallel, ctx: zmq.Context | None = None) -> None:
         ctx = ctx or zmq.Context.instance()
         self.timeout_s = parallel.options.timeout_s
+        self._leader = getattr(parallel, "member_name", "TP rank") + " 0"
         self.pull = make_socket(ctx, zmq.PULL)
         self.monitor = _watch_peer(self.pull, parallel.options.ping_interval_s, self.timeout_s)
         self.poller = zmq.Poller()
@@ -215,16 +217,16 @@ class FollowerChannel:
         _gather_addresses(parallel.tp, f"tcp://{host}:{port}")
 
     def receive(self) -> dict[str, Any]:
-        """The next command; LeaderGone after `timeout_s` of silence, or once rank 0's connection has closed and
-        what it sent before (its "stop", say: the monitor may report the close first) has been read."""
+        """The next command; LeaderGone after `timeout_s` of silence, or once the leader's connection has closed
+        and what it sent before (its "stop", say: the monitor may report the close first) has been read."""
         events = dict(self.poller.poll(int(self.timeout_s * 1000)))
         if self.monitor in events and _closed(self.monitor):
             self.leader_closed = True
         if self.pull not in events:
             if not self.leader_closed:
-                raise LeaderGone(f"nothing heard from TP rank 0 for {self.timeout_s:g} s")
+                raise LeaderGone(f"nothing heard from {self._leader} for {self.timeout_s:g} s")
             if not self.pull.poll(_LAST_WORDS_MS):
-                raise LeaderGone("TP rank 0's connection closed")
+                raise LeaderGone(f"{self._leader}'s connection closed")
         command = msgpack.unpackb(self.pull.recv(), raw=False)
         if not isinstance(command, dict) or not isinstance(command.get("op"), str):
             raise ValueError(f"a malformed TP command: {type(command).__name__}")

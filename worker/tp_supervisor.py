@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from infer.protocol.env import TP_SUPERVISED
 
 if TYPE_CHECKING:
+    from infer.worker.pp_group import PpOptions
     from infer.worker.tp_group import TpOptions
 
 log = logging.getLogger("infer.worker")
@@ -35,11 +36,13 @@ def reap(children: Sequence[subprocess.Popen]) -> None:
             child.wait(timeout=SUPERVISOR_GRACE_S)
 
 
-def start_followers(size: int, dist_init: str, worker_flags: Sequence[str]) -> list[subprocess.Popen]:
-    """TP ranks 1 .. size-1 as `infer-worker` child processes of this one (which is TP rank 0)."""
+def start_followers(size: int, dist_init: str, worker_flags: Sequence[str], size_flag: str = "--tp-size",
+                    rank_flag: str = "--tp-rank") -> list[subprocess.Popen]:
+    """TP ranks 1 .. size-1 as `infer-worker` child processes of this one (which is TP rank 0); with
+    `size_flag` / `rank_flag` "--pp-size" / "--pp-rank", pipeline stages 1 .. size-1 (worker/pp_group.py)."""
     env = {**os.environ, TP_SUPERVISED.name: "1"}
-    return [subprocess.Popen([sys.executable, "-m", "infer.worker.daemon", *worker_flags, "--tp-size", str(size),
-                              "--tp-rank", str(rank), "--dist-init", dist_init], env=env,
+    return [subprocess.Popen([sys.executable, "-m", "infer.worker.daemon", *worker_flags, size_flag, str(size),
+                              rank_flag, str(rank), "--dist-init", dist_init], env=env,
                              preexec_fn=die_with_parent, process_group=0) for rank in range(1, size)]
 
 
@@ -59,8 +62,9 @@ def free_local_port() -> int:
         return s.getsockname()[1]
 
 
-def supervise(argv: Sequence[str], options: TpOptions) -> int:
-    """Start this DP rank's T processes (this command line + --tp-rank r, one shared --dist-init) and wait;
+def supervise(argv: Sequence[str], options: TpOptions | PpOptions, rank_flag: str = "--tp-rank") -> int:
+    """Start this DP rank's T processes (this command line + --tp-rank r, one shared --dist-init; a pipeline's
+    P stages with `rank_flag` "--pp-rank" and PpOptions) and wait;
     once one exits, rank 0 gets a SIGTERM (a drain: with its group broken it gives its requests back) and
     the others SUPERVISOR_GRACE_S to follow, then SIGKILL. SIGTERM / SIGINT go to TP
     rank 0 (it drains, then stops the others). Returns the exit code of the member that ended first when it is
@@ -69,12 +73,13 @@ first non-zero one.
     The members run in a process group of their own (a signal to the supervisor's group reaches only it) and
     die with it (SIGKILL when it dies, kill -9 included)."""
     dist_init = options.dist_init or f"tcp://127.0.0.1:{free_local_port()}"
+    member = "PP stage" if rank_flag == "--pp-rank" else "TP rank"
     env = {**os.environ, TP_SUPERVISED.name: "1"}
     children = []
     for rank in range(options.size):
-        cmd = [sys.executable, "-m", "infer.worker.daemon", *argv, "--tp-rank", str(rank), "--dist-init", dist_init]
+        cmd = [sys.executable, "-m", "infer.worker.daemon", *argv, rank_flag, str(rank), "--dist-init", dist_init]
         children.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, process_group=0))
-        log.info("TP rank %d of this DP rank: pid %d", rank, children[-1].pid)
+        log.info("%s %d of this DP rank: pid %d", member, rank, children[-1].pid)
 
     def forward(signum: int, _frame: object) -> None:
         if children[0].poll() is None:
@@ -93,7 +98,7 @@ first non-zero one.
         try:
             child.wait(timeout=SUPERVISOR_GRACE_S)
         except subprocess.TimeoutExpired:
-            log.warning("TP rank %d (pid %d) did not exit with its group; killing it", children.index(child),
+            log.warning("%s %d (pid %d) did not exit with its group; killing it", member, children.index(child),
                         child.pid)
             child.kill()
             child.wait(timeout=SUPERVISOR_GRACE_S)

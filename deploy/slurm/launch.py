@@ -109,24 +109,30 @@ def node_of(index: int, nodes: list[str], tasks_per_node: list[int]) -> str:
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """One srun task of the job: its global index, and from it its DP rank, its EP group (ep_size > 1) and
-    its TP rank (tp_size > 1: `index` is one process of DP rank index // tp_size)."""
+    """One srun task of the job: its global index, and from it its DP rank, its EP group (ep_size > 1), its TP
+    rank (tp_size > 1: `index` is one process of DP rank index // tp_size) or its pipeline stage (pp_size > 1:
+    tasks i .. i+P-1 are the stages of DP rank i // P, which rendezvous on the node of its stage 0)."""
 
     index: int
     ep_size: int = 1
     group_master: str | None = None   # the node of the world's rank 0 (ep_size > 1 or tp_size > 1)
     dist_port: int = DEFAULT_DIST_PORT
     tp_size: int = 1
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.index < 0 or self.ep_size < 1 or self.tp_size < 1:
-            raise ValueError(f"bad worker index {self.index}, EP size {self.ep_size} or TP size {self.tp_size}")
-        if (self.ep_size > 1 or self.tp_size > 1) and self.group_master is None:
-            raise ValueError("an EP or TP group needs the node of its rank 0")
+        if self.index < 0 or self.ep_size < 1 or self.tp_size < 1 or self.pp_size < 1:
+            raise ValueError(f"bad worker index {self.index}, EP size {self.ep_size}, TP size {self.tp_size} or PP "
+                             f"size {self.pp_size}")
+        if self.pp_size > 1 and (self.tp_size > 1 or self.ep_size > 1):
+            raise ValueError(f"--pp-size {self.pp_size} with --tp-size {self.tp_size} / --ep-size {self.ep_size}: "
+                             f"pipelines of TP groups or in EP groups (PP x TP, PP x EP) are not supported yet")
+        if (self.ep_size > 1 or self.tp_size > 1 or self.pp_size > 1) and self.group_master is None:
+            raise ValueError("an EP or TP group, or a pipeline, needs the node of its rank 0")
 
     @property
     def dp_rank(self) -> int:
-        return self.index // self.tp_size
+        return self.index // (self.tp_size * self.pp_size)
 
     @property
     def group(self) -> int:
@@ -140,25 +146,32 @@ class WorkerPlan:
     def tp_rank(self) -> int:
         return self.index % self.tp_size
 
+    @property
+    def pp_rank(self) -> int:
+        return self.index % self.pp_size
+
     def flags(self) -> list[str]:
         """infer-worker's rank flags; the EP / TP ones only for a real group (size > 1)."""
-        ep, tp = self.ep_size > 1, self.tp_size > 1
+        ep, tp, pp = self.ep_size > 1, self.tp_size > 1, self.pp_size > 1
         rank = {"dp_rank": self.dp_rank, "group_id": f"ep{self.group}" if ep else None}
         groups = {"ep_size": self.ep_size, "ep_rank": self.ep_rank if ep else None, "tp_size": self.tp_size,
-                  "tp_rank": self.tp_rank if tp else None,
-                  "dist_init": f"tcp://{self.group_master}:{self.dist_port + self.group}" if ep or tp else None}
+                  "tp_rank": self.tp_rank if tp else None, "pp_size": self.pp_size,
+                  "pp_rank": self.pp_rank if pp else None,
+                  "dist_init": f"tcp://{self.group_master}:{self.dist_port + self.group}" if ep or tp or pp else None}
         return to_argv(WorkerOptions, rank) + to_argv(WorkerFlags, groups)
 
 
 def plan_worker(index: int, nodes: list[str], tasks_per_node: list[int], ep_size: int,
-                dist_port: int = DEFAULT_DIST_PORT, tp_size: int = 1) -> WorkerPlan:
+                dist_port: int = DEFAULT_DIST_PORT, tp_size: int = 1, pp_size: int = 1) -> WorkerPlan:
     total = sum(tasks_per_node)
+    if pp_size > 1 and total % pp_size:
+        raise ValueError(f"{total} tasks do not split into pipelines of {pp_size} stages")
     if total % (ep_size * tp_size):
         raise ValueError(f"{total} tasks do not split into {'TP x EP groups' if tp_size > 1 else 'EP groups'} of "
                          f"{tp_size * ep_size if tp_size > 1 else ep_size}")
-    world = ep_size * tp_size
+    world = ep_size * tp_size * pp_size
     master = node_of(index // world * world, nodes, tasks_per_node) if world > 1 else None
-    return WorkerPlan(index, ep_size, master, dist_port, tp_size)
+    return WorkerPlan(index, ep_size, master, dist_port, tp_size, pp_size)
 
 
 # ---- Slurm's environment (read here only) ------------------------------------------------------------
@@ -221,6 +234,7 @@ class TaskOptions:
     coordinator_host: str | None = option(None, "the coordinator's address (default: the job's first node)")
     ep_size: int = option(1, "ranks per EP group")
     tp_size: int = option(1, "processes (srun tasks) per DP rank")
+    pp_size: int = option(1, "pipeline stages (srun tasks) per DP rank")
     dist_port: int = option(DEFAULT_DIST_PORT, "EP group g rendezvouses on this port + g on the node of its rank 0")
 
 
@@ -237,7 +251,7 @@ def worker_argv(args: argparse.Namespace, extra: list[str], index: int, step_nod
     """The infer-worker command line of srun task `index` (the job's first node runs the coordinator)."""
     task = TaskOptions(**given(TaskOptions, args))
     host = task.coordinator_host or first_node
-    plan = plan_worker(index, step_nodes, tasks_per_node, task.ep_size, task.dist_port, task.tp_size)
+    plan = plan_worker(index, step_nodes, tasks_per_node, task.ep_size, task.dist_port, task.tp_size, task.pp_size)
     return [sys.executable, "-m", "infer.worker.daemon", "--coordinator", f"tcp://{host}:{task.coordinator_port}",
             *plan.flags(), *extra]
 
@@ -300,6 +314,9 @@ class JobOptions:
     ep_size: int = option(1, "ranks per EP group (1: dense, no groups)")
     tp_size: int = option(1, "processes (srun tasks) per DP rank, each holding 1/T of every layer; a group's tasks "
                              "are adjacent: on one node when T divides the workers per node")
+    pp_size: int = option(1, "pipeline stages (srun tasks) per DP rank, each holding a contiguous range of the "
+                             "layers: tasks i..i+P-1 form DP rank i // P (on one node, or across nodes), and "
+                             "rendezvous on the node of its stage 0 (not with --tp-size / --ep-size yet)")
     dist_port: int = option(DEFAULT_DIST_PORT, "EP group g's torch.distributed rendezvous port is this + g")
     coordinator_host: str | None = option(None, "the coordinator's bind address (default: the first node's "
                                                 "address)")
@@ -365,11 +382,12 @@ class HeadPlan:
     http_host: str
     srun: list[str] = field(default_factory=list)
     tp_size: int = 1
+    pp_size: int = 1
 
     @property
     def num_workers(self) -> int:
-        """DP ranks (what registers with the coordinator): srun tasks / tp_size."""
-        return len(self.nodes) * self.workers_per_node // self.tp_size
+        """DP ranks (what registers with the coordinator): srun tasks / (tp_size x pp_size)."""
+        return len(self.nodes) * self.workers_per_node // (self.tp_size * self.pp_size)
 
 
 def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str], env: SlurmEnv,
@@ -388,6 +406,12 @@ def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str
     if args.tp_size < 1 or total % (args.tp_size * args.ep_size):
         raise ValueError(f"{len(nodes)} nodes x {per_node} tasks do not split into TP groups of {args.tp_size} "
                          f"(x EP groups of {args.ep_size})")
+    if args.pp_size < 1 or total % args.pp_size:
+        raise ValueError(f"{len(nodes)} nodes x {per_node} tasks do not split into pipelines of {args.pp_size} "
+                         f"stages")
+    if args.pp_size > 1 and (args.tp_size > 1 or args.ep_size > 1):
+        raise ValueError(f"--pp-size {args.pp_size} with --tp-size {args.tp_size} / --ep-size {args.ep_size}: "
+                         f"pipelines of TP groups or in EP groups (PP x TP, PP x EP) are not supported yet")
     for name in ("coordinator_port", "port", "dist_port"):
         if not 0 < getattr(args, name) < 65536:
             raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535 (the other nodes must know it)")
@@ -395,7 +419,8 @@ def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str
     explicit_host = args.coordinator_host not in (None, "0.0.0.0", "::")
     coordinator_host = args.coordinator_host or reachable_address(nodes[0], nodes)
     task = TaskOptions(coordinator_port=args.coordinator_port, coordinator_host=coordinator_host if explicit_host
-                       else None, ep_size=args.ep_size, tp_size=args.tp_size, dist_port=args.dist_port)
+                       else None, ep_size=args.ep_size, tp_size=args.tp_size, pp_size=args.pp_size,
+                       dist_port=args.dist_port)
     worker = [sys.executable, os.path.abspath(__file__), "worker", *to_argv(TaskOptions, task),
               *to_argv(RestartPolicy, restarts),
               "--", *worker_flags(args), *(keys.worker_flags() if keys else []), *worker_extra]
@@ -403,7 +428,7 @@ def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str
             "--distribution=block", "--overcommit", "--kill-on-bad-exit=0", "--label", "--job-name=infer-workers",
             *worker]
     return HeadPlan(nodes, per_node, args.ep_size, coordinator_host, args.coordinator_port,
-                    args.host or coordinator_host, srun, args.tp_size)
+                    args.host or coordinator_host, srun, args.tp_size, args.pp_size)
 
 
 @dataclass
@@ -487,7 +512,8 @@ def _serve_job(args: argparse.Namespace, env: SlurmEnv, plan: HeadPlan, keys: Cl
               f"(pause, suspend, stop) with curve_key={keys.secret('admin')}", flush=True)
     print(f"infer.sbatch: job {env.job_id}: coordinator tcp://{plan.coordinator_host}:{plan.coordinator_port} on "
           f"{plan.nodes[0]}; {plan.num_workers} workers ({plan.workers_per_node} tasks per node on "
-          f"{','.join(plan.nodes)}, EP size {plan.ep_size}, TP size {plan.tp_size}); HTTP front on "
+          f"{','.join(plan.nodes)}, EP size {plan.ep_size}, TP size {plan.tp_size}, PP size {plan.pp_size}); HTTP "
+          f"front on "
           f"{plan.http_host}:{args.port} once every worker has joined", flush=True)
     cluster = SrunCluster(num_workers=plan.num_workers, host=plan.coordinator_host, port=plan.coordinator_port,
                           coordinator_args=coordinator_flags(args), srun=plan.srun, keys=keys,

@@ -31,7 +31,6 @@ async def test_infer_serve_takes_vllms_names_for_data_and_tensor_parallel_sizes(
     ("infer.client.serve", ["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported by infer: the KV cache "
                                                         "is kept in the model's dtype"),
     ("infer.client.serve", ["--gpu-memory-utilization", "0.9"], "--kv-cache-memory-fraction"),
-    ("infer.client.serve", ["-pp", "2"], "pipeline parallelism is not implemented"),
     ("infer.client.serve", ["--swap-space", "4"], "recomputes"),
     ("infer.worker.cli", ["--coordinator", "tcp://127.0.0.1:9", "--kv-cache-dtype", "fp8_e5m2"], "only 'auto'"),
     ("infer.worker.cli", ["--coordinator", "tcp://127.0.0.1:9", "--enable-expert-parallel"], "--ep-size N"),
@@ -45,7 +44,8 @@ def test_a_vllm_flag_without_an_equivalent_stops_the_command_with_the_reason(com
 def test_aliases_parse_into_our_fields_and_reach_the_workers():
     args = build_parser().parse_args(["-tp", "2", "-dp", "3", "--kv-cache-memory-bytes", "1000000",
                                       "--pipeline-parallel-size", "1"])
-    assert (args.tp_size, args.workers, args.kv_cache_memory) == (2, 3, 1000000)
+    assert (args.tp_size, args.workers, args.kv_cache_memory, args.pp_size) == (2, 3, 1000000, 1)
+    assert build_parser().parse_args(["-pp", "3"]).pp_size == 3
     assert worker_args(args, []) == ["--kv-cache-memory", "1000000", "--tp-size", "2"]
     worker = worker_parser().parse_args(["--coordinator", "tcp://h:1", "--tensor-parallel-size", "2",
                                          "--kv-cache-memory-bytes", "5"])

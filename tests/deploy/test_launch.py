@@ -145,6 +145,34 @@ def test_an_explicit_coordinator_address_reaches_the_workers():
     assert _worker_command(plan, 1, ["localhost", "n2"])[4] == "tcp://10.1.2.3:5555"
 
 
+def test_a_pipelines_stages_take_adjacent_tasks_and_rendezvous_on_its_stage_0s_node():
+    # PP=3 on 2 nodes x 3 tasks: tasks 0..2 on n1 are DP rank 0, tasks 3..5 on n2 DP rank 1
+    plans = [launch.plan_worker(i, ["n1", "n2"], [3, 3], 1, 7000, pp_size=3) for i in range(6)]
+    assert [(p.dp_rank, p.pp_rank, p.group_master) for p in plans] == [
+        (0, 0, "n1"), (0, 1, "n1"), (0, 2, "n1"), (1, 0, "n2"), (1, 1, "n2"), (1, 2, "n2")]
+    assert plans[4].flags() == ["--dp-rank", "1", "--pp-size", "3", "--pp-rank", "1", "--dist-init", "tcp://n2:7001"]
+    # PP=2 on 2 nodes x 1 task: one DP rank across the nodes, its rendezvous on stage 0's node
+    across = [launch.plan_worker(i, ["n1", "n2"], [1, 1], 1, 7000, pp_size=2) for i in range(2)]
+    assert [p.flags() for p in across] == [
+        ["--dp-rank", "0", "--pp-size", "2", "--pp-rank", str(r), "--dist-init", "tcp://n1:7000"] for r in range(2)]
+    with pytest.raises(ValueError, match="do not split into pipelines of 2 stages"):
+        launch.plan_worker(0, ["n1", "n2", "n3"], [1, 1, 1], 1, pp_size=2)
+    with pytest.raises(ValueError, match=r"PP x TP, PP x EP\) are not supported yet"):
+        launch.plan_worker(0, ["n1", "n2"], [2, 2], 1, tp_size=2, pp_size=2)
+    _, plan = _head(["--pp-size", "2", "--workers-per-node", "1"])
+    assert plan.num_workers == 1 and "--ntasks=2" in plan.srun
+    daemon = worker_daemon_parser().parse_args(_worker_command(plan, 1, ["localhost", "n2"])[3:])
+    assert (daemon.dp_rank, daemon.pp_size, daemon.pp_rank, daemon.dist_init) == (0, 2, 1, "tcp://localhost:29500")
+    from infer.client.serve import build_parser as serve_parser
+    from infer.client.serve import worker_args
+
+    for flag in ("--pp-size", "--pipeline-parallel-size"):                       # infer-serve --pp-size
+        served = worker_args(serve_parser().parse_args([flag, "3"]), [])
+        assert worker_daemon_parser().parse_args(["--coordinator", "tcp://h:1", *served]).pp_size == 3
+    assert worker_daemon_parser().parse_args(["--coordinator", "tcp://h:1", "--pipeline-parallel-size", "2"]).pp_size \
+        == 2
+
+
 def test_the_workers_per_node_default_is_sbatchs_ntasks_per_node():
     assert _head([], SLURM_NTASKS_PER_NODE="3")[1].num_workers == 6
 
@@ -155,6 +183,8 @@ def test_the_workers_per_node_default_is_sbatchs_ntasks_per_node():
     ([], {"SLURMD_NODENAME": "n2"}, "first node localhost"),
     (["--workers-per-node", "-1"], {}, "--workers-per-node must be >= 1, got -1"),
     (["--tp-size", "3"], {}, "do not split into TP groups of 3"),
+    (["--pp-size", "3"], {}, "do not split into pipelines of 3 stages"),
+    (["--pp-size", "2", "--tp-size", "2"], {}, r"PP x TP, PP x EP\) are not supported yet"),
     (["--dist-port", "70000"], {}, "--dist-port must be in 1..65535"),
 ])
 def test_the_head_refuses_a_plan_that_cannot_work(argv, env, message):
@@ -164,7 +194,8 @@ def test_the_head_refuses_a_plan_that_cannot_work(argv, env, message):
 
 def test_the_launchers_own_options_are_declared_once_on_their_dataclasses():
     assert launch.JobOptions(**given(launch.JobOptions, launch.head_parser().parse_args([]))) == launch.JobOptions()
-    task = launch.TaskOptions(coordinator_port=6000, coordinator_host="10.0.0.1", ep_size=2, tp_size=2, dist_port=7000)
+    task = launch.TaskOptions(coordinator_port=6000, coordinator_host="10.0.0.1", ep_size=2, tp_size=2, pp_size=3,
+                              dist_port=7000)
     parsed = launch.worker_parser().parse_args(to_argv(launch.TaskOptions, task))
     assert launch.TaskOptions(**given(launch.TaskOptions, parsed)) == task
 

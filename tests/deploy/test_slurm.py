@@ -535,3 +535,52 @@ def test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarte
         sandbox.slurm("scancel", tp_job.id)
         wait_for(lambda: not sandbox.job_active(tp_job.id), 60, f"job {tp_job.id} to leave the queue")
         wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {tp_job.id} to exit")
+
+
+# ---- pipeline parallelism: one DP rank whose two stages run on two nodes ----------------------------------
+
+def test_one_pp2_worker_spans_two_nodes_equals_one_process_and_is_restarted_whole(sandbox, tmp_path_factory,
+                                                                                  tiny_model_dir):
+    """--pp-size 2 on 2 nodes x 1 task: one DP rank, stage 0 (the embedding and layer 0) on one node, stage 1
+    (layer 1, the norm and the tied LM head) on the other, hidden states and logits over the sandbox's network
+    (gloo); its greedy output equals one process; kill -9 of stage 1 while idle restarts the whole rank, which
+    serves the same tokens again."""
+    from infer import LLM
+
+    model = tiny_model_dir("llama")
+    cut = JOB_OPTIONS.index("--")
+    options = [*JOB_OPTIONS[:cut], "--model", str(model), "--pp-size", "2", *JOB_OPTIONS[cut:], "--pp-timeout", "20"]
+    prompts = [[5, 6, 7, 8], list(range(20, 60)), [300, 301, 302]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [c.token_ids for c in LLM(model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000,
+                                      num_threads=1).generate(prompts, params, use_tqdm=False)]
+    with running_job(sandbox, tmp_path_factory.mktemp("pp-job"), options) as pp_job:
+        async def serve() -> tuple[object, list[list[int]]]:
+            async with coordinator_client(pp_job) as cluster:
+                done = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, params) for p in prompts)), 120)
+                return await cluster.stats(), [c.token_ids for c in done]
+
+        stats, got = asyncio.run(serve())
+        assert got == want
+        assert len(stats.workers) == 1 and stats.workers[0].healthy         # 2 stages, one DP rank
+        stage1 = re.search(r"PP stage 1 ready on (\S+):", pp_job.text())
+        assert stage1 is not None, pp_job.text()[-3000:]
+        assert {node_of(stats.workers[0].worker_id), stage1.group(1)} == set(pp_job.nodes)   # a stage per node
+        marker = f"SLURM_JOB_ID={pp_job.id}\0".encode()
+        pids = [int(line.split(":")[0]) for line in processes_mentioning(marker)]
+        stage1_pid = next(pid for pid in pids if _argv(pid)[1:3] == ["-m", "infer.worker.daemon"]
+                          and "--pp-rank" in _argv(pid) and _argv(pid)[_argv(pid).index("--pp-rank") + 1] == "1")
+        os.kill(stage1_pid, signal.SIGKILL)
+
+        async def regrouped() -> list[list[int]]:
+            async with coordinator_client(pp_job) as cluster:
+                await wait_for_stats(cluster, lambda st: any(w.healthy and w.worker_id != stats.workers[0].worker_id
+                                                             for w in st.workers), 90, "the pipeline's restart")
+                done = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, params) for p in prompts)), 120)
+                return [c.token_ids for c in done]
+
+        assert asyncio.run(regrouped()) == want
+        assert "PP stage 1's connection closed" in pp_job.text() and "restarting it in" in pp_job.text()
+        sandbox.slurm("scancel", pp_job.id)
+        wait_for(lambda: not sandbox.job_active(pp_job.id), 60, f"job {pp_job.id} to leave the queue")
+        wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {pp_job.id} to exit")

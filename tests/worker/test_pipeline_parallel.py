@@ -1,0 +1,153 @@
+"""Pipeline parallelism v1 in direct mode (LLM with pipeline_parallel_size: this process is stage 0, the other stages
+its child processes; gloo on CPU, fp32): greedy tokens equal transformers on tiny random Llamas at PP 2 (a tied LM
+head: the last stage holds the embedding table as its head) and PP 3 with an uneven partition (an untied head),
+with prompts of varied lengths in one batch, chunked prefill, prefix-cache hits and prompt logprobs; the stage
+layout (even split, remainder first), and the refusals of v1 with what is missing named."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hf_reference import transformers_greedy
+from moe_models import save_tiny_model
+
+from infer import LLM, SamplingParams
+from infer.worker.options import WorkerFlags
+from infer.worker.pp_group import PipelineGroup, PpOptions, stage_layers
+from infer.worker.pp_stage import holds
+
+MAX_NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1,
+               max_num_batched_tokens=32)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 250) for _ in range(40)]       # a prefix of 2+ full blocks: cache hits
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(2, 70))] for _ in range(count)]
+    return prompts + [shared + p[:5] for p in prompts[:2]]
+
+
+PROMPTS = _prompts(4, 0)
+
+
+@pytest.fixture(scope="module")
+def five_layers(tmp_path_factory, smollm2_tokenizer):
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
+                  num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, vocab_size=len(smollm2_tokenizer),
+                  bos_token_id=smollm2_tokenizer.bos_token_id, eos_token_id=smollm2_tokenizer.eos_token_id)
+    return save_tiny_model("llama", fields, tmp_path_factory.mktemp("pp-llama5"), smollm2_tokenizer, seed=7)
+
+
+def test_stage_layers_split_evenly_with_the_remainder_first_or_as_given():
+    assert stage_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(5, 3, (1, 3, 1)) == [range(0, 1), range(1, 4), range(4, 5)]
+    with pytest.raises(ValueError, match="covers 4 layers; the model has 5"):
+        stage_layers(5, 3, (1, 2, 1))
+    with pytest.raises(ValueError, match="2 layer.* cannot be split into 3"):
+        stage_layers(2, 3)
+    with pytest.raises(ValueError, match="gives 2 stage.*--pp-size is 3"):
+        PpOptions(size=3, rank=None, dist_init=None, partition=(2, 3))
+
+
+def test_each_stage_reads_only_its_tensors():
+    def group(stage: int) -> PipelineGroup:
+        options = PpOptions(size=3, rank=stage, dist_init="tcp://127.0.0.1:1")
+        return PipelineGroup(stage, 3, stage_layers(5, 3)[stage], 5, options, "cpu")
+
+    first, middle, last = group(0), group(1), group(2)
+    assert holds("model.embed_tokens.weight", first, tied=False)
+    assert not holds("model.embed_tokens.weight", middle, tied=True)
+    assert not holds("model.embed_tokens.weight", last, tied=False) and holds("model.embed_tokens.weight", last,
+                                                                               tied=True)
+    assert [s.stage for s in (first, middle, last) if holds("model.layers.3.self_attn.q_proj.weight", s, False)] \
+        == [1]
+    assert [s.stage for s in (first, middle, last) if holds("model.norm.weight", s, False)] == [2]
+    assert [s.stage for s in (first, middle, last) if holds("lm_head.weight", s, False)] == [2]
+
+
+@pytest.mark.slow
+def test_pp2_with_a_tied_head_equals_transformers(tiny_model_dir):
+    model = tiny_model_dir("llama")                    # 2 layers, tied embeddings
+    want = transformers_greedy(model, PROMPTS, MAX_NEW)
+    llm = LLM(model=str(model), pipeline_parallel_size=2, **OPTIONS)
+    try:
+        for _ in range(2):                             # the second round hits the prefix cache
+            done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert [c.token_ids for c in done] == want
+        assert sum(c.num_cached_tokens for c in done) >= 32
+        logprobs = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+        one = LLM(model=str(model), **OPTIONS).generate(PROMPTS[:2], logprobs, use_tqdm=False)
+        two = llm.generate(PROMPTS[:2], logprobs, use_tqdm=False)
+        assert [c.prompt_logprobs for c in two] == [c.prompt_logprobs for c in one]
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+def test_pp3_uneven_equals_transformers(five_layers):
+    want = transformers_greedy(five_layers, PROMPTS, MAX_NEW)
+    llm = LLM(model=str(five_layers), pipeline_parallel_size=3, **OPTIONS)
+    try:
+        assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+        engine = llm._engine                           # stage 0: layers 0 and 1 of 2,2,1, their KV, the embedding
+        names = set(dict(engine.model.lm.named_parameters()))
+        assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1"}
+        assert "model.embed_tokens.weight" in names and not any(n.startswith(("lm_head", "model.norm")) for n in names)
+        assert len(engine.kv_cache.k) == 2 and engine.model.num_layers == 2
+    finally:
+        llm.close()
+
+
+def test_v1_refuses_what_it_lacks(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"PP x TP\) are not supported yet"):
+        LLM(model=str(tiny_model_dir("llama")), pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"--pp-size 2 with --tp-size 2.*PP x TP"):
+        WorkerFlags(pp_size=2, tp_size=2).pipeline({})
+    with pytest.raises(ValueError, match=r"--pp-size 2 with --ep-size 2.*PP x EP"):
+        WorkerFlags(pp_size=2, ep_size=2, dist_init="tcp://127.0.0.1:1").pipeline({})
+    with pytest.raises(ValueError, match="need --pp-size > 1"):
+        WorkerFlags(pp_layer_partition="1,1").pipeline({})
+    with pytest.raises(ValueError, match="comma-separated layer counts"):
+        WorkerFlags(pp_size=2, pp_layer_partition="1;1").pipeline({})
+    assert WorkerFlags(pp_size=2, pp_rank=1, dist_init="tcp://127.0.0.1:9").pipeline({}).rank == 1
+    assert WorkerFlags(pp_size=2).pipeline({}).rank is None                    # the supervisor
+    assert WorkerFlags(pp_size=2, dist_init="tcp://h:9").pipeline({"SLURM_PROCID": "5"}).rank == 1
+
+
+def test_coordinator_mode_starts_its_workers_with_the_pp_size(tiny_model_dir):
+    from infer.client.llm import LLMOptions
+    from infer.worker.cli import build_parser
+
+    options = LLMOptions(model=str(tiny_model_dir("llama")), use_coordinator=True, pipeline_parallel_size=2)
+    args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1", *options.worker_args()])
+    assert args.pp_size == 2 and args.tp_size is None
+
+
+def test_moe_models_are_refused(tmp_path, smollm2_tokenizer):
+    from moe_models import tiny_mixtral
+    from transformers import AutoConfig
+
+    from infer.worker.pp_group import refuse_unsupported
+
+    path = tiny_mixtral(tmp_path / "mixtral", tokenizer=smollm2_tokenizer)
+    with pytest.raises(ValueError, match="pipeline parallelism does not support MoE models yet .*'mixtral'"):
+        refuse_unsupported(AutoConfig.from_pretrained(str(path)))
+
+
+@pytest.mark.slow
+def test_suspend_and_refit_are_refused_with_pp(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    llm = LLM(model=str(model), pipeline_parallel_size=2, **OPTIONS)
+    try:
+        with pytest.raises(ValueError, match=r"suspend is not supported with pipeline parallelism yet "
+                                             r"\(pipeline_parallel_size 2\)"):
+            llm._engine.suspend()   # what a worker runs on the cluster's suspend
+        with pytest.raises(ValueError, match="a weight update is not supported with pipeline parallelism yet"):
+            llm.update_weights(model)
+    finally:
+        llm.close()

@@ -1,0 +1,165 @@
+"""One pipeline stage's share of a Llama-family model (see worker/pp_group.py for the pipeline itself).
+
+`StageLoader.load_model` builds our model with deferred weights, keeps only this stage's parts (its layers under
+their own names `model.layers.<i>.*`, so the loader's name mapping holds; the embedding on the first stage; the
+final norm and the LM head on the last, whose tied head keeps the embedding table as its weight) and reads only
+their tensors from the files. `StageModel` is what the engine (stage 0) and the stage loop (the others) run:
+
+- stage 0's `forward` runs the embedding and its layers and sends (hidden, residual) to stage 1; it returns the
+  row numbers [T] in place of hidden states, so that the model runner's `hidden[rows]` are the rows whose logits
+  `compute_logits` then receives from the last stage (which got them from the "logits" command);
+- a later stage receives (hidden, residual), runs its layers, and sends on or, on the last stage, keeps the
+  normed hidden states for the "logits" commands.
+
+Step graphs and the native CPU decode step are not used on stages (every step runs the layers one by one).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.gguf import close_gguf_files
+from infer.worker.loader import (
+    build_model, file_tensors, load_named_tensors, materialize, pack_weights, quant_plan, weight_files
+)
+from infer.worker.models.layers import deferred_weights
+from infer.worker.pp_group import PipelineGroup, agree_min
+
+log = logging.getLogger("infer.worker")
+
+
+class StageModel:
+    """This stage's layers of the model (`lm`: our LlamaForCausalLM with the other stages' parts removed), with
+    the attributes the engine reads from a model (config, dtype, num_layers: this stage's, KV heads, head_dim,
+    vocab_size)."""
+
+    supports_step_graphs: ClassVar[bool] = False
+
+    def __init__(self, lm: nn.Module, group: PipelineGroup) -> None:
+        self.lm, self.group = lm, group
+        self.config, self.dtype = lm.config, lm.dtype
+        self.num_layers = len(group.layers)
+        self.num_kv_heads, self.head_dim, self.vocab_size = lm.num_kv_heads, lm.head_dim, lm.vocab_size
+        self.hidden_size = int(lm.config.hidden_size)
+        self._final: torch.Tensor | None = None   # the last stage: the last forward's normed hidden states
+
+    def __call__(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        return self.forward(batch, kv_cache)
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """This stage's part of the forward: from the embedding (stage 0) or the previous stage's (hidden, residual),
+        through its layers, to the next stage or (the last) the normed hidden states kept for "logits". Returns the
+        row numbers [T] (stage 0's runner indexes them; see the module doc)."""
+        model = self.lm.model
+        num_tokens = batch.input_ids.shape[0]
+        if self.group.is_first:
+            hidden, residual = model.embed_tokens(batch.input_ids), None
+        else:
+            both = self.group.receive((2, num_tokens, self.hidden_size), self.dtype, self.group.stage - 1)
+            hidden, residual = both[0], both[1]
+        model.rotary_emb.reserve(max(batch.context_lens, default=0))
+        for layer, k_cache, v_cache in zip(model.layers.values(), kv_cache.k, kv_cache.v, strict=True):
+            hidden, residual = layer(batch.positions, hidden, residual, batch, k_cache, v_cache)
+        if self.group.is_last:
+            self._final = model.norm(hidden, residual)[0]
+        else:
+            self.group.send(torch.stack((hidden, residual)), self.group.stage + 1)
+        return torch.arange(num_tokens, device=batch.input_ids.device)
+
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stage 0: the logits [N, vocab] float32 of the last forward's `rows` (row numbers), from the last stage."""
+        return self.group.receive((rows.shape[0], self.vocab_size), torch.float32, self.group.size - 1)
+
+    def send_logits(self, rows: torch.Tensor) -> None:
+        """The last stage: the logits of the last forward's `rows`, to stage 0."""
+        if self._final is None:
+            raise ValueError("a logits command before any forward")
+        self.group.send(self.lm.compute_logits(self._final[rows]).float(), 0)
+
+
+class StageLoader:
+    """What the engine needs to be stage 0 of a pipeline: this stage's model, and the KV block count the stages
+    agree on."""
+
+    def __init__(self, group: PipelineGroup) -> None:
+        self.group = group
+
+    def load_model(self, path: Path, dtype: torch.dtype, device: torch.device, quantization: str) -> StageModel:
+        return StageModel(load_stage(path, dtype, device, self.group, quantization), self.group)
+
+    def agree_min(self, num_blocks: int) -> int:
+        return agree_min(self.group, num_blocks)
+
+
+def load_stage(path: Path, dtype: torch.dtype, device: torch.device, group: PipelineGroup,
+               quantization: str = "auto") -> nn.Module:
+    """Our model of directory `path` with only `group`'s parts, filled from the files' tensors of those parts."""
+    from transformers import AutoConfig
+
+    files = weight_files(Path(path))
+    with deferred_weights():
+        lm = build_model(AutoConfig.from_pretrained(str(path)), dtype, device)
+    plan = quant_plan(lm, files, quantization)   # of the whole model: the names are the same
+    tied = lm.lm_head_tied
+    keep_stage_parts(lm, group, tied)
+    materialize(lm, plan, device)
+    try:
+        load_named_tensors(lm, ((key, read, where) for key, read, where in file_tensors(files)
+                                if holds(key, group, tied)))
+    finally:
+        close_gguf_files()
+    pack_weights(lm)
+    return lm.eval()
+
+
+def keep_stage_parts(lm: nn.Module, group: PipelineGroup, tied: bool) -> None:
+    """Remove from `lm` (built with deferred weights) what other stages hold: other layers, the embedding (kept
+    on the last stage as a `tied` LM head's weight), the final norm and LM head."""
+    model = lm.model
+    model.layers = nn.ModuleDict({str(i): model.layers[i] for i in group.layers})
+    if not group.is_last:
+        lm.lm_head, model.norm = None, None
+    if not group.is_first and not (group.is_last and tied):
+        model.embed_tokens = None
+
+
+def holds(key: str, group: PipelineGroup, tied: bool) -> bool:
+    """Whether checkpoint tensor `key` belongs to this stage."""
+    parts = key.split(".")
+    if "layers" in parts:
+        index = parts[parts.index("layers") + 1]
+        return index.isdigit() and int(index) in group.layers
+    if "embed_tokens" in parts:
+        return group.is_first or (group.is_last and tied)
+    if parts[0] == "lm_head" or "norm" in parts:
+        return group.is_last
+    return True
+
+
+def serve_stage(model: StageModel, kv_cache: KVCache, channel: Any, device: torch.device) -> int:
+    """Run stage 0's commands on this stage's layers until "stop" (returns stage 0's exit code), silence or stage
+    0's connection closed (LeaderGone), or a failed send / receive (GroupBroken)."""
+    from infer.worker.tp_commands import _unpack_tensor, decode_batch
+
+    with torch.inference_mode():
+        while True:
+            command = channel.receive()
+            op = command["op"]
+            if op == "forward":
+                model(decode_batch(command["batch"], device), kv_cache)
+            elif op == "logits":
+                if model.group.is_last:
+                    model.send_logits(_unpack_tensor(command["rows"], device))
+            elif op == "stop":
+                code = command.get("code", 0)
+                code = code if isinstance(code, int) and 0 <= code < 256 else 1
+                (log.info if code == 0 else log.error)("PP stage 0 says stop (it exits with code %d); exiting", code)
+                return code
+            elif op != "ping":
+                raise ValueError(f"unknown PP command {op!r}")
