@@ -22,9 +22,11 @@ from typing import Any
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
            metavar: str | None = None, choices: Sequence[str] | None = None, cli: bool = True,
-           default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with what its command-line flag needs (see the module doc)."""
-    metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "cli": cli}
+           default_factory: Any = dataclasses.MISSING, parse: Any = None) -> Any:
+    """A dataclass field with what its command-line flag needs (see the module doc). `parse`: turns the flag's
+    text into the value where the annotated type cannot (its ValueError's message becomes the flag's error);
+    `to_argv` writes such a value back with `str()`."""
+    metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "cli": cli, "parse": parse}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -74,12 +76,22 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: 
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = kind
+            kwargs["type"] = _parser(f.metadata["parse"]) if f.metadata.get("parse") else kind
             if f.metadata.get("choices"):
                 kwargs["choices"] = tuple(f.metadata["choices"])
             if f.metadata.get("metavar"):
                 kwargs["metavar"] = f.metadata["metavar"]
         parser.add_argument(flag_of(f), **kwargs)
+
+
+def _parser(parse: Any) -> Any:
+    """`parse` for argparse: its ValueError's message becomes the flag's error message."""
+    def run(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return run
 
 
 def given(cls: type, args: argparse.Namespace, names: Iterable[str] | None = None,

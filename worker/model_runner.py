@@ -10,6 +10,7 @@ from infer.kernels.paged_attention import decode_split_tokens
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, record_prompt_logprobs
 from infer.worker.scheduler import ScheduledChunk
+from infer.worker.speculative import sampling_rows
 from infer.worker.step_graphs import StepGraphs
 
 if TYPE_CHECKING:
@@ -38,8 +39,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> SamplerOutput | None:
         """Run one forward over `chunks` (decodes first) and sample one token for each chunk whose
-        `samples` is set, in chunk order. Returns None when no chunk samples (all mid-prefill).
-        Pure-decode steps that fit a step-graph bucket replay its graph; the others run eagerly."""
+        `samples` is set, in chunk order (a verification chunk: one per position from its last token on,
+        `chunk.num_sampled_rows`). Returns None when no chunk samples (all mid-prefill).
+        Pure-decode steps that fit a step-graph bucket replay its graph; the others (verification steps
+        included) run eagerly."""
         bucket = self.step_graphs.bucket_for(chunks) if self.step_graphs is not None else None
         if bucket is not None:
             logits = self.step_graphs.run(chunks, bucket)
@@ -52,7 +55,7 @@ class ModelRunner:
             if batch.logits_indices.numel() == 0:
                 return None
             logits = self._logits(hidden, batch.logits_indices)
-        sampling = [c.request for c in chunks if c.samples]
+        sampling = [row for c in chunks if c.samples for row in sampling_rows(c)]
         meta = SamplingMetadata.build(sampling, self.vocab_size, self.device)
         return self.sampler.sample(logits, meta)
 
@@ -108,13 +111,12 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
             num_decodes += 1
         else:
             prompt_lens.append(req.num_prompt_tokens)
-        input_ids.extend(req.token_ids[start:start + n])
+        input_ids.extend(chunk.token_ids)
         positions.extend(range(start, start + n))
         query_lens.append(n)
         context_lens.append(start + n)
         tables.append(req.block_table)
-        if chunk.samples:
-            logits_indices.append(len(input_ids) - 1)
+        logits_indices.extend(range(len(input_ids) - chunk.num_sampled_rows, len(input_ids)))
 
     max_blocks = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
