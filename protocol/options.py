@@ -117,6 +117,8 @@ def to_argv(cls: type, values: Mapping[str, Any] | Any, names: Iterable[str] | N
         flag = flag_of(f)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif f.metadata.get("parse"):   # a value given as it is given in Python (a dict): its parsed form's text
+            argv += [flag, value if isinstance(value, str) else str(f.metadata["parse"](value))]
         else:
             argv += [flag, str(value)]
     return argv

@@ -331,7 +331,11 @@ class Engine:
                     num_queued_tokens=queued, num_preemptions=self.scheduler.num_preemptions,
                     prefix_cache_queries=blocks.num_queried_tokens, prefix_cache_hits=blocks.num_hit_tokens,
                     weight_version=self.weight_version, suspended=self.suspended,
-                    bytes_released=self._released_bytes)
+                    bytes_released=self._released_bytes,
+                    spec_decode_num_drafts=self.stats.spec_decode_num_drafts,
+                    spec_decode_num_draft_tokens=self.stats.spec_decode_num_draft_tokens,
+                    spec_decode_num_accepted_tokens=self.stats.spec_decode_num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=list(self.stats.spec_decode_num_accepted_tokens_per_pos))
 
     # ---- suspend / resume, weight refit -------------------------------------------------------
 

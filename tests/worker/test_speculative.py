@@ -128,6 +128,10 @@ def test_speculative_config_validation():
 def test_per_request_opt_out_is_validated():
     with pytest.raises(ValueError, match="disable_speculative_decoding must be a bool"):
         SamplingParams(disable_speculative_decoding="yes")
+    from infer.protocol.messages import Dispatch, decode, encode
+
+    sent = Dispatch(request_id="a", sampling=SamplingParams(disable_speculative_decoding=True), prompt="x")
+    assert decode(encode(sent)).sampling.disable_speculative_decoding is True   # it travels on the wire
 
 
 # ---- greedy: the same tokens with and without speculation -----------------------------------------
@@ -381,3 +385,75 @@ def _chi_square_bound(dof: int) -> float:
     """An upper bound on the chi-square(dof) quantile at 1 - 1e-6 (Wilson-Hilferty with z = 4.9)."""
     z = 4.9
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+# ---- the option reaches every launcher's workers -----------------------------------------------------------
+
+def test_speculative_config_flag_on_worker_serve_llm_and_slurm():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from infer.client.llm import LLMOptions
+    from infer.client.serve import build_parser as serve_parser
+    from infer.client.serve import worker_args
+    from infer.worker.cli import build_parser as worker_parser
+    from infer.worker.cli import engine_config
+
+    text = json.dumps(NGRAM)
+    expected = SpeculativeConfig.of(NGRAM)
+
+    def worker_config(argv: list[str]) -> EngineConfig:
+        return engine_config(worker_parser().parse_args(["--coordinator", "tcp://h:1", *argv]))
+
+    assert worker_config(["--speculative-config", text]).speculative_config == expected
+    with pytest.raises(SystemExit):   # argparse: exit 2, with the precise message on stderr
+        worker_parser().parse_args(["--coordinator", "tcp://h:1", "--speculative-config", '{"method": "x"}'])
+    served = worker_args(serve_parser().parse_args(["--speculative-config", text]), [])
+    assert worker_config(served).speculative_config == expected
+    options = LLMOptions(engine_options={"speculative_config": NGRAM})   # LLM(use_coordinator=True, ...)
+    assert worker_config(options.engine_flags()).speculative_config == expected
+    path = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "launch.py"
+    spec = importlib.util.spec_from_file_location("infer_slurm_launch_spec", path)
+    launch = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = launch      # its dataclasses look their module up
+    spec.loader.exec_module(launch)
+
+    own, extra = launch.split_extra(["--model", "/m", "--speculative-config", text])
+    args, unknown = launch.head_parser().parse_known_args(own)
+    env = launch.SlurmEnv.from_environ({"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "localhost",
+                                        "SLURMD_NODENAME": "localhost"})
+    plan = launch.plan_head(args, unknown + extra, ["localhost"], env)
+    worker = plan.srun[plan.srun.index("worker") + 1:]
+    own, extra = launch.split_extra(worker)
+    wargs, unknown = launch.worker_parser().parse_known_args(own)
+    command = launch.worker_argv(wargs, unknown + extra, 0, ["localhost"], [1], "localhost")
+    assert worker_config(command[5:]).speculative_config == expected
+
+
+def test_counters_travel_in_the_load_and_reach_metrics(tiny_model_dir):
+    from infer.client.api.metrics import FrontMetrics
+    from infer.protocol.messages import ClusterStats, StepBatch, WorkerStats, decode, encode
+    from infer.worker.core import wire_load
+
+    engine = make_engine(str(tiny_model_dir("llama")), NGRAM)
+    run(engine, {"a": (repetitive(30), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))})
+    stats = engine.stats
+    load = decode(encode(StepBatch(deltas=[], load=wire_load(engine.load())))).load
+    assert load.spec_decode_num_drafts == stats.spec_decode_num_drafts > 0
+    assert load.spec_decode_num_accepted_tokens == stats.spec_decode_num_accepted_tokens > 0
+    per_pos = load.spec_decode_num_accepted_tokens_per_pos
+    assert sum(per_pos) == load.spec_decode_num_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
+    worker = WorkerStats(worker_id="w", dp_rank=0, group_id="g", healthy=True, num_kv_blocks=1, block_size=16,
+                         max_num_seqs=1, max_model_len=64, requests_routed=1, num_in_flight=0,
+                         seconds_since_heard=0.0, load=load)
+    cluster = ClusterStats(coordinator_id="c", state="running", policy="p", model_id="m", workers=[worker],
+                           num_clients=0, num_in_flight=0, num_held=0, requests_submitted=0, requests_completed=0,
+                           requests_failed=0, requests_aborted=0, requests_redispatched=0, frames_rejected=0,
+                           uptime_s=1.0)
+    text = FrontMetrics("m").exposition(cluster).decode()
+    assert f'infer:spec_decode_num_drafts_total{{model_name="m"}} {float(load.spec_decode_num_drafts)}' in text
+    assert (f'infer:spec_decode_num_accepted_tokens_total{{model_name="m"}} '
+            f'{float(load.spec_decode_num_accepted_tokens)}') in text
+    assert f'infer:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(per_pos[0])}' \
+        in text
