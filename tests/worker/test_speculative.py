@@ -457,3 +457,21 @@ def test_counters_travel_in_the_load_and_reach_metrics(tiny_model_dir):
             f'{float(load.spec_decode_num_accepted_tokens)}') in text
     assert f'infer:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(per_pos[0])}' \
         in text
+
+
+def test_llm_takes_speculative_config_and_the_context_bounds_drafts(tiny_model_dir):
+    """LLM(speculative_config=...) (AsyncLLM shares its options) gives the same output as without; requests
+    that end at the context length draft only what fits."""
+    from infer import LLM
+
+    model = str(tiny_model_dir("llama"))
+    prompts = [repetitive(40, i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)   # up to the context (64)
+    options = dict(dtype="float32", max_model_len=64, kv_cache_memory=8 << 20)
+    plain = LLM(model=model, **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=model, speculative_config=NGRAM, **options)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert all(len(c.token_ids) == 24 and c.finish_reason == "length" for c in spec)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(model=model, speculative_config={"method": "ngram"}, **options)
