@@ -74,8 +74,9 @@ def _prompt(engine, workload: str, rng: random.Random) -> list[int]:
         return [rng.randrange(100, engine.vocab_size - 100) for _ in range(128)]
     text = TEXTS[workload]
     if getattr(tokenizer, "chat_template", None) and workload != "continue":
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True)
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer(chat, add_special_tokens=False)["input_ids"]
     return tokenizer(text)["input_ids"]
 
 
