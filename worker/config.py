@@ -104,8 +104,9 @@ class EngineConfig:
                                           "always freed", choices=SUSPEND_WEIGHTS)
     speculative_config: SpeculativeConfig | None = option(
         None, 'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", "num_speculative_tokens": K, '
-              '"prompt_lookup_max": N, "prompt_lookup_min": M} (optional "disable_by_batch_size": no speculation in a '
-              'step where more requests decode, default 8)', metavar="JSON", parse=SpeculativeConfig.of)
+              '"prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model", "model": PATH, '
+              '"num_speculative_tokens": K} (optional "disable_by_batch_size": no speculation in a step where '
+              'more requests decode, default 8)', metavar="JSON", parse=SpeculativeConfig.of)
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:

@@ -148,7 +148,11 @@ class Engine:
             priority_aging_steps=config.priority_aging_steps))
         self.sampler = Sampler(seed=config.seed, device=self.device)
         spec = config.speculative_config
-        self.proposer: Proposer | None = None if spec is None else make_proposer(spec)
+        if spec is not None and spec.method == "draft_model" and self.tp.size > 1:
+            raise ValueError("speculative_config: a draft model is not supported with tensor parallelism yet")
+        self.proposer: Proposer | None = None if spec is None else make_proposer(
+            spec, dtype=self.dtype, device=self.device, block_size=self.block_size, num_blocks=num_blocks,
+            max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.max_model_len, self.device,
                                   self.sampler,
                                   make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device))
@@ -736,6 +740,8 @@ class Engine:
         if detok is not None and release_text:
             text += detok.finish()
         self.sampler.release(request.request_id)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         reason = request.status.finish_reason
         self.stats.num_requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1

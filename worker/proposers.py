@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from infer.worker.request import Request
 from infer.worker.spec_config import SpeculativeConfig
@@ -21,6 +21,10 @@ class Proposer(Protocol):
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         """One list of at most `num_tokens[i]` draft tokens per request (possibly empty), continuing
         `requests[i].token_ids`."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget what the proposer keeps for a request (it finished); unknown ids are ignored."""
         ...
 
 
@@ -35,6 +39,9 @@ class NgramProposer:
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         return [ngram_drafts(r.token_ids, self.min_n, self.max_n, k) for r, k in zip(requests, num_tokens)]
+
+    def release(self, request_id: str) -> None:
+        pass   # nothing kept
 
 
 def ngram_drafts(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -56,7 +63,13 @@ def ngram_drafts(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> li
     return []
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(config: SpeculativeConfig, **target: Any) -> Proposer:
+    """The proposer of `config.method`; `target`: what a draft model needs of the target engine (dtype, device,
+    block_size, num_blocks, max_model_len, vocab_size; worker/draft_model.py)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        from infer.worker.draft_model import DraftModelProposer   # torch: only a draft model needs it
+
+        return DraftModelProposer(config.model, **target)
     raise ValueError(f"no proposer for method {config.method!r}")

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
-PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa")   # vLLM's other methods, not built here yet
+METHODS = ("ngram", "draft_model")
+PLANNED_METHODS = ("eagle", "eagle3", "mtp", "medusa")   # vLLM's other methods, not built here yet
 MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 64
 DEFAULT_PROMPT_LOOKUP = 5         # vLLM's: prompt_lookup_min and _max when neither is given
@@ -25,15 +25,18 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`method`: "ngram" (prompt lookup: drafts copied from where the context's last n-gram occurred before).
-    `num_speculative_tokens`: k, drafts per request per step. `prompt_lookup_max` / `prompt_lookup_min`: the
-    longest / shortest n-gram matched (vLLM's rule: neither given, both 5; one given, the other equals it).
-    `disable_by_batch_size`: no speculation in a step where more requests than this decode (default 8)."""
+    """`method`: "ngram" (prompt lookup: drafts copied from where the context's last n-gram occurred before) or
+    "draft_model" (a smaller model of the same vocabulary, `model`: its path, run greedily by the same worker with
+    a KV pool of its own). `num_speculative_tokens`: k, drafts per request per step. `prompt_lookup_max` /
+    `prompt_lookup_min` (ngram): the longest / shortest n-gram matched (vLLM's rule: neither given, both 5; one
+    given, the other equals it). `disable_by_batch_size`: no speculation in a step where more requests than this
+    decode (default 8)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    model: str | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
@@ -43,6 +46,18 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {self.method!r}")
         _int_in("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError("speculative_config: method 'draft_model' needs 'model': the draft model's path "
+                                 "(a safetensors directory or a .gguf file)")
+            for key in ("prompt_lookup_max", "prompt_lookup_min"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"speculative_config: {key!r} is an option of method 'ngram', not "
+                                     f"'draft_model'")
+            return
+        if self.model is not None:
+            raise ValueError("speculative_config: 'model' is an option of method 'draft_model', not 'ngram'")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP
@@ -56,7 +71,6 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
-        _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
@@ -81,7 +95,8 @@ class SpeculativeConfig:
         return cls(**value)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The keys that are set (None ones left out: a draft model's config has no prompt_lookup keys)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     def __str__(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))

@@ -475,3 +475,55 @@ def test_llm_takes_speculative_config_and_the_context_bounds_drafts(tiny_model_d
     assert all(len(c.token_ids) == 24 and c.finish_reason == "length" for c in spec)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(model=model, speculative_config={"method": "ngram"}, **options)
+
+
+# ---- a draft model ----------------------------------------------------------------------------------------
+
+def test_draft_model_greedy_and_seeded_equal_without_speculation(tiny_model_dir, tiny_weights_b):
+    """A draft model of the target's own weights drafts (almost) only right tokens; one of other weights mostly
+    wrong ones: either way the output is the target's, greedy and seeded, at batch 1 and mixed; the draft's
+    pool is empty once the requests end."""
+    model = str(tiny_model_dir("llama"))
+    requests = {f"g{i}": (repetitive(n, i), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+                for i, n in enumerate([5, 40, 130])}
+    requests["s"] = (repetitive(20, 4), SamplingParams(temperature=0.8, seed=11, max_tokens=30, ignore_eos=True))
+    plain = run(make_engine(model, None, max_num_batched_tokens=64), requests)
+    for draft, min_rate in ((model, 0.8), (str(tiny_weights_b("llama")), 0.0)):
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+        engine = make_engine(model, spec, max_num_batched_tokens=64)
+        assert run(engine, requests) == plain
+        stats = engine.stats
+        drafted, accepted_before = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+        assert drafted > 0
+        assert run(engine, {"alone": requests["g1"]})["alone"] == plain["g1"]   # greedy: drafts are its argmax
+        alone_drafted = stats.spec_decode_num_draft_tokens - drafted
+        assert alone_drafted > 0 and stats.spec_decode_num_accepted_tokens - accepted_before >= min_rate * alone_drafted
+        proposer = engine.proposer
+        assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks and not proposer._seqs
+
+
+def test_draft_model_config_is_checked(tiny_model_dir):
+    with pytest.raises(ValueError, match="needs 'model'"):
+        SpeculativeConfig.of({"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'prompt_lookup_max' is an option of method 'ngram'"):
+        SpeculativeConfig.of({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2,
+                              "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="'model' is an option of method 'draft_model'"):
+        SpeculativeConfig.of({"method": "ngram", "model": "/m", "num_speculative_tokens": 2})
+    config = SpeculativeConfig.of({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2})
+    assert SpeculativeConfig.of(str(config)) == config
+    with pytest.raises(ValueError, match="vocabulary"):   # the 16-token model cannot draft for a 49k one
+        make_engine(str(tiny_model_dir("llama")), {"method": "draft_model", "num_speculative_tokens": 2,
+                                                  "model": str(_vocab16_dir(tiny_model_dir))})
+
+
+def _vocab16_dir(tiny_model_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tiny_model_dir("llama").parent / "draft-vocab16"
+    if not path.exists():
+        config = AutoConfig.for_model("llama", vocab_size=16, hidden_size=32, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=2048)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
+    return path
