@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/speculative.py                          # everything, bf16, the embedded model
     .venv/bin/python benchmarks/speculative.py --parts batch1 --workloads rewrite --k 5 --rounds 5
+    .venv/bin/python benchmarks/speculative.py --model BIG --draft-model SMALL    # a draft model instead of n-grams
 
 - batch1: one request at a time on two engines of the same weights, one with `speculative_config` and one
   without, requests alternating between them (A, B, A, B, ...: what survives a shared, noisy machine); each
@@ -172,6 +173,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--model", help="a safetensors model directory or .gguf (default: the embedded model)")
+    parser.add_argument("--draft-model", help="speculate with this draft model (method draft_model) instead of "
+                                              "n-gram lookup")
     parser.add_argument("--random-model", choices=sorted(RANDOM_SHAPES),
                         help="a random-weight Llama of this shape, made with --tokenizer's tokenizer")
     parser.add_argument("--tokenizer", help="the tokenizer folder of --random-model")
@@ -185,6 +188,8 @@ def main() -> None:
         MODEL = args.model
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min}
+    if args.draft_model:
+        spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
     results: dict = {"threads": args.threads, "speculative_config": spec, "load_avg_start": os.getloadavg()}
     for dtype in args.dtypes:
         if "batch1" in args.parts:
