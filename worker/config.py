@@ -53,8 +53,8 @@ class EngineConfig:
         one client (the HTTP front is one); the compile thread takes turns between clients, so one client's backlog
         delays another's compile by one compile each, not by the backlog.
     speculative_config: speculative decoding (worker/speculative.py), a dict of vLLM's keys or a SpeculativeConfig
-        (worker/spec_config.py); None: off. Verification steps run the generic mixed path (not the native CPU decode
-        step nor step graphs, which take pure decodes).
+        (worker/spec_config.py); None: off. A verification chunk is computed as decode rows (the native CPU decode
+        step takes up to 8 rows); step graphs replay one-token decodes only, so steps that verify run eagerly.
     suspend_weights: what suspend does with the weights: "host_copy" moves them to pinned host memory (on a
         CPU they stay where they are: nothing of them is freed), "reload" frees them and reloads them on resume
         from the files they came from (or from a spill file, when they came from tensors in memory); "auto"

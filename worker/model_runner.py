@@ -105,6 +105,19 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
     prompt_lens: list[int] = []   # of the prefill chunks
     for chunk in chunks:
         req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
+        if chunk.num_draft_tokens and num_decodes == len(query_lens):
+            # a verification chunk: one decode row per token (row j attends to the context up to its own position,
+            # whose K/V the step appends before attending), so each row has its decode step's bits and the native
+            # CPU decode step takes a lone request's k + 1 rows
+            for j, token_id in enumerate(chunk.token_ids):
+                num_decodes += 1
+                input_ids.append(token_id)
+                positions.append(start + j)
+                query_lens.append(1)
+                context_lens.append(start + j + 1)
+                tables.append(req.block_table)
+                logits_indices.append(len(input_ids) - 1)
+            continue
         # a decode: one generated token (a prompt's last token alone in its chunk stays a prefill row, computed as
         # its prompt's other rows are, so that it has the same bits whenever the prompt is computed again)
         if n == 1 and num_decodes == len(query_lens) and start >= req.num_prompt_tokens:

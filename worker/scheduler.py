@@ -136,13 +136,15 @@ class ScheduledChunk:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1
+        """One generated token to compute, or a verification chunk (computed as one decode row per token)."""
+        return self.num_new_tokens == 1 or bool(self.draft_token_ids)
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan. `chunks`: decodes (one token) first, then prefill chunks; arrival order within
-    each group. `preempted`: requests that lost their blocks this step (now waiting, to recompute)."""
+    """One step's plan. `chunks`: decodes (one token, or a verification chunk) first, then prefill chunks;
+    arrival order within each group. `preempted`: requests that lost their blocks this step (now waiting, to
+    recompute)."""
 
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[Request, ...]

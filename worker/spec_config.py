@@ -19,7 +19,7 @@ DEFAULT_PROMPT_LOOKUP = 5         # vLLM's: prompt_lookup_min and _max when neit
 # Speculation runs in a step only while at most this many requests decode in it. A verification forward
 # computes 1 + k rows per request: at batch 1 that is nearly free (the step reads every weight once, whatever
 # its rows), but a large batch is compute-bound already and rejected drafts are wasted work there; the native
-# CPU decode step (1-8 sequences) and step graphs also take pure decodes only. vLLM's name for the bound.
+# CPU decode step takes 1-8 rows, and step graphs one-token decodes only. vLLM's name for the bound.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
