@@ -527,3 +527,18 @@ def _vocab16_dir(tiny_model_dir):
                                       max_position_embeddings=2048)
         AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def test_tensor_parallel_group_verifies_in_lockstep(tiny_model_dir):
+    """TP rank 0 schedules and verifies; its follower runs the same verification forwards (the ForwardBatch it
+    is sent): the output equals one process without speculation."""
+    from infer import LLM
+
+    path = str(tiny_model_dir("llama"))
+    prompts = [repetitive(30, i) for i in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    options = dict(dtype="float32", max_model_len=128, kv_cache_memory=4_000_000, num_threads=1)
+    want = [c.token_ids for c in LLM(model=path, **options).generate(prompts, params, use_tqdm=False)]
+    with LLM(model=path, tensor_parallel_size=2, speculative_config=NGRAM, **options) as llm:
+        assert [c.token_ids for c in llm.generate(prompts, params, use_tqdm=False)] == want
+        assert llm.engine.stats.spec_decode_num_accepted_tokens > 0
