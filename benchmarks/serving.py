@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
 import os
@@ -56,167 +55,30 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Workload, dense_model_dir, write_result
+from common import dense_model_dir, write_result
 from throughput import setup_vllm
+
+from infer.client.bench import (
+    Outcome,
+    Schedule,
+    Slo,
+    make_lengths,
+    make_schedule,
+    parse_rate,
+    run_schedule,
+    send,
+    summarize,
+)
 
 SYSTEMS = ("infer", "vllm")
 SERVED_NAME = "SmolLM2-135M-Instruct"
 HOST = "127.0.0.1"
 
 
-# ---- the requests: one seeded dataset, one arrival schedule per rate -------------------------------
-
-@dataclass(frozen=True)
-class Schedule:
-    """The requests of one rate, in sending order, and when each is due (seconds after the start)."""
-
-    rate: float                  # requests/s; math.inf sends all at once
-    workload: Workload
-    arrivals: list[float]
-
-    @property
-    def label(self) -> str:
-        return "inf" if math.isinf(self.rate) else f"{self.rate:g}"
-
-
-def make_lengths(n: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int
-                 ) -> tuple[list[int], list[int]]:
-    rng = random.Random(seed)
-    return [rng.randint(*input_len) for _ in range(n)], [rng.randint(*output_len) for _ in range(n)]
-
-
-def make_schedule(rate: float, lengths: tuple[list[int], list[int]], vocab_size: int, seed: int) -> Schedule:
-    """Token ids and arrivals from generators seeded by (seed, rate): the same on every run and system."""
-    label = "inf" if math.isinf(rate) else f"{rate:g}"
-    ids = random.Random(f"{seed}:prompts:{label}")
-    prompts = [[ids.randrange(100, vocab_size) for _ in range(n)] for n in lengths[0]]
-    gaps = random.Random(f"{seed}:arrivals:{label}")
-    arrivals, t = [], 0.0
-    for _ in prompts:
-        arrivals.append(t)
-        t += 0.0 if math.isinf(rate) else gaps.expovariate(rate)
-    return Schedule(rate, Workload(f"random-{label}", prompts, list(lengths[1])), arrivals)
-
-
-# ---- the client: one streamed completion per request ---------------------------------------------
-
-@dataclass
-class Outcome:
-    """What one request measured; times in seconds. ok=False carries `error`."""
-
-    ok: bool = False
-    error: str = ""
-    ttft: float = 0.0
-    tpot: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    expected_tokens: int = 0
-
-
-async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
-               ) -> Outcome:
-    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    out = Outcome(expected_tokens=max_tokens)
-    chunks: list[float] = []    # arrival times of the non-empty text chunks
-    usage = None
-    start = time.perf_counter()
-    try:
-        async with session.post(url, json=payload) as response:
-            if response.status != 200:
-                out.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                return out
-            async for raw in response.content:   # one SSE line at a time
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue                     # blank separators, comments, other fields
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    out.error = f"error event: {json.dumps(event['error'])[:200]}"
-                    return out
-                if event.get("choices") and event["choices"][0].get("text"):
-                    chunks.append(time.perf_counter())
-                if event.get("usage"):
-                    usage = event["usage"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-        out.error = f"{type(e).__name__}: {e}"[:200]
-        return out
-    out.e2e = time.perf_counter() - start
-    if not chunks or usage is None:
-        out.error = "stream ended without text" if not chunks else "stream ended without a usage chunk"
-        return out
-    out.ok = True
-    out.output_tokens = int(usage.get("completion_tokens", 0))
-    out.ttft = chunks[0] - start
-    out.itl = [b - a for a, b in itertools.pairwise(chunks)]
-    out.tpot = (chunks[-1] - chunks[0]) / (out.output_tokens - 1) if out.output_tokens > 1 else 0.0
-    return out
-
-
-async def run_schedule(url: str, model: str, schedule: Schedule, max_concurrency: int | None,
-                       request_timeout: float) -> tuple[list[Outcome], float]:
-    """Sends every request at its arrival offset (waiting for a slot if max_concurrency is reached);
-    returns the outcomes in request order and the duration from the start to the last completion."""
-    limit = asyncio.Semaphore(max_concurrency or len(schedule.arrivals))
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
-    timeout = aiohttp.ClientTimeout(total=request_timeout)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        start = time.perf_counter()
-
-        async def one(i: int) -> Outcome:
-            await asyncio.sleep(max(0.0, start + schedule.arrivals[i] - time.perf_counter()))
-            async with limit:
-                return await send(session, url, model, schedule.workload.prompts[i],
-                                  schedule.workload.max_tokens[i])
-
-        outcomes = await asyncio.gather(*(one(i) for i in range(len(schedule.arrivals))))
-        return list(outcomes), time.perf_counter() - start
-
-
-# ---- metrics ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float
-    tpot_s: float
-
-    def met(self, o: Outcome) -> bool:
-        return o.ok and o.ttft <= self.ttft_s and o.tpot <= self.tpot_s
-
-
-def _stats_ms(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p99": None}
-    a = np.asarray(values) * 1000.0
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
-
-
-def summarize(outcomes: list[Outcome], duration: float, slo: Slo) -> dict:
-    done = [o for o in outcomes if o.ok]
-    errors = sorted({o.error for o in outcomes if not o.ok})
-    return {
-        "completed": len(done), "failed": len(outcomes) - len(done), "duration_s": duration,
-        "short_outputs": sum(o.output_tokens != o.expected_tokens for o in done),
-        "request_throughput": len(done) / duration,
-        "output_throughput": sum(o.output_tokens for o in done) / duration,
-        "goodput": sum(slo.met(o) for o in done) / duration,
-        "ttft_ms": _stats_ms([o.ttft for o in done]),
-        "tpot_ms": _stats_ms([o.tpot for o in done if o.output_tokens > 1]),
-        "itl_ms": _stats_ms([gap for o in done for gap in o.itl]),
-        "e2e_ms": _stats_ms([o.e2e for o in done]),
-        "errors": errors[:5],
-        # per request, in sending order: what the means and percentiles above hide (who met the SLO, when)
-        "requests": [{"ok": o.ok, "ttft_ms": round(o.ttft * 1000, 1), "tpot_ms": round(o.tpot * 1000, 1),
-                      "e2e_ms": round(o.e2e * 1000, 1), "output_tokens": o.output_tokens} for o in outcomes],
-    }
-
+# The requests, the streaming client and the metrics are infer-bench's (client/bench.py): Schedule, make_lengths,
+# make_schedule, Outcome, send, run_schedule, Slo, summarize.
 
 # ---- the servers: each in its own process group ---------------------------------------------------
 
@@ -472,13 +334,6 @@ def print_verdict(results: dict[str, dict], schedules: list[Schedule]) -> None:
 
 
 # ---- command line ------------------------------------------------------------------------------------
-
-def parse_rate(text: str) -> float:
-    rate = float(text)
-    if not rate > 0:
-        raise argparse.ArgumentTypeError(f"a request rate must be > 0 or inf, got {text!r}")
-    return rate
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

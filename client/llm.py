@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import aclosing
@@ -412,10 +413,18 @@ class AsyncLLM:
         `finish_reason`. A rejected prompt is one delta with finish_reason "error" and error_code
         "invalid_request". Leaving the loop early (break, aclose) aborts the request. With `timeout`
         (seconds), a request not finished by then is aborted (its KV blocks freed) and ends with error_code
-        "timeout". `priority`: lower is served first (vLLM's convention; scheduling_policy "priority")."""
-        stream = self.engine.stream(prompt, sampling_params, request_id=request_id, timeout=timeout,
-                                    priority=priority)
-        async with aclosing(stream) as deltas:
+        "timeout". `priority`: lower is served first (vLLM's convention; scheduling_policy "priority").
+        With `sampling_params.n` > 1 the n samples run as n requests, `<request_id>-<i>` for sample i, and their
+        deltas come interleaved (each sample's in order); it ends once every sample has finished."""
+        samples = (sampling_params or SamplingParams()).samples()
+        if len(samples) == 1:
+            streams = [self.engine.stream(prompt, sampling_params, request_id=request_id, timeout=timeout,
+                                          priority=priority)]
+        else:
+            base = request_id or f"gen-{uuid.uuid4().hex}"
+            streams = [self.engine.stream(prompt, sp, request_id=f"{base}-{i}", timeout=timeout, priority=priority)
+                       for i, sp in enumerate(samples)]
+        async with aclosing(_merged(streams)) as deltas:
             async for delta in deltas:
                 yield delta
 
@@ -424,11 +433,16 @@ class AsyncLLM:
                              use_tqdm: bool = False, timeout: float | None = None,
                              priority: Sequence[int] | None = None) -> list[Completion]:
         """Every prompt concurrently (one params for all, or one per prompt); Completions in prompt order.
-        The same contract as LLM.generate; `use_tqdm` shows a progress bar for lists; `timeout` applies to
-        each request (see generate)."""
+        The same contract as LLM.generate (`n` > 1: see there); `use_tqdm` shows a progress bar for lists;
+        `timeout` applies to each request (see generate)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
+        flat = _Samples(prompts, params, priorities)
+        return flat.results(await self._generate_flat(flat.prompts, flat.params, flat.priorities, use_tqdm, timeout))
+
+    async def _generate_flat(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int],
+                             use_tqdm: bool, timeout: float | None) -> list[Completion]:
         engine = self.engine
         bar = _progress(len(prompts), use_tqdm)
 
@@ -441,6 +455,12 @@ class AsyncLLM:
             return await _gather_all([one(p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)])
         finally:
             bar.close()
+
+    async def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True, *,
+                    timeout: float | None = None) -> list[Completion]:
+        """As LLM.embed: one Completion per prompt with its `embedding`."""
+        params = SamplingParams(pooling=pooling, normalize=normalize, temperature=0, max_tokens=1)
+        return await self.generate_batch(prompts, params, timeout=timeout)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort"."""
@@ -696,6 +716,10 @@ class LLM:
         A prompt the engine rejects (empty, too long, unknown token ids, cannot fit in the KV pool) yields a
         Completion with finish_reason "error", the reason in `error` and error_code "invalid_request"; the
         others still run.
+
+        `SamplingParams.n` > 1 (vLLM's): n samples of that prompt, run as n requests in the same batch, returned
+        in one Completion whose `outputs` are the n samples in order (its flat fields are sample 0's; vLLM's
+        RequestOutput shape). Seeded, sample i uses seed + i: distinct samples, reproducible as a set.
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
@@ -703,7 +727,17 @@ class LLM:
         if self._engine is None:
             return self._run(self._require_remote().generate_batch(prompts, params, use_tqdm=use_tqdm,
                                                                    priority=priorities))
-        return self._generate_direct(prompts, params, use_tqdm, priorities)
+        flat = _Samples(prompts, params, priorities)
+        return flat.results(self._generate_direct(flat.prompts, flat.params, use_tqdm, flat.priorities))
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True,
+              use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[Completion]:
+        """An embedding per prompt (`Completion.embedding`, a list of floats), in prompt order: the hidden states
+        that feed the LM head pooled by `pooling` ("last", "mean" or "cls"), L2-normalized when `normalize`
+        (worker/pooling.py). Through the same engine (or cluster) as generate; a rejected prompt is a Completion
+        with finish_reason "error", as there."""
+        params = SamplingParams(pooling=pooling, normalize=normalize, temperature=0, max_tokens=1)
+        return self.generate(prompts, params, use_tqdm, priority)
 
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -808,6 +842,64 @@ class LLM:
             coro.close()
             raise RuntimeError("this LLM is closed")
         return self._loop.run(coro)
+
+
+class _Samples:
+    """Prompts with their params, flattened into one engine request per sample (`SamplingParams.samples()`), and
+    the results folded back into one Completion per prompt."""
+
+    def __init__(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int]) -> None:
+        self.prompts: list[Prompt] = []
+        self.params: list[SamplingParams] = []
+        self.priorities: list[int] = []
+        self.counts: list[int] = []
+        for prompt, sp, priority in zip(prompts, params, priorities):
+            samples = sp.samples()
+            self.prompts += [prompt] * len(samples)
+            self.params += samples
+            self.priorities += [priority] * len(samples)
+            self.counts.append(len(samples))
+
+    def results(self, completions: list[Completion]) -> list[Completion]:
+        out, at = [], 0
+        for count in self.counts:
+            out.append(Completion.of_samples(completions[at:at + count]))
+            at += count
+        return out
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[RequestOutput]:
+    """The deltas of several streams as they come; closing this closes them all (aborting what runs)."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as deltas:
+            async for delta in deltas:
+                yield delta
+        return
+    queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream) as deltas:
+                async for delta in deltas:
+                    queue.put_nowait(delta)
+        except Exception as e:   # the reader raises it
+            queue.put_nowait(e)
+        queue.put_nowait(None)
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

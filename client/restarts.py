@@ -4,7 +4,9 @@ a crash-loop limit. No I/O, no torch; time is passed in.
 A child that dies is restarted after `restart_backoff * 2**k` seconds (at most `restart_backoff_max`), k being
 the restarts it had within the last `restart_window` seconds; a death past `max_restarts` restarts within the
 window gives it up (`GiveUp`, with the reason for the log). Restarts older than the window are forgotten, so a
-child that crashed once a day is restarted every time, promptly.
+child that crashed once a day is restarted every time, promptly. Exit code 2 is every daemon's "your options (or
+the model they name) are refused" (a bad flag, a TP size the model's heads do not split into): the same command
+would fail again, so it is given up at once, without a crash loop of pointless restarts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from infer.protocol.options import option
+
+EXIT_USAGE = 2    # every daemon's exit code for options (or a model) it refuses
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,12 @@ class CrashLoop:
         self.policy = policy
         self._restarts: deque[float] = deque()
 
-    def on_exit(self, now: float, how: str) -> Restart | GiveUp:
-        """The process died at `now` (`how`: e.g. "exited with code 2", for the reason)."""
+    def on_exit(self, now: float, returncode: int) -> Restart | GiveUp:
+        """The process ended at `now` with `returncode` (a Popen's: -N for signal N), not 0."""
+        how = how_it_ended(returncode)
+        if returncode == EXIT_USAGE:
+            return GiveUp(f"it {how}: its options or model were refused (its log says why), and restarting it with "
+                          f"the same command cannot help")
         window = self.policy.restart_window
         while self._restarts and now - self._restarts[0] > window:
             self._restarts.popleft()

@@ -43,7 +43,7 @@ from infer.protocol.keys import ClusterKeyDir, refuse_open_bind
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import ClusterStats
-from infer.protocol.options import add_options, given, to_argv
+from infer.protocol.options import add_options, add_vllm_flags, flag_names, given, to_argv
 from infer.worker.config import EngineConfig
 from infer.worker.options import WorkerFlags, WorkerOptions
 
@@ -197,10 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infer-serve", description=__doc__.split("\n\n")[0],
                                 epilog="Arguments after `--` go to every worker unchanged.")
     p.add_argument("--model", help="safetensors dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--workers", type=int, default=1, help="number of workers (DP ranks) (default 1)")
+    p.add_argument(*flag_names("--workers"), type=int, default=1, help="number of workers (DP ranks) (default 1)")
     p.add_argument("--threads", type=int, help="torch threads per worker")
-    p.add_argument("--tp-size", type=int, help="processes per worker (tensor parallelism; default 1): each "
-                   "worker starts and supervises its TP group, each process holding 1/T of every layer")
+    p.add_argument(*flag_names("--tp-size"), type=int, help="processes per worker (tensor parallelism; default 1): "
+                   "each worker starts and supervises its TP group, each process holding 1/T of every layer")
     add_front_arguments(p)
     p.add_argument("--coordinator-host", default="127.0.0.1",
                    help="the coordinator's bind address (default 127.0.0.1)")
@@ -219,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds the children get to exit after SIGTERM before SIGKILL (default 30)")
     add_logging_args(p)
+    add_vllm_flags(p)
     return p
 
 

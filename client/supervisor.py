@@ -89,7 +89,7 @@ class Supervisor:
                 if child.essential:
                     self._end(Ended(f"{child.name} exited", clean=True))
                 return
-            verdict = child.crash_loop.on_exit(self.clock(), how_it_ended(code))
+            verdict = child.crash_loop.on_exit(self.clock(), code)
             if isinstance(verdict, GiveUp):
                 self._give_up(child, verdict.reason)
                 return

@@ -1,7 +1,9 @@
-"""Triton, when it is installed; otherwise stand-ins that let the kernel modules import.
+"""Triton, when it is installed and can run here; otherwise stand-ins that let the kernel modules import.
 
 Triton ships for Linux only. Elsewhere `HAS_TRITON` is False, the `@triton.jit` functions become
-placeholders that raise when launched, and the engine runs the PyTorch twins (see `use_triton`).
+placeholders that raise when launched, and the engine runs the PyTorch twins (see `use_triton`). The same
+holds on a machine without CUDA, unless TRITON_INTERPRET=1 (the CPU test mode): there no kernel could launch,
+and importing triton would cost every CPU worker about 70 MiB of resident memory (libtriton) for nothing.
 """
 
 from __future__ import annotations
@@ -13,14 +15,23 @@ import torch
 
 from infer.protocol import env
 
-try:
-    import triton
-    import triton.language as tl
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton has no wheel
-    HAS_TRITON = False
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (the CPU test mode: kernels run in Triton's NumPy interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+
+HAS_TRITON = False
+if interpreting() or torch.cuda.is_available():   # somewhere a Triton kernel can launch
+    try:
+        import triton
+        import triton.language as tl
+
+        HAS_TRITON = True
+    except ImportError:  # pragma: no cover - exercised only where triton has no wheel
+        pass
+
+if not HAS_TRITON:
     class _Unavailable:
         def __init__(self, fn: Any) -> None:
             self.__name__ = getattr(fn, "__name__", "kernel")
@@ -57,11 +68,6 @@ _FORCE_TWINS = (env.read(env.KERNELS) or "").lower() == "torch"
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether the dispatching entry points run Triton for `tensor`: on CUDA devices with triton present."""
     return HAS_TRITON and tensor.is_cuda and not _FORCE_TWINS
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (the CPU test mode: kernels run in Triton's NumPy interpreter)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 __all__ = ["HAS_TRITON", "interpreting", "tl", "triton", "use_triton"]

@@ -391,6 +391,7 @@ class Delta(Message):
     seed: int | None = None                    # the first delta: the sampling seed the request runs with
     prompt_logprobs: list[dict[int, float]] | None = None   # the first delta, when asked: prompt tokens 1..
     weight_version: int = 0                    # the version of the weights that computed it (update_weights)
+    embedding: list[float] | None = None       # a pooling request's last delta: its vector (worker/pooling.py)
 
     @classmethod
     def final(cls, request_id: str, finish_reason: FinishReason | str, error: str | None = None,

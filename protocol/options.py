@@ -8,6 +8,12 @@ the metadata. Flags are added with default None, so only the flags given overrid
 (`given`; a launcher reading its own options as parsed asks for the fields' defaults instead), and `to_argv`
 writes back the fields that differ from those defaults: the one path from a config to another process's command
 line (infer-serve's workers, LLM's local cluster, the Slurm launcher).
+
+vLLM's spellings, declared here once for every command: `VLLM_ALIASES` are other names of our flags with the
+same meaning (`add_options` adds them, and `flag_names` gives them to the few flags declared by hand, such as
+infer-serve's --workers); `VLLM_REFUSED` are vLLM flags we have no equivalent for, or take only at the values
+that mean what we do (`add_vllm_flags`): any other use stops the command with the reason and what to use
+instead, never a flag silently ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +24,73 @@ import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+
+# our flag -> vLLM's names for it (the same meaning)
+VLLM_ALIASES: dict[str, tuple[str, ...]] = {
+    "--tp-size": ("--tensor-parallel-size", "-tp"),                # processes per DP rank (a TP group)
+    "--workers": ("--data-parallel-size", "-dp"),                  # infer-serve: DP ranks
+    "--kv-cache-memory": ("--kv-cache-memory-bytes",),             # bytes of KV cache per DP rank
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A vLLM flag without an equivalent here: `accepted` values (as given on the command line) mean what we do
+    anyway and pass; `switch`: the flag takes no value (accepted: True when giving it means what we do)."""
+
+    reason: str
+    accepted: tuple[str, ...] = ()
+    switch: bool = False
+    aliases: tuple[str, ...] = ()
+
+
+VLLM_REFUSED: dict[str, Refused] = {
+    "--kv-cache-dtype": Refused("the KV cache is kept in the model's dtype (--dtype); only 'auto' is implemented",
+                                accepted=("auto",)),
+    "--gpu-memory-utilization": Refused(
+        "infer does not size memory as a share of the whole GPU: give the KV pool in bytes (--kv-cache-memory, vLLM's "
+        "--kv-cache-memory-bytes) or as a share of the memory free once the weights are loaded "
+        "(--kv-cache-memory-fraction)"),
+    "--pipeline-parallel-size": Refused("pipeline parallelism is not implemented (use --tp-size, and --workers for "
+                                        "data parallelism)", accepted=("1",), aliases=("-pp",)),
+    "--swap-space": Refused("preemption recomputes here; there is no CPU swap space for KV blocks"),
+    "--cpu-offload-gb": Refused("weights are not offloaded to CPU memory; use --quantization int8 / int4 to fit a "
+                                "model in less memory"),
+    "--enable-expert-parallel": Refused("give the EP group's size instead: --ep-size N (experts sharded over N "
+                                        "ranks)", switch=True),
+    "--enable-auto-tool-choice": Refused("", switch=True, accepted=("on",)),   # always on here: tool_choice auto
+}
+
+
+def flag_names(flag: str) -> list[str]:
+    """`flag` and vLLM's aliases of it (VLLM_ALIASES)."""
+    return [flag, *VLLM_ALIASES.get(flag, ())]
+
+
+class _RefusedFlag(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        refused = VLLM_REFUSED[self.option_strings[0]]
+        given_value = "on" if refused.switch else values
+        if given_value in refused.accepted:
+            return
+        shown = option_string if refused.switch else f"{option_string} {values}"
+        parser.error(f"{shown}: not supported by infer: {refused.reason}")
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of VLLM_REFUSED that `parser` does not define: each refused with its reason (module doc)."""
+    group = parser.add_argument_group("vLLM's flags without an equivalent (refused with the reason, but for the "
+                                      "values that mean what infer does)")
+    for flag, refused in VLLM_REFUSED.items():
+        kwargs: dict[str, Any] = {"nargs": 0} if refused.switch else {"metavar": "|".join(refused.accepted) or "X"}
+        try:
+            group.add_argument(flag, *refused.aliases, action=_RefusedFlag, dest=argparse.SUPPRESS,
+                               default=argparse.SUPPRESS, help=("accepted: " + ", ".join(refused.accepted))
+                               if refused.accepted else "refused", **kwargs)
+        except argparse.ArgumentError:   # the command has a flag of that name: its own meaning wins
+            continue
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
@@ -81,7 +154,7 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: 
                 kwargs["choices"] = tuple(f.metadata["choices"])
             if f.metadata.get("metavar"):
                 kwargs["metavar"] = f.metadata["metavar"]
-        parser.add_argument(flag_of(f), **kwargs)
+        parser.add_argument(*flag_names(flag_of(f)), **kwargs)
 
 
 def _parser(parse: Any) -> Any:

@@ -3,6 +3,7 @@ plain named fields."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from infer.protocol.codes import ErrorCode, FinishReason
@@ -21,9 +22,27 @@ ERROR_CODES = tuple(ErrorCode)
 RequestOutput = Delta
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One sample of a prompt (vLLM's CompletionOutput): `index` among its n, and what it generated."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None   # the sum of the sampled tokens' logprobs, when logprobs were asked
+    seed: int | None = None
+    error: str | None = None
+
+
 @dataclass
 class Completion:
-    """A finished request: the prompt, every generated token, the text and why it ended."""
+    """A finished request: the prompt, every generated token, the text and why it ended.
+
+    With `SamplingParams.n` > 1 it is the prompt's result (vLLM's RequestOutput): `outputs` holds the n samples
+    in order, and the flat fields (`text`, `token_ids`, `finish_reason`, ...) are sample 0's. With n = 1,
+    `outputs` is that one sample, so `completion.outputs[0].text` works either way."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -38,6 +57,25 @@ class Completion:
     seed: int | None = None     # the sampling seed it ran with (assigned when none was given): a replay key
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # vLLM's: None for the first prompt token
     weight_version: int = 0     # the weights' version of its last delta (update_weights counts versions)
+    samples: list[Completion] | None = None   # n > 1: every sample's own Completion, sample 0 first
+    embedding: list[float] | None = None      # a pooling request's vector (SamplingParams.pooling)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [c._as_output(i) for i, c in enumerate(self.samples or [self])]
+
+    def _as_output(self, index: int) -> CompletionOutput:
+        cumulative = None if self.logprobs is None else sum(
+            row.get(t, 0.0) for t, row in zip(self.token_ids, self.logprobs))
+        return CompletionOutput(index, self.text, self.token_ids, self.finish_reason, self.logprobs, cumulative,
+                                self.seed, self.error)
+
+    @classmethod
+    def of_samples(cls, samples: list[Completion]) -> Completion:
+        """The result of one prompt's n samples: sample 0's fields, and all of them in `samples`."""
+        if len(samples) == 1:
+            return samples[0]
+        return dataclasses.replace(samples[0], samples=list(samples))
 
     def add(self, delta: Delta) -> None:
         """Fold one stream delta into this completion."""
@@ -50,6 +88,8 @@ class Completion:
         self.weight_version = delta.weight_version
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.error = delta.error

@@ -34,6 +34,8 @@ MAX_LOGIT_BIAS_VALUE = 100.0 # OpenAI's range: [-100, 100]
 MAX_ALLOWED_TOKEN_IDS = 65536
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 256
+POOLING_TYPES = ("last", "mean", "cls")   # worker/pooling.py
+MAX_N = 256                  # samples per prompt (LLM / AsyncLLM expand them into that many engine requests)
 
 
 class FieldError(ValueError):
@@ -60,6 +62,9 @@ class SamplingParams:
     output to a JSON schema, a regex, a choice, an EBNF grammar or any JSON object.
     `disable_speculative_decoding` (ours; vLLM has no per-request switch): this request never speculates, on an
     engine with a `speculative_config` (its output is the same either way; this trades its speed for the batch's).
+    `n` (vLLM's): samples per prompt. `LLM` / `AsyncLLM` (and the HTTP front, from the body's `n`) run them as n
+    engine requests (`samples()`): with a seed, sample i gets seed + i (vLLM's rule), so the n differ and the set
+    is reproducible; without one, each draws its own. An engine runs one sample per request and refuses n > 1.
     """
 
     temperature: float = 1.0
@@ -84,6 +89,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
     disable_speculative_decoding: bool = False
+    n: int = 1
+    pooling: str | None = None
+    normalize: bool = True
 
     def __post_init__(self) -> None:
         # Accept the forms users write (a single stop string, lists) and store tuples (hashable, frozen).
@@ -159,6 +167,14 @@ class SamplingParams:
             raise FieldError("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
                                                    f"{MAX_REPETITION_PENALTY:g}] (1 is off), got "
                                                    f"{self.repetition_penalty}")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise FieldError("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)} (or None to generate), "
+                                        f"got {self.pooling!r}")
+        if not isinstance(self.normalize, bool):
+            raise FieldError("normalize", f"normalize must be a bool, got {self.normalize!r}")
+        _integer("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise FieldError("n", f"n must be in [1, {MAX_N}], got {self.n}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -211,6 +227,13 @@ class SamplingParams:
         params = copy.copy(self)              # not dataclasses.replace: that would validate every field again
         object.__setattr__(params, "seed", seed)
         return params
+
+    def samples(self) -> list[SamplingParams]:
+        """The n engine requests these params stand for: n = 1 each; sample i seeded seed + i when seeded."""
+        if self.n == 1:
+            return [self]
+        one = dataclasses.replace(self, n=1)
+        return [one if self.seed is None else one.with_seed((self.seed + i) % 2**63) for i in range(self.n)]
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, named, in JSON / msgpack types; `from_dict(to_dict())` round-trips. (Frames carry only

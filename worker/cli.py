@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import zmq
 
 from infer.protocol.logs import add_logging_args, setup_logging
-from infer.protocol.options import add_options, given
+from infer.protocol.options import add_options, add_vllm_flags, given
 from infer.worker.config import EngineConfig
 from infer.worker.core import EXIT_FATAL, EXIT_USAGE, EngineLike
 from infer.worker.daemon import Worker
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p.add_argument_group("security (CurveZMQ: both flags, when the coordinator has keys)"),
                 WorkerFlags, names=KEY_FLAGS)
     add_logging_args(p)
+    add_vllm_flags(p)
     return p
 
 

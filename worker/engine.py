@@ -21,13 +21,14 @@ import math
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from infer.protocol.messages import MAX_ID_LEN, Delta, TokenIds, UpdateWeights
+from infer.worker.pooling import PoolingState
 from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
@@ -200,6 +201,11 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: an engine runs one sample per request; LLM / AsyncLLM and the HTTP "
+                             f"front run n > 1 as n requests (SamplingParams.samples())")
+        if params.pooling is not None:
+            params = _pooling_params(params)
         if params.seed is None and params.temperature > 0:
             params = params.with_seed(self.sampler.draw_seed())
         prompt_ids = self._prompt_token_ids(prompt)
@@ -210,7 +216,9 @@ class Engine:
                           max_tokens=self._resolve_max_tokens(len(prompt_ids), params),
                           token_ids=prompt_ids + resumed, arrival_time=time.monotonic(), priority=priority,
                           bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-                          prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None)
+                          prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None,
+                          pooled=None if params.pooling is None else PoolingState(params.pooling, params.normalize,
+                                                                                  len(prompt_ids)))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
         if resumed:
             detok.resume(resumed, resumed_text_len)
@@ -686,6 +694,12 @@ class Engine:
         """Append the row's tokens (one; or a verification's accepted drafts and the token after them) up to the
         first that finishes the request (the rest are dropped: an accepted run is cut at a stop)."""
         request = chunk.request
+        if request.pooled is not None:   # its prompt is complete: the vector, not the token, is its output
+            if not request.pooled.complete:
+                raise RuntimeError("a pooling request reached its last prompt token with positions not pooled")
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            return self._final_output(request, "", [], embedding=request.pooled.vector(),
+                                      **self._first_output_fields(request))
         detok = self._detokenizers[request.request_id]
         token_ids: list[int] = []
         text, status = "", None
@@ -757,6 +771,16 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+
+def _pooling_params(params: SamplingParams) -> SamplingParams:
+    """A pooling request's params (worker/pooling.py): what only generation takes is refused (ValueError); it runs
+    its prompt and one greedy step, whose token is dropped."""
+    names = ("structured_outputs", "prompt_logprobs", "logprobs", "bad_words", "logit_bias", "allowed_token_ids")
+    given = [name for name in names if getattr(params, name) not in (None, ())]
+    if given:
+        raise ValueError(f"pooling (an embedding) takes no generation options; got {', '.join(given)}")
+    return replace(params, temperature=0.0, max_tokens=1, min_tokens=0, seed=None)
 
 
 def tensor_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequence[str],

@@ -8,6 +8,7 @@ import torch
 
 from infer.kernels.paged_attention import decode_split_tokens
 from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.pooling import record_pooling
 from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, record_prompt_logprobs
 from infer.worker.scheduler import ScheduledChunk
 from infer.worker.speculative import sampling_rows
@@ -43,7 +44,8 @@ class ModelRunner:
         `chunk.num_sampled_rows`). Returns None when no chunk samples (all mid-prefill).
         Pure-decode steps that fit a step-graph bucket replay its graph; the others (verification steps
         included) run eagerly."""
-        bucket = self.step_graphs.bucket_for(chunks) if self.step_graphs is not None else None
+        graphs = self.step_graphs is not None and not any(c.request.pooled is not None for c in chunks)
+        bucket = self.step_graphs.bucket_for(chunks) if graphs else None   # pooling needs the hidden states
         if bucket is not None:
             logits = self.step_graphs.run(chunks, bucket)
         else:
@@ -52,6 +54,8 @@ class ModelRunner:
             if any(c.request.prompt_logprobs is not None for c in chunks):
                 record_prompt_logprobs(chunks, lambda start, stop: self._logits(
                     hidden, torch.arange(start, stop, device=hidden.device)))
+            if any(c.request.pooled is not None for c in chunks):
+                record_pooling(chunks, hidden)
             if batch.logits_indices.numel() == 0:
                 return None
             logits = self._logits(hidden, batch.logits_indices)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from infer.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:   # worker/structured.py imports torch; the scheduler's tests run without it
+    from infer.worker.pooling import PoolingState
     from infer.worker.structured import GrammarState
 
 
@@ -75,6 +76,12 @@ class Request:
     # with params.prompt_logprobs (and not resumed elsewhere: its first output went out there): row j is prompt
     # token j + 1's logprobs, filled as prefill chunks run (worker/sampler.py: record_prompt_logprobs)
     prompt_logprobs: list[dict[int, float]] | None = None
+    pooled: PoolingState | None = None   # a pooling request's vector so far (worker/pooling.py)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position must be computed here (prompt logprobs, pooling): no prefix-cache hits."""
+        return self.prompt_logprobs is not None or self.pooled is not None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -478,7 +478,7 @@ class Scheduler:
         """Move the head of the waiting queue to running with its first chunk; False if it does not fit
         (a seat, the token budget, blocks beyond `reserved_blocks`). With `may_preempt`, worse ranked running
         requests are preempted while seats or blocks are short."""
-        cached = [] if request.prompt_logprobs is not None else self.block_manager.find_cached_prefix(request)
+        cached = [] if request.computes_whole_prompt else self.block_manager.find_cached_prefix(request)
         num_new = self._prefill_chunk(request, len(cached), step.token_budget)
         if num_new == 0:
             return False

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("infer.worker")
 
 
+_LAST_WORDS_MS = 1000   # how long a follower waits for the frames rank 0 sent before its connection closed
+
+
 class LeaderGone(RuntimeError):
     """A follower heard nothing from TP rank 0 within the timeout, or its connection from rank 0 closed."""
 
@@ -205,18 +208,23 @@ class FollowerChannel:
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
+        self.leader_closed = False
         dist_init = parallel.options.dist_init or "tcp://127.0.0.1:0"
         host = _local_address_towards(urlsplit(dist_init).hostname or "127.0.0.1")
         port = self.pull.bind_to_random_port(f"tcp://{host}")
         _gather_addresses(parallel.tp, f"tcp://{host}:{port}")
 
     def receive(self) -> dict[str, Any]:
-        """The next command; LeaderGone after `timeout_s` of silence, or once rank 0's connection closes."""
+        """The next command; LeaderGone after `timeout_s` of silence, or once rank 0's connection has closed and
+        what it sent before (its "stop", say: the monitor may report the close first) has been read."""
         events = dict(self.poller.poll(int(self.timeout_s * 1000)))
+        if self.monitor in events and _closed(self.monitor):
+            self.leader_closed = True
         if self.pull not in events:
-            if self.monitor in events and _closed(self.monitor):
+            if not self.leader_closed:
+                raise LeaderGone(f"nothing heard from TP rank 0 for {self.timeout_s:g} s")
+            if not self.pull.poll(_LAST_WORDS_MS):
                 raise LeaderGone("TP rank 0's connection closed")
-            raise LeaderGone(f"nothing heard from TP rank 0 for {self.timeout_s:g} s")
         command = msgpack.unpackb(self.pull.recv(), raw=False)
         if not isinstance(command, dict) or not isinstance(command.get("op"), str):
             raise ValueError(f"a malformed TP command: {type(command).__name__}")

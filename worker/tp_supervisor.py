@@ -63,7 +63,9 @@ def supervise(argv: Sequence[str], options: TpOptions) -> int:
     """Start this DP rank's T processes (this command line + --tp-rank r, one shared --dist-init) and wait;
     once one exits, rank 0 gets a SIGTERM (a drain: with its group broken it gives its requests back) and
     the others SUPERVISOR_GRACE_S to follow, then SIGKILL. SIGTERM / SIGINT go to TP
-    rank 0 (it drains, then stops the others). Returns rank 0's exit code, else the first non-zero one.
+    rank 0 (it drains, then stops the others). Returns the exit code of the member that ended first when it is
+not 0 (why the group ended: 2 for options or a model it refused, 128 + N for signal N), else rank 0's, else the
+first non-zero one.
     The members run in a process group of their own (a signal to the supervisor's group reaches only it) and
     die with it (SIGKILL when it dies, kill -9 included)."""
     dist_init = options.dist_init or f"tcp://127.0.0.1:{free_local_port()}"
@@ -95,5 +97,6 @@ def supervise(argv: Sequence[str], options: TpOptions) -> int:
                         child.pid)
             child.kill()
             child.wait(timeout=SUPERVISOR_GRACE_S)
-    leader = children[0].returncode
-    return leader if leader else next((c.returncode for c in children if c.returncode), 0)
+    first = codes[pid]
+    code = first or children[0].returncode or next((c.returncode for c in children if c.returncode), 0)
+    return code if code >= 0 else 128 - code   # killed by signal N: 128 + N, as a shell says it

@@ -50,15 +50,7 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None,
     if api_key is not None and api_key_file is not None:
         raise ValueError("give --api-key or --api-key-file, not both")
     if api_key_file is not None:
-        try:
-            with open(api_key_file, encoding="utf-8") as f:
-                key = f.readline().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            why = getattr(e, "strerror", None) or e
-            raise ValueError(f"--api-key-file {api_key_file}: cannot read it: {why}") from None
-        if not key:
-            raise ValueError(f"--api-key-file {api_key_file}: the file is empty (its first line is the key)")
-        return key
+        return read_key_file(api_key_file, "--api-key-file")
     if api_key is None:
         api_key = env.read_raw(env.API_KEY, environ)
         if api_key is not None and not api_key.strip():
@@ -69,6 +61,19 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None,
 
 
 API_KEY_ENV = env.API_KEY.name
+
+
+def read_key_file(path: str, flag: str) -> str:
+    """The first line of `path`, stripped; ValueError naming `flag` if it cannot be read or is empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise ValueError(f"{flag} {path}: cannot read it: {why}") from None
+    if not key:
+        raise ValueError(f"{flag} {path}: the file is empty (its first line is the key)")
+    return key
 
 
 def authorize(request: Request, key: str | None) -> None:

@@ -3,7 +3,8 @@ Beside it: `admission.py` (the API key, admission), `formats.py` (OpenAI's respo
 `errors.py` (error codes to statuses, the error body).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
-GET /v1/models, GET /health, GET /metrics; vLLM's POST /tokenize, POST /detokenize and GET /version.
+GET /v1/models, GET /health, GET /metrics; vLLM's POST /tokenize, POST /detokenize and GET /version; POST
+/v1/requests/{id}/cancel (cancel.py: by the caller that sent it, or the admin key).
 
 The path of a request:
 1. `authorize` (admission.py: 401 without the API key when one is set: one answer for a missing header, another
@@ -39,11 +40,13 @@ wrong methods (405) and every other error also answer in OpenAI's error shape.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import importlib.metadata
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -58,15 +61,19 @@ from starlette.requests import ClientDisconnect
 
 from infer.client.api.admission import Admission, authorize, check_length, max_model_len
 from infer.client.api.body import decode_body
+from infer.client.api.cancel import Cancellable, Cancellations, bearer_digest, caller_request_id
 from infer.client.api.errors import (
     ended_early, error_response, http_phrase, internal_error, request_error, too_large, unhealthy, validation_error
 )
-from infer.client.api.formats import ChatFormat, CompletionFormat, ResponseFormat, best_of, num_candidates, sse_event
+from infer.client.api.formats import (
+    ChatFormat, CompletionFormat, ResponseFormat, best_of, embedding_json, num_candidates, sse_event
+)
 from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tools import TOOL_PARSERS, default_parser, template_messages, tools_system_prompt
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
 from infer.client.api.schemas import (
-    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, UpdateWeightsRequest
+    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
+    UpdateWeightsRequest,
 )
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
@@ -102,13 +109,19 @@ class FrontConfig:
     retry_after: int = 1                  # seconds, in the Retry-After header of a 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # a larger request body is refused with 413
     tool_call_parser: str | None = None   # client/api/tools.py; None: the one the chat template's format calls for
+    matryoshka_dimensions: tuple[int, ...] | None = None   # /v1/embeddings' dimensions: None refused, () any size
     reasoning_parser: str | None = None   # client/api/reasoning.py; None: no reasoning_content
+    admin_api_key: str | None = None      # may cancel any request (client/api/cancel.py)
+    chat_template: str | None = None      # instead of the tokenizer's (--chat-template)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)   # --generation-config: model_defaults.py
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
+        if self.admin_api_key is not None and (not self.admin_api_key or self.admin_api_key == self.api_key):
+            raise ValueError("admin_api_key must not be empty nor the same as api_key")
         for name in ("max_concurrent_requests", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -144,6 +157,7 @@ class Job:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None   # prompt tokens 1..
+    embedding: list[float] | None = None                 # a pooling request's vector
 
     def add(self, delta: RequestOutput) -> None:
         self.tracker.on_delta(delta)
@@ -155,6 +169,8 @@ class Job:
             self.num_prompt_tokens = delta.num_prompt_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.finished:
             self.finish_reason = delta.finish_reason
 
@@ -164,10 +180,14 @@ class Front:
 
     def __init__(self, engine: EngineClient, tokenizer: Any, config: FrontConfig) -> None:
         self.engine = engine
+        if config.chat_template is not None:   # a copy: the caller's tokenizer keeps its own template
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = config.chat_template
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = FrontMetrics(config.served_model_name)
         self.admission = Admission(engine, config)
+        self.cancellations = Cancellations(config.admin_api_key)
         self._token_text: dict[int, str] = {}
         self.created = int(time.time())
         self.token_bytes = max_token_bytes(tokenizer)   # bounds a text prompt's size before tokenizing it
@@ -196,7 +216,9 @@ class Front:
         async def token_ids(max_len: int) -> list[list[int]]:
             return await self._prompt_token_ids(body.prompts(), max_len)
         fmt = CompletionFormat(self, body)
-        return await self._serve(request, body, token_ids, body.max_tokens, body.logprobs, fmt)
+        max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else \
+            self.config.sampling_defaults.get("max_tokens", body.max_tokens)
+        return await self._serve(request, body, token_ids, max_tokens, body.logprobs, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
@@ -204,7 +226,48 @@ class Front:
         async def token_ids(max_len: int) -> list[list[int]]:
             return [await self._chat_token_ids(body, max_len)]
         fmt = ChatFormat(self, body)
-        return await self._serve(request, body, token_ids, body.max_new_tokens, body.num_logprobs, fmt)
+        max_tokens = body.max_new_tokens
+        if max_tokens is None:
+            max_tokens = self.config.sampling_defaults.get("max_tokens")
+        return await self._serve(request, body, token_ids, max_tokens, body.num_logprobs, fmt)
+
+    async def embeddings(self, request: Request) -> Response:
+        """POST /v1/embeddings (OpenAI's shape): one pooling request per input (worker/pooling.py), through the same
+        admission, cluster and failover as generation; `dimensions` only for a Matryoshka model (FrontConfig)."""
+        body = await self._parse(request, EmbeddingRequest)
+        self._check_dimensions(body.dimensions)
+        inputs = body.prompts()
+        params = SamplingParams(pooling=body.pooling, normalize=body.normalize, temperature=0, max_tokens=1)
+        base_id = f"embd-{uuid.uuid4().hex}"
+        self.admission.reserve(len(inputs))
+        try:
+            max_len = await self.admission.admit()
+            prompts = await self._prompt_token_ids(inputs, max_len, param="input")
+            for ids in prompts:
+                check_length(len(ids), None, max_len)
+            jobs = [Job(i, i, ids, params, f"{base_id}-{i}", self.metrics.tracker(), body.timeout, body.priority)
+                    for i, ids in enumerate(prompts)]
+            await _cancel_on_disconnect(request, self._run_to_end(jobs))
+        finally:
+            self.admission.release(len(inputs))
+        data = [{"object": "embedding", "index": job.index,
+                 "embedding": embedding_json(job.embedding or [], body.dimensions, body.normalize,
+                                             body.encoding_format)} for job in jobs]
+        tokens = sum(len(job.prompt_token_ids) for job in jobs)
+        return JSONResponse({"id": base_id, "object": "list", "data": data, "model": body.model,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        allowed = self.config.matryoshka_dimensions
+        if dimensions is None:
+            return
+        if allowed is None:
+            raise ApiError(400, "dimensions: this model does not support Matryoshka embeddings (its config.json "
+                                "declares no matryoshka_dimensions / is_matryoshka): the full vector is the only "
+                                "size", param="dimensions")
+        if allowed and dimensions not in allowed:
+            raise ApiError(400, f"dimensions: {dimensions} is not among this model's sizes "
+                                f"{', '.join(map(str, allowed))}", param="dimensions")
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt (or chat messages through the template) -> its token ids. The bounds of the
@@ -341,10 +404,11 @@ class Front:
                                 f"{self.config.served_model_name!r}", param="model", code="model_not_found")
         return body
 
-    async def _prompt_token_ids(self, prompts: list[str | list[int]], max_len: int) -> list[list[int]]:
+    async def _prompt_token_ids(self, prompts: list[str | list[int]], max_len: int,
+                                param: str = "prompt") -> list[list[int]]:
         """Every prompt checked against the context without tokenizing, then tokenized off the loop."""
         for prompt in prompts:
-            self._check_prompt(prompt, max_len, "prompt")
+            self._check_prompt(prompt, max_len, param)
         return [prompt if isinstance(prompt, list) else
                 await self._off_loop(self._encode, prompt, add_special_tokens=True) for prompt in prompts]
 
@@ -420,23 +484,49 @@ class Front:
         for param, ids in body.token_id_fields().items():
             self._check_vocab(param, ids)
         structured = await self._structured(body)
+        engine_base_id = fmt.id   # the front's own: engine request ids never take the caller's X-Request-Id
+        try:
+            fmt.id = caller_request_id(request) or fmt.id
+        except ValueError as e:
+            raise ApiError(400, str(e), param="X-Request-Id") from None
         self.admission.reserve(num_requests)
         run: StreamRun | None = None
+        cancellable = Cancellable(bearer_digest(request))
         try:
             max_len = await self.admission.admit()
             prompts = await token_ids(max_len)
             for ids in prompts:
                 check_length(len(ids), max_tokens, max_len)
-            jobs = self._jobs(fmt.id, prompts, body, max_tokens, logprobs, structured)
+            jobs = self._jobs(engine_base_id, prompts, body, max_tokens, logprobs, structured)
+            cancellable.engine_request_ids = [job.request_id for job in jobs]
+            self.cancellations.add(fmt.id, cancellable)
             if not body.stream:
                 await _cancel_on_disconnect(request, self._run_to_end(jobs))
-                return JSONResponse(fmt.response(best_of(jobs, body.n), usage_of=jobs))
-            run = StreamRun(self, jobs)   # releases the reservation in close()
+                return JSONResponse(fmt.response(best_of(jobs, body.n), usage_of=jobs),
+                                    headers={"X-Request-Id": fmt.id})
+            run = StreamRun(self, jobs, functools.partial(self.cancellations.remove, fmt.id, cancellable))
         finally:
-            if run is None:
+            if run is None:   # else the run's close() does both
                 self.admission.release(num_requests)
+                self.cancellations.remove(fmt.id, cancellable)
         await _cancel_on_disconnect(request, run.start())   # on failure, start() closed the run
-        return _EventStream(self._sse(run, fmt, body.include_usage), run)
+        return _EventStream(self._sse(run, fmt, body.include_usage, body.continuous_usage), run, fmt.id)
+
+    async def cancel(self, request: Request) -> Response:
+        """POST /v1/requests/{request_id}/cancel: abort a request in flight by its id, for the caller that sent it
+        or the admin (client/api/cancel.py); its answer (or stream) ends with finish_reason "abort"."""
+        caller = bearer_digest(request)
+        if not self.cancellations.is_admin(caller):
+            authorize(request, self.config.api_key)
+        request_id = request.path_params["request_id"]
+        entries = self.cancellations.find(request_id, caller)
+        if not entries:
+            raise ApiError(404, f"no request {request_id[:128]!r} in flight that this caller may cancel: the caller "
+                                "that sent a request may cancel it with the same 'Authorization: Bearer' token, the "
+                                "admin key any", param="request_id", code="request_not_found")
+        ids = [rid for entry in entries for rid in entry.engine_request_ids]
+        await asyncio.gather(*(self.engine.abort(rid) for rid in ids))
+        return JSONResponse({"id": request_id, "object": "request.cancelled", "cancelled": len(entries)})
 
     async def _structured(self, body: Any) -> StructuredOutputsParams | None:
         """The body's output constraint, parsed by xgrammar on the front's grammar thread (400 naming the field
@@ -472,6 +562,7 @@ class Front:
                 index = p * candidates + c
                 try:
                     params = body.sampling_params(max_tokens, logprobs, seed_offset=c, structured=structured,
+                                                  defaults=self.config.sampling_defaults,
                                                   prompt_logprobs=getattr(body, "prompt_logprobs_wanted",
                                                                           body.prompt_logprobs))
                 except ValueError as e:
@@ -499,19 +590,22 @@ class Front:
         except ClusterError as e:
             raise self.admission.unavailable(f"the cluster failed: {e}") from None
 
-    async def _sse(self, run: StreamRun, fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
-        """The events of a stream whose 200 went out: chunks, then `[DONE]` however it ends (an error of
-        the cluster or of this front is an `error` event first). Only cancellation (the client is gone)
-        ends it otherwise."""
+    async def _sse(self, run: StreamRun, fmt: ResponseFormat, include_usage: bool,
+                   continuous_usage: bool) -> AsyncIterator[str]:
+        """The events of a stream whose 200 went out: chunks (with `continuous_usage`, each with its choice's usage
+        so far), then the usage chunk when asked for, then `[DONE]` however it ends (an error of the cluster or of
+        this front is an `error` event first). Only cancellation (the client is gone) ends it otherwise."""
+        def event(chunk: dict[str, Any], job: Job) -> str:
+            return sse_event(fmt.with_usage(chunk, job) if continuous_usage else chunk)
         try:
-            for chunk in fmt.opening_chunks(run.jobs):
-                yield sse_event(chunk)
+            for chunk, job in zip(fmt.opening_chunks(run.jobs), run.jobs):
+                yield event(chunk, job)
             async for job, delta in run.deltas():
                 if delta.finish_reason == "error":
                     yield sse_event(request_error(delta, self.config.retry_after).body())
                     break
                 for chunk in fmt.chunks(job, delta):
-                    yield sse_event(chunk)
+                    yield event(chunk, job)
             else:
                 if include_usage:
                     yield sse_event(fmt.usage_chunk(run.jobs))
@@ -536,9 +630,10 @@ class StreamRun:
     request not finished yet.
     """
 
-    def __init__(self, front: Front, jobs: list[Job]) -> None:
+    def __init__(self, front: Front, jobs: list[Job], on_close: Callable[[], None] = lambda: None) -> None:
         self.front = front
         self.jobs = jobs
+        self._on_close = on_close
         self._queue: asyncio.Queue[tuple[Job, RequestOutput | BaseException]] = asyncio.Queue()
         self._buffer: list[tuple[Job, RequestOutput]] = []
         self._pumps: list[asyncio.Task] = []
@@ -599,6 +694,7 @@ class StreamRun:
             return
         self._closed = True
         self.front.admission.release(len(self.jobs))
+        self._on_close()
         for task in self._pumps:
             task.cancel()
         if self._pumps:
@@ -609,8 +705,9 @@ class _EventStream(StreamingResponse):
     """Server-sent events whose StreamRun is closed however the response ends: finished, failed, or
     cancelled because the client went away (possibly before the generator ever ran)."""
 
-    def __init__(self, content: AsyncIterator[str], run: StreamRun) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, content: AsyncIterator[str], run: StreamRun, request_id: str) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         self.run = run
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -683,6 +780,7 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
 
     app.add_api_route("/v1/completions", route(front.completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", route(front.chat_completions), methods=["POST"])
+    app.add_api_route("/v1/embeddings", route(front.embeddings), methods=["POST"])
     app.add_api_route("/v1/models", route(front.models), methods=["GET"])
     app.add_api_route("/health", route(front.health), methods=["GET"])
     app.add_api_route("/metrics", route(front.metrics_text), methods=["GET"])
@@ -690,13 +788,15 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     app.add_api_route("/detokenize", route(front.detokenize), methods=["POST"])
     app.add_api_route("/version", route(front.version), methods=["GET"])
     app.add_api_route("/v1/update_weights", route(front.update_weights), methods=["POST"])
+    app.add_api_route("/v1/requests/{request_id}/cancel", route(front.cancel), methods=["POST"])
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:   # 404, 405, ...
         if exc.status_code == 404:
             error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are POST "
-                                  "/v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
-                                  "GET /metrics, POST /tokenize, POST /detokenize, GET /version",
+                                  "/v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, "
+                                  "GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version, "
+                                  "POST /v1/requests/{id}/cancel",
                              code="not_found")
         elif exc.status_code == 405:
             error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}",

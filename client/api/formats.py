@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
-import uuid
+import base64
 import json
+import math
+import struct
+import uuid
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -14,7 +17,7 @@ from infer.client.api.tools import ToolCall
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 
 from infer.client.api.reasoning import ReasoningSplitter
-from infer.client.api.tools import PARSERS, calls_of_required, new_call_id
+from infer.client.api.tools import PARSERS, ToolCallStream, calls_of_required, new_call_id
 
 if TYPE_CHECKING:
     from infer.client.api.app import Front, Job
@@ -52,7 +55,15 @@ class ResponseFormat:
         return out
 
     def opening_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
+        """The chunks that open a stream, one per job (in order), or none."""
         return []
+
+    @staticmethod
+    def with_usage(chunk: dict[str, Any], job: Job) -> dict[str, Any]:
+        """stream_options.continuous_usage_stats (vLLM's): the chunk with its choice's usage so far (the prompt's
+        tokens, the tokens generated up to and including this chunk)."""
+        chunk["usage"] = _usage([job])
+        return chunk
 
     def choice(self, job: Job) -> dict[str, Any]:
         raise NotImplementedError
@@ -130,6 +141,7 @@ class ChatFormat(ResponseFormat):
         self.reasoning = front.config.reasoning_parser
         self.parse_tools = PARSERS[front.tool_call_parser]
         self._splitters: dict[int, ReasoningSplitter] = {}
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def choice(self, job: Job) -> dict[str, Any]:
         message, finish_reason = self._message(job)
@@ -146,7 +158,7 @@ class ChatFormat(ResponseFormat):
         reasoning, content = ReasoningSplitter(self.reasoning).split(job.text) if self.reasoning else (None, job.text)
         calls: list[ToolCall] = []
         if self.tool_mode is not None and content:
-            content, calls = self._tool_calls(content)
+            content, calls = self._tool_calls(job, content)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.reasoning:
             message["reasoning_content"] = reasoning
@@ -154,7 +166,7 @@ class ChatFormat(ResponseFormat):
             message["tool_calls"] = [call.to_openai() for call in calls]
         return message, "tool_calls" if calls and job.finish_reason == "stop" else job.finish_reason
 
-    def _tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def _tool_calls(self, job: Job, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.tool_mode == "named":
             try:
                 arguments = json.loads(text)
@@ -162,41 +174,61 @@ class ChatFormat(ResponseFormat):
                 return text, []            # cut short by max_tokens: the text as it is
             name = self.body.tool_choice.function.name
             return None, [ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())]
-        if self.tool_mode == "required":
-            calls = calls_of_required(text)
+        if self.tool_mode == "required":   # cut at max_tokens: the complete calls it holds
+            calls = calls_of_required(text, truncated=job.finish_reason == "length")
             return (text, []) if calls is None else (None, calls)
         return self.parse_tools(text)
 
     def chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
         if self.tool_mode is not None:
-            return self._tool_chunks(job) if delta.finished else []
+            return self._tool_chunks(job, delta)
         if self.reasoning:
             return self._reasoning_chunks(job, delta)
         return super().chunks(job, delta)
 
-    def _tool_chunks(self, job: Job) -> list[dict[str, Any]]:
-        """With tools the stream is buffered: tool calls are known only once the output is. Then, OpenAI's
-        shape: reasoning, content, per call its id and name, then its arguments, then the finish."""
-        message, finish_reason = self._message(job)
-        deltas: list[dict[str, Any]] = []
-        if message.get("reasoning_content"):
-            deltas.append({"reasoning_content": message["reasoning_content"]})
-        if message["content"]:
-            deltas.append({"content": message["content"]})
-        for i, call in enumerate(message.get("tool_calls", [])):
-            function = call["function"]
-            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                           "function": {"name": function["name"], "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]})
-        out = [self._chunk_of(job, d, None) for d in deltas]
-        return out + [self._chunk_of(job, {}, finish_reason)]
+    def _tool_chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        """With tools, content streams as it comes and each call once it is complete (tools.ToolCallStream), in
+        OpenAI's shape: a call's chunk has its index, id, name and arguments (a named function's arguments
+        follow its opening chunk in pieces); the finish reason is "tool_calls" when the output called tools."""
+        stream = self._tool_streams.get(job.index)
+        if stream is None:
+            named = self.body.tool_choice.function.name if self.tool_mode == "named" else None
+            stream = self._tool_streams[job.index] = ToolCallStream(self.tool_mode, self.front.tool_call_parser, named)
+        reasoning, text = self._split_reasoning(job, delta)
+        content, events = stream.feed(text)
+        if delta.finished:
+            more, last = stream.finish()
+            content, events = content + more, events + last
+        out = [self._chunk_of(job, {"reasoning_content": reasoning}, None)] if reasoning else []
+        if content:
+            out.append(self._chunk_of(job, {"content": content}, None))
+        calls = stream.calls - sum(isinstance(e, ToolCall) for e in events)   # index of the next call
+        for event in events:
+            if isinstance(event, ToolCall):
+                call = {"index": calls, "id": event.id, "type": "function",
+                        "function": {"name": event.name, "arguments": event.arguments}}
+                calls += 1
+            else:   # a piece of the named function's arguments
+                call = {"index": 0, "function": {"arguments": event}}
+            out.append(self._chunk_of(job, {"tool_calls": [call]}, None))
+        if delta.finished:
+            reason = "tool_calls" if stream.calls and delta.finish_reason == "stop" else delta.finish_reason
+            out.append(self._chunk_of(job, {}, reason))
+        return out
 
-    def _reasoning_chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+    def _split_reasoning(self, job: Job, delta: RequestOutput) -> tuple[str, str]:
+        """(reasoning, content) of a delta's text: all content without a reasoning parser."""
+        if not self.reasoning:
+            return "", delta.text
         splitter = self._splitters.setdefault(job.index, ReasoningSplitter(self.reasoning))
         reasoning, content = splitter.feed(delta.text)
         if delta.finished:
             rest = splitter.finish()
             reasoning, content = reasoning + rest[0], content + rest[1]
+        return reasoning, content
+
+    def _reasoning_chunks(self, job: Job, delta: RequestOutput) -> list[dict[str, Any]]:
+        reasoning, content = self._split_reasoning(job, delta)
         fields = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
         if not fields and not delta.finished:
             return []
@@ -284,6 +316,19 @@ def _usage(jobs: list[Job]) -> dict[str, int]:
     prompt = sum(per_prompt.values())
     completion = sum(len(job.token_ids) for job in jobs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def embedding_json(vector: list[float], dimensions: int | None, normalize: bool, encoding: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: floats, or base64 of little-endian float32 (what the openai client asks for
+    and decodes). `dimensions`: the first that many, normalized again when the vector was (Matryoshka)."""
+    if dimensions is not None and dimensions < len(vector):
+        vector = vector[:dimensions]
+        if normalize:
+            norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+            vector = [v / norm for v in vector]
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
 
 
 def sse_event(payload: dict[str, Any]) -> str:

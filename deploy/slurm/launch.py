@@ -20,18 +20,18 @@ task is one process of a TP group: tasks i..i+T-1 (adjacent, so on one node when
 node; a group may span nodes) serve DP rank i // T, task i being TP rank i % T; the DP ranks then form
 the EP groups as above, and one world of T x E tasks rendezvouses per EP group (per DP rank without EP).
 
-**Self-healing.** Each task keeps its infer-worker running (`keep_running`): a worker that ends any other way
-than exit 0 (a crash, kill -9, OOM, a broken group) is started again, with the same place, after the restart
-policy's backoff (--restart-backoff, doubled per restart within --restart-window), and given up past
---max-restarts within the window (the task's output, labelled with its number, says why; the other tasks serve
-on). The restarted worker registers again under its DP rank and gets the cluster's weight version before it
-serves. A TP or EP group is restarted whole: when one member dies the others notice at once, even while idle
-(worker/tp_commands.py, worker/group_sync.py), give their requests back and exit non-zero, so every task of
-the group restarts its member and the group meets again at its rendezvous. A worker that exits 0 was told to
-stop (a STOP, the drain on scancel) and is not restarted. The worker runs in the task's process group, so
-Slurm's signals reach it directly (the task itself only stops restarting), and it dies with the task. The head
-restarts the coordinator and the HTTP front as infer-serve does (client/supervisor.py), and the whole srun
-step if every task has ended.
+**Self-healing.** Each task keeps its infer-worker running (`keep_running`): a worker that ends any other way than
+exit 0 (a crash, kill -9, OOM, a broken group) is started again, with the same place, after the restart policy's
+backoff (--restart-backoff, doubled per restart within --restart-window), and given up past --max-restarts within
+the window, or at once when it exits 2 (its options or model refused: client/restarts.py); the task's output,
+labelled with its number, says why, and the other tasks serve on. The restarted worker registers again under its
+DP rank and gets the cluster's weight version before it serves. A TP or EP group is restarted whole: when one
+member dies the others notice at once, even while idle (worker/tp_commands.py, worker/group_sync.py), give their
+requests back and exit non-zero, so every task of the group restarts its member and the group meets again at its
+rendezvous. A worker that exits 0 was told to stop (a STOP, the drain on scancel) and is not restarted. The worker
+runs in the task's process group, so Slurm's signals reach it directly (the task itself only stops restarting),
+and it dies with the task. The head restarts the coordinator and the HTTP front as infer-serve does
+(client/supervisor.py), and the whole srun step if every task has ended.
 
 Options that are not the launcher's own (engine options such as --dtype or --threads, worker options such as
 --coordinator-timeout) go to every worker unchanged, as do the arguments after `--`.
@@ -271,7 +271,7 @@ def keep_running(command: list[str], policy: RestartPolicy, name: str) -> int:
         code = worker.wait()
         if code == 0 or stopping.is_set():
             return _shell_code(code)
-        verdict = crash_loop.on_exit(time.monotonic(), how_it_ended(code))
+        verdict = crash_loop.on_exit(time.monotonic(), code)
         if isinstance(verdict, GiveUp):
             print(f"{name}: the worker (pid {worker.pid}) is not restarted: {verdict.reason}", file=sys.stderr,
                   flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -294,18 +295,22 @@ class RecordedEngine:
     """An EngineClient whose every request "generates" `text`, three characters a delta: a model's recorded
     output, so that the front's parsers run on exactly that text (the rest is the real LocalEngine)."""
 
-    def __init__(self, inner: LocalEngine, text: str) -> None:
-        self.inner, self.text = inner, text
+    def __init__(self, inner: LocalEngine, text: str, finish_reason: str = "stop", pause_before_last: float = 0.0,
+                 piece: int = 3) -> None:
+        self.inner, self.text, self.finish_reason = inner, text, finish_reason
+        self.pause_before_last, self.piece = pause_before_last, piece
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
     async def stream(self, prompt, params=None, *, request_id=None, timeout=None, priority=0):
-        pieces = [self.text[i:i + 3] for i in range(0, len(self.text), 3)] or [""]
+        pieces = [self.text[i:i + self.piece] for i in range(0, len(self.text), self.piece)] or [""]
         for k, piece in enumerate(pieces):
             last = k == len(pieces) - 1
-            yield RequestOutput(request_id, [7], piece, finished=last, finish_reason="stop" if last else None,
-                                num_prompt_tokens=len(prompt))
+            if last and self.pause_before_last:
+                await asyncio.sleep(self.pause_before_last)
+            yield RequestOutput(request_id, [7], piece, finished=last,
+                                finish_reason=self.finish_reason if last else None, num_prompt_tokens=len(prompt))
 
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -399,3 +404,77 @@ def test_chat_template_kwargs_are_accepted(url):
     body = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                 chat_template_kwargs={"enable_thinking": False})
     assert http(f"{url}/v1/chat/completions", body)[0] == 200
+
+
+# ---- tool calls streamed as they are produced; "required" cut at max_tokens ------------------------------
+
+def _openai(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+REQUIRED_CALLS = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_weather", "parameters": {"city": "Rome"}}]'
+
+
+@pytest.mark.parametrize("recorded, extra", [
+    (TWO_CALLS, {}),
+    (REQUIRED_CALLS, {"tool_choice": "required"}),
+    ('{"city": "Paris"}', {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+])
+def test_tool_calls_stream_as_they_are_produced(local, smollm2_tokenizer, recorded, extra):
+    """The output's last piece comes 1.5 s after the rest: every call complete before it reaches the client
+    before it (the openai client's stream, timed), and the streamed answer equals the whole one."""
+    pause = 1.5
+    with serving(RecordedEngine(local, recorded, pause_before_last=pause, piece=8), smollm2_tokenizer) as url:
+        answer_of(url, {**TOOL_CHAT, **extra})   # streamed == not streamed
+        start = time.monotonic()
+        arrivals: dict[int, float] = {}
+        finished_at = None
+        stream = _openai(url).chat.completions.create(model=MODEL, messages=TOOL_CHAT["messages"],
+                                                      tools=TOOL_CHAT["tools"], stream=True, **extra)
+        for chunk in stream:
+            for call in chunk.choices[0].delta.tool_calls or []:
+                arrivals.setdefault(call.index, time.monotonic() - start)
+            if chunk.choices[0].finish_reason:
+                finished_at = time.monotonic() - start
+                assert chunk.choices[0].finish_reason == "tool_calls"
+    assert finished_at is not None and finished_at >= pause
+    assert arrivals and arrivals[0] < finished_at - pause / 2, (arrivals, finished_at)
+
+
+def test_required_tool_calls_cut_at_max_tokens_return_their_complete_calls(local, smollm2_tokenizer):
+    cut = REQUIRED_CALLS[:-30]   # inside the second call
+    with serving(RecordedEngine(local, cut, finish_reason="length"), smollm2_tokenizer) as url:
+        message, reason = answer_of(url, {**TOOL_CHAT, "tool_choice": "required"})
+        assert reason == "length" and message["content"] is None
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] \
+            == [("get_weather", {"city": "Paris"})]
+    with serving(RecordedEngine(local, REQUIRED_CALLS[:20], finish_reason="length"), smollm2_tokenizer) as url:
+        message, reason = answer_of(url, {**TOOL_CHAT, "tool_choice": "required"})   # no complete call: text
+        assert reason == "length" and message["content"] == REQUIRED_CALLS[:20] and "tool_calls" not in message
+
+
+# ---- stream_options.continuous_usage_stats ---------------------------------------------------------------
+
+def test_continuous_usage_stats_put_each_choices_usage_so_far_on_every_chunk(url):
+    client = _openai(url)
+    stream = client.completions.create(model=MODEL, prompt=[3, 4, 5], max_tokens=5, temperature=0, n=2,
+                                       stream=True, stream_options={"include_usage": True,
+                                                                    "continuous_usage_stats": True})
+    chunks = list(stream)
+    per_choice: dict[int, list[int]] = {}
+    for chunk in chunks[:-1]:
+        assert chunk.usage is not None and chunk.usage.prompt_tokens == 3
+        assert chunk.usage.total_tokens == 3 + chunk.usage.completion_tokens
+        per_choice.setdefault(chunk.choices[0].index, []).append(chunk.usage.completion_tokens)
+    assert sorted(per_choice) == [0, 1]
+    for counts in per_choice.values():
+        assert counts == sorted(counts) and counts[-1] == 5
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          stream=True, stream_options={"continuous_usage_stats": True})
+    usages = [c.usage for c in chat]
+    assert all(u is not None for u in usages) and usages[0].completion_tokens == 0 and usages[-1].completion_tokens == 3

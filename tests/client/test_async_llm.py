@@ -290,3 +290,22 @@ async def test_deadlines_of_finished_requests_do_not_pile_up(direct):
     for _ in range(20):   # 400 requests with a deadline an hour away, each done in a step or two
         await asyncio.gather(*(direct.engine.generate([1, 2, i], one, timeout=3600) for i in range(20)))
     assert len(direct.engine._deadlines) <= 2 * 20 + 64 + 1   # finished ones are pruned, not kept an hour
+
+
+def test_n_samples_through_asyncllm_batch_and_stream(direct, reference):
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=11, n=2)
+    expected = reference.generate("hello", params, use_tqdm=False)[0]
+
+    async def run():
+        batch = (await direct.generate_batch(["hello"], params))[0]
+        texts: dict[str, list[int]] = {}
+        finished = []
+        async for delta in direct.generate("hello", params, request_id="req"):
+            texts.setdefault(delta.request_id, []).extend(delta.token_ids)
+            if delta.finished:
+                finished.append(delta.request_id)
+        return batch, texts, finished
+    batch, streamed, finished = asyncio.run(run())
+    assert [o.token_ids for o in batch.outputs] == [o.token_ids for o in expected.outputs]
+    assert sorted(finished) == ["req-0", "req-1"]
+    assert [streamed["req-0"], streamed["req-1"]] == [o.token_ids for o in expected.outputs]

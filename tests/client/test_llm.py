@@ -211,3 +211,36 @@ def test_engine_context_and_controller_for_expert_use(llm, cluster_llm):
     assert cluster_llm.engine is None                # its engines run in worker processes
     with pytest.raises(RuntimeError, match="needs an engine in this process"):
         _ = cluster_llm.context
+
+
+# ---- SamplingParams.n -------------------------------------------------------------------------------
+
+def test_n_samples_per_prompt_come_back_as_outputs_seeded_reproducibly(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=5, n=3)
+    first, other = llm.generate(["hello", [5, 6, 7]], params, use_tqdm=False)
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert (first.text, first.token_ids) == (first.outputs[0].text, first.outputs[0].token_ids)
+    assert len({tuple(o.token_ids) for o in first.outputs}) == 3          # distinct samples
+    assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in first.outputs)
+    assert [o.seed for o in first.outputs] == [5, 6, 7]                   # vLLM's rule: seed + i
+    again = llm.generate("hello", params, use_tqdm=False)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
+    for i, sample in enumerate(first.outputs):   # sample i is the single request seeded seed + i
+        alone = llm.generate("hello", SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=5 + i),
+                             use_tqdm=False)[0]
+        assert alone.token_ids == sample.token_ids and alone.outputs[0].token_ids == sample.token_ids
+    assert len(other.outputs) == 3 and other.prompt_token_ids == [5, 6, 7]
+
+
+def test_n_without_a_seed_draws_distinct_samples_and_bad_n_is_refused(llm):
+    out = llm.generate("hi", SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, n=4), use_tqdm=False)[0]
+    assert len({o.seed for o in out.outputs}) == 4 and len({tuple(o.token_ids) for o in out.outputs}) > 1
+    greedy = llm.generate("hi", SamplingParams(temperature=0, max_tokens=4, logprobs=0, n=2), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    assert greedy.outputs[0].cumulative_logprob == pytest.approx(sum(
+        row[t] for t, row in zip(greedy.token_ids, greedy.logprobs)))
+    for n in (0, -1, 257, 1.5, True):
+        with pytest.raises(ValueError, match="^n must"):
+            SamplingParams(n=n)
+    with pytest.raises(ValueError, match="one sample per request"):   # an engine never runs n > 1 itself
+        llm.engine.add_request("n-direct", [1, 2, 3], SamplingParams(n=2))

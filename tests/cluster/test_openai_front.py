@@ -325,3 +325,19 @@ def test_metrics_move_by_the_workload(served, client):
     for name in ("infer:num_requests_waiting{}", "infer:kv_cache_usage_perc{}",
                  "infer:num_preemptions_total{}", "infer:prefix_cache_hits_total{}"):
         assert name in after
+
+
+# ---- embeddings through the cluster ---------------------------------------------------------------
+
+def test_embeddings_through_the_cluster_equal_the_direct_engines(client, tiny_llama):
+    """/v1/embeddings on infer-serve (2 workers): the inputs spread over the workers, each vector what the
+    in-process engine makes (itself checked against transformers in tests/worker/test_pooling.py)."""
+    from infer import LLM
+
+    inputs = [f"embedding number {i} " * (i + 1) for i in range(6)]
+    got = client.embeddings.create(model=MODEL, input=inputs, extra_body={"pooling": "mean"})
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    want = llm.embed(inputs, pooling="mean", use_tqdm=False)
+    assert [d.index for d in got.data] == list(range(6))
+    for d, w in zip(got.data, want):
+        assert d.embedding == pytest.approx(w.embedding, abs=1e-5)

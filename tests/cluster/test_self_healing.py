@@ -1,6 +1,7 @@
 """infer-serve keeps its cluster whole (client/supervisor.py): after kill -9 of a worker, the coordinator or the
 HTTP front under streaming load, the process is restarted, every stream ends exactly as an uninterrupted greedy
-run of it, and all workers are healthy again within 30 s; a worker that crashes at every start is given up after
+run of it, and all workers are healthy again within 30 s (kill -9 of one member of a TP group: the whole group
+is restarted); a worker that crashes at every start is given up after
 --max-restarts and the log says why. Real processes on the embedded model, started as the README starts them."""
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class _Clients:
 def _child_pids(served: Served, module: str) -> list[int]:
     pids = subprocess.run(["pgrep", "-P", str(served.proc.pid)], capture_output=True, text=True,
                           check=False).stdout.split()
-    return [int(pid) for pid in pids if module in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")]
+    return [int(pid) for pid in pids if module in _cmdline(int(pid))]
 
 
 async def _back_to_full_capacity(served: Served, since: float) -> None:
@@ -112,15 +113,72 @@ def test_a_killed_http_front_is_restarted_and_serves_a_new_request(served):
     assert front not in _child_pids(served, "infer.client.api.server")
 
 
+async def test_a_killed_tp_member_takes_its_group_down_and_the_group_is_restarted_whole(tiny_model_dir, tmp_path):
+    """`infer-serve --workers 2 --tp-size 2` on a tiny Llama (the embedded model's 9 heads do not split in two):
+    kill -9 of one group's follower mid-stream. Its group gives its streams back (they end exactly on the other
+    group), infer-serve restarts the whole group, and both DP ranks are healthy again within 30 s."""
+    served = Served(tiny_model_dir("llama"), tmp_path / "serve.log", "tiny",
+                    ["--threads", "1", "--tp-size", "2", "--dtype", "float32"])
+    try:
+        async with InferenceClient(served.address) as client:
+            reference = [c.token_ids for c in await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))]
+        groups = _child_pids(served, "infer.worker.daemon")
+        followers = [pid for group in groups for pid in _member_pids(group) if "--tp-rank\x001" in _cmdline(pid)]
+        assert len(groups) == 2 and len(followers) == 2, (groups, followers)
+        killed_at = 0.0
+
+        async def kill(_client):
+            nonlocal killed_at
+            os.kill(followers[0], signal.SIGKILL)
+            killed_at = time.monotonic()
+
+        streams, _ = await streams_through_a_fault(_Clients(served.address), PROMPTS, GREEDY, kill,
+                                                   finish_timeout=120)
+        assert_exact_streams(streams, reference)
+        await _back_to_full_capacity(served, killed_at)
+        text = served.log.read_text()
+        assert "restarting it in" in text and followers[0] not in [
+            pid for group in _child_pids(served, "infer.worker.daemon") for pid in _member_pids(group)]
+    finally:
+        served.stop()
+
+
+def _member_pids(group: int) -> list[int]:
+    return [int(pid) for pid in subprocess.run(["pgrep", "-P", str(group)], capture_output=True, text=True,
+                                               check=False).stdout.split()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def test_a_worker_that_crashes_at_every_start_is_given_up(tmp_path):
     log = tmp_path / "serve.log"
     started = time.monotonic()
     with open(log, "wb") as err:
         done = subprocess.run([sys.executable, "-m", "infer.client.serve", "--workers", "1", "--port", "0",
                                "--benchmark-mode", "--max-restarts", "2", "--restart-backoff", "0.1", "--",
-                               "--no-such-flag"], stdout=subprocess.PIPE, stderr=err, timeout=120)
+                               "--coordinator", "tcp://127.0.0.1:9", "--connect-timeout", "1"],   # nobody there
+                              stdout=subprocess.PIPE, stderr=err, timeout=120)
     text = log.read_text()
     assert done.returncode == 1, text
     assert text.count("restarting it in") == 2
-    assert "worker 0 (pid" in text and "is not restarted: it exited with code 2 after 2 restarts within 300 s" in text
+    assert "worker 0 (pid" in text and "is not restarted: it exited with code 1 after 2 restarts within 300 s" in text
     assert time.monotonic() - started < 120
+
+
+def test_a_worker_that_refuses_its_options_is_given_up_at_once_saying_why(smollm2_gguf, tmp_path):
+    """`infer-serve --tp-size 2` on the embedded model (9 attention heads): the group exits 2 and is not restarted
+    (the same command would fail again); infer-serve ends with the model's reason in its log."""
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as err:
+        done = subprocess.run([sys.executable, "-m", "infer.client.serve", "--workers", "1", "--port", "0",
+                               "--tp-size", "2", "--threads", "1"], stdout=subprocess.PIPE, stderr=err, timeout=120)
+    text = log.read_text()
+    assert done.returncode == 1, text
+    assert "restarting it in" not in text
+    assert "the number of attention heads (9) does not split across 2 tensor-parallel ranks" in text
+    assert "is not restarted: it exited with code 2: its options or model were refused" in text

@@ -1,7 +1,7 @@
 """Inference inside training loops, on real processes: suspend frees each worker's memory (its RSS, read from
 /proc) and resume restores identical outputs; held requests survive; update_weights from a directory and from a
 trainer over gloo reaches every worker (transformers' output on the new weights, the version on every delta,
-no stale prefix cache), all or nothing."""
+no stale prefix cache), all or nothing, and eight of them in a row under load lose and mix nothing."""
 
 from __future__ import annotations
 
@@ -173,3 +173,38 @@ async def test_a_worker_killed_mid_refit_never_leaves_mixed_versions_serving(mod
         outs = await _generate(client, PROMPTS * 3)
         assert {c.weight_version for c in outs} == {1} and [c.token_ids for c in outs] == expected[1] * 3
         assert "cannot be brought" not in cluster.procs[0].text()
+
+
+async def test_a_soak_of_refits_under_load_loses_nothing_and_mixes_no_versions(model_cluster, tiny_llama,
+                                                                              tiny_weights_b) -> None:
+    """Eight refits from directories, alternating weights B and A, while four streams of requests keep both workers
+    busy: every request completes (none failed, none lost), each with exactly the tokens of the version it reports
+    (A for even versions, B for odd), requests ran on most versions, and every worker ends at the last one."""
+    weights_b = tiny_weights_b("llama")
+    expected = {0: transformers_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens),
+                1: transformers_greedy(weights_b, PROMPTS, GREEDY.max_tokens)}
+    cluster = model_cluster(workers=2)
+    stop = asyncio.Event()
+    done: list[tuple[int, object]] = []
+
+    async def keep_busy(client, first: int) -> None:
+        i = first
+        while not stop.is_set():
+            done.append((i % len(PROMPTS), await client.generate(PROMPTS[i % len(PROMPTS)], GREEDY)))
+            i += 1
+
+    async with cluster.client() as client:
+        before = await client.stats()
+        load = [asyncio.create_task(keep_busy(client, k)) for k in range(4)]
+        for version in range(1, 9):
+            assert await client.update_weights(weights_b if version % 2 else tiny_llama) == version
+            await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*load), 60)
+        after = await client.stats()
+    assert after.weight_version == 8 and [w.load.weight_version for w in after.workers] == [8, 8]
+    assert all(c.finish_reason == "length" and c.error is None for _, c in done)
+    assert all(c.token_ids == expected[c.weight_version % 2][i] for i, c in done)
+    assert len({c.weight_version for _, c in done}) >= 6
+    assert after.requests_failed == before.requests_failed
+    assert after.requests_completed - before.requests_completed == len(done)
