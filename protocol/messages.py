@@ -458,11 +458,20 @@ class Load(Message):
     weight_version: int = 0         # the weights it serves (update_weights)
     suspended: bool = False         # its KV pool and weights are released (suspend)
     bytes_released: int = 0         # while suspended: what suspend gave back
+    # Speculative decoding's counters since the worker started (vLLM's names): verification chunks, their draft
+    # tokens, drafts accepted, and accepted drafts by position (index j: position j + 1).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            _require(value >= 0, f"field {f.name!r} must be >= 0, got {value}")
+            for v in value if isinstance(value, list) else [value]:
+                _require(v >= 0, f"field {f.name!r} must be >= 0, got {v}")
+        _require(len(self.spec_decode_num_accepted_tokens_per_pos) <= 64,
+                 "field 'spec_decode_num_accepted_tokens_per_pos' has more than 64 positions")
 
 
 @message

@@ -94,9 +94,11 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
            metavar: str | None = None, choices: Sequence[str] | None = None, cli: bool = True,
-           default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with what its command-line flag needs (see the module doc)."""
-    metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "cli": cli}
+           default_factory: Any = dataclasses.MISSING, parse: Any = None) -> Any:
+    """A dataclass field with what its command-line flag needs (see the module doc). `parse`: turns the flag's
+    text into the value where the annotated type cannot (its ValueError's message becomes the flag's error);
+    `to_argv` writes such a value back with `str()`."""
+    metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "cli": cli, "parse": parse}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -146,12 +148,22 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: 
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = kind
+            kwargs["type"] = _parser(f.metadata["parse"]) if f.metadata.get("parse") else kind
             if f.metadata.get("choices"):
                 kwargs["choices"] = tuple(f.metadata["choices"])
             if f.metadata.get("metavar"):
                 kwargs["metavar"] = f.metadata["metavar"]
         parser.add_argument(*flag_names(flag_of(f)), **kwargs)
+
+
+def _parser(parse: Any) -> Any:
+    """`parse` for argparse: its ValueError's message becomes the flag's error message."""
+    def run(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return run
 
 
 def given(cls: type, args: argparse.Namespace, names: Iterable[str] | None = None,
@@ -177,6 +189,8 @@ def to_argv(cls: type, values: Mapping[str, Any] | Any, names: Iterable[str] | N
         flag = flag_of(f)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif f.metadata.get("parse"):   # a value given as it is given in Python (a dict): its parsed form's text
+            argv += [flag, value if isinstance(value, str) else str(f.metadata["parse"](value))]
         else:
             argv += [flag, str(value)]
     return argv

@@ -60,6 +60,8 @@ class SamplingParams:
     space) are applied before sampling; token ids are checked against the vocabulary by the
     engine. `structured_outputs` (protocol/structured.py; a dict of its fields is taken too) constrains the
     output to a JSON schema, a regex, a choice, an EBNF grammar or any JSON object.
+    `disable_speculative_decoding` (ours; vLLM has no per-request switch): this request never speculates, on an
+    engine with a `speculative_config` (its output is the same either way; this trades its speed for the batch's).
     `n` (vLLM's): samples per prompt. `LLM` / `AsyncLLM` (and the HTTP front, from the body's `n`) run them as n
     engine requests (`samples()`): with a seed, sample i gets seed + i (vLLM's rule), so the n differ and the set
     is reproducible; without one, each draws its own. An engine runs one sample per request and refuses n > 1.
@@ -86,6 +88,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
+    disable_speculative_decoding: bool = False
     n: int = 1
     pooling: str | None = None
     normalize: bool = True
@@ -147,7 +150,8 @@ class SamplingParams:
             _integer("stop_token_ids", t)
             if t < 0:
                 raise FieldError("stop_token_ids", f"stop_token_ids must be >= 0, got {t}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "disable_speculative_decoding"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:

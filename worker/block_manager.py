@@ -169,25 +169,28 @@ class BlockManager:
     # ---- allocation ------------------------------------------------------------------------------
 
     def num_blocks_to_allocate(self, request: Request, num_new_tokens: int,
-                               cached_blocks: Sequence[int] = ()) -> int:
-        """Free blocks that `allocate(request, num_new_tokens, cached_blocks)` would consume: new blocks
-        plus cached blocks revived out of the free queue. Validates like `allocate`."""
-        self._check_allocation(request, num_new_tokens, cached_blocks)
+                               cached_blocks: Sequence[int] = (), num_draft_tokens: int = 0) -> int:
+        """Free blocks that `allocate(request, num_new_tokens, cached_blocks, num_draft_tokens)` would consume:
+        new blocks plus cached blocks revived out of the free queue. Validates like `allocate`."""
+        self._check_allocation(request, num_new_tokens, cached_blocks, num_draft_tokens)
         num_cached_tokens = len(cached_blocks) * self.block_size
         total = request.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_new_blocks = max(0, self.blocks_for_tokens(total) - len(request.block_table) - len(cached_blocks))
         num_revived = sum(1 for block_id in cached_blocks if self._blocks[block_id].ref_count == 0)
         return num_new_blocks + num_revived
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (),
+                 num_draft_tokens: int = 0) -> bool:
         """Grow `request.block_table` to cover its computed tokens plus `num_new_tokens`.
 
         `cached_blocks` (from `find_cached_prefix`, only when the request holds no blocks yet) are
         referenced first and count as computed: `num_computed_tokens` and `num_cached_tokens` become
         `len(cached_blocks) * block_size`, and `num_new_tokens` is counted after them.
+        `num_draft_tokens`: the last that many of `num_new_tokens` are speculative draft tokens past the
+        request's tokens (their slots are given back by `trim` when they are rejected).
         Returns False, changing nothing, when the free queue is too short.
         """
-        if self.num_blocks_to_allocate(request, num_new_tokens, cached_blocks) > len(self._free):
+        if self.num_blocks_to_allocate(request, num_new_tokens, cached_blocks, num_draft_tokens) > len(self._free):
             return False
         if not request.block_table:
             self._start(request, cached_blocks)
@@ -196,15 +199,18 @@ class BlockManager:
             request.block_table.append(self._take_free_block())
         return True
 
-    def _check_allocation(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int]) -> None:
+    def _check_allocation(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int],
+                          num_draft_tokens: int = 0) -> None:
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be a positive integer, got {num_new_tokens!r}")
         if cached_blocks:
             self._check_cached_blocks(request, cached_blocks)
         end = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        if end > request.num_tokens:
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be a non-negative integer, got {num_draft_tokens!r}")
+        if end > request.num_tokens + num_draft_tokens:
             raise ValueError(f"request {request.request_id!r}: cannot allocate up to token {end}, "
-                             f"it has only {request.num_tokens} tokens")
+                             f"it has only {request.num_tokens} tokens (+ {num_draft_tokens} draft tokens)")
         if request.num_computed_tokens > len(request.block_table) * self.block_size:
             raise ValueError(f"request {request.request_id!r}: {request.num_computed_tokens} computed tokens "
                              f"but only {len(request.block_table)} blocks")
@@ -290,6 +296,20 @@ class BlockManager:
         block.content = _Content(self._next_key, block_hash, parent_key, token_ids)
         self._next_key += 1
         self._cached.setdefault(block_hash, {})[block.block_id] = None
+
+    def trim(self, request: Request) -> int:
+        """Give back the blocks past those `request.token_ids` need (slots of rejected draft tokens: their K/V
+        is never read, and is overwritten when the slots are used again). Such blocks hold no cached content
+        (they hold no full computed block). Returns the number of blocks freed."""
+        keep = self.blocks_for_tokens(request.num_tokens)
+        if request.num_computed_tokens > keep * self.block_size:
+            raise ValueError(f"request {request.request_id!r}: {request.num_computed_tokens} computed tokens "
+                             f"but only {request.num_tokens} tokens")
+        surplus = request.block_table[keep:]
+        for block_id in reversed(surplus):
+            self._unref(block_id)
+        del request.block_table[keep:]
+        return len(surplus)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block's content (the KV it holds is no longer valid: new weights, or a pool

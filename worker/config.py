@@ -14,6 +14,7 @@ from typing import Any
 from infer.protocol import env
 from infer.protocol.options import option
 from infer.worker.scheduler import SCHEDULING_POLICIES
+from infer.worker.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUSPEND_WEIGHTS = ("auto", "host_copy", "reload")
@@ -51,6 +52,9 @@ class EngineConfig:
         tokens and then take seconds a step. The compile bounds' defaults let a burst of 20 distinct schemas through
         one client (the HTTP front is one); the compile thread takes turns between clients, so one client's backlog
         delays another's compile by one compile each, not by the backlog.
+    speculative_config: speculative decoding (worker/speculative.py), a dict of vLLM's keys or a SpeculativeConfig
+        (worker/spec_config.py); None: off. A verification chunk is computed as decode rows (the native CPU decode
+        step takes up to 8 rows); step graphs replay one-token decodes only, so steps that verify run eagerly.
     suspend_weights: what suspend does with the weights: "host_copy" moves them to pinned host memory (on a
         CPU they stay where they are: nothing of them is freed), "reload" frees them and reloads them on resume
         from the files they came from (or from a spill file, when they came from tensors in memory); "auto"
@@ -98,8 +102,15 @@ class EngineConfig:
                                           "a GPU; kept on a CPU), reload (freed, reloaded from their files on "
                                           "resume); auto: host_copy on a GPU, reload on a CPU. The KV pool is "
                                           "always freed", choices=SUSPEND_WEIGHTS)
+    speculative_config: SpeculativeConfig | None = option(
+        None, 'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", "num_speculative_tokens": K, '
+              '"prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model", "model": PATH, '
+              '"num_speculative_tokens": K} (optional "disable_by_batch_size": no speculation in a step where '
+              'more requests decode, default 8)', metavar="JSON", parse=SpeculativeConfig.of)
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"model must be a non-empty path string or None, got {self.model!r}")
         if self.dtype not in DTYPES:

@@ -44,8 +44,10 @@ from infer.worker.memory import HeapTrimmer, keep_freed_heap
 from infer.worker.model_files import eos_token_ids, load_tokenizer, resolve_model
 from infer.worker.model_runner import ModelRunner
 from infer.worker.request import Request, RequestStatus, overdue_message
+from infer.worker.proposers import Proposer, make_proposer
 from infer.worker.sampler import Sampler, SamplerOutput
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from infer.worker.speculative import verify
 from infer.worker.step_graphs import make_step_graphs
 from infer.worker.structured import (COMPILE_TIMEOUT_S, CompilesFull, GrammarCompilerPool, GrammarState,
                                      step_cost_error)
@@ -81,6 +83,12 @@ class EngineStats:
     prefill_tokens_computed: int = 0  # tokens actually run through the model before the first sample
     generation_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    # speculative decoding (vLLM's spec_decode counters): verification chunks, their draft tokens, the drafts
+    # accepted, and accepted drafts by position (index j: drafts accepted at position j + 1 of a chunk)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -151,6 +159,12 @@ class Engine:
             enable_chunked_prefill=config.enable_chunked_prefill, policy=config.scheduling_policy,
             priority_aging_steps=config.priority_aging_steps, release_window=release_window(self.model)))
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tp.size > 1:
+            raise ValueError("speculative_config: a draft model is not supported with tensor parallelism yet")
+        self.proposer: Proposer | None = None if spec is None else make_proposer(
+            spec, dtype=self.dtype, device=self.device, block_size=self.block_size, num_blocks=num_blocks,
+            max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.max_model_len, self.device,
                                   self.sampler,
                                   make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device))
@@ -236,7 +250,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self._compiling:
             outputs.extend(self._admit_compiled())
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._propose_drafts())
         if scheduled.is_empty:
             if self.ep.size > 1:  # the group steps together: this rank's MoE layers must join in
                 self.runner.execute_dummy()
@@ -251,6 +265,25 @@ class Engine:
         outputs.extend(self._fail_costly_grammars(scheduled.chunks))
         self.heap.after_step(busy=self.scheduler.has_unfinished())
         return outputs
+
+    def _propose_drafts(self) -> dict[str, list[int]]:
+        """Draft tokens for the running requests that decode (speculative decoding; none when it is off, when
+        more requests decode than `disable_by_batch_size`, or for a request that opted out). A request gets at
+        most what is left before its max_tokens (minus the token sampled after the drafts) and the context."""
+        spec = self.config.speculative_config
+        if self.proposer is None:
+            return {}
+        decoding = [r for r in self.scheduler.running if r.num_tokens_to_compute == 1]
+        if len(decoding) > spec.disable_by_batch_size:
+            return {}
+        wanted = [(r, min(spec.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
+                          self.max_model_len - r.num_tokens)) for r in decoding
+                  if not r.params.disable_speculative_decoding]
+        wanted = [(r, k) for r, k in wanted if k > 0]
+        if not wanted:
+            return {}
+        drafts = self.proposer.propose([r for r, _ in wanted], [k for _, k in wanted])
+        return {r.request_id: d[:k] for (r, k), d in zip(wanted, drafts) if d}
 
     def dummy_step(self) -> list[Delta]:
         """The step of an EP-group rank with nothing to run (paused, or no requests): one forward of a
@@ -321,7 +354,11 @@ class Engine:
                     num_queued_tokens=queued, num_preemptions=self.scheduler.num_preemptions,
                     prefix_cache_queries=blocks.num_queried_tokens, prefix_cache_hits=blocks.num_hit_tokens,
                     weight_version=self.weight_version, suspended=self.suspended,
-                    bytes_released=self._released_bytes)
+                    bytes_released=self._released_bytes,
+                    spec_decode_num_drafts=self.stats.spec_decode_num_drafts,
+                    spec_decode_num_draft_tokens=self.stats.spec_decode_num_draft_tokens,
+                    spec_decode_num_accepted_tokens=self.stats.spec_decode_num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=list(self.stats.spec_decode_num_accepted_tokens_per_pos))
 
     # ---- suspend / resume, weight refit -------------------------------------------------------
 
@@ -640,21 +677,36 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.prefill_tokens_computed += sum(c.num_new_tokens for c, _ in computed
                                                   if c.start < c.request.num_prompt_tokens)
-        outputs = [self._append_token_or_fail(c, row) for c, row in computed if row.token_id is not None]
-        self.stats.generation_tokens += sum(len(o.token_ids) for o in outputs)   # a pooling request's: none
+        for chunk, row in computed:
+            if chunk.num_draft_tokens:
+                self._count_verification(chunk, row)
+        outputs = [self._append_tokens_or_fail(c, row) for c, row in computed if row.token_ids]
+        self.stats.generation_tokens += sum(len(d.token_ids) for d in outputs)
         return outputs
 
-    def _append_token_or_fail(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
+    def _count_verification(self, chunk: ScheduledChunk, row: StepRow) -> None:
+        stats = self.stats
+        stats.spec_decode_num_drafts += 1
+        stats.spec_decode_num_draft_tokens += chunk.num_draft_tokens
+        stats.spec_decode_num_accepted_tokens += row.num_accepted
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        per_pos.extend([0] * (chunk.num_draft_tokens - len(per_pos)))
+        for j in range(row.num_accepted):
+            per_pos[j] += 1
+
+    def _append_tokens_or_fail(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
         try:
-            return self._append_token(chunk, row.token_id, row.logprobs)
+            return self._append_tokens(chunk, row)
         except Exception as e:
             if chunk.request.is_finished:   # it failed while finishing: nothing is left to fail
                 raise
             log.exception("post-processing request %r failed", chunk.request.request_id)
-            return self._fail(chunk.request, f"the engine failed after sampling token {row.token_id}: "
+            return self._fail(chunk.request, f"the engine failed after sampling token(s) {list(row.token_ids)}: "
                                              f"{type(e).__name__}: {e}")
 
-    def _append_token(self, chunk: ScheduledChunk, token_id: int, lp: TokenLogprobs | None) -> Delta:
+    def _append_tokens(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
+        """Append the row's tokens (one; or a verification's accepted drafts and the token after them) up to the
+        first that finishes the request (the rest are dropped: an accepted run is cut at a stop)."""
         request = chunk.request
         if request.pooled is not None:   # its prompt is complete: the vector, not the token, is its output
             if not request.pooled.complete:
@@ -662,20 +714,28 @@ class Engine:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             return self._final_output(request, "", [], embedding=request.pooled.vector(),
                                       **self._first_output_fields(request))
-        request.append_token(token_id)
-        if request.grammar is not None and not request.grammar.accept(token_id):
-            raise RuntimeError(f"the grammar rejected sampled token {token_id}")
         detok = self._detokenizers[request.request_id]
-        text = detok.add([token_id])
-        status = self._stop_status(request, token_id, detok)
-        lps = None if lp is None else [lp]
+        token_ids: list[int] = []
+        text, status = "", None
+        for token_id in row.token_ids:
+            request.append_token(token_id)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                raise RuntimeError(f"the grammar rejected sampled token {token_id}")
+            token_ids.append(token_id)
+            text += detok.add([token_id])
+            status = self._stop_status(request, token_id, detok)
+            if status is not None:
+                break
+        lps = None if row.logprobs is None else list(row.logprobs[:len(token_ids)])
         first = self._first_output_fields(request)
         if status is None:
-            return Delta(request_id=request.request_id, token_ids=TokenIds([token_id]), text=text, logprobs=lps,
+            if chunk.num_draft_tokens:
+                self.scheduler.accept_draft_tokens(request, len(token_ids) - 1)
+            return Delta(request_id=request.request_id, token_ids=TokenIds(token_ids), text=text, logprobs=lps,
                          num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
                          weight_version=self.weight_version, **first)
         self.scheduler.finish(request, status)
-        return self._final_output(request, text, [token_id], lps, **first)
+        return self._final_output(request, text, token_ids, lps, **first)
 
     @staticmethod
     def _first_output_fields(request: Request) -> dict[str, Any]:
@@ -708,6 +768,8 @@ class Engine:
         if detok is not None and release_text:
             text += detok.finish()
         self.sampler.release(request.request_id)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         reason = request.status.finish_reason
         self.stats.num_requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
@@ -793,29 +855,39 @@ NON_FINITE_LOGITS = ("the model produced non-finite logits (NaN or inf) for this
 
 @dataclass(frozen=True)
 class StepRow:
-    """What one step gave one scheduled chunk: a sampled token (and its logprobs), nothing (a chunk that does
-    not sample: mid-prefill), or the error that fails its request."""
+    """What one step gave one scheduled chunk: its sampled token (a verification chunk: its accepted drafts
+    and the token after them; worker/speculative.py) and their logprobs, nothing (a chunk that does not sample:
+    mid-prefill), or the error that fails its request. `num_accepted`: drafts accepted."""
 
-    token_id: int | None = None
-    logprobs: TokenLogprobs | None = None
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs | None, ...] | None = None
     error: str | None = None
+    num_accepted: int = 0
 
 
 def step_rows(chunks: Sequence[ScheduledChunk], sampled: SamplerOutput | None) -> list[StepRow]:
-    """One StepRow per chunk from the sampler's tensors (one host copy each); rows the sampler found
-    non-finite carry NON_FINITE_LOGITS."""
+    """One StepRow per chunk from the sampler's tensors (one host copy each); a row the sampler found
+    non-finite fails its chunk with NON_FINITE_LOGITS (a verification chunk's: up to where its walk stops)."""
     if sampled is None:
         return [StepRow() for _ in chunks]
-    sampling = [c for c in chunks if c.samples]
-    token_ids = iter(zip(range(len(sampling)), sampled.token_ids.tolist(), _logprobs_rows(sampled, sampling)))
+    wants = [c.request.params.logprobs for c in chunks for _ in range(c.num_sampled_rows)]
+    token_ids = sampled.token_ids.tolist()
+    lps = _logprobs_rows(sampled, wants)
     bad = set(sampled.bad_rows)
-    rows = []
+    rows, at = [], 0
     for chunk in chunks:
-        if not chunk.samples:
+        n = chunk.num_sampled_rows
+        if not n:
             rows.append(StepRow())
             continue
-        i, token_id, lp = next(token_ids)
-        rows.append(StepRow(error=NON_FINITE_LOGITS) if i in bad else StepRow(token_id, lp))
+        found = verify(chunk.draft_token_ids, token_ids[at:at + n], lps[at:at + n],
+                       [i in bad for i in range(at, at + n)])
+        at += n
+        if found.bad:
+            rows.append(StepRow(error=NON_FINITE_LOGITS))
+        else:
+            with_lps = chunk.request.params.logprobs is not None
+            rows.append(StepRow(found.token_ids, found.logprobs if with_lps else None, num_accepted=found.num_accepted))
     return rows
 
 
@@ -829,17 +901,17 @@ def _stamp_queue_time(scheduled: SchedulerOutput) -> None:
             request.queue_time_s = now - request.arrival_time
 
 
-def _logprobs_rows(sampled: SamplerOutput, sampling: list[ScheduledChunk]) -> list[TokenLogprobs | None]:
-    """One {token_id: logprob} dict per sampled row that asked for logprobs (sampled token + its top-n)."""
+def _logprobs_rows(sampled: SamplerOutput, wants: list[int | None]) -> list[TokenLogprobs | None]:
+    """One {token_id: logprob} dict per sampled row that asked for logprobs (sampled token + its top-n);
+    `wants`: each row's params.logprobs."""
     if sampled.sampled_logprobs is None:
-        return [None] * len(sampling)
+        return [None] * len(wants)
     chosen = sampled.token_ids.tolist()
     values = sampled.sampled_logprobs.tolist()
     top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
     top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
     rows: list[TokenLogprobs | None] = []
-    for i, chunk in enumerate(sampling):
-        n = chunk.request.params.logprobs
+    for i, n in enumerate(wants):
         if n is None:
             rows.append(None)
             continue

@@ -4,7 +4,7 @@ does not import), and LocalEngine into the stats of its one-engine "cluster"."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,8 @@ class EngineLoad:
         looked up in the prefix cache / found there).
     weight_version: the weights it serves (update_weights); suspended, bytes_released: its KV pool and weights
         are released (suspend), and what that gave back.
+    spec_decode_*: speculative decoding's counters since the engine started (vLLM's names): verification chunks,
+        their draft tokens, the drafts accepted, and accepted drafts by position (index j: position j + 1).
     """
 
     num_waiting: int
@@ -30,3 +32,7 @@ class EngineLoad:
     weight_version: int = 0
     suspended: bool = False
     bytes_released: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

@@ -11,6 +11,7 @@ from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.pooling import record_pooling
 from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, record_prompt_logprobs
 from infer.worker.scheduler import ScheduledChunk
+from infer.worker.speculative import sampling_rows
 from infer.worker.step_graphs import StepGraphs
 
 if TYPE_CHECKING:
@@ -39,8 +40,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> SamplerOutput | None:
         """Run one forward over `chunks` (decodes first) and sample one token for each chunk whose
-        `samples` is set, in chunk order. Returns None when no chunk samples (all mid-prefill).
-        Pure-decode steps that fit a step-graph bucket replay its graph; the others run eagerly."""
+        `samples` is set, in chunk order (a verification chunk: one per position from its last token on,
+        `chunk.num_sampled_rows`). Returns None when no chunk samples (all mid-prefill).
+        Pure-decode steps that fit a step-graph bucket replay its graph; the others (verification steps
+        included) run eagerly."""
         graphs = self.step_graphs is not None and not any(c.request.pooled is not None for c in chunks)
         bucket = self.step_graphs.bucket_for(chunks) if graphs else None   # pooling needs the hidden states
         if bucket is not None:
@@ -56,7 +59,7 @@ class ModelRunner:
             if batch.logits_indices.numel() == 0:
                 return None
             logits = self._logits(hidden, batch.logits_indices)
-        sampling = [c.request for c in chunks if c.samples]
+        sampling = [row for c in chunks if c.samples for row in sampling_rows(c)]
         meta = SamplingMetadata.build(sampling, self.vocab_size, self.device)
         return self.sampler.sample(logits, meta)
 
@@ -106,19 +109,31 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
     prompt_lens: list[int] = []   # of the prefill chunks
     for chunk in chunks:
         req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
+        if chunk.num_draft_tokens and num_decodes == len(query_lens):
+            # a verification chunk: one decode row per token (row j attends to the context up to its own position,
+            # whose K/V the step appends before attending), so each row has its decode step's bits and the native
+            # CPU decode step takes a lone request's k + 1 rows
+            for j, token_id in enumerate(chunk.token_ids):
+                num_decodes += 1
+                input_ids.append(token_id)
+                positions.append(start + j)
+                query_lens.append(1)
+                context_lens.append(start + j + 1)
+                tables.append(req.block_table)
+                logits_indices.append(len(input_ids) - 1)
+            continue
         # a decode: one generated token (a prompt's last token alone in its chunk stays a prefill row, computed as
         # its prompt's other rows are, so that it has the same bits whenever the prompt is computed again)
         if n == 1 and num_decodes == len(query_lens) and start >= req.num_prompt_tokens:
             num_decodes += 1
         else:
             prompt_lens.append(req.num_prompt_tokens)
-        input_ids.extend(req.token_ids[start:start + n])
+        input_ids.extend(chunk.token_ids)
         positions.extend(range(start, start + n))
         query_lens.append(n)
         context_lens.append(start + n)
         tables.append(req.block_table)
-        if chunk.samples:
-            logits_indices.append(len(input_ids) - 1)
+        logits_indices.extend(range(len(input_ids) - chunk.num_sampled_rows, len(input_ids)))
 
     max_blocks = max(len(t) for t in tables)
     # released entries (-1: out of every window, never read) name block 0

@@ -17,6 +17,15 @@ Policy (vLLM v1 style, "unified" prefill/decode):
   (no skipping ahead). Without chunked prefill, waiting prompts are admitted before running decodes
   (a whole prompt must fit the budget, which decodes would otherwise eat), keeping back the blocks
   the running requests need this step.
+Speculative decoding: `schedule(drafts)` takes draft tokens proposed for running requests that are decoding
+(one token to compute). Such a request's chunk becomes a verification chunk: its last token plus its drafts,
+`1 + len(draft_token_ids)` tokens counted in the token budget (drafts cut to what the budget leaves), with slots
+allocated for the drafts when free blocks allow (no request is preempted for drafts: without the blocks the
+chunk is a plain decode). `update_after_step` counts only the request's own token computed; the engine then
+appends the accepted tokens and calls `accept_draft_tokens`, which counts the accepted drafts' KV as computed
+and gives back the blocks past the request's tokens (rejected drafts' slots: rolled back by bookkeeping, never
+copied). Only computed tokens' full blocks are registered in the prefix cache, so rejected drafts never are.
+
 No starvation: the oldest unfinished request is never preempted by another (victims are the newest).
 With chunked prefill it is scheduled in every step: first among the running, or, when it waits, nothing
 else runs (newer requests are never admitted ahead of it) and it is admitted first. Without chunked
@@ -38,6 +47,7 @@ at the latest `priority_aging_steps` steps after it arrived, and the FCFS argume
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from infer.protocol.sampling import check_priority
@@ -88,39 +98,59 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens `[start, start + num_new_tokens)` of `request.token_ids` are computed this step.
+    """Tokens `[start, start + num_new_tokens)` of `request.token_ids + draft_token_ids` are computed this step.
 
     `request_num_tokens` is `request.num_tokens` when scheduled (the request keeps growing afterwards).
+    `draft_token_ids`: a verification chunk's draft tokens (speculative decoding), the last of its new tokens;
+    it then samples `1 + len(draft_token_ids)` rows, one per position from the request's last token on.
     """
 
     request: Request
     start: int
     num_new_tokens: int
     request_num_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int) -> ScheduledChunk:
-        return cls(request, request.num_computed_tokens, num_new_tokens, request.num_tokens)
+    def of(cls, request: Request, num_new_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> ScheduledChunk:
+        return cls(request, request.num_computed_tokens, num_new_tokens, request.num_tokens, draft_token_ids)
 
     @property
     def end(self) -> int:
-        """Context length after this step (computed tokens + new tokens)."""
+        """Context length after this step (computed tokens + new tokens, drafts included)."""
         return self.start + self.num_new_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows this chunk samples: 0 (mid-prefill), 1, or 1 + its drafts (a verification chunk)."""
+        return 1 + self.num_draft_tokens if self.samples else 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this chunk computes (its drafts last)."""
+        tokens = self.request.token_ids[self.start:self.start + self.num_new_tokens - self.num_draft_tokens]
+        return tokens + list(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the request's last token, so the step samples a new token."""
-        return self.end == self.request_num_tokens
+        return self.end - self.num_draft_tokens == self.request_num_tokens
 
     @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1
+        """One generated token to compute, or a verification chunk (computed as one decode row per token)."""
+        return self.num_new_tokens == 1 or bool(self.draft_token_ids)
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan. `chunks`: decodes (one token) first, then prefill chunks; arrival order within
-    each group. `preempted`: requests that lost their blocks this step (now waiting, to recompute)."""
+    """One step's plan. `chunks`: decodes (one token, or a verification chunk) first, then prefill chunks;
+    arrival order within each group. `preempted`: requests that lost their blocks this step (now waiting, to
+    recompute)."""
 
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[Request, ...]
@@ -133,6 +163,10 @@ class SchedulerOutput:
     @property
     def num_decodes(self) -> int:
         return sum(1 for chunk in self.chunks if chunk.is_decode)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(chunk.num_draft_tokens for chunk in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -162,6 +196,7 @@ class _Step:
 
     token_budget: int
     max_seqs: int
+    drafts: Mapping[str, Sequence[int]] = field(default_factory=dict)  # proposed draft tokens, by request id
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)  # by request id
     preempted: list[Request] = field(default_factory=list)
 
@@ -172,8 +207,8 @@ class _Step:
     def has(self, request: Request) -> bool:
         return request.request_id in self.chunks
 
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        self.chunks[request.request_id] = ScheduledChunk.of(request, num_new_tokens)
+    def add(self, request: Request, num_new_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> None:
+        self.chunks[request.request_id] = ScheduledChunk.of(request, num_new_tokens, draft_token_ids)
         self.token_budget -= num_new_tokens
 
     def drop(self, request: Request) -> None:
@@ -307,10 +342,11 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step (see the module docstring for the policy). Allocates the blocks it plans for."""
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+        """Plan one step (see the module docstring for the policy). Allocates the blocks it plans for.
+        `drafts`: draft tokens proposed for running requests (speculative decoding; see the module docstring)."""
         self._num_steps += 1
-        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs, drafts or {})
         if self.config.policy == "priority":
             self._schedule_by_rank(step)
         elif self.config.enable_chunked_prefill:
@@ -334,10 +370,24 @@ class Scheduler:
                 raise ValueError(f"request {request.request_id!r}: chunk starts at {chunk.start} but "
                                  f"{request.num_computed_tokens} tokens are computed "
                                  f"(a stale or repeated output?)")
-            request.num_computed_tokens = chunk.end
+            request.num_computed_tokens = chunk.end - chunk.num_draft_tokens
             self.block_manager.cache_full_blocks(request)
             if self.config.release_window:
                 self.block_manager.release_before(request, chunk.end - self.config.release_window + 1)
+
+    def accept_draft_tokens(self, request: Request, num_accepted: int) -> None:
+        """After a verification step: the engine appended the request's accepted drafts (and the token sampled
+        after them); their KV, computed by the step, now counts as computed. The blocks past the request's
+        tokens (rejected drafts' slots) go back to the pool; newly full blocks are registered."""
+        if not self._is_running(request):
+            raise ValueError(f"request {request.request_id!r} is not running")
+        if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) or not (
+                0 <= num_accepted <= request.num_tokens_to_compute - 1):
+            raise ValueError(f"request {request.request_id!r}: {num_accepted!r} accepted drafts, but "
+                             f"{request.num_tokens_to_compute} tokens are uncomputed (the last is never computed)")
+        request.num_computed_tokens += num_accepted
+        self.block_manager.trim(request)
+        self.block_manager.cache_full_blocks(request)
 
     def _rank(self, request: Request) -> tuple[int, int, int]:
         """Lower is served first: arrival under "fcfs"; under "priority" aged requests by arrival, then the
@@ -366,9 +416,8 @@ class Scheduler:
             if not running:
                 return
             request = running.pop(0)
-            num_new = min(request.num_tokens_to_compute, step.token_budget)
-            if num_new > 0 and self._allocate_or_preempt(request, num_new, step):
-                step.add(request, num_new)
+            if min(request.num_tokens_to_compute, step.token_budget) > 0:
+                self._schedule_one(request, step)
 
     def _is_running(self, request: Request) -> bool:
         return self._requests.get(request.request_id) is request and request.status is RequestStatus.RUNNING
@@ -380,12 +429,31 @@ class Scheduler:
                 return
             if request.status is not RequestStatus.RUNNING or step.has(request):
                 continue  # preempted a moment ago, or admitted this step
-            num_new = min(request.num_tokens_to_compute, step.token_budget)
-            if num_new <= 0:
+            if min(request.num_tokens_to_compute, step.token_budget) <= 0:
                 continue  # nothing to compute until the engine appends its sampled token
-            if not self._allocate_or_preempt(request, num_new, step):
+            if not self._schedule_one(request, step):
                 return
-            step.add(request, num_new)
+
+    def _schedule_one(self, request: Request, step: _Step) -> bool:
+        """Schedule a running request's next tokens (with its drafts when it decodes, has drafts and their
+        slots are free); False if it was preempted instead."""
+        drafts = self._drafts_for(request, step)
+        if drafts and self.block_manager.allocate(request, 1 + len(drafts), num_draft_tokens=len(drafts)):
+            step.add(request, 1 + len(drafts), drafts)
+            return True
+        num_new = min(request.num_tokens_to_compute, step.token_budget)
+        if not self._allocate_or_preempt(request, num_new, step):
+            return False
+        step.add(request, num_new)
+        return True
+
+    @staticmethod
+    def _drafts_for(request: Request, step: _Step) -> tuple[int, ...]:
+        """The request's proposed drafts, cut to the budget; () unless it decodes (one token to compute)."""
+        drafts = step.drafts.get(request.request_id)
+        if not drafts or request.num_tokens_to_compute != 1 or step.token_budget < 2:
+            return ()
+        return tuple(drafts[:step.token_budget - 1])
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> bool:
         """Allocate for `request`, preempting the newest running requests until it fits. False if the

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -258,6 +258,28 @@ class GrammarState:
             self._matcher.fill_next_token_bitmask(bitmask, row)
         finally:
             self._cost_s += time.thread_time() - start
+
+    def masks_along(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """[len(token_ids) + 1, W] int32 bitmasks: the tokens allowed now, then after each of `token_ids` in turn
+        (the rows of a verification step, speculative decoding); the matcher ends where it started. Past a token
+        the grammar rejects (or its end), rows repeat the last filled one: acceptance stops before them (the
+        rejected token is masked out of the row that would accept it)."""
+        masks = torch.zeros((len(token_ids) + 1, bitmask_width(self._vocab_size)), dtype=torch.int32)
+        start = time.thread_time()
+        advanced = 0
+        try:
+            for row in range(len(token_ids) + 1):
+                if row > advanced or self._matcher.is_terminated():
+                    masks[row] = masks[row - 1]
+                    continue
+                self._matcher.fill_next_token_bitmask(masks, row)
+                if row < len(token_ids) and self._matcher.accept_token(token_ids[row]):
+                    advanced += 1
+            if advanced:
+                self._matcher.rollback(advanced)
+        finally:
+            self._cost_s += time.thread_time() - start
+        return masks
 
     def take_step_cost(self) -> float:
         """CPU seconds of `fill` and `accept` since the last call (the engine asks once a step)."""

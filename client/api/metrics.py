@@ -73,7 +73,16 @@ class FrontMetrics:
                                             "prefix cache.", labels, registry=r),
             "prefix_cache_hits": Counter("infer:prefix_cache_hits", "Prompt tokens found in the prefix "
                                          "cache.", labels, registry=r),
+            "spec_decode_num_drafts": Counter("infer:spec_decode_num_drafts", "Speculative decoding: verifications "
+                                              "(a request's drafts checked in one step).", labels, registry=r),
+            "spec_decode_num_draft_tokens": Counter("infer:spec_decode_num_draft_tokens", "Speculative decoding: "
+                                                    "draft tokens proposed.", labels, registry=r),
+            "spec_decode_num_accepted_tokens": Counter("infer:spec_decode_num_accepted_tokens", "Speculative "
+                                                       "decoding: draft tokens accepted.", labels, registry=r),
         }
+        self._accepted_per_pos = Counter("infer:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
+                                         "draft tokens accepted, by position in the drafts (0: the first).",
+                                         labels + ["position"], registry=r)
         self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of served requests.", labels,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("infer:generation_tokens", "Generated tokens of served requests.",
@@ -124,14 +133,19 @@ class FrontMetrics:
         for worker in [] if stats is None else stats.workers:
             if worker.load is not None:
                 for attr, counter in self._worker_counters.items():
-                    self._add_worker_total(counter, worker.worker_id, attr, getattr(worker.load, attr))
+                    self._add_worker_total(counter.labels(self.model_name), worker.worker_id, attr,
+                                           getattr(worker.load, attr))
+                for position, total in enumerate(worker.load.spec_decode_num_accepted_tokens_per_pos):
+                    self._add_worker_total(self._accepted_per_pos.labels(self.model_name, str(position)),
+                                           worker.worker_id, f"accepted_pos_{position}", total)
 
-    def _add_worker_total(self, counter: Counter, worker_id: str, attr: str, total: int) -> None:
+    def _add_worker_total(self, counter, worker_id: str, attr: str, total: int) -> None:
+        """Add to `counter` (a labelled series) what a worker's counter `attr` gained since its last report."""
         last = self._last_worker_totals.get((worker_id, attr), 0)
         increase = total - last if total >= last else total   # below the last value: the worker restarted
         self._last_worker_totals[(worker_id, attr)] = total
         if increase:
-            counter.labels(self.model_name).inc(increase)
+            counter.inc(increase)
 
 
 @dataclass

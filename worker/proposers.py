@@ -1,0 +1,75 @@
+"""Proposers of draft tokens for speculative decoding (worker/speculative.py verifies them). No torch.
+
+A proposer looks at the requests that decode this step and proposes up to `num_tokens[i]` draft tokens for
+each; it keeps no per-request state the engine must clean up. Proposers must be deterministic given the
+context (a point-mass draft distribution: the exactness argument in worker/speculative.py rests on it).
+Model-based proposers (a draft model with its own small KV pool, EAGLE / MTP heads that read the target's
+hidden states) fit the same call; they would be handed what they need when they are built.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from infer.worker.request import Request
+from infer.worker.spec_config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+        """One list of at most `num_tokens[i]` draft tokens per request (possibly empty), continuing
+        `requests[i].token_ids`."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget what the proposer keeps for a request (it finished); unknown ids are ignored."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's "ngram"): for n from `max_n` down to `min_n`, find the earliest earlier occurrence
+    of the context's last n tokens (prompt + output) and propose the tokens that followed it."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
+        return [ngram_drafts(r.token_ids, self.min_n, self.max_n, k) for r, k in zip(requests, num_tokens)]
+
+    def release(self, request_id: str) -> None:
+        pass   # nothing kept
+
+
+def ngram_drafts(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens following the earliest occurrence of the longest suffix n-gram (min_n <= n <= max_n) that
+    also occurs earlier in `token_ids` ([] when none does)."""
+    if k < 1 or len(token_ids) <= min_n:
+        return []
+    data = array("i", token_ids).tobytes()   # a C search over 4-byte tokens (bytes.find)
+    width = array("i").itemsize
+    for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
+        suffix = data[-n * width:]
+        limit = len(data) - n * width     # a match must start before the suffix itself
+        at = data.find(suffix, 0, limit + n * width - width)
+        while at != -1 and at % width:    # a match inside a token: search on from the next byte
+            at = data.find(suffix, at + 1, limit + n * width - width)
+        if at != -1:
+            start = at // width + n
+            return list(token_ids[start:start + k])
+    return []
+
+
+def make_proposer(config: SpeculativeConfig, **target: Any) -> Proposer:
+    """The proposer of `config.method`; `target`: what a draft model needs of the target engine (dtype, device,
+    block_size, num_blocks, max_model_len, vocab_size; worker/draft_model.py)."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        from infer.worker.draft_model import DraftModelProposer   # torch: only a draft model needs it
+
+        return DraftModelProposer(config.model, **target)
+    raise ValueError(f"no proposer for method {config.method!r}")
