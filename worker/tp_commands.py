@@ -126,7 +126,10 @@ class TpLeader:
         self.tp = parallel.tp
         self._member = getattr(parallel, "member_name", "TP rank")   # "PP stage" for a pipeline (worker/pp_group.py)
         self._children = list(children)
-        ctx = ctx or zmq.Context.instance()
+        # a context of its own unless given one: stop() terminates it, which waits (LINGER) until the "stop" frames
+        # have left, before this process exits (with os._exit, in a torch.distributed world: cli._exit)
+        self._own_ctx = ctx is None
+        ctx = self._ctx = zmq.Context() if ctx is None else ctx
         self._lock = threading.Lock()
         self._interval = parallel.options.ping_interval_s
         self._pushes = []
@@ -190,6 +193,8 @@ class TpLeader:
             push.close()
         for _, monitor in self._monitors:
             monitor.close(0)
+        if self._own_ctx:
+            self._ctx.term()   # returns once the frames above are sent, or after their LINGER
         if self._children:
             reap(self._children)
             import torch.distributed as dist
