@@ -28,6 +28,7 @@ models can emit whitespace until their token budget ends.
 from __future__ import annotations
 
 import json
+import os
 import logging
 import threading
 import time
@@ -215,6 +216,7 @@ class FairQueue:
             return job
 
     def _loop(self) -> None:
+        _lowest_cpu_priority()
         while (job := self._next()) is not None:
             spec, future = job
             if not future.set_running_or_notify_cancel():
@@ -294,3 +296,12 @@ class GrammarState:
 
 def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
+
+
+def _lowest_cpu_priority() -> None:
+    """This thread (Linux: a nice value per thread) yields the CPU to the engine's threads: a compile takes the
+    cores the steps leave, so requests beside it keep their step times (benchmarks/grammar_bystander.py)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):   # not Linux, or not allowed: compiles share the CPU evenly
+        pass
