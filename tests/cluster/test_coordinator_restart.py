@@ -19,14 +19,17 @@ from prompts import prompt_of_length
 
 from infer import LLM, SamplingParams
 
-LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+# Long enough that the pause below lands while every request still runs: the tiny model makes 120 tokens in ~0.3 s
+# on a quiet machine, and a CI run saw all 12 finish before the pause reached the workers.
+LONG = SamplingParams(temperature=0, max_tokens=700, ignore_eos=True)
 PROMPTS = [prompt_of_length(4 + 5 * i, i) for i in range(12)]
 RESTART_FLAGS = ("--restart-grace", "3")
+ENGINE = ("--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "8000000", "--threads", "1")
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    return LLM(model=str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000,
+    return LLM(model=str(tiny_llama), dtype="float32", max_model_len=1024, kv_cache_memory=8_000_000,
                num_threads=1).generate(PROMPTS, LONG, use_tqdm=False)
 
 
@@ -37,7 +40,7 @@ def _restart_coordinator(cluster) -> None:
 
 
 async def test_streams_survive_a_coordinator_kill_9_and_restart(model_cluster, reference, wait_until):
-    cluster = model_cluster(workers=2, coordinator_flags=RESTART_FLAGS)
+    cluster = model_cluster(workers=2, coordinator_flags=RESTART_FLAGS, engine_flags=ENGINE)
 
     async def restart(client):
         # Paused first, so that every request is still on its worker when the new coordinator comes: the tiny
@@ -83,7 +86,7 @@ async def test_sampled_streams_resume_exactly_from_the_clients_copies(model_clus
 
 
 async def test_requests_queued_in_a_dead_coordinator_are_sent_again(model_cluster, reference):
-    cluster = model_cluster(workers=1, coordinator_flags=RESTART_FLAGS)
+    cluster = model_cluster(workers=1, coordinator_flags=RESTART_FLAGS, engine_flags=ENGINE)
     async with cluster.client() as client:
         await client.pause()                        # they wait in the coordinator only
         runs = [asyncio.create_task(client.generate(PROMPTS[i], LONG)) for i in range(3)]
