@@ -186,12 +186,9 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-@pytest.mark.parametrize("struck", ["follower", "leader"])
-def test_an_idle_group_started_member_by_member_ends_whole_when_one_is_killed(cluster_factory, models, struck):
-    """The members of a group started one by one with --tp-rank (as the Slurm launcher's tasks start them, each
-    under its own restart loop): kill -9 of one while the group is idle makes the other exit non-zero within a
-    few seconds (its connection closed; --tp-timeout is a minute), so every member is restarted and the group
-    meets again. A group told to stop (SIGTERM: rank 0 drains) ends with every member at exit 0."""
+def _group_member_by_member(cluster_factory, models):
+    """A coordinator and one TP-2 group whose members start as separate processes with --tp-rank (as the Slurm
+    launcher's tasks start them), ready: (cluster, leader, follower)."""
     cluster = cluster_factory()
     cluster.coordinator()
     flags = (*ENGINE_FLAGS, "--tp-size", "2", "--tp-timeout", "60", "--dist-init", f"tcp://127.0.0.1:{free_port()}")
@@ -199,6 +196,16 @@ def test_an_idle_group_started_member_by_member_ends_whole_when_one_is_killed(cl
     leader = cluster.worker(0, *flags, "--tp-rank", "0", model=model)
     follower = cluster.worker(1, *flags, "--tp-rank", "1", model=model)
     _ready(cluster, 1)
+    return cluster, leader, follower
+
+
+@pytest.mark.parametrize("struck", ["follower", "leader"])
+def test_an_idle_group_started_member_by_member_ends_whole_when_one_is_killed(cluster_factory, models, struck):
+    """The members of a group started one by one with --tp-rank (as the Slurm launcher's tasks start them, each
+    under its own restart loop): kill -9 of one while the group is idle makes the other exit non-zero within a
+    few seconds (its connection closed; --tp-timeout is a minute), so every member is restarted and the group
+    meets again. A group told to stop (SIGTERM: rank 0 drains) ends with every member at exit 0."""
+    cluster, leader, follower = _group_member_by_member(cluster_factory, models)
     victim, survivor = (follower, leader) if struck == "follower" else (leader, follower)
     victim.kill9()
     killed_at = time.monotonic()
@@ -210,13 +217,7 @@ def test_an_idle_group_started_member_by_member_ends_whole_when_one_is_killed(cl
 
 
 def test_a_group_told_to_stop_ends_with_every_member_at_exit_0(cluster_factory, models):
-    cluster = cluster_factory()
-    cluster.coordinator()
-    flags = (*ENGINE_FLAGS, "--tp-size", "2", "--tp-timeout", "60", "--dist-init", f"tcp://127.0.0.1:{free_port()}")
-    model = models["llama"]()
-    leader = cluster.worker(0, *flags, "--tp-rank", "0", model=model)
-    follower = cluster.worker(1, *flags, "--tp-rank", "1", model=model)
-    _ready(cluster, 1)
+    cluster, leader, follower = _group_member_by_member(cluster_factory, models)
     leader.popen.send_signal(signal.SIGTERM)
     assert leader.wait(timeout=30) == 0 and follower.wait(timeout=30) == 0, cluster.dump()
 
