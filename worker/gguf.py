@@ -42,9 +42,11 @@ decoding anything.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import copy
+import mmap
 import re
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
@@ -311,10 +313,12 @@ class GGUFTensor:
     """
 
     def __init__(self, name: str, ggml_type: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...],
-                 row_order: np.ndarray | None = None) -> None:
+                 row_order: np.ndarray | None = None, *, file_pages: bool = False) -> None:
         """`data`: the tensor's raw bytes as GGUF stores them (any dtype, e.g. a view of the memory map); `shape`:
         transformers' orientation (GGUF's ne reversed), one or two dimensions; `row_order`: which stored row
-        each row of a matrix is (a q / k unpermutation), None for the stored order."""
+        each row of a matrix is (a q / k unpermutation), None for the stored order; `file_pages`: `data` views
+        a read-only memory map of the file, whose pages are given back as soon as they are read (see
+        `drop_file_pages`): never for other memory."""
         if len(shape) not in (1, 2):
             raise NotImplementedError(f"GGUF tensor {name!r} has {len(shape)} dimensions {list(shape)}; only "
                                       "vectors and matrices are read (MoE expert stacks are not supported yet)")
@@ -339,6 +343,7 @@ class GGUFTensor:
             raise ValueError(f"GGUF tensor {name!r}: a row order of {order.shape[0]} for {shape[0]} rows")
         self._rows = order  # a matrix: stored row of each row; a vector: stored element of each element
         self._columns = (0, width)
+        self._file_pages = file_pages
 
     # -- what it is
 
@@ -445,7 +450,10 @@ class GGUFTensor:
         type_size] (a copy out of the memory map: fancy indexing copies)."""
         first, last = self._block_span()
         span = slice(first // self._block_size * self._type_size, last // self._block_size * self._type_size)
-        return torch.from_numpy(np.asarray(self._raw[rows, span])).reshape(-1, self._type_size)
+        blocks = torch.from_numpy(np.asarray(self._raw[rows, span])).reshape(-1, self._type_size)
+        if self._file_pages and len(rows):
+            drop_file_pages(self._raw[int(rows.min()):int(rows.max()) + 1])
+        return blocks
 
     def _decode_rows(self, decode: Callable[[torch.Tensor], torch.Tensor], rows: np.ndarray) -> torch.Tensor:
         """float32 [len(rows), window width]: the stored rows decoded, cut to the column window."""
@@ -525,8 +533,8 @@ class GGUFFile:
                 if name is None:
                     continue
                 shape = tuple(int(n) for n in reversed(info.shape.tolist()))
-                mapped[name] = GGUFTensor(info.name, info.tensor_type, info.data, shape, self._row_order(info.name,
-                                                                                                       shape))
+                mapped[name] = GGUFTensor(info.name, info.tensor_type, info.data, shape,
+                                          self._row_order(info.name, shape), file_pages=True)
             except (ValueError, NotImplementedError) as error:
                 raise type(error)(f"{self.path}: {error}") from None
         return mapped
@@ -680,6 +688,22 @@ def open_gguf(path: str | Path) -> GGUFFile:
     memory)."""
     stat = Path(path).stat()
     return _open_cached(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if hasattr(mmap, "MADV_DONTNEED") else None
+
+
+def drop_file_pages(view: np.ndarray) -> None:
+    """Give back the pages under `view`, a contiguous view of a read-only memory map of a file: they leave the
+    process's resident memory and stay in the page cache (a later read maps them again, unchanged). While a
+    model loads, the file's pages would otherwise stay resident beside the weights repacked from them until the
+    file is closed: 78 MiB more at the peak on the embedded model (2026-11-27). Never for other memory: on
+    anonymous memory the same call would zero it. Where the platform has no madvise, nothing."""
+    if _LIBC is None or not view.nbytes:
+        return
+    start = view.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(view.ctypes.data + view.nbytes - start),
+                  mmap.MADV_DONTNEED)
 
 
 def close_gguf_files() -> None:

@@ -72,3 +72,49 @@ def test_a_checkpoint_that_names_its_model_specific_tokenizer_gets_it(tiny_model
     front = front_tokenizer(tmp_path)
     assert type(front) is type(engine)
     assert_tokenizes_alike(front, engine)
+
+
+# The engines' tokenizer: AutoTokenizer's pick, given config.json's fields rather than the configuration object
+# (whose model code the engines need not import).
+
+ENGINE = """
+import sys
+from pathlib import Path
+from infer.worker.model_files import load_tokenizer
+assert load_tokenizer(Path(sys.argv[1])).encode("hello")
+print(sorted(name for name in ("sympy", "accelerate", "torch.distributed.tensor") if name in sys.modules))
+"""
+
+
+def full_auto_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_engines_tokenizer_is_auto_tokenizers(tiny_model_dir, model_type):
+    path = tiny_model_dir(model_type)
+    engine, auto = load_tokenizer(path), full_auto_tokenizer(path)
+    assert type(engine) is type(auto)
+    assert_tokenizes_alike(engine, auto)
+
+
+def test_the_engines_tokenizer_of_the_embedded_model_skips_the_model_code(smollm2_dir):
+    assert_tokenizes_alike(load_tokenizer(smollm2_dir), full_auto_tokenizer(smollm2_dir))
+    out = subprocess.run([sys.executable, "-c", ENGINE, str(smollm2_dir)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_checkpoint_naming_no_tokenizer_class_gets_auto_tokenizers_pick(tiny_model_dir, tmp_path: Path):
+    # No tokenizer_class in tokenizer_config.json: AutoTokenizer picks by the configuration's class, so the
+    # engines build the configuration as it does.
+    shutil.copytree(tiny_model_dir("qwen2"), tmp_path / "m")
+    config = tmp_path / "m" / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items()
+                                  if k != "tokenizer_class"}))
+    engine, auto = load_tokenizer(tmp_path / "m"), full_auto_tokenizer(tmp_path / "m")
+    assert type(engine) is type(auto)
+    assert_tokenizes_alike(engine, auto)

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from infer.kernels.quant import dequantize
 from infer.worker import gguf as gguf_module
+from infer.worker.model_files import default_model_gguf
 from infer.worker.gguf import GGUFFile, GGUFTensor, checkpoint_name, unpermute_order, write_model_dir
 
 QUANTIZED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -522,3 +523,36 @@ def test_write_model_dir_has_config_tokenizer_and_a_link_no_weights(smollm2_gguf
     assert tokenizer.apply_chat_template(chat, tokenize=False) == smollm2_tokenizer.apply_chat_template(chat, tokenize=False)
     assert tokenizer("Grüße, 世界!")["input_ids"] == smollm2_tokenizer("Grüße, 世界!")["input_ids"]
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def _mapped_kib(path: Path) -> int:
+    """Resident KiB of this process's memory maps of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads /proc/self/smaps (Linux)")
+def test_repacking_gives_the_files_pages_back_and_reads_them_again_unchanged():
+    path = default_model_gguf().resolve()
+    file = GGUFFile(path)
+    before = _mapped_kib(path)   # this map's header, and the maps other tests left open
+    first = {name: weight for name, t in file.tensors() if (weight := t.quantized()) is not None}
+    assert _mapped_kib(path) - before < path.stat().st_size // 1024 // 10   # not the file beside its blocks
+    for name in list(first)[:3]:   # read again through the same map: the same blocks
+        weight, again = first[name], file.tensor(name).quantized()
+        assert again is not None and torch.equal(again.qs, weight.qs) and torch.equal(again.scales, weight.scales)
+
+
+def test_other_memory_keeps_its_pages():
+    # A tensor over bytes of our own (not a file's map) is read without giving anything back.
+    data = np.arange(2 * GGML_QUANT_SIZES[Q.Q8_0][1], dtype=np.uint8) % 7   # two rows of one block
+    tensor = GGUFTensor("t", Q.Q8_0, data.copy(), (2, 32))
+    before = data.copy()
+    tensor.quantized()
+    assert np.array_equal(tensor._raw.reshape(-1), before)
