@@ -187,6 +187,14 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def _native() -> ctypes.CDLL:
+    """`_library()` for a kernel's call: callers have checked that it is loaded (each kernel's `*_fits`)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not loaded (native_ready() is False)")
+    return lib
+
+
 def library(isa: str) -> ctypes.CDLL | None:
     """The library built for level `isa` (one this CPU runs: `supported_isas`, checked at every call), loaded once
     per process; None where it cannot be built or INFER_CPU_KERNELS=0."""
@@ -285,7 +293,7 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if not (v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous()):
         raise ValueError("the native decode kernel needs a contiguous v_cache shaped like k_cache and a "
                          "contiguous out")
-    status = _library().paged_decode(
+    status = _native().paged_decode(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
         num_kv_heads, head_dim, block_size, num_blocks, scale, int(q.dtype == torch.bfloat16), _window(window))
@@ -326,7 +334,7 @@ def paged_prefill_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cac
             and out.shape == q.shape):
         raise ValueError("the native prefill kernel needs a contiguous v_cache shaped like k_cache and a "
                          "contiguous out shaped like q")
-    status = _library().paged_prefill(
+    status = _native().paged_prefill(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(), num_tokens,
         out.data_ptr(), block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
@@ -358,7 +366,7 @@ def rotary_fits(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.T
 
 def rotary_native(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
     """q [T, H, D] rotated in place at positions [T] (int64), as `rotary_embedding_torch` (checked args)."""
-    status = _library().rotary_inplace(q.data_ptr(), q.stride(0), q.shape[0], q.shape[1], q.shape[2],
+    status = _native().rotary_inplace(q.data_ptr(), q.stride(0), q.shape[0], q.shape[1], q.shape[2],
                                        positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
                                        int(is_neox), int(q.dtype == torch.bfloat16))
     if status != 0:
@@ -385,13 +393,15 @@ def append_kv_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
     """As `append_kv_torch` (checked args that pass `append_fits`): k, v [T, Hkv, D] into the pools at
     slot_mapping, K rotated when `cos_sin_cache` is given; slot -1 skipped, or written at `pad_slot`."""
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    rotate = cos_sin_cache is not None
-    status = _library().append_kv(
+    rope: tuple[int | None, int | None, int] = (None, None, 0)   # positions, cos/sin cache, its rows
+    if cos_sin_cache is not None:
+        if positions is None:
+            raise ValueError("rotating K needs the positions")
+        rope = (positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0])
+    status = _native().append_kv(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         num_blocks * block_size, slot_mapping.data_ptr(), -1 if pad_slot is None else pad_slot, k.shape[0],
-        num_kv_heads, head_dim, positions.data_ptr() if rotate else None,
-        cos_sin_cache.data_ptr() if rotate else None, cos_sin_cache.shape[0] if rotate else 0, int(is_neox),
-        int(k.dtype == torch.bfloat16))
+        num_kv_heads, head_dim, *rope, int(is_neox), int(k.dtype == torch.bfloat16))
     if status != 0:
         raise ValueError(f"a slot is outside [-1, {num_blocks * block_size}) (or pad_slot past the pool), or a "
                          f"position outside the cos/sin cache")
@@ -434,7 +444,7 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     if any(t is not None and _row_stride(t) is None for t in (x, residual, out)):
         raise ValueError("the native RMSNorm needs x, residual and out as rows with unit column stride")
     rows = x.numel() // x.shape[-1]
-    status = _library().rms_norm(
+    status = _native().rms_norm(
         x.data_ptr(), _row_stride(x), residual.data_ptr() if residual is not None else None,
         _row_stride(residual) if residual is not None else 0, weight.data_ptr(), out.data_ptr(), _row_stride(out),
         rows, x.shape[-1], eps, int(x.dtype == torch.bfloat16))
@@ -456,7 +466,7 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     """x [N, 2d] (gate | up) -> silu(gate) * up [N, d] (a new tensor), for x that passes `silu_and_mul_fits`."""
     rows, d = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, d), dtype=x.dtype)
-    _library().silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), d, rows, d, int(x.dtype == torch.bfloat16))
+    _native().silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), d, rows, d, int(x.dtype == torch.bfloat16))
     return out
 
 
@@ -498,7 +508,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     -> [M, N] bf16 (a new tensor), for a weight `gemv_takes`. Each output row is the same bits whatever M (each
     row's sum is taken alone)."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
-    status = _library().gemv_rows_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
+    status = _native().gemv_rows_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
                                        x.shape[0], weight.shape[0], weight.shape[1])
     if status == -3:
         raise MemoryError("the native GEMV could not allocate x's fp32 copy")
@@ -516,7 +526,7 @@ def gemv_bf16w_f32x(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             and weight.dim() == 2 and weight.is_contiguous() and x.shape[1] == weight.shape[1]):
         raise ValueError("gemv_bf16w_f32x takes fp32 rows [M, K] of unit column stride and a contiguous bf16 [N, K]")
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-    status = _library().gemv_rows_bf16w_f32x(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+    status = _native().gemv_rows_bf16w_f32x(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
                                              weight.shape[0], x.shape[0], weight.shape[0], weight.shape[1])
     if status == -3:
         raise MemoryError("the native GEMV could not allocate x's fp32 copy")
@@ -540,7 +550,7 @@ def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array
     caller checks types, layouts and sizes (worker/models/native_decode.py);
     the kernels check positions, slots, lengths and table entries, and a ValueError says which."""
     num_blocks, block_size = k_pool.shape[1], k_pool.shape[2]
-    status = _library().decode_layers(
+    status = _native().decode_layers(
         h.data_ptr(), residual.data_ptr(), weights, formats, pools, num_layers, h.shape[0], h.shape[1], num_heads,
         num_kv_heads, head_dim, intermediate, eps, scale, positions.data_ptr(), slots.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), num_blocks,
@@ -568,7 +578,7 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     top = torch.empty(rows, dtype=torch.float32)
     index = torch.empty(rows, dtype=torch.int64)
     if rows:
-        _library().row_max(x.data_ptr(), rows, x.shape[1], x.stride(0), top.data_ptr(), index.data_ptr())
+        _native().row_max(x.data_ptr(), rows, x.shape[1], x.stride(0), top.data_ptr(), index.data_ptr())
     return top, index
 
 

@@ -50,7 +50,7 @@ def append_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     being filtered out, which needs no host sync (the form step graphs compile). The Triton kernel skips
     slot -1 without a sync and ignores it."""
     _check(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache)
-    if cos_sin_cache is not None:
+    if cos_sin_cache is not None and positions is not None:   # (_check: positions come with the cache)
         k = _rotated(k, positions, cos_sin_cache, is_neox)
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
     if pad_slot is not None:
@@ -144,7 +144,7 @@ def append_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
         positions if rope else slot_mapping, cos_sin_cache if rope else k,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        cos_sin_cache.stride(0) if rope else 0,
+        cos_sin_cache.stride(0) if cos_sin_cache is not None else 0,
         BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2),
         ROPE=rope, IS_NEOX=is_neox,
     )
