@@ -115,6 +115,9 @@ first non-zero one.
                         child.pid)
             child.kill()
             child.wait(timeout=SUPERVISOR_GRACE_S)
+    for (name, _), child in zip(group, children, strict=True):
+        how = f"code {child.returncode}" if child.returncode >= 0 else f"signal {-child.returncode}"
+        (log.info if child.returncode == 0 else log.warning)("%s (pid %d) ended with %s", name, child.pid, how)
     first = codes[pid]
     code = first or children[0].returncode or next((c.returncode for c in children if c.returncode), 0)
     return code if code >= 0 else 128 - code   # killed by signal N: 128 + N, as a shell says it

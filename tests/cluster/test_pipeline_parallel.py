@@ -26,7 +26,8 @@ from infer import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 
 ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1")
-PP_FLAGS = ("--pp-timeout", "5", "--max-num-batched-tokens", "32")
+PP_TIMEOUT_S = 5
+PP_FLAGS = ("--pp-timeout", str(PP_TIMEOUT_S), "--max-num-batched-tokens", "32")
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -110,6 +111,10 @@ def _stages(proc) -> list[int]:
 
 @pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
 async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers, wait_until, fault):
+    """PP 3 under load, the middle stage struck: every stream exact on the other rank; after kill -9 the rank is out
+    of routing within --pp-timeout (its connections close at once), and the other two stages exit on their own
+    (code 1: stage 0 gives its requests back, stage 2 hears stop or loses its peers), none killed by the
+    supervisor, no traceback; a hung stage (SIGSTOP) is found by the timeout and killed by the supervisor."""
     want = _one_process(five_layers, FAULT_PROMPTS, LONG)
     cluster = cluster_factory()
     cluster.coordinator()
@@ -124,11 +129,13 @@ async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers
         struck["rank"], struck["stages"] = supervisor, _stages(supervisor)
         assert len(struck["stages"]) == 3
         os.kill(struck["stages"][1], signal.SIGKILL if fault == "kill -9" else signal.SIGSTOP)   # the middle stage
+        struck_at = time.monotonic()
 
         async def out_of_routing():
             return not next(w for w in (await client.stats()).workers if w.worker_id == busiest.worker_id).healthy
 
         await wait_until(out_of_routing, 20, "the struck DP rank out of routing")
+        struck["out after"] = time.monotonic() - struck_at
 
     streams, stats = await streams_through_a_fault(cluster, FAULT_PROMPTS, [LONG] * len(FAULT_PROMPTS),
                                                    strike_the_busiest_rank, start_timeout=120,
@@ -143,6 +150,15 @@ async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers
         await asyncio.sleep(0.1)
     other = next(r for r in ranks if r is not supervisor)
     assert other.popen.poll() is None
+    log = supervisor.text()
+    if fault == "kill -9":
+        assert struck["out after"] < PP_TIMEOUT_S, struck
+        assert "PP stage 1 (pid" in log and "ended with signal 9" in log, log[-3000:]
+        for stage in (0, 2):
+            assert f"PP stage {stage} (pid {struck['stages'][stage]}) ended with code 1" in log, log[-3000:]
+        assert "did not exit with its group" not in log and "Traceback" not in log, log[-3000:]
+    else:
+        assert "PP stage 1 (pid" in log and "did not exit with its group; killing it" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("struck", ["stage 1", "stage 0"])
