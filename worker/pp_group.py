@@ -192,6 +192,11 @@ class PipelineGroup:
         """Stage 0's TP rank 0: the process that runs the engine."""
         return self.stage == 0 and self.tp_rank == 0
 
+    @property
+    def index(self) -> int:
+        """This process among its DP rank's: stage x T + TP rank."""
+        return self.stage * self.tp_size + self.tp_rank
+
     def member(self, index: int) -> str:
         """The name of this DP rank's process `index` (stage x T + TP rank) in messages."""
         stage, tp_rank = divmod(index, self.tp_size)
@@ -210,8 +215,7 @@ class PipelineGroup:
             dist.isend(tensor.contiguous(), dst=self.rank_of(stage, tp_rank)).wait(
                 datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError / DistBackendError variants
-            raise GroupBroken(f"{self.member(self.stage * self.tp_size + self.tp_rank)}: sending to stage {stage} "
-                              f"failed: {e}") from e
+            raise GroupBroken(f"{self.member(self.index)}: sending to stage {stage} failed: {e}") from e
 
     def receive(self, shape: Sequence[int], dtype: torch.dtype, stage: int, tp_rank: int | None = None
                 ) -> torch.Tensor:
@@ -225,8 +229,7 @@ class PipelineGroup:
             dist.irecv(tensor, src=self.rank_of(stage, tp_rank)).wait(
                 datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001
-            raise GroupBroken(f"{self.member(self.stage * self.tp_size + self.tp_rank)}: receiving from stage "
-                              f"{stage} failed: {e}") from e
+            raise GroupBroken(f"{self.member(self.index)}: receiving from stage {stage} failed: {e}") from e
         return tensor
 
 
@@ -279,7 +282,7 @@ def join(config: EngineConfig, options: PpOptions, tp: TpOptions | None = None, 
     facts = engine_facts(config, path, weight_files(path), config.dtype)
     check_same_model(group.tp, world_cpu, {**facts, "layer partition": split})
     log.info("pipeline joined: %s of %d stages (EP rank %d of %d), layers %d..%d of %d, at %s (%s)",
-             group.member(rank - group.base), options.size, ep_rank, ep_size, group.layers.start,
+             group.member(group.index), options.size, ep_rank, ep_size, group.layers.start,
              group.layers.stop - 1, group.num_layers, options.dist_init, backend)
     return group, path, config
 
@@ -408,9 +411,8 @@ def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
     kv_cache = KVCache.allocate(model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim,
                                 dtype, device)
     channel = FollowerChannel(group)
-    name = group.member(group.stage * group.tp_size + group.tp_rank)
-    log.info("%s ready on %s: layers %d..%d, %d KV blocks", name, socket.gethostname(), group.layers.start,
-             group.layers.stop - 1, blocks)
+    log.info("%s ready on %s: layers %d..%d, %d KV blocks", group.member(group.index), socket.gethostname(),
+             group.layers.start, group.layers.stop - 1, blocks)
     try:
         return serve_follower(model, kv_cache, config.block_size, channel, device)
     except (LeaderGone, GroupBroken) as e:
