@@ -121,9 +121,6 @@ class LLMOptions:
             raise ValueError(f"pipeline_parallel_size={pp} needs a model path and workers started here: an "
                              f"in-memory model cannot be split across processes, a joined cluster is already "
                              f"configured")
-        if pp > 1 and self.tensor_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size={pp} with tensor_parallel_size={self.tensor_parallel_size}: "
-                             f"pipeline stages that are TP groups (PP x TP) are not supported yet")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -541,7 +538,8 @@ def _make_engine(options: LLMOptions) -> Engine:
         from infer.worker.pp_group import pipeline_parallel_engine
 
         flags = options.engine_flags() + logging_argv(options.log_level)
-        return pipeline_parallel_engine(options.engine_config(), options.pipeline_parallel_size, flags)
+        return pipeline_parallel_engine(options.engine_config(), options.pipeline_parallel_size, flags,
+                                        tp_size=options.tensor_parallel_size)
     if options.tensor_parallel_size > 1:
         flags = options.engine_flags() + logging_argv(options.log_level)
         return tensor_parallel_engine(options.engine_config(), options.tensor_parallel_size, flags)

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p.add_argument_group("tensor parallelism (a DP rank of several processes, each holding a shard of "
                                      "every layer)"), WorkerFlags, names=TP_FLAGS)
     pp = p.add_argument_group("pipeline parallelism (a DP rank of several processes, each holding a range of the "
-                              "layers; one batch at a time through the stages: capacity, not speed)")
+                              "layers, each stage a TP group with --tp-size; one batch at a time through the stages: "
+                              "capacity, not speed)")
     add_options(pp, WorkerFlags, names=PP_FLAGS)
     add_options(p.add_argument_group("expert parallelism (an EP group of ranks sharing an MoE model's experts)"),
                 WorkerFlags, names=EP_FLAGS)
@@ -112,14 +113,15 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError("--benchmark-mode has no model, so no pipeline: leave out --pp-size")
     except ValueError as e:
         parser.error(str(e))   # exit 2
-    if tp is not None and tp.rank is None:   # this DP rank's processes, on this node
-        from infer.worker.tp_supervisor import supervise
+    if (tp is not None and tp.rank is None) or (pp is not None and pp.rank is None):   # this DP rank's processes
+        from infer.worker.tp_supervisor import members, supervise
 
-        sys.exit(supervise(argv, tp))
-    if pp is not None and pp.rank is None:   # this DP rank's stages, on this node
-        from infer.worker.tp_supervisor import supervise
-
-        sys.exit(supervise(argv, pp, rank_flag="--pp-rank"))
+        if pp is not None and tp is not None and (pp.rank is None) != (tp.rank is None):
+            parser.error("a pipeline of TP groups: give both --pp-rank and --tp-rank, or neither (then this command "
+                         "starts every process of the DP rank)")
+        dist_init = pp.dist_init if pp is not None else tp.dist_init if tp is not None else None
+        sys.exit(supervise(argv, members(tp.size if tp is not None else 1, pp.size if pp is not None else 1),
+                           dist_init))
     _exit(_run(config, options if leads else None, ep, tp, pp))
 
 
@@ -127,23 +129,24 @@ def _run(config: EngineConfig, options: WorkerOptions | None, ep: EpOptions | No
          pp: PpOptions | None = None) -> int:
     """Start the engine (joining its TP group or pipeline first) and serve; the exit code. A TP rank or pipeline
     stage > 0 (`options` None) serves its group's rank 0 instead."""
-    parallel = None
+    parallel: Any = None
     try:
-        if pp is not None:
+        if pp is not None:   # its stages TP groups with --tp-size, one DP rank of an EP group with --ep-size
             from infer.worker.pp_group import join, leader_engine, run_stage
 
-            group, path, config = join(config, pp)
-            if group.stage > 0:
-                return run_stage(config, group, path)
-        if tp is not None:
+            parallel, path, config = join(config, pp, tp, ep)
+            if not parallel.is_leader:
+                return run_stage(config, parallel, path)
+        elif tp is not None:
             parallel, path, config = _join_tp_group(config, tp, ep)
             if parallel.tp.rank > 0:
                 from infer.worker.tp_group import run_follower
 
                 return run_follower(config, parallel, path)
-        assert options is not None
+        if options is None:
+            raise ValueError("only TP rank 0 of stage 0 talks to the coordinator")
         if pp is not None:
-            engine = leader_engine(config, group)
+            engine = leader_engine(config, parallel)
         else:
             engine = make_engine(config, options.benchmark_mode, options.ep, options.benchmark_step_time, parallel)
     except ValueError as e:    # options the engine finds impossible (model path, KV budget, context length)

@@ -126,7 +126,7 @@ class WorkerFlags:
     def groups(self, environ: dict[str, str] | None = None) -> tuple[EpOptions | None, TpOptions | None]:
         """This process's EP and TP groups (None: a group of one); ValueError for flags that do not fit."""
         environ = dict(os.environ) if environ is None else environ
-        tp_rank, ep_rank = resolve_ranks(self.tp_size, self.tp_rank, self.ep_size, self.ep_rank, environ)
+        tp_rank, ep_rank = resolve_ranks(self.tp_size, self.tp_rank, self.ep_size, self.ep_rank, environ, self.pp_size)
         ep = None
         if self.ep_size > 1:
             ep = EpOptions.resolve(self.ep_size, ep_rank, self.dist_init, self.ep_timeout, environ)
@@ -141,21 +141,15 @@ class WorkerFlags:
         return ep, tp
 
     def pipeline(self, environ: dict[str, str] | None = None) -> PpOptions | None:
-        """This process's pipeline (None: one stage); ValueError for flags that do not fit, or what v1 does not
-        compose with a pipeline yet (TP, EP)."""
+        """This process's pipeline (None: one stage; with --tp-size each stage is a TP group, with --ep-size the
+        pipeline is one DP rank of an EP group); ValueError for flags that do not fit."""
         environ = dict(os.environ) if environ is None else environ
         if self.pp_size == 1:
             if self.pp_rank not in (None, 0) or self.pp_layer_partition is not None:
                 raise ValueError("--pp-rank and --pp-layer-partition need --pp-size > 1")
             return None
-        if self.tp_size > 1:
-            raise ValueError(f"--pp-size {self.pp_size} with --tp-size {self.tp_size}: pipeline stages that are "
-                             f"TP groups (PP x TP) are not supported yet; use one of them")
-        if self.ep_size > 1:
-            raise ValueError(f"--pp-size {self.pp_size} with --ep-size {self.ep_size}: pipeline stages in an EP "
-                             f"group (PP x EP) are not supported yet; use one of them")
         partition = None if self.pp_layer_partition is None else parse_partition(self.pp_layer_partition)
-        return PpOptions(size=self.pp_size, rank=resolve_stage(self.pp_size, self.pp_rank, environ),
+        return PpOptions(size=self.pp_size, rank=resolve_stage(self.pp_size, self.pp_rank, environ, self.tp_size),
                          dist_init=self._tp_dist_init(None, environ), timeout_s=self.pp_timeout, partition=partition)
 
     def _tp_dist_init(self, ep: EpOptions | None, environ: dict[str, str]) -> str | None:

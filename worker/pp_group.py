@@ -1,27 +1,36 @@
-"""Pipeline parallelism v1: one DP rank as P stages, each a process holding a contiguous range of the layers (and
-only their KV cache). Stage 0 owns the embedding, schedules, samples and talks to the coordinator; the last stage
-owns the final norm and the LM head (a tied head: it loads the embedding table as its weight). (torch is imported
-only when a group is joined: the worker daemon imports this module to parse its flags.) The stage model is
+"""Pipeline parallelism v1: one DP rank as P stages, each holding a contiguous range of the layers (and only their
+KV cache). Stage 0 owns the embedding, schedules, samples and talks to the coordinator; the last stage owns the
+final norm and the LM head (a tied head: it loads the embedding table as its weight). (torch is imported only when
+a group is joined: the worker daemon imports this module to parse its flags.) The stage model is
 worker/pp_stage.py.
 
-**A step.** Stage 0 runs the engine as TP rank 0 does: before each forward its `TpLeader` (worker/tp_commands.py,
-the same channel and watch over the peers' connections) sends the step's ForwardBatch to every other stage; stage 0
-then runs the embedding and its layers and sends (hidden, residual) to stage 1 over torch.distributed
-point-to-point (gloo on CPU, NCCL on GPU); each stage receives, runs its layers and sends on; the last stage keeps
-the normed hidden states. The rows whose logits stage 0 needs go out as a "logits" command, and the last stage sends
-their logits back to stage 0 (prompt logprobs the same way). v1 runs one batch at a time through the stages: PP
-gives capacity (a model over several processes' memory), not speed; micro-batches in flight are v2.
+**Composition.** PP x TP: each stage is a TP group of T processes (worker/tensor_parallel.py's shards of the
+stage's layers); TP rank t of a stage hands its hidden states to TP rank t of the next. PP with EP: the E DP ranks
+of an EP group are E pipelines in one world; stage s's MoE layers exchange tokens among the processes of stage s
+(with the same TP rank), and the engines (stage 0, TP rank 0 of each) keep the group in lockstep as EP ranks do
+(worker/group_sync.py), their dummy steps flowing through the stages like real ones. Global rank = (EP rank x P +
+stage) x T + TP rank.
 
-**World.** P processes, global rank = stage, one rendezvous (`--dist-init`); through the rendezvous store each
-checks that it agrees with stage 0 on P and the layer partition, then every stage compares its model files, dtype
-and sizes (`check_same_model`), and the stages agree on the KV block count (the smallest).
+**A step.** The engine's process (stage 0, TP rank 0) runs the engine as TP rank 0 does: before each forward its
+`TpLeader` (worker/tp_commands.py, the same channel and watch over the peers' connections) sends the step's
+ForwardBatch to every other process of the DP rank; stage 0 then runs the embedding and its layers and sends
+(hidden, residual) to stage 1 over torch.distributed point-to-point (gloo on CPU, NCCL on GPU); each stage
+receives, runs its layers and sends on; the last stage keeps the normed hidden states. The rows whose logits stage
+0 needs go out as a "logits" command, and the last stage (its TP rank 0, after gathering the vocabulary slices)
+sends their logits back to stage 0 (prompt logprobs the same way). Every process but the engine's runs TP's
+follower loop (`serve_follower`). v1 runs one batch at a time through the stages: PP gives capacity (a model over
+several processes' memory), not speed; micro-batches in flight are v2.
+
+**World.** E x P x T processes, one rendezvous (`--dist-init`); through the rendezvous store each checks that it
+agrees with global rank 0 on P, the layer partition, T and E, then every process compares its model files, dtype
+and sizes (`check_same_model`), and each DP rank's processes agree on the KV block count (the smallest).
 
 **Faults** as for TP groups: every point-to-point wait of a step has the group's timeout (`--pp-timeout`; joining,
 loading and the agreements before serving have at least STARTUP_TIMEOUT_S, so that stages that load at different
-speeds on a busy machine still meet); stage 0 notices
-a stage gone even while idle (its command connection closes) and gives its requests back and exits non-zero,
-telling the others to stop with its code; a stage that hears nothing from stage 0 for the timeout, or whose
-connection closes, or whose send / receive fails, exits non-zero. A restarting launcher restarts the whole rank.
+speeds on a busy machine still meet); stage 0 notices a process gone even while idle (its command connection
+closes) and gives its requests back and exits non-zero, telling the others to stop with its code; a process that
+hears nothing from stage 0 for the timeout, or whose connection closes, or whose send / receive fails, exits
+non-zero. A restarting launcher restarts the whole rank.
 """
 
 from __future__ import annotations
@@ -47,6 +56,10 @@ if TYPE_CHECKING:
 
     from infer.worker.config import EngineConfig
     from infer.worker.engine import Engine
+    from infer.worker.expert_parallel import ExpertParallel
+    from infer.worker.group_sync import EpOptions
+    from infer.worker.tensor_parallel import TensorParallel
+    from infer.worker.tp_group import TpOptions
 
 log = logging.getLogger("infer.worker")
 
@@ -119,9 +132,10 @@ def stage_layers(num_layers: int, size: int, partition: Sequence[int] | None = N
     return [range(start, start + count) for start, count in zip(starts, partition, strict=True)]
 
 
-def resolve_stage(size: int, rank: int | None, env: dict[str, str] | None = None) -> int | None:
-    """This process's stage: --pp-rank, else torchrun's RANK or Slurm's SLURM_PROCID modulo the size (not in a
-    process a supervisor started, nor with neither: None, and this process supervises the stages)."""
+def resolve_stage(size: int, rank: int | None, env: dict[str, str] | None = None, tp_size: int = 1) -> int | None:
+    """This process's stage: --pp-rank, else from torchrun's RANK or Slurm's SLURM_PROCID, the global rank
+    (ep_rank x size + stage) x tp_size + tp_rank (not in a process a supervisor started, nor with neither: None, and
+    this process supervises the stages)."""
     env = dict(os.environ) if env is None else env
     if rank is not None:
         return rank
@@ -129,16 +143,21 @@ def resolve_stage(size: int, rank: int | None, env: dict[str, str] | None = None
     if name is None or read_env(TP_SUPERVISED, env) is not None:
         return None
     try:
-        return int(env[name]) % size
+        return int(env[name]) // tp_size % size
     except ValueError:
         raise ValueError(f"environment variable {name} must be an integer, got {env[name]!r}") from None
 
 
 @dataclass(frozen=True)
 class PipelineGroup:
-    """This process's stage in the joined world. It also has the shape the TP command channel
-    (worker/tp_commands.py) reads from a TP group: `tp.size`, `tp.cpu_group`, `options.timeout_s`,
-    `options.ping_interval_s`, `options.dist_init`."""
+    """This process's place in the joined world: its stage and, within the stage, its TP rank (PP x TP: each stage
+    a TP group of `tp.size` processes) and its share of an MoE model's experts (PP with EP: the E DP ranks of an EP
+    group are E pipelines; stage s's MoE layers exchange tokens among the E processes of stage s with the same TP
+    rank). Global rank = (EP rank x P + stage) x T + TP rank. `commands` are this DP rank's P x T processes (rank
+    stage x T + TP rank; rank 0, stage 0's TP rank 0, runs the engine): the group of the command channel
+    (worker/tp_commands.py), which also reads `options.timeout_s`, `options.ping_interval_s`, `options.dist_init`
+    and `member()`. `tp` / `ep` / `commands` None: a group of one (a stage with no TP group, no EP group; a world
+    not joined)."""
 
     stage: int
     size: int
@@ -146,13 +165,19 @@ class PipelineGroup:
     num_layers: int               # the model's
     options: PpOptions
     device: Any                   # torch.device of this stage
-    cpu_group: Any = None         # the world on gloo (None: the world is gloo already)
-
-    member_name = "PP stage"      # in the command channel's messages
+    tp: TensorParallel | None = None        # this stage's TP group
+    ep: ExpertParallel | None = None        # this rank's experts
+    commands: TensorParallel | None = None  # this DP rank's processes
+    ep_leaders_group: Any = None  # the EP lockstep's gloo group (the engines' processes), with an EP group
+    base: int = 0                 # the global rank of this DP rank's stage 0, TP rank 0
 
     @property
-    def tp(self) -> PipelineGroup:
-        return self
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else self.tp.size
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.tp is None else self.tp.rank
 
     @property
     def is_first(self) -> bool:
@@ -162,43 +187,59 @@ class PipelineGroup:
     def is_last(self) -> bool:
         return self.stage == self.size - 1
 
-    def send(self, tensor: torch.Tensor, stage: int) -> None:
-        """Send `tensor` to `stage` (GroupBroken if it fails or takes past the timeout)."""
+    @property
+    def is_leader(self) -> bool:
+        """Stage 0's TP rank 0: the process that runs the engine."""
+        return self.stage == 0 and self.tp_rank == 0
+
+    @property
+    def index(self) -> int:
+        """This process among its DP rank's: stage x T + TP rank."""
+        return self.stage * self.tp_size + self.tp_rank
+
+    def member(self, index: int) -> str:
+        """The name of this DP rank's process `index` (stage x T + TP rank) in messages."""
+        stage, tp_rank = divmod(index, self.tp_size)
+        return f"PP stage {stage}" + (f" TP rank {tp_rank}" if self.tp_size > 1 else "")
+
+    def rank_of(self, stage: int, tp_rank: int | None = None) -> int:
+        """The global rank of `stage`'s TP rank `tp_rank` (default: this process's) in this DP rank."""
+        return self.base + stage * self.tp_size + (self.tp_rank if tp_rank is None else tp_rank)
+
+    def send(self, tensor: torch.Tensor, stage: int, tp_rank: int | None = None) -> None:
+        """Send `tensor` to `stage`'s TP rank `tp_rank` (default: this process's) (GroupBroken if it fails or takes
+        past the timeout)."""
         import torch.distributed as dist
 
         try:
-            dist.isend(tensor.contiguous(), dst=stage).wait(datetime.timedelta(seconds=self.options.timeout_s))
+            dist.isend(tensor.contiguous(), dst=self.rank_of(stage, tp_rank)).wait(
+                datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError / DistBackendError variants
-            raise GroupBroken(f"pipeline stage {self.stage}: sending to stage {stage} failed: {e}") from e
+            raise GroupBroken(f"{self.member(self.index)}: sending to stage {stage} failed: {e}") from e
 
-    def receive(self, shape: Sequence[int], dtype: torch.dtype, stage: int) -> torch.Tensor:
-        """A tensor of `shape` from `stage` (GroupBroken if it fails or does not come within the timeout)."""
+    def receive(self, shape: Sequence[int], dtype: torch.dtype, stage: int, tp_rank: int | None = None
+                ) -> torch.Tensor:
+        """A tensor of `shape` from `stage`'s TP rank `tp_rank` (default: this process's) (GroupBroken if it fails
+        or does not come within the timeout)."""
         import torch
         import torch.distributed as dist
 
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         try:
-            dist.irecv(tensor, src=stage).wait(datetime.timedelta(seconds=self.options.timeout_s))
+            dist.irecv(tensor, src=self.rank_of(stage, tp_rank)).wait(
+                datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001
-            raise GroupBroken(f"pipeline stage {self.stage}: receiving from stage {stage} failed: {e}") from e
+            raise GroupBroken(f"{self.member(self.index)}: receiving from stage {stage} failed: {e}") from e
         return tensor
 
 
 # ---- joining the world ----------------------------------------------------------------------------------
 
-def refuse_unsupported(model_config: Any) -> None:
-    """ValueError naming what v1 lacks for this model (a transformers config)."""
-    from infer.worker.models.registry import model_class
-
-    cls = model_class(model_config)
-    if getattr(cls, "supports_expert_parallel", False):
-        raise ValueError(f"pipeline parallelism does not support MoE models yet ({model_config.model_type!r}: its "
-                         f"MoE layers are not split into stages); serve it with --tp-size / --ep-size")
-
-
-def join(config: EngineConfig, options: PpOptions) -> tuple[PipelineGroup, Path, EngineConfig]:
-    """Join the pipeline's world and check that every stage serves the same model and partition: (this
-    stage, the model directory, `config` with this process's own GPU when it runs on CUDA)."""
+def join(config: EngineConfig, options: PpOptions, tp: TpOptions | None = None, ep: EpOptions | None = None
+         ) -> tuple[PipelineGroup, Path, EngineConfig]:
+    """Join the world of this pipeline (P x T processes; E such pipelines with an EP group) and check that every
+    process serves the same model, partition and sizes: (this process's place, the model directory, `config` with
+    this process's own GPU when it runs on CUDA)."""
     import dataclasses
 
     import torch.distributed as dist
@@ -209,74 +250,121 @@ def join(config: EngineConfig, options: PpOptions) -> tuple[PipelineGroup, Path,
     from infer.worker.model_files import resolve_model
     from infer.worker.tp_group import check_same_model, engine_facts
 
-    if options.rank is None or options.dist_init is None:
-        raise ValueError("joining a pipeline needs this process's --pp-rank and the group's --dist-init")
+    if options.rank is None or options.dist_init is None or (tp is not None and tp.rank is None):
+        raise ValueError("joining a pipeline needs this process's --pp-rank (and --tp-rank with --tp-size) and the "
+                         "group's --dist-init")
+    tp_size, tp_rank = (tp.size, tp.rank or 0) if tp is not None else (1, 0)
+    ep_size, ep_rank = (ep.size, ep.rank) if ep is not None else (1, 0)
     path = resolve_model(config.model)
     model_config = AutoConfig.from_pretrained(str(path))
-    refuse_unsupported(model_config)
     layers = options.layers(model_config.num_hidden_layers)
+    per_rank = options.size * tp_size
+    rank = ep_rank * per_rank + options.rank * tp_size + tp_rank
     device = pick_device(config.device)
     if device.type == "cuda" and device.index is None:
         import torch
 
-        local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or str(options.rank)
+        local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or str(rank)
         config = dataclasses.replace(config, device=f"cuda:{int(local) % max(1, torch.cuda.device_count())}")
         device = pick_device(config.device)
     timeout = datetime.timedelta(seconds=max(options.timeout_s, STARTUP_TIMEOUT_S))   # steps: options.timeout_s
     split = ",".join(str(len(r)) for r in layers)
-    store = _rendezvous(options.dist_init, options.rank, options.size, split, timeout)
+    layout = f"{options.size} stages, layers {split}, x TP {tp_size} x EP {ep_size}"
+    store = _rendezvous(options.dist_init, rank, ep_size * per_rank, layout, timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         import torch
 
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=store, rank=options.rank, world_size=options.size, timeout=timeout)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-    group = PipelineGroup(stage=options.rank, size=options.size, layers=layers[options.rank],
-                          num_layers=model_config.num_hidden_layers, options=options, device=device,
-                          cpu_group=cpu_group)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=ep_size * per_rank, timeout=timeout)
+    group = _make_groups(options, rank, layers, model_config.num_hidden_layers, device, tp, ep, timeout)
+    world_cpu = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     facts = engine_facts(config, path, weight_files(path), config.dtype)
-    check_same_model(group, cpu_group, {**facts, "layer partition": split})
-    log.info("pipeline joined: stage %d of %d, layers %d..%d of %d, at %s (%s)", options.rank, options.size,
-             group.layers.start, group.layers.stop - 1, group.num_layers, options.dist_init, backend)
+    check_same_model(group.tp, world_cpu, {**facts, "layer partition": split})
+    log.info("pipeline joined: %s of %d stages (EP rank %d of %d), layers %d..%d of %d, at %s (%s)",
+             group.member(group.index), options.size, ep_rank, ep_size, group.layers.start,
+             group.layers.stop - 1, group.num_layers, options.dist_init, backend)
     return group, path, config
 
 
-def _rendezvous(dist_init: str, rank: int, size: int, split: str, timeout: datetime.timedelta) -> Any:
-    """The world's TCPStore (stage 0 hosts it), after checking that this stage and stage 0 agree on the size and
-    the layer partition: ValueError naming both sides otherwise."""
+def _make_groups(options: PpOptions, rank: int, layers: list[range], num_layers: int, device: Any,
+                 tp: TpOptions | None, ep: EpOptions | None, timeout: datetime.timedelta) -> PipelineGroup:
+    """This process's PipelineGroup in the joined world of E x P x T processes. Every process creates every
+    group, in the same order (torch.distributed's rule)."""
+    import torch.distributed as dist
+
+    from infer.worker.expert_parallel import ExpertParallel
+    from infer.worker.tensor_parallel import TensorParallel
+
+    P, T, E = options.size, tp.size if tp is not None else 1, ep.size if ep is not None else 1
+    ep_rank, rest = divmod(rank, P * T)
+    stage, tp_rank = divmod(rest, T)
+    base = ep_rank * P * T
+    nccl = device.type == "cuda"
+
+    def gloo(ranks: list[int]) -> Any:
+        return dist.new_group(ranks, backend="gloo", timeout=timeout)
+
+    tensor = None
+    if tp is not None:
+        for e in range(E):
+            for s in range(P):
+                ranks = [(e * P + s) * T + t for t in range(T)]
+                made = dist.new_group(ranks, timeout=datetime.timedelta(seconds=tp.timeout_s))
+                cpu = gloo(ranks) if nccl else made
+                if (e, s) == (ep_rank, stage):
+                    tensor = TensorParallel(rank=tp_rank, size=T, group=made, leader=ranks[0], cpu_group=cpu)
+    expert, leaders = None, None
+    if ep is not None:
+        for s in range(P):
+            for t in range(T):
+                made = dist.new_group([(e * P + s) * T + t for e in range(E)],
+                                      timeout=datetime.timedelta(seconds=ep.timeout_s))
+                if (s, t) == (stage, tp_rank):
+                    expert = ExpertParallel(rank=ep_rank, size=E, group=made)
+        leaders = gloo([e * P * T for e in range(E)])
+    own = [gloo(list(range(e * P * T, (e + 1) * P * T))) for e in range(E)] if E > 1 or nccl else [None]
+    commands = TensorParallel(rank=rest, size=P * T, group=own[ep_rank], leader=base, cpu_group=own[ep_rank])
+    return PipelineGroup(stage=stage, size=P, layers=layers[stage], num_layers=num_layers, options=options,
+                         device=device, tp=tensor, ep=expert, commands=commands, ep_leaders_group=leaders, base=base)
+
+
+def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: datetime.timedelta) -> Any:
+    """The world's TCPStore (global rank 0 hosts it), after checking that this process and global rank 0 agree on
+    the layout (stages, layer partition, TP and EP sizes): ValueError naming both sides otherwise."""
     import torch.distributed as dist
 
     parts = urlsplit(dist_init)
     store = dist.TCPStore(parts.hostname, parts.port, None if rank else size, rank == 0, timeout=timeout,
                           wait_for_workers=False)
-    mine = f"{size} stages, layers {split}"
-    theirs = store.get("infer/pp-layout/0").decode() if rank else mine   # read before stage 0 can see ours, and go
+    mine = layout
+    theirs = store.get("infer/pp-layout/0").decode() if rank else mine   # read before rank 0 can see ours, and go
     store.set(f"infer/pp-layout/{rank}", mine)
-    if rank == 0:   # every stage's layout, so that stage 0 leaves at once too when one differs
-        keys = [f"infer/pp-layout/{stage}" for stage in range(size)]
+    if rank == 0:   # every process's layout, so that rank 0 leaves at once too when one differs
+        keys = [f"infer/pp-layout/{r}" for r in range(size)]
         store.wait(keys, timeout)
-        for stage, theirs in enumerate(store.multi_get(keys)):
+        for other, theirs in enumerate(store.multi_get(keys)):
             if theirs.decode() != mine:
-                raise ValueError(f"pipeline stage {stage} was started with --pp-size / --pp-layer-partition giving "
-                                 f"{theirs.decode()}, this process (stage 0 at {dist_init}) with {mine}: every stage "
-                                 f"must be given the same sizes")
+                raise ValueError(f"pipeline process {other} (global rank) was started with --pp-size / "
+                                 f"--pp-layer-partition / --tp-size / --ep-size giving {theirs.decode()}, this "
+                                 f"process (stage 0 at {dist_init}) with {mine}: every process must be given the "
+                                 f"same sizes")
         return store
     if theirs != mine:
-        raise ValueError(f"this process (pipeline stage {rank}) was started with --pp-size / --pp-layer-partition "
-                         f"giving {mine}, but stage 0 at {dist_init} with {theirs}: every stage must be given the "
-                         f"same sizes")
+        raise ValueError(f"this process (global rank {rank} of a pipeline) was started with --pp-size / "
+                         f"--pp-layer-partition / --tp-size / --ep-size giving {mine}, but stage 0 at {dist_init} "
+                         f"with {theirs}: every process must be given the same sizes")
     return store
 
 
 def agree_min(group: PipelineGroup, value: int) -> int:
-    """The smallest `value` over the stages (the KV blocks every stage can hold)."""
+    """The smallest `value` over this DP rank's processes (the KV blocks every one of them can hold)."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([value], dtype=torch.int64)
     try:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=None if group.commands is None else group.commands.cpu_group)
     except Exception as e:  # noqa: BLE001
         raise GroupBroken(f"pipeline agreement failed: {e}") from e
     return int(t.item())
@@ -285,25 +373,30 @@ def agree_min(group: PipelineGroup, value: int) -> int:
 # ---- the processes' entry points ---------------------------------------------------------------------------
 
 def leader_engine(config: EngineConfig, group: PipelineGroup, children: Sequence[Any] = ()) -> Engine:
-    """Stage 0's engine, connected to the other stages (`engine.runner.followers`: the command channel)."""
+    """Stage 0's engine (TP rank 0 of stage 0), connected to this DP rank's other processes
+    (`engine.runner.followers`: the command channel); with an EP group it steps with the group's other engines."""
     from infer.worker.engine import Engine
     from infer.worker.pp_stage import StageLoader
     from infer.worker.tp_commands import TpLeader
 
-    engine = Engine(config, stage=StageLoader(group))
-    engine.runner.followers = TpLeader(group, children=children)  # type: ignore[arg-type]
+    if config.enforce_eager is False:
+        log.warning("--no-enforce-eager: step graphs are not made for pipeline stages yet (a stage's layers and its "
+                    "hand-offs run op by op); the pipeline runs eagerly")
+    engine = Engine(config, group.ep, stage=StageLoader(group))
+    engine.runner.followers = TpLeader(group, children=children)
     return engine
 
 
 def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
-    """A stage > 0's life: load its layers, size its KV pool with the others, serve stage 0's commands. Returns
-    the exit code (stage 0's when it said stop: 0 only when the rank was told to stop)."""
+    """The life of any other process of the pipeline (a stage > 0, or a TP rank > 0 of a stage): load its share of
+    its stage's layers, size its KV pool with the others, serve stage 0's commands (worker/tp_commands.py's
+    follower loop). Returns the exit code (stage 0's when it said stop: 0 only when the rank was told to stop)."""
     import torch
 
     from infer.worker.engine import context_length, num_kv_blocks, pick_device, pick_dtype
     from infer.worker.forward_batch import KVCache
-    from infer.worker.pp_stage import StageLoader, serve_stage
-    from infer.worker.tp_commands import FollowerChannel, LeaderGone
+    from infer.worker.pp_stage import StageLoader
+    from infer.worker.tp_commands import FollowerChannel, LeaderGone, serve_follower
 
     for sig in (signal.SIGTERM, signal.SIGINT):   # stage 0 decides when the rank ends (it drains first)
         signal.signal(sig, signal.SIG_IGN)
@@ -317,11 +410,11 @@ def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
     blocks = loader.agree_min(num_kv_blocks(config, model, dtype, device, max_model_len))
     kv_cache = KVCache.allocate(model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim,
                                 dtype, device)
-    channel = FollowerChannel(group)  # type: ignore[arg-type]
-    log.info("PP stage %d ready on %s: layers %d..%d, %d KV blocks", group.stage, socket.gethostname(),
+    channel = FollowerChannel(group)
+    log.info("%s ready on %s: layers %d..%d, %d KV blocks", group.member(group.index), socket.gethostname(),
              group.layers.start, group.layers.stop - 1, blocks)
     try:
-        return serve_stage(model, kv_cache, channel, device)
+        return serve_follower(model, kv_cache, config.block_size, channel, device)
     except (LeaderGone, GroupBroken) as e:
         log.error("fatal: %s; exiting", e)
         return 1
@@ -330,20 +423,24 @@ def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
 
 
 def pipeline_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequence[str], timeout_s: float = 60.0,
-                             partition: tuple[int, ...] | None = None) -> Engine:
-    """An engine that is stage 0 of a pipeline of `size` stages, the others started now as child processes of
-    this one on this machine (`infer-worker` with `worker_flags`: the same engine options); `close()` ends them.
-    (LLM / AsyncLLM's direct mode with pipeline_parallel_size > 1.)"""
-    from infer.worker.tp_supervisor import free_local_port, start_followers
+                             partition: tuple[int, ...] | None = None, tp_size: int = 1) -> Engine:
+    """An engine that is stage 0 of a pipeline of `size` stages (each a TP group of `tp_size` processes), the other
+    processes started now as children of this one on this machine (`infer-worker` with `worker_flags`: the same
+    engine options); `close()` ends them. (LLM / AsyncLLM's direct mode with pipeline_parallel_size > 1.)"""
+    from infer.worker.tp_group import TpOptions
+    from infer.worker.tp_supervisor import free_local_port, members, start_members
 
     dist_init = f"tcp://127.0.0.1:{free_local_port()}"
-    flags = [*worker_flags, "--pp-timeout", str(timeout_s)]
+    flags = [*worker_flags, "--pp-size", str(size), "--pp-timeout", str(timeout_s)]
+    if tp_size > 1:
+        flags += ["--tp-size", str(tp_size), "--tp-timeout", str(timeout_s)]
     if partition is not None:
         flags += ["--pp-layer-partition", ",".join(map(str, partition))]
-    children = start_followers(size, dist_init, flags, size_flag="--pp-size", rank_flag="--pp-rank")
+    children = start_members(members(tp_size, size)[1:], dist_init, flags)
     try:
+        tp = TpOptions(size=tp_size, rank=0, dist_init=dist_init, timeout_s=timeout_s) if tp_size > 1 else None
         group, _, config = join(config, PpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s,
-                                                  partition=partition))
+                                                  partition=partition), tp)
         return leader_engine(config, group, children)
     except BaseException:
         for child in children:

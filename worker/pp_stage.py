@@ -9,7 +9,13 @@ their tensors from the files. `StageModel` is what the engine (stage 0) and the 
   row numbers [T] in place of hidden states, so that the model runner's `hidden[rows]` are the rows whose logits
   `compute_logits` then receives from the last stage (which got them from the "logits" command);
 - a later stage receives (hidden, residual), runs its layers, and sends on or, on the last stage, keeps the
-  normed hidden states for the "logits" commands.
+  normed hidden states for the "logits" commands, whose logits it sends to stage 0 (`compute_logits`), so that the
+  later stages (and stage 0's TP ranks > 0) run worker/tp_commands.py's follower loop as TP followers do.
+
+PP x TP: each stage is a TP group whose processes hold their shards of the stage's layers (the embedding and LM
+head vocabulary-parallel); after a stage's layers every TP rank holds the whole (hidden, residual) (the row-parallel
+layers all-reduce), and TP rank t sends it to TP rank t of the next stage. PP with EP: the model's MoE layers hold
+this rank's experts (`group.ep`) and exchange tokens with the same stage of the EP group's other pipelines.
 
 Step graphs and the native CPU decode step are not used on stages (every step runs the layers one by one).
 """
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -72,15 +78,20 @@ class StageModel:
             self.group.send(torch.stack((hidden, residual)), self.group.stage + 1)
         return torch.arange(num_tokens, device=batch.input_ids.device)
 
-    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """Stage 0: the logits [N, vocab] float32 of the last forward's `rows` (row numbers), from the last stage."""
-        return self.group.receive((rows.shape[0], self.vocab_size), torch.float32, self.group.size - 1)
-
-    def send_logits(self, rows: torch.Tensor) -> None:
-        """The last stage: the logits of the last forward's `rows`, to stage 0."""
-        if self._final is None:
-            raise ValueError("a logits command before any forward")
-        self.group.send(self.lm.compute_logits(self._final[rows]).float(), 0)
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The logits [N, vocab] float32 of the last forward's `rows` (row numbers): on the engine's process (stage
+        0, TP rank 0), received from the last stage's TP rank 0. The last stage's processes compute them (with TP,
+        gathered on its TP rank 0, which sends them to stage 0); the others do nothing. None but on the engine's."""
+        group = self.group
+        if group.is_leader:
+            return group.receive((rows.shape[0], self.vocab_size), torch.float32, group.size - 1, tp_rank=0)
+        if group.is_last:
+            if self._final is None:
+                raise ValueError("a logits command before any forward")
+            logits = self.lm.compute_logits(self._final[rows])
+            if logits is not None:
+                group.send(logits.float(), 0, tp_rank=0)
+        return None
 
 
 class StageLoader:
@@ -104,7 +115,7 @@ def load_stage(path: Path, dtype: torch.dtype, device: torch.device, group: Pipe
 
     files = weight_files(Path(path))
     with deferred_weights():
-        lm = build_model(AutoConfig.from_pretrained(str(path)), dtype, device)
+        lm = build_model(AutoConfig.from_pretrained(str(path)), dtype, device, group.ep, group.tp)
     plan = quant_plan(lm, files, quantization)   # of the whole model: the names are the same
     tied = lm.lm_head_tied
     keep_stage_parts(lm, group, tied)
@@ -140,26 +151,3 @@ def holds(key: str, group: PipelineGroup, tied: bool) -> bool:
     if parts[0] == "lm_head" or "norm" in parts:
         return group.is_last
     return True
-
-
-def serve_stage(model: StageModel, kv_cache: KVCache, channel: Any, device: torch.device) -> int:
-    """Run stage 0's commands on this stage's layers until "stop" (returns stage 0's exit code), silence or stage
-    0's connection closed (LeaderGone), or a failed send / receive (GroupBroken)."""
-    from infer.worker.tp_commands import _unpack_tensor, decode_batch
-
-    with torch.inference_mode():
-        while True:
-            command = channel.receive()
-            op = command["op"]
-            if op == "forward":
-                model(decode_batch(command["batch"], device), kv_cache)
-            elif op == "logits":
-                if model.group.is_last:
-                    model.send_logits(_unpack_tensor(command["rows"], device))
-            elif op == "stop":
-                code = command.get("code", 0)
-                code = code if isinstance(code, int) and 0 <= code < 256 else 1
-                (log.info if code == 0 else log.error)("PP stage 0 says stop (it exits with code %d); exiting", code)
-                return code
-            elif op != "ping":
-                raise ValueError(f"unknown PP command {op!r}")

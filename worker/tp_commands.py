@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from infer.worker.forward_batch import ForwardBatch
+    from infer.worker.pp_group import PipelineGroup
     from infer.worker.tensor_parallel import TensorParallel
     from infer.worker.tp_group import Parallel
 
@@ -100,6 +101,8 @@ def encode_batch(batch: ForwardBatch) -> dict[str, Any]:
     body.update(num_decodes=batch.num_decodes, query_lens=list(batch.query_lens),
                 context_lens=list(batch.context_lens), block_size=batch.block_size,
                 decode_split_tokens=batch.decode_split_tokens)
+    if batch.prefill_decode_from is not None:   # recomputed generated rows take the decode arithmetic on every rank
+        body["prefill_decode_from"] = _pack_tensor(batch.prefill_decode_from)
     return body
 
 
@@ -111,6 +114,8 @@ def decode_batch(body: dict[str, Any], device: torch.device) -> ForwardBatch:
     values.update(num_decodes=body["num_decodes"], query_lens=tuple(body["query_lens"]),
                   context_lens=tuple(body["context_lens"]), block_size=body["block_size"],
                   decode_split_tokens=body["decode_split_tokens"])
+    if body.get("prefill_decode_from") is not None:
+        values["prefill_decode_from"] = _unpack_tensor(body["prefill_decode_from"], device)
     return ForwardBatch(**{k: v for k, v in values.items() if k in known})
 
 
@@ -119,12 +124,12 @@ class TpLeader:
     them while nothing else is sent (a follower takes silence for rank 0's death) and watches their
     connections (`lost`: why the group is broken, once a follower's connection has closed)."""
 
-    def __init__(self, parallel: Parallel, ctx: zmq.Context | None = None,
+    def __init__(self, parallel: Parallel | PipelineGroup, ctx: zmq.Context | None = None,
                  children: Sequence[subprocess.Popen] = ()) -> None:
         """`children`: the follower processes this process started (stop() waits for them, and leaves the
         torch.distributed world so that another group can be made here)."""
-        self.tp = parallel.tp
-        self._member = getattr(parallel, "member_name", "TP rank")   # "PP stage" for a pipeline (worker/pp_group.py)
+        self._group = parallel.commands   # the TP group, or a pipeline's processes (worker/pp_group.py)
+        self._member = parallel.member
         self._children = list(children)
         # a context of its own unless given one: stop() terminates it, which waits (LINGER) until the "stop" frames
         # have left, before this process exits (with os._exit, in a torch.distributed world: cli._exit)
@@ -135,7 +140,7 @@ class TpLeader:
         self._pushes = []
         self._monitors: list[tuple[int, zmq.Socket]] = []   # used by the ping thread only
         self.lost: str | None = None
-        for rank, address in enumerate(_gather_addresses(self.tp, None)[1:], start=1):
+        for rank, address in enumerate(_gather_addresses(self._group, None)[1:], start=1):
             push = make_socket(ctx, zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 0)
             self._monitors.append((rank, _watch_peer(push, self._interval, parallel.options.timeout_s)))
@@ -173,7 +178,7 @@ class TpLeader:
     def _watch_followers(self) -> None:
         for rank, monitor in self._monitors:
             if self.lost is None and _closed(monitor):
-                self.lost = f"{self._member} {rank}'s connection closed (the process died, or was silent for the " \
+                self.lost = f"{self._member(rank)}'s connection closed (the process died, or was silent for the " \
                             f"group's timeout)"
                 log.error("group broken: %s", self.lost)
 
@@ -206,10 +211,10 @@ class TpLeader:
 class FollowerChannel:
     """A follower's end of the command channel: one PULL socket, and the monitor of its connection from rank 0."""
 
-    def __init__(self, parallel: Parallel, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, parallel: Parallel | PipelineGroup, ctx: zmq.Context | None = None) -> None:
         ctx = ctx or zmq.Context.instance()
         self.timeout_s = parallel.options.timeout_s
-        self._leader = getattr(parallel, "member_name", "TP rank") + " 0"
+        self.leader = parallel.member(0)   # its name in messages
         self.pull = make_socket(ctx, zmq.PULL)
         self.monitor = _watch_peer(self.pull, parallel.options.ping_interval_s, self.timeout_s)
         self.poller = zmq.Poller()
@@ -219,7 +224,7 @@ class FollowerChannel:
         dist_init = parallel.options.dist_init or "tcp://127.0.0.1:0"
         host = _local_address_towards(urlsplit(dist_init).hostname or "127.0.0.1")
         port = self.pull.bind_to_random_port(f"tcp://{host}")
-        _gather_addresses(parallel.tp, f"tcp://{host}:{port}")
+        _gather_addresses(parallel.commands, f"tcp://{host}:{port}")
 
     def receive(self) -> dict[str, Any]:
         """The next command; LeaderGone after `timeout_s` of silence, or once the leader's connection has closed
@@ -229,9 +234,9 @@ class FollowerChannel:
             self.leader_closed = True
         if self.pull not in events:
             if not self.leader_closed:
-                raise LeaderGone(f"nothing heard from {self._leader} for {self.timeout_s:g} s")
+                raise LeaderGone(f"nothing heard from {self.leader} for {self.timeout_s:g} s")
             if not self.pull.poll(_LAST_WORDS_MS):
-                raise LeaderGone(f"{self._leader}'s connection closed")
+                raise LeaderGone(f"{self.leader}'s connection closed")
         command = msgpack.unpackb(self.pull.recv(), raw=False)
         if not isinstance(command, dict) or not isinstance(command.get("op"), str):
             raise ValueError(f"a malformed TP command: {type(command).__name__}")
@@ -245,8 +250,10 @@ class FollowerChannel:
 
 def serve_follower(model: Any, kv_cache: Any, block_size: int, channel: FollowerChannel,
                    device: torch.device) -> int:
-    """Run rank 0's commands on this rank's shards until "stop" (returns rank 0's exit code, which this process
-    exits with), silence or rank 0's connection closed (LeaderGone), or a broken collective (GroupBroken)."""
+    """Run rank 0's commands on this rank's shards (or a pipeline stage's layers: worker/pp_stage.py's StageModel,
+    whose forward returns row numbers and whose compute_logits sends them on) until "stop" (returns rank 0's exit
+    code, which this process exits with), silence or rank 0's connection closed (LeaderGone), or a broken
+    collective or hand-off (GroupBroken)."""
     import torch
 
     from infer.worker.model_runner import dummy_forward_batch
@@ -267,7 +274,8 @@ def serve_follower(model: Any, kv_cache: Any, block_size: int, channel: Follower
             elif op == "stop":
                 code = command.get("code", 0)
                 code = code if isinstance(code, int) and 0 <= code < 256 else 1
-                (log.info if code == 0 else log.error)("TP rank 0 says stop (it exits with code %d); exiting", code)
+                (log.info if code == 0 else log.error)("%s says stop (it exits with code %d); exiting", channel.leader,
+                                                       code)
                 return code
             elif op != "ping":
-                raise ValueError(f"unknown TP command {op!r}")
+                raise ValueError(f"unknown command {op!r} from {channel.leader}")

@@ -89,12 +89,21 @@ class Parallel:
     ep_leaders_group: Any
     options: TpOptions
 
+    @property
+    def commands(self) -> TensorParallel:
+        """The processes of the command channel (worker/tp_commands.py): the TP group, rank 0 its leader."""
+        return self.tp
+
+    def member(self, index: int) -> str:
+        """The name of the channel's member `index` in messages."""
+        return f"TP rank {index}"
+
 
 def resolve_ranks(tp_size: int, tp_rank: int | None, ep_size: int, ep_rank: int | None,
-                  env: dict[str, str] | None = None) -> tuple[int | None, int | None]:
+                  env: dict[str, str] | None = None, pp_size: int = 1) -> tuple[int | None, int | None]:
     """(tp rank, ep rank) from the flags, else from torchrun's RANK or Slurm's SLURM_PROCID read as the
-    global rank ep_rank * tp_size + tp_rank (only when --tp-rank is not given: with neither flag nor
-    variables the TP rank stays None, and this process supervises its group)."""
+    global rank (ep_rank * pp_size + stage) * tp_size + tp_rank (only when --tp-rank is not given: with neither
+    flag nor variables the TP rank stays None, and this process supervises its group)."""
     env = dict(os.environ) if env is None else env
     if tp_rank is not None or tp_size == 1:
         return tp_rank, ep_rank
@@ -105,7 +114,7 @@ def resolve_ranks(tp_size: int, tp_rank: int | None, ep_size: int, ep_rank: int 
         global_rank = int(env[name])
     except ValueError:
         raise ValueError(f"environment variable {name} must be an integer, got {env[name]!r}") from None
-    return global_rank % tp_size, (global_rank // tp_size) % ep_size if ep_rank is None else ep_rank
+    return global_rank % tp_size, (global_rank // (tp_size * pp_size)) % ep_size if ep_rank is None else ep_rank
 
 
 # ---- joining the world ----------------------------------------------------------------------------------

@@ -110,8 +110,10 @@ def node_of(index: int, nodes: list[str], tasks_per_node: list[int]) -> str:
 @dataclass(frozen=True)
 class WorkerPlan:
     """One srun task of the job: its global index, and from it its DP rank, its EP group (ep_size > 1), its TP
-    rank (tp_size > 1: `index` is one process of DP rank index // tp_size) or its pipeline stage (pp_size > 1:
-    tasks i .. i+P-1 are the stages of DP rank i // P, which rendezvous on the node of its stage 0)."""
+    rank (tp_size > 1: `index` is one process of DP rank index // tp_size) and its pipeline stage (pp_size > 1:
+    tasks i .. i+P*T-1 are DP rank i // (P*T), stage by stage: the T adjacent tasks of a stage are its TP group, so a
+    stage sits on one node when T divides the tasks per node and the stages spread over the nodes; one world per EP
+    group, which rendezvouses on the node of its first task)."""
 
     index: int
     ep_size: int = 1
@@ -124,9 +126,6 @@ class WorkerPlan:
         if self.index < 0 or self.ep_size < 1 or self.tp_size < 1 or self.pp_size < 1:
             raise ValueError(f"bad worker index {self.index}, EP size {self.ep_size}, TP size {self.tp_size} or PP "
                              f"size {self.pp_size}")
-        if self.pp_size > 1 and (self.tp_size > 1 or self.ep_size > 1):
-            raise ValueError(f"--pp-size {self.pp_size} with --tp-size {self.tp_size} / --ep-size {self.ep_size}: "
-                             f"pipelines of TP groups or in EP groups (PP x TP, PP x EP) are not supported yet")
         if (self.ep_size > 1 or self.tp_size > 1 or self.pp_size > 1) and self.group_master is None:
             raise ValueError("an EP or TP group, or a pipeline, needs the node of its rank 0")
 
@@ -148,7 +147,7 @@ class WorkerPlan:
 
     @property
     def pp_rank(self) -> int:
-        return self.index % self.pp_size
+        return self.index // self.tp_size % self.pp_size
 
     def flags(self) -> list[str]:
         """infer-worker's rank flags; the EP / TP ones only for a real group (size > 1)."""
@@ -164,8 +163,9 @@ class WorkerPlan:
 def plan_worker(index: int, nodes: list[str], tasks_per_node: list[int], ep_size: int,
                 dist_port: int = DEFAULT_DIST_PORT, tp_size: int = 1, pp_size: int = 1) -> WorkerPlan:
     total = sum(tasks_per_node)
-    if pp_size > 1 and total % pp_size:
-        raise ValueError(f"{total} tasks do not split into pipelines of {pp_size} stages")
+    if pp_size > 1 and total % (pp_size * tp_size * ep_size):
+        raise ValueError(f"{total} tasks do not split into pipelines of {pp_size} stages (x TP {tp_size} x EP "
+                         f"{ep_size})")
     if total % (ep_size * tp_size):
         raise ValueError(f"{total} tasks do not split into {'TP x EP groups' if tp_size > 1 else 'EP groups'} of "
                          f"{tp_size * ep_size if tp_size > 1 else ep_size}")
@@ -406,12 +406,10 @@ def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str
     if args.tp_size < 1 or total % (args.tp_size * args.ep_size):
         raise ValueError(f"{len(nodes)} nodes x {per_node} tasks do not split into TP groups of {args.tp_size} "
                          f"(x EP groups of {args.ep_size})")
-    if args.pp_size < 1 or total % args.pp_size:
+    world = args.pp_size * args.tp_size * args.ep_size
+    if args.pp_size < 1 or total % world:
         raise ValueError(f"{len(nodes)} nodes x {per_node} tasks do not split into pipelines of {args.pp_size} "
-                         f"stages")
-    if args.pp_size > 1 and (args.tp_size > 1 or args.ep_size > 1):
-        raise ValueError(f"--pp-size {args.pp_size} with --tp-size {args.tp_size} / --ep-size {args.ep_size}: "
-                         f"pipelines of TP groups or in EP groups (PP x TP, PP x EP) are not supported yet")
+                         f"stages (x TP groups of {args.tp_size} x EP groups of {args.ep_size})")
     for name in ("coordinator_port", "port", "dist_port"):
         if not 0 < getattr(args, name) < 65536:
             raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535 (the other nodes must know it)")

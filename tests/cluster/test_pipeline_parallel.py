@@ -11,80 +11,35 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 from fault_streams import assert_exact_streams, streams_through_a_fault
+from group_procs import children, free_port, prompts, ready, state, twice_in_one_batch
 from hf_reference import transformers_greedy
-from moe_models import save_tiny_model
+from moe_models import save_tiny_model, tiny_mixtral
 
 from infer import LLM, SamplingParams
-from infer.client.inference_client import SyncInferenceClient
 
 pytestmark = pytest.mark.slow
 
 ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1")
-PP_FLAGS = ("--pp-timeout", "5", "--max-num-batched-tokens", "32")
+PP_TIMEOUT_S = 5
+PP_FLAGS = ("--pp-timeout", str(PP_TIMEOUT_S), "--max-num-batched-tokens", "32")
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-def _prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 250) for _ in range(40)]       # a prefix of 2+ full blocks: cache hits
-    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(2, 70))] for _ in range(count)]
-    return prompts + [shared + p[:5] for p in prompts[:2]]
-
-
-PROMPTS = _prompts(4, 0)
-FAULT_PROMPTS = _prompts(4, 1)
+PROMPTS = prompts(4, 0)
+FAULT_PROMPTS = prompts(4, 1)
 
 
 def _one_process(model: Path, prompts: list, params: SamplingParams) -> list[list[int]]:
     llm = LLM(model=str(model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1)
     return [c.token_ids for c in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def _ready(cluster, workers: int) -> None:
-    try:
-        with SyncInferenceClient(cluster.address, connect_timeout=30) as client:
-            client.wait_for_workers(workers, timeout=180)
-    except BaseException:
-        print(cluster.dump())
-        raise
-
-
-async def _twice_in_one_batch(cluster, prompts: list) -> list[list[list[int]]]:
-    """Every prompt at once, twice: the second round hits the prefix cache."""
-    async with cluster.client() as client:
-        rounds = []
-        for _ in range(2):
-            done = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY) for p in prompts)), 180)
-            rounds.append([c.token_ids for c in done])
-    assert sum(c.num_cached_tokens for c in done) >= 16 * sum(len(p) // 16 for p in prompts) // 2
-    return rounds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "Z"
 
 
 @pytest.fixture(scope="module")
@@ -106,25 +61,65 @@ async def test_a_pipeline_equals_transformers(cluster_factory, tiny_model_dir, f
     cluster = cluster_factory()
     cluster.coordinator()
     cluster.worker(0, *ENGINE_FLAGS, *PP_FLAGS, *flags, model=model)
-    _ready(cluster, 1)
-    first, second = await _twice_in_one_batch(cluster, PROMPTS)
+    ready(cluster, 1)
+    first, second = await twice_in_one_batch(cluster, PROMPTS, GREEDY)
     assert first == want and second == want
     log = cluster.procs[1].text()
     assert "PP stage 1 ready" in log and ("layers 1..3" in log if layout != "pp2" else "layers 1..1" in log)
 
 
+async def test_pp2_x_tp2_equals_transformers(cluster_factory, tiny_model_dir):
+    """`infer-worker --pp-size 2 --tp-size 2`: one DP rank of four processes, each stage a TP group."""
+    model = tiny_model_dir("llama")
+    want = transformers_greedy(model, PROMPTS, MAX_NEW)
+    cluster = cluster_factory()
+    cluster.coordinator()
+    cluster.worker(0, *ENGINE_FLAGS, *PP_FLAGS, "--pp-size", "2", "--tp-size", "2", "--tp-timeout", "5", model=model)
+    ready(cluster, 1)
+    first, second = await twice_in_one_batch(cluster, PROMPTS, GREEDY)
+    assert first == want and second == want
+    log = cluster.procs[1].text()
+    assert all(f"PP stage {s} TP rank {t} ready" in log for s, t in ((0, 1), (1, 0), (1, 1))), log[-3000:]
+
+
+async def test_pp2_with_ep2_on_an_moe_model_equals_transformers(cluster_factory, tmp_path, smollm2_tokenizer):
+    """Two DP ranks of an EP group, each a pipeline of two stages (four processes): stage s's MoE layers exchange
+    tokens with the other rank's stage s. All requests on one rank (the other steps dummies through its stages),
+    then split over both."""
+    model = tiny_mixtral(tmp_path / "mixtral", tokenizer=smollm2_tokenizer)
+    want = transformers_greedy(model, PROMPTS, MAX_NEW)
+    cluster = cluster_factory()
+    cluster.coordinator()
+    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    for ep_rank in range(2):
+        cluster.worker(ep_rank, *ENGINE_FLAGS, *PP_FLAGS, "--pp-size", "2", "--ep-size", "2", "--ep-rank",
+                       str(ep_rank), "--dist-init", dist_init, "--ep-timeout", "20", model=model)
+    ready(cluster, 2)
+    async with cluster.client() as client:
+        pinned = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=0) for p in PROMPTS))
+        assert [c.token_ids for c in pinned] == want
+        split = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=i % 2) for i, p in enumerate(PROMPTS)))
+        assert [c.token_ids for c in split] == want
+        stats = await client.stats()
+    assert len({w.group_id for w in stats.workers}) == 1 and len(stats.workers) == 2
+
+
 def _stages(proc) -> list[int]:
     """The pids of the stages under a supervising infer-worker, stage 0 first."""
-    return sorted(_children(proc.popen.pid))
+    return sorted(children(proc.popen.pid))
 
 
 @pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
 async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers, wait_until, fault):
+    """PP 3 under load, the middle stage struck: every stream exact on the other rank; after kill -9 the rank is out
+    of routing within --pp-timeout (its connections close at once), and the other two stages exit on their own
+    (code 1: stage 0 gives its requests back, stage 2 hears stop or loses its peers), none killed by the
+    supervisor, no traceback; a hung stage (SIGSTOP) is found by the timeout and killed by the supervisor."""
     want = _one_process(five_layers, FAULT_PROMPTS, LONG)
     cluster = cluster_factory()
     cluster.coordinator()
     ranks = [cluster.worker(g, *ENGINE_FLAGS, *PP_FLAGS, "--pp-size", "3", model=five_layers) for g in range(2)]
-    _ready(cluster, 2)
+    ready(cluster, 2)
     struck: dict[str, object] = {}
 
     async def strike_the_busiest_rank(client):
@@ -134,11 +129,13 @@ async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers
         struck["rank"], struck["stages"] = supervisor, _stages(supervisor)
         assert len(struck["stages"]) == 3
         os.kill(struck["stages"][1], signal.SIGKILL if fault == "kill -9" else signal.SIGSTOP)   # the middle stage
+        struck_at = time.monotonic()
 
         async def out_of_routing():
             return not next(w for w in (await client.stats()).workers if w.worker_id == busiest.worker_id).healthy
 
         await wait_until(out_of_routing, 20, "the struck DP rank out of routing")
+        struck["out after"] = time.monotonic() - struck_at
 
     streams, stats = await streams_through_a_fault(cluster, FAULT_PROMPTS, [LONG] * len(FAULT_PROMPTS),
                                                    strike_the_busiest_rank, start_timeout=120,
@@ -148,11 +145,20 @@ async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers
     supervisor = struck["rank"]
     assert supervisor.wait(timeout=30) != 0
     deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in struck["stages"]):
+    while any(Path(f"/proc/{pid}").exists() and state(pid) != "Z" for pid in struck["stages"]):
         assert time.monotonic() < deadline, f"left running: {struck['stages']}"
         await asyncio.sleep(0.1)
     other = next(r for r in ranks if r is not supervisor)
     assert other.popen.poll() is None
+    log = supervisor.text()
+    if fault == "kill -9":
+        assert struck["out after"] < PP_TIMEOUT_S, struck
+        assert "PP stage 1 (pid" in log and "ended with signal 9" in log, log[-3000:]
+        for stage in (0, 2):
+            assert f"PP stage {stage} (pid {struck['stages'][stage]}) ended with code 1" in log, log[-3000:]
+        assert "did not exit with its group" not in log and "Traceback" not in log, log[-3000:]
+    else:
+        assert "PP stage 1 (pid" in log and "did not exit with its group; killing it" in log, log[-3000:]
 
 
 @pytest.mark.parametrize("struck", ["stage 1", "stage 0"])
@@ -166,7 +172,7 @@ def test_idle_stages_started_one_by_one_end_whole_when_one_is_killed(cluster_fac
     model = tiny_model_dir("llama")
     first = cluster.worker(0, *flags, "--pp-rank", "0", model=model)
     second = cluster.worker(1, *flags, "--pp-rank", "1", model=model)
-    _ready(cluster, 1)
+    ready(cluster, 1)
     victim, survivor = (second, first) if struck == "stage 1" else (first, second)
     victim.kill9()
     killed_at = time.monotonic()
@@ -187,7 +193,8 @@ def test_a_stage_with_another_partition_is_refused(cluster_factory, five_layers)
     assert other.wait(timeout=60) == 2
     text = other.text()
     assert "layers 1,4" in text and "stage 0" in text and "layers 3,2" in text, text
-    assert first.wait(timeout=60) == 2 and "pipeline stage 1 was started with" in first.text(), first.text()
+    assert first.wait(timeout=60) == 2 and "pipeline process 1 (global rank) was started with" in first.text(), \
+        first.text()
 
 
 class _Clients:
@@ -222,8 +229,8 @@ async def test_infer_serve_restarts_a_pipeline_whole_after_kill_9_of_a_stage(tin
     try:
         async with InferenceClient(served.address) as client:
             reference = [c.token_ids for c in await asyncio.gather(*(client.generate(p, LONG) for p in PROMPTS))]
-        ranks = [pid for pid in _children(served.proc.pid) if "infer.worker.daemon" in _cmdline(pid)]
-        stage1 = [pid for rank in ranks for pid in _children(rank) if "--pp-rank\x001" in _cmdline(pid)]
+        ranks = [pid for pid in children(served.proc.pid) if "infer.worker.daemon" in _cmdline(pid)]
+        stage1 = [pid for rank in ranks for pid in children(rank) if "--pp-rank\x001" in _cmdline(pid)]
         assert len(ranks) == 2 and len(stage1) == 2, (ranks, stage1)
         killed_at = 0.0
 
@@ -238,8 +245,8 @@ async def test_infer_serve_restarts_a_pipeline_whole_after_kill_9_of_a_stage(tin
             stats = await client.wait_for_workers(2, 60 - (time.monotonic() - killed_at))
         assert stats.num_healthy_workers == 2, stats
         assert "restarting it in" in served.log.read_text()
-        now = [pid for rank in _children(served.proc.pid) if "infer.worker.daemon" in _cmdline(rank)
-               for pid in _children(rank)]
+        now = [pid for rank in children(served.proc.pid) if "infer.worker.daemon" in _cmdline(rank)
+               for pid in children(rank)]
         assert stage1[0] not in now and len(now) == 4, now
     finally:
         served.stop()

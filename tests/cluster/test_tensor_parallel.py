@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 from fault_streams import assert_exact_streams, streams_through_a_fault
+from group_procs import children, free_port, prompts, ready, state, twice_in_one_batch
 from hf_reference import transformers_greedy
 from moe_models import save_tiny_model, tiny_mixtral, tiny_qwen3_moe
 
 from infer import LLM, SamplingParams
-from infer.client.inference_client import SyncInferenceClient
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +32,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 TP_FLAGS = ("--tp-size", "2", "--tp-timeout", "5", "--max-num-batched-tokens", "32")
 
 
-def _prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 250) for _ in range(40)]       # a prefix of 2+ full blocks: cache hits
-    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(2, 70))] for _ in range(count)]
-    return prompts + [shared + p[:5] for p in prompts[:2]]
-
-
-PROMPTS = _prompts(4, 0)
+PROMPTS = prompts(4, 0)
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-FAULT_PROMPTS = _prompts(4, 1)
+FAULT_PROMPTS = prompts(4, 1)
 
 
 def _qwen3_one_kv_head(path: Path, tokenizer) -> Path:
@@ -71,26 +62,6 @@ def _one_process(model: Path, prompts: list, params: SamplingParams) -> list[lis
     return [c.token_ids for c in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _ready(cluster, workers: int) -> None:
-    try:
-        with SyncInferenceClient(cluster.address, connect_timeout=30) as client:
-            client.wait_for_workers(workers, timeout=180)
-    except BaseException:
-        print(cluster.dump())
-        raise
-
-
-async def _twice_in_one_batch(cluster, prompts: list) -> list[list[list[int]]]:
-    """Every prompt at once, twice: the second round hits the prefix cache."""
-    async with cluster.client() as client:
-        rounds = []
-        for _ in range(2):
-            done = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY) for p in prompts)), 180)
-            rounds.append([c.token_ids for c in done])
-    assert sum(c.num_cached_tokens for c in done) >= 16 * sum(len(p) // 16 for p in prompts) // 2
-    return rounds
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3-1kv", "qwen3-moe"])
 async def test_tp2_equals_one_process_and_transformers(cluster_factory, models, arch):
     model = models[arch]()
@@ -99,8 +70,8 @@ async def test_tp2_equals_one_process_and_transformers(cluster_factory, models, 
     cluster = cluster_factory()
     cluster.coordinator()
     cluster.worker(0, *ENGINE_FLAGS, *TP_FLAGS, model=model)
-    _ready(cluster, 1)
-    first, second = await _twice_in_one_batch(cluster, PROMPTS)
+    ready(cluster, 1)
+    first, second = await twice_in_one_batch(cluster, PROMPTS, GREEDY)
     assert first == want and second == want
     log = cluster.procs[1].text()
     assert "TP rank 1 ready" in log and "KV head(s)" in log
@@ -115,7 +86,7 @@ async def test_tp2_x_ep2_on_an_moe_model_equals_transformers(cluster_factory, mo
     for ep_rank in range(2):
         cluster.worker(ep_rank, *ENGINE_FLAGS, *TP_FLAGS, "--ep-size", "2", "--ep-rank", str(ep_rank),
                        "--dist-init", dist_init, "--ep-timeout", "20", model=model)
-    _ready(cluster, 2)
+    ready(cluster, 2)
     async with cluster.client() as client:
         pinned = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=0) for p in PROMPTS))
         assert [c.token_ids for c in pinned] == want            # EP rank 1's TP group idle: dummy steps
@@ -125,21 +96,11 @@ async def test_tp2_x_ep2_on_an_moe_model_equals_transformers(cluster_factory, mo
     assert len({w.group_id for w in stats.workers}) == 1 and len(stats.workers) == 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
 def _follower(proc) -> int:
     """The pid of TP rank 1 under a supervising infer-worker (the second process it started)."""
-    children = _children(proc.popen.pid)
-    assert len(children) == 2, children
-    return sorted(children)[1]
+    members = children(proc.popen.pid)
+    assert len(members) == 2, members
+    return sorted(members)[1]
 
 
 @pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
@@ -149,14 +110,14 @@ async def test_a_struck_tp_member_takes_its_dp_rank_out(cluster_factory, models,
     cluster = cluster_factory()
     cluster.coordinator()
     groups = [cluster.worker(g, *ENGINE_FLAGS, *TP_FLAGS, model=model) for g in range(2)]
-    _ready(cluster, 2)
+    ready(cluster, 2)
     struck: dict[str, object] = {}
 
     async def strike_the_busiest_group(client):
         by_id = {w.worker_id: w for w in (await client.stats()).workers}
         busiest = max(by_id.values(), key=lambda w: w.num_in_flight)
         supervisor = cluster.proc_of(busiest.worker_id)
-        struck["group"], struck["members"] = supervisor, _children(supervisor.popen.pid)
+        struck["group"], struck["members"] = supervisor, children(supervisor.popen.pid)
         os.kill(_follower(supervisor), signal.SIGKILL if fault == "kill -9" else signal.SIGSTOP)
 
         async def out_of_routing():
@@ -172,18 +133,11 @@ async def test_a_struck_tp_member_takes_its_dp_rank_out(cluster_factory, models,
     supervisor = struck["group"]
     assert supervisor.wait(timeout=30) != 0
     deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in struck["members"]):
+    while any(Path(f"/proc/{pid}").exists() and state(pid) != "Z" for pid in struck["members"]):
         assert time.monotonic() < deadline, f"left running: {struck['members']}"
         await asyncio.sleep(0.1)
     other = next(g for g in groups if g is not supervisor)
     assert other.popen.poll() is None
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "Z"
 
 
 def _group_member_by_member(cluster_factory, models):
@@ -195,7 +149,7 @@ def _group_member_by_member(cluster_factory, models):
     model = models["llama"]()
     leader = cluster.worker(0, *flags, "--tp-rank", "0", model=model)
     follower = cluster.worker(1, *flags, "--tp-rank", "1", model=model)
-    _ready(cluster, 1)
+    ready(cluster, 1)
     return cluster, leader, follower
 
 

@@ -157,8 +157,18 @@ def test_a_pipelines_stages_take_adjacent_tasks_and_rendezvous_on_its_stage_0s_n
         ["--dp-rank", "0", "--pp-size", "2", "--pp-rank", str(r), "--dist-init", "tcp://n1:7000"] for r in range(2)]
     with pytest.raises(ValueError, match="do not split into pipelines of 2 stages"):
         launch.plan_worker(0, ["n1", "n2", "n3"], [1, 1, 1], 1, pp_size=2)
-    with pytest.raises(ValueError, match=r"PP x TP, PP x EP\) are not supported yet"):
-        launch.plan_worker(0, ["n1", "n2"], [2, 2], 1, tp_size=2, pp_size=2)
+    # TP 2 x PP 2 on 2 nodes x 2 tasks: each node a stage (its TP group), one DP rank, its rendezvous on n1
+    composed = [launch.plan_worker(i, ["n1", "n2"], [2, 2], 1, 7000, tp_size=2, pp_size=2) for i in range(4)]
+    assert [(p.dp_rank, p.pp_rank, p.tp_rank, p.group_master) for p in composed] == [
+        (0, 0, 0, "n1"), (0, 0, 1, "n1"), (0, 1, 0, "n1"), (0, 1, 1, "n1")]
+    assert composed[2].flags() == ["--dp-rank", "0", "--tp-size", "2", "--tp-rank", "0", "--pp-size", "2",
+                                   "--pp-rank", "1", "--dist-init", "tcp://n1:7000"]
+    # PP 2 with EP 2 on 2 nodes x 2 tasks: DP ranks 0 (n1) and 1 (n2) are one EP group, one world
+    ep = [launch.plan_worker(i, ["n1", "n2"], [2, 2], 2, 7000, pp_size=2) for i in range(4)]
+    assert [(p.dp_rank, p.ep_rank, p.pp_rank, p.group_master) for p in ep] == [
+        (0, 0, 0, "n1"), (0, 0, 1, "n1"), (1, 1, 0, "n1"), (1, 1, 1, "n1")]
+    with pytest.raises(ValueError, match=r"do not split into pipelines of 2 stages \(x TP 2 x EP 1\)"):
+        launch.plan_worker(0, ["n1", "n2", "n3"], [2, 2, 2], 1, tp_size=2, pp_size=2)
     _, plan = _head(["--pp-size", "2", "--workers-per-node", "1"])
     assert plan.num_workers == 1 and "--ntasks=2" in plan.srun
     daemon = worker_daemon_parser().parse_args(_worker_command(plan, 1, ["localhost", "n2"])[3:])
@@ -171,6 +181,9 @@ def test_a_pipelines_stages_take_adjacent_tasks_and_rendezvous_on_its_stage_0s_n
         assert worker_daemon_parser().parse_args(["--coordinator", "tcp://h:1", *served]).pp_size == 3
     assert worker_daemon_parser().parse_args(["--coordinator", "tcp://h:1", "--pipeline-parallel-size", "2"]).pp_size \
         == 2
+    served = worker_args(serve_parser().parse_args(["--pp-size", "2", "--tp-size", "2"]), [])   # PP x TP
+    daemon = worker_daemon_parser().parse_args(["--coordinator", "tcp://h:1", *served])
+    assert (daemon.pp_size, daemon.tp_size, daemon.pp_rank, daemon.tp_rank) == (2, 2, None, None)   # supervises 4
 
 
 def test_the_workers_per_node_default_is_sbatchs_ntasks_per_node():
@@ -184,7 +197,7 @@ def test_the_workers_per_node_default_is_sbatchs_ntasks_per_node():
     (["--workers-per-node", "-1"], {}, "--workers-per-node must be >= 1, got -1"),
     (["--tp-size", "3"], {}, "do not split into TP groups of 3"),
     (["--pp-size", "3"], {}, "do not split into pipelines of 3 stages"),
-    (["--pp-size", "2", "--tp-size", "2"], {}, r"PP x TP, PP x EP\) are not supported yet"),
+    (["--pp-size", "2", "--tp-size", "2"], {}, r"pipelines of 2 stages \(x TP groups of 2"),
     (["--dist-port", "70000"], {}, "--dist-port must be in 1..65535"),
 ])
 def test_the_head_refuses_a_plan_that_cannot_work(argv, env, message):

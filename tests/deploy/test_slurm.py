@@ -5,7 +5,9 @@ link of the worker node that is not the head for 20 s moves its streams to the o
 or repeated while new requests keep succeeding, and once the link is back that worker registers again, takes
 new requests, and no request finished twice; kill -9 of that worker mid-stream moves its streams likewise and its
 srun task restarts it on its node within 30 s; `scancel` leaves no process of the job behind. A TP group of two
-tasks on two nodes equals one process, and is restarted whole after kill -9 of its member on the other node.
+tasks on two nodes equals one process, and is restarted whole after kill -9 of its member on the other node; so is
+a pipeline of two stages on two nodes; TP 2 x PP 2 over 2 nodes x 2 tasks (a stage per node) serves the `openai`
+client's chat completions with one process's greedy text.
 
 Needs root and network namespaces (skips without them) and Debian's slurmctld, slurmd, slurm-client and
 munge (deploy/local/test.sh installs them when it runs as root). The sandbox script is found through
@@ -208,10 +210,11 @@ class Job:
 
 
 @contextmanager
-def running_job(sandbox: Sandbox, output_dir: Path, options: list[str]):
-    """An infer.sbatch job on 2 nodes with `options`, once its HTTP front is up; cancelled on exit if still queued."""
+def running_job(sandbox: Sandbox, output_dir: Path, options: list[str], sbatch: tuple[str, ...] = ()):
+    """An infer.sbatch job on 2 nodes with `options` (and `sbatch`'s own options), once its HTTP front is up;
+    cancelled on exit if still queued."""
     output = output_dir / "infer-%j.out"
-    job_id = sandbox.slurm("sbatch", "--parsable", "--nodes=2", f"--output={output}",
+    job_id = sandbox.slurm("sbatch", "--parsable", "--nodes=2", *sbatch, f"--output={output}",
                            str(REPO / "deploy" / "slurm" / "infer.sbatch"), *options).strip().split(";")[0]
     output = Path(str(output).replace("%j", job_id))
     try:
@@ -584,3 +587,47 @@ def test_one_pp2_worker_spans_two_nodes_equals_one_process_and_is_restarted_whol
         sandbox.slurm("scancel", pp_job.id)
         wait_for(lambda: not sandbox.job_active(pp_job.id), 60, f"job {pp_job.id} to leave the queue")
         wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {pp_job.id} to exit")
+
+
+# ---- TP 2 x PP 2: one DP rank of four tasks, a stage (a TP group of two) on each node --------------------------
+
+def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions(sandbox, tmp_path_factory, tiny_model_dir):
+    """--tp-size 2 --pp-size 2 on 2 nodes x 2 tasks: one DP rank of four processes, stage 0's TP group (the
+    embedding and layer 0) on one node, stage 1's (layer 1, the norm and the tied LM head) on the other, hidden
+    states and logits crossing the sandbox's network (gloo); the official `openai` client's greedy chat completions
+    equal one process's."""
+    model = tiny_model_dir("llama")
+    cut = JOB_OPTIONS.index("--")
+    options = [*JOB_OPTIONS[:cut], "--model", str(model), "--tp-size", "2", "--pp-size", "2", "--workers-per-node", "2",
+               *JOB_OPTIONS[cut:], "--tp-timeout", "20", "--pp-timeout", "20"]
+    questions = ["What is 2 + 2?", "Name a color.", "Say hello."]
+    llm = LLM(model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000, num_threads=1)
+    tokenizer = llm.engine.tokenizer
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=False) for q in questions]
+    want = [c.text for c in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                         use_tqdm=False)]
+    with running_job(sandbox, tmp_path_factory.mktemp("tp-pp-job"), options, ("--ntasks-per-node=2",)) as job:
+        async def serve() -> tuple[object, list[str]]:
+            async with coordinator_client(job) as cluster:
+                stats = await cluster.stats()
+            client = openai_client(job)
+            name = (await client.models.list()).data[0].id
+            answers = await asyncio.wait_for(asyncio.gather(*(client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": q}], max_tokens=10, temperature=0,
+                extra_body={"ignore_eos": True}) for q in questions)), 120)
+            return stats, [a.choices[0].message.content for a in answers]
+
+        stats, got = asyncio.run(serve())
+        assert got == want
+        assert len(stats.workers) == 1 and stats.workers[0].healthy          # four processes, one DP rank
+        text = job.text()
+        ready = dict(re.findall(r"(PP stage \d TP rank \d) ready on (\S+):", text))
+        assert set(ready) == {"PP stage 0 TP rank 1", "PP stage 1 TP rank 0", "PP stage 1 TP rank 1"}, text[-3000:]
+        stage0 = node_of(stats.workers[0].worker_id)
+        assert ready["PP stage 0 TP rank 1"] == stage0                        # a stage's TP group on one node
+        assert ready["PP stage 1 TP rank 0"] == ready["PP stage 1 TP rank 1"] != stage0
+        marker = f"SLURM_JOB_ID={job.id}\0".encode()
+        sandbox.slurm("scancel", job.id)
+        wait_for(lambda: not sandbox.job_active(job.id), 60, f"job {job.id} to leave the queue")
+        wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {job.id} to exit")

@@ -2,7 +2,8 @@
 its child processes; gloo on CPU, fp32): greedy tokens equal transformers on tiny random Llamas at PP 2 (a tied LM
 head: the last stage holds the embedding table as its head) and PP 3 with an uneven partition (an untied head),
 with prompts of varied lengths in one batch, chunked prefill, prefix-cache hits and prompt logprobs; the stage
-layout (even split, remainder first), and the refusals of v1 with what is missing named."""
+layout (even split, remainder first), and the refusals of v1 with what is missing named. PP 2 x TP 2 (four
+processes) and PP 2 of a tiny Mixtral equal transformers too; ranks of composed pipelines from flags and Slurm."""
 
 from __future__ import annotations
 
@@ -103,13 +104,38 @@ def test_pp3_uneven_equals_transformers(five_layers):
         llm.close()
 
 
-def test_v1_refuses_what_it_lacks(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"PP x TP\) are not supported yet"):
-        LLM(model=str(tiny_model_dir("llama")), pipeline_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"--pp-size 2 with --tp-size 2.*PP x TP"):
-        WorkerFlags(pp_size=2, tp_size=2).pipeline({})
-    with pytest.raises(ValueError, match=r"--pp-size 2 with --ep-size 2.*PP x EP"):
-        WorkerFlags(pp_size=2, ep_size=2, dist_init="tcp://127.0.0.1:1").pipeline({})
+@pytest.mark.slow
+def test_pp2_x_tp2_equals_transformers(tiny_model_dir):
+    """Four processes: two stages, each a TP group of two (the vocabulary-parallel embedding on stage 0, the tied
+    vocabulary-parallel head on stage 1, gathered on its TP rank 0 and sent to stage 0)."""
+    model = tiny_model_dir("llama")
+    want = transformers_greedy(model, PROMPTS, MAX_NEW)
+    llm = LLM(model=str(model), pipeline_parallel_size=2, tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+        group = llm._engine.stage.group
+        assert (group.size, group.tp_size, group.commands.size) == (2, 2, 4)
+    finally:
+        llm.close()
+
+
+def test_flags_of_composed_pipelines():
+    assert WorkerFlags(pp_size=2, tp_size=2).pipeline({}).rank is None                 # the supervisor of all 4
+    flags = WorkerFlags(pp_size=2, tp_size=2, dist_init="tcp://h:9")
+    env = {"SLURM_PROCID": "6"}                                 # global rank (ep 1 x 2 + stage 1) x 2 + TP rank 0
+    assert flags.pipeline(env).rank == 1 and flags.groups(env)[1].rank == 0
+    ep_flags = WorkerFlags(pp_size=2, tp_size=2, ep_size=2, dist_init="tcp://h:9")
+    assert ep_flags.groups(env)[0].rank == 1
+    from infer.worker.tp_supervisor import members
+
+    assert [flags for _, flags in members(2, 2)] == [["--pp-rank", "0", "--tp-rank", "0"],
+                                                     ["--pp-rank", "0", "--tp-rank", "1"],
+                                                     ["--pp-rank", "1", "--tp-rank", "0"],
+                                                     ["--pp-rank", "1", "--tp-rank", "1"]]
+    assert [name for name, _ in members(1, 3)] == ["PP stage 0", "PP stage 1", "PP stage 2"]
+
+
+def test_flags_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="need --pp-size > 1"):
         WorkerFlags(pp_layer_partition="1,1").pipeline({})
     with pytest.raises(ValueError, match="comma-separated layer counts"):
@@ -128,15 +154,18 @@ def test_coordinator_mode_starts_its_workers_with_the_pp_size(tiny_model_dir):
     assert args.pp_size == 2 and args.tp_size is None
 
 
-def test_moe_models_are_refused(tmp_path, smollm2_tokenizer):
+@pytest.mark.slow
+def test_pp2_of_an_moe_model_equals_transformers(tmp_path, smollm2_tokenizer):
+    """Mixtral's sparse layers split into stages like dense ones (every expert of a layer on its stage)."""
     from moe_models import tiny_mixtral
-    from transformers import AutoConfig
 
-    from infer.worker.pp_group import refuse_unsupported
-
-    path = tiny_mixtral(tmp_path / "mixtral", tokenizer=smollm2_tokenizer)
-    with pytest.raises(ValueError, match="pipeline parallelism does not support MoE models yet .*'mixtral'"):
-        refuse_unsupported(AutoConfig.from_pretrained(str(path)))
+    model = tiny_mixtral(tmp_path / "mixtral", tokenizer=smollm2_tokenizer)
+    want = transformers_greedy(model, PROMPTS, MAX_NEW)
+    llm = LLM(model=str(model), pipeline_parallel_size=2, **OPTIONS)
+    try:
+        assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    finally:
+        llm.close()
 
 
 @pytest.mark.slow

@@ -157,3 +157,25 @@ def test_llm_with_tensor_parallel_size_2_equals_one_process(tiny_model_dir):
     assert all(child.poll() is not None for child in children)   # close() ended TP rank 1
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(model=path, tensor_parallel_size=0)
+
+
+def test_a_step_batch_crosses_the_command_channel_whole():
+    """What rank 0 sends its followers (and a pipeline's stages) decodes to the same batch, prefill_decode_from
+    included: a recomputed generated row (a resumed stream, a preemption) takes the decode arithmetic on every
+    rank, not on rank 0 alone."""
+    import dataclasses
+
+    import msgpack
+
+    from infer.worker.tp_commands import decode_batch, encode_batch
+
+    plain = _batch(list(range(3, 40)))
+    resumed = dataclasses.replace(plain, prefill_decode_from=torch.tensor([30], dtype=torch.int32))
+    for batch in (plain, resumed):
+        got = decode_batch(msgpack.unpackb(msgpack.packb(encode_batch(batch), use_bin_type=True), raw=False), CPU)
+        for f in dataclasses.fields(batch):
+            mine, theirs = getattr(batch, f.name), getattr(got, f.name)
+            if isinstance(mine, torch.Tensor):
+                assert torch.equal(mine, theirs), f.name
+            elif f.name != "per_step":
+                assert mine == theirs, f.name
