@@ -40,20 +40,24 @@ from typing import Any
 
 from infer.coordinator.access import WORKER_ROLES, AccessControl, Denial
 from infer.coordinator.admission import Admission
+from infer.coordinator.books import Books
 from infer.coordinator.commands import Commands
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import ClusterState, commands_to_reach
 from infer.coordinator.liveness import Liveness
 from infer.coordinator.orphans import OrphanTable
+from infer.coordinator.outbox import Outbox
 from infer.coordinator.reattachment import Reattachment
 from infer.coordinator.relay import Relay
 from infer.coordinator.routing import make_policy
-from infer.coordinator.state import ClientRecord, RequestRecord, RequestTable, WorkerRecord, WorkerTable
-from infer.coordinator.statistics import MAX_REJECTION_CHARS, Counters, Statistics
+from infer.coordinator.state import (
+    ClientRecord, ClusterStatus, Counters, RequestRecord, RequestTable, WorkerRecord, WorkerTable
+)
+from infer.coordinator.statistics import Statistics
 from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
-    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello, Message,
+    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, Error, Heartbeat, Hello, Message,
     ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated, decode,
     peek_request_id
 )
@@ -73,20 +77,18 @@ class Coordinator:
         `wall_offset`: added to `now` gives the wall-clock time heartbeats carry."""
         self.config = config
         self.access = AccessControl(keys)
-        self.state = ClusterState.RUNNING
+        self.status = ClusterStatus(model_id=config.model_id)
         self.policy = make_policy(config.policy)
         self.workers = WorkerTable()
         self.clients: dict[bytes, ClientRecord] = {}
         self.requests = RequestTable()
         self.instance = uuid.uuid4().hex[:16]      # this process; peers notice a restart when it changes
-        self.model_id = config.model_id
         self.counters = Counters()
         self.wall_offset = wall_offset
-        self._out: list[tuple[bytes, Message]] = []
-        self._client_deltas: dict[bytes, list[Delta]] = {}
+        self.outbox = Outbox()
+        self.books = Books(self.requests, self.workers, self.clients, self.counters, self.outbox)
         self.started = now
         self._next_tick = now
-        self._drain: tuple[str, float] | None = None     # (why, deadline) of a drain before STOP
         self.peer_warnings = RateLimitedLog(log)   # warnings a peer can trigger at will
         self.reattachment = Reattachment(self)
         self.admission = Admission(self)
@@ -107,9 +109,21 @@ class Coordinator:
         return self.reattachment.orphans
 
     @property
+    def state(self) -> ClusterState:
+        return self.status.state
+
+    @state.setter
+    def state(self, state: ClusterState) -> None:
+        self.status.state = state
+
+    @property
+    def model_id(self) -> str | None:
+        return self.status.model_id
+
+    @property
     def draining(self) -> bool:
         """SIGTERM started a drain before STOP: new requests are refused."""
-        return self._drain is not None
+        return self.status.drain is not None
 
     def stats(self, now: float) -> ClusterStats:
         return self.statistics.snapshot(now)
@@ -194,21 +208,21 @@ class Coordinator:
     def on_signal(self, reason: str, now: float) -> None:
         """SIGTERM / SIGINT: drain for at most config.drain_timeout (new requests refused, accepted ones run
         on), then STOP; STOP at once without a drain timeout, or on a second signal."""
-        if self._drain is not None or self.config.drain_timeout <= 0:
+        if self.status.drain is not None or self.config.drain_timeout <= 0:
             return self.shutdown(reason, now)
-        self._drain = (reason, now + self.config.drain_timeout)
+        self.status.drain = (reason, now + self.config.drain_timeout)
         log.info("%s: draining %d request(s) for at most %g s (new requests are refused), then STOP", reason,
                  len(self.requests.by_id), self.config.drain_timeout)
         self._check_drain(now)
 
     def _check_drain(self, now: float) -> None:
-        if self._drain is not None and self.state is not ClusterState.STOPPED:
-            reason, deadline = self._drain
+        if self.status.drain is not None and self.state is not ClusterState.STOPPED:
+            reason, deadline = self.status.drain
             if not self.requests.by_id or now >= deadline:
                 self.shutdown(f"{reason} ({'drain timeout' if self.requests.by_id else 'drained'})", now)
 
     def next_deadline(self) -> float:
-        drain_deadline = self._drain[1] if self._drain is not None else math.inf
+        drain_deadline = self.status.drain[1] if self.status.drain is not None else math.inf
         request_deadline = self.admission.deadlines.next_deadline()
         barrier_deadline = self.commands.barrier.deadline if self.commands.barrier is not None else math.inf
         return min(self._next_tick, self.commands.stop_deadline, drain_deadline, request_deadline, barrier_deadline)
@@ -220,33 +234,16 @@ class Coordinator:
     def take_outgoing(self) -> list[tuple[bytes, Message]]:
         """Everything queued since the last call: each client's deltas as one DeltaBatch, then the rest
         in the order it was queued."""
-        out = [(identity, DeltaBatch(deltas=deltas)) for identity, deltas in self._client_deltas.items()]
-        out.extend(self._out)
-        self._client_deltas = {}
-        self._out = []
-        return out
+        return self.outbox.take()
 
     def send(self, identity: bytes, msg: Message) -> None:
-        self._out.append((identity, msg))
+        self.outbox.send(identity, msg)
 
     def to_client(self, request: RequestRecord, delta: Delta) -> None:
-        deltas = self._client_deltas.get(request.client)
-        if deltas is None:
-            self._client_deltas[request.client] = [delta]
-        else:
-            deltas.append(delta)
+        self.outbox.to_client(request.client, delta)
 
     def reject(self, identity: bytes, text: str, refuse: bool = False, request_id: str | None = None) -> None:
-        """Answer a bad frame. The text may quote the frame: bounded, so junk cannot make big answers. A Submit
-        whose request id could be read fails that request alone (its client hears "invalid_request")."""
-        self.counters.frames_rejected += 1
-        text = safe(text, MAX_REJECTION_CHARS)
-        if refuse:
-            self.send(identity, Refused(reason=text))
-        elif request_id is not None:
-            self.send(identity, Error(message=text, request_id=request_id, code="invalid_request"))
-        else:
-            self.send(identity, Error(message=text))
+        self.books.reject(identity, text, refuse, request_id)
 
     def _deny(self, identity: bytes, msg: Message, denial: Denial, now: float) -> None:
         """A frame its key may not send: Refused for a Hello, Error otherwise; a cut-off peer loses all."""
@@ -276,8 +273,7 @@ class Coordinator:
         if client is not None:
             self.liveness.client_lost(client, f"cut off: {reason}", now)
         self.statistics.forget_waiter(identity)
-        self._client_deltas.pop(identity, None)
-        self._out = [(i, m) for i, m in self._out if i != identity]
+        self.outbox.drop(identity)
         self.send(identity, Refused(reason=f"the coordinator cut this connection off: {reason}"))
 
     def _check_keys(self, now: float) -> None:
@@ -359,8 +355,8 @@ class Coordinator:
             self.workers.remove(superseded)
         self.workers.add(worker)
         self.admission.routes_changed()
-        if self.model_id is None:
-            self.model_id = hello.model_id
+        if self.status.model_id is None:
+            self.status.model_id = hello.model_id
         stale = self.reattachment.take_back(worker, hello, now)
         if stale:
             self.send(identity, Abort(request_ids=stale))
@@ -377,24 +373,16 @@ class Coordinator:
         self.statistics.answer_stats_waiters(now)
 
     def client(self, identity: bytes, now: float) -> ClientRecord | None:
-        """The client behind `identity` (registered on first contact); None (and an Error) if it is a worker."""
-        client = self.clients.get(identity)
-        if client is None:
-            if identity in self.workers.by_identity:
-                self.reject(identity, "this peer registered as a worker and may not act as a client")
-                return None
-            client = self.clients[identity] = ClientRecord(identity=identity, last_seen=now)
-        client.last_seen = now
-        return client
+        return self.books.client(identity, now)
 
     def _on_submit(self, identity: bytes, submit: Submit, now: float) -> None:
         client = self.client(identity, now)
         if client is None:
             return
         rid = submit.request_id
-        if self.state is ClusterState.STOPPED or self._drain is not None:
+        if self.state is ClusterState.STOPPED or self.status.drain is not None:
             self.send(identity, Error(message=f"request {rid!r} not accepted: the cluster is "
-                                               f"{'stopping' if self._drain is None else 'draining to stop'}",
+                                               f"{'stopping' if self.status.drain is None else 'draining to stop'}",
                                        request_id=rid, code=ErrorCode.UNAVAILABLE))
             return
         existing = self.requests.get(rid)
@@ -434,34 +422,13 @@ class Coordinator:
         self.admission.dispatch_held(now)     # the aborted ones made room
 
     def finish(self, request: RequestRecord, final: Delta | None, to_workers: dict[str, list[str]]) -> None:
-        """Forget `request`; send `final` to its client; note an abort for its worker if it runs on one."""
-        if request.worker_id is not None:
-            to_workers.setdefault(request.worker_id, []).append(request.request_id)
-        self.detach(request)
-        self.requests.remove(request)
-        client = self.clients.get(request.client)
-        if client is not None:
-            client.requests.discard(request.request_id)
-            if final is not None:
-                self.to_client(request, final)
+        self.books.finish(request, final, to_workers)
 
     def send_aborts(self, to_workers: dict[str, list[str]]) -> None:
-        for worker_id, rids in to_workers.items():
-            worker = self.workers.by_id.get(worker_id)
-            if worker is not None and worker.healthy:
-                self.send(worker.identity, Abort(request_ids=rids))
+        self.books.send_aborts(to_workers)
 
     def detach(self, request: RequestRecord) -> None:
-        """Take `request` off its worker's books (the worker is not told)."""
-        worker = self.workers.by_id.get(request.worker_id) if request.worker_id is not None else None
-        if worker is not None:
-            worker.requests.discard(request.request_id)
-            worker.cost_in_flight -= request.charged
-        request.charged = 0
-        request.worker_id = None
+        self.books.detach(request)
 
     def fail(self, request: RequestRecord, message: str, code: str = "unavailable") -> None:
-        self.counters.requests_failed += 1
-        to_workers: dict[str, list[str]] = {}
-        self.finish(request, Delta.final(request.request_id, "error", message, code), to_workers)
-        self.send_aborts(to_workers)
+        self.books.fail(request, message, code)

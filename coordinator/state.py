@@ -1,6 +1,7 @@
-"""What the coordinator remembers: in-flight requests, workers (DP ranks) and clients. No I/O.
+"""What the coordinator remembers: in-flight requests, workers (DP ranks) and clients, its counters and the
+cluster-wide status. No I/O.
 
-Invariants (kept by coordinator/core.py):
+Invariants (kept by coordinator/books.py):
 - a request is either held (worker_id is None, it sits in RequestTable.held) or runs on exactly one
   worker (worker_id set, the id is in that worker's `requests`);
 - `delivered` is every token id already relayed to the client, in order, and `delivered_text_len` the
@@ -8,7 +9,7 @@ Invariants (kept by coordinator/core.py):
   re-dispatch resumes from (the worker rebuilds its detokenizer from them);
 - a worker's `cost_in_flight` is the sum of its requests' `charged` (their estimated cost when dispatched);
 - `worker_deaths` names the workers that died while running the request, in order: one makes it a suspect,
-  two quarantine it (core.py `_failover`).
+  two quarantine it (liveness.py `failover`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from infer.protocol.codes import ClusterState
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import Dispatch, Hello, Load, TokenIds
 from infer.protocol.sampling import SamplingParams
@@ -238,3 +240,32 @@ class RequestTable:
     @property
     def num_in_flight(self) -> int:
         return len(self.by_id) - len(self.held)
+
+
+@dataclass
+class Counters:
+    """What the coordinator counted since it started (ClusterStats reports them)."""
+
+    requests_submitted: int = 0
+    requests_completed: int = 0
+    requests_failed: int = 0
+    requests_aborted: int = 0
+    requests_redispatched: int = 0
+    frames_rejected: int = 0
+    requests_rejected: int = 0
+    requests_timed_out: int = 0
+    requests_reattached: int = 0
+    clients_lost: int = 0
+    clients_too_slow: int = 0
+
+
+@dataclass
+class ClusterStatus:
+    """The cluster-wide facts: one part writes each, the jobs read them. `state`: the lifecycle (commands.py
+    applies the table); `weight_version`: the weights every routable worker serves (commands.py); `model_id`:
+    --model-id or the first worker's (core.py); `drain`: (why, deadline) of a drain before STOP (core.py)."""
+
+    model_id: str | None
+    state: ClusterState = ClusterState.RUNNING
+    weight_version: int = 0
+    drain: tuple[str, float] | None = None

@@ -23,22 +23,6 @@ log = logging.getLogger("infer.coordinator")
 MAX_STATS_WAITERS = 1024
 MAX_STATS_WAITERS_PER_CLIENT = 8
 MAX_STATS_PER_CLIENT_S = 100     # StatsRequests one client may send per second; past it: Error "overloaded"
-MAX_REJECTION_CHARS = 2000       # of the text answering a bad frame (which may quote the frame)
-
-
-@dataclass
-class Counters:
-    requests_submitted: int = 0
-    requests_completed: int = 0
-    requests_failed: int = 0
-    requests_aborted: int = 0
-    requests_redispatched: int = 0
-    frames_rejected: int = 0
-    requests_rejected: int = 0
-    requests_timed_out: int = 0
-    requests_reattached: int = 0
-    clients_lost: int = 0
-    clients_too_slow: int = 0
 
 
 @dataclass

@@ -1,0 +1,45 @@
+"""What the coordinator queued to send since the daemon last took it. No I/O.
+
+Jobs are given `send` (and the relay `to_client`), never the queue: each client's deltas are gathered into one
+DeltaBatch per cycle, everything else leaves in the order it was queued."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from infer.protocol.messages import Delta, DeltaBatch, Message
+
+Send = Callable[[bytes, Message], None]       # queue a message to a peer (by ROUTER identity)
+
+
+class Outbox:
+    """The messages queued to peers, and the deltas queued to clients."""
+
+    def __init__(self) -> None:
+        self._out: list[tuple[bytes, Message]] = []
+        self._client_deltas: dict[bytes, list[Delta]] = {}
+
+    def send(self, identity: bytes, msg: Message) -> None:
+        self._out.append((identity, msg))
+
+    def to_client(self, client: bytes, delta: Delta) -> None:
+        deltas = self._client_deltas.get(client)
+        if deltas is None:
+            self._client_deltas[client] = [delta]
+        else:
+            deltas.append(delta)
+
+    def take(self) -> list[tuple[bytes, Message]]:
+        """Everything queued since the last call: each client's deltas as one DeltaBatch, then the rest in the
+        order it was queued."""
+        out: list[tuple[bytes, Message]] = [(identity, DeltaBatch(deltas=deltas))
+                                            for identity, deltas in self._client_deltas.items()]
+        out.extend(self._out)
+        self._client_deltas = {}
+        self._out = []
+        return out
+
+    def drop(self, identity: bytes) -> None:
+        """Nothing queued for `identity` leaves (it was cut off)."""
+        self._client_deltas.pop(identity, None)
+        self._out = [(i, m) for i, m in self._out if i != identity]
