@@ -184,7 +184,7 @@ class Admission:
         that serve the cluster's weight version (a worker behind is brought to it first: commands.py)."""
         if self.routable_cache is None:
             dead_groups = {w.group_id for w in self.core.workers if not w.healthy}
-            version = self.core.commands.weight_version
+            version = self.core.status.weight_version
             self.routable_cache = [w for w in self.core.workers if w.healthy and not w.draining
                                    and w.group_id not in dead_groups and w.weight_version == version]
         return self.routable_cache

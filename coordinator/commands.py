@@ -40,10 +40,10 @@ class Commands:
 
     def __init__(self, core: Coordinator) -> None:
         self.core = core
+        self.status = core.status                        # weight_version: every routable worker serves it
         self.stop_pending: set[str] | None = None     # workers yet to acknowledge STOP
         self.stop_deadline = math.inf
         self.barrier: WorkerBarrier | None = None       # suspend / resume / update_weights awaiting the workers
-        self.weight_version = 0                          # the cluster's weights: every routable worker serves them
         self.version_known = False                       # set by a refit, or by the first worker's Hello
         self.refit_paths: dict[int, str | None] = {}     # version -> its directory (None: a trainer's broadcast)
         self.committing = False                          # the barrier is a refit's commit phase
@@ -137,7 +137,7 @@ class Commands:
         if refusal is not None:
             self.core.send(identity, Error(message=f"update_weights refused: {refusal}"))
             return
-        version = self.weight_version + 1
+        version = self.status.weight_version + 1
         if msg.on_running == "abort":
             self._abort_in_flight(f"aborted: the weights are being updated to version {version} "
                                   f"(update_weights with on_running='abort')")
@@ -235,7 +235,7 @@ class Commands:
             log.warning("%s", safe(failure or f"{barrier.what} failed", 2000))
             self.core.send(barrier.client, Error(message=f"{failure}; no worker changed its weights"))
         else:
-            self.weight_version, self.version_known = version, True
+            self.status.weight_version, self.version_known = version, True
             self.refit_paths[version] = self.refit_path
             self.core.admission.routes_changed()
             if failure is not None:
@@ -255,7 +255,7 @@ class Commands:
         self.catch_ups.pop(worker.worker_id, None)
         others = [w for w in self.core.workers if w.healthy and w is not worker]
         if not self.version_known and not others:
-            self.weight_version = worker.weight_version
+            self.status.weight_version = worker.weight_version
         self.version_known = True
         self.core.admission.routes_changed()
         self.catch_up(worker, now)
@@ -269,7 +269,7 @@ class Commands:
     def catch_up(self, worker: WorkerRecord, now: float) -> None:
         """Send a worker behind the cluster the next directory refit it lacks (two phases, as a refit); it
         stays out of routing meanwhile, and for good if a refit it lacks was a trainer's broadcast."""
-        have, want = worker.weight_version, self.weight_version
+        have, want = worker.weight_version, self.status.weight_version
         if have == want or worker.worker_id in self.catch_ups or not worker.healthy:
             return
         missing = [self.refit_paths.get(v) for v in range(have + 1, want + 1)]
@@ -296,7 +296,7 @@ class Commands:
             self.core.send(worker.identity, CommitWeights(version=version))
         else:
             del self.catch_ups[worker.worker_id]
-            if worker.weight_version == self.weight_version:
+            if worker.weight_version == self.status.weight_version:
                 log.info("worker %s serves weight version %d: routed again", safe(worker.worker_id), version)
                 self.core.admission.dispatch_held(now)
             else:

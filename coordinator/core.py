@@ -95,7 +95,8 @@ class Coordinator:
         self.relay = Relay(self)
         self.liveness = Liveness(self)
         self.commands = Commands(self)
-        self.statistics = Statistics(self)
+        self.statistics = Statistics(self.books, self.outbox.send, self.status, self.admission, config,
+                                     self.policy.name, now)
         self._handlers: dict[type[Message], Callable[[bytes, Any, float], None]] = {
             Hello: self._on_hello, Submit: self._on_submit, Abort: self._on_abort,
             StepBatch: self.relay.on_step_batch, Error: self.relay.on_error, Heartbeat: self.liveness.on_heartbeat,

@@ -1,22 +1,22 @@
-"""Statistics: the counters, ClusterStats snapshots, StatsRequests answered at once or once enough workers are
-healthy (bounded per client), the rate-limited reports of rejected frames. No I/O: a job of the Coordinator
-(core.py)."""
+"""Statistics: ClusterStats snapshots of the counters and tables, StatsRequests answered at once or once enough
+workers are healthy (bounded per client), the rate-limited reports of rejected frames. No I/O: a job the
+Coordinator (core.py) builds; it reads the books and asks admission which workers are routable."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from infer.coordinator.admission import Admission
+from infer.coordinator.books import Books
+from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import ClusterState
-from infer.coordinator.state import ClientRecord
+from infer.coordinator.outbox import Send
+from infer.coordinator.state import ClientRecord, ClusterStatus
 from infer.protocol.codes import ErrorCode
 from infer.protocol.messages import (
     ClusterStats, Error, StatsRequest, WorkerStats
 )
-
-if TYPE_CHECKING:
-    from infer.coordinator.core import Coordinator
 
 log = logging.getLogger("infer.coordinator")
 
@@ -33,10 +33,18 @@ class _StatsWaiter:
 
 
 class Statistics:
-    """Counters, snapshots and the clients waiting for one."""
+    """Counters, snapshots and the clients waiting for one. Reads the books, the cluster's status and which
+    workers are routable (admission); owns the waiting StatsRequests."""
 
-    def __init__(self, core: Coordinator) -> None:
-        self.core = core
+    def __init__(self, books: Books, send: Send, status: ClusterStatus, admission: Admission,
+                 config: CoordinatorConfig, policy_name: str, started: float) -> None:
+        self.books = books
+        self.send = send
+        self.status = status
+        self.admission = admission
+        self.config = config
+        self.policy_name = policy_name
+        self.started = started
         self.stats_waiters: list[_StatsWaiter] = []
         self._rejected_logged = 0
         self._overload_logged = 0
@@ -46,18 +54,18 @@ class Statistics:
         self.stats_waiters = [w for w in self.stats_waiters if w.identity != identity]
 
     def on_stats_request(self, identity: bytes, request: StatsRequest, now: float) -> None:
-        client = self.core.client(identity, now)
+        client = self.books.client(identity, now)
         if client is None:
             return
         if not self._stats_budget_left(client, now):
-            self.core.send(identity, Error(message=f"too many stats requests from this client (at most "
+            self.send(identity, Error(message=f"too many stats requests from this client (at most "
                                                f"{MAX_STATS_PER_CLIENT_S} per second); retry later",
                                            code=ErrorCode.OVERLOADED))
             return
-        if (request.min_healthy_workers <= len(self.core.admission.routable()) or request.timeout_s <= 0
-                or len(self.stats_waiters) >= MAX_STATS_WAITERS or self.core.state is ClusterState.STOPPED
+        if (request.min_healthy_workers <= len(self.admission.routable()) or request.timeout_s <= 0
+                or len(self.stats_waiters) >= MAX_STATS_WAITERS or self.status.state is ClusterState.STOPPED
                 or client.stats_waiting >= MAX_STATS_WAITERS_PER_CLIENT):
-            self.core.send(identity, self.snapshot(now))
+            self.send(identity, self.snapshot(now))
         else:
             client.stats_waiting += 1
             self.stats_waiters.append(_StatsWaiter(identity, request.min_healthy_workers, now + request.timeout_s))
@@ -73,12 +81,12 @@ class Statistics:
     def answer_stats_waiters(self, now: float, force: bool = False) -> None:
         if not self.stats_waiters:
             return
-        healthy = len(self.core.admission.routable())
+        healthy = len(self.admission.routable())
         waiting = []
         for waiter in self.stats_waiters:
             if force or healthy >= waiter.min_healthy_workers or now >= waiter.deadline:
-                self.core.send(waiter.identity, self.snapshot(now))
-                client = self.core.clients.get(waiter.identity)
+                self.send(waiter.identity, self.snapshot(now))
+                client = self.books.clients.get(waiter.identity)
                 if client is not None and client.stats_waiting > 0:
                     client.stats_waiting -= 1
             else:
@@ -86,34 +94,34 @@ class Statistics:
         self.stats_waiters = waiting
 
     def snapshot(self, now: float) -> ClusterStats:
-        routable = {w.worker_id for w in self.core.admission.routable()}
+        routable = {w.worker_id for w in self.admission.routable()}
         workers = [WorkerStats(worker_id=w.worker_id, dp_rank=w.dp_rank, group_id=w.group_id,
                                healthy=w.worker_id in routable, num_kv_blocks=w.hello.num_kv_blocks,
                                block_size=w.hello.block_size, max_num_seqs=w.hello.max_num_seqs,
                                max_model_len=w.hello.max_model_len, requests_routed=w.requests_routed,
                                num_in_flight=w.num_in_flight, seconds_since_heard=round(now - w.last_seen, 3),
                                registrations=w.registrations, load=w.load)
-                   for w in sorted(self.core.workers, key=lambda w: (w.dp_rank, w.worker_id))]
-        c = self.core.counters
+                   for w in sorted(self.books.workers, key=lambda w: (w.dp_rank, w.worker_id))]
+        c = self.books.counters
         return ClusterStats(
-            coordinator_id=self.core.config.coordinator_id, state=self.core.state, policy=self.core.policy.name,
-            model_id=self.core.model_id, workers=workers, num_clients=len(self.core.clients),
-            num_in_flight=self.core.requests.num_in_flight, num_held=len(self.core.requests.held),
+            coordinator_id=self.config.coordinator_id, state=self.status.state, policy=self.policy_name,
+            model_id=self.status.model_id, workers=workers, num_clients=len(self.books.clients),
+            num_in_flight=self.books.requests.num_in_flight, num_held=len(self.books.requests.held),
             requests_submitted=c.requests_submitted, requests_completed=c.requests_completed,
             requests_failed=c.requests_failed, requests_aborted=c.requests_aborted,
             requests_redispatched=c.requests_redispatched, frames_rejected=c.frames_rejected,
-            uptime_s=round(now - self.core.started, 3), requests_rejected=c.requests_rejected,
+            uptime_s=round(now - self.started, 3), requests_rejected=c.requests_rejected,
             requests_timed_out=c.requests_timed_out, requests_reattached=c.requests_reattached,
             clients_lost=c.clients_lost, clients_too_slow=c.clients_too_slow,
-            weight_version=self.core.commands.weight_version)
+            weight_version=self.status.weight_version)
 
     def log_rejections(self) -> None:
-        rejected = self.core.counters.frames_rejected
+        rejected = self.books.counters.frames_rejected
         if rejected != self._rejected_logged:
             log.warning("rejected %d malformed or unexpected frame(s) since the last report (%d in all)",
                         rejected - self._rejected_logged, rejected)
             self._rejected_logged = rejected
-        overloaded = self.core.counters.requests_rejected
+        overloaded = self.books.counters.requests_rejected
         if overloaded != self._overload_logged:
             log.warning("overloaded: refused %d request(s) since the last report (%d in all)",
                         overloaded - self._overload_logged, overloaded)
