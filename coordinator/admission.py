@@ -131,7 +131,7 @@ class Admission:
             self.core.counters.requests_completed += 1
             self.core.finish(request, Delta.final(request.request_id, "length"), {})
             return True
-        self.place(request, worker)
+        self.core.books.place(request, worker)
         worker.requests_routed += 1
         worker.dispatches_sent += 1
         request.dispatch_seq = worker.dispatches_sent
@@ -146,14 +146,6 @@ class Admission:
         clear = [w for w in candidates
                  if not any(r is not None and r.suspect for r in map(self.core.requests.get, w.requests))]
         return clear or candidates
-
-    def place(self, request: RequestRecord, worker: WorkerRecord) -> None:
-        """Put `request` on `worker`'s books (it runs there from now on), charged at its estimated cost."""
-        self.core.requests.unhold(request)
-        request.worker_id = worker.worker_id
-        request.charged = request.cost
-        worker.requests.add(request.request_id)
-        worker.cost_in_flight += request.charged
 
     @property
     def _dispatching(self) -> bool:

@@ -90,8 +90,8 @@ class Coordinator:
         self.started = now
         self._next_tick = now
         self.peer_warnings = RateLimitedLog(log)   # warnings a peer can trigger at will
-        self.reattachment = Reattachment(self)
         self.admission = Admission(self)
+        self.reattachment = Reattachment(self.books, self.outbox, self.admission, config, now)
         self.relay = Relay(self)
         self.liveness = Liveness(self)
         self.commands = Commands(self)

@@ -1,23 +1,24 @@
 """Re-attachment after a coordinator restart: the requests workers still run when they register again (their
 RequestSnapshots) wait in the orphan table until their clients re-attach (Submit with `reattach`), and a client's
 re-attached request waits for its worker during restart_grace; then each stream is handed back from wherever the
-client's copy stops, or resumed from the client's tokens. No I/O: a job of the Coordinator (core.py)."""
+client's copy stops, or resumed from the client's tokens. No I/O: a job the Coordinator (core.py) builds. It owns
+the orphan table (the relay extends orphans, liveness drops a dead worker's) and hands requests to admission."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
+from infer.coordinator.admission import Admission
+from infer.coordinator.books import Books
+from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.orphans import Orphan, OrphanTable
+from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import ClientRecord, RequestRecord, WorkerRecord
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import (
     Abort, Delta, Hello, Submit, TokenIds
 )
-
-if TYPE_CHECKING:
-    from infer.coordinator.core import Coordinator
 
 log = logging.getLogger("infer.coordinator")
 
@@ -25,8 +26,13 @@ log = logging.getLogger("infer.coordinator")
 class Reattachment:
     """The orphan table and the re-attached requests waiting for their worker."""
 
-    def __init__(self, core: Coordinator) -> None:
-        self.core = core
+    def __init__(self, books: Books, outbox: Outbox, admission: Admission, config: CoordinatorConfig,
+                 started: float) -> None:
+        self.books = books
+        self.outbox = outbox
+        self.admission = admission
+        self.config = config
+        self.started = started
         self.orphans = OrphanTable()
         self._reattaching: dict[str, RequestRecord] = {}   # re-attached, waiting (restart_grace) for their worker
 
@@ -44,8 +50,8 @@ class Reattachment:
             if snapshot is not None and waiting is not None:
                 if self._adopt(waiting, Orphan.from_snapshot(worker.worker_id, snapshot, now), now):
                     continue
-                self.core.requests.hold(waiting, now)
-            elif snapshot is not None and self.core.requests.get(rid) is None:
+                self.books.requests.hold(waiting, now)
+            elif snapshot is not None and self.books.requests.get(rid) is None:
                 self.orphans.add(Orphan.from_snapshot(worker.worker_id, snapshot, now))
                 continue
             stale.append(rid)
@@ -54,14 +60,14 @@ class Reattachment:
     def _adopt(self, request: RequestRecord, orphan: Orphan, now: float) -> bool:
         """Hand `orphan` (its worker runs it) back to `request`'s client: send what the client lacks, then
         relay as usual. False when the client's copy does not fit the worker's (resume it instead)."""
-        worker = self.core.workers.by_id.get(orphan.worker_id)
+        worker = self.books.workers.by_id.get(orphan.worker_id)
         catch_up = orphan.catch_up(request.delivered) if worker is not None and worker.healthy else None
         if catch_up is None:
             if worker is not None and worker.healthy and orphan.final is None:
-                self.core.send(worker.identity, Abort(request_ids=[orphan.request_id]))
+                self.outbox.send(worker.identity, Abort(request_ids=[orphan.request_id]))
             return False
         tokens, text = catch_up
-        self.core.counters.requests_reattached += 1
+        self.books.counters.requests_reattached += 1
         if request.prompt_token_ids is None:
             request.prompt_token_ids = orphan.prompt_token_ids
         if orphan.seed is not None:         # what the worker runs with (the client may not have heard it yet)
@@ -81,13 +87,13 @@ class Reattachment:
             request.delivered_text_len += len(text)
         request.dispatch_seq = 0        # every Hello of that worker lists it (no Dispatch of ours to cross)
         if final is not None:
-            self.core.counters.requests_failed += final.finish_reason == "error"
-            self.core.counters.requests_completed += final.finish_reason != "error"
-            self.core.finish(request, delta, {})
+            self.books.counters.requests_failed += final.finish_reason == "error"
+            self.books.counters.requests_completed += final.finish_reason != "error"
+            self.books.finish(request, delta, {})
             return True
         if tokens or text or delta.prompt_token_ids is not None:
-            self.core.to_client(request, delta)
-        self.core.admission.place(request, worker)
+            self.outbox.to_client(request.client, delta)
+        self.books.place(request, worker)
         log.debug("request %s re-attached on worker %s after %d token(s)", safe(request.request_id),
                   safe(worker.worker_id), len(request.delivered))
         return True
@@ -96,33 +102,33 @@ class Reattachment:
         """A client sends an unfinished request again after this coordinator (re)started: take over the
         worker's copy if one registered, wait for it during restart_grace, else resume from the client's."""
         rid = submit.request_id
-        request = self.core.admission.new_record(client.identity, submit, now)
+        request = self.admission.new_record(client.identity, submit, now)
         request.delivered = TokenIds(submit.delivered_token_ids)
         request.delivered_text_len = submit.delivered_text_len if request.delivered else 0
         request.sent_prompt_ids = bool(request.delivered)
-        self.core.requests.add(request)
+        self.books.requests.add(request)
         client.requests.add(rid)
         orphan = self.orphans.take(rid)
         if orphan is not None and self._adopt(request, orphan, now):
             return
-        if orphan is None and now < self.core.started + self.core.config.restart_grace:
+        if orphan is None and now < self.started + self.config.restart_grace:
             self._reattaching[rid] = request
             return
-        self.core.admission.admit(request, now)
+        self.admission.admit(request, now)
 
     def check_reattaching(self, now: float) -> None:
         """After restart_grace, re-attached requests whose worker never came back are resumed elsewhere;
         orphans no client claimed are aborted on their workers."""
-        if self._reattaching and now >= self.core.started + self.core.config.restart_grace:
+        if self._reattaching and now >= self.started + self.config.restart_grace:
             waiting, self._reattaching = list(self._reattaching.values()), {}
             log.info("%d re-attached request(s) found no worker running them: resuming them from the clients' "
                      "tokens", len(waiting))
             for request in waiting:
-                self.core.admission.admit(request, now)
+                self.admission.admit(request, now)
         to_workers: dict[str, list[str]] = {}
-        for orphan in self.orphans.expired(now, self.core.config.client_timeout + self.core.config.restart_grace):
+        for orphan in self.orphans.expired(now, self.config.client_timeout + self.config.restart_grace):
             if orphan.final is None:
                 to_workers.setdefault(orphan.worker_id, []).append(orphan.request_id)
         if to_workers:
             log.warning("aborting %d request(s) no client re-attached", sum(map(len, to_workers.values())))
-            self.core.send_aborts(to_workers)
+            self.books.send_aborts(to_workers)
