@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer.coordinator")
 
+QUARANTINE_DEATHS = 2            # worker deaths while it ran that fail a request as a likely poison
+
 
 class Admission:
     """Which requests go where, and when; the deadline heap; the routable workers."""
@@ -166,6 +168,41 @@ class Admission:
         if all(r.priority == held[0].priority for r in held):
             return held
         return sorted(held, key=lambda r: (r.retries == 0, r.priority))
+
+    def failover(self, request: RequestRecord, reason: str, now: float) -> None:
+        """Move `request` off its worker and queue it (first in line) to resume where its stream stands."""
+        self.core.books.detach(request)
+        if request.retries >= self.core.config.max_retries:
+            self.core.books.fail(request, f"request {request.request_id!r} failed: {reason}; it was already "
+                                          f"re-dispatched {request.retries} time(s), the limit (--max-retries)")
+            return
+        if len(request.worker_deaths) >= QUARANTINE_DEATHS:
+            self._quarantine(request, reason)
+            return
+        request.retries += 1
+        self.core.counters.requests_redispatched += 1
+        self.core.requests.hold(request, now)
+        self.core.requests.held.move_to_end(request.request_id, last=False)
+
+    def _quarantine(self, request: RequestRecord, reason: str) -> None:
+        """Fail a request that was running on QUARANTINE_DEATHS workers when they died: a likely poison."""
+        workers = ", ".join(repr(w) for w in request.worker_deaths)
+        log.warning("request %r quarantined: running on %d workers that died (%s)", request.request_id,
+                    len(request.worker_deaths), workers)
+        self.core.books.fail(request, f"request {request.request_id!r} failed: it was running on two workers that "
+                                      f"died ({workers}; last: {reason}), so it is quarantined as their likely cause "
+                                      f"instead of being moved to another worker", "internal")
+
+    def worker_died(self, worker: WorkerRecord) -> None:
+        """`worker` is dead: out of routing, and the policy forgets its rank (its requests move: `failover`)."""
+        self.routes_changed()
+        self.core.policy.forget_rank(worker.dp_rank)
+
+    def note_version(self, worker: WorkerRecord, version: int) -> None:
+        """What a worker's load or answer says it serves: it routes only at the cluster's version."""
+        if version != worker.weight_version:
+            worker.weight_version = version
+            self.routes_changed()
 
     def routes_changed(self) -> None:
         """A worker joined, died or drains: `routable` is worked out afresh."""

@@ -103,6 +103,11 @@ class Commands:
                 self.core.statistics.answer_stats_waiters(now, force=True)
         return None
 
+    def worker_died(self, worker: WorkerRecord) -> None:
+        """A dead worker acknowledges no STOP."""
+        if self.stop_pending is not None:
+            self.stop_pending.discard(worker.worker_id)
+
     def _worker_frame(self, identity: bytes, kind: str, now: float) -> WorkerRecord | None:
         """The registered worker that sent a `kind` frame, now seen; None (the sender refused) for any other."""
         worker = self.core.workers.by_identity.get(identity)
@@ -180,7 +185,7 @@ class Commands:
         if worker is None:
             return
         if not msg.prepared and msg.error is None:
-            self.note_version(worker, msg.version)
+            self.core.admission.note_version(worker, msg.version)
         if worker.worker_id in self.catch_ups:
             return self._on_catch_up_answer(worker, msg, now)
         barrier = self.barrier
@@ -259,12 +264,6 @@ class Commands:
         self.version_known = True
         self.core.admission.routes_changed()
         self.catch_up(worker, now)
-
-    def note_version(self, worker: WorkerRecord, version: int) -> None:
-        """What a worker's load or answer says it serves: it routes only at the cluster's version."""
-        if version != worker.weight_version:
-            worker.weight_version = version
-            self.core.admission.routes_changed()
 
     def catch_up(self, worker: WorkerRecord, now: float) -> None:
         """Send a worker behind the cluster the next directory refit it lacks (two phases, as a refit); it

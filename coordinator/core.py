@@ -92,11 +92,13 @@ class Coordinator:
         self.peer_warnings = RateLimitedLog(log)   # warnings a peer can trigger at will
         self.admission = Admission(self)
         self.reattachment = Reattachment(self.books, self.outbox, self.admission, config, now)
-        self.relay = Relay(self)
-        self.liveness = Liveness(self)
+        self.relay = Relay(self.books, self.outbox, self.admission, self.reattachment.orphans, self.peer_warnings)
         self.commands = Commands(self)
         self.statistics = Statistics(self.books, self.outbox.send, self.status, self.admission, config,
                                      self.policy.name, now)
+        self.liveness = Liveness(self.books, self.outbox.send, self.admission, self.relay, config, self._heartbeat,
+                                 self.peer_warnings, on_worker_dead=self._worker_died,
+                                 on_client_gone=self.statistics.forget_waiter)
         self._handlers: dict[type[Message], Callable[[bytes, Any, float], None]] = {
             Hello: self._on_hello, Submit: self._on_submit, Abort: self._on_abort,
             StepBatch: self.relay.on_step_batch, Error: self.relay.on_error, Heartbeat: self.liveness.on_heartbeat,
@@ -277,6 +279,15 @@ class Coordinator:
         self.outbox.drop(identity)
         self.send(identity, Refused(reason=f"the coordinator cut this connection off: {reason}"))
 
+    def _heartbeat(self, now: float) -> Heartbeat:
+        return Heartbeat(sent_at=now + self.wall_offset, instance=self.instance)
+
+    def _worker_died(self, worker: WorkerRecord) -> None:
+        """Liveness declared `worker` dead (admission already took it out of routing): STOP waits for it no
+        more; its orphans go (their clients resume them from their own copy)."""
+        self.commands.worker_died(worker)
+        self.reattachment.orphans.drop_worker(worker.worker_id)
+
     def _check_keys(self, now: float) -> None:
         """After the authorized keys changed: cut off the peers whose key lost the role they act in."""
         for identity, reason in self.access.lost_roles(self._acting_as):
@@ -350,7 +361,7 @@ class Coordinator:
                     worker.requests.add(request.request_id)
                     worker.cost_in_flight += request.charged
                 else:
-                    self.liveness.failover(request, f"worker {old.worker_id!r} re-registered without it", now)
+                    self.admission.failover(request, f"worker {old.worker_id!r} re-registered without it", now)
         for superseded in [w for w in self.workers if not w.healthy and w.dp_rank == rank
                            and w.worker_id != hello.peer_id]:
             self.workers.remove(superseded)

@@ -1,21 +1,22 @@
 """Relaying worker output: each StepBatch's deltas go to their clients (continued from the original prompt after
 a failover), a worker's own abort or drain moves the request, stray deltas are aborted at their worker, a
-worker's Error fails its request. No I/O: a job of the Coordinator (core.py)."""
+worker's Error fails its request. No I/O: a job the Coordinator (core.py) builds. It reads the books and the orphan
+table (reattachment's: an orphan's deltas are kept there), and hands requests its worker gave up to admission."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
+from infer.coordinator.admission import Admission
+from infer.coordinator.books import Books
+from infer.coordinator.orphans import OrphanTable
+from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import RequestRecord, WorkerRecord
-from infer.protocol.logsafe import safe
+from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
     Abort, Delta, Error, StepBatch
 )
-
-if TYPE_CHECKING:
-    from infer.coordinator.core import Coordinator
 
 log = logging.getLogger("infer.coordinator")
 
@@ -23,23 +24,27 @@ log = logging.getLogger("infer.coordinator")
 class Relay:
     """Worker output to the clients."""
 
-    def __init__(self, core: Coordinator) -> None:
-        self.core = core
-
+    def __init__(self, books: Books, outbox: Outbox, admission: Admission, orphans: OrphanTable,
+                 peer_warnings: RateLimitedLog) -> None:
+        self.books = books
+        self.outbox = outbox
+        self.admission = admission
+        self.orphans = orphans
+        self.peer_warnings = peer_warnings
 
     def on_step_batch(self, identity: bytes, batch: StepBatch, now: float) -> None:
-        worker = self.core.workers.by_identity.get(identity)
+        worker = self.books.workers.by_identity.get(identity)
         if worker is None or not worker.healthy:
             self.unknown_worker(identity, worker, [d.request_id for d in batch.deltas if not d.finished])
             return
         worker.last_seen = now
         worker.load = batch.load
-        self.core.commands.note_version(worker, batch.load.weight_version)
+        self.admission.note_version(worker, batch.load.weight_version)
         stray = []
         for delta in batch.deltas:
-            request = self.core.requests.get(delta.request_id)
+            request = self.books.requests.get(delta.request_id)
             if request is None or request.worker_id != worker.worker_id:
-                orphan = self.core.reattachment.orphans.get(delta.request_id)
+                orphan = self.orphans.get(delta.request_id)
                 if orphan is not None and orphan.worker_id == worker.worker_id:
                     orphan.extend(delta)
                 elif not delta.finished:
@@ -47,18 +52,18 @@ class Relay:
                 continue
             self._relay(request, worker, delta, now)
         if stray:
-            self.core.send(identity, Abort(request_ids=stray))
-        if self.core.requests.held:      # finished requests made room
-            self.core.admission.dispatch_held(now)
+            self.outbox.send(identity, Abort(request_ids=stray))
+        if self.books.requests.held:      # finished requests made room
+            self.admission.dispatch_held(now)
 
     def unknown_worker(self, identity: bytes, worker: WorkerRecord | None, running: list[str]) -> None:
         """A worker frame from a peer that is not a registered, live worker: ask it to register again. One
         declared dead also aborts what it runs (moved elsewhere); one never seen (this coordinator restarted)
         keeps running: its Hello will bring those requests back."""
         who = f"{worker.worker_id!r}, declared dead" if worker is not None else f"with identity {identity.hex()}"
-        self.core.send(identity, Error(message=f"unknown worker ({who}): send hello to register again"))
+        self.outbox.send(identity, Error(message=f"unknown worker ({who}): send hello to register again"))
         if running and worker is not None:
-            self.core.send(identity, Abort(request_ids=running))
+            self.outbox.send(identity, Abort(request_ids=running))
 
     def _relay(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         if request.prompt_token_ids is None:    # a string prompt: keep the ids its first worker made
@@ -72,8 +77,8 @@ class Relay:
         if delta.finish_reason == "error" and delta.error_code == "overloaded" and delta.queue_time_s is None:
             # its queue was full: another worker may have room. (One that waited past the worker's
             # --max-queue-time carries queue_time_s: the cluster is overloaded, and the client hears it.)
-            self.core.liveness.failover(request, f"worker {worker.worker_id!r} was full ({delta.error})", now)
-            self.core.admission.dispatch_held(now)
+            self.admission.failover(request, f"worker {worker.worker_id!r} was full ({delta.error})", now)
+            self.admission.dispatch_held(now)
             return
         if request.retries or request.sent_prompt_ids:
             delta = self._continuation(request, delta)
@@ -83,12 +88,12 @@ class Relay:
             request.delivered_text_len += len(delta.text)
         if delta.finished:
             if delta.finish_reason == "error":
-                self.core.counters.requests_failed += 1
+                self.books.counters.requests_failed += 1
             else:
-                self.core.counters.requests_completed += 1
-            self.core.finish(request, delta, {})
+                self.books.counters.requests_completed += 1
+            self.books.finish(request, delta, {})
         else:
-            self.core.to_client(request, delta)
+            self.outbox.to_client(request.client, delta)
 
     def _continuation(self, request: RequestRecord, delta: Delta) -> Delta:
         """`delta` as the client should see it: the prompt ids and the seed only once, counted from the
@@ -105,33 +110,32 @@ class Relay:
         if delta.token_ids or delta.text:
             self._relay(request, worker, dataclasses.replace(delta, finished=False, finish_reason=None, error=None,
                                                              error_code=None), now)
-        self.core.liveness.failover(request, f"worker {worker.worker_id!r} aborted it", now)
-        self.core.admission.dispatch_held(now)
+        self.admission.failover(request, f"worker {worker.worker_id!r} aborted it", now)
+        self.admission.dispatch_held(now)
 
     def _worker_draining(self, request: RequestRecord, worker: WorkerRecord, now: float) -> None:
         """The worker refused a dispatch because it drains (SIGTERM): route nothing more to it."""
         if not worker.draining:
             worker.draining = True
-            self.core.admission.routes_changed()
+            self.admission.routes_changed()
             log.info("worker %s (dp_rank %d) is draining: no new requests go to it", safe(worker.worker_id),
                      worker.dp_rank)
-        self.core.liveness.failover(request, f"worker {worker.worker_id!r} is draining", now)
-        self.core.admission.dispatch_held(now)
+        self.admission.failover(request, f"worker {worker.worker_id!r} is draining", now)
+        self.admission.dispatch_held(now)
 
     def on_error(self, identity: bytes, error: Error, now: float) -> None:
-        worker = self.core.workers.by_identity.get(identity)
+        worker = self.books.workers.by_identity.get(identity)
         if worker is None or not worker.healthy:
-            client = self.core.clients.get(identity)
+            client = self.books.clients.get(identity)
             if client is not None:
                 client.last_seen = now
-            self.core.peer_warnings.warning("error reported by peer %s: %s", safe(identity), safe(error.message))
+            self.peer_warnings.warning("error reported by peer %s: %s", safe(identity), safe(error.message))
             return
         worker.last_seen = now
-        request = self.core.requests.get(error.request_id) if error.request_id is not None else None
+        request = self.books.requests.get(error.request_id) if error.request_id is not None else None
         if request is not None and request.worker_id == worker.worker_id:
-            self.core.fail(request, f"worker {worker.worker_id!r} failed request {request.request_id!r}: "
-                                    f"{error.message}",
-                       error.code or "internal")
+            self.books.fail(request, f"worker {worker.worker_id!r} failed request {request.request_id!r}: "
+                                     f"{error.message}", error.code or "internal")
         else:
-            self.core.peer_warnings.warning("error reported by worker %s: %s", safe(worker.worker_id),
-                                        safe(error.message))
+            self.peer_warnings.warning("error reported by worker %s: %s", safe(worker.worker_id),
+                                       safe(error.message))
