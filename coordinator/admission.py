@@ -1,24 +1,26 @@
 """Admission, routing and deadlines: a Submit is refused as overloaded, held, or routed and dispatched; held
 requests go out in order (resumed ones first, then by priority) when room appears; requests past their timeout
-fail from one deadline heap (protocol/deadlines.py, which LocalEngine uses too). No I/O: a job of the
-Coordinator (core.py)."""
+fail from one deadline heap (protocol/deadlines.py, which LocalEngine uses too); a request whose worker died, gave it up
+or drains goes back to the front of the queue (failover), or fails past its retries or as a likely poison. No I/O: a
+job the Coordinator (core.py) builds, on the books, the routing policy and the cluster's status (every other job
+calls it; it calls none). It owns the deadline heap and the routable workers."""
 
 from __future__ import annotations
 
 import logging
 import random
-from typing import TYPE_CHECKING
 
+from infer.coordinator.books import Books
+from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import ClusterState
-from infer.coordinator.state import RequestRecord, WorkerRecord
+from infer.coordinator.outbox import Send
+from infer.coordinator.routing import RoutingPolicy
+from infer.coordinator.state import ClusterStatus, RequestRecord, WorkerRecord
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.messages import (
     Delta, Submit
 )
 from infer.protocol.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from infer.coordinator.core import Coordinator
 
 log = logging.getLogger("infer.coordinator")
 
@@ -28,8 +30,13 @@ QUARANTINE_DEATHS = 2            # worker deaths while it ran that fail a reques
 class Admission:
     """Which requests go where, and when; the deadline heap; the routable workers."""
 
-    def __init__(self, core: Coordinator) -> None:
-        self.core = core
+    def __init__(self, books: Books, send: Send, status: ClusterStatus, policy: RoutingPolicy,
+                 config: CoordinatorConfig) -> None:
+        self.books = books
+        self.send = send
+        self.status = status
+        self.policy = policy
+        self.config = config
         self._seeds = random.Random()                # seeds for sampled requests that come without one
         self.routable_cache: list[WorkerRecord] | None = None
         self.deadlines: DeadlineHeap[str] = DeadlineHeap()   # request ids by deadline; stale entries skipped
@@ -53,10 +60,10 @@ class Admission:
 
     def admit(self, request: RequestRecord, now: float) -> None:
         """Dispatch an accepted request now, or hold it behind the ones already waiting."""
-        if self._dispatching and not self.core.requests.held:
+        if self._dispatching and not self.books.requests.held:
             self._dispatch(request, now)
         else:
-            self.core.requests.hold(request, now)
+            self.books.requests.hold(request, now)
 
     def admission_refusal(self, submit: Submit) -> str | None:
         """Why a new request must be refused at once as overloaded (its queues are full), or None.
@@ -65,7 +72,7 @@ class Admission:
         priority than some request in flight is held (first in line for the next free seat, and its worker
         ranks it first) instead of refused; with the held queue full, a newcomer of a better priority
         takes the place of the worst held request that has not started, which fails as "overloaded"."""
-        if self.core.state is not ClusterState.RUNNING or not self.routable():
+        if self.status.state is not ClusterState.RUNNING or not self.routable():
             return self._held_room(submit)
         if submit.pin_rank is not None:
             pinned = [w for w in self.routable() if w.dp_rank == submit.pin_rank]
@@ -84,26 +91,26 @@ class Admission:
     def _held_room(self, submit: Submit) -> str | None:
         """None if `submit` may wait in the coordinator, shedding a held request of a worse priority to make room
         when the queue is full; else why it is refused."""
-        limit = self.core.config.max_held_requests
-        if len(self.core.requests.held) < limit:
+        limit = self.config.max_held_requests
+        if len(self.books.requests.held) < limit:
             return None
-        fresh = [r for r in self.core.requests.held.values() if not r.delivered]
+        fresh = [r for r in self.books.requests.held.values() if not r.delivered]
         victim = max(reversed(fresh), key=lambda r: r.priority, default=None)   # the newest of the worst
         if victim is not None and victim.priority > submit.priority:
-            self.core.fail(victim, f"request {victim.request_id!r} was shed from the coordinator's full queue for a "
-                               f"request of a better priority ({submit.priority} < {victim.priority}); retry "
-                               f"later", code="overloaded")
+            self.books.fail(victim, f"request {victim.request_id!r} was shed from the coordinator's full queue for a "
+                                    f"request of a better priority ({submit.priority} < {victim.priority}); retry "
+                                    f"later", code="overloaded")
             return None
-        return (f"the cluster is overloaded: {len(self.core.requests.held)} requests already wait in the "
+        return (f"the cluster is overloaded: {len(self.books.requests.held)} requests already wait in the "
                 f"coordinator (the limit, --max-held-requests {limit}); retry later")
 
     def _worst_priority_in_flight(self) -> int:
         """The largest priority among the requests on workers (so the least urgent); on the refusal path only."""
-        return max((r.priority for r in self.core.requests.by_id.values() if r.worker_id is not None),
+        return max((r.priority for r in self.books.requests.by_id.values() if r.worker_id is not None),
                    default=-2**63)
 
     def _has_room(self, worker: WorkerRecord) -> bool:
-        limit = worker.request_limit(self.core.config.max_requests_per_worker)
+        limit = worker.request_limit(self.config.max_requests_per_worker)
         return limit is None or worker.num_in_flight < limit
 
     def _dispatch(self, request: RequestRecord, now: float) -> bool:
@@ -111,33 +118,33 @@ class Admission:
         routable = self.routable()
         candidates = [w for w in routable if self._has_room(w)]
         if not candidates:
-            self.core.requests.hold(request, now)
+            self.books.requests.hold(request, now)
             return False
         if request.pin_rank is not None and request.retries == 0:
             worker = next((w for w in candidates if w.dp_rank == request.pin_rank), None)
             if worker is None and any(w.dp_rank == request.pin_rank for w in routable):
-                self.core.requests.hold(request, now)     # its rank is full: it waits for room there
+                self.books.requests.hold(request, now)     # its rank is full: it waits for room there
                 return False
             if worker is None:
                 ranks = ", ".join(str(w.dp_rank) for w in sorted(routable, key=lambda w: w.dp_rank))
-                self.core.fail(request, f"request {request.request_id!r} is pinned to dp_rank {request.pin_rank}, "
-                                    f"which is not available (healthy ranks: {ranks})")
+                self.books.fail(request, f"request {request.request_id!r} is pinned to dp_rank {request.pin_rank}, "
+                                         f"which is not available (healthy ranks: {ranks})")
                 return True
         else:
-            worker = self.core.policy.choose(request.routing_prompt, self._for_suspect(request, candidates))
+            worker = self.policy.choose(request.routing_prompt, self._for_suspect(request, candidates))
         if request.delivered and request.prompt_token_ids is None:
-            self.core.fail(request, f"request {request.request_id!r} cannot be resumed: its worker never reported "
-                                f"the prompt's token ids")
+            self.books.fail(request, f"request {request.request_id!r} cannot be resumed: its worker never reported "
+                                     f"the prompt's token ids")
             return True
         if request.remaining_budget() == 0:      # every token is out; only the final delta was lost
-            self.core.counters.requests_completed += 1
-            self.core.finish(request, Delta.final(request.request_id, "length"), {})
+            self.books.counters.requests_completed += 1
+            self.books.finish(request, Delta.final(request.request_id, "length"), {})
             return True
-        self.core.books.place(request, worker)
+        self.books.place(request, worker)
         worker.requests_routed += 1
         worker.dispatches_sent += 1
         request.dispatch_seq = worker.dispatches_sent
-        self.core.send(worker.identity, request.dispatch())
+        self.send(worker.identity, request.dispatch())
         return True
 
     def _for_suspect(self, request: RequestRecord, candidates: list[WorkerRecord]) -> list[WorkerRecord]:
@@ -146,16 +153,16 @@ class Admission:
         if not request.suspect:
             return candidates
         clear = [w for w in candidates
-                 if not any(r is not None and r.suspect for r in map(self.core.requests.get, w.requests))]
+                 if not any(r is not None and r.suspect for r in map(self.books.requests.get, w.requests))]
         return clear or candidates
 
     @property
     def _dispatching(self) -> bool:
         """New work goes to the workers: running, and no weight update under way (it holds new requests)."""
-        return self.core.state is ClusterState.RUNNING and not self.core.commands.refit_pending
+        return self.status.state is ClusterState.RUNNING and not self.status.refit_pending
 
     def dispatch_held(self, now: float) -> None:
-        if not self._dispatching or not self.core.requests.held or not self.routable():
+        if not self._dispatching or not self.books.requests.held or not self.routable():
             return
         for request in self._held_in_order():
             if not self._dispatch(request, now):
@@ -164,39 +171,39 @@ class Admission:
     def _held_in_order(self) -> list[RequestRecord]:
         """Held requests in dispatch order: resumed ones (a failover) first, then by priority, each in the order
         they were held."""
-        held = list(self.core.requests.held.values())
+        held = list(self.books.requests.held.values())
         if all(r.priority == held[0].priority for r in held):
             return held
         return sorted(held, key=lambda r: (r.retries == 0, r.priority))
 
     def failover(self, request: RequestRecord, reason: str, now: float) -> None:
         """Move `request` off its worker and queue it (first in line) to resume where its stream stands."""
-        self.core.books.detach(request)
-        if request.retries >= self.core.config.max_retries:
-            self.core.books.fail(request, f"request {request.request_id!r} failed: {reason}; it was already "
-                                          f"re-dispatched {request.retries} time(s), the limit (--max-retries)")
+        self.books.detach(request)
+        if request.retries >= self.config.max_retries:
+            self.books.fail(request, f"request {request.request_id!r} failed: {reason}; it was already "
+                                     f"re-dispatched {request.retries} time(s), the limit (--max-retries)")
             return
         if len(request.worker_deaths) >= QUARANTINE_DEATHS:
             self._quarantine(request, reason)
             return
         request.retries += 1
-        self.core.counters.requests_redispatched += 1
-        self.core.requests.hold(request, now)
-        self.core.requests.held.move_to_end(request.request_id, last=False)
+        self.books.counters.requests_redispatched += 1
+        self.books.requests.hold(request, now)
+        self.books.requests.held.move_to_end(request.request_id, last=False)
 
     def _quarantine(self, request: RequestRecord, reason: str) -> None:
         """Fail a request that was running on QUARANTINE_DEATHS workers when they died: a likely poison."""
         workers = ", ".join(repr(w) for w in request.worker_deaths)
         log.warning("request %r quarantined: running on %d workers that died (%s)", request.request_id,
                     len(request.worker_deaths), workers)
-        self.core.books.fail(request, f"request {request.request_id!r} failed: it was running on two workers that "
-                                      f"died ({workers}; last: {reason}), so it is quarantined as their likely cause "
-                                      f"instead of being moved to another worker", "internal")
+        self.books.fail(request, f"request {request.request_id!r} failed: it was running on two workers that "
+                                 f"died ({workers}; last: {reason}), so it is quarantined as their likely cause "
+                                 f"instead of being moved to another worker", "internal")
 
     def worker_died(self, worker: WorkerRecord) -> None:
         """`worker` is dead: out of routing, and the policy forgets its rank (its requests move: `failover`)."""
         self.routes_changed()
-        self.core.policy.forget_rank(worker.dp_rank)
+        self.policy.forget_rank(worker.dp_rank)
 
     def note_version(self, worker: WorkerRecord, version: int) -> None:
         """What a worker's load or answer says it serves: it routes only at the cluster's version."""
@@ -212,34 +219,34 @@ class Admission:
         """Healthy workers whose whole group is healthy (a dead member stalls an EP group's collectives) and
         that serve the cluster's weight version (a worker behind is brought to it first: commands.py)."""
         if self.routable_cache is None:
-            dead_groups = {w.group_id for w in self.core.workers if not w.healthy}
-            version = self.core.status.weight_version
-            self.routable_cache = [w for w in self.core.workers if w.healthy and not w.draining
+            dead_groups = {w.group_id for w in self.books.workers if not w.healthy}
+            version = self.status.weight_version
+            self.routable_cache = [w for w in self.books.workers if w.healthy and not w.draining
                                    and w.group_id not in dead_groups and w.weight_version == version]
         return self.routable_cache
 
     def _add_deadline(self, request: RequestRecord) -> None:
-        self.deadlines.push(request.deadline, request.request_id, len(self.core.requests), self._deadline_current)
+        self.deadlines.push(request.deadline, request.request_id, len(self.books.requests), self._deadline_current)
 
     def _deadline_current(self, deadline: float, request_id: str) -> bool:
-        request = self.core.requests.get(request_id)
+        request = self.books.requests.get(request_id)
         return request is not None and request.deadline == deadline
 
     def expire_deadlines(self, now: float) -> None:
         """Fail every request past its deadline with error code "timeout"; its worker aborts it (KV freed)."""
         for _, rid in self.deadlines.pop_due(now, self._deadline_current):
-            request = self.core.requests.by_id[rid]
-            self.core.counters.requests_timed_out += 1
+            request = self.books.requests.by_id[rid]
+            self.books.counters.requests_timed_out += 1
             waited = now - request.submitted_at
-            self.core.fail(request, f"request {rid!r} did not finish within its timeout ({waited:.1f} s); it was "
-                                    f"aborted after {len(request.delivered)} token(s)", "timeout")
+            self.books.fail(request, f"request {rid!r} did not finish within its timeout ({waited:.1f} s); it was "
+                                     f"aborted after {len(request.delivered)} token(s)", "timeout")
             self.dispatch_held(now)
 
     def check_held(self, now: float) -> None:
         self.dispatch_held(now)
-        if self.core.state is not ClusterState.RUNNING:
+        if self.status.state is not ClusterState.RUNNING:
             return   # paused requests wait as long as the pause lasts
-        limit = self.core.config.queue_timeout
-        for request in [r for r in self.core.requests.held.values() if now - r.held_since > limit]:
-            self.core.fail(request, f"request {request.request_id!r} waited {now - request.held_since:.1f} s for a "
-                                f"healthy worker (queue timeout {limit} s)")
+        limit = self.config.queue_timeout
+        for request in [r for r in self.books.requests.held.values() if now - r.held_since > limit]:
+            self.books.fail(request, f"request {request.request_id!r} waited {now - request.held_since:.1f} s for a "
+                                     f"healthy worker (queue timeout {limit} s)")

@@ -43,7 +43,7 @@ class Commands:
         self.status = core.status                        # weight_version: every routable worker serves it
         self.stop_pending: set[str] | None = None     # workers yet to acknowledge STOP
         self.stop_deadline = math.inf
-        self.barrier: WorkerBarrier | None = None       # suspend / resume / update_weights awaiting the workers
+        self._barrier: WorkerBarrier | None = None      # suspend / resume / update_weights awaiting the workers
         self.version_known = False                       # set by a refit, or by the first worker's Hello
         self.refit_paths: dict[int, str | None] = {}     # version -> its directory (None: a trainer's broadcast)
         self.committing = False                          # the barrier is a refit's commit phase
@@ -51,9 +51,14 @@ class Commands:
         self.catch_ups: dict[str, int] = {}              # worker id -> the version being sent to it
 
     @property
-    def refit_pending(self) -> bool:
-        """A weight update waits for the workers (it holds new requests)."""
-        return self.barrier is not None and self.barrier.version != 0
+    def barrier(self) -> WorkerBarrier | None:
+        return self._barrier
+
+    @barrier.setter
+    def barrier(self, barrier: WorkerBarrier | None) -> None:
+        """A weight update's barrier holds new requests (ClusterStatus.refit_pending) while it waits."""
+        self._barrier = barrier
+        self.status.refit_pending = barrier is not None and barrier.version != 0
 
     def done(self, now: float) -> bool:
         """STOP ran and every worker acknowledged it, or the stop timeout passed."""

@@ -90,7 +90,7 @@ class Coordinator:
         self.started = now
         self._next_tick = now
         self.peer_warnings = RateLimitedLog(log)   # warnings a peer can trigger at will
-        self.admission = Admission(self)
+        self.admission = Admission(self.books, self.outbox.send, self.status, self.policy, config)
         self.reattachment = Reattachment(self.books, self.outbox, self.admission, config, now)
         self.relay = Relay(self.books, self.outbox, self.admission, self.reattachment.orphans, self.peer_warnings)
         self.commands = Commands(self)

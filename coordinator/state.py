@@ -9,7 +9,7 @@ Invariants (kept by coordinator/books.py):
   re-dispatch resumes from (the worker rebuilds its detokenizer from them);
 - a worker's `cost_in_flight` is the sum of its requests' `charged` (their estimated cost when dispatched);
 - `worker_deaths` names the workers that died while running the request, in order: one makes it a suspect,
-  two quarantine it (liveness.py `failover`).
+  two quarantine it (admission.py `failover`).
 """
 
 from __future__ import annotations
@@ -262,10 +262,12 @@ class Counters:
 @dataclass
 class ClusterStatus:
     """The cluster-wide facts: one part writes each, the jobs read them. `state`: the lifecycle (commands.py
-    applies the table); `weight_version`: the weights every routable worker serves (commands.py); `model_id`:
-    --model-id or the first worker's (core.py); `drain`: (why, deadline) of a drain before STOP (core.py)."""
+    applies the table); `weight_version`: the weights every routable worker serves, and `refit_pending`: a weight
+    update waits for the workers, holding new requests (commands.py); `model_id`: --model-id or the first
+    worker's (core.py); `drain`: (why, deadline) of a drain before STOP (core.py)."""
 
     model_id: str | None
     state: ClusterState = ClusterState.RUNNING
     weight_version: int = 0
+    refit_pending: bool = False
     drain: tuple[str, float] | None = None
