@@ -93,9 +93,9 @@ class Coordinator:
         self.admission = Admission(self.books, self.outbox.send, self.status, self.policy, config)
         self.reattachment = Reattachment(self.books, self.outbox, self.admission, config, now)
         self.relay = Relay(self.books, self.outbox, self.admission, self.reattachment.orphans, self.peer_warnings)
-        self.commands = Commands(self)
         self.statistics = Statistics(self.books, self.outbox.send, self.status, self.admission, config,
                                      self.policy.name, now)
+        self.commands = Commands(self.books, self.outbox.send, self.status, self.admission, self.statistics, config)
         self.liveness = Liveness(self.books, self.outbox.send, self.admission, self.relay, config, self._heartbeat,
                                  self.peer_warnings, on_worker_dead=self._worker_died,
                                  on_client_gone=self.statistics.forget_waiter)

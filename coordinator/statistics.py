@@ -59,8 +59,8 @@ class Statistics:
             return
         if not self._stats_budget_left(client, now):
             self.send(identity, Error(message=f"too many stats requests from this client (at most "
-                                               f"{MAX_STATS_PER_CLIENT_S} per second); retry later",
-                                           code=ErrorCode.OVERLOADED))
+                                              f"{MAX_STATS_PER_CLIENT_S} per second); retry later",
+                                      code=ErrorCode.OVERLOADED))
             return
         if (request.min_healthy_workers <= len(self.admission.routable()) or request.timeout_s <= 0
                 or len(self.stats_waiters) >= MAX_STATS_WAITERS or self.status.state is ClusterState.STOPPED
