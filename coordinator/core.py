@@ -3,11 +3,20 @@
 The daemon (daemon.py) feeds it frames (`handle`), timer ticks (`tick`) and peers found unroutable
 (`peer_gone`), and sends what it queued (`take_outgoing`). Time is passed in, so tests drive it directly.
 
-`Coordinator` here is the front: the handler table, the shared tables and primitives (send, finish, fail), the
-handshake and key roles. Each job is a module of its own, an object the front holds: `reattachment.py`
-(restart re-attachment, the orphan table), `admission.py` (refusal, holding, routing, dispatch, the deadline
-heap), `relay.py` (worker output to clients), `liveness.py` (heartbeats, deaths, failover, lost clients),
-`commands.py` (lifecycle and weight updates, with their barriers), `statistics.py` (counters, snapshots).
+`Coordinator` here builds the jobs and wires them, and keeps the handler table, the handshake (Hello,
+registration), Submit / Abort, the drain before STOP and the key roles. What the jobs share is passed to each
+explicitly: the books (books.py: the request / worker / client tables with place, detach, finish, fail), `send`
+(outbox.py), the cluster status (state.py) and the config. Each job is a module of its own and knows only the jobs
+below it (no cycles; tests/coordinator/test_job_graph.py checks it):
+
+    admission     refusal, holding, routing, dispatch, failover, the deadline heap       calls no job
+    reattachment  restart re-attachment, the orphan table                                -> admission
+    relay         worker output to clients                                               -> admission, orphans
+    statistics    snapshots, StatsRequests                                               -> admission
+    commands      lifecycle and weight updates, with their barriers                      -> admission, statistics
+    liveness      heartbeats, dead workers, lost clients                                 -> admission, relay
+
+A worker's death reaches commands and the orphan table, a lost client statistics, through callbacks wired here.
 
 A request's path: Submit -> held (paused, or no healthy worker) or routed -> Dispatch to a worker ->
 the worker's StepBatch deltas are relayed to the client (gathered per client into one DeltaBatch per
@@ -51,7 +60,7 @@ from infer.coordinator.reattachment import Reattachment
 from infer.coordinator.relay import Relay
 from infer.coordinator.routing import make_policy
 from infer.coordinator.state import (
-    ClientRecord, ClusterStatus, Counters, RequestRecord, RequestTable, WorkerRecord, WorkerTable
+    ClientRecord, ClusterStatus, Counters, RequestTable, WorkerRecord, WorkerTable
 )
 from infer.coordinator.statistics import Statistics
 from infer.protocol.codes import Command, ErrorCode
@@ -67,9 +76,8 @@ log = logging.getLogger("infer.coordinator")
 
 
 class Coordinator:
-    """The front: the handler table, `handle`, `tick`, `peer_gone`, `take_outgoing`, and what every job shares
-    (the tables of workers, clients and requests; sending; finishing and failing a request; the handshake and
-    key roles). Each job is a module of its own (see the module doc)."""
+    """The front: builds the jobs on the shared books and wires them (see the module doc); `handle`, `tick`,
+    `peer_gone`, `take_outgoing`; the handshake, Submit / Abort, the drain and the key roles."""
 
     def __init__(self, config: CoordinatorConfig, now: float, keys: KeyRoles | None = None,
                  wall_offset: float = 0.0) -> None:
@@ -90,13 +98,14 @@ class Coordinator:
         self.started = now
         self._next_tick = now
         self.peer_warnings = RateLimitedLog(log)   # warnings a peer can trigger at will
-        self.admission = Admission(self.books, self.outbox.send, self.status, self.policy, config)
+        # the jobs, each after the ones it calls
+        send = self.outbox.send
+        self.admission = Admission(self.books, send, self.status, self.policy, config)
         self.reattachment = Reattachment(self.books, self.outbox, self.admission, config, now)
         self.relay = Relay(self.books, self.outbox, self.admission, self.reattachment.orphans, self.peer_warnings)
-        self.statistics = Statistics(self.books, self.outbox.send, self.status, self.admission, config,
-                                     self.policy.name, now)
-        self.commands = Commands(self.books, self.outbox.send, self.status, self.admission, self.statistics, config)
-        self.liveness = Liveness(self.books, self.outbox.send, self.admission, self.relay, config, self._heartbeat,
+        self.statistics = Statistics(self.books, send, self.status, self.admission, config, self.policy.name, now)
+        self.commands = Commands(self.books, send, self.status, self.admission, self.statistics, config)
+        self.liveness = Liveness(self.books, send, self.admission, self.relay, config, self._heartbeat,
                                  self.peer_warnings, on_worker_dead=self._worker_died,
                                  on_client_gone=self.statistics.forget_waiter)
         self._handlers: dict[type[Message], Callable[[bytes, Any, float], None]] = {
@@ -115,14 +124,6 @@ class Coordinator:
     def state(self) -> ClusterState:
         return self.status.state
 
-    @state.setter
-    def state(self, state: ClusterState) -> None:
-        self.status.state = state
-
-    @property
-    def model_id(self) -> str | None:
-        return self.status.model_id
-
     @property
     def draining(self) -> bool:
         """SIGTERM started a drain before STOP: new requests are refused."""
@@ -137,17 +138,17 @@ class Coordinator:
         """One multipart message from the ROUTER (identity stripped), authenticated as `key` (the public key
         of its CURVE connection; None without keys). Never raises."""
         if len(payload) != 1:
-            self.reject(identity, f"expected exactly one frame after the routing identity, got {len(payload)}")
+            self.books.reject(identity, f"expected exactly one frame after the routing identity, got {len(payload)}")
             return
         try:
             msg = decode(payload[0])
         except ProtocolError as e:
             request_id = peek_request_id(payload[0]) if e.message_type == Submit.TYPE else None
-            self.reject(identity, f"bad frame: {e}", refuse=e.message_type == "hello", request_id=request_id)
+            self.books.reject(identity, f"bad frame: {e}", refuse=e.message_type == "hello", request_id=request_id)
             return
         handler = self._handlers.get(type(msg))
         if handler is None:
-            self.reject(identity, f"the coordinator does not accept {msg.TYPE!r} messages")
+            self.books.reject(identity, f"the coordinator does not accept {msg.TYPE!r} messages")
             return
         denial = self.access.check(identity, key, msg)
         if denial is not None:
@@ -242,12 +243,6 @@ class Coordinator:
     def send(self, identity: bytes, msg: Message) -> None:
         self.outbox.send(identity, msg)
 
-    def to_client(self, request: RequestRecord, delta: Delta) -> None:
-        self.outbox.to_client(request.client, delta)
-
-    def reject(self, identity: bytes, text: str, refuse: bool = False, request_id: str | None = None) -> None:
-        self.books.reject(identity, text, refuse, request_id)
-
     def _deny(self, identity: bytes, msg: Message, denial: Denial, now: float) -> None:
         """A frame its key may not send: Refused for a Hello, Error otherwise; a cut-off peer loses all."""
         self.counters.frames_rejected += 1
@@ -310,7 +305,7 @@ class Coordinator:
             self._refuse(identity, hello, "the coordinator is stopping")
             return
         if hello.role == "client":
-            client = self.client(identity, now)
+            client = self.books.client(identity, now)
             if client is not None:
                 client.peer_id = hello.peer_id
                 self.send(identity, self._welcome())
@@ -326,13 +321,13 @@ class Coordinator:
         self.send(identity, Refused(reason=reason))
 
     def _welcome(self) -> Welcome:
-        return Welcome(coordinator_id=self.config.coordinator_id, state=self.state, model_id=self.model_id,
+        return Welcome(coordinator_id=self.config.coordinator_id, state=self.state, model_id=self.status.model_id,
                        instance=self.instance)
 
     def _admission_problem(self, hello: Hello) -> str | None:
-        if self.model_id is not None and hello.model_id != self.model_id:
+        if self.status.model_id is not None and hello.model_id != self.status.model_id:
             source = "--model-id" if self.config.model_id is not None else "the first worker"
-            return (f"model id differs: the cluster serves {self.model_id!r} (from {source}), worker "
+            return (f"model id differs: the cluster serves {self.status.model_id!r} (from {source}), worker "
                     f"{hello.peer_id!r} has {hello.model_id!r}")
         other = None if hello.dp_rank is None else self.workers.live_with_rank(hello.dp_rank)
         if other is not None and other.worker_id != hello.peer_id:
@@ -384,11 +379,8 @@ class Coordinator:
         self.admission.dispatch_held(now)
         self.statistics.answer_stats_waiters(now)
 
-    def client(self, identity: bytes, now: float) -> ClientRecord | None:
-        return self.books.client(identity, now)
-
     def _on_submit(self, identity: bytes, submit: Submit, now: float) -> None:
-        client = self.client(identity, now)
+        client = self.books.client(identity, now)
         if client is None:
             return
         rid = submit.request_id
@@ -420,7 +412,7 @@ class Coordinator:
         self.admission.admit(request, now)
 
     def _on_abort(self, identity: bytes, abort: Abort, now: float) -> None:
-        client = self.client(identity, now)
+        client = self.books.client(identity, now)
         if client is None:
             return
         to_workers: dict[str, list[str]] = {}
@@ -428,19 +420,7 @@ class Coordinator:
             request = self.requests.get(rid)
             if request is None or request.client != identity:
                 continue   # finished already, or not this client's
-            self.finish(request, Delta.final(rid, "abort"), to_workers)
+            self.books.finish(request, Delta.final(rid, "abort"), to_workers)
             self.counters.requests_aborted += 1
-        self.send_aborts(to_workers)
-        self.admission.dispatch_held(now)     # the aborted ones made room
-
-    def finish(self, request: RequestRecord, final: Delta | None, to_workers: dict[str, list[str]]) -> None:
-        self.books.finish(request, final, to_workers)
-
-    def send_aborts(self, to_workers: dict[str, list[str]]) -> None:
         self.books.send_aborts(to_workers)
-
-    def detach(self, request: RequestRecord) -> None:
-        self.books.detach(request)
-
-    def fail(self, request: RequestRecord, message: str, code: str = "unavailable") -> None:
-        self.books.fail(request, message, code)
+        self.admission.dispatch_held(now)     # the aborted ones made room
