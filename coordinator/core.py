@@ -124,11 +124,6 @@ class Coordinator:
     def state(self) -> ClusterState:
         return self.status.state
 
-    @property
-    def draining(self) -> bool:
-        """SIGTERM started a drain before STOP: new requests are refused."""
-        return self.status.drain is not None
-
     def stats(self, now: float) -> ClusterStats:
         return self.statistics.snapshot(now)
 
