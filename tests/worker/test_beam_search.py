@@ -15,10 +15,10 @@ from infer import LLM, SamplingParams
 from infer.protocol.beam_search import BeamSearchParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
-from hf_reference import hf_model
+from hf_reference import hf_model, transformers_greedy
 
 MAX_NEW = 10
-PROMPT_LENGTHS = (1, 3, 7, 16, 23)
+PROMPT_LENGTHS = (1, 4, 9, 23)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -27,21 +27,15 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def eos_model(tiny_model_dir, tmp_path_factory):
+def eos_model(tiny_model_dir, tmp_path_factory, smollm2_tokenizer):
     """The tiny llama with an EOS id the model really emits (a token of its greedy continuations), so that beams
     end at different lengths and the length penalty matters. Returns (model dir, prompts, eos ids)."""
     source = tiny_model_dir("llama")
-    model = hf_model(source)
-    prompts = _prompts(model.config.vocab_size)
-    seen: dict[int, set[int]] = {}   # token -> the prompts whose beams generate it (not first, not last)
-    for i, prompt in enumerate(prompts):
-        x = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, num_beams=4,
-                                 num_return_sequences=4, max_new_tokens=MAX_NEW, pad_token_id=0)
-        for seq in out.tolist():
-            for t in seq[len(prompt) + 1:-1]:
-                seen.setdefault(t, set()).add(i)
+    prompts = _prompts(len(smollm2_tokenizer))
+    seen: dict[int, set[int]] = {}   # token -> the prompts whose greedy continuation has it (not first)
+    for i, tokens in enumerate(transformers_greedy(source, prompts, MAX_NEW - 2)):
+        for t in tokens[1:]:
+            seen.setdefault(t, set()).add(i)
     eos = max(seen, key=lambda t: (len(seen[t]), -t))
     path = tmp_path_factory.mktemp("beam-eos") / "model"
     shutil.copytree(source, path)
@@ -63,8 +57,8 @@ def hf(eos_model):
 
 
 def _engine(model_dir, **options) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256,
-                               kv_cache_memory=8 << 20, **options))
+    options.setdefault("kv_cache_memory", 1 << 20)   # 1024 blocks of 4 tokens
+    return Engine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256, **options))
 
 
 def _run(engine: Engine, prompts, params: SamplingParams) -> dict:
@@ -95,7 +89,7 @@ def _hf_beams(model, prompt, k, length_penalty, eos_ids, max_new=MAX_NEW, early_
     return beams
 
 
-@pytest.mark.parametrize("k,length_penalty", [(2, 1.0), (4, 1.0), (4, 0.0), (3, 2.0), (4, -1.0)])
+@pytest.mark.parametrize("k,length_penalty", [(2, 1.0), (4, 0.0), (3, 2.0), (4, -1.0)])
 def test_best_beam_equals_transformers(eos_model, engine, hf, k, length_penalty):
     _, prompts = eos_model
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=k, n=k, length_penalty=length_penalty)
@@ -117,7 +111,125 @@ def test_early_stopping_true_and_never(eos_model, engine, hf):
     for early_stopping in (True, "never"):
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=3, n=3, length_penalty=1.5,
                                 early_stopping=early_stopping)
-        finals = _run(engine, prompts, params)
-        for i, prompt in enumerate(prompts):
+        finals = _run(engine, prompts[:2], params)
+        for i, prompt in enumerate(prompts[:2]):
             expected = _hf_beams(hf, prompt, 3, 1.5, engine.eos_token_ids, early_stopping=early_stopping)
             assert [list(b.token_ids) for b in finals[f"r{i}"].beams] == [t for t, _ in expected]
+
+
+def test_beams_share_kv_blocks(eos_model, engine, monkeypatch):
+    """Counted during a search: the beams hold far fewer blocks than as many independent sequences would, their
+    prompt blocks are one set referenced by every beam, and each round copies at most width - 1 partial blocks."""
+    _, prompts = eos_model
+    width, prompt = 4, prompts[-1]             # 23 prompt tokens: 5 full blocks of 4 and a partial one
+    copies: list[int] = []
+    real_copy = engine.kv_cache.copy_blocks
+    monkeypatch.setattr(engine.kv_cache, "copy_blocks", lambda pairs: (copies.append(len(pairs)), real_copy(pairs)))
+    blocks = engine.scheduler.block_manager
+    engine.add_request("shared", prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=width,
+                                                        ignore_eos=True))
+    rounds = 0
+    while engine.has_unfinished():
+        engine.step()
+        beams = [r for r in engine.scheduler.running if r.beam_group == "shared"]
+        if len(beams) < 2:
+            continue
+        rounds += 1
+        independent = sum(blocks.blocks_for_tokens(r.num_computed_tokens) for r in beams)
+        assert blocks.num_used_blocks < independent
+        prompt_blocks = {r.block_table[i] for r in beams for i in range(len(prompt) // 4)}
+        assert len(prompt_blocks) == len(prompt) // 4          # one copy of the prompt's full blocks
+        assert all(blocks.ref_count(b) == len(beams) for b in prompt_blocks)
+    assert rounds >= MAX_NEW - 2
+    assert copies and max(copies) <= width - 1
+    assert blocks.num_used_blocks == 0
+
+
+def test_same_beams_under_preemption_and_chunked_prefill(eos_model, engine):
+    """Twelve searches at once with an 8-token step budget (chunked prefill), and in a pool too small for them
+    (groups preempted and recomputed as a whole): the same beams as the roomy engine, the pool consistent every
+    step."""
+    model_dir, prompts = eos_model
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=3, n=3, length_penalty=0.5)
+    rng = random.Random(5)
+    batch = prompts + [[rng.randrange(3, 40000) for _ in range(rng.randrange(5, 24))] for _ in range(8)]
+    expected = _run(engine, batch, params)
+    chunked = _engine(model_dir, block_size=4, max_num_batched_tokens=8)
+    tight = _engine(model_dir, block_size=4, max_num_seqs=36, kv_cache_memory=_kv_bytes(model_dir, 27, 4))
+    assert tight.num_kv_blocks == 27
+    for other in (chunked, tight):
+        got = _run(other, batch, params)
+        for rid, delta in expected.items():
+            assert [list(b.token_ids) for b in got[rid].beams] == [list(b.token_ids) for b in delta.beams], rid
+    assert tight.scheduler.num_preemptions > 0
+
+
+def test_abort_stop_strings_and_context(eos_model, engine):
+    model_dir, prompts = eos_model
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=3, n=3, ignore_eos=True)
+    free = _run(engine, prompts[1:2], params)["r0"]
+    # an abort mid-search: one final delta, reason "abort", every block back
+    engine.add_request("gone", prompts[1], params)
+    engine.add_request("kept", prompts[1], params)
+    engine.step()
+    engine.step()
+    assert engine.abort("gone")
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({d.request_id: d for d in engine.step()})
+    assert finals["gone"].finish_reason == "abort" and finals["gone"].beams is None
+    assert [list(b.token_ids) for b in finals["kept"].beams] == [list(b.token_ids) for b in free.beams]
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    # a stop string: a beam whose text reaches it ends there, its text cut before it
+    stop = free.beams[0].text[2:5]
+    stopped = _run(engine, prompts[1:2], SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=3,
+                                                        ignore_eos=True, stop=[stop]))["r0"]
+    assert all(stop not in b.text for b in stopped.beams)
+    assert any(b.finish_reason == "stop" for b in stopped.beams)
+    # the context: max_model_len caps every beam
+    short = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=28, block_size=4,
+                                kv_cache_memory=8 << 20))
+    capped = _run(short, [prompts[-1]], params)["r0"]
+    assert all(len(b.token_ids) <= 28 - len(prompts[-1]) and b.finish_reason == "length" for b in capped.beams)
+
+
+@pytest.mark.parametrize("options,field", [
+    (dict(beam_width=0), "beam_width"), (dict(beam_width=33), "beam_width"),
+    (dict(beam_width=2, temperature=0.7), "temperature"), (dict(beam_width=2, n=3), "n"),
+    (dict(beam_width=2, logit_bias={5: 1.0}), "logit_bias"),
+    (dict(beam_width=2, structured_outputs={"regex": "a+"}), "structured_outputs"),
+    (dict(beam_width=2, repetition_penalty=1.2), "repetition_penalty"),
+    (dict(beam_width=2, logprobs=2), "logprobs"), (dict(length_penalty=float("nan")), "length_penalty"),
+    (dict(beam_width=2, early_stopping="sometimes"), "early_stopping"),
+])
+def test_bad_beam_options_refused_by_name(options, field):
+    from infer.protocol.sampling import FieldError
+
+    with pytest.raises(FieldError) as error:
+        SamplingParams(temperature=options.pop("temperature", 0.0), **options)
+    assert error.value.field == field
+
+
+def test_engine_refusals_keep_it_serving(eos_model, engine):
+    _, prompts = eos_model
+    small = SamplingParams(temperature=0, max_tokens=4, beam_width=2)
+    with pytest.raises(ValueError, match="a beam search cannot continue from delivered tokens"):
+        engine.add_request("x", prompts[0], small, resumed_token_ids=[5])
+    huge = SamplingParams(temperature=0, max_tokens=200, beam_width=32)
+    with pytest.raises(ValueError, match="can never fit in the KV cache"):
+        engine.add_request("y", prompts[0], huge)
+    assert not engine.has_unfinished()
+    assert _run(engine, prompts[:1], small)["r0"].finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=1.0)
+
+
+def _kv_bytes(model_dir, num_blocks: int, block_size: int) -> int:
+    from transformers import AutoConfig
+
+    from infer.worker.forward_batch import KVCache
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return num_blocks * KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
+                                                head_dim, torch.float32)
