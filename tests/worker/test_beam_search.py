@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from infer import LLM, SamplingParams
+from infer import SamplingParams
 from infer.protocol.beam_search import BeamSearchParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
@@ -233,3 +233,4 @@ def _kv_bytes(model_dir, num_blocks: int, block_size: int) -> int:
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     return num_blocks * KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
                                                 head_dim, torch.float32)
+
