@@ -89,7 +89,7 @@ def _hf_beams(model, prompt, k, length_penalty, eos_ids, max_new=MAX_NEW, early_
     return beams
 
 
-@pytest.mark.parametrize("k,length_penalty", [(2, 1.0), (4, 0.0), (3, 2.0), (4, -1.0)])
+@pytest.mark.parametrize("k,length_penalty", [(2, 1.0), (4, 0.0), (3, 2.0)])
 def test_best_beam_equals_transformers(eos_model, engine, hf, k, length_penalty):
     _, prompts = eos_model
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=k, n=k, length_penalty=length_penalty)
@@ -147,8 +147,8 @@ def test_beams_share_kv_blocks(eos_model, engine, monkeypatch):
 
 def test_same_beams_under_preemption_and_chunked_prefill(eos_model, engine):
     """Twelve searches at once with an 8-token step budget (chunked prefill), and in a pool too small for them
-    (groups preempted and recomputed as a whole): the same beams as the roomy engine, the pool consistent every
-    step."""
+    (groups preempted and recomputed as a whole; with the priority policy and speculative decoding on too): the
+    same beams as the roomy engine, the pool consistent every step."""
     model_dir, prompts = eos_model
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=3, n=3, length_penalty=0.5)
     rng = random.Random(5)
@@ -157,11 +157,15 @@ def test_same_beams_under_preemption_and_chunked_prefill(eos_model, engine):
     chunked = _engine(model_dir, block_size=4, max_num_batched_tokens=8)
     tight = _engine(model_dir, block_size=4, max_num_seqs=36, kv_cache_memory=_kv_bytes(model_dir, 27, 4))
     assert tight.num_kv_blocks == 27
-    for other in (chunked, tight):
+    # beams never speculate, and a priority scheduler preempts a group as a whole too
+    speculating = _engine(model_dir, block_size=4, scheduling_policy="priority", max_num_seqs=36,
+                          kv_cache_memory=_kv_bytes(model_dir, 27, 4),
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    for other in (chunked, tight, speculating):
         got = _run(other, batch, params)
         for rid, delta in expected.items():
             assert [list(b.token_ids) for b in got[rid].beams] == [list(b.token_ids) for b in delta.beams], rid
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.scheduler.num_preemptions > 0 and speculating.scheduler.num_preemptions > 0
 
 
 def test_abort_stop_strings_and_context(eos_model, engine):
