@@ -113,17 +113,21 @@ class BeamGroups:
         if step.done:
             return True
         continued: set[str] = set()
+        grown: list[tuple[Request, int]] = []
+        forks: list[BlockCopy] = []
         for index, continuation in enumerate(step.continuations):
-            parent = group.beams[continuation.parent]
-            if continuation.parent in continued:   # a second continuation of the same beam: a fork
-                child = self._fork(group, parent, copies)
-                group.search.rename(index, child.request_id)
-                child.append_token(continuation.token_id)
-            else:
-                continued.add(continuation.parent)
-        for index, continuation in enumerate(step.continuations):   # the parents' own tokens, after every fork
-            if continuation.parent in group.beams and group.search.live[index].beam_id == continuation.parent:
-                group.beams[continuation.parent].append_token(continuation.token_id)
+            beam = group.beams[continuation.parent]
+            if continuation.parent in continued:   # another continuation of the same beam: a fork of it
+                beam = self._fork(group, beam, forks)
+                group.search.rename(index, beam.request_id)
+            continued.add(continuation.parent)
+            grown.append((beam, continuation.token_id))
+        for beam, token_id in grown:   # after every fork: a fork copies its parent's tokens as they were
+            beam.append_token(token_id)
+        # a fork that found no free block preempted the group (Scheduler.fork): the copies made before it are void
+        held = {block for beam in group.beams.values() if beam.status is RequestStatus.RUNNING
+                for block in beam.block_table}
+        copies.extend(copy for copy in forks if copy[1] in held)
         return False
 
     def _fork(self, group: BeamGroup, parent: Request, copies: list[BlockCopy]) -> Request:

@@ -138,3 +138,22 @@ def scheduler_step():
     from infer.worker.scheduler import _Step
 
     return _Step(0, 0)
+
+
+def test_a_fork_without_a_free_block_preempts_its_group_and_voids_its_copies():
+    from infer.worker.beam_groups import BeamGroups
+
+    scheduler = _scheduler(num_blocks=3)
+    root = Request("g", [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=2, beam_width=3), max_tokens=2,
+                   beam_group="g", num_beam_candidates=6)
+    scheduler.add(root)
+    groups = BeamGroups(scheduler, tokenizer=None)
+    groups.start(root)
+    _step(scheduler)                                   # 6 tokens: a full block and a partial one; 1 block free
+    groups.report(root, _lp(t7=0.5, t8=0.3, t9=0.2))
+    copies, done = groups.advance()                    # 3 beams: the first fork takes the free block, the second
+    assert copies == [] and done == []                 # finds none: the whole group waits, its copy void
+    beams = [r for r in scheduler.waiting if r.beam_group == "g"]
+    assert sorted(r.token_ids[-1] for r in beams) == [7, 8, 9] and scheduler.num_running == 0
+    assert scheduler.block_manager.num_used_blocks == 0
+    scheduler.check_invariants()
