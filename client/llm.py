@@ -476,7 +476,7 @@ class AsyncLLM:
     async def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
                           timeout: float | None = None) -> list[BeamSearchOutput]:
         """As LLM.beam_search (nothing streams: a beam search's beams are final only at its end)."""
-        completions = await self.generate_batch(prompts, params.to_sampling_params(), timeout=timeout)
+        completions = await self.generate_batch(_beam_prompts(prompts), params.to_sampling_params(), timeout=timeout)
         return [beam_search_output(c) for c in completions]
 
     async def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True, *,
@@ -763,9 +763,10 @@ class LLM:
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: each prompt's `params.beam_width` beams (worker/beam_search.py: transformers'
         generate(num_beams=k, do_sample=False) rule), best first, one BeamSearchOutput per prompt in order. Each
-        prompt is one engine request whose beams share their KV blocks. A prompt the engine rejects raises
-        ValueError with its reason (vLLM raises too)."""
-        prompts = _as_prompt_list(prompts)
+        prompt is one engine request whose beams share their KV blocks. Prompts are strings, token-id lists, or vLLM's
+        TextPrompt / TokensPrompt dicts ({"prompt": ...} / {"prompt_token_ids": [...]}). A prompt the engine rejects
+        raises ValueError with its reason (vLLM raises too)."""
+        prompts = _beam_prompts(prompts)
         return [beam_search_output(c) for c in self.generate(prompts, params.to_sampling_params(), use_tqdm)]
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True,
@@ -880,6 +881,19 @@ class LLM:
             coro.close()
             raise RuntimeError("this LLM is closed")
         return self._loop.run(coro)
+
+
+def _beam_prompts(prompts: Any) -> list[Prompt]:
+    """beam_search's prompts: ours, or vLLM's TextPrompt / TokensPrompt dicts."""
+    def one(prompt: Any) -> Any:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"]
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        return prompt
+    return _as_prompt_list([one(p) for p in prompts] if isinstance(prompts, (list, tuple)) else one(prompts))
 
 
 def beam_search_output(completion: Completion) -> BeamSearchOutput:

@@ -8,8 +8,8 @@ its last token ends; when every live beam has reported, `advance` says which bea
 The rule is transformers' vectorized `_beam_search` (5.x), step for step:
 - candidates: every live beam's cumulative log-probability plus each next token's; the best K over all beams,
   best first (ties: lower beam, then lower token), K = max(2, 1 + number of EOS ids) x width (so that `width`
-  candidates that do not finish remain when the best ones end in EOS). At the first step only the prompt's beam
-  exists (transformers' other beams start at -1e9 and never rank).
+  candidates that do not finish remain when the best ones end in EOS; EOS ids past 3 are not counted). At the
+  first step only the prompt's beam exists (transformers' other beams start at -1e9 and never rank).
 - a candidate finishes (`Finish`) on an EOS id (unless ignore_eos) or a stop token id, both only from min_tokens
   on, on a stop string in its text, or at max_tokens / the context length. A finishing candidate among the first
   `width` of the K becomes a hypothesis scored cumulative / generated_len ** length_penalty (its last token

@@ -23,8 +23,10 @@ PARAMS = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5)
 @pytest.fixture(scope="module")
 def direct(tiny_model_dir):
     with LLM(str(tiny_model_dir("llama")), **ENGINE_OPTIONS) as llm:
-        yield llm.beam_search(PROMPTS, PARAMS), llm.generate(PROMPTS[0], PARAMS.to_sampling_params(),
-                                                            use_tqdm=False)[0]
+        outputs = llm.beam_search(PROMPTS, PARAMS)
+        as_dicts = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}, {"prompt": "Hello"}], PARAMS)  # vLLM's forms
+        assert as_dicts[0].sequences[0].tokens == outputs[0].sequences[0].tokens and as_dicts[1].sequences
+        yield outputs, llm.generate(PROMPTS[0], PARAMS.to_sampling_params(), use_tqdm=False)[0]
 
 
 @pytest.fixture(scope="module")
