@@ -603,6 +603,11 @@ class Front:
         def event(chunk: dict[str, Any], job: Job) -> str:
             return sse_event(fmt.with_usage(chunk, job) if continuous_usage else chunk)
         try:
+            if fmt.body.use_beam_search:   # the beams are final only at the end: each choice whole, in one chunk
+                async for event_text in self._beam_events(run, fmt, include_usage, event):
+                    yield event_text
+                yield "data: [DONE]\n\n"
+                return
             for chunk, job in zip(fmt.opening_chunks(run.jobs), run.jobs):
                 yield event(chunk, job)
             async for job, delta in run.deltas():
@@ -619,6 +624,24 @@ class Front:
         except Exception:   # the 200 went out already: the client gets an error event, the log the details
             yield sse_event(internal_error("a response stream").body())
         yield "data: [DONE]\n\n"
+
+    @staticmethod
+    async def _beam_events(run: StreamRun, fmt: ResponseFormat, include_usage: bool,
+                           event: Callable[[dict[str, Any], Job], str]) -> AsyncIterator[str]:
+        """A streamed beam search (vLLM streams nothing before the end either): once every search is done, its
+        best n beams as choices, each in one chunk with its finish_reason."""
+        async for _ in run.deltas():   # one final delta per search (start() raised already for a failed one)
+            pass
+        choices = beam_choices(run.jobs, fmt.body.n)
+        for chunk, job in zip(fmt.opening_chunks(choices), choices):
+            yield event(chunk, job)
+        for job in choices:
+            whole = RequestOutput.final(job.request_id, job.finish_reason or "stop", token_ids=job.token_ids,
+                                        text=job.text)
+            for chunk in fmt.chunks(job, whole):
+                yield event(chunk, job)
+        if include_usage:
+            yield sse_event(fmt.usage_chunk(choices))
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

@@ -232,14 +232,6 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    @field_validator("use_beam_search")
-    @classmethod
-    def _beam_search_not_streamed(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("stream"):
-            raise ValueError("use_beam_search cannot be streamed: the beams are final only at the end of the "
-                             "search; ask without stream")
-        return value
-
     @property
     def beam_width(self) -> int | None:
         """With use_beam_search, the beams: completions' best_of when given, else n."""
@@ -319,7 +311,7 @@ class CompletionRequest(_SamplingFields):
         n = info.data.get("n", 1)
         if value is not None and value < n:
             raise ValueError(f"best_of must be >= n (best_of={value}, n={n})")
-        if value is not None and value > n and info.data.get("stream"):
+        if value is not None and value > n and info.data.get("stream") and not info.data.get("use_beam_search"):
             raise ValueError("best_of greater than n cannot be streamed (the best are known only at the end)")
         return value
 

@@ -79,12 +79,29 @@ def test_use_beam_search_over_http_with_the_openai_client(local, smollm2_tokeniz
                                               max_tokens=5, n=2, extra_body={"use_beam_search": True})
         assert len(chat.choices) == 2 and all(c.message.content is not None for c in chat.choices)
         for body, param in (({"n": 2, "temperature": 0.8}, "temperature"), ({"n": 40}, "n"),
-                            ({"logprobs": 2}, "logprobs"), ({"stream": True}, "use_beam_search"),
+                            ({"logprobs": 2}, "logprobs"),
                             ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"best_of": 2, "n": 3}, "best_of")):
             status, _, text = http(f"{url}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4,
                                                              "use_beam_search": True, **body})
             assert status == 400, (body, text)
             assert param in error_of(text)["message"], (body, text)
+        # streamed: nothing before the end, then each choice whole (vLLM does the same)
+        stream = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=6, n=2, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"use_beam_search": True, "best_of": 3, "length_penalty": 0.5})
+        chunks = list(stream)
+        streamed = {c.choices[0].index: c.choices[0] for c in chunks if c.choices}
+        assert {i: (c.text, c.finish_reason) for i, c in streamed.items()} == {
+            c.index: (c.text, c.finish_reason) for c in got.choices}
+        assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
+        chat_stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=5, n=2, stream=True,
+                                                     extra_body={"use_beam_search": True})
+        text = {0: "", 1: ""}
+        for c in chat_stream:
+            for choice in c.choices:
+                text[choice.index] += choice.delta.content or ""
+        assert text == {c.index: c.message.content for c in chat.choices}
         again = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6,
                                           extra_body={"use_beam_search": True, "best_of": 3, "length_penalty": 0.5})
         assert again.choices[0].text == outputs[0].sequences[0].text   # still serving, the same answer
