@@ -238,3 +238,34 @@ def _kv_bytes(model_dir, num_blocks: int, block_size: int) -> int:
     return num_blocks * KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
                                                 head_dim, torch.float32)
 
+
+
+def test_a_failing_beam_fails_its_search_once(eos_model, engine, monkeypatch):
+    """Non-finite logits on the beams' rows (fault isolation): the search fails alone, one final delta with code
+    "internal", every block back; a request beside it goes on."""
+    import dataclasses
+
+    _, prompts = eos_model
+    real = engine.runner.execute
+    calls = []
+
+    def spoiled(chunks):
+        out = real(chunks)
+        calls.append(1)
+        if out is None or len(calls) < 3:
+            return out
+        rows = [i for i, c in enumerate(c for c in chunks if c.samples) if c.request.beam_group == "bad"]
+        return dataclasses.replace(out, bad_rows=tuple(rows))
+
+    monkeypatch.setattr(engine.runner, "execute", spoiled)
+    engine.add_request("bad", prompts[2], SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=3))
+    engine.add_request("good", prompts[1], SamplingParams(temperature=0, max_tokens=4))
+    finals = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            assert delta.request_id not in finals
+            if delta.finished:
+                finals[delta.request_id] = delta
+    assert finals["bad"].finish_reason == "error" and finals["bad"].error_code == "internal"
+    assert finals["good"].finish_reason == "length"
+    assert engine.scheduler.block_manager.num_used_blocks == 0
