@@ -26,6 +26,10 @@ appends the accepted tokens and calls `accept_draft_tokens`, which counts the ac
 and gives back the blocks past the request's tokens (rejected drafts' slots: rolled back by bookkeeping, never
 copied). Only computed tokens' full blocks are registered in the prefix cache, so rejected drafts never are.
 
+Beam search (worker/beam_groups.py): the beams of one search are requests sharing `beam_group` (and its rank, so
+they sit together in both queues). Preempting any of them preempts them all (a search never waits, holding blocks,
+on a beam of its own that waits for blocks); `fork` adds a beam beside its parent, sharing its computed KV.
+
 No starvation: the oldest unfinished request is never preempted by another (victims are the newest).
 With chunked prefill it is scheduled in every step: first among the running, or, when it waits, nothing
 else runs (newer requests are never admitted ahead of it) and it is admitted first. Without chunked
