@@ -4,7 +4,9 @@ Public API: `from infer import LLM, AsyncLLM, SamplingParams`.
 """
 
 from infer.client.llm import LLM, AsyncLLM
+from infer.protocol.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "Completion", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "Completion",
+           "RequestOutput", "SamplingParams"]

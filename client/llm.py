@@ -36,6 +36,7 @@ from infer.client.local_engine import RequestCounters, direct_mode_error, local_
 from infer.protocol.keys import CurveKeys
 from infer.protocol.logs import LOG_LEVELS, logging_argv
 from infer.protocol.messages import ClusterStats
+from infer.protocol.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.options import to_argv
 from infer.protocol.sampling import SamplingParams, check_priority
@@ -469,6 +470,12 @@ class AsyncLLM:
         finally:
             bar.close()
 
+    async def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
+                          timeout: float | None = None) -> list[BeamSearchOutput]:
+        """As LLM.beam_search (nothing streams: a beam search's beams are final only at its end)."""
+        completions = await self.generate_batch(_beam_prompts(prompts), params.to_sampling_params(), timeout=timeout)
+        return [beam_search_output(c) for c in completions]
+
     async def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True, *,
                     timeout: float | None = None) -> list[Completion]:
         """As LLM.embed: one Completion per prompt with its `embedding`."""
@@ -750,6 +757,16 @@ class LLM:
         flat = _Samples(prompts, params, priorities)
         return flat.results(self._generate_direct(flat.prompts, flat.params, use_tqdm, flat.priorities))
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt's `params.beam_width` beams (worker/beam_search.py: transformers'
+        generate(num_beams=k, do_sample=False) rule), best first, one BeamSearchOutput per prompt in order. Each
+        prompt is one engine request whose beams share their KV blocks. Prompts are strings, token-id lists, or vLLM's
+        TextPrompt / TokensPrompt dicts ({"prompt": ...} / {"prompt_token_ids": [...]}). A prompt the engine rejects
+        raises ValueError with its reason (vLLM raises too)."""
+        prompts = _beam_prompts(prompts)
+        return [beam_search_output(c) for c in self.generate(prompts, params.to_sampling_params(), use_tqdm)]
+
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True,
               use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[Completion]:
         """An embedding per prompt (`Completion.embedding`, a list of floats), in prompt order: the hidden states
@@ -862,6 +879,29 @@ class LLM:
             coro.close()
             raise RuntimeError("this LLM is closed")
         return self._loop.run(coro)
+
+
+def _beam_prompts(prompts: Any) -> list[Prompt]:
+    """beam_search's prompts: ours, or vLLM's TextPrompt / TokensPrompt dicts."""
+    def one(prompt: Any) -> Any:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"]
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        return prompt
+    return _as_prompt_list([one(p) for p in prompts] if isinstance(prompts, (list, tuple)) else one(prompts))
+
+
+def beam_search_output(completion: Completion) -> BeamSearchOutput:
+    """vLLM's shape of a finished beam search; ValueError with the reason when it failed."""
+    if completion.beams is None:
+        raise ValueError(f"beam search of request {completion.request_id} ended with {completion.finish_reason}: "
+                         f"{completion.error or 'no beams'}")
+    prompt = list(completion.prompt_token_ids)
+    return BeamSearchOutput([BeamSearchSequence(prompt + list(b.token_ids), b.text, b.cumulative_logprob, b.score,
+                                                b.finish_reason, len(prompt)) for b in completion.beams])
 
 
 class _Samples:

@@ -367,6 +367,23 @@ class Accepted(Message):
 
 @message
 @dataclass(frozen=True)
+class BeamOutput(Message):
+    """One beam of a finished beam search (worker/beam_search.py), best first in `Delta.beams`: its output
+    tokens, their text, the sum of their log-probabilities, its length-penalized score and why it ended."""
+
+    TYPE: ClassVar[str] = "beam"
+    token_ids: TokenIds
+    text: str
+    cumulative_logprob: float
+    score: float
+    finish_reason: FinishReason
+
+    def validate(self) -> None:
+        _set_members(self, finish_reason=FinishReason)
+
+
+@message
+@dataclass(frozen=True)
 class Delta(Message):
     """New tokens of one request (a stream delta); the last one has `finished` and `finish_reason`.
 
@@ -392,6 +409,7 @@ class Delta(Message):
     prompt_logprobs: list[dict[int, float]] | None = None   # the first delta, when asked: prompt tokens 1..
     weight_version: int = 0                    # the version of the weights that computed it (update_weights)
     embedding: list[float] | None = None       # a pooling request's last delta: its vector (worker/pooling.py)
+    beams: list[BeamOutput] | None = None      # a beam search's last (and only) delta: its best n beams, best first
 
     @classmethod
     def final(cls, request_id: str, finish_reason: FinishReason | str, error: str | None = None,

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from infer.protocol.codes import ErrorCode, FinishReason
-from infer.protocol.messages import Delta
+from infer.protocol.messages import BeamOutput, Delta
 
 # One generated token's logprobs: {token_id: logprob} holding the sampled token and the top-n.
 TokenLogprobs = dict[int, float]
@@ -59,9 +59,13 @@ class Completion:
     weight_version: int = 0     # the weights' version of its last delta (update_weights counts versions)
     samples: list[Completion] | None = None   # n > 1: every sample's own Completion, sample 0 first
     embedding: list[float] | None = None      # a pooling request's vector (SamplingParams.pooling)
+    beams: list[BeamOutput] | None = None     # a beam search's best n beams, best first (the flat fields: the best)
 
     @property
     def outputs(self) -> list[CompletionOutput]:
+        if self.beams is not None:
+            return [CompletionOutput(i, b.text, list(b.token_ids), b.finish_reason, None, b.cumulative_logprob)
+                    for i, b in enumerate(self.beams)]
         return [c._as_output(i) for i, c in enumerate(self.samples or [self])]
 
     def _as_output(self, index: int) -> CompletionOutput:
@@ -90,6 +94,8 @@ class Completion:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         if delta.embedding is not None:
             self.embedding = delta.embedding
+        if delta.beams is not None:
+            self.beams = list(delta.beams)
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.error = delta.error

@@ -36,6 +36,13 @@ MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 256
 POOLING_TYPES = ("last", "mean", "cls")   # worker/pooling.py
 MAX_N = 256                  # samples per prompt (LLM / AsyncLLM expand them into that many engine requests)
+MAX_BEAM_WIDTH = 32          # beams of one beam search (each beam is a sequence of the batch, 2 x width candidates)
+EARLY_STOPPING = (False, True, "never")   # transformers' values (worker/beam_search.py says what each does)
+# Options a beam search refuses by name (its beams are ranked by the model's own log-probabilities): each with the
+# value that means "not given".
+_NOT_WITH_BEAMS = (("structured_outputs", None), ("logit_bias", None), ("allowed_token_ids", None),
+                   ("bad_words", ()), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                   ("repetition_penalty", 1.0), ("logprobs", None), ("prompt_logprobs", None), ("pooling", None))
 
 
 class FieldError(ValueError):
@@ -65,6 +72,10 @@ class SamplingParams:
     `n` (vLLM's): samples per prompt. `LLM` / `AsyncLLM` (and the HTTP front, from the body's `n`) run them as n
     engine requests (`samples()`): with a seed, sample i gets seed + i (vLLM's rule), so the n differ and the set
     is reproducible; without one, each draws its own. An engine runs one sample per request and refuses n > 1.
+    `beam_width` (ours on the wire; vLLM's BeamSearchParams name): a beam search of that many beams instead of
+    sampling (worker/beam_search.py), returning the best `n` of them (n <= beam_width) in one request, all at its
+    end; `length_penalty` and `early_stopping` rank and stop the beams as transformers' generate does. A beam
+    search is deterministic (temperature 0) and refuses the options that would change its scores by name.
     """
 
     temperature: float = 1.0
@@ -92,6 +103,9 @@ class SamplingParams:
     n: int = 1
     pooling: str | None = None
     normalize: bool = True
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         # Accept the forms users write (a single stop string, lists) and store tuples (hashable, frozen).
@@ -175,12 +189,38 @@ class SamplingParams:
         _integer("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise FieldError("n", f"n must be in [1, {MAX_N}], got {self.n}")
+        self._validate_beam_search()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _integer(name, value)
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise FieldError(name, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    def _validate_beam_search(self) -> None:
+        _float32("length_penalty", self.length_penalty)
+        if self.early_stopping not in EARLY_STOPPING or type(self.early_stopping) not in (bool, str):
+            raise FieldError("early_stopping", f"early_stopping must be true, false or \"never\", got "
+                                               f"{self.early_stopping!r:.40}")
+        if self.beam_width is None:
+            return
+        _integer("beam_width", self.beam_width)
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise FieldError("beam_width", f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
+        if self.n > self.beam_width:
+            raise FieldError("n", f"n ({self.n}) must be <= beam_width ({self.beam_width}): a beam search returns "
+                                  f"its best n beams")
+        if self.temperature != 0:
+            raise FieldError("temperature", f"beam search is deterministic: temperature must be 0, got "
+                                            f"{self.temperature} (beam sampling is not supported)")
+        for name, off in _NOT_WITH_BEAMS:
+            if getattr(self, name) != off:
+                raise FieldError(name, f"{name} is not supported with beam search (beams are ranked by the "
+                                       f"model's own log-probabilities)")
+
+    @property
+    def beam_search(self) -> bool:
+        return self.beam_width is not None
 
     def _validate_token_lists(self) -> None:
         bias = self.logit_bias or ()
@@ -230,7 +270,7 @@ class SamplingParams:
 
     def samples(self) -> list[SamplingParams]:
         """The n engine requests these params stand for: n = 1 each; sample i seeded seed + i when seeded."""
-        if self.n == 1:
+        if self.n == 1 or self.beam_search:   # a beam search returns its n best beams itself
             return [self]
         one = dataclasses.replace(self, n=1)
         return [one if self.seed is None else one.with_seed((self.seed + i) % 2**63) for i in range(self.n)]

@@ -311,6 +311,31 @@ class BlockManager:
         del request.block_table[keep:]
         return len(surplus)
 
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give `child` (new: no blocks, nothing computed) the KV of `parent`'s computed tokens without copying
+        them: the blocks they fill are shared (each one's ref count up), and the partial last block, which both
+        will write into, is copied into a block of the child's own (copy-on-write at the fork). Returns that copy
+        as (parent's block, child's block) for the caller to apply to the pool, or None (no partial block).
+        Raises ValueError, changing nothing, when the free queue is empty and a copy is needed."""
+        if child.block_table or child.num_computed_tokens:
+            raise ValueError(f"request {child.request_id!r} must hold no blocks to be forked into")
+        if RELEASED in parent.block_table:
+            raise ValueError(f"request {parent.request_id!r} gave blocks back (sliding window): it cannot be forked")
+        num_computed = parent.num_computed_tokens
+        num_full, partial = divmod(num_computed, self.block_size)
+        if partial and not self._free:
+            raise ValueError(f"no free block to fork request {parent.request_id!r} into")
+        for block_id in parent.block_table[:num_full]:
+            self._ref(block_id)
+            child.block_table.append(block_id)
+        child.num_computed_tokens = num_computed
+        child.block_hashes = list(parent.block_hashes[:num_full])
+        if not partial:
+            return None
+        block_id = self._take_free_block()
+        child.block_table.append(block_id)
+        return parent.block_table[num_full], block_id
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block's content (the KV it holds is no longer valid: new weights, or a pool
         released by suspend). Raises ValueError, changing nothing, while any block is held: its request's

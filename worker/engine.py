@@ -33,6 +33,7 @@ from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.structured import NO_FIRST_TOKEN, grammar_reason
+from infer.worker.beam_groups import BeamGroup, BeamGroups
 from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
 from infer.worker.engine_load import EngineLoad
@@ -176,6 +177,7 @@ class Engine:
         self._pending: list[Delta] = []   # final outputs of aborts, returned by the next step
         self._grammars: GrammarCompilerPool | None = None   # made at the first structured-output request
         self._compiling: dict[str, _Compiling] = {}   # requests waiting for their grammar, not yet scheduled
+        self.beams = BeamGroups(self.scheduler, self.tokenizer)   # beam searches (worker/beam_groups.py)
         self._arrivals = 0
         log.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens",
                  self.model_id, str(self.dtype).removeprefix("torch."), self.device, self.max_model_len,
@@ -212,7 +214,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
+        if params.n != 1 and not params.beam_search:
             raise ValueError(f"n={params.n}: an engine runs one sample per request; LLM / AsyncLLM and the HTTP "
                              f"front run n > 1 as n requests (SamplingParams.samples())")
         if params.pooling is not None:
@@ -222,6 +224,8 @@ class Engine:
         prompt_ids = self._prompt_token_ids(prompt)
         self._check_token_lists(params)
         resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids, params.max_tokens)
+        if params.beam_search:
+            self._check_beam_search(params, len(prompt_ids), resumed)
         request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
                           arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
                           max_tokens=self._resolve_max_tokens(len(prompt_ids), params),
@@ -230,6 +234,8 @@ class Engine:
                           prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None,
                           pooled=None if params.pooling is None else PoolingState(params.pooling, params.normalize,
                                                                                   len(prompt_ids)))
+        if params.beam_search:
+            return self._add_beam_search(request)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
         if resumed:
             detok.resume(resumed, resumed_text_len)
@@ -243,6 +249,62 @@ class Engine:
         if params.structured_outputs is not None:
             self._compile_grammar(request, resumed, client)
         return request
+
+    def _check_beam_search(self, params: SamplingParams, num_prompt_tokens: int, resumed: list[int]) -> None:
+        """ValueError unless this engine can run a beam search of `params` (worker/beam_groups.py)."""
+        width = params.beam_width or 1
+        if self.tp.size > 1 or self.stage is not None:
+            raise ValueError("beam search is not supported with tensor or pipeline parallelism yet (a fork copies "
+                             "KV blocks, which the other ranks' shards do not do yet)")
+        if self.scheduler.config.release_window:
+            raise ValueError("beam search is not supported on a model whose every layer has a sliding window yet "
+                             "(its beams give blocks back, which forks cannot share)")
+        if resumed:
+            raise ValueError("a beam search cannot continue from delivered tokens: it delivers none before its end")
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width {width} is more than max_num_seqs ({self.config.max_num_seqs}): every beam "
+                             f"is a sequence of the batch")
+        needed = width * self.scheduler.block_manager.blocks_for_tokens(
+            num_prompt_tokens + self._resolve_max_tokens(num_prompt_tokens, params))
+        if needed > self.num_kv_blocks:
+            raise ValueError(f"a beam search of {width} beams can never fit in the KV cache: {width} x (prompt + "
+                             f"max_tokens) need up to {needed} KV blocks, the pool has {self.num_kv_blocks}")
+
+    def _add_beam_search(self, request: Request) -> Request:
+        """Queue a beam search: its prompt's request is its first beam (worker/beam_groups.py)."""
+        request.beam_group = request.request_id
+        request.num_beam_candidates = BeamGroups.num_candidates(request.params.beam_width or 1, self.eos_token_ids)
+        if request.params.min_tokens:   # the candidates min_tokens bans are left out: K more make up for them
+            request.num_beam_candidates += len(self.eos_token_ids) + len(request.params.stop_token_ids)
+        self.scheduler.add(request)
+        self.beams.start(request)
+        self._arrivals += 1
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        return request
+
+    def _advance_beams(self) -> list[Delta]:
+        """Advance the beam searches whose beams all reported this step; the final outputs of those done."""
+        if not len(self.beams):
+            return []
+        copies, done = self.beams.advance()
+        self.kv_cache.copy_blocks(copies)
+        return [self._beam_final(group, RequestStatus.FINISHED_STOPPED) for group in done]
+
+    def _beam_final(self, group: BeamGroup, status: RequestStatus, error: str | None = None,
+                    error_code: str | None = None) -> Delta:
+        """The one output of a beam search: its best n beams (the best one's tokens and text as the request's),
+        or how it ended without them (abort, error)."""
+        beams = self.beams.outputs(group) if status is RequestStatus.FINISHED_STOPPED else None
+        best = beams[0] if beams else None
+        reason = best.finish_reason if best is not None else status.finish_reason
+        self.stats.num_requests_finished += 1
+        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
+        root = group.root
+        return Delta.final(group.request_id, reason, error, error_code,
+                           token_ids=[] if best is None else best.token_ids, text="" if best is None else best.text,
+                           beams=beams, num_prompt_tokens=root.num_prompt_tokens,
+                           num_cached_tokens=root.num_cached_tokens, weight_version=self.weight_version,
+                           **self._first_output_fields(root))
 
     def step(self) -> list[Delta]:
         """One engine step: schedule, run, advance, post-process. Returns this step's deltas."""
@@ -262,6 +324,7 @@ class Engine:
         outputs.extend(self._fail_rows(scheduled.chunks, rows))
         self.scheduler.update_after_step(scheduled)
         outputs.extend(self._postprocess(scheduled, rows))
+        outputs.extend(self._advance_beams())
         outputs.extend(self._fail_costly_grammars(scheduled.chunks))
         self.heap.after_step(busy=self.scheduler.has_unfinished())
         return outputs
@@ -273,7 +336,7 @@ class Engine:
         spec = self.config.speculative_config
         if self.proposer is None:
             return {}
-        decoding = [r for r in self.scheduler.running if r.num_tokens_to_compute == 1]
+        decoding = [r for r in self.scheduler.running if r.num_tokens_to_compute == 1 and r.beam_group is None]
         if len(decoding) > spec.disable_by_batch_size:
             return {}
         wanted = [(r, min(spec.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
@@ -296,6 +359,10 @@ class Engine:
         """Abort a waiting or running request; its final delta comes with the next step(). With
         `release_text` False the final delta leaves out the text still held back (for a request that goes
         on elsewhere from its delivered tokens: that text is produced there)."""
+        group = self.beams.end(request_id, RequestStatus.FINISHED_ABORTED)
+        if group is not None:
+            self._pending.append(self._beam_final(group, RequestStatus.FINISHED_ABORTED))
+            return True
         request = self.scheduler.abort(request_id)
         if request is None and request_id in self._compiling:
             request = self._compiling.pop(request_id).request
@@ -508,11 +575,16 @@ class Engine:
             raise error from None
 
     def _fail_rows(self, chunks: Sequence[ScheduledChunk], rows: list[StepRow]) -> list[Delta]:
-        return [self._fail(chunk.request, row.error) for chunk, row in zip(chunks, rows) if row.error is not None]
+        failed = [self._fail(chunk.request, row.error) for chunk, row in zip(chunks, rows) if row.error is not None]
+        return [delta for delta in failed if delta is not None]
 
-    def _fail(self, request: Request, message: str) -> Delta:
-        """Finish `request` alone as failed by the engine (code "internal"), its KV blocks freed."""
+    def _fail(self, request: Request, message: str) -> Delta | None:
+        """Finish `request` alone as failed by the engine (code "internal"), its KV blocks freed (a beam: its
+        whole search; None when a sibling failed it already)."""
         log.error("request %r failed: %s", request.request_id, message)
+        if request.beam_group is not None:
+            group = self.beams.end(request.beam_group, RequestStatus.FINISHED_ERROR)
+            return None if group is None else self._beam_final(group, RequestStatus.FINISHED_ERROR, message, "internal")
         self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message)
         request.error_code = "internal"
         return self._final_output(request, "", [])
@@ -680,7 +752,11 @@ class Engine:
         for chunk, row in computed:
             if chunk.num_draft_tokens:
                 self._count_verification(chunk, row)
-        outputs = [self._append_tokens_or_fail(c, row) for c, row in computed if row.token_ids]
+        for chunk, row in computed:   # a beam's step gives its candidates to its search (worker/beam_groups.py)
+            if row.token_ids and chunk.request.beam_group is not None and not chunk.request.is_finished:
+                self.beams.report(chunk.request, row.logprobs[0] if row.logprobs else None)
+        outputs = [self._append_tokens_or_fail(c, row) for c, row in computed
+                   if row.token_ids and c.request.beam_group is None]
         self.stats.generation_tokens += sum(len(d.token_ids) for d in outputs)
         return outputs
 
@@ -765,6 +841,8 @@ class Engine:
         """The last output of `request` (finished, its status set): the text held back is released unless
         `release_text` is False; `first`: the fields of a first output (`_first_output_fields`), or queue_time_s."""
         detok = self._detokenizers.pop(request.request_id, None)
+        if request.beam_group is not None:   # a beam search shed before it started: its search ends too
+            self.beams.end(request.beam_group, request.status)
         if detok is not None and release_text:
             text += detok.finish()
         self.sampler.release(request.request_id)
@@ -870,7 +948,7 @@ def step_rows(chunks: Sequence[ScheduledChunk], sampled: SamplerOutput | None) -
     non-finite fails its chunk with NON_FINITE_LOGITS (a verification chunk's: up to where its walk stops)."""
     if sampled is None:
         return [StepRow() for _ in chunks]
-    wants = [c.request.params.logprobs for c in chunks for _ in range(c.num_sampled_rows)]
+    wants = [c.request.num_logprobs for c in chunks for _ in range(c.num_sampled_rows)]
     token_ids = sampled.token_ids.tolist()
     lps = _logprobs_rows(sampled, wants)
     bad = set(sampled.bad_rows)
@@ -886,7 +964,7 @@ def step_rows(chunks: Sequence[ScheduledChunk], sampled: SamplerOutput | None) -
         if found.bad:
             rows.append(StepRow(error=NON_FINITE_LOGITS))
         else:
-            with_lps = chunk.request.params.logprobs is not None
+            with_lps = chunk.request.num_logprobs is not None
             rows.append(StepRow(found.token_ids, found.logprobs if with_lps else None, num_accepted=found.num_accepted))
     return rows
 
@@ -903,7 +981,7 @@ def _stamp_queue_time(scheduled: SchedulerOutput) -> None:
 
 def _logprobs_rows(sampled: SamplerOutput, wants: list[int | None]) -> list[TokenLogprobs | None]:
     """One {token_id: logprob} dict per sampled row that asked for logprobs (sampled token + its top-n);
-    `wants`: each row's params.logprobs."""
+    `wants`: each row's Request.num_logprobs."""
     if sampled.sampled_logprobs is None:
         return [None] * len(wants)
     chosen = sampled.token_ids.tolist()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -153,6 +154,18 @@ class KVCache:
                 pool[i] = zeroed_pool(shape, dtype, device)
         self._shape = None
         return self.nbytes
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, destination) in every layer's K and V: a forked beam's partial last block
+        (worker/beam_groups.py). Destinations are distinct and never sources."""
+        if not copies:
+            return
+        device = self.k[0].device
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
+        for pool in (self.k, self.v):
+            for t in pool:
+                t.index_copy_(1, dst, t.index_select(1, src))
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -78,6 +78,16 @@ class Request:
     # token j + 1's logprobs, filled as prefill chunks run (worker/sampler.py: record_prompt_logprobs)
     prompt_logprobs: list[dict[int, float]] | None = None
     pooled: PoolingState | None = None   # a pooling request's vector so far (worker/pooling.py)
+    # a beam of a beam search (worker/beam_groups.py): the search's request id (the scheduler preempts a group's
+    # beams together), and how many top log-probabilities each of its steps reports (its candidates)
+    beam_group: str | None = None
+    num_beam_candidates: int = 0
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The top log-probabilities a sampled row of this request reports: a beam's candidates, else
+        params.logprobs."""
+        return self.num_beam_candidates if self.beam_group is not None else self.params.logprobs
 
     @property
     def computes_whole_prompt(self) -> bool:

@@ -85,7 +85,7 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, float32 biases)
     allowed: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R], [R, V] bool: may be sampled)
     grammar: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R] int64, [R, ceil(V/32)] int32 bitmask)
-    num_logprobs: tuple[int | None, ...]       # params.logprobs of each row
+    num_logprobs: tuple[int | None, ...]       # Request.num_logprobs of each row (params.logprobs)
     max_num_logprobs: int | None               # None: no row wants logprobs
     logprob_rows: torch.Tensor | None          # [R] int64 rows wanting logprobs; None when all do
 
@@ -130,7 +130,8 @@ class SamplingMetadata:
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        num_logprobs = tuple(r.num_logprobs for r in requests)   # params.logprobs, or a beam's candidates
+        logprob_rows = [i for i, n in enumerate(num_logprobs) if n is not None]
         return cls(
             vocab_size=vocab_size,
             temperature=floats([p.temperature for p in params]),
@@ -147,8 +148,8 @@ class SamplingMetadata:
             logit_bias=_logit_bias(requests, device),
             allowed=_allowed_tokens(requests, vocab_size, device),
             grammar=_grammar_bitmask(requests, vocab_size, device),
-            num_logprobs=tuple(p.logprobs for p in params),
-            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            num_logprobs=num_logprobs,
+            max_num_logprobs=max((n for n in num_logprobs if n is not None), default=None),
             logprob_rows=(ints(logprob_rows) if 0 < len(logprob_rows) < len(requests) else None),
         )
 

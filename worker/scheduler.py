@@ -26,6 +26,10 @@ appends the accepted tokens and calls `accept_draft_tokens`, which counts the ac
 and gives back the blocks past the request's tokens (rejected drafts' slots: rolled back by bookkeeping, never
 copied). Only computed tokens' full blocks are registered in the prefix cache, so rejected drafts never are.
 
+Beam search (worker/beam_groups.py): the beams of one search are requests sharing `beam_group` (and its rank, so
+they sit together in both queues). Preempting any of them preempts them all (a search never waits, holding blocks,
+on a beam of its own that waits for blocks); `fork` adds a beam beside its parent, sharing its computed KV.
+
 No starvation: the oldest unfinished request is never preempted by another (victims are the newest).
 With chunked prefill it is scheduled in every step: first among the running, or, when it waits, nothing
 else runs (newer requests are never admitted ahead of it) and it is admitted first. Without chunked
@@ -300,8 +304,32 @@ class Scheduler:
         step = _Step(0, 0)
         running = list(self._running)
         for request in reversed(running):
-            self._preempt(request, step)
+            self._preempt_one(request, step)
         return len(running)
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Add `child`, a new beam of `parent`'s beam group holding a copy of its tokens, beside it: a running
+        parent's computed KV is shared with it (BlockManager.fork: full blocks by reference, the partial last
+        block copied; the copy (parent's block, child's block) is returned for the engine to apply before the
+        next forward); a waiting parent's child waits too, to compute its tokens when admitted."""
+        if self._requests.get(parent.request_id) is not parent:
+            raise ValueError(f"request {parent.request_id!r} is not in the scheduler")
+        if child.request_id in self._requests:
+            raise ValueError(f"request id {child.request_id!r} is already in the scheduler")
+        if parent.beam_group is None or child.beam_group != parent.beam_group:
+            raise ValueError(f"request {child.request_id!r} is no beam of {parent.request_id!r}'s group")
+        child.arrival_step = parent.arrival_step
+        if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens % self.config.block_size \
+                and not self.block_manager.num_free_blocks:
+            self._preempt(parent, _Step(0, 0))   # no block for the copy: the group recomputes later, as a whole
+        self._requests[child.request_id] = child
+        if parent.status is not RequestStatus.RUNNING:
+            bisect.insort(self._waiting, child, key=self._rank)
+            return None
+        copy = self.block_manager.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        bisect.insort(self._running, child, key=self._rank)
+        return copy
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -457,16 +485,22 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> bool:
         """Allocate for `request`, preempting the newest running requests until it fits. False if the
-        request itself had to be preempted."""
+        request itself had to be preempted (alone, or with its beam group)."""
         while not self.block_manager.allocate(request, num_new):
-            victim = self._running[-1]
-            self._preempt(victim, step)
-            if victim is request:
+            self._preempt(self._running[-1], step)
+            if request.status is not RequestStatus.RUNNING:
                 return False
         return True
 
     def _preempt(self, request: Request, step: _Step) -> None:
-        """Preempt by recompute: drop blocks and progress; the tokens so far are kept and recomputed."""
+        """Preempt by recompute: drop blocks and progress; the tokens so far are kept and recomputed. The beams
+        of a beam search go together (worker/beam_groups.py): a group never waits on a beam of its own."""
+        group = request.beam_group
+        members = [request] if group is None else [r for r in self._running if r.beam_group == group]
+        for member in reversed(members):
+            self._preempt_one(member, step)
+
+    def _preempt_one(self, request: Request, step: _Step) -> None:
         self._running.remove(request)
         if step.has(request):
             step.drop(request)

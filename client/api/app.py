@@ -66,7 +66,7 @@ from infer.client.api.errors import (
     ended_early, error_response, http_phrase, internal_error, request_error, too_large, unhealthy, validation_error
 )
 from infer.client.api.formats import (
-    ChatFormat, CompletionFormat, ResponseFormat, best_of, embedding_json, num_candidates, sse_event
+    ChatFormat, CompletionFormat, ResponseFormat, beam_choices, best_of, embedding_json, num_candidates, sse_event
 )
 from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tools import TOOL_PARSERS, default_parser, template_messages, tools_system_prompt
@@ -79,6 +79,7 @@ from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
 from infer.client.engine_client import ClusterError
 from infer.protocol.logsafe import safe
+from infer.protocol.messages import BeamOutput
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
@@ -158,6 +159,7 @@ class Job:
     num_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None   # prompt tokens 1..
     embedding: list[float] | None = None                 # a pooling request's vector
+    beams: list[BeamOutput] | None = None                # a beam search's best n beams (formats.beam_choices)
 
     def add(self, delta: RequestOutput) -> None:
         self.tracker.on_delta(delta)
@@ -171,6 +173,8 @@ class Job:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.embedding is not None:
             self.embedding = delta.embedding
+        if delta.beams is not None:
+            self.beams = delta.beams
         if delta.finished:
             self.finish_reason = delta.finish_reason
 
@@ -502,7 +506,8 @@ class Front:
             self.cancellations.add(fmt.id, cancellable)
             if not body.stream:
                 await _cancel_on_disconnect(request, self._run_to_end(jobs))
-                return JSONResponse(fmt.response(best_of(jobs, body.n), usage_of=jobs),
+                choices = beam_choices(jobs, body.n) if body.use_beam_search else best_of(jobs, body.n)
+                return JSONResponse(fmt.response(choices, usage_of=choices if body.use_beam_search else jobs),
                                     headers={"X-Request-Id": fmt.id})
             run = StreamRun(self, jobs, functools.partial(self.cancellations.remove, fmt.id, cancellable))
         finally:
@@ -598,6 +603,11 @@ class Front:
         def event(chunk: dict[str, Any], job: Job) -> str:
             return sse_event(fmt.with_usage(chunk, job) if continuous_usage else chunk)
         try:
+            if fmt.body.use_beam_search:   # the beams are final only at the end: each choice whole, in one chunk
+                async for event_text in self._beam_events(run, fmt, include_usage, event):
+                    yield event_text
+                yield "data: [DONE]\n\n"
+                return
             for chunk, job in zip(fmt.opening_chunks(run.jobs), run.jobs):
                 yield event(chunk, job)
             async for job, delta in run.deltas():
@@ -614,6 +624,24 @@ class Front:
         except Exception:   # the 200 went out already: the client gets an error event, the log the details
             yield sse_event(internal_error("a response stream").body())
         yield "data: [DONE]\n\n"
+
+    @staticmethod
+    async def _beam_events(run: StreamRun, fmt: ResponseFormat, include_usage: bool,
+                           event: Callable[[dict[str, Any], Job], str]) -> AsyncIterator[str]:
+        """A streamed beam search (vLLM streams nothing before the end either): once every search is done, its
+        best n beams as choices, each in one chunk with its finish_reason."""
+        async for _ in run.deltas():   # one final delta per search (start() raised already for a failed one)
+            pass
+        choices = beam_choices(run.jobs, fmt.body.n)
+        for chunk, job in zip(fmt.opening_chunks(choices), choices):
+            yield event(chunk, job)
+        for job in choices:
+            whole = RequestOutput.final(job.request_id, job.finish_reason or "stop", token_ids=job.token_ids,
+                                        text=job.text)
+            for chunk in fmt.chunks(job, whole):
+                yield event(chunk, job)
+        if include_usage:
+            yield sse_event(fmt.usage_chunk(choices))
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 import struct
@@ -277,8 +278,21 @@ def prompt_logprobs_json(front: Front, job: Job, n: int) -> list[dict[str, Any] 
 
 
 def num_candidates(body: Any) -> int:
-    """Engine requests per prompt: completions' best_of (>= n) when given, else n."""
+    """Engine requests per prompt: completions' best_of (>= n) when given, else n; 1 for a beam search (its beams
+    run in one engine request)."""
+    if body.use_beam_search:
+        return 1
     return getattr(body, "best_of", None) or body.n
+
+
+def beam_choices(jobs: list[Job], n: int) -> list[Job]:
+    """Each beam-search job (one per prompt) as the n choices of its prompt: its best n beams, best first."""
+    choices = []
+    for job in jobs:
+        for rank, beam in enumerate(job.beams or ()):
+            choices.append(dataclasses.replace(job, index=job.prompt_index * n + rank, token_ids=list(beam.token_ids),
+                                               text=beam.text, finish_reason=beam.finish_reason, logprobs=[]))
+    return choices
 
 
 def best_of(jobs: list[Job], n: int) -> list[Job]:

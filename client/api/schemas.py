@@ -156,6 +156,10 @@ class _SamplingFields(BaseModel):
     timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
     # vLLM's: lower is served first (workers with --scheduling-policy priority; the coordinator sheds by it)
     priority: Annotated[int, Field(ge=-2**63, lt=2**63, strict=True)] = 0
+    # vLLM's beam search: one engine request of best_of (completions) or n beams, the best n returned as choices
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @field_validator("stop")
     @classmethod
@@ -228,6 +232,11 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @property
+    def beam_width(self) -> int | None:
+        """With use_beam_search, the beams: completions' best_of when given, else n."""
+        return (getattr(self, "best_of", None) or self.n) if self.use_beam_search else None
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0,
                         structured: StructuredOutputsParams | None = None,
                         prompt_logprobs: int | None = None,
@@ -237,6 +246,11 @@ class _SamplingFields(BaseModel):
         seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
         ours = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
                 **(defaults or {})}
+        beams = {}
+        if self.use_beam_search:   # deterministic: the sampling defaults do not apply (a given temperature > 0 fails)
+            ours.update(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+            beams = dict(beam_width=self.beam_width, n=self.n, length_penalty=self.length_penalty,
+                         early_stopping=self.early_stopping)
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         value = {name: ours[name] if v is None else v for name, v in given.items()}
         return SamplingParams(
@@ -248,7 +262,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias or None,
             allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),
-            structured_outputs=structured, prompt_logprobs=prompt_logprobs)
+            structured_outputs=structured, prompt_logprobs=prompt_logprobs, **beams)
 
     @property
     def include_usage(self) -> bool:
@@ -297,7 +311,7 @@ class CompletionRequest(_SamplingFields):
         n = info.data.get("n", 1)
         if value is not None and value < n:
             raise ValueError(f"best_of must be >= n (best_of={value}, n={n})")
-        if value is not None and value > n and info.data.get("stream"):
+        if value is not None and value > n and info.data.get("stream") and not info.data.get("use_beam_search"):
             raise ValueError("best_of greater than n cannot be streamed (the best are known only at the end)")
         return value
 

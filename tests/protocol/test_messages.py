@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from infer.protocol.messages import (
-    MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, ClusterStats, Control, ControlAck, Delta,
+    MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, BeamOutput, ClusterStats, Control, ControlAck, Delta,
     DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, RequestSnapshot,
     StatsRequest, StepBatch, Submit, TokenIds, UpdateWeights, CommitWeights, Welcome, WeightsUpdated, WeightSync, WeightTensor,
     WorkerStats, decode, encode
@@ -40,6 +40,12 @@ EXAMPLES = [
     Accepted(request_id="r1"),
     Delta(request_id="r1", token_ids=TokenIds([9, 10]), text="ab", logprobs=[{9: -0.5, 3: -1.5}, {10: -0.1}]),
     Delta(request_id="r1", token_ids=TokenIds([]), text="", finished=True, finish_reason="error", error="boom"),
+    BeamOutput(token_ids=TokenIds([4, 0]), text="d", cumulative_logprob=-1.5, score=-0.75, finish_reason="stop"),
+    Delta(request_id="r2", token_ids=TokenIds([4, 0]), text="d", finished=True, finish_reason="stop",
+          beams=[BeamOutput(token_ids=TokenIds([4, 0]), text="d", cumulative_logprob=-1.5, score=-0.75,
+                            finish_reason="stop"),
+                 BeamOutput(token_ids=TokenIds([5, 6, 7]), text="efg", cumulative_logprob=-2.5, score=-0.83,
+                            finish_reason="length")]),
     Abort(request_ids=["r1", "r2"]),
     Error(message="bad frame"),
     Load(num_waiting=1, num_running=2, num_free_blocks=3, num_total_blocks=4, num_queued_tokens=5),
