@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from infer.protocol.lora import check_lora_name
 from infer.protocol.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -65,6 +66,9 @@ class SamplingParams:
     `n` (vLLM's): samples per prompt. `LLM` / `AsyncLLM` (and the HTTP front, from the body's `n`) run them as n
     engine requests (`samples()`): with a seed, sample i gets seed + i (vLLM's rule), so the n differ and the set
     is reproducible; without one, each draws its own. An engine runs one sample per request and refuses n > 1.
+    `lora_name` (ours; vLLM passes a LoRARequest beside the params): the LoRA adapter the request runs with (None:
+    the base model). `LLM.generate(lora_request=...)` and the HTTP front's `model` set it; it travels with the params,
+    so a request moved to another worker keeps its adapter.
     """
 
     temperature: float = 1.0
@@ -92,6 +96,7 @@ class SamplingParams:
     n: int = 1
     pooling: str | None = None
     normalize: bool = True
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         # Accept the forms users write (a single stop string, lists) and store tuples (hashable, frozen).
@@ -170,6 +175,11 @@ class SamplingParams:
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise FieldError("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)} (or None to generate), "
                                         f"got {self.pooling!r}")
+        if self.lora_name is not None:
+            try:
+                check_lora_name(self.lora_name)
+            except ValueError as e:
+                raise FieldError("lora_name", str(e)) from None
         if not isinstance(self.normalize, bool):
             raise FieldError("normalize", f"normalize must be a bool, got {self.normalize!r}")
         _integer("n", self.n)

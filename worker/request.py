@@ -78,6 +78,9 @@ class Request:
     # token j + 1's logprobs, filled as prefill chunks run (worker/sampler.py: record_prompt_logprobs)
     prompt_logprobs: list[dict[int, float]] | None = None
     pooled: PoolingState | None = None   # a pooling request's vector so far (worker/pooling.py)
+    # the engine's id of the LoRA adapter it runs with (worker/lora.py; 0: the base model): its KV blocks are
+    # cached apart from every other adapter's (block_manager.py), and it holds the adapter's slot while running
+    lora_id: int = 0
 
     @property
     def computes_whole_prompt(self) -> bool:

@@ -1,0 +1,300 @@
+"""LoRA adapters served per request over one base model: PEFT's files in, a batched LoRA path in the forward.
+
+An adapter is a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors; protocol/lora.py reads and
+checks the config). Each targeted linear layer W gains `scale * B A`: for input rows x, y = x W^T + scale *
+(x A^T) B^T, with A [r, in], B [out, r] and scale = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), as PEFT
+computes it. Never merged into W: one batch mixes rows of several adapters and of the base model.
+
+Weights live in `max_loras` slots (LoraSlots, worker/lora_slots.py: LRU over adapters no running request holds).
+Per targeted layer, `LoraLayer` holds every slot's A stacked [slots, subs * R, in] and B (scale folded in)
+[slots, out, subs * R], R = `max_lora_rank` (smaller ranks zero-padded); a fused layer (qkv_proj, gate_up_proj)
+has one sub-block per checkpoint projection (q, k, v), B block-diagonal over them, so one shrink and one expand
+matmul per slot cover the fused output. A step's rows are grouped by slot (`LoraStep`); `LoraLayer.apply` adds
+each group's (x A^T) B^T to the base output. That is the CPU path and the reference of any kernel; it works over
+dense and quantized base weights alike (it only adds to their output).
+
+The current step's row grouping is scoped by `lora_step(...)` (the model runner enters it around the forward; it
+does not nest). Steps with rows of an adapter run the layers one by one: the native CPU decode step
+(worker/models/native_decode.py) and the step graphs know nothing of LoRA, and base-only steps keep them.
+Tensor parallelism is refused with --enable-lora (the shards of A and B are not implemented).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from infer.protocol.lora import ADAPTER_WEIGHTS, LORA_TARGETS, check_lora_name, read_lora_config
+from infer.worker.lora_slots import LoraSlots
+from infer.worker.models.layers import MergedColumnLinear, PackedLinear
+
+log = logging.getLogger("infer.lora")
+
+_KEY = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight")
+
+
+@dataclass
+class LoraAdapter:
+    """One loaded adapter, on the engine's device: per (our module path, shard or None) the pair (A [r, in],
+    B [out, r] * scale). `lora_id` is the engine's own (unique per load: a name loaded again is another adapter,
+    and never shares prefix-cache blocks with the old one); `int_id` the caller's (vLLM's lora_int_id)."""
+
+    name: str
+    lora_id: int
+    int_id: int
+    path: str
+    rank: int
+    weights: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+
+def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, lora_id: int, int_id: int,
+                 dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+    """Read and check a PEFT LoRA folder against `model`: ValueError naming the file, tensor or limit at fault."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    check_lora_name(name)
+    folder = Path(path)
+    config = read_lora_config(folder)
+    weights_file = folder / ADAPTER_WEIGHTS
+    if not weights_file.is_file():
+        hint = " (adapter_model.bin, a pickle, is not read: save with safe_serialization)" if (
+            folder / "adapter_model.bin").exists() else ""
+        raise ValueError(f"{weights_file}: no such file{hint}")
+    try:
+        tensors = load_file(str(weights_file))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{weights_file}: not a readable safetensors file: {e}") from None
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.fullmatch(key)
+        if match is None:
+            what = "LoRA on embeddings" if "lora_embedding" in key else "a tensor other than lora_A / lora_B"
+            raise ValueError(f"{weights_file}: {key}: {what} is not supported")
+        pairs.setdefault(match["module"], {})[match["ab"]] = tensor
+    if not pairs:
+        raise ValueError(f"{weights_file}: no lora_A / lora_B tensors")
+    weights: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{weights_file}: {module} has lora_{'AB'.replace(''.join(ab), '')} missing")
+        target, shard, linear = _target(model, module, weights_file)
+        a, b = ab["A"], ab["B"]
+        r = int(a.shape[0]) if a.dim() == 2 else -1
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
+            raise ValueError(f"{weights_file}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
+                             f"[r, in] and [out, r]")
+        if r > max_rank:
+            raise ValueError(f"{weights_file}: {module} has rank {r}, above --max-lora-rank {max_rank}")
+        in_features, out_features = linear.logical_shape[1], _out_size(linear, shard)
+        if (a.shape[1], b.shape[0]) != (in_features, out_features):
+            raise ValueError(f"{weights_file}: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
+                             f"fit the model's layer ({out_features} x {in_features})")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ValueError(f"{weights_file}: {module} holds values that are not finite")
+        scale = config.scaling(r)
+        weights[(target, shard)] = (a.to(device=device, dtype=dtype),
+                                    (b.float() * scale).to(device=device, dtype=dtype))
+        rank = max(rank, r)
+    return LoraAdapter(name, lora_id, int_id, str(folder), rank, weights)
+
+
+def _target(model: nn.Module, module: str, where: Path) -> tuple[str, str | None, PackedLinear]:
+    """Our (module path, shard, layer) for a PEFT module path (checkpoint names: q_proj -> qkv_proj's "q")."""
+    parent, _, leaf = module.rpartition(".")
+    if leaf not in LORA_TARGETS:
+        raise ValueError(f"{where}: LoRA on {module} is not supported (targets: {', '.join(LORA_TARGETS)})")
+    fused = getattr(model, "packed_modules_mapping", {}).get(leaf)
+    name, shard = (f"{parent}.{fused[0]}", fused[1]) if fused else (module, None)
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"{where}: {module}: the model has no such layer") from None
+    if not isinstance(linear, PackedLinear):
+        raise ValueError(f"{where}: {module} is not a linear layer of this model")
+    return name, shard, linear
+
+
+def _out_size(linear: PackedLinear, shard: str | None) -> int:
+    if isinstance(linear, MergedColumnLinear):
+        return linear.shard_sizes[shard] if shard is not None else linear.logical_shape[0]
+    return linear.logical_shape[0]
+
+
+def _subs(linear: PackedLinear) -> list[tuple[str | None, int, int]]:
+    """(shard, first output row, rows) of each checkpoint projection in a layer's output."""
+    if isinstance(linear, MergedColumnLinear):
+        return [(s, linear.shard_offsets[s], linear.shard_sizes[s]) for s in linear.shard_names]
+    return [(None, 0, linear.logical_shape[0])]
+
+
+@dataclass(frozen=True)
+class LoraStep:
+    """One forward's rows grouped by slot: (slot, row indices [n] int64, or None for every row). Rows of the base
+    model are in no group."""
+
+    groups: tuple[tuple[int, torch.Tensor | None], ...]
+
+
+_STEP: ContextVar[LoraStep | None] = ContextVar("infer_lora_step", default=None)
+
+
+@contextmanager
+def lora_step(step: LoraStep | None) -> Iterator[None]:
+    """The LoRA rows of the forward run inside (None: base model only). Does not nest."""
+    if _STEP.get() is not None:
+        raise RuntimeError("lora_step() does not nest")
+    token = _STEP.set(step)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def lora_rows_active() -> bool:
+    """Whether the current forward has rows of an adapter (the native decode step and step graphs then stand
+    aside)."""
+    step = _STEP.get()
+    return step is not None and bool(step.groups)
+
+
+class LoraLayer:
+    """Every slot's A and B of one linear layer (module doc); `linear.lora` points here once made."""
+
+    def __init__(self, linear: PackedLinear, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.subs = _subs(linear)
+        self.rank = max_rank
+        out_features, in_features = linear.logical_shape
+        width = len(self.subs) * max_rank
+        self.a = torch.zeros(num_slots, width, in_features, dtype=dtype, device=device)    # [S, subs * R, in]
+        self.b = torch.zeros(num_slots, out_features, width, dtype=dtype, device=device)   # [S, out, subs * R]
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def fill(self, slot: int, shard: str | None, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Sub-block `shard` of `slot`: A [r, in], B [out_shard, r] (scale folded in)."""
+        index = next(i for i, (s, _, _) in enumerate(self.subs) if s == shard)
+        _, first, rows = self.subs[index]
+        r, col = a.shape[0], index * self.rank
+        self.a[slot, col:col + r].copy_(a)
+        self.b[slot, first:first + rows, col:col + r].copy_(b)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [T, out] (the base layer's output for x [T, in]) plus each adapter row's (x A^T) B^T, in place."""
+        step = _STEP.get()
+        if step is None:
+            return y
+        for slot, rows in step.groups:
+            if rows is None:
+                y.add_((x @ self.a[slot].T) @ self.b[slot].T)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ self.a[slot].T) @ self.b[slot].T)
+        return y
+
+
+class LoraManager:
+    """The adapters an engine serves and their slots.
+
+    `add` / `remove` by name (a name in use keeps serving the requests that hold it: an unloaded adapter's weights
+    go once its last request ends, `collect`); `lora_id(name)` binds a new request to the adapter now under that
+    name; `activate` gives a step's adapters slots (copying weights into newly placed ones); `step` groups a
+    step's rows by slot."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
+        self.model, self.max_rank, self.dtype, self.device = model, max_lora_rank, dtype, device
+        self.slots = LoraSlots(max_loras)
+        self.by_name: dict[str, LoraAdapter] = {}      # what new requests may name
+        self.by_id: dict[int, LoraAdapter] = {}        # and the unloaded ones requests still hold
+        self.layers: dict[str, LoraLayer] = {}         # made on the first adapter that targets each layer
+        self._ids = itertools.count(1)
+
+    def add(self, name: str, path: str | Path, int_id: int | None = None) -> LoraAdapter:
+        """Load an adapter under `name` (ValueError: a bad folder, a rank above max_lora_rank, a name taken by
+        another path). Loading the same name and path again is a no-op."""
+        check_lora_name(name)
+        current = self.by_name.get(name)
+        if current is not None:
+            if Path(current.path) == Path(path):
+                return current
+            raise ValueError(f"LoRA adapter {name!r} is already loaded from {current.path}; unload it first")
+        lora_id = next(self._ids)
+        adapter = load_adapter(name, path, self.model, self.max_rank, lora_id,
+                               lora_id if int_id is None else int_id, self.dtype, self.device)
+        self.by_name[name] = self.by_id[lora_id] = adapter
+        log.info("LoRA adapter %r loaded from %s (rank %d, %d layers)", name, adapter.path, adapter.rank,
+                 len(adapter.weights))
+        return adapter
+
+    def remove(self, name: str) -> bool:
+        """Unload `name`: new requests may no longer name it. False if no adapter has that name."""
+        return self.by_name.pop(name, None) is not None
+
+    def collect(self, held: set[int]) -> None:
+        """Free the unloaded adapters no request in `held` (waiting or running ids) holds any more."""
+        for lora_id in [i for i, a in self.by_id.items() if self.by_name.get(a.name) is not a and i not in held]:
+            del self.by_id[lora_id]
+            self.slots.drop(lora_id)
+
+    def lora_id(self, name: str) -> int:
+        adapter = self.by_name.get(name)
+        if adapter is None:
+            loaded = ", ".join(sorted(self.by_name)) or "none"
+            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
+        return adapter.lora_id
+
+    def activate(self, needed: Sequence[int], running: set[int]) -> None:
+        """Slots for the adapters `needed` by a step (ids > 0), evicting only adapters no running request holds."""
+        for lora_id, slot in self.slots.place(needed, running):
+            self._copy_in(self.by_id[lora_id], slot)
+
+    def _copy_in(self, adapter: LoraAdapter, slot: int) -> None:
+        for layer in self.layers.values():
+            layer.clear(slot)
+        for (module, shard), (a, b) in adapter.weights.items():
+            self._layer(module).fill(slot, shard, a, b)
+
+    def _layer(self, module: str) -> LoraLayer:
+        layer = self.layers.get(module)
+        if layer is None:
+            linear = self.model.get_submodule(module)
+            layer = self.layers[module] = LoraLayer(linear, self.slots.capacity, self.max_rank, self.dtype,
+                                                    self.device)
+            linear.lora = layer
+        return layer
+
+    def step(self, row_ids: Sequence[tuple[int, int]]) -> LoraStep | None:
+        """The grouping of a forward whose rows come as (adapter id, number of rows) runs in order; None when
+        every row is the base model's. Every adapter named must have been activated."""
+        total = sum(n for _, n in row_ids)
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for lora_id, n in row_ids:
+            if lora_id:
+                rows.setdefault(self.slots.slot_of(lora_id), []).extend(range(start, start + n))
+            start += n
+        if not rows:
+            return None
+        groups = tuple((slot, None if len(ids) == total else torch.tensor(ids, dtype=torch.int64, device=self.device))
+                       for slot, ids in rows.items())
+        return LoraStep(groups)
+
+    def listing(self) -> list[dict[str, object]]:
+        """The loaded adapters (name, id, path, rank), for /v1/models and LLM.list_loras."""
+        return [{"name": a.name, "int_id": a.int_id, "path": a.path, "rank": a.rank} for a in self.by_name.values()]
+
