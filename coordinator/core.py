@@ -47,15 +47,16 @@ from infer.coordinator.liveness import Liveness
 from infer.coordinator.orphans import OrphanTable
 from infer.coordinator.reattachment import Reattachment
 from infer.coordinator.relay import Relay
+from infer.coordinator.loras import Loras
 from infer.coordinator.routing import make_policy
 from infer.coordinator.state import ClientRecord, RequestRecord, RequestTable, WorkerRecord, WorkerTable
 from infer.coordinator.statistics import MAX_REJECTION_CHARS, Counters, Statistics
 from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
-    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello, Message,
-    ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated, decode,
-    peek_request_id
+    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, DeltaBatch, Error, Heartbeat, Hello, LoraCommand,
+    LoraDone, Message, ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated,
+    decode, peek_request_id
 )
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
 
@@ -93,6 +94,7 @@ class Coordinator:
         self.relay = Relay(self)
         self.liveness = Liveness(self)
         self.commands = Commands(self)
+        self.loras = Loras(self)
         self.statistics = Statistics(self)
         self._handlers: dict[type[Message], Callable[[bytes, Any, float], None]] = {
             Hello: self._on_hello, Submit: self._on_submit, Abort: self._on_abort,
@@ -100,6 +102,7 @@ class Coordinator:
             Control: self.commands.on_control, ControlAck: self.commands.on_control_ack,
             UpdateWeights: self.commands.on_update_weights, WeightsUpdated: self.commands.on_weights_updated,
             StatsRequest: self.statistics.on_stats_request,
+            LoraCommand: self.loras.on_command, LoraDone: self.loras.on_done,
         }
 
     @property
@@ -150,6 +153,7 @@ class Coordinator:
         timeouts, stats waiters, the drain."""
         self.admission.expire_deadlines(now)
         self.commands.check_barrier(now)
+        self.loras.check(now)
         if now < self._next_tick:
             return
         self._next_tick = now + self.config.heartbeat_interval
@@ -368,6 +372,7 @@ class Coordinator:
         for command in commands_to_reach(self.state):
             self.send(identity, Control(command=command))
         self.commands.on_worker_registered(worker, now)
+        self.loras.on_worker_registered(worker)
         log.info("worker %s: %s%s", "re-registered" if old is not None else "joined", worker.describe(),
                  f"; aborting {len(stale)} request(s) it still ran that moved elsewhere" if stale else "")
         if len(self.reattachment.orphans):

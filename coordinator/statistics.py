@@ -121,7 +121,7 @@ class Statistics:
             uptime_s=round(now - self.core.started, 3), requests_rejected=c.requests_rejected,
             requests_timed_out=c.requests_timed_out, requests_reattached=c.requests_reattached,
             clients_lost=c.clients_lost, clients_too_slow=c.clients_too_slow,
-            weight_version=self.core.commands.weight_version)
+            weight_version=self.core.commands.weight_version, lora_adapters=self.core.loras.cluster_adapters())
 
     def log_rejections(self) -> None:
         rejected = self.core.counters.frames_rejected

@@ -8,53 +8,15 @@ import json
 import random
 
 import pytest
-import torch
 
 from infer import SamplingParams
 from infer.protocol.lora import LoRARequest, lora_modules, parse_lora_module, read_lora_config
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.lora_slots import LoraSlots
-from hf_reference import hf_model
+from lora_cases import ADAPTERS, make_adapter, peft_greedy
 
 MAX_NEW = 8
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# name -> PEFT LoraConfig options (init_lora_weights=False: B random too, so each adapter changes the output)
-ADAPTERS = {
-    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "all-rs": dict(r=8, lora_alpha=16, target_modules=ALL_TARGETS, use_rslora=True),
-    "mlp": dict(r=2, lora_alpha=4, target_modules=["o_proj", "gate_proj", "down_proj"]),
-}
-
-
-def make_adapter(model_dir, folder, seed: int, **options) -> None:
-    """A PEFT LoRA adapter of `model_dir` with random A and B, saved in `folder`."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(hf_model(model_dir), LoraConfig(init_lora_weights=False, **options))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(str(folder))
-
-
-def peft_greedy(model_dir, adapter_dir, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers (+ PEFT's adapter when given): MAX_NEW greedy tokens per prompt, one prompt at a time."""
-    from peft import PeftModel
-
-    model = hf_model(model_dir)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +69,7 @@ def test_mixed_batch_equals_transformers_and_peft(families, arch):
     model_dir, folders = families(arch)
     prompts = _prompts(5)
     adapters = [None, *folders]       # each prompt with the base model and with every adapter, in one batch
-    expected = {name: peft_greedy(model_dir, folders.get(name), prompts) for name in adapters}
+    expected = {name: peft_greedy(model_dir, folders.get(name), prompts, MAX_NEW) for name in adapters}
     assert all(expected[name] != expected[None] for name in folders), "an adapter that changes nothing proves nothing"
     engine = _engine(model_dir, folders)
     requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts) for name in adapters}
@@ -121,7 +83,7 @@ def test_mixed_batch_equals_transformers_and_peft(families, arch):
 def test_slots_evict_least_recently_used_and_bound_the_running_adapters(family):
     model_dir, folders = family
     prompts = _prompts(3, seed=5)
-    expected = {name: peft_greedy(model_dir, folders[name], prompts) for name in folders}
+    expected = {name: peft_greedy(model_dir, folders[name], prompts, MAX_NEW) for name in folders}
     engine = _engine(model_dir, folders, max_loras=2)      # three adapters, two slots
     requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts) for name in folders}
     max_running = 0
@@ -147,7 +109,7 @@ def test_prefix_cache_is_keyed_by_adapter(family):
     hits = engine.scheduler.block_manager.num_hit_tokens
     with_adapter = _run(engine, {"qv": (prompt, "qv")})["qv"]
     assert engine.scheduler.block_manager.num_hit_tokens == hits      # the base model's blocks are not the adapter's
-    assert with_adapter == peft_greedy(model_dir, folders["qv"], [prompt])[0]
+    assert with_adapter == peft_greedy(model_dir, folders["qv"], [prompt], MAX_NEW)[0]
     assert _run(engine, {"qv2": (prompt, "qv")})["qv2"] == with_adapter
     assert engine.scheduler.block_manager.num_hit_tokens > hits       # the same adapter's blocks are
     hits = engine.scheduler.block_manager.num_hit_tokens
@@ -159,7 +121,7 @@ def test_prefix_cache_is_keyed_by_adapter(family):
 def test_load_and_unload_while_requests_run(family, tmp_path):
     model_dir, folders = family
     prompts = _prompts(3, seed=11)
-    expected = peft_greedy(model_dir, folders["qv"], prompts)
+    expected = peft_greedy(model_dir, folders["qv"], prompts, MAX_NEW)
     engine = _engine(model_dir, {})
     assert engine.list_loras() == []
     engine.add_lora("qv", str(folders["qv"]))
@@ -213,7 +175,7 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(family, t
     with pytest.raises(ValueError, match=r"unknown LoRA adapter 'nope' \(loaded: qv\)"):
         engine.add_request("x", [5, 6, 7], SamplingParams(lora_name="nope"))
     prompt = _prompts(1)[0]
-    assert _run(engine, {"ok": (prompt, "qv")})["ok"] == peft_greedy(model_dir, folders["qv"], [prompt])[0]
+    assert _run(engine, {"ok": (prompt, "qv")})["ok"] == peft_greedy(model_dir, folders["qv"], [prompt], MAX_NEW)[0]
 
 
 def test_lora_off_refuses_adapter_requests(tiny_model_dir):
@@ -267,3 +229,35 @@ def test_options_and_config_parsing(tmp_path):
     assert config_.lora_modules == (("a", "/p"), ("b", "/q")) and config_.max_loras == 2
     assert to_argv(EngineConfig, config_) == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32",
                                               "--lora-modules", "a=/p", "b=/q"]
+
+
+def test_llm_generate_takes_lora_requests_per_prompt(family):
+    from infer import LLM
+
+    model_dir, folders = family
+    prompts = _prompts(3, seed=13)
+    qv, mlp = LoRARequest("qv", 1, str(folders["qv"])), LoRARequest("mlp", 2, str(folders["mlp"]))
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, enable_lora=True,
+              max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[qv, None, mlp])   # loaded on first use
+    assert [o.token_ids for o in outs] == [peft_greedy(model_dir, folders["qv"], prompts[:1], MAX_NEW)[0],
+                                           peft_greedy(model_dir, None, prompts[1:2], MAX_NEW)[0],
+                                           peft_greedy(model_dir, folders["mlp"], prompts[2:], MAX_NEW)[0]]
+    assert llm.list_loras() == {"qv": str(folders["qv"]), "mlp": str(folders["mlp"])}
+    assert llm.remove_lora("mlp") == {"qv": str(folders["qv"])}
+    with pytest.raises(ValueError, match="no such file"):
+        llm.generate(prompts[0], params, use_tqdm=False, lora_request=LoRARequest("gone", 3, "/nowhere"))
+
+
+def test_over_a_quantized_base_each_row_gets_its_adapter_alone_or_mixed(family):
+    """int8 base weights (their matmul differs from transformers' in the last bits): every request's output in a
+    mixed batch equals the same request run alone, and the adapters still change it."""
+    model_dir, folders = family
+    prompts = _prompts(3, seed=17)
+    engine = _engine(model_dir, folders, quantization="int8")
+    mixed = _run(engine, {f"{name}-{i}": (p, name) for i, p in enumerate(prompts) for name in (None, *folders)})
+    for name in (None, *folders):
+        for i, p in enumerate(prompts):
+            assert _run(engine, {"alone": (p, name)})["alone"] == mixed[f"{name}-{i}"], (name, i)
+    assert all(mixed[f"{name}-0"] != mixed["None-0"] for name in folders)
