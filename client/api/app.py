@@ -382,7 +382,8 @@ class Front:
         except (ClusterError, ValueError):
             pass
         if model not in self.lora_adapters:
-            adapters = f" and the LoRA adapters {', '.join(sorted(self.lora_adapters))}" if self.lora_adapters else ""
+            names = ", ".join(map(repr, sorted(self.lora_adapters)))
+            adapters = f" and the LoRA adapters {names}" if names else ""
             raise ApiError(404, f"the model {model[:200]!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}{adapters}", param="model", code="model_not_found")
 
