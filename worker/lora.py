@@ -6,12 +6,14 @@ checks the config). Each targeted linear layer W gains `scale * B A`: for input 
 computes it. Never merged into W: one batch mixes rows of several adapters and of the base model.
 
 Weights live in `max_loras` slots (LoraSlots, worker/lora_slots.py: LRU over adapters no running request holds).
-Per targeted layer, `LoraLayer` holds every slot's A stacked [slots, subs * R, in] and B (scale folded in)
-[slots, out, subs * R], R = `max_lora_rank` (smaller ranks zero-padded); a fused layer (qkv_proj, gate_up_proj)
+Per targeted layer, `LoraLayer` holds every slot's A stacked [slots * subs * R, in] and B (scale folded in)
+[out, slots * subs * R], R = `max_lora_rank` (smaller ranks zero-padded); a fused layer (qkv_proj, gate_up_proj)
 has one sub-block per checkpoint projection (q, k, v), B block-diagonal over them, so one shrink and one expand
-matmul per slot cover the fused output. A step's rows are grouped by slot (`LoraStep`); `LoraLayer.apply` adds
-each group's (x A^T) B^T to the base output. That is the CPU path and the reference of any kernel; it works over
-dense and quantized base weights alike (it only adds to their output).
+matmul cover the fused output. A step's rows are grouped by slot (`LoraStep`); `LoraLayer.apply` adds each row's
+(x A_slot^T) B_slot^T to the base output: a step of few rows (decodes) as two matmuls over every slot with the
+other slots' columns masked to zero (op count, not flops, bounds such a CPU step), a larger one group by group.
+That is the CPU path and the reference of any kernel (none on GPU yet: the same torch ops run there); it works
+over dense and quantized base weights alike (it only adds to their output).
 
 The current step's row grouping is scoped by `lora_step(...)` (the model runner enters it around the forward; it
 does not nest). Steps with rows of an adapter run the layers one by one: the native CPU decode step
@@ -138,12 +140,30 @@ def _subs(linear: PackedLinear) -> list[tuple[str | None, int, int]]:
     return [(None, 0, linear.logical_shape[0])]
 
 
+# A step of at most this many rows (decodes, mostly) takes the dense path: every row against every slot in two
+# matmuls, the other slots' columns masked to zero; more rows (prefills) go slot group by slot group, so the work
+# stays proportional to the rows of each adapter. (A CPU step of a few rows is bound by op count, not flops.)
+DENSE_MAX_ROWS = 64
+
+
 @dataclass(frozen=True)
 class LoraStep:
-    """One forward's rows grouped by slot: (slot, row indices [n] int64, or None for every row). Rows of the base
-    model are in no group."""
+    """One forward's rows grouped by slot: (slot, row indices [n] int64, or None for every row); rows of the base
+    model are in no group. `onehot` [T, slots] (the dense path's row -> slot map, in the activations' dtype; None:
+    the grouped path); `masks` caches its columns widened to each layer's width."""
 
     groups: tuple[tuple[int, torch.Tensor | None], ...]
+    onehot: torch.Tensor | None = None
+    masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def mask(self, width: int) -> torch.Tensor:
+        """[T, slots * width]: 1 where a row's slot owns the column (slot s: columns s * width ...)."""
+        mask = self.masks.get(width)
+        if mask is None:
+            if self.onehot is None:
+                raise RuntimeError("a grouped LoRA step has no dense mask")
+            mask = self.masks[width] = self.onehot.repeat_interleave(width, dim=1)
+        return mask
 
 
 _STEP: ContextVar[LoraStep | None] = ContextVar("infer_lora_step", default=None)
@@ -169,39 +189,50 @@ def lora_rows_active() -> bool:
 
 
 class LoraLayer:
-    """Every slot's A and B of one linear layer (module doc); `linear.lora` points here once made."""
+    """Every slot's A and B of one linear layer (module doc); `linear.lora` points here once made.
+
+    Slot s owns `width` = subs * R columns: A's rows [s * width, (s + 1) * width) ([slots * width, in]) and B's
+    columns of the same range ([out, slots * width]), so the dense path multiplies by all of A and all of B at once
+    and a slot is a slice of either."""
 
     def __init__(self, linear: PackedLinear, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.subs = _subs(linear)
         self.rank = max_rank
         out_features, in_features = linear.logical_shape
-        width = len(self.subs) * max_rank
-        self.a = torch.zeros(num_slots, width, in_features, dtype=dtype, device=device)    # [S, subs * R, in]
-        self.b = torch.zeros(num_slots, out_features, width, dtype=dtype, device=device)   # [S, out, subs * R]
+        self.width = len(self.subs) * max_rank
+        self.a = torch.zeros(num_slots * self.width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(out_features, num_slots * self.width, dtype=dtype, device=device)
+
+    def _columns(self, slot: int) -> slice:
+        return slice(slot * self.width, (slot + 1) * self.width)
 
     def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.a[self._columns(slot)].zero_()
+        self.b[:, self._columns(slot)].zero_()
 
     def fill(self, slot: int, shard: str | None, a: torch.Tensor, b: torch.Tensor) -> None:
         """Sub-block `shard` of `slot`: A [r, in], B [out_shard, r] (scale folded in)."""
         index = next(i for i, (s, _, _) in enumerate(self.subs) if s == shard)
         _, first, rows = self.subs[index]
-        r, col = a.shape[0], index * self.rank
-        self.a[slot, col:col + r].copy_(a)
-        self.b[slot, first:first + rows, col:col + r].copy_(b)
+        r, col = a.shape[0], slot * self.width + index * self.rank
+        self.a[col:col + r].copy_(a)
+        self.b[first:first + rows, col:col + r].copy_(b)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the base layer's output for x [T, in]) plus each adapter row's (x A^T) B^T, in place."""
         step = _STEP.get()
-        if step is None:
+        if step is None or not step.groups:
             return y
+        if step.onehot is not None:
+            return y.add_(((x @ self.a.T) * step.mask(self.width)) @ self.b.T)
         for slot, rows in step.groups:
+            columns = self._columns(slot)
+            a, b = self.a[columns], self.b[:, columns]
             if rows is None:
-                y.add_((x @ self.a[slot].T) @ self.b[slot].T)
+                y.add_((x @ a.T) @ b.T)
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ self.a[slot].T) @ self.b[slot].T)
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
         return y
 
 
@@ -290,6 +321,11 @@ class LoraManager:
             start += n
         if not rows:
             return None
+        if total <= DENSE_MAX_ROWS:
+            onehot = torch.zeros(total, self.slots.capacity, dtype=self.dtype)
+            for slot, ids in rows.items():
+                onehot[ids, slot] = 1
+            return LoraStep(tuple((slot, None) for slot in rows), onehot.to(self.device))
         groups = tuple((slot, None if len(ids) == total else torch.tensor(ids, dtype=torch.int64, device=self.device))
                        for slot, ids in rows.items())
         return LoraStep(groups)
