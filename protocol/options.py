@@ -193,8 +193,9 @@ def to_argv(cls: type, values: Mapping[str, Any] | Any, names: Iterable[str] | N
         flag = flag_of(f)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
-        elif f.metadata.get("show"):   # several values after one flag
-            argv += [flag, *(f.metadata["show"](element) for element in value)] if value else []
+        elif f.metadata.get("show"):   # several values after one flag (a mapping: its items)
+            elements = list(value.items()) if isinstance(value, Mapping) else list(value)
+            argv += [flag, *(f.metadata["show"](element) for element in elements)] if elements else []
         elif f.metadata.get("parse"):   # a value given as it is given in Python (a dict): its parsed form's text
             argv += [flag, value if isinstance(value, str) else str(f.metadata["parse"](value))]
         else:

@@ -118,7 +118,7 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = option(
         (), "with --enable-lora: adapters loaded at start, each name=path (a PEFT folder) or vLLM's JSON "
             '{"name": N, "path": P}; requests name them (HTTP: the model field)', metavar="NAME=PATH",
-        parse=parse_lora_module, show="=".join)
+        parse=parse_lora_module, show=lambda pair: f"{pair[0]}={pair[1]}")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))
