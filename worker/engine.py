@@ -295,9 +295,9 @@ class Engine:
     def _lora_manager(self) -> LoraManager | None:
         if not self.config.enable_lora:
             return None
-        if self.tp.size > 1 or self.stage is not None:
-            raise ValueError("enable_lora is not supported with tensor or pipeline parallelism yet: the adapters' A "
-                             "and B are not sharded like their layers")
+        if self.stage is not None:
+            raise ValueError("enable_lora is not supported with pipeline parallelism yet: the stages would need the "
+                             "adapters' step commands")
         manager = LoraManager(self.model, self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device)
         for name, path in self.config.lora_modules:
             manager.add(name, path)
@@ -528,6 +528,7 @@ class Engine:
         """One forward and sampling step over `chunks`: one StepRow per chunk (module docstring: a step that
         raises is retried one request at a time)."""
         if self.lora is not None:
+            self.lora.followers = self.runner.followers   # TP: the other ranks copy what goes into a slot
             self.lora.activate([c.request.lora_id for c in chunks if c.request.lora_id],
                                self.scheduler.running_lora_ids())
         try:

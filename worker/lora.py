@@ -18,7 +18,12 @@ over dense and quantized base weights alike (it only adds to their output).
 The current step's row grouping is scoped by `lora_step(...)` (the model runner enters it around the forward; it
 does not nest). Steps with rows of an adapter run the layers one by one: the native CPU decode step
 (worker/models/native_decode.py) and the step graphs know nothing of LoRA, and base-only steps keep them.
-Tensor parallelism is refused with --enable-lora (the shards of A and B are not implemented).
+
+Tensor parallelism: each rank holds its part of A and B, sharded like the layer (`_this_ranks_part`: a
+column-parallel layer's output rows split B's rows; a row-parallel layer's input columns split A's columns, and its
+rank's partial (x_part A_part^T) B^T is summed by the layer's own all-reduce, added before it). TP rank 0 decides the
+slots; each adapter it copies into a slot, and each forward's (slot, rows) runs, go to the other ranks with its
+step commands (worker/tp_commands.py), which read the folder themselves. Pipelines are refused.
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from infer.protocol.lora import ADAPTER_WEIGHTS, LORA_TARGETS, check_lora_name, read_lora_config
 from infer.worker.lora_slots import LoraSlots
-from infer.worker.models.layers import MergedColumnLinear, PackedLinear
+from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, PackedLinear, RowLinear
 
 log = logging.getLogger("infer.lora")
 
@@ -98,10 +104,10 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, l
                              f"[r, in] and [out, r]")
         if r > max_rank:
             raise ValueError(f"{weights_file}: {module} has rank {r}, above --max-lora-rank {max_rank}")
-        in_features, out_features = linear.logical_shape[1], _out_size(linear, shard)
-        if (a.shape[1], b.shape[0]) != (in_features, out_features):
-            raise ValueError(f"{weights_file}: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
-                             f"fit the model's layer ({out_features} x {in_features})")
+        try:
+            a, b = _this_ranks_part(linear, shard, a, b)
+        except ValueError as e:
+            raise ValueError(f"{weights_file}: {module}: {e}") from None
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise ValueError(f"{weights_file}: {module} holds values that are not finite")
         scale = config.scaling(r)
@@ -127,10 +133,24 @@ def _target(model: nn.Module, module: str, where: Path) -> tuple[str, str | None
     return name, shard, linear
 
 
-def _out_size(linear: PackedLinear, shard: str | None) -> int:
+def _this_ranks_part(linear: PackedLinear, shard: str | None, a: torch.Tensor,
+                     b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, in] and B [out, r] as the checkpoint has them -> this TP rank's part, sharded like the layer: a
+    column-parallel layer's rows (of the projection `shard` of a fused one) split B's rows, a row-parallel layer's
+    columns split A's columns (its rank's partial (x A_part^T) B^T is summed by the layer's all-reduce)."""
+    out_rows, in_cols = linear.logical_shape
+    in_parts, in_index, out_parts, out_index = 1, 0, 1, 0
     if isinstance(linear, MergedColumnLinear):
-        return linear.shard_sizes[shard] if shard is not None else linear.logical_shape[0]
-    return linear.logical_shape[0]
+        out_rows = linear.shard_sizes[shard]
+        out_parts, out_index = linear.shard_parts[shard]
+    elif isinstance(linear, RowLinear):
+        in_parts, in_index = linear.tp.size, linear.tp.rank
+    elif isinstance(linear, ColumnLinear):
+        out_parts, out_index = linear.tp.size, linear.tp.rank
+    if (a.shape[1], b.shape[0]) != (in_cols * in_parts, out_rows * out_parts):
+        raise ValueError(f"lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the model's layer "
+                         f"({out_rows * out_parts} x {in_cols * in_parts})")
+    return a.narrow(1, in_index * in_cols, in_cols), b.narrow(0, out_index * out_rows, out_rows)
 
 
 def _subs(linear: PackedLinear) -> list[tuple[str | None, int, int]]:
@@ -254,6 +274,14 @@ class LoraManager:
         self.by_id: dict[int, LoraAdapter] = {}        # and the unloaded ones requests still hold
         self.layers: dict[str, LoraLayer] = {}         # made on the first adapter that targets each layer
         self._ids = itertools.count(1)
+        # TP rank 0's command channel (worker/tp_commands.py; set by the engine): each adapter copied into a slot
+        # here is copied into the same slot on every other rank, from its own read of the folder (its shards)
+        self.followers: Any = None
+
+    def read(self, name: str, path: str | Path, lora_id: int, int_id: int | None = None) -> LoraAdapter:
+        """An adapter's files read and checked against this rank's model (its shards), not registered."""
+        return load_adapter(name, path, self.model, self.max_rank, lora_id, lora_id if int_id is None else int_id,
+                            self.dtype, self.device)
 
     def add(self, name: str, path: str | Path, int_id: int | None = None) -> LoraAdapter:
         """Load an adapter under `name` (ValueError: a bad folder, a rank above max_lora_rank, a name taken by
@@ -264,9 +292,8 @@ class LoraManager:
             if Path(current.path) == Path(path):
                 return current
             raise ValueError(f"LoRA adapter {name!r} is already loaded from {current.path}; unload it first")
-        lora_id = next(self._ids)
-        adapter = load_adapter(name, path, self.model, self.max_rank, lora_id,
-                               lora_id if int_id is None else int_id, self.dtype, self.device)
+        adapter = self.read(name, path, next(self._ids), int_id)
+        lora_id = adapter.lora_id
         self.by_name[name] = self.by_id[lora_id] = adapter
         log.info("LoRA adapter %r loaded from %s (rank %d, %d layers)", name, adapter.path, adapter.rank,
                  len(adapter.weights))
@@ -292,9 +319,13 @@ class LoraManager:
     def activate(self, needed: Sequence[int], running: set[int]) -> None:
         """Slots for the adapters `needed` by a step (ids > 0), evicting only adapters no running request holds."""
         for lora_id, slot in self.slots.place(needed, running):
-            self._copy_in(self.by_id[lora_id], slot)
+            adapter = self.by_id[lora_id]
+            if self.followers is not None:
+                self.followers.lora_copy_in(adapter.name, adapter.path, lora_id, slot)
+            self.copy_in(adapter, slot)
 
-    def _copy_in(self, adapter: LoraAdapter, slot: int) -> None:
+    def copy_in(self, adapter: LoraAdapter, slot: int) -> None:
+        """`adapter`'s A and B into `slot` of every layer (the layers it does not target: zeros)."""
         for layer in self.layers.values():
             layer.clear(slot)
         for (module, shard), (a, b) in adapter.weights.items():
@@ -309,15 +340,26 @@ class LoraManager:
             linear.lora = layer
         return layer
 
-    def step(self, row_ids: Sequence[tuple[int, int]]) -> LoraStep | None:
-        """The grouping of a forward whose rows come as (adapter id, number of rows) runs in order; None when
-        every row is the base model's. Every adapter named must have been activated."""
-        total = sum(n for _, n in row_ids)
+    def slot_rows(self, row_ids: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """A forward's rows as (adapter id, number of rows) runs in order -> (slot, rows) runs, -1 for the base
+        model's. Every adapter named must have been activated."""
+        return [(-1 if not lora_id else self._slot(lora_id), n) for lora_id, n in row_ids]
+
+    def _slot(self, lora_id: int) -> int:
+        slot = self.slots.slot_of(lora_id)
+        if slot is None:
+            raise RuntimeError(f"LoRA adapter id {lora_id} has no slot (activate() first)")
+        return slot
+
+    def step(self, slot_rows: Sequence[tuple[int, int]]) -> LoraStep | None:
+        """The LoraStep of a forward whose rows come as (slot, rows) runs in order (-1: the base model); None when
+        every row is the base model's."""
+        total = sum(n for _, n in slot_rows)
         rows: dict[int, list[int]] = {}
         start = 0
-        for lora_id, n in row_ids:
-            if lora_id:
-                rows.setdefault(self.slots.slot_of(lora_id), []).extend(range(start, start + n))
+        for slot, n in slot_rows:
+            if slot >= 0:
+                rows.setdefault(slot, []).extend(range(start, start + n))
             start += n
         if not rows:
             return None

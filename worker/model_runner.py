@@ -46,7 +46,9 @@ class ModelRunner:
         `chunk.num_sampled_rows`). Returns None when no chunk samples (all mid-prefill).
         Pure-decode steps that fit a step-graph bucket replay its graph; the others (verification steps
         included) run eagerly."""
-        lora = None if self.lora is None else self.lora.step([(c.request.lora_id, c.num_new_tokens) for c in chunks])
+        slot_rows = [] if self.lora is None else self.lora.slot_rows([(c.request.lora_id, c.num_new_tokens)
+                                                                       for c in chunks])
+        lora = None if self.lora is None else self.lora.step(slot_rows)
         graphs = (self.step_graphs is not None and lora is None   # LoRA rows run the layers one by one
                   and not any(c.request.pooled is not None for c in chunks))
         bucket = self.step_graphs.bucket_for(chunks) if graphs else None   # pooling needs the hidden states
@@ -55,7 +57,7 @@ class ModelRunner:
         else:
             batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
             with lora_step(lora):
-                hidden = self._forward(batch)
+                hidden = self._forward(batch, slot_rows if lora is not None else None)
             if any(c.request.prompt_logprobs is not None for c in chunks):
                 record_prompt_logprobs(chunks, lambda start, stop: self._logits(
                     hidden, torch.arange(start, stop, device=hidden.device)))
@@ -76,9 +78,10 @@ class ModelRunner:
             self.followers.dummy()
         self.model(dummy_forward_batch(self.block_size, self.device), self.kv_cache)
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, lora_rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """`lora_rows`: the forward's (LoRA slot, rows) runs (-1: the base model), for the other TP ranks."""
         if self.followers is not None:
-            self.followers.forward(batch)
+            self.followers.forward(batch, lora_rows)
         return self.model(batch, self.kv_cache)
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

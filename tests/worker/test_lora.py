@@ -261,3 +261,20 @@ def test_over_a_quantized_base_each_row_gets_its_adapter_alone_or_mixed(family):
         for i, p in enumerate(prompts):
             assert _run(engine, {"alone": (p, name)})["alone"] == mixed[f"{name}-{i}"], (name, i)
     assert all(mixed[f"{name}-0"] != mixed["None-0"] for name in folders)
+
+
+def test_tensor_parallel_ranks_shard_the_adapters_like_their_layers(family):
+    """TP 2 (2 KV heads: one per rank): B's rows split with q / k / v / gate / up, A's columns with o / down; every
+    request of a mixed batch equals transformers + PEFT."""
+    from infer import LLM
+
+    model_dir, folders = family
+    prompts = _prompts(4, seed=19)
+    names = [None, *folders]
+    requests = [None if n is None else LoRARequest(n, i + 1, str(folders[n])) for i, n in enumerate(names)]
+    with LLM(str(model_dir), tensor_parallel_size=2, dtype="float32", max_model_len=128, kv_cache_memory=4_000_000,
+             num_threads=1, enable_lora=True, max_lora_rank=8, max_loras=2) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+                            use_tqdm=False, lora_request=requests)
+    for out, prompt, name in zip(outs, prompts, names):
+        assert out.token_ids == peft_greedy(model_dir, folders.get(name), [prompt], MAX_NEW)[0], name
