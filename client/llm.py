@@ -509,10 +509,14 @@ class AsyncLLM:
     async def _ensure_loras(self, loras: list[LoRARequest | None]) -> None:
         """Load the adapters of a generate call that are not loaded from the same folder yet (vLLM loads a
         LoRARequest on first use)."""
-        for request in {r.lora_name: r for r in loras if r is not None}.values():
-            loaded = self._loras.get(request.lora_name)
-            if loaded is None or os.path.abspath(loaded) != os.path.abspath(request.lora_path):
-                await self.add_lora(request)
+        def missing() -> list[LoRARequest]:
+            wanted = {r.lora_name: r for r in loras if r is not None}.values()
+            return [r for r in wanted if r.lora_name not in self._loras
+                    or os.path.abspath(self._loras[r.lora_name]) != os.path.abspath(r.lora_path)]
+        if missing():   # perhaps loaded already (--lora-modules, another client): no load, no admin key needed
+            self._loras = dict(await self.engine.list_lora_adapters())
+        for request in missing():
+            await self.add_lora(request)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort"."""

@@ -74,3 +74,19 @@ async def test_only_an_admin_key_loads_or_unloads_an_adapter(cluster_factory, ke
         async with cluster.client(**keys.admin_options()) as admin:   # an admin's reaches the workers
             with pytest.raises(ClusterError, match="not in --benchmark-mode"):
                 await admin.load_lora_adapter("sql", tmp_path)
+
+
+def test_llm_in_coordinator_mode_loads_lora_requests_on_the_workers(tiny_llama, tmp_path_factory):
+    from infer import LLM, LoRARequest
+
+    folders = make_adapters(tiny_llama, tmp_path_factory, names=("qv", "mlp"))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    with LLM(str(tiny_llama), use_coordinator=True, dtype="float32", max_model_len=256, kv_cache_memory=8_000_000,
+             num_threads=1, enable_lora=True, max_lora_rank=8, lora_modules={"qv": folders["qv"]}) as llm:
+        assert llm.list_loras() == {"qv": str(folders["qv"])}
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False,
+                            lora_request=[LoRARequest("qv", 1, str(folders["qv"])),
+                                          LoRARequest("mlp", 2, str(folders["mlp"]))])   # mlp: loaded on first use
+        assert llm.list_loras() == {"qv": str(folders["qv"]), "mlp": str(folders["mlp"])}
+    assert [o.token_ids for o in outs] == [peft_greedy(tiny_llama, folders["qv"], prompts[:1], 8)[0],
+                                           peft_greedy(tiny_llama, folders["mlp"], prompts[1:], 8)[0]]
