@@ -278,3 +278,4 @@ def test_tensor_parallel_ranks_shard_the_adapters_like_their_layers(family):
                             use_tqdm=False, lora_request=requests)
     for out, prompt, name in zip(outs, prompts, names):
         assert out.token_ids == peft_greedy(model_dir, folders.get(name), [prompt], MAX_NEW)[0], name
+
