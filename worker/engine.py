@@ -281,6 +281,8 @@ class Engine:
         wrong (LoRA not enabled, missing files, a rank above max_lora_rank, a target this model lacks). Returns its
         listing entry."""
         manager = self._require_lora()
+        if self._suspended is not None:   # the layers' shapes are read from their (released) weights
+            raise ValueError("add_lora on a suspended engine: resume() first")
         adapter = manager.add(name, path, int_id)
         return {"name": adapter.name, "int_id": adapter.int_id, "path": adapter.path, "rank": adapter.rank}
 
