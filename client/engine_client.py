@@ -46,6 +46,10 @@ class EngineClient(Protocol):
       returns the new weight version once the engine(s) serve it; every later delta carries it
       (`weight_version`). A bad tensor raises (ValueError in-process, ClusterError from a cluster) and the
       old weights keep serving.
+    - `load_lora_adapter(name, path)` / `unload_lora_adapter(name)` load / unload a LoRA adapter (PEFT's folder) on
+      the engine(s) and return the adapters then served (name -> folder); `list_lora_adapters()` returns them. A
+      refusal (bad folder, LoRA not enabled, no administrator key on a cluster) raises (ValueError in-process,
+      ClusterError from a cluster). Requests name an adapter by `SamplingParams.lora_name`.
     - Transport failures (cluster unreachable, client closed) raise `ClusterError`.
     """
 
@@ -72,5 +76,11 @@ class EngineClient(Protocol):
     async def resume(self) -> str: ...
 
     async def update_weights(self, source: object, *, on_running: str = "drain", timeout: float = 600.0) -> int: ...
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]: ...
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]: ...
+
+    async def list_lora_adapters(self) -> dict[str, str]: ...
 
     async def close(self) -> None: ...

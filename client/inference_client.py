@@ -58,8 +58,9 @@ from infer.protocol.keys import CurveKeys, PathLike
 from infer.protocol.messages import (
     MAX_REFIT_TIMEOUT_S, MAX_REQUEST_TIMEOUT_S, ON_RUNNING, Abort, ClusterStats, Control, ControlAck, Delta,
     DeltaBatch, Error, Heartbeat, Hello, Message, ProtocolError, Refused, StatsRequest, Submit, TokenIds,
-    UpdateWeights, Welcome, WeightsUpdated, decode, encode
+    UpdateWeights, Welcome, WeightsUpdated, decode, encode, LoraCommand, LoraDone
 )
+from infer.protocol.lora import check_lora_name
 from infer.protocol.logsafe import safe
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
@@ -329,6 +330,31 @@ class InferenceClient:
             raise ClusterError(ack.error)
         self.last_ack = ack
         return ack.state
+
+    # ---- LoRA adapters --------------------------------------------------------------------------
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike[str]) -> dict[str, str]:
+        """Load a PEFT LoRA adapter (a folder every worker reads) on every worker under `lora_name`; returns the
+        cluster's adapters (name -> folder) once every worker did. Needs an administrator key (with keys); like a
+        refit, the path is not looked at here. ClusterError naming each worker that failed (a missing file, a rank
+        above --max-lora-rank, LoRA not enabled), or the refusal."""
+        msg = LoraCommand(action="load", lora_name=check_lora_name(lora_name),
+                          lora_path=os.path.abspath(os.fspath(lora_path)))
+        return await self._lora_command(msg)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        """Unload `lora_name` on every worker (requests holding it finish with it); returns the cluster's adapters."""
+        return await self._lora_command(LoraCommand(action="unload", lora_name=check_lora_name(lora_name)))
+
+    async def list_lora_adapters(self) -> dict[str, str]:
+        """The healthy workers' adapters, name -> folder (from a fresh stats round trip)."""
+        return dict((await self.stats()).lora_adapters)
+
+    async def _lora_command(self, msg: LoraCommand) -> dict[str, str]:
+        reply = await self._request_reply(msg, (LoraDone,), self.call_timeout + 120.0)
+        if reply.error is not None:
+            raise ClusterError(reply.error)
+        return dict(reply.lora_adapters)
 
     # ---- weight refit ---------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
 from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
 from infer.protocol.keys import CurveKeys
+from infer.protocol.lora import LoRARequest
 from infer.protocol.logs import LOG_LEVELS, logging_argv
 from infer.protocol.messages import ClusterStats
 from infer.protocol.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -254,6 +255,7 @@ class AsyncLLM:
         self._closed = False
         self._local: InProcessWorker | None = None     # SPMD: this rank's engine on a worker thread
         self._world: SpmdWorld | None = None
+        self._loras: dict[str, str] = {}               # adapters loaded through this object: name -> folder
 
     # ---- startup and shutdown -------------------------------------------------------------------
 
@@ -422,14 +424,18 @@ class AsyncLLM:
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, timeout: float | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Deltas of one request (token_ids / text new since the previous one); the last has `finished` and
         `finish_reason`. A rejected prompt is one delta with finish_reason "error" and error_code
         "invalid_request". Leaving the loop early (break, aclose) aborts the request. With `timeout`
         (seconds), a request not finished by then is aborted (its KV blocks freed) and ends with error_code
         "timeout". `priority`: lower is served first (vLLM's convention; scheduling_policy "priority").
         With `sampling_params.n` > 1 the n samples run as n requests, `<request_id>-<i>` for sample i, and their
-        deltas come interleaved (each sample's in order); it ends once every sample has finished."""
+        deltas come interleaved (each sample's in order); it ends once every sample has finished. `lora_request`:
+        the adapter it runs with (loaded on first use; see LLM.generate)."""
+        if lora_request is not None:
+            await self._ensure_loras([lora_request])
+            sampling_params = _with_loras([sampling_params or SamplingParams()], [lora_request])[0]
         samples = (sampling_params or SamplingParams()).samples()
         if len(samples) == 1:
             streams = [self.engine.stream(prompt, sampling_params, request_id=request_id, timeout=timeout,
@@ -445,12 +451,16 @@ class AsyncLLM:
     async def generate_batch(self, prompts: Prompt | Sequence[Prompt],
                              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                              use_tqdm: bool = False, timeout: float | None = None,
-                             priority: Sequence[int] | None = None) -> list[Completion]:
+                             priority: Sequence[int] | None = None,
+                             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                             ) -> list[Completion]:
         """Every prompt concurrently (one params for all, or one per prompt); Completions in prompt order.
-        The same contract as LLM.generate (`n` > 1: see there); `use_tqdm` shows a progress bar for lists;
-        `timeout` applies to each request (see generate)."""
+        The same contract as LLM.generate (`n` > 1, `lora_request`: see there); `use_tqdm` shows a progress bar for
+        lists; `timeout` applies to each request (see generate)."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        loras = _as_lora_list(lora_request, len(prompts))
+        await self._ensure_loras(loras)
+        params = _with_loras(_as_params_list(sampling_params, len(prompts)), loras)
         priorities = _as_priority_list(priority, len(prompts))
         flat = _Samples(prompts, params, priorities)
         return flat.results(await self._generate_flat(flat.prompts, flat.params, flat.priorities, use_tqdm, timeout))
@@ -481,6 +491,36 @@ class AsyncLLM:
         """As LLM.embed: one Completion per prompt with its `embedding`."""
         params = SamplingParams(pooling=pooling, normalize=normalize, temperature=0, max_tokens=1)
         return await self.generate_batch(prompts, params, timeout=timeout)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> dict[str, str]:
+        """Load `lora_request`'s adapter (on every worker in coordinator mode); the same name and folder again is a
+        no-op. Returns the adapters served (name -> folder). ValueError / ClusterError naming what is wrong."""
+        adapters = await self.engine.load_lora_adapter(lora_request.lora_name, lora_request.lora_path)
+        self._loras = dict(adapters)
+        return adapters
+
+    async def remove_lora(self, lora_name: str) -> dict[str, str]:
+        """Unload an adapter (requests holding it finish with it); returns the adapters served."""
+        adapters = await self.engine.unload_lora_adapter(lora_name)
+        self._loras = dict(adapters)
+        return adapters
+
+    async def list_loras(self) -> dict[str, str]:
+        return await self.engine.list_lora_adapters()
+
+    async def _ensure_loras(self, loras: list[LoRARequest | None]) -> None:
+        """Load the adapters of a generate call that are not loaded from the same folder yet (vLLM loads a
+        LoRARequest on first use)."""
+        def missing() -> list[LoRARequest]:
+            wanted = {r.lora_name: r for r in loras if r is not None}.values()
+            return [r for r in wanted if r.lora_name not in self._loras
+                    or os.path.abspath(self._loras[r.lora_name]) != os.path.abspath(r.lora_path)]
+        if missing():   # perhaps loaded already (--lora-modules, another client): no load, no admin key needed
+            self._loras = dict(await self.engine.list_lora_adapters())
+        for request in missing():
+            await self.add_lora(request)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort"."""
@@ -735,7 +775,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[Completion]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[Completion]:
         """Run every prompt in one continuous batch (direct) or spread over the workers (coordinator);
         results come back in prompt order. `use_tqdm` shows a progress bar for lists. `priority`: one integer
         per prompt, lower first (vLLM's convention; matters under scheduling_policy "priority").
@@ -747,13 +788,21 @@ class LLM:
         `SamplingParams.n` > 1 (vLLM's): n samples of that prompt, run as n requests in the same batch, returned
         in one Completion whose `outputs` are the n samples in order (its flat fields are sample 0's; vLLM's
         RequestOutput shape). Seeded, sample i uses seed + i: distinct samples, reproducible as a set.
+
+        `lora_request` (vLLM's): a LoRARequest for every prompt, or one (or None: the base model) per prompt; each
+        adapter is loaded on first use (needs enable_lora=True), then runs per request in the same batch as the
+        others (worker/lora.py). A LoRARequest that cannot load raises ValueError (ClusterError in coordinator mode).
         """
         prompts = _as_prompt_list(prompts)
+        loras = _as_lora_list(lora_request, len(prompts))
         params = _as_params_list(sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
         if self._engine is None:
             return self._run(self._require_remote().generate_batch(prompts, params, use_tqdm=use_tqdm,
-                                                                   priority=priorities))
+                                                                   priority=priorities, lora_request=loras))
+        for request in {r.lora_name: r for r in loras if r is not None}.values():
+            self._engine.add_lora(request.lora_name, request.lora_path, request.lora_int_id)
+        params = _with_loras(params, loras)
         flat = _Samples(prompts, params, priorities)
         return flat.results(self._generate_direct(flat.prompts, flat.params, use_tqdm, flat.priorities))
 
@@ -766,6 +815,28 @@ class LLM:
         raises ValueError with its reason (vLLM raises too)."""
         prompts = _beam_prompts(prompts)
         return [beam_search_output(c) for c in self.generate(prompts, params.to_sampling_params(), use_tqdm)]
+
+    def add_lora(self, lora_request: LoRARequest) -> dict[str, str]:
+        """Load an adapter now (generate loads a LoRARequest on first use); the same name and folder again is a
+        no-op. Returns the adapters served, name -> folder."""
+        if self._engine is not None:
+            self._engine.add_lora(lora_request.lora_name, lora_request.lora_path, lora_request.lora_int_id)
+            return self.list_loras()
+        return self._run(self._require_remote().add_lora(lora_request))
+
+    def remove_lora(self, lora_name: str) -> dict[str, str]:
+        """Unload an adapter (requests holding it finish with it); ValueError / ClusterError if none has that name."""
+        if self._engine is not None:
+            if not self._engine.remove_lora(lora_name):
+                raise ValueError(f"no LoRA adapter {lora_name!r} is loaded")
+            return self.list_loras()
+        return self._run(self._require_remote().remove_lora(lora_name))
+
+    def list_loras(self) -> dict[str, str]:
+        """The adapters served, name -> folder."""
+        if self._engine is not None:
+            return {str(a["name"]): str(a["path"]) for a in self._engine.list_loras()}
+        return self._run(self._require_remote().list_loras())
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True,
               use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[Completion]:
@@ -984,6 +1055,23 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
     return params
+
+
+def _as_lora_list(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    """vLLM's `lora_request`: one for every prompt, or one (or None) per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    requests = list(lora_request)
+    if len(requests) != n:
+        raise ValueError(f"got {len(requests)} lora_request for {n} prompts; pass one, or one per prompt")
+    for r in requests:
+        if r is not None and not isinstance(r, LoRARequest):
+            raise ValueError(f"lora_request must be LoRARequest or None, got {type(r).__name__}")
+    return requests
+
+
+def _with_loras(params: list[SamplingParams], loras: list[LoRARequest | None]) -> list[SamplingParams]:
+    return [p if r is None else dataclasses.replace(p, lora_name=r.lora_name) for p, r in zip(params, loras)]
 
 
 def _as_priority_list(priority: Sequence[int] | None, n: int) -> list[int]:

@@ -30,10 +30,10 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from infer.client.engine_client import ClusterError
 from infer.protocol.deadlines import DeadlineHeap
@@ -140,11 +140,19 @@ class _UpdateWeights:
 
 
 @dataclass(frozen=True)
+class _Call:
+    """`fn(engine)` on the engine thread, between steps (LoRA adapters' load / unload / listing)."""
+
+    fn: Callable[[Engine], object]
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
 class _Close:
     pass
 
 
-_Command = _Add | _Abort | _StatsQuery | _UpdateWeights | _Close
+_Command = _Add | _Abort | _StatsQuery | _UpdateWeights | _Call | _Close
 
 
 class LocalEngine:
@@ -243,6 +251,29 @@ class LocalEngine:
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except asyncio.TimeoutError:
             raise ClusterError(f"the engine thread did not finish update_weights within {timeout} s") from None
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
+        """Load a PEFT LoRA adapter into the engine (Engine.add_lora: ValueError naming what is wrong)."""
+        return await self._call(lambda engine: (engine.add_lora(lora_name, str(lora_path)), _adapters(engine))[1])
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        """Unload an adapter (requests holding it finish with it); ValueError if none has that name."""
+        def unload(engine: Engine) -> dict[str, str]:
+            if not engine.remove_lora(lora_name):
+                raise ValueError(f"no LoRA adapter {lora_name!r} is loaded")
+            return _adapters(engine)
+        return await self._call(unload)
+
+    async def list_lora_adapters(self) -> dict[str, str]:
+        return await self._call(_adapters)
+
+    async def _call(self, fn: Callable[[Engine], Any], timeout: float = 120.0) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Call(fn, future))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except asyncio.TimeoutError:
+            raise ClusterError(f"the engine thread did not answer within {timeout} s") from None
 
     async def close(self) -> None:
         """Stop the engine thread: in-flight requests are aborted on the engine and their waiters get
@@ -344,6 +375,11 @@ class LocalEngine:
                 self._deliver(self.engine.take_pending())   # the "abort" delta now, not after the next step
         elif isinstance(command, _StatsQuery):
             self._answer_stats(command.future)
+        elif isinstance(command, _Call):
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as e:   # noqa: BLE001 - the caller's error (a bad adapter folder, say)
+                command.future.set_exception(e)
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
@@ -460,6 +496,10 @@ class LocalEngine:
                 self.engine.abort(stream.request_id)
             _post(stream.loop, [(stream, error)])
         self._streams.clear()
+
+
+def _adapters(engine: Engine) -> dict[str, str]:
+    return {str(a["name"]): str(a["path"]) for a in engine.list_loras()}
 
 
 def _valid_timeout(timeout: object) -> bool:

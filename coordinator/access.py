@@ -8,7 +8,8 @@ with (the ZAP User-Id). AccessControl decides, frame by frame:
   key (the first connection is gone and someone else took its id) cuts the identity off;
 - the message needs a role: Hello "worker", StepBatch and ControlAck a worker key; Hello "client",
   Submit, Abort and StatsRequest a client or administrator key; Control (pause, unpause, suspend, resume,
-  stop) an administrator key. A Heartbeat with a load report (a worker's) needs a worker key, one without a
+  stop), UpdateWeights and LoraCommand (load / unload a LoRA adapter) an administrator key; WeightsUpdated and
+  LoraDone a worker key. A Heartbeat with a load report (a worker's) needs a worker key, one without a
   client or administrator key; Error goes with any role.
 
 Without keys (loopback or --trusted-network) everything is allowed, as before roles existed.
@@ -21,8 +22,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from infer.protocol.messages import (Abort, Control, ControlAck, Error, Heartbeat, Hello, Message, StatsRequest,
-                                     StepBatch, Submit, UpdateWeights, WeightsUpdated)
+from infer.protocol.messages import (Abort, Control, ControlAck, Error, Heartbeat, Hello, LoraCommand, LoraDone,
+                                     Message, StatsRequest, StepBatch, Submit, UpdateWeights, WeightsUpdated)
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
 
 log = logging.getLogger("infer.coordinator")
@@ -33,7 +34,7 @@ ANY_ROLE = frozenset(Role)
 _REQUIRED: dict[type[Message], frozenset[Role]] = {
     Submit: CLIENT_ROLES, Abort: CLIENT_ROLES, StatsRequest: CLIENT_ROLES, Control: ADMIN_ROLES,
     StepBatch: WORKER_ROLES, ControlAck: WORKER_ROLES, Error: ANY_ROLE, UpdateWeights: ADMIN_ROLES,
-    WeightsUpdated: WORKER_ROLES,
+    WeightsUpdated: WORKER_ROLES, LoraCommand: ADMIN_ROLES, LoraDone: WORKER_ROLES,
 }
 LOG_BURST, LOG_PERIOD_S = 5, 10.0
 

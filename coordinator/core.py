@@ -12,7 +12,8 @@ below it (no cycles; tests/coordinator/test_job_graph.py checks it):
     admission     refusal, holding, routing, dispatch, failover, the deadline heap       calls no job
     reattachment  restart re-attachment, the orphan table                                -> admission
     relay         worker output to clients                                               -> admission, orphans
-    statistics    snapshots, StatsRequests                                               -> admission
+    loras         LoRA adapter load / unload on every worker, the cluster's adapters     calls no job
+    statistics    snapshots, StatsRequests                                               -> admission, loras
     commands      lifecycle and weight updates, with their barriers                      -> admission, statistics
     liveness      heartbeats, dead workers, lost clients                                 -> admission, relay
 
@@ -54,6 +55,7 @@ from infer.coordinator.commands import Commands
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import ClusterState, commands_to_reach
 from infer.coordinator.liveness import Liveness
+from infer.coordinator.loras import Loras
 from infer.coordinator.orphans import OrphanTable
 from infer.coordinator.outbox import Outbox
 from infer.coordinator.reattachment import Reattachment
@@ -66,8 +68,8 @@ from infer.coordinator.statistics import Statistics
 from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
-    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, Error, Heartbeat, Hello, Message,
-    ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated, decode,
+    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, Error, Heartbeat, Hello, LoraCommand, LoraDone,
+    Message, ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated, decode,
     peek_request_id
 )
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
@@ -103,7 +105,9 @@ class Coordinator:
         self.admission = Admission(self.books, send, self.status, self.policy, config)
         self.reattachment = Reattachment(self.books, self.outbox, self.admission, config, now)
         self.relay = Relay(self.books, self.outbox, self.admission, self.reattachment.orphans, self.peer_warnings)
-        self.statistics = Statistics(self.books, send, self.status, self.admission, config, self.policy.name, now)
+        self.loras = Loras(self.books, send)
+        self.statistics = Statistics(self.books, send, self.status, self.admission, self.loras, config,
+                                     self.policy.name, now)
         self.commands = Commands(self.books, send, self.status, self.admission, self.statistics, config)
         self.liveness = Liveness(self.books, send, self.admission, self.relay, config, self._heartbeat,
                                  self.peer_warnings, on_worker_dead=self._worker_died,
@@ -114,6 +118,7 @@ class Coordinator:
             Control: self.commands.on_control, ControlAck: self.commands.on_control_ack,
             UpdateWeights: self.commands.on_update_weights, WeightsUpdated: self.commands.on_weights_updated,
             StatsRequest: self.statistics.on_stats_request,
+            LoraCommand: self.loras.on_command, LoraDone: self.loras.on_done,
         }
 
     @property
@@ -163,6 +168,7 @@ class Coordinator:
         timeouts, stats waiters, the drain."""
         self.admission.expire_deadlines(now)
         self.commands.check_barrier(now)
+        self.loras.check(now)
         if now < self._next_tick:
             return
         self._next_tick = now + self.config.heartbeat_interval
@@ -366,6 +372,7 @@ class Coordinator:
         for command in commands_to_reach(self.state):
             self.send(identity, Control(command=command))
         self.commands.on_worker_registered(worker, now)
+        self.loras.on_worker_registered(worker)
         log.info("worker %s: %s%s", "re-registered" if old is not None else "joined", worker.describe(),
                  f"; aborting {len(stale)} request(s) it still ran that moved elsewhere" if stale else "")
         if len(self.reattachment.orphans):

@@ -115,6 +115,7 @@ class WorkerRecord:
     registrations: int = 1
     dispatches_sent: int = 0            # Dispatch frames sent to this worker process (see Hello.dispatches_seen)
     weight_version: int = 0             # the weights it serves (Hello, its loads, its refit answers)
+    lora_adapters: dict[str, str] = field(default_factory=dict)   # its LoRA adapters (Hello, its LoraDone answers)
 
     @property
     def capacity_tokens(self) -> int:

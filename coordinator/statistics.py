@@ -11,6 +11,7 @@ from infer.coordinator.admission import Admission
 from infer.coordinator.books import Books
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import ClusterState
+from infer.coordinator.loras import Loras
 from infer.coordinator.outbox import Send
 from infer.coordinator.state import ClientRecord, ClusterStatus
 from infer.protocol.codes import ErrorCode
@@ -36,12 +37,13 @@ class Statistics:
     """Counters, snapshots and the clients waiting for one. Reads the books, the cluster's status and which
     workers are routable (admission); owns the waiting StatsRequests."""
 
-    def __init__(self, books: Books, send: Send, status: ClusterStatus, admission: Admission,
+    def __init__(self, books: Books, send: Send, status: ClusterStatus, admission: Admission, loras: Loras,
                  config: CoordinatorConfig, policy_name: str, started: float) -> None:
         self.books = books
         self.send = send
         self.status = status
         self.admission = admission
+        self.loras = loras
         self.config = config
         self.policy_name = policy_name
         self.started = started
@@ -113,7 +115,7 @@ class Statistics:
             uptime_s=round(now - self.started, 3), requests_rejected=c.requests_rejected,
             requests_timed_out=c.requests_timed_out, requests_reattached=c.requests_reattached,
             clients_lost=c.clients_lost, clients_too_slow=c.clients_too_slow,
-            weight_version=self.status.weight_version)
+            weight_version=self.status.weight_version, lora_adapters=self.loras.cluster_adapters())
 
     def log_rejections(self) -> None:
         rejected = self.books.counters.frames_rejected

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Union
 import msgpack
 
 from infer.protocol.codes import ClusterState, Command, ErrorCode, FinishReason, Word, WorkerState
+from infer.protocol.lora import check_lora_name
 from infer.protocol.sampling import FieldError, SamplingParams
 from infer.protocol.structured import StructuredOutputsParams
 
@@ -224,6 +225,7 @@ class Hello(Message):
     incarnation: str | None = None
     dispatches_seen: int | None = None
     weight_version: int = 0           # a worker's: the weights it serves (routed only at the cluster's version)
+    lora_adapters: dict[str, str] = field(default_factory=dict)   # a worker's LoRA adapters: name -> folder
 
     def validate(self) -> None:
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -652,6 +654,46 @@ class CommitWeights(Message):
         _require(self.version >= 1, f"field 'version' must be >= 1, got {self.version}")
 
 
+LORA_ACTIONS = ("load", "unload")
+
+
+@message
+@dataclass(frozen=True)
+class LoraCommand(Message):
+    """Load or unload a LoRA adapter on every worker (client -> coordinator -> workers; an administrator's key):
+    `lora_path` a PEFT folder each worker reads (load), none for unload. Answered by LoraDone once every worker
+    did (the coordinator also loads the cluster's adapters into a worker that registers later)."""
+
+    TYPE: ClassVar[str] = "lora_command"
+    action: str
+    lora_name: str
+    lora_path: str | None = None
+
+    def validate(self) -> None:
+        _require(self.action in LORA_ACTIONS, f"field 'action' must be one of {', '.join(LORA_ACTIONS)}, got "
+                                              f"{self.action!r:.40}")
+        try:
+            check_lora_name(self.lora_name)
+        except ValueError as e:
+            raise ProtocolError(f"field 'lora_name': {e}") from None
+        _require((self.lora_path is not None) == (self.action == "load"), "field 'lora_path' goes with load only")
+        _require(self.lora_path is None or 0 < len(self.lora_path) <= 4096, "field 'lora_path' must be 1..4096 "
+                                                                             "characters")
+
+
+@message
+@dataclass(frozen=True)
+class LoraDone(Message):
+    """A worker's answer to a LoraCommand (its adapters after it, or `error`: nothing changed), and the
+    coordinator's to the client (the cluster's adapters; `error` names each worker that failed)."""
+
+    TYPE: ClassVar[str] = "lora_done"
+    action: str
+    lora_name: str
+    error: str | None = None
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+
+
 # ---- coordinator <-> client extras ---------------------------------------------------------------
 
 @message
@@ -732,6 +774,7 @@ class ClusterStats(Message):
     clients_lost: int = 0         # clients declared lost with requests in flight (silent, or unroutable)
     clients_too_slow: int = 0     # clients whose send queue reached the high-water mark (they read nothing)
     weight_version: int = 0       # the weights the cluster serves (the last update_weights every worker applied)
+    lora_adapters: dict[str, str] = field(default_factory=dict)   # the healthy workers' LoRA adapters: name -> folder
 
     def validate(self) -> None:
         _set_members(self, state=ClusterState)

@@ -94,11 +94,13 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
            metavar: str | None = None, choices: Sequence[str] | None = None, cli: bool = True,
-           default_factory: Any = dataclasses.MISSING, parse: Any = None) -> Any:
+           default_factory: Any = dataclasses.MISSING, parse: Any = None, show: Any = None) -> Any:
     """A dataclass field with what its command-line flag needs (see the module doc). `parse`: turns the flag's
     text into the value where the annotated type cannot (its ValueError's message becomes the flag's error);
-    `to_argv` writes such a value back with `str()`."""
-    metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "cli": cli, "parse": parse}
+    `to_argv` writes such a value back with `str()`. `show`: the field is a sequence given as several values after
+    one flag (`--x A B`), each parsed by `parse` and written back by `show(element)`."""
+    metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "cli": cli, "parse": parse,
+                "show": show}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -153,6 +155,8 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: 
                 kwargs["choices"] = tuple(f.metadata["choices"])
             if f.metadata.get("metavar"):
                 kwargs["metavar"] = f.metadata["metavar"]
+            if f.metadata.get("show"):
+                kwargs["nargs"] = "+"
         parser.add_argument(*flag_names(flag_of(f)), **kwargs)
 
 
@@ -189,6 +193,9 @@ def to_argv(cls: type, values: Mapping[str, Any] | Any, names: Iterable[str] | N
         flag = flag_of(f)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
+        elif f.metadata.get("show"):   # several values after one flag (a mapping: its items)
+            elements = list(value.items()) if isinstance(value, Mapping) else list(value)
+            argv += [flag, *(f.metadata["show"](element) for element in elements)] if elements else []
         elif f.metadata.get("parse"):   # a value given as it is given in Python (a dict): its parsed form's text
             argv += [flag, value if isinstance(value, str) else str(f.metadata["parse"](value))]
         else:

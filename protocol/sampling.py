@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from infer.protocol.lora import check_lora_name
 from infer.protocol.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -76,6 +77,9 @@ class SamplingParams:
     sampling (worker/beam_search.py), returning the best `n` of them (n <= beam_width) in one request, all at its
     end; `length_penalty` and `early_stopping` rank and stop the beams as transformers' generate does. A beam
     search is deterministic (temperature 0) and refuses the options that would change its scores by name.
+    `lora_name` (ours; vLLM passes a LoRARequest beside the params): the LoRA adapter the request runs with (None:
+    the base model). `LLM.generate(lora_request=...)` and the HTTP front's `model` set it; it travels with the params,
+    so a request moved to another worker keeps its adapter.
     """
 
     temperature: float = 1.0
@@ -106,6 +110,7 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         # Accept the forms users write (a single stop string, lists) and store tuples (hashable, frozen).
@@ -184,6 +189,11 @@ class SamplingParams:
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise FieldError("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)} (or None to generate), "
                                         f"got {self.pooling!r}")
+        if self.lora_name is not None:
+            try:
+                check_lora_name(self.lora_name)
+            except ValueError as e:
+                raise FieldError("lora_name", str(e)) from None
         if not isinstance(self.normalize, bool):
             raise FieldError("normalize", f"normalize must be a bool, got {self.normalize!r}")
         _integer("n", self.n)

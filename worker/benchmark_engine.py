@@ -120,6 +120,15 @@ class BenchmarkEngine:
     def update_weights(self, source: object, version: int | None = None) -> int:
         raise ValueError("a --benchmark-mode worker has no weights to update")
 
+    def add_lora(self, name: str, path: str, int_id: int | None = None) -> dict[str, object]:
+        raise ValueError("LoRA adapters need a model: not in --benchmark-mode")
+
+    def remove_lora(self, name: str) -> bool:
+        return False
+
+    def list_loras(self) -> list[dict[str, object]]:
+        return []
+
     def load(self) -> EngineLoad:
         running = self._running()
         used = sum(-(-r.num_tokens // self.block_size) for r in running)

@@ -4,10 +4,12 @@ The pool has `num_blocks` blocks of `block_size` token slots. A request's `block
 holding its tokens `[i * block_size, (i + 1) * block_size)`.
 
 Prefix caching keeps the KV of full blocks reusable across requests. Block `i` of a token sequence is
-named by a hash chain, `hash_i = xxh64(hash_{i-1} as 8 bytes + tokens of block i as int64)`, and
+named by a hash chain, `hash_i = xxh64(hash_{i-1} as 8 bytes + tokens of block i as int64)` (the first block's
+parent is the request's LoRA adapter id, `Request.lora_id`, when it has one), and
 `request.block_hashes` caches those hashes so they are computed once per request. A hash only finds
-candidates: a hit also needs equal tokens and the same parent (see `_Content`), so a hash
-collision can cost a hit but never gives a request the KV of other tokens.
+candidates: a hit also needs equal tokens, the same parent and the same adapter (see `_Content`), so a hash
+collision can cost a hit but never gives a request the KV of other tokens or of another adapter (the base model
+and each adapter compute other K / V for the same prompt).
 
 Free blocks wait in one queue; allocation takes blocks from its front (evicting any cached content
 they still hold). A freed block that holds cached content keeps it and can be revived by a later hit
@@ -44,12 +46,14 @@ class _Content:
     """What a cached block holds. `key` is unique to this registration, so a block later handed out for
     other tokens never matches an old reference to it. `parent_key` is the key of the block holding the
     previous block of the same sequence (None for a sequence's first block): a chain of verified parents
-    plus equal tokens proves the whole prefix equal, whatever the hashes do."""
+    plus equal tokens proves the whole prefix equal, whatever the hashes do. `lora_id`: the adapter whose K / V it
+    holds (0: the base model)."""
 
     key: int
     hash: int
     parent_key: int | None
     token_ids: tuple[int, ...]
+    lora_id: int = 0
 
 
 @dataclass
@@ -137,20 +141,21 @@ class BlockManager:
         found: list[int] = []
         parent_key: int | None = None
         for i in range(max_blocks):
-            hit = self._lookup(hashes[i], parent_key, self._block_tokens(request, i))
+            hit = self._lookup(hashes[i], parent_key, self._block_tokens(request, i), request.lora_id)
             if hit is None:
                 break
             found.append(hit[0])
             parent_key = hit[1].key
         return found
 
-    def _lookup(self, block_hash: int, parent_key: int | None,
-                token_ids: tuple[int, ...]) -> tuple[int, _Content] | None:
+    def _lookup(self, block_hash: int, parent_key: int | None, token_ids: tuple[int, ...],
+                lora_id: int) -> tuple[int, _Content] | None:
         """The cached block (id, content) with this hash, parent and tokens, if any: equal hashes alone
         are never trusted."""
         for block_id in self._cached.get(block_hash, ()):
             content = self._blocks[block_id].content
-            if content is not None and content.parent_key == parent_key and content.token_ids == token_ids:
+            if (content is not None and content.parent_key == parent_key and content.token_ids == token_ids
+                    and content.lora_id == lora_id):
                 return block_id, content
         return None
 
@@ -158,7 +163,7 @@ class BlockManager:
         """`request.block_hashes`, extended (once, cached on the request) to cover `num_full_blocks`."""
         hashes = request.block_hashes
         while len(hashes) < num_full_blocks:
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else (request.lora_id or None)
             hashes.append(hash_block_tokens(parent, self._block_tokens(request, len(hashes))))
         return hashes
 
@@ -280,7 +285,7 @@ class BlockManager:
         for i in range(first, num_full):
             parent_key = self._parent_key(request, i)
             self._register(self._blocks[request.block_table[i]], hashes[i], parent_key,
-                           self._block_tokens(request, i))
+                           self._block_tokens(request, i), request.lora_id)
 
     def _parent_key(self, request: Request, index: int) -> int | None:
         if index == 0:
@@ -292,8 +297,8 @@ class BlockManager:
         return parent.key
 
     def _register(self, block: _Block, block_hash: int, parent_key: int | None,
-                  token_ids: tuple[int, ...]) -> None:
-        block.content = _Content(self._next_key, block_hash, parent_key, token_ids)
+                  token_ids: tuple[int, ...], lora_id: int = 0) -> None:
+        block.content = _Content(self._next_key, block_hash, parent_key, token_ids, lora_id)
         self._next_key += 1
         self._cached.setdefault(block_hash, {})[block.block_id] = None
 

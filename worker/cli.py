@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> None:
         config, flags = engine_config(args), worker_flags(args)
         ep, tp = flags.groups()
         pp = flags.pipeline()
+        if config.enable_lora and pp is not None:
+            raise ValueError("--enable-lora is not supported with --pp-size > 1 yet: the pipeline's stages do not "
+                             "get the adapters' step commands (serve adapters on DP or TP ranks)")
         leads = (tp is None or not tp.rank) and (pp is None or not pp.rank)
         if leads:   # TP ranks and pipeline stages > 0 never talk to the coordinator
             options = worker_options(args, flags)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.protocol import env
+from infer.protocol.lora import lora_modules, parse_lora_module
 from infer.protocol.options import option
 from infer.worker.scheduler import SCHEDULING_POLICIES
 from infer.worker.spec_config import SpeculativeConfig
@@ -59,6 +60,9 @@ class EngineConfig:
         CPU they stay where they are: nothing of them is freed), "reload" frees them and reloads them on resume
         from the files they came from (or from a spill file, when they came from tensors in memory); "auto"
         is host_copy on a GPU, reload on a CPU. The KV pool is always freed.
+    enable_lora, max_loras, max_lora_rank, lora_modules: LoRA adapters (worker/lora.py; vLLM's names): served per
+        request (SamplingParams.lora_name), at most `max_loras` of them in one step, ranks up to `max_lora_rank`;
+        `lora_modules` are (name, path) pairs loaded at start (a dict, or "name=path" strings, are taken too).
     """
 
     model: str | None = option(None, "a safetensors model directory or a .gguf file (default: the embedded "
@@ -107,8 +111,21 @@ class EngineConfig:
               '"prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model", "model": PATH, '
               '"num_speculative_tokens": K} (optional "disable_by_batch_size": no speculation in a step where '
               'more requests decode, default 8)', metavar="JSON", parse=SpeculativeConfig.of)
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT's format) per request over the base model")
+    max_loras: int = option(4, "with --enable-lora: the adapters one step may mix (weight slots; the least recently "
+                               "used adapter no running request holds is evicted)", metavar="N")
+    max_lora_rank: int = option(16, "with --enable-lora: the largest adapter rank accepted", metavar="R")
+    lora_modules: tuple[tuple[str, str], ...] = option(
+        (), "with --enable-lora: adapters loaded at start, each name=path (a PEFT folder) or vLLM's JSON "
+            '{"name": N, "path": P}; requests name them (HTTP: the model field)', metavar="NAME=PATH",
+        parse=parse_lora_module, show=lambda pair: f"{pair[0]}={pair[1]}")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
         if self.model is not None and (not isinstance(self.model, str) or not self.model):

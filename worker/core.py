@@ -34,7 +34,8 @@ from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
     Abort, CommitWeights, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
-    Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated, decode, peek_request_id
+    LoraCommand, LoraDone, Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated,
+    decode, peek_request_id
 )
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
@@ -91,6 +92,9 @@ class EngineLike(Protocol):
     def update_weights(self, source: object, version: int | None = None) -> int: ...
     @property
     def weight_version(self) -> int: ...
+    def add_lora(self, name: str, path: str, int_id: int | None = None) -> dict[str, object]: ...
+    def remove_lora(self, name: str) -> bool: ...
+    def list_loras(self) -> list[dict[str, object]]: ...
 
 
 @dataclass
@@ -330,7 +334,7 @@ class WorkerCore:
                          max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
                          running=list(self._requests), max_waiting=self.options.max_waiting_requests,
                          incarnation=self._incarnation, dispatches_seen=self._dispatches_seen,
-                         weight_version=engine.weight_version,
+                         weight_version=engine.weight_version, lora_adapters=self._lora_adapters(),
                          snapshots=[sent.snapshot(rid) for rid, sent in self._requests.items()]), now)
         self._welcomed = False
         self._hello_sent_at = now
@@ -443,6 +447,28 @@ class WorkerCore:
         self._send(ControlAck(command=msg.command, state=self.state_name(), bytes_released=released,
                               bytes_restored=restored), now)
 
+    # ---- LoRA adapters -------------------------------------------------------------------------
+
+    def _on_lora_command(self, msg: LoraCommand, now: float) -> None:
+        """Load or unload an adapter now (worker/lora.py: requests holding an unloaded one finish with it); the
+        answer carries this worker's adapters after it, or the error (nothing changed)."""
+        error = None
+        try:
+            with self.busy():      # reading an adapter's files: heartbeats go on meanwhile
+                if msg.action == "load":
+                    self.engine.add_lora(msg.lora_name, str(msg.lora_path))
+                elif not self.engine.remove_lora(msg.lora_name):
+                    error = f"no LoRA adapter {msg.lora_name!r} is loaded"
+        except Exception as e:   # noqa: BLE001 - a bad folder, LoRA not enabled: the worker keeps serving
+            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        if error is not None:
+            log.warning("%s of LoRA adapter %r refused: %s", msg.action, msg.lora_name, error)
+        self._send(LoraDone(action=msg.action, lora_name=msg.lora_name, error=error,
+                            lora_adapters=self._lora_adapters()), now)
+
+    def _lora_adapters(self) -> dict[str, str]:
+        return {str(a["name"]): str(a["path"]) for a in self.engine.list_loras()}
+
     # ---- weight refit --------------------------------------------------------------------------
 
     def _on_update_weights(self, msg: UpdateWeights, now: float) -> None:
@@ -525,7 +551,7 @@ class WorkerCore:
     _HANDLERS: ClassVar[dict[type[Message], Callable[[WorkerCore, Any, float], None]]] = {
         Welcome: _on_welcome, Refused: _on_refused, Error: _on_error, Dispatch: _on_dispatch,
         Abort: _on_abort, Control: _on_control, Heartbeat: _on_heartbeat, UpdateWeights: _on_update_weights,
-        CommitWeights: _on_commit_weights,
+        CommitWeights: _on_commit_weights, LoraCommand: _on_lora_command,
     }
 
 

@@ -41,6 +41,7 @@ from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.in_memory import in_memory_model
 from infer.worker.loader import load_model, weight_files
+from infer.worker.lora import LoraManager
 from infer.worker.memory import HeapTrimmer, keep_freed_heap
 from infer.worker.model_files import eos_token_ids, load_tokenizer, resolve_model
 from infer.worker.model_runner import ModelRunner
@@ -158,7 +159,8 @@ class Engine:
             max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, policy=config.scheduling_policy,
-            priority_aging_steps=config.priority_aging_steps, release_window=release_window(self.model)))
+            priority_aging_steps=config.priority_aging_steps, release_window=release_window(self.model),
+            max_loras=config.max_loras if config.enable_lora else 0))
         self.sampler = Sampler(seed=config.seed, device=self.device)
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tp.size > 1:
@@ -169,6 +171,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.max_model_len, self.device,
                                   self.sampler,
                                   make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device))
+        self.lora = self._lora_manager()
+        self.runner.lora = self.lora
         self.heap = HeapTrimmer()      # freed activations go back to the OS now and then (worker/memory.py)
         self.heap.trim_now()           # ... and the loader's temporaries at once (18 MiB on the embedded model)
         if self.device.type == "cpu" and not keep_freed_heap():   # ... and stay mapped between steps
@@ -222,6 +226,7 @@ class Engine:
             params = _pooling_params(params)
         if params.seed is None and params.temperature > 0:
             params = params.with_seed(self.sampler.draw_seed())
+        lora_id = self._lora_id(params.lora_name)
         prompt_ids = self._prompt_token_ids(prompt)
         self._check_token_lists(params)
         resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids, params.max_tokens)
@@ -234,7 +239,8 @@ class Engine:
                           bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
                           prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None,
                           pooled=None if params.pooling is None else PoolingState(params.pooling, params.normalize,
-                                                                                  len(prompt_ids)))
+                                                                                  len(prompt_ids)),
+                          lora_id=lora_id)
         if params.beam_search:
             return self._add_beam_search(request)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
@@ -327,8 +333,53 @@ class Engine:
         outputs.extend(self._postprocess(scheduled, rows))
         outputs.extend(self._advance_beams())
         outputs.extend(self._fail_costly_grammars(scheduled.chunks))
+        if self.lora is not None:
+            self.lora.collect(self._lora_ids_held())
         self.heap.after_step(busy=self.scheduler.has_unfinished())
         return outputs
+
+    # ---- LoRA adapters (worker/lora.py) -------------------------------------------------------
+
+    def add_lora(self, name: str, path: str, int_id: int | None = None) -> dict[str, object]:
+        """Load a PEFT LoRA adapter under `name` (the same name and path again: a no-op); ValueError naming what is
+        wrong (LoRA not enabled, missing files, a rank above max_lora_rank, a target this model lacks). Returns its
+        listing entry."""
+        manager = self._require_lora()
+        if self._suspended is not None:   # the layers' shapes are read from their (released) weights
+            raise ValueError("add_lora on a suspended engine: resume() first")
+        adapter = manager.add(name, path, int_id)
+        return {"name": adapter.name, "int_id": adapter.int_id, "path": adapter.path, "rank": adapter.rank}
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload `name`: requests that name it from now on are refused; those that hold it finish with it (its
+        weights go after the last). False if no adapter has that name."""
+        return self._require_lora().remove(name)
+
+    def list_loras(self) -> list[dict[str, object]]:
+        return [] if self.lora is None else self.lora.listing()
+
+    def _lora_manager(self) -> LoraManager | None:
+        if not self.config.enable_lora:
+            return None
+        if self.stage is not None:
+            raise ValueError("enable_lora is not supported with pipeline parallelism yet: the stages would need the "
+                             "adapters' step commands")
+        manager = LoraManager(self.model, self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device)
+        for name, path in self.config.lora_modules:
+            manager.add(name, path)
+        return manager
+
+    def _require_lora(self) -> LoraManager:
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled on this engine (enable_lora / --enable-lora)")
+        return self.lora
+
+    def _lora_id(self, name: str | None) -> int:
+        return 0 if name is None else self._require_lora().lora_id(name)
+
+    def _lora_ids_held(self) -> set[int]:
+        requests = [*self.scheduler.waiting, *self.scheduler.running, *(c.request for c in self._compiling.values())]
+        return {r.lora_id for r in requests if r.lora_id}
 
     def _propose_drafts(self) -> dict[str, list[int]]:
         """Draft tokens for the running requests that decode (speculative decoding; none when it is off, when
@@ -546,6 +597,10 @@ class Engine:
     def _execute(self, chunks: Sequence[ScheduledChunk]) -> list[StepRow]:
         """One forward and sampling step over `chunks`: one StepRow per chunk (module docstring: a step that
         raises is retried one request at a time)."""
+        if self.lora is not None:
+            self.lora.followers = self.runner.followers   # TP: the other ranks copy what goes into a slot
+            self.lora.activate([c.request.lora_id for c in chunks if c.request.lora_id],
+                               self.scheduler.running_lora_ids())
         try:
             return step_rows(chunks, self.runner.execute(chunks))
         except Exception as error:

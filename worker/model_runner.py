@@ -8,6 +8,7 @@ import torch
 
 from infer.kernels.paged_attention import decode_split_tokens
 from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.lora import LoraManager, lora_step
 from infer.worker.pooling import record_pooling
 from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, record_prompt_logprobs
 from infer.worker.scheduler import ScheduledChunk
@@ -25,6 +26,7 @@ class ModelRunner:
     forward and each logits computation is sent to them first, so that they run the same collectives."""
 
     followers: TpLeader | None = None
+    lora: LoraManager | None = None   # the engine's LoRA adapters (worker/lora.py), when enabled
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, max_model_len: int,
                  device: torch.device, sampler: Sampler, step_graphs: StepGraphs | None = None) -> None:
@@ -44,13 +46,18 @@ class ModelRunner:
         `chunk.num_sampled_rows`). Returns None when no chunk samples (all mid-prefill).
         Pure-decode steps that fit a step-graph bucket replay its graph; the others (verification steps
         included) run eagerly."""
-        graphs = self.step_graphs is not None and not any(c.request.pooled is not None for c in chunks)
+        slot_rows = [] if self.lora is None else self.lora.slot_rows([(c.request.lora_id, c.num_new_tokens)
+                                                                       for c in chunks])
+        lora = None if self.lora is None else self.lora.step(slot_rows)
+        graphs = (self.step_graphs is not None and lora is None   # LoRA rows run the layers one by one
+                  and not any(c.request.pooled is not None for c in chunks))
         bucket = self.step_graphs.bucket_for(chunks) if graphs else None   # pooling needs the hidden states
         if bucket is not None:
             logits = self.step_graphs.run(chunks, bucket)
         else:
             batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
-            hidden = self._forward(batch)
+            with lora_step(lora):
+                hidden = self._forward(batch, slot_rows if lora is not None else None)
             if any(c.request.prompt_logprobs is not None for c in chunks):
                 record_prompt_logprobs(chunks, lambda start, stop: self._logits(
                     hidden, torch.arange(start, stop, device=hidden.device)))
@@ -71,9 +78,10 @@ class ModelRunner:
             self.followers.dummy()
         self.model(dummy_forward_batch(self.block_size, self.device), self.kv_cache)
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, lora_rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """`lora_rows`: the forward's (LoRA slot, rows) runs (-1: the base model), for the other TP ranks."""
         if self.followers is not None:
-            self.followers.forward(batch)
+            self.followers.forward(batch, lora_rows)
         return self.model(batch, self.kv_cache)
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,9 @@ class Request:
     # beams together), and how many top log-probabilities each of its steps reports (its candidates)
     beam_group: str | None = None
     num_beam_candidates: int = 0
+    # the engine's id of the LoRA adapter it runs with (worker/lora.py; 0: the base model): its KV blocks are
+    # cached apart from every other adapter's (block_manager.py), and it holds the adapter's slot while running
+    lora_id: int = 0
 
     @property
     def num_logprobs(self) -> int | None:

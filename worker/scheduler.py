@@ -80,6 +80,9 @@ class SchedulerConfig:
     # blocks wholly before position num_computed_tokens - release_window + 1 are given back (no later query
     # of it sees them). 0: every block is kept until the request ends.
     release_window: int = 0
+    # > 0 with LoRA adapters (worker/lora.py): the running requests use at most this many distinct adapters (the
+    # engine's weight slots); a waiting request of another adapter waits (FCFS: admission stops there). 0: no bound.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -89,6 +92,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
         if isinstance(self.release_window, bool) or not isinstance(self.release_window, int) or self.release_window < 0:
             raise ValueError(f"release_window must be an integer >= 0, got {self.release_window!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
@@ -521,6 +526,8 @@ class Scheduler:
         """Move the head of the waiting queue to running with its first chunk; False if it does not fit
         (a seat, the token budget, blocks beyond `reserved_blocks`). With `may_preempt`, worse ranked running
         requests are preempted while seats or blocks are short."""
+        if not self._lora_fits(request):
+            return False
         cached = [] if request.computes_whole_prompt else self.block_manager.find_cached_prefix(request)
         num_new = self._prefill_chunk(request, len(cached), step.token_budget)
         if num_new == 0:
@@ -539,6 +546,18 @@ class Scheduler:
         bisect.insort(self._running, request, key=self._rank)
         step.add(request, num_new)
         return True
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether `request`'s adapter may run now: the base model always, an adapter while the running requests'
+        distinct adapters, it included, stay within `max_loras`."""
+        if not request.lora_id or not self.config.max_loras:
+            return True
+        running = self.running_lora_ids()
+        return request.lora_id in running or len(running) < self.config.max_loras
+
+    def running_lora_ids(self) -> set[int]:
+        """The adapters (ids > 0) the running requests hold."""
+        return {r.lora_id for r in self._running if r.lora_id}
 
     def _prefill_chunk(self, request: Request, num_cached_blocks: int, token_budget: int) -> int:
         """Tokens of a waiting request to compute now (0: it must wait). Without chunked prefill all of

@@ -150,10 +150,18 @@ class TpLeader:
         self._pinger = threading.Thread(target=self._ping_while_alive, name="infer-tp-ping", daemon=True)
         self._pinger.start()
 
-    def forward(self, batch: ForwardBatch) -> None:
+    def forward(self, batch: ForwardBatch, lora_rows: list[tuple[int, int]] | None = None) -> None:
+        """`lora_rows`: the forward's (LoRA slot, rows) runs when it has adapter rows (worker/lora.py)."""
         if self.lost is not None:
             raise GroupBroken(self.lost)
-        self._send({"op": "forward", "batch": encode_batch(batch)})
+        command: dict[str, Any] = {"op": "forward", "batch": encode_batch(batch)}
+        if lora_rows is not None:
+            command["lora_rows"] = [list(run) for run in lora_rows]
+        self._send(command)
+
+    def lora_copy_in(self, name: str, path: str, lora_id: int, slot: int) -> None:
+        """Every follower reads the LoRA adapter's folder (its shards) into `slot`."""
+        self._send({"op": "lora_copy_in", "name": name, "path": path, "lora_id": lora_id, "slot": slot})
 
     def logits(self, rows: torch.Tensor) -> None:
         self._send({"op": "logits", "rows": _pack_tensor(rows)})
@@ -249,13 +257,15 @@ class FollowerChannel:
 
 
 def serve_follower(model: Any, kv_cache: Any, block_size: int, channel: FollowerChannel,
-                   device: torch.device) -> int:
+                   device: torch.device, lora: Any = None) -> int:
     """Run rank 0's commands on this rank's shards (or a pipeline stage's layers: worker/pp_stage.py's StageModel,
     whose forward returns row numbers and whose compute_logits sends them on) until "stop" (returns rank 0's exit
     code, which this process exits with), silence or rank 0's connection closed (LeaderGone), or a broken
-    collective or hand-off (GroupBroken)."""
+    collective or hand-off (GroupBroken). `lora`: this rank's LoraManager (worker/lora.py) when LoRA is enabled:
+    rank 0 says what goes in which slot."""
     import torch
 
+    from infer.worker.lora import lora_step
     from infer.worker.model_runner import dummy_forward_batch
 
     hidden = None
@@ -264,7 +274,13 @@ def serve_follower(model: Any, kv_cache: Any, block_size: int, channel: Follower
             command = channel.receive()
             op = command["op"]
             if op == "forward":
-                hidden = model(decode_batch(command["batch"], device), kv_cache)
+                step = None if lora is None or "lora_rows" not in command else lora.step(command["lora_rows"])
+                with lora_step(step):
+                    hidden = model(decode_batch(command["batch"], device), kv_cache)
+            elif op == "lora_copy_in":
+                if lora is None:
+                    raise ValueError("a LoRA command, but LoRA is not enabled on this rank")
+                lora.copy_in(lora.read(command["name"], command["path"], command["lora_id"]), command["slot"])
             elif op == "logits":
                 if hidden is None:
                     raise ValueError("a logits command before any forward")

@@ -277,11 +277,16 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     blocks = agree_min(parallel.tp, num_kv_blocks(config, model, dtype, device, max_model_len))
     kv_cache = KVCache.allocate(model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim,
                                 dtype, device)
+    lora = None
+    if config.enable_lora:
+        from infer.worker.lora import LoraManager
+
+        lora = LoraManager(model, config.max_loras, config.max_lora_rank, dtype, device)
     channel = FollowerChannel(parallel)
     log.info("TP rank %d ready on %s: %d KV blocks of %d KV head(s)", parallel.tp.rank, socket.gethostname(),
              blocks, model.num_kv_heads)
     try:
-        return serve_follower(model, kv_cache, config.block_size, channel, device)
+        return serve_follower(model, kv_cache, config.block_size, channel, device, lora)
     except (LeaderGone, GroupBroken) as e:
         log.error("fatal: %s; exiting", e)
         return 1

@@ -3,14 +3,16 @@ Beside it: `admission.py` (the API key, admission), `formats.py` (OpenAI's respo
 `errors.py` (error codes to statuses, the error body).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
-GET /v1/models, GET /health, GET /metrics; vLLM's POST /tokenize, POST /detokenize and GET /version; POST
+GET /v1/models (the served model and its LoRA adapters, each with `parent`), GET /health, GET /metrics; vLLM's POST
+/tokenize, POST /detokenize, GET /version, POST /v1/load_lora_adapter and /v1/unload_lora_adapter; POST
 /v1/requests/{id}/cancel (cancel.py: by the caller that sent it, or the admin key).
 
 The path of a request:
 1. `authorize` (admission.py: 401 without the API key when one is set: one answer for a missing header, another
    scheme or a wrong key), the body (413 past `max_body_bytes`, refused from Content-Length before it is
    read, or as soon as a chunked body passes it), `_parse` (400 for malformed or hostile JSON (body.py) or
-   an invalid field, naming it), the model name (404 if it is not the served one).
+   an invalid field, naming it), the model name (404 if it is neither the served model nor a LoRA adapter; an
+   adapter's name runs the request with it: SamplingParams.lora_name).
 2. Admission: 503 with Retry-After and code "overloaded" at once when this front already has
    `max_concurrent_requests` engine requests in flight; 503 "unavailable" when the cluster is stopping or
    no worker is healthy (a cluster view at most `view_max_age` old, refreshed by one stats round trip).
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -54,7 +57,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -72,8 +75,8 @@ from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tools import TOOL_PARSERS, default_parser, template_messages, tools_system_prompt
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
 from infer.client.api.schemas import (
-    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest,
-    UpdateWeightsRequest,
+    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, LoadLoraAdapterRequest,
+    TokenizeRequest, UnloadLoraAdapterRequest, UpdateWeightsRequest,
 )
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
@@ -200,6 +203,7 @@ class Front:
         # its own thread, so that a spec slow to parse never holds up tokenizing
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="infer-grammar-check")
         self._xgrammar: asyncio.Future | None = None
+        self.lora_adapters: dict[str, str] = {}     # the engine(s)' LoRA adapters as last seen: name -> folder
         self.tool_call_parser = config.tool_call_parser or default_parser(getattr(tokenizer, "chat_template", None))
 
     def close(self) -> None:
@@ -241,7 +245,8 @@ class Front:
         body = await self._parse(request, EmbeddingRequest)
         self._check_dimensions(body.dimensions)
         inputs = body.prompts()
-        params = SamplingParams(pooling=body.pooling, normalize=body.normalize, temperature=0, max_tokens=1)
+        params = SamplingParams(pooling=body.pooling, normalize=body.normalize, temperature=0, max_tokens=1,
+                                lora_name=self.lora_of(body))
         base_id = f"embd-{uuid.uuid4().hex}"
         self.admission.reserve(len(inputs))
         try:
@@ -335,8 +340,61 @@ class Front:
             view = self.admission.last_view
         max_len = max_model_len(view, healthy_only=False) if view is not None else None
         card = {"id": self.config.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "infer", "root": self.engine.model_id, "max_model_len": max_len}
-        return JSONResponse({"object": "list", "data": [card]})
+                "owned_by": "infer", "root": self.engine.model_id, "parent": None, "max_model_len": max_len}
+        try:
+            await self._refresh_adapters()
+        except (ClusterError, ValueError):
+            pass    # the adapters as last seen
+        adapters = [{"id": name, "object": "model", "created": self.created, "owned_by": "infer", "root": path,
+                     "parent": self.config.served_model_name, "max_model_len": max_len}
+                    for name, path in sorted(self.lora_adapters.items())]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: every engine loads the PEFT folder, served
+        from then on as model `lora_name`. Behind the API key; through a cluster the front's key must be an
+        administrator's (the coordinator refuses a client key before any worker reads the path). 400 with the reason
+        otherwise (a missing file, a rank above --max-lora-rank, LoRA not enabled, the name taken)."""
+        body = await self._parse(request, LoadLoraAdapterRequest)
+        if body.lora_name == self.config.served_model_name:
+            raise ApiError(400, f"lora_name {body.lora_name!r} is the served model's name", param="lora_name")
+        try:
+            self.lora_adapters = await self.engine.load_lora_adapter(body.lora_name, body.lora_path)
+        except (ValueError, ClusterError) as e:
+            raise ApiError(400, f"load_lora_adapter failed: {safe(e, 2000)}", param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: requests that name it from then on get 404; those
+        running finish with it. The same roles as loading; 400 for a name no engine has."""
+        body = await self._parse(request, UnloadLoraAdapterRequest)
+        try:
+            self.lora_adapters = await self.engine.unload_lora_adapter(body.lora_name)
+        except (ValueError, ClusterError) as e:
+            raise ApiError(400, f"unload_lora_adapter failed: {safe(e, 2000)}", param="lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    async def _refresh_adapters(self) -> None:
+        self.lora_adapters = dict(await self.engine.list_lora_adapters())
+
+    async def _check_model(self, model: str) -> None:
+        """404 unless `model` is the served model or a LoRA adapter (looked up again when not seen yet)."""
+        if model == self.config.served_model_name or model in self.lora_adapters:
+            return
+        try:
+            await self._refresh_adapters()
+        except (ClusterError, ValueError):
+            pass
+        if model not in self.lora_adapters:
+            names = ", ".join(map(repr, sorted(self.lora_adapters)))
+            adapters = f" and the LoRA adapters {names}" if names else ""
+            raise ApiError(404, f"the model {model[:200]!r} does not exist; this server serves "
+                                f"{self.config.served_model_name!r}{adapters}", param="model", code="model_not_found")
+
+    def lora_of(self, body: Any) -> str | None:
+        """The LoRA adapter a checked body's `model` names (None: the base model)."""
+        model = getattr(body, "model", None)
+        return None if model is None or model == self.config.served_model_name else model
 
     async def health(self, request: Request) -> Response:
         """200 only if a fresh round trip to the cluster shows it running with a healthy worker."""
@@ -403,9 +461,8 @@ class Front:
             body = model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e) from None
-        if body.model is not None and body.model != self.config.served_model_name:
-            raise ApiError(404, f"the model {body.model[:200]!r} does not exist; this server serves "
-                                f"{self.config.served_model_name!r}", param="model", code="model_not_found")
+        if getattr(body, "model", None) is not None:
+            await self._check_model(body.model)
         return body
 
     async def _prompt_token_ids(self, prompts: list[str | list[int]], max_len: int,
@@ -560,6 +617,7 @@ class Front:
         if candidates > body.n and logprobs is None:
             logprobs = 0      # best_of ranks candidates by the sum of their sampled tokens' logprobs
         echoes = body.prompts() if getattr(body, "echo", False) else None
+        lora = self.lora_of(body)
         for p, ids in enumerate(prompts):
             echo = "" if echoes is None else (echoes[p] if isinstance(echoes[p], str)
                                               else self.tokenizer.decode(ids))
@@ -570,6 +628,8 @@ class Front:
                                                   defaults=self.config.sampling_defaults,
                                                   prompt_logprobs=getattr(body, "prompt_logprobs_wanted",
                                                                           body.prompt_logprobs))
+                    if lora is not None:
+                        params = dataclasses.replace(params, lora_name=lora)
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
                 jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker(),
@@ -816,6 +876,8 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     app.add_api_route("/detokenize", route(front.detokenize), methods=["POST"])
     app.add_api_route("/version", route(front.version), methods=["GET"])
     app.add_api_route("/v1/update_weights", route(front.update_weights), methods=["POST"])
+    app.add_api_route("/v1/load_lora_adapter", route(front.load_lora_adapter), methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", route(front.unload_lora_adapter), methods=["POST"])
     app.add_api_route("/v1/requests/{request_id}/cancel", route(front.cancel), methods=["POST"])
 
     @app.exception_handler(HTTPException)
@@ -824,7 +886,8 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
             error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are POST "
                                   "/v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, "
                                   "GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version, "
-                                  "POST /v1/requests/{id}/cancel",
+                                  "POST /v1/requests/{id}/cancel, POST /v1/load_lora_adapter, "
+                                  "POST /v1/unload_lora_adapter",
                              code="not_found")
         elif exc.status_code == 405:
             error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}",

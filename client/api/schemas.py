@@ -553,3 +553,19 @@ class UpdateWeightsRequest(BaseModel):
     path: str = Field(min_length=1, max_length=4096)
     on_running: Literal["drain", "abort"] = "drain"
     timeout: float = Field(default=600.0, gt=0, le=86400.0)
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter: a PEFT LoRA folder every worker can read, served as model `lora_name`."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter (`lora_path` allowed, as vLLM's clients send it, and not used)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str | None = None

@@ -11,7 +11,7 @@ from infer.protocol.messages import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, BeamOutput, ClusterStats, Control, ControlAck, Delta,
     DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, RequestSnapshot,
     StatsRequest, StepBatch, Submit, TokenIds, UpdateWeights, CommitWeights, Welcome, WeightsUpdated, WeightSync, WeightTensor,
-    WorkerStats, decode, encode
+    WorkerStats, LoraCommand, LoraDone, decode, encode
 )
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
@@ -69,6 +69,9 @@ EXAMPLES = [
     WeightsUpdated(version=3, error="weight update: tensor 'x' has dtype int32"),
     WeightsUpdated(version=3, prepared=True, num_tensors=20),
     CommitWeights(version=3), CommitWeights(version=3, commit=False),
+    LoraCommand(action="load", lora_name="sql", lora_path="/adapters/sql"), LoraCommand(action="unload", lora_name="sql"),
+    LoraDone(action="load", lora_name="sql", lora_adapters={"sql": "/adapters/sql"}),
+    LoraDone(action="unload", lora_name="x", error="no LoRA adapter 'x' is loaded"),
     Load(num_waiting=0, num_running=0, num_free_blocks=3, num_total_blocks=4, num_queued_tokens=0, weight_version=2,
          suspended=True, bytes_released=1 << 30),
     DeltaBatch(deltas=[Delta(request_id="a", token_ids=TokenIds([3]), text="z", prompt_token_ids=TokenIds([1])),

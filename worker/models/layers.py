@@ -226,6 +226,7 @@ class PackedLinear(QuantStorage):
     packed: torch.Tensor | None = None
     gemv_ready: bool = False             # the plain weight suits the native GEMV (decided with the packing)
     gemv_rows: int = GEMV_MAX_ROWS       # up to how many rows it goes there (any, where oneDNN packs no bf16)
+    lora: Any = None                     # a worker/lora.py LoraLayer once an adapter targets this layer
 
     def pack_weights(self) -> None:
         self.refresh_quant()
@@ -302,7 +303,8 @@ class ColumnLinear(PackedLinear):
         self.bias = _param(out_features // tp.size, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def load_shard(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         """Copy this rank's rows of the full checkpoint tensor into `weight` or `bias`."""
@@ -372,6 +374,8 @@ class RowLinear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)
+        if self.lora is not None:   # before the reduction: LoRA refuses TP, so this rank's sum is the whole
+            y = self.lora.apply(x, y)
         if self.reduce_results:
             self.tp.all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)

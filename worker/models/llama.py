@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from infer.worker.attention import paged_attention
+from infer.worker.lora import lora_rows_active
 from infer.worker.models.native_decode import NativeDecoder
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.tensor_parallel import TensorParallel
@@ -232,7 +233,7 @@ class LlamaModel(nn.Module):
         """`layers` stand in for self.layers, one for one (the step graphs' compiled copies)."""
         hidden, residual = self.embed_tokens(batch.input_ids), None
         self.rotary_emb.reserve(max(batch.context_lens, default=0))
-        if layers is None and batch.num_decodes and not torch.compiler.is_compiling():
+        if layers is None and batch.num_decodes and not torch.compiler.is_compiling() and not lora_rows_active():
             if self.native_decode is None:
                 self.native_decode = NativeDecoder.for_model(self, self.tp_size) or False
             if (self.native_decode and hidden.dtype == self.native_decode.dtype and hidden.dim() == 2

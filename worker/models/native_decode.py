@@ -13,7 +13,9 @@ is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank
 fp32 rows too; `for_model` says why fp32 models keep their layers), with every linear's weight one the native
 kernels take: kept quantized (kernels/cpu/quant.c, any build), or dense bf16 in a
 bf16 model (the GEMV: the avx512 build's bf16 pairs with AVX512-BF16, else its fp32 core; the avx2 build widens
-bf16 to fp32 in registers; the generic build has no GEMV). Anything else runs the layers one by one.
+bf16 to fp32 in registers; the generic build has no GEMV). Anything else runs the layers one by one; so does a
+step with rows of a LoRA adapter (worker/lora.py: this call knows no LoRA; LlamaModel.forward checks
+`lora_rows_active()`), while steps of base-model rows only keep it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,281 @@
+"""LoRA adapters (worker/lora.py): adapters made with PEFT on tiny random models; greedy output of each request equals
+transformers + PEFT with its adapter, with several adapters and the base model mixed in one batch; slots, eviction,
+load / unload, the prefix cache keyed by adapter, bad adapters refused by name."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from infer import SamplingParams
+from infer.protocol.lora import LoRARequest, lora_modules, parse_lora_module, read_lora_config
+from infer.worker.config import EngineConfig
+from infer.worker.engine import Engine
+from infer.worker.lora_slots import LoraSlots
+from lora_cases import ADAPTERS, make_adapter, peft_greedy
+
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def families(tiny_model_dir, tmp_path_factory):
+    """Factory: arch -> (model dir, {adapter name: folder}) for a tiny model family (qwen2: biases on q, k, v)."""
+    made = {}
+
+    def make(arch: str):
+        if arch not in made:
+            model_dir, folders = tiny_model_dir(arch), {}
+            for i, (name, options) in enumerate(ADAPTERS.items()):
+                folders[name] = tmp_path_factory.mktemp(f"lora-{arch}-{name}")
+                make_adapter(model_dir, folders[name], 100 + i, **options)
+            made[arch] = model_dir, folders
+        return made[arch]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def family(families):
+    return families("llama")
+
+
+def _prompts(n: int, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49000) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+def _engine(model_dir, folders, **options) -> Engine:
+    defaults = dict(model=str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, block_size=4,
+                    enable_lora=True, max_loras=4, max_lora_rank=8, lora_modules=folders)
+    return Engine(EngineConfig(**{**defaults, **options}))
+
+
+def _run(engine: Engine, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
+    for rid, (prompt, lora) in requests.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                       lora_name=lora))
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            assert delta.error is None, delta.error
+            out[delta.request_id].extend(delta.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_batch_equals_transformers_and_peft(families, arch):
+    model_dir, folders = families(arch)
+    prompts = _prompts(5)
+    adapters = [None, *folders]       # each prompt with the base model and with every adapter, in one batch
+    expected = {name: peft_greedy(model_dir, folders.get(name), prompts, MAX_NEW) for name in adapters}
+    assert all(expected[name] != expected[None] for name in folders), "an adapter that changes nothing proves nothing"
+    engine = _engine(model_dir, folders)
+    requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts) for name in adapters}
+    got = _run(engine, requests)
+    for name in adapters:
+        assert [got[f"{name}-{i}"] for i in range(len(prompts))] == expected[name], name
+    # every targeted layer got its slot stacks (qkv_proj, o_proj, gate_up_proj, down_proj of both layers)
+    assert len(engine.lora.slots.placed) == 3 and len(engine.lora.layers) == 4 * 2
+
+
+def test_slots_evict_least_recently_used_and_bound_the_running_adapters(family):
+    model_dir, folders = family
+    prompts = _prompts(3, seed=5)
+    expected = {name: peft_greedy(model_dir, folders[name], prompts, MAX_NEW) for name in folders}
+    engine = _engine(model_dir, folders, max_loras=2)      # three adapters, two slots
+    requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts) for name in folders}
+    max_running = 0
+    for rid, (prompt, lora) in requests.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                       lora_name=lora))
+    got: dict[str, list[int]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            got[delta.request_id].extend(delta.token_ids)
+        max_running = max(max_running, len(engine.scheduler.running_lora_ids()))
+        engine.lora.slots.check_invariants()
+    assert max_running == 2
+    for name in folders:
+        assert [got[f"{name}-{i}"] for i in range(len(prompts))] == expected[name], name
+
+
+def test_prefix_cache_is_keyed_by_adapter(family):
+    model_dir, folders = family
+    prompt = _prompts(1, seed=9)[0] * 3          # several full blocks
+    engine = _engine(model_dir, folders)
+    first = _run(engine, {"base": (prompt, None)})["base"]
+    hits = engine.scheduler.block_manager.num_hit_tokens
+    with_adapter = _run(engine, {"qv": (prompt, "qv")})["qv"]
+    assert engine.scheduler.block_manager.num_hit_tokens == hits      # the base model's blocks are not the adapter's
+    assert with_adapter == peft_greedy(model_dir, folders["qv"], [prompt], MAX_NEW)[0]
+    assert _run(engine, {"qv2": (prompt, "qv")})["qv2"] == with_adapter
+    assert engine.scheduler.block_manager.num_hit_tokens > hits       # the same adapter's blocks are
+    hits = engine.scheduler.block_manager.num_hit_tokens
+    _run(engine, {"mlp": (prompt, "mlp")})
+    assert engine.scheduler.block_manager.num_hit_tokens == hits
+    assert _run(engine, {"base2": (prompt, None)})["base2"] == first
+
+
+def test_load_and_unload_while_requests_run(family, tmp_path):
+    model_dir, folders = family
+    prompts = _prompts(3, seed=11)
+    expected = peft_greedy(model_dir, folders["qv"], prompts, MAX_NEW)
+    engine = _engine(model_dir, {})
+    assert engine.list_loras() == []
+    engine.add_lora("qv", str(folders["qv"]))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                      lora_name="qv"))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for delta in engine.step() + engine.step():
+        got[delta.request_id].extend(delta.token_ids)
+    assert engine.remove_lora("qv") is True         # running requests keep their adapter to the end
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'qv'"):
+        engine.add_request("late", prompts[0], SamplingParams(lora_name="qv"))
+    engine.add_lora("mlp", str(folders["mlp"]))     # loaded while they run
+    while engine.has_unfinished():
+        for delta in engine.step():
+            got[delta.request_id].extend(delta.token_ids)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    assert [a["name"] for a in engine.list_loras()] == ["mlp"]
+    assert len(engine.lora.by_id) == 1              # the unloaded adapter's weights went with its last request
+    engine.add_lora("qv", str(folders["qv"]))       # and it loads again
+    assert _run(engine, {"again": (prompts[0], "qv")})["again"] == expected[0]
+
+
+def _copy_adapter(src, dst, edit_config=None, drop_weights=False):
+    dst.mkdir()
+    config = json.loads((src / "adapter_config.json").read_text())
+    if edit_config:
+        config.update(edit_config)
+    (dst / "adapter_config.json").write_text(json.dumps(config))
+    if not drop_weights:
+        (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    return dst
+
+
+def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(family, tmp_path):
+    model_dir, folders = family
+    engine = _engine(model_dir, {"qv": folders["qv"]}, max_lora_rank=4)
+    cases = {
+        "missing": (tmp_path / "nowhere", "adapter_config.json: no such file"),
+        "no-weights": (_copy_adapter(folders["qv"], tmp_path / "a", drop_weights=True),
+                       "adapter_model.safetensors: no such file"),
+        "dora": (_copy_adapter(folders["qv"], tmp_path / "b", {"use_dora": True}), "DoRA"),
+        "saved": (_copy_adapter(folders["qv"], tmp_path / "c", {"modules_to_save": ["lm_head"]}), "modules_to_save"),
+        "rank": (folders["all-rs"], r"rank 8, above --max-lora-rank 4"),
+    }
+    for name, (path, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            engine.add_lora(name, str(path))
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.add_lora("qv", str(folders["mlp"]))
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'nope' \(loaded: qv\)"):
+        engine.add_request("x", [5, 6, 7], SamplingParams(lora_name="nope"))
+    prompt = _prompts(1)[0]
+    assert _run(engine, {"ok": (prompt, "qv")})["ok"] == peft_greedy(model_dir, folders["qv"], [prompt], MAX_NEW)[0]
+
+
+def test_lora_off_refuses_adapter_requests(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=128,
+                                 kv_cache_memory=4 << 20))
+    with pytest.raises(ValueError, match="not enabled"):
+        engine.add_request("x", [5, 6], SamplingParams(lora_name="a"))
+    with pytest.raises(ValueError, match="not enabled"):
+        engine.add_lora("a", "/nowhere")
+    assert engine.lora is None and engine.list_loras() == []
+
+
+def test_lora_slots_lru():
+    slots = LoraSlots(2)
+    assert slots.place([1, 2], in_use=set()) == [(1, 0), (2, 1)]
+    assert slots.place([1], in_use=set()) == []                  # 2 is now the least recently used
+    assert slots.place([3], in_use=set()) == [(3, 1)]            # evicts 2
+    with pytest.raises(RuntimeError, match="in use"):
+        slots.place([4], in_use={1, 3})
+    assert slots.place([4], in_use={3}) == [(4, 0)]
+    assert slots.drop(3) == 1 and slots.placed == (4,)
+    slots.check_invariants()
+
+
+def test_options_and_config_parsing(tmp_path):
+    assert parse_lora_module("a=/x/y") == ("a", "/x/y")
+    assert parse_lora_module('{"name": "b", "path": "/p", "base_model_name": "m"}') == ("b", "/p")
+    assert lora_modules({"a": "/p"}) == (("a", "/p"),)
+    with pytest.raises(ValueError, match="given twice"):
+        lora_modules(["a=/p", "a=/q"])
+    with pytest.raises(ValueError, match="name=path"):
+        parse_lora_module("nopath")
+    with pytest.raises(ValueError, match="lora_name"):
+        SamplingParams(lora_name="bad name")
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0, "/p")
+    with pytest.raises(ValueError, match="needs enable_lora"):
+        EngineConfig(lora_modules=["a=/p"])
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 16, "use_rslora": True,
+                                                              "target_modules": "q_proj"}))
+    config = read_lora_config(tmp_path)
+    assert config.scaling(4) == 8.0 and config.target_modules == ("q_proj",)
+    from infer.protocol.options import add_options, given, to_argv
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_options(parser, EngineConfig)
+    args = parser.parse_args(["--enable-lora", "--lora-modules", "a=/p", "b=/q", "--max-loras", "2",
+                              "--max-lora-rank", "32"])
+    config_ = EngineConfig(**given(EngineConfig, args))
+    assert config_.lora_modules == (("a", "/p"), ("b", "/q")) and config_.max_loras == 2
+    assert to_argv(EngineConfig, config_) == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32",
+                                              "--lora-modules", "a=/p", "b=/q"]
+
+
+def test_llm_generate_takes_lora_requests_per_prompt(family):
+    from infer import LLM
+
+    model_dir, folders = family
+    prompts = _prompts(3, seed=13)
+    qv, mlp = LoRARequest("qv", 1, str(folders["qv"])), LoRARequest("mlp", 2, str(folders["mlp"]))
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, enable_lora=True,
+              max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[qv, None, mlp])   # loaded on first use
+    assert [o.token_ids for o in outs] == [peft_greedy(model_dir, folders["qv"], prompts[:1], MAX_NEW)[0],
+                                           peft_greedy(model_dir, None, prompts[1:2], MAX_NEW)[0],
+                                           peft_greedy(model_dir, folders["mlp"], prompts[2:], MAX_NEW)[0]]
+    assert llm.list_loras() == {"qv": str(folders["qv"]), "mlp": str(folders["mlp"])}
+    assert llm.remove_lora("mlp") == {"qv": str(folders["qv"])}
+    with pytest.raises(ValueError, match="no such file"):
+        llm.generate(prompts[0], params, use_tqdm=False, lora_request=LoRARequest("gone", 3, "/nowhere"))
+
+
+def test_over_a_quantized_base_each_row_gets_its_adapter_alone_or_mixed(family):
+    """int8 base weights (their matmul differs from transformers' in the last bits): every request's output in a
+    mixed batch equals the same request run alone, and the adapters still change it."""
+    model_dir, folders = family
+    prompts = _prompts(3, seed=17)
+    engine = _engine(model_dir, folders, quantization="int8")
+    mixed = _run(engine, {f"{name}-{i}": (p, name) for i, p in enumerate(prompts) for name in (None, *folders)})
+    for name in (None, *folders):
+        for i, p in enumerate(prompts):
+            assert _run(engine, {"alone": (p, name)})["alone"] == mixed[f"{name}-{i}"], (name, i)
+    assert all(mixed[f"{name}-0"] != mixed["None-0"] for name in folders)
+
+
+def test_tensor_parallel_ranks_shard_the_adapters_like_their_layers(family):
+    """TP 2 (2 KV heads: one per rank): B's rows split with q / k / v / gate / up, A's columns with o / down; every
+    request of a mixed batch equals transformers + PEFT."""
+    from infer import LLM
+
+    model_dir, folders = family
+    prompts = _prompts(4, seed=19)
+    names = [None, *folders]
+    requests = [None if n is None else LoRARequest(n, i + 1, str(folders[n])) for i, n in enumerate(names)]
+    with LLM(str(model_dir), tensor_parallel_size=2, dtype="float32", max_model_len=128, kv_cache_memory=4_000_000,
+             num_threads=1, enable_lora=True, max_lora_rank=8, max_loras=2) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+                            use_tqdm=False, lora_request=requests)
+    for out, prompt, name in zip(outs, prompts, names):
+        assert out.token_ids == peft_greedy(model_dir, folders.get(name), [prompt], MAX_NEW)[0], name
+

@@ -1,0 +1,378 @@
+"""LoRA adapters served per request over one base model: PEFT's files in, a batched LoRA path in the forward.
+
+An adapter is a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors; protocol/lora.py reads and
+checks the config). Each targeted linear layer W gains `scale * B A`: for input rows x, y = x W^T + scale *
+(x A^T) B^T, with A [r, in], B [out, r] and scale = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), as PEFT
+computes it. Never merged into W: one batch mixes rows of several adapters and of the base model.
+
+Weights live in `max_loras` slots (LoraSlots, worker/lora_slots.py: LRU over adapters no running request holds).
+Per targeted layer, `LoraLayer` holds every slot's A stacked [slots * subs * R, in] and B (scale folded in)
+[out, slots * subs * R], R = `max_lora_rank` (smaller ranks zero-padded); a fused layer (qkv_proj, gate_up_proj)
+has one sub-block per checkpoint projection (q, k, v), B block-diagonal over them, so one shrink and one expand
+matmul cover the fused output. A step's rows are grouped by slot (`LoraStep`); `LoraLayer.apply` adds each row's
+(x A_slot^T) B_slot^T to the base output: a step of few rows (decodes) as two matmuls over every slot with the
+other slots' columns masked to zero (op count, not flops, bounds such a CPU step), a larger one group by group.
+That is the CPU path and the reference of any kernel (none on GPU yet: the same torch ops run there); it works
+over dense and quantized base weights alike (it only adds to their output).
+
+The current step's row grouping is scoped by `lora_step(...)` (the model runner enters it around the forward; it
+does not nest). Steps with rows of an adapter run the layers one by one: the native CPU decode step
+(worker/models/native_decode.py) and the step graphs know nothing of LoRA, and base-only steps keep them.
+
+Tensor parallelism: each rank holds its part of A and B, sharded like the layer (`_this_ranks_part`: a
+column-parallel layer's output rows split B's rows; a row-parallel layer's input columns split A's columns, and its
+rank's partial (x_part A_part^T) B^T is summed by the layer's own all-reduce, added before it). TP rank 0 decides the
+slots; each adapter it copies into a slot, and each forward's (slot, rows) runs, go to the other ranks with its
+step commands (worker/tp_commands.py), which read the folder themselves. Pipelines are refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from infer.protocol.lora import ADAPTER_WEIGHTS, LORA_TARGETS, check_lora_name, read_lora_config
+from infer.worker.lora_slots import LoraSlots
+from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, PackedLinear, RowLinear
+
+log = logging.getLogger("infer.lora")
+
+_KEY = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight")
+
+
+@dataclass
+class LoraAdapter:
+    """One loaded adapter, on the engine's device: per (our module path, shard or None) the pair (A [r, in],
+    B [out, r] * scale). `lora_id` is the engine's own (unique per load: a name loaded again is another adapter,
+    and never shares prefix-cache blocks with the old one); `int_id` the caller's (vLLM's lora_int_id)."""
+
+    name: str
+    lora_id: int
+    int_id: int
+    path: str
+    rank: int
+    weights: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+
+def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, lora_id: int, int_id: int,
+                 dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+    """Read and check a PEFT LoRA folder against `model`: ValueError naming the file, tensor or limit at fault."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    check_lora_name(name)
+    folder = Path(path)
+    config = read_lora_config(folder)
+    weights_file = folder / ADAPTER_WEIGHTS
+    if not weights_file.is_file():
+        hint = " (adapter_model.bin, a pickle, is not read: save with safe_serialization)" if (
+            folder / "adapter_model.bin").exists() else ""
+        raise ValueError(f"{weights_file}: no such file{hint}")
+    try:
+        tensors = load_file(str(weights_file))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{weights_file}: not a readable safetensors file: {e}") from None
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.fullmatch(key)
+        if match is None:
+            what = "LoRA on embeddings" if "lora_embedding" in key else "a tensor other than lora_A / lora_B"
+            raise ValueError(f"{weights_file}: {key}: {what} is not supported")
+        pairs.setdefault(match["module"], {})[match["ab"]] = tensor
+    if not pairs:
+        raise ValueError(f"{weights_file}: no lora_A / lora_B tensors")
+    weights: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{weights_file}: {module} has lora_{'AB'.replace(''.join(ab), '')} missing")
+        target, shard, linear = _target(model, module, weights_file)
+        a, b = ab["A"], ab["B"]
+        r = int(a.shape[0]) if a.dim() == 2 else -1
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
+            raise ValueError(f"{weights_file}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
+                             f"[r, in] and [out, r]")
+        if r > max_rank:
+            raise ValueError(f"{weights_file}: {module} has rank {r}, above --max-lora-rank {max_rank}")
+        try:
+            a, b = _this_ranks_part(linear, shard, a, b)
+        except ValueError as e:
+            raise ValueError(f"{weights_file}: {module}: {e}") from None
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ValueError(f"{weights_file}: {module} holds values that are not finite")
+        scale = config.scaling(r)
+        weights[(target, shard)] = (a.to(device=device, dtype=dtype),
+                                    (b.float() * scale).to(device=device, dtype=dtype))
+        rank = max(rank, r)
+    return LoraAdapter(name, lora_id, int_id, str(folder), rank, weights)
+
+
+def _target(model: nn.Module, module: str, where: Path) -> tuple[str, str | None, PackedLinear]:
+    """Our (module path, shard, layer) for a PEFT module path (checkpoint names: q_proj -> qkv_proj's "q")."""
+    parent, _, leaf = module.rpartition(".")
+    if leaf not in LORA_TARGETS:
+        raise ValueError(f"{where}: LoRA on {module} is not supported (targets: {', '.join(LORA_TARGETS)})")
+    fused = getattr(model, "packed_modules_mapping", {}).get(leaf)
+    name, shard = (f"{parent}.{fused[0]}", fused[1]) if fused else (module, None)
+    try:
+        linear = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"{where}: {module}: the model has no such layer") from None
+    if not isinstance(linear, PackedLinear):
+        raise ValueError(f"{where}: {module} is not a linear layer of this model")
+    return name, shard, linear
+
+
+def _this_ranks_part(linear: PackedLinear, shard: str | None, a: torch.Tensor,
+                     b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, in] and B [out, r] as the checkpoint has them -> this TP rank's part, sharded like the layer: a
+    column-parallel layer's rows (of the projection `shard` of a fused one) split B's rows, a row-parallel layer's
+    columns split A's columns (its rank's partial (x A_part^T) B^T is summed by the layer's all-reduce)."""
+    out_rows, in_cols = linear.logical_shape
+    in_parts, in_index, out_parts, out_index = 1, 0, 1, 0
+    if isinstance(linear, MergedColumnLinear):
+        out_rows = linear.shard_sizes[shard]
+        out_parts, out_index = linear.shard_parts[shard]
+    elif isinstance(linear, RowLinear):
+        in_parts, in_index = linear.tp.size, linear.tp.rank
+    elif isinstance(linear, ColumnLinear):
+        out_parts, out_index = linear.tp.size, linear.tp.rank
+    if (a.shape[1], b.shape[0]) != (in_cols * in_parts, out_rows * out_parts):
+        raise ValueError(f"lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the model's layer "
+                         f"({out_rows * out_parts} x {in_cols * in_parts})")
+    return a.narrow(1, in_index * in_cols, in_cols), b.narrow(0, out_index * out_rows, out_rows)
+
+
+def _subs(linear: PackedLinear) -> list[tuple[str | None, int, int]]:
+    """(shard, first output row, rows) of each checkpoint projection in a layer's output."""
+    if isinstance(linear, MergedColumnLinear):
+        return [(s, linear.shard_offsets[s], linear.shard_sizes[s]) for s in linear.shard_names]
+    return [(None, 0, linear.logical_shape[0])]
+
+
+# A step of at most this many rows (decodes, mostly) takes the dense path: every row against every slot in two
+# matmuls, the other slots' columns masked to zero; more rows (prefills) go slot group by slot group, so the work
+# stays proportional to the rows of each adapter. (A CPU step of a few rows is bound by op count, not flops.)
+DENSE_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class LoraStep:
+    """One forward's rows grouped by slot: (slot, row indices [n] int64, or None for every row); rows of the base
+    model are in no group. `onehot` [T, slots] (the dense path's row -> slot map, in the activations' dtype; None:
+    the grouped path); `masks` caches its columns widened to each layer's width."""
+
+    groups: tuple[tuple[int, torch.Tensor | None], ...]
+    onehot: torch.Tensor | None = None
+    masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def mask(self, width: int) -> torch.Tensor:
+        """[T, slots * width]: 1 where a row's slot owns the column (slot s: columns s * width ...)."""
+        mask = self.masks.get(width)
+        if mask is None:
+            if self.onehot is None:
+                raise RuntimeError("a grouped LoRA step has no dense mask")
+            mask = self.masks[width] = self.onehot.repeat_interleave(width, dim=1)
+        return mask
+
+
+_STEP: ContextVar[LoraStep | None] = ContextVar("infer_lora_step", default=None)
+
+
+@contextmanager
+def lora_step(step: LoraStep | None) -> Iterator[None]:
+    """The LoRA rows of the forward run inside (None: base model only). Does not nest."""
+    if _STEP.get() is not None:
+        raise RuntimeError("lora_step() does not nest")
+    token = _STEP.set(step)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def lora_rows_active() -> bool:
+    """Whether the current forward has rows of an adapter (the native decode step and step graphs then stand
+    aside)."""
+    step = _STEP.get()
+    return step is not None and bool(step.groups)
+
+
+class LoraLayer:
+    """Every slot's A and B of one linear layer (module doc); `linear.lora` points here once made.
+
+    Slot s owns `width` = subs * R columns: A's rows [s * width, (s + 1) * width) ([slots * width, in]) and B's
+    columns of the same range ([out, slots * width]), so the dense path multiplies by all of A and all of B at once
+    and a slot is a slice of either."""
+
+    def __init__(self, linear: PackedLinear, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.subs = _subs(linear)
+        self.rank = max_rank
+        out_features, in_features = linear.logical_shape
+        self.width = len(self.subs) * max_rank
+        self.a = torch.zeros(num_slots * self.width, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(out_features, num_slots * self.width, dtype=dtype, device=device)
+
+    def _columns(self, slot: int) -> slice:
+        return slice(slot * self.width, (slot + 1) * self.width)
+
+    def clear(self, slot: int) -> None:
+        self.a[self._columns(slot)].zero_()
+        self.b[:, self._columns(slot)].zero_()
+
+    def fill(self, slot: int, shard: str | None, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Sub-block `shard` of `slot`: A [r, in], B [out_shard, r] (scale folded in)."""
+        index = next(i for i, (s, _, _) in enumerate(self.subs) if s == shard)
+        _, first, rows = self.subs[index]
+        r, col = a.shape[0], slot * self.width + index * self.rank
+        self.a[col:col + r].copy_(a)
+        self.b[first:first + rows, col:col + r].copy_(b)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [T, out] (the base layer's output for x [T, in]) plus each adapter row's (x A^T) B^T, in place."""
+        step = _STEP.get()
+        if step is None or not step.groups:
+            return y
+        if step.onehot is not None:
+            return y.add_(((x @ self.a.T) * step.mask(self.width)) @ self.b.T)
+        for slot, rows in step.groups:
+            columns = self._columns(slot)
+            a, b = self.a[columns], self.b[:, columns]
+            if rows is None:
+                y.add_((x @ a.T) @ b.T)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+        return y
+
+
+class LoraManager:
+    """The adapters an engine serves and their slots.
+
+    `add` / `remove` by name (a name in use keeps serving the requests that hold it: an unloaded adapter's weights
+    go once its last request ends, `collect`); `lora_id(name)` binds a new request to the adapter now under that
+    name; `activate` gives a step's adapters slots (copying weights into newly placed ones); `step` groups a
+    step's rows by slot."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
+        self.model, self.max_rank, self.dtype, self.device = model, max_lora_rank, dtype, device
+        self.slots = LoraSlots(max_loras)
+        self.by_name: dict[str, LoraAdapter] = {}      # what new requests may name
+        self.by_id: dict[int, LoraAdapter] = {}        # and the unloaded ones requests still hold
+        self.layers: dict[str, LoraLayer] = {}         # made on the first adapter that targets each layer
+        self._ids = itertools.count(1)
+        # TP rank 0's command channel (worker/tp_commands.py; set by the engine): each adapter copied into a slot
+        # here is copied into the same slot on every other rank, from its own read of the folder (its shards)
+        self.followers: Any = None
+
+    def read(self, name: str, path: str | Path, lora_id: int, int_id: int | None = None) -> LoraAdapter:
+        """An adapter's files read and checked against this rank's model (its shards), not registered."""
+        return load_adapter(name, path, self.model, self.max_rank, lora_id, lora_id if int_id is None else int_id,
+                            self.dtype, self.device)
+
+    def add(self, name: str, path: str | Path, int_id: int | None = None) -> LoraAdapter:
+        """Load an adapter under `name` (ValueError: a bad folder, a rank above max_lora_rank, a name taken by
+        another path). Loading the same name and path again is a no-op."""
+        check_lora_name(name)
+        current = self.by_name.get(name)
+        if current is not None:
+            if Path(current.path) == Path(path):
+                return current
+            raise ValueError(f"LoRA adapter {name!r} is already loaded from {current.path}; unload it first")
+        adapter = self.read(name, path, next(self._ids), int_id)
+        lora_id = adapter.lora_id
+        self.by_name[name] = self.by_id[lora_id] = adapter
+        log.info("LoRA adapter %r loaded from %s (rank %d, %d layers)", name, adapter.path, adapter.rank,
+                 len(adapter.weights))
+        return adapter
+
+    def remove(self, name: str) -> bool:
+        """Unload `name`: new requests may no longer name it. False if no adapter has that name."""
+        return self.by_name.pop(name, None) is not None
+
+    def collect(self, held: set[int]) -> None:
+        """Free the unloaded adapters no request in `held` (waiting or running ids) holds any more."""
+        for lora_id in [i for i, a in self.by_id.items() if self.by_name.get(a.name) is not a and i not in held]:
+            del self.by_id[lora_id]
+            self.slots.drop(lora_id)
+
+    def lora_id(self, name: str) -> int:
+        adapter = self.by_name.get(name)
+        if adapter is None:
+            loaded = ", ".join(sorted(self.by_name)) or "none"
+            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
+        return adapter.lora_id
+
+    def activate(self, needed: Sequence[int], running: set[int]) -> None:
+        """Slots for the adapters `needed` by a step (ids > 0), evicting only adapters no running request holds."""
+        for lora_id, slot in self.slots.place(needed, running):
+            adapter = self.by_id[lora_id]
+            if self.followers is not None:
+                self.followers.lora_copy_in(adapter.name, adapter.path, lora_id, slot)
+            self.copy_in(adapter, slot)
+
+    def copy_in(self, adapter: LoraAdapter, slot: int) -> None:
+        """`adapter`'s A and B into `slot` of every layer (the layers it does not target: zeros)."""
+        for layer in self.layers.values():
+            layer.clear(slot)
+        for (module, shard), (a, b) in adapter.weights.items():
+            self._layer(module).fill(slot, shard, a, b)
+
+    def _layer(self, module: str) -> LoraLayer:
+        layer = self.layers.get(module)
+        if layer is None:
+            linear = self.model.get_submodule(module)
+            layer = self.layers[module] = LoraLayer(linear, self.slots.capacity, self.max_rank, self.dtype,
+                                                    self.device)
+            linear.lora = layer
+        return layer
+
+    def slot_rows(self, row_ids: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """A forward's rows as (adapter id, number of rows) runs in order -> (slot, rows) runs, -1 for the base
+        model's. Every adapter named must have been activated."""
+        return [(-1 if not lora_id else self._slot(lora_id), n) for lora_id, n in row_ids]
+
+    def _slot(self, lora_id: int) -> int:
+        slot = self.slots.slot_of(lora_id)
+        if slot is None:
+            raise RuntimeError(f"LoRA adapter id {lora_id} has no slot (activate() first)")
+        return slot
+
+    def step(self, slot_rows: Sequence[tuple[int, int]]) -> LoraStep | None:
+        """The LoraStep of a forward whose rows come as (slot, rows) runs in order (-1: the base model); None when
+        every row is the base model's."""
+        total = sum(n for _, n in slot_rows)
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for slot, n in slot_rows:
+            if slot >= 0:
+                rows.setdefault(slot, []).extend(range(start, start + n))
+            start += n
+        if not rows:
+            return None
+        if total <= DENSE_MAX_ROWS:
+            onehot = torch.zeros(total, self.slots.capacity, dtype=self.dtype)
+            for slot, ids in rows.items():
+                onehot[ids, slot] = 1
+            return LoraStep(tuple((slot, None) for slot in rows), onehot.to(self.device))
+        groups = tuple((slot, None if len(ids) == total else torch.tensor(ids, dtype=torch.int64, device=self.device))
+                       for slot, ids in rows.items())
+        return LoraStep(groups)
+
+    def listing(self) -> list[dict[str, object]]:
+        """The loaded adapters (name, id, path, rank), for /v1/models and LLM.list_loras."""
+        return [{"name": a.name, "int_id": a.int_id, "path": a.path, "rank": a.rank} for a in self.by_name.values()]
+
