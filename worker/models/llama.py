@@ -232,6 +232,7 @@ class LlamaModel(nn.Module):
         """`layers` stand in for self.layers, one for one (the step graphs' compiled copies)."""
         hidden, residual = self.embed_tokens(batch.input_ids), None
         self.rotary_emb.reserve(max(batch.context_lens, default=0))
+        batch = self.rotary_emb.rope_batch(batch)
         if layers is None and batch.num_decodes and not torch.compiler.is_compiling():
             if self.native_decode is None:
                 self.native_decode = NativeDecoder.for_model(self, self.tp_size) or False
