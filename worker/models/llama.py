@@ -125,6 +125,7 @@ class LlamaAttention(nn.Module):
                  dtype: torch.dtype, tp: TensorParallel, window: int = 0) -> None:
         super().__init__()
         self.window = window
+        self.softcap = 0.0   # attention logit soft-capping (Gemma 2 sets it)
         total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_heads = len(tp.part(total_heads, "the number of attention heads"))
         kv_heads = tp.kv_heads(total_kv_heads)
@@ -153,7 +154,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary_emb(positions, q, None)  # q in place; K is rotated by the KV append as it is stored
         out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.rotary_emb.cos_sin_cache,
-                              self.rotary_emb.is_neox, self.window)
+                              self.rotary_emb.is_neox, self.window, self.softcap)
         return self.o_proj(out.view(num_tokens, -1))
 
 

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 import torch
 
 from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.models.gemma import Gemma3ForCausalLM
+from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from infer.worker.models.llama import LlamaForCausalLM
 from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -48,6 +48,7 @@ MODEL_TYPES: dict[str, type] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
@@ -58,6 +59,7 @@ ARCHITECTURES: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
