@@ -344,6 +344,18 @@ class MergedColumnLinear(ColumnLinear):
         return tuple(self.shard_sizes)
 
     def load_shard(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        """This rank's rows of checkpoint tensor `shard`, or with shard None of a checkpoint that stores the fused
+        tensor whole (Phi-3's qkv_proj, gate_up_proj: the shards' full rows one after another)."""
+        if shard is None:
+            full = {name: size * self.shard_parts[name][0] for name, size in self.shard_sizes.items()}
+            if tensor.shape[0] != sum(full.values()):
+                raise ValueError(f"{param_name}: a fused checkpoint tensor of {tensor.shape[0]} rows for shards "
+                                 f"{full}")
+            start = 0
+            for name, rows in full.items():
+                self.load_shard(param_name, tensor.narrow(0, start, rows), name)
+                start += rows
+            return
         if shard not in self.shard_sizes:
             raise ValueError(f"{type(self).__name__} needs one of the shards {self.shard_names}, "
                              f"got {shard!r}")

@@ -53,7 +53,7 @@ class LlamaVariant:
 
 # Model types whose transformers implementation applies `sliding_window` to every layer when it is set (and no
 # `layer_types` says otherwise). Llama's ignores the field.
-_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe", "phi3")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Config fields that change the math where set (not None / False / 0), none of which these layers implement.
@@ -208,6 +208,9 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm. `mlp_factory` builds each layer's feed-forward sublayer
     (default: the dense `LlamaMLP`)."""
 
+    # whether the family keeps its q / k heads in partial_rotary_order (a partial_rotary_factor is refused if not)
+    partial_rotary: ClassVar[bool] = False
+
     def __init__(self, config: Any, head_dim: int, dtype: torch.dtype,
                  mlp_factory: MLPFactory | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -217,7 +220,7 @@ class LlamaModel(nn.Module):
             def mlp_factory(layer_index: int) -> nn.Module:
                 return LlamaMLP(config, variant, dtype, tp)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.rotary_emb = RotaryEmbedding(config, head_dim)
+        self.rotary_emb = RotaryEmbedding(config, head_dim, partial=self.partial_rotary)
         windows = layer_windows(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype, mlp_factory(i), tp, windows[i])

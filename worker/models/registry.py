@@ -9,6 +9,7 @@ import torch
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from infer.worker.models.llama import LlamaForCausalLM
+from infer.worker.models.phi3 import Phi3ForCausalLM
 from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 
@@ -50,6 +51,7 @@ MODEL_TYPES: dict[str, type] = {
     "qwen3": LlamaForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
 }
@@ -61,6 +63,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }

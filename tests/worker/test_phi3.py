@@ -1,0 +1,104 @@
+"""Phi-3 / Phi-4 against transformers on tiny random checkpoints (tests/family_models.py): "phi3" with partial rotary
+(12 of 16 dims), LongRoPE (short factors up to 48 positions, long ones past) and a window of 16 on every layer;
+"phi4" as Phi-4 is (full rotary, plain rope, no window). Both store qkv_proj and gate_up_proj fused. Greedy tokens
+equal transformers' `generate` in fp32 on prompts within the original length and past it (and past the window),
+in direct mode and with step graphs; logprobs within 2e-4."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from family_models import PHI3, tiny_checkpoint
+from hf_reference import hf_model, transformers_greedy
+
+from infer import LLM, SamplingParams
+from infer.worker.config import EngineConfig
+from infer.worker.engine import Engine
+from infer.worker.loader import load_model
+from infer.worker.models.phi3 import PartialRotaryQKV
+
+MAX_NEW = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+_rng = random.Random(11)
+# 9 + 16 and 30 + 16 stay within the original 48 positions (short factors); 50 and 75 start past it (long factors)
+PROMPTS = [[_rng.randrange(3, 250) for _ in range(n)] for n in (9, 30, 50, 75)]
+PHI4 = {**{k: v for k, v in PHI3.items() if k not in ("rope_scaling", "partial_rotary_factor", "sliding_window",
+                                                       "original_max_position_embeddings")},
+        "rope_theta": 250000.0}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, smollm2_tokenizer):
+    """name -> (model directory, transformers' greedy tokens), each made once."""
+    made = {}
+
+    def make(name: str) -> tuple[Path, list[list[int]]]:
+        if name not in made:
+            path = tiny_checkpoint(tmp_path_factory.mktemp(name), smollm2_tokenizer, "phi3",
+                                   **(PHI3 if name == "phi3" else PHI4))
+            made[name] = path, transformers_greedy(path, PROMPTS, MAX_NEW)
+        return made[name]
+
+    return make
+
+
+def _llm(path: Path, **options) -> LLM:
+    return LLM(model=str(path), **{"dtype": "float32", "max_model_len": 256, "kv_cache_memory": 8_000_000,
+                                   "num_threads": 1, "block_size": 4, **options})
+
+
+def test_the_model_is_ours_with_fused_weights_partial_rotary_and_windows(checkpoints):
+    path, _ = checkpoints("phi3")
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    assert type(model).__name__ == "Phi3ForCausalLM" and not model.lm_head_tied
+    assert model.layer_windows == (16, 16, 16)
+    rotary = model.model.rotary_emb
+    assert rotary.rotary_dim == 12 and rotary.length_dependent and rotary.original_max_positions == 48
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, PartialRotaryQKV)
+    # q's first head as the kernels hold it: transformers' rows in partial_rotary_order; v as it is
+    theirs = hf_model(path).model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(attn.qkv_proj.weight[:16], theirs[:16][attn.qkv_proj.order])
+    assert torch.equal(attn.qkv_proj.weight[-32:], theirs[-32:])
+
+
+@pytest.mark.parametrize("name", ["phi3", "phi4"])
+def test_greedy_tokens_equal_transformers(checkpoints, name):
+    path, want = checkpoints(name)
+    llm = _llm(path)
+    assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+
+
+def test_logprobs_within_tolerance_of_transformers(checkpoints):
+    path, _ = checkpoints("phi3")
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    completions = _llm(path).generate(PROMPTS, params, use_tqdm=False)
+    hf = hf_model(path)
+    for prompt, completion in zip(PROMPTS, completions, strict=True):
+        if len(prompt) <= 48 < len(prompt) + MAX_NEW:
+            continue   # crosses the original length while decoding (see the module docstring of models/phi3.py)
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1].float()
+        expected = logits.log_softmax(-1)
+        for step, entry in enumerate(completion.logprobs):
+            for candidate, logprob in entry.items():
+                value = logprob.logprob if hasattr(logprob, "logprob") else logprob
+                assert abs(value - expected[step, candidate].item()) <= 2e-4, (step, candidate)
+
+
+def test_step_graphs_give_the_tokens(checkpoints):
+    path, want = checkpoints("phi3")
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=256, num_threads=1, device="cpu",
+                                 block_size=4, enforce_eager=False, max_graph_batch_size=4, max_num_seqs=4))
+    assert engine.runner.step_graphs is not None
+    assert not engine.scheduler.block_manager.enable_prefix_caching   # LongRoPE: keys depend on the length
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id].extend(delta.token_ids)
+    assert [out[str(i)] for i in range(len(PROMPTS))] == want
