@@ -100,6 +100,8 @@ def encode_batch(batch: ForwardBatch) -> dict[str, Any]:
     body.update(num_decodes=batch.num_decodes, query_lens=list(batch.query_lens),
                 context_lens=list(batch.context_lens), block_size=batch.block_size,
                 decode_split_tokens=batch.decode_split_tokens)
+    if batch.prefill_decode_from is not None:   # the prefill chunks' prompt lengths (kernels and LongRoPE read them)
+        body["prefill_decode_from"] = _pack_tensor(batch.prefill_decode_from)
     return body
 
 
@@ -111,6 +113,8 @@ def decode_batch(body: dict[str, Any], device: torch.device) -> ForwardBatch:
     values.update(num_decodes=body["num_decodes"], query_lens=tuple(body["query_lens"]),
                   context_lens=tuple(body["context_lens"]), block_size=body["block_size"],
                   decode_split_tokens=body["decode_split_tokens"])
+    if body.get("prefill_decode_from") is not None:
+        values["prefill_decode_from"] = _unpack_tensor(body["prefill_decode_from"], device)
     return ForwardBatch(**{k: v for k, v in values.items() if k in known})
 
 

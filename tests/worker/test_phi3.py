@@ -65,10 +65,11 @@ def test_the_model_is_ours_with_fused_weights_partial_rotary_and_windows(checkpo
     assert torch.equal(attn.qkv_proj.weight[-32:], theirs[-32:])
 
 
-@pytest.mark.parametrize("name", ["phi3", "phi4"])
-def test_greedy_tokens_equal_transformers(checkpoints, name):
+@pytest.mark.parametrize("name, chunk", [("phi3", None), ("phi3", 16), ("phi4", None)])
+def test_greedy_tokens_equal_transformers(checkpoints, name, chunk):
+    """Chunks of 16 tokens: a prompt longer than the original length takes the long factors from its first chunk."""
     path, want = checkpoints(name)
-    llm = _llm(path)
+    llm = _llm(path, **({"max_num_batched_tokens": chunk} if chunk else {}))
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
 
 

@@ -669,10 +669,16 @@ class RotaryEmbedding(nn.Module):
 
     def rope_batch(self, batch: ForwardBatch) -> ForwardBatch:
         """The batch with the positions the rotation reads: the same, except with LongRoPE's long set, where the
-        tokens of sequences longer than original_max_position_embeddings (seq_lens) read the long rows."""
+        tokens of sequences longer than original_max_position_embeddings read the long rows. A sequence's length is
+        its context after this step, or its whole prompt's while that is prefilled in chunks (transformers sees the
+        prompt at once)."""
         if not self.length_dependent:
             return batch
-        long = batch.seq_lens > self.original_max_positions                       # [B]
+        lens = batch.seq_lens                                                     # [B]
+        if batch.prefill_decode_from is not None:   # the prefill chunks' prompt lengths
+            decodes = batch.num_decodes
+            lens = torch.cat((lens[:decodes], torch.maximum(lens[decodes:], batch.prefill_decode_from)))
+        long = lens > self.original_max_positions
         if not batch.step_graph:   # rows of prefill chunks: their sequence's flag; padding rows keep theirs
             long = torch.repeat_interleave(long, torch.tensor(batch.query_lens, device=long.device))
             long = F.pad(long, (0, batch.positions.shape[0] - long.shape[0]))
