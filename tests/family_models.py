@@ -33,6 +33,16 @@ PHI3: dict[str, Any] = dict(
                   "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0]},
 )
 
+# DeepSeek-V2 with dense layers only: multi-head latent attention (latent 32, rope key 16, q / k nope 16, v 24), a
+# low-rank q (q_lora_rank 24), yarn scaling with mscale and mscale_all_dim (the softmax scale's factor) past 32.
+DEEPSEEK_V2: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=4,
+    num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=16,
+    v_head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_scaling={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                  "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+)
+
 
 def tiny_checkpoint(path: Path, tokenizer: Any, model_type: str, seed: int = 7, **fields: Any) -> Path:
     """A checkpoint of `model_type` with `fields` and the tokenizer's vocabulary in `path` (created); returns it."""

@@ -1,14 +1,15 @@
-"""Gemma 2 and Phi-3 through real clusters (coordinator and infer-worker processes): a 2-worker cluster (each rank in
-turn) and a TP 2 rank give transformers' greedy tokens on prompts past the window (Gemma 2: soft-capped local and
-global layers; Phi-3: partial rotary, LongRoPE within and past the original 48 positions, fused checkpoint tensors
-that each TP rank cuts its heads from)."""
+"""Gemma 2, Phi-3 and DeepSeek-V2's MLA through real clusters (coordinator and infer-worker processes): a 2-worker
+cluster (each rank in turn) and a TP 2 rank give transformers' greedy tokens on prompts past the window (Gemma 2:
+soft-capped local and global layers; Phi-3: partial rotary, LongRoPE within and past the original 48 positions, fused
+checkpoint tensors that each TP rank cuts its heads from; DeepSeek-V2: the latent pool, each TP rank with its heads'
+slice of kv_b_proj and the whole latent)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from family_models import GEMMA2, PHI3, tiny_checkpoint
+from family_models import DEEPSEEK_V2, GEMMA2, PHI3, tiny_checkpoint
 from hf_reference import transformers_greedy
 
 from infer import SamplingParams
@@ -19,7 +20,7 @@ TP_FLAGS = ("--tp-size", "2", "--tp-timeout", "5", "--max-num-batched-tokens", "
 MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate((19, 30, 57, 70))]
-MODELS = {"gemma2": GEMMA2, "phi3": PHI3}
+MODELS = {"gemma2": GEMMA2, "phi3": PHI3, "deepseek_v2": DEEPSEEK_V2}
 
 
 @pytest.fixture(scope="module")
