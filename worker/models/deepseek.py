@@ -57,6 +57,14 @@ def mla_softmax_scale(config: Any) -> float:
     return scale
 
 
+class DenseColumnLinear(ColumnLinear):
+    """A column-parallel linear whose weight stays dense whatever the loader's quantization plan: MLA reads
+    kv_b_proj's weight as per-head matrices."""
+
+    def materialize(self, fmt: str | None, device: torch.device | str) -> None:
+        super().materialize(None, device)
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention over a pool of latents (see the module docstring). Same call as LlamaAttention."""
 
@@ -77,8 +85,8 @@ class MLAttention(nn.Module):
             self.q_b_proj = ColumnLinear(self.q_lora_rank, q_size, False, dtype, tp)
         self.kv_a_proj_with_mqa = ColumnLinear(hidden, self.rank + self.rope, bias, dtype, single)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, dtype)
-        self.kv_b_proj = ColumnLinear(self.rank, config.num_attention_heads * (self.nope + self.v_dim), False, dtype,
-                                      tp)
+        self.kv_b_proj = DenseColumnLinear(self.rank, config.num_attention_heads * (self.nope + self.v_dim), False,
+                                           dtype, tp)
         self.o_proj = RowLinear(config.num_attention_heads * self.v_dim, hidden, bias, dtype, tp)
         self.scale = mla_softmax_scale(config)
         self.rotary_emb = rotary_emb
