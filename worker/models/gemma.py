@@ -135,6 +135,8 @@ class Gemma3Model(nn.Module):
         windows = layer_windows(config)
         self.rotary_local = RotaryEmbedding(_LayerTypeRope(config, "sliding_attention"), head_dim)
         self.rotary_global = RotaryEmbedding(_LayerTypeRope(config, "full_attention"), head_dim)
+        if self.rotary_local.length_dependent or self.rotary_global.length_dependent:
+            raise NotImplementedError(f"{config.model_type}: rope_type 'longrope' is not supported in Gemma layers")
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(config, head_dim, self.rotary_local if windows[i] else self.rotary_global, dtype,
                               mlp_factory(i) if mlp_factory else GemmaMLP(config, dtype, tp), tp, windows[i],
