@@ -100,7 +100,7 @@ def encode_batch(batch: ForwardBatch) -> dict[str, Any]:
     body.update(num_decodes=batch.num_decodes, query_lens=list(batch.query_lens),
                 context_lens=list(batch.context_lens), block_size=batch.block_size,
                 decode_split_tokens=batch.decode_split_tokens)
-    if batch.prefill_decode_from is not None:   # the prefill chunks' prompt lengths (kernels and LongRoPE read them)
+    if batch.prefill_decode_from is not None:   # recomputed generated rows take the decode arithmetic on every rank
         body["prefill_decode_from"] = _pack_tensor(batch.prefill_decode_from)
     return body
 
