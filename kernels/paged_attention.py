@@ -13,7 +13,10 @@ Two operations, each a Triton kernel plus a PyTorch twin of the same signature:
   decode, so this one kernel serves mixed prefill + decode batches.
 
 Every operation takes `window`: 0 for full causal attention, W > 0 for a sliding window, where the query at
-position p attends to keys in (p - W, p] only (transformers' `sliding_window`, Mistral's and Gemma's layers).
+position p attends to keys in (p - W, p] only (transformers' `sliding_window`, Mistral's and Gemma's layers);
+and `softcap`: 0 for none, c > 0 for Gemma 2's attention logit soft-capping, each score s (already scaled)
+becoming c * tanh(s / c) before the mask and the softmax. The native CPU kernels take no softcap: the dispatchers
+send a soft-capped call to the twin (or Triton).
 
 Sequence i's token j lives at slot block_tables[i, j // block_size] * block_size + j % block_size.
 Scores and the softmax run in float32 (fp32 inputs use IEEE fp32 dot products, not TF32); outputs are in
@@ -148,7 +151,7 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: tor
 
 def paged_decode_attention_compiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                    window: int = 0) -> torch.Tensor:
+                                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode attention written for the compiler (CPU step graphs): q [B, H, D] over every row's whole table
     width, positions past each length (and before its window) masked; returns [B, H, D] in q's dtype, float32 inside.
 
@@ -166,6 +169,8 @@ def paged_decode_attention_compiled(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     values = v_cache[:, tables].view(num_kv_heads, num_seqs, context, 1, head_dim)
     queries = q.view(num_seqs, num_kv_heads, group, 1, head_dim).transpose(0, 1)   # [Hkv, B, G, 1, D]
     scores = (queries.float() * keys.float()).sum(-1) * scale                       # [Hkv, B, G, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     key_pos = torch.arange(context, device=q.device)[None, :]
     hidden = key_pos >= seq_lens[:, None]                                            # [B, L]
     if window:
@@ -185,7 +190,7 @@ def _as_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
 def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                  out: torch.Tensor | None = None, num_splits: int | None = None,
-                                 plan: DecodePlan | None = None, window: int = 0) -> torch.Tensor:
+                                 plan: DecodePlan | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks] int32; seq_lens [B] int32 (>= 1).
     Returns out [B, H, D] (written in place when given). `num_splits` only steers the Triton kernel;
     `plan` (from `plan_decode` on the same tables, lengths, pool shape and window) saves re-planning per layer.
@@ -210,8 +215,7 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         shape = (num_kv_heads, tile.num_rows, tile.padded_len, head_dim)
         keys = _gather_rows(k_cache, tile.pool_rows).view(shape)
         values = _gather_rows(v_cache, tile.pool_rows).view(shape)
-        tile_out = F.scaled_dot_product_attention(grouped[:, tile.rows], keys, values, attn_mask=tile.mask,
-                                                  scale=scale)
+        tile_out = _attend(grouped[:, tile.rows], keys, values, tile.mask, scale, softcap)
         out[tile.rows] = tile_out.transpose(0, 1).reshape(tile.num_rows, num_heads, head_dim)
     return out
 
@@ -219,7 +223,8 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                                  max_query_len: int | None = None, window: int = 0) -> torch.Tensor:
+                                  max_query_len: int | None = None, window: int = 0,
+                                  softcap: float = 0.0) -> torch.Tensor:
     """q [T, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks]; seq_lens [B] (context after this
     step); query_start_loc [B + 1] int32 (offsets into T). Returns out [T, H, D]; rows of T past
     query_start_loc[B] are left as they are. `max_query_len` only steers the Triton kernel's grid. `window` > 0:
@@ -237,17 +242,17 @@ def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if decodes:
         seqs, tokens = _as_index(decodes, q.device), _as_index([starts[i] for i in decodes], q.device)
         out[tokens] = paged_decode_attention_torch(q[tokens], k_cache, v_cache, block_tables[seqs],
-                                                   seq_lens[seqs], scale, window=window)
+                                                   seq_lens[seqs], scale, window=window, softcap=softcap)
     for i in range(num_seqs):
         start, end = starts[i], starts[i + 1]
         if end - start > 1:
             out[start:end] = _chunk_attention(q[start:end], k_cache, v_cache, block_tables[i], lens[i], scale,
-                                              window)
+                                              window, softcap)
     return out
 
 
 def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     context_len: int, scale: float, window: int = 0) -> torch.Tensor:
+                     context_len: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One chunk: q [n, H, D], the last n of `context_len` positions -> [n, H, D], causal (within `window`)."""
     n = q.shape[0]
     if n > context_len:
@@ -257,7 +262,7 @@ def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     keys = _gather(k_cache, tables).transpose(0, 1)[:, :, :context_len]  # [1, Hkv, ctx, D]
     values = _gather(v_cache, tables).transpose(0, 1)[:, :, :context_len]
     queries = q.transpose(0, 1).unsqueeze(0)                                # [1, H, n, D]
-    if n == context_len and not window:
+    if n == context_len and not window and not softcap:
         mask, causal = None, True
     else:  # causal, aligned to the bottom right: query j sits at position context_len - n + j
         key_pos = torch.arange(context_len, device=q.device)
@@ -265,9 +270,26 @@ def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mask, causal = key_pos[None, :] <= query_pos[:, None], False
         if window:
             mask &= key_pos[None, :] > query_pos[:, None] - window
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
-                                         enable_gqa=True)
+    if causal:
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        out = _attend(queries, keys, values, mask, scale, softcap)
     return out[0].transpose(0, 1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float) -> torch.Tensor:
+    """softmax(q k^T * scale, soft-capped, masked) v: q [..., H, n, D], k and v [..., Hkv, L, D] with H a multiple of
+    Hkv, mask (True: seen) broadcast to [..., H, n, L]. SDPA without a softcap; written out in float32 with one."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.tanh(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -287,6 +309,13 @@ def _load_kv_tile(k_ptr, v_ptr, tables_ptr, table_base, head_base, stride_kb, st
     k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=tile_mask, other=0.0)
     v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=tile_mask, other=0.0)
     return pos, valid, k, v
+
+
+@triton.jit
+def _soft_cap(s, softcap):
+    """softcap * tanh(s / softcap) where softcap > 0 (tanh as 2 sigmoid(2x) - 1), else s."""
+    cap = tl.where(softcap > 0, softcap, 1.0)
+    return tl.where(softcap > 0, cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0), s)
 
 
 @triton.jit
@@ -310,7 +339,7 @@ def _decode_kernel(
     stride_kh, stride_kb, stride_ks,          # K and V share strides; D is contiguous
     stride_tb,
     stride_ob, stride_oh,
-    scale, split_tokens, window,
+    scale, split_tokens, window, softcap,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
@@ -343,7 +372,7 @@ def _decode_kernel(
     for n0 in range(tl.maximum(start, low // BLOCK_N * BLOCK_N), end, BLOCK_N):
         pos, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
                                          stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                     # [GROUP_PAD, BLOCK_N]
+        s = _soft_cap(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap)  # [GROUP_PAD, BLOCK_N]
         s = tl.where((valid & (pos >= low))[None, :], s, float("-inf"))
         m, l_sum, acc = _online_softmax_step(s, v, m, l_sum, acc)
 
@@ -422,7 +451,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                   out: torch.Tensor | None = None, num_splits: int | None = None,
                                   plan: DecodePlan | None = None, split_tokens: int | None = None,
-                                  window: int = 0) -> torch.Tensor:
+                                  window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Same contract as `paged_decode_attention_torch`. `num_splits` (a power of two) defaults to enough
     programs to fill the device, bounded by the context the block tables can hold; `split_tokens` (from
     `decode_split_tokens`, a multiple of 64) instead fixes each split's span, and the splits then cover
@@ -456,7 +485,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale, split_tokens or 0, window,
+        block_tables.stride(0), out.stride(0), out.stride(1), scale, split_tokens or 0, window, float(softcap),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=DECODE_TILE, NUM_SPLITS=num_splits,
     )
@@ -477,7 +506,7 @@ def _prefill_kernel(
     stride_kh, stride_kb, stride_ks,
     stride_tb,
     stride_ot, stride_oh,
-    scale, window,
+    scale, window, softcap,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -518,7 +547,7 @@ def _prefill_kernel(
     for n0 in range(low // BLOCK_N * BLOCK_N, end, BLOCK_N):
         pos, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
                                          stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = _soft_cap(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap)
         seen = valid[None, :] & (pos[None, :] <= query_pos[:, None])
         seen = seen & ((window <= 0) | (pos[None, :] > query_pos[:, None] - window))
         s = tl.where(seen, s, float("-inf"))
@@ -531,7 +560,8 @@ def _prefill_kernel(
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                    query_start_loc: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                                   max_query_len: int | None = None, window: int = 0) -> torch.Tensor:
+                                   max_query_len: int | None = None, window: int = 0,
+                                   softcap: float = 0.0) -> torch.Tensor:
     """Same contract as `paged_prefill_attention_torch`. `max_query_len` (a host int) sizes the grid; without
     it, the grid covers T query tokens per sequence (correct, with idle programs)."""
     num_seqs = block_tables.shape[0]
@@ -553,7 +583,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale, window,
+        block_tables.stride(0), out.stride(0), out.stride(1), scale, window, float(softcap),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=64,
     )
@@ -568,34 +598,35 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            plan: DecodePlan | None = None, split_tokens: int | None = None,
-                           window: int = 0) -> torch.Tensor:
+                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
     the twin (see `paged_decode_attention_torch`). The CPU paths reduce each sequence in one pass and ignore
     `num_splits` / `split_tokens` (and the native kernel `plan`)."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits,
-                                             plan, split_tokens, window)
-    if decode_kernel_fits(q, k_cache, block_tables, seq_lens) and (out is None or out.is_contiguous()):
+                                             plan, split_tokens, window, softcap)
+    if not softcap and decode_kernel_fits(q, k_cache, block_tables, seq_lens) and (out is None
+                                                                                   or out.is_contiguous()):
         _check(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
         out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
         return paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window)
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan,
-                                        window)
+                                        window, softcap)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, out: torch.Tensor | None = None,
                             max_query_len: int | None = None, decode_from: torch.Tensor | None = None,
-                            window: int = 0) -> torch.Tensor:
+                            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
     the twin (see `paged_prefill_attention_torch`). `decode_from`: the native kernel's (its rows from those
     positions with the decode kernel's bits); the others ignore it."""
     if use_triton(q):
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                              out, max_query_len, window)
-    if prefill_kernel_fits(q, k_cache, block_tables, seq_lens, query_start_loc) and (out is None
-                                                                                     or out.is_contiguous()):
+                                              out, max_query_len, window, softcap)
+    if not softcap and prefill_kernel_fits(q, k_cache, block_tables, seq_lens, query_start_loc) and (
+            out is None or out.is_contiguous()):
         num_seqs = block_tables.shape[0]
         _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
         if query_start_loc.shape != (num_seqs + 1,):
@@ -604,4 +635,4 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return paged_prefill_attention_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                               out, decode_from, window)
     return paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                         max_query_len, window)
+                                         max_query_len, window, softcap)

@@ -157,7 +157,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.budget_tokens(self.max_model_len),
             max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching and not _rope_depends_on_length(self.model),
             enable_chunked_prefill=config.enable_chunked_prefill, policy=config.scheduling_policy,
             priority_aging_steps=config.priority_aging_steps, release_window=release_window(self.model),
             max_loras=config.max_loras if config.enable_lora else 0))
@@ -953,6 +953,13 @@ def tensor_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequen
             child.wait(timeout=10)
         raise
     return engine
+
+
+def _rope_depends_on_length(model: Any) -> bool:
+    """Whether the model's keys at a position depend on the sequence's length (LongRoPE past its original length):
+    a cached prefix block would then be wrong for a sequence of another length, so prefix caching stays off."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    return bool(getattr(rotary, "length_dependent", False))
 
 
 def release_window(model: torch.nn.Module) -> int:

@@ -250,7 +250,7 @@ def test_rope_legacy_fields_and_unknown_type() -> None:
     assert torch.allclose(legacy.inv_freq, 1.0 / (1000.0 ** (torch.arange(0, 8, 2) / 8)) / 2.0)
 
     class Unknown:
-        rope_parameters: ClassVar[dict] = {"rope_type": "longrope", "rope_theta": 10000.0}
+        rope_parameters: ClassVar[dict] = {"rope_type": "mrope", "rope_theta": 10000.0}
 
-    with pytest.raises(NotImplementedError, match="rope_type 'longrope' is not supported; supported: default, "):
+    with pytest.raises(NotImplementedError, match="rope_type 'mrope' is not supported; supported: default, "):
         RotaryEmbedding(Unknown(), head_dim=8)

@@ -249,8 +249,7 @@ REFUSED = {
     "final_logit_softcapping": ("mistral", {"final_logit_softcapping": 30.0}),
     "query_pre_attn_scalar": ("qwen2", {"query_pre_attn_scalar": 256}),
     "chunked_attention": ("qwen3", {"layer_types": ["chunked_attention", "full_attention"]}),
-    "longrope": ("llama", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
-                                            "long_factor": [1.0] * 8, "original_max_position_embeddings": 512}}),
+    "partial_rotary_factor": ("llama", {"partial_rotary_factor": 0.5}),
 }
 
 

@@ -1,16 +1,17 @@
-"""Gemma 3 (text): the Llama layers with what Gemma changes, and nothing else.
+"""Gemma 2 and Gemma 3 (text): the Llama layers with what Gemma changes, and nothing else.
 
-- RMSNorm scales by (1 + w), computed in float32 and cast back after the weight (`GemmaRMSNorm`); q and k are
-  normed per head with it before rope.
+- RMSNorm scales by (1 + w), computed in float32 and cast back after the weight (`GemmaRMSNorm`); Gemma 3 norms q
+  and k per head with it before rope (Gemma 2 does not).
 - Sandwich norms: each sublayer's output is normed again before it joins the residual stream
   (post_attention_layernorm, pre_ / post_feedforward_layernorm).
 - Embeddings scaled by sqrt(hidden_size), rounded to the model's dtype first, as transformers does.
 - Attention scaled by query_pre_attn_scalar ** -0.5; local layers ("sliding_attention") with a sliding window and
   their own rope (rope_parameters["sliding_attention"]), global ones full with theirs.
 - GeGLU: gelu (tanh approximation) of the gate times up.
-- Final logit soft-capping (tanh(x / c) * c) where the config sets it (Gemma 3 does not by default).
-
-Attention logit soft-capping (Gemma 2) is not implemented: such a config is refused at load.
+- Attention logit soft-capping (`attn_logit_softcapping`, Gemma 2's 50): each scaled score s becomes
+  c * tanh(s / c) before the mask and softmax (`LlamaAttention.softcap`: the attention twins and Triton kernels
+  compute it; the native CPU kernels do not, so a soft-capped layer's attention runs on the twins on a CPU).
+- Final logit soft-capping (tanh(x / c) * c) where the config sets it (Gemma 2's 30; Gemma 3 none by default).
 """
 
 from __future__ import annotations
@@ -72,20 +73,23 @@ class GemmaMLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     """Sandwich-normed attention and MLP over a residual stream carried whole between layers: the same call as
-    LlamaDecoderLayer's (residual in and out is always None here), so step graphs compile it the same way."""
+    LlamaDecoderLayer's (residual in and out is always None here), so step graphs compile it the same way.
+    `qk_norm`: q and k normed per head (Gemma 3)."""
 
     def __init__(self, config: Any, head_dim: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 mlp: nn.Module, tp: TensorParallel, window: int) -> None:
+                 mlp: nn.Module, tp: TensorParallel, window: int, qk_norm: bool) -> None:
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         variant = LlamaVariant(qkv_bias=bool(getattr(config, "attention_bias", False)),
                                o_bias=bool(getattr(config, "attention_bias", False)), mlp_bias=False, qk_norm=False)
         self.self_attn = LlamaAttention(config, variant, head_dim, rotary_emb, dtype, tp, window)
-        self.self_attn.q_norm = GemmaRMSNorm(head_dim, eps, dtype)
-        self.self_attn.k_norm = GemmaRMSNorm(head_dim, eps, dtype)
+        if qk_norm:
+            self.self_attn.q_norm = GemmaRMSNorm(head_dim, eps, dtype)
+            self.self_attn.k_norm = GemmaRMSNorm(head_dim, eps, dtype)
         self.self_attn.scale = float(config.query_pre_attn_scalar) ** -0.5
+        self.self_attn.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.mlp = mlp
         self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
@@ -120,6 +124,8 @@ class Gemma3Model(nn.Module):
     """Scaled embeddings, Gemma layers (each with its layer type's rope and window), final norm. Same constructor
     and forward as LlamaModel (`mlp_factory` defaults to GemmaMLP; `layers` stand in for self.layers)."""
 
+    qk_norm: ClassVar[bool] = True
+
     def __init__(self, config: Any, head_dim: int, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -129,9 +135,12 @@ class Gemma3Model(nn.Module):
         windows = layer_windows(config)
         self.rotary_local = RotaryEmbedding(_LayerTypeRope(config, "sliding_attention"), head_dim)
         self.rotary_global = RotaryEmbedding(_LayerTypeRope(config, "full_attention"), head_dim)
+        if self.rotary_local.length_dependent or self.rotary_global.length_dependent:
+            raise NotImplementedError(f"{config.model_type}: rope_type 'longrope' is not supported in Gemma layers")
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, head_dim, self.rotary_local if windows[i] else self.rotary_global, dtype,
-                               mlp_factory(i) if mlp_factory else GemmaMLP(config, dtype, tp), tp, windows[i])
+            GemmaDecoderLayer(config, head_dim, self.rotary_local if windows[i] else self.rotary_global, dtype,
+                              mlp_factory(i) if mlp_factory else GemmaMLP(config, dtype, tp), tp, windows[i],
+                              self.qk_norm)
             for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tp_size = tp.size
@@ -149,11 +158,18 @@ class Gemma3Model(nn.Module):
         return self.norm(hidden)
 
 
+class Gemma2Model(Gemma3Model):
+    """Gemma 2's: Gemma 3's without the q / k norms (its config has one rope for both layer types)."""
+
+    qk_norm: ClassVar[bool] = False
+
+
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text model (model_type "gemma3_text"); see the module docstring for what it changes."""
 
     base_model_class: ClassVar[Callable[..., nn.Module]] = Gemma3Model
-    implemented_fields: ClassVar[frozenset[str]] = frozenset({"query_pre_attn_scalar", "final_logit_softcapping"})
+    implemented_fields: ClassVar[frozenset[str]] = frozenset({"query_pre_attn_scalar", "final_logit_softcapping",
+                                                              "attn_logit_softcapping"})
 
     def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
                  tp: TensorParallel | None = None) -> None:
@@ -166,3 +182,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2 (model_type "gemma2"); see the module docstring for what it changes."""
+
+    base_model_class: ClassVar[Callable[..., nn.Module]] = Gemma2Model

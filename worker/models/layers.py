@@ -24,6 +24,7 @@ import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import replace
 from typing import Any, overload
 
 import torch
@@ -36,6 +37,7 @@ from infer.kernels.cpu_kernels import (
 from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_linear, quant_matmul_takes, quant_source
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rotary import build_cos_sin_cache, rotary_embedding
+from infer.worker.forward_batch import ForwardBatch
 from infer.worker.tensor_parallel import TensorParallel
 
 _SINGLE = TensorParallel.single()
@@ -344,6 +346,18 @@ class MergedColumnLinear(ColumnLinear):
         return tuple(self.shard_sizes)
 
     def load_shard(self, param_name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        """This rank's rows of checkpoint tensor `shard`, or with shard None of a checkpoint that stores the fused
+        tensor whole (Phi-3's qkv_proj, gate_up_proj: the shards' full rows one after another)."""
+        if shard is None:
+            full = {name: size * self.shard_parts[name][0] for name, size in self.shard_sizes.items()}
+            if tensor.shape[0] != sum(full.values()):
+                raise ValueError(f"{param_name}: a fused checkpoint tensor of {tensor.shape[0]} rows for shards "
+                                 f"{full}")
+            start = 0
+            for name, rows in full.items():
+                self.load_shard(param_name, tensor.narrow(0, start, rows), name)
+                start += rows
+            return
         if shard not in self.shard_sizes:
             raise ValueError(f"{type(self).__name__} needs one of the shards {self.shard_names}, "
                              f"got {shard!r}")
@@ -472,7 +486,11 @@ def rope_parameters(config: Any) -> dict[str, Any]:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params = dict(params)
-    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    params["rope_type"] = _ROPE_ALIASES.get(rope_type, rope_type)
+    for name, default in (("original_max_position_embeddings", None), ("partial_rotary_factor", 1.0)):
+        if params.get(name) is None:
+            params[name] = getattr(config, name, None) or default
     return params
 
 
@@ -526,12 +544,42 @@ def _yarn_inv_freq(p: dict[str, Any], dim: int, config: Any) -> tuple[torch.Tens
     return inv_freq, float(attention_factor)
 
 
+def _dynamic_inv_freq(p: dict[str, Any], dim: int, config: Any) -> tuple[torch.Tensor, float]:
+    # transformers rescales theta only for sequences longer than max_position_embeddings, which the engine never
+    # serves: up to there dynamic NTK is the default rope (RotaryEmbedding.reserve refuses to go further)
+    return _default_inv_freq(p["rope_theta"], dim), 1.0
+
+
+def _longrope_factor(p: dict[str, Any], config: Any) -> float:
+    factor = p.get("factor")
+    return factor if factor is not None else config.max_position_embeddings / p["original_max_position_embeddings"]
+
+
+def _longrope_inv_freq(p: dict[str, Any], dim: int, config: Any, factors: str = "short_factor",
+                       ) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3's "su"): theta's frequencies divided by one factor per pair, `short_factor` for sequences up
+    to original_max_position_embeddings, `long_factor` past it; cos / sin scaled by the attention factor."""
+    ext = torch.tensor(p[factors], dtype=torch.float32)
+    if ext.shape != (dim // 2,):
+        raise ValueError(f"rope {factors} has {ext.numel()} entries for {dim // 2} rotary pairs")
+    factor = _longrope_factor(p, config)
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        old_len = p["original_max_position_embeddings"]
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * p["rope_theta"] ** shape), float(attention_factor)
+
+
 _ROPE_TYPES = {
     "default": lambda p, dim, config: (_default_inv_freq(p["rope_theta"], dim), 1.0),
     "linear": _linear_inv_freq,
     "llama3": _llama3_inv_freq,
     "yarn": _yarn_inv_freq,
+    "dynamic": _dynamic_inv_freq,
+    "longrope": _longrope_inv_freq,
 }
+_ROPE_ALIASES = {"su": "longrope"}   # Phi-3's older name
 
 
 # Cache length for configs that state no max_position_embeddings (the engine's context length is then 4096 too).
@@ -550,36 +598,107 @@ class RotaryEmbedding(nn.Module):
     A caller that goes further (a model driven directly, past its context length) calls `reserve` first; the
     cache then grows to the next power of two. Positions past the cache are not checked per call (that would
     sync a device): the twin raises IndexError, the Triton kernel would read out of bounds.
+
+    Partial rotary (`partial_rotary_factor` < 1, only where the model says it handles it: `partial=True`): the
+    first rotary_dim = factor * head_dim dims of a head rotate, the rest pass through. The kernels rotate whole
+    heads, so such a model keeps each q / k head in `partial_rotary_order` (its weights' rows permuted at load):
+    the rotated pairs first in each half, then the passing dims, whose cache columns are cos 1, sin 0.
+
+    LongRoPE (`length_dependent`): transformers rotates with the short factors while a sequence is at most
+    original_max_position_embeddings long and with the long ones past that. The cache holds both: rows
+    [0, n) short, [n, 2n) long, and `rope_batch` moves each token of a sequence longer than that to the long
+    rows. (A sequence that grows past it while decoding keeps its earlier keys as they were rotated; transformers'
+    Phi-3 recomputes them then.)
     """
 
-    def __init__(self, config: Any, head_dim: int, is_neox: bool = True) -> None:
+    def __init__(self, config: Any, head_dim: int, is_neox: bool = True, partial: bool = False) -> None:
         super().__init__()
         params = rope_parameters(config)
         rope_type = params["rope_type"]
         if rope_type not in _ROPE_TYPES:
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported; supported: "
                                       f"{', '.join(sorted(_ROPE_TYPES))}")
-        partial = params.get("partial_rotary_factor", 1.0)
-        if partial != 1.0:
-            raise NotImplementedError(f"partial_rotary_factor {partial} is not supported")
-        inv_freq, self.attention_scaling = _ROPE_TYPES[rope_type](params, head_dim, config)
-        self.is_neox = is_neox
+        factor = float(params["partial_rotary_factor"])
+        if factor != 1.0 and not partial:
+            raise NotImplementedError(f"partial_rotary_factor {factor} is not supported by this model")
+        self.rotary_dim = int(head_dim * factor)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim or (self.rotary_dim != head_dim and not is_neox):
+            raise ValueError(f"partial_rotary_factor {factor} of head_dim {head_dim}: no even neox rotary dim")
+        self.head_dim, self.rope_type, self.is_neox = head_dim, rope_type, is_neox
+        inv_freq, self.attention_scaling = _ROPE_TYPES[rope_type](params, self.rotary_dim, config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.long_inv_freq: torch.Tensor | None = None
+        self.original_max_positions = 0
         max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or DEFAULT_MAX_POSITIONS
-        self.register_buffer("cos_sin_cache", build_cos_sin_cache(inv_freq, self.attention_scaling, max_positions),
-                             persistent=False)
+        if rope_type == "longrope":
+            self.original_max_positions = int(params["original_max_position_embeddings"])
+            if max_positions > self.original_max_positions:
+                self.long_inv_freq = _longrope_inv_freq(params, self.rotary_dim, config, "long_factor")[0]
+        self.register_buffer("cos_sin_cache", self._cache(max_positions), persistent=False)
+
+    @property
+    def length_dependent(self) -> bool:
+        """Whether a token's rotation depends on its sequence's length, not only its position (LongRoPE with a
+        long set): the same prefix then has other keys in a longer sequence (no prefix cache across lengths)."""
+        return self.long_inv_freq is not None
+
+    def _cache(self, num_positions: int) -> torch.Tensor:
+        cache = self._rows(self.inv_freq, num_positions)
+        if self.long_inv_freq is not None:
+            cache = torch.cat((cache, self._rows(self.long_inv_freq, num_positions)))
+        return cache
+
+    def _rows(self, inv_freq: torch.Tensor, num_positions: int) -> torch.Tensor:
+        """[num_positions, head_dim]: cos | sin, each half the rotated pairs then (partial rotary) cos 1, sin 0."""
+        rows = build_cos_sin_cache(inv_freq, self.attention_scaling, num_positions)
+        passing = (self.head_dim - self.rotary_dim) // 2
+        if not passing:
+            return rows
+        cos, sin = rows.chunk(2, dim=-1)
+        ones, zeros = cos.new_ones(num_positions, passing), cos.new_zeros(num_positions, passing)
+        return torch.cat((cos, ones, sin, zeros), dim=-1)
 
     @property
     def max_positions(self) -> int:
-        return int(self.cos_sin_cache.shape[0])
+        rows = int(self.cos_sin_cache.shape[0])
+        return rows // 2 if self.length_dependent else rows
 
     def reserve(self, num_positions: int) -> None:
         """Make the cache cover positions 0 .. num_positions - 1 (growing it to the next power of two)."""
         if num_positions > self.max_positions:
-            size = 1 << (num_positions - 1).bit_length()
-            self.cos_sin_cache = build_cos_sin_cache(self.inv_freq, self.attention_scaling, size)
+            if self.rope_type == "dynamic":
+                raise NotImplementedError(f"rope_type 'dynamic' past max_position_embeddings {self.max_positions} "
+                                          f"(transformers rescales it with each step's length): {num_positions}")
+            self.cos_sin_cache = self._cache(1 << (num_positions - 1).bit_length())
+
+    def rope_batch(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch with the positions the rotation reads: the same, except with LongRoPE's long set, where the
+        tokens of sequences longer than original_max_position_embeddings read the long rows. A sequence's length is
+        its context after this step, or its whole prompt's while that is prefilled in chunks (transformers sees the
+        prompt at once)."""
+        if not self.length_dependent:
+            return batch
+        lens = batch.seq_lens                                                     # [B]
+        if batch.prefill_decode_from is not None:   # the prefill chunks' prompt lengths
+            decodes = batch.num_decodes
+            lens = torch.cat((lens[:decodes], torch.maximum(lens[decodes:], batch.prefill_decode_from)))
+        long = lens > self.original_max_positions
+        if not batch.step_graph:   # rows of prefill chunks: their sequence's flag; padding rows keep theirs
+            long = torch.repeat_interleave(long, torch.tensor(batch.query_lens, device=long.device))
+            long = F.pad(long, (0, batch.positions.shape[0] - long.shape[0]))
+        return replace(batch, positions=batch.positions + long.to(torch.int64) * self.max_positions)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None) -> None:
         """Rotate q [T, Hq, head_dim] and k [T, Hk, head_dim] (views into the qkv output are fine) in place,
         token i by positions[i] [T]."""
         rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """[head_dim] int64: for each dim of a head as the kernels see it (RotaryEmbedding, partial rotary), the dim of
+    transformers' head it holds. transformers pairs (i, i + r/2) of the first r = rotary_dim dims and passes the
+    rest; here pair i < r/2 sits at (i, i + head_dim/2) and the passing dims fill each half's remainder."""
+    half, rot_half = head_dim // 2, rotary_dim // 2
+    passing = torch.arange(rotary_dim, head_dim)
+    return torch.cat((torch.arange(rot_half), passing[:half - rot_half],
+                      torch.arange(rot_half, rotary_dim), passing[half - rot_half:]))

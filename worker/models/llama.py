@@ -54,7 +54,7 @@ class LlamaVariant:
 
 # Model types whose transformers implementation applies `sliding_window` to every layer when it is set (and no
 # `layer_types` says otherwise). Llama's ignores the field.
-_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe")
+_WINDOW_ON_EVERY_LAYER = ("mistral", "mixtral", "qwen3_moe", "phi3")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Config fields that change the math where set (not None / False / 0), none of which these layers implement.
@@ -126,6 +126,7 @@ class LlamaAttention(nn.Module):
                  dtype: torch.dtype, tp: TensorParallel, window: int = 0) -> None:
         super().__init__()
         self.window = window
+        self.softcap = 0.0   # attention logit soft-capping (Gemma 2 sets it)
         total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_heads = len(tp.part(total_heads, "the number of attention heads"))
         kv_heads = tp.kv_heads(total_kv_heads)
@@ -154,7 +155,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary_emb(positions, q, None)  # q in place; K is rotated by the KV append as it is stored
         out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.rotary_emb.cos_sin_cache,
-                              self.rotary_emb.is_neox, self.window)
+                              self.rotary_emb.is_neox, self.window, self.softcap)
         return self.o_proj(out.view(num_tokens, -1))
 
 
@@ -208,6 +209,9 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm. `mlp_factory` builds each layer's feed-forward sublayer
     (default: the dense `LlamaMLP`)."""
 
+    # whether the family keeps its q / k heads in partial_rotary_order (a partial_rotary_factor is refused if not)
+    partial_rotary: ClassVar[bool] = False
+
     def __init__(self, config: Any, head_dim: int, dtype: torch.dtype,
                  mlp_factory: MLPFactory | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -217,7 +221,7 @@ class LlamaModel(nn.Module):
             def mlp_factory(layer_index: int) -> nn.Module:
                 return LlamaMLP(config, variant, dtype, tp)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.rotary_emb = RotaryEmbedding(config, head_dim)
+        self.rotary_emb = RotaryEmbedding(config, head_dim, partial=self.partial_rotary)
         windows = layer_windows(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype, mlp_factory(i), tp, windows[i])
@@ -233,6 +237,7 @@ class LlamaModel(nn.Module):
         """`layers` stand in for self.layers, one for one (the step graphs' compiled copies)."""
         hidden, residual = self.embed_tokens(batch.input_ids), None
         self.rotary_emb.reserve(max(batch.context_lens, default=0))
+        batch = self.rotary_emb.rope_batch(batch)
         if layers is None and batch.num_decodes and not torch.compiler.is_compiling() and not lora_rows_active():
             if self.native_decode is None:
                 self.native_decode = NativeDecoder.for_model(self, self.tp_size) or False

@@ -107,7 +107,8 @@ class NativeDecoder:
         if model.norm.weight.device.type != "cpu" or model.rotary_emb.cos_sin_cache.dtype != torch.float32:
             return None
         if not all(type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
-                   and type(layer.mlp) is LlamaMLP and layer.self_attn.q_norm is None for layer in layers):
+                   and type(layer.mlp) is LlamaMLP and layer.self_attn.q_norm is None
+                   and not layer.self_attn.softcap for layer in layers):
             return None
         attn = layers[0].self_attn
         norms = [model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]

@@ -7,8 +7,10 @@ from typing import Any, Protocol
 import torch
 
 from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.models.gemma import Gemma3ForCausalLM
+from infer.worker.models.deepseek import DeepseekV2ForCausalLM
+from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from infer.worker.models.llama import LlamaForCausalLM
+from infer.worker.models.phi3 import Phi3ForCausalLM
 from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 
@@ -48,7 +50,10 @@ MODEL_TYPES: dict[str, type] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
 }
@@ -58,7 +63,10 @@ ARCHITECTURES: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }

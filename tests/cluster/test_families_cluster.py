@@ -1,0 +1,61 @@
+"""Gemma 2, Phi-3 and DeepSeek-V2's MLA through real clusters (coordinator and infer-worker processes): a 2-worker
+cluster (each rank in turn) and a TP 2 rank give transformers' greedy tokens on prompts past the window (Gemma 2:
+soft-capped local and global layers; Phi-3: partial rotary, LongRoPE within and past the original 48 positions, fused
+checkpoint tensors that each TP rank cuts its heads from; DeepSeek-V2: the latent pool, each TP rank with its heads'
+slice of kv_b_proj and the whole latent)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from family_models import DEEPSEEK_V2, GEMMA2, PHI3, tiny_checkpoint
+from hf_reference import transformers_greedy
+
+from infer import SamplingParams
+
+ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1",
+                "--block-size", "4")
+TP_FLAGS = ("--tp-size", "2", "--tp-timeout", "5", "--max-num-batched-tokens", "32")
+MAX_NEW = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate((19, 30, 57, 70))]
+MODELS = {"gemma2": GEMMA2, "phi3": PHI3, "deepseek_v2": DEEPSEEK_V2}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, smollm2_tokenizer):
+    """name -> (model directory, transformers' greedy tokens), each made once."""
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            path = tiny_checkpoint(tmp_path_factory.mktemp(name), smollm2_tokenizer, name, **MODELS[name])
+            made[name] = path, transformers_greedy(path, PROMPTS, MAX_NEW)
+        return made[name]
+
+    return make
+
+
+async def _generate(cluster, **options) -> list[list[int]]:
+    async with cluster.client() as client:
+        done = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY, **options) for p in PROMPTS)), 180)
+    return [c.token_ids for c in done]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+async def test_two_workers_equal_transformers(model_cluster, models, name):
+    model, want = models(name)
+    cluster = model_cluster(workers=2, engine_flags=ENGINE_FLAGS, model=model)
+    for rank in (0, 1):
+        assert await _generate(cluster, pin_rank=rank) == want, f"rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+async def test_tp2_equals_transformers(model_cluster, models, name):
+    """Each rank attends with its 2 of the 4 query heads and its KV head (chunks of 32 tokens: chunked prefill)."""
+    model, want = models(name)
+    cluster = model_cluster(workers=1, engine_flags=(*ENGINE_FLAGS, *TP_FLAGS), model=model)
+    assert await _generate(cluster) == want
+    assert "TP rank 1 ready" in cluster.procs[1].text()
