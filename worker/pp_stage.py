@@ -70,6 +70,7 @@ class StageModel:
             both = self.group.receive((2, num_tokens, self.hidden_size), self.dtype, self.group.stage - 1)
             hidden, residual = both[0], both[1]
         model.rotary_emb.reserve(max(batch.context_lens, default=0))
+        batch = model.rotary_emb.rope_batch(batch)   # LongRoPE: the long factors' rows past the original length
         for layer, k_cache, v_cache in zip(model.layers.values(), kv_cache.k, kv_cache.v, strict=True):
             hidden, residual = layer(batch.positions, hidden, residual, batch, k_cache, v_cache)
         if self.group.is_last:
@@ -108,14 +109,24 @@ class StageLoader:
         return agree_min(self.group, num_blocks)
 
 
+# The model types whose model forward is LlamaModel's, which StageModel.forward runs a range of layers of (Gemma's
+# scaled embedding and per-layer-type ropes, DeepSeek's latent KV pool: not yet).
+PIPELINE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"})
+
+
 def load_stage(path: Path, dtype: torch.dtype, device: torch.device, group: PipelineGroup,
                quantization: str = "auto") -> nn.Module:
     """Our model of directory `path` with only `group`'s parts, filled from the files' tensors of those parts."""
     from transformers import AutoConfig
 
     files = weight_files(Path(path))
+    config = AutoConfig.from_pretrained(str(path))
+    if config.model_type not in PIPELINE_MODEL_TYPES:
+        raise ValueError(f"pipeline parallelism does not support model type {config.model_type!r} yet: a stage runs "
+                         f"the Llama model's forward, which this family's differs from (supported: "
+                         f"{', '.join(sorted(PIPELINE_MODEL_TYPES))})")
     with deferred_weights():
-        lm = build_model(AutoConfig.from_pretrained(str(path)), dtype, device, group.ep, group.tp)
+        lm = build_model(config, dtype, device, group.ep, group.tp)
     plan = quant_plan(lm, files, quantization)   # of the whole model: the names are the same
     tied = lm.lm_head_tied
     keep_stage_parts(lm, group, tied)

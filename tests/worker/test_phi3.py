@@ -162,3 +162,13 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoints):
           f"{same:.0%} of the next tokens as fp32")
     assert rel_err(ours) <= 1.5 * rel_err(theirs)
     assert same >= 0.8
+
+
+def test_pipeline_stages_take_the_long_factors_past_the_original_length(checkpoints):
+    """PP 2: each stage picks LongRoPE's rows by the sequence's length as one process does."""
+    path, want = checkpoints("phi3")
+    llm = _llm(path, pipeline_parallel_size=2)
+    try:
+        assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    finally:
+        llm.close()

@@ -180,3 +180,11 @@ def test_suspend_and_refit_are_refused_with_pp(tiny_model_dir):
             llm.update_weights(model)
     finally:
         llm.close()
+
+
+def test_a_family_whose_forward_differs_from_llamas_is_refused_by_name(tmp_path, smollm2_tokenizer):
+    from gemma_models import tiny_gemma3
+
+    path = tiny_gemma3(tmp_path / "gemma3", smollm2_tokenizer)
+    with pytest.raises(ValueError, match=r"pipeline parallelism does not support model type 'gemma3_text' yet"):
+        LLM(model=str(path), pipeline_parallel_size=2, **OPTIONS)
