@@ -143,39 +143,10 @@ def build_once(dest: Path, build: Callable[[Path], None]) -> Path:
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved in model directory `path` (chat template included), as AutoTokenizer picks its class
-    (the engines'). Where tokenizer_config.json names a class and brings no code of its own, AutoTokenizer reads
-    only four fields of the model's configuration: they are handed to it from config.json (`_ConfigFields`),
-    since building the configuration object imports transformers' model code (torch.distributed.tensor, sympy,
-    accelerate: 53 MiB resident in every worker, 2026-11-27). Otherwise it builds the configuration itself."""
+    (the engines'; with torch installed, transformers imports it here)."""
     from transformers import AutoTokenizer
 
-    fields = _ConfigFields.of(path)
-    return AutoTokenizer.from_pretrained(str(path), **({"config": fields} if fields is not None else {}))
-
-
-class _ConfigFields:
-    """What AutoTokenizer reads of a model configuration when tokenizer_config.json names the tokenizer class:
-    the model type and name, the configuration's own tokenizer class, and where it was read from."""
-
-    def __init__(self, path: Path, config: dict) -> None:
-        self.model_type: str = config.get("model_type", "")
-        self.tokenizer_class: str | None = config.get("tokenizer_class")
-        self._name_or_path = str(path)
-        if "model_name" in config:
-            self.model_name = config["model_name"]
-
-    @classmethod
-    def of(cls, path: Path) -> _ConfigFields | None:
-        """The fields of `path`/config.json, or None where AutoTokenizer needs the whole configuration: no
-        tokenizer class named (it picks one from the configuration's class), or tokenizer code of the model's
-        own (auto_map)."""
-        tokenizer_config, config = path / "tokenizer_config.json", path / "config.json"
-        if not (tokenizer_config.is_file() and config.is_file()):
-            return None
-        named = json.loads(tokenizer_config.read_text())
-        if not named.get("tokenizer_class") or "auto_map" in named:
-            return None
-        return cls(path, json.loads(config.read_text()))
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def front_tokenizer(path: Path) -> PreTrainedTokenizerBase:
