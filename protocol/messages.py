@@ -442,7 +442,18 @@ class Error(Message):
 @message
 @dataclass(frozen=True)
 class Load(Message):
-    """A worker's load, sent with every batch of deltas and on each heartbeat."""
+    """What one engine has to do and what it holds, now: the engine fills it (`Engine.load`), the worker sends it
+    with every batch of deltas and on each heartbeat, the coordinator routes on it, LocalEngine reports it.
+
+    num_queued_tokens: over its unfinished requests, tokens whose KV is not computed yet (prompt, or prompt +
+        output after a preemption) + tokens still to generate (up to max_tokens): an upper bound on the work left.
+    num_preemptions, prefix_cache_queries, prefix_cache_hits: counters since the engine started (prompt tokens
+        looked up in the prefix cache / found there).
+    weight_version: the weights it serves (update_weights); suspended, bytes_released: its KV pool and weights
+        are released (suspend), and what that gave back.
+    spec_decode_*: speculative decoding's counters since the engine started (vLLM's names): verification chunks,
+        their draft tokens, the drafts accepted, and accepted drafts by position (index j: position j + 1).
+    """
 
     TYPE: ClassVar[str] = "load"
     num_waiting: int
@@ -450,16 +461,12 @@ class Load(Message):
     num_free_blocks: int
     num_total_blocks: int
     num_queued_tokens: int
-    # Counters since the worker started (for metrics): preemptions, and prompt tokens looked up in the prefix
-    # cache / found there.
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    weight_version: int = 0         # the weights it serves (update_weights)
-    suspended: bool = False         # its KV pool and weights are released (suspend)
-    bytes_released: int = 0         # while suspended: what suspend gave back
-    # Speculative decoding's counters since the worker started (vLLM's names): verification chunks, their draft
-    # tokens, drafts accepted, and accepted drafts by position (index j: position j + 1).
+    weight_version: int = 0
+    suspended: bool = False
+    bytes_released: int = 0
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
