@@ -694,10 +694,37 @@ class WorkerStats(Message):
     load: Load | None = None
 
 
+def _counter(text: str) -> Any:
+    return field(default=0, metadata={"help": text})
+
+
+@dataclass
+class Counters:
+    """What the coordinator counted since it started, declared once: its jobs increment them (coordinator/books.py
+    holds the one record), ClusterStats carries each under its name (`ClusterStats.counters`), and the HTTP front
+    exports each as the Prometheus counter `infer:coordinator_<name>` with its metadata's help (client/api/
+    metrics.py)."""
+
+    requests_submitted: int = _counter("Requests the coordinator admitted (Submits it held or routed).")
+    requests_completed: int = _counter("Requests that finished without an error.")
+    requests_failed: int = _counter("Requests that ended with an error (shed from the full queue included).")
+    requests_aborted: int = _counter("Requests aborted: by their client, a lost client, or a stop.")
+    requests_redispatched: int = _counter("Requests failed over: sent to another worker after theirs died, hung "
+                                          "or gave them back.")
+    frames_rejected: int = _counter("Frames refused: undecodable, invalid, or not allowed for their key.")
+    requests_rejected: int = _counter("Submits refused at once as overloaded (admission control).")
+    requests_timed_out: int = _counter("Requests ended by their own timeout.")
+    requests_reattached: int = _counter("Requests handed back to their clients from the workers' copies after a "
+                                        "coordinator restart.")
+    clients_lost: int = _counter("Clients declared lost with requests in flight (silent, or unroutable).")
+    clients_too_slow: int = _counter("Clients whose send queue reached the high-water mark (they read nothing).")
+
+
 @message
 @dataclass(frozen=True)
 class ClusterStats(Message):
-    """Coordinator -> client: the cluster's state, every known worker, and the coordinator's counters."""
+    """Coordinator -> client: the cluster's state, every known worker, and the coordinator's counters (each field
+    of `Counters`, under its name)."""
 
     TYPE: ClassVar[str] = "cluster_stats"
     coordinator_id: str
@@ -715,11 +742,11 @@ class ClusterStats(Message):
     requests_redispatched: int
     frames_rejected: int
     uptime_s: float
-    requests_rejected: int = 0    # refused at once as "overloaded" (admission control)
-    requests_timed_out: int = 0   # ended by their own timeout
-    requests_reattached: int = 0  # handed back to their clients from the workers' copies after a restart
-    clients_lost: int = 0         # clients declared lost with requests in flight (silent, or unroutable)
-    clients_too_slow: int = 0     # clients whose send queue reached the high-water mark (they read nothing)
+    requests_rejected: int = 0
+    requests_timed_out: int = 0
+    requests_reattached: int = 0
+    clients_lost: int = 0
+    clients_too_slow: int = 0
     weight_version: int = 0       # the weights the cluster serves (the last update_weights every worker applied)
 
     def validate(self) -> None:
@@ -728,6 +755,10 @@ class ClusterStats(Message):
     @property
     def num_healthy_workers(self) -> int:
         return sum(w.healthy for w in self.workers)
+
+    @property
+    def counters(self) -> Counters:
+        return Counters(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Counters)})
 
 
 # ---- codec ---------------------------------------------------------------------------------------
