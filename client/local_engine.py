@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from infer.client.engine_client import ClusterError
+from infer.protocol.codes import FinishReason
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.messages import MAX_ID_LEN, MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
 from infer.protocol.outputs import Completion, RequestOutput
@@ -71,9 +72,9 @@ class RequestCounters:
     aborted: int = 0
 
     def record_final(self, finish_reason: str | None) -> None:
-        if finish_reason == "error":
+        if finish_reason == FinishReason.ERROR:
             self.failed += 1
-        elif finish_reason == "abort":
+        elif finish_reason == FinishReason.ABORT:
             self.aborted += 1
         else:
             self.completed += 1

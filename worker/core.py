@@ -30,6 +30,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn, Protocol
 
+from infer.protocol.codes import FinishReason
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
@@ -296,7 +297,7 @@ class WorkerCore:
             self._send(StepBatch(deltas=deltas, load=self.last_load), now)
 
     def _silence(self, out: Delta) -> bool:
-        if out.finish_reason == "abort" and out.request_id in self._silenced:
+        if out.finish_reason == FinishReason.ABORT and out.request_id in self._silenced:
             self._silenced.discard(out.request_id)
             return True
         return False

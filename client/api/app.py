@@ -78,6 +78,7 @@ from infer.client.api.schemas import (
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
 from infer.client.engine_client import ClusterError
+from infer.protocol.codes import ClusterState, FinishReason
 from infer.protocol.logsafe import safe
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
@@ -341,8 +342,8 @@ class Front:
         except ApiError as e:
             return unhealthy(e.message, self.config.retry_after)
         healthy = view.num_healthy_workers
-        if view.state != "running" or healthy == 0:
-            why = f"cluster is {view.state}" if view.state != "running" else "no healthy worker"
+        if view.state != ClusterState.RUNNING or healthy == 0:
+            why = f"cluster is {view.state}" if view.state != ClusterState.RUNNING else "no healthy worker"
             return unhealthy(why, self.config.retry_after, view)
         return JSONResponse({"status": "ok", "state": view.state, "healthy_workers": healthy,
                              "workers": len(view.workers)})
@@ -581,7 +582,7 @@ class Front:
         async def one(job: Job) -> None:
             async for delta in self.engine_stream(job):
                 job.add(delta)
-                if delta.finish_reason == "error":
+                if delta.finish_reason == FinishReason.ERROR:
                     raise request_error(delta, self.config.retry_after)
             if job.finish_reason is None:
                 raise ended_early(job)
@@ -601,7 +602,7 @@ class Front:
             for chunk, job in zip(fmt.opening_chunks(run.jobs), run.jobs):
                 yield event(chunk, job)
             async for job, delta in run.deltas():
-                if delta.finish_reason == "error":
+                if delta.finish_reason == FinishReason.ERROR:
                     yield sse_event(request_error(delta, self.config.retry_after).body())
                     break
                 for chunk in fmt.chunks(job, delta):
@@ -646,7 +647,7 @@ class StreamRun:
         try:
             while len(started) < len(self.jobs):
                 job, delta = await self._next()
-                if delta.finish_reason == "error":
+                if delta.finish_reason == FinishReason.ERROR:
                     raise request_error(delta, self.front.config.retry_after)
                 started.add(job.index)
                 self._buffer.append((job, delta))

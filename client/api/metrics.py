@@ -28,6 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from infer.protocol.codes import ClusterState
 from infer.protocol.messages import ClusterStats, Counters
 from infer.protocol.outputs import RequestOutput
 
@@ -41,9 +42,6 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 disable_created_metrics()   # no `_created` series: vLLM does not export them and scrapers do not need them
-
-
-LIFECYCLE_STATES = ("running", "paused", "suspended", "stopped")
 
 
 class FrontMetrics:
@@ -135,7 +133,7 @@ class FrontMetrics:
         self._gauges["weight_version"].labels(name).set(0 if stats is None else stats.weight_version)
         every = [] if stats is None else [w.load for w in stats.workers if w.load is not None]
         self._gauges["released"].labels(name).set(sum(load.bytes_released for load in every))
-        for state in LIFECYCLE_STATES:
+        for state in ClusterState:
             self._state.labels(name, state).set(1 if stats is not None and stats.state == state else 0)
         for worker in [] if stats is None else stats.workers:
             if worker.load is not None:
