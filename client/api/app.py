@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -761,6 +762,12 @@ async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
 
 # ---- the app --------------------------------------------------------------------------------------
 
+def route_list(app: FastAPI) -> list[str]:
+    """The app's routes as "METHOD /path", in the order they were added (what a 404 answer lists)."""
+    return [f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
+            for method in sorted(route.methods)]
+
+
 def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> FastAPI:
     """The ASGI app of one front. Every error leaves as OpenAI's error body; bad input never gets a 500,
     and no answer carries a traceback, an exception's text or a path."""
@@ -794,11 +801,8 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:   # 404, 405, ...
         if exc.status_code == 404:
-            error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are POST "
-                                  "/v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, "
-                                  "GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version, "
-                                  "POST /v1/requests/{id}/cancel",
-                             code="not_found")
+            error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are "
+                                  f"{', '.join(route_list(request.app))}", code="not_found")
         elif exc.status_code == 405:
             error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}",
                              code="method_not_allowed", headers=exc.headers)
