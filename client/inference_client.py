@@ -53,6 +53,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from infer.client.engine_client import ClusterError
+from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.journal import StreamJournal
 from infer.protocol.keys import CurveKeys, PathLike
 from infer.protocol.messages import (
@@ -324,7 +325,7 @@ class InferenceClient:
 
     async def _control(self, command: str) -> str:
         # suspend and resume are answered once every worker released / restored its memory
-        timeout = self.call_timeout if command not in ("suspend", "resume") else self.call_timeout + 300.0
+        timeout = self.call_timeout if command not in (Command.SUSPEND, Command.RESUME) else self.call_timeout + 300.0
         ack = await self._request_reply(Control(command=command), (ControlAck,), timeout)
         if ack.error is not None:
             raise ClusterError(ack.error)
@@ -560,7 +561,7 @@ class InferenceClient:
             del self._requests[delta.request_id]
 
     def _on_error(self, error: Error) -> None:
-        if error.request_id is None and error.code in ("client_lost", "client_too_slow"):
+        if error.request_id is None and error.code in (ErrorCode.CLIENT_LOST, ErrorCode.CLIENT_TOO_SLOW):
             return self._on_dropped(error)
         if error.request_id is not None:   # a request's failure: never a call's
             request = self._requests.pop(error.request_id, None)
@@ -579,7 +580,7 @@ class InferenceClient:
         every request (each resumes from the tokens received); too slow: each ends with that error."""
         if self._call is not None and not self._call.future.done():
             self._call.future.set_exception(ClusterError(error.message))
-        if error.code == "client_lost" and self._sock is not None:
+        if error.code == ErrorCode.CLIENT_LOST and self._sock is not None:
             return self._reattach_all("the coordinator declared this client lost")
         log.warning("%s", safe(error.message, 500))
         for request in list(self._requests.values()):

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from infer.client.engine_client import ClusterError
+from infer.protocol.codes import FinishReason
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.messages import MAX_ID_LEN, MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
-from infer.worker.core import wire_load
 
 if TYPE_CHECKING:
     from infer.worker.engine import Engine
@@ -72,9 +72,9 @@ class RequestCounters:
     aborted: int = 0
 
     def record_final(self, finish_reason: str | None) -> None:
-        if finish_reason == "error":
+        if finish_reason == FinishReason.ERROR:
             self.failed += 1
-        elif finish_reason == "abort":
+        elif finish_reason == FinishReason.ABORT:
             self.aborted += 1
         else:
             self.completed += 1
@@ -88,7 +88,7 @@ def local_stats(engine: Engine, counters: RequestCounters, *, num_in_flight: int
                          num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
                          max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
                          requests_routed=counters.submitted, num_in_flight=num_in_flight,
-                         seconds_since_heard=0.0, load=wire_load(engine.load()))
+                         seconds_since_heard=0.0, load=engine.load())
     return ClusterStats(coordinator_id="local", state="running", policy="direct", model_id=engine.model_id,
                         workers=[worker], num_clients=1, num_in_flight=num_in_flight, num_held=0,
                         requests_submitted=counters.submitted, requests_completed=counters.completed,

@@ -8,9 +8,9 @@ Invariants (state.py): a request is held or on exactly one worker, in that worke
 from __future__ import annotations
 
 from infer.coordinator.outbox import Outbox
-from infer.coordinator.state import ClientRecord, Counters, RequestRecord, RequestTable, WorkerRecord, WorkerTable
+from infer.coordinator.state import ClientRecord, RequestRecord, RequestTable, WorkerRecord, WorkerTable
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import Abort, Delta, Error, Refused
+from infer.protocol.messages import Abort, Counters, Delta, Error, Refused
 
 MAX_REJECTION_CHARS = 2000       # of the text answering a bad frame (which may quote the frame)
 

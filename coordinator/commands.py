@@ -81,7 +81,7 @@ class Commands:
         client = self.books.client(identity, now)
         if client is None:
             return
-        if self.barrier is not None and control.command != "stop":
+        if self.barrier is not None and control.command != Command.STOP:
             self.send(identity, Error(message=f"{control.command} refused: {self.barrier.what} is still waiting "
                                               f"for the workers"))
             return
@@ -91,7 +91,7 @@ class Commands:
             self.send(identity, Error(message=refusal))
             return
         workers = {w.worker_id for w in self.books.workers if w.healthy}
-        if control.command in ("suspend", "resume") and self.status.state is not before and workers:
+        if control.command in (Command.SUSPEND, Command.RESUME) and self.status.state is not before and workers:
             self.barrier = WorkerBarrier(control.command, identity, workers, now + ACK_TIMEOUT_S)
         else:
             self.send(identity, ControlAck(command=control.command, state=self.status.state))
@@ -138,7 +138,7 @@ class Commands:
         worker = self._worker_frame(identity, "control_ack", now)
         if worker is None:
             return
-        if ack.command == "stop" and self.stop_pending is not None:
+        if ack.command == Command.STOP and self.stop_pending is not None:
             self.stop_pending.discard(worker.worker_id)
         barrier = self.barrier
         if barrier is not None and barrier.version == 0 and ack.command == barrier.what:

@@ -62,15 +62,15 @@ from infer.coordinator.reattachment import Reattachment
 from infer.coordinator.relay import Relay
 from infer.coordinator.routing import make_policy
 from infer.coordinator.state import (
-    ClientRecord, ClusterStatus, Counters, RequestTable, WorkerRecord, WorkerTable
+    ClientRecord, ClusterStatus, RequestTable, WorkerRecord, WorkerTable
 )
 from infer.coordinator.statistics import Statistics
 from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
-    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, Error, Heartbeat, Hello, LoraCommand, LoraDone,
-    Message, ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated, decode,
-    peek_request_id
+    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Counters, Delta, Error, Heartbeat, Hello, LoraCommand,
+    LoraDone, Message, ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated,
+    decode, peek_request_id
 )
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
 

@@ -135,15 +135,15 @@ class Liveness:
         self.books.send_aborts(to_workers)
         del self.books.clients[client.identity]
         self.on_client_gone(client.identity)
-        if requests or code == "client_too_slow":    # an idle client lost nothing: nothing to tell it
+        if requests or code == ErrorCode.CLIENT_TOO_SLOW:    # an idle client lost nothing: nothing to tell it
             self._tombstone(client.identity, self._lost_notice(code, reason, len(requests)), now)
         self.admission.dispatch_held(now)     # the aborted requests made room
         self.peer_warnings.warning("client %s: %s (identity %s): %s; aborted its %d request(s)",
-                                   "too slow" if code == "client_too_slow" else "lost", safe(client.peer_id),
+                                   "too slow" if code == ErrorCode.CLIENT_TOO_SLOW else "lost", safe(client.peer_id),
                                    safe(client.identity), reason, len(requests))
 
     def _lost_notice(self, code: ErrorCode, reason: str, num_requests: int) -> Error:
-        if code == "client_too_slow":
+        if code == ErrorCode.CLIENT_TOO_SLOW:
             self.books.counters.clients_too_slow += 1
             return Error(code=code, message=f"this client was too slow: {reason}; the coordinator aborted its "
                                             f"{num_requests} request(s) in flight")

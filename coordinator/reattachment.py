@@ -15,6 +15,7 @@ from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.orphans import Orphan, OrphanTable
 from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import ClientRecord, RequestRecord, WorkerRecord
+from infer.protocol.codes import FinishReason
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import (
     Abort, Delta, Hello, Submit, TokenIds
@@ -87,8 +88,8 @@ class Reattachment:
             request.delivered_text_len += len(text)
         request.dispatch_seq = 0        # every Hello of that worker lists it (no Dispatch of ours to cross)
         if final is not None:
-            self.books.counters.requests_failed += final.finish_reason == "error"
-            self.books.counters.requests_completed += final.finish_reason != "error"
+            self.books.counters.requests_failed += final.finish_reason == FinishReason.ERROR
+            self.books.counters.requests_completed += final.finish_reason != FinishReason.ERROR
             self.books.finish(request, delta, {})
             return True
         if tokens or text or delta.prompt_token_ids is not None:

@@ -13,6 +13,7 @@ from infer.coordinator.books import Books
 from infer.coordinator.orphans import OrphanTable
 from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import RequestRecord, WorkerRecord
+from infer.protocol.codes import ErrorCode, FinishReason
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
     Abort, Delta, Error, StepBatch
@@ -68,13 +69,14 @@ class Relay:
     def _relay(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         if request.prompt_token_ids is None:    # a string prompt: keep the ids its first worker made
             request.prompt_token_ids = delta.prompt_token_ids
-        if delta.finish_reason == "abort":   # not asked for by us (we forget a request before aborting it)
+        if delta.finish_reason == FinishReason.ABORT:   # not asked for by us (we forget a request before aborting it)
             self._worker_gave_up(request, worker, delta, now)
             return
-        if delta.finish_reason == "error" and delta.error_code == "draining":
+        if delta.finish_reason == FinishReason.ERROR and delta.error_code == ErrorCode.DRAINING:
             self._worker_draining(request, worker, now)
             return
-        if delta.finish_reason == "error" and delta.error_code == "overloaded" and delta.queue_time_s is None:
+        if (delta.finish_reason == FinishReason.ERROR and delta.error_code == ErrorCode.OVERLOADED
+                and delta.queue_time_s is None):
             # its queue was full: another worker may have room. (One that waited past the worker's
             # --max-queue-time carries queue_time_s: the cluster is overloaded, and the client hears it.)
             self.admission.failover(request, f"worker {worker.worker_id!r} was full ({delta.error})", now)
@@ -87,7 +89,7 @@ class Relay:
         if request.delivered_text_len is not None:
             request.delivered_text_len += len(delta.text)
         if delta.finished:
-            if delta.finish_reason == "error":
+            if delta.finish_reason == FinishReason.ERROR:
                 self.books.counters.requests_failed += 1
             else:
                 self.books.counters.requests_completed += 1

@@ -1,5 +1,5 @@
-"""What the coordinator remembers: in-flight requests, workers (DP ranks) and clients, its counters and the
-cluster-wide status. No I/O.
+"""What the coordinator remembers: in-flight requests, workers (DP ranks) and clients, and the cluster-wide status
+(its counters are protocol/messages.py's Counters, which ClusterStats carries). No I/O.
 
 Invariants (kept by coordinator/books.py):
 - a request is either held (worker_id is None, it sits in RequestTable.held) or runs on exactly one
@@ -241,23 +241,6 @@ class RequestTable:
     @property
     def num_in_flight(self) -> int:
         return len(self.by_id) - len(self.held)
-
-
-@dataclass
-class Counters:
-    """What the coordinator counted since it started (ClusterStats reports them)."""
-
-    requests_submitted: int = 0
-    requests_completed: int = 0
-    requests_failed: int = 0
-    requests_aborted: int = 0
-    requests_redispatched: int = 0
-    frames_rejected: int = 0
-    requests_rejected: int = 0
-    requests_timed_out: int = 0
-    requests_reattached: int = 0
-    clients_lost: int = 0
-    clients_too_slow: int = 0
 
 
 @dataclass

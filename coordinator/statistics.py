@@ -4,6 +4,7 @@ Coordinator (core.py) builds; it reads the books and asks admission which worker
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -104,18 +105,12 @@ class Statistics:
                                num_in_flight=w.num_in_flight, seconds_since_heard=round(now - w.last_seen, 3),
                                registrations=w.registrations, load=w.load)
                    for w in sorted(self.books.workers, key=lambda w: (w.dp_rank, w.worker_id))]
-        c = self.books.counters
         return ClusterStats(
             coordinator_id=self.config.coordinator_id, state=self.status.state, policy=self.policy_name,
             model_id=self.status.model_id, workers=workers, num_clients=len(self.books.clients),
             num_in_flight=self.books.requests.num_in_flight, num_held=len(self.books.requests.held),
-            requests_submitted=c.requests_submitted, requests_completed=c.requests_completed,
-            requests_failed=c.requests_failed, requests_aborted=c.requests_aborted,
-            requests_redispatched=c.requests_redispatched, frames_rejected=c.frames_rejected,
-            uptime_s=round(now - self.started, 3), requests_rejected=c.requests_rejected,
-            requests_timed_out=c.requests_timed_out, requests_reattached=c.requests_reattached,
-            clients_lost=c.clients_lost, clients_too_slow=c.clients_too_slow,
-            weight_version=self.status.weight_version, lora_adapters=self.loras.cluster_adapters())
+            uptime_s=round(now - self.started, 3), weight_version=self.status.weight_version,
+            lora_adapters=self.loras.cluster_adapters(), **dataclasses.asdict(self.books.counters))
 
     def log_rejections(self) -> None:
         rejected = self.books.counters.frames_rejected

@@ -462,7 +462,18 @@ class Error(Message):
 @message
 @dataclass(frozen=True)
 class Load(Message):
-    """A worker's load, sent with every batch of deltas and on each heartbeat."""
+    """What one engine has to do and what it holds, now: the engine fills it (`Engine.load`), the worker sends it
+    with every batch of deltas and on each heartbeat, the coordinator routes on it, LocalEngine reports it.
+
+    num_queued_tokens: over its unfinished requests, tokens whose KV is not computed yet (prompt, or prompt +
+        output after a preemption) + tokens still to generate (up to max_tokens): an upper bound on the work left.
+    num_preemptions, prefix_cache_queries, prefix_cache_hits: counters since the engine started (prompt tokens
+        looked up in the prefix cache / found there).
+    weight_version: the weights it serves (update_weights); suspended, bytes_released: its KV pool and weights
+        are released (suspend), and what that gave back.
+    spec_decode_*: speculative decoding's counters since the engine started (vLLM's names): verification chunks,
+        their draft tokens, the drafts accepted, and accepted drafts by position (index j: position j + 1).
+    """
 
     TYPE: ClassVar[str] = "load"
     num_waiting: int
@@ -470,16 +481,12 @@ class Load(Message):
     num_free_blocks: int
     num_total_blocks: int
     num_queued_tokens: int
-    # Counters since the worker started (for metrics): preemptions, and prompt tokens looked up in the prefix
-    # cache / found there.
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    weight_version: int = 0         # the weights it serves (update_weights)
-    suspended: bool = False         # its KV pool and weights are released (suspend)
-    bytes_released: int = 0         # while suspended: what suspend gave back
-    # Speculative decoding's counters since the worker started (vLLM's names): verification chunks, their draft
-    # tokens, drafts accepted, and accepted drafts by position (index j: position j + 1).
+    weight_version: int = 0
+    suspended: bool = False
+    bytes_released: int = 0
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
@@ -747,10 +754,37 @@ class WorkerStats(Message):
     load: Load | None = None
 
 
+def _counter(text: str) -> Any:
+    return field(default=0, metadata={"help": text})
+
+
+@dataclass
+class Counters:
+    """What the coordinator counted since it started, declared once: its jobs increment them (coordinator/books.py
+    holds the one record), ClusterStats carries each under its name (`ClusterStats.counters`), and the HTTP front
+    exports each as the Prometheus counter `infer:coordinator_<name>` with its metadata's help (client/api/
+    metrics.py)."""
+
+    requests_submitted: int = _counter("Requests the coordinator admitted (Submits it held or routed).")
+    requests_completed: int = _counter("Requests that finished without an error.")
+    requests_failed: int = _counter("Requests that ended with an error (shed from the full queue included).")
+    requests_aborted: int = _counter("Requests aborted: by their client, a lost client, or a stop.")
+    requests_redispatched: int = _counter("Requests failed over: sent to another worker after theirs died, hung "
+                                          "or gave them back.")
+    frames_rejected: int = _counter("Frames refused: undecodable, invalid, or not allowed for their key.")
+    requests_rejected: int = _counter("Submits refused at once as overloaded (admission control).")
+    requests_timed_out: int = _counter("Requests ended by their own timeout.")
+    requests_reattached: int = _counter("Requests handed back to their clients from the workers' copies after a "
+                                        "coordinator restart.")
+    clients_lost: int = _counter("Clients declared lost with requests in flight (silent, or unroutable).")
+    clients_too_slow: int = _counter("Clients whose send queue reached the high-water mark (they read nothing).")
+
+
 @message
 @dataclass(frozen=True)
 class ClusterStats(Message):
-    """Coordinator -> client: the cluster's state, every known worker, and the coordinator's counters."""
+    """Coordinator -> client: the cluster's state, every known worker, and the coordinator's counters (each field
+    of `Counters`, under its name)."""
 
     TYPE: ClassVar[str] = "cluster_stats"
     coordinator_id: str
@@ -768,11 +802,11 @@ class ClusterStats(Message):
     requests_redispatched: int
     frames_rejected: int
     uptime_s: float
-    requests_rejected: int = 0    # refused at once as "overloaded" (admission control)
-    requests_timed_out: int = 0   # ended by their own timeout
-    requests_reattached: int = 0  # handed back to their clients from the workers' copies after a restart
-    clients_lost: int = 0         # clients declared lost with requests in flight (silent, or unroutable)
-    clients_too_slow: int = 0     # clients whose send queue reached the high-water mark (they read nothing)
+    requests_rejected: int = 0
+    requests_timed_out: int = 0
+    requests_reattached: int = 0
+    clients_lost: int = 0
+    clients_too_slow: int = 0
     weight_version: int = 0       # the weights the cluster serves (the last update_weights every worker applied)
     lora_adapters: dict[str, str] = field(default_factory=dict)   # the healthy workers' LoRA adapters: name -> folder
 
@@ -782,6 +816,10 @@ class ClusterStats(Message):
     @property
     def num_healthy_workers(self) -> int:
         return sum(w.healthy for w in self.workers)
+
+    @property
+    def counters(self) -> Counters:
+        return Counters(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Counters)})
 
 
 # ---- codec ---------------------------------------------------------------------------------------

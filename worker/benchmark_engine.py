@@ -6,10 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from infer.protocol.messages import Delta, TokenIds, UpdateWeights
+from infer.protocol.messages import Delta, Load, TokenIds, UpdateWeights
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
-from infer.worker.engine_load import EngineLoad
 from infer.worker.request import Request, overdue_message
 
 
@@ -129,9 +128,9 @@ class BenchmarkEngine:
     def list_loras(self) -> list[dict[str, object]]:
         return []
 
-    def load(self) -> EngineLoad:
+    def load(self) -> Load:
         running = self._running()
         used = sum(-(-r.num_tokens // self.block_size) for r in running)
-        return EngineLoad(num_waiting=len(self._requests) - len(running), num_running=len(running),
+        return Load(num_waiting=len(self._requests) - len(running), num_running=len(running),
                     num_free_blocks=self.num_kv_blocks - used, num_total_blocks=self.num_kv_blocks,
                     num_queued_tokens=sum(r.max_tokens - r.num_output_tokens for r in self._requests.values()))

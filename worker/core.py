@@ -30,6 +30,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn, Protocol
 
+from infer.protocol.codes import FinishReason
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
@@ -39,7 +40,6 @@ from infer.protocol.messages import (
 )
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
-from infer.worker.engine_load import EngineLoad
 from infer.worker.lifecycle import Action, WorkerState, transition
 from infer.worker.options import WorkerOptions
 from infer.worker.request import Request
@@ -48,12 +48,6 @@ log = logging.getLogger("infer.worker")
 
 EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 _SHED_CHECK_S = 0.25         # how often the queue is checked for requests past --max-queue-time
-
-
-def wire_load(load: EngineLoad) -> Load:
-    """The engine's load as the coordinator reads it: the wire `Load`, field for field (the engine owns EngineLoad,
-    the protocol owns Load; tests/worker/test_core.py keeps their fields the same)."""
-    return Load(**vars(load))
 
 
 class WorkerExit(Exception):
@@ -84,7 +78,7 @@ class EngineLike(Protocol):
     def shed_overdue(self, max_queue_time: float) -> int: ...
     def abort(self, request_id: str, release_text: bool = True) -> bool: ...
     def has_unfinished(self) -> bool: ...
-    def load(self) -> EngineLoad: ...
+    def load(self) -> Load: ...
     def suspend(self) -> int: ...
     def resume(self) -> int: ...
     def prepare_update(self, msg: UpdateWeights) -> object: ...
@@ -135,7 +129,7 @@ class WorkerCore:
         self._signals_seen = 0
         self._drain_deadline: float | None = None
         self._warn = RateLimitedLog(log)
-        self.last_load: Load = wire_load(engine.load())   # what a heartbeat sent during a step reports
+        self.last_load: Load = engine.load()   # what a heartbeat sent during a step reports
         self._refit: _PendingRefit | None = None   # an UpdateWeights waiting for a drain, then its commit
         self._last_shed_check = -_SHED_CHECK_S
 
@@ -293,7 +287,7 @@ class WorkerCore:
         self._last_sent = now
 
     def _heartbeat(self, now: float) -> None:
-        self.last_load = wire_load(self.engine.load())
+        self.last_load = self.engine.load()
         self._send(Heartbeat(sent_at=now + self.wall_offset, load=self.last_load), now)
 
     def _send_step_batch(self, outputs: list[Delta], now: float) -> None:
@@ -303,11 +297,11 @@ class WorkerCore:
             silenced, outputs = len(outputs) - len(kept), kept
         deltas, self._outbox = self._outbox + [self._delta(out) for out in outputs], []
         if deltas or silenced:     # an abort freed blocks: the coordinator hears of it at once
-            self.last_load = wire_load(self.engine.load())
+            self.last_load = self.engine.load()
             self._send(StepBatch(deltas=deltas, load=self.last_load), now)
 
     def _silence(self, out: Delta) -> bool:
-        if out.finish_reason == "abort" and out.request_id in self._silenced:
+        if out.finish_reason == FinishReason.ABORT and out.request_id in self._silenced:
             self._silenced.discard(out.request_id)
             return True
         return False

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from infer.protocol.messages import MAX_ID_LEN, Delta, TokenIds, UpdateWeights
+from infer.protocol.messages import MAX_ID_LEN, Delta, Load, TokenIds, UpdateWeights
 from infer.worker.pooling import PoolingState
 from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
@@ -36,7 +36,6 @@ from infer.protocol.structured import NO_FIRST_TOKEN, grammar_reason
 from infer.worker.beam_groups import BeamGroup, BeamGroups
 from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
-from infer.worker.engine_load import EngineLoad
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.in_memory import in_memory_model
@@ -461,13 +460,13 @@ class Engine:
         outputs, self._pending = self._pending, []
         return outputs
 
-    def load(self) -> EngineLoad:
-        """This engine's load now (the worker reports it for routing; worker/engine_load.py says what each count
-        means)."""
+    def load(self) -> Load:
+        """This engine's load now (the worker reports it for routing; protocol/messages.py's Load says what each
+        count means)."""
         requests = self.scheduler.waiting + self.scheduler.running
         queued = sum(r.num_tokens_to_compute + r.max_tokens - r.num_output_tokens for r in requests)
         blocks = self.scheduler.block_manager
-        return EngineLoad(num_waiting=self.scheduler.num_waiting + len(self._compiling),
+        return Load(num_waiting=self.scheduler.num_waiting + len(self._compiling),
                     num_running=self.scheduler.num_running,
                     num_free_blocks=blocks.num_free_blocks, num_total_blocks=self.num_kv_blocks,
                     num_queued_tokens=queued, num_preemptions=self.scheduler.num_preemptions,

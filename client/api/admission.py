@@ -16,6 +16,7 @@ from infer.client.api.schemas import ApiError
 from infer.protocol import env
 from infer.client.engine_client import EngineClient
 from infer.client.engine_client import ClusterError
+from infer.protocol.codes import ClusterState
 from infer.protocol.messages import ClusterStats
 
 
@@ -137,11 +138,11 @@ class Admission:
     async def admit(self) -> int:
         """The context length to check prompts against; ApiError 503 when the cluster cannot take them."""
         view = await self.cluster_view()
-        if view.state == "stopped":
+        if view.state == ClusterState.STOPPED:
             raise self.unavailable("the cluster is stopping")
         max_len = max_model_len(view)
         if max_len is None:
-            if view.state == "running":
+            if view.state == ClusterState.RUNNING:
                 raise self.unavailable("no worker is available to serve the request")
             max_len = max_model_len(view, healthy_only=False) or 0
         return max_len

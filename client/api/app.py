@@ -58,6 +58,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -81,6 +82,7 @@ from infer.client.api.schemas import (
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
 from infer.client.engine_client import ClusterError
+from infer.protocol.codes import ClusterState, FinishReason
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import BeamOutput
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
@@ -403,8 +405,8 @@ class Front:
         except ApiError as e:
             return unhealthy(e.message, self.config.retry_after)
         healthy = view.num_healthy_workers
-        if view.state != "running" or healthy == 0:
-            why = f"cluster is {view.state}" if view.state != "running" else "no healthy worker"
+        if view.state != ClusterState.RUNNING or healthy == 0:
+            why = f"cluster is {view.state}" if view.state != ClusterState.RUNNING else "no healthy worker"
             return unhealthy(why, self.config.retry_after, view)
         return JSONResponse({"status": "ok", "state": view.state, "healthy_workers": healthy,
                              "workers": len(view.workers)})
@@ -646,7 +648,7 @@ class Front:
         async def one(job: Job) -> None:
             async for delta in self.engine_stream(job):
                 job.add(delta)
-                if delta.finish_reason == "error":
+                if delta.finish_reason == FinishReason.ERROR:
                     raise request_error(delta, self.config.retry_after)
             if job.finish_reason is None:
                 raise ended_early(job)
@@ -671,7 +673,7 @@ class Front:
             for chunk, job in zip(fmt.opening_chunks(run.jobs), run.jobs):
                 yield event(chunk, job)
             async for job, delta in run.deltas():
-                if delta.finish_reason == "error":
+                if delta.finish_reason == FinishReason.ERROR:
                     yield sse_event(request_error(delta, self.config.retry_after).body())
                     break
                 for chunk in fmt.chunks(job, delta):
@@ -734,7 +736,7 @@ class StreamRun:
         try:
             while len(started) < len(self.jobs):
                 job, delta = await self._next()
-                if delta.finish_reason == "error":
+                if delta.finish_reason == FinishReason.ERROR:
                     raise request_error(delta, self.front.config.retry_after)
                 started.add(job.index)
                 self._buffer.append((job, delta))
@@ -848,6 +850,12 @@ async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
 
 # ---- the app --------------------------------------------------------------------------------------
 
+def route_list(app: FastAPI) -> list[str]:
+    """The app's routes as "METHOD /path", in the order they were added (what a 404 answer lists)."""
+    return [f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
+            for method in sorted(route.methods)]
+
+
 def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> FastAPI:
     """The ASGI app of one front. Every error leaves as OpenAI's error body; bad input never gets a 500,
     and no answer carries a traceback, an exception's text or a path."""
@@ -883,12 +891,8 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:   # 404, 405, ...
         if exc.status_code == 404:
-            error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are POST "
-                                  "/v1/completions, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/models, "
-                                  "GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version, "
-                                  "POST /v1/requests/{id}/cancel, POST /v1/load_lora_adapter, "
-                                  "POST /v1/unload_lora_adapter",
-                             code="not_found")
+            error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are "
+                                  f"{', '.join(route_list(request.app))}", code="not_found")
         elif exc.status_code == 405:
             error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}",
                              code="method_not_allowed", headers=exc.headers)

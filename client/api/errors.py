@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from infer.protocol.codes import ErrorCode
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import RequestOutput
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("infer.api")
 
 
-_RETRY_LATER = ("overloaded", "unavailable", "client_too_slow", "client_lost")
+_RETRY_LATER = (ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE, ErrorCode.CLIENT_TOO_SLOW, ErrorCode.CLIENT_LOST)
 
 
 def request_error(delta: RequestOutput, retry_after: int = 1) -> ApiError:
@@ -32,11 +33,11 @@ def request_error(delta: RequestOutput, retry_after: int = 1) -> ApiError:
     this front's log (it may quote exceptions); the client gets its id."""
     message = delta.error or "the request failed"
     code = delta.error_code
-    if code == "invalid_request":
+    if code == ErrorCode.INVALID_REQUEST:
         return ApiError(400, message)
     if code in _RETRY_LATER:
         return ApiError(503, message, code=code, retry_after=retry_after)
-    if code == "timeout":
+    if code == ErrorCode.TIMEOUT:
         return ApiError(504, message, code="timeout")
     return internal_error(f"engine request {delta.request_id}", detail=f"{code}: {message}")
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from infer.client.api.tools import ToolCall
+from infer.protocol.codes import FinishReason
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 
 from infer.client.api.reasoning import ReasoningSplitter
@@ -165,7 +166,7 @@ class ChatFormat(ResponseFormat):
             message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
-        return message, "tool_calls" if calls and job.finish_reason == "stop" else job.finish_reason
+        return message, "tool_calls" if calls and job.finish_reason == FinishReason.STOP else job.finish_reason
 
     def _tool_calls(self, job: Job, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.tool_mode == "named":
@@ -176,7 +177,7 @@ class ChatFormat(ResponseFormat):
             name = self.body.tool_choice.function.name
             return None, [ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())]
         if self.tool_mode == "required":   # cut at max_tokens: the complete calls it holds
-            calls = calls_of_required(text, truncated=job.finish_reason == "length")
+            calls = calls_of_required(text, truncated=job.finish_reason == FinishReason.LENGTH)
             return (text, []) if calls is None else (None, calls)
         return self.parse_tools(text)
 
@@ -213,7 +214,7 @@ class ChatFormat(ResponseFormat):
                 call = {"index": 0, "function": {"arguments": event}}
             out.append(self._chunk_of(job, {"tool_calls": [call]}, None))
         if delta.finished:
-            reason = "tool_calls" if stream.calls and delta.finish_reason == "stop" else delta.finish_reason
+            reason = "tool_calls" if stream.calls and delta.finish_reason == FinishReason.STOP else delta.finish_reason
             out.append(self._chunk_of(job, {}, reason))
         return out
 

@@ -8,10 +8,14 @@ Two sources:
   the workers' latest load reports, fetched with a fresh stats round trip at every scrape. Worker counters
   restart from 0 when a worker restarts; the front keeps a per-worker last value so the exported counters
   never go down.
+- The coordinator's counters (protocol/messages.py's `Counters`: frames rejected, requests admitted, refused,
+  failed over, re-attached, ...) come from the same stats answer, each as `infer:coordinator_<name>`; kept
+  from going down across a coordinator restart the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +28,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from infer.protocol.messages import ClusterStats
+from infer.protocol.codes import ClusterState
+from infer.protocol.messages import ClusterStats, Counters
 from infer.protocol.outputs import RequestOutput
 
 # vLLM's bucket boundaries, so dashboards built for it read ours the same way.
@@ -37,9 +42,6 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 disable_created_metrics()   # no `_created` series: vLLM does not export them and scrapers do not need them
-
-
-LIFECYCLE_STATES = ("running", "paused", "suspended", "stopped")
 
 
 class FrontMetrics:
@@ -83,6 +85,9 @@ class FrontMetrics:
         self._accepted_per_pos = Counter("infer:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
                                          "draft tokens accepted, by position in the drafts (0: the first).",
                                          labels + ["position"], registry=r)
+        self._coordinator_counters = {
+            f.name: Counter(f"infer:coordinator_{f.name}", f.metadata["help"], labels, registry=r)
+            for f in dataclasses.fields(Counters)}
         self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of served requests.", labels,
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter("infer:generation_tokens", "Generated tokens of served requests.",
@@ -99,9 +104,9 @@ class FrontMetrics:
                                     "before it was first scheduled.", labels, buckets=LATENCY_BUCKETS,
                                     registry=r).labels(model_name)
         self.model_name = model_name
-        for metric in [*self._gauges.values(), *self._worker_counters.values()]:
+        for metric in [*self._gauges.values(), *self._worker_counters.values(), *self._coordinator_counters.values()]:
             metric.labels(model_name)   # a labelled series exists (at 0) before its first change
-        self._last_worker_totals: dict[tuple[str, str], int] = {}
+        self._last_totals: dict[tuple[str, str], int] = {}
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self)
@@ -128,22 +133,26 @@ class FrontMetrics:
         self._gauges["weight_version"].labels(name).set(0 if stats is None else stats.weight_version)
         every = [] if stats is None else [w.load for w in stats.workers if w.load is not None]
         self._gauges["released"].labels(name).set(sum(load.bytes_released for load in every))
-        for state in LIFECYCLE_STATES:
+        for state in ClusterState:
             self._state.labels(name, state).set(1 if stats is not None and stats.state == state else 0)
         for worker in [] if stats is None else stats.workers:
             if worker.load is not None:
                 for attr, counter in self._worker_counters.items():
-                    self._add_worker_total(counter.labels(self.model_name), worker.worker_id, attr,
-                                           getattr(worker.load, attr))
+                    self._add_total(counter.labels(self.model_name), f"worker {worker.worker_id}", attr,
+                                    getattr(worker.load, attr))
                 for position, total in enumerate(worker.load.spec_decode_num_accepted_tokens_per_pos):
-                    self._add_worker_total(self._accepted_per_pos.labels(self.model_name, str(position)),
-                                           worker.worker_id, f"accepted_pos_{position}", total)
+                    self._add_total(self._accepted_per_pos.labels(self.model_name, str(position)),
+                                    f"worker {worker.worker_id}", f"accepted_pos_{position}", total)
+        if stats is not None:
+            for attr, total in dataclasses.asdict(stats.counters).items():
+                self._add_total(self._coordinator_counters[attr].labels(self.model_name),
+                                f"coordinator {stats.coordinator_id}", attr, total)
 
-    def _add_worker_total(self, counter, worker_id: str, attr: str, total: int) -> None:
-        """Add to `counter` (a labelled series) what a worker's counter `attr` gained since its last report."""
-        last = self._last_worker_totals.get((worker_id, attr), 0)
-        increase = total - last if total >= last else total   # below the last value: the worker restarted
-        self._last_worker_totals[(worker_id, attr)] = total
+    def _add_total(self, counter, source: str, attr: str, total: int) -> None:
+        """Add to `counter` (a labelled series) what `source`'s counter `attr` gained since its last report."""
+        last = self._last_totals.get((source, attr), 0)
+        increase = total - last if total >= last else total   # below the last value: the source restarted
+        self._last_totals[(source, attr)] = total
         if increase:
             counter.inc(increase)
 

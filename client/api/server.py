@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -23,7 +24,7 @@ import uvicorn
 
 from infer.client.api.admission import read_key_file, resolve_api_key
 from infer.client.api.model_defaults import generation_defaults, load_chat_template, matryoshka_dimensions
-from infer.protocol.options import add_vllm_flags
+from infer.protocol.options import add_options, add_vllm_flags, option, to_argv
 from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app
 from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tools import TOOL_PARSERS
@@ -156,51 +157,53 @@ def load_front_tokenizer(model: str | None, model_id: str | None) -> Any:
 
 # ---- infer-api ------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class FrontFlags:
+    """The flags every command that runs a front shares (infer-api, infer-serve, the Slurm launcher), declared once
+    (protocol/options.py): `add_front_arguments` adds them, `front_argv` passes them on to an infer-api child,
+    `front_config` resolves them into the FrontConfig (the keys read, the template and the generation config
+    loaded)."""
+
+    host: str = option("127.0.0.1", "the HTTP front's bind address")
+    port: int = option(8000, "the HTTP front's port (0: a free one)")
+    api_key: str | None = option(None, "require 'Authorization: Bearer <key>' (visible in the process list: prefer "
+                                 "--api-key-file or $INFER_API_KEY; none of the three: no key)")
+    api_key_file: str | None = option(None, "read the API key from the first line of FILE", metavar="FILE")
+    admin_api_key_file: str | None = option(None, "the admin's key, from the first line of FILE: its bearer may "
+                                            "cancel any request (POST /v1/requests/{id}/cancel; a caller may cancel "
+                                            "its own)", metavar="FILE")
+    served_model_name: str | None = option(None, "the model name clients send (default: the cluster's model id)")
+    max_concurrent_requests: int = option(1024, "engine requests in flight through this front; past it new "
+                                          "requests get 503 'overloaded' at once")
+    max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, "largest request body; larger ones get 413")
+    tool_call_parser: str | None = option(None, "the format of the model's tool calls (default: the one its chat "
+                                          "template uses: mistral, llama3_json, else hermes)", choices=TOOL_PARSERS)
+    reasoning_parser: str | None = option(None, "split <think>...</think> into reasoning_content (default: off)",
+                                          choices=REASONING_PARSERS)
+    chat_template: str | None = option(None, "the chat template to use instead of the tokenizer's: a file, or the "
+                                       "Jinja template itself (vLLM's flag)", metavar="FILE_OR_TEMPLATE")
+    generation_config: str = option("auto", "sampling defaults for requests that leave them out (vLLM's flag): auto "
+                                    "reads the model's generation_config.json (temperature, top_p, top_k, min_p, "
+                                    "repetition_penalty, max_new_tokens as max_tokens), PATH that folder's (or "
+                                    "file), vllm none; a request's own values win", metavar="auto|vllm|PATH")
+    trusted_network: bool = option(False, "allow a non-loopback bind with nothing protecting it: the HTTP front "
+                                   "without an API key (and a coordinator this command starts without CURVE keys); "
+                                   "otherwise it is refused")
+
+
+_NOT_PASSED_ON = ("host", "port", "api_key", "api_key_file")   # the child inherits the socket; the key: see below
+
+
 def add_front_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags every command that runs a front shares (infer-api, infer-serve)."""
-    p.add_argument("--host", default="127.0.0.1", help="the HTTP front's bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="the HTTP front's port (default 8000; 0: a free one)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' (visible in the process list: "
-                   "prefer --api-key-file or $INFER_API_KEY; none of the three: no key)")
-    p.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
-    p.add_argument("--admin-api-key-file", metavar="FILE", help="the admin's key, from the first line of FILE: "
-                   "its bearer may cancel any request (POST /v1/requests/{id}/cancel; a caller may cancel its own)")
-    p.add_argument("--served-model-name", help="the model name clients send (default: the cluster's model id)")
-    p.add_argument("--max-concurrent-requests", type=int, default=1024,
-                   help="engine requests in flight through this front; past it new requests get 503 "
-                   "'overloaded' at once (default 1024)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
-                   help="the format of the model's tool calls (default: the one its chat template uses: mistral, "
-                   "llama3_json, else hermes)")
-    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
-                   help="split <think>...</think> into reasoning_content (default: off)")
-    p.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", help="the chat template to use instead of the "
-                   "tokenizer's: a file, or the Jinja template itself (vLLM's flag)")
-    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
-                   help="sampling defaults for requests that leave them out (vLLM's flag): auto reads the model's "
-                   "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
-                   "max_tokens), PATH that folder's (or file), vllm none; a request's own values win (default auto)")
-    p.add_argument("--trusted-network", action="store_true",
-                   help="allow a non-loopback bind with nothing protecting it: the HTTP front without an API "
-                   "key (and a coordinator this command starts without CURVE keys); otherwise it is refused")
+    """The flags of FrontFlags, defaulting to its defaults."""
+    add_options(p, FrontFlags, defaults=True)
 
 
 def front_argv(args: argparse.Namespace) -> list[str]:
     """The flags of `add_front_arguments` that `args` gives, for an infer-api child (infer-serve's front), less
     the bind address (the child inherits the socket) and the API key (resolved here, passed in its
     environment: never on a command line)."""
-    argv = []
-    for flag, value in (("--served-model-name", args.served_model_name),
-                        ("--admin-api-key-file", args.admin_api_key_file),
-                        ("--max-concurrent-requests", args.max_concurrent_requests),
-                        ("--max-body-bytes", args.max_body_bytes), ("--tool-call-parser", args.tool_call_parser),
-                        ("--reasoning-parser", args.reasoning_parser), ("--chat-template", args.chat_template),
-                        ("--generation-config", None if args.generation_config == "auto" else args.generation_config)):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv + (["--trusted-network"] if args.trusted_network else [])
+    return to_argv(FrontFlags, vars(args), exclude=_NOT_PASSED_ON)
 
 
 def check_front_exposure(host: str, config: FrontConfig, trusted_network: bool) -> None:

@@ -4,17 +4,14 @@ liveness timers. test_daemon.py keeps the same behaviour covered through a real 
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgpack
 import pytest
 
 from infer.protocol.messages import (
-    PROTOCOL_VERSION, Abort, Control, ControlAck, Error, Heartbeat, Hello, Load, Refused, StepBatch, UpdateWeights,
+    PROTOCOL_VERSION, Abort, Control, ControlAck, Error, Heartbeat, Hello, Refused, StepBatch, UpdateWeights,
     WeightsUpdated
 )
-from infer.worker.core import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, WorkerExit, wire_load
-from infer.worker.engine_load import EngineLoad
+from infer.worker.core import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, WorkerExit
 from infer.worker.lifecycle import TABLE, Action, WorkerState, transition
 from tests.worker_harness import WorkerHarness, deltas, dispatch, heartbeats, of_type
 
@@ -103,12 +100,10 @@ def test_heartbeat_each_interval_with_the_load(h):
     assert h.core.poll_timeout(h.now) == 0.0                # the engine has work
 
 
-def test_the_engines_own_load_goes_out_as_the_wire_load(h):
-    assert [f.name for f in dataclasses.fields(EngineLoad)] == [f.name for f in dataclasses.fields(Load)]
+def test_the_engines_load_goes_out_with_the_step(h):
     h.send(dispatch("a", max_tokens=50))
     (batch,) = of_type(h.step(), StepBatch)
-    assert isinstance(h.engine.load(), EngineLoad) and isinstance(batch.load, Load)
-    assert batch.load == wire_load(h.engine.load()) and batch.load.num_running == 1
+    assert batch.load == h.engine.load() and batch.load.num_running == 1
 
 
 def test_beat_during_step_reports_the_step_age(h):

@@ -434,12 +434,11 @@ def test_speculative_config_flag_on_worker_serve_llm_and_slurm():
 def test_counters_travel_in_the_load_and_reach_metrics(tiny_model_dir):
     from infer.client.api.metrics import FrontMetrics
     from infer.protocol.messages import ClusterStats, StepBatch, WorkerStats, decode, encode
-    from infer.worker.core import wire_load
 
     engine = make_engine(str(tiny_model_dir("llama")), NGRAM)
     run(engine, {"a": (repetitive(30), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))})
     stats = engine.stats
-    load = decode(encode(StepBatch(deltas=[], load=wire_load(engine.load())))).load
+    load = decode(encode(StepBatch(deltas=[], load=engine.load()))).load
     assert load.spec_decode_num_drafts == stats.spec_decode_num_drafts > 0
     assert load.spec_decode_num_accepted_tokens == stats.spec_decode_num_accepted_tokens > 0
     per_pos = load.spec_decode_num_accepted_tokens_per_pos
