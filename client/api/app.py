@@ -2,9 +2,10 @@
 Beside it: `admission.py` (the API key, admission), `formats.py` (OpenAI's response objects and stream chunks),
 `errors.py` (error codes to statuses, the error body).
 
-Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
-GET /v1/models (the served model and its LoRA adapters, each with `parent`), GET /health, GET /metrics; vLLM's POST
-/tokenize, POST /detokenize, GET /version, POST /v1/load_lora_adapter and /v1/unload_lora_adapter; POST
+Routes (an unknown path's 404 lists them from the app: `route_list`): POST /v1/completions, POST
+/v1/chat/completions (both with `stream: true` as server-sent events), POST /v1/embeddings, GET /v1/models (the
+served model and its LoRA adapters, each with `parent`), GET /health, GET /metrics; vLLM's POST /tokenize, POST
+/detokenize, GET /version, POST /v1/load_lora_adapter and /v1/unload_lora_adapter; POST /v1/update_weights; POST
 /v1/requests/{id}/cancel (cancel.py: by the caller that sent it, or the admin key).
 
 The path of a request:
