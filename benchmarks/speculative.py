@@ -8,10 +8,10 @@ llama.cpp's prompt-lookup decoding (`llama-lookup`) on the same GGUF and prompts
 - batch1: one request at a time on two engines of the same weights, one with `speculative_config` and one
   without, requests alternating between them (A, B, A, B, ...: what survives a shared, noisy machine); each
   side's median tok/s (output tokens / wall time of the request, prefill included) per workload, and the ratio.
-  Workloads: "rewrite" (repeat a given passage: drafts copied from the prompt can be right), "code" (rewrite a
-  given function with one name changed), "continue" (go on with a passage that repeats itself), "random"
-  (random prompt tokens: drafts are mostly wrong, the cost of trying). Chat-formatted where the tokenizer has a
-  template. Greedy, so the two sides must give the same tokens (checked: "same_tokens").
+  Workloads: "rewrite" (repeat a given passage of two paragraphs, longer than the output, so that the output is
+  the rewrite throughout: drafts copied from the prompt can be right), "code" (rewrite a given function with one
+  name changed), "continue" (go on with a passage that repeats itself), "random" (random prompt tokens: drafts
+  are mostly wrong, the cost of trying). Chat-formatted where the tokenizer has a template. Greedy, so the two sides must give the same tokens (checked: "same_tokens").
 - the peer (with `--llama-cpp-bin`, or $LLAMA_CPP_BIN): llama.cpp's `llama-lookup` example (prompt lookup over
   n-grams of 1..4 tokens, its fixed LLAMA_NGRAM_MIN / _MAX, drafting up to `--spec-draft-n-max` = our k) on the
   GGUF our engine reads (`--peer-gguf` when --model is not one), greedy (`--temp 0`), EOS ignored, the same
@@ -27,7 +27,8 @@ llama.cpp's prompt-lookup decoding (`llama-lookup`) on the same GGUF and prompts
 - offline: W1 (64 x 128 -> 128, greedy, random prompts) through LLM.generate on each engine, rounds alternating;
   with the default `disable_by_batch_size` (8) speculation switches itself off at this batch size, so the ratio
   should be ~1 (what must not regress).
-Each result carries the acceptance counters (drafts, draft tokens, accepted, by position).
+Each result carries the acceptance counters (drafts, draft tokens, accepted, by position) and the proposal hit rate
+(the share of the speculating side's steps after each request's first token that had drafts to verify).
 
 Writes benchmarks/results/speculative-<date>.json (date, machine, git revision). Not a test.
 """
@@ -55,6 +56,12 @@ PASSAGE = ("The river ran high that spring. Every morning the ferryman checked t
            "wrote the water level in a small notebook he kept in his coat. By April the notebook was full, and the "
            "village council asked him to read it aloud at the meeting, page by page, so that everyone would know "
            "how close the water had come to the mill.")
+# the rewrite workload's second paragraph: the passage alone is shorter than the 128 tokens asked for (the
+# embedded model rewrites it in ~75 and then, EOS ignored, starts a conversation of its own, with nothing to copy)
+SEQUEL = ("In May the water fell again. The ferryman mended the torn rope, painted the landing stage green and "
+          "bought a new notebook at the market in town. He wrote the date on the first page, then the level of the "
+          "river, then the names of the passengers he carried across that morning: the baker, the schoolteacher, "
+          "two boys with a dog, and an old woman who paid him with a loaf of bread.")
 CODE = '''def moving_average(values, window):
     if window <= 0:
         raise ValueError("window must be positive")
@@ -69,7 +76,7 @@ CODE = '''def moving_average(values, window):
     return averages
 '''
 TEXTS = {
-    "rewrite": f"Repeat the following passage exactly, word for word.\n\n{PASSAGE}",
+    "rewrite": f"Repeat the following passage exactly, word for word.\n\n{PASSAGE}\n\n{SEQUEL}",
     "code": f"Rewrite this Python function with the parameter `values` renamed to `samples`. Output only the "
             f"code.\n\n```python\n{CODE}```",
     "continue": f"{PASSAGE}\n\n{PASSAGE}\n\n{PASSAGE[:200]}",
@@ -177,11 +184,12 @@ def batch1(dtype: str, spec: dict, workloads: list[str], rounds: int, max_tokens
         decode_rates: dict[str, list[float]] = {name: [] for name in engines}
         same = True
         before = _counters(engines["speculative"])
-        theirs = []
+        theirs, generated = [], 0
         for i, (prompt, text) in enumerate(prompts):
             outputs = {}
             for name, engine in engines.items():
                 outputs[name], seconds, decode = _one(engine, f"{workload}-{i}-{name}", prompt, max_tokens)
+                generated += len(outputs[name]) if name == "speculative" else 0
                 rates[name].append(len(outputs[name]) / seconds)
                 decode_rates[name].append(decode)
             same = same and outputs["plain"] == outputs["speculative"]
@@ -195,6 +203,11 @@ def batch1(dtype: str, spec: dict, workloads: list[str], rounds: int, max_tokens
         r["prompt_tokens"] = len(prompts[0][0])
         r["acceptance"] = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
         r["acceptance"]["rate"] = r["acceptance"]["accepted_tokens"] / max(1, r["acceptance"]["draft_tokens"])
+        per_pos = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"] + [0] * 16)]
+        r["acceptance"]["accepted_per_position"] = per_pos
+        # the share of the speculating engine's steps after each first token that had drafts to verify
+        steps = generated - rounds - r["acceptance"]["accepted_tokens"]
+        r["acceptance"]["proposal_hit_rate"] = r["acceptance"]["drafts"] / max(1, steps)
         line = (f"batch1 {dtype} {workload}: plain {r['plain']['tok_per_s']:.1f} tok/s, speculative "
                 f"{r['speculative']['tok_per_s']:.1f} tok/s ({r['ratio']:.2f}x), acceptance "
                 f"{r['acceptance']['rate']:.2f}, same tokens {same}")
