@@ -1,8 +1,9 @@
 """Speculative decoding in worker groups, through `infer-worker` processes (gloo on CPU, fp32): a TP-2 group (rank 0
 proposes, verifies and samples; its follower runs the verification forwards it is sent) and an EP-2 group on a
 tiny Mixtral (each rank verifies its own requests; the expert all-to-all takes whatever rows each rank has, and an
-idle rank's dummy step joins in) give the greedy output of one process without speculation, token for token,
-with drafts accepted. A draft model with tensor parallelism is refused at start, the refusal naming both. (kill -9
+idle rank's dummy step joins in) and a 2-stage pipeline (stage 0 proposes and verifies; the verification rows
+travel through the stages like any batch) give the greedy output of one process without speculation, token for
+token, with drafts accepted. A draft model with tensor parallelism is refused at start, the refusal naming both. (kill -9
 of a worker mid-stream with speculation on: tests/cluster/test_speculative_faults.py.)"""
 
 from __future__ import annotations
@@ -72,3 +73,17 @@ def test_a_draft_model_with_tensor_parallelism_is_refused_by_name(cluster_factor
     assert worker.wait(timeout=120) == 2, worker.text()[-2000:]
     text = worker.text()
     assert "draft model" in text and "tensor parallelism" in text, text[-2000:]
+
+
+async def test_pp2_pipeline_with_speculation_equals_one_process_without(cluster_factory, tiny_llama):
+    want = _one_process(tiny_llama, PROMPTS, GREEDY)
+    cluster = cluster_factory()
+    cluster.coordinator()
+    cluster.worker(0, *ENGINE_FLAGS, "--pp-size", "2", "--pp-timeout", "20", "--max-num-batched-tokens", "32",
+                   "--speculative-config", NGRAM, model=tiny_llama)
+    ready(cluster, 1)
+    async with cluster.client() as client:
+        batch = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS)), 180)
+        stats = await client.stats()
+    assert [c.token_ids for c in batch] == want
+    assert _accepted(stats) > 0
