@@ -132,7 +132,10 @@ class LlamaLookup:
         if not self.exe.is_file():
             raise SystemExit(f"{self.exe} not found: build it in llama.cpp's build folder with "
                              f"`cmake --build build --target llama-lookup`")
-        self.gguf, self.k, self.threads = gguf, k, threads or os.cpu_count() or 1
+        import torch
+
+        self.gguf, self.k = gguf, k
+        self.threads = threads or torch.get_num_threads()   # ours: torch's threads, when --threads is not given
 
     def run(self, text: str, max_tokens: int) -> dict:
         with tempfile.TemporaryDirectory() as folder:
@@ -301,7 +304,8 @@ def main() -> None:
         peer = LlamaLookup(args.llama_cpp_bin, gguf, args.k, args.threads)
     results: dict = {"threads": args.threads, "speculative_config": spec, "load_avg_start": os.getloadavg(),
                      "peer": None if peer is None else {"llama_cpp_lookup": str(peer.exe), "gguf": str(peer.gguf),
-                                                        "ngram_min_max": [1, 4], "draft_max": args.k}}
+                                                        "ngram_min_max": [1, 4], "draft_max": args.k,
+                                                        "threads": peer.threads}}
     for dtype in args.dtypes:
         if "batch1" in args.parts:
             results.setdefault("batch1", {})[dtype] = batch1(dtype, spec, args.workloads, args.rounds,
