@@ -30,7 +30,8 @@ class Proposer(Protocol):
 
 class NgramProposer:
     """Prompt lookup (vLLM's "ngram"): for n from `max_n` down to `min_n`, find the earliest earlier occurrence
-    of the context's last n tokens (prompt + output) and propose the tokens that followed it."""
+    of the context's last n tokens (prompt + output) and propose the tokens that followed it; when none occurs,
+    the same lookup skipping the last token, as if it had been inserted (see ngram_drafts)."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if not 1 <= min_n <= max_n:
@@ -46,21 +47,35 @@ class NgramProposer:
 
 def ngram_drafts(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens following the earliest occurrence of the longest suffix n-gram (min_n <= n <= max_n) that
-    also occurs earlier in `token_ids` ([] when none does)."""
+    also occurs earlier in `token_ids`. When no suffix n-gram does, the last token is taken as an insertion: the
+    tokens that followed the same lookup's match in `token_ids[:-1]`. A model that copies a passage while
+    editing it (a comma added, "In May, the" for "In May the") loses every n-gram at the added token; this
+    picks the copy up again at the next step instead of two or three steps later ([] when neither matches)."""
     if k < 1 or len(token_ids) <= min_n:
         return []
     data = array("i", token_ids).tobytes()   # a C search over 4-byte tokens (bytes.find)
+    start = _continuation(data, len(token_ids), min_n, max_n)
+    if start is None and len(token_ids) > min_n + 1:
+        start = _continuation(data, len(token_ids) - 1, min_n, max_n)
+        if start is not None:
+            return list(token_ids[start:min(start + k, len(token_ids) - 1)])
+    return [] if start is None else list(token_ids[start:start + k])
+
+
+def _continuation(data: bytes, length: int, min_n: int, max_n: int) -> int | None:
+    """Where the tokens after the match start (ngram_drafts' rule) among the first `length` tokens of `data`
+    (int32 tokens); None without a match."""
     width = array("i").itemsize
-    for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
-        suffix = data[-n * width:]
-        limit = len(data) - n * width     # a match must start before the suffix itself
-        at = data.find(suffix, 0, limit + n * width - width)
+    end = length * width
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = data[end - n * width:end]
+        stop = end - width                # a match must end before the last token
+        at = data.find(suffix, 0, stop)
         while at != -1 and at % width:    # a match inside a token: search on from the next byte
-            at = data.find(suffix, at + 1, limit + n * width - width)
+            at = data.find(suffix, at + 1, stop)
         if at != -1:
-            start = at // width + n
-            return list(token_ids[start:start + k])
-    return []
+            return at // width + n
+    return None
 
 
 def make_proposer(config: SpeculativeConfig, **target: Any) -> Proposer:

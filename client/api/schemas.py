@@ -160,6 +160,8 @@ class _SamplingFields(BaseModel):
     use_beam_search: bool = False
     length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
     early_stopping: bool | Literal["never"] = False
+    # our extension: this request never speculates (SamplingParams.disable_speculative_decoding)
+    disable_speculative_decoding: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -262,7 +264,8 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias or None,
             allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),
-            structured_outputs=structured, prompt_logprobs=prompt_logprobs, **beams)
+            structured_outputs=structured, prompt_logprobs=prompt_logprobs,
+            disable_speculative_decoding=self.disable_speculative_decoding, **beams)
 
     @property
     def include_usage(self) -> bool:

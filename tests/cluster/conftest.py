@@ -181,8 +181,8 @@ def start_model_cluster(cluster: Cluster, model: Path, workers: int = 2, coordin
     return cluster
 
 
-def start_ep_groups(cluster: Cluster, model: Path, groups: int,
-                    coordinator_flags: tuple[str, ...] = ()) -> list[list[Proc]]:
+def start_ep_groups(cluster: Cluster, model: Path, groups: int, coordinator_flags: tuple[str, ...] = (),
+                    engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS)) -> list[list[Proc]]:
     """A coordinator and `groups` EP groups of 2 ranks on `model` (an MoE model), ready, started as the
     README starts them (no --dp-rank: the coordinator assigns them); returns each group's [ep rank 0, ep rank
     1] processes."""
@@ -190,7 +190,7 @@ def start_ep_groups(cluster: Cluster, model: Path, groups: int,
     members = []
     for g in range(groups):
         dist_init = f"tcp://127.0.0.1:{free_port()}"
-        members.append([cluster.worker(2 * g + r, *ENGINE_FLAGS, "--ep-size", "2", "--ep-rank", str(r),
+        members.append([cluster.worker(2 * g + r, *engine_flags, "--ep-size", "2", "--ep-rank", str(r),
                                        "--dist-init", dist_init, "--ep-timeout", "20", model=model)
                         for r in range(2)])
     try:
@@ -206,9 +206,10 @@ def start_ep_groups(cluster: Cluster, model: Path, groups: int,
 def ep_groups(cluster_factory) -> Callable[..., tuple[Cluster, list[list[Proc]]]]:
     """Factory: (cluster, members) of `groups` ready EP groups of 2 ranks on an MoE model (see
     start_ep_groups), torn down after the test."""
-    def make(model: Path, groups: int, coordinator_flags: tuple[str, ...] = ()):
+    def make(model: Path, groups: int, coordinator_flags: tuple[str, ...] = (),
+             engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS)):
         cluster = cluster_factory()
-        return cluster, start_ep_groups(cluster, model, groups, coordinator_flags)
+        return cluster, start_ep_groups(cluster, model, groups, coordinator_flags, engine_flags)
     return make
 
 

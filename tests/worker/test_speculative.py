@@ -93,6 +93,16 @@ def test_ngram_proposes_what_followed_the_longest_earliest_match():
     assert ngram_drafts([256, 1, 0, 1], 1, 1, 1) == [0]
 
 
+def test_ngram_takes_the_last_token_as_an_insertion_when_nothing_matches():
+    passage = [10, 11, 12, 13, 14, 15]
+    # the copy added a token (99) after [11, 12]: no suffix n-gram occurs, [11, 12] before it does
+    assert ngram_drafts(passage + [0, 10, 11, 12, 99], 2, 4, 3) == [13, 14, 15]
+    assert ngram_drafts(passage + [0, 10, 11, 12, 99], 2, 4, 9) == [13, 14, 15, 0, 10, 11, 12]   # not the 99
+    assert ngram_drafts(passage + [0, 10, 12, 99], 2, 4, 3) == []    # neither matches
+    assert ngram_drafts(passage + [0, 12, 13, 14], 2, 4, 2) == [15, 0]   # a match needs no fallback
+    assert ngram_drafts([5, 6, 7], 2, 2, 2) == []                    # too short to skip a token
+
+
 def test_ngram_proposer_reads_prompt_and_output():
     request = Request("r", [5, 6, 7, 8], SamplingParams(), token_ids=[5, 6, 7, 8, 5, 6])
     assert NgramProposer(2, 2).propose([request], [2]) == [[7, 8]]
