@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,7 +220,7 @@ class InferenceClient:
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None, pin_rank: int | None = None,
-                     timeout: float | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                     timeout: float | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request as they arrive (`token_ids` and `text` new since the last one); the last
         has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout` and
         `priority`: as in `generate`; after a timeout the last delta has error_code "timeout"."""
@@ -230,7 +230,7 @@ class InferenceClient:
             async for delta in deltas:
                 yield delta
 
-    async def _deltas(self, request: _Request, timeout: float | None) -> AsyncIterator[RequestOutput]:
+    async def _deltas(self, request: _Request, timeout: float | None) -> AsyncGenerator[RequestOutput, None]:
         # The coordinator enforces the deadline; this one only covers a coordinator that cannot answer.
         deadline = None if timeout is None else time.monotonic() + timeout + DEADLINE_GRACE_S
         finished = False

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -424,7 +424,7 @@ class AsyncLLM:
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, timeout: float | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request (token_ids / text new since the previous one); the last has `finished` and
         `finish_reason`. A rejected prompt is one delta with finish_reason "error" and error_code
         "invalid_request". Leaving the loop early (break, aclose) aborts the request. With `timeout`
@@ -890,7 +890,7 @@ class _Samples:
         return out
 
 
-async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[RequestOutput]:
+async def _merged(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[RequestOutput, None]:
     """The deltas of several streams as they come; closing this closes them all (aborting what runs)."""
     if len(streams) == 1:
         async with aclosing(streams[0]) as deltas:
@@ -899,7 +899,7 @@ async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[
         return
     queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
 
-    async def pump(stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(stream: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async with aclosing(stream) as deltas:
                 async for delta in deltas:
