@@ -50,12 +50,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -86,7 +86,17 @@ from infer.protocol.structured import StructuredOutputsParams, grammar_error
 
 log = logging.getLogger("infer.api")
 
-Body = TypeVar("Body", bound=BaseModel)
+class _RequestBody(Protocol):
+    """A request schema (a pydantic model) naming the model it asks for; None: the one served."""
+
+    @property
+    def model(self) -> str | None: ...
+
+    @classmethod
+    def model_validate(cls, obj: Any) -> Self: ...
+
+
+Body = TypeVar("Body", bound=_RequestBody)
 R = TypeVar("R")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 try:
