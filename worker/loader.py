@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # Which part of a parameter a checkpoint tensor fills: None (all of it), a fused projection ("q", "gate"),
 # or one expert's projection of a fused expert parameter.
-Shard = str | ExpertShard | None
+Shard: TypeAlias = str | ExpertShard | None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
-from infer.worker.group_sync import GroupBroken
+from infer.worker.group_sync import GroupBroken, rendezvous_address
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -167,7 +167,10 @@ class PipelineGroup:
         import torch.distributed as dist
 
         try:
-            dist.isend(tensor.contiguous(), dst=stage).wait(datetime.timedelta(seconds=self.options.timeout_s))
+            work = dist.isend(tensor.contiguous(), dst=stage)
+            if work is None:   # this process is not in the default group
+                raise RuntimeError("not a member of the pipeline's group")
+            work.wait(datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError / DistBackendError variants
             raise GroupBroken(f"pipeline stage {self.stage}: sending to stage {stage} failed: {e}") from e
 
@@ -178,7 +181,10 @@ class PipelineGroup:
 
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         try:
-            dist.irecv(tensor, src=stage).wait(datetime.timedelta(seconds=self.options.timeout_s))
+            work = dist.irecv(tensor, src=stage)
+            if work is None:   # this process is not in the default group
+                raise RuntimeError("not a member of the pipeline's group")
+            work.wait(datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001
             raise GroupBroken(f"pipeline stage {self.stage}: receiving from stage {stage} failed: {e}") from e
         return tensor
@@ -247,19 +253,18 @@ def _rendezvous(dist_init: str, rank: int, size: int, split: str, timeout: datet
     the layer partition: ValueError naming both sides otherwise."""
     import torch.distributed as dist
 
-    parts = urlsplit(dist_init)
-    store = dist.TCPStore(parts.hostname, parts.port, None if rank else size, rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    host, port = rendezvous_address(dist_init)
+    store = dist.TCPStore(host, port, None if rank else size, rank == 0, timeout=timeout, wait_for_workers=False)
     mine = f"{size} stages, layers {split}"
     theirs = store.get("infer/pp-layout/0").decode() if rank else mine   # read before stage 0 can see ours, and go
     store.set(f"infer/pp-layout/{rank}", mine)
     if rank == 0:   # every stage's layout, so that stage 0 leaves at once too when one differs
         keys = [f"infer/pp-layout/{stage}" for stage in range(size)]
         store.wait(keys, timeout)
-        for stage, theirs in enumerate(store.multi_get(keys)):
-            if theirs.decode() != mine:
+        for stage, stored in enumerate(store.multi_get(keys)):
+            if stored.decode() != mine:
                 raise ValueError(f"pipeline stage {stage} was started with --pp-size / --pp-layer-partition giving "
-                                 f"{theirs.decode()}, this process (stage 0 at {dist_init}) with {mine}: every stage "
+                                 f"{stored.decode()}, this process (stage 0 at {dist_init}) with {mine}: every stage "
                                  f"must be given the same sizes")
         return store
     if theirs != mine:
