@@ -15,6 +15,7 @@ from infer.worker.speculative import sampling_rows
 from infer.worker.step_graphs import StepGraphs
 
 if TYPE_CHECKING:
+    from infer.worker.models.registry import CausalLM
     from infer.worker.tp_commands import TpLeader
 
 
@@ -26,7 +27,7 @@ class ModelRunner:
 
     followers: TpLeader | None = None
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, max_model_len: int,
+    def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, max_model_len: int,
                  device: torch.device, sampler: Sampler, step_graphs: StepGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -44,10 +45,12 @@ class ModelRunner:
         `chunk.num_sampled_rows`). Returns None when no chunk samples (all mid-prefill).
         Pure-decode steps that fit a step-graph bucket replay its graph; the others (verification steps
         included) run eagerly."""
-        graphs = self.step_graphs is not None and not any(c.request.pooled is not None for c in chunks)
-        bucket = self.step_graphs.bucket_for(chunks) if graphs else None   # pooling needs the hidden states
-        if bucket is not None:
-            logits = self.step_graphs.run(chunks, bucket)
+        graphs = self.step_graphs
+        if graphs is not None and any(c.request.pooled is not None for c in chunks):
+            graphs = None   # pooling needs the hidden states
+        bucket = graphs.bucket_for(chunks) if graphs is not None else None
+        if graphs is not None and bucket is not None:
+            logits = graphs.run(chunks, bucket)
         else:
             batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
             hidden = self._forward(batch)
