@@ -133,7 +133,7 @@ class QuantStorage(nn.Module):
     def copy_weight_rows(self, start: int, length: int, tensor: Any, what: str) -> None:
         """Fill rows [start, start + length) of the weight from a checkpoint tensor of exactly that shape (a
         torch.Tensor, a lazy file tensor, or a GGUF tensor), quantizing or dequantizing as the storage needs."""
-        if self.quant_format is None:
+        if self.quant_format is None or self.weight_scales is None:   # dense (a format comes with its scales)
             rows = self.weight.narrow(0, start, length)
             if tuple(rows.shape) != tuple(tensor.shape):
                 raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(rows.shape)}")
