@@ -58,7 +58,8 @@ class ChatEncoder:
         for sentinel, i in zip(sentinels, marked):
             stand_ins[i] = {**messages[i], "content": sentinel}
         template = render(stand_ins)
-        pieces = re.split("(" + "|".join(map(re.escape, sentinels)) + ")", template)
+        # One group, in every match: no None among the pieces.
+        pieces: list[str] = re.split("(" + "|".join(map(re.escape, sentinels)) + ")", template)
         if "".join(sentinels.get(p, p) for p in pieces) != text or \
                 sorted(p for p in pieces if p in sentinels) != sorted(sentinels):
             raise ValueError("a message's content holds special-token text, and this model's chat template changes "

@@ -7,7 +7,7 @@ either, which is how `AsyncLLM.serve()` puts the same HTTP front on direct mode 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol, runtime_checkable
 
 from infer.protocol.messages import ClusterStats
@@ -57,7 +57,7 @@ class EngineClient(Protocol):
     def model_id(self) -> str | None: ...
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-               timeout: float | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+               timeout: float | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str | None = None, timeout: float | None = None,

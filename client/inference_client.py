@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,18 @@ class _Request:
 
 
 @dataclass(eq=False)
+class _Connection:
+    """What connect() opens and close() releases, all at once: the socket, its context and handshake monitor,
+    the event the loops end on, and the lock that keeps request-reply calls one at a time."""
+
+    ctx: zmq.asyncio.Context
+    sock: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    call_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(eq=False)
 class _Call:
     expect: tuple[type[Message], ...]
     future: asyncio.Future
@@ -134,11 +146,8 @@ class InferenceClient:
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._call: _Call | None = None
-        self._call_lock: asyncio.Lock | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._conn: _Connection | None = None
         self._tasks: list[asyncio.Task] = []
-        self._closed: asyncio.Event | None = None
         self._failure: ClusterError | None = None
         self._last_heard = 0.0
 
@@ -158,19 +167,17 @@ class InferenceClient:
 
     async def connect(self) -> Welcome:
         """Connect and handshake; ClusterError if refused or unanswered within `connect_timeout`."""
-        if self._sock is not None:
+        if self._conn is not None:
             raise ClusterError("already connected")
-        self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=self.curve)
-        self._monitor = self._sock.get_monitor_socket(HANDSHAKE_EVENTS)
-        self._sock.connect(self.address)
-        self._closed = asyncio.Event()
-        self._call_lock = asyncio.Lock()
+        ctx = zmq.asyncio.Context()
+        sock = make_socket(ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=self.curve)
+        conn = self._conn = _Connection(ctx, sock, sock.get_monitor_socket(HANDSHAKE_EVENTS))
+        sock.connect(self.address)
         self._last_heard = time.monotonic()
         self._failure = None
-        self._tasks = [asyncio.create_task(self._receive_loop(), name=f"{self.client_id}-receive"),
-                       asyncio.create_task(self._heartbeat_loop(), name=f"{self.client_id}-heartbeat"),
-                       asyncio.create_task(self._handshake_loop(), name=f"{self.client_id}-handshakes")]
+        self._tasks = [asyncio.create_task(self._receive_loop(conn), name=f"{self.client_id}-receive"),
+                       asyncio.create_task(self._heartbeat_loop(conn), name=f"{self.client_id}-heartbeat"),
+                       asyncio.create_task(self._handshake_loop(conn), name=f"{self.client_id}-handshakes")]
         try:
             self.welcome = await self._request_reply(Hello(role="client", peer_id=self.client_id), (Welcome,),
                                                      self.connect_timeout)
@@ -184,21 +191,21 @@ class InferenceClient:
 
     async def close(self) -> None:
         """Abort what is still in flight, fail its waiters, and release the socket."""
-        if self._sock is None:
+        conn = self._conn
+        if conn is None:
             return
         if self._requests:
             self._send_nowait(Abort(request_ids=list(self._requests)))
         self._fail_all(ClusterError("the client was closed"))
-        self._closed.set()
+        conn.closed.set()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=CLOSE_LINGER_MS)
-        self._ctx.term()
-        self._sock = None
-        self._ctx = None
+        conn.sock.disable_monitor()
+        conn.monitor.close(linger=0)
+        conn.sock.close(linger=CLOSE_LINGER_MS)
+        conn.ctx.term()
+        self._conn = None
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -222,7 +229,7 @@ class InferenceClient:
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None, pin_rank: int | None = None,
-                     timeout: float | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                     timeout: float | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request as they arrive (`token_ids` and `text` new since the last one); the last
         has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout` and
         `priority`: as in `generate`; after a timeout the last delta has error_code "timeout"."""
@@ -232,7 +239,7 @@ class InferenceClient:
             async for delta in deltas:
                 yield delta
 
-    async def _deltas(self, request: _Request, timeout: float | None) -> AsyncIterator[RequestOutput]:
+    async def _deltas(self, request: _Request, timeout: float | None) -> AsyncGenerator[RequestOutput, None]:
         # The coordinator enforces the deadline; this one only covers a coordinator that cannot answer.
         deadline = None if timeout is None else time.monotonic() + timeout + DEADLINE_GRACE_S
         finished = False
@@ -299,7 +306,7 @@ class InferenceClient:
 
     def _abandon(self, request: _Request) -> None:
         """The caller stopped waiting before the end: abort it on the cluster."""
-        if self._requests.pop(request.request_id, None) is not None and self._sock is not None:
+        if self._requests.pop(request.request_id, None) is not None and self._conn is not None:
             self._send_nowait(Abort(request_ids=[request.request_id]))
 
     # ---- lifecycle and stats --------------------------------------------------------------------
@@ -410,9 +417,10 @@ class InferenceClient:
         reply = asyncio.ensure_future(self._request_reply(msg, (WeightsUpdated,), wait))
         sending = asyncio.ensure_future(asyncio.to_thread(sender.send, pairs))
         await asyncio.wait({reply, sending}, return_when=asyncio.FIRST_EXCEPTION)
-        if reply.done() and reply.exception() is not None:
+        refused = reply.exception() if reply.done() else None
+        if refused is not None:
             sending.add_done_callback(_consume)   # its thread ends at its own timeout: nobody joins the group
-            raise reply.exception()
+            raise refused
         try:
             await sending
         except Exception as e:
@@ -448,15 +456,16 @@ class InferenceClient:
 
     async def _request_reply(self, msg: Message, expect: tuple[type[Message], ...], timeout: float) -> Any:
         """Send `msg` and wait for the answer; one such call at a time (answers carry no request id)."""
-        self._check_open()
-        async with self._call_lock:
+        conn = self._check_open()
+        async with conn.call_lock:
             call = self._call = _Call(expect, asyncio.get_running_loop().create_future())
             if not self._requests:
                 self._last_heard = time.monotonic()
             # Not awaited before the answer: with no live pipe (a refused CURVE handshake tears it down, at times
             # before the Hello is queued) a DEALER's send waits for one; the handshake monitor fails the call
             # meanwhile, and the timeout bounds both.
-            send = self._sock.send_multipart([encode(msg)])
+            # pyzmq's stub says Awaitable; zmq.asyncio's send_multipart returns an asyncio.Future
+            send: asyncio.Future = conn.sock.send_multipart([encode(msg)])   # type: ignore[assignment]
             send.add_done_callback(_consume)
             try:
                 return await asyncio.wait_for(call.future, timeout)
@@ -470,8 +479,8 @@ class InferenceClient:
 
     # ---- the receive side -----------------------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
-        sock = self._sock
+    async def _receive_loop(self, conn: _Connection) -> None:
+        sock = conn.sock
         while True:
             try:
                 frames = await sock.recv_multipart()
@@ -513,7 +522,7 @@ class InferenceClient:
         if instance is None or instance == self._instance:
             return
         restarted, self._instance = self._instance is not None, instance
-        if restarted and self._sock is not None:
+        if restarted and self._conn is not None:
             self._reattach_all("the coordinator restarted")
 
     def _reattach_all(self, why: str) -> None:
@@ -580,7 +589,7 @@ class InferenceClient:
         every request (each resumes from the tokens received); too slow: each ends with that error."""
         if self._call is not None and not self._call.future.done():
             self._call.future.set_exception(ClusterError(error.message))
-        if error.code == ErrorCode.CLIENT_LOST and self._sock is not None:
+        if error.code == ErrorCode.CLIENT_LOST and self._conn is not None:
             return self._reattach_all("the coordinator declared this client lost")
         log.warning("%s", safe(error.message, 500))
         for request in list(self._requests.values()):
@@ -599,8 +608,8 @@ class InferenceClient:
 
     # ---- liveness -------------------------------------------------------------------------------
 
-    async def _heartbeat_loop(self) -> None:
-        closed = self._closed
+    async def _heartbeat_loop(self, conn: _Connection) -> None:
+        closed = conn.closed
         woke = time.monotonic()
         while True:
             try:
@@ -623,12 +632,12 @@ class InferenceClient:
             else:
                 self._send_nowait(Heartbeat(sent_at=time.time()))
 
-    async def _handshake_loop(self) -> None:
+    async def _handshake_loop(self, conn: _Connection) -> None:
         """Failed CURVE handshakes, as the socket reports them: before the Welcome (and a refused key at any
         time) they end the client at once with what they mean; a later one that may be a restarting
         coordinator is only logged (the silence timeout covers a coordinator that never comes back)."""
         while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
+            event = parse_monitor_message(await conn.monitor.recv_multipart())
             problem = handshake_failure(event, self.curve is not None, _KEY_FLAGS)
             if problem is None:
                 continue
@@ -651,23 +660,29 @@ class InferenceClient:
 
     # ---- sending --------------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._sock is None:
+    def _connected(self) -> _Connection:
+        if self._conn is None:
             raise ClusterError("the client is not connected (use `async with InferenceClient(...)` or connect())")
+        return self._conn
+
+    def _check_open(self) -> _Connection:
+        conn = self._connected()
         if self._failure is not None:
             raise self._failure
+        return conn
 
     async def _send(self, msg: Message) -> None:
         """Queue `msg` for the coordinator. A DEALER with no live pipe (the coordinator refused the handshake, or
         is gone and its pipe with it) waits for one: past `silence_timeout` that is a ClusterError, not a hang."""
         try:
-            await asyncio.wait_for(self._sock.send_multipart([encode(msg)]), self.silence_timeout)
+            await asyncio.wait_for(self._connected().sock.send_multipart([encode(msg)]), self.silence_timeout)
         except asyncio.TimeoutError:
             raise ClusterError(f"could not send {msg.TYPE!r} to the coordinator at {self.address} within "
                                f"{self.silence_timeout} s (no connection to it)") from None
 
     def _send_nowait(self, msg: Message) -> None:
-        future = self._sock.send_multipart([encode(msg)])
+        # pyzmq's stub says Awaitable; zmq.asyncio's send_multipart returns an asyncio.Future
+        future: asyncio.Future = self._connected().sock.send_multipart([encode(msg)])   # type: ignore[assignment]
         future.add_done_callback(_consume)
 
 

@@ -24,11 +24,11 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
@@ -267,32 +267,32 @@ class AsyncLLM:
         if self._engine is None and self._local is None:
             if not self.options.coordinator_mode:
                 self._engine = await _start_local_engine(self.options)
-            elif self.options.joins_cluster:
+            elif self.options.coordinator_address is not None:   # joins_cluster
                 self._engine = await _join_cluster(self.options.coordinator_address, self.options)
-            elif self._spmd():
-                self._engine = await self._start_spmd()
+            elif (world := self._spmd()) is not None:
+                self._engine = await self._start_spmd(world)
             else:
                 self._engine = await self._start_cluster()
         return self
 
-    def _spmd(self) -> bool:
-        """SPMD ranks (client/spmd.py): a multi-process program, or an in-memory model (a world of one)."""
+    def _spmd(self) -> SpmdWorld | None:
+        """SPMD ranks (client/spmd.py): a multi-process program, or an in-memory model (a world of one); their
+        world, None when this is neither."""
         from infer.client.spmd import SpmdWorld
 
-        self._world = SpmdWorld.from_env()
-        if self._world.world_size == 1 and self.options.in_memory_model is None:
-            return False
-        if self.options.data_parallel_size not in (1, self._world.world_size):
+        world = self._world = SpmdWorld.from_env()
+        if world.world_size == 1 and self.options.in_memory_model is None:
+            return None
+        if self.options.data_parallel_size not in (1, world.world_size):
             raise ValueError(f"data_parallel_size={self.options.data_parallel_size} does not match the "
-                             f"{self._world.world_size} SPMD ranks: each rank hosts one engine")
-        return True
+                             f"{world.world_size} SPMD ranks: each rank hosts one engine")
+        return world
 
-    async def _start_spmd(self) -> InferenceClient | None:
+    async def _start_spmd(self, world: SpmdWorld) -> InferenceClient | None:
         """Rank 0: the coordinator; every rank: its engine behind an in-process worker; rank 0: the client."""
         from infer.client.serve import LocalCluster
         from infer.client.spmd import InProcessWorker
 
-        world = self._world
         try:
             if world.rank == 0:
                 if not world.is_loopback:
@@ -372,7 +372,7 @@ class AsyncLLM:
     @property
     def engine(self) -> EngineClient:
         """The EngineClient behind this object: a LocalEngine (direct) or an InferenceClient (coordinator)."""
-        if self._engine is None and self._local is not None:
+        if self._engine is None and self._local is not None and self._world is not None:
             raise RuntimeError(f"this is rank {self._world.rank} of {self._world.world_size} SPMD ranks: it serves "
                                f"with its engine, and prompts go in on rank 0 only (check llm.is_primary_rank)")
         if self._engine is None:
@@ -424,7 +424,8 @@ class AsyncLLM:
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, timeout: float | None = None,
-                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request (token_ids / text new since the previous one); the last has `finished` and
         `finish_reason`. A rejected prompt is one delta with finish_reason "error" and error_code
         "invalid_request". Leaving the loop early (break, aclose) aborts the request. With `timeout`
@@ -712,7 +713,8 @@ class LLM:
         if loop is None:
             return
         try:
-            loop.run(remote.close())
+            if remote is not None:   # set with the loop
+                loop.run(remote.close())
         finally:
             loop.stop()
 
@@ -804,7 +806,7 @@ class LLM:
             self._engine.add_lora(request.lora_name, request.lora_path, request.lora_int_id)
         params = _with_loras(params, loras)
         flat = _Samples(prompts, params, priorities)
-        return flat.results(self._generate_direct(flat.prompts, flat.params, use_tqdm, flat.priorities))
+        return flat.results(self._generate_direct(self._engine, flat.prompts, flat.params, use_tqdm, flat.priorities))
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -865,9 +867,8 @@ class LLM:
             completion.prompt = text
         return completions
 
-    def _generate_direct(self, prompts: list[Prompt], params: list[SamplingParams],
+    def _generate_direct(self, engine: Engine, prompts: list[Prompt], params: list[SamplingParams],
                          use_tqdm: bool, priorities: list[int]) -> list[Completion]:
-        engine = self._engine
         completions = [self._submit(engine, p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)]
         by_id = {c.request_id: c for c in completions if c.finish_reason is None}
         bar = _progress(len(completions), use_tqdm)
@@ -999,7 +1000,7 @@ class _Samples:
         return out
 
 
-async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[RequestOutput]:
+async def _merged(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[RequestOutput, None]:
     """The deltas of several streams as they come; closing this closes them all (aborting what runs)."""
     if len(streams) == 1:
         async with aclosing(streams[0]) as deltas:
@@ -1008,7 +1009,7 @@ async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[
         return
     queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
 
-    async def pump(stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(stream: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async with aclosing(stream) as deltas:
                 async for delta in deltas:
@@ -1040,7 +1041,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [list(prompts)]  # a single token-id prompt
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts must be a string, a token-id list, or a list of those; got {type(prompts).__name__}")
-    return [list(p) if isinstance(p, tuple) else p for p in prompts]
+    # a list of prompts (an int among them is passed on as it is, for the engine to refuse as that prompt's error)
+    return [list(p) if isinstance(p, tuple) else p for p in cast(Sequence[Prompt], prompts)]
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -190,7 +190,7 @@ class LocalEngine:
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None, timeout: float | None = None,
-                     priority: int = 0) -> AsyncIterator[RequestOutput]:
+                     priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request; the last has `finished`. Leaving the loop early aborts the request.
         `timeout` (seconds from this call): past it the request is aborted and its last delta has
         finish_reason "error", error_code "timeout". `priority`: lower first (scheduling_policy "priority")."""
@@ -243,8 +243,10 @@ class LocalEngine:
         (the old weights keep serving); ClusterError if the engine thread does not answer within `timeout`."""
         if on_running not in ("drain", "abort"):
             raise ValueError(f"on_running must be one of drain, abort, got {on_running!r}")
-        if not isinstance(source, (str, os.PathLike)):
-            source = list(source.items() if isinstance(source, Mapping) else source)
+        if isinstance(source, Mapping):
+            source = list(source.items())
+        elif isinstance(source, Iterable) and not isinstance(source, (str, os.PathLike)):
+            source = list(source)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._send(_UpdateWeights(source, on_running, future))
         try:
@@ -301,7 +303,7 @@ class LocalEngine:
         self._send(_Add(stream, prompt, params, timeout, time.monotonic(), priority))
         return stream
 
-    async def _deltas(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def _deltas(self, stream: _Stream) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
@@ -339,7 +341,7 @@ class LocalEngine:
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
                 if self._refit is not None and not self.engine.has_unfinished():
-                    self._finish_refit()
+                    self._finish_refit(self._refit)
         except Exception as e:   # a failed step: the engine's state is unknown, so it serves nothing more
             log.exception("the engine failed; failing every request in flight")
             reason = f"the engine failed: {type(e).__name__}: {e}"
@@ -433,10 +435,10 @@ class LocalEngine:
             self._deliver([dataclasses.replace(out, error=reason) for out in self.engine.take_pending()])
         self._refit = command
         if not self.engine.has_unfinished():
-            self._finish_refit()
+            self._finish_refit(command)
 
-    def _finish_refit(self) -> None:
-        command, self._refit = self._refit, None
+    def _finish_refit(self, command: _UpdateWeights) -> None:
+        self._refit = None
         try:
             command.future.set_result(self.engine.update_weights(command.source))
         except Exception as e:   # noqa: BLE001 - a bad source or tensor: the old weights keep serving
@@ -485,11 +487,12 @@ class LocalEngine:
                 _post(command.stream.loop, [(command.stream, error)])
             elif isinstance(command, (_StatsQuery, _UpdateWeights)):
                 command.future.set_exception(error)
-        for command in [*self._deferred, *([self._refit] if self._refit is not None else [])]:
-            if isinstance(command, _Add):
-                _post(command.stream.loop, [(command.stream, error)])
+        held_back: list[_Add | _UpdateWeights] = [*self._deferred, *([self._refit] if self._refit is not None else [])]
+        for held in held_back:
+            if isinstance(held, _Add):
+                _post(held.stream.loop, [(held.stream, error)])
             else:
-                command.future.set_exception(error)
+                held.future.set_exception(error)
         self._deferred, self._refit = [], None
         for stream in self._streams.values():
             if failure is None:

@@ -119,7 +119,7 @@ class Worker:
         except WorkerExit as e:
             self._flush()
             if e.leave_group is not None and self.group is not None:
-                self._leave_group(e.leave_group)
+                self._leave_group(self.group, e.leave_group)
             (log.info if e.code == EXIT_OK else log.error)("%s", safe(e, 2000))
             return e.code
         finally:   # let the last frames leave, unless no coordinator ever answered
@@ -145,7 +145,7 @@ class Worker:
             if core.drained(time.monotonic()):
                 self._flush()
                 if self.group is not None:   # the group cannot step without this rank: it leaves too
-                    self._leave_group("drained")
+                    self._leave_group(self.group, "drained")
                 log.info("drained; exiting")
                 return EXIT_OK
 
@@ -198,12 +198,14 @@ class Worker:
             self.core.group_broken(lost, time.monotonic())
         self.core.shed_overdue(time.monotonic())
         if self.group is not None:
-            return self._advance_group()
+            return self._advance_group(self.group)
         outputs = self._engine_step(self.engine.step) if self.core.wants_step() else self.engine.take_pending()
         self.core.after_step(outputs, time.monotonic())
         self._flush()
 
-    def _engine_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+    # Both handlers raise WorkerExit (the core's methods are NoReturn), which mypy cannot see: it takes infer.*
+    # imports for Any under this repository's settings.
+    def _engine_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:   # type: ignore[return]
         try:
             with self._socket_handed_over():
                 return step()
@@ -242,10 +244,10 @@ class Worker:
 
     # ---- EP group lockstep (see infer.worker.group_sync) -------------------------------------------
 
-    def _advance_group(self) -> None:
+    def _advance_group(self, group: GroupSync) -> None:
         """Enter the group's next round when anyone may have work (or to check the members while idle),
         then run this rank's step, or a dummy forward, if anyone has work."""
-        group, now, core = self.group, time.monotonic(), self.core
+        now, core = time.monotonic(), self.core
         has_work = core.wants_step()
         woken = group.woken()
         check_due = now - self._last_round >= self.options.heartbeat_interval
@@ -270,12 +272,12 @@ class Worker:
         core.after_step(outputs, time.monotonic(), refit=False)
         self._flush()
 
-    def _leave_group(self, reason: str) -> None:
+    def _leave_group(self, group: GroupSync, reason: str) -> None:
         """Tell the group this rank is leaving (one last round), so the others leave too instead of hanging
         in a collective."""
         self._leaving = reason
         try:
-            self._advance_group()
+            self._advance_group(group)
         except WorkerExit:
             self._flush()
 

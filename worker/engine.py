@@ -1056,7 +1056,7 @@ def _logprobs_rows(sampled: SamplerOutput, wants: list[int | None]) -> list[Toke
             rows.append(None)
             continue
         row = {chosen[i]: values[i]}
-        if top_ids is not None and n > 0:
+        if top_ids is not None and top_lps is not None and n > 0:   # set together by the sampler
             for t, v in zip(top_ids[i][:n], top_lps[i][:n]):
                 row.setdefault(t, v)
         rows.append(row)

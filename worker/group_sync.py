@@ -219,6 +219,14 @@ class GroupSync:
             self._gate.close()
 
 
+def rendezvous_address(dist_init: str) -> tuple[str, int]:
+    """(HOST, PORT) of a tcp://HOST:PORT rendezvous; ValueError if it names no host or port."""
+    parts = urlsplit(dist_init)
+    if not parts.hostname or parts.port is None:
+        raise ValueError(f"--dist-init must be tcp://HOST:PORT, got {dist_init!r}")
+    return parts.hostname, parts.port
+
+
 def _local_address_towards(host: str) -> str:
     """This machine's address on the route to `host` (loopback for a loopback rendezvous). No packet is
     sent: connecting a UDP socket only picks the route."""

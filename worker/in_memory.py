@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ class InMemoryModel:
     model_id: str
 
 
-def is_our_model(model: object) -> bool:
+def is_our_model(model: object) -> TypeGuard[nn.Module]:
     """One of infer.worker.models' classes (the CausalLM protocol), rather than a transformers model."""
     return isinstance(model, nn.Module) and type(model).__module__.startswith("infer.worker.models")
 
@@ -61,7 +61,7 @@ def in_memory_model(model: object, tokenizer: Any, dtype: torch.dtype, device: t
 
 def _state_tensors(model: nn.Module) -> Iterator[tuple[str, Callable[[], torch.Tensor], str]]:
     for name, tensor in model.state_dict().items():
-        yield name, (lambda t=tensor: t.detach()), "in the in-memory model"
+        yield name, tensor.detach, "in the in-memory model"
 
 
 def _eos_ids(model: object, tokenizer: Any) -> frozenset[int]:

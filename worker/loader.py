@@ -6,12 +6,13 @@ their blocks). AWQ / GPTQ int4 safetensors load as they are too (worker/awq_gptq
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -27,11 +28,36 @@ from infer.worker.models.moe import ExpertShard
 from infer.worker.models.registry import model_class
 from infer.worker.tensor_parallel import TensorParallel
 
+if TYPE_CHECKING:
+    from safetensors import safe_open
+
 logger = logging.getLogger(__name__)
 
 # Which part of a parameter a checkpoint tensor fills: None (all of it), a fused projection ("q", "gate"),
 # or one expert's projection of a fused expert parameter.
-Shard = str | ExpertShard | None
+Shard: TypeAlias = str | ExpertShard | None
+T = TypeVar("T")
+
+
+@runtime_checkable
+class _HoldsSome(Protocol):
+    """A module of an expert-parallel rank (models/moe.py): it holds some experts' shards only."""
+
+    def holds(self, shard: Shard) -> bool: ...
+
+
+@runtime_checkable
+class _ShardedParams(Protocol):
+    """A module that says which shards fill each of its parameters (models/layers.py, models/moe.py)."""
+
+    def shards_of(self, param_name: str) -> tuple[Shard, ...]: ...
+
+
+@runtime_checkable
+class _LoadsShards(Protocol):
+    """A module that copies a checkpoint tensor (or a FileTensor) into its parameter, or its shard of it."""
+
+    def load_shard(self, param_name: str, tensor: Any, shard: Any = None) -> None: ...
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -98,11 +124,12 @@ def _stored_plan(model: nn.Module, files: list[Path]) -> dict[str, str]:
         module, _, param = name.rpartition(".")
         if param == "weight":
             formats.setdefault(module, set()).add(fmt)
-    plan = {}
+    plan: dict[str, str] = {}
     for module, found in formats.items():
-        if found == {None}:
+        stored = {fmt for fmt in found if fmt is not None}
+        if not stored:   # dense only
             continue
-        plan[module] = found.pop() if len(found) == 1 else "q8+min"
+        plan[module] = stored.pop() if len(found) == 1 else "q8+min"
     return plan
 
 
@@ -167,7 +194,9 @@ def pack_weights(model: nn.Module) -> None:
         if isinstance(module, (PackedLinear, VocabEmbedding)):
             module.pack_weights()
         if getattr(module, "native_decode", None):
-            module.native_decode = None   # it holds the old weights' addresses: the next decode step makes it anew
+            # it holds the old weights' addresses: the next decode step makes it anew (torch's stub types a
+            # module's attributes as Tensor | Module; this one is a plain attribute)
+            module.native_decode = None   # type: ignore[assignment]
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -231,11 +260,21 @@ def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], Any]
             from infer.worker.gguf import open_gguf
 
             for key, tensor in open_gguf(file).tensors():
-                yield key, lambda tensor=tensor: tensor, f"in {file.name}"
+                yield key, _constant(tensor), f"in {file.name}"
             continue
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield key, lambda f=f, key=key: FileTensor(f.get_slice(key)), f"in {file.name}"
+                yield key, functools.partial(_file_tensor, f, key), f"in {file.name}"
+
+
+def _constant(value: T) -> Callable[[], T]:
+    """A reader of a tensor already in memory."""
+    return lambda: value
+
+
+def _file_tensor(f: safe_open, key: str) -> FileTensor:
+    """Tensor `key` of the open safetensors file `f`, not read yet."""
+    return FileTensor(f.get_slice(key))
 
 
 def _int4_file_tensors(files: list[Path], scheme: Int4Scheme) -> Iterator[tuple[str, Callable[[], Any], str]]:
@@ -312,7 +351,7 @@ def checkpoint_target(model: nn.Module, params: dict[str, nn.Parameter], aliases
         raise ValueError(f"checkpoint tensor {key!r}{' ' + where if where else ''} matches no parameter of "
                          f"{type(model).__name__}")
     module, _param_name = _owner(model, name)
-    if hasattr(module, "holds") and not module.holds(shard):
+    if isinstance(module, _HoldsSome) and not module.holds(shard):
         return None  # another rank's expert
     return module, name, shard
 
@@ -348,7 +387,7 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def _shards_of(module: nn.Module, param_name: str) -> tuple[Shard, ...]:
     """The shards that together fill `param_name` of `module` (on this rank): (None,) for a plain one."""
-    if hasattr(module, "shards_of"):
+    if isinstance(module, _ShardedParams):
         return tuple(module.shards_of(param_name))
     return tuple(getattr(module, "shard_names", (None,)))
 
@@ -358,7 +397,7 @@ def load_tensor(module: nn.Module, name: str, shard: Shard, param: torch.Tensor,
     """Copy one checkpoint tensor into its parameter (or its shard of it); ValueError naming `where` on a
     bad shape."""
     try:
-        if hasattr(module, "load_shard"):
+        if isinstance(module, _LoadsShards):
             module.load_shard(name.rpartition(".")[2], tensor, shard)
         elif shard is not None:
             raise ValueError(f"{name} is not a fused parameter")

@@ -335,6 +335,8 @@ class LoraManager:
         layer = self.layers.get(module)
         if layer is None:
             linear = self.model.get_submodule(module)
+            if not isinstance(linear, PackedLinear):   # _target checked it when the adapter was read
+                raise ValueError(f"{module} is not a linear layer of this model")
             layer = self.layers[module] = LoraLayer(linear, self.slots.capacity, self.max_rank, self.dtype,
                                                     self.device)
             linear.lora = layer

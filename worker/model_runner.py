@@ -16,6 +16,7 @@ from infer.worker.speculative import sampling_rows
 from infer.worker.step_graphs import StepGraphs
 
 if TYPE_CHECKING:
+    from infer.worker.models.registry import CausalLM
     from infer.worker.tp_commands import TpLeader
 
 
@@ -28,7 +29,7 @@ class ModelRunner:
     followers: TpLeader | None = None
     lora: LoraManager | None = None   # the engine's LoRA adapters (worker/lora.py), when enabled
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, max_model_len: int,
+    def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, max_model_len: int,
                  device: torch.device, sampler: Sampler, step_graphs: StepGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -49,11 +50,12 @@ class ModelRunner:
         slot_rows = [] if self.lora is None else self.lora.slot_rows([(c.request.lora_id, c.num_new_tokens)
                                                                        for c in chunks])
         lora = None if self.lora is None else self.lora.step(slot_rows)
-        graphs = (self.step_graphs is not None and lora is None   # LoRA rows run the layers one by one
-                  and not any(c.request.pooled is not None for c in chunks))
-        bucket = self.step_graphs.bucket_for(chunks) if graphs else None   # pooling needs the hidden states
-        if bucket is not None:
-            logits = self.step_graphs.run(chunks, bucket)
+        graphs = self.step_graphs
+        if graphs is not None and (lora is not None or any(c.request.pooled is not None for c in chunks)):
+            graphs = None   # LoRA rows run the layers one by one; pooling needs the hidden states
+        bucket = graphs.bucket_for(chunks) if graphs is not None else None
+        if graphs is not None and bucket is not None:
+            logits = graphs.run(chunks, bucket)
         else:
             batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
             with lora_step(lora):

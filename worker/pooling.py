@@ -50,6 +50,8 @@ class PoolingState:
 
     def vector(self) -> list[float]:
         """The embedding (the prompt must be complete)."""
+        if self._acc is None:
+            raise ValueError("no prompt position was pooled yet")
         vec = self._acc / self.num_prompt_tokens if self.pooling == "mean" else self._acc
         if self.normalize:
             vec = torch.nn.functional.normalize(vec, dim=0)

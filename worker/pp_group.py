@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
-from infer.worker.group_sync import GroupBroken
+from infer.worker.group_sync import GroupBroken, rendezvous_address
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -212,8 +212,10 @@ class PipelineGroup:
         import torch.distributed as dist
 
         try:
-            dist.isend(tensor.contiguous(), dst=self.rank_of(stage, tp_rank)).wait(
-                datetime.timedelta(seconds=self.options.timeout_s))
+            work = dist.isend(tensor.contiguous(), dst=self.rank_of(stage, tp_rank))
+            if work is None:   # this process is not in the default group
+                raise RuntimeError("not a member of the pipeline's group")
+            work.wait(datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError / DistBackendError variants
             raise GroupBroken(f"{self.member(self.index)}: sending to stage {stage} failed: {e}") from e
 
@@ -226,8 +228,10 @@ class PipelineGroup:
 
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         try:
-            dist.irecv(tensor, src=self.rank_of(stage, tp_rank)).wait(
-                datetime.timedelta(seconds=self.options.timeout_s))
+            work = dist.irecv(tensor, src=self.rank_of(stage, tp_rank))
+            if work is None:   # this process is not in the default group
+                raise RuntimeError("not a member of the pipeline's group")
+            work.wait(datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001
             raise GroupBroken(f"{self.member(self.index)}: receiving from stage {stage} failed: {e}") from e
         return tensor
@@ -334,19 +338,18 @@ def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: date
     the layout (stages, layer partition, TP and EP sizes): ValueError naming both sides otherwise."""
     import torch.distributed as dist
 
-    parts = urlsplit(dist_init)
-    store = dist.TCPStore(parts.hostname, parts.port, None if rank else size, rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    host, port = rendezvous_address(dist_init)
+    store = dist.TCPStore(host, port, None if rank else size, rank == 0, timeout=timeout, wait_for_workers=False)
     mine = layout
     theirs = store.get("infer/pp-layout/0").decode() if rank else mine   # read before rank 0 can see ours, and go
     store.set(f"infer/pp-layout/{rank}", mine)
     if rank == 0:   # every process's layout, so that rank 0 leaves at once too when one differs
         keys = [f"infer/pp-layout/{r}" for r in range(size)]
         store.wait(keys, timeout)
-        for other, theirs in enumerate(store.multi_get(keys)):
-            if theirs.decode() != mine:
+        for other, stored in enumerate(store.multi_get(keys)):
+            if stored.decode() != mine:
                 raise ValueError(f"pipeline process {other} (global rank) was started with --pp-size / "
-                                 f"--pp-layer-partition / --tp-size / --ep-size giving {theirs.decode()}, this "
+                                 f"--pp-layer-partition / --tp-size / --ep-size giving {stored.decode()}, this "
                                  f"process (stage 0 at {dist_init}) with {mine}: every process must be given the "
                                  f"same sizes")
         return store

@@ -35,6 +35,7 @@ from infer.worker.loader import (
     build_model, file_tensors, load_named_tensors, materialize, pack_weights, quant_plan, weight_files
 )
 from infer.worker.models.layers import deferred_weights
+from infer.worker.models.llama import LlamaForCausalLM
 from infer.worker.pp_group import PipelineGroup, agree_min
 
 log = logging.getLogger("infer.worker")
@@ -47,7 +48,7 @@ class StageModel:
 
     supports_step_graphs: ClassVar[bool] = False
 
-    def __init__(self, lm: nn.Module, group: PipelineGroup) -> None:
+    def __init__(self, lm: LlamaForCausalLM, group: PipelineGroup) -> None:
         self.lm, self.group = lm, group
         self.config, self.dtype = lm.config, lm.dtype
         self.num_layers = len(group.layers)
@@ -75,6 +76,8 @@ class StageModel:
             hidden, residual = layer(batch.positions, hidden, residual, batch, k_cache, v_cache)
         if self.group.is_last:
             self._final = model.norm(hidden, residual)[0]
+        elif residual is None:   # never: each stage has a layer (--pp-layer-partition), and a layer makes it
+            raise ValueError("a pipeline stage ran no layer")
         else:
             self.group.send(torch.stack((hidden, residual)), self.group.stage + 1)
         return torch.arange(num_tokens, device=batch.input_ids.device)
@@ -115,7 +118,7 @@ PIPELINE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", 
 
 
 def load_stage(path: Path, dtype: torch.dtype, device: torch.device, group: PipelineGroup,
-               quantization: str = "auto") -> nn.Module:
+               quantization: str = "auto") -> LlamaForCausalLM:
     """Our model of directory `path` with only `group`'s parts, filled from the files' tensors of those parts."""
     from transformers import AutoConfig
 
@@ -140,7 +143,7 @@ def load_stage(path: Path, dtype: torch.dtype, device: torch.device, group: Pipe
     return lm.eval()
 
 
-def keep_stage_parts(lm: nn.Module, group: PipelineGroup, tied: bool) -> None:
+def keep_stage_parts(lm: LlamaForCausalLM, group: PipelineGroup, tied: bool) -> None:
     """Remove from `lm` (built with deferred weights) what other stages hold: other layers, the embedding (kept
     on the last stage as a `tied` LM head's weight), the final norm and LM head."""
     model = lm.model

@@ -334,10 +334,10 @@ def record_prompt_logprobs(chunks: Sequence, logits_of_rows) -> None:
 def _prompt_rows(logprobs: torch.Tensor, targets: list[int], n: int) -> list[dict[int, float]]:
     target = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
     picked = logprobs.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
-    top_lps, top_ids = logprobs.topk(n, dim=-1) if n else (None, None)
+    top = logprobs.topk(n, dim=-1) if n else None
     rows = []
     for i, (token_id, lp) in enumerate(zip(targets, picked)):
-        row = {} if n == 0 else dict(zip(top_ids[i].tolist(), top_lps[i].tolist()))
+        row = {} if top is None else dict(zip(top.indices[i].tolist(), top.values[i].tolist()))
         row[token_id] = lp
         rows.append(row)
     return rows

@@ -287,7 +287,7 @@ class Scheduler:
         """Remove an unfinished request (waiting or running), free its blocks, set its final status."""
         if not status.finished:
             raise ValueError(f"finish() needs a finished status, got {status}")
-        if self._requests.get(request.request_id) is not request:
+        if request.request_id not in self._requests or self._requests[request.request_id] is not request:
             raise ValueError(f"request {request.request_id!r} is not in the scheduler (finished already?)")
         queue = self._running if request.status is RequestStatus.RUNNING else self._waiting
         queue.remove(request)
@@ -317,7 +317,7 @@ class Scheduler:
         parent's computed KV is shared with it (BlockManager.fork: full blocks by reference, the partial last
         block copied; the copy (parent's block, child's block) is returned for the engine to apply before the
         next forward); a waiting parent's child waits too, to compute its tokens when admitted."""
-        if self._requests.get(parent.request_id) is not parent:
+        if parent.request_id not in self._requests or self._requests[parent.request_id] is not parent:
             raise ValueError(f"request {parent.request_id!r} is not in the scheduler")
         if child.request_id in self._requests:
             raise ValueError(f"request id {child.request_id!r} is already in the scheduler")
@@ -453,7 +453,7 @@ class Scheduler:
                 self._schedule_one(request, step)
 
     def _is_running(self, request: Request) -> bool:
-        return self._requests.get(request.request_id) is request and request.status is RequestStatus.RUNNING
+        return request.status is RequestStatus.RUNNING and self._requests.get(request.request_id) is request
 
     def _schedule_running(self, step: _Step) -> None:
         """Give running requests (oldest first) what they still need, preempting the newest when needed."""

@@ -65,8 +65,8 @@ class SpeculativeConfig:
             low = high
         elif high is None:
             high = low
-        _int_in("prompt_lookup_min", low, 1, MAX_PROMPT_LOOKUP)
-        _int_in("prompt_lookup_max", high, 1, MAX_PROMPT_LOOKUP)
+        low = _int_in("prompt_lookup_min", low, 1, MAX_PROMPT_LOOKUP)
+        high = _int_in("prompt_lookup_max", high, 1, MAX_PROMPT_LOOKUP)
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         object.__setattr__(self, "prompt_lookup_min", low)
@@ -102,6 +102,8 @@ class SpeculativeConfig:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
 
-def _int_in(name: str, value: Any, low: int, high: int) -> None:
+def _int_in(name: str, value: object, low: int, high: int) -> int:
+    """`value`, checked: an integer in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"speculative_config: {name} must be an integer in [{low}, {high}], got {value!r}")
+    return value

@@ -74,7 +74,8 @@ def pad_decode(rows: Sequence[DecodeRow], bucket: int, width: int, block_size: i
     """Lay out `rows` (len <= bucket, each table within `width`) and the padding rows after them."""
     if not 1 <= len(rows) <= bucket:
         raise ValueError(f"{len(rows)} rows do not fit a bucket of {bucket}")
-    input_ids, positions, slots, tables, lens = [], [], [], [], []
+    input_ids, positions, slots, lens = [], [], [], []
+    tables: list[int] = []
     for row in rows:
         table = row.block_table
         if len(table) > width or len(table) * block_size <= row.position:

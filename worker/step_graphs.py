@@ -19,6 +19,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,11 @@ from infer.worker.config import EngineConfig, compile_cache_dir
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.scheduler import ScheduledChunk
 from infer.worker.step_buckets import DecodeRow, PaddedDecode, batch_buckets, bucket_for, pad_decode, table_width
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    from infer.worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("infer.step_graphs")
 
@@ -82,7 +88,7 @@ class StepGraphs:
     padding rows never touch a sequence's blocks (slot -1 / the pool's scratch block) and are never sampled.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, max_model_len: int,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_bucket: int, device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -192,7 +198,7 @@ class _CudaGraphs(_Backend):
     def __init__(self, graphs: StepGraphs) -> None:
         self.graphs = graphs
         self.captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool: object | None = None
+        self.pool: _POOL_HANDLE | None = None
 
     def width(self, longest: int) -> int:
         return table_width(longest, max(self.graphs.max_width, 2), 1)  # only the columns that changed

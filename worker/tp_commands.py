@@ -110,7 +110,7 @@ def decode_batch(body: dict[str, Any], device: torch.device) -> ForwardBatch:
     from infer.worker.forward_batch import ForwardBatch
 
     known = {f.name for f in fields(ForwardBatch)}
-    values = {name: _unpack_tensor(body[name], device) for name in _BATCH_TENSORS}
+    values: dict[str, object] = {name: _unpack_tensor(body[name], device) for name in _BATCH_TENSORS}
     values.update(num_decodes=body["num_decodes"], query_lens=tuple(body["query_lens"]),
                   context_lens=tuple(body["context_lens"]), block_size=body["block_size"],
                   decode_split_tokens=body["decode_split_tokens"])

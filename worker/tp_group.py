@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
-from infer.worker.group_sync import GroupBroken
+from infer.worker.group_sync import GroupBroken, rendezvous_address
 
 if TYPE_CHECKING:
     import torch
@@ -157,9 +157,8 @@ def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: date
     agree on the layout (TP size x EP size): ValueError naming both sides otherwise."""
     import torch.distributed as dist
 
-    parts = urlsplit(dist_init)
-    store = dist.TCPStore(parts.hostname, parts.port, None if rank else size, rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    host, port = rendezvous_address(dist_init)
+    store = dist.TCPStore(host, port, None if rank else size, rank == 0, timeout=timeout, wait_for_workers=False)
     store.set(f"infer/layout/{rank}", f"{layout}:{size}")
     theirs = store.get("infer/layout/0").decode()
     if theirs != f"{layout}:{size}":

@@ -21,10 +21,14 @@ import datetime
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from infer.protocol.messages import WeightSync, WeightTensor
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroupGloo, ProcessGroupNCCL, Store, TCPStore
 
 log = logging.getLogger("infer.weight_sync")
 
@@ -86,7 +90,8 @@ def _host_port(init_method: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _group(store: object, rank: int, world_size: int, backend: str, timeout: float) -> object:
+def _group(store: Store, rank: int, world_size: int, backend: str,
+           timeout: float) -> ProcessGroupGloo | ProcessGroupNCCL:
     from torch.distributed import ProcessGroupGloo
 
     if backend == "nccl":
@@ -98,12 +103,13 @@ def _group(store: object, rank: int, world_size: int, backend: str, timeout: flo
     return ProcessGroupGloo(store, rank, world_size, _timedelta(timeout))
 
 
-def _broadcast(group: object, buffer: torch.Tensor, timeout: float) -> None:
+def _broadcast(group: ProcessGroupGloo | ProcessGroupNCCL, buffer: torch.Tensor, timeout: float) -> None:
     from torch.distributed import BroadcastOptions
 
     options = BroadcastOptions()
     options.rootRank = 0
-    work = group.broadcast([buffer], options)
+    # torch's stub lists broadcast on ProcessGroup only; the Gloo and NCCL backends have it too
+    work = group.broadcast([buffer], options)   # type: ignore[union-attr]
     if not work.wait(_timedelta(timeout)):
         raise TimeoutError(f"a weight broadcast did not complete within {timeout} s")
 
@@ -112,7 +118,7 @@ def _broadcast(group: object, buffer: torch.Tensor, timeout: float) -> None:
 class WeightSender:
     """Rank 0 of a weight-sync group: the trainer's side (see the module docstring)."""
 
-    store: object
+    store: TCPStore
     host: str
     num_workers: int
     timeout: float

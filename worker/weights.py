@@ -113,14 +113,16 @@ class WeightUpdate:
     @classmethod
     def from_pairs(cls, pairs: Sequence[object]) -> WeightUpdate:
         specs = []
+        checked: list[tuple[str, torch.Tensor]] = []
         for i, pair in enumerate(pairs):
             if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
                     and isinstance(pair[1], torch.Tensor)):
                 raise ValueError(f"weight #{i} must be a (name, torch.Tensor) pair, got {_describe(pair)}")
+            checked.append((pair[0], pair[1]))
             specs.append(TensorSpec(pair[0], tuple(pair[1].shape), pair[1].dtype))
         if not specs:
             raise ValueError("the weight update is empty: no (name, tensor) pairs")
-        return cls(specs, pairs, None, f"{len(specs)} tensors")
+        return cls(specs, checked, None, f"{len(specs)} tensors")
 
 
 def check_specs(model: nn.Module, specs: Iterable[TensorSpec]) -> None:

@@ -54,13 +54,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -93,7 +93,17 @@ from infer.protocol.structured import StructuredOutputsParams, grammar_error
 
 log = logging.getLogger("infer.api")
 
-Body = TypeVar("Body", bound=BaseModel)
+class _RequestBody(Protocol):
+    """A request schema (a pydantic model) naming the model it asks for; None: the one served."""
+
+    @property
+    def model(self) -> str | None: ...
+
+    @classmethod
+    def model_validate(cls, obj: Any) -> Self: ...
+
+
+Body = TypeVar("Body", bound=_RequestBody)
 R = TypeVar("R")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 try:
@@ -464,8 +474,9 @@ class Front:
             body = model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e) from None
-        if getattr(body, "model", None) is not None:
-            await self._check_model(body.model)
+        name = getattr(body, "model", None)
+        if name is not None:
+            await self._check_model(name)
         return body
 
     async def _prompt_token_ids(self, prompts: list[str | list[int]], max_len: int,
@@ -854,7 +865,7 @@ async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
 def route_list(app: FastAPI) -> list[str]:
     """The app's routes as "METHOD /path", in the order they were added (what a 404 answer lists)."""
     return [f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
-            for method in sorted(route.methods)]
+            for method in sorted(route.methods or ())]
 
 
 def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> FastAPI:

@@ -199,7 +199,7 @@ class _SamplingFields(BaseModel):
         given: list[tuple[str, dict[str, Any]]] = []
         if self.response_format is not None and self.response_format.type == "json_object":
             given.append(("response_format", {"json_object": True}))
-        if self.response_format is not None and self.response_format.type == "json_schema":
+        if self.response_format is not None and self.response_format.json_schema is not None:   # type json_schema
             given.append(("response_format.json_schema.schema", {"json": self.response_format.json_schema.schema_}))
         if self.structured_outputs is not None:
             fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
@@ -276,6 +276,12 @@ class _SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
+def _prompt_list(value: list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A list field's prompts: one prompt when it holds token ids, else one prompt per item."""
+    ids = [p for p in value if isinstance(p, int)]
+    return [ids] if len(ids) == len(value) else [p for p in value if not isinstance(p, int)]
+
+
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
 
@@ -335,9 +341,7 @@ class CompletionRequest(_SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return list(prompt)
+        return _prompt_list(prompt)
 
 
 class TextPart(BaseModel):
@@ -460,7 +464,7 @@ class ChatCompletionRequest(_SamplingFields):
         if given is not None:
             raise ApiError(400, f"tool_choice {mode!r} constrains the output itself; it cannot be combined with "
                                 f"{given[0]}", param=given[0])
-        if mode == "named":
+        if isinstance(self.tool_choice, NamedToolChoice):   # mode "named"
             tool = next(t for t in self.tool_dicts if t["function"]["name"] == self.tool_choice.function.name)
             schema = parameters_schema(tool)
         else:
@@ -543,9 +547,7 @@ class EmbeddingRequest(BaseModel):
         value = self.input
         if isinstance(value, str):
             return [value]
-        if all(isinstance(p, int) for p in value):
-            return [list(value)]
-        return list(value)
+        return _prompt_list(value)
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -61,13 +61,18 @@ class HttpFront:
         self.port = port
         self._socket: socket.socket | None = None
         self._server = _Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                              timeout_graceful_shutdown=graceful_timeout))
+                                              # uvicorn types it int; it is wait_for's timeout, a float
+                                              timeout_graceful_shutdown=graceful_timeout))   # type: ignore[arg-type]
 
     def bind(self) -> int:
         """Bind and listen now (so the caller can print the address before serving); returns the port."""
-        self._socket = listen_socket(self.host, self.port)
-        self.port = self._socket.getsockname()[1]
+        self._listen()
         return self.port
+
+    def _listen(self) -> socket.socket:
+        sock = self._socket = listen_socket(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        return sock
 
     def adopt(self, sock: socket.socket) -> int:
         """Serve on `sock`, a listening socket made elsewhere (infer-serve's, inherited); returns its port."""
@@ -82,15 +87,14 @@ class HttpFront:
 
     async def serve(self) -> None:
         """Serve until cancelled (or `shutdown()`); open connections get a bounded graceful close."""
-        if self._socket is None:
-            self.bind()
+        sock = self._socket if self._socket is not None else self._listen()
         try:
-            await self._server.serve(sockets=[self._socket])
+            await self._server.serve(sockets=[sock])
         except asyncio.CancelledError:
             self._server.should_exit = True
             raise
         finally:
-            self._socket.close()
+            sock.close()
             self.app.state.front.close()
 
     def shutdown(self) -> None:
@@ -264,8 +268,9 @@ async def run_front(client: InferenceClient, front: HttpFront) -> None:
     front.shutdown()
     stopped.cancel()
     await asyncio.wait([serving], timeout=front.graceful_timeout + 5)
-    if serving.done() and not serving.cancelled() and serving.exception() is not None:
-        raise serving.exception()
+    failure = serving.exception() if serving.done() and not serving.cancelled() else None
+    if failure is not None:
+        raise failure
 
 
 async def _main(args: argparse.Namespace) -> int:

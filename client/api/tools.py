@@ -56,7 +56,7 @@ def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) ->
     """A ToolCall from a parsed {"name": str, "arguments" | "parameters": object}; None if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
+    args: object = next((obj[k] for k in args_keys if k in obj), {})
     if isinstance(args, str):
         try:
             args = json.loads(args)
@@ -65,6 +65,12 @@ def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) ->
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
+
+
+def _every(calls: list[ToolCall | None]) -> list[ToolCall] | None:
+    """`calls` if each one parsed, else None."""
+    parsed = [c for c in calls if c is not None]
+    return parsed if len(parsed) == len(calls) else None
 
 
 def _json(text: str) -> Any:
@@ -80,8 +86,8 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     if "<tool_call>" not in text:
         return text, []
-    calls = [_call(_json(m.group(1))) for m in _HERMES.finditer(text)]
-    if not calls or any(c is None for c in calls):
+    calls = _every([_call(_json(m.group(1))) for m in _HERMES.finditer(text)])
+    if not calls:
         return text, []
     content = _HERMES.sub("", text).strip()
     return content or None, calls
@@ -91,8 +97,8 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return text, []
-    calls = [_call(_json(part)) for part in _split_top_level(body, ";")]
-    if not calls or any(c is None for c in calls):
+    calls = _every([_call(_json(part)) for part in _split_top_level(body, ";")])
+    if not calls:
         return text, []
     return None, calls
 
@@ -104,15 +110,17 @@ def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
     rest = rest.strip()
     if rest.startswith("["):
         items = _json(rest)
-        calls = [_call(item) for item in items] if isinstance(items, list) and items else [None]
+        calls: list[ToolCall | None] = [_call(item) for item in items] if isinstance(items, list) and items \
+            else [None]
     else:       # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
         calls = []
         for part in rest.split("[TOOL_CALLS]"):
             name, sep, args = part.partition("[ARGS]")
             calls.append(_call({"name": name.strip(), "arguments": _json(args)}) if sep else None)
-    if any(c is None for c in calls):
+    parsed = _every(calls)
+    if parsed is None:
         return text, []
-    return content.strip() or None, calls
+    return content.strip() or None, parsed
 
 
 PARSERS: dict[str, Callable[[str], tuple[str | None, list[ToolCall]]]] = {
@@ -170,8 +178,7 @@ def calls_of_required(text: str, truncated: bool = False) -> list[ToolCall] | No
     items = leading_array_items(text) if truncated else _json(text)
     if not isinstance(items, list) or not items:
         return None
-    calls = [_call(item, ("parameters",)) for item in items]
-    return None if any(c is None for c in calls) else calls
+    return _every([_call(item, ("parameters",)) for item in items])
 
 
 _DECODER = json.JSONDecoder()
@@ -288,7 +295,8 @@ class ToolCallStream:
         return list(calls)
 
     def _hermes(self) -> tuple[str, list[ToolCall | str]]:
-        content, events = "", []
+        content = ""
+        events: list[ToolCall | str] = []
         while True:
             if not self._inside:
                 at = self._buf.find(TOOL_CALL_START)

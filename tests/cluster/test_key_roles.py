@@ -140,7 +140,7 @@ async def test_another_key_presenting_a_clients_routing_id_gets_nothing_of_its_s
             stream = client.stream([1, 2, 3], SamplingParams(max_tokens=60))
             first = await stream.__anext__()
             await admin.pause()                     # the stream is in flight while the thief connects
-            identity = client._sock.getsockopt(zmq.IDENTITY)
+            identity = client._conn.sock.getsockopt(zmq.IDENTITY)
             thief = await raw_peer(ctx, keys, keys.path / "clients" / "other.key_secret", cluster.address,
                                    identity=identity)
             await thief.send(encode(Hello(role="client", peer_id="thief")))

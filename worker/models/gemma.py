@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -34,6 +34,7 @@ from infer.worker.models.layers import (
 from infer.worker.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
+    LlamaModel,
     LlamaVariant,
     MLPFactory,
     layer_windows,
@@ -152,8 +153,8 @@ class Gemma3Model(nn.Module):
         longest = max(batch.context_lens, default=0)
         self.rotary_local.reserve(longest)
         self.rotary_global.reserve(longest)
-        for layer, k_cache, v_cache in zip(self.layers if layers is None else layers, kv_cache.k, kv_cache.v,
-                                           strict=True):
+        steps: Iterable[Callable[..., tuple[torch.Tensor, None]]] = self.layers if layers is None else layers
+        for layer, k_cache, v_cache in zip(steps, kv_cache.k, kv_cache.v, strict=True):
             hidden, _ = layer(batch.positions, hidden, None, batch, k_cache, v_cache)
         return self.norm(hidden)
 
@@ -167,7 +168,7 @@ class Gemma2Model(Gemma3Model):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text model (model_type "gemma3_text"); see the module docstring for what it changes."""
 
-    base_model_class: ClassVar[Callable[..., nn.Module]] = Gemma3Model
+    base_model_class: ClassVar[Callable[..., LlamaModel | Gemma3Model]] = Gemma3Model
     implemented_fields: ClassVar[frozenset[str]] = frozenset({"query_pre_attn_scalar", "final_logit_softcapping",
                                                               "attn_logit_softcapping"})
 

@@ -135,7 +135,7 @@ class QuantStorage(nn.Module):
     def copy_weight_rows(self, start: int, length: int, tensor: Any, what: str) -> None:
         """Fill rows [start, start + length) of the weight from a checkpoint tensor of exactly that shape (a
         torch.Tensor, a lazy file tensor, or a GGUF tensor), quantizing or dequantizing as the storage needs."""
-        if self.quant_format is None:
+        if self.quant_format is None or self.weight_scales is None:   # dense (a format comes with its scales)
             rows = self.weight.narrow(0, start, length)
             if tuple(rows.shape) != tuple(tensor.shape):
                 raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(rows.shape)}")
@@ -388,7 +388,7 @@ class RowLinear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)
-        if self.lora is not None:   # before the reduction: LoRA refuses TP, so this rank's sum is the whole
+        if self.lora is not None:   # before the reduction: this rank's part of the delta (its x columns through A's)
             y = self.lora.apply(x, y)
         if self.reduce_results:
             self.tp.all_reduce(y)
@@ -610,6 +610,9 @@ class RotaryEmbedding(nn.Module):
     rows. (A sequence that grows past it while decoding keeps its earlier keys as they were rotated; transformers'
     Phi-3 recomputes them then.)
     """
+
+    inv_freq: torch.Tensor          # buffers (registered in __init__), typed for their readers
+    cos_sin_cache: torch.Tensor
 
     def __init__(self, config: Any, head_dim: int, is_neox: bool = True, partial: bool = False) -> None:
         super().__init__()

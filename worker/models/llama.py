@@ -10,9 +10,9 @@ Module and parameter names follow transformers', except for the fused `qkv_proj`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from infer.worker.models.layers import (
     VocabEmbedding,
     silu_and_mul,
 )
+
+if TYPE_CHECKING:
+    from infer.worker.models.gemma import Gemma3Model
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,7 @@ class LlamaModel(nn.Module):
         self.tp_size = tp.size
         # Steps of 1-8 decoding sequences in one native call (CPU; worker/models/native_decode.py), built on the
         # first step after the weights changed; `native_decode = False` keeps every step on the layers one by one.
-        self.native_decode: NativeDecoder | bool | None = None
+        self.native_decode: NativeDecoder | Literal[False] | None = None
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache,
                 layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None) -> torch.Tensor:
@@ -241,11 +244,11 @@ class LlamaModel(nn.Module):
         if layers is None and batch.num_decodes and not torch.compiler.is_compiling() and not lora_rows_active():
             if self.native_decode is None:
                 self.native_decode = NativeDecoder.for_model(self, self.tp_size) or False
-            if (self.native_decode and hidden.dtype == self.native_decode.dtype and hidden.dim() == 2
-                    and self.native_decode.takes(batch, kv_cache)):
+            if (isinstance(self.native_decode, NativeDecoder) and hidden.dtype == self.native_decode.dtype
+                    and hidden.dim() == 2 and self.native_decode.takes(batch, kv_cache)):
                 return self.native_decode.run(hidden, batch, kv_cache)
-        for layer, k_cache, v_cache in zip(self.layers if layers is None else layers, kv_cache.k, kv_cache.v,
-                                           strict=True):
+        steps: Iterable[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = self.layers if layers is None else layers
+        for layer, k_cache, v_cache in zip(steps, kv_cache.k, kv_cache.v, strict=True):
             hidden, residual = layer(batch.positions, hidden, residual, batch, k_cache, v_cache)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
@@ -265,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
 
     # What a family built on these classes changes: the model it runs (same constructor as LlamaModel) and the
     # config fields of _UNSUPPORTED_FIELDS its layers compute.
-    base_model_class: ClassVar[Callable[..., nn.Module]] = LlamaModel
+    base_model_class: ClassVar[Callable[..., LlamaModel | Gemma3Model]] = LlamaModel
     implemented_fields: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,

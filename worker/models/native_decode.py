@@ -32,13 +32,11 @@ from infer.kernels.quant import FORMAT_CODES
 from infer.worker.forward_batch import ForwardBatch, KVCache
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from infer.worker.models.layers import PackedLinear
-    from infer.worker.models.llama import LlamaModel
+    from infer.worker.models.llama import LlamaDecoderLayer, LlamaModel
 
 
-def _linears(layer: nn.Module) -> tuple[PackedLinear, PackedLinear, PackedLinear, PackedLinear]:
+def _linears(layer: LlamaDecoderLayer) -> tuple[PackedLinear, PackedLinear, PackedLinear, PackedLinear]:
     """A decoder layer's four linears, in decode_layers.c's order."""
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
