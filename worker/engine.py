@@ -173,7 +173,6 @@ class Engine:
         self.lora = self._lora_manager()
         self.runner.lora = self.lora
         self.heap = HeapTrimmer()      # freed activations go back to the OS now and then (worker/memory.py)
-        self.heap.trim_now()           # ... and the loader's temporaries at once (18 MiB on the embedded model)
         if self.device.type == "cpu" and not keep_freed_heap():   # ... and stay mapped between steps
             log.info("could not tune the C library's malloc: large activations are mapped anew every step")
         self.stats = EngineStats()
