@@ -525,25 +525,28 @@ def test_write_model_dir_has_config_tokenizer_and_a_link_no_weights(smollm2_gguf
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
-def _mapped_kib(path: Path) -> int:
-    """Resident KiB of this process's memory maps of `path` (/proc/self/smaps)."""
-    total, inside = 0, False
+def _resident_kib(address: int) -> int:
+    """Resident KiB of the memory map holding `address` (/proc/self/smaps): one map, whatever other maps of the
+    same file hold."""
+    inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
-            inside = len(fields) >= 6 and fields[5] == str(path)
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            low, high = (int(part, 16) for part in fields[0].split("-"))
+            inside = low <= address < high
         elif inside and fields[0] == "Rss:":
-            total += int(fields[1])
-    return total
+            return int(fields[1])
+    raise AssertionError(f"no map holds {address:#x}")
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads /proc/self/smaps (Linux)")
 def test_repacking_gives_the_files_pages_back_and_reads_them_again_unchanged():
     path = default_model_gguf().resolve()
     file = GGUFFile(path)
-    before = _mapped_kib(path)   # this map's header, and the maps other tests left open
-    first = {name: weight for name, t in file.tensors() if (weight := t.quantized()) is not None}
-    assert _mapped_kib(path) - before < path.stat().st_size // 1024 // 10   # not the file beside its blocks
+    tensors = dict(file.tensors())
+    address = next(iter(tensors.values()))._raw.ctypes.data     # inside this file's own map
+    first = {name: weight for name, t in tensors.items() if (weight := t.quantized()) is not None}
+    assert _resident_kib(address) < path.stat().st_size // 1024 // 10   # not the file beside its blocks
     for name in list(first)[:3]:   # read again through the same map: the same blocks
         weight, again = first[name], file.tensor(name).quantized()
         assert again is not None and torch.equal(again.qs, weight.qs) and torch.equal(again.scales, weight.scales)
