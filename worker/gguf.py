@@ -313,12 +313,12 @@ class GGUFTensor:
     """
 
     def __init__(self, name: str, ggml_type: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...],
-                 row_order: np.ndarray | None = None, *, file_pages: bool = False) -> None:
+                 row_order: np.ndarray | None = None, *, file_map: np.ndarray | None = None) -> None:
         """`data`: the tensor's raw bytes as GGUF stores them (any dtype, e.g. a view of the memory map); `shape`:
         transformers' orientation (GGUF's ne reversed), one or two dimensions; `row_order`: which stored row
-        each row of a matrix is (a q / k unpermutation), None for the stored order; `file_pages`: `data` views
-        a read-only memory map of the file, whose pages are given back as soon as they are read (see
-        `drop_file_pages`): never for other memory."""
+        each row of a matrix is (a q / k unpermutation), None for the stored order; `file_map`: the whole read-only
+        memory map of the file that `data` views, whose pages are given back as they are read (see
+        `drop_file_pages`): never other memory."""
         if len(shape) not in (1, 2):
             raise NotImplementedError(f"GGUF tensor {name!r} has {len(shape)} dimensions {list(shape)}; only "
                                       "vectors and matrices are read (MoE expert stacks are not supported yet)")
@@ -343,7 +343,7 @@ class GGUFTensor:
             raise ValueError(f"GGUF tensor {name!r}: a row order of {order.shape[0]} for {shape[0]} rows")
         self._rows = order  # a matrix: stored row of each row; a vector: stored element of each element
         self._columns = (0, width)
-        self._file_pages = file_pages
+        self._file_map = file_map
 
     # -- what it is
 
@@ -399,6 +399,7 @@ class GGUFTensor:
         out = torch.empty(self.shape, dtype=dtype)
         for first, rows in self._row_chunks():
             out[first:first + len(rows)] = self._decode_rows(decode, rows).to(dtype)
+        self._release_map()
         return out
 
     def quantized(self) -> QuantWeight | None:
@@ -422,9 +423,16 @@ class GGUFTensor:
             if mins is not None and part_mins is not None:
                 mins[first:first + len(rows)] = part_mins
         self._check_finite(scales, mins)
+        self._release_map()
         return QuantWeight(fmt, qs, scales, mins)
 
     # -- internals
+
+    def _release_map(self) -> None:
+        """After a whole read: every page of the file's map given back, those a later fault mapped again beside
+        the rows read (the kernel maps a page-cache folio whole, which may span other tensors' rows) included."""
+        if self._file_map is not None:
+            drop_file_pages(self._file_map)
 
     def _decoder(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if self._type not in DECODERS:
@@ -451,7 +459,7 @@ class GGUFTensor:
         first, last = self._block_span()
         span = slice(first // self._block_size * self._type_size, last // self._block_size * self._type_size)
         blocks = torch.from_numpy(np.asarray(self._raw[rows, span])).reshape(-1, self._type_size)
-        if self._file_pages and len(rows):
+        if self._file_map is not None and len(rows):
             drop_file_pages(self._raw[int(rows.min()):int(rows.max()) + 1])
         return blocks
 
@@ -534,7 +542,7 @@ class GGUFFile:
                     continue
                 shape = tuple(int(n) for n in reversed(info.shape.tolist()))
                 mapped[name] = GGUFTensor(info.name, info.tensor_type, info.data, shape,
-                                          self._row_order(info.name, shape), file_pages=True)
+                                          self._row_order(info.name, shape), file_map=self._reader.data)
             except (ValueError, NotImplementedError) as error:
                 raise type(error)(f"{self.path}: {error}") from None
         return mapped
@@ -569,6 +577,7 @@ class GGUFHeader:
 
     fields: dict[str, Any]
     tensors: list[TensorInfo]
+    data: np.ndarray | None = None   # the whole file, memory-mapped read-only (the tensors' data views it)
 
 
 _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
@@ -639,7 +648,7 @@ def _read_header(path: Path) -> GGUFHeader:
         if start + offset + size > len(data):
             raise IndexError(f"tensor {name!r} ends past the end of the file")
         tensors.append(TensorInfo(name, dims, kind, np.asarray(data[start + offset:start + offset + size])))
-    return GGUFHeader(fields, tensors)
+    return GGUFHeader(fields, tensors, np.asarray(data))
 
 
 def _open_reader(path: Path) -> GGUFHeader:
