@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from gemma_models import tiny_gemma3
-from hf_reference import hf_model, transformers_greedy
-from model_batches import Pager, new_cache
+from hf_reference import assert_bf16_as_close_as_transformers, hf_model, transformers_greedy
 
 from infer import LLM, SamplingParams
 from infer.worker.config import EngineConfig
@@ -93,21 +92,7 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(gemma3, want):
     whose size is printed), and pick the same next token at 80% of the positions or more. (Greedy runs in bf16
     part ways at the first near-tie and never meet again, so they are compared position by position here.)"""
     ids = PROMPTS[2] + want[2]
-    with torch.inference_mode():
-        reference = hf_model(gemma3)(torch.tensor([ids])).logits[0].float()
-        theirs = hf_model(gemma3, torch.bfloat16)(torch.tensor([ids])).logits[0].float()
-        model = load_model(gemma3, torch.bfloat16, torch.device("cpu"))
-        batch = Pager(num_blocks=32, block_size=4).batch([("s", ids, 0, len(ids))])
-        ours = model.compute_logits(model(batch, new_cache(model, 32, 4)))
-
-    def rel_err(logits: torch.Tensor) -> float:
-        return ((logits - reference).abs().max() / reference.abs().max()).item()
-
-    same = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    print(f"gemma3 bf16: ours {rel_err(ours):.3g}, transformers' {rel_err(theirs):.3g} of the largest fp32 logit; "
-          f"{same:.0%} of the next tokens as fp32")
-    assert rel_err(ours) <= 1.5 * rel_err(theirs)
-    assert same >= 0.8
+    assert_bf16_as_close_as_transformers(gemma3, ids, "gemma3")
 
 
 @pytest.mark.parametrize("change, refused", [

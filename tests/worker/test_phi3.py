@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from family_models import PHI3, tiny_checkpoint
-from hf_reference import hf_model, transformers_greedy
-from model_batches import Pager, new_cache
+from hf_reference import assert_bf16_as_close_as_transformers, hf_model, transformers_greedy
 
 from infer import LLM, SamplingParams
 from infer.worker.config import EngineConfig
@@ -147,21 +146,7 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoints):
     meet again, so they are compared position by position here.)"""
     path, want = checkpoints("phi3")
     ids = PROMPTS[3] + want[3]
-    with torch.inference_mode():
-        reference = hf_model(path)(torch.tensor([ids])).logits[0].float()
-        theirs = hf_model(path, torch.bfloat16)(torch.tensor([ids])).logits[0].float()
-        model = load_model(path, torch.bfloat16, torch.device("cpu"))
-        batch = Pager(num_blocks=32, block_size=4).batch([("s", ids, 0, len(ids))])
-        ours = model.compute_logits(model(batch, new_cache(model, 32, 4)))
-
-    def rel_err(logits: torch.Tensor) -> float:
-        return ((logits - reference).abs().max() / reference.abs().max()).item()
-
-    same = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    print(f"phi3 bf16: ours {rel_err(ours):.3g}, transformers' {rel_err(theirs):.3g} of the largest fp32 logit; "
-          f"{same:.0%} of the next tokens as fp32")
-    assert rel_err(ours) <= 1.5 * rel_err(theirs)
-    assert same >= 0.8
+    assert_bf16_as_close_as_transformers(path, ids, "phi3")
 
 
 def test_pipeline_stages_take_the_long_factors_past_the_original_length(checkpoints):
