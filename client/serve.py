@@ -146,6 +146,9 @@ class LocalCluster:
             finally:
                 for task in [ready, *exits]:
                     task.cancel()
+                # wait for them before the client closes under them (the wait would fail with "client closed", and
+                # that error, never retrieved, would be logged beside the real reason)
+                await asyncio.gather(ready, *exits, return_exceptions=True)
             if ready in done:
                 return ready.result()
             if trouble is not None and trouble in done:
@@ -361,6 +364,19 @@ async def _stop_front(supervisor: Supervisor, timeout: float) -> None:
     await asyncio.wait_for(front.wait(), 10)
 
 
+def check_launcher_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first of infer-serve's own sizes and times that cannot work, before anything starts
+    (the TP and PP sizes through WorkerFlags, the same check infer-worker makes)."""
+    WorkerFlags(tp_size=1 if args.tp_size is None else args.tp_size,
+                pp_size=1 if args.pp_size is None else args.pp_size)
+    for flag, value in (("--workers", args.workers), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    for flag, seconds in (("--ready-timeout", args.ready_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
+        if not seconds > 0:
+            raise ValueError(f"{flag} must be > 0 seconds, got {seconds}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -369,10 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    if args.workers < 1:
-        print("infer-serve: --workers must be >= 1", file=sys.stderr)
-        return 2
     try:
+        check_launcher_args(args)
         check_front_exposure(args.host, front_config(args, None), args.trusted_network)
         keys = check_cluster_security(args.coordinator_host, args.keys_dir, args.trusted_network)
     except ValueError as e:

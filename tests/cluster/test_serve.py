@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from aioprocs import kill_group, pid_gone
 
 from infer import SamplingParams
@@ -64,3 +66,28 @@ async def test_a_client_stop_ends_infer_serve():
         assert all(pid_gone(pid) for pid in children)
     finally:
         await kill_group(proc)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp-size", "0"], "--pp-size must be >= 1, got 0"),
+    (["--tp-size", "-1"], "--tp-size must be >= 1, got -1"),
+    (["--workers", "0"], "--workers must be >= 1, got 0"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--ready-timeout", "0"], "--ready-timeout must be > 0 seconds, got 0.0"),
+    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be > 0 seconds, got nan"),
+])
+def test_infer_serve_refuses_its_own_bad_sizes_before_starting_anything(flags, message):
+    done = subprocess.run([sys.executable, "-m", "infer.client.serve", *flags], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"infer-serve: {message}"
+
+
+def test_a_worker_that_refuses_its_flags_stops_infer_serve_with_one_clear_reason():
+    done = subprocess.run([sys.executable, "-m", "infer.client.serve", "--benchmark-mode", "--port", "0",
+                           "--", "--max-num-seqs", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "max_num_seqs must be a positive integer, got 0" in done.stderr
+    assert "worker 0 is not restarted: it exited with code 2" in done.stderr
+    assert "never retrieved" not in done.stderr and "Traceback" not in done.stderr, done.stderr
