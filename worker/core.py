@@ -418,7 +418,12 @@ class WorkerCore:
         """The coordinator forgot these requests before it asked: free their KV blocks now and send no final
         delta (so the same id may be dispatched here again at once). Unknown or finished ids: nothing to do."""
         for request_id in msg.request_ids:
-            if self._requests.pop(request_id, None) is not None and self.engine.abort(request_id):
+            sent = self._requests.pop(request_id, None)
+            if sent is None:
+                continue
+            if sent.trace is not None:
+                self._spans.append(sent.trace.end("abort (by the coordinator)", now))
+            if self.engine.abort(request_id):
                 self._silenced.add(request_id)
 
     def _abort_all(self, now: float) -> None:
@@ -597,10 +602,12 @@ class WorkerTrace:
 
     @classmethod
     def start(cls, msg: Dispatch, num_prompt_tokens: int, now: float) -> WorkerTrace:
-        return cls(HopSpan.child_of("worker", msg.traceparent, now, **{
+        span = HopSpan.child_of("worker", msg.traceparent, now, **{
             "gen_ai.request.id": msg.request_id, "gen_ai.usage.prompt_tokens": num_prompt_tokens,
-            "gen_ai.request.max_tokens": msg.sampling.max_tokens if msg.sampling.max_tokens is not None else -1,
-            "infer.resumed_tokens": len(msg.resumed_token_ids)}))
+            "infer.resumed_tokens": len(msg.resumed_token_ids)})
+        if msg.sampling.max_tokens is not None:
+            span.attributes["gen_ai.request.max_tokens"] = msg.sampling.max_tokens
+        return cls(span)
 
     def record(self, out: Delta, now: float) -> None:
         span = self.span
@@ -612,14 +619,17 @@ class WorkerTrace:
             self.first_token_at = now
             span.event("first token", now)
         if out.finished:
-            self._finish(out, now)
+            self.end(str(out.finish_reason), now)
 
-    def _finish(self, out: Delta, now: float) -> None:
-        span = self.span
-        first = self.first_token_at if self.first_token_at is not None else now
-        scheduled = span.start + float(span.attributes.get("gen_ai.latency.time_in_queue", 0.0))
-        span.finish(now, **{
-            "gen_ai.response.finish_reasons": str(out.finish_reason), "gen_ai.usage.completion_tokens": self.num_tokens,
-            "gen_ai.latency.time_to_first_token": first - span.start, "gen_ai.latency.e2e": now - span.start,
-            "gen_ai.latency.time_in_model_prefill": max(0.0, first - scheduled),
-            "gen_ai.latency.time_in_model_decode": now - first})
+    def end(self, finish_reason: str, now: float) -> HopSpan:
+        """The span ended at `now`; the latencies that need a first token only when one came."""
+        span = self.span.finish(now, **{"gen_ai.response.finish_reasons": finish_reason,
+                                        "gen_ai.usage.completion_tokens": self.num_tokens,
+                                        "gen_ai.latency.e2e": now - self.span.start})
+        first = self.first_token_at
+        if first is not None:
+            scheduled = span.start + float(span.attributes.get("gen_ai.latency.time_in_queue", 0.0))
+            span.attributes.update({"gen_ai.latency.time_to_first_token": first - span.start,
+                                    "gen_ai.latency.time_in_model_prefill": max(0.0, first - scheduled),
+                                    "gen_ai.latency.time_in_model_decode": now - first})
+        return span

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from worker_harness import WorkerHarness, dispatch
 
+from infer.protocol.messages import Abort
 from infer.protocol.tracing import parse_traceparent
 
 TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -48,6 +49,21 @@ def test_a_resumed_request_counts_only_the_tokens_made_here():
     h.run_until_finished()
     [span] = h.core.take_spans()
     assert span.attributes["infer.resumed_tokens"] == 2 and span.attributes["gen_ai.usage.completion_tokens"] == 2
+
+
+def test_a_request_the_coordinator_aborts_ends_its_span_there():
+    h = WorkerHarness(otlp_traces_endpoint="http://127.0.0.1:4317")
+    h.welcome()
+    h.send(dispatch("r1", prompt=[1, 2, 3], max_tokens=8, traceparent=f"00-{TRACE}-{PARENT}-01"))
+    h.now = 1.0
+    h.step()
+    h.now = 2.0
+    h.send(Abort(request_ids=["r1"]))
+    [span] = h.core.take_spans()
+    assert span.end == 2.0 and span.attributes["gen_ai.response.finish_reasons"] == "abort (by the coordinator)"
+    assert span.attributes["gen_ai.usage.completion_tokens"] == 1
+    assert span.attributes["gen_ai.latency.time_in_model_decode"] == 1.0
+    assert h.run_until_finished() == [] and h.core.take_spans() == []     # its final delta is silenced
 
 
 def test_without_tracing_nothing_is_recorded():
