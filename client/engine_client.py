@@ -50,6 +50,8 @@ class EngineClient(Protocol):
       the engine(s) and return the adapters then served (name -> folder); `list_lora_adapters()` returns them. A
       refusal (bad folder, LoRA not enabled, no administrator key on a cluster) raises (ValueError in-process,
       ClusterError from a cluster). Requests name an adapter by `SamplingParams.lora_name`.
+    - `traceparent` (W3C trace context of the caller's span): the hops behind `stream` that trace record their
+      spans under it (protocol/tracing.py); in-process, nothing further is traced.
     - Transport failures (cluster unreachable, client closed) raise `ClusterError`.
     """
 
@@ -57,7 +59,8 @@ class EngineClient(Protocol):
     def model_id(self) -> str | None: ...
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-               timeout: float | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]: ...
+               timeout: float | None = None, priority: int = 0,
+               traceparent: str | None = None) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str | None = None, timeout: float | None = None,

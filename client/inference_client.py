@@ -65,6 +65,7 @@ from infer.protocol.lora import check_lora_name
 from infer.protocol.logsafe import safe
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
+from infer.protocol.tracing import check_traceparent
 from infer.protocol.transport import HANDSHAKE_EVENTS, handshake_failure, make_socket
 
 log = logging.getLogger("infer.client")
@@ -211,13 +212,15 @@ class InferenceClient:
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        request_id: str | None = None, pin_rank: int | None = None,
-                       timeout: float | None = None, priority: int = 0) -> Completion:
+                       timeout: float | None = None, priority: int = 0, traceparent: str | None = None) -> Completion:
         """Run one request to the end. Request-level failures come back as finish_reason "error"; transport
         failures raise. With `timeout` (seconds) the cluster aborts the request (freeing its KV blocks) if it
         has not finished by then, and the completion ends with error_code "timeout". `priority`: lower is
-        served first (workers with --scheduling-policy priority; the coordinator sheds the highest first)."""
+        served first (workers with --scheduling-policy priority; the coordinator sheds the highest first).
+        `traceparent`: the caller's W3C trace context; the cluster's hops that trace (--otlp-traces-endpoint)
+        record their spans under it (protocol/tracing.py)."""
         _check_timeout(timeout)
-        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority)
+        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority, traceparent)
         completion = Completion(request.request_id, prompt_token_ids=[],
                                 prompt=prompt if isinstance(prompt, str) else None)
         async with contextlib.aclosing(self._deltas(request, timeout)) as deltas:
@@ -228,13 +231,13 @@ class InferenceClient:
         return completion
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                     request_id: str | None = None, pin_rank: int | None = None,
-                     timeout: float | None = None, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                     request_id: str | None = None, pin_rank: int | None = None, timeout: float | None = None,
+                     priority: int = 0, traceparent: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request as they arrive (`token_ids` and `text` new since the last one); the last
-        has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout` and
-        `priority`: as in `generate`; after a timeout the last delta has error_code "timeout"."""
+        has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout`, `priority` and
+        `traceparent`: as in `generate`; after a timeout the last delta has error_code "timeout"."""
         _check_timeout(timeout)
-        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority)
+        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority, traceparent)
         async with contextlib.aclosing(self._deltas(request, timeout)) as deltas:
             async for delta in deltas:
                 yield delta
@@ -263,9 +266,11 @@ class InferenceClient:
         return None if request is None else request.prompt_token_ids
 
     async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                      pin_rank: int | None, timeout: float | None = None, priority: int = 0) -> _Request:
+                      pin_rank: int | None, timeout: float | None = None, priority: int = 0,
+                      traceparent: str | None = None) -> _Request:
         self._check_open()
         check_priority(priority)
+        check_traceparent(traceparent)
         params = _DEFAULT_PARAMS if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -274,10 +279,10 @@ class InferenceClient:
             raise ValueError(f"request id {rid!r} is already in flight")
         if isinstance(prompt, str):
             submit = Submit(request_id=rid, prompt=prompt, sampling=params, pin_rank=pin_rank,
-                            timeout_s=timeout, priority=priority)
+                            timeout_s=timeout, priority=priority, traceparent=traceparent)
         else:
             submit = Submit(request_id=rid, prompt_token_ids=TokenIds.checked(prompt, "prompt"), sampling=params,
-                            pin_rank=pin_rank, timeout_s=timeout, priority=priority)
+                            pin_rank=pin_rank, timeout_s=timeout, priority=priority, traceparent=traceparent)
         request = self._requests[rid] = _Request(rid, submit, None if timeout is None else time.monotonic() + timeout,
                                                  prompt_token_ids=None if isinstance(prompt, str) else list(prompt))
         if len(self._requests) == 1 and self._call is None:
@@ -552,7 +557,7 @@ class InferenceClient:
             return None
         return Submit(request_id=submit.request_id, prompt_token_ids=TokenIds(request.prompt_token_ids),
                       sampling=sampling, pin_rank=submit.pin_rank, timeout_s=timeout, reattach=True,
-                      priority=submit.priority,
+                      priority=submit.priority, traceparent=submit.traceparent,
                       delivered_token_ids=TokenIds(request.received.token_ids),
                       delivered_text_len=request.received.text_len)
 

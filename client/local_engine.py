@@ -189,11 +189,12 @@ class LocalEngine:
     # ---- EngineClient ---------------------------------------------------------------------------
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                     request_id: str | None = None, timeout: float | None = None,
-                     priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                     request_id: str | None = None, timeout: float | None = None, priority: int = 0,
+                     traceparent: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request; the last has `finished`. Leaving the loop early aborts the request.
         `timeout` (seconds from this call): past it the request is aborted and its last delta has
-        finish_reason "error", error_code "timeout". `priority`: lower first (scheduling_policy "priority")."""
+        finish_reason "error", error_code "timeout". `priority`: lower first (scheduling_policy "priority").
+        `traceparent`: accepted for the EngineClient contract; the engine runs in this process, no hop to trace."""
         stream = self._open(prompt, params, request_id, timeout, priority)
         async with aclosing(self._deltas(stream)) as deltas:
             async for delta in deltas:

@@ -236,7 +236,8 @@ _COORDINATOR_OPTIONS = ("policy", "heartbeat_interval", "worker_timeout", "clien
 
 def coordinator_args(args: argparse.Namespace) -> list[str]:
     """The coordinator's flags: its options given here (infer-serve takes a few of them)."""
-    return to_argv(CoordinatorConfig, given(CoordinatorConfig, args, names=_COORDINATOR_OPTIONS))
+    return to_argv(CoordinatorConfig, {**given(CoordinatorConfig, args, names=_COORDINATOR_OPTIONS),
+                                       "otlp_traces_endpoint": args.otlp_traces_endpoint})
 
 
 def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -244,7 +245,8 @@ def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
     here (the coordinator's too), then `extra` (after `--`)."""
     engine = dict(given(EngineConfig, args, exclude=_TOP_LEVEL_ENGINE_OPTIONS), model=args.model,
                   num_threads=args.threads)
-    worker = {"benchmark_mode": args.benchmark_mode, "heartbeat_interval": args.heartbeat_interval}
+    worker = {"benchmark_mode": args.benchmark_mode, "heartbeat_interval": args.heartbeat_interval,
+              "otlp_traces_endpoint": args.otlp_traces_endpoint}
     return (to_argv(EngineConfig, engine) + to_argv(WorkerFlags, {"tp_size": args.tp_size, "pp_size": args.pp_size})
             + to_argv(WorkerOptions, worker) + extra)
 

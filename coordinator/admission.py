@@ -21,6 +21,7 @@ from infer.protocol.messages import (
     Delta, Submit
 )
 from infer.protocol.sampling import SamplingParams
+from infer.protocol.tracing import HopSpan
 
 log = logging.getLogger("infer.coordinator")
 
@@ -46,7 +47,11 @@ class Admission:
             request_id=submit.request_id, client=identity, prompt=submit.prompt,
             prompt_token_ids=submit.prompt_token_ids, sampling=self._seeded(submit.sampling),
             pin_rank=submit.pin_rank, priority=submit.priority,
-            submitted_at=now, deadline=None if submit.timeout_s is None else now + submit.timeout_s)
+            submitted_at=now, deadline=None if submit.timeout_s is None else now + submit.timeout_s,
+            traceparent=submit.traceparent)
+        if self.config.otlp_traces_endpoint is not None:
+            request.trace = HopSpan.child_of("coordinator", submit.traceparent, now,
+                                             **{"gen_ai.request.id": submit.request_id})
         if request.deadline is not None:
             self._add_deadline(request)
         return request
@@ -144,6 +149,9 @@ class Admission:
         worker.requests_routed += 1
         worker.dispatches_sent += 1
         request.dispatch_seq = worker.dispatches_sent
+        if request.trace is not None:
+            request.trace.event("dispatch", now)
+            request.trace.attributes["infer.worker_id"] = worker.worker_id
         self.send(worker.identity, request.dispatch())
         return True
 

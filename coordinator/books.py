@@ -70,6 +70,11 @@ class Books:
         """Forget `request`; send `final` to its client; note an abort for its worker if it runs on one."""
         if request.worker_id is not None:
             to_workers.setdefault(request.worker_id, []).append(request.request_id)
+        if request.trace is not None:
+            self.outbox.end_span(request.trace.finish(
+                None, **{"gen_ai.response.finish_reasons": str(final.finish_reason) if final else "client gone",
+                         "gen_ai.usage.completion_tokens": len(request.delivered),
+                         "infer.redispatches": request.retries}))
         self.detach(request)
         self.requests.remove(request)
         client = self.clients.get(request.client)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from infer.coordinator.routing import POLICIES
 from infer.protocol.options import option
+from infer.protocol.tracing import require_sdk
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class CoordinatorConfig:
         public keys (*.key) it lets in, one folder per role: workers/, clients/, admins/ (infer.protocol.keys).
     worker_keys, client_keys, admin_keys: one directory of public keys per role, instead of (or replacing
         that role's folder of) authorized_keys. With curve_secret_key, at least one of the four is needed.
+    otlp_traces_endpoint: record each request's hop as an OpenTelemetry span (protocol/tracing.py), the child
+        of its Submit's traceparent, and export it there; None: no tracing.
     trusted_network: allow binding a non-loopback host without keys (plaintext, anyone who reaches the port
         may connect); without it such a bind is refused.
     """
@@ -78,6 +81,10 @@ class CoordinatorConfig:
                                            "DIR/clients)", metavar="DIR")
     admin_keys: str | None = option(None, "directory of the administrators' public keys (instead of "
                                           "--authorized-keys DIR/admins)", metavar="DIR")
+    otlp_traces_endpoint: str | None = option(
+        None, "export an OpenTelemetry span of each request's coordinator hop to this OTLP endpoint (vLLM's flag; "
+              "needs pip install 'infer[otel]'; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or http/protobuf)",
+        metavar="URL")
     trusted_network: bool = option(False, "allow a non-loopback --host without keys (plaintext: anyone who reaches "
                                           "the port is a worker, a client and an administrator); without keys, "
                                           "only loopback is allowed otherwise")
@@ -105,6 +112,8 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.restart_grace, (int, float)) or not 0 <= self.restart_grace <= 3600:
             raise ValueError(f"restart_grace must be in [0, 3600] seconds, got {self.restart_grace!r}")
+        if self.otlp_traces_endpoint is not None:
+            require_sdk()
         key_dirs = (self.authorized_keys, self.worker_keys, self.client_keys, self.admin_keys)
         if (self.curve_secret_key is None) != all(d is None for d in key_dirs):
             raise ValueError("--curve-secret-key and --authorized-keys go together: give both (the "

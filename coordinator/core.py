@@ -73,6 +73,7 @@ from infer.protocol.messages import (
     decode, peek_request_id
 )
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
+from infer.protocol.tracing import HopSpan
 
 log = logging.getLogger("infer.coordinator")
 
@@ -240,6 +241,10 @@ class Coordinator:
         """Everything queued since the last call: each client's deltas as one DeltaBatch, then the rest
         in the order it was queued."""
         return self.outbox.take()
+
+    def take_spans(self, now: float) -> list[HopSpan]:
+        """The traced requests' hops that ended since the last call (with --otlp-traces-endpoint), ended at `now`."""
+        return self.outbox.take_spans(now)
 
     def send(self, identity: bytes, msg: Message) -> None:
         self.outbox.send(identity, msg)

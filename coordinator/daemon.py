@@ -36,6 +36,7 @@ from infer.protocol.keys import AuthorizedKeys, CurveKeys, refuse_open_bind
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import encode
 from infer.protocol.roles import Role
+from infer.protocol.tracing import open_sink
 from infer.protocol.transport import KeyGate, make_socket
 
 log = logging.getLogger("infer.coordinator")
@@ -53,6 +54,7 @@ class CoordinatorDaemon:
         """ValueError for a bad key file, or a non-loopback host without keys or trusted_network;
         zmq.ZMQError when the address cannot be bound."""
         curve, authorized = load_security(config)
+        self.spans = open_sink("infer-coordinator", config.otlp_traces_endpoint)   # ValueError without the SDK
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, curve=curve)
         self.gate: KeyGate | None = None
@@ -168,6 +170,8 @@ class CoordinatorDaemon:
                         log.warning("send of %r to %s failed: %s", msg.TYPE, safe(identity), e)
                     core.peer_gone(identity, now)
             outgoing = core.take_outgoing()   # peer_gone may have queued more (re-dispatches, aborts)
+        if self.spans is not None:
+            self.spans.export(core.take_spans(now))
 
     def _install_signal_handlers(self) -> None:
         self._wake_r.setblocking(False)
@@ -192,6 +196,8 @@ class CoordinatorDaemon:
         signal.set_wakeup_fd(-1)
         self._wake_r.close()
         self._wake_w.close()
+        if self.spans is not None:
+            self.spans.close()
 
 
 def load_security(config: CoordinatorConfig) -> tuple[CurveKeys | None, AuthorizedKeys | None]:
@@ -261,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         daemon = CoordinatorDaemon(config)
-    except ValueError as e:   # a bad key file, or an unprotected non-loopback bind
+    except ValueError as e:   # a bad key file, an unprotected non-loopback bind, traces without the SDK
         print(f"infer-coordinator: {e}", file=sys.stderr)
         return 2
     except zmq.ZMQError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from infer.protocol.messages import Delta, DeltaBatch, Message
+from infer.protocol.tracing import HopSpan
 
 Send = Callable[[bytes, Message], None]       # queue a message to a peer (by ROUTER identity)
 
@@ -18,6 +19,18 @@ class Outbox:
     def __init__(self) -> None:
         self._out: list[tuple[bytes, Message]] = []
         self._client_deltas: dict[bytes, list[Delta]] = {}
+        self._spans: list[HopSpan] = []
+
+    def end_span(self, span: HopSpan) -> None:
+        """A traced request's hop ended (protocol/tracing.py); `take_spans` stamps its end."""
+        self._spans.append(span)
+
+    def take_spans(self, now: float) -> list[HopSpan]:
+        """The hops ended since the last call, ended at `now` (the cycle that ended them)."""
+        spans, self._spans = self._spans, []
+        for span in spans:
+            span.end = now
+        return spans
 
     def send(self, identity: bytes, msg: Message) -> None:
         self._out.append((identity, msg))

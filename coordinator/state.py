@@ -22,6 +22,7 @@ from infer.protocol.codes import ClusterState
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import Dispatch, Hello, Load, TokenIds
 from infer.protocol.sampling import SamplingParams
+from infer.protocol.tracing import HopSpan
 
 CHARS_PER_TOKEN = 4            # rough prompt-length estimate for routing, before a worker tokenized it
 UNBOUNDED_OUTPUT_ESTIMATE = 256  # routing cost of a request with max_tokens=None
@@ -49,6 +50,8 @@ class RequestRecord:
     dispatch_seq: int = 0               # its Dispatch was the n-th sent to its worker (0: none sent there)
     worker_deaths: list[str] = field(default_factory=list)   # workers that died while running it
     priority: int = 0                   # lower first (Submit.priority): held, dispatched and shed by it
+    traceparent: str | None = None      # the caller's span (Submit.traceparent)
+    trace: HopSpan | None = None        # this hop's span, when the coordinator traces (protocol/tracing.py)
 
     @property
     def suspect(self) -> bool:
@@ -82,10 +85,15 @@ class RequestRecord:
         if not self.delivered:
             return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt=self.prompt
                             if self.prompt_token_ids is None else None, prompt_token_ids=self.prompt_token_ids,
-                            priority=self.priority, client=self.client_tag)
+                            priority=self.priority, client=self.client_tag, traceparent=self.dispatch_traceparent)
         return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt_token_ids=self.prompt_token_ids,
                         resumed_token_ids=TokenIds(self.delivered), resumed_text_len=self.delivered_text_len,
-                        priority=self.priority, client=self.client_tag)
+                        priority=self.priority, client=self.client_tag, traceparent=self.dispatch_traceparent)
+
+    @property
+    def dispatch_traceparent(self) -> str | None:
+        """The worker's hop's parent: this hop when traced here, else the caller's span (passed through)."""
+        return self.trace.traceparent if self.trace is not None else self.traceparent
 
     @property
     def client_tag(self) -> str | None:

@@ -23,6 +23,7 @@ from infer.protocol.codes import ClusterState, Command, ErrorCode, FinishReason,
 from infer.protocol.lora import check_lora_name
 from infer.protocol.sampling import FieldError, SamplingParams
 from infer.protocol.structured import StructuredOutputsParams
+from infer.protocol.tracing import parse_traceparent
 
 # 2: error codes client_lost / client_too_slow / draining, Heartbeat.step_age_s
 # 3: a re-dispatch carries the request's own max_tokens / min_tokens (the engine counts the resumed tokens); a worker
@@ -119,6 +120,12 @@ def _check_id(name: str, value: str) -> None:
 
 def _check_priority(priority: int) -> None:
     _require(-2**63 <= priority < 2**63, f"field 'priority' must be a 64-bit integer, got {priority}")
+
+
+def _check_traceparent(value: str | None) -> None:
+    _require(value is None or parse_traceparent(value) is not None,
+             f"field 'traceparent' must be a W3C traceparent '00-<32 hex>-<16 hex>-<2 hex>' with non-zero ids, got "
+             f"{(value or '')[:80]!r}")
 
 
 def _check_sampling(sampling: SamplingParams) -> None:
@@ -287,6 +294,8 @@ class Submit(Message):
     it is). Its `sampling` then carries the seed the first delta reported.
     `priority`: lower is served first (vLLM's convention) by workers with the priority scheduling policy;
     the coordinator holds and sheds requests by it too (coordinator/core.py).
+    `traceparent`: the W3C trace context of the caller's span (protocol/tracing.py); a coordinator that traces
+    records its hop under it. None: not traced.
     """
 
     TYPE: ClassVar[str] = "submit"
@@ -300,10 +309,12 @@ class Submit(Message):
     delivered_token_ids: TokenIds = field(default_factory=TokenIds)
     delivered_text_len: int | None = None
     priority: int = 0
+    traceparent: str | None = None
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
         _check_priority(self.priority)
+        _check_traceparent(self.traceparent)
         _require((self.prompt is None) != (self.prompt_token_ids is None),
                  "exactly one of 'prompt' and 'prompt_token_ids' must be given")
         _require(self.delivered_text_len is None or self.delivered_text_len >= 0,
@@ -334,6 +345,7 @@ class Dispatch(Message):
 
     `client` is a short tag of the client that submitted it (a hash of its identity, the same for all its
     requests): the worker counts each client's grammar compiles by it (worker/structured.py).
+    `traceparent`: the coordinator's span of a traced request (protocol/tracing.py), the parent of the worker's.
     """
 
     TYPE: ClassVar[str] = "dispatch"
@@ -345,10 +357,12 @@ class Dispatch(Message):
     resumed_text_len: int | None = None
     priority: int = 0
     client: str | None = None
+    traceparent: str | None = None
 
     def validate(self) -> None:
         _check_id("request_id", self.request_id)
         _check_priority(self.priority)
+        _check_traceparent(self.traceparent)
         if self.client is not None:
             _check_id("client", self.client)
         _require((self.prompt is None) != (self.prompt_token_ids is None),

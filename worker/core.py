@@ -39,6 +39,7 @@ from infer.protocol.messages import (
     decode, peek_request_id
 )
 from infer.protocol.sampling import SamplingParams
+from infer.protocol.tracing import HopSpan
 from infer.worker.config import EngineConfig
 from infer.worker.lifecycle import Action, WorkerState, transition
 from infer.worker.options import WorkerOptions
@@ -122,6 +123,7 @@ class WorkerCore:
         self.rank = options.dp_rank            # the DP rank and group the coordinator's Welcome gave us
         self.group_id = options.group_id
         self._outbox: list[Delta] = []         # deltas made outside a step (rejected Dispatches)
+        self._spans: list[HopSpan] = []        # traced requests' hops ended since take_spans
         self._last_sent = self.last_heard = self._hello_sent_at = now
         self._connect_deadline = now + options.connect_timeout
         self._welcomed = False                 # a Welcome answered the latest Hello
@@ -275,6 +277,11 @@ class WorkerCore:
         out, self._outgoing = self._outgoing, []
         return out
 
+    def take_spans(self) -> list[HopSpan]:
+        """The traced requests' hops that ended since the last call (with --otlp-traces-endpoint)."""
+        spans, self._spans = self._spans, []
+        return spans
+
     def state_name(self) -> WorkerState:
         """The state this worker reports: its table state, or DRAINING for a running worker after SIGTERM."""
         return WorkerState.DRAINING if self._drain_deadline is not None and self.state is WorkerState.RUNNING \
@@ -295,7 +302,7 @@ class WorkerCore:
         if self._silenced:
             kept = [out for out in outputs if not self._silence(out)]
             silenced, outputs = len(outputs) - len(kept), kept
-        deltas, self._outbox = self._outbox + [self._delta(out) for out in outputs], []
+        deltas, self._outbox = self._outbox + [self._delta(out, now) for out in outputs], []
         if deltas or silenced:     # an abort freed blocks: the coordinator hears of it at once
             self.last_load = self.engine.load()
             self._send(StepBatch(deltas=deltas, load=self.last_load), now)
@@ -306,13 +313,17 @@ class WorkerCore:
             return True
         return False
 
-    def _delta(self, out: Delta) -> Delta:
-        """An engine output as it goes out: recorded in its request's journal, the first of a text prompt echoing
-        the prompt ids."""
+    def _delta(self, out: Delta, now: float) -> Delta:
+        """An engine output as it goes out: recorded in its request's journal (and its trace), the first of a text
+        prompt echoing the prompt ids."""
         sent = self._requests.pop(out.request_id, None) if out.finished else self._requests.get(out.request_id)
         if sent is None:
             return out
         sent.journal.record(out.token_ids, out.text)
+        if sent.trace is not None:
+            sent.trace.record(out, now)
+            if out.finished:
+                self._spans.append(sent.trace.span)
         if not sent.echo_prompt:
             return out
         sent.echo_prompt = False
@@ -393,8 +404,10 @@ class WorkerCore:
                                                   msg.resumed_text_len, priority=msg.priority, client=msg.client)
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request")
-        self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), msg.resumed_token_ids,
-                                               request.params.seed, echo_prompt=msg.prompt is not None)
+        sent = self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), msg.resumed_token_ids,
+                                                      request.params.seed, echo_prompt=msg.prompt is not None)
+        if self.options.otlp_traces_endpoint is not None:
+            sent.trace = WorkerTrace.start(msg, len(request.prompt_token_ids), now)
 
     def _reject(self, request_id: str, reason: str, code: str) -> None:
         """A final error delta; it echoes no prompt ids (a text prompt refused here was not tokenized)."""
@@ -405,7 +418,12 @@ class WorkerCore:
         """The coordinator forgot these requests before it asked: free their KV blocks now and send no final
         delta (so the same id may be dispatched here again at once). Unknown or finished ids: nothing to do."""
         for request_id in msg.request_ids:
-            if self._requests.pop(request_id, None) is not None and self.engine.abort(request_id):
+            sent = self._requests.pop(request_id, None)
+            if sent is None:
+                continue
+            if sent.trace is not None:
+                self._spans.append(sent.trace.end("abort (by the coordinator)", now))
+            if self.engine.abort(request_id):
                 self._silenced.add(request_id)
 
     def _abort_all(self, now: float) -> None:
@@ -554,7 +572,7 @@ class _Sent:
     (tokens resumed from a failover come first; their text is the client's already), and whether its next
     delta echoes the prompt ids."""
 
-    __slots__ = ("prompt_token_ids", "seed", "journal", "echo_prompt")
+    __slots__ = ("prompt_token_ids", "seed", "journal", "echo_prompt", "trace")
 
     def __init__(self, prompt_token_ids: TokenIds, resumed_token_ids: TokenIds, seed: int | None = None,
                  echo_prompt: bool = False) -> None:
@@ -564,6 +582,54 @@ class _Sent:
         # The next delta echoes the prompt ids: the first one, when the prompt was text (the client of a token-id
         # prompt has them; the coordinator keeps a text prompt's ids, for a re-dispatch)
         self.echo_prompt = echo_prompt
+        self.trace: WorkerTrace | None = None
 
     def snapshot(self, request_id: str) -> RequestSnapshot:
         return self.journal.snapshot(request_id, self.prompt_token_ids, self.seed)
+
+
+class WorkerTrace:
+    """The worker's hop of a traced request (protocol/tracing.py): from its Dispatch to its final delta, with its
+    queue time (reported by the engine with the first output), prefill (scheduled -> first token) and decode
+    (first token -> end) times and its token counts, under vLLM's attribute names."""
+
+    __slots__ = ("span", "first_token_at", "num_tokens")
+
+    def __init__(self, span: HopSpan) -> None:
+        self.span = span
+        self.first_token_at: float | None = None
+        self.num_tokens = 0
+
+    @classmethod
+    def start(cls, msg: Dispatch, num_prompt_tokens: int, now: float) -> WorkerTrace:
+        span = HopSpan.child_of("worker", msg.traceparent, now, **{
+            "gen_ai.request.id": msg.request_id, "gen_ai.usage.prompt_tokens": num_prompt_tokens,
+            "infer.resumed_tokens": len(msg.resumed_token_ids)})
+        if msg.sampling.max_tokens is not None:
+            span.attributes["gen_ai.request.max_tokens"] = msg.sampling.max_tokens
+        return cls(span)
+
+    def record(self, out: Delta, now: float) -> None:
+        span = self.span
+        if out.queue_time_s is not None:
+            span.attributes["gen_ai.latency.time_in_queue"] = out.queue_time_s
+            span.event("scheduled", span.start + out.queue_time_s)
+        self.num_tokens += len(out.token_ids)
+        if out.token_ids and self.first_token_at is None:
+            self.first_token_at = now
+            span.event("first token", now)
+        if out.finished:
+            self.end(str(out.finish_reason), now)
+
+    def end(self, finish_reason: str, now: float) -> HopSpan:
+        """The span ended at `now`; the latencies that need a first token only when one came."""
+        span = self.span.finish(now, **{"gen_ai.response.finish_reasons": finish_reason,
+                                        "gen_ai.usage.completion_tokens": self.num_tokens,
+                                        "gen_ai.latency.e2e": now - self.span.start})
+        first = self.first_token_at
+        if first is not None:
+            scheduled = span.start + float(span.attributes.get("gen_ai.latency.time_in_queue", 0.0))
+            span.attributes.update({"gen_ai.latency.time_to_first_token": first - span.start,
+                                    "gen_ai.latency.time_in_model_prefill": max(0.0, first - scheduled),
+                                    "gen_ai.latency.time_in_model_decode": now - first})
+        return span

@@ -42,6 +42,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.outputs import RequestOutput
+from infer.protocol.tracing import open_sink
 from infer.protocol.transport import HANDSHAKE_EVENTS, frames_for, handshake_failure, make_socket
 from infer.worker.core import EXIT_OK, EngineLike, WorkerCore, WorkerExit
 from infer.worker.group_sync import GroupBroken
@@ -67,6 +68,7 @@ class Worker:
         self.core = WorkerCore(engine, options, time.monotonic(), wall_offset=time.time() - time.monotonic(),
                                busy=self._socket_handed_over)
         self.sock = make_socket(ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=options.curve)
+        self.spans = open_sink("infer-worker", options.otlp_traces_endpoint)
         self.handshakes = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -132,6 +134,8 @@ class Worker:
             self.sock.close()
             if self.group is not None:
                 self.group.close()
+            if self.spans is not None:
+                self.spans.close()
 
     def _loop(self) -> int:
         core = self.core
@@ -155,6 +159,8 @@ class Worker:
                 self.sock.send_multipart(frames_for(msg), zmq.NOBLOCK)
             except zmq.Again:   # the coordinator is away and the queue is full: the frame is lost
                 self._warn.warning("send queue to the coordinator is full; dropped a %r frame", msg.TYPE)
+        if self.spans is not None:
+            self.spans.export(self.core.take_spans())
 
     def _poll_timeout(self) -> float:
         """Seconds to block in poll: 0 while there is work, else until the next timer is due (the core's)."""

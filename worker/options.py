@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from infer.protocol.keys import CurveKeys
 from infer.protocol.messages import MAX_DP_RANK, MAX_ID_LEN
 from infer.protocol.options import option
+from infer.protocol.tracing import require_sdk
 from infer.worker.group_sync import EpOptions
 from infer.worker.pp_group import PpOptions, parse_partition, resolve_stage
 from infer.worker.tp_group import TpOptions, resolve_ranks
@@ -50,6 +51,9 @@ class WorkerOptions:
                                          "starting fails as overloaded, so its client can retry instead of waiting "
                                          "without end (0: no bound)", metavar="S")
     curve: CurveKeys | None = option(None, cli=False)    # CurveZMQ towards the coordinator (and the EP wake channel)
+    otlp_traces_endpoint: str | None = option(
+        None, "export an OpenTelemetry span of each request's worker hop (queue, prefill, decode, tokens) to this "
+              "OTLP endpoint (vLLM's flag; needs pip install 'infer[otel]')", metavar="URL")
 
     def __post_init__(self) -> None:
         if not self.coordinator.startswith(("tcp://", "ipc://")):
@@ -77,6 +81,8 @@ class WorkerOptions:
             raise ValueError("--benchmark-mode has no model, so no EP group: leave out --ep-size")
         if self.tp is not None and self.benchmark_mode:
             raise ValueError("--benchmark-mode has no model, so no TP group: leave out --tp-size")
+        if self.otlp_traces_endpoint is not None:
+            require_sdk()
         if self.coordinator_timeout <= self.heartbeat_interval:
             raise ValueError(f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "
                              f"({self.heartbeat_interval})")

@@ -90,6 +90,7 @@ from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams, grammar_error
+from infer.protocol.tracing import HopSpan, open_sink, parse_traceparent, require_sdk
 
 log = logging.getLogger("infer.api")
 
@@ -131,6 +132,7 @@ class FrontConfig:
     admin_api_key: str | None = None      # may cancel any request (client/api/cancel.py)
     chat_template: str | None = None      # instead of the tokenizer's (--chat-template)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)   # --generation-config: model_defaults.py
+    otlp_traces_endpoint: str | None = None   # OpenTelemetry spans of the front's hops (protocol/tracing.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -145,6 +147,8 @@ class FrontConfig:
         for name in ("health_timeout", "view_max_age"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.otlp_traces_endpoint is not None:
+            require_sdk()
         if self.retry_after < 0:
             raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
@@ -176,6 +180,7 @@ class Job:
     prompt_logprobs: list[TokenLogprobs] | None = None   # prompt tokens 1..
     embedding: list[float] | None = None                 # a pooling request's vector
     beams: list[BeamOutput] | None = None                # a beam search's best n beams (formats.beam_choices)
+    traceparent: str | None = None   # the caller's W3C trace context (a valid `traceparent` header), passed on
 
     def add(self, delta: RequestOutput) -> None:
         self.tracker.on_delta(delta)
@@ -218,11 +223,14 @@ class Front:
         self._xgrammar: asyncio.Future | None = None
         self.lora_adapters: dict[str, str] = {}     # the engine(s)' LoRA adapters as last seen: name -> folder
         self.tool_call_parser = config.tool_call_parser or default_parser(getattr(tokenizer, "chat_template", None))
+        self.spans = open_sink("infer-front", config.otlp_traces_endpoint)
 
     def close(self) -> None:
-        """Stop the tokenizer threads (work already queued is dropped)."""
+        """Stop the tokenizer threads (work already queued is dropped); export the last spans."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        if self.spans is not None:
+            self.spans.close()
 
     async def _off_loop(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """`fn(*args, **kwargs)` on the tokenizer threads, so the event loop keeps serving meanwhile."""
@@ -573,6 +581,9 @@ class Front:
             for ids in prompts:
                 check_length(len(ids), max_tokens, max_len)
             jobs = self._jobs(engine_base_id, prompts, body, max_tokens, logprobs, structured)
+            traceparent = request.headers.get("traceparent")
+            for job in jobs:   # W3C: an invalid header is ignored (a new trace starts), not refused
+                job.traceparent = traceparent if traceparent and parse_traceparent(traceparent) else None
             cancellable.engine_request_ids = [job.request_id for job in jobs]
             self.cancellations.add(fmt.id, cancellable)
             if not body.stream:
@@ -651,10 +662,37 @@ class Front:
         return jobs
 
     def engine_stream(self, job: Job) -> AsyncIterator[RequestOutput]:
-        """The engine request of `job`, with its deadline."""
-        extra = {"priority": job.priority} if job.priority else {}   # engine clients older than priorities work on
+        """The engine request of `job`, with its deadline; its span when this front traces, else the caller's trace
+        context passed on."""
+        extra: dict[str, Any] = {"priority": job.priority} if job.priority else {}   # older engine clients work on
+        if self.spans is not None:
+            return self._traced_stream(job, extra)
+        if job.traceparent is not None:
+            extra["traceparent"] = job.traceparent
         return self.engine.stream(job.prompt_token_ids, job.params, request_id=job.request_id,
                                   timeout=job.timeout, **extra)
+
+    async def _traced_stream(self, job: Job, extra: dict[str, Any]) -> AsyncIterator[RequestOutput]:
+        """`job`'s engine request as the front's hop of its trace (protocol/tracing.py): from here to its last
+        delta (or the caller leaving), with its first token and finish reason."""
+        span = HopSpan.child_of("front", job.traceparent, time.monotonic(), **{
+            "gen_ai.request.id": job.request_id, "gen_ai.response.model": self.config.served_model_name,
+            "gen_ai.usage.prompt_tokens": len(job.prompt_token_ids)})
+        finish_reason, num_tokens = "abandoned", 0
+        try:
+            async for delta in self.engine.stream(job.prompt_token_ids, job.params, request_id=job.request_id,
+                                                  timeout=job.timeout, traceparent=span.traceparent, **extra):
+                if delta.token_ids and not num_tokens:
+                    span.event("first token", time.monotonic())
+                num_tokens += len(delta.token_ids)
+                if delta.finished:
+                    finish_reason = str(delta.finish_reason)
+                yield delta
+        finally:
+            span.finish(time.monotonic(), **{"gen_ai.response.finish_reasons": finish_reason,
+                                             "gen_ai.usage.completion_tokens": num_tokens})
+            if self.spans is not None:
+                self.spans.export([span])
 
     async def _run_to_end(self, jobs: list[Job]) -> None:
         async def one(job: Job) -> None:

@@ -190,6 +190,10 @@ class FrontFlags:
                                     "reads the model's generation_config.json (temperature, top_p, top_k, min_p, "
                                     "repetition_penalty, max_new_tokens as max_tokens), PATH that folder's (or "
                                     "file), vllm none; a request's own values win", metavar="auto|vllm|PATH")
+    otlp_traces_endpoint: str | None = option(None, "export an OpenTelemetry span of each request's hop through the "
+                                              "front to this OTLP endpoint, the child of the caller's W3C "
+                                              "'traceparent' header (vLLM's flag; needs pip install "
+                                              "'infer[otel]')", metavar="URL")
     trusted_network: bool = option(False, "allow a non-loopback bind with nothing protecting it: the HTTP front "
                                    "without an API key (and a coordinator this command starts without CURVE keys); "
                                    "otherwise it is refused")
@@ -232,7 +236,8 @@ def front_config(args: argparse.Namespace, model_id: str | None, model_dir: Path
                        reasoning_parser=args.reasoning_parser,
                        chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
                        sampling_defaults=generation_defaults(args.generation_config, model_dir),
-                       matryoshka_dimensions=matryoshka_dimensions(model_dir))
+                       matryoshka_dimensions=matryoshka_dimensions(model_dir),
+                       otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:

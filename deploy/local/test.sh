@@ -12,7 +12,9 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmd >/
         || { apt-get update -qq && apt-get install -y -qq $SLURM_PACKAGES >/dev/null; } \
         || echo "test.sh: could not install $SLURM_PACKAGES; the Slurm test will say why" >&2
 fi
-# The style the code follows (pyproject's [tool.ruff]) and types (every package), then the tests.
+# The style the code follows (pyproject's [tool.ruff]; the C kernels' kernels/cpu/.clang-format) and types (every
+# package), then the tests.
 .venv/bin/python -m ruff check --quiet .
+.venv/bin/clang-format --dry-run --Werror kernels/cpu/*.c kernels/cpu/*.h
 .venv/bin/python -m mypy --no-error-summary protocol coordinator kernels client worker
 exec .venv/bin/python -m pytest -q "$@"

@@ -356,17 +356,20 @@ def head_parser() -> argparse.ArgumentParser:
 
 
 def coordinator_flags(args: argparse.Namespace) -> list[str]:
-    """The coordinator's command line: its options given to the head, the job's drain timeout, logging."""
-    options = dict(given(CoordinatorConfig, args, names=COORDINATOR_OPTIONS), drain_timeout=args.drain_timeout)
+    """The coordinator's command line: its options given to the head, the job's drain timeout, the traces'
+    endpoint, logging."""
+    options = dict(given(CoordinatorConfig, args, names=COORDINATOR_OPTIONS), drain_timeout=args.drain_timeout,
+                   otlp_traces_endpoint=args.otlp_traces_endpoint)
     return to_argv(CoordinatorConfig, options) + logging_flags(args)
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
     """What every worker gets from the head's options: the model, the heartbeat interval (the coordinator's too),
-    the job's drain timeout, logging."""
+    the job's drain timeout, the traces' endpoint, logging."""
     return (to_argv(EngineConfig, {"model": args.model})
             + to_argv(WorkerOptions, {"heartbeat_interval": args.heartbeat_interval,
-                                      "drain_timeout": args.drain_timeout})
+                                      "drain_timeout": args.drain_timeout,
+                                      "otlp_traces_endpoint": args.otlp_traces_endpoint})
             + logging_flags(args))
 
 

@@ -10,16 +10,21 @@
 #include <stdint.h>
 
 static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
+    union {
+        uint32_t u;
+        float f;
+    } v;
     v.u = (uint32_t)x << 16;
     return v.f;
 }
 
 static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even; NaN stays NaN */
-    union { uint32_t u; float f; } v;
+    union {
+        uint32_t u;
+        float f;
+    } v;
     v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((v.u >> 16) | 0x40u);
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
@@ -29,9 +34,13 @@ static inline float exp_nonpositive(float x) {
     float c = x < -87.0f ? -87.0f : x;
     float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest: 1.5 * 2^23 */
     float r = c - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f + r * (8.3333338e-3f
-              + r * 1.3888889e-3f)))));
-    union { uint32_t u; float f; } two_n;
+    float p =
+        1.0f
+        + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f + r * (8.3333338e-3f + r * 1.3888889e-3f)))));
+    union {
+        uint32_t u;
+        float f;
+    } two_n;
     two_n.u = (uint32_t)((int32_t)n + 127) << 23;
     return x <= -87.0f ? 0.0f : p * two_n.f;
 }
@@ -114,8 +123,8 @@ static inline __m256 exp8(__m256 x, __m256 valid) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                                          _mm256_set1_epi32(127)), 23));
+    __m256 two_n = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
     __m256 live = _mm256_and_ps(valid, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));
     return _mm256_and_ps(live, _mm256_mul_ps(p, two_n));
 }
@@ -126,8 +135,7 @@ static inline __m256i round_bf16_bits8(__m256 v) {
     __m256i u = _mm256_castps_si256(v);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                     _mm256_set1_epi32(0x7f800000));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
     rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
     return _mm256_and_si256(rounded, _mm256_set1_epi32((int)0xffff0000u));
 }

@@ -41,20 +41,19 @@ int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int6
                    int64_t K);
 int gemv_rows_bf16w_f32x(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M,
                          int64_t N, int64_t K);
-int quant_matmul(const void *x, int64_t x_stride, const void *qs, const uint16_t *scales, const uint16_t *mins,
-                 int fmt, void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int is_bf16);
-int rotary_inplace(void *x, int64_t stride, int64_t num_tokens, int num_heads, int head_dim,
-                   const int64_t *positions, const float *cos_sin, int64_t num_positions, int is_neox, int is_bf16);
+int quant_matmul(const void *x, int64_t x_stride, const void *qs, const uint16_t *scales, const uint16_t *mins, int fmt,
+                 void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int is_bf16);
+int rotary_inplace(void *x, int64_t stride, int64_t num_tokens, int num_heads, int head_dim, const int64_t *positions,
+                   const float *cos_sin, int64_t num_positions, int is_neox, int is_bf16);
 int append_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_pool, void *v_pool,
               int64_t num_slots, const int64_t *slots, int64_t pad_slot, int64_t num_tokens, int num_kv_heads,
               int head_dim, const int64_t *positions, const float *cos_sin, int64_t num_positions, int is_neox,
               int is_bf16);
-int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
-                 const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
-                 void *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                 int64_t num_blocks, float scale, int is_bf16, int window);
-int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d,
-                 int is_bf16);
+int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int32_t *block_tables,
+                 int64_t table_stride, int64_t table_width, const int32_t *seq_lens, void *out, int num_seqs,
+                 int num_heads, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks, float scale,
+                 int is_bf16, int window);
+int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d, int is_bf16);
 
 /* y [rows, N] (rows y_stride apart) += bias [N], in the rows' type (bf16: one rounding of the fp32 sum, as torch's
  * add_). */
@@ -122,8 +121,8 @@ int decode_layers(void *h, void *residual, const void *const *weights, const int
                                 cos_sin, num_positions, is_neox, is_bf16)))
             return status;
         if ((status = paged_decode(qkv, qkv_size, k_pool, v_pool, tables, table_stride, table_width, seq_lens, attn,
-                                   (int)rows, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-                                   is_bf16, windows ? windows[i] : 0)))
+                                   (int)rows, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, is_bf16,
+                                   windows ? windows[i] : 0)))
             return status;
         if ((status = linear(w, f, 1, attn, out, rows, hidden, q_size, is_bf16))) return status;
         if ((status = rms_norm(out, hidden, residual, hidden, w[3], normed, hidden, rows, (int)hidden, eps, is_bf16)))

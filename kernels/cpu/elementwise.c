@@ -19,7 +19,10 @@
 
 static inline float to_f32(const void *base, int64_t i, int is_bf16) {
     if (is_bf16) {
-        union { uint32_t u; float f; } v;
+        union {
+            uint32_t u;
+            float f;
+        } v;
         v.u = (uint32_t)((const uint16_t *)base)[i] << 16;
         return v.f;
     }
@@ -31,10 +34,13 @@ static inline void from_f32(void *base, int64_t i, float f, int is_bf16) {
         ((float *)base)[i] = f;
         return;
     }
-    union { uint32_t u; float f; } v;
+    union {
+        uint32_t u;
+        float f;
+    } v;
     v.f = f;
     uint16_t out = (v.u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((v.u >> 16) | 0x40u)
-                                                      : (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+                                                     : (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
     ((uint16_t *)base)[i] = out;
 }
 
@@ -70,8 +76,8 @@ static void rotate_any(const void *src, void *dst, const float *cos_sin, int hea
 
 /* x [T, heads, D] rows `stride` elements apart, rotated in place at positions [T]. -1: head_dim odd or past
  * 256; -2: a position outside the cos/sin cache of `num_positions` rows. */
-int rotary_inplace(void *x, int64_t stride, int64_t num_tokens, int num_heads, int head_dim,
-                   const int64_t *positions, const float *cos_sin, int64_t num_positions, int is_neox, int is_bf16) {
+int rotary_inplace(void *x, int64_t stride, int64_t num_tokens, int num_heads, int head_dim, const int64_t *positions,
+                   const float *cos_sin, int64_t num_positions, int is_neox, int is_bf16) {
     if (head_dim > 256 || head_dim % 2) return -1;
     for (int64_t t = 0; t < num_tokens; t++)
         if (positions[t] < 0 || positions[t] >= num_positions) return -2;
@@ -147,8 +153,8 @@ static inline __m512 round_bf16_16(__m512 v) {
 /* One row of rms_norm below; inlined with constant flags, so each variant's loops are branch-free and
  * vectorize. */
 static inline __attribute__((always_inline)) void rms_norm_row(const void *x, void *residual, const void *weight,
-                                                               void *out, int hidden, float eps,
-                                                               const int has_residual, const int is_bf16) {
+                                                               void *out, int hidden, float eps, const int has_residual,
+                                                               const int is_bf16) {
     float s[16384];
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -175,8 +181,8 @@ static inline __attribute__((always_inline)) void rms_norm_row(const void *x, vo
 /* rms_norm_row for bf16 rows, 16 lanes at a time with the same roundings (the sum of squares in 16 partial sums,
  * another order again). */
 static inline __attribute__((always_inline)) void rms_norm_row_bf16(const uint16_t *x, uint16_t *residual,
-                                                                    const uint16_t *weight, uint16_t *out,
-                                                                    int hidden, float eps, const int has_residual) {
+                                                                    const uint16_t *weight, uint16_t *out, int hidden,
+                                                                    float eps, const int has_residual) {
     float s[16384] __attribute__((aligned(64)));
     __m512 squares = _mm512_setzero_ps();
     int d = 0;
@@ -206,8 +212,7 @@ static inline __attribute__((always_inline)) void rms_norm_row_bf16(const uint16
         __m512 normed = round_bf16_16(_mm512_mul_ps(_mm512_load_ps(s + d), inv16));
         _mm256_storeu_si256((__m256i *)(out + d), to_bf16_16(_mm512_mul_ps(normed, load16(weight + d, 0, 1))));
     }
-    for (; d < hidden; d++)
-        out[d] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[d] * inv)) * bf16_to_f32(weight[d]));
+    for (; d < hidden; d++) out[d] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[d] * inv)) * bf16_to_f32(weight[d]));
 }
 #endif
 
@@ -217,8 +222,8 @@ static inline __attribute__((always_inline)) void rms_norm_row_bf16(const uint16
  * partial sums: another order again, so the output may differ from the twin's in a last bit; the residual sum
  * is the twin's, bit for bit). */
 static inline __attribute__((always_inline)) void rms_norm_row_bf16(const uint16_t *x, uint16_t *residual,
-                                                                    const uint16_t *weight, uint16_t *out,
-                                                                    int hidden, float eps, const int has_residual) {
+                                                                    const uint16_t *weight, uint16_t *out, int hidden,
+                                                                    float eps, const int has_residual) {
     float s[16384] __attribute__((aligned(32)));
     __m256 squares = _mm256_setzero_ps();
     int d = 0;
@@ -247,8 +252,7 @@ static inline __attribute__((always_inline)) void rms_norm_row_bf16(const uint16
         __m256 normed = round_bf16_8(_mm256_mul_ps(_mm256_load_ps(s + d), inv8));
         _mm_storeu_si128((__m128i *)(out + d), to_bf16_8(_mm256_mul_ps(normed, load8(weight + d, 0, 1))));
     }
-    for (; d < hidden; d++)
-        out[d] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[d] * inv)) * bf16_to_f32(weight[d]));
+    for (; d < hidden; d++) out[d] = f32_to_bf16(bf16_to_f32(f32_to_bf16(s[d] * inv)) * bf16_to_f32(weight[d]));
 }
 #endif
 
@@ -268,8 +272,8 @@ int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride
         char *rr = residual ? (char *)residual + r * res_stride * elem : 0;
         char *orow = (char *)out + r * out_stride * elem;
 #if defined(__AVX512F__) || defined(RMS_AVX2)
-        if (residual && is_bf16) rms_norm_row_bf16((const uint16_t *)xr, (uint16_t *)rr, weight, (uint16_t *)orow,
-                                                   hidden, eps, 1);
+        if (residual && is_bf16)
+            rms_norm_row_bf16((const uint16_t *)xr, (uint16_t *)rr, weight, (uint16_t *)orow, hidden, eps, 1);
         else if (is_bf16) rms_norm_row_bf16((const uint16_t *)xr, 0, weight, (uint16_t *)orow, hidden, eps, 0);
 #else
         if (residual && is_bf16) rms_norm_row(xr, rr, weight, orow, hidden, eps, 1, 1);
@@ -391,8 +395,7 @@ static inline __attribute__((always_inline)) void silu_and_mul_row(const void *g
  * d] (rows out_stride apart), as F.silu(gate).mul_(up): silu in fp32, rounded to the type, times up in fp32,
  * rounded again. NaN and infinities as torch: silu(NaN) = NaN, silu(inf) = inf, silu(-inf) = NaN; a gate below
  * -87 gives 0 (exp_nonpositive's floor), where torch gives a magnitude under 1e-35. */
-int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d,
-                 int is_bf16) {
+int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d, int is_bf16) {
     const int elem = is_bf16 ? 2 : 4;
 #pragma omp parallel for if (rows * d > 32768)
     for (int64_t r = 0; r < rows; r++) {

@@ -102,8 +102,8 @@ static inline __m256 widen8(const uint16_t *p) {
 }
 
 /* One step of dot_rows: 16 weights (two widened vectors) into R rows' accumulators, x at column k. */
-static inline __attribute__((always_inline)) void dot_step(__m256 w0, __m256 w1, const float *x, int64_t K16,
-                                                           int64_t k, __m256 *lo, __m256 *hi, const int R) {
+static inline __attribute__((always_inline)) void dot_step(__m256 w0, __m256 w1, const float *x, int64_t K16, int64_t k,
+                                                           __m256 *lo, __m256 *hi, const int R) {
     for (int r = 0; r < R; r++) {
         lo[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K16 + k), lo[r]);
         hi[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K16 + k + 8), hi[r]);
@@ -113,8 +113,8 @@ static inline __attribute__((always_inline)) void dot_step(__m256 w0, __m256 w1,
 /* Sums of one weight row (K bf16) against R rows of the padded fp32 x (rows K16 apart, zero past K), R a
  * constant where inlined: 16 weights a step into two accumulators a row; the last K % 16 weights through a
  * zero-padded chunk. Each row's arithmetic is the same whatever R. */
-static inline __attribute__((always_inline)) void dot_rows(const uint16_t *row, const float *x, int64_t K,
-                                                           int64_t K16, float *sums, const int R) {
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t *row, const float *x, int64_t K, int64_t K16,
+                                                           float *sums, const int R) {
     __m256 lo[F_ROWS], hi[F_ROWS];
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     const int64_t body = K / 16 * 16;
@@ -138,8 +138,8 @@ static void dot_rows_any(const uint16_t *row, const float *x, int64_t K, int64_t
 
 /* Output columns [n0, n1) of M rows: each weight row read once from memory, the rows of x F_ROWS at a time
  * over it (from L1 after the first pass). */
-static void fp32_cols(const float *x, int64_t K, const uint16_t *w, void *y, int64_t y_stride, int64_t n0,
-                      int64_t n1, int M, int y_bf16) {
+static void fp32_cols(const float *x, int64_t K, const uint16_t *w, void *y, int64_t y_stride, int64_t n0, int64_t n1,
+                      int M, int y_bf16) {
     const int64_t K16 = (K + 15) / 16 * 16;
     float sums[MAX_ROWS];
     for (int64_t n = n0; n < n1; n++) {
@@ -242,7 +242,8 @@ static int tiled_core(const void *x, int64_t x_stride, int x_bf16, const uint16_
             }
             const int threads = omp_get_num_threads(), me = omp_get_thread_num();
             /* even weight-row boundaries, so that tiles of T_COLS line up across blocks */
-            const int64_t n0 = N * me / threads / T_COLS * T_COLS, n1 = me + 1 == threads ? N : N * (me + 1) / threads / T_COLS * T_COLS;
+            const int64_t n0 = N * me / threads / T_COLS * T_COLS,
+                          n1 = me + 1 == threads ? N : N * (me + 1) / threads / T_COLS * T_COLS;
             char *y_block = (char *)y + m0 * y_stride * (y_bf16 ? 2 : 4);
             tile_cols(xf, block, K, K16, w, y_block, y_stride, n0, n1, y_bf16);
         }
@@ -310,7 +311,14 @@ int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int6
 #elif defined(HAVE_FP32_CORE)
     return fp32_core(x, x_stride, 1, (const uint16_t *)w, y, y_stride, 1, M, N, K);
 #else
-    (void)x; (void)x_stride; (void)w; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
+    (void)x;
+    (void)x_stride;
+    (void)w;
+    (void)y;
+    (void)y_stride;
+    (void)M;
+    (void)N;
+    (void)K;
     return -1;
 #endif
 }
@@ -323,7 +331,14 @@ int gemv_rows_bf16w_f32x(const void *x, int64_t x_stride, const void *w, void *y
 #if defined(HAVE_FP32_CORE)
     return fp32_core(x, x_stride, 0, (const uint16_t *)w, y, y_stride, 0, M, N, K);
 #else
-    (void)x; (void)x_stride; (void)w; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
+    (void)x;
+    (void)x_stride;
+    (void)w;
+    (void)y;
+    (void)y_stride;
+    (void)M;
+    (void)N;
+    (void)K;
     return -1;
 #endif
 }

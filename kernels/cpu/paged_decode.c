@@ -104,9 +104,7 @@ static inline int row_low(const Rows *rows, int r, int group) {
 
 /* The first position of the chunk (of `width` positions, chunks aligned to multiples of it) where row 0 starts
  * seeing: rows later in the task start no earlier. */
-static inline int first_chunk(const Rows *rows, int width) {
-    return row_low(rows, 0, 1) / width * width;
-}
+static inline int first_chunk(const Rows *rows, int width) { return row_low(rows, 0, 1) / width * width; }
 
 /* How many rows (from row 0) see a position before `end`: the rows past them start later (windows only). */
 static inline int rows_seeing_before(const Rows *rows, int end, const int tokens, int group, int nrows) {
@@ -134,16 +132,20 @@ static inline float dot_fixed(const float *a, const float *b, int n) {
 }
 
 /* The portable task: block by block, scalar softmax sums in position order. */
-static inline __attribute__((always_inline)) void attend_portable(
-        const Rows *rows, const void *k_pool, const void *v_pool, const int32_t *table, const int tokens,
-        const int group, const int head_dim, int block_size, float scale, const int is_bf16) {
+static inline __attribute__((always_inline)) void attend_portable(const Rows *rows, const void *k_pool,
+                                                                  const void *v_pool, const int32_t *table,
+                                                                  const int tokens, const int group, const int head_dim,
+                                                                  int block_size, float scale, const int is_bf16) {
     const int nrows = tokens * group, len = rows->first_len + tokens - 1;
     const int64_t row_bytes = (int64_t)head_dim * (is_bf16 ? 2 : 4);
     float qf[MAX_ROWS][MAX_HEAD_DIM], acc[MAX_ROWS][MAX_HEAD_DIM];
     float s[MAX_ROWS][MAX_BLOCK], m[MAX_ROWS], l[MAX_ROWS], row[MAX_HEAD_DIM];
     for (int r = 0; r < nrows; r++) {
         load_row(q_of(rows, r, group, row_bytes), 0, is_bf16, qf[r], head_dim);
-        for (int d = 0; d < head_dim; d++) { qf[r][d] *= scale; acc[r][d] = 0.0f; }
+        for (int d = 0; d < head_dim; d++) {
+            qf[r][d] *= scale;
+            acc[r][d] = 0.0f;
+        }
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
@@ -241,9 +243,10 @@ static inline __m512 lane_sums(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
 }
 
-static inline __attribute__((always_inline)) void attend_avx512(
-        const Rows *rows, const void *k_pool, const void *v_pool, const int32_t *table, const int tokens,
-        const int group, const int head_dim, int block_size, float scale, const int is_bf16) {
+static inline __attribute__((always_inline)) void attend_avx512(const Rows *rows, const void *k_pool,
+                                                                const void *v_pool, const int32_t *table,
+                                                                const int tokens, const int group, const int head_dim,
+                                                                int block_size, float scale, const int is_bf16) {
     const int nv = head_dim / 16;   /* vectors per row */
     const int nrows = tokens * group, len = rows->first_len + tokens - 1;
     const int64_t row_bytes = (int64_t)head_dim * (is_bf16 ? 2 : 4);
@@ -273,7 +276,8 @@ static inline __attribute__((always_inline)) void attend_avx512(
         l[r] = 0.0f;
     }
     const int from = first_chunk(rows, 16);
-    int block = from / block_size, offset = from % block_size;   /* where the next position lives: table[block], row `offset` of it */
+    int block = from / block_size,
+        offset = from % block_size;   /* where the next position lives: table[block], row `offset` of it */
     for (int start = from; start < len; start += 16) {
         const int n = len - start < 16 ? len - start : 16, lo = first_row_seeing(rows, start, tokens, group);
         const int hi = rows_seeing_before(rows, start + n, tokens, group, nrows);
@@ -354,9 +358,10 @@ static inline __m256 lane_sums8(const __m256 *v) {
 
 /* The AVX2 task (FMA; bf16 rows widened to fp32 in registers): as the AVX-512 one, 8 positions at a time, each
  * position's q.k an 8-lane partial sum (D / 8 FMAs) and `lane_sums8` turning 8 of them into 8 scores. */
-static inline __attribute__((always_inline)) void attend_avx2(
-        const Rows *rows, const void *k_pool, const void *v_pool, const int32_t *table, const int tokens,
-        const int group, const int head_dim, int block_size, float scale, const int is_bf16) {
+static inline __attribute__((always_inline)) void attend_avx2(const Rows *rows, const void *k_pool, const void *v_pool,
+                                                              const int32_t *table, const int tokens, const int group,
+                                                              const int head_dim, int block_size, float scale,
+                                                              const int is_bf16) {
     const int nv = head_dim / 8;   /* vectors per row */
     const int nrows = tokens * group, len = rows->first_len + tokens - 1;
     const int64_t row_bytes = (int64_t)head_dim * (is_bf16 ? 2 : 4);
@@ -374,7 +379,8 @@ static inline __attribute__((always_inline)) void attend_avx2(
         l[r] = 0.0f;
     }
     const int from = first_chunk(rows, 8);
-    int block = from / block_size, offset = from % block_size;   /* where the next position lives: table[block], row `offset` of it */
+    int block = from / block_size,
+        offset = from % block_size;   /* where the next position lives: table[block], row `offset` of it */
     for (int start = from; start < len; start += 8) {
         const int n = len - start < 8 ? len - start : 8, lo = first_row_seeing(rows, start, tokens, group);
         const int hi = rows_seeing_before(rows, start + n, tokens, group, nrows);
@@ -429,9 +435,10 @@ static inline __attribute__((always_inline)) void attend_avx2(
 #endif
 
 /* The AVX-512 task where the machine has it and rows are whole vectors, else the AVX2 one, the portable one otherwise. */
-static inline __attribute__((always_inline)) void attend(
-        const Rows *rows, const void *k_pool, const void *v_pool, const int32_t *table, const int tokens,
-        const int group, const int head_dim, int block_size, float scale, const int is_bf16) {
+static inline __attribute__((always_inline)) void attend(const Rows *rows, const void *k_pool, const void *v_pool,
+                                                         const int32_t *table, const int tokens, const int group,
+                                                         const int head_dim, int block_size, float scale,
+                                                         const int is_bf16) {
 #if defined(__AVX512F__)
     if (head_dim % 16 == 0) {
         attend_avx512(rows, k_pool, v_pool, table, tokens, group, head_dim, block_size, scale, is_bf16);
@@ -449,7 +456,9 @@ static inline __attribute__((always_inline)) void attend(
 typedef void (*task_fn)(const Rows *, const void *, const void *, const int32_t *, int, int, int, int, float);
 
 /* One task function per (type, T, G, D): TASK(bf16, 1, 1, 3, 64) is task_bf16_1_3_64 (a decode of 3 heads a KV
- * head, head_dim 64); T, G or D are known only at run time where 0. */
+ * head, head_dim 64); T, G or D are known only at run time where 0. Laid out by hand: clang-format reads a macro
+ * that defines functions as one long expression. */
+/* clang-format off */
 #define TASK(NAME, IS_BF16, T, G, D)                                                                            \
     static void task_##NAME##_##T##_##G##_##D(const Rows *rows, const void *k, const void *v,                  \
                                               const int32_t *table, int tokens, int group, int head_dim,      \
@@ -479,6 +488,7 @@ typedef void (*task_fn)(const Rows *, const void *, const void *, const int32_t 
         if (group <= 8 && head_dim == 128) return d128[group];                                                 \
         return task_##NAME##_1_0_0;                                                                            \
     }
+/* clang-format on */
 
 TASKS(bf16, 1)
 TASKS(f32, 0)
@@ -486,16 +496,18 @@ TASKS(f32, 0)
 /* The checks every entry point makes: a layout in the limits above, 0; else -1. */
 static int shapes_fit(int group, int head_dim, int block_size) {
     return group < 1 || group > MAX_ROWS || head_dim > MAX_HEAD_DIM || head_dim < 1 || block_size > MAX_BLOCK
-           || block_size < 1 ? -1 : 0;
+                   || block_size < 1
+               ? -1
+               : 0;
 }
 
 /* Decodes (`window` > 0: each sees its last `window` positions; 0: all): 0 on success; -1 for shapes past the limits above (the caller checks them first), -2 for a length < 1
  * or past the table, or a table entry outside the pool (nothing is computed then). Elements are bf16 or fp32 by
  * is_bf16. */
-int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
-                 const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
-                 void *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                 int64_t num_blocks, float scale, int is_bf16, int window) {
+int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int32_t *block_tables,
+                 int64_t table_stride, int64_t table_width, const int32_t *seq_lens, void *out, int num_seqs,
+                 int num_heads, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks, float scale,
+                 int is_bf16, int window) {
     int group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4;
     if (window < 0) return -1;
     if (shapes_fit(group, head_dim, block_size)) return -1;
@@ -513,8 +525,12 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < tasks; i++) {
         int64_t b = i / num_kv_heads, h = i % num_kv_heads;
-        Rows rows = {(const char *)q + (b * q_stride + h * group * head_dim) * elem, 0,
-                     (char *)out + (b * num_heads + h * group) * head_dim * elem, 0, seq_lens[b], window};
+        Rows rows = {(const char *)q + (b * q_stride + h * group * head_dim) * elem,
+                     0,
+                     (char *)out + (b * num_heads + h * group) * head_dim * elem,
+                     0,
+                     seq_lens[b],
+                     window};
         task(&rows, (const char *)k_pool + h * head_stride, (const char *)v_pool + h * head_stride,
              block_tables + b * table_stride, 1, group, head_dim, block_size, scale);
     }
@@ -528,8 +544,8 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void
 int attend_max_tokens(int group) { return MAX_ROWS / group; }
 
 void attend_rows(const void *q, int64_t q_token_bytes, const void *k_pool, const void *v_pool, const int32_t *table,
-                 int first_len, int tokens, void *out, int64_t out_token_bytes, int group, int head_dim,
-                 int block_size, float scale, int is_bf16, int window) {
+                 int first_len, int tokens, void *out, int64_t out_token_bytes, int group, int head_dim, int block_size,
+                 float scale, int is_bf16, int window) {
     Rows rows = {(const char *)q, q_token_bytes, (char *)out, out_token_bytes, first_len, window};
     task_fn task = is_bf16 ? pick_bf16(0, group, head_dim) : pick_f32(0, group, head_dim);
     task(&rows, k_pool, v_pool, table, tokens, group, head_dim, block_size, scale);

@@ -35,8 +35,8 @@
 /* paged_decode.c: the decode kernel's arithmetic for up to attend_max_tokens(group) tokens of a chunk */
 int attend_max_tokens(int group);
 void attend_rows(const void *q, int64_t q_token_bytes, const void *k_pool, const void *v_pool, const int32_t *table,
-                 int first_len, int tokens, void *out, int64_t out_token_bytes, int group, int head_dim,
-                 int block_size, float scale, int is_bf16, int window);
+                 int first_len, int tokens, void *out, int64_t out_token_bytes, int group, int head_dim, int block_size,
+                 float scale, int is_bf16, int window);
 
 #if defined(__AVX512BF16__)
 /* ---- bf16 with AVX512-BF16: keys packed once, 32 at a time, and multiplied by pairs of bf16 (vdpbf16ps) ----
@@ -76,8 +76,8 @@ static void pf_store(float (*acc)[PF_MAX_HEAD_DIM], const float *l, int rows, in
 static inline int64_t pk_tile_words(int head_dim) { return (int64_t)PK_KEYS * head_dim; }
 
 /* Pack keys k0 .. k0 + nk - 1 (nk <= 32) of one KV head (bf16 pools, already offset to the head) into tile. */
-static void pk_pack(const uint16_t *k_pool, const uint16_t *v_pool, const int32_t *table, int block_size,
-                    int head_dim, int k0, int nk, uint32_t *tile) {
+static void pk_pack(const uint16_t *k_pool, const uint16_t *v_pool, const int32_t *table, int block_size, int head_dim,
+                    int k0, int nk, uint32_t *tile) {
     const int pairs = head_dim / 2;
     uint32_t *kt = tile, *vt = tile + (int64_t)pairs * PK_KEYS;
     const uint16_t *krow[PK_KEYS], *vrow[PK_KEYS];
@@ -102,7 +102,8 @@ static void pk_pack(const uint16_t *k_pool, const uint16_t *v_pool, const int32_
                                 : _mm512_setzero_si512();
             __m512i hi = b < nk ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrow[b] + c)))
                                 : _mm512_setzero_si512();
-            _mm512_store_si512((void *)(vt + (int64_t)i * head_dim + c), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            _mm512_store_si512((void *)(vt + (int64_t)i * head_dim + c),
+                               _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
 }
@@ -150,12 +151,12 @@ static inline __attribute__((always_inline)) void pk_scores(const uint32_t (*q2)
 static __attribute__((noinline)) void pk_scores_rows(const uint32_t (*q2)[PF_MAX_HEAD_DIM / 2], const uint32_t *kt,
                                                      int pairs, float (*s)[PK_KEYS], int R) {
     switch (R) {
-        case 6: pk_scores(q2, kt, pairs, s, 6); break;
-        case 5: pk_scores(q2, kt, pairs, s, 5); break;
-        case 4: pk_scores(q2, kt, pairs, s, 4); break;
-        case 3: pk_scores(q2, kt, pairs, s, 3); break;
-        case 2: pk_scores(q2, kt, pairs, s, 2); break;
-        default: pk_scores(q2, kt, pairs, s, 1); break;
+    case 6: pk_scores(q2, kt, pairs, s, 6); break;
+    case 5: pk_scores(q2, kt, pairs, s, 5); break;
+    case 4: pk_scores(q2, kt, pairs, s, 4); break;
+    case 3: pk_scores(q2, kt, pairs, s, 3); break;
+    case 2: pk_scores(q2, kt, pairs, s, 2); break;
+    default: pk_scores(q2, kt, pairs, s, 1); break;
     }
 }
 
@@ -168,8 +169,8 @@ static inline void pk_softmax(const float *s, int seen, float scale_log2e, float
     const __mmask16 v0 = (__mmask16)(seen >= 16 ? 0xffffu : (1u << seen) - 1u);
     const __mmask16 v1 = (__mmask16)(seen >= 32 ? 0xffffu : seen > 16 ? (1u << (seen - 16)) - 1u : 0u);
     __m512 x0 = _mm512_mul_ps(_mm512_load_ps(s), sc), x1 = _mm512_mul_ps(_mm512_load_ps(s + 16), sc);
-    float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(minus_inf, v0, x0),
-                                                   _mm512_mask_mov_ps(minus_inf, v1, x1)));
+    float top = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_mask_mov_ps(minus_inf, v0, x0), _mm512_mask_mov_ps(minus_inf, v1, x1)));
     __m512 sum = _mm512_load_ps(lsum);
     if (top > *m) {   /* a new max: what was summed so far is scaled down to it */
         __m512 rescale = *m == -INFINITY ? _mm512_setzero_ps() : exp2_16(_mm512_set1_ps(*m - top), (__mmask16)0xffffu);
@@ -195,7 +196,8 @@ static inline __attribute__((always_inline)) void pk_values(float (*acc)[PF_MAX_
         for (int w = 0; w < W; w++) a[r][w] = _mm512_load_ps(acc[r] + c + 16 * w);
     for (int i = 0; i < key_pairs; i++) {
         __m512bh v[4];
-        for (int w = 0; w < W; w++) v[w] = (__m512bh)_mm512_load_si512((const void *)(vt + (int64_t)i * head_dim + c + 16 * w));
+        for (int w = 0; w < W; w++)
+            v[w] = (__m512bh)_mm512_load_si512((const void *)(vt + (int64_t)i * head_dim + c + 16 * w));
         for (int r = 0; r < R; r++) {
             __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[r][i]);
             for (int w = 0; w < W; w++) a[r][w] = _mm512_dpbf16_ps(a[r][w], v[w], p);
@@ -211,16 +213,16 @@ static __attribute__((noinline)) void pk_values_rows(float (*acc)[PF_MAX_HEAD_DI
     int c = 0;
     for (; c + 64 <= head_dim; c += 64) {
         switch (R) {
-            case 3: pk_values(acc, pp, vt, key_pairs, head_dim, c, 3, 4); break;
-            case 2: pk_values(acc, pp, vt, key_pairs, head_dim, c, 2, 4); break;
-            default: pk_values(acc, pp, vt, key_pairs, head_dim, c, 1, 4); break;
+        case 3: pk_values(acc, pp, vt, key_pairs, head_dim, c, 3, 4); break;
+        case 2: pk_values(acc, pp, vt, key_pairs, head_dim, c, 2, 4); break;
+        default: pk_values(acc, pp, vt, key_pairs, head_dim, c, 1, 4); break;
         }
     }
     for (; c < head_dim; c += 16) {
         switch (R) {
-            case 3: pk_values(acc, pp, vt, key_pairs, head_dim, c, 3, 1); break;
-            case 2: pk_values(acc, pp, vt, key_pairs, head_dim, c, 2, 1); break;
-            default: pk_values(acc, pp, vt, key_pairs, head_dim, c, 1, 1); break;
+        case 3: pk_values(acc, pp, vt, key_pairs, head_dim, c, 3, 1); break;
+        case 2: pk_values(acc, pp, vt, key_pairs, head_dim, c, 2, 1); break;
+        default: pk_values(acc, pp, vt, key_pairs, head_dim, c, 1, 1); break;
         }
     }
 }
@@ -254,10 +256,8 @@ static void packed_task(const char *q, int64_t token_bytes, const uint16_t *k_po
     for (int k0 = 0; k0 < end; k0 += PK_KEYS) {
         int nk = end - k0 < PK_KEYS ? end - k0 : PK_KEYS;
         const uint32_t *tile = own;
-        if (tiles)
-            tile = tiles + (int64_t)(k0 / PK_KEYS) * pk_tile_words(head_dim);
-        else
-            pk_pack(k_pool, v_pool, table, block_size, head_dim, k0, nk, own);
+        if (tiles) tile = tiles + (int64_t)(k0 / PK_KEYS) * pk_tile_words(head_dim);
+        else pk_pack(k_pool, v_pool, table, block_size, head_dim, k0, nk, own);
         int first = 0;
         while (first < rows && last[first] < k0) first++;
         for (int r = first; r < rows; r += PK_RS)
@@ -284,14 +284,14 @@ static void packed_task(const char *q, int64_t token_bytes, const uint16_t *k_po
  * (the caller checks them first); -2 for a chunk longer than its context, a context past its block table, a
  * table entry outside the pool, or query offsets that are not increasing within [0, num_tokens]; -3 when the
  * packed tiles could not be allocated (nothing is computed after -1, -2 or -3). */
-int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
-                  const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
-                  const int32_t *query_start_loc, int64_t num_tokens, void *out, int num_seqs, int num_heads,
-                  int num_kv_heads, int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16,
-                  const int32_t *decode_from, int window) {
+int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int32_t *block_tables,
+                  int64_t table_stride, int64_t table_width, const int32_t *seq_lens, const int32_t *query_start_loc,
+                  int64_t num_tokens, void *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                  int block_size, int64_t num_blocks, float scale, int is_bf16, const int32_t *decode_from,
+                  int window) {
     int group = num_heads / num_kv_heads;
-    if (window < 0 || group < 1 || group > PF_MAX_GROUP || group * num_kv_heads != num_heads || head_dim > PF_MAX_HEAD_DIM
-            || head_dim % 16 || block_size > PF_MAX_BLOCK || block_size < 1)
+    if (window < 0 || group < 1 || group > PF_MAX_GROUP || group * num_kv_heads != num_heads
+        || head_dim > PF_MAX_HEAD_DIM || head_dim % 16 || block_size > PF_MAX_BLOCK || block_size < 1)
         return -1;
     for (int64_t b = 0; b < num_seqs; b++) {   /* nothing read or written outside q, out, the pool or the table */
         int64_t start = query_start_loc[b], stop = query_start_loc[b + 1], len = seq_lens[b];
@@ -387,7 +387,7 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const voi
             }
             if (split > t0) {
                 const uint32_t *tiles_of = first_tile[b] < 0 ? NULL
-                                           : packed + (h * total_tiles + first_tile[b]) * tile_words;
+                                                             : packed + (h * total_tiles + first_tile[b]) * tile_words;
                 packed_task(qh, q_stride * elem, (const uint16_t *)((const char *)k_pool + h * head_stride),
                             (const uint16_t *)((const char *)v_pool + h * head_stride), block_tables + b * table_stride,
                             tiles_of, seq_lens[b], n, t0, split, oh, out_token_bytes, group, head_dim, block_size,

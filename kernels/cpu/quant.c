@@ -102,7 +102,10 @@ static inline float f16_to_f32(uint16_t h) {
     return _cvtsh_ss(h);
 #else
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-    union { uint32_t u; float f; } v;
+    union {
+        uint32_t u;
+        float f;
+    } v;
     if (exp == 0x1f) {
         v.u = sign | 0x7f800000u | (mant << 13);
     } else if (exp != 0) {
@@ -334,10 +337,8 @@ static ALWAYS_INLINE void dot_row(const Acts *a, int64_t m0, const int M, const 
                                   float sums[TILE_ROWS]) {
     __m512 acc[TILE_ROWS], min_acc[TILE_ROWS];
     for (int m = 0; m < M; m++) acc[m] = min_acc[m] = _mm512_setzero_ps();
-    if (w->fmt == FMT_Q4)
-        q4_blocks(a, m0, M, w, n, acc);
-    else
-        q8_blocks(a, m0, M, w, n, acc);
+    if (w->fmt == FMT_Q4) q4_blocks(a, m0, M, w, n, acc);
+    else q8_blocks(a, m0, M, w, n, acc);
     if (w->mins) {
         const uint16_t *mins = w->mins + n * w->nb;
         for (int64_t b = 0; b < w->nb; b += 16) {
@@ -376,8 +377,9 @@ static ALWAYS_INLINE void q4_blocks(const Acts *a, int64_t m0, const int M, cons
         const __m256 dw_lanes = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dw), lane_block);
         for (int m = 0; m < M; m++) {
             const int8_t *x = xq + 64 * m;
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i *)x)),
-                                                   _mm256_maddubs_epi16(high, _mm256_loadu_si256((const __m256i *)(x + 32))));
+            const __m256i pairs = _mm256_add_epi16(
+                _mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i *)x)),
+                _mm256_maddubs_epi16(high, _mm256_loadu_si256((const __m256i *)(x + 32))));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
                                      _mm256_mul_ps(dw_lanes, _mm256_loadu_ps(xd + 8 * m)), acc[m]);
         }
@@ -408,10 +410,8 @@ static ALWAYS_INLINE void dot_row(const Acts *a, int64_t m0, const int M, const 
                                   float sums[TILE_ROWS]) {
     __m256 acc[TILE_ROWS], min_acc[TILE_ROWS];
     for (int m = 0; m < M; m++) acc[m] = min_acc[m] = _mm256_setzero_ps();
-    if (w->fmt == FMT_Q4)
-        q4_blocks(a, m0, M, w, n, acc);
-    else
-        q8_blocks(a, m0, M, w, n, acc);
+    if (w->fmt == FMT_Q4) q4_blocks(a, m0, M, w, n, acc);
+    else q8_blocks(a, m0, M, w, n, acc);
     if (w->mins) {
         const uint16_t *mins = w->mins + n * w->nb;
         for (int64_t b = 0; b < w->nb; b += 8) {
@@ -476,8 +476,8 @@ static inline void prefetch_row(const Weights *w, int64_t n) {
 
 /* Outputs [n0, n1) of rows m0 .. m0 + M (M a constant where inlined); `stream`: W comes from memory (prefetch it),
  * not from a chunk in cache (where the prefetches of rows past the chunk cost a prefill 10-30%). */
-static ALWAYS_INLINE void tile_cols(const Acts *a, int64_t m0, const int M, const Weights *w, void *y,
-                                    int64_t y_stride, int is_bf16, int64_t n0, int64_t n1, int stream) {
+static ALWAYS_INLINE void tile_cols(const Acts *a, int64_t m0, const int M, const Weights *w, void *y, int64_t y_stride,
+                                    int is_bf16, int64_t n0, int64_t n1, int stream) {
     for (int64_t r0 = n0; r0 < n1; r0 += OUT_RUN) {
         const int64_t r1 = r0 + OUT_RUN < n1 ? r0 + OUT_RUN : n1;
         float sums[OUT_RUN][TILE_ROWS];
@@ -533,18 +533,18 @@ static void multiply_range(const Acts *a, int64_t M, const Weights *w, void *y, 
  * Returns 0; -1 when K % 32 != 0 or M < 1 or a NULL that must not be (also K < 32, N < 0, an unknown fmt, and
  * rows that overlap: M > 1 with x_stride < K or y_stride < N); -2 when the activations' buffer cannot be had.
  * Opens its own OpenMP region: call it from serial code (inside another region it runs on one thread). */
-int quant_matmul(const void *x, int64_t x_stride, const void *qs, const uint16_t *scales, const uint16_t *mins,
-                 int fmt, void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int is_bf16) {
-    if (!x || !qs || !scales || !y || (fmt != FMT_Q4 && fmt != FMT_Q8) || (fmt == FMT_Q4 && !mins) || M < 1 ||
-        N < 0 || K < QBLOCK || K % QBLOCK != 0 || (M > 1 && (x_stride < K || y_stride < N)))
+int quant_matmul(const void *x, int64_t x_stride, const void *qs, const uint16_t *scales, const uint16_t *mins, int fmt,
+                 void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int is_bf16) {
+    if (!x || !qs || !scales || !y || (fmt != FMT_Q4 && fmt != FMT_Q8) || (fmt == FMT_Q4 && !mins) || M < 1 || N < 0
+        || K < QBLOCK || K % QBLOCK != 0 || (M > 1 && (x_stride < K || y_stride < N)))
         return -1;
     if (N == 0) return 0;
     const int64_t nb = K / QBLOCK;
     Acts a;
     if (acts_alloc(&a, M, nb, fmt) != 0) return -2;
     const int64_t qs_row = fmt == FMT_Q4 ? K / 2 : K;
-    const Weights w = {(const uint8_t *)qs, scales, mins, fmt, nb, qs_row,
-                       PREFETCH_BYTES / qs_row > 1 ? PREFETCH_BYTES / qs_row : 1};
+    const Weights w = {
+        (const uint8_t *)qs, scales, mins, fmt, nb, qs_row, PREFETCH_BYTES / qs_row > 1 ? PREFETCH_BYTES / qs_row : 1};
     /* A decode step's few rows are quantized here, so that the parallel region has no barrier inside (one fork
      * and one join a call, as gemv.c); a prefill's many rows by all threads, then a barrier. */
     const int serial = M <= TILE_ROWS;

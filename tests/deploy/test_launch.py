@@ -305,6 +305,25 @@ def test_infer_serve_hands_its_coordinator_and_worker_options_on():
     assert (worker.benchmark_mode, worker.heartbeat_interval, worker.tp_size, worker.seed) == (True, 0.5, 2, 3)
 
 
+def test_both_launchers_hand_the_traces_endpoint_to_the_coordinator_the_workers_and_the_front():
+    from infer.client.api.server import front_argv
+    from infer.client.serve import build_parser as serve_parser
+    from infer.client.serve import coordinator_args, worker_args
+
+    url = "http://collector:4317"
+    serve = serve_parser().parse_args(["--otlp-traces-endpoint", url])
+    head, _ = launch.head_parser().parse_known_args(["--otlp-traces-endpoint", url])
+    for coordinator_argv, worker_argv in [(coordinator_args(serve), worker_args(serve, [])),
+                                          (launch.coordinator_flags(head), launch.worker_flags(head))]:
+        coordinator = config_from_args(coordinator_parser().parse_args(coordinator_argv))
+        assert coordinator.otlp_traces_endpoint == url
+        worker = worker_daemon_parser().parse_args(["--coordinator", "tcp://h:1", *worker_argv])
+        assert worker.otlp_traces_endpoint == url
+    front = front_argv(serve)
+    assert front[front.index("--otlp-traces-endpoint") + 1] == url
+    assert "--otlp-traces-endpoint" not in coordinator_args(serve_parser().parse_args([]))
+
+
 def test_outside_a_slurm_job_the_launcher_says_so():
     with pytest.raises(ValueError, match="not inside a Slurm job"):
         launch.SlurmEnv.from_environ({})
