@@ -10,6 +10,7 @@ we do not compute are refused with their names."""
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,28 @@ def test_a_dense_config_refuses_an_ep_group():
     dense = _config("deepseek_v2", **DEEPSEEK_V2, norm_topk_prob=False)
     with pytest.raises(ValueError, match="EP group of 2 ranks needs MoE layers"):
         build_model(dense, torch.float32, "meta", ep=ExpertParallel(rank=0, size=2))
+
+
+def test_v3_multi_token_prediction_layer_tensors_are_skipped(checkpoints, tmp_path):
+    """The released V3 checkpoints store the MTP layer as model.layers.{num_hidden_layers}.*: skipped, as transformers
+    does; a tensor of a layer past it is still refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from infer.worker.loader import load_model
+
+    path, _ = checkpoints("deepseek_v3")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (path / name).exists():
+            shutil.copy(path / name, tmp_path / name)
+    tensors = load_file(path / "model.safetensors")
+    mtp = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
+           "model.layers.3.mlp.experts.0.gate_proj.weight": torch.zeros(32, 64)}
+    save_file({**tensors, **mtp}, tmp_path / "model.safetensors")
+    model = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    assert model.num_layers == 3
+    save_file({**tensors, "model.layers.4.enorm.weight": torch.ones(64)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="'model.layers.4.enorm.weight'.* matches no parameter"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -176,3 +176,13 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self.ep = ep
         self.num_kv_heads = 1
         self.head_dim = config.kv_lora_rank + config.qk_rope_head_dim
+        mtp = max(int(getattr(config, name, None) or 0) for name in ("num_mtp_layers", "num_nextn_predict_layers"))
+        self.mtp_layers = range(self.num_layers, self.num_layers + mtp)
+
+    def skips_checkpoint_tensor(self, key: str) -> bool:
+        """Whether checkpoint tensor `key` belongs to V3's multi-token-prediction layers (model.layers.{n}. past the
+        decoder layers, as the released checkpoints store them), which serving does not run (transformers skips
+        them too)."""
+        parts = key.split(".", 3)
+        return (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                and int(parts[2]) in self.mtp_layers)
