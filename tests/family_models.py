@@ -44,6 +44,28 @@ DEEPSEEK_V2: dict[str, Any] = dict(
 )
 
 
+# DeepSeek-V2 with MoE layers: a dense first layer (first_k_dense_replace 1), then 8 routed experts of 32 in 4 groups,
+# group-limited greedy top-2 of the 2 best groups, 2 shared experts, routed_scaling_factor 1.5.
+DEEPSEEK_V2_MOE: dict[str, Any] = dict(
+    DEEPSEEK_V2, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+    routed_scaling_factor=1.5,
+)
+
+# DeepSeek-V3: MLA (interleaved rope, yarn), a dense first layer, then 8 routed experts in 4 groups: sigmoid scores,
+# e_score_correction_bias (random), groups by their two best biased scores, top-3 of the 2 best groups, renormalized
+# (norm_topk_prob), routed_scaling_factor 2.5, one shared expert.
+DEEPSEEK_V3: dict[str, Any] = dict(
+    DEEPSEEK_V2, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+    moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+    routed_scaling_factor=2.5, rope_interleave=True,
+)
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "deepseek_v2_moe": ("deepseek_v2", DEEPSEEK_V2_MOE), "deepseek_v3": ("deepseek_v3", DEEPSEEK_V3),
+}
+
+
 def tiny_checkpoint(path: Path, tokenizer: Any, model_type: str, seed: int = 7, **fields: Any) -> Path:
     """A checkpoint of `model_type` with `fields` and the tokenizer's vocabulary in `path` (created); returns it."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -58,6 +80,9 @@ def tiny_checkpoint(path: Path, tokenizer: Any, model_type: str, seed: int = 7, 
                 param.normal_(0.0 if model_type.startswith("gemma") else 1.0, 0.3)
             else:
                 param.normal_(0.0, 0.08)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's routing bias: zeros would test nothing
+                buffer.normal_(0.0, 0.3)
     Path(path).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

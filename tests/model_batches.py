@@ -57,7 +57,7 @@ class Pager:
 
 def new_cache(model, num_blocks: int, block_size: int) -> KVCache:
     cache = KVCache.allocate(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
-                             model.dtype, CPU)
+                             model.dtype, CPU, shared_kv=bool(getattr(model, "kv_shared", False)))
     for t in cache.k + cache.v:  # stale slots (finite garbage, as the pool's invariant allows) must be masked
         t.normal_(0, 1000.0)
     return cache

@@ -151,7 +151,8 @@ class Engine:
         if stage is not None:
             num_blocks = stage.agree_min(num_blocks)      # every stage's pool holds the same block ids
         self.kv_cache = KVCache.allocate(self.model.num_layers, num_blocks, self.block_size,
-                                         self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device)
+                                         self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
+                                         shared_kv=shares_kv(self.model))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.budget_tokens(self.max_model_len),
@@ -967,12 +968,17 @@ def release_window(model: torch.nn.Module) -> int:
     return max(windows) if windows and all(windows) else 0
 
 
+def shares_kv(model: torch.nn.Module) -> bool:
+    """Whether the model's V is its K (`kv_shared`: MLA's latent row), stored once in the pool."""
+    return bool(getattr(model, "kv_shared", False))
+
+
 def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                   max_model_len: int) -> int:
     """Blocks of the KV pool: `config.kv_cache_memory` (else its fraction of the memory) over the bytes of one
     block of this rank's KV heads, at most what max_num_seqs full-length sequences can use."""
     per_block = KVCache.bytes_per_block(model.num_layers, config.block_size, model.num_kv_heads,
-                                        model.head_dim, dtype)
+                                        model.head_dim, dtype, shares_kv(model))
     budget = config.kv_cache_memory
     if budget is None:
         budget = int(_memory_bytes(device) * config.kv_cache_memory_fraction)

@@ -79,11 +79,14 @@ class KVCache:
 
     One block past `num_blocks`, the scratch block, belongs to no sequence: padding rows of step graphs
     write their K/V there and attend to it (`pad_slot`), so a padded step needs no host-side filtering.
+
+    `shared_kv`: each layer's V is its K tensor (MLA's latent row is both: stored once, `v[i] is k[i]`).
     """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     _shape: tuple | None = None   # (shape, dtype, device) of each tensor while released
+    shared_kv: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -105,23 +108,29 @@ class KVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> KVCache:
+                 dtype: torch.dtype, device: torch.device, shared_kv: bool = False) -> KVCache:
         shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)  # + the scratch block
         # Invariant: the pool holds only finite values. The CPU twins read whole blocks and mask the
         # positions past a sequence's length, and a masked position still poisons the result if it holds
         # NaN/inf (0 * NaN = NaN), so the pool starts zeroed rather than uninitialised.
-        return cls(k=[zeroed_pool(shape, dtype, device) for _ in range(num_layers)],
-                   v=[zeroed_pool(shape, dtype, device) for _ in range(num_layers)])
+        k = [zeroed_pool(shape, dtype, device) for _ in range(num_layers)]
+        v = list(k) if shared_kv else [zeroed_pool(shape, dtype, device) for _ in range(num_layers)]
+        return cls(k=k, v=v, shared_kv=shared_kv)
+
+    @property
+    def _pools(self) -> tuple[list[torch.Tensor], ...]:
+        """The lists of distinct tensors: K and V, or K alone when V is K."""
+        return (self.k,) if self.shared_kv else (self.k, self.v)
 
     @property
     def nbytes(self) -> int:
         """Bytes the pool holds now (0 while released)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for pool in self._pools for t in pool)
 
     def resident_bytes(self) -> int:
         """Bytes of the pool in memory now: a CPU pool's pages that steps have touched (each pool tensor is a
         memory map of its own: `zeroed_pool`; read from /proc/self/smaps), a GPU pool's whole size."""
-        tensors = self.k + self.v
+        tensors = [t for pool in self._pools for t in pool]
         if not tensors or tensors[0].device.type != "cpu":
             return self.nbytes
         starts = {t.data_ptr() for t in tensors if t.numel()}
@@ -139,9 +148,11 @@ class KVCache:
             return 0
         freed = self.resident_bytes()
         self._shape = (tuple(self.k[0].shape), self.k[0].dtype, self.k[0].device)
-        for pool in (self.k, self.v):
+        for pool in self._pools:
             for i, t in enumerate(pool):
                 pool[i] = torch.empty(0, dtype=t.dtype, device=t.device)
+        if self.shared_kv:
+            self.v[:] = self.k
         return freed
 
     def restore(self) -> int:
@@ -149,9 +160,11 @@ class KVCache:
         if self._shape is None:
             return 0
         shape, dtype, device = self._shape
-        for pool in (self.k, self.v):
+        for pool in self._pools:
             for i in range(len(pool)):
                 pool[i] = zeroed_pool(shape, dtype, device)
+        if self.shared_kv:
+            self.v[:] = self.k
         self._shape = None
         return self.nbytes
 
@@ -163,14 +176,15 @@ class KVCache:
         device = self.k[0].device
         src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
-        for pool in (self.k, self.v):
+        for pool in self._pools:
             for t in pool:
                 t.index_copy_(1, dst, t.index_select(1, src))
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+                        dtype: torch.dtype, shared_kv: bool = False) -> int:
+        copies = 1 if shared_kv else 2   # V is K, or a pool of its own
+        return copies * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def _mapping_rss() -> list[tuple[int, int]]:

@@ -342,9 +342,12 @@ def tied_aliases(model: nn.Module) -> set[str]:
 def checkpoint_target(model: nn.Module, params: dict[str, nn.Parameter], aliases: set[str], key: str,
                       where: str = "") -> tuple[nn.Module, str, Shard] | None:
     """Where checkpoint tensor `key` goes in `model`: (owning module, parameter name, shard), or None for a
-    tensor that is skipped (rotary caches, tied copies, another expert-parallel rank's experts). ValueError
-    naming the tensor if it fits no parameter."""
+    tensor that is skipped (rotary caches, tied copies, another expert-parallel rank's experts, what the model's
+    `skips_checkpoint_tensor(key)` says it does not run). ValueError naming the tensor if it fits no parameter."""
     if key.endswith("rotary_emb.inv_freq") or key in aliases:
+        return None
+    skips = getattr(model, "skips_checkpoint_tensor", None)
+    if skips is not None and skips(key):
         return None
     name, shard = _parameter_of(model, key)
     if name not in params:

@@ -260,7 +260,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     Returns the exit code (rank 0's when it said stop: 0 only when the group was told to stop)."""
     import torch
 
-    from infer.worker.engine import context_length, num_kv_blocks, pick_device, pick_dtype
+    from infer.worker.engine import context_length, num_kv_blocks, pick_device, pick_dtype, shares_kv
     from infer.worker.forward_batch import KVCache
     from infer.worker.loader import load_model
     from infer.worker.tp_commands import FollowerChannel, LeaderGone, serve_follower
@@ -275,7 +275,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     max_model_len = context_length(config, model.config)
     blocks = agree_min(parallel.tp, num_kv_blocks(config, model, dtype, device, max_model_len))
     kv_cache = KVCache.allocate(model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim,
-                                dtype, device)
+                                dtype, device, shared_kv=shares_kv(model))
     lora = None
     if config.enable_lora:
         from infer.worker.lora import LoraManager

@@ -1,5 +1,5 @@
-"""DeepSeek-V2's multi-head latent attention (MLA) on the Llama layers: a dense DeepSeek-V2 (every layer before
-`first_k_dense_replace`; its MoE layers are refused at load, not built yet).
+"""DeepSeek-V2 / V3 on the Llama layers: multi-head latent attention (MLA) here, the MoE layers (shared experts,
+grouped top-k routing) in `deepseek_moe.py`.
 
 MLA compresses a token's keys and values into one latent c = kv_a_layernorm(kv_a_proj(x)[:rank]) of kv_lora_rank
 dims plus one shared rope key k_pe (qk_rope_head_dim dims, GPT-J-interleaved rope). transformers expands c per head
@@ -11,7 +11,9 @@ form, as DeepSeek's and vLLM's MLA do):
 
 so each layer's KV pool holds one "head" of kv_lora_rank + qk_rope_head_dim dims per token: K = [c | k_pe] (rotated
 before the append), and V the same row (the attention's output past kv_lora_rank is dropped), instead of
-num_heads x (qk_nope + qk_rope + v_head) dims per token. The paged attention kernels take it as multi-query attention.
+num_heads x (qk_nope + qk_rope + v_head) dims per token. The row is stored once: the pool's V tensor of a layer is its
+K tensor (`kv_shared`, `KVCache.shared_kv`). The paged attention kernels take it as multi-query attention.
+The rope key rotates GPT-J's interleaved pairs (V2; V3 with `rope_interleave`, its default) or the two halves.
 The softmax scale is qk_head_dim ** -0.5 times yarn's mscale(factor, mscale_all_dim) ** 2, as in transformers.
 With tensor parallelism each rank holds its query heads and their slice of kv_b_proj; the latent (kv_a_proj) is
 replicated, so every rank's pool holds the whole latent.
@@ -35,14 +37,9 @@ from infer.worker.models.layers import (
     VocabEmbedding,
     rope_parameters,
 )
-from infer.worker.models.llama import (
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaMLP,
-    LlamaModel,
-    LlamaVariant,
-    MLPFactory,
-)
+from infer.worker.expert_parallel import ExpertParallel
+from infer.worker.models.deepseek_moe import deepseek_mlp_factory
+from infer.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, MLPFactory
 from infer.worker.tensor_parallel import TensorParallel
 
 
@@ -127,39 +124,65 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
 
 
 class DeepseekV2Model(LlamaModel):
-    """Embedding, MLA decoder layers with dense MLPs, final norm (LlamaModel's forward; no native decode step)."""
+    """Embedding, MLA decoder layers with `mlp_factory`'s feed-forward sublayers (dense or MoE), final norm
+    (LlamaModel's forward; no native decode step)."""
 
     def __init__(self, config: Any, head_dim: int, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
                  tp: TensorParallel | None = None) -> None:
         nn.Module.__init__(self)
         tp = TensorParallel.single() if tp is None else tp
-        dense = getattr(config, "first_k_dense_replace", 0) or 0
-        if dense < config.num_hidden_layers:
-            raise NotImplementedError(f"{config.model_type}: MoE layers (first_k_dense_replace={dense} of "
-                                      f"{config.num_hidden_layers} layers) are not supported yet")
-        variant = LlamaVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+        if mlp_factory is None:
+            mlp_factory = deepseek_mlp_factory(config, dtype, ExpertParallel.single(), tp)[0]
+        interleaved = config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True))
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.rotary_emb = RotaryEmbedding(config, config.qk_rope_head_dim, is_neox=False)
+        self.rotary_emb = RotaryEmbedding(config, config.qk_rope_head_dim, is_neox=not interleaved)
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, self.rotary_emb, dtype, LlamaMLP(config, variant, dtype, tp), tp)
-            for _ in range(config.num_hidden_layers))
+            DeepseekV2DecoderLayer(config, self.rotary_emb, dtype, mlp_factory(i), tp)
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tp_size = tp.size
         self.native_decode = False
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
-    """DeepSeek-V2 (model_type "deepseek_v2") with dense layers; see the module docstring. The KV pool holds one
-    latent head of kv_lora_rank + qk_rope_head_dim dims per token and layer (num_kv_heads, head_dim)."""
+    """DeepSeek-V2 (model_type "deepseek_v2") and V3 ("deepseek_v3"); see the module docstring and deepseek_moe.py.
+    The KV pool holds one latent head of kv_lora_rank + qk_rope_head_dim dims per token and layer (num_kv_heads,
+    head_dim), once (`kv_shared`). An EP rank holds `ep.expert_range(n_routed_experts)` of each MoE layer's routed
+    experts."""
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
+    # per-expert checkpoint module (mlp.experts.{i}.<name>) -> (our fused expert parameter, projection)
+    expert_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+        "down_proj": ("down_proj", "down"),
+    }
     base_model_class: ClassVar[Any] = DeepseekV2Model
-    supports_step_graphs: ClassVar[bool] = False
+    supports_step_graphs: ClassVar[bool] = False   # expert dispatch is data-dependent; MLA has no graph path yet
+    supports_expert_parallel: ClassVar[bool] = True
+    kv_shared: ClassVar[bool] = True               # V is K: the latent row, stored once
 
-    def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
+    def __init__(self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None,
                  tp: TensorParallel | None = None) -> None:
+        ep = ExpertParallel.single() if ep is None else ep
+        tp = TensorParallel.single() if tp is None else tp
+        mlp_factory, sparse = deepseek_mlp_factory(config, dtype, ep, tp)
+        if ep.size > 1 and not sparse:
+            raise ValueError(f"an EP group of {ep.size} ranks needs MoE layers; this {config.model_type} config has "
+                             f"none (n_routed_experts={getattr(config, 'n_routed_experts', None)}, "
+                             f"first_k_dense_replace={getattr(config, 'first_k_dense_replace', None)})")
         super().__init__(config, dtype, mlp_factory, tp)
+        self.ep = ep
         self.num_kv_heads = 1
         self.head_dim = config.kv_lora_rank + config.qk_rope_head_dim
+        mtp = max(int(getattr(config, name, None) or 0) for name in ("num_mtp_layers", "num_nextn_predict_layers"))
+        self.mtp_layers = range(self.num_layers, self.num_layers + mtp)
+
+    def skips_checkpoint_tensor(self, key: str) -> bool:
+        """Whether checkpoint tensor `key` belongs to V3's multi-token-prediction layers (model.layers.{n}. past the
+        decoder layers, as the released checkpoints store them), which serving does not run (transformers skips
+        them too)."""
+        parts = key.split(".", 3)
+        return (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+                and int(parts[2]) in self.mtp_layers)

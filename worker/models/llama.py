@@ -163,11 +163,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, variant: LlamaVariant, dtype: torch.dtype, tp: TensorParallel) -> None:
+    """SiLU-gated MLP of `intermediate_size` (default: the config's)."""
+
+    def __init__(self, config: Any, variant: LlamaVariant, dtype: torch.dtype, tp: TensorParallel,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act not in ("silu", "swish"):
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        size = config.intermediate_size
+        size = config.intermediate_size if intermediate_size is None else intermediate_size
         tp.part(size, "the intermediate size")
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, {"gate": size, "up": size},
                                                variant.mlp_bias, dtype, tp)
