@@ -80,9 +80,9 @@ class Reattachment:
         # the journal does not keep them
         latest = orphan.latest or Delta(request_id=request.request_id, token_ids=TokenIds(), text="")
         delta = msgspec.structs.replace(latest, token_ids=tokens, text=text, logprobs=None,
-                                    num_prompt_tokens=len(request.prompt_token_ids),
-                                    prompt_token_ids=request.prompt_token_ids if first else None,
-                                    seed=request.sampling.seed if first else None)
+                                        num_prompt_tokens=len(request.prompt_token_ids),
+                                        prompt_token_ids=request.prompt_token_ids if first else None,
+                                        seed=request.sampling.seed if first else None)
         request.sent_prompt_ids = True
         request.delivered.extend(tokens)
         if request.delivered_text_len is not None:

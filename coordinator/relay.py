@@ -105,14 +105,14 @@ class Relay:
         if delta.prompt_token_ids is None and prompt_ids is None and delta.seed is None:
             return delta
         return msgspec.structs.replace(delta, num_prompt_tokens=len(request.prompt_token_ids or ()),
-                                   prompt_token_ids=prompt_ids,
-                                   seed=None if prompt_ids is None else request.sampling.seed)
+                                       prompt_token_ids=prompt_ids,
+                                       seed=None if prompt_ids is None else request.sampling.seed)
 
     def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         """The worker aborted a request on its own (draining): relay its last tokens, then move it."""
         if delta.token_ids or delta.text:
-            self._relay(request, worker, msgspec.structs.replace(delta, finished=False, finish_reason=None, error=None,
-                                                             error_code=None), now)
+            unfinished = msgspec.structs.replace(delta, finished=False, finish_reason=None, error=None, error_code=None)
+            self._relay(request, worker, unfinished, now)
         self.admission.failover(request, f"worker {worker.worker_id!r} aborted it", now)
         self.admission.dispatch_held(now)
 

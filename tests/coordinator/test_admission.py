@@ -97,8 +97,8 @@ def test_a_worker_that_says_it_is_full_gets_its_request_moved():
 def test_a_request_that_waited_past_the_workers_queue_time_fails_as_overloaded_without_moving():
     h, first = _one_request_on_two_workers()
     waited = msgspec.structs.replace(delta("a", prompt=[1, 2, 3], finish="error", code="overloaded",
-                                       error="the worker is overloaded: ... (--max-queue-time 60 s)"),
-                                 queue_time_s=60.2)
+                                           error="the worker is overloaded: ... (--max-queue-time 60 s)"),
+                                     queue_time_s=60.2)
     out = h.step(first, waited)
     final = _final(out, "a")
     assert not _of(out, Dispatch), "a whole cluster's overload is not moved from worker to worker"
