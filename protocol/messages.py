@@ -74,6 +74,7 @@ TokenIdList = list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Priority = Annotated[int, msgspec.Meta(ge=-2**63, le=2**63 - 1)]
 
 
 DEFAULT_SAMPLING = SamplingParams()
@@ -277,20 +278,27 @@ class Submit(Message, frozen=True):
     traceparent: str | None = None     # W3C trace context of the request (OpenTelemetry), passed through
 
     def __post_init__(self) -> None:
+        # (`if ...: raise`, not _require: the messages are formatted only for a bad Submit, once per request)
         _check_id("request_id", self.request_id)
         _check_priority(self.priority)
-        _require((self.prompt is None) != (self.prompt_token_ids is None),
-                 "exactly one of 'prompt' and 'prompt_token_ids' must be given")
-        _require(self.delivered_text_len is None or self.delivered_text_len >= 0,
-                 f"field 'delivered_text_len' must be >= 0, got {self.delivered_text_len}")
-        _require(self.pin_rank is None or self.pin_rank >= 0, f"field 'pin_rank' must be >= 0, got {self.pin_rank}")
-        _require(self.timeout_s is None or 0 < self.timeout_s <= MAX_REQUEST_TIMEOUT_S,
-                 f"field 'timeout_s' must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got {self.timeout_s}")
-        _require(not self.delivered_token_ids or (self.reattach and self.prompt_token_ids is not None),
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ProtocolError("exactly one of 'prompt' and 'prompt_token_ids' must be given")
+        if self.delivered_text_len is not None and self.delivered_text_len < 0:
+            raise ProtocolError(f"field 'delivered_text_len' must be >= 0, got {self.delivered_text_len}")
+        if self.pin_rank is not None and self.pin_rank < 0:
+            raise ProtocolError(f"field 'pin_rank' must be >= 0, got {self.pin_rank}")
+        if self.timeout_s is not None and not 0 < self.timeout_s <= MAX_REQUEST_TIMEOUT_S:
+            raise ProtocolError(f"field 'timeout_s' must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got "
+                                f"{self.timeout_s}")
+        if self.delivered_token_ids:
+            self._check_delivered()
+        if type(self.sampling) is not SamplingParams:          # (a user's Submit is built, not decoded)
+            raise ProtocolError(f"field 'sampling' must be SamplingParams, got {type(self.sampling).__name__}")
+
+    def _check_delivered(self) -> None:
+        _require(self.reattach and self.prompt_token_ids is not None,
                  "'delivered_token_ids' needs 'reattach' and 'prompt_token_ids'")
-        _require(isinstance(self.sampling, SamplingParams),          # (a user's Submit is built, not decoded)
-                 f"field 'sampling' must be SamplingParams, got {type(self.sampling).__name__}")
-        max_tokens = self.sampling.max_tokens
+        max_tokens = self.sampling.max_tokens if isinstance(self.sampling, SamplingParams) else None
         _require(max_tokens is None or len(self.delivered_token_ids) <= max_tokens,
                  f"'delivered_token_ids' hold {len(self.delivered_token_ids)} tokens, more than sampling.max_tokens "
                  f"({max_tokens})")
@@ -317,19 +325,16 @@ class Dispatch(Message, frozen=True):
     prompt: str | None = None
     prompt_token_ids: TokenIdList | None = None
     resumed_token_ids: TokenIdList = msgspec.field(default_factory=list)
-    resumed_text_len: int | None = None
-    priority: int = 0
+    resumed_text_len: NonNegative | None = None
+    priority: Priority = 0
     client: Id | None = None
     traceparent: str | None = None     # W3C trace context of the request (OpenTelemetry), passed through
 
     def __post_init__(self) -> None:
-        _check_priority(self.priority)
-        _require((self.prompt is None) != (self.prompt_token_ids is None),
-                 "exactly one of 'prompt' and 'prompt_token_ids' must be given")
-        _require(not self.resumed_token_ids or self.prompt_token_ids is not None,
-                 "'resumed_token_ids' needs 'prompt_token_ids'")
-        _require(self.resumed_text_len is None or self.resumed_text_len >= 0,
-                 f"field 'resumed_text_len' must be >= 0, got {self.resumed_text_len}")
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ProtocolError("exactly one of 'prompt' and 'prompt_token_ids' must be given")
+        if self.resumed_token_ids and self.prompt_token_ids is None:
+            raise ProtocolError("'resumed_token_ids' needs 'prompt_token_ids'")
 
 
 @message
@@ -394,9 +399,12 @@ class Delta(Message, frozen=True):
                    error_code=_member((ErrorCode,), error_code, "error_code", nullable=True), **fields)
 
     def __post_init__(self) -> None:
-        _set_members(self, nullable=True, finish_reason=FinishReason, error_code=ErrorCode)
-        _require(self.finished == (self.finish_reason is not None),
-                 "a finished delta needs a finish_reason, and only a finished one")
+        reason, code = self.finish_reason, self.error_code
+        if (reason is not None and type(reason) is not FinishReason) or \
+                (code is not None and type(code) is not ErrorCode):       # words given as plain strings
+            _set_members(self, nullable=True, finish_reason=FinishReason, error_code=ErrorCode)
+        if self.finished != (reason is not None):
+            raise ProtocolError("a finished delta needs a finish_reason, and only a finished one")
 
 
 @message

@@ -317,6 +317,8 @@ _FIELD_NAMES = frozenset(SamplingParams.__struct_fields__)
 
 
 def _tuple(name: str, values: Any) -> tuple:
+    if type(values) is tuple:
+        return values
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
         raise FieldError(name, f"{name} must be a list, got {type(values).__name__}")
     return tuple(values)
@@ -362,9 +364,14 @@ def _number(name: str, value: Any) -> None:
         raise FieldError(name, f"{name} must be a number, got {value!r}")
 
 
+_EXACT_IN_FLOAT32 = frozenset({0.0, 1.0})
+
+
 def _float32(name: str, value: Any) -> float:
     """`value` rounded to float32, as the sampler holds it; ValueError unless it is a finite number there
     (1e39 is inf in float32, NaN and inf are refused too)."""
+    if type(value) is float and value in _EXACT_IN_FLOAT32:    # the defaults: nothing to round (most fields)
+        return value
     _number(name, value)
     try:
         rounded = struct.unpack("f", struct.pack("f", value))[0]
