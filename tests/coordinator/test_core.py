@@ -63,6 +63,13 @@ def test_protocol_version_and_duplicate_rank_are_refused_with_what_differs():
     frame = msgpack.packb({"type": "hello", "v": 9, "body": {}})
     (refused,) = of_type(h.raw(b"y", [frame]), Refused)
     assert "schema version 9" in refused.reason
+    # a worker of the previous protocol (3: before the msgspec Structs) hears which version this side speaks
+    old = msgpack.packb({"type": "hello", "v": 3, "body": {"role": "worker", "peer_id": "old", "model_id": MODEL,
+                                                           "num_kv_blocks": 10, "block_size": 16, "max_num_seqs": 4,
+                                                           "max_model_len": 64}})
+    (refused,) = of_type(h.raw(b"old", [old]), Refused)
+    assert f"schema version 3 of 'hello' is not supported (this side speaks {PROTOCOL_VERSION})" in refused.reason
+    assert PROTOCOL_VERSION == 4
 
 
 def test_a_dead_ranks_replacement_is_accepted():
