@@ -644,8 +644,8 @@ class Front:
                                                                           body.prompt_logprobs))
                     if lora is not None:
                         params = msgspec.structs.replace(params, lora_name=lora)
-                except ValueError as e:
-                    raise ApiError(400, str(e)) from None
+                except ValueError as e:    # SamplingParams' FieldError names the field
+                    raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
                 jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker(),
                                 body.timeout, body.priority, echo=echo))
         return jobs
