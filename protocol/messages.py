@@ -775,7 +775,7 @@ class _Frame(msgspec.Struct, forbid_unknown_fields=True):
     """A frame as read: the header and version, the body left undecoded until the header chose its Struct."""
 
     type: str
-    v: int
+    v: Any                 # any value, so that a peer with another version is told so whatever it wrote
     body: msgspec.Raw
 
 
