@@ -105,11 +105,13 @@ def _require(condition: bool, text: str) -> None:
 
 
 def _check_id(name: str, value: str) -> None:
-    _require(0 < len(value) <= MAX_ID_LEN, f"field {name!r} must be 1..{MAX_ID_LEN} characters, got {len(value)}")
+    if not 0 < len(value) <= MAX_ID_LEN:     # (not _require: the message is formatted only when it fails)
+        raise ProtocolError(f"field {name!r} must be 1..{MAX_ID_LEN} characters, got {len(value)}")
 
 
 def _check_priority(priority: int) -> None:
-    _require(-2**63 <= priority < 2**63, f"field 'priority' must be a 64-bit integer, got {priority}")
+    if not -2**63 <= priority < 2**63:
+        raise ProtocolError(f"field 'priority' must be a 64-bit integer, got {priority}")
 
 
 _Kind = type[Word]
