@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import ipaddress
 import logging
@@ -48,6 +47,7 @@ from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -552,7 +552,7 @@ class InferenceClient:
         timeout = None if request.deadline is None else max(1e-3, request.deadline - time.monotonic())
         sampling = submit.sampling if request.seed is None else submit.sampling.with_seed(request.seed)
         if not request.received.token_ids:
-            return dataclasses.replace(submit, sampling=sampling, timeout_s=timeout, reattach=True)
+            return msgspec.structs.replace(submit, sampling=sampling, timeout_s=timeout, reattach=True)
         if request.prompt_token_ids is None:
             return None
         return Submit(request_id=submit.request_id, prompt_token_ids=TokenIds(request.prompt_token_ids),

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+import msgspec
+
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
 from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
@@ -1073,7 +1075,7 @@ def _as_lora_list(lora_request: LoRARequest | Sequence[LoRARequest | None] | Non
 
 
 def _with_loras(params: list[SamplingParams], loras: list[LoRARequest | None]) -> list[SamplingParams]:
-    return [p if r is None else dataclasses.replace(p, lora_name=r.lora_name) for p, r in zip(params, loras)]
+    return [p if r is None else msgspec.structs.replace(p, lora_name=r.lora_name) for p, r in zip(params, loras)]
 
 
 def _as_priority_list(priority: Sequence[int] | None, n: int) -> list[int]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import os
@@ -34,6 +33,8 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequenc
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from infer.client.engine_client import ClusterError
 from infer.protocol.codes import FinishReason
@@ -418,7 +419,7 @@ class LocalEngine:
             return
         reason = (f"request {stream.request_id!r} did not finish within its timeout of {timeout:g} s; "
                   f"it was aborted")
-        self._deliver([dataclasses.replace(out, finish_reason="error", error=reason, error_code="timeout")
+        self._deliver([msgspec.structs.replace(out, finish_reason="error", error=reason, error_code="timeout")
                        if out.request_id == stream.request_id else out for out in self.engine.take_pending()])
 
     def _reject(self, stream: _Stream, reason: str, code: str) -> None:
@@ -433,7 +434,7 @@ class LocalEngine:
             for stream in list(self._streams.values()):
                 self.engine.abort(stream.request_id)
             reason = "aborted: the weights are being updated (update_weights with on_running='abort')"
-            self._deliver([dataclasses.replace(out, error=reason) for out in self.engine.take_pending()])
+            self._deliver([msgspec.structs.replace(out, error=reason) for out in self.engine.take_pending()])
         self._refit = command
         if not self.engine.has_unfinished():
             self._finish_refit(command)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
+from msgspec.structs import replace
 
 from infer.coordinator.admission import Admission
 from infer.coordinator.barriers import WorkerBarrier

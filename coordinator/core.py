@@ -45,8 +45,9 @@ import logging
 import math
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
+
+from msgspec.structs import replace
 
 from infer.coordinator.access import WORKER_ROLES, AccessControl, Denial
 from infer.coordinator.admission import Admission

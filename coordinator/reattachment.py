@@ -6,8 +6,9 @@ the orphan table (the relay extends orphans, liveness drops a dead worker's) and
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+
+import msgspec
 
 from infer.coordinator.admission import Admission
 from infer.coordinator.books import Books
@@ -78,10 +79,10 @@ class Reattachment:
         # the worker's latest delta (its final one, if it ended), carrying all the client lacks; no logprobs:
         # the journal does not keep them
         latest = orphan.latest or Delta(request_id=request.request_id, token_ids=TokenIds(), text="")
-        delta = dataclasses.replace(latest, token_ids=tokens, text=text, logprobs=None,
-                                    num_prompt_tokens=len(request.prompt_token_ids),
-                                    prompt_token_ids=request.prompt_token_ids if first else None,
-                                    seed=request.sampling.seed if first else None)
+        delta = msgspec.structs.replace(latest, token_ids=tokens, text=text, logprobs=None,
+                                        num_prompt_tokens=len(request.prompt_token_ids),
+                                        prompt_token_ids=request.prompt_token_ids if first else None,
+                                        seed=request.sampling.seed if first else None)
         request.sent_prompt_ids = True
         request.delivered.extend(tokens)
         if request.delivered_text_len is not None:

@@ -5,8 +5,9 @@ table (reattachment's: an orphan's deltas are kept there), and hands requests it
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+
+import msgspec
 
 from infer.coordinator.admission import Admission
 from infer.coordinator.books import Books
@@ -103,15 +104,15 @@ class Relay:
         prompt_ids = None if request.sent_prompt_ids else request.prompt_token_ids
         if delta.prompt_token_ids is None and prompt_ids is None and delta.seed is None:
             return delta
-        return dataclasses.replace(delta, num_prompt_tokens=len(request.prompt_token_ids or ()),
-                                   prompt_token_ids=prompt_ids,
-                                   seed=None if prompt_ids is None else request.sampling.seed)
+        return msgspec.structs.replace(delta, num_prompt_tokens=len(request.prompt_token_ids or ()),
+                                       prompt_token_ids=prompt_ids,
+                                       seed=None if prompt_ids is None else request.sampling.seed)
 
     def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         """The worker aborted a request on its own (draining): relay its last tokens, then move it."""
         if delta.token_ids or delta.text:
-            self._relay(request, worker, dataclasses.replace(delta, finished=False, finish_reason=None, error=None,
-                                                             error_code=None), now)
+            unfinished = msgspec.structs.replace(delta, finished=False, finish_reason=None, error=None, error_code=None)
+            self._relay(request, worker, unfinished, now)
         self.admission.failover(request, f"worker {worker.worker_id!r} aborted it", now)
         self.admission.dispatch_held(now)
 

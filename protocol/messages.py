@@ -1,34 +1,37 @@
-"""Wire messages: small typed classes with named fields, one registry, explicit msgpack encode/decode.
+"""Wire messages: msgspec Structs with named, typed fields, one registry, explicit msgpack encode/decode.
 
-A frame is one msgpack map: {"type": <header>, "v": <schema version>, "body": {<field>: <value>, ...}}.
-Decoding validates everything (frame size, msgpack, header, version, missing / extra fields, field
-types, value ranges) and raises ProtocolError whose text names the problem; nothing from the wire is
-ever pickled or evaluated. Token ids travel as packed little-endian int32 bytes (`TokenIds`).
+A frame is one msgpack map: {"type": <header>, "v": <schema version>, "body": {<field>: <value>, ...}}. The header
+selects the body's Struct (a tagged union keyed by type, read before the body so that an old peer's version is
+named before its fields are looked at). Decoding checks everything once, where a frame enters a process: frame
+size, msgpack, header, version, missing / unknown fields and every field's type and simple bounds (in C, by
+msgspec, from the annotations), then what types cannot say (cross-field rules) in each Struct's `__post_init__`,
+which also runs when a message is built. Any failure is a ProtocolError whose text names the field's path
+("field 'sampling.top_p': ..."); nothing from the wire is ever pickled or evaluated. A field at its default
+stays off the wire (`omit_defaults`): most deltas carry 3 fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
-import typing
-from array import array
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar
 
-import msgpack
+import msgspec
+from msgspec.structs import force_setattr
 
 from infer.protocol.codes import ClusterState, Command, ErrorCode, FinishReason, Word, WorkerState
 from infer.protocol.lora import check_lora_name
-from infer.protocol.sampling import FieldError, SamplingParams
-from infer.protocol.structured import StructuredOutputsParams
+from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import parse_traceparent
 
 # 2: error codes client_lost / client_too_slow / draining, Heartbeat.step_age_s
 # 3: a re-dispatch carries the request's own max_tokens / min_tokens (the engine counts the resumed tokens); a worker
 #    echoes the prompt's token ids only for a text prompt
-PROTOCOL_VERSION = 3
+# 4: msgspec Structs; token ids travel as msgpack arrays of ints (checked in C), SamplingParams with only the fields
+#    that differ from the defaults; Submit and Dispatch carry `traceparent`
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 64 << 20          # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
 MAX_DP_RANK = (1 << 20) - 1
@@ -36,6 +39,7 @@ LIFECYCLE_COMMANDS = tuple(Command)
 ROLES = ("client", "worker")
 MAX_STATS_WAIT_S = 3600.0
 MAX_REQUEST_TIMEOUT_S = 7 * 86400.0
+MAX_TOKEN_ID = 2**31 - 1            # token ids are int32 in the engine
 
 
 class ProtocolError(ValueError):
@@ -48,16 +52,14 @@ class ProtocolError(ValueError):
     message_type: str | None = None
 
 
-MAX_TOKEN_ID = 2**31 - 1            # token ids travel as int32
-
-
 class TokenIds(list):
-    """A list of token ids that travels as packed little-endian int32 bytes."""
+    """A list of token ids. On the wire a msgpack array of ints, each checked in [0, MAX_TOKEN_ID] by the decoder
+    (fields are annotated `TokenIdList`)."""
 
     @classmethod
     def checked(cls, values: Any, name: str) -> TokenIds:
         """`values` (a list or tuple of ints in [0, MAX_TOKEN_ID]) as TokenIds, else ValueError naming `name`:
-        what a sender checks before packing, since pack() can only fail on such a value."""
+        what a sender checks before it builds a message of them."""
         if not isinstance(values, (list, tuple)):
             raise ValueError(f"{name} must be a string or a list of token ids, got {type(values).__name__}")
         bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID),
@@ -66,36 +68,25 @@ class TokenIds(list):
             raise ValueError(f"{name} token ids must be integers in [0, {MAX_TOKEN_ID}], got {bad!r}")
         return cls(values)
 
-    def pack(self) -> bytes:
-        packed = array("i", self)
-        if sys.byteorder != "little":
-            packed.byteswap()
-        return packed.tobytes()
 
-    @classmethod
-    def unpack(cls, data: bytes, name: str) -> TokenIds:
-        if len(data) % 4:
-            raise ProtocolError(f"field {name!r}: packed int32 token ids need a multiple of 4 bytes, got {len(data)}")
-        values = array("i")
-        values.frombytes(data)
-        if sys.byteorder != "little":
-            values.byteswap()
-        if values and min(values) < 0:
-            raise ProtocolError(f"field {name!r}: token ids must be >= 0, got {min(values)}")
-        return cls(values)
+# Types with bounds the decoder checks in C (a message built in-process is not checked against them: its builder
+# made the values).
+TokenIdList = list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Priority = Annotated[int, msgspec.Meta(ge=-2**63, le=2**63 - 1)]
 
 
-@dataclass(frozen=True)
-class Message:
-    """Base of every message. Subclasses set TYPE (the header) and declare named, typed fields."""
+DEFAULT_SAMPLING = SamplingParams()
+
+
+class Message(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Base of every message. Subclasses set TYPE (the header) and declare named, typed fields; checks that
+    types cannot state go in `__post_init__` (raise ProtocolError), which runs when a message is built and
+    when it is decoded."""
 
     TYPE: ClassVar[str] = ""
-
-    def validate(self) -> None:
-        """Range checks beyond types; raise ProtocolError. Called on construction and after decode."""
-
-    def __post_init__(self) -> None:
-        self.validate()
 
 
 REGISTRY: dict[str, type[Message]] = {}
@@ -115,28 +106,19 @@ def _require(condition: bool, text: str) -> None:
 
 
 def _check_id(name: str, value: str) -> None:
-    _require(0 < len(value) <= MAX_ID_LEN, f"field {name!r} must be 1..{MAX_ID_LEN} characters, got {len(value)}")
+    if not 0 < len(value) <= MAX_ID_LEN:     # (not _require: the message is formatted only when it fails)
+        raise ProtocolError(f"field {name!r} must be 1..{MAX_ID_LEN} characters, got {len(value)}")
 
 
 def _check_priority(priority: int) -> None:
-    _require(-2**63 <= priority < 2**63, f"field 'priority' must be a 64-bit integer, got {priority}")
+    if not -2**63 <= priority < 2**63:
+        raise ProtocolError(f"field 'priority' must be a 64-bit integer, got {priority}")
 
 
 def _check_traceparent(value: str | None) -> None:
-    _require(value is None or parse_traceparent(value) is not None,
-             f"field 'traceparent' must be a W3C traceparent '00-<32 hex>-<16 hex>-<2 hex>' with non-zero ids, got "
-             f"{(value or '')[:80]!r}")
-
-
-def _check_sampling(sampling: SamplingParams) -> None:
-    """The type only: SamplingParams validate themselves when made (a decoded frame's, by the codec)."""
-    _require(isinstance(sampling, SamplingParams),
-             f"field 'sampling' must be SamplingParams, got {type(sampling).__name__}")
-
-
-def _check_seed(seed: Any, name: str = "seed") -> None:
-    _require(seed is None or (type(seed) is int and 0 <= seed < 2**63),
-             f"field {name!r} must be an integer in [0, 2**63) or null, got {seed!r}")
+    if value is not None and parse_traceparent(value) is None:
+        raise ProtocolError(f"field 'traceparent' must be a W3C traceparent '00-<32 hex>-<16 hex>-<2 hex>' with "
+                            f"non-zero ids, got {value[:80]!r}")
 
 
 _Kind = type[Word]
@@ -158,19 +140,19 @@ def _member(kinds: tuple[_Kind, ...], value: Any, name: str, nullable: bool = Fa
 
 
 def _set_members(msg: Message, nullable: bool = False, **kinds: _Kind | tuple[_Kind, ...]) -> None:
-    """In `validate`: each named field of `msg` (frozen) as a member of its enum(s) (see `_member`)."""
+    """In `__post_init__`: each named field of `msg` as a member of its enum(s) (see `_member`); a decoded
+    field already is one (msgspec made it)."""
     for name, kind in kinds.items():
         value = getattr(msg, name)
         member = _member(kind if isinstance(kind, tuple) else (kind,), value, name, nullable)
         if member is not value:
-            object.__setattr__(msg, name, member)
+            force_setattr(msg, name, member)
 
 
 # ---- handshake -----------------------------------------------------------------------------------
 
 @message
-@dataclass(frozen=True)
-class RequestSnapshot(Message):
+class RequestSnapshot(Message, frozen=True):
     """A request a worker is running, as it stands, sent in its Hello when it registers again (say, with a
     restarted coordinator), so the coordinator can hand the stream back to its client without a gap.
 
@@ -183,17 +165,16 @@ class RequestSnapshot(Message):
 
     TYPE: ClassVar[str] = "request_snapshot"
     request_id: str
-    prompt_token_ids: TokenIds
-    token_ids: TokenIds = field(default_factory=TokenIds)
+    prompt_token_ids: TokenIdList
+    token_ids: TokenIdList = msgspec.field(default_factory=list)
     resumed: int = 0
     text: str = ""
-    delta_ends: list[int] = field(default_factory=list)
-    text_ends: list[int] = field(default_factory=list)
-    seed: int | None = None       # the sampling seed it runs with
+    delta_ends: list[int] = msgspec.field(default_factory=list)
+    text_ends: list[int] = msgspec.field(default_factory=list)
+    seed: Seed | None = None      # the sampling seed it runs with
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _check_id("request_id", self.request_id)
-        _check_seed(self.seed)
         _require(0 <= self.resumed <= len(self.token_ids),
                  f"field 'resumed' must be in [0, {len(self.token_ids)}], got {self.resumed}")
         _require(len(self.delta_ends) == len(self.text_ends), "'delta_ends' and 'text_ends' differ in length")
@@ -206,8 +187,7 @@ class RequestSnapshot(Message):
 
 
 @message
-@dataclass(frozen=True)
-class Hello(Message):
+class Hello(Message, frozen=True):
     """First frame of every peer. Workers also state what they serve and what they can hold."""
 
     TYPE: ClassVar[str] = "hello"
@@ -224,17 +204,17 @@ class Hello(Message):
     block_size: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
-    running: list[str] = field(default_factory=list)   # request ids a worker still runs (re-registration)
-    snapshots: list[RequestSnapshot] = field(default_factory=list)   # those requests as they stand
+    running: list[str] = msgspec.field(default_factory=list)   # request ids a worker still runs (re-registration)
+    snapshots: list[RequestSnapshot] = msgspec.field(default_factory=list)   # those requests as they stand
     max_waiting: int | None = None    # a worker's bound on requests waiting in its engine (admission control)
     # A worker process's random id, and the Dispatch frames it had received (since the Welcome of this
     # coordinator instance) when it sent this Hello: a Hello that crossed later Dispatches does not lose them.
     incarnation: str | None = None
     dispatches_seen: int | None = None
     weight_version: int = 0           # a worker's: the weights it serves (routed only at the cluster's version)
-    lora_adapters: dict[str, str] = field(default_factory=dict)   # a worker's LoRA adapters: name -> folder
+    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)   # a worker's LoRA adapters: name -> folder
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
         _check_id("peer_id", self.peer_id)
         if self.role == "worker":
@@ -256,8 +236,7 @@ class Hello(Message):
 
 
 @message
-@dataclass(frozen=True)
-class Welcome(Message):
+class Welcome(Message, frozen=True):
     TYPE: ClassVar[str] = "welcome"
     coordinator_id: str
     state: ClusterState
@@ -266,13 +245,12 @@ class Welcome(Message):
     dp_rank: int | None = None     # to a worker: the DP rank it serves (assigned when its Hello gave none)
     group_id: str | None = None    # to a worker: its group
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _set_members(self, state=ClusterState)
 
 
 @message
-@dataclass(frozen=True)
-class Refused(Message):
+class Refused(Message, frozen=True):
     """The peer is not accepted; `reason` says exactly what differs or is wrong."""
 
     TYPE: ClassVar[str] = "refused"
@@ -282,8 +260,7 @@ class Refused(Message):
 # ---- requests and their streams ------------------------------------------------------------------
 
 @message
-@dataclass(frozen=True)
-class Submit(Message):
+class Submit(Message, frozen=True):
     """A generation request: a prompt string or token ids, and its SamplingParams (nested, defaults left out).
 
     `timeout_s`: the request fails with error code "timeout" (and is aborted, its KV blocks freed) unless it
@@ -294,46 +271,51 @@ class Submit(Message):
     it is). Its `sampling` then carries the seed the first delta reported.
     `priority`: lower is served first (vLLM's convention) by workers with the priority scheduling policy;
     the coordinator holds and sheds requests by it too (coordinator/core.py).
-    `traceparent`: the W3C trace context of the caller's span (protocol/tracing.py); a coordinator that traces
-    records its hop under it. None: not traced.
     """
 
     TYPE: ClassVar[str] = "submit"
     request_id: str
     prompt: str | None = None
-    prompt_token_ids: TokenIds | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_token_ids: TokenIdList | None = None
+    sampling: SamplingParams = DEFAULT_SAMPLING
     pin_rank: int | None = None
     timeout_s: float | None = None
     reattach: bool = False
-    delivered_token_ids: TokenIds = field(default_factory=TokenIds)
+    delivered_token_ids: TokenIdList = msgspec.field(default_factory=list)
     delivered_text_len: int | None = None
     priority: int = 0
-    traceparent: str | None = None
+    traceparent: str | None = None     # W3C trace context of the request (OpenTelemetry), passed through
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        # (`if ...: raise`, not _require: the messages are formatted only for a bad Submit, once per request)
         _check_id("request_id", self.request_id)
         _check_priority(self.priority)
         _check_traceparent(self.traceparent)
-        _require((self.prompt is None) != (self.prompt_token_ids is None),
-                 "exactly one of 'prompt' and 'prompt_token_ids' must be given")
-        _require(self.delivered_text_len is None or self.delivered_text_len >= 0,
-                 f"field 'delivered_text_len' must be >= 0, got {self.delivered_text_len}")
-        _require(self.pin_rank is None or self.pin_rank >= 0, f"field 'pin_rank' must be >= 0, got {self.pin_rank}")
-        _require(self.timeout_s is None or 0 < self.timeout_s <= MAX_REQUEST_TIMEOUT_S,
-                 f"field 'timeout_s' must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got {self.timeout_s}")
-        _require(not self.delivered_token_ids or (self.reattach and self.prompt_token_ids is not None),
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ProtocolError("exactly one of 'prompt' and 'prompt_token_ids' must be given")
+        if self.delivered_text_len is not None and self.delivered_text_len < 0:
+            raise ProtocolError(f"field 'delivered_text_len' must be >= 0, got {self.delivered_text_len}")
+        if self.pin_rank is not None and self.pin_rank < 0:
+            raise ProtocolError(f"field 'pin_rank' must be >= 0, got {self.pin_rank}")
+        if self.timeout_s is not None and not 0 < self.timeout_s <= MAX_REQUEST_TIMEOUT_S:
+            raise ProtocolError(f"field 'timeout_s' must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got "
+                                f"{self.timeout_s}")
+        if self.delivered_token_ids:
+            self._check_delivered()
+        if type(self.sampling) is not SamplingParams:          # (a user's Submit is built, not decoded)
+            raise ProtocolError(f"field 'sampling' must be SamplingParams, got {type(self.sampling).__name__}")
+
+    def _check_delivered(self) -> None:
+        _require(self.reattach and self.prompt_token_ids is not None,
                  "'delivered_token_ids' needs 'reattach' and 'prompt_token_ids'")
-        _check_sampling(self.sampling)
-        max_tokens = self.sampling.max_tokens
+        max_tokens = self.sampling.max_tokens if isinstance(self.sampling, SamplingParams) else None
         _require(max_tokens is None or len(self.delivered_token_ids) <= max_tokens,
                  f"'delivered_token_ids' hold {len(self.delivered_token_ids)} tokens, more than sampling.max_tokens "
                  f"({max_tokens})")
 
 
 @message
-@dataclass(frozen=True)
-class Dispatch(Message):
+class Dispatch(Message, frozen=True):
     """Coordinator -> worker: run this request.
 
     After a failover, `resumed_token_ids` holds the tokens already delivered to the client and
@@ -345,62 +327,51 @@ class Dispatch(Message):
 
     `client` is a short tag of the client that submitted it (a hash of its identity, the same for all its
     requests): the worker counts each client's grammar compiles by it (worker/structured.py).
-    `traceparent`: the coordinator's span of a traced request (protocol/tracing.py), the parent of the worker's.
     """
 
     TYPE: ClassVar[str] = "dispatch"
-    request_id: str
+    request_id: Id
     sampling: SamplingParams
     prompt: str | None = None
-    prompt_token_ids: TokenIds | None = None
-    resumed_token_ids: TokenIds = field(default_factory=TokenIds)
-    resumed_text_len: int | None = None
-    priority: int = 0
-    client: str | None = None
-    traceparent: str | None = None
+    prompt_token_ids: TokenIdList | None = None
+    resumed_token_ids: TokenIdList = msgspec.field(default_factory=list)
+    resumed_text_len: NonNegative | None = None
+    priority: Priority = 0
+    client: Id | None = None
+    traceparent: str | None = None     # W3C trace context of the request (OpenTelemetry), passed through
 
-    def validate(self) -> None:
-        _check_id("request_id", self.request_id)
-        _check_priority(self.priority)
+    def __post_init__(self) -> None:
         _check_traceparent(self.traceparent)
-        if self.client is not None:
-            _check_id("client", self.client)
-        _require((self.prompt is None) != (self.prompt_token_ids is None),
-                 "exactly one of 'prompt' and 'prompt_token_ids' must be given")
-        _require(not self.resumed_token_ids or self.prompt_token_ids is not None,
-                 "'resumed_token_ids' needs 'prompt_token_ids'")
-        _require(self.resumed_text_len is None or self.resumed_text_len >= 0,
-                 f"field 'resumed_text_len' must be >= 0, got {self.resumed_text_len}")
-        _check_sampling(self.sampling)
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ProtocolError("exactly one of 'prompt' and 'prompt_token_ids' must be given")
+        if self.resumed_token_ids and self.prompt_token_ids is None:
+            raise ProtocolError("'resumed_token_ids' needs 'prompt_token_ids'")
 
 
 @message
-@dataclass(frozen=True)
-class Accepted(Message):
+class Accepted(Message, frozen=True):
     TYPE: ClassVar[str] = "accepted"
-    request_id: str
+    request_id: Id
 
 
 @message
-@dataclass(frozen=True)
-class BeamOutput(Message):
+class BeamOutput(Message, frozen=True):
     """One beam of a finished beam search (worker/beam_search.py), best first in `Delta.beams`: its output
     tokens, their text, the sum of their log-probabilities, its length-penalized score and why it ended."""
 
     TYPE: ClassVar[str] = "beam"
-    token_ids: TokenIds
+    token_ids: TokenIdList
     text: str
     cumulative_logprob: float
     score: float
     finish_reason: FinishReason
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _set_members(self, finish_reason=FinishReason)
 
 
 @message
-@dataclass(frozen=True)
-class Delta(Message):
+class Delta(Message, frozen=True):
     """New tokens of one request (a stream delta); the last one has `finished` and `finish_reason`.
 
     The one record of a request's output, from the engine that makes it (`Engine.step`) over the wire to the
@@ -409,19 +380,19 @@ class Delta(Message):
     """
 
     TYPE: ClassVar[str] = "delta"
-    request_id: str
-    token_ids: TokenIds
+    request_id: Id
+    token_ids: TokenIdList
     text: str
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    prompt_token_ids: TokenIds | None = None   # a worker's first delta of a text prompt: what it tokenized
+    num_prompt_tokens: NonNegative = 0
+    num_cached_tokens: NonNegative = 0
+    prompt_token_ids: TokenIdList | None = None   # a worker's first delta of a text prompt: what it tokenized
     error_code: ErrorCode | None = None        # with finish_reason "error": why (protocol/codes.py)
     queue_time_s: float | None = None          # a worker's first delta: seconds waiting before first scheduled
-    seed: int | None = None                    # the first delta: the sampling seed the request runs with
+    seed: Seed | None = None                   # the first delta: the sampling seed the request runs with
     prompt_logprobs: list[dict[int, float]] | None = None   # the first delta, when asked: prompt tokens 1..
     weight_version: int = 0                    # the version of the weights that computed it (update_weights)
     embedding: list[float] | None = None       # a pooling request's last delta: its vector (worker/pooling.py)
@@ -438,28 +409,23 @@ class Delta(Message):
                    finish_reason=_member((FinishReason,), finish_reason, "finish_reason"), error=error,
                    error_code=_member((ErrorCode,), error_code, "error_code", nullable=True), **fields)
 
-    def validate(self) -> None:
-        _check_id("request_id", self.request_id)
-        _check_seed(self.seed)
-        _set_members(self, nullable=True, finish_reason=FinishReason, error_code=ErrorCode)
-        _require(self.finished == (self.finish_reason is not None),
-                 "a finished delta needs a finish_reason, and only a finished one")
+    def __post_init__(self) -> None:
+        reason, code = self.finish_reason, self.error_code
+        if (reason is not None and type(reason) is not FinishReason) or \
+                (code is not None and type(code) is not ErrorCode):       # words given as plain strings
+            _set_members(self, nullable=True, finish_reason=FinishReason, error_code=ErrorCode)
+        if self.finished != (reason is not None):
+            raise ProtocolError("a finished delta needs a finish_reason, and only a finished one")
 
 
 @message
-@dataclass(frozen=True)
-class Abort(Message):
+class Abort(Message, frozen=True):
     TYPE: ClassVar[str] = "abort"
-    request_ids: list[str]
-
-    def validate(self) -> None:
-        for rid in self.request_ids:
-            _check_id("request_ids", rid)
+    request_ids: list[Id]
 
 
 @message
-@dataclass(frozen=True)
-class Error(Message):
+class Error(Message, frozen=True):
     """A failure sent back to the peer: for a request (request_id set) or for a frame/command."""
 
     TYPE: ClassVar[str] = "error"
@@ -467,15 +433,14 @@ class Error(Message):
     request_id: str | None = None
     code: ErrorCode | None = None  # for a request's failure: why (protocol/codes.py)
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _set_members(self, nullable=True, code=ErrorCode)
 
 
 # ---- load, liveness, lifecycle -------------------------------------------------------------------
 
 @message
-@dataclass(frozen=True)
-class Load(Message):
+class Load(Message, frozen=True):
     """What one engine has to do and what it holds, now: the engine fills it (`Engine.load`), the worker sends it
     with every batch of deltas and on each heartbeat, the coordinator routes on it, LocalEngine reports it.
 
@@ -490,34 +455,26 @@ class Load(Message):
     """
 
     TYPE: ClassVar[str] = "load"
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_queued_tokens: int
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    weight_version: int = 0
+    num_waiting: NonNegative
+    num_running: NonNegative
+    num_free_blocks: NonNegative
+    num_total_blocks: NonNegative
+    num_queued_tokens: NonNegative
+    num_preemptions: NonNegative = 0
+    prefix_cache_queries: NonNegative = 0
+    prefix_cache_hits: NonNegative = 0
+    weight_version: NonNegative = 0
     suspended: bool = False
-    bytes_released: int = 0
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-    def validate(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            for v in value if isinstance(value, list) else [value]:
-                _require(v >= 0, f"field {f.name!r} must be >= 0, got {v}")
-        _require(len(self.spec_decode_num_accepted_tokens_per_pos) <= 64,
-                 "field 'spec_decode_num_accepted_tokens_per_pos' has more than 64 positions")
+    bytes_released: NonNegative = 0
+    spec_decode_num_drafts: NonNegative = 0
+    spec_decode_num_draft_tokens: NonNegative = 0
+    spec_decode_num_accepted_tokens: NonNegative = 0
+    spec_decode_num_accepted_tokens_per_pos: Annotated[list[NonNegative], msgspec.Meta(max_length=64)] = \
+        msgspec.field(default_factory=list)
 
 
 @message
-@dataclass(frozen=True)
-class StepBatch(Message):
+class StepBatch(Message, frozen=True):
     """Worker -> coordinator, once per engine step: every request's delta of that step and the load after it."""
 
     TYPE: ClassVar[str] = "step_batch"
@@ -526,8 +483,7 @@ class StepBatch(Message):
 
 
 @message
-@dataclass(frozen=True)
-class Heartbeat(Message):
+class Heartbeat(Message, frozen=True):
     """Liveness, both ways. A worker attaches its load (an idle worker sends no StepBatch); the coordinator
     its instance, so a peer notices a restart."""
 
@@ -539,32 +495,30 @@ class Heartbeat(Message):
 
 
 @message
-@dataclass(frozen=True)
-class Control(Message):
+class Control(Message, frozen=True):
     """A lifecycle command: pause / unpause / suspend / resume / stop."""
 
     TYPE: ClassVar[str] = "control"
     command: Command
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _set_members(self, command=Command)
 
 
 @message
-@dataclass(frozen=True)
-class ControlAck(Message):
+class ControlAck(Message, frozen=True):
     """A worker's (or the coordinator's) answer to a Control. A worker's suspend / resume ack says the bytes
     its engine released / restored; the coordinator answers suspend and resume once every worker acked."""
 
     TYPE: ClassVar[str] = "control_ack"
     command: Command
-    state: ClusterState | WorkerState   # the cluster's, or a worker's (decoded: a ClusterState where the name
-                                        # is one, so "draining" is the only WorkerState a decoder sees)
+    state: str     # a ClusterState (the cluster's) or WorkerState (a worker's), made a member when built or decoded:
+                   # a ClusterState where the name is one, so "draining" is the only WorkerState a decoder sees
     bytes_released: int = 0
     bytes_restored: int = 0
     error: str | None = None        # a worker whose engine failed to carry the command out
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _set_members(self, command=Command, state=(ClusterState, WorkerState))
 
 
@@ -576,8 +530,7 @@ MAX_REFIT_TIMEOUT_S = 24 * 3600.0
 
 
 @message
-@dataclass(frozen=True)
-class WeightTensor(Message):
+class WeightTensor(Message, frozen=True):
     """One tensor a trainer broadcasts: its checkpoint name, dtype ("float32", "bfloat16", "float16") and
     shape, in broadcast order."""
 
@@ -586,7 +539,7 @@ class WeightTensor(Message):
     dtype: str
     shape: list[int]
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _require(0 < len(self.name) <= 1024, f"field 'name' must be 1..1024 characters, got {len(self.name)}")
         _require(self.dtype in ("float32", "bfloat16", "float16"),
                  f"tensor {self.name!r}: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
@@ -595,8 +548,7 @@ class WeightTensor(Message):
 
 
 @message
-@dataclass(frozen=True)
-class WeightSync(Message):
+class WeightSync(Message, frozen=True):
     """A weight-sync group: the trainer (rank 0) hosts the rendezvous store at `init_method` and broadcasts
     `tensors` in buckets of at most `bucket_bytes` (consecutive tensors of one dtype; one tensor larger than
     that is a bucket of its own) to ranks 1..world_size-1, one per worker (`rank`: set by the coordinator)."""
@@ -609,7 +561,7 @@ class WeightSync(Message):
     backend: str = "gloo"
     bucket_bytes: int = 64 << 20
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _require(self.init_method.startswith("tcp://") and ":" in self.init_method[6:],
                  f"field 'init_method' must be tcp://HOST:PORT, got {self.init_method!r}")
         _require(self.world_size >= 2, f"field 'world_size' must be >= 2 (the trainer and a worker), got "
@@ -622,8 +574,7 @@ class WeightSync(Message):
 
 
 @message
-@dataclass(frozen=True)
-class UpdateWeights(Message):
+class UpdateWeights(Message, frozen=True):
     """Load new weights into every worker (client -> coordinator -> workers): from the safetensors directory
     `path` (read by each worker), or from a trainer over torch.distributed (`sync`). Requests in flight
     either finish on the old weights first ("drain") or are aborted ("abort"); new ones wait. `version`: set
@@ -636,7 +587,7 @@ class UpdateWeights(Message):
     timeout_s: float = 600.0
     version: int | None = None
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _require((self.path is None) != (self.sync is None), "exactly one of 'path' and 'sync' must be given")
         _require(self.path is None or 0 < len(self.path) <= 4096, "field 'path' must be 1..4096 characters")
         _require(self.on_running in ON_RUNNING,
@@ -647,8 +598,7 @@ class UpdateWeights(Message):
 
 
 @message
-@dataclass(frozen=True)
-class WeightsUpdated(Message):
+class WeightsUpdated(Message, frozen=True):
     """A worker's answers in a refit's two phases, and the coordinator's to the client. To UpdateWeights:
     `prepared` (every tensor read, checked and held in memory, no request left: ready to apply `version`), or
     `error` (nothing changed). To CommitWeights: its engine serves `version` now, or `error` says why it still
@@ -662,8 +612,7 @@ class WeightsUpdated(Message):
 
 
 @message
-@dataclass(frozen=True)
-class CommitWeights(Message):
+class CommitWeights(Message, frozen=True):
     """Coordinator -> worker, a refit's second phase: apply the prepared weights of `version` (`commit`), or
     drop them (another worker could not prepare its part: nothing changes anywhere)."""
 
@@ -671,7 +620,7 @@ class CommitWeights(Message):
     version: int
     commit: bool = True
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _require(self.version >= 1, f"field 'version' must be >= 1, got {self.version}")
 
 
@@ -679,8 +628,7 @@ LORA_ACTIONS = ("load", "unload")
 
 
 @message
-@dataclass(frozen=True)
-class LoraCommand(Message):
+class LoraCommand(Message, frozen=True):
     """Load or unload a LoRA adapter on every worker (client -> coordinator -> workers; an administrator's key):
     `lora_path` a PEFT folder each worker reads (load), none for unload. Answered by LoraDone once every worker
     did (the coordinator also loads the cluster's adapters into a worker that registers later)."""
@@ -690,7 +638,7 @@ class LoraCommand(Message):
     lora_name: str
     lora_path: str | None = None
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _require(self.action in LORA_ACTIONS, f"field 'action' must be one of {', '.join(LORA_ACTIONS)}, got "
                                               f"{self.action!r:.40}")
         try:
@@ -703,8 +651,7 @@ class LoraCommand(Message):
 
 
 @message
-@dataclass(frozen=True)
-class LoraDone(Message):
+class LoraDone(Message, frozen=True):
     """A worker's answer to a LoraCommand (its adapters after it, or `error`: nothing changed), and the
     coordinator's to the client (the cluster's adapters; `error` names each worker that failed)."""
 
@@ -712,14 +659,13 @@ class LoraDone(Message):
     action: str
     lora_name: str
     error: str | None = None
-    lora_adapters: dict[str, str] = field(default_factory=dict)
+    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 # ---- coordinator <-> client extras ---------------------------------------------------------------
 
 @message
-@dataclass(frozen=True)
-class DeltaBatch(Message):
+class DeltaBatch(Message, frozen=True):
     """Coordinator -> client: the deltas of one client's requests gathered into one frame."""
 
     TYPE: ClassVar[str] = "delta_batch"
@@ -727,8 +673,7 @@ class DeltaBatch(Message):
 
 
 @message
-@dataclass(frozen=True)
-class StatsRequest(Message):
+class StatsRequest(Message, frozen=True):
     """Client -> coordinator: ask for ClusterStats.
 
     With `min_healthy_workers` > 0 the answer waits (at most `timeout_s`) until that many workers are
@@ -739,7 +684,7 @@ class StatsRequest(Message):
     min_healthy_workers: int = 0
     timeout_s: float = 0.0
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _require(self.min_healthy_workers >= 0,
                  f"field 'min_healthy_workers' must be >= 0, got {self.min_healthy_workers}")
         _require(0.0 <= self.timeout_s <= MAX_STATS_WAIT_S,
@@ -747,8 +692,7 @@ class StatsRequest(Message):
 
 
 @message
-@dataclass(frozen=True)
-class WorkerStats(Message):
+class WorkerStats(Message, frozen=True):
     """One worker (DP rank) as the coordinator sees it: identity, health, capacity, its last load report
     (None before the first) and the coordinator's own counts."""
 
@@ -795,8 +739,7 @@ class Counters:
 
 
 @message
-@dataclass(frozen=True)
-class ClusterStats(Message):
+class ClusterStats(Message, frozen=True):
     """Coordinator -> client: the cluster's state, every known worker, and the coordinator's counters (each field
     of `Counters`, under its name)."""
 
@@ -822,9 +765,10 @@ class ClusterStats(Message):
     clients_lost: int = 0
     clients_too_slow: int = 0
     weight_version: int = 0       # the weights the cluster serves (the last update_weights every worker applied)
-    lora_adapters: dict[str, str] = field(default_factory=dict)   # the healthy workers' LoRA adapters: name -> folder
+    # the healthy workers' LoRA adapters: name -> folder
+    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _set_members(self, state=ClusterState)
 
     @property
@@ -838,20 +782,37 @@ class ClusterStats(Message):
 
 # ---- codec ---------------------------------------------------------------------------------------
 
+class _Frame(msgspec.Struct, forbid_unknown_fields=True):
+    """A frame as read: the header and version, the body left undecoded until the header chose its Struct."""
+
+    type: str
+    v: Any                 # any value, so that a peer with another version is told so whatever it wrote
+    body: msgspec.Raw
+
+
+class _OutFrame(msgspec.Struct):
+    type: str
+    v: int
+    body: Message
+
+
+class _PeekBody(msgspec.Struct):
+    request_id: Any = None
+
+
+class _PeekFrame(msgspec.Struct):
+    body: _PeekBody
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_FRAME_DECODER = msgspec.msgpack.Decoder(_Frame)
+_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in REGISTRY.items()}
+_PATH = re.compile(r"(?s)(.*) - at `\$\.?(.*)`")
+
+
 def encode(msg: Message) -> bytes:
     """One frame for `msg`."""
-    return msgpack.packb({"type": msg.TYPE, "v": PROTOCOL_VERSION, "body": _body(msg)}, use_bin_type=True)
-
-
-def _body(msg: Message) -> dict[str, Any]:
-    """The named fields of `msg` in wire form. A field still at its default is left out (the decoder
-    restores it): most deltas then carry 3 fields, not 10."""
-    body = {}
-    for name, to_wire, is_default in _schema(type(msg)).encoders:
-        value = getattr(msg, name)
-        if is_default is None or not is_default(value):
-            body[name] = value if to_wire is None else to_wire(value)
-    return body
+    return _ENCODER.encode(_OutFrame(msg.TYPE, PROTOCOL_VERSION, msg))
 
 
 def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
@@ -861,228 +822,51 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
     if len(frame) > max_bytes:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
     try:
-        outer = msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
-    except Exception as e:  # msgpack raises several unrelated exception types on bad input
+        outer = _FRAME_DECODER.decode(frame)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"a frame must be a map with exactly 'type', 'v' and 'body': {e}") from None
+    except (msgspec.DecodeError, ValueError) as e:    # ValueError: a string that is not UTF-8
         raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
-    if not isinstance(outer, dict) or set(outer) != {"type", "v", "body"}:
-        keys = sorted(map(str, outer)) if isinstance(outer, dict) else type(outer).__name__
-        raise ProtocolError(f"a frame must be a map with exactly 'type', 'v' and 'body', got {keys}")
-    kind, version, body = outer["type"], outer["v"], outer["body"]
-    cls = REGISTRY.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message type {kind!r}; known: {', '.join(sorted(REGISTRY))}")
-    if version != PROTOCOL_VERSION:
-        error = ProtocolError(f"schema version {version!r} of {kind!r} is not supported (this side speaks "
-                              f"{PROTOCOL_VERSION})")
-        error.message_type = kind
-        raise error
+    kind = outer.type
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise ProtocolError(f"unknown message type {kind!r:.80}; known: {', '.join(sorted(REGISTRY))}")
+    if outer.v != PROTOCOL_VERSION:
+        raise _named(ProtocolError(f"schema version {outer.v!r} of {kind!r} is not supported (this side speaks "
+                                   f"{PROTOCOL_VERSION})"), kind)
     try:
-        if not isinstance(body, dict):
-            raise ProtocolError(f"the body of {kind!r} must be a map, got {type(body).__name__}")
-        return _build(cls, body)
-    except ProtocolError as e:
-        e.message_type = kind
-        raise
+        return decoder.decode(outer.body)
+    except ProtocolError as e:                  # (msgspec wraps those raised by __post_init__: not expected)
+        raise _named(e, kind) from None
+    except (msgspec.MsgspecError, ValueError) as e:     # ValueError: a string that is not UTF-8
+        text = _with_path(e)
+        raise _named(ProtocolError(text if text.startswith("field ") else f"{kind!r}: {text}"), kind) from None
+
+
+def _with_path(error: Exception) -> str:
+    """msgspec's "text - at `$.a.b`" as "field 'a.b': text"; a check's own error (cause) speaks for itself, and a
+    SamplingParams FieldError names its field inside the path ("field 'sampling.top_p': ...")."""
+    text = str(error)
+    match = _PATH.fullmatch(text)
+    if match is None:
+        return text
+    problem, path = match.groups()
+    inner = getattr(error.__cause__ or error.__context__, "field", None)
+    if isinstance(inner, str) and path.rsplit(".", 1)[-1] != inner:
+        path = f"{path}.{inner}"
+    return f"field {path!r}: {problem}"
+
+
+def _named(error: ProtocolError, kind: str) -> ProtocolError:
+    error.message_type = kind
+    return error
 
 
 def peek_request_id(frame: bytes) -> str | None:
     """The request id of a frame that failed to decode, when it can be read (so that request alone fails);
     never raises."""
     try:
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=False).get("body")
-        request_id = body.get("request_id") if isinstance(body, dict) else None
-    except Exception:  # noqa: BLE001 - msgpack raises several unrelated types; a frame we cannot read
+        request_id = msgspec.msgpack.decode(frame, type=_PeekFrame).body.request_id
+    except Exception:  # noqa: BLE001 - a frame we cannot read
         return None
     return request_id if isinstance(request_id, str) and 0 < len(request_id) <= MAX_ID_LEN else None
-
-
-Coercer = Callable[[Any], Any]
-
-
-@dataclass(frozen=True)
-class _Schema:
-    """A message class's fields, compiled once: per field a coercer (wire value -> checked Python value,
-    ProtocolError otherwise) and an encoder (None where the value goes on the wire as it is)."""
-
-    required: tuple[str, ...]                         # in declaration order
-    coercers: dict[str, Coercer]
-    encoders: tuple[tuple[str, Coercer | None, Callable[[Any], bool] | None], ...]   # name, to wire, is default
-
-
-_SCHEMAS: dict[type, _Schema] = {}
-
-
-def _schema(cls: type[Message]) -> _Schema:
-    schema = _SCHEMAS.get(cls)
-    if schema is None:
-        fields = dataclasses.fields(cls)
-        hints = typing.get_type_hints(cls)
-        schema = _Schema(
-            required=tuple(f.name for f in fields if f.default is dataclasses.MISSING
-                           and f.default_factory is dataclasses.MISSING),
-            coercers={f.name: _coercer(hints[f.name], f"{cls.TYPE}.{f.name}") for f in fields},
-            encoders=tuple((f.name, _encoder(hints[f.name]), _default_test(f)) for f in fields))
-        _SCHEMAS[cls] = schema
-    return schema
-
-
-def _build(cls: type[Message], body: dict) -> Message:
-    schema = _schema(cls)
-    coercers = schema.coercers
-    if not body.keys() <= coercers.keys():
-        unknown = sorted(str(k) for k in body if k not in coercers)
-        raise ProtocolError(f"{cls.TYPE!r} has no field(s) {', '.join(unknown)}")
-    for name in schema.required:
-        if name not in body:
-            raise ProtocolError(f"{cls.TYPE!r} is missing field {name!r}")
-    values = {name: coercers[name](value) for name, value in body.items()}
-    try:
-        return cls(**values)
-    except ProtocolError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ProtocolError(f"{cls.TYPE!r}: {e}") from None
-
-
-def _coercer(hint: Any, name: str) -> Coercer:
-    """A function that checks a wire value against the annotation `hint` (unpacking TokenIds, building
-    nested messages) and raises ProtocolError naming field `name` when it does not fit."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        return _union_coercer(hint, name)
-    if isinstance(hint, type) and issubclass(hint, Message):
-        def nested(value: Any, cls: type[Message] = hint) -> Message:
-            if not isinstance(value, dict):
-                raise ProtocolError(f"field {name!r} must be a {cls.TYPE!r} map, got {type(value).__name__}")
-            return _build(cls, value)
-        return nested
-    if hint is SamplingParams:
-        return _sampling_coercer(name)
-    if hint is TokenIds:
-        def token_ids(value: Any) -> TokenIds:
-            if not isinstance(value, (bytes, bytearray)):
-                raise ProtocolError(f"field {name!r} must be packed int32 bytes, got {type(value).__name__}")
-            return TokenIds.unpack(bytes(value), name)
-        return token_ids
-    if origin is list:
-        item = _coercer(typing.get_args(hint)[0], name)
-
-        def items(value: Any) -> list:
-            if not isinstance(value, list):
-                raise ProtocolError(f"field {name!r} must be a list, got {type(value).__name__}")
-            return [item(v) for v in value]
-        return items
-    if origin is dict:
-        key_of, value_of = (_coercer(h, name) for h in typing.get_args(hint))
-
-        def mapping(value: Any) -> dict:
-            if not isinstance(value, dict):
-                raise ProtocolError(f"field {name!r} must be a map, got {type(value).__name__}")
-            return {key_of(k): value_of(v) for k, v in value.items()}
-        return mapping
-    if hint is float:
-        def number(value: Any) -> float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ProtocolError(f"field {name!r} must be a number, got {type(value).__name__}")
-            return float(value)
-        return number
-    if hint in (int, str, bool):
-        def scalar(value: Any, kind: type = hint) -> Any:
-            if type(value) is not kind and (kind is not int or isinstance(value, bool) or not isinstance(value, int)):
-                article = "an" if kind is int else "a"
-                raise ProtocolError(f"field {name!r} must be {article} {'integer' if kind is int else kind.__name__}, "
-                                    f"got {type(value).__name__}")
-            return value
-        return scalar
-    return _identity
-
-
-def _sampling_coercer(name: str) -> Coercer:
-    """SamplingParams from their wire map, validated once, here; an error names the field inside it
-    ("field 'sampling.top_p': ...")."""
-    path = name.rsplit(".", 1)[-1]
-
-    def sampling(value: Any) -> SamplingParams:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"field {name!r} must be a map of sampling params, got {type(value).__name__}")
-        try:
-            return SamplingParams.from_dict(value)
-        except FieldError as e:
-            raise ProtocolError(f"field '{path}.{e.field}': {e}") from None
-        except (TypeError, ValueError) as e:     # an unknown field (or a value no check foresaw)
-            raise ProtocolError(f"field {path!r}: {e}") from None
-    return sampling
-
-
-def _sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """The fields of `params` that differ from the defaults (the decoder restores the rest): most requests
-    carry two or three. Tuples travel as msgpack arrays."""
-    wire = {}
-    for name, default in _SAMPLING_DEFAULTS:
-        value = getattr(params, name)
-        if value != default:
-            wire[name] = value.to_dict() if isinstance(value, StructuredOutputsParams) else value
-    return wire
-
-
-_SAMPLING_DEFAULTS = tuple((f.name, f.default) for f in dataclasses.fields(SamplingParams))
-
-
-def _union_coercer(hint: Any, name: str) -> Coercer:
-    options = typing.get_args(hint)
-    nullable = type(None) in options
-    coercers = [_coercer(option, name) for option in options if option is not type(None)]
-
-    def union(value: Any) -> Any:
-        if value is None and nullable:
-            return None
-        errors = []
-        for coerce in coercers:
-            try:
-                return coerce(value)
-            except ProtocolError as e:
-                errors.append(str(e))
-        raise ProtocolError(errors[0] if len(errors) == 1 else f"field {name!r}: {value!r:.80} fits none of its types")
-    return union
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-def _default_test(f: dataclasses.Field) -> Callable[[Any], bool] | None:
-    """A test for "this value equals the field's default" (None for a required field)."""
-    if f.default_factory is not dataclasses.MISSING:      # an empty list / TokenIds, default SamplingParams
-        empty = f.default_factory()
-        return lambda value: value == empty
-    if f.default is dataclasses.MISSING:
-        return None
-    if f.default is None:
-        return lambda value: value is None
-    default, kind = f.default, type(f.default)
-    return lambda value: type(value) is kind and value == default
-
-
-def _encoder(hint: Any) -> Coercer | None:
-    """How a field of annotation `hint` goes on the wire; None where the value is sent as it is."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        options = [o for o in typing.get_args(hint) if o is not type(None)]
-        inner = [_encoder(o) for o in options]
-        if all(e is None for e in inner):
-            return None
-        if len(inner) == 1:
-            only = inner[0]
-            if only is not None:   # (it is: not all None, and alone)
-                return lambda value: None if value is None else only(value)
-        raise TypeError(f"a union of several wire-encoded types is not supported: {hint}")
-    if hint is TokenIds:
-        return TokenIds.pack
-    if hint is SamplingParams:
-        return _sampling_to_wire
-    if isinstance(hint, type) and issubclass(hint, Message):
-        return _body
-    if origin is list:
-        item = _encoder(typing.get_args(hint)[0])
-        return None if item is None else (lambda values: [item(v) for v in values])
-    return None

@@ -1,18 +1,20 @@
 """SamplingParams: how one request is decoded. vLLM's field names, validated on construction.
 
-Torch-free: it travels over the wire nested in Submit and Dispatch (protocol/messages.py sends the fields that
-differ from the defaults, as a map) and is validated once more where a frame is decoded. Every complaint is a
-`FieldError` naming its field, so a frame's error points at it ("field 'sampling.top_p': ...").
+Torch-free. A msgspec Struct (as vLLM's is): it travels over the wire nested in Submit and Dispatch as a map of the
+fields that differ from the defaults, whose types the decoder checks in C; its ranges are stated here, once
+(`__post_init__`, which runs when params are made and when a frame is decoded). Every complaint is a `FieldError`
+naming its field, so a frame's error points at it ("field 'sampling.top_p': ...").
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import struct
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
+from msgspec.structs import force_setattr
 
 from infer.protocol.lora import check_lora_name
 from infer.protocol.structured import StructuredOutputsParams
@@ -54,8 +56,7 @@ class FieldError(ValueError):
         self.field = field
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """Decoding options of one request. `temperature=0` is greedy.
 
     `top_k` of -1 (or 0) disables top-k; `max_tokens=None` means "up to the context length";
@@ -119,18 +120,18 @@ class SamplingParams:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
-        object.__setattr__(self, "stop", _tuple("stop", stop))
-        object.__setattr__(self, "stop_token_ids", _tuple("stop_token_ids", self.stop_token_ids or ()))
-        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        force_setattr(self, "stop", _tuple("stop", stop))
+        force_setattr(self, "stop_token_ids", _tuple("stop_token_ids", self.stop_token_ids or ()))
+        force_setattr(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
-            object.__setattr__(self, "allowed_token_ids", _tuple("allowed_token_ids", self.allowed_token_ids))
-        object.__setattr__(self, "bad_words", _tuple("bad_words", self.bad_words or ()))
+            force_setattr(self, "allowed_token_ids", _tuple("allowed_token_ids", self.allowed_token_ids))
+        force_setattr(self, "bad_words", _tuple("bad_words", self.bad_words or ()))
         if self.structured_outputs is not None:
             try:
                 spec = StructuredOutputsParams.from_dict(self.structured_outputs)
             except (TypeError, ValueError) as e:   # its messages name the part ("structured_outputs.regex ...")
                 raise FieldError("structured_outputs", str(e)) from None
-            object.__setattr__(self, "structured_outputs", spec)
+            force_setattr(self, "structured_outputs", spec)
         self._validate()
         self._validate_token_lists()
 
@@ -274,21 +275,21 @@ class SamplingParams:
         _integer("seed", seed)
         if not 0 <= seed < 2**63:
             raise FieldError("seed", f"seed must be in [0, 2**63), got {seed}")
-        params = copy.copy(self)              # not dataclasses.replace: that would validate every field again
-        object.__setattr__(params, "seed", seed)
+        params = copy.copy(self)              # not msgspec.structs.replace: that would validate every field again
+        force_setattr(params, "seed", seed)
         return params
 
     def samples(self) -> list[SamplingParams]:
         """The n engine requests these params stand for: n = 1 each; sample i seeded seed + i when seeded."""
         if self.n == 1 or self.beam_search:   # a beam search returns its n best beams itself
             return [self]
-        one = dataclasses.replace(self, n=1)
+        one = msgspec.structs.replace(self, n=1)
         return [one if self.seed is None else one.with_seed((self.seed + i) % 2**63) for i in range(self.n)]
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, named, in JSON / msgpack types; `from_dict(to_dict())` round-trips. (Frames carry only
         the fields that differ from the defaults: protocol/messages.py.)"""
-        d = dataclasses.asdict(self)
+        d = msgspec.structs.asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["bad_words"] = list(self.bad_words)
@@ -312,10 +313,12 @@ class SamplingParams:
         return cls(**d)
 
 
-_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_FIELD_NAMES = frozenset(SamplingParams.__struct_fields__)
 
 
 def _tuple(name: str, values: Any) -> tuple:
+    if type(values) is tuple:
+        return values
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
         raise FieldError(name, f"{name} must be a list, got {type(values).__name__}")
     return tuple(values)
@@ -361,9 +364,14 @@ def _number(name: str, value: Any) -> None:
         raise FieldError(name, f"{name} must be a number, got {value!r}")
 
 
+_EXACT_IN_FLOAT32 = frozenset({0.0, 1.0})
+
+
 def _float32(name: str, value: Any) -> float:
     """`value` rounded to float32, as the sampler holds it; ValueError unless it is a finite number there
     (1e39 is inf in float32, NaN and inf are refused too)."""
+    if type(value) is float and value in _EXACT_IN_FLOAT32:    # the defaults: nothing to round (most fields)
+        return value
     _number(name, value)
     try:
         rounded = struct.unpack("f", struct.pack("f", value))[0]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
+from msgspec.structs import force_setattr
 
 MAX_SCHEMA_CHARS = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
@@ -24,8 +26,7 @@ MAX_CHOICE_CHARS = 1024
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-@dataclass(frozen=True)
-class StructuredOutputsParams:
+class StructuredOutputsParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """One constraint on a request's output; `json` is kept as compact JSON text (hashable; key order is kept,
     since it orders the output's properties)."""
 
@@ -37,12 +38,12 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if self.json is not None:
-            object.__setattr__(self, "json", _canonical_schema(self.json))
+            force_setattr(self, "json", _canonical_schema(self.json))
         if self.choice is not None:
             if isinstance(self.choice, (str, bytes, dict)) or not hasattr(self.choice, "__iter__"):
                 raise ValueError(f"structured_outputs.choice must be a list of strings, got "
                                  f"{type(self.choice).__name__}")
-            object.__setattr__(self, "choice", tuple(self.choice))
+            force_setattr(self, "choice", tuple(self.choice))
         self._validate()
 
     def _validate(self) -> None:

@@ -68,14 +68,14 @@ def reported_seeds(streams: list, params: list) -> list[int]:
 async def replayed_without_a_fault(model: Any, prompts: list, streams: list, params: list) -> list:
     """The Completions of `prompts` run in-process on `model` (fp32, as the test clusters run it) with the
     seeds the cluster reported on `streams`: what each stream must equal."""
-    import dataclasses
+    import msgspec
 
     from infer import LLM
 
     seeds = reported_seeds(streams, params)
     llm = LLM(model=str(model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1)
     return await asyncio.to_thread(llm.generate, prompts, [
-        dataclasses.replace(p, seed=s) for p, s in zip(params, seeds)], use_tqdm=False)
+        msgspec.structs.replace(p, seed=s) for p, s in zip(params, seeds)], use_tqdm=False)
 
 
 def assert_same_streams(streams: list, reference: list, where: str = "") -> None:

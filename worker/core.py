@@ -22,13 +22,14 @@ what its deltas carried so far (`_Sent`: a StreamJournal, protocol/journal.py): 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn, Protocol
+
+import msgspec
 
 from infer.protocol.codes import FinishReason
 from infer.protocol.journal import StreamJournal
@@ -327,7 +328,7 @@ class WorkerCore:
         if not sent.echo_prompt:
             return out
         sent.echo_prompt = False
-        return dataclasses.replace(out, prompt_token_ids=sent.prompt_token_ids)
+        return msgspec.structs.replace(out, prompt_token_ids=sent.prompt_token_ids)
 
     # ---- registration ----------------------------------------------------------------------------
 

@@ -21,10 +21,11 @@ import math
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+import msgspec
 import torch
 
 from infer.protocol.messages import MAX_ID_LEN, Delta, Load, TokenIds, UpdateWeights
@@ -927,7 +928,7 @@ def _pooling_params(params: SamplingParams) -> SamplingParams:
     given = [name for name in names if getattr(params, name) not in (None, ())]
     if given:
         raise ValueError(f"pooling (an embedding) takes no generation options; got {', '.join(given)}")
-    return replace(params, temperature=0.0, max_tokens=1, min_tokens=0, seed=None)
+    return msgspec.structs.replace(params, temperature=0.0, max_tokens=1, min_tokens=0, seed=None)
 
 
 def tensor_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequence[str],

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -56,6 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, TypeVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -654,9 +654,9 @@ class Front:
                                                   prompt_logprobs=getattr(body, "prompt_logprobs_wanted",
                                                                           body.prompt_logprobs))
                     if lora is not None:
-                        params = dataclasses.replace(params, lora_name=lora)
-                except ValueError as e:
-                    raise ApiError(400, str(e)) from None
+                        params = msgspec.structs.replace(params, lora_name=lora)
+                except ValueError as e:    # SamplingParams' FieldError names the field
+                    raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
                 jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker(),
                                 body.timeout, body.priority, echo=echo))
         return jobs

@@ -20,10 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S
 from infer.client.api.tools import MAX_TOOLS, parameters_schema, required_schema
 from infer.protocol.structured import StructuredOutputsParams
-from infer.protocol.sampling import (
-    MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_VALUE, MAX_LOGPROBS,
-    SamplingParams,
-)
+from infer.protocol.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 8
@@ -118,29 +115,28 @@ class _SamplingFields(BaseModel):
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    # Ranges of what becomes SamplingParams are stated there, once (its FieldError is a 400 naming the field); the
+    # fields bounded here are the ones the front itself uses first (max_tokens, n, stop, seed, timeout, priority).
+    temperature: float | None = None
+    top_p: float | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None   # OpenAI's end-user id: accepted, unused
-    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS_VALUE, le=MAX_LOGIT_BIAS_VALUE,
-                                                            allow_inf_nan=False)]],
-                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: dict[str, float] | None = None
     # vLLM-style extras
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: TokenIdList | None = None
-    allowed_token_ids: Annotated[TokenIdList, Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
-    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]],
-                         Field(max_length=MAX_BAD_WORDS)] | None = None
+    allowed_token_ids: TokenIdList | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
@@ -151,14 +147,14 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM's: the logprobs of the prompt's tokens (not with stream)
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: int | None = None
     # our extension: a per-request deadline
     timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
     # vLLM's: lower is served first (workers with --scheduling-policy priority; the coordinator sheds by it)
     priority: Annotated[int, Field(ge=-2**63, lt=2**63, strict=True)] = 0
     # vLLM's beam search: one engine request of best_of (completions) or n beams, the best n returned as choices
     use_beam_search: bool = False
-    length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
+    length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     # our extension: this request never speculates (SamplingParams.disable_speculative_decoding)
     disable_speculative_decoding: bool = False
@@ -184,13 +180,6 @@ class _SamplingFields(BaseModel):
     def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and info.data.get("stream"):
             raise ValueError("prompt_logprobs cannot be streamed yet")
-        return value
-
-    @field_validator("bad_words")
-    @classmethod
-    def _bad_words_not_blank(cls, value: list[str] | None) -> list[str] | None:
-        if any(not word.strip() for word in value or []):
-            raise ValueError("bad_words must not hold blank strings")
         return value
 
     def structured_spec(self) -> tuple[str, StructuredOutputsParams] | None:

@@ -13,6 +13,7 @@ import pytest
 from front_harness import MODEL, error_of, http, local_engine, serving, sse_events
 from infer.client.local_engine import LocalEngine
 from infer.protocol.outputs import RequestOutput
+from infer.protocol.sampling import FieldError, SamplingParams
 
 SHORT = dict(model=MODEL, prompt=[3, 4, 5], max_tokens=4, temperature=0)
 
@@ -76,6 +77,20 @@ def test_logit_bias_allowed_token_ids_and_bad_words_change_greedy_output(url, sm
 def test_an_invalid_extra_parameter_is_a_400_naming_it(url, field, value):
     status, _, text = http(f"{url}/v1/completions", {**SHORT, field: value})
     assert status == 400 and error_of(text)["param"].split(".")[0] == field, text
+
+
+@pytest.mark.parametrize("field, value", [
+    ("repetition_penalty", 1e-4), ("top_p", 0), ("min_p", 2), ("presence_penalty", 3), ("top_k", -2),
+    ("min_tokens", -1), ("bad_words", ["x" * 257]), ("allowed_token_ids", []),
+])
+def test_the_sampling_ranges_are_the_params_own(url, field, value):
+    """The HTTP schema only types these fields; their ranges are stated once, by SamplingParams, whose own message
+    the 400 carries, naming the field."""
+    status, _, text = http(f"{url}/v1/completions", {**SHORT, field: value})
+    with pytest.raises(FieldError) as info:
+        SamplingParams(**{field: value})
+    error = error_of(text)
+    assert status == 400 and error["param"] == field and str(info.value) in error["message"], text
 
 
 def test_best_of_below_n_and_what_cannot_be_streamed_yet_are_400s_naming_the_field(url):

@@ -8,7 +8,7 @@ once with error code "overloaded" and nothing already accepted is dropped. Deadl
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 
 from core_harness import Harness, delta
 
@@ -96,9 +96,9 @@ def test_a_worker_that_says_it_is_full_gets_its_request_moved():
 
 def test_a_request_that_waited_past_the_workers_queue_time_fails_as_overloaded_without_moving():
     h, first = _one_request_on_two_workers()
-    waited = dataclasses.replace(delta("a", prompt=[1, 2, 3], finish="error", code="overloaded",
-                                       error="the worker is overloaded: ... (--max-queue-time 60 s)"),
-                                 queue_time_s=60.2)
+    waited = msgspec.structs.replace(delta("a", prompt=[1, 2, 3], finish="error", code="overloaded",
+                                           error="the worker is overloaded: ... (--max-queue-time 60 s)"),
+                                     queue_time_s=60.2)
     out = h.step(first, waited)
     final = _final(out, "a")
     assert not _of(out, Dispatch), "a whole cluster's overload is not moved from worker to worker"

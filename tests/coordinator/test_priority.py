@@ -5,11 +5,12 @@ the lowest priority is refused (or shed from the held queue) first."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from core_harness import Harness, delta
 
 from infer.protocol.messages import (
-    Delta, DeltaBatch, Dispatch, Error, ProtocolError, Submit, TokenIds, decode, encode
+    DeltaBatch, Dispatch, Error, ProtocolError, Submit, TokenIds, decode, encode
 )
 from infer.protocol.sampling import SamplingParams
 
@@ -84,7 +85,7 @@ def test_prompt_logprobs_of_the_first_delta_reach_the_client():
     h.worker("w0", 0)
     submit(h, "a", 0)
     first = delta("a", 5, prompt=[1, 2, 3])
-    first = Delta(**{**first.__dict__, "prompt_logprobs": [{2: -0.5}, {3: -1.5, 9: -0.1}]})
+    first = msgspec.structs.replace(first, prompt_logprobs=[{2: -0.5}, {3: -1.5, 9: -0.1}])
     out = h.step("w0", first)
     [got] = [d for m in _of(out, DeltaBatch) for d in m.deltas]
     assert got.prompt_logprobs == [{2: -0.5}, {3: -1.5, 9: -0.1}] and got.prompt_token_ids == [1, 2, 3]

@@ -8,7 +8,7 @@ fits, and aborts copies no client claims.
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 
 from core_harness import Harness, delta, worker_hello
 
@@ -60,11 +60,11 @@ def test_a_client_takes_back_its_request_from_the_worker_that_runs_it():
 def test_a_handed_back_stream_carries_the_weight_version_of_the_workers_latest_delta():
     h = Harness(restart_grace=2.0)
     h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[_snapshot("r", [7, 8], [1, 2])]))
-    h.step("w0", dataclasses.replace(delta("r", 9), weight_version=2))
+    h.step("w0", msgspec.structs.replace(delta("r", 9), weight_version=2))
     (catch_up,) = _client_deltas(_reattach(h, "r", [7]))
     assert list(catch_up.token_ids) == [8, 9] and catch_up.weight_version == 2 and not catch_up.finished
     h.send(b"w1", worker_hello("w1", 1, running=["s"], snapshots=[_snapshot("s", [7], [1])]))
-    h.step("w1", dataclasses.replace(delta("s", 8, finish="stop"), weight_version=4, num_cached_tokens=16))
+    h.step("w1", msgspec.structs.replace(delta("s", 8, finish="stop"), weight_version=4, num_cached_tokens=16))
     (final,) = _client_deltas(_reattach(h, "s", [7]))      # it ended while nobody listened
     assert final.finish_reason == "stop" and final.weight_version == 4 and final.num_cached_tokens == 16
 
@@ -119,7 +119,7 @@ def test_a_resume_from_the_clients_copy_keeps_its_seed_and_the_length_of_its_tex
 def test_a_taken_back_copy_keeps_the_seed_it_runs_with_and_reports_it_first():
     """The client had no delta (so no seed) before the restart: the worker's copy tells the seed."""
     h = Harness(restart_grace=2.0)
-    snapshot = dataclasses.replace(_snapshot("r", [7, 8], [1, 2]), seed=99)
+    snapshot = msgspec.structs.replace(_snapshot("r", [7, 8], [1, 2]), seed=99)
     h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[snapshot]))
     out = h.send(CLIENT, Submit(request_id="r", prompt_token_ids=TokenIds(PROMPT), reattach=True,
                                 sampling=SamplingParams(temperature=1.0, max_tokens=10)))

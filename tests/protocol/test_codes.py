@@ -21,46 +21,42 @@ def _frame(kind: str, body: dict) -> bytes:
 
 
 def _final(**body) -> bytes:
-    return _frame("delta", {"request_id": "r", "token_ids": b"", "text": "", "finished": True, **body})
+    return _frame("delta", {"request_id": "r", "token_ids": [], "text": "", "finished": True, **body})
 
 
-def test_an_unknown_finish_reason_on_the_wire_names_the_field_the_choices_and_the_value():
+def test_an_unknown_finish_reason_on_the_wire_names_the_field_and_the_value():
     with pytest.raises(ProtocolError) as info:
         decode(_final(finish_reason="halted"))
-    assert str(info.value) == ("field 'finish_reason' must be one of stop, length, abort, error or null, "
-                               "got 'halted'")
+    assert str(info.value) == "field 'finish_reason': Invalid enum value 'halted'"
     assert info.value.message_type == "delta"
 
 
 @pytest.mark.parametrize("frame, text", [
-    (_final(finish_reason=3), "field 'finish_reason' must be one of stop, length, abort, error or null, got 3"),
-    (_final(finish_reason="error", error_code="busy"),
-     "field 'error_code' must be one of invalid_request, unavailable, internal, overloaded, timeout, "
-     "client_too_slow, client_lost, draining or null, got 'busy'"),
-    (_frame("error", {"message": "m", "code": "oops"}), "field 'code' must be one of invalid_request, "),
-    (_frame("control", {"command": "halt"}),
-     "field 'command' must be one of pause, unpause, suspend, resume, stop, got 'halt'"),
+    (_final(finish_reason=3), "field 'finish_reason': Expected `str | null`, got `int`"),
+    (_final(finish_reason="error", error_code="busy"), "field 'error_code': Invalid enum value 'busy'"),
+    (_frame("error", {"message": "m", "code": "oops"}), "field 'code': Invalid enum value 'oops'"),
+    (_frame("control", {"command": "halt"}), "field 'command': Invalid enum value 'halt'"),
     (_frame("control_ack", {"command": "pause", "state": "sleeping"}),
      "field 'state' must be one of running, paused, suspended, stopped, draining, got 'sleeping'"),
-    (_frame("welcome", {"coordinator_id": "c", "state": "draining"}),
-     "field 'state' must be one of running, paused, suspended, stopped, got 'draining'"),
+    (_frame("welcome", {"coordinator_id": "c", "state": "draining"}), "field 'state': Invalid enum value 'draining'"),
 ])
 def test_every_enum_field_refuses_other_words(frame, text):
     with pytest.raises(ProtocolError, match=f"^{text}"):
         decode(frame)
 
 
-def test_old_and_new_peers_write_the_same_bytes():
+def test_old_and_new_peers_write_the_same_frames():
     """A member encodes as its string: a frame made with members equals one made with plain strings."""
     with_members = Delta(request_id="r", token_ids=TokenIds([5]), text="x", finished=True,
                          finish_reason=FinishReason.ERROR, error="e", error_code=ErrorCode.TIMEOUT)
     with_strings = Delta(request_id="r", token_ids=TokenIds([5]), text="x", finished=True,
                          finish_reason="error", error="e", error_code="timeout")   # type: ignore[arg-type]
     assert encode(with_members) == encode(with_strings)
-    plain = _frame("delta", {"request_id": "r", "token_ids": TokenIds([5]).pack(), "text": "x", "finished": True,
+    plain = _frame("delta", {"request_id": "r", "token_ids": [5], "text": "x", "finished": True,
                              "finish_reason": "error", "error": "e", "error_code": "timeout"})
-    assert encode(with_members) == plain
-    assert encode(Control(command=Command.SUSPEND)) == _frame("control", {"command": "suspend"})
+    assert msgpack.unpackb(encode(with_members)) == msgpack.unpackb(plain)   # (msgspec writes map16 headers)
+    assert msgpack.unpackb(encode(Control(command=Command.SUSPEND))) == msgpack.unpackb(
+        _frame("control", {"command": "suspend"}))
 
 
 def test_decoded_words_are_members_that_equal_their_strings():

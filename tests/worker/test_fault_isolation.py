@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -63,9 +64,9 @@ def _poison() -> SamplingParams:
     """Issue 16's parameters, forced past validation (which now refuses them)."""
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(temperature=1.0, top_p=0.5, repetition_penalty=1e-50)
-    # seeded: the engine gives an unseeded request a seed by dataclasses.replace, which would validate again
+    # seeded: the engine gives an unseeded request a seed by msgspec.structs.replace, which would validate again
     params = SamplingParams(temperature=1.0, top_p=0.5, repetition_penalty=1.5, max_tokens=8, seed=7)
-    object.__setattr__(params, "repetition_penalty", 1e-50)
+    msgspec.structs.force_setattr(params, "repetition_penalty", 1e-50)
     return params
 
 

@@ -6,10 +6,10 @@ is the word-chain model (tests/conftest.py): random words of emoji, CJK and Lati
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from infer import LLM, SamplingParams
@@ -70,7 +70,7 @@ def _run(engine: Engine, requests: dict[str, tuple]) -> dict[str, Stream]:
 def _redispatched(params: SamplingParams, seed: int | None) -> SamplingParams:
     """What a re-dispatch sends (coordinator/state.py RequestRecord.dispatch): the request's own params with its
     seed; the engine counts the resumed tokens toward max_tokens and min_tokens."""
-    return dataclasses.replace(params, seed=seed)
+    return msgspec.structs.replace(params, seed=seed)
 
 
 def _cuts_inside_a_character(tokenizer, tokens: list[int]) -> list[int]:
@@ -188,7 +188,7 @@ def test_llm_reports_the_assigned_seed_and_replays_with_it(word_chain_model):
     params = SamplingParams(temperature=1.0, max_tokens=24)
     first, second = llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
     assert first.seed is not None and second.seed is not None and first.seed != second.seed
-    replay = llm.generate([PROMPT], dataclasses.replace(params, seed=first.seed), use_tqdm=False)[0]
+    replay = llm.generate([PROMPT], msgspec.structs.replace(params, seed=first.seed), use_tqdm=False)[0]
     assert (replay.token_ids, replay.text, replay.seed) == (first.token_ids, first.text, first.seed)
     greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert greedy.seed is None
