@@ -174,7 +174,7 @@ class GptOssExperts(nn.Module):
     def _load_dense(self, param_name: str, tensor: torch.Tensor) -> None:
         """This rank's slice of I of the local experts' full tensor: the last dim of gate_up_proj(_bias), dim 1 of
         down_proj; down_proj_bias whole."""
-        param: torch.Tensor = getattr(self, param_name, None)
+        param: torch.Tensor | None = getattr(self, param_name, None)
         if param is None or param_name.endswith(("_blocks", "_scales")):
             raise ValueError(f"{type(self).__name__} has no parameter {param_name!r}")
         if param_name.startswith("gate_up_proj"):
