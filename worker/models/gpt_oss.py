@@ -10,7 +10,8 @@ layers, and a mixture of experts with its own router and expert MLP.
   (up.clamp(-limit, limit) + 1) * gate * sigmoid(alpha * gate) with gate clamped above at limit, then
   @ W_down[e] + b_down[e]. Weights in the checkpoint's layout: gate_up_proj [E, H, 2I], down_proj [E, I, H].
 - MXFP4 checkpoints (`quantization_config.quant_method == "mxfp4"`): the experts' `*_blocks` / `*_scales` are
-  dequantized at load (`dequantize_mxfp4`), so the model runs dense in its dtype.
+  dequantized at load (`dequantize_mxfp4`, straight to the model dtype: FP4 values times powers of two are exact in
+  bf16), so the model runs dense in its dtype.
 
 Expert parallelism and TP x EP as for Mixtral (`ExpertParallel.run_experts`; each TP rank holds its slice of every
 local expert's intermediate size and the block all-reduces). The attention runs on the kernels' PyTorch twins,
@@ -166,7 +167,7 @@ class GptOssExperts(nn.Module):
             projection = param_name.rpartition("_")[0]
             blocks, scales = self._pending.get(f"{projection}_blocks"), self._pending.get(f"{projection}_scales")
             if blocks is not None and scales is not None:
-                self._load_dense(projection, dequantize_mxfp4(blocks, scales, torch.float32))
+                self._load_dense(projection, dequantize_mxfp4(blocks, scales, getattr(self, projection).dtype))
                 del self._pending[f"{projection}_blocks"], self._pending[f"{projection}_scales"]
             return
         self._load_dense(param_name, ours)
