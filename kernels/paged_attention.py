@@ -18,6 +18,10 @@ and `softcap`: 0 for none, c > 0 for Gemma 2's attention logit soft-capping, eac
 becoming c * tanh(s / c) before the mask and the softmax. The native CPU kernels take no softcap: the dispatchers
 send a soft-capped call to the twin (or Triton).
 
+And `sinks`: None, or attention sinks (GPT-OSS), one learned logit per query head [H] float32 that joins each
+softmax's denominator and attends to nothing: p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink_h)). Only the twins
+compute sinks; the dispatchers send a call with sinks to them, on a CPU and on CUDA alike.
+
 Sequence i's token j lives at slot block_tables[i, j // block_size] * block_size + j % block_size.
 Scores and the softmax run in float32 (fp32 inputs use IEEE fp32 dot products, not TF32); outputs are in
 q's dtype.
@@ -151,7 +155,8 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: tor
 
 def paged_decode_attention_compiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                                    window: int = 0, softcap: float = 0.0,
+                                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention written for the compiler (CPU step graphs): q [B, H, D] over every row's whole table
     width, positions past each length (and before its window) masked; returns [B, H, D] in q's dtype, float32 inside.
 
@@ -175,7 +180,8 @@ def paged_decode_attention_compiled(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     hidden = key_pos >= seq_lens[:, None]                                            # [B, L]
     if window:
         hidden |= key_pos < seq_lens[:, None] - window
-    probs = scores.masked_fill(hidden[None, :, None, :], float("-inf")).softmax(-1)
+    scores = scores.masked_fill(hidden[None, :, None, :], float("-inf"))
+    probs = _softmax_with_sinks(scores, _grouped_sinks(sinks, num_kv_heads))
     out = (probs.transpose(2, 3).unsqueeze(-1) * values.float()).sum(2)            # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
@@ -190,11 +196,12 @@ def _as_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
 def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                  out: torch.Tensor | None = None, num_splits: int | None = None,
-                                 plan: DecodePlan | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                                 plan: DecodePlan | None = None, window: int = 0, softcap: float = 0.0,
+                                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks] int32; seq_lens [B] int32 (>= 1).
     Returns out [B, H, D] (written in place when given). `num_splits` only steers the Triton kernel;
     `plan` (from `plan_decode` on the same tables, lengths, pool shape and window) saves re-planning per layer.
-    `window` > 0: each sequence attends to its last `window` positions (0: all).
+    `window` > 0: each sequence attends to its last `window` positions (0: all). `sinks`: see the module docstring.
 
     Grouped-query attention without repeating K/V: SDPA sees the KV heads as its batch and the sequences as
     its heads, q [Hkv, n, H / Hkv, D] against K, V [Hkv, n, L, D], which is exactly the gathered layout.
@@ -211,11 +218,12 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                          f"{plan.window}, not {num_seqs} over {tuple(k_cache.shape)} with window {window}")
     num_kv_heads = k_cache.shape[0]
     grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    tile_sinks = _grouped_sinks(sinks, num_kv_heads)
     for tile in plan.tiles:
         shape = (num_kv_heads, tile.num_rows, tile.padded_len, head_dim)
         keys = _gather_rows(k_cache, tile.pool_rows).view(shape)
         values = _gather_rows(v_cache, tile.pool_rows).view(shape)
-        tile_out = _attend(grouped[:, tile.rows], keys, values, tile.mask, scale, softcap)
+        tile_out = _attend(grouped[:, tile.rows], keys, values, tile.mask, scale, softcap, tile_sinks)
         out[tile.rows] = tile_out.transpose(0, 1).reshape(tile.num_rows, num_heads, head_dim)
     return out
 
@@ -224,7 +232,7 @@ def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                                   max_query_len: int | None = None, window: int = 0,
-                                  softcap: float = 0.0) -> torch.Tensor:
+                                  softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks]; seq_lens [B] (context after this
     step); query_start_loc [B + 1] int32 (offsets into T). Returns out [T, H, D]; rows of T past
     query_start_loc[B] are left as they are. `max_query_len` only steers the Triton kernel's grid. `window` > 0:
@@ -242,17 +250,19 @@ def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if decodes:
         seqs, tokens = _as_index(decodes, q.device), _as_index([starts[i] for i in decodes], q.device)
         out[tokens] = paged_decode_attention_torch(q[tokens], k_cache, v_cache, block_tables[seqs],
-                                                   seq_lens[seqs], scale, window=window, softcap=softcap)
+                                                   seq_lens[seqs], scale, window=window, softcap=softcap,
+                                                   sinks=sinks)
     for i in range(num_seqs):
         start, end = starts[i], starts[i + 1]
         if end - start > 1:
             out[start:end] = _chunk_attention(q[start:end], k_cache, v_cache, block_tables[i], lens[i], scale,
-                                              window, softcap)
+                                              window, softcap, sinks)
     return out
 
 
 def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     context_len: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                     context_len: int, scale: float, window: int = 0, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One chunk: q [n, H, D], the last n of `context_len` positions -> [n, H, D], causal (within `window`)."""
     n = q.shape[0]
     if n > context_len:
@@ -262,7 +272,7 @@ def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     keys = _gather(k_cache, tables).transpose(0, 1)[:, :, :context_len]  # [1, Hkv, ctx, D]
     values = _gather(v_cache, tables).transpose(0, 1)[:, :, :context_len]
     queries = q.transpose(0, 1).unsqueeze(0)                                # [1, H, n, D]
-    if n == context_len and not window and not softcap:
+    if n == context_len and not window and not softcap and sinks is None:
         mask, causal = None, True
     else:  # causal, aligned to the bottom right: query j sits at position context_len - n + j
         key_pos = torch.arange(context_len, device=q.device)
@@ -273,23 +283,44 @@ def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if causal:
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        out = _attend(queries, keys, values, mask, scale, softcap)
+        out = _attend(queries, keys, values, mask, scale, softcap, None if sinks is None else sinks.view(1, -1, 1, 1))
     return out[0].transpose(0, 1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float) -> torch.Tensor:
-    """softmax(q k^T * scale, soft-capped, masked) v: q [..., H, n, D], k and v [..., Hkv, L, D] with H a multiple of
-    Hkv, mask (True: seen) broadcast to [..., H, n, L]. SDPA without a softcap; written out in float32 with one."""
-    if not softcap:
+            softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, soft-capped, masked, with sinks) v: q [..., H, n, D], k and v [..., Hkv, L, D] with H a
+    multiple of Hkv, mask (True: seen) broadcast to [..., H, n, L], sinks (float32) to [..., H, n, 1]. SDPA without a
+    softcap or sinks; written out in float32 with either."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    scores = torch.tanh(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale / softcap) * softcap
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    return torch.matmul(_softmax_with_sinks(scores, sinks), v.float()).to(q.dtype)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of float32 scores [..., L], each row's denominator also holding exp(sink) (sinks
+    broadcast to [..., 1]); a plain softmax without sinks. Max-subtracted with the sink included, as transformers'."""
+    if sinks is None:
+        return scores.softmax(-1)
+    combined = torch.cat((scores, sinks.float().expand(*scores.shape[:-1], 1)), dim=-1)
+    return combined.softmax(-1)[..., :-1]
+
+
+def _grouped_sinks(sinks: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor | None:
+    """sinks [H] -> [Hkv, 1, H / Hkv, 1], to broadcast over scores grouped as [Hkv, B, H / Hkv, L]."""
+    if sinks is None:
+        return None
+    if sinks.dim() != 1 or sinks.shape[0] % num_kv_heads:
+        raise ValueError(f"sinks must be [H] with H a multiple of {num_kv_heads}, got {tuple(sinks.shape)}")
+    return sinks.float().view(num_kv_heads, 1, -1, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -598,10 +629,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            plan: DecodePlan | None = None, split_tokens: int | None = None,
-                           window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
     the twin (see `paged_decode_attention_torch`). The CPU paths reduce each sequence in one pass and ignore
-    `num_splits` / `split_tokens` (and the native kernel `plan`)."""
+    `num_splits` / `split_tokens` (and the native kernel `plan`). With sinks, the twin on every device."""
+    if sinks is not None:
+        return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan,
+                                            window, softcap, sinks)
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits,
                                              plan, split_tokens, window, softcap)
@@ -618,10 +653,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, out: torch.Tensor | None = None,
                             max_query_len: int | None = None, decode_from: torch.Tensor | None = None,
-                            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                            window: int = 0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
     the twin (see `paged_prefill_attention_torch`). `decode_from`: the native kernel's (its rows from those
-    positions with the decode kernel's bits); the others ignore it."""
+    positions with the decode kernel's bits); the others ignore it. With sinks, the twin on every device."""
+    if sinks is not None:
+        return paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                             max_query_len, window, softcap, sinks)
     if use_triton(q):
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                               out, max_query_len, window, softcap)

@@ -84,6 +84,8 @@ def scheme_of(config: Mapping[str, Any]) -> Int4Scheme | None:
         return _awq_scheme(quant)
     if method == "gptq":
         return _gptq_scheme(quant)
+    if method == "mxfp4":   # GPT-OSS's experts: its model dequantizes them at load (worker/models/gpt_oss.py)
+        return None
     raise ValueError(f"quantization_config.quant_method {quant.get('quant_method')!r} is not supported: AWQ and "
                      "GPTQ int4 checkpoints load as they are, others need a dense or GGUF checkpoint")
 

@@ -18,15 +18,15 @@ from prompts import varied_prompts
 
 
 def _reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, plan=None,
-                      split_tokens=None, window=0, softcap=0.0):
-    assert not softcap, "the plain reference has no soft-capping (no model here has it)"
+                      split_tokens=None, window=0, softcap=0.0, sinks=None):
+    assert not softcap and sinks is None, "the plain reference has no soft-capping or sinks (no model here has them)"
     starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, starts, scale, out, window)
 
 
 def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
-                       max_query_len=None, decode_from=None, window=0, softcap=0.0):
-    assert not softcap, "the plain reference has no soft-capping (no model here has it)"
+                       max_query_len=None, decode_from=None, window=0, softcap=0.0, sinks=None):
+    assert not softcap and sinks is None, "the plain reference has no soft-capping or sinks (no model here has them)"
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                                      window)
 

@@ -123,7 +123,7 @@ def test_unsupported_model_type_lists_supported(tmp_path: Path) -> None:
     AutoConfig.for_model("gpt2", n_layer=1).save_pretrained(tmp_path)
     save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"unsupported model: model_type 'gpt2', architectures None; "
-                                         r"supported model types: deepseek_v2, deepseek_v3, gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, "
+                                         r"supported model types: deepseek_v2, deepseek_v3, gemma2, gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, "
                                          r"qwen3, qwen3_moe"):
         load_model(tmp_path, torch.float32, CPU)
 

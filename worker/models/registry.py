@@ -9,6 +9,7 @@ import torch
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.deepseek import DeepseekV2ForCausalLM
 from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from infer.worker.models.gpt_oss import GptOssForCausalLM
 from infer.worker.models.llama import LlamaForCausalLM
 from infer.worker.models.phi3 import Phi3ForCausalLM
 from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
@@ -56,6 +57,7 @@ MODEL_TYPES: dict[str, type] = {
     "deepseek_v3": DeepseekV2ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
@@ -70,6 +72,7 @@ ARCHITECTURES: dict[str, type] = {
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

@@ -1,0 +1,64 @@
+"""GPT-OSS (tests/gpt_oss_models.py: sinks, alternating windows of 8, 4 experts top 2) through real clusters of
+coordinator and infer-worker processes: a 2-worker cluster (each rank in turn), a 2-rank EP group (all requests on
+rank 0 with rank 1 idle on dummy steps, then split) and TP 2 x EP 2 (each TP rank with 2 of the 4 query heads, their
+sinks and its half of every local expert's intermediate size) give transformers' greedy tokens on prompts past the
+window."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from gpt_oss_models import tiny_gpt_oss
+from group_procs import free_port, ready
+from hf_reference import transformers_greedy
+
+from infer import SamplingParams
+
+ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1",
+                "--block-size", "4")
+TP_FLAGS = ("--tp-size", "2", "--tp-timeout", "5", "--max-num-batched-tokens", "32")
+MAX_NEW = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate((19, 30, 57, 70))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, smollm2_tokenizer):
+    """(model directory, transformers' greedy tokens)."""
+    path = tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss"), smollm2_tokenizer)
+    return path, transformers_greedy(path, PROMPTS, MAX_NEW)
+
+
+async def _generate(cluster, pin=lambda i: None) -> list[list[int]]:
+    async with cluster.client() as client:
+        done = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY, pin_rank=pin(i))
+                                                       for i, p in enumerate(PROMPTS))), 180)
+    return [c.token_ids for c in done]
+
+
+async def test_two_workers_equal_transformers(model_cluster, model):
+    path, want = model
+    cluster = model_cluster(workers=2, engine_flags=ENGINE_FLAGS, model=path)
+    for rank in (0, 1):
+        assert await _generate(cluster, lambda i, rank=rank: rank) == want, f"rank {rank}"
+
+
+async def test_a_two_rank_ep_group_equals_transformers(ep_groups, model):
+    path, want = model
+    cluster, _ = ep_groups(path, groups=1, engine_flags=ENGINE_FLAGS)
+    assert await _generate(cluster, lambda i: 0) == want            # rank 1 idle: dummy steps
+    assert await _generate(cluster, lambda i: i % 2) == want
+
+
+@pytest.mark.slow
+async def test_tp2_x_ep2_equals_transformers(cluster_factory, model):
+    path, want = model
+    cluster = cluster_factory()
+    cluster.coordinator()
+    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    for ep_rank in range(2):
+        cluster.worker(ep_rank, *ENGINE_FLAGS, *TP_FLAGS, "--ep-size", "2", "--ep-rank", str(ep_rank),
+                       "--dist-init", dist_init, "--ep-timeout", "20", model=path)
+    ready(cluster, 2)
+    assert await _generate(cluster, lambda i: i % 2) == want
