@@ -6,12 +6,16 @@ checks the config). Each targeted linear layer W gains `scale * B A`: for input 
 computes it. Never merged into W: one batch mixes rows of several adapters and of the base model.
 
 Weights live in `max_loras` slots (LoraSlots, worker/lora_slots.py: LRU over adapters no running request holds).
-Per targeted layer, `LoraLayer` holds every slot's A stacked [slots * subs * R, in] and B (scale folded in)
-[out, slots * subs * R], R = `max_lora_rank` (smaller ranks zero-padded); a fused layer (qkv_proj, gate_up_proj)
-has one sub-block per checkpoint projection (q, k, v), B block-diagonal over them, so one shrink and one expand
-matmul cover the fused output. A step's rows are grouped by slot (`LoraStep`); `LoraLayer.apply` adds each row's
-(x A_slot^T) B_slot^T to the base output: a step of few rows (decodes) as two matmuls over every slot with the
-other slots' columns masked to zero (op count, not flops, bounds such a CPU step), a larger one group by group.
+Per targeted layer, `LoraLayer` holds every slot's A transposed [slots, in, subs * R] and B transposed (scale
+folded in) [slots, subs * R, out], each slot contiguous, R = `max_lora_rank` (smaller ranks zero-padded); a fused
+layer (qkv_proj, gate_up_proj) has one sub-block per checkpoint projection (q, k, v), B block-diagonal over them,
+so one shrink and one expand matmul cover the fused output. A step's rows are laid out by slot once (`LoraStep`,
+`LoraManager.step`); `LoraLayer.apply` adds each row's (x A_slot^T) B_slot^T to the base output, each row multiplied
+by its own adapter only: a step of few rows (decodes) gathered into [slots, rows per slot, in] and two batched
+matmuls over the slots (at most five ops a linear layer, whatever the number of adapters), a larger one
+(prefills) by slices of consecutive rows of one adapter, or gathered slot groups where the runs are many. (Until
+2026-11-27 a decode step multiplied every row by every slot's A and B, the other slots masked to zero: 8x the work
+with 8 adapters.)
 That is the CPU path and the reference of any kernel (none on GPU yet: the same torch ops run there); it works
 over dense and quantized base weights alike (it only adds to their output).
 
