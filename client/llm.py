@@ -1000,7 +1000,8 @@ def beam_search_output(completion: Completion) -> BeamSearchOutput:
                          f"{completion.error or 'no beams'}")
     prompt = list(completion.prompt_token_ids)
     return BeamSearchOutput([BeamSearchSequence(prompt + list(b.token_ids), b.text, b.cumulative_logprob, b.score,
-                                                b.finish_reason, len(prompt)) for b in completion.beams])
+                                                b.finish_reason, len(prompt), list(b.logprobs or []))
+                             for b in completion.beams])
 
 
 class _Samples:

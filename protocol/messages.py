@@ -371,7 +371,9 @@ class Accepted(Message):
 @dataclass(frozen=True)
 class BeamOutput(Message):
     """One beam of a finished beam search (worker/beam_search.py), best first in `Delta.beams`: its output
-    tokens, their text, the sum of their log-probabilities, its length-penalized score and why it ended."""
+    tokens, their text, the sum of their log-probabilities, its length-penalized score and why it ended;
+    `logprobs`: for each output token, the top log-probabilities of its step (the token's own among them; vLLM's
+    beam logprobs)."""
 
     TYPE: ClassVar[str] = "beam"
     token_ids: TokenIds
@@ -379,6 +381,7 @@ class BeamOutput(Message):
     cumulative_logprob: float
     score: float
     finish_reason: FinishReason
+    logprobs: list[dict[int, float]] | None = None
 
     def validate(self) -> None:
         _set_members(self, finish_reason=FinishReason)
