@@ -211,6 +211,25 @@ def _model_path(model: str | os.PathLike[str] | None) -> str | None:
     return None if model is None else os.fspath(model)
 
 
+def _default_sampling_params(setting: str, options: LLMOptions) -> SamplingParams:
+    """LLM's defaults for `generation_config` (client/api/model_defaults.py reads the file, as --generation-config
+    does); ValueError naming the file and field. "auto" looks beside the model (none for a model in memory)."""
+    from infer.client.api.model_defaults import generation_defaults
+
+    model_dir = None
+    if setting == "auto" and options.in_memory_model is None:
+        from infer.worker.model_files import resolve_model
+
+        try:
+            model_dir = resolve_model(options.model)
+        except (OSError, ValueError):   # the engine (or cluster) names what is wrong with the model
+            model_dir = None
+    try:
+        return SamplingParams(**generation_defaults(setting, model_dir))
+    except ValueError as e:
+        raise ValueError(str(e).replace("--generation-config", "generation_config", 1)) from None
+
+
 def _model_options(model: object, tokenizer: Any) -> dict[str, Any]:
     """LLMOptions' model fields for what `model=` was given: a path (or None), or an in-memory model object."""
     if model is None or isinstance(model, (str, os.PathLike)):
@@ -673,7 +692,8 @@ class LLM:
                  ready_timeout: float = 300.0, log_level: str = "WARNING",
                  curve_key: str | os.PathLike[str] | None = None,
                  coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **engine_options: Any) -> None:
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, generation_config: str = "auto",
+                 **engine_options: Any) -> None:
         self.options = LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
                                   tensor_parallel_size=tensor_parallel_size,
                                   pipeline_parallel_size=pipeline_parallel_size,
@@ -681,6 +701,7 @@ class LLM:
                                   log_level=log_level, engine_options=engine_options,
                                   curve_key=_model_path(curve_key), coordinator_key=_model_path(coordinator_key),
                                   **_model_options(model, tokenizer))
+        self._default_params = _default_sampling_params(generation_config, self.options)
         self._engine: Engine | None = None       # direct mode's engine, stepped by the caller
         self._remote: AsyncLLM | None = None
         self._loop: _LoopThread | None = None
@@ -799,7 +820,7 @@ class LLM:
         """
         prompts = _as_prompt_list(prompts)
         loras = _as_lora_list(lora_request, len(prompts))
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(self._default_params if sampling_params is None else sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
         if self._engine is None:
             return self._run(self._require_remote().generate_batch(prompts, params, use_tqdm=use_tqdm,
@@ -809,6 +830,12 @@ class LLM:
         params = _with_loras(params, loras)
         flat = _Samples(prompts, params, priorities)
         return flat.results(self._generate_direct(self._engine, flat.prompts, flat.params, use_tqdm, flat.priorities))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what generate runs given no sampling_params: the fields of the model's generation_config.json
+        (`generation_config="auto"`, the default; or the file or folder given) over SamplingParams' defaults, or
+        those defaults alone (`generation_config="vllm"`). Sampling params given are used as they are."""
+        return self._default_params
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -975,7 +1002,8 @@ def beam_search_output(completion: Completion) -> BeamSearchOutput:
                          f"{completion.error or 'no beams'}")
     prompt = list(completion.prompt_token_ids)
     return BeamSearchOutput([BeamSearchSequence(prompt + list(b.token_ids), b.text, b.cumulative_logprob, b.score,
-                                                b.finish_reason, len(prompt)) for b in completion.beams])
+                                                b.finish_reason, len(prompt), list(b.logprobs or []))
+                             for b in completion.beams])
 
 
 class _Samples:

@@ -50,7 +50,9 @@ class BeamSearchSequence:
     score: float
     finish_reason: str | None
     num_prompt_tokens: int = 0
-    logprobs: list[dict[int, float]] = field(default_factory=list)   # not reported (vLLM: the top 2k per token)
+    # per output token, the top log-probabilities of its step (vLLM: the top 2 * beam_width; ours: the search's K
+    # candidates, 2 * beam_width or more with several EOS ids), the token's own among them
+    logprobs: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:

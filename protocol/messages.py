@@ -357,7 +357,9 @@ class Accepted(Message, frozen=True):
 @message
 class BeamOutput(Message, frozen=True):
     """One beam of a finished beam search (worker/beam_search.py), best first in `Delta.beams`: its output
-    tokens, their text, the sum of their log-probabilities, its length-penalized score and why it ended."""
+    tokens, their text, the sum of their log-probabilities, its length-penalized score and why it ended;
+    `logprobs`: for each output token, the top log-probabilities of its step (the token's own among them; vLLM's
+    beam logprobs)."""
 
     TYPE: ClassVar[str] = "beam"
     token_ids: TokenIdList
@@ -365,6 +367,7 @@ class BeamOutput(Message, frozen=True):
     cumulative_logprob: float
     score: float
     finish_reason: FinishReason
+    logprobs: list[dict[int, float]] | None = None
 
     def __post_init__(self) -> None:
         _set_members(self, finish_reason=FinishReason)

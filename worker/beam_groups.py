@@ -179,4 +179,5 @@ class BeamGroups:
     def _output(self, group: BeamGroup, hypothesis: Hypothesis) -> BeamOutput:
         return BeamOutput(token_ids=TokenIds(hypothesis.token_ids), text=self._text(group, hypothesis.token_ids)[0],
                           cumulative_logprob=hypothesis.cumulative_logprob, score=hypothesis.score,
-                          finish_reason=hypothesis.finish_reason)
+                          finish_reason=hypothesis.finish_reason,
+                          logprobs=[dict(step) for step in hypothesis.logprobs])

@@ -26,27 +26,32 @@ would carry beams at -1e9 that never win).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Beam:
-    """A live beam: the scheduler request that runs it, its output tokens and their summed log-probability."""
+    """A live beam: the scheduler request that runs it, its output tokens and their summed log-probability;
+    `logprobs`: for each output token, the top log-probabilities its step reported (the token's own among them)."""
 
     beam_id: str
     token_ids: tuple[int, ...]
     cumulative_logprob: float
+    logprobs: tuple[Mapping[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class Hypothesis:
-    """A finished beam: output tokens (the finishing token included), summed log-probability, score, reason."""
+    """A finished beam: output tokens (the finishing token included), summed log-probability, score, reason, and
+    each token's step's top log-probabilities (as Beam.logprobs)."""
 
     token_ids: tuple[int, ...]
     cumulative_logprob: float
     score: float
     finish_reason: str      # "stop" (EOS, stop token, stop string) or "length"
+    logprobs: tuple[Mapping[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,10 +134,11 @@ class BeamSearch:
                     continuations.append(Continuation(parent.beam_id, token_id, total))
             elif position < self.width:
                 finished.append(Hypothesis(parent.token_ids + (token_id,), total,
-                                           total / gen_len ** self.length_penalty, reason))
+                                           total / gen_len ** self.length_penalty, reason,
+                                           parent.logprobs + (self.reports[parent.beam_id],)))
         self._keep(finished)
-        self.live = [Beam(c.parent, beams[c.parent].token_ids + (c.token_id,), c.cumulative_logprob)
-                     for c in continuations]
+        self.live = [Beam(c.parent, beams[c.parent].token_ids + (c.token_id,), c.cumulative_logprob,
+                          beams[c.parent].logprobs + (self.reports[c.parent],)) for c in continuations]
         self.reports = {}
         parents = {c.parent for c in continuations}
         dropped = tuple(b for b in beams if b not in parents)
@@ -141,7 +147,7 @@ class BeamSearch:
     def rename(self, index: int, beam_id: str) -> None:
         """Live beam `index` now runs as request `beam_id` (a fork of its parent's)."""
         beam = self.live[index]
-        self.live[index] = Beam(beam_id, beam.token_ids, beam.cumulative_logprob)
+        self.live[index] = dataclasses.replace(beam, beam_id=beam_id)
 
     def result(self, n: int) -> list[Hypothesis]:
         """The best `n` hypotheses, best first (at the end; before, the live beams are not among them)."""

@@ -6,12 +6,16 @@ checks the config). Each targeted linear layer W gains `scale * B A`: for input 
 computes it. Never merged into W: one batch mixes rows of several adapters and of the base model.
 
 Weights live in `max_loras` slots (LoraSlots, worker/lora_slots.py: LRU over adapters no running request holds).
-Per targeted layer, `LoraLayer` holds every slot's A stacked [slots * subs * R, in] and B (scale folded in)
-[out, slots * subs * R], R = `max_lora_rank` (smaller ranks zero-padded); a fused layer (qkv_proj, gate_up_proj)
-has one sub-block per checkpoint projection (q, k, v), B block-diagonal over them, so one shrink and one expand
-matmul cover the fused output. A step's rows are grouped by slot (`LoraStep`); `LoraLayer.apply` adds each row's
-(x A_slot^T) B_slot^T to the base output: a step of few rows (decodes) as two matmuls over every slot with the
-other slots' columns masked to zero (op count, not flops, bounds such a CPU step), a larger one group by group.
+Per targeted layer, `LoraLayer` holds every slot's A transposed [slots, in, subs * R] and B transposed (scale
+folded in) [slots, subs * R, out], each slot contiguous, R = `max_lora_rank` (smaller ranks zero-padded); a fused
+layer (qkv_proj, gate_up_proj) has one sub-block per checkpoint projection (q, k, v), B block-diagonal over them,
+so one shrink and one expand matmul cover the fused output. A step's rows are laid out by slot once (`LoraStep`,
+`LoraManager.step`); `LoraLayer.apply` adds each row's (x A_slot^T) B_slot^T to the base output, each row multiplied
+by its own adapter only: a step of few rows (decodes) gathered into [slots, rows per slot, in] and two batched
+matmuls over the slots (at most five ops a linear layer, whatever the number of adapters), a larger one
+(prefills) by slices of consecutive rows of one adapter, or gathered slot groups where the runs are many. (Until
+2026-11-27 a decode step multiplied every row by every slot's A and B, the other slots masked to zero: 8x the work
+with 8 adapters.)
 That is the CPU path and the reference of any kernel (none on GPU yet: the same torch ops run there); it works
 over dense and quantized base weights alike (it only adds to their output).
 
@@ -160,30 +164,43 @@ def _subs(linear: PackedLinear) -> list[tuple[str | None, int, int]]:
     return [(None, 0, linear.logical_shape[0])]
 
 
-# A step of at most this many rows (decodes, mostly) takes the dense path: every row against every slot in two
-# matmuls, the other slots' columns masked to zero; more rows (prefills) go slot group by slot group, so the work
-# stays proportional to the rows of each adapter. (A CPU step of a few rows is bound by op count, not flops.)
-DENSE_MAX_ROWS = 64
+# A step of at most this many rows (decodes, mostly) takes the stacked path: its rows gathered slot by slot into
+# [slots, M, in] (M: the most rows any slot has, the others padded with zero rows) and two batched matmuls over the
+# slots' stacked A and B, so each row is multiplied by its own adapter alone in five ops per layer. More rows
+# (prefills) go run by run or slot group by slot group, one shrink and one expand matmul each: a batched matmul over
+# hundreds of bf16 rows per slot is many times slower on a CPU than the same work as plain matmuls.
+STACKED_MAX_ROWS = 64
+
+# The grouped path takes a step's runs of consecutive rows of one slot as slices (no gather or scatter) while there are
+# at most this many runs per slot used; past it (decode rows of many adapters interleaved before the prefills), one
+# gathered group per slot.
+RUNS_PER_SLOT = 2
+
+
+@dataclass(frozen=True)
+class StackedRows:
+    """The stacked path's layout of a step: slots `first`... `first + count - 1` (those between that no row uses get
+    padding rows only), `per_slot` rows each. `index` [count * per_slot] int64: the step row in each place (padding:
+    any row); `keep` [count * per_slot, 1] in the activations' dtype, 0 at padding places (None: no padding)."""
+
+    first: int
+    count: int
+    per_slot: int
+    index: torch.Tensor
+    keep: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class LoraStep:
-    """One forward's rows grouped by slot: (slot, row indices [n] int64, or None for every row); rows of the base
-    model are in no group. `onehot` [T, slots] (the dense path's row -> slot map, in the activations' dtype; None:
-    the grouped path); `masks` caches its columns widened to each layer's width."""
+    """One forward's adapter rows: `stacked` (a step of few rows), or `groups` of (slot, rows: a slice of the step's
+    rows or a row index [n] int64). Rows of the base model are in neither."""
 
-    groups: tuple[tuple[int, torch.Tensor | None], ...]
-    onehot: torch.Tensor | None = None
-    masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    groups: tuple[tuple[int, slice | torch.Tensor], ...] = ()
+    stacked: StackedRows | None = None
 
-    def mask(self, width: int) -> torch.Tensor:
-        """[T, slots * width]: 1 where a row's slot owns the column (slot s: columns s * width ...)."""
-        mask = self.masks.get(width)
-        if mask is None:
-            if self.onehot is None:
-                raise RuntimeError("a grouped LoRA step has no dense mask")
-            mask = self.masks[width] = self.onehot.repeat_interleave(width, dim=1)
-        return mask
+    @property
+    def has_rows(self) -> bool:
+        return self.stacked is not None or bool(self.groups)
 
 
 _STEP: ContextVar[LoraStep | None] = ContextVar("infer_lora_step", default=None)
@@ -205,15 +222,15 @@ def lora_rows_active() -> bool:
     """Whether the current forward has rows of an adapter (the native decode step and step graphs then stand
     aside)."""
     step = _STEP.get()
-    return step is not None and bool(step.groups)
+    return step is not None and step.has_rows
 
 
 class LoraLayer:
     """Every slot's A and B of one linear layer (module doc); `linear.lora` points here once made.
 
-    Slot s owns `width` = subs * R columns: A's rows [s * width, (s + 1) * width) ([slots * width, in]) and B's
-    columns of the same range ([out, slots * width]), so the dense path multiplies by all of A and all of B at once
-    and a slot is a slice of either."""
+    Slot s owns `width` = subs * R ranks: `a_t[s]` [in, width] is its A transposed and `b_t[s]` [width, out] its B
+    transposed (scale folded in), both contiguous, so that a slot's shrink and expand are plain matmuls
+    (x [n, in] @ a_t[s] @ b_t[s]) and the stacked path multiplies a range of slots in one batched matmul each."""
 
     def __init__(self, linear: PackedLinear, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -221,38 +238,42 @@ class LoraLayer:
         self.rank = max_rank
         out_features, in_features = linear.logical_shape
         self.width = len(self.subs) * max_rank
-        self.a = torch.zeros(num_slots * self.width, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(out_features, num_slots * self.width, dtype=dtype, device=device)
-
-    def _columns(self, slot: int) -> slice:
-        return slice(slot * self.width, (slot + 1) * self.width)
+        self.a_t = torch.zeros(num_slots, in_features, self.width, dtype=dtype, device=device)
+        self.b_t = torch.zeros(num_slots, self.width, out_features, dtype=dtype, device=device)
 
     def clear(self, slot: int) -> None:
-        self.a[self._columns(slot)].zero_()
-        self.b[:, self._columns(slot)].zero_()
+        self.a_t[slot].zero_()
+        self.b_t[slot].zero_()
 
     def fill(self, slot: int, shard: str | None, a: torch.Tensor, b: torch.Tensor) -> None:
         """Sub-block `shard` of `slot`: A [r, in], B [out_shard, r] (scale folded in)."""
         index = next(i for i, (s, _, _) in enumerate(self.subs) if s == shard)
         _, first, rows = self.subs[index]
-        r, col = a.shape[0], slot * self.width + index * self.rank
-        self.a[col:col + r].copy_(a)
-        self.b[first:first + rows, col:col + r].copy_(b)
+        r, col = a.shape[0], index * self.rank
+        self.a_t[slot, :, col:col + r].copy_(a.T)
+        self.b_t[slot, col:col + r, first:first + rows].copy_(b.T)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the base layer's output for x [T, in]) plus each adapter row's (x A^T) B^T, in place."""
         step = _STEP.get()
-        if step is None or not step.groups:
+        if step is None:
             return y
-        if step.onehot is not None:
-            return y.add_(((x @ self.a.T) * step.mask(self.width)) @ self.b.T)
+        stacked = step.stacked
+        if stacked is not None:
+            # [count, per_slot, in] @ [count, in, width] @ [count, width, out]: each place by its slot's A and B
+            places = x.index_select(0, stacked.index)
+            if stacked.keep is not None:
+                places.mul_(stacked.keep)
+            slots = slice(stacked.first, stacked.first + stacked.count)
+            places = places.view(stacked.count, stacked.per_slot, -1)
+            delta = torch.bmm(torch.bmm(places, self.a_t[slots]), self.b_t[slots])
+            return y.index_add_(0, stacked.index, delta.view(stacked.count * stacked.per_slot, -1))
         for slot, rows in step.groups:
-            columns = self._columns(slot)
-            a, b = self.a[columns], self.b[:, columns]
-            if rows is None:
-                y.add_((x @ a.T) @ b.T)
+            a_t, b_t = self.a_t[slot], self.b_t[slot]
+            if isinstance(rows, slice):
+                y[rows].addmm_(x[rows] @ a_t, b_t)
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)
         return y
 
 
@@ -356,25 +377,53 @@ class LoraManager:
     def step(self, slot_rows: Sequence[tuple[int, int]]) -> LoraStep | None:
         """The LoraStep of a forward whose rows come as (slot, rows) runs in order (-1: the base model); None when
         every row is the base model's."""
-        total = sum(n for _, n in slot_rows)
-        rows: dict[int, list[int]] = {}
-        start = 0
-        for slot, n in slot_rows:
-            if slot >= 0:
-                rows.setdefault(slot, []).extend(range(start, start + n))
-            start += n
-        if not rows:
+        runs = slot_runs(slot_rows)
+        if not runs:
             return None
-        if total <= DENSE_MAX_ROWS:
-            onehot = torch.zeros(total, self.slots.capacity, dtype=self.dtype)
-            for slot, ids in rows.items():
-                onehot[ids, slot] = 1
-            return LoraStep(tuple((slot, None) for slot in rows), onehot.to(self.device))
-        groups = tuple((slot, None if len(ids) == total else torch.tensor(ids, dtype=torch.int64, device=self.device))
-                       for slot, ids in rows.items())
-        return LoraStep(groups)
+        if sum(n for _, n in slot_rows) <= STACKED_MAX_ROWS:
+            return LoraStep(stacked=self._stacked(runs))
+        return LoraStep(groups=self._groups(runs))
+
+    def _stacked(self, runs: list[tuple[int, int, int]]) -> StackedRows:
+        rows: dict[int, list[int]] = {}
+        for slot, start, stop in runs:
+            rows.setdefault(slot, []).extend(range(start, stop))
+        first, last = min(rows), max(rows)
+        per_slot = max(len(ids) for ids in rows.values())
+        # a padding place gathers row 0 times zero: the zero delta it adds goes back to row 0
+        index = [i for slot in range(first, last + 1) for i in (rows.get(slot, []) + [0] * per_slot)[:per_slot]]
+        keep = None
+        if len(index) > sum(len(ids) for ids in rows.values()):
+            keep = torch.tensor([float(p < len(rows.get(slot, ()))) for slot in range(first, last + 1)
+                                 for p in range(per_slot)], dtype=self.dtype).view(-1, 1).to(self.device)
+        return StackedRows(first, last - first + 1, per_slot, torch.tensor(index, dtype=torch.int64,
+                                                                             device=self.device), keep)
+
+    def _groups(self, runs: list[tuple[int, int, int]]) -> tuple[tuple[int, slice | torch.Tensor], ...]:
+        slots = {slot for slot, _, _ in runs}
+        if len(runs) <= RUNS_PER_SLOT * len(slots):
+            return tuple((slot, slice(start, stop)) for slot, start, stop in runs)
+        rows: dict[int, list[int]] = {}
+        for slot, start, stop in runs:
+            rows.setdefault(slot, []).extend(range(start, stop))
+        return tuple((slot, torch.tensor(ids, dtype=torch.int64, device=self.device)) for slot, ids in rows.items())
 
     def listing(self) -> list[dict[str, object]]:
         """The loaded adapters (name, id, path, rank), for /v1/models and LLM.list_loras."""
         return [{"name": a.name, "int_id": a.int_id, "path": a.path, "rank": a.rank} for a in self.by_name.values()]
 
+
+
+def slot_runs(slot_rows: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(slot, rows) runs in row order (-1: the base model) -> (slot, first row, row after the last) of the adapter
+    rows, neighbouring runs of one slot merged."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for slot, n in slot_rows:
+        if slot >= 0 and n > 0:
+            if runs and runs[-1][0] == slot and runs[-1][2] == start:
+                runs[-1] = (slot, runs[-1][1], start + n)
+            else:
+                runs.append((slot, start, start + n))
+        start += n
+    return runs

@@ -46,6 +46,9 @@ def test_llm_beam_search_has_vllms_shape(direct):
             assert seq.tokens[:len(prompt)] == prompt and seq.output_token_ids == seq.tokens[len(prompt):]
             assert 0 < len(seq.output_token_ids) <= 6 and seq.cum_logprob < 0
             assert seq.score == pytest.approx(seq.cum_logprob / len(seq.output_token_ids) ** 0.5)
+            # vLLM's per-token logprobs: each step's top 2 * beam_width at least, the token's own summing up
+            assert len(seq.logprobs) == len(seq.output_token_ids) and all(len(step) >= 6 for step in seq.logprobs)
+            assert sum(step[t] for step, t in zip(seq.logprobs, seq.output_token_ids)) == pytest.approx(seq.cum_logprob)
     # generate with beam_width: one Completion whose outputs are the beams, the flat fields the best one's
     assert [o.token_ids for o in completion.outputs] == [s.output_token_ids for s in outputs[0].sequences]
     assert completion.token_ids == outputs[0].sequences[0].output_token_ids
@@ -61,6 +64,10 @@ def test_through_the_cluster_the_same_beams(tiny_model_dir, direct):
     for want, out in zip(direct[0], got):
         assert [s.tokens for s in out.sequences] == [s.tokens for s in want.sequences]
         assert [s.text for s in out.sequences] == [s.text for s in want.sequences]
+        for seq, expected in zip(out.sequences, want.sequences):   # the beams' logprobs came over the wire
+            assert [sorted(step) for step in seq.logprobs] == [sorted(step) for step in expected.logprobs]
+            assert [step[t] for step in seq.logprobs for t in sorted(step)] == pytest.approx(
+                [step[t] for step in expected.logprobs for t in sorted(step)], abs=1e-5)
 
 
 def test_use_beam_search_over_http_with_the_openai_client(local, smollm2_tokenizer, direct):

@@ -1,11 +1,13 @@
 """--chat-template and --generation-config (client/api/model_defaults.py): on a direct-mode front with the openai
 client (the template renders the chat; the checkpoint's defaults fill what a request leaves out, and what it gives
-wins), and on infer-serve started with the two flags (bad values stop it with the reason)."""
+wins), on infer-serve started with the two flags (bad values stop it with the reason), and LLM's generation_config
+(vLLM's: the defaults of a generate given no sampling params)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ import openai
 import pytest
 
 from front_harness import MODEL, http, local_engine, serving
+from infer import LLM, SamplingParams
 from infer.client.api.model_defaults import generation_defaults, load_chat_template, matryoshka_dimensions
 from infer.client.local_engine import LocalEngine
 from serve_harness import Served
@@ -115,3 +118,24 @@ def test_infer_serve_refuses_a_bad_template_or_generation_config(flags, reason):
 def test_matryoshka_sizes_come_from_config_json(tmp_path, config, sizes):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert matryoshka_dimensions(tmp_path) == sizes
+
+
+def test_llm_generation_config_gives_the_defaults_of_a_generate_without_params(tiny_model_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3, "top_k": 20}))
+    options = dict(dtype="float32", max_model_len=128, kv_cache_memory=8 << 20)
+    with LLM(model=str(model), **options) as llm:      # generation_config="auto": the model's file
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.max_tokens, defaults.top_k) == (0.0, 3, 20)
+        plain = llm.generate([5, 6, 7], use_tqdm=False)[0]
+        greedy = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, top_k=20), use_tqdm=False)[0]
+        assert plain.token_ids == greedy.token_ids and len(plain.token_ids) == 3
+        given = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        assert len(given[0].token_ids) == 6                # params given are used as they are
+    with LLM(model=str(model), generation_config="vllm", **options) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(ValueError, match=r"generation_config: .*bad.json: top_p must be in \(0, 1\]"):
+        LLM(model=str(model), generation_config=str(bad), **options)

@@ -13,6 +13,7 @@ import torch
 
 from infer import SamplingParams
 from infer.protocol.beam_search import BeamSearchParams
+from infer.worker.beam_groups import BeamGroups
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from hf_reference import hf_model, transformers_greedy
@@ -104,6 +105,27 @@ def test_best_beam_equals_transformers(eos_model, engine, hf, k, length_penalty)
         ended_by_eos += sum(b.finish_reason == "stop" for b in got.beams)
     if length_penalty <= 0:   # short beams favoured: some end by EOS
         assert ended_by_eos, "no beam ended by EOS: the length penalty was not exercised"
+
+
+def test_each_beams_logprobs_are_transformers_log_softmax_of_its_tokens(eos_model, engine, hf):
+    """Per output token, a beam reports its step's top K log-probabilities (the search's candidates); the
+    token's own equals transformers' log-softmax at that position of the beam's sequence, and they sum to the
+    beam's cumulative log-probability."""
+    _, prompts = eos_model
+    k = 3
+    candidates = BeamGroups.num_candidates(k, engine.eos_token_ids)
+    assert candidates >= 2 * k
+    finals = _run(engine, prompts[1:3], SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=k, n=k))
+    for i, prompt in enumerate(prompts[1:3]):
+        for beam in finals[f"r{i}"].beams:
+            tokens = list(beam.token_ids)
+            assert len(beam.logprobs) == len(tokens) and all(len(step) == candidates for step in beam.logprobs)
+            with torch.inference_mode():
+                logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+            expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+            got = [step[t] for step, t in zip(beam.logprobs, tokens)]
+            assert got == pytest.approx(expected.tolist(), abs=1e-4)
+            assert sum(got) == pytest.approx(beam.cumulative_logprob, abs=1e-4)
 
 
 def test_early_stopping_true_and_never(eos_model, engine, hf):

@@ -8,12 +8,15 @@ import json
 import random
 
 import pytest
+import torch
 
 from infer import SamplingParams
 from infer.protocol.lora import LoRARequest, lora_modules, parse_lora_module, read_lora_config
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
+from infer.worker.lora import STACKED_MAX_ROWS, LoraLayer, LoraManager, lora_step, slot_runs
 from infer.worker.lora_slots import LoraSlots
+from infer.worker.models.layers import MergedColumnLinear
 from lora_cases import ADAPTERS, make_adapter, peft_greedy
 
 MAX_NEW = 8
@@ -198,6 +201,60 @@ def test_lora_slots_lru():
     assert slots.place([4], in_use={3}) == [(4, 0)]
     assert slots.drop(3) == 1 and slots.placed == (4,)
     slots.check_invariants()
+
+
+def _runs(*runs: tuple[int, int]) -> list[tuple[int, int]]:
+    return list(runs)
+
+
+# (slot, rows) runs of a forward (-1: the base model) and the path LoraManager.step gives them
+LAYOUTS = {
+    "stacked, equal groups": (_runs((0, 1), (1, 1), (2, 1), (3, 1), (0, 1), (1, 1), (2, 1), (3, 1)), "stacked"),
+    "stacked, padded, a slot unused between": (_runs((-1, 2), (3, 3), (1, 1), (-1, 1), (1, 1)), "stacked"),
+    "prefills as slices": (_runs((-1, 30), (2, 40), (0, 25), (2, 5)), "slices"),
+    "interleaved decodes: gathered groups": (_runs(*[(i % 3, 1) for i in range(20)], (1, 50), (-1, 10)), "gathered"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_rows_delta_is_its_own_adapters_on_every_path(layout):
+    """LoraLayer.apply on a fused layer (sub-blocks of ranks 3 and 4 under max rank 4) equals, row by row, the
+    base output plus (x A^T) B^T of the row's slot, whichever path the step's layout takes."""
+    slot_rows, path = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(5)
+    linear = MergedColumnLinear(16, {"q": 12, "k": 8, "v": 8}, False, torch.float32)
+    layer = LoraLayer(linear, num_slots=4, max_rank=4, dtype=torch.float32, device=torch.device("cpu"))
+    pairs = {}
+    for slot in range(4):
+        for shard, rows, rank in (("q", 12, 4), ("k", 8, 3), ("v", 8, 4)):
+            pairs[slot, shard] = torch.randn(rank, 16, generator=gen), torch.randn(rows, rank, generator=gen)
+            layer.fill(slot, shard, *pairs[slot, shard])
+    manager = LoraManager(torch.nn.Module(), max_loras=4, max_lora_rank=4, dtype=torch.float32,
+                          device=torch.device("cpu"))
+    step = manager.step(slot_rows)
+    assert step is not None
+    taken = "stacked" if step.stacked is not None else (
+        "slices" if all(isinstance(rows, slice) for _, rows in step.groups) else "gathered")
+    assert taken == path
+    total = sum(n for _, n in slot_rows)
+    assert (total <= STACKED_MAX_ROWS) == (path == "stacked")
+    x = torch.randn(total, 16, generator=gen)
+    base = torch.randn(total, 28, generator=gen)
+    with lora_step(step):
+        got = layer.apply(x, base.clone())
+    expected = base.clone()
+    row = 0
+    for slot, n in slot_rows:
+        for r in range(row, row + n):
+            if slot >= 0:
+                expected[r] += torch.cat([(x[r] @ a.T) @ b.T for a, b in (pairs[slot, s] for s in "qkv")])
+        row += n
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_slot_runs_merge_neighbours_of_one_slot_and_skip_base_rows():
+    assert slot_runs([(-1, 2), (1, 3), (1, 1), (-1, 1), (1, 2), (0, 0), (2, 1)]) == [(1, 2, 6), (1, 7, 9), (2, 9, 10)]
+    assert slot_runs([(-1, 5)]) == []
 
 
 def test_options_and_config_parsing(tmp_path):
