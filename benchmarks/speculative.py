@@ -28,7 +28,8 @@ llama.cpp's prompt-lookup decoding (`llama-lookup`) on the same GGUF and prompts
   with the default `disable_by_batch_size` (8) speculation switches itself off at this batch size, so the ratio
   should be ~1 (what must not regress).
 Each result carries the acceptance counters (drafts, draft tokens, accepted, by position) and the proposal hit rate
-(the share of the speculating side's steps after each request's first token that had drafts to verify).
+(the share of the speculating side's steps after each request's first token that had drafts to verify); batch-1
+results also the verification steps the native CPU decode step ran ("native_verification_steps").
 
 Writes benchmarks/results/speculative-<date>.json (date, machine, git revision). Not a test.
 """
@@ -166,9 +167,17 @@ def _lookup_figures(log: str) -> dict:
             "accepted_tokens": int(accepted)}
 
 
+def _native_verifications(engine) -> int:
+    """Verification steps the native CPU decode step ran (worker/models/native_decode.py; 0 where it does not
+    serve the model)."""
+    decoder = getattr(getattr(engine.model, "model", None), "native_decode", None)
+    return getattr(decoder, "verification_steps", 0) if decoder else 0
+
+
 def _counters(engine) -> dict:
     s = engine.stats
-    return {"drafts": s.spec_decode_num_drafts, "draft_tokens": s.spec_decode_num_draft_tokens,
+    return {"native_verification_steps": _native_verifications(engine),
+            "drafts": s.spec_decode_num_drafts, "draft_tokens": s.spec_decode_num_draft_tokens,
             "accepted_tokens": s.spec_decode_num_accepted_tokens,
             "accepted_per_position": list(s.spec_decode_num_accepted_tokens_per_pos),
             "acceptance_rate": s.spec_decode_num_accepted_tokens / max(1, s.spec_decode_num_draft_tokens)}
@@ -205,6 +214,8 @@ def batch1(dtype: str, spec: dict, workloads: list[str], rounds: int, max_tokens
         r["same_tokens"] = same
         r["prompt_tokens"] = len(prompts[0][0])
         r["acceptance"] = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
+        # steps that verified through the native CPU decode step (a new decoder after a weight change starts at 0)
+        r["native_verification_steps"] = max(0, after["native_verification_steps"] - before["native_verification_steps"])
         r["acceptance"]["rate"] = r["acceptance"]["accepted_tokens"] / max(1, r["acceptance"]["draft_tokens"])
         per_pos = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"] + [0] * 16)]
         r["acceptance"]["accepted_per_position"] = per_pos

@@ -242,6 +242,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.paged_decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32,
                                  i32]
+    lib.paged_decode_runs.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, ptr, i32, i32, i32, i32, i32,
+                                      i64, f32, i32, i32]
     lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.paged_prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, i64,
@@ -253,9 +255,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemv_rows_bf16w_f32x.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.gemv_paths.argtypes = []
     lib.decode_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i64, f32, f32, ptr, ptr,
-                                  ptr, i64, i64, ptr, i64, i32, ptr, i64, i32, ptr, i32, ptr]
-    for fn in (lib.paged_decode, lib.paged_prefill, lib.rotary_inplace, lib.append_kv, lib.rms_norm, lib.row_max,
-               lib.silu_and_mul, lib.gemv_rows_bf16, lib.gemv_rows_bf16w_f32x, lib.gemv_paths, lib.decode_layers):
+                                  ptr, i64, i64, ptr, i64, i32, ptr, i64, i32, ptr, i32, ptr, ptr, i32]
+    for fn in (lib.paged_decode, lib.paged_decode_runs, lib.paged_prefill, lib.rotary_inplace, lib.append_kv,
+               lib.rms_norm, lib.row_max, lib.silu_and_mul, lib.gemv_rows_bf16, lib.gemv_rows_bf16w_f32x,
+               lib.gemv_paths, lib.decode_layers):
         fn.restype = i32
 
 
@@ -283,26 +286,39 @@ def decode_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: tor
 
 def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  out: torch.Tensor, window: int = 0) -> torch.Tensor:
+                                  out: torch.Tensor, window: int = 0,
+                                  runs: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] over the pool [Hkv, NB, bs, D] into out [B, H, D] (contiguous), as
     `paged_decode_attention_torch`; the arguments must pass `decode_kernel_fits` (and v_cache be shaped
     like k_cache). Every length must be >= 1 and every table entry it reaches a block of the pool.
-    `window` > 0: each sequence attends to its last `window` positions only (0: all)."""
+    `window` > 0: each sequence attends to its last `window` positions only (0: all). `runs` [R] int32
+    (contiguous, summing to B): rows of one sequence at consecutive positions each (a speculative verification;
+    lengths going up by one within a run), which read their K and V once through the run's first table, with the
+    bits of the rows one by one (paged_decode.c's paged_decode_runs)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     if not (v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous()):
         raise ValueError("the native decode kernel needs a contiguous v_cache shaped like k_cache and a "
                          "contiguous out")
-    status = _native().paged_decode(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
-        num_kv_heads, head_dim, block_size, num_blocks, scale, int(q.dtype == torch.bfloat16), _window(window))
+    if runs is not None and not (runs.dtype == torch.int32 and runs.dim() == 1 and runs.is_contiguous()):
+        raise ValueError("runs must be a contiguous int32 [num_runs]")
+    args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr())
+    shape = (num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+             int(q.dtype == torch.bfloat16), _window(window))
+    if runs is None:
+        status = _native().paged_decode(*args, out.data_ptr(), *shape)
+    else:
+        status = _native().paged_decode_runs(*args, runs.data_ptr(), runs.shape[0], out.data_ptr(), *shape)
+    if status == -3:
+        raise MemoryError("the native decode kernel could not allocate its plan of runs")
     if status == -1:
         raise ValueError(f"the native decode kernel takes no group {num_heads // num_kv_heads}, head_dim "
                          f"{head_dim}, block_size {block_size}")
     if status != 0:
         raise ValueError("a sequence length is < 1 or past its block table, or a block table entry is outside "
-                         f"the pool of {num_blocks} blocks")
+                         f"the pool of {num_blocks} blocks" + ("" if runs is None else ", or runs that do not add up "
+                         "to the rows or whose lengths do not go up by one"))
     return out
 
 
@@ -504,17 +520,17 @@ def gemv_takes_any_rows() -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16, unit column stride, 1 <= M <= 8, or any M >= 1 where `gemv_takes_any_rows`) @ weight [N, K]^T
-    -> [M, N] bf16 (a new tensor), for a weight `gemv_takes`. Each output row is the same bits whatever M (each
-    row's sum is taken alone)."""
+    """x [M, K] (bf16, unit column stride, M >= 1) @ weight [N, K]^T -> [M, N] bf16 (a new tensor), for a weight
+    `gemv_takes`. Each output row is the same bits whatever M (each row's sum is taken alone). The eager linears
+    send it 1-8 rows (any number where `gemv_takes_any_rows`); past 8, AVX512-BF16 takes groups of 8 rows over
+    each weight row (the native decode step's verification rows)."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
     status = _native().gemv_rows_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
                                        x.shape[0], weight.shape[0], weight.shape[1])
     if status == -3:
         raise MemoryError("the native GEMV could not allocate x's fp32 copy")
     if status != 0:
-        raise ValueError(f"the native GEMV takes 1-8 rows (any number on AVX2's fp32 core; got {x.shape[0]}) and "
-                         "needs AVX512-BF16 or AVX2")
+        raise ValueError(f"the native GEMV takes at least one row (got {x.shape[0]}) and needs AVX512-BF16 or AVX2")
     return out
 
 
@@ -541,12 +557,13 @@ def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array
                   intermediate: int, eps: float,
                   scale: float, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, k_pool: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
-                  scratch: torch.Tensor, windows: ctypes.Array | None = None) -> None:
+                  scratch: torch.Tensor, windows: ctypes.Array | None = None, runs: torch.Tensor | None = None) -> None:
     """One decode step of B sequences (bf16 or fp32 rows, h's type) through a dense Llama's layers and final norm
     (kernels/cpu/decode_layers.c): h [B, hidden] (the embedding rows in, the final normed rows out, in place), residual
     [B, hidden] and scratch the file's scratch; `weights`, `formats` and `pools` the arrays it describes, `k_pool`
     layer 0's K pool (its shape gives the pools'); positions, slots [B] int64, block_tables [B, width] int32 (unit
-    column stride), seq_lens [B] int32, `windows` each layer's sliding window (int32, 0: full; None: all full). The
+    column stride), seq_lens [B] int32, `windows` each layer's sliding window (int32, 0: full; None: all full),
+    `runs` [R] int32 the rows of each sequence (a verification's k + 1; None: one row each). The
     caller checks types, layouts and sizes (worker/models/native_decode.py);
     the kernels check positions, slots, lengths and table entries, and a ValueError says which."""
     num_blocks, block_size = k_pool.shape[1], k_pool.shape[2]
@@ -555,14 +572,18 @@ def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array
         num_kv_heads, head_dim, intermediate, eps, scale, positions.data_ptr(), slots.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), num_blocks,
         block_size, cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], int(is_neox), scratch.data_ptr(),
-        int(h.dtype == torch.bfloat16), windows)
+        int(h.dtype == torch.bfloat16), windows, None if runs is None else runs.data_ptr(),
+        0 if runs is None else runs.shape[0])
+    if status == -3:
+        raise MemoryError("the native decode step could not allocate a kernel's buffer")
     if status == -1:
         raise ValueError(f"the native decode step takes no head_dim {head_dim}, group {num_heads // num_kv_heads} "
                          f"or {h.shape[0]} rows")
     if status != 0:
         raise ValueError(f"a position is outside the cos/sin cache of {cos_sin_cache.shape[0]}, a slot outside the "
                          f"pool of {num_blocks * block_size} slots, a length < 1 or past its block table, or a table "
-                         f"entry outside the pool of {num_blocks} blocks")
+                         f"entry outside the pool of {num_blocks} blocks, or runs that do not add up to the rows "
+                         "or whose lengths do not go up by one")
 
 
 def row_max_fits(x: torch.Tensor) -> bool:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from infer.kernels.cpu_kernels import GEMV_MAX_ROWS
 from infer.kernels.paged_attention import decode_split_tokens
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.lora import LoraManager, lora_step
@@ -67,7 +68,8 @@ class ModelRunner:
                 record_pooling(chunks, hidden)
             if batch.logits_indices.numel() == 0:
                 return None
-            logits = self._logits(hidden, batch.logits_indices)
+            logits = self._verification_logits(hidden, batch) if batch.decode_runs is not None else \
+                self._logits(hidden, batch.logits_indices)
         sampling = [row for c in chunks if c.samples for row in sampling_rows(c)]
         meta = SamplingMetadata.build(sampling, self.vocab_size, self.device)
         return self.sampler.sample(logits, meta)
@@ -85,6 +87,16 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.forward(batch, lora_rows)
         return self.model(batch, self.kv_cache)
+
+    def _verification_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The logits of a step with verification rows. On a CPU the LM head takes them GEMV_MAX_ROWS at a time: a
+        linear sends 1-8 rows to the GEMV, whose rows each have the bits they have alone, and more to oneDNN, whose
+        sums depend on the rows beside them; so each row gets the logits its decode step would (1-8 requests
+        decode where speculation runs: SpeculativeConfig.disable_by_batch_size)."""
+        rows = batch.logits_indices
+        if self.device.type != "cpu" or rows.numel() <= GEMV_MAX_ROWS:
+            return self._logits(hidden, rows)
+        return torch.cat([self._logits(hidden, piece) for piece in rows.split(GEMV_MAX_ROWS)])
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         if self.followers is not None:
@@ -116,13 +128,15 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
     tables: list[list[int]] = []
     logits_indices: list[int] = []
     num_decodes = 0
+    decode_runs: list[int] = []   # decode rows per request (ForwardBatch.decode_runs)
     prompt_lens: list[int] = []   # of the prefill chunks
     for chunk in chunks:
         req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
         if chunk.num_draft_tokens and num_decodes == len(query_lens):
             # a verification chunk: one decode row per token (row j attends to the context up to its own position,
             # whose K/V the step appends before attending), so each row has its decode step's bits and the native
-            # CPU decode step takes a lone request's k + 1 rows
+            # CPU decode step takes them as one run of k + 1 rows (ForwardBatch.decode_runs)
+            decode_runs.append(len(chunk.token_ids))
             for j, token_id in enumerate(chunk.token_ids):
                 num_decodes += 1
                 input_ids.append(token_id)
@@ -136,6 +150,7 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
         # its prompt's other rows are, so that it has the same bits whenever the prompt is computed again)
         if n == 1 and num_decodes == len(query_lens) and start >= req.num_prompt_tokens:
             num_decodes += 1
+            decode_runs.append(1)
         else:
             prompt_lens.append(req.num_prompt_tokens)
         input_ids.extend(chunk.token_ids)
@@ -169,4 +184,5 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
         block_size=block_size,
         decode_split_tokens=decode_split_tokens,
         prefill_decode_from=torch.tensor(prompt_lens, dtype=torch.int32).to(device) if prompt_lens else None,
+        decode_runs=(torch.tensor(decode_runs, dtype=torch.int32) if len(decode_runs) < num_decodes else None),
     )

@@ -8,8 +8,12 @@ One mechanism, two backends chosen by device:
 - CUDA: a CUDA graph per bucket, captured over the eager forward (its Triton kernels) on the persistent
   input buffers, the block table at full width (the kernels stop at each sequence's length).
 
-Steps that are not pure decodes of at most the largest bucket run eagerly (model_runner.py). How rows and
-tables are padded is worked out, torch-free, in step_buckets.py.
+Steps that are not pure decodes of at most the largest bucket run eagerly (model_runner.py). So do speculative
+verification steps (k + 1 rows a request, worker/speculative.py): a graph is made per row count, and the rows of
+a verification vary with its drafts step by step (0..k drafts a request, each request its own), so graphs per
+shape would multiply the buckets by the shapes; they are refused, with the reason logged once, and
+run eagerly, on a CPU through the native decode step where it applies (worker/models/native_decode.py). How rows
+and tables are padded is worked out, torch-free, in step_buckets.py.
 """
 
 from __future__ import annotations
@@ -101,12 +105,20 @@ class StepGraphs:
         self.backend: _Backend = (_CudaGraphs(self) if device.type == "cuda" else _CompiledLayers(self))
         self.compile_seconds: dict[int, float] = {}
         self.replays: Counter[int] = Counter()   # steps run per bucket
+        self.refused_verifications = 0            # verification steps sent back to the eager forward
 
     # ---- the step -------------------------------------------------------------------------------
 
     def bucket_for(self, chunks: Sequence[ScheduledChunk]) -> int | None:
         """The bucket this step runs in, or None when it must run eagerly (a prefill, a row that does not
-        sample, more rows than the largest bucket)."""
+        sample, more rows than the largest bucket, a speculative verification: the module docstring)."""
+        if any(c.num_draft_tokens for c in chunks):
+            if not self.refused_verifications:
+                log.info("step graphs take one-token decodes only: speculative verification steps (k + 1 rows a "
+                         "request, their shapes varying step by step) run eagerly%s",
+                         ", through the native decode step where it applies" if self.device.type == "cpu" else "")
+            self.refused_verifications += 1
+            return None
         if not all(c.num_new_tokens == 1 and c.samples for c in chunks):
             return None
         return bucket_for(len(chunks), self.buckets)

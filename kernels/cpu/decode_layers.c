@@ -1,5 +1,7 @@
 /* A whole decode step of 1-8 sequences through a dense Llama-family model, in bf16 or fp32 rows: every decoder layer
  * and the final norm in one call, the same kernels in the same order as the eager layers call them one by one.
+ * A sequence may bring several rows at consecutive positions (speculative verification: its last token and k
+ * drafts, `runs`), each row computed as the decode at its position would be.
  *
  * At batch 1 the weights (SmolLM2-135M: 269 MB a token) are the floor, and the GEMV streams them near the
  * machine's read bandwidth; what was left was the Python around ~10 kernel calls a layer (module calls, argument
@@ -24,6 +26,10 @@
  * + q + 3 I + hidden) elements. h [rows, hidden]: the embedding rows in, the final normed rows out; residual
  * [rows, hidden] scratch.
  * Row r: positions[r], slots[r], its block table at tables + r * table_stride (table_width entries), seq_lens[r].
+ * runs [num_runs] (or NULL: every row a sequence of its own): the rows of each sequence, consecutive, in order;
+ * the rows of one run are at consecutive positions (seq_lens going up by one), attend through the run's first
+ * table and read its K and V once (paged_decode_runs). The linears take any number of rows (the GEMV reads each
+ * weight row once for all of them, each row's sum taken alone), so every row has its decode's bits.
  * Returns 0, or the first failing kernel's code (-1 shapes past its limits, -2 a position, slot, length or table
  * entry out of range), as soon as one fails; each kernel checks its arguments before it writes anything.
  */
@@ -49,10 +55,10 @@ int append_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, 
               int64_t num_slots, const int64_t *slots, int64_t pad_slot, int64_t num_tokens, int num_kv_heads,
               int head_dim, const int64_t *positions, const float *cos_sin, int64_t num_positions, int is_neox,
               int is_bf16);
-int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int32_t *block_tables,
-                 int64_t table_stride, int64_t table_width, const int32_t *seq_lens, void *out, int num_seqs,
-                 int num_heads, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks, float scale,
-                 int is_bf16, int window);
+int paged_decode_runs(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
+                      const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
+                      const int32_t *runs, int num_runs, void *out, int num_rows, int num_heads, int num_kv_heads,
+                      int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16, int window);
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d, int is_bf16);
 
 /* y [rows, N] (rows y_stride apart) += bias [N], in the rows' type (bf16: one rounding of the fp32 sum, as torch's
@@ -94,7 +100,7 @@ int decode_layers(void *h, void *residual, const void *const *weights, const int
                   int64_t intermediate, float eps, float scale, const int64_t *positions, const int64_t *slots,
                   const int32_t *tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
                   int64_t num_blocks, int block_size, const float *cos_sin, int64_t num_positions, int is_neox,
-                  void *scratch, int is_bf16, const int32_t *windows) {
+                  void *scratch, int is_bf16, const int32_t *windows, const int32_t *runs, int num_runs) {
     const int64_t q_size = (int64_t)num_heads * head_dim, kv_size = (int64_t)num_kv_heads * head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, inter2 = 2 * intermediate, elem = is_bf16 ? 2 : 4;
     char *normed = scratch, *qkv = normed + rows * hidden * elem, *attn = qkv + rows * qkv_size * elem;
@@ -120,9 +126,9 @@ int decode_layers(void *h, void *residual, const void *const *weights, const int
                                 v_pool, num_blocks * block_size, slots, -1, rows, num_kv_heads, head_dim, positions,
                                 cos_sin, num_positions, is_neox, is_bf16)))
             return status;
-        if ((status = paged_decode(qkv, qkv_size, k_pool, v_pool, tables, table_stride, table_width, seq_lens, attn,
-                                   (int)rows, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, is_bf16,
-                                   windows ? windows[i] : 0)))
+        if ((status = paged_decode_runs(qkv, qkv_size, k_pool, v_pool, tables, table_stride, table_width, seq_lens,
+                                        runs, num_runs, attn, (int)rows, num_heads, num_kv_heads, head_dim, block_size,
+                                        num_blocks, scale, is_bf16, windows ? windows[i] : 0)))
             return status;
         if ((status = linear(w, f, 1, attn, out, rows, hidden, q_size, is_bf16))) return status;
         if ((status = rms_norm(out, hidden, residual, hidden, w[3], normed, hidden, rows, (int)hidden, eps, is_bf16)))

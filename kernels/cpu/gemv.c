@@ -16,7 +16,8 @@
  * rows (torch's OpenMP threads). With M rows of x, each weight row is read once and dotted with all of them,
  * each sum taken as for one row, so a row's output does not depend on the rows beside it. Per SmolLM2 token set
  * against oneDNN's packed path (same VM and day): 1.5-1.7x at M = 1-3, 1.0x at 4-6, 0.9x at 8 (from 4 this loop
- * no longer streams at the bandwidth); the linears send it up to 8 rows (GEMV_MAX_ROWS in cpu_kernels.py).
+ * no longer streams at the bandwidth); the linears send it up to 8 rows (GEMV_MAX_ROWS in cpu_kernels.py), the
+ * native decode step more where a verification brings them (rows of x 8 at a time over each weight row).
  * That path needs AVX512-BF16 (with VL and DQ).
  *
  * AVX2 + FMA (Zen 3; also AVX-512 CPUs without BF16): no bf16 products, so the weights are widened to fp32 in
@@ -293,19 +294,30 @@ int gemv_paths(void) {
     return paths;
 }
 
-/* y [M, N] = x [M, K] W^T for M in 1..MAX_ROWS rows of x (rows x_stride elements apart; y's y_stride apart), in
- * bf16 (see the top of this file); on the fp32 core, any M >= 1. -1: a build without the bf16 GEMV (gemv_paths),
- * or M outside what the build takes. */
+/* y [M, N] = x [M, K] W^T for M >= 1 rows of x (rows x_stride elements apart; y's y_stride apart), in bf16 (see
+ * the top of this file). Past MAX_ROWS rows the AVX512-BF16 path takes each weight row once for groups of
+ * MAX_ROWS rows in turn (the native decode step's verification rows: kernels/cpu/decode_layers.c), each sum as
+ * for one row; the eager linears send it 1-8 rows only (oneDNN's packed path is faster past that, with other
+ * bits). -1: a build without the bf16 GEMV (gemv_paths), or M < 1. */
 int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M, int64_t N,
                    int64_t K) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-    if (M < 1 || M > MAX_ROWS) return -1;
+    if (M < 1) return -1;
 #pragma omp parallel if (N * K > 65536)
     {
         /* contiguous ranges of weight rows, one per thread: each thread streams one region of W */
         const int threads = omp_get_num_threads(), me = omp_get_thread_num();
-        gemv_cols_any((const uint16_t *)x, x_stride, (const uint16_t *)w, (uint16_t *)y, y_stride, N * me / threads,
-                      N * (me + 1) / threads, K, (int)M);
+        const int64_t n0 = N * me / threads, n1 = N * (me + 1) / threads;
+        if (M <= MAX_ROWS) {
+            gemv_cols_any((const uint16_t *)x, x_stride, (const uint16_t *)w, (uint16_t *)y, y_stride, n0, n1, K,
+                          (int)M);
+        } else {   /* each weight row read from memory once, the rows of x MAX_ROWS at a time over it (from L1) */
+            for (int64_t n = n0; n < n1; n++)
+                for (int64_t m = 0; m < M; m += MAX_ROWS)
+                    gemv_cols_any((const uint16_t *)x + m * x_stride, x_stride, (const uint16_t *)w,
+                                  (uint16_t *)y + m * y_stride, y_stride, n, n + 1, K,
+                                  (int)(M - m < MAX_ROWS ? M - m : MAX_ROWS));
+        }
     }
     return 0;
 #elif defined(HAVE_FP32_CORE)

@@ -33,6 +33,8 @@
  * into one per (type, D) for prefill rows; other shapes run the same code with G and D known only at run time.
  */
 
+#include <stdlib.h>
+
 #include "common.h"
 
 #define MAX_ROWS 16      /* rows per task: query heads per KV head, times tokens */
@@ -534,6 +536,72 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void
         task(&rows, (const char *)k_pool + h * head_stride, (const char *)v_pool + h * head_stride,
              block_tables + b * table_stride, 1, group, head_dim, block_size, scale);
     }
+    return 0;
+}
+
+/* Decode rows in runs (a speculative verification: a request's last token and its k drafts, worker/speculative.py):
+ * run i is runs[i] consecutive rows of one sequence at consecutive positions, its first row at r0 (the lengths of
+ * the runs before it summed), seeing seq_lens[r0] positions, row r0 + t seeing seq_lens[r0] + t (the K and V of
+ * all of them already in the pool), all through row r0's block table. Each (run, KV head) reads K and V once for
+ * up to MAX_ROWS / G of its tokens (a longer run in pieces), where paged_decode reads them once per row; each row's
+ * arithmetic is its decode's (`attend` computes a row from its own q, length and window only), so the bits are
+ * paged_decode's for the same rows (tests/kernels/test_cpu_kernels.py). runs NULL: each row a run of one
+ * (paged_decode). Returns as paged_decode; -2 also for runs that do not add up to num_rows or lengths that do not
+ * go up by one within a run; -3 no memory. */
+int paged_decode_runs(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
+                      const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
+                      const int32_t *runs, int num_runs, void *out, int num_rows, int num_heads, int num_kv_heads,
+                      int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16, int window) {
+    if (!runs)
+        return paged_decode(q, q_stride, k_pool, v_pool, block_tables, table_stride, table_width, seq_lens, out,
+                            num_rows, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, is_bf16,
+                            window);
+    int group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4;
+    if (window < 0 || shapes_fit(group, head_dim, block_size) || num_runs < 1) return -1;
+    const int piece = MAX_ROWS / group;   /* tokens of a run one task takes */
+    int64_t pieces = 0, row = 0;
+    for (int i = 0; i < num_runs; row += runs[i++]) {   /* nothing read outside the pool or the table */
+        if (runs[i] < 1 || row + runs[i] > num_rows || seq_lens[row] < 1) return -2;
+        for (int t = 1; t < runs[i]; t++)
+            if (seq_lens[row + t] != seq_lens[row] + t) return -2;
+        int64_t len = (int64_t)seq_lens[row] + runs[i] - 1, used = (len + block_size - 1) / block_size;
+        if (used > table_width) return -2;
+        for (int64_t j = 0; j < used; j++) {
+            int32_t block = block_tables[row * table_stride + j];
+            if (block < 0 || block >= num_blocks) return -2;
+        }
+        pieces += (runs[i] + piece - 1) / piece;
+    }
+    if (row != num_rows) return -2;
+    int32_t *plan = (int32_t *)malloc((size_t)pieces * 3 * sizeof(int32_t)); /* a piece: first row, rows, run's row */
+    if (!plan) return -3;
+    int64_t p = 0;
+    row = 0;
+    for (int i = 0; i < num_runs; row += runs[i++])
+        for (int t = 0; t < runs[i]; t += piece, p++) {
+            plan[3 * p] = (int32_t)(row + t);
+            plan[3 * p + 1] = runs[i] - t < piece ? runs[i] - t : piece;
+            plan[3 * p + 2] = (int32_t)row;
+        }
+    int64_t head_stride = num_blocks * block_size * head_dim * elem; /* bytes between KV heads in the pool */
+    task_fn one = is_bf16 ? pick_bf16(1, group, head_dim) : pick_f32(1, group, head_dim);
+    task_fn many = is_bf16 ? pick_bf16(0, group, head_dim) : pick_f32(0, group, head_dim);
+    int64_t tasks = pieces * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < tasks; i++) {
+        int64_t pc = i / num_kv_heads, h = i % num_kv_heads, r = plan[3 * pc];
+        int tokens = plan[3 * pc + 1];
+        Rows rows = {(const char *)q + (r * q_stride + h * group * head_dim) * elem,
+                     q_stride * elem,
+                     (char *)out + (r * num_heads + h * group) * head_dim * elem,
+                     (int64_t)num_heads * head_dim * elem,
+                     seq_lens[r],
+                     window};
+        (tokens == 1 ? one : many)(
+            &rows, (const char *)k_pool + h * head_stride, (const char *)v_pool + h * head_stride,
+            block_tables + (int64_t)plan[3 * pc + 2] * table_stride, tokens, group, head_dim, block_size, scale);
+    }
+    free(plan);
     return 0;
 }
 

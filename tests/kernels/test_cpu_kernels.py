@@ -115,6 +115,51 @@ def test_bad_tables_are_refused_before_anything_is_read(case):
     assert torch.isnan(out).all()
 
 
+def _verification(heads: tuple[int, int], head_dim: int, dtype: torch.dtype, firsts: list[int], runs: list[int],
+                  seed: int):
+    """Rows of speculative verifications: run b is runs[b] rows of sequence b at consecutive positions, the first
+    seeing firsts[b] positions; each row carries its sequence's table (as the engine's ForwardBatch does).
+    (q, k_cache, v_cache, tables per row, lengths per row)."""
+    generator = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    k_cache, v_cache = random_pool(num_kv_heads, 40, 16, head_dim, dtype, generator, CPU)
+    tables = random_tables([f + r - 1 for f, r in zip(firsts, runs)], 40, 16, generator, CPU)
+    row_tables = torch.cat([tables[b:b + 1].expand(r, -1) for b, r in enumerate(runs)]).contiguous()
+    lens = torch.tensor([f + t for f, r in zip(firsts, runs) for t in range(r)], dtype=torch.int32)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, row_tables, lens
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
+@pytest.mark.parametrize("heads, head_dim", [((9, 3), 64), ((8, 1), 128), ((32, 2), 64), ((4, 4), 80)],
+                         ids=["3x64", "8x128", "16x64", "1x80"])
+@pytest.mark.parametrize("window", [0, 7])
+def test_verification_runs_have_the_bits_of_their_rows_decoded_one_by_one(dtype, heads, head_dim, window):
+    """A verification's k + 1 rows read their sequence's K and V once (in pieces of 16 / G tokens where the run
+    is longer), each row with the bits of its own decode: runs of 1 (a plain decode beside verifications), 5, 17
+    (longer than a piece for every group here), lengths on and off the 16-position chunks."""
+    firsts, runs = [20, 45, 3, 16], [5, 1, 17, 2]
+    q, k_cache, v_cache, tables, lens = _verification(heads, head_dim, dtype, firsts, runs, seed=21)
+    rows = torch.empty(q.shape, dtype=dtype)
+    paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.125, rows, window)
+    together = paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.125, poisoned(q.shape, dtype, CPU),
+                                             window, runs=torch.tensor(runs, dtype=torch.int32))
+    assert torch.equal(together, rows)
+
+
+@pytest.mark.parametrize("case", ["runs past the rows", "runs short of the rows", "lengths not one apart",
+                                  "an empty run"])
+def test_bad_runs_are_refused_before_anything_is_written(case):
+    q, k_cache, v_cache, tables, lens = _verification((4, 2), 64, torch.float32, [10, 30], [3, 4], seed=3)
+    runs = {"runs past the rows": [3, 5], "runs short of the rows": [3, 3], "an empty run": [3, 0, 4],
+            "lengths not one apart": [4, 3]}[case]
+    out = poisoned(q.shape, torch.float32, CPU)
+    with pytest.raises(ValueError, match="runs that do not add up"):
+        paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.125, out,
+                                      runs=torch.tensor(runs, dtype=torch.int32))
+    assert torch.isnan(out).all()
+
+
 def test_what_it_does_not_take_goes_to_the_twin():
     batch = make_batch([10, 30], [1, 1], 4, 2, 64, 16, torch.float16, seed=1, device=CPU)
     assert not decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)

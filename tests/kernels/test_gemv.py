@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from infer.kernels import cpu_kernels
 from infer.kernels.cpu_kernels import (
-    GEMV_BF16_FP32_CORE, GEMV_BF16_PAIRS, GEMV_F32X, gemv, gemv_bf16w_f32x, gemv_paths, gemv_takes,
-    gemv_takes_any_rows
+    GEMV_BF16_FP32_CORE, GEMV_BF16_PAIRS, GEMV_F32X, gemv, gemv_bf16w_f32x, gemv_paths, gemv_takes
 )
 from infer.worker.models.layers import ColumnLinear, RowLinear
 
@@ -94,15 +93,16 @@ def test_each_of_several_rows_gets_what_it_gets_alone(rows: int, native_gemv: in
         assert torch.equal(got[m], gemv(x[m:m + 1].contiguous(), w)[0]), m
 
 
-def test_nine_rows_are_refused_by_bf16_pairs(native_gemv: int) -> None:
-    """AVX512-BF16's GEMV takes 1-8 rows (oneDNN, native in bf16 there, multiplies more); the fp32 core takes any."""
-    x, w = operands(16, 64, seed=1)
-    if native_gemv & GEMV_BF16_PAIRS:
-        with pytest.raises(ValueError, match="takes 1-8 rows"):
-            gemv(x.expand(9, 64), w)
-    else:
-        assert gemv_takes_any_rows()
-        assert torch.equal(gemv(x.expand(9, 64), w)[8], gemv(x, w)[0])
+@pytest.mark.parametrize("rows", [9, 16, 17, 40])
+def test_more_than_eight_rows_each_get_what_they_get_alone(rows: int, native_gemv: int) -> None:
+    """Past 8 rows (the native decode step's verification rows) the GEMV takes each weight row once for groups of 8
+    rows (AVX512-BF16) or tiles them (the fp32 core): each output row is still the one-row GEMV's, bit for bit."""
+    _, w = operands(960, 576, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    got = gemv(x, w)
+    assert got.shape == (rows, 960)
+    for m in range(rows):
+        assert torch.equal(got[m], gemv(x[m:m + 1].contiguous(), w)[0]), m
 
 
 @pytest.mark.parametrize("rows", [9, 10, 11, 96, 97, 200])

@@ -1,7 +1,8 @@
 """The decode step of 1-8 sequences in one native call (worker/models/native_decode.py, kernels/cpu/decode_layers.c)
 gives the tokens and log-probabilities of the layers run one by one, bit for bit: alone, in batches that grow
 past eight and shrink back (requests finishing or aborted beside others), under preemption, and after the pools
-are released and restored.
+are released and restored. Speculative verification steps (k + 1 rows a request) run in it too, with the tokens
+and log-probabilities of decoding without speculation, alone and in mixed batches.
 Models it cannot serve keep the layers; bad positions and slots are refused with a ValueError."""
 
 from __future__ import annotations
@@ -171,3 +172,69 @@ def test_positions_and_slots_out_of_range_are_refused(smollm2_dir):
                                            (3, 3, 4, num_blocks), (3, 3, 4, -1)]:
         with pytest.raises(ValueError, match="outside the cos/sin cache"):
             step(position, slot, seq_len, block)
+
+
+PASSAGES = ("The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. ",
+            "Roses are red, violets are blue, sugar is sweet, and so are you. ",
+            "Alice was beginning to get very tired of sitting by her sister on the bank. ")
+
+
+def _speculating(model_dir, requests, k, **kwargs):
+    """(without, with) speculation (n-gram drafts, k a step), both through the native step, and the decoder of
+    the engine that speculated."""
+    plain = _run(_engine(model_dir, **kwargs), requests)
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    engine = _engine(model_dir, speculative_config=spec, **kwargs)
+    out = _run(engine, requests)
+    assert engine.stats.spec_decode_num_accepted_tokens > 0
+    return plain, out, engine.model.model.native_decode
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_verification_steps_run_natively_with_the_tokens_of_decoding_without_speculation(smollm2_dir, calls,
+                                                                                         quantization):
+    """Three requests verifying 4 drafts each (15 rows: the GEMV past 8 rows, the LM head in pieces of 8), then
+    fewer as they finish: greedy tokens and their log-probabilities equal decoding without speculation's, q4 / q8
+    blocks and dense bf16 alike. With the GGUF blocks a long prompt is prefilled in chunks beside them too: those
+    steps run the layers, whose quantized products sum each row alone as well (dense bf16 rows there go to
+    oneDNN, whose sums depend on the rows beside them, with or without speculation)."""
+    def greedy(n):
+        return SamplingParams(temperature=0, max_tokens=n, logprobs=2, ignore_eos=True)
+
+    requests = {f"copy{i}": ("Repeat the passage exactly.\n" + passage * 2 + "\nRepeat:", greedy(24))
+                for i, passage in enumerate(PASSAGES)}
+    chunked = {}
+    if quantization == "auto":
+        requests["long"] = (list(range(2000, 2120)), greedy(6))
+        chunked = {"max_num_batched_tokens": 64}
+    plain, spec, decoder = _speculating(smollm2_dir, requests, 4, quantization=quantization, **chunked)
+    assert spec == plain
+    assert isinstance(decoder, NativeDecoder) and decoder.verification_steps > 0
+    assert max(calls) > 8   # more rows than a plain step of 8 brings
+
+
+def test_long_verifications_alone(smollm2_dir, calls):
+    """k = 12: 13 rows of one request, its attention in pieces (16 rows a task: 5 tokens of SmolLM2's 3 query
+    heads a KV head)."""
+    prompt = "Repeat the passage exactly.\n" + PASSAGES[0] * 3 + "\nRepeat:"
+    requests = {"rewrite": (prompt, SamplingParams(temperature=0, max_tokens=30, logprobs=1, ignore_eos=True))}
+    plain, spec, decoder = _speculating(smollm2_dir, requests, 12, quantization="none")
+    assert spec == plain
+    assert isinstance(decoder, NativeDecoder) and decoder.verification_steps > 0 and 13 in calls
+
+
+def test_step_graphs_refuse_verification_steps_and_log_it_once(tiny_model_dir, caplog):
+    """With step graphs on, verification steps run eagerly (the native step where it applies), said once."""
+    model = tiny_model_dir("llama")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
+    prompt = [5 + (i * 7) % 11 for i in range(40)]
+    engine = _engine(model, speculative_config=spec, enforce_eager=False, max_num_seqs=4)
+    with caplog.at_level("INFO", logger="infer.step_graphs"):
+        out = _run(engine, {"a": (prompt, greedy), "b": (prompt[3:], greedy)})
+    graphs = engine.runner.step_graphs
+    assert graphs is not None and graphs.refused_verifications > 1
+    said = [r for r in caplog.records if "speculative verification steps" in r.getMessage()]
+    assert len(said) == 1
+    assert engine.model.model.native_decode.verification_steps == graphs.refused_verifications
+    assert [len(out[r]) for r in "ab"] == [24, 24]

@@ -1,4 +1,5 @@
-"""A decode step of 1-8 sequences through a dense Llama-family model on a CPU, in one native call.
+"""A decode step of 1-8 sequences (speculative verifications' rows included) through a dense Llama-family model on a
+CPU, in one native call.
 
 At batch 1 a token is a walk through every weight (SmolLM2-135M: 269 MB), which the native GEMV streams near
 the machine's read bandwidth. What was left was the Python around the ~10 kernel calls of each layer (module
@@ -8,7 +9,9 @@ positions, slots and block tables to kernels/cpu/decode_layers.c, which calls th
 the layers do one by one (the linears send 1-8 rows to the same GEMV), so the tokens are the eager path's, bit for
 bit (tests/worker/test_native_decode.py).
 
-It serves a step whose batch is 1-8 decoding sequences (GEMV_MAX_ROWS), outside step graphs, when every layer
+It serves a step whose batch is 1-8 decoding requests (GEMV_MAX_ROWS), each one decode row or the k + 1 rows of a
+speculative verification (worker/speculative.py: its last token and k drafts at consecutive positions,
+`ForwardBatch.decode_runs`; MAX_ROWS rows in all), outside step graphs, when every layer
 is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank, in bf16 (decode_layers.c takes
 fp32 rows too; `for_model` says why fp32 models keep their layers), with every linear's weight one the native
 kernels take: kept quantized (kernels/cpu/quant.c, any build), or dense bf16 in a
@@ -16,6 +19,13 @@ bf16 model (the GEMV: the avx512 build's bf16 pairs with AVX512-BF16, else its f
 bf16 to fp32 in registers; the generic build has no GEMV). Anything else runs the layers one by one; so does a
 step with rows of a LoRA adapter (worker/lora.py: this call knows no LoRA; LlamaModel.forward checks
 `lora_rows_active()`), while steps of base-model rows only keep it.
+
+A verification's rows are computed as the decode at each row's position would be: the linears send all the rows
+to the GEMV (each weight row read once for all of them, each row's sum taken alone, however many rows), and
+attention reads a request's K and V once for its k + 1 rows, each row seeing the context up to its own position
+(kernels/cpu/paged_decode.c's paged_decode_runs, with paged_decode's bits). So greedy output with speculation
+equals greedy output without it, token for token, where the steps without it run here too (1-8 sequences).
+`steps` and `verification_steps` count the steps this call ran (tests/worker/test_native_decode.py).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from infer.kernels.cpu_kernels import (
 )
 from infer.kernels.quant import FORMAT_CODES
 from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.spec_config import MAX_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     from infer.worker.models.layers import PackedLinear
@@ -40,6 +51,9 @@ def _linears(layer: LlamaDecoderLayer) -> tuple[PackedLinear, PackedLinear, Pack
     """A decoder layer's four linears, in decode_layers.c's order."""
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
+
+# Rows a step may bring: 1-8 requests, each one decode row or a verification's 1 + k (k <= MAX_SPECULATIVE_TOKENS).
+MAX_ROWS = GEMV_MAX_ROWS * (1 + MAX_SPECULATIVE_TOKENS)
 
 # What decode_layers.c takes for a linear's weight (its `formats`): -1 dense bf16 (the GEMV), else the quantized
 # format's code (kernels/quant.py FORMAT_CODES).
@@ -84,10 +98,12 @@ class NativeDecoder:
         # each layer's sliding window (0: full), as the layers' own attention takes it
         self.windows = (ctypes.c_int32 * len(layers))(*[layer.self_attn.window for layer in layers])
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.scratch = torch.empty(GEMV_MAX_ROWS * (2 * self.hidden + 2 * q_size + 2 * kv_size + 3 * self.intermediate),
-                                   dtype=self.dtype)
+        self.scratch_per_row = 2 * self.hidden + 2 * q_size + 2 * kv_size + 3 * self.intermediate
+        self.scratch = torch.empty(GEMV_MAX_ROWS * self.scratch_per_row, dtype=self.dtype)
         self.residual = torch.empty(GEMV_MAX_ROWS, self.hidden, dtype=self.dtype)
         self._pools: tuple[tuple[int, ...], ctypes.Array] | None = None
+        self.steps = 0                # steps run here
+        self.verification_steps = 0   # of them, steps with a verification's rows
 
     @classmethod
     def for_model(cls, model: LlamaModel, tp_size: int) -> NativeDecoder | None:
@@ -125,11 +141,14 @@ class NativeDecoder:
         return cls(model, formats) if shapes_fit and same and plain else None  # type: ignore[arg-type]
 
     def takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
-        """Whether this step is one for the native call: 1-8 decoding sequences and nothing else, outside a step
-        graph, over pools of the model's type and of the shape the kernels take."""
-        rows = batch.input_ids.shape[0]
-        if (batch.step_graph or not 0 < rows <= GEMV_MAX_ROWS or batch.num_decodes != rows
-                or len(batch.context_lens) != rows):
+        """Whether this step is one for the native call: 1-8 decoding requests (verifications' rows included) and
+        nothing else, outside a step graph, over pools of the model's type and of the shape the kernels take."""
+        rows, runs = batch.input_ids.shape[0], batch.decode_runs
+        requests = rows if runs is None else runs.shape[0]
+        if (batch.step_graph or not 0 < rows <= MAX_ROWS or not 0 < requests <= GEMV_MAX_ROWS
+                or batch.num_decodes != rows or len(batch.context_lens) != rows):
+            return False
+        if runs is not None and not (runs.dtype == torch.int32 and runs.is_contiguous() and runs.device.type == "cpu"):
             return False
         pool, tables, cos_sin = kv_cache.k[0], batch.block_tables, self.model.rotary_emb.cos_sin_cache
         return (batch.positions.dtype == batch.slot_mapping.dtype == torch.int64 and batch.positions.is_contiguous()
@@ -152,9 +171,15 @@ class NativeDecoder:
         """hidden [B, hidden] (the embedding rows, of the model's type; overwritten) -> the final norm's output
         [B, hidden], for a step that `takes` accepts. K and V of the new tokens are stored in every layer's pool."""
         h = hidden if hidden.is_contiguous() else hidden.contiguous()
+        rows = h.shape[0]
+        if self.residual.shape[0] < rows:   # grown to the most rows a step brought (a verification: 1 + k each)
+            self.residual = torch.empty(rows, self.hidden, dtype=self.dtype)
+            self.scratch = torch.empty(rows * self.scratch_per_row, dtype=self.dtype)
         rotary = self.model.rotary_emb
         decode_layers(h, self.residual, self.weights, self.formats, self.pool_addresses(kv_cache), self.num_layers,
                       self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, self.eps, self.scale,
                       batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens, kv_cache.k[0],
-                      rotary.cos_sin_cache, rotary.is_neox, self.scratch, self.windows)
+                      rotary.cos_sin_cache, rotary.is_neox, self.scratch, self.windows, batch.decode_runs)
+        self.steps += 1
+        self.verification_steps += batch.decode_runs is not None
         return h
