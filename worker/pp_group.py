@@ -209,15 +209,23 @@ class PipelineGroup:
     def send(self, tensor: torch.Tensor, stage: int, tp_rank: int | None = None) -> None:
         """Send `tensor` to `stage`'s TP rank `tp_rank` (default: this process's) (GroupBroken if it fails or takes
         past the timeout)."""
+        self.start_send(tensor, stage, tp_rank).wait()
+
+    def start_send(self, tensor: torch.Tensor, stage: int, tp_rank: int | None = None) -> PendingSend:
+        """Start sending `tensor` to `stage`'s TP rank `tp_rank` without waiting for the receiver (micro-batches in
+        flight: a stage hands a batch on and goes on with the next); the PendingSend holds the tensor until
+        `wait()`."""
         import torch.distributed as dist
 
+        what = f"{self.member(self.index)}: sending to stage {stage} failed"
+        tensor = tensor.contiguous()
         try:
-            work = dist.isend(tensor.contiguous(), dst=self.rank_of(stage, tp_rank))
+            work = dist.isend(tensor, dst=self.rank_of(stage, tp_rank))
             if work is None:   # this process is not in the default group
                 raise RuntimeError("not a member of the pipeline's group")
-            work.wait(datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError / DistBackendError variants
-            raise GroupBroken(f"{self.member(self.index)}: sending to stage {stage} failed: {e}") from e
+            raise GroupBroken(f"{what}: {e}") from e
+        return PendingSend(work, tensor, self.options.timeout_s, what)
 
     def receive(self, shape: Sequence[int], dtype: torch.dtype, stage: int, tp_rank: int | None = None
                 ) -> torch.Tensor:
@@ -235,6 +243,23 @@ class PipelineGroup:
         except Exception as e:  # noqa: BLE001
             raise GroupBroken(f"{self.member(self.index)}: receiving from stage {stage} failed: {e}") from e
         return tensor
+
+
+@dataclass
+class PendingSend:
+    """A point-to-point send under way: its work handle and the tensor it reads (kept alive until it is done)."""
+
+    work: Any
+    tensor: torch.Tensor
+    timeout_s: float
+    what: str                     # "<member>: sending to stage s failed", for the error
+
+    def wait(self) -> None:
+        """Until the receiver has the tensor (GroupBroken if it fails or takes past the timeout)."""
+        try:
+            self.work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001
+            raise GroupBroken(f"{self.what}: {e}") from e
 
 
 # ---- joining the world ----------------------------------------------------------------------------------
