@@ -81,6 +81,7 @@ def test_pp2_with_a_tied_head_equals_transformers(tiny_model_dir):
             done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             assert [c.token_ids for c in done] == want
         assert sum(c.num_cached_tokens for c in done) >= 32
+        assert llm._engine.in_flight.depth == 2 and llm._engine.in_flight.num_overlapped > 0   # micro-batches
         logprobs = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
         one = LLM(model=str(model), **OPTIONS).generate(PROMPTS[:2], logprobs, use_tqdm=False)
         two = llm.generate(PROMPTS[:2], logprobs, use_tqdm=False)
@@ -115,6 +116,43 @@ def test_pp2_x_tp2_equals_transformers(tiny_model_dir):
         assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
         group = llm._engine.stage.group
         assert (group.size, group.tp_size, group.commands.size) == (2, 2, 4)
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+def test_pp2_micro_batches_stay_exact_under_preemption_and_an_abort_in_flight(tiny_model_dir):
+    """Two micro-batches in flight over a KV pool too small for every request (preemptions): each request's greedy
+    tokens equal transformers'; a request aborted while its micro-batch is in flight gets no token after its final
+    delta, and what it got is a prefix of transformers' tokens."""
+    model = tiny_model_dir("llama")
+    prompts, max_new = _prompts(8, 3), 12
+    want = transformers_greedy(model, prompts, max_new)
+    block_bytes = 2 * 16 * 2 * 16 * 4                  # K and V, 16 tokens, 2 KV heads of 16, fp32: one layer a stage
+    llm = LLM(model=str(model), pipeline_parallel_size=2, **{**OPTIONS, "kv_cache_memory": 14 * block_bytes})
+    try:
+        engine = llm._engine
+        params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        finals: dict[str, str] = {}
+        aborted = None
+        while engine.has_unfinished():
+            for delta in engine.step():
+                assert delta.request_id not in finals, "a token after the final delta"
+                got[delta.request_id] += list(delta.token_ids)
+                if delta.finished:
+                    finals[delta.request_id] = delta.finish_reason
+            if aborted is None and len(engine.in_flight) == 2 and any(got.values()):
+                aborted = sorted(engine.in_flight.busy)[0]
+                assert engine.abort(aborted)
+        assert aborted is not None and finals.pop(aborted) == "abort"
+        assert want[int(aborted[1:])][:len(got[aborted])] == got.pop(aborted)
+        assert got == {f"r{i}": w for i, w in enumerate(want) if f"r{i}" in got}
+        assert set(finals.values()) == {"length"}
+        assert engine.scheduler.num_preemptions > 0 and engine.in_flight.num_overlapped > 0
+        assert engine.scheduler.block_manager.num_free_blocks == engine.num_kv_blocks
     finally:
         llm.close()
 
