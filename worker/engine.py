@@ -182,9 +182,10 @@ class Engine:
         self._grammars: GrammarCompilerPool | None = None   # made at the first structured-output request
         self._compiling: dict[str, _Compiling] = {}   # requests waiting for their grammar, not yet scheduled
         self.beams = BeamGroups(self.scheduler, self.tokenizer)   # beam searches (worker/beam_groups.py)
-        # a pipeline's stage 0: a micro-batch per stage in flight (worker/micro_batches.py); speculative decoding
-        # steps one batch at a time (its proposals read the tokens of the step before)
-        self.in_flight = MicroBatches(1 if stage is None or spec is not None else stage.group.size)
+        # a pipeline's stage 0: a micro-batch per stage in flight (worker/micro_batches.py) unless told otherwise;
+        # speculative decoding steps one batch at a time (its proposals read the tokens of the step before)
+        depth = 1 if stage is None or spec is not None else config.pp_micro_batches or stage.group.size
+        self.in_flight = MicroBatches(depth)
         self._arrivals = 0
         log.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens",
                  self.model_id, str(self.dtype).removeprefix("torch."), self.device, self.max_model_len,

@@ -1,4 +1,4 @@
-"""Pipeline parallelism v1: one DP rank as P stages, each holding a contiguous range of the layers (and only their
+"""Pipeline parallelism: one DP rank as P stages, each holding a contiguous range of the layers (and only their
 KV cache). Stage 0 owns the embedding, schedules, samples and talks to the coordinator; the last stage owns the
 final norm and the LM head (a tied head: it loads the embedding table as its weight). (torch is imported only when
 a group is joined: the worker daemon imports this module to parse its flags.) The stage model is
@@ -18,8 +18,15 @@ ForwardBatch to every other process of the DP rank; stage 0 then runs the embedd
 receives, runs its layers and sends on; the last stage keeps the normed hidden states. The rows whose logits stage
 0 needs go out as a "logits" command, and the last stage (its TP rank 0, after gathering the vocabulary slices)
 sends their logits back to stage 0 (prompt logprobs the same way). Every process but the engine's runs TP's
-follower loop (`serve_follower`). v1 runs one batch at a time through the stages: PP gives capacity (a model over
-several processes' memory), not speed; micro-batches in flight are v2.
+follower loop (`serve_follower`).
+
+**Micro-batches in flight.** Stage 0 launches up to P micro-batches (`--pp-micro-batches`) before it finishes the
+oldest (worker/micro_batches.py: a request is in one at most, each takes its share of the requests), so that
+while the last stage computes batch k the first computes batch k + 1 and every stage works at once. For that no
+stage waits on a hand-off it sends (`start_send`: the receiver takes it when it gets to that batch), and the last
+stage sends each forward's logits (its `logits_indices` rows) as soon as it has them, unasked; stage 0 receives
+them when it finishes that batch (`StageModel.receive_logits`). Batches go through every stage in launch order,
+so a KV block freed by an abort and given to a later batch is written by the later batch last, on every stage.
 
 **World.** E x P x T processes, one rendezvous (`--dist-init`); through the rendezvous store each checks that it
 agrees with global rank 0 on P, the layer partition, T and E, then every process compares its model files, dtype

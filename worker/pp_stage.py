@@ -7,10 +7,12 @@ their tensors from the files. `StageModel` is what the engine (stage 0) and the 
 
 - stage 0's `forward` runs the embedding and its layers and sends (hidden, residual) to stage 1; it returns the
   row numbers [T] in place of hidden states, so that the model runner's `hidden[rows]` are the rows whose logits
-  `compute_logits` then receives from the last stage (which got them from the "logits" command);
-- a later stage receives (hidden, residual), runs its layers, and sends on or, on the last stage, keeps the
-  normed hidden states for the "logits" commands, whose logits it sends to stage 0 (`compute_logits`), so that the
-  later stages (and stage 0's TP ranks > 0) run worker/tp_commands.py's follower loop as TP followers do.
+  `compute_logits` receives from the last stage (which got them from the "logits" command);
+- a later stage receives (hidden, residual), runs its layers, and sends on or, on the last stage, sends the logits
+  of the batch's `logits_indices` rows to stage 0 at once (`receive_logits` there) and keeps the normed hidden
+  states for "logits" commands (prompt logprobs), whose logits it sends too (`compute_logits`), so that the
+  later stages (and stage 0's TP ranks > 0) run worker/tp_commands.py's follower loop as TP followers do. Sends
+  are not waited for (micro-batches in flight: worker/pp_group.py).
 
 PP x TP: each stage is a TP group whose processes hold their shards of the stage's layers (the embedding and LM
 head vocabulary-parallel); after a stage's layers every TP rank holds the whole (hidden, residual) (the row-parallel

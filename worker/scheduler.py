@@ -26,6 +26,11 @@ appends the accepted tokens and calls `accept_draft_tokens`, which counts the ac
 and gives back the blocks past the request's tokens (rejected drafts' slots: rolled back by bookkeeping, never
 copied). Only computed tokens' full blocks are registered in the prefix cache, so rejected drafts never are.
 
+Micro-batches in flight (a pipeline's stage 0, worker/micro_batches.py): `schedule(busy=ids, max_seqs=n)` plans a
+step beside earlier ones whose tokens are not computed yet: the `busy` requests are neither scheduled (their next
+tokens are unknown) nor preempted (a later stage still writes their KV); a request that needs their blocks waits.
+`max_seqs` caps this step's requests (its share), below max_num_seqs, which still caps the running requests.
+
 Beam search (worker/beam_groups.py): the beams of one search are requests sharing `beam_group` (and its rank, so
 they sit together in both queues). Preempting any of them preempts them all (a search never waits, holding blocks,
 on a beam of its own that waits for blocks); `fork` adds a beam beside its parent, sharing its computed KV.

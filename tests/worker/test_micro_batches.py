@@ -129,6 +129,10 @@ def test_a_batch_with_prompt_logprobs_runs_alone():
 
 
 def test_the_depth_is_checked():
+    from infer.worker.config import EngineConfig
+
     with pytest.raises(ValueError, match="the depth is at least 1, got 0"):
         MicroBatches(0)
+    with pytest.raises(ValueError, match="pp_micro_batches must be a positive integer"):
+        EngineConfig(pp_micro_batches=0)
     assert [MicroBatches(2).seats(n) for n in (0, 1, 2, 3, 32)] == [1, 1, 1, 2, 16]

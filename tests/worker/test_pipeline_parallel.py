@@ -7,6 +7,7 @@ processes) and PP 2 of a tiny Mixtral equal transformers too; ranks of composed 
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -101,6 +102,7 @@ def test_pp3_uneven_equals_transformers(five_layers):
         assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1"}
         assert "model.embed_tokens.weight" in names and not any(n.startswith(("lm_head", "model.norm")) for n in names)
         assert len(engine.kv_cache.k) == 2 and engine.model.num_layers == 2
+        assert engine.in_flight.depth == 3 and engine.in_flight.num_overlapped > 0
     finally:
         llm.close()
 
@@ -207,10 +209,17 @@ def test_pp2_of_an_moe_model_equals_transformers(tmp_path, smollm2_tokenizer):
 
 
 @pytest.mark.slow
-def test_suspend_and_refit_are_refused_with_pp(tiny_model_dir):
+def test_suspend_and_refit_are_refused_and_step_graphs_run_eagerly_with_pp(tiny_model_dir, caplog):
+    """Suspend / resume and refits are refused with what is missing named; step graphs asked for
+    (enforce_eager=False) are not made for stages: a warning says so and the pipeline runs eagerly, exact."""
     model = tiny_model_dir("llama")
-    llm = LLM(model=str(model), pipeline_parallel_size=2, **OPTIONS)
+    with caplog.at_level(logging.WARNING, logger="infer.worker"):
+        llm = LLM(model=str(model), pipeline_parallel_size=2, enforce_eager=False, **OPTIONS)
     try:
+        assert "--no-enforce-eager: step graphs are not made for pipeline stages yet" in caplog.text
+        assert llm._engine.runner.step_graphs is None
+        done = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+        assert [c.token_ids for c in done] == transformers_greedy(model, PROMPTS[:3], MAX_NEW)
         with pytest.raises(ValueError, match=r"suspend is not supported with pipeline parallelism yet "
                                              r"\(pipeline_parallel_size 2\)"):
             llm._engine.suspend()   # what a worker runs on the cluster's suspend
