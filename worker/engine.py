@@ -226,6 +226,9 @@ class Engine:
             raise ValueError(f"n={params.n}: an engine runs one sample per request; LLM / AsyncLLM and the HTTP "
                              f"front run n > 1 as n requests (SamplingParams.samples())")
         if params.pooling is not None:
+            if self.stage is not None:
+                raise ValueError("embeddings (pooling) are not supported with pipeline parallelism yet: the hidden "
+                                 "states stay on the last stage, which sends stage 0 only logits")
             params = _pooling_params(params)
         if params.seed is None and params.temperature > 0:
             params = params.with_seed(self.sampler.draw_seed())

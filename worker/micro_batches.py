@@ -10,8 +10,8 @@ micro-batch and launches one, and every stage works at once (vLLM's P batches in
 - a step's batch takes at most its share of the unfinished requests (`seats`: ceil(unfinished / depth)), so that
   a batch of 32 decodes runs as P micro-batches rather than one batch and P - 1 empty ones;
 - a batch that reads more than its logits from the last stage (prompt logprobs: "logits" commands over the last
-  forward's hidden states; pooling; beam searches, whose forks copy KV blocks between steps) is `alone`: nothing
-  is launched after it until it has finished;
+  forward's hidden states) is `alone`: nothing is launched after it until it has finished (pipelines refuse pooling
+  and beam searches, which would need the hidden states or KV copies on every stage);
 - micro-batches finish in launch order (every stage hands them on in that order).
 """
 
@@ -35,8 +35,7 @@ class InFlight:
 
 def runs_alone(scheduled: SchedulerOutput) -> bool:
     """Whether a micro-batch must be the last in flight (see the module docstring)."""
-    return any(c.request.prompt_logprobs is not None or c.request.pooled is not None
-               or c.request.beam_group is not None for c in scheduled.chunks)
+    return any(c.request.prompt_logprobs is not None for c in scheduled.chunks)
 
 
 class MicroBatches:

@@ -225,6 +225,8 @@ def test_suspend_and_refit_are_refused_and_step_graphs_run_eagerly_with_pp(tiny_
             llm._engine.suspend()   # what a worker runs on the cluster's suspend
         with pytest.raises(ValueError, match="a weight update is not supported with pipeline parallelism yet"):
             llm.update_weights(model)
+        with pytest.raises(ValueError, match=r"embeddings \(pooling\) are not supported with pipeline parallelism"):
+            llm._engine.add_request("e", [1, 2, 3], SamplingParams(pooling="last"))
     finally:
         llm.close()
 
