@@ -83,16 +83,18 @@ def test_only_requests_not_in_flight_are_preempted_and_a_request_waits_for_them(
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("depth", [2, 3])
-def test_random_workloads_with_aborts_finish_exactly(seed, depth):
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_workloads_with_aborts_finish_exactly(seed, depth, policy):
     rng = random.Random(seed)
     scheduler = make_scheduler(block_size=4, num_blocks=rng.choice([12, 24, 64]), max_num_seqs=rng.choice([3, 8]),
-                               max_num_batched_tokens=rng.choice([16, 64]))
+                               max_num_batched_tokens=rng.choice([16, 64]), policy=policy, priority_aging_steps=50)
     flights = MicroBatches(depth)
     requests, aborted, arrivals = [], set(), 0
     for _ in range(3000):
         if arrivals < 20 and rng.random() < 0.3:
             request = make_request(arrivals, [rng.randrange(1, 900) for _ in range(rng.randrange(1, 30))],
                                    rng.randrange(1, 12))
+            request.priority = rng.randrange(-2, 3) if policy == "priority" else 0
             scheduler.add(request)
             requests.append(request)
             arrivals += 1
