@@ -445,10 +445,14 @@ class Engine:
 
     def dummy_step(self) -> list[Delta]:
         """The step of an EP-group rank with nothing to run (paused, or no requests): one forward of a
-        padding token so the group's collectives complete; returns the deltas ready without a step."""
+        padding token so the group's collectives complete; returns the deltas ready without a step (and, on a
+        pipeline's stage 0, those of micro-batches in flight that must finish before another forward)."""
         self._check_not_suspended("dummy_step()")
+        outputs = self.take_pending()
+        while self.in_flight.must_finish():   # a micro-batch that runs alone reads the last stage's latest forward
+            outputs.extend(self._finish_oldest())
         self.runner.execute_dummy()
-        return self.take_pending()
+        return outputs
 
     def abort(self, request_id: str, release_text: bool = True) -> bool:
         """Abort a waiting or running request; its final delta comes with the next step(). With
