@@ -130,11 +130,23 @@ def test_a_batch_with_prompt_logprobs_runs_alone():
     assert len(flights) == 1
 
 
-def test_the_depth_is_checked():
+def test_the_depth_and_the_seats():
     from infer.worker.config import EngineConfig
 
     with pytest.raises(ValueError, match="the depth is at least 1, got 0"):
         MicroBatches(0)
+    assert [MicroBatches(2).seats(n) for n in (0, 1, 2, 3, 32)] == [1, 1, 1, 2, 16]
     with pytest.raises(ValueError, match="pp_micro_batches must be a positive integer"):
         EngineConfig(pp_micro_batches=0)
-    assert [MicroBatches(2).seats(n) for n in (0, 1, 2, 3, 32)] == [1, 1, 1, 2, 16]
+
+
+def test_the_micro_batch_flag_reaches_the_engine_config_through_worker_and_serve():
+    from infer.client.serve import build_parser as serve_parser
+    from infer.client.serve import worker_args
+    from infer.worker.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1", "--pp-size", "2", "--pp-micro-batches", "1"])
+    assert engine_config(args).pp_micro_batches == 1
+    assert engine_config(build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1"])).pp_micro_batches is None
+    served = worker_args(serve_parser().parse_args(["--pp-size", "2", "--pp-micro-batches", "3"]), [])
+    assert served[served.index("--pp-micro-batches") + 1] == "3"
