@@ -155,6 +155,21 @@ def test_pp2_micro_batches_stay_exact_under_preemption_and_an_abort_in_flight(ti
         assert set(finals.values()) == {"length"}
         assert engine.scheduler.num_preemptions > 0 and engine.in_flight.num_overlapped > 0
         assert engine.scheduler.block_manager.num_free_blocks == engine.num_kv_blocks
+        # a batch with prompt logprobs runs alone: a dummy forward (an idle EP rank's) lets it finish first
+        with_lps = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+        lps_prompt = prompts[-1][:20]
+        want_lps = llm.generate([lps_prompt], with_lps, use_tqdm=False)[0].prompt_logprobs
+        engine.add_request("plain", prompts[0], params)
+        deltas = engine.step()
+        engine.add_request("lps", lps_prompt, with_lps)
+        deltas += engine.step()
+        assert len(engine.in_flight) == 2
+        deltas += engine.dummy_step()
+        assert len(engine.in_flight) == 0
+        while engine.has_unfinished():
+            deltas += engine.step()
+        got_lps = [d.prompt_logprobs for d in deltas if d.request_id == "lps" and d.prompt_logprobs is not None]
+        assert len(got_lps) == 1 and len(want_lps) == 20 and [None, *got_lps[0]] == want_lps
     finally:
         llm.close()
 
