@@ -5,13 +5,16 @@ each, against one process with 2 threads (and one with 1 thread: one core's whol
     .venv/bin/python benchmarks/pipeline.py --shape tiny --batch 8 --tokens 8    # a smoke run
 
 Each configuration runs in a process of its own (its affinity and threads set before torch starts): `one-2t`
-(LLM, 2 threads on cores 0-1), `one-1t` (1 thread on core 0) and `pp2` (LLM with pipeline_parallel_size=2: stage 0
-in that process on core 0, stage 1 its child on core 1, 1 thread each). Decode throughput = batch x (tokens - 1)
-/ (time of `tokens` tokens - time of 1 token), the prompts fresh each time (no prefix-cache hits). Per step:
-`hand-off` = pp2's step - one-1t's step (the two stages compute what one core computes for the whole model,
-one after the other, plus the hand-offs: hidden states to stage 1, logits back); `bubble` = the share of a step
-each stage idles, 1 - (one-1t's step / 2) / pp2's step (v1 runs one batch at a time through the stages: about
-half; micro-batches in flight would bring it towards 0 and pp2 towards 2x one-1t).
+(LLM, 2 threads on cores 0-1), `one-1t` (1 thread on core 0), `pp2` (LLM with pipeline_parallel_size=2: stage 0
+in that process on core 0, stage 1 its child on core 1, 1 thread each; two micro-batches in flight, the default)
+and `pp2-1mb` (the same with pp_micro_batches=1: one batch at a time through the stages). Decode throughput =
+batch x (tokens - 1) / (time of `tokens` tokens - time of 1 token), the prompts fresh each time (no prefix-cache
+hits). Per step (all of the batch's sequences one token further):
+`hand-off` = pp2-1mb's step - one-1t's step (one batch at a time, the two stages compute what one core computes
+for the whole model one after the other, plus the hand-offs: hidden states to stage 1, logits back, the step
+command); `bubble` = the share of pp2's step each stage idles, 1 - (one-1t's step / 2) / pp2's step (0 when the
+micro-batches keep both cores busy and cost nothing more; pp2 then reaches 2x one-1t). The micro-batches' own
+cost is in the bubble too: two half batches per step instead of one whole.
 
 A random-weight Llama of benchmarks/common.py's RANDOM_SHAPES (or `tiny`) with the embedded model's tokenizer.
 Writes benchmarks/results/pipeline-<date>.json (date, machine, git revision). Not a test.
@@ -35,7 +38,7 @@ from common import RANDOM_SHAPES, write_result  # noqa: E402
 SHAPES = {**RANDOM_SHAPES,
           "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, tie_word_embeddings=True, rope_theta=10000.0)}
-CONFIGS = ("one-2t", "one-1t", "pp2")
+CONFIGS = ("one-2t", "one-1t", "pp2-1mb", "pp2")
 
 
 def make_model(shape: str, folder: Path) -> Path:
@@ -78,12 +81,14 @@ def run_one(config: str, model: str, batch: int, tokens: int, prompt_len: int, d
     options = dict(dtype=dtype, max_model_len=prompt_len + tokens + 16, enable_prefix_caching=False,
                    max_num_seqs=max(batch, 1), max_num_batched_tokens=max(batch * prompt_len, 256),
                    num_threads=2 if config == "one-2t" else 1)
-    if config == "pp2":
+    if config.startswith("pp2"):
         options["pipeline_parallel_size"] = 2
+        options["pp_micro_batches"] = 1 if config == "pp2-1mb" else 2
     llm = LLM(model=model, **options)
-    if config == "pp2":
-        for pid in _children():
-            os.sched_setaffinity(pid, second)
+    if config.startswith("pp2"):
+        for pid in _children():   # every thread of stage 1 (its torch and gloo threads exist by now)
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), second)
     rng = random.Random(0)
 
     def timed(max_tokens: int) -> float:
@@ -127,12 +132,15 @@ def main() -> None:
     print(f"{'config':8} {'decode tok/s':>13} {'step ms':>9} {'vs one-2t':>10}")
     for config, row in rows.items():
         print(f"{config:8} {row['decode_tok_s']:13.1f} {row['step_ms']:9.2f} {row['decode_tok_s'] / base:9.2f}x")
-    one_step, pp_step = rows["one-1t"]["step_ms"], rows["pp2"]["step_ms"]
-    handoff, bubble = pp_step - one_step, 1 - (one_step / 2) / pp_step
-    print(f"pp2 per step: hand-off {handoff:.2f} ms, each stage idle {bubble:.0%} of the step")
+    one_step, v1_step, pp_step = (rows[c]["step_ms"] for c in ("one-1t", "pp2-1mb", "pp2"))
+    handoff, bubble = v1_step - one_step, 1 - (one_step / 2) / pp_step
+    speedup = rows["pp2"]["decode_tok_s"] / rows["one-1t"]["decode_tok_s"]
+    print(f"pp2 per step: hand-off {handoff:.2f} ms (one batch at a time), each stage idle {bubble:.0%} of the step "
+          f"with 2 micro-batches in flight; pp2 / one-1t {speedup:.2f}x (ideal 2x)")
     path = write_result("pipeline", {"shape": args.shape, "batch": args.batch, "tokens": args.tokens,
                                      "prompt_len": args.prompt_len, "dtype": args.dtype, "rows": list(rows.values()),
-                                     "handoff_ms_per_step": handoff, "bubble": bubble})
+                                     "handoff_ms_per_step": handoff, "bubble": bubble,
+                                     "pp2_over_one_1t": speedup})
     print(f"wrote {path}")
 
 

@@ -60,6 +60,9 @@ class EngineConfig:
         CPU they stay where they are: nothing of them is freed), "reload" frees them and reloads them on resume
         from the files they came from (or from a spill file, when they came from tensors in memory); "auto"
         is host_copy on a GPU, reload on a CPU. The KV pool is always freed.
+    pp_micro_batches: on a pipeline's stage 0 (pipeline_parallel_size P), the micro-batches in flight through the
+        stages (worker/micro_batches.py); None: P, one per stage. 1 steps one batch at a time (what the benchmark
+        compares against). Ignored without a pipeline and with speculative decoding (one at a time).
     enable_lora, max_loras, max_lora_rank, lora_modules: LoRA adapters (worker/lora.py; vLLM's names): served per
         request (SamplingParams.lora_name), at most `max_loras` of them in one step, ranks up to `max_lora_rank`;
         `lora_modules` are (name, path) pairs loaded at start (a dict, or "name=path" strings, are taken too).
@@ -111,6 +114,9 @@ class EngineConfig:
               '"prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model", "model": PATH, '
               '"num_speculative_tokens": K} (optional "disable_by_batch_size": no speculation in a step where '
               'more requests decode, default 8)', metavar="JSON", parse=SpeculativeConfig.of)
+    pp_micro_batches: int | None = option(None, "with --pp-size P: micro-batches in flight through the stages "
+                                                "(default P, one per stage, so that every stage works at once; 1: one "
+                                                "batch at a time)", metavar="N")
     enable_lora: bool = option(False, "serve LoRA adapters (PEFT's format) per request over the base model")
     max_loras: int = option(4, "with --enable-lora: the adapters one step may mix (weight slots; the least recently "
                                "used adapter no running request holds is evicted)", metavar="N")
@@ -125,6 +131,8 @@ class EngineConfig:
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         _positive_int("max_loras", self.max_loras)
+        if self.pp_micro_batches is not None:
+            _positive_int("pp_micro_batches", self.pp_micro_batches)
         _positive_int("max_lora_rank", self.max_lora_rank)
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))

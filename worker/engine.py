@@ -43,6 +43,7 @@ from infer.worker.in_memory import in_memory_model
 from infer.worker.loader import load_model, weight_files
 from infer.worker.lora import LoraManager
 from infer.worker.memory import HeapTrimmer, keep_freed_heap
+from infer.worker.micro_batches import MicroBatches
 from infer.worker.model_files import eos_token_ids, load_tokenizer, resolve_model
 from infer.worker.model_runner import ModelRunner
 from infer.worker.request import Request, RequestStatus, overdue_message
@@ -183,6 +184,10 @@ class Engine:
         self._grammars: GrammarCompilerPool | None = None   # made at the first structured-output request
         self._compiling: dict[str, _Compiling] = {}   # requests waiting for their grammar, not yet scheduled
         self.beams = BeamGroups(self.scheduler, self.tokenizer)   # beam searches (worker/beam_groups.py)
+        # a pipeline's stage 0: a micro-batch per stage in flight (worker/micro_batches.py) unless told otherwise;
+        # speculative decoding steps one batch at a time (its proposals read the tokens of the step before)
+        depth = 1 if stage is None or spec is not None else config.pp_micro_batches or stage.group.size
+        self.in_flight = MicroBatches(depth)
         self._arrivals = 0
         log.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens",
                  self.model_id, str(self.dtype).removeprefix("torch."), self.device, self.max_model_len,
@@ -223,6 +228,9 @@ class Engine:
             raise ValueError(f"n={params.n}: an engine runs one sample per request; LLM / AsyncLLM and the HTTP "
                              f"front run n > 1 as n requests (SamplingParams.samples())")
         if params.pooling is not None:
+            if self.stage is not None:
+                raise ValueError("embeddings (pooling) are not supported with pipeline parallelism yet: the hidden "
+                                 "states stay on the last stage, which sends stage 0 only logits")
             params = _pooling_params(params)
         if params.seed is None and params.temperature > 0:
             params = params.with_seed(self.sampler.draw_seed())
@@ -319,6 +327,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self._compiling:
             outputs.extend(self._admit_compiled())
+        if self.in_flight.depth > 1:
+            return outputs + self._step_micro_batches()
         scheduled = self.scheduler.schedule(self._propose_drafts())
         if scheduled.is_empty:
             if self.ep.size > 1:  # the group steps together: this rank's MoE layers must join in
@@ -327,16 +337,51 @@ class Engine:
                 wait([c.future for c in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return outputs
         _stamp_queue_time(scheduled)
-        rows = self._execute(scheduled.chunks)
-        outputs.extend(self._fail_rows(scheduled.chunks, rows))
-        self.scheduler.update_after_step(scheduled)
-        outputs.extend(self._postprocess(scheduled, rows))
-        outputs.extend(self._advance_beams())
-        outputs.extend(self._fail_costly_grammars(scheduled.chunks))
+        outputs.extend(self._after_forward(scheduled, self._execute(scheduled.chunks)))
         if self.lora is not None:
             self.lora.collect(self._lora_ids_held())
         self.heap.after_step(busy=self.scheduler.has_unfinished())
         return outputs
+
+    def _after_forward(self, scheduled: SchedulerOutput, rows: list[StepRow]) -> list[Delta]:
+        """Advance the scheduler over a finished forward and post-process its rows."""
+        outputs = self._fail_rows(scheduled.chunks, rows)
+        self.scheduler.update_after_step(scheduled)
+        outputs.extend(self._postprocess(scheduled, rows))
+        outputs.extend(self._advance_beams())
+        outputs.extend(self._fail_costly_grammars(scheduled.chunks))
+        return outputs
+
+    def _step_micro_batches(self) -> list[Delta]:
+        """A pipeline's step (worker/micro_batches.py): finish the oldest micro-batch when it must, then launch the
+        next over the requests not in flight (or, with nothing to launch, finish the oldest). In the steady state
+        one finishes and one is launched per step, while the later stages compute those in flight."""
+        outputs: list[Delta] = []
+        while self.in_flight.must_finish():
+            outputs.extend(self._finish_oldest())
+        unfinished = self.scheduler.num_running + self.scheduler.num_waiting
+        scheduled = self.scheduler.schedule(busy=self.in_flight.busy, max_seqs=self.in_flight.seats(unfinished))
+        if not scheduled.is_empty:
+            _stamp_queue_time(scheduled)
+            self.in_flight.add(scheduled, self.runner.launch(scheduled.chunks))
+        else:
+            if self.ep.size > 1:   # the group steps together: this rank's MoE layers must join in
+                self.runner.execute_dummy()
+            if len(self.in_flight):
+                outputs.extend(self._finish_oldest())
+            elif self._compiling:
+                wait([c.future for c in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+        self.heap.after_step(busy=self.has_unfinished())
+        return outputs
+
+    def _finish_oldest(self) -> list[Delta]:
+        """Receive the oldest micro-batch's logits, sample and post-process it; the chunks of requests finished
+        meanwhile (aborted, shed) are dropped (their KV slots were written by a forward of their own: harmless)."""
+        flight = self.in_flight.pop_oldest()
+        rows = step_rows(flight.scheduled.chunks, self.runner.finish(flight.launched))
+        kept = [(c, row) for c, row in zip(flight.scheduled.chunks, rows) if not c.request.is_finished]
+        scheduled = replace(flight.scheduled, chunks=tuple(c for c, _ in kept))
+        return self._after_forward(scheduled, [row for _, row in kept])
 
     # ---- LoRA adapters (worker/lora.py) -------------------------------------------------------
 
@@ -402,10 +447,14 @@ class Engine:
 
     def dummy_step(self) -> list[Delta]:
         """The step of an EP-group rank with nothing to run (paused, or no requests): one forward of a
-        padding token so the group's collectives complete; returns the deltas ready without a step."""
+        padding token so the group's collectives complete; returns the deltas ready without a step (and, on a
+        pipeline's stage 0, those of micro-batches in flight that must finish before another forward)."""
         self._check_not_suspended("dummy_step()")
+        outputs = self.take_pending()
+        while self.in_flight.must_finish():   # a micro-batch that runs alone reads the last stage's latest forward
+            outputs.extend(self._finish_oldest())
         self.runner.execute_dummy()
-        return self.take_pending()
+        return outputs
 
     def abort(self, request_id: str, release_text: bool = True) -> bool:
         """Abort a waiting or running request; its final delta comes with the next step(). With
@@ -425,7 +474,8 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling)
+        return (self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling)
+                or bool(len(self.in_flight)))
 
     def close(self) -> None:
         """End what the engine started outside itself: the other ranks of its TP group, the grammar compile

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -19,6 +20,17 @@ from infer.worker.step_graphs import StepGraphs
 if TYPE_CHECKING:
     from infer.worker.models.registry import CausalLM
     from infer.worker.tp_commands import TpLeader
+
+
+@dataclass
+class Launched:
+    """A forward that `ModelRunner.launch` started and `finish` completes: its chunks and either the logits (a
+    step graph's replay) or the batch and its hidden states (row numbers on a pipeline's stage 0)."""
+
+    chunks: Sequence[ScheduledChunk]
+    batch: ForwardBatch | None = None
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -48,6 +60,13 @@ class ModelRunner:
         `chunk.num_sampled_rows`). Returns None when no chunk samples (all mid-prefill).
         Pure-decode steps that fit a step-graph bucket replay its graph; the others (verification steps
         included) run eagerly."""
+        return self.finish(self.launch(chunks))
+
+    @torch.inference_mode()
+    def launch(self, chunks: Sequence[ScheduledChunk]) -> Launched:
+        """The first half of `execute`: start the forward over `chunks`. On a pipeline's stage 0 this runs stage 0's
+        layers and hands the batch on; the later stages compute it while the engine launches the next micro-batch
+        (worker/pp_group.py). `finish` completes it (launched forwards finish in launch order)."""
         slot_rows = [] if self.lora is None else self.lora.slot_rows([(c.request.lora_id, c.num_new_tokens)
                                                                        for c in chunks])
         lora = None if self.lora is None else self.lora.step(slot_rows)
@@ -56,11 +75,21 @@ class ModelRunner:
             graphs = None   # LoRA rows run the layers one by one; pooling needs the hidden states
         bucket = graphs.bucket_for(chunks) if graphs is not None else None
         if graphs is not None and bucket is not None:
-            logits = graphs.run(chunks, bucket)
-        else:
-            batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
-            with lora_step(lora):
-                hidden = self._forward(batch, slot_rows if lora is not None else None)
+            return Launched(chunks, logits=graphs.run(chunks, bucket))
+        batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
+        with lora_step(lora):
+            hidden = self._forward(batch, slot_rows if lora is not None else None)
+        return Launched(chunks, batch, hidden)
+
+    @torch.inference_mode()
+    def finish(self, launched: Launched) -> SamplerOutput | None:
+        """The second half of `execute`: the launched forward's logits (a pipeline's: received from its last
+        stage), prompt logprobs and pooling, and the sampling."""
+        chunks, batch, hidden, logits = launched.chunks, launched.batch, launched.hidden, launched.logits
+        if batch is not None and hidden is not None:
+            receive = getattr(self.model, "receive_logits", None)   # a pipeline stage (worker/pp_stage.py)
+            if receive is not None and batch.logits_indices.numel():
+                logits = receive(batch.logits_indices.shape[0])     # sent first: before any prompt logprobs
             if any(c.request.prompt_logprobs is not None for c in chunks):
                 record_prompt_logprobs(chunks, lambda start, stop: self._logits(
                     hidden, torch.arange(start, stop, device=hidden.device)))
@@ -68,8 +97,11 @@ class ModelRunner:
                 record_pooling(chunks, hidden)
             if batch.logits_indices.numel() == 0:
                 return None
-            logits = self._verification_logits(hidden, batch) if batch.decode_runs is not None else \
-                self._logits(hidden, batch.logits_indices)
+            if logits is None:
+                logits = self._verification_logits(hidden, batch) if batch.decode_runs is not None else \
+                    self._logits(hidden, batch.logits_indices)
+        if logits is None:
+            return None
         sampling = [row for c in chunks if c.samples for row in sampling_rows(c)]
         meta = SamplingMetadata.build(sampling, self.vocab_size, self.device)
         return self.sampler.sample(logits, meta)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism v1: one DP rank as P stages, each holding a contiguous range of the layers (and only their
+"""Pipeline parallelism: one DP rank as P stages, each holding a contiguous range of the layers (and only their
 KV cache). Stage 0 owns the embedding, schedules, samples and talks to the coordinator; the last stage owns the
 final norm and the LM head (a tied head: it loads the embedding table as its weight). (torch is imported only when
 a group is joined: the worker daemon imports this module to parse its flags.) The stage model is
@@ -18,8 +18,15 @@ ForwardBatch to every other process of the DP rank; stage 0 then runs the embedd
 receives, runs its layers and sends on; the last stage keeps the normed hidden states. The rows whose logits stage
 0 needs go out as a "logits" command, and the last stage (its TP rank 0, after gathering the vocabulary slices)
 sends their logits back to stage 0 (prompt logprobs the same way). Every process but the engine's runs TP's
-follower loop (`serve_follower`). v1 runs one batch at a time through the stages: PP gives capacity (a model over
-several processes' memory), not speed; micro-batches in flight are v2.
+follower loop (`serve_follower`).
+
+**Micro-batches in flight.** Stage 0 launches up to P micro-batches (`--pp-micro-batches`) before it finishes the
+oldest (worker/micro_batches.py: a request is in one at most, each takes its share of the requests), so that
+while the last stage computes batch k the first computes batch k + 1 and every stage works at once. For that no
+stage waits on a hand-off it sends (`start_send`: the receiver takes it when it gets to that batch), and the last
+stage sends each forward's logits (its `logits_indices` rows) as soon as it has them, unasked; stage 0 receives
+them when it finishes that batch (`StageModel.receive_logits`). Batches go through every stage in launch order,
+so a KV block freed by an abort and given to a later batch is written by the later batch last, on every stage.
 
 **World.** E x P x T processes, one rendezvous (`--dist-init`); through the rendezvous store each checks that it
 agrees with global rank 0 on P, the layer partition, T and E, then every process compares its model files, dtype
@@ -209,15 +216,23 @@ class PipelineGroup:
     def send(self, tensor: torch.Tensor, stage: int, tp_rank: int | None = None) -> None:
         """Send `tensor` to `stage`'s TP rank `tp_rank` (default: this process's) (GroupBroken if it fails or takes
         past the timeout)."""
+        self.start_send(tensor, stage, tp_rank).wait()
+
+    def start_send(self, tensor: torch.Tensor, stage: int, tp_rank: int | None = None) -> PendingSend:
+        """Start sending `tensor` to `stage`'s TP rank `tp_rank` without waiting for the receiver (micro-batches in
+        flight: a stage hands a batch on and goes on with the next); the PendingSend holds the tensor until
+        `wait()`."""
         import torch.distributed as dist
 
+        what = f"{self.member(self.index)}: sending to stage {stage} failed"
+        tensor = tensor.contiguous()
         try:
-            work = dist.isend(tensor.contiguous(), dst=self.rank_of(stage, tp_rank))
+            work = dist.isend(tensor, dst=self.rank_of(stage, tp_rank))
             if work is None:   # this process is not in the default group
                 raise RuntimeError("not a member of the pipeline's group")
-            work.wait(datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError / DistBackendError variants
-            raise GroupBroken(f"{self.member(self.index)}: sending to stage {stage} failed: {e}") from e
+            raise GroupBroken(f"{what}: {e}") from e
+        return PendingSend(work, tensor, self.options.timeout_s, what)
 
     def receive(self, shape: Sequence[int], dtype: torch.dtype, stage: int, tp_rank: int | None = None
                 ) -> torch.Tensor:
@@ -235,6 +250,23 @@ class PipelineGroup:
         except Exception as e:  # noqa: BLE001
             raise GroupBroken(f"{self.member(self.index)}: receiving from stage {stage} failed: {e}") from e
         return tensor
+
+
+@dataclass
+class PendingSend:
+    """A point-to-point send under way: its work handle and the tensor it reads (kept alive until it is done)."""
+
+    work: Any
+    tensor: torch.Tensor
+    timeout_s: float
+    what: str                     # "<member>: sending to stage s failed", for the error
+
+    def wait(self) -> None:
+        """Until the receiver has the tensor (GroupBroken if it fails or takes past the timeout)."""
+        try:
+            self.work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001
+            raise GroupBroken(f"{self.what}: {e}") from e
 
 
 # ---- joining the world ----------------------------------------------------------------------------------

@@ -7,10 +7,12 @@ their tensors from the files. `StageModel` is what the engine (stage 0) and the 
 
 - stage 0's `forward` runs the embedding and its layers and sends (hidden, residual) to stage 1; it returns the
   row numbers [T] in place of hidden states, so that the model runner's `hidden[rows]` are the rows whose logits
-  `compute_logits` then receives from the last stage (which got them from the "logits" command);
-- a later stage receives (hidden, residual), runs its layers, and sends on or, on the last stage, keeps the
-  normed hidden states for the "logits" commands, whose logits it sends to stage 0 (`compute_logits`), so that the
-  later stages (and stage 0's TP ranks > 0) run worker/tp_commands.py's follower loop as TP followers do.
+  `compute_logits` receives from the last stage (which got them from the "logits" command);
+- a later stage receives (hidden, residual), runs its layers, and sends on or, on the last stage, sends the logits
+  of the batch's `logits_indices` rows to stage 0 at once (`receive_logits` there) and keeps the normed hidden
+  states for "logits" commands (prompt logprobs), whose logits it sends too (`compute_logits`), so that the
+  later stages (and stage 0's TP ranks > 0) run worker/tp_commands.py's follower loop as TP followers do. Sends
+  are not waited for (micro-batches in flight: worker/pp_group.py).
 
 PP x TP: each stage is a TP group whose processes hold their shards of the stage's layers (the embedding and LM
 head vocabulary-parallel); after a stage's layers every TP rank holds the whole (hidden, residual) (the row-parallel
@@ -23,6 +25,7 @@ Step graphs and the native CPU decode step are not used on stages (every step ru
 from __future__ import annotations
 
 import logging
+from collections import deque
 from pathlib import Path
 from typing import ClassVar
 
@@ -36,7 +39,7 @@ from infer.worker.loader import (
 )
 from infer.worker.models.layers import deferred_weights
 from infer.worker.models.llama import LlamaForCausalLM
-from infer.worker.pp_group import PipelineGroup, agree_min
+from infer.worker.pp_group import PendingSend, PipelineGroup, agree_min
 
 log = logging.getLogger("infer.worker")
 
@@ -55,14 +58,17 @@ class StageModel:
         self.num_kv_heads, self.head_dim, self.vocab_size = lm.num_kv_heads, lm.head_dim, lm.vocab_size
         self.hidden_size = int(lm.config.hidden_size)
         self._final: torch.Tensor | None = None   # the last stage: the last forward's normed hidden states
+        self._sends: deque[PendingSend] = deque()   # hand-offs (or logits) under way, oldest first
 
     def __call__(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         return self.forward(batch, kv_cache)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """This stage's part of the forward: from the embedding (stage 0) or the previous stage's (hidden, residual),
-        through its layers, to the next stage or (the last) the normed hidden states kept for "logits". Returns the
-        row numbers [T] (stage 0's runner indexes them; see the module doc)."""
+        through its layers, to the next stage or (the last) the normed hidden states, whose rows
+        `batch.logits_indices` go to stage 0 as logits at once (`receive_logits`) and which are kept for "logits"
+        commands. Hand-offs are not waited for: the stage goes on with the next micro-batch. Returns the row
+        numbers [T] (stage 0's runner indexes them; see the module doc)."""
         model = self.lm.model
         num_tokens = batch.input_ids.shape[0]
         if self.group.is_first:
@@ -76,16 +82,34 @@ class StageModel:
             hidden, residual = layer(batch.positions, hidden, residual, batch, k_cache, v_cache)
         if self.group.is_last:
             self._final = model.norm(hidden, residual)[0]
+            if batch.logits_indices.numel():
+                logits = self.lm.compute_logits(self._final[batch.logits_indices])
+                if logits is not None:   # TP: gathered on TP rank 0
+                    self._start_send(logits.float(), 0, tp_rank=0)
         elif residual is None:   # never: each stage has a layer (--pp-layer-partition), and a layer makes it
             raise ValueError("a pipeline stage ran no layer")
         else:
-            self.group.send(torch.stack((hidden, residual)), self.group.stage + 1)
+            self._start_send(torch.stack((hidden, residual)), self.group.stage + 1)
         return torch.arange(num_tokens, device=batch.input_ids.device)
 
+    def _start_send(self, tensor: torch.Tensor, stage: int, tp_rank: int | None = None) -> None:
+        """Send without waiting; at most `group.size` sends stay under way (the engine has at most that many
+        micro-batches in flight, so the oldest was received already, or is about to be)."""
+        while len(self._sends) >= self.group.size:
+            self._sends.popleft().wait()
+        self._sends.append(self.group.start_send(tensor, stage, tp_rank))
+
+    def receive_logits(self, num_rows: int) -> torch.Tensor:
+        """On the engine's process: the logits [num_rows, vocab] float32 of a forward's `logits_indices`, which the
+        last stage sent when it ran that forward (forwards' logits come in the order of the forwards)."""
+        group = self.group
+        return group.receive((num_rows, self.vocab_size), torch.float32, group.size - 1, tp_rank=0)
+
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """The logits [N, vocab] float32 of the last forward's `rows` (row numbers): on the engine's process (stage
-        0, TP rank 0), received from the last stage's TP rank 0. The last stage's processes compute them (with TP,
-        gathered on its TP rank 0, which sends them to stage 0); the others do nothing. None but on the engine's."""
+        """The logits [N, vocab] float32 of the last forward's `rows` (row numbers; prompt logprobs: the engine sends
+        this "logits" command only while no later forward is in flight): on the engine's process (stage 0, TP rank
+        0), received from the last stage's TP rank 0. The last stage's processes compute them (with TP, gathered on
+        its TP rank 0, which sends them to stage 0); the others do nothing. None but on the engine's."""
         group = self.group
         if group.is_leader:
             return group.receive((rows.shape[0], self.vocab_size), torch.float32, group.size - 1, tp_rank=0)
@@ -94,7 +118,7 @@ class StageModel:
                 raise ValueError("a logits command before any forward")
             logits = self.lm.compute_logits(self._final[rows])
             if logits is not None:
-                group.send(logits.float(), 0, tp_rank=0)
+                self._start_send(logits.float(), 0, tp_rank=0)
         return None
 
 

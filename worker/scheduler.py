@@ -26,6 +26,11 @@ appends the accepted tokens and calls `accept_draft_tokens`, which counts the ac
 and gives back the blocks past the request's tokens (rejected drafts' slots: rolled back by bookkeeping, never
 copied). Only computed tokens' full blocks are registered in the prefix cache, so rejected drafts never are.
 
+Micro-batches in flight (a pipeline's stage 0, worker/micro_batches.py): `schedule(busy=ids, max_seqs=n)` plans a
+step beside earlier ones whose tokens are not computed yet: the `busy` requests are neither scheduled (their next
+tokens are unknown) nor preempted (a later stage still writes their KV); a request that needs their blocks waits.
+`max_seqs` caps this step's requests (its share), below max_num_seqs, which still caps the running requests.
+
 Beam search (worker/beam_groups.py): the beams of one search are requests sharing `beam_group` (and its rank, so
 they sit together in both queues). Preempting any of them preempts them all (a search never waits, holding blocks,
 on a beam of its own that waits for blocks); `fork` adds a beam beside its parent, sharing its computed KV.
@@ -206,6 +211,7 @@ class _Step:
     token_budget: int
     max_seqs: int
     drafts: Mapping[str, Sequence[int]] = field(default_factory=dict)  # proposed draft tokens, by request id
+    busy: frozenset[str] = frozenset()   # ids of requests in a micro-batch still in flight: not scheduled, kept
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)  # by request id
     preempted: list[Request] = field(default_factory=list)
 
@@ -375,11 +381,15 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None, busy: frozenset[str] = frozenset(),
+                 max_seqs: int | None = None) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy). Allocates the blocks it plans for.
-        `drafts`: draft tokens proposed for running requests (speculative decoding; see the module docstring)."""
+        `drafts`: draft tokens proposed for running requests (speculative decoding; see the module docstring).
+        `busy`: running requests of micro-batches still in flight (a pipeline: see the module docstring).
+        `max_seqs`: at most this many requests in this step (a micro-batch's share; default max_num_seqs)."""
         self._num_steps += 1
-        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_seqs, drafts or {})
+        seats = self.config.max_num_seqs if max_seqs is None else min(max_seqs, self.config.max_num_seqs)
+        step = _Step(self.config.max_num_batched_tokens, seats, drafts or {}, busy)
         if self.config.policy == "priority":
             self._schedule_by_rank(step)
         elif self.config.enable_chunked_prefill:
@@ -440,8 +450,9 @@ class Scheduler:
         running = list(self._running)
         admitting = True
         while not step.full:
-            while running and (running[0].status is not RequestStatus.RUNNING or step.has(running[0])):
-                running.pop(0)   # preempted by a better ranked request a moment ago
+            while running and (running[0].status is not RequestStatus.RUNNING or step.has(running[0])
+                               or running[0].request_id in step.busy):
+                running.pop(0)   # preempted by a better ranked request a moment ago, or in flight
             head = self._waiting[0] if admitting and self._waiting else None
             if head is not None and (not running or self._rank(head) < self._rank(running[0])):
                 admitting = self._admit(head, step, reserved_blocks=0, may_preempt=True)
@@ -460,8 +471,8 @@ class Scheduler:
         for request in list(self._running):
             if step.full:
                 return
-            if request.status is not RequestStatus.RUNNING or step.has(request):
-                continue  # preempted a moment ago, or admitted this step
+            if request.status is not RequestStatus.RUNNING or step.has(request) or request.request_id in step.busy:
+                continue  # preempted a moment ago, admitted this step, or in flight
             if min(request.num_tokens_to_compute, step.token_budget) <= 0:
                 continue  # nothing to compute until the engine appends its sampled token
             if not self._schedule_one(request, step):
@@ -492,10 +503,17 @@ class Scheduler:
         """Allocate for `request`, preempting the newest running requests until it fits. False if the
         request itself had to be preempted (alone, or with its beam group)."""
         while not self.block_manager.allocate(request, num_new):
-            self._preempt(self._running[-1], step)
+            victim = self._victim(step)
+            if victim is None:   # only requests in flight hold blocks to take: it waits for them
+                return False
+            self._preempt(victim, step)
             if request.status is not RequestStatus.RUNNING:
                 return False
         return True
+
+    def _victim(self, step: _Step) -> Request | None:
+        """The worst ranked running request that may be preempted (not in flight), or None."""
+        return next((r for r in reversed(self._running) if r.request_id not in step.busy), None)
 
     def _preempt(self, request: Request, step: _Step) -> None:
         """Preempt by recompute: drop blocks and progress; the tokens so far are kept and recomputed. The beams
@@ -535,7 +553,7 @@ class Scheduler:
         while (len(self._running) >= self.config.max_num_seqs
                or self.block_manager.num_blocks_to_allocate(request, num_new, cached) + reserved_blocks
                > self.block_manager.num_free_blocks):
-            victim = self._running[-1] if self._running else None
+            victim = self._victim(step)
             if not may_preempt or victim is None or self._rank(victim) <= self._rank(request):
                 return False
             self._preempt(victim, step)

@@ -7,6 +7,7 @@ processes) and PP 2 of a tiny Mixtral equal transformers too; ranks of composed 
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -81,6 +82,7 @@ def test_pp2_with_a_tied_head_equals_transformers(tiny_model_dir):
             done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             assert [c.token_ids for c in done] == want
         assert sum(c.num_cached_tokens for c in done) >= 32
+        assert llm._engine.in_flight.depth == 2 and llm._engine.in_flight.num_overlapped > 0   # micro-batches
         logprobs = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
         one = LLM(model=str(model), **OPTIONS).generate(PROMPTS[:2], logprobs, use_tqdm=False)
         two = llm.generate(PROMPTS[:2], logprobs, use_tqdm=False)
@@ -100,6 +102,7 @@ def test_pp3_uneven_equals_transformers(five_layers):
         assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1"}
         assert "model.embed_tokens.weight" in names and not any(n.startswith(("lm_head", "model.norm")) for n in names)
         assert len(engine.kv_cache.k) == 2 and engine.model.num_layers == 2
+        assert engine.in_flight.depth == 3 and engine.in_flight.num_overlapped > 0
     finally:
         llm.close()
 
@@ -115,6 +118,58 @@ def test_pp2_x_tp2_equals_transformers(tiny_model_dir):
         assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
         group = llm._engine.stage.group
         assert (group.size, group.tp_size, group.commands.size) == (2, 2, 4)
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+def test_pp2_micro_batches_stay_exact_under_preemption_and_an_abort_in_flight(tiny_model_dir):
+    """Two micro-batches in flight over a KV pool too small for every request (preemptions): each request's greedy
+    tokens equal transformers'; a request aborted while its micro-batch is in flight gets no token after its final
+    delta, and what it got is a prefix of transformers' tokens."""
+    model = tiny_model_dir("llama")
+    prompts, max_new = _prompts(8, 3), 12
+    want = transformers_greedy(model, prompts, max_new)
+    block_bytes = 2 * 16 * 2 * 16 * 4                  # K and V, 16 tokens, 2 KV heads of 16, fp32: one layer a stage
+    llm = LLM(model=str(model), pipeline_parallel_size=2, **{**OPTIONS, "kv_cache_memory": 14 * block_bytes})
+    try:
+        engine = llm._engine
+        params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        finals: dict[str, str] = {}
+        aborted = None
+        while engine.has_unfinished():
+            for delta in engine.step():
+                assert delta.request_id not in finals, "a token after the final delta"
+                got[delta.request_id] += list(delta.token_ids)
+                if delta.finished:
+                    finals[delta.request_id] = delta.finish_reason
+            if aborted is None and len(engine.in_flight) == 2 and any(got.values()):
+                aborted = sorted(engine.in_flight.busy)[0]
+                assert engine.abort(aborted)
+        assert aborted is not None and finals.pop(aborted) == "abort"
+        assert want[int(aborted[1:])][:len(got[aborted])] == got.pop(aborted)
+        assert got == {f"r{i}": w for i, w in enumerate(want) if f"r{i}" in got}
+        assert set(finals.values()) == {"length"}
+        assert engine.scheduler.num_preemptions > 0 and engine.in_flight.num_overlapped > 0
+        assert engine.scheduler.block_manager.num_free_blocks == engine.num_kv_blocks
+        # a batch with prompt logprobs runs alone: a dummy forward (an idle EP rank's) lets it finish first
+        with_lps = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+        lps_prompt = prompts[-1][:20]
+        want_lps = llm.generate([lps_prompt], with_lps, use_tqdm=False)[0].prompt_logprobs
+        engine.add_request("plain", prompts[0], params)
+        deltas = engine.step()
+        engine.add_request("lps", lps_prompt, with_lps)
+        deltas += engine.step()
+        assert len(engine.in_flight) == 2
+        deltas += engine.dummy_step()
+        assert len(engine.in_flight) == 0
+        while engine.has_unfinished():
+            deltas += engine.step()
+        got_lps = [d.prompt_logprobs for d in deltas if d.request_id == "lps" and d.prompt_logprobs is not None]
+        assert len(got_lps) == 1 and len(want_lps) == 20 and [None, *got_lps[0]] == want_lps
     finally:
         llm.close()
 
@@ -169,15 +224,24 @@ def test_pp2_of_an_moe_model_equals_transformers(tmp_path, smollm2_tokenizer):
 
 
 @pytest.mark.slow
-def test_suspend_and_refit_are_refused_with_pp(tiny_model_dir):
+def test_suspend_and_refit_are_refused_and_step_graphs_run_eagerly_with_pp(tiny_model_dir, caplog):
+    """Suspend / resume and refits are refused with what is missing named; step graphs asked for
+    (enforce_eager=False) are not made for stages: a warning says so and the pipeline runs eagerly, exact."""
     model = tiny_model_dir("llama")
-    llm = LLM(model=str(model), pipeline_parallel_size=2, **OPTIONS)
+    with caplog.at_level(logging.WARNING, logger="infer.worker"):
+        llm = LLM(model=str(model), pipeline_parallel_size=2, enforce_eager=False, **OPTIONS)
     try:
+        assert "--no-enforce-eager: step graphs are not made for pipeline stages yet" in caplog.text
+        assert llm._engine.runner.step_graphs is None
+        done = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+        assert [c.token_ids for c in done] == transformers_greedy(model, PROMPTS[:3], MAX_NEW)
         with pytest.raises(ValueError, match=r"suspend is not supported with pipeline parallelism yet "
                                              r"\(pipeline_parallel_size 2\)"):
             llm._engine.suspend()   # what a worker runs on the cluster's suspend
         with pytest.raises(ValueError, match="a weight update is not supported with pipeline parallelism yet"):
             llm.update_weights(model)
+        with pytest.raises(ValueError, match=r"embeddings \(pooling\) are not supported with pipeline parallelism"):
+            llm._engine.add_request("e", [1, 2, 3], SamplingParams(pooling="last"))
     finally:
         llm.close()
 
