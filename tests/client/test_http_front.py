@@ -432,7 +432,9 @@ def test_a_20_mb_prompt_is_refused_at_once_while_a_stream_goes_on_and_health_sta
             started = time.monotonic()
             status, _, text = _http(f"{url}{path}", body)
             elapsed = time.monotonic() - started
-            assert status == 400 and elapsed < 1.0, (status, elapsed)   # at once: nothing was tokenized
+            # at once: nothing was tokenized (that takes 5-8 s of CPU here); the bound leaves room for a loaded CI
+            # machine (2 test processes on 2 cores), where sending and parsing the 20 MB body took 1.2 s
+            assert status == 400 and elapsed < 3.0, (status, elapsed)
             error = _error(text)
             assert error["param"] == param and error["code"] == "context_length_exceeded"
             assert "256 tokens" in error["message"] and "without tokenizing" in error["message"]
