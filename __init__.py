@@ -9,5 +9,14 @@ from infer.protocol.lora import LoRARequest
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "Completion",
-           "LoRARequest", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "Completion",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -17,7 +17,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 @dataclass(frozen=True)
 class Workload:
     name: str
-    prompts: list[list[int]]   # token ids (the same ids for every system)
+    prompts: list[list[int]]  # token ids (the same ids for every system)
     max_tokens: list[int]
 
     @property
@@ -34,9 +34,9 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
     elif name == "W2":
         lens = [rng.randint(16, 1024) for _ in range(200)]
         outs = [rng.randint(16, 512) for _ in range(200)]
-    elif name == "B1":     # one request: batch-1 latency-bound decoding
+    elif name == "B1":  # one request: batch-1 latency-bound decoding
         lens, outs = [128], [128]
-    elif name == "tiny":   # smoke-test size
+    elif name == "tiny":  # smoke-test size
         lens, outs = [32] * 8, [16] * 8
     else:
         raise ValueError(f"unknown workload {name!r}")
@@ -53,8 +53,7 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    facts = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-             "python": platform.python_version()}
+    facts = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     try:
         import torch
 
@@ -70,10 +69,16 @@ def git_revision() -> str:
     if os.environ.get("INFER_GIT_REVISION"):  # a copy of the tree without .git (the lent GPU machine)
         return os.environ["INFER_GIT_REVISION"]
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                               cwd=Path(__file__).parent).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -82,8 +87,13 @@ def git_revision() -> str:
 def write_result(kind: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.timezone.utc)
-    payload = {"benchmark": kind, "date": now.isoformat(timespec="seconds"), "machine": machine(),
-               "git_revision": git_revision(), **payload}
+    payload = {
+        "benchmark": kind,
+        "date": now.isoformat(timespec="seconds"),
+        "machine": machine(),
+        "git_revision": git_revision(),
+        **payload,
+    }
     path = RESULTS / f"{kind}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
@@ -92,12 +102,33 @@ def write_result(kind: str, payload: dict) -> Path:
 # Shapes of random-weight Llama models, for machines that cannot take real weights (the lent GPU machine) or
 # for sizes the embedded model does not have. Throughput does not depend on the weights' values.
 RANDOM_SHAPES: dict[str, dict] = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0),
-    "llama-0.6b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=32, num_attention_heads=16,
-                       num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "llama-0.6b": dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -111,9 +142,14 @@ def random_model(shape: str, tokenizer_dir: str, folder: Path) -> Path:
     if (path / "config.json").exists():
         return path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, rms_norm_eps=1e-5,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         **RANDOM_SHAPES[shape])
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **RANDOM_SHAPES[shape],
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
@@ -145,8 +181,7 @@ def dense_model_dir(gguf: Path | None = None) -> Path:
         options["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:
         pass
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 **options)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, **options)
     model.save_pretrained(path, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
     return path

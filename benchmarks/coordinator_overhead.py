@@ -30,6 +30,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
+
 from infer.protocol.messages import Hello, Submit, TokenIds, Welcome, decode, encode
 from infer.protocol.sampling import SamplingParams
 
@@ -102,8 +103,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def spawn(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -116,8 +118,10 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def submit_frames(count: int, tag: str) -> list[bytes]:
-    return [encode(Submit(request_id=f"{tag}{i}", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=1)))
-            for i in range(count)]
+    return [
+        encode(Submit(request_id=f"{tag}{i}", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=1)))
+        for i in range(count)
+    ]
 
 
 def finished_ids(frame: bytes) -> list[str]:
@@ -131,8 +135,15 @@ def finished_ids(frame: bytes) -> list[str]:
     return []
 
 
-def closed_loop(sock: zmq.Socket, frames: list[bytes], concurrency: int, seconds: float,
-                hub_pid: int, worker_pids: list[int], record_latency: bool) -> Phase:
+def closed_loop(
+    sock: zmq.Socket,
+    frames: list[bytes],
+    concurrency: int,
+    seconds: float,
+    hub_pid: int,
+    worker_pids: list[int],
+    record_latency: bool,
+) -> Phase:
     ids = [msgpack.unpackb(f, raw=False)["body"]["request_id"] for f in frames] if record_latency else None
     sent_at: dict[str, float] = {}
     latencies: list[float] = []
@@ -166,8 +177,14 @@ def closed_loop(sock: zmq.Socket, frames: list[bytes], concurrency: int, seconds
                     sock.send(frames[next_frame], zmq.NOBLOCK)
                     next_frame += 1
     elapsed = time.perf_counter() - start
-    phase = Phase(done, elapsed, latencies, cpu_seconds(hub_pid) - hub0,
-                  sum(map(cpu_seconds, worker_pids)) - workers0, time.process_time() - self0)
+    phase = Phase(
+        done,
+        elapsed,
+        latencies,
+        cpu_seconds(hub_pid) - hub0,
+        sum(map(cpu_seconds, worker_pids)) - workers0,
+        time.process_time() - self0,
+    )
     _drain(sock, concurrency)
     return phase
 
@@ -192,11 +209,25 @@ def run_path(name: str, args: argparse.Namespace, ctx: zmq.Context) -> tuple[Pha
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     if name == "coordinator":
-        hub = spawn("-m", "infer.coordinator.daemon", "--port", str(port), "--client-timeout", "120",
-                    "--log-level", "WARNING")
-        workers = [spawn("-m", "infer.worker.daemon", "--coordinator", address, "--dp-rank", str(r),
-                         "--benchmark-mode", "--max-num-seqs", "1024", "--log-level", "WARNING")
-                   for r in range(args.workers)]
+        hub = spawn(
+            "-m", "infer.coordinator.daemon", "--port", str(port), "--client-timeout", "120", "--log-level", "WARNING"
+        )
+        workers = [
+            spawn(
+                "-m",
+                "infer.worker.daemon",
+                "--coordinator",
+                address,
+                "--dp-rank",
+                str(r),
+                "--benchmark-mode",
+                "--max-num-seqs",
+                "1024",
+                "--log-level",
+                "WARNING",
+            )
+            for r in range(args.workers)
+        ]
     else:
         back = f"tcp://127.0.0.1:{free_port()}"
         hub = spawn("-c", RELAY, address, back)
@@ -207,14 +238,14 @@ def run_path(name: str, args: argparse.Namespace, ctx: zmq.Context) -> tuple[Pha
         if name == "coordinator":
             _wait_for_workers(sock, args.workers)
         else:
-            time.sleep(1.0)   # the echo workers' hellos reach the relay (nothing to ask it)
+            time.sleep(1.0)  # the echo workers' hellos reach the relay (nothing to ask it)
         warm = submit_frames(args.concurrency * 4, "warm")
         closed_loop(sock, warm, args.concurrency, 1.0, hub.pid, [w.pid for w in workers], False)
         frames = submit_frames(args.max_requests, "t")
-        throughput = closed_loop(sock, frames, args.concurrency, args.seconds, hub.pid,
-                                 [w.pid for w in workers], False)
-        latency = closed_loop(sock, submit_frames(args.latency_requests, "l"), 1, 60.0, hub.pid,
-                              [w.pid for w in workers], True)
+        throughput = closed_loop(sock, frames, args.concurrency, args.seconds, hub.pid, [w.pid for w in workers], False)
+        latency = closed_loop(
+            sock, submit_frames(args.latency_requests, "l"), 1, 60.0, hub.pid, [w.pid for w in workers], True
+        )
         sock.close()
         return throughput, latency
     finally:
@@ -245,33 +276,56 @@ def main() -> None:
     ctx.term()
 
     rows = []
-    print(f"\none-token requests, {args.workers} workers, {args.concurrency} outstanding, {args.seconds:g} s "
-          f"(latency: 1 outstanding)\n")
-    print(f"{'path':<12} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'hub cpu us/req':>15} {'hub capacity req/s':>19} "
-          f"{'workers cpu us/req':>19} {'loadgen cpu us/req':>19}")
+    print(
+        f"\none-token requests, {args.workers} workers, {args.concurrency} outstanding, {args.seconds:g} s "
+        f"(latency: 1 outstanding)\n"
+    )
+    print(
+        f"{'path':<12} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'hub cpu us/req':>15} {'hub capacity req/s':>19} "
+        f"{'workers cpu us/req':>19} {'loadgen cpu us/req':>19}"
+    )
     for name, (tp, lat) in results.items():
         hub_us = tp.hub_cpu_s / tp.requests * 1e6
-        row = {"path": name, "requests_per_s": round(tp.rate), "latency_p50_ms": round(lat.percentile(0.5), 3),
-               "latency_p99_ms": round(lat.percentile(0.99), 3), "hub_cpu_us_per_request": round(hub_us, 2),
-               "hub_capacity_requests_per_core_s": round(1e6 / hub_us),
-               "workers_cpu_us_per_request": round(tp.workers_cpu_s / tp.requests * 1e6, 2),
-               "loadgen_cpu_us_per_request": round(tp.loadgen_cpu_s / tp.requests * 1e6, 2),
-               "requests": tp.requests}
+        row = {
+            "path": name,
+            "requests_per_s": round(tp.rate),
+            "latency_p50_ms": round(lat.percentile(0.5), 3),
+            "latency_p99_ms": round(lat.percentile(0.99), 3),
+            "hub_cpu_us_per_request": round(hub_us, 2),
+            "hub_capacity_requests_per_core_s": round(1e6 / hub_us),
+            "workers_cpu_us_per_request": round(tp.workers_cpu_s / tp.requests * 1e6, 2),
+            "loadgen_cpu_us_per_request": round(tp.loadgen_cpu_s / tp.requests * 1e6, 2),
+            "requests": tp.requests,
+        }
         rows.append(row)
-        print(f"{name:<12} {row['requests_per_s']:>9} {row['latency_p50_ms']:>8} {row['latency_p99_ms']:>8} "
-              f"{row['hub_cpu_us_per_request']:>15} {row['hub_capacity_requests_per_core_s']:>19} "
-              f"{row['workers_cpu_us_per_request']:>19} {row['loadgen_cpu_us_per_request']:>19}")
+        print(
+            f"{name:<12} {row['requests_per_s']:>9} {row['latency_p50_ms']:>8} {row['latency_p99_ms']:>8} "
+            f"{row['hub_cpu_us_per_request']:>15} {row['hub_capacity_requests_per_core_s']:>19} "
+            f"{row['workers_cpu_us_per_request']:>19} {row['loadgen_cpu_us_per_request']:>19}"
+        )
     relay, coord = rows
-    ratios = {"rate_vs_relay": round(coord["requests_per_s"] / relay["requests_per_s"], 3),
-              "hub_capacity_vs_relay": round(coord["hub_capacity_requests_per_core_s"]
-                                             / relay["hub_capacity_requests_per_core_s"], 3),
-              "added_latency_p50_ms": round(coord["latency_p50_ms"] - relay["latency_p50_ms"], 3),
-              "added_latency_p99_ms": round(coord["latency_p99_ms"] - relay["latency_p99_ms"], 3)}
-    print(f"\ncoordinator / relay: rate {ratios['rate_vs_relay']:.2f}x, hub capacity "
-          f"{ratios['hub_capacity_vs_relay']:.2f}x; added latency p50 {ratios['added_latency_p50_ms']:.3f} ms, "
-          f"p99 {ratios['added_latency_p99_ms']:.3f} ms")
-    path = write_result("coordinator_overhead", {"config": vars(args), "rows": rows, "ratios": ratios,
-                                                 "targets": {"rate_vs_relay": 0.5, "requests_per_s": 20_000}})
+    ratios = {
+        "rate_vs_relay": round(coord["requests_per_s"] / relay["requests_per_s"], 3),
+        "hub_capacity_vs_relay": round(
+            coord["hub_capacity_requests_per_core_s"] / relay["hub_capacity_requests_per_core_s"], 3
+        ),
+        "added_latency_p50_ms": round(coord["latency_p50_ms"] - relay["latency_p50_ms"], 3),
+        "added_latency_p99_ms": round(coord["latency_p99_ms"] - relay["latency_p99_ms"], 3),
+    }
+    print(
+        f"\ncoordinator / relay: rate {ratios['rate_vs_relay']:.2f}x, hub capacity "
+        f"{ratios['hub_capacity_vs_relay']:.2f}x; added latency p50 {ratios['added_latency_p50_ms']:.3f} ms, "
+        f"p99 {ratios['added_latency_p99_ms']:.3f} ms"
+    )
+    path = write_result(
+        "coordinator_overhead",
+        {
+            "config": vars(args),
+            "rows": rows,
+            "ratios": ratios,
+            "targets": {"rate_vs_relay": 0.5, "requests_per_s": 20_000},
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -29,6 +29,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 from coordinator_overhead import _wait_for_workers, cpu_seconds, dealer, free_port, spawn, stop
+
 from infer.protocol.messages import DeltaBatch, Submit, TokenIds, decode, encode
 from infer.protocol.sampling import SamplingParams
 
@@ -39,12 +40,25 @@ def start_cluster(args: argparse.Namespace) -> tuple[str, list, list]:
     """The coordinator and its workers as the README starts them (plus benchmark mode); (address, hub, workers)."""
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    hub = spawn("-m", "infer.coordinator.daemon", "--port", str(port), "--client-timeout", "600",
-                "--log-level", "WARNING")
-    workers = [spawn("-m", "infer.worker.daemon", "--coordinator", address, "--benchmark-mode",
-                     "--benchmark-step-time", str(args.step_time), "--max-num-seqs", str(args.streams_per_worker),
-                     "--log-level", "WARNING")
-               for _ in range(args.workers)]
+    hub = spawn(
+        "-m", "infer.coordinator.daemon", "--port", str(port), "--client-timeout", "600", "--log-level", "WARNING"
+    )
+    workers = [
+        spawn(
+            "-m",
+            "infer.worker.daemon",
+            "--coordinator",
+            address,
+            "--benchmark-mode",
+            "--benchmark-step-time",
+            str(args.step_time),
+            "--max-num-seqs",
+            str(args.streams_per_worker),
+            "--log-level",
+            "WARNING",
+        )
+        for _ in range(args.workers)
+    ]
     return address, hub, workers
 
 
@@ -88,14 +102,21 @@ def stream_all(sock: zmq.Socket, args: argparse.Namespace, hub_pid: int, worker_
                 finished += delta.finished
     elapsed = time.perf_counter() - start
     hub_cpu = cpu_seconds(hub_pid) - hub0
-    return {"streams": count, "finished": finished, "deltas": deltas, "seconds": round(elapsed, 3),
-            "deltas_per_s": round(deltas / elapsed), "ideal_deltas_per_s": round(count / args.step_time),
-            "hub_cpu_s": round(hub_cpu, 3), "hub_cpu_us_per_delta": round(hub_cpu / max(deltas, 1) * 1e6, 2),
-            "hub_capacity_deltas_per_core_s": round(deltas / hub_cpu) if hub_cpu else None,
-            "workers_cpu_s": round(sum(map(cpu_seconds, worker_pids)) - workers0, 3),
-            "loadgen_cpu_s": round(time.process_time() - self0, 3),
-            "first_delta_ms": {"p50": percentile(first_ms, 0.5), "p99": percentile(first_ms, 0.99)},
-            "added_gap_ms": {"p50": percentile(gaps_ms, 0.5), "p99": percentile(gaps_ms, 0.99)}}
+    return {
+        "streams": count,
+        "finished": finished,
+        "deltas": deltas,
+        "seconds": round(elapsed, 3),
+        "deltas_per_s": round(deltas / elapsed),
+        "ideal_deltas_per_s": round(count / args.step_time),
+        "hub_cpu_s": round(hub_cpu, 3),
+        "hub_cpu_us_per_delta": round(hub_cpu / max(deltas, 1) * 1e6, 2),
+        "hub_capacity_deltas_per_core_s": round(deltas / hub_cpu) if hub_cpu else None,
+        "workers_cpu_s": round(sum(map(cpu_seconds, worker_pids)) - workers0, 3),
+        "loadgen_cpu_s": round(time.process_time() - self0, 3),
+        "first_delta_ms": {"p50": percentile(first_ms, 0.5), "p99": percentile(first_ms, 0.99)},
+        "added_gap_ms": {"p50": percentile(gaps_ms, 0.5), "p99": percentile(gaps_ms, 0.99)},
+    }
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -122,12 +143,14 @@ def main() -> None:
     finally:
         stop([hub, *workers])
         ctx.term()
-    print(f"{args.workers} workers x {args.streams_per_worker} streams x {args.tokens} tokens, step "
-          f"{args.step_time * 1000:g} ms: {result['deltas_per_s']} deltas/s relayed (ideal "
-          f"{result['ideal_deltas_per_s']}), coordinator {result['hub_cpu_us_per_delta']} us CPU per delta "
-          f"({result['hub_capacity_deltas_per_core_s']} deltas/s a core); added gap p50 "
-          f"{result['added_gap_ms']['p50']} ms p99 {result['added_gap_ms']['p99']} ms; first delta p50 "
-          f"{result['first_delta_ms']['p50']} ms p99 {result['first_delta_ms']['p99']} ms")
+    print(
+        f"{args.workers} workers x {args.streams_per_worker} streams x {args.tokens} tokens, step "
+        f"{args.step_time * 1000:g} ms: {result['deltas_per_s']} deltas/s relayed (ideal "
+        f"{result['ideal_deltas_per_s']}), coordinator {result['hub_cpu_us_per_delta']} us CPU per delta "
+        f"({result['hub_capacity_deltas_per_core_s']} deltas/s a core); added gap p50 "
+        f"{result['added_gap_ms']['p50']} ms p99 {result['added_gap_ms']['p99']} ms; first delta p50 "
+        f"{result['first_delta_ms']['p50']} ms p99 {result['first_delta_ms']['p99']} ms"
+    )
     if result["finished"] < result["streams"]:
         print(f"only {result['finished']} of {result['streams']} streams finished within {args.timeout:g} s")
     print(f"wrote {write_result('coordinator_scale', {'config': vars(args), 'result': result})}")

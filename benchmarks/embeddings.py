@@ -36,7 +36,7 @@ from throughput import setup_vllm  # noqa: E402
 # would import benchmarks/kernels.py)
 
 SYSTEMS = ("infer", "vllm")
-POOLING = {"last": "LAST", "mean": "MEAN", "cls": "CLS"}   # ours -> vLLM's pooling type
+POOLING = {"last": "LAST", "mean": "MEAN", "cls": "CLS"}  # ours -> vLLM's pooling type
 KV_CACHE_GIB = 4
 
 
@@ -47,14 +47,21 @@ def make_prompts(count: int, length: int, vocab_size: int) -> list[list[int]]:
 
 # ---- one system, in its own process ---------------------------------------------------------------
 
+
 def run_infer(path: str, dtype: str, prompts: list[list[int]], pooling: str, threads: int | None) -> dict:
     from infer import LLM
 
     start = time.perf_counter()
-    llm = LLM(model=path, dtype=dtype, max_model_len=max(len(p) for p in prompts) + 16, max_num_seqs=256,
-              kv_cache_memory=KV_CACHE_GIB << 30, num_threads=threads)
+    llm = LLM(
+        model=path,
+        dtype=dtype,
+        max_model_len=max(len(p) for p in prompts) + 16,
+        max_num_seqs=256,
+        kv_cache_memory=KV_CACHE_GIB << 30,
+        num_threads=threads,
+    )
     startup = time.perf_counter() - start
-    llm.embed(prompts[:2], pooling=pooling, use_tqdm=False)   # warm-up
+    llm.embed(prompts[:2], pooling=pooling, use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.embed(prompts, pooling=pooling, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -68,8 +75,14 @@ def run_vllm(path: str, dtype: str, prompts: list[list[int]], pooling: str, thre
     from vllm.config import PoolerConfig
 
     start = time.perf_counter()
-    llm = LLM(model=path, runner="pooling", dtype=dtype, max_model_len=max(len(p) for p in prompts) + 16, seed=0,
-              pooler_config=PoolerConfig(pooling_type=POOLING[pooling], use_activation=True))
+    llm = LLM(
+        model=path,
+        runner="pooling",
+        dtype=dtype,
+        max_model_len=max(len(p) for p in prompts) + 16,
+        seed=0,
+        pooler_config=PoolerConfig(pooling_type=POOLING[pooling], use_activation=True),
+    )
     startup = time.perf_counter() - start
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.embed(inputs[:2], use_tqdm=False)
@@ -96,21 +109,38 @@ def child_main(system: str, dtype: str, path: str, count: int, length: int, pool
 
 # ---- the parent: run each system in its own process, tabulate --------------------------------------
 
+
 def run_child(system: str, dtype: str, path: Path, args: argparse.Namespace) -> dict:
     python = setup_vllm() if system == "vllm" else Path(sys.executable)
-    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
-               TOKENIZERS_PARALLELISM="false")
-    if args.threads:   # the same number of compute threads for every system
-        env.update(INFER_BENCH_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads),
-                   VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
+    env = dict(
+        os.environ,
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    if args.threads:  # the same number of compute threads for every system
+        env.update(
+            INFER_BENCH_THREADS=str(args.threads),
+            OMP_NUM_THREADS=str(args.threads),
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+        )
     # the vLLM venv has no `infer`: the child needs only common.py and this file
-    cmd = [str(python), str(Path(__file__).resolve()), "--child", system, dtype, str(path), str(args.prompts),
-           str(args.prompt_len), args.pooling]
+    cmd = [
+        str(python),
+        str(Path(__file__).resolve()),
+        "--child",
+        system,
+        dtype,
+        str(path),
+        str(args.prompts),
+        str(args.prompt_len),
+        args.pooling,
+    ]
     print(f"-- {system} {dtype}", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
 
 
@@ -125,9 +155,12 @@ def summarize(runs: list[dict]) -> dict:
     if len(good) < len(runs):
         return next(r for r in runs if "tok_per_s" not in r)
     median = sorted(good, key=lambda r: r["tok_per_s"])[len(good) // 2]
-    return {**{k: v for k, v in median.items() if k != "first"}, "first": median["first"],
-            "rounds_tok_per_s": [r["tok_per_s"] for r in good], "median_tok_per_s": statistics.median(
-                r["tok_per_s"] for r in good)}
+    return {
+        **{k: v for k, v in median.items() if k != "first"},
+        "first": median["first"],
+        "rounds_tok_per_s": [r["tok_per_s"] for r in good],
+        "median_tok_per_s": statistics.median(r["tok_per_s"] for r in good),
+    }
 
 
 def main() -> None:
@@ -172,11 +205,23 @@ def main() -> None:
                 continue
             ratio = f"{row['ratio_to_vllm']:6.2f}" if system == "infer" and "ratio_to_vllm" in row else " " * 6
             cos = f"{row['cosine_first']:7.4f}" if system == "infer" and "cosine_first" in row else ""
-            print(f"{row['dtype']:9} {system:7} {r['median_tok_per_s']:9.1f} {r['embeddings_per_s']:8.2f} {ratio} {cos}")
-    out = write_result("embeddings", {
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to a dense safetensors copy, both systems)",
-        "prompts": args.prompts, "prompt_len": args.prompt_len, "pooling": args.pooling, "normalize": True,
-        "threads": args.threads, "rounds": args.rounds, "load_avg_end": os.getloadavg(), "rows": rows})
+            print(
+                f"{row['dtype']:9} {system:7} {r['median_tok_per_s']:9.1f} {r['embeddings_per_s']:8.2f} {ratio} {cos}"
+            )
+    out = write_result(
+        "embeddings",
+        {
+            "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to a dense safetensors copy, both systems)",
+            "prompts": args.prompts,
+            "prompt_len": args.prompt_len,
+            "pooling": args.pooling,
+            "normalize": True,
+            "threads": args.threads,
+            "rounds": args.rounds,
+            "load_avg_end": os.getloadavg(),
+            "rows": rows,
+        },
+    )
     print("wrote", out)
 
 

@@ -37,8 +37,12 @@ SLOW_SCHEMAS = [{"type": "string", "minLength": 1, "maxLength": 10**6 + i} for i
 
 
 def start_cluster() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "infer.client.serve", "--workers", "1", "--port", "0",
-                             "--log-level", "ERROR"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.client.serve", "--workers", "1", "--port", "0", "--log-level", "ERROR"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -51,8 +55,13 @@ def start_cluster() -> tuple[subprocess.Popen, str]:
 
 async def plain(client, tokens: int) -> float:
     started = time.perf_counter()
-    done = await client.completions.create(model="SmolLM2-135M-Instruct", prompt="A plain request about rivers",
-                                           max_tokens=tokens, temperature=0, extra_body={"ignore_eos": True})
+    done = await client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt="A plain request about rivers",
+        max_tokens=tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert done.usage.completion_tokens == tokens
     return time.perf_counter() - started
 
@@ -63,8 +72,14 @@ async def hostile(client, case: str) -> list[str]:
 
     async def one(structured: dict, max_tokens: int) -> str:
         try:
-            await client.completions.create(model="SmolLM2-135M-Instruct", prompt="Anything", max_tokens=max_tokens,
-                                            temperature=1.0, seed=1, extra_body={"structured_outputs": structured})
+            await client.completions.create(
+                model="SmolLM2-135M-Instruct",
+                prompt="Anything",
+                max_tokens=max_tokens,
+                temperature=1.0,
+                seed=1,
+                extra_body={"structured_outputs": structured},
+            )
             return "ok"
         except openai.APIStatusError as e:
             return str(e.status_code)
@@ -79,7 +94,7 @@ async def one_case(client, case: str, tokens: int) -> tuple[float, list[str]]:
     if case == "alone":
         return await plain(client, tokens), []
     others = asyncio.create_task(hostile(client, case))
-    await asyncio.sleep(0.2)                 # the hostile requests reach the worker first
+    await asyncio.sleep(0.2)  # the hostile requests reach the worker first
     latency = await plain(client, tokens)
     return latency, await asyncio.wait_for(others, 600)
 
@@ -88,20 +103,23 @@ async def run(url: str, rounds: int, tokens: int) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-    await plain(client, tokens)              # warm-up
+    await plain(client, tokens)  # warm-up
     cases = ["alone", "costly regex", "24 slow schemas"]
     latencies: dict[str, list[float]] = {c: [] for c in cases}
     endings: dict[str, list[list[str]]] = {c: [] for c in cases}
     for r in range(rounds):
-        for case in cases[r % 3:] + cases[:r % 3]:   # alternate the order round by round
+        for case in cases[r % 3 :] + cases[: r % 3]:  # alternate the order round by round
             latency, ended = await one_case(client, case, tokens)
             latencies[case].append(latency)
             endings[case].append(ended)
             print(f"round {r + 1}: {case}: {latency:.2f} s ({', '.join(sorted(set(ended))) or '-'})", flush=True)
     medians = {c: statistics.median(v) for c, v in latencies.items()}
-    return {"latency_s": latencies, "median_s": medians,
-            "ratio_to_alone": {c: medians[c] / medians["alone"] for c in cases},
-            "hostile_endings": {c: [sorted(set(e)) for e in v] for c, v in endings.items()}}
+    return {
+        "latency_s": latencies,
+        "median_s": medians,
+        "ratio_to_alone": {c: medians[c] / medians["alone"] for c in cases},
+        "hostile_endings": {c: [sorted(set(e)) for e in v] for c, v in endings.items()},
+    }
 
 
 def main() -> None:

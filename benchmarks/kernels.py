@@ -68,15 +68,23 @@ def _time_cpu(fn, min_time: float = 0.3, repeats: int = 5) -> float:
     return statistics.median(rounds)
 
 
-def _decode_case(batch: int, context: int, dtype: torch.dtype, device: str, num_kv_heads: int = NUM_KV_HEADS,
-                 num_heads: int = NUM_HEADS, head_dim: int = HEAD_DIM, seed: int = 0):
+def _decode_case(
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    device: str,
+    num_kv_heads: int = NUM_KV_HEADS,
+    num_heads: int = NUM_HEADS,
+    head_dim: int = HEAD_DIM,
+    seed: int = 0,
+):
     """A pool with `batch` sequences of `context` tokens in random blocks, and one query each."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 8
     k_cache = torch.randn(num_kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=generator).to(dtype).to(device)
     v_cache = torch.randn(num_kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=generator).to(dtype).to(device)
-    tables = torch.randperm(num_blocks, generator=generator)[:batch * blocks_per_seq].view(batch, blocks_per_seq)
+    tables = torch.randperm(num_blocks, generator=generator)[: batch * blocks_per_seq].view(batch, blocks_per_seq)
     q = torch.randn(batch, num_heads, head_dim, generator=generator).to(dtype).to(device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, tables.to(torch.int32).to(device), seq_lens
@@ -91,7 +99,9 @@ def _previous_engine_decode(q, old_k, old_v, tables, seq_lens, scale):
     num_blocks = -(-max_len // old_k.shape[1])
     flat = tables[:, :num_blocks].flatten()
     keys = old_k.view(old_k.shape[0], -1).index_select(0, flat).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = old_v.view(old_v.shape[0], -1).index_select(0, flat).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = (
+        old_v.view(old_v.shape[0], -1).index_select(0, flat).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    )
     valid = torch.arange(keys.shape[2])[None, :] < seq_lens[:, None]
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
@@ -99,7 +109,7 @@ def _previous_engine_decode(q, old_k, old_v, tables, seq_lens, scale):
 
 def cpu_decode_table(batches: list[int], contexts: list[int]) -> list[dict]:
     rows = []
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     for batch in batches:
         for context in contexts:
             q, k_cache, v_cache, tables, seq_lens = _decode_case(batch, context, torch.bfloat16, "cpu")
@@ -108,19 +118,28 @@ def cpu_decode_table(batches: list[int], contexts: list[int]) -> list[dict]:
             starts = torch.arange(batch + 1, dtype=torch.int32)
             # the engine plans the twin's tiles once per step and every layer reuses the plan
             plan = plan_decode(tables, seq_lens, k_cache)
-            twin = (_time_cpu(lambda: paged_decode_attention_torch(q, k_cache, v_cache, tables, seq_lens, scale,
-                                                                   plan=plan))
-                    + _time_cpu(lambda: plan_decode(tables, seq_lens, k_cache)) / NUM_LAYERS)
+            twin = (
+                _time_cpu(lambda: paged_decode_attention_torch(q, k_cache, v_cache, tables, seq_lens, scale, plan=plan))
+                + _time_cpu(lambda: plan_decode(tables, seq_lens, k_cache)) / NUM_LAYERS
+            )
             previous = _time_cpu(lambda: _previous_engine_decode(q, old_k, old_v, tables, seq_lens, scale))
-            plain = _time_cpu(lambda: paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, starts,
-                                                                scale))
-            row = {"batch": batch, "context": context, "twin_step_ms": twin * NUM_LAYERS * 1e3,
-                   "previous_step_ms": previous * NUM_LAYERS * 1e3, "plain_step_ms": plain * NUM_LAYERS * 1e3,
-                   "plain_over_twin": plain / twin, "previous_over_twin": previous / twin}
+            plain = _time_cpu(lambda: paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, starts, scale))
+            row = {
+                "batch": batch,
+                "context": context,
+                "twin_step_ms": twin * NUM_LAYERS * 1e3,
+                "previous_step_ms": previous * NUM_LAYERS * 1e3,
+                "plain_step_ms": plain * NUM_LAYERS * 1e3,
+                "plain_over_twin": plain / twin,
+                "previous_over_twin": previous / twin,
+            }
             rows.append(row)
-            print(f"decode  B={batch:3d} ctx={context:5d}  twin {row['twin_step_ms']:8.2f} ms/step  "
-                  f"previous {row['previous_step_ms']:8.2f} ({row['previous_over_twin']:.2f}x)  "
-                  f"plain {row['plain_step_ms']:8.2f} ({row['plain_over_twin']:.2f}x)", flush=True)
+            print(
+                f"decode  B={batch:3d} ctx={context:5d}  twin {row['twin_step_ms']:8.2f} ms/step  "
+                f"previous {row['previous_step_ms']:8.2f} ({row['previous_over_twin']:.2f}x)  "
+                f"plain {row['plain_step_ms']:8.2f} ({row['plain_over_twin']:.2f}x)",
+                flush=True,
+            )
     return rows
 
 
@@ -142,10 +161,19 @@ def cpu_append_table(token_counts: list[int]) -> list[dict]:
 
         twin = _time_cpu(lambda: append_kv_torch(k, v, k_cache, v_cache, slots))
         base = _time_cpu(plain)
-        rows.append({"tokens": tokens, "twin_step_ms": twin * NUM_LAYERS * 1e3,
-                     "plain_step_ms": base * NUM_LAYERS * 1e3, "plain_over_twin": base / twin})
-        print(f"append  T={tokens:5d}  twin {twin * NUM_LAYERS * 1e3:7.3f} ms/step  plain "
-              f"{base * NUM_LAYERS * 1e3:7.3f} ({base / twin:.2f}x)", flush=True)
+        rows.append(
+            {
+                "tokens": tokens,
+                "twin_step_ms": twin * NUM_LAYERS * 1e3,
+                "plain_step_ms": base * NUM_LAYERS * 1e3,
+                "plain_over_twin": base / twin,
+            }
+        )
+        print(
+            f"append  T={tokens:5d}  twin {twin * NUM_LAYERS * 1e3:7.3f} ms/step  plain "
+            f"{base * NUM_LAYERS * 1e3:7.3f} ({base / twin:.2f}x)",
+            flush=True,
+        )
     return rows
 
 
@@ -179,28 +207,44 @@ def gpu_tables() -> dict:
     matmul_flops = 2 * 8192**3 / matmul_s
     del big, dst, a
     print(f"gpu: copy {copy_bw / 1e9:.0f} GB/s, bf16 matmul {matmul_flops / 1e12:.0f} TFLOP/s", flush=True)
-    result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": copy_bw / 1e9,
-              "bf16_matmul_TFLOPs": matmul_flops / 1e12, "decode": [], "append": []}
-    heads, kv_heads, head_dim, scale = 32, 8, 128, 128 ** -0.5
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "copy_bandwidth_GBps": copy_bw / 1e9,
+        "bf16_matmul_TFLOPs": matmul_flops / 1e12,
+        "decode": [],
+        "append": [],
+    }
+    heads, kv_heads, head_dim, scale = 32, 8, 128, 128**-0.5
     for batch in (64, 256):
         for context in (1024, 8192, 32768):
             if batch * context * kv_heads * head_dim * 2 * 2 > 24 << 30:  # K + V over 24 GiB: skip
                 continue
-            q, k_cache, v_cache, tables, seq_lens = _decode_case(batch, context, torch.bfloat16, device,
-                                                                 kv_heads, heads, head_dim)
+            q, k_cache, v_cache, tables, seq_lens = _decode_case(
+                batch, context, torch.bfloat16, device, kv_heads, heads, head_dim
+            )
             seconds = _time_cuda(lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale))
             moved = 2 * batch * context * kv_heads * head_dim * 2 + 2 * q.numel() * 2
             dense_k = torch.randn(batch, kv_heads, context, head_dim, dtype=torch.bfloat16, device=device)
             dense_v = torch.randn_like(dense_k)
             dense_q = q.view(batch, heads, 1, head_dim)
-            sdpa = _time_cuda(lambda: F.scaled_dot_product_attention(dense_q, dense_k, dense_v, scale=scale,
-                                                                     enable_gqa=True))
-            row = {"batch": batch, "context": context, "ms": seconds * 1e3, "GBps": moved / seconds / 1e9,
-                   "fraction_of_copy": moved / seconds / copy_bw, "sdpa_dense_ms": sdpa * 1e3,
-                   "sdpa_over_kernel": sdpa / seconds}
+            sdpa = _time_cuda(
+                lambda: F.scaled_dot_product_attention(dense_q, dense_k, dense_v, scale=scale, enable_gqa=True)
+            )
+            row = {
+                "batch": batch,
+                "context": context,
+                "ms": seconds * 1e3,
+                "GBps": moved / seconds / 1e9,
+                "fraction_of_copy": moved / seconds / copy_bw,
+                "sdpa_dense_ms": sdpa * 1e3,
+                "sdpa_over_kernel": sdpa / seconds,
+            }
             result["decode"].append(row)
-            print(f"decode B={batch} ctx={context}: {row['ms']:.3f} ms, {row['GBps']:.0f} GB/s "
-                  f"({row['fraction_of_copy']:.0%} of copy), SDPA dense {row['sdpa_dense_ms']:.3f} ms", flush=True)
+            print(
+                f"decode B={batch} ctx={context}: {row['ms']:.3f} ms, {row['GBps']:.0f} GB/s "
+                f"({row['fraction_of_copy']:.0%} of copy), SDPA dense {row['sdpa_dense_ms']:.3f} ms",
+                flush=True,
+            )
             del q, k_cache, v_cache, dense_k, dense_v
             torch.cuda.empty_cache()
     for tokens in (256, 4096, 65536):
@@ -211,11 +255,16 @@ def gpu_tables() -> dict:
         slots = torch.randperm(65536 * BLOCK_SIZE, device=device)[:tokens]
         seconds = _time_cuda(lambda: append_kv(k, v, k_cache, v_cache, slots))
         moved = 2 * 2 * k.numel() * 2 + slots.numel() * 8
-        row = {"tokens": tokens, "ms": seconds * 1e3, "GBps": moved / seconds / 1e9,
-               "fraction_of_copy": moved / seconds / copy_bw}
+        row = {
+            "tokens": tokens,
+            "ms": seconds * 1e3,
+            "GBps": moved / seconds / 1e9,
+            "fraction_of_copy": moved / seconds / copy_bw,
+        }
         result["append"].append(row)
-        print(f"append T={tokens}: {row['ms']:.4f} ms, {row['GBps']:.0f} GB/s ({row['fraction_of_copy']:.0%})",
-              flush=True)
+        print(
+            f"append T={tokens}: {row['ms']:.4f} ms, {row['GBps']:.0f} GB/s ({row['fraction_of_copy']:.0%})", flush=True
+        )
     return result
 
 
@@ -232,17 +281,20 @@ def _w1_child(python_path: str | None) -> dict:
     helpers = Path(tempfile.mkdtemp(prefix="w1-"))
     for name in ("throughput.py", "common.py"):
         shutil.copy(Path(__file__).parent / name, helpers / name)
-    code = ("import sys, json; sys.path.insert(0, %r); import throughput, infer; "
-            "from common import make_workload; from transformers import AutoConfig; "
-            "p = throughput.model_dir(); w = make_workload('W1', AutoConfig.from_pretrained(p).vocab_size); "
-            "r = throughput.run_infer(p, 'bfloat16', w); r['tok_per_s'] = w.output_tokens / r['elapsed_s']; "
-            "r['infer_from'] = infer.__file__; print('RESULT ' + json.dumps(r))") % str(helpers)
+    code = (
+        "import sys, json; sys.path.insert(0, %r); import throughput, infer; "
+        "from common import make_workload; from transformers import AutoConfig; "
+        "p = throughput.model_dir(); w = make_workload('W1', AutoConfig.from_pretrained(p).vocab_size); "
+        "r = throughput.run_infer(p, 'bfloat16', w); r['tok_per_s'] = w.output_tokens / r['elapsed_s']; "
+        "r['infer_from'] = infer.__file__; print('RESULT ' + json.dumps(r))"
+    ) % str(helpers)
     # cwd outside the repository, whose kernels/ folder would answer the same probe
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600,
-                          cwd=tempfile.gettempdir())
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600, cwd=tempfile.gettempdir()
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-2000:]}
 
 
@@ -253,26 +305,40 @@ def w1_before_after(revision: str, rounds: int) -> dict:
     before, after = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), revision], cwd=REPO, check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), revision], cwd=REPO, check=True, capture_output=True
+        )
         try:
             shim = Path(tmp) / "shim"
             shim.mkdir()
             (shim / "infer").symlink_to(tree)
             for i in range(rounds):
                 pair = [("before", str(shim), before), ("after", None, after)]
-                for name, path, samples in (pair if i % 2 == 0 else pair[::-1]):
+                for name, path, samples in pair if i % 2 == 0 else pair[::-1]:
                     samples.append(_w1_child(path))
-                    print(f"W1 bf16 round {i + 1} {name}: {samples[-1].get('tok_per_s', float('nan')):.1f} tok/s",
-                          flush=True)
+                    print(
+                        f"W1 bf16 round {i + 1} {name}: {samples[-1].get('tok_per_s', float('nan')):.1f} tok/s",
+                        flush=True,
+                    )
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
-    medians = {name: statistics.median(r.get("tok_per_s", float("nan")) for r in samples)
-               for name, samples in (("before", before), ("after", after))}
-    print(f"W1 bf16 medians of {rounds}: before ({revision}) {medians['before']:.1f} tok/s, "
-          f"after {medians['after']:.1f} tok/s ({medians['after'] / medians['before']:.2f}x)", flush=True)
-    return {"revision_before": revision, "rounds": rounds, "before": before, "after": after,
-            "median_tok_per_s": medians, "after_over_before": medians["after"] / medians["before"]}
+    medians = {
+        name: statistics.median(r.get("tok_per_s", float("nan")) for r in samples)
+        for name, samples in (("before", before), ("after", after))
+    }
+    print(
+        f"W1 bf16 medians of {rounds}: before ({revision}) {medians['before']:.1f} tok/s, "
+        f"after {medians['after']:.1f} tok/s ({medians['after'] / medians['before']:.2f}x)",
+        flush=True,
+    )
+    return {
+        "revision_before": revision,
+        "rounds": rounds,
+        "before": before,
+        "after": after,
+        "median_tok_per_s": medians,
+        "after_over_before": medians["after"] / medians["before"],
+    }
 
 
 def main() -> None:

@@ -80,6 +80,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import make_workload, write_result  # noqa: E402
+
 # throughput also takes benchmarks/ off sys.path again (transformers would import benchmarks/kernels.py)
 from throughput import read_bandwidth  # noqa: E402
 
@@ -89,11 +90,24 @@ FORMATS = ("Q4_1", "Q8_0", "BF16")
 SYSTEMS = ("llama.cpp", "infer")
 PROMPT, GENERATED = 128, 128
 MAX_MODEL_LEN = 1024
-CPU_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-             "amx_tile", "amx_int8", "amx_bf16", "f16c")
+CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "f16c",
+)
 
 
 # ---- the GGUF files -------------------------------------------------------------------------------
+
 
 def describe(gguf: Path) -> dict:
     """What the table needs of `gguf`: the type most of its 2-D tensors are stored in (Q4_1, Q8_0, BF16, ...)
@@ -105,8 +119,10 @@ def describe(gguf: Path) -> dict:
     sizes = {t.name: int(t.n_bytes) for t in matrices}
     if "output.weight" in sizes:
         sizes.pop("token_embd.weight", None)
-    return {"format": Counter(t.tensor_type.name for t in matrices).most_common(1)[0][0],
-            "bytes_per_token": sum(sizes.values())}
+    return {
+        "format": Counter(t.tensor_type.name for t in matrices).most_common(1)[0][0],
+        "bytes_per_token": sum(sizes.values()),
+    }
 
 
 def describe_in_child(ggufs: list[Path]) -> list[dict]:
@@ -131,14 +147,19 @@ def gguf_files(formats: list[str], source: Path, models: Path, bin_dir: Path) ->
             models.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_suffix(".tmp")
             print(f"making {dest.name} from {source.name} (once)", flush=True)
-            subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(tmp), fmt],
-                           check=True, capture_output=True, timeout=600)
+            subprocess.run(
+                [str(bin_dir / "llama-quantize"), "--allow-requantize", str(source), str(tmp), fmt],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
             tmp.rename(dest)
         files[fmt] = dest
     return files
 
 
 # ---- running one system in its own process ----------------------------------------------------------
+
 
 def run_process(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, str, int]:
     """Run `cmd` to its end (killed after `timeout` s): (exit code, stdout, stderr, its peak RSS in KiB)."""
@@ -147,13 +168,18 @@ def run_process(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
         killer = threading.Timer(timeout, proc.kill)
         killer.start()
         try:
-            _, status, usage = os.wait4(proc.pid, 0)   # the rusage of this child alone
+            _, status, usage = os.wait4(proc.pid, 0)  # the rusage of this child alone
         finally:
             killer.cancel()
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
-        return proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), usage.ru_maxrss
+        return (
+            proc.returncode,
+            out.read().decode(errors="replace"),
+            err.read().decode(errors="replace"),
+            usage.ru_maxrss,
+        )
 
 
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, test: list[str], timeout: float) -> tuple[list[dict], int]:
@@ -166,36 +192,69 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, test: list[str], timeou
 
 
 def measure_llamacpp(bin_dir: Path, gguf: Path, threads: int, timeout: float) -> dict:
-    (decode,), rss_decode = llama_bench(bin_dir, gguf, threads, ["-p", "0", "-n", str(GENERATED), "-d", str(PROMPT)],
-                                        timeout)
-    (prefill, e2e), rss_e2e = llama_bench(bin_dir, gguf, threads, ["-p", str(PROMPT), "-n", "0", "-pg",
-                                                                   f"{PROMPT},{GENERATED - 1}"], timeout)
-    return {"decode_tok_s": GENERATED / (decode["avg_ns"] / 1e9), "e2e_tok_s": GENERATED / (e2e["avg_ns"] / 1e9),
-            "ttft_s": prefill["avg_ns"] / 1e9, "peak_rss_mib": max(rss_decode, rss_e2e) / 1024,
-            "build": {k: decode[k] for k in ("build_commit", "cpu_info", "backends", "model_type", "flash_attn")}}
+    (decode,), rss_decode = llama_bench(
+        bin_dir, gguf, threads, ["-p", "0", "-n", str(GENERATED), "-d", str(PROMPT)], timeout
+    )
+    (prefill, e2e), rss_e2e = llama_bench(
+        bin_dir, gguf, threads, ["-p", str(PROMPT), "-n", "0", "-pg", f"{PROMPT},{GENERATED - 1}"], timeout
+    )
+    return {
+        "decode_tok_s": GENERATED / (decode["avg_ns"] / 1e9),
+        "e2e_tok_s": GENERATED / (e2e["avg_ns"] / 1e9),
+        "ttft_s": prefill["avg_ns"] / 1e9,
+        "peak_rss_mib": max(rss_decode, rss_e2e) / 1024,
+        "build": {k: decode[k] for k in ("build_commit", "cpu_info", "backends", "model_type", "flash_attn")},
+    }
 
 
 def measure_llamacpp_batched(bin_dir: Path, gguf: Path, threads: int, batch: int, timeout: float) -> dict:
     """llama-batched-bench on `batch` distinct prompts (see the docstring), one run after its own warm-up."""
-    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c",
-           str(batch * (PROMPT + GENERATED)), "-npp", str(PROMPT), "-ntg", str(GENERATED - 1), "-npl", str(batch),
-           "-no-kvu", "--output-format", "jsonl"]
+    cmd = [
+        str(bin_dir / "llama-batched-bench"),
+        "-m",
+        str(gguf),
+        "-t",
+        str(threads),
+        "-c",
+        str(batch * (PROMPT + GENERATED)),
+        "-npp",
+        str(PROMPT),
+        "-ntg",
+        str(GENERATED - 1),
+        "-npl",
+        str(batch),
+        "-no-kvu",
+        "--output-format",
+        "jsonl",
+    ]
     code, out, err, rss = run_process(cmd, timeout)
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     if code != 0 or len(records) != 1:
         raise RuntimeError(f"llama-batched-bench exited {code} with {len(records)} records: {err[-2000:]}")
     (r,) = records
-    return {"decode_tok_s": r["speed_tg"], "e2e_tok_s": batch * GENERATED / r["t"], "ttft_s": r["t_pp"],
-            "peak_rss_mib": rss / 1024, "build": {k: r[k] for k in ("n_kv_max", "n_batch", "n_ubatch",
-                                                                   "flash_attn", "is_pp_shared", "n_threads")}}
+    return {
+        "decode_tok_s": r["speed_tg"],
+        "e2e_tok_s": batch * GENERATED / r["t"],
+        "ttft_s": r["t_pp"],
+        "peak_rss_mib": rss / 1024,
+        "build": {k: r[k] for k in ("n_kv_max", "n_batch", "n_ubatch", "flash_attn", "is_pp_shared", "n_threads")},
+    }
 
 
 def measure_infer(gguf: Path, threads: int, batch: int, timeout: float) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(gguf), "--threads", str(threads),
-           "--batch", str(batch)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        str(gguf),
+        "--threads",
+        str(threads),
+        "--batch",
+        str(batch),
+    ]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     code, out, err, rss = run_process(cmd, timeout, env)
-    results = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
     if code != 0 or not results:
         raise RuntimeError(f"our child exited {code}: {(out + err)[-2000:]}")
     return {**results[0], "peak_rss_mib": rss / 1024}
@@ -205,8 +264,11 @@ def child_main(gguf: str, threads: int, batch: int) -> None:
     """Ours, in this process: load, warm up on `batch` prompts of the same length, then time `batch` requests."""
     from infer import LLM, SamplingParams
 
-    sizes = (dict(max_model_len=MAX_MODEL_LEN) if batch == 1   # batch 1: the default pool, as before
-             else dict(max_model_len=PROMPT + GENERATED, max_num_seqs=batch))
+    sizes = (
+        dict(max_model_len=MAX_MODEL_LEN)
+        if batch == 1  # batch 1: the default pool, as before
+        else dict(max_model_len=PROMPT + GENERATED, max_num_seqs=batch)
+    )
     llm = LLM(model=gguf, num_threads=threads, **sizes)
     engine = llm.engine
     if engine.kv_cache.num_blocks * engine.block_size < batch * (PROMPT + GENERATED - 1):
@@ -217,9 +279,9 @@ def child_main(gguf: str, threads: int, batch: int) -> None:
     start = time.perf_counter()
     for i, prompt in enumerate(prompts[:batch]):
         engine.add_request(f"bench-{i}", prompt, SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True))
-    first: set[str] = set()          # the requests that have their first token
-    prefilled = end = start          # when the last of them got it; the last token's time
-    generated = decoded = 0          # all tokens; those of the steps after `prefilled`
+    first: set[str] = set()  # the requests that have their first token
+    prefilled = end = start  # when the last of them got it; the last token's time
+    generated = decoded = 0  # all tokens; those of the steps after `prefilled`
     while engine.has_unfinished():
         deltas = [d for d in engine.step() if d.token_ids]
         if deltas:
@@ -232,10 +294,14 @@ def child_main(gguf: str, threads: int, batch: int) -> None:
                 prefilled = end
     if generated != batch * GENERATED or len(first) != batch:
         raise RuntimeError(f"expected {batch} x {GENERATED} tokens, got {generated} from {len(first)} requests")
-    result = {"decode_tok_s": decoded / (end - prefilled), "e2e_tok_s": generated / (end - start),
-              "ttft_s": prefilled - start, "rss_after_mib": _status_kib("VmRSS") / 1024,
-              "kv_pool_mib": engine.kv_cache.nbytes / 2**20,
-              "dtype": str(engine.dtype).removeprefix("torch.")}
+    result = {
+        "decode_tok_s": decoded / (end - prefilled),
+        "e2e_tok_s": generated / (end - start),
+        "ttft_s": prefilled - start,
+        "rss_after_mib": _status_kib("VmRSS") / 1024,
+        "kv_pool_mib": engine.kv_cache.nbytes / 2**20,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+    }
     print("RESULT " + json.dumps(result), flush=True)
     llm.close()
 
@@ -250,8 +316,8 @@ def _status_kib(field: str) -> int:
 
 # ---- the parent: rounds, medians, the floor, the table ----------------------------------------------
 
-def run_rounds(files: dict[str, Path], bin_dir: Path, threads: int, batch: int, rounds: int,
-               timeout: float) -> dict:
+
+def run_rounds(files: dict[str, Path], bin_dir: Path, threads: int, batch: int, rounds: int, timeout: float) -> dict:
     """format -> system -> the list of per-round results (a dict with "error" where a run failed)."""
     runs: dict[str, dict[str, list[dict]]] = {fmt: {s: [] for s in SYSTEMS} for fmt in files}
     for i in range(rounds):
@@ -268,9 +334,16 @@ def run_rounds(files: dict[str, Path], bin_dir: Path, threads: int, batch: int, 
                 except RuntimeError as e:
                     r = {"error": str(e)}
                 runs[fmt][system].append(r)
-                print(f"   round {i + 1} {fmt} {system}: " + (f"decode {r['decode_tok_s']:.1f} tok/s, e2e "
-                      f"{r['e2e_tok_s']:.1f} tok/s, peak RSS {r['peak_rss_mib']:.0f} MiB" if "error" not in r
-                      else r["error"][-300:]), flush=True)
+                print(
+                    f"   round {i + 1} {fmt} {system}: "
+                    + (
+                        f"decode {r['decode_tok_s']:.1f} tok/s, e2e "
+                        f"{r['e2e_tok_s']:.1f} tok/s, peak RSS {r['peak_rss_mib']:.0f} MiB"
+                        if "error" not in r
+                        else r["error"][-300:]
+                    ),
+                    flush=True,
+                )
     return runs
 
 
@@ -287,54 +360,81 @@ def summarize(runs: dict, files: dict[str, Path], described: list[dict], bandwid
     rows = []
     for (fmt, by_system), facts in zip(runs.items(), described):
         nbytes = facts["bytes_per_token"]
-        floor = batch * bandwidth / nbytes    # one read of the weights per step of `batch` tokens
+        floor = batch * bandwidth / nbytes  # one read of the weights per step of `batch` tokens
         medians = {s: median_row(r) for s, r in by_system.items()}
         for m in medians.values():
             if "decode_tok_s" in m:
                 m["share_of_floor"] = m["decode_tok_s"] / floor
         ours, peer = medians["infer"], medians["llama.cpp"]
-        ratios = ({k: ours[k] / peer[k] for k in ("decode_tok_s", "e2e_tok_s", "peak_rss_mib")}
-                  if "error" not in ours and "error" not in peer else None)
-        rows.append({"format": fmt, "gguf": str(files[fmt]), "stored_as": facts["format"],
-                     "weight_mb_per_token": nbytes / 1e6,
-                     "floor_tok_s": floor, "median": medians, "infer_over_llamacpp": ratios, "rounds": by_system})
+        ratios = (
+            {k: ours[k] / peer[k] for k in ("decode_tok_s", "e2e_tok_s", "peak_rss_mib")}
+            if "error" not in ours and "error" not in peer
+            else None
+        )
+        rows.append(
+            {
+                "format": fmt,
+                "gguf": str(files[fmt]),
+                "stored_as": facts["format"],
+                "weight_mb_per_token": nbytes / 1e6,
+                "floor_tok_s": floor,
+                "median": medians,
+                "infer_over_llamacpp": ratios,
+                "rounds": by_system,
+            }
+        )
     return rows
 
 
 def print_table(rows: list[dict], bandwidth: float, batch: int) -> None:
-    print(f"\nbatch {batch}; read bandwidth {bandwidth / 1e9:.1f} GB/s; floor = {batch} x that / weight bytes "
-          f"each step reads")
-    print(f"{'format':6} {'system':10} {'decode tok/s':>12} {'e2e tok/s':>10} {'TTFT ms':>8} {'RSS MiB':>8} "
-          f"{'% floor':>8}")
+    print(
+        f"\nbatch {batch}; read bandwidth {bandwidth / 1e9:.1f} GB/s; floor = {batch} x that / weight bytes "
+        f"each step reads"
+    )
+    print(
+        f"{'format':6} {'system':10} {'decode tok/s':>12} {'e2e tok/s':>10} {'TTFT ms':>8} {'RSS MiB':>8} "
+        f"{'% floor':>8}"
+    )
     for row in rows:
-        print(f"{row['format']:6} {'floor':10} {row['floor_tok_s']:12.1f} {'':>10} {'':>8} {'':>8} {'':>8}"
-              f"  ({row['weight_mb_per_token']:.0f} MB/token)")
+        print(
+            f"{row['format']:6} {'floor':10} {row['floor_tok_s']:12.1f} {'':>10} {'':>8} {'':>8} {'':>8}"
+            f"  ({row['weight_mb_per_token']:.0f} MB/token)"
+        )
         for system, m in row["median"].items():
             if "error" in m:
                 print(f"{row['format']:6} {system:10} failed: {m['error'][-200:]}")
                 continue
-            print(f"{row['format']:6} {system:10} {m['decode_tok_s']:12.1f} {m['e2e_tok_s']:10.1f} "
-                  f"{m['ttft_s'] * 1e3:8.0f} {m['peak_rss_mib']:8.0f} {m['share_of_floor']:8.0%}"
-                  + (f"  (KV pool {m['kv_pool_mib']:.0f} MiB)" if "kv_pool_mib" in m else ""))
+            print(
+                f"{row['format']:6} {system:10} {m['decode_tok_s']:12.1f} {m['e2e_tok_s']:10.1f} "
+                f"{m['ttft_s'] * 1e3:8.0f} {m['peak_rss_mib']:8.0f} {m['share_of_floor']:8.0%}"
+                + (f"  (KV pool {m['kv_pool_mib']:.0f} MiB)" if "kv_pool_mib" in m else "")
+            )
         r = row["infer_over_llamacpp"]
         if r:
-            print(f"{row['format']:6} {'ours/l.cpp':10} {r['decode_tok_s']:11.2f}x {r['e2e_tok_s']:9.2f}x "
-                  f"{'':>8} {r['peak_rss_mib']:7.2f}x")
+            print(
+                f"{row['format']:6} {'ours/l.cpp':10} {r['decode_tok_s']:11.2f}x {r['e2e_tok_s']:9.2f}x "
+                f"{'':>8} {r['peak_rss_mib']:7.2f}x"
+            )
 
 
 def cpu_flags() -> list[str]:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
             present = set(line.split(":", 1)[1].split())
-            return [f for f in CPU_FLAGS if f in present] + sorted(f for f in present if f.startswith("avx512")
-                                                                   and f not in CPU_FLAGS)
+            return [f for f in CPU_FLAGS if f in present] + sorted(
+                f for f in present if f.startswith("avx512") and f not in CPU_FLAGS
+            )
     return []
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-cpp-bin", type=Path, default=os.environ.get("LLAMA_CPP_BIN"),
-                        help="folder with llama-bench and llama-quantize (default: $LLAMA_CPP_BIN)")
+    parser.add_argument(
+        "--llama-cpp-bin",
+        type=Path,
+        default=os.environ.get("LLAMA_CPP_BIN"),
+        help="folder with llama-bench and llama-quantize (default: $LLAMA_CPP_BIN)",
+    )
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are reported")
     parser.add_argument("--threads", type=int, default=2)
@@ -354,14 +454,18 @@ def main() -> None:
         parser.error("--batch must be >= 1")
     tool = "llama-bench" if args.batch == 1 else "llama-batched-bench"
     if args.llama_cpp_bin is None or not (args.llama_cpp_bin / tool).exists():
-        parser.error(f"--llama-cpp-bin (or $LLAMA_CPP_BIN) must name llama.cpp's build/bin, with {tool} (see the "
-                     f"docstring)")
+        parser.error(
+            f"--llama-cpp-bin (or $LLAMA_CPP_BIN) must name llama.cpp's build/bin, with {tool} (see the docstring)"
+        )
     from infer.worker.model_files import default_model_gguf
 
     files = gguf_files(args.formats, default_model_gguf(), args.models_dir, args.llama_cpp_bin)
-    for gguf in files.values():   # our GGUF conversion, when one is due: once, outside any timed run
-        subprocess.run([sys.executable, "-c", f"from infer.worker.model_files import resolve_model; "
-                        f"resolve_model({str(gguf)!r})"], check=True, timeout=args.timeout)
+    for gguf in files.values():  # our GGUF conversion, when one is due: once, outside any timed run
+        subprocess.run(
+            [sys.executable, "-c", f"from infer.worker.model_files import resolve_model; resolve_model({str(gguf)!r})"],
+            check=True,
+            timeout=args.timeout,
+        )
     described = describe_in_child(list(files.values()))
     load_start = os.getloadavg()
     runs = run_rounds(files, args.llama_cpp_bin, args.threads, args.batch, args.rounds, args.timeout)
@@ -370,14 +474,23 @@ def main() -> None:
     rows = summarize(runs, files, described, bandwidth, args.batch)
     print_table(rows, bandwidth, args.batch)
     print(f"this parent's high-water mark {parent_hwm:.0f} MiB (no child's peak RSS can read below it)")
-    out = write_result("llamacpp", {
-        "model": "SmolLM2-135M-Instruct (the embedded GGUF and llama-quantize's requantizations)",
-        "workload": f"batch {args.batch}, {PROMPT} -> {GENERATED}, greedy, ignore EOS", "batch": args.batch,
-        "threads": args.threads,
-        "rounds": args.rounds, "cpu_flags": cpu_flags(), "read_bandwidth_gb_s": bandwidth / 1e9,
-        "llama_cpp_bin": str(args.llama_cpp_bin), "load_avg_start": load_start,
-        "load_avg_end": os.getloadavg(), "parent_hwm_mib": parent_hwm,
-        "rows": rows})
+    out = write_result(
+        "llamacpp",
+        {
+            "model": "SmolLM2-135M-Instruct (the embedded GGUF and llama-quantize's requantizations)",
+            "workload": f"batch {args.batch}, {PROMPT} -> {GENERATED}, greedy, ignore EOS",
+            "batch": args.batch,
+            "threads": args.threads,
+            "rounds": args.rounds,
+            "cpu_flags": cpu_flags(),
+            "read_bandwidth_gb_s": bandwidth / 1e9,
+            "llama_cpp_bin": str(args.llama_cpp_bin),
+            "load_avg_start": load_start,
+            "load_avg_end": os.getloadavg(),
+            "parent_hwm_mib": parent_hwm,
+            "rows": rows,
+        },
+    )
     print("wrote", out)
 
 

@@ -44,8 +44,15 @@ def write_adapter(model_dir: str, folder: Path, rank: int, seed: int) -> Path:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     hidden, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shapes = {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_hidden_layers):
@@ -53,12 +60,13 @@ def write_adapter(model_dir: str, folder: Path, rank: int, seed: int) -> Path:
             part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{name}"
             n_in, n_out = shapes[name]
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in ** 0.5
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in**0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.01
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)})
+    )
     return folder
 
 
@@ -70,9 +78,17 @@ def tiny_model(folder: Path) -> Path:
     from infer.worker.model_files import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     path = folder / "tiny-llama"
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
@@ -86,8 +102,9 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int, loras: list[str
 
     start = time.perf_counter()
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):
-        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                ignore_eos=True, lora_name=lora))
+        engine.add_request(
+            f"{tag}-{i}", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, lora_name=lora)
+        )
     tokens = 0
     while engine.has_unfinished():
         for delta in engine.step():
@@ -127,11 +144,20 @@ def main() -> None:
 
     model_dir = str(resolve_model(model))
     adapters = {f"a{i}": str(write_adapter(model_dir, work / f"a{i}", args.rank, seed=i)) for i in range(args.adapters)}
-    options = dict(model=model, dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 16,
-                   kv_cache_memory=1 << 30, num_threads=args.threads, max_num_seqs=max(args.batch, 1))
+    options = dict(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=args.prompt_len + args.max_tokens + 16,
+        kv_cache_memory=1 << 30,
+        num_threads=args.threads,
+        max_num_seqs=max(args.batch, 1),
+    )
     base = Engine(EngineConfig(**options))
-    lora = Engine(EngineConfig(**options, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
-                               lora_modules=adapters))
+    lora = Engine(
+        EngineConfig(
+            **options, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, lora_modules=adapters
+        )
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(100, base.vocab_size - 100) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     names = list(adapters)
@@ -140,7 +166,7 @@ def main() -> None:
         "lora": (lora, [names[i % len(names)] for i in range(args.batch)]),
         "lora-base-rows": (lora, [None] * args.batch),
     }
-    for side, (engine, loras) in sides.items():   # warm-up: kernels built, adapters in their slots
+    for side, (engine, loras) in sides.items():  # warm-up: kernels built, adapters in their slots
         run_batch(engine, prompts[:2], 2, loras[:2], f"warm-{side}")
     rates: dict[str, list[float]] = {side: [] for side in sides}
     for r in range(args.rounds):
@@ -152,14 +178,29 @@ def main() -> None:
     ratios = {side: medians[side] / medians["base"] for side in sides if side != "base"}
     print(f"{'side':16} {'tok/s (median)':>14} {'ratio':>7}   rounds")
     for side in sides:
-        print(f"{side:16} {medians[side]:14.1f} {medians[side] / medians['base']:7.2f}   "
-              + " ".join(f"{x:.1f}" for x in rates[side]))
-    path = write_result("lora", {
-        "model": model or "embedded SmolLM2-135M-Instruct (Q4_1 GGUF)", "dtype": str(base.dtype),
-        "batch": args.batch, "adapters": args.adapters, "rank": args.rank, "prompt_len": args.prompt_len,
-        "max_tokens": args.max_tokens, "rounds": args.rounds, "threads": args.threads, "tiny": args.tiny,
-        "tok_per_s": rates, "median_tok_per_s": medians, "ratio_to_base": ratios,
-        "note": "a smoke run (tiny random model): the ratio means nothing" if args.tiny else ""})
+        print(
+            f"{side:16} {medians[side]:14.1f} {medians[side] / medians['base']:7.2f}   "
+            + " ".join(f"{x:.1f}" for x in rates[side])
+        )
+    path = write_result(
+        "lora",
+        {
+            "model": model or "embedded SmolLM2-135M-Instruct (Q4_1 GGUF)",
+            "dtype": str(base.dtype),
+            "batch": args.batch,
+            "adapters": args.adapters,
+            "rank": args.rank,
+            "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens,
+            "rounds": args.rounds,
+            "threads": args.threads,
+            "tiny": args.tiny,
+            "tok_per_s": rates,
+            "median_tok_per_s": medians,
+            "ratio_to_base": ratios,
+            "note": "a smoke run (tiny random model): the ratio means nothing" if args.tiny else "",
+        },
+    )
     print(f"wrote {path}")
 
 

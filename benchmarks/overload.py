@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the shared harness: tests/soak
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the shared harness: tests/soak
 from soak.harness import (
     ClusterSpec,
     LoopLag,
@@ -56,14 +56,24 @@ from soak.harness import (
 
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     per_worker = args.max_num_seqs + args.max_waiting_requests
-    worker = ["--max-num-seqs", str(args.max_num_seqs), "--max-waiting-requests",
-              str(args.max_waiting_requests), "--max-model-len", str(args.max_model_len)]
+    worker = [
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-waiting-requests",
+        str(args.max_waiting_requests),
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
     if not args.benchmark_mode:
         worker += ["--dtype", args.dtype, "--threads", str(args.threads)]
-    coordinator = ["--max-requests-per-worker", str(per_worker), "--max-held-requests",
-                   str(args.max_held_requests)]
-    return ClusterSpec(workers=args.workers, benchmark=args.benchmark_mode, model=args.model,
-                       coordinator_flags=tuple(coordinator), worker_flags=tuple(worker))
+    coordinator = ["--max-requests-per-worker", str(per_worker), "--max-held-requests", str(args.max_held_requests)]
+    return ClusterSpec(
+        workers=args.workers,
+        benchmark=args.benchmark_mode,
+        model=args.model,
+        coordinator_flags=tuple(coordinator),
+        worker_flags=tuple(worker),
+    )
 
 
 def summarize(run: dict[str, Any], capacity: float) -> dict[str, Any]:
@@ -72,10 +82,15 @@ def summarize(run: dict[str, Any], capacity: float) -> dict[str, Any]:
     accepted = [o for o in outcomes if o.status != "rejected"]
     window = run["sent_until"] - run["start"]
     return {
-        "offered": run["offered"], "offered_per_s": run["offered"] / window, "send_window_s": window,
+        "offered": run["offered"],
+        "offered_per_s": run["offered"] / window,
+        "send_window_s": window,
         "max_send_lag_s": run["max_send_lag_s"],
-        "accepted": len(accepted), "rejected": statuses["rejected"], "completed": statuses["completed"],
-        "lost": len(accepted) - statuses["completed"], "statuses": statuses,
+        "accepted": len(accepted),
+        "rejected": statuses["rejected"],
+        "completed": statuses["completed"],
+        "lost": len(accepted) - statuses["completed"],
+        "statuses": statuses,
         "accepted_fraction": len(accepted) / max(1, run["offered"]),
         "latency_ms_accepted": percentiles_ms([o.latency for o in accepted if o.latency is not None]),
         "latency_ms_rejected": percentiles_ms([o.latency for o in outcomes if o.status == "rejected"]),
@@ -83,8 +98,9 @@ def summarize(run: dict[str, Any], capacity: float) -> dict[str, Any]:
         "goodput_vs_capacity": completed_rate(outcomes, run["start"], run["sent_until"]) / capacity,
         "drain_s": run["end"] - run["sent_until"],
         "problems": problems(outcomes),
-        "errors": sorted({f"{o.error_code}: {o.error}"[:160] for o in outcomes
-                          if o.status in ("error", "raised")})[:10],
+        "errors": sorted({f"{o.error_code}: {o.error}"[:160] for o in outcomes if o.status in ("error", "raised")})[
+            :10
+        ],
     }
 
 
@@ -93,59 +109,100 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     spec = cluster_spec(args)
     cluster = ProcessCluster(spec, logs)
     oracle = spec.benchmark
-    workload = Workload((args.prompt_len[0], args.prompt_len[1]), (args.max_tokens[0], args.max_tokens[1]),
-                        stream_fraction=0.0, seed=args.seed, tag="cap")
+    workload = Workload(
+        (args.prompt_len[0], args.prompt_len[1]),
+        (args.max_tokens[0], args.max_tokens[1]),
+        stream_fraction=0.0,
+        seed=args.seed,
+        tag="cap",
+    )
     bound = args.workers * (args.max_num_seqs + args.max_waiting_requests)
     with cluster.dumped_on_failure():
         await cluster.start(ready_timeout=args.ready_timeout)
         clients = await cluster.connected_clients(args.clients, call_timeout=30.0)
-        print(f"cluster up ({'benchmark-mode' if oracle else args.model or 'embedded model'} workers); "
-              f"measuring capacity with {bound} outstanding for {args.capacity_seconds:g} s ...", flush=True)
-        capacity = await measure_capacity(clients, workload, bound, args.capacity_seconds, args.warmup,
-                                          args.request_deadline, oracle)
+        print(
+            f"cluster up ({'benchmark-mode' if oracle else args.model or 'embedded model'} workers); "
+            f"measuring capacity with {bound} outstanding for {args.capacity_seconds:g} s ...",
+            flush=True,
+        )
+        capacity = await measure_capacity(
+            clients, workload, bound, args.capacity_seconds, args.warmup, args.request_deadline, oracle
+        )
         rate = args.factor * capacity["requests_per_s"]
-        print(f"capacity {capacity['requests_per_s']:.1f} req/s ({capacity['tokens_per_s']:.0f} tok/s); "
-              f"offering {rate:.1f} req/s for {args.duration:g} s ...", flush=True)
+        print(
+            f"capacity {capacity['requests_per_s']:.1f} req/s ({capacity['tokens_per_s']:.0f} tok/s); "
+            f"offering {rate:.1f} req/s for {args.duration:g} s ...",
+            flush=True,
+        )
         before, cpu_before = await clients[0].stats(), cluster.cpu()
-        overload_workload = Workload(workload.prompt_len, workload.max_tokens, stream_fraction=0.0,
-                                     seed=args.seed + 1, tag="over")
+        overload_workload = Workload(
+            workload.prompt_len, workload.max_tokens, stream_fraction=0.0, seed=args.seed + 1, tag="over"
+        )
         with LoopLag() as lag:
-            run = await open_loop(clients, overload_workload, rate, args.duration, args.request_deadline,
-                                  oracle, seed=args.seed)
+            run = await open_loop(
+                clients, overload_workload, rate, args.duration, args.request_deadline, oracle, seed=args.seed
+            )
         cpu_after = cluster.cpu()
         after = await clients[0].stats()
         peaks, shutdown = await cluster.finish(clients)
     over = summarize(run, capacity["requests_per_s"])
     over["loadgen_loop_lag_ms"] = percentiles_ms(lag.lags)
     wall = run["end"] - run["start"]
-    over["cpu_share"] = {name: round((cpu_after[name] - used) / wall, 3) for name, used in cpu_before.items()
-                         if name in cpu_after}
-    counters = {k: getattr(after, k) - getattr(before, k) for k in
-                ("requests_submitted", "requests_completed", "requests_failed", "requests_rejected",
-                 "requests_timed_out", "requests_aborted", "requests_redispatched")}
-    return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "logs": str(logs), "admission": {"coordinator": list(spec.coordinator_flags),
-                                             "worker": list(spec.worker_flags), "bound_requests": bound},
-            "capacity": capacity, "offered_rate_planned": rate, "overload": over,
-            "coordinator_counters": counters,
-            "peak_rss_kb": {**peaks, "loadgen": self_memory_kb()[1]}, "shutdown": shutdown,
-            "nothing_accepted_lost": over["lost"] == 0}
+    over["cpu_share"] = {
+        name: round((cpu_after[name] - used) / wall, 3) for name, used in cpu_before.items() if name in cpu_after
+    }
+    counters = {
+        k: getattr(after, k) - getattr(before, k)
+        for k in (
+            "requests_submitted",
+            "requests_completed",
+            "requests_failed",
+            "requests_rejected",
+            "requests_timed_out",
+            "requests_aborted",
+            "requests_redispatched",
+        )
+    }
+    return {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "logs": str(logs),
+        "admission": {
+            "coordinator": list(spec.coordinator_flags),
+            "worker": list(spec.worker_flags),
+            "bound_requests": bound,
+        },
+        "capacity": capacity,
+        "offered_rate_planned": rate,
+        "overload": over,
+        "coordinator_counters": counters,
+        "peak_rss_kb": {**peaks, "loadgen": self_memory_kb()[1]},
+        "shutdown": shutdown,
+        "nothing_accepted_lost": over["lost"] == 0,
+    }
 
 
 def print_report(result: dict[str, Any]) -> None:
     cap, over = result["capacity"], result["overload"]
     lat, rej = over["latency_ms_accepted"], over["latency_ms_rejected"]
-    print(f"\n{'phase':<10} {'offered/s':>10} {'offered':>8} {'accepted':>9} {'rejected':>9} "
-          f"{'completed':>10} {'lost':>5} {'p50 ms':>9} {'p99 ms':>9} {'goodput/s':>10}")
-    print(f"{'capacity':<10} {'closed':>10} {'-':>8} {'-':>9} {cap['statuses']['rejected']:>9} "
-          f"{cap['statuses']['completed']:>10} {'-':>5} {'-':>9} {'-':>9} {cap['requests_per_s']:>10.1f}")
-    print(f"{'overload':<10} {over['offered_per_s']:>10.1f} {over['offered']:>8} {over['accepted']:>9} "
-          f"{over['rejected']:>9} {over['completed']:>10} {over['lost']:>5} {lat['p50']!s:>9} "
-          f"{lat['p99']!s:>9} {over['goodput_per_s']:>10.1f}")
-    print(f"\nplanned {result['offered_rate_planned']:.1f} req/s ({result['config']['factor']:g}x capacity), "
-          f"sent {over['offered_per_s']:.1f} req/s (max send lag {over['max_send_lag_s']:.2f} s); accepted "
-          f"{100 * over['accepted_fraction']:.1f}%; goodput {over['goodput_vs_capacity']:.2f}x capacity; "
-          f"rejections answered in p50 {rej['p50']} / p99 {rej['p99']} ms; drain {over['drain_s']:.1f} s")
+    print(
+        f"\n{'phase':<10} {'offered/s':>10} {'offered':>8} {'accepted':>9} {'rejected':>9} "
+        f"{'completed':>10} {'lost':>5} {'p50 ms':>9} {'p99 ms':>9} {'goodput/s':>10}"
+    )
+    print(
+        f"{'capacity':<10} {'closed':>10} {'-':>8} {'-':>9} {cap['statuses']['rejected']:>9} "
+        f"{cap['statuses']['completed']:>10} {'-':>5} {'-':>9} {'-':>9} {cap['requests_per_s']:>10.1f}"
+    )
+    print(
+        f"{'overload':<10} {over['offered_per_s']:>10.1f} {over['offered']:>8} {over['accepted']:>9} "
+        f"{over['rejected']:>9} {over['completed']:>10} {over['lost']:>5} {lat['p50']!s:>9} "
+        f"{lat['p99']!s:>9} {over['goodput_per_s']:>10.1f}"
+    )
+    print(
+        f"\nplanned {result['offered_rate_planned']:.1f} req/s ({result['config']['factor']:g}x capacity), "
+        f"sent {over['offered_per_s']:.1f} req/s (max send lag {over['max_send_lag_s']:.2f} s); accepted "
+        f"{100 * over['accepted_fraction']:.1f}%; goodput {over['goodput_vs_capacity']:.2f}x capacity; "
+        f"rejections answered in p50 {rej['p50']} / p99 {rej['p99']} ms; drain {over['drain_s']:.1f} s"
+    )
     print(f"coordinator counters over the overload phase: {result['coordinator_counters']}")
     print(f"load generator loop lag ms: {over['loadgen_loop_lag_ms']}")
     shares = ", ".join(f"{k} {v:.2f}" for k, v in over["cpu_share"].items())
@@ -157,8 +214,11 @@ def print_report(result: dict[str, Any]) -> None:
     for p in over["problems"][:5]:
         print(f"  problem: {p['request_id']} {p['status']}: {p['problem']}")
     print("peak RSS (MiB): " + ", ".join(f"{k} {v / 1024:.0f}" for k, v in result["peak_rss_kb"].items()))
-    print("nothing accepted was lost" if result["nothing_accepted_lost"] else
-          f"LOST {over['lost']} accepted request(s): {over['statuses']}")
+    print(
+        "nothing accepted was lost"
+        if result["nothing_accepted_lost"]
+        else f"LOST {over['lost']} accepted request(s): {over['statuses']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-held-requests", type=int, default=64, help="coordinator (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
-    p.add_argument("--max-tokens", type=int, nargs=2, metavar=("MIN", "MAX"),
-                   help="uniform range (default 16 64; 512 1536 with --benchmark-mode)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        help="uniform range (default 16 64; 512 1536 with --benchmark-mode)",
+    )
     p.add_argument("--capacity-seconds", type=float, default=15.0)
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--request-deadline", type=float, default=300.0, help="not ended by then: lost")

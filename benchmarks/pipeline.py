@@ -35,9 +35,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RANDOM_SHAPES, write_result  # noqa: E402
 
-SHAPES = {**RANDOM_SHAPES,
-          "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, tie_word_embeddings=True, rope_theta=10000.0)}
+SHAPES = {
+    **RANDOM_SHAPES,
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    ),
+}
 CONFIGS = ("one-2t", "one-1t", "pp2-1mb", "pp2")
 
 
@@ -53,8 +62,14 @@ def make_model(shape: str, folder: Path) -> Path:
         return path
     gguf = default_model_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, rms_norm_eps=1e-5,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **SHAPES[shape])
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **SHAPES[shape],
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
@@ -78,15 +93,20 @@ def run_one(config: str, model: str, batch: int, tokens: int, prompt_len: int, d
     os.sched_setaffinity(0, first | second if config == "one-2t" else first)
     from infer import LLM, SamplingParams
 
-    options = dict(dtype=dtype, max_model_len=prompt_len + tokens + 16, enable_prefix_caching=False,
-                   max_num_seqs=max(batch, 1), max_num_batched_tokens=max(batch * prompt_len, 256),
-                   num_threads=2 if config == "one-2t" else 1)
+    options = dict(
+        dtype=dtype,
+        max_model_len=prompt_len + tokens + 16,
+        enable_prefix_caching=False,
+        max_num_seqs=max(batch, 1),
+        max_num_batched_tokens=max(batch * prompt_len, 256),
+        num_threads=2 if config == "one-2t" else 1,
+    )
     if config.startswith("pp2"):
         options["pipeline_parallel_size"] = 2
         options["pp_micro_batches"] = 1 if config == "pp2-1mb" else 2
     llm = LLM(model=model, **options)
     if config.startswith("pp2"):
-        for pid in _children():   # every thread of stage 1 (its torch and gloo threads exist by now)
+        for pid in _children():  # every thread of stage 1 (its torch and gloo threads exist by now)
             for tid in os.listdir(f"/proc/{pid}/task"):
                 os.sched_setaffinity(int(tid), second)
     rng = random.Random(0)
@@ -98,7 +118,7 @@ def run_one(config: str, model: str, batch: int, tokens: int, prompt_len: int, d
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
-    timed(2)   # warm-up
+    timed(2)  # warm-up
     prefill, whole = timed(1), timed(tokens)
     step_s = (whole - prefill) / (tokens - 1)
     llm.close()
@@ -112,7 +132,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence (>= 2)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--run", choices=CONFIGS, help=argparse.SUPPRESS)   # one configuration, in this process
+    p.add_argument("--run", choices=CONFIGS, help=argparse.SUPPRESS)  # one configuration, in this process
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.tokens < 2:
@@ -123,9 +143,27 @@ def main() -> None:
     model = make_model(args.shape, Path(tempfile.gettempdir()))
     rows = {}
     for config in CONFIGS:
-        out = subprocess.run([sys.executable, __file__, "--run", config, "--model", str(model), "--batch",
-                              str(args.batch), "--tokens", str(args.tokens), "--prompt-len", str(args.prompt_len),
-                              "--dtype", args.dtype], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--run",
+                config,
+                "--model",
+                str(model),
+                "--batch",
+                str(args.batch),
+                "--tokens",
+                str(args.tokens),
+                "--prompt-len",
+                str(args.prompt_len),
+                "--dtype",
+                args.dtype,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows[config] = json.loads(out.stdout.strip().splitlines()[-1])
     base = rows["one-2t"]["decode_tok_s"]
     print(f"{args.shape}, batch {args.batch}, {args.tokens} tokens, dtype {args.dtype}")
@@ -135,12 +173,24 @@ def main() -> None:
     one_step, v1_step, pp_step = (rows[c]["step_ms"] for c in ("one-1t", "pp2-1mb", "pp2"))
     handoff, bubble = v1_step - one_step, 1 - (one_step / 2) / pp_step
     speedup = rows["pp2"]["decode_tok_s"] / rows["one-1t"]["decode_tok_s"]
-    print(f"pp2 per step: hand-off {handoff:.2f} ms (one batch at a time), each stage idle {bubble:.0%} of the step "
-          f"with 2 micro-batches in flight; pp2 / one-1t {speedup:.2f}x (ideal 2x)")
-    path = write_result("pipeline", {"shape": args.shape, "batch": args.batch, "tokens": args.tokens,
-                                     "prompt_len": args.prompt_len, "dtype": args.dtype, "rows": list(rows.values()),
-                                     "handoff_ms_per_step": handoff, "bubble": bubble,
-                                     "pp2_over_one_1t": speedup})
+    print(
+        f"pp2 per step: hand-off {handoff:.2f} ms (one batch at a time), each stage idle {bubble:.0%} of the step "
+        f"with 2 micro-batches in flight; pp2 / one-1t {speedup:.2f}x (ideal 2x)"
+    )
+    path = write_result(
+        "pipeline",
+        {
+            "shape": args.shape,
+            "batch": args.batch,
+            "tokens": args.tokens,
+            "prompt_len": args.prompt_len,
+            "dtype": args.dtype,
+            "rows": list(rows.values()),
+            "handoff_ms_per_step": handoff,
+            "bubble": bubble,
+            "pp2_over_one_1t": speedup,
+        },
+    )
     print(f"wrote {path}")
 
 

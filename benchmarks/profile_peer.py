@@ -49,7 +49,7 @@ SYSTEMS = ("vllm", "vllm-eager", "infer-eager", "infer-compiled")
 THREADS = 2
 KV_CACHE_GIB = 4
 WARM_UP_STEPS = 3
-STEP = "profile_peer: step"   # the annotation around each profiled engine step
+STEP = "profile_peer: step"  # the annotation around each profiled engine step
 TOP_OPS = 25
 
 # ---- grouping operators -----------------------------------------------------------------------------
@@ -60,16 +60,48 @@ CONTEXT_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sampling", ("profile_peer: sample", "gpu_model_runner: sample")),
 )
 LEAF_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("attention", "attn", "reshape_and_cache", "kv_append", "index_select", "softmax", "bmm",
-                   "scaled_dot", "sdpa", "gather")),
+    (
+        "attention",
+        (
+            "attention",
+            "attn",
+            "reshape_and_cache",
+            "kv_append",
+            "index_select",
+            "softmax",
+            "bmm",
+            "scaled_dot",
+            "sdpa",
+            "gather",
+        ),
+    ),
     ("sampling", ("argmax", "topk", "sample", "multinomial")),
-    ("linear", ("onednn_mm", "mkldnn", "linear", "aten::mm", "aten::addmm", "matmul", "gemm", "_weight_int",
-                "weight_packed")),
-    ("elementwise", ("cpp_fused", "rms_norm", "rmsnorm", "rotary", "silu", "act_and_mul", "aten::mul",
-                     "aten::add", "aten::rsqrt", "aten::pow", "aten::mean", "aten::neg", "aten::cat",
-                     "aten::embedding", "aten::sigmoid")),
+    (
+        "linear",
+        ("onednn_mm", "mkldnn", "linear", "aten::mm", "aten::addmm", "matmul", "gemm", "_weight_int", "weight_packed"),
+    ),
+    (
+        "elementwise",
+        (
+            "cpp_fused",
+            "rms_norm",
+            "rmsnorm",
+            "rotary",
+            "silu",
+            "act_and_mul",
+            "aten::mul",
+            "aten::add",
+            "aten::rsqrt",
+            "aten::pow",
+            "aten::mean",
+            "aten::neg",
+            "aten::cat",
+            "aten::embedding",
+            "aten::sigmoid",
+        ),
+    ),
 )
-INDUCTOR_ATTENTION = ("softmax", "bmm", "amax", "_safe_softmax")   # a fused kernel of the attention twin
+INDUCTOR_ATTENTION = ("softmax", "bmm", "amax", "_safe_softmax")  # a fused kernel of the attention twin
 GROUPS = ("linear", "attention", "elementwise", "sampling", "other")
 
 
@@ -80,7 +112,7 @@ def group_of(names: Iterable[str]) -> str:
         for group, keys in CONTEXT_GROUPS:
             if any(k in ancestor for k in keys):
                 return group
-    if "cpp_fused" in names[0]:   # inductor names a fused kernel after all its nodes' origins (onednn_mm too)
+    if "cpp_fused" in names[0]:  # inductor names a fused kernel after all its nodes' origins (onednn_mm too)
         return "attention" if any(k in names[0] for k in INDUCTOR_ATTENTION) else "elementwise"
     for group, keys in LEAF_GROUPS:
         if any(k in names[0] for k in keys):
@@ -92,7 +124,7 @@ def group_of(names: Iterable[str]) -> str:
 class OpRow:
     name: str
     self_ms_per_step: float
-    share: float        # of the profiled step's wall time
+    share: float  # of the profiled step's wall time
     calls_per_step: float
     group: str
 
@@ -115,32 +147,46 @@ def breakdown(prof: Any, steps: int) -> dict:
             continue
         group = group_of(chain)
         if group == "other" and _is_annotation(event):
-            continue   # Python time: counted in "other" below, as the step's unexplained remainder
+            continue  # Python time: counted in "other" below, as the step's unexplained remainder
         groups[group] += event.self_cpu_time_total
         own[event.name][0] += event.self_cpu_time_total
         own[event.name][1] += 1
         own_groups[event.name][group] += event.self_cpu_time_total
     groups["other"] = max(0.0, step_us * steps - sum(v for g, v in groups.items() if g != "other"))
-    ops = [OpRow(name, total / steps / 1e3, total / (step_us * steps), calls / steps,
-                 max(own_groups[name], key=own_groups[name].get))
-           for name, (total, calls) in own.items()]
+    ops = [
+        OpRow(
+            name,
+            total / steps / 1e3,
+            total / (step_us * steps),
+            calls / steps,
+            max(own_groups[name], key=own_groups[name].get),
+        )
+        for name, (total, calls) in own.items()
+    ]
     ops.sort(key=lambda r: -r.self_ms_per_step)
-    regions = {e.key: e.cpu_time_total / steps / 1e3 for e in prof.key_averages()
-               if e.key.startswith(("profile_peer:", "gpu_model_runner:", "llm_engine step:"))}
-    return {"step_ms": step_us / 1e3,
-            "groups_ms": {g: groups.get(g, 0.0) / steps / 1e3 for g in GROUPS},
-            "groups_share": {g: groups.get(g, 0.0) / (step_us * steps) for g in GROUPS},
-            "regions_ms": regions,
-            "top_ops": [vars(r) for r in ops[:TOP_OPS]],
-            "ops_per_step": sum(c for _, c in own.values()) / steps}
+    regions = {
+        e.key: e.cpu_time_total / steps / 1e3
+        for e in prof.key_averages()
+        if e.key.startswith(("profile_peer:", "gpu_model_runner:", "llm_engine step:"))
+    }
+    return {
+        "step_ms": step_us / 1e3,
+        "groups_ms": {g: groups.get(g, 0.0) / steps / 1e3 for g in GROUPS},
+        "groups_share": {g: groups.get(g, 0.0) / (step_us * steps) for g in GROUPS},
+        "regions_ms": regions,
+        "top_ops": [vars(r) for r in ops[:TOP_OPS]],
+        "ops_per_step": sum(c for _, c in own.values()) / steps,
+    }
 
 
 def _is_annotation(event: Any) -> bool:
     return "user_annotation" in str(getattr(event, "device_type", "")) or event.name.startswith(
-        ("profile_peer:", "gpu_model_runner:", "llm_engine step:", "## "))
+        ("profile_peer:", "gpu_model_runner:", "llm_engine step:", "## ")
+    )
 
 
 # ---- driving an engine step by step ------------------------------------------------------------------
+
 
 def annotate(owner: Any, attr: str, label: str) -> None:
     """Wrap `owner.attr` (a function or method) in record_function(label)."""
@@ -194,7 +240,7 @@ def run_vllm(model: str, batch: int, prompt: int, steps: int, eager: bool) -> di
     llm = LLM(model=model, dtype="bfloat16", max_model_len=2048, seed=0, enforce_eager=eager)
     startup = time.perf_counter() - start
     engine = llm.llm_engine
-    core = engine.engine_core.engine_core            # InprocClient -> EngineCore (in this process)
+    core = engine.engine_core.engine_core  # InprocClient -> EngineCore (in this process)
     runner = core.model_executor.driver_worker.worker.model_runner
     annotate(core.scheduler, "schedule", "profile_peer: schedule")
     annotate(core.scheduler, "update_from_output", "profile_peer: update_from_output")
@@ -204,8 +250,7 @@ def run_vllm(model: str, batch: int, prompt: int, steps: int, eager: bool) -> di
     if hasattr(runner, "sampler"):
         annotate(runner.sampler, "forward", "profile_peer: sample")
 
-    params = SamplingParams(temperature=0, max_tokens=WARM_UP_STEPS + 2 * steps + 40, ignore_eos=True,
-                            detokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=WARM_UP_STEPS + 2 * steps + 40, ignore_eos=True, detokenize=False)
     vocab = llm.get_tokenizer().vocab_size
     for i, p in enumerate(random_prompts(batch, prompt, vocab)):
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params)
@@ -215,8 +260,11 @@ def run_vllm(model: str, batch: int, prompt: int, steps: int, eager: bool) -> di
     while len(started) < batch:
         started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
         prefill_steps += 1
-    facts = {"startup_s": startup, "prefill_steps": prefill_steps,
-             "compilation_mode": str(engine.vllm_config.compilation_config.mode)}
+    facts = {
+        "startup_s": startup,
+        "prefill_steps": prefill_steps,
+        "compilation_mode": str(engine.vllm_config.compilation_config.mode),
+    }
     return {**facts, **profile_steps(engine.step, steps)}
 
 
@@ -227,13 +275,22 @@ def run_infer(model: str, batch: int, prompt: int, steps: int, eager: bool) -> d
     from infer.worker.models import llama
 
     start = time.perf_counter()
-    engine = Engine(EngineConfig(model=model, dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
-                                 kv_cache_memory=KV_CACHE_GIB << 30, enforce_eager=eager, num_threads=THREADS))
+    engine = Engine(
+        EngineConfig(
+            model=model,
+            dtype="bfloat16",
+            max_model_len=2048,
+            max_num_seqs=256,
+            kv_cache_memory=KV_CACHE_GIB << 30,
+            enforce_eager=eager,
+            num_threads=THREADS,
+        )
+    )
     startup = time.perf_counter() - start
     annotate(engine.scheduler, "schedule", "profile_peer: schedule")
     annotate(engine.runner, "execute", "profile_peer: runner.execute")
     annotate(engine.runner.sampler, "sample", "profile_peer: sample")
-    if eager:   # compiled steps trace the attention into their graph: no Python call left to wrap
+    if eager:  # compiled steps trace the attention into their graph: no Python call left to wrap
         annotate(llama, "paged_attention", "profile_peer: attention")
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     for i, p in enumerate(random_prompts(batch, prompt, int(engine.model.vocab_size))):
@@ -256,28 +313,47 @@ def child_main(system: str, model: str, batch: int, prompt: int, steps: int) -> 
 
 # ---- the parent: one process per system, then the table ----------------------------------------------
 
+
 def child_env(system: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false",
-               TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE="1")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(THREADS),
+        TOKENIZERS_PARALLELISM="false",
+        TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE="1",
+    )
     if not system.startswith("vllm"):
         return env
     site = VLLM_PYTHON.parent.parent / "lib" / "python3.11" / "site-packages"
     # What vllm/platforms/cpu.py and utils/ompmultiprocessing.py give the worker process of the default
     # (multiprocess) executor: tcmalloc + torch's libgomp preloaded, OpenMP threads pinned one per core.
     preload = sorted(glob.glob(str(site / "vllm" / "libs" / "libtcmalloc*.so*")))[:1]
-    preload += sorted(glob.glob(str(site / "torch.libs" / "libgomp*.so*")) +
-                      glob.glob(str(site / "torch" / "lib" / "libgomp*.so*")))[:1]
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CUSTOM_SCOPES_FOR_PROFILING="1",
-               VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), VLLM_CPU_OMP_THREADS_BIND=f"0-{THREADS - 1}",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", GOMP_CPU_AFFINITY=" ".join(map(str, range(THREADS))),
-               LD_PRELOAD=":".join(preload))
+    preload += sorted(
+        glob.glob(str(site / "torch.libs" / "libgomp*.so*")) + glob.glob(str(site / "torch" / "lib" / "libgomp*.so*"))
+    )[:1]
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CUSTOM_SCOPES_FOR_PROFILING="1",
+        VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{THREADS - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        GOMP_CPU_AFFINITY=" ".join(map(str, range(THREADS))),
+        LD_PRELOAD=":".join(preload),
+    )
     return env
 
 
 def run_child(system: str, model: str, args: argparse.Namespace) -> dict:
     python = str(VLLM_PYTHON) if system.startswith("vllm") else sys.executable
-    cmd = [python, str(Path(__file__).resolve()), "--child", system, model,
-           str(args.batch), str(args.prompt), str(args.steps)]
+    cmd = [
+        python,
+        str(Path(__file__).resolve()),
+        "--child",
+        system,
+        model,
+        str(args.batch),
+        str(args.prompt),
+        str(args.steps),
+    ]
     print(f"-- {system}", flush=True)
     start = time.perf_counter()
     try:
@@ -286,7 +362,7 @@ def run_child(system: str, model: str, args: argparse.Namespace) -> dict:
         return {"error": f"timed out after {args.timeout:.0f} s", "log_tail": str(e.stdout or "")[-2000:]}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return {**json.loads(line[len("RESULT "):]), "wall_s": time.perf_counter() - start}
+            return {**json.loads(line[len("RESULT ") :]), "wall_s": time.perf_counter() - start}
     return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
 
 
@@ -294,12 +370,16 @@ def print_system(system: str, r: dict) -> None:
     if "error" in r:
         print(f"\n{system}: failed ({r['error']})\n{r.get('log_tail', '')}")
         return
-    print(f"\n{system}: {r['step_ms']:.1f} ms/step profiled, {r['timed_step_ms']:.1f} ms/step timed, "
-          f"{r['ops_per_step']:.0f} ops/step, startup {r['startup_s']:.0f} s")
+    print(
+        f"\n{system}: {r['step_ms']:.1f} ms/step profiled, {r['timed_step_ms']:.1f} ms/step timed, "
+        f"{r['ops_per_step']:.0f} ops/step, startup {r['startup_s']:.0f} s"
+    )
     print(f"  {'operator':60} {'ms/step':>8} {'share':>6} {'calls':>6}  group")
     for op in r["top_ops"]:
-        print(f"  {op['name'][:60]:60} {op['self_ms_per_step']:8.2f} {100 * op['share']:5.1f}% "
-              f"{op['calls_per_step']:6.0f}  {op['group']}")
+        print(
+            f"  {op['name'][:60]:60} {op['self_ms_per_step']:8.2f} {100 * op['share']:5.1f}% "
+            f"{op['calls_per_step']:6.0f}  {op['group']}"
+        )
     print("  regions (inclusive ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["regions_ms"].items())))
 
 
@@ -309,8 +389,7 @@ def print_table(results: dict[str, dict]) -> None:
     print(f"{'ms/step':14}" + "".join(f"{r['step_ms']:16.1f}" for r in ok.values()))
     print(f"{'timed ms/step':14}" + "".join(f"{r['timed_step_ms']:16.1f}" for r in ok.values()))
     for g in GROUPS:
-        print(f"{g:14}" + "".join(f"{r['groups_ms'][g]:9.1f} {100 * r['groups_share'][g]:4.0f}%"
-                                  for r in ok.values()))
+        print(f"{g:14}" + "".join(f"{r['groups_ms'][g]:9.1f} {100 * r['groups_share'][g]:4.0f}%" for r in ok.values()))
     print("(shares of the profiled step; the VM is shared, so absolute ms are inflated by its load)")
 
 
@@ -321,24 +400,33 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--child", nargs=5, metavar=("SYSTEM", "MODEL", "BATCH", "PROMPT", "STEPS"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", nargs=5, metavar=("SYSTEM", "MODEL", "BATCH", "PROMPT", "STEPS"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.child:
         system, model, batch, prompt, steps = args.child
         child_main(system, model, int(batch), int(prompt), int(steps))
         return
-    model = str(dense_model_dir())   # the same dense files for every system (vLLM-cpu reads no GGUF)
+    model = str(dense_model_dir())  # the same dense files for every system (vLLM-cpu reads no GGUF)
     results = {}
     for system in args.systems:
         results[system] = run_child(system, model, args)
         print_system(system, results[system])
     print_table(results)
-    out = write_result("profile_peer", {
-        "model": "SmolLM2-135M-Instruct (embedded default), bfloat16", "threads": THREADS, "batch": args.batch,
-        "prompt_tokens": args.prompt, "profiled_steps": args.steps, "load_avg_end": os.getloadavg(),
-        "note": "shared, loaded 2-core VM run under nice -n 19: absolute ms are inflated; compare shares",
-        "results": results})
+    out = write_result(
+        "profile_peer",
+        {
+            "model": "SmolLM2-135M-Instruct (embedded default), bfloat16",
+            "threads": THREADS,
+            "batch": args.batch,
+            "prompt_tokens": args.prompt,
+            "profiled_steps": args.steps,
+            "load_avg_end": os.getloadavg(),
+            "note": "shared, loaded 2-core VM run under nice -n 19: absolute ms are inflated; compare shares",
+            "results": results,
+        },
+    )
     print("wrote", out)
 
 

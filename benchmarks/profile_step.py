@@ -41,8 +41,9 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     per_step = (time.perf_counter() - start) / args.steps
-    print(f"decode step, batch {args.batch}, {args.dtype}: {per_step * 1e3:.1f} ms "
-          f"-> {args.batch / per_step:.0f} tok/s")
+    print(
+        f"decode step, batch {args.batch}, {args.dtype}: {per_step * 1e3:.1f} ms -> {args.batch / per_step:.0f} tok/s"
+    )
 
     runner_execute = engine.runner.execute
     model_forward = engine.model.forward
@@ -62,8 +63,11 @@ def main() -> None:
             with record_function("engine.step"):
                 engine.step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    totals = {e.key: e.cpu_time_total for e in prof.key_averages()
-              if e.key in ("engine.step", "runner.execute", "model.forward")}
+    totals = {
+        e.key: e.cpu_time_total
+        for e in prof.key_averages()
+        if e.key in ("engine.step", "runner.execute", "model.forward")
+    }
     step = totals.get("engine.step", 1)
     for key, value in totals.items():
         print(f"{key:16s} {value / args.steps / 1e3:8.1f} ms/step  {100 * value / step:5.1f}%")

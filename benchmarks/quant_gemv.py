@@ -35,9 +35,14 @@ from infer.kernels import cpu_kernels  # noqa: E402
 from infer.kernels.quant import QuantWeight, bind, quant_matmul, quantize  # noqa: E402
 
 # SmolLM2-135M's matrices, [N, K]
-MATRICES = {"o_proj 576x576": (576, 576), "qkv 576->960": (960, 576), "gate_up 576->3072": (3072, 576),
-            "down 1536->576": (576, 1536), "lm_head 49152x576": (49152, 576)}
-BUILD_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")   # cpu_kernels.FLAGS
+MATRICES = {
+    "o_proj 576x576": (576, 576),
+    "qkv 576->960": (960, 576),
+    "gate_up 576->3072": (3072, 576),
+    "down 1536->576": (576, 1536),
+    "lm_head 49152x576": (49152, 576),
+}
+BUILD_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")  # cpu_kernels.FLAGS
 MARCHES = {"native": (), "x86-64-v3": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"), "x86-64": ()}
 COPIES_BYTES = 192 << 20
 
@@ -48,8 +53,19 @@ def builds(out: Path, names: list[str]) -> dict[str, ctypes.CDLL]:
     for march, needs in MARCHES.items():
         if march in names and set(needs) <= flags:
             target = out / f"quant-{march}.so"
-            subprocess.run([cpu_kernels._compiler() or "cc", *BUILD_FLAGS, f"-march={march}", "-o", str(target),
-                            str(source), "-lm"], check=True, timeout=120)
+            subprocess.run(
+                [
+                    cpu_kernels._compiler() or "cc",
+                    *BUILD_FLAGS,
+                    f"-march={march}",
+                    "-o",
+                    str(target),
+                    str(source),
+                    "-lm",
+                ],
+                check=True,
+                timeout=120,
+            )
             libs[march] = bind(ctypes.CDLL(str(target)))
     return libs
 
@@ -76,7 +92,7 @@ def seconds_per_call(call, items: list, budget: float) -> float:
 
 
 def read_bandwidth() -> float:
-    big = torch.ones(64 << 20)   # 256 MB
+    big = torch.ones(64 << 20)  # 256 MB
     big.sum()
     start, repeats = time.perf_counter(), 4
     for _ in range(repeats):
@@ -102,7 +118,7 @@ def main() -> None:
         print(f"{'matrix':20s} {'M':>2s} {'what':16s} {'us/call':>9s} {'GB/s':>6s} {'vs bf16':>8s}")
         for name in args.matrices:
             n, k = MATRICES[name]
-            dense = torch.randn(n, k) / k ** 0.5
+            dense = torch.randn(n, k) / k**0.5
             linear_weights = [dense.to(torch.bfloat16) for _ in range(max(2, COPIES_BYTES // (n * k * 2)))]
             quantized = {fmt: quantize(dense, fmt) for fmt in args.formats}
             copies = {fmt: copies_of(weight, weight.nbytes) for fmt, weight in quantized.items()}
@@ -115,16 +131,37 @@ def main() -> None:
                         t = seconds_per_call(lambda w, lib=lib: quant_matmul(x, w, lib=lib), copies[fmt], args.seconds)
                         cases.append((f"{fmt} {march}", weight.nbytes, t))
                 for what, nbytes, t in cases:
-                    row = {"matrix": name, "n": n, "k": k, "rows": m, "what": what, "weight_bytes": nbytes,
-                           "us_per_call": t * 1e6, "gb_per_s": nbytes / t / 1e9, "speedup_vs_bf16": t_bf16 / t}
+                    row = {
+                        "matrix": name,
+                        "n": n,
+                        "k": k,
+                        "rows": m,
+                        "what": what,
+                        "weight_bytes": nbytes,
+                        "us_per_call": t * 1e6,
+                        "gb_per_s": nbytes / t / 1e9,
+                        "speedup_vs_bf16": t_bf16 / t,
+                    }
                     rows_out.append(row)
-                    print(f"{name:20s} {m:2d} {what:16s} {t * 1e6:9.1f} {row['gb_per_s']:6.1f} "
-                          f"{row['speedup_vs_bf16']:7.2f}x")
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).parent).stdout.strip()
-    path = write_result("quant_gemv", {"git_head": head, "load_average": os.getloadavg(), "cpu_flags": cpu_kernels._cpu_flags().split(),
-                                       "threads": torch.get_num_threads(), "torch_sum_gb_per_s": sum_gbs,
-                                       "seconds_per_case": args.seconds, "rows": rows_out})
+                    print(
+                        f"{name:20s} {m:2d} {what:16s} {t * 1e6:9.1f} {row['gb_per_s']:6.1f} "
+                        f"{row['speedup_vs_bf16']:7.2f}x"
+                    )
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
+    path = write_result(
+        "quant_gemv",
+        {
+            "git_head": head,
+            "load_average": os.getloadavg(),
+            "cpu_flags": cpu_kernels._cpu_flags().split(),
+            "threads": torch.get_num_threads(),
+            "torch_sum_gb_per_s": sum_gbs,
+            "seconds_per_case": args.seconds,
+            "rows": rows_out,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-if "--smoke" in sys.argv:   # before anything imports infer.kernels: the kernels then run in the interpreter
+if "--smoke" in sys.argv:  # before anything imports infer.kernels: the kernels then run in the interpreter
     import os
 
     os.environ["TRITON_INTERPRET"] = "1"
@@ -65,14 +65,26 @@ class Model:
 def llama_1b() -> Model:
     hidden, inter, heads, kv_heads, layers, vocab, context = 2048, 8192, 32, 8, 16, 128256, 128
     head_dim = hidden // heads
-    return Model(layers, {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden), "o": (hidden, hidden),
-                          "gate_up": (2 * inter, hidden), "down": (hidden, inter)},
-                 (vocab, hidden), layers * 2 * kv_heads * head_dim * context * 2)
+    return Model(
+        layers,
+        {
+            "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+            "o": (hidden, hidden),
+            "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter),
+        },
+        (vocab, hidden),
+        layers * 2 * kv_heads * head_dim * context * 2,
+    )
 
 
 def tiny() -> Model:
-    return Model(2, {"qkv": (96, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128)}, (512, 64),
-                 2 * 2 * 2 * 16 * 128 * 2)
+    return Model(
+        2,
+        {"qkv": (96, 64), "o": (64, 64), "gate_up": (256, 64), "down": (64, 128)},
+        (512, 64),
+        2 * 2 * 2 * 16 * 128 * 2,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -134,7 +146,7 @@ class Timer:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):   # compiles, and warms the allocator outside the capture
+            for _ in range(2):  # compiles, and warms the allocator outside the capture
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
@@ -172,15 +184,25 @@ def _impls() -> list[tuple[str, str, dict]]:
     return out
 
 
-def kernel_table(model: Model, device: str, timer: Timer, copy_bps: float, rows_list: list[int],
-                 rotate_bytes: int, dtype: torch.dtype) -> list[dict]:
+def kernel_table(
+    model: Model,
+    device: str,
+    timer: Timer,
+    copy_bps: float,
+    rows_list: list[int],
+    rotate_bytes: int,
+    dtype: torch.dtype,
+) -> list[dict]:
     generator = torch.Generator(device=device).manual_seed(0)
     table = []
     for name, (n, k) in model.linears.items():
         xs = {m: torch.randn(m, k, device=device, generator=generator).to(dtype) for m in rows_list}
         for fmt in ("dense", "q8", "q4"):
-            make = (lambda: random_dense(n, k, device, generator, dtype)) if fmt == "dense" else \
-                (lambda: random_quant(fmt, n, k, device, generator))
+            make = (
+                (lambda: random_dense(n, k, device, generator, dtype))
+                if fmt == "dense"
+                else (lambda: random_quant(fmt, n, k, device, generator))
+            )
             first = make()
             count = min(100, max(2, math.ceil(rotate_bytes / nbytes(first))))
             copies = [first] + [make() for _ in range(count - 1)]
@@ -193,11 +215,23 @@ def kernel_table(model: Model, device: str, timer: Timer, copy_bps: float, rows_
     return table
 
 
-def _kernel_row(name: str, n: int, k: int, m: int, impl: str, fmt: str, options: dict, x: torch.Tensor,
-                copies: list, timer: Timer, copy_bps: float) -> dict:
+def _kernel_row(
+    name: str,
+    n: int,
+    k: int,
+    m: int,
+    impl: str,
+    fmt: str,
+    options: dict,
+    x: torch.Tensor,
+    copies: list,
+    timer: Timer,
+    copy_bps: float,
+) -> dict:
     row = {"layer": name, "N": n, "K": k, "M": m, "impl": impl, "copies": len(copies)}
     try:
         if fmt == "dense":
+
             def call(w):
                 return F.linear(x, w)
         else:
@@ -206,16 +240,26 @@ def _kernel_row(name: str, n: int, k: int, m: int, impl: str, fmt: str, options:
 
             def call(w):
                 return quant_matmul_triton(x, w, **options)
+
             ref = quant_matmul_torch(x, copies[0]).float()
             row["rel_err"] = float((call(copies[0]).float() - ref).norm() / ref.norm())
         seconds, graphed = timer(lambda: [call(w) for w in copies])
         per_call = seconds / len(copies)
         weight_bytes = nbytes(copies[0])
-        row.update(us=per_call * 1e6, weight_bytes=weight_bytes, GBps=weight_bytes / per_call / 1e9,
-                   of_copy=weight_bytes / per_call / copy_bps, graph=graphed)
-        print(f"  {name:8s} {n:6d}x{k:<5d} M={m:<2d} {impl:20s} {per_call * 1e6:9.1f} us {row['GBps']:8.0f} GB/s "
-              f"{row['of_copy']:6.1%} of copy" + (f"  rel err {row['rel_err']:.1e}" if "rel_err" in row else "")
-              + (f"  [{row['kernel']}, {row['splits']} splits]" if "splits" in row else ""), flush=True)
+        row.update(
+            us=per_call * 1e6,
+            weight_bytes=weight_bytes,
+            GBps=weight_bytes / per_call / 1e9,
+            of_copy=weight_bytes / per_call / copy_bps,
+            graph=graphed,
+        )
+        print(
+            f"  {name:8s} {n:6d}x{k:<5d} M={m:<2d} {impl:20s} {per_call * 1e6:9.1f} us {row['GBps']:8.0f} GB/s "
+            f"{row['of_copy']:6.1%} of copy"
+            + (f"  rel err {row['rel_err']:.1e}" if "rel_err" in row else "")
+            + (f"  [{row['kernel']}, {row['splits']} splits]" if "splits" in row else ""),
+            flush=True,
+        )
     except Exception as error:  # noqa: BLE001 - one failing launch must not cost the rest of the run
         row["error"] = f"{type(error).__name__}: {error}"
         print(f"  {name:8s} {n:6d}x{k:<5d} M={m:<2d} {impl:20s} FAILED {row['error'][:300]}", flush=True)
@@ -229,21 +273,30 @@ def _kernel_row(name: str, n: int, k: int, m: int, impl: str, fmt: str, options:
 def decode_table(model: Model, device: str, timer: Timer, copy_bps: float, dtype: torch.dtype) -> list[dict]:
     generator = torch.Generator(device=device).manual_seed(1)
     hidden = model.lm_head[1]
-    inputs = {k: torch.randn(1, k, device=device, generator=generator).to(dtype)
-              for k in {k for _, k in model.linears.values()} | {hidden}}
+    inputs = {
+        k: torch.randn(1, k, device=device, generator=generator).to(dtype)
+        for k in {k for _, k in model.linears.values()} | {hidden}
+    }
     table = []
     for fmt in ("dense", "q8", "q4"):
         row = {"format": fmt, "dtype": str(dtype).removeprefix("torch.")}
         try:
+
             def make(n, k):
-                return random_dense(n, k, device, generator, dtype) if fmt == "dense" else \
-                    random_quant(fmt, n, k, device, generator)
+                return (
+                    random_dense(n, k, device, generator, dtype)
+                    if fmt == "dense"
+                    else random_quant(fmt, n, k, device, generator)
+                )
+
             layers = [{name: make(n, k) for name, (n, k) in model.linears.items()} for _ in range(model.layers)]
             lm_head = make(*model.lm_head)
             if fmt == "dense":
+
                 def linear(x, w):
                     return F.linear(x, w)
             else:
+
                 def linear(x, w):
                     return quant_matmul_triton(x, w)
 
@@ -257,12 +310,22 @@ def decode_table(model: Model, device: str, timer: Timer, copy_bps: float, dtype
             seconds, graphed = timer(token, replays=3)
             eager, _ = timer(token, replays=3, graph=False)
             floor = (weight_bytes + model.kv_bytes) / copy_bps
-            row.update(ms_per_token=seconds * 1e3, eager_ms_per_token=eager * 1e3, graph=graphed,
-                       weight_bytes=weight_bytes, kv_bytes=model.kv_bytes, floor_ms=floor * 1e3,
-                       of_floor=floor / seconds, tokens_per_s=1 / seconds)
-            print(f"  {fmt:5s} {weight_bytes / 1e6:8.1f} MB/token  {seconds * 1e3:7.3f} ms/token "
-                  f"(eager {eager * 1e3:7.3f})  floor {floor * 1e3:7.3f} ms  {floor / seconds:6.1%} of floor  "
-                  f"{1 / seconds:7.0f} tok/s", flush=True)
+            row.update(
+                ms_per_token=seconds * 1e3,
+                eager_ms_per_token=eager * 1e3,
+                graph=graphed,
+                weight_bytes=weight_bytes,
+                kv_bytes=model.kv_bytes,
+                floor_ms=floor * 1e3,
+                of_floor=floor / seconds,
+                tokens_per_s=1 / seconds,
+            )
+            print(
+                f"  {fmt:5s} {weight_bytes / 1e6:8.1f} MB/token  {seconds * 1e3:7.3f} ms/token "
+                f"(eager {eager * 1e3:7.3f})  floor {floor * 1e3:7.3f} ms  {floor / seconds:6.1%} of floor  "
+                f"{1 / seconds:7.0f} tok/s",
+                flush=True,
+            )
         except Exception as error:  # noqa: BLE001
             row["error"] = f"{type(error).__name__}: {error}"
             print(f"  {fmt:5s} FAILED {row['error'][:300]}", flush=True)
@@ -288,24 +351,41 @@ def main() -> None:
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --smoke to check the script on a CPU")
     device = "cpu" if args.smoke else "cuda"
-    dtype = torch.float16 if args.smoke else torch.bfloat16   # bf16 tl.dot is broken in the interpreter
+    dtype = torch.float16 if args.smoke else torch.bfloat16  # bf16 tl.dot is broken in the interpreter
     model = tiny() if args.smoke else llama_1b()
     timer = Timer(device, 1 if args.smoke else args.rounds)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "none (smoke: Triton interpreter on the CPU)"
-    print(f"{gpu}; torch {torch.__version__}, triton {triton.__version__}; activations and dense weights "
-          f"{str(dtype).removeprefix('torch.')}", flush=True)
+    print(
+        f"{gpu}; torch {torch.__version__}, triton {triton.__version__}; activations and dense weights "
+        f"{str(dtype).removeprefix('torch.')}",
+        flush=True,
+    )
     copy_bps = copy_bandwidth(device, timer)
-    print(f"copy: {copy_bps / 1e9:.0f} GB/s ({copy_bps / 1e9 / H100_SXM_SPEC_GBPS:.1%} of the H100 SXM's "
-          f"{H100_SXM_SPEC_GBPS:.0f} GB/s spec)", flush=True)
-    payload = {"smoke": args.smoke, "gpu": gpu, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "triton": triton.__version__,
-               "copy_GBps": copy_bps / 1e9, "h100_sxm_spec_GBps": H100_SXM_SPEC_GBPS}
+    print(
+        f"copy: {copy_bps / 1e9:.0f} GB/s ({copy_bps / 1e9 / H100_SXM_SPEC_GBPS:.1%} of the H100 SXM's "
+        f"{H100_SXM_SPEC_GBPS:.0f} GB/s spec)",
+        flush=True,
+    )
+    payload = {
+        "smoke": args.smoke,
+        "gpu": gpu,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_GBps": copy_bps / 1e9,
+        "h100_sxm_spec_GBps": H100_SXM_SPEC_GBPS,
+    }
     if "kernels" in args.parts:
         print("kernels (weight bytes read per call; each call a different copy of the weight):", flush=True)
-        payload["kernels"] = kernel_table(model, device, timer, copy_bps, args.rows,
-                                          0 if args.smoke else 200 << 20, dtype)
+        payload["kernels"] = kernel_table(
+            model, device, timer, copy_bps, args.rows, 0 if args.smoke else 200 << 20, dtype
+        )
     if "decode" in args.parts:
-        print(f"batch-1 decode, linear layers only ({model.layers} layers + lm_head), "
-              f"floor = (weights + {model.kv_bytes / 2**20:.1f} MiB KV) / copy bandwidth:", flush=True)
+        print(
+            f"batch-1 decode, linear layers only ({model.layers} layers + lm_head), "
+            f"floor = (weights + {model.kv_bytes / 2**20:.1f} MiB KV) / copy bandwidth:",
+            flush=True,
+        )
         payload["decode"] = decode_table(model, device, timer, copy_bps, dtype)
     if args.out:
         common.RESULTS = Path(args.out)

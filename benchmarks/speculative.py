@@ -51,19 +51,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RANDOM_SHAPES, make_workload, random_model, write_result  # noqa: E402
 
 KV_BYTES = 1 << 30
-MODEL: str | None = None   # --model / --random-model; None: the embedded model
+MODEL: str | None = None  # --model / --random-model; None: the embedded model
 
-PASSAGE = ("The river ran high that spring. Every morning the ferryman checked the ropes, counted the planks and "
-           "wrote the water level in a small notebook he kept in his coat. By April the notebook was full, and the "
-           "village council asked him to read it aloud at the meeting, page by page, so that everyone would know "
-           "how close the water had come to the mill.")
+PASSAGE = (
+    "The river ran high that spring. Every morning the ferryman checked the ropes, counted the planks and "
+    "wrote the water level in a small notebook he kept in his coat. By April the notebook was full, and the "
+    "village council asked him to read it aloud at the meeting, page by page, so that everyone would know "
+    "how close the water had come to the mill."
+)
 # the rewrite workload's second paragraph: the passage alone is shorter than the 128 tokens asked for (the
 # embedded model rewrites it in ~75 and then, EOS ignored, starts a conversation of its own, with nothing to copy)
-SEQUEL = ("In May the water fell again. The ferryman mended the torn rope, painted the landing stage green and "
-          "bought a new notebook at the market in town. He wrote the date on the first page, then the level of the "
-          "river, then the names of the passengers he carried across that morning: the baker, the schoolteacher, "
-          "two boys with a dog, and an old woman who paid him with a loaf of bread.")
-CODE = '''def moving_average(values, window):
+SEQUEL = (
+    "In May the water fell again. The ferryman mended the torn rope, painted the landing stage green and "
+    "bought a new notebook at the market in town. He wrote the date on the first page, then the level of the "
+    "river, then the names of the passengers he carried across that morning: the baker, the schoolteacher, "
+    "two boys with a dog, and an old woman who paid him with a loaf of bread."
+)
+CODE = """def moving_average(values, window):
     if window <= 0:
         raise ValueError("window must be positive")
     total = 0.0
@@ -75,11 +79,11 @@ CODE = '''def moving_average(values, window):
         if index >= window - 1:
             averages.append(total / window)
     return averages
-'''
+"""
 TEXTS = {
     "rewrite": f"Repeat the following passage exactly, word for word.\n\n{PASSAGE}\n\n{SEQUEL}",
     "code": f"Rewrite this Python function with the parameter `values` renamed to `samples`. Output only the "
-            f"code.\n\n```python\n{CODE}```",
+    f"code.\n\n```python\n{CODE}```",
     "continue": f"{PASSAGE}\n\n{PASSAGE}\n\n{PASSAGE[:200]}",
 }
 
@@ -88,8 +92,16 @@ def _engine(dtype: str, spec: dict | None, threads: int | None):
     from infer.worker.config import EngineConfig
     from infer.worker.engine import Engine
 
-    return Engine(EngineConfig(model=MODEL, dtype=dtype, max_model_len=4096, kv_cache_memory=KV_BYTES,
-                               num_threads=threads, speculative_config=spec))
+    return Engine(
+        EngineConfig(
+            model=MODEL,
+            dtype=dtype,
+            max_model_len=4096,
+            kv_cache_memory=KV_BYTES,
+            num_threads=threads,
+            speculative_config=spec,
+        )
+    )
 
 
 def _prompt(engine, workload: str, rng: random.Random) -> tuple[list[int], str]:
@@ -100,8 +112,9 @@ def _prompt(engine, workload: str, rng: random.Random) -> tuple[list[int], str]:
         return ids, tokenizer.decode(ids)
     text = TEXTS[workload]
     if getattr(tokenizer, "chat_template", None) and workload != "continue":
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         return tokenizer(chat, add_special_tokens=False)["input_ids"], chat
     return tokenizer(text)["input_ids"], text
 
@@ -131,20 +144,39 @@ class LlamaLookup:
     def __init__(self, bin_dir: Path, gguf: Path, k: int, threads: int | None) -> None:
         self.exe = bin_dir / "llama-lookup"
         if not self.exe.is_file():
-            raise SystemExit(f"{self.exe} not found: build it in llama.cpp's build folder with "
-                             f"`cmake --build build --target llama-lookup`")
+            raise SystemExit(
+                f"{self.exe} not found: build it in llama.cpp's build folder with "
+                f"`cmake --build build --target llama-lookup`"
+            )
         import torch
 
         self.gguf, self.k = gguf, k
-        self.threads = threads or torch.get_num_threads()   # ours: torch's threads, when --threads is not given
+        self.threads = threads or torch.get_num_threads()  # ours: torch's threads, when --threads is not given
 
     def run(self, text: str, max_tokens: int) -> dict:
         with tempfile.TemporaryDirectory() as folder:
             prompt = Path(folder) / "prompt.txt"
             prompt.write_text(text)
-            cmd = [str(self.exe), "-m", str(self.gguf), "-f", str(prompt), "-n", str(max_tokens - 1),   # it makes n+1
-                   "--spec-draft-n-max", str(self.k), "-t", str(self.threads), "--temp", "0", "--ignore-eos",
-                   "-c", "4096", "-lcd", str(Path(folder) / "cache.bin")]
+            cmd = [
+                str(self.exe),
+                "-m",
+                str(self.gguf),
+                "-f",
+                str(prompt),
+                "-n",
+                str(max_tokens - 1),  # it makes n+1
+                "--spec-draft-n-max",
+                str(self.k),
+                "-t",
+                str(self.threads),
+                "--temp",
+                "0",
+                "--ignore-eos",
+                "-c",
+                "4096",
+                "-lcd",
+                str(Path(folder) / "cache.bin"),
+            ]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=self.TIMEOUT_S, errors="replace")
         if done.returncode != 0:
             raise RuntimeError(f"llama-lookup exited {done.returncode}: {done.stderr[-2000:]}")
@@ -153,6 +185,7 @@ class LlamaLookup:
 
 def _lookup_figures(log: str) -> dict:
     """What llama-lookup's log says: prompt tokens, generated tokens, encode / decode seconds, drafted, accepted."""
+
     def grab(pattern: str) -> list[str]:
         found = re.search(pattern, log)
         if found is None:
@@ -162,9 +195,14 @@ def _lookup_figures(log: str) -> dict:
     prompt_tokens, encode_s = grab(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
     tokens, decode_s = grab(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
     (drafted,), (accepted,) = grab(r"n_drafted\s+=\s+(\d+)"), grab(r"n_accept\s+=\s+(\d+)")
-    return {"prompt_tokens": int(prompt_tokens), "tokens": int(tokens), "seconds": float(encode_s) + float(decode_s),
-            "decode_tok_per_s": (int(tokens) - 1) / float(decode_s), "draft_tokens": int(drafted),
-            "accepted_tokens": int(accepted)}
+    return {
+        "prompt_tokens": int(prompt_tokens),
+        "tokens": int(tokens),
+        "seconds": float(encode_s) + float(decode_s),
+        "decode_tok_per_s": (int(tokens) - 1) / float(decode_s),
+        "draft_tokens": int(drafted),
+        "accepted_tokens": int(accepted),
+    }
 
 
 def _native_verifications(engine) -> int:
@@ -176,21 +214,31 @@ def _native_verifications(engine) -> int:
 
 def _counters(engine) -> dict:
     s = engine.stats
-    return {"native_verification_steps": _native_verifications(engine),
-            "drafts": s.spec_decode_num_drafts, "draft_tokens": s.spec_decode_num_draft_tokens,
-            "accepted_tokens": s.spec_decode_num_accepted_tokens,
-            "accepted_per_position": list(s.spec_decode_num_accepted_tokens_per_pos),
-            "acceptance_rate": s.spec_decode_num_accepted_tokens / max(1, s.spec_decode_num_draft_tokens)}
+    return {
+        "native_verification_steps": _native_verifications(engine),
+        "drafts": s.spec_decode_num_drafts,
+        "draft_tokens": s.spec_decode_num_draft_tokens,
+        "accepted_tokens": s.spec_decode_num_accepted_tokens,
+        "accepted_per_position": list(s.spec_decode_num_accepted_tokens_per_pos),
+        "acceptance_rate": s.spec_decode_num_accepted_tokens / max(1, s.spec_decode_num_draft_tokens),
+    }
 
 
-def batch1(dtype: str, spec: dict, workloads: list[str], rounds: int, max_tokens: int, threads: int | None,
-           peer: LlamaLookup | None) -> dict:
+def batch1(
+    dtype: str,
+    spec: dict,
+    workloads: list[str],
+    rounds: int,
+    max_tokens: int,
+    threads: int | None,
+    peer: LlamaLookup | None,
+) -> dict:
     engines = {"plain": _engine(dtype, None, threads), "speculative": _engine(dtype, spec, threads)}
     rng = random.Random(0)
     result = {}
     for workload in workloads:
         prompts = [_prompt(engines["plain"], workload, rng) for _ in range(rounds)]
-        for name, engine in engines.items():   # warm-up (kernels built, first-step costs) outside the timing
+        for name, engine in engines.items():  # warm-up (kernels built, first-step costs) outside the timing
             _one(engine, f"warm-{workload}-{name}", prompts[0][0], 4)
         rates: dict[str, list[float]] = {name: [] for name in engines}
         decode_rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -208,30 +256,41 @@ def batch1(dtype: str, spec: dict, workloads: list[str], rounds: int, max_tokens
             if peer is not None:
                 theirs.append(peer.run(text, max_tokens))
         after = _counters(engines["speculative"])
-        r = {name: {"tok_per_s": statistics.median(v), "rounds": v,
-                    "decode_tok_per_s": statistics.median(decode_rates[name])} for name, v in rates.items()}
+        r = {
+            name: {
+                "tok_per_s": statistics.median(v),
+                "rounds": v,
+                "decode_tok_per_s": statistics.median(decode_rates[name]),
+            }
+            for name, v in rates.items()
+        }
         r["ratio"] = r["speculative"]["tok_per_s"] / r["plain"]["tok_per_s"]
         r["same_tokens"] = same
         r["prompt_tokens"] = len(prompts[0][0])
         r["acceptance"] = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
         # steps that verified through the native CPU decode step (a new decoder after a weight change starts at 0)
-        r["native_verification_steps"] = max(0, after["native_verification_steps"] - before["native_verification_steps"])
+        r["native_verification_steps"] = max(
+            0, after["native_verification_steps"] - before["native_verification_steps"]
+        )
         r["acceptance"]["rate"] = r["acceptance"]["accepted_tokens"] / max(1, r["acceptance"]["draft_tokens"])
         per_pos = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"] + [0] * 16)]
         r["acceptance"]["accepted_per_position"] = per_pos
         # the share of the speculating engine's steps after each first token that had drafts to verify
         steps = generated - rounds - r["acceptance"]["accepted_tokens"]
         r["acceptance"]["proposal_hit_rate"] = r["acceptance"]["drafts"] / max(1, steps)
-        line = (f"batch1 {dtype} {workload}: plain {r['plain']['tok_per_s']:.1f} tok/s, speculative "
-                f"{r['speculative']['tok_per_s']:.1f} tok/s ({r['ratio']:.2f}x), acceptance "
-                f"{r['acceptance']['rate']:.2f}, same tokens {same}")
+        line = (
+            f"batch1 {dtype} {workload}: plain {r['plain']['tok_per_s']:.1f} tok/s, speculative "
+            f"{r['speculative']['tok_per_s']:.1f} tok/s ({r['ratio']:.2f}x), acceptance "
+            f"{r['acceptance']['rate']:.2f}, same tokens {same}"
+        )
         if theirs:
             r["llama_cpp_lookup"] = _peer_result(theirs)
-            r["ratio_vs_llama_cpp"] = (r["speculative"]["decode_tok_per_s"]
-                                       / r["llama_cpp_lookup"]["decode_tok_per_s"])
-            line += (f"; decode: ours {r['speculative']['decode_tok_per_s']:.1f} tok/s, llama.cpp lookup "
-                     f"{r['llama_cpp_lookup']['decode_tok_per_s']:.1f} tok/s, ours / theirs "
-                     f"{r['ratio_vs_llama_cpp']:.2f}x (its acceptance {r['llama_cpp_lookup']['acceptance_rate']:.2f})")
+            r["ratio_vs_llama_cpp"] = r["speculative"]["decode_tok_per_s"] / r["llama_cpp_lookup"]["decode_tok_per_s"]
+            line += (
+                f"; decode: ours {r['speculative']['decode_tok_per_s']:.1f} tok/s, llama.cpp lookup "
+                f"{r['llama_cpp_lookup']['decode_tok_per_s']:.1f} tok/s, ours / theirs "
+                f"{r['ratio_vs_llama_cpp']:.2f}x (its acceptance {r['llama_cpp_lookup']['acceptance_rate']:.2f})"
+            )
         result[workload] = r
         print(line, flush=True)
     return result
@@ -240,10 +299,16 @@ def batch1(dtype: str, spec: dict, workloads: list[str], rounds: int, max_tokens
 def _peer_result(runs: list[dict]) -> dict:
     drafted, accepted = sum(r["draft_tokens"] for r in runs), sum(r["accepted_tokens"] for r in runs)
     rates = [r["tokens"] / r["seconds"] for r in runs]
-    return {"tok_per_s": statistics.median(rates), "rounds": rates,
-            "decode_tok_per_s": statistics.median(r["decode_tok_per_s"] for r in runs),
-            "prompt_tokens": runs[0]["prompt_tokens"], "tokens": runs[0]["tokens"], "draft_tokens": drafted,
-            "accepted_tokens": accepted, "acceptance_rate": accepted / max(1, drafted)}
+    return {
+        "tok_per_s": statistics.median(rates),
+        "rounds": rates,
+        "decode_tok_per_s": statistics.median(r["decode_tok_per_s"] for r in runs),
+        "prompt_tokens": runs[0]["prompt_tokens"],
+        "tokens": runs[0]["tokens"],
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / max(1, drafted),
+    }
 
 
 def offline(dtype: str, spec: dict, rounds: int, threads: int | None) -> dict:
@@ -251,9 +316,17 @@ def offline(dtype: str, spec: dict, rounds: int, threads: int | None) -> dict:
     from infer.worker.model_files import resolve_model
 
     path = MODEL or str(resolve_model(None))
-    llms = {name: LLM(model=path, dtype=dtype, max_model_len=2048, kv_cache_memory=KV_BYTES, num_threads=threads,
-                      speculative_config=spec if name == "speculative" else None)
-            for name in ("plain", "speculative")}
+    llms = {
+        name: LLM(
+            model=path,
+            dtype=dtype,
+            max_model_len=2048,
+            kv_cache_memory=KV_BYTES,
+            num_threads=threads,
+            speculative_config=spec if name == "speculative" else None,
+        )
+        for name in ("plain", "speculative")
+    }
     workload = make_workload("W1", 49152)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
     for llm in llms.values():
@@ -268,17 +341,24 @@ def offline(dtype: str, spec: dict, rounds: int, threads: int | None) -> dict:
     result = {name: {"tok_per_s": statistics.median(r), "rounds": r} for name, r in rates.items()}
     result["ratio"] = result["speculative"]["tok_per_s"] / result["plain"]["tok_per_s"]
     result["same_tokens"] = outputs["plain"] == outputs["speculative"]
-    print(f"offline W1 {dtype}: plain {result['plain']['tok_per_s']:.1f} tok/s, speculative "
-          f"{result['speculative']['tok_per_s']:.1f} tok/s ({result['ratio']:.2f}x), same tokens "
-          f"{result['same_tokens']}", flush=True)
+    print(
+        f"offline W1 {dtype}: plain {result['plain']['tok_per_s']:.1f} tok/s, speculative "
+        f"{result['speculative']['tok_per_s']:.1f} tok/s ({result['ratio']:.2f}x), same tokens "
+        f"{result['same_tokens']}",
+        flush=True,
+    )
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=["batch1", "offline"], choices=["batch1", "offline"])
-    parser.add_argument("--workloads", nargs="+", default=["rewrite", "code", "continue", "random"],
-                        choices=["rewrite", "code", "continue", "random"])
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["rewrite", "code", "continue", "random"],
+        choices=["rewrite", "code", "continue", "random"],
+    )
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16"])
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
@@ -287,16 +367,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--model", help="a safetensors model directory or .gguf (default: the embedded model)")
-    parser.add_argument("--draft-model", help="speculate with this draft model (method draft_model) instead of "
-                                              "n-gram lookup")
-    parser.add_argument("--random-model", choices=sorted(RANDOM_SHAPES),
-                        help="a random-weight Llama of this shape, made with --tokenizer's tokenizer")
+    parser.add_argument(
+        "--draft-model", help="speculate with this draft model (method draft_model) instead of n-gram lookup"
+    )
+    parser.add_argument(
+        "--random-model",
+        choices=sorted(RANDOM_SHAPES),
+        help="a random-weight Llama of this shape, made with --tokenizer's tokenizer",
+    )
     parser.add_argument("--tokenizer", help="the tokenizer folder of --random-model")
-    parser.add_argument("--llama-cpp-bin", type=Path, default=os.environ.get("LLAMA_CPP_BIN"),
-                        help="llama.cpp's build/bin with llama-lookup: the peer, on batch1 (default: $LLAMA_CPP_BIN; "
-                             "neither: no peer)")
-    parser.add_argument("--peer-gguf", type=Path, help="the GGUF llama-lookup reads (default: --model when it is a "
-                                                       ".gguf, else the embedded model's)")
+    parser.add_argument(
+        "--llama-cpp-bin",
+        type=Path,
+        default=os.environ.get("LLAMA_CPP_BIN"),
+        help="llama.cpp's build/bin with llama-lookup: the peer, on batch1 (default: $LLAMA_CPP_BIN; neither: no peer)",
+    )
+    parser.add_argument(
+        "--peer-gguf",
+        type=Path,
+        help="the GGUF llama-lookup reads (default: --model when it is a .gguf, else the embedded model's)",
+    )
     args = parser.parse_args()
     global MODEL
     if args.random_model:
@@ -305,22 +395,37 @@ def main() -> None:
         MODEL = str(random_model(args.random_model, args.tokenizer, Path(tempfile.gettempdir())))
     else:
         MODEL = args.model
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
-            "prompt_lookup_min": args.lookup_min}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_max": args.lookup_max,
+        "prompt_lookup_min": args.lookup_min,
+    }
     if args.draft_model:
         spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
     peer = None
     if args.llama_cpp_bin and "batch1" in args.parts:
         gguf = args.peer_gguf or _model_gguf(parser)
         peer = LlamaLookup(args.llama_cpp_bin, gguf, args.k, args.threads)
-    results: dict = {"threads": args.threads, "speculative_config": spec, "load_avg_start": os.getloadavg(),
-                     "peer": None if peer is None else {"llama_cpp_lookup": str(peer.exe), "gguf": str(peer.gguf),
-                                                        "ngram_min_max": [1, 4], "draft_max": args.k,
-                                                        "threads": peer.threads}}
+    results: dict = {
+        "threads": args.threads,
+        "speculative_config": spec,
+        "load_avg_start": os.getloadavg(),
+        "peer": None
+        if peer is None
+        else {
+            "llama_cpp_lookup": str(peer.exe),
+            "gguf": str(peer.gguf),
+            "ngram_min_max": [1, 4],
+            "draft_max": args.k,
+            "threads": peer.threads,
+        },
+    }
     for dtype in args.dtypes:
         if "batch1" in args.parts:
-            results.setdefault("batch1", {})[dtype] = batch1(dtype, spec, args.workloads, args.rounds,
-                                                             args.max_tokens, args.threads, peer)
+            results.setdefault("batch1", {})[dtype] = batch1(
+                dtype, spec, args.workloads, args.rounds, args.max_tokens, args.threads, peer
+            )
         if "offline" in args.parts:
             results.setdefault("offline_W1", {})[dtype] = offline(dtype, spec, args.rounds, args.threads)
     results["load_avg_end"] = os.getloadavg()

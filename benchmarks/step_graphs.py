@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RANDOM_SHAPES, make_workload, random_model, write_result  # noqa: E402
 
 PROMPT, KV_BYTES = 128, 1 << 30
-MODEL: str | None = None   # --model / --random-model; None: the embedded model
+MODEL: str | None = None  # --model / --random-model; None: the embedded model
 
 
 def _engine(dtype: str, enforce_eager: bool, threads: int | None, max_num_seqs: int = 256):
@@ -38,8 +38,17 @@ def _engine(dtype: str, enforce_eager: bool, threads: int | None, max_num_seqs: 
     from infer.worker.engine import Engine
 
     start = time.perf_counter()
-    engine = Engine(EngineConfig(model=MODEL, dtype=dtype, max_model_len=2048, kv_cache_memory=KV_BYTES,
-                                 num_threads=threads, enforce_eager=enforce_eager, max_num_seqs=max_num_seqs))
+    engine = Engine(
+        EngineConfig(
+            model=MODEL,
+            dtype=dtype,
+            max_model_len=2048,
+            kv_cache_memory=KV_BYTES,
+            num_threads=threads,
+            enforce_eager=enforce_eager,
+            max_num_seqs=max_num_seqs,
+        )
+    )
     return engine, time.perf_counter() - start
 
 
@@ -68,8 +77,10 @@ def decode(dtype: str, batch: int, steps: int, threads: int | None) -> dict:
             out = engine.step()
             times[name].append(time.perf_counter() - start)
             tokens[name].extend(t for o in out for t in o.token_ids)
-    result = {name: {"median_step_ms": 1e3 * statistics.median(t), "tok_per_s": batch / statistics.median(t)}
-              for name, t in times.items()}
+    result = {
+        name: {"median_step_ms": 1e3 * statistics.median(t), "tok_per_s": batch / statistics.median(t)}
+        for name, t in times.items()
+    }
     result["speedup"] = result["compiled"]["tok_per_s"] / result["eager"]["tok_per_s"]
     result["same_tokens"] = tokens["eager"] == tokens["compiled"]
     return result
@@ -81,13 +92,23 @@ def offline(dtype: str, rounds: int, threads: int | None) -> dict:
     from infer.worker.model_files import resolve_model
 
     path = MODEL or str(resolve_model(None))
-    llms = {name: LLM(model=path, dtype=dtype, max_model_len=2048, kv_cache_memory=KV_BYTES, num_threads=threads,
-                      enforce_eager=(name == "eager")) for name in ("eager", "compiled")}
+    llms = {
+        name: LLM(
+            model=path,
+            dtype=dtype,
+            max_model_len=2048,
+            kv_cache_memory=KV_BYTES,
+            num_threads=threads,
+            enforce_eager=(name == "eager"),
+        )
+        for name in ("eager", "compiled")
+    }
     workload = make_workload("W1", 49152)  # SmolLM2's vocabulary (the random models share its tokenizer)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
-    for llm in llms.values():   # warm-up: every decode bucket W1 reaches gets made here, not in the timing
-        llm.generate(workload.prompts, [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)] * 64,
-                     use_tqdm=False)
+    for llm in llms.values():  # warm-up: every decode bucket W1 reaches gets made here, not in the timing
+        llm.generate(
+            workload.prompts, [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)] * 64, use_tqdm=False
+        )
     rates: dict[str, list[float]] = {name: [] for name in llms}
     outputs = {}
     for _ in range(rounds):
@@ -110,16 +131,22 @@ def ttft_child(dtype: str, enforce_eager: bool, threads: int | None) -> None:
     while engine.has_unfinished():
         engine.step()
     compile_s = sum(engine.runner.step_graphs.compile_seconds.values()) if engine.runner.step_graphs else 0.0
-    print("RESULT " + json.dumps({"ttft_s": time.perf_counter() - start, "engine_start_s": built,
-                                  "compile_s": compile_s}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps({"ttft_s": time.perf_counter() - start, "engine_start_s": built, "compile_s": compile_s}),
+        flush=True,
+    )
 
 
 def ttft(dtype: str, threads: int | None) -> dict:
     """Fresh processes: eager, compiled with the compile cache as it is (warm), compiled with an empty one."""
     result = {}
     with tempfile.TemporaryDirectory() as cold_cache:
-        for name, eager, cache in (("eager", True, None), ("compiled_warm_cache", False, None),
-                                   ("compiled_cold_cache", False, cold_cache)):
+        for name, eager, cache in (
+            ("eager", True, None),
+            ("compiled_warm_cache", False, None),
+            ("compiled_cold_cache", False, cold_cache),
+        ):
             env = dict(os.environ)
             if cache is not None:
                 env["INFER_COMPILE_CACHE"] = cache
@@ -135,16 +162,20 @@ def ttft(dtype: str, threads: int | None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["decode", "offline", "ttft"],
-                        choices=["decode", "offline", "ttft"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["decode", "offline", "ttft"], choices=["decode", "offline", "ttft"]
+    )
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--model", help="a safetensors model directory (default: the embedded model)")
-    parser.add_argument("--random-model", choices=sorted(RANDOM_SHAPES),
-                        help="a random-weight Llama of this shape, made with --tokenizer's tokenizer")
+    parser.add_argument(
+        "--random-model",
+        choices=sorted(RANDOM_SHAPES),
+        help="a random-weight Llama of this shape, made with --tokenizer's tokenizer",
+    )
     parser.add_argument("--tokenizer", help="the tokenizer folder of --random-model")
     parser.add_argument("--ttft-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -164,15 +195,21 @@ def main() -> None:
         if "decode" in args.parts:
             for batch in args.batches:
                 r = results.setdefault("decode", {}).setdefault(dtype, {})[str(batch)] = decode(
-                    dtype, batch, args.steps, args.threads)
-                print(f"decode {dtype} batch {batch}: eager {r['eager']['tok_per_s']:.1f} tok/s, compiled "
-                      f"{r['compiled']['tok_per_s']:.1f} tok/s ({r['speedup']:.2f}x), same tokens "
-                      f"{r['same_tokens']}", flush=True)
+                    dtype, batch, args.steps, args.threads
+                )
+                print(
+                    f"decode {dtype} batch {batch}: eager {r['eager']['tok_per_s']:.1f} tok/s, compiled "
+                    f"{r['compiled']['tok_per_s']:.1f} tok/s ({r['speedup']:.2f}x), same tokens "
+                    f"{r['same_tokens']}",
+                    flush=True,
+                )
         if "offline" in args.parts:
             r = results.setdefault("offline_W1", {})[dtype] = offline(dtype, args.rounds, args.threads)
-            print(f"offline W1 {dtype}: eager {r['eager']['tok_per_s']:.1f} tok/s, compiled "
-                  f"{r['compiled']['tok_per_s']:.1f} tok/s ({r['speedup']:.2f}x), same tokens {r['same_tokens']}",
-                  flush=True)
+            print(
+                f"offline W1 {dtype}: eager {r['eager']['tok_per_s']:.1f} tok/s, compiled "
+                f"{r['compiled']['tok_per_s']:.1f} tok/s ({r['speedup']:.2f}x), same tokens {r['same_tokens']}",
+                flush=True,
+            )
         if "ttft" in args.parts:
             results.setdefault("ttft_fresh_engine", {})[dtype] = ttft(dtype, args.threads)
     results["load_avg_end"] = os.getloadavg()

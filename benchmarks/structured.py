@@ -35,10 +35,16 @@ def _requests(tokenizer, count: int, max_tokens: int, sampling_params: type, str
     """The chat prompts and constrained parameters of `count` requests (schemas in turn), built with the
     system's own SamplingParams and structured-outputs classes (both take vLLM's names)."""
     names = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(count)]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Reply with JSON for '{n}'."}],
-                                             tokenize=False, add_generation_prompt=True) for n in names]
-    constrained = [sampling_params(temperature=1.0, seed=i, max_tokens=max_tokens,
-                                   structured_outputs=structured(json=SCHEMAS[n])) for i, n in enumerate(names)]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Reply with JSON for '{n}'."}], tokenize=False, add_generation_prompt=True
+        )
+        for n in names
+    ]
+    constrained = [
+        sampling_params(temperature=1.0, seed=i, max_tokens=max_tokens, structured_outputs=structured(json=SCHEMAS[n]))
+        for i, n in enumerate(names)
+    ]
     return prompts, constrained
 
 
@@ -50,13 +56,17 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def _result(lengths: list[int], texts: list[str], finished: list[bool], constrained_s: float,
-            free_s: float) -> dict:
+def _result(lengths: list[int], texts: list[str], finished: list[bool], constrained_s: float, free_s: float) -> dict:
     tokens = sum(lengths)
     valid = sum(1 for text, done in zip(texts, finished) if done and _is_json(text))
-    return {"output_tokens": tokens, "valid_json": valid, "requests": len(texts),
-            "constrained_tok_per_s": tokens / constrained_s, "unconstrained_tok_per_s": tokens / free_s,
-            "ratio": free_s / constrained_s}
+    return {
+        "output_tokens": tokens,
+        "valid_json": valid,
+        "requests": len(texts),
+        "constrained_tok_per_s": tokens / constrained_s,
+        "unconstrained_tok_per_s": tokens / free_s,
+        "ratio": free_s / constrained_s,
+    }
 
 
 def run_infer(model: str, dtype: str, count: int, max_tokens: int) -> dict:
@@ -65,7 +75,7 @@ def run_infer(model: str, dtype: str, count: int, max_tokens: int) -> dict:
 
     llm = LLM(model=model, dtype=dtype, max_model_len=1024, max_num_seqs=256, kv_cache_memory=1 << 30)
     prompts, constrained = _requests(llm.get_tokenizer(), count, max_tokens, SamplingParams, StructuredOutputsParams)
-    llm.generate(prompts[:4], constrained[:4], use_tqdm=False)          # warm-up: compiles 4 grammars
+    llm.generate(prompts[:4], constrained[:4], use_tqdm=False)  # warm-up: compiles 4 grammars
     start = time.perf_counter()
     outs = llm.generate(prompts, constrained, use_tqdm=False)
     constrained_s = time.perf_counter() - start
@@ -93,8 +103,13 @@ def run_vllm(model: str, dtype: str, count: int, max_tokens: int) -> dict:
     start = time.perf_counter()
     llm.generate(prompts, free, use_tqdm=False)
     free_s = time.perf_counter() - start
-    return _result(lengths, [o.outputs[0].text for o in outs], [o.outputs[0].finish_reason == "stop" for o in outs],
-                   constrained_s, free_s)
+    return _result(
+        lengths,
+        [o.outputs[0].text for o in outs],
+        [o.outputs[0].finish_reason == "stop" for o in outs],
+        constrained_s,
+        free_s,
+    )
 
 
 RUNNERS = {"infer": run_infer, "vllm": run_vllm}
@@ -105,13 +120,24 @@ def run_child(system: str, model: str, args: argparse.Namespace) -> dict:
     if system == "vllm" and not VLLM_PYTHON.exists():
         return {"error": "no vLLM virtualenv: run benchmarks/throughput.py --setup-vllm"}
     env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [python, __file__, "--child", system, model, "--requests", str(args.requests), "--dtype", args.dtype,
-           "--max-tokens", str(args.max_tokens)]
+    cmd = [
+        python,
+        __file__,
+        "--child",
+        system,
+        model,
+        "--requests",
+        str(args.requests),
+        "--dtype",
+        args.dtype,
+        "--max-tokens",
+        str(args.max_tokens),
+    ]
     print(f"-- {system}", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if lines:
-        return json.loads(lines[-1][len("RESULT "):])
+        return json.loads(lines[-1][len("RESULT ") :])
     return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
 
 
@@ -129,7 +155,7 @@ def main() -> int:
         print("RESULT " + json.dumps(RUNNERS[system](model, args.dtype, args.requests, args.max_tokens)), flush=True)
         return 0
 
-    model = str(dense_model_dir())   # the same dense files for every system (vLLM-cpu reads no GGUF)
+    model = str(dense_model_dir())  # the same dense files for every system (vLLM-cpu reads no GGUF)
     results = {system: run_child(system, model, args) for system in args.systems}
     print(f"\n{args.requests} requests, dtype {args.dtype}")
     print(f"{'system':<8}{'valid':>8}{'constrained tok/s':>19}{'unconstrained tok/s':>21}{'ratio':>7}")
@@ -137,13 +163,19 @@ def main() -> int:
         if "error" in r:
             print(f"{system:<8} failed: {r['error']}")
             continue
-        print(f"{system:<8}{r['valid_json']:>5}/{r['requests']:<2}{r['constrained_tok_per_s']:>19.1f}"
-              f"{r['unconstrained_tok_per_s']:>21.1f}{r['ratio']:>7.3f}")
+        print(
+            f"{system:<8}{r['valid_json']:>5}/{r['requests']:<2}{r['constrained_tok_per_s']:>19.1f}"
+            f"{r['unconstrained_tok_per_s']:>21.1f}{r['ratio']:>7.3f}"
+        )
     if all("error" not in r for r in results.values()) and {"infer", "vllm"} <= set(results):
-        print(f"infer / vllm, constrained: "
-              f"{results['infer']['constrained_tok_per_s'] / results['vllm']['constrained_tok_per_s']:.2f}x")
-    path = write_result("structured", {"requests": args.requests, "dtype": args.dtype, "results": results,
-                                       "load_average": os.getloadavg()})
+        print(
+            f"infer / vllm, constrained: "
+            f"{results['infer']['constrained_tok_per_s'] / results['vllm']['constrained_tok_per_s']:.2f}x"
+        )
+    path = write_result(
+        "structured",
+        {"requests": args.requests, "dtype": args.dtype, "results": results, "load_average": os.getloadavg()},
+    )
     print(f"wrote {path}")
     return 0
 

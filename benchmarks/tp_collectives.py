@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 def _median_s(fn, repeats: int) -> float:
-    for _ in range(3):   # warm-up
+    for _ in range(3):  # warm-up
         fn()
     times = []
     for _ in range(repeats):
@@ -64,6 +64,7 @@ def _rank_main(rank: int, size: int, port: int, cases: list[dict], device: str, 
             fn()
             if device == "cuda":
                 torch.cuda.synchronize()
+
         return run
 
     out = []
@@ -85,45 +86,68 @@ def measure(size: int, cases: list[dict], device: str, repeats: int) -> list[dic
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, cases, device, repeats, results))
-             for r in range(size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, cases, device, repeats, results)) for r in range(size)]
     for proc in procs:
         proc.start()
     got = dict(results.get(timeout=1800) for _ in procs)
     for proc in procs:
         proc.join(timeout=60)
-    return got[0]   # rank 0's view (it waits for the slowest member)
+    return got[0]  # rank 0's view (it waits for the slowest member)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-1b"], choices=sorted(RANDOM_SHAPES))
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 256],
-                   help="tokens per step (a decode batch of N sequences: N tokens)")
+    p.add_argument(
+        "--tokens",
+        nargs="+",
+        type=int,
+        default=[1, 8, 64, 256],
+        help="tokens per step (a decode batch of N sequences: N tokens)",
+    )
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--note", default="", help="recorded with the result (e.g. how loaded the machine was)")
     args = p.parse_args()
-    cases = [dict(model=m, hidden=RANDOM_SHAPES[m]["hidden_size"], layers=RANDOM_SHAPES[m]["num_hidden_layers"],
-                  vocab=VOCAB, tokens=n, sequences=min(n, 64), dtype=d)
-             for m in args.models for d in args.dtypes for n in args.tokens]
+    cases = [
+        dict(
+            model=m,
+            hidden=RANDOM_SHAPES[m]["hidden_size"],
+            layers=RANDOM_SHAPES[m]["num_hidden_layers"],
+            vocab=VOCAB,
+            tokens=n,
+            sequences=min(n, 64),
+            dtype=d,
+        )
+        for m in args.models
+        for d in args.dtypes
+        for n in args.tokens
+    ]
     rows = measure(args.tp_size, cases, args.device, args.repeats)
-    print(f"T={args.tp_size} on {args.device} ({'gloo' if args.device == 'cpu' else 'nccl'}); per layer: 2 all-reduces "
-          f"of [tokens, hidden]; per step: + 1 (embedding) + the logits gather")
-    print(f"{'model':14} {'dtype':9} {'tokens':>6} {'AR bytes':>9} {'AR us':>8} {'per layer us':>12} "
-          f"{'gather us':>9} {'per step ms':>11}")
+    print(
+        f"T={args.tp_size} on {args.device} ({'gloo' if args.device == 'cpu' else 'nccl'}); per layer: 2 all-reduces "
+        f"of [tokens, hidden]; per step: + 1 (embedding) + the logits gather"
+    )
+    print(
+        f"{'model':14} {'dtype':9} {'tokens':>6} {'AR bytes':>9} {'AR us':>8} {'per layer us':>12} "
+        f"{'gather us':>9} {'per step ms':>11}"
+    )
     for row in rows:
         size = 2 if row["dtype"] in ("bfloat16", "float16") else 4
         row["all_reduce_bytes"] = row["tokens"] * row["hidden"] * size
         row["per_layer_s"] = 2 * row["all_reduce_s"]
         row["per_step_s"] = (2 * row["layers"] + 1) * row["all_reduce_s"] + row["gather_s"]
-        print(f"{row['model']:14} {row['dtype']:9} {row['tokens']:>6} {row['all_reduce_bytes']:>9} "
-              f"{row['all_reduce_s'] * 1e6:>8.1f} {row['per_layer_s'] * 1e6:>12.1f} {row['gather_s'] * 1e6:>9.1f} "
-              f"{row['per_step_s'] * 1e3:>11.2f}")
-    path = write_result("tp_collectives", {"tp_size": args.tp_size, "device": args.device, "repeats": args.repeats,
-                                           "note": args.note, "rows": rows})
+        print(
+            f"{row['model']:14} {row['dtype']:9} {row['tokens']:>6} {row['all_reduce_bytes']:>9} "
+            f"{row['all_reduce_s'] * 1e6:>8.1f} {row['per_layer_s'] * 1e6:>12.1f} {row['gather_s'] * 1e6:>9.1f} "
+            f"{row['per_step_s'] * 1e3:>11.2f}"
+        )
+    path = write_result(
+        "tp_collectives",
+        {"tp_size": args.tp_size, "device": args.device, "repeats": args.repeats, "note": args.note, "rows": rows},
+    )
     print(f"wrote {path}")
 
 

@@ -46,7 +46,7 @@ from infer.protocol import env
 class Schedule:
     """The requests of one rate, in sending order, and when each is due (seconds after the start)."""
 
-    rate: float                  # requests/s; math.inf sends all at once
+    rate: float  # requests/s; math.inf sends all at once
     prompts: list[list[int]]
     max_tokens: list[int]
     arrivals: list[float]
@@ -56,8 +56,9 @@ class Schedule:
         return "inf" if math.isinf(self.rate) else f"{self.rate:g}"
 
 
-def make_lengths(n: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int
-                 ) -> tuple[list[int], list[int]]:
+def make_lengths(
+    n: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int
+) -> tuple[list[int], list[int]]:
     rng = random.Random(seed)
     return [rng.randint(*input_len) for _ in range(n)], [rng.randint(*output_len) for _ in range(n)]
 
@@ -77,6 +78,7 @@ def make_schedule(rate: float, lengths: tuple[list[int], list[int]], vocab_size:
 
 # ---- the client: one streamed completion per request ---------------------------------------------
 
+
 @dataclass
 class Outcome:
     """What one request measured; times in seconds. ok=False carries `error`."""
@@ -91,13 +93,19 @@ class Outcome:
     expected_tokens: int = 0
 
 
-async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
-               ) -> Outcome:
+async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> Outcome:
     """One streamed completion to `url` (the full /v1/completions URL)."""
-    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     out = Outcome(expected_tokens=max_tokens)
-    chunks: list[float] = []    # arrival times of the non-empty text chunks
+    chunks: list[float] = []  # arrival times of the non-empty text chunks
     usage = None
     start = time.perf_counter()
     try:
@@ -105,10 +113,10 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
             if response.status != 200:
                 out.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return out
-            async for raw in response.content:   # one SSE line at a time
+            async for raw in response.content:  # one SSE line at a time
                 line = raw.strip()
                 if not line.startswith(b"data:"):
-                    continue                     # blank separators, comments, other fields
+                    continue  # blank separators, comments, other fields
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     break
@@ -136,13 +144,21 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
 
 
 def _session(max_concurrency: int | None, request_timeout: float, headers: dict[str, str]) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max_concurrency or 0), headers=headers,
-                                 timeout=aiohttp.ClientTimeout(total=request_timeout))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_concurrency or 0),
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=request_timeout),
+    )
 
 
-async def run_schedule(url: str, model: str, schedule: Schedule, max_concurrency: int | None,
-                       request_timeout: float, headers: dict[str, str] | None = None
-                       ) -> tuple[list[Outcome], float]:
+async def run_schedule(
+    url: str,
+    model: str,
+    schedule: Schedule,
+    max_concurrency: int | None,
+    request_timeout: float,
+    headers: dict[str, str] | None = None,
+) -> tuple[list[Outcome], float]:
     """Sends every request at its arrival offset (waiting for a slot if max_concurrency is reached);
     returns the outcomes in request order and the duration from the start to the last completion."""
     limit = asyncio.Semaphore(max_concurrency or len(schedule.arrivals))
@@ -159,6 +175,7 @@ async def run_schedule(url: str, model: str, schedule: Schedule, max_concurrency
 
 
 # ---- metrics ---------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Slo:
@@ -180,7 +197,9 @@ def summarize(outcomes: list[Outcome], duration: float, slo: Slo) -> dict[str, A
     done = [o for o in outcomes if o.ok]
     errors = sorted({o.error for o in outcomes if not o.ok})
     return {
-        "completed": len(done), "failed": len(outcomes) - len(done), "duration_s": duration,
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "duration_s": duration,
         "short_outputs": sum(o.output_tokens != o.expected_tokens for o in done),
         "request_throughput": len(done) / duration,
         "output_throughput": sum(o.output_tokens for o in done) / duration,
@@ -191,12 +210,21 @@ def summarize(outcomes: list[Outcome], duration: float, slo: Slo) -> dict[str, A
         "e2e_ms": _stats_ms([o.e2e for o in done]),
         "errors": errors[:5],
         # per request, in sending order: what the means and percentiles above hide (who met the SLO, when)
-        "requests": [{"ok": o.ok, "ttft_ms": round(o.ttft * 1000, 1), "tpot_ms": round(o.tpot * 1000, 1),
-                      "e2e_ms": round(o.e2e * 1000, 1), "output_tokens": o.output_tokens} for o in outcomes],
+        "requests": [
+            {
+                "ok": o.ok,
+                "ttft_ms": round(o.ttft * 1000, 1),
+                "tpot_ms": round(o.tpot * 1000, 1),
+                "e2e_ms": round(o.e2e * 1000, 1),
+                "output_tokens": o.output_tokens,
+            }
+            for o in outcomes
+        ],
     }
 
 
 # ---- the command --------------------------------------------------------------------------------------
+
 
 def parse_rate(text: str) -> float:
     try:
@@ -209,21 +237,44 @@ def parse_rate(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer-bench", description=__doc__.split("\n\n")[0],
-                                epilog="See the module documentation (infer.client.bench) for what is measured.")
+    p = argparse.ArgumentParser(
+        prog="infer-bench",
+        description=__doc__.split("\n\n")[0],
+        epilog="See the module documentation (infer.client.bench) for what is measured.",
+    )
     p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="the model name to request (default: the first of GET /v1/models)")
     p.add_argument("--api-key", help="sent as a Bearer token (default: $INFER_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
-    p.add_argument("--request-rate", type=parse_rate, default=math.inf,
-                   help="requests/s on a Poisson schedule; inf sends all at once (default)")
+    p.add_argument(
+        "--request-rate",
+        type=parse_rate,
+        default=math.inf,
+        help="requests/s on a Poisson schedule; inf sends all at once (default)",
+    )
     p.add_argument("--max-concurrency", type=int, metavar="K", help="at most K requests in flight (default: no cap)")
-    p.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
-                   help="prompt tokens, uniform (default 32 512)")
-    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
-                   help="output tokens, uniform (default 32 256)")
-    p.add_argument("--vocab-size", type=int, default=32000,
-                   help="prompt token ids are drawn from [100, N): at most the model's vocabulary (default 32000)")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=[32, 512],
+        metavar=("MIN", "MAX"),
+        help="prompt tokens, uniform (default 32 512)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=[32, 256],
+        metavar=("MIN", "MAX"),
+        help="output tokens, uniform (default 32 256)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32000,
+        help="prompt token ids are drawn from [100, N): at most the model's vocabulary (default 32000)",
+    )
     p.add_argument("--seed", type=int, default=0, help="the dataset's and the schedule's seed (default 0)")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds (default 2)")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput SLO on TPOT, seconds (default 0.2)")
@@ -287,8 +338,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or await served_model(base, headers, 60.0)
     lengths = make_lengths(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.seed)
     schedule = make_schedule(args.request_rate, lengths, args.vocab_size, args.seed)
-    outcomes, duration = await run_schedule(f"{base}/v1/completions", model, schedule, args.max_concurrency,
-                                            args.request_timeout, headers)
+    outcomes, duration = await run_schedule(
+        f"{base}/v1/completions", model, schedule, args.max_concurrency, args.request_timeout, headers
+    )
     summary = summarize(outcomes, duration, Slo(args.slo_ttft, args.slo_tpot))
     print_summary(summary, schedule, model)
     return {"model": model, "slo": asdict(Slo(args.slo_ttft, args.slo_tpot)), **summary}
@@ -299,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problems = check_args(args)
     if problems:
-        parser.error("; ".join(problems))   # exit 2
+        parser.error("; ".join(problems))  # exit 2
     try:
         result = asyncio.run(bench(args))
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError) as e:
@@ -308,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     if args.result_json:
-        config = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v)
-                  for k, v in vars(args).items() if k != "api_key"}
+        config = {
+            k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items() if k != "api_key"
+        }
         with open(args.result_json, "w") as f:
             json.dump({"config": config, **result}, f, indent=2)
             f.write("\n")

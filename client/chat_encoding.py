@@ -43,13 +43,17 @@ class ChatEncoder:
     def has_special_text(self, text: str) -> bool:
         return self._special.search(text) is not None
 
-    def encode(self, messages: Messages, render: Callable[[Messages], str],
-               allow_special_tokens_in_content: bool = False) -> tuple[str, list[int]]:
+    def encode(
+        self, messages: Messages, render: Callable[[Messages], str], allow_special_tokens_in_content: bool = False
+    ) -> tuple[str, list[int]]:
         """(the rendered text, its token ids); `render(messages)` applies the chat template. ValueError if a
         content with special-token text cannot be kept as text (the template rewrites it)."""
         text = render(messages)
-        marked = [] if allow_special_tokens_in_content else \
-            [i for i, m in enumerate(messages) if self.has_special_text(str(m.get("content") or ""))]
+        marked = (
+            []
+            if allow_special_tokens_in_content
+            else [i for i, m in enumerate(messages) if self.has_special_text(str(m.get("content") or ""))]
+        )
         if not marked:
             return text, self._encode_live(text)
         nonce = secrets.token_hex(8)
@@ -60,11 +64,14 @@ class ChatEncoder:
         template = render(stand_ins)
         # One group, in every match: no None among the pieces.
         pieces: list[str] = re.split("(" + "|".join(map(re.escape, sentinels)) + ")", template)
-        if "".join(sentinels.get(p, p) for p in pieces) != text or \
-                sorted(p for p in pieces if p in sentinels) != sorted(sentinels):
-            raise ValueError("a message's content holds special-token text, and this model's chat template changes "
-                             "content as it renders it, so it cannot be kept as plain text; remove the special "
-                             "tokens or set allow_special_tokens_in_content")
+        if "".join(sentinels.get(p, p) for p in pieces) != text or sorted(
+            p for p in pieces if p in sentinels
+        ) != sorted(sentinels):
+            raise ValueError(
+                "a message's content holds special-token text, and this model's chat template changes "
+                "content as it renders it, so it cannot be kept as plain text; remove the special "
+                "tokens or set allow_special_tokens_in_content"
+            )
         ids: list[int] = []
         for piece in pieces:
             ids += self._encode_text(sentinels[piece]) if piece in sentinels else self._encode_live(piece)
@@ -75,10 +82,10 @@ class ChatEncoder:
         tokenizer's output for a one-letter text."""
         plain = self._encode_live("a")
         wrapped = self.tokenizer("a", add_special_tokens=True)["input_ids"]
-        at = next((k for k in range(len(wrapped) - len(plain) + 1) if wrapped[k:k + len(plain)] == plain), None)
+        at = next((k for k in range(len(wrapped) - len(plain) + 1) if wrapped[k : k + len(plain)] == plain), None)
         if at is None:
             return ids
-        return [*wrapped[:at], *ids, *wrapped[at + len(plain):]]
+        return [*wrapped[:at], *ids, *wrapped[at + len(plain) :]]
 
     def _encode_live(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []

@@ -30,8 +30,10 @@ def chat_prompts(model: str | None) -> list[str]:
     from infer.worker.model_files import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(model))
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                          add_generation_prompt=True) for q in QUESTIONS]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
 
 
 async def run_cluster(args: argparse.Namespace, prompts: list[str], params: SamplingParams) -> None:
@@ -69,19 +71,30 @@ async def ask_over_http(client, args: argparse.Namespace) -> None:
     from infer.client.api.app import FrontConfig
     from infer.client.api.server import HttpFront, load_front_tokenizer
 
-    front = HttpFront(client, load_front_tokenizer(args.model, client.model_id),
-                      FrontConfig(served_model_name="default"), port=0)
+    front = HttpFront(
+        client, load_front_tokenizer(args.model, client.model_id), FrontConfig(served_model_name="default"), port=0
+    )
     front.bind()
     serving = asyncio.create_task(front.serve())
     try:
-        body = {"model": "default", "stream": True, "max_tokens": args.max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": HTTP_QUESTION}]}
+        body = {
+            "model": "default",
+            "stream": True,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": HTTP_QUESTION}],
+        }
         print(f"\nHTTP front at {front.url}: POST /v1/chat/completions (stream)\n>>> {HTTP_QUESTION}", flush=True)
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
-        reading = asyncio.create_task(asyncio.to_thread(_read_sse, f"{front.url}/v1/chat/completions", body,
-                                                        lambda text: loop.call_soon_threadsafe(pieces.put_nowait,
-                                                                                               text)))
+        reading = asyncio.create_task(
+            asyncio.to_thread(
+                _read_sse,
+                f"{front.url}/v1/chat/completions",
+                body,
+                lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text),
+            )
+        )
         while (text := await pieces.get()) is not None:
             print(text, end="", flush=True)
         await reading
@@ -96,8 +109,9 @@ def _read_sse(url: str, body: dict, emit) -> None:
     import json
     import urllib.request
 
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             for line in response:

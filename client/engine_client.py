@@ -58,13 +58,26 @@ class EngineClient(Protocol):
     @property
     def model_id(self) -> str | None: ...
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
-               timeout: float | None = None, priority: int = 0,
-               traceparent: str | None = None) -> AsyncGenerator[RequestOutput, None]: ...
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+        traceparent: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]: ...
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                       request_id: str | None = None, timeout: float | None = None,
-                       priority: int = 0) -> Completion: ...
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> Completion: ...
 
     async def abort(self, request_id: str) -> None: ...
 

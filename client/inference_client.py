@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import ipaddress
+import itertools
 import logging
 import os
 import secrets
@@ -56,13 +56,35 @@ from infer.client.engine_client import ClusterError
 from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.journal import StreamJournal
 from infer.protocol.keys import CurveKeys, PathLike
-from infer.protocol.messages import (
-    MAX_REFIT_TIMEOUT_S, MAX_REQUEST_TIMEOUT_S, ON_RUNNING, Abort, ClusterStats, Control, ControlAck, Delta,
-    DeltaBatch, Error, Heartbeat, Hello, Message, ProtocolError, Refused, StatsRequest, Submit, TokenIds,
-    UpdateWeights, Welcome, WeightsUpdated, decode, encode, LoraCommand, LoraDone
-)
-from infer.protocol.lora import check_lora_name
 from infer.protocol.logsafe import safe
+from infer.protocol.lora import check_lora_name
+from infer.protocol.messages import (
+    MAX_REFIT_TIMEOUT_S,
+    MAX_REQUEST_TIMEOUT_S,
+    ON_RUNNING,
+    Abort,
+    ClusterStats,
+    Control,
+    ControlAck,
+    Delta,
+    DeltaBatch,
+    Error,
+    Heartbeat,
+    Hello,
+    LoraCommand,
+    LoraDone,
+    Message,
+    ProtocolError,
+    Refused,
+    StatsRequest,
+    Submit,
+    TokenIds,
+    UpdateWeights,
+    WeightsUpdated,
+    Welcome,
+    decode,
+    encode,
+)
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
 from infer.protocol.tracing import check_traceparent
@@ -73,15 +95,18 @@ log = logging.getLogger("infer.client")
 Prompt = str | Sequence[int]
 CLOSE_LINGER_MS = 200
 _KEY_FLAGS = ("curve_key", "coordinator_key")
-_CURVE_HINT = ("CURVE keys are configured: the coordinator may have refused this client's key (its log names "
-               "refused keys), or coordinator_key is not the coordinator's public key")
+_CURVE_HINT = (
+    "CURVE keys are configured: the coordinator may have refused this client's key (its log names "
+    "refused keys), or coordinator_key is not the coordinator's public key"
+)
 _NO_CURVE_HINT = "if the coordinator requires CURVE keys, pass curve_key and coordinator_key"
-DEADLINE_GRACE_S = 5.0      # past a request's timeout, how long to wait for the coordinator's own "timeout"
+DEADLINE_GRACE_S = 5.0  # past a request's timeout, how long to wait for the coordinator's own "timeout"
 
 
 def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 < timeout <= MAX_REQUEST_TIMEOUT_S):
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_REQUEST_TIMEOUT_S
+    ):
         raise ValueError(f"timeout must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S:g}], got {timeout!r}")
 
 
@@ -92,11 +117,11 @@ class _Request:
 
     request_id: str
     submit: Submit
-    deadline: float | None = None        # monotonic end of its timeout
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | ClusterError
-    prompt_token_ids: list[int] | None = None   # a token-id prompt's own; a text prompt's from its first delta
-    received: StreamJournal = field(default_factory=StreamJournal)   # the output tokens and text delivered so far
-    seed: int | None = None                                          # the seed the first delta reported
+    deadline: float | None = None  # monotonic end of its timeout
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | ClusterError
+    prompt_token_ids: list[int] | None = None  # a token-id prompt's own; a text prompt's from its first delta
+    received: StreamJournal = field(default_factory=StreamJournal)  # the output tokens and text delivered so far
+    seed: int | None = None  # the seed the first delta reported
 
 
 @dataclass(eq=False)
@@ -123,15 +148,24 @@ _DEFAULT_PARAMS = SamplingParams()
 class InferenceClient:
     """Async client of one coordinator. Use as `async with InferenceClient("tcp://host:port") as client:`."""
 
-    def __init__(self, address: str, *, connect_timeout: float = 10.0, call_timeout: float = 30.0,
-                 heartbeat_interval: float = 1.0, silence_timeout: float = 10.0,
-                 client_id: str | None = None, curve_key: PathLike | None = None,
-                 coordinator_key: PathLike | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        connect_timeout: float = 10.0,
+        call_timeout: float = 30.0,
+        heartbeat_interval: float = 1.0,
+        silence_timeout: float = 10.0,
+        client_id: str | None = None,
+        curve_key: PathLike | None = None,
+        coordinator_key: PathLike | None = None,
+    ) -> None:
         """`curve_key`, `coordinator_key`: CurveZMQ (both or neither): this client's secret key file and the
         coordinator's public key file (infer-keygen); the files are read here (ValueError if unusable)."""
         if heartbeat_interval <= 0 or silence_timeout <= heartbeat_interval:
-            raise ValueError(f"need 0 < heartbeat_interval ({heartbeat_interval}) < silence_timeout "
-                             f"({silence_timeout})")
+            raise ValueError(
+                f"need 0 < heartbeat_interval ({heartbeat_interval}) < silence_timeout ({silence_timeout})"
+            )
         if connect_timeout <= 0 or call_timeout <= 0:
             raise ValueError("connect_timeout and call_timeout must be > 0")
         self.address = address
@@ -139,11 +173,11 @@ class InferenceClient:
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.connect_timeout = connect_timeout
         self.call_timeout = call_timeout
-        self.last_ack: ControlAck | None = None   # the last lifecycle answer (suspend / resume: the bytes)
+        self.last_ack: ControlAck | None = None  # the last lifecycle answer (suspend / resume: the bytes)
         self.heartbeat_interval = heartbeat_interval
         self.silence_timeout = silence_timeout
         self.welcome: Welcome | None = None
-        self._instance: str | None = None     # the coordinator process last heard (Welcome / Heartbeat)
+        self._instance: str | None = None  # the coordinator process last heard (Welcome / Heartbeat)
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._call: _Call | None = None
@@ -176,12 +210,15 @@ class InferenceClient:
         sock.connect(self.address)
         self._last_heard = time.monotonic()
         self._failure = None
-        self._tasks = [asyncio.create_task(self._receive_loop(conn), name=f"{self.client_id}-receive"),
-                       asyncio.create_task(self._heartbeat_loop(conn), name=f"{self.client_id}-heartbeat"),
-                       asyncio.create_task(self._handshake_loop(conn), name=f"{self.client_id}-handshakes")]
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(conn), name=f"{self.client_id}-receive"),
+            asyncio.create_task(self._heartbeat_loop(conn), name=f"{self.client_id}-heartbeat"),
+            asyncio.create_task(self._handshake_loop(conn), name=f"{self.client_id}-handshakes"),
+        ]
         try:
-            self.welcome = await self._request_reply(Hello(role="client", peer_id=self.client_id), (Welcome,),
-                                                     self.connect_timeout)
+            self.welcome = await self._request_reply(
+                Hello(role="client", peer_id=self.client_id), (Welcome,), self.connect_timeout
+            )
         except BaseException as e:
             await self.close()
             if isinstance(e, ClusterError) and isinstance(e.__context__, asyncio.TimeoutError):
@@ -210,9 +247,17 @@ class InferenceClient:
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                       request_id: str | None = None, pin_rank: int | None = None,
-                       timeout: float | None = None, priority: int = 0, traceparent: str | None = None) -> Completion:
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        pin_rank: int | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+        traceparent: str | None = None,
+    ) -> Completion:
         """Run one request to the end. Request-level failures come back as finish_reason "error"; transport
         failures raise. With `timeout` (seconds) the cluster aborts the request (freeing its KV blocks) if it
         has not finished by then, and the completion ends with error_code "timeout". `priority`: lower is
@@ -221,18 +266,26 @@ class InferenceClient:
         record their spans under it (protocol/tracing.py)."""
         _check_timeout(timeout)
         request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority, traceparent)
-        completion = Completion(request.request_id, prompt_token_ids=[],
-                                prompt=prompt if isinstance(prompt, str) else None)
+        completion = Completion(
+            request.request_id, prompt_token_ids=[], prompt=prompt if isinstance(prompt, str) else None
+        )
         async with contextlib.aclosing(self._deltas(request, timeout)) as deltas:
             async for delta in deltas:
                 completion.add(delta)
-        completion.prompt_token_ids = request.prompt_token_ids or (list(prompt) if not isinstance(prompt, str)
-                                                                   else [])
+        completion.prompt_token_ids = request.prompt_token_ids or (list(prompt) if not isinstance(prompt, str) else [])
         return completion
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                     request_id: str | None = None, pin_rank: int | None = None, timeout: float | None = None,
-                     priority: int = 0, traceparent: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        pin_rank: int | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+        traceparent: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request as they arrive (`token_ids` and `text` new since the last one); the last
         has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout`, `priority` and
         `traceparent`: as in `generate`; after a timeout the last delta has error_code "timeout"."""
@@ -265,9 +318,16 @@ class InferenceClient:
         request = self._requests.get(request_id)
         return None if request is None else request.prompt_token_ids
 
-    async def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                      pin_rank: int | None, timeout: float | None = None, priority: int = 0,
-                      traceparent: str | None = None) -> _Request:
+    async def _submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        pin_rank: int | None,
+        timeout: float | None = None,
+        priority: int = 0,
+        traceparent: str | None = None,
+    ) -> _Request:
         self._check_open()
         check_priority(priority)
         check_traceparent(traceparent)
@@ -278,15 +338,33 @@ class InferenceClient:
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in flight")
         if isinstance(prompt, str):
-            submit = Submit(request_id=rid, prompt=prompt, sampling=params, pin_rank=pin_rank,
-                            timeout_s=timeout, priority=priority, traceparent=traceparent)
+            submit = Submit(
+                request_id=rid,
+                prompt=prompt,
+                sampling=params,
+                pin_rank=pin_rank,
+                timeout_s=timeout,
+                priority=priority,
+                traceparent=traceparent,
+            )
         else:
-            submit = Submit(request_id=rid, prompt_token_ids=TokenIds.checked(prompt, "prompt"), sampling=params,
-                            pin_rank=pin_rank, timeout_s=timeout, priority=priority, traceparent=traceparent)
-        request = self._requests[rid] = _Request(rid, submit, None if timeout is None else time.monotonic() + timeout,
-                                                 prompt_token_ids=None if isinstance(prompt, str) else list(prompt))
+            submit = Submit(
+                request_id=rid,
+                prompt_token_ids=TokenIds.checked(prompt, "prompt"),
+                sampling=params,
+                pin_rank=pin_rank,
+                timeout_s=timeout,
+                priority=priority,
+                traceparent=traceparent,
+            )
+        request = self._requests[rid] = _Request(
+            rid,
+            submit,
+            None if timeout is None else time.monotonic() + timeout,
+            prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+        )
         if len(self._requests) == 1 and self._call is None:
-            self._last_heard = time.monotonic()   # the silence clock starts when there is something to wait for
+            self._last_heard = time.monotonic()  # the silence clock starts when there is something to wait for
         try:
             await self._send(submit)
         except BaseException:
@@ -302,9 +380,13 @@ class InferenceClient:
                 item = await asyncio.wait_for(request.queue.get(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self._abandon(request)
-                return Delta.final(request.request_id, "error", f"request {request.request_id!r} did not finish "
-                                   f"within its timeout, and the coordinator did not end it either; it was aborted",
-                                   "timeout")
+                return Delta.final(
+                    request.request_id,
+                    "error",
+                    f"request {request.request_id!r} did not finish "
+                    f"within its timeout, and the coordinator did not end it either; it was aborted",
+                    "timeout",
+                )
         if isinstance(item, BaseException):
             raise item
         return item
@@ -351,8 +433,9 @@ class InferenceClient:
         cluster's adapters (name -> folder) once every worker did. Needs an administrator key (with keys); like a
         refit, the path is not looked at here. ClusterError naming each worker that failed (a missing file, a rank
         above --max-lora-rank, LoRA not enabled), or the refusal."""
-        msg = LoraCommand(action="load", lora_name=check_lora_name(lora_name),
-                          lora_path=os.path.abspath(os.fspath(lora_path)))
+        msg = LoraCommand(
+            action="load", lora_name=check_lora_name(lora_name), lora_path=os.path.abspath(os.fspath(lora_path))
+        )
         return await self._lora_command(msg)
 
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
@@ -371,9 +454,15 @@ class InferenceClient:
 
     # ---- weight refit ---------------------------------------------------------------------------
 
-    async def update_weights(self, source: str | os.PathLike[str] | Iterable[tuple[str, Any]] | Mapping[str, Any], *,
-                             on_running: str = "drain", timeout: float = 600.0, sync_host: str | None = None,
-                             bucket_bytes: int = 64 << 20) -> int:
+    async def update_weights(
+        self,
+        source: str | os.PathLike[str] | Iterable[tuple[str, Any]] | Mapping[str, Any],
+        *,
+        on_running: str = "drain",
+        timeout: float = 600.0,
+        sync_host: str | None = None,
+        bucket_bytes: int = 64 << 20,
+    ) -> int:
         """Load new weights into every worker; returns the new weight version once every worker serves it
         (each delta carries its version: `RequestOutput.weight_version`, `Completion.weight_version`).
 
@@ -402,17 +491,20 @@ class InferenceClient:
             return reply.version
         return await self._update_from_tensors(source, on_running, float(timeout), sync_host, bucket_bytes, wait)
 
-    async def _update_from_tensors(self, source: Any, on_running: str, timeout: float, sync_host: str | None,
-                                   bucket_bytes: int, wait: float) -> int:
-        from infer.worker.weight_sync import WeightSender, describe   # torch: only for a trainer's tensors
+    async def _update_from_tensors(
+        self, source: Any, on_running: str, timeout: float, sync_host: str | None, bucket_bytes: int, wait: float
+    ) -> int:
+        from infer.worker.weight_sync import WeightSender, describe  # torch: only for a trainer's tensors
 
         if isinstance(source, Mapping):
             source = source.items()
         if isinstance(source, (bytes, str)) or not isinstance(source, Iterable):
-            raise ValueError(f"a weight source must be a safetensors directory or an iterable of (name, tensor) "
-                             f"pairs, got {type(source).__name__}")
+            raise ValueError(
+                f"a weight source must be a safetensors directory or an iterable of (name, tensor) "
+                f"pairs, got {type(source).__name__}"
+            )
         pairs = list(source)
-        describe(pairs)    # ValueError for a pair that is not (name, float tensor)
+        describe(pairs)  # ValueError for a pair that is not (name, float tensor)
         num_workers = (await self.stats()).num_healthy_workers
         if num_workers < 1:
             raise ClusterError("update_weights: no healthy worker to send the weights to")
@@ -424,7 +516,7 @@ class InferenceClient:
         await asyncio.wait({reply, sending}, return_when=asyncio.FIRST_EXCEPTION)
         refused = reply.exception() if reply.done() else None
         if refused is not None:
-            sending.add_done_callback(_consume)   # its thread ends at its own timeout: nobody joins the group
+            sending.add_done_callback(_consume)  # its thread ends at its own timeout: nobody joins the group
             raise refused
         try:
             await sending
@@ -441,8 +533,8 @@ class InferenceClient:
             if host == "localhost" or ipaddress.ip_address(host).is_loopback:
                 return "127.0.0.1"
         except ValueError:
-            pass   # a host name
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:   # no packet is sent
+            pass  # a host name
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
             probe.connect((host, int(port or 5555)))
             return probe.getsockname()[0]
 
@@ -453,8 +545,9 @@ class InferenceClient:
     async def wait_for_workers(self, count: int, timeout: float) -> ClusterStats:
         """Wait (on the coordinator's side, no polling) until `count` workers are healthy; ClusterError if
         they are not within `timeout` seconds."""
-        stats = await self._request_reply(StatsRequest(min_healthy_workers=count, timeout_s=timeout),
-                                          (ClusterStats,), timeout + self.call_timeout)
+        stats = await self._request_reply(
+            StatsRequest(min_healthy_workers=count, timeout_s=timeout), (ClusterStats,), timeout + self.call_timeout
+        )
         if stats.num_healthy_workers < count:
             raise ClusterError(f"only {stats.num_healthy_workers} of {count} workers are healthy after {timeout} s")
         return stats
@@ -470,13 +563,14 @@ class InferenceClient:
             # before the Hello is queued) a DEALER's send waits for one; the handshake monitor fails the call
             # meanwhile, and the timeout bounds both.
             # pyzmq's stub says Awaitable; zmq.asyncio's send_multipart returns an asyncio.Future
-            send: asyncio.Future = conn.sock.send_multipart([encode(msg)])   # type: ignore[assignment]
+            send: asyncio.Future = conn.sock.send_multipart([encode(msg)])  # type: ignore[assignment]
             send.add_done_callback(_consume)
             try:
                 return await asyncio.wait_for(call.future, timeout)
             except asyncio.TimeoutError:
-                raise ClusterError(f"no answer to {msg.TYPE!r} from the coordinator at {self.address} "
-                                   f"within {timeout} s") from None
+                raise ClusterError(
+                    f"no answer to {msg.TYPE!r} from the coordinator at {self.address} within {timeout} s"
+                ) from None
             finally:
                 self._call = None
                 if not send.done():
@@ -513,7 +607,7 @@ class InferenceClient:
             self._on_delta(msg)
         elif isinstance(msg, Error):
             self._on_error(msg)
-        elif isinstance(msg, Refused):   # a refused Hello, or this client cut off: nothing more will work
+        elif isinstance(msg, Refused):  # a refused Hello, or this client cut off: nothing more will work
             self._end(ClusterError(f"refused by the coordinator: {msg.reason}"))
         elif isinstance(msg, Heartbeat):
             self._check_instance(msg.instance)
@@ -539,9 +633,15 @@ class InferenceClient:
                 self._send_nowait(submit)
                 continue
             del self._requests[request.request_id]
-            request.queue.put_nowait(Delta.final(
-                request.request_id, "error", f"request {request.request_id!r} cannot be resumed ({why}) without a "
-                f"repeat: the coordinator never told this client the prompt's token ids", "unavailable"))
+            request.queue.put_nowait(
+                Delta.final(
+                    request.request_id,
+                    "error",
+                    f"request {request.request_id!r} cannot be resumed ({why}) without a "
+                    f"repeat: the coordinator never told this client the prompt's token ids",
+                    "unavailable",
+                )
+            )
 
     @staticmethod
     def _resubmission(request: _Request) -> Submit | None:
@@ -555,16 +655,23 @@ class InferenceClient:
             return msgspec.structs.replace(submit, sampling=sampling, timeout_s=timeout, reattach=True)
         if request.prompt_token_ids is None:
             return None
-        return Submit(request_id=submit.request_id, prompt_token_ids=TokenIds(request.prompt_token_ids),
-                      sampling=sampling, pin_rank=submit.pin_rank, timeout_s=timeout, reattach=True,
-                      priority=submit.priority, traceparent=submit.traceparent,
-                      delivered_token_ids=TokenIds(request.received.token_ids),
-                      delivered_text_len=request.received.text_len)
+        return Submit(
+            request_id=submit.request_id,
+            prompt_token_ids=TokenIds(request.prompt_token_ids),
+            sampling=sampling,
+            pin_rank=submit.pin_rank,
+            timeout_s=timeout,
+            reattach=True,
+            priority=submit.priority,
+            traceparent=submit.traceparent,
+            delivered_token_ids=TokenIds(request.received.token_ids),
+            delivered_text_len=request.received.text_len,
+        )
 
     def _on_delta(self, delta: Delta) -> None:
         request = self._requests.get(delta.request_id)
         if request is None:
-            return   # a late delta of a request abandoned here
+            return  # a late delta of a request abandoned here
         if delta.prompt_token_ids is not None and request.prompt_token_ids is None:
             request.prompt_token_ids = list(delta.prompt_token_ids)
         request.received.record(delta.token_ids, delta.text)
@@ -577,11 +684,12 @@ class InferenceClient:
     def _on_error(self, error: Error) -> None:
         if error.request_id is None and error.code in (ErrorCode.CLIENT_LOST, ErrorCode.CLIENT_TOO_SLOW):
             return self._on_dropped(error)
-        if error.request_id is not None:   # a request's failure: never a call's
+        if error.request_id is not None:  # a request's failure: never a call's
             request = self._requests.pop(error.request_id, None)
             if request is not None:
-                request.queue.put_nowait(Delta.final(error.request_id, "error", error.message,
-                                                     error.code or "internal"))
+                request.queue.put_nowait(
+                    Delta.final(error.request_id, "error", error.message, error.code or "internal")
+                )
             return
         if self._call is not None and not self._call.future.done():
             self._call.future.set_exception(ClusterError(error.message))
@@ -632,8 +740,12 @@ class InferenceClient:
                 continue
             silent = now - self._last_heard
             if silent > self.silence_timeout:
-                self._fail_all(ClusterError(f"no frame from the coordinator at {self.address} for {silent:.1f} s "
-                                            f"(silence timeout {self.silence_timeout} s)"))
+                self._fail_all(
+                    ClusterError(
+                        f"no frame from the coordinator at {self.address} for {silent:.1f} s "
+                        f"(silence timeout {self.silence_timeout} s)"
+                    )
+                )
             else:
                 self._send_nowait(Heartbeat(sent_at=time.time()))
 
@@ -682,12 +794,14 @@ class InferenceClient:
         try:
             await asyncio.wait_for(self._connected().sock.send_multipart([encode(msg)]), self.silence_timeout)
         except asyncio.TimeoutError:
-            raise ClusterError(f"could not send {msg.TYPE!r} to the coordinator at {self.address} within "
-                               f"{self.silence_timeout} s (no connection to it)") from None
+            raise ClusterError(
+                f"could not send {msg.TYPE!r} to the coordinator at {self.address} within "
+                f"{self.silence_timeout} s (no connection to it)"
+            ) from None
 
     def _send_nowait(self, msg: Message) -> None:
         # pyzmq's stub says Awaitable; zmq.asyncio's send_multipart returns an asyncio.Future
-        future: asyncio.Future = self._connected().sock.send_multipart([encode(msg)])   # type: ignore[assignment]
+        future: asyncio.Future = self._connected().sock.send_multipart([encode(msg)])  # type: ignore[assignment]
         future.add_done_callback(_consume)
 
 
@@ -727,8 +841,10 @@ class SyncInferenceClient:
 
     def generate_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[Completion]:
         """All prompts concurrently; completions in prompt order."""
+
         async def run() -> list[Completion]:
             return list(await asyncio.gather(*(self.client.generate(p, params) for p in prompts)))
+
         return self._run(run())
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any) -> Iterator[RequestOutput]:

@@ -35,30 +35,30 @@ import msgspec
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
 from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
-from infer.protocol.keys import CurveKeys
-from infer.protocol.lora import LoRARequest
-from infer.protocol.logs import LOG_LEVELS, logging_argv
-from infer.protocol.messages import ClusterStats
 from infer.protocol.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from infer.protocol.outputs import Completion, RequestOutput
+from infer.protocol.keys import CurveKeys
+from infer.protocol.logs import LOG_LEVELS, logging_argv
+from infer.protocol.lora import LoRARequest
+from infer.protocol.messages import ClusterStats
 from infer.protocol.options import to_argv
+from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
 from infer.worker.config import EngineConfig
 from infer.worker.options import WorkerFlags
 
 if TYPE_CHECKING:
     from infer.client.inference_client import InferenceClient
-    from infer.client.spmd import InProcessWorker, SpmdWorld
     from infer.client.serve import LocalCluster
+    from infer.client.spmd import InProcessWorker, SpmdWorld
     from infer.worker.engine import Engine
 
 Prompt = str | list[int]
 T = TypeVar("T")
 log = logging.getLogger("infer.llm")
 
-SHUTDOWN_TIMEOUT_S = 30.0       # children get this long to exit after SIGTERM, then SIGKILL
-SPMD_WAIT_S = 7 * 86400.0       # close() on an SPMD rank > 0 waits this long for rank 0 to stop the cluster
-LOOP_STOP_TIMEOUT_S = 5.0       # LLM's event-loop thread joins within this after close()
+SHUTDOWN_TIMEOUT_S = 30.0  # children get this long to exit after SIGTERM, then SIGKILL
+SPMD_WAIT_S = 7 * 86400.0  # close() on an SPMD rank > 0 waits this long for rank 0 to stop the cluster
+LOOP_STOP_TIMEOUT_S = 5.0  # LLM's event-loop thread joins within this after close()
 
 
 def global_rank() -> int:
@@ -122,47 +122,64 @@ class LLMOptions:
         if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
             raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
         if pp > 1 and (self.in_memory_model is not None or self.coordinator_address is not None):
-            raise ValueError(f"pipeline_parallel_size={pp} needs a model path and workers started here: an "
-                             f"in-memory model cannot be split across processes, a joined cluster is already "
-                             f"configured")
+            raise ValueError(
+                f"pipeline_parallel_size={pp} needs a model path and workers started here: an "
+                f"in-memory model cannot be split across processes, a joined cluster is already "
+                f"configured"
+            )
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if tp > 1 and (self.in_memory_model is not None or self.coordinator_address is not None):
-            raise ValueError(f"tensor_parallel_size={tp} needs a model path and workers started here: an in-memory "
-                             f"model cannot be sharded across processes, a joined cluster is already configured")
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs a model path and workers started here: an in-memory "
+                f"model cannot be sharded across processes, a joined cluster is already configured"
+            )
         if (self.tokenizer is None) != (self.in_memory_model is None):
-            raise ValueError("an in-memory model (model=<a transformers PreTrainedModel or infer model object>) "
-                             "needs tokenizer=<its tokenizer>, and tokenizer= goes only with one")
+            raise ValueError(
+                "an in-memory model (model=<a transformers PreTrainedModel or infer model object>) "
+                "needs tokenizer=<its tokenizer>, and tokenizer= goes only with one"
+            )
         if self.in_memory_model is not None and self.joins_cluster:
-            raise ValueError("an in-memory model cannot join an existing cluster (coordinator_address=...): its "
-                             "weights live in this process; use use_coordinator=True (SPMD ranks) or direct mode")
+            raise ValueError(
+                "an in-memory model cannot join an existing cluster (coordinator_address=...): its "
+                "weights live in this process; use use_coordinator=True (SPMD ranks) or direct mode"
+            )
         if not isinstance(self.use_coordinator, bool):
             raise ValueError(f"use_coordinator must be a bool, got {self.use_coordinator!r}")
         if self.model is not None and not Path(self.model).expanduser().exists():
-            raise ValueError(f"model path {self.model!r} does not exist (expected a .gguf file or a directory with "
-                             f"config.json and *.safetensors)")
+            raise ValueError(
+                f"model path {self.model!r} does not exist (expected a .gguf file or a directory with "
+                f"config.json and *.safetensors)"
+            )
         dp = self.data_parallel_size
         if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {dp!r}")
         if dp > 1 and not self.coordinator_mode:
-            raise ValueError(f"data_parallel_size={dp} needs coordinator mode (use_coordinator=True): direct mode "
-                             f"runs one engine in this process")
-        if self.coordinator_address is not None and (not isinstance(self.coordinator_address, str)
-                                                     or "://" not in self.coordinator_address):
+            raise ValueError(
+                f"data_parallel_size={dp} needs coordinator mode (use_coordinator=True): direct mode "
+                f"runs one engine in this process"
+            )
+        if self.coordinator_address is not None and (
+            not isinstance(self.coordinator_address, str) or "://" not in self.coordinator_address
+        ):
             raise ValueError(f"coordinator_address must look like tcp://host:port, got {self.coordinator_address!r}")
         if not isinstance(self.ready_timeout, (int, float)) or self.ready_timeout <= 0:
             raise ValueError(f"ready_timeout must be > 0 seconds, got {self.ready_timeout!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        self.engine_config()   # unknown names and bad values raise here, in both modes
+        self.engine_config()  # unknown names and bad values raise here, in both modes
         if (self.curve_key is not None or self.coordinator_key is not None) and not self.joins_cluster:
-            raise ValueError("curve_key / coordinator_key are for joining a cluster with "
-                             "coordinator_address=...; a cluster started here listens on loopback only")
-        self.client_options()   # unusable key files raise here
+            raise ValueError(
+                "curve_key / coordinator_key are for joining a cluster with "
+                "coordinator_address=...; a cluster started here listens on loopback only"
+            )
+        self.client_options()  # unusable key files raise here
         if self.joins_cluster and self.engine_options:
-            raise ValueError(f"engine option(s) {', '.join(sorted(self.engine_options))} cannot apply when joining "
-                             f"the cluster at {self.coordinator_address}: its workers are already configured")
+            raise ValueError(
+                f"engine option(s) {', '.join(sorted(self.engine_options))} cannot apply when joining "
+                f"the cluster at {self.coordinator_address}: its workers are already configured"
+            )
 
     @property
     def coordinator_mode(self) -> bool:
@@ -182,9 +199,11 @@ class LLMOptions:
 
     def worker_args(self) -> list[str]:
         """The infer-worker flags for the engine options (model included), the TP size, and the log level."""
-        return (self.engine_flags() + to_argv(WorkerFlags, {"tp_size": self.tensor_parallel_size,
-                                                            "pp_size": self.pipeline_parallel_size})
-                + logging_argv(self.log_level))
+        return (
+            self.engine_flags()
+            + to_argv(WorkerFlags, {"tp_size": self.tensor_parallel_size, "pp_size": self.pipeline_parallel_size})
+            + logging_argv(self.log_level)
+        )
 
     def engine_flags(self) -> list[str]:
         """The infer-worker flags for the engine options (model included)."""
@@ -222,7 +241,7 @@ def _default_sampling_params(setting: str, options: LLMOptions) -> SamplingParam
 
         try:
             model_dir = resolve_model(options.model)
-        except (OSError, ValueError):   # the engine (or cluster) names what is wrong with the model
+        except (OSError, ValueError):  # the engine (or cluster) names what is wrong with the model
             model_dir = None
     try:
         return SamplingParams(**generation_defaults(setting, model_dir))
@@ -249,17 +268,37 @@ class AsyncLLM:
     direct mode any event loop may use it.
     """
 
-    def __init__(self, model: str | os.PathLike[str] | Any = None, *, use_coordinator: bool = False,
-                 data_parallel_size: int = 1, coordinator_address: str | None = None,
-                 ready_timeout: float = 300.0, log_level: str = "WARNING",
-                 curve_key: str | os.PathLike[str] | None = None,
-                 coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **engine_options: Any) -> None:
-        self._init(LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
-                              tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                              coordinator_address=coordinator_address, ready_timeout=ready_timeout,
-                              log_level=log_level, engine_options=engine_options, curve_key=_model_path(curve_key),
-                              coordinator_key=_model_path(coordinator_key), **_model_options(model, tokenizer)))
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | Any = None,
+        *,
+        use_coordinator: bool = False,
+        data_parallel_size: int = 1,
+        coordinator_address: str | None = None,
+        ready_timeout: float = 300.0,
+        log_level: str = "WARNING",
+        curve_key: str | os.PathLike[str] | None = None,
+        coordinator_key: str | os.PathLike[str] | None = None,
+        tokenizer: Any = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        **engine_options: Any,
+    ) -> None:
+        self._init(
+            LLMOptions(
+                use_coordinator=use_coordinator,
+                data_parallel_size=data_parallel_size,
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                coordinator_address=coordinator_address,
+                ready_timeout=ready_timeout,
+                log_level=log_level,
+                engine_options=engine_options,
+                curve_key=_model_path(curve_key),
+                coordinator_key=_model_path(coordinator_key),
+                **_model_options(model, tokenizer),
+            )
+        )
 
     @classmethod
     def from_options(cls, options: LLMOptions) -> AsyncLLM:
@@ -271,12 +310,12 @@ class AsyncLLM:
         self.options = options
         self._engine: EngineClient | None = None
         self._cluster: LocalCluster | None = None
-        self._reaper: weakref.finalize | None = None   # kills our children if we are dropped without close()
+        self._reaper: weakref.finalize | None = None  # kills our children if we are dropped without close()
         self._tokenizer: Any = None
         self._closed = False
-        self._local: InProcessWorker | None = None     # SPMD: this rank's engine on a worker thread
+        self._local: InProcessWorker | None = None  # SPMD: this rank's engine on a worker thread
         self._world: SpmdWorld | None = None
-        self._loras: dict[str, str] = {}               # adapters loaded through this object: name -> folder
+        self._loras: dict[str, str] = {}  # adapters loaded through this object: name -> folder
 
     # ---- startup and shutdown -------------------------------------------------------------------
 
@@ -288,7 +327,7 @@ class AsyncLLM:
         if self._engine is None and self._local is None:
             if not self.options.coordinator_mode:
                 self._engine = await _start_local_engine(self.options)
-            elif self.options.coordinator_address is not None:   # joins_cluster
+            elif self.options.coordinator_address is not None:  # joins_cluster
                 self._engine = await _join_cluster(self.options.coordinator_address, self.options)
             elif (world := self._spmd()) is not None:
                 self._engine = await self._start_spmd(world)
@@ -305,8 +344,10 @@ class AsyncLLM:
         if world.world_size == 1 and self.options.in_memory_model is None:
             return None
         if self.options.data_parallel_size not in (1, world.world_size):
-            raise ValueError(f"data_parallel_size={self.options.data_parallel_size} does not match the "
-                             f"{world.world_size} SPMD ranks: each rank hosts one engine")
+            raise ValueError(
+                f"data_parallel_size={self.options.data_parallel_size} does not match the "
+                f"{world.world_size} SPMD ranks: each rank hosts one engine"
+            )
         return world
 
     async def _start_spmd(self, world: SpmdWorld) -> InferenceClient | None:
@@ -317,11 +358,18 @@ class AsyncLLM:
         try:
             if world.rank == 0:
                 if not world.is_loopback:
-                    log.warning("SPMD: the coordinator listens on %s without keys: the ranks' network is trusted, "
-                                "as their torch.distributed traffic is", world.address)
-                self._cluster = LocalCluster(num_workers=0, host=world.host, port=world.port,
-                                             trusted_network=not world.is_loopback,
-                                             coordinator_args=logging_argv(self.options.log_level))
+                    log.warning(
+                        "SPMD: the coordinator listens on %s without keys: the ranks' network is trusted, "
+                        "as their torch.distributed traffic is",
+                        world.address,
+                    )
+                self._cluster = LocalCluster(
+                    num_workers=0,
+                    host=world.host,
+                    port=world.port,
+                    trusted_network=not world.is_loopback,
+                    coordinator_args=logging_argv(self.options.log_level),
+                )
                 await self._cluster.start()
                 self._reaper = weakref.finalize(self, _kill_process_groups, [p.pid for p in self._cluster.processes])
             engine = await asyncio.wait_for(asyncio.to_thread(_make_engine, self.options), self.options.ready_timeout)
@@ -338,8 +386,11 @@ class AsyncLLM:
     async def _start_cluster(self) -> InferenceClient:
         from infer.client.serve import LocalCluster
 
-        cluster = LocalCluster(num_workers=self.options.data_parallel_size, worker_args=self.options.worker_args(),
-                               coordinator_args=logging_argv(self.options.log_level))
+        cluster = LocalCluster(
+            num_workers=self.options.data_parallel_size,
+            worker_args=self.options.worker_args(),
+            coordinator_args=logging_argv(self.options.log_level),
+        )
         self._cluster = cluster
         try:
             await cluster.start()
@@ -359,7 +410,7 @@ class AsyncLLM:
             if engine is not None:
                 await engine.close()
         finally:
-            await self._stop_cluster()   # SPMD rank 0: the coordinator's STOP ends every rank's worker
+            await self._stop_cluster()  # SPMD rank 0: the coordinator's STOP ends every rank's worker
             await self._stop_local(graceful=True)
 
     async def _stop_local(self, graceful: bool) -> None:
@@ -394,11 +445,16 @@ class AsyncLLM:
     def engine(self) -> EngineClient:
         """The EngineClient behind this object: a LocalEngine (direct) or an InferenceClient (coordinator)."""
         if self._engine is None and self._local is not None and self._world is not None:
-            raise RuntimeError(f"this is rank {self._world.rank} of {self._world.world_size} SPMD ranks: it serves "
-                               f"with its engine, and prompts go in on rank 0 only (check llm.is_primary_rank)")
+            raise RuntimeError(
+                f"this is rank {self._world.rank} of {self._world.world_size} SPMD ranks: it serves "
+                f"with its engine, and prompts go in on rank 0 only (check llm.is_primary_rank)"
+            )
         if self._engine is None:
-            raise RuntimeError("this AsyncLLM is closed" if self._closed else
-                               "this AsyncLLM is not started: `await llm.start()` or use `async with AsyncLLM(...)`")
+            raise RuntimeError(
+                "this AsyncLLM is closed"
+                if self._closed
+                else "this AsyncLLM is not started: `await llm.start()` or use `async with AsyncLLM(...)`"
+            )
         return self._engine
 
     @property
@@ -438,15 +494,21 @@ class AsyncLLM:
     def _tokenizer_model(self) -> str | None:
         if self.options.model is not None or not self.options.joins_cluster:
             return self.options.model
-        served = self.engine.model_id   # a joined cluster serves this; a path when it was started with one
+        served = self.engine.model_id  # a joined cluster serves this; a path when it was started with one
         return served if served is not None and Path(served).exists() else None
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, timeout: float | None = None,
-                       priority: int = 0,
-                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request (token_ids / text new since the previous one); the last has `finished` and
         `finish_reason`. A rejected prompt is one delta with finish_reason "error" and error_code
         "invalid_request". Leaving the loop early (break, aclose) aborts the request. With `timeout`
@@ -460,22 +522,29 @@ class AsyncLLM:
             sampling_params = _with_loras([sampling_params or SamplingParams()], [lora_request])[0]
         samples = (sampling_params or SamplingParams()).samples()
         if len(samples) == 1:
-            streams = [self.engine.stream(prompt, sampling_params, request_id=request_id, timeout=timeout,
-                                          priority=priority)]
+            streams = [
+                self.engine.stream(prompt, sampling_params, request_id=request_id, timeout=timeout, priority=priority)
+            ]
         else:
             base = request_id or f"gen-{uuid.uuid4().hex}"
-            streams = [self.engine.stream(prompt, sp, request_id=f"{base}-{i}", timeout=timeout, priority=priority)
-                       for i, sp in enumerate(samples)]
+            streams = [
+                self.engine.stream(prompt, sp, request_id=f"{base}-{i}", timeout=timeout, priority=priority)
+                for i, sp in enumerate(samples)
+            ]
         async with aclosing(_merged(streams)) as deltas:
             async for delta in deltas:
                 yield delta
 
-    async def generate_batch(self, prompts: Prompt | Sequence[Prompt],
-                             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                             use_tqdm: bool = False, timeout: float | None = None,
-                             priority: Sequence[int] | None = None,
-                             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                             ) -> list[Completion]:
+    async def generate_batch(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        timeout: float | None = None,
+        priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[Completion]:
         """Every prompt concurrently (one params for all, or one per prompt); Completions in prompt order.
         The same contract as LLM.generate (`n` > 1, `lora_request`: see there); `use_tqdm` shows a progress bar for
         lists; `timeout` applies to each request (see generate)."""
@@ -487,8 +556,14 @@ class AsyncLLM:
         flat = _Samples(prompts, params, priorities)
         return flat.results(await self._generate_flat(flat.prompts, flat.params, flat.priorities, use_tqdm, timeout))
 
-    async def _generate_flat(self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int],
-                             use_tqdm: bool, timeout: float | None) -> list[Completion]:
+    async def _generate_flat(
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        priorities: list[int],
+        use_tqdm: bool,
+        timeout: float | None,
+    ) -> list[Completion]:
         engine = self.engine
         bar = _progress(len(prompts), use_tqdm)
 
@@ -502,14 +577,21 @@ class AsyncLLM:
         finally:
             bar.close()
 
-    async def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
-                          timeout: float | None = None) -> list[BeamSearchOutput]:
+    async def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, timeout: float | None = None
+    ) -> list[BeamSearchOutput]:
         """As LLM.beam_search (nothing streams: a beam search's beams are final only at its end)."""
         completions = await self.generate_batch(_beam_prompts(prompts), params.to_sampling_params(), timeout=timeout)
         return [beam_search_output(c) for c in completions]
 
-    async def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True, *,
-                    timeout: float | None = None) -> list[Completion]:
+    async def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str = "last",
+        normalize: bool = True,
+        *,
+        timeout: float | None = None,
+    ) -> list[Completion]:
         """As LLM.embed: one Completion per prompt with its `embedding`."""
         params = SamplingParams(pooling=pooling, normalize=normalize, temperature=0, max_tokens=1)
         return await self.generate_batch(prompts, params, timeout=timeout)
@@ -535,11 +617,17 @@ class AsyncLLM:
     async def _ensure_loras(self, loras: list[LoRARequest | None]) -> None:
         """Load the adapters of a generate call that are not loaded from the same folder yet (vLLM loads a
         LoRARequest on first use)."""
+
         def missing() -> list[LoRARequest]:
             wanted = {r.lora_name: r for r in loras if r is not None}.values()
-            return [r for r in wanted if r.lora_name not in self._loras
-                    or os.path.abspath(self._loras[r.lora_name]) != os.path.abspath(r.lora_path)]
-        if missing():   # perhaps loaded already (--lora-modules, another client): no load, no admin key needed
+            return [
+                r
+                for r in wanted
+                if r.lora_name not in self._loras
+                or os.path.abspath(self._loras[r.lora_name]) != os.path.abspath(r.lora_path)
+            ]
+
+        if missing():  # perhaps loaded already (--lora-modules, another client): no load, no admin key needed
             self._loras = dict(await self.engine.list_lora_adapters())
         for request in missing():
             await self.add_lora(request)
@@ -579,16 +667,29 @@ class AsyncLLM:
         "abort". A tensor with a wrong name, shape or dtype fails it all; the old weights keep serving."""
         return await self.engine.update_weights(source, on_running=on_running, timeout=timeout)
 
-    async def serve(self, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                    served_model_name: str | None = None, on_ready: Callable[[str], None] | None = None) -> None:
+    async def serve(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        api_key: str | None = None,
+        served_model_name: str | None = None,
+        on_ready: Callable[[str], None] | None = None,
+    ) -> None:
         """Run the OpenAI-compatible HTTP front (infer.client.api) on this engine, either mode, until cancelled.
         `port=0` picks a free port; `on_ready(url)` is called once it listens."""
         from infer.client.api.server import serve_http
 
         engine = self.engine
         tokenizer = self._tokenizer or await asyncio.to_thread(self.get_tokenizer)
-        await serve_http(engine, tokenizer=tokenizer, host=host, port=port, served_model_name=served_model_name,
-                         api_key=api_key, on_ready=on_ready)
+        await serve_http(
+            engine,
+            tokenizer=tokenizer,
+            host=host,
+            port=port,
+            served_model_name=served_model_name,
+            api_key=api_key,
+            on_ready=on_ready,
+        )
 
 
 async def _start_local_engine(options: LLMOptions) -> EngineClient:
@@ -607,8 +708,9 @@ def _make_engine(options: LLMOptions) -> Engine:
         from infer.worker.pp_group import pipeline_parallel_engine
 
         flags = options.engine_flags() + logging_argv(options.log_level)
-        return pipeline_parallel_engine(options.engine_config(), options.pipeline_parallel_size, flags,
-                                        tp_size=options.tensor_parallel_size)
+        return pipeline_parallel_engine(
+            options.engine_config(), options.pipeline_parallel_size, flags, tp_size=options.tensor_parallel_size
+        )
     if options.tensor_parallel_size > 1:
         flags = options.engine_flags() + logging_argv(options.log_level)
         return tensor_parallel_engine(options.engine_config(), options.tensor_parallel_size, flags)
@@ -687,27 +789,43 @@ class LLM:
     by its worker thread. Use `with LLM(...) as llm:` or call close() (on every rank).
     """
 
-    def __init__(self, model: str | os.PathLike[str] | Any = None, *, use_coordinator: bool = False,
-                 data_parallel_size: int = 1, coordinator_address: str | None = None,
-                 ready_timeout: float = 300.0, log_level: str = "WARNING",
-                 curve_key: str | os.PathLike[str] | None = None,
-                 coordinator_key: str | os.PathLike[str] | None = None, tokenizer: Any = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, generation_config: str = "auto",
-                 **engine_options: Any) -> None:
-        self.options = LLMOptions(use_coordinator=use_coordinator, data_parallel_size=data_parallel_size,
-                                  tensor_parallel_size=tensor_parallel_size,
-                                  pipeline_parallel_size=pipeline_parallel_size,
-                                  coordinator_address=coordinator_address, ready_timeout=ready_timeout,
-                                  log_level=log_level, engine_options=engine_options,
-                                  curve_key=_model_path(curve_key), coordinator_key=_model_path(coordinator_key),
-                                  **_model_options(model, tokenizer))
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | Any = None,
+        *,
+        use_coordinator: bool = False,
+        data_parallel_size: int = 1,
+        coordinator_address: str | None = None,
+        ready_timeout: float = 300.0,
+        log_level: str = "WARNING",
+        curve_key: str | os.PathLike[str] | None = None,
+        coordinator_key: str | os.PathLike[str] | None = None,
+        tokenizer: Any = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        generation_config: str = "auto",
+        **engine_options: Any,
+    ) -> None:
+        self.options = LLMOptions(
+            use_coordinator=use_coordinator,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            coordinator_address=coordinator_address,
+            ready_timeout=ready_timeout,
+            log_level=log_level,
+            engine_options=engine_options,
+            curve_key=_model_path(curve_key),
+            coordinator_key=_model_path(coordinator_key),
+            **_model_options(model, tokenizer),
+        )
         self._default_params = _default_sampling_params(generation_config, self.options)
-        self._engine: Engine | None = None       # direct mode's engine, stepped by the caller
+        self._engine: Engine | None = None  # direct mode's engine, stepped by the caller
         self._remote: AsyncLLM | None = None
         self._loop: _LoopThread | None = None
         self._ids = itertools.count()
         self._counters = RequestCounters()
-        self._chat_encoder: ChatEncoder | None = None   # made at the first chat
+        self._chat_encoder: ChatEncoder | None = None  # made at the first chat
         if self.options.coordinator_mode:
             self._start_remote()
         else:
@@ -736,7 +854,7 @@ class LLM:
         if loop is None:
             return
         try:
-            if remote is not None:   # set with the loop
+            if remote is not None:  # set with the loop
                 loop.run(remote.close())
         finally:
             loop.stop()
@@ -787,8 +905,10 @@ class LLM:
     def _require_engine(self, what: str) -> Engine:
         engine = self.engine
         if engine is None:
-            raise RuntimeError(f"{what} needs an engine in this process: direct mode, or SPMD ranks; this LLM's "
-                               f"engines run in worker processes")
+            raise RuntimeError(
+                f"{what} needs an engine in this process: direct mode, or SPMD ranks; this LLM's "
+                f"engines run in worker processes"
+            )
         return engine
 
     def get_tokenizer(self) -> Any:
@@ -798,10 +918,14 @@ class LLM:
 
     # ---- generation -----------------------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[Completion]:
         """Run every prompt in one continuous batch (direct) or spread over the workers (coordinator);
         results come back in prompt order. `use_tqdm` shows a progress bar for lists. `priority`: one integer
         per prompt, lower first (vLLM's convention; matters under scheduling_policy "priority").
@@ -823,8 +947,11 @@ class LLM:
         params = _as_params_list(self._default_params if sampling_params is None else sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
         if self._engine is None:
-            return self._run(self._require_remote().generate_batch(prompts, params, use_tqdm=use_tqdm,
-                                                                   priority=priorities, lora_request=loras))
+            return self._run(
+                self._require_remote().generate_batch(
+                    prompts, params, use_tqdm=use_tqdm, priority=priorities, lora_request=loras
+                )
+            )
         for request in {r.lora_name: r for r in loras if r is not None}.values():
             self._engine.add_lora(request.lora_name, request.lora_path, request.lora_int_id)
         params = _with_loras(params, loras)
@@ -837,8 +964,9 @@ class LLM:
         those defaults alone (`generation_config="vllm"`). Sampling params given are used as they are."""
         return self._default_params
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: each prompt's `params.beam_width` beams (worker/beam_search.py: transformers'
         generate(num_beams=k, do_sample=False) rule), best first, one BeamSearchOutput per prompt in order. Each
         prompt is one engine request whose beams share their KV blocks. Prompts are strings, token-id lists, or vLLM's
@@ -869,8 +997,14 @@ class LLM:
             return {str(a["name"]): str(a["path"]) for a in self._engine.list_loras()}
         return self._run(self._require_remote().list_loras())
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True,
-              use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[Completion]:
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str = "last",
+        normalize: bool = True,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[Completion]:
         """An embedding per prompt (`Completion.embedding`, a list of floats), in prompt order: the hidden states
         that feed the LM head pooled by `pooling` ("last", "mean" or "cls"), L2-normalized when `normalize`
         (worker/pooling.py). Through the same engine (or cluster) as generate; a rejected prompt is a Completion
@@ -878,9 +1012,13 @@ class LLM:
         params = SamplingParams(pooling=pooling, normalize=normalize, temperature=0, max_tokens=1)
         return self.generate(prompts, params, use_tqdm, priority)
 
-    def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, allow_special_tokens_in_content: bool = False) -> list[Completion]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        allow_special_tokens_in_content: bool = False,
+    ) -> list[Completion]:
         """Apply the model's chat template to one conversation (or a list of them) and generate. Special-token text
         inside a message's content is tokenized as plain text (it cannot forge a turn: client/chat_encoding.py)
         unless `allow_special_tokens_in_content`; ValueError if such content cannot be kept as text."""
@@ -890,14 +1028,16 @@ class LLM:
 
         def render(conv: list[dict[str, Any]]) -> str:
             return tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+
         encoded = [encoder.encode(list(conv), render, allow_special_tokens_in_content) for conv in conversations]
         completions = self.generate([ids for _, ids in encoded], sampling_params, use_tqdm)
         for completion, (text, _) in zip(completions, encoded):
             completion.prompt = text
         return completions
 
-    def _generate_direct(self, engine: Engine, prompts: list[Prompt], params: list[SamplingParams],
-                         use_tqdm: bool, priorities: list[int]) -> list[Completion]:
+    def _generate_direct(
+        self, engine: Engine, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool, priorities: list[int]
+    ) -> list[Completion]:
         completions = [self._submit(engine, p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)]
         by_id = {c.request_id: c for c in completions if c.finish_reason is None}
         bar = _progress(len(completions), use_tqdm)
@@ -923,8 +1063,9 @@ class LLM:
         except ValueError as e:
             self._counters.record_final("error")
             ids = list(prompt) if isinstance(prompt, list) else []
-            return Completion(request_id, ids, finish_reason="error", error=str(e), prompt=text,
-                              error_code="invalid_request")
+            return Completion(
+                request_id, ids, finish_reason="error", error=str(e), prompt=text, error_code="invalid_request"
+            )
         return Completion(request_id, list(request.prompt_token_ids), prompt=text)
 
     # ---- cluster control ------------------------------------------------------------------------
@@ -932,8 +1073,9 @@ class LLM:
     def stats(self) -> ClusterStats:
         """Live state: the cluster's ClusterStats, or in direct mode one worker with the engine's load."""
         if self._engine is not None:
-            return local_stats(self._engine, self._counters, num_in_flight=0,
-                               uptime_s=time.monotonic() - self._started_at)
+            return local_stats(
+                self._engine, self._counters, num_in_flight=0, uptime_s=time.monotonic() - self._started_at
+            )
         return self._run(self._require_remote().stats())
 
     def pause(self) -> str:
@@ -984,6 +1126,7 @@ class LLM:
 
 def _beam_prompts(prompts: Any) -> list[Prompt]:
     """beam_search's prompts: ours, or vLLM's TextPrompt / TokensPrompt dicts."""
+
     def one(prompt: Any) -> Any:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -992,18 +1135,32 @@ def _beam_prompts(prompts: Any) -> list[Prompt]:
                 return prompt["prompt"]
             raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         return prompt
+
     return _as_prompt_list([one(p) for p in prompts] if isinstance(prompts, (list, tuple)) else one(prompts))
 
 
 def beam_search_output(completion: Completion) -> BeamSearchOutput:
     """vLLM's shape of a finished beam search; ValueError with the reason when it failed."""
     if completion.beams is None:
-        raise ValueError(f"beam search of request {completion.request_id} ended with {completion.finish_reason}: "
-                         f"{completion.error or 'no beams'}")
+        raise ValueError(
+            f"beam search of request {completion.request_id} ended with {completion.finish_reason}: "
+            f"{completion.error or 'no beams'}"
+        )
     prompt = list(completion.prompt_token_ids)
-    return BeamSearchOutput([BeamSearchSequence(prompt + list(b.token_ids), b.text, b.cumulative_logprob, b.score,
-                                                b.finish_reason, len(prompt), list(b.logprobs or []))
-                             for b in completion.beams])
+    return BeamSearchOutput(
+        [
+            BeamSearchSequence(
+                prompt + list(b.token_ids),
+                b.text,
+                b.cumulative_logprob,
+                b.score,
+                b.finish_reason,
+                len(prompt),
+                list(b.logprobs or []),
+            )
+            for b in completion.beams
+        ]
+    )
 
 
 class _Samples:
@@ -1025,7 +1182,7 @@ class _Samples:
     def results(self, completions: list[Completion]) -> list[Completion]:
         out, at = [], 0
         for count in self.counts:
-            out.append(Completion.of_samples(completions[at:at + count]))
+            out.append(Completion.of_samples(completions[at : at + count]))
             at += count
         return out
 
@@ -1044,9 +1201,10 @@ async def _merged(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGe
             async with aclosing(stream) as deltas:
                 async for delta in deltas:
                     queue.put_nowait(delta)
-        except Exception as e:   # the reader raises it
+        except Exception as e:  # the reader raises it
             queue.put_nowait(e)
         queue.put_nowait(None)
+
     tasks = [asyncio.create_task(pump(stream)) for stream in streams]
     try:
         left = len(tasks)

@@ -50,9 +50,9 @@ log = logging.getLogger("infer.local_engine")
 
 Prompt = str | Sequence[int]
 
-IDLE_WAIT_S = 1.0        # an idle engine thread wakes up this often (a bounded wait, nothing is polled)
-CALL_TIMEOUT_S = 30.0    # stats() round trip through the engine thread
-CLOSE_TIMEOUT_S = 30.0   # close() waits this long for the engine thread (it may be inside a long step)
+IDLE_WAIT_S = 1.0  # an idle engine thread wakes up this often (a bounded wait, nothing is polled)
+CALL_TIMEOUT_S = 30.0  # stats() round trip through the engine thread
+CLOSE_TIMEOUT_S = 30.0  # close() waits this long for the engine thread (it may be inside a long step)
 
 
 def direct_mode_error(command: str) -> RuntimeError:
@@ -60,7 +60,8 @@ def direct_mode_error(command: str) -> RuntimeError:
     return RuntimeError(
         f"{command}() needs coordinator mode: this engine runs in-process (direct mode), where there is no "
         f"cluster to {command}; create the LLM / AsyncLLM with use_coordinator=True "
-        f"(or coordinator_address=...)")
+        f"(or coordinator_address=...)"
+    )
 
 
 @dataclass
@@ -81,24 +82,45 @@ class RequestCounters:
             self.completed += 1
 
 
-def local_stats(engine: Engine, counters: RequestCounters, *, num_in_flight: int,
-                uptime_s: float) -> ClusterStats:
+def local_stats(engine: Engine, counters: RequestCounters, *, num_in_flight: int, uptime_s: float) -> ClusterStats:
     """ClusterStats of a one-engine "cluster": state "running", one healthy worker with the engine's live
     load. Call it on the thread that owns the engine."""
-    worker = WorkerStats(worker_id="local", dp_rank=0, group_id="dp0", healthy=True,
-                         num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
-                         max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
-                         requests_routed=counters.submitted, num_in_flight=num_in_flight,
-                         seconds_since_heard=0.0, load=engine.load())
-    return ClusterStats(coordinator_id="local", state="running", policy="direct", model_id=engine.model_id,
-                        workers=[worker], num_clients=1, num_in_flight=num_in_flight, num_held=0,
-                        requests_submitted=counters.submitted, requests_completed=counters.completed,
-                        requests_failed=counters.failed, requests_aborted=counters.aborted,
-                        requests_redispatched=0, frames_rejected=0, uptime_s=uptime_s,
-                        weight_version=engine.weight_version)
+    worker = WorkerStats(
+        worker_id="local",
+        dp_rank=0,
+        group_id="dp0",
+        healthy=True,
+        num_kv_blocks=engine.num_kv_blocks,
+        block_size=engine.block_size,
+        max_num_seqs=engine.config.max_num_seqs,
+        max_model_len=engine.max_model_len,
+        requests_routed=counters.submitted,
+        num_in_flight=num_in_flight,
+        seconds_since_heard=0.0,
+        load=engine.load(),
+    )
+    return ClusterStats(
+        coordinator_id="local",
+        state="running",
+        policy="direct",
+        model_id=engine.model_id,
+        workers=[worker],
+        num_clients=1,
+        num_in_flight=num_in_flight,
+        num_held=0,
+        requests_submitted=counters.submitted,
+        requests_completed=counters.completed,
+        requests_failed=counters.failed,
+        requests_aborted=counters.aborted,
+        requests_redispatched=0,
+        frames_rejected=0,
+        uptime_s=uptime_s,
+        weight_version=engine.weight_version,
+    )
 
 
 # ---- commands: caller -> engine thread -------------------------------------------------------------
+
 
 @dataclass(eq=False)
 class _Stream:
@@ -135,7 +157,7 @@ class _StatsQuery:
 
 @dataclass(frozen=True)
 class _UpdateWeights:
-    source: object                 # a directory, or a list of (name, tensor) pairs
+    source: object  # a directory, or a list of (name, tensor) pairs
     on_running: str
     future: concurrent.futures.Future
 
@@ -167,14 +189,14 @@ class LocalEngine:
         self.engine = engine
         self._ids = itertools.count()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._lock = threading.Lock()         # orders "is it closed?" + put against close()
+        self._lock = threading.Lock()  # orders "is it closed?" + put against close()
         self._closed_reason: str | None = None
-        self._streams: dict[str, _Stream] = {}   # engine thread only: requests in the engine
+        self._streams: dict[str, _Stream] = {}  # engine thread only: requests in the engine
         # engine thread only: (stream, timeout) by deadline; finished streams are skipped
         self._deadlines: DeadlineHeap[tuple[_Stream, float]] = DeadlineHeap()
-        self._counters = RequestCounters()       # engine thread only
-        self._refit: _UpdateWeights | None = None   # engine thread only: a drain before new weights
-        self._deferred: list[_Add] = []          # engine thread only: requests that came during that drain
+        self._counters = RequestCounters()  # engine thread only
+        self._refit: _UpdateWeights | None = None  # engine thread only: a drain before new weights
+        self._deferred: list[_Add] = []  # engine thread only: requests that came during that drain
         self._started_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="infer-local-engine", daemon=True)
         self._thread.start()
@@ -189,9 +211,16 @@ class LocalEngine:
 
     # ---- EngineClient ---------------------------------------------------------------------------
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                     request_id: str | None = None, timeout: float | None = None, priority: int = 0,
-                     traceparent: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+        traceparent: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request; the last has `finished`. Leaving the loop early aborts the request.
         `timeout` (seconds from this call): past it the request is aborted and its last delta has
         finish_reason "error", error_code "timeout". `priority`: lower first (scheduling_policy "priority").
@@ -201,9 +230,15 @@ class LocalEngine:
             async for delta in deltas:
                 yield delta
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                       request_id: str | None = None, timeout: float | None = None,
-                       priority: int = 0) -> Completion:
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        priority: int = 0,
+    ) -> Completion:
         """The request run to the end as one Completion; past `timeout` it ends with finish_reason "error",
         error_code "timeout" (aborted, KV blocks freed)."""
         stream = self._open(prompt, params, request_id, timeout, priority)
@@ -262,10 +297,12 @@ class LocalEngine:
 
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
         """Unload an adapter (requests holding it finish with it); ValueError if none has that name."""
+
         def unload(engine: Engine) -> dict[str, str]:
             if not engine.remove_lora(lora_name):
                 raise ValueError(f"no LoRA adapter {lora_name!r} is loaded")
             return _adapters(engine)
+
         return await self._call(unload)
 
     async def list_lora_adapters(self) -> dict[str, str]:
@@ -288,18 +325,24 @@ class LocalEngine:
                 self._commands.put(_Close())
         await asyncio.to_thread(self._thread.join, CLOSE_TIMEOUT_S)
         if self._thread.is_alive():
-            log.warning("the engine thread is still inside a step %s s after close(); leaving it (daemon)",
-                        CLOSE_TIMEOUT_S)
+            log.warning(
+                "the engine thread is still inside a step %s s after close(); leaving it (daemon)", CLOSE_TIMEOUT_S
+            )
 
     # ---- caller side ----------------------------------------------------------------------------
 
-    def _open(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-              timeout: float | None, priority: int = 0) -> _Stream:
+    def _open(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        timeout: float | None,
+        priority: int = 0,
+    ) -> _Stream:
         if timeout is not None and not _valid_timeout(timeout):
-            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S:g}], "
-                             f"got {timeout!r}")
+            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_REQUEST_TIMEOUT_S:g}], got {timeout!r}")
         check_priority(priority)
-        if request_id is not None and len(request_id) > MAX_ID_LEN:   # as a cluster refuses it: deltas carry it
+        if request_id is not None and len(request_id) > MAX_ID_LEN:  # as a cluster refuses it: deltas carry it
             raise ValueError(f"request_id must be at most {MAX_ID_LEN} characters, got {len(request_id)}")
         stream = _Stream(request_id or f"local-{next(self._ids)}", asyncio.get_running_loop())
         self._send(_Add(stream, prompt, params, timeout, time.monotonic(), priority))
@@ -311,7 +354,7 @@ class LocalEngine:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    finished = True   # the engine thread already forgot this request
+                    finished = True  # the engine thread already forgot this request
                     raise item
                 finished = item.finished
                 yield item
@@ -344,7 +387,7 @@ class LocalEngine:
                     self._deliver(self.engine.step())
                 if self._refit is not None and not self.engine.has_unfinished():
                     self._finish_refit(self._refit)
-        except Exception as e:   # a failed step: the engine's state is unknown, so it serves nothing more
+        except Exception as e:  # a failed step: the engine's state is unknown, so it serves nothing more
             log.exception("the engine failed; failing every request in flight")
             reason = f"the engine failed: {type(e).__name__}: {e}"
             self._fail_streams(reason)
@@ -369,34 +412,34 @@ class LocalEngine:
 
     def _apply(self, command: _Command) -> None:
         if isinstance(command, _Add) and self._refit is not None:
-            self._deferred.append(command)     # it runs on the new weights
+            self._deferred.append(command)  # it runs on the new weights
         elif isinstance(command, _Add):
             self._add(command)
         elif isinstance(command, _UpdateWeights):
             self._start_refit(command)
         elif isinstance(command, _Abort):
             if self.engine.abort(command.request_id):
-                self._deliver(self.engine.take_pending())   # the "abort" delta now, not after the next step
+                self._deliver(self.engine.take_pending())  # the "abort" delta now, not after the next step
         elif isinstance(command, _StatsQuery):
             self._answer_stats(command.future)
         elif isinstance(command, _Call):
             try:
                 command.future.set_result(command.fn(self.engine))
-            except Exception as e:   # noqa: BLE001 - the caller's error (a bad adapter folder, say)
+            except Exception as e:  # noqa: BLE001 - the caller's error (a bad adapter folder, say)
                 command.future.set_exception(e)
 
     def _add(self, command: _Add) -> None:
         stream = command.stream
         self._counters.submitted += 1
         if stream.request_id in self._streams:
-            return self._reject(stream, f"request id {stream.request_id!r} is already in flight",
-                                "invalid_request")
+            return self._reject(stream, f"request id {stream.request_id!r} is already in flight", "invalid_request")
         try:
-            request = self.engine.add_request(stream.request_id, command.prompt, command.params,
-                                              priority=command.priority)
+            request = self.engine.add_request(
+                stream.request_id, command.prompt, command.params, priority=command.priority
+            )
         except ValueError as e:
             return self._reject(stream, str(e), "invalid_request")
-        except Exception as e:   # the engine is unchanged by a failed add; only this request fails
+        except Exception as e:  # the engine is unchanged by a failed add; only this request fails
             log.exception("add_request(%r) failed", stream.request_id)
             return self._reject(stream, f"{type(e).__name__}: {e}", "internal")
         stream.prompt_token_ids = list(request.prompt_token_ids)
@@ -417,10 +460,15 @@ class LocalEngine:
         """Abort the request (its KV blocks are freed now) and end its stream with a "timeout" error."""
         if not self.engine.abort(stream.request_id):
             return
-        reason = (f"request {stream.request_id!r} did not finish within its timeout of {timeout:g} s; "
-                  f"it was aborted")
-        self._deliver([msgspec.structs.replace(out, finish_reason="error", error=reason, error_code="timeout")
-                       if out.request_id == stream.request_id else out for out in self.engine.take_pending()])
+        reason = f"request {stream.request_id!r} did not finish within its timeout of {timeout:g} s; it was aborted"
+        self._deliver(
+            [
+                msgspec.structs.replace(out, finish_reason="error", error=reason, error_code="timeout")
+                if out.request_id == stream.request_id
+                else out
+                for out in self.engine.take_pending()
+            ]
+        )
 
     def _reject(self, stream: _Stream, reason: str, code: str) -> None:
         self._counters.record_final("error")
@@ -443,7 +491,7 @@ class LocalEngine:
         self._refit = None
         try:
             command.future.set_result(self.engine.update_weights(command.source))
-        except Exception as e:   # noqa: BLE001 - a bad source or tensor: the old weights keep serving
+        except Exception as e:  # noqa: BLE001 - a bad source or tensor: the old weights keep serving
             command.future.set_exception(e)
         deferred, self._deferred = self._deferred, []
         for add in deferred:
@@ -452,8 +500,9 @@ class LocalEngine:
     def _answer_stats(self, future: concurrent.futures.Future) -> None:
         uptime = time.monotonic() - self._started_at
         try:
-            future.set_result(local_stats(self.engine, self._counters, num_in_flight=len(self._streams),
-                                          uptime_s=uptime))
+            future.set_result(
+                local_stats(self.engine, self._counters, num_in_flight=len(self._streams), uptime_s=uptime)
+            )
         except Exception as e:
             future.set_exception(ClusterError(f"stats failed: {type(e).__name__}: {e}"))
 
@@ -508,16 +557,14 @@ def _adapters(engine: Engine) -> dict[str, str]:
 
 
 def _valid_timeout(timeout: object) -> bool:
-    return (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-            and 0 < timeout <= MAX_REQUEST_TIMEOUT_S)
+    return isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout <= MAX_REQUEST_TIMEOUT_S
 
 
 def _error_delta(request_id: str, reason: str, code: str) -> RequestOutput:
     return RequestOutput.final(request_id, "error", reason, code)
 
 
-def _post(loop: asyncio.AbstractEventLoop,
-          items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
     """Put each item into its stream's queue on `loop`; a closed loop has nobody waiting, so it is skipped."""
     try:
         loop.call_soon_threadsafe(_put_all, items)

@@ -17,19 +17,26 @@ from dataclasses import dataclass
 
 from infer.protocol.options import option
 
-EXIT_USAGE = 2    # every daemon's exit code for options (or a model) it refuses
+EXIT_USAGE = 2  # every daemon's exit code for options (or a model) it refuses
 
 
 @dataclass(frozen=True)
 class RestartPolicy:
     """How a launcher restarts the processes it started (each field is its flag)."""
 
-    max_restarts: int = option(5, "restarts of one process (a worker, the coordinator, the HTTP front) within "
-                                  "--restart-window; the next death after them gives it up (0: never restart)")
-    restart_window: float = option(300.0, "seconds over which --max-restarts counts one process's restarts",
-                                   metavar="S")
-    restart_backoff: float = option(1.0, "seconds before restarting a process that died; doubled for each "
-                                         "restart it had within --restart-window", metavar="S")
+    max_restarts: int = option(
+        5,
+        "restarts of one process (a worker, the coordinator, the HTTP front) within "
+        "--restart-window; the next death after them gives it up (0: never restart)",
+    )
+    restart_window: float = option(
+        300.0, "seconds over which --max-restarts counts one process's restarts", metavar="S"
+    )
+    restart_backoff: float = option(
+        1.0,
+        "seconds before restarting a process that died; doubled for each restart it had within --restart-window",
+        metavar="S",
+    )
     restart_backoff_max: float = option(30.0, "the longest wait before a restart", metavar="S")
 
     def __post_init__(self) -> None:
@@ -40,8 +47,9 @@ class RestartPolicy:
             if not isinstance(value, (int, float)) or not 0 <= value <= 86400:
                 raise ValueError(f"{name} must be in [0, 86400] seconds, got {value!r}")
         if self.restart_backoff_max < self.restart_backoff:
-            raise ValueError(f"restart_backoff_max ({self.restart_backoff_max}) must be >= restart_backoff "
-                             f"({self.restart_backoff})")
+            raise ValueError(
+                f"restart_backoff_max ({self.restart_backoff_max}) must be >= restart_backoff ({self.restart_backoff})"
+            )
 
 
 @dataclass(frozen=True)
@@ -73,8 +81,10 @@ class CrashLoop:
         """The process ended at `now` with `returncode` (a Popen's: -N for signal N), not 0."""
         how = how_it_ended(returncode)
         if returncode == EXIT_USAGE:
-            return GiveUp(f"it {how}: its options or model were refused (its log says why), and restarting it with "
-                          f"the same command cannot help")
+            return GiveUp(
+                f"it {how}: its options or model were refused (its log says why), and restarting it with "
+                f"the same command cannot help"
+            )
         window = self.policy.restart_window
         while self._restarts and now - self._restarts[0] > window:
             self._restarts.popleft()
@@ -82,9 +92,11 @@ class CrashLoop:
         if done >= self.policy.max_restarts:
             if self.policy.max_restarts == 0:
                 return GiveUp(f"it {how}; restarts are off (--max-restarts 0)")
-            return GiveUp(f"it {how} after {done} restarts within {window:g} s (--max-restarts "
-                          f"{self.policy.max_restarts}, --restart-window {window:g}): a crash loop")
-        delay = min(self.policy.restart_backoff * 2.0 ** done, self.policy.restart_backoff_max)
+            return GiveUp(
+                f"it {how} after {done} restarts within {window:g} s (--max-restarts "
+                f"{self.policy.max_restarts}, --restart-window {window:g}): a crash loop"
+            )
+        delay = min(self.policy.restart_backoff * 2.0**done, self.policy.restart_backoff_max)
         self._restarts.append(now + delay)
         return Restart(delay, done + 1)
 

@@ -50,7 +50,6 @@ from infer.worker.options import WorkerFlags, WorkerOptions
 log = logging.getLogger("infer.serve")
 
 
-
 def free_port(host: str) -> int:
     """A TCP port nothing listens on right now (the coordinator binds it a moment later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -110,13 +109,21 @@ class LocalCluster:
 
     async def spawn_coordinator(self) -> asyncio.subprocess.Process:
         """A coordinator on this cluster's address (a restarted one too: workers and clients re-attach)."""
-        return await self._spawn("infer.coordinator.daemon", "--host", self.host, "--port", str(self.port),
-                                 *self.security_args("coordinator"), *self.coordinator_args)
+        return await self._spawn(
+            "infer.coordinator.daemon",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *self.security_args("coordinator"),
+            *self.coordinator_args,
+        )
 
     async def spawn_worker(self) -> asyncio.subprocess.Process:
         """One worker (with --tp-size, its TP group's supervisor): the coordinator gives it a free DP rank."""
-        return await self._spawn("infer.worker.daemon", "--coordinator", self.address,
-                                 *self.security_args("worker"), *self.worker_args)
+        return await self._spawn(
+            "infer.worker.daemon", "--coordinator", self.address, *self.security_args("worker"), *self.worker_args
+        )
 
     async def respawn_coordinator(self) -> asyncio.subprocess.Process:
         self.coordinator = await self.spawn_coordinator()
@@ -141,8 +148,9 @@ class LocalCluster:
             ready = asyncio.create_task(client.wait_for_workers(self.num_workers, timeout))
             exits = {} if trouble is not None else {asyncio.create_task(p.wait()): p for p in self.processes}
             try:
-                done, _ = await asyncio.wait([ready, *exits, *([trouble] if trouble else [])],
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    [ready, *exits, *([trouble] if trouble else [])], return_when=asyncio.FIRST_COMPLETED
+                )
             finally:
                 for task in [ready, *exits]:
                     task.cancel()
@@ -154,8 +162,9 @@ class LocalCluster:
             if trouble is not None and trouble in done:
                 raise ClusterError(f"{trouble.result()}; the cluster is not ready")
             exited = next(exits[t] for t in done if t in exits)
-            raise ClusterError(f"{self._name(exited)} exited with code {exited.returncode} before the cluster "
-                               f"was ready")
+            raise ClusterError(
+                f"{self._name(exited)} exited with code {exited.returncode} before the cluster was ready"
+            )
 
     def _name(self, proc: asyncio.subprocess.Process) -> str:
         if proc is self.coordinator:
@@ -170,85 +179,120 @@ class LocalCluster:
         waits = [asyncio.create_task(p.wait()) for p in self.processes]
         _, pending = await asyncio.wait(waits, timeout=timeout) if waits else (set(), set())
         for proc in self.processes:
-            _signal_group(proc, signal.SIGKILL)   # stragglers, and anything a child left in its group
+            _signal_group(proc, signal.SIGKILL)  # stragglers, and anything a child left in its group
         if pending:
             await asyncio.wait(pending, timeout=10)
 
 
-def check_cluster_security(coordinator_host: str, keys_dir: str | None,
-                           trusted_network: bool) -> ClusterKeyDir | None:
+def check_cluster_security(coordinator_host: str, keys_dir: str | None, trusted_network: bool) -> ClusterKeyDir | None:
     """The cluster's keys (`--keys-dir`), checked; ValueError for unusable key files, or for a non-loopback
     coordinator without keys unless the network is declared trusted."""
     if keys_dir is not None:
         return ClusterKeyDir(keys_dir)
     if not trusted_network:
-        refuse_open_bind(coordinator_host, what="the coordinator", remedy="pass --keys-dir DIR (made by "
-                         "`infer-keygen --cluster --dir DIR`)")
+        refuse_open_bind(
+            coordinator_host,
+            what="the coordinator",
+            remedy="pass --keys-dir DIR (made by `infer-keygen --cluster --dir DIR`)",
+        )
     return None
 
 
 def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
     try:
-        os.killpg(proc.pid, sig)   # start_new_session: the child leads its own group
+        os.killpg(proc.pid, sig)  # start_new_session: the child leads its own group
     except (ProcessLookupError, PermissionError):
         pass
 
 
 # ---- command line ---------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer-serve", description=__doc__.split("\n\n")[0],
-                                epilog="Arguments after `--` go to every worker unchanged.")
+    p = argparse.ArgumentParser(
+        prog="infer-serve",
+        description=__doc__.split("\n\n")[0],
+        epilog="Arguments after `--` go to every worker unchanged.",
+    )
     p.add_argument("--model", help="safetensors dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument(*flag_names("--workers"), type=int, default=1, help="number of workers (DP ranks) (default 1)")
     p.add_argument("--threads", type=int, help="torch threads per worker")
-    p.add_argument(*flag_names("--tp-size"), type=int, help="processes per worker (tensor parallelism; default 1): "
-                   "each worker starts and supervises its TP group, each process holding 1/T of every layer")
-    p.add_argument(*flag_names("--pp-size"), dest="pp_size", type=int,
-                   help="pipeline stages per worker (pipeline parallelism; default 1): each worker starts and "
-                   "supervises its P stage processes, each holding a contiguous range of the layers (capacity, not "
-                   "speed: one batch at a time through the stages)")
+    p.add_argument(
+        *flag_names("--tp-size"),
+        type=int,
+        help="processes per worker (tensor parallelism; default 1): "
+        "each worker starts and supervises its TP group, each process holding 1/T of every layer",
+    )
+    p.add_argument(
+        *flag_names("--pp-size"),
+        dest="pp_size",
+        type=int,
+        help="pipeline stages per worker (pipeline parallelism; default 1): each worker starts and "
+        "supervises its P stage processes, each holding a contiguous range of the layers (capacity, not "
+        "speed: one batch at a time through the stages)",
+    )
     add_front_arguments(p)
-    p.add_argument("--coordinator-host", default="127.0.0.1",
-                   help="the coordinator's bind address (default 127.0.0.1)")
+    p.add_argument("--coordinator-host", default="127.0.0.1", help="the coordinator's bind address (default 127.0.0.1)")
     p.add_argument("--coordinator-port", type=int, default=0, help="the coordinator's port (default: a free one)")
-    p.add_argument("--keys-dir", metavar="DIR", help="CurveZMQ on every link, with the key pairs in DIR made "
-                   "by `infer-keygen --cluster --dir DIR` (workers/worker for the workers, clients/client for "
-                   "the HTTP front, admins/admin for this launcher; needed for a non-loopback "
-                   "--coordinator-host unless --trusted-network)")
+    p.add_argument(
+        "--keys-dir",
+        metavar="DIR",
+        help="CurveZMQ on every link, with the key pairs in DIR made "
+        "by `infer-keygen --cluster --dir DIR` (workers/worker for the workers, clients/client for "
+        "the HTTP front, admins/admin for this launcher; needed for a non-loopback "
+        "--coordinator-host unless --trusted-network)",
+    )
     engine = p.add_argument_group("engine options (passed to every worker)")
     add_options(engine, EngineConfig, exclude=_TOP_LEVEL_ENGINE_OPTIONS)
     add_options(engine, WorkerOptions, names=("benchmark_mode",))
     add_options(p.add_argument_group("coordinator options"), CoordinatorConfig, names=_COORDINATOR_OPTIONS)
-    add_options(p.add_argument_group("restarts (of a worker, the coordinator or the HTTP front that dies)"),
-                RestartPolicy)
+    add_options(
+        p.add_argument_group("restarts (of a worker, the coordinator or the HTTP front that dies)"), RestartPolicy
+    )
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers (default 300)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds the children get to exit after SIGTERM before SIGKILL (default 30)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds the children get to exit after SIGTERM before SIGKILL (default 30)",
+    )
     add_logging_args(p)
     add_vllm_flags(p)
     return p
 
 
-_TOP_LEVEL_ENGINE_OPTIONS = ("model", "num_threads")   # --model and --threads, among the launcher's own flags
+_TOP_LEVEL_ENGINE_OPTIONS = ("model", "num_threads")  # --model and --threads, among the launcher's own flags
 _COORDINATOR_OPTIONS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "max_retries")
 
 
 def coordinator_args(args: argparse.Namespace) -> list[str]:
     """The coordinator's flags: its options given here (infer-serve takes a few of them)."""
-    return to_argv(CoordinatorConfig, {**given(CoordinatorConfig, args, names=_COORDINATOR_OPTIONS),
-                                       "otlp_traces_endpoint": args.otlp_traces_endpoint})
+    return to_argv(
+        CoordinatorConfig,
+        {
+            **given(CoordinatorConfig, args, names=_COORDINATOR_OPTIONS),
+            "otlp_traces_endpoint": args.otlp_traces_endpoint,
+        },
+    )
 
 
 def worker_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
     """Every worker's flags: the engine options, the TP and PP sizes, benchmark mode and the heartbeat interval given
     here (the coordinator's too), then `extra` (after `--`)."""
-    engine = dict(given(EngineConfig, args, exclude=_TOP_LEVEL_ENGINE_OPTIONS), model=args.model,
-                  num_threads=args.threads)
-    worker = {"benchmark_mode": args.benchmark_mode, "heartbeat_interval": args.heartbeat_interval,
-              "otlp_traces_endpoint": args.otlp_traces_endpoint}
-    return (to_argv(EngineConfig, engine) + to_argv(WorkerFlags, {"tp_size": args.tp_size, "pp_size": args.pp_size})
-            + to_argv(WorkerOptions, worker) + extra)
+    engine = dict(
+        given(EngineConfig, args, exclude=_TOP_LEVEL_ENGINE_OPTIONS), model=args.model, num_threads=args.threads
+    )
+    worker = {
+        "benchmark_mode": args.benchmark_mode,
+        "heartbeat_interval": args.heartbeat_interval,
+        "otlp_traces_endpoint": args.otlp_traces_endpoint,
+    }
+    return (
+        to_argv(EngineConfig, engine)
+        + to_argv(WorkerFlags, {"tp_size": args.tp_size, "pp_size": args.pp_size})
+        + to_argv(WorkerOptions, worker)
+        + extra
+    )
 
 
 def restart_policy(args: argparse.Namespace) -> RestartPolicy:
@@ -267,17 +311,20 @@ async def serve(cluster: LocalCluster, args: argparse.Namespace) -> int:
     front: asyncio.subprocess.Process | None = None
     listener = None
     try:
-        listener = listen_socket(args.host, args.port)   # before anything starts: a taken port fails at once
+        listener = listen_socket(args.host, args.port)  # before anything starts: a taken port fails at once
         await cluster.start()
         _watch_cluster(supervisor, cluster)
         stats = await cluster.wait_ready(args.ready_timeout, supervisor.trouble)
         front = await _start_front(cluster, args, listener, args.ready_timeout)
         supervisor.watch("the HTTP front", front, lambda: _spawn_front(cluster, args, listener), essential=True)
-        print(f"infer-serve: ready: {stats.num_healthy_workers} worker(s) serving {stats.model_id!r}; "
-              f"HTTP at {_url(listener)}; clients connect to {cluster.address}", flush=True)
+        print(
+            f"infer-serve: ready: {stats.num_healthy_workers} worker(s) serving {stats.model_id!r}; "
+            f"HTTP at {_url(listener)}; clients connect to {cluster.address}",
+            flush=True,
+        )
         return await _serve_until_stopped(supervisor, stop)
     except (ClusterError, ValueError, OSError) as e:
-        log.error("%s", safe(e, 2000))     # may quote the coordinator
+        log.error("%s", safe(e, 2000))  # may quote the coordinator
         return 1
     finally:
         log.info("shutting down")
@@ -310,8 +357,9 @@ async def _serve_until_stopped(supervisor: Supervisor, stop: asyncio.Event) -> i
 
 # ---- the HTTP front: an infer-api child on a socket this process keeps --------------------------------
 
+
 def _graceful_timeout(args: argparse.Namespace) -> float:
-    return getattr(args, "drain_timeout", None) or 5.0     # the Slurm launcher's --drain-timeout
+    return getattr(args, "drain_timeout", None) or 5.0  # the Slurm launcher's --drain-timeout
 
 
 def _url(listener: socket.socket) -> str:
@@ -319,8 +367,9 @@ def _url(listener: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-async def _spawn_front(cluster: LocalCluster, args: argparse.Namespace,
-                       listener: socket.socket) -> asyncio.subprocess.Process:
+async def _spawn_front(
+    cluster: LocalCluster, args: argparse.Namespace, listener: socket.socket
+) -> asyncio.subprocess.Process:
     """infer-api on `listener` (inherited), a client of `cluster` with its client key; the API key goes in its
     environment, never on its command line. It prints one line on stdout once it serves."""
     key_flags = [f"--{name.replace('_', '-')}={path}" for name, path in cluster.client_options.items()]
@@ -330,14 +379,29 @@ async def _spawn_front(cluster: LocalCluster, args: argparse.Namespace,
     if api_key is not None:
         environ[env.API_KEY.name] = api_key
     return await asyncio.create_subprocess_exec(
-        cluster.python, "-m", "infer.client.api.server", "--coordinator", cluster.address,
-        "--listen-fd", str(listener.fileno()), "--graceful-timeout", str(_graceful_timeout(args)), *model,
-        *key_flags, *front_argv(args), *logging_flags(args), pass_fds=(listener.fileno(),), env=environ,
-        stdout=asyncio.subprocess.PIPE, start_new_session=True)
+        cluster.python,
+        "-m",
+        "infer.client.api.server",
+        "--coordinator",
+        cluster.address,
+        "--listen-fd",
+        str(listener.fileno()),
+        "--graceful-timeout",
+        str(_graceful_timeout(args)),
+        *model,
+        *key_flags,
+        *front_argv(args),
+        *logging_flags(args),
+        pass_fds=(listener.fileno(),),
+        env=environ,
+        stdout=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
-async def _start_front(cluster: LocalCluster, args: argparse.Namespace, listener: socket.socket,
-                       timeout: float) -> asyncio.subprocess.Process:
+async def _start_front(
+    cluster: LocalCluster, args: argparse.Namespace, listener: socket.socket, timeout: float
+) -> asyncio.subprocess.Process:
     """The first front, once it serves; ClusterError if it exits or stays silent for `timeout` seconds."""
     front = await _spawn_front(cluster, args, listener)
     stdout = typing.cast(asyncio.StreamReader, front.stdout)
@@ -369,8 +433,9 @@ async def _stop_front(supervisor: Supervisor, timeout: float) -> None:
 def check_launcher_args(args: argparse.Namespace) -> None:
     """ValueError naming the first of infer-serve's own sizes and times that cannot work, before anything starts
     (the TP and PP sizes through WorkerFlags, the same check infer-worker makes)."""
-    WorkerFlags(tp_size=1 if args.tp_size is None else args.tp_size,
-                pp_size=1 if args.pp_size is None else args.pp_size)
+    WorkerFlags(
+        tp_size=1 if args.tp_size is None else args.tp_size, pp_size=1 if args.pp_size is None else args.pp_size
+    )
     for flag, value in (("--workers", args.workers), ("--threads", args.threads)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -384,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+        argv, extra = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
@@ -395,10 +460,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"infer-serve: {e}", file=sys.stderr)
         return 2
     log_level = logging_flags(args)
-    cluster = LocalCluster(num_workers=args.workers, host=args.coordinator_host, port=args.coordinator_port,
-                           worker_args=worker_args(args, extra) + log_level,
-                           coordinator_args=coordinator_args(args) + log_level,
-                           keys=keys, trusted_network=args.trusted_network)
+    cluster = LocalCluster(
+        num_workers=args.workers,
+        host=args.coordinator_host,
+        port=args.coordinator_port,
+        worker_args=worker_args(args, extra) + log_level,
+        coordinator_args=coordinator_args(args) + log_level,
+        keys=keys,
+        trusted_network=args.trusted_network,
+    )
     return asyncio.run(serve(cluster, args))
 
 

@@ -30,7 +30,7 @@ from infer.worker.options import WorkerOptions
 log = logging.getLogger("infer.spmd")
 
 DEFAULT_MASTER_PORT = 29500
-COORDINATOR_SILENCE_S = 30.0     # a non-primary rank's close() stops waiting once the coordinator is this silent
+COORDINATOR_SILENCE_S = 30.0  # a non-primary rank's close() stops waiting once the coordinator is this silent
 
 
 def _int_env(*names: str) -> int | None:
@@ -63,8 +63,10 @@ class SpmdWorld:
             raise ValueError(f"rank {rank} is outside the world of {world_size} process(es) (RANK / WORLD_SIZE)")
         host = os.environ.get("MASTER_ADDR", "").strip()
         if world_size > 1 and not host:
-            raise ValueError(f"{world_size} ranks need MASTER_ADDR (the host of rank 0, where the coordinator "
-                             f"listens); torchrun sets it")
+            raise ValueError(
+                f"{world_size} ranks need MASTER_ADDR (the host of rank 0, where the coordinator "
+                f"listens); torchrun sets it"
+            )
         port = _int_env(env.COORDINATOR_PORT.name)
         if port is None:
             master_port = _int_env("MASTER_PORT")
@@ -97,8 +99,9 @@ class InProcessWorker:
     def __init__(self, engine: object, coordinator: str, dp_rank: int, connect_timeout: float) -> None:
         self.context = zmq.Context()
         worker_id = f"{socket.gethostname()}-rank{dp_rank}-{os.getpid()}"
-        options = WorkerOptions(coordinator=coordinator, worker_id=worker_id, dp_rank=dp_rank,
-                                connect_timeout=connect_timeout)
+        options = WorkerOptions(
+            coordinator=coordinator, worker_id=worker_id, dp_rank=dp_rank, connect_timeout=connect_timeout
+        )
         self.worker = Worker(engine, options, self.context)
         self.engine = engine
         self.exit_code: int | None = None
@@ -107,7 +110,7 @@ class InProcessWorker:
 
     def _run(self) -> None:
         threads = getattr(getattr(self.engine, "config", None), "num_threads", None)
-        if threads is not None:   # torch's intra-op thread count is per thread: set it where the engine steps
+        if threads is not None:  # torch's intra-op thread count is per thread: set it where the engine steps
             import torch
 
             torch.set_num_threads(threads)

@@ -38,9 +38,9 @@ class Child:
     proc: asyncio.subprocess.Process
     spawn: Spawn
     crash_loop: CrashLoop
-    essential: bool = False          # given up, or exiting with 0: the service ends
+    essential: bool = False  # given up, or exiting with 0: the service ends
     restarts: int = 0
-    given_up: str | None = None      # why it is not restarted any more
+    given_up: str | None = None  # why it is not restarted any more
     watch: asyncio.Task | None = field(default=None, repr=False)
 
 
@@ -83,7 +83,7 @@ class Supervisor:
             if await self._unless_stopping(exit_code):
                 return
             code = exit_code.result()
-            _kill_group(child.proc)      # what it left in its group (a TP group's members)
+            _kill_group(child.proc)  # what it left in its group (a TP group's members)
             if code == 0:
                 log.info("%s (pid %d) exited with code 0: stopped, not restarted", child.name, child.proc.pid)
                 if child.essential:
@@ -93,9 +93,16 @@ class Supervisor:
             if isinstance(verdict, GiveUp):
                 self._give_up(child, verdict.reason)
                 return
-            log.warning("%s (pid %d) %s; restarting it in %.1f s (restart %d of at most %d within %g s)",
-                        child.name, child.proc.pid, how_it_ended(code), verdict.delay, verdict.attempt,
-                        self.policy.max_restarts, self.policy.restart_window)
+            log.warning(
+                "%s (pid %d) %s; restarting it in %.1f s (restart %d of at most %d within %g s)",
+                child.name,
+                child.proc.pid,
+                how_it_ended(code),
+                verdict.delay,
+                verdict.attempt,
+                self.policy.max_restarts,
+                self.policy.restart_window,
+            )
             if await self._unless_stopping(asyncio.sleep(verdict.delay)):
                 return
             child.proc = await child.spawn()
@@ -131,6 +138,6 @@ class Supervisor:
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)    # start_new_session: the child led its own group
+        os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the child led its own group
     except (ProcessLookupError, PermissionError):
         pass

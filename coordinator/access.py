@@ -22,8 +22,22 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from infer.protocol.messages import (Abort, Control, ControlAck, Error, Heartbeat, Hello, LoraCommand, LoraDone,
-                                     Message, StatsRequest, StepBatch, Submit, UpdateWeights, WeightsUpdated)
+from infer.protocol.messages import (
+    Abort,
+    Control,
+    ControlAck,
+    Error,
+    Heartbeat,
+    Hello,
+    LoraCommand,
+    LoraDone,
+    Message,
+    StatsRequest,
+    StepBatch,
+    Submit,
+    UpdateWeights,
+    WeightsUpdated,
+)
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
 
 log = logging.getLogger("infer.coordinator")
@@ -32,9 +46,17 @@ WORKER_ROLES = frozenset({Role.WORKER})
 ADMIN_ROLES = frozenset({Role.ADMIN})
 ANY_ROLE = frozenset(Role)
 _REQUIRED: dict[type[Message], frozenset[Role]] = {
-    Submit: CLIENT_ROLES, Abort: CLIENT_ROLES, StatsRequest: CLIENT_ROLES, Control: ADMIN_ROLES,
-    StepBatch: WORKER_ROLES, ControlAck: WORKER_ROLES, Error: ANY_ROLE, UpdateWeights: ADMIN_ROLES,
-    WeightsUpdated: WORKER_ROLES, LoraCommand: ADMIN_ROLES, LoraDone: WORKER_ROLES,
+    Submit: CLIENT_ROLES,
+    Abort: CLIENT_ROLES,
+    StatsRequest: CLIENT_ROLES,
+    Control: ADMIN_ROLES,
+    StepBatch: WORKER_ROLES,
+    ControlAck: WORKER_ROLES,
+    Error: ANY_ROLE,
+    UpdateWeights: ADMIN_ROLES,
+    WeightsUpdated: WORKER_ROLES,
+    LoraCommand: ADMIN_ROLES,
+    LoraDone: WORKER_ROLES,
 }
 LOG_BURST, LOG_PERIOD_S = 5, 10.0
 
@@ -73,8 +95,8 @@ class AccessControl:
 
     def __init__(self, keys: KeyRoles | None) -> None:
         self.keys = keys
-        self._bound: dict[bytes, bytes] = {}      # routing identity -> the key that first sent from it
-        self._cut_off: set[bytes] = set()          # identities answered with nothing more
+        self._bound: dict[bytes, bytes] = {}  # routing identity -> the key that first sent from it
+        self._cut_off: set[bytes] = set()  # identities answered with nothing more
         self._generation = None if keys is None else keys.generation
         self._window_start, self._logged, self._suppressed = -math.inf, 0, 0
 
@@ -88,8 +110,11 @@ class AccessControl:
             return Denial("the frame carries no authenticated key", cut_off=True)
         bound = self._bound.setdefault(identity, key)
         if bound != key:
-            return Denial(f"its routing identity belongs to key {describe_key(bound)}, not to this connection's "
-                          f"key {describe_key(key)}", cut_off=True)
+            return Denial(
+                f"its routing identity belongs to key {describe_key(bound)}, not to this connection's "
+                f"key {describe_key(key)}",
+                cut_off=True,
+            )
         roles = self.keys.roles_of(key)
         if not roles:
             return Denial(f"its key {describe_key(key)} is no longer authorized (revoked)", cut_off=True)
@@ -99,8 +124,10 @@ class AccessControl:
         what = f"hello as a {msg.role}" if isinstance(msg, Hello) else f"{msg.TYPE!r}"
         if isinstance(msg, Control):
             what = f"lifecycle command {msg.command!r}"
-        return Denial(f"{what} refused: it needs a {_roles_text(needed)} key, and key {describe_key(key)} is a "
-                      f"{_roles_text(roles)} key (the coordinator's authorized keys: workers/, clients/, admins/)")
+        return Denial(
+            f"{what} refused: it needs a {_roles_text(needed)} key, and key {describe_key(key)} is a "
+            f"{_roles_text(roles)} key (the coordinator's authorized keys: workers/, clients/, admins/)"
+        )
 
     def cut_off(self, identity: bytes) -> None:
         self._cut_off.add(identity)
@@ -135,5 +162,10 @@ class AccessControl:
             self._suppressed += 1
             return
         held, self._suppressed = self._suppressed, 0
-        log.warning("refused %r from peer %s: %s%s", msg.TYPE, identity.hex()[:16], denial.reason,
-                    f" ({held} refusals not logged before this one)" if held else "")
+        log.warning(
+            "refused %r from peer %s: %s%s",
+            msg.TYPE,
+            identity.hex()[:16],
+            denial.reason,
+            f" ({held} refusals not logged before this one)" if held else "",
+        )

@@ -17,41 +17,47 @@ from infer.coordinator.outbox import Send
 from infer.coordinator.routing import RoutingPolicy
 from infer.coordinator.state import ClusterStatus, RequestRecord, WorkerRecord
 from infer.protocol.deadlines import DeadlineHeap
-from infer.protocol.messages import (
-    Delta, Submit
-)
+from infer.protocol.messages import Delta, Submit
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import HopSpan
 
 log = logging.getLogger("infer.coordinator")
 
-QUARANTINE_DEATHS = 2            # worker deaths while it ran that fail a request as a likely poison
+QUARANTINE_DEATHS = 2  # worker deaths while it ran that fail a request as a likely poison
 
 
 class Admission:
     """Which requests go where, and when; the deadline heap; the routable workers."""
 
-    def __init__(self, books: Books, send: Send, status: ClusterStatus, policy: RoutingPolicy,
-                 config: CoordinatorConfig) -> None:
+    def __init__(
+        self, books: Books, send: Send, status: ClusterStatus, policy: RoutingPolicy, config: CoordinatorConfig
+    ) -> None:
         self.books = books
         self.send = send
         self.status = status
         self.policy = policy
         self.config = config
-        self._seeds = random.Random()                # seeds for sampled requests that come without one
+        self._seeds = random.Random()  # seeds for sampled requests that come without one
         self.routable_cache: list[WorkerRecord] | None = None
-        self.deadlines: DeadlineHeap[str] = DeadlineHeap()   # request ids by deadline; stale entries skipped
+        self.deadlines: DeadlineHeap[str] = DeadlineHeap()  # request ids by deadline; stale entries skipped
 
     def new_record(self, identity: bytes, submit: Submit, now: float) -> RequestRecord:
         request = RequestRecord(
-            request_id=submit.request_id, client=identity, prompt=submit.prompt,
-            prompt_token_ids=submit.prompt_token_ids, sampling=self._seeded(submit.sampling),
-            pin_rank=submit.pin_rank, priority=submit.priority,
-            submitted_at=now, deadline=None if submit.timeout_s is None else now + submit.timeout_s,
-            traceparent=submit.traceparent)
+            request_id=submit.request_id,
+            client=identity,
+            prompt=submit.prompt,
+            prompt_token_ids=submit.prompt_token_ids,
+            sampling=self._seeded(submit.sampling),
+            pin_rank=submit.pin_rank,
+            priority=submit.priority,
+            submitted_at=now,
+            deadline=None if submit.timeout_s is None else now + submit.timeout_s,
+            traceparent=submit.traceparent,
+        )
         if self.config.otlp_traces_endpoint is not None:
-            request.trace = HopSpan.child_of("coordinator", submit.traceparent, now,
-                                             **{"gen_ai.request.id": submit.request_id})
+            request.trace = HopSpan.child_of(
+                "coordinator", submit.traceparent, now, **{"gen_ai.request.id": submit.request_id}
+            )
         if request.deadline is not None:
             self._add_deadline(request)
         return request
@@ -82,15 +88,19 @@ class Admission:
         if submit.pin_rank is not None:
             pinned = [w for w in self.routable() if w.dp_rank == submit.pin_rank]
             if pinned and not self._has_room(pinned[0]):
-                return (f"the cluster is overloaded: dp_rank {submit.pin_rank} already has "
-                        f"{pinned[0].num_in_flight} requests, its limit; retry later")
+                return (
+                    f"the cluster is overloaded: dp_rank {submit.pin_rank} already has "
+                    f"{pinned[0].num_in_flight} requests, its limit; retry later"
+                )
             return None
         if not any(self._has_room(w) for w in self.routable()):
             if submit.priority < self._worst_priority_in_flight():
                 return self._held_room(submit)
             busiest = max(self.routable(), key=lambda w: w.num_in_flight)
-            return (f"the cluster is overloaded: every worker has its limit of requests (dp_rank "
-                    f"{busiest.dp_rank}: {busiest.num_in_flight}); retry later")
+            return (
+                f"the cluster is overloaded: every worker has its limit of requests (dp_rank "
+                f"{busiest.dp_rank}: {busiest.num_in_flight}); retry later"
+            )
         return None
 
     def _held_room(self, submit: Submit) -> str | None:
@@ -100,19 +110,26 @@ class Admission:
         if len(self.books.requests.held) < limit:
             return None
         fresh = [r for r in self.books.requests.held.values() if not r.delivered]
-        victim = max(reversed(fresh), key=lambda r: r.priority, default=None)   # the newest of the worst
+        victim = max(reversed(fresh), key=lambda r: r.priority, default=None)  # the newest of the worst
         if victim is not None and victim.priority > submit.priority:
-            self.books.fail(victim, f"request {victim.request_id!r} was shed from the coordinator's full queue for a "
-                                    f"request of a better priority ({submit.priority} < {victim.priority}); retry "
-                                    f"later", code="overloaded")
+            self.books.fail(
+                victim,
+                f"request {victim.request_id!r} was shed from the coordinator's full queue for a "
+                f"request of a better priority ({submit.priority} < {victim.priority}); retry "
+                f"later",
+                code="overloaded",
+            )
             return None
-        return (f"the cluster is overloaded: {len(self.books.requests.held)} requests already wait in the "
-                f"coordinator (the limit, --max-held-requests {limit}); retry later")
+        return (
+            f"the cluster is overloaded: {len(self.books.requests.held)} requests already wait in the "
+            f"coordinator (the limit, --max-held-requests {limit}); retry later"
+        )
 
     def _worst_priority_in_flight(self) -> int:
         """The largest priority among the requests on workers (so the least urgent); on the refusal path only."""
-        return max((r.priority for r in self.books.requests.by_id.values() if r.worker_id is not None),
-                   default=-2**63)
+        return max(
+            (r.priority for r in self.books.requests.by_id.values() if r.worker_id is not None), default=-(2**63)
+        )
 
     def _has_room(self, worker: WorkerRecord) -> bool:
         limit = worker.request_limit(self.config.max_requests_per_worker)
@@ -128,20 +145,25 @@ class Admission:
         if request.pin_rank is not None and request.retries == 0:
             worker = next((w for w in candidates if w.dp_rank == request.pin_rank), None)
             if worker is None and any(w.dp_rank == request.pin_rank for w in routable):
-                self.books.requests.hold(request, now)     # its rank is full: it waits for room there
+                self.books.requests.hold(request, now)  # its rank is full: it waits for room there
                 return False
             if worker is None:
                 ranks = ", ".join(str(w.dp_rank) for w in sorted(routable, key=lambda w: w.dp_rank))
-                self.books.fail(request, f"request {request.request_id!r} is pinned to dp_rank {request.pin_rank}, "
-                                         f"which is not available (healthy ranks: {ranks})")
+                self.books.fail(
+                    request,
+                    f"request {request.request_id!r} is pinned to dp_rank {request.pin_rank}, "
+                    f"which is not available (healthy ranks: {ranks})",
+                )
                 return True
         else:
             worker = self.policy.choose(request.routing_prompt, self._for_suspect(request, candidates))
         if request.delivered and request.prompt_token_ids is None:
-            self.books.fail(request, f"request {request.request_id!r} cannot be resumed: its worker never reported "
-                                     f"the prompt's token ids")
+            self.books.fail(
+                request,
+                f"request {request.request_id!r} cannot be resumed: its worker never reported the prompt's token ids",
+            )
             return True
-        if request.remaining_budget() == 0:      # every token is out; only the final delta was lost
+        if request.remaining_budget() == 0:  # every token is out; only the final delta was lost
             self.books.counters.requests_completed += 1
             self.books.finish(request, Delta.final(request.request_id, "length"), {})
             return True
@@ -160,8 +182,11 @@ class Admission:
         poison, the next death then hits it alone, not the bystanders that died with it once."""
         if not request.suspect:
             return candidates
-        clear = [w for w in candidates
-                 if not any(r is not None and r.suspect for r in map(self.books.requests.get, w.requests))]
+        clear = [
+            w
+            for w in candidates
+            if not any(r is not None and r.suspect for r in map(self.books.requests.get, w.requests))
+        ]
         return clear or candidates
 
     @property
@@ -188,8 +213,11 @@ class Admission:
         """Move `request` off its worker and queue it (first in line) to resume where its stream stands."""
         self.books.detach(request)
         if request.retries >= self.config.max_retries:
-            self.books.fail(request, f"request {request.request_id!r} failed: {reason}; it was already "
-                                     f"re-dispatched {request.retries} time(s), the limit (--max-retries)")
+            self.books.fail(
+                request,
+                f"request {request.request_id!r} failed: {reason}; it was already "
+                f"re-dispatched {request.retries} time(s), the limit (--max-retries)",
+            )
             return
         if len(request.worker_deaths) >= QUARANTINE_DEATHS:
             self._quarantine(request, reason)
@@ -202,11 +230,19 @@ class Admission:
     def _quarantine(self, request: RequestRecord, reason: str) -> None:
         """Fail a request that was running on QUARANTINE_DEATHS workers when they died: a likely poison."""
         workers = ", ".join(repr(w) for w in request.worker_deaths)
-        log.warning("request %r quarantined: running on %d workers that died (%s)", request.request_id,
-                    len(request.worker_deaths), workers)
-        self.books.fail(request, f"request {request.request_id!r} failed: it was running on two workers that "
-                                 f"died ({workers}; last: {reason}), so it is quarantined as their likely cause "
-                                 f"instead of being moved to another worker", "internal")
+        log.warning(
+            "request %r quarantined: running on %d workers that died (%s)",
+            request.request_id,
+            len(request.worker_deaths),
+            workers,
+        )
+        self.books.fail(
+            request,
+            f"request {request.request_id!r} failed: it was running on two workers that "
+            f"died ({workers}; last: {reason}), so it is quarantined as their likely cause "
+            f"instead of being moved to another worker",
+            "internal",
+        )
 
     def worker_died(self, worker: WorkerRecord) -> None:
         """`worker` is dead: out of routing, and the policy forgets its rank (its requests move: `failover`)."""
@@ -229,8 +265,11 @@ class Admission:
         if self.routable_cache is None:
             dead_groups = {w.group_id for w in self.books.workers if not w.healthy}
             version = self.status.weight_version
-            self.routable_cache = [w for w in self.books.workers if w.healthy and not w.draining
-                                   and w.group_id not in dead_groups and w.weight_version == version]
+            self.routable_cache = [
+                w
+                for w in self.books.workers
+                if w.healthy and not w.draining and w.group_id not in dead_groups and w.weight_version == version
+            ]
         return self.routable_cache
 
     def _add_deadline(self, request: RequestRecord) -> None:
@@ -246,15 +285,22 @@ class Admission:
             request = self.books.requests.by_id[rid]
             self.books.counters.requests_timed_out += 1
             waited = now - request.submitted_at
-            self.books.fail(request, f"request {rid!r} did not finish within its timeout ({waited:.1f} s); it was "
-                                     f"aborted after {len(request.delivered)} token(s)", "timeout")
+            self.books.fail(
+                request,
+                f"request {rid!r} did not finish within its timeout ({waited:.1f} s); it was "
+                f"aborted after {len(request.delivered)} token(s)",
+                "timeout",
+            )
             self.dispatch_held(now)
 
     def check_held(self, now: float) -> None:
         self.dispatch_held(now)
         if self.status.state is not ClusterState.RUNNING:
-            return   # paused requests wait as long as the pause lasts
+            return  # paused requests wait as long as the pause lasts
         limit = self.config.queue_timeout
         for request in [r for r in self.books.requests.held.values() if now - r.held_since > limit]:
-            self.books.fail(request, f"request {request.request_id!r} waited {now - request.held_since:.1f} s for a "
-                                     f"healthy worker (queue timeout {limit} s)")
+            self.books.fail(
+                request,
+                f"request {request.request_id!r} waited {now - request.held_since:.1f} s for a "
+                f"healthy worker (queue timeout {limit} s)",
+            )

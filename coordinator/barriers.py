@@ -24,13 +24,14 @@ class WorkerBarrier:
     errors: dict[str, str] = field(default_factory=dict)
     bytes_released: int = 0
     bytes_restored: int = 0
-    workers: frozenset[str] = frozenset()     # every worker asked (`pending` at the start)
+    workers: frozenset[str] = frozenset()  # every worker asked (`pending` at the start)
 
     def __post_init__(self) -> None:
         self.workers = frozenset(self.pending)
 
-    def answer(self, worker_id: str, error: str | None = None, bytes_released: int = 0,
-               bytes_restored: int = 0) -> None:
+    def answer(
+        self, worker_id: str, error: str | None = None, bytes_released: int = 0, bytes_restored: int = 0
+    ) -> None:
         """A worker's answer; answers from workers not (or no longer) waited for are ignored."""
         if worker_id not in self.pending:
             return

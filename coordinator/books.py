@@ -12,14 +12,20 @@ from infer.coordinator.state import ClientRecord, RequestRecord, RequestTable, W
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import Abort, Counters, Delta, Error, Refused
 
-MAX_REJECTION_CHARS = 2000       # of the text answering a bad frame (which may quote the frame)
+MAX_REJECTION_CHARS = 2000  # of the text answering a bad frame (which may quote the frame)
 
 
 class Books:
     """The request, worker and client tables, the counters, and the outbox their changes are told through."""
 
-    def __init__(self, requests: RequestTable, workers: WorkerTable, clients: dict[bytes, ClientRecord],
-                 counters: Counters, outbox: Outbox) -> None:
+    def __init__(
+        self,
+        requests: RequestTable,
+        workers: WorkerTable,
+        clients: dict[bytes, ClientRecord],
+        counters: Counters,
+        outbox: Outbox,
+    ) -> None:
         self.requests = requests
         self.workers = workers
         self.clients = clients
@@ -71,10 +77,16 @@ class Books:
         if request.worker_id is not None:
             to_workers.setdefault(request.worker_id, []).append(request.request_id)
         if request.trace is not None:
-            self.outbox.end_span(request.trace.finish(
-                None, **{"gen_ai.response.finish_reasons": str(final.finish_reason) if final else "client gone",
-                         "gen_ai.usage.completion_tokens": len(request.delivered),
-                         "infer.redispatches": request.retries}))
+            self.outbox.end_span(
+                request.trace.finish(
+                    None,
+                    **{
+                        "gen_ai.response.finish_reasons": str(final.finish_reason) if final else "client gone",
+                        "gen_ai.usage.completion_tokens": len(request.delivered),
+                        "infer.redispatches": request.retries,
+                    },
+                )
+            )
         self.detach(request)
         self.requests.remove(request)
         client = self.clients.get(request.client)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+
 from msgspec.structs import replace
 
 from infer.coordinator.admission import Admission
@@ -29,34 +30,39 @@ from infer.coordinator.state import ClusterStatus, WorkerRecord
 from infer.coordinator.statistics import Statistics
 from infer.protocol.codes import Command
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import (
-    CommitWeights, Control, ControlAck, Delta, Error, UpdateWeights, WeightsUpdated
-)
+from infer.protocol.messages import CommitWeights, Control, ControlAck, Delta, Error, UpdateWeights, WeightsUpdated
 
 log = logging.getLogger("infer.coordinator")
 
-ACK_TIMEOUT_S = 300.0            # suspend / resume: how long the client's answer waits for every worker's
+ACK_TIMEOUT_S = 300.0  # suspend / resume: how long the client's answer waits for every worker's
 
 
 class Commands:
     """The lifecycle and weight updates, with their barriers."""
 
-    def __init__(self, books: Books, send: Send, status: ClusterStatus, admission: Admission, statistics: Statistics,
-                 config: CoordinatorConfig) -> None:
+    def __init__(
+        self,
+        books: Books,
+        send: Send,
+        status: ClusterStatus,
+        admission: Admission,
+        statistics: Statistics,
+        config: CoordinatorConfig,
+    ) -> None:
         self.books = books
         self.send = send
         self.status = status
         self.admission = admission
         self.statistics = statistics
         self.config = config
-        self.stop_pending: set[str] | None = None     # workers yet to acknowledge STOP
+        self.stop_pending: set[str] | None = None  # workers yet to acknowledge STOP
         self.stop_deadline = math.inf
-        self._barrier: WorkerBarrier | None = None      # suspend / resume / update_weights awaiting the workers
-        self.version_known = False                       # set by a refit, or by the first worker's Hello
-        self.refit_paths: dict[int, str | None] = {}     # version -> its directory (None: a trainer's broadcast)
-        self.committing = False                          # the barrier is a refit's commit phase
-        self.refit_path: str | None = None               # the pending refit's directory
-        self.catch_ups: dict[str, int] = {}              # worker id -> the version being sent to it
+        self._barrier: WorkerBarrier | None = None  # suspend / resume / update_weights awaiting the workers
+        self.version_known = False  # set by a refit, or by the first worker's Hello
+        self.refit_paths: dict[int, str | None] = {}  # version -> its directory (None: a trainer's broadcast)
+        self.committing = False  # the barrier is a refit's commit phase
+        self.refit_path: str | None = None  # the pending refit's directory
+        self.catch_ups: dict[str, int] = {}  # worker id -> the version being sent to it
 
     @property
     def barrier(self) -> WorkerBarrier | None:
@@ -82,8 +88,10 @@ class Commands:
         if client is None:
             return
         if self.barrier is not None and control.command != Command.STOP:
-            self.send(identity, Error(message=f"{control.command} refused: {self.barrier.what} is still waiting "
-                                              f"for the workers"))
+            self.send(
+                identity,
+                Error(message=f"{control.command} refused: {self.barrier.what} is still waiting for the workers"),
+            )
             return
         before = self.status.state
         refusal = self.apply_command(control.command, f"client {client.peer_id or identity.hex()}", now)
@@ -112,8 +120,9 @@ class Commands:
                 self.admission.dispatch_held(now)
             elif action is Action.FAIL_PENDING:
                 for request in list(self.books.requests.by_id.values()):
-                    self.books.fail(request, f"the cluster was stopped ({source}) before request "
-                                             f"{request.request_id!r} finished")
+                    self.books.fail(
+                        request, f"the cluster was stopped ({source}) before request {request.request_id!r} finished"
+                    )
             elif action is Action.EXIT:
                 self.stop_pending = {w.worker_id for w in self.books.workers if w.healthy}
                 self.stop_deadline = now + self.config.stop_timeout
@@ -161,31 +170,47 @@ class Commands:
             return
         version = self.status.weight_version + 1
         if msg.on_running == "abort":
-            self._abort_in_flight(f"aborted: the weights are being updated to version {version} "
-                                  f"(update_weights with on_running='abort')")
-        self.barrier = WorkerBarrier(f"update_weights to version {version}", identity,
-                                      {w.worker_id for w in workers}, now + msg.timeout_s + 30.0, version=version)
+            self._abort_in_flight(
+                f"aborted: the weights are being updated to version {version} (update_weights with on_running='abort')"
+            )
+        self.barrier = WorkerBarrier(
+            f"update_weights to version {version}",
+            identity,
+            {w.worker_id for w in workers},
+            now + msg.timeout_s + 30.0,
+            version=version,
+        )
         self.committing, self.refit_path = False, msg.path
         for rank, worker in enumerate(workers, start=1):
             sync = None if msg.sync is None else replace(msg.sync, rank=rank)
             self.send(worker.identity, replace(msg, sync=sync, version=version))
-        log.info("update_weights to version %d: sent to %d worker(s) (%s, on_running=%s)", version, len(workers),
-                 "a trainer's broadcast" if msg.sync is not None else f"directory {safe(msg.path)}", msg.on_running)
+        log.info(
+            "update_weights to version %d: sent to %d worker(s) (%s, on_running=%s)",
+            version,
+            len(workers),
+            "a trainer's broadcast" if msg.sync is not None else f"directory {safe(msg.path)}",
+            msg.on_running,
+        )
 
     def _refit_refusal(self, msg: UpdateWeights, num_workers: int) -> str | None:
         if self.status.state in (ClusterState.STOPPED, ClusterState.SUSPENDED) or self.draining:
             return f"the cluster is {'draining to stop' if self.draining else self.status.state.value}" + (
-                "; resume it first" if self.status.state is ClusterState.SUSPENDED else "")
+                "; resume it first" if self.status.state is ClusterState.SUSPENDED else ""
+            )
         if self.barrier is not None:
             return f"{self.barrier.what} is still waiting for the workers"
         if not num_workers:
             return "no healthy worker"
         if msg.sync is not None and msg.sync.world_size != num_workers + 1:
-            return (f"the weight-sync group has world_size {msg.sync.world_size}, but {num_workers} worker(s) are "
-                    f"healthy (world_size = workers + the trainer = {num_workers + 1}); ask again")
+            return (
+                f"the weight-sync group has world_size {msg.sync.world_size}, but {num_workers} worker(s) are "
+                f"healthy (world_size = workers + the trainer = {num_workers + 1}); ask again"
+            )
         if msg.on_running == "drain" and self.status.state is ClusterState.PAUSED and self.books.requests.num_in_flight:
-            return (f"{self.books.requests.num_in_flight} request(s) in flight cannot drain while the cluster is "
-                    f"paused: unpause it, or use on_running='abort'")
+            return (
+                f"{self.books.requests.num_in_flight} request(s) in flight cannot drain while the cluster is "
+                f"paused: unpause it, or use on_running='abort'"
+            )
         return None
 
     def _abort_in_flight(self, reason: str) -> None:
@@ -206,8 +231,12 @@ class Commands:
         if worker.worker_id in self.catch_ups:
             return self._on_catch_up_answer(worker, msg, now)
         barrier = self.barrier
-        if (barrier is not None and barrier.version and msg.version == barrier.version
-                and (msg.error is not None or msg.prepared != self.committing)):
+        if (
+            barrier is not None
+            and barrier.version
+            and msg.version == barrier.version
+            and (msg.error is not None or msg.prepared != self.committing)
+        ):
             barrier.answer(worker.worker_id, msg.error)
             self.check_barrier(now)
 
@@ -226,17 +255,29 @@ class Commands:
             return self._prepared(barrier, failure, now) if not self.committing else self._committed(barrier, now)
         if failure is not None:
             log.warning("%s", safe(failure, 2000))
-        self.send(barrier.client, ControlAck(command=Command(barrier.what), state=self.status.state,
-                                             bytes_released=barrier.bytes_released,
-                                             bytes_restored=barrier.bytes_restored, error=failure))
+        self.send(
+            barrier.client,
+            ControlAck(
+                command=Command(barrier.what),
+                state=self.status.state,
+                bytes_released=barrier.bytes_released,
+                bytes_restored=barrier.bytes_restored,
+                error=failure,
+            ),
+        )
 
     def _prepared(self, barrier: WorkerBarrier, failure: str | None, now: float) -> None:
         """Every worker prepared: commit. Else every worker drops what it staged and the update fails."""
         workers = [w for w in self.books.workers if w.healthy and w.worker_id in barrier.workers]
         if failure is None:
             self.committing = True
-            self.barrier = WorkerBarrier(barrier.what, barrier.client, {w.worker_id for w in workers},
-                                         now + ACK_TIMEOUT_S, version=barrier.version)
+            self.barrier = WorkerBarrier(
+                barrier.what,
+                barrier.client,
+                {w.worker_id for w in workers},
+                now + ACK_TIMEOUT_S,
+                version=barrier.version,
+            )
             for worker in workers:
                 self.send(worker.identity, CommitWeights(version=barrier.version))
             return
@@ -261,8 +302,12 @@ class Commands:
             self.refit_paths[version] = self.refit_path
             self.admission.routes_changed()
             if failure is not None:
-                log.warning("%s; version %d is the cluster's (served by %s): the others are out of routing until "
-                            "they have it", safe(failure, 2000), version, ", ".join(map(safe, serving)))
+                log.warning(
+                    "%s; version %d is the cluster's (served by %s): the others are out of routing until they have it",
+                    safe(failure, 2000),
+                    version,
+                    ", ".join(map(safe, serving)),
+                )
             log.info("update_weights: version %d committed", version)
             self.send(barrier.client, WeightsUpdated(version=version))
             for worker in [w for w in self.books.workers if w.healthy]:
@@ -290,14 +335,27 @@ class Commands:
             return
         missing = [self.refit_paths.get(v) for v in range(have + 1, want + 1)]
         if have > want or None in missing:
-            log.warning("worker %s serves weight version %d, the cluster %d, and cannot be brought to it (%s): it "
-                        "gets no requests", safe(worker.worker_id), have, want,
-                        "a refit this coordinator did not see" if have > want or not self.refit_paths
-                        else "a trainer's broadcast it missed")
+            log.warning(
+                "worker %s serves weight version %d, the cluster %d, and cannot be brought to it (%s): it "
+                "gets no requests",
+                safe(worker.worker_id),
+                have,
+                want,
+                "a refit this coordinator did not see"
+                if have > want or not self.refit_paths
+                else "a trainer's broadcast it missed",
+            )
             return
         self.catch_ups[worker.worker_id] = have + 1
-        log.info("worker %s serves weight version %d, the cluster %d: sending it version %d (out of routing "
-                 "until it has %d)", safe(worker.worker_id), have, want, have + 1, want)
+        log.info(
+            "worker %s serves weight version %d, the cluster %d: sending it version %d (out of routing "
+            "until it has %d)",
+            safe(worker.worker_id),
+            have,
+            want,
+            have + 1,
+            want,
+        )
         self.send(worker.identity, UpdateWeights(path=missing[0], version=have + 1))
 
     def _on_catch_up_answer(self, worker: WorkerRecord, msg: WeightsUpdated, now: float) -> None:
@@ -306,8 +364,12 @@ class Commands:
             return
         if msg.error is not None:
             del self.catch_ups[worker.worker_id]
-            log.warning("worker %s could not be brought to weight version %d: %s; it gets no requests",
-                        safe(worker.worker_id), version, safe(msg.error, 2000))
+            log.warning(
+                "worker %s could not be brought to weight version %d: %s; it gets no requests",
+                safe(worker.worker_id),
+                version,
+                safe(msg.error, 2000),
+            )
         elif msg.prepared:
             self.send(worker.identity, CommitWeights(version=version))
         else:

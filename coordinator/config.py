@@ -53,57 +53,94 @@ class CoordinatorConfig:
     max_retries: int = option(3, "re-dispatches allowed per request after worker failures", metavar="N")
     queue_timeout: float = option(120.0, "fail a request that waited S seconds for a healthy worker", metavar="S")
     stop_timeout: float = option(5.0, "on STOP, wait at most S seconds for workers to acknowledge", metavar="S")
-    drain_timeout: float = option(0.0, "on SIGTERM / SIGINT, let accepted requests finish for up to S seconds (new "
-                                       "ones are refused) before STOP (0: STOP at once; a second signal: STOP at "
-                                       "once)", metavar="S")
+    drain_timeout: float = option(
+        0.0,
+        "on SIGTERM / SIGINT, let accepted requests finish for up to S seconds (new "
+        "ones are refused) before STOP (0: STOP at once; a second signal: STOP at "
+        "once)",
+        metavar="S",
+    )
     model_id: str | None = option(None, "the model id every worker must serve (default: the first worker's)")
     coordinator_id: str = option("coordinator", "the name this coordinator gives itself in Welcome and stats")
     max_requests_per_worker: int | None = option(
-        None, "requests one worker may have at a time; a request finding every worker full is refused as "
-              "overloaded at once (default: each worker's own bound, max_num_seqs + its waiting limit)", metavar="N")
-    max_held_requests: int = option(10000, "requests held in the coordinator (paused, no healthy worker); past "
-                                           "it new ones are refused as overloaded", metavar="N")
-    restart_grace: float = option(5.0, "after a restart, how long a re-attached request waits for its worker to "
-                                       "register again before it is re-dispatched", metavar="S")
-    max_step_time: float = option(600.0, "declare a worker dead when its heartbeat says one engine step has run "
-                                         "longer than S seconds (a stuck engine)", metavar="S")
-    curve_secret_key: str | None = option(None, "the coordinator's secret key file (infer-keygen NAME writes "
-                                                "NAME.key_secret)", metavar="FILE")
+        None,
+        "requests one worker may have at a time; a request finding every worker full is refused as "
+        "overloaded at once (default: each worker's own bound, max_num_seqs + its waiting limit)",
+        metavar="N",
+    )
+    max_held_requests: int = option(
+        10000,
+        "requests held in the coordinator (paused, no healthy worker); past it new ones are refused as overloaded",
+        metavar="N",
+    )
+    restart_grace: float = option(
+        5.0,
+        "after a restart, how long a re-attached request waits for its worker to "
+        "register again before it is re-dispatched",
+        metavar="S",
+    )
+    max_step_time: float = option(
+        600.0,
+        "declare a worker dead when its heartbeat says one engine step has run longer than S seconds (a stuck engine)",
+        metavar="S",
+    )
+    curve_secret_key: str | None = option(
+        None, "the coordinator's secret key file (infer-keygen NAME writes NAME.key_secret)", metavar="FILE"
+    )
     authorized_keys: str | None = option(
-        None, "the public key files (*.key) allowed in, one folder per role: DIR/workers (register and serve), "
-              "DIR/clients (submit, stream, abort, stats), DIR/admins (a client that may also pause, unpause, "
-              "suspend, resume and stop the cluster). Re-read when they change: a removed key's open connections "
-              "are cut off. A refused peer is logged and never reaches the coordinator; a flat DIR (no role "
-              "folders) is refused", metavar="DIR")
-    worker_keys: str | None = option(None, "directory of the workers' public keys (instead of --authorized-keys "
-                                           "DIR/workers)", metavar="DIR")
-    client_keys: str | None = option(None, "directory of the clients' public keys (instead of --authorized-keys "
-                                           "DIR/clients)", metavar="DIR")
-    admin_keys: str | None = option(None, "directory of the administrators' public keys (instead of "
-                                          "--authorized-keys DIR/admins)", metavar="DIR")
+        None,
+        "the public key files (*.key) allowed in, one folder per role: DIR/workers (register and serve), "
+        "DIR/clients (submit, stream, abort, stats), DIR/admins (a client that may also pause, unpause, "
+        "suspend, resume and stop the cluster). Re-read when they change: a removed key's open connections "
+        "are cut off. A refused peer is logged and never reaches the coordinator; a flat DIR (no role "
+        "folders) is refused",
+        metavar="DIR",
+    )
+    worker_keys: str | None = option(
+        None, "directory of the workers' public keys (instead of --authorized-keys DIR/workers)", metavar="DIR"
+    )
+    client_keys: str | None = option(
+        None, "directory of the clients' public keys (instead of --authorized-keys DIR/clients)", metavar="DIR"
+    )
+    admin_keys: str | None = option(
+        None, "directory of the administrators' public keys (instead of --authorized-keys DIR/admins)", metavar="DIR"
+    )
     otlp_traces_endpoint: str | None = option(
-        None, "export an OpenTelemetry span of each request's coordinator hop to this OTLP endpoint (vLLM's flag; "
-              "needs pip install 'infer[otel]'; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or http/protobuf)",
-        metavar="URL")
-    trusted_network: bool = option(False, "allow a non-loopback --host without keys (plaintext: anyone who reaches "
-                                          "the port is a worker, a client and an administrator); without keys, "
-                                          "only loopback is allowed otherwise")
+        None,
+        "export an OpenTelemetry span of each request's coordinator hop to this OTLP endpoint (vLLM's flag; "
+        "needs pip install 'infer[otel]'; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or http/protobuf)",
+        metavar="URL",
+    )
+    trusted_network: bool = option(
+        False,
+        "allow a non-loopback --host without keys (plaintext: anyone who reaches "
+        "the port is a worker, a client and an administrator); without keys, "
+        "only loopback is allowed otherwise",
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("heartbeat_interval", "worker_timeout", "client_timeout", "queue_timeout", "stop_timeout",
-                     "max_step_time"):
+        for name in (
+            "heartbeat_interval",
+            "worker_timeout",
+            "client_timeout",
+            "queue_timeout",
+            "stop_timeout",
+            "max_step_time",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if not isinstance(self.drain_timeout, (int, float)) or not self.drain_timeout >= 0:
             raise ValueError(f"drain_timeout must be a number of seconds >= 0, got {self.drain_timeout!r}")
         if self.worker_timeout <= self.heartbeat_interval or self.client_timeout <= self.heartbeat_interval:
-            raise ValueError(f"worker_timeout ({self.worker_timeout}) and client_timeout ({self.client_timeout}) "
-                             f"must exceed heartbeat_interval ({self.heartbeat_interval})")
+            raise ValueError(
+                f"worker_timeout ({self.worker_timeout}) and client_timeout ({self.client_timeout}) "
+                f"must exceed heartbeat_interval ({self.heartbeat_interval})"
+            )
         if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
         for name in ("max_requests_per_worker", "max_held_requests"):
@@ -116,9 +153,11 @@ class CoordinatorConfig:
             require_sdk()
         key_dirs = (self.authorized_keys, self.worker_keys, self.client_keys, self.admin_keys)
         if (self.curve_secret_key is None) != all(d is None for d in key_dirs):
-            raise ValueError("--curve-secret-key and --authorized-keys go together: give both (the "
-                             "coordinator's secret key file and the directory of the public keys it lets in, "
-                             "or --worker-keys / --client-keys / --admin-keys) or neither")
+            raise ValueError(
+                "--curve-secret-key and --authorized-keys go together: give both (the "
+                "coordinator's secret key file and the directory of the public keys it lets in, "
+                "or --worker-keys / --client-keys / --admin-keys) or neither"
+            )
 
     @property
     def endpoint(self) -> str:

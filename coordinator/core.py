@@ -62,16 +62,34 @@ from infer.coordinator.outbox import Outbox
 from infer.coordinator.reattachment import Reattachment
 from infer.coordinator.relay import Relay
 from infer.coordinator.routing import make_policy
-from infer.coordinator.state import (
-    ClientRecord, ClusterStatus, RequestTable, WorkerRecord, WorkerTable
-)
+from infer.coordinator.state import ClientRecord, ClusterStatus, RequestTable, WorkerRecord, WorkerTable
 from infer.coordinator.statistics import Statistics
 from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
-    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Counters, Delta, Error, Heartbeat, Hello, LoraCommand,
-    LoraDone, Message, ProtocolError, Refused, StatsRequest, StepBatch, Submit, UpdateWeights, Welcome, WeightsUpdated,
-    decode, peek_request_id
+    PROTOCOL_VERSION,
+    Abort,
+    ClusterStats,
+    Control,
+    ControlAck,
+    Counters,
+    Delta,
+    Error,
+    Heartbeat,
+    Hello,
+    LoraCommand,
+    LoraDone,
+    Message,
+    ProtocolError,
+    Refused,
+    StatsRequest,
+    StepBatch,
+    Submit,
+    UpdateWeights,
+    WeightsUpdated,
+    Welcome,
+    decode,
+    peek_request_id,
 )
 from infer.protocol.roles import CLIENT_ROLES, KeyRoles, Role
 from infer.protocol.tracing import HopSpan
@@ -83,8 +101,9 @@ class Coordinator:
     """The front: builds the jobs on the shared books and wires them (see the module doc); `handle`, `tick`,
     `peer_gone`, `take_outgoing`; the handshake, Submit / Abort, the drain and the key roles."""
 
-    def __init__(self, config: CoordinatorConfig, now: float, keys: KeyRoles | None = None,
-                 wall_offset: float = 0.0) -> None:
+    def __init__(
+        self, config: CoordinatorConfig, now: float, keys: KeyRoles | None = None, wall_offset: float = 0.0
+    ) -> None:
         """`keys`: the roles of the authenticated keys (CurveZMQ); None: no keys, every peer trusted.
         `wall_offset`: added to `now` gives the wall-clock time heartbeats carry."""
         self.config = config
@@ -94,33 +113,49 @@ class Coordinator:
         self.workers = WorkerTable()
         self.clients: dict[bytes, ClientRecord] = {}
         self.requests = RequestTable()
-        self.instance = uuid.uuid4().hex[:16]      # this process; peers notice a restart when it changes
+        self.instance = uuid.uuid4().hex[:16]  # this process; peers notice a restart when it changes
         self.counters = Counters()
         self.wall_offset = wall_offset
         self.outbox = Outbox()
         self.books = Books(self.requests, self.workers, self.clients, self.counters, self.outbox)
         self.started = now
         self._next_tick = now
-        self.peer_warnings = RateLimitedLog(log)   # warnings a peer can trigger at will
+        self.peer_warnings = RateLimitedLog(log)  # warnings a peer can trigger at will
         # the jobs, each after the ones it calls
         send = self.outbox.send
         self.admission = Admission(self.books, send, self.status, self.policy, config)
         self.reattachment = Reattachment(self.books, self.outbox, self.admission, config, now)
         self.relay = Relay(self.books, self.outbox, self.admission, self.reattachment.orphans, self.peer_warnings)
         self.loras = Loras(self.books, send)
-        self.statistics = Statistics(self.books, send, self.status, self.admission, self.loras, config,
-                                     self.policy.name, now)
+        self.statistics = Statistics(
+            self.books, send, self.status, self.admission, self.loras, config, self.policy.name, now
+        )
         self.commands = Commands(self.books, send, self.status, self.admission, self.statistics, config)
-        self.liveness = Liveness(self.books, send, self.admission, self.relay, config, self._heartbeat,
-                                 self.peer_warnings, on_worker_dead=self._worker_died,
-                                 on_client_gone=self.statistics.forget_waiter)
+        self.liveness = Liveness(
+            self.books,
+            send,
+            self.admission,
+            self.relay,
+            config,
+            self._heartbeat,
+            self.peer_warnings,
+            on_worker_dead=self._worker_died,
+            on_client_gone=self.statistics.forget_waiter,
+        )
         self._handlers: dict[type[Message], Callable[[bytes, Any, float], None]] = {
-            Hello: self._on_hello, Submit: self._on_submit, Abort: self._on_abort,
-            StepBatch: self.relay.on_step_batch, Error: self.relay.on_error, Heartbeat: self.liveness.on_heartbeat,
-            Control: self.commands.on_control, ControlAck: self.commands.on_control_ack,
-            UpdateWeights: self.commands.on_update_weights, WeightsUpdated: self.commands.on_weights_updated,
+            Hello: self._on_hello,
+            Submit: self._on_submit,
+            Abort: self._on_abort,
+            StepBatch: self.relay.on_step_batch,
+            Error: self.relay.on_error,
+            Heartbeat: self.liveness.on_heartbeat,
+            Control: self.commands.on_control,
+            ControlAck: self.commands.on_control_ack,
+            UpdateWeights: self.commands.on_update_weights,
+            WeightsUpdated: self.commands.on_weights_updated,
             StatsRequest: self.statistics.on_stats_request,
-            LoraCommand: self.loras.on_command, LoraDone: self.loras.on_done,
+            LoraCommand: self.loras.on_command,
+            LoraDone: self.loras.on_done,
         }
 
     @property
@@ -160,10 +195,10 @@ class Coordinator:
             return
         try:
             handler(identity, msg, now)
-        except Exception as e:   # a bug must cost one message, never the loop
+        except Exception as e:  # a bug must cost one message, never the loop
             log.exception("internal error handling %r from %s", msg.TYPE, safe(identity))
             self.send(identity, Error(message=f"internal error handling {msg.TYPE!r}: {type(e).__name__}: {e}"))
-        self._check_drain(now)   # the last request of a drain may just have finished
+        self._check_drain(now)  # the last request of a drain may just have finished
 
     def tick(self, now: float) -> None:
         """Timers: request deadlines; every heartbeat interval: heartbeats to workers, worker / client / queue
@@ -204,8 +239,12 @@ class Coordinator:
             return
         client = self.clients.get(identity)
         if client is not None:
-            self.liveness.client_lost(client, "it does not read what it is sent: its send queue is full (high-water "
-                                      "mark)", now, code=ErrorCode.CLIENT_TOO_SLOW)
+            self.liveness.client_lost(
+                client,
+                "it does not read what it is sent: its send queue is full (high-water mark)",
+                now,
+                code=ErrorCode.CLIENT_TOO_SLOW,
+            )
 
     def shutdown(self, reason: str, now: float) -> None:
         """STOP without a requesting client (a signal)."""
@@ -218,8 +257,12 @@ class Coordinator:
         if self.status.drain is not None or self.config.drain_timeout <= 0:
             return self.shutdown(reason, now)
         self.status.drain = (reason, now + self.config.drain_timeout)
-        log.info("%s: draining %d request(s) for at most %g s (new requests are refused), then STOP", reason,
-                 len(self.requests.by_id), self.config.drain_timeout)
+        log.info(
+            "%s: draining %d request(s) for at most %g s (new requests are refused), then STOP",
+            reason,
+            len(self.requests.by_id),
+            self.config.drain_timeout,
+        )
         self._check_drain(now)
 
     def _check_drain(self, now: float) -> None:
@@ -261,8 +304,14 @@ class Coordinator:
         elif isinstance(msg, Hello):
             self.send(identity, Refused(reason=denial.reason))
         elif isinstance(msg, Submit):
-            self.send(identity, Error(message=f"request {msg.request_id!r} not accepted: {denial.reason}",
-                                       request_id=msg.request_id, code=ErrorCode.INVALID_REQUEST))
+            self.send(
+                identity,
+                Error(
+                    message=f"request {msg.request_id!r} not accepted: {denial.reason}",
+                    request_id=msg.request_id,
+                    code=ErrorCode.INVALID_REQUEST,
+                ),
+            )
         else:
             self.send(identity, Error(message=denial.reason))
 
@@ -305,8 +354,12 @@ class Coordinator:
 
     def _on_hello(self, identity: bytes, hello: Hello, now: float) -> None:
         if hello.protocol_version != PROTOCOL_VERSION:
-            self._refuse(identity, hello, f"protocol version differs: the coordinator speaks {PROTOCOL_VERSION}, "
-                                          f"{hello.role} {hello.peer_id!r} speaks {hello.protocol_version}")
+            self._refuse(
+                identity,
+                hello,
+                f"protocol version differs: the coordinator speaks {PROTOCOL_VERSION}, "
+                f"{hello.role} {hello.peer_id!r} speaks {hello.protocol_version}",
+            )
             return
         if self.state is ClusterState.STOPPED:
             self._refuse(identity, hello, "the coordinator is stopping")
@@ -328,26 +381,40 @@ class Coordinator:
         self.send(identity, Refused(reason=reason))
 
     def _welcome(self) -> Welcome:
-        return Welcome(coordinator_id=self.config.coordinator_id, state=self.state, model_id=self.status.model_id,
-                       instance=self.instance)
+        return Welcome(
+            coordinator_id=self.config.coordinator_id,
+            state=self.state,
+            model_id=self.status.model_id,
+            instance=self.instance,
+        )
 
     def _admission_problem(self, hello: Hello) -> str | None:
         if self.status.model_id is not None and hello.model_id != self.status.model_id:
             source = "--model-id" if self.config.model_id is not None else "the first worker"
-            return (f"model id differs: the cluster serves {self.status.model_id!r} (from {source}), worker "
-                    f"{hello.peer_id!r} has {hello.model_id!r}")
+            return (
+                f"model id differs: the cluster serves {self.status.model_id!r} (from {source}), worker "
+                f"{hello.peer_id!r} has {hello.model_id!r}"
+            )
         other = None if hello.dp_rank is None else self.workers.live_with_rank(hello.dp_rank)
         if other is not None and other.worker_id != hello.peer_id:
-            return (f"duplicate dp_rank {hello.dp_rank}: live worker {other.worker_id!r} already serves it "
-                    f"(give each worker its own --dp-rank, or leave it out to have one assigned)")
+            return (
+                f"duplicate dp_rank {hello.dp_rank}: live worker {other.worker_id!r} already serves it "
+                f"(give each worker its own --dp-rank, or leave it out to have one assigned)"
+            )
         return None
 
     def _register_worker(self, identity: bytes, hello: Hello, now: float) -> None:
         old = self.workers.by_id.get(hello.peer_id)
         rank = self.workers.rank_for(hello)
-        worker = WorkerRecord(worker_id=hello.peer_id, identity=identity, hello=hello, last_seen=now,
-                              dp_rank=rank, group_id=hello.group_id or f"dp{rank}",
-                              weight_version=hello.weight_version)
+        worker = WorkerRecord(
+            worker_id=hello.peer_id,
+            identity=identity,
+            hello=hello,
+            last_seen=now,
+            dp_rank=rank,
+            group_id=hello.group_id or f"dp{rank}",
+            weight_version=hello.weight_version,
+        )
         if old is not None:
             worker.requests_routed = old.requests_routed
             worker.registrations = old.registrations + 1
@@ -364,8 +431,9 @@ class Coordinator:
                     worker.cost_in_flight += request.charged
                 else:
                     self.admission.failover(request, f"worker {old.worker_id!r} re-registered without it", now)
-        for superseded in [w for w in self.workers if not w.healthy and w.dp_rank == rank
-                           and w.worker_id != hello.peer_id]:
+        for superseded in [
+            w for w in self.workers if not w.healthy and w.dp_rank == rank and w.worker_id != hello.peer_id
+        ]:
             self.workers.remove(superseded)
         self.workers.add(worker)
         self.admission.routes_changed()
@@ -379,11 +447,17 @@ class Coordinator:
             self.send(identity, Control(command=command))
         self.commands.on_worker_registered(worker, now)
         self.loras.on_worker_registered(worker)
-        log.info("worker %s: %s%s", "re-registered" if old is not None else "joined", worker.describe(),
-                 f"; aborting {len(stale)} request(s) it still ran that moved elsewhere" if stale else "")
+        log.info(
+            "worker %s: %s%s",
+            "re-registered" if old is not None else "joined",
+            worker.describe(),
+            f"; aborting {len(stale)} request(s) it still ran that moved elsewhere" if stale else "",
+        )
         if len(self.reattachment.orphans):
-            log.info("%d request(s) of workers that registered again wait for their clients to re-attach",
-                     len(self.reattachment.orphans))
+            log.info(
+                "%d request(s) of workers that registered again wait for their clients to re-attach",
+                len(self.reattachment.orphans),
+            )
         self.admission.dispatch_held(now)
         self.statistics.answer_stats_waiters(now)
 
@@ -393,16 +467,26 @@ class Coordinator:
             return
         rid = submit.request_id
         if self.state is ClusterState.STOPPED or self.status.drain is not None:
-            self.send(identity, Error(message=f"request {rid!r} not accepted: the cluster is "
-                                               f"{'stopping' if self.status.drain is None else 'draining to stop'}",
-                                       request_id=rid, code=ErrorCode.UNAVAILABLE))
+            self.send(
+                identity,
+                Error(
+                    message=f"request {rid!r} not accepted: the cluster is "
+                    f"{'stopping' if self.status.drain is None else 'draining to stop'}",
+                    request_id=rid,
+                    code=ErrorCode.UNAVAILABLE,
+                ),
+            )
             return
         existing = self.requests.get(rid)
         if existing is not None and submit.reattach and existing.client == identity:
-            return      # it got here before the client noticed the restart: nothing to re-attach
+            return  # it got here before the client noticed the restart: nothing to re-attach
         if existing is not None:
-            self.send(identity, Error(message=f"request id {rid!r} is already in flight", request_id=rid,
-                                         code=ErrorCode.INVALID_REQUEST))
+            self.send(
+                identity,
+                Error(
+                    message=f"request id {rid!r} is already in flight", request_id=rid, code=ErrorCode.INVALID_REQUEST
+                ),
+            )
             return
         if submit.reattach:
             self.reattachment.reattach(client, submit, now)
@@ -410,8 +494,10 @@ class Coordinator:
         overloaded = self.admission.admission_refusal(submit)
         if overloaded is not None:
             self.counters.requests_rejected += 1
-            self.send(identity, Error(message=f"request {rid!r} not accepted: {overloaded}", request_id=rid,
-                                       code=ErrorCode.OVERLOADED))
+            self.send(
+                identity,
+                Error(message=f"request {rid!r} not accepted: {overloaded}", request_id=rid, code=ErrorCode.OVERLOADED),
+            )
             return
         request = self.admission.new_record(identity, submit, now)
         self.requests.add(request)
@@ -427,8 +513,8 @@ class Coordinator:
         for rid in abort.request_ids:
             request = self.requests.get(rid)
             if request is None or request.client != identity:
-                continue   # finished already, or not this client's
+                continue  # finished already, or not this client's
             self.books.finish(request, Delta.final(rid, "abort"), to_workers)
             self.counters.requests_aborted += 1
         self.books.send_aborts(to_workers)
-        self.admission.dispatch_held(now)     # the aborted ones made room
+        self.admission.dispatch_held(now)  # the aborted ones made room

@@ -30,11 +30,11 @@ import zmq
 
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.core import Coordinator
-from infer.protocol.options import add_options, given
-from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.keys import AuthorizedKeys, CurveKeys, refuse_open_bind
+from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import encode
+from infer.protocol.options import add_options, given
 from infer.protocol.roles import Role
 from infer.protocol.tracing import open_sink
 from infer.protocol.transport import KeyGate, make_socket
@@ -42,8 +42,8 @@ from infer.protocol.transport import KeyGate, make_socket
 log = logging.getLogger("infer.coordinator")
 
 MAX_MESSAGES_PER_CYCLE = 1024
-PEER_SNDHWM = 1000         # messages queued to one peer (see CoordinatorDaemon.__init__)
-PEER_RCVHWM = 100          # messages queued from one peer; more wait in TCP (the loop reads ~1000 per cycle)
+PEER_SNDHWM = 1000  # messages queued to one peer (see CoordinatorDaemon.__init__)
+PEER_RCVHWM = 100  # messages queued from one peer; more wait in TCP (the loop reads ~1000 per cycle)
 EXIT_LINGER_MS = 2000
 
 
@@ -54,16 +54,19 @@ class CoordinatorDaemon:
         """ValueError for a bad key file, or a non-loopback host without keys or trusted_network;
         zmq.ZMQError when the address cannot be bound."""
         curve, authorized = load_security(config)
-        self.spans = open_sink("infer-coordinator", config.otlp_traces_endpoint)   # ValueError without the SDK
+        self.spans = open_sink("infer-coordinator", config.otlp_traces_endpoint)  # ValueError without the SDK
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, curve=curve)
         self.gate: KeyGate | None = None
         self.authorized = authorized
-        if authorized is not None:   # before bind: no handshake may find the gate missing
-            self.gate = KeyGate(self.ctx, authorized.allows, logger=log, peers="worker or client",
-                                watch=self.sock)
-            log.info("CurveZMQ on: coordinator public key %s; %d authorized key(s): %s",
-                     "?" if curve is None else curve.public_key.decode(), len(authorized.keys), authorized.describe())
+        if authorized is not None:  # before bind: no handshake may find the gate missing
+            self.gate = KeyGate(self.ctx, authorized.allows, logger=log, peers="worker or client", watch=self.sock)
+            log.info(
+                "CurveZMQ on: coordinator public key %s; %d authorized key(s): %s",
+                "?" if curve is None else curve.public_key.decode(),
+                len(authorized.keys),
+                authorized.describe(),
+            )
             _warn_missing_roles(authorized)
         # Per peer: a peer that reads nothing fills its queue to SNDHWM, then a send to it raises zmq.Again
         # (ROUTER_MANDATORY): the core aborts its requests ("client_too_slow"). One that floods us waits in
@@ -89,11 +92,18 @@ class CoordinatorDaemon:
         self._install_signal_handlers()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake_r.fileno(), zmq.POLLIN)   # a plain fd: poll() reports it by number
-        log.info("coordinator %r listening on %s (policy %s, heartbeat %.2f s, worker timeout %.1f s, "
-                 "client timeout %.1f s, max retries %d)", self.config.coordinator_id, self.config.endpoint,
-                 self.config.policy, self.config.heartbeat_interval, self.config.worker_timeout,
-                 self.config.client_timeout, self.config.max_retries)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)  # a plain fd: poll() reports it by number
+        log.info(
+            "coordinator %r listening on %s (policy %s, heartbeat %.2f s, worker timeout %.1f s, "
+            "client timeout %.1f s, max retries %d)",
+            self.config.coordinator_id,
+            self.config.endpoint,
+            self.config.policy,
+            self.config.heartbeat_interval,
+            self.config.worker_timeout,
+            self.config.client_timeout,
+            self.config.max_retries,
+        )
         core = self.core
         while True:
             now = time.monotonic()
@@ -157,19 +167,19 @@ class CoordinatorDaemon:
             for identity, msg in outgoing:
                 try:
                     frame = encode(msg)
-                except Exception:   # a value that cannot be packed: lose this message, never the loop
+                except Exception:  # a value that cannot be packed: lose this message, never the loop
                     log.exception("cannot encode %r for %s", msg.TYPE, safe(identity))
                     continue
                 try:
-                    send(identity, more)    # unroutable or queue full: raises here (ROUTER_MANDATORY), nothing sent
+                    send(identity, more)  # unroutable or queue full: raises here (ROUTER_MANDATORY), nothing sent
                     send(frame, last)
-                except zmq.Again:           # its queue is at the high-water mark: it does not read
+                except zmq.Again:  # its queue is at the high-water mark: it does not read
                     core.peer_too_slow(identity, now)
                 except zmq.ZMQError as e:
                     if e.errno != errno.EHOSTUNREACH:
                         log.warning("send of %r to %s failed: %s", msg.TYPE, safe(identity), e)
                     core.peer_gone(identity, now)
-            outgoing = core.take_outgoing()   # peer_gone may have queued more (re-dispatches, aborts)
+            outgoing = core.take_outgoing()  # peer_gone may have queued more (re-dispatches, aborts)
         if self.spans is not None:
             self.spans.export(core.take_spans(now))
 
@@ -178,7 +188,7 @@ class CoordinatorDaemon:
         self._wake_w.setblocking(False)
         signal.set_wakeup_fd(self._wake_w.fileno())
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: None)   # the wakeup fd carries the signal into the loop
+            signal.signal(sig, lambda *_: None)  # the wakeup fd carries the signal into the loop
 
     def _on_signal(self) -> None:
         try:
@@ -188,7 +198,7 @@ class CoordinatorDaemon:
         self.core.on_signal(f"signal {', '.join(sorted({_signal_name(b) for b in data}))}", time.monotonic())
 
     def _close(self) -> None:
-        self.sock.setsockopt(zmq.LINGER, EXIT_LINGER_MS)   # let the last acks and errors leave
+        self.sock.setsockopt(zmq.LINGER, EXIT_LINGER_MS)  # let the last acks and errors leave
         self.sock.close()
         if self.gate is not None:
             self.gate.close()
@@ -205,12 +215,15 @@ def load_security(config: CoordinatorConfig) -> tuple[CurveKeys | None, Authoriz
     bad key file, or for a non-loopback host without keys unless the network is declared trusted."""
     if config.curve_secret_key is None:
         if not config.trusted_network:
-            refuse_open_bind(config.host, what="the coordinator",
-                             remedy="pass --curve-secret-key FILE and --authorized-keys DIR (infer-keygen "
-                             "makes them)")
+            refuse_open_bind(
+                config.host,
+                what="the coordinator",
+                remedy="pass --curve-secret-key FILE and --authorized-keys DIR (infer-keygen makes them)",
+            )
         return None, None
-    authorized = AuthorizedKeys.from_options(config.authorized_keys, workers=config.worker_keys,
-                                             clients=config.client_keys, admins=config.admin_keys)
+    authorized = AuthorizedKeys.from_options(
+        config.authorized_keys, workers=config.worker_keys, clients=config.client_keys, admins=config.admin_keys
+    )
     return CurveKeys.server(config.curve_secret_key), authorized
 
 
@@ -220,15 +233,17 @@ def _warn_missing_roles(authorized: AuthorizedKeys) -> None:
     if Role.WORKER not in held:
         log.warning("no worker keys yet: no worker can register until one is added")
     if Role.ADMIN not in held:
-        log.info("no admin keys: pause, suspend, resume and stop are refused to every peer (signals still stop "
-                 "the coordinator)")
+        log.info(
+            "no admin keys: pause, suspend, resume and stop are refused to every peer (signals still stop "
+            "the coordinator)"
+        )
 
 
 def _user_id(frame: zmq.Frame) -> bytes | None:
     """The ZAP User-Id of the connection `frame` came on (the KeyGate sets the peer's public key)."""
     try:
         user = frame.get("User-Id")
-    except zmq.ZMQError:   # no such property: the connection was not authenticated
+    except zmq.ZMQError:  # no such property: the connection was not authenticated
         return None
     return user.encode() if isinstance(user, str) else None
 
@@ -247,8 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The flags of every CoordinatorConfig field (coordinator/config.py declares them), and logging's."""
     p = argparse.ArgumentParser(prog="infer-coordinator", description="The infer cluster's coordinator.")
     add_options(p, CoordinatorConfig, exclude=_SECURITY)
-    add_options(p.add_argument_group("security (CurveZMQ: encrypted, and only known keys get in)"),
-                CoordinatorConfig, names=_SECURITY)
+    add_options(
+        p.add_argument_group("security (CurveZMQ: encrypted, and only known keys get in)"),
+        CoordinatorConfig,
+        names=_SECURITY,
+    )
     add_logging_args(p)
     return p
 
@@ -267,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         daemon = CoordinatorDaemon(config)
-    except ValueError as e:   # a bad key file, an unprotected non-loopback bind, traces without the SDK
+    except ValueError as e:  # a bad key file, an unprotected non-loopback bind, traces without the SDK
         print(f"infer-coordinator: {e}", file=sys.stderr)
         return 2
     except zmq.ZMQError as e:

@@ -66,5 +66,6 @@ def commands_to_reach(state: ClusterState) -> tuple[Command, ...]:
     """The commands that take a worker in any state to `state`: sent to every worker that registers (one may
     join late, or come from a coordinator that died while the cluster was paused; a worker obeys the last
     command it got, so "unpause" is harmless to one already running)."""
-    return {_R: (Command.UNPAUSE,), _P: (Command.PAUSE,), _S: (Command.PAUSE, Command.SUSPEND),
-            _X: (Command.STOP,)}[state]
+    return {_R: (Command.UNPAUSE,), _P: (Command.PAUSE,), _S: (Command.PAUSE, Command.SUSPEND), _X: (Command.STOP,)}[
+        state
+    ]

@@ -20,7 +20,7 @@ from infer.protocol.messages import Error, LoraCommand, LoraDone
 
 log = logging.getLogger("infer.coordinator")
 
-LORA_TIMEOUT_S = 120.0          # how long a load / unload waits for every worker's answer
+LORA_TIMEOUT_S = 120.0  # how long a load / unload waits for every worker's answer
 
 
 class Loras:
@@ -31,7 +31,7 @@ class Loras:
         self.send = send
         self.barrier: WorkerBarrier | None = None
         self.command: LoraCommand | None = None
-        self.adapters: dict[str, str] = {}      # loaded through this coordinator: sent to workers that join later
+        self.adapters: dict[str, str] = {}  # loaded through this coordinator: sent to workers that join later
 
     def on_command(self, identity: bytes, msg: LoraCommand, now: float) -> None:
         client = self.books.client(identity, now)
@@ -39,8 +39,13 @@ class Loras:
             return
         what = f"{msg.action}_lora_adapter {msg.lora_name!r}"
         workers = {w.worker_id for w in self.books.workers if w.healthy}
-        refusal = (f"{self.barrier.what} is still waiting for the workers" if self.barrier is not None
-                   else "no healthy worker" if not workers else None)
+        refusal = (
+            f"{self.barrier.what} is still waiting for the workers"
+            if self.barrier is not None
+            else "no healthy worker"
+            if not workers
+            else None
+        )
         if refusal is not None:
             self.send(identity, Error(message=f"{what} refused: {refusal}"))
             return
@@ -58,11 +63,19 @@ class Loras:
         worker.last_seen = now
         worker.lora_adapters = dict(msg.lora_adapters)
         if msg.error is not None and self.barrier is None:
-            log.warning("worker %s could not %s LoRA adapter %r: %s", safe(worker.worker_id), safe(msg.action),
-                        safe(msg.lora_name), safe(msg.error, 1000))
+            log.warning(
+                "worker %s could not %s LoRA adapter %r: %s",
+                safe(worker.worker_id),
+                safe(msg.action),
+                safe(msg.lora_name),
+                safe(msg.error, 1000),
+            )
         command = self.command
-        if self.barrier is not None and command is not None and (msg.action, msg.lora_name) == (
-                command.action, command.lora_name):
+        if (
+            self.barrier is not None
+            and command is not None
+            and (msg.action, msg.lora_name) == (command.action, command.lora_name)
+        ):
             self.barrier.answer(worker.worker_id, msg.error)
             self.check(now)
 
@@ -76,15 +89,19 @@ class Loras:
             return
         self.barrier = self.command = None
         failure = barrier.failure()
-        if len(barrier.errors) < len(barrier.workers):      # some worker carried it out: the cluster's table follows
+        if len(barrier.errors) < len(barrier.workers):  # some worker carried it out: the cluster's table follows
             if command.action == "load" and command.lora_path is not None:
                 self.adapters[command.lora_name] = command.lora_path
             else:
                 self.adapters.pop(command.lora_name, None)
         if failure is not None:
             log.warning("%s", safe(failure, 2000))
-        self.send(barrier.client, LoraDone(action=command.action, lora_name=command.lora_name, error=failure,
-                                                lora_adapters=self.cluster_adapters()))
+        self.send(
+            barrier.client,
+            LoraDone(
+                action=command.action, lora_name=command.lora_name, error=failure, lora_adapters=self.cluster_adapters()
+            ),
+        )
 
     def on_worker_registered(self, worker: WorkerRecord) -> None:
         """Load the cluster's adapters the worker lacks (its answers update its table; failures are logged)."""

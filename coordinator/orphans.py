@@ -24,7 +24,7 @@ class Orphan:
     since: float
     journal: StreamJournal = field(default_factory=StreamJournal)
     latest: Delta | None = None
-    seed: int | None = None         # the sampling seed it runs with
+    seed: int | None = None  # the sampling seed it runs with
 
     @property
     def final(self) -> Delta | None:
@@ -33,8 +33,14 @@ class Orphan:
 
     @classmethod
     def from_snapshot(cls, worker_id: str, snapshot: RequestSnapshot, now: float) -> Orphan:
-        return cls(worker_id=worker_id, request_id=snapshot.request_id, prompt_token_ids=snapshot.prompt_token_ids,
-                   since=now, journal=StreamJournal.from_snapshot(snapshot), seed=snapshot.seed)
+        return cls(
+            worker_id=worker_id,
+            request_id=snapshot.request_id,
+            prompt_token_ids=snapshot.prompt_token_ids,
+            since=now,
+            journal=StreamJournal.from_snapshot(snapshot),
+            seed=snapshot.seed,
+        )
 
     def extend(self, delta: Delta) -> None:
         """A later delta of this request from its worker."""

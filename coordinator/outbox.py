@@ -10,7 +10,7 @@ from collections.abc import Callable
 from infer.protocol.messages import Delta, DeltaBatch, Message
 from infer.protocol.tracing import HopSpan
 
-Send = Callable[[bytes, Message], None]       # queue a message to a peer (by ROUTER identity)
+Send = Callable[[bytes, Message], None]  # queue a message to a peer (by ROUTER identity)
 
 
 class Outbox:
@@ -45,8 +45,9 @@ class Outbox:
     def take(self) -> list[tuple[bytes, Message]]:
         """Everything queued since the last call: each client's deltas as one DeltaBatch, then the rest in the
         order it was queued."""
-        out: list[tuple[bytes, Message]] = [(identity, DeltaBatch(deltas=deltas))
-                                            for identity, deltas in self._client_deltas.items()]
+        out: list[tuple[bytes, Message]] = [
+            (identity, DeltaBatch(deltas=deltas)) for identity, deltas in self._client_deltas.items()
+        ]
         out.extend(self._out)
         self._client_deltas = {}
         self._out = []

@@ -18,9 +18,7 @@ from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import ClientRecord, RequestRecord, WorkerRecord
 from infer.protocol.codes import FinishReason
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import (
-    Abort, Delta, Hello, Submit, TokenIds
-)
+from infer.protocol.messages import Abort, Delta, Hello, Submit, TokenIds
 
 log = logging.getLogger("infer.coordinator")
 
@@ -28,15 +26,16 @@ log = logging.getLogger("infer.coordinator")
 class Reattachment:
     """The orphan table and the re-attached requests waiting for their worker."""
 
-    def __init__(self, books: Books, outbox: Outbox, admission: Admission, config: CoordinatorConfig,
-                 started: float) -> None:
+    def __init__(
+        self, books: Books, outbox: Outbox, admission: Admission, config: CoordinatorConfig, started: float
+    ) -> None:
         self.books = books
         self.outbox = outbox
         self.admission = admission
         self.config = config
         self.started = started
         self.orphans = OrphanTable()
-        self._reattaching: dict[str, RequestRecord] = {}   # re-attached, waiting (restart_grace) for their worker
+        self._reattaching: dict[str, RequestRecord] = {}  # re-attached, waiting (restart_grace) for their worker
 
     def take_back(self, worker: WorkerRecord, hello: Hello, now: float) -> list[str]:
         """The requests `worker` still runs that this coordinator does not place on it: a re-attached one
@@ -72,22 +71,27 @@ class Reattachment:
         self.books.counters.requests_reattached += 1
         if request.prompt_token_ids is None:
             request.prompt_token_ids = orphan.prompt_token_ids
-        if orphan.seed is not None:         # what the worker runs with (the client may not have heard it yet)
+        if orphan.seed is not None:  # what the worker runs with (the client may not have heard it yet)
             request.sampling = request.sampling.with_seed(orphan.seed)
         final = orphan.final
         first = not request.sent_prompt_ids
         # the worker's latest delta (its final one, if it ended), carrying all the client lacks; no logprobs:
         # the journal does not keep them
         latest = orphan.latest or Delta(request_id=request.request_id, token_ids=TokenIds(), text="")
-        delta = msgspec.structs.replace(latest, token_ids=tokens, text=text, logprobs=None,
-                                        num_prompt_tokens=len(request.prompt_token_ids),
-                                        prompt_token_ids=request.prompt_token_ids if first else None,
-                                        seed=request.sampling.seed if first else None)
+        delta = msgspec.structs.replace(
+            latest,
+            token_ids=tokens,
+            text=text,
+            logprobs=None,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            prompt_token_ids=request.prompt_token_ids if first else None,
+            seed=request.sampling.seed if first else None,
+        )
         request.sent_prompt_ids = True
         request.delivered.extend(tokens)
         if request.delivered_text_len is not None:
             request.delivered_text_len += len(text)
-        request.dispatch_seq = 0        # every Hello of that worker lists it (no Dispatch of ours to cross)
+        request.dispatch_seq = 0  # every Hello of that worker lists it (no Dispatch of ours to cross)
         if final is not None:
             self.books.counters.requests_failed += final.finish_reason == FinishReason.ERROR
             self.books.counters.requests_completed += final.finish_reason != FinishReason.ERROR
@@ -96,8 +100,12 @@ class Reattachment:
         if tokens or text or delta.prompt_token_ids is not None:
             self.outbox.to_client(request.client, delta)
         self.books.place(request, worker)
-        log.debug("request %s re-attached on worker %s after %d token(s)", safe(request.request_id),
-                  safe(worker.worker_id), len(request.delivered))
+        log.debug(
+            "request %s re-attached on worker %s after %d token(s)",
+            safe(request.request_id),
+            safe(worker.worker_id),
+            len(request.delivered),
+        )
         return True
 
     def reattach(self, client: ClientRecord, submit: Submit, now: float) -> None:
@@ -123,8 +131,10 @@ class Reattachment:
         orphans no client claimed are aborted on their workers."""
         if self._reattaching and now >= self.started + self.config.restart_grace:
             waiting, self._reattaching = list(self._reattaching.values()), {}
-            log.info("%d re-attached request(s) found no worker running them: resuming them from the clients' "
-                     "tokens", len(waiting))
+            log.info(
+                "%d re-attached request(s) found no worker running them: resuming them from the clients' tokens",
+                len(waiting),
+            )
             for request in waiting:
                 self.admission.admit(request, now)
         to_workers: dict[str, list[str]] = {}

@@ -16,9 +16,7 @@ from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import RequestRecord, WorkerRecord
 from infer.protocol.codes import ErrorCode, FinishReason
 from infer.protocol.logsafe import RateLimitedLog, safe
-from infer.protocol.messages import (
-    Abort, Delta, Error, StepBatch
-)
+from infer.protocol.messages import Abort, Delta, Error, StepBatch
 
 log = logging.getLogger("infer.coordinator")
 
@@ -26,8 +24,9 @@ log = logging.getLogger("infer.coordinator")
 class Relay:
     """Worker output to the clients."""
 
-    def __init__(self, books: Books, outbox: Outbox, admission: Admission, orphans: OrphanTable,
-                 peer_warnings: RateLimitedLog) -> None:
+    def __init__(
+        self, books: Books, outbox: Outbox, admission: Admission, orphans: OrphanTable, peer_warnings: RateLimitedLog
+    ) -> None:
         self.books = books
         self.outbox = outbox
         self.admission = admission
@@ -55,7 +54,7 @@ class Relay:
             self._relay(request, worker, delta, now)
         if stray:
             self.outbox.send(identity, Abort(request_ids=stray))
-        if self.books.requests.held:      # finished requests made room
+        if self.books.requests.held:  # finished requests made room
             self.admission.dispatch_held(now)
 
     def unknown_worker(self, identity: bytes, worker: WorkerRecord | None, running: list[str]) -> None:
@@ -68,16 +67,19 @@ class Relay:
             self.outbox.send(identity, Abort(request_ids=running))
 
     def _relay(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
-        if request.prompt_token_ids is None:    # a string prompt: keep the ids its first worker made
+        if request.prompt_token_ids is None:  # a string prompt: keep the ids its first worker made
             request.prompt_token_ids = delta.prompt_token_ids
-        if delta.finish_reason == FinishReason.ABORT:   # not asked for by us (we forget a request before aborting it)
+        if delta.finish_reason == FinishReason.ABORT:  # not asked for by us (we forget a request before aborting it)
             self._worker_gave_up(request, worker, delta, now)
             return
         if delta.finish_reason == FinishReason.ERROR and delta.error_code == ErrorCode.DRAINING:
             self._worker_draining(request, worker, now)
             return
-        if (delta.finish_reason == FinishReason.ERROR and delta.error_code == ErrorCode.OVERLOADED
-                and delta.queue_time_s is None):
+        if (
+            delta.finish_reason == FinishReason.ERROR
+            and delta.error_code == ErrorCode.OVERLOADED
+            and delta.queue_time_s is None
+        ):
             # its queue was full: another worker may have room. (One that waited past the worker's
             # --max-queue-time carries queue_time_s: the cluster is overloaded, and the client hears it.)
             self.admission.failover(request, f"worker {worker.worker_id!r} was full ({delta.error})", now)
@@ -104,9 +106,12 @@ class Relay:
         prompt_ids = None if request.sent_prompt_ids else request.prompt_token_ids
         if delta.prompt_token_ids is None and prompt_ids is None and delta.seed is None:
             return delta
-        return msgspec.structs.replace(delta, num_prompt_tokens=len(request.prompt_token_ids or ()),
-                                       prompt_token_ids=prompt_ids,
-                                       seed=None if prompt_ids is None else request.sampling.seed)
+        return msgspec.structs.replace(
+            delta,
+            num_prompt_tokens=len(request.prompt_token_ids or ()),
+            prompt_token_ids=prompt_ids,
+            seed=None if prompt_ids is None else request.sampling.seed,
+        )
 
     def _worker_gave_up(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         """The worker aborted a request on its own (draining): relay its last tokens, then move it."""
@@ -121,8 +126,9 @@ class Relay:
         if not worker.draining:
             worker.draining = True
             self.admission.routes_changed()
-            log.info("worker %s (dp_rank %d) is draining: no new requests go to it", safe(worker.worker_id),
-                     worker.dp_rank)
+            log.info(
+                "worker %s (dp_rank %d) is draining: no new requests go to it", safe(worker.worker_id), worker.dp_rank
+            )
         self.admission.failover(request, f"worker {worker.worker_id!r} is draining", now)
         self.admission.dispatch_held(now)
 
@@ -137,8 +143,10 @@ class Relay:
         worker.last_seen = now
         request = self.books.requests.get(error.request_id) if error.request_id is not None else None
         if request is not None and request.worker_id == worker.worker_id:
-            self.books.fail(request, f"worker {worker.worker_id!r} failed request {request.request_id!r}: "
-                                     f"{error.message}", error.code or "internal")
+            self.books.fail(
+                request,
+                f"worker {worker.worker_id!r} failed request {request.request_id!r}: {error.message}",
+                error.code or "internal",
+            )
         else:
-            self.peer_warnings.warning("error reported by worker %s: %s", safe(worker.worker_id),
-                                       safe(error.message))
+            self.peer_warnings.warning("error reported by worker %s: %s", safe(worker.worker_id), safe(error.message))

@@ -102,8 +102,14 @@ class PrefixAffinity:
 
     name = "prefix-affinity"
 
-    def __init__(self, max_entries: int = 100_000, chunk_chars: int = 64, chunk_tokens: int = 16,
-                 max_chunks: int = 64, overload_margin: float = 0.25) -> None:
+    def __init__(
+        self,
+        max_entries: int = 100_000,
+        chunk_chars: int = 64,
+        chunk_tokens: int = 16,
+        max_chunks: int = 64,
+        overload_margin: float = 0.25,
+    ) -> None:
         if max_entries < 1 or chunk_chars < 1 or chunk_tokens < 1 or max_chunks < 1:
             raise ValueError("max_entries, chunk_chars, chunk_tokens and max_chunks must be >= 1")
         if overload_margin < 0:
@@ -113,7 +119,7 @@ class PrefixAffinity:
         self.chunk_tokens = chunk_tokens
         self.max_chunks = max_chunks
         self.overload_margin = overload_margin
-        self._table: OrderedDict[int, int] = OrderedDict()   # prefix hash -> dp rank
+        self._table: OrderedDict[int, int] = OrderedDict()  # prefix hash -> dp rank
 
     def __len__(self) -> int:
         return len(self._table)
@@ -136,19 +142,19 @@ class PrefixAffinity:
         n = min(len(prompt) // size, self.max_chunks)
         hashes, h = [], 0
         for i in range(n):
-            chunk = prompt[i * size:(i + 1) * size]
+            chunk = prompt[i * size : (i + 1) * size]
             h = hash((h, chunk if isinstance(chunk, str) else tuple(chunk)))
             hashes.append(h)
         return hashes
 
     def _lookup(self, hashes: list[int], by_rank: dict[int, RankLoad]) -> RankLoad | None:
-        for h in reversed(hashes):            # longest known prefix first
+        for h in reversed(hashes):  # longest known prefix first
             rank = self._table.get(h)
             if rank is None:
                 continue
             if rank in by_rank:
                 return by_rank[rank]
-            del self._table[h]                # points at a rank that is gone or unhealthy
+            del self._table[h]  # points at a rank that is gone or unhealthy
         return None
 
     def _overloaded(self, home: RankLoad, best: RankLoad) -> bool:

@@ -24,7 +24,7 @@ from infer.protocol.messages import Dispatch, Hello, Load, TokenIds
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import HopSpan
 
-CHARS_PER_TOKEN = 4            # rough prompt-length estimate for routing, before a worker tokenized it
+CHARS_PER_TOKEN = 4  # rough prompt-length estimate for routing, before a worker tokenized it
 UNBOUNDED_OUTPUT_ESTIMATE = 256  # routing cost of a request with max_tokens=None
 
 
@@ -33,25 +33,25 @@ class RequestRecord:
     """One request the coordinator is responsible for, from Submit until its final delta."""
 
     request_id: str
-    client: bytes                       # the client's ROUTER identity
+    client: bytes  # the client's ROUTER identity
     prompt: str | None
-    prompt_token_ids: TokenIds | None   # as submitted, or as the first worker tokenized the prompt
-    sampling: SamplingParams            # as submitted; a sampled request without a seed is given one
+    prompt_token_ids: TokenIds | None  # as submitted, or as the first worker tokenized the prompt
+    sampling: SamplingParams  # as submitted; a sampled request without a seed is given one
     pin_rank: int | None
     submitted_at: float
-    worker_id: str | None = None        # where it runs now; None while held
+    worker_id: str | None = None  # where it runs now; None while held
     held_since: float | None = None
     delivered: TokenIds = field(default_factory=TokenIds)
     delivered_text_len: int | None = 0  # characters of text relayed with `delivered` (None: unknown)
-    charged: int = 0                    # its estimated cost when dispatched, counted in its worker's cost_in_flight
-    sent_prompt_ids: bool = False       # the client has had the prompt token ids
+    charged: int = 0  # its estimated cost when dispatched, counted in its worker's cost_in_flight
+    sent_prompt_ids: bool = False  # the client has had the prompt token ids
     retries: int = 0
-    deadline: float | None = None       # monotonic time by which it must finish (Submit.timeout_s)
-    dispatch_seq: int = 0               # its Dispatch was the n-th sent to its worker (0: none sent there)
-    worker_deaths: list[str] = field(default_factory=list)   # workers that died while running it
-    priority: int = 0                   # lower first (Submit.priority): held, dispatched and shed by it
-    traceparent: str | None = None      # the caller's span (Submit.traceparent)
-    trace: HopSpan | None = None        # this hop's span, when the coordinator traces (protocol/tracing.py)
+    deadline: float | None = None  # monotonic time by which it must finish (Submit.timeout_s)
+    dispatch_seq: int = 0  # its Dispatch was the n-th sent to its worker (0: none sent there)
+    worker_deaths: list[str] = field(default_factory=list)  # workers that died while running it
+    priority: int = 0  # lower first (Submit.priority): held, dispatched and shed by it
+    traceparent: str | None = None  # the caller's span (Submit.traceparent)
+    trace: HopSpan | None = None  # this hop's span, when the coordinator traces (protocol/tracing.py)
 
     @property
     def suspect(self) -> bool:
@@ -83,12 +83,25 @@ class RequestRecord:
         """The Dispatch that (re)starts this request where the client's stream stands: its SamplingParams as
         they are, and the tokens already delivered, which the engine counts toward max_tokens / min_tokens."""
         if not self.delivered:
-            return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt=self.prompt
-                            if self.prompt_token_ids is None else None, prompt_token_ids=self.prompt_token_ids,
-                            priority=self.priority, client=self.client_tag, traceparent=self.dispatch_traceparent)
-        return Dispatch(request_id=self.request_id, sampling=self.sampling, prompt_token_ids=self.prompt_token_ids,
-                        resumed_token_ids=TokenIds(self.delivered), resumed_text_len=self.delivered_text_len,
-                        priority=self.priority, client=self.client_tag, traceparent=self.dispatch_traceparent)
+            return Dispatch(
+                request_id=self.request_id,
+                sampling=self.sampling,
+                prompt=self.prompt if self.prompt_token_ids is None else None,
+                prompt_token_ids=self.prompt_token_ids,
+                priority=self.priority,
+                client=self.client_tag,
+                traceparent=self.dispatch_traceparent,
+            )
+        return Dispatch(
+            request_id=self.request_id,
+            sampling=self.sampling,
+            prompt_token_ids=self.prompt_token_ids,
+            resumed_token_ids=TokenIds(self.delivered),
+            resumed_text_len=self.delivered_text_len,
+            priority=self.priority,
+            client=self.client_tag,
+            traceparent=self.dispatch_traceparent,
+        )
 
     @property
     def dispatch_traceparent(self) -> str | None:
@@ -112,18 +125,18 @@ class WorkerRecord:
     identity: bytes
     hello: Hello
     last_seen: float
-    dp_rank: int                        # as the Hello gave it, or as the coordinator assigned it
+    dp_rank: int  # as the Hello gave it, or as the coordinator assigned it
     group_id: str
-    healthy: bool = True                # alive: heard from within the timeout, connection present
-    draining: bool = False              # refused a dispatch while draining: alive, but routed nothing new
+    healthy: bool = True  # alive: heard from within the timeout, connection present
+    draining: bool = False  # refused a dispatch while draining: alive, but routed nothing new
     load: Load | None = None
     requests: set[str] = field(default_factory=set)
     cost_in_flight: int = 0
     requests_routed: int = 0
     registrations: int = 1
-    dispatches_sent: int = 0            # Dispatch frames sent to this worker process (see Hello.dispatches_seen)
-    weight_version: int = 0             # the weights it serves (Hello, its loads, its refit answers)
-    lora_adapters: dict[str, str] = field(default_factory=dict)   # its LoRA adapters (Hello, its LoraDone answers)
+    dispatches_sent: int = 0  # Dispatch frames sent to this worker process (see Hello.dispatches_seen)
+    weight_version: int = 0  # the weights it serves (Hello, its loads, its refit answers)
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # its LoRA adapters (Hello, its LoraDone answers)
 
     @property
     def capacity_tokens(self) -> int:
@@ -158,9 +171,11 @@ class WorkerRecord:
         return reported / self.capacity_tokens
 
     def describe(self) -> str:
-        return (f"worker {safe(self.worker_id)} (dp_rank {self.dp_rank}, group {safe(self.group_id)}, "
-                f"{self.hello.num_kv_blocks} KV blocks x {self.hello.block_size}, max_num_seqs "
-                f"{self.hello.max_num_seqs}, max_model_len {self.hello.max_model_len})")
+        return (
+            f"worker {safe(self.worker_id)} (dp_rank {self.dp_rank}, group {safe(self.group_id)}, "
+            f"{self.hello.num_kv_blocks} KV blocks x {self.hello.block_size}, max_num_seqs "
+            f"{self.hello.max_num_seqs}, max_model_len {self.hello.max_model_len})"
+        )
 
 
 @dataclass(eq=False)
@@ -169,9 +184,9 @@ class ClientRecord:
     last_seen: float
     peer_id: str | None = None
     requests: set[str] = field(default_factory=set)
-    stats_window: float = -1.0     # start of the current one-second window of its StatsRequests
-    stats_in_window: int = 0       # StatsRequests in that window (a per-client budget)
-    stats_waiting: int = 0         # its StatsRequests waiting for workers (wait_for_workers)
+    stats_window: float = -1.0  # start of the current one-second window of its StatsRequests
+    stats_in_window: int = 0  # StatsRequests in that window (a per-client budget)
+    stats_waiting: int = 0  # its StatsRequests waiting for workers (wait_for_workers)
 
 
 class WorkerTable:

@@ -16,15 +16,13 @@ from infer.coordinator.loras import Loras
 from infer.coordinator.outbox import Send
 from infer.coordinator.state import ClientRecord, ClusterStatus
 from infer.protocol.codes import ErrorCode
-from infer.protocol.messages import (
-    ClusterStats, Error, StatsRequest, WorkerStats
-)
+from infer.protocol.messages import ClusterStats, Error, StatsRequest, WorkerStats
 
 log = logging.getLogger("infer.coordinator")
 
 MAX_STATS_WAITERS = 1024
 MAX_STATS_WAITERS_PER_CLIENT = 8
-MAX_STATS_PER_CLIENT_S = 100     # StatsRequests one client may send per second; past it: Error "overloaded"
+MAX_STATS_PER_CLIENT_S = 100  # StatsRequests one client may send per second; past it: Error "overloaded"
 
 
 @dataclass
@@ -38,8 +36,17 @@ class Statistics:
     """Counters, snapshots and the clients waiting for one. Reads the books, the cluster's status and which
     workers are routable (admission); owns the waiting StatsRequests."""
 
-    def __init__(self, books: Books, send: Send, status: ClusterStatus, admission: Admission, loras: Loras,
-                 config: CoordinatorConfig, policy_name: str, started: float) -> None:
+    def __init__(
+        self,
+        books: Books,
+        send: Send,
+        status: ClusterStatus,
+        admission: Admission,
+        loras: Loras,
+        config: CoordinatorConfig,
+        policy_name: str,
+        started: float,
+    ) -> None:
         self.books = books
         self.send = send
         self.status = status
@@ -61,13 +68,22 @@ class Statistics:
         if client is None:
             return
         if not self._stats_budget_left(client, now):
-            self.send(identity, Error(message=f"too many stats requests from this client (at most "
-                                              f"{MAX_STATS_PER_CLIENT_S} per second); retry later",
-                                      code=ErrorCode.OVERLOADED))
+            self.send(
+                identity,
+                Error(
+                    message=f"too many stats requests from this client (at most "
+                    f"{MAX_STATS_PER_CLIENT_S} per second); retry later",
+                    code=ErrorCode.OVERLOADED,
+                ),
+            )
             return
-        if (request.min_healthy_workers <= len(self.admission.routable()) or request.timeout_s <= 0
-                or len(self.stats_waiters) >= MAX_STATS_WAITERS or self.status.state is ClusterState.STOPPED
-                or client.stats_waiting >= MAX_STATS_WAITERS_PER_CLIENT):
+        if (
+            request.min_healthy_workers <= len(self.admission.routable())
+            or request.timeout_s <= 0
+            or len(self.stats_waiters) >= MAX_STATS_WAITERS
+            or self.status.state is ClusterState.STOPPED
+            or client.stats_waiting >= MAX_STATS_WAITERS_PER_CLIENT
+        ):
             self.send(identity, self.snapshot(now))
         else:
             client.stats_waiting += 1
@@ -98,28 +114,53 @@ class Statistics:
 
     def snapshot(self, now: float) -> ClusterStats:
         routable = {w.worker_id for w in self.admission.routable()}
-        workers = [WorkerStats(worker_id=w.worker_id, dp_rank=w.dp_rank, group_id=w.group_id,
-                               healthy=w.worker_id in routable, num_kv_blocks=w.hello.num_kv_blocks,
-                               block_size=w.hello.block_size, max_num_seqs=w.hello.max_num_seqs,
-                               max_model_len=w.hello.max_model_len, requests_routed=w.requests_routed,
-                               num_in_flight=w.num_in_flight, seconds_since_heard=round(now - w.last_seen, 3),
-                               registrations=w.registrations, load=w.load)
-                   for w in sorted(self.books.workers, key=lambda w: (w.dp_rank, w.worker_id))]
+        workers = [
+            WorkerStats(
+                worker_id=w.worker_id,
+                dp_rank=w.dp_rank,
+                group_id=w.group_id,
+                healthy=w.worker_id in routable,
+                num_kv_blocks=w.hello.num_kv_blocks,
+                block_size=w.hello.block_size,
+                max_num_seqs=w.hello.max_num_seqs,
+                max_model_len=w.hello.max_model_len,
+                requests_routed=w.requests_routed,
+                num_in_flight=w.num_in_flight,
+                seconds_since_heard=round(now - w.last_seen, 3),
+                registrations=w.registrations,
+                load=w.load,
+            )
+            for w in sorted(self.books.workers, key=lambda w: (w.dp_rank, w.worker_id))
+        ]
         return ClusterStats(
-            coordinator_id=self.config.coordinator_id, state=self.status.state, policy=self.policy_name,
-            model_id=self.status.model_id, workers=workers, num_clients=len(self.books.clients),
-            num_in_flight=self.books.requests.num_in_flight, num_held=len(self.books.requests.held),
-            uptime_s=round(now - self.started, 3), weight_version=self.status.weight_version,
-            lora_adapters=self.loras.cluster_adapters(), **dataclasses.asdict(self.books.counters))
+            coordinator_id=self.config.coordinator_id,
+            state=self.status.state,
+            policy=self.policy_name,
+            model_id=self.status.model_id,
+            workers=workers,
+            num_clients=len(self.books.clients),
+            num_in_flight=self.books.requests.num_in_flight,
+            num_held=len(self.books.requests.held),
+            uptime_s=round(now - self.started, 3),
+            weight_version=self.status.weight_version,
+            lora_adapters=self.loras.cluster_adapters(),
+            **dataclasses.asdict(self.books.counters),
+        )
 
     def log_rejections(self) -> None:
         rejected = self.books.counters.frames_rejected
         if rejected != self._rejected_logged:
-            log.warning("rejected %d malformed or unexpected frame(s) since the last report (%d in all)",
-                        rejected - self._rejected_logged, rejected)
+            log.warning(
+                "rejected %d malformed or unexpected frame(s) since the last report (%d in all)",
+                rejected - self._rejected_logged,
+                rejected,
+            )
             self._rejected_logged = rejected
         overloaded = self.books.counters.requests_rejected
         if overloaded != self._overload_logged:
-            log.warning("overloaded: refused %d request(s) since the last report (%d in all)",
-                        overloaded - self._overload_logged, overloaded)
+            log.warning(
+                "overloaded: refused %d request(s) since the last report (%d in all)",
+                overloaded - self._overload_logged,
+                overloaded,
+            )
             self._overload_logged = overloaded

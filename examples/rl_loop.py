@@ -31,8 +31,9 @@ def reward(token_ids: list[int], vocab_size: int) -> float:
     return sum(t < vocab_size // 2 for t in token_ids) / max(1, len(token_ids))
 
 
-def reinforce_step(policy, optimizer, prompts: list[list[int]], samples: list[list[int]],
-                   rewards: list[float]) -> float:
+def reinforce_step(
+    policy, optimizer, prompts: list[list[int]], samples: list[list[int]], rewards: list[float]
+) -> float:
     """One policy-gradient step: raise the log-likelihood of samples that scored above the batch mean."""
     baseline = sum(rewards) / len(rewards)
     policy.train()
@@ -40,7 +41,7 @@ def reinforce_step(policy, optimizer, prompts: list[list[int]], samples: list[li
     loss = torch.zeros(())
     for prompt, sample, r in zip(prompts, samples, rewards):
         ids = torch.tensor([prompt + sample])
-        logits = policy(ids).logits[0, len(prompt) - 1:-1].float()
+        logits = policy(ids).logits[0, len(prompt) - 1 : -1].float()
         logp = torch.log_softmax(logits, -1).gather(1, torch.tensor(sample)[:, None]).sum()
         loss = loss - (r - baseline) * logp / len(prompts)
     loss.backward()
@@ -57,9 +58,15 @@ def served_equals_trained(llm: LLM, policy, prompts: list[list[int]]) -> bool:
         expected = []
         for p in prompts:
             x = torch.tensor([p])
-            y = policy.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=6,
-                                min_new_tokens=6, pad_token_id=0)
-            expected.append(y[0, len(p):].tolist())
+            y = policy.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                pad_token_id=0,
+            )
+            expected.append(y[0, len(p) :].tolist())
     return served == expected
 
 
@@ -80,31 +87,44 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
     vocab = policy.config.vocab_size
     prompts = [[11 + i, 200 + 7 * i, 3] for i in range(args.batch)]
-    llm = LLM(model=policy, tokenizer=tokenizer, use_coordinator=args.coordinator, dtype="float32",
-              max_model_len=128, kv_cache_memory=8 << 20, num_threads=args.threads)
+    llm = LLM(
+        model=policy,
+        tokenizer=tokenizer,
+        use_coordinator=args.coordinator,
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory=8 << 20,
+        num_threads=args.threads,
+    )
     rewards, versions, released = [], [], 0
     started = time.monotonic()
     try:
         for step in range(args.steps):
-            params = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=1000 * step + i)
-                      for i in range(len(prompts))]
-            completions = llm.generate(prompts, params, use_tqdm=False)                       # generate
-            scores = [reward(c.token_ids, vocab) for c in completions]                       # score
+            params = [
+                SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=1000 * step + i)
+                for i in range(len(prompts))
+            ]
+            completions = llm.generate(prompts, params, use_tqdm=False)  # generate
+            scores = [reward(c.token_ids, vocab) for c in completions]  # score
             rewards.append(round(sum(scores) / len(scores), 4))
-            if args.coordinator:                  # free the serving memory while the policy trains
+            if args.coordinator:  # free the serving memory while the policy trains
                 llm.pause()
                 llm.suspend()
                 released = max(released, llm.stats().workers[0].load.bytes_released)
-            reinforce_step(policy, optimizer, prompts, [c.token_ids for c in completions], scores)   # update
+            reinforce_step(policy, optimizer, prompts, [c.token_ids for c in completions], scores)  # update
             if args.coordinator:
                 llm.resume()
-            versions.append(llm.update_weights(policy.state_dict().items()))                # push the weights
+            versions.append(llm.update_weights(policy.state_dict().items()))  # push the weights
             if args.coordinator:
                 llm.unpause()
             print(f"step {step}: mean reward {rewards[-1]:.3f} -> weights version {versions[-1]}", flush=True)
-        summary = {"rewards": rewards, "versions": versions, "served_equals_trained":
-                   served_equals_trained(llm, policy, prompts[:3]), "bytes_released_while_training": released,
-                   "seconds": round(time.monotonic() - started, 1)}
+        summary = {
+            "rewards": rewards,
+            "versions": versions,
+            "served_equals_trained": served_equals_trained(llm, policy, prompts[:3]),
+            "bytes_released_while_training": released,
+            "seconds": round(time.monotonic() - started, 1),
+        }
     finally:
         llm.close()
     print(json.dumps(summary), flush=True)

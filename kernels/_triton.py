@@ -22,7 +22,7 @@ def interpreting() -> bool:
 
 
 HAS_TRITON = False
-if interpreting() or torch.cuda.is_available():   # somewhere a Triton kernel can launch
+if interpreting() or torch.cuda.is_available():  # somewhere a Triton kernel can launch
     try:
         import triton
         import triton.language as tl
@@ -32,6 +32,7 @@ if interpreting() or torch.cuda.is_available():   # somewhere a Triton kernel ca
         pass
 
 if not HAS_TRITON:
+
     class _Unavailable:
         def __init__(self, fn: Any) -> None:
             self.__name__ = getattr(fn, "__name__", "kernel")

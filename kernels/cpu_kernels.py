@@ -52,15 +52,17 @@ from infer.protocol import env
 log = logging.getLogger("infer.kernels")
 
 _CPU_DIR = Path(__file__).resolve().parent / "cpu"
-SOURCES = tuple(_CPU_DIR / name for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c", "quant.c",
-                                                  "decode_layers.c"))
-HEADERS = (_CPU_DIR / "common.h",)   # included by the sources: part of the build's hash
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")   # plus the level's -march
+SOURCES = tuple(
+    _CPU_DIR / name
+    for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c", "quant.c", "decode_layers.c")
+)
+HEADERS = (_CPU_DIR / "common.h",)  # included by the sources: part of the build's hash
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")  # plus the level's -march
 BUILD_TIMEOUT_S = 120
 # What the compiled kernel accepts (paged_decode.c's MAX_ROWS: query heads per KV head, MAX_HEAD_DIM, MAX_BLOCK).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
-MAX_HIDDEN = 16384   # the native RMSNorm's widest row (elementwise.c)
-NATIVE_DTYPES = (torch.bfloat16, torch.float32)   # what the C kernels compute in (fp32 math inside)
+MAX_HIDDEN = 16384  # the native RMSNorm's widest row (elementwise.c)
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)  # what the C kernels compute in (fp32 math inside)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class IsaLevel:
     """One build of the library: its name, the -march it is compiled with, and the /proc/cpuinfo flags a CPU
     must show to run it. The top level is -march=native, so it also gets what the CPU has beyond its name
     (AVX512-BF16 and VNNI paths come on where the CPU has them)."""
+
     name: str
     march: str
     needs: frozenset[str]
@@ -119,9 +122,11 @@ def selected_isa(environ: Mapping[str, str] | None = None) -> str:
     if asked not in _LEVELS:
         raise ValueError(f"INFER_CPU_ISA={asked!r} is no level of the CPU kernels: one of {', '.join(_LEVELS)}")
     if asked not in here:
-        raise ValueError(f"INFER_CPU_ISA={asked!r}: this CPU cannot run that build (it lacks "
-                         f"{', '.join(sorted(_LEVELS[asked].needs - set(_cpu_flags().split())))}); it runs "
-                         f"{', '.join(here)}")
+        raise ValueError(
+            f"INFER_CPU_ISA={asked!r}: this CPU cannot run that build (it lacks "
+            f"{', '.join(sorted(_LEVELS[asked].needs - set(_cpu_flags().split())))}); it runs "
+            f"{', '.join(here)}"
+        )
     return asked
 
 
@@ -129,7 +134,7 @@ def isas_at_or_below(isa: str) -> tuple[str, ...]:
     """The levels this CPU runs that are no better than `isa`, best first: what the tests run each kernel at
     (a CPU with AVX-512 forced down to avx2 tests as an AVX2-only CPU would)."""
     here = supported_isas()
-    return here[here.index(isa):] if isa in here else ()
+    return here[here.index(isa) :] if isa in here else ()
 
 
 def _march(isa: str) -> str:
@@ -143,8 +148,18 @@ def _march(isa: str) -> str:
 
 def _library_path(compiler: str, isa: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES + HEADERS), " ".join(FLAGS),
-                                    _march(isa), version, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                *(source.read_text() for source in SOURCES + HEADERS),
+                " ".join(FLAGS),
+                _march(isa),
+                version,
+                _cpu_flags(),
+                platform.machine(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     return _cache_dir() / f"infer_cpu-{isa}-{key}.so"
 
 
@@ -153,8 +168,12 @@ def _build(compiler: str, target: Path, isa: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, _march(isa), "-o", tmp, *map(str, SOURCES), "-lm"],
-                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        done = subprocess.run(
+            [compiler, *FLAGS, _march(isa), "-o", tmp, *map(str, SOURCES), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -163,7 +182,7 @@ def _build(compiler: str, target: Path, isa: str) -> None:
             os.unlink(tmp)
 
 
-_LOADED = False   # set by the first _library() call; what native_ready() says under torch.compile
+_LOADED = False  # set by the first _library() call; what native_ready() says under torch.compile
 
 
 def native_ready() -> bool:
@@ -227,7 +246,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
             log.info("built the native CPU kernels (%s): %s", isa, path)
         try:
             lib = ctypes.CDLL(str(path))
-        except OSError:   # a damaged file in the cache: build it again, once
+        except OSError:  # a damaged file in the cache: build it again, once
             _build(compiler, path, isa)
             lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
@@ -240,25 +259,125 @@ def _load(isa: str) -> ctypes.CDLL | None:
 def _declare(lib: ctypes.CDLL) -> None:
     """The entry points' argument types (every one returns an int status)."""
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-    lib.paged_decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, f32, i32,
-                                 i32]
-    lib.paged_decode_runs.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32, ptr, i32, i32, i32, i32, i32,
-                                      i64, f32, i32, i32]
+    lib.paged_decode.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i64,
+        f32,
+        i32,
+        i32,
+    ]
+    lib.paged_decode_runs.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i32,
+        ptr,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i64,
+        f32,
+        i32,
+        i32,
+    ]
     lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
-    lib.paged_prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i32, i32, i32, i32, i32, i64,
-                                  f32, i32, ptr, i32]
+    lib.paged_prefill.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i64,
+        f32,
+        i32,
+        ptr,
+        i32,
+    ]
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
     lib.gemv_rows_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.gemv_rows_bf16w_f32x.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.gemv_paths.argtypes = []
-    lib.decode_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i32, i64, f32, f32, ptr, ptr,
-                                  ptr, i64, i64, ptr, i64, i32, ptr, i64, i32, ptr, i32, ptr, ptr, i32]
-    for fn in (lib.paged_decode, lib.paged_decode_runs, lib.paged_prefill, lib.rotary_inplace, lib.append_kv,
-               lib.rms_norm, lib.row_max, lib.silu_and_mul, lib.gemv_rows_bf16, lib.gemv_rows_bf16w_f32x,
-               lib.gemv_paths, lib.decode_layers):
+    lib.decode_layers.argtypes = [
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i32,
+        i32,
+        i32,
+        i64,
+        f32,
+        f32,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        ptr,
+        i64,
+        i32,
+        ptr,
+        i64,
+        i32,
+        ptr,
+        i32,
+        ptr,
+        ptr,
+        i32,
+    ]
+    for fn in (
+        lib.paged_decode,
+        lib.paged_decode_runs,
+        lib.paged_prefill,
+        lib.rotary_inplace,
+        lib.append_kv,
+        lib.rms_norm,
+        lib.row_max,
+        lib.silu_and_mul,
+        lib.gemv_rows_bf16,
+        lib.gemv_rows_bf16w_f32x,
+        lib.gemv_paths,
+        lib.decode_layers,
+    ):
         fn.restype = i32
 
 
@@ -269,25 +388,44 @@ def _window(window: int) -> int:
     return window
 
 
-def decode_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor) -> bool:
+def decode_kernel_fits(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> bool:
     """Whether the native kernel takes these arguments (CPU, a type it has, layouts and sizes in its
     limits); without it the caller runs the twin."""
     if q.dim() != 3 or k_cache.dim() != 4 or block_tables.dim() != 2:
         return False
     num_kv_heads, _, block_size, head_dim = k_cache.shape
-    return (q.device.type == "cpu" and q.dtype in NATIVE_DTYPES and k_cache.dtype == q.dtype
-            and q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous()
-            and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-            and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
-            and q.shape[1] % num_kv_heads == 0 and q.shape[1] // num_kv_heads <= MAX_GROUP
-            and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK and native_ready())
+    return (
+        q.device.type == "cpu"
+        and q.dtype in NATIVE_DTYPES
+        and k_cache.dtype == q.dtype
+        and q.stride(2) == 1
+        and q.stride(1) == head_dim
+        and k_cache.is_contiguous()
+        and block_tables.dtype == torch.int32
+        and block_tables.stride(1) == 1
+        and seq_lens.dtype == torch.int32
+        and seq_lens.is_contiguous()
+        and q.shape[1] % num_kv_heads == 0
+        and q.shape[1] // num_kv_heads <= MAX_GROUP
+        and head_dim <= MAX_HEAD_DIM
+        and block_size <= MAX_BLOCK
+        and native_ready()
+    )
 
 
-def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  out: torch.Tensor, window: int = 0,
-                                  runs: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    window: int = 0,
+    runs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [B, H, D] over the pool [Hkv, NB, bs, D] into out [B, H, D] (contiguous), as
     `paged_decode_attention_torch`; the arguments must pass `decode_kernel_fits` (and v_cache be shaped
     like k_cache). Every length must be >= 1 and every table entry it reaches a block of the pool.
@@ -298,14 +436,30 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     if not (v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous()):
-        raise ValueError("the native decode kernel needs a contiguous v_cache shaped like k_cache and a "
-                         "contiguous out")
+        raise ValueError("the native decode kernel needs a contiguous v_cache shaped like k_cache and a contiguous out")
     if runs is not None and not (runs.dtype == torch.int32 and runs.dim() == 1 and runs.is_contiguous()):
         raise ValueError("runs must be a contiguous int32 [num_runs]")
-    args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr())
-    shape = (num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-             int(q.dtype == torch.bfloat16), _window(window))
+    args = (
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        seq_lens.data_ptr(),
+    )
+    shape = (
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        scale,
+        int(q.dtype == torch.bfloat16),
+        _window(window),
+    )
     if runs is None:
         status = _native().paged_decode(*args, out.data_ptr(), *shape)
     else:
@@ -313,27 +467,48 @@ def paged_decode_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if status == -3:
         raise MemoryError("the native decode kernel could not allocate its plan of runs")
     if status == -1:
-        raise ValueError(f"the native decode kernel takes no group {num_heads // num_kv_heads}, head_dim "
-                         f"{head_dim}, block_size {block_size}")
+        raise ValueError(
+            f"the native decode kernel takes no group {num_heads // num_kv_heads}, head_dim "
+            f"{head_dim}, block_size {block_size}"
+        )
     if status != 0:
-        raise ValueError("a sequence length is < 1 or past its block table, or a block table entry is outside "
-                         f"the pool of {num_blocks} blocks" + ("" if runs is None else ", or runs that do not add up "
-                         "to the rows or whose lengths do not go up by one"))
+        raise ValueError(
+            "a sequence length is < 1 or past its block table, or a block table entry is outside "
+            f"the pool of {num_blocks} blocks"
+            + ("" if runs is None else ", or runs that do not add up to the rows or whose lengths do not go up by one")
+        )
     return out
 
 
-def prefill_kernel_fits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> bool:
+def prefill_kernel_fits(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> bool:
     """Whether the native prefill kernel takes these arguments (as `decode_kernel_fits`, plus a head_dim that
     is a multiple of 16 and int32 query offsets); without it the caller runs the twin."""
-    return (decode_kernel_fits(q, k_cache, block_tables, seq_lens) and k_cache.shape[3] % 16 == 0
-            and query_start_loc.dtype == torch.int32 and query_start_loc.is_contiguous())
+    return (
+        decode_kernel_fits(q, k_cache, block_tables, seq_lens)
+        and k_cache.shape[3] % 16 == 0
+        and query_start_loc.dtype == torch.int32
+        and query_start_loc.is_contiguous()
+    )
 
 
-def paged_prefill_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor,
-                                   decode_from: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+def paged_prefill_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    decode_from: torch.Tensor | None = None,
+    window: int = 0,
+) -> torch.Tensor:
     """q [T, H, D] (sequence b's chunk: rows query_start_loc[b] .. [b + 1] - 1, the last of its seq_lens[b]
     positions) over the pool [Hkv, NB, bs, D] into out [T, H, D] (contiguous), causal, as
     `paged_prefill_attention_torch`; the arguments must pass `prefill_kernel_fits`. Rows of out past
@@ -341,87 +516,180 @@ def paged_prefill_attention_native(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     decode_from[b] on have the bits the decode kernel gives them (paged_prefill.c: a prompt's rows as its
     prefill, a generated token's as its decode step); without it only the packed bf16 path differs from those.
     `window` > 0: each row attends to its last `window` positions only (all rows then take the decode arithmetic)."""
-    if decode_from is not None and not (decode_from.dtype == torch.int32 and decode_from.is_contiguous()
-                                        and decode_from.shape == (block_tables.shape[0],)):
+    if decode_from is not None and not (
+        decode_from.dtype == torch.int32
+        and decode_from.is_contiguous()
+        and decode_from.shape == (block_tables.shape[0],)
+    ):
         raise ValueError("decode_from must be a contiguous int32 [num_seqs]")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
-    if not (v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous()
-            and out.shape == q.shape):
-        raise ValueError("the native prefill kernel needs a contiguous v_cache shaped like k_cache and a "
-                         "contiguous out shaped like q")
+    if not (
+        v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous() and out.shape == q.shape
+    ):
+        raise ValueError(
+            "the native prefill kernel needs a contiguous v_cache shaped like k_cache and a "
+            "contiguous out shaped like q"
+        )
     status = _native().paged_prefill(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(), num_tokens,
-        out.data_ptr(), block_tables.shape[0], num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-        int(q.dtype == torch.bfloat16), None if decode_from is None else decode_from.data_ptr(), _window(window))
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        seq_lens.data_ptr(),
+        query_start_loc.data_ptr(),
+        num_tokens,
+        out.data_ptr(),
+        block_tables.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        scale,
+        int(q.dtype == torch.bfloat16),
+        None if decode_from is None else decode_from.data_ptr(),
+        _window(window),
+    )
     if status == -3:
         raise MemoryError("the native prefill kernel could not allocate its packed key tiles")
     if status == -1:
-        raise ValueError(f"the native prefill kernel takes no group {num_heads // num_kv_heads}, head_dim "
-                         f"{head_dim}, block_size {block_size}")
+        raise ValueError(
+            f"the native prefill kernel takes no group {num_heads // num_kv_heads}, head_dim "
+            f"{head_dim}, block_size {block_size}"
+        )
     if status != 0:
-        raise ValueError("a chunk is longer than its context, a context past its block table, a block table entry "
-                         f"outside the pool of {num_blocks} blocks, or query_start_loc not increasing within "
-                         f"[0, {num_tokens}]")
+        raise ValueError(
+            "a chunk is longer than its context, a context past its block table, a block table entry "
+            f"outside the pool of {num_blocks} blocks, or query_start_loc not increasing within "
+            f"[0, {num_tokens}]"
+        )
     return out
 
 
 def _rows_fit(x: torch.Tensor) -> bool:
     """[T, heads, D] with contiguous heads (rows may be views into a wider tensor), of a type the kernels take."""
-    return (x.device.type == "cpu" and x.dtype in NATIVE_DTYPES and x.dim() == 3 and x.stride(2) == 1
-            and x.stride(1) == x.shape[2] and x.shape[2] <= MAX_HEAD_DIM and x.shape[2] % 2 == 0)
+    return (
+        x.device.type == "cpu"
+        and x.dtype in NATIVE_DTYPES
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and x.shape[2] <= MAX_HEAD_DIM
+        and x.shape[2] % 2 == 0
+    )
 
 
 def rotary_fits(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
     """Whether the native rotary takes these (never under torch.compile: inductor fuses the twin there)."""
-    return (not torch.compiler.is_compiling() and _rows_fit(q) and positions.dtype == torch.int64
-            and positions.is_contiguous()
-            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() and native_ready())
+    return (
+        not torch.compiler.is_compiling()
+        and _rows_fit(q)
+        and positions.dtype == torch.int64
+        and positions.is_contiguous()
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.is_contiguous()
+        and native_ready()
+    )
 
 
 def rotary_native(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
     """q [T, H, D] rotated in place at positions [T] (int64), as `rotary_embedding_torch` (checked args)."""
-    status = _native().rotary_inplace(q.data_ptr(), q.stride(0), q.shape[0], q.shape[1], q.shape[2],
-                                       positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
-                                       int(is_neox), int(q.dtype == torch.bfloat16))
+    status = _native().rotary_inplace(
+        q.data_ptr(),
+        q.stride(0),
+        q.shape[0],
+        q.shape[1],
+        q.shape[2],
+        positions.data_ptr(),
+        cos_sin_cache.data_ptr(),
+        cos_sin_cache.shape[0],
+        int(is_neox),
+        int(q.dtype == torch.bfloat16),
+    )
     if status != 0:
-        raise ValueError(f"head_dim {q.shape[2]} is odd or past {MAX_HEAD_DIM}, or a position is outside the "
-                         f"cos/sin cache of {cos_sin_cache.shape[0]} positions")
+        raise ValueError(
+            f"head_dim {q.shape[2]} is odd or past {MAX_HEAD_DIM}, or a position is outside the "
+            f"cos/sin cache of {cos_sin_cache.shape[0]} positions"
+        )
 
 
-def append_fits(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slot_mapping: torch.Tensor, positions: torch.Tensor | None,
-                cos_sin_cache: torch.Tensor | None) -> bool:
+def append_fits(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor | None,
+) -> bool:
     """Whether the native append takes these (never under torch.compile: inductor fuses the twin there)."""
-    return (not torch.compiler.is_compiling() and _rows_fit(k) and _rows_fit(v)
-            and v.dtype == k.dtype == k_cache.dtype == v_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
-            and (cos_sin_cache is None or (positions is not None and positions.dtype == torch.int64
-                                           and positions.is_contiguous() and cos_sin_cache.is_contiguous()))
-            and native_ready())
+    return (
+        not torch.compiler.is_compiling()
+        and _rows_fit(k)
+        and _rows_fit(v)
+        and v.dtype == k.dtype == k_cache.dtype == v_cache.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and (
+            cos_sin_cache is None
+            or (
+                positions is not None
+                and positions.dtype == torch.int64
+                and positions.is_contiguous()
+                and cos_sin_cache.is_contiguous()
+            )
+        )
+        and native_ready()
+    )
 
 
-def append_kv_native(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor, positions: torch.Tensor | None, cos_sin_cache: torch.Tensor | None,
-                     is_neox: bool, pad_slot: int | None) -> None:
+def append_kv_native(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor | None,
+    is_neox: bool,
+    pad_slot: int | None,
+) -> None:
     """As `append_kv_torch` (checked args that pass `append_fits`): k, v [T, Hkv, D] into the pools at
     slot_mapping, K rotated when `cos_sin_cache` is given; slot -1 skipped, or written at `pad_slot`."""
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    rope: tuple[int | None, int | None, int] = (None, None, 0)   # positions, cos/sin cache, its rows
+    rope: tuple[int | None, int | None, int] = (None, None, 0)  # positions, cos/sin cache, its rows
     if cos_sin_cache is not None:
         if positions is None:
             raise ValueError("rotating K needs the positions")
         rope = (positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0])
     status = _native().append_kv(
-        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-        num_blocks * block_size, slot_mapping.data_ptr(), -1 if pad_slot is None else pad_slot, k.shape[0],
-        num_kv_heads, head_dim, *rope, int(is_neox), int(k.dtype == torch.bfloat16))
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        num_blocks * block_size,
+        slot_mapping.data_ptr(),
+        -1 if pad_slot is None else pad_slot,
+        k.shape[0],
+        num_kv_heads,
+        head_dim,
+        *rope,
+        int(is_neox),
+        int(k.dtype == torch.bfloat16),
+    )
     if status != 0:
-        raise ValueError(f"a slot is outside [-1, {num_blocks * block_size}) (or pad_slot past the pool), or a "
-                         f"position outside the cos/sin cache")
-
+        raise ValueError(
+            f"a slot is outside [-1, {num_blocks * block_size}) (or pad_slot past the pool), or a "
+            f"position outside the cos/sin cache"
+        )
 
 
 def _row_stride(t: torch.Tensor) -> int | None:
@@ -439,19 +707,37 @@ def _row_stride(t: torch.Tensor) -> int | None:
 RMS_NORM_MIN_ROWS = 64
 
 
-def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
-                  out: torch.Tensor | None, min_rows: int = RMS_NORM_MIN_ROWS) -> bool:
+def rms_norm_fits(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None,
+    out: torch.Tensor | None,
+    min_rows: int = RMS_NORM_MIN_ROWS,
+) -> bool:
     """Whether the native RMSNorm takes these: bf16 rows, or fp32 rows of a prefill (`min_rows`), on a CPU, never
     under torch.compile (inductor fuses the twin there)."""
-    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype in NATIVE_DTYPES
-            and (x.dtype == torch.bfloat16 or x.numel() >= min_rows * x.shape[-1])
-            and weight.dtype == x.dtype and weight.is_contiguous() and 0 < x.shape[-1] <= MAX_HIDDEN
-            and _row_stride(x) is not None and (residual is None or _row_stride(residual) is not None)
-            and (out is None or _row_stride(out) is not None) and native_ready())
+    return (
+        not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and x.dtype in NATIVE_DTYPES
+        and (x.dtype == torch.bfloat16 or x.numel() >= min_rows * x.shape[-1])
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and 0 < x.shape[-1] <= MAX_HIDDEN
+        and _row_stride(x) is not None
+        and (residual is None or _row_stride(residual) is not None)
+        and (out is None or _row_stride(out) is not None)
+        and native_ready()
+    )
 
 
-def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_native(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """As `rms_norm_torch` (checked args, of a type `rms_norm_fits` takes): residual updated in place to
     x + residual when given, the norm into out (or a new tensor). x, residual and out must each flatten into
     rows of unit column stride without a copy."""
@@ -461,9 +747,18 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         raise ValueError("the native RMSNorm needs x, residual and out as rows with unit column stride")
     rows = x.numel() // x.shape[-1]
     status = _native().rms_norm(
-        x.data_ptr(), _row_stride(x), residual.data_ptr() if residual is not None else None,
-        _row_stride(residual) if residual is not None else 0, weight.data_ptr(), out.data_ptr(), _row_stride(out),
-        rows, x.shape[-1], eps, int(x.dtype == torch.bfloat16))
+        x.data_ptr(),
+        _row_stride(x),
+        residual.data_ptr() if residual is not None else None,
+        _row_stride(residual) if residual is not None else 0,
+        weight.data_ptr(),
+        out.data_ptr(),
+        _row_stride(out),
+        rows,
+        x.shape[-1],
+        eps,
+        int(x.dtype == torch.bfloat16),
+    )
     if status != 0:
         raise ValueError(f"hidden size {x.shape[-1]} is past {MAX_HIDDEN}")
     return out
@@ -474,8 +769,15 @@ def silu_and_mul_fits(x: torch.Tensor) -> bool:
     one row: 4.9 vs 5.7 us at 1 x 1536, 15 vs 22 at 16; 2-core dev VM, 2026-11-26), never under torch.compile
     (inductor fuses the twin there). fp32 stays with torch, whose bits the fp32 parity tests against
     transformers keep."""
-    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.bfloat16
-            and x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1 and native_ready())
+    return (
+        not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.shape[1] % 2 == 0
+        and x.stride(1) == 1
+        and native_ready()
+    )
 
 
 def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
@@ -493,7 +795,7 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
 # 21-24 at 6, 20-22 vs 24-25 at 8. One rule for both keeps a sequence's bits the same in either path, and in any
 # decode step of 1-8 sequences (the GEMV sums each row alone; oneDNN, past 8 rows, does not).
 GEMV_MAX_ROWS = 8
-GEMV_BF16_PAIRS, GEMV_BF16_FP32_CORE, GEMV_F32X = 1, 2, 4   # gemv.c's gemv_paths() bits
+GEMV_BF16_PAIRS, GEMV_BF16_FP32_CORE, GEMV_F32X = 1, 2, 4  # gemv.c's gemv_paths() bits
 
 
 def gemv_paths() -> int:
@@ -508,9 +810,14 @@ def gemv_takes(weight: torch.Tensor) -> bool:
     """Whether the native GEMV can multiply by weight [N, K]: contiguous bf16 on a CPU, and a build with a GEMV
     (AVX512-BF16 or AVX2; checked once per weight: the caller then sends it bf16 rows [M <= GEMV_MAX_ROWS, K] with
     unit column stride, outside torch.compile)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.is_contiguous() and native_ready()
-            and gemv_paths() & (GEMV_BF16_PAIRS | GEMV_BF16_FP32_CORE) != 0)
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and native_ready()
+        and gemv_paths() & (GEMV_BF16_PAIRS | GEMV_BF16_FP32_CORE) != 0
+    )
 
 
 def gemv_takes_any_rows() -> bool:
@@ -525,8 +832,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     send it 1-8 rows (any number where `gemv_takes_any_rows`); past 8, AVX512-BF16 takes groups of 8 rows over
     each weight row (the native decode step's verification rows)."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
-    status = _native().gemv_rows_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
-                                       x.shape[0], weight.shape[0], weight.shape[1])
+    status = _native().gemv_rows_bf16(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        weight.shape[0],
+        x.shape[0],
+        weight.shape[0],
+        weight.shape[1],
+    )
     if status == -3:
         raise MemoryError("the native GEMV could not allocate x's fp32 copy")
     if status != 0:
@@ -538,26 +853,60 @@ def gemv_bf16w_f32x(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 (unit column stride, M >= 1) @ weight [N, K]^T (bf16, contiguous) -> [M, N] fp32 (a new
     tensor): weights stored in bf16, computed in fp32 (the AVX2 fp32 core, also in AVX-512 builds). Each output is
     the fp32 sum unrounded, the same bits whatever M; needs GEMV_F32X in `gemv_paths()`."""
-    if not (x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and weight.dtype == torch.bfloat16
-            and weight.dim() == 2 and weight.is_contiguous() and x.shape[1] == weight.shape[1]):
+    if not (
+        x.dtype == torch.float32
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and x.shape[1] == weight.shape[1]
+    ):
         raise ValueError("gemv_bf16w_f32x takes fp32 rows [M, K] of unit column stride and a contiguous bf16 [N, K]")
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-    status = _native().gemv_rows_bf16w_f32x(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
-                                             weight.shape[0], x.shape[0], weight.shape[0], weight.shape[1])
+    status = _native().gemv_rows_bf16w_f32x(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        weight.shape[0],
+        x.shape[0],
+        weight.shape[0],
+        weight.shape[1],
+    )
     if status == -3:
         raise MemoryError("the native GEMV could not allocate x's fp32 copy")
     if status != 0:
-        raise ValueError(f"gemv_bf16w_f32x takes at least one row (got {x.shape[0]}) and needs AVX2 (not the generic "
-                         "build)")
+        raise ValueError(
+            f"gemv_bf16w_f32x takes at least one row (got {x.shape[0]}) and needs AVX2 (not the generic build)"
+        )
     return out
 
 
-def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array, formats: ctypes.Array,
-                  pools: ctypes.Array, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                  intermediate: int, eps: float,
-                  scale: float, positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, k_pool: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
-                  scratch: torch.Tensor, windows: ctypes.Array | None = None, runs: torch.Tensor | None = None) -> None:
+def decode_layers(
+    h: torch.Tensor,
+    residual: torch.Tensor,
+    weights: ctypes.Array,
+    formats: ctypes.Array,
+    pools: ctypes.Array,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    eps: float,
+    scale: float,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_pool: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    scratch: torch.Tensor,
+    windows: ctypes.Array | None = None,
+    runs: torch.Tensor | None = None,
+) -> None:
     """One decode step of B sequences (bf16 or fp32 rows, h's type) through a dense Llama's layers and final norm
     (kernels/cpu/decode_layers.c): h [B, hidden] (the embedding rows in, the final normed rows out, in place), residual
     [B, hidden] and scratch the file's scratch; `weights`, `formats` and `pools` the arrays it describes, `k_pool`
@@ -568,28 +917,64 @@ def decode_layers(h: torch.Tensor, residual: torch.Tensor, weights: ctypes.Array
     the kernels check positions, slots, lengths and table entries, and a ValueError says which."""
     num_blocks, block_size = k_pool.shape[1], k_pool.shape[2]
     status = _native().decode_layers(
-        h.data_ptr(), residual.data_ptr(), weights, formats, pools, num_layers, h.shape[0], h.shape[1], num_heads,
-        num_kv_heads, head_dim, intermediate, eps, scale, positions.data_ptr(), slots.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), num_blocks,
-        block_size, cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], int(is_neox), scratch.data_ptr(),
-        int(h.dtype == torch.bfloat16), windows, None if runs is None else runs.data_ptr(),
-        0 if runs is None else runs.shape[0])
+        h.data_ptr(),
+        residual.data_ptr(),
+        weights,
+        formats,
+        pools,
+        num_layers,
+        h.shape[0],
+        h.shape[1],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        intermediate,
+        eps,
+        scale,
+        positions.data_ptr(),
+        slots.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        seq_lens.data_ptr(),
+        num_blocks,
+        block_size,
+        cos_sin_cache.data_ptr(),
+        cos_sin_cache.shape[0],
+        int(is_neox),
+        scratch.data_ptr(),
+        int(h.dtype == torch.bfloat16),
+        windows,
+        None if runs is None else runs.data_ptr(),
+        0 if runs is None else runs.shape[0],
+    )
     if status == -3:
         raise MemoryError("the native decode step could not allocate a kernel's buffer")
     if status == -1:
-        raise ValueError(f"the native decode step takes no head_dim {head_dim}, group {num_heads // num_kv_heads} "
-                         f"or {h.shape[0]} rows")
+        raise ValueError(
+            f"the native decode step takes no head_dim {head_dim}, group {num_heads // num_kv_heads} "
+            f"or {h.shape[0]} rows"
+        )
     if status != 0:
-        raise ValueError(f"a position is outside the cos/sin cache of {cos_sin_cache.shape[0]}, a slot outside the "
-                         f"pool of {num_blocks * block_size} slots, a length < 1 or past its block table, or a table "
-                         f"entry outside the pool of {num_blocks} blocks, or runs that do not add up to the rows "
-                         "or whose lengths do not go up by one")
+        raise ValueError(
+            f"a position is outside the cos/sin cache of {cos_sin_cache.shape[0]}, a slot outside the "
+            f"pool of {num_blocks * block_size} slots, a length < 1 or past its block table, or a table "
+            f"entry outside the pool of {num_blocks} blocks, or runs that do not add up to the rows "
+            "or whose lengths do not go up by one"
+        )
 
 
 def row_max_fits(x: torch.Tensor) -> bool:
     """Whether the native row max takes x: [B, V] fp32 on a CPU with unit column stride, V >= 1."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] >= 1
-            and x.stride(1) == 1 and not torch.compiler.is_compiling() and native_ready())
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[1] >= 1
+        and x.stride(1) == 1
+        and not torch.compiler.is_compiling()
+        and native_ready()
+    )
 
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -604,14 +989,30 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.library.custom_op("infer::paged_decode_cpu", mutates_args=("out",))
-def paged_decode_cpu_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float, out: torch.Tensor, window: int = 0) -> None:
+def paged_decode_cpu_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    window: int = 0,
+) -> None:
     """`paged_decode_attention_native` as a torch operator, so that a compiled step graph (worker/step_graphs.py)
     calls the kernel instead of tracing into it; `out` is written in place."""
     paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window)
 
 
 @paged_decode_cpu_op.register_fake
-def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-      seq_lens: torch.Tensor, scale: float, out: torch.Tensor, window: int = 0) -> None:
+def _(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    window: int = 0,
+) -> None:
     return None

@@ -15,14 +15,22 @@ from infer.kernels._triton import tl, triton, use_triton
 from infer.kernels.cpu_kernels import append_fits, append_kv_native
 
 
-def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           slot_mapping: torch.Tensor, positions: torch.Tensor | None,
-           cos_sin_cache: torch.Tensor | None) -> None:
+def _check(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor | None,
+) -> None:
     if k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-        raise ValueError(f"caches must both be [Hkv, num_blocks, block_size, D], got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"caches must both be [Hkv, num_blocks, block_size, D], got {tuple(k_cache.shape)} "
+            f"and {tuple(v_cache.shape)}"
+        )
     if (k_cache.shape[0], k_cache.shape[3]) != (k.shape[1], k.shape[2]):
         raise ValueError(f"k {tuple(k.shape)} does not fit the cache {tuple(k_cache.shape)}")
     if slot_mapping.shape != (k.shape[0],):
@@ -31,18 +39,27 @@ def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if positions is None or positions.shape != (k.shape[0],):
             raise ValueError("rotating K needs positions of shape [T]")
         if cos_sin_cache.shape[1] != k.shape[2]:
-            raise ValueError(f"cos_sin_cache rotates {cos_sin_cache.shape[1]} dims; head_dim is {k.shape[2]} "
-                             "(partial rotary is not supported)")
+            raise ValueError(
+                f"cos_sin_cache rotates {cos_sin_cache.shape[1]} dims; head_dim is {k.shape[2]} "
+                "(partial rotary is not supported)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The twin
 
 
-def append_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
-                    cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True,
-                    pad_slot: int | None = None) -> None:
+def append_kv_torch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
+    is_neox: bool = True,
+    pad_slot: int | None = None,
+) -> None:
     """k, v [T, Hkv, D]; caches [Hkv, NB, bs, D]; slot_mapping [T] int64 (-1 = skip); positions [T] int64;
     cos_sin_cache [P, D] float32 (cos | sin halves). Writes the caches in place.
 
@@ -50,7 +67,7 @@ def append_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     being filtered out, which needs no host sync (the form step graphs compile). The Triton kernel skips
     slot -1 without a sync and ignores it."""
     _check(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache)
-    if cos_sin_cache is not None and positions is not None:   # (_check: positions come with the cache)
+    if cos_sin_cache is not None and positions is not None:  # (_check: positions come with the cache)
         k = _rotated(k, positions, cos_sin_cache, is_neox)
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
     if pad_slot is not None:
@@ -81,12 +98,26 @@ def _rotated(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tens
 
 @triton.jit
 def _append_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, pos_ptr, cos_sin_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ch, stride_cb, stride_cs,          # the caches' strides (K and V share them; D is contiguous)
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ch,
+    stride_cb,
+    stride_cs,  # the caches' strides (K and V share them; D is contiguous)
     stride_cos,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-    ROPE: tl.constexpr, IS_NEOX: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    ROPE: tl.constexpr,
+    IS_NEOX: tl.constexpr,
 ):
     # grid: (T, Hkv). One program stores one token's K and V row of one KV head.
     token = tl.program_id(0).to(tl.int64)
@@ -125,10 +156,17 @@ def _append_kv_kernel(
     tl.store(v_cache_ptr + dst + second, tl.load(v_row + second, mask=mask).to(out_type), mask=mask)
 
 
-def append_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
-                     cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True,
-                     pad_slot: int | None = None) -> None:
+def append_kv_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
+    is_neox: bool = True,
+    pad_slot: int | None = None,
+) -> None:
     """Same contract as `append_kv_torch` (padding rows are always skipped: `pad_slot` is not needed)."""
     _check(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache)
     if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
@@ -140,20 +178,40 @@ def append_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
         return
     rope = cos_sin_cache is not None
     _append_kv_kernel[(num_tokens, num_kv_heads)](
-        k, v, k_cache, v_cache, slot_mapping,
-        positions if rope else slot_mapping, cos_sin_cache if rope else k,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        positions if rope else slot_mapping,
+        cos_sin_cache if rope else k,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         cos_sin_cache.stride(0) if cos_sin_cache is not None else 0,
-        BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2),
-        ROPE=rope, IS_NEOX=is_neox,
+        BLOCK_SIZE=k_cache.shape[2],
+        HEAD_DIM=head_dim,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        ROPE=rope,
+        IS_NEOX=is_neox,
     )
 
 
-def append_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor, positions: torch.Tensor | None = None,
-              cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True,
-              pad_slot: int | None = None) -> None:
+def append_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
+    is_neox: bool = True,
+    pad_slot: int | None = None,
+) -> None:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
     the twin (see `append_kv_torch` for the contract)."""
     if use_triton(k_cache):

@@ -29,18 +29,21 @@ import torch.nn.functional as F
 from infer.kernels._triton import tl, triton, use_triton
 
 
-def _check(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-           out: torch.Tensor | None) -> None:
+def _check(
+    x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None
+) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"need x [N, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+        raise ValueError(
+            f"need x [N, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}"
+        )
     num_experts, two_i, hidden = w13.shape
     if two_i % 2 or hidden != x.shape[1] or tuple(w2.shape) != (num_experts, hidden, two_i // 2):
-        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)} "
-                         "(w13 [E, 2I, H], w2 [E, H, I])")
+        raise ValueError(
+            f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)} "
+            "(w13 [E, 2I, H], w2 [E, H, I])"
+        )
     if expert_ids.shape != (x.shape[0],) or expert_ids.dtype != torch.int64:
-        raise ValueError(f"expert_ids must be int64 [{x.shape[0]}], got {expert_ids.dtype} "
-                         f"{tuple(expert_ids.shape)}")
+        raise ValueError(f"expert_ids must be int64 [{x.shape[0]}], got {expert_ids.dtype} {tuple(expert_ids.shape)}")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"weights {w13.dtype}, {w2.dtype} differ from x's dtype {x.dtype}")
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
@@ -51,12 +54,13 @@ def _check(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: tor
 # The twin
 
 
-def fused_experts_torch(x: torch.Tensor,             # [N, H]
-                        expert_ids: torch.Tensor,    # [N] int64, local expert of each row, in [0, E)
-                        w13: torch.Tensor,           # [E, 2I, H]: gate rows, then up rows
-                        w2: torch.Tensor,            # [E, H, I]
-                        out: torch.Tensor | None = None,  # [N, H] like x
-                        ) -> torch.Tensor:           # [N, H] in x's dtype: out, or a new tensor
+def fused_experts_torch(
+    x: torch.Tensor,  # [N, H]
+    expert_ids: torch.Tensor,  # [N] int64, local expert of each row, in [0, E)
+    w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, H, I]
+    out: torch.Tensor | None = None,  # [N, H] like x
+) -> torch.Tensor:  # [N, H] in x's dtype: out, or a new tensor
     """Rows sorted by expert, two matmuls per expert with rows, results scattered back to their rows.
     Syncs with the device once (the per-expert row counts)."""
     _check(x, expert_ids, w13, w2, out)
@@ -84,8 +88,7 @@ def fused_experts_torch(x: torch.Tensor,             # [N, H]
 # Triton: a grouped GEMM over tiles of rows that share an expert
 
 
-def _align_to_tiles(expert_ids: torch.Tensor, num_experts: int,
-                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _align_to_tiles(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows grouped by expert into tiles of block_m slots, with no host sync.
 
     Returns (slot_rows [num_tiles * block_m] int64: the row in each slot, -1 for padding;
@@ -124,14 +127,17 @@ def _tile_rows(slot_rows_ptr, tile, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,              # [N, H]
-    stride_x_row, stride_x_col,
-    w13_ptr,            # [E, 2I, H]
-    stride_w_expert, stride_w_out, stride_w_in,
-    h_ptr,              # [num_tiles * BLOCK_M, I] intermediate, in slot order
+    x_ptr,  # [N, H]
+    stride_x_row,
+    stride_x_col,
+    w13_ptr,  # [E, 2I, H]
+    stride_w_expert,
+    stride_w_out,
+    stride_w_in,
+    h_ptr,  # [num_tiles * BLOCK_M, I] intermediate, in slot order
     stride_h_slot,
-    slot_rows_ptr,      # [num_tiles * BLOCK_M] int64, -1 = padding
-    tile_experts_ptr,   # [num_tiles] int64, -1 = no work
+    slot_rows_ptr,  # [num_tiles * BLOCK_M] int64, -1 = padding
+    tile_experts_ptr,  # [num_tiles] int64, -1 = no work
     hidden_size,
     inter_size,
     BLOCK_M: tl.constexpr,
@@ -152,10 +158,13 @@ def _gate_up_kernel(
     for k0 in range(0, hidden_size, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < hidden_size
-        a = tl.load(x_ptr + rows[:, None] * stride_x_row + ks[None, :] * stride_x_col,
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)                       # [BM, BK]
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_x_row + ks[None, :] * stride_x_col,
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BM, BK]
         w_mask = k_mask[:, None] & col_mask[None, :]
-        w_gate = tl.load(gate_ptrs + ks[:, None] * stride_w_in, mask=w_mask, other=0.0)        # [BK, BN]
+        w_gate = tl.load(gate_ptrs + ks[:, None] * stride_w_in, mask=w_mask, other=0.0)  # [BK, BN]
         w_up = tl.load(up_ptrs + ks[:, None] * stride_w_in, mask=w_mask, other=0.0)
         acc_gate = tl.dot(a, w_gate, acc_gate, input_precision="ieee")
         acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
@@ -163,20 +172,26 @@ def _gate_up_kernel(
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(h_ptr + slots[:, None] * stride_h_slot + cols[None, :], (act * up).to(dtype),
-             mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(
+        h_ptr + slots[:, None] * stride_h_slot + cols[None, :],
+        (act * up).to(dtype),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr,              # [num_tiles * BLOCK_M, I] intermediate, in slot order
+    h_ptr,  # [num_tiles * BLOCK_M, I] intermediate, in slot order
     stride_h_slot,
-    w2_ptr,             # [E, H, I]
-    stride_w_expert, stride_w_out, stride_w_in,
-    out_ptr,            # [N, H]
-    stride_out_row, stride_out_col,
-    slot_rows_ptr,      # [num_tiles * BLOCK_M] int64, -1 = padding
-    tile_experts_ptr,   # [num_tiles] int64, -1 = no work
+    w2_ptr,  # [E, H, I]
+    stride_w_expert,
+    stride_w_out,
+    stride_w_in,
+    out_ptr,  # [N, H]
+    stride_out_row,
+    stride_out_col,
+    slot_rows_ptr,  # [num_tiles * BLOCK_M] int64, -1 = padding
+    tile_experts_ptr,  # [num_tiles] int64, -1 = no work
     hidden_size,
     inter_size,
     BLOCK_M: tl.constexpr,
@@ -195,12 +210,16 @@ def _down_kernel(
     for k0 in range(0, inter_size, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < inter_size
-        a = tl.load(h_ptr + slots[:, None] * stride_h_slot + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)                       # [BM, BK]
+        a = tl.load(
+            h_ptr + slots[:, None] * stride_h_slot + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        )  # [BM, BK]
         w = tl.load(w_ptrs + ks[:, None] * stride_w_in, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision="ieee")
-    tl.store(out_ptr + rows[:, None] * stride_out_row + cols[None, :] * stride_out_col,
-             acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_out_row + cols[None, :] * stride_out_col,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
 
 
 def _block_m(num_rows: int, num_experts: int) -> int:
@@ -209,8 +228,9 @@ def _block_m(num_rows: int, num_experts: int) -> int:
     return 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 64 else 64
 
 
-def fused_experts_triton(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+def fused_experts_triton(
+    x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Same contract as `fused_experts_torch`; no host sync. Any strides for x, the weights and out."""
     _check(x, expert_ids, w13, w2, out)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
@@ -223,11 +243,41 @@ def fused_experts_triton(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.T
     num_tiles = tile_experts.shape[0]
     h = torch.empty((num_tiles * block_m, inter_size), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_tiles, triton.cdiv(inter_size, block_n))](
-        x, x.stride(0), x.stride(1), w13, w13.stride(0), w13.stride(1), w13.stride(2), h, h.stride(0),
-        slot_rows, tile_experts, hidden_size, inter_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        x,
+        x.stride(0),
+        x.stride(1),
+        w13,
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        h,
+        h.stride(0),
+        slot_rows,
+        tile_experts,
+        hidden_size,
+        inter_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
     _down_kernel[(num_tiles, triton.cdiv(hidden_size, block_n))](
-        h, h.stride(0), w2, w2.stride(0), w2.stride(1), w2.stride(2), out, out.stride(0), out.stride(1),
-        slot_rows, tile_experts, hidden_size, inter_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        h,
+        h.stride(0),
+        w2,
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        out,
+        out.stride(0),
+        out.stride(1),
+        slot_rows,
+        tile_experts,
+        hidden_size,
+        inter_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
     return out
 
 
@@ -235,8 +285,9 @@ def fused_experts_triton(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.T
 # Dispatch
 
 
-def fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def fused_experts(
+    x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Triton on CUDA devices, the twin elsewhere (see `fused_experts_torch` for shapes and semantics)."""
     if use_triton(x):
         return fused_experts_triton(x, expert_ids, w13, w2, out)

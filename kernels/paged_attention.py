@@ -43,7 +43,10 @@ import torch.nn.functional as F
 
 from infer.kernels._triton import tl, triton, use_triton
 from infer.kernels.cpu_kernels import (
-    decode_kernel_fits, paged_decode_attention_native, paged_prefill_attention_native, prefill_kernel_fits
+    decode_kernel_fits,
+    paged_decode_attention_native,
+    paged_prefill_attention_native,
+    prefill_kernel_fits,
 )
 
 # The decode twin works in tiles of sequences whose gathered K + V take about this many bytes: big enough
@@ -55,17 +58,27 @@ _TILE_BYTES = 2 << 20
 _TILE_SPREAD = 1.25
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, num_seqs: int) -> None:
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_seqs: int,
+) -> None:
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-        raise ValueError(f"caches must both be [Hkv, num_blocks, block_size, D], got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"caches must both be [Hkv, num_blocks, block_size, D], got {tuple(k_cache.shape)} "
+            f"and {tuple(v_cache.shape)}"
+        )
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
         raise ValueError(f"q must be [*, H, {head_dim}] with H a multiple of {num_kv_heads}, got {tuple(q.shape)}")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
-        raise ValueError(f"block_tables [{num_seqs}, max_blocks] and seq_lens [{num_seqs}] expected, got "
-                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+        raise ValueError(
+            f"block_tables [{num_seqs}, max_blocks] and seq_lens [{num_seqs}] expected, got "
+            f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -97,26 +110,33 @@ def _gather_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class DecodeTile:
     """Sequences of similar length attended together: their rows of the batch, the pool rows holding their
     blocks, and the mask of positions past each sequence's length (None when all fill the tile)."""
+
     rows: slice | torch.Tensor
     num_rows: int
-    padded_len: int               # tile length in tokens: whole blocks, to the tile's longest sequence
-    pool_rows: torch.Tensor       # [Hkv * num_rows * padded_len / bs] int64, see _pool_rows
-    mask: torch.Tensor | None     # [1, num_rows, 1, padded_len] bool: positions seen (past the length, or before
-                                  # the window, hidden)
+    padded_len: int  # tile length in tokens: whole blocks, to the tile's longest sequence
+    pool_rows: torch.Tensor  # [Hkv * num_rows * padded_len / bs] int64, see _pool_rows
+    mask: torch.Tensor | None  # [1, num_rows, 1, padded_len] bool: positions seen (past the length, or before
+    # the window, hidden)
 
 
 @dataclass(frozen=True)
 class DecodePlan:
     """How the decode twin cuts a batch into tiles. It depends only on the block tables, the sequence
     lengths and the pool's shape, so the engine makes it once per step and every layer reuses it."""
+
     num_seqs: int
     pool_shape: tuple[int, ...]
     tiles: tuple[DecodeTile, ...]
     window: int = 0
 
 
-def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: torch.Tensor,
-                host_lens: Sequence[int] | None = None, window: int = 0) -> DecodePlan:
+def plan_decode(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_cache: torch.Tensor,
+    host_lens: Sequence[int] | None = None,
+    window: int = 0,
+) -> DecodePlan:
     """The twin's plan for these sequences over a pool shaped like `k_cache`, attending with `window` (0:
     full). `host_lens`, a host copy of `seq_lens`, saves reading them back from the device. Sequences sorted by
     length are cut into tiles whose lengths lie within _TILE_SPREAD and whose gathered K + V take about _TILE_BYTES."""
@@ -130,8 +150,11 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: tor
     for row in order:
         padded = -(-max(lens[row], 1) // block_size) * block_size
         group = groups[-1] if groups else None
-        if (group is None or lens[row] > _TILE_SPREAD * max(lens[group[0]], 1)
-                or (len(group) + 1) * padded * bytes_per_token > _TILE_BYTES):
+        if (
+            group is None
+            or lens[row] > _TILE_SPREAD * max(lens[group[0]], 1)
+            or (len(group) + 1) * padded * bytes_per_token > _TILE_BYTES
+        ):
             groups.append([row])
         else:
             group.append(row)
@@ -153,10 +176,17 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, k_cache: tor
     return DecodePlan(len(lens), tuple(k_cache.shape), tuple(tiles), window)
 
 
-def paged_decode_attention_compiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                    window: int = 0, softcap: float = 0.0,
-                                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention_compiled(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Decode attention written for the compiler (CPU step graphs): q [B, H, D] over every row's whole table
     width, positions past each length (and before its window) masked; returns [B, H, D] in q's dtype, float32 inside.
 
@@ -172,17 +202,17 @@ def paged_decode_attention_compiled(q: torch.Tensor, k_cache: torch.Tensor, v_ca
     context = tables.shape[1] * block_size
     keys = k_cache[:, tables].view(num_kv_heads, num_seqs, 1, context, head_dim)
     values = v_cache[:, tables].view(num_kv_heads, num_seqs, context, 1, head_dim)
-    queries = q.view(num_seqs, num_kv_heads, group, 1, head_dim).transpose(0, 1)   # [Hkv, B, G, 1, D]
-    scores = (queries.float() * keys.float()).sum(-1) * scale                       # [Hkv, B, G, L]
+    queries = q.view(num_seqs, num_kv_heads, group, 1, head_dim).transpose(0, 1)  # [Hkv, B, G, 1, D]
+    scores = (queries.float() * keys.float()).sum(-1) * scale  # [Hkv, B, G, L]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     key_pos = torch.arange(context, device=q.device)[None, :]
-    hidden = key_pos >= seq_lens[:, None]                                            # [B, L]
+    hidden = key_pos >= seq_lens[:, None]  # [B, L]
     if window:
         hidden |= key_pos < seq_lens[:, None] - window
     scores = scores.masked_fill(hidden[None, :, None, :], float("-inf"))
     probs = _softmax_with_sinks(scores, _grouped_sinks(sinks, num_kv_heads))
-    out = (probs.transpose(2, 3).unsqueeze(-1) * values.float()).sum(2)            # [Hkv, B, G, D]
+    out = (probs.transpose(2, 3).unsqueeze(-1) * values.float()).sum(2)  # [Hkv, B, G, D]
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
@@ -193,11 +223,20 @@ def _as_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
-def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                 out: torch.Tensor | None = None, num_splits: int | None = None,
-                                 plan: DecodePlan | None = None, window: int = 0, softcap: float = 0.0,
-                                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    plan: DecodePlan | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [B, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks] int32; seq_lens [B] int32 (>= 1).
     Returns out [B, H, D] (written in place when given). `num_splits` only steers the Triton kernel;
     `plan` (from `plan_decode` on the same tables, lengths, pool shape and window) saves re-planning per layer.
@@ -214,8 +253,10 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if plan is None:
         plan = plan_decode(block_tables, seq_lens, k_cache, window=window)
     elif plan.num_seqs != num_seqs or plan.pool_shape != tuple(k_cache.shape) or plan.window != window:
-        raise ValueError(f"the decode plan is for {plan.num_seqs} sequences over a pool {plan.pool_shape} with window "
-                         f"{plan.window}, not {num_seqs} over {tuple(k_cache.shape)} with window {window}")
+        raise ValueError(
+            f"the decode plan is for {plan.num_seqs} sequences over a pool {plan.pool_shape} with window "
+            f"{plan.window}, not {num_seqs} over {tuple(k_cache.shape)} with window {window}"
+        )
     num_kv_heads = k_cache.shape[0]
     grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
     tile_sinks = _grouped_sinks(sinks, num_kv_heads)
@@ -228,11 +269,20 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     return out
 
 
-def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                  query_start_loc: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                                  max_query_len: int | None = None, window: int = 0,
-                                  softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [T, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks]; seq_lens [B] (context after this
     step); query_start_loc [B + 1] int32 (offsets into T). Returns out [T, H, D]; rows of T past
     query_start_loc[B] are left as they are. `max_query_len` only steers the Triton kernel's grid. `window` > 0:
@@ -249,20 +299,37 @@ def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     decodes = [i for i in range(num_seqs) if starts[i + 1] - starts[i] == 1]
     if decodes:
         seqs, tokens = _as_index(decodes, q.device), _as_index([starts[i] for i in decodes], q.device)
-        out[tokens] = paged_decode_attention_torch(q[tokens], k_cache, v_cache, block_tables[seqs],
-                                                   seq_lens[seqs], scale, window=window, softcap=softcap,
-                                                   sinks=sinks)
+        out[tokens] = paged_decode_attention_torch(
+            q[tokens],
+            k_cache,
+            v_cache,
+            block_tables[seqs],
+            seq_lens[seqs],
+            scale,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
     for i in range(num_seqs):
         start, end = starts[i], starts[i + 1]
         if end - start > 1:
-            out[start:end] = _chunk_attention(q[start:end], k_cache, v_cache, block_tables[i], lens[i], scale,
-                                              window, softcap, sinks)
+            out[start:end] = _chunk_attention(
+                q[start:end], k_cache, v_cache, block_tables[i], lens[i], scale, window, softcap, sinks
+            )
     return out
 
 
-def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     context_len: int, scale: float, window: int = 0, softcap: float = 0.0,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _chunk_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One chunk: q [n, H, D], the last n of `context_len` positions -> [n, H, D], causal (within `window`)."""
     n = q.shape[0]
     if n > context_len:
@@ -271,7 +338,7 @@ def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tables = block_table[None, :num_blocks]
     keys = _gather(k_cache, tables).transpose(0, 1)[:, :, :context_len]  # [1, Hkv, ctx, D]
     values = _gather(v_cache, tables).transpose(0, 1)[:, :, :context_len]
-    queries = q.transpose(0, 1).unsqueeze(0)                                # [1, H, n, D]
+    queries = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     if n == context_len and not window and not softcap and sinks is None:
         mask, causal = None, True
     else:  # causal, aligned to the bottom right: query j sits at position context_len - n + j
@@ -287,8 +354,15 @@ def _chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out[0].transpose(0, 1)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale, soft-capped, masked, with sinks) v: q [..., H, n, D], k and v [..., Hkv, L, D] with H a
     multiple of Hkv, mask (True: seen) broadcast to [..., H, n, L], sinks (float32) to [..., H, n, 1]. SDPA without a
     softcap or sinks; written out in float32 with either."""
@@ -328,8 +402,21 @@ def _grouped_sinks(sinks: torch.Tensor | None, num_kv_heads: int) -> torch.Tenso
 
 
 @triton.jit
-def _load_kv_tile(k_ptr, v_ptr, tables_ptr, table_base, head_base, stride_kb, stride_ks, n0, end, d,
-                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+def _load_kv_tile(
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    table_base,
+    head_base,
+    stride_kb,
+    stride_ks,
+    n0,
+    end,
+    d,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Context tokens n0 .. n0 + BLOCK_N - 1 (those < end) of one sequence and KV head, through its block
     table: (positions [BLOCK_N], valid [BLOCK_N], K [BLOCK_N, DIM_PAD], V [BLOCK_N, DIM_PAD])."""
     pos = n0 + tl.arange(0, BLOCK_N)
@@ -365,14 +452,33 @@ def _online_softmax_step(s, v, m, l_sum, acc):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    stride_qb, stride_qh,
-    stride_kh, stride_kb, stride_ks,          # K and V share strides; D is contiguous
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kh,
+    stride_kb,
+    stride_ks,  # K and V share strides; D is contiguous
     stride_tb,
-    stride_ob, stride_oh,
-    scale, split_tokens, window, softcap,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    scale,
+    split_tokens,
+    window,
+    softcap,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     # grid: (B, Hkv, NUM_SPLITS). Rows = the GROUP query heads of one KV head (padded to GROUP_PAD >= 16
     # for tl.dot); columns = BLOCK_N context tokens per step, which may span several pool blocks.
@@ -399,10 +505,23 @@ def _decode_kernel(
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     head_base = kv_head * stride_kh
-    low = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)   # one type on every path (no branch)
+    low = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # one type on every path (no branch)
     for n0 in range(tl.maximum(start, low // BLOCK_N * BLOCK_N), end, BLOCK_N):
-        pos, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
-                                         stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+        pos, valid, k, v = _load_kv_tile(
+            k_ptr,
+            v_ptr,
+            tables_ptr,
+            seq * stride_tb,
+            head_base,
+            stride_kb,
+            stride_ks,
+            n0,
+            end,
+            d,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+        )
         s = _soft_cap(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap)  # [GROUP_PAD, BLOCK_N]
         s = tl.where((valid & (pos >= low))[None, :], s, float("-inf"))
         m, l_sum, acc = _online_softmax_step(s, v, m, l_sum, acc)
@@ -410,8 +529,11 @@ def _decode_kernel(
     nonempty = l_sum > 0
     result = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 result.to(out_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
     else:
         # partials: part_out [B, H, NUM_SPLITS, DIM_PAD] float32, part_lse [B, H, NUM_SPLITS], contiguous
         num_heads = tl.num_programs(1) * GROUP
@@ -423,8 +545,14 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     # grid: (B, H). out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max); empty splits weigh 0.
     # The sums run in split order, one split at a time: empty splits at the end add exact zeros, so the bits
@@ -441,8 +569,7 @@ def _merge_kernel(
         acc += weight * tl.load(part_out_ptr + (row * NUM_SPLITS + s) * DIM_PAD + d)
         weight_sum += weight
     result = acc / weight_sum
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, result.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @functools.cache
@@ -459,7 +586,7 @@ def _default_num_splits(q: torch.Tensor, num_kv_heads: int, max_context: int) ->
     return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(-(-max_context // 256)), 64))
 
 
-DECODE_TILE = 64   # context tokens per inner step of the decode kernel (BLOCK_N)
+DECODE_TILE = 64  # context tokens per inner step of the decode kernel (BLOCK_N)
 
 
 def decode_split_tokens(max_context: int) -> int:
@@ -478,11 +605,20 @@ def _pads(group: int, head_dim: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(head_dim))
 
 
-def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  out: torch.Tensor | None = None, num_splits: int | None = None,
-                                  plan: DecodePlan | None = None, split_tokens: int | None = None,
-                                  window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    plan: DecodePlan | None = None,
+    split_tokens: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """Same contract as `paged_decode_attention_torch`. `num_splits` (a power of two) defaults to enough
     programs to fill the device, bounded by the context the block tables can hold; `split_tokens` (from
     `decode_split_tokens`, a multiple of 64) instead fixes each split's span, and the splits then cover
@@ -501,7 +637,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         if split_tokens < DECODE_TILE or split_tokens % DECODE_TILE:
             raise ValueError(f"split_tokens must be a positive multiple of {DECODE_TILE}, got {split_tokens}")
         spans = -(-block_tables.shape[1] * block_size // split_tokens)
-        num_splits = 1 << (spans - 1).bit_length()   # a power of two for the merge; splits past a length are empty
+        num_splits = 1 << (spans - 1).bit_length()  # a power of two for the merge; splits past a length are empty
     elif num_splits is None:
         num_splits = _default_num_splits(q, num_kv_heads, block_tables.shape[1] * block_size)
     if num_splits < 1 or num_splits & (num_splits - 1):
@@ -514,15 +650,45 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part_out = torch.empty(num_seqs, num_heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale, split_tokens or 0, window, float(softcap),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=DECODE_TILE, NUM_SPLITS=num_splits,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        split_tokens or 0,
+        window,
+        float(softcap),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=DECODE_TILE,
+        NUM_SPLITS=num_splits,
     )
     if num_splits > 1:
-        _merge_kernel[(num_seqs, num_heads)](part_out, part_lse, out, out.stride(0), out.stride(1),
-                                             HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits)
+        _merge_kernel[(num_seqs, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+            NUM_SPLITS=num_splits,
+        )
     return out
 
 
@@ -532,14 +698,31 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, starts_ptr, out_ptr,
-    stride_qt, stride_qh,
-    stride_kh, stride_kb, stride_ks,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lens_ptr,
+    starts_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kh,
+    stride_kb,
+    stride_ks,
     stride_tb,
-    stride_ot, stride_oh,
-    scale, window, softcap,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_ot,
+    stride_oh,
+    scale,
+    window,
+    softcap,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # grid: (query tiles of the longest chunk, B, Hkv). Rows = BLOCK_Q query tokens x GROUP_PAD heads of one
     # KV head (row r: token r // GROUP_PAD, head r % GROUP_PAD), so each K/V tile is loaded once for the
@@ -555,7 +738,7 @@ def _prefill_kernel(
     prefix = seq_len - q_len
 
     r = tl.arange(0, BLOCK_Q * GROUP_PAD)
-    local = tile * BLOCK_Q + r // GROUP_PAD       # query index within the chunk
+    local = tile * BLOCK_Q + r // GROUP_PAD  # query index within the chunk
     g = r % GROUP_PAD
     d = tl.arange(0, DIM_PAD)
     row_valid = (local < q_len) & (g < GROUP)
@@ -565,8 +748,7 @@ def _prefill_kernel(
     token = (q_start + local).to(tl.int64)
     heads = kv_head * GROUP + g
     io_mask = row_valid[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=io_mask,
-                other=0.0)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
 
     m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -576,23 +758,47 @@ def _prefill_kernel(
     # window are skipped
     low = tl.where(window > 0, tl.maximum(prefix + tile * BLOCK_Q - window + 1, 0), 0)
     for n0 in range(low // BLOCK_N * BLOCK_N, end, BLOCK_N):
-        pos, valid, k, v = _load_kv_tile(k_ptr, v_ptr, tables_ptr, seq * stride_tb, head_base, stride_kb,
-                                         stride_ks, n0, end, d, BLOCK_SIZE, HEAD_DIM, BLOCK_N)
+        pos, valid, k, v = _load_kv_tile(
+            k_ptr,
+            v_ptr,
+            tables_ptr,
+            seq * stride_tb,
+            head_base,
+            stride_kb,
+            stride_ks,
+            n0,
+            end,
+            d,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+        )
         s = _soft_cap(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap)
         seen = valid[None, :] & (pos[None, :] <= query_pos[:, None])
         seen = seen & ((window <= 0) | (pos[None, :] > query_pos[:, None] - window))
         s = tl.where(seen, s, float("-inf"))
         m, l_sum, acc = _online_softmax_step(s, v, m, l_sum, acc)
     result = acc / l_sum[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             result.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
 
 
-def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                                   query_start_loc: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                                   max_query_len: int | None = None, window: int = 0,
-                                   softcap: float = 0.0) -> torch.Tensor:
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """Same contract as `paged_prefill_attention_torch`. `max_query_len` (a host int) sizes the grid; without
     it, the grid covers T query tokens per sequence (correct, with idle programs)."""
     num_seqs = block_tables.shape[0]
@@ -612,11 +818,31 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     longest = num_tokens if max_query_len is None else max_query_len
     grid = (triton.cdiv(longest, block_q), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), scale, window, float(softcap),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=64,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        window,
+        float(softcap),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_N=64,
     )
     return out
 
@@ -625,53 +851,91 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 # Dispatch
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None, num_splits: int | None = None,
-                           plan: DecodePlan | None = None, split_tokens: int | None = None,
-                           window: int = 0, softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    plan: DecodePlan | None = None,
+    split_tokens: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
     the twin (see `paged_decode_attention_torch`). The CPU paths reduce each sequence in one pass and ignore
     `num_splits` / `split_tokens` (and the native kernel `plan`). With sinks, the twin on every device."""
     if sinks is not None:
-        return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan,
-                                            window, softcap, sinks)
+        return paged_decode_attention_torch(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan, window, softcap, sinks
+        )
     if use_triton(q):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits,
-                                             plan, split_tokens, window, softcap)
-    if not softcap and decode_kernel_fits(q, k_cache, block_tables, seq_lens) and (out is None
-                                                                                   or out.is_contiguous()):
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan, split_tokens, window, softcap
+        )
+    if not softcap and decode_kernel_fits(q, k_cache, block_tables, seq_lens) and (out is None or out.is_contiguous()):
         _check(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
         out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
         return paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window)
-    return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan,
-                                        window, softcap)
+    return paged_decode_attention_torch(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan, window, softcap
+    )
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                            scale: float, out: torch.Tensor | None = None,
-                            max_query_len: int | None = None, decode_from: torch.Tensor | None = None,
-                            window: int = 0, softcap: float = 0.0,
-                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    decode_from: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
     the twin (see `paged_prefill_attention_torch`). `decode_from`: the native kernel's (its rows from those
     positions with the decode kernel's bits); the others ignore it. With sinks, the twin on every device."""
     if sinks is not None:
-        return paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                             max_query_len, window, softcap, sinks)
+        return paged_prefill_attention_torch(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            out,
+            max_query_len,
+            window,
+            softcap,
+            sinks,
+        )
     if use_triton(q):
-        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                              out, max_query_len, window, softcap)
-    if not softcap and prefill_kernel_fits(q, k_cache, block_tables, seq_lens, query_start_loc) and (
-            out is None or out.is_contiguous()):
+        return paged_prefill_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len, window, softcap
+        )
+    if (
+        not softcap
+        and prefill_kernel_fits(q, k_cache, block_tables, seq_lens, query_start_loc)
+        and (out is None or out.is_contiguous())
+    ):
         num_seqs = block_tables.shape[0]
         _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
         if query_start_loc.shape != (num_seqs + 1,):
             raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
         out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-        return paged_prefill_attention_native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                              out, decode_from, window)
-    return paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                         max_query_len, window, softcap)
+        return paged_prefill_attention_native(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, decode_from, window
+        )
+    return paged_prefill_attention_torch(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len, window, softcap
+    )

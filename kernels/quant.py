@@ -39,8 +39,8 @@ class QuantWeight:
     """A weight [N, K] in one of FORMATS (see the module docstring for the layout)."""
 
     format: str
-    qs: torch.Tensor                  # q4: uint8 [N, K // 2]; q8: int8 [N, K]
-    scales: torch.Tensor              # float16 [N, K // BLOCK]
+    qs: torch.Tensor  # q4: uint8 [N, K // 2]; q8: int8 [N, K]
+    scales: torch.Tensor  # float16 [N, K // BLOCK]
     mins: torch.Tensor | None = None  # float16 [N, K // BLOCK] or None (q8 only)
 
     def __post_init__(self) -> None:
@@ -50,8 +50,9 @@ class QuantWeight:
         width = blocks * (BLOCK // 2 if self.format == "q4" else BLOCK)
         qs_dtype = torch.uint8 if self.format == "q4" else torch.int8
         if self.qs.dtype != qs_dtype or tuple(self.qs.shape) != (n, width):
-            raise ValueError(f"{self.format} qs must be {qs_dtype} [{n}, {width}], got {self.qs.dtype} "
-                             f"{list(self.qs.shape)}")
+            raise ValueError(
+                f"{self.format} qs must be {qs_dtype} [{n}, {width}], got {self.qs.dtype} {list(self.qs.shape)}"
+            )
         if self.scales.dtype != torch.float16:
             raise ValueError(f"scales must be float16, got {self.scales.dtype}")
         if self.mins is None and self.format == "q4":
@@ -85,7 +86,7 @@ def unpack_q4(qs: torch.Tensor) -> torch.Tensor:
 def pack_q4(q: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K] of values 0..15 -> the q4 layout [N, K // 2] (unpack_q4's inverse)."""
     blocks = q.to(torch.uint8).reshape(q.shape[0], -1, BLOCK)
-    return (blocks[..., :BLOCK // 2] | (blocks[..., BLOCK // 2:] << 4)).reshape(q.shape[0], -1)
+    return (blocks[..., : BLOCK // 2] | (blocks[..., BLOCK // 2 :] << 4)).reshape(q.shape[0], -1)
 
 
 def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -149,9 +150,9 @@ def quant_source(tensor: object, fmt: str) -> QuantWeight:
 
 # ---- y = x W^T with W quantized: the twin, and the native kernel (kernels/cpu/quant.c) ----
 
-FORMAT_CODES = {"q4": 0, "q8": 1}   # quant_matmul's fmt argument in C
+FORMAT_CODES = {"q4": 0, "q8": 1}  # quant_matmul's fmt argument in C
 _FLT_MIN = torch.finfo(torch.float32).tiny
-_TWIN_ROWS = 16   # rows of x the twin takes at a time (its block dots are [blocks, rows, N] float64)
+_TWIN_ROWS = 16  # rows of x the twin takes at a time (its block dots are [blocks, rows, N] float64)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -190,15 +191,15 @@ def block_products(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, 
     n, k = weight.shape
     blocks = k // BLOCK
     qw = (unpack_q4(weight.qs) if weight.format == "q4" else weight.qs).reshape(n, blocks, BLOCK)
-    qw = qw.double().permute(1, 2, 0)                 # [blocks, 32, N]
-    dw = weight.scales.float().t()                    # [blocks, N]
+    qw = qw.double().permute(1, 2, 0)  # [blocks, 32, N]
+    dw = weight.scales.float().t()  # [blocks, N]
     mw = None if weight.mins is None else weight.mins.float().t()
     totals, magnitudes = [], []
     for start in range(0, x.shape[0], _TWIN_ROWS):
         rows = slice(start, start + _TWIN_ROWS)
-        q = qx[rows].double().reshape(-1, blocks, BLOCK).transpose(0, 1)            # [blocks, rows, 32]
-        scale = dx[rows].t().unsqueeze(-1) * dw.unsqueeze(1)                        # [blocks, rows, N] fp32
-        terms = scale * torch.bmm(q, qw).float()                  # the dots [blocks, rows, N] are exact in fp32
+        q = qx[rows].double().reshape(-1, blocks, BLOCK).transpose(0, 1)  # [blocks, rows, 32]
+        scale = dx[rows].t().unsqueeze(-1) * dw.unsqueeze(1)  # [blocks, rows, N] fp32
+        terms = scale * torch.bmm(q, qw).float()  # the dots [blocks, rows, N] are exact in fp32
         magnitude = scale.double().abs() * torch.bmm(q.abs(), qw.abs())
         if mw is not None:
             terms = torch.cat((terms, sx[rows].t().unsqueeze(-1) * mw.unsqueeze(1)))
@@ -239,8 +240,12 @@ def _native() -> ctypes.CDLL | None:
 def quant_matmul_takes(weight: QuantWeight) -> bool:
     """Whether the native kernel multiplies by this weight: on a CPU, its tensors contiguous, the native library
     loaded (built on first use). K is a multiple of BLOCK by construction."""
-    return (weight.qs.device.type == "cpu" and all(t.is_contiguous() for t in weight.tensors().values())
-            and not torch.compiler.is_compiling() and _native() is not None)
+    return (
+        weight.qs.device.type == "cpu"
+        and all(t.is_contiguous() for t in weight.tensors().values())
+        and not torch.compiler.is_compiling()
+        and _native() is not None
+    )
 
 
 def quant_matmul(x: torch.Tensor, weight: QuantWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -249,24 +254,47 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, lib: ctypes.CDLL | None =
     `quant_matmul_takes` (checked once per weight by the caller, not here). Equal to `quant_matmul_reference` up to
     the order of an fp32 sum; a row's bits do not depend on the other rows of x or on the thread count."""
     n, k = weight.scales.shape[0], weight.scales.shape[1] * BLOCK
-    if (x.dim() != 2 or x.shape[1] != k or x.shape[0] < 1 or x.dtype not in cpu_kernels.NATIVE_DTYPES
-            or x.stride(1) != 1 or not x.is_cpu):
-        raise ValueError(f"the native quantized matmul takes CPU bf16 / fp32 rows x [M >= 1, {k}] with unit column "
-                         f"stride, got {x.dtype} {list(x.shape)} with strides {x.stride()} on {x.device}")
+    if (
+        x.dim() != 2
+        or x.shape[1] != k
+        or x.shape[0] < 1
+        or x.dtype not in cpu_kernels.NATIVE_DTYPES
+        or x.stride(1) != 1
+        or not x.is_cpu
+    ):
+        raise ValueError(
+            f"the native quantized matmul takes CPU bf16 / fp32 rows x [M >= 1, {k}] with unit column "
+            f"stride, got {x.dtype} {list(x.shape)} with strides {x.stride()} on {x.device}"
+        )
     lib = lib or _native()
     if lib is None:
         raise ValueError("the native CPU kernels are not built here (see quant_matmul_takes)")
     m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype)
-    status = lib.quant_matmul(x.data_ptr(), x.stride(0) if m > 1 else k, weight.qs.data_ptr(),
-                              weight.scales.data_ptr(), None if weight.mins is None else weight.mins.data_ptr(),
-                              FORMAT_CODES[weight.format], out.data_ptr(), n, m, n, k, x.dtype == torch.bfloat16)
+    status = lib.quant_matmul(
+        x.data_ptr(),
+        x.stride(0) if m > 1 else k,
+        weight.qs.data_ptr(),
+        weight.scales.data_ptr(),
+        None if weight.mins is None else weight.mins.data_ptr(),
+        FORMAT_CODES[weight.format],
+        out.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        x.dtype == torch.bfloat16,
+    )
     if status == -2:
         raise MemoryError(f"the native quantized matmul could not allocate {m} quantized rows of {k}")
     if status != 0:
-        raise ValueError(f"the native quantized matmul refused x {list(x.shape)} (row stride {x.stride(0)}) by a "
-                         f"{weight.format} weight {list(weight.shape)}")
+        raise ValueError(
+            f"the native quantized matmul refused x {list(x.shape)} (row stride {x.stride(0)}) by a "
+            f"{weight.format} weight {list(weight.shape)}"
+        )
     return out
+
+
 def quant_linear(x: torch.Tensor, weight: QuantWeight, native: bool) -> torch.Tensor:
     """x [M, K] times a quantized weight [N, K], transposed -> [M, N] in x's dtype, by the fastest path here: the
     native kernel on a CPU (`native`: the caller's `quant_matmul_takes(weight)`, decided once per weight) for bf16 /

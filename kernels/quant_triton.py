@@ -42,8 +42,8 @@ import torch
 from infer.kernels._triton import tl, triton, use_triton
 from infer.kernels.quant import BLOCK, QuantWeight, dequantize
 
-GEMV_MAX_M = 4            # rows up to which the broadcast-multiply-sum kernel runs; the tl.dot kernel above
-_PROGRAMS_PER_SM = 4      # split-K aims for this many programs per SM
+GEMV_MAX_M = 4  # rows up to which the broadcast-multiply-sum kernel runs; the tl.dot kernel above
+_PROGRAMS_PER_SM = 4  # split-K aims for this many programs per SM
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -64,9 +64,10 @@ def _check(x: torch.Tensor, weight: QuantWeight) -> None:
 # The twin
 
 
-def quant_matmul_torch(x: torch.Tensor,          # [M, K] fp16 / bf16 / fp32
-                       weight: QuantWeight,      # [N, K]
-                       ) -> torch.Tensor:        # [M, N] in x's dtype
+def quant_matmul_torch(
+    x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
+    weight: QuantWeight,  # [N, K]
+) -> torch.Tensor:  # [M, N] in x's dtype
     """x @ dequantize(weight).T: the weight dequantized in fp32 (scale * q + min), an fp32 matmul, one cast."""
     _check(x, weight)
     return (x.float() @ dequantize(weight, torch.float32).t()).to(x.dtype)
@@ -95,8 +96,9 @@ def _load_tile(qs_ptr, stride_qn, cols, col_mask, blocks, block_mask, Q4: tl.con
 
 
 @triton.jit
-def _dequantized(q, scale, mins, HAS_MIN: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                 TILE_K: tl.constexpr):
+def _dequantized(
+    q, scale, mins, HAS_MIN: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr, TILE_K: tl.constexpr
+):
     """q [BLOCK_N, BLOCKS_K, HALF] fp32 -> scale * q (+ min) in `dtype`, as [BLOCK_N, TILE_K = BLOCKS_K * HALF]."""
     w = q * scale[:, :, None]
     if HAS_MIN:
@@ -134,13 +136,27 @@ _UNSPECIALIZED = ["stride_xm", "stride_sn", "stride_om", "M", "N", "num_blocks",
 
 @triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _gemv_kernel(
-    x_ptr, stride_xm, stride_xk,        # x [M, K]
-    qs_ptr, stride_qn,                  # q4: uint8 [N, K // 2]; q8: int8 [N, K]
-    scale_ptr, min_ptr, stride_sn,      # fp16 [N, K // 32] each (min_ptr unused without HAS_MIN)
-    out_ptr, stride_om,                 # [M, N]: x's dtype, or fp32 accumulated atomically when SPLIT
-    M, N, num_blocks, blocks_per_split,
-    Q4: tl.constexpr, HAS_MIN: tl.constexpr, SPLIT: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_K: tl.constexpr,
+    x_ptr,
+    stride_xm,
+    stride_xk,  # x [M, K]
+    qs_ptr,
+    stride_qn,  # q4: uint8 [N, K // 2]; q8: int8 [N, K]
+    scale_ptr,
+    min_ptr,
+    stride_sn,  # fp16 [N, K // 32] each (min_ptr unused without HAS_MIN)
+    out_ptr,
+    stride_om,  # [M, N]: x's dtype, or fp32 accumulated atomically when SPLIT
+    M,
+    N,
+    num_blocks,
+    blocks_per_split,
+    Q4: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCKS_K: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), splits). Program (n, s) covers all M <= BLOCK_M rows, columns
     # [n * BLOCK_N, +BLOCK_N) and the quant blocks [s * blocks_per_split, +blocks_per_split) of K.
@@ -166,9 +182,9 @@ def _gemv_kernel(
             x_hi = tl.load(x_ptr + x_offs + 16 * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             pick = rows[:, None, None] == m
-            xm = tl.sum(tl.where(pick, x_lo, 0.0), axis=0)                     # [BLOCKS_K, HALF]
-            dots = tl.sum(low * xm[None, :, :], axis=2)                         # [BLOCK_N, BLOCKS_K]
-            x_sums = tl.sum(xm, axis=1)                                         # [BLOCKS_K]
+            xm = tl.sum(tl.where(pick, x_lo, 0.0), axis=0)  # [BLOCKS_K, HALF]
+            dots = tl.sum(low * xm[None, :, :], axis=2)  # [BLOCK_N, BLOCKS_K]
+            x_sums = tl.sum(xm, axis=1)  # [BLOCKS_K]
             if Q4:
                 xm_hi = tl.sum(tl.where(pick, x_hi, 0.0), axis=0)
                 dots += tl.sum(high * xm_hi[None, :, :], axis=2)
@@ -176,19 +192,34 @@ def _gemv_kernel(
             part = dots * scale
             if HAS_MIN:
                 part += mins * x_sums[None, :]
-            acc += tl.where(rows[:, None] == m, tl.sum(part, axis=1)[None, :], 0.0)   # row m += [BLOCK_N]
+            acc += tl.where(rows[:, None] == m, tl.sum(part, axis=1)[None, :], 0.0)  # row m += [BLOCK_N]
     _store(out_ptr, stride_om, acc, rows, row_mask, cols, col_mask, SPLIT)
 
 
 @triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _dot_kernel(
-    x_ptr, stride_xm, stride_xk,        # x [M, K]
-    qs_ptr, stride_qn,                  # q4: uint8 [N, K // 2]; q8: int8 [N, K]
-    scale_ptr, min_ptr, stride_sn,      # fp16 [N, K // 32] each (min_ptr unused without HAS_MIN)
-    out_ptr, stride_om,                 # [M, N]: x's dtype, or fp32 accumulated atomically when SPLIT
-    M, N, num_blocks, blocks_per_split,
-    Q4: tl.constexpr, HAS_MIN: tl.constexpr, SPLIT: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_K: tl.constexpr, TILE_K: tl.constexpr,
+    x_ptr,
+    stride_xm,
+    stride_xk,  # x [M, K]
+    qs_ptr,
+    stride_qn,  # q4: uint8 [N, K // 2]; q8: int8 [N, K]
+    scale_ptr,
+    min_ptr,
+    stride_sn,  # fp16 [N, K // 32] each (min_ptr unused without HAS_MIN)
+    out_ptr,
+    stride_om,  # [M, N]: x's dtype, or fp32 accumulated atomically when SPLIT
+    M,
+    N,
+    num_blocks,
+    blocks_per_split,
+    Q4: tl.constexpr,
+    HAS_MIN: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCKS_K: tl.constexpr,
+    TILE_K: tl.constexpr,
 ):
     # grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), splits); the M tiles of one N tile are neighbours, so they
     # share the weight tile through L2. Each iteration: one dot of K = BLOCKS_K * HALF (q8), two for q4
@@ -210,11 +241,10 @@ def _dot_kernel(
         x_offs = rows[:, None, None] * stride_xm + (blocks[None, :, None] * 32 + j[None, None, :]) * stride_xk
         x_mask = row_mask[:, None, None] & block_mask[None, :, None]
         x_lo = tl.reshape(tl.load(x_ptr + x_offs, mask=x_mask, other=0.0), (BLOCK_M, TILE_K))
-        w_lo = _dequantized(low, scale, mins, HAS_MIN, dtype, BLOCK_N, TILE_K)          # [BLOCK_N, TILE_K]
+        w_lo = _dequantized(low, scale, mins, HAS_MIN, dtype, BLOCK_N, TILE_K)  # [BLOCK_N, TILE_K]
         acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision="ieee")
         if Q4:
-            x_hi = tl.reshape(tl.load(x_ptr + x_offs + 16 * stride_xk, mask=x_mask, other=0.0),
-                              (BLOCK_M, TILE_K))
+            x_hi = tl.reshape(tl.load(x_ptr + x_offs + 16 * stride_xk, mask=x_mask, other=0.0), (BLOCK_M, TILE_K))
             w_hi = _dequantized(high, scale, mins, HAS_MIN, dtype, BLOCK_N, TILE_K)
             acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision="ieee")
     _store(out_ptr, stride_om, acc, rows, row_mask, cols, col_mask, SPLIT)
@@ -224,10 +254,10 @@ def _dot_kernel(
 class Plan:
     """How one call is launched: the kernel, its tile sizes and the number of K splits."""
 
-    kernel: str           # "gemv" or "dot"
+    kernel: str  # "gemv" or "dot"
     block_m: int
     block_n: int
-    blocks_k: int         # quant blocks (32 elements of K) per iteration
+    blocks_k: int  # quant blocks (32 elements of K) per iteration
     num_warps: int
     num_stages: int
     splits: int
@@ -237,12 +267,13 @@ class Plan:
 @functools.lru_cache(maxsize=8)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4      # the interpreter: a few splits, so the tests cover the atomic path
+        return 4  # the interpreter: a few splits, so the tests cover the atomic path
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _plan(m: int, n: int, num_blocks: int, device: torch.device, kernel: str | None = None,
-          splits: int | None = None) -> Plan:
+def _plan(
+    m: int, n: int, num_blocks: int, device: torch.device, kernel: str | None = None, splits: int | None = None
+) -> Plan:
     """Tile sizes for an [m, K] x [n, K]^T product with K = 32 * num_blocks (module docstring), and enough K
     splits to give every SM _PROGRAMS_PER_SM programs; `kernel` and `splits` override the choice. Under the
     interpreter (CPU tensors) an iteration takes 2 quant blocks, so tiny test shapes loop and split."""
@@ -264,14 +295,17 @@ def _plan(m: int, n: int, num_blocks: int, device: torch.device, kernel: str | N
         splits = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), tiles)
     splits = max(1, min(splits, k_steps))
     steps_per_split = triton.cdiv(k_steps, splits)
-    splits = triton.cdiv(k_steps, steps_per_split)   # no empty split
+    splits = triton.cdiv(k_steps, steps_per_split)  # no empty split
     return Plan(kernel, block_m, block_n, blocks_k, warps, stages, splits, steps_per_split * blocks_k)
 
 
-def quant_matmul_triton(x: torch.Tensor,          # [M, K] fp16 / bf16 (fp32 in the interpreter tests)
-                        weight: QuantWeight,      # [N, K], each tensor contiguous along K
-                        *, kernel: str | None = None, splits: int | None = None,
-                        ) -> torch.Tensor:        # [M, N] in x's dtype
+def quant_matmul_triton(
+    x: torch.Tensor,  # [M, K] fp16 / bf16 (fp32 in the interpreter tests)
+    weight: QuantWeight,  # [N, K], each tensor contiguous along K
+    *,
+    kernel: str | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:  # [M, N] in x's dtype
     """Same contract as `quant_matmul_torch`; no host sync. `kernel` ("gemv" / "dot") and `splits` override
     the plan (benchmarks and tests); by default M <= GEMV_MAX_M runs the gemv kernel."""
     _check(x, weight)
@@ -287,22 +321,46 @@ def quant_matmul_triton(x: torch.Tensor,          # [M, K] fp16 / bf16 (fp32 in 
     num_blocks = k // BLOCK
     plan = _plan(m, n, num_blocks, x.device, kernel, splits)
     split = plan.splits > 1
-    out = (torch.zeros((m, n), dtype=torch.float32, device=x.device) if split
-           else torch.empty((m, n), dtype=x.dtype, device=x.device))
+    out = (
+        torch.zeros((m, n), dtype=torch.float32, device=x.device)
+        if split
+        else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    )
     mins = weight.mins if weight.mins is not None else weight.scales
-    args = (x, x.stride(0), x.stride(1), weight.qs, weight.qs.stride(0), weight.scales, mins,
-            weight.scales.stride(0), out, out.stride(0), m, n, num_blocks, plan.blocks_per_split)
+    args = (
+        x,
+        x.stride(0),
+        x.stride(1),
+        weight.qs,
+        weight.qs.stride(0),
+        weight.scales,
+        mins,
+        weight.scales.stride(0),
+        out,
+        out.stride(0),
+        m,
+        n,
+        num_blocks,
+        plan.blocks_per_split,
+    )
     q4 = weight.format == "q4"
     half = 16 if q4 else 32
-    meta = dict(Q4=q4, HAS_MIN=weight.mins is not None, SPLIT=split, HALF=half, BLOCK_M=plan.block_m,
-                BLOCK_N=plan.block_n, BLOCKS_K=plan.blocks_k, num_warps=plan.num_warps,
-                num_stages=plan.num_stages)
+    meta = dict(
+        Q4=q4,
+        HAS_MIN=weight.mins is not None,
+        SPLIT=split,
+        HALF=half,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCKS_K=plan.blocks_k,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
     n_tiles = triton.cdiv(n, plan.block_n)
     if plan.kernel == "gemv":
         _gemv_kernel[(n_tiles, plan.splits)](*args, **meta)
     else:
-        _dot_kernel[(triton.cdiv(m, plan.block_m), n_tiles, plan.splits)](*args, TILE_K=plan.blocks_k * half,
-                                                                            **meta)
+        _dot_kernel[(triton.cdiv(m, plan.block_m), n_tiles, plan.splits)](*args, TILE_K=plan.blocks_k * half, **meta)
     return out.to(x.dtype) if split else out
 
 

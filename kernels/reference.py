@@ -9,9 +9,17 @@ from __future__ import annotations
 import torch
 
 
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                              scale: float, out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    window: int = 0,
+) -> torch.Tensor:
     """q [T, H, D]; caches [Hkv, NB, bs, D]; block_tables [B, max_blocks]; seq_lens [B];
     query_start_loc [B + 1]. Sequence i's queries are its last q_len_i positions and attend causally, to keys
     in (p - window, p] with a sliding window > 0.
@@ -27,8 +35,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         keys = k_cache[:, blocks, offsets].float().repeat_interleave(num_heads // num_kv_heads, dim=0)  # [H, ctx, D]
         values = v_cache[:, blocks, offsets].float().repeat_interleave(num_heads // num_kv_heads, dim=0)
         start, end = starts[i], starts[i + 1]
-        queries = q[start:end].float().transpose(0, 1)                          # [H, n, D]
-        scores = queries @ keys.transpose(1, 2) * scale                          # [H, n, ctx]
+        queries = q[start:end].float().transpose(0, 1)  # [H, n, D]
+        scores = queries @ keys.transpose(1, 2) * scale  # [H, n, ctx]
         query_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
         hidden = positions[None, None, :] > query_pos[None, :, None]
         if window:

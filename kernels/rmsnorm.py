@@ -29,12 +29,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
             raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} does not match x {tuple(x.shape)} {x.dtype}")
 
 
-def rms_norm_torch(x: torch.Tensor,                      # [..., H]
-                   weight: torch.Tensor,                 # [H]
-                   eps: float,
-                   residual: torch.Tensor | None = None,  # [..., H] like x; updated in place to x + residual
-                   out: torch.Tensor | None = None,       # [..., H] like x
-                   ) -> torch.Tensor:                     # [..., H] in x's dtype: out, or a new tensor
+def rms_norm_torch(
+    x: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., H] like x; updated in place to x + residual
+    out: torch.Tensor | None = None,  # [..., H] like x
+) -> torch.Tensor:  # [..., H] in x's dtype: out, or a new tensor
     """The twin, in two ATen calls (at decode sizes per-call overhead dominates; a hand-written composite
     measured slower). F.rms_norm without a weight computes in float32 and rounds once to x's dtype, bitwise
     transformers' `(x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)`; the weight then multiplies in
@@ -50,12 +51,12 @@ def rms_norm_torch(x: torch.Tensor,                      # [..., H]
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,              # [N, H], rows x_row_stride apart, unit column stride
+    x_ptr,  # [N, H], rows x_row_stride apart, unit column stride
     x_row_stride,
-    residual_ptr,       # [N, H] (read and written when HAS_RESIDUAL)
+    residual_ptr,  # [N, H] (read and written when HAS_RESIDUAL)
     residual_row_stride,
-    weight_ptr,         # [H]
-    out_ptr,            # [N, H], rows out_row_stride apart (may alias x)
+    weight_ptr,  # [H]
+    out_ptr,  # [N, H], rows out_row_stride apart (may alias x)
     out_row_stride,
     hidden_size,
     eps,
@@ -78,12 +79,13 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_triton(x: torch.Tensor,                      # [..., H]
-                    weight: torch.Tensor,                 # [H]
-                    eps: float,
-                    residual: torch.Tensor | None = None,  # [..., H] like x; updated in place to x + residual
-                    out: torch.Tensor | None = None,       # [..., H] like x
-                    ) -> torch.Tensor:                     # [..., H] in x's dtype: out, or a new tensor
+def rms_norm_triton(
+    x: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., H] like x; updated in place to x + residual
+    out: torch.Tensor | None = None,  # [..., H] like x
+) -> torch.Tensor:  # [..., H] in x's dtype: out, or a new tensor
     """One program per row: the residual add, its store and the norm in one pass over the row.
 
     x may be a row view with any row stride (a copy is made only for a non-unit column stride, or for
@@ -104,9 +106,19 @@ def rms_norm_triton(x: torch.Tensor,                      # [..., H]
         return out
     block = triton.next_power_of_2(hidden_size)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, rows.stride(0), residual_rows, residual_rows.stride(0), weight.contiguous(), out_rows,
-        out_rows.stride(0), hidden_size, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(max(block // 256, 1), 8))
+        rows,
+        rows.stride(0),
+        residual_rows,
+        residual_rows.stride(0),
+        weight.contiguous(),
+        out_rows,
+        out_rows.stride(0),
+        hidden_size,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8),
+    )
     return out
 
 
@@ -117,12 +129,19 @@ def _rows_in_place(t: torch.Tensor, name: str) -> torch.Tensor:
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError:
-        raise ValueError(f"{name} of shape {tuple(t.shape)} and strides {t.stride()} does not flatten into "
-                         f"rows without a copy") from None
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} and strides {t.stride()} does not flatten into rows without a copy"
+        ) from None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             out: torch.Tensor | None = None, any_rows: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    any_rows: bool = False,
+) -> torch.Tensor:
     """Triton on CUDA devices; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py:
     one pass instead of the twin's pow / mean / rsqrt / mul / mul), else the twin (see `rms_norm_torch` for
     shapes and semantics). fp32 rows take the native kernel from a prefill's rows on (transformers' bits for a

@@ -21,10 +21,11 @@ from infer.kernels._triton import tl, triton, use_triton
 from infer.kernels.cpu_kernels import rotary_fits, rotary_native
 
 
-def build_cos_sin_cache(inv_freq: torch.Tensor,    # [rot_dim / 2] float32
-                        attention_scaling: float,
-                        max_positions: int,
-                        ) -> torch.Tensor:          # [max_positions, rot_dim] float32, on inv_freq's device
+def build_cos_sin_cache(
+    inv_freq: torch.Tensor,  # [rot_dim / 2] float32
+    attention_scaling: float,
+    max_positions: int,
+) -> torch.Tensor:  # [max_positions, rot_dim] float32, on inv_freq's device
     """cos | sin of position * inv_freq, scaled. The angle is the float32 product, as in transformers."""
     positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
     angles = torch.outer(positions, inv_freq.float())
@@ -34,17 +35,27 @@ def build_cos_sin_cache(inv_freq: torch.Tensor,    # [rot_dim / 2] float32
 def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos_sin_cache: torch.Tensor) -> None:
     q_shape, cache_shape = q.shape, cos_sin_cache.shape  # (read once: this runs per layer on the CPU path)
     if len(q_shape) != 3 or q_shape[0] != positions.shape[0] or q.stride(2) != 1:
-        raise ValueError(f"q {tuple(q_shape)} (strides {q.stride()}) must be [T, heads, head_dim] with T = "
-                         f"{positions.shape[0]} positions and a unit stride along the head dim")
+        raise ValueError(
+            f"q {tuple(q_shape)} (strides {q.stride()}) must be [T, heads, head_dim] with T = "
+            f"{positions.shape[0]} positions and a unit stride along the head dim"
+        )
     if k is not None:
         k_shape = k.shape
-        if (len(k_shape) != 3 or k_shape[0] != q_shape[0] or k_shape[2] != q_shape[2] or k.stride(2) != 1
-                or k.dtype != q.dtype):
-            raise ValueError(f"k {tuple(k_shape)} {k.dtype} (strides {k.stride()}) must be [T, heads, head_dim] "
-                             f"like q {tuple(q_shape)} {q.dtype}, with a unit stride along the head dim")
+        if (
+            len(k_shape) != 3
+            or k_shape[0] != q_shape[0]
+            or k_shape[2] != q_shape[2]
+            or k.stride(2) != 1
+            or k.dtype != q.dtype
+        ):
+            raise ValueError(
+                f"k {tuple(k_shape)} {k.dtype} (strides {k.stride()}) must be [T, heads, head_dim] "
+                f"like q {tuple(q_shape)} {q.dtype}, with a unit stride along the head dim"
+            )
     if len(cache_shape) != 2 or cache_shape[1] != q_shape[2] or q_shape[2] % 2:
-        raise ValueError(f"cos_sin_cache {tuple(cache_shape)} must be [max_positions, head_dim] "
-                         f"with an even head_dim {q_shape[2]}")
+        raise ValueError(
+            f"cos_sin_cache {tuple(cache_shape)} must be [max_positions, head_dim] with an even head_dim {q_shape[2]}"
+        )
     if cos_sin_cache.dtype != torch.float32:
         raise ValueError(f"cos_sin_cache must be float32, got {cos_sin_cache.dtype}")
 
@@ -59,18 +70,23 @@ def _heads_together(q: torch.Tensor, k: torch.Tensor | None) -> tuple[torch.Tens
         return (q, k)
     (num_tokens, num_q_heads, head_dim), q_strides, k_strides = q.shape, q.stride(), k.stride()
     num_heads, q_offset, k_offset = num_q_heads + k.shape[1], q.storage_offset(), k.storage_offset()
-    if (q_strides[1] == head_dim == k_strides[1] and k_offset == q_offset + num_q_heads * head_dim
-            and (num_tokens == 1 or k_strides[0] == q_strides[0] >= num_heads * head_dim)
-            and q.data_ptr() - k.data_ptr() == (q_offset - k_offset) * q.element_size()):  # one storage
+    if (
+        q_strides[1] == head_dim == k_strides[1]
+        and k_offset == q_offset + num_q_heads * head_dim
+        and (num_tokens == 1 or k_strides[0] == q_strides[0] >= num_heads * head_dim)
+        and q.data_ptr() - k.data_ptr() == (q_offset - k_offset) * q.element_size()
+    ):  # one storage
         return (q.as_strided((num_tokens, num_heads, head_dim), q_strides),)
     return (q, k)
 
 
-def rotary_embedding_torch(positions: torch.Tensor,       # [T] int64
-                           q: torch.Tensor,               # [T, Hq, D], rotated in place
-                           k: torch.Tensor | None,        # [T, Hk, D], rotated in place
-                           cos_sin_cache: torch.Tensor,   # [max_positions, D] float32
-                           is_neox: bool) -> None:
+def rotary_embedding_torch(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D], rotated in place
+    k: torch.Tensor | None,  # [T, Hk, D], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_positions, D] float32
+    is_neox: bool,
+) -> None:
     """The twin. Both styles run the same code on a [T, heads, 2, D/2] view whose axis 2 picks x1 or x2."""
     _check(positions, q, k, cos_sin_cache)
     num_tokens, half = positions.shape[0], q.shape[2] // 2
@@ -91,13 +107,13 @@ def rotary_embedding_torch(positions: torch.Tensor,       # [T] int64
 
 @triton.jit
 def _rotate_heads(
-    x_ptr,           # this token's first head
+    x_ptr,  # this token's first head
     head_stride,
     num_heads,
-    x1_offsets,      # [BLOCK_D] offsets of x1 within a head (x2 at x2_offsets)
+    x1_offsets,  # [BLOCK_D] offsets of x1 within a head (x2 at x2_offsets)
     x2_offsets,
     d_mask,
-    cos,             # [BLOCK_D] float32
+    cos,  # [BLOCK_D] float32
     sin,
     BLOCK_H: tl.constexpr,
 ):
@@ -115,18 +131,18 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr,    # [T]
-    q_ptr,            # [T, Hq, D]
+    positions_ptr,  # [T]
+    q_ptr,  # [T, Hq, D]
     q_token_stride,
     q_head_stride,
     num_q_heads,
-    k_ptr,            # [T, Hk, D] (unused unless HAS_K)
+    k_ptr,  # [T, Hk, D] (unused unless HAS_K)
     k_token_stride,
     k_head_stride,
     num_k_heads,
-    cache_ptr,        # [max_positions, D] float32
+    cache_ptr,  # [max_positions, D] float32
     cache_stride,
-    HALF: tl.constexpr,     # D / 2
+    HALF: tl.constexpr,  # D / 2
     BLOCK_D: tl.constexpr,  # power of two >= HALF
     BLOCK_H: tl.constexpr,  # heads per tile
     IS_NEOX: tl.constexpr,
@@ -142,18 +158,30 @@ def _rotary_kernel(
         x1_offsets, x2_offsets = d, d + HALF
     else:
         x1_offsets, x2_offsets = 2 * d, 2 * d + 1
-    _rotate_heads(q_ptr + token * q_token_stride, q_head_stride, num_q_heads, x1_offsets, x2_offsets, d_mask,
-                  cos, sin, BLOCK_H)
+    _rotate_heads(
+        q_ptr + token * q_token_stride, q_head_stride, num_q_heads, x1_offsets, x2_offsets, d_mask, cos, sin, BLOCK_H
+    )
     if HAS_K:
-        _rotate_heads(k_ptr + token * k_token_stride, k_head_stride, num_k_heads, x1_offsets, x2_offsets, d_mask,
-                      cos, sin, BLOCK_H)
+        _rotate_heads(
+            k_ptr + token * k_token_stride,
+            k_head_stride,
+            num_k_heads,
+            x1_offsets,
+            x2_offsets,
+            d_mask,
+            cos,
+            sin,
+            BLOCK_H,
+        )
 
 
-def rotary_embedding_triton(positions: torch.Tensor,       # [T] int64
-                            q: torch.Tensor,               # [T, Hq, D], rotated in place
-                            k: torch.Tensor | None,        # [T, Hk, D], rotated in place
-                            cos_sin_cache: torch.Tensor,   # [max_positions, D] float32
-                            is_neox: bool) -> None:
+def rotary_embedding_triton(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D], rotated in place
+    k: torch.Tensor | None,  # [T, Hk, D], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_positions, D] float32
+    is_neox: bool,
+) -> None:
     """One program per token: its cos/sin row is loaded once and applied to all of its q and k heads."""
     _check(positions, q, k, cos_sin_cache)
     num_tokens, half = positions.shape[0], q.shape[2] // 2
@@ -164,12 +192,25 @@ def rotary_embedding_triton(positions: torch.Tensor,       # [T] int64
     block_h = min(triton.next_power_of_2(num_heads), max(1, 4096 // block_d))
     k_args = (k, k.stride(0), k.stride(1), k.shape[1]) if k is not None else (q, 0, 0, 0)
     _rotary_kernel[(num_tokens,)](
-        positions, q, q.stride(0), q.stride(1), q.shape[1], *k_args, cos_sin_cache, cos_sin_cache.stride(0),
-        HALF=half, BLOCK_D=block_d, BLOCK_H=block_h, IS_NEOX=is_neox, HAS_K=k is not None)
+        positions,
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.shape[1],
+        *k_args,
+        cos_sin_cache,
+        cos_sin_cache.stride(0),
+        HALF=half,
+        BLOCK_D=block_d,
+        BLOCK_H=block_h,
+        IS_NEOX=is_neox,
+        HAS_K=k is not None,
+    )
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
-                     cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos_sin_cache: torch.Tensor, is_neox: bool
+) -> None:
     """Triton on CUDA devices; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py),
     else the twin (see `rotary_embedding_torch` for shapes)."""
     if use_triton(q):

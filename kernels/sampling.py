@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from infer.kernels._triton import tl, triton, use_triton
 
 # Below this temperature a row is sampled greedily (dividing by it would overflow float32), as in vLLM.
@@ -41,14 +42,14 @@ GREEDY_TEMPERATURE = 1e-5
 GROUP = 1024  # token ids per group of the race; also the Triton kernel's chunk
 
 _M32 = 0xFFFFFFFF
-_MUL1 = 0x21F0AAAD      # odd multipliers below 2**31: (32-bit value) * multiplier < 2**63
+_MUL1 = 0x21F0AAAD  # odd multipliers below 2**31: (32-bit value) * multiplier < 2**63
 _MUL2 = 0x735A2D97
-_WEYL = 0x61C88647       # 2**32 / golden ratio, odd: counter * _WEYL visits every uint32 once
+_WEYL = 0x61C88647  # 2**32 / golden ratio, odd: counter * _WEYL visits every uint32 once
 _SEED_SALT = 0x2545F491
 _GROUP_TAG = 0x80000000  # group g is hashed as g | 2**31, apart from every token id
-_TINY = 2.0 ** -126     # the smallest normal float32: empty groups get log(_TINY), below any Gumbel reach
-_NUM_PIVOTS = 16        # thresholds the kernel's cut searches test per pass over a row
-_NUM_BINS = 1024         # the twin's top-p histogram: bins of 1/16 nat below the max
+_TINY = 2.0**-126  # the smallest normal float32: empty groups get log(_TINY), below any Gumbel reach
+_NUM_PIVOTS = 16  # thresholds the kernel's cut searches test per pass over a row
+_NUM_BINS = 1024  # the twin's top-p histogram: bins of 1/16 nat below the max
 _BINS_PER_NAT = 16.0
 
 
@@ -106,8 +107,10 @@ def _pivots(lo, hi, NUM_PIVOTS: tl.constexpr):
 @triton.jit
 def _narrow(lo, hi, pivots, enough):
     """The bracket after one pass: the highest pivot that still holds enough, the lowest that does not."""
-    return (tl.maximum(lo, tl.max(tl.where(enough, pivots, lo), axis=0)),
-            tl.minimum(hi, tl.min(tl.where(enough, hi, pivots), axis=0)))
+    return (
+        tl.maximum(lo, tl.max(tl.where(enough, pivots, lo), axis=0)),
+        tl.minimum(hi, tl.min(tl.where(enough, hi, pivots), axis=0)),
+    )
 
 
 @triton.jit
@@ -116,7 +119,7 @@ def _top_k_cut(row_ptr, inv_t, s_max, k, vocab_size, GROUP: tl.constexpr, NUM_PI
     NUM_PIVOTS counts per pass over the row (8 passes cover the 2**32 keys with 16)."""
     cols = tl.arange(0, GROUP)
     lo = _order_key(tl.full((), float("-inf"), tl.float32)).to(tl.int64)  # count(s >= -inf) = V >= k
-    hi = _order_key(s_max).to(tl.int64) + 1                                 # count(s >= above max) = 0 < k
+    hi = _order_key(s_max).to(tl.int64) + 1  # count(s >= above max) = 0 < k
     while lo + 1 < hi:
         pivots = _pivots(lo, hi, NUM_PIVOTS)
         pivot_values = _from_order_key(pivots.to(tl.int32))
@@ -183,10 +186,23 @@ def _race(row_ptr, inv_t, s_max, cut, key, vocab_size, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr,
-                   offsets_ptr, out_ptr, cutoffs_ptr, vocab_size,
-                   GREEDY_T: tl.constexpr, GROUP: tl.constexpr, NUM_PIVOTS: tl.constexpr,
-                   WRITE_CUTOFFS: tl.constexpr):
+def _sample_kernel(
+    logits_ptr,
+    stride_row,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seeds_ptr,
+    offsets_ptr,
+    out_ptr,
+    cutoffs_ptr,
+    vocab_size,
+    GREEDY_T: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr,
+    WRITE_CUTOFFS: tl.constexpr,
+):
     # One program per row, looping over the vocabulary in chunks of GROUP.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -225,16 +241,17 @@ def _sample_kernel(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr
         tl.store(cutoffs_ptr + row, cut)
 
 
-def sample_triton(logits: torch.Tensor,         # [B, V] float32 / float16 / bfloat16
-                  temperature: torch.Tensor,    # [B] float; < GREEDY_TEMPERATURE: greedy
-                  top_k: torch.Tensor,          # [B] int; <= 0 or >= V: off
-                  top_p: torch.Tensor,          # [B] float; >= 1: off
-                  min_p: torch.Tensor,          # [B] float; <= 0: off
-                  seeds: torch.Tensor,          # [B] int64
-                  offsets: torch.Tensor,        # [B] int64: the position in the seed's noise stream
-                  out: torch.Tensor | None = None,       # [B] int64, written in full
-                  cutoffs: torch.Tensor | None = None,   # [B] float32, written in full when given
-                  ) -> torch.Tensor:            # [B] int64 token ids (`out` when given)
+def sample_triton(
+    logits: torch.Tensor,  # [B, V] float32 / float16 / bfloat16
+    temperature: torch.Tensor,  # [B] float; < GREEDY_TEMPERATURE: greedy
+    top_k: torch.Tensor,  # [B] int; <= 0 or >= V: off
+    top_p: torch.Tensor,  # [B] float; >= 1: off
+    min_p: torch.Tensor,  # [B] float; <= 0: off
+    seeds: torch.Tensor,  # [B] int64
+    offsets: torch.Tensor,  # [B] int64: the position in the seed's noise stream
+    out: torch.Tensor | None = None,  # [B] int64, written in full
+    cutoffs: torch.Tensor | None = None,  # [B] float32, written in full when given
+) -> torch.Tensor:  # [B] int64 token ids (`out` when given)
     """Samples one token per row (module docstring). `cutoffs` receives each row's cut on the scaled
     logits (kept: logits / T >= cutoff; -inf: unfiltered); greedy rows get their max logit."""
     num_rows, vocab_size = logits.shape
@@ -245,26 +262,40 @@ def sample_triton(logits: torch.Tensor,         # [B, V] float32 / float16 / bfl
     if num_rows == 0:
         return out
     _sample_kernel[(num_rows,)](
-        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, offsets, out,
-        cutoffs if cutoffs is not None else out, vocab_size,
-        GREEDY_T=GREEDY_TEMPERATURE, GROUP=GROUP, NUM_PIVOTS=_NUM_PIVOTS, WRITE_CUTOFFS=cutoffs is not None,
-        num_warps=8)  # the searches hold [NUM_PIVOTS, GROUP] tiles
+        logits,
+        logits.stride(0),
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seeds,
+        offsets,
+        out,
+        cutoffs if cutoffs is not None else out,
+        vocab_size,
+        GREEDY_T=GREEDY_TEMPERATURE,
+        GROUP=GROUP,
+        NUM_PIVOTS=_NUM_PIVOTS,
+        WRITE_CUTOFFS=cutoffs is not None,
+        num_warps=8,
+    )  # the searches hold [NUM_PIVOTS, GROUP] tiles
     return out
 
 
 # ---- the PyTorch twin -------------------------------------------------------------------------------
 
 
-def sample_torch(logits: torch.Tensor,          # [B, V] float32 / float16 / bfloat16
-                 temperature: torch.Tensor,     # [B] float; < GREEDY_TEMPERATURE: greedy
-                 top_k: torch.Tensor,           # [B] int; <= 0 or >= V: off
-                 top_p: torch.Tensor,           # [B] float; >= 1: off
-                 min_p: torch.Tensor,           # [B] float; <= 0: off
-                 seeds: torch.Tensor,           # [B] int64
-                 offsets: torch.Tensor,         # [B] int64: the position in the seed's noise stream
-                 out: torch.Tensor | None = None,       # [B] int64, written in full
-                 cutoffs: torch.Tensor | None = None,   # [B] float32, written in full when given
-                 ) -> torch.Tensor:             # [B] int64 token ids (`out` when given)
+def sample_torch(
+    logits: torch.Tensor,  # [B, V] float32 / float16 / bfloat16
+    temperature: torch.Tensor,  # [B] float; < GREEDY_TEMPERATURE: greedy
+    top_k: torch.Tensor,  # [B] int; <= 0 or >= V: off
+    top_p: torch.Tensor,  # [B] float; >= 1: off
+    min_p: torch.Tensor,  # [B] float; <= 0: off
+    seeds: torch.Tensor,  # [B] int64
+    offsets: torch.Tensor,  # [B] int64: the position in the seed's noise stream
+    out: torch.Tensor | None = None,  # [B] int64, written in full
+    cutoffs: torch.Tensor | None = None,  # [B] float32, written in full when given
+) -> torch.Tensor:  # [B] int64 token ids (`out` when given)
     """The twin of `sample_triton`. Made for the CPU: it reads a few per-row flags on the host to pick the
     cheapest vectorized path (on CUDA that would be a sync; the dispatcher runs Triton there)."""
     num_rows = logits.shape[0]
@@ -275,11 +306,13 @@ def sample_torch(logits: torch.Tensor,          # [B, V] float32 / float16 / bfl
     else:
         cut, tokens = x.max(dim=-1)  # greedy rows: the first maximum, and the max logit as their cutoff
         if rows.numel() > 0:
+
             def pick(t: torch.Tensor) -> torch.Tensor:
                 return t.index_select(0, rows)
 
-            sampled, sampled_cut = _sample_rows(pick(x), pick(temperature), pick(top_k), pick(top_p),
-                                                pick(min_p), pick(seeds), pick(offsets))
+            sampled, sampled_cut = _sample_rows(
+                pick(x), pick(temperature), pick(top_k), pick(top_p), pick(min_p), pick(seeds), pick(offsets)
+            )
             tokens.index_copy_(0, rows, sampled)
             cut.index_copy_(0, rows, sampled_cut)
     if cutoffs is not None:
@@ -287,10 +320,15 @@ def sample_torch(logits: torch.Tensor,          # [B, V] float32 / float16 / bfl
     return tokens if out is None else out.copy_(tokens)
 
 
-def _sample_rows(x: torch.Tensor,               # [R, V] float32 raw logits of sampled rows
-                 temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                 seeds: torch.Tensor, offsets: torch.Tensor,  # [R] each
-                 ) -> tuple[torch.Tensor, torch.Tensor]:     # tokens [R] int64, cuts [R] float32
+def _sample_rows(
+    x: torch.Tensor,  # [R, V] float32 raw logits of sampled rows
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,  # [R] each
+) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R] int64, cuts [R] float32
     vocab_size = x.shape[1]
     inv_t = 1.0 / temperature.float()
     k, top_p, min_p = top_k.long(), top_p.float(), min_p.float()
@@ -325,19 +363,23 @@ class _Candidates:
     """The K largest scaled logits of each row, descending, and their token ids."""
 
     values: torch.Tensor  # [R, K] float32
-    ids: torch.Tensor     # [R, K] int64
+    ids: torch.Tensor  # [R, K] int64
 
     def mass(self, s_max: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
         """[R, K] exp(value - max) of the values >= cut, 0 elsewhere."""
         return (self.values - s_max.unsqueeze(1)).exp_().masked_fill_(self.values < cut.unsqueeze(1), 0.0)
 
 
-def _sample_full(x: torch.Tensor, inv_t: torch.Tensor,   # [R, V] raw logits, [R] 1 / temperature
-                 s_max: torch.Tensor, cut: torch.Tensor,  # [R] max scaled logit, top-k cut (or -inf)
-                 top_p: torch.Tensor | None,             # [R]; None when no row has top-p
-                 min_p: torch.Tensor | None,             # [R]; None when no row has min-p
-                 top: _Candidates | None,                # the top-k candidates, when a row has top-k
-                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_full(
+    x: torch.Tensor,
+    inv_t: torch.Tensor,  # [R, V] raw logits, [R] 1 / temperature
+    s_max: torch.Tensor,
+    cut: torch.Tensor,  # [R] max scaled logit, top-k cut (or -inf)
+    top_p: torch.Tensor | None,  # [R]; None when no row has top-p
+    min_p: torch.Tensor | None,  # [R]; None when no row has min-p
+    top: _Candidates | None,  # the top-k candidates, when a row has top-k
+    key: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Filters and races over whole rows: one exp pass; top-p from the candidates where a row has top-k,
     else from a histogram (`_top_p_cut_binned`)."""
     if top is None and top_p is None and min_p is None:  # temperature only: exp(s - max) straight from x
@@ -353,9 +395,14 @@ def _sample_full(x: torch.Tensor, inv_t: torch.Tensor,   # [R, V] raw logits, [R
     return _race_full(x, inv_t, e, cut, key), cut
 
 
-def _top_p_cut_full(s: torch.Tensor, e: torch.Tensor,   # [R, V] scaled logits, exp(s - max)
-                    s_max: torch.Tensor, cut: torch.Tensor, top_p: torch.Tensor,  # [R]; cut: top-k or -inf
-                    top: _Candidates | None) -> torch.Tensor:  # [R] (meaningful where top_p < 1)
+def _top_p_cut_full(
+    s: torch.Tensor,
+    e: torch.Tensor,  # [R, V] scaled logits, exp(s - max)
+    s_max: torch.Tensor,
+    cut: torch.Tensor,
+    top_p: torch.Tensor,  # [R]; cut: top-k or -inf
+    top: _Candidates | None,
+) -> torch.Tensor:  # [R] (meaningful where top_p < 1)
     """Top-p cuts over whole rows: from the candidates where a row has top-k (its mass from the row, ties of
     the k-th value included), from `_top_p_cut_binned` elsewhere."""
     with_k = cut > -math.inf
@@ -372,26 +419,34 @@ def _top_p_cut_full(s: torch.Tensor, e: torch.Tensor,   # [R, V] scaled logits, 
     return c_p
 
 
-def _with_min_p(cut: torch.Tensor, s_max: torch.Tensor, min_p: torch.Tensor,  # [R] each
-                has_m: torch.Tensor) -> torch.Tensor:
+def _with_min_p(
+    cut: torch.Tensor,
+    s_max: torch.Tensor,
+    min_p: torch.Tensor,  # [R] each
+    has_m: torch.Tensor,
+) -> torch.Tensor:
     """cut raised to s_max + log(min_p) on the rows with min-p (prob >= min_p * max prob)."""
     return torch.where(has_m, torch.maximum(cut, s_max + min_p.log()), cut)
 
 
-def _top_p_cut_sorted(values: torch.Tensor,   # [R, K] scaled logits, descending
-                      kept: torch.Tensor,     # [R, K] exp(values - max) where values >= floor, else 0
-                      floor: torch.Tensor,    # [R] the top-k cut (all tokens above it are in `values`)
-                      target: torch.Tensor,   # [R] p * the mass of {s >= floor}
-                      ) -> torch.Tensor:      # [R] the largest value v with mass(s >= v) >= target
+def _top_p_cut_sorted(
+    values: torch.Tensor,  # [R, K] scaled logits, descending
+    kept: torch.Tensor,  # [R, K] exp(values - max) where values >= floor, else 0
+    floor: torch.Tensor,  # [R] the top-k cut (all tokens above it are in `values`)
+    target: torch.Tensor,  # [R] p * the mass of {s >= floor}
+) -> torch.Tensor:  # [R] the largest value v with mass(s >= v) >= target
     last = (values >= floor.unsqueeze(1)).sum(dim=-1) - 1
     first_enough = (kept.cumsum(dim=-1) < target.unsqueeze(1)).sum(dim=-1)
     # clamped at 0: a row whose comparisons all fail (NaN) keeps at least its first value, the max
     return values.gather(1, torch.minimum(first_enough, last).clamp_(min=0).unsqueeze(1)).squeeze(1)
 
 
-def _top_p_cut_binned(s: torch.Tensor, e: torch.Tensor,  # [R, V] scaled logits, exp(s - max)
-                      s_max: torch.Tensor, top_p: torch.Tensor,  # [R]
-                      ) -> torch.Tensor:                 # [R] the largest v with mass(s >= v) >= p * mass
+def _top_p_cut_binned(
+    s: torch.Tensor,
+    e: torch.Tensor,  # [R, V] scaled logits, exp(s - max)
+    s_max: torch.Tensor,
+    top_p: torch.Tensor,  # [R]
+) -> torch.Tensor:  # [R] the largest v with mass(s >= v) >= p * mass
     """Top-p over the whole row without a sort: the mass in bins of 1/16 nat below the max (bins are
     monotone in s, so the bins before the cut's hold exactly the tokens above it), then the exact cut
     from the sorted tokens of the one bin that holds it."""
@@ -413,30 +468,35 @@ def _top_p_cut_binned(s: torch.Tensor, e: torch.Tensor,  # [R, V] scaled logits,
     return torch.where(count > 0, cut, s_max)
 
 
-def _race_candidates(top: _Candidates,
-                     kept: torch.Tensor,   # [R, K] exp(value - max) of the kept candidates, 0 elsewhere
-                     cut: torch.Tensor,    # [R]
-                     key: torch.Tensor,    # [R] int64 noise keys
-                     vocab_size: int) -> torch.Tensor:  # [R] int64
+def _race_candidates(
+    top: _Candidates,
+    kept: torch.Tensor,  # [R, K] exp(value - max) of the kept candidates, 0 elsewhere
+    cut: torch.Tensor,  # [R]
+    key: torch.Tensor,  # [R] int64 noise keys
+    vocab_size: int,
+) -> torch.Tensor:  # [R] int64
     """The race of `_race_full` when every kept token is a candidate: group masses by scatter."""
     groups = top.ids // GROUP
     num_groups = triton.cdiv(vocab_size, GROUP)
     mass = kept.new_zeros(kept.shape[0], num_groups).scatter_add_(1, groups, kept)
     group_counters = (torch.arange(num_groups, device=kept.device) | _GROUP_TAG).expand(kept.shape[0], -1)
     group_noise, noise = _gumbel_torch(torch.cat((group_counters, top.ids), dim=1), key).split(
-        (num_groups, kept.shape[1]), dim=1)
+        (num_groups, kept.shape[1]), dim=1
+    )
     group = _race_groups(mass, group_noise)
-    race = (top.values + noise).masked_fill_((top.values < cut.unsqueeze(1)) | (groups != group.unsqueeze(1)),
-                                             -math.inf)
+    race = (top.values + noise).masked_fill_(
+        (top.values < cut.unsqueeze(1)) | (groups != group.unsqueeze(1)), -math.inf
+    )
     return top.ids.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
-def _race_full(x: torch.Tensor,      # [R, V] raw logits
-               inv_t: torch.Tensor,  # [R] 1 / temperature
-               kept: torch.Tensor,   # [R, V] exp(s - max) on kept tokens, 0 elsewhere
-               cut: torch.Tensor,    # [R]
-               key: torch.Tensor,    # [R] int64 noise keys
-               ) -> torch.Tensor:    # [R] int64
+def _race_full(
+    x: torch.Tensor,  # [R, V] raw logits
+    inv_t: torch.Tensor,  # [R] 1 / temperature
+    kept: torch.Tensor,  # [R, V] exp(s - max) on kept tokens, 0 elsewhere
+    cut: torch.Tensor,  # [R]
+    key: torch.Tensor,  # [R] int64 noise keys
+) -> torch.Tensor:  # [R] int64
     """A group by its kept mass, then a token of that group: G + GROUP noise values per row."""
     vocab_size = x.shape[1]
     mass = _group_sums(kept)
@@ -484,13 +544,21 @@ def _gumbel_torch(counters: torch.Tensor, key: torch.Tensor) -> torch.Tensor:  #
     """`_gumbel` of the kernel: the same bits, the same float ops. counters < 2**32 + 2**31, so
     counter * _WEYL + key < 2**63."""
     h = _mix32_torch((counters * _WEYL).add_(key.unsqueeze(1)).bitwise_and_(_M32))
-    u = (h >> 9).float().add_(0.5).mul_(2.0 ** -23)
+    u = (h >> 9).float().add_(0.5).mul_(2.0**-23)
     return u.log_().neg_().log_().neg_()
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor | None = None,
-           cutoffs: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+    cutoffs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`sample_triton` on CUDA devices, `sample_torch` elsewhere (same signature)."""
     impl = sample_triton if use_triton(logits) else sample_torch
     return impl(logits, temperature, top_k, top_p, min_p, seeds, offsets, out=out, cutoffs=cutoffs)

@@ -29,14 +29,22 @@ class BeamSearchParams:
     n: int | None = None
 
     def __post_init__(self) -> None:
-        self.to_sampling_params()   # every check of SamplingParams, each naming its field
+        self.to_sampling_params()  # every check of SamplingParams, each naming its field
 
     def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
-                              include_stop_str_in_output=self.include_stop_str_in_output, stop=self.stop,
-                              stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens,
-                              beam_width=self.beam_width, n=self.beam_width if self.n is None else self.n,
-                              length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+        return SamplingParams(
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            min_tokens=self.min_tokens,
+            beam_width=self.beam_width,
+            n=self.beam_width if self.n is None else self.n,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+        )
 
 
 @dataclass
@@ -56,7 +64,7 @@ class BeamSearchSequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.tokens[self.num_prompt_tokens:]
+        return self.tokens[self.num_prompt_tokens :]
 
 
 @dataclass

@@ -23,32 +23,32 @@ class Word(enum.StrEnum):
 class FinishReason(Word):
     """Why a request's stream ended (its last delta's `finish_reason`)."""
 
-    STOP = "stop"          # an EOS token, a stop token id or a stop string
-    LENGTH = "length"      # max_tokens, or the context length
-    ABORT = "abort"        # aborted (by its client, or by a worker giving it back)
-    ERROR = "error"        # failed: `error` says why and `error_code` what kind
+    STOP = "stop"  # an EOS token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, or the context length
+    ABORT = "abort"  # aborted (by its client, or by a worker giving it back)
+    ERROR = "error"  # failed: `error` says why and `error_code` what kind
 
 
 class ErrorCode(Word):
     """Why a request failed (with finish_reason "error"), for callers that must tell bad input from a busy cluster."""
 
-    INVALID_REQUEST = "invalid_request"   # the request can never be served (prompt too long, bad token ids, options)
-    UNAVAILABLE = "unavailable"           # the cluster cannot serve it now (no healthy worker in time, draining,
-                                          # stopping, retries spent)
-    INTERNAL = "internal"                 # a component failed while serving it
-    OVERLOADED = "overloaded"             # a queue on its way was full (coordinator, worker or HTTP front): retry
-                                          # later, it was not run
-    TIMEOUT = "timeout"                   # it did not finish within its own `timeout`; aborted, KV blocks freed
-    CLIENT_TOO_SLOW = "client_too_slow"   # its client did not read what the coordinator sent it (its queue reached
-                                          # the high-water mark), so the coordinator aborted its requests; the
-                                          # client hears it when it reads again
-    CLIENT_LOST = "client_lost"           # (an Error, no request id) the coordinator declared this client lost
-                                          # (silent past --client-timeout, or unroutable) and aborted its requests
-                                          # on the workers; the client re-attaches them (they resume from the
-                                          # tokens it holds) or fails them
-    DRAINING = "draining"                 # (worker -> coordinator only) a draining worker refused a dispatch; the
-                                          # coordinator moves the request to another worker and routes nothing more
-                                          # to this one
+    INVALID_REQUEST = "invalid_request"  # the request can never be served (prompt too long, bad token ids, options)
+    UNAVAILABLE = "unavailable"  # the cluster cannot serve it now (no healthy worker in time, draining,
+    # stopping, retries spent)
+    INTERNAL = "internal"  # a component failed while serving it
+    OVERLOADED = "overloaded"  # a queue on its way was full (coordinator, worker or HTTP front): retry
+    # later, it was not run
+    TIMEOUT = "timeout"  # it did not finish within its own `timeout`; aborted, KV blocks freed
+    CLIENT_TOO_SLOW = "client_too_slow"  # its client did not read what the coordinator sent it (its queue reached
+    # the high-water mark), so the coordinator aborted its requests; the
+    # client hears it when it reads again
+    CLIENT_LOST = "client_lost"  # (an Error, no request id) the coordinator declared this client lost
+    # (silent past --client-timeout, or unroutable) and aborted its requests
+    # on the workers; the client re-attaches them (they resume from the
+    # tokens it holds) or fails them
+    DRAINING = "draining"  # (worker -> coordinator only) a draining worker refused a dispatch; the
+    # coordinator moves the request to another worker and routes nothing more
+    # to this one
 
 
 class Command(Word):
@@ -74,8 +74,8 @@ class ClusterState(Word):
 class WorkerState(Word):
     """A worker's lifecycle state (worker/lifecycle.py), in its ControlAck."""
 
-    RUNNING = "running"       # steps the engine
-    PAUSED = "paused"         # keeps its requests and memory, does not step
-    SUSPENDED = "suspended"   # paused, with the KV pool and the weights released
-    STOPPED = "stopped"       # every request given back; the process exits
-    DRAINING = "draining"     # reported only: a RUNNING worker after SIGTERM (a deadline, not a state of the table)
+    RUNNING = "running"  # steps the engine
+    PAUSED = "paused"  # keeps its requests and memory, does not step
+    SUSPENDED = "suspended"  # paused, with the KV pool and the weights released
+    STOPPED = "stopped"  # every request given back; the process exits
+    DRAINING = "draining"  # reported only: a RUNNING worker after SIGTERM (a deadline, not a state of the table)

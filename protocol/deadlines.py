@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 class DeadlineHeap(Generic[T]):
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, T]] = []   # (deadline, arrival, item): items are never compared
+        self._heap: list[tuple[float, int, T]] = []  # (deadline, arrival, item): items are never compared
         self._arrivals = itertools.count()
 
     def __len__(self) -> int:

@@ -18,22 +18,39 @@ class Variable:
     doc: str
 
 
-MODEL_CACHE = Variable("INFER_MODEL_CACHE", "where converted models (GGUF -> safetensors) are kept "
-                                            "(default ~/.cache/infer/models)")
-COMPILE_CACHE = Variable("INFER_COMPILE_CACHE", "where compiled step graphs are cached across restarts "
-                                                "(default ~/.cache/infer/compile)")
+MODEL_CACHE = Variable(
+    "INFER_MODEL_CACHE", "where converted models (GGUF -> safetensors) are kept (default ~/.cache/infer/models)"
+)
+COMPILE_CACHE = Variable(
+    "INFER_COMPILE_CACHE", "where compiled step graphs are cached across restarts (default ~/.cache/infer/compile)"
+)
 KERNELS = Variable("INFER_KERNELS", "'torch': run the kernels' PyTorch twins even on CUDA")
 CPU_KERNELS = Variable("INFER_CPU_KERNELS", "'0': no C kernels on a CPU (kernels/cpu_kernels.py): the twins run")
 API_KEY = Variable("INFER_API_KEY", "the HTTP front's API key when neither --api-key nor --api-key-file is given")
-COORDINATOR_PORT = Variable("INFER_COORDINATOR_PORT", "SPMD programs: the port of the coordinator rank 0 starts "
-                                                      "(default $MASTER_PORT + 1)")
-CPU_ISA = Variable("INFER_CPU_ISA", "'avx512', 'avx2' or 'generic': the build of the C kernels to run (default: the "
-                                    "best this CPU runs; one it cannot run is refused)")
-TP_SUPERVISED = Variable("INFER_TP_SUPERVISED", "set by infer-worker --tp-size on the processes it starts: "
-                                                "their TP rank is their --tp-rank, not $RANK / $SLURM_PROCID")
+COORDINATOR_PORT = Variable(
+    "INFER_COORDINATOR_PORT", "SPMD programs: the port of the coordinator rank 0 starts (default $MASTER_PORT + 1)"
+)
+CPU_ISA = Variable(
+    "INFER_CPU_ISA",
+    "'avx512', 'avx2' or 'generic': the build of the C kernels to run (default: the "
+    "best this CPU runs; one it cannot run is refused)",
+)
+TP_SUPERVISED = Variable(
+    "INFER_TP_SUPERVISED",
+    "set by infer-worker --tp-size on the processes it starts: "
+    "their TP rank is their --tp-rank, not $RANK / $SLURM_PROCID",
+)
 
-VARIABLES: tuple[Variable, ...] = (MODEL_CACHE, COMPILE_CACHE, KERNELS, CPU_KERNELS, CPU_ISA, API_KEY,
-                                   COORDINATOR_PORT, TP_SUPERVISED)
+VARIABLES: tuple[Variable, ...] = (
+    MODEL_CACHE,
+    COMPILE_CACHE,
+    KERNELS,
+    CPU_KERNELS,
+    CPU_ISA,
+    API_KEY,
+    COORDINATOR_PORT,
+    TP_SUPERVISED,
+)
 
 
 def read(variable: Variable, environ: Mapping[str, str] | None = None) -> str | None:

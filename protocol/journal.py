@@ -35,8 +35,8 @@ class StreamJournal:
     @classmethod
     def from_snapshot(cls, snapshot: RequestSnapshot) -> StreamJournal:
         """The journal a worker's snapshot describes (a coordinator's copy of it)."""
-        journal = cls(snapshot.token_ids[:snapshot.resumed])
-        journal.token_ids.extend(snapshot.token_ids[snapshot.resumed:])
+        journal = cls(snapshot.token_ids[: snapshot.resumed])
+        journal.token_ids.extend(snapshot.token_ids[snapshot.resumed :])
         journal.delta_ends, journal.text_ends = list(snapshot.delta_ends), list(snapshot.text_ends)
         journal.text_len = len(snapshot.text)
         journal._text_parts = [snapshot.text] if snapshot.text else []
@@ -62,9 +62,16 @@ class StreamJournal:
 
     def snapshot(self, request_id: str, prompt_token_ids: TokenIds, seed: int | None = None) -> RequestSnapshot:
         """This journal on the wire (a re-registering worker's Hello)."""
-        return RequestSnapshot(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                               token_ids=TokenIds(self.token_ids), resumed=self.resumed, text=self.text,
-                               delta_ends=list(self.delta_ends), text_ends=list(self.text_ends), seed=seed)
+        return RequestSnapshot(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            token_ids=TokenIds(self.token_ids),
+            resumed=self.resumed,
+            text=self.text,
+            delta_ends=list(self.delta_ends),
+            text_ends=list(self.text_ends),
+            seed=seed,
+        )
 
     def catch_up(self, held: Sequence[int]) -> tuple[TokenIds, str] | None:
         """What a copy holding the output tokens `held` still lacks (tokens, text), or None when `held` is not

@@ -43,7 +43,7 @@ log = logging.getLogger("infer.keys")
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
-Z85_KEY_LEN = 40                                   # a 32-byte CURVE key in z85 text
+Z85_KEY_LEN = 40  # a 32-byte CURVE key in z85 text
 CLUSTER_KEY_ROLES = {"coordinator": None, "worker": Role.WORKER, "client": Role.CLIENT, "admin": Role.ADMIN}
 CLUSTER_KEY_NAMES = tuple(CLUSTER_KEY_ROLES)
 TRUSTED_NETWORK_HINT = "or --trusted-network if every host that can reach it is trusted"
@@ -52,6 +52,7 @@ PathLike = str | os.PathLike[str]
 
 
 # ---- key files ---------------------------------------------------------------------------------------
+
 
 def _z85_key(value: bytes, what: str) -> bytes:
     """`value` if it is a z85-encoded 32-byte key, else ValueError naming `what`."""
@@ -76,8 +77,7 @@ def read_key_file(path: PathLike) -> tuple[bytes, bytes | None]:
     except OSError as e:
         raise ValueError(f"cannot read key file {p}: {e.strerror or e}") from None
     except ValueError:
-        raise ValueError(f"{p} is not a CURVE key file (no public-key line; make one with infer-keygen)") \
-            from None
+        raise ValueError(f"{p} is not a CURVE key file (no public-key line; make one with infer-keygen)") from None
     _z85_key(public, f"the public key in {p}")
     if secret is not None:
         _z85_key(secret, f"the secret key in {p}")
@@ -94,8 +94,10 @@ def read_key_pair(path: PathLike) -> tuple[bytes, bytes]:
     p = Path(path).expanduser()
     public, secret = read_key_file(p)
     if secret is None:
-        raise ValueError(f"{p} holds only a public key; a secret key file ({SECRET_SUFFIX}, written by "
-                         f"infer-keygen next to the {PUBLIC_SUFFIX} file) is needed here")
+        raise ValueError(
+            f"{p} holds only a public key; a secret key file ({SECRET_SUFFIX}, written by "
+            f"infer-keygen next to the {PUBLIC_SUFFIX} file) is needed here"
+        )
     if zmq.curve_public(secret) != public:
         raise ValueError(f"the public key in {p} does not belong to its secret key (the file was edited?)")
     mode = p.stat().st_mode
@@ -136,14 +138,21 @@ class CurveKeys:
         return cls(*read_key_pair(secret_file), server_key=read_public_key(server_public_file))
 
     @classmethod
-    def from_files(cls, secret_file: PathLike | None, server_public_file: PathLike | None, *,
-                   flags: tuple[str, str] = ("curve_key", "coordinator_key")) -> CurveKeys | None:
+    def from_files(
+        cls,
+        secret_file: PathLike | None,
+        server_public_file: PathLike | None,
+        *,
+        flags: tuple[str, str] = ("curve_key", "coordinator_key"),
+    ) -> CurveKeys | None:
         """Client keys when both files are given, None when neither is; else ValueError naming `flags`."""
         if secret_file is None and server_public_file is None:
             return None
         if secret_file is None or server_public_file is None:
-            raise ValueError(f"{flags[0]} and {flags[1]} go together: give both (this peer's secret key file "
-                             f"and the coordinator's public key file) or neither")
+            raise ValueError(
+                f"{flags[0]} and {flags[1]} go together: give both (this peer's secret key file "
+                f"and the coordinator's public key file) or neither"
+            )
         return cls.client(secret_file, server_public_file)
 
     @property
@@ -174,8 +183,7 @@ class _KeyFolder:
         try:
             return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in self.files())
         except OSError as e:
-            raise ValueError(f"cannot list authorized keys directory {self.directory}: "
-                             f"{e.strerror or e}") from None
+            raise ValueError(f"cannot list authorized keys directory {self.directory}: {e.strerror or e}") from None
 
     def read(self) -> frozenset[bytes]:
         return frozenset(read_public_key(p) for p in self.files())
@@ -191,18 +199,22 @@ def role_folders(directory: PathLike) -> dict[Role, Path]:
         raise ValueError(f"authorized keys directory {d} does not exist or is not a directory")
     folders = {role: d / name for role, name in ROLE_FOLDERS.items()}
     if any(folder.is_dir() for folder in folders.values()):
-        return folders   # one made later is read then
+        return folders  # one made later is read then
     flat = sorted(p.name for p in d.iterdir() if p.name.endswith(PUBLIC_SUFFIX))
     layout = ", ".join(f"{d / name}/ ({role.value}s)" for role, name in ROLE_FOLDERS.items())
     if flat:
-        raise ValueError(f"{d} holds public key files directly ({', '.join(flat[:4])}"
-                         f"{', ...' if len(flat) > 4 else ''}): the layout from before key roles, where any key "
-                         f"could act as a worker, a client or an administrator. Each key now goes in the folder "
-                         f"of its role: {layout}; move the files there (or name one directory per role with "
-                         f"--worker-keys, --client-keys, --admin-keys). No key is let in until then")
-    raise ValueError(f"no public key files (*{PUBLIC_SUFFIX}) in {d}: no worker or client could connect; put "
-                     f"each key's {PUBLIC_SUFFIX} file in the folder of its role: {layout} (infer-keygen "
-                     f"--cluster --dir {d} makes a whole set)")
+        raise ValueError(
+            f"{d} holds public key files directly ({', '.join(flat[:4])}"
+            f"{', ...' if len(flat) > 4 else ''}): the layout from before key roles, where any key "
+            f"could act as a worker, a client or an administrator. Each key now goes in the folder "
+            f"of its role: {layout}; move the files there (or name one directory per role with "
+            f"--worker-keys, --client-keys, --admin-keys). No key is let in until then"
+        )
+    raise ValueError(
+        f"no public key files (*{PUBLIC_SUFFIX}) in {d}: no worker or client could connect; put "
+        f"each key's {PUBLIC_SUFFIX} file in the folder of its role: {layout} (infer-keygen "
+        f"--cluster --dir {d} makes a whole set)"
+    )
 
 
 class AuthorizedKeys:
@@ -224,12 +236,20 @@ class AuthorizedKeys:
         self._roles = self._read()
         if not self._roles:
             where = ", ".join(str(f.directory) for f in self.folders.values())
-            raise ValueError(f"no public key files (*{PUBLIC_SUFFIX}) in {where}: no worker or client could "
-                             f"connect; copy their {PUBLIC_SUFFIX} files there (infer-keygen makes them)")
+            raise ValueError(
+                f"no public key files (*{PUBLIC_SUFFIX}) in {where}: no worker or client could "
+                f"connect; copy their {PUBLIC_SUFFIX} files there (infer-keygen makes them)"
+            )
 
     @classmethod
-    def from_options(cls, directory: PathLike | None = None, *, workers: PathLike | None = None,
-                     clients: PathLike | None = None, admins: PathLike | None = None) -> AuthorizedKeys:
+    def from_options(
+        cls,
+        directory: PathLike | None = None,
+        *,
+        workers: PathLike | None = None,
+        clients: PathLike | None = None,
+        admins: PathLike | None = None,
+    ) -> AuthorizedKeys:
         """`--authorized-keys DIR` (its role folders) and / or one directory per role; a per-role directory
         replaces DIR's folder for that role. ValueError when none is given or one is unusable."""
         folders: dict[Role, PathLike] = dict(role_folders(directory)) if directory is not None else {}
@@ -239,8 +259,10 @@ class AuthorizedKeys:
                     raise ValueError(f"{role.value} keys directory {path} does not exist or is not a directory")
                 folders[role] = path
         if not folders:
-            raise ValueError("no authorized keys: give --authorized-keys DIR (with role folders workers/, "
-                             "clients/, admins/) or --worker-keys / --client-keys / --admin-keys DIR")
+            raise ValueError(
+                "no authorized keys: give --authorized-keys DIR (with role folders workers/, "
+                "clients/, admins/) or --worker-keys / --client-keys / --admin-keys DIR"
+            )
         return cls(folders)
 
     @property
@@ -258,8 +280,11 @@ class AuthorizedKeys:
         for role in Role:
             folder = self.folders.get(role)
             n = sum(role in roles for roles in self._roles.values())
-            parts.append(f"{n} {role.value} key(s) in {folder.directory}" if folder is not None and n
-                         else f"no {role.value} keys")
+            parts.append(
+                f"{n} {role.value} key(s) in {folder.directory}"
+                if folder is not None and n
+                else f"no {role.value} keys"
+            )
         return ", ".join(parts)
 
     def _files_signature(self) -> tuple:
@@ -299,10 +324,10 @@ class AuthorizedKeys:
 
 # ---- writing keys: infer-keygen ------------------------------------------------------------------
 
+
 def _check_name(name: str) -> str:
     if not name or name.startswith(".") or "/" in name or os.sep in name or name.endswith(SECRET_SUFFIX):
-        raise ValueError(f"bad key name {name!r}: a plain file name such as 'worker' (no '/', no leading "
-                         f"'.')")
+        raise ValueError(f"bad key name {name!r}: a plain file name such as 'worker' (no '/', no leading '.')")
     return name
 
 
@@ -324,7 +349,7 @@ def write_key_pair(directory: PathLike, name: str, *, force: bool = False) -> tu
             if path.exists():
                 raise FileExistsError(f"{path} exists: refusing to overwrite it (--force replaces the pair)")
     public.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=public.parent, prefix=".infer-keygen-") as tmp:   # mode 0700
+    with tempfile.TemporaryDirectory(dir=public.parent, prefix=".infer-keygen-") as tmp:  # mode 0700
         tmp_public, tmp_secret = zmq.auth.create_certificates(tmp, name)
         os.chmod(tmp_secret, 0o600)
         os.chmod(tmp_public, 0o644)
@@ -352,14 +377,17 @@ class ClusterKeyDir:
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path).expanduser().resolve())
         if not self.path.is_dir():
-            raise ValueError(f"keys directory {self.path} does not exist (make it with `infer-keygen --cluster "
-                             f"--dir {self.path}`)")
+            raise ValueError(
+                f"keys directory {self.path} does not exist (make it with `infer-keygen --cluster --dir {self.path}`)"
+            )
         if (self.path / "worker.key_secret").exists() and not (self.path / ROLE_FOLDERS[Role.WORKER]).exists():
-            raise ValueError(f"{self.path} holds a key set from before key roles (worker and client keys side by "
-                             f"side, either able to act as anything); make a new set with `infer-keygen --cluster "
-                             f"--dir NEW_DIR`, or move worker.key* into {self.path / 'workers'}/, client.key* into "
-                             f"{self.path / 'clients'}/ and add an administrator with `infer-keygen admin --role "
-                             f"admin --dir {self.path}`")
+            raise ValueError(
+                f"{self.path} holds a key set from before key roles (worker and client keys side by "
+                f"side, either able to act as anything); make a new set with `infer-keygen --cluster "
+                f"--dir NEW_DIR`, or move worker.key* into {self.path / 'workers'}/, client.key* into "
+                f"{self.path / 'clients'}/ and add an administrator with `infer-keygen admin --role "
+                f"admin --dir {self.path}`"
+            )
         for name in CLUSTER_KEY_NAMES:
             read_key_pair(self.secret(name))
 
@@ -380,8 +408,7 @@ class ClusterKeyDir:
         return ["--curve-secret-key", str(self.secret("coordinator")), "--authorized-keys", str(self.path)]
 
     def worker_flags(self) -> list[str]:
-        return ["--curve-key", str(self.secret("worker")),
-                "--coordinator-key", str(self.public("coordinator"))]
+        return ["--curve-key", str(self.secret("worker")), "--coordinator-key", str(self.public("coordinator"))]
 
     def client_options(self, name: str = "client") -> dict[str, str]:
         """InferenceClient's keyword options with key pair `name` ("admin": the administrator's)."""
@@ -399,6 +426,7 @@ def cluster_key_dir(path: PathLike, name: str) -> Path:
 
 
 # ---- binding without keys ----------------------------------------------------------------------------
+
 
 def is_loopback(host: str) -> bool:
     """True for 127.0.0.0/8, ::1, `localhost`, and names that resolve only to those. Wildcards (0.0.0.0, *,
@@ -421,11 +449,14 @@ def refuse_open_bind(host: str, *, what: str, remedy: str) -> None:
     """ValueError unless `host` is a loopback address. For a listener with nothing protecting it: `what`
     names it, `remedy` says how to protect it; --trusted-network is always offered as the way out."""
     if not is_loopback(host):
-        raise ValueError(f"refusing to run {what} on {host}, which is not a loopback address, without "
-                         f"authentication: {remedy}, {TRUSTED_NETWORK_HINT}")
+        raise ValueError(
+            f"refusing to run {what} on {host}, which is not a loopback address, without "
+            f"authentication: {remedy}, {TRUSTED_NETWORK_HINT}"
+        )
 
 
 # ---- infer-keygen ------------------------------------------------------------------------------------
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -435,22 +466,30 @@ def build_parser() -> argparse.ArgumentParser:
         "NAME.key_secret (secret, mode 0600: it stays with its peer).",
         epilog="A whole cluster's set: infer-keygen --cluster --dir D (D/coordinator.key_secret, "
         "D/workers/worker.key_secret, D/clients/client.key_secret, D/admins/admin.key_secret; infer-serve and the "
-        "Slurm launcher take it as --keys-dir D). One more key of a role: infer-keygen NAME --role client --dir D.")
+        "Slurm launcher take it as --keys-dir D). One more key of a role: infer-keygen NAME --role client --dir D.",
+    )
     p.add_argument("names", nargs="*", metavar="NAME", help="key pair name(s)")
-    p.add_argument("--dir", default=".", help="where to write the files (default: the current directory; "
-                   "made with mode 0700 if missing)")
-    p.add_argument("--role", choices=[r.value for r in Role],
-                   help="write into the role's folder of DIR (workers/, clients/, admins/): the coordinator's "
-                   "--authorized-keys DIR lets the key in with that role")
-    p.add_argument("--cluster", action="store_true",
-                   help="write a whole cluster's set into DIR: coordinator, workers/worker, clients/client, "
-                   "admins/admin")
+    p.add_argument(
+        "--dir",
+        default=".",
+        help="where to write the files (default: the current directory; made with mode 0700 if missing)",
+    )
+    p.add_argument(
+        "--role",
+        choices=[r.value for r in Role],
+        help="write into the role's folder of DIR (workers/, clients/, admins/): the coordinator's "
+        "--authorized-keys DIR lets the key in with that role",
+    )
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="write a whole cluster's set into DIR: coordinator, workers/worker, clients/client, admins/admin",
+    )
     p.add_argument("--force", action="store_true", help="replace existing key files")
     return p
 
 
-def keygen(names: Iterable[str], directory: PathLike, force: bool,
-           role: Role | None = None) -> list[tuple[Path, Path]]:
+def keygen(names: Iterable[str], directory: PathLike, force: bool, role: Role | None = None) -> list[tuple[Path, Path]]:
     """Write pairs `names` into `directory` (its `role` folder when given), refusing before writing anything
     if a file exists (unless `force`)."""
     target = Path(directory) if role is None else Path(directory) / ROLE_FOLDERS[role]
@@ -463,7 +502,7 @@ def keygen_cluster(directory: PathLike, force: bool) -> list[tuple[Path, Path]]:
 
 
 def _write_all(pairs: list[tuple[Path, str]], force: bool) -> list[tuple[Path, Path]]:
-    if not force:   # refuse before writing anything
+    if not force:  # refuse before writing anything
         for directory, name in pairs:
             for path in key_paths(directory, name):
                 if path.exists():

@@ -23,8 +23,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record: {"ts", "level", "logger", "message"[, "exc_info"]}."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        entry = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             entry["exc_info"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
@@ -33,12 +37,12 @@ class JsonFormatter(logging.Formatter):
 def add_logging_args(parser: argparse.ArgumentParser, default_level: str = "INFO") -> None:
     """--log-level and --log-format, the same on every command."""
     parser.add_argument("--log-level", default=default_level, type=str.upper, choices=LOG_LEVELS)
-    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
-                        help="text lines (default) or one JSON object per line")
+    parser.add_argument(
+        "--log-format", default="text", choices=LOG_FORMATS, help="text lines (default) or one JSON object per line"
+    )
 
 
-def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None,
-                  force: bool = False) -> None:
+def setup_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None, force: bool = False) -> None:
     """Configure the root logger of a command's process. Like logging.basicConfig, a no-op when the root
     logger has handlers already (a main() run inside pytest or another application) unless `force`."""
     if fmt not in LOG_FORMATS:

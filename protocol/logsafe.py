@@ -36,7 +36,7 @@ class Throttle:
     def __init__(self, burst: int = 5, period: float = 10.0) -> None:
         self.burst, self.period = burst, period
         self._window_start, self._count = -period, 0
-        self.suppressed = 0     # held back since the last event let through
+        self.suppressed = 0  # held back since the last event let through
 
     def allow(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now

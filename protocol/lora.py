@@ -26,8 +26,10 @@ def check_lora_name(name: Any, what: str = "lora_name") -> str:
     """An adapter name: 1-128 characters of letters, digits and `._:/@+-`, starting with a letter or digit (it is
     the `model` of HTTP requests and goes into logs)."""
     if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME_LEN or not _NAME.fullmatch(name):
-        raise ValueError(f"{what} must be 1-{MAX_LORA_NAME_LEN} characters of letters, digits and ._:/@+- "
-                         f"(starting with a letter or digit), got {str(name)[:80]!r}")
+        raise ValueError(
+            f"{what} must be 1-{MAX_LORA_NAME_LEN} characters of letters, digits and ._:/@+- "
+            f"(starting with a letter or digit), got {str(name)[:80]!r}"
+        )
     return name
 
 
@@ -70,8 +72,9 @@ def parse_lora_module(text: Any) -> tuple[str, str]:
             raise ValueError(f"--lora-modules: not JSON: {e}") from None
         unknown = sorted(set(entry) - {"name", "path", "base_model_name"})
         if unknown or "name" not in entry or "path" not in entry:
-            raise ValueError(f'--lora-modules: JSON entries take "name" and "path" (and "base_model_name"), got '
-                             f'{sorted(entry)}')
+            raise ValueError(
+                f'--lora-modules: JSON entries take "name" and "path" (and "base_model_name"), got {sorted(entry)}'
+            )
         name, path = entry["name"], entry["path"]
     elif isinstance(text, str) and "=" in text:
         name, path = text.split("=", 1)
@@ -106,7 +109,7 @@ class LoraConfig:
     target_modules: tuple[str, ...]
 
     def scaling(self, rank: int) -> float:
-        return self.lora_alpha / (rank ** 0.5 if self.use_rslora else rank)
+        return self.lora_alpha / (rank**0.5 if self.use_rslora else rank)
 
 
 # adapter_config.json keys this engine does not compute: (the values that mean "off", what it is); a key set to
@@ -131,8 +134,9 @@ def read_lora_config(folder: str | Path) -> LoraConfig:
     """The adapter_config.json of a PEFT LoRA folder, checked: ValueError naming the file or key otherwise."""
     path = Path(folder) / ADAPTER_CONFIG
     if not path.is_file():
-        raise ValueError(f"{path}: no such file (a PEFT LoRA adapter folder holds {ADAPTER_CONFIG} and "
-                         f"{ADAPTER_WEIGHTS})")
+        raise ValueError(
+            f"{path}: no such file (a PEFT LoRA adapter folder holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
+        )
     try:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

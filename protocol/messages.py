@@ -32,14 +32,14 @@ from infer.protocol.tracing import parse_traceparent
 # 4: msgspec Structs; token ids travel as msgpack arrays of ints (checked in C), SamplingParams with only the fields
 #    that differ from the defaults; Submit and Dispatch carry `traceparent`
 PROTOCOL_VERSION = 4
-MAX_FRAME_BYTES = 64 << 20          # also set as the sockets' ZMQ_MAXMSGSIZE
+MAX_FRAME_BYTES = 64 << 20  # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
 MAX_DP_RANK = (1 << 20) - 1
 LIFECYCLE_COMMANDS = tuple(Command)
 ROLES = ("client", "worker")
 MAX_STATS_WAIT_S = 3600.0
 MAX_REQUEST_TIMEOUT_S = 7 * 86400.0
-MAX_TOKEN_ID = 2**31 - 1            # token ids are int32 in the engine
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the engine
 
 
 class ProtocolError(ValueError):
@@ -62,8 +62,9 @@ class TokenIds(list):
         what a sender checks before it builds a message of them."""
         if not isinstance(values, (list, tuple)):
             raise ValueError(f"{name} must be a string or a list of token ids, got {type(values).__name__}")
-        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID),
-                   None)
+        bad = next(
+            (v for v in values if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOKEN_ID), None
+        )
         if bad is not None:
             raise ValueError(f"{name} token ids must be integers in [0, {MAX_TOKEN_ID}], got {bad!r}")
         return cls(values)
@@ -75,7 +76,7 @@ TokenIdList = list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-Priority = Annotated[int, msgspec.Meta(ge=-2**63, le=2**63 - 1)]
+Priority = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 DEFAULT_SAMPLING = SamplingParams()
@@ -106,19 +107,21 @@ def _require(condition: bool, text: str) -> None:
 
 
 def _check_id(name: str, value: str) -> None:
-    if not 0 < len(value) <= MAX_ID_LEN:     # (not _require: the message is formatted only when it fails)
+    if not 0 < len(value) <= MAX_ID_LEN:  # (not _require: the message is formatted only when it fails)
         raise ProtocolError(f"field {name!r} must be 1..{MAX_ID_LEN} characters, got {len(value)}")
 
 
 def _check_priority(priority: int) -> None:
-    if not -2**63 <= priority < 2**63:
+    if not -(2**63) <= priority < 2**63:
         raise ProtocolError(f"field 'priority' must be a 64-bit integer, got {priority}")
 
 
 def _check_traceparent(value: str | None) -> None:
     if value is not None and parse_traceparent(value) is None:
-        raise ProtocolError(f"field 'traceparent' must be a W3C traceparent '00-<32 hex>-<16 hex>-<2 hex>' with "
-                            f"non-zero ids, got {value[:80]!r}")
+        raise ProtocolError(
+            f"field 'traceparent' must be a W3C traceparent '00-<32 hex>-<16 hex>-<2 hex>' with "
+            f"non-zero ids, got {value[:80]!r}"
+        )
 
 
 _Kind = type[Word]
@@ -135,8 +138,7 @@ def _member(kinds: tuple[_Kind, ...], value: Any, name: str, nullable: bool = Fa
             if member is not None:
                 return member
     choices = ", ".join(dict.fromkeys(m.value for kind in kinds for m in kind))
-    raise ProtocolError(f"field {name!r} must be one of {choices}{' or null' if nullable else ''}, "
-                        f"got {value!r:.80}")
+    raise ProtocolError(f"field {name!r} must be one of {choices}{' or null' if nullable else ''}, got {value!r:.80}")
 
 
 def _set_members(msg: Message, nullable: bool = False, **kinds: _Kind | tuple[_Kind, ...]) -> None:
@@ -150,6 +152,7 @@ def _set_members(msg: Message, nullable: bool = False, **kinds: _Kind | tuple[_K
 
 
 # ---- handshake -----------------------------------------------------------------------------------
+
 
 @message
 class RequestSnapshot(Message, frozen=True):
@@ -171,19 +174,28 @@ class RequestSnapshot(Message, frozen=True):
     text: str = ""
     delta_ends: list[int] = msgspec.field(default_factory=list)
     text_ends: list[int] = msgspec.field(default_factory=list)
-    seed: Seed | None = None      # the sampling seed it runs with
+    seed: Seed | None = None  # the sampling seed it runs with
 
     def __post_init__(self) -> None:
         _check_id("request_id", self.request_id)
-        _require(0 <= self.resumed <= len(self.token_ids),
-                 f"field 'resumed' must be in [0, {len(self.token_ids)}], got {self.resumed}")
+        _require(
+            0 <= self.resumed <= len(self.token_ids),
+            f"field 'resumed' must be in [0, {len(self.token_ids)}], got {self.resumed}",
+        )
         _require(len(self.delta_ends) == len(self.text_ends), "'delta_ends' and 'text_ends' differ in length")
-        _require(list(self.delta_ends) == sorted(self.delta_ends) and list(self.text_ends) == sorted(self.text_ends),
-                 "'delta_ends' and 'text_ends' must not decrease")
-        _require(not self.delta_ends or (self.resumed <= self.delta_ends[0]
-                                         and self.delta_ends[-1] <= len(self.token_ids)
-                                         and self.text_ends[-1] <= len(self.text)),
-                 "'delta_ends' / 'text_ends' point outside 'token_ids' / 'text'")
+        _require(
+            list(self.delta_ends) == sorted(self.delta_ends) and list(self.text_ends) == sorted(self.text_ends),
+            "'delta_ends' and 'text_ends' must not decrease",
+        )
+        _require(
+            not self.delta_ends
+            or (
+                self.resumed <= self.delta_ends[0]
+                and self.delta_ends[-1] <= len(self.token_ids)
+                and self.text_ends[-1] <= len(self.text)
+            ),
+            "'delta_ends' / 'text_ends' point outside 'token_ids' / 'text'",
+        )
 
 
 @message
@@ -204,15 +216,15 @@ class Hello(Message, frozen=True):
     block_size: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
-    running: list[str] = msgspec.field(default_factory=list)   # request ids a worker still runs (re-registration)
-    snapshots: list[RequestSnapshot] = msgspec.field(default_factory=list)   # those requests as they stand
-    max_waiting: int | None = None    # a worker's bound on requests waiting in its engine (admission control)
+    running: list[str] = msgspec.field(default_factory=list)  # request ids a worker still runs (re-registration)
+    snapshots: list[RequestSnapshot] = msgspec.field(default_factory=list)  # those requests as they stand
+    max_waiting: int | None = None  # a worker's bound on requests waiting in its engine (admission control)
     # A worker process's random id, and the Dispatch frames it had received (since the Welcome of this
     # coordinator instance) when it sent this Hello: a Hello that crossed later Dispatches does not lose them.
     incarnation: str | None = None
     dispatches_seen: int | None = None
-    weight_version: int = 0           # a worker's: the weights it serves (routed only at the cluster's version)
-    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)   # a worker's LoRA adapters: name -> folder
+    weight_version: int = 0  # a worker's: the weights it serves (routed only at the cluster's version)
+    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)  # a worker's LoRA adapters: name -> folder
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -222,16 +234,22 @@ class Hello(Message, frozen=True):
                 _require(getattr(self, name) is not None, f"a worker hello needs field {name!r}")
             for name in ("dp_rank", "rank_hint"):
                 value = getattr(self, name)
-                _require(value is None or 0 <= value <= MAX_DP_RANK,
-                         f"field {name!r} must be in [0, {MAX_DP_RANK}], got {value}")
+                _require(
+                    value is None or 0 <= value <= MAX_DP_RANK,
+                    f"field {name!r} must be in [0, {MAX_DP_RANK}], got {value}",
+                )
             if self.group_id is not None:
                 _check_id("group_id", self.group_id)
             for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_model_len"):
                 _require(getattr(self, name) >= 1, f"field {name!r} must be >= 1, got {getattr(self, name)}")
-            _require(self.max_waiting is None or self.max_waiting >= 0,
-                     f"field 'max_waiting' must be >= 0, got {self.max_waiting}")
-            _require({s.request_id for s in self.snapshots} <= set(self.running),
-                     "every snapshot must be of a request listed in 'running'")
+            _require(
+                self.max_waiting is None or self.max_waiting >= 0,
+                f"field 'max_waiting' must be >= 0, got {self.max_waiting}",
+            )
+            _require(
+                {s.request_id for s in self.snapshots} <= set(self.running),
+                "every snapshot must be of a request listed in 'running'",
+            )
             _require(self.weight_version >= 0, f"field 'weight_version' must be >= 0, got {self.weight_version}")
 
 
@@ -241,9 +259,9 @@ class Welcome(Message, frozen=True):
     coordinator_id: str
     state: ClusterState
     model_id: str | None = None
-    instance: str | None = None    # new with every coordinator process: a change means it restarted
-    dp_rank: int | None = None     # to a worker: the DP rank it serves (assigned when its Hello gave none)
-    group_id: str | None = None    # to a worker: its group
+    instance: str | None = None  # new with every coordinator process: a change means it restarted
+    dp_rank: int | None = None  # to a worker: the DP rank it serves (assigned when its Hello gave none)
+    group_id: str | None = None  # to a worker: its group
 
     def __post_init__(self) -> None:
         _set_members(self, state=ClusterState)
@@ -258,6 +276,7 @@ class Refused(Message, frozen=True):
 
 
 # ---- requests and their streams ------------------------------------------------------------------
+
 
 @message
 class Submit(Message, frozen=True):
@@ -284,7 +303,7 @@ class Submit(Message, frozen=True):
     delivered_token_ids: TokenIdList = msgspec.field(default_factory=list)
     delivered_text_len: int | None = None
     priority: int = 0
-    traceparent: str | None = None     # W3C trace context of the request (OpenTelemetry), passed through
+    traceparent: str | None = None  # W3C trace context of the request (OpenTelemetry), passed through
 
     def __post_init__(self) -> None:
         # (`if ...: raise`, not _require: the messages are formatted only for a bad Submit, once per request)
@@ -298,20 +317,25 @@ class Submit(Message, frozen=True):
         if self.pin_rank is not None and self.pin_rank < 0:
             raise ProtocolError(f"field 'pin_rank' must be >= 0, got {self.pin_rank}")
         if self.timeout_s is not None and not 0 < self.timeout_s <= MAX_REQUEST_TIMEOUT_S:
-            raise ProtocolError(f"field 'timeout_s' must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got "
-                                f"{self.timeout_s}")
+            raise ProtocolError(
+                f"field 'timeout_s' must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] seconds, got {self.timeout_s}"
+            )
         if self.delivered_token_ids:
             self._check_delivered()
-        if type(self.sampling) is not SamplingParams:          # (a user's Submit is built, not decoded)
+        if type(self.sampling) is not SamplingParams:  # (a user's Submit is built, not decoded)
             raise ProtocolError(f"field 'sampling' must be SamplingParams, got {type(self.sampling).__name__}")
 
     def _check_delivered(self) -> None:
-        _require(self.reattach and self.prompt_token_ids is not None,
-                 "'delivered_token_ids' needs 'reattach' and 'prompt_token_ids'")
+        _require(
+            self.reattach and self.prompt_token_ids is not None,
+            "'delivered_token_ids' needs 'reattach' and 'prompt_token_ids'",
+        )
         max_tokens = self.sampling.max_tokens if isinstance(self.sampling, SamplingParams) else None
-        _require(max_tokens is None or len(self.delivered_token_ids) <= max_tokens,
-                 f"'delivered_token_ids' hold {len(self.delivered_token_ids)} tokens, more than sampling.max_tokens "
-                 f"({max_tokens})")
+        _require(
+            max_tokens is None or len(self.delivered_token_ids) <= max_tokens,
+            f"'delivered_token_ids' hold {len(self.delivered_token_ids)} tokens, more than sampling.max_tokens "
+            f"({max_tokens})",
+        )
 
 
 @message
@@ -338,7 +362,7 @@ class Dispatch(Message, frozen=True):
     resumed_text_len: NonNegative | None = None
     priority: Priority = 0
     client: Id | None = None
-    traceparent: str | None = None     # W3C trace context of the request (OpenTelemetry), passed through
+    traceparent: str | None = None  # W3C trace context of the request (OpenTelemetry), passed through
 
     def __post_init__(self) -> None:
         _check_traceparent(self.traceparent)
@@ -392,30 +416,46 @@ class Delta(Message, frozen=True):
     logprobs: list[dict[int, float]] | None = None
     num_prompt_tokens: NonNegative = 0
     num_cached_tokens: NonNegative = 0
-    prompt_token_ids: TokenIdList | None = None   # a worker's first delta of a text prompt: what it tokenized
-    error_code: ErrorCode | None = None        # with finish_reason "error": why (protocol/codes.py)
-    queue_time_s: float | None = None          # a worker's first delta: seconds waiting before first scheduled
-    seed: Seed | None = None                   # the first delta: the sampling seed the request runs with
-    prompt_logprobs: list[dict[int, float]] | None = None   # the first delta, when asked: prompt tokens 1..
-    weight_version: int = 0                    # the version of the weights that computed it (update_weights)
-    embedding: list[float] | None = None       # a pooling request's last delta: its vector (worker/pooling.py)
-    beams: list[BeamOutput] | None = None      # a beam search's last (and only) delta: its best n beams, best first
+    prompt_token_ids: TokenIdList | None = None  # a worker's first delta of a text prompt: what it tokenized
+    error_code: ErrorCode | None = None  # with finish_reason "error": why (protocol/codes.py)
+    queue_time_s: float | None = None  # a worker's first delta: seconds waiting before first scheduled
+    seed: Seed | None = None  # the first delta: the sampling seed the request runs with
+    prompt_logprobs: list[dict[int, float]] | None = None  # the first delta, when asked: prompt tokens 1..
+    weight_version: int = 0  # the version of the weights that computed it (update_weights)
+    embedding: list[float] | None = None  # a pooling request's last delta: its vector (worker/pooling.py)
+    beams: list[BeamOutput] | None = None  # a beam search's last (and only) delta: its best n beams, best first
 
     @classmethod
-    def final(cls, request_id: str, finish_reason: FinishReason | str, error: str | None = None,
-              error_code: ErrorCode | str | None = None, *, token_ids: Sequence[int] = (), text: str = "",
-              **fields: Any) -> Delta:
+    def final(
+        cls,
+        request_id: str,
+        finish_reason: FinishReason | str,
+        error: str | None = None,
+        error_code: ErrorCode | str | None = None,
+        *,
+        token_ids: Sequence[int] = (),
+        text: str = "",
+        **fields: Any,
+    ) -> Delta:
         """The last delta of a request; every one is made here. With no tokens: how a request ends when it is
         refused, aborted, failed or out of budget; the engine's carries its last tokens and text. `fields`: any
         other Delta field (prompt_token_ids, num_prompt_tokens, queue_time_s, ...)."""
-        return cls(request_id=request_id, token_ids=TokenIds(token_ids), text=text, finished=True,
-                   finish_reason=_member((FinishReason,), finish_reason, "finish_reason"), error=error,
-                   error_code=_member((ErrorCode,), error_code, "error_code", nullable=True), **fields)
+        return cls(
+            request_id=request_id,
+            token_ids=TokenIds(token_ids),
+            text=text,
+            finished=True,
+            finish_reason=_member((FinishReason,), finish_reason, "finish_reason"),
+            error=error,
+            error_code=_member((ErrorCode,), error_code, "error_code", nullable=True),
+            **fields,
+        )
 
     def __post_init__(self) -> None:
         reason, code = self.finish_reason, self.error_code
-        if (reason is not None and type(reason) is not FinishReason) or \
-                (code is not None and type(code) is not ErrorCode):       # words given as plain strings
+        if (reason is not None and type(reason) is not FinishReason) or (
+            code is not None and type(code) is not ErrorCode
+        ):  # words given as plain strings
             _set_members(self, nullable=True, finish_reason=FinishReason, error_code=ErrorCode)
         if self.finished != (reason is not None):
             raise ProtocolError("a finished delta needs a finish_reason, and only a finished one")
@@ -441,6 +481,7 @@ class Error(Message, frozen=True):
 
 
 # ---- load, liveness, lifecycle -------------------------------------------------------------------
+
 
 @message
 class Load(Message, frozen=True):
@@ -472,8 +513,9 @@ class Load(Message, frozen=True):
     spec_decode_num_drafts: NonNegative = 0
     spec_decode_num_draft_tokens: NonNegative = 0
     spec_decode_num_accepted_tokens: NonNegative = 0
-    spec_decode_num_accepted_tokens_per_pos: Annotated[list[NonNegative], msgspec.Meta(max_length=64)] = \
-        msgspec.field(default_factory=list)
+    spec_decode_num_accepted_tokens_per_pos: Annotated[list[NonNegative], msgspec.Meta(max_length=64)] = msgspec.field(
+        default_factory=list
+    )
 
 
 @message
@@ -493,8 +535,8 @@ class Heartbeat(Message, frozen=True):
     TYPE: ClassVar[str] = "heartbeat"
     sent_at: float
     load: Load | None = None
-    instance: str | None = None    # the coordinator's (see Welcome.instance)
-    step_age_s: float | None = None   # a worker inside an engine step: how long that step has run so far
+    instance: str | None = None  # the coordinator's (see Welcome.instance)
+    step_age_s: float | None = None  # a worker inside an engine step: how long that step has run so far
 
 
 @message
@@ -515,11 +557,11 @@ class ControlAck(Message, frozen=True):
 
     TYPE: ClassVar[str] = "control_ack"
     command: Command
-    state: str     # a ClusterState (the cluster's) or WorkerState (a worker's), made a member when built or decoded:
-                   # a ClusterState where the name is one, so "draining" is the only WorkerState a decoder sees
+    state: str  # a ClusterState (the cluster's) or WorkerState (a worker's), made a member when built or decoded:
+    # a ClusterState where the name is one, so "draining" is the only WorkerState a decoder sees
     bytes_released: int = 0
     bytes_restored: int = 0
-    error: str | None = None        # a worker whose engine failed to carry the command out
+    error: str | None = None  # a worker whose engine failed to carry the command out
 
     def __post_init__(self) -> None:
         _set_members(self, command=Command, state=(ClusterState, WorkerState))
@@ -544,10 +586,14 @@ class WeightTensor(Message, frozen=True):
 
     def __post_init__(self) -> None:
         _require(0 < len(self.name) <= 1024, f"field 'name' must be 1..1024 characters, got {len(self.name)}")
-        _require(self.dtype in ("float32", "bfloat16", "float16"),
-                 f"tensor {self.name!r}: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        _require(all(type(d) is int and d >= 0 for d in self.shape),
-                 f"tensor {self.name!r}: shape must be non-negative integers, got {self.shape!r}")
+        _require(
+            self.dtype in ("float32", "bfloat16", "float16"),
+            f"tensor {self.name!r}: dtype must be float32, bfloat16 or float16, got {self.dtype!r}",
+        )
+        _require(
+            all(type(d) is int and d >= 0 for d in self.shape),
+            f"tensor {self.name!r}: shape must be non-negative integers, got {self.shape!r}",
+        )
 
 
 @message
@@ -565,13 +611,18 @@ class WeightSync(Message, frozen=True):
     bucket_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        _require(self.init_method.startswith("tcp://") and ":" in self.init_method[6:],
-                 f"field 'init_method' must be tcp://HOST:PORT, got {self.init_method!r}")
-        _require(self.world_size >= 2, f"field 'world_size' must be >= 2 (the trainer and a worker), got "
-                                       f"{self.world_size}")
+        _require(
+            self.init_method.startswith("tcp://") and ":" in self.init_method[6:],
+            f"field 'init_method' must be tcp://HOST:PORT, got {self.init_method!r}",
+        )
+        _require(
+            self.world_size >= 2, f"field 'world_size' must be >= 2 (the trainer and a worker), got {self.world_size}"
+        )
         _require(0 <= self.rank < self.world_size, f"field 'rank' must be in [0, {self.world_size}), got {self.rank}")
-        _require(self.backend in SYNC_BACKENDS, f"field 'backend' must be one of {', '.join(SYNC_BACKENDS)}, got "
-                                                f"{self.backend!r}")
+        _require(
+            self.backend in SYNC_BACKENDS,
+            f"field 'backend' must be one of {', '.join(SYNC_BACKENDS)}, got {self.backend!r}",
+        )
         _require(self.bucket_bytes >= 1, f"field 'bucket_bytes' must be >= 1, got {self.bucket_bytes}")
         _require(bool(self.tensors), "field 'tensors' must name at least one tensor")
 
@@ -593,10 +644,14 @@ class UpdateWeights(Message, frozen=True):
     def __post_init__(self) -> None:
         _require((self.path is None) != (self.sync is None), "exactly one of 'path' and 'sync' must be given")
         _require(self.path is None or 0 < len(self.path) <= 4096, "field 'path' must be 1..4096 characters")
-        _require(self.on_running in ON_RUNNING,
-                 f"field 'on_running' must be one of {', '.join(ON_RUNNING)}, got {self.on_running!r}")
-        _require(0 < self.timeout_s <= MAX_REFIT_TIMEOUT_S,
-                 f"field 'timeout_s' must be in (0, {MAX_REFIT_TIMEOUT_S:g}], got {self.timeout_s}")
+        _require(
+            self.on_running in ON_RUNNING,
+            f"field 'on_running' must be one of {', '.join(ON_RUNNING)}, got {self.on_running!r}",
+        )
+        _require(
+            0 < self.timeout_s <= MAX_REFIT_TIMEOUT_S,
+            f"field 'timeout_s' must be in (0, {MAX_REFIT_TIMEOUT_S:g}], got {self.timeout_s}",
+        )
         _require(self.version is None or self.version >= 1, f"field 'version' must be >= 1, got {self.version}")
 
 
@@ -642,15 +697,18 @@ class LoraCommand(Message, frozen=True):
     lora_path: str | None = None
 
     def __post_init__(self) -> None:
-        _require(self.action in LORA_ACTIONS, f"field 'action' must be one of {', '.join(LORA_ACTIONS)}, got "
-                                              f"{self.action!r:.40}")
+        _require(
+            self.action in LORA_ACTIONS,
+            f"field 'action' must be one of {', '.join(LORA_ACTIONS)}, got {self.action!r:.40}",
+        )
         try:
             check_lora_name(self.lora_name)
         except ValueError as e:
             raise ProtocolError(f"field 'lora_name': {e}") from None
         _require((self.lora_path is not None) == (self.action == "load"), "field 'lora_path' goes with load only")
-        _require(self.lora_path is None or 0 < len(self.lora_path) <= 4096, "field 'lora_path' must be 1..4096 "
-                                                                             "characters")
+        _require(
+            self.lora_path is None or 0 < len(self.lora_path) <= 4096, "field 'lora_path' must be 1..4096 characters"
+        )
 
 
 @message
@@ -666,6 +724,7 @@ class LoraDone(Message, frozen=True):
 
 
 # ---- coordinator <-> client extras ---------------------------------------------------------------
+
 
 @message
 class DeltaBatch(Message, frozen=True):
@@ -688,10 +747,13 @@ class StatsRequest(Message, frozen=True):
     timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(self.min_healthy_workers >= 0,
-                 f"field 'min_healthy_workers' must be >= 0, got {self.min_healthy_workers}")
-        _require(0.0 <= self.timeout_s <= MAX_STATS_WAIT_S,
-                 f"field 'timeout_s' must be in [0, {MAX_STATS_WAIT_S}], got {self.timeout_s}")
+        _require(
+            self.min_healthy_workers >= 0, f"field 'min_healthy_workers' must be >= 0, got {self.min_healthy_workers}"
+        )
+        _require(
+            0.0 <= self.timeout_s <= MAX_STATS_WAIT_S,
+            f"field 'timeout_s' must be in [0, {MAX_STATS_WAIT_S}], got {self.timeout_s}",
+        )
 
 
 @message
@@ -708,10 +770,10 @@ class WorkerStats(Message, frozen=True):
     block_size: int
     max_num_seqs: int
     max_model_len: int
-    requests_routed: int          # dispatches sent to it (re-dispatches included)
-    num_in_flight: int            # requests the coordinator has on it now
+    requests_routed: int  # dispatches sent to it (re-dispatches included)
+    num_in_flight: int  # requests the coordinator has on it now
     seconds_since_heard: float
-    registrations: int = 1        # 1 + how often it re-registered
+    registrations: int = 1  # 1 + how often it re-registered
     load: Load | None = None
 
 
@@ -730,13 +792,15 @@ class Counters:
     requests_completed: int = _counter("Requests that finished without an error.")
     requests_failed: int = _counter("Requests that ended with an error (shed from the full queue included).")
     requests_aborted: int = _counter("Requests aborted: by their client, a lost client, or a stop.")
-    requests_redispatched: int = _counter("Requests failed over: sent to another worker after theirs died, hung "
-                                          "or gave them back.")
+    requests_redispatched: int = _counter(
+        "Requests failed over: sent to another worker after theirs died, hung or gave them back."
+    )
     frames_rejected: int = _counter("Frames refused: undecodable, invalid, or not allowed for their key.")
     requests_rejected: int = _counter("Submits refused at once as overloaded (admission control).")
     requests_timed_out: int = _counter("Requests ended by their own timeout.")
-    requests_reattached: int = _counter("Requests handed back to their clients from the workers' copies after a "
-                                        "coordinator restart.")
+    requests_reattached: int = _counter(
+        "Requests handed back to their clients from the workers' copies after a coordinator restart."
+    )
     clients_lost: int = _counter("Clients declared lost with requests in flight (silent, or unroutable).")
     clients_too_slow: int = _counter("Clients whose send queue reached the high-water mark (they read nothing).")
 
@@ -753,8 +817,8 @@ class ClusterStats(Message, frozen=True):
     model_id: str | None
     workers: list[WorkerStats]
     num_clients: int
-    num_in_flight: int            # dispatched to a worker, not finished
-    num_held: int                 # waiting in the coordinator (paused, or no healthy worker)
+    num_in_flight: int  # dispatched to a worker, not finished
+    num_held: int  # waiting in the coordinator (paused, or no healthy worker)
     requests_submitted: int
     requests_completed: int
     requests_failed: int
@@ -767,7 +831,7 @@ class ClusterStats(Message, frozen=True):
     requests_reattached: int = 0
     clients_lost: int = 0
     clients_too_slow: int = 0
-    weight_version: int = 0       # the weights the cluster serves (the last update_weights every worker applied)
+    weight_version: int = 0  # the weights the cluster serves (the last update_weights every worker applied)
     # the healthy workers' LoRA adapters: name -> folder
     lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)
 
@@ -785,11 +849,12 @@ class ClusterStats(Message, frozen=True):
 
 # ---- codec ---------------------------------------------------------------------------------------
 
+
 class _Frame(msgspec.Struct, forbid_unknown_fields=True):
     """A frame as read: the header and version, the body left undecoded until the header chose its Struct."""
 
     type: str
-    v: Any                 # any value, so that a peer with another version is told so whatever it wrote
+    v: Any  # any value, so that a peer with another version is told so whatever it wrote
     body: msgspec.Raw
 
 
@@ -828,20 +893,24 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
         outer = _FRAME_DECODER.decode(frame)
     except msgspec.ValidationError as e:
         raise ProtocolError(f"a frame must be a map with exactly 'type', 'v' and 'body': {e}") from None
-    except (msgspec.DecodeError, ValueError) as e:    # ValueError: a string that is not UTF-8
+    except (msgspec.DecodeError, ValueError) as e:  # ValueError: a string that is not UTF-8
         raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
     kind = outer.type
     decoder = _DECODERS.get(kind)
     if decoder is None:
         raise ProtocolError(f"unknown message type {kind!r:.80}; known: {', '.join(sorted(REGISTRY))}")
     if outer.v != PROTOCOL_VERSION:
-        raise _named(ProtocolError(f"schema version {outer.v!r} of {kind!r} is not supported (this side speaks "
-                                   f"{PROTOCOL_VERSION})"), kind)
+        raise _named(
+            ProtocolError(
+                f"schema version {outer.v!r} of {kind!r} is not supported (this side speaks {PROTOCOL_VERSION})"
+            ),
+            kind,
+        )
     try:
         return decoder.decode(outer.body)
-    except ProtocolError as e:                  # (msgspec wraps those raised by __post_init__: not expected)
+    except ProtocolError as e:  # (msgspec wraps those raised by __post_init__: not expected)
         raise _named(e, kind) from None
-    except (msgspec.MsgspecError, ValueError) as e:     # ValueError: a string that is not UTF-8
+    except (msgspec.MsgspecError, ValueError) as e:  # ValueError: a string that is not UTF-8
         text = _with_path(e)
         raise _named(ProtocolError(text if text.startswith("field ") else f"{kind!r}: {text}"), kind) from None
 

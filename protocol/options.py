@@ -25,13 +25,12 @@ import typing
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-
 # our flag -> vLLM's names for it (the same meaning)
 VLLM_ALIASES: dict[str, tuple[str, ...]] = {
-    "--tp-size": ("--tensor-parallel-size", "-tp"),                # processes per DP rank (a TP group)
-    "--pp-size": ("--pipeline-parallel-size", "-pp"),              # pipeline stages per DP rank
-    "--workers": ("--data-parallel-size", "-dp"),                  # infer-serve: DP ranks
-    "--kv-cache-memory": ("--kv-cache-memory-bytes",),             # bytes of KV cache per DP rank
+    "--tp-size": ("--tensor-parallel-size", "-tp"),  # processes per DP rank (a TP group)
+    "--pp-size": ("--pipeline-parallel-size", "-pp"),  # pipeline stages per DP rank
+    "--workers": ("--data-parallel-size", "-dp"),  # infer-serve: DP ranks
+    "--kv-cache-memory": ("--kv-cache-memory-bytes",),  # bytes of KV cache per DP rank
 }
 
 
@@ -47,18 +46,22 @@ class Refused:
 
 
 VLLM_REFUSED: dict[str, Refused] = {
-    "--kv-cache-dtype": Refused("the KV cache is kept in the model's dtype (--dtype); only 'auto' is implemented",
-                                accepted=("auto",)),
+    "--kv-cache-dtype": Refused(
+        "the KV cache is kept in the model's dtype (--dtype); only 'auto' is implemented", accepted=("auto",)
+    ),
     "--gpu-memory-utilization": Refused(
         "infer does not size memory as a share of the whole GPU: give the KV pool in bytes (--kv-cache-memory, vLLM's "
         "--kv-cache-memory-bytes) or as a share of the memory free once the weights are loaded "
-        "(--kv-cache-memory-fraction)"),
+        "(--kv-cache-memory-fraction)"
+    ),
     "--swap-space": Refused("preemption recomputes here; there is no CPU swap space for KV blocks"),
-    "--cpu-offload-gb": Refused("weights are not offloaded to CPU memory; use --quantization int8 / int4 to fit a "
-                                "model in less memory"),
-    "--enable-expert-parallel": Refused("give the EP group's size instead: --ep-size N (experts sharded over N "
-                                        "ranks)", switch=True),
-    "--enable-auto-tool-choice": Refused("", switch=True, accepted=("on",)),   # always on here: tool_choice auto
+    "--cpu-offload-gb": Refused(
+        "weights are not offloaded to CPU memory; use --quantization int8 / int4 to fit a model in less memory"
+    ),
+    "--enable-expert-parallel": Refused(
+        "give the EP group's size instead: --ep-size N (experts sharded over N ranks)", switch=True
+    ),
+    "--enable-auto-tool-choice": Refused("", switch=True, accepted=("on",)),  # always on here: tool_choice auto
 }
 
 
@@ -68,8 +71,13 @@ def flag_names(flag: str) -> list[str]:
 
 
 class _RefusedFlag(argparse.Action):
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         refused = VLLM_REFUSED[self.option_strings[0]]
         given_value = "on" if refused.switch else values
         if given_value in refused.accepted:
@@ -80,27 +88,50 @@ class _RefusedFlag(argparse.Action):
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of VLLM_REFUSED that `parser` does not define: each refused with its reason (module doc)."""
-    group = parser.add_argument_group("vLLM's flags without an equivalent (refused with the reason, but for the "
-                                      "values that mean what infer does)")
+    group = parser.add_argument_group(
+        "vLLM's flags without an equivalent (refused with the reason, but for the values that mean what infer does)"
+    )
     for flag, refused in VLLM_REFUSED.items():
         kwargs: dict[str, Any] = {"nargs": 0} if refused.switch else {"metavar": "|".join(refused.accepted) or "X"}
         try:
-            group.add_argument(flag, *refused.aliases, action=_RefusedFlag, dest=argparse.SUPPRESS,
-                               default=argparse.SUPPRESS, help=("accepted: " + ", ".join(refused.accepted))
-                               if refused.accepted else "refused", **kwargs)
-        except argparse.ArgumentError:   # the command has a flag of that name: its own meaning wins
+            group.add_argument(
+                flag,
+                *refused.aliases,
+                action=_RefusedFlag,
+                dest=argparse.SUPPRESS,
+                default=argparse.SUPPRESS,
+                help=("accepted: " + ", ".join(refused.accepted)) if refused.accepted else "refused",
+                **kwargs,
+            )
+        except argparse.ArgumentError:  # the command has a flag of that name: its own meaning wins
             continue
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,  # noqa: A002
-           metavar: str | None = None, choices: Sequence[str] | None = None, cli: bool = True,
-           default_factory: Any = dataclasses.MISSING, parse: Any = None, show: Any = None) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    flag: str | None = None,  # noqa: A002
+    metavar: str | None = None,
+    choices: Sequence[str] | None = None,
+    cli: bool = True,
+    default_factory: Any = dataclasses.MISSING,
+    parse: Any = None,
+    show: Any = None,
+) -> Any:
     """A dataclass field with what its command-line flag needs (see the module doc). `parse`: turns the flag's
     text into the value where the annotated type cannot (its ValueError's message becomes the flag's error);
     `to_argv` writes such a value back with `str()`. `show`: the field is a sequence given as several values after
     one flag (`--x A B`), each parsed by `parse` and written back by `show(element)`."""
-    metadata = {"help": help, "flag": flag, "metavar": metavar, "choices": choices, "cli": cli, "parse": parse,
-                "show": show}
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "metavar": metavar,
+        "choices": choices,
+        "cli": cli,
+        "parse": parse,
+        "show": show,
+    }
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -114,8 +145,11 @@ def cli_fields(cls: type, names: Iterable[str] | None = None, exclude: Iterable[
     """`cls`'s fields that have flags, in declaration order (only `names`, when given; never `exclude`)."""
     wanted = None if names is None else set(names)
     skip = set(exclude)
-    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True) and f.name not in skip
-            and (wanted is None or f.name in wanted)]
+    return [
+        f
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("cli", True) and f.name not in skip and (wanted is None or f.name in wanted)
+    ]
 
 
 def _scalar_type(cls: type, f: dataclasses.Field) -> type:
@@ -137,8 +171,14 @@ def _default_text(f: dataclasses.Field) -> str:
     return f" (default {f.default})"
 
 
-def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
-                names: Iterable[str] | None = None, exclude: Iterable[str] = (), *, defaults: bool = False) -> None:
+def add_options(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    names: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+    *,
+    defaults: bool = False,
+) -> None:
     """One flag per field of `cls` (see the module doc), with default None: an omitted flag leaves the field to
     the config's default. `defaults`: the flags default to the fields' defaults instead, for a command that reads
     its own options from the parsed args as they are (a launcher; nothing else fills in its defaults)."""
@@ -162,23 +202,30 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: 
 
 def _parser(parse: Any) -> Any:
     """`parse` for argparse: its ValueError's message becomes the flag's error message."""
+
     def run(text: str) -> Any:
         try:
             return parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+
     return run
 
 
-def given(cls: type, args: argparse.Namespace, names: Iterable[str] | None = None,
-          exclude: Iterable[str] = ()) -> dict[str, Any]:
+def given(
+    cls: type, args: argparse.Namespace, names: Iterable[str] | None = None, exclude: Iterable[str] = ()
+) -> dict[str, Any]:
     """The fields of `cls` whose flags were given (to pass on as keyword options: the rest keep defaults)."""
-    return {f.name: getattr(args, f.name) for f in cli_fields(cls, names, exclude)
-            if getattr(args, f.name, None) is not None}
+    return {
+        f.name: getattr(args, f.name)
+        for f in cli_fields(cls, names, exclude)
+        if getattr(args, f.name, None) is not None
+    }
 
 
-def to_argv(cls: type, values: Mapping[str, Any] | Any, names: Iterable[str] | None = None,
-            exclude: Iterable[str] = ()) -> list[str]:
+def to_argv(
+    cls: type, values: Mapping[str, Any] | Any, names: Iterable[str] | None = None, exclude: Iterable[str] = ()
+) -> list[str]:
     """The flags that give `values` (a config of `cls`, or a mapping of its field names) to a command whose
     parser `add_options(..., cls)` built: only the fields that differ from `cls`'s defaults."""
     if isinstance(values, Mapping):
@@ -193,10 +240,10 @@ def to_argv(cls: type, values: Mapping[str, Any] | Any, names: Iterable[str] | N
         flag = flag_of(f)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
-        elif f.metadata.get("show"):   # several values after one flag (a mapping: its items)
+        elif f.metadata.get("show"):  # several values after one flag (a mapping: its items)
             elements = list(value.items()) if isinstance(value, Mapping) else list(value)
             argv += [flag, *(f.metadata["show"](element) for element in elements)] if elements else []
-        elif f.metadata.get("parse"):   # a value given as it is given in Python (a dict): its parsed form's text
+        elif f.metadata.get("parse"):  # a value given as it is given in Python (a dict): its parsed form's text
             argv += [flag, value if isinstance(value, str) else str(f.metadata["parse"](value))]
         else:
             argv += [flag, str(value)]

@@ -31,7 +31,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
-    cumulative_logprob: float | None = None   # the sum of the sampled tokens' logprobs, when logprobs were asked
+    cumulative_logprob: float | None = None  # the sum of the sampled tokens' logprobs, when logprobs were asked
     seed: int | None = None
     error: str | None = None
 
@@ -54,25 +54,29 @@ class Completion:
     prompt: str | None = None
     num_cached_tokens: int = 0
     error_code: str | None = None
-    seed: int | None = None     # the sampling seed it ran with (assigned when none was given): a replay key
-    prompt_logprobs: list[TokenLogprobs | None] | None = None   # vLLM's: None for the first prompt token
-    weight_version: int = 0     # the weights' version of its last delta (update_weights counts versions)
-    samples: list[Completion] | None = None   # n > 1: every sample's own Completion, sample 0 first
-    embedding: list[float] | None = None      # a pooling request's vector (SamplingParams.pooling)
-    beams: list[BeamOutput] | None = None     # a beam search's best n beams, best first (the flat fields: the best)
+    seed: int | None = None  # the sampling seed it ran with (assigned when none was given): a replay key
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # vLLM's: None for the first prompt token
+    weight_version: int = 0  # the weights' version of its last delta (update_weights counts versions)
+    samples: list[Completion] | None = None  # n > 1: every sample's own Completion, sample 0 first
+    embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling)
+    beams: list[BeamOutput] | None = None  # a beam search's best n beams, best first (the flat fields: the best)
 
     @property
     def outputs(self) -> list[CompletionOutput]:
         if self.beams is not None:
-            return [CompletionOutput(i, b.text, list(b.token_ids), b.finish_reason, None, b.cumulative_logprob)
-                    for i, b in enumerate(self.beams)]
+            return [
+                CompletionOutput(i, b.text, list(b.token_ids), b.finish_reason, None, b.cumulative_logprob)
+                for i, b in enumerate(self.beams)
+            ]
         return [c._as_output(i) for i, c in enumerate(self.samples or [self])]
 
     def _as_output(self, index: int) -> CompletionOutput:
-        cumulative = None if self.logprobs is None else sum(
-            row.get(t, 0.0) for t, row in zip(self.token_ids, self.logprobs))
-        return CompletionOutput(index, self.text, self.token_ids, self.finish_reason, self.logprobs, cumulative,
-                                self.seed, self.error)
+        cumulative = (
+            None if self.logprobs is None else sum(row.get(t, 0.0) for t, row in zip(self.token_ids, self.logprobs))
+        )
+        return CompletionOutput(
+            index, self.text, self.token_ids, self.finish_reason, self.logprobs, cumulative, self.seed, self.error
+        )
 
     @classmethod
     def of_samples(cls, samples: list[Completion]) -> Completion:

@@ -51,8 +51,7 @@ def max_token_bytes(tokenizer: Any) -> int | None:
         longest = max(len(piece.encode("utf-8", "surrogatepass")) for piece in pieces)
     else:
         return None
-    added = [len(token.get("content", "").encode("utf-8", "surrogatepass"))
-             for token in spec.get("added_tokens") or []]
+    added = [len(token.get("content", "").encode("utf-8", "surrogatepass")) for token in spec.get("added_tokens") or []]
     longest = max([longest, *added])
     return longest * (NORMALIZER_SLACK if spec.get("normalizer") else 1)
 
@@ -75,9 +74,11 @@ def prompt_size_error(prompt: str, max_model_len: int, token_bytes: int | None) 
         what = f"{size} bytes"
     if size < limit:
         return None
-    return (f"the prompt is {what} long; the context of {max_model_len} tokens cannot hold {limit} bytes or "
-            f"more of text (a token of this tokenizer covers at most {token_bytes} bytes), so it was refused "
-            f"without tokenizing it")
+    return (
+        f"the prompt is {what} long; the context of {max_model_len} tokens cannot hold {limit} bytes or "
+        f"more of text (a token of this tokenizer covers at most {token_bytes} bytes), so it was refused "
+        f"without tokenizing it"
+    )
 
 
 def _has_byte_level(pre_tokenizer: Any) -> bool:

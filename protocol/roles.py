@@ -23,7 +23,7 @@ class Role(str, enum.Enum):
 
 
 ROLE_FOLDERS = {Role.WORKER: "workers", Role.CLIENT: "clients", Role.ADMIN: "admins"}
-CLIENT_ROLES = frozenset({Role.CLIENT, Role.ADMIN})   # an administrator may also act as a client
+CLIENT_ROLES = frozenset({Role.CLIENT, Role.ADMIN})  # an administrator may also act as a client
 NO_ROLES: frozenset[Role] = frozenset()
 
 

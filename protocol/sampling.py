@@ -29,23 +29,32 @@ MAX_STOP_TOKEN_IDS = 1024
 # within these bounds a logit of any size a model produces stays finite and keeps its sign.
 MIN_REPETITION_PENALTY = 1e-3
 MAX_REPETITION_PENALTY = 1e3
-MAX_TOP_K = 2**31 - 1        # larger is "off" anyway (k >= vocabulary size); bounded so it fits an int32
+MAX_TOP_K = 2**31 - 1  # larger is "off" anyway (k >= vocabulary size); bounded so it fits an int32
 # Per-request token lists are validated in Python by every component they cross: bounded so a request
 # cannot make that (or the per-step masks built from them) arbitrarily slow.
-MAX_LOGIT_BIAS = 1024        # entries of logit_bias
-MAX_LOGIT_BIAS_VALUE = 100.0 # OpenAI's range: [-100, 100]
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
 MAX_ALLOWED_TOKEN_IDS = 65536
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 256
-POOLING_TYPES = ("last", "mean", "cls")   # worker/pooling.py
-MAX_N = 256                  # samples per prompt (LLM / AsyncLLM expand them into that many engine requests)
-MAX_BEAM_WIDTH = 32          # beams of one beam search (each beam is a sequence of the batch, 2 x width candidates)
-EARLY_STOPPING = (False, True, "never")   # transformers' values (worker/beam_search.py says what each does)
+POOLING_TYPES = ("last", "mean", "cls")  # worker/pooling.py
+MAX_N = 256  # samples per prompt (LLM / AsyncLLM expand them into that many engine requests)
+MAX_BEAM_WIDTH = 32  # beams of one beam search (each beam is a sequence of the batch, 2 x width candidates)
+EARLY_STOPPING = (False, True, "never")  # transformers' values (worker/beam_search.py says what each does)
 # Options a beam search refuses by name (its beams are ranked by the model's own log-probabilities): each with the
 # value that means "not given".
-_NOT_WITH_BEAMS = (("structured_outputs", None), ("logit_bias", None), ("allowed_token_ids", None),
-                   ("bad_words", ()), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                   ("repetition_penalty", 1.0), ("logprobs", None), ("prompt_logprobs", None), ("pooling", None))
+_NOT_WITH_BEAMS = (
+    ("structured_outputs", None),
+    ("logit_bias", None),
+    ("allowed_token_ids", None),
+    ("bad_words", ()),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("logprobs", None),
+    ("prompt_logprobs", None),
+    ("pooling", None),
+)
 
 
 class FieldError(ValueError):
@@ -129,7 +138,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         if self.structured_outputs is not None:
             try:
                 spec = StructuredOutputsParams.from_dict(self.structured_outputs)
-            except (TypeError, ValueError) as e:   # its messages name the part ("structured_outputs.regex ...")
+            except (TypeError, ValueError) as e:  # its messages name the part ("structured_outputs.regex ...")
                 raise FieldError("structured_outputs", str(e)) from None
             force_setattr(self, "structured_outputs", spec)
         self._validate()
@@ -140,8 +149,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         if _float32("temperature", self.temperature) < 0:
             raise FieldError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < _float32("top_p", self.top_p) <= 1:
-            raise FieldError("top_p", f"top_p must be in (0, 1] as a float32 (values below 1.4e-45 round to 0), "
-                                      f"got {self.top_p}")
+            raise FieldError(
+                "top_p", f"top_p must be in (0, 1] as a float32 (values below 1.4e-45 round to 0), got {self.top_p}"
+            )
         _integer("top_k", self.top_k)
         if not -1 <= self.top_k <= MAX_TOP_K:
             raise FieldError("top_k", f"top_k must be -1 (disabled) or in [0, {MAX_TOP_K}], got {self.top_k}")
@@ -164,14 +174,15 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             if len(s) > MAX_STOP_CHARS:
                 raise FieldError("stop", f"each stop string may be at most {MAX_STOP_CHARS} characters, got {len(s)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise FieldError("stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
-                                               f"got {len(self.stop_token_ids)}")
+            raise FieldError(
+                "stop_token_ids",
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+            )
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t)
             if t < 0:
                 raise FieldError("stop_token_ids", f"stop_token_ids must be >= 0, got {t}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "disable_speculative_decoding"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "disable_speculative_decoding"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
@@ -182,14 +193,22 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             value = getattr(self, name)
             if not -2 <= _float32(name, value) <= 2:
                 raise FieldError(name, f"{name} must be in [-2, 2], got {value}")
-        if not MIN_REPETITION_PENALTY <= _float32("repetition_penalty", self.repetition_penalty) \
-                <= MAX_REPETITION_PENALTY:
-            raise FieldError("repetition_penalty", f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
-                                                   f"{MAX_REPETITION_PENALTY:g}] (1 is off), got "
-                                                   f"{self.repetition_penalty}")
+        if (
+            not MIN_REPETITION_PENALTY
+            <= _float32("repetition_penalty", self.repetition_penalty)
+            <= MAX_REPETITION_PENALTY
+        ):
+            raise FieldError(
+                "repetition_penalty",
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 is off), got "
+                f"{self.repetition_penalty}",
+            )
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
-            raise FieldError("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)} (or None to generate), "
-                                        f"got {self.pooling!r}")
+            raise FieldError(
+                "pooling",
+                f"pooling must be one of {', '.join(POOLING_TYPES)} (or None to generate), got {self.pooling!r}",
+            )
         if self.lora_name is not None:
             try:
                 check_lora_name(self.lora_name)
@@ -211,23 +230,30 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     def _validate_beam_search(self) -> None:
         _float32("length_penalty", self.length_penalty)
         if self.early_stopping not in EARLY_STOPPING or type(self.early_stopping) not in (bool, str):
-            raise FieldError("early_stopping", f"early_stopping must be true, false or \"never\", got "
-                                               f"{self.early_stopping!r:.40}")
+            raise FieldError(
+                "early_stopping", f'early_stopping must be true, false or "never", got {self.early_stopping!r:.40}'
+            )
         if self.beam_width is None:
             return
         _integer("beam_width", self.beam_width)
         if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
             raise FieldError("beam_width", f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
         if self.n > self.beam_width:
-            raise FieldError("n", f"n ({self.n}) must be <= beam_width ({self.beam_width}): a beam search returns "
-                                  f"its best n beams")
+            raise FieldError(
+                "n", f"n ({self.n}) must be <= beam_width ({self.beam_width}): a beam search returns its best n beams"
+            )
         if self.temperature != 0:
-            raise FieldError("temperature", f"beam search is deterministic: temperature must be 0, got "
-                                            f"{self.temperature} (beam sampling is not supported)")
+            raise FieldError(
+                "temperature",
+                f"beam search is deterministic: temperature must be 0, got "
+                f"{self.temperature} (beam sampling is not supported)",
+            )
         for name, off in _NOT_WITH_BEAMS:
             if getattr(self, name) != off:
-                raise FieldError(name, f"{name} is not supported with beam search (beams are ranked by the "
-                                       f"model's own log-probabilities)")
+                raise FieldError(
+                    name,
+                    f"{name} is not supported with beam search (beams are ranked by the model's own log-probabilities)",
+                )
 
     @property
     def beam_search(self) -> bool:
@@ -240,26 +266,33 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         for token_id, value in bias:
             _token_id("logit_bias", token_id)
             if not -MAX_LOGIT_BIAS_VALUE <= _float32("logit_bias", value) <= MAX_LOGIT_BIAS_VALUE:
-                raise FieldError("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for token "
-                                               f"{token_id}")
+                raise FieldError(
+                    "logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for token {token_id}"
+                )
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
-                raise FieldError("allowed_token_ids", "allowed_token_ids must not be empty (leave it out to allow "
-                                                      "every token)")
+                raise FieldError(
+                    "allowed_token_ids", "allowed_token_ids must not be empty (leave it out to allow every token)"
+                )
             if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
-                raise FieldError("allowed_token_ids", f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} "
-                                                      f"ids, got {len(self.allowed_token_ids)}")
+                raise FieldError(
+                    "allowed_token_ids",
+                    f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} "
+                    f"ids, got {len(self.allowed_token_ids)}",
+                )
             for token_id in self.allowed_token_ids:
                 _token_id("allowed_token_ids", token_id)
         if len(self.bad_words) > MAX_BAD_WORDS:
-            raise FieldError("bad_words", f"bad_words may hold at most {MAX_BAD_WORDS} words, got "
-                                          f"{len(self.bad_words)}")
+            raise FieldError(
+                "bad_words", f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}"
+            )
         for word in self.bad_words:
             if not isinstance(word, str) or not word.strip():
                 raise FieldError("bad_words", f"bad_words must hold non-blank strings, got {str(word)[:40]!r}")
             if len(word) > MAX_BAD_WORD_CHARS:
-                raise FieldError("bad_words", f"each bad word may be at most {MAX_BAD_WORD_CHARS} characters, got "
-                                              f"{len(word)}")
+                raise FieldError(
+                    "bad_words", f"each bad word may be at most {MAX_BAD_WORD_CHARS} characters, got {len(word)}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -275,13 +308,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         _integer("seed", seed)
         if not 0 <= seed < 2**63:
             raise FieldError("seed", f"seed must be in [0, 2**63), got {seed}")
-        params = copy.copy(self)              # not msgspec.structs.replace: that would validate every field again
+        params = copy.copy(self)  # not msgspec.structs.replace: that would validate every field again
         force_setattr(params, "seed", seed)
         return params
 
     def samples(self) -> list[SamplingParams]:
         """The n engine requests these params stand for: n = 1 each; sample i seeded seed + i when seeded."""
-        if self.n == 1 or self.beam_search:   # a beam search returns its n best beams itself
+        if self.n == 1 or self.beam_search:  # a beam search returns its n best beams itself
             return [self]
         one = msgspec.structs.replace(self, n=1)
         return [one if self.seed is None else one.with_seed((self.seed + i) % 2**63) for i in range(self.n)]
@@ -293,7 +326,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["bad_words"] = list(self.bad_words)
-        if self.logit_bias is not None:       # pairs: msgpack maps take string keys only
+        if self.logit_bias is not None:  # pairs: msgpack maps take string keys only
             d["logit_bias"] = [[token_id, bias] for token_id, bias in self.logit_bias]
         if self.allowed_token_ids is not None:
             d["allowed_token_ids"] = list(self.allowed_token_ids)
@@ -306,10 +339,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         """Build from named fields; an unknown name is a ValueError that names it, a bad value a FieldError."""
         if not isinstance(d, dict):
             raise ValueError(f"sampling params must be a mapping, got {type(d).__name__}")
-        unknown = sorted(str(k) for k in d if k not in _FIELD_NAMES)     # str: keys off the wire may be of any type
+        unknown = sorted(str(k) for k in d if k not in _FIELD_NAMES)  # str: keys off the wire may be of any type
         if unknown:
-            raise ValueError(f"unknown sampling option(s): {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(_FIELD_NAMES))}")
+            raise ValueError(
+                f"unknown sampling option(s): {', '.join(unknown)}; known: {', '.join(sorted(_FIELD_NAMES))}"
+            )
         return cls(**d)
 
 
@@ -370,16 +404,15 @@ _EXACT_IN_FLOAT32 = frozenset({0.0, 1.0})
 def _float32(name: str, value: Any) -> float:
     """`value` rounded to float32, as the sampler holds it; ValueError unless it is a finite number there
     (1e39 is inf in float32, NaN and inf are refused too)."""
-    if type(value) is float and value in _EXACT_IN_FLOAT32:    # the defaults: nothing to round (most fields)
+    if type(value) is float and value in _EXACT_IN_FLOAT32:  # the defaults: nothing to round (most fields)
         return value
     _number(name, value)
     try:
         rounded = struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:      # beyond float32's range (or an int beyond float64's)
+    except OverflowError:  # beyond float32's range (or an int beyond float64's)
         rounded = math.inf
     if not math.isfinite(rounded):
-        raise FieldError(name, f"{name} must be a finite number within float32's range (|x| <= 3.4e38), got "
-                               f"{value!r}")
+        raise FieldError(name, f"{name} must be a finite number within float32's range (|x| <= 3.4e38), got {value!r}")
     return rounded
 
 
@@ -387,5 +420,5 @@ def _integer(name: str, value: Any) -> None:
     """An int within 64 bits (the wire carries no more; torch would overflow on it)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise FieldError(name, f"{name} must be an integer, got {value!r}")
-    if not -2**63 <= value < 2**63:
+    if not -(2**63) <= value < 2**63:
         raise FieldError(name, f"{name} must fit in 64 bits, got an integer of {value.bit_length()} bits")

@@ -41,16 +41,18 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, omit_defaults=True, f
             force_setattr(self, "json", _canonical_schema(self.json))
         if self.choice is not None:
             if isinstance(self.choice, (str, bytes, dict)) or not hasattr(self.choice, "__iter__"):
-                raise ValueError(f"structured_outputs.choice must be a list of strings, got "
-                                 f"{type(self.choice).__name__}")
+                raise ValueError(
+                    f"structured_outputs.choice must be a list of strings, got {type(self.choice).__name__}"
+                )
             force_setattr(self, "choice", tuple(self.choice))
         self._validate()
 
     def _validate(self) -> None:
         given = [k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}, got "
-                             f"{', '.join(given) or 'none'}")
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(KINDS)}, got {', '.join(given) or 'none'}"
+            )
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
         for name, limit in (("regex", MAX_REGEX_CHARS), ("grammar", MAX_GRAMMAR_CHARS)):
@@ -61,12 +63,15 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, omit_defaults=True, f
                 raise ValueError(f"structured_outputs.{name} may be at most {limit} characters, got {len(value)}")
         if self.choice is not None:
             if not 1 <= len(self.choice) <= MAX_CHOICES:
-                raise ValueError(f"structured_outputs.choice must hold 1 to {MAX_CHOICES} strings, "
-                                 f"got {len(self.choice)}")
+                raise ValueError(
+                    f"structured_outputs.choice must hold 1 to {MAX_CHOICES} strings, got {len(self.choice)}"
+                )
             for c in self.choice:
                 if not isinstance(c, str) or not c or len(c) > MAX_CHOICE_CHARS:
-                    raise ValueError(f"structured_outputs.choice must hold non-empty strings of at most "
-                                     f"{MAX_CHOICE_CHARS} characters, got {str(c)[:40]!r}")
+                    raise ValueError(
+                        f"structured_outputs.choice must hold non-empty strings of at most "
+                        f"{MAX_CHOICE_CHARS} characters, got {str(c)[:40]!r}"
+                    )
 
     @property
     def kind(self) -> str:
@@ -97,8 +102,7 @@ def _canonical_schema(schema: Any) -> str:
     is too large or nests deeper than MAX_SCHEMA_DEPTH."""
     if isinstance(schema, str):
         if len(schema) > MAX_SCHEMA_CHARS:
-            raise ValueError(f"structured_outputs.json may be at most {MAX_SCHEMA_CHARS} characters, "
-                             f"got {len(schema)}")
+            raise ValueError(f"structured_outputs.json may be at most {MAX_SCHEMA_CHARS} characters, got {len(schema)}")
         _check_depth(schema)
         try:
             schema = json.loads(schema)
@@ -107,7 +111,7 @@ def _canonical_schema(schema: Any) -> str:
     if not isinstance(schema, dict):
         raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
     try:
-        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)   # key order kept: it orders properties
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)  # key order kept: it orders properties
     except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"structured_outputs.json is not JSON-serializable: {e}") from None
     if len(text) > MAX_SCHEMA_CHARS:
@@ -155,12 +159,14 @@ def grammar_error(spec: StructuredOutputsParams) -> str | None:
         else:
             return None
         return None if _admits_a_first_byte(xgr, grammar) else NO_FIRST_TOKEN
-    except Exception as e:     # xgrammar raises RuntimeError (C++) or its own error types, with the reason
+    except Exception as e:  # xgrammar raises RuntimeError (C++) or its own error types, with the reason
         return grammar_reason(e)
 
 
-NO_FIRST_TOKEN = "admits no output: no token can start it (its rules never reach a character, e.g. a rule that " \
-                 "only refers to itself)"
+NO_FIRST_TOKEN = (
+    "admits no output: no token can start it (its rules never reach a character, e.g. a rule that "
+    "only refers to itself)"
+)
 
 
 def _admits_a_first_byte(xgr: Any, grammar: Any) -> bool:

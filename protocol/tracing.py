@@ -27,8 +27,10 @@ from typing import Any
 # W3C Trace Context, version 00: 00-<trace id: 32 hex>-<parent span id: 16 hex>-<flags: 2 hex>
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _SAMPLED = "01"
-MISSING_SDK = ("--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporter, which are not installed: "
-               "pip install 'infer[otel]'")
+MISSING_SDK = (
+    "--otlp-traces-endpoint needs the OpenTelemetry SDK and OTLP exporter, which are not installed: "
+    "pip install 'infer[otel]'"
+)
 
 Attribute = str | int | float | bool
 
@@ -38,8 +40,9 @@ def require_sdk() -> None:
     import importlib.util
 
     try:
-        found = all(importlib.util.find_spec(name) is not None
-                    for name in ("opentelemetry.sdk", "opentelemetry.exporter.otlp"))
+        found = all(
+            importlib.util.find_spec(name) is not None for name in ("opentelemetry.sdk", "opentelemetry.exporter.otlp")
+        )
     except ModuleNotFoundError:
         found = False
     if not found:
@@ -59,8 +62,10 @@ def check_traceparent(value: str | None) -> None:
     """ValueError unless `value` is None or a valid W3C traceparent (the wire's check: our own processes only
     send valid ones)."""
     if value is not None and parse_traceparent(value) is None:
-        raise ValueError(f"field 'traceparent' must be a W3C traceparent '00-<32 hex>-<16 hex>-<2 hex>' with "
-                         f"non-zero ids, got {value[:80]!r}")
+        raise ValueError(
+            f"field 'traceparent' must be a W3C traceparent '00-<32 hex>-<16 hex>-<2 hex>' with "
+            f"non-zero ids, got {value[:80]!r}"
+        )
 
 
 @dataclass
@@ -107,8 +112,14 @@ class SpanSink:
     Hops are timed on the process's monotonic clock (its cores' `now`); `wall_offset` turns that into the epoch
     time spans carry (default: this process's time.time() - time.monotonic())."""
 
-    def __init__(self, service: str, endpoint: str | None = None, exporter: Any = None, batch: bool = True,
-                 wall_offset: float | None = None) -> None:
+    def __init__(
+        self,
+        service: str,
+        endpoint: str | None = None,
+        exporter: Any = None,
+        batch: bool = True,
+        wall_offset: float | None = None,
+    ) -> None:
         try:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -135,16 +146,27 @@ class SpanSink:
         from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
         def context(span_id: str, remote: bool) -> SpanContext:
-            return SpanContext(int(span.trace_id, 16), int(span_id, 16), is_remote=remote,
-                               trace_flags=TraceFlags(TraceFlags.SAMPLED))
+            return SpanContext(
+                int(span.trace_id, 16), int(span_id, 16), is_remote=remote, trace_flags=TraceFlags(TraceFlags.SAMPLED)
+            )
+
         parent = context(span.parent_span_id, True) if span.parent_span_id is not None else None
+
         def ns(at: float) -> int:
             return int((at + self.wall_offset) * 1e9)
+
         end = span.end if span.end is not None else span.start
-        return ReadableSpan(span.name, context(span.span_id, False), parent=parent, resource=self.resource,
-                            attributes=span.attributes, kind=SpanKind.SERVER,
-                            events=[Event(name, timestamp=ns(at)) for name, at in span.events],
-                            start_time=ns(span.start), end_time=ns(end))
+        return ReadableSpan(
+            span.name,
+            context(span.span_id, False),
+            parent=parent,
+            resource=self.resource,
+            attributes=span.attributes,
+            kind=SpanKind.SERVER,
+            events=[Event(name, timestamp=ns(at)) for name, at in span.events],
+            start_time=ns(span.start),
+            end_time=ns(end),
+        )
 
 
 def otlp_exporter(endpoint: str) -> Any:

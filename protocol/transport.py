@@ -21,14 +21,20 @@ from infer.protocol.keys import CurveKeys
 from infer.protocol.logsafe import Throttle, safe
 from infer.protocol.messages import MAX_FRAME_BYTES, Message, encode
 
-ZAP_DOMAIN = "infer"                       # the coordinator's socket; EP wake sockets use their own
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"    # where libzmq asks (one handler per context)
+ZAP_DOMAIN = "infer"  # the coordinator's socket; EP wake sockets use their own
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (one handler per context)
 _gate_ids = itertools.count()
 
 
-def make_socket(ctx: zmq.Context, kind: int, *, identity: bytes | None = None,
-                max_frame_bytes: int = MAX_FRAME_BYTES, curve: CurveKeys | None = None,
-                zap_domain: str = ZAP_DOMAIN) -> zmq.Socket:
+def make_socket(
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    identity: bytes | None = None,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+    curve: CurveKeys | None = None,
+    zap_domain: str = ZAP_DOMAIN,
+) -> zmq.Socket:
     """A socket with the project's options: no linger on close, the frame size limit enforced by ZeroMQ
     itself (an oversized frame drops the connection before it is read), TCP keepalive, and ROUTER
     sockets that report unroutable peers instead of dropping silently (zmq.ROUTER_MANDATORY).
@@ -58,8 +64,8 @@ def _set_curve(sock: zmq.Socket, curve: CurveKeys, zap_domain: str) -> None:
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode())
     try:
-        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)   # no ZAP handler: refuse (libzmq's default lets all in)
-    except (AttributeError, zmq.ZMQError):           # libzmq < 4.3: KeyGate is always started before bind
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler: refuse (libzmq's default lets all in)
+    except (AttributeError, zmq.ZMQError):  # libzmq < 4.3: KeyGate is always started before bind
         pass
 
 
@@ -69,8 +75,12 @@ _HANDSHAKE_FAILURES = {
 }
 
 
-HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 def handshake_failure(event: dict, curve: bool, flags: tuple[str, str]) -> str | None:
@@ -79,20 +89,28 @@ def handshake_failure(event: dict, curve: bool, flags: tuple[str, str]) -> str |
     spelled (its secret key file, the coordinator's public key file), for the hint."""
     kind, value = event["event"], event["value"]
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (f"the coordinator refused this peer's CURVE key (status {value}): its public key is not among "
-                f"the coordinator's authorized keys in the folder of its role (workers/, clients/, admins/), or "
-                f"was revoked; its log names the refused key")
+        return (
+            f"the coordinator refused this peer's CURVE key (status {value}): its public key is not among "
+            f"the coordinator's authorized keys in the folder of its role (workers/, clients/, admins/), or "
+            f"was revoked; its log names the refused key"
+        )
     if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         if curve:
             return "the coordinator does not speak CURVE (it runs without keys): leave out this peer's keys"
-        return (f"the coordinator requires CURVE keys: pass {flags[0]} and {flags[1]} (this peer's secret key "
-                f"file and the coordinator's public key file)")
+        return (
+            f"the coordinator requires CURVE keys: pass {flags[0]} and {flags[1]} (this peer's secret key "
+            f"file and the coordinator's public key file)"
+        )
     if kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
         if curve:
-            return (f"the coordinator closed the CURVE handshake: {flags[1]} is not the coordinator's public "
-                    f"key, or this peer's key is unusable")
-        return (f"the coordinator closed the connection in the handshake: it probably requires CURVE keys: pass "
-                f"{flags[0]} and {flags[1]} (or this is not a coordinator's address)")
+            return (
+                f"the coordinator closed the CURVE handshake: {flags[1]} is not the coordinator's public "
+                f"key, or this peer's key is unusable"
+            )
+        return (
+            f"the coordinator closed the connection in the handshake: it probably requires CURVE keys: pass "
+            f"{flags[0]} and {flags[1]} (or this is not a coordinator's address)"
+        )
     return None
 
 
@@ -109,16 +127,24 @@ class KeyGate:
     not say who those peers are. The thread ends on close() or when the context is terminated.
     """
 
-    def __init__(self, ctx: zmq.Context, allows: Callable[[bytes], bool], *, logger: logging.Logger,
-                 peers: str = "peer", watch: zmq.Socket | None = None, burst: int = 5,
-                 period: float = 10.0) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        allows: Callable[[bytes], bool],
+        *,
+        logger: logging.Logger,
+        peers: str = "peer",
+        watch: zmq.Socket | None = None,
+        burst: int = 5,
+        period: float = 10.0,
+    ) -> None:
         self.allows, self.log, self.peers = allows, logger, peers
-        self.refused = 0                 # refusals so far (the gate thread counts, anyone may read)
+        self.refused = 0  # refusals so far (the gate thread counts, anyone may read)
         # refused keys, and handshakes failed before ZAP (those retry every 100 ms): neither hides the other
         self._throttles = {"key": Throttle(burst, period), "handshake": Throttle(burst, period)}
         self._zap = ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
-        self._zap.bind(ZAP_ENDPOINT)     # EADDRINUSE: this context has a gate already
+        self._zap.bind(ZAP_ENDPOINT)  # EADDRINUSE: this context has a gate already
         self._ctx = ctx
         self._stop_endpoint = f"inproc://infer-keygate-{next(_gate_ids)}"
         self._stop = ctx.socket(zmq.PAIR)
@@ -127,7 +153,8 @@ class KeyGate:
         if watch is not None:
             self._monitor = watch.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-                addr=f"inproc://infer-keygate-monitor-{next(_gate_ids)}")
+                addr=f"inproc://infer-keygate-monitor-{next(_gate_ids)}",
+            )
         self._thread = threading.Thread(target=self._run, name="infer-keygate", daemon=True)
         self._thread.start()
 
@@ -140,7 +167,7 @@ class KeyGate:
                 tell.connect(self._stop_endpoint)
                 tell.send(b"", zmq.NOBLOCK)
                 tell.close()
-            except zmq.ZMQError:   # the context is terminating: the thread ends on its own
+            except zmq.ZMQError:  # the context is terminating: the thread ends on its own
                 pass
             self._thread.join(timeout)
 
@@ -179,13 +206,14 @@ class KeyGate:
         if version != b"1.0":
             return [b"1.0", request_id, b"400", b"unsupported ZAP version", b"", b""]
         if mechanism != b"CURVE" or len(frames) != 7 or len(frames[6]) != 32:
-            self._refuse("key", f"a {self.peers} from {ip} without a CURVE key "
-                         f"({safe(mechanism.decode(errors='replace'))})")
+            self._refuse(
+                "key", f"a {self.peers} from {ip} without a CURVE key ({safe(mechanism.decode(errors='replace'))})"
+            )
             return [b"1.0", request_id, b"400", b"CURVE required", b"", b""]
         key = z85.encode(frames[6])
         try:
             allowed = self.allows(key)
-        except Exception:   # a broken check refuses; the gate must answer every request or handshakes hang
+        except Exception:  # a broken check refuses; the gate must answer every request or handshakes hang
             self.log.exception("the key check failed; refusing %s", key.decode())
             allowed = False
         if not allowed:
@@ -194,13 +222,12 @@ class KeyGate:
         return [b"1.0", request_id, b"200", b"OK", key, b""]
 
     def _on_event(self, event: Mapping[str, Any]) -> None:
-        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:   # the peer hung up (mismatch seen there)
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # the peer hung up (mismatch seen there)
             why = "the peer closed it: it does not speak CURVE, or holds another server public key"
         else:
             why = _HANDSHAKE_FAILURES.get(event["value"], f"protocol error {event['value']:#x}")
         endpoint = event["endpoint"].decode(errors="replace")
-        self._refuse("handshake", f"a {self.peers} on {endpoint} in the handshake, before its key was known: "
-                     f"{why}")
+        self._refuse("handshake", f"a {self.peers} on {endpoint} in the handshake, before its key was known: {why}")
 
     def _refuse(self, kind: str, text: str) -> None:
         self.refused += 1

@@ -42,6 +42,6 @@ def processes_mentioning(marker: bytes, *, in_cmdline: bool = True) -> list[str]
             if marker in (entry / "environ").read_bytes() or (in_cmdline and marker in cmdline):
                 command = cmdline.replace(b"\0", b" ").decode(errors="replace")
                 found.append(f"{entry.name}: {command[:160]}")
-        except (OSError, IndexError):      # it exited meanwhile, or is not ours to read
+        except (OSError, IndexError):  # it exited meanwhile, or is not ours to read
             continue
     return found

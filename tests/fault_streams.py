@@ -11,20 +11,30 @@ from infer import SamplingParams
 
 # Sampled streams on the word-chain model (tests/conftest.py): random words of multi-byte text.
 CHAIN_PROMPTS = ["Words:", "More words:", "Go on:", "Write:", "Next:", "List:"]
-CHAIN_STOPS = ("好😀", "語é", "界.")     # each spans a token boundary inside a multi-byte character
+CHAIN_STOPS = ("好😀", "語é", "界.")  # each spans a token boundary inside a multi-byte character
 
 
 def chain_params(i: int) -> SamplingParams:
     """Temperature 1, seeded (even i) and unseeded, with stop strings (i < 4; the stop in the output for
     i == 2) and without."""
-    return SamplingParams(temperature=1.0, max_tokens=120, seed=1000 + i if i % 2 == 0 else None,
-                          stop=CHAIN_STOPS if i < 4 else (), include_stop_str_in_output=i == 2)
+    return SamplingParams(
+        temperature=1.0,
+        max_tokens=120,
+        seed=1000 + i if i % 2 == 0 else None,
+        stop=CHAIN_STOPS if i < 4 else (),
+        include_stop_str_in_output=i == 2,
+    )
 
 
-async def streams_through_a_fault(cluster: Any, prompts: list, params: Any,
-                                  fault: Callable[[Any], Awaitable[None]],
-                                  start_timeout: float = 60,
-                                  finish_timeout: float = 120, strike_after: int = 3) -> tuple[list, object]:
+async def streams_through_a_fault(
+    cluster: Any,
+    prompts: list,
+    params: Any,
+    fault: Callable[[Any], Awaitable[None]],
+    start_timeout: float = 60,
+    finish_timeout: float = 120,
+    strike_after: int = 3,
+) -> tuple[list, object]:
     """Stream every prompt (`params`: one SamplingParams for all, or a list, one per prompt); once every
     stream has `strike_after` deltas (or ended), `await fault(client)` (the client sees the cluster's stats).
     Returns every stream's deltas, in prompt order, and the stats after."""
@@ -74,8 +84,9 @@ async def replayed_without_a_fault(model: Any, prompts: list, streams: list, par
 
     seeds = reported_seeds(streams, params)
     llm = LLM(model=str(model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1)
-    return await asyncio.to_thread(llm.generate, prompts, [
-        msgspec.structs.replace(p, seed=s) for p, s in zip(params, seeds)], use_tqdm=False)
+    return await asyncio.to_thread(
+        llm.generate, prompts, [msgspec.structs.replace(p, seed=s) for p, s in zip(params, seeds)], use_tqdm=False
+    )
 
 
 def assert_same_streams(streams: list, reference: list, where: str = "") -> None:

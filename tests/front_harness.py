@@ -29,7 +29,7 @@ def local_engine(model: Path, step_delay: float = 0.0, **options: Any) -> LocalE
     if step_delay:
         execute = local.engine.runner.execute
 
-        def slowed(chunks):   # the engine thread is idle now; from here on it runs this
+        def slowed(chunks):  # the engine thread is idle now; from here on it runs this
             time.sleep(step_delay)
             return execute(chunks)
 
@@ -51,12 +51,14 @@ def serving(engine: Any, tokenizer: Any, **options: Any) -> Iterator[str]:
         thread.join(10)
 
 
-def http(url: str, body: Any = None, *, method: str | None = None,
-          headers: dict[str, str] | None = None) -> tuple[int, Any, str]:
+def http(
+    url: str, body: Any = None, *, method: str | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any, str]:
     """(status, headers, body text) of one request; a dict body is sent as JSON."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
             return r.status, r.headers, r.read().decode()
@@ -73,5 +75,8 @@ def error_of(text: str) -> dict[str, Any]:
 
 def sse_events(text: str) -> list[Any]:
     """The JSON payloads of an SSE body, "[DONE]" as that string."""
-    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
-            for line in text.splitlines() if line.startswith("data: ")]
+    return [
+        json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+        for line in text.splitlines()
+        if line.startswith("data: ")
+    ]

@@ -26,9 +26,15 @@ def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new: int)
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
-                               min_new_tokens=max_new, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=0,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -52,7 +58,9 @@ def assert_bf16_as_close_as_transformers(model_dir: Path, ids: list[int], name: 
         return ((logits - reference).abs().max() / reference.abs().max()).item()
 
     same = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    print(f"{name} bf16: ours {rel_err(ours):.3g}, transformers' {rel_err(theirs):.3g} of the largest fp32 logit; "
-          f"{same:.0%} of the next tokens as fp32")
+    print(
+        f"{name} bf16: ours {rel_err(ours):.3g}, transformers' {rel_err(theirs):.3g} of the largest fp32 logit; "
+        f"{same:.0%} of the next tokens as fp32"
+    )
     assert rel_err(ours) <= 1.5 * rel_err(theirs)
     assert same >= 0.8

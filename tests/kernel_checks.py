@@ -25,7 +25,8 @@ KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.typ
 
 requires_triton = pytest.mark.skipif(
     not HAS_TRITON or (DEVICE.type == "cpu" and not interpreting()),
-    reason="needs triton (compiled on CUDA, or TRITON_INTERPRET=1 on CPU)")
+    reason="needs triton (compiled on CUDA, or TRITON_INTERPRET=1 on CPU)",
+)
 
 
 def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device = DEVICE) -> torch.Tensor:
@@ -37,7 +38,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     """actual vs expected (any dtypes) within `dtype`'s stated tolerance; NaN anywhere fails."""
     atol, rtol = TOLERANCES[dtype]
     assert not torch.isnan(actual).any(), f"{what}: NaN in the output (an element was not written)"
-    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}"
+    )
 
 
 def native_isa_levels() -> tuple[str, ...]:
@@ -57,7 +60,7 @@ def use_native_isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> str:
     from infer.kernels import cpu_kernels
 
     if isa == "refused":
-        cpu_kernels.selected_isa()   # raises the ValueError that says why
+        cpu_kernels.selected_isa()  # raises the ValueError that says why
     lib = cpu_kernels.library(isa)
     if lib is None:
         pytest.skip("no native CPU kernels (no C compiler, or INFER_CPU_KERNELS=0): the twins run instead")

@@ -4,7 +4,6 @@ the cluster and front tests)."""
 from __future__ import annotations
 
 import torch
-
 from hf_reference import hf_model
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -41,9 +40,15 @@ def peft_greedy(model_dir, adapter_dir, prompts: list[list[int]], max_new: int) 
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=0,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 

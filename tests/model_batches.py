@@ -51,13 +51,24 @@ class Pager:
             seq_lens=torch.tensor(context_lens, dtype=torch.int32),
             query_start_loc=torch.tensor(starts, dtype=torch.int32),
             logits_indices=torch.tensor(starts[1:], dtype=torch.int64) - 1,
-            num_decodes=num_decodes, query_lens=tuple(query_lens), context_lens=tuple(context_lens),
-            block_size=bs)
+            num_decodes=num_decodes,
+            query_lens=tuple(query_lens),
+            context_lens=tuple(context_lens),
+            block_size=bs,
+        )
 
 
 def new_cache(model, num_blocks: int, block_size: int) -> KVCache:
-    cache = KVCache.allocate(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
-                             model.dtype, CPU, shared_kv=bool(getattr(model, "kv_shared", False)))
+    cache = KVCache.allocate(
+        model.num_layers,
+        num_blocks,
+        block_size,
+        model.num_kv_heads,
+        model.head_dim,
+        model.dtype,
+        CPU,
+        shared_kv=bool(getattr(model, "kv_shared", False)),
+    )
     for t in cache.k + cache.v:  # stale slots (finite garbage, as the pool's invariant allows) must be masked
         t.normal_(0, 1000.0)
     return cache

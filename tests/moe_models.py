@@ -19,18 +19,44 @@ from typing import Any
 import torch
 
 MIXTRAL: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    num_local_experts=8, num_experts_per_tok=2, vocab_size=512, max_position_embeddings=1024,
-    rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=512,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=1e6,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 QWEN3_MOE: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=512,
-    max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1e6, use_sliding_window=False,
-    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    vocab_size=512,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    use_sliding_window=False,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 
@@ -83,7 +109,12 @@ def reference_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) 
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new_tokens, pad_token_id=model.config.eos_token_id)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=model.config.eos_token_id,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from kernel_checks import DEVICE
 
 
@@ -14,26 +13,36 @@ class PagedBatch:
     """Sequences laid out in a random pool: sequence i's context of seq_lens[i] tokens, its last
     query_lens[i] of which are this step's queries (flattened into q's T rows)."""
 
-    q: torch.Tensor               # [T, H, D]
-    k_cache: torch.Tensor         # [Hkv, NB, bs, D]
+    q: torch.Tensor  # [T, H, D]
+    k_cache: torch.Tensor  # [Hkv, NB, bs, D]
     v_cache: torch.Tensor
-    block_tables: torch.Tensor    # [B, max_blocks] int32
-    seq_lens: torch.Tensor        # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     query_lens: list[int]
 
 
-def random_pool(num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int, dtype: torch.dtype,
-                generator: torch.Generator, device: torch.device = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+def random_pool(
+    num_kv_heads: int,
+    num_blocks: int,
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    device: torch.device = DEVICE,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V pools of random values (the blocks no table uses hold values too: a kernel reading a wrong
     block gets a wrong answer, not a lucky zero)."""
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    return (torch.randn(shape, generator=generator).to(dtype).to(device),
-            torch.randn(shape, generator=generator).to(dtype).to(device))
+    return (
+        torch.randn(shape, generator=generator).to(dtype).to(device),
+        torch.randn(shape, generator=generator).to(dtype).to(device),
+    )
 
 
-def random_tables(seq_lens: list[int], num_blocks: int, block_size: int,
-                  generator: torch.Generator, device: torch.device = DEVICE) -> torch.Tensor:
+def random_tables(
+    seq_lens: list[int], num_blocks: int, block_size: int, generator: torch.Generator, device: torch.device = DEVICE
+) -> torch.Tensor:
     """Distinct random (non-contiguous, unordered) blocks per sequence, padded with block 0."""
     needed = [-(-n // block_size) for n in seq_lens]
     if sum(needed) > num_blocks:
@@ -42,14 +51,23 @@ def random_tables(seq_lens: list[int], num_blocks: int, block_size: int,
     width = max(needed)
     rows, used = [], 0
     for n in needed:
-        rows.append(perm[used:used + n] + [0] * (width - n))
+        rows.append(perm[used : used + n] + [0] * (width - n))
         used += n
     return torch.tensor(rows, dtype=torch.int32, device=device)
 
 
-def make_batch(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-               block_size: int, dtype: torch.dtype, seed: int, spare_blocks: int = 7,
-               device: torch.device = DEVICE) -> PagedBatch:
+def make_batch(
+    seq_lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    spare_blocks: int = 7,
+    device: torch.device = DEVICE,
+) -> PagedBatch:
     """The batch's tensors on `device` (the Triton kernels' by default; the native CPU kernels' tests ask for the
     CPU, also on a CUDA machine)."""
     generator = torch.Generator().manual_seed(seed)
@@ -61,8 +79,15 @@ def make_batch(seq_lens: list[int], query_lens: list[int], num_heads: int, num_k
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    return PagedBatch(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                      torch.tensor(starts, dtype=torch.int32, device=device), list(query_lens))
+    return PagedBatch(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        torch.tensor(starts, dtype=torch.int32, device=device),
+        list(query_lens),
+    )
 
 
 def context_of(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -12,8 +12,13 @@ from infer.worker.scheduler import Scheduler, SchedulerOutput
 
 
 def make_request(i: int, prompt: list[int], max_tokens: int = 4) -> Request:
-    return Request(request_id=f"r{i}", prompt_token_ids=list(prompt),
-                   params=SamplingParams(max_tokens=max_tokens), arrival_order=i, max_tokens=max_tokens)
+    return Request(
+        request_id=f"r{i}",
+        prompt_token_ids=list(prompt),
+        params=SamplingParams(max_tokens=max_tokens),
+        arrival_order=i,
+        max_tokens=max_tokens,
+    )
 
 
 def finish_step(scheduler: Scheduler, output: SchedulerOutput, next_token: Callable[[list[int]], int]) -> None:
@@ -38,4 +43,4 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
     ids = list(prompt)
     for _ in range(max_tokens):
         ids.append(fake_next_token(ids))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]

@@ -32,10 +32,27 @@ class Served:
         model_flags = [] if model is None else ["--model", str(model)]
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "infer.client.serve", *model_flags, "--workers", "2",
-                 "--port", "0", "--served-model-name", name, "--heartbeat-interval", "0.2", "--log-level",
-                 "WARNING", *flags],
-                stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "infer.client.serve",
+                    *model_flags,
+                    "--workers",
+                    "2",
+                    "--port",
+                    "0",
+                    "--served-model-name",
+                    name,
+                    "--heartbeat-interval",
+                    "0.2",
+                    "--log-level",
+                    "WARNING",
+                    *flags,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+            )
         line = _read_line(self.proc, 120)
         match = re.search(r"HTTP at (http://\S+?);.*connect to (tcp://\S+)", line)
         assert match, f"{line!r}\n{log.read_text()}"
@@ -44,8 +61,9 @@ class Served:
     def stop(self) -> None:
         """SIGTERM (infer-serve stops its coordinator and workers), then SIGKILL whatever is left:
         infer-serve's group and its children's groups (each child leads its own session)."""
-        children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True,
-                                  check=False).stdout.split()
+        children = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
+        ).stdout.split()
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(30)

@@ -19,8 +19,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(target: Callable[..., None], args_of: Callable[[int], tuple], timeout_s: float,
-                  answering: tuple[int, ...] = (0, 1)) -> dict[int, object]:
+def run_two_ranks(
+    target: Callable[..., None], args_of: Callable[[int], tuple], timeout_s: float, answering: tuple[int, ...] = (0, 1)
+) -> dict[int, object]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

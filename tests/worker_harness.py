@@ -14,8 +14,14 @@ from infer.worker.options import WorkerOptions
 
 class WorkerHarness:
     def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, **options) -> None:
-        defaults = {"coordinator": "tcp://127.0.0.1:5555", "worker_id": "w-test", "heartbeat_interval": 1.0,
-                    "coordinator_timeout": 10.0, "drain_timeout": 30.0, "connect_timeout": 60.0}
+        defaults = {
+            "coordinator": "tcp://127.0.0.1:5555",
+            "worker_id": "w-test",
+            "heartbeat_interval": 1.0,
+            "coordinator_timeout": 10.0,
+            "drain_timeout": 30.0,
+            "connect_timeout": 60.0,
+        }
         self.now = 0.0
         self.engine = BenchmarkEngine(EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len))
         self.core = WorkerCore(self.engine, WorkerOptions(**{**defaults, **options}), self.now, wall_offset=1e9)
@@ -50,8 +56,15 @@ class WorkerHarness:
         return self.out()
 
     def welcome(self, instance: str = "coord-1", dp_rank: int | None = 0) -> list[Message]:
-        return self.send(Welcome(coordinator_id="c", state="running", instance=instance, dp_rank=dp_rank,
-                                 group_id=None if dp_rank is None else f"dp{dp_rank}"))
+        return self.send(
+            Welcome(
+                coordinator_id="c",
+                state="running",
+                instance=instance,
+                dp_rank=dp_rank,
+                group_id=None if dp_rank is None else f"dp{dp_rank}",
+            )
+        )
 
     def run_until_finished(self, max_steps: int = 100) -> list[Delta]:
         """Steps until the engine is idle; every delta sent meanwhile, in order."""
@@ -63,12 +76,19 @@ class WorkerHarness:
         raise AssertionError("the engine did not finish")
 
 
-def dispatch(rid: str, prompt: list[int] | str = (1, 2, 3), max_tokens: int = 4, resumed: list[int] = (),
-             **fields) -> Dispatch:
+def dispatch(
+    rid: str, prompt: list[int] | str = (1, 2, 3), max_tokens: int = 4, resumed: list[int] = (), **fields
+) -> Dispatch:
     text = prompt if isinstance(prompt, str) else None
     ids = None if isinstance(prompt, str) else TokenIds(list(prompt))
-    return Dispatch(request_id=rid, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens), prompt=text,
-                    prompt_token_ids=ids, resumed_token_ids=TokenIds(list(resumed)), **fields)
+    return Dispatch(
+        request_id=rid,
+        sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        prompt=text,
+        prompt_token_ids=ids,
+        resumed_token_ids=TokenIds(list(resumed)),
+        **fields,
+    )
 
 
 def deltas(out: list[Message]) -> list[Delta]:

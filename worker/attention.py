@@ -21,18 +21,27 @@ from infer.kernels.paged_attention import (
 from infer.worker.forward_batch import ForwardBatch
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-                    cos_sin_cache: torch.Tensor | None = None, is_neox: bool = True, window: int = 0,
-                    softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    cos_sin_cache: torch.Tensor | None = None,
+    is_neox: bool = True,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Store k, v [T, Hkv, D] at the batch's slots (rotating k there when `cos_sin_cache` is given), then
     attend q [T, H, D] over each sequence's context (its last `window` positions with a sliding window > 0; scores
     soft-capped with a softcap > 0, on the kernels that compute it: the native CPU ones do not; attention sinks
     [H] float32 in each softmax's denominator where given (GPT-OSS): the twins, on every device).
     Returns [T, H, D] in q's dtype; padding rows are 0."""
     if batch.step_graph:
-        return _padded_decode(q, k, v, k_cache, v_cache, batch, scale, cos_sin_cache, is_neox, window, softcap,
-                              sinks)
+        return _padded_decode(q, k, v, k_cache, v_cache, batch, scale, cos_sin_cache, is_neox, window, softcap, sinks)
     append_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox)
     out = torch.empty_like(q)
     num_real, num_decodes = batch.num_real_tokens, batch.num_decodes
@@ -41,44 +50,91 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if num_decodes:
         tables, lens = batch.block_tables[:num_decodes], batch.seq_lens[:num_decodes]
         plan = None
-        if (sinks is not None or not use_triton(q)) and (softcap or sinks is not None
-                                                          or not decode_kernel_fits(q, k_cache, tables, lens)):
+        if (sinks is not None or not use_triton(q)) and (
+            softcap or sinks is not None or not decode_kernel_fits(q, k_cache, tables, lens)
+        ):
             # the twin's tiling, planned by the first layer of the step with this window
             key = f"decode_plan/{window}"
             plan = batch.per_step.get(key)
             if plan is None:
-                plan = batch.per_step[key] = plan_decode(tables, lens, k_cache, batch.context_lens[:num_decodes],
-                                                         window)
-        paged_decode_attention(q[:num_decodes], k_cache, v_cache, tables, lens, scale, out=out[:num_decodes],
-                               plan=plan, split_tokens=batch.decode_split_tokens, window=window, softcap=softcap,
-                               sinks=sinks)
+                plan = batch.per_step[key] = plan_decode(
+                    tables, lens, k_cache, batch.context_lens[:num_decodes], window
+                )
+        paged_decode_attention(
+            q[:num_decodes],
+            k_cache,
+            v_cache,
+            tables,
+            lens,
+            scale,
+            out=out[:num_decodes],
+            plan=plan,
+            split_tokens=batch.decode_split_tokens,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
     if num_decodes < batch.num_seqs:
-        paged_prefill_attention(q[num_decodes:num_real], k_cache, v_cache, batch.block_tables[num_decodes:],
-                                batch.seq_lens[num_decodes:], batch.prefill_query_start_loc, scale,
-                                out=out[num_decodes:num_real], max_query_len=batch.max_prefill_len,
-                                decode_from=batch.prefill_decode_from, window=window, softcap=softcap, sinks=sinks)
+        paged_prefill_attention(
+            q[num_decodes:num_real],
+            k_cache,
+            v_cache,
+            batch.block_tables[num_decodes:],
+            batch.seq_lens[num_decodes:],
+            batch.prefill_query_start_loc,
+            scale,
+            out=out[num_decodes:num_real],
+            max_query_len=batch.max_prefill_len,
+            decode_from=batch.prefill_decode_from,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
     return out
 
 
-def _padded_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, batch: ForwardBatch, scale: float, cos_sin_cache: torch.Tensor | None,
-                   is_neox: bool, window: int, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+def _padded_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    cos_sin_cache: torch.Tensor | None,
+    is_neox: bool,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """A step graph's attention: every row decodes, padding rows included (they write the scratch slot and
     attend to it), with no host sync and no shape that depends on the lengths' values. With sinks, the version
     written for the compiler on every device (neither the native kernel nor Triton computes sinks)."""
-    append_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox,
-              pad_slot=batch.pad_slot)
+    append_kv(
+        k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox, pad_slot=batch.pad_slot
+    )
     if sinks is not None:
-        return paged_decode_attention_compiled(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, window,
-                                               softcap, sinks)
-    if use_triton(q):   # captured in a CUDA graph
-        return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
-                                      split_tokens=batch.decode_split_tokens, window=window, softcap=softcap)
+        return paged_decode_attention_compiled(
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, window, softcap, sinks
+        )
+    if use_triton(q):  # captured in a CUDA graph
+        return paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            scale,
+            split_tokens=batch.decode_split_tokens,
+            window=window,
+            softcap=softcap,
+        )
     # the native kernel, as an operator (it takes no softcap)
     if not softcap and decode_kernel_fits(q, k_cache, batch.block_tables, batch.seq_lens):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_decode_cpu_op(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, out, window)
         return out
     # else compiled by inductor (CPU): reads K and V in place in the pool
-    return paged_decode_attention_compiled(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, window,
-                                           softcap)
+    return paged_decode_attention_compiled(
+        q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, window, softcap
+    )

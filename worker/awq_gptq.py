@@ -34,8 +34,8 @@ import torch
 
 from infer.kernels.quant import BLOCK, QuantWeight, pack_q4
 
-PACK = 8                                  # 4-bit values per int32 word
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # AWQ: nibble i of a word holds output column 8c + AWQ_ORDER[i]
+PACK = 8  # 4-bit values per int32 word
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ: nibble i of a word holds output column 8c + AWQ_ORDER[i]
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what is added to each stored zero
 
@@ -52,16 +52,18 @@ class Part(Protocol):
 class Int4Scheme:
     """How a checkpoint's int4 linears are stored, from config.json's `quantization_config`."""
 
-    method: str        # "awq" or "gptq"
-    group_size: int    # inputs per (scale, zero); -1: one group per row
-    zero_offset: int   # added to every stored zero: 1 for GPTQ's classic "gptq" format, else 0
+    method: str  # "awq" or "gptq"
+    group_size: int  # inputs per (scale, zero); -1: one group per row
+    zero_offset: int  # added to every stored zero: 1 for GPTQ's classic "gptq" format, else 0
 
     def __post_init__(self) -> None:
         if self.method not in ("awq", "gptq"):
             raise ValueError(f"quantization_config.quant_method must be 'awq' or 'gptq', got {self.method!r}")
         if self.group_size != -1 and (self.group_size <= 0 or self.group_size % BLOCK):
-            raise ValueError(f"quantization_config.group_size must be -1 or a positive multiple of {BLOCK} (our "
-                             f"blocks of {BLOCK} lie inside one group), got {self.group_size}")
+            raise ValueError(
+                f"quantization_config.group_size must be -1 or a positive multiple of {BLOCK} (our "
+                f"blocks of {BLOCK} lie inside one group), got {self.group_size}"
+            )
         if self.zero_offset not in (0, 1):
             raise ValueError(f"zero_offset must be 0 or 1, got {self.zero_offset}")
 
@@ -84,10 +86,12 @@ def scheme_of(config: Mapping[str, Any]) -> Int4Scheme | None:
         return _awq_scheme(quant)
     if method == "gptq":
         return _gptq_scheme(quant)
-    if method == "mxfp4":   # GPT-OSS's experts: its model dequantizes them at load (worker/models/gpt_oss.py)
+    if method == "mxfp4":  # GPT-OSS's experts: its model dequantizes them at load (worker/models/gpt_oss.py)
         return None
-    raise ValueError(f"quantization_config.quant_method {quant.get('quant_method')!r} is not supported: AWQ and "
-                     "GPTQ int4 checkpoints load as they are, others need a dense or GGUF checkpoint")
+    raise ValueError(
+        f"quantization_config.quant_method {quant.get('quant_method')!r} is not supported: AWQ and "
+        "GPTQ int4 checkpoints load as they are, others need a dense or GGUF checkpoint"
+    )
 
 
 def _field(quant: Mapping[str, Any], names: tuple[str, ...], default: Any = None) -> Any:
@@ -109,8 +113,10 @@ def _awq_scheme(quant: Mapping[str, Any]) -> Int4Scheme:
     group_size = _check_bits(quant, "AWQ")
     version = str(quant.get("version", "gemm")).lower()
     if version != "gemm":
-        raise ValueError(f"quantization_config.version {quant.get('version')!r} is not supported: AWQ checkpoints "
-                         "load in the GEMM layout (version 'gemm'); GEMV and other layouts pack differently")
+        raise ValueError(
+            f"quantization_config.version {quant.get('version')!r} is not supported: AWQ checkpoints "
+            "load in the GEMM layout (version 'gemm'); GEMV and other layouts pack differently"
+        )
     if not quant.get("zero_point", True):
         raise ValueError("quantization_config.zero_point false is not supported: AWQ GEMM checkpoints carry zeros")
     return Int4Scheme("awq", group_size, 0)
@@ -120,15 +126,19 @@ def _gptq_scheme(quant: Mapping[str, Any]) -> Int4Scheme:
     group_size = _check_bits(quant, "GPTQ")
     fmt = str(_field(quant, ("checkpoint_format", "format"), "gptq")).lower()
     if fmt not in GPTQ_FORMATS:
-        raise ValueError(f"quantization_config.checkpoint_format {fmt!r} is not supported (supported: "
-                         f"{', '.join(GPTQ_FORMATS)}); marlin and other repacked formats need their own reader")
+        raise ValueError(
+            f"quantization_config.checkpoint_format {fmt!r} is not supported (supported: "
+            f"{', '.join(GPTQ_FORMATS)}); marlin and other repacked formats need their own reader"
+        )
     pack_dtype = str(quant.get("pack_dtype", "int32")).removeprefix("torch.")
     if pack_dtype != "int32":
         raise ValueError(f"quantization_config.pack_dtype must be int32, got {quant.get('pack_dtype')!r}")
     dynamic = quant.get("dynamic") or {}
     if any(not str(pattern).startswith("-:") for pattern in dynamic):
-        raise ValueError("quantization_config.dynamic: per-module quantization overrides are not supported "
-                         f"(only '-:' exclusions), got {sorted(dynamic)}")
+        raise ValueError(
+            "quantization_config.dynamic: per-module quantization overrides are not supported "
+            f"(only '-:' exclusions), got {sorted(dynamic)}"
+        )
     return Int4Scheme("gptq", group_size, GPTQ_FORMATS[fmt])
 
 
@@ -153,8 +163,8 @@ def unpack_words(words: torch.Tensor) -> torch.Tensor:
 def _columns_of_words(words: torch.Tensor, method: str) -> torch.Tensor:
     """Words packing 8 output columns each (AWQ's qweight and qzeros, GPTQ's qzeros), int32 [R, W] -> uint8 [R, 8W]
     with column j at index j."""
-    nibbles = unpack_words(words)                               # [R, W, 8]: nibble i
-    if method == "awq":                                         # nibble i is column AWQ_ORDER[i]: invert
+    nibbles = unpack_words(words)  # [R, W, 8]: nibble i
+    if method == "awq":  # nibble i is column AWQ_ORDER[i]: invert
         inverse = torch.tensor([AWQ_ORDER.index(j) for j in range(PACK)])
         nibbles = nibbles[..., inverse]
     return nibbles.reshape(words.shape[0], -1)
@@ -162,7 +172,7 @@ def _columns_of_words(words: torch.Tensor, method: str) -> torch.Tensor:
 
 def _read(part: Part, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
     """The window [rows) x [cols) of a 2-D checkpoint tensor, reading only `rows` (a narrowing) from the file."""
-    return part.narrow(0, rows[0], rows[1] - rows[0])[:, cols[0]:cols[1]]
+    return part.narrow(0, rows[0], rows[1] - rows[0])[:, cols[0] : cols[1]]
 
 
 class Int4Tensor:
@@ -206,8 +216,10 @@ class Int4Tensor:
         for part, shape in expected.items():
             found = tuple(int(d) for d in getattr(self, f"_{part}").shape)
             if found != shape:
-                raise ValueError(f"{self.name}.{part} has shape {list(found)}; a {self.scheme.method.upper()} int4 "
-                                 f"weight [{n}, {k}] with group_size {self.scheme.group_size} needs {list(shape)}")
+                raise ValueError(
+                    f"{self.name}.{part} has shape {list(found)}; a {self.scheme.method.upper()} int4 "
+                    f"weight [{n}, {k}] with group_size {self.scheme.group_size} needs {list(shape)}"
+                )
 
     def _check_group_index(self, g_idx: Part) -> None:
         """GPTQ's g_idx must be i // group_size: a shuffled one (desc_act / act-order) regroups the inputs."""
@@ -216,8 +228,10 @@ class Int4Tensor:
             raise ValueError(f"{self.name}.g_idx has shape {list(g_idx.shape)}, expected [{k}]")
         found = g_idx.narrow(0, 0, k)
         if not torch.equal(found.to(torch.int64), torch.arange(k) // self.group_size):
-            raise ValueError(f"{self.name}.g_idx is not i // group_size: quantization_config.desc_act (act-order) "
-                             "checkpoints with a shuffled g_idx are not supported; requantize without desc_act")
+            raise ValueError(
+                f"{self.name}.g_idx is not i // group_size: quantization_config.desc_act (act-order) "
+                "checkpoints with a shuffled g_idx are not supported; requantize without desc_act"
+            )
 
     # -- views
 
@@ -245,11 +259,11 @@ class Int4Tensor:
         self._cols[0] // group_size."""
         (r0, r1), (c0, c1) = self._rows, self._cols
         g0, g1 = c0 // self.group_size, (c1 - 1) // self.group_size + 1
-        w0, w1 = r0 // PACK, -(-r1 // PACK)                       # the words holding the view's output columns
-        mine = slice(r0 - w0 * PACK, r1 - w0 * PACK)              # the view's columns among theirs
-        if self.scheme.method == "awq":                           # [in, out / 8] -> [in, out] -> [out, in]
+        w0, w1 = r0 // PACK, -(-r1 // PACK)  # the words holding the view's output columns
+        mine = slice(r0 - w0 * PACK, r1 - w0 * PACK)  # the view's columns among theirs
+        if self.scheme.method == "awq":  # [in, out / 8] -> [in, out] -> [out, in]
             q = _columns_of_words(_read(self._qweight, (c0, c1), (w0, w1)), "awq")[:, mine].t()
-        else:                                                     # [in / 8, out] -> [out, in / 8, 8] -> [out, in]
+        else:  # [in / 8, out] -> [out, in / 8, 8] -> [out, in]
             words = _read(self._qweight, (c0 // PACK, c1 // PACK), (r0, r1))
             q = unpack_words(words.t()).reshape(r1 - r0, c1 - c0)
         zeros = _columns_of_words(_read(self._qzeros, (g0, g1), (w0, w1)), self.scheme.method)

@@ -32,7 +32,7 @@ from infer.worker.detokenizer import IncrementalDetokenizer
 from infer.worker.request import Request, RequestStatus
 from infer.worker.scheduler import Scheduler
 
-BlockCopy = tuple[int, int]   # (source block, destination block) of the KV pool
+BlockCopy = tuple[int, int]  # (source block, destination block) of the KV pool
 
 
 @dataclass
@@ -80,8 +80,14 @@ class BeamGroups:
         """Track `root` (added to the scheduler already; `beam_group` is its own id) as a new search."""
         params = root.params
         finish_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else root.eos_token_ids)
-        search = BeamSearch.start(root.request_id, params.beam_width, root.max_tokens, params.length_penalty,
-                                  params.early_stopping, num_eos=len(root.eos_token_ids))
+        search = BeamSearch.start(
+            root.request_id,
+            params.beam_width,
+            root.max_tokens,
+            params.length_penalty,
+            params.early_stopping,
+            num_eos=len(root.eos_token_ids),
+        )
         self._groups[root.request_id] = BeamGroup(root, search, finish_ids, {root.request_id: root})
 
     def report(self, request: Request, logprobs: Mapping[int, float] | None) -> None:
@@ -117,25 +123,32 @@ class BeamGroups:
         forks: list[BlockCopy] = []
         for index, continuation in enumerate(step.continuations):
             beam = group.beams[continuation.parent]
-            if continuation.parent in continued:   # another continuation of the same beam: a fork of it
+            if continuation.parent in continued:  # another continuation of the same beam: a fork of it
                 beam = self._fork(group, beam, forks)
                 group.search.rename(index, beam.request_id)
             continued.add(continuation.parent)
             grown.append((beam, continuation.token_id))
-        for beam, token_id in grown:   # after every fork: a fork copies its parent's tokens as they were
+        for beam, token_id in grown:  # after every fork: a fork copies its parent's tokens as they were
             beam.append_token(token_id)
         # a fork that found no free block preempted the group (Scheduler.fork): the copies made before it are void
-        held = {block for beam in group.beams.values() if beam.status is RequestStatus.RUNNING
-                for block in beam.block_table}
+        held = {
+            block for beam in group.beams.values() if beam.status is RequestStatus.RUNNING for block in beam.block_table
+        }
         copies.extend(copy for copy in forks if copy[1] in held)
         return False
 
     def _fork(self, group: BeamGroup, parent: Request, copies: list[BlockCopy]) -> Request:
         group.num_forks += 1
         child = dataclasses.replace(
-            parent, request_id=f"{group.request_id}#beam{group.num_forks}", status=RequestStatus.WAITING,
-            token_ids=list(parent.token_ids), num_computed_tokens=0, block_table=[], block_hashes=[],
-            num_preemptions=0)
+            parent,
+            request_id=f"{group.request_id}#beam{group.num_forks}",
+            status=RequestStatus.WAITING,
+            token_ids=list(parent.token_ids),
+            num_computed_tokens=0,
+            block_table=[],
+            block_hashes=[],
+            num_preemptions=0,
+        )
         copy = self._scheduler.fork(parent, child)
         if copy is not None:
             copies.append(copy)
@@ -177,7 +190,11 @@ class BeamGroups:
         return [self._output(group, h) for h in group.search.result(group.params.n)]
 
     def _output(self, group: BeamGroup, hypothesis: Hypothesis) -> BeamOutput:
-        return BeamOutput(token_ids=TokenIds(hypothesis.token_ids), text=self._text(group, hypothesis.token_ids)[0],
-                          cumulative_logprob=hypothesis.cumulative_logprob, score=hypothesis.score,
-                          finish_reason=hypothesis.finish_reason,
-                          logprobs=[dict(step) for step in hypothesis.logprobs])
+        return BeamOutput(
+            token_ids=TokenIds(hypothesis.token_ids),
+            text=self._text(group, hypothesis.token_ids)[0],
+            cumulative_logprob=hypothesis.cumulative_logprob,
+            score=hypothesis.score,
+            finish_reason=hypothesis.finish_reason,
+            logprobs=[dict(step) for step in hypothesis.logprobs],
+        )

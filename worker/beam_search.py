@@ -50,7 +50,7 @@ class Hypothesis:
     token_ids: tuple[int, ...]
     cumulative_logprob: float
     score: float
-    finish_reason: str      # "stop" (EOS, stop token, stop string) or "length"
+    finish_reason: str  # "stop" (EOS, stop token, stop string) or "length"
     logprobs: tuple[Mapping[int, float], ...] = ()
 
 
@@ -88,13 +88,20 @@ class BeamSearch:
     early_stopping: bool | str = False
     num_eos: int = 1
     live: list[Beam] = field(default_factory=list)
-    hypotheses: list[Hypothesis] = field(default_factory=list)      # best score first, at most `width`
-    reports: dict[str, Mapping[int, float]] = field(default_factory=dict)   # this round's, by beam id
+    hypotheses: list[Hypothesis] = field(default_factory=list)  # best score first, at most `width`
+    reports: dict[str, Mapping[int, float]] = field(default_factory=dict)  # this round's, by beam id
     improvable: bool = True
 
     @classmethod
-    def start(cls, root_id: str, width: int, max_tokens: int, length_penalty: float = 1.0,
-              early_stopping: bool | str = False, num_eos: int = 1) -> BeamSearch:
+    def start(
+        cls,
+        root_id: str,
+        width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        num_eos: int = 1,
+    ) -> BeamSearch:
         """A search whose only beam is the prompt, run by request `root_id`."""
         return cls(width, max_tokens, length_penalty, early_stopping, num_eos, live=[Beam(root_id, (), 0.0)])
 
@@ -133,12 +140,25 @@ class BeamSearch:
                 if len(continuations) < self.width:
                     continuations.append(Continuation(parent.beam_id, token_id, total))
             elif position < self.width:
-                finished.append(Hypothesis(parent.token_ids + (token_id,), total,
-                                           total / gen_len ** self.length_penalty, reason,
-                                           parent.logprobs + (self.reports[parent.beam_id],)))
+                finished.append(
+                    Hypothesis(
+                        parent.token_ids + (token_id,),
+                        total,
+                        total / gen_len**self.length_penalty,
+                        reason,
+                        parent.logprobs + (self.reports[parent.beam_id],),
+                    )
+                )
         self._keep(finished)
-        self.live = [Beam(c.parent, beams[c.parent].token_ids + (c.token_id,), c.cumulative_logprob,
-                          beams[c.parent].logprobs + (self.reports[c.parent],)) for c in continuations]
+        self.live = [
+            Beam(
+                c.parent,
+                beams[c.parent].token_ids + (c.token_id,),
+                c.cumulative_logprob,
+                beams[c.parent].logprobs + (self.reports[c.parent],),
+            )
+            for c in continuations
+        ]
         self.reports = {}
         parents = {c.parent for c in continuations}
         dropped = tuple(b for b in beams if b not in parents)
@@ -155,17 +175,19 @@ class BeamSearch:
 
     def _ranked(self) -> list[tuple[float, int, int]]:
         """The best K (cumulative log-probability, beam index, token id) over every live beam's report."""
-        candidates = [(beam.cumulative_logprob + lp, index, token_id)
-                      for index, beam in enumerate(self.live)
-                      for token_id, lp in self.reports[beam.beam_id].items()]
+        candidates = [
+            (beam.cumulative_logprob + lp, index, token_id)
+            for index, beam in enumerate(self.live)
+            for token_id, lp in self.reports[beam.beam_id].items()
+        ]
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-        return candidates[:self.num_candidates]
+        return candidates[: self.num_candidates]
 
     def _keep(self, finished: list[Hypothesis]) -> None:
         """Merge this round's hypotheses into the kept ones (earlier ones first among equal scores)."""
         merged = self.hypotheses + finished
-        merged.sort(key=lambda h: -h.score)    # stable: the earlier among equal scores stays ahead
-        self.hypotheses = merged[:self.width]
+        merged.sort(key=lambda h: -h.score)  # stable: the earlier among equal scores stays ahead
+        self.hypotheses = merged[: self.width]
 
     def _done(self, gen_len: int) -> bool:
         if not self.live:
@@ -178,6 +200,6 @@ class BeamSearch:
             best_len = self.max_tokens
         else:
             best_len = gen_len
-        best_possible = self.live[0].cumulative_logprob / best_len ** self.length_penalty
+        best_possible = self.live[0].cumulative_logprob / best_len**self.length_penalty
         self.improvable = self.improvable and best_possible > self.hypotheses[-1].score
         return not self.improvable

@@ -27,7 +27,6 @@ import xxhash
 
 from infer.worker.request import Request
 
-
 # A block-table entry whose block was given back (`release_before`): its positions are out of every layer's
 # sliding window, so no step reads them again. The tensors the kernels get name block 0 (or the step graphs'
 # scratch block) there.
@@ -95,9 +94,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = next out
         self._cached: dict[int, dict[int, None]] = {}  # hash -> ids of cached blocks with that hash
         self._next_key = 0
-        self.num_queried_tokens = 0   # tokens of first-scheduled requests looked up in the prefix cache
-        self.num_hit_tokens = 0       # of those, tokens served from the cache
-        self.num_evicted_blocks = 0   # cached blocks handed out for new content
+        self.num_queried_tokens = 0  # tokens of first-scheduled requests looked up in the prefix cache
+        self.num_hit_tokens = 0  # of those, tokens served from the cache
+        self.num_evicted_blocks = 0  # cached blocks handed out for new content
 
     # ---- sizes -----------------------------------------------------------------------------------
 
@@ -148,14 +147,19 @@ class BlockManager:
             parent_key = hit[1].key
         return found
 
-    def _lookup(self, block_hash: int, parent_key: int | None, token_ids: tuple[int, ...],
-                lora_id: int) -> tuple[int, _Content] | None:
+    def _lookup(
+        self, block_hash: int, parent_key: int | None, token_ids: tuple[int, ...], lora_id: int
+    ) -> tuple[int, _Content] | None:
         """The cached block (id, content) with this hash, parent and tokens, if any: equal hashes alone
         are never trusted."""
         for block_id in self._cached.get(block_hash, ()):
             content = self._blocks[block_id].content
-            if (content is not None and content.parent_key == parent_key and content.token_ids == token_ids
-                    and content.lora_id == lora_id):
+            if (
+                content is not None
+                and content.parent_key == parent_key
+                and content.token_ids == token_ids
+                and content.lora_id == lora_id
+            ):
                 return block_id, content
         return None
 
@@ -169,12 +173,13 @@ class BlockManager:
 
     def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
         start = index * self.block_size
-        return tuple(request.token_ids[start:start + self.block_size])
+        return tuple(request.token_ids[start : start + self.block_size])
 
     # ---- allocation ------------------------------------------------------------------------------
 
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int,
-                               cached_blocks: Sequence[int] = (), num_draft_tokens: int = 0) -> int:
+    def num_blocks_to_allocate(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (), num_draft_tokens: int = 0
+    ) -> int:
         """Free blocks that `allocate(request, num_new_tokens, cached_blocks, num_draft_tokens)` would consume:
         new blocks plus cached blocks revived out of the free queue. Validates like `allocate`."""
         self._check_allocation(request, num_new_tokens, cached_blocks, num_draft_tokens)
@@ -184,8 +189,9 @@ class BlockManager:
         num_revived = sum(1 for block_id in cached_blocks if self._blocks[block_id].ref_count == 0)
         return num_new_blocks + num_revived
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (),
-                 num_draft_tokens: int = 0) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (), num_draft_tokens: int = 0
+    ) -> bool:
         """Grow `request.block_table` to cover its computed tokens plus `num_new_tokens`.
 
         `cached_blocks` (from `find_cached_prefix`, only when the request holds no blocks yet) are
@@ -204,8 +210,9 @@ class BlockManager:
             request.block_table.append(self._take_free_block())
         return True
 
-    def _check_allocation(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int],
-                          num_draft_tokens: int = 0) -> None:
+    def _check_allocation(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int], num_draft_tokens: int = 0
+    ) -> None:
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be a positive integer, got {num_new_tokens!r}")
         if cached_blocks:
@@ -214,25 +221,32 @@ class BlockManager:
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be a non-negative integer, got {num_draft_tokens!r}")
         if end > request.num_tokens + num_draft_tokens:
-            raise ValueError(f"request {request.request_id!r}: cannot allocate up to token {end}, "
-                             f"it has only {request.num_tokens} tokens (+ {num_draft_tokens} draft tokens)")
+            raise ValueError(
+                f"request {request.request_id!r}: cannot allocate up to token {end}, "
+                f"it has only {request.num_tokens} tokens (+ {num_draft_tokens} draft tokens)"
+            )
         if request.num_computed_tokens > len(request.block_table) * self.block_size:
-            raise ValueError(f"request {request.request_id!r}: {request.num_computed_tokens} computed tokens "
-                             f"but only {len(request.block_table)} blocks")
+            raise ValueError(
+                f"request {request.request_id!r}: {request.num_computed_tokens} computed tokens "
+                f"but only {len(request.block_table)} blocks"
+            )
 
     def _check_cached_blocks(self, request: Request, cached_blocks: Sequence[int]) -> None:
         if request.block_table or request.num_computed_tokens:
-            raise ValueError(f"request {request.request_id!r}: cached blocks can only be given when it holds "
-                             f"no blocks and has no computed tokens")
+            raise ValueError(
+                f"request {request.request_id!r}: cached blocks can only be given when it holds "
+                f"no blocks and has no computed tokens"
+            )
         if len(cached_blocks) * self.block_size > request.num_tokens - 1:
-            raise ValueError(f"request {request.request_id!r}: {len(cached_blocks)} cached blocks cover its "
-                             f"last token; at most {request.num_tokens - 1} tokens may come from the cache")
+            raise ValueError(
+                f"request {request.request_id!r}: {len(cached_blocks)} cached blocks cover its "
+                f"last token; at most {request.num_tokens - 1} tokens may come from the cache"
+            )
         if len(set(cached_blocks)) != len(cached_blocks):
             raise ValueError(f"cached blocks repeat a block: {list(cached_blocks)}")
         for block_id in cached_blocks:
             if not 0 <= block_id < self.num_blocks or self._blocks[block_id].content is None:
-                raise ValueError(f"block {block_id} holds no cached content "
-                                 f"(a stale find_cached_prefix result?)")
+                raise ValueError(f"block {block_id} holds no cached content (a stale find_cached_prefix result?)")
 
     def _start(self, request: Request, cached_blocks: Sequence[int]) -> None:
         """First allocation of a request: reference its cache hits and count the lookup."""
@@ -279,25 +293,33 @@ class BlockManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
         hashes = self._block_hashes(request, num_full)
         first = num_full
-        while (first > 0 and request.block_table[first - 1] != RELEASED
-               and self._blocks[request.block_table[first - 1]].content is None):
+        while (
+            first > 0
+            and request.block_table[first - 1] != RELEASED
+            and self._blocks[request.block_table[first - 1]].content is None
+        ):
             first -= 1
         for i in range(first, num_full):
             parent_key = self._parent_key(request, i)
-            self._register(self._blocks[request.block_table[i]], hashes[i], parent_key,
-                           self._block_tokens(request, i), request.lora_id)
+            self._register(
+                self._blocks[request.block_table[i]],
+                hashes[i],
+                parent_key,
+                self._block_tokens(request, i),
+                request.lora_id,
+            )
 
     def _parent_key(self, request: Request, index: int) -> int | None:
         if index == 0:
             return None
         parent = self._blocks[request.block_table[index - 1]].content
         if parent is None:  # unreachable while cached blocks form a leading run of every table
-            raise ValueError(f"request {request.request_id!r}: block {index - 1} is not cached "
-                             f"before block {index}")
+            raise ValueError(f"request {request.request_id!r}: block {index - 1} is not cached before block {index}")
         return parent.key
 
-    def _register(self, block: _Block, block_hash: int, parent_key: int | None,
-                  token_ids: tuple[int, ...], lora_id: int = 0) -> None:
+    def _register(
+        self, block: _Block, block_hash: int, parent_key: int | None, token_ids: tuple[int, ...], lora_id: int = 0
+    ) -> None:
         block.content = _Content(self._next_key, block_hash, parent_key, token_ids, lora_id)
         self._next_key += 1
         self._cached.setdefault(block_hash, {})[block.block_id] = None
@@ -308,8 +330,10 @@ class BlockManager:
         (they hold no full computed block). Returns the number of blocks freed."""
         keep = self.blocks_for_tokens(request.num_tokens)
         if request.num_computed_tokens > keep * self.block_size:
-            raise ValueError(f"request {request.request_id!r}: {request.num_computed_tokens} computed tokens "
-                             f"but only {request.num_tokens} tokens")
+            raise ValueError(
+                f"request {request.request_id!r}: {request.num_computed_tokens} computed tokens "
+                f"but only {request.num_tokens} tokens"
+            )
         surplus = request.block_table[keep:]
         for block_id in reversed(surplus):
             self._unref(block_id)
@@ -380,8 +404,7 @@ class BlockManager:
         held = [block_id for block_id in request.block_table if block_id != RELEASED]
         for block_id, count in Counter(held).items():
             if self._blocks[block_id].ref_count < count:
-                raise ValueError(f"request {request.request_id!r} frees block {block_id}, "
-                                 f"which is already free")
+                raise ValueError(f"request {request.request_id!r} frees block {block_id}, which is already free")
         for block_id in reversed(held):
             self._unref(block_id)
         request.block_table.clear()
@@ -410,8 +433,10 @@ class BlockManager:
             if block.ref_count < 0:
                 raise ValueError(f"block {block.block_id} has a negative ref count {block.ref_count}")
             if (block.ref_count == 0) != (block.block_id in self._free):
-                raise ValueError(f"block {block.block_id} has ref count {block.ref_count} but is "
-                                 f"{'' if block.block_id in self._free else 'not '}in the free queue")
+                raise ValueError(
+                    f"block {block.block_id} has ref count {block.ref_count} but is "
+                    f"{'' if block.block_id in self._free else 'not '}in the free queue"
+                )
         if len(self._free) != sum(1 for b in self._blocks if b.ref_count == 0):
             raise ValueError("the free queue names a block that does not exist")
 
@@ -437,16 +462,17 @@ class BlockManager:
             held = [block_id for block_id in request.block_table if block_id != RELEASED]
             if len(set(held)) != len(held):
                 raise ValueError(f"request {request.request_id!r} names a block twice: {request.block_table}")
-            if request.block_table[:len(request.block_table) - len(held)] != [RELEASED] * (
-                    len(request.block_table) - len(held)):
-                raise ValueError(f"request {request.request_id!r}: released entries are no leading run: "
-                                 f"{request.block_table}")
+            if request.block_table[: len(request.block_table) - len(held)] != [RELEASED] * (
+                len(request.block_table) - len(held)
+            ):
+                raise ValueError(
+                    f"request {request.request_id!r}: released entries are no leading run: {request.block_table}"
+                )
             for block_id in held:
                 counts[block_id] += 1
         for block, count in zip(self._blocks, counts, strict=True):
             if block.ref_count != count:
-                raise ValueError(f"block {block.block_id} has ref count {block.ref_count} but "
-                                 f"{count} table entries")
+                raise ValueError(f"block {block.block_id} has ref count {block.ref_count} but {count} table entries")
 
 
 def _check_positive_int(name: str, value: object) -> None:

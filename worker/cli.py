@@ -30,21 +30,37 @@ log = logging.getLogger("infer.worker")
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of WorkerOptions, WorkerFlags and EngineConfig (each field declares its own), and logging's."""
-    p = argparse.ArgumentParser(prog="infer-worker", description="An inference worker (one DP rank): runs an "
-                                "engine for the coordinator and streams token deltas back.")
+    p = argparse.ArgumentParser(
+        prog="infer-worker",
+        description="An inference worker (one DP rank): runs an "
+        "engine for the coordinator and streams token deltas back.",
+    )
     add_options(p, WorkerOptions, names=("coordinator",))
     add_options(p.add_argument_group("engine options (vLLM's names)"), EngineConfig)
     add_options(p.add_argument_group("worker options"), WorkerOptions, exclude=("coordinator",))
-    add_options(p.add_argument_group("tensor parallelism (a DP rank of several processes, each holding a shard of "
-                                     "every layer)"), WorkerFlags, names=TP_FLAGS)
-    pp = p.add_argument_group("pipeline parallelism (a DP rank of several processes, each holding a range of the "
-                              "layers, each stage a TP group with --tp-size; one batch at a time through the stages: "
-                              "capacity, not speed)")
+    add_options(
+        p.add_argument_group(
+            "tensor parallelism (a DP rank of several processes, each holding a shard of every layer)"
+        ),
+        WorkerFlags,
+        names=TP_FLAGS,
+    )
+    pp = p.add_argument_group(
+        "pipeline parallelism (a DP rank of several processes, each holding a range of the "
+        "layers, each stage a TP group with --tp-size; one batch at a time through the stages: "
+        "capacity, not speed)"
+    )
     add_options(pp, WorkerFlags, names=PP_FLAGS)
-    add_options(p.add_argument_group("expert parallelism (an EP group of ranks sharing an MoE model's experts)"),
-                WorkerFlags, names=EP_FLAGS)
-    add_options(p.add_argument_group("security (CurveZMQ: both flags, when the coordinator has keys)"),
-                WorkerFlags, names=KEY_FLAGS)
+    add_options(
+        p.add_argument_group("expert parallelism (an EP group of ranks sharing an MoE model's experts)"),
+        WorkerFlags,
+        names=EP_FLAGS,
+    )
+    add_options(
+        p.add_argument_group("security (CurveZMQ: both flags, when the coordinator has keys)"),
+        WorkerFlags,
+        names=KEY_FLAGS,
+    )
     add_logging_args(p)
     add_vllm_flags(p)
     return p
@@ -68,13 +84,19 @@ def worker_options(args: argparse.Namespace, flags: WorkerFlags) -> WorkerOption
         raise ValueError("--coordinator is required (tcp://HOST:PORT)")
     options = given(WorkerOptions, args)
     options["worker_id"] = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    options["group_id"] = args.group_id or (ep.default_group_id if ep is not None
-                                            else None if args.dp_rank is None else f"dp{args.dp_rank}")
+    options["group_id"] = args.group_id or (
+        ep.default_group_id if ep is not None else None if args.dp_rank is None else f"dp{args.dp_rank}"
+    )
     return WorkerOptions(**options, ep=ep, tp=tp, curve=flags.curve_keys())
 
 
-def make_engine(config: EngineConfig, benchmark_mode: bool, ep: EpOptions | None = None,
-                benchmark_step_time: float = 0.0, parallel: Any = None) -> EngineLike:
+def make_engine(
+    config: EngineConfig,
+    benchmark_mode: bool,
+    ep: EpOptions | None = None,
+    benchmark_step_time: float = 0.0,
+    parallel: Any = None,
+) -> EngineLike:
     """The engine; with `ep`, after joining the EP group's torch.distributed world (every member must);
     with `parallel` (TP rank 0 of a TP group, world joined), the engine on this rank's shards, connected to
     its followers."""
@@ -107,34 +129,44 @@ def main(argv: list[str] | None = None) -> None:
         ep, tp = flags.groups()
         pp = flags.pipeline()
         if config.enable_lora and pp is not None:
-            raise ValueError("--enable-lora is not supported with --pp-size > 1 yet: the pipeline's stages do not "
-                             "get the adapters' step commands (serve adapters on DP or TP ranks)")
+            raise ValueError(
+                "--enable-lora is not supported with --pp-size > 1 yet: the pipeline's stages do not "
+                "get the adapters' step commands (serve adapters on DP or TP ranks)"
+            )
         leads = (tp is None or not tp.rank) and (pp is None or not pp.rank)
-        if leads:   # TP ranks and pipeline stages > 0 never talk to the coordinator
+        if leads:  # TP ranks and pipeline stages > 0 never talk to the coordinator
             options = worker_options(args, flags)
             if pp is not None and options.benchmark_mode:
                 raise ValueError("--benchmark-mode has no model, so no pipeline: leave out --pp-size")
     except ValueError as e:
-        parser.error(str(e))   # exit 2
-    if (tp is not None and tp.rank is None) or (pp is not None and pp.rank is None):   # this DP rank's processes
+        parser.error(str(e))  # exit 2
+    if (tp is not None and tp.rank is None) or (pp is not None and pp.rank is None):  # this DP rank's processes
         from infer.worker.tp_supervisor import members, supervise
 
         if pp is not None and tp is not None and (pp.rank is None) != (tp.rank is None):
-            parser.error("a pipeline of TP groups: give both --pp-rank and --tp-rank, or neither (then this command "
-                         "starts every process of the DP rank)")
+            parser.error(
+                "a pipeline of TP groups: give both --pp-rank and --tp-rank, or neither (then this command "
+                "starts every process of the DP rank)"
+            )
         dist_init = pp.dist_init if pp is not None else tp.dist_init if tp is not None else None
-        sys.exit(supervise(argv, members(tp.size if tp is not None else 1, pp.size if pp is not None else 1),
-                           dist_init))
+        sys.exit(
+            supervise(argv, members(tp.size if tp is not None else 1, pp.size if pp is not None else 1), dist_init)
+        )
     _exit(_run(config, options if leads else None, ep, tp, pp))
 
 
-def _run(config: EngineConfig, options: WorkerOptions | None, ep: EpOptions | None, tp: TpOptions | None,
-         pp: PpOptions | None = None) -> int:
+def _run(
+    config: EngineConfig,
+    options: WorkerOptions | None,
+    ep: EpOptions | None,
+    tp: TpOptions | None,
+    pp: PpOptions | None = None,
+) -> int:
     """Start the engine (joining its TP group or pipeline first) and serve; the exit code. A TP rank or pipeline
     stage > 0 (`options` None) serves its group's rank 0 instead."""
     parallel: Any = None
     try:
-        if pp is not None:   # its stages TP groups with --tp-size, one DP rank of an EP group with --ep-size
+        if pp is not None:  # its stages TP groups with --tp-size, one DP rank of an EP group with --ep-size
             from infer.worker.pp_group import join, leader_engine, run_stage
 
             parallel, path, config = join(config, pp, tp, ep)
@@ -152,13 +184,13 @@ def _run(config: EngineConfig, options: WorkerOptions | None, ep: EpOptions | No
             engine = leader_engine(config, parallel)
         else:
             engine = make_engine(config, options.benchmark_mode, options.ep, options.benchmark_step_time, parallel)
-    except ValueError as e:    # options the engine finds impossible (model path, KV budget, context length)
+    except ValueError as e:  # options the engine finds impossible (model path, KV budget, context length)
         log.error("fatal: %s", e)
         return EXIT_USAGE
     except Exception:  # reported with its traceback: exit 1
         log.exception("fatal: the engine failed to start")
         return EXIT_FATAL
-    if options.curve is not None:   # the coordinator must hold this key in its workers/ folder
+    if options.curve is not None:  # the coordinator must hold this key in its workers/ folder
         log.info("CurveZMQ on: this worker's public key %s", options.curve.public_key.decode())
     followers = getattr(getattr(engine, "runner", None), "followers", None)
     code = EXIT_FATAL
@@ -166,7 +198,7 @@ def _run(config: EngineConfig, options: WorkerOptions | None, ep: EpOptions | No
         code = _serve(engine, options, parallel, followers)
         return code
     finally:
-        if followers is not None:   # rank 0 of a TP group: the other ranks end with it, with its exit code
+        if followers is not None:  # rank 0 of a TP group: the other ranks end with it, with its exit code
             followers.stop(code)
 
 
@@ -199,8 +231,9 @@ def _serve(engine: EngineLike, options: WorkerOptions, parallel: Any, followers:
         from infer.worker.group_sync import GroupSync
 
         try:
-            group = GroupSync(options.ep, ctx, curve=options.curve,
-                              group=None if parallel is None else parallel.ep_leaders_group)
+            group = GroupSync(
+                options.ep, ctx, curve=options.curve, group=None if parallel is None else parallel.ep_leaders_group
+            )
         except Exception:
             log.exception("fatal: the EP group's wake channel could not be set up")
             return EXIT_FATAL

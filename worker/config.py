@@ -20,7 +20,7 @@ from infer.worker.spec_config import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUSPEND_WEIGHTS = ("auto", "host_copy", "reload")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"   # the model id an engine reports when it serves the embedded model
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"  # the model id an engine reports when it serves the embedded model
 
 
 @dataclass(frozen=True)
@@ -68,63 +68,103 @@ class EngineConfig:
         `lora_modules` are (name, path) pairs loaded at start (a dict, or "name=path" strings, are taken too).
     """
 
-    model: str | None = option(None, "a safetensors model directory or a .gguf file (default: the embedded "
-                                     "SmolLM2-135M-Instruct)")
-    dtype: str = option("auto", "weights and activations; auto: bfloat16 where the CPU or GPU computes it natively",
-                        choices=DTYPES)
-    quantization: str = option("auto", "weights kept quantized: auto keeps a GGUF's blocks as they are (dense "
-                                       "checkpoints dense); none makes every weight dense in --dtype; int8 / int4 "
-                                       "quantize the linear layers at load (weight-only, blocks of 32)",
-                               choices=QUANTIZATIONS)
+    model: str | None = option(
+        None, "a safetensors model directory or a .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    dtype: str = option(
+        "auto", "weights and activations; auto: bfloat16 where the CPU or GPU computes it natively", choices=DTYPES
+    )
+    quantization: str = option(
+        "auto",
+        "weights kept quantized: auto keeps a GGUF's blocks as they are (dense "
+        "checkpoints dense); none makes every weight dense in --dtype; int8 / int4 "
+        "quantize the linear layers at load (weight-only, blocks of 32)",
+        choices=QUANTIZATIONS,
+    )
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     max_model_len: int | None = option(None, "the context length (default: the model's)")
     max_num_seqs: int = option(256, "requests running at once")
     max_num_batched_tokens: int | None = option(None, "tokens per engine step (default 2048 with chunked prefill)")
     block_size: int = option(16, "tokens per KV cache block")
     kv_cache_memory: int | None = option(None, "bytes for the KV cache pool")
-    kv_cache_memory_fraction: float = option(0.1, "share of memory for the KV pool when --kv-cache-memory is "
-                                                  "not given")
+    kv_cache_memory_fraction: float = option(0.1, "share of memory for the KV pool when --kv-cache-memory is not given")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of a shared prompt prefix")
     enable_chunked_prefill: bool = option(True, "split long prompts over steps, mixed with decodes")
     seed: int = option(0, "the engine's seed (a request's own seed wins)")
     num_threads: int | None = option(None, "torch threads", flag="--threads", metavar="N")
-    enforce_eager: bool | None = option(None, "no step graphs: every step runs op by op; --no-enforce-eager: "
-                                              "decode steps replay graphs compiled (CPU) or captured (CUDA) per "
-                                              "batch size (default: graphs on CUDA, eager on a CPU)")
+    enforce_eager: bool | None = option(
+        None,
+        "no step graphs: every step runs op by op; --no-enforce-eager: "
+        "decode steps replay graphs compiled (CPU) or captured (CUDA) per "
+        "batch size (default: graphs on CUDA, eager on a CPU)",
+    )
     max_graph_batch_size: int = option(256, "the largest decode batch a step graph is made for", metavar="N")
-    scheduling_policy: str = option("fcfs", "fcfs, or priority: lower request priority first, with aging",
-                                    choices=SCHEDULING_POLICIES)
-    priority_aging_steps: int = option(1000, "with --scheduling-policy priority: a request that has waited N "
-                                             "engine steps ranks ahead of every younger one", metavar="N")
-    max_grammar_step_ms: float = option(100.0, "CPU milliseconds one request's grammar (its token mask and matcher) "
-                                              "may take in one engine step; a request over it fails "
-                                              "(invalid_request), and a grammar whose first mask takes longer is "
-                                              "refused before it runs", metavar="MS")
-    max_grammar_compiles: int = option(32, "grammars compiling or queued to compile at once (a cached spec, or one "
-                                          "compiling already, takes no place); a request past it is refused as "
-                                          "overloaded", metavar="N")
-    max_grammar_compiles_per_client: int = option(24, "of those, at most N for one client; its next is refused as "
-                                                     "overloaded", metavar="N")
-    suspend_weights: str = option("auto", "what suspend does with the weights: host_copy (pinned host memory on "
-                                          "a GPU; kept on a CPU), reload (freed, reloaded from their files on "
-                                          "resume); auto: host_copy on a GPU, reload on a CPU. The KV pool is "
-                                          "always freed", choices=SUSPEND_WEIGHTS)
+    scheduling_policy: str = option(
+        "fcfs", "fcfs, or priority: lower request priority first, with aging", choices=SCHEDULING_POLICIES
+    )
+    priority_aging_steps: int = option(
+        1000,
+        "with --scheduling-policy priority: a request that has waited N engine steps ranks ahead of every younger one",
+        metavar="N",
+    )
+    max_grammar_step_ms: float = option(
+        100.0,
+        "CPU milliseconds one request's grammar (its token mask and matcher) "
+        "may take in one engine step; a request over it fails "
+        "(invalid_request), and a grammar whose first mask takes longer is "
+        "refused before it runs",
+        metavar="MS",
+    )
+    max_grammar_compiles: int = option(
+        32,
+        "grammars compiling or queued to compile at once (a cached spec, or one "
+        "compiling already, takes no place); a request past it is refused as "
+        "overloaded",
+        metavar="N",
+    )
+    max_grammar_compiles_per_client: int = option(
+        24, "of those, at most N for one client; its next is refused as overloaded", metavar="N"
+    )
+    suspend_weights: str = option(
+        "auto",
+        "what suspend does with the weights: host_copy (pinned host memory on "
+        "a GPU; kept on a CPU), reload (freed, reloaded from their files on "
+        "resume); auto: host_copy on a GPU, reload on a CPU. The KV pool is "
+        "always freed",
+        choices=SUSPEND_WEIGHTS,
+    )
     speculative_config: SpeculativeConfig | None = option(
-        None, 'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", "num_speculative_tokens": K, '
-              '"prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model", "model": PATH, '
-              '"num_speculative_tokens": K} (optional "disable_by_batch_size": no speculation in a step where '
-              'more requests decode, default 8)', metavar="JSON", parse=SpeculativeConfig.of)
-    pp_micro_batches: int | None = option(None, "with --pp-size P: micro-batches in flight through the stages "
-                                                "(default P, one per stage, so that every stage works at once; 1: one "
-                                                "batch at a time)", metavar="N")
+        None,
+        'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": K} (optional "disable_by_batch_size": no speculation in a step where '
+        "more requests decode, default 8)",
+        metavar="JSON",
+        parse=SpeculativeConfig.of,
+    )
+    pp_micro_batches: int | None = option(
+        None,
+        "with --pp-size P: micro-batches in flight through the stages "
+        "(default P, one per stage, so that every stage works at once; 1: one "
+        "batch at a time)",
+        metavar="N",
+    )
     enable_lora: bool = option(False, "serve LoRA adapters (PEFT's format) per request over the base model")
-    max_loras: int = option(4, "with --enable-lora: the adapters one step may mix (weight slots; the least recently "
-                               "used adapter no running request holds is evicted)", metavar="N")
+    max_loras: int = option(
+        4,
+        "with --enable-lora: the adapters one step may mix (weight slots; the least recently "
+        "used adapter no running request holds is evicted)",
+        metavar="N",
+    )
     max_lora_rank: int = option(16, "with --enable-lora: the largest adapter rank accepted", metavar="R")
     lora_modules: tuple[tuple[str, str], ...] = option(
-        (), "with --enable-lora: adapters loaded at start, each name=path (a PEFT folder) or vLLM's JSON "
-            '{"name": N, "path": P}; requests name them (HTTP: the model field)', metavar="NAME=PATH",
-        parse=parse_lora_module, show=lambda pair: f"{pair[0]}={pair[1]}")
+        (),
+        "with --enable-lora: adapters loaded at start, each name=path (a PEFT folder) or vLLM's JSON "
+        '{"name": N, "path": P}; requests name them (HTTP: the model field)',
+        metavar="NAME=PATH",
+        parse=parse_lora_module,
+        show=lambda pair: f"{pair[0]}={pair[1]}",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))
@@ -158,29 +198,40 @@ class EngineConfig:
         _positive_int("max_graph_batch_size", self.max_graph_batch_size)
         _positive_int("max_grammar_compiles", self.max_grammar_compiles)
         _positive_int("max_grammar_compiles_per_client", self.max_grammar_compiles_per_client)
-        if isinstance(self.max_grammar_step_ms, bool) or not isinstance(self.max_grammar_step_ms, (int, float)) \
-                or not 0 < self.max_grammar_step_ms <= 60_000:
-            raise ValueError(f"max_grammar_step_ms must be a number of milliseconds in (0, 60000], got "
-                             f"{self.max_grammar_step_ms!r}")
+        if (
+            isinstance(self.max_grammar_step_ms, bool)
+            or not isinstance(self.max_grammar_step_ms, (int, float))
+            or not 0 < self.max_grammar_step_ms <= 60_000
+        ):
+            raise ValueError(
+                f"max_grammar_step_ms must be a number of milliseconds in (0, 60000], got {self.max_grammar_step_ms!r}"
+            )
         _positive_int("priority_aging_steps", self.priority_aging_steps)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool or None (by device), got {self.enforce_eager!r}")
         if self.suspend_weights not in SUSPEND_WEIGHTS:
-            raise ValueError(f"suspend_weights must be one of {', '.join(SUSPEND_WEIGHTS)}, got "
-                             f"{self.suspend_weights!r}")
+            raise ValueError(
+                f"suspend_weights must be one of {', '.join(SUSPEND_WEIGHTS)}, got {self.suspend_weights!r}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if (self.max_num_batched_tokens is not None and self.max_model_len is not None
-                and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len):
+        if (
+            self.max_num_batched_tokens is not None
+            and self.max_model_len is not None
+            and not self.enable_chunked_prefill
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) so a whole prompt fits in one step")
+                f"max_model_len ({self.max_model_len}) so a whole prompt fits in one step"
+            )
 
     @property
     def model_id(self) -> str:
@@ -192,8 +243,9 @@ class EngineConfig:
         """Build from keyword options; an unknown name is a ValueError that names it."""
         unknown = sorted(set(options) - ENGINE_OPTION_NAMES)
         if unknown:
-            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(ENGINE_OPTION_NAMES))}")
+            raise ValueError(
+                f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(ENGINE_OPTION_NAMES))}"
+            )
         return cls(**options)
 
     def eager_on(self, device_type: str) -> bool:

@@ -35,9 +35,29 @@ from infer.protocol.codes import FinishReason
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
-    Abort, CommitWeights, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load, Message, ProtocolError,
-    LoraCommand, LoraDone, Refused, RequestSnapshot, StepBatch, TokenIds, UpdateWeights, Welcome, WeightsUpdated,
-    decode, peek_request_id
+    Abort,
+    CommitWeights,
+    Control,
+    ControlAck,
+    Delta,
+    Dispatch,
+    Error,
+    Heartbeat,
+    Hello,
+    Load,
+    LoraCommand,
+    LoraDone,
+    Message,
+    ProtocolError,
+    Refused,
+    RequestSnapshot,
+    StepBatch,
+    TokenIds,
+    UpdateWeights,
+    WeightsUpdated,
+    Welcome,
+    decode,
+    peek_request_id,
 )
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import HopSpan
@@ -49,7 +69,7 @@ from infer.worker.request import Request
 log = logging.getLogger("infer.worker")
 
 EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
-_SHED_CHECK_S = 0.25         # how often the queue is checked for requests past --max-queue-time
+_SHED_CHECK_S = 0.25  # how often the queue is checked for requests past --max-queue-time
 
 
 class WorkerExit(Exception):
@@ -72,9 +92,16 @@ class EngineLike(Protocol):
 
     @property
     def num_kv_blocks(self) -> int: ...
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    resumed_token_ids: Sequence[int] = (), resumed_text_len: int | None = None,
-                    priority: int = 0, client: str | None = None) -> Request: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        resumed_token_ids: Sequence[int] = (),
+        resumed_text_len: int | None = None,
+        priority: int = 0,
+        client: str | None = None,
+    ) -> Request: ...
     def step(self) -> list[Delta]: ...
     def take_pending(self) -> list[Delta]: ...
     def shed_overdue(self, max_queue_time: float) -> int: ...
@@ -99,7 +126,7 @@ class _PendingRefit:
     drain), then, once `prepared` was answered, for the coordinator's CommitWeights (until `deadline`)."""
 
     msg: UpdateWeights
-    update: object          # the engine's WeightUpdate, staged
+    update: object  # the engine's WeightUpdate, staged
     deadline: float
     prepared: bool = False
 
@@ -108,32 +135,39 @@ class WorkerCore:
     """Decides everything one DP rank does on the wire (see the module doc); `now` is monotonic seconds and
     `wall_offset` turns it into the wall-clock time heartbeats carry."""
 
-    def __init__(self, engine: EngineLike, options: WorkerOptions, now: float, *, wall_offset: float = 0.0,
-                 busy: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
+    def __init__(
+        self,
+        engine: EngineLike,
+        options: WorkerOptions,
+        now: float,
+        *,
+        wall_offset: float = 0.0,
+        busy: Callable[[], AbstractContextManager[object]] = nullcontext,
+    ) -> None:
         self.engine, self.options = engine, options
         self.busy = busy
         self.wall_offset = wall_offset
-        self.state = WorkerState.RUNNING       # by Control (worker/lifecycle.py)
-        self.signals = 0                       # SIGTERM / SIGINT received (the shell's handler counts them)
+        self.state = WorkerState.RUNNING  # by Control (worker/lifecycle.py)
+        self.signals = 0  # SIGTERM / SIGINT received (the shell's handler counts them)
         self._outgoing: list[Message] = []
         self._requests: dict[str, _Sent] = {}
-        self._silenced: set[str] = set()       # aborted at the coordinator's request: their final delta is dropped
-        self._instance: str | None = None      # the coordinator process that welcomed us (a change: it restarted)
-        self._incarnation = uuid.uuid4().hex[:16]   # this process, as the coordinator tells it from another
-        self._dispatches_seen = 0              # Dispatch frames received since that coordinator's Welcome
-        self.rank = options.dp_rank            # the DP rank and group the coordinator's Welcome gave us
+        self._silenced: set[str] = set()  # aborted at the coordinator's request: their final delta is dropped
+        self._instance: str | None = None  # the coordinator process that welcomed us (a change: it restarted)
+        self._incarnation = uuid.uuid4().hex[:16]  # this process, as the coordinator tells it from another
+        self._dispatches_seen = 0  # Dispatch frames received since that coordinator's Welcome
+        self.rank = options.dp_rank  # the DP rank and group the coordinator's Welcome gave us
         self.group_id = options.group_id
-        self._outbox: list[Delta] = []         # deltas made outside a step (rejected Dispatches)
-        self._spans: list[HopSpan] = []        # traced requests' hops ended since take_spans
+        self._outbox: list[Delta] = []  # deltas made outside a step (rejected Dispatches)
+        self._spans: list[HopSpan] = []  # traced requests' hops ended since take_spans
         self._last_sent = self.last_heard = self._hello_sent_at = now
         self._connect_deadline = now + options.connect_timeout
-        self._welcomed = False                 # a Welcome answered the latest Hello
+        self._welcomed = False  # a Welcome answered the latest Hello
         self.ever_welcomed = False
         self._signals_seen = 0
         self._drain_deadline: float | None = None
         self._warn = RateLimitedLog(log)
-        self.last_load: Load = engine.load()   # what a heartbeat sent during a step reports
-        self._refit: _PendingRefit | None = None   # an UpdateWeights waiting for a drain, then its commit
+        self.last_load: Load = engine.load()  # what a heartbeat sent during a step reports
+        self._refit: _PendingRefit | None = None  # an UpdateWeights waiting for a drain, then its commit
         self._last_shed_check = -_SHED_CHECK_S
 
     # ---- the shell's surface -------------------------------------------------------------------
@@ -197,8 +231,9 @@ class WorkerCore:
         self._signals_seen = self.signals
         if self._drain_deadline is None:
             self._drain_deadline = now + self.options.drain_timeout
-            log.info("signal received: draining %d requests (at most %g s)", len(self._requests),
-                     self.options.drain_timeout)
+            log.info(
+                "signal received: draining %d requests (at most %g s)", len(self._requests), self.options.drain_timeout
+            )
         elif self.signals > 1 and self._drain_deadline > now:
             log.info("second signal: aborting the %d requests left", len(self._requests))
             self._drain_deadline = now
@@ -212,8 +247,11 @@ class WorkerCore:
         with nothing waiting in the inbox: frames that came during a long step are not silence) registers
         again; otherwise a heartbeat each interval."""
         if not self.ever_welcomed and now >= self._connect_deadline:
-            raise WorkerExit(EXIT_FATAL, f"fatal: no Welcome from the coordinator at {self.options.coordinator} "
-                                         f"within {self.options.connect_timeout:g} s")
+            raise WorkerExit(
+                EXIT_FATAL,
+                f"fatal: no Welcome from the coordinator at {self.options.coordinator} "
+                f"within {self.options.connect_timeout:g} s",
+            )
         if self.silence_due(now) and inbox_empty:
             log.warning("nothing heard from the coordinator for %.1f s; registering again", now - self.last_heard)
             self._send_hello(now)
@@ -224,8 +262,10 @@ class WorkerCore:
         """Called by the shell's heartbeat thread while an engine call runs: a Heartbeat (the last load and the
         step's age) when an interval passed since the last frame out."""
         if self.ever_welcomed and now - self._last_sent >= self.options.heartbeat_interval:
-            self._send(Heartbeat(sent_at=now + self.wall_offset, load=self.last_load,
-                                 step_age_s=round(now - step_started, 3)), now)
+            self._send(
+                Heartbeat(sent_at=now + self.wall_offset, load=self.last_load, step_age_s=round(now - step_started, 3)),
+                now,
+            )
 
     def drained(self, now: float) -> bool:
         """A drain is under way and over: every request finished (those left at its deadline given back)."""
@@ -254,8 +294,7 @@ class WorkerCore:
         if group_busy:
             return 0.0
         due = [max(self.last_heard, self._hello_sent_at) + self.options.coordinator_timeout]
-        due.append(self._last_sent + self.options.heartbeat_interval if self.ever_welcomed
-                   else self._connect_deadline)
+        due.append(self._last_sent + self.options.heartbeat_interval if self.ever_welcomed else self._connect_deadline)
         if self._drain_deadline is not None:
             due.append(self._drain_deadline)
         if self._refit is not None:
@@ -271,8 +310,9 @@ class WorkerCore:
         if self.ever_welcomed and not refused_key:
             self._warn.warning("a reconnection to the coordinator failed in the handshake: %s", problem)
             return
-        raise WorkerExit(EXIT_REFUSED, f"fatal: cannot register with the coordinator at "
-                                       f"{self.options.coordinator}: {problem}")
+        raise WorkerExit(
+            EXIT_REFUSED, f"fatal: cannot register with the coordinator at {self.options.coordinator}: {problem}"
+        )
 
     def take_outgoing(self) -> list[Message]:
         out, self._outgoing = self._outgoing, []
@@ -285,8 +325,11 @@ class WorkerCore:
 
     def state_name(self) -> WorkerState:
         """The state this worker reports: its table state, or DRAINING for a running worker after SIGTERM."""
-        return WorkerState.DRAINING if self._drain_deadline is not None and self.state is WorkerState.RUNNING \
+        return (
+            WorkerState.DRAINING
+            if self._drain_deadline is not None and self.state is WorkerState.RUNNING
             else self.state
+        )
 
     # ---- out -----------------------------------------------------------------------------------
 
@@ -304,7 +347,7 @@ class WorkerCore:
             kept = [out for out in outputs if not self._silence(out)]
             silenced, outputs = len(outputs) - len(kept), kept
         deltas, self._outbox = self._outbox + [self._delta(out, now) for out in outputs], []
-        if deltas or silenced:     # an abort freed blocks: the coordinator hears of it at once
+        if deltas or silenced:  # an abort freed blocks: the coordinator hears of it at once
             self.last_load = self.engine.load()
             self._send(StepBatch(deltas=deltas, load=self.last_load), now)
 
@@ -334,14 +377,28 @@ class WorkerCore:
 
     def _send_hello(self, now: float) -> None:
         engine = self.engine
-        self._send(Hello(role="worker", peer_id=self.options.worker_id, model_id=engine.model_id,
-                         dp_rank=self.options.dp_rank, group_id=self.options.group_id, rank_hint=self.rank,
-                         num_kv_blocks=engine.num_kv_blocks, block_size=engine.block_size,
-                         max_num_seqs=engine.config.max_num_seqs, max_model_len=engine.max_model_len,
-                         running=list(self._requests), max_waiting=self.options.max_waiting_requests,
-                         incarnation=self._incarnation, dispatches_seen=self._dispatches_seen,
-                         weight_version=engine.weight_version, lora_adapters=self._lora_adapters(),
-                         snapshots=[sent.snapshot(rid) for rid, sent in self._requests.items()]), now)
+        self._send(
+            Hello(
+                role="worker",
+                peer_id=self.options.worker_id,
+                model_id=engine.model_id,
+                dp_rank=self.options.dp_rank,
+                group_id=self.options.group_id,
+                rank_hint=self.rank,
+                num_kv_blocks=engine.num_kv_blocks,
+                block_size=engine.block_size,
+                max_num_seqs=engine.config.max_num_seqs,
+                max_model_len=engine.max_model_len,
+                running=list(self._requests),
+                max_waiting=self.options.max_waiting_requests,
+                incarnation=self._incarnation,
+                dispatches_seen=self._dispatches_seen,
+                weight_version=engine.weight_version,
+                lora_adapters=self._lora_adapters(),
+                snapshots=[sent.snapshot(rid) for rid, sent in self._requests.items()],
+            ),
+            now,
+        )
         self._welcomed = False
         self._hello_sent_at = now
 
@@ -349,29 +406,41 @@ class WorkerCore:
         if self._welcomed:
             return
         self._welcomed = True
-        if msg.instance != self._instance:     # a coordinator process new to us counts its Dispatches from 0
+        if msg.instance != self._instance:  # a coordinator process new to us counts its Dispatches from 0
             self._instance, self._dispatches_seen = msg.instance, 0
         if msg.dp_rank is not None:
             if self.rank is not None and msg.dp_rank != self.rank:
                 log.warning("the coordinator moved this worker from dp_rank %d to %d", self.rank, msg.dp_rank)
             self.rank, self.group_id = msg.dp_rank, msg.group_id or self.group_id
         if self.ever_welcomed:
-            log.info("re-registered with coordinator %s (%d requests running)", safe(msg.coordinator_id),
-                     len(self._requests))
+            log.info(
+                "re-registered with coordinator %s (%d requests running)", safe(msg.coordinator_id), len(self._requests)
+            )
             return
         self.ever_welcomed = True
         opts = self.options
-        log.info("worker ready: rank %s group %s id %s coordinator %s (%s, state %s) model %s, %d KV blocks "
-                 "of %d tokens", self.rank, safe(self.group_id), opts.worker_id, opts.coordinator,
-                 safe(msg.coordinator_id), safe(msg.state), self.engine.model_id, self.engine.num_kv_blocks,
-                 self.engine.block_size)
+        log.info(
+            "worker ready: rank %s group %s id %s coordinator %s (%s, state %s) model %s, %d KV blocks of %d tokens",
+            self.rank,
+            safe(self.group_id),
+            opts.worker_id,
+            opts.coordinator,
+            safe(msg.coordinator_id),
+            safe(msg.state),
+            self.engine.model_id,
+            self.engine.num_kv_blocks,
+            self.engine.block_size,
+        )
 
     def _on_refused(self, msg: Refused, now: float) -> None:
         raise WorkerExit(EXIT_REFUSED, f"the coordinator refused this worker: {msg.reason}")
 
     def _on_error(self, msg: Error, now: float) -> None:
-        self._warn.warning("coordinator reports an error%s: %s",
-                           f" for request {safe(msg.request_id)}" if msg.request_id else "", safe(msg.message))
+        self._warn.warning(
+            "coordinator reports an error%s: %s",
+            f" for request {safe(msg.request_id)}" if msg.request_id else "",
+            safe(msg.message),
+        )
         # Many frames may cross a coordinator restart: one Hello per heartbeat interval answers them all.
         recent_hello = not self._welcomed and now - self._hello_sent_at < self.options.heartbeat_interval
         if msg.message.startswith("unknown worker") and not recent_hello:
@@ -379,34 +448,53 @@ class WorkerCore:
 
     def _on_heartbeat(self, msg: Heartbeat, now: float) -> None:
         if self._welcomed and msg.instance is not None and self._instance not in (None, msg.instance):
-            log.warning("the coordinator restarted (instance %s -> %s); registering again with %d request(s)",
-                        safe(self._instance), safe(msg.instance), len(self._requests))
+            log.warning(
+                "the coordinator restarted (instance %s -> %s); registering again with %d request(s)",
+                safe(self._instance),
+                safe(msg.instance),
+                len(self._requests),
+            )
             self._send_hello(now)
 
     # ---- requests ------------------------------------------------------------------------------
 
     def _on_dispatch(self, msg: Dispatch, now: float) -> None:
         self._dispatches_seen += 1
-        self.check_signals(now)   # a signal that came while this frame was queued wins
+        self.check_signals(now)  # a signal that came while this frame was queued wins
         if self._drain_deadline is not None:
             return self._reject(msg.request_id, "worker is draining", "draining")
         if msg.request_id in self._requests:
-            return self._reject(msg.request_id, f"request id {msg.request_id!r} is already running on this worker",
-                                "internal")
+            return self._reject(
+                msg.request_id, f"request id {msg.request_id!r} is already running on this worker", "internal"
+            )
         limit = self.engine.config.max_num_seqs + self.options.max_waiting_requests
         if len(self._requests) >= limit:
-            return self._reject(msg.request_id, f"worker {self.options.worker_id} is full: "
-                                f"{len(self._requests)} requests (max_num_seqs + --max-waiting-requests = {limit})",
-                                "overloaded")
+            return self._reject(
+                msg.request_id,
+                f"worker {self.options.worker_id} is full: "
+                f"{len(self._requests)} requests (max_num_seqs + --max-waiting-requests = {limit})",
+                "overloaded",
+            )
         prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids)
         try:
-            with self.busy():     # a huge prompt's tokenization: heartbeats go on meanwhile
-                request = self.engine.add_request(msg.request_id, prompt, msg.sampling, msg.resumed_token_ids,
-                                                  msg.resumed_text_len, priority=msg.priority, client=msg.client)
+            with self.busy():  # a huge prompt's tokenization: heartbeats go on meanwhile
+                request = self.engine.add_request(
+                    msg.request_id,
+                    prompt,
+                    msg.sampling,
+                    msg.resumed_token_ids,
+                    msg.resumed_text_len,
+                    priority=msg.priority,
+                    client=msg.client,
+                )
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request")
-        sent = self._requests[msg.request_id] = _Sent(TokenIds(request.prompt_token_ids), msg.resumed_token_ids,
-                                                      request.params.seed, echo_prompt=msg.prompt is not None)
+        sent = self._requests[msg.request_id] = _Sent(
+            TokenIds(request.prompt_token_ids),
+            msg.resumed_token_ids,
+            request.params.seed,
+            echo_prompt=msg.prompt is not None,
+        )
         if self.options.otlp_traces_endpoint is not None:
             sent.trace = WorkerTrace.start(msg, len(request.prompt_token_ids), now)
 
@@ -444,21 +532,28 @@ class WorkerCore:
                 released = self.engine.suspend()
             if Action.RESUME_ENGINE in step.actions:
                 restored = self.engine.resume()
-        except Exception as e:   # the engine could not release or restore: say so, keep the old state
+        except Exception as e:  # the engine could not release or restore: say so, keep the old state
             log.exception("%s failed", msg.command)
-            return self._send(ControlAck(command=msg.command, state=self.state_name(),
-                                         error=f"{type(e).__name__}: {e}"), now)
+            return self._send(
+                ControlAck(command=msg.command, state=self.state_name(), error=f"{type(e).__name__}: {e}"), now
+            )
         if Action.ABORT_ALL in step.actions:
             self._abort_all(now)
         self.state = step.state
         if Action.EXIT in step.actions:
             self._send(ControlAck(command=msg.command, state=step.state), now)
             raise WorkerExit(EXIT_OK, "stopped by the coordinator", leave_group="stopped by the coordinator")
-        log.info("%s: now %s%s", msg.command, self.state.value, f" ({released} bytes released)" if released else
-                 f" ({restored} bytes restored)" if restored else "")
-        self._heartbeat(now)   # the new state, before the ack
-        self._send(ControlAck(command=msg.command, state=self.state_name(), bytes_released=released,
-                              bytes_restored=restored), now)
+        log.info(
+            "%s: now %s%s",
+            msg.command,
+            self.state.value,
+            f" ({released} bytes released)" if released else f" ({restored} bytes restored)" if restored else "",
+        )
+        self._heartbeat(now)  # the new state, before the ack
+        self._send(
+            ControlAck(command=msg.command, state=self.state_name(), bytes_released=released, bytes_restored=restored),
+            now,
+        )
 
     # ---- LoRA adapters -------------------------------------------------------------------------
 
@@ -467,17 +562,18 @@ class WorkerCore:
         answer carries this worker's adapters after it, or the error (nothing changed)."""
         error = None
         try:
-            with self.busy():      # reading an adapter's files: heartbeats go on meanwhile
+            with self.busy():  # reading an adapter's files: heartbeats go on meanwhile
                 if msg.action == "load":
                     self.engine.add_lora(msg.lora_name, str(msg.lora_path))
                 elif not self.engine.remove_lora(msg.lora_name):
                     error = f"no LoRA adapter {msg.lora_name!r} is loaded"
-        except Exception as e:   # noqa: BLE001 - a bad folder, LoRA not enabled: the worker keeps serving
+        except Exception as e:  # noqa: BLE001 - a bad folder, LoRA not enabled: the worker keeps serving
             error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if error is not None:
             log.warning("%s of LoRA adapter %r refused: %s", msg.action, msg.lora_name, error)
-        self._send(LoraDone(action=msg.action, lora_name=msg.lora_name, error=error,
-                            lora_adapters=self._lora_adapters()), now)
+        self._send(
+            LoraDone(action=msg.action, lora_name=msg.lora_name, error=error, lora_adapters=self._lora_adapters()), now
+        )
 
     def _lora_adapters(self) -> dict[str, str]:
         return {str(a["name"]): str(a["path"]) for a in self.engine.list_loras()}
@@ -489,12 +585,13 @@ class WorkerCore:
         no request is left (the coordinator aborted them first, or holds new ones while these drain) answer
         WeightsUpdated(prepared) and wait for CommitWeights. Nothing changes in this phase."""
         if self._refit is not None:
-            return self._send(WeightsUpdated(version=msg.version or 0, error="a weight update is already pending "
-                                                                            "on this worker"), now)
+            return self._send(
+                WeightsUpdated(version=msg.version or 0, error="a weight update is already pending on this worker"), now
+            )
         try:
-            with self.busy():      # a broadcast of many tensors: heartbeats go on meanwhile
+            with self.busy():  # a broadcast of many tensors: heartbeats go on meanwhile
                 update = self.engine.prepare_update(msg)
-        except Exception as e:   # noqa: BLE001 - a bad tensor, a failed transfer: the old weights keep serving
+        except Exception as e:  # noqa: BLE001 - a bad tensor, a failed transfer: the old weights keep serving
             log.error("weight update to version %s refused: %s", msg.version, e)
             return self._send(WeightsUpdated(version=msg.version or 0, error=f"{type(e).__name__}: {e}"), now)
         self._refit = _PendingRefit(msg, update, now + msg.timeout_s)
@@ -511,20 +608,31 @@ class WorkerCore:
             if refit.prepared:
                 log.warning("weight update to version %s: no commit came in time; dropped", refit.msg.version)
                 return None
-            return self._send(WeightsUpdated(version=refit.msg.version or 0, error=(
-                f"{len(self._requests)} request(s) did not finish within {refit.msg.timeout_s:g} s; the old "
-                f"weights keep serving")), now)
+            return self._send(
+                WeightsUpdated(
+                    version=refit.msg.version or 0,
+                    error=(
+                        f"{len(self._requests)} request(s) did not finish within {refit.msg.timeout_s:g} s; the old "
+                        f"weights keep serving"
+                    ),
+                ),
+                now,
+            )
         if refit.prepared or self.engine.has_unfinished():
             return None
         try:
             self.engine.check_prepared(refit.update)
-        except Exception as e:   # noqa: BLE001 - the files changed during the drain: nothing applied
+        except Exception as e:  # noqa: BLE001 - the files changed during the drain: nothing applied
             self._refit = None
             log.error("weight update to version %s refused: %s", refit.msg.version, e)
             return self._send(WeightsUpdated(version=refit.msg.version or 0, error=f"{type(e).__name__}: {e}"), now)
         refit.prepared = True
-        self._send(WeightsUpdated(version=refit.msg.version or 0, prepared=True,
-                                  num_tensors=len(getattr(refit.update, "specs", ()))), now)
+        self._send(
+            WeightsUpdated(
+                version=refit.msg.version or 0, prepared=True, num_tensors=len(getattr(refit.update, "specs", ()))
+            ),
+            now,
+        )
 
     def _on_commit_weights(self, msg: CommitWeights, now: float) -> None:
         """A refit's second phase: apply the prepared weights (the engine puts the old ones back if that fails)
@@ -532,8 +640,12 @@ class WorkerCore:
         refit = self._refit
         if refit is None or not refit.prepared or refit.msg.version != msg.version:
             if msg.commit:
-                self._send(WeightsUpdated(version=msg.version, error=f"no prepared weight update of version "
-                                                                     f"{msg.version} on this worker"), now)
+                self._send(
+                    WeightsUpdated(
+                        version=msg.version, error=f"no prepared weight update of version {msg.version} on this worker"
+                    ),
+                    now,
+                )
             return None
         self._refit = None
         if not msg.commit:
@@ -542,7 +654,7 @@ class WorkerCore:
         try:
             with self.busy():
                 version = self.engine.update_weights(refit.update, msg.version)
-        except Exception as e:   # noqa: BLE001 - the engine restored the old values
+        except Exception as e:  # noqa: BLE001 - the engine restored the old values
             log.exception("applying the weight update failed")
             return self._send(WeightsUpdated(version=msg.version, error=f"{type(e).__name__}: {e}"), now)
         self._heartbeat(now)
@@ -562,9 +674,16 @@ class WorkerCore:
             self._send(Error(message=problem, request_id=request_id), now)
 
     _HANDLERS: ClassVar[dict[type[Message], Callable[[WorkerCore, Any, float], None]]] = {
-        Welcome: _on_welcome, Refused: _on_refused, Error: _on_error, Dispatch: _on_dispatch,
-        Abort: _on_abort, Control: _on_control, Heartbeat: _on_heartbeat, UpdateWeights: _on_update_weights,
-        CommitWeights: _on_commit_weights, LoraCommand: _on_lora_command,
+        Welcome: _on_welcome,
+        Refused: _on_refused,
+        Error: _on_error,
+        Dispatch: _on_dispatch,
+        Abort: _on_abort,
+        Control: _on_control,
+        Heartbeat: _on_heartbeat,
+        UpdateWeights: _on_update_weights,
+        CommitWeights: _on_commit_weights,
+        LoraCommand: _on_lora_command,
     }
 
 
@@ -575,8 +694,13 @@ class _Sent:
 
     __slots__ = ("prompt_token_ids", "seed", "journal", "echo_prompt", "trace")
 
-    def __init__(self, prompt_token_ids: TokenIds, resumed_token_ids: TokenIds, seed: int | None = None,
-                 echo_prompt: bool = False) -> None:
+    def __init__(
+        self,
+        prompt_token_ids: TokenIds,
+        resumed_token_ids: TokenIds,
+        seed: int | None = None,
+        echo_prompt: bool = False,
+    ) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.seed = seed
         self.journal = StreamJournal(resumed_token_ids)
@@ -603,9 +727,16 @@ class WorkerTrace:
 
     @classmethod
     def start(cls, msg: Dispatch, num_prompt_tokens: int, now: float) -> WorkerTrace:
-        span = HopSpan.child_of("worker", msg.traceparent, now, **{
-            "gen_ai.request.id": msg.request_id, "gen_ai.usage.prompt_tokens": num_prompt_tokens,
-            "infer.resumed_tokens": len(msg.resumed_token_ids)})
+        span = HopSpan.child_of(
+            "worker",
+            msg.traceparent,
+            now,
+            **{
+                "gen_ai.request.id": msg.request_id,
+                "gen_ai.usage.prompt_tokens": num_prompt_tokens,
+                "infer.resumed_tokens": len(msg.resumed_token_ids),
+            },
+        )
         if msg.sampling.max_tokens is not None:
             span.attributes["gen_ai.request.max_tokens"] = msg.sampling.max_tokens
         return cls(span)
@@ -624,13 +755,22 @@ class WorkerTrace:
 
     def end(self, finish_reason: str, now: float) -> HopSpan:
         """The span ended at `now`; the latencies that need a first token only when one came."""
-        span = self.span.finish(now, **{"gen_ai.response.finish_reasons": finish_reason,
-                                        "gen_ai.usage.completion_tokens": self.num_tokens,
-                                        "gen_ai.latency.e2e": now - self.span.start})
+        span = self.span.finish(
+            now,
+            **{
+                "gen_ai.response.finish_reasons": finish_reason,
+                "gen_ai.usage.completion_tokens": self.num_tokens,
+                "gen_ai.latency.e2e": now - self.span.start,
+            },
+        )
         first = self.first_token_at
         if first is not None:
             scheduled = span.start + float(span.attributes.get("gen_ai.latency.time_in_queue", 0.0))
-            span.attributes.update({"gen_ai.latency.time_to_first_token": first - span.start,
-                                    "gen_ai.latency.time_in_model_prefill": max(0.0, first - scheduled),
-                                    "gen_ai.latency.time_in_model_decode": now - first})
+            span.attributes.update(
+                {
+                    "gen_ai.latency.time_to_first_token": first - span.start,
+                    "gen_ai.latency.time_in_model_prefill": max(0.0, first - scheduled),
+                    "gen_ai.latency.time_in_model_decode": now - first,
+                }
+            )
         return span

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer.worker")
 
-_CLOSE_LINGER_MS = 2000      # how long the final frames may take to leave on exit
+_CLOSE_LINGER_MS = 2000  # how long the final frames may take to leave on exit
 _MAX_FRAMES_PER_TURN = 4096  # frames handled between two engine steps, so a flood cannot starve the engine
 
 
@@ -61,12 +61,19 @@ class Worker:
     """Runs `engine` for the coordinator at `options.coordinator` until told to stop (see the module doc):
     polls, reads signals, steps the engine, wakes the EP group, and sends what the core queued."""
 
-    def __init__(self, engine: EngineLike, options: WorkerOptions, ctx: zmq.Context,
-                 group: GroupSync | None = None, group_lost: Callable[[], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineLike,
+        options: WorkerOptions,
+        ctx: zmq.Context,
+        group: GroupSync | None = None,
+        group_lost: Callable[[], str | None] | None = None,
+    ) -> None:
         """`group_lost`: why this TP rank 0's group is broken (a follower gone), else None; checked every turn."""
         self.engine, self.options, self.group, self._group_lost = engine, options, group, group_lost
-        self.core = WorkerCore(engine, options, time.monotonic(), wall_offset=time.time() - time.monotonic(),
-                               busy=self._socket_handed_over)
+        self.core = WorkerCore(
+            engine, options, time.monotonic(), wall_offset=time.time() - time.monotonic(), busy=self._socket_handed_over
+        )
         self.sock = make_socket(ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=options.curve)
         self.spans = open_sink("infer-worker", options.otlp_traces_endpoint)
         self.handshakes = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)
@@ -75,12 +82,12 @@ class Worker:
         self.poller.register(self.handshakes, zmq.POLLIN)
         if group is not None:
             self.poller.register(group.wake_socket, zmq.POLLIN)
-        self._leaving: str | None = None       # why this rank leaves its EP group (said in the next round)
+        self._leaving: str | None = None  # why this rank leaves its EP group (said in the next round)
         self._last_round = time.monotonic()
         self._wakeup: socket.socket | None = None
         self._wakeup_writer: socket.socket | None = None
         self._warn = RateLimitedLog(log)
-        self._socket_lock = threading.Lock()    # held by the loop's thread except inside an engine step
+        self._socket_lock = threading.Lock()  # held by the loop's thread except inside an engine step
         self._step_started: float | None = None
         self._beats_stop = threading.Event()
 
@@ -91,7 +98,7 @@ class Worker:
         self._wakeup, writer = socket.socketpair()
         self._wakeup.setblocking(False)
         writer.setblocking(False)
-        self._wakeup_writer = writer           # kept open for as long as the fd is installed
+        self._wakeup_writer = writer  # kept open for as long as the fd is installed
         signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         self.poller.register(self._wakeup, zmq.POLLIN)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,7 +131,7 @@ class Worker:
                 self._leave_group(self.group, e.leave_group)
             (log.info if e.code == EXIT_OK else log.error)("%s", safe(e, 2000))
             return e.code
-        finally:   # let the last frames leave, unless no coordinator ever answered
+        finally:  # let the last frames leave, unless no coordinator ever answered
             self._beats_stop.set()
             self._socket_lock.release()
             beats.join(timeout=5)
@@ -148,7 +155,7 @@ class Worker:
             core.tick(now, inbox_empty=not (core.silence_due(now) and self.sock.poll(0, zmq.POLLIN)))
             if core.drained(time.monotonic()):
                 self._flush()
-                if self.group is not None:   # the group cannot step without this rank: it leaves too
+                if self.group is not None:  # the group cannot step without this rank: it leaves too
                     self._leave_group(self.group, "drained")
                 log.info("drained; exiting")
                 return EXIT_OK
@@ -157,7 +164,7 @@ class Worker:
         for msg in self.core.take_outgoing():
             try:
                 self.sock.send_multipart(frames_for(msg), zmq.NOBLOCK)
-            except zmq.Again:   # the coordinator is away and the queue is full: the frame is lost
+            except zmq.Again:  # the coordinator is away and the queue is full: the frame is lost
                 self._warn.warning("send queue to the coordinator is full; dropped a %r frame", msg.TYPE)
         if self.spans is not None:
             self.spans.export(self.core.take_spans())
@@ -168,8 +175,11 @@ class Worker:
         if group is None:
             return self.core.poll_timeout(time.monotonic())
         # an idle group checks its members once per heartbeat interval
-        return self.core.poll_timeout(time.monotonic(), group_busy=group.active or self._leaving is not None,
-                                      group_check_due=self._last_round + self.options.heartbeat_interval)
+        return self.core.poll_timeout(
+            time.monotonic(),
+            group_busy=group.active or self._leaving is not None,
+            group_check_due=self._last_round + self.options.heartbeat_interval,
+        )
 
     def _receive(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for a frame, then hand every frame already queued to the core."""
@@ -200,7 +210,7 @@ class Worker:
     def _advance(self) -> None:
         """One engine step (unless paused), then one StepBatch with its deltas and any rejections."""
         lost = self._group_lost() if self._group_lost is not None else None
-        if lost is not None:   # a TP follower died while the group was idle
+        if lost is not None:  # a TP follower died while the group was idle
             self.core.group_broken(lost, time.monotonic())
         self.core.shed_overdue(time.monotonic())
         if self.group is not None:
@@ -211,11 +221,11 @@ class Worker:
 
     # Both handlers raise WorkerExit (the core's methods are NoReturn), which mypy cannot see: it takes infer.*
     # imports for Any under this repository's settings.
-    def _engine_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:   # type: ignore[return]
+    def _engine_step(self, step: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:  # type: ignore[return]
         try:
             with self._socket_handed_over():
                 return step()
-        except GroupBroken as e:   # raised by a MoE layer's exchange: a member of the group is gone
+        except GroupBroken as e:  # raised by a MoE layer's exchange: a member of the group is gone
             self.core.group_broken(str(e), time.monotonic())
         except Exception as e:  # the engine fails single requests itself; this is the engine broken: exit 1
             log.exception("engine step failed")
@@ -261,7 +271,7 @@ class Worker:
             core.after_step(self.engine.take_pending(), now, refit=False)
             return self._flush()
         if not (group.active or woken):
-            group.wake_peers()   # the peers are idle in their polls: bring them into this round
+            group.wake_peers()  # the peers are idle in their polls: bring them into this round
         try:
             any_work, any_leaving = group.agree(has_work, self._leaving is not None)
         except GroupBroken as e:

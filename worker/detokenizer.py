@@ -48,10 +48,10 @@ class IncrementalDetokenizer:
         # with the output, so the character appears. (A resumed request replays its output instead: resume.)
         while self._read_offset > 0 and self._prefix_text.endswith(_INCOMPLETE):
             self._read_offset -= 1
-            self._prefix_text = self._decode(self._tokens[:self._read_offset])
+            self._prefix_text = self._decode(self._tokens[: self._read_offset])
         self._emitted: list[str] = []  # the deltas returned so far
-        self._held = ""                # decoded text held back from the deltas (a possible stop start)
-        self.num_tokens = 0            # output tokens consumed (ids after a stop are ignored)
+        self._held = ""  # decoded text held back from the deltas (a possible stop start)
+        self.num_tokens = 0  # output tokens consumed (ids after a stop are ignored)
         self.stopped = False
         self.stop_reason: str | None = None
         self.finished = False
@@ -116,9 +116,9 @@ class IncrementalDetokenizer:
         text = self._decode(self._tokens)
         if len(text) <= len(self._prefix_text) or (text.endswith(_INCOMPLETE) and not final):
             return ""
-        delta = text[len(self._prefix_text):]
+        delta = text[len(self._prefix_text) :]
         # The next window starts where this one's new tokens did; they are its context.
-        self._tokens = self._tokens[self._read_offset:]
+        self._tokens = self._tokens[self._read_offset :]
         self._read_offset = len(self._tokens)
         self._prefix_text = self._decode(self._tokens)
         return delta

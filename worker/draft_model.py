@@ -34,24 +34,39 @@ class DraftModelProposer:
     """Greedy drafts from the model at `model_path` (module docstring). `vocab_size`: the target's, which the
     draft's must equal (the same tokenizer)."""
 
-    def __init__(self, model_path: str, *, dtype: torch.dtype, device: torch.device, block_size: int,
-                 num_blocks: int, max_model_len: int, vocab_size: int) -> None:
-        self.model = load_model(resolve_model(model_path), dtype, device, ExpertParallel.single(),
-                                TensorParallel.single())
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.model = load_model(
+            resolve_model(model_path), dtype, device, ExpertParallel.single(), TensorParallel.single()
+        )
         if int(self.model.vocab_size) != vocab_size:
-            raise ValueError(f"speculative_config: the draft model's vocabulary ({self.model.vocab_size} tokens) is "
-                             f"not the target's ({vocab_size}): a draft model must share the target's tokenizer")
+            raise ValueError(
+                f"speculative_config: the draft model's vocabulary ({self.model.vocab_size} tokens) is "
+                f"not the target's ({vocab_size}): a draft model must share the target's tokenizer"
+            )
         context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         if context and context < max_model_len:
-            raise ValueError(f"speculative_config: the draft model's context ({context} tokens) is shorter than "
-                             f"the target's max_model_len ({max_model_len})")
+            raise ValueError(
+                f"speculative_config: the draft model's context ({context} tokens) is shorter than "
+                f"the target's max_model_len ({max_model_len})"
+            )
         self.device = device
         self.block_size = block_size
         self.split_tokens = decode_split_tokens(max_model_len)
-        self.kv_cache = KVCache.allocate(self.model.num_layers, num_blocks, block_size, self.model.num_kv_heads,
-                                         self.model.head_dim, dtype, device)
+        self.kv_cache = KVCache.allocate(
+            self.model.num_layers, num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim, dtype, device
+        )
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self._seqs: OrderedDict[str, _Shadow] = OrderedDict()   # least recently used first
+        self._seqs: OrderedDict[str, _Shadow] = OrderedDict()  # least recently used first
 
     def release(self, request_id: str) -> None:
         shadow = self._seqs.pop(request_id, None)
@@ -64,8 +79,7 @@ class DraftModelProposer:
         wanted = dict(zip((r.request_id for r in requests), num_tokens))
         drafts: dict[str, list[int]] = {rid: [] for rid in shadows}
         for _ in range(max(num_tokens, default=0)):
-            chunks = self._chunks([s for rid, s in shadows.items() if len(drafts[rid]) < wanted[rid]],
-                                  set(shadows))
+            chunks = self._chunks([s for rid, s in shadows.items() if len(drafts[rid]) < wanted[rid]], set(shadows))
             if not chunks:
                 break
             for chunk, token_id in zip(chunks, self._greedy(chunks)):
@@ -80,9 +94,9 @@ class DraftModelProposer:
         shadow = self._seqs.pop(request.request_id, None)
         if shadow is None:
             shadow = _Shadow(Request(request.request_id, list(request.prompt_token_ids), request.params), 0)
-        self._seqs[request.request_id] = shadow   # most recently used
+        self._seqs[request.request_id] = shadow  # most recently used
         seq, tokens = shadow.seq, request.token_ids
-        same = shadow.synced   # tokens the shadow took from the target: equal (the target only appends)
+        same = shadow.synced  # tokens the shadow took from the target: equal (the target only appends)
         limit = min(len(seq.token_ids), len(tokens))
         while same < limit and seq.token_ids[same] == tokens[same]:
             same += 1

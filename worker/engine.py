@@ -29,7 +29,6 @@ import msgspec
 import torch
 
 from infer.protocol.messages import MAX_ID_LEN, Delta, Load, TokenIds, UpdateWeights
-from infer.worker.pooling import PoolingState
 from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
@@ -46,14 +45,14 @@ from infer.worker.memory import HeapTrimmer, keep_freed_heap
 from infer.worker.micro_batches import MicroBatches
 from infer.worker.model_files import eos_token_ids, load_tokenizer, resolve_model
 from infer.worker.model_runner import ModelRunner
-from infer.worker.request import Request, RequestStatus, overdue_message
+from infer.worker.pooling import PoolingState
 from infer.worker.proposers import Proposer, make_proposer
+from infer.worker.request import Request, RequestStatus, overdue_message
 from infer.worker.sampler import Sampler, SamplerOutput
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.speculative import verify
 from infer.worker.step_graphs import make_step_graphs
-from infer.worker.structured import (COMPILE_TIMEOUT_S, CompilesFull, GrammarCompilerPool, GrammarState,
-                                     step_cost_error)
+from infer.worker.structured import COMPILE_TIMEOUT_S, CompilesFull, GrammarCompilerPool, GrammarState, step_cost_error
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 
@@ -63,7 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("infer.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GRAMMAR_WAIT_S = 0.05   # a step with nothing to run but grammars compiling waits this long for one
+GRAMMAR_WAIT_S = 0.05  # a step with nothing to run but grammars compiling waits this long for one
 
 
 @dataclass
@@ -72,8 +71,8 @@ class _Compiling:
 
     request: Request
     future: Future
-    deadline: float                  # time.monotonic() past which it fails
-    resumed: list[int]               # delivered tokens (a failover) its matcher must replay
+    deadline: float  # time.monotonic() past which it fails
+    resumed: list[int]  # delivered tokens (a failover) its matcher must replay
 
 
 @dataclass
@@ -82,7 +81,7 @@ class EngineStats:
 
     num_steps: int = 0
     num_requests_finished: int = 0
-    prompt_tokens: int = 0            # prompt tokens of admitted requests
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
     prefill_tokens_computed: int = 0  # tokens actually run through the model before the first sample
     generation_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
@@ -100,8 +99,16 @@ class Engine:
     Thread-unsafe by design: one thread owns an engine (the worker loop or LLM).
     """
 
-    def __init__(self, config: EngineConfig, ep: ExpertParallel | None = None, *, model: object = None,
-                 tokenizer: object = None, tp: TensorParallel | None = None, stage: StageLoader | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        ep: ExpertParallel | None = None,
+        *,
+        model: object = None,
+        tokenizer: object = None,
+        tp: TensorParallel | None = None,
+        stage: StageLoader | None = None,
+    ) -> None:
         """`model` / `tokenizer`: build the engine around weights already in memory (a transformers
         PreTrainedModel, whose weights are copied into our implementation, or one of our own model objects,
         used as is) instead of `config.model`'s files; the tokenizer is then required (see worker/in_memory.py).
@@ -117,9 +124,9 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device, model is None and kept_quantized(config))
-        self.weight_version = 0                    # +1 (or the coordinator's number) per update_weights
+        self.weight_version = 0  # +1 (or the coordinator's number) per update_weights
         self._suspended: SuspendedWeights | None = None
-        self._released_bytes = 0                   # what the current suspend released
+        self._released_bytes = 0  # what the current suspend released
         if model is not None:
             if self.tp.size > 1 or stage is not None:
                 raise ValueError("an in-memory model cannot be tensor- or pipeline-parallel: give a model path")
@@ -127,7 +134,7 @@ class Engine:
             self.model_path: Path | None = None
             self.model_id = config.model or loaded.model_id
             self.tokenizer, self.eos_token_ids, self.model = loaded.tokenizer, loaded.eos_token_ids, loaded.model
-            self._weight_files: list[list[Path]] | None = None   # nothing to reload them from: spill on suspend
+            self._weight_files: list[list[Path]] | None = None  # nothing to reload them from: spill on suspend
         else:
             if tokenizer is not None:
                 raise ValueError("tokenizer= goes with model=<an in-memory model>; a model path brings its own")
@@ -136,12 +143,11 @@ class Engine:
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
             if stage is None:
-                self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp,
-                                        config.quantization)
-            else:   # this stage's layers only
+                self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp, config.quantization)
+            else:  # this stage's layers only
                 self.model = stage.load_model(self.model_path, self.dtype, self.device, config.quantization)
             self._weight_files = [weight_files(self.model_path)]
-        self.prompt_token_bytes = max_token_bytes(self.tokenizer)   # bounds text prompts before tokenizing
+        self.prompt_token_bytes = max_token_bytes(self.tokenizer)  # bounds text prompts before tokenizing
         self.vocab_size = int(self.model.vocab_size)
         self.max_model_len = context_length(config, self.model.config)
         self.block_size = config.block_size
@@ -149,56 +155,98 @@ class Engine:
         if self.tp.size > 1:
             from infer.worker.tp_group import agree_min
 
-            num_blocks = agree_min(self.tp, num_blocks)   # every member's pool holds the same block ids
+            num_blocks = agree_min(self.tp, num_blocks)  # every member's pool holds the same block ids
         if stage is not None:
-            num_blocks = stage.agree_min(num_blocks)      # every stage's pool holds the same block ids
-        self.kv_cache = KVCache.allocate(self.model.num_layers, num_blocks, self.block_size,
-                                         self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
-                                         shared_kv=shares_kv(self.model))
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.budget_tokens(self.max_model_len),
-            max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching and not _rope_depends_on_length(self.model),
-            enable_chunked_prefill=config.enable_chunked_prefill, policy=config.scheduling_policy,
-            priority_aging_steps=config.priority_aging_steps, release_window=release_window(self.model),
-            max_loras=config.max_loras if config.enable_lora else 0))
+            num_blocks = stage.agree_min(num_blocks)  # every stage's pool holds the same block ids
+        self.kv_cache = KVCache.allocate(
+            self.model.num_layers,
+            num_blocks,
+            self.block_size,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.dtype,
+            self.device,
+            shared_kv=shares_kv(self.model),
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.budget_tokens(self.max_model_len),
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=config.enable_prefix_caching and not _rope_depends_on_length(self.model),
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduling_policy,
+                priority_aging_steps=config.priority_aging_steps,
+                release_window=release_window(self.model),
+                max_loras=config.max_loras if config.enable_lora else 0,
+            )
+        )
         self.sampler = Sampler(seed=config.seed, device=self.device)
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tp.size > 1:
             raise ValueError("speculative_config: a draft model is not supported with tensor parallelism yet")
-        self.proposer: Proposer | None = None if spec is None else make_proposer(
-            spec, dtype=self.dtype, device=self.device, block_size=self.block_size, num_blocks=num_blocks,
-            max_model_len=self.max_model_len, vocab_size=self.vocab_size)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_size, self.max_model_len, self.device,
-                                  self.sampler,
-                                  make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device))
+        self.proposer: Proposer | None = (
+            None
+            if spec is None
+            else make_proposer(
+                spec,
+                dtype=self.dtype,
+                device=self.device,
+                block_size=self.block_size,
+                num_blocks=num_blocks,
+                max_model_len=self.max_model_len,
+                vocab_size=self.vocab_size,
+            )
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            self.block_size,
+            self.max_model_len,
+            self.device,
+            self.sampler,
+            make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device),
+        )
         self.lora = self._lora_manager()
         self.runner.lora = self.lora
-        self.heap = HeapTrimmer()      # freed activations go back to the OS now and then (worker/memory.py)
-        if self.device.type == "cpu" and not keep_freed_heap():   # ... and stay mapped between steps
+        self.heap = HeapTrimmer()  # freed activations go back to the OS now and then (worker/memory.py)
+        if self.device.type == "cpu" and not keep_freed_heap():  # ... and stay mapped between steps
             log.info("could not tune the C library's malloc: large activations are mapped anew every step")
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._pending: list[Delta] = []   # final outputs of aborts, returned by the next step
-        self._grammars: GrammarCompilerPool | None = None   # made at the first structured-output request
-        self._compiling: dict[str, _Compiling] = {}   # requests waiting for their grammar, not yet scheduled
-        self.beams = BeamGroups(self.scheduler, self.tokenizer)   # beam searches (worker/beam_groups.py)
+        self._pending: list[Delta] = []  # final outputs of aborts, returned by the next step
+        self._grammars: GrammarCompilerPool | None = None  # made at the first structured-output request
+        self._compiling: dict[str, _Compiling] = {}  # requests waiting for their grammar, not yet scheduled
+        self.beams = BeamGroups(self.scheduler, self.tokenizer)  # beam searches (worker/beam_groups.py)
         # a pipeline's stage 0: a micro-batch per stage in flight (worker/micro_batches.py) unless told otherwise;
         # speculative decoding steps one batch at a time (its proposals read the tokens of the step before)
         depth = 1 if stage is None or spec is not None else config.pp_micro_batches or stage.group.size
         self.in_flight = MicroBatches(depth)
         self._arrivals = 0
-        log.info("engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens",
-                 self.model_id, str(self.dtype).removeprefix("torch."), self.device, self.max_model_len,
-                 num_blocks, self.block_size)
+        log.info(
+            "engine ready: model=%s dtype=%s device=%s max_model_len=%d kv_blocks=%d x %d tokens",
+            self.model_id,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            self.max_model_len,
+            num_blocks,
+            self.block_size,
+        )
 
     # ---- public API -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None,
-                    resumed_token_ids: Sequence[int] = (),
-                    resumed_text_len: int | None = None, priority: int = 0, client: str | None = None) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        resumed_token_ids: Sequence[int] = (),
+        resumed_text_len: int | None = None,
+        priority: int = 0,
+        client: str | None = None,
+    ) -> Request:
         """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged.
 
         A sampled request without a seed gets one here (drawn from the engine's `seed`), reported with its
@@ -217,20 +265,26 @@ class Engine:
         the client it came from (Dispatch.client): a structured-output request's compile counts against it.
         """
         if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_ID_LEN:
-            raise ValueError(f"request_id must be a non-empty string of at most {MAX_ID_LEN} characters (every "
-                             f"delta carries it), got {request_id!r:.80}")
+            raise ValueError(
+                f"request_id must be a non-empty string of at most {MAX_ID_LEN} characters (every "
+                f"delta carries it), got {request_id!r:.80}"
+            )
         if self.scheduler.get(request_id) is not None or request_id in self._compiling:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.n != 1 and not params.beam_search:
-            raise ValueError(f"n={params.n}: an engine runs one sample per request; LLM / AsyncLLM and the HTTP "
-                             f"front run n > 1 as n requests (SamplingParams.samples())")
+            raise ValueError(
+                f"n={params.n}: an engine runs one sample per request; LLM / AsyncLLM and the HTTP "
+                f"front run n > 1 as n requests (SamplingParams.samples())"
+            )
         if params.pooling is not None:
             if self.stage is not None:
-                raise ValueError("embeddings (pooling) are not supported with pipeline parallelism yet: the hidden "
-                                 "states stay on the last stage, which sends stage 0 only logits")
+                raise ValueError(
+                    "embeddings (pooling) are not supported with pipeline parallelism yet: the hidden "
+                    "states stay on the last stage, which sends stage 0 only logits"
+                )
             params = _pooling_params(params)
         if params.seed is None and params.temperature > 0:
             params = params.with_seed(self.sampler.draw_seed())
@@ -240,22 +294,28 @@ class Engine:
         resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids, params.max_tokens)
         if params.beam_search:
             self._check_beam_search(params, len(prompt_ids), resumed)
-        request = Request(request_id=request_id, prompt_token_ids=prompt_ids, params=params,
-                          arrival_order=self._arrivals, eos_token_ids=self.eos_token_ids,
-                          max_tokens=self._resolve_max_tokens(len(prompt_ids), params),
-                          token_ids=prompt_ids + resumed, arrival_time=time.monotonic(), priority=priority,
-                          bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-                          prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None,
-                          pooled=None if params.pooling is None else PoolingState(params.pooling, params.normalize,
-                                                                                  len(prompt_ids)),
-                          lora_id=lora_id)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            arrival_order=self._arrivals,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=self._resolve_max_tokens(len(prompt_ids), params),
+            token_ids=prompt_ids + resumed,
+            arrival_time=time.monotonic(),
+            priority=priority,
+            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+            prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None,
+            pooled=None if params.pooling is None else PoolingState(params.pooling, params.normalize, len(prompt_ids)),
+            lora_id=lora_id,
+        )
         if params.beam_search:
             return self._add_beam_search(request)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
         if resumed:
             detok.resume(resumed, resumed_text_len)
         if params.structured_outputs is None:
-            self.scheduler.add(request)   # raises ValueError if it can never fit in the KV pool
+            self.scheduler.add(request)  # raises ValueError if it can never fit in the KV pool
         else:
             self.scheduler.check_new(request)
         self._arrivals += 1
@@ -269,27 +329,36 @@ class Engine:
         """ValueError unless this engine can run a beam search of `params` (worker/beam_groups.py)."""
         width = params.beam_width or 1
         if self.tp.size > 1 or self.stage is not None:
-            raise ValueError("beam search is not supported with tensor or pipeline parallelism yet (a fork copies "
-                             "KV blocks, which the other ranks' shards do not do yet)")
+            raise ValueError(
+                "beam search is not supported with tensor or pipeline parallelism yet (a fork copies "
+                "KV blocks, which the other ranks' shards do not do yet)"
+            )
         if self.scheduler.config.release_window:
-            raise ValueError("beam search is not supported on a model whose every layer has a sliding window yet "
-                             "(its beams give blocks back, which forks cannot share)")
+            raise ValueError(
+                "beam search is not supported on a model whose every layer has a sliding window yet "
+                "(its beams give blocks back, which forks cannot share)"
+            )
         if resumed:
             raise ValueError("a beam search cannot continue from delivered tokens: it delivers none before its end")
         if width > self.config.max_num_seqs:
-            raise ValueError(f"beam_width {width} is more than max_num_seqs ({self.config.max_num_seqs}): every beam "
-                             f"is a sequence of the batch")
+            raise ValueError(
+                f"beam_width {width} is more than max_num_seqs ({self.config.max_num_seqs}): every beam "
+                f"is a sequence of the batch"
+            )
         needed = width * self.scheduler.block_manager.blocks_for_tokens(
-            num_prompt_tokens + self._resolve_max_tokens(num_prompt_tokens, params))
+            num_prompt_tokens + self._resolve_max_tokens(num_prompt_tokens, params)
+        )
         if needed > self.num_kv_blocks:
-            raise ValueError(f"a beam search of {width} beams can never fit in the KV cache: {width} x (prompt + "
-                             f"max_tokens) need up to {needed} KV blocks, the pool has {self.num_kv_blocks}")
+            raise ValueError(
+                f"a beam search of {width} beams can never fit in the KV cache: {width} x (prompt + "
+                f"max_tokens) need up to {needed} KV blocks, the pool has {self.num_kv_blocks}"
+            )
 
     def _add_beam_search(self, request: Request) -> Request:
         """Queue a beam search: its prompt's request is its first beam (worker/beam_groups.py)."""
         request.beam_group = request.request_id
         request.num_beam_candidates = BeamGroups.num_candidates(request.params.beam_width or 1, self.eos_token_ids)
-        if request.params.min_tokens:   # the candidates min_tokens bans are left out: K more make up for them
+        if request.params.min_tokens:  # the candidates min_tokens bans are left out: K more make up for them
             request.num_beam_candidates += len(self.eos_token_ids) + len(request.params.stop_token_ids)
         self.scheduler.add(request)
         self.beams.start(request)
@@ -305,8 +374,9 @@ class Engine:
         self.kv_cache.copy_blocks(copies)
         return [self._beam_final(group, RequestStatus.FINISHED_STOPPED) for group in done]
 
-    def _beam_final(self, group: BeamGroup, status: RequestStatus, error: str | None = None,
-                    error_code: str | None = None) -> Delta:
+    def _beam_final(
+        self, group: BeamGroup, status: RequestStatus, error: str | None = None, error_code: str | None = None
+    ) -> Delta:
         """The one output of a beam search: its best n beams (the best one's tokens and text as the request's),
         or how it ended without them (abort, error)."""
         beams = self.beams.outputs(group) if status is RequestStatus.FINISHED_STOPPED else None
@@ -315,11 +385,19 @@ class Engine:
         self.stats.num_requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
         root = group.root
-        return Delta.final(group.request_id, reason, error, error_code,
-                           token_ids=[] if best is None else best.token_ids, text="" if best is None else best.text,
-                           beams=beams, num_prompt_tokens=root.num_prompt_tokens,
-                           num_cached_tokens=root.num_cached_tokens, weight_version=self.weight_version,
-                           **self._first_output_fields(root))
+        return Delta.final(
+            group.request_id,
+            reason,
+            error,
+            error_code,
+            token_ids=[] if best is None else best.token_ids,
+            text="" if best is None else best.text,
+            beams=beams,
+            num_prompt_tokens=root.num_prompt_tokens,
+            num_cached_tokens=root.num_cached_tokens,
+            weight_version=self.weight_version,
+            **self._first_output_fields(root),
+        )
 
     def step(self) -> list[Delta]:
         """One engine step: schedule, run, advance, post-process. Returns this step's deltas."""
@@ -333,7 +411,7 @@ class Engine:
         if scheduled.is_empty:
             if self.ep.size > 1:  # the group steps together: this rank's MoE layers must join in
                 self.runner.execute_dummy()
-            elif self._compiling:   # only grammars to wait for: a bounded wait instead of a busy loop
+            elif self._compiling:  # only grammars to wait for: a bounded wait instead of a busy loop
                 wait([c.future for c in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return outputs
         _stamp_queue_time(scheduled)
@@ -365,7 +443,7 @@ class Engine:
             _stamp_queue_time(scheduled)
             self.in_flight.add(scheduled, self.runner.launch(scheduled.chunks))
         else:
-            if self.ep.size > 1:   # the group steps together: this rank's MoE layers must join in
+            if self.ep.size > 1:  # the group steps together: this rank's MoE layers must join in
                 self.runner.execute_dummy()
             if len(self.in_flight):
                 outputs.extend(self._finish_oldest())
@@ -390,7 +468,7 @@ class Engine:
         wrong (LoRA not enabled, missing files, a rank above max_lora_rank, a target this model lacks). Returns its
         listing entry."""
         manager = self._require_lora()
-        if self._suspended is not None:   # the layers' shapes are read from their (released) weights
+        if self._suspended is not None:  # the layers' shapes are read from their (released) weights
             raise ValueError("add_lora on a suspended engine: resume() first")
         adapter = manager.add(name, path, int_id)
         return {"name": adapter.name, "int_id": adapter.int_id, "path": adapter.path, "rank": adapter.rank}
@@ -407,8 +485,10 @@ class Engine:
         if not self.config.enable_lora:
             return None
         if self.stage is not None:
-            raise ValueError("enable_lora is not supported with pipeline parallelism yet: the stages would need the "
-                             "adapters' step commands")
+            raise ValueError(
+                "enable_lora is not supported with pipeline parallelism yet: the stages would need the "
+                "adapters' step commands"
+            )
         manager = LoraManager(self.model, self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device)
         for name, path in self.config.lora_modules:
             manager.add(name, path)
@@ -436,9 +516,18 @@ class Engine:
         decoding = [r for r in self.scheduler.running if r.num_tokens_to_compute == 1 and r.beam_group is None]
         if len(decoding) > spec.disable_by_batch_size:
             return {}
-        wanted = [(r, min(spec.num_speculative_tokens, r.max_tokens - r.num_output_tokens - 1,
-                          self.max_model_len - r.num_tokens)) for r in decoding
-                  if not r.params.disable_speculative_decoding]
+        wanted = [
+            (
+                r,
+                min(
+                    spec.num_speculative_tokens,
+                    r.max_tokens - r.num_output_tokens - 1,
+                    self.max_model_len - r.num_tokens,
+                ),
+            )
+            for r in decoding
+            if not r.params.disable_speculative_decoding
+        ]
         wanted = [(r, k) for r, k in wanted if k > 0]
         if not wanted:
             return {}
@@ -451,7 +540,7 @@ class Engine:
         pipeline's stage 0, those of micro-batches in flight that must finish before another forward)."""
         self._check_not_suspended("dummy_step()")
         outputs = self.take_pending()
-        while self.in_flight.must_finish():   # a micro-batch that runs alone reads the last stage's latest forward
+        while self.in_flight.must_finish():  # a micro-batch that runs alone reads the last stage's latest forward
             outputs.extend(self._finish_oldest())
         self.runner.execute_dummy()
         return outputs
@@ -474,8 +563,9 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling)
-                or bool(len(self.in_flight)))
+        return (
+            self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling) or bool(len(self.in_flight))
+        )
 
     def close(self) -> None:
         """End what the engine started outside itself: the other ranks of its TP group, the grammar compile
@@ -492,8 +582,9 @@ class Engine:
         since add_request without being scheduled once (a preempted request has started: it stays). Their
         final deltas, with `queue_time_s`, come with the next step(). Returns how many were shed."""
         now = time.monotonic()
-        overdue = [r for r in self.scheduler.waiting
-                   if r.queue_time_s is None and now - r.arrival_time > max_queue_time]
+        overdue = [
+            r for r in self.scheduler.waiting if r.queue_time_s is None and now - r.arrival_time > max_queue_time
+        ]
         for request in overdue:
             waited = now - request.arrival_time
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, overdue_message(waited, max_queue_time))
@@ -501,8 +592,9 @@ class Engine:
             request.queue_time_s = waited
             self._pending.append(self._final_output(request, "", [], queue_time_s=waited))
         if overdue:
-            log.warning("shed %d request(s) that waited over %g s without starting (overloaded)", len(overdue),
-                        max_queue_time)
+            log.warning(
+                "shed %d request(s) that waited over %g s without starting (overloaded)", len(overdue), max_queue_time
+            )
         return len(overdue)
 
     def take_pending(self) -> list[Delta]:
@@ -517,17 +609,23 @@ class Engine:
         requests = self.scheduler.waiting + self.scheduler.running
         queued = sum(r.num_tokens_to_compute + r.max_tokens - r.num_output_tokens for r in requests)
         blocks = self.scheduler.block_manager
-        return Load(num_waiting=self.scheduler.num_waiting + len(self._compiling),
-                    num_running=self.scheduler.num_running,
-                    num_free_blocks=blocks.num_free_blocks, num_total_blocks=self.num_kv_blocks,
-                    num_queued_tokens=queued, num_preemptions=self.scheduler.num_preemptions,
-                    prefix_cache_queries=blocks.num_queried_tokens, prefix_cache_hits=blocks.num_hit_tokens,
-                    weight_version=self.weight_version, suspended=self.suspended,
-                    bytes_released=self._released_bytes,
-                    spec_decode_num_drafts=self.stats.spec_decode_num_drafts,
-                    spec_decode_num_draft_tokens=self.stats.spec_decode_num_draft_tokens,
-                    spec_decode_num_accepted_tokens=self.stats.spec_decode_num_accepted_tokens,
-                    spec_decode_num_accepted_tokens_per_pos=list(self.stats.spec_decode_num_accepted_tokens_per_pos))
+        return Load(
+            num_waiting=self.scheduler.num_waiting + len(self._compiling),
+            num_running=self.scheduler.num_running,
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=self.num_kv_blocks,
+            num_queued_tokens=queued,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=blocks.num_queried_tokens,
+            prefix_cache_hits=blocks.num_hit_tokens,
+            weight_version=self.weight_version,
+            suspended=self.suspended,
+            bytes_released=self._released_bytes,
+            spec_decode_num_drafts=self.stats.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=self.stats.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.stats.spec_decode_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.stats.spec_decode_num_accepted_tokens_per_pos),
+        )
 
     # ---- suspend / resume, weight refit -------------------------------------------------------
 
@@ -544,8 +642,8 @@ class Engine:
             return 0
         self._check_not_tensor_parallel("suspend")
         self.scheduler.preempt_all()
-        self.scheduler.block_manager.reset_prefix_cache()   # the cached KV goes with the pool
-        self.runner.step_graphs = None                      # they hold the pool (CUDA graphs: its addresses)
+        self.scheduler.block_manager.reset_prefix_cache()  # the cached KV goes with the pool
+        self.runner.step_graphs = None  # they hold the pool (CUDA graphs: its addresses)
         released = self.kv_cache.release()
         self._suspended = release_weights(self.model, self.config.suspend_weights, self.device, self._weight_files)
         released += self._suspended.bytes_released
@@ -562,8 +660,9 @@ class Engine:
         restored = self._suspended.restore(self.model, self.device) + self.kv_cache.restore()
         self._suspended = None
         self._released_bytes = 0
-        self.runner.step_graphs = make_step_graphs(self.config, self.model, self.kv_cache, self.max_model_len,
-                                                   self.device)
+        self.runner.step_graphs = make_step_graphs(
+            self.config, self.model, self.kv_cache, self.max_model_len, self.device
+        )
         log.info("resumed: %d bytes restored", restored)
         return restored
 
@@ -583,7 +682,7 @@ class Engine:
             raise ValueError(f"version must be a non-negative integer, got {version!r}")
         update = source if isinstance(source, WeightUpdate) else WeightUpdate.of(source)
         if not update.staged:
-            check_specs(self.model, update.specs)      # before reading any value
+            check_specs(self.model, update.specs)  # before reading any value
         update = update.stage()
         update.check_unchanged()
         check_specs(self.model, update.specs)
@@ -594,12 +693,14 @@ class Engine:
             self._weight_files.append(update.files)
         else:
             self._weight_files = None
-        if self.runner.step_graphs is not None:   # compiled code may hold the old packed weights
-            self.runner.step_graphs = make_step_graphs(self.config, self.model, self.kv_cache, self.max_model_len,
-                                                       self.device)
+        if self.runner.step_graphs is not None:  # compiled code may hold the old packed weights
+            self.runner.step_graphs = make_step_graphs(
+                self.config, self.model, self.kv_cache, self.max_model_len, self.device
+            )
         self.weight_version = self.weight_version + 1 if version is None else version
-        log.info("weights updated to version %d: %d tensor(s) from %s", self.weight_version, applied,
-                 update.description)
+        log.info(
+            "weights updated to version %d: %d tensor(s) from %s", self.weight_version, applied, update.description
+        )
         return self.weight_version
 
     def prepare_update(self, msg: UpdateWeights) -> WeightUpdate:
@@ -626,11 +727,15 @@ class Engine:
 
     def _check_not_tensor_parallel(self, what: str) -> None:
         if self.tp.size > 1:
-            raise ValueError(f"{what} is not supported with tensor parallelism yet (tensor_parallel_size "
-                             f"{self.tp.size}): the other ranks of the group hold their own shards")
+            raise ValueError(
+                f"{what} is not supported with tensor parallelism yet (tensor_parallel_size "
+                f"{self.tp.size}): the other ranks of the group hold their own shards"
+            )
         if self.stage is not None:
-            raise ValueError(f"{what} is not supported with pipeline parallelism yet (pipeline_parallel_size "
-                             f"{self.stage.group.size}): the other stages hold their own layers")
+            raise ValueError(
+                f"{what} is not supported with pipeline parallelism yet (pipeline_parallel_size "
+                f"{self.stage.group.size}): the other stages hold their own layers"
+            )
 
     def _check_not_suspended(self, what: str) -> None:
         if self._suspended is not None:
@@ -648,9 +753,10 @@ class Engine:
         """One forward and sampling step over `chunks`: one StepRow per chunk (module docstring: a step that
         raises is retried one request at a time)."""
         if self.lora is not None:
-            self.lora.followers = self.runner.followers   # TP: the other ranks copy what goes into a slot
-            self.lora.activate([c.request.lora_id for c in chunks if c.request.lora_id],
-                               self.scheduler.running_lora_ids())
+            self.lora.followers = self.runner.followers  # TP: the other ranks copy what goes into a slot
+            self.lora.activate(
+                [c.request.lora_id for c in chunks if c.request.lora_id], self.scheduler.running_lora_ids()
+            )
         try:
             return step_rows(chunks, self.runner.execute(chunks))
         except Exception as error:
@@ -702,20 +808,22 @@ class Engine:
         Past the compile bounds it fails at once as "overloaded" (its final delta comes with the next step)."""
         if self._grammars is None:
             self._grammars = GrammarCompilerPool(
-                self.tokenizer, self.vocab_size, list(self.eos_token_ids),
+                self.tokenizer,
+                self.vocab_size,
+                list(self.eos_token_ids),
                 max_compiles=self.config.max_grammar_compiles,
                 max_compiles_per_client=self.config.max_grammar_compiles_per_client,
-                step_budget_s=self._grammar_budget_s)
+                step_budget_s=self._grammar_budget_s,
+            )
         try:
             future = self._grammars.compile(request.params.structured_outputs, client)
         except CompilesFull as e:
             log.warning("request %r refused: %s", request.request_id, e)
             request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, str(e), "overloaded"
-            request.queue_time_s = 0.0   # with it, the coordinator tells the client (coordinator/relay.py)
+            request.queue_time_s = 0.0  # with it, the coordinator tells the client (coordinator/relay.py)
             self._pending.append(self._final_output(request, "", [], queue_time_s=0.0))
             return
-        self._compiling[request.request_id] = _Compiling(request, future, time.monotonic() + COMPILE_TIMEOUT_S,
-                                                         resumed)
+        self._compiling[request.request_id] = _Compiling(request, future, time.monotonic() + COMPILE_TIMEOUT_S, resumed)
 
     @property
     def _grammar_budget_s(self) -> float:
@@ -747,16 +855,16 @@ class Engine:
             return f"structured_outputs: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s"
         try:
             state = GrammarState(waiting.future.result())
-        except Exception as e:   # xgrammar's reason: an invalid schema, regex or grammar; or one too costly
+        except Exception as e:  # xgrammar's reason: an invalid schema, regex or grammar; or one too costly
             return f"structured_outputs: {grammar_reason(e)}"
         for token_id in waiting.resumed:
             if not state.accept(token_id):
                 return f"structured_outputs: resumed token {token_id} does not match the grammar"
-        if not state.terminated and not state.admits_a_token():   # the sampler would have no token to choose
+        if not state.terminated and not state.admits_a_token():  # the sampler would have no token to choose
             if waiting.resumed:
                 return f"structured_outputs: the grammar admits no token after the {len(waiting.resumed)} resumed"
             return f"structured_outputs: {NO_FIRST_TOKEN}"
-        cost, steps = state.take_step_cost(), 1 + len(waiting.resumed)   # a resumed request's replay: a step each
+        cost, steps = state.take_step_cost(), 1 + len(waiting.resumed)  # a resumed request's replay: a step each
         if cost > self._grammar_budget_s * steps:
             return f"structured_outputs: {step_cost_error(cost, self._grammar_budget_s, 'to start', steps)}"
         waiting.request.grammar = state
@@ -781,8 +889,10 @@ class Engine:
 
     def _check_token_lists(self, params: SamplingParams) -> None:
         """ValueError naming the field if logit_bias or allowed_token_ids names a token outside the vocabulary."""
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias or ()]),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias or ()]),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -805,17 +915,20 @@ class Engine:
             if not prompt:
                 raise ValueError("prompt is empty")
             too_long = prompt_size_error(prompt, self.max_model_len, self.prompt_token_bytes)
-            if too_long is not None:   # before tokenizing: that is linear in the prompt, and this loop's time
+            if too_long is not None:  # before tokenizing: that is linear in the prompt, and this loop's time
                 raise ValueError(too_long)
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:  # the model directory's tokenizer knows more tokens than the model
-                raise ValueError(f"the tokenizer turned the prompt into token id {bad}, outside the model's "
-                                 f"vocabulary [0, {self.vocab_size}): the tokenizer does not match the model")
+                raise ValueError(
+                    f"the tokenizer turned the prompt into token id {bad}, outside the model's "
+                    f"vocabulary [0, {self.vocab_size}): the tokenizer does not match the model"
+                )
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
-            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                        or not 0 <= t < self.vocab_size), None)
+            bad = next(
+                (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size), None
+            )
             if bad is not None:
                 raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         else:
@@ -823,22 +936,28 @@ class Engine:
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, but the context length is {self.max_model_len}: "
-                             f"it must be shorter to leave room for at least one generated token")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, but the context length is {self.max_model_len}: "
+                f"it must be shorter to leave room for at least one generated token"
+            )
         return ids
 
     def _resumed_token_ids(self, num_prompt_tokens: int, resumed: Sequence[int], max_tokens: int | None) -> list[int]:
         ids = list(resumed)
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                    or not 0 <= t < self.vocab_size), None)
+        bad = next(
+            (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size), None
+        )
         if bad is not None:
             raise ValueError(f"resumed token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         if num_prompt_tokens + len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + resumed tokens ({len(ids)}) reach the "
-                             f"context length {self.max_model_len}: nothing is left to generate")
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + resumed tokens ({len(ids)}) reach the "
+                f"context length {self.max_model_len}: nothing is left to generate"
+            )
         if max_tokens is not None and len(ids) >= max_tokens:
-            raise ValueError(f"the resumed tokens ({len(ids)}) reach max_tokens ({max_tokens}): nothing is left to "
-                             f"generate")
+            raise ValueError(
+                f"the resumed tokens ({len(ids)}) reach max_tokens ({max_tokens}): nothing is left to generate"
+            )
         return ids
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -853,16 +972,18 @@ class Engine:
     def _postprocess(self, scheduled: SchedulerOutput, rows: list[StepRow]) -> list[Delta]:
         computed = [(c, row) for c, row in zip(scheduled.chunks, rows) if row.error is None]
         self.stats.num_steps += 1
-        self.stats.prefill_tokens_computed += sum(c.num_new_tokens for c, _ in computed
-                                                  if c.start < c.request.num_prompt_tokens)
+        self.stats.prefill_tokens_computed += sum(
+            c.num_new_tokens for c, _ in computed if c.start < c.request.num_prompt_tokens
+        )
         for chunk, row in computed:
             if chunk.num_draft_tokens:
                 self._count_verification(chunk, row)
-        for chunk, row in computed:   # a beam's step gives its candidates to its search (worker/beam_groups.py)
+        for chunk, row in computed:  # a beam's step gives its candidates to its search (worker/beam_groups.py)
             if row.token_ids and chunk.request.beam_group is not None and not chunk.request.is_finished:
                 self.beams.report(chunk.request, row.logprobs[0] if row.logprobs else None)
-        outputs = [self._append_tokens_or_fail(c, row) for c, row in computed
-                   if row.token_ids and c.request.beam_group is None]
+        outputs = [
+            self._append_tokens_or_fail(c, row) for c, row in computed if row.token_ids and c.request.beam_group is None
+        ]
         self.stats.generation_tokens += sum(len(d.token_ids) for d in outputs)
         return outputs
 
@@ -880,22 +1001,25 @@ class Engine:
         try:
             return self._append_tokens(chunk, row)
         except Exception as e:
-            if chunk.request.is_finished:   # it failed while finishing: nothing is left to fail
+            if chunk.request.is_finished:  # it failed while finishing: nothing is left to fail
                 raise
             log.exception("post-processing request %r failed", chunk.request.request_id)
-            return self._fail(chunk.request, f"the engine failed after sampling token(s) {list(row.token_ids)}: "
-                                             f"{type(e).__name__}: {e}")
+            return self._fail(
+                chunk.request,
+                f"the engine failed after sampling token(s) {list(row.token_ids)}: {type(e).__name__}: {e}",
+            )
 
     def _append_tokens(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
         """Append the row's tokens (one; or a verification's accepted drafts and the token after them) up to the
         first that finishes the request (the rest are dropped: an accepted run is cut at a stop)."""
         request = chunk.request
-        if request.pooled is not None:   # its prompt is complete: the vector, not the token, is its output
+        if request.pooled is not None:  # its prompt is complete: the vector, not the token, is its output
             if not request.pooled.complete:
                 raise RuntimeError("a pooling request reached its last prompt token with positions not pooled")
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            return self._final_output(request, "", [], embedding=request.pooled.vector(),
-                                      **self._first_output_fields(request))
+            return self._final_output(
+                request, "", [], embedding=request.pooled.vector(), **self._first_output_fields(request)
+            )
         detok = self._detokenizers[request.request_id]
         token_ids: list[int] = []
         text, status = "", None
@@ -908,14 +1032,21 @@ class Engine:
             status = self._stop_status(request, token_id, detok)
             if status is not None:
                 break
-        lps = None if row.logprobs is None else list(row.logprobs[:len(token_ids)])
+        lps = None if row.logprobs is None else list(row.logprobs[: len(token_ids)])
         first = self._first_output_fields(request)
         if status is None:
             if chunk.num_draft_tokens:
                 self.scheduler.accept_draft_tokens(request, len(token_ids) - 1)
-            return Delta(request_id=request.request_id, token_ids=TokenIds(token_ids), text=text, logprobs=lps,
-                         num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
-                         weight_version=self.weight_version, **first)
+            return Delta(
+                request_id=request.request_id,
+                token_ids=TokenIds(token_ids),
+                text=text,
+                logprobs=lps,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+                weight_version=self.weight_version,
+                **first,
+            )
         self.scheduler.finish(request, status)
         return self._final_output(request, text, token_ids, lps, **first)
 
@@ -925,8 +1056,11 @@ class Engine:
         if request.queue_time_reported:
             return {}
         request.queue_time_reported = True
-        return {"queue_time_s": request.queue_time_s, "seed": request.params.seed,
-                "prompt_logprobs": request.prompt_logprobs}
+        return {
+            "queue_time_s": request.queue_time_s,
+            "seed": request.params.seed,
+            "prompt_logprobs": request.prompt_logprobs,
+        }
 
     def _stop_status(self, request: Request, token_id: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
         params = request.params
@@ -941,13 +1075,19 @@ class Engine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _final_output(self, request: Request, text: str, token_ids: list[int],
-                      logprobs: list[TokenLogprobs] | None = None, release_text: bool = True,
-                      **first: Any) -> Delta:
+    def _final_output(
+        self,
+        request: Request,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs] | None = None,
+        release_text: bool = True,
+        **first: Any,
+    ) -> Delta:
         """The last output of `request` (finished, its status set): the text held back is released unless
         `release_text` is False; `first`: the fields of a first output (`_first_output_fields`), or queue_time_s."""
         detok = self._detokenizers.pop(request.request_id, None)
-        if request.beam_group is not None:   # a beam search shed before it started: its search ends too
+        if request.beam_group is not None:  # a beam search shed before it started: its search ends too
             self.beams.end(request.beam_group, request.status)
         if detok is not None and release_text:
             text += detok.finish()
@@ -957,9 +1097,19 @@ class Engine:
         reason = request.status.finish_reason
         self.stats.num_requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
-        return Delta.final(request.request_id, reason, request.error, request.error_code, token_ids=token_ids,
-                           text=text, logprobs=logprobs, num_prompt_tokens=request.num_prompt_tokens,
-                           num_cached_tokens=request.num_cached_tokens, weight_version=self.weight_version, **first)
+        return Delta.final(
+            request.request_id,
+            reason,
+            request.error,
+            request.error_code,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            weight_version=self.weight_version,
+            **first,
+        )
 
     # ---- sizing ------------------------------------------------------------------------------
 
@@ -981,8 +1131,9 @@ def _pooling_params(params: SamplingParams) -> SamplingParams:
     return msgspec.structs.replace(params, temperature=0.0, max_tokens=1, min_tokens=0, seed=None)
 
 
-def tensor_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequence[str],
-                           timeout_s: float = 60.0) -> Engine:
+def tensor_parallel_engine(
+    config: EngineConfig, size: int, worker_flags: Sequence[str], timeout_s: float = 60.0
+) -> Engine:
     """An engine that is TP rank 0 of a group of `size`, the other ranks started now as child processes of
     this one on this machine (`infer-worker` with `worker_flags`: the same engine options); `close()` ends
     them. (LLM / AsyncLLM's direct mode with tensor_parallel_size > 1.)"""
@@ -993,8 +1144,7 @@ def tensor_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequen
     dist_init = f"tcp://127.0.0.1:{free_local_port()}"
     children = start_followers(size, dist_init, worker_flags)
     try:
-        parallel, _, config = join(config, TpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s),
-                                   None)
+        parallel, _, config = join(config, TpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s), None)
         engine = Engine(config, parallel.ep, tp=parallel.tp)
         engine.runner.followers = TpLeader(parallel, children=children)
     except BaseException:
@@ -1024,12 +1174,14 @@ def shares_kv(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "kv_shared", False))
 
 
-def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int) -> int:
+def num_kv_blocks(
+    config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, max_model_len: int
+) -> int:
     """Blocks of the KV pool: `config.kv_cache_memory` (else its fraction of the memory) over the bytes of one
     block of this rank's KV heads, at most what max_num_seqs full-length sequences can use."""
-    per_block = KVCache.bytes_per_block(model.num_layers, config.block_size, model.num_kv_heads,
-                                        model.head_dim, dtype, shares_kv(model))
+    per_block = KVCache.bytes_per_block(
+        model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype, shares_kv(model)
+    )
     budget = config.kv_cache_memory
     if budget is None:
         budget = int(_memory_bytes(device) * config.kv_cache_memory_fraction)
@@ -1039,14 +1191,17 @@ def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, dtype: torch.dty
             f"kv_cache_memory of {budget} bytes is too small for one KV block: a block of {config.block_size} "
             f"tokens needs {per_block} bytes ({model.num_layers} layers x K and V x "
             f"{model.num_kv_heads} KV heads x head_dim {model.head_dim} x "
-            f"{torch.empty((), dtype=dtype).element_size()} bytes)")
+            f"{torch.empty((), dtype=dtype).element_size()} bytes)"
+        )
     # More blocks than max_num_seqs full-length sequences can use would only waste memory.
     useful = config.max_num_seqs * math.ceil(max_model_len / config.block_size) + 1
     return int(min(num_blocks, useful))
 
 
-NON_FINITE_LOGITS = ("the model produced non-finite logits (NaN or inf) for this request, after its penalties; "
-                     "it was stopped rather than sampled from them")
+NON_FINITE_LOGITS = (
+    "the model produced non-finite logits (NaN or inf) for this request, after its penalties; "
+    "it was stopped rather than sampled from them"
+)
 
 
 @dataclass(frozen=True)
@@ -1076,8 +1231,9 @@ def step_rows(chunks: Sequence[ScheduledChunk], sampled: SamplerOutput | None) -
         if not n:
             rows.append(StepRow())
             continue
-        found = verify(chunk.draft_token_ids, token_ids[at:at + n], lps[at:at + n],
-                       [i in bad for i in range(at, at + n)])
+        found = verify(
+            chunk.draft_token_ids, token_ids[at : at + n], lps[at : at + n], [i in bad for i in range(at, at + n)]
+        )
         at += n
         if found.bad:
             rows.append(StepRow(error=NON_FINITE_LOGITS))
@@ -1112,7 +1268,7 @@ def _logprobs_rows(sampled: SamplerOutput, wants: list[int | None]) -> list[Toke
             rows.append(None)
             continue
         row = {chosen[i]: values[i]}
-        if top_ids is not None and top_lps is not None and n > 0:   # set together by the sampler
+        if top_ids is not None and top_lps is not None and n > 0:  # set together by the sampler
             for t, v in zip(top_ids[i][:n], top_lps[i][:n]):
                 row.setdefault(t, v)
         rows.append(row)

@@ -45,8 +45,14 @@ class ExpertParallel:
         per_rank = num_experts // self.size
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
-    def run_experts(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    num_experts: int, experts: ExpertsFn) -> torch.Tensor:
+    def run_experts(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        num_experts: int,
+        experts: ExpertsFn,
+    ) -> torch.Tensor:
         """hidden [T, H]; topk_ids [T, k] global expert ids; topk_weights [T, k] -> [T, H] in hidden's dtype:
         sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]), with transformers' arithmetic:
         each expert output times its weight in the promoted dtype of the two (float32 weights, as Mixtral's
@@ -73,8 +79,14 @@ class ExpertParallel:
             out += weighted[:, j]
         return out
 
-    def _exchange(self, hidden: torch.Tensor, token_of_pair: torch.Tensor, pair_ids: torch.Tensor,
-                  num_experts: int, experts: ExpertsFn) -> torch.Tensor:
+    def _exchange(
+        self,
+        hidden: torch.Tensor,
+        token_of_pair: torch.Tensor,
+        pair_ids: torch.Tensor,
+        num_experts: int,
+        experts: ExpertsFn,
+    ) -> torch.Tensor:
         try:
             return self._all_to_all(hidden, token_of_pair, pair_ids, num_experts, experts)
         except GroupBroken:
@@ -82,8 +94,14 @@ class ExpertParallel:
         except (RuntimeError, OSError) as e:  # gloo / NCCL failures: a member died, hung or left
             raise GroupBroken(f"EP group exchange failed: {e}") from e
 
-    def _all_to_all(self, hidden: torch.Tensor, token_of_pair: torch.Tensor, pair_ids: torch.Tensor,
-                    num_experts: int, experts: ExpertsFn) -> torch.Tensor:
+    def _all_to_all(
+        self,
+        hidden: torch.Tensor,
+        token_of_pair: torch.Tensor,
+        pair_ids: torch.Tensor,
+        num_experts: int,
+        experts: ExpertsFn,
+    ) -> torch.Tensor:
         import torch.distributed as dist
 
         per_rank = len(self.expert_range(num_experts))
@@ -98,8 +116,7 @@ class ExpertParallel:
         recv_rows = hidden.new_empty((num_recv, hidden.shape[1]))
         dist.all_to_all_single(recv_rows, rows, recv_splits, send_splits, group=self.group)
         recv_ids = pair_ids.new_empty(num_recv)
-        dist.all_to_all_single(recv_ids, pair_ids.index_select(0, order), recv_splits, send_splits,
-                               group=self.group)
+        dist.all_to_all_single(recv_ids, pair_ids.index_select(0, order), recv_splits, send_splits, group=self.group)
         local_out = experts(recv_rows, recv_ids - self.rank * per_rank) if num_recv else recv_rows
         back = local_out.new_empty((len(order), hidden.shape[1]))
         dist.all_to_all_single(back, local_out.contiguous(), send_splits, recv_splits, group=self.group)

@@ -18,15 +18,15 @@ import torch
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    input_ids: torch.Tensor        # [T] int64
-    positions: torch.Tensor        # [T] int64, position of each token in its sequence
-    slot_mapping: torch.Tensor     # [T] int64, block_id * block_size + offset; -1 = padding (not written)
-    block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0 past each sequence's blocks
-    seq_lens: torch.Tensor         # [B] int32, context length after this step (computed + new tokens)
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset; -1 = padding (not written)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 past each sequence's blocks
+    seq_lens: torch.Tensor  # [B] int32, context length after this step (computed + new tokens)
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths (offsets into T)
-    logits_indices: torch.Tensor   # [B] int64, row of T whose hidden state gives each sequence's logits
-    num_decodes: int               # the first num_decodes sequences have query length 1
-    query_lens: tuple[int, ...]    # host copies, for loops over prefill chunks
+    logits_indices: torch.Tensor  # [B] int64, row of T whose hidden state gives each sequence's logits
+    num_decodes: int  # the first num_decodes sequences have query length 1
+    query_lens: tuple[int, ...]  # host copies, for loops over prefill chunks
     context_lens: tuple[int, ...]  # host copy of seq_lens
     block_size: int
     # Step graphs (worker/step_graphs.py): every row is a decode, rows past the real ones are padding (slot -1,
@@ -65,13 +65,13 @@ class ForwardBatch:
     @cached_property
     def max_prefill_len(self) -> int:
         """The longest prefill chunk (0 without prefills): sizes the prefill kernel's grid."""
-        return max(self.query_lens[self.num_decodes:], default=0)
+        return max(self.query_lens[self.num_decodes :], default=0)
 
     @cached_property
     def prefill_query_start_loc(self) -> torch.Tensor:
         """[B - num_decodes + 1] int32: query_start_loc of the prefill sequences, offsets from their first
         token (computed once per step, shared by every layer)."""
-        return self.query_start_loc[self.num_decodes:] - self.num_decodes
+        return self.query_start_loc[self.num_decodes :] - self.num_decodes
 
 
 @dataclass
@@ -90,7 +90,7 @@ class KVCache:
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    _shape: tuple | None = None   # (shape, dtype, device) of each tensor while released
+    _shape: tuple | None = None  # (shape, dtype, device) of each tensor while released
     shared_kv: bool = False
 
     @property
@@ -112,8 +112,17 @@ class KVCache:
         return tuple(self.k[0].shape) if self._shape is None else self._shape[0]
 
     @classmethod
-    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, shared_kv: bool = False) -> KVCache:
+    def allocate(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        shared_kv: bool = False,
+    ) -> KVCache:
         shape = (num_kv_heads, num_blocks + 1, block_size, head_dim)  # + the scratch block
         # Invariant: the pool holds only finite values. The CPU twins read whole blocks and mask the
         # positions past a sequence's length, and a masked position still poisons the result if it holds
@@ -186,9 +195,10 @@ class KVCache:
                 t.index_copy_(1, dst, t.index_select(1, src))
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype, shared_kv: bool = False) -> int:
-        copies = 1 if shared_kv else 2   # V is K, or a pool of its own
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, shared_kv: bool = False
+    ) -> int:
+        copies = 1 if shared_kv else 2  # V is K, or a pool of its own
         return copies * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 

@@ -42,14 +42,13 @@ decoding anything.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
-
-import copy
 import mmap
 import re
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,15 +96,18 @@ def checkpoint_name(gguf_name: str) -> str | None:
     if gguf_name in SKIPPED_NAMES:
         return None
     if _EXPERT_PART.search(gguf_name):
-        raise NotImplementedError(f"GGUF tensor {gguf_name!r} belongs to MoE experts, which are not read from "
-                                  "GGUF files yet")
+        raise NotImplementedError(
+            f"GGUF tensor {gguf_name!r} belongs to MoE experts, which are not read from GGUF files yet"
+        )
     module, _, kind = gguf_name.rpartition(".")
     if module in GLOBAL_NAMES and kind in ("weight", "bias"):
         return f"{GLOBAL_NAMES[module]}.{kind}"
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {gguf_name!r} has no transformers name (known: {sorted(GLOBAL_NAMES)}, "
-                         f"blk.N.{{{', '.join(LAYER_NAMES)}}})")
+        raise ValueError(
+            f"GGUF tensor {gguf_name!r} has no transformers name (known: {sorted(GLOBAL_NAMES)}, "
+            f"blk.N.{{{', '.join(LAYER_NAMES)}}})"
+        )
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
 
@@ -146,8 +148,8 @@ def _bits(packed: torch.Tensor) -> torch.Tensor:
 def _q5(blocks: torch.Tensor, qh_at: int) -> torch.Tensor:
     """A Q5_0 / Q5_1 block's 5-bit values, uint8 [n, 32] (4 low bits in the 16 bytes after qh, 32 high bits in
     qh's 4 bytes)."""
-    low = unpack_q4(blocks[:, qh_at + 4:qh_at + 20])
-    return low | (_bits(blocks[:, qh_at:qh_at + 4]) << 4)
+    low = unpack_q4(blocks[:, qh_at + 4 : qh_at + 20])
+    return low | (_bits(blocks[:, qh_at : qh_at + 4]) << 4)
 
 
 def _decode_float(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -193,7 +195,7 @@ def _k_step_and_offset(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def _q4_k_values(blocks: torch.Tensor, qs_at: int) -> torch.Tensor:
     """The 4-bit values of a Q4_K / Q5_K super-block, uint8 [n, 8, 32]: 4 chunks of 32 bytes, the low nibbles of
     chunk c are sub-block 2c, the high nibbles sub-block 2c + 1."""
-    chunks = blocks[:, qs_at:qs_at + 128].reshape(-1, 4, 1, 32)
+    chunks = blocks[:, qs_at : qs_at + 128].reshape(-1, 4, 1, 32)
     return torch.cat((chunks & 0x0F, chunks >> 4), dim=2).reshape(-1, 8, 32)
 
 
@@ -312,16 +314,26 @@ class GGUFTensor:
     quantized type; a vector view is an order of its elements. Narrowing makes a new view of the same bytes.
     """
 
-    def __init__(self, name: str, ggml_type: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...],
-                 row_order: np.ndarray | None = None, *, file_map: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        ggml_type: GGMLQuantizationType,
+        data: np.ndarray,
+        shape: tuple[int, ...],
+        row_order: np.ndarray | None = None,
+        *,
+        file_map: np.ndarray | None = None,
+    ) -> None:
         """`data`: the tensor's raw bytes as GGUF stores them (any dtype, e.g. a view of the memory map); `shape`:
         transformers' orientation (GGUF's ne reversed), one or two dimensions; `row_order`: which stored row
         each row of a matrix is (a q / k unpermutation), None for the stored order; `file_map`: the whole read-only
         memory map of the file that `data` views, whose pages are given back as they are read (see
         `drop_file_pages`): never other memory."""
         if len(shape) not in (1, 2):
-            raise NotImplementedError(f"GGUF tensor {name!r} has {len(shape)} dimensions {list(shape)}; only "
-                                      "vectors and matrices are read (MoE expert stacks are not supported yet)")
+            raise NotImplementedError(
+                f"GGUF tensor {name!r} has {len(shape)} dimensions {list(shape)}; only "
+                "vectors and matrices are read (MoE expert stacks are not supported yet)"
+            )
         self.name = name
         self._type = ggml_type
         block_size, type_size = GGML_QUANT_SIZES[ggml_type]
@@ -329,13 +341,16 @@ class GGUFTensor:
         width = shape[-1]
         stored_rows = shape[0] if len(shape) == 2 else 1
         if width % block_size:
-            raise ValueError(f"GGUF tensor {name!r}: rows of {width} elements are no whole {ggml_type.name} "
-                             f"blocks of {block_size}")
+            raise ValueError(
+                f"GGUF tensor {name!r}: rows of {width} elements are no whole {ggml_type.name} blocks of {block_size}"
+            )
         row_bytes = width // block_size * type_size
         raw = data.reshape(-1).view(np.uint8)
         if raw.size != stored_rows * row_bytes:
-            raise ValueError(f"GGUF tensor {name!r} ({ggml_type.name} {list(shape)}) needs "
-                             f"{stored_rows * row_bytes} bytes, the file holds {raw.size}")
+            raise ValueError(
+                f"GGUF tensor {name!r} ({ggml_type.name} {list(shape)}) needs "
+                f"{stored_rows * row_bytes} bytes, the file holds {raw.size}"
+            )
         self._raw = raw.reshape(stored_rows, row_bytes)
         self._vector = len(shape) == 1
         order = np.arange(shape[0], dtype=np.int64) if row_order is None else np.asarray(row_order, np.int64)
@@ -369,15 +384,18 @@ class GGUFTensor:
         rank's shard. Columns of a quantized matrix go in whole blocks of 32 (ValueError otherwise)."""
         dim = dim + len(self.shape) if dim < 0 else dim
         if not 0 <= dim < len(self.shape) or start < 0 or length < 0 or start + length > self.shape[dim]:
-            raise ValueError(f"GGUF tensor {self.name!r} {list(self.shape)}: cannot narrow dim {dim} to "
-                             f"[{start}, {start + length})")
+            raise ValueError(
+                f"GGUF tensor {self.name!r} {list(self.shape)}: cannot narrow dim {dim} to [{start}, {start + length})"
+            )
         view = copy.copy(self)
         if dim == 0:
-            view._rows = self._rows[start:start + length]
+            view._rows = self._rows[start : start + length]
             return view
         if self._type not in FLOAT_TYPES and (start % BLOCK or length % BLOCK):
-            raise ValueError(f"GGUF tensor {self.name!r} is {self.ggml_type}: its columns narrow in whole blocks "
-                             f"of {BLOCK}, not [{start}, {start + length})")
+            raise ValueError(
+                f"GGUF tensor {self.name!r} is {self.ggml_type}: its columns narrow in whole blocks "
+                f"of {BLOCK}, not [{start}, {start + length})"
+            )
         first = self._columns[0] + start
         view._columns = (first, first + length)
         return view
@@ -398,7 +416,7 @@ class GGUFTensor:
             return values[torch.from_numpy(self._rows)].to(dtype)
         out = torch.empty(self.shape, dtype=dtype)
         for first, rows in self._row_chunks():
-            out[first:first + len(rows)] = self._decode_rows(decode, rows).to(dtype)
+            out[first : first + len(rows)] = self._decode_rows(decode, rows).to(dtype)
         self._release_map()
         return out
 
@@ -409,8 +427,10 @@ class GGUFTensor:
         if self._type in FLOAT_TYPES or self._vector:
             return None
         if self._type not in REPACKERS:
-            raise NotImplementedError(f"GGUF tensor {self.name!r}: storage type {self.ggml_type} cannot be kept "
-                                      f"quantized (supported: {', '.join(t.name for t in REPACKERS)})")
+            raise NotImplementedError(
+                f"GGUF tensor {self.name!r}: storage type {self.ggml_type} cannot be kept "
+                f"quantized (supported: {', '.join(t.name for t in REPACKERS)})"
+            )
         fmt, has_mins, repack = REPACKERS[self._type]
         n, k = self.shape
         qs = torch.empty((n, k // 2 if fmt == "q4" else k), dtype=torch.uint8 if fmt == "q4" else torch.int8)
@@ -418,10 +438,10 @@ class GGUFTensor:
         mins = torch.empty_like(scales) if has_mins else None
         for first, rows in self._row_chunks():
             part_qs, part_scales, part_mins = self._repack_rows(repack, rows)
-            qs[first:first + len(rows)] = part_qs
-            scales[first:first + len(rows)] = part_scales
+            qs[first : first + len(rows)] = part_qs
+            scales[first : first + len(rows)] = part_scales
             if mins is not None and part_mins is not None:
-                mins[first:first + len(rows)] = part_mins
+                mins[first : first + len(rows)] = part_mins
         self._check_finite(scales, mins)
         self._release_map()
         return QuantWeight(fmt, qs, scales, mins)
@@ -436,8 +456,10 @@ class GGUFTensor:
 
     def _decoder(self) -> Callable[[torch.Tensor], torch.Tensor]:
         if self._type not in DECODERS:
-            raise NotImplementedError(f"GGUF tensor {self.name!r}: storage type {self.ggml_type} is not supported "
-                                      f"(supported: {', '.join(t.name for t in DECODERS)})")
+            raise NotImplementedError(
+                f"GGUF tensor {self.name!r}: storage type {self.ggml_type} is not supported "
+                f"(supported: {', '.join(t.name for t in DECODERS)})"
+            )
         return DECODERS[self._type]
 
     def _row_chunks(self) -> Iterator[tuple[int, np.ndarray]]:
@@ -445,7 +467,7 @@ class GGUFTensor:
         first, last = self._block_span()
         per_chunk = max(1, DECODE_CHUNK_ELEMENTS // max(1, last - first))
         for first in range(0, len(self._rows), per_chunk):
-            yield first, self._rows[first:first + per_chunk]
+            yield first, self._rows[first : first + per_chunk]
 
     def _block_span(self) -> tuple[int, int]:
         """The element range [a, b) of the whole GGUF blocks covering the column window."""
@@ -460,29 +482,34 @@ class GGUFTensor:
         span = slice(first // self._block_size * self._type_size, last // self._block_size * self._type_size)
         blocks = torch.from_numpy(np.asarray(self._raw[rows, span])).reshape(-1, self._type_size)
         if self._file_map is not None and len(rows):
-            drop_file_pages(self._raw[int(rows.min()):int(rows.max()) + 1])
+            drop_file_pages(self._raw[int(rows.min()) : int(rows.max()) + 1])
         return blocks
 
     def _decode_rows(self, decode: Callable[[torch.Tensor], torch.Tensor], rows: np.ndarray) -> torch.Tensor:
         """float32 [len(rows), window width]: the stored rows decoded, cut to the column window."""
         first = self._block_span()[0]
         values = decode(self._blocks(rows)).reshape(len(rows), -1)
-        return values[:, self._columns[0] - first:self._columns[1] - first]
+        return values[:, self._columns[0] - first : self._columns[1] - first]
 
     def _repack_rows(self, repack: Callable[[torch.Tensor], Packed], rows: np.ndarray) -> Packed:
         """The stored rows repacked and cut to the column window (whole blocks of 32)."""
         qs, scales, mins = repack(self._blocks(rows))
         first = (self._columns[0] - self._block_span()[0]) // BLOCK
         count = (self._columns[1] - self._columns[0]) // BLOCK
-        qs = qs.reshape(len(rows), -1, qs.shape[1] * BLOCK // self._block_size)[:, first:first + count]
-        return (qs.reshape(len(rows), -1), scales.reshape(len(rows), -1)[:, first:first + count],
-                None if mins is None else mins.reshape(len(rows), -1)[:, first:first + count])
+        qs = qs.reshape(len(rows), -1, qs.shape[1] * BLOCK // self._block_size)[:, first : first + count]
+        return (
+            qs.reshape(len(rows), -1),
+            scales.reshape(len(rows), -1)[:, first : first + count],
+            None if mins is None else mins.reshape(len(rows), -1)[:, first : first + count],
+        )
 
     def _check_finite(self, scales: torch.Tensor, mins: torch.Tensor | None) -> None:
         for what, values in (("scales", scales), ("mins", mins)):
             if values is not None and not bool(torch.isfinite(values).all()):
-                raise ValueError(f"GGUF tensor {self.name!r} ({self.ggml_type}): repacked {what} overflow fp16 "
-                                 "(or the file holds non-finite ones)")
+                raise ValueError(
+                    f"GGUF tensor {self.name!r} ({self.ggml_type}): repacked {what} overflow fp16 "
+                    "(or the file holds non-finite ones)"
+                )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -504,8 +531,10 @@ class GGUFFile:
         self._reader = _open_reader(self.path)
         self.architecture = str(self.metadata("general.architecture", ""))
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"{self.path}: GGUF architecture {self.architecture!r} is not supported (supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+            raise ValueError(
+                f"{self.path}: GGUF architecture {self.architecture!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
         self.num_layers = int(self._arch_value("block_count"))
         self.num_heads = int(self._arch_value("attention.head_count"))
         self.num_kv_heads = int(self._arch_value("attention.head_count_kv", self.num_heads))
@@ -541,8 +570,14 @@ class GGUFFile:
                 if name is None:
                     continue
                 shape = tuple(int(n) for n in reversed(info.shape.tolist()))
-                mapped[name] = GGUFTensor(info.name, info.tensor_type, info.data, shape,
-                                          self._row_order(info.name, shape), file_map=self._reader.data)
+                mapped[name] = GGUFTensor(
+                    info.name,
+                    info.tensor_type,
+                    info.data,
+                    shape,
+                    self._row_order(info.name, shape),
+                    file_map=self._reader.data,
+                )
             except (ValueError, NotImplementedError) as error:
                 raise type(error)(f"{self.path}: {error}") from None
         return mapped
@@ -577,11 +612,22 @@ class GGUFHeader:
 
     fields: dict[str, Any]
     tensors: list[TensorInfo]
-    data: np.ndarray | None = None   # the whole file, memory-mapped read-only (the tensors' data views it)
+    data: np.ndarray | None = None  # the whole file, memory-mapped read-only (the tensors' data views it)
 
 
-_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8",
-            12: "<f8"}
+_SCALARS = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY, _BOOL = 8, 9, 7
 
 
@@ -595,7 +641,7 @@ class _Cursor:
         size = np.dtype(dtype).itemsize * count
         if self.at + size > len(self.buffer):
             raise IndexError(f"{size} bytes wanted at offset {self.at} of {len(self.buffer)}")
-        out = self.buffer[self.at:self.at + size].view(dtype)
+        out = self.buffer[self.at : self.at + size].view(dtype)
         self.at += size
         return out
 
@@ -647,7 +693,7 @@ def _read_header(path: Path) -> GGUFHeader:
         size = int(np.prod(dims)) // block_size * type_size
         if start + offset + size > len(data):
             raise IndexError(f"tensor {name!r} ends past the end of the file")
-        tensors.append(TensorInfo(name, dims, kind, np.asarray(data[start + offset:start + offset + size])))
+        tensors.append(TensorInfo(name, dims, kind, np.asarray(data[start + offset : start + offset + size])))
     return GGUFHeader(fields, tensors, np.asarray(data))
 
 
@@ -658,8 +704,9 @@ def _open_reader(path: Path) -> GGUFHeader:
     try:
         return _read_header(path)
     except (ValueError, IndexError, KeyError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): "
-                         f"{type(error).__name__}: {error}") from None
+        raise ValueError(
+            f"{path}: not a readable GGUF file (truncated or corrupt?): {type(error).__name__}: {error}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -673,7 +720,7 @@ def write_model_dir(gguf_path: str | Path, out_dir: str | Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     source = Path(gguf_path).resolve()
-    GGUFFile(source)   # a file that is no readable GGUF of an architecture we read: a ValueError naming it, first
+    GGUFFile(source)  # a file that is no readable GGUF of an architecture we read: a ValueError naming it, first
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     folder, name = str(source.parent), source.name
@@ -711,8 +758,7 @@ def drop_file_pages(view: np.ndarray) -> None:
     if _LIBC is None or not view.nbytes:
         return
     start = view.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(view.ctypes.data + view.nbytes - start),
-                  mmap.MADV_DONTNEED)
+    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(view.ctypes.data + view.nbytes - start), mmap.MADV_DONTNEED)
 
 
 def close_gguf_files() -> None:

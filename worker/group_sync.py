@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer.worker")
 
-_WAKE = struct.Struct("<q")   # the round number the sender is about to enter
+_WAKE = struct.Struct("<q")  # the round number the sender is about to enter
 _ZAP_DOMAIN = "infer-ep"
 
 
@@ -60,7 +60,7 @@ class EpOptions:
 
     size: int
     rank: int
-    dist_init: str        # tcp://HOST:PORT of the group's rendezvous (rank 0 listens there)
+    dist_init: str  # tcp://HOST:PORT of the group's rendezvous (rank 0 listens there)
     timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -75,8 +75,9 @@ class EpOptions:
             raise ValueError(f"--ep-timeout must be > 0, got {self.timeout_s}")
 
     @classmethod
-    def resolve(cls, size: int, rank: int | None, dist_init: str | None, timeout_s: float,
-                env: dict[str, str] | None = None) -> EpOptions:
+    def resolve(
+        cls, size: int, rank: int | None, dist_init: str | None, timeout_s: float, env: dict[str, str] | None = None
+    ) -> EpOptions:
         """Flags first; else torchrun's RANK / MASTER_ADDR / MASTER_PORT, else Slurm's SLURM_PROCID (rank
         within the group = SLURM_PROCID % size; the launcher exports MASTER_ADDR / MASTER_PORT)."""
         env = dict(os.environ) if env is None else env
@@ -89,8 +90,10 @@ class EpOptions:
                 raise ValueError("--ep-size > 1 needs --ep-rank (or RANK / SLURM_PROCID in the environment)")
         if dist_init is None:
             if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-                raise ValueError("--ep-size > 1 needs --dist-init tcp://HOST:PORT (or MASTER_ADDR and "
-                                 "MASTER_PORT in the environment)")
+                raise ValueError(
+                    "--ep-size > 1 needs --dist-init tcp://HOST:PORT (or MASTER_ADDR and "
+                    "MASTER_PORT in the environment)"
+                )
             dist_init = f"tcp://{env['MASTER_ADDR']}:{_env_int(env, 'MASTER_PORT')}"
         return cls(size=size, rank=rank, dist_init=dist_init, timeout_s=timeout_s)
 
@@ -115,27 +118,31 @@ def init_group(options: EpOptions, device: torch.device) -> ExpertParallel:
     from infer.worker.expert_parallel import ExpertParallel
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=options.dist_init, rank=options.rank,
-                            world_size=options.size,
-                            timeout=datetime.timedelta(seconds=options.timeout_s))
-    log.info("EP group joined: rank %d of %d at %s (%s)", options.rank, options.size, options.dist_init,
-             backend)
+    dist.init_process_group(
+        backend,
+        init_method=options.dist_init,
+        rank=options.rank,
+        world_size=options.size,
+        timeout=datetime.timedelta(seconds=options.timeout_s),
+    )
+    log.info("EP group joined: rank %d of %d at %s (%s)", options.rank, options.size, options.dist_init, backend)
     return ExpertParallel(rank=options.rank, size=options.size)
 
 
 class GroupSync:
     """The per-step agreement and the wake channel of one rank (see the module doc)."""
 
-    def __init__(self, options: EpOptions, ctx: zmq.Context, curve: CurveKeys | None = None,
-                 group: object = None) -> None:
+    def __init__(
+        self, options: EpOptions, ctx: zmq.Context, curve: CurveKeys | None = None, group: object = None
+    ) -> None:
         """`curve`: this rank's keys (its server key, the coordinator's, is not used here): the wake channel
         runs CurveZMQ among the group's keys. Every rank must have keys, or none (ValueError on all).
         `group`: the gloo process group of the EP ranks (TP x EP: the TP rank 0 processes); None: the world."""
         import torch.distributed as dist
 
         self.options = options
-        self.round = 0            # rounds completed; the same number on every rank
-        self.active = False       # the last round had work: the next one follows without a wake
+        self.round = 0  # rounds completed; the same number on every rank
+        self.active = False  # the last round had work: the next one follows without a wake
         # the agreement runs on CPU tensors; with NCCL as the default backend it needs a gloo group of its own
         if group is not None:
             self._group = group
@@ -145,19 +152,24 @@ class GroupSync:
         keys = self._gather(None if curve is None else curve.public_key)
         if any(k is None for k in keys) and any(k is not None for k in keys):
             missing = [r for r, k in enumerate(keys) if k is None]
-            raise ValueError(f"EP group ranks {missing} have no CURVE key and the others do: give every rank "
-                             f"--curve-key and --coordinator-key, or none")
+            raise ValueError(
+                f"EP group ranks {missing} have no CURVE key and the others do: give every rank "
+                f"--curve-key and --coordinator-key, or none"
+            )
         self._gate: KeyGate | None = None
         if curve is not None:
             group_keys = frozenset(keys)
             self._gate = KeyGate(ctx, group_keys.__contains__, logger=log, peers="EP peer")
-        self.wake_socket = make_socket(ctx, zmq.PULL, curve=None if curve is None else curve.as_server(),
-                                       zap_domain=_ZAP_DOMAIN)
+        self.wake_socket = make_socket(
+            ctx, zmq.PULL, curve=None if curve is None else curve.as_server(), zap_domain=_ZAP_DOMAIN
+        )
         host = _local_address_towards(urlsplit(options.dist_init).hostname or "127.0.0.1")
         port = self.wake_socket.bind_to_random_port(f"tcp://{host}")
         if curve is not None and not is_loopback(host):
-            log.info("EP group wake channel on CurveZMQ; the group's torch.distributed traffic is not "
-                     "encrypted: its ranks must share a trusted network")
+            log.info(
+                "EP group wake channel on CurveZMQ; the group's torch.distributed traffic is not "
+                "encrypted: its ranks must share a trusted network"
+            )
         addresses = self._gather(f"tcp://{host}:{port}")
         self._peers = []
         for rank, address in enumerate(addresses):
@@ -192,7 +204,7 @@ class GroupSync:
         for push in self._peers:
             try:
                 push.send(frame, zmq.NOBLOCK)
-            except zmq.Again:   # a peer's queue is full of wakes already: it will wake
+            except zmq.Again:  # a peer's queue is full of wakes already: it will wake
                 pass
 
     def agree(self, has_work: bool, leaving: bool) -> tuple[bool, bool]:

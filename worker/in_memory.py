@@ -23,7 +23,7 @@ from infer.worker.loader import build_model, load_named_tensors, pack_weights
 class InMemoryModel:
     """What an engine needs of an in-memory model."""
 
-    model: nn.Module                 # ours, weights in place, in eval mode
+    model: nn.Module  # ours, weights in place, in eval mode
     tokenizer: Any
     eos_token_ids: frozenset[int]
     model_id: str
@@ -34,28 +34,34 @@ def is_our_model(model: object) -> TypeGuard[nn.Module]:
     return isinstance(model, nn.Module) and type(model).__module__.startswith("infer.worker.models")
 
 
-def in_memory_model(model: object, tokenizer: Any, dtype: torch.dtype, device: torch.device,
-                    ep: ExpertParallel) -> InMemoryModel:
+def in_memory_model(
+    model: object, tokenizer: Any, dtype: torch.dtype, device: torch.device, ep: ExpertParallel
+) -> InMemoryModel:
     """Our model for `model` (see the module docstring); ValueError saying what is wrong with the arguments."""
     if tokenizer is None or not callable(tokenizer) or not hasattr(tokenizer, "decode"):
-        raise ValueError(f"model=<an in-memory model> needs tokenizer=<its transformers tokenizer>, got "
-                         f"{type(tokenizer).__name__}")
+        raise ValueError(
+            f"model=<an in-memory model> needs tokenizer=<its transformers tokenizer>, got {type(tokenizer).__name__}"
+        )
     config = getattr(model, "config", None)
     if is_our_model(model):
         ours = model
         if ours.dtype != dtype:
-            raise ValueError(f"the in-memory model computes in {ours.dtype}, the engine's dtype is {dtype}: "
-                             f"pass dtype={str(ours.dtype).removeprefix('torch.')!r}")
+            raise ValueError(
+                f"the in-memory model computes in {ours.dtype}, the engine's dtype is {dtype}: "
+                f"pass dtype={str(ours.dtype).removeprefix('torch.')!r}"
+            )
         first = next(ours.parameters())
         if first.device.type != device.type:
             raise ValueError(f"the in-memory model is on {first.device}, the engine runs on {device}")
     elif isinstance(model, nn.Module) and config is not None and hasattr(model, "state_dict"):
-        ours = build_model(config, dtype, device, ep)     # ValueError for an architecture we do not implement
+        ours = build_model(config, dtype, device, ep)  # ValueError for an architecture we do not implement
         load_named_tensors(ours, _state_tensors(model))
         pack_weights(ours)
     else:
-        raise ValueError(f"model must be a path, None, a transformers PreTrainedModel or one of infer's model "
-                         f"objects, got {type(model).__name__}")
+        raise ValueError(
+            f"model must be a path, None, a transformers PreTrainedModel or one of infer's model "
+            f"objects, got {type(model).__name__}"
+        )
     return InMemoryModel(ours.eval(), tokenizer, _eos_ids(model, tokenizer), _model_id(model))
 
 

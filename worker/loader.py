@@ -21,9 +21,7 @@ from infer.worker.awq_gptq import Int4Scheme, directory_scheme, group_tensors
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.gguf import close_gguf_files
 from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
-from infer.worker.models.layers import (
-    LMHead, PackedLinear, QuantStorage, RMSNorm, VocabEmbedding, deferred_weights
-)
+from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, RMSNorm, VocabEmbedding, deferred_weights
 from infer.worker.models.moe import ExpertShard
 from infer.worker.models.registry import model_class
 from infer.worker.tensor_parallel import TensorParallel
@@ -66,13 +64,26 @@ class _LoadsShards(Protocol):
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # GGUF block types -> the storage format they are kept in (kernels/quant.py has the mapping's exactness).
-GGUF_FORMATS = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8", "Q5_0": "q8", "Q6_K": "q8",
-                "Q5_1": "q8+min", "Q5_K": "q8+min"}
+GGUF_FORMATS = {
+    "Q4_0": "q4",
+    "Q4_1": "q4",
+    "Q4_K": "q4",
+    "Q8_0": "q8",
+    "Q5_0": "q8",
+    "Q6_K": "q8",
+    "Q5_1": "q8+min",
+    "Q5_K": "q8+min",
+}
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device,
-               ep: ExpertParallel | None = None, tp: TensorParallel | None = None,
-               quantization: str = "auto") -> nn.Module:
+def load_model(
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    ep: ExpertParallel | None = None,
+    tp: TensorParallel | None = None,
+    quantization: str = "auto",
+) -> nn.Module:
     """Our implementation of the model in directory `path`, weights loaded, on `device` in `dtype`.
     MoE models (classes with `supports_expert_parallel`) take `ep`, this rank's place in its EP group, and
     load only its experts; a dense model refuses an EP group of more than one rank. `tp`: this process's
@@ -106,8 +117,10 @@ def quant_plan(model: nn.Module, files: list[Path], quantization: str) -> dict[s
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantStorage)}
     if quantization in ("int8", "int4"):
-        plan = {name: "q8" if quantization == "int8" or isinstance(m, (VocabEmbedding, LMHead)) else "q4"
-                for name, m in layers.items()}
+        plan = {
+            name: "q8" if quantization == "int8" or isinstance(m, (VocabEmbedding, LMHead)) else "q4"
+            for name, m in layers.items()
+        }
     elif quantization == "auto":
         plan = _stored_plan(model, files)
     else:
@@ -127,7 +140,7 @@ def _stored_plan(model: nn.Module, files: list[Path]) -> dict[str, str]:
     plan: dict[str, str] = {}
     for module, found in formats.items():
         stored = {fmt for fmt in found if fmt is not None}
-        if not stored:   # dense only
+        if not stored:  # dense only
             continue
         plan[module] = stored.pop() if len(found) == 1 else "q8+min"
     return plan
@@ -171,8 +184,13 @@ def materialize(model: nn.Module, plan: dict[str, str], device: torch.device | s
         model.tie_lm_head()  # type: ignore[operator]
 
 
-def build_model(config: Any, dtype: torch.dtype, device: torch.device | str,
-                ep: ExpertParallel | None = None, tp: TensorParallel | None = None) -> nn.Module:
+def build_model(
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ep: ExpertParallel | None = None,
+    tp: TensorParallel | None = None,
+) -> nn.Module:
     """Our implementation of a transformers `config`, parameters allocated (uninitialised) on `device`
     ("meta" for a shape-only twin), this TP rank's shard of it. ValueError for a dense model in an EP group
     of more than one rank, or a TP size that does not divide the heads, the vocabulary or the MLP."""
@@ -181,8 +199,10 @@ def build_model(config: Any, dtype: torch.dtype, device: torch.device | str,
     tp = TensorParallel.single() if tp is None else tp
     moe = getattr(cls, "supports_expert_parallel", False)
     if ep.size > 1 and not moe:
-        raise ValueError(f"an EP group of {ep.size} ranks needs an MoE model; {config.model_type!r} has no "
-                         "experts to shard (run its ranks as separate groups)")
+        raise ValueError(
+            f"an EP group of {ep.size} ranks needs an MoE model; {config.model_type!r} has no "
+            "experts to shard (run its ranks as separate groups)"
+        )
     with torch.device(device):
         return cls(config, dtype, ep=ep, tp=tp) if moe else cls(config, dtype, tp=tp)
 
@@ -196,7 +216,7 @@ def pack_weights(model: nn.Module) -> None:
         if getattr(module, "native_decode", None):
             # it holds the old weights' addresses: the next decode step makes it anew (torch's stub types a
             # module's attributes as Tensor | Module; this one is a plain attribute)
-            module.native_decode = None   # type: ignore[assignment]
+            module.native_decode = None  # type: ignore[assignment]
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -233,7 +253,7 @@ class FileTensor:
     from the loader in place of a torch.Tensor."""
 
     def __init__(self, piece: Any) -> None:
-        self._piece = piece            # safetensors' PySafeSlice
+        self._piece = piece  # safetensors' PySafeSlice
         self.shape = tuple(piece.get_shape())
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
@@ -314,11 +334,12 @@ def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Callable[[
         logger.info("checkpoint has no lm_head.weight: tying it to the embedding")
         model.tie_lm_head()  # type: ignore[operator]
         params = dict(model.named_parameters())
-    missing = sorted(f"{name}[{shard}]" if shard else name
-                     for name, shard in _expected(model, params) - loaded)
+    missing = sorted(f"{name}[{shard}]" if shard else name for name, shard in _expected(model, params) - loaded)
     if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} weight(s) of {type(model).__name__}: "
-                         f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+        raise ValueError(
+            f"checkpoint lacks {len(missing)} weight(s) of {type(model).__name__}: "
+            f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"
+        )
 
 
 def _unused_zero_bias(model: nn.Module, params: dict[str, nn.Parameter], key: str, read: Callable[[], Any]) -> bool:
@@ -339,8 +360,9 @@ def tied_aliases(model: nn.Module) -> set[str]:
     return set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
 
 
-def checkpoint_target(model: nn.Module, params: dict[str, nn.Parameter], aliases: set[str], key: str,
-                      where: str = "") -> tuple[nn.Module, str, Shard] | None:
+def checkpoint_target(
+    model: nn.Module, params: dict[str, nn.Parameter], aliases: set[str], key: str, where: str = ""
+) -> tuple[nn.Module, str, Shard] | None:
     """Where checkpoint tensor `key` goes in `model`: (owning module, parameter name, shard), or None for a
     tensor that is skipped (rotary caches, tied copies, another expert-parallel rank's experts, what the model's
     `skips_checkpoint_tensor(key)` says it does not run). ValueError naming the tensor if it fits no parameter."""
@@ -351,8 +373,9 @@ def checkpoint_target(model: nn.Module, params: dict[str, nn.Parameter], aliases
         return None
     name, shard = _parameter_of(model, key)
     if name not in params:
-        raise ValueError(f"checkpoint tensor {key!r}{' ' + where if where else ''} matches no parameter of "
-                         f"{type(model).__name__}")
+        raise ValueError(
+            f"checkpoint tensor {key!r}{' ' + where if where else ''} matches no parameter of {type(model).__name__}"
+        )
     module, _param_name = _owner(model, name)
     if isinstance(module, _HoldsSome) and not module.holds(shard):
         return None  # another rank's expert
@@ -371,8 +394,13 @@ def _parameter_of(model: nn.Module, key: str) -> tuple[str, Shard]:
     *modules, param_name = key.split(".")
     modules = [renames.get(module, module) for module in modules]
     experts: dict[str, tuple[str, str]] = getattr(model, "expert_modules_mapping", {})
-    if (len(modules) >= 3 and modules[-3] == "experts" and modules[-2].isdigit() and modules[-1] in experts
-            and param_name == "weight"):
+    if (
+        len(modules) >= 3
+        and modules[-3] == "experts"
+        and modules[-2].isdigit()
+        and modules[-1] in experts
+        and param_name == "weight"
+    ):
         fused_param, projection = experts[modules[-1]]
         return ".".join([*modules[:-2], fused_param]), ExpertShard(projection, int(modules[-2]))
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
@@ -395,8 +423,9 @@ def _shards_of(module: nn.Module, param_name: str) -> tuple[Shard, ...]:
     return tuple(getattr(module, "shard_names", (None,)))
 
 
-def load_tensor(module: nn.Module, name: str, shard: Shard, param: torch.Tensor, tensor: torch.Tensor,
-                where: str) -> None:
+def load_tensor(
+    module: nn.Module, name: str, shard: Shard, param: torch.Tensor, tensor: torch.Tensor, where: str
+) -> None:
     """Copy one checkpoint tensor into its parameter (or its shard of it); ValueError naming `where` on a
     bad shape."""
     try:

@@ -68,8 +68,16 @@ class LoraAdapter:
     weights: dict[tuple[str, str | None], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
 
-def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, lora_id: int, int_id: int,
-                 dtype: torch.dtype, device: torch.device) -> LoraAdapter:
+def load_adapter(
+    name: str,
+    path: str | Path,
+    model: nn.Module,
+    max_rank: int,
+    lora_id: int,
+    int_id: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoraAdapter:
     """Read and check a PEFT LoRA folder against `model`: ValueError naming the file, tensor or limit at fault."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -79,8 +87,11 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, l
     config = read_lora_config(folder)
     weights_file = folder / ADAPTER_WEIGHTS
     if not weights_file.is_file():
-        hint = " (adapter_model.bin, a pickle, is not read: save with safe_serialization)" if (
-            folder / "adapter_model.bin").exists() else ""
+        hint = (
+            " (adapter_model.bin, a pickle, is not read: save with safe_serialization)"
+            if (folder / "adapter_model.bin").exists()
+            else ""
+        )
         raise ValueError(f"{weights_file}: no such file{hint}")
     try:
         tensors = load_file(str(weights_file))
@@ -104,8 +115,10 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, l
         a, b = ab["A"], ab["B"]
         r = int(a.shape[0]) if a.dim() == 2 else -1
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
-            raise ValueError(f"{weights_file}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
-                             f"[r, in] and [out, r]")
+            raise ValueError(
+                f"{weights_file}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
+                f"[r, in] and [out, r]"
+            )
         if r > max_rank:
             raise ValueError(f"{weights_file}: {module} has rank {r}, above --max-lora-rank {max_rank}")
         try:
@@ -115,8 +128,10 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int, l
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise ValueError(f"{weights_file}: {module} holds values that are not finite")
         scale = config.scaling(r)
-        weights[(target, shard)] = (a.to(device=device, dtype=dtype),
-                                    (b.float() * scale).to(device=device, dtype=dtype))
+        weights[(target, shard)] = (
+            a.to(device=device, dtype=dtype),
+            (b.float() * scale).to(device=device, dtype=dtype),
+        )
         rank = max(rank, r)
     return LoraAdapter(name, lora_id, int_id, str(folder), rank, weights)
 
@@ -137,8 +152,9 @@ def _target(model: nn.Module, module: str, where: Path) -> tuple[str, str | None
     return name, shard, linear
 
 
-def _this_ranks_part(linear: PackedLinear, shard: str | None, a: torch.Tensor,
-                     b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _this_ranks_part(
+    linear: PackedLinear, shard: str | None, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A [r, in] and B [out, r] as the checkpoint has them -> this TP rank's part, sharded like the layer: a
     column-parallel layer's rows (of the projection `shard` of a fused one) split B's rows, a row-parallel layer's
     columns split A's columns (its rank's partial (x A_part^T) B^T is summed by the layer's all-reduce)."""
@@ -152,8 +168,10 @@ def _this_ranks_part(linear: PackedLinear, shard: str | None, a: torch.Tensor,
     elif isinstance(linear, ColumnLinear):
         out_parts, out_index = linear.tp.size, linear.tp.rank
     if (a.shape[1], b.shape[0]) != (in_cols * in_parts, out_rows * out_parts):
-        raise ValueError(f"lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the model's layer "
-                         f"({out_rows * out_parts} x {in_cols * in_parts})")
+        raise ValueError(
+            f"lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the model's layer "
+            f"({out_rows * out_parts} x {in_cols * in_parts})"
+        )
     return a.narrow(1, in_index * in_cols, in_cols), b.narrow(0, out_index * out_rows, out_rows)
 
 
@@ -232,8 +250,9 @@ class LoraLayer:
     transposed (scale folded in), both contiguous, so that a slot's shrink and expand are plain matmuls
     (x [n, in] @ a_t[s] @ b_t[s]) and the stacked path multiplies a range of slots in one batched matmul each."""
 
-    def __init__(self, linear: PackedLinear, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, linear: PackedLinear, num_slots: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.subs = _subs(linear)
         self.rank = max_rank
         out_features, in_features = linear.logical_shape
@@ -250,8 +269,8 @@ class LoraLayer:
         index = next(i for i, (s, _, _) in enumerate(self.subs) if s == shard)
         _, first, rows = self.subs[index]
         r, col = a.shape[0], index * self.rank
-        self.a_t[slot, :, col:col + r].copy_(a.T)
-        self.b_t[slot, col:col + r, first:first + rows].copy_(b.T)
+        self.a_t[slot, :, col : col + r].copy_(a.T)
+        self.b_t[slot, col : col + r, first : first + rows].copy_(b.T)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the base layer's output for x [T, in]) plus each adapter row's (x A^T) B^T, in place."""
@@ -285,15 +304,16 @@ class LoraManager:
     name; `activate` gives a step's adapters slots (copying weights into newly placed ones); `step` groups a
     step's rows by slot."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
         self.model, self.max_rank, self.dtype, self.device = model, max_lora_rank, dtype, device
         self.slots = LoraSlots(max_loras)
-        self.by_name: dict[str, LoraAdapter] = {}      # what new requests may name
-        self.by_id: dict[int, LoraAdapter] = {}        # and the unloaded ones requests still hold
-        self.layers: dict[str, LoraLayer] = {}         # made on the first adapter that targets each layer
+        self.by_name: dict[str, LoraAdapter] = {}  # what new requests may name
+        self.by_id: dict[int, LoraAdapter] = {}  # and the unloaded ones requests still hold
+        self.layers: dict[str, LoraLayer] = {}  # made on the first adapter that targets each layer
         self._ids = itertools.count(1)
         # TP rank 0's command channel (worker/tp_commands.py; set by the engine): each adapter copied into a slot
         # here is copied into the same slot on every other rank, from its own read of the folder (its shards)
@@ -301,8 +321,16 @@ class LoraManager:
 
     def read(self, name: str, path: str | Path, lora_id: int, int_id: int | None = None) -> LoraAdapter:
         """An adapter's files read and checked against this rank's model (its shards), not registered."""
-        return load_adapter(name, path, self.model, self.max_rank, lora_id, lora_id if int_id is None else int_id,
-                            self.dtype, self.device)
+        return load_adapter(
+            name,
+            path,
+            self.model,
+            self.max_rank,
+            lora_id,
+            lora_id if int_id is None else int_id,
+            self.dtype,
+            self.device,
+        )
 
     def add(self, name: str, path: str | Path, int_id: int | None = None) -> LoraAdapter:
         """Load an adapter under `name` (ValueError: a bad folder, a rank above max_lora_rank, a name taken by
@@ -316,8 +344,13 @@ class LoraManager:
         adapter = self.read(name, path, next(self._ids), int_id)
         lora_id = adapter.lora_id
         self.by_name[name] = self.by_id[lora_id] = adapter
-        log.info("LoRA adapter %r loaded from %s (rank %d, %d layers)", name, adapter.path, adapter.rank,
-                 len(adapter.weights))
+        log.info(
+            "LoRA adapter %r loaded from %s (rank %d, %d layers)",
+            name,
+            adapter.path,
+            adapter.rank,
+            len(adapter.weights),
+        )
         return adapter
 
     def remove(self, name: str) -> bool:
@@ -356,10 +389,9 @@ class LoraManager:
         layer = self.layers.get(module)
         if layer is None:
             linear = self.model.get_submodule(module)
-            if not isinstance(linear, PackedLinear):   # _target checked it when the adapter was read
+            if not isinstance(linear, PackedLinear):  # _target checked it when the adapter was read
                 raise ValueError(f"{module} is not a linear layer of this model")
-            layer = self.layers[module] = LoraLayer(linear, self.slots.capacity, self.max_rank, self.dtype,
-                                                    self.device)
+            layer = self.layers[module] = LoraLayer(linear, self.slots.capacity, self.max_rank, self.dtype, self.device)
             linear.lora = layer
         return layer
 
@@ -394,10 +426,17 @@ class LoraManager:
         index = [i for slot in range(first, last + 1) for i in (rows.get(slot, []) + [0] * per_slot)[:per_slot]]
         keep = None
         if len(index) > sum(len(ids) for ids in rows.values()):
-            keep = torch.tensor([float(p < len(rows.get(slot, ()))) for slot in range(first, last + 1)
-                                 for p in range(per_slot)], dtype=self.dtype).view(-1, 1).to(self.device)
-        return StackedRows(first, last - first + 1, per_slot, torch.tensor(index, dtype=torch.int64,
-                                                                             device=self.device), keep)
+            keep = (
+                torch.tensor(
+                    [float(p < len(rows.get(slot, ()))) for slot in range(first, last + 1) for p in range(per_slot)],
+                    dtype=self.dtype,
+                )
+                .view(-1, 1)
+                .to(self.device)
+            )
+        return StackedRows(
+            first, last - first + 1, per_slot, torch.tensor(index, dtype=torch.int64, device=self.device), keep
+        )
 
     def _groups(self, runs: list[tuple[int, int, int]]) -> tuple[tuple[int, slice | torch.Tensor], ...]:
         slots = {slot for slot, _, _ in runs}
@@ -411,7 +450,6 @@ class LoraManager:
     def listing(self) -> list[dict[str, object]]:
         """The loaded adapters (name, id, path, rank), for /v1/models and LLM.list_loras."""
         return [{"name": a.name, "int_id": a.int_id, "path": a.path, "rank": a.rank} for a in self.by_name.values()]
-
 
 
 def slot_runs(slot_rows: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:

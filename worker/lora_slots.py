@@ -22,7 +22,7 @@ class LoraSlots:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"max_loras must be a positive integer, got {capacity!r}")
         self.capacity = capacity
-        self._slots: OrderedDict[int, int] = OrderedDict()   # adapter id -> slot; first = least recently used
+        self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot; first = least recently used
 
     def slot_of(self, lora_id: int) -> int | None:
         return self._slots.get(lora_id)
@@ -64,6 +64,9 @@ class LoraSlots:
 
     def check_invariants(self) -> None:
         slots = list(self._slots.values())
-        if len(slots) > self.capacity or len(set(slots)) != len(slots) or any(
-                not 0 <= s < self.capacity for s in slots):
+        if (
+            len(slots) > self.capacity
+            or len(set(slots)) != len(slots)
+            or any(not 0 <= s < self.capacity for s in slots)
+        ):
             raise ValueError(f"LoRA slots inconsistent: {dict(self._slots)} with capacity {self.capacity}")

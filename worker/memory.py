@@ -37,9 +37,9 @@ def _malloc_trim() -> Callable[[], None] | None:
     return lambda: trim(0)
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3      # mallopt's parameter numbers (malloc.h)
-MMAP_THRESHOLD_BYTES = 32 << 20    # the most glibc accepts on 64-bit (HEAP_MAX_SIZE / 2): larger blocks are mmapped
-TRIM_THRESHOLD_BYTES = 1 << 30     # free() leaves up to this much at the heap's top; HeapTrimmer gives it back
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+MMAP_THRESHOLD_BYTES = 32 << 20  # the most glibc accepts on 64-bit (HEAP_MAX_SIZE / 2): larger blocks are mmapped
+TRIM_THRESHOLD_BYTES = 1 << 30  # free() leaves up to this much at the heap's top; HeapTrimmer gives it back
 
 
 def keep_freed_heap() -> bool:
@@ -59,13 +59,12 @@ class HeapTrimmer:
     `busy_steps` steps in a row otherwise (a server that is never idle still gets its memory back). A
     trickle of single requests does not trim after each one."""
 
-    def __init__(self, idle_steps: int = 100, busy_steps: int = 2000,
-                 trim: Callable[[], None] | None = None) -> None:
+    def __init__(self, idle_steps: int = 100, busy_steps: int = 2000, trim: Callable[[], None] | None = None) -> None:
         if not 1 <= idle_steps <= busy_steps:
             raise ValueError(f"need 1 <= idle_steps <= busy_steps, got {idle_steps} and {busy_steps}")
         self.idle_steps, self.busy_steps = idle_steps, busy_steps
         self._trim = trim if trim is not None else _malloc_trim()
-        self._steps = 0            # steps since the last trim
+        self._steps = 0  # steps since the last trim
         self.num_trims = 0
 
     def trim_now(self) -> None:

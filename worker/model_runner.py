@@ -40,10 +40,18 @@ class ModelRunner:
     forward and each logits computation is sent to them first, so that they run the same collectives."""
 
     followers: TpLeader | None = None
-    lora: LoraManager | None = None   # the engine's LoRA adapters (worker/lora.py), when enabled
+    lora: LoraManager | None = None  # the engine's LoRA adapters (worker/lora.py), when enabled
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, block_size: int, max_model_len: int,
-                 device: torch.device, sampler: Sampler, step_graphs: StepGraphs | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        sampler: Sampler,
+        step_graphs: StepGraphs | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -67,12 +75,13 @@ class ModelRunner:
         """The first half of `execute`: start the forward over `chunks`. On a pipeline's stage 0 this runs stage 0's
         layers and hands the batch on; the later stages compute it while the engine launches the next micro-batch
         (worker/pp_group.py). `finish` completes it (launched forwards finish in launch order)."""
-        slot_rows = [] if self.lora is None else self.lora.slot_rows([(c.request.lora_id, c.num_new_tokens)
-                                                                       for c in chunks])
+        slot_rows = (
+            [] if self.lora is None else self.lora.slot_rows([(c.request.lora_id, c.num_new_tokens) for c in chunks])
+        )
         lora = None if self.lora is None else self.lora.step(slot_rows)
         graphs = self.step_graphs
         if graphs is not None and (lora is not None or any(c.request.pooled is not None for c in chunks)):
-            graphs = None   # LoRA rows run the layers one by one; pooling needs the hidden states
+            graphs = None  # LoRA rows run the layers one by one; pooling needs the hidden states
         bucket = graphs.bucket_for(chunks) if graphs is not None else None
         if graphs is not None and bucket is not None:
             return Launched(chunks, logits=graphs.run(chunks, bucket))
@@ -87,19 +96,23 @@ class ModelRunner:
         stage), prompt logprobs and pooling, and the sampling."""
         chunks, batch, hidden, logits = launched.chunks, launched.batch, launched.hidden, launched.logits
         if batch is not None and hidden is not None:
-            receive = getattr(self.model, "receive_logits", None)   # a pipeline stage (worker/pp_stage.py)
+            receive = getattr(self.model, "receive_logits", None)  # a pipeline stage (worker/pp_stage.py)
             if receive is not None and batch.logits_indices.numel():
-                logits = receive(batch.logits_indices.shape[0])     # sent first: before any prompt logprobs
+                logits = receive(batch.logits_indices.shape[0])  # sent first: before any prompt logprobs
             if any(c.request.prompt_logprobs is not None for c in chunks):
-                record_prompt_logprobs(chunks, lambda start, stop: self._logits(
-                    hidden, torch.arange(start, stop, device=hidden.device)))
+                record_prompt_logprobs(
+                    chunks, lambda start, stop: self._logits(hidden, torch.arange(start, stop, device=hidden.device))
+                )
             if any(c.request.pooled is not None for c in chunks):
                 record_pooling(chunks, hidden)
             if batch.logits_indices.numel() == 0:
                 return None
             if logits is None:
-                logits = self._verification_logits(hidden, batch) if batch.decode_runs is not None else \
-                    self._logits(hidden, batch.logits_indices)
+                logits = (
+                    self._verification_logits(hidden, batch)
+                    if batch.decode_runs is not None
+                    else self._logits(hidden, batch.logits_indices)
+                )
         if logits is None:
             return None
         sampling = [row for c in chunks if c.samples for row in sampling_rows(c)]
@@ -146,12 +159,16 @@ def dummy_forward_batch(block_size: int, device: torch.device) -> ForwardBatch:
         seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
         query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
         logits_indices=torch.zeros(0, dtype=torch.int64, device=device),
-        num_decodes=0, query_lens=(), context_lens=(), block_size=block_size,
+        num_decodes=0,
+        query_lens=(),
+        context_lens=(),
+        block_size=block_size,
     )
 
 
-def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device,
-                        decode_split_tokens: int | None = None) -> ForwardBatch:
+def build_forward_batch(
+    chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device, decode_split_tokens: int | None = None
+) -> ForwardBatch:
     """Flatten the step's chunks into the token-major tensors of ForwardBatch (see its docstring)."""
     input_ids: list[int] = []
     positions: list[int] = []
@@ -160,8 +177,8 @@ def build_forward_batch(chunks: Sequence[ScheduledChunk], block_size: int, devic
     tables: list[list[int]] = []
     logits_indices: list[int] = []
     num_decodes = 0
-    decode_runs: list[int] = []   # decode rows per request (ForwardBatch.decode_runs)
-    prompt_lens: list[int] = []   # of the prefill chunks
+    decode_runs: list[int] = []  # decode rows per request (ForwardBatch.decode_runs)
+    prompt_lens: list[int] = []  # of the prefill chunks
     for chunk in chunks:
         req, start, n = chunk.request, chunk.start, chunk.num_new_tokens
         if chunk.num_draft_tokens and num_decodes == len(query_lens):

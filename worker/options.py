@@ -16,7 +16,7 @@ from infer.worker.group_sync import EpOptions
 from infer.worker.pp_group import PpOptions, parse_partition, resolve_stage
 from infer.worker.tp_group import TpOptions, resolve_ranks
 
-MAX_QUEUE_TIME_S = 86400.0   # the largest --max-queue-time
+MAX_QUEUE_TIME_S = 86400.0  # the largest --max-queue-time
 TP_FLAGS = ("tp_size", "tp_rank", "tp_timeout")
 PP_FLAGS = ("pp_size", "pp_rank", "pp_layer_partition", "pp_timeout")
 EP_FLAGS = ("ep_size", "ep_rank", "dist_init", "ep_timeout")
@@ -27,33 +27,52 @@ KEY_FLAGS = ("curve_key", "coordinator_key")
 class WorkerOptions:
     """The worker's own options (the engine's are EngineConfig). Times are seconds."""
 
-    coordinator: str = option(help="the coordinator's address, tcp://HOST:PORT (required, except by TP ranks and "
-                                   "pipeline stages > 0: only rank / stage 0 talks to the coordinator)")
+    coordinator: str = option(
+        help="the coordinator's address, tcp://HOST:PORT (required, except by TP ranks and "
+        "pipeline stages > 0: only rank / stage 0 talks to the coordinator)"
+    )
     worker_id: str = option(help="this worker's identity (default: hostname-pid)")
-    dp_rank: int | None = option(None, "this worker's DP rank (default: the coordinator assigns the lowest free "
-                                       "one, and keeps it when the worker registers again)")
-    group_id: str | None = option(None, "the group of this rank (default: an EP group is named after its "
-                                        "--dist-init; otherwise dp<rank>)")
+    dp_rank: int | None = option(
+        None,
+        "this worker's DP rank (default: the coordinator assigns the lowest free "
+        "one, and keeps it when the worker registers again)",
+    )
+    group_id: str | None = option(
+        None, "the group of this rank (default: an EP group is named after its --dist-init; otherwise dp<rank>)"
+    )
     heartbeat_interval: float = option(1.0, "seconds between heartbeats", metavar="S")
-    coordinator_timeout: float = option(10.0, "seconds of coordinator silence before registering again",
-                                        metavar="S")
+    coordinator_timeout: float = option(10.0, "seconds of coordinator silence before registering again", metavar="S")
     drain_timeout: float = option(30.0, "seconds running requests get to finish after SIGTERM", metavar="S")
     connect_timeout: float = option(60.0, "seconds to wait for the first Welcome", metavar="S")
-    benchmark_mode: bool = option(False, "no model: each request yields token (prompt_len + i) %% 1000 per step, "
-                                         "empty text, up to max_tokens (for measuring coordinator overhead)")
-    benchmark_step_time: float = option(0.0, "with --benchmark-mode: each engine step lasts S seconds (to test "
-                                             "long steps)", metavar="S")
-    ep: EpOptions | None = option(None, cli=False)       # this rank's EP group (None: a group of one)
-    tp: TpOptions | None = option(None, cli=False)       # this DP rank's TP group (None: one process)
-    max_waiting_requests: int = option(1024, "requests that may wait beyond the --max-num-seqs running ones; a "
-                                             "request past that is refused as overloaded", metavar="N")
-    max_queue_time: float = option(60.0, "a request that has waited S seconds in this worker's queue without "
-                                         "starting fails as overloaded, so its client can retry instead of waiting "
-                                         "without end (0: no bound)", metavar="S")
-    curve: CurveKeys | None = option(None, cli=False)    # CurveZMQ towards the coordinator (and the EP wake channel)
+    benchmark_mode: bool = option(
+        False,
+        "no model: each request yields token (prompt_len + i) %% 1000 per step, "
+        "empty text, up to max_tokens (for measuring coordinator overhead)",
+    )
+    benchmark_step_time: float = option(
+        0.0, "with --benchmark-mode: each engine step lasts S seconds (to test long steps)", metavar="S"
+    )
+    ep: EpOptions | None = option(None, cli=False)  # this rank's EP group (None: a group of one)
+    tp: TpOptions | None = option(None, cli=False)  # this DP rank's TP group (None: one process)
+    max_waiting_requests: int = option(
+        1024,
+        "requests that may wait beyond the --max-num-seqs running ones; a request past that is refused as overloaded",
+        metavar="N",
+    )
+    max_queue_time: float = option(
+        60.0,
+        "a request that has waited S seconds in this worker's queue without "
+        "starting fails as overloaded, so its client can retry instead of waiting "
+        "without end (0: no bound)",
+        metavar="S",
+    )
+    curve: CurveKeys | None = option(None, cli=False)  # CurveZMQ towards the coordinator (and the EP wake channel)
     otlp_traces_endpoint: str | None = option(
-        None, "export an OpenTelemetry span of each request's worker hop (queue, prefill, decode, tokens) to this "
-              "OTLP endpoint (vLLM's flag; needs pip install 'infer[otel]')", metavar="URL")
+        None,
+        "export an OpenTelemetry span of each request's worker hop (queue, prefill, decode, tokens) to this "
+        "OTLP endpoint (vLLM's flag; needs pip install 'infer[otel]')",
+        metavar="URL",
+    )
 
     def __post_init__(self) -> None:
         if not self.coordinator.startswith(("tcp://", "ipc://")):
@@ -72,11 +91,14 @@ class WorkerOptions:
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if not 0 <= self.max_queue_time <= MAX_QUEUE_TIME_S:
-            raise ValueError(f"max_queue_time must be in [0, {MAX_QUEUE_TIME_S:g}] s (0: no bound), got "
-                             f"{self.max_queue_time}")
+            raise ValueError(
+                f"max_queue_time must be in [0, {MAX_QUEUE_TIME_S:g}] s (0: no bound), got {self.max_queue_time}"
+            )
         if not 0 <= self.benchmark_step_time <= 3600 or (self.benchmark_step_time and not self.benchmark_mode):
-            raise ValueError(f"--benchmark-step-time must be in [0, 3600] s and needs --benchmark-mode, got "
-                             f"{self.benchmark_step_time}")
+            raise ValueError(
+                f"--benchmark-step-time must be in [0, 3600] s and needs --benchmark-mode, got "
+                f"{self.benchmark_step_time}"
+            )
         if self.ep is not None and self.benchmark_mode:
             raise ValueError("--benchmark-mode has no model, so no EP group: leave out --ep-size")
         if self.tp is not None and self.benchmark_mode:
@@ -84,8 +106,10 @@ class WorkerOptions:
         if self.otlp_traces_endpoint is not None:
             require_sdk()
         if self.coordinator_timeout <= self.heartbeat_interval:
-            raise ValueError(f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "
-                             f"({self.heartbeat_interval})")
+            raise ValueError(
+                f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "
+                f"({self.heartbeat_interval})"
+            )
 
 
 @dataclass(frozen=True)
@@ -94,31 +118,56 @@ class WorkerFlags:
     from torchrun's or Slurm's variables) into WorkerOptions' `ep` and `tp`, `curve_keys()` reads the key files
     into its `curve`."""
 
-    tp_size: int = option(1, "processes in this DP rank. Without --tp-rank, this command starts and supervises all "
-                             "of them on this node")
-    tp_rank: int | None = option(None, "this process's rank in its TP group (one process per rank, with "
-                                       "--dist-init; default: from $RANK or $SLURM_PROCID, global rank = ep_rank x "
-                                       "tp_size + tp_rank; TP rank 0 talks to the coordinator)")
-    tp_timeout: float = option(60.0, "seconds a TP collective waits for a member, and a follower waits to hear "
-                                     "from TP rank 0, before giving up", metavar="S")
-    pp_size: int = option(1, "pipeline stages in this DP rank, each a process "
-                             "holding a contiguous range of the layers. Without --pp-rank, this command starts and "
-                             "supervises all of them on this node")
-    pp_rank: int | None = option(None, "this process's stage (one process per stage, with --dist-init; default: "
-                                       "from $RANK or $SLURM_PROCID modulo pp-size; stage 0 talks to the "
-                                       "coordinator)")
-    pp_layer_partition: str | None = option(None, "layers per stage, e.g. 10,10,10 (default: an even split, the "
-                                                  "remainder on the first stages)", metavar="N,N,...")
-    pp_timeout: float = option(60.0, "seconds a stage waits for another's hidden states or logits, and for word "
-                                     "from stage 0, before giving up", metavar="S")
+    tp_size: int = option(
+        1, "processes in this DP rank. Without --tp-rank, this command starts and supervises all of them on this node"
+    )
+    tp_rank: int | None = option(
+        None,
+        "this process's rank in its TP group (one process per rank, with "
+        "--dist-init; default: from $RANK or $SLURM_PROCID, global rank = ep_rank x "
+        "tp_size + tp_rank; TP rank 0 talks to the coordinator)",
+    )
+    tp_timeout: float = option(
+        60.0,
+        "seconds a TP collective waits for a member, and a follower waits to hear from TP rank 0, before giving up",
+        metavar="S",
+    )
+    pp_size: int = option(
+        1,
+        "pipeline stages in this DP rank, each a process "
+        "holding a contiguous range of the layers. Without --pp-rank, this command starts and "
+        "supervises all of them on this node",
+    )
+    pp_rank: int | None = option(
+        None,
+        "this process's stage (one process per stage, with --dist-init; default: "
+        "from $RANK or $SLURM_PROCID modulo pp-size; stage 0 talks to the "
+        "coordinator)",
+    )
+    pp_layer_partition: str | None = option(
+        None,
+        "layers per stage, e.g. 10,10,10 (default: an even split, the remainder on the first stages)",
+        metavar="N,N,...",
+    )
+    pp_timeout: float = option(
+        60.0,
+        "seconds a stage waits for another's hidden states or logits, and for word from stage 0, before giving up",
+        metavar="S",
+    )
     ep_size: int = option(1, "ranks in this EP group (1: no group)")
     ep_rank: int | None = option(None, "this rank in the group (default: $RANK, else $SLURM_PROCID %% ep-size)")
-    dist_init: str | None = option(None, "the EP / TP group's (or pipeline's) rendezvous, tcp://HOST:PORT, the "
-                                         "same on every member (default: tcp://$MASTER_ADDR:$MASTER_PORT)")
+    dist_init: str | None = option(
+        None,
+        "the EP / TP group's (or pipeline's) rendezvous, tcp://HOST:PORT, the "
+        "same on every member (default: tcp://$MASTER_ADDR:$MASTER_PORT)",
+    )
     ep_timeout: float = option(60.0, "seconds a group collective waits for a member before giving up", metavar="S")
-    curve_key: str | None = option(None, "this worker's secret key file (infer-keygen NAME writes NAME.key_secret; "
-                                         "its NAME.key goes into the coordinator's --authorized-keys directory)",
-                                   metavar="FILE")
+    curve_key: str | None = option(
+        None,
+        "this worker's secret key file (infer-keygen NAME writes NAME.key_secret; "
+        "its NAME.key goes into the coordinator's --authorized-keys directory)",
+        metavar="FILE",
+    )
     coordinator_key: str | None = option(None, "the coordinator's public key file (its NAME.key)", metavar="FILE")
 
     def __post_init__(self) -> None:
@@ -140,8 +189,9 @@ class WorkerFlags:
             raise ValueError("--ep-rank and --dist-init need --ep-size > 1 (or --tp-size > 1, or --pp-size > 1)")
         tp = None
         if self.tp_size > 1:
-            tp = TpOptions(size=self.tp_size, rank=tp_rank, dist_init=self._tp_dist_init(ep, environ),
-                           timeout_s=self.tp_timeout)
+            tp = TpOptions(
+                size=self.tp_size, rank=tp_rank, dist_init=self._tp_dist_init(ep, environ), timeout_s=self.tp_timeout
+            )
         elif self.tp_rank not in (None, 0):
             raise ValueError("--tp-rank needs --tp-size > 1")
         return ep, tp
@@ -155,8 +205,13 @@ class WorkerFlags:
                 raise ValueError("--pp-rank and --pp-layer-partition need --pp-size > 1")
             return None
         partition = None if self.pp_layer_partition is None else parse_partition(self.pp_layer_partition)
-        return PpOptions(size=self.pp_size, rank=resolve_stage(self.pp_size, self.pp_rank, environ, self.tp_size),
-                         dist_init=self._tp_dist_init(None, environ), timeout_s=self.pp_timeout, partition=partition)
+        return PpOptions(
+            size=self.pp_size,
+            rank=resolve_stage(self.pp_size, self.pp_rank, environ, self.tp_size),
+            dist_init=self._tp_dist_init(None, environ),
+            timeout_s=self.pp_timeout,
+            partition=partition,
+        )
 
     def _tp_dist_init(self, ep: EpOptions | None, environ: dict[str, str]) -> str | None:
         """The TP group's rendezvous: --dist-init, the EP group's, $MASTER_ADDR:$MASTER_PORT, or (a supervisor

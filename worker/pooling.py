@@ -25,7 +25,7 @@ class PoolingState:
     def __init__(self, pooling: str, normalize: bool, num_prompt_tokens: int) -> None:
         self.pooling, self.normalize, self.num_prompt_tokens = pooling, normalize, num_prompt_tokens
         self.next_position = 0
-        self._acc: torch.Tensor | None = None   # [H] float32: the sum (mean), the first row (cls), the last (last)
+        self._acc: torch.Tensor | None = None  # [H] float32: the sum (mean), the first row (cls), the last (last)
 
     def add(self, start: int, rows: torch.Tensor) -> None:
         """Rows [N, H] are the hidden states of prompt positions start .. start + N - 1; positions already folded
@@ -33,7 +33,7 @@ class PoolingState:
         skip = self.next_position - start
         if skip >= len(rows):
             return
-        rows = rows[max(skip, 0):].float()
+        rows = rows[max(skip, 0) :].float()
         if self.pooling == "mean":
             total = rows.sum(dim=0)
             self._acc = total if self._acc is None else self._acc + total
@@ -67,5 +67,5 @@ def record_pooling(chunks: Sequence[Any], hidden: torch.Tensor) -> None:
         if state is not None:
             last = min(chunk.end, state.num_prompt_tokens)
             if chunk.start < last:
-                state.add(chunk.start, hidden[offset:offset + last - chunk.start])
+                state.add(chunk.start, hidden[offset : offset + last - chunk.start])
         offset += chunk.num_new_tokens

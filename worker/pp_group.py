@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer.worker")
 
-STARTUP_TIMEOUT_S = 300.0   # the least time the stages get to meet, load and agree before serving
+STARTUP_TIMEOUT_S = 300.0  # the least time the stages get to meet, load and agree before serving
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,15 @@ class PpOptions:
             raise ValueError(f"--pp-timeout must be > 0, got {self.timeout_s}")
         if self.partition is not None:
             if len(self.partition) != self.size:
-                raise ValueError(f"--pp-layer-partition gives {len(self.partition)} stage(s) "
-                                 f"({','.join(map(str, self.partition))}), --pp-size is {self.size}")
+                raise ValueError(
+                    f"--pp-layer-partition gives {len(self.partition)} stage(s) "
+                    f"({','.join(map(str, self.partition))}), --pp-size is {self.size}"
+                )
             if min(self.partition) < 1:
-                raise ValueError(f"--pp-layer-partition: every stage needs at least one layer, got "
-                                 f"{','.join(map(str, self.partition))}")
+                raise ValueError(
+                    f"--pp-layer-partition: every stage needs at least one layer, got "
+                    f"{','.join(map(str, self.partition))}"
+                )
 
     @property
     def ping_interval_s(self) -> float:
@@ -116,12 +120,13 @@ class PpOptions:
 
 
 def parse_partition(text: str) -> tuple[int, ...]:
-    """"10,10,10" -> (10, 10, 10); ValueError naming the text otherwise."""
+    """ "10,10,10" -> (10, 10, 10); ValueError naming the text otherwise."""
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"--pp-layer-partition must be comma-separated layer counts such as 10,10,10, got "
-                         f"{text!r}") from None
+        raise ValueError(
+            f"--pp-layer-partition must be comma-separated layer counts such as 10,10,10, got {text!r}"
+        ) from None
 
 
 def stage_layers(num_layers: int, size: int, partition: Sequence[int] | None = None) -> list[range]:
@@ -133,8 +138,10 @@ def stage_layers(num_layers: int, size: int, partition: Sequence[int] | None = N
         per, extra = divmod(num_layers, size)
         partition = [per + (stage < extra) for stage in range(size)]
     elif sum(partition) != num_layers:
-        raise ValueError(f"--pp-layer-partition {','.join(map(str, partition))} covers {sum(partition)} layers; "
-                         f"the model has {num_layers}")
+        raise ValueError(
+            f"--pp-layer-partition {','.join(map(str, partition))} covers {sum(partition)} layers; "
+            f"the model has {num_layers}"
+        )
     starts = [sum(partition[:stage]) for stage in range(size)]
     return [range(start, start + count) for start, count in zip(starts, partition, strict=True)]
 
@@ -168,15 +175,15 @@ class PipelineGroup:
 
     stage: int
     size: int
-    layers: range                 # this stage's layers
-    num_layers: int               # the model's
+    layers: range  # this stage's layers
+    num_layers: int  # the model's
     options: PpOptions
-    device: Any                   # torch.device of this stage
-    tp: TensorParallel | None = None        # this stage's TP group
-    ep: ExpertParallel | None = None        # this rank's experts
+    device: Any  # torch.device of this stage
+    tp: TensorParallel | None = None  # this stage's TP group
+    ep: ExpertParallel | None = None  # this rank's experts
     commands: TensorParallel | None = None  # this DP rank's processes
     ep_leaders_group: Any = None  # the EP lockstep's gloo group (the engines' processes), with an EP group
-    base: int = 0                 # the global rank of this DP rank's stage 0, TP rank 0
+    base: int = 0  # the global rank of this DP rank's stage 0, TP rank 0
 
     @property
     def tp_size(self) -> int:
@@ -228,14 +235,13 @@ class PipelineGroup:
         tensor = tensor.contiguous()
         try:
             work = dist.isend(tensor, dst=self.rank_of(stage, tp_rank))
-            if work is None:   # this process is not in the default group
+            if work is None:  # this process is not in the default group
                 raise RuntimeError("not a member of the pipeline's group")
         except Exception as e:  # noqa: BLE001 - gloo / NCCL raise RuntimeError / DistBackendError variants
             raise GroupBroken(f"{what}: {e}") from e
         return PendingSend(work, tensor, self.options.timeout_s, what)
 
-    def receive(self, shape: Sequence[int], dtype: torch.dtype, stage: int, tp_rank: int | None = None
-                ) -> torch.Tensor:
+    def receive(self, shape: Sequence[int], dtype: torch.dtype, stage: int, tp_rank: int | None = None) -> torch.Tensor:
         """A tensor of `shape` from `stage`'s TP rank `tp_rank` (default: this process's) (GroupBroken if it fails
         or does not come within the timeout)."""
         import torch
@@ -244,7 +250,7 @@ class PipelineGroup:
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         try:
             work = dist.irecv(tensor, src=self.rank_of(stage, tp_rank))
-            if work is None:   # this process is not in the default group
+            if work is None:  # this process is not in the default group
                 raise RuntimeError("not a member of the pipeline's group")
             work.wait(datetime.timedelta(seconds=self.options.timeout_s))
         except Exception as e:  # noqa: BLE001
@@ -259,7 +265,7 @@ class PendingSend:
     work: Any
     tensor: torch.Tensor
     timeout_s: float
-    what: str                     # "<member>: sending to stage s failed", for the error
+    what: str  # "<member>: sending to stage s failed", for the error
 
     def wait(self) -> None:
         """Until the receiver has the tensor (GroupBroken if it fails or takes past the timeout)."""
@@ -271,8 +277,10 @@ class PendingSend:
 
 # ---- joining the world ----------------------------------------------------------------------------------
 
-def join(config: EngineConfig, options: PpOptions, tp: TpOptions | None = None, ep: EpOptions | None = None
-         ) -> tuple[PipelineGroup, Path, EngineConfig]:
+
+def join(
+    config: EngineConfig, options: PpOptions, tp: TpOptions | None = None, ep: EpOptions | None = None
+) -> tuple[PipelineGroup, Path, EngineConfig]:
     """Join the world of this pipeline (P x T processes; E such pipelines with an EP group) and check that every
     process serves the same model, partition and sizes: (this process's place, the model directory, `config` with
     this process's own GPU when it runs on CUDA)."""
@@ -287,8 +295,10 @@ def join(config: EngineConfig, options: PpOptions, tp: TpOptions | None = None, 
     from infer.worker.tp_group import check_same_model, engine_facts
 
     if options.rank is None or options.dist_init is None or (tp is not None and tp.rank is None):
-        raise ValueError("joining a pipeline needs this process's --pp-rank (and --tp-rank with --tp-size) and the "
-                         "group's --dist-init")
+        raise ValueError(
+            "joining a pipeline needs this process's --pp-rank (and --tp-rank with --tp-size) and the "
+            "group's --dist-init"
+        )
     tp_size, tp_rank = (tp.size, tp.rank or 0) if tp is not None else (1, 0)
     ep_size, ep_rank = (ep.size, ep.rank) if ep is not None else (1, 0)
     path = resolve_model(config.model)
@@ -303,7 +313,7 @@ def join(config: EngineConfig, options: PpOptions, tp: TpOptions | None = None, 
         local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or str(rank)
         config = dataclasses.replace(config, device=f"cuda:{int(local) % max(1, torch.cuda.device_count())}")
         device = pick_device(config.device)
-    timeout = datetime.timedelta(seconds=max(options.timeout_s, STARTUP_TIMEOUT_S))   # steps: options.timeout_s
+    timeout = datetime.timedelta(seconds=max(options.timeout_s, STARTUP_TIMEOUT_S))  # steps: options.timeout_s
     split = ",".join(str(len(r)) for r in layers)
     layout = f"{options.size} stages, layers {split}, x TP {tp_size} x EP {ep_size}"
     store = _rendezvous(options.dist_init, rank, ep_size * per_rank, layout, timeout)
@@ -317,14 +327,31 @@ def join(config: EngineConfig, options: PpOptions, tp: TpOptions | None = None, 
     world_cpu = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     facts = engine_facts(config, path, weight_files(path), config.dtype)
     check_same_model(group.tp, world_cpu, {**facts, "layer partition": split})
-    log.info("pipeline joined: %s of %d stages (EP rank %d of %d), layers %d..%d of %d, at %s (%s)",
-             group.member(group.index), options.size, ep_rank, ep_size, group.layers.start,
-             group.layers.stop - 1, group.num_layers, options.dist_init, backend)
+    log.info(
+        "pipeline joined: %s of %d stages (EP rank %d of %d), layers %d..%d of %d, at %s (%s)",
+        group.member(group.index),
+        options.size,
+        ep_rank,
+        ep_size,
+        group.layers.start,
+        group.layers.stop - 1,
+        group.num_layers,
+        options.dist_init,
+        backend,
+    )
     return group, path, config
 
 
-def _make_groups(options: PpOptions, rank: int, layers: list[range], num_layers: int, device: Any,
-                 tp: TpOptions | None, ep: EpOptions | None, timeout: datetime.timedelta) -> PipelineGroup:
+def _make_groups(
+    options: PpOptions,
+    rank: int,
+    layers: list[range],
+    num_layers: int,
+    device: Any,
+    tp: TpOptions | None,
+    ep: EpOptions | None,
+    timeout: datetime.timedelta,
+) -> PipelineGroup:
     """This process's PipelineGroup in the joined world of E x P x T processes. Every process creates every
     group, in the same order (torch.distributed's rule)."""
     import torch.distributed as dist
@@ -354,15 +381,27 @@ def _make_groups(options: PpOptions, rank: int, layers: list[range], num_layers:
     if ep is not None:
         for s in range(P):
             for t in range(T):
-                made = dist.new_group([(e * P + s) * T + t for e in range(E)],
-                                      timeout=datetime.timedelta(seconds=ep.timeout_s))
+                made = dist.new_group(
+                    [(e * P + s) * T + t for e in range(E)], timeout=datetime.timedelta(seconds=ep.timeout_s)
+                )
                 if (s, t) == (stage, tp_rank):
                     expert = ExpertParallel(rank=ep_rank, size=E, group=made)
         leaders = gloo([e * P * T for e in range(E)])
     own = [gloo(list(range(e * P * T, (e + 1) * P * T))) for e in range(E)] if E > 1 or nccl else [None]
     commands = TensorParallel(rank=rest, size=P * T, group=own[ep_rank], leader=base, cpu_group=own[ep_rank])
-    return PipelineGroup(stage=stage, size=P, layers=layers[stage], num_layers=num_layers, options=options,
-                         device=device, tp=tensor, ep=expert, commands=commands, ep_leaders_group=leaders, base=base)
+    return PipelineGroup(
+        stage=stage,
+        size=P,
+        layers=layers[stage],
+        num_layers=num_layers,
+        options=options,
+        device=device,
+        tp=tensor,
+        ep=expert,
+        commands=commands,
+        ep_leaders_group=leaders,
+        base=base,
+    )
 
 
 def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: datetime.timedelta) -> Any:
@@ -373,22 +412,26 @@ def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: date
     host, port = rendezvous_address(dist_init)
     store = dist.TCPStore(host, port, None if rank else size, rank == 0, timeout=timeout, wait_for_workers=False)
     mine = layout
-    theirs = store.get("infer/pp-layout/0").decode() if rank else mine   # read before rank 0 can see ours, and go
+    theirs = store.get("infer/pp-layout/0").decode() if rank else mine  # read before rank 0 can see ours, and go
     store.set(f"infer/pp-layout/{rank}", mine)
-    if rank == 0:   # every process's layout, so that rank 0 leaves at once too when one differs
+    if rank == 0:  # every process's layout, so that rank 0 leaves at once too when one differs
         keys = [f"infer/pp-layout/{r}" for r in range(size)]
         store.wait(keys, timeout)
         for other, stored in enumerate(store.multi_get(keys)):
             if stored.decode() != mine:
-                raise ValueError(f"pipeline process {other} (global rank) was started with --pp-size / "
-                                 f"--pp-layer-partition / --tp-size / --ep-size giving {stored.decode()}, this "
-                                 f"process (stage 0 at {dist_init}) with {mine}: every process must be given the "
-                                 f"same sizes")
+                raise ValueError(
+                    f"pipeline process {other} (global rank) was started with --pp-size / "
+                    f"--pp-layer-partition / --tp-size / --ep-size giving {stored.decode()}, this "
+                    f"process (stage 0 at {dist_init}) with {mine}: every process must be given the "
+                    f"same sizes"
+                )
         return store
     if theirs != mine:
-        raise ValueError(f"this process (global rank {rank} of a pipeline) was started with --pp-size / "
-                         f"--pp-layer-partition / --tp-size / --ep-size giving {mine}, but stage 0 at {dist_init} "
-                         f"with {theirs}: every process must be given the same sizes")
+        raise ValueError(
+            f"this process (global rank {rank} of a pipeline) was started with --pp-size / "
+            f"--pp-layer-partition / --tp-size / --ep-size giving {mine}, but stage 0 at {dist_init} "
+            f"with {theirs}: every process must be given the same sizes"
+        )
     return store
 
 
@@ -407,6 +450,7 @@ def agree_min(group: PipelineGroup, value: int) -> int:
 
 # ---- the processes' entry points ---------------------------------------------------------------------------
 
+
 def leader_engine(config: EngineConfig, group: PipelineGroup, children: Sequence[Any] = ()) -> Engine:
     """Stage 0's engine (TP rank 0 of stage 0), connected to this DP rank's other processes
     (`engine.runner.followers`: the command channel); with an EP group it steps with the group's other engines."""
@@ -415,8 +459,10 @@ def leader_engine(config: EngineConfig, group: PipelineGroup, children: Sequence
     from infer.worker.tp_commands import TpLeader
 
     if config.enforce_eager is False:
-        log.warning("--no-enforce-eager: step graphs are not made for pipeline stages yet (a stage's layers and its "
-                    "hand-offs run op by op); the pipeline runs eagerly")
+        log.warning(
+            "--no-enforce-eager: step graphs are not made for pipeline stages yet (a stage's layers and its "
+            "hand-offs run op by op); the pipeline runs eagerly"
+        )
     engine = Engine(config, group.ep, stage=StageLoader(group))
     engine.runner.followers = TpLeader(group, children=children)
     return engine
@@ -433,7 +479,7 @@ def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
     from infer.worker.pp_stage import StageLoader
     from infer.worker.tp_commands import FollowerChannel, LeaderGone, serve_follower
 
-    for sig in (signal.SIGTERM, signal.SIGINT):   # stage 0 decides when the rank ends (it drains first)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stage 0 decides when the rank ends (it drains first)
         signal.signal(sig, signal.SIG_IGN)
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
@@ -443,11 +489,18 @@ def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
     model = loader.load_model(path, dtype, device, config.quantization)
     max_model_len = context_length(config, model.config)
     blocks = loader.agree_min(num_kv_blocks(config, model, dtype, device, max_model_len))
-    kv_cache = KVCache.allocate(model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim,
-                                dtype, device)
+    kv_cache = KVCache.allocate(
+        model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim, dtype, device
+    )
     channel = FollowerChannel(group)
-    log.info("%s ready on %s: layers %d..%d, %d KV blocks", group.member(group.index), socket.gethostname(),
-             group.layers.start, group.layers.stop - 1, blocks)
+    log.info(
+        "%s ready on %s: layers %d..%d, %d KV blocks",
+        group.member(group.index),
+        socket.gethostname(),
+        group.layers.start,
+        group.layers.stop - 1,
+        blocks,
+    )
     try:
         return serve_follower(model, kv_cache, config.block_size, channel, device)
     except (LeaderGone, GroupBroken) as e:
@@ -457,8 +510,14 @@ def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
         channel.close()
 
 
-def pipeline_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequence[str], timeout_s: float = 60.0,
-                             partition: tuple[int, ...] | None = None, tp_size: int = 1) -> Engine:
+def pipeline_parallel_engine(
+    config: EngineConfig,
+    size: int,
+    worker_flags: Sequence[str],
+    timeout_s: float = 60.0,
+    partition: tuple[int, ...] | None = None,
+    tp_size: int = 1,
+) -> Engine:
     """An engine that is stage 0 of a pipeline of `size` stages (each a TP group of `tp_size` processes), the other
     processes started now as children of this one on this machine (`infer-worker` with `worker_flags`: the same
     engine options); `close()` ends them. (LLM / AsyncLLM's direct mode with pipeline_parallel_size > 1.)"""
@@ -474,8 +533,9 @@ def pipeline_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequ
     children = start_members(members(tp_size, size)[1:], dist_init, flags)
     try:
         tp = TpOptions(size=tp_size, rank=0, dist_init=dist_init, timeout_s=timeout_s) if tp_size > 1 else None
-        group, _, config = join(config, PpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s,
-                                                  partition=partition), tp)
+        group, _, config = join(
+            config, PpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s, partition=partition), tp
+        )
         return leader_engine(config, group, children)
     except BaseException:
         for child in children:
@@ -483,6 +543,6 @@ def pipeline_parallel_engine(config: EngineConfig, size: int, worker_flags: Sequ
             child.wait(timeout=10)
         import torch.distributed as dist
 
-        if dist.is_initialized():   # so that another pipeline can be made in this process
+        if dist.is_initialized():  # so that another pipeline can be made in this process
             dist.destroy_process_group()
         raise

@@ -35,7 +35,13 @@ from torch import nn
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.gguf import close_gguf_files
 from infer.worker.loader import (
-    build_model, file_tensors, load_named_tensors, materialize, pack_weights, quant_plan, weight_files
+    build_model,
+    file_tensors,
+    load_named_tensors,
+    materialize,
+    pack_weights,
+    quant_plan,
+    weight_files,
 )
 from infer.worker.models.layers import deferred_weights
 from infer.worker.models.llama import LlamaForCausalLM
@@ -57,8 +63,8 @@ class StageModel:
         self.num_layers = len(group.layers)
         self.num_kv_heads, self.head_dim, self.vocab_size = lm.num_kv_heads, lm.head_dim, lm.vocab_size
         self.hidden_size = int(lm.config.hidden_size)
-        self._final: torch.Tensor | None = None   # the last stage: the last forward's normed hidden states
-        self._sends: deque[PendingSend] = deque()   # hand-offs (or logits) under way, oldest first
+        self._final: torch.Tensor | None = None  # the last stage: the last forward's normed hidden states
+        self._sends: deque[PendingSend] = deque()  # hand-offs (or logits) under way, oldest first
 
     def __call__(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         return self.forward(batch, kv_cache)
@@ -77,16 +83,16 @@ class StageModel:
             both = self.group.receive((2, num_tokens, self.hidden_size), self.dtype, self.group.stage - 1)
             hidden, residual = both[0], both[1]
         model.rotary_emb.reserve(max(batch.context_lens, default=0))
-        batch = model.rotary_emb.rope_batch(batch)   # LongRoPE: the long factors' rows past the original length
+        batch = model.rotary_emb.rope_batch(batch)  # LongRoPE: the long factors' rows past the original length
         for layer, k_cache, v_cache in zip(model.layers.values(), kv_cache.k, kv_cache.v, strict=True):
             hidden, residual = layer(batch.positions, hidden, residual, batch, k_cache, v_cache)
         if self.group.is_last:
             self._final = model.norm(hidden, residual)[0]
             if batch.logits_indices.numel():
                 logits = self.lm.compute_logits(self._final[batch.logits_indices])
-                if logits is not None:   # TP: gathered on TP rank 0
+                if logits is not None:  # TP: gathered on TP rank 0
                     self._start_send(logits.float(), 0, tp_rank=0)
-        elif residual is None:   # never: each stage has a layer (--pp-layer-partition), and a layer makes it
+        elif residual is None:  # never: each stage has a layer (--pp-layer-partition), and a layer makes it
             raise ValueError("a pipeline stage ran no layer")
         else:
             self._start_send(torch.stack((hidden, residual)), self.group.stage + 1)
@@ -141,26 +147,30 @@ class StageLoader:
 PIPELINE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"})
 
 
-def load_stage(path: Path, dtype: torch.dtype, device: torch.device, group: PipelineGroup,
-               quantization: str = "auto") -> LlamaForCausalLM:
+def load_stage(
+    path: Path, dtype: torch.dtype, device: torch.device, group: PipelineGroup, quantization: str = "auto"
+) -> LlamaForCausalLM:
     """Our model of directory `path` with only `group`'s parts, filled from the files' tensors of those parts."""
     from transformers import AutoConfig
 
     files = weight_files(Path(path))
     config = AutoConfig.from_pretrained(str(path))
     if config.model_type not in PIPELINE_MODEL_TYPES:
-        raise ValueError(f"pipeline parallelism does not support model type {config.model_type!r} yet: a stage runs "
-                         f"the Llama model's forward, which this family's differs from (supported: "
-                         f"{', '.join(sorted(PIPELINE_MODEL_TYPES))})")
+        raise ValueError(
+            f"pipeline parallelism does not support model type {config.model_type!r} yet: a stage runs "
+            f"the Llama model's forward, which this family's differs from (supported: "
+            f"{', '.join(sorted(PIPELINE_MODEL_TYPES))})"
+        )
     with deferred_weights():
         lm = build_model(config, dtype, device, group.ep, group.tp)
-    plan = quant_plan(lm, files, quantization)   # of the whole model: the names are the same
+    plan = quant_plan(lm, files, quantization)  # of the whole model: the names are the same
     tied = lm.lm_head_tied
     keep_stage_parts(lm, group, tied)
     materialize(lm, plan, device)
     try:
-        load_named_tensors(lm, ((key, read, where) for key, read, where in file_tensors(files)
-                                if holds(key, group, tied)))
+        load_named_tensors(
+            lm, ((key, read, where) for key, read, where in file_tensors(files) if holds(key, group, tied))
+        )
     finally:
         close_gguf_files()
     pack_weights(lm)

@@ -42,7 +42,7 @@ class NgramProposer:
         return [ngram_drafts(r.token_ids, self.min_n, self.max_n, k) for r, k in zip(requests, num_tokens)]
 
     def release(self, request_id: str) -> None:
-        pass   # nothing kept
+        pass  # nothing kept
 
 
 def ngram_drafts(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -53,13 +53,13 @@ def ngram_drafts(token_ids: Sequence[int], min_n: int, max_n: int, k: int) -> li
     picks the copy up again at the next step instead of two or three steps later ([] when neither matches)."""
     if k < 1 or len(token_ids) <= min_n:
         return []
-    data = array("i", token_ids).tobytes()   # a C search over 4-byte tokens (bytes.find)
+    data = array("i", token_ids).tobytes()  # a C search over 4-byte tokens (bytes.find)
     start = _continuation(data, len(token_ids), min_n, max_n)
     if start is None and len(token_ids) > min_n + 1:
         start = _continuation(data, len(token_ids) - 1, min_n, max_n)
         if start is not None:
-            return list(token_ids[start:min(start + k, len(token_ids) - 1)])
-    return [] if start is None else list(token_ids[start:start + k])
+            return list(token_ids[start : min(start + k, len(token_ids) - 1)])
+    return [] if start is None else list(token_ids[start : start + k])
 
 
 def _continuation(data: bytes, length: int, min_n: int, max_n: int) -> int | None:
@@ -68,10 +68,10 @@ def _continuation(data: bytes, length: int, min_n: int, max_n: int) -> int | Non
     width = array("i").itemsize
     end = length * width
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = data[end - n * width:end]
-        stop = end - width                # a match must end before the last token
+        suffix = data[end - n * width : end]
+        stop = end - width  # a match must end before the last token
         at = data.find(suffix, 0, stop)
-        while at != -1 and at % width:    # a match inside a token: search on from the next byte
+        while at != -1 and at % width:  # a match inside a token: search on from the next byte
             at = data.find(suffix, at + 1, stop)
         if at != -1:
             return at // width + n
@@ -84,7 +84,7 @@ def make_proposer(config: SpeculativeConfig, **target: Any) -> Proposer:
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "draft_model":
-        from infer.worker.draft_model import DraftModelProposer   # torch: only a draft model needs it
+        from infer.worker.draft_model import DraftModelProposer  # torch: only a draft model needs it
 
         return DraftModelProposer(config.model, **target)
     raise ValueError(f"no proposer for method {config.method!r}")

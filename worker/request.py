@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING
 
 from infer.protocol.sampling import SamplingParams
 
-if TYPE_CHECKING:   # worker/structured.py imports torch; the scheduler's tests run without it
+if TYPE_CHECKING:  # worker/structured.py imports torch; the scheduler's tests run without it
     from infer.worker.pooling import PoolingState
     from infer.worker.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"            # queued, no KV blocks (new, or preempted and waiting to recompute)
-    RUNNING = "running"            # holds KV blocks; prefilling (chunk by chunk) or decoding
-    FINISHED_STOPPED = "stop"      # EOS, a stop token id or a stop string
-    FINISHED_LENGTH = "length"     # max_tokens or the context length reached
-    FINISHED_ABORTED = "abort"     # aborted by the caller
-    FINISHED_ERROR = "error"       # failed alone (e.g. can never fit in the KV pool)
+    WAITING = "waiting"  # queued, no KV blocks (new, or preempted and waiting to recompute)
+    RUNNING = "running"  # holds KV blocks; prefilling (chunk by chunk) or decoding
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context length reached
+    FINISHED_ABORTED = "abort"  # aborted by the caller
+    FINISHED_ERROR = "error"  # failed alone (e.g. can never fit in the KV pool)
 
     @property
     def finished(self) -> bool:
@@ -31,12 +31,18 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop" / "length" / "abort" / "error" once finished, else None."""
+        """ "stop" / "length" / "abort" / "error" once finished, else None."""
         return self.value if self.finished else None
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
 
 
 @dataclass(eq=False)
@@ -56,28 +62,28 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_order: int = 0
-    priority: int = 0                # lower runs first under the "priority" scheduling policy (vLLM's rule)
-    arrival_step: int = 0            # the scheduler's step count when it was added (the aging clock)
-    max_tokens: int = 16             # resolved: params.max_tokens, capped by the context length
+    priority: int = 0  # lower runs first under the "priority" scheduling policy (vLLM's rule)
+    arrival_step: int = 0  # the scheduler's step count when it was added (the aging clock)
+    max_tokens: int = 16  # resolved: params.max_tokens, capped by the context length
     eos_token_ids: frozenset[int] = frozenset()
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0       # prompt tokens served by the prefix cache at the latest schedule
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the latest schedule
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     error: str | None = None
-    error_code: str | None = None    # with FINISHED_ERROR: one of protocol.outputs.ERROR_CODES
-    arrival_time: float = 0.0              # time.monotonic() at add_request
-    queue_time_s: float | None = None      # set when first scheduled; reported once, with the first token
+    error_code: str | None = None  # with FINISHED_ERROR: one of protocol.outputs.ERROR_CODES
+    arrival_time: float = 0.0  # time.monotonic() at add_request
+    queue_time_s: float | None = None  # set when first scheduled; reported once, with the first token
     queue_time_reported: bool = False
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)   # params.bad_words, tokenized
-    grammar: GrammarState | None = None   # params.structured_outputs' matcher, once compiled
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    grammar: GrammarState | None = None  # params.structured_outputs' matcher, once compiled
     # with params.prompt_logprobs (and not resumed elsewhere: its first output went out there): row j is prompt
     # token j + 1's logprobs, filled as prefill chunks run (worker/sampler.py: record_prompt_logprobs)
     prompt_logprobs: list[dict[int, float]] | None = None
-    pooled: PoolingState | None = None   # a pooling request's vector so far (worker/pooling.py)
+    pooled: PoolingState | None = None  # a pooling request's vector so far (worker/pooling.py)
     # a beam of a beam search (worker/beam_groups.py): the search's request id (the scheduler preempts a group's
     # beams together), and how many top log-probabilities each of its steps reports (its candidates)
     beam_group: str | None = None
@@ -115,7 +121,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def is_finished(self) -> bool:
@@ -132,5 +138,7 @@ class Request:
 
 def overdue_message(waited: float, max_queue_time: float) -> str:
     """The error of a request shed after waiting past --max-queue-time without starting."""
-    return (f"the worker is overloaded: the request waited {waited:.1f} s in its queue without starting "
-            f"(--max-queue-time {max_queue_time:g} s); retry later")
+    return (
+        f"the worker is overloaded: the request waited {waited:.1f} s in its queue without starting "
+        f"(--max-queue-time {max_queue_time:g} s); retry later"
+    )

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from infer.kernels.cpu_kernels import row_max, row_max_fits
 from infer.kernels.sampling import GREEDY_TEMPERATURE
 from infer.kernels.sampling import sample as sample_kernel
@@ -43,11 +44,11 @@ from infer.worker.request import Request
 class Penalties:
     """What the penalties of B rows need. Token ids are padded with V (a bin that is dropped)."""
 
-    presence: torch.Tensor                 # [B] float32
-    frequency: torch.Tensor                # [B] float32
-    repetition: torch.Tensor               # [B] float32
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    repetition: torch.Tensor  # [B] float32
     prompt_token_ids: torch.Tensor | None  # [B, Lp] int64; None when no row has a repetition penalty
-    output_token_ids: torch.Tensor         # [B, Lo] int64
+    output_token_ids: torch.Tensor  # [B, Lo] int64
 
     @classmethod
     def build(cls, requests: Sequence[Request], vocab_size: int, device: torch.device | str) -> Penalties:
@@ -57,8 +58,11 @@ class Penalties:
             presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
             frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
             repetition=torch.tensor(repetition, dtype=torch.float32, device=device),
-            prompt_token_ids=(_padded([r.prompt_token_ids for r in requests], vocab_size, device)
-                              if any(r != 1.0 for r in repetition) else None),
+            prompt_token_ids=(
+                _padded([r.prompt_token_ids for r in requests], vocab_size, device)
+                if any(r != 1.0 for r in repetition)
+                else None
+            ),
             output_token_ids=_padded([r.output_token_ids for r in requests], vocab_size, device),
         )
 
@@ -72,22 +76,22 @@ class SamplingMetadata:
     """
 
     vocab_size: int
-    temperature: torch.Tensor                  # [B] float32; < GREEDY_TEMPERATURE on greedy rows
-    top_k: torch.Tensor                        # [B] int64; 0 where disabled
-    top_p: torch.Tensor                        # [B] float32; 1.0 where disabled
-    min_p: torch.Tensor                        # [B] float32; 0.0 where disabled
-    offsets: torch.Tensor                      # [B] int64: tokens generated so far (the place in the noise)
+    temperature: torch.Tensor  # [B] float32; < GREEDY_TEMPERATURE on greedy rows
+    top_k: torch.Tensor  # [B] int64; 0 where disabled
+    top_p: torch.Tensor  # [B] float32; 1.0 where disabled
+    min_p: torch.Tensor  # [B] float32; 0.0 where disabled
+    offsets: torch.Tensor  # [B] int64: tokens generated so far (the place in the noise)
     request_ids: tuple[str, ...]
-    seeds: tuple[int | None, ...]              # params.seed; None on a sampled row that has none
+    seeds: tuple[int | None, ...]  # params.seed; None on a sampled row that has none
     num_random_rows: int
-    penalties: Penalties | None                # None: no row has a penalty
+    penalties: Penalties | None  # None: no row has a penalty
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf: min_tokens, bad_words
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, float32 biases)
     allowed: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R], [R, V] bool: may be sampled)
     grammar: tuple[torch.Tensor, torch.Tensor] | None  # (rows [R] int64, [R, ceil(V/32)] int32 bitmask)
-    num_logprobs: tuple[int | None, ...]       # Request.num_logprobs of each row (params.logprobs)
-    max_num_logprobs: int | None               # None: no row wants logprobs
-    logprob_rows: torch.Tensor | None          # [R] int64 rows wanting logprobs; None when all do
+    num_logprobs: tuple[int | None, ...]  # Request.num_logprobs of each row (params.logprobs)
+    max_num_logprobs: int | None  # None: no row wants logprobs
+    logprob_rows: torch.Tensor | None  # [R] int64 rows wanting logprobs; None when all do
 
     @property
     def num_rows(self) -> int:
@@ -108,17 +112,21 @@ class SamplingMetadata:
     @property
     def fast_greedy(self) -> bool:
         """All greedy with nothing to adjust or report: the step is `logits.argmax(-1)`."""
-        return (self.all_greedy and self.no_penalties and not self.has_processors
-                and self.max_num_logprobs is None)
+        return self.all_greedy and self.no_penalties and not self.has_processors and self.max_num_logprobs is None
 
     @property
     def has_processors(self) -> bool:
-        return (self.banned is not None or self.logit_bias is not None or self.allowed is not None
-                or self.grammar is not None)
+        return (
+            self.banned is not None
+            or self.logit_bias is not None
+            or self.allowed is not None
+            or self.grammar is not None
+        )
 
     @classmethod
-    def build(cls, requests: Sequence[Request], vocab_size: int,
-              device: torch.device | str = "cpu") -> SamplingMetadata:
+    def build(
+        cls, requests: Sequence[Request], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> SamplingMetadata:
         if not requests:
             raise ValueError("SamplingMetadata needs at least one request")
         params = [r.params for r in requests]
@@ -130,7 +138,7 @@ class SamplingMetadata:
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        num_logprobs = tuple(r.num_logprobs for r in requests)   # params.logprobs, or a beam's candidates
+        num_logprobs = tuple(r.num_logprobs for r in requests)  # params.logprobs, or a beam's candidates
         logprob_rows = [i for i, n in enumerate(num_logprobs) if n is not None]
         return cls(
             vocab_size=vocab_size,
@@ -142,8 +150,9 @@ class SamplingMetadata:
             request_ids=tuple(r.request_id for r in requests),
             seeds=tuple(0 if g else p.seed for p, g in zip(params, greedy)),
             num_random_rows=greedy.count(False),
-            penalties=(Penalties.build(requests, vocab_size, device)
-                       if any(p.needs_penalties for p in params) else None),
+            penalties=(
+                Penalties.build(requests, vocab_size, device) if any(p.needs_penalties for p in params) else None
+            ),
             banned=_banned_tokens(requests, vocab_size, device),
             logit_bias=_logit_bias(requests, device),
             allowed=_allowed_tokens(requests, vocab_size, device),
@@ -156,12 +165,14 @@ class SamplingMetadata:
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64,
-                        device=device).reshape(len(rows), width)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device).reshape(
+        len(rows), width
+    )
 
 
-def _banned_tokens(requests: Sequence[Request], vocab_size: int,
-                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _banned_tokens(
+    requests: Sequence[Request], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) to mask: while a request is under min_tokens its stop token ids always and its EOS
     ids unless ignore_eos; the last token of each bad word whose other tokens end the output."""
     rows: list[int] = []
@@ -176,31 +187,37 @@ def _banned_tokens(requests: Sequence[Request], vocab_size: int,
             ids.append(token_id)
     if not rows:
         return None
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(ids, dtype=torch.int64, device=device))
+    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(ids, dtype=torch.int64, device=device))
 
 
 def _bad_word_bans(request: Request) -> set[int]:
     if not request.bad_words_token_ids:
         return set()
     output = request.output_token_ids
-    return {word[-1] for word in request.bad_words_token_ids
-            if len(word) == 1 or output[len(output) - len(word) + 1:] == word[:-1]}
+    return {
+        word[-1]
+        for word in request.bad_words_token_ids
+        if len(word) == 1 or output[len(output) - len(word) + 1 :] == word[:-1]
+    }
 
 
-def _logit_bias(requests: Sequence[Request],
-                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _logit_bias(
+    requests: Sequence[Request], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     rows = [i for i, r in enumerate(requests) for _ in r.params.logit_bias or ()]
     if not rows:
         return None
     pairs = [pair for r in requests for pair in r.params.logit_bias or ()]
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=device),
-            torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device))
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor([t for t, _ in pairs], dtype=torch.int64, device=device),
+        torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device),
+    )
 
 
-def _allowed_tokens(requests: Sequence[Request], vocab_size: int,
-                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _allowed_tokens(
+    requests: Sequence[Request], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows = [i for i, r in enumerate(requests) if r.params.allowed_token_ids is not None]
     if not rows:
         return None
@@ -210,8 +227,9 @@ def _allowed_tokens(requests: Sequence[Request], vocab_size: int,
     return torch.tensor(rows, dtype=torch.int64, device=device), mask.to(device)
 
 
-def _grammar_bitmask(requests: Sequence[Request], vocab_size: int,
-                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _grammar_bitmask(
+    requests: Sequence[Request], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return None
@@ -233,8 +251,9 @@ def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         logits = logits.index_put(meta.banned, logits.new_tensor(-math.inf))
     if meta.grammar is not None:
         rows, bitmask = meta.grammar
-        logits = logits.clone() if meta.logit_bias is None and meta.allowed is None and meta.banned is None \
-            else logits     # the steps above made a new tensor already
+        logits = (
+            logits.clone() if meta.logit_bias is None and meta.allowed is None and meta.banned is None else logits
+        )  # the steps above made a new tensor already
         apply_token_bitmask(logits, bitmask, rows)
     return logits
 
@@ -248,11 +267,11 @@ class SamplerOutput:
     id -1 and logprob NaN.
     """
 
-    token_ids: torch.Tensor                      # [B] int64
+    token_ids: torch.Tensor  # [B] int64
     sampled_logprobs: torch.Tensor | None = None  # [B] float32
-    top_ids: torch.Tensor | None = None           # [B, n] int64
-    top_logprobs: torch.Tensor | None = None      # [B, n] float32
-    bad_rows: tuple[int, ...] = ()                # rows whose logits were not finite: their outputs mean nothing
+    top_ids: torch.Tensor | None = None  # [B, n] int64
+    top_logprobs: torch.Tensor | None = None  # [B, n] float32
+    bad_rows: tuple[int, ...] = ()  # rows whose logits were not finite: their outputs mean nothing
 
 
 class Sampler:
@@ -274,7 +293,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32, not modified."""
-        if meta.fast_greedy:   # each row's max (the check) and its first index (the token)
+        if meta.fast_greedy:  # each row's max (the check) and its first index (the token)
             top, token_ids = row_max(logits) if row_max_fits(logits) else logits.max(dim=-1)
             return SamplerOutput(token_ids=token_ids, bad_rows=_rows_not_finite(top))
         processed = logits.float()
@@ -288,17 +307,21 @@ class Sampler:
         if meta.all_greedy:
             token_ids = processed.argmax(dim=-1)
         else:
-            token_ids = sample_kernel(processed, meta.temperature, meta.top_k, meta.top_p, meta.min_p,
-                                      self._seeds(meta), meta.offsets)
+            token_ids = sample_kernel(
+                processed, meta.temperature, meta.top_k, meta.top_p, meta.min_p, self._seeds(meta), meta.offsets
+            )
         if meta.max_num_logprobs is None:
             return SamplerOutput(token_ids=token_ids, bad_rows=bad_rows)
-        return dataclasses.replace(_with_logprobs(logits, token_ids, meta.logprob_rows, meta.max_num_logprobs),
-                                   bad_rows=bad_rows)
+        return dataclasses.replace(
+            _with_logprobs(logits, token_ids, meta.logprob_rows, meta.max_num_logprobs), bad_rows=bad_rows
+        )
 
     def _seeds(self, meta: SamplingMetadata) -> torch.Tensor:
         """[B] int64: params.seed, else the request's drawn seed (drawn on first use)."""
-        seeds = [self._drawn_seed(request_id) if seed is None else seed
-                 for request_id, seed in zip(meta.request_ids, meta.seeds)]
+        seeds = [
+            self._drawn_seed(request_id) if seed is None else seed
+            for request_id, seed in zip(meta.request_ids, meta.seeds)
+        ]
         return torch.tensor(seeds, dtype=torch.int64, device=self.device)
 
     def _drawn_seed(self, request_id: str) -> int:
@@ -308,7 +331,7 @@ class Sampler:
         return seed
 
 
-PROMPT_LOGPROBS_ROWS = 256   # prompt positions per log-softmax: bounds the [rows, V] float32 temporaries
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions per log-softmax: bounds the [rows, V] float32 temporaries
 
 
 def record_prompt_logprobs(chunks: Sequence, logits_of_rows) -> None:
@@ -326,8 +349,11 @@ def record_prompt_logprobs(chunks: Sequence, logits_of_rows) -> None:
             for lo in range(first, last, PROMPT_LOGPROBS_ROWS):
                 hi = min(last, lo + PROMPT_LOGPROBS_ROWS)
                 logits = logits_of_rows(offset + lo - chunk.start, offset + hi - chunk.start).float()
-                rows += _prompt_rows(logits.log_softmax(dim=-1), request.prompt_token_ids[lo + 1:hi + 1],
-                                     request.params.prompt_logprobs)
+                rows += _prompt_rows(
+                    logits.log_softmax(dim=-1),
+                    request.prompt_token_ids[lo + 1 : hi + 1],
+                    request.params.prompt_logprobs,
+                )
         offset += chunk.num_new_tokens
 
 
@@ -367,8 +393,7 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
         seen = (_bin_counts(penalties.prompt_token_ids, vocab_size) > 0) | (counts > 0)
         r = penalties.repetition.unsqueeze(1)
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    return (logits - penalties.frequency.unsqueeze(1) * counts
-            - penalties.presence.unsqueeze(1) * (counts > 0).float())
+    return logits - penalties.frequency.unsqueeze(1) * counts - penalties.presence.unsqueeze(1) * (counts > 0).float()
 
 
 def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -378,8 +403,7 @@ def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
-def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor | None,
-                   n: int) -> SamplerOutput:
+def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor | None, n: int) -> SamplerOutput:
     """Log-softmax of the raw logits for `rows` (None: all): the sampled token's and the top n."""
     raw = logits if rows is None else logits.index_select(0, rows)
     ids = token_ids if rows is None else token_ids.index_select(0, rows)

@@ -63,7 +63,6 @@ from infer.protocol.sampling import check_priority
 from infer.worker.block_manager import BlockManager
 from infer.worker.request import Request, RequestStatus
 
-
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -79,8 +78,8 @@ class SchedulerConfig:
     num_blocks: int
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    policy: str = "fcfs"                 # "fcfs" or "priority" (see the module docstring)
-    priority_aging_steps: int = 1000     # "priority": steps after which a waiting request ranks first (aging)
+    policy: str = "fcfs"  # "fcfs" or "priority" (see the module docstring)
+    priority_aging_steps: int = 1000  # "priority": steps after which a waiting request ranks first (aging)
     # > 0 when every layer of the model has a sliding window: the largest. After each step a running request's
     # blocks wholly before position num_computed_tokens - release_window + 1 are given back (no later query
     # of it sees them). 0: every block is kept until the request ends.
@@ -92,8 +91,14 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks",
-                     "priority_aging_steps"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "block_size",
+            "num_blocks",
+            "priority_aging_steps",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -107,7 +112,8 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) so a whole prompt fits in one step")
+                f"max_model_len ({self.max_model_len}) so a whole prompt fits in one step"
+            )
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,7 @@ class ScheduledChunk:
     @property
     def token_ids(self) -> list[int]:
         """The tokens this chunk computes (its drafts last)."""
-        tokens = self.request.token_ids[self.start:self.start + self.num_new_tokens - self.num_draft_tokens]
+        tokens = self.request.token_ids[self.start : self.start + self.num_new_tokens - self.num_draft_tokens]
         return tokens + list(self.draft_token_ids)
 
     @property
@@ -189,7 +195,7 @@ class SchedulerStats:
 
     num_running: int
     num_waiting: int
-    num_queued_tokens: int            # tokens still to compute, over waiting and running requests
+    num_queued_tokens: int  # tokens still to compute, over waiting and running requests
     num_preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
@@ -211,7 +217,7 @@ class _Step:
     token_budget: int
     max_seqs: int
     drafts: Mapping[str, Sequence[int]] = field(default_factory=dict)  # proposed draft tokens, by request id
-    busy: frozenset[str] = frozenset()   # ids of requests in a micro-batch still in flight: not scheduled, kept
+    busy: frozenset[str] = frozenset()  # ids of requests in a micro-batch still in flight: not scheduled, kept
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)  # by request id
     preempted: list[Request] = field(default_factory=list)
 
@@ -252,7 +258,7 @@ class Scheduler:
         self._waiting: list[Request] = []
         self._running: list[Request] = []
         self._num_preemptions = 0
-        self._num_steps = 0              # schedule() calls: the aging clock of the priority policy
+        self._num_steps = 0  # schedule() calls: the aging clock of the priority policy
 
     # ---- requests in and out ---------------------------------------------------------------------
 
@@ -269,17 +275,17 @@ class Scheduler:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         if request.status is not RequestStatus.WAITING or request.block_table or request.num_computed_tokens:
-            raise ValueError(f"request {request.request_id!r} must be new "
-                             f"(waiting, no blocks, nothing computed)")
+            raise ValueError(f"request {request.request_id!r} must be new (waiting, no blocks, nothing computed)")
         check_priority(request.priority)
         if request.num_prompt_tokens < 1:
             raise ValueError(f"request {request.request_id!r}: the prompt is empty")
         if request.max_tokens < 1:
-            raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1, "
-                             f"got {request.max_tokens}")
+            raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1, got {request.max_tokens}")
         if request.num_prompt_tokens > self.config.max_model_len:
-            raise ValueError(f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens "
-                             f"is longer than max_model_len ({self.config.max_model_len})")
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens "
+                f"is longer than max_model_len ({self.config.max_model_len})"
+            )
         needed_tokens = request.num_prompt_tokens + request.max_tokens
         needed_blocks = self.block_manager.blocks_for_tokens(needed_tokens)
         if needed_blocks > self.config.num_blocks:
@@ -287,7 +293,8 @@ class Scheduler:
                 f"request {request.request_id!r} can never fit in the KV cache: prompt + max_tokens = "
                 f"{needed_tokens} tokens need {needed_blocks} KV blocks of {self.config.block_size} tokens, "
                 f"but the pool has only {self.config.num_blocks} blocks "
-                f"({self.config.num_blocks * self.config.block_size} tokens)")
+                f"({self.config.num_blocks * self.config.block_size} tokens)"
+            )
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Remove an unfinished request (waiting or running), free its blocks, set its final status."""
@@ -330,9 +337,12 @@ class Scheduler:
         if parent.beam_group is None or child.beam_group != parent.beam_group:
             raise ValueError(f"request {child.request_id!r} is no beam of {parent.request_id!r}'s group")
         child.arrival_step = parent.arrival_step
-        if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens % self.config.block_size \
-                and not self.block_manager.num_free_blocks:
-            self._preempt(parent, _Step(0, 0))   # no block for the copy: the group recomputes later, as a whole
+        if (
+            parent.status is RequestStatus.RUNNING
+            and parent.num_computed_tokens % self.config.block_size
+            and not self.block_manager.num_free_blocks
+        ):
+            self._preempt(parent, _Step(0, 0))  # no block for the copy: the group recomputes later, as a whole
         self._requests[child.request_id] = child
         if parent.status is not RequestStatus.RUNNING:
             bisect.insort(self._waiting, child, key=self._rank)
@@ -372,17 +382,28 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         blocks = self.block_manager
         queued = sum(r.num_tokens_to_compute for r in self._waiting) + sum(
-            r.num_tokens_to_compute for r in self._running)
+            r.num_tokens_to_compute for r in self._running
+        )
         return SchedulerStats(
-            num_running=len(self._running), num_waiting=len(self._waiting), num_queued_tokens=queued,
-            num_preemptions=self._num_preemptions, prefix_cache_queried_tokens=blocks.num_queried_tokens,
-            prefix_cache_hit_tokens=blocks.num_hit_tokens, num_free_blocks=blocks.num_free_blocks,
-            num_used_blocks=blocks.num_used_blocks, kv_cache_usage=blocks.usage)
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_queued_tokens=queued,
+            num_preemptions=self._num_preemptions,
+            prefix_cache_queried_tokens=blocks.num_queried_tokens,
+            prefix_cache_hit_tokens=blocks.num_hit_tokens,
+            num_free_blocks=blocks.num_free_blocks,
+            num_used_blocks=blocks.num_used_blocks,
+            kv_cache_usage=blocks.usage,
+        )
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None, busy: frozenset[str] = frozenset(),
-                 max_seqs: int | None = None) -> SchedulerOutput:
+    def schedule(
+        self,
+        drafts: Mapping[str, Sequence[int]] | None = None,
+        busy: frozenset[str] = frozenset(),
+        max_seqs: int | None = None,
+    ) -> SchedulerOutput:
         """Plan one step (see the module docstring for the policy). Allocates the blocks it plans for.
         `drafts`: draft tokens proposed for running requests (speculative decoding; see the module docstring).
         `busy`: running requests of micro-batches still in flight (a pipeline: see the module docstring).
@@ -410,9 +431,11 @@ class Scheduler:
             if not self._is_running(request):
                 continue
             if request.num_computed_tokens != chunk.start:
-                raise ValueError(f"request {request.request_id!r}: chunk starts at {chunk.start} but "
-                                 f"{request.num_computed_tokens} tokens are computed "
-                                 f"(a stale or repeated output?)")
+                raise ValueError(
+                    f"request {request.request_id!r}: chunk starts at {chunk.start} but "
+                    f"{request.num_computed_tokens} tokens are computed "
+                    f"(a stale or repeated output?)"
+                )
             request.num_computed_tokens = chunk.end - chunk.num_draft_tokens
             self.block_manager.cache_full_blocks(request)
             if self.config.release_window:
@@ -424,10 +447,15 @@ class Scheduler:
         tokens (rejected drafts' slots) go back to the pool; newly full blocks are registered."""
         if not self._is_running(request):
             raise ValueError(f"request {request.request_id!r} is not running")
-        if isinstance(num_accepted, bool) or not isinstance(num_accepted, int) or not (
-                0 <= num_accepted <= request.num_tokens_to_compute - 1):
-            raise ValueError(f"request {request.request_id!r}: {num_accepted!r} accepted drafts, but "
-                             f"{request.num_tokens_to_compute} tokens are uncomputed (the last is never computed)")
+        if (
+            isinstance(num_accepted, bool)
+            or not isinstance(num_accepted, int)
+            or not (0 <= num_accepted <= request.num_tokens_to_compute - 1)
+        ):
+            raise ValueError(
+                f"request {request.request_id!r}: {num_accepted!r} accepted drafts, but "
+                f"{request.num_tokens_to_compute} tokens are uncomputed (the last is never computed)"
+            )
         request.num_computed_tokens += num_accepted
         self.block_manager.trim(request)
         self.block_manager.cache_full_blocks(request)
@@ -445,14 +473,17 @@ class Scheduler:
     def _schedule_by_rank(self, step: _Step) -> None:
         """Priority policy: running and waiting requests in one order, best rank first. A waiting request
         that does not fit preempts worse ranked running ones, or ends admission for this step."""
-        self._waiting.sort(key=self._rank)   # aging may have reordered both since the last step
+        self._waiting.sort(key=self._rank)  # aging may have reordered both since the last step
         self._running.sort(key=self._rank)
         running = list(self._running)
         admitting = True
         while not step.full:
-            while running and (running[0].status is not RequestStatus.RUNNING or step.has(running[0])
-                               or running[0].request_id in step.busy):
-                running.pop(0)   # preempted by a better ranked request a moment ago, or in flight
+            while running and (
+                running[0].status is not RequestStatus.RUNNING
+                or step.has(running[0])
+                or running[0].request_id in step.busy
+            ):
+                running.pop(0)  # preempted by a better ranked request a moment ago, or in flight
             head = self._waiting[0] if admitting and self._waiting else None
             if head is not None and (not running or self._rank(head) < self._rank(running[0])):
                 admitting = self._admit(head, step, reserved_blocks=0, may_preempt=True)
@@ -497,14 +528,14 @@ class Scheduler:
         drafts = step.drafts.get(request.request_id)
         if not drafts or request.num_tokens_to_compute != 1 or step.token_budget < 2:
             return ()
-        return tuple(drafts[:step.token_budget - 1])
+        return tuple(drafts[: step.token_budget - 1])
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> bool:
         """Allocate for `request`, preempting the newest running requests until it fits. False if the
         request itself had to be preempted (alone, or with its beam group)."""
         while not self.block_manager.allocate(request, num_new):
             victim = self._victim(step)
-            if victim is None:   # only requests in flight hold blocks to take: it waits for them
+            if victim is None:  # only requests in flight hold blocks to take: it waits for them
                 return False
             self._preempt(victim, step)
             if request.status is not RequestStatus.RUNNING:
@@ -550,9 +581,11 @@ class Scheduler:
         num_new = self._prefill_chunk(request, len(cached), step.token_budget)
         if num_new == 0:
             return False
-        while (len(self._running) >= self.config.max_num_seqs
-               or self.block_manager.num_blocks_to_allocate(request, num_new, cached) + reserved_blocks
-               > self.block_manager.num_free_blocks):
+        while (
+            len(self._running) >= self.config.max_num_seqs
+            or self.block_manager.num_blocks_to_allocate(request, num_new, cached) + reserved_blocks
+            > self.block_manager.num_free_blocks
+        ):
             victim = self._victim(step)
             if not may_preempt or victim is None or self._rank(victim) <= self._rank(request):
                 return False
@@ -587,8 +620,11 @@ class Scheduler:
 
     def _blocks_needed_by_running(self) -> int:
         """Free blocks the running requests need to compute all they still have to compute."""
-        return sum(self.block_manager.num_blocks_to_allocate(r, r.num_tokens_to_compute)
-                   for r in self._running if r.num_tokens_to_compute > 0)
+        return sum(
+            self.block_manager.num_blocks_to_allocate(r, r.num_tokens_to_compute)
+            for r in self._running
+            if r.num_tokens_to_compute > 0
+        )
 
     # ---- checks ----------------------------------------------------------------------------------
 
@@ -600,15 +636,15 @@ class Scheduler:
                 raise ValueError(f"the {status.value} queue is out of rank order: {ranks}")
             for request in queue:
                 if request.status is not status or self._requests.get(request.request_id) is not request:
-                    raise ValueError(f"request {request.request_id!r} ({request.status.value}) "
-                                     f"misplaced in {status.value}")
+                    raise ValueError(
+                        f"request {request.request_id!r} ({request.status.value}) misplaced in {status.value}"
+                    )
         for request in self._waiting:
             if request.block_table or request.num_computed_tokens:
                 raise ValueError(f"waiting request {request.request_id!r} holds blocks or computed tokens")
         for request in self._running:
             if request.num_computed_tokens > len(request.block_table) * self.config.block_size:
-                raise ValueError(f"running request {request.request_id!r} computed more tokens "
-                                 f"than its blocks hold")
+                raise ValueError(f"running request {request.request_id!r} computed more tokens than its blocks hold")
         if len(self._waiting) + len(self._running) != len(self._requests):
             raise ValueError("a request is in no queue, or in both")
         self.block_manager.check_invariants(holders=self._running)

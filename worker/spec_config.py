@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
-PLANNED_METHODS = ("eagle", "eagle3", "mtp", "medusa")   # vLLM's other methods, not built here yet
+PLANNED_METHODS = ("eagle", "eagle3", "mtp", "medusa")  # vLLM's other methods, not built here yet
 MAX_SPECULATIVE_TOKENS = 16
 MAX_PROMPT_LOOKUP = 64
-DEFAULT_PROMPT_LOOKUP = 5         # vLLM's: prompt_lookup_min and _max when neither is given
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's: prompt_lookup_min and _max when neither is given
 # Speculation runs in a step only while at most this many requests decode in it. A verification forward
 # computes 1 + k rows per request: at batch 1 that is nearly free (the step reads every weight once, whatever
 # its rows), but a large batch is compute-bound already and rejected drafts are wasted work there; the native
@@ -41,20 +41,22 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method in PLANNED_METHODS:
-            raise ValueError(f"speculative_config: method {self.method!r} is not supported yet; supported: "
-                             f"{', '.join(METHODS)}")
+            raise ValueError(
+                f"speculative_config: method {self.method!r} is not supported yet; supported: {', '.join(METHODS)}"
+            )
         if self.method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {self.method!r}")
         _int_in("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         _int_in("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
-                raise ValueError("speculative_config: method 'draft_model' needs 'model': the draft model's path "
-                                 "(a safetensors directory or a .gguf file)")
+                raise ValueError(
+                    "speculative_config: method 'draft_model' needs 'model': the draft model's path "
+                    "(a safetensors directory or a .gguf file)"
+                )
             for key in ("prompt_lookup_max", "prompt_lookup_min"):
                 if getattr(self, key) is not None:
-                    raise ValueError(f"speculative_config: {key!r} is an option of method 'ngram', not "
-                                     f"'draft_model'")
+                    raise ValueError(f"speculative_config: {key!r} is an option of method 'ngram', not 'draft_model'")
             return
         if self.model is not None:
             raise ValueError("speculative_config: 'model' is an option of method 'draft_model', not 'ngram'")
@@ -87,8 +89,9 @@ class SpeculativeConfig:
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(str(k) for k in value if k not in known)
         if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
-                             f"{', '.join(known)}")
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}"
+            )
         for key in ("method", "num_speculative_tokens"):
             if key not in value:
                 raise ValueError(f"speculative_config: {key!r} is required")

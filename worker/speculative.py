@@ -39,7 +39,7 @@ from infer.worker.scheduler import ScheduledChunk
 class _FixedMask:
     """A grammar bitmask row computed ahead (GrammarState.masks_along); fills like a GrammarState."""
 
-    mask: torch.Tensor   # [W] int32
+    mask: torch.Tensor  # [W] int32
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row] = self.mask
@@ -52,9 +52,14 @@ def sampling_rows(chunk: ScheduledChunk) -> list[Request]:
     if not drafts:
         return [request]
     masks = request.grammar.masks_along(drafts) if request.grammar is not None else None
-    return [dataclasses.replace(request, token_ids=request.token_ids + list(drafts[:j]),
-                                grammar=None if masks is None else _FixedMask(masks[j]))
-            for j in range(len(drafts) + 1)]
+    return [
+        dataclasses.replace(
+            request,
+            token_ids=request.token_ids + list(drafts[:j]),
+            grammar=None if masks is None else _FixedMask(masks[j]),
+        )
+        for j in range(len(drafts) + 1)
+    ]
 
 
 @dataclass(frozen=True)
@@ -68,13 +73,14 @@ class Verified:
     bad: bool = False
 
 
-def verify(drafts: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None],
-           bad_rows: Sequence[bool]) -> Verified:
+def verify(
+    drafts: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None], bad_rows: Sequence[bool]
+) -> Verified:
     """Walk a chunk's sampled rows (len(drafts) + 1 of them) in order: emit each row's token while the previous
     one equalled its draft (module docstring)."""
     for j, token_id in enumerate(token_ids):
         if bad_rows[j]:
             return Verified((), (), 0, bad=True)
         if j == len(drafts) or token_id != drafts[j]:
-            return Verified(tuple(token_ids[:j + 1]), tuple(logprobs[:j + 1]), j)
+            return Verified(tuple(token_ids[: j + 1]), tuple(logprobs[: j + 1]), j)
     raise ValueError(f"{len(token_ids)} sampled rows for {len(drafts)} drafts: expected {len(drafts) + 1}")

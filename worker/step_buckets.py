@@ -62,15 +62,14 @@ class PaddedDecode:
     num_seqs: int
     bucket: int
     width: int
-    input_ids: list[int]      # [bucket]
-    positions: list[int]      # [bucket]
-    slot_mapping: list[int]   # [bucket], -1 on padding rows
-    block_tables: list[int]   # [bucket * width] row-major; scratch_block past each table and on padding rows
-    seq_lens: list[int]       # [bucket], 1 on padding rows
+    input_ids: list[int]  # [bucket]
+    positions: list[int]  # [bucket]
+    slot_mapping: list[int]  # [bucket], -1 on padding rows
+    block_tables: list[int]  # [bucket * width] row-major; scratch_block past each table and on padding rows
+    seq_lens: list[int]  # [bucket], 1 on padding rows
 
 
-def pad_decode(rows: Sequence[DecodeRow], bucket: int, width: int, block_size: int,
-               scratch_block: int) -> PaddedDecode:
+def pad_decode(rows: Sequence[DecodeRow], bucket: int, width: int, block_size: int, scratch_block: int) -> PaddedDecode:
     """Lay out `rows` (len <= bucket, each table within `width`) and the padding rows after them."""
     if not 1 <= len(rows) <= bucket:
         raise ValueError(f"{len(rows)} rows do not fit a bucket of {bucket}")
@@ -79,17 +78,21 @@ def pad_decode(rows: Sequence[DecodeRow], bucket: int, width: int, block_size: i
     for row in rows:
         table = row.block_table
         if len(table) > width or len(table) * block_size <= row.position:
-            raise ValueError(f"position {row.position} with {len(table)} blocks of {block_size} does not fit "
-                             f"a table of width {width}")
+            raise ValueError(
+                f"position {row.position} with {len(table)} blocks of {block_size} does not fit "
+                f"a table of width {width}"
+            )
         input_ids.append(row.token_id)
         positions.append(row.position)
         slots.append(table[row.position // block_size] * block_size + row.position % block_size)
-        tables.extend(block if block >= 0 else scratch_block for block in table)   # released (-1): never read
+        tables.extend(block if block >= 0 else scratch_block for block in table)  # released (-1): never read
         tables.extend([scratch_block] * (width - len(table)))
         lens.append(row.position + 1)
     num_padding = bucket - len(rows)
     return PaddedDecode(
-        num_seqs=len(rows), bucket=bucket, width=width,
+        num_seqs=len(rows),
+        bucket=bucket,
+        width=width,
         input_ids=input_ids + [0] * num_padding,
         positions=positions + [0] * num_padding,
         slot_mapping=slots + [-1] * num_padding,

@@ -66,23 +66,36 @@ class DecodeBuffers:
     def fill(self, padded: PaddedDecode) -> None:
         """Copy one padded step in (host lists -> one tensor each -> the buffers' first rows and columns)."""
         rows, width = padded.bucket, padded.width
-        for buffer, values, dtype in ((self.input_ids, padded.input_ids, torch.int64),
-                                      (self.positions, padded.positions, torch.int64),
-                                      (self.slot_mapping, padded.slot_mapping, torch.int64),
-                                      (self.seq_lens, padded.seq_lens, torch.int32)):
+        for buffer, values, dtype in (
+            (self.input_ids, padded.input_ids, torch.int64),
+            (self.positions, padded.positions, torch.int64),
+            (self.slot_mapping, padded.slot_mapping, torch.int64),
+            (self.seq_lens, padded.seq_lens, torch.int32),
+        ):
             buffer[:rows].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
         tables = torch.tensor(padded.block_tables, dtype=torch.int32).view(rows, width)
         self.block_tables[:rows, :width].copy_(tables, non_blocking=True)
 
-    def batch(self, rows: int, width: int, block_size: int, pad_slot: int,
-              split_tokens: int | None = None) -> ForwardBatch:
+    def batch(
+        self, rows: int, width: int, block_size: int, pad_slot: int, split_tokens: int | None = None
+    ) -> ForwardBatch:
         """The ForwardBatch of a step graph over the buffers' first `rows` rows and `width` columns."""
         return ForwardBatch(
-            input_ids=self.input_ids[:rows], positions=self.positions[:rows],
-            slot_mapping=self.slot_mapping[:rows], block_tables=self.block_tables[:rows, :width],
-            seq_lens=self.seq_lens[:rows], query_start_loc=self.query_start_loc[:rows + 1],
-            logits_indices=self.positions[:0], num_decodes=rows, query_lens=(1,) * rows, context_lens=(),
-            block_size=block_size, step_graph=True, pad_slot=pad_slot, decode_split_tokens=split_tokens)
+            input_ids=self.input_ids[:rows],
+            positions=self.positions[:rows],
+            slot_mapping=self.slot_mapping[:rows],
+            block_tables=self.block_tables[:rows, :width],
+            seq_lens=self.seq_lens[:rows],
+            query_start_loc=self.query_start_loc[: rows + 1],
+            logits_indices=self.positions[:0],
+            num_decodes=rows,
+            query_lens=(1,) * rows,
+            context_lens=(),
+            block_size=block_size,
+            step_graph=True,
+            pad_slot=pad_slot,
+            decode_split_tokens=split_tokens,
+        )
 
 
 class StepGraphs:
@@ -92,20 +105,28 @@ class StepGraphs:
     padding rows never touch a sequence's blocks (slot -1 / the pool's scratch block) and are never sampled.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_bucket: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_bucket: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.buckets = batch_buckets(max_num_seqs, max_bucket)
         self.max_width = -(-max_model_len // block_size)
-        self.split_tokens = decode_split_tokens(max_model_len)   # the eager steps' too: the same bits
+        self.split_tokens = decode_split_tokens(max_model_len)  # the eager steps' too: the same bits
         self.device = device
         self.buffers = DecodeBuffers(self.buckets[-1], max(self.max_width, 2), device)
-        self.backend: _Backend = (_CudaGraphs(self) if device.type == "cuda" else _CompiledLayers(self))
+        self.backend: _Backend = _CudaGraphs(self) if device.type == "cuda" else _CompiledLayers(self)
         self.compile_seconds: dict[int, float] = {}
-        self.replays: Counter[int] = Counter()   # steps run per bucket
-        self.refused_verifications = 0            # verification steps sent back to the eager forward
+        self.replays: Counter[int] = Counter()  # steps run per bucket
+        self.refused_verifications = 0  # verification steps sent back to the eager forward
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -114,9 +135,11 @@ class StepGraphs:
         sample, more rows than the largest bucket, a speculative verification: the module docstring)."""
         if any(c.num_draft_tokens for c in chunks):
             if not self.refused_verifications:
-                log.info("step graphs take one-token decodes only: speculative verification steps (k + 1 rows a "
-                         "request, their shapes varying step by step) run eagerly%s",
-                         ", through the native decode step where it applies" if self.device.type == "cpu" else "")
+                log.info(
+                    "step graphs take one-token decodes only: speculative verification steps (k + 1 rows a "
+                    "request, their shapes varying step by step) run eagerly%s",
+                    ", through the native decode step where it applies" if self.device.type == "cpu" else "",
+                )
             self.refused_verifications += 1
             return None
         if not all(c.num_new_tokens == 1 and c.samples for c in chunks):
@@ -131,7 +154,7 @@ class StepGraphs:
         width = self.backend.width(max(len(r.block_table) for r in rows))
         self.buffers.fill(pad_decode(rows, bucket, width, self.block_size, self.kv_cache.scratch_block))
         self.replays[bucket] += 1
-        return self.backend.run(bucket, width)[:len(chunks)]
+        return self.backend.run(bucket, width)[: len(chunks)]
 
     # ---- making the graphs ----------------------------------------------------------------------
 
@@ -145,14 +168,22 @@ class StepGraphs:
     def _make(self, bucket: int) -> None:
         """Compile or capture `bucket`, running it once on padding rows only (they write the scratch block)."""
         start = time.perf_counter()
-        self.buffers.fill(pad_decode([DecodeRow(0, 0, [self.kv_cache.scratch_block])], bucket,
-                                     self.backend.width(1), self.block_size, self.kv_cache.scratch_block))
+        self.buffers.fill(
+            pad_decode(
+                [DecodeRow(0, 0, [self.kv_cache.scratch_block])],
+                bucket,
+                self.backend.width(1),
+                self.block_size,
+                self.kv_cache.scratch_block,
+            )
+        )
         self.backend.make(bucket)
         self.compile_seconds[bucket] = seconds = time.perf_counter() - start
         log.info("step graph for batch bucket %d: %s in %.1f s", bucket, self.backend.verb, seconds)
 
-    def forward(self, batch: ForwardBatch,
-                layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None
+    ) -> torch.Tensor:
         """The step's logits [rows, V] float32: the model over `batch`, then the LM head on every row."""
         return self.model.compute_logits(self.model(batch, self.kv_cache, layers))
 
@@ -186,7 +217,7 @@ class _CompiledLayers(_Backend):
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, 1024)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4096)
-        cpu_kernels.native_ready()   # built (or found missing) now: the compiled layers call it as an operator
+        cpu_kernels.native_ready()  # built (or found missing) now: the compiled layers call it as an operator
         self.layers = [torch.compile(layer, dynamic=False, fullgraph=True) for layer in graphs.model.model.layers]
 
     def width(self, longest: int) -> int:
@@ -217,8 +248,13 @@ class _CudaGraphs(_Backend):
 
     def make(self, bucket: int) -> None:
         graphs = self.graphs
-        batch = graphs.buffers.batch(bucket, graphs.buffers.block_tables.shape[1], graphs.block_size,
-                                     graphs.kv_cache.pad_slot, graphs.split_tokens)
+        batch = graphs.buffers.batch(
+            bucket,
+            graphs.buffers.block_tables.shape[1],
+            graphs.block_size,
+            graphs.kv_cache.pad_slot,
+            graphs.split_tokens,
+        )
         stream = torch.cuda.Stream(device=graphs.device)
         stream.wait_stream(torch.cuda.current_stream(graphs.device))
         with torch.cuda.stream(stream):  # warm-up launches (Triton autotuning, allocator) off the capture
@@ -237,8 +273,9 @@ class _CudaGraphs(_Backend):
         return logits
 
 
-def make_step_graphs(config: EngineConfig, model: torch.nn.Module, kv_cache: KVCache, max_model_len: int,
-                     device: torch.device) -> StepGraphs | None:
+def make_step_graphs(
+    config: EngineConfig, model: torch.nn.Module, kv_cache: KVCache, max_model_len: int, device: torch.device
+) -> StepGraphs | None:
     """The engine's step graphs, their small buckets made now (logged with the time it took), or None:
     `enforce_eager`, a model whose layers do not trace into one graph, or a failure to make them (logged;
     the engine then runs eagerly)."""
@@ -250,14 +287,19 @@ def make_step_graphs(config: EngineConfig, model: torch.nn.Module, kv_cache: KVC
     if getattr(getattr(model, "tp", None), "size", 1) > 1:
         log.info("step graphs: off (tensor parallelism runs eagerly: its followers replay no graphs)")
         return None
-    graphs = StepGraphs(model, kv_cache, config.block_size, max_model_len, config.max_num_seqs,
-                        config.max_graph_batch_size, device)
+    graphs = StepGraphs(
+        model, kv_cache, config.block_size, max_model_len, config.max_num_seqs, config.max_graph_batch_size, device
+    )
     try:
         seconds = graphs.warm_up()
     except Exception:  # a torch or compiler fault must not take the engine down: it still runs eagerly
         log.exception("step graphs: making them failed; running eagerly")
         return None
-    log.info("step graphs: batch buckets %s; %s %s in %.1f s (the rest on first use)",
-             ",".join(map(str, graphs.buckets)), graphs.backend.verb,
-             ",".join(map(str, sorted(graphs.compile_seconds))), seconds)
+    log.info(
+        "step graphs: batch buckets %s; %s %s in %.1f s (the rest on first use)",
+        ",".join(map(str, graphs.buckets)),
+        graphs.backend.verb,
+        ",".join(map(str, sorted(graphs.compile_seconds))),
+        seconds,
+    )
     return graphs

@@ -28,8 +28,8 @@ models can emit whitespace until their token budget ends.
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -45,9 +45,9 @@ from infer.protocol.structured import StructuredOutputsParams
 log = logging.getLogger("infer.structured")
 
 COMPILE_TIMEOUT_S = 30.0
-CACHE_BYTES = 256 << 20          # compiled grammars kept for reuse (their memory_size_bytes)
-MAX_CACHED = 4096                # ... and at most this many specs (refusals included)
-MAX_GRAMMAR_BYTES = 64 << 20     # a compiled grammar larger than this is refused
+CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse (their memory_size_bytes)
+MAX_CACHED = 4096  # ... and at most this many specs (refusals included)
+MAX_GRAMMAR_BYTES = 64 << 20  # a compiled grammar larger than this is refused
 
 
 class CompilesFull(Exception):
@@ -61,9 +61,11 @@ class GrammarTooCostly(ValueError):
 def step_cost_error(cost_s: float, budget_s: float, what: str = "in one engine step", steps: int = 1) -> str:
     """The error of a request whose grammar took `cost_s` CPU seconds `what`, over `steps` x `budget_s`."""
     times = "" if steps == 1 else f" x {steps}"
-    return (f"the grammar is too costly to follow: its token mask and matcher took {cost_s * 1e3:.1f} ms of CPU "
-            f"{what}, over this worker's bound of {budget_s * 1e3:g} ms a step{times} (--max-grammar-step-ms); "
-            f"bound it more tightly (e.g. smaller or fewer nested repeats)")
+    return (
+        f"the grammar is too costly to follow: its token mask and matcher took {cost_s * 1e3:.1f} ms of CPU "
+        f"{what}, over this worker's bound of {budget_s * 1e3:g} ms a step{times} (--max-grammar-step-ms); "
+        f"bound it more tightly (e.g. smaller or fewer nested repeats)"
+    )
 
 
 @dataclass
@@ -78,8 +80,16 @@ class GrammarCompilerPool:
     """Compiles StructuredOutputsParams into xgrammar CompiledGrammars on a thread of its own, bounded (module
     doc). Every method but the thread's `_compile` runs on the engine's thread."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *, max_compiles: int,
-                 max_compiles_per_client: int, step_budget_s: float) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        *,
+        max_compiles: int,
+        max_compiles_per_client: int,
+        step_budget_s: float,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
@@ -87,9 +97,9 @@ class GrammarCompilerPool:
         self.max_compiles_per_client = max_compiles_per_client
         self.step_budget_s = step_budget_s
         self._queue = FairQueue(self._compile)
-        self._compiler: Any = None        # built on the pool's thread, used only there
+        self._compiler: Any = None  # built on the pool's thread, used only there
         self._in_flight: dict[StructuredOutputsParams, _Compile] = {}
-        self._done: OrderedDict[StructuredOutputsParams, tuple[Future, int]] = OrderedDict()   # LRU: (result, bytes)
+        self._done: OrderedDict[StructuredOutputsParams, tuple[Future, int]] = OrderedDict()  # LRU: (result, bytes)
         self._done_bytes = 0
 
     def compile(self, spec: StructuredOutputsParams, client: str | None = None) -> Future:
@@ -112,14 +122,18 @@ class GrammarCompilerPool:
 
     def _check_room(self, client: str | None) -> None:
         if len(self._in_flight) >= self.max_compiles:
-            raise CompilesFull(f"the worker is overloaded: {len(self._in_flight)} grammars are compiling or queued "
-                               f"to compile here, its bound (--max-grammar-compiles {self.max_compiles}); retry "
-                               f"later")
+            raise CompilesFull(
+                f"the worker is overloaded: {len(self._in_flight)} grammars are compiling or queued "
+                f"to compile here, its bound (--max-grammar-compiles {self.max_compiles}); retry "
+                f"later"
+            )
         mine = 0 if client is None else sum(c.client == client for c in self._in_flight.values())
         if mine >= self.max_compiles_per_client:
-            raise CompilesFull(f"the worker is overloaded: this client already has {mine} grammars compiling or "
-                               f"queued to compile here, its bound (--max-grammar-compiles-per-client "
-                               f"{self.max_compiles_per_client}); retry later")
+            raise CompilesFull(
+                f"the worker is overloaded: this client already has {mine} grammars compiling or "
+                f"queued to compile here, its bound (--max-grammar-compiles-per-client "
+                f"{self.max_compiles_per_client}); retry later"
+            )
 
     def _collect(self) -> None:
         """Move the compiles that ended into the LRU (their results, refusals too: a spec is judged once)."""
@@ -142,8 +156,10 @@ class GrammarCompilerPool:
         """(The pool's thread.) The compiled grammar, checked for size and for the cost of its first mask."""
         compiled = self._compile_spec(spec)
         if compiled.memory_size_bytes > MAX_GRAMMAR_BYTES:
-            raise GrammarTooCostly(f"the grammar is too large: compiled, it takes {compiled.memory_size_bytes >> 20} "
-                                   f"MiB, over this worker's bound of {MAX_GRAMMAR_BYTES >> 20} MiB")
+            raise GrammarTooCostly(
+                f"the grammar is too large: compiled, it takes {compiled.memory_size_bytes >> 20} "
+                f"MiB, over this worker's bound of {MAX_GRAMMAR_BYTES >> 20} MiB"
+            )
         state = GrammarState(compiled)
         state.fill(torch.full((1, bitmask_width(self.vocab_size)), -1, dtype=torch.int32), 0)
         cost = state.take_step_cost()
@@ -167,8 +183,9 @@ class GrammarCompilerPool:
     def _make_compiler(self) -> Any:
         import xgrammar as xgr
 
-        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                  stop_token_ids=self.stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(
+            self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+        )
         # xgrammar's own cache is off: the pool keeps what it compiled (`_done`), looked up without the thread
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
@@ -206,13 +223,13 @@ class FairQueue:
     def _next(self) -> tuple[StructuredOutputsParams, Future] | None:
         with self._cond:
             while not self._queues and not self._closed:
-                self._cond.wait()   # for a submit or close (both notify): nothing else wakes this thread
+                self._cond.wait()  # for a submit or close (both notify): nothing else wakes this thread
             if self._closed:
                 return None
             client, queue = self._queues.popitem(last=False)
             job = queue.popleft()
             if queue:
-                self._queues[client] = queue   # to the back of the line: the next client's turn
+                self._queues[client] = queue  # to the back of the line: the next client's turn
             return job
 
     def _loop(self) -> None:
@@ -223,7 +240,7 @@ class FairQueue:
                 continue
             try:
                 future.set_result(self._run(spec))
-            except Exception as e:   # xgrammar's reason, or GrammarTooCostly: the request's answer
+            except Exception as e:  # xgrammar's reason, or GrammarTooCostly: the request's answer
                 future.set_exception(e)
 
 
@@ -303,5 +320,5 @@ def _lowest_cpu_priority() -> None:
     cores the steps leave, so requests beside it keep their step times (benchmarks/grammar_bystander.py)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):   # not Linux, or not allowed: compiles share the CPU evenly
+    except (AttributeError, OSError):  # not Linux, or not allowed: compiles share the CPU evenly
         pass

@@ -28,8 +28,8 @@ from infer.worker.group_sync import GroupBroken
 class TensorParallel:
     rank: int
     size: int
-    group: Any = None     # the torch.distributed process group of the TP group (unused when size 1)
-    leader: int = 0       # the global rank of TP rank 0 (where logits are gathered)
+    group: Any = None  # the torch.distributed process group of the TP group (unused when size 1)
+    leader: int = 0  # the global rank of TP rank 0 (where logits are gathered)
     cpu_group: Any = None  # the same processes on gloo, for host-side agreements (the group itself with gloo)
 
     def __post_init__(self) -> None:
@@ -57,8 +57,10 @@ class TensorParallel:
         if num_kv_heads >= self.size:
             return self.part(num_kv_heads, "the number of KV heads")
         if self.size % num_kv_heads:
-            raise ValueError(f"{num_kv_heads} KV heads neither split across nor replicate evenly over "
-                             f"{self.size} tensor-parallel ranks")
+            raise ValueError(
+                f"{num_kv_heads} KV heads neither split across nor replicate evenly over "
+                f"{self.size} tensor-parallel ranks"
+            )
         head = self.rank * num_kv_heads // self.size
         return range(head, head + 1)
 

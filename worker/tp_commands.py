@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("infer.worker")
 
 
-_LAST_WORDS_MS = 1000   # how long a follower waits for the frames rank 0 sent before its connection closed
+_LAST_WORDS_MS = 1000  # how long a follower waits for the frames rank 0 sent before its connection closed
 
 
 class LeaderGone(RuntimeError):
@@ -78,8 +78,15 @@ def _gather_addresses(tp: TensorParallel, address: str | None) -> list[str | Non
     return values
 
 
-_BATCH_TENSORS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
-                  "logits_indices")
+_BATCH_TENSORS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "block_tables",
+    "seq_lens",
+    "query_start_loc",
+    "logits_indices",
+)
 
 
 def _pack_tensor(t: torch.Tensor) -> list[Any]:
@@ -98,10 +105,14 @@ def _unpack_tensor(packed: list[Any], device: torch.device) -> torch.Tensor:
 
 def encode_batch(batch: ForwardBatch) -> dict[str, Any]:
     body: dict[str, Any] = {name: _pack_tensor(getattr(batch, name)) for name in _BATCH_TENSORS}
-    body.update(num_decodes=batch.num_decodes, query_lens=list(batch.query_lens),
-                context_lens=list(batch.context_lens), block_size=batch.block_size,
-                decode_split_tokens=batch.decode_split_tokens)
-    if batch.prefill_decode_from is not None:   # recomputed generated rows take the decode arithmetic on every rank
+    body.update(
+        num_decodes=batch.num_decodes,
+        query_lens=list(batch.query_lens),
+        context_lens=list(batch.context_lens),
+        block_size=batch.block_size,
+        decode_split_tokens=batch.decode_split_tokens,
+    )
+    if batch.prefill_decode_from is not None:  # recomputed generated rows take the decode arithmetic on every rank
         body["prefill_decode_from"] = _pack_tensor(batch.prefill_decode_from)
     return body
 
@@ -111,9 +122,13 @@ def decode_batch(body: dict[str, Any], device: torch.device) -> ForwardBatch:
 
     known = {f.name for f in fields(ForwardBatch)}
     values: dict[str, object] = {name: _unpack_tensor(body[name], device) for name in _BATCH_TENSORS}
-    values.update(num_decodes=body["num_decodes"], query_lens=tuple(body["query_lens"]),
-                  context_lens=tuple(body["context_lens"]), block_size=body["block_size"],
-                  decode_split_tokens=body["decode_split_tokens"])
+    values.update(
+        num_decodes=body["num_decodes"],
+        query_lens=tuple(body["query_lens"]),
+        context_lens=tuple(body["context_lens"]),
+        block_size=body["block_size"],
+        decode_split_tokens=body["decode_split_tokens"],
+    )
     if body.get("prefill_decode_from") is not None:
         values["prefill_decode_from"] = _unpack_tensor(body["prefill_decode_from"], device)
     return ForwardBatch(**{k: v for k, v in values.items() if k in known})
@@ -124,11 +139,15 @@ class TpLeader:
     them while nothing else is sent (a follower takes silence for rank 0's death) and watches their
     connections (`lost`: why the group is broken, once a follower's connection has closed)."""
 
-    def __init__(self, parallel: Parallel | PipelineGroup, ctx: zmq.Context | None = None,
-                 children: Sequence[subprocess.Popen] = ()) -> None:
+    def __init__(
+        self,
+        parallel: Parallel | PipelineGroup,
+        ctx: zmq.Context | None = None,
+        children: Sequence[subprocess.Popen] = (),
+    ) -> None:
         """`children`: the follower processes this process started (stop() waits for them, and leaves the
         torch.distributed world so that another group can be made here)."""
-        self._group = parallel.commands   # the TP group, or a pipeline's processes (worker/pp_group.py)
+        self._group = parallel.commands  # the TP group, or a pipeline's processes (worker/pp_group.py)
         self._member = parallel.member
         self._children = list(children)
         # a context of its own unless given one: stop() terminates it, which waits (LINGER) until the "stop" frames
@@ -138,7 +157,7 @@ class TpLeader:
         self._lock = threading.Lock()
         self._interval = parallel.options.ping_interval_s
         self._pushes = []
-        self._monitors: list[tuple[int, zmq.Socket]] = []   # used by the ping thread only
+        self._monitors: list[tuple[int, zmq.Socket]] = []  # used by the ping thread only
         self.lost: str | None = None
         for rank, address in enumerate(_gather_addresses(self._group, None)[1:], start=1):
             push = make_socket(ctx, zmq.PUSH)
@@ -186,8 +205,10 @@ class TpLeader:
     def _watch_followers(self) -> None:
         for rank, monitor in self._monitors:
             if self.lost is None and _closed(monitor):
-                self.lost = f"{self._member(rank)}'s connection closed (the process died, or was silent for the " \
-                            f"group's timeout)"
+                self.lost = (
+                    f"{self._member(rank)}'s connection closed (the process died, or was silent for the "
+                    f"group's timeout)"
+                )
                 log.error("group broken: %s", self.lost)
 
     def stop(self, code: int = 0) -> None:
@@ -207,7 +228,7 @@ class TpLeader:
         for _, monitor in self._monitors:
             monitor.close(0)
         if self._own_ctx:
-            self._ctx.term()   # returns once the frames above are sent, or after their LINGER
+            self._ctx.term()  # returns once the frames above are sent, or after their LINGER
         if self._children:
             reap(self._children)
             import torch.distributed as dist
@@ -222,7 +243,7 @@ class FollowerChannel:
     def __init__(self, parallel: Parallel | PipelineGroup, ctx: zmq.Context | None = None) -> None:
         ctx = ctx or zmq.Context.instance()
         self.timeout_s = parallel.options.timeout_s
-        self.leader = parallel.member(0)   # its name in messages
+        self.leader = parallel.member(0)  # its name in messages
         self.pull = make_socket(ctx, zmq.PULL)
         self.monitor = _watch_peer(self.pull, parallel.options.ping_interval_s, self.timeout_s)
         self.poller = zmq.Poller()
@@ -256,8 +277,9 @@ class FollowerChannel:
         self.pull.close(0)
 
 
-def serve_follower(model: Any, kv_cache: Any, block_size: int, channel: FollowerChannel,
-                   device: torch.device, lora: Any = None) -> int:
+def serve_follower(
+    model: Any, kv_cache: Any, block_size: int, channel: FollowerChannel, device: torch.device, lora: Any = None
+) -> int:
     """Run rank 0's commands on this rank's shards (or a pipeline stage's layers: worker/pp_stage.py's StageModel,
     whose forward returns row numbers and whose compute_logits sends them on) until "stop" (returns rank 0's exit
     code, which this process exits with), silence or rank 0's connection closed (LeaderGone), or a broken
@@ -290,8 +312,9 @@ def serve_follower(model: Any, kv_cache: Any, block_size: int, channel: Follower
             elif op == "stop":
                 code = command.get("code", 0)
                 code = code if isinstance(code, int) and 0 <= code < 256 else 1
-                (log.info if code == 0 else log.error)("%s says stop (it exits with code %d); exiting", channel.leader,
-                                                       code)
+                (log.info if code == 0 else log.error)(
+                    "%s says stop (it exits with code %d); exiting", channel.leader, code
+                )
                 return code
             elif op != "ping":
                 raise ValueError(f"unknown command {op!r} from {channel.leader}")

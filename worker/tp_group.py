@@ -99,8 +99,14 @@ class Parallel:
         return f"TP rank {index}"
 
 
-def resolve_ranks(tp_size: int, tp_rank: int | None, ep_size: int, ep_rank: int | None,
-                  env: dict[str, str] | None = None, pp_size: int = 1) -> tuple[int | None, int | None]:
+def resolve_ranks(
+    tp_size: int,
+    tp_rank: int | None,
+    ep_size: int,
+    ep_rank: int | None,
+    env: dict[str, str] | None = None,
+    pp_size: int = 1,
+) -> tuple[int | None, int | None]:
     """(tp rank, ep rank) from the flags, else from torchrun's RANK or Slurm's SLURM_PROCID read as the
     global rank (ep_rank * pp_size + stage) * tp_size + tp_rank (only when --tp-rank is not given: with neither
     flag nor variables the TP rank stays None, and this process supervises its group)."""
@@ -118,6 +124,7 @@ def resolve_ranks(tp_size: int, tp_rank: int | None, ep_size: int, ep_rank: int 
 
 
 # ---- joining the world ----------------------------------------------------------------------------------
+
 
 def init_world(options: TpOptions, ep: EpOptions | None, device: torch.device) -> Parallel:
     """Join the T x E world (blocks until every process has joined, at most the timeout) and make its groups."""
@@ -144,11 +151,21 @@ def init_world(options: TpOptions, ep: EpOptions | None, device: torch.device) -
     tp_cpu = [cpu([e * T + t for t in range(T)]) for e in range(ep_size)] if cpu else tp_groups
     ep_groups = [dist.new_group([e * T + t for e in range(ep_size)], timeout=timeout) for t in range(T)]
     leaders_cpu = cpu([e * T for e in range(ep_size)]) if cpu else ep_groups[0]
-    tp = TensorParallel(rank=options.rank, size=T, group=tp_groups[ep_rank], leader=ep_rank * T,
-                        cpu_group=tp_cpu[ep_rank])
+    tp = TensorParallel(
+        rank=options.rank, size=T, group=tp_groups[ep_rank], leader=ep_rank * T, cpu_group=tp_cpu[ep_rank]
+    )
     expert = ExpertParallel(rank=ep_rank, size=ep_size, group=ep_groups[options.rank])
-    log.info("TP group joined: TP rank %d of %d, EP rank %d of %d, global rank %d of %d at %s (%s)",
-             options.rank, T, ep_rank, ep_size, rank, size, options.dist_init, backend)
+    log.info(
+        "TP group joined: TP rank %d of %d, EP rank %d of %d, global rank %d of %d at %s (%s)",
+        options.rank,
+        T,
+        ep_rank,
+        ep_size,
+        rank,
+        size,
+        options.dist_init,
+        backend,
+    )
     return Parallel(tp=tp, ep=expert, ep_leaders_group=leaders_cpu if ep_size > 1 else None, options=options)
 
 
@@ -162,9 +179,11 @@ def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: date
     store.set(f"infer/layout/{rank}", f"{layout}:{size}")
     theirs = store.get("infer/layout/0").decode()
     if theirs != f"{layout}:{size}":
-        raise ValueError(f"this process (global rank {rank}) was started with --tp-size x --ep-size = {layout}, "
-                         f"but global rank 0 at {dist_init} with {theirs.split(':')[0]}: every member of the "
-                         f"group must be given the same sizes")
+        raise ValueError(
+            f"this process (global rank {rank}) was started with --tp-size x --ep-size = {layout}, "
+            f"but global rank 0 at {dist_init} with {theirs.split(':')[0]}: every member of the "
+            f"group must be given the same sizes"
+        )
     if rank >= size:
         raise ValueError(f"global rank {rank} is outside the world of {size} processes")
     return store
@@ -181,9 +200,11 @@ def check_same_model(tp: TensorParallel, group: Any, facts: dict[str, Any]) -> N
     for rank, theirs in enumerate(gathered):
         for key in facts:
             if theirs[key] != mine[key]:
-                raise ValueError(f"rank {rank} of the group ({theirs['host']}, pid {theirs['pid']}) has {key} "
-                                 f"{theirs[key]!r}, this process ({mine['host']}, pid {mine['pid']}) has "
-                                 f"{mine[key]!r}: every member must serve the same model with the same options")
+                raise ValueError(
+                    f"rank {rank} of the group ({theirs['host']}, pid {theirs['pid']}) has {key} "
+                    f"{theirs[key]!r}, this process ({mine['host']}, pid {mine['pid']}) has "
+                    f"{mine[key]!r}: every member must serve the same model with the same options"
+                )
 
 
 def model_fingerprint(path: Path, weight_files: Sequence[Path]) -> str:
@@ -219,12 +240,17 @@ def agree_min(tp: TensorParallel, value: int) -> int:
 
 def engine_facts(config: Any, path: Path, weight_files: Sequence[Path], dtype: Any) -> dict[str, Any]:
     """What every member of a group must agree on before serving (see check_same_model)."""
-    return {"model files": model_fingerprint(path, weight_files), "dtype": str(dtype).removeprefix("torch."),
-            "block_size": config.block_size, "max_model_len": config.max_model_len,
-            "config": json.loads((path / "config.json").read_text()).get("model_type")}
+    return {
+        "model files": model_fingerprint(path, weight_files),
+        "dtype": str(dtype).removeprefix("torch."),
+        "block_size": config.block_size,
+        "max_model_len": config.max_model_len,
+        "config": json.loads((path / "config.json").read_text()).get("model_type"),
+    }
 
 
 # ---- the processes' entry points (the worker daemon calls these) -------------------------------------------
+
 
 def join(config: Any, options: TpOptions, ep: EpOptions | None) -> tuple[Parallel, Path, Any]:
     """Join the world and check that every member serves the same model: (this process's place, the model
@@ -265,7 +291,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     from infer.worker.loader import load_model
     from infer.worker.tp_commands import FollowerChannel, LeaderGone, serve_follower
 
-    for sig in (signal.SIGTERM, signal.SIGINT):   # rank 0 decides when the group ends (it drains first)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when the group ends (it drains first)
         signal.signal(sig, signal.SIG_IGN)
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
@@ -274,16 +300,29 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     model = load_model(path, dtype, device, parallel.ep, parallel.tp, config.quantization)
     max_model_len = context_length(config, model.config)
     blocks = agree_min(parallel.tp, num_kv_blocks(config, model, dtype, device, max_model_len))
-    kv_cache = KVCache.allocate(model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim,
-                                dtype, device, shared_kv=shares_kv(model))
+    kv_cache = KVCache.allocate(
+        model.num_layers,
+        blocks,
+        config.block_size,
+        model.num_kv_heads,
+        model.head_dim,
+        dtype,
+        device,
+        shared_kv=shares_kv(model),
+    )
     lora = None
     if config.enable_lora:
         from infer.worker.lora import LoraManager
 
         lora = LoraManager(model, config.max_loras, config.max_lora_rank, dtype, device)
     channel = FollowerChannel(parallel)
-    log.info("TP rank %d ready on %s: %d KV blocks of %d KV head(s)", parallel.tp.rank, socket.gethostname(),
-             blocks, model.num_kv_heads)
+    log.info(
+        "TP rank %d ready on %s: %d KV blocks of %d KV head(s)",
+        parallel.tp.rank,
+        socket.gethostname(),
+        blocks,
+        model.num_kv_heads,
+    )
     try:
         return serve_follower(model, kv_cache, config.block_size, channel, device, lora)
     except (LeaderGone, GroupBroken) as e:

@@ -47,8 +47,12 @@ def describe(pairs: Sequence[tuple[str, torch.Tensor]]) -> list[WeightTensor]:
     """The announced list of `pairs`; ValueError naming a pair that is not (name, float tensor)."""
     infos = []
     for i, pair in enumerate(pairs):
-        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
-                and isinstance(pair[1], torch.Tensor)):
+        if not (
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and isinstance(pair[0], str)
+            and isinstance(pair[1], torch.Tensor)
+        ):
             raise ValueError(f"weight #{i} must be a (name, torch.Tensor) pair, got {type(pair).__name__}")
         name, tensor = pair
         try:
@@ -90,8 +94,9 @@ def _host_port(init_method: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _group(store: Store, rank: int, world_size: int, backend: str,
-           timeout: float) -> ProcessGroupGloo | ProcessGroupNCCL:
+def _group(
+    store: Store, rank: int, world_size: int, backend: str, timeout: float
+) -> ProcessGroupGloo | ProcessGroupNCCL:
     from torch.distributed import ProcessGroupGloo
 
     if backend == "nccl":
@@ -109,7 +114,7 @@ def _broadcast(group: ProcessGroupGloo | ProcessGroupNCCL, buffer: torch.Tensor,
     options = BroadcastOptions()
     options.rootRank = 0
     # torch's stub lists broadcast on ProcessGroup only; the Gloo and NCCL backends have it too
-    work = group.broadcast([buffer], options)   # type: ignore[union-attr]
+    work = group.broadcast([buffer], options)  # type: ignore[union-attr]
     if not work.wait(_timedelta(timeout)):
         raise TimeoutError(f"a weight broadcast did not complete within {timeout} s")
 
@@ -125,8 +130,9 @@ class WeightSender:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     @classmethod
-    def open(cls, host: str, num_workers: int, timeout: float,
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightSender:
+    def open(
+        cls, host: str, num_workers: int, timeout: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> WeightSender:
         """Start the rendezvous store on `host` (a free port) for `num_workers` workers."""
         from torch.distributed import TCPStore
 
@@ -143,8 +149,13 @@ class WeightSender:
     def sync(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> WeightSync:
         """The announcement of `pairs` the workers get (the coordinator sets each worker's rank)."""
         backend = "nccl" if all(t.is_cuda for _, t in pairs) else "gloo"
-        return WeightSync(init_method=self.init_method, world_size=self.num_workers + 1, tensors=describe(pairs),
-                          backend=backend, bucket_bytes=self.bucket_bytes)
+        return WeightSync(
+            init_method=self.init_method,
+            world_size=self.num_workers + 1,
+            tensors=describe(pairs),
+            backend=backend,
+            bucket_bytes=self.bucket_bytes,
+        )
 
     def send(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Join the group as rank 0 and broadcast every bucket; returns the bytes sent."""

@@ -30,17 +30,32 @@ from torch import nn
 
 from infer.worker.gguf import close_gguf_files
 from infer.worker.loader import (
-    build_model, checkpoint_target, file_tensors, load_named_tensors, load_tensor, pack_weights, tied_aliases,
-    weight_files
+    build_model,
+    checkpoint_target,
+    file_tensors,
+    load_named_tensors,
+    load_tensor,
+    pack_weights,
+    tied_aliases,
+    weight_files,
 )
 from infer.worker.models.layers import PackedLinear
 
 log = logging.getLogger("infer.worker")
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,7 @@ class TensorSpec:
 
 # ---- refit -----------------------------------------------------------------------------------------------
 
+
 @dataclass
 class WeightUpdate:
     """One refit's tensors: their specs (checked before anything changes) and a reader of their values.
@@ -63,8 +79,8 @@ class WeightUpdate:
     tensors: Iterable[tuple[str, torch.Tensor]]
     files: list[Path] | None = None
     description: str = "tensors"
-    staged: bool = False                          # `tensors` is a list in memory, every value checked finite
-    fingerprint: tuple[tuple[str, int, int, int], ...] = ()   # the files as they were read (stage)
+    staged: bool = False  # `tensors` is a list in memory, every value checked finite
+    fingerprint: tuple[tuple[str, int, int, int], ...] = ()  # the files as they were read (stage)
 
     def stage(self) -> WeightUpdate:
         """Every value read into memory and checked finite (ValueError naming the first NaN / inf tensor, or
@@ -84,8 +100,10 @@ class WeightUpdate:
     def check_unchanged(self) -> None:
         """ValueError if the files read by `stage` changed since (the refit waited for a drain meanwhile)."""
         if self.files is not None and self.fingerprint != _fingerprint(self.files):
-            raise ValueError(f"weight update: {self.description} changed after they were read (while the refit "
-                             f"waited); nothing was applied")
+            raise ValueError(
+                f"weight update: {self.description} changed after they were read (while the refit "
+                f"waited); nothing was applied"
+            )
 
     @classmethod
     def of(cls, source: object) -> WeightUpdate:
@@ -96,8 +114,10 @@ class WeightUpdate:
         if isinstance(source, dict):
             source = source.items()
         if isinstance(source, (bytes, torch.Tensor)) or not isinstance(source, Iterable):
-            raise ValueError(f"a weight source must be a safetensors directory or an iterable of (name, tensor) "
-                             f"pairs, got {type(source).__name__}")
+            raise ValueError(
+                f"a weight source must be a safetensors directory or an iterable of (name, tensor) "
+                f"pairs, got {type(source).__name__}"
+            )
         return cls.from_pairs(list(source))
 
     @classmethod
@@ -115,8 +135,12 @@ class WeightUpdate:
         specs = []
         checked: list[tuple[str, torch.Tensor]] = []
         for i, pair in enumerate(pairs):
-            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
-                    and isinstance(pair[1], torch.Tensor)):
+            if not (
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and isinstance(pair[0], str)
+                and isinstance(pair[1], torch.Tensor)
+            ):
                 raise ValueError(f"weight #{i} must be a (name, torch.Tensor) pair, got {_describe(pair)}")
             checked.append((pair[0], pair[1]))
             specs.append(TensorSpec(pair[0], tuple(pair[1].shape), pair[1].dtype))
@@ -138,8 +162,9 @@ def check_specs(model: nn.Module, specs: Iterable[TensorSpec]) -> None:
         seen.add(spec.name)
         if spec.dtype not in WEIGHT_DTYPES:
             dtype = str(spec.dtype).removeprefix("torch.")
-            raise ValueError(f"weight update: tensor {spec.name!r} has dtype {dtype}; weights must be float32, "
-                             f"bfloat16 or float16")
+            raise ValueError(
+                f"weight update: tensor {spec.name!r} has dtype {dtype}; weights must be float32, bfloat16 or float16"
+            )
         target = checkpoint_target(twin, params, aliases, spec.name, "in the weight update")
         if target is None:
             continue
@@ -191,8 +216,9 @@ class _SavedParameters:
             for kept in self._saved.values():
                 for param, old in kept:
                     param.copy_(old)
-        log.warning("weight update: failed while applying; the %d touched layer(s) have their old values back",
-                    len(self._saved))
+        log.warning(
+            "weight update: failed while applying; the %d touched layer(s) have their old values back", len(self._saved)
+        )
 
 
 def meta_twin(model: nn.Module) -> nn.Module:
@@ -213,8 +239,10 @@ def _file_specs(files: list[Path]) -> list[TensorSpec]:
                 piece = f.get_slice(key)
                 dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
                 if dtype is None:
-                    raise ValueError(f"weight update: tensor {key!r} in {file.name} has dtype "
-                                     f"{piece.get_dtype()}; weights must be float32, bfloat16 or float16")
+                    raise ValueError(
+                        f"weight update: tensor {key!r} in {file.name} has dtype "
+                        f"{piece.get_dtype()}; weights must be float32, bfloat16 or float16"
+                    )
                 specs.append(TensorSpec(key, tuple(piece.get_shape()), dtype))
     return specs
 
@@ -245,7 +273,7 @@ def _file_fingerprint(file: Path) -> tuple[str, int, int, int]:
     try:
         st = file.stat()
     except OSError:
-        return str(file), -1, -1, -1      # gone: differs from any file that was read
+        return str(file), -1, -1, -1  # gone: differs from any file that was read
     return str(file), st.st_size, st.st_mtime_ns, st.st_ino
 
 
@@ -257,16 +285,17 @@ def _describe(value: object) -> str:
 
 # ---- release / restore -------------------------------------------------------------------------------------
 
+
 @dataclass
 class SuspendedWeights:
     """What `release_weights` left of a model's weights and how to put them back."""
 
-    mode: str                                        # "host_copy" or "reload"
+    mode: str  # "host_copy" or "reload"
     shapes: dict[str, tuple[torch.Size, torch.dtype]]
     bytes_released: int
-    host: dict[str, torch.Tensor] = field(default_factory=dict)     # host_copy: the copies
-    files: list[list[Path]] = field(default_factory=list)   # reload: checkpoint files, applied in order
-    spill: Path | None = None                               # reload: a spill file (our parameter names)
+    host: dict[str, torch.Tensor] = field(default_factory=dict)  # host_copy: the copies
+    files: list[list[Path]] = field(default_factory=list)  # reload: checkpoint files, applied in order
+    spill: Path | None = None  # reload: a spill file (our parameter names)
 
     def restore(self, model: nn.Module, device: torch.device) -> int:
         """Put the weights back on `device`; returns the bytes restored."""
@@ -290,10 +319,10 @@ class SuspendedWeights:
             self.spill = None
             return
         for layer, files in enumerate(self.files):
-            if layer == 0:   # the base checkpoint: complete
+            if layer == 0:  # the base checkpoint: complete
                 load_named_tensors(model, file_tensors(files))
                 close_gguf_files()
-            else:            # refits from directories, in order
+            else:  # refits from directories, in order
                 apply_tensors(model, _file_pairs(files))
 
     def discard(self) -> None:
@@ -302,8 +331,9 @@ class SuspendedWeights:
             self.spill = None
 
 
-def release_weights(model: nn.Module, mode: str, device: torch.device,
-                    files: list[list[Path]] | None) -> SuspendedWeights:
+def release_weights(
+    model: nn.Module, mode: str, device: torch.device, files: list[list[Path]] | None
+) -> SuspendedWeights:
     """Empty every parameter of `model` (see the module docstring). `files`: the checkpoint files the current
     weights came from, in order (a base checkpoint, then refits from directories), or None when some came from
     tensors in memory (then "reload" spills them to a temporary file first)."""
@@ -337,8 +367,7 @@ def release_weights(model: nn.Module, mode: str, device: torch.device,
 
 def packed_bytes(model: nn.Module) -> int:
     """Bytes of the CPU pre-packed copies of the linear weights (released with the weights)."""
-    return sum(_nbytes(m.packed) for m in model.modules()
-               if isinstance(m, PackedLinear) and m.packed is not None)
+    return sum(_nbytes(m.packed) for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None)
 
 
 def _param_bytes(model: nn.Module) -> int:
@@ -363,4 +392,3 @@ def _load_spill(model: nn.Module, path: Path) -> None:
         for name in f.keys():  # noqa: SIM118
             params[name].copy_(f.get_tensor(name))
     shutil.rmtree(path.parent, ignore_errors=True)
-

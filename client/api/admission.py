@@ -13,12 +13,10 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from infer.client.api.schemas import ApiError
+from infer.client.engine_client import ClusterError, EngineClient
 from infer.protocol import env
-from infer.client.engine_client import EngineClient
-from infer.client.engine_client import ClusterError
 from infer.protocol.codes import ClusterState
 from infer.protocol.messages import ClusterStats
-
 
 if TYPE_CHECKING:
     from infer.client.api.app import FrontConfig
@@ -33,18 +31,25 @@ def max_model_len(view: ClusterStats, healthy_only: bool = True) -> int | None:
 
 def check_length(num_prompt: int, max_tokens: int | None, max_len: int) -> None:
     if num_prompt >= max_len:
-        raise ApiError(400, f"this model's maximum context length is {max_len} tokens, but the prompt has "
-                            f"{num_prompt} tokens; shorten it to leave room for at least one generated token",
-                       param="prompt", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {max_len} tokens, but the prompt has "
+            f"{num_prompt} tokens; shorten it to leave room for at least one generated token",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if max_tokens is not None and num_prompt + max_tokens > max_len:
-        raise ApiError(400, f"this model's maximum context length is {max_len} tokens, but "
-                            f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
-                            f"{max_tokens} in the completion); reduce the prompt or max_tokens",
-                       param="max_tokens", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {max_len} tokens, but "
+            f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
+            f"{max_tokens} in the completion); reduce the prompt or max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
 
-def resolve_api_key(api_key: str | None, api_key_file: str | None,
-                    environ: dict[str, str] | None = None) -> str | None:
+def resolve_api_key(api_key: str | None, api_key_file: str | None, environ: dict[str, str] | None = None) -> str | None:
     """The front's API key: `api_key` (a flag), else the first line of `api_key_file`, else $INFER_API_KEY
     (read here only; `environ` defaults to os.environ), else None (no key). ValueError, naming the source,
     for both flags at once, an unreadable or empty file, or an empty value."""
@@ -85,8 +90,12 @@ def authorize(request: Request, key: str | None) -> None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     matches = hmac.compare_digest(token.strip().encode(), key.encode())
     if not (matches and scheme.lower() == "bearer"):
-        raise ApiError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(
+            401,
+            "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 class Admission:
@@ -94,7 +103,7 @@ class Admission:
 
     def __init__(self, engine: EngineClient, config: FrontConfig) -> None:
         self.engine, self.config = engine, config
-        self.in_flight = 0                     # engine requests through this front (n counts n times)
+        self.in_flight = 0  # engine requests through this front (n counts n times)
         self._view: ClusterStats | None = None
         self._view_at = 0.0
         self._refresh: asyncio.Task | None = None
@@ -117,8 +126,12 @@ class Admission:
         try:
             view = await asyncio.wait_for(self.engine.stats(), self.config.health_timeout)
         except (ClusterError, asyncio.TimeoutError) as e:
-            raise ApiError(503, f"the cluster did not answer: {e or 'timed out'}", code="unavailable",
-                           retry_after=self.config.retry_after) from None
+            raise ApiError(
+                503,
+                f"the cluster did not answer: {e or 'timed out'}",
+                code="unavailable",
+                retry_after=self.config.retry_after,
+            ) from None
         self._view, self._view_at = view, time.monotonic()
         return view
 
@@ -127,9 +140,13 @@ class Admission:
         caller releases them when they end; a StreamRun does it in close()."""
         limit = self.config.max_concurrent_requests
         if self.in_flight + num_requests > limit:
-            raise ApiError(503, f"the server is overloaded: {self.in_flight} requests in flight, its limit "
-                                f"is {limit} (--max-concurrent-requests); retry later", code="overloaded",
-                           retry_after=self.config.retry_after)
+            raise ApiError(
+                503,
+                f"the server is overloaded: {self.in_flight} requests in flight, its limit "
+                f"is {limit} (--max-concurrent-requests); retry later",
+                code="overloaded",
+                retry_after=self.config.retry_after,
+            )
         self.in_flight += num_requests
 
     def release(self, num_requests: int) -> None:

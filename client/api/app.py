@@ -68,21 +68,41 @@ from infer.client.api.admission import Admission, authorize, check_length, max_m
 from infer.client.api.body import decode_body
 from infer.client.api.cancel import Cancellable, Cancellations, bearer_digest, caller_request_id
 from infer.client.api.errors import (
-    ended_early, error_response, http_phrase, internal_error, request_error, too_large, unhealthy, validation_error
+    ended_early,
+    error_response,
+    http_phrase,
+    internal_error,
+    request_error,
+    too_large,
+    unhealthy,
+    validation_error,
 )
 from infer.client.api.formats import (
-    ChatFormat, CompletionFormat, ResponseFormat, beam_choices, best_of, embedding_json, num_candidates, sse_event
+    ChatFormat,
+    CompletionFormat,
+    ResponseFormat,
+    beam_choices,
+    best_of,
+    embedding_json,
+    num_candidates,
+    sse_event,
 )
-from infer.client.api.reasoning import REASONING_PARSERS
-from infer.client.api.tools import TOOL_PARSERS, default_parser, template_messages, tools_system_prompt
 from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
+from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.schemas import (
-    ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, LoadLoraAdapterRequest,
-    TokenizeRequest, UnloadLoraAdapterRequest, UpdateWeightsRequest,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    LoadLoraAdapterRequest,
+    TokenizeRequest,
+    UnloadLoraAdapterRequest,
+    UpdateWeightsRequest,
 )
+from infer.client.api.tools import TOOL_PARSERS, default_parser, template_messages, tools_system_prompt
 from infer.client.chat_encoding import ChatEncoder
-from infer.client.engine_client import EngineClient
-from infer.client.engine_client import ClusterError
+from infer.client.engine_client import ClusterError, EngineClient
 from infer.protocol.codes import ClusterState, FinishReason
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import BeamOutput
@@ -93,6 +113,7 @@ from infer.protocol.structured import StructuredOutputsParams, grammar_error
 from infer.protocol.tracing import HopSpan, open_sink, parse_traceparent, require_sdk
 
 log = logging.getLogger("infer.api")
+
 
 class _RequestBody(Protocol):
     """A request schema (a pydantic model) naming the model it asks for; None: the one served."""
@@ -109,10 +130,10 @@ R = TypeVar("R")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 try:
     VERSION = importlib.metadata.version("infer")
-except importlib.metadata.PackageNotFoundError:   # running from a tree that was never installed
+except importlib.metadata.PackageNotFoundError:  # running from a tree that was never installed
     VERSION = "0+unknown"
 GRAMMAR_CHECK_TIMEOUT_S = 5.0
-TOKENIZER_THREADS = 2   # body parsing, chat templates and tokenization run on these, never on the event loop
+TOKENIZER_THREADS = 2  # body parsing, chat templates and tokenization run on these, never on the event loop
 
 
 @dataclass(frozen=True)
@@ -121,18 +142,18 @@ class FrontConfig:
 
     served_model_name: str
     api_key: str | None = None
-    max_concurrent_requests: int = 1024   # engine requests in flight through this front (n counts n times)
-    health_timeout: float = 5.0           # seconds /health (and /metrics) wait for the cluster's answer
-    view_max_age: float = 1.0             # seconds a cluster view serves admission before a fresh round trip
-    retry_after: int = 1                  # seconds, in the Retry-After header of a 503
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # a larger request body is refused with 413
-    tool_call_parser: str | None = None   # client/api/tools.py; None: the one the chat template's format calls for
-    matryoshka_dimensions: tuple[int, ...] | None = None   # /v1/embeddings' dimensions: None refused, () any size
-    reasoning_parser: str | None = None   # client/api/reasoning.py; None: no reasoning_content
-    admin_api_key: str | None = None      # may cancel any request (client/api/cancel.py)
-    chat_template: str | None = None      # instead of the tokenizer's (--chat-template)
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)   # --generation-config: model_defaults.py
-    otlp_traces_endpoint: str | None = None   # OpenTelemetry spans of the front's hops (protocol/tracing.py)
+    max_concurrent_requests: int = 1024  # engine requests in flight through this front (n counts n times)
+    health_timeout: float = 5.0  # seconds /health (and /metrics) wait for the cluster's answer
+    view_max_age: float = 1.0  # seconds a cluster view serves admission before a fresh round trip
+    retry_after: int = 1  # seconds, in the Retry-After header of a 503
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is refused with 413
+    tool_call_parser: str | None = None  # client/api/tools.py; None: the one the chat template's format calls for
+    matryoshka_dimensions: tuple[int, ...] | None = None  # /v1/embeddings' dimensions: None refused, () any size
+    reasoning_parser: str | None = None  # client/api/reasoning.py; None: no reasoning_content
+    admin_api_key: str | None = None  # may cancel any request (client/api/cancel.py)
+    chat_template: str | None = None  # instead of the tokenizer's (--chat-template)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # --generation-config: model_defaults.py
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry spans of the front's hops (protocol/tracing.py)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -152,11 +173,13 @@ class FrontConfig:
         if self.retry_after < 0:
             raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
-                             f"got {self.tool_call_parser!r}")
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
-                             f"got {self.reasoning_parser!r}")
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
 
 
 @dataclass
@@ -171,16 +194,16 @@ class Job:
     tracker: RequestTracker
     timeout: float | None = None
     priority: int = 0
-    echo: str = ""                 # completions' `echo`: the prompt's text, shown before the first text
+    echo: str = ""  # completions' `echo`: the prompt's text, shown before the first text
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs] | None = None   # prompt tokens 1..
-    embedding: list[float] | None = None                 # a pooling request's vector
-    beams: list[BeamOutput] | None = None                # a beam search's best n beams (formats.beam_choices)
-    traceparent: str | None = None   # the caller's W3C trace context (a valid `traceparent` header), passed on
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..
+    embedding: list[float] | None = None  # a pooling request's vector
+    beams: list[BeamOutput] | None = None  # a beam search's best n beams (formats.beam_choices)
+    traceparent: str | None = None  # the caller's W3C trace context (a valid `traceparent` header), passed on
 
     def add(self, delta: RequestOutput) -> None:
         self.tracker.on_delta(delta)
@@ -205,7 +228,7 @@ class Front:
 
     def __init__(self, engine: EngineClient, tokenizer: Any, config: FrontConfig) -> None:
         self.engine = engine
-        if config.chat_template is not None:   # a copy: the caller's tokenizer keeps its own template
+        if config.chat_template is not None:  # a copy: the caller's tokenizer keeps its own template
             tokenizer = copy.copy(tokenizer)
             tokenizer.chat_template = config.chat_template
         self.tokenizer = tokenizer
@@ -215,13 +238,13 @@ class Front:
         self.cancellations = Cancellations(config.admin_api_key)
         self._token_text: dict[int, str] = {}
         self.created = int(time.time())
-        self.token_bytes = max_token_bytes(tokenizer)   # bounds a text prompt's size before tokenizing it
-        self.chat_encoder = ChatEncoder(tokenizer)       # chat prompts: content tokenized as plain text
+        self.token_bytes = max_token_bytes(tokenizer)  # bounds a text prompt's size before tokenizing it
+        self.chat_encoder = ChatEncoder(tokenizer)  # chat prompts: content tokenized as plain text
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="infer-tokenize")
         # its own thread, so that a spec slow to parse never holds up tokenizing
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="infer-grammar-check")
         self._xgrammar: asyncio.Future | None = None
-        self.lora_adapters: dict[str, str] = {}     # the engine(s)' LoRA adapters as last seen: name -> folder
+        self.lora_adapters: dict[str, str] = {}  # the engine(s)' LoRA adapters as last seen: name -> folder
         self.tool_call_parser = config.tool_call_parser or default_parser(getattr(tokenizer, "chat_template", None))
         self.spans = open_sink("infer-front", config.otlp_traces_endpoint)
 
@@ -244,9 +267,13 @@ class Front:
 
         async def token_ids(max_len: int) -> list[list[int]]:
             return await self._prompt_token_ids(body.prompts(), max_len)
+
         fmt = CompletionFormat(self, body)
-        max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else \
-            self.config.sampling_defaults.get("max_tokens", body.max_tokens)
+        max_tokens = (
+            body.max_tokens
+            if "max_tokens" in body.model_fields_set
+            else self.config.sampling_defaults.get("max_tokens", body.max_tokens)
+        )
         return await self._serve(request, body, token_ids, max_tokens, body.logprobs, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -254,6 +281,7 @@ class Front:
 
         async def token_ids(max_len: int) -> list[list[int]]:
             return [await self._chat_token_ids(body, max_len)]
+
         fmt = ChatFormat(self, body)
         max_tokens = body.max_new_tokens
         if max_tokens is None:
@@ -266,8 +294,9 @@ class Front:
         body = await self._parse(request, EmbeddingRequest)
         self._check_dimensions(body.dimensions)
         inputs = body.prompts()
-        params = SamplingParams(pooling=body.pooling, normalize=body.normalize, temperature=0, max_tokens=1,
-                                lora_name=self.lora_of(body))
+        params = SamplingParams(
+            pooling=body.pooling, normalize=body.normalize, temperature=0, max_tokens=1, lora_name=self.lora_of(body)
+        )
         base_id = f"embd-{uuid.uuid4().hex}"
         self.admission.reserve(len(inputs))
         try:
@@ -275,29 +304,50 @@ class Front:
             prompts = await self._prompt_token_ids(inputs, max_len, param="input")
             for ids in prompts:
                 check_length(len(ids), None, max_len)
-            jobs = [Job(i, i, ids, params, f"{base_id}-{i}", self.metrics.tracker(), body.timeout, body.priority)
-                    for i, ids in enumerate(prompts)]
+            jobs = [
+                Job(i, i, ids, params, f"{base_id}-{i}", self.metrics.tracker(), body.timeout, body.priority)
+                for i, ids in enumerate(prompts)
+            ]
             await _cancel_on_disconnect(request, self._run_to_end(jobs))
         finally:
             self.admission.release(len(inputs))
-        data = [{"object": "embedding", "index": job.index,
-                 "embedding": embedding_json(job.embedding or [], body.dimensions, body.normalize,
-                                             body.encoding_format)} for job in jobs]
+        data = [
+            {
+                "object": "embedding",
+                "index": job.index,
+                "embedding": embedding_json(job.embedding or [], body.dimensions, body.normalize, body.encoding_format),
+            }
+            for job in jobs
+        ]
         tokens = sum(len(job.prompt_token_ids) for job in jobs)
-        return JSONResponse({"id": base_id, "object": "list", "data": data, "model": body.model,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return JSONResponse(
+            {
+                "id": base_id,
+                "object": "list",
+                "data": data,
+                "model": body.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
 
     def _check_dimensions(self, dimensions: int | None) -> None:
         allowed = self.config.matryoshka_dimensions
         if dimensions is None:
             return
         if allowed is None:
-            raise ApiError(400, "dimensions: this model does not support Matryoshka embeddings (its config.json "
-                                "declares no matryoshka_dimensions / is_matryoshka): the full vector is the only "
-                                "size", param="dimensions")
+            raise ApiError(
+                400,
+                "dimensions: this model does not support Matryoshka embeddings (its config.json "
+                "declares no matryoshka_dimensions / is_matryoshka): the full vector is the only "
+                "size",
+                param="dimensions",
+            )
         if allowed and dimensions not in allowed:
-            raise ApiError(400, f"dimensions: {dimensions} is not among this model's sizes "
-                                f"{', '.join(map(str, allowed))}", param="dimensions")
+            raise ApiError(
+                400,
+                f"dimensions: {dimensions} is not among this model's sizes {', '.join(map(str, allowed))}",
+                param="dimensions",
+            )
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt (or chat messages through the template) -> its token ids. The bounds of the
@@ -316,8 +366,12 @@ class Front:
             if body.add_special_tokens:
                 ids = self.chat_encoder.with_added_special_tokens(ids)
         if len(ids) > max_len:
-            raise ApiError(400, f"{param}: {len(ids)} tokens; this model's maximum context length is {max_len} tokens",
-                           param=param, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"{param}: {len(ids)} tokens; this model's maximum context length is {max_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
         strs = [self.token_text(t) for t in ids] if body.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs})
 
@@ -326,8 +380,9 @@ class Front:
         body = await self._parse(request, DetokenizeRequest)
         max_len = await self._any_max_model_len()
         if len(body.tokens) > max_len:
-            raise ApiError(400, f"tokens: {len(body.tokens)} token ids; at most the context length ({max_len})",
-                           param="tokens")
+            raise ApiError(
+                400, f"tokens: {len(body.tokens)} token ids; at most the context length ({max_len})", param="tokens"
+            )
         self._check_vocab("tokens", body.tokens)
         text = await self._off_loop(self.tokenizer.decode, body.tokens)
         return JSONResponse({"prompt": text})
@@ -360,15 +415,31 @@ class Front:
         except ApiError:
             view = self.admission.last_view
         max_len = max_model_len(view, healthy_only=False) if view is not None else None
-        card = {"id": self.config.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "infer", "root": self.engine.model_id, "parent": None, "max_model_len": max_len}
+        card = {
+            "id": self.config.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "infer",
+            "root": self.engine.model_id,
+            "parent": None,
+            "max_model_len": max_len,
+        }
         try:
             await self._refresh_adapters()
         except (ClusterError, ValueError):
-            pass    # the adapters as last seen
-        adapters = [{"id": name, "object": "model", "created": self.created, "owned_by": "infer", "root": path,
-                     "parent": self.config.served_model_name, "max_model_len": max_len}
-                    for name, path in sorted(self.lora_adapters.items())]
+            pass  # the adapters as last seen
+        adapters = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "infer",
+                "root": path,
+                "parent": self.config.served_model_name,
+                "max_model_len": max_len,
+            }
+            for name, path in sorted(self.lora_adapters.items())
+        ]
         return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def load_lora_adapter(self, request: Request) -> Response:
@@ -409,8 +480,13 @@ class Front:
         if model not in self.lora_adapters:
             names = ", ".join(map(repr, sorted(self.lora_adapters)))
             adapters = f" and the LoRA adapters {names}" if names else ""
-            raise ApiError(404, f"the model {model[:200]!r} does not exist; this server serves "
-                                f"{self.config.served_model_name!r}{adapters}", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {model[:200]!r} does not exist; this server serves "
+                f"{self.config.served_model_name!r}{adapters}",
+                param="model",
+                code="model_not_found",
+            )
 
     def lora_of(self, body: Any) -> str | None:
         """The LoRA adapter a checked body's `model` names (None: the base model)."""
@@ -427,8 +503,9 @@ class Front:
         if view.state != ClusterState.RUNNING or healthy == 0:
             why = f"cluster is {view.state}" if view.state != ClusterState.RUNNING else "no healthy worker"
             return unhealthy(why, self.config.retry_after, view)
-        return JSONResponse({"status": "ok", "state": view.state, "healthy_workers": healthy,
-                             "workers": len(view.workers)})
+        return JSONResponse(
+            {"status": "ok", "state": view.state, "healthy_workers": healthy, "workers": len(view.workers)}
+        )
 
     async def update_weights(self, request: Request) -> Response:
         """POST /v1/update_weights {"model", "path", "on_running", "timeout"}: every engine loads the safetensors
@@ -477,7 +554,7 @@ class Front:
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         authorize(request, self.config.api_key)
         raw = await self._read_body(request)
-        data = await self._off_loop(decode_body, raw)   # 400 for what JSON allows and we cannot take
+        data = await self._off_loop(decode_body, raw)  # 400 for what JSON allows and we cannot take
         try:
             body = model.model_validate(data)
         except ValidationError as e:
@@ -487,13 +564,16 @@ class Front:
             await self._check_model(name)
         return body
 
-    async def _prompt_token_ids(self, prompts: list[str | list[int]], max_len: int,
-                                param: str = "prompt") -> list[list[int]]:
+    async def _prompt_token_ids(
+        self, prompts: list[str | list[int]], max_len: int, param: str = "prompt"
+    ) -> list[list[int]]:
         """Every prompt checked against the context without tokenizing, then tokenized off the loop."""
         for prompt in prompts:
             self._check_prompt(prompt, max_len, param)
-        return [prompt if isinstance(prompt, list) else
-                await self._off_loop(self._encode, prompt, add_special_tokens=True) for prompt in prompts]
+        return [
+            prompt if isinstance(prompt, list) else await self._off_loop(self._encode, prompt, add_special_tokens=True)
+            for prompt in prompts
+        ]
 
     def _check_prompt(self, prompt: str | list[int], max_len: int, param: str) -> None:
         """400 for an empty prompt, a token id outside the vocabulary, or a prompt that cannot fit the
@@ -519,8 +599,9 @@ class Front:
     async def _chat_token_ids(self, body: ChatCompletionRequest, max_len: int) -> list[int]:
         return await self._chat_prompt(body, body.tool_dicts if body.tool_mode is not None else None, max_len)
 
-    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None,
-                           max_len: int) -> list[int]:
+    async def _chat_prompt(
+        self, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None, max_len: int
+    ) -> list[int]:
         """The chat template's text, tokenized with the messages' content as plain text (client/chat_encoding.py)
         unless the body allows special tokens in it. Checked before anything runs: the number of messages (each
         takes a token at least), their content's size before the template, the text's size after it (all off
@@ -528,10 +609,14 @@ class Front:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         if len(body.messages) > max_len:
-            raise ApiError(400, f"messages: {len(body.messages)} messages; a context of {max_len} tokens holds at "
-                                f"most {max_len}", param="messages", code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"messages: {len(body.messages)} messages; a context of {max_len} tokens holds at most {max_len}",
+                param="messages",
+                code="context_length_exceeded",
+            )
         messages = template_messages([m.as_template_message() for m in body.messages])
-        if tools and "tools" not in self.tokenizer.chat_template:   # a template that ignores `tools`
+        if tools and "tools" not in self.tokenizer.chat_template:  # a template that ignores `tools`
             messages = [{"role": "system", "content": tools_system_prompt(tools)}, *messages]
         self._check_text_size("".join(m["content"] for m in messages) + json.dumps(tools or []), max_len, "messages")
 
@@ -539,35 +624,49 @@ class Front:
             text = self._render_chat(chat, body.add_generation_prompt, tools, body.chat_template_kwargs)
             self._check_text_size(text, max_len, "messages")
             return text
+
         try:
-            _, ids = await self._off_loop(self.chat_encoder.encode, messages, render,
-                                          body.allow_special_tokens_in_content)
+            _, ids = await self._off_loop(
+                self.chat_encoder.encode, messages, render, body.allow_special_tokens_in_content
+            )
         except ValueError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
         return ids
 
-    def _render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:
+    def _render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **(kwargs or {}))
-        except Exception as e:   # the template's own checks (jinja raise_exception), e.g. role order
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+            )
+        except Exception as e:  # the template's own checks (jinja raise_exception), e.g. role order
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
     # ---- admission --------------------------------------------------------------------------------
 
     # ---- running requests -------------------------------------------------------------------------
 
-    async def _serve(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                     token_ids: Callable[[int], Awaitable[list[list[int]]]], max_tokens: int | None,
-                     logprobs: int | None, fmt: ResponseFormat) -> Response:
+    async def _serve(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        token_ids: Callable[[int], Awaitable[list[list[int]]]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        fmt: ResponseFormat,
+    ) -> Response:
         """`token_ids(max_len)`: the prompts' token ids, or a 400 for a prompt that cannot fit max_len."""
         num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
         num_requests = num_prompts * num_candidates(body)
         for param, ids in body.token_id_fields().items():
             self._check_vocab(param, ids)
         structured = await self._structured(body)
-        engine_base_id = fmt.id   # the front's own: engine request ids never take the caller's X-Request-Id
+        engine_base_id = fmt.id  # the front's own: engine request ids never take the caller's X-Request-Id
         try:
             fmt.id = caller_request_id(request) or fmt.id
         except ValueError as e:
@@ -582,21 +681,23 @@ class Front:
                 check_length(len(ids), max_tokens, max_len)
             jobs = self._jobs(engine_base_id, prompts, body, max_tokens, logprobs, structured)
             traceparent = request.headers.get("traceparent")
-            for job in jobs:   # W3C: an invalid header is ignored (a new trace starts), not refused
+            for job in jobs:  # W3C: an invalid header is ignored (a new trace starts), not refused
                 job.traceparent = traceparent if traceparent and parse_traceparent(traceparent) else None
             cancellable.engine_request_ids = [job.request_id for job in jobs]
             self.cancellations.add(fmt.id, cancellable)
             if not body.stream:
                 await _cancel_on_disconnect(request, self._run_to_end(jobs))
                 choices = beam_choices(jobs, body.n) if body.use_beam_search else best_of(jobs, body.n)
-                return JSONResponse(fmt.response(choices, usage_of=choices if body.use_beam_search else jobs),
-                                    headers={"X-Request-Id": fmt.id})
+                return JSONResponse(
+                    fmt.response(choices, usage_of=choices if body.use_beam_search else jobs),
+                    headers={"X-Request-Id": fmt.id},
+                )
             run = StreamRun(self, jobs, functools.partial(self.cancellations.remove, fmt.id, cancellable))
         finally:
-            if run is None:   # else the run's close() does both
+            if run is None:  # else the run's close() does both
                 self.admission.release(num_requests)
                 self.cancellations.remove(fmt.id, cancellable)
-        await _cancel_on_disconnect(request, run.start())   # on failure, start() closed the run
+        await _cancel_on_disconnect(request, run.start())  # on failure, start() closed the run
         return _EventStream(self._sse(run, fmt, body.include_usage, body.continuous_usage), run, fmt.id)
 
     async def cancel(self, request: Request) -> Response:
@@ -608,9 +709,14 @@ class Front:
         request_id = request.path_params["request_id"]
         entries = self.cancellations.find(request_id, caller)
         if not entries:
-            raise ApiError(404, f"no request {request_id[:128]!r} in flight that this caller may cancel: the caller "
-                                "that sent a request may cancel it with the same 'Authorization: Bearer' token, the "
-                                "admin key any", param="request_id", code="request_not_found")
+            raise ApiError(
+                404,
+                f"no request {request_id[:128]!r} in flight that this caller may cancel: the caller "
+                "that sent a request may cancel it with the same 'Authorization: Bearer' token, the "
+                "admin key any",
+                param="request_id",
+                code="request_not_found",
+            )
         ids = [rid for entry in entries for rid in entry.engine_request_ids]
         await asyncio.gather(*(self.engine.abort(rid) for rid in ids))
         return JSONResponse({"id": request_id, "object": "request.cancelled", "cancelled": len(entries)})
@@ -622,66 +728,102 @@ class Front:
         if given is None:
             return None
         param, spec = given
-        if self._xgrammar is None:   # imported on first use, on the grammar thread (seconds: not on the clock)
+        if self._xgrammar is None:  # imported on first use, on the grammar thread (seconds: not on the clock)
             self._xgrammar = asyncio.wrap_future(self._grammar_pool.submit(importlib.import_module, "xgrammar"))
         await asyncio.shield(self._xgrammar)
         check = asyncio.get_running_loop().run_in_executor(self._grammar_pool, grammar_error, spec)
         try:
             error = await asyncio.wait_for(check, GRAMMAR_CHECK_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise ApiError(400, f"{param}: checking it took longer than {GRAMMAR_CHECK_TIMEOUT_S:g} s; simplify it",
-                           param=param) from None
+            raise ApiError(
+                400, f"{param}: checking it took longer than {GRAMMAR_CHECK_TIMEOUT_S:g} s; simplify it", param=param
+            ) from None
         if error is not None:
             raise ApiError(400, f"{param}: {error}", param=param)
         return spec
 
-    def _jobs(self, base_id: str, prompts: list[list[int]], body: Any, max_tokens: int | None,
-              logprobs: int | None, structured: StructuredOutputsParams | None = None) -> list[Job]:
+    def _jobs(
+        self,
+        base_id: str,
+        prompts: list[list[int]],
+        body: Any,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
+    ) -> list[Job]:
         jobs = []
         candidates = num_candidates(body)
         if candidates > body.n and logprobs is None:
-            logprobs = 0      # best_of ranks candidates by the sum of their sampled tokens' logprobs
+            logprobs = 0  # best_of ranks candidates by the sum of their sampled tokens' logprobs
         echoes = body.prompts() if getattr(body, "echo", False) else None
         lora = self.lora_of(body)
         for p, ids in enumerate(prompts):
-            echo = "" if echoes is None else (echoes[p] if isinstance(echoes[p], str)
-                                              else self.tokenizer.decode(ids))
+            echo = "" if echoes is None else (echoes[p] if isinstance(echoes[p], str) else self.tokenizer.decode(ids))
             for c in range(candidates):
                 index = p * candidates + c
                 try:
-                    params = body.sampling_params(max_tokens, logprobs, seed_offset=c, structured=structured,
-                                                  defaults=self.config.sampling_defaults,
-                                                  prompt_logprobs=getattr(body, "prompt_logprobs_wanted",
-                                                                          body.prompt_logprobs))
+                    params = body.sampling_params(
+                        max_tokens,
+                        logprobs,
+                        seed_offset=c,
+                        structured=structured,
+                        defaults=self.config.sampling_defaults,
+                        prompt_logprobs=getattr(body, "prompt_logprobs_wanted", body.prompt_logprobs),
+                    )
                     if lora is not None:
                         params = msgspec.structs.replace(params, lora_name=lora)
-                except ValueError as e:    # SamplingParams' FieldError names the field
+                except ValueError as e:  # SamplingParams' FieldError names the field
                     raise ApiError(400, str(e), param=getattr(e, "field", None)) from None
-                jobs.append(Job(index, p, ids, params, f"{base_id}-{index}", self.metrics.tracker(),
-                                body.timeout, body.priority, echo=echo))
+                jobs.append(
+                    Job(
+                        index,
+                        p,
+                        ids,
+                        params,
+                        f"{base_id}-{index}",
+                        self.metrics.tracker(),
+                        body.timeout,
+                        body.priority,
+                        echo=echo,
+                    )
+                )
         return jobs
 
     def engine_stream(self, job: Job) -> AsyncIterator[RequestOutput]:
         """The engine request of `job`, with its deadline; its span when this front traces, else the caller's trace
         context passed on."""
-        extra: dict[str, Any] = {"priority": job.priority} if job.priority else {}   # older engine clients work on
+        extra: dict[str, Any] = {"priority": job.priority} if job.priority else {}  # older engine clients work on
         if self.spans is not None:
             return self._traced_stream(job, extra)
         if job.traceparent is not None:
             extra["traceparent"] = job.traceparent
-        return self.engine.stream(job.prompt_token_ids, job.params, request_id=job.request_id,
-                                  timeout=job.timeout, **extra)
+        return self.engine.stream(
+            job.prompt_token_ids, job.params, request_id=job.request_id, timeout=job.timeout, **extra
+        )
 
     async def _traced_stream(self, job: Job, extra: dict[str, Any]) -> AsyncIterator[RequestOutput]:
         """`job`'s engine request as the front's hop of its trace (protocol/tracing.py): from here to its last
         delta (or the caller leaving), with its first token and finish reason."""
-        span = HopSpan.child_of("front", job.traceparent, time.monotonic(), **{
-            "gen_ai.request.id": job.request_id, "gen_ai.response.model": self.config.served_model_name,
-            "gen_ai.usage.prompt_tokens": len(job.prompt_token_ids)})
+        span = HopSpan.child_of(
+            "front",
+            job.traceparent,
+            time.monotonic(),
+            **{
+                "gen_ai.request.id": job.request_id,
+                "gen_ai.response.model": self.config.served_model_name,
+                "gen_ai.usage.prompt_tokens": len(job.prompt_token_ids),
+            },
+        )
         finish_reason, num_tokens = "abandoned", 0
         try:
-            async for delta in self.engine.stream(job.prompt_token_ids, job.params, request_id=job.request_id,
-                                                  timeout=job.timeout, traceparent=span.traceparent, **extra):
+            async for delta in self.engine.stream(
+                job.prompt_token_ids,
+                job.params,
+                request_id=job.request_id,
+                timeout=job.timeout,
+                traceparent=span.traceparent,
+                **extra,
+            ):
                 if delta.token_ids and not num_tokens:
                     span.event("first token", time.monotonic())
                 num_tokens += len(delta.token_ids)
@@ -689,8 +831,10 @@ class Front:
                     finish_reason = str(delta.finish_reason)
                 yield delta
         finally:
-            span.finish(time.monotonic(), **{"gen_ai.response.finish_reasons": finish_reason,
-                                             "gen_ai.usage.completion_tokens": num_tokens})
+            span.finish(
+                time.monotonic(),
+                **{"gen_ai.response.finish_reasons": finish_reason, "gen_ai.usage.completion_tokens": num_tokens},
+            )
             if self.spans is not None:
                 self.spans.export([span])
 
@@ -702,20 +846,24 @@ class Front:
                     raise request_error(delta, self.config.retry_after)
             if job.finish_reason is None:
                 raise ended_early(job)
+
         try:
             await _gather_or_cancel([one(job) for job in jobs])
         except ClusterError as e:
             raise self.admission.unavailable(f"the cluster failed: {e}") from None
 
-    async def _sse(self, run: StreamRun, fmt: ResponseFormat, include_usage: bool,
-                   continuous_usage: bool) -> AsyncIterator[str]:
+    async def _sse(
+        self, run: StreamRun, fmt: ResponseFormat, include_usage: bool, continuous_usage: bool
+    ) -> AsyncIterator[str]:
         """The events of a stream whose 200 went out: chunks (with `continuous_usage`, each with its choice's usage
         so far), then the usage chunk when asked for, then `[DONE]` however it ends (an error of the cluster or of
         this front is an `error` event first). Only cancellation (the client is gone) ends it otherwise."""
+
         def event(chunk: dict[str, Any], job: Job) -> str:
             return sse_event(fmt.with_usage(chunk, job) if continuous_usage else chunk)
+
         try:
-            if fmt.body.use_beam_search:   # the beams are final only at the end: each choice whole, in one chunk
+            if fmt.body.use_beam_search:  # the beams are final only at the end: each choice whole, in one chunk
                 async for event_text in self._beam_events(run, fmt, include_usage, event):
                     yield event_text
                 yield "data: [DONE]\n\n"
@@ -733,23 +881,25 @@ class Front:
                     yield sse_event(fmt.usage_chunk(run.jobs))
         except ApiError as e:
             yield sse_event(e.body())
-        except Exception:   # the 200 went out already: the client gets an error event, the log the details
+        except Exception:  # the 200 went out already: the client gets an error event, the log the details
             yield sse_event(internal_error("a response stream").body())
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    async def _beam_events(run: StreamRun, fmt: ResponseFormat, include_usage: bool,
-                           event: Callable[[dict[str, Any], Job], str]) -> AsyncIterator[str]:
+    async def _beam_events(
+        run: StreamRun, fmt: ResponseFormat, include_usage: bool, event: Callable[[dict[str, Any], Job], str]
+    ) -> AsyncIterator[str]:
         """A streamed beam search (vLLM streams nothing before the end either): once every search is done, its
         best n beams as choices, each in one chunk with its finish_reason."""
-        async for _ in run.deltas():   # one final delta per search (start() raised already for a failed one)
+        async for _ in run.deltas():  # one final delta per search (start() raised already for a failed one)
             pass
         choices = beam_choices(run.jobs, fmt.body.n)
         for chunk, job in zip(fmt.opening_chunks(choices), choices):
             yield event(chunk, job)
         for job in choices:
-            whole = RequestOutput.final(job.request_id, job.finish_reason or "stop", token_ids=job.token_ids,
-                                        text=job.text)
+            whole = RequestOutput.final(
+                job.request_id, job.finish_reason or "stop", token_ids=job.token_ids, text=job.text
+            )
             for chunk in fmt.chunks(job, whole):
                 yield event(chunk, job)
         if include_usage:
@@ -778,7 +928,7 @@ class StreamRun:
         self._buffer: list[tuple[Job, RequestOutput]] = []
         self._pumps: list[asyncio.Task] = []
         self._unfinished = len(jobs)
-        self._closed = False   # the front counted len(jobs) in flight (Admission.reserve); close() releases them
+        self._closed = False  # the front counted len(jobs) in flight (Admission.reserve); close() releases them
 
     async def start(self) -> None:
         self._pumps = [asyncio.create_task(self._pump(job)) for job in self.jobs]
@@ -820,12 +970,18 @@ class StreamRun:
             async for delta in self.front.engine_stream(job):
                 finished = delta.finished
                 self._queue.put_nowait((job, delta))
-            if not finished:   # the reader waits for a final delta: it gets an error instead
+            if not finished:  # the reader waits for a final delta: it gets an error instead
                 self._queue.put_nowait((job, ended_early(job)))
         except ClusterError as e:
-            self._queue.put_nowait((job, ApiError(503, f"the cluster failed: {e}", code="unavailable",
-                                                  retry_after=self.front.config.retry_after)))
-        except Exception:   # never leave the reader waiting for a delta that cannot come
+            self._queue.put_nowait(
+                (
+                    job,
+                    ApiError(
+                        503, f"the cluster failed: {e}", code="unavailable", retry_after=self.front.config.retry_after
+                    ),
+                )
+            )
+        except Exception:  # never leave the reader waiting for a delta that cannot come
             self._queue.put_nowait((job, internal_error(f"engine request {job.request_id}")))
 
     async def close(self) -> None:
@@ -846,8 +1002,9 @@ class _EventStream(StreamingResponse):
     cancelled because the client went away (possibly before the generator ever ran)."""
 
     def __init__(self, content: AsyncIterator[str], run: StreamRun, request_id: str) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": request_id}
+        )
         self.run = run
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -900,10 +1057,15 @@ async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
 
 # ---- the app --------------------------------------------------------------------------------------
 
+
 def route_list(app: FastAPI) -> list[str]:
     """The app's routes as "METHOD /path", in the order they were added (what a 404 answer lists)."""
-    return [f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute)
-            for method in sorted(route.methods or ())]
+    return [
+        f"{method} {route.path}"
+        for route in app.routes
+        if isinstance(route, APIRoute)
+        for method in sorted(route.methods or ())
+    ]
 
 
 def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> FastAPI:
@@ -921,6 +1083,7 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
                 return error_response(e)
             except Exception:
                 return error_response(internal_error(f"{request.method} {request.url.path}"))
+
         endpoint.__name__ = handler.__name__
         return endpoint
 
@@ -939,13 +1102,20 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
     app.add_api_route("/v1/requests/{request_id}/cancel", route(front.cancel), methods=["POST"])
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:   # 404, 405, ...
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:  # 404, 405, ...
         if exc.status_code == 404:
-            error = ApiError(404, f"no route {request.url.path[:200]!r}; the routes are "
-                                  f"{', '.join(route_list(request.app))}", code="not_found")
+            error = ApiError(
+                404,
+                f"no route {request.url.path[:200]!r}; the routes are {', '.join(route_list(request.app))}",
+                code="not_found",
+            )
         elif exc.status_code == 405:
-            error = ApiError(405, f"method {request.method} is not allowed on {request.url.path[:200]!r}",
-                             code="method_not_allowed", headers=exc.headers)
+            error = ApiError(
+                405,
+                f"method {request.method} is not allowed on {request.url.path[:200]!r}",
+                code="method_not_allowed",
+                headers=exc.headers,
+            )
         else:
             error = ApiError(exc.status_code, http_phrase(exc.status_code), headers=exc.headers)
         return error_response(error)
@@ -959,5 +1129,3 @@ def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> Fast
         return error_response(internal_error(f"{request.method} {request.url.path}"))
 
     return app
-
-

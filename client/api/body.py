@@ -22,13 +22,19 @@ from typing import Any
 from infer.client.api.schemas import ApiError
 
 MAX_JSON_DEPTH = 32
-INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
-_MAX_INT_DIGITS = 19        # a JSON integer with more digits than this is past 64 bits
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_MAX_INT_DIGITS = 19  # a JSON integer with more digits than this is past 64 bits
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 Path = tuple[str | int, ...]
-_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-               type(None): "null"}
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 class _Constant:
@@ -67,7 +73,7 @@ def _loads(text: str) -> Any:
         raise _too_deep(_deep_field(text)) from None
     except json.JSONDecodeError as e:
         raise _invalid_json(str(e)) from None
-    except ValueError:   # an integer past Python's digit limit: parse again, keeping it aside to name its field
+    except ValueError:  # an integer past Python's digit limit: parse again, keeping it aside to name its field
         pass
     try:
         return json.loads(text, parse_constant=_Constant, parse_int=_bounded_int)
@@ -87,7 +93,7 @@ def check_json_value(data: Any) -> None:
         if len(path) >= MAX_JSON_DEPTH:
             raise _too_deep(path)
         if isinstance(node, list) and _numbers_in_range(node):
-            continue   # the common long list (token ids), checked at C speed
+            continue  # the common long list (token ids), checked at C speed
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, value in items:
             if isinstance(key, str):
@@ -102,7 +108,7 @@ def _numbers_in_range(items: list[Any]) -> bool:
     """True when `items` are all numbers within the 64-bit integer range (anything else: False)."""
     try:
         return INT64_MIN <= min(items) and max(items) <= INT64_MAX
-    except (TypeError, ValueError):   # not all numbers (or empty)
+    except (TypeError, ValueError):  # not all numbers (or empty)
         return False
 
 
@@ -143,27 +149,36 @@ def _check_string(value: str, path: Path) -> None:
     match = _SURROGATE.search(value)
     if match is not None:
         param = field_name(path)
-        raise ApiError(400, f"{param or 'the request body'}: contains an unpaired UTF-16 surrogate "
-                            f"(U+{ord(match.group()):04X}) at character {match.start()}; strings must be "
-                            f"valid Unicode", param=param)
+        raise ApiError(
+            400,
+            f"{param or 'the request body'}: contains an unpaired UTF-16 surrogate "
+            f"(U+{ord(match.group()):04X}) at character {match.start()}; strings must be "
+            f"valid Unicode",
+            param=param,
+        )
 
 
 def field_name(path: Path) -> str | None:
     """The dotted name of a field (`messages.0.content`), as the front's other 400s name fields."""
     name = ".".join(str(part) for part in path)[:200]
-    return name.encode("utf-8", "backslashreplace").decode("utf-8") or None   # a key may hold a surrogate
+    return name.encode("utf-8", "backslashreplace").decode("utf-8") or None  # a key may hold a surrogate
 
 
 def _out_of_range(path: Path, given: str) -> ApiError:
     param = field_name(path)
-    return ApiError(400, f"{param}: {given} is outside the 64-bit integer range [{INT64_MIN}, {INT64_MAX}]",
-                    param=param)
+    return ApiError(
+        400, f"{param}: {given} is outside the 64-bit integer range [{INT64_MIN}, {INT64_MAX}]", param=param
+    )
 
 
 def _too_deep(path: Path) -> ApiError:
     where = f" at {field_name(path[:8])}..." if path else ""
-    return ApiError(400, f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels{where}",
-                    param=field_name(path[:1]), code="invalid_json")
+    return ApiError(
+        400,
+        f"request body nests JSON deeper than {MAX_JSON_DEPTH} levels{where}",
+        param=field_name(path[:1]),
+        code="invalid_json",
+    )
 
 
 def _invalid_json(why: str) -> ApiError:

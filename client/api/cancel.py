@@ -40,10 +40,11 @@ def caller_request_id(request: Request) -> str | None:
     value = request.headers.get("x-request-id")
     if value is None:
         return None
-    if not value or len(value) > MAX_REQUEST_ID_CHARS or not (value.isascii() and value.isprintable()) \
-            or "/" in value:
-        raise ValueError(f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters without "
-                         f"'/', got {value[:40]!r}")
+    if not value or len(value) > MAX_REQUEST_ID_CHARS or not (value.isascii() and value.isprintable()) or "/" in value:
+        raise ValueError(
+            f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters without "
+            f"'/', got {value[:40]!r}"
+        )
     return value
 
 

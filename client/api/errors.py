@@ -4,20 +4,19 @@ and the JSON body every error response has."""
 
 from __future__ import annotations
 
-import uuid
 import json
 import logging
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from infer.client.api.schemas import ApiError
 from infer.protocol.codes import ErrorCode
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import RequestOutput
-
-from infer.client.api.schemas import ApiError
 
 if TYPE_CHECKING:
     from infer.client.api.app import Job
@@ -53,14 +52,18 @@ def internal_error(where: str, detail: str | None = None) -> ApiError:
     if detail is None:
         log.exception("internal error %s in %s", error_id, where)
     else:
-        log.error("internal error %s in %s: %s", error_id, safe(where), safe(detail, 2000))   # the cluster's text
-    return ApiError(500, f"internal server error (id {error_id}); the server log has the details under "
-                         f"this id", code="internal_error")
+        log.error("internal error %s in %s: %s", error_id, safe(where), safe(detail, 2000))  # the cluster's text
+    return ApiError(
+        500,
+        f"internal server error (id {error_id}); the server log has the details under this id",
+        code="internal_error",
+    )
 
 
 def too_large(size: str, limit: int) -> ApiError:
-    return ApiError(413, f"the request body is {size}; the limit is {limit} bytes (--max-body-bytes)",
-                    code="request_too_large")
+    return ApiError(
+        413, f"the request body is {size}; the limit is {limit} bytes (--max-body-bytes)", code="request_too_large"
+    )
 
 
 def validation_error(e: ValidationError) -> ApiError:

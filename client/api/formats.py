@@ -6,20 +6,17 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import logging
 import math
 import struct
-import uuid
-import logging
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
-
-from infer.client.api.tools import ToolCall
+from infer.client.api.reasoning import ReasoningSplitter
+from infer.client.api.tools import PARSERS, ToolCall, ToolCallStream, calls_of_required, new_call_id
 from infer.protocol.codes import FinishReason
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
-
-from infer.client.api.reasoning import ReasoningSplitter
-from infer.client.api.tools import PARSERS, ToolCallStream, calls_of_required, new_call_id
 
 if TYPE_CHECKING:
     from infer.client.api.app import Front, Job
@@ -42,8 +39,7 @@ class ResponseFormat:
         self.model = body.model
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
     def response(self, jobs: list[Job], usage_of: list[Job] | None = None) -> dict[str, Any]:
         """The whole answer with `jobs` as its choices; usage counts `usage_of` (every candidate of best_of)."""
@@ -92,8 +88,12 @@ class CompletionFormat(ResponseFormat):
             logprobs = self._logprobs(job.token_ids, job.logprobs, len(job.echo))
             if self.body.echo:
                 logprobs = self._with_prompt(job, logprobs)
-        out = {"index": job.index, "text": job.echo + job.text, "finish_reason": job.finish_reason,
-               "logprobs": logprobs}
+        out = {
+            "index": job.index,
+            "text": job.echo + job.text,
+            "finish_reason": job.finish_reason,
+            "logprobs": logprobs,
+        }
         if self.body.prompt_logprobs is not None:
             out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
         return out
@@ -105,17 +105,19 @@ class CompletionFormat(ResponseFormat):
         head = self._logprobs(ids[1:], rows, 0)
         first = self.front.token_text(ids[0])
         offsets = [0] + [o + len(first) for o in head["text_offset"]]
-        return {"tokens": [first, *head["tokens"], *completion["tokens"]],
-                "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
-                "top_logprobs": [None, *head["top_logprobs"], *completion["top_logprobs"]],
-                "text_offset": [*offsets, *completion["text_offset"]]}
+        return {
+            "tokens": [first, *head["tokens"], *completion["tokens"]],
+            "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
+            "top_logprobs": [None, *head["top_logprobs"], *completion["top_logprobs"]],
+            "text_offset": [*offsets, *completion["text_offset"]],
+        }
 
     def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
         logprobs = None
         if self.body.logprobs is not None and delta.logprobs:
             start = len(job.text) - len(delta.text)
             logprobs = self._logprobs(delta.token_ids, delta.logprobs, start)
-        text, job.echo = job.echo + delta.text, ""     # the prompt's text goes out once, before the first text
+        text, job.echo = job.echo + delta.text, ""  # the prompt's text goes out once, before the first text
         return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs], offset: int) -> dict[str, Any]:
@@ -147,9 +149,12 @@ class ChatFormat(ResponseFormat):
 
     def choice(self, job: Job) -> dict[str, Any]:
         message, finish_reason = self._message(job)
-        out = {"index": job.index, "message": message,
-               "logprobs": self._logprobs(job.token_ids, job.logprobs) if job.params.logprobs is not None
-               else None, "finish_reason": finish_reason}
+        out = {
+            "index": job.index,
+            "message": message,
+            "logprobs": self._logprobs(job.token_ids, job.logprobs) if job.params.logprobs is not None else None,
+            "finish_reason": finish_reason,
+        }
         if self.body.prompt_logprobs is not None:
             out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
         return out
@@ -173,10 +178,10 @@ class ChatFormat(ResponseFormat):
             try:
                 arguments = json.loads(text)
             except ValueError:
-                return text, []            # cut short by max_tokens: the text as it is
+                return text, []  # cut short by max_tokens: the text as it is
             name = self.body.tool_choice.function.name
             return None, [ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())]
-        if self.tool_mode == "required":   # cut at max_tokens: the complete calls it holds
+        if self.tool_mode == "required":  # cut at max_tokens: the complete calls it holds
             calls = calls_of_required(text, truncated=job.finish_reason == FinishReason.LENGTH)
             return (text, []) if calls is None else (None, calls)
         return self.parse_tools(text)
@@ -204,13 +209,17 @@ class ChatFormat(ResponseFormat):
         out = [self._chunk_of(job, {"reasoning_content": reasoning}, None)] if reasoning else []
         if content:
             out.append(self._chunk_of(job, {"content": content}, None))
-        calls = stream.calls - sum(isinstance(e, ToolCall) for e in events)   # index of the next call
+        calls = stream.calls - sum(isinstance(e, ToolCall) for e in events)  # index of the next call
         for event in events:
             if isinstance(event, ToolCall):
-                call = {"index": calls, "id": event.id, "type": "function",
-                        "function": {"name": event.name, "arguments": event.arguments}}
+                call = {
+                    "index": calls,
+                    "id": event.id,
+                    "type": "function",
+                    "function": {"name": event.name, "arguments": event.arguments},
+                }
                 calls += 1
-            else:   # a piece of the named function's arguments
+            else:  # a piece of the named function's arguments
                 call = {"index": 0, "function": {"arguments": event}}
             out.append(self._chunk_of(job, {"tool_calls": [call]}, None))
         if delta.finished:
@@ -237,22 +246,33 @@ class ChatFormat(ResponseFormat):
         return [self._chunk_of(job, fields, delta.finish_reason)]
 
     def _chunk_of(self, job: Job, fields: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return self._envelope(self.chunk_object_name, [{"index": job.index, "delta": fields, "logprobs": None,
-                                                        "finish_reason": finish_reason}])
+        return self._envelope(
+            self.chunk_object_name,
+            [{"index": job.index, "delta": fields, "logprobs": None, "finish_reason": finish_reason}],
+        )
 
     def opening_chunks(self, jobs: list[Job]) -> list[dict[str, Any]]:
-        return [self._envelope(self.chunk_object_name, [{"index": job.index, "delta": {"role": "assistant",
-                                                                                       "content": ""},
-                                                         "logprobs": None, "finish_reason": None}])
-                for job in jobs]
+        return [
+            self._envelope(
+                self.chunk_object_name,
+                [
+                    {
+                        "index": job.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+            for job in jobs
+        ]
 
     def chunk_choice(self, job: Job, delta: RequestOutput) -> dict[str, Any]:
         logprobs = None
         if job.params.logprobs is not None and delta.logprobs:
             logprobs = self._logprobs(delta.token_ids, delta.logprobs)
         content = {"content": delta.text} if delta.text or not delta.finished else {}
-        return {"index": job.index, "delta": content, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}
+        return {"index": job.index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs]) -> dict[str, Any]:
         text = self.front.token_text
@@ -260,10 +280,17 @@ class ChatFormat(ResponseFormat):
         content = []
         for token_id, row in zip(token_ids, rows):
             piece = text(token_id)
-            top = [{"token": text(t), "logprob": _finite(lp), "bytes": list(text(t).encode())}
-                   for t, lp in _top(row, n)]
-            content.append({"token": piece, "logprob": _finite(row.get(token_id)),
-                            "bytes": list(piece.encode()), "top_logprobs": top})
+            top = [
+                {"token": text(t), "logprob": _finite(lp), "bytes": list(text(t).encode())} for t, lp in _top(row, n)
+            ]
+            content.append(
+                {
+                    "token": piece,
+                    "logprob": _finite(row.get(token_id)),
+                    "bytes": list(piece.encode()),
+                    "top_logprobs": top,
+                }
+            )
         return {"content": content}
 
 
@@ -291,8 +318,16 @@ def beam_choices(jobs: list[Job], n: int) -> list[Job]:
     choices = []
     for job in jobs:
         for rank, beam in enumerate(job.beams or ()):
-            choices.append(dataclasses.replace(job, index=job.prompt_index * n + rank, token_ids=list(beam.token_ids),
-                                               text=beam.text, finish_reason=beam.finish_reason, logprobs=[]))
+            choices.append(
+                dataclasses.replace(
+                    job,
+                    index=job.prompt_index * n + rank,
+                    token_ids=list(beam.token_ids),
+                    text=beam.text,
+                    finish_reason=beam.finish_reason,
+                    logprobs=[],
+                )
+            )
     return choices
 
 
@@ -306,8 +341,7 @@ def best_of(jobs: list[Job], n: int) -> list[Job]:
         return jobs
     chosen = []
     for p, group in sorted(by_prompt.items()):
-        ranked = sorted(group, key=lambda job: -sum(_finite(row.get(t)) for t, row in zip(job.token_ids,
-                                                                                              job.logprobs)))
+        ranked = sorted(group, key=lambda job: -sum(_finite(row.get(t)) for t, row in zip(job.token_ids, job.logprobs)))
         for rank, job in enumerate(ranked[:n]):
             job.index = p * n + rank
             chosen.append(job)
@@ -348,9 +382,9 @@ def embedding_json(vector: list[float], dimensions: int | None, normalize: bool,
 
 def sse_event(payload: dict[str, Any]) -> str:
     """One SSE event; text that is not valid Unicode (it cannot be sent as UTF-8) goes \\u-escaped."""
-    text = json.dumps(payload, separators=(',', ':'), ensure_ascii=False)
+    text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        text = json.dumps(payload, separators=(',', ':'))
+        text = json.dumps(payload, separators=(",", ":"))
     return f"data: {text}\n\n"

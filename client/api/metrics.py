@@ -33,15 +33,77 @@ from infer.protocol.messages import ClusterStats, Counters
 from infer.protocol.outputs import RequestOutput
 
 # vLLM's bucket boundaries, so dashboards built for it read ours the same way.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-disable_created_metrics()   # no `_created` series: vLLM does not export them and scrapers do not need them
+disable_created_metrics()  # no `_created` series: vLLM does not export them and scrapers do not need them
 
 
 class FrontMetrics:
@@ -52,60 +114,114 @@ class FrontMetrics:
         labels = ["model_name"]
         r = self.registry
         self._gauges = {
-            "running": Gauge("infer:num_requests_running", "Requests running on the workers.", labels,
-                             registry=r),
-            "waiting": Gauge("infer:num_requests_waiting",
-                             "Requests waiting: in the workers' queues and held by the coordinator.", labels,
-                             registry=r),
-            "kv": Gauge("infer:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1) over healthy "
-                        "workers.", labels, registry=r),
-            "workers": Gauge("infer:num_healthy_workers", "Workers the coordinator can route to.", labels,
-                             registry=r),
-            "weight_version": Gauge("infer:weight_version", "The weights the cluster serves (update_weights "
-                                    "counts versions; 0: as loaded).", labels, registry=r),
-            "released": Gauge("infer:suspended_bytes", "Bytes of KV pool and weights the workers released while "
-                              "suspended.", labels, registry=r),
+            "running": Gauge("infer:num_requests_running", "Requests running on the workers.", labels, registry=r),
+            "waiting": Gauge(
+                "infer:num_requests_waiting",
+                "Requests waiting: in the workers' queues and held by the coordinator.",
+                labels,
+                registry=r,
+            ),
+            "kv": Gauge(
+                "infer:kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use (0..1) over healthy workers.",
+                labels,
+                registry=r,
+            ),
+            "workers": Gauge("infer:num_healthy_workers", "Workers the coordinator can route to.", labels, registry=r),
+            "weight_version": Gauge(
+                "infer:weight_version",
+                "The weights the cluster serves (update_weights counts versions; 0: as loaded).",
+                labels,
+                registry=r,
+            ),
+            "released": Gauge(
+                "infer:suspended_bytes",
+                "Bytes of KV pool and weights the workers released while suspended.",
+                labels,
+                registry=r,
+            ),
         }
-        self._state = Gauge("infer:cluster_state", "1 for the cluster's lifecycle state (running, paused, suspended, "
-                            "stopped), 0 for the others.", labels + ["state"], registry=r)
+        self._state = Gauge(
+            "infer:cluster_state",
+            "1 for the cluster's lifecycle state (running, paused, suspended, stopped), 0 for the others.",
+            labels + ["state"],
+            registry=r,
+        )
         self._worker_counters = {
-            "num_preemptions": Counter("infer:num_preemptions", "Preemptions (requests that lost their KV "
-                                       "blocks and recompute).", labels, registry=r),
-            "prefix_cache_queries": Counter("infer:prefix_cache_queries", "Prompt tokens looked up in the "
-                                            "prefix cache.", labels, registry=r),
-            "prefix_cache_hits": Counter("infer:prefix_cache_hits", "Prompt tokens found in the prefix "
-                                         "cache.", labels, registry=r),
-            "spec_decode_num_drafts": Counter("infer:spec_decode_num_drafts", "Speculative decoding: verifications "
-                                              "(a request's drafts checked in one step).", labels, registry=r),
-            "spec_decode_num_draft_tokens": Counter("infer:spec_decode_num_draft_tokens", "Speculative decoding: "
-                                                    "draft tokens proposed.", labels, registry=r),
-            "spec_decode_num_accepted_tokens": Counter("infer:spec_decode_num_accepted_tokens", "Speculative "
-                                                       "decoding: draft tokens accepted.", labels, registry=r),
+            "num_preemptions": Counter(
+                "infer:num_preemptions",
+                "Preemptions (requests that lost their KV blocks and recompute).",
+                labels,
+                registry=r,
+            ),
+            "prefix_cache_queries": Counter(
+                "infer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r
+            ),
+            "prefix_cache_hits": Counter(
+                "infer:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
+            ),
+            "spec_decode_num_drafts": Counter(
+                "infer:spec_decode_num_drafts",
+                "Speculative decoding: verifications (a request's drafts checked in one step).",
+                labels,
+                registry=r,
+            ),
+            "spec_decode_num_draft_tokens": Counter(
+                "infer:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed.", labels, registry=r
+            ),
+            "spec_decode_num_accepted_tokens": Counter(
+                "infer:spec_decode_num_accepted_tokens",
+                "Speculative decoding: draft tokens accepted.",
+                labels,
+                registry=r,
+            ),
         }
-        self._accepted_per_pos = Counter("infer:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
-                                         "draft tokens accepted, by position in the drafts (0: the first).",
-                                         labels + ["position"], registry=r)
+        self._accepted_per_pos = Counter(
+            "infer:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by position in the drafts (0: the first).",
+            labels + ["position"],
+            registry=r,
+        )
         self._coordinator_counters = {
             f.name: Counter(f"infer:coordinator_{f.name}", f.metadata["help"], labels, registry=r)
-            for f in dataclasses.fields(Counters)}
-        self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of served requests.", labels,
-                                     registry=r).labels(model_name)
-        self.generation_tokens = Counter("infer:generation_tokens", "Generated tokens of served requests.",
-                                         labels, registry=r).labels(model_name)
-        self._success = Counter("infer:request_success", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram("infer:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("infer:inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             labels, buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("infer:e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                             buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.queue_time = Histogram("infer:request_queue_time_seconds", "Time a request waited in its worker "
-                                    "before it was first scheduled.", labels, buckets=LATENCY_BUCKETS,
-                                    registry=r).labels(model_name)
+            for f in dataclasses.fields(Counters)
+        }
+        self.prompt_tokens = Counter(
+            "infer:prompt_tokens", "Prompt tokens of served requests.", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "infer:generation_tokens", "Generated tokens of served requests.", labels, registry=r
+        ).labels(model_name)
+        self._success = Counter(
+            "infer:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "infer:time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=r
+        ).labels(model_name)
+        self.itl = Histogram(
+            "infer:inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "infer:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.queue_time = Histogram(
+            "infer:request_queue_time_seconds",
+            "Time a request waited in its worker before it was first scheduled.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model_name)
         self.model_name = model_name
         for metric in [*self._gauges.values(), *self._worker_counters.values(), *self._coordinator_counters.values()]:
-            metric.labels(model_name)   # a labelled series exists (at 0) before its first change
+            metric.labels(model_name)  # a labelled series exists (at 0) before its first change
         self._last_totals: dict[tuple[str, str], int] = {}
 
     def tracker(self) -> RequestTracker:
@@ -138,20 +254,29 @@ class FrontMetrics:
         for worker in [] if stats is None else stats.workers:
             if worker.load is not None:
                 for attr, counter in self._worker_counters.items():
-                    self._add_total(counter.labels(self.model_name), f"worker {worker.worker_id}", attr,
-                                    getattr(worker.load, attr))
+                    self._add_total(
+                        counter.labels(self.model_name), f"worker {worker.worker_id}", attr, getattr(worker.load, attr)
+                    )
                 for position, total in enumerate(worker.load.spec_decode_num_accepted_tokens_per_pos):
-                    self._add_total(self._accepted_per_pos.labels(self.model_name, str(position)),
-                                    f"worker {worker.worker_id}", f"accepted_pos_{position}", total)
+                    self._add_total(
+                        self._accepted_per_pos.labels(self.model_name, str(position)),
+                        f"worker {worker.worker_id}",
+                        f"accepted_pos_{position}",
+                        total,
+                    )
         if stats is not None:
             for attr, total in dataclasses.asdict(stats.counters).items():
-                self._add_total(self._coordinator_counters[attr].labels(self.model_name),
-                                f"coordinator {stats.coordinator_id}", attr, total)
+                self._add_total(
+                    self._coordinator_counters[attr].labels(self.model_name),
+                    f"coordinator {stats.coordinator_id}",
+                    attr,
+                    total,
+                )
 
     def _add_total(self, counter, source: str, attr: str, total: int) -> None:
         """Add to `counter` (a labelled series) what `source`'s counter `attr` gained since its last report."""
         last = self._last_totals.get((source, attr), 0)
-        increase = total - last if total >= last else total   # below the last value: the source restarted
+        increase = total - last if total >= last else total  # below the last value: the source restarted
         self._last_totals[(source, attr)] = total
         if increase:
             counter.inc(increase)
@@ -183,7 +308,7 @@ class RequestTracker:
             else:
                 gaps = len(delta.token_ids)
                 gap = (now - self.last_token_at) / gaps
-            for _ in range(gaps):    # tokens that came together share the gap since the previous delta
+            for _ in range(gaps):  # tokens that came together share the gap since the previous delta
                 m.itl.observe(gap)
             self.last_token_at = now
         if delta.finished:

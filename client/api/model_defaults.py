@@ -18,8 +18,14 @@ from typing import Any
 
 log = logging.getLogger("infer.api")
 
-GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+GENERATION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 MAX_CHAT_TEMPLATE_BYTES = 1 << 20
 
 
@@ -35,8 +41,9 @@ def load_chat_template(value: str) -> str:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             why = getattr(e, "strerror", None) or e
-            raise ValueError(f"--chat-template {value}: not a template (no '{{', '}}' or newline) and not a "
-                             f"readable file: {why}") from None
+            raise ValueError(
+                f"--chat-template {value}: not a template (no '{{', '}}' or newline) and not a readable file: {why}"
+            ) from None
         where = value
     else:
         text, where = value, "the template given"
@@ -92,8 +99,10 @@ def generation_defaults(setting: str, model_dir: str | os.PathLike[str] | None) 
             continue
         wants_int = field in ("top_k", "max_tokens")
         if isinstance(value, bool) or not isinstance(value, int if wants_int else (int, float)):
-            raise ValueError(f"--generation-config: {path}: {name} must be {'an integer' if wants_int else 'a number'}"
-                             f", got {value!r}")
+            raise ValueError(
+                f"--generation-config: {path}: {name} must be {'an integer' if wants_int else 'a number'}"
+                f", got {value!r}"
+            )
         defaults[field] = value
     from infer.protocol.sampling import SamplingParams
 
@@ -102,6 +111,9 @@ def generation_defaults(setting: str, model_dir: str | os.PathLike[str] | None) 
     except ValueError as e:
         raise ValueError(f"--generation-config: {path}: {e}") from None
     if defaults:
-        log.info("generation config %s: defaults for requests that leave them out: %s", path,
-                 ", ".join(f"{k}={v}" for k, v in defaults.items()))
+        log.info(
+            "generation config %s: defaults for requests that leave them out: %s",
+            path,
+            ", ".join(f"{k}={v}" for k, v in defaults.items()),
+        )
     return defaults

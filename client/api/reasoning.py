@@ -21,7 +21,7 @@ class ReasoningSplitter:
         if parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {parser!r}")
         self.parser = parser
-        self._mode = "start"            # start (before the first text decides) -> reasoning -> content
+        self._mode = "start"  # start (before the first text decides) -> reasoning -> content
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -30,18 +30,18 @@ class ReasoningSplitter:
         if self._mode == "start":
             head = self._held.lstrip()
             if head.startswith(START):
-                self._held, self._mode = head[len(START):], "reasoning"
+                self._held, self._mode = head[len(START) :], "reasoning"
             elif START.startswith(head):
-                return "", ""           # may still become the opening tag (or nothing has come yet)
+                return "", ""  # may still become the opening tag (or nothing has come yet)
             else:
                 self._mode = "reasoning" if self.parser == "deepseek_r1" else "content"
         if self._mode == "reasoning":
             at = self._held.find(END)
             if at < 0:
                 keep = _partial_suffix(self._held, END)
-                reasoning, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+                reasoning, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
                 return reasoning, ""
-            reasoning, self._held, self._mode = self._held[:at], self._held[at + len(END):], "content"
+            reasoning, self._held, self._mode = self._held[:at], self._held[at + len(END) :], "content"
         content, self._held = self._held, ""
         return reasoning, content
 

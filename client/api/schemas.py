@@ -17,14 +17,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S
 from infer.client.api.tools import MAX_TOOLS, parameters_schema, required_schema
-from infer.protocol.structured import StructuredOutputsParams
+from infer.protocol.messages import MAX_REQUEST_TIMEOUT_S
 from infer.protocol.sampling import MAX_LOGPROBS, SamplingParams
+from infer.protocol.structured import StructuredOutputsParams
 
 MAX_N = 16
 MAX_STOP = 8
-MAX_COMPLETIONS_LOGPROBS = 5   # OpenAI's limit for /v1/completions
+MAX_COMPLETIONS_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_USER_CHARS = 512
 
 TokenIdList = list[Annotated[int, Field(ge=0)]]
@@ -33,12 +33,28 @@ TokenIdList = list[Annotated[int, Field(ge=0)]]
 class ApiError(Exception):
     """An error answered with OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 499: "client_closed_request",
-             500: "internal_error", 503: "service_unavailable_error", 504: "timeout_error"}
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+        499: "client_closed_request",
+        500: "internal_error",
+        503: "service_unavailable_error",
+        504: "timeout_error",
+    }
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         """`retry_after` (seconds) becomes the Retry-After header; `headers` are sent as given."""
         super().__init__(message)
         self.status = status
@@ -49,8 +65,14 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class StreamOptions(BaseModel):
@@ -126,7 +148,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None   # OpenAI's end-user id: accepted, unused
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None  # OpenAI's end-user id: accepted, unused
     logit_bias: dict[str, float] | None = None
     # vLLM-style extras
     top_k: int | None = None
@@ -151,7 +173,7 @@ class _SamplingFields(BaseModel):
     # our extension: a per-request deadline
     timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
     # vLLM's: lower is served first (workers with --scheduling-policy priority; the coordinator sheds by it)
-    priority: Annotated[int, Field(ge=-2**63, lt=2**63, strict=True)] = 0
+    priority: Annotated[int, Field(ge=-(2**63), lt=2**63, strict=True)] = 0
     # vLLM's beam search: one engine request of best_of (completions) or n beams, the best n returned as choices
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -188,7 +210,7 @@ class _SamplingFields(BaseModel):
         given: list[tuple[str, dict[str, Any]]] = []
         if self.response_format is not None and self.response_format.type == "json_object":
             given.append(("response_format", {"json_object": True}))
-        if self.response_format is not None and self.response_format.json_schema is not None:   # type json_schema
+        if self.response_format is not None and self.response_format.json_schema is not None:  # type json_schema
             given.append(("response_format.json_schema.schema", {"json": self.response_format.json_schema.schema_}))
         if self.structured_outputs is not None:
             fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
@@ -213,9 +235,11 @@ class _SamplingFields(BaseModel):
     def token_id_fields(self) -> dict[str, list[int]]:
         """The token ids the body names outside its prompt, by field (the front checks them against the
         vocabulary)."""
-        return {"logit_bias": [int(k) for k in self.logit_bias or {}],
-                "allowed_token_ids": list(self.allowed_token_ids or ()),
-                "stop_token_ids": list(self.stop_token_ids or ())}
+        return {
+            "logit_bias": [int(k) for k in self.logit_bias or {}],
+            "allowed_token_ids": list(self.allowed_token_ids or ()),
+            "stop_token_ids": list(self.stop_token_ids or ()),
+        }
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -228,33 +252,62 @@ class _SamplingFields(BaseModel):
         """With use_beam_search, the beams: completions' best_of when given, else n."""
         return (getattr(self, "best_of", None) or self.n) if self.use_beam_search else None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0,
-                        structured: StructuredOutputsParams | None = None,
-                        prompt_logprobs: int | None = None,
-                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        seed_offset: int = 0,
+        structured: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> SamplingParams:
         """SamplingParams of choice number `seed_offset` (a seeded request's choices get seed, seed+1...). A
         sampling field the body leaves out takes `defaults` (the generation config's), else ours."""
         seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
-        ours = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-                **(defaults or {})}
+        ours = {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            **(defaults or {}),
+        }
         beams = {}
-        if self.use_beam_search:   # deterministic: the sampling defaults do not apply (a given temperature > 0 fails)
+        if self.use_beam_search:  # deterministic: the sampling defaults do not apply (a given temperature > 0 fails)
             ours.update(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
-            beams = dict(beam_width=self.beam_width, n=self.n, length_penalty=self.length_penalty,
-                         early_stopping=self.early_stopping)
+            beams = dict(
+                beam_width=self.beam_width,
+                n=self.n,
+                length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping,
+            )
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         value = {name: ours[name] if v is None else v for name, v in given.items()}
         return SamplingParams(
-            temperature=value["temperature"], top_p=value["top_p"], top_k=value["top_k"], min_p=value["min_p"],
-            max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens or self.min_tokens),
-            stop=self.stop, stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            seed=seed, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            temperature=value["temperature"],
+            top_p=value["top_p"],
+            top_k=value["top_k"],
+            min_p=value["min_p"],
+            max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens or self.min_tokens),
+            stop=self.stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            seed=seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             repetition_penalty=value["repetition_penalty"],
-            logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias or None,
-            allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),
-            structured_outputs=structured, prompt_logprobs=prompt_logprobs,
-            disable_speculative_decoding=self.disable_speculative_decoding, **beams)
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias or None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=tuple(self.bad_words or ()),
+            structured_outputs=structured,
+            prompt_logprobs=prompt_logprobs,
+            disable_speculative_decoding=self.disable_speculative_decoding,
+            **beams,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -275,7 +328,7 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
 
     prompt: str | TokenIdList | list[str] | list[TokenIdList]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16     # OpenAI's default for completions
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETIONS_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -340,7 +393,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")   # e.g. `name`; passed to the chat template as given
+    model_config = ConfigDict(extra="allow")  # e.g. `name`; passed to the chat template as given
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
@@ -380,9 +433,19 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "tokenize",
-                                      "add_generation_prompt", "chat_template", "return_dict",
-                                      "continue_final_message"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "tokenize",
+        "add_generation_prompt",
+        "chat_template",
+        "return_dict",
+        "continue_final_message",
+    }
+)
 MAX_TEMPLATE_KWARGS = 32
 
 
@@ -406,7 +469,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
-    allow_special_tokens_in_content: bool = False   # ours: special-token text in content stays live (see README)
+    allow_special_tokens_in_content: bool = False  # ours: special-token text in content stays live (see README)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -451,9 +514,12 @@ class ChatCompletionRequest(_SamplingFields):
         if mode not in ("required", "named"):
             return given
         if given is not None:
-            raise ApiError(400, f"tool_choice {mode!r} constrains the output itself; it cannot be combined with "
-                                f"{given[0]}", param=given[0])
-        if isinstance(self.tool_choice, NamedToolChoice):   # mode "named"
+            raise ApiError(
+                400,
+                f"tool_choice {mode!r} constrains the output itself; it cannot be combined with {given[0]}",
+                param=given[0],
+            )
+        if isinstance(self.tool_choice, NamedToolChoice):  # mode "named"
             tool = next(t for t in self.tool_dicts if t["function"]["name"] == self.tool_choice.function.name)
             schema = parameters_schema(tool)
         else:
@@ -480,12 +546,12 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_special_tokens: bool | None = None        # default: True for a prompt, False for messages (vLLM's)
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
-    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None       # with messages, as in chat
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None  # with messages, as in chat
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
-    allow_special_tokens_in_content: bool = False   # with messages, as in chat
+    allow_special_tokens_in_content: bool = False  # with messages, as in chat
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -519,18 +585,21 @@ class EmbeddingRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str
-    input: (Annotated[str, Field(min_length=1)]
-            | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
-            | Annotated[TokenIdList, Field(min_length=1)]
-            | Annotated[list[Annotated[TokenIdList, Field(min_length=1)]],
-                        Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    input: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | Annotated[TokenIdList, Field(min_length=1)]
+        | Annotated[
+            list[Annotated[TokenIdList, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+        ]
+    )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
     pooling: Literal["last", "mean", "cls"] = "last"
     normalize: bool = True
     timeout: Annotated[float, Field(gt=0, le=MAX_REQUEST_TIMEOUT_S, allow_inf_nan=False)] | None = None
-    priority: Annotated[int, Field(ge=-2**63, lt=2**63, strict=True)] = 0
+    priority: Annotated[int, Field(ge=-(2**63), lt=2**63, strict=True)] = 0
 
     def prompts(self) -> list[str | list[int]]:
         value = self.input

@@ -16,22 +16,22 @@ import logging
 import signal
 import socket
 import sys
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from infer.client.api.admission import read_key_file, resolve_api_key
-from infer.client.api.model_defaults import generation_defaults, load_chat_template, matryoshka_dimensions
-from infer.protocol.options import add_options, add_vllm_flags, option, to_argv
 from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app
+from infer.client.api.model_defaults import generation_defaults, load_chat_template, matryoshka_dimensions
 from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tools import TOOL_PARSERS
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError, InferenceClient
 from infer.protocol.keys import CurveKeys, refuse_open_bind
 from infer.protocol.logs import add_logging_args, setup_logging
+from infer.protocol.options import add_options, add_vllm_flags, option, to_argv
 from infer.worker.config import DEFAULT_MODEL_ID
 
 log = logging.getLogger("infer.api")
@@ -48,8 +48,15 @@ class _Server(uvicorn.Server):
 class HttpFront:
     """The HTTP front on a bound socket. `port=0` picks a free port (read `.port` after `bind()`)."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Any, config: FrontConfig, host: str = "127.0.0.1",
-                 port: int = 8000, graceful_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Any,
+        config: FrontConfig,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        graceful_timeout: float = 5.0,
+    ) -> None:
         """`graceful_timeout`: on shutdown, seconds open requests get to finish (new connections refused)."""
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
@@ -60,9 +67,16 @@ class HttpFront:
         self.host = host
         self.port = port
         self._socket: socket.socket | None = None
-        self._server = _Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                              # uvicorn types it int; it is wait_for's timeout, a float
-                                              timeout_graceful_shutdown=graceful_timeout))   # type: ignore[arg-type]
+        self._server = _Server(
+            uvicorn.Config(
+                self.app,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                # uvicorn types it int; it is wait_for's timeout, a float
+                timeout_graceful_shutdown=graceful_timeout,  # type: ignore[arg-type]
+            )
+        )
 
     def bind(self) -> int:
         """Bind and listen now (so the caller can print the address before serving); returns the port."""
@@ -117,15 +131,27 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve_http(engine: EngineClient, *, tokenizer: Any, host: str = "127.0.0.1", port: int = 8000,
-                     served_model_name: str | None = None, api_key: str | None = None,
-                     max_concurrent_requests: int = 1024, on_ready: Callable[[str], None] | None = None) -> None:
+async def serve_http(
+    engine: EngineClient,
+    *,
+    tokenizer: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_concurrent_requests: int = 1024,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
     """Serve `engine` over HTTP until cancelled. `port=0` picks a free port; `on_ready(url)` is called once
     the socket listens (connections made from then on are served)."""
     name = served_model_name or engine.model_id or DEFAULT_MODEL_ID
-    front = HttpFront(engine, tokenizer, FrontConfig(served_model_name=name, api_key=api_key,
-                                                     max_concurrent_requests=max_concurrent_requests),
-                      host=host, port=port)
+    front = HttpFront(
+        engine,
+        tokenizer,
+        FrontConfig(served_model_name=name, api_key=api_key, max_concurrent_requests=max_concurrent_requests),
+        host=host,
+        port=port,
+    )
     front.bind()
     log.info("HTTP front on %s serving %r", front.url, name)
     if on_ready is not None:
@@ -143,8 +169,10 @@ def front_model_dir(model: str | None, model_id: str | None) -> Path:
     try:
         return resolve_model(source)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the model {source or 'the embedded default model'!r}: {e}; "
-                         f"pass --model with the model's directory or .gguf file") from None
+        raise ValueError(
+            f"cannot read the model {source or 'the embedded default model'!r}: {e}; "
+            f"pass --model with the model's directory or .gguf file"
+        ) from None
 
 
 def load_front_tokenizer(model: str | None, model_id: str | None) -> Any:
@@ -155,11 +183,13 @@ def load_front_tokenizer(model: str | None, model_id: str | None) -> Any:
     try:
         return front_tokenizer(path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load the tokenizer from {str(path)!r}: {e}; "
-                         f"pass --model with the model's directory or .gguf file") from None
+        raise ValueError(
+            f"cannot load the tokenizer from {str(path)!r}: {e}; pass --model with the model's directory or .gguf file"
+        ) from None
 
 
 # ---- infer-api ------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class FrontFlags:
@@ -170,36 +200,63 @@ class FrontFlags:
 
     host: str = option("127.0.0.1", "the HTTP front's bind address")
     port: int = option(8000, "the HTTP front's port (0: a free one)")
-    api_key: str | None = option(None, "require 'Authorization: Bearer <key>' (visible in the process list: prefer "
-                                 "--api-key-file or $INFER_API_KEY; none of the three: no key)")
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer <key>' (visible in the process list: prefer "
+        "--api-key-file or $INFER_API_KEY; none of the three: no key)",
+    )
     api_key_file: str | None = option(None, "read the API key from the first line of FILE", metavar="FILE")
-    admin_api_key_file: str | None = option(None, "the admin's key, from the first line of FILE: its bearer may "
-                                            "cancel any request (POST /v1/requests/{id}/cancel; a caller may cancel "
-                                            "its own)", metavar="FILE")
+    admin_api_key_file: str | None = option(
+        None,
+        "the admin's key, from the first line of FILE: its bearer may "
+        "cancel any request (POST /v1/requests/{id}/cancel; a caller may cancel "
+        "its own)",
+        metavar="FILE",
+    )
     served_model_name: str | None = option(None, "the model name clients send (default: the cluster's model id)")
-    max_concurrent_requests: int = option(1024, "engine requests in flight through this front; past it new "
-                                          "requests get 503 'overloaded' at once")
+    max_concurrent_requests: int = option(
+        1024, "engine requests in flight through this front; past it new requests get 503 'overloaded' at once"
+    )
     max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, "largest request body; larger ones get 413")
-    tool_call_parser: str | None = option(None, "the format of the model's tool calls (default: the one its chat "
-                                          "template uses: mistral, llama3_json, else hermes)", choices=TOOL_PARSERS)
-    reasoning_parser: str | None = option(None, "split <think>...</think> into reasoning_content (default: off)",
-                                          choices=REASONING_PARSERS)
-    chat_template: str | None = option(None, "the chat template to use instead of the tokenizer's: a file, or the "
-                                       "Jinja template itself (vLLM's flag)", metavar="FILE_OR_TEMPLATE")
-    generation_config: str = option("auto", "sampling defaults for requests that leave them out (vLLM's flag): auto "
-                                    "reads the model's generation_config.json (temperature, top_p, top_k, min_p, "
-                                    "repetition_penalty, max_new_tokens as max_tokens), PATH that folder's (or "
-                                    "file), vllm none; a request's own values win", metavar="auto|vllm|PATH")
-    otlp_traces_endpoint: str | None = option(None, "export an OpenTelemetry span of each request's hop through the "
-                                              "front to this OTLP endpoint, the child of the caller's W3C "
-                                              "'traceparent' header (vLLM's flag; needs pip install "
-                                              "'infer[otel]')", metavar="URL")
-    trusted_network: bool = option(False, "allow a non-loopback bind with nothing protecting it: the HTTP front "
-                                   "without an API key (and a coordinator this command starts without CURVE keys); "
-                                   "otherwise it is refused")
+    tool_call_parser: str | None = option(
+        None,
+        "the format of the model's tool calls (default: the one its chat "
+        "template uses: mistral, llama3_json, else hermes)",
+        choices=TOOL_PARSERS,
+    )
+    reasoning_parser: str | None = option(
+        None, "split <think>...</think> into reasoning_content (default: off)", choices=REASONING_PARSERS
+    )
+    chat_template: str | None = option(
+        None,
+        "the chat template to use instead of the tokenizer's: a file, or the Jinja template itself (vLLM's flag)",
+        metavar="FILE_OR_TEMPLATE",
+    )
+    generation_config: str = option(
+        "auto",
+        "sampling defaults for requests that leave them out (vLLM's flag): auto "
+        "reads the model's generation_config.json (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens as max_tokens), PATH that folder's (or "
+        "file), vllm none; a request's own values win",
+        metavar="auto|vllm|PATH",
+    )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "export an OpenTelemetry span of each request's hop through the "
+        "front to this OTLP endpoint, the child of the caller's W3C "
+        "'traceparent' header (vLLM's flag; needs pip install "
+        "'infer[otel]')",
+        metavar="URL",
+    )
+    trusted_network: bool = option(
+        False,
+        "allow a non-loopback bind with nothing protecting it: the HTTP front "
+        "without an API key (and a coordinator this command starts without CURVE keys); "
+        "otherwise it is refused",
+    )
 
 
-_NOT_PASSED_ON = ("host", "port", "api_key", "api_key_file")   # the child inherits the socket; the key: see below
+_NOT_PASSED_ON = ("host", "port", "api_key", "api_key_file")  # the child inherits the socket; the key: see below
 
 
 def add_front_arguments(p: argparse.ArgumentParser) -> None:
@@ -218,8 +275,9 @@ def check_front_exposure(host: str, config: FrontConfig, trusted_network: bool) 
     """ValueError when the front would serve a non-loopback `host` with no API key and the network is not
     declared trusted."""
     if config.api_key is None and not trusted_network:
-        refuse_open_bind(host, what="the HTTP front",
-                         remedy="give it a key (--api-key-file FILE, $INFER_API_KEY or --api-key K)")
+        refuse_open_bind(
+            host, what="the HTTP front", remedy="give it a key (--api-key-file FILE, $INFER_API_KEY or --api-key K)"
+        )
 
 
 def front_config(args: argparse.Namespace, model_id: str | None, model_dir: Path | None = None) -> FrontConfig:
@@ -227,34 +285,53 @@ def front_config(args: argparse.Namespace, model_id: str | None, model_dir: Path
     --generation-config auto looks (None: nowhere yet)."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    return FrontConfig(served_model_name=args.served_model_name or model_id or DEFAULT_MODEL_ID,
-                       api_key=resolve_api_key(args.api_key, args.api_key_file),
-                       admin_api_key=(None if args.admin_api_key_file is None
-                                      else read_key_file(args.admin_api_key_file, "--admin-api-key-file")),
-                       max_concurrent_requests=args.max_concurrent_requests,
-                       max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
-                       reasoning_parser=args.reasoning_parser,
-                       chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
-                       sampling_defaults=generation_defaults(args.generation_config, model_dir),
-                       matryoshka_dimensions=matryoshka_dimensions(model_dir),
-                       otlp_traces_endpoint=args.otlp_traces_endpoint)
+    return FrontConfig(
+        served_model_name=args.served_model_name or model_id or DEFAULT_MODEL_ID,
+        api_key=resolve_api_key(args.api_key, args.api_key_file),
+        admin_api_key=(
+            None if args.admin_api_key_file is None else read_key_file(args.admin_api_key_file, "--admin-api-key-file")
+        ),
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_body_bytes=args.max_body_bytes,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
+        sampling_defaults=generation_defaults(args.generation_config, model_dir),
+        matryoshka_dimensions=matryoshka_dimensions(model_dir),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer-api", description="An OpenAI-compatible HTTP front on an existing "
-                                "infer cluster (several may share one coordinator).")
+    p = argparse.ArgumentParser(
+        prog="infer-api",
+        description="An OpenAI-compatible HTTP front on an existing infer cluster (several may share one coordinator).",
+    )
     p.add_argument("--coordinator", required=True, help="the coordinator's address, tcp://HOST:PORT")
     p.add_argument("--model", help="where to read the tokenizer (default: the model the cluster serves)")
     add_front_arguments(p)
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the coordinator")
-    p.add_argument("--graceful-timeout", type=float, default=5.0,
-                   help="on SIGTERM, seconds open requests get to finish (default 5)")
-    p.add_argument("--listen-fd", type=int, metavar="FD", help="serve on this inherited listening socket "
-                   "instead of binding --host / --port (infer-serve's: it keeps the socket across restarts of "
-                   "its front)")
-    p.add_argument("--curve-key", metavar="FILE", help="CurveZMQ: this front's secret key file, as a client "
-                   "of a coordinator with keys (with --coordinator-key; infer-keygen makes both): a client key "
-                   "(the coordinator's clients/ folder), never an admin key, since HTTP callers act with it")
+    p.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, seconds open requests get to finish (default 5)",
+    )
+    p.add_argument(
+        "--listen-fd",
+        type=int,
+        metavar="FD",
+        help="serve on this inherited listening socket "
+        "instead of binding --host / --port (infer-serve's: it keeps the socket across restarts of "
+        "its front)",
+    )
+    p.add_argument(
+        "--curve-key",
+        metavar="FILE",
+        help="CurveZMQ: this front's secret key file, as a client "
+        "of a coordinator with keys (with --coordinator-key; infer-keygen makes both): a client key "
+        "(the coordinator's clients/ folder), never an admin key, since HTTP callers act with it",
+    )
     p.add_argument("--coordinator-key", metavar="FILE", help="CurveZMQ: the coordinator's public key file")
     add_logging_args(p)
     add_vllm_flags(p)
@@ -280,18 +357,31 @@ async def run_front(client: InferenceClient, front: HttpFront) -> None:
 
 async def _main(args: argparse.Namespace) -> int:
     try:
-        async with InferenceClient(args.coordinator, connect_timeout=args.connect_timeout,
-                                   curve_key=args.curve_key, coordinator_key=args.coordinator_key) as client:
+        async with InferenceClient(
+            args.coordinator,
+            connect_timeout=args.connect_timeout,
+            curve_key=args.curve_key,
+            coordinator_key=args.coordinator_key,
+        ) as client:
             tokenizer = load_front_tokenizer(args.model, client.model_id)
             model_dir = front_model_dir(args.model, client.model_id)
-            front = HttpFront(client, tokenizer, front_config(args, client.model_id, model_dir), args.host, args.port,
-                              graceful_timeout=args.graceful_timeout)
+            front = HttpFront(
+                client,
+                tokenizer,
+                front_config(args, client.model_id, model_dir),
+                args.host,
+                args.port,
+                graceful_timeout=args.graceful_timeout,
+            )
             if args.listen_fd is None:
                 front.bind()
             else:
                 front.adopt(socket.socket(fileno=args.listen_fd))
-            print(f"infer-api: serving {front.app.state.front.config.served_model_name!r} on {front.url}, "
-                  f"cluster {args.coordinator}", flush=True)
+            print(
+                f"infer-api: serving {front.app.state.front.config.served_model_name!r} on {front.url}, "
+                f"cluster {args.coordinator}",
+                flush=True,
+            )
             await run_front(client, front)
     except (ClusterError, ValueError, OSError) as e:
         print(f"infer-api: {e}", file=sys.stderr)

@@ -34,13 +34,13 @@ from typing import Any, Callable
 
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 MAX_TOOLS = 128
-MAX_PARALLEL_CALLS = 16   # "required" with parallel_tool_calls: a small model may otherwise repeat calls forever
+MAX_PARALLEL_CALLS = 16  # "required" with parallel_tool_calls: a small model may otherwise repeat calls forever
 
 
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str          # JSON text of the arguments object
+    arguments: str  # JSON text of the arguments object
     id: str = ""
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
@@ -110,9 +110,8 @@ def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
     rest = rest.strip()
     if rest.startswith("["):
         items = _json(rest)
-        calls: list[ToolCall | None] = [_call(item) for item in items] if isinstance(items, list) and items \
-            else [None]
-    else:       # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
+        calls: list[ToolCall | None] = [_call(item) for item in items] if isinstance(items, list) and items else [None]
+    else:  # name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}
         calls = []
         for part in rest.split("[TOOL_CALLS]"):
             name, sep, args = part.partition("[ARGS]")
@@ -124,7 +123,10 @@ def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 PARSERS: dict[str, Callable[[str], tuple[str | None, list[ToolCall]]]] = {
-    "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+    "hermes": parse_hermes,
+    "llama3_json": parse_llama3_json,
+    "mistral": parse_mistral,
+}
 
 
 def _split_top_level(text: str, sep: str) -> list[str]:
@@ -158,14 +160,24 @@ def default_parser(chat_template: str | None) -> str:
 
 # ---- tool_choice as an output constraint ----------------------------------------------------------------
 
+
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """tool_choice "required": a JSON array of calls, each {"name": one tool's name, "parameters": its
     arguments}; one call unless parallel."""
-    items = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
-                                               "parameters": parameters_schema(t)},
-              "required": ["name", "parameters"]} for t in tools]
-    return {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
-            "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"enum": [t["function"]["name"]]}, "parameters": parameters_schema(t)},
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    return {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+    }
 
 
 def parameters_schema(tool: dict[str, Any]) -> dict[str, Any]:
@@ -220,12 +232,12 @@ class ToolCallStream:
 
     def __init__(self, mode: str, parser: str, named: str | None = None) -> None:
         self.mode, self.parser, self.named = mode, parser, named
-        self.calls = 0                 # complete calls released
-        self._buf = ""                 # text not yet released
-        self._inside = False           # hermes: within <tool_call> ... </tool_call>
-        self._space = ""               # whitespace content held until more content follows
-        self._items = 0                # required: array elements released
-        self._passthrough = False      # llama3_json: the output is not a call, everything is content
+        self.calls = 0  # complete calls released
+        self._buf = ""  # text not yet released
+        self._inside = False  # hermes: within <tool_call> ... </tool_call>
+        self._space = ""  # whitespace content held until more content follows
+        self._items = 0  # required: array elements released
+        self._passthrough = False  # llama3_json: the output is not a call, everything is content
 
     def feed(self, text: str) -> tuple[str, list[ToolCall | str]]:
         self._buf += text
@@ -240,7 +252,7 @@ class ToolCallStream:
             return self._named()
         if self.mode == "required":
             events = self._required()
-            if not self.calls and not events:   # not an array of calls: the text as it is
+            if not self.calls and not events:  # not an array of calls: the text as it is
                 text, self._buf = self._buf, ""
                 return text, []
             return "", events
@@ -268,7 +280,7 @@ class ToolCallStream:
         dropped if the output called tools (the whole output's parse strips the content around calls)."""
         text = self._space + text
         body = text.rstrip()
-        self._space = text[len(body):]
+        self._space = text[len(body) :]
         return body
 
     def _rest(self, text: str) -> str:
@@ -288,7 +300,7 @@ class ToolCallStream:
         return "", events
 
     def _required(self) -> list[ToolCall | str]:
-        items = leading_array_items(self._buf)[self._items:]   # re-read whole: at most MAX_PARALLEL_CALLS
+        items = leading_array_items(self._buf)[self._items :]  # re-read whole: at most MAX_PARALLEL_CALLS
         self._items += len(items)
         calls = [c for c in (_call(item, ("parameters",)) for item in items) if c is not None]
         self.calls += len(calls)
@@ -302,15 +314,15 @@ class ToolCallStream:
                 at = self._buf.find(TOOL_CALL_START)
                 if at < 0:
                     keep = _partial_suffix(self._buf, TOOL_CALL_START)
-                    content += self._content(self._buf[:len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep:]
+                    content += self._content(self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep :]
                     return content, events
                 content += self._content(self._buf[:at])
-                self._buf, self._inside = self._buf[at + len(TOOL_CALL_START):], True
+                self._buf, self._inside = self._buf[at + len(TOOL_CALL_START) :], True
             at = self._buf.find(TOOL_CALL_END)
             if at < 0:
                 return content, events
-            raw, self._buf, self._inside = self._buf[:at], self._buf[at + len(TOOL_CALL_END):], False
+            raw, self._buf, self._inside = self._buf[:at], self._buf[at + len(TOOL_CALL_END) :], False
             call = _call(_json(raw.strip()))
             if call is None:
                 content += self._content(TOOL_CALL_START + raw + TOOL_CALL_END)
@@ -321,7 +333,7 @@ class ToolCallStream:
     def _llama3(self) -> tuple[str, list[ToolCall | str]]:
         head = self._buf.lstrip()
         if head and not (head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)):
-            self._passthrough = True   # not a call: content from here on
+            self._passthrough = True  # not a call: content from here on
         if not self._passthrough:
             return "", []
         text, self._buf = self._buf, ""
@@ -334,8 +346,8 @@ class ToolCallStream:
             self._buf = self._buf[at:]
             return content, []
         keep = _partial_suffix(self._buf, "[TOOL_CALLS]")
-        content = self._content(self._buf[:len(self._buf) - keep])
-        self._buf = self._buf[len(self._buf) - keep:]
+        content = self._content(self._buf[: len(self._buf) - keep])
+        self._buf = self._buf[len(self._buf) - keep :]
         return content, []
 
 
@@ -374,7 +386,9 @@ def _with_object_arguments(call: Any) -> Any:
 def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
     """Hermes' tool instructions, for a chat template that does not render `tools` itself."""
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("You may call one or more functions to assist with the user query. The functions are:\n<tools>\n"
-            f"{lines}\n</tools>\nTo call a function, reply with a JSON object of its name and arguments in "
-            "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            "<args-json-object>}\n</tool_call>")
+    return (
+        "You may call one or more functions to assist with the user query. The functions are:\n<tools>\n"
+        f"{lines}\n</tools>\nTo call a function, reply with a JSON object of its name and arguments in "
+        '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call>"
+    )

@@ -15,6 +15,7 @@ fi
 # The style the code follows (pyproject's [tool.ruff]; the C kernels' kernels/cpu/.clang-format) and types (every
 # package), then the tests.
 .venv/bin/python -m ruff check --quiet .
+.venv/bin/python -m ruff format --check --quiet .
 .venv/bin/clang-format --dry-run --Werror kernels/cpu/*.c kernels/cpu/*.h
 .venv/bin/python -m mypy --no-error-summary protocol coordinator kernels client worker
 # In 2 (up to 4, one a core) processes (pytest-xdist): much of the suite waits on daemons, sockets and timeouts.

@@ -55,8 +55,8 @@ import logging
 import os
 import re
 import shutil
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -83,6 +83,7 @@ log = logging.getLogger("infer.slurm")
 
 
 # ---- where each worker goes (pure) ------------------------------------------------------------------
+
 
 def expand_counts(spec: str) -> list[int]:
     """Slurm's compressed per-node counts ("2(x3),1", as in SLURM_STEP_TASKS_PER_NODE) -> [2, 2, 2, 1]."""
@@ -117,15 +118,17 @@ class WorkerPlan:
 
     index: int
     ep_size: int = 1
-    group_master: str | None = None   # the node of the world's rank 0 (ep_size > 1 or tp_size > 1)
+    group_master: str | None = None  # the node of the world's rank 0 (ep_size > 1 or tp_size > 1)
     dist_port: int = DEFAULT_DIST_PORT
     tp_size: int = 1
     pp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.index < 0 or self.ep_size < 1 or self.tp_size < 1 or self.pp_size < 1:
-            raise ValueError(f"bad worker index {self.index}, EP size {self.ep_size}, TP size {self.tp_size} or PP "
-                             f"size {self.pp_size}")
+            raise ValueError(
+                f"bad worker index {self.index}, EP size {self.ep_size}, TP size {self.tp_size} or PP "
+                f"size {self.pp_size}"
+            )
         if (self.ep_size > 1 or self.tp_size > 1 or self.pp_size > 1) and self.group_master is None:
             raise ValueError("an EP or TP group, or a pipeline, needs the node of its rank 0")
 
@@ -153,22 +156,37 @@ class WorkerPlan:
         """infer-worker's rank flags; the EP / TP ones only for a real group (size > 1)."""
         ep, tp, pp = self.ep_size > 1, self.tp_size > 1, self.pp_size > 1
         rank = {"dp_rank": self.dp_rank, "group_id": f"ep{self.group}" if ep else None}
-        groups = {"ep_size": self.ep_size, "ep_rank": self.ep_rank if ep else None, "tp_size": self.tp_size,
-                  "tp_rank": self.tp_rank if tp else None, "pp_size": self.pp_size,
-                  "pp_rank": self.pp_rank if pp else None,
-                  "dist_init": f"tcp://{self.group_master}:{self.dist_port + self.group}" if ep or tp or pp else None}
+        groups = {
+            "ep_size": self.ep_size,
+            "ep_rank": self.ep_rank if ep else None,
+            "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank if tp else None,
+            "pp_size": self.pp_size,
+            "pp_rank": self.pp_rank if pp else None,
+            "dist_init": f"tcp://{self.group_master}:{self.dist_port + self.group}" if ep or tp or pp else None,
+        }
         return to_argv(WorkerOptions, rank) + to_argv(WorkerFlags, groups)
 
 
-def plan_worker(index: int, nodes: list[str], tasks_per_node: list[int], ep_size: int,
-                dist_port: int = DEFAULT_DIST_PORT, tp_size: int = 1, pp_size: int = 1) -> WorkerPlan:
+def plan_worker(
+    index: int,
+    nodes: list[str],
+    tasks_per_node: list[int],
+    ep_size: int,
+    dist_port: int = DEFAULT_DIST_PORT,
+    tp_size: int = 1,
+    pp_size: int = 1,
+) -> WorkerPlan:
     total = sum(tasks_per_node)
     if pp_size > 1 and total % (pp_size * tp_size * ep_size):
-        raise ValueError(f"{total} tasks do not split into pipelines of {pp_size} stages (x TP {tp_size} x EP "
-                         f"{ep_size})")
+        raise ValueError(
+            f"{total} tasks do not split into pipelines of {pp_size} stages (x TP {tp_size} x EP {ep_size})"
+        )
     if total % (ep_size * tp_size):
-        raise ValueError(f"{total} tasks do not split into {'TP x EP groups' if tp_size > 1 else 'EP groups'} of "
-                         f"{tp_size * ep_size if tp_size > 1 else ep_size}")
+        raise ValueError(
+            f"{total} tasks do not split into {'TP x EP groups' if tp_size > 1 else 'EP groups'} of "
+            f"{tp_size * ep_size if tp_size > 1 else ep_size}"
+        )
     world = ep_size * tp_size * pp_size
     master = node_of(index // world * world, nodes, tasks_per_node) if world > 1 else None
     return WorkerPlan(index, ep_size, master, dist_port, tp_size, pp_size)
@@ -176,37 +194,46 @@ def plan_worker(index: int, nodes: list[str], tasks_per_node: list[int], ep_size
 
 # ---- Slurm's environment (read here only) ------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class SlurmEnv:
     job_id: str
     job_nodelist: str
-    node_name: str | None           # SLURMD_NODENAME: the node this process runs on
-    ntasks_per_node: int | None     # sbatch --ntasks-per-node
-    procid: int | None              # the srun task's global index
+    node_name: str | None  # SLURMD_NODENAME: the node this process runs on
+    ntasks_per_node: int | None  # sbatch --ntasks-per-node
+    procid: int | None  # the srun task's global index
     step_nodelist: str | None
     step_tasks_per_node: str | None
-    submit_dir: str | None = None   # SLURM_SUBMIT_DIR: where sbatch ran (a shared filesystem)
+    submit_dir: str | None = None  # SLURM_SUBMIT_DIR: where sbatch ran (a shared filesystem)
 
     @classmethod
     def from_environ(cls, env: dict[str, str] | os._Environ = os.environ) -> SlurmEnv:
         if "SLURM_JOB_ID" not in env or "SLURM_JOB_NODELIST" not in env:
-            raise ValueError("not inside a Slurm job (SLURM_JOB_ID / SLURM_JOB_NODELIST unset): submit "
-                             "deploy/slurm/infer.sbatch with sbatch")
+            raise ValueError(
+                "not inside a Slurm job (SLURM_JOB_ID / SLURM_JOB_NODELIST unset): submit "
+                "deploy/slurm/infer.sbatch with sbatch"
+            )
 
         def integer(name: str) -> int | None:
             return int(env[name]) if env.get(name, "").isdigit() else None
 
-        return cls(job_id=env["SLURM_JOB_ID"], job_nodelist=env["SLURM_JOB_NODELIST"],
-                   node_name=env.get("SLURMD_NODENAME"), ntasks_per_node=integer("SLURM_NTASKS_PER_NODE"),
-                   procid=integer("SLURM_PROCID"), step_nodelist=env.get("SLURM_STEP_NODELIST"),
-                   step_tasks_per_node=env.get("SLURM_STEP_TASKS_PER_NODE"),
-                   submit_dir=env.get("SLURM_SUBMIT_DIR"))
+        return cls(
+            job_id=env["SLURM_JOB_ID"],
+            job_nodelist=env["SLURM_JOB_NODELIST"],
+            node_name=env.get("SLURMD_NODENAME"),
+            ntasks_per_node=integer("SLURM_NTASKS_PER_NODE"),
+            procid=integer("SLURM_PROCID"),
+            step_nodelist=env.get("SLURM_STEP_NODELIST"),
+            step_tasks_per_node=env.get("SLURM_STEP_TASKS_PER_NODE"),
+            submit_dir=env.get("SLURM_SUBMIT_DIR"),
+        )
 
 
 def hostnames(nodelist: str) -> list[str]:
     """`scontrol show hostnames`: Slurm's own expansion of a node list such as n[1-3,7]."""
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                         timeout=60, check=True).stdout.split()
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
     if not out:
         raise ValueError(f"the node list {nodelist!r} names no node")
     return out
@@ -217,13 +244,17 @@ def reachable_address(node: str, nodes: list[str]) -> str:
     interface (0.0.0.0) when that is a loopback address (Debian maps the own hostname to 127.0.1.1)."""
     address = socket.gethostbyname(node)
     if ipaddress.ip_address(address).is_loopback and len(nodes) > 1:
-        log.warning("%s resolves to %s here: binding 0.0.0.0 instead (pass --coordinator-host / --host to "
-                    "choose an interface)", node, address)
+        log.warning(
+            "%s resolves to %s here: binding 0.0.0.0 instead (pass --coordinator-host / --host to choose an interface)",
+            node,
+            address,
+        )
         return "0.0.0.0"
     return address
 
 
 # ---- worker: one srun task ---------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TaskOptions:
@@ -239,21 +270,37 @@ class TaskOptions:
 
 
 def worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py worker", allow_abbrev=False,
-                                description="One srun task: work out this worker's place, exec infer-worker.")
+    p = argparse.ArgumentParser(
+        prog="launch.py worker",
+        allow_abbrev=False,
+        description="One srun task: work out this worker's place, exec infer-worker.",
+    )
     add_options(p, TaskOptions)
     add_options(p.add_argument_group("restarts (of this task's worker when it dies)"), RestartPolicy)
     return p
 
 
-def worker_argv(args: argparse.Namespace, extra: list[str], index: int, step_nodes: list[str],
-                tasks_per_node: list[int], first_node: str) -> list[str]:
+def worker_argv(
+    args: argparse.Namespace,
+    extra: list[str],
+    index: int,
+    step_nodes: list[str],
+    tasks_per_node: list[int],
+    first_node: str,
+) -> list[str]:
     """The infer-worker command line of srun task `index` (the job's first node runs the coordinator)."""
     task = TaskOptions(**given(TaskOptions, args))
     host = task.coordinator_host or first_node
     plan = plan_worker(index, step_nodes, tasks_per_node, task.ep_size, task.dist_port, task.tp_size, task.pp_size)
-    return [sys.executable, "-m", "infer.worker.daemon", "--coordinator", f"tcp://{host}:{task.coordinator_port}",
-            *plan.flags(), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "infer.worker.daemon",
+        "--coordinator",
+        f"tcp://{host}:{task.coordinator_port}",
+        *plan.flags(),
+        *extra,
+    ]
 
 
 def run_worker(argv: list[str]) -> int:
@@ -263,8 +310,14 @@ def run_worker(argv: list[str]) -> int:
         env = SlurmEnv.from_environ()
         if env.procid is None or env.step_tasks_per_node is None:
             raise ValueError("not an srun task (SLURM_PROCID / SLURM_STEP_TASKS_PER_NODE unset)")
-        command = worker_argv(args, unknown + extra, env.procid, hostnames(env.step_nodelist or env.job_nodelist),
-                              expand_counts(env.step_tasks_per_node), hostnames(env.job_nodelist)[0])
+        command = worker_argv(
+            args,
+            unknown + extra,
+            env.procid,
+            hostnames(env.step_nodelist or env.job_nodelist),
+            expand_counts(env.step_tasks_per_node),
+            hostnames(env.job_nodelist)[0],
+        )
         policy = RestartPolicy(**given(RestartPolicy, args))
     except (ValueError, OSError, subprocess.SubprocessError) as e:
         print(f"launch.py worker: {e}", file=sys.stderr)
@@ -287,12 +340,16 @@ def keep_running(command: list[str], policy: RestartPolicy, name: str) -> int:
             return _shell_code(code)
         verdict = crash_loop.on_exit(time.monotonic(), code)
         if isinstance(verdict, GiveUp):
-            print(f"{name}: the worker (pid {worker.pid}) is not restarted: {verdict.reason}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{name}: the worker (pid {worker.pid}) is not restarted: {verdict.reason}", file=sys.stderr, flush=True
+            )
             return _shell_code(code)
-        print(f"{name}: the worker (pid {worker.pid}) {how_it_ended(code)}; restarting it in {verdict.delay:.1f} s "
-              f"(restart {verdict.attempt} of at most {policy.max_restarts} within {policy.restart_window:g} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"{name}: the worker (pid {worker.pid}) {how_it_ended(code)}; restarting it in {verdict.delay:.1f} s "
+            f"(restart {verdict.attempt} of at most {policy.max_restarts} within {policy.restart_window:g} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         if stopping.wait(verdict.delay):
             return _shell_code(code)
 
@@ -304,53 +361,78 @@ def _shell_code(returncode: int) -> int:
 
 # ---- head: the batch step ----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class JobOptions:
     """The head's own options (infer.sbatch's): the workers and their groups, the coordinator's address, how long
     the job's start and end may take, and its keys. --drain-timeout goes to the coordinator and every worker."""
 
-    workers_per_node: int | None = option(None, "workers (DP ranks) per node (default: sbatch's --ntasks-per-node, "
-                                                "else 1)")
+    workers_per_node: int | None = option(
+        None, "workers (DP ranks) per node (default: sbatch's --ntasks-per-node, else 1)"
+    )
     ep_size: int = option(1, "ranks per EP group (1: dense, no groups)")
-    tp_size: int = option(1, "processes (srun tasks) per DP rank, each holding 1/T of every layer; a group's tasks "
-                             "are adjacent: on one node when T divides the workers per node")
-    pp_size: int = option(1, "pipeline stages (srun tasks) per DP rank, each holding a contiguous range of the "
-                             "layers: tasks i..i+P-1 form DP rank i // P (on one node, or across nodes), and "
-                             "rendezvous on the node of its stage 0 (not with --tp-size / --ep-size yet)")
+    tp_size: int = option(
+        1,
+        "processes (srun tasks) per DP rank, each holding 1/T of every layer; a group's tasks "
+        "are adjacent: on one node when T divides the workers per node",
+    )
+    pp_size: int = option(
+        1,
+        "pipeline stages (srun tasks) per DP rank, each holding a contiguous range of the "
+        "layers: tasks i..i+P-1 form DP rank i // P (on one node, or across nodes), and "
+        "rendezvous on the node of its stage 0 (not with --tp-size / --ep-size yet)",
+    )
     dist_port: int = option(DEFAULT_DIST_PORT, "EP group g's torch.distributed rendezvous port is this + g")
-    coordinator_host: str | None = option(None, "the coordinator's bind address (default: the first node's "
-                                                "address)")
+    coordinator_host: str | None = option(None, "the coordinator's bind address (default: the first node's address)")
     coordinator_port: int = option(DEFAULT_COORDINATOR_PORT, "the coordinator's port")
-    drain_timeout: float = option(15.0, "on scancel, seconds requests already accepted get to finish: the "
-                                        "coordinator refuses new ones and waits for them, the workers and the HTTP "
-                                        "front drain too (keep S + --shutdown-timeout under Slurm's KillWait)",
-                                  metavar="S")
+    drain_timeout: float = option(
+        15.0,
+        "on scancel, seconds requests already accepted get to finish: the "
+        "coordinator refuses new ones and waits for them, the workers and the HTTP "
+        "front drain too (keep S + --shutdown-timeout under Slurm's KillWait)",
+        metavar="S",
+    )
     ready_timeout: float = option(600.0, "seconds for every worker to join", metavar="S")
-    shutdown_timeout: float = option(20.0, "seconds the daemons get after SIGTERM before SIGKILL (keep it below "
-                                           "Slurm's KillWait)", metavar="S")
-    keys_dir: str | None = option(None, "CurveZMQ key pairs from `infer-keygen --cluster --dir DIR` (role folders "
-                                        "workers/, clients/, admins/), on a path every node reads (default: a fresh "
-                                        "set for this job in $SLURM_SUBMIT_DIR/.infer-keys-<job id>, removed at the "
-                                        "end; none with --trusted-network)", metavar="DIR")
+    shutdown_timeout: float = option(
+        20.0, "seconds the daemons get after SIGTERM before SIGKILL (keep it below Slurm's KillWait)", metavar="S"
+    )
+    keys_dir: str | None = option(
+        None,
+        "CurveZMQ key pairs from `infer-keygen --cluster --dir DIR` (role folders "
+        "workers/, clients/, admins/), on a path every node reads (default: a fresh "
+        "set for this job in $SLURM_SUBMIT_DIR/.infer-keys-<job id>, removed at the "
+        "end; none with --trusted-network)",
+        metavar="DIR",
+    )
 
 
 # The coordinator's options the head takes (its --drain-timeout is the job's: JobOptions).
-COORDINATOR_OPTIONS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "queue_timeout",
-                       "stop_timeout", "max_retries")
+COORDINATOR_OPTIONS = (
+    "policy",
+    "heartbeat_interval",
+    "worker_timeout",
+    "client_timeout",
+    "queue_timeout",
+    "stop_timeout",
+    "max_retries",
+)
 
 
 def head_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer.sbatch", allow_abbrev=False,
-                                description="An infer cluster over the nodes of this Slurm job (--model: on a "
-                                "path every node reads).",
-                                epilog="Other options, and the arguments after `--`, go to every worker unchanged.")
+    p = argparse.ArgumentParser(
+        prog="infer.sbatch",
+        allow_abbrev=False,
+        description="An infer cluster over the nodes of this Slurm job (--model: on a path every node reads).",
+        epilog="Other options, and the arguments after `--`, go to every worker unchanged.",
+    )
     add_options(p, EngineConfig, names=("model",))
     add_options(p, JobOptions, defaults=True)
-    add_front_arguments(p)   # --host (default: the first node's address), --port, --api-key, ...
+    add_front_arguments(p)  # --host (default: the first node's address), --port, --api-key, ...
     p.set_defaults(host=None, port=DEFAULT_HTTP_PORT)
     add_options(p.add_argument_group("coordinator options"), CoordinatorConfig, names=COORDINATOR_OPTIONS)
-    add_options(p.add_argument_group("restarts (of a worker, the coordinator or the HTTP front that dies)"),
-                RestartPolicy)
+    add_options(
+        p.add_argument_group("restarts (of a worker, the coordinator or the HTTP front that dies)"), RestartPolicy
+    )
     add_logging_args(p)
     return p
 
@@ -358,19 +440,29 @@ def head_parser() -> argparse.ArgumentParser:
 def coordinator_flags(args: argparse.Namespace) -> list[str]:
     """The coordinator's command line: its options given to the head, the job's drain timeout, the traces'
     endpoint, logging."""
-    options = dict(given(CoordinatorConfig, args, names=COORDINATOR_OPTIONS), drain_timeout=args.drain_timeout,
-                   otlp_traces_endpoint=args.otlp_traces_endpoint)
+    options = dict(
+        given(CoordinatorConfig, args, names=COORDINATOR_OPTIONS),
+        drain_timeout=args.drain_timeout,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+    )
     return to_argv(CoordinatorConfig, options) + logging_flags(args)
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
     """What every worker gets from the head's options: the model, the heartbeat interval (the coordinator's too),
     the job's drain timeout, the traces' endpoint, logging."""
-    return (to_argv(EngineConfig, {"model": args.model})
-            + to_argv(WorkerOptions, {"heartbeat_interval": args.heartbeat_interval,
-                                      "drain_timeout": args.drain_timeout,
-                                      "otlp_traces_endpoint": args.otlp_traces_endpoint})
-            + logging_flags(args))
+    return (
+        to_argv(EngineConfig, {"model": args.model})
+        + to_argv(
+            WorkerOptions,
+            {
+                "heartbeat_interval": args.heartbeat_interval,
+                "drain_timeout": args.drain_timeout,
+                "otlp_traces_endpoint": args.otlp_traces_endpoint,
+            },
+        )
+        + logging_flags(args)
+    )
 
 
 @dataclass(frozen=True)
@@ -393,13 +485,20 @@ class HeadPlan:
         return len(self.nodes) * self.workers_per_node // (self.tp_size * self.pp_size)
 
 
-def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str], env: SlurmEnv,
-              keys: ClusterKeyDir | None = None) -> HeadPlan:
+def plan_head(
+    args: argparse.Namespace,
+    worker_extra: list[str],
+    nodes: list[str],
+    env: SlurmEnv,
+    keys: ClusterKeyDir | None = None,
+) -> HeadPlan:
     """Validate the options against the job's `nodes` and build the plan; ValueError naming what is wrong.
     `keys`: the workers get their key flags from it."""
     if env.node_name is not None and env.node_name != nodes[0]:
-        raise ValueError(f"the head must run on the job's first node {nodes[0]}, not {env.node_name} "
-                         f"(submit infer.sbatch with sbatch)")
+        raise ValueError(
+            f"the head must run on the job's first node {nodes[0]}, not {env.node_name} "
+            f"(submit infer.sbatch with sbatch)"
+        )
     per_node = args.workers_per_node or env.ntasks_per_node or 1
     total = len(nodes) * per_node
     if per_node < 1:
@@ -407,29 +506,64 @@ def plan_head(args: argparse.Namespace, worker_extra: list[str], nodes: list[str
     if args.ep_size < 1 or total % args.ep_size:
         raise ValueError(f"{len(nodes)} nodes x {per_node} workers do not split into EP groups of {args.ep_size}")
     if args.tp_size < 1 or total % (args.tp_size * args.ep_size):
-        raise ValueError(f"{len(nodes)} nodes x {per_node} tasks do not split into TP groups of {args.tp_size} "
-                         f"(x EP groups of {args.ep_size})")
+        raise ValueError(
+            f"{len(nodes)} nodes x {per_node} tasks do not split into TP groups of {args.tp_size} "
+            f"(x EP groups of {args.ep_size})"
+        )
     world = args.pp_size * args.tp_size * args.ep_size
     if args.pp_size < 1 or total % world:
-        raise ValueError(f"{len(nodes)} nodes x {per_node} tasks do not split into pipelines of {args.pp_size} "
-                         f"stages (x TP groups of {args.tp_size} x EP groups of {args.ep_size})")
+        raise ValueError(
+            f"{len(nodes)} nodes x {per_node} tasks do not split into pipelines of {args.pp_size} "
+            f"stages (x TP groups of {args.tp_size} x EP groups of {args.ep_size})"
+        )
     for name in ("coordinator_port", "port", "dist_port"):
         if not 0 < getattr(args, name) < 65536:
             raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535 (the other nodes must know it)")
-    restarts = RestartPolicy(**given(RestartPolicy, args))   # checked here: a bad value fails before anything starts
+    restarts = RestartPolicy(**given(RestartPolicy, args))  # checked here: a bad value fails before anything starts
     explicit_host = args.coordinator_host not in (None, "0.0.0.0", "::")
     coordinator_host = args.coordinator_host or reachable_address(nodes[0], nodes)
-    task = TaskOptions(coordinator_port=args.coordinator_port, coordinator_host=coordinator_host if explicit_host
-                       else None, ep_size=args.ep_size, tp_size=args.tp_size, pp_size=args.pp_size,
-                       dist_port=args.dist_port)
-    worker = [sys.executable, os.path.abspath(__file__), "worker", *to_argv(TaskOptions, task),
-              *to_argv(RestartPolicy, restarts),
-              "--", *worker_flags(args), *(keys.worker_flags() if keys else []), *worker_extra]
-    srun = ["srun", f"--nodes={len(nodes)}", f"--ntasks={total}", f"--ntasks-per-node={per_node}",
-            "--distribution=block", "--overcommit", "--kill-on-bad-exit=0", "--label", "--job-name=infer-workers",
-            *worker]
-    return HeadPlan(nodes, per_node, args.ep_size, coordinator_host, args.coordinator_port,
-                    args.host or coordinator_host, srun, args.tp_size, args.pp_size)
+    task = TaskOptions(
+        coordinator_port=args.coordinator_port,
+        coordinator_host=coordinator_host if explicit_host else None,
+        ep_size=args.ep_size,
+        tp_size=args.tp_size,
+        pp_size=args.pp_size,
+        dist_port=args.dist_port,
+    )
+    worker = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "worker",
+        *to_argv(TaskOptions, task),
+        *to_argv(RestartPolicy, restarts),
+        "--",
+        *worker_flags(args),
+        *(keys.worker_flags() if keys else []),
+        *worker_extra,
+    ]
+    srun = [
+        "srun",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={total}",
+        f"--ntasks-per-node={per_node}",
+        "--distribution=block",
+        "--overcommit",
+        "--kill-on-bad-exit=0",
+        "--label",
+        "--job-name=infer-workers",
+        *worker,
+    ]
+    return HeadPlan(
+        nodes,
+        per_node,
+        args.ep_size,
+        coordinator_host,
+        args.coordinator_port,
+        args.host or coordinator_host,
+        srun,
+        args.tp_size,
+        args.pp_size,
+    )
 
 
 @dataclass
@@ -454,8 +588,9 @@ class SrunCluster(LocalCluster):
 def job_keys_dir(env: SlurmEnv) -> Path:
     """Where the head writes this job's fresh key set: the submit directory, which every node mounts."""
     if not env.submit_dir:
-        raise ValueError("SLURM_SUBMIT_DIR is unset: pass --keys-dir DIR (on a path every node reads) or "
-                         "--trusted-network")
+        raise ValueError(
+            "SLURM_SUBMIT_DIR is unset: pass --keys-dir DIR (on a path every node reads) or --trusted-network"
+        )
     return Path(env.submit_dir) / f".infer-keys-{env.job_id}"
 
 
@@ -470,8 +605,9 @@ def job_keys(args: argparse.Namespace, env: SlurmEnv) -> tuple[ClusterKeyDir | N
     try:
         directory.mkdir(mode=0o700)
     except FileExistsError:
-        raise ValueError(f"{directory} exists (a job with this id ran before?): remove it, or pass "
-                         f"--keys-dir") from None
+        raise ValueError(
+            f"{directory} exists (a job with this id ran before?): remove it, or pass --keys-dir"
+        ) from None
     try:
         return ClusterKeyDir.create(directory), directory
     except BaseException:
@@ -503,22 +639,35 @@ def run_head(argv: list[str]) -> int:
             shutil.rmtree(made, ignore_errors=True)
 
 
-def _serve_job(args: argparse.Namespace, env: SlurmEnv, plan: HeadPlan, keys: ClusterKeyDir | None,
-               made: Path | None) -> int:
+def _serve_job(
+    args: argparse.Namespace, env: SlurmEnv, plan: HeadPlan, keys: ClusterKeyDir | None, made: Path | None
+) -> int:
     args.host = plan.http_host
     if keys is not None:
-        print(f"infer.sbatch: CurveZMQ on every link, keys in {keys.path}"
-              f"{' (made for this job, removed when it ends)' if made else ''}; clients connect with "
-              f"curve_key={keys.secret('client')} coordinator_key={keys.public('coordinator')}; administrators "
-              f"(pause, suspend, stop) with curve_key={keys.secret('admin')}", flush=True)
-    print(f"infer.sbatch: job {env.job_id}: coordinator tcp://{plan.coordinator_host}:{plan.coordinator_port} on "
-          f"{plan.nodes[0]}; {plan.num_workers} workers ({plan.workers_per_node} tasks per node on "
-          f"{','.join(plan.nodes)}, EP size {plan.ep_size}, TP size {plan.tp_size}, PP size {plan.pp_size}); HTTP "
-          f"front on "
-          f"{plan.http_host}:{args.port} once every worker has joined", flush=True)
-    cluster = SrunCluster(num_workers=plan.num_workers, host=plan.coordinator_host, port=plan.coordinator_port,
-                          coordinator_args=coordinator_flags(args), srun=plan.srun, keys=keys,
-                          trusted_network=args.trusted_network)
+        print(
+            f"infer.sbatch: CurveZMQ on every link, keys in {keys.path}"
+            f"{' (made for this job, removed when it ends)' if made else ''}; clients connect with "
+            f"curve_key={keys.secret('client')} coordinator_key={keys.public('coordinator')}; administrators "
+            f"(pause, suspend, stop) with curve_key={keys.secret('admin')}",
+            flush=True,
+        )
+    print(
+        f"infer.sbatch: job {env.job_id}: coordinator tcp://{plan.coordinator_host}:{plan.coordinator_port} on "
+        f"{plan.nodes[0]}; {plan.num_workers} workers ({plan.workers_per_node} tasks per node on "
+        f"{','.join(plan.nodes)}, EP size {plan.ep_size}, TP size {plan.tp_size}, PP size {plan.pp_size}); HTTP "
+        f"front on "
+        f"{plan.http_host}:{args.port} once every worker has joined",
+        flush=True,
+    )
+    cluster = SrunCluster(
+        num_workers=plan.num_workers,
+        host=plan.coordinator_host,
+        port=plan.coordinator_port,
+        coordinator_args=coordinator_flags(args),
+        srun=plan.srun,
+        keys=keys,
+        trusted_network=args.trusted_network,
+    )
     return asyncio.run(serve(cluster, args))
 
 
@@ -527,7 +676,7 @@ def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         return argv, []
     cut = argv.index("--")
-    return argv[:cut], argv[cut + 1:]
+    return argv[:cut], argv[cut + 1 :]
 
 
 def main(argv: list[str] | None = None) -> int:

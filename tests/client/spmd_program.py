@@ -24,7 +24,7 @@ def main() -> None:
     if mode == "coordinator":
         llm = LLM(model, use_coordinator=True, **options)
         result["primary"] = llm.is_primary_rank
-        engine = llm.engine                      # this rank's own engine (its worker thread serves with it)
+        engine = llm.engine  # this rank's own engine (its worker thread serves with it)
         if llm.is_primary_rank:
             result["tokens"] = [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
             result["workers"] = len(llm.stats().workers)
@@ -33,7 +33,7 @@ def main() -> None:
                 llm.generate(PROMPTS[0], GREEDY)
             except RuntimeError as e:
                 result["refused"] = str(e)
-        llm.close()                              # rank 0: stops the cluster; the others: wait for that
+        llm.close()  # rank 0: stops the cluster; the others: wait for that
         result["served_here"] = engine.stats.num_requests_finished
     else:
         llm = LLM(model, **options)

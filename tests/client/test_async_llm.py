@@ -14,15 +14,14 @@ import pytest
 from aioprocs import pid_gone
 
 from infer import LLM, AsyncLLM, SamplingParams
-from infer.client.engine_client import EngineClient
-from infer.client.engine_client import ClusterError
+from infer.client.engine_client import ClusterError, EngineClient
 from infer.client.local_engine import LocalEngine
 from infer.worker.config import EngineConfig
 
 ENGINE_OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-STEP_DELAY_S = 0.01   # the slowed engine's extra time per step: LONG takes more than 2 s there
+STEP_DELAY_S = 0.01  # the slowed engine's extra time per step: LONG takes more than 2 s there
 PROMPTS = ["The capital of France", [5, 6, 7, 8], "a much longer prompt " * 10, "one"]
 
 
@@ -62,7 +61,7 @@ def slow_local(tiny_llama):
         time.sleep(STEP_DELAY_S)
         return execute(chunks)
 
-    local.engine.runner.execute = slowed   # before any request: the engine thread is idle
+    local.engine.runner.execute = slowed  # before any request: the engine thread is idle
     yield local
     asyncio.run(local.close())
 
@@ -87,8 +86,9 @@ async def test_generate_yields_deltas_that_add_up_to_llms_output(direct, referen
 async def test_generate_batch_matches_llm_in_prompt_order(direct, reference):
     expected = reference.generate(PROMPTS, GREEDY, use_tqdm=False)
     got = await direct.generate_batch(PROMPTS, GREEDY)
-    assert [(c.token_ids, c.text, c.prompt_token_ids, c.finish_reason) for c in got] == \
-           [(c.token_ids, c.text, c.prompt_token_ids, c.finish_reason) for c in expected]
+    assert [(c.token_ids, c.text, c.prompt_token_ids, c.finish_reason) for c in got] == [
+        (c.token_ids, c.text, c.prompt_token_ids, c.finish_reason) for c in expected
+    ]
 
 
 async def test_leaving_generate_early_aborts_the_request(direct):
@@ -132,14 +132,14 @@ async def test_a_failed_step_fails_every_request_and_then_every_call(tiny_llama,
     execute = local.engine.runner.execute
     broken = []
 
-    def breaks_once_both_run(chunks):   # the fault: once a step holds both requests, no forward runs any more
+    def breaks_once_both_run(chunks):  # the fault: once a step holds both requests, no forward runs any more
         if len(chunks) == 2:
             broken.append(True)
         if broken:
             raise RuntimeError("injected fault")
         return execute(chunks)
 
-    def dummy_fails_too():   # so the engine finds itself broken (one request's failure would fail it alone)
+    def dummy_fails_too():  # so the engine finds itself broken (one request's failure would fail it alone)
         raise RuntimeError("injected fault")
 
     monkeypatch.setattr(local.engine.runner, "execute", breaks_once_both_run)
@@ -191,10 +191,12 @@ async def test_serve_puts_the_http_front_on_the_local_engine(direct, reference):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
         models = await asyncio.to_thread(client.models.list)
         assert [m.id for m in models.data] == ["tiny"]
-        answer = await asyncio.to_thread(client.completions.create, model="tiny",
-                                         prompt="The capital of France", max_tokens=8, temperature=0)
-        expected = reference.generate("The capital of France", SamplingParams(temperature=0, max_tokens=8),
-                                      use_tqdm=False)[0]
+        answer = await asyncio.to_thread(
+            client.completions.create, model="tiny", prompt="The capital of France", max_tokens=8, temperature=0
+        )
+        expected = reference.generate(
+            "The capital of France", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+        )[0]
         assert answer.choices[0].text == expected.text
     finally:
         server.cancel()
@@ -203,8 +205,7 @@ async def test_serve_puts_the_http_front_on_the_local_engine(direct, reference):
 
 async def test_coordinator_mode_streams_the_same_tokens_and_stops_its_processes(tiny_llama, reference):
     expected = reference.generate("The capital of France", GREEDY, use_tqdm=False)[0]
-    async with AsyncLLM(tiny_llama, use_coordinator=True, num_threads=1, ready_timeout=120,
-                        **ENGINE_OPTIONS) as llm:
+    async with AsyncLLM(tiny_llama, use_coordinator=True, num_threads=1, ready_timeout=120, **ENGINE_OPTIONS) as llm:
         pids = llm.child_pids
         deltas = [d async for d in llm.generate("The capital of France", GREEDY)]
         assert len(deltas) > 1 and [t for d in deltas for t in d.token_ids] == expected.token_ids
@@ -227,6 +228,7 @@ async def test_coordinator_mode_streams_the_same_tokens_and_stops_its_processes(
 
 # ---- per-request timeouts (direct mode) -----------------------------------------------------------
 
+
 async def test_a_stream_past_its_timeout_ends_with_a_timeout_delta_and_frees_its_blocks(slow_local):
     before = await slow_local.stats()
     started = time.monotonic()
@@ -235,7 +237,7 @@ async def test_a_stream_past_its_timeout_ends_with_a_timeout_delta_and_frees_its
     last = deltas[-1]
     assert (last.finished, last.finish_reason, last.error_code) == (True, "error", "timeout")
     assert "'late' did not finish within its timeout of 0.5 s" in last.error
-    assert 0 < sum(len(d.token_ids) for d in deltas) < LONG.max_tokens   # it ran, and was cut off
+    assert 0 < sum(len(d.token_ids) for d in deltas) < LONG.max_tokens  # it ran, and was cut off
     assert not any(d.finished for d in deltas[:-1]) and elapsed >= 0.5
     await _assert_every_block_free(slow_local)
     after = await slow_local.stats()
@@ -251,19 +253,18 @@ async def test_generate_past_its_timeout_returns_the_timeout_instead_of_raising(
 
 async def test_timeouts_cut_only_their_own_requests(slow_local, reference):
     timed = [asyncio.create_task(slow_local.generate([20 + i, 21, 22], LONG, timeout=0.4)) for i in range(3)]
-    untimed = [asyncio.create_task(slow_local.generate(p, GREEDY)) for p in PROMPTS]   # in the same batches
+    untimed = [asyncio.create_task(slow_local.generate(p, GREEDY)) for p in PROMPTS]  # in the same batches
     assert [c.error_code for c in await asyncio.gather(*timed)] == ["timeout"] * 3
     done = await asyncio.gather(*untimed)
     expected = reference.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [(c.token_ids, c.finish_reason) for c in done] == \
-           [(c.token_ids, c.finish_reason) for c in expected]
+    assert [(c.token_ids, c.finish_reason) for c in done] == [(c.token_ids, c.finish_reason) for c in expected]
     await _assert_every_block_free(slow_local)
 
 
 async def test_a_finished_requests_deadline_does_not_touch_a_later_request_with_its_id(slow_local):
     first = await slow_local.generate([4, 5, 6], GREEDY, request_id="again", timeout=0.4)
     assert first.finish_reason == "length"
-    longer = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)   # runs past the first's deadline
+    longer = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # runs past the first's deadline
     second = await slow_local.generate([4, 5, 6], longer, request_id="again")
     assert (second.finish_reason, len(second.token_ids)) == ("length", 60)
 
@@ -287,9 +288,9 @@ async def test_a_request_id_longer_than_a_delta_carries_raises_value_error(direc
 
 async def test_deadlines_of_finished_requests_do_not_pile_up(direct):
     one = SamplingParams(temperature=0, max_tokens=1)
-    for _ in range(20):   # 400 requests with a deadline an hour away, each done in a step or two
+    for _ in range(20):  # 400 requests with a deadline an hour away, each done in a step or two
         await asyncio.gather(*(direct.engine.generate([1, 2, i], one, timeout=3600) for i in range(20)))
-    assert len(direct.engine._deadlines) <= 2 * 20 + 64 + 1   # finished ones are pruned, not kept an hour
+    assert len(direct.engine._deadlines) <= 2 * 20 + 64 + 1  # finished ones are pruned, not kept an hour
 
 
 def test_n_samples_through_asyncllm_batch_and_stream(direct, reference):
@@ -305,6 +306,7 @@ def test_n_samples_through_asyncllm_batch_and_stream(direct, reference):
             if delta.finished:
                 finished.append(delta.request_id)
         return batch, texts, finished
+
     batch, streamed, finished = asyncio.run(run())
     assert [o.token_ids for o in batch.outputs] == [o.token_ids for o in expected.outputs]
     assert sorted(finished) == ["req-0", "req-1"]

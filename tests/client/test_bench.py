@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 from serve_harness import Served
 
-BENCH = [str(Path(sys.executable).parent / "infer-bench")] if shutil.which(
-    "infer-bench", path=str(Path(sys.executable).parent)) else [sys.executable, "-m", "infer.client.bench"]
+BENCH = (
+    [str(Path(sys.executable).parent / "infer-bench")]
+    if shutil.which("infer-bench", path=str(Path(sys.executable).parent))
+    else [sys.executable, "-m", "infer.client.bench"]
+)
 
 
 @pytest.mark.slow
@@ -23,9 +26,30 @@ def test_a_run_against_infer_serve_completes_every_request(tiny_model_dir, tmp_p
     served = Served(tiny_model_dir("llama"), tmp_path / "serve.log", "tiny", ["--dtype", "float32", "--threads", "1"])
     try:
         out = tmp_path / "bench.json"
-        done = subprocess.run([*BENCH, "--url", served.url, "--num-prompts", "6", "--input-len", "4", "12",
-                               "--output-len", "3", "6", "--vocab-size", "1000", "--request-rate", "20",
-                               "--result-json", str(out)], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                *BENCH,
+                "--url",
+                served.url,
+                "--num-prompts",
+                "6",
+                "--input-len",
+                "4",
+                "12",
+                "--output-len",
+                "3",
+                "6",
+                "--vocab-size",
+                "1000",
+                "--request-rate",
+                "20",
+                "--result-json",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         served.stop()
     assert done.returncode == 0, done.stdout + done.stderr
@@ -37,12 +61,15 @@ def test_a_run_against_infer_serve_completes_every_request(tiny_model_dir, tmp_p
     assert result["config"]["request_rate"] == 20 and "api_key" not in result["config"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--url", "localhost:8000"], "--url must be http(s)://HOST[:PORT]"),
-    (["--url", "http://h:1", "--input-len", "9", "3"], "--input-len 9 3: need 1 <= MIN <= MAX"),
-    (["--url", "http://h:1", "--request-rate", "0"], "a request rate must be > 0 or inf"),
-    (["--url", "http://h:1", "--max-concurrency", "0"], "--max-concurrency must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--url", "localhost:8000"], "--url must be http(s)://HOST[:PORT]"),
+        (["--url", "http://h:1", "--input-len", "9", "3"], "--input-len 9 3: need 1 <= MIN <= MAX"),
+        (["--url", "http://h:1", "--request-rate", "0"], "a request rate must be > 0 or inf"),
+        (["--url", "http://h:1", "--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+    ],
+)
 def test_bad_options_exit_2_naming_them(argv, message):
     done = subprocess.run([*BENCH, *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
@@ -51,6 +78,6 @@ def test_bad_options_exit_2_naming_them(argv, message):
 def test_a_server_that_cannot_be_reached_exits_1_saying_so():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]          # closed again: nothing listens there
+        port = s.getsockname()[1]  # closed again: nothing listens there
     done = subprocess.run([*BENCH, "--url", f"http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and f"cannot benchmark http://127.0.0.1:{port}" in done.stderr, done.stderr

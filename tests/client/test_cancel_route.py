@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-
 from front_harness import MODEL, error_of, http, local_engine, serving
+
 from infer.client.local_engine import LocalEngine
 
 LONG = dict(model=MODEL, prompt=[3, 4, 5], max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
@@ -22,7 +22,7 @@ LONG = dict(model=MODEL, prompt=[3, 4, 5], max_tokens=200, temperature=0, extra_
 
 @pytest.fixture(scope="module")
 def slow_local(tiny_model_dir) -> Iterator[LocalEngine]:
-    engine = local_engine(tiny_model_dir("llama"), step_delay=0.03)   # 200 tokens: 6 s at least
+    engine = local_engine(tiny_model_dir("llama"), step_delay=0.03)  # 200 tokens: 6 s at least
     yield engine
     asyncio.run(engine.close())
 
@@ -53,7 +53,7 @@ def test_the_sender_cancels_its_stream_by_the_response_id_and_no_one_else_can(sl
         stream = _client(url, "alice-token").completions.create(**LONG, stream=True)
         first = next(iter(stream))
         request_id = first.id
-        for token in ("mallory-token", None):   # another caller, an anonymous one: as if the id were unknown
+        for token in ("mallory-token", None):  # another caller, an anonymous one: as if the id were unknown
             status, text = _cancel(url, request_id, token)
             assert status == 404 and error_of(text)["code"] == "request_not_found", text
         assert _cancel(url, "cmpl-unknown", "alice-token")[0] == 404
@@ -61,19 +61,24 @@ def test_the_sender_cancels_its_stream_by_the_response_id_and_no_one_else_can(sl
         assert status == 200, text
         rest = list(stream)
         assert rest[-1].choices[0].finish_reason == "abort"
-        assert time.monotonic() - started < 5   # long before its 200 tokens
-        assert _cancel(url, request_id, "alice-token")[0] == 404   # over: nothing left to cancel
+        assert time.monotonic() - started < 5  # long before its 200 tokens
+        assert _cancel(url, request_id, "alice-token")[0] == 404  # over: nothing left to cancel
     _all_blocks_free(slow_local)
 
 
 def test_a_request_cancelled_by_its_own_x_request_id_before_its_answer(slow_local, smollm2_tokenizer):
-    with serving(slow_local, smollm2_tokenizer, admin_api_key="admin-key") as url, \
-            concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with (
+        serving(slow_local, smollm2_tokenizer, admin_api_key="admin-key") as url,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+
         def run(token: str, request_id: str):
             return _client(url, token).completions.with_raw_response.create(
-                **LONG, extra_headers={"X-Request-Id": request_id})
+                **LONG, extra_headers={"X-Request-Id": request_id}
+            )
+
         mine = pool.submit(run, "bob-token", "job-42")
-        theirs = pool.submit(run, "carol-token", "job-42")   # the same id, another caller: never meet
+        theirs = pool.submit(run, "carol-token", "job-42")  # the same id, another caller: never meet
         time.sleep(1.0)
         assert _cancel(url, "job-42", "bob-token")[0] == 200
         raw = mine.result(30)
@@ -81,12 +86,17 @@ def test_a_request_cancelled_by_its_own_x_request_id_before_its_answer(slow_loca
         answer = raw.parse()
         assert answer.id == "job-42" and answer.choices[0].finish_reason == "abort"
         assert not theirs.done()
-        assert _cancel(url, "job-42", "admin-key")[0] == 200   # the admin cancels anyone's
+        assert _cancel(url, "job-42", "admin-key")[0] == 200  # the admin cancels anyone's
         assert theirs.result(30).parse().choices[0].finish_reason == "abort"
-        anonymous = pool.submit(lambda: http(f"{url}/v1/completions", {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": 200, "temperature": 0, "ignore_eos": True},
-                                             headers={"X-Request-Id": "anon-1"}))
+        anonymous = pool.submit(
+            lambda: http(
+                f"{url}/v1/completions",
+                {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": 200, "temperature": 0, "ignore_eos": True},
+                headers={"X-Request-Id": "anon-1"},
+            )
+        )
         time.sleep(1.0)
-        assert _cancel(url, "anon-1", None)[0] == 404   # no token: no one but the admin may cancel it
+        assert _cancel(url, "anon-1", None)[0] == 404  # no token: no one but the admin may cancel it
         assert _cancel(url, "anon-1", "admin-key")[0] == 200
         assert anonymous.result(30)[0] == 200
         bad = http(f"{url}/v1/completions", {"model": MODEL, "prompt": "x"}, headers={"X-Request-Id": "a" * 200})

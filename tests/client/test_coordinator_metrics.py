@@ -39,9 +39,12 @@ async def test_counters_the_coordinator_increments_show_up_in_metrics(tmp_path):
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     with open(tmp_path / "coordinator.log", "wb") as log:
-        coordinator = subprocess.Popen([sys.executable, "-m", "infer.coordinator.daemon", "--port", str(port),
-                                        "--heartbeat-interval", "0.2"], stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "infer.coordinator.daemon", "--port", str(port), "--heartbeat-interval", "0.2"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         async with InferenceClient(address, heartbeat_interval=0.2) as client:
             front = HttpFront(client, None, FrontConfig(served_model_name="tiny"), port=0)

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 import torch
-
 from front_harness import MODEL, error_of, http, local_engine, serving
+
 from infer import LLM
 from infer.client.local_engine import LocalEngine
 
@@ -32,8 +32,10 @@ def local(tiny_model_dir) -> Iterator[LocalEngine]:
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir) -> dict[str, list[list[float]]]:
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
-    out = {pooling: [o.embedding for o in llm.embed(INPUTS, pooling=pooling, use_tqdm=False)]
-           for pooling in ("last", "mean")}
+    out = {
+        pooling: [o.embedding for o in llm.embed(INPUTS, pooling=pooling, use_tqdm=False)]
+        for pooling in ("last", "mean")
+    }
     out["tokens"] = [o.embedding for o in llm.embed(TOKENS, use_tqdm=False)]
     return out
 
@@ -51,13 +53,13 @@ def _client(url: str) -> openai.OpenAI:
 def test_the_openai_clients_embeddings_create_gives_the_engines_vectors(local, smollm2_tokenizer, expected):
     with serving(local, smollm2_tokenizer) as url:
         client = _client(url)
-        for encoding in (None, "float", "base64"):   # None: the client asks for base64 and decodes it itself
+        for encoding in (None, "float", "base64"):  # None: the client asks for base64 and decodes it itself
             extra = {} if encoding is None else {"encoding_format": encoding}
             got = client.embeddings.create(model=MODEL, input=INPUTS, **extra)
             assert [d.index for d in got.data] == [0, 1, 2] and got.model == MODEL
             for d, want in zip(got.data, expected["last"]):
                 vector = d.embedding
-                if encoding == "base64":   # little-endian float32, as OpenAI sends it
+                if encoding == "base64":  # little-endian float32, as OpenAI sends it
                     vector = list(struct.unpack(f"<{len(want)}f", base64.b64decode(vector)))
                 torch.testing.assert_close(torch.tensor(vector), torch.tensor(want), atol=1e-6, rtol=1e-5)
             tokens = sum(len(smollm2_tokenizer(p)["input_ids"]) for p in INPUTS)
@@ -66,8 +68,9 @@ def test_the_openai_clients_embeddings_create_gives_the_engines_vectors(local, s
         for d, want in zip(by_ids.data, expected["tokens"]):
             torch.testing.assert_close(torch.tensor(d.embedding), torch.tensor(want), atol=1e-6, rtol=1e-5)
         mean = client.embeddings.create(model=MODEL, input=INPUTS[0], extra_body={"pooling": "mean"})
-        torch.testing.assert_close(torch.tensor(mean.data[0].embedding), torch.tensor(expected["mean"][0]),
-                                   atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(mean.data[0].embedding), torch.tensor(expected["mean"][0]), atol=1e-6, rtol=1e-5
+        )
         with pytest.raises(openai.BadRequestError, match="Matryoshka"):
             client.embeddings.create(model=MODEL, input="hi", dimensions=8)
 
@@ -81,12 +84,23 @@ def test_dimensions_on_a_matryoshka_model_truncate_and_renormalize(local, smollm
         assert status == 400 and error_of(text)["param"] == "dimensions"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": [[]]}, "input"), ({"input": [-1]}, "input"),
-    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"), ({"input": "hi", "pooling": "max"}, "pooling"),
-    ({"input": "hi", "dimensions": 0}, "dimensions"), ({"input": "hi", "extra": 1}, "extra"),
-    ({"input": ["x"] * 513}, "input"), ({"input": ["x", [1]]}, "input"), ({"input": [10**6]}, "input"), ({"input": "word " * 5000}, "input"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": [-1]}, "input"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "hi", "pooling": "max"}, "pooling"),
+        ({"input": "hi", "dimensions": 0}, "dimensions"),
+        ({"input": "hi", "extra": 1}, "extra"),
+        ({"input": ["x"] * 513}, "input"),
+        ({"input": ["x", [1]]}, "input"),
+        ({"input": [10**6]}, "input"),
+        ({"input": "word " * 5000}, "input"),
+    ],
+)
 def test_bad_embedding_bodies_are_400s_naming_the_field(url, body, param):
     status, _, text = http(f"{url}/v1/embeddings", {"model": MODEL, **body})
     assert status == 400 and error_of(text)["param"].split(".")[0] == param, text

@@ -18,25 +18,43 @@ from serve_harness import Served
 
 MAX_NEW = 6
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-FLAGS = ["--workers", "1", "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000",
-         "--threads", "1"]
+FLAGS = [
+    "--workers",
+    "1",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory",
+    "8000000",
+    "--threads",
+    "1",
+]
 
 # Each family's turn format (the shape of its released template; no hub here, so written out).
-GEMMA_TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
-                  "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
-                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 TEMPLATES = {
     "gemma2": GEMMA_TEMPLATE,
     "gemma3": GEMMA_TEMPLATE,
-    "phi3": ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
-    "deepseek_v2": ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-                    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n\n"
-                    "{% else %}Assistant: {{ m['content'] }}\n\n{% endif %}{% endfor %}"
-                    "{% if add_generation_prompt %}Assistant:{% endif %}"),
-    "gpt_oss": ("{% for m in messages %}<|start|>{{ 'developer' if m['role'] == 'system' else m['role'] }}"
-                "<|message|>{{ m['content'] }}<|end|>{% endfor %}"
-                "{% if add_generation_prompt %}<|start|>assistant{% endif %}"),
+    "phi3": (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
+    "deepseek_v2": (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+        "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n\n"
+        "{% else %}Assistant: {{ m['content'] }}\n\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}Assistant:{% endif %}"
+    ),
+    "gpt_oss": (
+        "{% for m in messages %}<|start|>{{ 'developer' if m['role'] == 'system' else m['role'] }}"
+        "<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+    ),
 }
 
 
@@ -61,8 +79,9 @@ def test_chat_completion_through_infer_serve_equals_transformers(name, smollm2_t
     served = Served(path, tmp_path / "serve.log", name, FLAGS)
     try:
         client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        chat = client.chat.completions.create(model=name, messages=MESSAGES, temperature=0, max_tokens=MAX_NEW,
-                                              extra_body={"ignore_eos": True})
+        chat = client.chat.completions.create(
+            model=name, messages=MESSAGES, temperature=0, max_tokens=MAX_NEW, extra_body={"ignore_eos": True}
+        )
     finally:
         served.stop()
     assert chat.usage.prompt_tokens == len(prompt) and chat.usage.completion_tokens == MAX_NEW

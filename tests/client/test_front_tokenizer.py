@@ -38,18 +38,22 @@ def test_the_front_reads_a_model_directorys_tokenizer_without_torch(tiny_model_d
 
 
 def test_the_front_reads_the_embedded_models_tokenizer_without_torch(smollm2_dir):
-    assert front_torch_modules() == "[]"   # its conversion is cached (smollm2_dir made it)
+    assert front_torch_modules() == "[]"  # its conversion is cached (smollm2_dir made it)
 
 
 def assert_tokenizes_alike(front, engine) -> None:
     assert [front.encode(t) for t in TEXTS] == [engine.encode(t) for t in TEXTS]
-    assert front.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == \
-        engine.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert front.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == engine.apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True
+    )
     ids = engine.encode("émoji 😀 你好 ok")
     assert front.decode(ids) == engine.decode(ids)
     assert front.convert_ids_to_tokens(ids) == engine.convert_ids_to_tokens(ids)
-    assert (front.eos_token_id, front.bos_token_id, len(front)) == (engine.eos_token_id, engine.bos_token_id,
-                                                                    len(engine))
+    assert (front.eos_token_id, front.bos_token_id, len(front)) == (
+        engine.eos_token_id,
+        engine.bos_token_id,
+        len(engine),
+    )
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])

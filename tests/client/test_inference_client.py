@@ -38,8 +38,9 @@ class Procs:
 
     def spawn(self, *argv: str) -> subprocess.Popen:
         with open(self.tmp_path / f"p{len(self.all)}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.all.append(proc)
         return proc
 
@@ -55,11 +56,21 @@ class Procs:
 def cluster(tmp_path):
     """A coordinator (client timeout 1 s) and two benchmark-mode workers (max_model_len 1,000,000)."""
     procs = Procs(tmp_path)
-    procs.coordinator = procs.spawn("infer.coordinator.daemon", "--port", str(procs.port), *FAST,
-                                    "--client-timeout", "1", "--worker-timeout", "3")
+    procs.coordinator = procs.spawn(
+        "infer.coordinator.daemon", "--port", str(procs.port), *FAST, "--client-timeout", "1", "--worker-timeout", "3"
+    )
     for rank in range(2):
-        procs.spawn("infer.worker.daemon", "--coordinator", procs.address, "--dp-rank", str(rank),
-                    "--benchmark-mode", "--max-model-len", "1000000", *FAST)
+        procs.spawn(
+            "infer.worker.daemon",
+            "--coordinator",
+            procs.address,
+            "--dp-rank",
+            str(rank),
+            "--benchmark-mode",
+            "--max-model-len",
+            "1000000",
+            *FAST,
+        )
     with SyncInferenceClient(procs.address) as client:
         client.wait_for_workers(2, timeout=30)
     yield procs
@@ -75,7 +86,11 @@ async def test_generate_and_stream(cluster):
     async with client_of(cluster) as client:
         done = await client.generate([5, 6, 7], SamplingParams(max_tokens=4), request_id="mine")
         assert (done.request_id, done.prompt_token_ids, done.token_ids, done.finish_reason) == (
-            "mine", [5, 6, 7], [3, 4, 5, 6], "length")
+            "mine",
+            [5, 6, 7],
+            [3, 4, 5, 6],
+            "length",
+        )
         deltas = [d async for d in client.stream("abc", SamplingParams(max_tokens=3))]
         assert [d.token_ids for d in deltas] == [[3], [4], [5]]
         assert [d.finished for d in deltas] == [False, False, True] and deltas[-1].finish_reason == "length"
@@ -106,12 +121,14 @@ async def test_request_level_failures_are_returned_not_raised(cluster):
     async with client_of(cluster) as client:
         pinned = await client.generate([1], pin_rank=9)
         assert pinned.finish_reason == "error" and "pinned to dp_rank 9" in pinned.error
-        empty = await client.generate([], SamplingParams(max_tokens=2))     # the worker refuses it
+        empty = await client.generate([], SamplingParams(max_tokens=2))  # the worker refuses it
         assert empty.finish_reason == "error" and "prompt + resumed tokens must be 1.." in empty.error
 
 
-@pytest.mark.parametrize("prompt, bad", [([2**40], "1099511627776"), ([1, -7], "-7"), ([1.5], "1.5"),
-                                         ([True], "True"), (["7"], "'7'"), (None, "NoneType")])
+@pytest.mark.parametrize(
+    "prompt, bad",
+    [([2**40], "1099511627776"), ([1, -7], "-7"), ([1.5], "1.5"), ([True], "True"), (["7"], "'7'"), (None, "NoneType")],
+)
 async def test_token_ids_that_cannot_travel_are_refused_before_sending(cluster, prompt, bad):
     """Token ids go on the wire as int32: anything else is a ValueError naming the prompt, and the client goes on."""
     async with client_of(cluster) as client:
@@ -125,7 +142,7 @@ async def test_heartbeats_keep_a_waiting_request_alive(cluster):
     async with client_of(cluster) as client:
         await client.pause()
         waiting = asyncio.create_task(client.generate([1, 2], SamplingParams(max_tokens=2)))
-        await asyncio.sleep(2.5)            # well past the coordinator's 1 s client timeout
+        await asyncio.sleep(2.5)  # well past the coordinator's 1 s client timeout
         assert not waiting.done()
         await client.unpause()
         assert (await asyncio.wait_for(waiting, 10)).token_ids == [2, 3]

@@ -9,7 +9,6 @@ import random
 import threading
 
 import pytest
-
 from front_harness import MODEL, error_of, http, local_engine, serving
 from lora_cases import make_adapters, peft_greedy
 
@@ -25,8 +24,10 @@ def setup(tiny_model_dir, tmp_path_factory):
 
 
 def _complete(url: str, model: str, prompt: list[int]) -> tuple[int, str]:
-    status, _, text = http(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_NEW,
-                                                     "temperature": 0, "ignore_eos": True})
+    status, _, text = http(
+        url + "/v1/completions",
+        {"model": model, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
+    )
     return status, text
 
 
@@ -49,8 +50,10 @@ def test_model_picks_the_adapter_and_adapters_load_and_unload_at_runtime(setup, 
 
         # load "mlp" while requests of the base model and of "qv" run
         results: list[tuple[int, str]] = []
-        runs = [threading.Thread(target=lambda m=m: results.append(_complete(url, m, prompts[0])))
-                for m in (MODEL, "qv") * 3]
+        runs = [
+            threading.Thread(target=lambda m=m: results.append(_complete(url, m, prompts[0])))
+            for m in (MODEL, "qv") * 3
+        ]
         for t in runs:
             t.start()
         status, _, text = http(url + "/v1/load_lora_adapter", {"lora_name": "mlp", "lora_path": str(folders["mlp"])})
@@ -69,12 +72,15 @@ def test_model_picks_the_adapter_and_adapters_load_and_unload_at_runtime(setup, 
         assert status == 404 and error_of(text)["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"lora_name": "x", "lora_path": "/nowhere/at/all"}, "adapter_config.json: no such file"),
-    ({"lora_name": "qv", "lora_path": "/elsewhere"}, "already loaded"),
-    ({"lora_name": "bad name", "lora_path": "/p"}, "lora_name"),
-    ({"lora_name": "x"}, "lora_path"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"lora_name": "x", "lora_path": "/nowhere/at/all"}, "adapter_config.json: no such file"),
+        ({"lora_name": "qv", "lora_path": "/elsewhere"}, "already loaded"),
+        ({"lora_name": "bad name", "lora_path": "/p"}, "lora_name"),
+        ({"lora_name": "x"}, "lora_path"),
+    ],
+)
 def test_bad_loads_get_a_400_naming_the_problem_and_the_front_keeps_serving(setup, smollm2_tokenizer, body, message):
     _, _, local = setup
     with serving(local, smollm2_tokenizer) as url:

@@ -13,7 +13,17 @@ import zmq.asyncio
 from infer import SamplingParams
 from infer.client import InferenceClient
 from infer.protocol.messages import (
-    Delta, DeltaBatch, Error, Hello, Message, StatsRequest, Submit, TokenIds, Welcome, decode, encode
+    Delta,
+    DeltaBatch,
+    Error,
+    Hello,
+    Message,
+    StatsRequest,
+    Submit,
+    TokenIds,
+    Welcome,
+    decode,
+    encode,
 )
 
 WAIT = 10.0
@@ -68,15 +78,27 @@ async def test_client_lost_re_attaches_every_request_with_the_tokens_it_holds(st
         stream = client.stream([1, 2, 3], SamplingParams(max_tokens=5), request_id="r")
         first = asyncio.create_task(stream.__anext__())
         await stand_in.recv(Submit)
-        await stand_in.send(DeltaBatch(deltas=[Delta(request_id="r", token_ids=TokenIds([7, 8]), text="",
-                                                     prompt_token_ids=TokenIds([1, 2, 3]))]))
+        await stand_in.send(
+            DeltaBatch(
+                deltas=[
+                    Delta(request_id="r", token_ids=TokenIds([7, 8]), text="", prompt_token_ids=TokenIds([1, 2, 3]))
+                ]
+            )
+        )
         assert (await asyncio.wait_for(first, WAIT)).token_ids == [7, 8]
         await stand_in.send(Error(message="this client was declared lost: silent", code="client_lost"))
-        await stand_in.recv(Hello)                                    # it registers again, then re-attaches
+        await stand_in.recv(Hello)  # it registers again, then re-attaches
         again = await stand_in.recv(Submit)
         assert again.reattach and again.request_id == "r" and list(again.delivered_token_ids) == [7, 8]
-        await stand_in.send(DeltaBatch(deltas=[Delta(request_id="r", token_ids=TokenIds([9, 10, 11]), text="",
-                                                     finished=True, finish_reason="length")]))
+        await stand_in.send(
+            DeltaBatch(
+                deltas=[
+                    Delta(
+                        request_id="r", token_ids=TokenIds([9, 10, 11]), text="", finished=True, finish_reason="length"
+                    )
+                ]
+            )
+        )
         rest = [d async for d in stream]
         assert [t for d in rest for t in d.token_ids] == [9, 10, 11] and rest[-1].finish_reason == "length"
     finally:
@@ -92,8 +114,11 @@ async def test_a_token_id_prompt_is_not_echoed_and_still_re_attaches_with_its_ow
         first = asyncio.create_task(stream.__anext__())
         submit = await stand_in.recv(Submit)
         assert submit.sampling == params
-        await stand_in.send(DeltaBatch(deltas=[Delta(request_id="r", token_ids=TokenIds([7, 8]), text="ab",
-                                                     num_prompt_tokens=3, seed=77)]))
+        await stand_in.send(
+            DeltaBatch(
+                deltas=[Delta(request_id="r", token_ids=TokenIds([7, 8]), text="ab", num_prompt_tokens=3, seed=77)]
+            )
+        )
         got = await asyncio.wait_for(first, WAIT)
         assert got.token_ids == [7, 8] and got.num_prompt_tokens == 3
         assert client.prompt_token_ids("r") == [1, 2, 3]
@@ -102,9 +127,12 @@ async def test_a_token_id_prompt_is_not_echoed_and_still_re_attaches_with_its_ow
         again = await stand_in.recv(Submit)
         assert again.reattach and list(again.prompt_token_ids) == [1, 2, 3] and again.prompt is None
         assert list(again.delivered_token_ids) == [7, 8] and again.delivered_text_len == 2
-        assert again.sampling == params.with_seed(77)        # the seed the first delta reported
-        await stand_in.send(DeltaBatch(deltas=[Delta(request_id="r", token_ids=TokenIds([9]), text="",
-                                                     finished=True, finish_reason="length")]))
+        assert again.sampling == params.with_seed(77)  # the seed the first delta reported
+        await stand_in.send(
+            DeltaBatch(
+                deltas=[Delta(request_id="r", token_ids=TokenIds([9]), text="", finished=True, finish_reason="length")]
+            )
+        )
         assert [d.finish_reason async for d in stream] == ["length"]
     finally:
         await client.close()
@@ -117,7 +145,7 @@ async def test_client_too_slow_ends_every_request_and_the_pending_call_with_that
         for _ in runs:
             await stand_in.recv(Submit)
         stats = asyncio.create_task(client.stats())
-        await stand_in.recv(StatsRequest)                             # dropped by a coordinator
+        await stand_in.recv(StatsRequest)  # dropped by a coordinator
         await stand_in.send(Error(message="this client was too slow: its queue is full", code="client_too_slow"))
         done = await asyncio.wait_for(asyncio.gather(*runs), WAIT)
         assert {(c.finish_reason, c.error_code) for c in done} == {("error", "client_too_slow")}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from fastapi.routing import APIRoute
-
 from front_harness import error_of, http, serving
+
 from infer.client.api.app import FrontConfig, build_app, route_list
 
 

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-
 from front_harness import MODEL, error_of, http, local_engine, serving
+
 from infer.client.local_engine import LocalEngine
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-PROMPT = [(i * 13) % 200 + 3 for i in range(5)] * 6       # repeating: drafts are proposed
+PROMPT = [(i * 13) % 200 + 3 for i in range(5)] * 6  # repeating: drafts are proposed
 CHAT = [{"role": "user", "content": "Say it again: the cat sat on the mat, the cat sat on the mat."}]
 
 
@@ -40,12 +40,28 @@ def test_disable_speculative_decoding_through_the_openai_client(local, smollm2_t
 
         def ask(**extra_body):
             if endpoint == "completions":
-                return lambda: client.completions.create(
-                    model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
-                    extra_body={"ignore_eos": True, **extra_body}).choices[0].text
-            return lambda: client.chat.completions.create(
-                model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
-                extra_body={"ignore_eos": True, **extra_body}).choices[0].message.content
+                return lambda: (
+                    client.completions.create(
+                        model=MODEL,
+                        prompt=PROMPT,
+                        max_tokens=24,
+                        temperature=0,
+                        extra_body={"ignore_eos": True, **extra_body},
+                    )
+                    .choices[0]
+                    .text
+                )
+            return lambda: (
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=CHAT,
+                    max_tokens=24,
+                    temperature=0,
+                    extra_body={"ignore_eos": True, **extra_body},
+                )
+                .choices[0]
+                .message.content
+            )
 
         speculated, drafted = _drafted(local, ask())
         opted_out, drafted_opted_out = _drafted(local, ask(disable_speculative_decoding=True))
@@ -57,6 +73,8 @@ def test_disable_speculative_decoding_through_the_openai_client(local, smollm2_t
 
 def test_a_non_boolean_opt_out_is_a_400_naming_it(local, smollm2_tokenizer):
     with serving(local, smollm2_tokenizer) as url:
-        status, _, text = http(f"{url}/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
-                                                         "disable_speculative_decoding": "sometimes"})
+        status, _, text = http(
+            f"{url}/v1/completions",
+            {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "disable_speculative_decoding": "sometimes"},
+        )
     assert status == 400 and error_of(text)["param"] == "disable_speculative_decoding", text

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from hf_reference import transformers_greedy
 
 PROGRAM = Path(__file__).with_name("spmd_program.py")
@@ -30,9 +29,25 @@ def _torchrun(mode: str, model: Path, out: Path) -> list[dict]:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
     env["INFER_COORDINATOR_PORT"] = str(_free_port())
-    done = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-                           str(_free_port()), str(PROGRAM), mode, str(model), str(out)],
-                          env=env, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            str(PROGRAM),
+            mode,
+            str(model),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -43,7 +58,7 @@ def test_two_ranks_with_a_coordinator_share_the_prompts(tiny_model_dir, tmp_path
     assert rank0["primary"] is True and rank1["primary"] is False
     assert rank0["tokens"] == transformers_greedy(model, PROMPTS, 4)
     assert rank0["workers"] == 2
-    assert rank0["served_here"] > 0 and rank1["served_here"] > 0            # both engines served some
+    assert rank0["served_here"] > 0 and rank1["served_here"] > 0  # both engines served some
     assert rank0["served_here"] + rank1["served_here"] == len(PROMPTS)
     assert "rank 1 of 2 SPMD ranks" in rank1["refused"]
 

@@ -34,8 +34,11 @@ def _http(url: str, body: dict | None = None, key: str | None = KEY) -> tuple[in
 @pytest.fixture
 def front(tiny_model_dir):
     model = tiny_model_dir("llama")
-    local = LocalEngine(Engine(EngineConfig(model=str(model), dtype="float32", max_model_len=256,
-                                            kv_cache_memory=4_000_000, num_threads=1)))
+    local = LocalEngine(
+        Engine(
+            EngineConfig(model=str(model), dtype="float32", max_model_len=256, kv_cache_memory=4_000_000, num_threads=1)
+        )
+    )
     http = HttpFront(local, local.engine.tokenizer, FrontConfig(served_model_name=MODEL, api_key=KEY), port=0)
     http.bind()
     thread = threading.Thread(target=asyncio.run, args=(http.serve(),), daemon=True)

@@ -21,8 +21,16 @@ import pytest
 
 from infer.client.inference_client import InferenceClient, SyncInferenceClient
 
-COORDINATOR_FLAGS = ["--heartbeat-interval", "0.2", "--worker-timeout", "5", "--client-timeout", "1.5",
-                     "--stop-timeout", "3"]
+COORDINATOR_FLAGS = [
+    "--heartbeat-interval",
+    "0.2",
+    "--worker-timeout",
+    "5",
+    "--client-timeout",
+    "1.5",
+    "--stop-timeout",
+    "3",
+]
 WORKER_FLAGS = ["--heartbeat-interval", "0.2", "--coordinator-timeout", "3", "--drain-timeout", "2"]
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1"]
 
@@ -38,7 +46,7 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log: Path
-    worker_id: str | None = None     # a worker's --worker-id
+    worker_id: str | None = None  # a worker's --worker-id
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -73,18 +81,26 @@ class Cluster:
     def spawn(self, name: str, *argv: str) -> Proc:
         log = self.logs / f"{name}-{len(self.procs)}.log"
         with open(log, "wb") as out:
-            popen = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+            popen = subprocess.Popen(
+                [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc
 
     def coordinator(self, *flags: str) -> Proc:
-        return self.spawn("coordinator", "-m", "infer.coordinator.daemon", "--port", str(self.port),
-                          *COORDINATOR_FLAGS, *flags)
+        return self.spawn(
+            "coordinator", "-m", "infer.coordinator.daemon", "--port", str(self.port), *COORDINATOR_FLAGS, *flags
+        )
 
-    def worker(self, index: int, *flags: str, model: str | Path | None = None, benchmark: bool = False,
-               dp_rank: int | None = None) -> Proc:
+    def worker(
+        self,
+        index: int,
+        *flags: str,
+        model: str | Path | None = None,
+        benchmark: bool = False,
+        dp_rank: int | None = None,
+    ) -> Proc:
         """Worker `index` (its name, and its --worker-id w<index>-<n>), started as the README starts one:
         no --dp-rank (the coordinator assigns it) unless `dp_rank` is given."""
         worker_id = f"w{index}-{len(self.procs)}"
@@ -111,8 +127,9 @@ class Cluster:
         return [p for p in self.procs if p.popen.poll() is None]
 
     def dump(self) -> str:
-        return "\n".join(f"==== {p.name} ({p.log.name}, exit {p.popen.poll()}) ====\n{p.text()[-4000:]}"
-                         for p in self.procs)
+        return "\n".join(
+            f"==== {p.name} ({p.log.name}, exit {p.popen.poll()}) ====\n{p.text()[-4000:]}" for p in self.procs
+        )
 
     def teardown(self) -> None:
         for proc in self.procs:
@@ -167,8 +184,13 @@ def wait_until():
     return _wait_until
 
 
-def start_model_cluster(cluster: Cluster, model: Path, workers: int = 2, coordinator_flags: tuple[str, ...] = (),
-                        engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS)) -> Cluster:
+def start_model_cluster(
+    cluster: Cluster,
+    model: Path,
+    workers: int = 2,
+    coordinator_flags: tuple[str, ...] = (),
+    engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS),
+) -> Cluster:
     cluster.coordinator(*coordinator_flags)
     for rank in range(workers):
         cluster.worker(rank, *engine_flags, model=model)
@@ -181,8 +203,13 @@ def start_model_cluster(cluster: Cluster, model: Path, workers: int = 2, coordin
     return cluster
 
 
-def start_ep_groups(cluster: Cluster, model: Path, groups: int, coordinator_flags: tuple[str, ...] = (),
-                    engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS)) -> list[list[Proc]]:
+def start_ep_groups(
+    cluster: Cluster,
+    model: Path,
+    groups: int,
+    coordinator_flags: tuple[str, ...] = (),
+    engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS),
+) -> list[list[Proc]]:
     """A coordinator and `groups` EP groups of 2 ranks on `model` (an MoE model), ready, started as the
     README starts them (no --dp-rank: the coordinator assigns them); returns each group's [ep rank 0, ep rank
     1] processes."""
@@ -190,9 +217,24 @@ def start_ep_groups(cluster: Cluster, model: Path, groups: int, coordinator_flag
     members = []
     for g in range(groups):
         dist_init = f"tcp://127.0.0.1:{free_port()}"
-        members.append([cluster.worker(2 * g + r, *engine_flags, "--ep-size", "2", "--ep-rank", str(r),
-                                       "--dist-init", dist_init, "--ep-timeout", "20", model=model)
-                        for r in range(2)])
+        members.append(
+            [
+                cluster.worker(
+                    2 * g + r,
+                    *engine_flags,
+                    "--ep-size",
+                    "2",
+                    "--ep-rank",
+                    str(r),
+                    "--dist-init",
+                    dist_init,
+                    "--ep-timeout",
+                    "20",
+                    model=model,
+                )
+                for r in range(2)
+            ]
+        )
     try:
         with SyncInferenceClient(cluster.address, connect_timeout=30) as client:
             client.wait_for_workers(2 * groups, timeout=120)
@@ -206,10 +248,16 @@ def start_ep_groups(cluster: Cluster, model: Path, groups: int, coordinator_flag
 def ep_groups(cluster_factory) -> Callable[..., tuple[Cluster, list[list[Proc]]]]:
     """Factory: (cluster, members) of `groups` ready EP groups of 2 ranks on an MoE model (see
     start_ep_groups), torn down after the test."""
-    def make(model: Path, groups: int, coordinator_flags: tuple[str, ...] = (),
-             engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS)):
+
+    def make(
+        model: Path,
+        groups: int,
+        coordinator_flags: tuple[str, ...] = (),
+        engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS),
+    ):
         cluster = cluster_factory()
         return cluster, start_ep_groups(cluster, model, groups, coordinator_flags, engine_flags)
+
     return make
 
 
@@ -217,10 +265,15 @@ def ep_groups(cluster_factory) -> Callable[..., tuple[Cluster, list[list[Proc]]]
 def model_cluster(cluster_factory, tiny_llama) -> Callable[..., Cluster]:
     """Factory: a started, ready cluster of `workers` workers on the tiny Llama, or on `model` (torn down after
     the test)."""
-    def make(workers: int = 2, coordinator_flags: tuple[str, ...] = (),
-             engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS), model: Path | None = None) -> Cluster:
-        return start_model_cluster(cluster_factory(), model or tiny_llama, workers, coordinator_flags,
-                                   engine_flags)
+
+    def make(
+        workers: int = 2,
+        coordinator_flags: tuple[str, ...] = (),
+        engine_flags: tuple[str, ...] = tuple(ENGINE_FLAGS),
+        model: Path | None = None,
+    ) -> Cluster:
+        return start_model_cluster(cluster_factory(), model or tiny_llama, workers, coordinator_flags, engine_flags)
+
     return make
 
 

@@ -13,7 +13,7 @@ import signal
 
 from infer import SamplingParams
 
-LONG = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)   # the tiny Llama: ~1 s of decoding
+LONG = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # the tiny Llama: ~1 s of decoding
 
 
 async def _first_delta(agen):
@@ -33,7 +33,7 @@ async def test_a_full_worker_refuses_the_next_request_at_once_and_finishes_the_a
         streams = [client.stream([5 + i, 6, 7], LONG) for i in range(2)]
         firsts = [await _first_delta(s) for s in streams]
         worker = next(p for p in cluster.procs if p.name == "worker0")
-        worker.popen.send_signal(signal.SIGSTOP)    # both stay on the worker, unfinished
+        worker.popen.send_signal(signal.SIGSTOP)  # both stay on the worker, unfinished
         try:
             refused = await asyncio.wait_for(client.generate([9, 9, 9], LONG), 3)
         finally:
@@ -42,7 +42,7 @@ async def test_a_full_worker_refuses_the_next_request_at_once_and_finishes_the_a
         assert "overloaded" in refused.error and "retry later" in refused.error
         finished = [await _rest(s, f) for s, f in zip(streams, firsts)]
         assert all(d[-1].finish_reason == "length" and sum(len(x.token_ids) for x in d) == 60 for d in finished)
-        later = await client.generate([9, 9, 9], LONG)     # room again
+        later = await client.generate([9, 9, 9], LONG)  # room again
         assert later.finish_reason == "length" and len(later.token_ids) == 60
         stats = await client.stats()
         assert stats.requests_rejected == 1 and stats.requests_completed == 3
@@ -53,18 +53,22 @@ async def test_a_request_past_its_timeout_is_aborted_and_its_kv_freed(model_clus
     async with cluster.client() as client:
         stream = client.stream([5, 6, 7, 8] * 8, LONG, timeout=1.5)
         first = await _first_delta(stream)
-        await client.pause()                        # it cannot finish now: the deadline must end it
+        await client.pause()  # it cannot finish now: the deadline must end it
         deltas = await asyncio.wait_for(_rest(stream, first), 10)
         final = deltas[-1]
         assert final.finish_reason == "error" and final.error_code == "timeout" and "timeout" in final.error
 
         async def kv_free():
             (worker,) = (await client.stats()).workers
-            return worker.load is not None and worker.load.num_running == 0 and \
-                worker.load.num_free_blocks == worker.load.num_total_blocks
+            return (
+                worker.load is not None
+                and worker.load.num_running == 0
+                and worker.load.num_free_blocks == worker.load.num_total_blocks
+            )
+
         await wait_until(kv_free, 10, "the timed-out request's KV blocks to be freed")
         await client.unpause()
         stats = await client.stats()
         assert stats.requests_timed_out == 1 and stats.num_in_flight == 0
-        done = await client.generate([5, 6, 7], LONG, timeout=60)     # a generous deadline changes nothing
+        done = await client.generate([5, 6, 7], LONG, timeout=60)  # a generous deadline changes nothing
         assert done.finish_reason == "length" and len(done.token_ids) == 60

@@ -19,24 +19,31 @@ SHORT = dict(duration=12.0, rate=25.0, max_tokens=(64, 512), request_deadline=60
 
 def _assert_clean(result: dict) -> None:
     statuses = result["requests"]["statuses"]
-    assert result["checks"] == {k: True for k in result["checks"]}, (result["checks"], result["problems"],
-                                                                     result["events"])
-    assert statuses["completed"] > 0 and statuses["aborted"] > 0, statuses   # the mix really ran
-    assert {k: n for k, n in statuses.items() if k not in ("completed", "aborted") and n} == {}, \
-        (statuses, result["requests"]["errors"])
+    assert result["checks"] == {k: True for k in result["checks"]}, (
+        result["checks"],
+        result["problems"],
+        result["events"],
+    )
+    assert statuses["completed"] > 0 and statuses["aborted"] > 0, statuses  # the mix really ran
+    assert {k: n for k, n in statuses.items() if k not in ("completed", "aborted") and n} == {}, (
+        statuses,
+        result["requests"]["errors"],
+    )
     assert all(e["in_flight"] > 0 for e in result["events"] if e["kind"].endswith("_kill")), result["events"]
 
 
 async def test_mixed_load_through_a_worker_kill_9_and_restart_loses_and_repeats_nothing(tmp_path):
-    result = await run_chaos(ChaosConfig(**SHORT, worker_kills=[4.0], pauses=[8.0], coordinator_kill_at=None,
-                                         logs=tmp_path))
+    result = await run_chaos(
+        ChaosConfig(**SHORT, worker_kills=[4.0], pauses=[8.0], coordinator_kill_at=None, logs=tmp_path)
+    )
     assert [e["kind"] for e in result["events"]] == ["worker_kill", "pause"]
     _assert_clean(result)
 
 
 async def test_mixed_load_through_a_coordinator_kill_9_and_restart_loses_and_repeats_nothing(tmp_path):
     """Needs the "Coordinator restart" feature: without it the requests in flight at the kill are lost."""
-    result = await run_chaos(ChaosConfig(**SHORT, worker_kills=[3.0], pauses=[9.0], coordinator_kill_at=6.0,
-                                         logs=tmp_path))
+    result = await run_chaos(
+        ChaosConfig(**SHORT, worker_kills=[3.0], pauses=[9.0], coordinator_kill_at=6.0, logs=tmp_path)
+    )
     assert [e["kind"] for e in result["events"]] == ["worker_kill", "coordinator_kill", "pause"]
     _assert_clean(result)

@@ -17,7 +17,7 @@ from infer import SamplingParams
 from infer.client import ClusterError
 from infer.protocol.messages import PROTOCOL_VERSION, Hello, Refused, decode, encode
 
-BENCH = ("--max-model-len", "1000000")      # benchmark workers: one token per step, contexts long enough
+BENCH = ("--max-model-len", "1000000")  # benchmark workers: one token per step, contexts long enough
 SHORT = SamplingParams(max_tokens=5)
 ENDLESS = SamplingParams(max_tokens=900_000)
 
@@ -35,14 +35,14 @@ async def test_pause_unpause_then_stop_fails_what_is_pending_and_everything_exit
         waiting = [asyncio.create_task(client.generate([i + 1], SHORT)) for i in range(5)]
         await wait_until(lambda: _held(client, 5), 5, "five held requests")
         done, _ = await asyncio.wait(waiting, timeout=0.5)
-        assert not done                                    # paused: they wait
+        assert not done  # paused: they wait
         assert await client.unpause() == "running"
         finished = await asyncio.wait_for(asyncio.gather(*waiting), 10)
         assert [c.finish_reason for c in finished] == ["length"] * 5 and all(len(c.token_ids) == 5 for c in finished)
 
         running = [client.stream([7, i], ENDLESS) for i in range(3)]
         for stream in running:
-            await stream.__anext__()                       # in flight on a worker
+            await stream.__anext__()  # in flight on a worker
         assert await client.pause() == "paused"
         held = [asyncio.create_task(client.generate([9, i], SHORT)) for i in range(3)]
         await wait_until(lambda: _held(client, 3), 5, "three held requests")
@@ -58,8 +58,13 @@ async def test_pause_unpause_then_stop_fails_what_is_pending_and_everything_exit
         assert proc.wait(timeout=15) == 0, cluster.dump()
     assert not cluster.alive()
     coordinator_log = cluster.procs[0].text()
-    for line in ("lifecycle: pause: running -> paused", "lifecycle: unpause: paused -> running",
-                 "lifecycle: stop: paused -> stopped", "worker joined", "coordinator stopped"):
+    for line in (
+        "lifecycle: pause: running -> paused",
+        "lifecycle: unpause: paused -> running",
+        "lifecycle: stop: paused -> stopped",
+        "worker joined",
+        "coordinator stopped",
+    ):
         assert line in coordinator_log
 
 
@@ -87,12 +92,25 @@ async def test_incompatible_workers_are_refused_with_what_differs(cluster_factor
         assert "model id differs: the cluster serves 'model-a' (from the first worker)" in other_model.text()
         assert "'model-b'" in other_model.text()
         assert "duplicate dp_rank 0: live worker 'w0-1' already serves it" in same_rank.text()
-        refused = await _hello(cluster.address, Hello(
-            role="worker", peer_id="future", protocol_version=99, model_id="model-a", dp_rank=5, group_id="g",
-            num_kv_blocks=1, block_size=16, max_num_seqs=1, max_model_len=16))
+        refused = await _hello(
+            cluster.address,
+            Hello(
+                role="worker",
+                peer_id="future",
+                protocol_version=99,
+                model_id="model-a",
+                dp_rank=5,
+                group_id="g",
+                num_kv_blocks=1,
+                block_size=16,
+                max_num_seqs=1,
+                max_model_len=16,
+            ),
+        )
         assert isinstance(refused, Refused)
-        assert refused.reason == (f"protocol version differs: the coordinator speaks {PROTOCOL_VERSION}, worker "
-                                  f"'future' speaks 99")
+        assert refused.reason == (
+            f"protocol version differs: the coordinator speaks {PROTOCOL_VERSION}, worker 'future' speaks 99"
+        )
         stats = await client.stats()
     assert [w.worker_id for w in stats.workers] == ["w0-1"] and first.popen.poll() is None
     assert cluster.procs[0].text().count("refused worker") == 3

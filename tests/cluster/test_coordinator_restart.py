@@ -12,8 +12,12 @@ import random
 
 import pytest
 from fault_streams import (
-    CHAIN_PROMPTS, assert_exact_streams, assert_same_streams, chain_params, replayed_without_a_fault,
-    streams_through_a_fault
+    CHAIN_PROMPTS,
+    assert_exact_streams,
+    assert_same_streams,
+    chain_params,
+    replayed_without_a_fault,
+    streams_through_a_fault,
 )
 from prompts import prompt_of_length
 
@@ -29,8 +33,9 @@ ENGINE = ("--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    return LLM(model=str(tiny_llama), dtype="float32", max_model_len=1024, kv_cache_memory=8_000_000,
-               num_threads=1).generate(PROMPTS, LONG, use_tqdm=False)
+    return LLM(
+        model=str(tiny_llama), dtype="float32", max_model_len=1024, kv_cache_memory=8_000_000, num_threads=1
+    ).generate(PROMPTS, LONG, use_tqdm=False)
 
 
 def _restart_coordinator(cluster) -> None:
@@ -48,7 +53,7 @@ async def test_streams_survive_a_coordinator_kill_9_and_restart(model_cluster, r
         # resumed from its client's copy instead (the sampled test below covers that path). The new coordinator
         # tells the registering workers its state (running): the pause ends with the restart.
         await client.pause()
-        await asyncio.sleep(0.5)                    # the Control reaches both workers
+        await asyncio.sleep(0.5)  # the Control reaches both workers
         assert (await client.stats()).num_in_flight == len(PROMPTS)
         _restart_coordinator(cluster)
 
@@ -57,13 +62,19 @@ async def test_streams_survive_a_coordinator_kill_9_and_restart(model_cluster, r
     assert ["".join(d.text for d in deltas) for deltas in streams] == [want.text for want in reference]
     # the workers' copies were handed back (not recomputed): the new coordinator re-attached every one
     assert after.requests_reattached == len(PROMPTS) and after.num_healthy_workers == 2
-    assert all(w.registrations == 1 for w in after.workers)     # new coordinator: first registration each
+    assert all(w.registrations == 1 for w in after.workers)  # new coordinator: first registration each
 
     async with cluster.client() as client:
+
         async def idle():
             workers = (await client.stats()).workers
-            return all(w.load is not None and w.load.num_running == w.load.num_waiting == 0
-                       and w.load.num_free_blocks == w.load.num_total_blocks for w in workers)
+            return all(
+                w.load is not None
+                and w.load.num_running == w.load.num_waiting == 0
+                and w.load.num_free_blocks == w.load.num_total_blocks
+                for w in workers
+            )
+
         await wait_until(idle, 15, "every worker's KV blocks to be free")
 
 
@@ -79,8 +90,9 @@ async def test_sampled_streams_resume_exactly_from_the_clients_copies(model_clus
         cluster.proc_of(victim.worker_id).kill9()
         _restart_coordinator(cluster)
 
-    streams, _ = await streams_through_a_fault(cluster, CHAIN_PROMPTS, params, restart_without_a_worker,
-                                               strike_after=strike_after)
+    streams, _ = await streams_through_a_fault(
+        cluster, CHAIN_PROMPTS, params, restart_without_a_worker, strike_after=strike_after
+    )
     reference = await replayed_without_a_fault(word_chain_model, CHAIN_PROMPTS, streams, params)
     assert_same_streams(streams, reference, f" (struck after {strike_after} deltas)")
 
@@ -88,11 +100,11 @@ async def test_sampled_streams_resume_exactly_from_the_clients_copies(model_clus
 async def test_requests_queued_in_a_dead_coordinator_are_sent_again(model_cluster, reference):
     cluster = model_cluster(workers=1, coordinator_flags=RESTART_FLAGS, engine_flags=ENGINE)
     async with cluster.client() as client:
-        await client.pause()                        # they wait in the coordinator only
+        await client.pause()  # they wait in the coordinator only
         runs = [asyncio.create_task(client.generate(PROMPTS[i], LONG)) for i in range(3)]
         await asyncio.sleep(0.5)
         assert (await client.stats()).num_held == 3
-        _restart_coordinator(cluster)               # the new one runs (a pause is not kept across a restart)
+        _restart_coordinator(cluster)  # the new one runs (a pause is not kept across a restart)
         done = await asyncio.wait_for(asyncio.gather(*runs), 90)
     assert [c.token_ids for c in done] == [reference[i].token_ids for i in range(3)]
     assert all(c.finish_reason == "length" for c in done)

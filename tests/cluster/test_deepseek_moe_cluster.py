@@ -15,8 +15,18 @@ from hf_reference import transformers_greedy
 
 from infer import SamplingParams
 
-ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1",
-                "--block-size", "4")
+ENGINE_FLAGS = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory",
+    "8000000",
+    "--threads",
+    "1",
+    "--block-size",
+    "4",
+)
 TP_FLAGS = ("--tp-size", "2", "--tp-timeout", "5", "--max-num-batched-tokens", "32")
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -42,8 +52,9 @@ async def _generate(client, pin_rank=None) -> list[list[int]]:
     def rank_of(i: int):
         return pin_rank if pin_rank is not None else i % 2
 
-    done = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY, pin_rank=rank_of(i))
-                                                   for i, p in enumerate(PROMPTS))), 240)
+    done = await asyncio.wait_for(
+        asyncio.gather(*(client.generate(p, GREEDY, pin_rank=rank_of(i)) for i, p in enumerate(PROMPTS))), 240
+    )
     return [c.token_ids for c in done]
 
 
@@ -62,8 +73,8 @@ async def test_ep2_group_equals_transformers(ep_groups, models, name):
     model, want = models(name)
     cluster, _ = ep_groups(model, groups=1, engine_flags=ENGINE_FLAGS)
     async with cluster.client() as client:
-        assert await _generate(client, 0) == want          # rank 1 idle: dummy steps, no hang
-        assert await _generate(client) == want             # split over both ranks
+        assert await _generate(client, 0) == want  # rank 1 idle: dummy steps, no hang
+        assert await _generate(client) == want  # split over both ranks
         stats = await client.stats()
     assert len({w.group_id for w in stats.workers}) == 1 and len(stats.workers) == 2
 
@@ -75,11 +86,23 @@ async def test_tp2_x_ep2_equals_transformers(cluster_factory, models):
     cluster.coordinator()
     dist_init = f"tcp://127.0.0.1:{free_port()}"
     for ep_rank in range(2):
-        cluster.worker(ep_rank, *ENGINE_FLAGS, *TP_FLAGS, "--ep-size", "2", "--ep-rank", str(ep_rank),
-                       "--dist-init", dist_init, "--ep-timeout", "20", model=model)
+        cluster.worker(
+            ep_rank,
+            *ENGINE_FLAGS,
+            *TP_FLAGS,
+            "--ep-size",
+            "2",
+            "--ep-rank",
+            str(ep_rank),
+            "--dist-init",
+            dist_init,
+            "--ep-timeout",
+            "20",
+            model=model,
+        )
     ready(cluster, 2)
     async with cluster.client() as client:
-        assert await _generate(client, 0) == want          # EP rank 1's TP group idle: dummy steps
+        assert await _generate(client, 0) == want  # EP rank 1's TP group idle: dummy steps
         assert await _generate(client) == want
         stats = await client.stats()
     assert len({w.group_id for w in stats.workers}) == 1 and len(stats.workers) == 2

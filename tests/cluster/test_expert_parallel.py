@@ -37,10 +37,11 @@ def moe_model(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def reference(moe_model):
-    llm = LLM(model=str(moe_model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000,
-              num_threads=1)
-    return {"greedy": [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)],
-            "long": [c.token_ids for c in llm.generate(LOAD_PROMPTS, LONG, use_tqdm=False)]}
+    llm = LLM(model=str(moe_model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1)
+    return {
+        "greedy": [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)],
+        "long": [c.token_ids for c in llm.generate(LOAD_PROMPTS, LONG, use_tqdm=False)],
+    }
 
 
 async def test_two_rank_group_equals_one_rank(ep_groups, moe_model, reference):
@@ -48,9 +49,8 @@ async def test_two_rank_group_equals_one_rank(ep_groups, moe_model, reference):
     want = reference["greedy"]
     async with cluster.client() as client:
         on_rank0 = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=0) for p in PROMPTS))
-        assert [c.token_ids for c in on_rank0] == want          # rank 1 idle: dummy steps, no hang
-        split = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=i % 2)
-                                       for i, p in enumerate(PROMPTS)))
+        assert [c.token_ids for c in on_rank0] == want  # rank 1 idle: dummy steps, no hang
+        split = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=i % 2) for i, p in enumerate(PROMPTS)))
         assert [c.token_ids for c in split] == want
 
         async def staggered(i: int, prompt):
@@ -73,7 +73,7 @@ async def test_two_groups_complete_100_requests_balanced(ep_groups, moe_model):
         stats = await client.stats()
     assert all(c.finish_reason == "length" and len(c.token_ids) == 8 for c in done)
     routed = sorted(w.requests_routed for w in stats.workers)
-    assert sum(routed) == 100 and routed[0] >= 15, routed      # every rank took a fair share
+    assert sum(routed) == 100 and routed[0] >= 15, routed  # every rank took a fair share
     assert len({w.group_id for w in stats.workers}) == 2
 
 
@@ -83,8 +83,7 @@ async def test_kill_9_of_an_ep_member_moves_its_group_requests(ep_groups, moe_mo
 
     async def kill_a_member_of_the_busiest_group(client):
         by_id = {w.worker_id: w for w in (await client.stats()).workers}
-        group = struck["group"] = max((0, 1), key=lambda g: sum(by_id[p.worker_id].num_in_flight
-                                                                for p in members[g]))
+        group = struck["group"] = max((0, 1), key=lambda g: sum(by_id[p.worker_id].num_in_flight for p in members[g]))
         victim = members[group][0]
         victim.kill9()
 
@@ -93,14 +92,14 @@ async def test_kill_9_of_an_ep_member_moves_its_group_requests(ep_groups, moe_mo
 
         await wait_until(victim_unhealthy, 8, "the killed member marked unhealthy (worker timeout 5 s)")
 
-    streams, stats = await streams_through_a_fault(cluster, LOAD_PROMPTS, LONG,
-                                                   kill_a_member_of_the_busiest_group, start_timeout=120,
-                                                   finish_timeout=180)
+    streams, stats = await streams_through_a_fault(
+        cluster, LOAD_PROMPTS, LONG, kill_a_member_of_the_busiest_group, start_timeout=120, finish_timeout=180
+    )
     assert_exact_streams(streams, reference["long"])
     group = struck["group"]
     survivor = members[group][1]
     assert stats.requests_redispatched > 0
-    assert survivor.wait(timeout=30) != 0       # it left the broken group instead of hanging in a collective
+    assert survivor.wait(timeout=30) != 0  # it left the broken group instead of hanging in a collective
     assert "giving back" in survivor.text()
     other = members[1 - group]
     assert all(p.popen.poll() is None for p in other)

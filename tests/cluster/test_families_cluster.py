@@ -14,8 +14,18 @@ from hf_reference import transformers_greedy
 
 from infer import SamplingParams
 
-ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1",
-                "--block-size", "4")
+ENGINE_FLAGS = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory",
+    "8000000",
+    "--threads",
+    "1",
+    "--block-size",
+    "4",
+)
 TP_FLAGS = ("--tp-size", "2", "--tp-timeout", "5", "--max-num-batched-tokens", "32")
 MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

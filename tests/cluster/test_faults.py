@@ -17,8 +17,12 @@ import time
 import pytest
 from aioprocs import kill_group
 from fault_streams import (
-    CHAIN_PROMPTS, assert_exact_streams, assert_same_streams, chain_params, replayed_without_a_fault,
-    streams_through_a_fault
+    CHAIN_PROMPTS,
+    assert_exact_streams,
+    assert_same_streams,
+    chain_params,
+    replayed_without_a_fault,
+    streams_through_a_fault,
 )
 from prompts import prompt_of_length
 
@@ -30,13 +34,15 @@ PROMPTS = [prompt_of_length(4 + 3 * i, i) for i in range(20)]
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    return LLM(model=str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000,
-               num_threads=1).generate(PROMPTS, LONG, use_tqdm=False)
+    return LLM(
+        model=str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1
+    ).generate(PROMPTS, LONG, use_tqdm=False)
 
 
 async def _streams_through_a_fault(cluster, fault) -> tuple[list, object]:
     """Run PROMPTS as streams; once every stream has 3 tokens, `fault(victim_proc)` hits the busiest worker.
     Returns every stream's deltas and the stats after."""
+
     async def on_busiest(client):
         victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
         assert victim.num_in_flight > 0
@@ -53,6 +59,7 @@ def _assert_exact(streams, reference) -> None:
 async def test_kill_9_of_a_worker_mid_generation_loses_and_repeats_nothing(model_cluster, reference, workers):
     """Workers started as the README starts them (only --coordinator): the coordinator gives them ranks
     0..N-1, and a kill -9 of the busiest loses and repeats nothing."""
+
     async def kill(proc):
         proc.kill9()
 
@@ -63,30 +70,32 @@ async def test_kill_9_of_a_worker_mid_generation_loses_and_repeats_nothing(model
 
 
 async def test_sampled_streams_of_multibyte_text_with_stop_strings_continue_exactly_after_kill_9(
-        model_cluster, word_chain_model):
+    model_cluster, word_chain_model
+):
     cluster = model_cluster(workers=2, model=word_chain_model)
     params = [chain_params(i) for i in range(len(CHAIN_PROMPTS))]
-    strike_after = random.randint(3, 8)      # a random place in the streams
+    strike_after = random.randint(3, 8)  # a random place in the streams
 
     async def kill_the_busiest(client):
         victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
         assert victim.num_in_flight > 0
         cluster.proc_of(victim.worker_id).kill9()
 
-    streams, after = await streams_through_a_fault(cluster, CHAIN_PROMPTS, params, kill_the_busiest,
-                                                   strike_after=strike_after)
+    streams, after = await streams_through_a_fault(
+        cluster, CHAIN_PROMPTS, params, kill_the_busiest, strike_after=strike_after
+    )
     assert after.requests_redispatched > 0
     reference = await replayed_without_a_fault(word_chain_model, CHAIN_PROMPTS, streams, params)
     assert_same_streams(streams, reference, f" (struck after {strike_after} deltas)")
     assert any(w.finish_reason == "stop" for w in reference[:4])
-    assert any(ord(c) > 0xFFFF for w in reference for c in w.text)     # emoji: 4 bytes over several tokens
+    assert any(ord(c) > 0xFFFF for w in reference for c in w.text)  # emoji: 4 bytes over several tokens
 
 
 async def test_a_hung_worker_is_replaced_and_rejoins_without_duplicates(model_cluster, reference, wait_until):
     cluster = model_cluster(workers=2, coordinator_flags=("--worker-timeout", "1.5"))
 
     async def hang(proc):
-        proc.popen.send_signal(signal.SIGSTOP)      # alive, connected, silent
+        proc.popen.send_signal(signal.SIGSTOP)  # alive, connected, silent
         try:
             await wait_until(lambda: _unhealthy(cluster), 10, "the hung worker to be declared dead")
         finally:
@@ -95,7 +104,7 @@ async def test_a_hung_worker_is_replaced_and_rejoins_without_duplicates(model_cl
     streams, after = await _streams_through_a_fault(cluster, hang)
     assert after.requests_redispatched > 0
     _assert_exact(streams, reference)
-    async with cluster.client() as client:           # it re-registered, and runs nothing it lost
+    async with cluster.client() as client:  # it re-registered, and runs nothing it lost
         stats = await wait_until(lambda: _all_healthy_and_idle(client), 15, "the worker to rejoin, idle")
     assert max(w.registrations for w in stats.workers) == 2
 
@@ -131,21 +140,34 @@ asyncio.run(main())
 
 
 async def test_kill_9_of_a_client_frees_its_blocks_within_5_s(model_cluster, wait_until):
-    cluster = model_cluster(workers=2, engine_flags=("--dtype", "float32", "--max-model-len", "2048",
-                                                     "--kv-cache-memory", "8000000", "--threads", "1"))
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, cluster.address,
-                                                stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    cluster = model_cluster(
+        workers=2,
+        engine_flags=(
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory",
+            "8000000",
+            "--threads",
+            "1",
+        ),
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CLIENT, cluster.address, stdout=asyncio.subprocess.PIPE, start_new_session=True
+    )
     try:
         assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"in flight\n"
         async with cluster.client() as observer:
+
             async def blocks_in_use():
                 return sum(w.load.num_total_blocks - w.load.num_free_blocks for w in (await observer.stats()).workers)
 
             async def all_free():
                 stats = await observer.stats()
                 return stats.num_in_flight == 0 and all(
-                    w.load.num_free_blocks == w.load.num_total_blocks and w.load.num_running == 0
-                    for w in stats.workers)
+                    w.load.num_free_blocks == w.load.num_total_blocks and w.load.num_running == 0 for w in stats.workers
+                )
 
             before = await observer.stats()
             assert before.num_in_flight == 10 and await blocks_in_use() > 0
@@ -155,7 +177,7 @@ async def test_kill_9_of_a_client_frees_its_blocks_within_5_s(model_cluster, wai
             freed_after = time.monotonic() - killed_at
             after = await observer.stats()
         assert freed_after < 5.0
-        assert after.requests_aborted - before.requests_aborted == 10   # aborted, not finished on their own
+        assert after.requests_aborted - before.requests_aborted == 10  # aborted, not finished on their own
         assert after.requests_completed == before.requests_completed
     finally:
         await kill_group(proc)

@@ -25,8 +25,7 @@ LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
 
 
 def _post(url: str, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
             return r.status, r.read().decode()
@@ -59,14 +58,17 @@ async def test_the_issue_16_poison_is_refused_and_the_workers_keep_serving(model
         try:
             long = asyncio.create_task(client.generate([3, 4, 5, 6], LONG))
             status, body = await asyncio.to_thread(
-                _post, f"{front.url}/v1/completions", dict(model="tiny", prompt="Hello", max_tokens=8, **POISON))
+                _post, f"{front.url}/v1/completions", dict(model="tiny", prompt="Hello", max_tokens=8, **POISON)
+            )
             assert status == 400 and "repetition_penalty" in body, body
             refused = await _raw_submit(cluster.address, {**POISON, "max_tokens": 8})
             assert isinstance(refused, Error) and "repetition_penalty" in refused.message
             done = await long
             # and a sampled request with top_p 0.5 and a (valid) strong repetition penalty runs to its end
-            sampled = await client.generate("Hello", SamplingParams(temperature=1.0, top_p=0.5, max_tokens=8,
-                                                                    repetition_penalty=1e-3, ignore_eos=True))
+            sampled = await client.generate(
+                "Hello",
+                SamplingParams(temperature=1.0, top_p=0.5, max_tokens=8, repetition_penalty=1e-3, ignore_eos=True),
+            )
         finally:
             front.shutdown()
             await serving

@@ -16,7 +16,7 @@ import time
 from infer.client.inference_client import SyncInferenceClient
 from infer.protocol.sampling import SamplingParams
 
-HUGE_PROMPT = "hello world " * (20_000_000 // 12)   # 20 MB
+HUGE_PROMPT = "hello world " * (20_000_000 // 12)  # 20 MB
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
 
@@ -32,7 +32,7 @@ async def _refusal_while_streaming(cluster) -> None:
             done.extend([delta async for delta in stream])
         assert refused.finish_reason == "error" and refused.error_code == "invalid_request", refused
         assert "refused without tokenizing" in refused.error and "256 tokens" in refused.error
-        assert elapsed < 1.0, f"the refusal took {elapsed:.1f} s"   # at once, not after tokenizing
+        assert elapsed < 1.0, f"the refusal took {elapsed:.1f} s"  # at once, not after tokenizing
         assert sum(len(d.token_ids) for d in done) == 200 and done[-1].finish_reason == "length"
         stats = await client.stats()
         assert stats.requests_redispatched == 0 and stats.num_healthy_workers == 1
@@ -48,10 +48,21 @@ def test_a_20_mb_prompt_is_refused_at_once_while_another_stream_continues(model_
 
 def _start_front(cluster) -> tuple[str, int]:
     """An infer-api front on `cluster`; (host, port) once it listens."""
-    proc = cluster.spawn("front", "-m", "infer.client.api.server", "--coordinator", cluster.address,
-                         "--port", "0", "--served-model-name", "tiny", "--log-level", "WARNING")
+    proc = cluster.spawn(
+        "front",
+        "-m",
+        "infer.client.api.server",
+        "--coordinator",
+        cluster.address,
+        "--port",
+        "0",
+        "--served-model-name",
+        "tiny",
+        "--log-level",
+        "WARNING",
+    )
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:      # the front logs its address once it listens
+    while time.monotonic() < deadline:  # the front logs its address once it listens
         match = re.search(r"on http://(\S+):(\d+), cluster", proc.text())
         if match:
             return match.group(1), int(match.group(2))
@@ -63,26 +74,39 @@ def _start_front(cluster) -> tuple[str, int]:
 def test_a_stream_ends_with_an_error_event_and_done_when_the_coordinator_dies(cluster_factory, tiny_llama):
     cluster = cluster_factory()
     cluster.coordinator()
-    cluster.worker(0, "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory", "16000000",
-                   "--threads", "1", model=tiny_llama)
-    with SyncInferenceClient(cluster.address, connect_timeout=30) as client:   # the front's tokenizer: the
+    cluster.worker(
+        0,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        "16000000",
+        "--threads",
+        "1",
+        model=tiny_llama,
+    )
+    with SyncInferenceClient(cluster.address, connect_timeout=30) as client:  # the front's tokenizer: the
         # model the cluster serves, known once a worker joined (before that it would load the default model)
         client.wait_for_workers(1, timeout=120)
     host, port = _start_front(cluster)
-    body = json.dumps(dict(model="tiny", prompt=[3, 4, 5], max_tokens=2000, ignore_eos=True, temperature=0,
-                           stream=True)).encode()
-    with socket.create_connection((host, port), timeout=60) as sock:   # the front's silence timeout is 10 s
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                     b"Content-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    body = json.dumps(
+        dict(model="tiny", prompt=[3, 4, 5], max_tokens=2000, ignore_eos=True, temperature=0, stream=True)
+    ).encode()
+    with socket.create_connection((host, port), timeout=60) as sock:  # the front's silence timeout is 10 s
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         reader = sock.makefile("rb")
         assert b" 200 " in reader.readline()
-        while not reader.readline().startswith(b"data: {"):   # the first chunk: the stream is under way
+        while not reader.readline().startswith(b"data: {"):  # the first chunk: the stream is under way
             pass
-        cluster.procs[0].kill9()                              # the coordinator, mid-stream, never back
+        cluster.procs[0].kill9()  # the coordinator, mid-stream, never back
         events = [line.strip() for line in reader if line.startswith(b"data: ")]
     assert events[-1] == b"data: [DONE]", events[-3:]
     error = json.loads(events[-2][6:])["error"]
     assert error["code"] == "unavailable" and "coordinator" in error["message"]
     finish = [c["finish_reason"] for e in events[:-2] for c in json.loads(e[6:])["choices"]]
-    assert not any(finish)   # cut off, not finished
+    assert not any(finish)  # cut off, not finished

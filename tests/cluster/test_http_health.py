@@ -22,10 +22,22 @@ ENGINE = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "
 
 
 def _start_front(cluster, *flags: str) -> str:
-    proc = cluster.spawn("front", "-m", "infer.client.api.server", "--coordinator", cluster.address,
-                         "--port", "0", "--served-model-name", MODEL, "--log-level", "WARNING", *flags)
+    proc = cluster.spawn(
+        "front",
+        "-m",
+        "infer.client.api.server",
+        "--coordinator",
+        cluster.address,
+        "--port",
+        "0",
+        "--served-model-name",
+        MODEL,
+        "--log-level",
+        "WARNING",
+        *flags,
+    )
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:      # the front logs its address once it listens
+    while time.monotonic() < deadline:  # the front logs its address once it listens
         match = re.search(r"on (http://\S+), cluster", proc.text())
         if match:
             return match.group(1)
@@ -75,9 +87,9 @@ def test_health_follows_the_workers_and_requests_get_503_without_one(cluster):
     assert _wait_status(f"{url}/health", 200, 60)["healthy_workers"] == 1
     assert client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=3).usage.completion_tokens >= 1
 
-    worker.kill9()                                    # every worker gone
+    worker.kill9()  # every worker gone
     _wait_status(f"{url}/health", 503, 15)
-    cluster.worker(1, *ENGINE, model=cluster.model)   # and one returns
+    cluster.worker(1, *ENGINE, model=cluster.model)  # and one returns
     _wait_status(f"{url}/health", 200, 60)
     assert client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=3).choices
 
@@ -97,15 +109,17 @@ def test_api_key_and_two_fronts_on_one_coordinator(cluster, tmp_path, monkeypatc
     assert _get(f"{keyed}/v1/models", key="s3cret")[0] == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{keyed}/v1", api_key="nope", max_retries=0).completions.create(
-            model=MODEL, prompt="hi", max_tokens=2)
+            model=MODEL, prompt="hi", max_tokens=2
+        )
     a = openai.OpenAI(base_url=f"{keyed}/v1", api_key="s3cret", max_retries=0, timeout=60)
     b = openai.OpenAI(base_url=f"{open_front}/v1", api_key="x", max_retries=0, timeout=60)
     same = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0)
     assert a.completions.create(**same).choices[0].text == b.completions.create(**same).choices[0].text
 
 
-def test_a_request_the_cluster_refuses_as_overloaded_is_a_503_and_the_accepted_one_completes(cluster_factory,
-                                                                                             tiny_llama):
+def test_a_request_the_cluster_refuses_as_overloaded_is_a_503_and_the_accepted_one_completes(
+    cluster_factory, tiny_llama
+):
     cluster = cluster_factory()
     cluster.coordinator("--max-requests-per-worker", "1")
     cluster.worker(0, *ENGINE, model=tiny_llama)
@@ -114,13 +128,14 @@ def test_a_request_the_cluster_refuses_as_overloaded_is_a_503_and_the_accepted_o
     host, port = url.removeprefix("http://").split(":")
     long = dict(model=MODEL, prompt=[3, 4, 5], max_tokens=200, ignore_eos=True, stream=True)
     payload = json.dumps(long).encode()
-    with socket.create_connection((host, int(port)), timeout=60) as sock:   # the worker's one request
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: " + str(len(payload)).encode()
-                     + b"\r\n\r\n" + payload)
+    with socket.create_connection((host, int(port)), timeout=60) as sock:  # the worker's one request
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        )
         reader = sock.makefile("rb")
         assert b" 200 " in reader.readline()
-        while not reader.readline().startswith(b"data: {"):   # it runs on the worker
+        while not reader.readline().startswith(b"data: {"):  # it runs on the worker
             pass
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
         for stream in (False, True):
@@ -132,4 +147,4 @@ def test_a_request_the_cluster_refuses_as_overloaded_is_a_503_and_the_accepted_o
             assert err.value.response.headers["retry-after"]
         events = [json.loads(line[6:]) for line in reader if line.startswith(b"data: {")]
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
-    assert client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=3).choices   # room again
+    assert client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=3).choices  # room again

@@ -47,11 +47,11 @@ def key_options(keys: ClusterKeyDir, secret) -> dict[str, str]:
     return {"curve_key": str(secret), "coordinator_key": str(keys.public("coordinator"))}
 
 
-async def raw_peer(ctx: zmq.asyncio.Context, keys: ClusterKeyDir, secret, address: str,
-                   identity: bytes | None = None) -> zmq.asyncio.Socket:
+async def raw_peer(
+    ctx: zmq.asyncio.Context, keys: ClusterKeyDir, secret, address: str, identity: bytes | None = None
+) -> zmq.asyncio.Socket:
     """A bare DEALER with key `secret`, connected once its CURVE handshake succeeded."""
-    sock = make_socket(ctx, zmq.DEALER, identity=identity,
-                       curve=CurveKeys.client(secret, keys.public("coordinator")))
+    sock = make_socket(ctx, zmq.DEALER, identity=identity, curve=CurveKeys.client(secret, keys.public("coordinator")))
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(address)
     assert await monitor.poll(10_000), "the handshake never succeeded"
@@ -75,8 +75,17 @@ async def collect(stream) -> list:
 
 
 async def test_a_client_key_cannot_register_as_a_worker(cluster, keys):
-    impostor = cluster.worker(1, *BENCH, "--curve-key", str(keys.secret("client")), "--coordinator-key",
-                              str(keys.public("coordinator")), "--connect-timeout", "120", benchmark=True)
+    impostor = cluster.worker(
+        1,
+        *BENCH,
+        "--curve-key",
+        str(keys.secret("client")),
+        "--coordinator-key",
+        str(keys.public("coordinator")),
+        "--connect-timeout",
+        "120",
+        benchmark=True,
+    )
     assert impostor.wait(timeout=60) == 3
     assert "the coordinator refused this worker: hello as a worker refused: it needs a worker key" in impostor.text()
     ctx = zmq.asyncio.Context()
@@ -84,8 +93,21 @@ async def test_a_client_key_cannot_register_as_a_worker(cluster, keys):
         async with cluster.client(**keys.client_options()) as client:
             await client.wait_for_workers(1, timeout=30)
             raw = await raw_peer(ctx, keys, keys.path / "clients" / "other.key_secret", cluster.address)
-            await raw.send(encode(Hello(role="worker", peer_id="w-evil", model_id="x", dp_rank=7, group_id="dp7",
-                                        num_kv_blocks=10, block_size=16, max_num_seqs=8, max_model_len=64)))
+            await raw.send(
+                encode(
+                    Hello(
+                        role="worker",
+                        peer_id="w-evil",
+                        model_id="x",
+                        dp_rank=7,
+                        group_id="dp7",
+                        num_kv_blocks=10,
+                        block_size=16,
+                        max_num_seqs=8,
+                        max_model_len=64,
+                    )
+                )
+            )
             (refused,) = await received(raw, 1.0)
             assert isinstance(refused, Refused) and "needs a worker key" in refused.reason
             for n in range(4):
@@ -105,7 +127,7 @@ async def test_only_an_admin_key_pauses_or_stops_and_it_may_act_as_a_client(clus
         for command in (client.pause, client.stop):
             with pytest.raises(ClusterError, match="refused: it needs a admin key, and key .* is a client key"):
                 await command()
-        assert (await client.generate([1, 2, 3], SHORT)).token_ids == [3, 4, 5, 6]   # still serving
+        assert (await client.generate([1, 2, 3], SHORT)).token_ids == [3, 4, 5, 6]  # still serving
         async with cluster.client(**keys.admin_options()) as admin:
             assert await admin.pause() == "paused"
             assert await admin.unpause() == "running"
@@ -134,40 +156,49 @@ async def test_a_client_key_probing_refit_paths_learns_nothing_about_them(cluste
 async def test_another_key_presenting_a_clients_routing_id_gets_nothing_of_its_stream(cluster, keys):
     ctx = zmq.asyncio.Context()
     try:
-        async with cluster.client(**keys.client_options()) as client, \
-                cluster.client(**keys.admin_options()) as admin:
+        async with cluster.client(**keys.client_options()) as client, cluster.client(**keys.admin_options()) as admin:
             await admin.wait_for_workers(1, timeout=30)
             stream = client.stream([1, 2, 3], SamplingParams(max_tokens=60))
             first = await stream.__anext__()
-            await admin.pause()                     # the stream is in flight while the thief connects
+            await admin.pause()  # the stream is in flight while the thief connects
             identity = client._conn.sock.getsockopt(zmq.IDENTITY)
-            thief = await raw_peer(ctx, keys, keys.path / "clients" / "other.key_secret", cluster.address,
-                                   identity=identity)
+            thief = await raw_peer(
+                ctx, keys, keys.path / "clients" / "other.key_secret", cluster.address, identity=identity
+            )
             await thief.send(encode(Hello(role="client", peer_id="thief")))
             await thief.send(encode(Heartbeat(sent_at=0.0)))
             await admin.unpause()
             rest = await asyncio.wait_for(collect(stream), 30)
             assert [t for d in [first, *rest] for t in d.token_ids] == list(range(3, 63))
             assert rest[-1].finish_reason == "length"
-            assert await received(thief, 1.0) == []    # not one frame: no delta, no Welcome
+            assert await received(thief, 1.0) == []  # not one frame: no delta, no Welcome
             thief.close(0)
     finally:
         ctx.destroy(linger=0)
 
 
 async def test_a_revoked_key_is_cut_off_and_the_others_are_served(cluster, keys, wait_until):
-    doomed_worker = cluster.worker(1, *BENCH, "--curve-key", str(keys.path / "workers" / "doomed.key_secret"),
-                                   "--coordinator-key", str(keys.public("coordinator")), benchmark=True)
-    async with cluster.client(**keys.client_options()) as client, \
-            cluster.client(**keys.admin_options()) as admin, \
-            cluster.client(**key_options(keys, keys.path / "clients" / "doomed.key_secret")) as doomed:
+    doomed_worker = cluster.worker(
+        1,
+        *BENCH,
+        "--curve-key",
+        str(keys.path / "workers" / "doomed.key_secret"),
+        "--coordinator-key",
+        str(keys.public("coordinator")),
+        benchmark=True,
+    )
+    async with (
+        cluster.client(**keys.client_options()) as client,
+        cluster.client(**keys.admin_options()) as admin,
+        cluster.client(**key_options(keys, keys.path / "clients" / "doomed.key_secret")) as doomed,
+    ):
         await admin.wait_for_workers(2, timeout=30)
         assert (await doomed.generate([1, 2], SHORT)).finish_reason == "length"
         await admin.pause()
         stream = doomed.stream([1, 2, 3], SamplingParams(max_tokens=40))
         pending = asyncio.ensure_future(stream.__anext__())
         kept = asyncio.ensure_future(client.generate([1, 2, 3], SamplingParams(max_tokens=40)))
-        await asyncio.sleep(0.3)   # both requests reach the coordinator before the keys go
+        await asyncio.sleep(0.3)  # both requests reach the coordinator before the keys go
         (keys.path / "clients" / "doomed.key").unlink()
         (keys.path / "workers" / "doomed.key").unlink()
         with pytest.raises(ClusterError, match="cut this connection off: its key .* is no longer authorized"):
@@ -186,9 +217,14 @@ async def test_a_revoked_key_is_cut_off_and_the_others_are_served(cluster, keys,
 async def test_one_directory_per_role(cluster_factory, keys):
     """--worker-keys / --client-keys instead of --authorized-keys; no admin keys: nobody drives the lifecycle."""
     cluster = cluster_factory()
-    coordinator = cluster.coordinator("--curve-secret-key", str(keys.secret("coordinator")),
-                                      "--worker-keys", str(keys.path / "workers"),
-                                      "--client-keys", str(keys.path / "clients"))
+    coordinator = cluster.coordinator(
+        "--curve-secret-key",
+        str(keys.secret("coordinator")),
+        "--worker-keys",
+        str(keys.path / "workers"),
+        "--client-keys",
+        str(keys.path / "clients"),
+    )
     cluster.worker(0, *BENCH, *keys.worker_flags(), benchmark=True)
     async with cluster.client(**keys.client_options()) as client:
         await client.wait_for_workers(1, timeout=30)

@@ -7,19 +7,20 @@ from __future__ import annotations
 import random
 
 import pytest
+from fault_streams import streams_through_a_fault
+from lora_cases import make_adapters, peft_greedy
 
 from infer import SamplingParams
 from infer.client import ClusterError
 from infer.protocol.keys import ClusterKeyDir
-from fault_streams import streams_through_a_fault
-from lora_cases import make_adapters, peft_greedy
 
 MAX_NEW = 60
 ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1")
 
 
-async def test_adapters_reach_every_worker_and_a_failover_keeps_the_adapter(model_cluster, tiny_llama,
-                                                                            tmp_path_factory):
+async def test_adapters_reach_every_worker_and_a_failover_keeps_the_adapter(
+    model_cluster, tiny_llama, tmp_path_factory
+):
     folders = make_adapters(tiny_llama, tmp_path_factory, names=("qv", "mlp"))
     flags = (*ENGINE_FLAGS, "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"qv={folders['qv']}")
     cluster = model_cluster(workers=2, engine_flags=flags)
@@ -28,8 +29,10 @@ async def test_adapters_reach_every_worker_and_a_failover_keeps_the_adapter(mode
     loras = [None, "qv", "mlp"] * 2
     async with cluster.client() as client:
         assert await client.list_lora_adapters() == {"qv": str(folders["qv"])}
-        assert await client.load_lora_adapter("mlp", folders["mlp"]) == {"qv": str(folders["qv"]),
-                                                                           "mlp": str(folders["mlp"])}
+        assert await client.load_lora_adapter("mlp", folders["mlp"]) == {
+            "qv": str(folders["qv"]),
+            "mlp": str(folders["mlp"]),
+        }
         assert all(w.num_in_flight == 0 for w in (await client.stats()).workers)
         with pytest.raises(ClusterError, match="adapter_config.json: no such file"):
             await client.load_lora_adapter("broken", "/nowhere")
@@ -69,9 +72,9 @@ async def test_only_an_admin_key_loads_or_unloads_an_adapter(cluster_factory, ke
             answers.append(str(e.value))
         with pytest.raises(ClusterError, match="refused: it needs a admin key"):
             await client.unload_lora_adapter("sql")
-        assert answers[0] == answers[1] and str(tmp_path) not in answers[0]   # nothing read, nothing learnt
-        assert (await client.generate([1, 2, 3], SamplingParams(max_tokens=2))).token_ids == [3, 4]   # still serving
-        async with cluster.client(**keys.admin_options()) as admin:   # an admin's reaches the workers
+        assert answers[0] == answers[1] and str(tmp_path) not in answers[0]  # nothing read, nothing learnt
+        assert (await client.generate([1, 2, 3], SamplingParams(max_tokens=2))).token_ids == [3, 4]  # still serving
+        async with cluster.client(**keys.admin_options()) as admin:  # an admin's reaches the workers
             with pytest.raises(ClusterError, match="not in --benchmark-mode"):
                 await admin.load_lora_adapter("sql", tmp_path)
 
@@ -81,12 +84,26 @@ def test_llm_in_coordinator_mode_loads_lora_requests_on_the_workers(tiny_llama, 
 
     folders = make_adapters(tiny_llama, tmp_path_factory, names=("qv", "mlp"))
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    with LLM(str(tiny_llama), use_coordinator=True, dtype="float32", max_model_len=256, kv_cache_memory=8_000_000,
-             num_threads=1, enable_lora=True, max_lora_rank=8, lora_modules={"qv": folders["qv"]}) as llm:
+    with LLM(
+        str(tiny_llama),
+        use_coordinator=True,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory=8_000_000,
+        num_threads=1,
+        enable_lora=True,
+        max_lora_rank=8,
+        lora_modules={"qv": folders["qv"]},
+    ) as llm:
         assert llm.list_loras() == {"qv": str(folders["qv"])}
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False,
-                            lora_request=[LoRARequest("qv", 1, str(folders["qv"])),
-                                          LoRARequest("mlp", 2, str(folders["mlp"]))])   # mlp: loaded on first use
+        outs = llm.generate(
+            prompts,
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+            lora_request=[LoRARequest("qv", 1, str(folders["qv"])), LoRARequest("mlp", 2, str(folders["mlp"]))],
+        )  # mlp: loaded on first use
         assert llm.list_loras() == {"qv": str(folders["qv"]), "mlp": str(folders["mlp"])}
-    assert [o.token_ids for o in outs] == [peft_greedy(tiny_llama, folders["qv"], prompts[:1], 8)[0],
-                                           peft_greedy(tiny_llama, folders["mlp"], prompts[1:], 8)[0]]
+    assert [o.token_ids for o in outs] == [
+        peft_greedy(tiny_llama, folders["qv"], prompts[:1], 8)[0],
+        peft_greedy(tiny_llama, folders["mlp"], prompts[1:], 8)[0],
+    ]

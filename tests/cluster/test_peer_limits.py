@@ -59,30 +59,33 @@ def _rss_kib(pid: int) -> int:
 async def _lines_of(proc, marker: str, timeout: float, wait_until) -> None:
     async def seen():
         return marker in proc.text()
+
     await wait_until(seen, timeout, f"{marker!r} in the log of {proc.name}")
 
 
 async def test_a_client_stopped_past_the_client_timeout_reattaches_and_completes(cluster_factory, wait_until):
     cluster = cluster_factory()
-    cluster.coordinator()                                             # --client-timeout 1.5
+    cluster.coordinator()  # --client-timeout 1.5
     cluster.worker(0, "--benchmark-step-time", "0.02", benchmark=True)
-    n = 400                                                           # ~8 s of steps
+    n = 400  # ~8 s of steps
     async with cluster.client() as observer:
         await observer.wait_for_workers(1, 30)
         client = cluster.spawn("client", "-c", _STOPPED_CLIENT, cluster.address, str(n))
         await _lines_of(client, "FIRST", 30, wait_until)
         client.popen.send_signal(signal.SIGSTOP)
         try:
+
             async def lost():
                 return (await observer.stats()).clients_lost == 1
+
             await wait_until(lost, 30, "the stopped client to be declared lost")
-            await asyncio.sleep(2.5)       # stopped longer than its own silence timeout (2 s) too
+            await asyncio.sleep(2.5)  # stopped longer than its own silence timeout (2 s) too
         finally:
             client.popen.send_signal(signal.SIGCONT)
         assert client.wait(60) == 0, client.text()
         result = json.loads(client.text().split("RESULT ", 1)[1])
         assert result["finish_reason"] == "length", result
-        assert result["tokens"] == _benchmark_tokens(3, n)              # no gap, no repeat
+        assert result["tokens"] == _benchmark_tokens(3, n)  # no gap, no repeat
         assert "declared this client lost" in client.text()
         stats = await observer.stats()
         assert stats.clients_lost == 1 and stats.num_in_flight == 0
@@ -90,7 +93,7 @@ async def test_a_client_stopped_past_the_client_timeout_reattaches_and_completes
 
 async def test_fifty_clients_that_never_read_are_cut_off_and_others_are_served(cluster_factory, wait_until):
     cluster = cluster_factory()
-    coordinator = cluster.coordinator("--client-timeout", "60")      # only the queue bound may cut them off
+    coordinator = cluster.coordinator("--client-timeout", "60")  # only the queue bound may cut them off
     cluster.worker(0, "--max-num-seqs", "256", "--benchmark-step-time", "0.05", benchmark=True)
     ctx = zmq.Context()
     floods = []
@@ -99,15 +102,18 @@ async def test_fifty_clients_that_never_read_are_cut_off_and_others_are_served(c
             await client.wait_for_workers(1, 30)
             baseline = _rss_kib(coordinator.popen.pid)
             stats_frame = encode(StatsRequest())
-            junk_frame = msgpack.packb({"type": "x" * 2500, "v": 2, "body": {}})   # answered with ~2 KB
+            junk_frame = msgpack.packb({"type": "x" * 2500, "v": 2, "body": {}})  # answered with ~2 KB
             for i in range(50):
                 sock = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.RCVBUF, 4096)            # small kernel buffers: the coordinator's queue fills
+                sock.setsockopt(zmq.RCVBUF, 4096)  # small kernel buffers: the coordinator's queue fills
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(cluster.address)
                 for j in range(2):
-                    submit = Submit(request_id=f"flood-{i}-{j}", prompt_token_ids=TokenIds([1, 2, 3]),
-                                    sampling=SamplingParams(max_tokens=4000))   # 200 s of steps
+                    submit = Submit(
+                        request_id=f"flood-{i}-{j}",
+                        prompt_token_ids=TokenIds([1, 2, 3]),
+                        sampling=SamplingParams(max_tokens=4000),
+                    )  # 200 s of steps
                     sock.send(encode(submit))
                 floods.append(sock)
 
@@ -116,13 +122,18 @@ async def test_fifty_clients_that_never_read_are_cut_off_and_others_are_served(c
                     for frame in (stats_frame, junk_frame) * 100:
                         try:
                             sock.send(frame, zmq.NOBLOCK)
-                        except zmq.Again:             # the coordinator stopped reading this one: fine
+                        except zmq.Again:  # the coordinator stopped reading this one: fine
                             break
                 return (await client.stats()).clients_too_slow >= 50
+
             await wait_until(flood_until_cut_off, 120, "all 50 non-reading clients to be cut off as too slow")
 
-            done = await asyncio.wait_for(asyncio.gather(*(
-                client.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=50)) for _ in range(5))), 60)
+            done = await asyncio.wait_for(
+                asyncio.gather(
+                    *(client.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=50)) for _ in range(5))
+                ),
+                60,
+            )
             assert all(c.finish_reason == "length" and c.token_ids == _benchmark_tokens(3, 50) for c in done)
             stats = await client.stats()
             assert stats.requests_aborted >= 100 and stats.requests_completed >= 5
@@ -149,14 +160,22 @@ async def test_hostile_peer_text_is_logged_escaped_and_bounded(cluster_factory):
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(cluster.address)
             big = "e" * (1 << 20) + "\nworker joined: FORGED-ERROR"
-            for _ in range(20):                                       # 20 MiB of error text
+            for _ in range(20):  # 20 MiB of error text
                 sock.send(encode(Error(message=big)))
-            evil = Hello(role="worker", peer_id="w\nworker joined: FORGED-ID", model_id="m\nFORGED-MODEL",
-                         dp_rank=0, group_id="g", num_kv_blocks=10, block_size=16, max_num_seqs=4,
-                         max_model_len=64)
+            evil = Hello(
+                role="worker",
+                peer_id="w\nworker joined: FORGED-ID",
+                model_id="m\nFORGED-MODEL",
+                dp_rank=0,
+                group_id="g",
+                num_kv_blocks=10,
+                block_size=16,
+                max_num_seqs=4,
+                max_model_len=64,
+            )
             sock.send(encode(evil))
             await asyncio.sleep(0)
-            await client.stats()                                      # the frames before it were handled
+            await client.stats()  # the frames before it were handled
             await asyncio.wait_for(asyncio.to_thread(sock.recv), 10)  # the welcome
             sock.close()
             await client.stop()
@@ -164,7 +183,7 @@ async def test_hostile_peer_text_is_logged_escaped_and_bounded(cluster_factory):
     finally:
         ctx.term()
     text = coordinator.text()
-    assert len(text) < 100_000, len(text)                             # 20 MiB in, a few KiB logged
+    assert len(text) < 100_000, len(text)  # 20 MiB in, a few KiB logged
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     messages = [r["message"] for r in records]
     assert not any(m.startswith("worker joined: FORGED") for m in messages)
@@ -181,8 +200,7 @@ async def test_a_worker_whose_steps_outlast_the_worker_timeout_stays_registered(
     worker = cluster.worker(0, "--benchmark-step-time", "2.5", benchmark=True)
     async with cluster.client() as client:
         await client.wait_for_workers(1, 30)
-        done = await asyncio.wait_for(client.generate([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=3)),
-                                      60)
+        done = await asyncio.wait_for(client.generate([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=3)), 60)
         assert done.finish_reason == "length" and done.token_ids == _benchmark_tokens(4, 3)
         stats = await client.stats()
         (w,) = stats.workers
@@ -190,5 +208,5 @@ async def test_a_worker_whose_steps_outlast_the_worker_timeout_stays_registered(
     assert "worker left" not in cluster.procs[0].text() and worker.popen.poll() is None
 
 
-if sys.platform != "linux":   # /proc
+if sys.platform != "linux":  # /proc
     pytest.skip("Linux only", allow_module_level=True)

@@ -44,10 +44,20 @@ def _one_process(model: Path, prompts: list, params: SamplingParams) -> list[lis
 
 @pytest.fixture(scope="module")
 def five_layers(tmp_path_factory, smollm2_tokenizer):
-    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
-                  num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, vocab_size=len(smollm2_tokenizer),
-                  bos_token_id=smollm2_tokenizer.bos_token_id, eos_token_id=smollm2_tokenizer.eos_token_id)
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        vocab_size=len(smollm2_tokenizer),
+        bos_token_id=smollm2_tokenizer.bos_token_id,
+        eos_token_id=smollm2_tokenizer.eos_token_id,
+    )
     return save_tiny_model("llama", fields, tmp_path_factory.mktemp("pp-llama5"), smollm2_tokenizer, seed=7)
 
 
@@ -92,8 +102,22 @@ async def test_pp2_with_ep2_on_an_moe_model_equals_transformers(cluster_factory,
     cluster.coordinator()
     dist_init = f"tcp://127.0.0.1:{free_port()}"
     for ep_rank in range(2):
-        cluster.worker(ep_rank, *ENGINE_FLAGS, *PP_FLAGS, "--pp-size", "2", "--ep-size", "2", "--ep-rank",
-                       str(ep_rank), "--dist-init", dist_init, "--ep-timeout", "20", model=model)
+        cluster.worker(
+            ep_rank,
+            *ENGINE_FLAGS,
+            *PP_FLAGS,
+            "--pp-size",
+            "2",
+            "--ep-size",
+            "2",
+            "--ep-rank",
+            str(ep_rank),
+            "--dist-init",
+            dist_init,
+            "--ep-timeout",
+            "20",
+            model=model,
+        )
     ready(cluster, 2)
     async with cluster.client() as client:
         pinned = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=0) for p in PROMPTS))
@@ -128,7 +152,7 @@ async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers
         supervisor = cluster.proc_of(busiest.worker_id)
         struck["rank"], struck["stages"] = supervisor, _stages(supervisor)
         assert len(struck["stages"]) == 3
-        os.kill(struck["stages"][1], signal.SIGKILL if fault == "kill -9" else signal.SIGSTOP)   # the middle stage
+        os.kill(struck["stages"][1], signal.SIGKILL if fault == "kill -9" else signal.SIGSTOP)  # the middle stage
         struck_at = time.monotonic()
 
         async def out_of_routing():
@@ -137,9 +161,14 @@ async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers
         await wait_until(out_of_routing, 20, "the struck DP rank out of routing")
         struck["out after"] = time.monotonic() - struck_at
 
-    streams, stats = await streams_through_a_fault(cluster, FAULT_PROMPTS, [LONG] * len(FAULT_PROMPTS),
-                                                   strike_the_busiest_rank, start_timeout=120,
-                                                   finish_timeout=180)
+    streams, stats = await streams_through_a_fault(
+        cluster,
+        FAULT_PROMPTS,
+        [LONG] * len(FAULT_PROMPTS),
+        strike_the_busiest_rank,
+        start_timeout=120,
+        finish_timeout=180,
+    )
     assert_exact_streams(streams, want)
     assert stats.requests_redispatched > 0
     supervisor = struck["rank"]
@@ -186,15 +215,40 @@ def test_idle_stages_started_one_by_one_end_whole_when_one_is_killed(cluster_fac
 def test_a_stage_with_another_partition_is_refused(cluster_factory, five_layers):
     cluster = cluster_factory()
     dist_init = f"tcp://127.0.0.1:{free_port()}"
-    first = cluster.worker(0, *ENGINE_FLAGS, "--pp-size", "2", "--pp-rank", "0", "--pp-timeout", "8",
-                           "--dist-init", dist_init, model=five_layers)
-    other = cluster.worker(1, *ENGINE_FLAGS, "--pp-size", "2", "--pp-rank", "1", "--pp-timeout", "8",
-                           "--pp-layer-partition", "1,4", "--dist-init", dist_init, model=five_layers)
+    first = cluster.worker(
+        0,
+        *ENGINE_FLAGS,
+        "--pp-size",
+        "2",
+        "--pp-rank",
+        "0",
+        "--pp-timeout",
+        "8",
+        "--dist-init",
+        dist_init,
+        model=five_layers,
+    )
+    other = cluster.worker(
+        1,
+        *ENGINE_FLAGS,
+        "--pp-size",
+        "2",
+        "--pp-rank",
+        "1",
+        "--pp-timeout",
+        "8",
+        "--pp-layer-partition",
+        "1,4",
+        "--dist-init",
+        dist_init,
+        model=five_layers,
+    )
     assert other.wait(timeout=60) == 2
     text = other.text()
     assert "layers 1,4" in text and "stage 0" in text and "layers 3,2" in text, text
-    assert first.wait(timeout=60) == 2 and "pipeline process 1 (global rank) was started with" in first.text(), \
+    assert first.wait(timeout=60) == 2 and "pipeline process 1 (global rank) was started with" in first.text(), (
         first.text()
+    )
 
 
 class _Clients:
@@ -224,8 +278,12 @@ async def test_infer_serve_restarts_a_pipeline_whole_after_kill_9_of_a_stage(tin
 
     from infer.client import InferenceClient
 
-    served = Served(tiny_model_dir("llama"), tmp_path / "serve.log", "tiny",
-                    ["--threads", "1", "--pp-size", "2", "--dtype", "float32"])
+    served = Served(
+        tiny_model_dir("llama"),
+        tmp_path / "serve.log",
+        "tiny",
+        ["--threads", "1", "--pp-size", "2", "--dtype", "float32"],
+    )
     try:
         async with InferenceClient(served.address) as client:
             reference = [c.token_ids for c in await asyncio.gather(*(client.generate(p, LONG) for p in PROMPTS))]
@@ -245,8 +303,12 @@ async def test_infer_serve_restarts_a_pipeline_whole_after_kill_9_of_a_stage(tin
             stats = await client.wait_for_workers(2, 60 - (time.monotonic() - killed_at))
         assert stats.num_healthy_workers == 2, stats
         assert "restarting it in" in served.log.read_text()
-        now = [pid for rank in children(served.proc.pid) if "infer.worker.daemon" in _cmdline(rank)
-               for pid in children(rank)]
+        now = [
+            pid
+            for rank in children(served.proc.pid)
+            if "infer.worker.daemon" in _cmdline(rank)
+            for pid in children(rank)
+        ]
         assert stage1[0] not in now and len(now) == 4, now
     finally:
         served.stop()

@@ -58,6 +58,7 @@ def secured(cluster_factory, keys):
 def _log_has(proc, text: str):
     async def check() -> bool:
         return text in proc.text()
+
     return check
 
 
@@ -65,37 +66,41 @@ async def test_with_keys_an_authorized_worker_and_client_serve(secured, keys):
     async with secured.client(**keys.client_options()) as client:
         await client.wait_for_workers(1, timeout=30)
         done = await client.generate([1, 2, 3], SHORT)
-        assert (done.token_ids, done.finish_reason) == ([3, 4, 5, 6], "length")   # benchmark: (P + i) % 1000
+        assert (done.token_ids, done.finish_reason) == ([3, 4, 5, 6], "length")  # benchmark: (P + i) % 1000
     coordinator_log = secured.procs[0].text()
     assert f"coordinator public key {read_public_key(keys.public('coordinator')).decode()}" in coordinator_log
     assert "3 authorized key(s): 1 worker key(s)" in coordinator_log and "refused" not in coordinator_log
 
 
-async def test_a_client_with_an_unknown_key_is_refused_logged_and_never_a_client(secured, keys, stranger,
-                                                                                 wait_until):
+async def test_a_client_with_an_unknown_key_is_refused_logged_and_never_a_client(secured, keys, stranger, wait_until):
     coordinator = secured.procs[0]
     async with secured.client(**keys.client_options()) as client:
         await client.wait_for_workers(1, timeout=30)
         before = await client.stats()
-        intruder = secured.client(curve_key=stranger.secret("client"),
-                                  coordinator_key=keys.public("coordinator"), connect_timeout=60)
+        intruder = secured.client(
+            curve_key=stranger.secret("client"), coordinator_key=keys.public("coordinator"), connect_timeout=60
+        )
         started = time.monotonic()
         with pytest.raises(ClusterError, match="the coordinator refused this peer's CURVE key"):
             await intruder.connect()
-        assert time.monotonic() - started < 10     # at once, not at its 60 s connect timeout
+        assert time.monotonic() - started < 10  # at once, not at its 60 s connect timeout
         key = read_public_key(stranger.public("client")).decode()
-        await wait_until(_log_has(coordinator, f"from 127.0.0.1 with unknown public key {key}"), 5,
-                         "the refusal in the coordinator's log")
+        await wait_until(
+            _log_has(coordinator, f"from 127.0.0.1 with unknown public key {key}"),
+            5,
+            "the refusal in the coordinator's log",
+        )
         after = await client.stats()
-        assert before.frames_rejected == after.frames_rejected == 0   # no frame of its reached a handler
-        assert before.num_clients == after.num_clients == 1           # only this client ever said Hello
+        assert before.frames_rejected == after.frames_rejected == 0  # no frame of its reached a handler
+        assert before.num_clients == after.num_clients == 1  # only this client ever said Hello
         assert after.requests_submitted == before.requests_submitted
     assert "WARNING" in next(line for line in coordinator.text().splitlines() if key in line)
 
 
 @pytest.mark.parametrize("hello_delay", [0.0, 0.5])
-async def test_a_refused_client_gets_its_error_however_its_hello_and_the_refusal_race(secured, monkeypatch,
-                                                                                     hello_delay):
+async def test_a_refused_client_gets_its_error_however_its_hello_and_the_refusal_race(
+    secured, monkeypatch, hello_delay
+):
     """The refusal can tear the client's only pipe down before its Hello is queued, and a DEALER's send then
     waits for a pipe that never comes: once, CI hung here for good. With the Hello sent at once and after the
     refusal (delayed), each try must end in a ClusterError, fast."""
@@ -119,11 +124,12 @@ async def test_a_client_without_keys_is_refused_by_a_coordinator_with_keys(secur
     with pytest.raises(ClusterError, match="CURVE keys: pass curve_key and coordinator_key"):
         await plain.connect()
     await wait_until(_log_has(coordinator, "does not speak CURVE"), 5, "the refusal in the log")
-    wrong_server = secured.client(curve_key=keys.secret("client"), coordinator_key=keys.public("worker"),
-                                  connect_timeout=60)
+    wrong_server = secured.client(
+        curve_key=keys.secret("client"), coordinator_key=keys.public("worker"), connect_timeout=60
+    )
     with pytest.raises(ClusterError, match="coordinator_key is not the coordinator's public key"):
         await wrong_server.connect()
-    assert time.monotonic() - started < 20     # both at once, not at their 60 s connect timeouts
+    assert time.monotonic() - started < 20  # both at once, not at their 60 s connect timeouts
     async with secured.client(**keys.client_options()) as client:
         stats = await client.stats()
         assert (stats.frames_rejected, stats.num_clients) == (0, 1)
@@ -131,10 +137,19 @@ async def test_a_client_without_keys_is_refused_by_a_coordinator_with_keys(secur
 
 async def test_workers_with_an_unknown_key_or_none_never_register(secured, keys, stranger, wait_until):
     coordinator = secured.procs[0]
-    intruder = secured.worker(1, *BENCH, "--curve-key", str(stranger.secret("worker")), "--coordinator-key",
-                              str(keys.public("coordinator")), "--connect-timeout", "120", benchmark=True)
+    intruder = secured.worker(
+        1,
+        *BENCH,
+        "--curve-key",
+        str(stranger.secret("worker")),
+        "--coordinator-key",
+        str(keys.public("coordinator")),
+        "--connect-timeout",
+        "120",
+        benchmark=True,
+    )
     plain = secured.worker(2, *BENCH, "--connect-timeout", "120", benchmark=True)
-    assert intruder.wait(timeout=60) == 3 and plain.wait(timeout=60) == 3   # refused at once, not at 120 s
+    assert intruder.wait(timeout=60) == 3 and plain.wait(timeout=60) == 3  # refused at once, not at 120 s
     key = read_public_key(stranger.public("worker")).decode()
     await wait_until(_log_has(coordinator, f"unknown public key {key}"), 5, "the refusal in the log")
     async with secured.client(**keys.client_options()) as client:
@@ -151,8 +166,10 @@ def _run(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
 def test_without_keys_a_non_loopback_bind_needs_trusted_network(cluster_factory):
     refused = _run("-m", "infer.coordinator.daemon", "--host", "0.0.0.0", "--port", "0")
     assert refused.returncode == 2
-    assert ("refusing to run the coordinator on 0.0.0.0, which is not a loopback address, without "
-            "authentication: pass --curve-secret-key FILE and --authorized-keys DIR") in refused.stderr
+    assert (
+        "refusing to run the coordinator on 0.0.0.0, which is not a loopback address, without "
+        "authentication: pass --curve-secret-key FILE and --authorized-keys DIR"
+    ) in refused.stderr
     assert "--trusted-network" in refused.stderr
     cluster = cluster_factory()
     trusted = cluster.coordinator("--host", "0.0.0.0", "--trusted-network")
@@ -164,8 +181,19 @@ def test_without_keys_a_non_loopback_bind_needs_trusted_network(cluster_factory)
     assert trusted.wait(timeout=15) == 0
 
 
-@pytest.mark.parametrize("case", ["public-as-secret", "one-flag", "no-directory", "empty-directory", "flat-directory",
-                                  "no-role-directory", "worker-public-as-secret", "worker-one-flag"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "public-as-secret",
+        "one-flag",
+        "no-directory",
+        "empty-directory",
+        "flat-directory",
+        "no-role-directory",
+        "worker-public-as-secret",
+        "worker-one-flag",
+    ],
+)
 def test_bad_key_options_exit_2_with_the_reason(case, keys, tmp_path):
     coordinator = ("-m", "infer.coordinator.daemon", "--port", "0")
     worker = ("-m", "infer.worker.daemon", "--coordinator", "tcp://127.0.0.1:9", "--benchmark-mode")
@@ -173,23 +201,64 @@ def test_bad_key_options_exit_2_with_the_reason(case, keys, tmp_path):
     (tmp_path / "flat").mkdir()
     (tmp_path / "flat" / "client.key").write_bytes(keys.public("client").read_bytes())
     argv, message = {
-        "public-as-secret": ((*coordinator, "--curve-secret-key", str(keys.public("coordinator")),
-                              "--authorized-keys", str(keys.path)), "holds only a public key"),
-        "one-flag": ((*coordinator, "--curve-secret-key", str(keys.secret("coordinator"))),
-                     "--curve-secret-key and --authorized-keys go together"),
-        "no-directory": ((*coordinator, "--curve-secret-key", str(keys.secret("coordinator")),
-                          "--authorized-keys", str(tmp_path / "missing")), "does not exist or is not a "),
-        "empty-directory": ((*coordinator, "--curve-secret-key", str(keys.secret("coordinator")),
-                             "--authorized-keys", str(tmp_path / "empty")), "no public key files"),
-        "no-role-directory": ((*coordinator, "--curve-secret-key", str(keys.secret("coordinator")),
-                               "--authorized-keys", str(keys.path), "--admin-keys", str(tmp_path / "missing")),
-                              "admin keys directory"),
-        "flat-directory": ((*coordinator, "--curve-secret-key", str(keys.secret("coordinator")),
-                            "--authorized-keys", str(tmp_path / "flat")), "the layout from before key roles"),
-        "worker-public-as-secret": ((*worker, "--curve-key", str(keys.public("worker")), "--coordinator-key",
-                                     str(keys.public("coordinator"))), "holds only a public key"),
-        "worker-one-flag": ((*worker, "--curve-key", str(keys.secret("worker"))),
-                            "--curve-key and --coordinator-key go together"),
+        "public-as-secret": (
+            (*coordinator, "--curve-secret-key", str(keys.public("coordinator")), "--authorized-keys", str(keys.path)),
+            "holds only a public key",
+        ),
+        "one-flag": (
+            (*coordinator, "--curve-secret-key", str(keys.secret("coordinator"))),
+            "--curve-secret-key and --authorized-keys go together",
+        ),
+        "no-directory": (
+            (
+                *coordinator,
+                "--curve-secret-key",
+                str(keys.secret("coordinator")),
+                "--authorized-keys",
+                str(tmp_path / "missing"),
+            ),
+            "does not exist or is not a ",
+        ),
+        "empty-directory": (
+            (
+                *coordinator,
+                "--curve-secret-key",
+                str(keys.secret("coordinator")),
+                "--authorized-keys",
+                str(tmp_path / "empty"),
+            ),
+            "no public key files",
+        ),
+        "no-role-directory": (
+            (
+                *coordinator,
+                "--curve-secret-key",
+                str(keys.secret("coordinator")),
+                "--authorized-keys",
+                str(keys.path),
+                "--admin-keys",
+                str(tmp_path / "missing"),
+            ),
+            "admin keys directory",
+        ),
+        "flat-directory": (
+            (
+                *coordinator,
+                "--curve-secret-key",
+                str(keys.secret("coordinator")),
+                "--authorized-keys",
+                str(tmp_path / "flat"),
+            ),
+            "the layout from before key roles",
+        ),
+        "worker-public-as-secret": (
+            (*worker, "--curve-key", str(keys.public("worker")), "--coordinator-key", str(keys.public("coordinator"))),
+            "holds only a public key",
+        ),
+        "worker-one-flag": (
+            (*worker, "--curve-key", str(keys.secret("worker"))),
+            "--curve-key and --coordinator-key go together",
+        ),
     }[case]
     done = _run(*argv)
     assert done.returncode == 2 and message in done.stderr, done.stderr
@@ -210,10 +279,14 @@ def test_infer_keygen_writes_a_private_secret_and_never_overwrites(tmp_path):
 
 # ---- infer-serve, infer-api, LLM -------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, message", [
-    (["--coordinator-host", "0.0.0.0"], "refusing to run the coordinator on 0.0.0.0"),
-    (["--host", "0.0.0.0"], "refusing to run the HTTP front on 0.0.0.0"),
-])
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--coordinator-host", "0.0.0.0"], "refusing to run the coordinator on 0.0.0.0"),
+        (["--host", "0.0.0.0"], "refusing to run the HTTP front on 0.0.0.0"),
+    ],
+)
 def test_infer_serve_refuses_an_unprotected_non_loopback_bind(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("INFER_API_KEY", raising=False)
     assert serve_module.main(["--benchmark-mode", *argv]) == 2
@@ -231,9 +304,21 @@ def test_infer_api_refuses_an_open_front_and_bad_key_files(capsys, monkeypatch, 
 
 async def test_infer_serve_with_a_keys_dir_secures_every_link(keys):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infer.client.serve", "--benchmark-mode", "--heartbeat-interval", "0.2",
-        "--log-level", "WARNING", "--port", "0", "--keys-dir", str(keys.path), stdout=asyncio.subprocess.PIPE,
-        start_new_session=True)
+        sys.executable,
+        "-m",
+        "infer.client.serve",
+        "--benchmark-mode",
+        "--heartbeat-interval",
+        "0.2",
+        "--log-level",
+        "WARNING",
+        "--port",
+        "0",
+        "--keys-dir",
+        str(keys.path),
+        stdout=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode()
         match = re.search(r"ready: 1 worker\(s\).*connect to (tcp://\S+)", line)
@@ -262,6 +347,7 @@ async def test_llm_joins_a_secured_cluster_with_its_keys(secured, keys):
 
 # ---- the EP group's wake channel ----------------------------------------------------------------
 
+
 def _ep_rank(rank: int, port: int, key_files: list[str], stranger_secret: str, results) -> None:
     """Rank `rank` of a 2-rank gloo group: first a wake channel where rank 1 has no key (every rank must
     refuse it), then one where each rank has its own key; a stranger's wake to rank 1 is refused, rank 0's
@@ -284,12 +370,12 @@ def _ep_rank(rank: int, port: int, key_files: list[str], stranger_secret: str, r
         except ValueError as e:
             mixed = str(e)
         sync = GroupSync(options, ctx, curve=curve)
-        if rank == 1:   # a stranger with rank 1's address and public key, and its own key, cannot wake it
+        if rank == 1:  # a stranger with rank 1's address and public key, and its own key, cannot wake it
             endpoint = sync.wake_socket.getsockopt(zmq.LAST_ENDPOINT).decode()
             intruder_keys = CurveKeys.server(stranger_secret).towards(curve.public_key)
             intruder = make_socket(ctx, zmq.PUSH, curve=intruder_keys)
             intruder.connect(endpoint)
-            intruder.send(b"\0" * 8)   # a wake for round 0
+            intruder.send(b"\0" * 8)  # a wake for round 0
             time.sleep(1.0)
             stranger_woke = sync.woken()
             intruder.close()
@@ -320,7 +406,7 @@ def test_the_ep_wake_channel_needs_keys_on_every_rank_and_lets_in_only_the_group
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
     port = _free_port()
-    key_files = [str(keys.secret("worker")), str(keys.secret("client"))]   # each rank its own pair
+    key_files = [str(keys.secret("worker")), str(keys.secret("client"))]  # each rank its own pair
     intruder = str(stranger.secret("worker"))
     procs = [spawn.Process(target=_ep_rank, args=(r, port, key_files, intruder, results)) for r in (0, 1)]
     for proc in procs:

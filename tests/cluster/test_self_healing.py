@@ -43,6 +43,7 @@ def reference(served):
     async def run():
         async with InferenceClient(served.address) as client:
             return await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))
+
     return [c.token_ids for c in asyncio.run(run())]
 
 
@@ -57,8 +58,9 @@ class _Clients:
 
 
 def _child_pids(served: Served, module: str) -> list[int]:
-    pids = subprocess.run(["pgrep", "-P", str(served.proc.pid)], capture_output=True, text=True,
-                          check=False).stdout.split()
+    pids = subprocess.run(
+        ["pgrep", "-P", str(served.proc.pid)], capture_output=True, text=True, check=False
+    ).stdout.split()
     return [int(pid) for pid in pids if module in _cmdline(int(pid))]
 
 
@@ -97,8 +99,9 @@ async def test_a_killed_coordinator_is_restarted_and_streams_complete_exactly(se
 
 
 def _complete(url: str) -> dict:
-    body = json.dumps({"model": "smol", "prompt": "The capital of France is", "max_tokens": 4,
-                       "temperature": 0}).encode()
+    body = json.dumps(
+        {"model": "smol", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    ).encode()
     request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
@@ -108,7 +111,7 @@ def test_a_killed_http_front_is_restarted_and_serves_a_new_request(served):
     before = _complete(served.url)
     front = _child_pids(served, "infer.client.api.server")[0]
     os.kill(front, signal.SIGKILL)
-    after = _complete(served.url)         # waits in the kept socket's backlog until the new front serves
+    after = _complete(served.url)  # waits in the kept socket's backlog until the new front serves
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
     assert front not in _child_pids(served, "infer.client.api.server")
 
@@ -117,8 +120,12 @@ async def test_a_killed_tp_member_takes_its_group_down_and_the_group_is_restarte
     """`infer-serve --workers 2 --tp-size 2` on a tiny Llama (the embedded model's 9 heads do not split in two):
     kill -9 of one group's follower mid-stream. Its group gives its streams back (they end exactly on the other
     group), infer-serve restarts the whole group, and both DP ranks are healthy again within 30 s."""
-    served = Served(tiny_model_dir("llama"), tmp_path / "serve.log", "tiny",
-                    ["--threads", "1", "--tp-size", "2", "--dtype", "float32"])
+    served = Served(
+        tiny_model_dir("llama"),
+        tmp_path / "serve.log",
+        "tiny",
+        ["--threads", "1", "--tp-size", "2", "--dtype", "float32"],
+    )
     try:
         async with InferenceClient(served.address) as client:
             reference = [c.token_ids for c in await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))]
@@ -132,20 +139,24 @@ async def test_a_killed_tp_member_takes_its_group_down_and_the_group_is_restarte
             os.kill(followers[0], signal.SIGKILL)
             killed_at = time.monotonic()
 
-        streams, _ = await streams_through_a_fault(_Clients(served.address), PROMPTS, GREEDY, kill,
-                                                   finish_timeout=120)
+        streams, _ = await streams_through_a_fault(_Clients(served.address), PROMPTS, GREEDY, kill, finish_timeout=120)
         assert_exact_streams(streams, reference)
         await _back_to_full_capacity(served, killed_at)
         text = served.log.read_text()
         assert "restarting it in" in text and followers[0] not in [
-            pid for group in _child_pids(served, "infer.worker.daemon") for pid in _member_pids(group)]
+            pid for group in _child_pids(served, "infer.worker.daemon") for pid in _member_pids(group)
+        ]
     finally:
         served.stop()
 
 
 def _member_pids(group: int) -> list[int]:
-    return [int(pid) for pid in subprocess.run(["pgrep", "-P", str(group)], capture_output=True, text=True,
-                                               check=False).stdout.split()]
+    return [
+        int(pid)
+        for pid in subprocess.run(
+            ["pgrep", "-P", str(group)], capture_output=True, text=True, check=False
+        ).stdout.split()
+    ]
 
 
 def _cmdline(pid: int) -> str:
@@ -159,10 +170,30 @@ def test_a_worker_that_crashes_at_every_start_is_given_up(tmp_path):
     log = tmp_path / "serve.log"
     started = time.monotonic()
     with open(log, "wb") as err:
-        done = subprocess.run([sys.executable, "-m", "infer.client.serve", "--workers", "1", "--port", "0",
-                               "--benchmark-mode", "--max-restarts", "2", "--restart-backoff", "0.1", "--",
-                               "--coordinator", "tcp://127.0.0.1:9", "--connect-timeout", "1"],   # nobody there
-                              stdout=subprocess.PIPE, stderr=err, timeout=120)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "infer.client.serve",
+                "--workers",
+                "1",
+                "--port",
+                "0",
+                "--benchmark-mode",
+                "--max-restarts",
+                "2",
+                "--restart-backoff",
+                "0.1",
+                "--",
+                "--coordinator",
+                "tcp://127.0.0.1:9",
+                "--connect-timeout",
+                "1",
+            ],  # nobody there
+            stdout=subprocess.PIPE,
+            stderr=err,
+            timeout=120,
+        )
     text = log.read_text()
     assert done.returncode == 1, text
     assert text.count("restarting it in") == 2
@@ -175,8 +206,24 @@ def test_a_worker_that_refuses_its_options_is_given_up_at_once_saying_why(smollm
     (the same command would fail again); infer-serve ends with the model's reason in its log."""
     log = tmp_path / "serve.log"
     with open(log, "wb") as err:
-        done = subprocess.run([sys.executable, "-m", "infer.client.serve", "--workers", "1", "--port", "0",
-                               "--tp-size", "2", "--threads", "1"], stdout=subprocess.PIPE, stderr=err, timeout=120)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "infer.client.serve",
+                "--workers",
+                "1",
+                "--port",
+                "0",
+                "--tp-size",
+                "2",
+                "--threads",
+                "1",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            timeout=120,
+        )
     text = log.read_text()
     assert done.returncode == 1, text
     assert "restarting it in" not in text

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from aioprocs import kill_group, pid_gone
 
 from infer import SamplingParams
@@ -25,26 +24,35 @@ def _children(pid: int) -> list[int]:
 
 async def _start_serve(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "infer.client.serve", "--benchmark-mode", "--heartbeat-interval", "0.2",
-        "--log-level", "WARNING", "--port", "0", *flags, stdout=asyncio.subprocess.PIPE, start_new_session=True)
+        sys.executable,
+        "-m",
+        "infer.client.serve",
+        "--benchmark-mode",
+        "--heartbeat-interval",
+        "0.2",
+        "--log-level",
+        "WARNING",
+        "--port",
+        "0",
+        *flags,
+        stdout=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
     line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
     match = re.search(r"ready: (\d+) worker\(s\).*connect to (tcp://\S+)", line)
     assert match, line
     return proc, match.group(2)
 
 
-
-
 async def test_serve_runs_a_cluster_and_sigterm_leaves_no_process():
     proc, address = await _start_serve("--workers", "2", "--threads", "1")
     children = _children(proc.pid)
     try:
-        assert len(children) == 4                      # the coordinator, two workers and the HTTP front
+        assert len(children) == 4  # the coordinator, two workers and the HTTP front
         async with InferenceClient(address) as client:
             stats = await client.stats()
             assert stats.num_healthy_workers == 2
-            done = await asyncio.gather(*(client.generate([1, 2, 3], SamplingParams(max_tokens=4))
-                                          for _ in range(20)))
+            done = await asyncio.gather(*(client.generate([1, 2, 3], SamplingParams(max_tokens=4)) for _ in range(20)))
             assert {c.finish_reason for c in done} == {"length"}
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
@@ -68,25 +76,32 @@ async def test_a_client_stop_ends_infer_serve():
         await kill_group(proc)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--pp-size", "0"], "--pp-size must be >= 1, got 0"),
-    (["--tp-size", "-1"], "--tp-size must be >= 1, got -1"),
-    (["--workers", "0"], "--workers must be >= 1, got 0"),
-    (["--threads", "0"], "--threads must be >= 1, got 0"),
-    (["--ready-timeout", "0"], "--ready-timeout must be > 0 seconds, got 0.0"),
-    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be > 0 seconds, got nan"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--pp-size", "0"], "--pp-size must be >= 1, got 0"),
+        (["--tp-size", "-1"], "--tp-size must be >= 1, got -1"),
+        (["--workers", "0"], "--workers must be >= 1, got 0"),
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--ready-timeout", "0"], "--ready-timeout must be > 0 seconds, got 0.0"),
+        (["--shutdown-timeout", "nan"], "--shutdown-timeout must be > 0 seconds, got nan"),
+    ],
+)
 def test_infer_serve_refuses_its_own_bad_sizes_before_starting_anything(flags, message):
-    done = subprocess.run([sys.executable, "-m", "infer.client.serve", *flags], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "infer.client.serve", *flags], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert done.stderr.strip() == f"infer-serve: {message}"
 
 
 def test_a_worker_that_refuses_its_flags_stops_infer_serve_with_one_clear_reason():
-    done = subprocess.run([sys.executable, "-m", "infer.client.serve", "--benchmark-mode", "--port", "0",
-                           "--", "--max-num-seqs", "0"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "infer.client.serve", "--benchmark-mode", "--port", "0", "--", "--max-num-seqs", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0
     assert "max_num_seqs must be a positive integer, got 0" in done.stderr
     assert "worker 0 is not restarted: it exited with code 2" in done.stderr

@@ -14,13 +14,28 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from prompts import prompt_of_length
 
 from infer import LLM, SamplingParams
 from infer.protocol.messages import (
-    MAX_FRAME_BYTES, Abort, Control, Delta, Error, Heartbeat, Hello, Load, ProtocolError, Refused,
-    StatsRequest, StepBatch, Submit, TokenIds, Welcome, decode, encode
+    MAX_FRAME_BYTES,
+    Abort,
+    Control,
+    Delta,
+    Error,
+    Heartbeat,
+    Hello,
+    Load,
+    ProtocolError,
+    Refused,
+    StatsRequest,
+    StepBatch,
+    Submit,
+    TokenIds,
+    Welcome,
+    decode,
+    encode,
 )
-from prompts import prompt_of_length
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 PROMPTS = [prompt_of_length(3 + (7 * i) % 45, i) + f" (#{i})" for i in range(200)]
@@ -44,7 +59,7 @@ async def test_200_concurrent_requests_match_the_engine_and_spread(serving_clust
         assert got.text == want.text
         assert got.prompt_token_ids == want.prompt_token_ids
     routed = [a.requests_routed - b.requests_routed for a, b in zip(after.workers, before.workers)]
-    assert sum(routed) == 200 and max(routed) <= 120, routed   # neither worker got more than 60%
+    assert sum(routed) == 200 and max(routed) <= 120, routed  # neither worker got more than 60%
 
 
 async def test_streamed_deltas_add_up_to_the_final_text(serving_cluster, reference):
@@ -65,15 +80,17 @@ async def test_abort_frees_the_kv_blocks_within_a_second(serving_cluster, wait_u
 
     async def all_free():
         stats = await client.stats()
-        return all(w.load.num_free_blocks == w.load.num_total_blocks and w.load.num_running == 0
-                   and w.load.num_waiting == 0 for w in stats.workers)
+        return all(
+            w.load.num_free_blocks == w.load.num_total_blocks and w.load.num_running == 0 and w.load.num_waiting == 0
+            for w in stats.workers
+        )
 
     async with serving_cluster.client() as client:
         deltas = []
         async for delta in client.stream(PROMPTS[7], long, request_id="to-abort"):
             deltas.append(delta)
             if len(deltas) == 3:
-                assert not await all_free()            # its blocks are held now
+                assert not await all_free()  # its blocks are held now
                 aborted_at = time.monotonic()
                 await client.abort("to-abort")
         assert deltas[-1].finish_reason == "abort" and len(deltas) < 100
@@ -84,52 +101,85 @@ async def test_abort_frees_the_kv_blocks_within_a_second(serving_cluster, wait_u
 
 # ---- fuzz ------------------------------------------------------------------------------------------
 
+
 def _frame(kind, body, version=1) -> bytes:
     return msgpack.packb({"type": kind, "v": version, "body": body}, use_bin_type=True)
 
 
 def _malformed(rng: random.Random) -> list[bytes]:
     """One malformed message (usually one frame) the coordinator must answer with Error or Refused."""
-    valid = [encode(m) for m in (
-        Submit(request_id="fz", prompt="hi", sampling=SamplingParams(max_tokens=2)), Hello(role="client", peer_id="fz"),
-        Heartbeat(sent_at=1.0), Abort(request_ids=["x"]), StatsRequest(), Control(command="pause"))]
+    valid = [
+        encode(m)
+        for m in (
+            Submit(request_id="fz", prompt="hi", sampling=SamplingParams(max_tokens=2)),
+            Hello(role="client", peer_id="fz"),
+            Heartbeat(sent_at=1.0),
+            Abort(request_ids=["x"]),
+            StatsRequest(),
+            Control(command="pause"),
+        )
+    ]
     kind = rng.randrange(9)
-    if kind == 0:                                                     # random bytes
+    if kind == 0:  # random bytes
         return [bytes(rng.randrange(256) for _ in range(rng.randint(0, 80)))]
-    if kind == 1:                                                     # truncated msgpack
+    if kind == 1:  # truncated msgpack
         frame = rng.choice(valid)
-        return [frame[:rng.randrange(len(frame))]]
-    if kind == 2:                                                     # flipped bytes
+        return [frame[: rng.randrange(len(frame))]]
+    if kind == 2:  # flipped bytes
         data = bytearray(rng.choice(valid))
         for _ in range(rng.randint(1, 4)):
             data[rng.randrange(len(data))] = rng.randrange(256)
         return [bytes(data)]
-    if kind == 3:                                                     # not a map / wrong header
-        return [rng.choice([msgpack.packb([1, 2, 3]), msgpack.packb("submit"), _frame("nope", {}),
-                            msgpack.packb({"type": "submit", "body": {}}), _frame(7, {})])]
-    if kind == 4:                                                     # wrong schema version
+    if kind == 3:  # not a map / wrong header
+        return [
+            rng.choice(
+                [
+                    msgpack.packb([1, 2, 3]),
+                    msgpack.packb("submit"),
+                    _frame("nope", {}),
+                    msgpack.packb({"type": "submit", "body": {}}),
+                    _frame(7, {}),
+                ]
+            )
+        ]
+    if kind == 4:  # wrong schema version
         return [_frame(rng.choice(["submit", "hello", "abort"]), {}, version=rng.choice([0, 2, "1", None]))]
-    if kind == 5:                                                     # wrong field types / values
-        return [rng.choice([
-            _frame("submit", {"request_id": rng.randrange(100), "prompt": "x"}),
-            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temperature": "hot"}}),
-            _frame("submit", {"request_id": "r", "prompt_token_ids": b"\x01\x02\x03"}),
-            _frame("submit", {"request_id": "r", "prompt": "x", "pin_rank": -2}),
-            _frame("abort", {"request_ids": "r"}), _frame("heartbeat", {"sent_at": [1]}),
-            _frame("control", {"command": "explode"}), _frame("stats_request", {"timeout_s": -1.0}),
-            _frame("hello", {"role": "worker", "peer_id": "fz"}),
-        ])]
-    if kind == 6:                                                     # unknown / missing fields
-        return [rng.choice([_frame("submit", {"request_id": "r", "prompt": "x", "bogus": 1}),
-                            _frame("abort", {})])]
-    if kind == 7:                                                     # several frames in one message
+    if kind == 5:  # wrong field types / values
+        return [
+            rng.choice(
+                [
+                    _frame("submit", {"request_id": rng.randrange(100), "prompt": "x"}),
+                    _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temperature": "hot"}}),
+                    _frame("submit", {"request_id": "r", "prompt_token_ids": b"\x01\x02\x03"}),
+                    _frame("submit", {"request_id": "r", "prompt": "x", "pin_rank": -2}),
+                    _frame("abort", {"request_ids": "r"}),
+                    _frame("heartbeat", {"sent_at": [1]}),
+                    _frame("control", {"command": "explode"}),
+                    _frame("stats_request", {"timeout_s": -1.0}),
+                    _frame("hello", {"role": "worker", "peer_id": "fz"}),
+                ]
+            )
+        ]
+    if kind == 6:  # unknown / missing fields
+        return [rng.choice([_frame("submit", {"request_id": "r", "prompt": "x", "bogus": 1}), _frame("abort", {})])]
+    if kind == 7:  # several frames in one message
         return [rng.choice(valid), rng.choice(valid)]
-    return [rng.choice([                                              # valid, but not for a client to send
-        encode(Welcome(coordinator_id="x", state="running")),
-        encode(StepBatch(deltas=[], load=Load(num_waiting=0, num_running=0, num_free_blocks=0,
-                                              num_total_blocks=0, num_queued_tokens=0))),
-        encode(Delta(request_id="x", token_ids=TokenIds([1]), text="a")),
-    ])]
+    return [
+        rng.choice(
+            [  # valid, but not for a client to send
+                encode(Welcome(coordinator_id="x", state="running")),
+                encode(
+                    StepBatch(
+                        deltas=[],
+                        load=Load(
+                            num_waiting=0, num_running=0, num_free_blocks=0, num_total_blocks=0, num_queued_tokens=0
+                        ),
+                    )
+                ),
+                encode(Delta(request_id="x", token_ids=TokenIds([1]), text="a")),
+            ]
+        )
+    ]
 
 
 def _is_malformed(message: list[bytes]) -> bool:
@@ -187,9 +237,9 @@ async def test_fuzzed_frames_get_errors_while_real_requests_complete(serving_clu
         ctx.term()
     assert [c.token_ids for c in completions] == [r.token_ids for r in reference[:40]]
     assert len(replies) == len(messages) and all(isinstance(r, (Error, Refused)) for r in replies)
-    assert sum(isinstance(r, Refused) for r in replies) > 0          # a broken hello is refused, not ignored
+    assert sum(isinstance(r, Refused) for r in replies) > 0  # a broken hello is refused, not ignored
     assert stats.frames_rejected >= 10_000
-    assert serving_cluster.procs[0].popen.poll() is None              # the coordinator is still up
+    assert serving_cluster.procs[0].popen.poll() is None  # the coordinator is still up
 
 
 def _oversized_and_garbage(port: int) -> None:

@@ -14,8 +14,18 @@ from moe_models import save_tiny_model
 
 from infer import SamplingParams
 
-ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1",
-                "--block-size", "4")
+ENGINE_FLAGS = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory",
+    "8000000",
+    "--threads",
+    "1",
+    "--block-size",
+    "4",
+)
 TP_FLAGS = ("--tp-size", "2", "--tp-timeout", "5", "--max-num-batched-tokens", "32")
 MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -23,20 +33,45 @@ PROMPTS = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate((
 
 
 def _qwen2(path, tokenizer):
-    fields = dict(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=2048,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=True, sliding_window=8,
-                  max_window_layers=1, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id)
+    fields = dict(
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return save_tiny_model("qwen2", fields, path, tokenizer, seed=1234)
 
 
 def _mistral(path, tokenizer):
     """Every layer a window of 8: the workers give back the blocks out of it."""
-    fields = dict(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=2048,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=8, vocab_size=len(tokenizer),
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    fields = dict(
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=8,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return save_tiny_model("mistral", fields, path, tokenizer, seed=1234)
 
 

@@ -39,11 +39,22 @@ async def test_tp2_group_with_speculation_equals_one_process_without(cluster_fac
     want = _one_process(tiny_llama, PROMPTS, GREEDY)
     cluster = cluster_factory()
     cluster.coordinator()
-    cluster.worker(0, *ENGINE_FLAGS, "--tp-size", "2", "--tp-timeout", "20", "--max-num-batched-tokens", "32",
-                   "--speculative-config", NGRAM, model=tiny_llama)
+    cluster.worker(
+        0,
+        *ENGINE_FLAGS,
+        "--tp-size",
+        "2",
+        "--tp-timeout",
+        "20",
+        "--max-num-batched-tokens",
+        "32",
+        "--speculative-config",
+        NGRAM,
+        model=tiny_llama,
+    )
     ready(cluster, 1)
     async with cluster.client() as client:
-        alone = [(await client.generate(p, GREEDY)).token_ids for p in PROMPTS[:2]]   # batch 1
+        alone = [(await client.generate(p, GREEDY)).token_ids for p in PROMPTS[:2]]  # batch 1
         batch = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS)), 180)
         stats = await client.stats()
     assert alone == want[:2]
@@ -57,9 +68,9 @@ async def test_ep2_group_with_speculation_equals_one_process_without(ep_groups, 
     cluster, _ = ep_groups(model, groups=1, engine_flags=(*ENGINE_FLAGS, "--speculative-config", NGRAM))
     async with cluster.client() as client:
         on_rank0 = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=0) for p in PROMPTS))
-        assert [c.token_ids for c in on_rank0] == want          # rank 1 idle: dummy steps beside verifications
+        assert [c.token_ids for c in on_rank0] == want  # rank 1 idle: dummy steps beside verifications
         split = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=i % 2) for i, p in enumerate(PROMPTS)))
-        assert [c.token_ids for c in split] == want             # both ranks verify, different row counts
+        assert [c.token_ids for c in split] == want  # both ranks verify, different row counts
         stats = await client.stats()
     assert all(w.load is not None and w.load.spec_decode_num_accepted_tokens > 0 for w in stats.workers)
 
@@ -68,8 +79,9 @@ def test_a_draft_model_with_tensor_parallelism_is_refused_by_name(cluster_factor
     cluster = cluster_factory()
     cluster.coordinator()
     spec = json.dumps({"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2})
-    worker = cluster.worker(0, *ENGINE_FLAGS, "--tp-size", "2", "--tp-timeout", "20", "--speculative-config", spec,
-                            model=tiny_llama)
+    worker = cluster.worker(
+        0, *ENGINE_FLAGS, "--tp-size", "2", "--tp-timeout", "20", "--speculative-config", spec, model=tiny_llama
+    )
     assert worker.wait(timeout=120) == 2, worker.text()[-2000:]
     text = worker.text()
     assert "draft model" in text and "tensor parallelism" in text, text[-2000:]
@@ -79,8 +91,19 @@ async def test_pp2_pipeline_with_speculation_equals_one_process_without(cluster_
     want = _one_process(tiny_llama, PROMPTS, GREEDY)
     cluster = cluster_factory()
     cluster.coordinator()
-    cluster.worker(0, *ENGINE_FLAGS, "--pp-size", "2", "--pp-timeout", "20", "--max-num-batched-tokens", "32",
-                   "--speculative-config", NGRAM, model=tiny_llama)
+    cluster.worker(
+        0,
+        *ENGINE_FLAGS,
+        "--pp-size",
+        "2",
+        "--pp-timeout",
+        "20",
+        "--max-num-batched-tokens",
+        "32",
+        "--speculative-config",
+        NGRAM,
+        model=tiny_llama,
+    )
     ready(cluster, 1)
     async with cluster.client() as client:
         batch = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS)), 180)

@@ -38,11 +38,22 @@ FAULT_PROMPTS = prompts(4, 1)
 
 
 def _qwen3_one_kv_head(path: Path, tokenizer) -> Path:
-    fields = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=1, head_dim=16, rope_theta=1e6, max_position_embeddings=2048,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
-                  vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id)
+    fields = dict(
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        head_dim=16,
+        rope_theta=1e6,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return save_tiny_model("qwen3", fields, path, tokenizer, seed=1234)
 
 
@@ -84,12 +95,24 @@ async def test_tp2_x_ep2_on_an_moe_model_equals_transformers(cluster_factory, mo
     cluster.coordinator()
     dist_init = f"tcp://127.0.0.1:{free_port()}"
     for ep_rank in range(2):
-        cluster.worker(ep_rank, *ENGINE_FLAGS, *TP_FLAGS, "--ep-size", "2", "--ep-rank", str(ep_rank),
-                       "--dist-init", dist_init, "--ep-timeout", "20", model=model)
+        cluster.worker(
+            ep_rank,
+            *ENGINE_FLAGS,
+            *TP_FLAGS,
+            "--ep-size",
+            "2",
+            "--ep-rank",
+            str(ep_rank),
+            "--dist-init",
+            dist_init,
+            "--ep-timeout",
+            "20",
+            model=model,
+        )
     ready(cluster, 2)
     async with cluster.client() as client:
         pinned = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=0) for p in PROMPTS))
-        assert [c.token_ids for c in pinned] == want            # EP rank 1's TP group idle: dummy steps
+        assert [c.token_ids for c in pinned] == want  # EP rank 1's TP group idle: dummy steps
         split = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=i % 2) for i, p in enumerate(PROMPTS)))
         assert [c.token_ids for c in split] == want
         stats = await client.stats()
@@ -125,9 +148,14 @@ async def test_a_struck_tp_member_takes_its_dp_rank_out(cluster_factory, models,
 
         await wait_until(out_of_routing, 20, "the struck DP rank out of routing")
 
-    streams, stats = await streams_through_a_fault(cluster, FAULT_PROMPTS, [LONG] * len(FAULT_PROMPTS),
-                                                   strike_the_busiest_group, start_timeout=120,
-                                                   finish_timeout=180)
+    streams, stats = await streams_through_a_fault(
+        cluster,
+        FAULT_PROMPTS,
+        [LONG] * len(FAULT_PROMPTS),
+        strike_the_busiest_group,
+        start_timeout=120,
+        finish_timeout=180,
+    )
     assert_exact_streams(streams, want)
     assert stats.requests_redispatched > 0
     supervisor = struck["group"]
@@ -194,10 +222,12 @@ def test_a_member_with_another_tp_size_is_refused(cluster_factory, models):
     cluster = cluster_factory()
     dist_init = f"tcp://127.0.0.1:{free_port()}"
     model = models["llama"]()
-    leader = cluster.worker(0, *ENGINE_FLAGS, "--tp-size", "2", "--tp-rank", "0", "--tp-timeout", "8",
-                            "--dist-init", dist_init, model=model)
-    other = cluster.worker(1, *ENGINE_FLAGS, "--tp-size", "3", "--tp-rank", "1", "--tp-timeout", "8",
-                           "--dist-init", dist_init, model=model)
+    leader = cluster.worker(
+        0, *ENGINE_FLAGS, "--tp-size", "2", "--tp-rank", "0", "--tp-timeout", "8", "--dist-init", dist_init, model=model
+    )
+    other = cluster.worker(
+        1, *ENGINE_FLAGS, "--tp-size", "3", "--tp-rank", "1", "--tp-timeout", "8", "--dist-init", dist_init, model=model
+    )
     assert other.wait(timeout=60) == 2
     assert "--tp-size x --ep-size = 3x1" in other.text() and "global rank 0" in other.text() and "2x1" in other.text()
     assert leader.wait(timeout=60) != 0

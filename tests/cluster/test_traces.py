@@ -92,31 +92,49 @@ def _handler(collector: Collector) -> type[BaseHTTPRequestHandler]:
 
         def log_message(self, *args: Any) -> None:
             pass
+
     return Handler
 
 
 def _span(service: str, span: Any) -> dict[str, Any]:
     def value(v: Any) -> Any:
         return getattr(v, v.WhichOneof("value"))
-    return {"service": service, "name": span.name, "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
-            "parent": span.parent_span_id.hex() or None, "start": span.start_time_unix_nano,
-            "end": span.end_time_unix_nano, "events": [e.name for e in span.events],
-            "attributes": {a.key: value(a.value) for a in span.attributes}}
+
+    return {
+        "service": service,
+        "name": span.name,
+        "trace_id": span.trace_id.hex(),
+        "span_id": span.span_id.hex(),
+        "parent": span.parent_span_id.hex() or None,
+        "start": span.start_time_unix_nano,
+        "end": span.end_time_unix_nano,
+        "events": [e.name for e in span.events],
+        "attributes": {a.key: value(a.value) for a in span.attributes},
+    }
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_a_request_is_one_trace_of_front_coordinator_and_worker_under_the_callers_span(
-        protocol, tiny_model_dir, tmp_path, monkeypatch):
+    protocol, tiny_model_dir, tmp_path, monkeypatch
+):
     collector = Collector(protocol)
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)   # the children inherit it
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")                # ms between the SDK's batch exports
-    served = Served(tiny_model_dir("llama"), tmp_path / "serve.log", "tiny",
-                    ["--dtype", "float32", "--threads", "1", "--otlp-traces-endpoint", collector.endpoint])
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)  # the children inherit it
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # ms between the SDK's batch exports
+    served = Served(
+        tiny_model_dir("llama"),
+        tmp_path / "serve.log",
+        "tiny",
+        ["--dtype", "float32", "--threads", "1", "--otlp-traces-endpoint", collector.endpoint],
+    )
     try:
-        body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0,
-                           "ignore_eos": True}).encode()
-        request = urllib.request.Request(f"{served.url}/v1/completions", body, {
-            "Content-Type": "application/json", "traceparent": f"00-{TRACE}-{CALLER_SPAN}-01"})
+        body = json.dumps(
+            {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        ).encode()
+        request = urllib.request.Request(
+            f"{served.url}/v1/completions",
+            body,
+            {"Content-Type": "application/json", "traceparent": f"00-{TRACE}-{CALLER_SPAN}-01"},
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             usage = json.load(response)["usage"]
         spans = {s["service"]: s for s in collector.wait_for(3, TRACE)}
@@ -135,8 +153,10 @@ def test_a_request_is_one_trace_of_front_coordinator_and_worker_under_the_caller
         assert span["attributes"]["gen_ai.usage.completion_tokens"] == usage["completion_tokens"] == 3
         assert span["attributes"]["gen_ai.response.finish_reasons"] == "length"
     assert worker["attributes"]["gen_ai.usage.prompt_tokens"] == usage["prompt_tokens"]
-    assert worker["events"] == ["scheduled", "first token"] and worker["attributes"]["gen_ai.latency.time_in_queue"] >= 0
+    assert (
+        worker["events"] == ["scheduled", "first token"] and worker["attributes"]["gen_ai.latency.time_in_queue"] >= 0
+    )
     assert coordinator["events"] == ["dispatch"] and front["events"] == ["first token"]
-    slack = 50_000_000   # ns: each process turns its monotonic clock into wall time on its own
+    slack = 50_000_000  # ns: each process turns its monotonic clock into wall time on its own
     assert front["start"] <= coordinator["start"] + slack and coordinator["start"] <= worker["start"] + slack
     assert worker["end"] <= coordinator["end"] + slack and coordinator["end"] <= front["end"] + slack

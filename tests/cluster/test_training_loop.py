@@ -12,15 +12,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import transformers_greedy
 
 from infer import SamplingParams
 from infer.client.engine_client import ClusterError
-from hf_reference import transformers_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1023, 64, 12, 88, 301, 7, 450, 33, 2, 19, 600, 3], [1000, 2000, 3000], [42, 43]]
-BIG_POOL = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(96 << 20), "--threads", "1",
-            "--max-num-seqs", "512"]
+BIG_POOL = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory",
+    str(96 << 20),
+    "--threads",
+    "1",
+    "--max-num-seqs",
+    "512",
+]
 ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1")
 
 
@@ -49,12 +59,12 @@ async def test_suspend_frees_worker_memory_and_resume_restores_identical_outputs
         # the weights (fp32: the tied 49152 x 64 embedding alone is 12.6 MB) and the KV pool's resident pages (a CPU
         # pool is mapped as steps touch it: worker/forward_batch.py zeroed_pool)
         assert released >= 12 << 20
-        assert rss - _rss(pid) >= 0.9 * released             # given back to the OS
+        assert rss - _rss(pid) >= 0.9 * released  # given back to the OS
         stats = await client.stats()
         assert stats.state == "suspended" and stats.workers[0].load.suspended
         assert stats.workers[0].load.bytes_released == released and stats.num_held == 1
         await asyncio.sleep(0.5)
-        assert not held.done()                               # not run while suspended
+        assert not held.done()  # not run while suspended
         assert await client.resume() == "paused"
         assert client.last_ack.bytes_restored >= released * 0.99
         assert not (await client.stats()).workers[0].load.suspended
@@ -70,11 +80,11 @@ async def test_refit_from_a_directory_reaches_every_worker(model_cluster, tiny_l
         on_a = await _generate(client)
         assert [c.token_ids for c in on_a] == transformers_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens)
         assert {c.weight_version for c in on_a} == {0}
-        warm = await _generate(client, [PROMPTS[0]] * 4)     # cached on both workers now
+        warm = await _generate(client, [PROMPTS[0]] * 4)  # cached on both workers now
         assert max(c.num_cached_tokens for c in warm) > 0
         assert await client.update_weights(weights_b) == 1
-        assert (await client.generate(PROMPTS[0], GREEDY)).num_cached_tokens == 0   # recomputed, not stale
-        on_b = await _generate(client, PROMPTS * 2)          # both workers get some
+        assert (await client.generate(PROMPTS[0], GREEDY)).num_cached_tokens == 0  # recomputed, not stale
+        on_b = await _generate(client, PROMPTS * 2)  # both workers get some
         assert [c.token_ids for c in on_b] == transformers_greedy(weights_b, PROMPTS, GREEDY.max_tokens) * 2
         assert {c.weight_version for c in on_b} == {1}
         stats = await client.stats()
@@ -85,7 +95,9 @@ async def test_refit_from_a_directory_reaches_every_worker(model_cluster, tiny_l
         bad = cluster.logs / "bad"
         bad.mkdir()
         tensors = load_file(str(tiny_llama / "model.safetensors"))
-        tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:, :-1].contiguous()
+        tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][
+            :, :-1
+        ].contiguous()
         save_file(tensors, str(bad / "model.safetensors"))
         with pytest.raises(ClusterError, match="'model.layers.1.mlp.down_proj.weight'.*shape"):
             await client.update_weights(bad)
@@ -100,7 +112,7 @@ async def test_refit_from_a_trainer_over_gloo(model_cluster, tiny_llama, tiny_we
     weights_b = tiny_weights_b("llama")
     cluster = model_cluster(workers=2)
     async with cluster.client() as client:
-        trainer = load_file(str(weights_b / "model.safetensors"))   # the trainer's tensors, in its memory
+        trainer = load_file(str(weights_b / "model.safetensors"))  # the trainer's tensors, in its memory
         version = await client.update_weights(trainer.items(), bucket_bytes=1 << 20)
         on_b = await _generate(client, PROMPTS * 2)
         assert version == 1 and {c.weight_version for c in on_b} == {1}
@@ -114,8 +126,9 @@ async def test_refit_from_a_trainer_over_gloo(model_cluster, tiny_llama, tiny_we
         # (the refit is sent once the request's first token is out: a fixed sleep raced its end on a fast machine)
         stream = client.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         aborted = await anext(stream)
-        refit = asyncio.ensure_future(client.update_weights(load_file(str(tiny_llama / "model.safetensors")),
-                                                            on_running="abort"))
+        refit = asyncio.ensure_future(
+            client.update_weights(load_file(str(tiny_llama / "model.safetensors")), on_running="abort")
+        )
         async for aborted in stream:
             pass
         assert await refit == 2
@@ -138,35 +151,38 @@ async def _all_at(client, count: int, version: int, timeout: float = 60.0) -> No
         await asyncio.sleep(0.2)
 
 
-async def test_a_worker_killed_mid_refit_never_leaves_mixed_versions_serving(model_cluster, tiny_llama,
-                                                                           tiny_weights_b) -> None:
+async def test_a_worker_killed_mid_refit_never_leaves_mixed_versions_serving(
+    model_cluster, tiny_llama, tiny_weights_b
+) -> None:
     """kill -9 of one worker mid-refit (it has the UpdateWeights, it has not answered: SIGSTOP first): the
     refit fails everywhere and the other worker, prepared, drops what it staged. A worker killed after a refit
     is committed comes back at version 0 and gets no request until it is brought to the cluster's version.
     Every output comes from the cluster's version, token for token."""
     weights_b = tiny_weights_b("llama")
-    expected = {0: transformers_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens),
-                1: transformers_greedy(weights_b, PROMPTS, GREEDY.max_tokens)}
+    expected = {
+        0: transformers_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens),
+        1: transformers_greedy(weights_b, PROMPTS, GREEDY.max_tokens),
+    }
     cluster = model_cluster(workers=2)
     async with cluster.client() as client:
         victim = cluster.proc_of((await client.stats()).workers[1].worker_id)
         os.kill(victim.popen.pid, signal.SIGSTOP)
         refit = asyncio.ensure_future(client.update_weights(weights_b))
-        await asyncio.sleep(1.0)                            # the other worker is prepared, waiting for the commit
+        await asyncio.sleep(1.0)  # the other worker is prepared, waiting for the commit
         victim.kill9()
         with pytest.raises(ClusterError, match="died before it answered.*no worker changed its weights"):
             await refit
         assert (await client.stats()).weight_version == 0
-        cluster.worker(1, *ENGINE_FLAGS, model=tiny_llama)   # back at version 0, as the other
+        cluster.worker(1, *ENGINE_FLAGS, model=tiny_llama)  # back at version 0, as the other
         await client.wait_for_workers(2, timeout=120)
         outs = await _generate(client, PROMPTS * 3)
         assert {c.weight_version for c in outs} == {0} and [c.token_ids for c in outs] == expected[0] * 3
-        assert await client.update_weights(weights_b) == 1   # the same refit now reaches both
+        assert await client.update_weights(weights_b) == 1  # the same refit now reaches both
         # after a committed refit, a worker killed and restarted (version 0) is brought to it before it serves
         victim = (await client.stats()).workers[0]
         cluster.proc_of(victim.worker_id).kill9()
         cluster.worker(0, *ENGINE_FLAGS, model=tiny_llama)
-        for _ in range(10):                                 # requests while it joins go only to the other one
+        for _ in range(10):  # requests while it joins go only to the other one
             outs = await _generate(client)
             assert {c.weight_version for c in outs} == {1} and [c.token_ids for c in outs] == expected[1]
         await _all_at(client, 2, 1)
@@ -175,14 +191,17 @@ async def test_a_worker_killed_mid_refit_never_leaves_mixed_versions_serving(mod
         assert "cannot be brought" not in cluster.procs[0].text()
 
 
-async def test_a_soak_of_refits_under_load_loses_nothing_and_mixes_no_versions(model_cluster, tiny_llama,
-                                                                              tiny_weights_b) -> None:
+async def test_a_soak_of_refits_under_load_loses_nothing_and_mixes_no_versions(
+    model_cluster, tiny_llama, tiny_weights_b
+) -> None:
     """Eight refits from directories, alternating weights B and A, while four streams of requests keep both workers
     busy: every request completes (none failed, none lost), each with exactly the tokens of the version it reports
     (A for even versions, B for odd), requests ran on most versions, and every worker ends at the last one."""
     weights_b = tiny_weights_b("llama")
-    expected = {0: transformers_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens),
-                1: transformers_greedy(weights_b, PROMPTS, GREEDY.max_tokens)}
+    expected = {
+        0: transformers_greedy(tiny_llama, PROMPTS, GREEDY.max_tokens),
+        1: transformers_greedy(weights_b, PROMPTS, GREEDY.max_tokens),
+    }
     cluster = model_cluster(workers=2)
     stop = asyncio.Event()
     done: list[tuple[int, object]] = []

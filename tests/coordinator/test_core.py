@@ -12,8 +12,22 @@ import pytest
 from core_harness import MODEL, Harness, client_deltas, delta, dispatches, worker_hello
 
 from infer.protocol.messages import (
-    PROTOCOL_VERSION, Abort, ClusterStats, Control, ControlAck, Delta, Error, Heartbeat, Load, Message, Refused,
-    StatsRequest, StepBatch, TokenIds, Welcome, encode
+    PROTOCOL_VERSION,
+    Abort,
+    ClusterStats,
+    Control,
+    ControlAck,
+    Delta,
+    Error,
+    Heartbeat,
+    Load,
+    Message,
+    Refused,
+    StatsRequest,
+    StepBatch,
+    TokenIds,
+    Welcome,
+    encode,
 )
 from infer.protocol.sampling import SamplingParams
 
@@ -34,6 +48,7 @@ def two_workers(**options) -> Harness:
 
 
 # ---- handshake -------------------------------------------------------------------------------------
+
 
 def test_worker_is_welcomed_and_the_first_model_id_is_the_clusters():
     h = Harness()
@@ -64,9 +79,21 @@ def test_protocol_version_and_duplicate_rank_are_refused_with_what_differs():
     (refused,) = of_type(h.raw(b"y", [frame]), Refused)
     assert "schema version 9" in refused.reason
     # a worker of the previous protocol (3: before the msgspec Structs) hears which version this side speaks
-    old = msgpack.packb({"type": "hello", "v": 3, "body": {"role": "worker", "peer_id": "old", "model_id": MODEL,
-                                                           "num_kv_blocks": 10, "block_size": 16, "max_num_seqs": 4,
-                                                           "max_model_len": 64}})
+    old = msgpack.packb(
+        {
+            "type": "hello",
+            "v": 3,
+            "body": {
+                "role": "worker",
+                "peer_id": "old",
+                "model_id": MODEL,
+                "num_kv_blocks": 10,
+                "block_size": 16,
+                "max_num_seqs": 4,
+                "max_model_len": 64,
+            },
+        }
+    )
     (refused,) = of_type(h.raw(b"old", [old]), Refused)
     assert f"schema version 3 of 'hello' is not supported (this side speaks {PROTOCOL_VERSION})" in refused.reason
     assert PROTOCOL_VERSION == 4
@@ -77,7 +104,7 @@ def test_a_dead_ranks_replacement_is_accepted():
     h.core.peer_gone(W0, h.now)
     h.out()
     assert of_type(h.worker("w0-new", 0), Welcome)
-    assert [w.worker_id for w in h.core.workers] == ["w1", "w0-new"]   # the dead record is superseded
+    assert [w.worker_id for w in h.core.workers] == ["w1", "w0-new"]  # the dead record is superseded
     # the old one comes back to life: it is told to register again (and will find its rank taken)
     (err,) = of_type(h.send(W0, Heartbeat(sent_at=0.0)), Error, W0)
     assert err.message.startswith("unknown worker")
@@ -93,32 +120,32 @@ def test_workers_without_a_rank_get_the_lowest_free_one():
     h = Harness()
     assert _assigned(h.worker("a", None), b"a") == (0, "dp0")
     assert _assigned(h.worker("b", None), b"b") == (1, "dp1")
-    assert _assigned(h.worker("c", 3), b"c") == (3, "dp3")          # an explicit rank is honoured
-    assert _assigned(h.worker("d", None), b"d") == (2, "dp2")       # the gap below it is filled
+    assert _assigned(h.worker("c", 3), b"c") == (3, "dp3")  # an explicit rank is honoured
+    assert _assigned(h.worker("d", None), b"d") == (2, "dp2")  # the gap below it is filled
     assert _assigned(h.worker("e", None), b"e") == (4, "dp4")
     assert sorted(w.dp_rank for w in h.core.workers) == [0, 1, 2, 3, 4]
-    assert "duplicate dp_rank 1" in of_type(h.worker("f", 1), Refused)[0].reason   # explicit duplicates: refused
+    assert "duplicate dp_rank 1" in of_type(h.worker("f", 1), Refused)[0].reason  # explicit duplicates: refused
 
 
 def test_an_assigned_worker_keeps_its_rank_when_it_registers_again():
     h = Harness()
     h.worker("a", None)
     h.worker("b", None)
-    assert _assigned(h.worker("b", None), b"b") == (1, "dp1")       # again while live (coordinator silent)
+    assert _assigned(h.worker("b", None), b"b") == (1, "dp1")  # again while live (coordinator silent)
     h.core.peer_gone(b"b", h.now)
     h.out()
-    assert _assigned(h.worker("b", None), b"b") == (1, "dp1")       # back after a partition
+    assert _assigned(h.worker("b", None), b"b") == (1, "dp1")  # back after a partition
     h.core.peer_gone(b"a", h.now)
     h.out()
-    assert _assigned(h.worker("new", None), b"new") == (0, "dp0")   # a dead rank's replacement takes it
-    assert [w.worker_id for w in h.core.workers] == ["b", "new"]    # and supersedes the dead record
+    assert _assigned(h.worker("new", None), b"new") == (0, "dp0")  # a dead rank's replacement takes it
+    assert [w.worker_id for w in h.core.workers] == ["b", "new"]  # and supersedes the dead record
 
 
 def test_a_restarted_coordinator_gives_workers_back_their_ranks_when_free():
-    h = Harness()                                                   # a new coordinator process
+    h = Harness()  # a new coordinator process
     assert _assigned(h.send(b"b", worker_hello("b", None, rank_hint=1)), b"b") == (1, "dp1")
     assert _assigned(h.send(b"x", worker_hello("x", None)), b"x") == (0, "dp0")
-    assert _assigned(h.send(b"a", worker_hello("a", None, rank_hint=0)), b"a") == (2, "dp2")   # taken meanwhile
+    assert _assigned(h.send(b"a", worker_hello("a", None, rank_hint=0)), b"a") == (2, "dp2")  # taken meanwhile
 
 
 def test_ep_members_without_ranks_get_distinct_ranks_in_their_group():
@@ -129,6 +156,7 @@ def test_ep_members_without_ranks_get_distinct_ranks_in_their_group():
 
 
 # ---- routing and relaying --------------------------------------------------------------------------
+
 
 def test_a_burst_spreads_before_any_load_report():
     h = two_workers()
@@ -143,7 +171,7 @@ def test_least_loaded_follows_the_reports():
     h = two_workers()
     h.submit(C1, "a")
     h.submit(C1, "b")
-    h.step("w0", delta("a", 5, prompt=[1, 2, 3]), free=10)     # w0 reports a nearly full pool
+    h.step("w0", delta("a", 5, prompt=[1, 2, 3]), free=10)  # w0 reports a nearly full pool
     h.step("w1", delta("b", 5, prompt=[1, 2, 3]), free=99)
     out = []
     for i in range(4):
@@ -193,6 +221,7 @@ def test_queue_timeout_fails_a_request_nobody_can_run():
 
 # ---- failover --------------------------------------------------------------------------------------
 
+
 def _run_until_three_tokens(h: Harness) -> None:
     h.submit(C1, "r", prompt="some prompt", max_tokens=10, min_tokens=5)
     h.step("w0", delta("r", 7, prompt=[11, 12]))
@@ -203,7 +232,7 @@ def _run_until_three_tokens(h: Harness) -> None:
 def test_worker_death_resumes_the_stream_with_no_gap_and_no_repeat():
     h = two_workers()
     _run_until_three_tokens(h)
-    h.core.peer_gone(W0, h.now)            # a send found w0's connection gone (kill -9)
+    h.core.peer_gone(W0, h.now)  # a send found w0's connection gone (kill -9)
     (d,) = dispatches(h.out())[W1]
     assert d.prompt is None and d.prompt_token_ids == [11, 12] and d.resumed_token_ids == [7, 8, 9]
     # the request's own SamplingParams: the engine counts the 3 resumed tokens toward max_tokens / min_tokens
@@ -227,20 +256,31 @@ def test_a_continued_stream_reports_the_weight_version_that_computed_it():
     _run_until_three_tokens(h)
     h.core.peer_gone(W0, h.now)
     h.out()
-    out = h.step("w1", Delta(request_id="r", token_ids=TokenIds([10]), text="<10>", finished=True,
-                             finish_reason="length", prompt_token_ids=TokenIds([11, 12, 7, 8, 9]), weight_version=3))
+    out = h.step(
+        "w1",
+        Delta(
+            request_id="r",
+            token_ids=TokenIds([10]),
+            text="<10>",
+            finished=True,
+            finish_reason="length",
+            prompt_token_ids=TokenIds([11, 12, 7, 8, 9]),
+            weight_version=3,
+        ),
+    )
     (cont,) = client_deltas(out, C1)
     assert cont.weight_version == 3 and cont.prompt_token_ids is None and cont.finish_reason == "length"
 
 
 def test_a_redispatch_carries_the_params_unchanged_and_routing_charges_only_what_is_left():
     h = two_workers()
-    _run_until_three_tokens(h)                       # max_tokens 10, min_tokens 5, 3 tokens delivered
+    _run_until_three_tokens(h)  # max_tokens 10, min_tokens 5, 3 tokens delivered
     h.core.peer_gone(W0, h.now)
     (d,) = dispatches(h.out())[W1]
-    assert d.sampling == h.core.requests.get("r").sampling == SamplingParams(temperature=0.0, max_tokens=10,
-                                                                             min_tokens=5)
-    assert h.core.workers.by_id["w1"].cost_in_flight == (2 + 3) + (10 - 3)   # prompt + resumed, then what is left
+    assert (
+        d.sampling == h.core.requests.get("r").sampling == SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5)
+    )
+    assert h.core.workers.by_id["w1"].cost_in_flight == (2 + 3) + (10 - 3)  # prompt + resumed, then what is left
     # every token out, only the final delta lost with its worker: the request ends, nothing is dispatched
     h.submit(C1, "done", max_tokens=2, pin_rank=1)
     h.step("w1", delta("done", 4, prompt=[1, 2, 3]), delta("done", 5))
@@ -257,18 +297,20 @@ def test_an_unseeded_sampled_request_gets_a_seed_that_the_client_hears_and_the_r
     seed = d0.sampling.seed
     assert isinstance(seed, int) and 0 <= seed < 2**63
     # the worker's first delta reports the seed it runs with; the client hears it once
-    out = h.step("w0", Delta(request_id="r", token_ids=TokenIds([7]), text="a",
-                             prompt_token_ids=TokenIds([11, 12]), seed=seed))
+    out = h.step(
+        "w0", Delta(request_id="r", token_ids=TokenIds([7]), text="a", prompt_token_ids=TokenIds([11, 12]), seed=seed)
+    )
     (d,) = client_deltas(out, C1)
     assert d.seed == seed and d.prompt_token_ids == [11, 12]
-    h.step("w0", Delta(request_id="r", token_ids=TokenIds([8]), text=""))         # a character still incomplete
-    h.step("w0", Delta(request_id="r", token_ids=TokenIds([9]), text="\u00e9"))   # its "x" held back: stop "xy"?
+    h.step("w0", Delta(request_id="r", token_ids=TokenIds([8]), text=""))  # a character still incomplete
+    h.step("w0", Delta(request_id="r", token_ids=TokenIds([9]), text="\u00e9"))  # its "x" held back: stop "xy"?
     h.core.peer_gone(W0, h.now)
     (d1,) = dispatches(h.out())[W1]
     assert d1.sampling.seed == seed and d1.resumed_token_ids == [7, 8, 9]
     assert d1.resumed_text_len == len("a\u00e9") and d1.sampling == d0.sampling
-    out = h.step("w1", Delta(request_id="r", token_ids=TokenIds([10]), text="xz",
-                             prompt_token_ids=TokenIds([11, 12]), seed=seed))
+    out = h.step(
+        "w1", Delta(request_id="r", token_ids=TokenIds([10]), text="xz", prompt_token_ids=TokenIds([11, 12]), seed=seed)
+    )
     (cont,) = client_deltas(out, C1)
     assert cont.seed is None and cont.prompt_token_ids is None and cont.token_ids == [10]
 
@@ -288,7 +330,7 @@ def test_a_silent_worker_is_declared_dead_and_its_requests_move():
     h = two_workers()
     _run_until_three_tokens(h)
     out = []
-    for _ in range(8):                      # w1 keeps talking, w0 is hung
+    for _ in range(8):  # w1 keeps talking, w0 is hung
         h.send(W1, Heartbeat(sent_at=0.0))
         out += h.advance(0.15)
     assert [d.resumed_token_ids for d in dispatches(out)[W1]] == [[7, 8, 9]]
@@ -307,7 +349,7 @@ def test_a_request_whose_tokens_were_all_delivered_is_finished_not_resent():
     h = two_workers()
     h.submit(C1, "r", max_tokens=2)
     h.step("w0", delta("r", 4, prompt=[1, 2, 3]))
-    h.step("w0", delta("r", 5))               # the last token, without its finish (not what workers do)
+    h.step("w0", delta("r", 5))  # the last token, without its finish (not what workers do)
     h.core.peer_gone(W0, h.now)
     out = h.out()
     assert not dispatches(out)
@@ -331,9 +373,8 @@ def test_worker_that_gave_up_a_request_is_routed_around():
     h = two_workers()
     h.submit(C1, "r")
     h.step("w0", delta("r", 4, prompt=[1, 2, 3]))
-    out = h.step("w0", Delta(request_id="r", token_ids=TokenIds([5]), text="x", finished=True,
-                             finish_reason="abort"))
-    assert [x.token_ids for x in client_deltas(out, C1)] == [[5]]      # its last token still counts
+    out = h.step("w0", Delta(request_id="r", token_ids=TokenIds([5]), text="x", finished=True, finish_reason="abort"))
+    assert [x.token_ids for x in client_deltas(out, C1)] == [[5]]  # its last token still counts
     assert dispatches(out)[W1][0].resumed_token_ids == [4, 5]
     # a draining worker refuses new dispatches: they move, and it gets nothing new
     h.submit(C1, "s", pin_rank=0)
@@ -344,11 +385,11 @@ def test_worker_that_gave_up_a_request_is_routed_around():
 
 def test_reregistration_aborts_what_moved_and_keeps_what_it_still_owns():
     h = two_workers(worker_timeout=0.5)
-    h.submit(C1, "a")                       # -> w0
-    h.submit(C1, "b")                       # -> w1
+    h.submit(C1, "a")  # -> w0
+    h.submit(C1, "b")  # -> w1
     for _ in range(5):
         h.send(W1, Heartbeat(sent_at=0.0))
-        h.advance(0.15)                     # w0 silent: declared dead, "a" moves to w1
+        h.advance(0.15)  # w0 silent: declared dead, "a" moves to w1
     assert h.core.requests.get("a").worker_id == "w1"
     out = h.worker("w0", 0, running=["a"])
     assert of_type(out, Abort, W0)[0].request_ids == ["a"] and of_type(out, Welcome, W0)
@@ -360,7 +401,8 @@ def test_reregistration_aborts_what_moved_and_keeps_what_it_still_owns():
     moved = [d for ds in dispatches(out).values() for d in ds]
     assert sorted(d.request_id for d in moved) == ["b", "c"] and not any(d.resumed_token_ids for d in moved)
     assert {w.worker_id: w.cost_in_flight for w in h.core.workers} == {
-        w.worker_id: sum(h.core.requests.get(rid).charged for rid in w.requests) for w in h.core.workers}
+        w.worker_id: sum(h.core.requests.get(rid).charged for rid in w.requests) for w in h.core.workers
+    }
 
 
 def test_a_dead_group_member_takes_its_group_out_of_routing():
@@ -378,6 +420,7 @@ def test_a_dead_group_member_takes_its_group_out_of_routing():
 
 # ---- clients ---------------------------------------------------------------------------------------
 
+
 def test_client_abort_ends_the_stream_and_frees_the_worker():
     h = two_workers()
     h.submit(C1, "r")
@@ -385,7 +428,7 @@ def test_client_abort_ends_the_stream_and_frees_the_worker():
     (final,) = client_deltas(out, C1)
     assert final.finish_reason == "abort"
     assert of_type(out, Abort, W0)[0].request_ids == ["r"]
-    assert not client_deltas(h.step("w0", delta("r", 1, prompt=[1])), C1)   # late deltas are dropped
+    assert not client_deltas(h.step("w0", delta("r", 1, prompt=[1])), C1)  # late deltas are dropped
 
 
 def test_a_client_cannot_abort_another_clients_request():
@@ -425,6 +468,7 @@ def test_client_heartbeat_is_answered():
 
 # ---- lifecycle -------------------------------------------------------------------------------------
 
+
 def test_paused_requests_wait_then_run_on_unpause():
     h = two_workers()
     out = h.send(C1, Control(command="pause"))
@@ -433,7 +477,7 @@ def test_paused_requests_wait_then_run_on_unpause():
     assert not dispatches(h.submit(C1, "r1") + h.submit(C1, "r2"))
     assert h.core.stats(h.now).num_held == 2
     out = []
-    for _ in range(60):                     # a pause, however long, does not time requests out
+    for _ in range(60):  # a pause, however long, does not time requests out
         for peer in (C1, W0, W1):
             h.send(peer, Heartbeat(sent_at=0.0))
         out += h.advance(0.15)
@@ -447,7 +491,7 @@ def test_refused_commands_say_why():
     (err,) = of_type(h.send(C1, Control(command="suspend")), Error, C1)
     assert "pause it first" in err.message
     h.send(C1, Control(command="pause"))
-    assert not of_type(h.send(C1, Control(command="suspend")), ControlAck, C1)   # answered once the workers did
+    assert not of_type(h.send(C1, Control(command="suspend")), ControlAck, C1)  # answered once the workers did
     h.send(W0, ControlAck(command="suspend", state="suspended", bytes_released=100))
     (ack,) = of_type(h.send(W1, ControlAck(command="suspend", state="suspended", bytes_released=20)), ControlAck, C1)
     assert ack.state == "suspended" and ack.bytes_released == 120
@@ -512,10 +556,10 @@ def test_signal_with_a_drain_timeout_lets_accepted_requests_finish_then_stops():
     assert err.code == "unavailable" and "draining to stop" in err.message
     out = h.step(worker_of["a"].decode(), delta("a", 7, prompt=[1, 2, 3], finish="length"))
     assert [d.finish_reason for d in client_deltas(out, C1)] == ["length"]
-    assert not of_type(out, Control)                       # "b" still runs: no STOP yet
+    assert not of_type(out, Control)  # "b" still runs: no STOP yet
     out = h.step(worker_of["b"].decode(), delta("b", 8, prompt=[1, 2, 3], finish="length"))
     assert [d.finish_reason for d in client_deltas(out, C1)] == ["length"]
-    assert len([m for m in of_type(out, Control) if m.command == "stop"]) == 2   # drained: STOP at once
+    assert len([m for m in of_type(out, Control) if m.command == "stop"]) == 2  # drained: STOP at once
 
 
 def test_drain_timeout_expires_into_stop_and_a_second_signal_stops_at_once():
@@ -540,6 +584,7 @@ def test_drain_timeout_must_not_be_negative():
 
 
 # ---- stats -----------------------------------------------------------------------------------------
+
 
 def test_stats_report_workers_and_counts():
     h = two_workers()
@@ -566,15 +611,32 @@ def test_stats_can_wait_for_workers():
 
 # ---- malformed input -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("frames, text", [
-    ([b"\xc1"], "not valid msgpack"),
-    ([encode(Heartbeat(sent_at=0.0)), b"x"], "exactly one frame"),
-    ([msgpack.packb({"type": "submit", "v": PROTOCOL_VERSION, "body": {"request_id": 5}})],
-         "field 'request_id': Expected `str`, got `int`"),
-    ([encode(Welcome(coordinator_id="x", state="running"))], "does not accept 'welcome'"),
-    ([encode(StepBatch(deltas=[], load=Load(num_waiting=0, num_running=0, num_free_blocks=0,
-                                            num_total_blocks=0, num_queued_tokens=0)))], "unknown worker"),
-])
+
+@pytest.mark.parametrize(
+    "frames, text",
+    [
+        ([b"\xc1"], "not valid msgpack"),
+        ([encode(Heartbeat(sent_at=0.0)), b"x"], "exactly one frame"),
+        (
+            [msgpack.packb({"type": "submit", "v": PROTOCOL_VERSION, "body": {"request_id": 5}})],
+            "field 'request_id': Expected `str`, got `int`",
+        ),
+        ([encode(Welcome(coordinator_id="x", state="running"))], "does not accept 'welcome'"),
+        (
+            [
+                encode(
+                    StepBatch(
+                        deltas=[],
+                        load=Load(
+                            num_waiting=0, num_running=0, num_free_blocks=0, num_total_blocks=0, num_queued_tokens=0
+                        ),
+                    )
+                )
+            ],
+            "unknown worker",
+        ),
+    ],
+)
 def test_malformed_frames_get_an_error_and_change_nothing(frames, text):
     h = two_workers()
     (err,) = of_type(h.raw(C1, frames), Error, C1)
@@ -584,26 +646,33 @@ def test_malformed_frames_get_an_error_and_change_nothing(frames, text):
 
 
 def _submit_frame(rid, sampling) -> bytes:
-    return msgpack.packb({"type": "submit", "v": PROTOCOL_VERSION,
-                          "body": {"request_id": rid, "prompt": "x", "sampling": sampling}})
+    return msgpack.packb(
+        {"type": "submit", "v": PROTOCOL_VERSION, "body": {"request_id": rid, "prompt": "x", "sampling": sampling}}
+    )
 
 
-@pytest.mark.parametrize("sampling, text", [
-    ({"temperature": 0.0, "top_p": 1.5}, "field 'sampling.top_p': top_p must be in (0, 1]"),
-    ({"max_tokens": 2**64 - 1}, "field 'sampling.max_tokens': max_tokens must fit in 64 bits"),
-    ({"stop": {"a": 1}}, "field 'sampling.stop': Expected `array`, got `object`"),
-    ({"structured_outputs": {"choice": "ab"}}, "field 'sampling.structured_outputs.choice': Expected `array | null`"),
-    ({"logit_bias": [[1, 2, 3]]}, "field 'sampling.logit_bias[0]': Expected `array` of length 2"),
-    ({"temperature": 0.0, "teperature": 1}, "field 'sampling': Object contains unknown field `teperature`"),
-    ("hot", "field 'sampling': Expected `object`, got `str`"),
-])
+@pytest.mark.parametrize(
+    "sampling, text",
+    [
+        ({"temperature": 0.0, "top_p": 1.5}, "field 'sampling.top_p': top_p must be in (0, 1]"),
+        ({"max_tokens": 2**64 - 1}, "field 'sampling.max_tokens': max_tokens must fit in 64 bits"),
+        ({"stop": {"a": 1}}, "field 'sampling.stop': Expected `array`, got `object`"),
+        (
+            {"structured_outputs": {"choice": "ab"}},
+            "field 'sampling.structured_outputs.choice': Expected `array | null`",
+        ),
+        ({"logit_bias": [[1, 2, 3]]}, "field 'sampling.logit_bias[0]': Expected `array` of length 2"),
+        ({"temperature": 0.0, "teperature": 1}, "field 'sampling': Object contains unknown field `teperature`"),
+        ("hot", "field 'sampling': Expected `object`, got `str`"),
+    ],
+)
 def test_a_submit_with_bad_sampling_fails_that_request_alone_naming_the_field(sampling, text):
     h = two_workers()
     ((worker, (running,)),) = dispatches(h.submit(C1, "ok")).items()
     (err,) = of_type(h.raw(C1, [_submit_frame("bad", sampling)]), Error, C1)
     assert err.request_id == "bad" and err.code == "invalid_request" and text in err.message
     assert h.core.requests.get("bad") is None and h.core.stats(h.now).frames_rejected == 1
-    out = h.step(worker.decode(), delta("ok", 5, finish="length"))     # the client's other request goes on
+    out = h.step(worker.decode(), delta("ok", 5, finish="length"))  # the client's other request goes on
     assert [d.finish_reason for d in client_deltas(out, C1)] == ["length"]
 
 
@@ -616,14 +685,19 @@ def test_a_worker_may_not_act_as_a_client():
 def test_load_score_counts_unreported_requests_once():
     h = two_workers()
     h.submit(C1, "a", max_tokens=20)
-    h.submit(C1, "b", max_tokens=20)        # least-loaded: one each
-    h.submit(C1, "c", max_tokens=20)        # -> w0 again
+    h.submit(C1, "b", max_tokens=20)  # least-loaded: one each
+    h.submit(C1, "c", max_tokens=20)  # -> w0 again
     w0 = h.core.workers.by_id["w0"]
     before = w0.score
-    assert before == pytest.approx(2 * (3 + 20) / 1600)   # prompt tokens + max_tokens, each; 100 x 16 capacity
+    assert before == pytest.approx(2 * (3 + 20) / 1600)  # prompt tokens + max_tokens, each; 100 x 16 capacity
     # a report that already counts both requests replaces the estimate instead of adding to it
-    h.send(W0, StepBatch(deltas=[], load=Load(num_waiting=0, num_running=2, num_free_blocks=100,
-                                                 num_total_blocks=100, num_queued_tokens=40)))
+    h.send(
+        W0,
+        StepBatch(
+            deltas=[],
+            load=Load(num_waiting=0, num_running=2, num_free_blocks=100, num_total_blocks=100, num_queued_tokens=40),
+        ),
+    )
     assert w0.score == pytest.approx(40 / 1600)
-    h.submit(C1, "d", max_tokens=20, pin_rank=0)   # dispatched after that report: estimated on top
+    h.submit(C1, "d", max_tokens=20, pin_rank=0)  # dispatched after that report: estimated on top
     assert w0.score == pytest.approx((40 + 23) / 1600)

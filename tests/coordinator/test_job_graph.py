@@ -12,8 +12,8 @@ from graphlib import CycleError, TopologicalSorter
 import pytest
 
 JOBS = ("admission", "reattachment", "relay", "statistics", "commands", "liveness", "loras")
-SHARED = ("books", "outbox", "state", "orphans")     # what jobs share: tables and primitives, no job logic
-EXPECTED = {          # job -> the jobs it calls
+SHARED = ("books", "outbox", "state", "orphans")  # what jobs share: tables and primitives, no job logic
+EXPECTED = {  # job -> the jobs it calls
     "admission": set(),
     "reattachment": {"admission"},
     "relay": {"admission"},
@@ -32,8 +32,9 @@ def _coordinator_imports(name: str) -> set[str]:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("infer.coordinator."):
             found.add(node.module.removeprefix("infer.coordinator."))
         elif isinstance(node, ast.Import):
-            found.update(a.name.removeprefix("infer.coordinator.") for a in node.names
-                         if a.name.startswith("infer.coordinator."))
+            found.update(
+                a.name.removeprefix("infer.coordinator.") for a in node.names if a.name.startswith("infer.coordinator.")
+            )
     return found
 
 
@@ -48,7 +49,7 @@ def test_jobs_call_each_other_without_a_cycle():
     assert graph == EXPECTED
     try:
         tuple(TopologicalSorter(graph).static_order())
-    except CycleError as e:      # pragma: no cover - the message names the cycle
+    except CycleError as e:  # pragma: no cover - the message names the cycle
         pytest.fail(f"the jobs call each other in a cycle: {e.args[1]}")
 
 

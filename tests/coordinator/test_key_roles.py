@@ -8,11 +8,26 @@ from __future__ import annotations
 from core_harness import Harness, delta, worker_hello
 
 from infer.protocol.messages import (
-    Abort, Control, ControlAck, Delta, DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, Message, Refused,
-    StatsRequest, StepBatch, Submit, TokenIds, Welcome
+    Abort,
+    Control,
+    ControlAck,
+    Delta,
+    DeltaBatch,
+    Dispatch,
+    Error,
+    Heartbeat,
+    Hello,
+    Load,
+    Message,
+    Refused,
+    StatsRequest,
+    StepBatch,
+    Submit,
+    TokenIds,
+    Welcome,
 )
-from infer.protocol.sampling import SamplingParams
 from infer.protocol.roles import Role, StaticKeyRoles
+from infer.protocol.sampling import SamplingParams
 
 WORKER_KEY, CLIENT_KEY, OTHER_CLIENT_KEY, ADMIN_KEY = (c * 40 for c in (b"W", b"C", b"D", b"A"))
 W0, C1, C2, ADMIN = b"w0", b"c1", b"c2", b"admin"
@@ -39,13 +54,19 @@ def keyed() -> tuple[Harness, StaticKeyRoles]:
 
 
 def submit(h: Harness, client: bytes, key: bytes, rid: str) -> list[tuple[bytes, Message]]:
-    return h.send(client, Submit(request_id=rid, prompt_token_ids=TokenIds([1, 2, 3]),
-                                 sampling=SamplingParams(temperature=0.0, max_tokens=10)), key)
+    return h.send(
+        client,
+        Submit(
+            request_id=rid,
+            prompt_token_ids=TokenIds([1, 2, 3]),
+            sampling=SamplingParams(temperature=0.0, max_tokens=10),
+        ),
+        key,
+    )
 
 
 def step(h: Harness, identity: bytes, key: bytes, *deltas: Delta) -> list[tuple[bytes, Message]]:
-    load = Load(num_waiting=0, num_running=len(deltas), num_free_blocks=90, num_total_blocks=100,
-                num_queued_tokens=0)
+    load = Load(num_waiting=0, num_running=len(deltas), num_free_blocks=90, num_total_blocks=100, num_queued_tokens=0)
     return h.send(identity, StepBatch(deltas=list(deltas), load=load), key)
 
 
@@ -56,7 +77,7 @@ def test_a_client_key_cannot_register_as_a_worker_and_never_gets_a_dispatch():
     (refused,) = of_type(out, Refused, intruder)
     assert "needs a worker key" in refused.reason and "client key" in refused.reason
     assert intruder not in h.core.workers.by_identity
-    for n in range(4):   # every request goes to the real worker, none to the intruder
+    for n in range(4):  # every request goes to the real worker, none to the intruder
         out = submit(h, C1, CLIENT_KEY, f"r{n}")
         assert [i for i, m in out if isinstance(m, Dispatch)] == [W0]
     # deltas it forges for a request it does not run are refused, never relayed
@@ -68,10 +89,11 @@ def test_a_client_key_cannot_register_as_a_worker_and_never_gets_a_dispatch():
 def test_a_worker_key_cannot_act_as_a_client_and_an_admin_key_can():
     h, _ = keyed()
     (error,) = of_type(submit(h, b"w-as-client", WORKER_KEY, "r0"), Error)
-    assert error.request_id == "r0" and error.code == "invalid_request" and "needs a admin or client key" in \
-        error.message
+    assert (
+        error.request_id == "r0" and error.code == "invalid_request" and "needs a admin or client key" in error.message
+    )
     assert h.core.requests.get("r0") is None
-    assert of_type(h.send(b"w-as-client", Heartbeat(sent_at=0.0), WORKER_KEY), Error)   # no client record
+    assert of_type(h.send(b"w-as-client", Heartbeat(sent_at=0.0), WORKER_KEY), Error)  # no client record
     assert b"w-as-client" not in h.core.clients
     assert of_type(h.send(ADMIN, Hello(role="client", peer_id="ops"), ADMIN_KEY), Welcome, ADMIN)
     assert of_type(submit(h, ADMIN, ADMIN_KEY, "r1"), Dispatch, W0)
@@ -84,11 +106,11 @@ def test_only_an_admin_key_drives_the_lifecycle():
         (error,) = of_type(h.send(C1, Control(command=command), CLIENT_KEY), Error, C1)
         assert f"lifecycle command {command!r} refused: it needs a admin key" in error.message
         assert h.core.state.value == "running"
-    out = h.send(C1, StatsRequest(), CLIENT_KEY)            # a client may still read stats and be served
+    out = h.send(C1, StatsRequest(), CLIENT_KEY)  # a client may still read stats and be served
     assert of_type(out, type(h.core.stats(h.now)), C1)
     assert deltas_to(step(h, W0, WORKER_KEY, delta("r0", 7, prompt=[1, 2, 3])), C1)[0].token_ids == [7]
     (ack,) = of_type(h.send(ADMIN, Control(command="pause"), ADMIN_KEY), ControlAck, ADMIN)
-    assert ack.state == "paused" and of_type(h.out(), Control) == []   # the Control to w0 left with the ack
+    assert ack.state == "paused" and of_type(h.out(), Control) == []  # the Control to w0 left with the ack
     (ack,) = of_type(h.send(ADMIN, Control(command="unpause"), ADMIN_KEY), ControlAck, ADMIN)
     assert ack.state == "running"
 
@@ -109,7 +131,7 @@ def test_a_routing_identity_stays_with_its_first_key():
     out = step(h, W0, WORKER_KEY, delta("r0", 8))
     assert not deltas_to(out, C1)
     assert h.send(C1, StatsRequest(), OTHER_CLIENT_KEY) == []
-    assert h.send(C1, StatsRequest(), CLIENT_KEY) == []     # the id is burnt for both
+    assert h.send(C1, StatsRequest(), CLIENT_KEY) == []  # the id is burnt for both
 
 
 def test_another_key_on_a_workers_routing_id_cuts_the_worker_off_and_its_requests_move():
@@ -136,7 +158,7 @@ def test_a_revoked_client_is_cut_off_at_the_next_tick():
     assert [m.request_ids for m in of_type(out, Abort, W0)] == [["r0"]]
     out = step(h, W0, WORKER_KEY, delta("r0", 1, prompt=[1, 2, 3]), delta("r1", 2, prompt=[1, 2, 3]))
     assert not deltas_to(out, C1) and deltas_to(out, C2)[0].token_ids == [2]
-    assert submit(h, C1, CLIENT_KEY, "r2") == []            # dropped unanswered
+    assert submit(h, C1, CLIENT_KEY, "r2") == []  # dropped unanswered
 
 
 def test_a_frame_of_a_revoked_key_is_refused_before_the_tick():

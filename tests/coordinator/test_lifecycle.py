@@ -6,9 +6,7 @@ import itertools
 
 import pytest
 
-from infer.coordinator.lifecycle import (
-    TABLE, Action, ClusterState, Refusal, Transition, commands_to_reach, transition
-)
+from infer.coordinator.lifecycle import TABLE, Action, ClusterState, Refusal, Transition, commands_to_reach, transition
 from infer.protocol.messages import LIFECYCLE_COMMANDS
 
 LIVE = [s for s in ClusterState if s is not ClusterState.STOPPED]
@@ -18,10 +16,17 @@ def test_the_table_covers_every_live_state_and_command():
     assert set(TABLE) == set(itertools.product(LIVE, LIFECYCLE_COMMANDS))
 
 
-@pytest.mark.parametrize("state, command, new_state", [
-    ("running", "pause", "paused"), ("paused", "unpause", "running"), ("paused", "suspend", "suspended"),
-    ("suspended", "resume", "paused"), ("running", "unpause", "running"), ("paused", "pause", "paused"),
-])
+@pytest.mark.parametrize(
+    "state, command, new_state",
+    [
+        ("running", "pause", "paused"),
+        ("paused", "unpause", "running"),
+        ("paused", "suspend", "suspended"),
+        ("suspended", "resume", "paused"),
+        ("running", "unpause", "running"),
+        ("paused", "pause", "paused"),
+    ],
+)
 def test_transitions(state, command, new_state):
     step = transition(ClusterState(state), command)
     assert isinstance(step, Transition) and step.state.value == new_state
@@ -40,12 +45,15 @@ def test_stop_works_from_every_live_state(state):
     assert step.actions == (Action.FAIL_PENDING, Action.TELL_WORKERS, Action.EXIT)
 
 
-@pytest.mark.parametrize("state, command, reason", [
-    (ClusterState.RUNNING, "suspend", "pause it first"),
-    (ClusterState.SUSPENDED, "unpause", "resume it first"),
-    (ClusterState.STOPPED, "unpause", "stopped"),
-    (ClusterState.RUNNING, "explode", "unknown lifecycle command"),
-])
+@pytest.mark.parametrize(
+    "state, command, reason",
+    [
+        (ClusterState.RUNNING, "suspend", "pause it first"),
+        (ClusterState.SUSPENDED, "unpause", "resume it first"),
+        (ClusterState.STOPPED, "unpause", "stopped"),
+        (ClusterState.RUNNING, "explode", "unknown lifecycle command"),
+    ],
+)
 def test_refusals_say_why(state, command, reason):
     step = transition(state, command)
     assert isinstance(step, Refusal) and reason in step.reason

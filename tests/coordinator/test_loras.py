@@ -5,6 +5,7 @@ cluster's adapters reach a worker that registers later and show in ClusterStats.
 from __future__ import annotations
 
 from core_harness import Harness, worker_hello
+
 from infer.protocol.messages import ClusterStats, Error, Hello, LoraCommand, LoraDone, StatsRequest
 
 ADMIN = b"admin"
@@ -20,20 +21,24 @@ def _cluster(workers: int = 2) -> Harness:
 
 
 def _done(wid: str, error: str | None = None, adapters: dict | None = None) -> LoraDone:
-    return LoraDone(action="load", lora_name="sql", error=error,
-                    lora_adapters={"sql": "/adapters/sql"} if adapters is None and error is None else adapters or {})
+    return LoraDone(
+        action="load",
+        lora_name="sql",
+        error=error,
+        lora_adapters={"sql": "/adapters/sql"} if adapters is None and error is None else adapters or {},
+    )
 
 
 def test_a_load_reaches_every_worker_and_answers_once_all_did():
     h = _cluster()
     out = h.send(ADMIN, LOAD)
     assert sorted(i for i, m in out if isinstance(m, LoraCommand)) == [b"w0", b"w1"]
-    assert h.send(b"w0", _done("w0")) == []                        # one of two: no answer yet
+    assert h.send(b"w0", _done("w0")) == []  # one of two: no answer yet
     out = h.send(b"w1", _done("w1"))
     assert out == [(ADMIN, LoraDone(action="load", lora_name="sql", lora_adapters={"sql": "/adapters/sql"}))]
     stats = next(m for _, m in h.send(ADMIN, StatsRequest()) if isinstance(m, ClusterStats))
     assert stats.lora_adapters == {"sql": "/adapters/sql"}
-    out = h.send(b"w2", worker_hello("w2", 2))                     # a later worker gets the cluster's adapters
+    out = h.send(b"w2", worker_hello("w2", 2))  # a later worker gets the cluster's adapters
     assert (b"w2", LOAD) in out
 
 
@@ -46,14 +51,14 @@ def test_errors_name_the_workers_and_one_command_runs_at_a_time():
     [(client, answer)] = h.send(b"w1", _done("w1", error="rank 64, above --max-lora-rank 16"))
     assert client == ADMIN and "worker w0: /adapters/sql/adapter_config.json: no such file" in answer.error
     assert "worker w1: rank 64" in answer.error and answer.lora_adapters == {}
-    assert h.core.loras.adapters == {}                             # nobody loaded it: nothing for later workers
+    assert h.core.loras.adapters == {}  # nobody loaded it: nothing for later workers
 
 
 def test_a_worker_that_dies_before_it_answers_fails_its_part():
     h = _cluster()
     h.send(ADMIN, LOAD)
     h.send(b"w0", _done("w0"))
-    out = h.advance(2.0) + h.advance(0.01)                          # w1 silent past the worker timeout
+    out = h.advance(2.0) + h.advance(0.01)  # w1 silent past the worker timeout
     answers = [m for i, m in out if i == ADMIN and isinstance(m, LoraDone)]
     assert answers and "worker w1: the worker died before it answered" in answers[0].error
-    assert h.core.loras.adapters == {"sql": "/adapters/sql"}      # w0 serves it: the cluster's table has it
+    assert h.core.loras.adapters == {"sql": "/adapters/sql"}  # w0 serves it: the cluster's table has it

@@ -10,8 +10,18 @@ from core_harness import Harness, delta
 import infer.coordinator.liveness as liveness_module
 from infer.coordinator.statistics import MAX_STATS_PER_CLIENT_S, MAX_STATS_WAITERS_PER_CLIENT
 from infer.protocol.messages import (
-    Abort, ClusterStats, DeltaBatch, Dispatch, Error, Heartbeat, Hello, Message, StatsRequest, Submit, TokenIds,
-    Welcome
+    Abort,
+    ClusterStats,
+    DeltaBatch,
+    Dispatch,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    StatsRequest,
+    Submit,
+    TokenIds,
+    Welcome,
 )
 from infer.protocol.sampling import SamplingParams
 
@@ -44,21 +54,29 @@ def test_a_lost_client_is_told_when_it_comes_back_and_resumes_by_reattaching():
     h.submit(C1, "a", prompt_ids=[1, 2, 3])
     worker = h.core.requests.get("a").worker_id.encode()
     h.step(worker.decode(), delta("a", 4, 5, prompt=[1, 2, 3]))
-    out = _beat_workers_until(h, 1.5)                  # C1 silent past the client timeout (1 s)
+    out = _beat_workers_until(h, 1.5)  # C1 silent past the client timeout (1 s)
     assert of_type(out, Abort, worker)[0].request_ids == ["a"]
     # it comes back (it was stopped): its heartbeat is answered with the notice, not with a heartbeat
     out = h.send(C1, Heartbeat(sent_at=0.0))
     (notice,) = of_type(out, Error, C1)
     assert notice.code == "client_lost" and notice.request_id is None and "declared lost" in notice.message
     assert "1 request(s)" in notice.message and not of_type(out, Heartbeat, C1)
-    assert h.send(C1, Heartbeat(sent_at=0.0)) == []    # a frame flood gets no flood of notices
+    assert h.send(C1, Heartbeat(sent_at=0.0)) == []  # a frame flood gets no flood of notices
     # the client re-registers and re-attaches: the stream resumes from the tokens it holds
     assert of_type(h.send(C1, Hello(role="client", peer_id="c1")), Welcome, C1)
-    out = h.send(C1, Submit(request_id="a", prompt_token_ids=TokenIds([1, 2, 3]), reattach=True,
-                            sampling=SamplingParams(temperature=0.0, max_tokens=10), delivered_token_ids=TokenIds([4, 5])))
+    out = h.send(
+        C1,
+        Submit(
+            request_id="a",
+            prompt_token_ids=TokenIds([1, 2, 3]),
+            reattach=True,
+            sampling=SamplingParams(temperature=0.0, max_tokens=10),
+            delivered_token_ids=TokenIds([4, 5]),
+        ),
+    )
     (dispatch,) = of_type(out, Dispatch)
     assert list(dispatch.resumed_token_ids) == [4, 5] and dispatch.sampling.max_tokens == 10
-    assert of_type(h.send(C1, Heartbeat(sent_at=0.0)), Heartbeat, C1)   # served as usual again
+    assert of_type(h.send(C1, Heartbeat(sent_at=0.0)), Heartbeat, C1)  # served as usual again
     assert h.core.stats(h.now).clients_lost == 1
 
 
@@ -69,14 +87,14 @@ def test_an_unroutable_client_is_told_too_when_it_reconnects():
     assert of_type(h.out(), Abort)[0].request_ids == ["a"]
     (notice,) = of_type(h.send(C1, Submit(request_id="b", prompt_token_ids=TokenIds([1]))), Error, C1)
     assert notice.code == "client_lost"
-    assert h.core.requests.get("b") is None           # dropped until it says hello again
+    assert h.core.requests.get("b") is None  # dropped until it says hello again
 
 
 def test_an_idle_client_whose_connection_went_is_simply_forgotten():
     h = two_workers()
     h.send(C1, Heartbeat(sent_at=0.0))
     h.core.peer_gone(C1, h.now)
-    assert of_type(h.send(C1, StatsRequest()), ClusterStats, C1)     # nothing was lost: no notice
+    assert of_type(h.send(C1, StatsRequest()), ClusterStats, C1)  # nothing was lost: no notice
     assert h.core.stats(h.now).clients_lost == 0
 
 
@@ -85,7 +103,7 @@ def test_a_client_that_reads_nothing_loses_its_requests_as_too_slow_and_others_g
     h.submit(C1, "a")
     h.submit(C1, "b")
     h.submit(C2, "c")
-    h.core.peer_too_slow(C1, h.now)                    # the daemon found C1's queue at the high-water mark
+    h.core.peer_too_slow(C1, h.now)  # the daemon found C1's queue at the high-water mark
     aborted = sorted(rid for m in of_type(h.out(), Abort) for rid in m.request_ids)
     assert aborted == ["a", "b"] and h.core.requests.get("c") is not None
     # what it sends meanwhile (a stats flood) costs nothing but one notice per heartbeat interval
@@ -95,7 +113,7 @@ def test_a_client_that_reads_nothing_loses_its_requests_as_too_slow_and_others_g
     assert not of_type(out, ClusterStats)
     stats = h.core.stats(h.now)
     assert stats.clients_too_slow == 1 and stats.requests_aborted == 2
-    h.core.peer_too_slow(C1, h.now)                    # more sends to it fail: nothing more to do
+    h.core.peer_too_slow(C1, h.now)  # more sends to it fail: nothing more to do
     assert h.out() == []
 
 
@@ -116,10 +134,10 @@ def test_lost_client_tombstones_are_bounded_in_number_and_age(monkeypatch):
         h.submit(c, f"r{i}")
         h.core.peer_gone(c, h.now)
     h.out()
-    assert of_type(h.send(clients[0], Heartbeat(sent_at=0.0)), Heartbeat)        # forgotten: the oldest
+    assert of_type(h.send(clients[0], Heartbeat(sent_at=0.0)), Heartbeat)  # forgotten: the oldest
     assert of_type(h.send(clients[4], Heartbeat(sent_at=0.0)), Error)[0].code == "client_lost"
     h.advance(liveness_module.LOST_CLIENT_TTL_S + 1)
-    assert of_type(h.send(clients[3], Heartbeat(sent_at=0.0)), Heartbeat)        # aged out
+    assert of_type(h.send(clients[3], Heartbeat(sent_at=0.0)), Heartbeat)  # aged out
 
 
 def test_stats_requests_past_the_per_client_budget_are_refused_as_overloaded():
@@ -128,16 +146,19 @@ def test_stats_requests_past_the_per_client_budget_are_refused_as_overloaded():
     assert len(of_type(out, ClusterStats, C1)) == MAX_STATS_PER_CLIENT_S
     refused = of_type(out, Error, C1)
     assert len(refused) == 20 and {e.code for e in refused} == {"overloaded"}
-    assert of_type(h.send(C2, StatsRequest()), ClusterStats, C2)                 # another client is served
+    assert of_type(h.send(C2, StatsRequest()), ClusterStats, C2)  # another client is served
     h.advance(1.0)
-    assert of_type(h.send(C1, StatsRequest()), ClusterStats, C1)                 # a new second, a new budget
+    assert of_type(h.send(C1, StatsRequest()), ClusterStats, C1)  # a new second, a new budget
 
 
 def test_stats_waiters_of_one_client_are_bounded():
     h = two_workers()
-    out = [m for _ in range(MAX_STATS_WAITERS_PER_CLIENT + 3)
-           for m in h.send(C1, StatsRequest(min_healthy_workers=5, timeout_s=30.0))]
-    assert len(of_type(out, ClusterStats, C1)) == 3          # answered at once: the rest wait for workers
+    out = [
+        m
+        for _ in range(MAX_STATS_WAITERS_PER_CLIENT + 3)
+        for m in h.send(C1, StatsRequest(min_healthy_workers=5, timeout_s=30.0))
+    ]
+    assert len(of_type(out, ClusterStats, C1)) == 3  # answered at once: the rest wait for workers
     out = _beat_workers_until(h, 0.5, C1) + h.worker("w2", 2) + h.worker("w3", 3) + h.worker("w4", 4)
     assert len(of_type(out, ClusterStats, C1)) == MAX_STATS_WAITERS_PER_CLIENT
     assert len(of_type(h.send(C1, StatsRequest(min_healthy_workers=9, timeout_s=30.0)), ClusterStats)) == 0
@@ -146,17 +167,20 @@ def test_stats_waiters_of_one_client_are_bounded():
 def test_a_worker_whose_engine_step_runs_past_max_step_time_is_declared_dead():
     h = two_workers(max_step_time=5.0)
     h.submit(C1, "a", pin_rank=0)
-    assert h.send(W0, Heartbeat(sent_at=0.0, step_age_s=4.0)) == []        # a long step: fine
+    assert h.send(W0, Heartbeat(sent_at=0.0, step_age_s=4.0)) == []  # a long step: fine
     assert h.core.stats(h.now).workers[0].healthy
     out = h.send(W0, Heartbeat(sent_at=0.0, step_age_s=6.0))
     assert of_type(out, Dispatch, W1)[0].request_id == "a"
     assert not h.core.stats(h.now).workers[0].healthy
 
 
-@pytest.mark.parametrize("code, text, draining", [
-    ("draining", "shutting down", True),                 # the code says it, whatever the text
-    ("unavailable", "worker is draining", False),        # the text alone does not
-])
+@pytest.mark.parametrize(
+    "code, text, draining",
+    [
+        ("draining", "shutting down", True),  # the code says it, whatever the text
+        ("unavailable", "worker is draining", False),  # the text alone does not
+    ],
+)
 def test_a_draining_worker_is_recognized_by_its_error_code(code, text, draining):
     h = two_workers()
     h.submit(C1, "s", pin_rank=0)
@@ -164,4 +188,4 @@ def test_a_draining_worker_is_recognized_by_its_error_code(code, text, draining)
     moved = [d.request_id for d in of_type(out, Dispatch, W1)]
     finals = [d for b in of_type(out, DeltaBatch, C1) for d in b.deltas if d.finished]
     assert (moved == ["s"] and not finals) if draining else (not moved and finals[0].error_code == code)
-    assert h.core.stats(h.now).workers[0].healthy is not draining     # routable unless draining
+    assert h.core.stats(h.now).workers[0].healthy is not draining  # routable unless draining

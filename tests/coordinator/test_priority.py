@@ -9,17 +9,22 @@ import msgspec
 import pytest
 from core_harness import Harness, delta
 
-from infer.protocol.messages import (
-    DeltaBatch, Dispatch, Error, ProtocolError, Submit, TokenIds, decode, encode
-)
+from infer.protocol.messages import DeltaBatch, Dispatch, Error, ProtocolError, Submit, TokenIds, decode, encode
 from infer.protocol.sampling import SamplingParams
 
 CLIENT = b"client-1"
 
 
 def submit(h: Harness, rid: str, priority: int):
-    return h.send(CLIENT, Submit(request_id=rid, prompt_token_ids=TokenIds([1, 2, 3]),
-                                 sampling=SamplingParams(temperature=0.0, max_tokens=10), priority=priority))
+    return h.send(
+        CLIENT,
+        Submit(
+            request_id=rid,
+            prompt_token_ids=TokenIds([1, 2, 3]),
+            sampling=SamplingParams(temperature=0.0, max_tokens=10),
+            priority=priority,
+        ),
+    )
 
 
 def _of(out, kind):
@@ -34,7 +39,7 @@ def test_the_priority_reaches_the_worker_and_survives_a_redispatch():
     h.step("w0", delta("a", 5, prompt=[1, 2, 3]))
     out = h.worker("w1", 1)
     h.now += 5
-    out = h.advance(0.1)                      # w0 silent past worker_timeout: "a" moves to w1
+    out = h.advance(0.1)  # w0 silent past worker_timeout: "a" moves to w1
     moved = _of(out, Dispatch)
     assert [(d.request_id, d.priority, list(d.resumed_token_ids)) for d in moved] == [("a", -7, [5])]
 
@@ -49,7 +54,7 @@ def test_a_priority_outside_64_bits_is_a_protocol_error_naming_the_field():
 def test_held_requests_are_dispatched_best_priority_first():
     h = Harness()
     for rid, priority in (("a", 5), ("b", 0), ("c", 5), ("d", -1)):
-        assert not submit(h, rid, priority)           # no worker yet: held
+        assert not submit(h, rid, priority)  # no worker yet: held
     out = h.worker("w0", 0)
     assert [d.request_id for d in _of(out, Dispatch)] == ["d", "b", "a", "c"]
 
@@ -59,9 +64,9 @@ def test_with_every_worker_full_a_better_priority_waits_for_the_next_seat_and_a_
     h.worker("w0", 0)
     assert len(_of(submit(h, "a", 3), Dispatch)) == 1
     assert len(_of(submit(h, "b", 3), Dispatch)) == 1
-    refused = _of(submit(h, "low", 3), Error)          # no better than anything in flight: refused at once
+    refused = _of(submit(h, "low", 3), Error)  # no better than anything in flight: refused at once
     assert refused[0].code == "overloaded" and refused[0].request_id == "low"
-    assert not submit(h, "high", 0)                    # better than what runs: held, first in line
+    assert not submit(h, "high", 0)  # better than what runs: held, first in line
     assert not _of(submit(h, "low2", 9), Dispatch)
     out = h.step("w0", delta("a", 7, prompt=[1, 2, 3], finish="length"))
     assert [d.request_id for d in _of(out, Dispatch)] == ["high"]
@@ -74,7 +79,7 @@ def test_a_full_held_queue_sheds_its_worst_priority_for_a_better_newcomer():
     shed = [d for m in _of(out, DeltaBatch) for d in m.deltas if d.finished]
     assert [(d.request_id, d.error_code) for d in shed] == [("worst", "overloaded")]
     assert "better priority" in shed[0].error
-    refused = _of(submit(h, "also-bad", 4), Error)     # not better than any held: refused itself
+    refused = _of(submit(h, "also-bad", 4), Error)  # not better than any held: refused itself
     assert refused[0].code == "overloaded" and refused[0].request_id == "also-bad"
     out = h.worker("w0", 0)
     assert [d.request_id for d in _of(out, Dispatch)] == ["best", "mid"]

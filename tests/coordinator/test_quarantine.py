@@ -29,16 +29,16 @@ def test_first_death_redispatches_once_second_death_quarantines():
     h = three_workers(max_retries=5)
     h.submit(C1, "poison", pin_rank=0)
     h.step("w0", delta("poison", 7, prompt=[1, 2, 3]))
-    h.core.peer_gone(W0, h.now)                  # w0 died while running it: a suspect, moved once
+    h.core.peer_gone(W0, h.now)  # w0 died while running it: a suspect, moved once
     moved = dispatches(h.out())
     assert sum(len(d) for d in moved.values()) == 1
     ((target, (d,)),) = moved.items()
     assert target in (W1, W2) and d.resumed_token_ids == [7]
     record = h.core.requests.get("poison")
     assert record.worker_deaths == ["w0"]
-    h.core.peer_gone(target, h.now)              # and its next worker died while running it too
+    h.core.peer_gone(target, h.now)  # and its next worker died while running it too
     out = h.out()
-    assert not dispatches(out)                   # it does not walk on to the third worker
+    assert not dispatches(out)  # it does not walk on to the third worker
     final = _finals(out, C1)["poison"]
     assert final.finish_reason == "error" and final.error_code == "internal"
     assert "two workers that died" in final.error and "quarantined" in final.error
@@ -53,11 +53,11 @@ def test_bystanders_fail_over_and_only_the_twice_hit_request_is_quarantined():
     h.worker("w1", 1)
     for rid in ("poison", "bystander"):
         h.submit(C1, rid, pin_rank=0)
-    h.core.peer_gone(W0, h.now)                  # both were on w0: both suspects, both move to w1
+    h.core.peer_gone(W0, h.now)  # both were on w0: both suspects, both move to w1
     assert {d.request_id for d in dispatches(h.out())[W1]} == {"poison", "bystander"}
-    h.worker("w2", 2)                            # a fresh worker joins; then a new request lands on w1
+    h.worker("w2", 2)  # a fresh worker joins; then a new request lands on w1
     h.submit(C2, "newcomer", pin_rank=1)
-    h.core.peer_gone(W1, h.now)                  # w1 dies: both suspects were on it
+    h.core.peer_gone(W1, h.now)  # w1 dies: both suspects were on it
     out = h.out()
     finals = _finals(out, C1)
     assert finals["poison"].error_code == "internal" and finals["bystander"].error_code == "internal"
@@ -89,7 +89,7 @@ def test_deaths_count_only_the_worker_that_died_not_its_group_mates_nor_a_drain(
     h.worker("w1", 1, group="ep")
     h.worker("w2", 2)
     h.submit(C1, "on-mate", pin_rank=1)
-    h.core.peer_gone(W0, h.now)                  # w1's group is broken: its request moves, no strike
+    h.core.peer_gone(W0, h.now)  # w1's group is broken: its request moves, no strike
     assert h.core.requests.get("on-mate").worker_deaths == []
     h.submit(C1, "drained", pin_rank=2)
     out = h.step("w2", delta("drained", finish="error", error="worker is draining", code="draining"))
@@ -118,7 +118,7 @@ def test_a_hung_workers_copy_is_aborted_so_a_suspect_never_runs_on_two_workers()
     h.submit(C1, "r", pin_rank=0)
     h.step("w0", delta("r", 7, prompt=[1, 2, 3]))
     out = []
-    for _ in range(8):                           # w1 and w2 keep talking, w0 is silent
+    for _ in range(8):  # w1 and w2 keep talking, w0 is silent
         h.send(W1, Heartbeat(sent_at=0.0))
         h.send(W2, Heartbeat(sent_at=0.0))
         out += h.advance(0.1)

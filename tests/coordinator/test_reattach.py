@@ -9,12 +9,9 @@ fits, and aborts copies no client claims.
 from __future__ import annotations
 
 import msgspec
-
 from core_harness import Harness, delta, worker_hello
 
-from infer.protocol.messages import (
-    Abort, DeltaBatch, Dispatch, Error, Heartbeat, RequestSnapshot, Submit, TokenIds
-)
+from infer.protocol.messages import Abort, DeltaBatch, Dispatch, Error, Heartbeat, RequestSnapshot, Submit, TokenIds
 from infer.protocol.sampling import SamplingParams
 
 CLIENT = b"client-1"
@@ -24,14 +21,28 @@ PROMPT = [1, 2, 3]
 def _snapshot(rid: str, tokens: list[int], ends: list[int]) -> RequestSnapshot:
     """A worker's copy whose deltas ended at `ends`; token t has text "<t>"."""
     text_ends = [sum(len(f"<{t}>") for t in tokens[:e]) for e in ends]
-    return RequestSnapshot(request_id=rid, prompt_token_ids=TokenIds(PROMPT), token_ids=TokenIds(tokens),
-                           text="".join(f"<{t}>" for t in tokens), delta_ends=ends, text_ends=text_ends)
+    return RequestSnapshot(
+        request_id=rid,
+        prompt_token_ids=TokenIds(PROMPT),
+        token_ids=TokenIds(tokens),
+        text="".join(f"<{t}>" for t in tokens),
+        delta_ends=ends,
+        text_ends=text_ends,
+    )
 
 
 def _reattach(h: Harness, rid: str, held: list[int], **extra):
-    return h.send(CLIENT, Submit(request_id=rid, prompt_token_ids=TokenIds(PROMPT), reattach=True,
-                                 sampling=SamplingParams(temperature=0.0, max_tokens=10),
-                                 delivered_token_ids=TokenIds(held), **extra))
+    return h.send(
+        CLIENT,
+        Submit(
+            request_id=rid,
+            prompt_token_ids=TokenIds(PROMPT),
+            reattach=True,
+            sampling=SamplingParams(temperature=0.0, max_tokens=10),
+            delivered_token_ids=TokenIds(held),
+            **extra,
+        ),
+    )
 
 
 def _client_deltas(out):
@@ -46,11 +57,11 @@ def test_a_client_takes_back_its_request_from_the_worker_that_runs_it():
     h = Harness(restart_grace=2.0)
     h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[_snapshot("r", [7, 8, 9, 10], [1, 2, 4])]))
     assert h.core.orphans.get("r") is not None
-    h.step("w0", delta("r", 11))                       # it goes on meanwhile: kept for the client
-    out = _reattach(h, "r", [7, 8])                    # the client got two deltas before the crash
+    h.step("w0", delta("r", 11))  # it goes on meanwhile: kept for the client
+    out = _reattach(h, "r", [7, 8])  # the client got two deltas before the crash
     (catch_up,) = _client_deltas(out)
     assert list(catch_up.token_ids) == [9, 10, 11] and catch_up.text == "<9><10><11>"
-    assert not _to(out, b"w0", Dispatch) and not _to(out, b"w0", Abort)     # no recompute
+    assert not _to(out, b"w0", Dispatch) and not _to(out, b"w0", Abort)  # no recompute
     (rest,) = _client_deltas(h.step("w0", delta("r", 12, finish="length")))
     assert list(rest.token_ids) == [12] and rest.finish_reason == "length"
     stats = h.core.stats(h.now)
@@ -65,7 +76,7 @@ def test_a_handed_back_stream_carries_the_weight_version_of_the_workers_latest_d
     assert list(catch_up.token_ids) == [8, 9] and catch_up.weight_version == 2 and not catch_up.finished
     h.send(b"w1", worker_hello("w1", 1, running=["s"], snapshots=[_snapshot("s", [7], [1])]))
     h.step("w1", msgspec.structs.replace(delta("s", 8, finish="stop"), weight_version=4, num_cached_tokens=16))
-    (final,) = _client_deltas(_reattach(h, "s", [7]))      # it ended while nobody listened
+    (final,) = _client_deltas(_reattach(h, "s", [7]))  # it ended while nobody listened
     assert final.finish_reason == "stop" and final.weight_version == 4 and final.num_cached_tokens == 16
 
 
@@ -91,7 +102,7 @@ def test_without_a_worker_copy_the_request_resumes_from_the_clients_tokens():
     h = Harness(restart_grace=0.5)
     h.worker("w0", 0)
     assert not _reattach(h, "r", [7, 8])
-    out = h.advance(0.6)                                # grace over: nobody runs it
+    out = h.advance(0.6)  # grace over: nobody runs it
     (dispatch,) = _to(out, b"w0", Dispatch)
     assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.sampling.max_tokens == 10
 
@@ -99,7 +110,7 @@ def test_without_a_worker_copy_the_request_resumes_from_the_clients_tokens():
 def test_a_copy_that_does_not_fit_the_clients_is_aborted_and_the_request_resumed():
     h = Harness(restart_grace=0.0)
     h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[_snapshot("r", [7, 8, 9], [3])]))
-    out = _reattach(h, "r", [7])             # the client's copy stops inside the worker's only delta
+    out = _reattach(h, "r", [7])  # the client's copy stops inside the worker's only delta
     assert _to(out, b"w0", Abort)[0].request_ids == ["r"]
     (dispatch,) = _to(out, b"w0", Dispatch)
     assert list(dispatch.resumed_token_ids) == [7]
@@ -108,9 +119,17 @@ def test_a_copy_that_does_not_fit_the_clients_is_aborted_and_the_request_resumed
 def test_a_resume_from_the_clients_copy_keeps_its_seed_and_the_length_of_its_text():
     h = Harness(restart_grace=0.0)
     h.worker("w0", 0)
-    out = h.send(CLIENT, Submit(request_id="r", prompt_token_ids=TokenIds(PROMPT), reattach=True,
-                                sampling=SamplingParams(temperature=1.0, max_tokens=10, seed=42),
-                                delivered_token_ids=TokenIds([7, 8]), delivered_text_len=3))
+    out = h.send(
+        CLIENT,
+        Submit(
+            request_id="r",
+            prompt_token_ids=TokenIds(PROMPT),
+            reattach=True,
+            sampling=SamplingParams(temperature=1.0, max_tokens=10, seed=42),
+            delivered_token_ids=TokenIds([7, 8]),
+            delivered_text_len=3,
+        ),
+    )
     (dispatch,) = _to(out, b"w0", Dispatch)
     assert list(dispatch.resumed_token_ids) == [7, 8] and dispatch.resumed_text_len == 3
     assert dispatch.sampling.seed == 42
@@ -121,8 +140,15 @@ def test_a_taken_back_copy_keeps_the_seed_it_runs_with_and_reports_it_first():
     h = Harness(restart_grace=2.0)
     snapshot = msgspec.structs.replace(_snapshot("r", [7, 8], [1, 2]), seed=99)
     h.send(b"w0", worker_hello("w0", 0, running=["r"], snapshots=[snapshot]))
-    out = h.send(CLIENT, Submit(request_id="r", prompt_token_ids=TokenIds(PROMPT), reattach=True,
-                                sampling=SamplingParams(temperature=1.0, max_tokens=10)))
+    out = h.send(
+        CLIENT,
+        Submit(
+            request_id="r",
+            prompt_token_ids=TokenIds(PROMPT),
+            reattach=True,
+            sampling=SamplingParams(temperature=1.0, max_tokens=10),
+        ),
+    )
     (catch_up,) = _client_deltas(out)
     assert catch_up.seed == 99 and list(catch_up.token_ids) == [7, 8] and catch_up.text == "<7><8>"
     h.core.peer_gone(b"w0", h.now)
@@ -144,9 +170,10 @@ def test_a_request_already_here_is_not_attached_twice_and_others_ids_are_refused
     h = Harness()
     h.worker("w0", 0)
     h.submit(CLIENT, "r")
-    assert not _reattach(h, "r", [])                    # the queued Submit got here first: nothing to do
-    (err,) = _to(h.send(b"other", Submit(request_id="r", prompt_token_ids=TokenIds(PROMPT), reattach=True)),
-                 b"other", Error)
+    assert not _reattach(h, "r", [])  # the queued Submit got here first: nothing to do
+    (err,) = _to(
+        h.send(b"other", Submit(request_id="r", prompt_token_ids=TokenIds(PROMPT), reattach=True)), b"other", Error
+    )
     assert "already in flight" in err.message
 
 
@@ -158,9 +185,9 @@ def test_a_hello_that_crossed_a_dispatch_does_not_move_it():
     h.submit(CLIENT, "r")
     request = h.core.requests.get("r")
     assert request.worker_id == "w0" and request.dispatch_seq == 1
-    h.send(b"w0", worker_hello("w0", 0, incarnation="p1", dispatches_seen=0))     # sent before the Dispatch
+    h.send(b"w0", worker_hello("w0", 0, incarnation="p1", dispatches_seen=0))  # sent before the Dispatch
     assert request.worker_id == "w0" and request.retries == 0
-    h.send(b"w0", worker_hello("w0", 0, incarnation="p1", dispatches_seen=1))     # saw it, and lost it
+    h.send(b"w0", worker_hello("w0", 0, incarnation="p1", dispatches_seen=1))  # saw it, and lost it
     assert request.retries == 1
-    h.send(b"w0", worker_hello("w0", 0, incarnation="p2", dispatches_seen=0))     # a new process
+    h.send(b"w0", worker_hello("w0", 0, incarnation="p2", dispatches_seen=0))  # a new process
     assert request.retries == 2

@@ -16,8 +16,15 @@ CLIENT = b"client-1"
 
 
 def _submit(h: Harness, rid: str, traceparent: str | None) -> Dispatch:
-    out = h.send(CLIENT, Submit(request_id=rid, prompt_token_ids=TokenIds([1, 2, 3]), traceparent=traceparent,
-                                sampling=SamplingParams(temperature=0.0, max_tokens=2)))
+    out = h.send(
+        CLIENT,
+        Submit(
+            request_id=rid,
+            prompt_token_ids=TokenIds([1, 2, 3]),
+            traceparent=traceparent,
+            sampling=SamplingParams(temperature=0.0, max_tokens=2),
+        ),
+    )
     [dispatch] = [m for _, m in out if isinstance(m, Dispatch)]
     return dispatch
 
@@ -33,7 +40,7 @@ def test_a_traced_request_is_one_span_between_its_caller_and_its_worker():
     assert trace_id == TRACE and parent != CALLER_SPAN
     h.now = 10.5
     h.step("w0", delta("r1", 7))
-    assert h.core.take_spans(h.now) == []        # still running
+    assert h.core.take_spans(h.now) == []  # still running
     h.now = 11.0
     h.step("w0", delta("r1", 8, finish="length"))
     exporter = InMemorySpanExporter()
@@ -45,21 +52,25 @@ def test_a_traced_request_is_one_span_between_its_caller_and_its_worker():
     assert span.parent.span_id == int(CALLER_SPAN, 16)
     assert (span.start_time, span.end_time) == (10_000_000_000, 11_000_000_000)
     assert [(e.name, e.timestamp) for e in span.events] == [("dispatch", 10_000_000_000)]
-    assert dict(span.attributes) == {"gen_ai.request.id": "r1", "infer.worker_id": "w0",
-                                     "gen_ai.response.finish_reasons": "length",
-                                     "gen_ai.usage.completion_tokens": 2, "infer.redispatches": 0}
+    assert dict(span.attributes) == {
+        "gen_ai.request.id": "r1",
+        "infer.worker_id": "w0",
+        "gen_ai.response.finish_reasons": "length",
+        "gen_ai.usage.completion_tokens": 2,
+        "infer.redispatches": 0,
+    }
 
 
 def test_a_request_failed_over_shows_each_dispatch_and_ends_once():
     h = Harness(otlp_traces_endpoint="http://127.0.0.1:4317", client_timeout=5.0)
     h.worker("w0", 0)
-    first = _submit(h, "r1", None)        # no caller: the coordinator starts the trace
+    first = _submit(h, "r1", None)  # no caller: the coordinator starts the trace
     h.step("w0", delta("r1", 7, prompt=[1, 2, 3]))
     h.now = 0.9
     h.worker("w1", 1)
-    out = h.advance(0.6)                  # w0 silent past worker_timeout: r1 goes to w1 with its token
+    out = h.advance(0.6)  # w0 silent past worker_timeout: r1 goes to w1 with its token
     [again] = [m for _, m in out if isinstance(m, Dispatch)]
-    assert again.traceparent == first.traceparent      # the same hop, dispatched twice
+    assert again.traceparent == first.traceparent  # the same hop, dispatched twice
     h.step("w1", delta("r1", 8, finish="length"))
     [span] = h.core.take_spans(h.now)
     assert span.parent_span_id is None and span.traceparent == first.traceparent

@@ -20,8 +20,12 @@ SERIES = re.compile(r"infer:[A-Za-z0-9_:]+")
 
 @pytest.fixture(scope="module")
 def scrape(tiny_model_dir, tmp_path_factory) -> str:
-    served = Served(tiny_model_dir("llama"), tmp_path_factory.mktemp("grafana") / "serve.log", "tiny",
-                    ["--dtype", "float32", "--threads", "1"])
+    served = Served(
+        tiny_model_dir("llama"),
+        tmp_path_factory.mktemp("grafana") / "serve.log",
+        "tiny",
+        ["--dtype", "float32", "--threads", "1"],
+    )
     try:
         body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}).encode()
         request = urllib.request.Request(f"{served.url}/v1/completions", body, {"Content-Type": "application/json"})

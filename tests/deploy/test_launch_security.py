@@ -24,7 +24,7 @@ def _load_launcher():
     path = REPO / "deploy" / "slurm" / "launch.py"
     spec = importlib.util.spec_from_file_location("infer_slurm_launch_security", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -33,8 +33,12 @@ launch = _load_launcher()
 
 
 def _env(tmp_path: Path, **overrides):
-    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "localhost,n2", "SLURMD_NODENAME": "localhost",
-           "SLURM_SUBMIT_DIR": str(tmp_path)}
+    env = {
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "localhost,n2",
+        "SLURMD_NODENAME": "localhost",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+    }
     return launch.SlurmEnv.from_environ({**env, **overrides})
 
 
@@ -49,7 +53,7 @@ def test_a_job_without_keys_gets_a_fresh_private_set_in_the_submit_directory(tmp
     assert stat.S_IMODE(keys.secret("worker").stat().st_mode) == 0o600
     assert [keys.secret(n).parent.name for n in ("worker", "client", "admin")] == ["workers", "clients", "admins"]
     assert stat.S_IMODE((made / "admins").stat().st_mode) == 0o700
-    with pytest.raises(ValueError, match="exists"):   # never reuses (or overwrites) another job's keys
+    with pytest.raises(ValueError, match="exists"):  # never reuses (or overwrites) another job's keys
         launch.job_keys(_args(), _env(tmp_path))
     with pytest.raises(ValueError, match="SLURM_SUBMIT_DIR is unset"):
         launch.job_keys(_args(), _env(tmp_path, SLURM_SUBMIT_DIR=""))
@@ -68,7 +72,7 @@ def test_the_workers_and_the_coordinator_get_their_key_files(tmp_path):
     keys = ClusterKeyDir.create(tmp_path / "k")
     args = _args("--api-key", "secret")
     plan = launch.plan_head(args, ["--dtype", "float32"], ["localhost", "n2"], _env(tmp_path), keys)
-    worker = plan.srun[plan.srun.index("worker") + 1:]
+    worker = plan.srun[plan.srun.index("worker") + 1 :]
     own, extra = launch.split_extra(worker)
     wargs, unknown = launch.worker_parser().parse_known_args(own)
     command = launch.worker_argv(wargs, unknown + extra, 1, ["localhost", "n2"], [1, 1], "localhost")
@@ -77,10 +81,12 @@ def test_the_workers_and_the_coordinator_get_their_key_files(tmp_path):
     assert daemon.coordinator_key == str(keys.public("coordinator"))
     cluster = launch.SrunCluster(num_workers=2, host=plan.coordinator_host, keys=keys, srun=plan.srun)
     coordinator = coordinator_parser().parse_args(cluster.security_args("coordinator"))
-    assert (coordinator.curve_secret_key, coordinator.authorized_keys) == (str(keys.secret("coordinator")),
-                                                                            str(keys.path))
-    assert cluster.client_options == keys.client_options()                       # the HTTP front: a client
-    assert cluster.admin_options["curve_key"] == str(keys.path / "admins" / "admin.key_secret")   # the head
+    assert (coordinator.curve_secret_key, coordinator.authorized_keys) == (
+        str(keys.secret("coordinator")),
+        str(keys.path),
+    )
+    assert cluster.client_options == keys.client_options()  # the HTTP front: a client
+    assert cluster.admin_options["curve_key"] == str(keys.path / "admins" / "admin.key_secret")  # the head
 
 
 def test_the_http_front_off_loopback_needs_an_api_key_or_a_trusted_network(monkeypatch, tmp_path):
@@ -90,5 +96,5 @@ def test_the_http_front_off_loopback_needs_an_api_key_or_a_trusted_network(monke
     check_front_exposure("0.0.0.0", front_config(_args(), None), True)
     check_front_exposure("0.0.0.0", front_config(_args("--api-key", "k"), None), False)
     check_front_exposure("127.0.0.1", front_config(_args(), None), False)
-    monkeypatch.setenv("INFER_API_KEY", "from-the-environment")   # sbatch passes the submitter's environment
+    monkeypatch.setenv("INFER_API_KEY", "from-the-environment")  # sbatch passes the submitter's environment
     check_front_exposure("0.0.0.0", front_config(_args(), None), False)

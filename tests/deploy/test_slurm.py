@@ -48,22 +48,51 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def in_process_chat(questions: list[str], max_tokens: int) -> list[str]:
     """The embedded model's greedy answers to each question (one user turn, the chat template), in this process."""
-    llm = LLM(dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory=64_000_000)   # as the job's workers
-    prompts = [llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                        tokenize=False) for q in questions]
+    llm = LLM(dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory=64_000_000)  # as the job's workers
+    prompts = [
+        llm.engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
     done = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     return [c.text for c in done]
+
+
 COORDINATOR_PORT, HTTP_PORT = 5555, 8000
 # Short timeouts: a silent worker is dead after 3 s; small KV pools, one torch thread per worker. The sandbox's
 # network is private: --trusted-network (no CurveZMQ keys, no API key), so the host's clients need neither.
-JOB_OPTIONS = ["--heartbeat-interval", "0.5", "--worker-timeout", "3", "--ready-timeout", "240", "--trusted-network",
-               "--coordinator-port", str(COORDINATOR_PORT), "--port", str(HTTP_PORT),
-               "--dtype", "float32", "--threads", "1", "--max-model-len", "512", "--kv-cache-memory", "64000000",
-               "--", "--coordinator-timeout", "3", "--drain-timeout", "3"]
+JOB_OPTIONS = [
+    "--heartbeat-interval",
+    "0.5",
+    "--worker-timeout",
+    "3",
+    "--ready-timeout",
+    "240",
+    "--trusted-network",
+    "--coordinator-port",
+    str(COORDINATOR_PORT),
+    "--port",
+    str(HTTP_PORT),
+    "--dtype",
+    "float32",
+    "--threads",
+    "1",
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory",
+    "64000000",
+    "--",
+    "--coordinator-timeout",
+    "3",
+    "--drain-timeout",
+    "3",
+]
 SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "scontrol", "srun", "slurmctld", "slurmd", "munged")
 
 
 # ---- finding the sandbox, or why it cannot run -----------------------------------------------------
+
 
 def sandbox_script() -> Path | None:
     """cluster.sh: $INFER_SLURM_SANDBOX, else ../shared/slurm-sandbox/cluster.sh beside this checkout or
@@ -71,8 +100,13 @@ def sandbox_script() -> Path | None:
     if os.environ.get("INFER_SLURM_SANDBOX"):
         return Path(os.environ["INFER_SLURM_SANDBOX"])
     roots = [REPO]
-    origin = subprocess.run(["git", "-C", str(REPO), "config", "--get", "remote.origin.url"],
-                            check=False, capture_output=True, text=True, timeout=10).stdout.strip()
+    origin = subprocess.run(
+        ["git", "-C", str(REPO), "config", "--get", "remote.origin.url"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout.strip()
     origin = origin.removeprefix("file://")
     if origin and Path(origin).is_dir():
         roots.append(Path(origin).resolve())
@@ -94,6 +128,7 @@ def why_not_runnable() -> str | None:
 
 
 # ---- the sandbox and the job -----------------------------------------------------------------------
+
 
 def read_until(fd: int, pattern: str, timeout: float, seen: list[str]) -> bool:
     """Read a pipe (appending to `seen`) until its text matches `pattern`: True; False at EOF or after `timeout`."""
@@ -137,7 +172,7 @@ class Sandbox:
     def close(self) -> None:
         if self.holder.poll() is None:
             try:
-                rest, _ = self.holder.communicate(timeout=90)   # closes its stdin: `read` returns, `down` runs
+                rest, _ = self.holder.communicate(timeout=90)  # closes its stdin: `read` returns, `down` runs
                 self.log.append(rest.decode(errors="replace"))
             except subprocess.TimeoutExpired:
                 os.killpg(self.holder.pid, 9)
@@ -171,19 +206,27 @@ def sandbox(tmp_path_factory):
         pytest.skip(reason)
     script = sandbox_script()
     if script is None or not script.is_file():
-        pytest.skip("the Slurm sandbox script is absent: set INFER_SLURM_SANDBOX to .../slurm-sandbox/cluster.sh "
-                    f"(looked beside {REPO} and beside its git origin)")
+        pytest.skip(
+            "the Slurm sandbox script is absent: set INFER_SLURM_SANDBOX to .../slurm-sandbox/cluster.sh "
+            f"(looked beside {REPO} and beside its git origin)"
+        )
     missing = [c for c in SLURM_COMMANDS if shutil.which(c) is None]
     if missing:
-        pytest.fail(f"Slurm is not installed ({', '.join(missing)} missing): apt-get install -y slurmctld slurmd "
-                    "slurm-client munge tini (deploy/local/test.sh does this when run as root)")
+        pytest.fail(
+            f"Slurm is not installed ({', '.join(missing)} missing): apt-get install -y slurmctld slurmd "
+            "slurm-client munge tini (deploy/local/test.sh does this when run as root)"
+        )
     root = tmp_path_factory.mktemp("slurm") / "ci"
     delete_stale_veths()
     SANDBOX_LOCK.parent.mkdir(parents=True, exist_ok=True)
     holder = subprocess.Popen(
         ["flock", "-w", "300", str(SANDBOX_LOCK), "bash", str(script), "all", "bash", "-c", f"echo {READY}; read _"],
-        env={**os.environ, "ROOT": str(root)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True)
+        env={**os.environ, "ROOT": str(root)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     box = Sandbox(holder, root, [])
     try:
         if not read_until(holder.stdout.fileno(), READY, 360, box.log):
@@ -202,8 +245,8 @@ class Job:
     id: str
     output: Path
     nodes: list[str]
-    http: str          # http://ADDR:PORT
-    coordinator: str   # tcp://ADDR:PORT
+    http: str  # http://ADDR:PORT
+    coordinator: str  # tcp://ADDR:PORT
 
     def text(self) -> str:
         return self.output.read_text(errors="replace") if self.output.exists() else ""
@@ -214,10 +257,22 @@ def running_job(sandbox: Sandbox, output_dir: Path, options: list[str], sbatch: 
     """An infer.sbatch job on 2 nodes with `options` (and `sbatch`'s own options), once its HTTP front is up;
     cancelled on exit if still queued."""
     output = output_dir / "infer-%j.out"
-    job_id = sandbox.slurm("sbatch", "--parsable", "--nodes=2", *sbatch, f"--output={output}",
-                           str(REPO / "deploy" / "slurm" / "infer.sbatch"), *options).strip().split(";")[0]
+    job_id = (
+        sandbox.slurm(
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            *sbatch,
+            f"--output={output}",
+            str(REPO / "deploy" / "slurm" / "infer.sbatch"),
+            *options,
+        )
+        .strip()
+        .split(";")[0]
+    )
     output = Path(str(output).replace("%j", job_id))
     try:
+
         def ready():
             text = output.read_text(errors="replace") if output.exists() else ""
             if m := re.search(r"HTTP at (http://[\d.]+:\d+)", text):
@@ -227,10 +282,11 @@ def running_job(sandbox: Sandbox, output_dir: Path, options: list[str], sbatch: 
             return None
 
         http = wait_for(ready, 300, f"job {job_id} to print its HTTP address", interval=0.5).group(1)
-        nodes = sandbox.slurm("scontrol", "show", "hostnames",
-                              sandbox.slurm("squeue", "-h", "-j", job_id, "-o", "%N").strip()).split()
+        nodes = sandbox.slurm(
+            "scontrol", "show", "hostnames", sandbox.slurm("squeue", "-h", "-j", job_id, "-o", "%N").strip()
+        ).split()
         yield Job(job_id, output, nodes, http, f"tcp://{http.split('//')[1].split(':')[0]}:{COORDINATOR_PORT}")
-    finally:   # pytest shows this output with a failure
+    finally:  # pytest shows this output with a failure
         print(f"==== job {job_id} output ====\n" + (output.read_text(errors="replace") if output.exists() else "none"))
         if sandbox.job_active(job_id):
             sandbox.slurm("scancel", job_id)
@@ -265,23 +321,33 @@ def _argv(pid: int) -> list[str]:
 
 
 def node_of(worker_id: str) -> str:
-    return worker_id.rsplit("-", 1)[0]   # infer-worker's default id: <hostname>-<pid>
+    return worker_id.rsplit("-", 1)[0]  # infer-worker's default id: <hostname>-<pid>
 
 
 # ---- the acceptance tests (in order: the last one cancels the job) -------------------------------------
+
 
 async def test_two_nodes_serve_chat_completions_to_the_openai_client(job):
     assert job.http.startswith("http://10.200.0.") and len(job.nodes) == 2
     async with coordinator_client(job) as cluster:
         stats = await cluster.stats()
-    assert sorted(node_of(w.worker_id) for w in stats.workers) == sorted(job.nodes)   # one worker per node
+    assert sorted(node_of(w.worker_id) for w in stats.workers) == sorted(job.nodes)  # one worker per node
     assert all(w.healthy for w in stats.workers)
 
     client = openai_client(job)
     assert [m.id for m in (await client.models.list()).data] == [MODEL]
     questions = ["What is the capital of France?", "Name a colour.", "Count to three.", "Say hello."]
-    answers = await asyncio.wait_for(asyncio.gather(*(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=12, temperature=0) for q in questions)), 120)
+    answers = await asyncio.wait_for(
+        asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=12, temperature=0
+                )
+                for q in questions
+            )
+        ),
+        120,
+    )
     for answer in answers:
         assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
         assert 0 < answer.usage.completion_tokens <= 12
@@ -290,9 +356,14 @@ async def test_two_nodes_serve_chat_completions_to_the_openai_client(job):
     # "L'Étoile, la Marseillaise,"; the file dequantized answers "The capital of France is Paris.")
     assert [a.choices[0].message.content for a in answers] == in_process_chat(questions, max_tokens=12)
 
-    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
-                                                  max_tokens=8, temperature=0, stream=True,
-                                                  stream_options={"include_usage": True})
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi!"}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].usage.completion_tokens > 0
@@ -306,7 +377,7 @@ LONG = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 PROMPTS = [[1, 504, 3458, 282, 4649, 314] + [100 + i] * (3 + i) for i in range(4)]
 
 
-CUT_S = 20.0   # how long the partition lasts
+CUT_S = 20.0  # how long the partition lasts
 
 
 class RecordingClient(InferenceClient):
@@ -346,12 +417,15 @@ def worker_in(stats, worker_id: str):
 def idle(stats) -> bool:
     """Nothing in flight anywhere and every worker's KV pool entirely free (from its last load report)."""
     return stats.num_in_flight == 0 and all(
-        w.load is not None and w.load.num_running == 0 and w.load.num_waiting == 0
-        and w.load.num_free_blocks == w.load.num_total_blocks for w in stats.workers)
+        w.load is not None
+        and w.load.num_running == 0
+        and w.load.num_waiting == 0
+        and w.load.num_free_blocks == w.load.num_total_blocks
+        for w in stats.workers
+    )
 
 
-async def test_a_worker_node_cut_off_for_20_s_hands_its_streams_over_then_rejoins_with_nothing_duplicated(
-        job, sandbox):
+async def test_a_worker_node_cut_off_for_20_s_hands_its_streams_over_then_rejoins_with_nothing_duplicated(job, sandbox):
     """The link of the worker node that is not the head goes down for CUT_S seconds, mid-stream. Its streams
     move to the head's worker and end with the reference tokens (no gap, no repeat); a new request succeeds
     meanwhile and nothing is routed to the cut-off worker. With the link back it registers again (its stale
@@ -360,8 +434,10 @@ async def test_a_worker_node_cut_off_for_20_s_hands_its_streams_over_then_rejoin
     head = job.nodes[0]
     async with RecordingClient(job.coordinator, heartbeat_interval=0.5, connect_timeout=30) as cluster:
         first = await cluster.stats()
-        reference = [c.token_ids for c in await asyncio.wait_for(
-            asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)]
+        reference = [
+            c.token_ids
+            for c in await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)
+        ]
         started = [asyncio.Event() for _ in PROMPTS]
 
         async def run(i: int) -> list:
@@ -381,15 +457,23 @@ async def test_a_worker_node_cut_off_for_20_s_hands_its_streams_over_then_rejoin
         await set_link(link, "down")
         cut_at = time.monotonic()
 
-        async def restore() -> None:   # after CUT_S whatever happens meanwhile: past SlurmdTimeout (30 s in
+        async def restore() -> None:  # after CUT_S whatever happens meanwhile: past SlurmdTimeout (30 s in
             await asyncio.sleep(CUT_S)  # the sandbox) Slurm would mark the node down and end the job
             await set_link(link, "up")
 
         restoring = asyncio.create_task(restore())
         try:
-            fresh_request = asyncio.create_task(asyncio.wait_for(openai_client(job).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6,
-                temperature=0), 90))
+            fresh_request = asyncio.create_task(
+                asyncio.wait_for(
+                    openai_client(job).chat.completions.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": "Name a fruit."}],
+                        max_tokens=6,
+                        temperature=0,
+                    ),
+                    90,
+                )
+            )
             await asyncio.sleep(max(0.0, cut_at + CUT_S - 3 - time.monotonic()))
             end_of_cut = await cluster.stats()
         finally:
@@ -399,7 +483,7 @@ async def test_a_worker_node_cut_off_for_20_s_hands_its_streams_over_then_rejoin
         during = end_of_cut
         for deltas, want in zip(results, reference):
             assert deltas[-1].finish_reason == "length" and not any(d.finished for d in deltas[:-1])
-            assert [t for d in deltas for t in d.token_ids] == want          # no gap, no repeat
+            assert [t for d in deltas for t in d.token_ids] == want  # no gap, no repeat
         assert fresh.choices[0].message.content and fresh.choices[0].finish_reason in ("stop", "length")
         assert during.requests_redispatched - before.requests_redispatched >= victim.num_in_flight
         assert not worker_in(end_of_cut, victim.worker_id).healthy
@@ -408,8 +492,7 @@ async def test_a_worker_node_cut_off_for_20_s_hands_its_streams_over_then_rejoin
 
         def back(stats) -> bool:
             cut_off = worker_in(stats, victim.worker_id)
-            return (cut_off.healthy and cut_off.registrations >= 2 and stats.num_healthy_workers == 2
-                    and idle(stats))
+            return cut_off.healthy and cut_off.registrations >= 2 and stats.num_healthy_workers == 2 and idle(stats)
 
         rejoined = await wait_for_stats(cluster, back, 90, "the cut-off worker to rejoin, every pool empty")
         again = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)
@@ -427,9 +510,9 @@ async def test_a_worker_node_cut_off_for_20_s_hands_its_streams_over_then_rejoin
     for rid, ids, _ in cluster.received:
         tokens.setdefault(rid, []).extend(ids)
     assert all(count == 1 for count in finishes.values()), finishes
-    assert len(finishes) == 3 * len(PROMPTS)      # reference, streams, again
+    assert len(finishes) == 3 * len(PROMPTS)  # reference, streams, again
     assert all(tokens[rid] == want for rid, want in expected.items())
-    ours = 3 * len(PROMPTS) + 1                  # + the fresh chat completion through the HTTP front
+    ours = 3 * len(PROMPTS) + 1  # + the fresh chat completion through the HTTP front
     assert after.requests_completed - first.requests_completed == ours
     assert after.requests_submitted - first.requests_submitted == ours
     assert after.requests_failed == first.requests_failed
@@ -451,24 +534,32 @@ async def test_a_worker_killed_on_its_node_is_restarted_there_and_every_stream_c
     rank and the cluster is back to two healthy workers within 30 s; the job's output says why it restarted."""
     head = job.nodes[0]
     async with coordinator_client(job) as cluster:
-        reference = [c.token_ids for c in await asyncio.wait_for(
-            asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)]
+        reference = [
+            c.token_ids
+            for c in await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)
+        ]
     struck: dict[str, object] = {}
 
     async def kill_the_other_nodes_worker(client) -> None:
         victim = next(w for w in (await client.stats()).workers if w.healthy and node_of(w.worker_id) != head)
         struck["victim"], struck["at"] = victim, time.monotonic()
-        os.kill(int(victim.worker_id.rsplit("-", 1)[1]), signal.SIGKILL)   # worker id: <hostname>-<pid>
+        os.kill(int(victim.worker_id.rsplit("-", 1)[1]), signal.SIGKILL)  # worker id: <hostname>-<pid>
 
-    streams, _ = await streams_through_a_fault(_Clients(job), PROMPTS, LONG, kill_the_other_nodes_worker,
-                                               finish_timeout=120)
+    streams, _ = await streams_through_a_fault(
+        _Clients(job), PROMPTS, LONG, kill_the_other_nodes_worker, finish_timeout=120
+    )
     assert_exact_streams(streams, reference)
     victim = struck["victim"]
     async with coordinator_client(job) as cluster:
+
         def back(stats) -> bool:
             healthy = [w for w in stats.workers if w.healthy]
-            return len(healthy) == 2 and any(w.dp_rank == victim.dp_rank and w.worker_id != victim.worker_id
-                                             and node_of(w.worker_id) == node_of(victim.worker_id) for w in healthy)
+            return len(healthy) == 2 and any(
+                w.dp_rank == victim.dp_rank
+                and w.worker_id != victim.worker_id
+                and node_of(w.worker_id) == node_of(victim.worker_id)
+                for w in healthy
+            )
 
         await wait_for_stats(cluster, back, 30 - (time.monotonic() - struck["at"]), "the killed worker's restart")
         again = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)
@@ -489,7 +580,10 @@ def test_scancel_stops_every_process_of_the_job(job, sandbox):
 
 # ---- tensor parallelism: one DP rank whose two processes run on two nodes (after the job above ended) -----
 
-def test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarted_whole(sandbox, tmp_path_factory, tiny_model_dir):
+
+def test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarted_whole(
+    sandbox, tmp_path_factory, tiny_model_dir
+):
     """--tp-size 2 on 2 nodes x 1 task: one DP rank, TP rank 0 on one node, TP rank 1 on the other, joined
     over the sandbox's network (gloo); its greedy output equals one process on the same tiny Llama; scancel
     leaves no process of the job."""
@@ -500,9 +594,14 @@ def test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarte
     options = [*JOB_OPTIONS[:cut], "--model", str(model), "--tp-size", "2", *JOB_OPTIONS[cut:], "--tp-timeout", "20"]
     prompts = [[5, 6, 7, 8], list(range(20, 60)), [300, 301, 302]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = [c.token_ids for c in LLM(model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000,
-                                      num_threads=1).generate(prompts, params, use_tqdm=False)]
+    want = [
+        c.token_ids
+        for c in LLM(
+            model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000, num_threads=1
+        ).generate(prompts, params, use_tqdm=False)
+    ]
     with running_job(sandbox, tmp_path_factory.mktemp("tp-job"), options) as tp_job:
+
         async def serve() -> tuple[object, list[list[int]]]:
             async with coordinator_client(tp_job) as cluster:
                 done = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, params) for p in prompts)), 120)
@@ -510,25 +609,34 @@ def test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarte
 
         stats, got = asyncio.run(serve())
         assert got == want
-        assert len(stats.workers) == 1 and stats.workers[0].healthy         # T processes, one DP rank
+        assert len(stats.workers) == 1 and stats.workers[0].healthy  # T processes, one DP rank
         leader_node = node_of(stats.workers[0].worker_id)
         follower = re.search(r"TP rank 1 ready on (\S+):", tp_job.text())
         assert follower is not None, tp_job.text()[-3000:]
-        assert {leader_node, follower.group(1)} == set(tp_job.nodes)       # one process on each node
+        assert {leader_node, follower.group(1)} == set(tp_job.nodes)  # one process on each node
         marker = f"SLURM_JOB_ID={tp_job.id}\0".encode()
 
         # kill -9 of the member on the other node: the idle leader notices, every member restarts, the group
         # meets again and serves the same tokens
         pids = [int(line.split(":")[0]) for line in processes_mentioning(marker)]
-        follower_pid = next(pid for pid in pids if _argv(pid)[1:3] == ["-m", "infer.worker.daemon"]
-                            and "--tp-rank" in _argv(pid) and _argv(pid)[_argv(pid).index("--tp-rank") + 1] == "1")
+        follower_pid = next(
+            pid
+            for pid in pids
+            if _argv(pid)[1:3] == ["-m", "infer.worker.daemon"]
+            and "--tp-rank" in _argv(pid)
+            and _argv(pid)[_argv(pid).index("--tp-rank") + 1] == "1"
+        )
         os.kill(follower_pid, signal.SIGKILL)
         killed_at = time.monotonic()
 
         async def regrouped() -> list[list[int]]:
             async with coordinator_client(tp_job) as cluster:
-                await wait_for_stats(cluster, lambda st: any(w.healthy and w.worker_id != stats.workers[0].worker_id
-                                                             for w in st.workers), 90, "the TP group's restart")
+                await wait_for_stats(
+                    cluster,
+                    lambda st: any(w.healthy and w.worker_id != stats.workers[0].worker_id for w in st.workers),
+                    90,
+                    "the TP group's restart",
+                )
                 done = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, params) for p in prompts)), 120)
                 return [c.token_ids for c in done]
 
@@ -542,8 +650,10 @@ def test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarte
 
 # ---- pipeline parallelism: one DP rank whose two stages run on two nodes ----------------------------------
 
-def test_one_pp2_worker_spans_two_nodes_equals_one_process_and_is_restarted_whole(sandbox, tmp_path_factory,
-                                                                                  tiny_model_dir):
+
+def test_one_pp2_worker_spans_two_nodes_equals_one_process_and_is_restarted_whole(
+    sandbox, tmp_path_factory, tiny_model_dir
+):
     """--pp-size 2 on 2 nodes x 1 task: one DP rank, stage 0 (the embedding and layer 0) on one node, stage 1
     (layer 1, the norm and the tied LM head) on the other, hidden states and logits over the sandbox's network
     (gloo); its greedy output equals one process; kill -9 of stage 1 while idle restarts the whole rank, which
@@ -555,9 +665,14 @@ def test_one_pp2_worker_spans_two_nodes_equals_one_process_and_is_restarted_whol
     options = [*JOB_OPTIONS[:cut], "--model", str(model), "--pp-size", "2", *JOB_OPTIONS[cut:], "--pp-timeout", "20"]
     prompts = [[5, 6, 7, 8], list(range(20, 60)), [300, 301, 302]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = [c.token_ids for c in LLM(model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000,
-                                      num_threads=1).generate(prompts, params, use_tqdm=False)]
+    want = [
+        c.token_ids
+        for c in LLM(
+            model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000, num_threads=1
+        ).generate(prompts, params, use_tqdm=False)
+    ]
     with running_job(sandbox, tmp_path_factory.mktemp("pp-job"), options) as pp_job:
+
         async def serve() -> tuple[object, list[list[int]]]:
             async with coordinator_client(pp_job) as cluster:
                 done = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, params) for p in prompts)), 120)
@@ -565,20 +680,29 @@ def test_one_pp2_worker_spans_two_nodes_equals_one_process_and_is_restarted_whol
 
         stats, got = asyncio.run(serve())
         assert got == want
-        assert len(stats.workers) == 1 and stats.workers[0].healthy         # 2 stages, one DP rank
+        assert len(stats.workers) == 1 and stats.workers[0].healthy  # 2 stages, one DP rank
         stage1 = re.search(r"PP stage 1 ready on (\S+):", pp_job.text())
         assert stage1 is not None, pp_job.text()[-3000:]
-        assert {node_of(stats.workers[0].worker_id), stage1.group(1)} == set(pp_job.nodes)   # a stage per node
+        assert {node_of(stats.workers[0].worker_id), stage1.group(1)} == set(pp_job.nodes)  # a stage per node
         marker = f"SLURM_JOB_ID={pp_job.id}\0".encode()
         pids = [int(line.split(":")[0]) for line in processes_mentioning(marker)]
-        stage1_pid = next(pid for pid in pids if _argv(pid)[1:3] == ["-m", "infer.worker.daemon"]
-                          and "--pp-rank" in _argv(pid) and _argv(pid)[_argv(pid).index("--pp-rank") + 1] == "1")
+        stage1_pid = next(
+            pid
+            for pid in pids
+            if _argv(pid)[1:3] == ["-m", "infer.worker.daemon"]
+            and "--pp-rank" in _argv(pid)
+            and _argv(pid)[_argv(pid).index("--pp-rank") + 1] == "1"
+        )
         os.kill(stage1_pid, signal.SIGKILL)
 
         async def regrouped() -> list[list[int]]:
             async with coordinator_client(pp_job) as cluster:
-                await wait_for_stats(cluster, lambda st: any(w.healthy and w.worker_id != stats.workers[0].worker_id
-                                                             for w in st.workers), 90, "the pipeline's restart")
+                await wait_for_stats(
+                    cluster,
+                    lambda st: any(w.healthy and w.worker_id != stats.workers[0].worker_id for w in st.workers),
+                    90,
+                    "the pipeline's restart",
+                )
                 done = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, params) for p in prompts)), 120)
                 return [c.token_ids for c in done]
 
@@ -591,6 +715,7 @@ def test_one_pp2_worker_spans_two_nodes_equals_one_process_and_is_restarted_whol
 
 # ---- TP 2 x PP 2: one DP rank of four tasks, a stage (a TP group of two) on each node --------------------------
 
+
 def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions(sandbox, tmp_path_factory, tiny_model_dir):
     """--tp-size 2 --pp-size 2 on 2 nodes x 2 tasks: one DP rank of four processes, stage 0's TP group (the
     embedding and layer 0) on one node, stage 1's (layer 1, the norm and the tied LM head) on the other, hidden
@@ -598,34 +723,65 @@ def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions(sandbox, tm
     equal one process's."""
     model = tiny_model_dir("llama")
     cut = JOB_OPTIONS.index("--")
-    options = [*JOB_OPTIONS[:cut], "--model", str(model), "--tp-size", "2", "--pp-size", "2", "--workers-per-node", "2",
-               *JOB_OPTIONS[cut:], "--tp-timeout", "20", "--pp-timeout", "20"]
+    options = [
+        *JOB_OPTIONS[:cut],
+        "--model",
+        str(model),
+        "--tp-size",
+        "2",
+        "--pp-size",
+        "2",
+        "--workers-per-node",
+        "2",
+        *JOB_OPTIONS[cut:],
+        "--tp-timeout",
+        "20",
+        "--pp-timeout",
+        "20",
+    ]
     questions = ["What is 2 + 2?", "Name a color.", "Say hello."]
     llm = LLM(model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000, num_threads=1)
     tokenizer = llm.engine.tokenizer
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=False) for q in questions]
-    want = [c.text for c in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                                         use_tqdm=False)]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
+    want = [
+        c.text
+        for c in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    ]
     with running_job(sandbox, tmp_path_factory.mktemp("tp-pp-job"), options, ("--ntasks-per-node=2",)) as job:
+
         async def serve() -> tuple[object, list[str]]:
             async with coordinator_client(job) as cluster:
                 stats = await cluster.stats()
             client = openai_client(job)
             name = (await client.models.list()).data[0].id
-            answers = await asyncio.wait_for(asyncio.gather(*(client.chat.completions.create(
-                model=name, messages=[{"role": "user", "content": q}], max_tokens=10, temperature=0,
-                extra_body={"ignore_eos": True}) for q in questions)), 120)
+            answers = await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        client.chat.completions.create(
+                            model=name,
+                            messages=[{"role": "user", "content": q}],
+                            max_tokens=10,
+                            temperature=0,
+                            extra_body={"ignore_eos": True},
+                        )
+                        for q in questions
+                    )
+                ),
+                120,
+            )
             return stats, [a.choices[0].message.content for a in answers]
 
         stats, got = asyncio.run(serve())
         assert got == want
-        assert len(stats.workers) == 1 and stats.workers[0].healthy          # four processes, one DP rank
+        assert len(stats.workers) == 1 and stats.workers[0].healthy  # four processes, one DP rank
         text = job.text()
         ready = dict(re.findall(r"(PP stage \d TP rank \d) ready on (\S+):", text))
         assert set(ready) == {"PP stage 0 TP rank 1", "PP stage 1 TP rank 0", "PP stage 1 TP rank 1"}, text[-3000:]
         stage0 = node_of(stats.workers[0].worker_id)
-        assert ready["PP stage 0 TP rank 1"] == stage0                        # a stage's TP group on one node
+        assert ready["PP stage 0 TP rank 1"] == stage0  # a stage's TP group on one node
         assert ready["PP stage 1 TP rank 0"] == ready["PP stage 1 TP rank 1"] != stage0
         marker = f"SLURM_JOB_ID={job.id}\0".encode()
         sandbox.slurm("scancel", job.id)

@@ -17,8 +17,12 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_loop.py"
 
 @pytest.mark.parametrize("flags", [[], ["--coordinator"]], ids=["direct", "coordinator"])
 def test_the_rl_loop_learns_and_serves_each_new_version(tiny_model_dir, flags) -> None:
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--model", str(tiny_model_dir("llama")), "--steps", "8",
-                           *flags], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--model", str(tiny_model_dir("llama")), "--steps", "8", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     rewards = summary["rewards"]
@@ -26,4 +30,4 @@ def test_the_rl_loop_learns_and_serves_each_new_version(tiny_model_dir, flags) -
     assert summary["versions"] == list(range(1, 9))
     assert summary["served_equals_trained"] is True
     if flags:
-        assert summary["bytes_released_while_training"] > 8 << 20    # the KV pool at least, while training
+        assert summary["bytes_released_while_training"] > 8 << 20  # the KV pool at least, while training

@@ -7,8 +7,7 @@ import pytest
 
 from infer.kernels import cpu_kernels
 
-ZEN3 = ("flags : fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave avx f16c abm bmi1 avx2 bmi2 "
-        "sha_ni")
+ZEN3 = "flags : fpu sse sse2 ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave avx f16c abm bmi1 avx2 bmi2 sha_ni"
 ZEN5 = ZEN3 + " avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni"
 OLD = "flags : fpu sse sse2 ssse3 cx16 sse4_1 sse4_2 popcnt"
 BARE = "flags : fpu sse sse2"
@@ -20,8 +19,11 @@ def x86(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("x86")
-@pytest.mark.parametrize("flags, levels", [(ZEN5, ("avx512", "avx2", "generic")), (ZEN3, ("avx2", "generic")),
-                                           (OLD, ("generic",)), (BARE, ("generic",))], ids=["zen5", "zen3", "v2", "v1"])
+@pytest.mark.parametrize(
+    "flags, levels",
+    [(ZEN5, ("avx512", "avx2", "generic")), (ZEN3, ("avx2", "generic")), (OLD, ("generic",)), (BARE, ("generic",))],
+    ids=["zen5", "zen3", "v2", "v1"],
+)
 def test_the_levels_a_cpu_runs_follow_its_flags(flags: str, levels: tuple[str, ...]) -> None:
     assert cpu_kernels.supported_isas(flags) == levels
 
@@ -39,7 +41,7 @@ def test_the_default_is_the_best_level_and_a_forced_one_must_be_runnable(monkeyp
     with pytest.raises(ValueError, match="cannot run the avx512 build"):
         cpu_kernels.library("avx512")
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: BARE)
-    assert cpu_kernels._march("generic") == "-march=x86-64"   # older than x86-64-v2
+    assert cpu_kernels._march("generic") == "-march=x86-64"  # older than x86-64-v2
 
 
 def test_each_level_is_its_own_build_and_marches_as_named(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,4 +55,5 @@ def test_each_level_is_its_own_build_and_marches_as_named(tmp_path, monkeypatch:
     assert len(set(paths.values())) == len(here) and all(f"infer_cpu-{isa}-" in p.name for isa, p in paths.items())
     if cpu_kernels._is_x86():
         assert [cpu_kernels._march(isa) for isa in here if isa != "generic"] == [
-            {"avx512": "-march=native", "avx2": "-march=x86-64-v3"}[isa] for isa in here if isa != "generic"]
+            {"avx512": "-march=native", "avx2": "-march=x86-64-v3"}[isa] for isa in here if isa != "generic"
+        ]

@@ -11,23 +11,30 @@ from paged_cases import make_batch, random_pool, random_tables, reference_attent
 
 from infer.kernels import cpu_kernels
 from infer.kernels.cpu_kernels import (
-    decode_kernel_fits, paged_decode_attention_native, paged_prefill_attention_native, prefill_kernel_fits
+    decode_kernel_fits,
+    paged_decode_attention_native,
+    paged_prefill_attention_native,
+    prefill_kernel_fits,
 )
 from infer.kernels.paged_attention import (
-    paged_decode_attention, paged_decode_attention_torch, paged_prefill_attention, paged_prefill_attention_torch
+    paged_decode_attention,
+    paged_decode_attention_torch,
+    paged_prefill_attention,
+    paged_prefill_attention_torch,
 )
 
-pytestmark = pytest.mark.usefixtures("isa")   # every test once per build this CPU runs (conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")  # every test once per build this CPU runs (conftest.py)
 
 NATIVE_DTYPES = [torch.float32, torch.bfloat16]
-CPU = torch.device("cpu")   # the native kernels' tensors, also on a CUDA machine
+CPU = torch.device("cpu")  # the native kernels' tensors, also on a CUDA machine
 
 
 def _native(batch, scale, out=None):
     out = poisoned(batch.q.shape, batch.q.dtype, CPU) if out is None else out
     assert decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
-    return paged_decode_attention_native(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
-                                         batch.seq_lens, scale, out)
+    return paged_decode_attention_native(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale, out
+    )
 
 
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
@@ -38,17 +45,26 @@ def test_decode_matches_float64(dtype, heads, head_dim, block_size):
     80) and off it (72), blocks smaller and larger than its 16-position chunks."""
     num_heads, num_kv_heads = heads
     seq_lens = [1, 15, 16, 17, 37, 130, 300]
-    batch = make_batch(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype,
-                       seed=hash((num_heads, head_dim, block_size)) % 2**31, device=CPU)
-    scale = head_dim ** -0.5
+    batch = make_batch(
+        seq_lens,
+        [1] * len(seq_lens),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        seed=hash((num_heads, head_dim, block_size)) % 2**31,
+        device=CPU,
+    )
+    scale = head_dim**-0.5
     assert_close(_native(batch, scale), reference_attention(batch, scale), dtype, "native decode vs float64")
 
 
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
 def test_dispatch_picks_native_and_agrees_with_the_twin(dtype):
     batch = make_batch([5, 64, 200], [1, 1, 1], 8, 2, 64, 16, dtype, seed=3, device=CPU)
-    qkv = torch.cat([batch.q.flatten(1), torch.zeros(3, 256, dtype=dtype)], dim=1)   # q as a view, as in a layer
-    q = qkv[:, :8 * 64].view(3, 8, 64)
+    qkv = torch.cat([batch.q.flatten(1), torch.zeros(3, 256, dtype=dtype)], dim=1)  # q as a view, as in a layer
+    q = qkv[:, : 8 * 64].view(3, 8, 64)
     native = paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
     twin = paged_decode_attention_torch(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
     assert_close(native, twin, dtype, "native vs twin")
@@ -58,8 +74,9 @@ def test_a_sequences_output_does_not_depend_on_its_batch():
     batch = make_batch([33, 70, 140, 9], [1] * 4, 6, 2, 64, 16, torch.bfloat16, seed=5, device=CPU)
     alone = torch.empty(1, 6, 64, dtype=torch.bfloat16)
     together = _native(batch, 0.125)
-    paged_decode_attention_native(batch.q[2:3], batch.k_cache, batch.v_cache, batch.block_tables[2:3],
-                                  batch.seq_lens[2:3], 0.125, alone)
+    paged_decode_attention_native(
+        batch.q[2:3], batch.k_cache, batch.v_cache, batch.block_tables[2:3], batch.seq_lens[2:3], 0.125, alone
+    )
     assert torch.equal(alone[0], together[2])
 
 
@@ -78,8 +95,15 @@ def test_reads_only_the_positions_of_each_sequence():
             k_cache[:, block, offset] = keep_k[:, block, offset]
             v_cache[:, block, offset] = keep_v[:, block, offset]
     q = torch.randn(2, 4, 64, generator=generator)
-    out = paged_decode_attention_native(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32),
-                                        0.125, poisoned(q.shape, torch.float32, CPU))
+    out = paged_decode_attention_native(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        0.125,
+        poisoned(q.shape, torch.float32, CPU),
+    )
     assert not torch.isnan(out).any()
 
 
@@ -87,14 +111,21 @@ def test_sequences_past_the_packing_budget_give_the_same_bits():
     """bf16 keys are packed once per call for the chunks that span several tasks, up to 32 MiB; a chunk past that
     budget packs its own tiles in each task. Two long contexts here need 47 MiB: the second goes past it."""
     batch = make_batch([6000, 6000], [100, 100], 16, 8, 128, 16, torch.bfloat16, seed=8, device=CPU)
-    together = _prefill(batch, 128 ** -0.5)
+    together = _prefill(batch, 128**-0.5)
     for b in range(2):
         alone = torch.empty(100, 16, 128, dtype=torch.bfloat16)
-        paged_prefill_attention_native(batch.q[100 * b:100 * (b + 1)], batch.k_cache, batch.v_cache,
-                                       batch.block_tables[b:b + 1], batch.seq_lens[b:b + 1],
-                                       torch.tensor([0, 100], dtype=torch.int32), 128 ** -0.5, alone)
-        assert torch.equal(alone, together[100 * b:100 * (b + 1)])
-    assert_close(together, reference_attention(batch, 128 ** -0.5), torch.bfloat16, "long contexts vs float64")
+        paged_prefill_attention_native(
+            batch.q[100 * b : 100 * (b + 1)],
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables[b : b + 1],
+            batch.seq_lens[b : b + 1],
+            torch.tensor([0, 100], dtype=torch.int32),
+            128**-0.5,
+            alone,
+        )
+        assert torch.equal(alone, together[100 * b : 100 * (b + 1)])
+    assert_close(together, reference_attention(batch, 128**-0.5), torch.bfloat16, "long contexts vs float64")
 
 
 @pytest.mark.parametrize("case", ["block past the pool", "negative block", "length past the table", "length 0"])
@@ -115,8 +146,9 @@ def test_bad_tables_are_refused_before_anything_is_read(case):
     assert torch.isnan(out).all()
 
 
-def _verification(heads: tuple[int, int], head_dim: int, dtype: torch.dtype, firsts: list[int], runs: list[int],
-                  seed: int):
+def _verification(
+    heads: tuple[int, int], head_dim: int, dtype: torch.dtype, firsts: list[int], runs: list[int], seed: int
+):
     """Rows of speculative verifications: run b is runs[b] rows of sequence b at consecutive positions, the first
     seeing firsts[b] positions; each row carries its sequence's table (as the engine's ForwardBatch does).
     (q, k_cache, v_cache, tables per row, lengths per row)."""
@@ -124,15 +156,18 @@ def _verification(heads: tuple[int, int], head_dim: int, dtype: torch.dtype, fir
     num_heads, num_kv_heads = heads
     k_cache, v_cache = random_pool(num_kv_heads, 40, 16, head_dim, dtype, generator, CPU)
     tables = random_tables([f + r - 1 for f, r in zip(firsts, runs)], 40, 16, generator, CPU)
-    row_tables = torch.cat([tables[b:b + 1].expand(r, -1) for b, r in enumerate(runs)]).contiguous()
+    row_tables = torch.cat([tables[b : b + 1].expand(r, -1) for b, r in enumerate(runs)]).contiguous()
     lens = torch.tensor([f + t for f, r in zip(firsts, runs) for t in range(r)], dtype=torch.int32)
     q = torch.randn(len(lens), num_heads, head_dim, generator=generator).to(dtype)
     return q, k_cache, v_cache, row_tables, lens
 
 
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
-@pytest.mark.parametrize("heads, head_dim", [((9, 3), 64), ((8, 1), 128), ((32, 2), 64), ((4, 4), 80)],
-                         ids=["3x64", "8x128", "16x64", "1x80"])
+@pytest.mark.parametrize(
+    "heads, head_dim",
+    [((9, 3), 64), ((8, 1), 128), ((32, 2), 64), ((4, 4), 80)],
+    ids=["3x64", "8x128", "16x64", "1x80"],
+)
 @pytest.mark.parametrize("window", [0, 7])
 def test_verification_runs_have_the_bits_of_their_rows_decoded_one_by_one(dtype, heads, head_dim, window):
     """A verification's k + 1 rows read their sequence's K and V once (in pieces of 16 / G tokens where the run
@@ -142,21 +177,36 @@ def test_verification_runs_have_the_bits_of_their_rows_decoded_one_by_one(dtype,
     q, k_cache, v_cache, tables, lens = _verification(heads, head_dim, dtype, firsts, runs, seed=21)
     rows = torch.empty(q.shape, dtype=dtype)
     paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.125, rows, window)
-    together = paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.125, poisoned(q.shape, dtype, CPU),
-                                             window, runs=torch.tensor(runs, dtype=torch.int32))
+    together = paged_decode_attention_native(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        lens,
+        0.125,
+        poisoned(q.shape, dtype, CPU),
+        window,
+        runs=torch.tensor(runs, dtype=torch.int32),
+    )
     assert torch.equal(together, rows)
 
 
-@pytest.mark.parametrize("case", ["runs past the rows", "runs short of the rows", "lengths not one apart",
-                                  "an empty run"])
+@pytest.mark.parametrize(
+    "case", ["runs past the rows", "runs short of the rows", "lengths not one apart", "an empty run"]
+)
 def test_bad_runs_are_refused_before_anything_is_written(case):
     q, k_cache, v_cache, tables, lens = _verification((4, 2), 64, torch.float32, [10, 30], [3, 4], seed=3)
-    runs = {"runs past the rows": [3, 5], "runs short of the rows": [3, 3], "an empty run": [3, 0, 4],
-            "lengths not one apart": [4, 3]}[case]
+    runs = {
+        "runs past the rows": [3, 5],
+        "runs short of the rows": [3, 3],
+        "an empty run": [3, 0, 4],
+        "lengths not one apart": [4, 3],
+    }[case]
     out = poisoned(q.shape, torch.float32, CPU)
     with pytest.raises(ValueError, match="runs that do not add up"):
-        paged_decode_attention_native(q, k_cache, v_cache, tables, lens, 0.125, out,
-                                      runs=torch.tensor(runs, dtype=torch.int32))
+        paged_decode_attention_native(
+            q, k_cache, v_cache, tables, lens, 0.125, out, runs=torch.tensor(runs, dtype=torch.int32)
+        )
     assert torch.isnan(out).all()
 
 
@@ -165,17 +215,19 @@ def test_what_it_does_not_take_goes_to_the_twin():
     assert not decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
     got = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
     assert_close(got, reference_attention(batch, 0.125), torch.float16, "fp16 through the twin")
-    wide = make_batch([10], [1], 34, 2, 64, 16, torch.float32, seed=2, device=CPU)   # a group of 17: past MAX_GROUP
+    wide = make_batch([10], [1], 34, 2, 64, 16, torch.float32, seed=2, device=CPU)  # a group of 17: past MAX_GROUP
     assert not decode_kernel_fits(wide.q, wide.k_cache, wide.block_tables, wide.seq_lens)
 
 
 # ---- prefill / mixed steps ----------------------------------------------------------------------------------
 
+
 def _prefill(batch, scale, out=None):
     out = poisoned(batch.q.shape, batch.q.dtype, CPU) if out is None else out
     assert prefill_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
-    return paged_prefill_attention_native(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
-                                          batch.seq_lens, batch.query_start_loc, scale, out)
+    return paged_prefill_attention_native(
+        batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale, out
+    )
 
 
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
@@ -187,16 +239,25 @@ def test_prefill_matches_float64(dtype, heads, head_dim, block_size):
     num_heads, num_kv_heads = heads
     seq_lens = [40, 1, 23, 50, 77, 9, 300, 16, 96]
     query_lens = [1, 1, 23, 17, 70, 9, 130, 16, 40]
-    batch = make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                       seed=hash((num_heads, head_dim, block_size)) % 2**31, device=CPU)
-    scale = head_dim ** -0.5
+    batch = make_batch(
+        seq_lens,
+        query_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        seed=hash((num_heads, head_dim, block_size)) % 2**31,
+        device=CPU,
+    )
+    scale = head_dim**-0.5
     assert_close(_prefill(batch, scale), reference_attention(batch, scale), dtype, "native prefill vs float64")
 
 
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
 def test_prefill_dispatch_picks_native_agrees_with_the_twin_and_leaves_padding_rows(dtype):
     batch = make_batch([33, 12, 1, 200], [33, 5, 1, 64], 6, 2, 64, 16, dtype, seed=4, device=CPU)
-    q = torch.cat([batch.q, torch.randn(3, 6, 64).to(dtype)])   # three padding tokens after the last sequence
+    q = torch.cat([batch.q, torch.randn(3, 6, 64).to(dtype)])  # three padding tokens after the last sequence
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)
     assert prefill_kernel_fits(q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
     native = paged_prefill_attention(*args, out=poisoned(q.shape, dtype, CPU))
@@ -209,14 +270,25 @@ def test_a_chunks_output_does_not_depend_on_its_batch():
     batch = make_batch([33, 150, 140, 9], [33, 70, 1, 9], 6, 2, 64, 16, torch.bfloat16, seed=6, device=CPU)
     together = _prefill(batch, 0.125)
     alone = torch.empty(70, 6, 64, dtype=torch.bfloat16)
-    paged_prefill_attention_native(batch.q[33:103], batch.k_cache, batch.v_cache, batch.block_tables[1:2],
-                                   batch.seq_lens[1:2], torch.tensor([0, 70], dtype=torch.int32), 0.125, alone)
+    paged_prefill_attention_native(
+        batch.q[33:103],
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables[1:2],
+        batch.seq_lens[1:2],
+        torch.tensor([0, 70], dtype=torch.int32),
+        0.125,
+        alone,
+    )
     assert torch.equal(alone, together[33:103])
 
 
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
-@pytest.mark.parametrize("heads, head_dim", [((9, 3), 64), ((8, 1), 128), ((32, 2), 64), ((6, 2), 80)],
-                         ids=["3x64", "8x128", "16x64", "3x80"])
+@pytest.mark.parametrize(
+    "heads, head_dim",
+    [((9, 3), 64), ((8, 1), 128), ((32, 2), 64), ((6, 2), 80)],
+    ids=["3x64", "8x128", "16x64", "3x80"],
+)
 def test_a_prefill_row_has_the_bits_of_the_decode_of_its_position(dtype, heads, head_dim):
     """A stream resumed elsewhere is its prompt and delivered tokens prefilled, then decoded: each prefill row
     must equal the decode of the same position bit for bit, or the resumed stream drifts from the one it
@@ -230,11 +302,17 @@ def test_a_prefill_row_has_the_bits_of_the_decode_of_its_position(dtype, heads, 
     prefilled = _prefill(batch, 0.125)
     row = 0
     for b, (length, chunk) in enumerate(zip(seq_lens, query_lens)):
-        for t in range(chunk):   # token t of the chunk sees length - chunk + t + 1 positions
+        for t in range(chunk):  # token t of the chunk sees length - chunk + t + 1 positions
             one = torch.empty(1, num_heads, head_dim, dtype=dtype)
-            paged_decode_attention_native(batch.q[row:row + 1], batch.k_cache, batch.v_cache,
-                                          batch.block_tables[b:b + 1],
-                                          torch.tensor([length - chunk + t + 1], dtype=torch.int32), 0.125, one)
+            paged_decode_attention_native(
+                batch.q[row : row + 1],
+                batch.k_cache,
+                batch.v_cache,
+                batch.block_tables[b : b + 1],
+                torch.tensor([length - chunk + t + 1], dtype=torch.int32),
+                0.125,
+                one,
+            )
             assert torch.equal(one[0], prefilled[row]), f"sequence {b}, token {t}"
             row += 1
 
@@ -247,13 +325,20 @@ def test_rows_from_decode_from_have_the_decode_s_bits_and_the_others_the_prefill
     when it was first computed. Boundaries before, inside and after each chunk."""
     num_heads, num_kv_heads = heads
     seq_lens, query_lens = [90, 70, 33, 40], [60, 70, 33, 40]
-    decode_from = torch.tensor([50, 71, 0, 20], dtype=torch.int32)    # inside, past the end, all, at the start
-    batch = make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, seed=13,
-                       device=CPU)
+    decode_from = torch.tensor([50, 71, 0, 20], dtype=torch.int32)  # inside, past the end, all, at the start
+    batch = make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, seed=13, device=CPU)
     plain = _prefill(batch, 0.125)
-    mixed = paged_prefill_attention_native(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
-                                           batch.seq_lens, batch.query_start_loc, 0.125,
-                                           poisoned(batch.q.shape, torch.bfloat16, CPU), decode_from)
+    mixed = paged_prefill_attention_native(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        0.125,
+        poisoned(batch.q.shape, torch.bfloat16, CPU),
+        decode_from,
+    )
     row = 0
     for b, (length, chunk) in enumerate(zip(seq_lens, query_lens)):
         for t in range(chunk):
@@ -262,18 +347,34 @@ def test_rows_from_decode_from_have_the_decode_s_bits_and_the_others_the_prefill
                 assert torch.equal(mixed[row], plain[row]), f"sequence {b}, token {t}"
             else:
                 one = torch.empty(1, num_heads, head_dim, dtype=torch.bfloat16)
-                paged_decode_attention_native(batch.q[row:row + 1], batch.k_cache, batch.v_cache,
-                                              batch.block_tables[b:b + 1],
-                                              torch.tensor([position + 1], dtype=torch.int32), 0.125, one)
+                paged_decode_attention_native(
+                    batch.q[row : row + 1],
+                    batch.k_cache,
+                    batch.v_cache,
+                    batch.block_tables[b : b + 1],
+                    torch.tensor([position + 1], dtype=torch.int32),
+                    0.125,
+                    one,
+                )
                 assert torch.equal(mixed[row], one[0]), f"sequence {b}, token {t}"
             row += 1
     with pytest.raises(ValueError, match="decode_from must be"):
-        paged_prefill_attention_native(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                                       batch.query_start_loc, 0.125, torch.empty_like(batch.q), decode_from[:2])
+        paged_prefill_attention_native(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            0.125,
+            torch.empty_like(batch.q),
+            decode_from[:2],
+        )
 
 
-@pytest.mark.parametrize("case", ["block past the pool", "chunk longer than its context", "offsets decrease",
-                                  "offsets past the tokens"])
+@pytest.mark.parametrize(
+    "case", ["block past the pool", "chunk longer than its context", "offsets decrease", "offsets past the tokens"]
+)
 def test_bad_prefill_batches_are_refused_before_anything_is_read(case):
     batch = make_batch([20, 40], [20, 8], 4, 2, 64, 16, torch.float32, seed=10, device=CPU)
     tables, lens, starts = batch.block_tables.clone(), batch.seq_lens.clone(), batch.query_start_loc.clone()
@@ -292,16 +393,18 @@ def test_bad_prefill_batches_are_refused_before_anything_is_read(case):
 
 
 def test_prefill_shapes_it_does_not_take_go_to_the_twin():
-    odd = make_batch([10, 30], [10, 4], 4, 2, 72, 16, torch.float32, seed=12, device=CPU)   # head_dim 72: not 16k
+    odd = make_batch([10, 30], [10, 4], 4, 2, 72, 16, torch.float32, seed=12, device=CPU)  # head_dim 72: not 16k
     assert not prefill_kernel_fits(odd.q, odd.k_cache, odd.block_tables, odd.seq_lens, odd.query_start_loc)
-    got = paged_prefill_attention(odd.q, odd.k_cache, odd.v_cache, odd.block_tables, odd.seq_lens,
-                                  odd.query_start_loc, 0.125)
+    got = paged_prefill_attention(
+        odd.q, odd.k_cache, odd.v_cache, odd.block_tables, odd.seq_lens, odd.query_start_loc, 0.125
+    )
     assert_close(got, reference_attention(odd, 0.125), torch.float32, "head_dim 72 through the twin")
     half = make_batch([10], [10], 4, 2, 64, 16, torch.float16, seed=13, device=CPU)
     assert not prefill_kernel_fits(half.q, half.k_cache, half.block_tables, half.seq_lens, half.query_start_loc)
 
 
 # ---- rotary and KV append: the twins' bits --------------------------------------------------------------
+
 
 def _cos_sin(max_positions: int, head_dim: int = 64) -> torch.Tensor:
     from infer.kernels.rotary import build_cos_sin_cache
@@ -316,8 +419,11 @@ def _qkv(tokens: int, dtype: torch.dtype, heads=(6, 2), head_dim=64, seed=0):
     num_heads, num_kv_heads = heads
     qkv = (torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator) * 3).to(dtype)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
-    return (q.view(tokens, num_heads, head_dim), k.view(tokens, num_kv_heads, head_dim),
-            v.view(tokens, num_kv_heads, head_dim))
+    return (
+        q.view(tokens, num_heads, head_dim),
+        k.view(tokens, num_kv_heads, head_dim),
+        v.view(tokens, num_kv_heads, head_dim),
+    )
 
 
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
@@ -374,10 +480,11 @@ def test_bad_slots_and_positions_are_refused_with_nothing_written(case):
         assert torch.equal(q, before)
 
 
-def test_the_library_is_built_again_over_a_damaged_cache_file_and_not_at_all_without_a_compiler(tmp_path, isa,
-                                                                                                 monkeypatch):
+def test_the_library_is_built_again_over_a_damaged_cache_file_and_not_at_all_without_a_compiler(
+    tmp_path, isa, monkeypatch
+):
     monkeypatch.setenv("INFER_COMPILE_CACHE", str(tmp_path))
-    path = cpu_kernels._library_path(cpu_kernels._compiler(), isa)   # $CC where set (the GPU image sets it)
+    path = cpu_kernels._library_path(cpu_kernels._compiler(), isa)  # $CC where set (the GPU image sets it)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")
     assert cpu_kernels._load(isa) is not None and path.stat().st_size > 1000
@@ -388,18 +495,19 @@ def test_the_library_is_built_again_over_a_damaged_cache_file_and_not_at_all_wit
 
 # ---- the greedy step's row max -----------------------------------------------------------------------------
 
+
 def test_row_max_is_torch_max_over_the_last_dim_ties_nans_and_infinities_included():
     from infer.kernels.cpu_kernels import row_max, row_max_fits
 
     generator = torch.Generator().manual_seed(21)
     wide = torch.randn(12, 49152 + 40, generator=generator)
-    x = wide[:, 3:49155]                        # rows of a wider buffer: row stride != V
-    x[0, 100], x[0, 50] = float("nan"), float("nan")           # a NaN wins, the first one
-    x[1] = float("-inf")                                        # nothing above -inf: index 0
-    x[2, 7] = x[2, 9000] = x[2].max() + 1                       # a tie: the first index
-    x[3, -1] = float("inf")                                     # the last element
-    x[4] = 1.0                                                  # all equal
-    x[5, 63], x[5, 64] = 50.0, 50.0                             # a tie across the 64-element blocks
+    x = wide[:, 3:49155]  # rows of a wider buffer: row stride != V
+    x[0, 100], x[0, 50] = float("nan"), float("nan")  # a NaN wins, the first one
+    x[1] = float("-inf")  # nothing above -inf: index 0
+    x[2, 7] = x[2, 9000] = x[2].max() + 1  # a tie: the first index
+    x[3, -1] = float("inf")  # the last element
+    x[4] = 1.0  # all equal
+    x[5, 63], x[5, 64] = 50.0, 50.0  # a tie across the 64-element blocks
     assert row_max_fits(x)
     top, index = row_max(x)
     want_top, want_index = x.max(dim=-1)

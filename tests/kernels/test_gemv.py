@@ -14,11 +14,17 @@ import torch.nn.functional as F
 
 from infer.kernels import cpu_kernels
 from infer.kernels.cpu_kernels import (
-    GEMV_BF16_FP32_CORE, GEMV_BF16_PAIRS, GEMV_F32X, gemv, gemv_bf16w_f32x, gemv_paths, gemv_takes
+    GEMV_BF16_FP32_CORE,
+    GEMV_BF16_PAIRS,
+    GEMV_F32X,
+    gemv,
+    gemv_bf16w_f32x,
+    gemv_paths,
+    gemv_takes,
 )
 from infer.worker.models.layers import ColumnLinear, RowLinear
 
-pytestmark = pytest.mark.usefixtures("isa")   # every test once per build this CPU runs (conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")  # every test once per build this CPU runs (conftest.py)
 
 
 @pytest.fixture
@@ -35,8 +41,11 @@ def test_each_build_has_the_gemv_it_should(isa: str) -> None:
     """avx512: bf16 pairs where the CPU has AVX512-BF16, else the fp32 core; avx2: the fp32 core; generic: none,
     and then no weight is taken (the layers keep oneDNN)."""
     flags = cpu_kernels._cpu_flags().split()
-    want = {"avx512": (GEMV_BF16_PAIRS if "avx512_bf16" in flags else GEMV_BF16_FP32_CORE) | GEMV_F32X,
-            "avx2": GEMV_BF16_FP32_CORE | GEMV_F32X, "generic": 0}[isa]
+    want = {
+        "avx512": (GEMV_BF16_PAIRS if "avx512_bf16" in flags else GEMV_BF16_FP32_CORE) | GEMV_F32X,
+        "avx2": GEMV_BF16_FP32_CORE | GEMV_F32X,
+        "generic": 0,
+    }[isa]
     assert gemv_paths() == want
     _, w = operands(16, 64, seed=0)
     assert gemv_takes(w) == (want != 0)
@@ -45,12 +54,13 @@ def test_each_build_has_the_gemv_it_should(isa: str) -> None:
 def operands(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, k, generator=g).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=g).div_(k ** 0.5).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).div_(k**0.5).to(torch.bfloat16)
     return x, w
 
 
-@pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (576, 1536), (1, 576), (7, 33), (9, 31), (13, 100),
-                                 (1000, 1), (4099, 64)])
+@pytest.mark.parametrize(
+    "n,k", [(960, 576), (3072, 576), (576, 1536), (1, 576), (7, 33), (9, 31), (13, 100), (1000, 1), (4099, 64)]
+)
 def test_gemv_matches_float64_and_oneDNN(n: int, k: int, native_gemv: int) -> None:
     x, w = operands(n, k, seed=n * 7 + k)
     x_before, w_before = x.clone(), w.clone()
@@ -59,11 +69,11 @@ def test_gemv_matches_float64_and_oneDNN(n: int, k: int, native_gemv: int) -> No
     assert torch.equal(x, x_before) and torch.equal(w, w_before)
     exact = x.double() @ w.double().t()
     # one rounding to bf16 (2^-9 relative) plus fp32 sums over k products
-    bound = exact.abs() * 2.0 ** -8 + (x.double().abs() @ w.double().abs().t()) * k * 2.0 ** -23
+    bound = exact.abs() * 2.0**-8 + (x.double().abs() @ w.double().abs().t()) * k * 2.0**-23
     assert ((got.double() - exact).abs() <= bound).all()
     ours, theirs = got.view(torch.int16).int(), F.linear(x, w).view(torch.int16).int()
     apart = (ours - theirs).abs()
-    assert apart.max() <= 1 and (apart > 0).float().mean() < 0.05   # the sums' order differs from oneDNN's
+    assert apart.max() <= 1 and (apart > 0).float().mean() < 0.05  # the sums' order differs from oneDNN's
 
 
 def test_gemv_threads_split_the_rows_without_gaps_or_overlap(native_gemv: int) -> None:
@@ -90,7 +100,7 @@ def test_each_of_several_rows_gets_what_it_gets_alone(rows: int, native_gemv: in
     got = gemv(x, w)
     assert got.shape == (rows, 1000)
     for m in range(rows):
-        assert torch.equal(got[m], gemv(x[m:m + 1].contiguous(), w)[0]), m
+        assert torch.equal(got[m], gemv(x[m : m + 1].contiguous(), w)[0]), m
 
 
 @pytest.mark.parametrize("rows", [9, 16, 17, 40])
@@ -102,7 +112,7 @@ def test_more_than_eight_rows_each_get_what_they_get_alone(rows: int, native_gem
     got = gemv(x, w)
     assert got.shape == (rows, 960)
     for m in range(rows):
-        assert torch.equal(got[m], gemv(x[m:m + 1].contiguous(), w)[0]), m
+        assert torch.equal(got[m], gemv(x[m : m + 1].contiguous(), w)[0]), m
 
 
 @pytest.mark.parametrize("rows", [9, 10, 11, 96, 97, 200])
@@ -115,16 +125,16 @@ def test_a_prefill_s_rows_on_the_fp32_core_have_the_bits_of_a_gemv(rows: int, n:
         pytest.skip("AVX512-BF16 builds multiply more than 8 bf16 rows with oneDNN")
     g = torch.Generator().manual_seed(rows * 31 + n)
     wide = torch.randn(rows, k + 9, generator=g).to(torch.bfloat16)
-    x = wide[:, 5:5 + k]
-    w = torch.randn(n, k, generator=g).div_(k ** 0.5).to(torch.bfloat16)
+    x = wide[:, 5 : 5 + k]
+    w = torch.randn(n, k, generator=g).div_(k**0.5).to(torch.bfloat16)
     got, got32 = gemv(x, w), gemv_bf16w_f32x(x.float(), w)
     assert got.shape == got32.shape == (rows, n)
     exact = x.double() @ w.double().t()
-    assert ((got32.double() - exact).abs() <= (x.double().abs() @ w.double().abs().t()) * (k + 2) * 2.0 ** -24).all()
+    assert ((got32.double() - exact).abs() <= (x.double().abs() @ w.double().abs().t()) * (k + 2) * 2.0**-24).all()
     assert torch.equal(got, got32.to(torch.bfloat16))
     for m in sorted({0, 1, 2, 3, rows // 2, rows - 2, rows - 1}):
-        assert torch.equal(got[m], gemv(x[m:m + 1].contiguous(), w)[0]), m
-        assert torch.equal(got32[m], gemv_bf16w_f32x(x[m:m + 1].float(), w)[0]), m
+        assert torch.equal(got[m], gemv(x[m : m + 1].contiguous(), w)[0]), m
+        assert torch.equal(got32[m], gemv_bf16w_f32x(x[m : m + 1].float(), w)[0]), m
 
 
 @pytest.mark.parametrize("onednn_packs_bf16", [True, False], ids=["packed", "no-onednn-bf16"])
@@ -144,22 +154,23 @@ def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gem
     assert layer.gemv_ready
     one = layer(x)
     assert rows_seen == [1]
-    assert torch.equal(one, gemv(x, w).add_(layer.bias))                # the bias after the product
+    assert torch.equal(one, gemv(x, w).add_(layer.bias))  # the bias after the product
     eight = layer(x.expand(8, 64).contiguous())
     assert rows_seen == [1, 8] and torch.equal(eight[7], one[0])
-    nine = layer(x.expand(9, 64).contiguous())                           # nine rows: oneDNN where it packs
-    layer(torch.cat([x, x], dim=1)[:, ::2])                              # a column stride of 2: not the GEMV
-    takes_nine = layer.packed is None and bool(native_gemv & GEMV_BF16_FP32_CORE)   # (ONEDNN_MAX_CPU_ISA=AVX2 too)
+    nine = layer(x.expand(9, 64).contiguous())  # nine rows: oneDNN where it packs
+    layer(torch.cat([x, x], dim=1)[:, ::2])  # a column stride of 2: not the GEMV
+    takes_nine = layer.packed is None and bool(native_gemv & GEMV_BF16_FP32_CORE)  # (ONEDNN_MAX_CPU_ISA=AVX2 too)
     assert rows_seen == ([1, 8, 9] if takes_nine else [1, 8])
     if takes_nine:
         assert torch.equal(nine[8], one[0])
     fp32 = RowLinear(64, 48, bias=False, dtype=torch.float32)
     fp32.weight.data.copy_(w.float())
     fp32.pack_weights()
-    assert not fp32.gemv_ready and not gemv_takes(w.t())                 # fp32, and a transposed weight
+    assert not fp32.gemv_ready and not gemv_takes(w.t())  # fp32, and a transposed weight
 
 
 # ---- bf16 weights, fp32 activations (the fp32 core) ---------------------------------------------------------
+
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 33), (9, 31), (1000, 1), (4099, 64)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -168,15 +179,15 @@ def test_bf16_weights_fp32_rows_match_float64_and_each_row_alone(n: int, k: int,
     the bits it gets alone."""
     g = torch.Generator().manual_seed(n + k + rows)
     wide = torch.randn(rows, k + 5, generator=g)
-    x = wide[:, 2:k + 2]                                            # rows of a wider buffer: row stride > K
-    w = torch.randn(n, k, generator=g).div_(k ** 0.5).to(torch.bfloat16)
+    x = wide[:, 2 : k + 2]  # rows of a wider buffer: row stride > K
+    w = torch.randn(n, k, generator=g).div_(k**0.5).to(torch.bfloat16)
     got = gemv_bf16w_f32x(x, w)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     exact = x.double() @ w.double().t()
-    bound = (x.double().abs() @ w.double().abs().t()) * (k + 2) * 2.0 ** -24
+    bound = (x.double().abs() @ w.double().abs().t()) * (k + 2) * 2.0**-24
     assert ((got.double() - exact).abs() <= bound).all()
     for m in range(rows):
-        assert torch.equal(got[m], gemv_bf16w_f32x(x[m:m + 1].contiguous(), w)[0]), m
+        assert torch.equal(got[m], gemv_bf16w_f32x(x[m : m + 1].contiguous(), w)[0]), m
 
 
 def test_on_the_fp32_core_the_bf16_gemv_is_the_fp32_one_rounded(native_gemv: int) -> None:
@@ -195,6 +206,6 @@ def test_on_the_fp32_core_the_bf16_gemv_is_the_fp32_one_rounded(native_gemv: int
 def test_fp32_rows_are_checked(native_gemv: int) -> None:
     x, w = operands(16, 64, seed=2)
     with pytest.raises(ValueError, match="takes fp32 rows"):
-        gemv_bf16w_f32x(x, w)                                           # bf16 rows
+        gemv_bf16w_f32x(x, w)  # bf16 rows
     with pytest.raises(ValueError, match="takes at least one row"):
         gemv_bf16w_f32x(x.float()[:0], w)

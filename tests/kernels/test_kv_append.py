@@ -21,12 +21,11 @@ def _cos_sin_cache(max_positions: int, head_dim: int, theta: float = 10000.0) ->
 
 def _rotate64(x: torch.Tensor, positions: torch.Tensor, head_dim: int, is_neox: bool) -> torch.Tensor:
     """The definition in float64: pairs (i, i + D/2) for neox, (2i, 2i + 1) for GPT-J, angle pos * theta_i."""
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
-                                 / head_dim)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
     angle = positions.double()[:, None, None] * inv_freq  # [T, 1, D/2]
     x = x.double()
     if is_neox:
-        a, b = x[..., : head_dim // 2], x[..., head_dim // 2:]
+        a, b = x[..., : head_dim // 2], x[..., head_dim // 2 :]
     else:
         a, b = x[..., 0::2], x[..., 1::2]
     ra, rb = a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()
@@ -55,8 +54,11 @@ def test_append_writes_exactly_the_named_slots(impl, dtype, rope, shape):
     k_before = k.clone()
     kwargs = {}
     if rope is not None:
-        kwargs = {"positions": positions.to(DEVICE), "is_neox": rope == "neox",
-                  "cos_sin_cache": _cos_sin_cache(4096, head_dim).to(DEVICE)}
+        kwargs = {
+            "positions": positions.to(DEVICE),
+            "is_neox": rope == "neox",
+            "cos_sin_cache": _cos_sin_cache(4096, head_dim).to(DEVICE),
+        }
     impl(k, v, k_cache, v_cache, slots.to(DEVICE), **kwargs)
 
     assert torch.equal(k, k_before), "the input K must not be modified"
@@ -68,8 +70,9 @@ def test_append_writes_exactly_the_named_slots(impl, dtype, rope, shape):
     assert torch.equal(v_flat[:, target].transpose(0, 1), v[written.to(DEVICE)]), "V is stored bit-exactly"
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[written]] = False
-    assert torch.isnan(k_flat[:, untouched.to(DEVICE)]).all() and torch.isnan(v_flat[:, untouched.to(DEVICE)]).all(), \
+    assert torch.isnan(k_flat[:, untouched.to(DEVICE)]).all() and torch.isnan(v_flat[:, untouched.to(DEVICE)]).all(), (
         "a slot outside the mapping (or a padding token's) was written"
+    )
 
 
 @pytest.mark.parametrize("impl", list(IMPLS.values()), ids=list(IMPLS))
@@ -86,8 +89,6 @@ def test_append_at_a_slot_past_32_bit_offsets(impl):
     impl(k, v, k_cache, v_cache, torch.tensor([last, 5], device=DEVICE))
     assert torch.equal(k_cache[0, -1, -1], k[0, 0]) and torch.equal(v_cache[0, -1, -1], v[0, 0])
     assert torch.equal(k_cache[0, 0, 5], k[1, 0])
-
-
 
 
 def test_append_rejects_mismatched_shapes():

@@ -33,12 +33,13 @@ def reference(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: 
     return out
 
 
-def inputs(n: int, h: int, inter: int, num_experts: int, routing: str, dtype: torch.dtype,
-           seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(
+    n: int, h: int, inter: int, num_experts: int, routing: str, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     x = torch.randn(n, h, generator=g, device=DEVICE).to(dtype)
-    w13 = (torch.randn(num_experts, 2 * inter, h, generator=g, device=DEVICE) * h ** -0.5).to(dtype)
-    w2 = (torch.randn(num_experts, h, inter, generator=g, device=DEVICE) * inter ** -0.5).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, h, generator=g, device=DEVICE) * h**-0.5).to(dtype)
+    w2 = (torch.randn(num_experts, h, inter, generator=g, device=DEVICE) * inter**-0.5).to(dtype)
     if routing == "random":
         ids = torch.randint(0, num_experts, (n,), generator=g, device=DEVICE)
     elif routing == "one-expert":  # every row to the last expert, the others idle
@@ -50,11 +51,11 @@ def inputs(n: int, h: int, inter: int, num_experts: int, routing: str, dtype: to
 
 # (N rows, H, I, E experts, routing); the Triton tiles are 16 rows and 64 x 32 weight blocks
 CASES = [
-    (37, 64, 32, 8, "random"),       # some experts with 0 rows at this N, tiles padded
-    (5, 100, 48, 6, "sparse"),       # H not a power of two (4 K blocks, last partial), I < BLOCK_N
-    (40, 64, 96, 4, "one-expert"),   # one expert takes all rows: 3 tiles of it
-    (1, 32, 16, 4, "random"),        # a decode row
-    (0, 64, 32, 4, "random"),        # nothing to do
+    (37, 64, 32, 8, "random"),  # some experts with 0 rows at this N, tiles padded
+    (5, 100, 48, 6, "sparse"),  # H not a power of two (4 K blocks, last partial), I < BLOCK_N
+    (40, 64, 96, 4, "one-expert"),  # one expert takes all rows: 3 tiles of it
+    (1, 32, 16, 4, "random"),  # a decode row
+    (0, 64, 32, 4, "random"),  # nothing to do
 ]
 
 
@@ -117,8 +118,8 @@ def test_tiles_hold_each_expert_rows_in_order():
     num_real_tiles = 4
     assert tile_experts[:num_real_tiles].tolist() == [0, 2, 2, 3]
     assert (tile_experts[num_real_tiles:] == -1).all()
-    assert slot_rows[:2 * num_real_tiles].tolist() == [1, 4, 0, 2, 3, 6, 5, -1]
-    assert (slot_rows[2 * num_real_tiles:] == -1).all()
+    assert slot_rows[: 2 * num_real_tiles].tolist() == [1, 4, 0, 2, 3, 6, 5, -1]
+    assert (slot_rows[2 * num_real_tiles :] == -1).all()
 
 
 def test_bad_shapes_are_rejected():

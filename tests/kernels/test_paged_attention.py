@@ -46,11 +46,26 @@ def test_decode_matches_reference(impl, dtype, heads, head_dim):
     generator = torch.Generator().manual_seed(_seed("decode", dtype, heads, head_dim))
     # mixed lengths: a 1-token context, block-aligned and ragged ones, one spanning many blocks
     seq_lens = [1, 16, 37, 130] + torch.randint(2, 100, (2,), generator=generator).tolist()
-    batch = make_batch(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size=16,
-                       dtype=dtype, seed=_seed("decode-batch", dtype, heads, head_dim))
-    scale = head_dim ** -0.5
-    out = impl(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale,
-               out=poisoned(batch.q.shape, dtype))
+    batch = make_batch(
+        seq_lens,
+        [1] * len(seq_lens),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size=16,
+        dtype=dtype,
+        seed=_seed("decode-batch", dtype, heads, head_dim),
+    )
+    scale = head_dim**-0.5
+    out = impl(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        scale,
+        out=poisoned(batch.q.shape, dtype),
+    )
     assert_close(out, reference_attention(batch, scale), dtype, "decode vs float64")
 
 
@@ -62,8 +77,7 @@ def test_decode_plan_tiles_cover_each_sequence_once_and_is_reusable(monkeypatch)
 
     monkeypatch.setattr(module, "_TILE_BYTES", 4 * 2 * 2 * 64 * 4 * 16)  # about four 16-token sequences
     seq_lens = [130, 1, 16, 37, 33, 35, 129, 16, 16, 2]
-    batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, 64, block_size=16, dtype=torch.float32,
-                       seed=_seed("plan"))
+    batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, 64, block_size=16, dtype=torch.float32, seed=_seed("plan"))
     plan = plan_decode(batch.block_tables, batch.seq_lens, batch.k_cache)
     rows = [range(len(seq_lens))[t.rows] if isinstance(t.rows, slice) else t.rows.tolist() for t in plan.tiles]
     covered = sorted(r for tile_rows in rows for r in tile_rows)
@@ -77,8 +91,9 @@ def test_decode_plan_tiles_cover_each_sequence_once_and_is_reusable(monkeypatch)
     assert_close(planned, reference_attention(batch, 0.125), torch.float32, "planned decode vs float64")
     assert torch.equal(planned, paged_decode_attention_torch(*args))
     with pytest.raises(ValueError, match="decode plan is for 10 sequences"):
-        paged_decode_attention_torch(batch.q[:3], *args[1:3], batch.block_tables[:3], batch.seq_lens[:3], 0.125,
-                                     plan=plan)
+        paged_decode_attention_torch(
+            batch.q[:3], *args[1:3], batch.block_tables[:3], batch.seq_lens[:3], 0.125, plan=plan
+        )
 
 
 @requires_triton
@@ -103,30 +118,47 @@ def test_fixed_split_tokens_give_the_same_bits_in_any_batch(dtype):
     it or on the table width: alone, in a batch, and in a wider table padded as a step graph pads it, the
     bits are equal. Lengths straddle split boundaries (255, 256, 257, 600 at 256 tokens a split)."""
     seq_lens = [600, 5, 257, 256, 255, 64]
-    batch = make_batch(seq_lens, [1] * len(seq_lens), 8, 2, 64, block_size=16, dtype=dtype,
-                       seed=_seed("fixed-splits", dtype))
+    batch = make_batch(
+        seq_lens, [1] * len(seq_lens), 8, 2, 64, block_size=16, dtype=dtype, seed=_seed("fixed-splits", dtype)
+    )
     split_tokens = decode_split_tokens(700)
     assert split_tokens == 256
 
     def run(rows: list[int], extra_columns: int) -> torch.Tensor:
         tables = batch.block_tables[rows]
         tables = torch.cat((tables, tables.new_zeros(len(rows), extra_columns)), dim=1)
-        return paged_decode_attention_triton(batch.q[rows], batch.k_cache, batch.v_cache, tables,
-                                             batch.seq_lens[rows], 0.125, out=poisoned((len(rows), 8, 64), dtype),
-                                             split_tokens=split_tokens)
+        return paged_decode_attention_triton(
+            batch.q[rows],
+            batch.k_cache,
+            batch.v_cache,
+            tables,
+            batch.seq_lens[rows],
+            0.125,
+            out=poisoned((len(rows), 8, 64), dtype),
+            split_tokens=split_tokens,
+        )
 
     whole = run(list(range(len(seq_lens))), 0)
     assert_close(whole, reference_attention(batch, 0.125), dtype, "fixed splits vs float64")
     for row in range(len(seq_lens)):
-        for extra in (0, 7, 40):   # 40 more blocks: 2.5x more splits in the grid, all empty for this row
+        for extra in (0, 7, 40):  # 40 more blocks: 2.5x more splits in the grid, all empty for this row
             assert torch.equal(run([row], extra)[0], whole[row]), (row, extra)
     assert torch.equal(run([2, 0, 2], 13)[1], whole[0])
     with pytest.raises(ValueError, match="split_tokens must be a positive multiple of 64"):
         paged_decode_attention_triton(
-            batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125, split_tokens=100)
+            batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125, split_tokens=100
+        )
     with pytest.raises(ValueError, match="not both"):
-        paged_decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                                      0.125, num_splits=2, split_tokens=256)
+        paged_decode_attention_triton(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            0.125,
+            num_splits=2,
+            split_tokens=256,
+        )
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
@@ -139,8 +171,16 @@ def test_compiled_formulation_matches_reference(compiled):
         attend = torch.compile(paged_decode_attention_compiled, dynamic=False, fullgraph=True)
     for num_heads, num_kv_heads in ((8, 2), (5, 1)):
         seq_lens = [1, 16, 37, 130, 64]
-        batch = make_batch(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, 64, block_size=16,
-                           dtype=torch.float32, seed=_seed("compiled-formulation", num_heads))
+        batch = make_batch(
+            seq_lens,
+            [1] * len(seq_lens),
+            num_heads,
+            num_kv_heads,
+            64,
+            block_size=16,
+            dtype=torch.float32,
+            seed=_seed("compiled-formulation", num_heads),
+        )
         q, k_cache, v_cache = batch.q.cpu(), batch.k_cache.cpu(), batch.v_cache.cpu()
         tables = torch.cat((batch.block_tables, batch.block_tables[:, :1].expand(-1, 3)), dim=1).cpu()
         out = attend(q, k_cache, v_cache, tables, batch.seq_lens.cpu(), 0.125)
@@ -149,8 +189,7 @@ def test_compiled_formulation_matches_reference(compiled):
 
 def test_decode_split_tokens_per_engine():
     """At least 256 tokens a split, at most 64 splits of the longest context, a power of two."""
-    assert [decode_split_tokens(n) for n in (1, 2048, 16384, 16385, 32768, 131072)] == [256, 256, 256, 512,
-                                                                                          512, 2048]
+    assert [decode_split_tokens(n) for n in (1, 2048, 16384, 16385, 32768, 131072)] == [256, 256, 256, 512, 512, 2048]
     with pytest.raises(ValueError, match="max_context must be >= 1"):
         decode_split_tokens(0)
 
@@ -165,11 +204,28 @@ def test_mixed_batch_matches_reference(impl, dtype, heads, head_dim):
     num_heads, num_kv_heads = heads
     seq_lens = [40, 1, 23, 50, 77, 9]
     query_lens = [1, 1, 23, 17, 70, 9]
-    batch = make_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size=8, dtype=dtype,
-                       seed=_seed("mixed", dtype, heads, head_dim))
-    scale = head_dim ** -0.5
-    out = impl(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-               scale, out=poisoned(batch.q.shape, dtype), max_query_len=max(query_lens))
+    batch = make_batch(
+        seq_lens,
+        query_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size=8,
+        dtype=dtype,
+        seed=_seed("mixed", dtype, heads, head_dim),
+    )
+    scale = head_dim**-0.5
+    out = impl(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        scale,
+        out=poisoned(batch.q.shape, dtype),
+        max_query_len=max(query_lens),
+    )
     assert_close(out, reference_attention(batch, scale), dtype, "mixed vs float64")
 
 
@@ -197,8 +253,9 @@ def test_decode_block_ids_beyond_32_bit_offsets(impl):
     k_cache = torch.empty(1, num_blocks, block_size, head_dim, dtype=dtype, device=DEVICE)
     v_cache = torch.empty_like(k_cache)
     generator = torch.Generator().manual_seed(7)
-    tables = torch.tensor([[num_blocks - 1, 3, num_blocks - 3], [num_blocks - 2, 0, 0]], dtype=torch.int32,
-                          device=DEVICE)
+    tables = torch.tensor(
+        [[num_blocks - 1, 3, num_blocks - 3], [num_blocks - 2, 0, 0]], dtype=torch.int32, device=DEVICE
+    )
     for block in (num_blocks - 1, 3, num_blocks - 3, num_blocks - 2):
         k_cache[0, block] = torch.randn(block_size, head_dim, generator=generator).to(dtype)
         v_cache[0, block] = torch.randn(block_size, head_dim, generator=generator).to(dtype)

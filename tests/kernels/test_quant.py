@@ -23,15 +23,29 @@ import pytest
 import torch
 
 from infer.kernels import cpu_kernels
-from infer.kernels.quant import (BLOCK, QuantWeight, bind, block_products, pack_q4, quant_matmul,
-                                 quant_matmul_reference, quant_matmul_takes, quantize, quantize_activations,
-                                 unpack_q4)
+from infer.kernels.quant import (
+    BLOCK,
+    QuantWeight,
+    bind,
+    block_products,
+    pack_q4,
+    quant_matmul,
+    quant_matmul_reference,
+    quant_matmul_takes,
+    quantize,
+    quantize_activations,
+    unpack_q4,
+)
 
 SOURCE = Path(cpu_kernels.__file__).resolve().parent / "cpu" / "quant.c"
-BUILD_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")   # cpu_kernels.FLAGS
+BUILD_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")  # cpu_kernels.FLAGS
 # -march of each build, and the CPU flags it needs to run here
-ISAS = {"native": ("native", ()), "x86-64-v3": ("x86-64-v3", ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")),
-        "x86-64-v2": ("x86-64-v2", ("ssse3", "sse4_1", "sse4_2", "popcnt")), "x86-64": ("x86-64", ())}
+ISAS = {
+    "native": ("native", ()),
+    "x86-64-v3": ("x86-64-v3", ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")),
+    "x86-64-v2": ("x86-64-v2", ("ssse3", "sse4_1", "sse4_2", "popcnt")),
+    "x86-64": ("x86-64", ()),
+}
 FORMATS = ("q4", "q8", "q8-affine")
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -50,8 +64,12 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]:
         if not set(needs) <= _cpu_flags():
             continue
         target = out / f"quant-{name}.so"
-        subprocess.run([compiler, *BUILD_FLAGS, f"-march={march}", "-o", str(target), str(SOURCE), "-lm"], check=True,
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [compiler, *BUILD_FLAGS, f"-march={march}", "-o", str(target), str(SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         libs[name] = bind(ctypes.CDLL(str(target)))
     return libs
 
@@ -68,7 +86,7 @@ def make_weight(fmt: str, n: int, k: int, seed: int) -> QuantWeight:
     fp16 scales and mins."""
     g = torch.Generator().manual_seed(seed)
     if fmt != "q8-affine":
-        return quantize(torch.randn(n, k, generator=g) / k ** 0.5, fmt)
+        return quantize(torch.randn(n, k, generator=g) / k**0.5, fmt)
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     scales = (torch.rand(n, k // BLOCK, generator=g) * 0.02).to(torch.float16)
     mins = (torch.randn(n, k // BLOCK, generator=g) * 0.1).to(torch.float16)
@@ -95,9 +113,9 @@ def dequantize64(weight: QuantWeight) -> torch.Tensor:
 def twin_tolerance(x: torch.Tensor, weight: QuantWeight, total: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
     """How far the kernel may be from the twin's float64 total: an fp32 sum's rounding over the block terms (and the
     min terms, the lanes and the horizontal sum), and for bf16 one rounding of each side."""
-    tol = (weight.shape[1] // BLOCK + 8) * 2.0 ** -23 * magnitude
+    tol = (weight.shape[1] // BLOCK + 8) * 2.0**-23 * magnitude
     if x.dtype == torch.bfloat16:
-        tol = tol + 2.0 ** -7 * (total.abs() + tol)
+        tol = tol + 2.0**-7 * (total.abs() + tol)
     return tol
 
 
@@ -106,13 +124,26 @@ def assert_matches_twin(got: torch.Tensor, x: torch.Tensor, weight: QuantWeight)
     assert got.shape == total.shape and got.dtype == x.dtype
     assert ((got.double() - total).abs() <= twin_tolerance(x, weight, total, magnitude)).all()
     twin = quant_matmul_reference(x, weight)
-    assert twin.dtype == x.dtype and ((twin.double() - total).abs() <= twin_tolerance(x, weight, total, magnitude)).all()
+    assert (
+        twin.dtype == x.dtype and ((twin.double() - total).abs() <= twin_tolerance(x, weight, total, magnitude)).all()
+    )
 
 
 # (M, N, K): K = 32 (one block), 96 / 160 / 544 (3, 5, 17 blocks: tails after groups of 2, 4 and 16), 576 and 1536
 # (SmolLM2's widths: 18 and 48 blocks); N = 1, odd and prime; M = 1-9 and 17 (tiles of 8 and a tail)
-SHAPES = [(1, 1, 32), (1, 97, 576), (2, 13, 96), (3, 31, 160), (4, 64, 1536), (5, 7, 544), (6, 33, 576),
-          (7, 19, 64), (8, 130, 576), (9, 41, 1536), (17, 257, 160)]
+SHAPES = [
+    (1, 1, 32),
+    (1, 97, 576),
+    (2, 13, 96),
+    (3, 31, 160),
+    (4, 64, 1536),
+    (5, 7, 544),
+    (6, 33, 576),
+    (7, 19, 64),
+    (8, 130, 576),
+    (9, 41, 1536),
+    (17, 257, 160),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -139,11 +170,11 @@ def test_error_against_float64_is_the_activation_quantization(build: ctypes.CDLL
     w64 = dequantize64(weight)
     exact = x.double() @ w64.t()
     _, d, _ = quantize_activations(x)
-    step = d.double().repeat_interleave(BLOCK, dim=1) / 2 + x.double().abs() * 2.0 ** -22   # [M, K]
+    step = d.double().repeat_interleave(BLOCK, dim=1) / 2 + x.double().abs() * 2.0**-22  # [M, K]
     total, magnitude = block_products(x, weight)
     bound = step @ w64.abs().t() + twin_tolerance(x, weight, total, magnitude)
     if dtype == torch.bfloat16:
-        bound = bound + 2.0 ** -8 * got.abs()
+        bound = bound + 2.0**-8 * got.abs()
     assert ((got - exact).abs() <= bound).all()
     # and the int8 activations are a good approximation on the whole: relative RMS error under 2%
     assert (got - exact).norm() < 0.02 * exact.norm()
@@ -151,14 +182,15 @@ def test_error_against_float64_is_the_activation_quantization(build: ctypes.CDLL
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_count(build: ctypes.CDLL, fmt: str,
-                                                                          dtype: torch.dtype) -> None:
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_thread_count(
+    build: ctypes.CDLL, fmt: str, dtype: torch.dtype
+) -> None:
     weight, x = make_weight(fmt, 1003, 576, seed=5), make_x(17, 576, dtype, seed=6)
-    whole = quant_matmul(x, weight, lib=build)   # tiles of 8, 8, 1 over chunks of weight rows
+    whole = quant_matmul(x, weight, lib=build)  # tiles of 8, 8, 1 over chunks of weight rows
     assert torch.equal(quant_matmul(x[:8], weight, lib=build), whole[:8])
     assert torch.equal(quant_matmul(x[8:11], weight, lib=build), whole[8:11])
     for i in (0, 7, 8, 16):
-        assert torch.equal(quant_matmul(x[i:i + 1], weight, lib=build), whole[i:i + 1])
+        assert torch.equal(quant_matmul(x[i : i + 1], weight, lib=build), whole[i : i + 1])
     threads = torch.get_num_threads()
     try:
         for count in (1, 3):
@@ -182,7 +214,7 @@ def test_zero_blocks(build: ctypes.CDLL, fmt: str) -> None:
     x[:, 32:64] = 0
     x[1] = 0
     x[2] = 0
-    x[2, 128:160] = 1e-38 * torch.arange(-16, 16)   # amax / 127 < FLT_MIN: quantized to zeros
+    x[2, 128:160] = 1e-38 * torch.arange(-16, 16)  # amax / 127 < FLT_MIN: quantized to zeros
     got = quant_matmul(x, weight, lib=build)
     assert_matches_twin(got, x, weight)
     assert (got[:, 5] == 0).all() and (got[1] == 0).all() and (got[2] == 0).all()
@@ -196,14 +228,16 @@ def _exact_case(fmt: str, dtype: torch.dtype) -> tuple[torch.Tensor, QuantWeight
     g = torch.Generator().manual_seed(3)
     ends = torch.tensor([-128, 127] if fmt != "q4" else [0, 15])
     q = ends[torch.randint(0, 2, (n, k), generator=g)]
-    scales = torch.full((n, k // BLOCK), 2.0 ** -3).to(torch.float16)
+    scales = torch.full((n, k // BLOCK), 2.0**-3).to(torch.float16)
     if fmt == "q4":
         weight = QuantWeight("q4", pack_q4(q), scales, torch.full_like(scales, -1.0))
     else:
-        weight = QuantWeight("q8", q.to(torch.int8), scales, torch.full_like(scales, 0.5) if fmt == "q8-affine" else None)
+        weight = QuantWeight(
+            "q8", q.to(torch.int8), scales, torch.full_like(scales, 0.5) if fmt == "q8-affine" else None
+        )
     xq = torch.tensor([-127, 127])[torch.randint(0, 2, (3, k), generator=g)]
     xq[:, 1::5] = torch.randint(-127, 128, (3, len(range(1, k, 5))), generator=g)
-    return (xq * 2.0 ** -7).to(dtype), weight
+    return (xq * 2.0**-7).to(dtype), weight
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -225,13 +259,25 @@ def test_strided_rows_of_x_and_y(build: ctypes.CDLL, dtype: torch.dtype) -> None
     m, n, k = 9, 45, 576
     weight = make_weight("q4", n, k, seed=31)
     wide = make_x(m, k + 64, dtype, seed=32)
-    x = wide[:, 20:20 + k]
+    x = wide[:, 20 : 20 + k]
     assert x.stride(0) == k + 64
     got = quant_matmul(x, weight, lib=build)
     assert torch.equal(got, quant_matmul(x.contiguous(), weight, lib=build))
     y = torch.full((m, n + 3), 7.0, dtype=dtype)
-    status = build.quant_matmul(x.data_ptr(), x.stride(0), weight.qs.data_ptr(), weight.scales.data_ptr(),
-                                weight.mins.data_ptr(), 0, y.data_ptr(), n + 3, m, n, k, int(dtype == torch.bfloat16))
+    status = build.quant_matmul(
+        x.data_ptr(),
+        x.stride(0),
+        weight.qs.data_ptr(),
+        weight.scales.data_ptr(),
+        weight.mins.data_ptr(),
+        0,
+        y.data_ptr(),
+        n + 3,
+        m,
+        n,
+        k,
+        int(dtype == torch.bfloat16),
+    )
     assert status == 0 and torch.equal(y[:, :n], got) and (y[:, n:] == 7).all()
 
 
@@ -240,12 +286,22 @@ def test_bad_arguments_are_refused(build: ctypes.CDLL) -> None:
     y = torch.empty(2, 8)
 
     def call(x_ptr=x.data_ptr(), x_stride=64, mins=weight.mins.data_ptr(), fmt=0, m=2, n=8, k=64) -> int:
-        return build.quant_matmul(x_ptr, x_stride, weight.qs.data_ptr(), weight.scales.data_ptr(), mins, fmt,
-                                  y.data_ptr(), 8, m, n, k, 0)
+        return build.quant_matmul(
+            x_ptr, x_stride, weight.qs.data_ptr(), weight.scales.data_ptr(), mins, fmt, y.data_ptr(), 8, m, n, k, 0
+        )
 
     assert call() == 0
-    for bad in (dict(k=48), dict(k=0), dict(m=0), dict(m=-1), dict(n=-1), dict(x_ptr=None), dict(mins=None),
-                dict(fmt=2), dict(x_stride=32)):
+    for bad in (
+        dict(k=48),
+        dict(k=0),
+        dict(m=0),
+        dict(m=-1),
+        dict(n=-1),
+        dict(x_ptr=None),
+        dict(mins=None),
+        dict(fmt=2),
+        dict(x_stride=32),
+    ):
         assert call(**bad) == -1, bad
     assert call(n=0) == 0
     for bad_x in (x[0], x[:, :32], x.half(), x.t().contiguous().t(), x[:0], x[:1].expand(3, 64)):
@@ -266,8 +322,9 @@ def test_the_packages_library_by_default() -> None:
     assert not quant_matmul_takes(narrowed) and quant_matmul_takes(copied)
 
 
-def test_the_default_path_follows_the_selected_build(builds: dict[str, ctypes.CDLL],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_path_follows_the_selected_build(
+    builds: dict[str, ctypes.CDLL], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """cpu_kernels._library() is the build of the selected ISA level (the kernel tests swap it): quant_matmul
     without `lib` calls whichever it gives now. The builds sum in different orders, so their bits tell them apart."""
     weight, x = make_weight("q4", 300, 1536, seed=61), make_x(2, 1536, torch.float32, seed=62)

@@ -28,7 +28,7 @@ from infer.kernels.quant_triton import (
     quant_matmul_triton,
 )
 
-UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 FORMATS = ["q4", "q8", "q8-affine"]
 requires_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="real shapes and bf16 need a CUDA GPU")
 # The tiny kernel cases: fp32 and fp16 in the interpreter; on a GPU bf16 only (each dtype is another dozen
@@ -40,15 +40,16 @@ def random_weight(fmt: str, n: int, k: int, seed: int, device: torch.device = DE
     """Random storage covering every code (q4 0..15, q8 -128..127), scales ~ 1/sqrt(K) scaled, mins around 0."""
     g = torch.Generator().manual_seed(seed)
     blocks = k // BLOCK
-    scales = ((torch.rand(n, blocks, generator=g) + 0.5) * (4 / k ** 0.5)).to(torch.float16)
+    scales = ((torch.rand(n, blocks, generator=g) + 0.5) * (4 / k**0.5)).to(torch.float16)
     if fmt == "q4":
         qs = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
         mins = (-8 * scales.float() * (1 + 0.2 * torch.randn(n, blocks, generator=g))).to(torch.float16)
     else:
         qs = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         scales = (scales.float() / 16).to(torch.float16)
-        mins = (scales.float() * torch.randn(n, blocks, generator=g) * 4).to(torch.float16) \
-            if fmt == "q8-affine" else None
+        mins = (
+            (scales.float() * torch.randn(n, blocks, generator=g) * 4).to(torch.float16) if fmt == "q8-affine" else None
+        )
     return QuantWeight(fmt[:2], qs.to(device), scales.to(device), None if mins is None else mins.to(device))
 
 
@@ -69,18 +70,19 @@ def decoded64(weight: QuantWeight, absolute: bool = False) -> torch.Tensor:
     return values.abs() + mins.abs() if absolute else values + mins
 
 
-def assert_within_bound(got: torch.Tensor, twin: torch.Tensor, x: torch.Tensor, weight: QuantWeight,
-                        what: str) -> None:
+def assert_within_bound(got: torch.Tensor, twin: torch.Tensor, x: torch.Tensor, weight: QuantWeight, what: str) -> None:
     """The module docstring's bound, elementwise; NaN anywhere fails."""
     assert got.shape == twin.shape and got.dtype == twin.dtype, (got.shape, got.dtype, twin.shape, twin.dtype)
     assert not torch.isnan(got).any(), f"{what}: NaN in the output"
     u = UNIT_ROUNDOFF[x.dtype]
     magnitude = x.double().abs() @ decoded64(weight, absolute=True).t()
-    bound = (u + x.shape[1] * 2.0 ** -23) * magnitude + 2 * u * twin.double().abs()
+    bound = (u + x.shape[1] * 2.0**-23) * magnitude + 2 * u * twin.double().abs()
     excess = (got.double() - twin.double()).abs() - bound
     worst = int(excess.argmax())
-    assert excess.max() <= 0, (f"{what}: element {divmod(worst, got.shape[1])} is {got.flatten()[worst]} vs twin "
-                               f"{twin.flatten()[worst]}, bound {bound.flatten()[worst]:.3g}")
+    assert excess.max() <= 0, (
+        f"{what}: element {divmod(worst, got.shape[1])} is {got.flatten()[worst]} vs twin "
+        f"{twin.flatten()[worst]}, bound {bound.flatten()[worst]:.3g}"
+    )
 
 
 def operands(fmt: str, m: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, QuantWeight]:
@@ -101,14 +103,14 @@ def test_twin_is_the_float64_product_of_the_layout(fmt, dtype):
     assert twin.shape == (5, 40) and twin.dtype == dtype
     exact = x.double() @ decoded64(weight).t()
     u = UNIT_ROUNDOFF[dtype]
-    bound = 96 * 2.0 ** -23 * (x.double().abs() @ decoded64(weight).abs().t()) + u * exact.abs()
+    bound = 96 * 2.0**-23 * (x.double().abs() @ decoded64(weight).abs().t()) + u * exact.abs()
     assert ((twin.double() - exact).abs() <= bound).all()
 
 
 def test_twin_of_our_own_quantizer_is_close_to_the_dense_product():
     """quantize() then the twin: within the quantization error of the dense weight."""
     g = torch.Generator().manual_seed(7)
-    dense = torch.randn(48, 128, generator=g) / 128 ** 0.5
+    dense = torch.randn(48, 128, generator=g) / 128**0.5
     x = torch.randn(3, 128, generator=g)
     for fmt, relative in (("q8", 0.02), ("q4", 0.2)):
         got = quant_matmul_torch(x, quantize(dense, fmt))
@@ -120,8 +122,13 @@ def test_twin_of_our_own_quantizer_is_close_to_the_dense_product():
 # The kernels against the twin
 
 
-PLANS = {"auto": {}, "gemv": {"kernel": "gemv"}, "dot": {"kernel": "dot"}, "gemv-unsplit": {"kernel": "gemv",
-         "splits": 1}, "dot-unsplit": {"kernel": "dot", "splits": 1}}
+PLANS = {
+    "auto": {},
+    "gemv": {"kernel": "gemv"},
+    "dot": {"kernel": "dot"},
+    "gemv-unsplit": {"kernel": "gemv", "splits": 1},
+    "dot-unsplit": {"kernel": "dot", "splits": 1},
+}
 CASES = [(m, plan) for m in (1, 3, 17) for plan in PLANS if not (m > 16 and PLANS[plan].get("kernel") == "gemv")]
 
 
@@ -142,8 +149,12 @@ def test_plans_cover_both_kernels_split_and_unsplit():
     """Under the interpreter the tiny cases above reach every launch shape: gemv and dot (both row tiles), with
     and without splits (on a GPU the real shapes split)."""
     cpu = torch.device("cpu")
-    seen = {(p.kernel, p.block_m, p.splits > 1) for m, plan in CASES for k in (64, 96)
-            for p in [_plan(m, 40, k // BLOCK, cpu, **PLANS[plan])]}
+    seen = {
+        (p.kernel, p.block_m, p.splits > 1)
+        for m, plan in CASES
+        for k in (64, 96)
+        for p in [_plan(m, 40, k // BLOCK, cpu, **PLANS[plan])]
+    }
     for kernel, block_m in (("gemv", 1), ("gemv", 4), ("dot", 16), ("dot", 64)):
         assert (kernel, block_m, True) in seen and (kernel, block_m, False) in seen, (kernel, block_m, seen)
 
@@ -164,18 +175,20 @@ def test_strided_x_rows_and_columns(kernel):
 @pytest.mark.parametrize("kernel", ["gemv", "dot"])
 def test_weight_rows_past_32_bit_offsets(kernel):
     """Weight rows 2^30 bytes apart (untouched pages are never mapped): row 3 of qs starts past 2^31."""
-    n, k, row = 4, 64, 2 ** 30
+    n, k, row = 4, 64, 2**30
     dense = random_weight("q4", n, k, seed=5)
     qs = torch.empty(row * (n - 1) + k // 2, dtype=torch.uint8, device=DEVICE).as_strided((n, k // 2), (row, 1))
     qs.copy_(dense.qs)
     weight = QuantWeight("q4", qs, dense.scales, dense.mins)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    assert_within_bound(quant_matmul_triton(x, weight, kernel=kernel), quant_matmul_torch(x, dense), x, dense,
-                        "far rows")
+    assert_within_bound(
+        quant_matmul_triton(x, weight, kernel=kernel), quant_matmul_torch(x, dense), x, dense, "far rows"
+    )
 
 
-@pytest.mark.parametrize("impl", [quant_matmul_torch, pytest.param(quant_matmul_triton, marks=requires_triton),
-                                  quant_matmul_gpu])
+@pytest.mark.parametrize(
+    "impl", [quant_matmul_torch, pytest.param(quant_matmul_triton, marks=requires_triton), quant_matmul_gpu]
+)
 def test_no_rows_give_an_empty_result(impl):
     x, weight = operands("q4", 0, 40, 64, torch.float32)
     out = impl(x, weight)
@@ -218,7 +231,7 @@ def test_dispatch_runs_the_twin_off_cuda_and_the_gemv_for_few_rows():
 # ---------------------------------------------------------------------------------------------------------
 # Real shapes, bf16, on a GPU
 
-SMOLLM2 = [(576, 576), (960, 576), (3072, 576), (576, 1536)]         # [N, K]: o, qkv, gate_up, down
+SMOLLM2 = [(576, 576), (960, 576), (3072, 576), (576, 1536)]  # [N, K]: o, qkv, gate_up, down
 LLAMA_1B = [(2048, 2048), (3072, 2048), (16384, 2048), (2048, 8192)]  # o, qkv, gate_up, down
 
 
@@ -252,4 +265,4 @@ def test_gemv_at_eight_rows_and_unsplit_on_cuda(fmt, splits):
     twin = quant_matmul_torch(x, weight)
     for kernel, rows in (("gemv", x), ("gemv", x[:1]), ("dot", x)):
         got = quant_matmul_triton(rows, weight, kernel=kernel, splits=splits)
-        assert_within_bound(got, twin[:rows.shape[0]], rows, weight, f"{fmt} {kernel} M={rows.shape[0]}")
+        assert_within_bound(got, twin[: rows.shape[0]], rows, weight, f"{fmt} {kernel} M={rows.shape[0]}")

@@ -21,16 +21,18 @@ TWIN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # the twin is the 
 EPS = 1e-5
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(normed output, new residual) in float64."""
     s = x.double() if residual is None else (x.double() + residual.double()).to(x.dtype).double()
     normed = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps)
     return weight.double() * normed, None if residual is None else s
 
 
-def inputs(n: int, h: int, dtype: torch.dtype, seed: int,
-           device: torch.device = DEVICE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(
+    n: int, h: int, dtype: torch.dtype, seed: int, device: torch.device = DEVICE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(n, h, generator=g, device=device).mul_(3).to(dtype)
     weight = (1 + 0.5 * torch.randn(h, generator=g, device=device)).to(dtype)
@@ -38,8 +40,9 @@ def inputs(n: int, h: int, dtype: torch.dtype, seed: int,
     return x, weight, residual
 
 
-def check(op, n: int, h: int, dtype: torch.dtype, with_residual: bool, seed: int,
-          device: torch.device = DEVICE) -> None:
+def check(
+    op, n: int, h: int, dtype: torch.dtype, with_residual: bool, seed: int, device: torch.device = DEVICE
+) -> None:
     x, weight, residual = inputs(n, h, dtype, seed, device)
     x_before = x.clone()
     expected, expected_residual = reference(x, weight, EPS, residual if with_residual else None)
@@ -72,8 +75,7 @@ def test_twin_matches_float64(n: int, h: int, with_residual: bool, dtype: torch.
 @requires_triton
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("n, h, with_residual", CASES)
-def test_triton_matches_float64_and_twin(n: int, h: int, with_residual: bool, dtype: torch.dtype,
-                                         seed: int) -> None:
+def test_triton_matches_float64_and_twin(n: int, h: int, with_residual: bool, dtype: torch.dtype, seed: int) -> None:
     check(rms_norm_triton, n, h, dtype, with_residual, seed)
     x, weight, residual = inputs(n, h, dtype, seed + 1)
     twin_residual = residual.clone()
@@ -83,7 +85,7 @@ def test_triton_matches_float64_and_twin(n: int, h: int, with_residual: bool, dt
     assert torch.equal(residual, twin_residual), "the residual sum is one rounding of x + residual in both"
 
 
-requires_native = pytest.mark.usefixtures("isa")   # once per build of the C kernels (conftest.py)
+requires_native = pytest.mark.usefixtures("isa")  # once per build of the C kernels (conftest.py)
 
 
 def fp32_bound(h: int) -> float:
@@ -91,28 +93,30 @@ def fp32_bound(h: int) -> float:
     order each build picks (vector lanes, partial sums) is within (h - 1) ulps of the exact sum (the textbook
     bound of any order of a sum of non-negative terms), halved by the square root; then the mean, eps, sqrt,
     reciprocal, s * inv and the weight product round once each."""
-    return ((h - 1) / 2 + 6) * 2.0 ** -24
+    return ((h - 1) / 2 + 6) * 2.0**-24
 
 
 @requires_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, h, with_residual", [(n, h, res) for n in (1, 64, 200) for h in (576, 100, 4096)
-                                                 for res in (False, True)])
-def test_native_matches_float64_and_the_twin(n: int, h: int, with_residual: bool, dtype: torch.dtype,
-                                             seed: int) -> None:
+@pytest.mark.parametrize(
+    "n, h, with_residual", [(n, h, res) for n in (1, 64, 200) for h in (576, 100, 4096) for res in (False, True)]
+)
+def test_native_matches_float64_and_the_twin(
+    n: int, h: int, with_residual: bool, dtype: torch.dtype, seed: int
+) -> None:
     """Within the dtype's tolerance of float64 (fp32: the bound the kernel's arithmetic gives, `fp32_bound`); the
     residual sum bit for bit the twin's (one rounding of x + residual), a bf16 output the twin's but for an
     occasional last bit (the squares summed in another order)."""
     x, weight, residual = (t.cpu() for t in inputs(n, h, dtype, seed))
-    check(rms_norm_native, n, h, dtype, with_residual, seed, torch.device("cpu"))   # also on a CUDA machine
+    check(rms_norm_native, n, h, dtype, with_residual, seed, torch.device("cpu"))  # also on a CUDA machine
     expected, _ = reference(x, weight, EPS, residual if with_residual else None)
     twin_residual = residual.clone()
     got = rms_norm_native(x, weight, EPS, residual if with_residual else None)
     twin = rms_norm_torch(x, weight, EPS, twin_residual if with_residual else None)
     assert torch.equal(residual, twin_residual)
-    if dtype == torch.bfloat16:   # in fp32 one ulp of 1 / rms moves every element of the row by an ulp
+    if dtype == torch.bfloat16:  # in fp32 one ulp of 1 / rms moves every element of the row by an ulp
         assert (got != twin).float().mean().item() < 1e-3
-        torch.testing.assert_close(got, twin, rtol=2 ** -6, atol=0)
+        torch.testing.assert_close(got, twin, rtol=2**-6, atol=0)
     else:
         assert ((got.double() - expected).abs() <= expected.abs() * fp32_bound(h)).all()
 
@@ -120,8 +124,9 @@ def test_native_matches_float64_and_the_twin(n: int, h: int, with_residual: bool
 @requires_native
 def test_cpu_dispatch_takes_the_native_kernel_for_bf16_and_an_fp32_prefills_rows(monkeypatch) -> None:
     calls = []
-    monkeypatch.setattr("infer.kernels.rmsnorm.rms_norm_native",
-                        lambda *a: calls.append(a[0].shape[0]) or rms_norm_native(*a))
+    monkeypatch.setattr(
+        "infer.kernels.rmsnorm.rms_norm_native", lambda *a: calls.append(a[0].shape[0]) or rms_norm_native(*a)
+    )
     for n in (1, RMS_NORM_MIN_ROWS - 1, RMS_NORM_MIN_ROWS, 300):
         x, weight, residual = (t.cpu() for t in inputs(n, 576, torch.float32, seed=n))
         rms_norm(x, weight, EPS, residual)
@@ -133,7 +138,7 @@ def test_cpu_dispatch_takes_the_native_kernel_for_bf16_and_an_fp32_prefills_rows
     assert calls == [1, RMS_NORM_MIN_ROWS - 1]
     calls.clear()
     x, weight, _ = (t.cpu() for t in inputs(80, 7 * 16, torch.float32, seed=7))
-    q = x[:, :4 * 16].view(80, 4, 16)[:, :3]          # heads that do not flatten into rows: the twin
+    q = x[:, : 4 * 16].view(80, 4, 16)[:, :3]  # heads that do not flatten into rows: the twin
     expected, _ = reference(q, weight[:16], EPS, None)
     assert_close(rms_norm(q, weight[:16].contiguous(), EPS), expected, torch.float32, "strided heads")
     assert calls == []
@@ -147,7 +152,7 @@ def test_strided_rows_and_in_place_output(op, dtype: torch.dtype, seed: int) -> 
     n, h = 37, 100
     x_wide, weight, residual_wide = inputs(n, h + 28, dtype, seed)
     weight = weight[:h].contiguous()
-    x, residual = x_wide[:, 14:14 + h], residual_wide[:, :h]
+    x, residual = x_wide[:, 14 : 14 + h], residual_wide[:, :h]
     expected, expected_residual = reference(x, weight, EPS, residual)
     untouched = residual_wide[:, h:].clone()
     got = op(x, weight, EPS, residual, out=x)
@@ -157,7 +162,7 @@ def test_strided_rows_and_in_place_output(op, dtype: torch.dtype, seed: int) -> 
     assert torch.equal(residual_wide[:, h:], untouched), "columns past the residual view were written"
 
     qkv, weight, _ = inputs(5, 7 * 16, dtype, seed + 1)
-    q = qkv[:, :4 * 16].view(5, 4, 16)  # token stride 112, head stride 16
+    q = qkv[:, : 4 * 16].view(5, 4, 16)  # token stride 112, head stride 16
     expected, _ = reference(q, weight[:16], EPS, None)
     assert_close(op(q, weight[:16].contiguous(), EPS), expected, dtype, "per-head norm of a strided view")
 

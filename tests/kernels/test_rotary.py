@@ -48,8 +48,9 @@ def heads_of(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
     return [t.view(qkv.shape[0], -1, head_dim) for t in qkv.split(sizes, dim=-1)]
 
 
-def fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-              seed: int) -> tuple[torch.Tensor, ...]:
+def fused_qkv(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, ...]:
     """qkv [T, (Hq + 2 Hk) D] of random values and its q, k, v views; v is NaN."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g, device=DEVICE)
@@ -67,8 +68,9 @@ def random_positions(num_tokens: int, seed: int) -> torch.Tensor:
     return positions
 
 
-def check(op, num_tokens: int, heads: tuple[int, int], head_dim: int, dtype: torch.dtype, is_neox: bool,
-          seed: int) -> None:
+def check(
+    op, num_tokens: int, heads: tuple[int, int], head_dim: int, dtype: torch.dtype, is_neox: bool, seed: int
+) -> None:
     _, q, k, v = fused_qkv(num_tokens, *heads, head_dim, dtype, seed)
     positions, cache = random_positions(num_tokens, seed), cache_for(head_dim, theta=[1e4, 1e6][seed % 2])
     expected_q, expected_k = rotate64(q, positions, cache, is_neox), rotate64(k, positions, cache, is_neox)
@@ -91,18 +93,21 @@ def seed(request) -> int:
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("head_dim, heads", [(16, (5, 1)), (64, (9, 3)), (128, (4, 4))])
 @pytest.mark.parametrize("num_tokens", [1, 37])
-def test_twin_matches_float64(num_tokens: int, head_dim: int, heads: tuple[int, int], style: str,
-                              dtype: torch.dtype, seed: int) -> None:
+def test_twin_matches_float64(
+    num_tokens: int, head_dim: int, heads: tuple[int, int], style: str, dtype: torch.dtype, seed: int
+) -> None:
     check(rotary_embedding_torch, num_tokens, heads, head_dim, dtype, STYLES[style], seed)
 
 
 @requires_triton
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("style", STYLES)
-@pytest.mark.parametrize("num_tokens, head_dim, heads", [(37, 16, (5, 1)), (37, 64, (9, 3)), (1, 128, (4, 4)),
-                                                         (3, 128, (72, 8))])
-def test_triton_matches_float64_and_twin(num_tokens: int, head_dim: int, heads: tuple[int, int], style: str,
-                                         dtype: torch.dtype, seed: int) -> None:
+@pytest.mark.parametrize(
+    "num_tokens, head_dim, heads", [(37, 16, (5, 1)), (37, 64, (9, 3)), (1, 128, (4, 4)), (3, 128, (72, 8))]
+)
+def test_triton_matches_float64_and_twin(
+    num_tokens: int, head_dim: int, heads: tuple[int, int], style: str, dtype: torch.dtype, seed: int
+) -> None:
     """72 query heads at D = 128 take two head tiles per token in the kernel (64 heads per tile)."""
     check(rotary_embedding_triton, num_tokens, heads, head_dim, dtype, STYLES[style], seed)
     qkv, q, k, _ = fused_qkv(num_tokens, *heads, head_dim, dtype, seed + 1)
@@ -123,16 +128,17 @@ def test_separate_strided_buffers_and_no_k(op, style: str, seed: int) -> None:
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     q_buffer = torch.randn(num_tokens, 3 * head_dim + 5, generator=g, device=DEVICE).to(dtype)
     k_buffer = torch.randn(num_tokens, 2, head_dim + 8, generator=g, device=DEVICE).to(dtype)
-    q, k = q_buffer[:, :3 * head_dim].view(num_tokens, 3, head_dim), k_buffer[:, :, 4:4 + head_dim]
+    q, k = q_buffer[:, : 3 * head_dim].view(num_tokens, 3, head_dim), k_buffer[:, :, 4 : 4 + head_dim]
     positions, cache = random_positions(num_tokens, seed), cache_for(head_dim)
     q_before, k_before = q_buffer.clone(), k_buffer.clone()
     expected_q, expected_k = rotate64(q, positions, cache, STYLES[style]), rotate64(k, positions, cache, STYLES[style])
     op(positions, q, k, cache, STYLES[style])
     assert_close(q, expected_q, dtype, "q")
     assert_close(k, expected_k, dtype, "k")
-    assert torch.equal(q_buffer[:, 3 * head_dim:], q_before[:, 3 * head_dim:])
-    assert torch.equal(k_buffer[..., :4], k_before[..., :4]) and torch.equal(k_buffer[..., 4 + head_dim:],
-                                                                              k_before[..., 4 + head_dim:])
+    assert torch.equal(q_buffer[:, 3 * head_dim :], q_before[:, 3 * head_dim :])
+    assert torch.equal(k_buffer[..., :4], k_before[..., :4]) and torch.equal(
+        k_buffer[..., 4 + head_dim :], k_before[..., 4 + head_dim :]
+    )
     q_buffer.copy_(q_before)
     op(positions, q, None, cache, STYLES[style])
     assert_close(q, expected_q, dtype, "q alone")
@@ -150,11 +156,19 @@ def test_cache_matches_float64_math() -> None:
     assert_close(cache, expected, torch.float32, "cos_sin_cache")
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 256},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+    ],
+)
 def test_scaled_caches_match_float64_and_transformers(rope: dict) -> None:
     """The model's cache for llama3 / yarn scaling: against float64 math on the rope type's inv_freq and
     attention scaling (yarn's is 0.1 ln(4) + 1), and against transformers' own cos / sin."""
@@ -163,8 +177,14 @@ def test_scaled_caches_match_float64_and_transformers(rope: dict) -> None:
 
     from infer.worker.models.layers import RotaryEmbedding
 
-    config = AutoConfig.for_model("llama", hidden_size=128, num_attention_heads=2, max_position_embeddings=1024,
-                                  rope_theta=500000.0, rope_scaling=dict(rope))
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=128,
+        num_attention_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=500000.0,
+        rope_scaling=dict(rope),
+    )
     ours = RotaryEmbedding(config, head_dim=64)
     if rope["rope_type"] == "yarn":
         assert ours.attention_scaling == pytest.approx(0.1 * math.log(4.0) + 1.0)
@@ -188,8 +208,9 @@ def test_rotary_module_rotates_in_place_and_grows_its_cache() -> None:
 
     from infer.worker.models.layers import RotaryEmbedding
 
-    config = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, max_position_embeddings=100,
-                                  rope_theta=10000.0)
+    config = AutoConfig.for_model(
+        "llama", hidden_size=64, num_attention_heads=4, max_position_embeddings=100, rope_theta=10000.0
+    )
     rotary, gptj = RotaryEmbedding(config, head_dim=16), RotaryEmbedding(config, head_dim=16, is_neox=False)
     assert rotary.is_neox and not gptj.is_neox and rotary.max_positions == 100
     first_rows = rotary.cos_sin_cache.clone()

@@ -8,8 +8,9 @@ import zlib
 
 import pytest
 import torch
-from infer.kernels.sampling import GREEDY_TEMPERATURE, GROUP, sample, sample_torch, sample_triton
 from kernel_checks import DEVICE, KERNEL_DTYPES, requires_triton
+
+from infer.kernels.sampling import GREEDY_TEMPERATURE, GROUP, sample, sample_torch, sample_triton
 
 # (temperature, top_k, top_p, min_p) of one row of each kind; top_k <= 0 or >= V, top_p >= 1, min_p <= 0: off.
 ROW_KINDS: dict[str, tuple[float, int, float, float]] = {
@@ -26,7 +27,7 @@ ROW_KINDS: dict[str, tuple[float, int, float, float]] = {
     "top_k_past_vocab": (1.2, 10**6, 1.0, 0.0),
     "min_p_1": (1.0, 0, 1.0, 1.0),
     "three_allowed": (1.0, 0, 1.0, 0.0),  # all but three logits are -inf (a min_tokens-style mask)
-    "tied_greedy": (0.0, 0, 1.0, 0.0),    # the max appears twice: the first one wins
+    "tied_greedy": (0.0, 0, 1.0, 0.0),  # the max appears twice: the first one wins
 }
 
 
@@ -36,12 +37,15 @@ def _params(kinds: list[str]) -> dict[str, torch.Tensor]:
     def column(i: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor([r[i] for r in rows], dtype=dtype, device=DEVICE)
 
-    return {"temperature": column(0, torch.float32), "top_k": column(1, torch.int64),
-            "top_p": column(2, torch.float32), "min_p": column(3, torch.float32)}
+    return {
+        "temperature": column(0, torch.float32),
+        "top_k": column(1, torch.int64),
+        "top_p": column(2, torch.float32),
+        "min_p": column(3, torch.float32),
+    }
 
 
-def _logits(kinds: list[str], vocab: int, g: torch.Generator,
-            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _logits(kinds: list[str], vocab: int, g: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[B, V] random logits (scale 3) as a view with a padded row stride; special rows per kind."""
     wide = torch.randn(len(kinds), vocab + 7, generator=g) * 3
     for i, kind in enumerate(kinds):
@@ -55,8 +59,10 @@ def _logits(kinds: list[str], vocab: int, g: torch.Generator,
 
 
 def _noise_args(num_rows: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    return {"seeds": torch.randint(0, 2**62, (num_rows,), generator=g).to(DEVICE),
-            "offsets": torch.randint(0, 10**6, (num_rows,), generator=g).to(DEVICE)}
+    return {
+        "seeds": torch.randint(0, 2**62, (num_rows,), generator=g).to(DEVICE),
+        "offsets": torch.randint(0, 10**6, (num_rows,), generator=g).to(DEVICE),
+    }
 
 
 # Vocabularies that are not a multiple of GROUP: one partial group; four full groups and three tokens. Other
@@ -105,8 +111,7 @@ def test_triton_matches_twin_token_for_token(vocab, dtype):
 # ---- the kept set against float64 -------------------------------------------------------------------
 
 
-def _kept_float64(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float
-                  ) -> tuple[torch.Tensor, bool]:
+def _kept_float64(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, bool]:
     """The kept set of one row of scaled logits [V] in float64 (ties at a cut stay): top-k, then top-p by
     vLLM's rule (keep a value whose strictly higher tokens hold < p of the top-k mass), then min-p. Also
     whether float32 rounding could decide it (a mass within 1e-5 of p, or a logit within 1e-5 of the
@@ -140,11 +145,11 @@ def _random_filters(num_rows: int, g: torch.Generator, regime: str) -> dict[str,
     top_k = torch.randint(1, 300, (num_rows,), generator=g)
     top_p = 0.05 + 0.94 * u[1]
     min_p = 0.3 * u[2]
-    if regime == "all_top_k":       # the twin races over topk candidates
+    if regime == "all_top_k":  # the twin races over topk candidates
         top_p[::3], min_p[::2] = 1.0, 0.0
-    elif regime == "top_p_only":    # the twin's histogram path
+    elif regime == "top_p_only":  # the twin's histogram path
         top_k[:], min_p[:] = 0, 0.0
-    else:                           # mixed: some rows without any filter send all to the full-row path
+    else:  # mixed: some rows without any filter send all to the full-row path
         top_k[::4], top_p[::3], min_p[::2] = 0, 1.0, 0.0
         top_k[1::6], top_p[1::6], min_p[1::6] = 0, 1.0, 0.0
     return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
@@ -163,13 +168,14 @@ def test_twin_kept_set_matches_float64(regime, ties):
         logits = (logits * 4).round() / 4
     params = _random_filters(num_rows, g, regime)
     cutoffs = torch.empty(num_rows)
-    noise = [t.cpu() for t in _noise_args(num_rows, g).values()]   # the twin, on CPU tensors
+    noise = [t.cpu() for t in _noise_args(num_rows, g).values()]  # the twin, on CPU tensors
     sample_torch(logits, *params.values(), *noise, cutoffs=cutoffs)
     scaled = logits * (1.0 / params["temperature"]).unsqueeze(1)
     skipped = 0
     for row in range(num_rows):
-        expected, ambiguous = _kept_float64(scaled[row], int(params["top_k"][row]),
-                                            float(params["top_p"][row]), float(params["min_p"][row]))
+        expected, ambiguous = _kept_float64(
+            scaled[row], int(params["top_k"][row]), float(params["top_p"][row]), float(params["min_p"][row])
+        )
         if ambiguous:
             skipped += 1
             continue
@@ -181,8 +187,7 @@ def test_twin_kept_set_matches_float64(regime, ties):
 
 # Ten likely tokens spread over both groups of an 1100-token vocabulary (the second one partial), the rest
 # a low tail: (token id, probability before the tail).
-HEAD = {3: 0.22, 500: 0.17, 1023: 0.13, 1024: 0.11, 1050: 0.09, 1099: 0.08, 17: 0.07, 777: 0.06, 1070: 0.04,
-        64: 0.03}
+HEAD = {3: 0.22, 500: 0.17, 1023: 0.13, 1024: 0.11, 1050: 0.09, 1099: 0.08, 17: 0.07, 777: 0.06, 1070: 0.04, 64: 0.03}
 
 
 def _chi_square_bound(dof: int, z: float = 4.75) -> float:
@@ -190,9 +195,17 @@ def _chi_square_bound(dof: int, z: float = 4.75) -> float:
     return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
-@pytest.mark.parametrize("filters", [
-    (0.8, 0, 1.0, 0.0), (1.0, 6, 1.0, 0.0), (1.0, 0, 0.75, 0.0), (1.0, 0, 1.0, 0.08), (1.3, 8, 0.9, 0.02),
-], ids=["temperature", "top_k", "top_p", "min_p", "all"])
+@pytest.mark.parametrize(
+    "filters",
+    [
+        (0.8, 0, 1.0, 0.0),
+        (1.0, 6, 1.0, 0.0),
+        (1.0, 0, 0.75, 0.0),
+        (1.0, 0, 1.0, 0.08),
+        (1.3, 8, 0.9, 0.02),
+    ],
+    ids=["temperature", "top_k", "top_p", "min_p", "all"],
+)
 def test_twin_draws_the_filtered_distribution(filters):
     """10,000 draws of one row under seeds 0..9999: only kept tokens come out, with the frequencies of
     the renormalized kept distribution (chi-square below its 1 - 1e-6 quantile; seeds are fixed, so
@@ -207,13 +220,21 @@ def test_twin_draws_the_filtered_distribution(filters):
     expected = scaled.double().masked_fill(~kept, -math.inf).softmax(dim=0)
     tokens = []
     for start in range(0, draws, chunk):
+
         def per_row(value: float, dtype: torch.dtype) -> torch.Tensor:
             return torch.full((chunk,), value, dtype=dtype)
 
-        tokens.append(sample_torch(row.expand(chunk, vocab), per_row(temperature, torch.float32),
-                                   per_row(top_k, torch.int64), per_row(top_p, torch.float32),
-                                   per_row(min_p, torch.float32), torch.arange(start, start + chunk),
-                                   torch.zeros(chunk, dtype=torch.int64)))
+        tokens.append(
+            sample_torch(
+                row.expand(chunk, vocab),
+                per_row(temperature, torch.float32),
+                per_row(top_k, torch.int64),
+                per_row(top_p, torch.float32),
+                per_row(min_p, torch.float32),
+                torch.arange(start, start + chunk),
+                torch.zeros(chunk, dtype=torch.int64),
+            )
+        )
     counts = torch.bincount(torch.cat(tokens), minlength=vocab).double()
     assert counts[~kept].sum() == 0
     big = expected * draws >= 5  # the cells of the test; the rest of the kept mass pooled into one
@@ -239,8 +260,12 @@ def test_seeded_row_is_independent_of_the_batch(target):
     for offset in range(steps):
         logits = torch.randn(1, vocab, generator=g) * 3
         seed = 2**40 + 17
-        alone = sample(logits.to(DEVICE), *_params([target]).values(), torch.tensor([seed], device=DEVICE),
-                       torch.tensor([offset], device=DEVICE))
+        alone = sample(
+            logits.to(DEVICE),
+            *_params([target]).values(),
+            torch.tensor([seed], device=DEVICE),
+            torch.tensor([offset], device=DEVICE),
+        )
         for others in companions:
             kinds = others[:1] + [target] + others[1:]
             batch = torch.randn(len(kinds), vocab, generator=g) * 3
@@ -271,7 +296,7 @@ def test_noise_follows_seed_and_offset():
 
 # ---- hostile rows: never raise, always a token id of the vocabulary ------------------------------------
 
-HOSTILE_ROWS = {   # how one row's logits are spoiled
+HOSTILE_ROWS = {  # how one row's logits are spoiled
     "nan": lambda row: row.index_fill_(0, torch.tensor([3, 700]), math.nan),
     "all_nan": lambda row: row.fill_(math.nan),
     "plus_inf": lambda row: row.index_fill_(0, torch.tensor([11]), math.inf),
@@ -280,12 +305,20 @@ HOSTILE_ROWS = {   # how one row's logits are spoiled
     "huge": lambda row: row.mul_(1e37),
     "tiny": lambda row: row.mul_(1e-42),
 }
-HOSTILE_FILTERS = [(1.0, 0, 0.5, 0.0), (1.0, 40, 0.5, 0.0), (1e30, 0, 0.9, 0.0), (1e-5, 0, 1e-30, 0.0),
-                   (0.7, 100, 0.9, 1e-40), (1.0, 0, 1.0, 1.0), (3e38, 2**31 - 1, 0.3, 0.99)]
+HOSTILE_FILTERS = [
+    (1.0, 0, 0.5, 0.0),
+    (1.0, 40, 0.5, 0.0),
+    (1e30, 0, 0.9, 0.0),
+    (1e-5, 0, 1e-30, 0.0),
+    (0.7, 100, 0.9, 1e-40),
+    (1.0, 0, 1.0, 1.0),
+    (3e38, 2**31 - 1, 0.3, 0.99),
+]
 
 
-@pytest.mark.parametrize("impl", [sample_torch, pytest.param(sample_triton, marks=requires_triton)],
-                         ids=["twin", "triton"])
+@pytest.mark.parametrize(
+    "impl", [sample_torch, pytest.param(sample_triton, marks=requires_triton)], ids=["twin", "triton"]
+)
 @pytest.mark.parametrize("filters", HOSTILE_FILTERS, ids=str)
 def test_spoiled_rows_never_raise_and_give_a_vocabulary_token(impl, filters):
     """NaN / inf / absurd logits beside healthy rows (the engine fails such a request, but the kernel must
@@ -302,8 +335,14 @@ def test_spoiled_rows_never_raise_and_give_a_vocabulary_token(impl, filters):
     def column(value, dtype):
         return torch.full((rows,), value, dtype=dtype, device=DEVICE)
 
-    tokens = impl(x.to(DEVICE), column(t, torch.float32), column(k, torch.int64), column(p, torch.float32),
-                  column(m, torch.float32), *_noise_args(rows, g).values()).cpu()
+    tokens = impl(
+        x.to(DEVICE),
+        column(t, torch.float32),
+        column(k, torch.int64),
+        column(p, torch.float32),
+        column(m, torch.float32),
+        *_noise_args(rows, g).values(),
+    ).cpu()
     assert ((tokens >= 0) & (tokens < vocab)).all(), tokens.tolist()
-    if m == 1.0 and t == 1.0:   # the healthy last row: only its max is within min_p of itself
+    if m == 1.0 and t == 1.0:  # the healthy last row: only its max is within min_p of itself
         assert tokens[-1] == x[-1].argmax()

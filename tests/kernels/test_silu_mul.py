@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from infer.kernels.cpu_kernels import silu_and_mul_fits, silu_and_mul_native
 from infer.worker.models.layers import silu_and_mul
 
-requires_native = pytest.mark.usefixtures("isa")   # once per build of the C kernels (conftest.py)
+requires_native = pytest.mark.usefixtures("isa")  # once per build of the C kernels (conftest.py)
 
 
 def torch_ops(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,7 @@ def test_native_matches_float64_and_torch(rows: int, d: int) -> None:
     assert torch.equal(x, before), "x must not be written"
     expected = reference(x)
     # one rounding of the product to bf16 (half an ulp: 2^-9 relative) plus the fp32 exp's error
-    assert ((got.double() - expected).abs() <= expected.abs() * 2.0 ** -8 + 1e-30).all()
+    assert ((got.double() - expected).abs() <= expected.abs() * 2.0**-8 + 1e-30).all()
     # torch's own bits: its exp is another fp32 exp, so at most a rare element lands one bf16 ulp apart
     ours, theirs = got.view(torch.int16).int(), torch_ops(x).view(torch.int16).int()
     apart = (ours - theirs).abs()
@@ -78,7 +78,7 @@ def test_special_values_follow_torch() -> None:
 def test_strided_rows_read_in_place() -> None:
     """Rows of x farther apart than 2d (a view into a wider buffer) are read where they are."""
     wide = inputs(5, 80, seed=7)
-    x = wide[:, :64]                                   # rows 160 elements apart, [gate | up] of d = 32
+    x = wide[:, :64]  # rows 160 elements apart, [gate | up] of d = 32
     assert not x.is_contiguous() and silu_and_mul_fits(x)
     assert torch.equal(silu_and_mul_native(x), silu_and_mul_native(x.contiguous()))
 
@@ -86,12 +86,13 @@ def test_strided_rows_read_in_place() -> None:
 @requires_native
 def test_dispatch_takes_bf16_rows_only(monkeypatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr("infer.worker.models.layers.silu_and_mul_native",
-                        lambda x: calls.append(x.shape[0]) or silu_and_mul_native(x))
-    silu_and_mul(inputs(1, 64, seed=1))                                     # one row (a decode at batch 1)
+    monkeypatch.setattr(
+        "infer.worker.models.layers.silu_and_mul_native", lambda x: calls.append(x.shape[0]) or silu_and_mul_native(x)
+    )
+    silu_and_mul(inputs(1, 64, seed=1))  # one row (a decode at batch 1)
     silu_and_mul(inputs(40, 64, seed=2))
     fp32 = inputs(40, 64, seed=3).float()
-    assert torch.equal(silu_and_mul(fp32), torch_ops(fp32))                 # fp32 keeps torch's bits
+    assert torch.equal(silu_and_mul(fp32), torch_ops(fp32))  # fp32 keeps torch's bits
     assert calls == [1, 40]
-    assert not silu_and_mul_fits(inputs(40, 64, seed=4).t())                # columns not unit-strided
-    assert not silu_and_mul_fits(inputs(40, 64, seed=5)[:, :127])           # odd width: no gate | up
+    assert not silu_and_mul_fits(inputs(40, 64, seed=4).t())  # columns not unit-strided
+    assert not silu_and_mul_fits(inputs(40, 64, seed=5)[:, :127])  # odd width: no gate | up

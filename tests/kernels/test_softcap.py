@@ -50,29 +50,46 @@ def test_twins_and_dispatchers_match_float64(window, heads):
     dtype = torch.float32
     decodes, mixed = _batches(dtype, heads, CPU)
     expected = reference_attention(decodes, SCALE, window, CAP)
-    assert (expected - reference_attention(decodes, SCALE, window)).abs().max() > 0.05   # the cap matters
+    assert (expected - reference_attention(decodes, SCALE, window)).abs().max() > 0.05  # the cap matters
     args = _args(decodes)
-    assert_close(paged_decode_attention_torch(*args, out=poisoned(decodes.q.shape, dtype, CPU), window=window,
-                                              softcap=CAP), expected, dtype, "decode twin")
+    assert_close(
+        paged_decode_attention_torch(*args, out=poisoned(decodes.q.shape, dtype, CPU), window=window, softcap=CAP),
+        expected,
+        dtype,
+        "decode twin",
+    )
     plan = plan_decode(decodes.block_tables, decodes.seq_lens, decodes.k_cache, window=window)
-    assert_close(paged_decode_attention_torch(*args, plan=plan, window=window, softcap=CAP), expected, dtype,
-                 "planned twin")
+    assert_close(
+        paged_decode_attention_torch(*args, plan=plan, window=window, softcap=CAP), expected, dtype, "planned twin"
+    )
     assert_close(paged_decode_attention_compiled(*args, window=window, softcap=CAP), expected, dtype, "compiled")
     assert_close(paged_decode_attention(*args, window=window, softcap=CAP), expected, dtype, "decode dispatch")
     expected = reference_attention(mixed, SCALE, window, CAP)
     margs = _args(mixed, mixed=True)
-    assert_close(paged_prefill_attention_torch(*margs, out=poisoned(mixed.q.shape, dtype, CPU), window=window,
-                                               softcap=CAP), expected, dtype, "prefill twin")
+    assert_close(
+        paged_prefill_attention_torch(*margs, out=poisoned(mixed.q.shape, dtype, CPU), window=window, softcap=CAP),
+        expected,
+        dtype,
+        "prefill twin",
+    )
     assert_close(paged_prefill_attention(*margs, window=window, softcap=CAP), expected, dtype, "prefill dispatch")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_twins_in_half_precision(dtype):
     decodes, mixed = _batches(dtype, (8, 2), CPU)
-    assert_close(paged_decode_attention(*_args(decodes), window=16, softcap=CAP),
-                 reference_attention(decodes, SCALE, 16, CAP), dtype, "decode dispatch")
-    assert_close(paged_prefill_attention(*_args(mixed, mixed=True), window=16, softcap=CAP),
-                 reference_attention(mixed, SCALE, 16, CAP), dtype, "prefill dispatch")
+    assert_close(
+        paged_decode_attention(*_args(decodes), window=16, softcap=CAP),
+        reference_attention(decodes, SCALE, 16, CAP),
+        dtype,
+        "decode dispatch",
+    )
+    assert_close(
+        paged_prefill_attention(*_args(mixed, mixed=True), window=16, softcap=CAP),
+        reference_attention(mixed, SCALE, 16, CAP),
+        dtype,
+        "prefill dispatch",
+    )
 
 
 @requires_triton
@@ -83,19 +100,25 @@ def test_triton_matches_float64_and_the_twin(window, dtype):
     for num_splits in (1, 4):
         out = paged_decode_attention_triton(*_args(decodes), num_splits=num_splits, window=window, softcap=CAP)
         assert_close(out, reference_attention(decodes, SCALE, window, CAP), dtype, "triton decode vs float64")
-        assert_close(out, paged_decode_attention_torch(*_args(decodes), window=window, softcap=CAP), dtype,
-                     "triton decode vs twin")
+        assert_close(
+            out,
+            paged_decode_attention_torch(*_args(decodes), window=window, softcap=CAP),
+            dtype,
+            "triton decode vs twin",
+        )
     margs = _args(mixed, mixed=True)
     out = paged_prefill_attention_triton(*margs, max_query_len=max(MIXED_QUERIES), window=window, softcap=CAP)
     assert_close(out, reference_attention(mixed, SCALE, window, CAP), dtype, "triton prefill vs float64")
-    assert_close(out, paged_prefill_attention_torch(*margs, window=window, softcap=CAP), dtype, "triton prefill vs twin")
+    assert_close(
+        out, paged_prefill_attention_torch(*margs, window=window, softcap=CAP), dtype, "triton prefill vs twin"
+    )
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="real shapes: a GPU's (the interpreter takes minutes)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_triton_at_real_shapes_matches_the_twin(dtype):
     """Gemma 2 9B-like heads (16:8, head_dim 256, cap 50, scale 256 ** -0.5), window 4096, contexts to 6000."""
-    heads, scale, cap = (16, 8), 256 ** -0.5, 50.0
+    heads, scale, cap = (16, 8), 256**-0.5, 50.0
     lens = [1, 700, 3000, 6000]
     decodes = make_batch(lens, [1] * len(lens), *heads, 256, 16, dtype, seed=11)
     args = (decodes.q, decodes.k_cache, decodes.v_cache, decodes.block_tables, decodes.seq_lens, scale)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from infer.kernels.token_bitmask import apply_token_bitmask_torch, apply_token_bitmask_triton
 from kernel_checks import DEVICE, KERNEL_DTYPES, requires_triton
+
+from infer.kernels.token_bitmask import apply_token_bitmask_torch, apply_token_bitmask_triton
 
 
 def reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -23,7 +24,7 @@ def case(batch: int, vocab: int, rows: list[int], words: int | None = None, seed
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, vocab, generator=g)
     words = words or -(-vocab // 32)
-    bitmask = torch.randint(-2**31, 2**31, (len(rows), words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask = torch.randint(-(2**31), 2**31, (len(rows), words), generator=g, dtype=torch.int64).to(torch.int32)
     return logits, bitmask, rows
 
 

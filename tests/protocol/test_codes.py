@@ -10,8 +10,17 @@ import pytest
 
 from infer.protocol.codes import ClusterState, Command, ErrorCode, FinishReason, WorkerState
 from infer.protocol.messages import (
-    PROTOCOL_VERSION, ClusterStats, Control, ControlAck, Delta, Error, ProtocolError, TokenIds, Welcome, decode,
-    encode
+    PROTOCOL_VERSION,
+    ClusterStats,
+    Control,
+    ControlAck,
+    Delta,
+    Error,
+    ProtocolError,
+    TokenIds,
+    Welcome,
+    decode,
+    encode,
 )
 
 
@@ -31,15 +40,23 @@ def test_an_unknown_finish_reason_on_the_wire_names_the_field_and_the_value():
     assert info.value.message_type == "delta"
 
 
-@pytest.mark.parametrize("frame, text", [
-    (_final(finish_reason=3), "field 'finish_reason': Expected `str | null`, got `int`"),
-    (_final(finish_reason="error", error_code="busy"), "field 'error_code': Invalid enum value 'busy'"),
-    (_frame("error", {"message": "m", "code": "oops"}), "field 'code': Invalid enum value 'oops'"),
-    (_frame("control", {"command": "halt"}), "field 'command': Invalid enum value 'halt'"),
-    (_frame("control_ack", {"command": "pause", "state": "sleeping"}),
-     "field 'state' must be one of running, paused, suspended, stopped, draining, got 'sleeping'"),
-    (_frame("welcome", {"coordinator_id": "c", "state": "draining"}), "field 'state': Invalid enum value 'draining'"),
-])
+@pytest.mark.parametrize(
+    "frame, text",
+    [
+        (_final(finish_reason=3), "field 'finish_reason': Expected `str | null`, got `int`"),
+        (_final(finish_reason="error", error_code="busy"), "field 'error_code': Invalid enum value 'busy'"),
+        (_frame("error", {"message": "m", "code": "oops"}), "field 'code': Invalid enum value 'oops'"),
+        (_frame("control", {"command": "halt"}), "field 'command': Invalid enum value 'halt'"),
+        (
+            _frame("control_ack", {"command": "pause", "state": "sleeping"}),
+            "field 'state' must be one of running, paused, suspended, stopped, draining, got 'sleeping'",
+        ),
+        (
+            _frame("welcome", {"coordinator_id": "c", "state": "draining"}),
+            "field 'state': Invalid enum value 'draining'",
+        ),
+    ],
+)
 def test_every_enum_field_refuses_other_words(frame, text):
     with pytest.raises(ProtocolError, match=f"^{text}"):
         decode(frame)
@@ -47,16 +64,41 @@ def test_every_enum_field_refuses_other_words(frame, text):
 
 def test_old_and_new_peers_write_the_same_frames():
     """A member encodes as its string: a frame made with members equals one made with plain strings."""
-    with_members = Delta(request_id="r", token_ids=TokenIds([5]), text="x", finished=True,
-                         finish_reason=FinishReason.ERROR, error="e", error_code=ErrorCode.TIMEOUT)
-    with_strings = Delta(request_id="r", token_ids=TokenIds([5]), text="x", finished=True,
-                         finish_reason="error", error="e", error_code="timeout")   # type: ignore[arg-type]
+    with_members = Delta(
+        request_id="r",
+        token_ids=TokenIds([5]),
+        text="x",
+        finished=True,
+        finish_reason=FinishReason.ERROR,
+        error="e",
+        error_code=ErrorCode.TIMEOUT,
+    )
+    with_strings = Delta(
+        request_id="r",
+        token_ids=TokenIds([5]),
+        text="x",
+        finished=True,
+        finish_reason="error",
+        error="e",
+        error_code="timeout",
+    )  # type: ignore[arg-type]
     assert encode(with_members) == encode(with_strings)
-    plain = _frame("delta", {"request_id": "r", "token_ids": [5], "text": "x", "finished": True,
-                             "finish_reason": "error", "error": "e", "error_code": "timeout"})
-    assert msgpack.unpackb(encode(with_members)) == msgpack.unpackb(plain)   # (msgspec writes map16 headers)
+    plain = _frame(
+        "delta",
+        {
+            "request_id": "r",
+            "token_ids": [5],
+            "text": "x",
+            "finished": True,
+            "finish_reason": "error",
+            "error": "e",
+            "error_code": "timeout",
+        },
+    )
+    assert msgpack.unpackb(encode(with_members)) == msgpack.unpackb(plain)  # (msgspec writes map16 headers)
     assert msgpack.unpackb(encode(Control(command=Command.SUSPEND))) == msgpack.unpackb(
-        _frame("control", {"command": "suspend"}))
+        _frame("control", {"command": "suspend"})
+    )
 
 
 def test_decoded_words_are_members_that_equal_their_strings():
@@ -75,14 +117,27 @@ def test_decoded_words_are_members_that_equal_their_strings():
 def test_messages_built_with_strings_hold_members():
     assert Delta.final("r", "abort").finish_reason is FinishReason.ABORT
     assert Delta.final("r", "error", "why", "overloaded").error_code is ErrorCode.OVERLOADED
-    assert Error(message="m", code="client_lost").code is ErrorCode.CLIENT_LOST   # type: ignore[arg-type]
-    assert Welcome(coordinator_id="c", state="suspended").state is ClusterState.SUSPENDED   # type: ignore[arg-type]
-    stats = ClusterStats(coordinator_id="c", state="running", policy="p", model_id=None, workers=[],  # type: ignore[arg-type]
-                         num_clients=0, num_in_flight=0, num_held=0, requests_submitted=0, requests_completed=0,
-                         requests_failed=0, requests_aborted=0, requests_redispatched=0, frames_rejected=0,
-                         uptime_s=0.0)
+    assert Error(message="m", code="client_lost").code is ErrorCode.CLIENT_LOST  # type: ignore[arg-type]
+    assert Welcome(coordinator_id="c", state="suspended").state is ClusterState.SUSPENDED  # type: ignore[arg-type]
+    stats = ClusterStats(
+        coordinator_id="c",
+        state="running",
+        policy="p",
+        model_id=None,
+        workers=[],  # type: ignore[arg-type]
+        num_clients=0,
+        num_in_flight=0,
+        num_held=0,
+        requests_submitted=0,
+        requests_completed=0,
+        requests_failed=0,
+        requests_aborted=0,
+        requests_redispatched=0,
+        frames_rejected=0,
+        uptime_s=0.0,
+    )
     assert stats.state is ClusterState.RUNNING
     with pytest.raises(ProtocolError, match="field 'finish_reason' must be one of"):
         Delta.final("r", "done")
     with pytest.raises(ProtocolError, match="field 'state' must be one of"):
-        ControlAck(command="pause", state="asleep")   # type: ignore[arg-type]
+        ControlAck(command="pause", state="asleep")  # type: ignore[arg-type]

@@ -54,10 +54,12 @@ def test_only_allowed_keys_get_frames_through(server, caplog):
     friend, stranger = _pair(), _pair()
     allowed.add(friend.public_key)
     caplog.set_level(logging.WARNING, logger=LOG.name)
-    peers = [_send_from(ctx, endpoint, friend.towards(keys.public_key), b"friend"),
-             _send_from(ctx, endpoint, stranger.towards(keys.public_key), b"stranger"),
-             _send_from(ctx, endpoint, None, b"plaintext"),
-             _send_from(ctx, endpoint, friend.towards(stranger.public_key), b"wrong server key")]
+    peers = [
+        _send_from(ctx, endpoint, friend.towards(keys.public_key), b"friend"),
+        _send_from(ctx, endpoint, stranger.towards(keys.public_key), b"stranger"),
+        _send_from(ctx, endpoint, None, b"plaintext"),
+        _send_from(ctx, endpoint, friend.towards(stranger.public_key), b"wrong server key"),
+    ]
     assert _received(sock, 1500) == [b"friend"]
     refused = f"refused a client from 127.0.0.1 with unknown public key {stranger.public_key.decode()}"
     assert refused in caplog.text
@@ -80,7 +82,7 @@ def test_a_flood_of_refusals_is_logged_a_few_times_then_counted(caplog):
     for peer in peers:
         peer.close()
     sock.close()
-    gate.close()   # the count of what was held back is logged when the gate stops
+    gate.close()  # the count of what was held back is logged when the gate stops
     ctx.term()
     refusals = [r for r in caplog.records if "unknown public key" in r.getMessage()]
     assert gate.refused >= 20 and len(refusals) == 3
@@ -108,6 +110,6 @@ def test_a_second_gate_on_one_context_is_refused(server):
 def test_a_gate_ends_with_its_context():
     ctx = zmq.Context()
     gate = KeyGate(ctx, lambda key: True, logger=LOG)
-    ctx.term()   # returns only once the gate thread closed its sockets
+    ctx.term()  # returns only once the gate thread closed its sockets
     gate._thread.join(5)
     assert not gate._thread.is_alive()

@@ -26,7 +26,7 @@ def test_record_keeps_tokens_text_and_one_boundary_per_delta_that_carried_someth
     journal = _journal()
     assert journal.token_ids == [40, 41, 5, 6, 7, 8, 9] and journal.resumed == 2
     assert journal.text == "écde" and journal.text_len == 4
-    assert journal.delta_ends == [3, 4, 6, 7]          # the empty delta left none
+    assert journal.delta_ends == [3, 4, 6, 7]  # the empty delta left none
     assert journal.text_ends == [0, 1, 3, 4]
 
 
@@ -38,8 +38,14 @@ def test_a_snapshot_at_every_delta_boundary_travels_and_comes_back_the_same(coun
     assert isinstance(wire, RequestSnapshot) and wire == snapshot and wire.seed == 9 and wire.resumed == 2
     copy = StreamJournal.from_snapshot(wire)
     assert (copy.token_ids, copy.resumed, copy.text, copy.text_len, copy.delta_ends, copy.text_ends) == (
-        journal.token_ids, journal.resumed, journal.text, journal.text_len, journal.delta_ends, journal.text_ends)
-    copy.record([9], "z")                               # a copy goes on as the original would
+        journal.token_ids,
+        journal.resumed,
+        journal.text,
+        journal.text_len,
+        journal.delta_ends,
+        journal.text_ends,
+    )
+    copy.record([9], "z")  # a copy goes on as the original would
     journal.record([9], "z")
     assert (copy.token_ids, copy.text, copy.delta_ends) == (journal.token_ids, journal.text, journal.delta_ends)
 
@@ -64,19 +70,26 @@ def test_catch_up_from_a_boundary_that_ends_several_deltas_starts_at_the_first()
 
 def test_catch_up_refuses_a_copy_inside_a_delta_or_not_its_own():
     journal = _journal()
-    assert journal.catch_up([40, 41, 5, 6, 7]) is None          # inside the last delta
-    assert journal.catch_up([40]) is None                       # inside the resumed tokens
-    assert journal.catch_up([40, 41, 5, 9]) is None             # a boundary, but other tokens
-    assert journal.catch_up([40, 41]) == ([5, 6, 7, 8, 9], "écde")   # only the resumed tokens
+    assert journal.catch_up([40, 41, 5, 6, 7]) is None  # inside the last delta
+    assert journal.catch_up([40]) is None  # inside the resumed tokens
+    assert journal.catch_up([40, 41, 5, 9]) is None  # a boundary, but other tokens
+    assert journal.catch_up([40, 41]) == ([5, 6, 7, 8, 9], "écde")  # only the resumed tokens
     assert journal.catch_up(journal.token_ids) == ([], "")
 
 
 def test_a_worker_snapshot_read_back_catches_up_as_before():
     """The case RequestSnapshot.catch_up was tested with (it now lives here)."""
-    snap = RequestSnapshot(request_id="a", prompt_token_ids=TokenIds([1]), token_ids=TokenIds([5, 6, 7, 8]),
-                           resumed=1, text="xyz", delta_ends=[2, 4], text_ends=[1, 3])
+    snap = RequestSnapshot(
+        request_id="a",
+        prompt_token_ids=TokenIds([1]),
+        token_ids=TokenIds([5, 6, 7, 8]),
+        resumed=1,
+        text="xyz",
+        delta_ends=[2, 4],
+        text_ends=[1, 3],
+    )
     journal = StreamJournal.from_snapshot(snap)
-    assert journal.catch_up([5]) == ([6, 7, 8], "xyz")     # the client holds only the resumed token
+    assert journal.catch_up([5]) == ([6, 7, 8], "xyz")  # the client holds only the resumed token
     assert journal.catch_up([5, 6]) == ([7, 8], "yz")
     assert journal.catch_up([5, 6, 7, 8]) == ([], "")
     assert journal.catch_up([5, 6, 7]) is None and journal.catch_up([]) is None

@@ -27,7 +27,7 @@ def test_a_key_pair_is_written_private_and_reads_back(tmp_path):
     pub, sec = K.read_key_pair(secret)
     assert K.read_public_key(public) == pub == zmq.curve_public(sec)
     assert K.read_key_file(public) == (pub, None)
-    assert sorted(p.name for p in directory.iterdir()) == ["worker.key", "worker.key_secret"]   # no temp left
+    assert sorted(p.name for p in directory.iterdir()) == ["worker.key", "worker.key_secret"]  # no temp left
 
 
 def test_existing_key_files_are_never_overwritten_without_force(tmp_path):
@@ -35,7 +35,7 @@ def test_existing_key_files_are_never_overwritten_without_force(tmp_path):
     before = (public.read_bytes(), secret.read_bytes())
     with pytest.raises(FileExistsError, match="refusing to overwrite"):
         K.write_key_pair(tmp_path, "client")
-    secret.unlink()   # half a pair left: still refused (the public half would be replaced)
+    secret.unlink()  # half a pair left: still refused (the public half would be replaced)
     with pytest.raises(FileExistsError, match=r"client\.key exists"):
         K.write_key_pair(tmp_path, "client")
     assert public.read_bytes() == before[0]
@@ -73,7 +73,7 @@ def test_every_kind_of_bad_key_file_says_what_is_wrong(tmp_path):
     unreadable = tmp_path / "unreadable.key_secret"
     unreadable.write_bytes(secret.read_bytes())
     unreadable.chmod(0)
-    if os.geteuid() != 0:   # root reads anything
+    if os.geteuid() != 0:  # root reads anything
         with pytest.raises(ValueError, match="cannot read key file"):
             K.read_key_pair(unreadable)
 
@@ -110,7 +110,7 @@ def test_authorized_keys_are_the_role_folders_public_files_and_follow_them(tmp_p
         K.AuthorizedKeys.from_options(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="--authorized-keys DIR"):
         K.AuthorizedKeys.from_options()
-    w_public, _ = K.write_key_pair(allowed / "workers", "w")   # w.key_secret next to it is never a key
+    w_public, _ = K.write_key_pair(allowed / "workers", "w")  # w.key_secret next to it is never a key
     c_public, _ = K.write_key_pair(allowed / "clients", "c")
     b_public, _ = K.write_key_pair(tmp_path, "b")
     gate = K.AuthorizedKeys.from_options(allowed)
@@ -120,24 +120,27 @@ def test_authorized_keys_are_the_role_folders_public_files_and_follow_them(tmp_p
     assert "1 worker key(s)" in gate.describe() and "no admin keys" in gate.describe()
     generation = gate.generation
     (allowed / "admins").mkdir()
-    (allowed / "admins" / "b.key").write_bytes(b_public.read_bytes())   # a role folder made later is read
+    (allowed / "admins" / "b.key").write_bytes(b_public.read_bytes())  # a role folder made later is read
     assert gate.allows(b) and gate.roles_of(b) == {Role.ADMIN}
     generation = gate.generation
-    (allowed / "admins" / "c.key").write_bytes(c_public.read_bytes())   # a key in two folders: both roles
+    (allowed / "admins" / "c.key").write_bytes(c_public.read_bytes())  # a key in two folders: both roles
     assert gate.refresh() and gate.roles_of(c) == {Role.CLIENT, Role.ADMIN} and gate.generation > generation
-    assert not gate.refresh()                                            # nothing changed since
-    w_public.unlink()                                                    # revoked
+    assert not gate.refresh()  # nothing changed since
+    w_public.unlink()  # revoked
     assert not gate.allows(w) and gate.roles_of(w) == set() and gate.allows(b)
-    (allowed / "clients" / "broken.key").write_text("nonsense")          # a bad file keeps the last good set
+    (allowed / "clients" / "broken.key").write_text("nonsense")  # a bad file keeps the last good set
     assert gate.allows(c) and "authorized keys not reloaded" in caplog.text
 
 
 def test_a_flat_authorized_keys_directory_is_refused_saying_where_keys_go(tmp_path):
     K.write_key_pair(tmp_path / "flat", "worker")
     K.write_key_pair(tmp_path / "flat", "client")
-    with pytest.raises(ValueError, match=r"holds public key files directly \(client.key, worker.key\).*"
-                                         r"any key could act as a worker, a client or an administrator.*"
-                                         r"flat/workers/ \(workers\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds public key files directly \(client.key, worker.key\).*"
+        r"any key could act as a worker, a client or an administrator.*"
+        r"flat/workers/ \(workers\)",
+    ):
         K.AuthorizedKeys.from_options(tmp_path / "flat")
     admins = tmp_path / "ops"
     K.write_key_pair(admins, "root")
@@ -151,31 +154,55 @@ def test_a_cluster_key_directory_gives_each_daemon_its_files(tmp_path):
         K.ClusterKeyDir(tmp_path / "none")
     keys = K.ClusterKeyDir.create(tmp_path / "cluster")
     d = keys.path
-    assert keys.coordinator_flags() == ["--curve-secret-key", str(d / "coordinator.key_secret"),
-                                        "--authorized-keys", str(d)]
-    assert keys.worker_flags() == ["--curve-key", str(d / "workers" / "worker.key_secret"),
-                                   "--coordinator-key", str(d / "coordinator.key")]
-    assert keys.client_options() == {"curve_key": str(d / "clients" / "client.key_secret"),
-                                     "coordinator_key": str(d / "coordinator.key")}
+    assert keys.coordinator_flags() == [
+        "--curve-secret-key",
+        str(d / "coordinator.key_secret"),
+        "--authorized-keys",
+        str(d),
+    ]
+    assert keys.worker_flags() == [
+        "--curve-key",
+        str(d / "workers" / "worker.key_secret"),
+        "--coordinator-key",
+        str(d / "coordinator.key"),
+    ]
+    assert keys.client_options() == {
+        "curve_key": str(d / "clients" / "client.key_secret"),
+        "coordinator_key": str(d / "coordinator.key"),
+    }
     assert keys.admin_options()["curve_key"] == str(d / "admins" / "admin.key_secret")
     gate = K.AuthorizedKeys.from_options(d)
     assert [gate.roles_of(K.read_public_key(keys.public(n))) for n in ("worker", "client", "admin")] == [
-        {Role.WORKER}, {Role.CLIENT}, {Role.ADMIN}]
+        {Role.WORKER},
+        {Role.CLIENT},
+        {Role.ADMIN},
+    ]
     assert gate.roles_of(K.read_public_key(keys.public("coordinator"))) == set()
     (d / "workers" / "worker.key_secret").unlink()
     with pytest.raises(ValueError, match="worker.key_secret does not exist"):
         K.ClusterKeyDir(d)
-    for name in ("coordinator", "worker", "client"):                 # the set infer-keygen wrote before roles
+    for name in ("coordinator", "worker", "client"):  # the set infer-keygen wrote before roles
         K.write_key_pair(tmp_path / "old", name)
     with pytest.raises(ValueError, match="from before key roles.*infer-keygen --cluster"):
         K.ClusterKeyDir(tmp_path / "old")
 
 
-@pytest.mark.parametrize("host, loopback", [
-    ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("[::1]", True), ("localhost", True),
-    ("0.0.0.0", False), ("*", False), ("::", False), ("10.0.0.5", False), ("eth0", False),
-    ("no-such-host.invalid", False),
-])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("*", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("eth0", False),
+        ("no-such-host.invalid", False),
+    ],
+)
 def test_only_loopback_addresses_are_loopback(host, loopback):
     assert K.is_loopback(host) is loopback
 
@@ -192,7 +219,7 @@ def test_keygen_command_line(tmp_path, capsys):
     assert out.count("public key") == 4 and "clients/client.key_secret (secret, mode 0600)" in out
     K.ClusterKeyDir(tmp_path / "k")
     before = (tmp_path / "k" / "clients" / "client.key_secret").read_bytes()
-    assert K.main(["extra", "client", "--role", "client", "--dir", str(tmp_path / "k")]) == 1   # nothing written
+    assert K.main(["extra", "client", "--role", "client", "--dir", str(tmp_path / "k")]) == 1  # nothing written
     assert "refusing to overwrite" in capsys.readouterr().err
     assert not (tmp_path / "k" / "clients" / "extra.key").exists()
     assert (tmp_path / "k" / "clients" / "client.key_secret").read_bytes() == before
@@ -202,4 +229,4 @@ def test_keygen_command_line(tmp_path, capsys):
     assert (tmp_path / "k" / "admins" / "ops.key").exists()
     assert K.main(["../x", "--dir", str(tmp_path)]) == 2
     with pytest.raises(SystemExit):
-        K.main(["--dir", str(tmp_path)])                             # neither names nor --cluster
+        K.main(["--dir", str(tmp_path)])  # neither names nor --cluster

@@ -45,7 +45,7 @@ def test_rate_limited_log_says_how_many_it_held_back(caplog):
         for i in range(10):
             warn.warning("flood %d", i)
     assert [r.getMessage() for r in caplog.records] == ["flood 0", "flood 1"]
-    warn.throttle._window_start = -1e9      # the next period
+    warn.throttle._window_start = -1e9  # the next period
     with caplog.at_level(logging.WARNING, logger="infer.test.logsafe"):
         warn.warning("after")
     assert [r.getMessage() for r in caplog.records][-2:] == ["(8 similar warning(s) were not logged)", "after"]
@@ -81,12 +81,15 @@ def test_setup_logging_refuses_an_unknown_format():
         setup_logging("INFO", "xml")
 
 
-@pytest.mark.parametrize("module, argv", [
-    ("infer.coordinator.daemon", []),
-    ("infer.worker.cli", ["--coordinator", "tcp://127.0.0.1:5555"]),
-    ("infer.client.serve", []),
-    ("infer.client.api.server", ["--coordinator", "tcp://127.0.0.1:5555"]),
-])
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("infer.coordinator.daemon", []),
+        ("infer.worker.cli", ["--coordinator", "tcp://127.0.0.1:5555"]),
+        ("infer.client.serve", []),
+        ("infer.client.api.server", ["--coordinator", "tcp://127.0.0.1:5555"]),
+    ],
+)
 def test_every_command_takes_the_same_logging_flags(module, argv):
     import importlib
 
@@ -102,4 +105,6 @@ def test_child_processes_get_the_logging_flags_the_same_way():
     from infer.worker.cli import build_parser
 
     args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:5555", *logging_argv("DEBUG", "json")])
-    assert (args.log_level, args.log_format) == ("DEBUG", "json") and logging_flags(args) == logging_argv("DEBUG", "json")
+    assert (args.log_level, args.log_format) == ("DEBUG", "json") and logging_flags(args) == logging_argv(
+        "DEBUG", "json"
+    )

@@ -8,86 +8,233 @@ import msgpack
 import pytest
 
 from infer.protocol.messages import (
-    MAX_FRAME_BYTES, PROTOCOL_VERSION, REGISTRY, Abort, Accepted, BeamOutput, ClusterStats, Control, ControlAck, Delta,
-    DeltaBatch, Dispatch, Error, Heartbeat, Hello, Load, ProtocolError, Refused, RequestSnapshot,
-    StatsRequest, StepBatch, Submit, TokenIds, UpdateWeights, CommitWeights, Welcome, WeightsUpdated, WeightSync, WeightTensor,
-    WorkerStats, LoraCommand, LoraDone, decode, encode
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    REGISTRY,
+    Abort,
+    Accepted,
+    BeamOutput,
+    ClusterStats,
+    CommitWeights,
+    Control,
+    ControlAck,
+    Delta,
+    DeltaBatch,
+    Dispatch,
+    Error,
+    Heartbeat,
+    Hello,
+    Load,
+    LoraCommand,
+    LoraDone,
+    ProtocolError,
+    Refused,
+    RequestSnapshot,
+    StatsRequest,
+    StepBatch,
+    Submit,
+    TokenIds,
+    UpdateWeights,
+    WeightsUpdated,
+    WeightSync,
+    WeightTensor,
+    Welcome,
+    WorkerStats,
+    decode,
+    encode,
 )
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
 
 EXAMPLES = [
     Hello(role="client", peer_id="c1"),
-    Hello(role="worker", peer_id="w0", model_id="m", dp_rank=0, group_id="g0", num_kv_blocks=100, block_size=16,
-          max_num_seqs=8, max_model_len=2048, running=["a", "b"]),
-    Hello(role="worker", peer_id="w1", model_id="m", dp_rank=1, group_id="g1", num_kv_blocks=100, block_size=16,
-          max_num_seqs=8, max_model_len=2048, running=["a"], max_waiting=32,
-          snapshots=[RequestSnapshot(request_id="a", prompt_token_ids=TokenIds([1, 2]), token_ids=TokenIds([7, 8, 9]),
-                                     resumed=1, text="xy", delta_ends=[2, 3], text_ends=[1, 2])]),
+    Hello(
+        role="worker",
+        peer_id="w0",
+        model_id="m",
+        dp_rank=0,
+        group_id="g0",
+        num_kv_blocks=100,
+        block_size=16,
+        max_num_seqs=8,
+        max_model_len=2048,
+        running=["a", "b"],
+    ),
+    Hello(
+        role="worker",
+        peer_id="w1",
+        model_id="m",
+        dp_rank=1,
+        group_id="g1",
+        num_kv_blocks=100,
+        block_size=16,
+        max_num_seqs=8,
+        max_model_len=2048,
+        running=["a"],
+        max_waiting=32,
+        snapshots=[
+            RequestSnapshot(
+                request_id="a",
+                prompt_token_ids=TokenIds([1, 2]),
+                token_ids=TokenIds([7, 8, 9]),
+                resumed=1,
+                text="xy",
+                delta_ends=[2, 3],
+                text_ends=[1, 2],
+            )
+        ],
+    ),
     RequestSnapshot(request_id="b", prompt_token_ids=TokenIds([3])),
     Welcome(coordinator_id="coord", state="running", model_id="m"),
     Welcome(coordinator_id="coord", state="running", model_id="m", instance="5f3a"),
     Refused(reason="model id differs: coordinator serves 'a', worker has 'b'"),
     Submit(request_id="r1", prompt="hello", sampling=SamplingParams(temperature=0.0, max_tokens=4, stop=["\n"])),
     Submit(request_id="r2", prompt_token_ids=TokenIds([1, 2, 2**31 - 1]), pin_rank=1),
-    Submit(request_id="r4", prompt_token_ids=TokenIds([1, 2]), timeout_s=2.5, reattach=True,
-           delivered_token_ids=TokenIds([3, 4])),
-    Dispatch(request_id="r1", prompt_token_ids=TokenIds([5, 6, 7]), sampling=SamplingParams(max_tokens=3),
-             resumed_token_ids=TokenIds([8])),
+    Submit(
+        request_id="r4",
+        prompt_token_ids=TokenIds([1, 2]),
+        timeout_s=2.5,
+        reattach=True,
+        delivered_token_ids=TokenIds([3, 4]),
+    ),
+    Dispatch(
+        request_id="r1",
+        prompt_token_ids=TokenIds([5, 6, 7]),
+        sampling=SamplingParams(max_tokens=3),
+        resumed_token_ids=TokenIds([8]),
+    ),
     Dispatch(request_id="r3", prompt="text", sampling=SamplingParams()),
-    Dispatch(request_id="r5", prompt="text", sampling=SamplingParams(structured_outputs={"regex": "[a-z]+"}),
-             client="5f3a9c0d1e2b4a68"),
+    Dispatch(
+        request_id="r5",
+        prompt="text",
+        sampling=SamplingParams(structured_outputs={"regex": "[a-z]+"}),
+        client="5f3a9c0d1e2b4a68",
+    ),
     Accepted(request_id="r1"),
     Delta(request_id="r1", token_ids=TokenIds([9, 10]), text="ab", logprobs=[{9: -0.5, 3: -1.5}, {10: -0.1}]),
     Delta(request_id="r1", token_ids=TokenIds([]), text="", finished=True, finish_reason="error", error="boom"),
     BeamOutput(token_ids=TokenIds([4, 0]), text="d", cumulative_logprob=-1.5, score=-0.75, finish_reason="stop"),
-    Delta(request_id="r2", token_ids=TokenIds([4, 0]), text="d", finished=True, finish_reason="stop",
-          beams=[BeamOutput(token_ids=TokenIds([4, 0]), text="d", cumulative_logprob=-1.5, score=-0.75,
-                            finish_reason="stop"),
-                 BeamOutput(token_ids=TokenIds([5, 6, 7]), text="efg", cumulative_logprob=-2.5, score=-0.83,
-                            finish_reason="length")]),
+    Delta(
+        request_id="r2",
+        token_ids=TokenIds([4, 0]),
+        text="d",
+        finished=True,
+        finish_reason="stop",
+        beams=[
+            BeamOutput(
+                token_ids=TokenIds([4, 0]), text="d", cumulative_logprob=-1.5, score=-0.75, finish_reason="stop"
+            ),
+            BeamOutput(
+                token_ids=TokenIds([5, 6, 7]), text="efg", cumulative_logprob=-2.5, score=-0.83, finish_reason="length"
+            ),
+        ],
+    ),
     Abort(request_ids=["r1", "r2"]),
     Error(message="bad frame"),
     Load(num_waiting=1, num_running=2, num_free_blocks=3, num_total_blocks=4, num_queued_tokens=5),
-    StepBatch(deltas=[Delta(request_id="a", token_ids=TokenIds([1]), text="x", prompt_token_ids=TokenIds([4, 5])),
-                      Delta(request_id="b", token_ids=TokenIds([2]), text="y", finished=True, finish_reason="stop")],
-              load=Load(num_waiting=0, num_running=1, num_free_blocks=9, num_total_blocks=10, num_queued_tokens=1)),
+    StepBatch(
+        deltas=[
+            Delta(request_id="a", token_ids=TokenIds([1]), text="x", prompt_token_ids=TokenIds([4, 5])),
+            Delta(request_id="b", token_ids=TokenIds([2]), text="y", finished=True, finish_reason="stop"),
+        ],
+        load=Load(num_waiting=0, num_running=1, num_free_blocks=9, num_total_blocks=10, num_queued_tokens=1),
+    ),
     Heartbeat(sent_at=12.5),
     Heartbeat(sent_at=12.5, instance="5f3a"),
-    Heartbeat(sent_at=1.0, load=Load(num_waiting=0, num_running=0, num_free_blocks=7, num_total_blocks=7,
-                                     num_queued_tokens=0)),
+    Heartbeat(
+        sent_at=1.0, load=Load(num_waiting=0, num_running=0, num_free_blocks=7, num_total_blocks=7, num_queued_tokens=0)
+    ),
     Control(command="pause"),
     ControlAck(command="pause", state="paused"),
     ControlAck(command="suspend", state="suspended", bytes_released=123456789),
     WeightTensor(name="model.norm.weight", dtype="float32", shape=[64]),
-    WeightSync(init_method="tcp://10.0.0.1:29511", world_size=3, rank=2, backend="gloo", bucket_bytes=1 << 20,
-               tensors=[WeightTensor(name="a.weight", dtype="bfloat16", shape=[2, 3])]),
+    WeightSync(
+        init_method="tcp://10.0.0.1:29511",
+        world_size=3,
+        rank=2,
+        backend="gloo",
+        bucket_bytes=1 << 20,
+        tensors=[WeightTensor(name="a.weight", dtype="bfloat16", shape=[2, 3])],
+    ),
     UpdateWeights(path="/models/step-100", on_running="abort", timeout_s=60.0, version=4),
-    UpdateWeights(sync=WeightSync(init_method="tcp://h:1", world_size=2,
-                                  tensors=[WeightTensor(name="x", dtype="float16", shape=[])])),
+    UpdateWeights(
+        sync=WeightSync(
+            init_method="tcp://h:1", world_size=2, tensors=[WeightTensor(name="x", dtype="float16", shape=[])]
+        )
+    ),
     WeightsUpdated(version=3, num_tensors=20),
     WeightsUpdated(version=3, error="weight update: tensor 'x' has dtype int32"),
     WeightsUpdated(version=3, prepared=True, num_tensors=20),
-    CommitWeights(version=3), CommitWeights(version=3, commit=False),
-    LoraCommand(action="load", lora_name="sql", lora_path="/adapters/sql"), LoraCommand(action="unload", lora_name="sql"),
+    CommitWeights(version=3),
+    CommitWeights(version=3, commit=False),
+    LoraCommand(action="load", lora_name="sql", lora_path="/adapters/sql"),
+    LoraCommand(action="unload", lora_name="sql"),
     LoraDone(action="load", lora_name="sql", lora_adapters={"sql": "/adapters/sql"}),
     LoraDone(action="unload", lora_name="x", error="no LoRA adapter 'x' is loaded"),
-    Load(num_waiting=0, num_running=0, num_free_blocks=3, num_total_blocks=4, num_queued_tokens=0, weight_version=2,
-         suspended=True, bytes_released=1 << 30),
-    DeltaBatch(deltas=[Delta(request_id="a", token_ids=TokenIds([3]), text="z", prompt_token_ids=TokenIds([1])),
-                       Delta(request_id="b", token_ids=TokenIds([]), text="", finished=True, finish_reason="abort")]),
+    Load(
+        num_waiting=0,
+        num_running=0,
+        num_free_blocks=3,
+        num_total_blocks=4,
+        num_queued_tokens=0,
+        weight_version=2,
+        suspended=True,
+        bytes_released=1 << 30,
+    ),
+    DeltaBatch(
+        deltas=[
+            Delta(request_id="a", token_ids=TokenIds([3]), text="z", prompt_token_ids=TokenIds([1])),
+            Delta(request_id="b", token_ids=TokenIds([]), text="", finished=True, finish_reason="abort"),
+        ]
+    ),
     StatsRequest(),
     StatsRequest(min_healthy_workers=2, timeout_s=30.0),
-    WorkerStats(worker_id="w0", dp_rank=0, group_id="g0", healthy=True, num_kv_blocks=10, block_size=16,
-                max_num_seqs=8, max_model_len=256, requests_routed=3, num_in_flight=1, seconds_since_heard=0.2),
-    ClusterStats(coordinator_id="coord", state="running", policy="least-loaded", model_id="m",
-                 workers=[WorkerStats(worker_id="w1", dp_rank=1, group_id="g1", healthy=False, num_kv_blocks=10,
-                                      block_size=16, max_num_seqs=8, max_model_len=256, requests_routed=0,
-                                      num_in_flight=0, seconds_since_heard=9.5, registrations=2,
-                                      load=Load(num_waiting=1, num_running=2, num_free_blocks=3,
-                                                num_total_blocks=10, num_queued_tokens=40))],
-                 num_clients=1, num_in_flight=0, num_held=2, requests_submitted=5, requests_completed=3,
-                 requests_failed=0, requests_aborted=0, requests_redispatched=1, frames_rejected=4, uptime_s=1.5),
+    WorkerStats(
+        worker_id="w0",
+        dp_rank=0,
+        group_id="g0",
+        healthy=True,
+        num_kv_blocks=10,
+        block_size=16,
+        max_num_seqs=8,
+        max_model_len=256,
+        requests_routed=3,
+        num_in_flight=1,
+        seconds_since_heard=0.2,
+    ),
+    ClusterStats(
+        coordinator_id="coord",
+        state="running",
+        policy="least-loaded",
+        model_id="m",
+        workers=[
+            WorkerStats(
+                worker_id="w1",
+                dp_rank=1,
+                group_id="g1",
+                healthy=False,
+                num_kv_blocks=10,
+                block_size=16,
+                max_num_seqs=8,
+                max_model_len=256,
+                requests_routed=0,
+                num_in_flight=0,
+                seconds_since_heard=9.5,
+                registrations=2,
+                load=Load(num_waiting=1, num_running=2, num_free_blocks=3, num_total_blocks=10, num_queued_tokens=40),
+            )
+        ],
+        num_clients=1,
+        num_in_flight=0,
+        num_held=2,
+        requests_submitted=5,
+        requests_completed=3,
+        requests_failed=0,
+        requests_aborted=0,
+        requests_redispatched=1,
+        frames_rejected=4,
+        uptime_s=1.5,
+    ),
 ]
 
 
@@ -113,23 +260,53 @@ def test_token_ids_travel_as_an_int_array_checked_by_the_decoder():
 def test_fields_at_their_default_stay_off_the_wire():
     body = msgpack.unpackb(encode(Delta(request_id="r", token_ids=TokenIds([1]), text="a")), raw=False)["body"]
     assert set(body) == {"request_id", "token_ids", "text"}
-    full = Delta(request_id="r", token_ids=TokenIds([]), text="", finished=True, finish_reason="stop", error="",
-                 num_prompt_tokens=0, num_cached_tokens=3, prompt_token_ids=TokenIds([]))
+    full = Delta(
+        request_id="r",
+        token_ids=TokenIds([]),
+        text="",
+        finished=True,
+        finish_reason="stop",
+        error="",
+        num_prompt_tokens=0,
+        num_cached_tokens=3,
+        prompt_token_ids=TokenIds([]),
+    )
     body = msgpack.unpackb(encode(full), raw=False)["body"]
-    assert set(body) == {"request_id", "token_ids", "text", "finished", "finish_reason", "error",
-                         "num_cached_tokens", "prompt_token_ids"}   # [] is not None, "" is not None
+    assert set(body) == {
+        "request_id",
+        "token_ids",
+        "text",
+        "finished",
+        "finish_reason",
+        "error",
+        "num_cached_tokens",
+        "prompt_token_ids",
+    }  # [] is not None, "" is not None
     assert decode(encode(full)) == full
 
 
 def test_sampling_travels_nested_with_only_the_fields_that_differ_from_the_defaults():
-    assert set(msgpack.unpackb(encode(Submit(request_id="r", prompt="x")), raw=False)["body"]) == {"request_id",
-                                                                                                   "prompt"}
-    params = SamplingParams(temperature=0.0, max_tokens=None, stop="\n", logit_bias={5: -1.5}, seed=0,
-                            structured_outputs={"choice": ["a", "b"]})
+    assert set(msgpack.unpackb(encode(Submit(request_id="r", prompt="x")), raw=False)["body"]) == {
+        "request_id",
+        "prompt",
+    }
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=None,
+        stop="\n",
+        logit_bias={5: -1.5},
+        seed=0,
+        structured_outputs={"choice": ["a", "b"]},
+    )
     submit = Submit(request_id="r", prompt="x", sampling=params)
     assert msgpack.unpackb(encode(submit), raw=False)["body"]["sampling"] == {
-        "temperature": 0.0, "max_tokens": None, "stop": ["\n"], "seed": 0, "logit_bias": [[5, -1.5]],
-        "structured_outputs": {"choice": ["a", "b"]}}
+        "temperature": 0.0,
+        "max_tokens": None,
+        "stop": ["\n"],
+        "seed": 0,
+        "logit_bias": [[5, -1.5]],
+        "structured_outputs": {"choice": ["a", "b"]},
+    }
     back = decode(encode(submit))
     assert back.sampling == params and type(back.sampling) is SamplingParams
 
@@ -138,82 +315,170 @@ def _frame(kind, body, version=PROTOCOL_VERSION):
     return msgpack.packb({"type": kind, "v": version, "body": body}, use_bin_type=True)
 
 
-@pytest.mark.parametrize("frame, message", [
-    (b"\xc1", "not valid msgpack"),
-    (msgpack.packb([1, 2, 3]), "must be a map with exactly"),
-    (msgpack.packb({"type": "submit", "body": {}}), "must be a map with exactly.*missing required field `v`"),
-    (_frame("nope", {}), "unknown message type 'nope'"),
-    (_frame("accepted", {"request_id": "r"}, version=99), "schema version 99"),
-    (_frame("accepted", [1]), "'accepted': Expected `object`, got `array`"),
-    (_frame("accepted", {}), "'accepted': Object missing required field `request_id`"),
-    (_frame("accepted", {"request_id": "r", "extra": 1}), "unknown field `extra`"),
-    (_frame("accepted", {"request_id": 5}), "field 'request_id': Expected `str`, got `int`"),
-    (_frame("heartbeat", {"sent_at": "soon"}), "field 'sent_at': Expected `float`, got `str`"),
-    (_frame("load", {"num_waiting": -1, "num_running": 0, "num_free_blocks": 0, "num_total_blocks": 0,
-                     "num_queued_tokens": 0}), "field 'num_waiting': Expected `int` >= 0"),
-    (_frame("load", {"num_waiting": True, "num_running": 0, "num_free_blocks": 0, "num_total_blocks": 0,
-                     "num_queued_tokens": 0}), "field 'num_waiting': Expected `int`, got `bool`"),
-    (_frame("load", {"num_waiting": 0, "num_running": 0, "num_free_blocks": 0, "num_total_blocks": 0,
-                     "num_queued_tokens": 0, "spec_decode_num_accepted_tokens_per_pos": [0] * 65}),
-     "field 'spec_decode_num_accepted_tokens_per_pos': Expected `array` of length <= 64"),
-    (_frame("submit", {"request_id": "r"}), "exactly one of 'prompt' and 'prompt_token_ids'"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temperature": -1}}),
-     "field 'sampling.temperature': temperature must be >= 0"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temprature": 1}}),
-     "field 'sampling': Object contains unknown field `temprature`"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"top_p": 2}}),
-     "field 'sampling.top_p': top_p must be in \\(0, 1\\]"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"top_p": "x"}}),
-     "field 'sampling.top_p': Expected `float`, got `str`"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"max_tokens": 2**64 - 1}}),
-     "field 'sampling.max_tokens': max_tokens must fit in 64 bits"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"min_tokens": 9, "max_tokens": 3}}),
-     "field 'sampling.min_tokens': min_tokens \\(9\\) must be <= max_tokens \\(3\\)"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": 5}}),
-     "field 'sampling.stop': Expected `array`, got `int`"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": ["a", 3]}}),
-     "field 'sampling.stop\\[1\\]': Expected `str`, got `int`"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": ["a", ""]}}),
-     "field 'sampling.stop': stop must hold non-empty strings"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"logit_bias": [[1, 1e9]]}}),
-     "field 'sampling.logit_bias': logit_bias values must be in \\[-100, 100\\]"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": 5}}}),
-     "field 'sampling.structured_outputs.regex': Expected `str | null`, got `int`"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": ""}}}),
-     "field 'sampling.structured_outputs': structured_outputs.regex must be a non-empty string"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": "a", "x": 1}}}),
-     "field 'sampling.structured_outputs': Object contains unknown field `x`"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": {1: 2, "b": 3}}),
-     "Expected `str`, got `int` - at `key` in `\\$.sampling`"),
-    (_frame("submit", {"request_id": "r", "prompt": "x", "sampling": [1]}),
-     "field 'sampling': Expected `object`, got `array`"),
-    (_frame("dispatch", {"request_id": "r", "prompt": "x", "sampling": {"seed": -1}}),
-     "field 'sampling.seed': seed must be in \\[0, 2\\*\\*63\\)"),
-    (_frame("dispatch", {"request_id": "r", "prompt": "x"}), "'dispatch': Object missing required field `sampling`"),
-    (_frame("submit", {"request_id": "r", "prompt_token_ids": b"\x01\x02\x03"}),
-     "field 'prompt_token_ids': Expected `array \\| null`, got `bytes`"),
-    (_frame("submit", {"request_id": "r", "prompt_token_ids": [1, -1]}),
-     "field 'prompt_token_ids\\[1\\]': Expected `int` >= 0"),
-    (_frame("submit", {"request_id": "", "prompt": "x"}), "'request_id' must be 1..256"),
-    (_frame("dispatch", {"request_id": "", "prompt": "x", "sampling": {}}),
-     "field 'request_id': Expected `str` of length >= 1"),
-    (_frame("control", {"command": "explode"}), "field 'command': Invalid enum value 'explode'"),
-    (_frame("hello", {"role": "worker", "peer_id": "w"}), "a worker hello needs field 'model_id'"),
-    (_frame("hello", {"role": "admin", "peer_id": "w"}), "'role' must be one of"),
-    (_frame("delta", {"request_id": "r", "token_ids": [], "text": "", "finished": True}), "needs a finish_reason"),
-    (_frame("step_batch", {"deltas": [{"request_id": "r"}], "load": {}}),
-     "field 'deltas\\[0\\]': Object missing required field `token_ids`"),
-    (_frame("step_batch", {"deltas": [{"request_id": "r", "token_ids": [], "text": "", "finished": True}],
-                           "load": {}}), "field 'deltas\\[0\\]': a finished delta needs a finish_reason"),
-    (_frame("step_batch", {"deltas": [5], "load": {}}), "field 'deltas\\[0\\]': Expected `object`, got `int`"),
-    (_frame("dispatch", {"request_id": "r", "sampling": {}, "prompt": "x", "resumed_token_ids": [1]}),
-     "'resumed_token_ids' needs 'prompt_token_ids'"),
-    (_frame("stats_request", {"min_healthy_workers": -1}), "'min_healthy_workers' must be >= 0"),
-    (_frame("stats_request", {"timeout_s": 1e9}), "'timeout_s' must be in"),
-    (_frame("delta_batch", {"deltas": {}}), "field 'deltas': Expected `array`, got `object`"),
-    (_frame("heartbeat", {"sent_at": 1.0, "load": 3}), "field 'load': Expected `object \\| null`, got `int`"),
-    (_frame("cluster_stats", {"workers": []}), "missing required field `coordinator_id`"),
-])
+@pytest.mark.parametrize(
+    "frame, message",
+    [
+        (b"\xc1", "not valid msgpack"),
+        (msgpack.packb([1, 2, 3]), "must be a map with exactly"),
+        (msgpack.packb({"type": "submit", "body": {}}), "must be a map with exactly.*missing required field `v`"),
+        (_frame("nope", {}), "unknown message type 'nope'"),
+        (_frame("accepted", {"request_id": "r"}, version=99), "schema version 99"),
+        (_frame("accepted", [1]), "'accepted': Expected `object`, got `array`"),
+        (_frame("accepted", {}), "'accepted': Object missing required field `request_id`"),
+        (_frame("accepted", {"request_id": "r", "extra": 1}), "unknown field `extra`"),
+        (_frame("accepted", {"request_id": 5}), "field 'request_id': Expected `str`, got `int`"),
+        (_frame("heartbeat", {"sent_at": "soon"}), "field 'sent_at': Expected `float`, got `str`"),
+        (
+            _frame(
+                "load",
+                {
+                    "num_waiting": -1,
+                    "num_running": 0,
+                    "num_free_blocks": 0,
+                    "num_total_blocks": 0,
+                    "num_queued_tokens": 0,
+                },
+            ),
+            "field 'num_waiting': Expected `int` >= 0",
+        ),
+        (
+            _frame(
+                "load",
+                {
+                    "num_waiting": True,
+                    "num_running": 0,
+                    "num_free_blocks": 0,
+                    "num_total_blocks": 0,
+                    "num_queued_tokens": 0,
+                },
+            ),
+            "field 'num_waiting': Expected `int`, got `bool`",
+        ),
+        (
+            _frame(
+                "load",
+                {
+                    "num_waiting": 0,
+                    "num_running": 0,
+                    "num_free_blocks": 0,
+                    "num_total_blocks": 0,
+                    "num_queued_tokens": 0,
+                    "spec_decode_num_accepted_tokens_per_pos": [0] * 65,
+                },
+            ),
+            "field 'spec_decode_num_accepted_tokens_per_pos': Expected `array` of length <= 64",
+        ),
+        (_frame("submit", {"request_id": "r"}), "exactly one of 'prompt' and 'prompt_token_ids'"),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temperature": -1}}),
+            "field 'sampling.temperature': temperature must be >= 0",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"temprature": 1}}),
+            "field 'sampling': Object contains unknown field `temprature`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"top_p": 2}}),
+            "field 'sampling.top_p': top_p must be in \\(0, 1\\]",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"top_p": "x"}}),
+            "field 'sampling.top_p': Expected `float`, got `str`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"max_tokens": 2**64 - 1}}),
+            "field 'sampling.max_tokens': max_tokens must fit in 64 bits",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"min_tokens": 9, "max_tokens": 3}}),
+            "field 'sampling.min_tokens': min_tokens \\(9\\) must be <= max_tokens \\(3\\)",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": 5}}),
+            "field 'sampling.stop': Expected `array`, got `int`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": ["a", 3]}}),
+            "field 'sampling.stop\\[1\\]': Expected `str`, got `int`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"stop": ["a", ""]}}),
+            "field 'sampling.stop': stop must hold non-empty strings",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"logit_bias": [[1, 1e9]]}}),
+            "field 'sampling.logit_bias': logit_bias values must be in \\[-100, 100\\]",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": 5}}}),
+            "field 'sampling.structured_outputs.regex': Expected `str | null`, got `int`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": ""}}}),
+            "field 'sampling.structured_outputs': structured_outputs.regex must be a non-empty string",
+        ),
+        (
+            _frame(
+                "submit", {"request_id": "r", "prompt": "x", "sampling": {"structured_outputs": {"regex": "a", "x": 1}}}
+            ),
+            "field 'sampling.structured_outputs': Object contains unknown field `x`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": {1: 2, "b": 3}}),
+            "Expected `str`, got `int` - at `key` in `\\$.sampling`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt": "x", "sampling": [1]}),
+            "field 'sampling': Expected `object`, got `array`",
+        ),
+        (
+            _frame("dispatch", {"request_id": "r", "prompt": "x", "sampling": {"seed": -1}}),
+            "field 'sampling.seed': seed must be in \\[0, 2\\*\\*63\\)",
+        ),
+        (
+            _frame("dispatch", {"request_id": "r", "prompt": "x"}),
+            "'dispatch': Object missing required field `sampling`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt_token_ids": b"\x01\x02\x03"}),
+            "field 'prompt_token_ids': Expected `array \\| null`, got `bytes`",
+        ),
+        (
+            _frame("submit", {"request_id": "r", "prompt_token_ids": [1, -1]}),
+            "field 'prompt_token_ids\\[1\\]': Expected `int` >= 0",
+        ),
+        (_frame("submit", {"request_id": "", "prompt": "x"}), "'request_id' must be 1..256"),
+        (
+            _frame("dispatch", {"request_id": "", "prompt": "x", "sampling": {}}),
+            "field 'request_id': Expected `str` of length >= 1",
+        ),
+        (_frame("control", {"command": "explode"}), "field 'command': Invalid enum value 'explode'"),
+        (_frame("hello", {"role": "worker", "peer_id": "w"}), "a worker hello needs field 'model_id'"),
+        (_frame("hello", {"role": "admin", "peer_id": "w"}), "'role' must be one of"),
+        (_frame("delta", {"request_id": "r", "token_ids": [], "text": "", "finished": True}), "needs a finish_reason"),
+        (
+            _frame("step_batch", {"deltas": [{"request_id": "r"}], "load": {}}),
+            "field 'deltas\\[0\\]': Object missing required field `token_ids`",
+        ),
+        (
+            _frame(
+                "step_batch",
+                {"deltas": [{"request_id": "r", "token_ids": [], "text": "", "finished": True}], "load": {}},
+            ),
+            "field 'deltas\\[0\\]': a finished delta needs a finish_reason",
+        ),
+        (_frame("step_batch", {"deltas": [5], "load": {}}), "field 'deltas\\[0\\]': Expected `object`, got `int`"),
+        (
+            _frame("dispatch", {"request_id": "r", "sampling": {}, "prompt": "x", "resumed_token_ids": [1]}),
+            "'resumed_token_ids' needs 'prompt_token_ids'",
+        ),
+        (_frame("stats_request", {"min_healthy_workers": -1}), "'min_healthy_workers' must be >= 0"),
+        (_frame("stats_request", {"timeout_s": 1e9}), "'timeout_s' must be in"),
+        (_frame("delta_batch", {"deltas": {}}), "field 'deltas': Expected `array`, got `object`"),
+        (_frame("heartbeat", {"sent_at": 1.0, "load": 3}), "field 'load': Expected `object \\| null`, got `int`"),
+        (_frame("cluster_stats", {"workers": []}), "missing required field `coordinator_id`"),
+    ],
+)
 def test_malformed_frames_name_the_problem(frame, message):
     with pytest.raises(ProtocolError, match=message):
         decode(frame)
@@ -254,7 +519,7 @@ def _mutations(rng: random.Random, frame: bytes) -> bytes:
         if op == 0 and data:
             data[rng.randrange(len(data))] = rng.randrange(256)
         elif op == 1 and data:
-            del data[rng.randrange(len(data)):]
+            del data[rng.randrange(len(data)) :]
         else:
             data.insert(rng.randrange(len(data) + 1), rng.randrange(256))
     return bytes(data)
@@ -279,29 +544,42 @@ def test_fuzz_only_protocol_errors():
     assert outcomes["error"] > 10_000 and sum(outcomes.values()) == 20_000
 
 
-@pytest.mark.parametrize("bad, text", [
-    (dict(timeout_s=0.0), "timeout_s"), (dict(timeout_s=float("nan")), "timeout_s"),
-    (dict(delivered_token_ids=TokenIds([3])), "reattach"),
-    (dict(reattach=True, delivered_token_ids=TokenIds([3, 4, 5]), sampling=SamplingParams(max_tokens=2)),
-     "'delivered_token_ids' hold 3 tokens, more than sampling.max_tokens \\(2\\)"),
-])
+@pytest.mark.parametrize(
+    "bad, text",
+    [
+        (dict(timeout_s=0.0), "timeout_s"),
+        (dict(timeout_s=float("nan")), "timeout_s"),
+        (dict(delivered_token_ids=TokenIds([3])), "reattach"),
+        (
+            dict(reattach=True, delivered_token_ids=TokenIds([3, 4, 5]), sampling=SamplingParams(max_tokens=2)),
+            "'delivered_token_ids' hold 3 tokens, more than sampling.max_tokens \\(2\\)",
+        ),
+    ],
+)
 def test_submit_deadline_and_reattach_are_checked(bad, text):
     with pytest.raises(ProtocolError, match=text):
         Submit(request_id="r", prompt_token_ids=TokenIds([1]), **bad)
 
 
-@pytest.mark.parametrize("build, text", [
-    (lambda: UpdateWeights(), "exactly one of 'path' and 'sync'"),
-    (lambda: UpdateWeights(path="/m", on_running="later"), "'on_running' must be one of drain, abort"),
-    (lambda: UpdateWeights(path="/m", timeout_s=0), "'timeout_s' must be in"),
-    (lambda: WeightSync(init_method="10.0.0.1:5", world_size=2, tensors=[WeightTensor("x", "float32", [1])]),
-     "tcp://HOST:PORT"),
-    (lambda: WeightSync(init_method="tcp://h:5", world_size=1, tensors=[WeightTensor("x", "float32", [1])]),
-     "'world_size' must be >= 2"),
-    (lambda: WeightSync(init_method="tcp://h:5", world_size=2, tensors=[]), "at least one tensor"),
-    (lambda: WeightTensor(name="x", dtype="int8", shape=[1]), "tensor 'x': dtype must be"),
-    (lambda: WeightTensor(name="x", dtype="float32", shape=[-1]), "tensor 'x': shape"),
-])
+@pytest.mark.parametrize(
+    "build, text",
+    [
+        (lambda: UpdateWeights(), "exactly one of 'path' and 'sync'"),
+        (lambda: UpdateWeights(path="/m", on_running="later"), "'on_running' must be one of drain, abort"),
+        (lambda: UpdateWeights(path="/m", timeout_s=0), "'timeout_s' must be in"),
+        (
+            lambda: WeightSync(init_method="10.0.0.1:5", world_size=2, tensors=[WeightTensor("x", "float32", [1])]),
+            "tcp://HOST:PORT",
+        ),
+        (
+            lambda: WeightSync(init_method="tcp://h:5", world_size=1, tensors=[WeightTensor("x", "float32", [1])]),
+            "'world_size' must be >= 2",
+        ),
+        (lambda: WeightSync(init_method="tcp://h:5", world_size=2, tensors=[]), "at least one tensor"),
+        (lambda: WeightTensor(name="x", dtype="int8", shape=[1]), "tensor 'x': dtype must be"),
+        (lambda: WeightTensor(name="x", dtype="float32", shape=[-1]), "tensor 'x': shape"),
+    ],
+)
 def test_weight_update_messages_are_checked(build, text):
     with pytest.raises(ProtocolError, match=text):
         build()

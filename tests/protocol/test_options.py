@@ -31,13 +31,29 @@ def test_every_field_has_a_flag_with_help(cls):
 
 
 def test_flags_parse_into_the_fields_given_and_the_rest_keep_defaults():
-    args = parser_for(EngineConfig).parse_args(["--max-num-seqs", "3", "--no-enable-prefix-caching", "--threads", "2",
-                                                "--dtype", "float32", "--kv-cache-memory-fraction", "0.2"])
+    args = parser_for(EngineConfig).parse_args(
+        [
+            "--max-num-seqs",
+            "3",
+            "--no-enable-prefix-caching",
+            "--threads",
+            "2",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory-fraction",
+            "0.2",
+        ]
+    )
     options = given(EngineConfig, args)
-    assert options == {"max_num_seqs": 3, "enable_prefix_caching": False, "num_threads": 2, "dtype": "float32",
-                       "kv_cache_memory_fraction": 0.2}
+    assert options == {
+        "max_num_seqs": 3,
+        "enable_prefix_caching": False,
+        "num_threads": 2,
+        "dtype": "float32",
+        "kv_cache_memory_fraction": 0.2,
+    }
     config = EngineConfig.from_options(**options)
-    assert config.block_size == EngineConfig().block_size and config.enforce_eager is None   # None: by device
+    assert config.block_size == EngineConfig().block_size and config.enforce_eager is None  # None: by device
 
 
 def test_choices_come_from_the_field():
@@ -45,11 +61,22 @@ def test_choices_come_from_the_field():
         parser_for(EngineConfig).parse_args(["--dtype", "int3"])
 
 
-@pytest.mark.parametrize("config", [
-    EngineConfig(model="/m", dtype="bfloat16", max_model_len=128, enable_chunked_prefill=False,
-                 max_num_batched_tokens=256, num_threads=4, enforce_eager=False, suspend_weights="reload"),
-    EngineConfig(),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        EngineConfig(
+            model="/m",
+            dtype="bfloat16",
+            max_model_len=128,
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=256,
+            num_threads=4,
+            enforce_eager=False,
+            suspend_weights="reload",
+        ),
+        EngineConfig(),
+    ],
+)
 def test_a_config_survives_argv_and_back(config):
     argv = to_argv(EngineConfig, config)
     assert EngineConfig.from_options(**given(EngineConfig, parser_for(EngineConfig).parse_args(argv))) == config
@@ -57,9 +84,15 @@ def test_a_config_survives_argv_and_back(config):
 
 def test_to_argv_writes_only_what_differs_from_the_defaults():
     assert to_argv(EngineConfig, {"num_threads": 2, "max_num_seqs": 256, "enforce_eager": False}) == [
-        "--threads", "2", "--no-enforce-eager"]
+        "--threads",
+        "2",
+        "--no-enforce-eager",
+    ]
     assert to_argv(CoordinatorConfig, CoordinatorConfig(port=7, trusted_network=True)) == [
-        "--port", "7", "--trusted-network"]
+        "--port",
+        "7",
+        "--trusted-network",
+    ]
 
 
 def test_a_launcher_may_take_the_fields_defaults_as_its_flags_defaults():
@@ -85,7 +118,12 @@ def test_infer_variables_are_read_in_protocol_env_only():
         if re.search(r"environ[^\n]*[\"']INFER_|getenv\([\"']INFER_", path.read_text()):
             readers.append(str(rel))
     assert readers == []
-    assert {v.name for v in env.VARIABLES} >= {"INFER_MODEL_CACHE", "INFER_COMPILE_CACHE", "INFER_KERNELS",
-                                               "INFER_API_KEY", "INFER_COORDINATOR_PORT"}
+    assert {v.name for v in env.VARIABLES} >= {
+        "INFER_MODEL_CACHE",
+        "INFER_COMPILE_CACHE",
+        "INFER_KERNELS",
+        "INFER_API_KEY",
+        "INFER_COORDINATOR_PORT",
+    }
     assert env.read(env.KERNELS, {"INFER_KERNELS": "  torch "}) == "torch"
     assert env.read(env.KERNELS, {"INFER_KERNELS": "  "}) is None and env.read(env.KERNELS, {}) is None

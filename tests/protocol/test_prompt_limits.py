@@ -7,8 +7,17 @@ import pytest
 
 from infer.protocol.prompt_limits import max_prompt_bytes, max_token_bytes, prompt_size_error
 
-AWKWARD = ["#" * 5000, " " * 5000, "\n" + " " * 5000, "a" * 5000, "é" * 3000, "😀" * 2000,
-           "<|im_start|>" * 300, "hello world " * 500, "".join(chr(c) for c in range(32, 3000))]
+AWKWARD = [
+    "#" * 5000,
+    " " * 5000,
+    "\n" + " " * 5000,
+    "a" * 5000,
+    "é" * 3000,
+    "😀" * 2000,
+    "<|im_start|>" * 300,
+    "hello world " * 500,
+    "".join(chr(c) for c in range(32, 3000)),
+]
 
 
 @pytest.mark.parametrize("text", AWKWARD, ids=range(len(AWKWARD)))
@@ -26,7 +35,7 @@ def test_a_prompt_at_the_bound_is_refused_and_one_below_is_left_to_the_tokenizer
     assert prompt_size_error("a" * (limit - 1), 256, token_bytes) is None
     error = prompt_size_error("a" * limit, 256, token_bytes)
     assert error is not None and f"{limit} characters" in error and "256 tokens" in error
-    wide = "é" * (limit // 2)   # under the limit in characters, at it in bytes
+    wide = "é" * (limit // 2)  # under the limit in characters, at it in bytes
     assert "bytes long" in prompt_size_error(wide, 256, token_bytes)
 
 

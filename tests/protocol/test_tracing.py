@@ -17,15 +17,20 @@ TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 CALLER = f"00-{TRACE}-{SPAN}-01"
 
 
-@pytest.mark.parametrize("header", [
-    f"00-{TRACE}-{SPAN}",                    # no flags
-    f"01-{TRACE}-{SPAN}-01",                 # another version
-    f"00-{TRACE.upper()}-{SPAN}-01",         # upper-case hex
-    f"00-{'0' * 32}-{SPAN}-01",              # the all-zero trace id
-    f"00-{TRACE}-{'0' * 16}-01",             # the all-zero span id
-    f"00-{TRACE[:-1]}-{SPAN}-01",            # a short id
-    f" {CALLER}", f"{CALLER}\n", "",
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        f"00-{TRACE}-{SPAN}",  # no flags
+        f"01-{TRACE}-{SPAN}-01",  # another version
+        f"00-{TRACE.upper()}-{SPAN}-01",  # upper-case hex
+        f"00-{'0' * 32}-{SPAN}-01",  # the all-zero trace id
+        f"00-{TRACE}-{'0' * 16}-01",  # the all-zero span id
+        f"00-{TRACE[:-1]}-{SPAN}-01",  # a short id
+        f" {CALLER}",
+        f"{CALLER}\n",
+        "",
+    ],
+)
 def test_invalid_traceparents_are_recognised(header):
     assert parse_traceparent(header) is None
     with pytest.raises(ValueError, match="traceparent"):

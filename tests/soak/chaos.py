@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: `soak` imports when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `soak` imports when run as a script
 from infer.client.inference_client import ClusterError, InferenceClient
 from soak.harness import (
     ClusterSpec,
@@ -60,29 +60,29 @@ from soak.harness import (
     write_result,
 )
 
-BUSY_WAIT_S = 5.0   # a kill waits at most this long for its target to have requests in flight
+BUSY_WAIT_S = 5.0  # a kill waits at most this long for its target to have requests in flight
 
 
 @dataclass
 class ChaosConfig:
-    duration: float = 300.0               # seconds of load
+    duration: float = 300.0  # seconds of load
     workers: int = 3
     clients: int = 4
-    rate: float = 25.0                    # requests/s offered (Poisson): well below capacity on 2 cores
-    kill_every: float = 30.0              # a worker kill -9 every this many seconds
-    worker_kills: list[float] | None = None    # explicit times instead (seconds into the run)
-    coordinator_kill_at: float | None = -1.0   # -1: mid-run, between two worker kills; None: never
-    pauses: list[float] | None = None     # times of pause / unpause (default: halfway between worker kills)
+    rate: float = 25.0  # requests/s offered (Poisson): well below capacity on 2 cores
+    kill_every: float = 30.0  # a worker kill -9 every this many seconds
+    worker_kills: list[float] | None = None  # explicit times instead (seconds into the run)
+    coordinator_kill_at: float | None = -1.0  # -1: mid-run, between two worker kills; None: never
+    pauses: list[float] | None = None  # times of pause / unpause (default: halfway between worker kills)
     pause_seconds: float = 1.0
     stream_fraction: float = 0.6
     abort_fraction: float = 0.15
     prompt_len: tuple[int, int] = (4, 64)
-    max_tokens: tuple[int, int] = (64, 1024)   # long enough that dozens of requests are in flight at a kill
-    max_num_seqs: int = 32                # per worker
-    max_outstanding: int = 400            # arrivals wait beyond this many requests out (counted: throttled)
-    request_deadline: float = 90.0        # a request not ended by then is "hung"
-    recovery_timeout: float = 30.0        # for the cluster to be whole again after an event
-    settle_timeout: float = 30.0          # for the KV pools to empty at the end
+    max_tokens: tuple[int, int] = (64, 1024)  # long enough that dozens of requests are in flight at a kill
+    max_num_seqs: int = 32  # per worker
+    max_outstanding: int = 400  # arrivals wait beyond this many requests out (counted: throttled)
+    request_deadline: float = 90.0  # a request not ended by then is "hung"
+    recovery_timeout: float = 30.0  # for the cluster to be whole again after an event
+    settle_timeout: float = 30.0  # for the KV pools to empty at the end
     seed: int = 0
     logs: Path | None = None
 
@@ -102,7 +102,7 @@ class ChaosConfig:
         kills = self.worker_kill_times()
         before = max([t for t in kills if t <= half], default=0.0)
         after = min([t for t in kills if t > half], default=self.duration)
-        return before + (after - before) / 4    # a quarter of the way from the mid-run kill to the next one
+        return before + (after - before) / 4  # a quarter of the way from the mid-run kill to the next one
 
     def pause_times(self) -> list[float]:
         if self.pauses is not None:
@@ -112,18 +112,24 @@ class ChaosConfig:
 
 @dataclass
 class Event:
-    at: float                 # seconds into the run, planned
-    kind: str                 # worker_kill | coordinator_kill | pause
+    at: float  # seconds into the run, planned
+    kind: str  # worker_kill | coordinator_kill | pause
     target: str = ""
-    started: float = 0.0      # seconds into the run, actual
+    started: float = 0.0  # seconds into the run, actual
     recovery_s: float | None = None
-    in_flight: int | None = None   # kills: requests on the victim (the whole cluster's, for the coordinator)
+    in_flight: int | None = None  # kills: requests on the victim (the whole cluster's, for the coordinator)
     ok: bool = False
     note: str = ""
 
 
-async def run_event(event: Event, cluster: ProcessCluster, control: InferenceClient, config: ChaosConfig,
-                    rng: random.Random, kill_count: list[int]) -> None:
+async def run_event(
+    event: Event,
+    cluster: ProcessCluster,
+    control: InferenceClient,
+    config: ChaosConfig,
+    rng: random.Random,
+    kill_count: list[int],
+) -> None:
     t0 = time.monotonic()
     try:
         if event.kind == "worker_kill":
@@ -135,10 +141,9 @@ async def run_event(event: Event, cluster: ProcessCluster, control: InferenceCli
             event.target = cluster.coordinator.instance
         elif event.kind == "pause":
             await control.pause()
-            await asyncio.sleep(config.pause_seconds)     # the pause lasts this long: the point of the event
+            await asyncio.sleep(config.pause_seconds)  # the pause lasts this long: the point of the event
             await control.unpause()
-        whole = await wait_until(lambda: healthy_count(control, config.workers), config.recovery_timeout,
-                                 0.05)
+        whole = await wait_until(lambda: healthy_count(control, config.workers), config.recovery_timeout, 0.05)
         event.recovery_s = time.monotonic() - t0
         event.ok = bool(whole)
         if not whole:
@@ -147,9 +152,15 @@ async def run_event(event: Event, cluster: ProcessCluster, control: InferenceCli
         event.note += f" {type(e).__name__}: {e}"
 
 
-async def kill_worker(event: Event, cluster: ProcessCluster, control: InferenceClient, config: ChaosConfig,
-                      rng: random.Random, kill_count: list[int]) -> None:
-    busy = await wait_until(lambda: _busy_ranks(control), BUSY_WAIT_S, 0.02) or {}   # a worker with requests
+async def kill_worker(
+    event: Event,
+    cluster: ProcessCluster,
+    control: InferenceClient,
+    config: ChaosConfig,
+    rng: random.Random,
+    kill_count: list[int],
+) -> None:
+    busy = await wait_until(lambda: _busy_ranks(control), BUSY_WAIT_S, 0.02) or {}  # a worker with requests
     rank = rng.choice(sorted(busy)) if busy else rng.randrange(config.workers)
     victim = cluster.workers[rank]
     old_id = cluster.worker_ids[rank]
@@ -157,15 +168,19 @@ async def kill_worker(event: Event, cluster: ProcessCluster, control: InferenceC
     victim.kill9()
     kill_count[0] += 1
     same_id = kill_count[0] % 2 == 1
-    if not same_id:   # a new id may register once the coordinator has declared the old one dead
+    if not same_id:  # a new id may register once the coordinator has declared the old one dead
+
         async def declared_dead() -> bool:
             stats = await control.stats()
             return all(not w.healthy for w in stats.workers if w.worker_id == old_id)
+
         if not await wait_until(declared_dead, config.recovery_timeout, 0.05):
             event.note += f" {old_id} was not declared dead within {config.recovery_timeout} s;"
     cluster.start_worker(rank, same_id=same_id)
-    event.target = f"{victim.instance} ({old_id}) -> {cluster.workers[rank].instance} " \
-                   f"({cluster.worker_ids[rank]}, {'same id' if same_id else 'new id'})"
+    event.target = (
+        f"{victim.instance} ({old_id}) -> {cluster.workers[rank].instance} "
+        f"({cluster.worker_ids[rank]}, {'same id' if same_id else 'new id'})"
+    )
 
 
 async def _in_flight(control: InferenceClient) -> int:
@@ -183,8 +198,9 @@ async def healthy_count(control: InferenceClient, workers: int) -> bool:
     return sum(w.healthy for w in stats.workers) == workers
 
 
-async def controller(cluster: ProcessCluster, control: InferenceClient, config: ChaosConfig, start: float,
-                     events: list[Event]) -> None:
+async def controller(
+    cluster: ProcessCluster, control: InferenceClient, config: ChaosConfig, start: float, events: list[Event]
+) -> None:
     rng = random.Random(f"{config.seed}:chaos")
     kill_count = [0]
     for event in events:
@@ -207,22 +223,32 @@ async def run_chaos(config: ChaosConfig) -> dict[str, Any]:
     """Run the whole scenario (module doc) and return its result: config, events, outcomes and checks."""
     logs = config.logs or Path(tempfile.mkdtemp(prefix="infer-chaos-"))
     worker_flags = ("--max-num-seqs", str(config.max_num_seqs), "--max-model-len", "4096")
-    cluster = ProcessCluster(ClusterSpec(workers=config.workers, benchmark=True, worker_flags=worker_flags),
-                             logs)
-    workload = Workload(config.prompt_len, config.max_tokens, config.stream_fraction, config.abort_fraction,
-                        config.seed, tag="chaos")
+    cluster = ProcessCluster(ClusterSpec(workers=config.workers, benchmark=True, worker_flags=worker_flags), logs)
+    workload = Workload(
+        config.prompt_len, config.max_tokens, config.stream_fraction, config.abort_fraction, config.seed, tag="chaos"
+    )
     events = plan(config)
-    result: dict[str, Any] = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in
-                                         asdict(config).items()}, "logs": str(logs),
-                              "workload": workload.describe()}
+    result: dict[str, Any] = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "logs": str(logs),
+        "workload": workload.describe(),
+    }
     with cluster.dumped_on_failure():
         await cluster.start()
         clients = await cluster.connected_clients(config.clients)
         (control,) = await cluster.connected_clients(1, call_timeout=10.0)
         start = time.monotonic()
         chaos = asyncio.create_task(controller(cluster, control, config, start, events))
-        load = await open_loop(clients, workload, config.rate, config.duration, config.request_deadline,
-                               oracle=True, seed=config.seed, max_outstanding=config.max_outstanding)
+        load = await open_loop(
+            clients,
+            workload,
+            config.rate,
+            config.duration,
+            config.request_deadline,
+            oracle=True,
+            seed=config.seed,
+            max_outstanding=config.max_outstanding,
+        )
         await chaos
         settled = await wait_until(lambda: _idle_stats(control, config.workers), config.settle_timeout)
         final = settled or await _stats_or_none(control)
@@ -236,22 +262,29 @@ async def run_chaos(config: ChaosConfig) -> dict[str, Any]:
         "no_leaks": not shutdown["leaked"],
         "events_recovered": all(e.ok for e in events),
     }
-    result.update({
-        "events": [asdict(e) for e in events],
-        "requests": {"offered": load["offered"], "throttled": load["throttled"], "statuses": statuses,
-                     "by_kind": {kind: count_statuses([o for o in outcomes if o.kind == kind])
-                                 for kind in ("stream", "generate")},
-                     "errors": sorted({f"{o.error_code}: {o.error}"[:160] for o in outcomes
-                                       if o.status in ("error", "raised")})[:20],
-                     "latency_ms_completed": percentiles_ms([o.latency for o in outcomes
-                                                             if o.status == "completed"])},
-        "problems": problems(outcomes),
-        "final_stats": None if final is None else _stats_summary(final),
-        "peak_rss_kb": {**peaks, "loadgen": self_memory_kb()[1]},
-        "shutdown": shutdown,
-        "checks": checks,
-        "passed": all(checks.values()),
-    })
+    result.update(
+        {
+            "events": [asdict(e) for e in events],
+            "requests": {
+                "offered": load["offered"],
+                "throttled": load["throttled"],
+                "statuses": statuses,
+                "by_kind": {
+                    kind: count_statuses([o for o in outcomes if o.kind == kind]) for kind in ("stream", "generate")
+                },
+                "errors": sorted(
+                    {f"{o.error_code}: {o.error}"[:160] for o in outcomes if o.status in ("error", "raised")}
+                )[:20],
+                "latency_ms_completed": percentiles_ms([o.latency for o in outcomes if o.status == "completed"]),
+            },
+            "problems": problems(outcomes),
+            "final_stats": None if final is None else _stats_summary(final),
+            "peak_rss_kb": {**peaks, "loadgen": self_memory_kb()[1]},
+            "shutdown": shutdown,
+            "checks": checks,
+            "passed": all(checks.values()),
+        }
+    )
     return result
 
 
@@ -268,16 +301,37 @@ async def _stats_or_none(control: InferenceClient):
 
 
 def _stats_summary(stats: Any) -> dict[str, Any]:
-    keys = ("num_in_flight", "num_held", "requests_submitted", "requests_completed", "requests_failed",
-            "requests_aborted", "requests_redispatched", "requests_rejected", "requests_timed_out")
-    return {**{k: getattr(stats, k, None) for k in keys},
-            "workers": [{"worker_id": w.worker_id, "dp_rank": w.dp_rank, "healthy": w.healthy,
-                         "registrations": w.registrations,
-                         "load": None if w.load is None else {"running": w.load.num_running,
-                                                              "waiting": w.load.num_waiting,
-                                                              "free_blocks": w.load.num_free_blocks,
-                                                              "total_blocks": w.load.num_total_blocks}}
-                        for w in stats.workers]}
+    keys = (
+        "num_in_flight",
+        "num_held",
+        "requests_submitted",
+        "requests_completed",
+        "requests_failed",
+        "requests_aborted",
+        "requests_redispatched",
+        "requests_rejected",
+        "requests_timed_out",
+    )
+    return {
+        **{k: getattr(stats, k, None) for k in keys},
+        "workers": [
+            {
+                "worker_id": w.worker_id,
+                "dp_rank": w.dp_rank,
+                "healthy": w.healthy,
+                "registrations": w.registrations,
+                "load": None
+                if w.load is None
+                else {
+                    "running": w.load.num_running,
+                    "waiting": w.load.num_waiting,
+                    "free_blocks": w.load.num_free_blocks,
+                    "total_blocks": w.load.num_total_blocks,
+                },
+            }
+            for w in stats.workers
+        ],
+    }
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -287,8 +341,7 @@ def print_report(result: dict[str, Any]) -> None:
         rec = "-" if e["recovery_s"] is None else f"{e['recovery_s']:.2f}"
         flight = "-" if e["in_flight"] is None else str(e["in_flight"])
         ok = "yes" if e["ok"] else "NO"
-        print(f"  {e['started']:>6.1f} {e['kind']:<17} {flight:>9} {rec:>10} {ok:>3}  "
-              f"{e['target']}{e['note']}")
+        print(f"  {e['started']:>6.1f} {e['kind']:<17} {flight:>9} {rec:>10} {ok:>3}  {e['target']}{e['note']}")
     req = result["requests"]
     print(f"\nrequests: {req['offered']} offered ({req['throttled']} throttled at the outstanding cap)")
     print(f"  {'kind':<9}" + "".join(f"{s:>10}" for s in req["statuses"]))
@@ -315,8 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=d.clients)
     p.add_argument("--rate", type=float, default=d.rate, help="requests/s offered (default %(default)s)")
     p.add_argument("--kill-every", type=float, default=d.kill_every, help="seconds between worker kills")
-    p.add_argument("--coordinator-kill-at", type=float, default=None,
-                   help="seconds into the run (default: mid-run, between two worker kills)")
+    p.add_argument(
+        "--coordinator-kill-at",
+        type=float,
+        default=None,
+        help="seconds into the run (default: mid-run, between two worker kills)",
+    )
     p.add_argument("--no-coordinator-kill", action="store_true")
     p.add_argument("--pause-seconds", type=float, default=d.pause_seconds)
     p.add_argument("--abort-fraction", type=float, default=d.abort_fraction)
@@ -326,15 +383,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--logs", type=Path, help="directory for the daemons' logs (default: a new temp dir)")
     args = p.parse_args(argv)
-    config = ChaosConfig(duration=args.duration, workers=args.workers, clients=args.clients, rate=args.rate,
-                         kill_every=args.kill_every,
-                         coordinator_kill_at=None if args.no_coordinator_kill else
-                         (-1.0 if args.coordinator_kill_at is None else args.coordinator_kill_at),
-                         pause_seconds=args.pause_seconds, abort_fraction=args.abort_fraction,
-                         stream_fraction=args.stream_fraction, max_tokens=tuple(args.max_tokens),
-                         max_num_seqs=args.max_num_seqs, seed=args.seed, logs=args.logs)
-    print(f"chaos: {config.duration:g} s, {config.workers} benchmark-mode workers, {config.rate:g} req/s; "
-          "events: " + ", ".join(f"{e.kind}@{e.at:g}" for e in plan(config)), flush=True)
+    config = ChaosConfig(
+        duration=args.duration,
+        workers=args.workers,
+        clients=args.clients,
+        rate=args.rate,
+        kill_every=args.kill_every,
+        coordinator_kill_at=None
+        if args.no_coordinator_kill
+        else (-1.0 if args.coordinator_kill_at is None else args.coordinator_kill_at),
+        pause_seconds=args.pause_seconds,
+        abort_fraction=args.abort_fraction,
+        stream_fraction=args.stream_fraction,
+        max_tokens=tuple(args.max_tokens),
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+        logs=args.logs,
+    )
+    print(
+        f"chaos: {config.duration:g} s, {config.workers} benchmark-mode workers, {config.rate:g} req/s; "
+        "events: " + ", ".join(f"{e.kind}@{e.at:g}" for e in plan(config)),
+        flush=True,
+    )
     result = asyncio.run(run_chaos(config))
     print_report(result)
     path = write_result("chaos", result)

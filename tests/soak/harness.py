@@ -43,8 +43,16 @@ HOST = "127.0.0.1"
 # Short timeouts so faults are noticed in about a second (the same spirit as tests/cluster/conftest.py); for
 # --benchmark-mode workers, whose steps take microseconds. Workers with a model keep the production defaults
 # (heartbeat 1 s, timeouts 10 s): one engine step on a busy CPU can take longer than 2 s.
-FAST_COORDINATOR_FLAGS = ("--heartbeat-interval", "0.2", "--worker-timeout", "2", "--client-timeout", "5",
-                          "--stop-timeout", "5")
+FAST_COORDINATOR_FLAGS = (
+    "--heartbeat-interval",
+    "0.2",
+    "--worker-timeout",
+    "2",
+    "--client-timeout",
+    "5",
+    "--stop-timeout",
+    "5",
+)
 FAST_WORKER_FLAGS = ("--heartbeat-interval", "0.2", "--coordinator-timeout", "2", "--drain-timeout", "2")
 QUIET = ("--log-level", "WARNING")
 
@@ -70,7 +78,7 @@ def read_memory_kb(pid: int) -> tuple[int, int] | None:
     try:
         return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
     except (KeyError, ValueError, IndexError):
-        return None   # a zombie has no memory lines
+        return None  # a zombie has no memory lines
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -89,17 +97,18 @@ def processes_marked(marker: str) -> list[str]:
 
 # ---- the processes -------------------------------------------------------------------------------------
 
+
 @dataclass
 class Daemon:
     """One started process (a coordinator or a worker); kept after it dies, with its last memory figures."""
 
-    name: str                 # "coordinator", "worker1", ...
-    instance: str             # name plus its start count: "worker1#2"
+    name: str  # "coordinator", "worker1", ...
+    instance: str  # name plus its start count: "worker1#2"
     popen: subprocess.Popen
     log: Path
     started_at: float
-    rss_kb: int = 0           # at the last sample
-    peak_kb: int = 0          # VmHWM at the last sample: the peak of this process's life
+    rss_kb: int = 0  # at the last sample
+    peak_kb: int = 0  # VmHWM at the last sample: the peak of this process's life
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -150,8 +159,8 @@ class ProcessCluster:
         self.logs = logs
         self.logs.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.run_id = uuid.uuid4().hex                # in every process's environment: MARKER_VAR=run_id
-        self.daemons: list[Daemon] = []             # every process started, the dead ones too
+        self.run_id = uuid.uuid4().hex  # in every process's environment: MARKER_VAR=run_id
+        self.daemons: list[Daemon] = []  # every process started, the dead ones too
         self.coordinator: Daemon | None = None
         self.workers: dict[int, Daemon] = {}
         self.worker_ids: dict[int, str] = {}
@@ -170,16 +179,33 @@ class ProcessCluster:
         log = self.logs / f"{name}-{count}.log"
         env = {**os.environ, MARKER_VAR: self.run_id, "TOKENIZERS_PARALLELISM": "false"}
         with open(log, "wb") as out:
-            popen = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            popen = subprocess.Popen(
+                [sys.executable, *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         daemon = Daemon(name, f"{name}#{count}", popen, log, time.monotonic())
         self.daemons.append(daemon)
         return daemon
 
     def start_coordinator(self) -> Daemon:
-        self.coordinator = self._spawn("coordinator", [
-            "-m", "infer.coordinator.daemon", "--host", HOST, "--port", str(self.port),
-            *(FAST_COORDINATOR_FLAGS if self.fast else ()), *QUIET, *self.spec.coordinator_flags])
+        self.coordinator = self._spawn(
+            "coordinator",
+            [
+                "-m",
+                "infer.coordinator.daemon",
+                "--host",
+                HOST,
+                "--port",
+                str(self.port),
+                *(FAST_COORDINATOR_FLAGS if self.fast else ()),
+                *QUIET,
+                *self.spec.coordinator_flags,
+            ],
+        )
         return self.coordinator
 
     def start_worker(self, rank: int, same_id: bool = False) -> Daemon:
@@ -187,8 +213,18 @@ class ProcessCluster:
         with a fixed --worker-id), else under a new one (a fresh process, like the default hostname-pid)."""
         if not same_id or rank not in self.worker_ids:
             self.worker_ids[rank] = f"w{rank}-{next(self._starts)}"
-        argv = ["-m", "infer.worker.daemon", "--coordinator", self.address, "--dp-rank", str(rank),
-                "--worker-id", self.worker_ids[rank], *(FAST_WORKER_FLAGS if self.fast else ()), *QUIET]
+        argv = [
+            "-m",
+            "infer.worker.daemon",
+            "--coordinator",
+            self.address,
+            "--dp-rank",
+            str(rank),
+            "--worker-id",
+            self.worker_ids[rank],
+            *(FAST_WORKER_FLAGS if self.fast else ()),
+            *QUIET,
+        ]
         if self.spec.benchmark:
             argv.append("--benchmark-mode")
         elif self.spec.model is not None:
@@ -198,8 +234,12 @@ class ProcessCluster:
 
     def client(self, **options: Any) -> InferenceClient:
         fast = self.fast
-        options = {"heartbeat_interval": 0.2 if fast else 1.0, "silence_timeout": 10.0 if fast else 30.0,
-                   "connect_timeout": 30.0, **options}
+        options = {
+            "heartbeat_interval": 0.2 if fast else 1.0,
+            "silence_timeout": 10.0 if fast else 30.0,
+            "connect_timeout": 30.0,
+            **options,
+        }
         return InferenceClient(self.address, **options)
 
     async def connected_clients(self, count: int, **options: Any) -> list[InferenceClient]:
@@ -251,9 +291,12 @@ class ProcessCluster:
         killed = [d.instance for d in self.live()]
         for daemon in self.daemons:
             daemon.kill9()
-        return {"stop_error": stop_error, "killed_after_stop": killed,
-                "exit_codes": {d.instance: d.popen.returncode for d in self.daemons},
-                "leaked": processes_marked(f"{MARKER_VAR}={self.run_id}")}
+        return {
+            "stop_error": stop_error,
+            "killed_after_stop": killed,
+            "exit_codes": {d.instance: d.popen.returncode for d in self.daemons},
+            "leaked": processes_marked(f"{MARKER_VAR}={self.run_id}"),
+        }
 
     async def finish(self, clients: list[InferenceClient]) -> tuple[dict[str, int], dict[str, Any]]:
         """The end of a run: close `clients`, then the peak RSS of every process and the shutdown's report."""
@@ -278,8 +321,9 @@ class ProcessCluster:
             raise
 
     def dump(self, chars: int = 3000) -> str:
-        return "\n".join(f"==== {d.instance} ({d.log}, exit {d.popen.poll()}) ====\n{d.log_tail(chars)}"
-                         for d in self.daemons)
+        return "\n".join(
+            f"==== {d.instance} ({d.log}, exit {d.popen.poll()}) ====\n{d.log_tail(chars)}" for d in self.daemons
+        )
 
 
 async def _exits(popen: subprocess.Popen, timeout: float) -> bool:
@@ -309,12 +353,22 @@ async def wait_until(predicate: Callable[[], Awaitable[Any]], timeout: float, in
 def idle(stats: Any, workers: int) -> bool:
     """`workers` healthy workers, nothing in flight or held, and every KV pool entirely free."""
     healthy = [w for w in stats.workers if w.healthy]
-    return (len(healthy) == workers and stats.num_in_flight == 0 and stats.num_held == 0
-            and all(w.load is not None and w.load.num_running == 0 and w.load.num_waiting == 0
-                    and w.load.num_free_blocks == w.load.num_total_blocks for w in healthy))
+    return (
+        len(healthy) == workers
+        and stats.num_in_flight == 0
+        and stats.num_held == 0
+        and all(
+            w.load is not None
+            and w.load.num_running == 0
+            and w.load.num_waiting == 0
+            and w.load.num_free_blocks == w.load.num_total_blocks
+            for w in healthy
+        )
+    )
 
 
 # ---- one request ---------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -322,8 +376,8 @@ class RequestSpec:
     prompt: list[int]
     max_tokens: int
     stream: bool = False
-    abort_after_tokens: int | None = None    # stream: abort once this many tokens arrived
-    abort_after_s: float | None = None       # generate: abort after this long
+    abort_after_tokens: int | None = None  # stream: abort once this many tokens arrived
+    abort_after_s: float | None = None  # generate: abort after this long
 
     @property
     def params(self) -> SamplingParams:
@@ -351,7 +405,7 @@ class Outcome:
                an abort nobody asked for, a short output (`problem` says which)"""
 
     request_id: str
-    kind: str                       # "stream" | "generate"
+    kind: str  # "stream" | "generate"
     max_tokens: int
     sent_at: float
     ended_at: float | None = None
@@ -373,12 +427,14 @@ def judge(outcome: Outcome, spec: RequestSpec, token_ids: list[int], finishes: i
     want = expected_tokens(len(spec.prompt), spec.max_tokens)
     if finishes != 1:
         outcome.status, outcome.problem = "bad", f"{finishes} final deltas"
-    elif oracle and token_ids != want[:len(token_ids)]:
+    elif oracle and token_ids != want[: len(token_ids)]:
         at = next((i for i, (a, b) in enumerate(zip(token_ids, want)) if a != b), len(want))
         outcome.status = "bad"
-        outcome.problem = (f"tokens differ from the expected from index {at} (gap or repeat): got "
-                           f"{token_ids[max(0, at - 2):at + 3]}, want {want[max(0, at - 2):at + 3]}; "
-                           f"{len(token_ids)} tokens for max_tokens {spec.max_tokens}")
+        outcome.problem = (
+            f"tokens differ from the expected from index {at} (gap or repeat): got "
+            f"{token_ids[max(0, at - 2) : at + 3]}, want {want[max(0, at - 2) : at + 3]}; "
+            f"{len(token_ids)} tokens for max_tokens {spec.max_tokens}"
+        )
     elif outcome.finish_reason == "length":
         ok = len(token_ids) == spec.max_tokens
         outcome.status = "completed" if ok else "bad"
@@ -451,6 +507,7 @@ async def run_request(client: InferenceClient, spec: RequestSpec, deadline_s: fl
 
 # ---- load ----------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Workload:
     """Random requests from a seed: prompt lengths and max_tokens uniform in their ranges; a fraction streamed
@@ -486,8 +543,14 @@ class Workload:
         return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
 
 
-async def closed_loop(clients: list[InferenceClient], workload: Workload, concurrency: int, seconds: float,
-                      deadline_s: float, oracle: bool) -> tuple[list[Outcome], float]:
+async def closed_loop(
+    clients: list[InferenceClient],
+    workload: Workload,
+    concurrency: int,
+    seconds: float,
+    deadline_s: float,
+    oracle: bool,
+) -> tuple[list[Outcome], float]:
     """Keep `concurrency` requests outstanding for `seconds`; the requests still out then run to the end
     (they are in the outcomes; the duration counted ends at `seconds`). Returns outcomes and the duration."""
     outcomes: list[Outcome] = []
@@ -509,8 +572,15 @@ def completed_rate(outcomes: list[Outcome], start: float, end: float) -> float:
     return len(done) / (end - start) if end > start else 0.0
 
 
-async def measure_capacity(clients: list[InferenceClient], workload: Workload, concurrency: int,
-                           seconds: float, warmup: float, deadline_s: float, oracle: bool) -> dict[str, Any]:
+async def measure_capacity(
+    clients: list[InferenceClient],
+    workload: Workload,
+    concurrency: int,
+    seconds: float,
+    warmup: float,
+    deadline_s: float,
+    oracle: bool,
+) -> dict[str, Any]:
     """Completed requests/s at saturation: a closed loop of `concurrency` outstanding requests; completions in
     the `seconds` after a `warmup` count. RuntimeError when none completed (nothing to scale a load by)."""
     start = time.monotonic()
@@ -518,17 +588,38 @@ async def measure_capacity(clients: list[InferenceClient], workload: Workload, c
     rate = completed_rate(outcomes, start + warmup, start + warmup + seconds)
     if rate <= 0:
         raise RuntimeError(f"no request completed while measuring capacity: {count_statuses(outcomes)}")
-    tokens = sum(o.num_tokens for o in outcomes if o.status == "completed" and o.ended_at is not None
-                 and start + warmup <= o.ended_at <= start + warmup + seconds)
-    return {"requests_per_s": rate, "tokens_per_s": tokens / seconds, "concurrency": concurrency,
-            "seconds": seconds, "warmup_s": warmup, "statuses": count_statuses(outcomes),
-            "not_completed": [f"{o.request_id} {o.status}: {o.error_code} {o.problem or o.error}"[:200]
-                              for o in outcomes if o.status != "completed"][:10]}
+    tokens = sum(
+        o.num_tokens
+        for o in outcomes
+        if o.status == "completed"
+        and o.ended_at is not None
+        and start + warmup <= o.ended_at <= start + warmup + seconds
+    )
+    return {
+        "requests_per_s": rate,
+        "tokens_per_s": tokens / seconds,
+        "concurrency": concurrency,
+        "seconds": seconds,
+        "warmup_s": warmup,
+        "statuses": count_statuses(outcomes),
+        "not_completed": [
+            f"{o.request_id} {o.status}: {o.error_code} {o.problem or o.error}"[:200]
+            for o in outcomes
+            if o.status != "completed"
+        ][:10],
+    }
 
 
-async def open_loop(clients: list[InferenceClient], workload: Workload, rate: float, seconds: float,
-                    deadline_s: float, oracle: bool, seed: int = 0,
-                    max_outstanding: int | None = None) -> dict[str, Any]:
+async def open_loop(
+    clients: list[InferenceClient],
+    workload: Workload,
+    rate: float,
+    seconds: float,
+    deadline_s: float,
+    oracle: bool,
+    seed: int = 0,
+    max_outstanding: int | None = None,
+) -> dict[str, Any]:
     """Poisson arrivals at `rate`/s for `seconds` (arrivals are never delayed by the cluster: open loop; with
     `max_outstanding` a new arrival waits for a slot and is counted as throttled). Every request runs to its
     end (bounded by `deadline_s`). Returns the outcomes, the send window and how far sending fell behind."""
@@ -564,8 +655,15 @@ async def open_loop(clients: list[InferenceClient], workload: Workload, rate: fl
         tasks.append(asyncio.create_task(one(workload.next(), clients[next(turn) % len(clients)])))
     sent_until = time.monotonic()
     outcomes = list(await asyncio.gather(*tasks))
-    return {"outcomes": outcomes, "start": start, "sent_until": sent_until, "end": time.monotonic(),
-            "offered": len(tasks), "throttled": throttled, "max_send_lag_s": max_lag}
+    return {
+        "outcomes": outcomes,
+        "start": start,
+        "sent_until": sent_until,
+        "end": time.monotonic(),
+        "offered": len(tasks),
+        "throttled": throttled,
+        "max_send_lag_s": max_lag,
+    }
 
 
 class LoopLag:

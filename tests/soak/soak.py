@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: `soak` imports when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `soak` imports when run as a script
 from infer.client.inference_client import InferenceClient
 from soak.harness import (
     STATUSES,
@@ -84,8 +84,16 @@ class Tally:
                 self.latencies[j] = o.latency
 
 
-async def steady_load(clients: list[InferenceClient], workload: Workload, rate: float, seconds: float,
-                      deadline_s: float, oracle: bool, tally: Tally, seed: int) -> dict[str, float]:
+async def steady_load(
+    clients: list[InferenceClient],
+    workload: Workload,
+    rate: float,
+    seconds: float,
+    deadline_s: float,
+    oracle: bool,
+    tally: Tally,
+    seed: int,
+) -> dict[str, float]:
     """Poisson arrivals at `rate`/s for `seconds` (open loop); each outcome goes to `tally` as it ends."""
     rng = random.Random(f"{seed}:arrivals")
     pending: set[asyncio.Task] = set()
@@ -110,18 +118,23 @@ async def steady_load(clients: list[InferenceClient], workload: Workload, rate: 
     sent_until = time.monotonic()
     if pending:
         await asyncio.wait(set(pending))
-    return {"sent": sent, "send_window_s": sent_until - start, "drain_s": time.monotonic() - sent_until,
-            "max_send_lag_s": max_lag}
+    return {
+        "sent": sent,
+        "send_window_s": sent_until - start,
+        "drain_s": time.monotonic() - sent_until,
+        "max_send_lag_s": max_lag,
+    }
 
 
-async def sample_memory(cluster: ProcessCluster, every: float, start: float, samples: list[dict[str, Any]],
-                        stop: asyncio.Event) -> None:
+async def sample_memory(
+    cluster: ProcessCluster, every: float, start: float, samples: list[dict[str, Any]], stop: asyncio.Event
+) -> None:
     while True:
         rss = cluster.sample_memory()
         rss["loadgen"] = self_memory_kb()[0]
         samples.append({"t": round(time.monotonic() - start, 1), "rss_kb": rss})
         try:
-            await asyncio.wait_for(stop.wait(), every)   # the sampling period; stop ends it at once
+            await asyncio.wait_for(stop.wait(), every)  # the sampling period; stop ends it at once
             return
         except asyncio.TimeoutError:
             pass
@@ -135,8 +148,7 @@ def windows(duration: float, settle: float) -> tuple[tuple[float, float], tuple[
     return (first_start, first_start + length), (duration - length, duration)
 
 
-def memory_verdict(samples: list[dict[str, Any]], duration: float, settle: float, tolerance: float
-                   ) -> dict[str, Any]:
+def memory_verdict(samples: list[dict[str, Any]], duration: float, settle: float, tolerance: float) -> dict[str, Any]:
     (a0, a1), (b0, b1) = windows(duration, settle)
     names = sorted({name for s in samples for name in s["rss_kb"]})
     per_process = {}
@@ -148,27 +160,42 @@ def memory_verdict(samples: list[dict[str, Any]], duration: float, settle: float
             continue
         m0, m1 = statistics.median(first), statistics.median(last)
         change = m1 / m0 - 1
-        per_process[name] = {"first_median_kb": m0, "last_median_kb": m1, "change": round(change, 4),
-                             "flat": abs(change) <= tolerance}
-    return {"first_window_s": [a0, a1], "last_window_s": [b0, b1], "tolerance": tolerance,
-            "per_process": per_process, "flat": all(p["flat"] for p in per_process.values())}
+        per_process[name] = {
+            "first_median_kb": m0,
+            "last_median_kb": m1,
+            "change": round(change, 4),
+            "flat": abs(change) <= tolerance,
+        }
+    return {
+        "first_window_s": [a0, a1],
+        "last_window_s": [b0, b1],
+        "tolerance": tolerance,
+        "per_process": per_process,
+        "flat": all(p["flat"] for p in per_process.values()),
+    }
 
 
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     worker = ["--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
     if not args.benchmark_mode:
-        worker += ["--dtype", args.dtype, "--threads", str(args.threads), "--kv-cache-memory",
-                   str(args.kv_cache_memory)]
-    return ClusterSpec(workers=args.workers, benchmark=args.benchmark_mode, model=args.model,
-                       worker_flags=tuple(worker))
+        worker += [
+            "--dtype",
+            args.dtype,
+            "--threads",
+            str(args.threads),
+            "--kv-cache-memory",
+            str(args.kv_cache_memory),
+        ]
+    return ClusterSpec(
+        workers=args.workers, benchmark=args.benchmark_mode, model=args.model, worker_flags=tuple(worker)
+    )
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     logs = args.logs or Path(tempfile.mkdtemp(prefix="infer-soak-"))
     cluster = ProcessCluster(cluster_spec(args), logs)
     oracle = args.benchmark_mode
-    workload = Workload(tuple(args.prompt_len), tuple(args.max_tokens), stream_fraction=0.5, seed=args.seed,
-                        tag="cap")
+    workload = Workload(tuple(args.prompt_len), tuple(args.max_tokens), stream_fraction=0.5, seed=args.seed, tag="cap")
     tally = Tally(seed=args.seed)
     samples: list[dict[str, Any]] = []
     with cluster.dumped_on_failure():
@@ -176,65 +203,100 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         clients = await cluster.connected_clients(args.clients, call_timeout=30.0)
         concurrency = args.workers * args.max_num_seqs
         print(f"cluster up; capacity: {concurrency} outstanding for {args.capacity_seconds:g} s", flush=True)
-        capacity = await measure_capacity(clients, workload, concurrency, args.capacity_seconds, args.warmup,
-                                          args.request_deadline, oracle)
+        capacity = await measure_capacity(
+            clients, workload, concurrency, args.capacity_seconds, args.warmup, args.request_deadline, oracle
+        )
         rate = args.load * capacity["requests_per_s"]
-        print(f"capacity {capacity['requests_per_s']:.2f} req/s ({capacity['tokens_per_s']:.0f} tok/s); "
-              f"steady {rate:.2f} req/s for {args.duration:g} s, RSS every {args.sample_every:g} s",
-              flush=True)
-        steady = Workload(workload.prompt_len, workload.max_tokens, stream_fraction=0.5, seed=args.seed + 1,
-                          tag="soak")
+        print(
+            f"capacity {capacity['requests_per_s']:.2f} req/s ({capacity['tokens_per_s']:.0f} tok/s); "
+            f"steady {rate:.2f} req/s for {args.duration:g} s, RSS every {args.sample_every:g} s",
+            flush=True,
+        )
+        steady = Workload(workload.prompt_len, workload.max_tokens, stream_fraction=0.5, seed=args.seed + 1, tag="soak")
         stop = asyncio.Event()
         start = time.monotonic()
         sampler = asyncio.create_task(sample_memory(cluster, args.sample_every, start, samples, stop))
-        load = await steady_load(clients, steady, rate, args.duration, args.request_deadline, oracle, tally,
-                                 args.seed)
+        load = await steady_load(clients, steady, rate, args.duration, args.request_deadline, oracle, tally, args.seed)
         stop.set()
         await sampler
         alive = {d.instance: d.alive() for d in cluster.daemons}
         final = await clients[0].stats()
         peaks, shutdown = await cluster.finish(clients)
     verdict = memory_verdict(samples, args.duration, args.settle, args.tolerance)
-    no_errors = all(n == 0 for status, n in [*tally.counts.items(), *capacity["statuses"].items()]
-                    if status != "completed")
-    none_lost = all(n == 0 for status, n in [*tally.counts.items(), *capacity["statuses"].items()]
-                    if status in ("hung", "raised", "bad"))
+    no_errors = all(
+        n == 0 for status, n in [*tally.counts.items(), *capacity["statuses"].items()] if status != "completed"
+    )
+    none_lost = all(
+        n == 0
+        for status, n in [*tally.counts.items(), *capacity["statuses"].items()]
+        if status in ("hung", "raised", "bad")
+    )
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "logs": str(logs),
         "model": "benchmark-mode" if args.benchmark_mode else (args.model or "embedded default"),
-        "capacity": capacity, "rate": rate, "load": load,
-        "requests": {"statuses": tally.counts, "tokens": tally.tokens, "problems": tally.problems,
-                     "latency_ms_completed": percentiles_ms(tally.latencies)},
-        "final_stats": {k: getattr(final, k, None) for k in ("requests_completed", "requests_failed",
-                                                              "requests_rejected", "requests_timed_out",
-                                                              "requests_redispatched", "num_in_flight")},
-        "memory": verdict, "rss_samples": samples, "peak_rss_kb": {**peaks, "loadgen": self_memory_kb()[1]},
-        "processes_alive_at_end": alive, "shutdown": shutdown,
-        "checks": {"memory_flat": verdict["flat"], "no_errors": no_errors, "none_lost": none_lost,
-                   "all_processes_alive": all(alive.values()), "no_leaks": not shutdown["leaked"]},
+        "capacity": capacity,
+        "rate": rate,
+        "load": load,
+        "requests": {
+            "statuses": tally.counts,
+            "tokens": tally.tokens,
+            "problems": tally.problems,
+            "latency_ms_completed": percentiles_ms(tally.latencies),
+        },
+        "final_stats": {
+            k: getattr(final, k, None)
+            for k in (
+                "requests_completed",
+                "requests_failed",
+                "requests_rejected",
+                "requests_timed_out",
+                "requests_redispatched",
+                "num_in_flight",
+            )
+        },
+        "memory": verdict,
+        "rss_samples": samples,
+        "peak_rss_kb": {**peaks, "loadgen": self_memory_kb()[1]},
+        "processes_alive_at_end": alive,
+        "shutdown": shutdown,
+        "checks": {
+            "memory_flat": verdict["flat"],
+            "no_errors": no_errors,
+            "none_lost": none_lost,
+            "all_processes_alive": all(alive.values()),
+            "no_leaks": not shutdown["leaked"],
+        },
     }
 
 
 def print_report(result: dict[str, Any]) -> None:
     mem = result["memory"]
-    print(f"\nRSS (MiB), median of the first window {mem['first_window_s']} s vs the last "
-          f"{mem['last_window_s']} s of the steady phase (tolerance {100 * mem['tolerance']:.0f}%)")
+    print(
+        f"\nRSS (MiB), median of the first window {mem['first_window_s']} s vs the last "
+        f"{mem['last_window_s']} s of the steady phase (tolerance {100 * mem['tolerance']:.0f}%)"
+    )
     print(f"  {'process':<16} {'first':>8} {'last':>8} {'change':>8} {'peak':>8}  flat")
     for name, p in mem["per_process"].items():
         peak = result["peak_rss_kb"].get(name, 0) / 1024
         if "first_median_kb" in p:
-            print(f"  {name:<16} {p['first_median_kb'] / 1024:>8.1f} {p['last_median_kb'] / 1024:>8.1f} "
-                  f"{100 * p['change']:>7.1f}% {peak:>8.1f}  {'yes' if p['flat'] else 'NO'}")
+            print(
+                f"  {name:<16} {p['first_median_kb'] / 1024:>8.1f} {p['last_median_kb'] / 1024:>8.1f} "
+                f"{100 * p['change']:>7.1f}% {peak:>8.1f}  {'yes' if p['flat'] else 'NO'}"
+            )
         else:
             print(f"  {name:<16} {p['why']}")
     req = result["requests"]
     lat = req["latency_ms_completed"]
     counts = ", ".join(f"{k} {n}" for k, n in req["statuses"].items() if n or k == "completed")
-    print(f"\nrequests at {result['rate']:.2f} req/s ({result['config']['load']:g} x capacity "
-          f"{result['capacity']['requests_per_s']:.2f}): {counts}")
-    print(f"  latency ms p50 {lat['p50']} p90 {lat['p90']} p99 {lat['p99']} max {lat['max']}; "
-          f"send lag max {result['load']['max_send_lag_s']:.2f} s")
+    print(
+        f"\nrequests at {result['rate']:.2f} req/s ({result['config']['load']:g} x capacity "
+        f"{result['capacity']['requests_per_s']:.2f}): {counts}"
+    )
+    print(
+        f"  latency ms p50 {lat['p50']} p90 {lat['p90']} p99 {lat['p99']} max {lat['max']}; "
+        f"send lag max {result['load']['max_send_lag_s']:.2f} s"
+    )
     for problem in req["problems"][:5]:
         print(f"  problem: {problem}")
     if result["capacity"]["not_completed"]:

@@ -18,17 +18,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_batches import Pager, kl_and_top1, new_cache, quantized_layers, token_ids
 from safetensors.torch import load_file, save_file
 
+from infer import SamplingParams
 from infer.kernels.quant import dequantize, unpack_q4
 from infer.worker.awq_gptq import Int4Scheme, Int4Tensor, scheme_of
+from infer.worker.config import EngineConfig
+from infer.worker.engine import Engine
 from infer.worker.loader import build_model, file_tensors, load_model, load_named_tensors, weight_files
 from infer.worker.models.layers import QuantStorage
 from infer.worker.tensor_parallel import TensorParallel
-from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from model_batches import Pager, kl_and_top1, new_cache, quantized_layers, token_ids
 
 CPU = torch.device("cpu")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -42,8 +42,13 @@ ACTIVATION_BOUND = (1e-3, 0.8)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1023, 64, 12, 88, 301, 7, 450, 33, 2, 19, 600], [1000, 2000, 3000], [42]]
 # (method, checkpoint_format, sym): the variants a checkpoint comes in
-VARIANTS = [("awq", None, False), ("gptq", "gptq", True), ("gptq", "gptq", False), ("gptq", "gptq_v2", False),
-            ("gptq", "gptq_v2", True)]
+VARIANTS = [
+    ("awq", None, False),
+    ("gptq", "gptq", True),
+    ("gptq", "gptq", False),
+    ("gptq", "gptq_v2", False),
+    ("gptq", "gptq_v2", True),
+]
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:
@@ -54,8 +59,18 @@ def prefill_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def new_engine(path: Path, **options) -> Engine:
-    return Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory=4_000_000,
-                               num_threads=1, block_size=4, suspend_weights="reload", **options))
+    return Engine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory=4_000_000,
+            num_threads=1,
+            block_size=4,
+            suspend_weights="reload",
+            **options,
+        )
+    )
 
 
 def greedy(engine: Engine, prefix: str) -> list[list[int]]:
@@ -98,18 +113,26 @@ def pack_along_rows(values: torch.Tensor) -> torch.Tensor:
     return to_int32(words)
 
 
-def pack_layer(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, method: str, fmt: str | None,
-               group_size: int) -> dict[str, torch.Tensor]:
+def pack_layer(
+    q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, method: str, fmt: str | None, group_size: int
+) -> dict[str, torch.Tensor]:
     """q int [N, K], s fp16 [N, G], z int [N, G] -> the checkpoint tensors of one layer (names without prefix)."""
     if method == "awq":
-        return {"qweight": pack_along_columns(q.t(), AWQ_ORDER), "qzeros": pack_along_columns(z.t(), AWQ_ORDER),
-                "scales": s.t().contiguous()}
+        return {
+            "qweight": pack_along_columns(q.t(), AWQ_ORDER),
+            "qzeros": pack_along_columns(z.t(), AWQ_ORDER),
+            "scales": s.t().contiguous(),
+        }
     stored = z - 1 if fmt == "gptq" else z
     assert 0 <= int(stored.min()) and int(stored.max()) <= 15
     k = q.shape[1]
     g = k if group_size == -1 else group_size
-    return {"qweight": pack_along_rows(q.t()), "qzeros": pack_along_columns(stored.t(), list(range(8))),
-            "scales": s.t().contiguous(), "g_idx": (torch.arange(k) // g).to(torch.int32)}
+    return {
+        "qweight": pack_along_rows(q.t()),
+        "qzeros": pack_along_columns(stored.t(), list(range(8))),
+        "scales": s.t().contiguous(),
+        "g_idx": (torch.arange(k) // g).to(torch.int32),
+    }
 
 
 def exact_values(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -139,12 +162,17 @@ def quantize_groups(w: torch.Tensor, group_size: int, sym: bool, lowest_zero: in
 def quant_config(method: str, fmt: str | None, sym: bool, group_size: int) -> dict:
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm", "zero_point": True}
-    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": sym,
-            "checkpoint_format": fmt}
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "desc_act": False,
+        "sym": sym,
+        "checkpoint_format": fmt,
+    }
 
 
-def write_int4_checkpoint(dense_dir: Path, out: Path, method: str, fmt: str | None, sym: bool,
-                          group_size: int) -> Path:
+def write_int4_checkpoint(dense_dir: Path, out: Path, method: str, fmt: str | None, sym: bool, group_size: int) -> Path:
     """`dense_dir`'s model with its decoder linears quantized and packed as `method` / `fmt` into `out`; beside it,
     `out`-dense holds the same weights dense (s * (q - z) in fp32). Returns `out`."""
     tensors = load_file(str(dense_dir / "model.safetensors"))
@@ -176,7 +204,7 @@ def random_layer(n: int, k: int, group_size: int, fmt: str | None, seed: int) ->
     q = torch.randint(0, 16, (n, k), generator=gen)
     low = 1 if fmt == "gptq" else 0
     z = torch.randint(low, low + 16, (n, groups), generator=gen)
-    s = (torch.randn(n, groups, generator=gen) * 10.0 ** torch.randint(-4, 2, (n, groups), generator=gen))
+    s = torch.randn(n, groups, generator=gen) * 10.0 ** torch.randint(-4, 2, (n, groups), generator=gen)
     return q, s.to(torch.float16), z
 
 
@@ -197,17 +225,20 @@ def test_a_packed_weight_dequantizes_to_s_times_q_minus_z(method, fmt, group_siz
     tensor = int4_tensor(q, s, z, method, fmt, group_size)
     exact = exact_values(q, s, z, group_size)
     assert tensor.shape == (n, k)
-    assert torch.equal(tensor.read().double(), exact)                  # dense: exact in float32
+    assert torch.equal(tensor.read().double(), exact)  # dense: exact in float32
     weight = tensor.quantized()
-    group = (torch.arange(0, k, 32) // (k if group_size == -1 else group_size))
+    group = torch.arange(0, k, 32) // (k if group_size == -1 else group_size)
     assert weight.format == "q4" and torch.equal(unpack_q4(weight.qs).long(), q)
     assert torch.equal(weight.scales, s[:, group])
     # the only rounding: min = -s z to fp16, |error| <= 2^-11 |s z| (+ 2^-25 below fp16's normal range); the
     # dequantization's own fp32 sum s q + min adds at most 2^-24 (|s q| + |min|)
     sz = (s.double() * z.double())[:, group]
     assert ((weight.mins.double() + sz).abs() <= 2.0**-11 * sz.abs() + 2.0**-25).all()
-    bound = (2.0**-11 * sz.abs() + 2.0**-25).repeat_interleave(32, dim=1) + 2.0**-23 * exact.abs() + 2.0**-23 * (
-        s.double()[:, group].abs() * 15 + sz.abs()).repeat_interleave(32, dim=1)
+    bound = (
+        (2.0**-11 * sz.abs() + 2.0**-25).repeat_interleave(32, dim=1)
+        + 2.0**-23 * exact.abs()
+        + 2.0**-23 * (s.double()[:, group].abs() * 15 + sz.abs()).repeat_interleave(32, dim=1)
+    )
     assert ((dequantize(weight).double() - exact).abs() <= bound).all()
 
 
@@ -253,13 +284,14 @@ def dense_twin(path: Path) -> Path:
 
 @pytest.mark.parametrize("method, fmt, sym", VARIANTS)
 @pytest.mark.parametrize("arch, group_size", [("llama", 32), ("llama", 64), ("llama", -1), ("mistral", 32)])
-def test_an_int4_checkpoint_stays_within_the_activation_bound_of_its_dense_values(int4_dir, arch, group_size, method,
-                                                                                  fmt, sym) -> None:
+def test_an_int4_checkpoint_stays_within_the_activation_bound_of_its_dense_values(
+    int4_dir, arch, group_size, method, fmt, sym
+) -> None:
     """Kept in q4, the model differs from the dense model of the same values s (q - z) by the int8 activations
     and the fp16 mins only (ACTIVATION_BOUND). AWQ and GPTQ packings of the same codes give the same logits."""
     path = int4_dir(arch, method, fmt, sym, group_size)
     dense = load_model(dense_twin(path), torch.float32, CPU, quantization="none")
-    int4 = load_model(path, torch.float32, CPU)                                       # "auto"
+    int4 = load_model(path, torch.float32, CPU)  # "auto"
     formats = quantized_layers(int4)
     assert formats["model.layers.0.self_attn.qkv_proj"] == formats["model.layers.1.mlp.down_proj"] == "q4"
     assert formats["model.embed_tokens"] is None and formats["lm_head"] is None
@@ -310,8 +342,13 @@ def test_a_tensor_parallel_rank_reads_its_shard_of_the_packed_tensors(int4_dir) 
     whole = load_file(str(dense_twin(path) / "model.safetensors"))
     ours = dict(dense.named_parameters())
     layer = "model.layers.1."
-    qkv = torch.cat([whole[layer + "self_attn.q_proj.weight"][32:64], whole[layer + "self_attn.k_proj.weight"][16:32],
-                     whole[layer + "self_attn.v_proj.weight"][16:32]])
+    qkv = torch.cat(
+        [
+            whole[layer + "self_attn.q_proj.weight"][32:64],
+            whole[layer + "self_attn.k_proj.weight"][16:32],
+            whole[layer + "self_attn.v_proj.weight"][16:32],
+        ]
+    )
     assert torch.equal(ours[layer + "self_attn.qkv_proj.weight"], qkv)
     assert torch.equal(ours[layer + "self_attn.o_proj.weight"], whole[layer + "self_attn.o_proj.weight"][:, 32:])
     assert torch.equal(ours[layer + "mlp.down_proj.weight"], whole[layer + "mlp.down_proj.weight"][:, 64:])
@@ -323,7 +360,7 @@ def test_a_tensor_parallel_rank_reads_its_shard_of_the_packed_tensors(int4_dir) 
     pack_weights(quant)
     for name, module in quant.named_modules():
         if isinstance(module, QuantStorage) and module.quant is not None:
-            exact = ours[f"{name}.weight"]     # |s z| is about the group's |min|: the fp16 min's bound is below
+            exact = ours[f"{name}.weight"]  # |s z| is about the group's |min|: the fp16 min's bound is below
             assert (dequantize(module.quant) - exact).abs().max() <= 2.0**-10 * exact.abs().max(), name
 
 
@@ -331,14 +368,17 @@ def test_a_tensor_parallel_rank_reads_its_shard_of_the_packed_tensors(int4_dir) 
 # (c) refusals
 
 
-@pytest.mark.parametrize("quant, field", [
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 48, "version": "gemm"}, "group_size"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),
-])
+@pytest.mark.parametrize(
+    "quant, field",
+    [
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 48, "version": "gemm"}, "group_size"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),
+    ],
+)
 def test_what_is_not_loaded_is_refused_naming_the_field(quant, field) -> None:
     with pytest.raises(ValueError, match=f"quantization_config.{field}"):
         scheme_of({"quantization_config": quant})
@@ -346,8 +386,9 @@ def test_what_is_not_loaded_is_refused_naming_the_field(quant, field) -> None:
 
 def test_a_dense_config_has_no_scheme() -> None:
     assert scheme_of({"model_type": "llama"}) is None
-    assert scheme_of({"quantization_config": {"quant_method": "awq", "w_bit": 4, "q_group_size": 64}}) == \
-        Int4Scheme("awq", 64, 0)
+    assert scheme_of({"quantization_config": {"quant_method": "awq", "w_bit": 4, "q_group_size": 64}}) == Int4Scheme(
+        "awq", 64, 0
+    )
 
 
 def test_act_order_with_a_shuffled_g_idx_is_refused(int4_dir, tmp_path) -> None:

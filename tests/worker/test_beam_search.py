@@ -10,13 +10,13 @@ import shutil
 
 import pytest
 import torch
+from hf_reference import hf_model, transformers_greedy
 
 from infer import SamplingParams
 from infer.protocol.beam_search import BeamSearchParams
 from infer.worker.beam_groups import BeamGroups
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
-from hf_reference import hf_model, transformers_greedy
 
 MAX_NEW = 8
 PROMPT_LENGTHS = (1, 4, 9, 23)
@@ -33,7 +33,7 @@ def eos_model(tiny_model_dir, tmp_path_factory, smollm2_tokenizer):
     end at different lengths and the length penalty matters. Returns (model dir, prompts, eos ids)."""
     source = tiny_model_dir("llama")
     prompts = _prompts(len(smollm2_tokenizer))
-    seen: dict[int, set[int]] = {}   # token -> the prompts whose greedy continuation has it (not first)
+    seen: dict[int, set[int]] = {}  # token -> the prompts whose greedy continuation has it (not first)
     for i, tokens in enumerate(transformers_greedy(source, prompts, MAX_NEW - 2)):
         for t in tokens[1:]:
             seen.setdefault(t, set()).add(i)
@@ -58,7 +58,7 @@ def hf(eos_model):
 
 
 def _engine(model_dir, **options) -> Engine:
-    options.setdefault("kv_cache_memory", 1 << 20)   # 1024 blocks of 4 tokens
+    options.setdefault("kv_cache_memory", 1 << 20)  # 1024 blocks of 4 tokens
     return Engine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256, **options))
 
 
@@ -78,13 +78,23 @@ def _run(engine: Engine, prompts, params: SamplingParams) -> dict:
 def _hf_beams(model, prompt, k, length_penalty, eos_ids, max_new=MAX_NEW, early_stopping=False):
     x = torch.tensor([prompt])
     with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, num_beams=k,
-                             num_return_sequences=k, max_new_tokens=max_new, length_penalty=length_penalty,
-                             early_stopping=early_stopping, eos_token_id=sorted(eos_ids),
-                             pad_token_id=sorted(eos_ids)[0], output_scores=True, return_dict_in_generate=True)
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            num_beams=k,
+            num_return_sequences=k,
+            max_new_tokens=max_new,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            eos_token_id=sorted(eos_ids),
+            pad_token_id=sorted(eos_ids)[0],
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     beams = []
     for seq, score in zip(out.sequences.tolist(), out.sequences_scores.tolist()):
-        tokens = seq[len(prompt):]
+        tokens = seq[len(prompt) :]
         end = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
         beams.append((tokens[:end], score))
     return beams
@@ -103,7 +113,7 @@ def test_best_beam_equals_transformers(eos_model, engine, hf, k, length_penalty)
         assert [list(b.token_ids) for b in got.beams] == [tokens for tokens, _ in expected], f"prompt {i}"
         assert [b.score for b in got.beams] == pytest.approx([s for _, s in expected], abs=1e-4)
         ended_by_eos += sum(b.finish_reason == "stop" for b in got.beams)
-    if length_penalty <= 0:   # short beams favoured: some end by EOS
+    if length_penalty <= 0:  # short beams favoured: some end by EOS
         assert ended_by_eos, "no beam ended by EOS: the length penalty was not exercised"
 
 
@@ -121,7 +131,7 @@ def test_each_beams_logprobs_are_transformers_log_softmax_of_its_tokens(eos_mode
             tokens = list(beam.token_ids)
             assert len(beam.logprobs) == len(tokens) and all(len(step) == candidates for step in beam.logprobs)
             with torch.inference_mode():
-                logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+                logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
             expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
             got = [step[t] for step, t in zip(beam.logprobs, tokens)]
             assert got == pytest.approx(expected.tolist(), abs=1e-4)
@@ -131,8 +141,9 @@ def test_each_beams_logprobs_are_transformers_log_softmax_of_its_tokens(eos_mode
 def test_early_stopping_true_and_never(eos_model, engine, hf):
     _, prompts = eos_model
     for early_stopping in (True, "never"):
-        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=3, n=3, length_penalty=1.5,
-                                early_stopping=early_stopping)
+        params = SamplingParams(
+            temperature=0, max_tokens=MAX_NEW, beam_width=3, n=3, length_penalty=1.5, early_stopping=early_stopping
+        )
         finals = _run(engine, prompts[:2], params)
         for i, prompt in enumerate(prompts[:2]):
             expected = _hf_beams(hf, prompt, 3, 1.5, engine.eos_token_ids, early_stopping=early_stopping)
@@ -143,13 +154,14 @@ def test_beams_share_kv_blocks(eos_model, engine, monkeypatch):
     """Counted during a search: the beams hold far fewer blocks than as many independent sequences would, their
     prompt blocks are one set referenced by every beam, and each round copies at most width - 1 partial blocks."""
     _, prompts = eos_model
-    width, prompt = 4, prompts[-1]             # 23 prompt tokens: 5 full blocks of 4 and a partial one
+    width, prompt = 4, prompts[-1]  # 23 prompt tokens: 5 full blocks of 4 and a partial one
     copies: list[int] = []
     real_copy = engine.kv_cache.copy_blocks
     monkeypatch.setattr(engine.kv_cache, "copy_blocks", lambda pairs: (copies.append(len(pairs)), real_copy(pairs)))
     blocks = engine.scheduler.block_manager
-    engine.add_request("shared", prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=width,
-                                                        ignore_eos=True))
+    engine.add_request(
+        "shared", prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=width, ignore_eos=True)
+    )
     rounds = 0
     while engine.has_unfinished():
         engine.step()
@@ -160,7 +172,7 @@ def test_beams_share_kv_blocks(eos_model, engine, monkeypatch):
         independent = sum(blocks.blocks_for_tokens(r.num_computed_tokens) for r in beams)
         assert blocks.num_used_blocks < independent
         prompt_blocks = {r.block_table[i] for r in beams for i in range(len(prompt) // 4)}
-        assert len(prompt_blocks) == len(prompt) // 4          # one copy of the prompt's full blocks
+        assert len(prompt_blocks) == len(prompt) // 4  # one copy of the prompt's full blocks
         assert all(blocks.ref_count(b) == len(beams) for b in prompt_blocks)
     assert rounds >= MAX_NEW - 2
     assert copies and max(copies) <= width - 1
@@ -180,9 +192,14 @@ def test_same_beams_under_preemption_and_chunked_prefill(eos_model, engine):
     tight = _engine(model_dir, block_size=4, max_num_seqs=36, kv_cache_memory=_kv_bytes(model_dir, 27, 4))
     assert tight.num_kv_blocks == 27
     # beams never speculate, and a priority scheduler preempts a group as a whole too
-    speculating = _engine(model_dir, block_size=4, scheduling_policy="priority", max_num_seqs=36,
-                          kv_cache_memory=_kv_bytes(model_dir, 27, 4),
-                          speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    speculating = _engine(
+        model_dir,
+        block_size=4,
+        scheduling_policy="priority",
+        max_num_seqs=36,
+        kv_cache_memory=_kv_bytes(model_dir, 27, 4),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+    )
     for other in (chunked, tight, speculating):
         got = _run(other, batch, params)
         for rid, delta in expected.items():
@@ -208,26 +225,36 @@ def test_abort_stop_strings_and_context(eos_model, engine):
     assert engine.scheduler.block_manager.num_used_blocks == 0
     # a stop string: a beam whose text reaches it ends there, its text cut before it
     stop = free.beams[0].text[2:5]
-    stopped = _run(engine, prompts[1:2], SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=3,
-                                                        ignore_eos=True, stop=[stop]))["r0"]
+    stopped = _run(
+        engine,
+        prompts[1:2],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, beam_width=3, ignore_eos=True, stop=[stop]),
+    )["r0"]
     assert all(stop not in b.text for b in stopped.beams)
     assert any(b.finish_reason == "stop" for b in stopped.beams)
     # the context: max_model_len caps every beam
-    short = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=28, block_size=4,
-                                kv_cache_memory=8 << 20))
+    short = Engine(
+        EngineConfig(model=str(model_dir), dtype="float32", max_model_len=28, block_size=4, kv_cache_memory=8 << 20)
+    )
     capped = _run(short, [prompts[-1]], params)["r0"]
     assert all(len(b.token_ids) <= 28 - len(prompts[-1]) and b.finish_reason == "length" for b in capped.beams)
 
 
-@pytest.mark.parametrize("options,field", [
-    (dict(beam_width=0), "beam_width"), (dict(beam_width=33), "beam_width"),
-    (dict(beam_width=2, temperature=0.7), "temperature"), (dict(beam_width=2, n=3), "n"),
-    (dict(beam_width=2, logit_bias={5: 1.0}), "logit_bias"),
-    (dict(beam_width=2, structured_outputs={"regex": "a+"}), "structured_outputs"),
-    (dict(beam_width=2, repetition_penalty=1.2), "repetition_penalty"),
-    (dict(beam_width=2, logprobs=2), "logprobs"), (dict(length_penalty=float("nan")), "length_penalty"),
-    (dict(beam_width=2, early_stopping="sometimes"), "early_stopping"),
-])
+@pytest.mark.parametrize(
+    "options,field",
+    [
+        (dict(beam_width=0), "beam_width"),
+        (dict(beam_width=33), "beam_width"),
+        (dict(beam_width=2, temperature=0.7), "temperature"),
+        (dict(beam_width=2, n=3), "n"),
+        (dict(beam_width=2, logit_bias={5: 1.0}), "logit_bias"),
+        (dict(beam_width=2, structured_outputs={"regex": "a+"}), "structured_outputs"),
+        (dict(beam_width=2, repetition_penalty=1.2), "repetition_penalty"),
+        (dict(beam_width=2, logprobs=2), "logprobs"),
+        (dict(length_penalty=float("nan")), "length_penalty"),
+        (dict(beam_width=2, early_stopping="sometimes"), "early_stopping"),
+    ],
+)
 def test_bad_beam_options_refused_by_name(options, field):
     from infer.protocol.sampling import FieldError
 
@@ -257,9 +284,9 @@ def _kv_bytes(model_dir, num_blocks: int, block_size: int) -> int:
 
     cfg = AutoConfig.from_pretrained(model_dir)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return num_blocks * KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
-                                                head_dim, torch.float32)
-
+    return num_blocks * KVCache.bytes_per_block(
+        cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, head_dim, torch.float32
+    )
 
 
 def test_a_failing_beam_fails_its_search_once(eos_model, engine, monkeypatch):

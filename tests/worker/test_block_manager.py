@@ -9,17 +9,15 @@ from unittest import mock
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sched_sim import finish_step, make_request
 
 from infer.worker import block_manager as bm_module
 from infer.worker.block_manager import BlockManager, hash_block_tokens
 from infer.worker.request import Request, RequestStatus
-from sched_sim import finish_step, make_request
-
 from infer.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
-def compute(manager: BlockManager, request: Request, num_new_tokens: int,
-            cached: list[int] | None = None) -> None:
+def compute(manager: BlockManager, request: Request, num_new_tokens: int, cached: list[int] | None = None) -> None:
     """Allocate, 'run' the tokens and register full blocks, as one engine step would."""
     assert manager.allocate(request, num_new_tokens, cached or [])
     request.num_computed_tokens += num_new_tokens
@@ -79,24 +77,30 @@ def test_chunked_allocation_grows_with_the_chunks():
     assert request.num_computed_tokens == 30
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda m, r: m.allocate(r, 0), "num_new_tokens must be a positive integer"),
-    (lambda m, r: m.allocate(r, 11), "cannot allocate up to token 11, it has only 10 tokens"),
-    (lambda m, r: m.allocate(r, 2, [0]), "block 0 holds no cached content"),
-    (lambda m, r: m.allocate(r, 1, [0, 1, 2]), "at most 9 tokens may come from the cache"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m, r: m.allocate(r, 0), "num_new_tokens must be a positive integer"),
+        (lambda m, r: m.allocate(r, 11), "cannot allocate up to token 11, it has only 10 tokens"),
+        (lambda m, r: m.allocate(r, 2, [0]), "block 0 holds no cached content"),
+        (lambda m, r: m.allocate(r, 1, [0, 1, 2]), "at most 9 tokens may come from the cache"),
+    ],
+)
 def test_invalid_allocations_raise(call, message):
     manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     with pytest.raises(ValueError, match=message):
         call(manager, make_request(0, list(range(10))))
 
 
-@pytest.mark.parametrize("args, message", [
-    ((0, 4, True), "num_blocks must be a positive integer"),
-    ((8, 0, True), "block_size must be a positive integer"),
-    ((8, True, True), "block_size must be a positive integer"),
-    ((8, 4, 1), "enable_prefix_caching must be a bool"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((0, 4, True), "num_blocks must be a positive integer"),
+        ((8, 0, True), "block_size must be a positive integer"),
+        ((8, True, True), "block_size must be a positive integer"),
+        ((8, 4, 1), "enable_prefix_caching must be a bool"),
+    ],
+)
 def test_bad_construction_raises(args, message):
     with pytest.raises(ValueError, match=message):
         BlockManager(*args)
@@ -301,7 +305,7 @@ class FakeKV:
     def run(self, output: SchedulerOutput) -> None:
         for chunk in output.chunks:
             request, bs = chunk.request, self.block_size
-            prints = prefix_fingerprints(request.token_ids[:chunk.end])
+            prints = prefix_fingerprints(request.token_ids[: chunk.end])
             for pos in range(chunk.end):
                 slot = (request.block_table[pos // bs], pos % bs)
                 if pos < chunk.start:
@@ -328,6 +332,7 @@ MAX_PROMPT, MAX_OUTPUT = 26, 8
 def random_ops(rng: random.Random, count: int) -> list[tuple]:
     """A workload: adds (prompts sharing prefixes of a few bases), steps, aborts and early finishes."""
     kinds = rng.choices(["add", "step", "abort", "finish"], weights=[3, 5, 1, 1], k=count)
+
     def add() -> tuple:
         tail = [rng.randrange(5) for _ in range(rng.randint(0, 6))]
         return ("add", rng.randrange(3), rng.randint(0, 20), tail, rng.randint(1, MAX_OUTPUT))
@@ -336,18 +341,31 @@ def random_ops(rng: random.Random, count: int) -> list[tuple]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(seed=st.integers(0, 2**32), block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 12),
-       caching=st.booleans(), chunked=st.booleans(), weak_hash=st.booleans())
-def test_random_lifecycles_keep_invariants_and_leak_nothing(seed, block_size, extra_blocks, caching, chunked,
-                                                             weak_hash):
+@given(
+    seed=st.integers(0, 2**32),
+    block_size=st.sampled_from([1, 2, 4]),
+    extra_blocks=st.integers(0, 12),
+    caching=st.booleans(),
+    chunked=st.booleans(),
+    weak_hash=st.booleans(),
+)
+def test_random_lifecycles_keep_invariants_and_leak_nothing(
+    seed, block_size, extra_blocks, caching, chunked, weak_hash
+):
     """Pools from "the largest request just fits" upwards; a weak hash makes collisions common. The fake KV
     checks every cached token a request reads is the KV of its own prefix."""
     num_blocks = -(-(MAX_PROMPT + MAX_OUTPUT) // block_size) + extra_blocks
     hash_fn = (lambda parent, tokens: sum(tokens) % 3) if weak_hash else hash_block_tokens
     with mock.patch.object(bm_module, "hash_block_tokens", hash_fn):
-        config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16 if chunked else 40,
-                                 max_model_len=40, block_size=block_size, num_blocks=num_blocks,
-                                 enable_prefix_caching=caching, enable_chunked_prefill=chunked)
+        config = SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=16 if chunked else 40,
+            max_model_len=40,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=caching,
+            enable_chunked_prefill=chunked,
+        )
         scheduler, kv = Scheduler(config), FakeKV(block_size)
         requests: list[Request] = []
         for op in random_ops(random.Random(seed), 80):

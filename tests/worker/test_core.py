@@ -8,8 +8,17 @@ import msgpack
 import pytest
 
 from infer.protocol.messages import (
-    PROTOCOL_VERSION, Abort, Control, ControlAck, Error, Heartbeat, Hello, Refused, StepBatch, UpdateWeights,
-    WeightsUpdated
+    PROTOCOL_VERSION,
+    Abort,
+    Control,
+    ControlAck,
+    Error,
+    Heartbeat,
+    Hello,
+    Refused,
+    StepBatch,
+    UpdateWeights,
+    WeightsUpdated,
 )
 from infer.worker.core import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, WorkerExit
 from infer.worker.lifecycle import TABLE, Action, WorkerState, transition
@@ -19,7 +28,7 @@ from tests.worker_harness import WorkerHarness, deltas, dispatch, heartbeats, of
 @pytest.fixture
 def h() -> WorkerHarness:
     harness = WorkerHarness()
-    assert isinstance(harness.out()[0], Hello)   # the first Hello goes out at start
+    assert isinstance(harness.out()[0], Hello)  # the first Hello goes out at start
     harness.welcome()
     return harness
 
@@ -30,11 +39,12 @@ def tokens(ds) -> list[int]:
 
 # ---- registration -------------------------------------------------------------------------------------
 
+
 def test_start_says_hello_and_no_welcome_in_time_is_fatal():
     h = WorkerHarness(connect_timeout=5.0)
     (hello,) = h.out()
     assert isinstance(hello, Hello) and hello.peer_id == "w-test" and hello.running == [] and hello.max_waiting == 1024
-    assert h.core.poll_timeout(h.now) == 5.0            # nothing to do before the connect deadline
+    assert h.core.poll_timeout(h.now) == 5.0  # nothing to do before the connect deadline
     h.advance(4.9)
     with pytest.raises(WorkerExit) as e:
         h.advance(0.1)
@@ -52,7 +62,7 @@ def test_welcome_gives_the_rank_and_a_second_welcome_changes_nothing():
     h = WorkerHarness()
     h.welcome(dp_rank=3)
     assert (h.core.rank, h.core.group_id, h.core.ever_welcomed) == (3, "dp3", True)
-    h.welcome(dp_rank=5)                       # no Hello was sent since: a stray duplicate
+    h.welcome(dp_rank=5)  # no Hello was sent since: a stray duplicate
     assert h.core.rank == 3
 
 
@@ -62,7 +72,7 @@ def test_reregistration_after_a_coordinator_restart_carries_each_stream(h):
     first = deltas(h.step()) + deltas(h.step())
     assert tokens([d for d in first if d.request_id == "a"]) == [3, 4]
     assert h.core._dispatches_seen == 2
-    out = h.send(Heartbeat(sent_at=0.0, instance="coord-2"))        # a new coordinator process
+    out = h.send(Heartbeat(sent_at=0.0, instance="coord-2"))  # a new coordinator process
     (hello,) = of_type(out, Hello)
     assert hello.running == ["a", "b"] and hello.rank_hint == 0 and hello.dispatches_seen == 2
     snap = {s.request_id: s for s in hello.snapshots}
@@ -71,14 +81,14 @@ def test_reregistration_after_a_coordinator_restart_carries_each_stream(h):
     # running requests keep going while the new coordinator answers
     assert tokens(deltas(h.step())) == [5, 4]
     h.welcome(instance="coord-2")
-    assert h.core._dispatches_seen == 0                      # counted afresh for the new instance
-    assert h.send(Heartbeat(sent_at=0.0, instance="coord-2")) == []   # the same instance again: nothing
+    assert h.core._dispatches_seen == 0  # counted afresh for the new instance
+    assert h.send(Heartbeat(sent_at=0.0, instance="coord-2")) == []  # the same instance again: nothing
 
 
 def test_coordinator_silence_registers_again_unless_frames_wait(h):
     h.advance(9.0)
     assert not of_type(h.out(), Hello)
-    h.core.tick(h.now + 1.0, inbox_empty=False)             # a long step's frames are queued: not silence
+    h.core.tick(h.now + 1.0, inbox_empty=False)  # a long step's frames are queued: not silence
     assert not of_type(h.out(), Hello)
     (hello,) = of_type(h.advance(1.0), Hello)
     assert hello.rank_hint == 0
@@ -86,7 +96,7 @@ def test_coordinator_silence_registers_again_unless_frames_wait(h):
 
 def test_unknown_worker_error_says_hello_once_per_heartbeat_interval(h):
     assert of_type(h.send(Error(message="unknown worker w-test")), Hello)
-    assert not of_type(h.send(Error(message="unknown worker w-test")), Hello)   # crossed the restart
+    assert not of_type(h.send(Error(message="unknown worker w-test")), Hello)  # crossed the restart
     h.advance(1.0)
     assert of_type(h.send(Error(message="unknown worker w-test")), Hello)
     assert not of_type(h.send(Error(message="request x is unknown")), Hello)
@@ -97,7 +107,7 @@ def test_heartbeat_each_interval_with_the_load(h):
     assert heartbeats(h.advance(0.5)) == []
     (beat,) = heartbeats(h.advance(0.5))
     assert beat.load.num_waiting + beat.load.num_running == 1 and beat.sent_at == pytest.approx(1e9 + 1.0)
-    assert h.core.poll_timeout(h.now) == 0.0                # the engine has work
+    assert h.core.poll_timeout(h.now) == 0.0  # the engine has work
 
 
 def test_the_engines_load_goes_out_with_the_step(h):
@@ -108,13 +118,14 @@ def test_the_engines_load_goes_out_with_the_step(h):
 
 def test_beat_during_step_reports_the_step_age(h):
     h.core.beat_during_step(h.now + 0.5, step_started=h.now)
-    assert h.out() == []                                     # an interval has not passed since the last frame
+    assert h.out() == []  # an interval has not passed since the last frame
     h.core.beat_during_step(h.now + 2.5, step_started=h.now)
     (beat,) = h.out()
     assert isinstance(beat, Heartbeat) and beat.step_age_s == 2.5
 
 
 # ---- requests -----------------------------------------------------------------------------------------
+
 
 def test_a_text_prompt_is_echoed_once_and_the_stream_ends_with_length(h):
     h.send(dispatch("a", "abc", max_tokens=3))
@@ -126,11 +137,11 @@ def test_a_text_prompt_is_echoed_once_and_the_stream_ends_with_length(h):
 
 def test_a_token_id_prompt_is_never_echoed_its_client_has_it(h):
     h.send(dispatch("a", [1, 2, 3], max_tokens=3))
-    h.send(dispatch("b", [1, 2, 3], max_tokens=3, resumed=[3]))       # a re-dispatch: the ids it was given
+    h.send(dispatch("b", [1, 2, 3], max_tokens=3, resumed=[3]))  # a re-dispatch: the ids it was given
     ds = h.run_until_finished()
     assert tokens([d for d in ds if d.request_id == "a"]) == [3, 4, 5]
     assert all(d.prompt_token_ids is None for d in ds) and {d.request_id for d in ds} == {"a", "b"}
-    assert all(d.num_prompt_tokens == 3 for d in ds)                   # usage counts do not need the echo
+    assert all(d.num_prompt_tokens == 3 for d in ds)  # usage counts do not need the echo
 
 
 def test_a_resumed_dispatch_counts_its_resumed_tokens_toward_max_tokens(h):
@@ -162,7 +173,7 @@ def test_dispatch_past_the_waiting_bound_is_overloaded():
 
 
 def test_invalid_dispatch_fails_alone(h):
-    h.send(dispatch("a", list(range(1, 70))))              # longer than the 64-token context
+    h.send(dispatch("a", list(range(1, 70))))  # longer than the 64-token context
     (d,) = deltas(h.step())
     assert d.error_code == "invalid_request" and d.finished and d.prompt_token_ids is None
 
@@ -172,18 +183,19 @@ def test_abort_is_silenced_and_frees_the_id_at_once(h):
     h.step()
     out = h.send(Abort(request_ids=["a", "never-seen"]))
     assert out == [] and h.core.num_requests == 0
-    (batch,) = of_type(h.step(), StepBatch)                  # no final delta, but the freed blocks are told
+    (batch,) = of_type(h.step(), StepBatch)  # no final delta, but the freed blocks are told
     assert batch.deltas == [] and batch.load.num_running == 0
-    h.send(dispatch("a", [1, 2, 3], max_tokens=2))           # the same id may come back at once
+    h.send(dispatch("a", [1, 2, 3], max_tokens=2))  # the same id may come back at once
     assert tokens(h.run_until_finished()) == [3, 4]
 
 
 # ---- drain ---------------------------------------------------------------------------------------------
 
+
 def test_drain_refuses_new_work_lets_running_finish_then_exits(h):
     h.send(dispatch("a", max_tokens=3))
     h.core.signals += 1
-    h.send(dispatch("b", max_tokens=3))                      # a signal that came before this frame wins
+    h.send(dispatch("b", max_tokens=3))  # a signal that came before this frame wins
     assert h.core.state_name() == "draining" and not h.core.drained(h.now)
     ds = h.run_until_finished()
     (refused,) = [d for d in ds if d.request_id == "b"]
@@ -198,7 +210,7 @@ def test_drain_timeout_and_second_signal_give_the_rest_back(h):
     h.core.signals += 1
     h.advance(1.0)
     assert not h.core.drained(h.now) and h.core.poll_timeout(h.now) == 0.0
-    h.core.signals += 1                                       # the second signal ends the drain now
+    h.core.signals += 1  # the second signal ends the drain now
     h.core.check_signals(h.now)
     assert h.core.drained(h.now)
     (final,) = deltas(h.out())
@@ -218,13 +230,14 @@ def test_drain_deadline():
 
 # ---- lifecycle -----------------------------------------------------------------------------------------
 
+
 def test_the_lifecycle_table_covers_every_state_and_command():
     live = (WorkerState.RUNNING, WorkerState.PAUSED, WorkerState.SUSPENDED)
     assert set(TABLE) == {(s, c) for s in live for c in ("pause", "unpause", "suspend", "resume", "stop")}
-    for state in live:   # a worker obeys the last command, from any state
+    for state in live:  # a worker obeys the last command, from any state
         assert transition(state, "pause").state is WorkerState.PAUSED
         assert transition(state, "unpause").state is WorkerState.RUNNING
-        assert transition(state, "suspend") .actions == (Action.SUSPEND_ENGINE,)
+        assert transition(state, "suspend").actions == (Action.SUSPEND_ENGINE,)
         assert transition(state, "resume").state is WorkerState.PAUSED
         assert transition(state, "stop").actions == (Action.ABORT_ALL, Action.EXIT)
 
@@ -235,7 +248,7 @@ def test_pause_holds_steps_and_each_command_is_acked_after_a_heartbeat(h):
     assert [type(m) for m in out] == [Heartbeat, ControlAck] and out[1].state == "paused"
     assert not h.core.wants_step() and deltas(h.step()) == []
     (ack,) = of_type(h.send(Control(command="suspend")), ControlAck)
-    assert ack.state == "suspended" and ack.bytes_released == 0      # BenchmarkEngine holds no memory
+    assert ack.state == "suspended" and ack.bytes_released == 0  # BenchmarkEngine holds no memory
     (ack,) = of_type(h.send(Control(command="resume")), ControlAck)
     assert ack.state == "paused"
     (ack,) = of_type(h.send(Control(command="unpause")), ControlAck)
@@ -268,6 +281,7 @@ def test_refit_on_an_engine_without_weights_is_refused(h):
 
 
 # ---- frames --------------------------------------------------------------------------------------------
+
 
 def test_bad_frames_get_an_error_and_a_bad_dispatch_fails_its_request(h):
     (error,) = h.raw([b"a", b"b"])

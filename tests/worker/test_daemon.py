@@ -13,16 +13,36 @@ import msgpack
 import pytest
 import zmq
 
-from infer.protocol.messages import (PROTOCOL_VERSION, Abort, Control, ControlAck, Delta, Dispatch, Error, Heartbeat, Hello, Load,
-                                     Message, Refused, StepBatch, TokenIds, Welcome, decode, encode)
+from infer.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Control,
+    ControlAck,
+    Delta,
+    Dispatch,
+    Error,
+    Heartbeat,
+    Hello,
+    Load,
+    Message,
+    Refused,
+    StepBatch,
+    TokenIds,
+    Welcome,
+    decode,
+    encode,
+)
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.transport import frames_for, make_socket
 
-WAIT = 20.0   # upper bound of any single wait; the happy paths take a fraction of it
+WAIT = 20.0  # upper bound of any single wait; the happy paths take a fraction of it
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000"]
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
-PROMPTS = ["The lighthouse keeper climbed the stairs", "Bread needs flour, water and salt",
-           [5, 17, 300, 2048, 9, 77, 1000]]
+PROMPTS = [
+    "The lighthouse keeper climbed the stairs",
+    "Bread needs flour, water and salt",
+    [5, 17, 300, 2048, 9, 77, 1000],
+]
 
 
 class Coordinator:
@@ -99,16 +119,24 @@ class Coordinator:
 def dispatch(request_id: str, prompt: str | list[int], resumed: list[int] = (), **sampling) -> Dispatch:
     text = prompt if isinstance(prompt, str) else None
     ids = TokenIds(prompt) if not isinstance(prompt, str) else None
-    return Dispatch(request_id=request_id, sampling=SamplingParams(**sampling), prompt=text,
-                    prompt_token_ids=ids, resumed_token_ids=TokenIds(resumed))
+    return Dispatch(
+        request_id=request_id,
+        sampling=SamplingParams(**sampling),
+        prompt=text,
+        prompt_token_ids=ids,
+        resumed_token_ids=TokenIds(resumed),
+    )
 
 
 class WorkerProcess:
     def __init__(self, coordinator: str, args: list[str], log_path: Path) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - the process writes to it until kill()
-        self.proc = subprocess.Popen([sys.executable, "-m", "infer.worker.daemon", "--coordinator", coordinator,
-                                      "--worker-id", "w-test", *args], stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "infer.worker.daemon", "--coordinator", coordinator, "--worker-id", "w-test", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     @property
     def log(self) -> str:
@@ -152,6 +180,7 @@ def joined(deltas: list[Delta]) -> tuple[list[int], str]:
 
 # ---- one real-model worker shared by the serving tests ---------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")
@@ -182,8 +211,11 @@ def served(model_dir, tmp_path_factory):
     """(coordinator, Hello, worker) with a registered real-model worker."""
     coord = Coordinator()
     log_path = tmp_path_factory.mktemp("worker") / "worker.log"
-    worker = WorkerProcess(coord.address, [*ENGINE_ARGS, "--model", str(model_dir), "--dp-rank", "2",
-                                           "--heartbeat-interval", "0.5", "--threads", "1"], log_path)
+    worker = WorkerProcess(
+        coord.address,
+        [*ENGINE_ARGS, "--model", str(model_dir), "--dp-rank", "2", "--heartbeat-interval", "0.5", "--threads", "1"],
+        log_path,
+    )
     try:
         hello = coord.welcome()
         yield coord, hello, worker
@@ -198,9 +230,14 @@ def test_registration_hello_and_ready_line(served, engine, model_dir):
     assert (hello.dp_rank, hello.group_id, hello.running) == (2, "dp2", [])
     assert (hello.num_kv_blocks, hello.block_size) == (engine.num_kv_blocks, 16)
     assert (hello.max_num_seqs, hello.max_model_len) == (256, 256)
-    beat = coord.expect(Heartbeat, timeout=3)   # idle: heartbeats every 0.5 s, with the load
-    assert beat.load == Load(num_waiting=0, num_running=0, num_free_blocks=hello.num_kv_blocks,
-                             num_total_blocks=hello.num_kv_blocks, num_queued_tokens=0)
+    beat = coord.expect(Heartbeat, timeout=3)  # idle: heartbeats every 0.5 s, with the load
+    assert beat.load == Load(
+        num_waiting=0,
+        num_running=0,
+        num_free_blocks=hello.num_kv_blocks,
+        num_total_blocks=hello.num_kv_blocks,
+        num_queued_tokens=0,
+    )
     ready = [line for line in worker.log.splitlines() if "worker ready" in line]
     assert len(ready) == 1 and "rank 2" in ready[0] and "group dp2" in ready[0] and coord.address in ready[0]
 
@@ -212,7 +249,7 @@ def test_greedy_streams_match_the_in_process_engine(served, engine):
         prompt_ids, steps, texts = run_in_process(engine, f"ref-g{i}", prompt, SamplingParams(**GREEDY))
         deltas = got[f"g{i}"]
         assert joined(deltas) == ([t for s in steps for t in s], "".join(texts))
-        echo = prompt_ids if isinstance(prompt, str) else None        # the first delta echoes a text prompt's ids
+        echo = prompt_ids if isinstance(prompt, str) else None  # the first delta echoes a text prompt's ids
         assert deltas[0].prompt_token_ids == echo
         assert all(d.prompt_token_ids is None for d in deltas[1:])
         assert deltas[-1].finish_reason in ("stop", "length") and deltas[-1].num_prompt_tokens == len(prompt_ids)
@@ -223,13 +260,14 @@ def test_resumed_dispatch_continues_the_greedy_stream(served, engine):
     params = {"temperature": 0.0, "max_tokens": 14, "ignore_eos": True}
     prompt_ids, steps, texts = run_in_process(engine, "ref-full", PROMPTS[0], SamplingParams(**params))
     full = [t for s in steps for t in s]
-    k = 6   # a dead worker delivered the first k tokens (and their text)
-    deltas = coord.run([dispatch("resumed", prompt_ids, resumed=full[:k], temperature=0.0, max_tokens=14,
-                                 ignore_eos=True)])["resumed"]     # the resumed tokens count toward max_tokens
+    k = 6  # a dead worker delivered the first k tokens (and their text)
+    deltas = coord.run(
+        [dispatch("resumed", prompt_ids, resumed=full[:k], temperature=0.0, max_tokens=14, ignore_eos=True)]
+    )["resumed"]  # the resumed tokens count toward max_tokens
     tokens, text = joined(deltas)
     assert tokens == full[k:]
     assert "".join(texts[:k]) + text == "".join(texts)
-    assert deltas[0].prompt_token_ids is None                           # token ids were sent: no echo
+    assert deltas[0].prompt_token_ids is None  # token ids were sent: no echo
     assert deltas[-1].finish_reason == "length" and deltas[-1].num_prompt_tokens == len(prompt_ids)
 
 
@@ -250,7 +288,7 @@ def test_abort_frees_the_kv_blocks_at_once(served):
             break
     assert time.monotonic() - sent < 1.0
     assert not any(d.finished for d in deltas) and sum(len(d.token_ids) for d in deltas) < 200
-    coord.send(dispatch("long", PROMPTS[1], **GREEDY))          # the same id again, at once
+    coord.send(dispatch("long", PROMPTS[1], **GREEDY))  # the same id again, at once
     again = coord.deltas_until_finished(["long"], timeout=WAIT)["long"]
     assert again[-1].finish_reason == "length" and sum(len(d.token_ids) for d in again) == GREEDY["max_tokens"]
 
@@ -258,8 +296,11 @@ def test_abort_frees_the_kv_blocks_at_once(served):
 def test_bad_dispatches_fail_alone(served, engine):
     coord, _, _ = served
     good = dispatch("ok", PROMPTS[2], **GREEDY)
-    bad = [dispatch("oov", [1, 2, 10**6], **GREEDY), dispatch("too-long", [7] * 300, **GREEDY),
-           dispatch("ok", PROMPTS[0], **GREEDY)]   # a duplicate of a running id
+    bad = [
+        dispatch("oov", [1, 2, 10**6], **GREEDY),
+        dispatch("too-long", [7] * 300, **GREEDY),
+        dispatch("ok", PROMPTS[0], **GREEDY),
+    ]  # a duplicate of a running id
     got = coord.run([good, *bad])
     assert "outside the vocabulary" in got["oov"][-1].error
     assert "context length is 256" in got["too-long"][-1].error
@@ -274,8 +315,13 @@ def test_bad_dispatches_fail_alone(served, engine):
 
 def test_garbage_frames_get_errors_and_serving_goes_on(served):
     coord, _, worker = served
-    bad_sampling = msgpack.packb({"type": "dispatch", "v": PROTOCOL_VERSION, "body": {
-        "request_id": "bad-sampling", "sampling": {"temperature": -1}, "prompt": "hi"}})
+    bad_sampling = msgpack.packb(
+        {
+            "type": "dispatch",
+            "v": PROTOCOL_VERSION,
+            "body": {"request_id": "bad-sampling", "sampling": {"temperature": -1}, "prompt": "hi"},
+        }
+    )
     cases = [
         (b"\xc1garbage", "not valid msgpack"),
         (msgpack.packb([1, 2]), "exactly 'type', 'v' and 'body'"),
@@ -299,6 +345,7 @@ def test_garbage_frames_get_errors_and_serving_goes_on(served):
 
 # ---- lifecycle: separate processes ----------------------------------------------------------------
 
+
 def test_sigterm_drains_running_requests_then_exits_0(coordinator, spawn, model_dir):
     worker = spawn(coordinator.address, *ENGINE_ARGS, "--model", str(model_dir), "--threads", "1")
     coordinator.welcome()
@@ -321,13 +368,18 @@ def test_benchmark_mode_tokens_and_stop(coordinator, spawn):
     worker = spawn(coordinator.address, "--benchmark-mode", "--max-num-seqs", "2")
     hello = coordinator.welcome()
     assert hello.model_id == "SmolLM2-135M-Instruct" and hello.max_num_seqs == 2
-    got = coordinator.run([dispatch("b1", [9] * 5, max_tokens=7), dispatch("b2", "héllo", max_tokens=3),
-                           dispatch("b3", [9] * 5, resumed=[5, 6], max_tokens=5)])
+    got = coordinator.run(
+        [
+            dispatch("b1", [9] * 5, max_tokens=7),
+            dispatch("b2", "héllo", max_tokens=3),
+            dispatch("b3", [9] * 5, resumed=[5, 6], max_tokens=5),
+        ]
+    )
     assert joined(got["b1"]) == ([5, 6, 7, 8, 9, 10, 11], "")
     assert joined(got["b2"]) == ([6, 7, 8], "") and got["b2"][0].prompt_token_ids == list("héllo".encode())
     assert joined(got["b3"]) == ([7, 8, 9], "") and got["b3"][0].prompt_token_ids is None
     assert all(got[r][-1].finish_reason == "length" for r in got)
-    coordinator.send(Error(message="unknown worker 'w-test'"))   # a coordinator that forgot this worker
+    coordinator.send(Error(message="unknown worker 'w-test'"))  # a coordinator that forgot this worker
     assert coordinator.expect(Hello, timeout=5).peer_id == "w-test"
     coordinator.send(Control(command="stop"))
     assert coordinator.expect(ControlAck) == ControlAck(command="stop", state="stopped")
@@ -335,37 +387,53 @@ def test_benchmark_mode_tokens_and_stop(coordinator, spawn):
 
 
 def test_a_request_waiting_past_max_queue_time_fails_as_overloaded_and_the_running_one_goes_on(coordinator, spawn):
-    worker = spawn(coordinator.address, "--benchmark-mode", "--max-num-seqs", "1", "--benchmark-step-time", "0.02",
-                   "--max-queue-time", "0.5")
+    worker = spawn(
+        coordinator.address,
+        "--benchmark-mode",
+        "--max-num-seqs",
+        "1",
+        "--benchmark-step-time",
+        "0.02",
+        "--max-queue-time",
+        "0.5",
+    )
     coordinator.welcome()
     started = time.monotonic()
     got = coordinator.run([dispatch("runs", [1, 2], max_tokens=100), dispatch("waits", [1, 2], max_tokens=2)])
     shed = got["waits"][-1]
     assert (shed.finish_reason, shed.error_code, shed.token_ids) == ("error", "overloaded", [])
     assert "--max-queue-time 0.5 s" in shed.error and 0.5 <= shed.queue_time_s < 1.5
-    assert joined(got["runs"])[0] == [(2 + i) % 1000 for i in range(100)]      # the running one is untouched
-    assert time.monotonic() - started >= 2.0       # 100 steps of 0.02 s: it was shed long before its turn
+    assert joined(got["runs"])[0] == [(2 + i) % 1000 for i in range(100)]  # the running one is untouched
+    assert time.monotonic() - started >= 2.0  # 100 steps of 0.02 s: it was shed long before its turn
     coordinator.send(Control(command="stop"))
     assert worker.wait() == 0
 
 
 def test_heartbeats_go_on_during_a_long_engine_step_and_say_its_age(coordinator, spawn):
-    worker = spawn(coordinator.address, "--benchmark-mode", "--benchmark-step-time", "1.5",
-                   "--heartbeat-interval", "0.2", "--coordinator-timeout", "15")   # this stand-in never beats
+    worker = spawn(
+        coordinator.address,
+        "--benchmark-mode",
+        "--benchmark-step-time",
+        "1.5",
+        "--heartbeat-interval",
+        "0.2",
+        "--coordinator-timeout",
+        "15",
+    )  # this stand-in never beats
     coordinator.welcome()
     coordinator.send(dispatch("slow", [1, 2, 3], max_tokens=2))
     ages, deltas, deadline = [], [], time.monotonic() + WAIT
     while not any(d.finished for d in deltas):
         msg = coordinator.recv(max(0.0, deadline - time.monotonic()))
         if isinstance(msg, Heartbeat) and msg.step_age_s is not None:
-            assert msg.load is not None          # an unknown coordinator must still tell a worker's heartbeat
+            assert msg.load is not None  # an unknown coordinator must still tell a worker's heartbeat
             ages.append(msg.step_age_s)
         elif isinstance(msg, StepBatch):
             deltas += msg.deltas
         else:
             assert not isinstance(msg, Hello), "registered again"
     assert [t for d in deltas for t in d.token_ids] == [3, 4]
-    assert len(ages) >= 4 and max(ages) >= 1.0 and all(0 < a < 2.0 for a in ages)   # ~every 0.2 s in each step
+    assert len(ages) >= 4 and max(ages) >= 1.0 and all(0 < a < 2.0 for a in ages)  # ~every 0.2 s in each step
     coordinator.send(Control(command="stop"))
     assert coordinator.expect(ControlAck).state == "stopped"
     assert worker.wait() == 0
@@ -380,7 +448,7 @@ def test_refused_exits_3_with_the_reason(coordinator, spawn):
 
 
 def test_no_coordinator_exits_1_after_connect_timeout(spawn):
-    probe = Coordinator()   # a free port with nobody listening once closed
+    probe = Coordinator()  # a free port with nobody listening once closed
     address = probe.address
     probe.close()
     worker = spawn(address, "--benchmark-mode", "--connect-timeout", "0.5")
@@ -388,19 +456,24 @@ def test_no_coordinator_exits_1_after_connect_timeout(spawn):
     assert "no Welcome" in worker.log
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--block-size", "0"], "block_size must be a positive integer"),
-    (["--dtype", "int3"], "invalid choice"),
-    (["--heartbeat-interval", "5", "--coordinator-timeout", "2"], "must exceed heartbeat_interval"),
-    (["--max-queue-time", "-1"], "max_queue_time must be in [0, 86400] s (0: no bound), got -1.0"),
-    (["--ep-size", "0"], "--ep-size must be >= 1"),
-    (["--ep-rank", "1"], "--ep-rank and --dist-init need --ep-size > 1"),
-    (["--ep-size", "2", "--ep-rank", "2", "--dist-init", "tcp://127.0.0.1:9"], "--ep-rank must be in [0, 2)"),
-    (["--ep-size", "2", "--ep-rank", "0", "--dist-init", "127.0.0.1:9"], "--dist-init must be tcp://HOST:PORT"),
-    (["--ep-size", "2", "--ep-rank", "0"], "needs --dist-init"),
-    (["--ep-size", "2", "--ep-rank", "0", "--dist-init", "tcp://127.0.0.1:9", "--benchmark-mode"],
-     "--benchmark-mode has no model, so no EP group"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--block-size", "0"], "block_size must be a positive integer"),
+        (["--dtype", "int3"], "invalid choice"),
+        (["--heartbeat-interval", "5", "--coordinator-timeout", "2"], "must exceed heartbeat_interval"),
+        (["--max-queue-time", "-1"], "max_queue_time must be in [0, 86400] s (0: no bound), got -1.0"),
+        (["--ep-size", "0"], "--ep-size must be >= 1"),
+        (["--ep-rank", "1"], "--ep-rank and --dist-init need --ep-size > 1"),
+        (["--ep-size", "2", "--ep-rank", "2", "--dist-init", "tcp://127.0.0.1:9"], "--ep-rank must be in [0, 2)"),
+        (["--ep-size", "2", "--ep-rank", "0", "--dist-init", "127.0.0.1:9"], "--dist-init must be tcp://HOST:PORT"),
+        (["--ep-size", "2", "--ep-rank", "0"], "needs --dist-init"),
+        (
+            ["--ep-size", "2", "--ep-rank", "0", "--dist-init", "tcp://127.0.0.1:9", "--benchmark-mode"],
+            "--benchmark-mode has no model, so no EP group",
+        ),
+    ],
+)
 def test_bad_options_exit_2_with_the_message(spawn, args, message):
     worker = spawn("tcp://127.0.0.1:9", *args)
     assert worker.wait() == 2
@@ -408,15 +481,14 @@ def test_bad_options_exit_2_with_the_message(spawn, args, message):
 
 
 def test_coordinator_restart_gets_a_new_hello_with_running_ids(coordinator, spawn):
-    worker = spawn(coordinator.address, "--benchmark-mode", "--heartbeat-interval", "0.2",
-                   "--coordinator-timeout", "1")
+    worker = spawn(coordinator.address, "--benchmark-mode", "--heartbeat-interval", "0.2", "--coordinator-timeout", "1")
     coordinator.welcome()
     coordinator.send(Control(command="pause"))
     assert coordinator.expect(ControlAck).state == "paused"
     coordinator.send(dispatch("kept", [1, 2, 3], max_tokens=5))
     port = coordinator.port
     coordinator.close()
-    restarted = Coordinator(port)   # silent: the worker must notice and register again
+    restarted = Coordinator(port)  # silent: the worker must notice and register again
     try:
         hello = restarted.expect(Hello, timeout=10)
         assert hello.running == ["kept"]

@@ -20,7 +20,7 @@ MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 _rng = random.Random(21)
 PROMPTS = [[_rng.randrange(3, 250) for _ in range(n)] for n in (7, 33, 60)]
-PROMPTS += [PROMPTS[2][:40] + [9, 10, 11]]     # shares 40 tokens with the third: cache hits
+PROMPTS += [PROMPTS[2][:40] + [9, 10, 11]]  # shares 40 tokens with the third: cache hits
 VARIANTS = {"q-lora": {}, "q-proj": {"q_lora_rank": None}}
 
 
@@ -30,8 +30,9 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer):
 
     def make(name: str) -> tuple[Path, list[list[int]]]:
         if name not in made:
-            path = tiny_checkpoint(tmp_path_factory.mktemp(name), smollm2_tokenizer, "deepseek_v2",
-                                   **{**DEEPSEEK_V2, **VARIANTS[name]})
+            path = tiny_checkpoint(
+                tmp_path_factory.mktemp(name), smollm2_tokenizer, "deepseek_v2", **{**DEEPSEEK_V2, **VARIANTS[name]}
+            )
             made[name] = path, transformers_greedy(path, PROMPTS, MAX_NEW)
         return made[name]
 
@@ -39,14 +40,23 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer):
 
 
 def _llm(path: Path, **options) -> LLM:
-    return LLM(model=str(path), **{"dtype": "float32", "max_model_len": 256, "kv_cache_memory": 4_000_000,
-                                   "num_threads": 1, "block_size": 4, **options})
+    return LLM(
+        model=str(path),
+        **{
+            "dtype": "float32",
+            "max_model_len": 256,
+            "kv_cache_memory": 4_000_000,
+            "num_threads": 1,
+            "block_size": 4,
+            **options,
+        },
+    )
 
 
 def test_the_pool_holds_the_latent(checkpoints):
     model = load_model(checkpoints("q-lora")[0], torch.float32, torch.device("cpu"))
     assert type(model).__name__ == "DeepseekV2ForCausalLM"
-    assert (model.num_kv_heads, model.head_dim) == (1, 32 + 16)   # transformers caches 4 x (32 + 24) per token
+    assert (model.num_kv_heads, model.head_dim) == (1, 32 + 16)  # transformers caches 4 x (32 + 24) per token
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -66,7 +76,7 @@ def test_logprobs_within_tolerance_of_transformers(checkpoints):
     hf = hf_model(path)
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1].float()
+            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1].float()
         expected = logits.log_softmax(-1)
         for step, entry in enumerate(completion.logprobs):
             for candidate, logprob in entry.items():

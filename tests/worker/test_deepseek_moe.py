@@ -31,7 +31,7 @@ MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 _rng = random.Random(33)
 PROMPTS = [[_rng.randrange(3, 250) for _ in range(n)] for n in (5, 38, 61)]
-PROMPTS += [PROMPTS[2][:44] + [9, 10, 11]]     # shares 44 tokens with the third: cache hits
+PROMPTS += [PROMPTS[2][:44] + [9, 10, 11]]  # shares 44 tokens with the third: cache hits
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,17 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer):
 
 
 def _llm(path: Path, **options) -> LLM:
-    return LLM(model=str(path), **{"dtype": "float32", "max_model_len": 256, "kv_cache_memory": 4_000_000,
-                                   "num_threads": 1, "block_size": 4, **options})
+    return LLM(
+        model=str(path),
+        **{
+            "dtype": "float32",
+            "max_model_len": 256,
+            "kv_cache_memory": 4_000_000,
+            "num_threads": 1,
+            "block_size": 4,
+            **options,
+        },
+    )
 
 
 def _config(model_type: str, **fields):
@@ -70,7 +79,7 @@ def test_greedy_tokens_equal_transformers(checkpoints, name):
     layers = llm._engine.model.model.layers
     assert [type(layer.mlp) for layer in layers] == [LlamaMLP, DeepseekMoE, DeepseekMoE]
     pool = llm._engine.kv_cache
-    assert all(v is k for k, v in zip(pool.k, pool.v, strict=True))     # the latent row, once
+    assert all(v is k for k, v in zip(pool.k, pool.v, strict=True))  # the latent row, once
     assert pool.shape[0] == 1 and pool.shape[3] == 32 + 16
 
 
@@ -82,7 +91,7 @@ def test_logprobs_within_tolerance_of_transformers(checkpoints, name):
     hf = hf_model(path)
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1].float()
+            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1].float()
         expected = logits.log_softmax(-1)
         for step, entry in enumerate(completion.logprobs):
             for candidate, logprob in entry.items():
@@ -104,7 +113,7 @@ def test_router_chooses_transformers_experts_and_weights(checkpoints, name):
     want_ids, want_order = want_ids.sort(dim=1)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order), rtol=1e-6, atol=1e-6)
-    if name == "deepseek_v3":   # the bias matters: without it other experts win for some tokens
+    if name == "deepseek_v3":  # the bias matters: without it other experts win for some tokens
         ours.e_score_correction_bias.zero_()
         assert not torch.equal(ours(hidden)[1].sort(dim=1)[0], want_ids)
 
@@ -112,12 +121,12 @@ def test_router_chooses_transformers_experts_and_weights(checkpoints, name):
 def test_the_pool_holds_twice_the_blocks_of_a_k_and_v_pool():
     model = build_model(_config("deepseek_v3"), torch.float32, "meta")
     config = EngineConfig(kv_cache_memory=3 * 48 * 4 * 4 * 100, block_size=4, max_num_seqs=1000)
-    assert num_kv_blocks(config, model, torch.float32, torch.device("cpu"), 256) == 100   # 3 layers x 48 x fp32
+    assert num_kv_blocks(config, model, torch.float32, torch.device("cpu"), 256) == 100  # 3 layers x 48 x fp32
 
 
 def test_a_shared_pool_stays_shared_through_suspend_and_copies():
     pool = KVCache.allocate(2, 3, 4, 1, 8, torch.float32, torch.device("cpu"), shared_kv=True)
-    assert pool.nbytes == 2 * 1 * 4 * 4 * 8 * 4                       # 2 layers x (3 + scratch) blocks, once
+    assert pool.nbytes == 2 * 1 * 4 * 4 * 8 * 4  # 2 layers x (3 + scratch) blocks, once
     assert pool.release() >= 0 and pool.released
     assert pool.restore() == 2 * 1 * 4 * 4 * 8 * 4
     assert all(v is k for k, v in zip(pool.k, pool.v, strict=True))
@@ -127,21 +136,30 @@ def test_a_shared_pool_stays_shared_through_suspend_and_copies():
 
 
 def test_layer_kinds_follow_first_k_dense_replace_and_moe_layer_freq():
-    model = build_model(_config("deepseek_v3", num_hidden_layers=5, first_k_dense_replace=1, moe_layer_freq=2),
-                        torch.float32, "meta")
+    model = build_model(
+        _config("deepseek_v3", num_hidden_layers=5, first_k_dense_replace=1, moe_layer_freq=2), torch.float32, "meta"
+    )
     assert [type(layer.mlp).__name__ for layer in model.model.layers] == [
-        "LlamaMLP", "LlamaMLP", "DeepseekMoE", "LlamaMLP", "DeepseekMoE"]
+        "LlamaMLP",
+        "LlamaMLP",
+        "DeepseekMoE",
+        "LlamaMLP",
+        "DeepseekMoE",
+    ]
     shared = model.model.layers[2].mlp.shared_experts
-    assert tuple(shared.down_proj.weight.shape) == (64, 32)     # n_shared_experts x moe_intermediate_size
+    assert tuple(shared.down_proj.weight.shape) == (64, 32)  # n_shared_experts x moe_intermediate_size
 
 
-@pytest.mark.parametrize(("model_type", "fields", "named"), [
-    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
-    ("deepseek_v2", {"topk_method": "greedy", "norm_topk_prob": True}, "norm_topk_prob=True"),
-    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func 'softmax'"),
-    ("deepseek_v3", {"topk_method": "group_limited_greedy"}, "topk_method 'group_limited_greedy'"),
-    ("deepseek_v3", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-])
+@pytest.mark.parametrize(
+    ("model_type", "fields", "named"),
+    [
+        ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+        ("deepseek_v2", {"topk_method": "greedy", "norm_topk_prob": True}, "norm_topk_prob=True"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+        ("deepseek_v3", {"topk_method": "group_limited_greedy"}, "topk_method 'group_limited_greedy'"),
+        ("deepseek_v3", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)
 def test_unimplemented_routing_is_refused_by_name(model_type, fields, named):
     base = {} if model_type == "deepseek_v3" else {"norm_topk_prob": False}
     with pytest.raises(NotImplementedError, match=named):
@@ -173,8 +191,11 @@ def test_v3_multi_token_prediction_layer_tensors_are_skipped(checkpoints, tmp_pa
         if (path / name).exists():
             shutil.copy(path / name, tmp_path / name)
     tensors = load_file(path / "model.safetensors")
-    mtp = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
-           "model.layers.3.mlp.experts.0.gate_proj.weight": torch.zeros(32, 64)}
+    mtp = {
+        "model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+        "model.layers.3.enorm.weight": torch.ones(64),
+        "model.layers.3.mlp.experts.0.gate_proj.weight": torch.zeros(32, 64),
+    }
     save_file({**tensors, **mtp}, tmp_path / "model.safetensors")
     model = load_model(tmp_path, torch.float32, torch.device("cpu"))
     assert model.num_layers == 3
@@ -200,13 +221,15 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoints, name):
         batch = Pager(num_blocks=32, block_size=4).batch([("s", ids, 0, len(ids))])
         ours = model.compute_logits(model(batch, new_cache(model, 32, 4)))
 
-    def drift(logits: torch.Tensor) -> torch.Tensor:   # [positions]: relative to the largest fp32 logit
+    def drift(logits: torch.Tensor) -> torch.Tensor:  # [positions]: relative to the largest fp32 logit
         return (logits - reference).abs().max(dim=-1).values / reference.abs().max()
 
     bound = 1.5 * drift(theirs).max()
     within = (drift(ours) <= bound).float().mean().item()
     same = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    print(f"{name} bf16: {within:.0%} of the positions within {bound:.3g} (ours at most {drift(ours).max():.3g}); "
-          f"{same:.0%} of the next tokens as fp32")
+    print(
+        f"{name} bf16: {within:.0%} of the positions within {bound:.3g} (ours at most {drift(ours).max():.3g}); "
+        f"{same:.0%} of the next tokens as fp32"
+    )
     assert within >= 0.95
     assert same >= 0.8

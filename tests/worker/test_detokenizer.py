@@ -10,8 +10,38 @@ from infer.protocol.sampling import SamplingParams
 from infer.worker.detokenizer import IncrementalDetokenizer
 
 PROMPT_TEXT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
-PIECES = ["hello", " world", "é", "ü", "ñ", "ç", "Å", "naïve", "世界", "你好", "中文字符", "日本語", "🎉", "👍🏽",
-          "🚀", "👨‍👩‍👧", "😀", "  ", "   ", "\n", "\n\n", "\t", " ", "x", "42", ".", "e\u0301", "ß", "Ω", "—"]
+PIECES = [
+    "hello",
+    " world",
+    "é",
+    "ü",
+    "ñ",
+    "ç",
+    "Å",
+    "naïve",
+    "世界",
+    "你好",
+    "中文字符",
+    "日本語",
+    "🎉",
+    "👍🏽",
+    "🚀",
+    "👨‍👩‍👧",
+    "😀",
+    "  ",
+    "   ",
+    "\n",
+    "\n\n",
+    "\t",
+    " ",
+    "x",
+    "42",
+    ".",
+    "e\u0301",
+    "ß",
+    "Ω",
+    "—",
+]
 
 
 def random_text(rng: random.Random) -> str:
@@ -23,7 +53,7 @@ def stream(detok: IncrementalDetokenizer, ids: list[int], chunk_sizes: list[int]
     deltas = []
     i = 0
     for size in chunk_sizes or [1] * len(ids):
-        deltas.append(detok.add(ids[i:i + size]))
+        deltas.append(detok.add(ids[i : i + size]))
         i += size
     deltas.append(detok.finish())
     return deltas
@@ -112,7 +142,7 @@ def test_stop_string_across_tokens(tok, include):
     assert "".join(deltas) == detok.text  # on a stop everything up to the cut is released at once
     assert detok.add(ids[:3]) == ""  # ids after the stop are ignored
     assert detok.finish() == "" and detok.text == text[:end]
-    consumed = next(i for i in range(len(ids)) if stop in tok.decode(ids[:i + 1])) + 1
+    consumed = next(i for i in range(len(ids)) if stop in tok.decode(ids[: i + 1])) + 1
     assert detok.num_tokens == consumed
 
 
@@ -137,7 +167,7 @@ def test_deltas_hold_back_a_possible_stop_start(tok):
 def test_min_tokens_delays_stop_detection(tok):
     text, stop = "x cat y cat z", "cat"
     ids = encode(tok, text)
-    first_cat = next(i for i in range(len(ids)) if stop in tok.decode(ids[:i + 1])) + 1
+    first_cat = next(i for i in range(len(ids)) if stop in tok.decode(ids[: i + 1])) + 1
     early = IncrementalDetokenizer(tok, [], SamplingParams(stop=stop))
     early_deltas = stream(early, ids)
     assert early.text == "x " == "".join(early_deltas)
@@ -177,12 +207,12 @@ def test_resumed_detokenizer_continues_the_text_exactly_at_every_cut(tok, case):
     text = random_text(rng) + "".join(rng.choice(PIECES) for _ in range(12))
     ids = encode(tok, text)
     middle = len(text) // 2
-    stops = (text[middle - 2:middle + 2],) if case % 2 else ()
+    stops = (text[middle - 2 : middle + 2],) if case % 2 else ()
     params = SamplingParams(stop=stops, include_stop_str_in_output=case % 3 == 0)
     whole = stream(IncrementalDetokenizer(tok, encode(tok, PROMPT_TEXT), params), ids)
     for k in range(1, len(ids)):
         delivered = "".join(whole[:k])
-        for shown in {len(delivered), max(0, len(delivered) - 2)}:    # less: text a dying worker never sent
+        for shown in {len(delivered), max(0, len(delivered) - 2)}:  # less: text a dying worker never sent
             detok = IncrementalDetokenizer(tok, encode(tok, PROMPT_TEXT), params)
             detok.resume(ids[:k], shown)
             rest = stream(detok, ids[k:])

@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
+from hf_reference import hf_model
+from prompts import prompt_of_length, varied_prompts
 
 from infer import LLM, SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.forward_batch import KVCache
-from hf_reference import hf_model
-from prompts import prompt_of_length, varied_prompts
 
 MAX_NEW = 12
 
@@ -24,8 +24,9 @@ def _kv_bytes_for_blocks(model_dir, num_blocks: int, block_size: int) -> int:
 
     cfg = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return num_blocks * KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads,
-                                                head_dim, torch.float32)
+    return num_blocks * KVCache.bytes_per_block(
+        cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, head_dim, torch.float32
+    )
 
 
 def _reference(model_dir, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
@@ -35,9 +36,14 @@ def _reference(model_dir, prompt_ids: list[list[int]], max_new: int) -> list[lis
     with torch.inference_mode():
         for ids in prompt_ids:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new,
-                               pad_token_id=model.config.eos_token_id)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new,
+                pad_token_id=model.config.eos_token_id,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -58,8 +64,9 @@ SCENARIOS = {
     # (c) chunked prefill at a 64-token step budget
     "chunked-64": lambda d: dict(block_size=16, max_num_batched_tokens=64),
     # (d) = (b) with step graphs (buckets 1, 2, 4: the batch's tail decodes in graphs, the rest eagerly)
-    "preemption-graphs": lambda d: dict(block_size=16, kv_cache_memory=_kv_bytes_for_blocks(d, 80, 16),
-                                        enforce_eager=False, max_graph_batch_size=4),
+    "preemption-graphs": lambda d: dict(
+        block_size=16, kv_cache_memory=_kv_bytes_for_blocks(d, 80, 16), enforce_eager=False, max_graph_batch_size=4
+    ),
 }
 
 
@@ -87,15 +94,14 @@ def test_greedy_matches_transformers_in_one_batch(model_case, scenario):
         assert llm.engine.scheduler.stats.num_preemptions > 0
     if scenario.endswith("graphs"):
         graphs = llm.engine.runner.step_graphs
-        assert graphs is not None and sum(graphs.replays.values()) > 0   # some decode steps ran in a graph
+        assert graphs is not None and sum(graphs.replays.values()) > 0  # some decode steps ran in a graph
     if scenario == "small-blocks":
         assert llm.engine.block_size == 4
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir):
-    return Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=1024,
-                               kv_cache_memory=64 << 20))
+    return Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20))
 
 
 def _run(engine: Engine, requests: dict[str, tuple]) -> dict[str, list[int]]:
@@ -115,8 +121,15 @@ def test_prefix_cache_computes_only_the_suffix(smollm2_dir, smollm2_tokenizer):
     params = SamplingParams(temperature=0, max_tokens=8)
     outputs = {}
     for caching in (True, False):
-        eng = Engine(EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=1024,
-                                  kv_cache_memory=64 << 20, enable_prefix_caching=caching))
+        eng = Engine(
+            EngineConfig(
+                model=str(smollm2_dir),
+                dtype="float32",
+                max_model_len=1024,
+                kv_cache_memory=64 << 20,
+                enable_prefix_caching=caching,
+            )
+        )
         _run(eng, {"a": (first, params)})
         before = eng.stats.prefill_tokens_computed
         outputs[caching] = _run(eng, {"b": (second, params)})["b"]
@@ -141,15 +154,18 @@ def test_seeded_sampling_is_batch_independent(engine):
     assert again["solo"] != alone
 
 
-@pytest.mark.parametrize("prompt, params, message", [
-    ("", None, "prompt is empty"),
-    ([], None, "prompt is empty"),
-    ([1, 2, 10**9], None, "outside the vocabulary"),
-    ([-1], None, "outside the vocabulary"),
-    ("word " * 1100, None, "context length is 1024"),
-    ("word " * 200_000, None, "refused without tokenizing"),   # too long to fit, whatever its tokens
-    ("hello", "temperature=0", "params must be SamplingParams"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", None, "prompt is empty"),
+        ([], None, "prompt is empty"),
+        ([1, 2, 10**9], None, "outside the vocabulary"),
+        ([-1], None, "outside the vocabulary"),
+        ("word " * 1100, None, "context length is 1024"),
+        ("word " * 200_000, None, "refused without tokenizing"),  # too long to fit, whatever its tokens
+        ("hello", "temperature=0", "params must be SamplingParams"),
+    ],
+)
 def test_bad_requests_are_rejected_while_others_complete(engine, prompt, params, message):
     good = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     engine.add_request("good", "The sea is", good)
@@ -163,21 +179,24 @@ def test_bad_requests_are_rejected_while_others_complete(engine, prompt, params,
     assert sorted(out) == ["good", "good2"] and all(len(v) == 6 for v in out.values())
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_tokens=0), "max_tokens must be >= 1"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-2), "top_k must be -1"),
-    (dict(min_p=2.0), "min_p must be in"),
-    (dict(logprobs=99), "logprobs must be in"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-    (dict(top_k=2**64), "top_k must fit in 64 bits"),
-    (dict(stop_token_ids=[1, -2**63 - 1]), "stop_token_ids must fit in 64 bits"),
-    (dict(stop="x" * 20_000_000), "each stop string may be at most 1024 characters, got 20000000"),
-    (dict(stop=["a"] * 65), "stop may hold at most 64 strings"),
-    (dict(stop_token_ids=[1] * 1025), "stop_token_ids may hold at most 1024 ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_tokens=0), "max_tokens must be >= 1"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-2), "top_k must be -1"),
+        (dict(min_p=2.0), "min_p must be in"),
+        (dict(logprobs=99), "logprobs must be in"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(top_k=2**64), "top_k must fit in 64 bits"),
+        (dict(stop_token_ids=[1, -(2**63) - 1]), "stop_token_ids must fit in 64 bits"),
+        (dict(stop="x" * 20_000_000), "each stop string may be at most 1024 characters, got 20000000"),
+        (dict(stop=["a"] * 65), "stop may hold at most 64 strings"),
+        (dict(stop_token_ids=[1] * 1025), "stop_token_ids may hold at most 1024 ids"),
+    ],
+)
 def test_bad_sampling_params_name_the_problem(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
@@ -196,8 +215,13 @@ def test_kv_budget_too_small_for_one_block(smollm2_dir):
 
 
 def test_request_that_can_never_fit_fails_alone(smollm2_dir):
-    llm = LLM(model=str(smollm2_dir), dtype="float32", max_model_len=1024, block_size=16,
-              kv_cache_memory=_kv_bytes_for_blocks(smollm2_dir, 8, 16))
+    llm = LLM(
+        model=str(smollm2_dir),
+        dtype="float32",
+        max_model_len=1024,
+        block_size=16,
+        kv_cache_memory=_kv_bytes_for_blocks(smollm2_dir, 8, 16),
+    )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     small, huge = "Hello there", prompt_of_length(300, 0)
     got = llm.generate([small, huge, small], params, use_tqdm=False)
@@ -243,7 +267,7 @@ def test_shed_overdue_fails_only_requests_that_never_started(engine):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     engine.add_request("started", prompt_of_length(20, 1), params)
     engine.step()
-    engine.scheduler.preempt_all()        # back in the queue, but it has started: it is not shed
+    engine.scheduler.preempt_all()  # back in the queue, but it has started: it is not shed
     engine.add_request("queued", prompt_of_length(20, 2), params)
     time.sleep(0.02)
     assert engine.shed_overdue(0.01) == 1 and engine.shed_overdue(0.01) == 0

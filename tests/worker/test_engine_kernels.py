@@ -10,25 +10,50 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from infer.worker import attention
-from infer import LLM, SamplingParams
-from infer.kernels.reference import paged_attention_reference
 from prompts import varied_prompts
 
+from infer import LLM, SamplingParams
+from infer.kernels.reference import paged_attention_reference
+from infer.worker import attention
 
-def _reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, num_splits=None, plan=None,
-                      split_tokens=None, window=0, softcap=0.0, sinks=None):
+
+def _reference_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    out=None,
+    num_splits=None,
+    plan=None,
+    split_tokens=None,
+    window=0,
+    softcap=0.0,
+    sinks=None,
+):
     assert not softcap and sinks is None, "the plain reference has no soft-capping or sinks (no model here has them)"
     starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, starts, scale, out, window)
 
 
-def _reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
-                       max_query_len=None, decode_from=None, window=0, softcap=0.0, sinks=None):
+def _reference_prefill(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    out=None,
+    max_query_len=None,
+    decode_from=None,
+    window=0,
+    softcap=0.0,
+    sinks=None,
+):
     assert not softcap and sinks is None, "the plain reference has no soft-capping or sinks (no model here has them)"
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                     window)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, window)
 
 
 @pytest.mark.slow
@@ -41,8 +66,14 @@ def test_twins_match_plain_attention_greedy(model, smollm2_dir, tiny_model_dir, 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     # dense weights: the int8 activations of quantized linears would turn the kernels' last-bit differences into
     # half a quantization step now and then; this compares attention
-    llm = LLM(model=str(path), dtype="float32", max_model_len=1024, max_num_batched_tokens=128, block_size=16,
-              quantization="none")
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=1024,
+        max_num_batched_tokens=128,
+        block_size=16,
+        quantization="none",
+    )
     with_kernels = [c.token_ids for c in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.engine.scheduler.stats.prefix_cache_hit_tokens > 0  # the last prompt extends another
     monkeypatch.setattr(attention, "paged_decode_attention", _reference_decode)

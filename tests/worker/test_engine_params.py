@@ -10,8 +10,7 @@ from infer import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    with LLM(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=128,
-             kv_cache_memory=4 << 20) as llm:
+    with LLM(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=128, kv_cache_memory=4 << 20) as llm:
         yield llm
 
 
@@ -19,10 +18,13 @@ def greedy(**params) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **params)
 
 
-@pytest.mark.parametrize("field, params", [
-    ("logit_bias", dict(logit_bias={10**6: 1.0})),
-    ("allowed_token_ids", dict(allowed_token_ids=[3, 10**6])),
-])
+@pytest.mark.parametrize(
+    "field, params",
+    [
+        ("logit_bias", dict(logit_bias={10**6: 1.0})),
+        ("allowed_token_ids", dict(allowed_token_ids=[3, 10**6])),
+    ],
+)
 def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(llm, field, params):
     [done] = llm.generate([[3, 4, 5]], greedy(**params), use_tqdm=False)
     assert done.finish_reason == "error" and done.error_code == "invalid_request"
@@ -30,8 +32,9 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(llm, fiel
 
 
 def test_bias_and_allowed_ids_steer_greedy_output(llm):
-    [biased, allowed] = llm.generate([[3, 4, 5]] * 2, [greedy(logit_bias={77: 100.0}),
-                                                       greedy(allowed_token_ids=[90, 91])], use_tqdm=False)
+    [biased, allowed] = llm.generate(
+        [[3, 4, 5]] * 2, [greedy(logit_bias={77: 100.0}), greedy(allowed_token_ids=[90, 91])], use_tqdm=False
+    )
     assert biased.token_ids == [77] * 8
     assert set(allowed.token_ids) <= {90, 91}
 
@@ -55,13 +58,17 @@ def test_prompt_logprobs_match_transformers_across_prefill_chunks_and_a_warm_pre
 
     model_dir = tiny_model_dir("llama")
     prompt = [(7 * i + 3) % 900 + 3 for i in range(45)]
-    with LLM(model=str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory=4 << 20,
-             max_num_batched_tokens=16) as llm:       # the prompt is prefilled in 3 chunks
-        warm = llm.generate([prompt], greedy(), use_tqdm=False)[0]          # fills the prefix cache
+    with LLM(
+        model=str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory=4 << 20, max_num_batched_tokens=16
+    ) as llm:  # the prompt is prefilled in 3 chunks
+        warm = llm.generate([prompt], greedy(), use_tqdm=False)[0]  # fills the prefix cache
         [done] = llm.generate([prompt], greedy(prompt_logprobs=3), use_tqdm=False)
     assert warm.prompt_logprobs is None and done.token_ids == warm.token_ids
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(
-        torch.tensor([prompt])).logits[0].log_softmax(-1)
+    reference = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(torch.tensor([prompt]))
+        .logits[0]
+        .log_softmax(-1)
+    )
     assert len(done.prompt_logprobs) == len(prompt) and done.prompt_logprobs[0] is None
     for j in range(1, len(prompt)):
         row = done.prompt_logprobs[j]

@@ -32,7 +32,7 @@ def _inputs(rank: int, num_tokens: int):
 
 
 def _run_experts(ep: ExpertParallel, hidden, ids, weights) -> torch.Tensor:
-    local = _expert_weights()[ep.expert_range(NUM_EXPERTS).start:ep.expert_range(NUM_EXPERTS).stop]
+    local = _expert_weights()[ep.expert_range(NUM_EXPERTS).start : ep.expert_range(NUM_EXPERTS).stop]
 
     def experts(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         assert local_ids.numel() == 0 or (int(local_ids.min()) >= 0 and int(local_ids.max()) < len(local))
@@ -52,15 +52,15 @@ def _rank_main(rank: int, port: int, tokens: list[int], scenario: str, results) 
         dist.init_process_group("gloo", init_method=options.dist_init, rank=rank, world_size=2)
         ep = ExpertParallel(rank=rank, size=2)
         if scenario == "exchange":
-            out = [_run_experts(ep, *_inputs(rank, n)) for n in tokens]   # one call per "layer"
+            out = [_run_experts(ep, *_inputs(rank, n)) for n in tokens]  # one call per "layer"
             results.put((rank, [o.tolist() for o in out]))
         elif scenario == "agree":
             sync = GroupSync(options, zmq.Context.instance())
             seen = []
-            if rank == 0:          # the idle group: rank 0 gets work, wakes rank 1, both agree
+            if rank == 0:  # the idle group: rank 0 gets work, wakes rank 1, both agree
                 sync.wake_peers()
                 seen.append(sync.agree(True, False))
-                seen.append(sync.agree(False, False))   # nobody has work: the group goes idle
+                seen.append(sync.agree(False, False))  # nobody has work: the group goes idle
             else:
                 deadline = time.monotonic() + 10
                 while not sync.woken():
@@ -68,13 +68,13 @@ def _rank_main(rank: int, port: int, tokens: list[int], scenario: str, results) 
                     time.sleep(0.01)
                 seen.append(sync.agree(False, False))
                 seen.append(sync.agree(False, False))
-                sync.wake_peers()   # a wake for round 2, then a stale one for round 0 from the past
+                sync.wake_peers()  # a wake for round 2, then a stale one for round 0 from the past
             seen.append(sync.round)
             results.put((rank, seen))
             sync.close()
         elif scenario == "member-dies":
             if rank == 1:
-                os._exit(0)       # a member gone without a word
+                os._exit(0)  # a member gone without a word
             time.sleep(0.5)
             try:
                 _run_experts(ep, *_inputs(rank, 3))
@@ -86,8 +86,12 @@ def _rank_main(rank: int, port: int, tokens: list[int], scenario: str, results) 
 
 
 def _spawn(scenario: str, tokens: list[list[int]]) -> dict[int, object]:
-    return run_two_ranks(_rank_main, lambda rank: (tokens[rank], scenario), timeout_s=60,
-                         answering=(0,) if scenario == "member-dies" else (0, 1))
+    return run_two_ranks(
+        _rank_main,
+        lambda rank: (tokens[rank], scenario),
+        timeout_s=60,
+        answering=(0,) if scenario == "member-dies" else (0, 1),
+    )
 
 
 def test_two_rank_exchange_equals_one_rank():

@@ -27,13 +27,20 @@ from infer.worker.engine import Engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [40, 41, 42], "c": [300, 301, 302, 303, 304, 305, 306]}
-POISON_TOKEN = 777   # the faulty forward below raises whenever this token id is in the batch
+POISON_TOKEN = 777  # the faulty forward below raises whenever this token id is in the batch
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=128,
-                               kv_cache_memory=4 << 20, block_size=4))
+    return Engine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            dtype="float32",
+            max_model_len=128,
+            kv_cache_memory=4 << 20,
+            block_size=4,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +152,10 @@ EXTREME_FLOATS = [0.0, 5e-324, 1e-45, 1e-40, 1e-30, 1e-5, 0.5, 1.0 - 1e-7, 1.0]
 
 def _extreme_or_uniform(low: float, high: float) -> st.SearchStrategy[float]:
     extremes = [x for x in EXTREME_FLOATS if low <= x <= high]
-    return st.one_of(st.sampled_from(extremes + [low, high]),
-                     st.floats(low, high, allow_nan=False, allow_infinity=False, allow_subnormal=True))
+    return st.one_of(
+        st.sampled_from(extremes + [low, high]),
+        st.floats(low, high, allow_nan=False, allow_infinity=False, allow_subnormal=True),
+    )
 
 
 def _valid_params(**kwargs) -> SamplingParams | None:
@@ -164,8 +173,10 @@ PARAMS = st.builds(
     min_p=_extreme_or_uniform(0.0, 1.0),
     presence_penalty=st.one_of(st.sampled_from([-2.0, 2.0, 5e-324]), st.floats(-2, 2)),
     frequency_penalty=st.one_of(st.sampled_from([-2.0, 2.0, -5e-324]), st.floats(-2, 2)),
-    repetition_penalty=st.one_of(st.sampled_from([MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, 1.0]),
-                                 st.floats(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)),
+    repetition_penalty=st.one_of(
+        st.sampled_from([MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, 1.0]),
+        st.floats(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+    ),
     min_tokens=st.integers(0, 3),
     max_tokens=st.just(2),
     seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),

@@ -23,7 +23,8 @@ MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 _rng = random.Random(5)
 PROMPTS = [[_rng.randrange(3, 250) for _ in range(n)] for n in (19, 36, 58)]
-PROMPTS += [PROMPTS[2][:40] + [9, 10, 11]]     # shares 40 tokens with the third: cache hits
+PROMPTS += [PROMPTS[2][:40] + [9, 10, 11]]  # shares 40 tokens with the third: cache hits
+
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory, smollm2_tokenizer) -> Path:
@@ -36,8 +37,17 @@ def want(gemma3) -> list[list[int]]:
 
 
 def _llm(path: Path, **options) -> LLM:
-    return LLM(model=str(path), **{"dtype": "float32", "max_model_len": 256, "kv_cache_memory": 8_000_000,
-                                   "num_threads": 1, "block_size": 4, **options})
+    return LLM(
+        model=str(path),
+        **{
+            "dtype": "float32",
+            "max_model_len": 256,
+            "kv_cache_memory": 8_000_000,
+            "num_threads": 1,
+            "block_size": 4,
+            **options,
+        },
+    )
 
 
 def test_the_model_is_ours_with_each_layer_s_window_and_rope(gemma3):
@@ -64,7 +74,7 @@ def test_logprobs_within_tolerance_of_transformers(gemma3):
     hf = hf_model(gemma3, attn_implementation="eager")
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1].float()
+            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1].float()
         expected = logits.log_softmax(-1)
         for step, entry in enumerate(completion.logprobs):
             for candidate, logprob in entry.items():
@@ -73,9 +83,20 @@ def test_logprobs_within_tolerance_of_transformers(gemma3):
 
 
 def test_step_graphs_give_the_tokens(gemma3, want):
-    engine = Engine(EngineConfig(model=str(gemma3), dtype="float32", max_model_len=256, num_threads=1, device="cpu",
-                                 block_size=4, enforce_eager=False, max_graph_batch_size=4, max_num_seqs=4,
-                                 enable_prefix_caching=False))
+    engine = Engine(
+        EngineConfig(
+            model=str(gemma3),
+            dtype="float32",
+            max_model_len=256,
+            num_threads=1,
+            device="cpu",
+            block_size=4,
+            enforce_eager=False,
+            max_graph_batch_size=4,
+            max_num_seqs=4,
+            enable_prefix_caching=False,
+        )
+    )
     assert engine.runner.step_graphs is not None
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)
@@ -95,10 +116,13 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(gemma3, want):
     assert_bf16_as_close_as_transformers(gemma3, ids, "gemma3")
 
 
-@pytest.mark.parametrize("change, refused", [
-    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-    ({"hidden_activation": "relu"}, "relu"),
-])
+@pytest.mark.parametrize(
+    "change, refused",
+    [
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"hidden_activation": "relu"}, "relu"),
+    ],
+)
 def test_what_it_does_not_compute_is_refused_by_name(gemma3, tmp_path, change, refused):
     for item in gemma3.iterdir():
         if item.name != "config.json":

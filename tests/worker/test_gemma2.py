@@ -23,7 +23,7 @@ MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 _rng = random.Random(8)
 PROMPTS = [[_rng.randrange(3, 250) for _ in range(n)] for n in (5, 30, 61)]
-PROMPTS += [PROMPTS[2][:40] + [9, 10, 11]]     # shares 40 tokens with the third: cache hits
+PROMPTS += [PROMPTS[2][:40] + [9, 10, 11]]  # shares 40 tokens with the third: cache hits
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,17 @@ def want(gemma2) -> list[list[int]]:
 
 
 def _llm(path: Path, **options) -> LLM:
-    return LLM(model=str(path), **{"dtype": "float32", "max_model_len": 256, "kv_cache_memory": 8_000_000,
-                                   "num_threads": 1, "block_size": 4, **options})
+    return LLM(
+        model=str(path),
+        **{
+            "dtype": "float32",
+            "max_model_len": 256,
+            "kv_cache_memory": 8_000_000,
+            "num_threads": 1,
+            "block_size": 4,
+            **options,
+        },
+    )
 
 
 def test_the_model_is_ours_with_soft_capped_windowed_layers(gemma2):
@@ -46,7 +55,7 @@ def test_the_model_is_ours_with_soft_capped_windowed_layers(gemma2):
     assert type(model).__name__ == "Gemma2ForCausalLM" and model.lm_head_tied
     attns = [layer.self_attn for layer in model.model.layers]
     assert [a.window for a in attns] == [8, 0, 8, 0]
-    assert all(a.softcap == 5.0 and a.scale == 24 ** -0.5 and a.q_norm is None for a in attns)
+    assert all(a.softcap == 5.0 and a.scale == 24**-0.5 and a.q_norm is None for a in attns)
     assert model.final_logit_softcapping == 3.0
 
 
@@ -64,7 +73,7 @@ def test_logprobs_within_tolerance_of_transformers(gemma2):
     hf = hf_model(gemma2, attn_implementation="eager")
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1].float()
+            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1].float()
         expected = logits.log_softmax(-1)
         for step, entry in enumerate(completion.logprobs):
             for candidate, logprob in entry.items():
@@ -74,9 +83,20 @@ def test_logprobs_within_tolerance_of_transformers(gemma2):
 
 def test_step_graphs_give_the_tokens(gemma2, want):
     """Decode steps in compiled graphs: the soft-capped compiled formulation (never the native kernel)."""
-    engine = Engine(EngineConfig(model=str(gemma2), dtype="float32", max_model_len=256, num_threads=1, device="cpu",
-                                 block_size=4, enforce_eager=False, max_graph_batch_size=4, max_num_seqs=4,
-                                 enable_prefix_caching=False))
+    engine = Engine(
+        EngineConfig(
+            model=str(gemma2),
+            dtype="float32",
+            max_model_len=256,
+            num_threads=1,
+            device="cpu",
+            block_size=4,
+            enforce_eager=False,
+            max_graph_batch_size=4,
+            max_num_seqs=4,
+            enable_prefix_caching=False,
+        )
+    )
     assert engine.runner.step_graphs is not None
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)

@@ -17,14 +17,19 @@ from gguf import GGMLQuantizationType as Q
 
 from infer.kernels.quant import dequantize
 from infer.worker import gguf as gguf_module
-from infer.worker.model_files import default_model_gguf
 from infer.worker.gguf import GGUFFile, GGUFTensor, checkpoint_name, unpermute_order, write_model_dir
+from infer.worker.model_files import default_model_gguf
 
 QUANTIZED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 SUPPORTED = (Q.F32, Q.F16, Q.BF16, *QUANTIZED)
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-EXACT_REPACK = {Q.Q4_0: ("q4", True), Q.Q4_1: ("q4", True), Q.Q8_0: ("q8", False), Q.Q5_0: ("q8", False),
-                Q.Q5_1: ("q8", True)}
+EXACT_REPACK = {
+    Q.Q4_0: ("q4", True),
+    Q.Q4_1: ("q4", True),
+    Q.Q8_0: ("q8", False),
+    Q.Q5_0: ("q8", False),
+    Q.Q5_1: ("q8", True),
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -149,7 +154,7 @@ def test_q4_0_and_q4_1_keep_their_nibbles_and_scales_as_stored() -> None:
         weight = GGUFTensor("w", qtype, raw, (3, 128)).quantized()
         assert weight is not None
         blocks = raw.reshape(3, 4, -1)
-        assert np.array_equal(weight.qs.numpy(), blocks[..., qs_at:qs_at + 16].reshape(3, -1))
+        assert np.array_equal(weight.qs.numpy(), blocks[..., qs_at : qs_at + 16].reshape(3, -1))
         assert np.array_equal(weight.scales.numpy(), blocks[..., 0:2].copy().view(np.float16).reshape(3, 4))
 
 
@@ -216,7 +221,7 @@ def test_narrow_rows_and_block_columns_match_the_whole(qtype: Q) -> None:
     part = both.quantized()
     assert part is not None and part.shape == (2, 64)
     per_byte = 2 if full.format == "q4" else 1
-    assert torch.equal(part.qs, full.qs[3:5, 288 // per_byte:352 // per_byte])
+    assert torch.equal(part.qs, full.qs[3:5, 288 // per_byte : 352 // per_byte])
     assert torch.equal(part.scales, full.scales[3:5, 9:11])
     assert (part.mins is None) == (full.mins is None)
     if full.mins is not None and part.mins is not None:
@@ -242,8 +247,9 @@ HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, LAYERS = 64, 4, 2, 128, 96, 2
 
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's converter does to a llama attn q / k weight before writing it."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
-        weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]]) -> Path:
@@ -274,19 +280,28 @@ def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]]) 
 def tiny_tensors(hf: dict[str, np.ndarray], arch: str) -> dict[str, tuple[np.ndarray, Q]]:
     """The GGUF tensors of a tiny model whose transformers weights are `hf` (layer 0 and 1 of a Q4_0 / Q8_0 / F16 /
     F32 mixture), the q / k rows permuted as llama.cpp does for llama."""
+
     def stored(name: str) -> np.ndarray:
         values = hf[name]
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             return llama_cpp_permute(values, HEADS if "q_proj" in name else KV_HEADS)
         return values
 
-    types = {"attn_q": Q.Q4_0, "attn_k": Q.F16, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_0,
-             "ffn_up": Q.Q8_0, "ffn_down": Q.F16}
-    out = {"token_embd.weight": (hf["model.embed_tokens.weight"], Q.Q8_0),
-           "output_norm.weight": (hf["model.norm.weight"], Q.F32),
-           "output.weight": (hf["lm_head.weight"], Q.F16)}
-    for gguf_name in [f"blk.{i}.{part}.weight" for i in range(LAYERS) for part in
-                      ("attn_norm", "ffn_norm", *types)]:
+    types = {
+        "attn_q": Q.Q4_0,
+        "attn_k": Q.F16,
+        "attn_v": Q.Q8_0,
+        "attn_output": Q.Q4_0,
+        "ffn_gate": Q.Q4_0,
+        "ffn_up": Q.Q8_0,
+        "ffn_down": Q.F16,
+    }
+    out = {
+        "token_embd.weight": (hf["model.embed_tokens.weight"], Q.Q8_0),
+        "output_norm.weight": (hf["model.norm.weight"], Q.F32),
+        "output.weight": (hf["lm_head.weight"], Q.F16),
+    }
+    for gguf_name in [f"blk.{i}.{part}.weight" for i in range(LAYERS) for part in ("attn_norm", "ffn_norm", *types)]:
         part = gguf_name.split(".")[2]
         out[gguf_name] = (stored(checkpoint_name(gguf_name) or ""), types.get(part, Q.F32))
     return out
@@ -294,18 +309,25 @@ def tiny_tensors(hf: dict[str, np.ndarray], arch: str) -> dict[str, tuple[np.nda
 
 def tiny_hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,),
-              "lm_head.weight": (VOCAB, HIDDEN)}
+    shapes = {
+        "model.embed_tokens.weight": (VOCAB, HIDDEN),
+        "model.norm.weight": (HIDDEN,),
+        "lm_head.weight": (VOCAB, HIDDEN),
+    }
     head_dim = HIDDEN // HEADS
     for i in range(LAYERS):
         layer = f"model.layers.{i}."
-        shapes |= {layer + "input_layernorm.weight": (HIDDEN,), layer + "post_attention_layernorm.weight": (HIDDEN,),
-                   layer + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
-                   layer + "self_attn.k_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-                   layer + "self_attn.v_proj.weight": (KV_HEADS * head_dim, HIDDEN),
-                   layer + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
-                   layer + "mlp.gate_proj.weight": (FFN, HIDDEN), layer + "mlp.up_proj.weight": (FFN, HIDDEN),
-                   layer + "mlp.down_proj.weight": (HIDDEN, FFN)}
+        shapes |= {
+            layer + "input_layernorm.weight": (HIDDEN,),
+            layer + "post_attention_layernorm.weight": (HIDDEN,),
+            layer + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+            layer + "self_attn.k_proj.weight": (KV_HEADS * head_dim, HIDDEN),
+            layer + "self_attn.v_proj.weight": (KV_HEADS * head_dim, HIDDEN),
+            layer + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+            layer + "mlp.gate_proj.weight": (FFN, HIDDEN),
+            layer + "mlp.up_proj.weight": (FFN, HIDDEN),
+            layer + "mlp.down_proj.weight": (HIDDEN, FFN),
+        }
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
 
 
@@ -325,10 +347,14 @@ def test_tiny_llama_names_shapes_and_unpermuted_q_k(tmp_path: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
-    stored = gguf.quants.dequantize(gguf.quants.quantize(llama_cpp_permute(hf["model.layers.0.self_attn.q_proj.weight"],
-                                                                         HEADS), Q.Q4_0), Q.Q4_0)
-    theirs = LlamaTensorProcessor(config={"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}).process(
-        stored, "blk.0.attn_q.weight").weights
+    stored = gguf.quants.dequantize(
+        gguf.quants.quantize(llama_cpp_permute(hf["model.layers.0.self_attn.q_proj.weight"], HEADS), Q.Q4_0), Q.Q4_0
+    )
+    theirs = (
+        LlamaTensorProcessor(config={"num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS})
+        .process(stored, "blk.0.attn_q.weight")
+        .weights
+    )
     assert torch.equal(q.dequantize(), torch.from_numpy(np.ascontiguousarray(theirs)))
     packed = q.quantized()
     assert packed is not None and torch.equal(dequantize(packed), q.dequantize())  # the permutation moved blocks
@@ -348,20 +374,29 @@ def test_unpermute_order_inverts_llama_cpp_permutation() -> None:
 def test_qwen_tensors_are_named_and_not_permuted(tmp_path: Path) -> None:
     rng = np.random.default_rng(7)
     q = rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32)
-    tensors = {"blk.0.attn_q.weight": (q, Q.F32), "blk.0.attn_q.bias": (q[0], Q.F32),
-               "blk.0.attn_q_norm.weight": (q[1, :16], Q.F32), "blk.0.attn_k_norm.weight": (q[2, :16], Q.F32)}
+    tensors = {
+        "blk.0.attn_q.weight": (q, Q.F32),
+        "blk.0.attn_q.bias": (q[0], Q.F32),
+        "blk.0.attn_q_norm.weight": (q[1, :16], Q.F32),
+        "blk.0.attn_k_norm.weight": (q[2, :16], Q.F32),
+    }
     file = GGUFFile(write_gguf(tmp_path / "qwen3.gguf", "qwen3", tensors))
     named = dict(file.tensors())
-    assert set(named) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
-                          "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"}
+    assert set(named) == {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.self_attn.k_norm.weight",
+    }
     assert torch.equal(named["model.layers.0.self_attn.q_proj.weight"].read(), torch.from_numpy(q))
     assert torch.equal(named["model.layers.0.self_attn.q_proj.bias"].read(), torch.from_numpy(q[0]))
 
 
 def test_llama_bias_is_unpermuted_like_its_rows(tmp_path: Path) -> None:
     bias = np.arange(HIDDEN, dtype=np.float32)
-    file = GGUFFile(write_gguf(tmp_path / "b.gguf", "llama", {"blk.0.attn_q.bias": (llama_cpp_permute(bias, HEADS),
-                                                                                     Q.F32)}))
+    file = GGUFFile(
+        write_gguf(tmp_path / "b.gguf", "llama", {"blk.0.attn_q.bias": (llama_cpp_permute(bias, HEADS), Q.F32)})
+    )
     assert torch.equal(file.tensor("model.layers.0.self_attn.q_proj.bias").read(), torch.from_numpy(bias))
     assert file.tensor("model.layers.0.self_attn.q_proj.bias").narrow(0, 8, 4).read().tolist() == [8, 9, 10, 11]
 
@@ -394,9 +429,13 @@ def test_unknown_tensor_and_architecture_are_refused_naming_the_file(tmp_path: P
 
 def test_truncated_or_garbage_file_is_a_value_error_naming_it(tmp_path: Path) -> None:
     whole = write_gguf(tmp_path / "whole.gguf", "llama", tiny_tensors(tiny_hf_weights(), "llama")).read_bytes()
-    for name, content in (("header.gguf", whole[:200]), ("half.gguf", whole[:len(whole) // 2]),
-                          ("short.gguf", whole[:-10]), ("garbage.gguf", bytes(range(256)) * 40),
-                          ("empty.gguf", b"")):
+    for name, content in (
+        ("header.gguf", whole[:200]),
+        ("half.gguf", whole[: len(whole) // 2]),
+        ("short.gguf", whole[:-10]),
+        ("garbage.gguf", bytes(range(256)) * 40),
+        ("empty.gguf", b""),
+    ):
         path = tmp_path / name
         path.write_bytes(content)
         with pytest.raises(ValueError, match=rf"{name}"):
@@ -424,17 +463,21 @@ def smollm_config(smollm2_gguf: Path):
 def test_embedded_model_every_tensor_named_and_shaped_as_the_config(smollm: GGUFFile, smollm_config) -> None:
     c = smollm_config
     head_dim = c.hidden_size // c.num_attention_heads
-    per_layer = {"input_layernorm.weight": (c.hidden_size,), "post_attention_layernorm.weight": (c.hidden_size,),
-                 "self_attn.q_proj.weight": (c.num_attention_heads * head_dim, c.hidden_size),
-                 "self_attn.k_proj.weight": (c.num_key_value_heads * head_dim, c.hidden_size),
-                 "self_attn.v_proj.weight": (c.num_key_value_heads * head_dim, c.hidden_size),
-                 "self_attn.o_proj.weight": (c.hidden_size, c.num_attention_heads * head_dim),
-                 "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-                 "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-                 "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
+    per_layer = {
+        "input_layernorm.weight": (c.hidden_size,),
+        "post_attention_layernorm.weight": (c.hidden_size,),
+        "self_attn.q_proj.weight": (c.num_attention_heads * head_dim, c.hidden_size),
+        "self_attn.k_proj.weight": (c.num_key_value_heads * head_dim, c.hidden_size),
+        "self_attn.v_proj.weight": (c.num_key_value_heads * head_dim, c.hidden_size),
+        "self_attn.o_proj.weight": (c.hidden_size, c.num_attention_heads * head_dim),
+        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+    }
     expected = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
-    expected |= {f"model.layers.{i}.{name}": shape for i in range(c.num_hidden_layers)
-                 for name, shape in per_layer.items()}
+    expected |= {
+        f"model.layers.{i}.{name}": shape for i in range(c.num_hidden_layers) for name, shape in per_layer.items()
+    }
     tensors = dict(smollm.tensors())
     assert len(tensors) == len(smollm._reader.tensors) == 272  # every tensor of the file, none dropped
     assert {name: t.shape for name, t in tensors.items()} == expected  # tied: no lm_head
@@ -458,16 +501,22 @@ def transformers_weights(smollm2_gguf: Path) -> dict[str, torch.Tensor]:
     permutation), float32."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
-                                                 dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent),
+        gguf_file=smollm2_gguf.name,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+    )
     return model.state_dict()
 
 
 def test_embedded_layers_agree_with_transformers_loading(smollm: GGUFFile, transformers_weights) -> None:
     """Every tensor of layer 0 and the q / k projections of every layer, bit for bit in float32."""
-    names = [name for name, _ in smollm.tensors()
-             if name.startswith("model.layers.0.") or name.endswith(("q_proj.weight", "k_proj.weight"))]
+    names = [
+        name
+        for name, _ in smollm.tensors()
+        if name.startswith("model.layers.0.") or name.endswith(("q_proj.weight", "k_proj.weight"))
+    ]
     assert len(names) == 9 + 2 * 29
     for name in names:
         assert torch.equal(smollm.tensor(name).dequantize(), transformers_weights[name]), name
@@ -477,8 +526,9 @@ def test_embedded_layers_agree_with_transformers_loading(smollm: GGUFFile, trans
     assert torch.equal(dequantize(packed), transformers_weights["model.layers.0.self_attn.q_proj.weight"])
 
 
-def test_loader_fills_a_tensor_parallel_rank_from_gguf_tensors(smollm: GGUFFile, smollm_config,
-                                                                transformers_weights) -> None:
+def test_loader_fills_a_tensor_parallel_rank_from_gguf_tensors(
+    smollm: GGUFFile, smollm_config, transformers_weights
+) -> None:
     """The loader takes GGUFTensors where it takes safetensors' lazy tensors: rank 1 of 3 narrows rows (q / k / v,
     gate / up, embedding) and whole blocks of columns (o_proj, down_proj) out of the unpermuted Q4_1 blocks."""
     from infer.worker.loader import build_model, load_named_tensors
@@ -490,14 +540,21 @@ def test_loader_fills_a_tensor_parallel_rank_from_gguf_tensors(smollm: GGUFFile,
     theirs = transformers_weights
     for i in (0, 29):
         layer = f"model.layers.{i}."
-        qkv = torch.cat([theirs[layer + "self_attn.q_proj.weight"][192:384],
-                         theirs[layer + "self_attn.k_proj.weight"][64:128],
-                         theirs[layer + "self_attn.v_proj.weight"][64:128]])
-        gate_up = torch.cat([theirs[layer + "mlp.gate_proj.weight"][512:1024],
-                             theirs[layer + "mlp.up_proj.weight"][512:1024]])
+        qkv = torch.cat(
+            [
+                theirs[layer + "self_attn.q_proj.weight"][192:384],
+                theirs[layer + "self_attn.k_proj.weight"][64:128],
+                theirs[layer + "self_attn.v_proj.weight"][64:128],
+            ]
+        )
+        gate_up = torch.cat(
+            [theirs[layer + "mlp.gate_proj.weight"][512:1024], theirs[layer + "mlp.up_proj.weight"][512:1024]]
+        )
         assert torch.equal(ours[layer + "self_attn.qkv_proj.weight"], qkv)
         assert torch.equal(ours[layer + "mlp.gate_up_proj.weight"], gate_up)
-        assert torch.equal(ours[layer + "self_attn.o_proj.weight"], theirs[layer + "self_attn.o_proj.weight"][:, 192:384])
+        assert torch.equal(
+            ours[layer + "self_attn.o_proj.weight"], theirs[layer + "self_attn.o_proj.weight"][:, 192:384]
+        )
         assert torch.equal(ours[layer + "mlp.down_proj.weight"], theirs[layer + "mlp.down_proj.weight"][:, 512:1024])
         assert torch.equal(ours[layer + "input_layernorm.weight"], theirs[layer + "input_layernorm.weight"])
     assert torch.equal(ours["model.embed_tokens.weight"], theirs["model.embed_tokens.weight"][16384:32768])
@@ -507,8 +564,9 @@ def test_loader_fills_a_tensor_parallel_rank_from_gguf_tensors(smollm: GGUFFile,
 # Config and tokenizer without weights
 
 
-def test_write_model_dir_has_config_tokenizer_and_a_link_no_weights(smollm2_gguf: Path, smollm_config,
-                                                                    tmp_path: Path) -> None:
+def test_write_model_dir_has_config_tokenizer_and_a_link_no_weights(
+    smollm2_gguf: Path, smollm_config, tmp_path: Path
+) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     # the oracle is transformers' own reading of the GGUF (the smollm2_tokenizer fixture is the cached conversion's)
@@ -523,7 +581,9 @@ def test_write_model_dir_has_config_tokenizer_and_a_link_no_weights(smollm2_gguf
     assert config.to_dict() | ignored == smollm_config.to_dict() | ignored
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     chat = [{"role": "user", "content": "Grüße, 世界!"}]
-    assert tokenizer.apply_chat_template(chat, tokenize=False) == gguf_tokenizer.apply_chat_template(chat, tokenize=False)
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == gguf_tokenizer.apply_chat_template(
+        chat, tokenize=False
+    )
     assert tokenizer("Grüße, 世界!")["input_ids"] == gguf_tokenizer("Grüße, 世界!")["input_ids"]
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
 
@@ -547,17 +607,17 @@ def test_repacking_gives_the_files_pages_back_and_reads_them_again_unchanged():
     path = default_model_gguf().resolve()
     file = GGUFFile(path)
     tensors = dict(file.tensors())
-    address = next(iter(tensors.values()))._raw.ctypes.data     # inside this file's own map
+    address = next(iter(tensors.values()))._raw.ctypes.data  # inside this file's own map
     first = {name: weight for name, t in tensors.items() if (weight := t.quantized()) is not None}
-    assert _resident_kib(address) < path.stat().st_size // 1024 // 10   # not the file beside its blocks
-    for name in list(first)[:3]:   # read again through the same map: the same blocks
+    assert _resident_kib(address) < path.stat().st_size // 1024 // 10  # not the file beside its blocks
+    for name in list(first)[:3]:  # read again through the same map: the same blocks
         weight, again = first[name], file.tensor(name).quantized()
         assert again is not None and torch.equal(again.qs, weight.qs) and torch.equal(again.scales, weight.scales)
 
 
 def test_other_memory_keeps_its_pages():
     # A tensor over bytes of our own (not a file's map) is read without giving anything back.
-    data = np.arange(2 * GGML_QUANT_SIZES[Q.Q8_0][1], dtype=np.uint8) % 7   # two rows of one block
+    data = np.arange(2 * GGML_QUANT_SIZES[Q.Q8_0][1], dtype=np.uint8) % 7  # two rows of one block
     tensor = GGUFTensor("t", Q.Q8_0, data.copy(), (2, 32))
     before = data.copy()
     tensor.quantized()

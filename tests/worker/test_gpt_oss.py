@@ -38,8 +38,17 @@ def checkpoint(tmp_path_factory, smollm2_tokenizer) -> tuple[Path, list[list[int
 
 
 def _llm(path: Path, **options) -> LLM:
-    return LLM(model=str(path), **{"dtype": "float32", "max_model_len": 256, "kv_cache_memory": 8_000_000,
-                                   "num_threads": 1, "block_size": 4, **options})
+    return LLM(
+        model=str(path),
+        **{
+            "dtype": "float32",
+            "max_model_len": 256,
+            "kv_cache_memory": 8_000_000,
+            "num_threads": 1,
+            "block_size": 4,
+            **options,
+        },
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -81,7 +90,7 @@ def test_attention_twins_put_the_sink_in_the_denominator(window):
         return flat_k[:, slots].transpose(0, 1), flat_v[:, slots].transpose(0, 1)
 
     q_dec = torch.randn(2, heads, dim, generator=g)
-    want = torch.cat([_reference(q_dec[i:i + 1], *context(i), sinks, scale, window, lens[i] - 1) for i in range(2)])
+    want = torch.cat([_reference(q_dec[i : i + 1], *context(i), sinks, scale, window, lens[i] - 1) for i in range(2)])
     got = paged_decode_attention(q_dec, k_cache, v_cache, tables, seq_lens, scale, window=window, sinks=sinks)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     compiled = paged_decode_attention_compiled(q_dec, k_cache, v_cache, tables, seq_lens, scale, window, sinks=sinks)
@@ -89,8 +98,12 @@ def test_attention_twins_put_the_sink_in_the_denominator(window):
     # a chunk of 5 queries ending sequence 0, then sequence 1's single query (a decode inside the prefill call)
     q_pre = torch.randn(6, heads, dim, generator=g)
     starts = torch.tensor([0, 5, 6], dtype=torch.int32)
-    want = torch.cat((_reference(q_pre[:5], *context(0), sinks, scale, window, lens[0] - 5),
-                      _reference(q_pre[5:], *context(1), sinks, scale, window, lens[1] - 1)))
+    want = torch.cat(
+        (
+            _reference(q_pre[:5], *context(0), sinks, scale, window, lens[0] - 5),
+            _reference(q_pre[5:], *context(1), sinks, scale, window, lens[1] - 1),
+        )
+    )
     got = paged_prefill_attention(q_pre, k_cache, v_cache, tables, seq_lens, starts, scale, window=window, sinks=sinks)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # and the sinks matter: without them the output differs
@@ -121,14 +134,13 @@ def _mxfp4_checkpoint(dense_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     """`dense_dir`'s checkpoint with random MXFP4 experts instead of its dense ones (config.json saying mxfp4), in
     `out`; returns the dense expert weights they stand for."""
     from safetensors.torch import load_file, save_file
-
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     tensors = load_file(str(dense_dir / "model.safetensors"))
     g = torch.Generator().manual_seed(2)
     dense = {}
     for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        num_experts, cols, rows = tensors.pop(key).shape   # [E, H, 2I] or [E, I, H]: quantized along the first
+        num_experts, cols, rows = tensors.pop(key).shape  # [E, H, 2I] or [E, I, H]: quantized along the first
         blocks = torch.randint(0, 256, (num_experts, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
         scales = torch.randint(120, 128, (num_experts, rows, cols // 32), generator=g, dtype=torch.uint8)
         tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
@@ -136,9 +148,15 @@ def _mxfp4_checkpoint(dense_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dense_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                                                       "model.layers.*.mlp.router",
-                                                                                       "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (out / "config.json").write_text(json.dumps(config))
     return dense
 
@@ -191,7 +209,7 @@ def test_logprobs_within_tolerance_of_transformers(checkpoint):
     hf = hf_model(path)
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1].float()
+            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1].float()
         expected = logits.log_softmax(-1)
         for step, entry in enumerate(completion.logprobs):
             for candidate, logprob in entry.items():
@@ -220,7 +238,9 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoint):
         return ((logits - reference).abs().amax(-1).mean() / reference.abs().max()).item()
 
     same = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    print(f"gpt_oss bf16: mean per-position error ours {mean_err(ours):.3g}, transformers' {mean_err(theirs):.3g} of "
-          f"the largest fp32 logit; {same:.0%} of the next tokens as fp32")
+    print(
+        f"gpt_oss bf16: mean per-position error ours {mean_err(ours):.3g}, transformers' {mean_err(theirs):.3g} of "
+        f"the largest fp32 logit; {same:.0%} of the next tokens as fp32"
+    )
     assert mean_err(ours) <= 1.5 * mean_err(theirs)
     assert same >= 0.9

@@ -37,7 +37,7 @@ def test_gguf_conversion_is_written_once_then_reused(smollm2_dir: Path, smollm2_
     assert resolve_model(str(smollm2_gguf)) == smollm2_dir
     assert {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()} == before  # nothing rewritten
     assert {"config.json", "model.gguf", "tokenizer.json", "generation_config.json"} <= set(before)
-    assert (smollm2_dir / "model.gguf").resolve() == smollm2_gguf.resolve()   # the file itself, not a copy
+    assert (smollm2_dir / "model.gguf").resolve() == smollm2_gguf.resolve()  # the file itself, not a copy
     assert not list(smollm2_dir.glob("*.safetensors"))
     assert smollm2_dir.name.startswith(smollm2_gguf.stem + "-")
     assert not [p for p in smollm2_dir.parent.iterdir() if ".tmp-" in p.name]
@@ -88,12 +88,21 @@ def test_failed_build_leaves_nothing_and_is_retried(tmp_path: Path) -> None:
 
 def test_a_builder_killed_mid_way_leaves_nothing_behind_the_next_one(tmp_path: Path) -> None:
     dest = tmp_path / "model-x"
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from infer.worker.model_files import build_once\n"
-        "def hang(out): (out / 'partial').write_text('half'); print('building', flush=True); time.sleep(600)\n"
-        f"build_once(Path({str(dest)!r}), hang)")], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from pathlib import Path; from infer.worker.model_files import build_once\n"
+                "def hang(out): (out / 'partial').write_text('half'); print('building', flush=True); time.sleep(600)\n"
+                f"build_once(Path({str(dest)!r}), hang)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout.readline() == "building\n"
-    child.kill()                                        # kill -9 while it holds the lock, tmp dir half built
+    child.kill()  # kill -9 while it holds the lock, tmp dir half built
     child.wait(timeout=10)
     assert [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
     assert build_once(dest, lambda out: (out / "ok").write_text("1")) == dest
@@ -122,9 +131,12 @@ def test_unsupported_model_type_lists_supported(tmp_path: Path) -> None:
 
     AutoConfig.for_model("gpt2", n_layer=1).save_pretrained(tmp_path)
     save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"unsupported model: model_type 'gpt2', architectures None; "
-                                         r"supported model types: deepseek_v2, deepseek_v3, gemma2, gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, "
-                                         r"qwen3, qwen3_moe"):
+    with pytest.raises(
+        ValueError,
+        match=r"unsupported model: model_type 'gpt2', architectures None; "
+        r"supported model types: deepseek_v2, deepseek_v3, gemma2, gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, "
+        r"qwen3, qwen3_moe",
+    ):
         load_model(tmp_path, torch.float32, CPU)
 
 
@@ -179,18 +191,34 @@ def test_sharded_checkpoint_loads_the_same(tiny_model_dir, tmp_path: Path) -> No
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"),
-     r"checkpoint lacks 1 weight\(s\) of LlamaForCausalLM: model\.layers\.1\.self_attn\.qkv_proj\.bias\[k\]"),
-    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(127, 80)}),
-     (r"checkpoint tensor 'model\.layers\.0\.mlp\.up_proj\.weight' in model\.safetensors: "
-      r"weight\[up\]: checkpoint shape \(127, 80\) != expected \(128, 80\)")),
-    (lambda t: t.update({"model.norm.weight": torch.zeros(81)}),
-     r"'model\.norm\.weight' in model\.safetensors: shape \(81,\) != expected \(80,\) of model\.norm\.weight"),
-    (lambda t: t.update({"model.layers.0.self_attn.rotary.weight": torch.zeros(3)}),
-     (r"checkpoint tensor 'model\.layers\.0\.self_attn\.rotary\.weight' in model\.safetensors matches no "
-      r"parameter of LlamaForCausalLM")),
-], ids=["missing", "fused-shape", "shape", "unexpected"])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"),
+            r"checkpoint lacks 1 weight\(s\) of LlamaForCausalLM: model\.layers\.1\.self_attn\.qkv_proj\.bias\[k\]",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(127, 80)}),
+            (
+                r"checkpoint tensor 'model\.layers\.0\.mlp\.up_proj\.weight' in model\.safetensors: "
+                r"weight\[up\]: checkpoint shape \(127, 80\) != expected \(128, 80\)"
+            ),
+        ),
+        (
+            lambda t: t.update({"model.norm.weight": torch.zeros(81)}),
+            r"'model\.norm\.weight' in model\.safetensors: shape \(81,\) != expected \(80,\) of model\.norm\.weight",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.rotary.weight": torch.zeros(3)}),
+            (
+                r"checkpoint tensor 'model\.layers\.0\.self_attn\.rotary\.weight' in model\.safetensors matches no "
+                r"parameter of LlamaForCausalLM"
+            ),
+        ),
+    ],
+    ids=["missing", "fused-shape", "shape", "unexpected"],
+)
 def test_bad_checkpoints_name_the_tensor(tiny_model_dir, tmp_path: Path, change, message: str) -> None:
     path = _copy_with(tiny_model_dir("qwen2"), tmp_path / "m", change)
     with pytest.raises(ValueError, match=message):

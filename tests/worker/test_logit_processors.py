@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from infer.protocol.sampling import SamplingParams
 from infer.worker.request import Request
 from infer.worker.sampler import Sampler, SamplingMetadata
@@ -13,8 +14,12 @@ V = 12
 
 
 def request(rid: str, output: list[int] = (), bad_words: list[list[int]] = (), **params) -> Request:
-    r = Request(request_id=rid, prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=None, **params),
-                bad_words_token_ids=[list(w) for w in bad_words])
+    r = Request(
+        request_id=rid,
+        prompt_token_ids=[5, 6],
+        params=SamplingParams(max_tokens=None, **params),
+        bad_words_token_ids=[list(w) for w in bad_words],
+    )
     for t in output:
         r.append_token(t)
     return r
@@ -26,9 +31,11 @@ def tokens(requests: list[Request], logits: torch.Tensor | None = None) -> list[
 
 
 def test_logit_bias_moves_the_argmax_per_row_and_leaves_other_rows_alone():
-    rows = [request("a", temperature=0, logit_bias={3: 100.0}),
-            request("b", temperature=0),
-            request("c", temperature=0, logit_bias={11: -100.0, 10: -100.0})]
+    rows = [
+        request("a", temperature=0, logit_bias={3: 100.0}),
+        request("b", temperature=0),
+        request("c", temperature=0, logit_bias={11: -100.0, 10: -100.0}),
+    ]
     assert tokens(rows) == [3, 11, 9]
 
 
@@ -49,23 +56,27 @@ def test_bad_words_ban_a_single_token_always_and_a_sequence_only_after_its_prefi
 def test_processors_compose_with_min_tokens_and_keep_rows_without_them_on_the_fast_path():
     meta = SamplingMetadata.build([request("a", temperature=0)], V)
     assert meta.fast_greedy
-    r = request("a", temperature=0, min_tokens=1, stop_token_ids=[10], logit_bias={11: -50.0},
-                allowed_token_ids=[9, 10, 11])
+    r = request(
+        "a", temperature=0, min_tokens=1, stop_token_ids=[10], logit_bias={11: -50.0}, allowed_token_ids=[9, 10, 11]
+    )
     assert tokens([r]) == [9]
 
 
-@pytest.mark.parametrize("params, message", [
-    (dict(logit_bias={1: 100.5}), r"logit_bias values must be in \[-100, 100\]"),
-    (dict(logit_bias={-2: 1}), "logit_bias token ids must be >= 0"),
-    (dict(logit_bias={"x": 1}), "logit_bias must be an integer"),
-    (dict(logit_bias={i: 1 for i in range(1025)}), "logit_bias may hold at most 1024 entries"),
-    (dict(logit_bias={1: float("nan")}), "logit_bias must be a number"),
-    (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
-    (dict(allowed_token_ids=[1, -1]), "allowed_token_ids token ids must be >= 0"),
-    (dict(allowed_token_ids="12"), "allowed_token_ids must be a list"),
-    (dict(bad_words=["ok", " "]), "bad_words must hold non-blank strings"),
-    (dict(bad_words=["x" * 257]), "each bad word may be at most 256 characters"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (dict(logit_bias={1: 100.5}), r"logit_bias values must be in \[-100, 100\]"),
+        (dict(logit_bias={-2: 1}), "logit_bias token ids must be >= 0"),
+        (dict(logit_bias={"x": 1}), "logit_bias must be an integer"),
+        (dict(logit_bias={i: 1 for i in range(1025)}), "logit_bias may hold at most 1024 entries"),
+        (dict(logit_bias={1: float("nan")}), "logit_bias must be a number"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+        (dict(allowed_token_ids=[1, -1]), "allowed_token_ids token ids must be >= 0"),
+        (dict(allowed_token_ids="12"), "allowed_token_ids must be a list"),
+        (dict(bad_words=["ok", " "]), "bad_words must hold non-blank strings"),
+        (dict(bad_words=["x" * 257]), "each bad word may be at most 256 characters"),
+    ],
+)
 def test_invalid_processor_options_are_refused_naming_the_field(params, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**params)

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from lora_cases import ADAPTERS, make_adapter, peft_greedy
 
 from infer import SamplingParams
 from infer.protocol.lora import LoRARequest, lora_modules, parse_lora_module, read_lora_config
@@ -17,7 +18,6 @@ from infer.worker.engine import Engine
 from infer.worker.lora import STACKED_MAX_ROWS, LoraLayer, LoraManager, lora_step, slot_runs
 from infer.worker.lora_slots import LoraSlots
 from infer.worker.models.layers import MergedColumnLinear
-from lora_cases import ADAPTERS, make_adapter, peft_greedy
 
 MAX_NEW = 8
 
@@ -50,15 +50,25 @@ def _prompts(n: int, seed: int = 3) -> list[list[int]]:
 
 
 def _engine(model_dir, folders, **options) -> Engine:
-    defaults = dict(model=str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, block_size=4,
-                    enable_lora=True, max_loras=4, max_lora_rank=8, lora_modules=folders)
+    defaults = dict(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory=8 << 20,
+        block_size=4,
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=8,
+        lora_modules=folders,
+    )
     return Engine(EngineConfig(**{**defaults, **options}))
 
 
 def _run(engine: Engine, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
     for rid, (prompt, lora) in requests.items():
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
-                                                       lora_name=lora))
+        engine.add_request(
+            rid, prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, lora_name=lora)
+        )
     out: dict[str, list[int]] = {rid: [] for rid in requests}
     while engine.has_unfinished():
         for delta in engine.step():
@@ -71,7 +81,7 @@ def _run(engine: Engine, requests: dict[str, tuple[list[int], str | None]]) -> d
 def test_mixed_batch_equals_transformers_and_peft(families, arch):
     model_dir, folders = families(arch)
     prompts = _prompts(5)
-    adapters = [None, *folders]       # each prompt with the base model and with every adapter, in one batch
+    adapters = [None, *folders]  # each prompt with the base model and with every adapter, in one batch
     expected = {name: peft_greedy(model_dir, folders.get(name), prompts, MAX_NEW) for name in adapters}
     assert all(expected[name] != expected[None] for name in folders), "an adapter that changes nothing proves nothing"
     engine = _engine(model_dir, folders)
@@ -87,12 +97,13 @@ def test_slots_evict_least_recently_used_and_bound_the_running_adapters(family):
     model_dir, folders = family
     prompts = _prompts(3, seed=5)
     expected = {name: peft_greedy(model_dir, folders[name], prompts, MAX_NEW) for name in folders}
-    engine = _engine(model_dir, folders, max_loras=2)      # three adapters, two slots
+    engine = _engine(model_dir, folders, max_loras=2)  # three adapters, two slots
     requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts) for name in folders}
     max_running = 0
     for rid, (prompt, lora) in requests.items():
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
-                                                       lora_name=lora))
+        engine.add_request(
+            rid, prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, lora_name=lora)
+        )
     got: dict[str, list[int]] = {rid: [] for rid in requests}
     while engine.has_unfinished():
         for delta in engine.step():
@@ -106,15 +117,15 @@ def test_slots_evict_least_recently_used_and_bound_the_running_adapters(family):
 
 def test_prefix_cache_is_keyed_by_adapter(family):
     model_dir, folders = family
-    prompt = _prompts(1, seed=9)[0] * 3          # several full blocks
+    prompt = _prompts(1, seed=9)[0] * 3  # several full blocks
     engine = _engine(model_dir, folders)
     first = _run(engine, {"base": (prompt, None)})["base"]
     hits = engine.scheduler.block_manager.num_hit_tokens
     with_adapter = _run(engine, {"qv": (prompt, "qv")})["qv"]
-    assert engine.scheduler.block_manager.num_hit_tokens == hits      # the base model's blocks are not the adapter's
+    assert engine.scheduler.block_manager.num_hit_tokens == hits  # the base model's blocks are not the adapter's
     assert with_adapter == peft_greedy(model_dir, folders["qv"], [prompt], MAX_NEW)[0]
     assert _run(engine, {"qv2": (prompt, "qv")})["qv2"] == with_adapter
-    assert engine.scheduler.block_manager.num_hit_tokens > hits       # the same adapter's blocks are
+    assert engine.scheduler.block_manager.num_hit_tokens > hits  # the same adapter's blocks are
     hits = engine.scheduler.block_manager.num_hit_tokens
     _run(engine, {"mlp": (prompt, "mlp")})
     assert engine.scheduler.block_manager.num_hit_tokens == hits
@@ -129,22 +140,23 @@ def test_load_and_unload_while_requests_run(family, tmp_path):
     assert engine.list_loras() == []
     engine.add_lora("qv", str(folders["qv"]))
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
-                                                      lora_name="qv"))
+        engine.add_request(
+            f"r{i}", p, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, lora_name="qv")
+        )
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     for delta in engine.step() + engine.step():
         got[delta.request_id].extend(delta.token_ids)
-    assert engine.remove_lora("qv") is True         # running requests keep their adapter to the end
+    assert engine.remove_lora("qv") is True  # running requests keep their adapter to the end
     with pytest.raises(ValueError, match="unknown LoRA adapter 'qv'"):
         engine.add_request("late", prompts[0], SamplingParams(lora_name="qv"))
-    engine.add_lora("mlp", str(folders["mlp"]))     # loaded while they run
+    engine.add_lora("mlp", str(folders["mlp"]))  # loaded while they run
     while engine.has_unfinished():
         for delta in engine.step():
             got[delta.request_id].extend(delta.token_ids)
     assert [got[f"r{i}"] for i in range(len(prompts))] == expected
     assert [a["name"] for a in engine.list_loras()] == ["mlp"]
-    assert len(engine.lora.by_id) == 1              # the unloaded adapter's weights went with its last request
-    engine.add_lora("qv", str(folders["qv"]))       # and it loads again
+    assert len(engine.lora.by_id) == 1  # the unloaded adapter's weights went with its last request
+    engine.add_lora("qv", str(folders["qv"]))  # and it loads again
     assert _run(engine, {"again": (prompts[0], "qv")})["again"] == expected[0]
 
 
@@ -164,8 +176,10 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(family, t
     engine = _engine(model_dir, {"qv": folders["qv"]}, max_lora_rank=4)
     cases = {
         "missing": (tmp_path / "nowhere", "adapter_config.json: no such file"),
-        "no-weights": (_copy_adapter(folders["qv"], tmp_path / "a", drop_weights=True),
-                       "adapter_model.safetensors: no such file"),
+        "no-weights": (
+            _copy_adapter(folders["qv"], tmp_path / "a", drop_weights=True),
+            "adapter_model.safetensors: no such file",
+        ),
         "dora": (_copy_adapter(folders["qv"], tmp_path / "b", {"use_dora": True}), "DoRA"),
         "saved": (_copy_adapter(folders["qv"], tmp_path / "c", {"modules_to_save": ["lm_head"]}), "modules_to_save"),
         "rank": (folders["all-rs"], r"rank 8, above --max-lora-rank 4"),
@@ -182,8 +196,9 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_keeps_serving(family, t
 
 
 def test_lora_off_refuses_adapter_requests(tiny_model_dir):
-    engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=128,
-                                 kv_cache_memory=4 << 20))
+    engine = Engine(
+        EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=128, kv_cache_memory=4 << 20)
+    )
     with pytest.raises(ValueError, match="not enabled"):
         engine.add_request("x", [5, 6], SamplingParams(lora_name="a"))
     with pytest.raises(ValueError, match="not enabled"):
@@ -194,8 +209,8 @@ def test_lora_off_refuses_adapter_requests(tiny_model_dir):
 def test_lora_slots_lru():
     slots = LoraSlots(2)
     assert slots.place([1, 2], in_use=set()) == [(1, 0), (2, 1)]
-    assert slots.place([1], in_use=set()) == []                  # 2 is now the least recently used
-    assert slots.place([3], in_use=set()) == [(3, 1)]            # evicts 2
+    assert slots.place([1], in_use=set()) == []  # 2 is now the least recently used
+    assert slots.place([3], in_use=set()) == [(3, 1)]  # evicts 2
     with pytest.raises(RuntimeError, match="in use"):
         slots.place([4], in_use={1, 3})
     assert slots.place([4], in_use={3}) == [(4, 0)]
@@ -229,12 +244,16 @@ def test_each_rows_delta_is_its_own_adapters_on_every_path(layout):
         for shard, rows, rank in (("q", 12, 4), ("k", 8, 3), ("v", 8, 4)):
             pairs[slot, shard] = torch.randn(rank, 16, generator=gen), torch.randn(rows, rank, generator=gen)
             layer.fill(slot, shard, *pairs[slot, shard])
-    manager = LoraManager(torch.nn.Module(), max_loras=4, max_lora_rank=4, dtype=torch.float32,
-                          device=torch.device("cpu"))
+    manager = LoraManager(
+        torch.nn.Module(), max_loras=4, max_lora_rank=4, dtype=torch.float32, device=torch.device("cpu")
+    )
     step = manager.step(slot_rows)
     assert step is not None
-    taken = "stacked" if step.stacked is not None else (
-        "slices" if all(isinstance(rows, slice) for _, rows in step.groups) else "gathered")
+    taken = (
+        "stacked"
+        if step.stacked is not None
+        else ("slices" if all(isinstance(rows, slice) for _, rows in step.groups) else "gathered")
+    )
     assert taken == path
     total = sum(n for _, n in slot_rows)
     assert (total <= STACKED_MAX_ROWS) == (path == "stacked")
@@ -271,21 +290,32 @@ def test_options_and_config_parsing(tmp_path):
         LoRARequest("a", 0, "/p")
     with pytest.raises(ValueError, match="needs enable_lora"):
         EngineConfig(lora_modules=["a=/p"])
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 16, "use_rslora": True,
-                                                              "target_modules": "q_proj"}))
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"r": 4, "lora_alpha": 16, "use_rslora": True, "target_modules": "q_proj"})
+    )
     config = read_lora_config(tmp_path)
     assert config.scaling(4) == 8.0 and config.target_modules == ("q_proj",)
-    from infer.protocol.options import add_options, given, to_argv
     import argparse
+
+    from infer.protocol.options import add_options, given, to_argv
 
     parser = argparse.ArgumentParser()
     add_options(parser, EngineConfig)
-    args = parser.parse_args(["--enable-lora", "--lora-modules", "a=/p", "b=/q", "--max-loras", "2",
-                              "--max-lora-rank", "32"])
+    args = parser.parse_args(
+        ["--enable-lora", "--lora-modules", "a=/p", "b=/q", "--max-loras", "2", "--max-lora-rank", "32"]
+    )
     config_ = EngineConfig(**given(EngineConfig, args))
     assert config_.lora_modules == (("a", "/p"), ("b", "/q")) and config_.max_loras == 2
-    assert to_argv(EngineConfig, config_) == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32",
-                                              "--lora-modules", "a=/p", "b=/q"]
+    assert to_argv(EngineConfig, config_) == [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "32",
+        "--lora-modules",
+        "a=/p",
+        "b=/q",
+    ]
 
 
 def test_llm_generate_takes_lora_requests_per_prompt(family):
@@ -294,13 +324,16 @@ def test_llm_generate_takes_lora_requests_per_prompt(family):
     model_dir, folders = family
     prompts = _prompts(3, seed=13)
     qv, mlp = LoRARequest("qv", 1, str(folders["qv"])), LoRARequest("mlp", 2, str(folders["mlp"]))
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, enable_lora=True,
-              max_lora_rank=8)
+    llm = LLM(
+        str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, enable_lora=True, max_lora_rank=8
+    )
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[qv, None, mlp])   # loaded on first use
-    assert [o.token_ids for o in outs] == [peft_greedy(model_dir, folders["qv"], prompts[:1], MAX_NEW)[0],
-                                           peft_greedy(model_dir, None, prompts[1:2], MAX_NEW)[0],
-                                           peft_greedy(model_dir, folders["mlp"], prompts[2:], MAX_NEW)[0]]
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[qv, None, mlp])  # loaded on first use
+    assert [o.token_ids for o in outs] == [
+        peft_greedy(model_dir, folders["qv"], prompts[:1], MAX_NEW)[0],
+        peft_greedy(model_dir, None, prompts[1:2], MAX_NEW)[0],
+        peft_greedy(model_dir, folders["mlp"], prompts[2:], MAX_NEW)[0],
+    ]
     assert llm.list_loras() == {"qv": str(folders["qv"]), "mlp": str(folders["mlp"])}
     assert llm.remove_lora("mlp") == {"qv": str(folders["qv"])}
     with pytest.raises(ValueError, match="no such file"):
@@ -329,10 +362,22 @@ def test_tensor_parallel_ranks_shard_the_adapters_like_their_layers(family):
     prompts = _prompts(4, seed=19)
     names = [None, *folders]
     requests = [None if n is None else LoRARequest(n, i + 1, str(folders[n])) for i, n in enumerate(names)]
-    with LLM(str(model_dir), tensor_parallel_size=2, dtype="float32", max_model_len=128, kv_cache_memory=4_000_000,
-             num_threads=1, enable_lora=True, max_lora_rank=8, max_loras=2) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
-                            use_tqdm=False, lora_request=requests)
+    with LLM(
+        str(model_dir),
+        tensor_parallel_size=2,
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory=4_000_000,
+        num_threads=1,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=2,
+    ) as llm:
+        outs = llm.generate(
+            prompts,
+            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+            use_tqdm=False,
+            lora_request=requests,
+        )
     for out, prompt, name in zip(outs, prompts, names):
         assert out.token_ids == peft_greedy(model_dir, folders.get(name), [prompt], MAX_NEW)[0], name
-

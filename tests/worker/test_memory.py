@@ -19,13 +19,13 @@ def trimmer(**options) -> tuple[HeapTrimmer, list[int]]:
 
 def test_it_trims_when_the_engine_goes_idle_after_enough_steps():
     heap, calls = trimmer(idle_steps=3, busy_steps=10)
-    heap.after_step(busy=False)          # a trickle of single requests: not after each one
+    heap.after_step(busy=False)  # a trickle of single requests: not after each one
     heap.after_step(busy=True)
     assert calls == []
     heap.after_step(busy=False)
     assert calls == [1] and heap.num_trims == 1
     heap.after_step(busy=False)
-    assert calls == [1]                  # counting starts again
+    assert calls == [1]  # counting starts again
 
 
 def test_a_never_idle_engine_trims_every_busy_steps():
@@ -51,15 +51,15 @@ def test_glibc_trim_returns_freed_heap_pages():
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-    blocks = [libc.malloc(64 << 10) for _ in range(2048)]          # 128 MiB of 64 KiB blocks
+    blocks = [libc.malloc(64 << 10) for _ in range(2048)]  # 128 MiB of 64 KiB blocks
     for b in blocks:
         ctypes.memset(b, 1, 64 << 10)
-    keep = blocks[-1]                    # the top block stays in use: free() alone cannot shrink the heap
+    keep = blocks[-1]  # the top block stays in use: free() alone cannot shrink the heap
     for b in blocks[:-1]:
         libc.free(b)
     before = _rss_kb()
     _malloc_trim()()
-    assert before - _rss_kb() > 64 << 10                             # more than 64 MiB given back
+    assert before - _rss_kb() > 64 << 10  # more than 64 MiB given back
     libc.free(keep)
 
 
@@ -85,6 +85,7 @@ before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 libc.free(touch())
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
+
     def faults(mode: str) -> int:
         done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
@@ -92,4 +93,4 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
     pages = (12 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert faults("keep") < pages // 10
-    assert faults("default") >= pages // 2          # glibc's own behaviour, which the worker changes
+    assert faults("default") >= pages // 2  # glibc's own behaviour, which the worker changes

@@ -40,7 +40,7 @@ def pipelined_step(scheduler: Scheduler, flights: MicroBatches) -> SchedulerOutp
     ids = {c.request.request_id for c in scheduled.chunks}
     assert not ids & busy, "a request in flight was scheduled again"
     assert not {r.request_id for r in scheduled.preempted} & busy, "a request in flight was preempted"
-    held = [scheduler.get(i) for i in busy]   # (aborted ones are gone)
+    held = [scheduler.get(i) for i in busy]  # (aborted ones are gone)
     assert all(r.status is RequestStatus.RUNNING and r.block_table for r in held if r is not None)
     if scheduled.is_empty:
         if len(flights):
@@ -59,7 +59,7 @@ def test_decodes_split_into_depth_micro_batches_that_alternate():
     launched = [pipelined_step(scheduler, flights) for _ in range(6)]
     names = [[c.request.request_id for c in s.chunks] for s in launched]
     assert names[0] == [f"r{i}" for i in range(4)] and names[1] == [f"r{i}" for i in range(4, 8)]
-    assert names[2:] == [names[0], names[1]] * 2          # each half again once its previous step finished
+    assert names[2:] == [names[0], names[1]] * 2  # each half again once its previous step finished
     assert all(c.is_decode for s in launched[2:] for c in s.chunks)
     while scheduler.has_unfinished() or len(flights):
         pipelined_step(scheduler, flights)
@@ -86,19 +86,26 @@ def test_only_requests_not_in_flight_are_preempted_and_a_request_waits_for_them(
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_random_workloads_with_aborts_finish_exactly(seed, depth, policy):
     rng = random.Random(seed)
-    scheduler = make_scheduler(block_size=4, num_blocks=rng.choice([12, 24, 64]), max_num_seqs=rng.choice([3, 8]),
-                               max_num_batched_tokens=rng.choice([16, 64]), policy=policy, priority_aging_steps=50)
+    scheduler = make_scheduler(
+        block_size=4,
+        num_blocks=rng.choice([12, 24, 64]),
+        max_num_seqs=rng.choice([3, 8]),
+        max_num_batched_tokens=rng.choice([16, 64]),
+        policy=policy,
+        priority_aging_steps=50,
+    )
     flights = MicroBatches(depth)
     requests, aborted, arrivals = [], set(), 0
     for _ in range(3000):
         if arrivals < 20 and rng.random() < 0.3:
-            request = make_request(arrivals, [rng.randrange(1, 900) for _ in range(rng.randrange(1, 30))],
-                                   rng.randrange(1, 12))
+            request = make_request(
+                arrivals, [rng.randrange(1, 900) for _ in range(rng.randrange(1, 30))], rng.randrange(1, 12)
+            )
             request.priority = rng.randrange(-2, 3) if policy == "priority" else 0
             scheduler.add(request)
             requests.append(request)
             arrivals += 1
-        if requests and rng.random() < 0.05:   # an abort, maybe of a request in flight
+        if requests and rng.random() < 0.05:  # an abort, maybe of a request in flight
             victim = rng.choice(requests)
             if scheduler.abort(victim.request_id) is not None:
                 aborted.add(victim.request_id)
@@ -110,7 +117,7 @@ def test_random_workloads_with_aborts_finish_exactly(seed, depth, policy):
         want = expected_output(request.prompt_token_ids, request.max_tokens)
         if request.request_id in aborted:
             assert request.status is RequestStatus.FINISHED_ABORTED
-            assert request.output_token_ids == want[:request.num_output_tokens]
+            assert request.output_token_ids == want[: request.num_output_tokens]
         else:
             assert request.output_token_ids == want
     assert scheduler.block_manager.num_free_blocks == scheduler.config.num_blocks
@@ -125,7 +132,7 @@ def test_a_batch_with_prompt_logprobs_runs_alone():
     assert not runs_alone(first) and len(flights) == 1
     scheduler.add(wants)
     second = pipelined_step(scheduler, flights)
-    assert runs_alone(second) and flights.must_finish()   # nothing is launched after it before it finishes
+    assert runs_alone(second) and flights.must_finish()  # nothing is launched after it before it finishes
     pipelined_step(scheduler, flights)
     assert len(flights) == 1
 
@@ -145,7 +152,9 @@ def test_the_micro_batch_flag_reaches_the_engine_config_through_worker_and_serve
     from infer.client.serve import worker_args
     from infer.worker.cli import build_parser, engine_config
 
-    args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1", "--pp-size", "2", "--pp-micro-batches", "1"])
+    args = build_parser().parse_args(
+        ["--coordinator", "tcp://127.0.0.1:1", "--pp-size", "2", "--pp-micro-batches", "1"]
+    )
     assert engine_config(args).pp_micro_batches == 1
     assert engine_config(build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1"])).pp_micro_batches is None
     served = worker_args(serve_parser().parse_args(["--pp-size", "2", "--pp-micro-batches", "3"]), [])

@@ -12,13 +12,13 @@ from typing import ClassVar
 
 import pytest
 import torch
+from hf_reference import hf_model
+from model_batches import Pager, new_cache, token_ids
 
 from infer.worker.attention import paged_attention
 from infer.worker.loader import load_model
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, RotaryEmbedding, RowLinear
 from infer.worker.tensor_parallel import TensorParallel
-from hf_reference import hf_model
-from model_batches import Pager, new_cache, token_ids
 
 TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 CPU = torch.device("cpu")
@@ -44,7 +44,7 @@ def model_dir(request, tiny_model_dir, smollm2_dir):
 
 @pytest.mark.parametrize("model_dir", [*TINY_ARCHS, "smollm2"], indirect=True)
 def test_prefill_logits_match_transformers(model_dir: Path) -> None:
-    model = load_model(model_dir, torch.float32, CPU, quantization="none")   # transformers dequantizes a GGUF
+    model = load_model(model_dir, torch.float32, CPU, quantization="none")  # transformers dequantizes a GGUF
     seqs = {"a": token_ids(37, model.vocab_size, 1), "b": token_ids(12, model.vocab_size, 2)}
     pager = Pager(num_blocks=64, block_size=8)
     batch = pager.batch([(key, ids, 0, len(ids)) for key, ids in seqs.items()])
@@ -78,7 +78,7 @@ def test_chunked_prefill_and_decodes_in_mixed_batches_match_transformers(tiny_mo
             batch = pager.batch(step, num_padding=2)
             logits = model.compute_logits(model(batch, cache))
             row = 0
-            for (key, _, num_cached, num_new) in step:
+            for key, _, num_cached, num_new in step:
                 for j in range(num_new):
                     got[key][num_cached + j] = logits[row + j]
                 row += num_new
@@ -107,7 +107,7 @@ def test_greedy_generation_matches_transformers(smollm2_dir: Path, smollm2_token
             ids.append(int(logits[0].argmax()))
             num_cached, num_new = len(ids) - 1, 1
     assert ids == expected
-    assert "Paris" in smollm2_tokenizer.decode(ids[len(prompt_ids):])
+    assert "Paris" in smollm2_tokenizer.decode(ids[len(prompt_ids) :])
 
 
 @pytest.mark.parametrize("model_dir", ["qwen3", "smollm2"], indirect=True)
@@ -115,8 +115,10 @@ def test_bf16_is_as_close_as_transformers_bf16(model_dir: Path, smollm2_tokenize
     """bf16 drifts from fp32 by a few percent of the largest logit; ours must drift no more than
     transformers' own bf16 forward does (measured: SmolLM2 ~4e-2 for both)."""
 
-    ids = smollm2_tokenizer("The quick brown fox jumps over the lazy dog. In 1492, Columbus sailed the ocean "
-                            "blue, and Paris is the capital of")["input_ids"]
+    ids = smollm2_tokenizer(
+        "The quick brown fox jumps over the lazy dog. In 1492, Columbus sailed the ocean "
+        "blue, and Paris is the capital of"
+    )["input_ids"]
     reference = hf_logits(model_dir, ids)
     hf = hf_model(model_dir, torch.bfloat16)
     with torch.inference_mode():
@@ -147,8 +149,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (5, 1)])
-def test_paged_attention_matches_dense(dtype: torch.dtype, tol: float, num_heads: int,
-                                       num_kv_heads: int) -> None:
+def test_paged_attention_matches_dense(dtype: torch.dtype, tol: float, num_heads: int, num_kv_heads: int) -> None:
     torch.manual_seed(0)
     head_dim, block_size, num_blocks = 16, 4, 300  # block ids up to 299, scattered
     # (num_cached, num_new): 3 decodes of different lengths, then a chunk after a prefix, then a fresh prompt
@@ -169,15 +170,15 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, tol: float, num_heads
     padding = torch.randn(3, num_kv_heads, head_dim, dtype=dtype)
     k = torch.cat([fk[c:] for fk, (c, _) in zip(full_k, shapes, strict=True)] + [padding])
     v = torch.cat([fv[c:] for fv, (c, _) in zip(full_v, shapes, strict=True)] + [padding])
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
 
     out = paged_attention(q, k, v, k_cache, v_cache, batch, scale)
 
     assert out.shape == q.shape and out.dtype == dtype
     starts = batch.query_start_loc.tolist()
     for i, _ in enumerate(shapes):
-        expected = dense_attention(q[starts[i]:starts[i + 1]], full_k[i], full_v[i], scale)
-        assert (out[starts[i]:starts[i + 1]].float() - expected).abs().max().item() <= tol, i
+        expected = dense_attention(q[starts[i] : starts[i + 1]], full_k[i], full_v[i], scale)
+        assert (out[starts[i] : starts[i + 1]].float() - expected).abs().max().item() <= tol, i
     assert not out[-3:].any()  # padding rows
     for i, (c, n) in enumerate(shapes):  # new tokens landed in their slots
         for p in range(c, c + n):
@@ -196,8 +197,12 @@ def test_linear_layers_shard_for_tensor_parallelism() -> None:
     torch.manual_seed(0)
     x = torch.randn(3, 8)
     q, k, v, bias = torch.randn(8, 8), torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
-    fused = [MergedColumnLinear(8, {"q": 8, "k": 4, "v": 4}, bias=False, dtype=torch.float32,
-                                tp=TensorParallel(rank=r, size=2)) for r in range(2)]
+    fused = [
+        MergedColumnLinear(
+            8, {"q": 8, "k": 4, "v": 4}, bias=False, dtype=torch.float32, tp=TensorParallel(rank=r, size=2)
+        )
+        for r in range(2)
+    ]
     for rank in fused:
         for name, w in (("q", q), ("k", k), ("v", v)):
             rank.load_shard("weight", w, name)
@@ -205,11 +210,12 @@ def test_linear_layers_shard_for_tensor_parallelism() -> None:
     for i, w in enumerate((q, k, v)):
         assert torch.allclose(torch.cat([h[i] for h in halves], -1), x @ w.T)
 
-    column = [ColumnLinear(8, 8, bias=True, dtype=torch.float32, tp=TensorParallel(rank=r, size=2))
-              for r in range(2)]
+    column = [ColumnLinear(8, 8, bias=True, dtype=torch.float32, tp=TensorParallel(rank=r, size=2)) for r in range(2)]
     row = RowLinear(8, 8, bias=False, dtype=torch.float32)
-    parts = [RowLinear(8, 8, bias=False, dtype=torch.float32, tp=TensorParallel(rank=r, size=2),
-                       reduce_results=False) for r in range(2)]
+    parts = [
+        RowLinear(8, 8, bias=False, dtype=torch.float32, tp=TensorParallel(rank=r, size=2), reduce_results=False)
+        for r in range(2)
+    ]
     for r in range(2):
         column[r].load_shard("weight", q)
         column[r].load_shard("bias", bias)
@@ -223,18 +229,32 @@ def test_linear_layers_shard_for_tensor_parallelism() -> None:
         qk.load_shard("weight", torch.randn(5, 8), "k")
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 1024},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    ],
+)
 def test_rope_scaling_matches_transformers(rope: dict) -> None:
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=2,
-                                  max_position_embeddings=4096, rope_theta=500000.0, rope_scaling=dict(rope))
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=64,
+        num_attention_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        rope_scaling=dict(rope),
+    )
     expected, expected_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, CPU)
     ours = RotaryEmbedding(config, head_dim=32)
     assert torch.allclose(ours.inv_freq, expected, rtol=1e-6)

@@ -25,10 +25,8 @@ MAX_NEW = 10
 CASES = {
     "mixtral": (tiny_mixtral, {}),
     "mixtral-top3": (tiny_mixtral, dict(num_local_experts=4, num_experts_per_tok=3)),
-    "qwen3moe-norm-dense1": (tiny_qwen3_moe, dict(norm_topk_prob=True, num_hidden_layers=3,
-                                                  mlp_only_layers=[1])),
-    "qwen3moe-nonorm-step2": (tiny_qwen3_moe, dict(norm_topk_prob=False, decoder_sparse_step=2,
-                                                   num_experts_per_tok=4)),
+    "qwen3moe-norm-dense1": (tiny_qwen3_moe, dict(norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])),
+    "qwen3moe-nonorm-step2": (tiny_qwen3_moe, dict(norm_topk_prob=False, decoder_sparse_step=2, num_experts_per_tok=4)),
 }
 
 
@@ -82,10 +80,13 @@ def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
         return {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
 
 
-@pytest.mark.parametrize("name, prefix, names", [
-    ("mixtral", "block_sparse_moe", ("w1", "w3", "w2")),
-    ("qwen3moe-norm-dense1", "mlp", ("gate_proj", "up_proj", "down_proj")),
-])
+@pytest.mark.parametrize(
+    "name, prefix, names",
+    [
+        ("mixtral", "block_sparse_moe", ("w1", "w3", "w2")),
+        ("qwen3moe-norm-dense1", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    ],
+)
 def test_expert_parallel_rank_holds_only_its_experts(checkpoints, name, prefix, names):
     path = checkpoints(name)
     model = load_model(path, torch.float32, torch.device("cpu"), ep=ExpertParallel(rank=1, size=2))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_checks import native_isa_levels, use_native_isa
 
 from infer import SamplingParams
@@ -18,7 +17,6 @@ from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.models import native_decode
 from infer.worker.models.native_decode import NativeDecoder
-
 
 
 @pytest.fixture(autouse=True, params=[isa for isa in native_isa_levels() if isa != "generic"])
@@ -36,8 +34,9 @@ def _engine(model_dir, **kwargs) -> Engine:
     return Engine(EngineConfig(model=str(model_dir), max_model_len=1024, num_threads=2, device="cpu", **kwargs))
 
 
-def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
-         abort_after: dict[str, int] | None = None) -> dict[str, list[tuple[int, dict]]]:
+def _run(
+    engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], abort_after: dict[str, int] | None = None
+) -> dict[str, list[tuple[int, dict]]]:
     """Every request's (token, logprobs) in order; `abort_after`: request -> steps after which it is aborted."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
@@ -84,13 +83,14 @@ def test_one_request_gets_the_layer_by_layer_tokens_and_logprobs(smollm2_dir, ca
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=5, ignore_eos=True)
     requests = {"a": (list(range(1000, 1100)), params)}
     fused, layered, native_steps = _both(smollm2_dir, requests, calls, quantization=quantization)
-    assert native_steps == 39 and set(calls) == {1}     # every decode step; the prefill ran the layers
+    assert native_steps == 39 and set(calls) == {1}  # every decode step; the prefill ran the layers
     assert fused == layered
 
 
 def test_batches_growing_past_eight_and_shrinking_back_with_an_abort(smollm2_dir, calls):
     """Eleven requests of different lengths: steps of 9-11 decodes run the layers (oneDNN), then requests finish
     one by one, or are aborted, and the steps of 8 down to 1 run natively."""
+
     def params(n):
         return SamplingParams(temperature=0, max_tokens=n, logprobs=3, ignore_eos=True)
 
@@ -108,21 +108,38 @@ def test_preemption_and_released_pools(smollm2_dir, calls):
     from infer.worker.forward_batch import KVCache
 
     blocks = KVCache.bytes_per_block(30, 4, 3, 64, torch.bfloat16) * 24
-    requests = {f"r{i}": (list(range(900 + 40 * i, 930 + 40 * i)), SamplingParams(
-        temperature=0, max_tokens=20, logprobs=2, ignore_eos=True)) for i in range(3)}
+    requests = {
+        f"r{i}": (
+            list(range(900 + 40 * i, 930 + 40 * i)),
+            SamplingParams(temperature=0, max_tokens=20, logprobs=2, ignore_eos=True),
+        )
+        for i in range(3)
+    }
     engine = _engine(smollm2_dir, block_size=4, kv_cache_memory=blocks)
     fused = _run(engine, requests)
     assert engine.scheduler.stats.num_preemptions > 0
     engine.suspend()
     engine.resume()
-    again = _run(engine, {"after": (list(range(300, 340)), SamplingParams(temperature=0, max_tokens=12,
-                                                                          logprobs=2, ignore_eos=True))})
+    again = _run(
+        engine,
+        {"after": (list(range(300, 340)), SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True))},
+    )
     native_steps = len(calls)
     layered_engine = _engine(smollm2_dir, block_size=4, kv_cache_memory=blocks)
     layered_engine.model.model.native_decode = False
     assert _run(layered_engine, requests) == fused
-    assert _run(layered_engine, {"after": (list(range(300, 340)), SamplingParams(
-        temperature=0, max_tokens=12, logprobs=2, ignore_eos=True))}) == again
+    assert (
+        _run(
+            layered_engine,
+            {
+                "after": (
+                    list(range(300, 340)),
+                    SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),
+                )
+            },
+        )
+        == again
+    )
     assert native_steps > 11 and len(calls) == native_steps
 
 
@@ -159,24 +176,50 @@ def test_positions_and_slots_out_of_range_are_refused(smollm2_dir):
         h = torch.randn(2, decoder.hidden).to(torch.bfloat16)
         table = tables.clone()
         table[1, 0] = block
-        cpu_kernels.decode_layers(h, decoder.residual, weights, formats, pools, decoder.num_layers, decoder.num_heads,
-                                  decoder.num_kv_heads, decoder.head_dim, decoder.intermediate, decoder.eps,
-                                  decoder.scale, torch.tensor([3, position]), torch.tensor([3, slot]), table,
-                                  torch.tensor([4, seq_len], dtype=torch.int32), kv.k[0], cos_sin, True,
-                                  decoder.scratch)
+        cpu_kernels.decode_layers(
+            h,
+            decoder.residual,
+            weights,
+            formats,
+            pools,
+            decoder.num_layers,
+            decoder.num_heads,
+            decoder.num_kv_heads,
+            decoder.head_dim,
+            decoder.intermediate,
+            decoder.eps,
+            decoder.scale,
+            torch.tensor([3, position]),
+            torch.tensor([3, slot]),
+            table,
+            torch.tensor([4, seq_len], dtype=torch.int32),
+            kv.k[0],
+            cos_sin,
+            True,
+            decoder.scratch,
+        )
         return h
 
     assert torch.isfinite(step(3, 7 * block_size, 4, block=7).float()).all()
-    for position, slot, seq_len, block in [(cos_sin.shape[0], 3, 4, 0), (-1, 3, 4, 0), (3, num_blocks * block_size,
-                                           4, 0), (3, -2, 4, 0), (3, 3, 4 * block_size + 1, 0), (3, 3, 0, 0),
-                                           (3, 3, 4, num_blocks), (3, 3, 4, -1)]:
+    for position, slot, seq_len, block in [
+        (cos_sin.shape[0], 3, 4, 0),
+        (-1, 3, 4, 0),
+        (3, num_blocks * block_size, 4, 0),
+        (3, -2, 4, 0),
+        (3, 3, 4 * block_size + 1, 0),
+        (3, 3, 0, 0),
+        (3, 3, 4, num_blocks),
+        (3, 3, 4, -1),
+    ]:
         with pytest.raises(ValueError, match="outside the cos/sin cache"):
             step(position, slot, seq_len, block)
 
 
-PASSAGES = ("The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. ",
-            "Roses are red, violets are blue, sugar is sweet, and so are you. ",
-            "Alice was beginning to get very tired of sitting by her sister on the bank. ")
+PASSAGES = (
+    "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. ",
+    "Roses are red, violets are blue, sugar is sweet, and so are you. ",
+    "Alice was beginning to get very tired of sitting by her sister on the bank. ",
+)
 
 
 def _speculating(model_dir, requests, k, **kwargs):
@@ -191,18 +234,22 @@ def _speculating(model_dir, requests, k, **kwargs):
 
 
 @pytest.mark.parametrize("quantization", ["auto", "none"])
-def test_verification_steps_run_natively_with_the_tokens_of_decoding_without_speculation(smollm2_dir, calls,
-                                                                                         quantization):
+def test_verification_steps_run_natively_with_the_tokens_of_decoding_without_speculation(
+    smollm2_dir, calls, quantization
+):
     """Three requests verifying 4 drafts each (15 rows: the GEMV past 8 rows, the LM head in pieces of 8), then
     fewer as they finish: greedy tokens and their log-probabilities equal decoding without speculation's, q4 / q8
     blocks and dense bf16 alike. With the GGUF blocks a long prompt is prefilled in chunks beside them too: those
     steps run the layers, whose quantized products sum each row alone as well (dense bf16 rows there go to
     oneDNN, whose sums depend on the rows beside them, with or without speculation)."""
+
     def greedy(n):
         return SamplingParams(temperature=0, max_tokens=n, logprobs=2, ignore_eos=True)
 
-    requests = {f"copy{i}": ("Repeat the passage exactly.\n" + passage * 2 + "\nRepeat:", greedy(24))
-                for i, passage in enumerate(PASSAGES)}
+    requests = {
+        f"copy{i}": ("Repeat the passage exactly.\n" + passage * 2 + "\nRepeat:", greedy(24))
+        for i, passage in enumerate(PASSAGES)
+    }
     chunked = {}
     if quantization == "auto":
         requests["long"] = (list(range(2000, 2120)), greedy(6))
@@ -210,7 +257,7 @@ def test_verification_steps_run_natively_with_the_tokens_of_decoding_without_spe
     plain, spec, decoder = _speculating(smollm2_dir, requests, 4, quantization=quantization, **chunked)
     assert spec == plain
     assert isinstance(decoder, NativeDecoder) and decoder.verification_steps > 0
-    assert max(calls) > 8   # more rows than a plain step of 8 brings
+    assert max(calls) > 8  # more rows than a plain step of 8 brings
 
 
 def test_long_verifications_alone(smollm2_dir, calls):

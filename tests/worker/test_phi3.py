@@ -26,9 +26,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 _rng = random.Random(11)
 # 9 + 16 and 30 + 16 stay within the original 48 positions (short factors); 50 and 75 start past it (long factors)
 PROMPTS = [[_rng.randrange(3, 250) for _ in range(n)] for n in (9, 30, 50, 75)]
-PHI4 = {**{k: v for k, v in PHI3.items() if k not in ("rope_scaling", "partial_rotary_factor", "sliding_window",
-                                                       "original_max_position_embeddings")},
-        "rope_theta": 250000.0}
+PHI4 = {
+    **{
+        k: v
+        for k, v in PHI3.items()
+        if k not in ("rope_scaling", "partial_rotary_factor", "sliding_window", "original_max_position_embeddings")
+    },
+    "rope_theta": 250000.0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +43,9 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer):
 
     def make(name: str) -> tuple[Path, list[list[int]]]:
         if name not in made:
-            path = tiny_checkpoint(tmp_path_factory.mktemp(name), smollm2_tokenizer, "phi3",
-                                   **(PHI3 if name == "phi3" else PHI4))
+            path = tiny_checkpoint(
+                tmp_path_factory.mktemp(name), smollm2_tokenizer, "phi3", **(PHI3 if name == "phi3" else PHI4)
+            )
             made[name] = path, transformers_greedy(path, PROMPTS, MAX_NEW)
         return made[name]
 
@@ -47,8 +53,17 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer):
 
 
 def _llm(path: Path, **options) -> LLM:
-    return LLM(model=str(path), **{"dtype": "float32", "max_model_len": 256, "kv_cache_memory": 8_000_000,
-                                   "num_threads": 1, "block_size": 4, **options})
+    return LLM(
+        model=str(path),
+        **{
+            "dtype": "float32",
+            "max_model_len": 256,
+            "kv_cache_memory": 8_000_000,
+            "num_threads": 1,
+            "block_size": 4,
+            **options,
+        },
+    )
 
 
 def test_the_model_is_ours_with_fused_weights_partial_rotary_and_windows(checkpoints):
@@ -81,9 +96,9 @@ def test_logprobs_within_tolerance_of_transformers(checkpoints):
     hf = hf_model(path)
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         if len(prompt) <= 48 < len(prompt) + MAX_NEW:
-            continue   # crosses the original length while decoding (see the module docstring of models/phi3.py)
+            continue  # crosses the original length while decoding (see the module docstring of models/phi3.py)
         with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1].float()
+            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1].float()
         expected = logits.log_softmax(-1)
         for step, entry in enumerate(completion.logprobs):
             for candidate, logprob in entry.items():
@@ -93,10 +108,21 @@ def test_logprobs_within_tolerance_of_transformers(checkpoints):
 
 def test_step_graphs_give_the_tokens(checkpoints):
     path, want = checkpoints("phi3")
-    engine = Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=256, num_threads=1, device="cpu",
-                                 block_size=4, enforce_eager=False, max_graph_batch_size=4, max_num_seqs=4))
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            max_model_len=256,
+            num_threads=1,
+            device="cpu",
+            block_size=4,
+            enforce_eager=False,
+            max_graph_batch_size=4,
+            max_num_seqs=4,
+        )
+    )
     assert engine.runner.step_graphs is not None
-    assert not engine.scheduler.block_manager.enable_prefix_caching   # LongRoPE: keys depend on the length
+    assert not engine.scheduler.block_manager.enable_prefix_caching  # LongRoPE: keys depend on the length
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)
     out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
@@ -121,8 +147,11 @@ def test_native_bf16_decode_step_equals_the_layers(checkpoints, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
 
     def run(native: bool) -> list[tuple]:
-        engine = Engine(EngineConfig(model=str(path), dtype="bfloat16", max_model_len=256, num_threads=2,
-                                     device="cpu", block_size=4))
+        engine = Engine(
+            EngineConfig(
+                model=str(path), dtype="bfloat16", max_model_len=256, num_threads=2, device="cpu", block_size=4
+            )
+        )
         if not native:
             engine.model.model.native_decode = False
         for i, prompt in enumerate(PROMPTS):

@@ -21,13 +21,12 @@ from infer.worker.pp_stage import holds
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1,
-               max_num_batched_tokens=32)
+OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1, max_num_batched_tokens=32)
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    shared = [rng.randrange(3, 250) for _ in range(40)]       # a prefix of 2+ full blocks: cache hits
+    shared = [rng.randrange(3, 250) for _ in range(40)]  # a prefix of 2+ full blocks: cache hits
     prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(2, 70))] for _ in range(count)]
     return prompts + [shared + p[:5] for p in prompts[:2]]
 
@@ -37,10 +36,20 @@ PROMPTS = _prompts(4, 0)
 
 @pytest.fixture(scope="module")
 def five_layers(tmp_path_factory, smollm2_tokenizer):
-    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
-                  num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, vocab_size=len(smollm2_tokenizer),
-                  bos_token_id=smollm2_tokenizer.bos_token_id, eos_token_id=smollm2_tokenizer.eos_token_id)
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        vocab_size=len(smollm2_tokenizer),
+        bos_token_id=smollm2_tokenizer.bos_token_id,
+        eos_token_id=smollm2_tokenizer.eos_token_id,
+    )
     return save_tiny_model("llama", fields, tmp_path_factory.mktemp("pp-llama5"), smollm2_tokenizer, seed=7)
 
 
@@ -64,25 +73,25 @@ def test_each_stage_reads_only_its_tensors():
     first, middle, last = group(0), group(1), group(2)
     assert holds("model.embed_tokens.weight", first, tied=False)
     assert not holds("model.embed_tokens.weight", middle, tied=True)
-    assert not holds("model.embed_tokens.weight", last, tied=False) and holds("model.embed_tokens.weight", last,
-                                                                               tied=True)
-    assert [s.stage for s in (first, middle, last) if holds("model.layers.3.self_attn.q_proj.weight", s, False)] \
-        == [1]
+    assert not holds("model.embed_tokens.weight", last, tied=False) and holds(
+        "model.embed_tokens.weight", last, tied=True
+    )
+    assert [s.stage for s in (first, middle, last) if holds("model.layers.3.self_attn.q_proj.weight", s, False)] == [1]
     assert [s.stage for s in (first, middle, last) if holds("model.norm.weight", s, False)] == [2]
     assert [s.stage for s in (first, middle, last) if holds("lm_head.weight", s, False)] == [2]
 
 
 @pytest.mark.slow
 def test_pp2_with_a_tied_head_equals_transformers(tiny_model_dir):
-    model = tiny_model_dir("llama")                    # 2 layers, tied embeddings
+    model = tiny_model_dir("llama")  # 2 layers, tied embeddings
     want = transformers_greedy(model, PROMPTS, MAX_NEW)
     llm = LLM(model=str(model), pipeline_parallel_size=2, **OPTIONS)
     try:
-        for _ in range(2):                             # the second round hits the prefix cache
+        for _ in range(2):  # the second round hits the prefix cache
             done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             assert [c.token_ids for c in done] == want
         assert sum(c.num_cached_tokens for c in done) >= 32
-        assert llm._engine.in_flight.depth == 2 and llm._engine.in_flight.num_overlapped > 0   # micro-batches
+        assert llm._engine.in_flight.depth == 2 and llm._engine.in_flight.num_overlapped > 0  # micro-batches
         logprobs = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
         one = LLM(model=str(model), **OPTIONS).generate(PROMPTS[:2], logprobs, use_tqdm=False)
         two = llm.generate(PROMPTS[:2], logprobs, use_tqdm=False)
@@ -97,7 +106,7 @@ def test_pp3_uneven_equals_transformers(five_layers):
     llm = LLM(model=str(five_layers), pipeline_parallel_size=3, **OPTIONS)
     try:
         assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
-        engine = llm._engine                           # stage 0: layers 0 and 1 of 2,2,1, their KV, the embedding
+        engine = llm._engine  # stage 0: layers 0 and 1 of 2,2,1, their KV, the embedding
         names = set(dict(engine.model.lm.named_parameters()))
         assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1"}
         assert "model.embed_tokens.weight" in names and not any(n.startswith(("lm_head", "model.norm")) for n in names)
@@ -130,7 +139,7 @@ def test_pp2_micro_batches_stay_exact_under_preemption_and_an_abort_in_flight(ti
     model = tiny_model_dir("llama")
     prompts, max_new = _prompts(8, 3), 12
     want = transformers_greedy(model, prompts, max_new)
-    block_bytes = 2 * 16 * 2 * 16 * 4                  # K and V, 16 tokens, 2 KV heads of 16, fp32: one layer a stage
+    block_bytes = 2 * 16 * 2 * 16 * 4  # K and V, 16 tokens, 2 KV heads of 16, fp32: one layer a stage
     llm = LLM(model=str(model), pipeline_parallel_size=2, **{**OPTIONS, "kv_cache_memory": 14 * block_bytes})
     try:
         engine = llm._engine
@@ -150,7 +159,7 @@ def test_pp2_micro_batches_stay_exact_under_preemption_and_an_abort_in_flight(ti
                 aborted = sorted(engine.in_flight.busy)[0]
                 assert engine.abort(aborted)
         assert aborted is not None and finals.pop(aborted) == "abort"
-        assert want[int(aborted[1:])][:len(got[aborted])] == got.pop(aborted)
+        assert want[int(aborted[1:])][: len(got[aborted])] == got.pop(aborted)
         assert got == {f"r{i}": w for i, w in enumerate(want) if f"r{i}" in got}
         assert set(finals.values()) == {"length"}
         assert engine.scheduler.num_preemptions > 0 and engine.in_flight.num_overlapped > 0
@@ -175,18 +184,20 @@ def test_pp2_micro_batches_stay_exact_under_preemption_and_an_abort_in_flight(ti
 
 
 def test_flags_of_composed_pipelines():
-    assert WorkerFlags(pp_size=2, tp_size=2).pipeline({}).rank is None                 # the supervisor of all 4
+    assert WorkerFlags(pp_size=2, tp_size=2).pipeline({}).rank is None  # the supervisor of all 4
     flags = WorkerFlags(pp_size=2, tp_size=2, dist_init="tcp://h:9")
-    env = {"SLURM_PROCID": "6"}                                 # global rank (ep 1 x 2 + stage 1) x 2 + TP rank 0
+    env = {"SLURM_PROCID": "6"}  # global rank (ep 1 x 2 + stage 1) x 2 + TP rank 0
     assert flags.pipeline(env).rank == 1 and flags.groups(env)[1].rank == 0
     ep_flags = WorkerFlags(pp_size=2, tp_size=2, ep_size=2, dist_init="tcp://h:9")
     assert ep_flags.groups(env)[0].rank == 1
     from infer.worker.tp_supervisor import members
 
-    assert [flags for _, flags in members(2, 2)] == [["--pp-rank", "0", "--tp-rank", "0"],
-                                                     ["--pp-rank", "0", "--tp-rank", "1"],
-                                                     ["--pp-rank", "1", "--tp-rank", "0"],
-                                                     ["--pp-rank", "1", "--tp-rank", "1"]]
+    assert [flags for _, flags in members(2, 2)] == [
+        ["--pp-rank", "0", "--tp-rank", "0"],
+        ["--pp-rank", "0", "--tp-rank", "1"],
+        ["--pp-rank", "1", "--tp-rank", "0"],
+        ["--pp-rank", "1", "--tp-rank", "1"],
+    ]
     assert [name for name, _ in members(1, 3)] == ["PP stage 0", "PP stage 1", "PP stage 2"]
 
 
@@ -196,7 +207,7 @@ def test_flags_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="comma-separated layer counts"):
         WorkerFlags(pp_size=2, pp_layer_partition="1;1").pipeline({})
     assert WorkerFlags(pp_size=2, pp_rank=1, dist_init="tcp://127.0.0.1:9").pipeline({}).rank == 1
-    assert WorkerFlags(pp_size=2).pipeline({}).rank is None                    # the supervisor
+    assert WorkerFlags(pp_size=2).pipeline({}).rank is None  # the supervisor
     assert WorkerFlags(pp_size=2, dist_init="tcp://h:9").pipeline({"SLURM_PROCID": "5"}).rank == 1
 
 
@@ -235,9 +246,12 @@ def test_suspend_and_refit_are_refused_and_step_graphs_run_eagerly_with_pp(tiny_
         assert llm._engine.runner.step_graphs is None
         done = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
         assert [c.token_ids for c in done] == transformers_greedy(model, PROMPTS[:3], MAX_NEW)
-        with pytest.raises(ValueError, match=r"suspend is not supported with pipeline parallelism yet "
-                                             r"\(pipeline_parallel_size 2\)"):
-            llm._engine.suspend()   # what a worker runs on the cluster's suspend
+        with pytest.raises(
+            ValueError,
+            match=r"suspend is not supported with pipeline parallelism yet "
+            r"\(pipeline_parallel_size 2\)",
+        ):
+            llm._engine.suspend()  # what a worker runs on the cluster's suspend
         with pytest.raises(ValueError, match="a weight update is not supported with pipeline parallelism yet"):
             llm.update_weights(model)
         with pytest.raises(ValueError, match=r"embeddings \(pooling\) are not supported with pipeline parallelism"):

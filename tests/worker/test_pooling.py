@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_reference import hf_model
+
 from infer import LLM, SamplingParams
 
 # 21, 2, 40, 1 and 17 tokens: chunks of 16 (a last chunk of one token, a one-token prompt: rows of a decode's shape)
@@ -48,8 +48,10 @@ def test_embeddings_and_generation_in_one_batch_are_each_what_they_are_alone(mod
     for m, a in zip(mixed[:5], alone):
         torch.testing.assert_close(torch.tensor(m.embedding), torch.tensor(a.embedding), atol=1e-5, rtol=1e-5)
     assert [m.token_ids for m in mixed[5:]] == [c.token_ids for c in llm.generate(PROMPTS, greedy, use_tqdm=False)]
-    again = llm.embed(PROMPTS[:1], use_tqdm=False)[0]   # its prompt's blocks are cached now: not used, the same
-    torch.testing.assert_close(torch.tensor(again.embedding), torch.tensor(llm.embed(PROMPTS[:1], use_tqdm=False)[0].embedding))
+    again = llm.embed(PROMPTS[:1], use_tqdm=False)[0]  # its prompt's blocks are cached now: not used, the same
+    torch.testing.assert_close(
+        torch.tensor(again.embedding), torch.tensor(llm.embed(PROMPTS[:1], use_tqdm=False)[0].embedding)
+    )
 
 
 def test_generation_options_and_unknown_poolings_are_refused(models):

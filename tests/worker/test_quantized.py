@@ -16,27 +16,33 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_batches import Pager, kl_and_top1, new_cache, quantized_layers, token_ids
 
 from infer import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.loader import load_model, quant_plan
-from model_batches import Pager, kl_and_top1, new_cache, quantized_layers, token_ids
 
 CPU = torch.device("cpu")
 # The CPU's kernels (int8 activations), and Triton's on a GPU where there is one (kernels/quant_triton.py)
 DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1023, 64, 12, 88, 301, 7, 450, 33, 2, 19, 600], [1000, 2000, 3000], [42]]
-BOUNDS = {"int8": (1e-3, 0.9), "int4": (0.05, 0.4)}   # (mean KL, top-1 agreement) to the dense model
+BOUNDS = {"int8": (1e-3, 0.9), "int4": (0.05, 0.4)}  # (mean KL, top-1 agreement) to the dense model
 
 
 def prefill_logits(model, ids: list[int], device: torch.device = CPU) -> torch.Tensor:
     pager = Pager(num_blocks=32, block_size=8)
     batch = pager.batch([("a", ids, 0, len(ids))])
     if device.type != "cpu":
-        batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-                                               if isinstance(getattr(batch, f.name), torch.Tensor)})
+        batch = dataclasses.replace(
+            batch,
+            **{
+                f.name: getattr(batch, f.name).to(device)
+                for f in dataclasses.fields(batch)
+                if isinstance(getattr(batch, f.name), torch.Tensor)
+            },
+        )
     cache = new_cache(model, 32, 8)
     cache.k[:] = [t.to(device) for t in cache.k]
     cache.v[:] = [t.to(device) for t in cache.v]
@@ -47,8 +53,9 @@ def prefill_logits(model, ids: list[int], device: torch.device = CPU) -> torch.T
 @pytest.mark.parametrize("device", DEVICES, ids=str)
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_at_load_stays_within_its_bound_of_the_dense_model(tiny_model_dir, arch, quantization,
-                                                                      device) -> None:
+def test_quantized_at_load_stays_within_its_bound_of_the_dense_model(
+    tiny_model_dir, arch, quantization, device
+) -> None:
     path = tiny_model_dir(arch)
     dense = load_model(path, torch.float32, CPU, quantization="none")
     quant = load_model(path, torch.float32, device, quantization=quantization)
@@ -66,18 +73,19 @@ def test_quantized_at_load_stays_within_its_bound_of_the_dense_model(tiny_model_
 
 def test_quantized_storage_is_smaller_than_dense(tiny_model_dir) -> None:
     path = tiny_model_dir("mistral")
-    sizes = {q: sum(p.numel() * p.element_size() for p in load_model(path, torch.float32, CPU,
-                                                                        quantization=q).parameters())
-             for q in ("none", "int8", "int4")}
+    sizes = {
+        q: sum(p.numel() * p.element_size() for p in load_model(path, torch.float32, CPU, quantization=q).parameters())
+        for q in ("none", "int8", "int4")
+    }
     assert sizes["int4"] < sizes["int8"] < sizes["none"] / 3
 
 
 def test_a_width_that_is_not_a_multiple_of_32_stays_dense(tiny_model_dir) -> None:
-    path = tiny_model_dir("qwen2")     # hidden 80
+    path = tiny_model_dir("qwen2")  # hidden 80
     model = load_model(path, torch.float32, CPU, quantization="int8")
     formats = quantized_layers(model)
-    assert formats["model.layers.0.self_attn.qkv_proj"] is None     # 80 columns
-    assert formats["model.layers.0.mlp.down_proj"] == "q8"             # 128 columns
+    assert formats["model.layers.0.self_attn.qkv_proj"] is None  # 80 columns
+    assert formats["model.layers.0.mlp.down_proj"] == "q8"  # 128 columns
 
 
 def test_an_unknown_quantization_is_refused() -> None:
@@ -88,8 +96,17 @@ def test_an_unknown_quantization_is_refused() -> None:
 
 
 def _engine(path: Path, **options) -> Engine:
-    return Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory=4_000_000,
-                               num_threads=1, block_size=4, **options))
+    return Engine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory=4_000_000,
+            num_threads=1,
+            block_size=4,
+            **options,
+        )
+    )
 
 
 def _greedy(engine: Engine, prefix: str) -> list[list[int]]:
@@ -103,16 +120,18 @@ def _greedy(engine: Engine, prefix: str) -> list[list[int]]:
     return [tokens[rid] for rid in ids]
 
 
-def test_a_refit_of_a_quantized_engine_quantizes_the_new_weights_as_a_load_would(tiny_model_dir,
-                                                                                 tiny_weights_b) -> None:
+def test_a_refit_of_a_quantized_engine_quantizes_the_new_weights_as_a_load_would(
+    tiny_model_dir, tiny_weights_b
+) -> None:
     engine = _engine(tiny_model_dir("mistral"), quantization="int8")
     engine.update_weights(tiny_weights_b("mistral"))
     assert _greedy(engine, "a") == _greedy(_engine(tiny_weights_b("mistral"), quantization="int8"), "b")
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_a_quantized_refit_failing_mid_apply_restores_values_scales_and_mins(tiny_model_dir, tiny_weights_b,
-                                                                             quantization, monkeypatch) -> None:
+def test_a_quantized_refit_failing_mid_apply_restores_values_scales_and_mins(
+    tiny_model_dir, tiny_weights_b, quantization, monkeypatch
+) -> None:
     from infer.worker import weights as weights_module
 
     engine = _engine(tiny_model_dir("mistral"), quantization=quantization)

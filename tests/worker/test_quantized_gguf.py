@@ -69,6 +69,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType, LlamaFileType
+from model_batches import Pager, new_cache
 
 from infer import SamplingParams
 from infer.worker.config import EngineConfig
@@ -76,12 +77,15 @@ from infer.worker.engine import Engine
 from infer.worker.gguf import GGUFFile, GGUFTensor
 from infer.worker.loader import GGUF_FORMATS, load_model
 from infer.worker.models.layers import QuantStorage
-from model_batches import Pager, new_cache
 
 CPU = torch.device("cpu")
 SHIPPED = "Q4_1"
-MADE = {"Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q4_0": LlamaFileType.MOSTLY_Q4_0, "Q5_0": LlamaFileType.MOSTLY_Q5_0,
-        "Q5_1": LlamaFileType.MOSTLY_Q5_1}
+MADE = {
+    "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "Q4_0": LlamaFileType.MOSTLY_Q4_0,
+    "Q5_0": LlamaFileType.MOSTLY_Q5_0,
+    "Q5_1": LlamaFileType.MOSTLY_Q5_1,
+}
 FORMATS = (SHIPPED, *MADE)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # format -> dtype -> (mean KL below, top-1 agreement at least): see the module docstring
@@ -137,7 +141,7 @@ def requantize_gguf(reader: gguf.GGUFReader, dest: Path, qtype: Q, file_type: Ll
     llama.cpp stores them: the GGUFTensor made here has no row order)."""
     writer = gguf.GGUFWriter(dest, str(reader.fields["general.architecture"].contents()))
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":   # the writer writes these itself
+        if key.startswith("GGUF.") or key == "general.architecture":  # the writer writes these itself
             continue
         value = int(file_type) if key == "general.file_type" else field.contents()
         item_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
@@ -175,7 +179,7 @@ class OnFirstUse(dict):
 def model_dirs(smollm2_dir: Path, smollm2_gguf: Path, tmp_path_factory) -> Iterator[dict[str, Path]]:
     """Format name -> a model directory (the embedded conversion's config and tokenizer, model.gguf linking to
     the file in that format), the made files written on first use and deleted with the module (~100 MB each)."""
-    source = functools.cache(lambda: gguf.GGUFReader(smollm2_gguf))   # the embedded file, read once (seconds)
+    source = functools.cache(lambda: gguf.GGUFReader(smollm2_gguf))  # the embedded file, read once (seconds)
     made: list[Path] = []
 
     def make(name: str) -> Path:
@@ -254,8 +258,9 @@ def reference_logits(model_dirs, paragraph_ids) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", FORMATS)
 def test_teacher_forced_logits_stay_within_the_format_s_bound_of_the_dequantized_file(
-        model_dirs, reference_logits, paragraph_ids, name, dtype) -> None:
-    model = load_model(model_dirs[name], DTYPES[dtype], CPU)   # quantization "auto": the file's own blocks
+    model_dirs, reference_logits, paragraph_ids, name, dtype
+) -> None:
+    model = load_model(model_dirs[name], DTYPES[dtype], CPU)  # quantization "auto": the file's own blocks
     layers = storage_formats(model)
     assert layers["model.layers.0.mlp.down_proj"] == layers["model.layers.29.self_attn.qkv_proj"] == GGUF_FORMATS[name]
     assert layers["model.embed_tokens"] == GGUF_FORMATS["Q8_0" if name == SHIPPED else name]
@@ -270,15 +275,19 @@ def test_teacher_forced_logits_stay_within_the_format_s_bound_of_the_dequantized
 
 class Prompt(NamedTuple):
     text: str
-    ids: list[int]      # llama.cpp's tokenization of `text` (no BOS: the file's add_bos_token is false)
+    ids: list[int]  # llama.cpp's tokenization of `text` (no BOS: the file's add_bos_token is false)
     key_word: str
-    agreed: int         # tokens that must equal llama.cpp's: those before its first near tie (module docstring)
+    agreed: int  # tokens that must equal llama.cpp's: those before its first near tie (module docstring)
 
 
 PROMPTS = (
     Prompt("The capital of France is", [504, 3575, 282, 4649, 314], "Paris", 5),
-    Prompt("Question: What is the largest planet in our solar system?\nAnswer:",
-           [17872, 42, 1812, 314, 260, 3995, 3925, 281, 653, 3693, 817, 47, 198, 21350, 42], "Jupiter", 8),
+    Prompt(
+        "Question: What is the largest planet in our solar system?\nAnswer:",
+        [17872, 42, 1812, 314, 260, 3995, 3925, 281, 653, 3693, 817, 47, 198, 21350, 42],
+        "Jupiter",
+        8,
+    ),
     Prompt("The chemical symbol for gold is", [504, 2819, 3573, 327, 4231, 314], "Au", 5),
     Prompt("Photosynthesis is the process by which", [33580, 14870, 314, 260, 980, 411, 527], "sunlight", 5),
     Prompt("List three fruits:\n1.", [6106, 1296, 5574, 42, 198, 33, 30], "Apple", 9),
@@ -290,21 +299,141 @@ PROMPTS = (
 LLAMA_CPP = {
     "Q4_1": (
         # ' Paris.\n\nThe United States has a population of approximately 311 million people.\n\nThe United States'
-        [7042, 30, 198, 198, 504, 1797, 1918, 553, 253, 2155, 282, 4723, 216, 35, 33, 33, 2215, 701, 30, 198, 198, 504,
-         1797, 1918],
+        [
+            7042,
+            30,
+            198,
+            198,
+            504,
+            1797,
+            1918,
+            553,
+            253,
+            2155,
+            282,
+            4723,
+            216,
+            35,
+            33,
+            33,
+            2215,
+            701,
+            30,
+            198,
+            198,
+            504,
+            1797,
+            1918,
+        ],
         # ' The largest planet in our solar system is Jupiter.\n\nThe answer is: 1.\n\nThe answer is'
-        [378, 3995, 3925, 281, 653, 3693, 817, 314, 14713, 30, 198, 198, 504, 2988, 314, 42, 216, 33, 30, 198, 198, 504,
-         2988, 314],
+        [
+            378,
+            3995,
+            3925,
+            281,
+            653,
+            3693,
+            817,
+            314,
+            14713,
+            30,
+            198,
+            198,
+            504,
+            2988,
+            314,
+            42,
+            216,
+            33,
+            30,
+            198,
+            198,
+            504,
+            2988,
+            314,
+        ],
         # ' Au.\n\nThe gold market is a global market where gold is traded on a global scale. Gold is a precious'
-        [36613, 30, 198, 198, 504, 4231, 2342, 314, 253, 2224, 2342, 837, 4231, 314, 21939, 335, 253, 2224, 3964, 30,
-         6920, 314, 253, 9764],
+        [
+            36613,
+            30,
+            198,
+            198,
+            504,
+            4231,
+            2342,
+            314,
+            253,
+            2224,
+            2342,
+            837,
+            4231,
+            314,
+            21939,
+            335,
+            253,
+            2224,
+            3964,
+            30,
+            6920,
+            314,
+            253,
+            9764,
+        ],
         # ' plants convert sunlight into energy. This process involves a series of chemical reactions that take place in
         # the leaves of plants. The'
-        [2109, 7728, 8118, 618, 1439, 30, 669, 980, 3445, 253, 3086, 282, 2819, 6620, 338, 1188, 1379, 281, 260, 3711,
-         282, 2109, 30, 378],
+        [
+            2109,
+            7728,
+            8118,
+            618,
+            1439,
+            30,
+            669,
+            980,
+            3445,
+            253,
+            3086,
+            282,
+            2819,
+            6620,
+            338,
+            1188,
+            1379,
+            281,
+            260,
+            3711,
+            282,
+            2109,
+            30,
+            378,
+        ],
         # ' Banana\n2. Apple\n3. Grapefruit\n\nThe original sentence is:\n\n"The new'
-        [12619, 3231, 198, 34, 30, 10910, 198, 35, 30, 4924, 432, 25403, 198, 198, 504, 2798, 6330, 314, 42, 198, 198,
-         18, 504, 725],
+        [
+            12619,
+            3231,
+            198,
+            34,
+            30,
+            10910,
+            198,
+            35,
+            30,
+            4924,
+            432,
+            25403,
+            198,
+            198,
+            504,
+            2798,
+            6330,
+            314,
+            42,
+            198,
+            198,
+            18,
+            504,
+            725,
+        ],
     ),
     "Q8_0": (
         # ' Paris.\n\nThe answer is: 2018-01-22 12:1'
@@ -312,19 +441,91 @@ LLAMA_CPP = {
         # ' The largest planet in our solar system is Jupiter.' and EOS (<|im_end|>)
         [378, 3995, 3925, 281, 653, 3693, 817, 314, 14713, 30, 2],
         # ' Au.\n\nThe gold market is a global market where gold is traded on a global scale. Gold is a precious'
-        [36613, 30, 198, 198, 504, 4231, 2342, 314, 253, 2224, 2342, 837, 4231, 314, 21939, 335, 253, 2224, 3964, 30,
-         6920, 314, 253, 9764],
+        [
+            36613,
+            30,
+            198,
+            198,
+            504,
+            4231,
+            2342,
+            314,
+            253,
+            2224,
+            2342,
+            837,
+            4231,
+            314,
+            21939,
+            335,
+            253,
+            2224,
+            3964,
+            30,
+            6920,
+            314,
+            253,
+            9764,
+        ],
         # ' plants convert sunlight into energy. This process is essential for life on Earth, as it provides the primary
         # source of food for'
-        [2109, 7728, 8118, 618, 1439, 30, 669, 980, 314, 1895, 327, 1029, 335, 2591, 28, 347, 357, 2433, 260, 3003,
-         2257, 282, 1114, 327],
+        [
+            2109,
+            7728,
+            8118,
+            618,
+            1439,
+            30,
+            669,
+            980,
+            314,
+            1895,
+            327,
+            1029,
+            335,
+            2591,
+            28,
+            347,
+            357,
+            2433,
+            260,
+            3003,
+            2257,
+            282,
+            1114,
+            327,
+        ],
         # ' Banana\n2. Apple\n3. Grapefruit\n\nThe original sentence is:\n\n"The fruit'
-        [12619, 3231, 198, 34, 30, 10910, 198, 35, 30, 4924, 432, 25403, 198, 198, 504, 2798, 6330, 314, 42, 198, 198,
-         18, 504, 4354],
+        [
+            12619,
+            3231,
+            198,
+            34,
+            30,
+            10910,
+            198,
+            35,
+            30,
+            4924,
+            432,
+            25403,
+            198,
+            198,
+            504,
+            2798,
+            6330,
+            314,
+            42,
+            198,
+            198,
+            18,
+            504,
+            4354,
+        ],
     ),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
-MIN_AGREED_IN_ALL = 55   # of the 107 (Q8_0) / 120 (Q4_1) tokens of LLAMA_CPP[format]
+MIN_AGREED_IN_ALL = 55  # of the 107 (Q8_0) / 120 (Q4_1) tokens of LLAMA_CPP[format]
 
 
 def agreed_prefix(ours: list[int], theirs: list[int]) -> int:
@@ -337,8 +538,11 @@ def greedy_texts(model_dirs) -> dict[tuple[str, str], list[list[int]]]:
 
     def run(key: tuple[str, str]) -> list[list[int]]:
         name, dtype = key
-        engine = Engine(EngineConfig(model=str(model_dirs[name]), dtype=dtype, max_model_len=256,
-                                     kv_cache_memory=8_000_000, num_threads=1))
+        engine = Engine(
+            EngineConfig(
+                model=str(model_dirs[name]), dtype=dtype, max_model_len=256, kv_cache_memory=8_000_000, num_threads=1
+            )
+        )
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(str(i), prompt.ids, GREEDY)
         tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
@@ -353,7 +557,7 @@ def greedy_texts(model_dirs) -> dict[tuple[str, str], list[list[int]]]:
 def test_the_prompts_tokenize_as_llama_cpp_tokenized_them(smollm2_tokenizer) -> None:
     for prompt in PROMPTS:
         assert smollm2_tokenizer(prompt.text, add_special_tokens=False)["input_ids"] == prompt.ids
-        assert smollm2_tokenizer(prompt.text)["input_ids"] == prompt.ids    # the tokenizer adds no BOS either
+        assert smollm2_tokenizer(prompt.text)["input_ids"] == prompt.ids  # the tokenizer adds no BOS either
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -363,6 +567,9 @@ def test_greedy_text_follows_llama_cpp_s_on_the_same_file(greedy_texts, smollm2_
     agreed = [agreed_prefix(ours, theirs) for ours, theirs in zip(texts, LLAMA_CPP[name])]
     for prompt, ours, theirs, length in zip(PROMPTS, texts, LLAMA_CPP[name], agreed):
         said = smollm2_tokenizer.decode(ours)
-        assert length >= prompt.agreed and prompt.key_word in said, (prompt.text, said,
-                                                                     smollm2_tokenizer.decode(theirs))
+        assert length >= prompt.agreed and prompt.key_word in said, (
+            prompt.text,
+            said,
+            smollm2_tokenizer.decode(theirs),
+        )
     assert sum(agreed) >= MIN_AGREED_IN_ALL, agreed

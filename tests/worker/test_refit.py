@@ -9,24 +9,31 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import transformers_greedy
 
 from infer import LLM, SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
-from hf_reference import transformers_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1023, 64, 12, 88, 301, 7, 450, 33, 2, 19, 600], [1000, 2000, 3000], [42]]
 
 
 def _config(model: Path | None = None, **options) -> EngineConfig:
-    return EngineConfig(model=None if model is None else str(model), dtype="float32", max_model_len=256,
-                        kv_cache_memory=4_000_000, num_threads=1, block_size=4, **options)
+    return EngineConfig(
+        model=None if model is None else str(model),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory=4_000_000,
+        num_threads=1,
+        block_size=4,
+        **options,
+    )
 
 
 @pytest.fixture(scope="module")
 def weights_a(tiny_model_dir) -> Path:
-    return tiny_model_dir("mistral")     # untied lm_head, GQA 6:2: every kind of tensor a refit can touch
+    return tiny_model_dir("mistral")  # untied lm_head, GQA 6:2: every kind of tensor a refit can touch
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +73,15 @@ def test_suspend_releases_and_resume_restores_identical_outputs(weights_a, mode)
     # a request mid-decode when suspended is preempted, recomputed after resume, and ends the same
     engine.add_request("mid", PROMPTS[0], GREEDY)
     first = engine.step()[0].token_ids
-    kv_bytes = engine.kv_cache.resident_bytes()   # a CPU pool is resident where steps touched it
+    kv_bytes = engine.kv_cache.resident_bytes()  # a CPU pool is resident where steps touched it
     released = engine.suspend()
     expected = kv_bytes + (0 if mode == "host_copy" else sum(p.numel() * 4 for p in engine.model.parameters()))
     assert released >= expected
     assert engine.kv_cache.nbytes == 0 and engine.suspended
-    assert engine.scheduler.block_manager.num_cached_blocks == 0   # the prefix cache went with the pool
+    assert engine.scheduler.block_manager.num_cached_blocks == 0  # the prefix cache went with the pool
     with pytest.raises(RuntimeError, match="suspended"):
         engine.step()
-    assert engine.suspend() == 0           # idempotent
+    assert engine.suspend() == 0  # idempotent
     assert engine.resume() > 0
     rest = []
     while engine.has_unfinished():
@@ -96,30 +103,38 @@ def test_suspend_after_a_refit_from_tensors_spills_and_restores_them(weights_a, 
 
 def test_suspend_gives_the_memory_back_to_the_os(weights_a) -> None:
     """RSS (read from /proc) falls by >= 90% of what suspend reports; a big KV pool makes it measurable."""
-    engine = Engine(EngineConfig(model=str(weights_a), dtype="float32", max_model_len=256, num_threads=1,
-                                 kv_cache_memory=64 << 20, max_num_seqs=512))
+    engine = Engine(
+        EngineConfig(
+            model=str(weights_a),
+            dtype="float32",
+            max_model_len=256,
+            num_threads=1,
+            kv_cache_memory=64 << 20,
+            max_num_seqs=512,
+        )
+    )
     _run(engine)
-    for pool in engine.kv_cache.k + engine.kv_cache.v:   # resident: a pool's pages are mapped as steps touch them
+    for pool in engine.kv_cache.k + engine.kv_cache.v:  # resident: a pool's pages are mapped as steps touch them
         pool.fill_(0)
     rss = _rss_bytes()
     released = engine.suspend()
     assert released >= 0.9 * (64 << 20)
     assert rss - _rss_bytes() >= 0.9 * released
     restored = engine.resume()
-    assert restored <= released < restored + 64 * 4096   # the pool's size vs its resident pages (rounded up)
+    assert restored <= released < restored + 64 * 4096  # the pool's size vs its resident pages (rounded up)
 
 
 def test_refit_from_a_directory_equals_transformers_on_the_new_weights(weights_a, weights_b) -> None:
     engine = Engine(_config(weights_a))
     on_a, versions_a, _ = _run(engine, prefix="a")
     assert on_a == _transformers_greedy(weights_a, PROMPTS) and versions_a == {0}
-    _run(engine, prefix="warm")            # PROMPTS[0]'s full blocks are in the prefix cache now
+    _run(engine, prefix="warm")  # PROMPTS[0]'s full blocks are in the prefix cache now
     assert engine.update_weights(weights_b) == 1
     on_b, versions_b, cached = _run(engine, prefix="b")
     assert on_b == _transformers_greedy(weights_b, PROMPTS)
     assert versions_b == {1}
-    assert cached[0] == 0                  # recomputed with B, not served from A's KV
-    assert _run(engine, prefix="c")[2][0] > 0    # and cached again, now with B's KV
+    assert cached[0] == 0  # recomputed with B, not served from A's KV
+    assert _run(engine, prefix="c")[2][0] > 0  # and cached again, now with B's KV
     assert engine.update_weights(str(weights_a), version=7) == 7
     assert _run(engine, prefix="d")[0] == on_a
 
@@ -129,7 +144,7 @@ def test_refit_from_tensor_pairs_subset_and_whole(weights_a, weights_b) -> None:
 
     engine = Engine(_config(weights_a))
     b = load_file(str(weights_b / "model.safetensors"))
-    engine.update_weights(iter(list(b.items())))     # any iterable of pairs, dtypes cast (here none)
+    engine.update_weights(iter(list(b.items())))  # any iterable of pairs, dtypes cast (here none)
     assert _run(engine)[0] == _transformers_greedy(weights_b, PROMPTS)
     # a subset changes only what it names
     a = load_file(str(weights_a / "model.safetensors"))
@@ -137,21 +152,29 @@ def test_refit_from_tensor_pairs_subset_and_whole(weights_a, weights_b) -> None:
     mixed = {**b, **{k: v.to(torch.bfloat16).float() for k, v in a.items() if "layers.0." in k}}
     assert engine.weight_version == 2
     assert _run(engine, prefix="m")[0] != _transformers_greedy(weights_b, PROMPTS)
-    engine.update_weights(mixed)            # a dict works too
+    engine.update_weights(mixed)  # a dict works too
     assert engine.weight_version == 3
 
 
-@pytest.mark.parametrize("bad, match", [
-    (lambda t: {**t, "model.layers.0.self_attn.q_prjo.weight": t["model.layers.0.self_attn.q_proj.weight"]},
-     "'model.layers.0.self_attn.q_prjo.weight'.*matches no parameter"),
-    (lambda t: {**t, "model.layers.1.mlp.up_proj.weight": t["model.layers.1.mlp.up_proj.weight"][:-1]},
-     "'model.layers.1.mlp.up_proj.weight'.*shape"),
-    (lambda t: {**t, "model.norm.weight": t["model.norm.weight"].to(torch.int32)},
-     "'model.norm.weight' has dtype int32"),
-    (lambda t: {**t, "lm_head.weight": t["lm_head.weight"].T.contiguous()}, "'lm_head.weight'.*shape"),
-])
-def test_a_bad_tensor_fails_the_whole_refit_and_the_old_weights_keep_serving(weights_a, weights_b, bad,
-                                                                             match) -> None:
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (
+            lambda t: {**t, "model.layers.0.self_attn.q_prjo.weight": t["model.layers.0.self_attn.q_proj.weight"]},
+            "'model.layers.0.self_attn.q_prjo.weight'.*matches no parameter",
+        ),
+        (
+            lambda t: {**t, "model.layers.1.mlp.up_proj.weight": t["model.layers.1.mlp.up_proj.weight"][:-1]},
+            "'model.layers.1.mlp.up_proj.weight'.*shape",
+        ),
+        (
+            lambda t: {**t, "model.norm.weight": t["model.norm.weight"].to(torch.int32)},
+            "'model.norm.weight' has dtype int32",
+        ),
+        (lambda t: {**t, "lm_head.weight": t["lm_head.weight"].T.contiguous()}, "'lm_head.weight'.*shape"),
+    ],
+)
+def test_a_bad_tensor_fails_the_whole_refit_and_the_old_weights_keep_serving(weights_a, weights_b, bad, match) -> None:
     from safetensors.torch import load_file
 
     engine = Engine(_config(weights_a))
@@ -176,7 +199,7 @@ def test_a_nan_or_inf_tensor_is_refused_with_nothing_changed(weights_a, weights_
     on_a = _run(engine, prefix="a")[0]
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     tensors = load_file(str(weights_b / "model.safetensors"))
-    last = list(tensors)[-1]       # the bad one comes after tensors that would have been applied
+    last = list(tensors)[-1]  # the bad one comes after tensors that would have been applied
     with pytest.raises(ValueError, match=f"{last!r} has NaN or infinite values"):
         engine.update_weights(_with(tensors, last, value))
     assert engine.weight_version == 0
@@ -184,8 +207,9 @@ def test_a_nan_or_inf_tensor_is_refused_with_nothing_changed(weights_a, weights_
     assert _run(engine, prefix="b")[0] == on_a
 
 
-def test_files_swapped_while_a_prepared_refit_drains_are_refused_with_nothing_changed(weights_a, weights_b,
-                                                                                      tmp_path) -> None:
+def test_files_swapped_while_a_prepared_refit_drains_are_refused_with_nothing_changed(
+    weights_a, weights_b, tmp_path
+) -> None:
     """The worker's path: prepare_update stages the files, requests drain, then the apply. A file swapped in
     between (by rename, as a checkpoint writer does) fails the refit before anything is applied."""
     import shutil
@@ -232,7 +256,7 @@ def test_a_failure_while_applying_puts_every_touched_value_back(weights_a, weigh
     assert len(calls) == 15 and engine.weight_version == 0
     assert all(torch.equal(p, before[n]) for n, p in engine.model.named_parameters())
     assert _run(engine, prefix="b")[0] == on_a
-    assert engine.update_weights(weights_b) == 1            # and a later refit applies in full
+    assert engine.update_weights(weights_b) == 1  # and a later refit applies in full
 
 
 def test_refit_source_errors_are_precise(weights_a, tmp_path) -> None:
@@ -274,11 +298,10 @@ async def test_async_llm_direct_mode_drains_or_aborts_around_a_refit(weights_a, 
     from infer import AsyncLLM
 
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    async with AsyncLLM(weights_a, dtype="float32", max_model_len=256, kv_cache_memory=4_000_000,
-                        num_threads=1) as llm:
+    async with AsyncLLM(weights_a, dtype="float32", max_model_len=256, kv_cache_memory=4_000_000, num_threads=1) as llm:
         running = asyncio.ensure_future(llm.engine.generate(PROMPTS[0], long))
         await asyncio.sleep(0.2)
-        assert await llm.update_weights(weights_b) == 1          # drain: the running request ends on A
+        assert await llm.update_weights(weights_b) == 1  # drain: the running request ends on A
         old = await running
         assert old.finish_reason == "length" and old.weight_version == 0
         new = await llm.engine.generate(PROMPTS[1], GREEDY)
@@ -301,8 +324,14 @@ def test_weight_sync_buckets_group_consecutive_tensors_of_one_dtype_up_to_the_si
     from infer.protocol.messages import WeightTensor
     from infer.worker.weight_sync import describe, plan_buckets
 
-    tensors = [WeightTensor("a", "float32", [4]), WeightTensor("b", "float32", [4]), WeightTensor("c", "float32", [100]),
-               WeightTensor("d", "bfloat16", [2]), WeightTensor("e", "bfloat16", [2]), WeightTensor("f", "float32", [1])]
+    tensors = [
+        WeightTensor("a", "float32", [4]),
+        WeightTensor("b", "float32", [4]),
+        WeightTensor("c", "float32", [100]),
+        WeightTensor("d", "bfloat16", [2]),
+        WeightTensor("e", "bfloat16", [2]),
+        WeightTensor("f", "float32", [1]),
+    ]
     # 16 bytes each for a, b; c (400 bytes) travels alone; a dtype change starts a new bucket
     assert plan_buckets(tensors, bucket_bytes=32) == [[0, 1], [2], [3, 4], [5]]
     assert plan_buckets(tensors, bucket_bytes=1 << 20) == [[0, 1, 2], [3, 4], [5]]

@@ -22,8 +22,11 @@ NUM_RANDOM_CUTS = 10
 
 
 def _engine(model, seed: int) -> Engine:
-    return Engine(EngineConfig(model=str(model), dtype="float32", max_model_len=256, kv_cache_memory=16_000_000,
-                               seed=seed, num_threads=1))
+    return Engine(
+        EngineConfig(
+            model=str(model), dtype="float32", max_model_len=256, kv_cache_memory=16_000_000, seed=seed, num_threads=1
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +40,8 @@ class Stream:
     """One request's outputs: per-delta tokens and text, the seed reported, how it ended."""
 
     token_ids: list[int] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)      # one per delta
-    ends: list[int] = field(default_factory=list)       # token count after each delta
+    texts: list[str] = field(default_factory=list)  # one per delta
+    ends: list[int] = field(default_factory=list)  # token count after each delta
     seed: int | None = None
     finish_reason: str | None = None
 
@@ -75,8 +78,9 @@ def _redispatched(params: SamplingParams, seed: int | None) -> SamplingParams:
 
 def _cuts_inside_a_character(tokenizer, tokens: list[int]) -> list[int]:
     """Cut points k where the first k tokens end inside a multi-byte character."""
-    return [k for k in range(1, len(tokens))
-            if tokenizer.decode(tokens[:k], skip_special_tokens=True).endswith("\ufffd")]
+    return [
+        k for k in range(1, len(tokens)) if tokenizer.decode(tokens[:k], skip_special_tokens=True).endswith("\ufffd")
+    ]
 
 
 def _cuts(tokenizer, reference: Stream, seed: int) -> list[int]:
@@ -84,14 +88,19 @@ def _cuts(tokenizer, reference: Stream, seed: int) -> list[int]:
     held back (for a stop string)."""
     n = len(reference.token_ids)
     inside = _cuts_inside_a_character(tokenizer, reference.token_ids)
-    held = [k for k in range(1, n) if len(reference.delivered_text(k)) < len(
-        tokenizer.decode(reference.token_ids[:k], skip_special_tokens=True).rstrip("\ufffd"))]
+    held = [
+        k
+        for k in range(1, n)
+        if len(reference.delivered_text(k))
+        < len(tokenizer.decode(reference.token_ids[:k], skip_special_tokens=True).rstrip("\ufffd"))
+    ]
     chosen = random.Random(seed).sample(range(1, n), min(NUM_RANDOM_CUTS, n - 1))
     return sorted(set(chosen + inside[:3] + held[:3]))
 
 
-def _check_cuts(engines, params: SamplingParams, cut_seed: int = 0,
-                extra_cuts: tuple[int, ...] = ()) -> tuple[Stream, list[int]]:
+def _check_cuts(
+    engines, params: SamplingParams, cut_seed: int = 0, extra_cuts: tuple[int, ...] = ()
+) -> tuple[Stream, list[int]]:
     """Run `params` uninterrupted, then resume it from cut points k (random ones, interesting ones and
     `extra_cuts`) on the other engine: each resumed stream completes the uninterrupted one exactly."""
     first, second = engines
@@ -100,10 +109,18 @@ def _check_cuts(engines, params: SamplingParams, cut_seed: int = 0,
     if params.seed is not None:
         assert reference.seed == params.seed
     cuts = sorted(set(_cuts(first.tokenizer, reference, cut_seed)) | set(extra_cuts))
-    resumed = _run(second, {
-        f"cut{k}": (PROMPT, _redispatched(params, reference.seed), reference.token_ids[:k],
-                    len(reference.delivered_text(k)))
-        for k in cuts})
+    resumed = _run(
+        second,
+        {
+            f"cut{k}": (
+                PROMPT,
+                _redispatched(params, reference.seed),
+                reference.token_ids[:k],
+                len(reference.delivered_text(k)),
+            )
+            for k in cuts
+        },
+    )
     for k in cuts:
         got = resumed[f"cut{k}"]
         assert reference.token_ids[:k] + got.token_ids == reference.token_ids, f"tokens differ after a cut at {k}"
@@ -116,8 +133,9 @@ def _check_cuts(engines, params: SamplingParams, cut_seed: int = 0,
 def test_sampled_stream_resumes_exactly_at_random_cuts(engines, smollm2_tokenizer, seed):
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed)
     reference, _ = _check_cuts(engines, params)
-    assert _cuts_inside_a_character(smollm2_tokenizer, reference.token_ids), \
+    assert _cuts_inside_a_character(smollm2_tokenizer, reference.token_ids), (
         "the test needs cuts inside a multi-byte character"
+    )
     assert reference.finish_reason == "length" and len(reference.token_ids) == MAX_TOKENS
 
 
@@ -127,11 +145,13 @@ def _straddling_stop(engines, tokenizer, seed: int) -> tuple[str, Stream]:
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed)
     plain = _run(engines[0], {"plain": (PROMPT, params, (), None)})["plain"]
     text = plain.text
-    boundaries = {len(tokenizer.decode(plain.token_ids[:k], skip_special_tokens=True))
-                  for k in range(1, len(plain.token_ids))
-                  if not tokenizer.decode(plain.token_ids[:k], skip_special_tokens=True).endswith("\ufffd")}
+    boundaries = {
+        len(tokenizer.decode(plain.token_ids[:k], skip_special_tokens=True))
+        for k in range(1, len(plain.token_ids))
+        if not tokenizer.decode(plain.token_ids[:k], skip_special_tokens=True).endswith("\ufffd")
+    }
     for start in range(len(text) // 3, len(text) - 4):
-        stop = text[start:start + 4]
+        stop = text[start : start + 4]
         first = text.find(stop)
         if any(ord(c) > 127 for c in stop) and any(first < b < first + len(stop) for b in boundaries):
             return stop, plain
@@ -144,26 +164,39 @@ def test_stop_string_straddling_the_cut_is_found_after_a_resume(engines, smollm2
     """Text held back for a possible stop string at the cut is neither lost nor repeated, and a match that
     began before the cut is found after it (the text truncated as without a cut)."""
     seed = 777
-    if not seeded:   # the seed the engine assigned to an unseeded run (a stop string of it is known after)
+    if not seeded:  # the seed the engine assigned to an unseeded run (a stop string of it is known after)
         seed = _run(engines[0], {"u": (PROMPT, SamplingParams(temperature=1.0, max_tokens=2), (), None)})["u"].seed
     stop, plain = _straddling_stop(engines, smollm2_tokenizer, seed)
-    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, stop=[stop, "\U0001F4A4never"],
-                            include_stop_str_in_output=include_stop, seed=seed)
+    params = SamplingParams(
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        stop=[stop, "\U0001f4a4never"],
+        include_stop_str_in_output=include_stop,
+        seed=seed,
+    )
     # The cuts inside the match: what came before them was held back, not delivered, and must still be found.
     start = plain.text.find(stop)
-    inside = tuple(k for k in range(1, len(plain.token_ids)) if start < len(smollm2_tokenizer.decode(
-        plain.token_ids[:k], skip_special_tokens=True).rstrip("\ufffd")) < start + len(stop))
+    inside = tuple(
+        k
+        for k in range(1, len(plain.token_ids))
+        if start
+        < len(smollm2_tokenizer.decode(plain.token_ids[:k], skip_special_tokens=True).rstrip("\ufffd"))
+        < start + len(stop)
+    )
     assert inside
     reference, cuts = _check_cuts(engines, params, cut_seed=seed, extra_cuts=inside)
     assert reference.finish_reason == "stop"
-    assert reference.text == plain.text[:start + (len(stop) if include_stop else 0)]
+    assert reference.text == plain.text[: start + (len(stop) if include_stop else 0)]
 
 
 def test_min_tokens_counts_the_delivered_tokens_when_a_stop_string_is_searched(engines, smollm2_tokenizer):
     """A stop string within the first min_tokens is ignored before and after a cut alike."""
     stop, plain = _straddling_stop(engines, smollm2_tokenizer, 4242)
-    first_end = next(k for k in range(1, len(plain.token_ids) + 1)
-                     if stop in smollm2_tokenizer.decode(plain.token_ids[:k], skip_special_tokens=True))
+    first_end = next(
+        k
+        for k in range(1, len(plain.token_ids) + 1)
+        if stop in smollm2_tokenizer.decode(plain.token_ids[:k], skip_special_tokens=True)
+    )
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, min_tokens=first_end, stop=[stop], seed=4242)
     reference, _ = _check_cuts(engines, params)
     assert len(reference.token_ids) > first_end
@@ -202,8 +235,11 @@ def test_a_request_given_back_mid_stream_resumes_exactly_elsewhere(engines, smol
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, stop=[stop], seed=31337)
     reference = _run(first, {"ref": (PROMPT, params, (), None)})["ref"]
     start = plain.text.find(stop)
-    cut = next(k for k in range(1, len(plain.token_ids)) if start < len(smollm2_tokenizer.decode(
-        plain.token_ids[:k], skip_special_tokens=True).rstrip("\ufffd")))     # inside the match
+    cut = next(
+        k
+        for k in range(1, len(plain.token_ids))
+        if start < len(smollm2_tokenizer.decode(plain.token_ids[:k], skip_special_tokens=True).rstrip("\ufffd"))
+    )  # inside the match
     first.add_request("given-back", PROMPT, params)
     delivered = Stream()
     while len(delivered.token_ids) < cut:
@@ -213,8 +249,7 @@ def test_a_request_given_back_mid_stream_resumes_exactly_elsewhere(engines, smol
     first.abort("given-back", release_text=False)
     (final,) = first.step()
     assert final.finish_reason == "abort" and final.text == "" and not final.token_ids
-    resumed = _run(second, {"r": (PROMPT, _redispatched(params, 31337), delivered.token_ids,
-                                  len(delivered.text))})["r"]
+    resumed = _run(second, {"r": (PROMPT, _redispatched(params, 31337), delivered.token_ids, len(delivered.text))})["r"]
     assert delivered.token_ids + resumed.token_ids == reference.token_ids
     assert delivered.text + resumed.text == reference.text and resumed.finish_reason == "stop"
 
@@ -229,14 +264,18 @@ def test_the_embedded_model_kept_quantized_resumes_a_greedy_stream_exactly(smoll
     arithmetic, this prompt parted from the uninterrupted stream at token 59 or 71 after every one of these cuts
     in float32 (and bf16's packed prefill path, on AVX512-BF16, at 11-31 of 48 in a cluster). All cuts resume in
     one batch, beside an uninterrupted copy of the request."""
-    engines = [Engine(EngineConfig(dtype=dtype, max_model_len=256, kv_cache_memory=16_000_000, num_threads=1))
-               for _ in range(2)]
+    engines = [
+        Engine(EngineConfig(dtype=dtype, max_model_len=256, kv_cache_memory=16_000_000, num_threads=1))
+        for _ in range(2)
+    ]
     prompt = [1, 504, 3458, 282, 4649, 314, 101, 101, 101, 101]
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     reference = _run(engines[0], {"ref": (prompt, params, (), None)})["ref"].token_ids
     cuts = (8, 23, 29, 41)
-    resumed = _run(engines[1], {"whole": (prompt, params, (), None)} | {
-        f"cut{k}": (prompt, params, reference[:k], None) for k in cuts})
+    resumed = _run(
+        engines[1],
+        {"whole": (prompt, params, (), None)} | {f"cut{k}": (prompt, params, reference[:k], None) for k in cuts},
+    )
     assert resumed["whole"].token_ids == reference
     for k in cuts:
         assert reference[:k] + resumed[f"cut{k}"].token_ids == reference, f"tokens differ after a cut at {k}"

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from infer.protocol.sampling import SamplingParams
 from infer.worker.request import Request
 from infer.worker.sampler import Sampler, SamplingMetadata, apply_penalties
@@ -13,12 +14,14 @@ from infer.worker.sampler import Sampler, SamplingMetadata, apply_penalties
 EOS = 2
 
 
-def request(request_id: str = "r0", prompt: list[int] | None = None, output: list[int] | None = None,
-            **params) -> Request:
+def request(
+    request_id: str = "r0", prompt: list[int] | None = None, output: list[int] | None = None, **params
+) -> Request:
     prompt = [5, 6, 7] if prompt is None else prompt
     params.setdefault("max_tokens", None)
-    r = Request(request_id=request_id, prompt_token_ids=prompt, params=SamplingParams(**params),
-                eos_token_ids=frozenset({EOS}))
+    r = Request(
+        request_id=request_id, prompt_token_ids=prompt, params=SamplingParams(**params), eos_token_ids=frozenset({EOS})
+    )
     for t in output or []:
         r.append_token(t)
     return r
@@ -71,11 +74,13 @@ def test_top_k_and_top_p_sample_only_their_sets():
     n = 6000
     logits = probs.log().expand(n, -1).contiguous()
     third = n // 3
-    rows = ([request(f"k{i}", top_k=2) for i in range(third)]
-            + [request(f"p{i}", top_p=0.8) for i in range(third)]
-            + [request(f"kp{i}", top_k=3, top_p=0.7) for i in range(third)])
+    rows = (
+        [request(f"k{i}", top_k=2) for i in range(third)]
+        + [request(f"p{i}", top_p=0.8) for i in range(third)]
+        + [request(f"kp{i}", top_k=3, top_p=0.7) for i in range(third)]
+    )
     tokens = sample(Sampler(seed=3), logits, rows).token_ids
-    top_k, top_p, both = tokens[:third], tokens[third:2 * third], tokens[2 * third:]
+    top_k, top_p, both = tokens[:third], tokens[third : 2 * third], tokens[2 * third :]
     assert set(top_k.tolist()) == {0, 1}
     assert chi_square(top_k, torch.tensor([0.35, 0.3]) / 0.65) < 20
     assert set(top_p.tolist()) == {0, 1, 2}  # 0.35 + 0.3 < 0.8 <= 0.35 + 0.3 + 0.2
@@ -94,9 +99,18 @@ def test_min_p_removes_low_tokens():
 
 def test_penalties_follow_the_formulas():
     logits = torch.tensor([[1.0, -2.0, 3.0, 0.5, -0.5, 2.0], [0.2, 0.4, -1.0, -3.0, 1.5, 0.0]])
-    rows = [request("a", prompt=[0, 1], output=[3, 3, 4], repetition_penalty=1.5, presence_penalty=0.5,
-                    frequency_penalty=0.25, temperature=0.0),
-            request("b", prompt=[5], output=[2], presence_penalty=-1.0, temperature=0.0)]
+    rows = [
+        request(
+            "a",
+            prompt=[0, 1],
+            output=[3, 3, 4],
+            repetition_penalty=1.5,
+            presence_penalty=0.5,
+            frequency_penalty=0.25,
+            temperature=0.0,
+        ),
+        request("b", prompt=[5], output=[2], presence_penalty=-1.0, temperature=0.0),
+    ]
     meta = SamplingMetadata.build(rows, 6, "cpu")
     expected = logits.clone().tolist()
     for i, r in enumerate(rows):
@@ -153,10 +167,13 @@ def _mixed_batch(target: Request, position: int, size: int) -> list[Request]:
     return others[:position] + [target] + others[position:]
 
 
-@pytest.mark.parametrize("target_params", [
-    {"seed": 42, "temperature": 0.9},
-    {"seed": 7, "temperature": 1.2, "top_k": 50, "top_p": 0.95, "min_p": 0.01, "repetition_penalty": 1.2},
-])
+@pytest.mark.parametrize(
+    "target_params",
+    [
+        {"seed": 42, "temperature": 0.9},
+        {"seed": 7, "temperature": 1.2, "top_k": 50, "top_p": 0.95, "min_p": 0.01, "repetition_penalty": 1.2},
+    ],
+)
 def test_seeded_request_is_batch_invariant(target_params):
     vocab, steps = 300, 25
     alone_sampler, batch_sampler = Sampler(seed=0), Sampler(seed=123)
@@ -203,19 +220,21 @@ def test_unseeded_requests_draw_a_seed_until_release():
 
     sampler = Sampler(seed=5)
     first = run(sampler, "u")
-    assert run(Sampler(seed=5), "u") == first       # the engine's seed makes unseeded runs reproducible
-    assert run(sampler, "u") == first               # the drawn seed is kept while the request lives
+    assert run(Sampler(seed=5), "u") == first  # the engine's seed makes unseeded runs reproducible
+    assert run(sampler, "u") == first  # the drawn seed is kept while the request lives
     sampler.release("u")
-    assert run(sampler, "u") != first               # released: a new request under that id draws afresh
+    assert run(sampler, "u") != first  # released: a new request under that id draws afresh
     assert run(Sampler(seed=6), "u") != first
 
 
 def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
     logits = random_logits(4, 200, seed=5)
-    rows = [request("a", logprobs=3, temperature=0.8, repetition_penalty=1.3, output=[1, 2]),
-            request("b"),
-            request("c", logprobs=0, temperature=0.0),
-            request("d", logprobs=5, seed=3, presence_penalty=1.0, output=[7])]
+    rows = [
+        request("a", logprobs=3, temperature=0.8, repetition_penalty=1.3, output=[1, 2]),
+        request("b"),
+        request("c", logprobs=0, temperature=0.0),
+        request("d", logprobs=5, seed=3, presence_penalty=1.0, output=[7]),
+    ]
     raw = logits.clone()
     out = sample(Sampler(), logits, rows)
     assert torch.equal(logits, raw)  # the input is left alone
@@ -248,8 +267,7 @@ def test_all_greedy_fast_path_matches_general_path():
 
 def test_mixed_greedy_and_random_rows():
     logits = random_logits(8, 50, seed=8)
-    rows = [request(f"r{i}", temperature=0.0 if i % 2 else 1.0, top_k=1 if i % 2 == 0 else -1)
-            for i in range(8)]
+    rows = [request(f"r{i}", temperature=0.0 if i % 2 else 1.0, top_k=1 if i % 2 == 0 else -1) for i in range(8)]
     meta = SamplingMetadata.build(rows, 50, "cpu")
     assert not meta.all_greedy and not meta.all_random and meta.num_random_rows == 4
     out = Sampler().sample(logits, meta)

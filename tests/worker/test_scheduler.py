@@ -7,11 +7,10 @@ import itertools
 import random
 
 import pytest
+from sched_sim import expected_output, fake_next_token, finish_step, make_request
 
 from infer.protocol.sampling import SamplingParams
 from infer.worker.request import Request, RequestStatus
-from sched_sim import expected_output, fake_next_token, finish_step, make_request
-
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 
 
@@ -61,15 +60,20 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[Sch
 # ---- config ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(max_num_seqs=0), "max_num_seqs must be a positive integer"),
-    (dict(max_num_batched_tokens=-1), "max_num_batched_tokens must be a positive integer"),
-    (dict(block_size=True), "block_size must be a positive integer"),
-    (dict(num_blocks=2.0), "num_blocks must be a positive integer"),
-    (dict(enable_prefix_caching=1), "enable_prefix_caching must be a bool"),
-    (dict(enable_chunked_prefill=False),
-     r"without chunked prefill, max_num_batched_tokens \(64\) must be >= max_model_len \(2048\)"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs must be a positive integer"),
+        (dict(max_num_batched_tokens=-1), "max_num_batched_tokens must be a positive integer"),
+        (dict(block_size=True), "block_size must be a positive integer"),
+        (dict(num_blocks=2.0), "num_blocks must be a positive integer"),
+        (dict(enable_prefix_caching=1), "enable_prefix_caching must be a bool"),
+        (
+            dict(enable_chunked_prefill=False),
+            r"without chunked prefill, max_num_batched_tokens \(64\) must be >= max_model_len \(2048\)",
+        ),
+    ],
+)
 def test_config_is_validated(overrides, message):
     with pytest.raises(ValueError, match=message):
         make_scheduler(**overrides)
@@ -196,8 +200,7 @@ def test_a_request_that_outgrows_the_pool_alone_is_preempted_by_itself_and_waits
 
 
 def test_no_new_admissions_in_a_step_that_preempted():
-    scheduler = make_scheduler(block_size=4, num_blocks=8, max_num_batched_tokens=8,
-                               enable_prefix_caching=False)
+    scheduler = make_scheduler(block_size=4, num_blocks=8, max_num_batched_tokens=8, enable_prefix_caching=False)
     a, b = make_request(0, list(range(10)), 14), make_request(1, list(range(50, 60)), 14)
     scheduler.add(a)
     scheduler.add(b)
@@ -303,18 +306,24 @@ def test_finish_sets_status_and_error_and_rejects_misuse():
 
 def test_a_request_that_can_never_fit_is_rejected_with_the_sizes():
     scheduler = make_scheduler(block_size=16, num_blocks=8, max_model_len=1024)
-    with pytest.raises(ValueError, match=r"304 tokens need 19 KV blocks of 16 tokens, "
-                                         r"but the pool has only 8 blocks \(128 tokens\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"304 tokens need 19 KV blocks of 16 tokens, "
+        r"but the pool has only 8 blocks \(128 tokens\)",
+    ):
         scheduler.add(make_request(0, list(range(300)), 4))
     scheduler.add(make_request(1, list(range(100)), 28))  # 128 tokens: exactly the pool
     assert scheduler.num_waiting == 1
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: make_request(0, list(range(65)), 1), r"prompt of 65 tokens is longer than max_model_len \(64\)"),
-    (lambda: make_request(0, [], 1), "the prompt is empty"),
-    (lambda: Request("r0", [1], SamplingParams(), max_tokens=0), "max_tokens must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: make_request(0, list(range(65)), 1), r"prompt of 65 tokens is longer than max_model_len \(64\)"),
+        (lambda: make_request(0, [], 1), "the prompt is empty"),
+        (lambda: Request("r0", [1], SamplingParams(), max_tokens=0), "max_tokens must be >= 1"),
+    ],
+)
 def test_malformed_requests_are_rejected(build, message):
     scheduler = make_scheduler(max_model_len=64)
     with pytest.raises(ValueError, match=message):
@@ -353,8 +362,9 @@ def test_a_shared_prefix_is_computed_once():
 
 
 def test_without_chunking_a_budget_sized_prompt_is_not_starved_by_decodes():
-    scheduler = make_scheduler(max_num_batched_tokens=100, max_model_len=100, enable_chunked_prefill=False,
-                               block_size=4, num_blocks=200)
+    scheduler = make_scheduler(
+        max_num_batched_tokens=100, max_model_len=100, enable_chunked_prefill=False, block_size=4, num_blocks=200
+    )
     decoders = [make_request(i, [i + 1] * 3, 30) for i in range(6)]
     for request in decoders:
         scheduler.add(request)
@@ -370,8 +380,14 @@ def test_without_chunking_a_budget_sized_prompt_is_not_starved_by_decodes():
 
 
 def test_without_chunking_admission_keeps_blocks_for_running_decodes():
-    scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False,
-                               block_size=4, num_blocks=5, enable_prefix_caching=False)
+    scheduler = make_scheduler(
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        enable_chunked_prefill=False,
+        block_size=4,
+        num_blocks=5,
+        enable_prefix_caching=False,
+    )
     a = make_request(0, list(range(8)), 8)
     scheduler.add(a)
     engine_step(scheduler)
@@ -393,16 +409,21 @@ def test_random_workloads_run_to_completion(seed):
     chunked = seed % 3 != 0
     block_size = rng.choice([1, 2, 4, 16])
     max_model_len = 96
-    config = dict(max_num_seqs=rng.randint(1, 8), block_size=block_size, max_model_len=max_model_len,
-                  num_blocks=rng.randint(-(-max_model_len // block_size), 3 * max_model_len // block_size),
-                  max_num_batched_tokens=rng.randint(1, 64) if chunked else max_model_len,
-                  enable_prefix_caching=rng.random() < 0.7, enable_chunked_prefill=chunked)
+    config = dict(
+        max_num_seqs=rng.randint(1, 8),
+        block_size=block_size,
+        max_model_len=max_model_len,
+        num_blocks=rng.randint(-(-max_model_len // block_size), 3 * max_model_len // block_size),
+        max_num_batched_tokens=rng.randint(1, 64) if chunked else max_model_len,
+        enable_prefix_caching=rng.random() < 0.7,
+        enable_chunked_prefill=chunked,
+    )
     scheduler = make_scheduler(**config)
     bases = [[rng.randrange(50) for _ in range(80)] for _ in range(3)]
     pending = []
     for i in range(40):
         tail = [rng.randrange(50) for _ in range(rng.randint(1, 10))]
-        prompt = rng.choice(bases)[:rng.randint(0, 60)] + tail
+        prompt = rng.choice(bases)[: rng.randint(0, 60)] + tail
         pending.append(make_request(i, prompt, rng.randint(1, max_model_len - len(prompt))))
     added, aborted, steps = [], set(), 0
     while pending or scheduler.has_unfinished():
@@ -429,11 +450,12 @@ def test_random_workloads_run_to_completion(seed):
 def test_sustained_pressure_starves_nobody():
     """A tiny pool, long outputs and a steady stream of arrivals: preemptions happen all the time, yet the
     oldest unfinished request computes tokens in every single step, so every request finishes."""
-    scheduler = make_scheduler(max_num_seqs=6, max_num_batched_tokens=32, block_size=4, num_blocks=24,
-                               max_model_len=96)
+    scheduler = make_scheduler(max_num_seqs=6, max_num_batched_tokens=32, block_size=4, num_blocks=24, max_model_len=96)
     rng = random.Random(5)
-    arrivals = [make_request(i, [rng.randrange(100) for _ in range(rng.randint(4, 30))], rng.randint(20, 60))
-                for i in range(150)]
+    arrivals = [
+        make_request(i, [rng.randrange(100) for _ in range(rng.randint(4, 30))], rng.randint(20, 60))
+        for i in range(150)
+    ]
     everyone = list(arrivals)
     steps = 0
     while arrivals or scheduler.has_unfinished():

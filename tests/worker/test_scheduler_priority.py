@@ -7,25 +7,31 @@ from __future__ import annotations
 import random
 
 import pytest
+from sched_sim import expected_output, fake_next_token, finish_step
 
 from infer.protocol.sampling import SamplingParams
 from infer.worker.request import Request, RequestStatus
-from sched_sim import expected_output, fake_next_token, finish_step
-
 from infer.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
 def make_scheduler(**overrides) -> Scheduler:
-    options = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048, block_size=4, num_blocks=64,
-                   policy="priority")
+    options = dict(
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048, block_size=4, num_blocks=64, policy="priority"
+    )
     options.update(overrides)
     return Scheduler(SchedulerConfig(**options))
 
 
 def make_request(i: int, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
     prompt = [(i * 31 + j) % 1000 for j in range(prompt_len)]
-    return Request(request_id=f"r{i}", prompt_token_ids=prompt, params=SamplingParams(max_tokens=max_tokens),
-                   arrival_order=i, max_tokens=max_tokens, priority=priority)
+    return Request(
+        request_id=f"r{i}",
+        prompt_token_ids=prompt,
+        params=SamplingParams(max_tokens=max_tokens),
+        arrival_order=i,
+        max_tokens=max_tokens,
+        priority=priority,
+    )
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:
@@ -48,10 +54,13 @@ def first_token_steps(scheduler: Scheduler, max_steps: int = 10_000) -> dict[str
     raise AssertionError("no progress")
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(policy="lifo"), "policy must be one of fcfs, priority"),
-    (dict(priority_aging_steps=0), "priority_aging_steps must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(policy="lifo"), "policy must be one of fcfs, priority"),
+        (dict(priority_aging_steps=0), "priority_aging_steps must be a positive integer"),
+    ],
+)
 def test_config_is_validated(overrides, message):
     with pytest.raises(ValueError, match=message):
         make_scheduler(**overrides)
@@ -65,7 +74,7 @@ def test_a_priority_that_is_not_a_64_bit_integer_is_refused(priority):
 
 def test_with_the_engine_full_a_high_priority_request_goes_before_earlier_low_priority_ones():
     scheduler = make_scheduler(max_num_seqs=2)
-    for i in range(4):                      # r0, r1 run; r2, r3 wait (all priority 5)
+    for i in range(4):  # r0, r1 run; r2, r3 wait (all priority 5)
         scheduler.add(make_request(i, 4, 20, priority=5))
     step(scheduler)
     assert {r.request_id for r in scheduler.running} == {"r0", "r1"}
@@ -79,13 +88,13 @@ def test_with_the_engine_full_a_high_priority_request_goes_before_earlier_low_pr
 
 
 def test_when_blocks_are_short_the_lowest_priority_running_request_is_preempted():
-    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=64)   # 32 token slots
-    scheduler.add(make_request(0, 12, 4, priority=1))    # 3 + 1 blocks
-    scheduler.add(make_request(1, 12, 4, priority=9))    # the lowest priority
-    scheduler.add(make_request(2, 2, 2, priority=3))     # 1 block for good
+    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=64)  # 32 token slots
+    scheduler.add(make_request(0, 12, 4, priority=1))  # 3 + 1 blocks
+    scheduler.add(make_request(1, 12, 4, priority=9))  # the lowest priority
+    scheduler.add(make_request(2, 2, 2, priority=3))  # 1 block for good
     step(scheduler)
     assert scheduler.num_running == 3
-    scheduler.add(make_request(3, 12, 4, priority=0))   # needs 3 blocks: only 1 is free
+    scheduler.add(make_request(3, 12, 4, priority=0))  # needs 3 blocks: only 1 is free
     output = step(scheduler)
     assert [r.request_id for r in output.preempted] == ["r1"]
     assert any(c.request.request_id == "r3" and c.samples for c in output.chunks)
@@ -117,7 +126,7 @@ def flood(aging_steps: int, num_steps: int) -> int | None:
     each needing 2 steps). The step at which the low one first gets a token, None if never."""
     scheduler = make_scheduler(max_num_seqs=1, priority_aging_steps=aging_steps)
     scheduler.add(make_request(0, 4, 2, priority=0))
-    scheduler.add(make_request(1, 4, 3, priority=10))         # the low one
+    scheduler.add(make_request(1, 4, 3, priority=10))  # the low one
     for n in range(num_steps):
         scheduler.add(make_request(n + 2, 4, 2, priority=0))
         for chunk in step(scheduler).chunks:
@@ -127,9 +136,9 @@ def flood(aging_steps: int, num_steps: int) -> int | None:
 
 
 def test_aging_lets_a_low_priority_request_through_a_flood_of_high_priority_ones():
-    assert flood(aging_steps=10**9, num_steps=300) is None    # without aging it would starve
+    assert flood(aging_steps=10**9, num_steps=300) is None  # without aging it would starve
     served = flood(aging_steps=50, num_steps=300)
-    assert served is not None and 49 <= served <= 51   # its 50th step (0-based 49), or the holder's last
+    assert served is not None and 49 <= served <= 51  # its 50th step (0-based 49), or the holder's last
 
 
 def test_an_aged_request_is_not_preempted_by_a_better_priority():
@@ -149,11 +158,17 @@ def test_an_aged_request_is_not_preempted_by_a_better_priority():
 @pytest.mark.parametrize("chunked", [True, False])
 def test_random_workloads_with_priorities_complete_with_exact_outputs(seed, chunked):
     rng = random.Random(seed)
-    scheduler = make_scheduler(max_num_seqs=rng.choice([2, 4, 8]), num_blocks=rng.choice([24, 48]),
-                               max_num_batched_tokens=64 if chunked else 2048, max_model_len=64,
-                               enable_chunked_prefill=chunked, priority_aging_steps=rng.choice([5, 40, 1000]))
-    requests = [make_request(i, rng.randrange(1, 40), rng.randrange(1, 20), priority=rng.randrange(-3, 4))
-                for i in range(30)]
+    scheduler = make_scheduler(
+        max_num_seqs=rng.choice([2, 4, 8]),
+        num_blocks=rng.choice([24, 48]),
+        max_num_batched_tokens=64 if chunked else 2048,
+        max_model_len=64,
+        enable_chunked_prefill=chunked,
+        priority_aging_steps=rng.choice([5, 40, 1000]),
+    )
+    requests = [
+        make_request(i, rng.randrange(1, 40), rng.randrange(1, 20), priority=rng.randrange(-3, 4)) for i in range(30)
+    ]
     pending = list(requests)
     steps = 0
     while pending or scheduler.has_unfinished():

@@ -8,10 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from sched_sim import expected_output, fake_next_token, make_request
 
 from infer.worker.request import RequestStatus
 from infer.worker.scheduler import Scheduler, SchedulerConfig
-from sched_sim import expected_output, fake_next_token, make_request
 
 
 def make_scheduler(**overrides) -> Scheduler:
@@ -47,14 +47,14 @@ def test_drafts_are_counted_in_the_budget_and_only_decodes_get_them():
     scheduler = make_scheduler(max_num_batched_tokens=10)
     a, b = make_request(0, [1, 2, 3], max_tokens=20), make_request(1, list(range(30)), max_tokens=20)
     scheduler.add(a)
-    out = scheduler.schedule({"r0": [7, 8]})              # a is prefilling: no drafts
+    out = scheduler.schedule({"r0": [7, 8]})  # a is prefilling: no drafts
     assert out.chunks[0].num_draft_tokens == 0
     verify_step(scheduler, out)
     scheduler.add(b)
     out = scheduler.schedule({"r0": [5, 6, 7, 8, 9, 10], "r1": [4]})
     chunks = {c.request.request_id: c for c in out.chunks}
     assert chunks["r0"].draft_token_ids == (5, 6, 7, 8, 9, 10) and chunks["r0"].num_new_tokens == 7
-    assert chunks["r1"].num_draft_tokens == 0 and chunks["r1"].num_new_tokens == 3   # the budget's rest
+    assert chunks["r1"].num_draft_tokens == 0 and chunks["r1"].num_new_tokens == 3  # the budget's rest
     assert out.num_batched_tokens == 10 and out.num_draft_tokens == 6
     assert chunks["r0"].samples and chunks["r0"].num_sampled_rows == 7
     assert chunks["r0"].token_ids == [a.token_ids[-1], 5, 6, 7, 8, 9, 10]
@@ -74,7 +74,7 @@ def test_drafts_are_cut_to_the_budget_and_dropped_when_blocks_are_short():
     scheduler.add(b)
     verify_step(scheduler, scheduler.schedule())
     assert scheduler.block_manager.num_free_blocks == 1 and len(a.block_table) == 2
-    out = scheduler.schedule({"r0": [1, 2, 3, 4, 5, 6]})   # 8 + 6 tokens would need 2 more blocks
+    out = scheduler.schedule({"r0": [1, 2, 3, 4, 5, 6]})  # 8 + 6 tokens would need 2 more blocks
     assert out.chunks[0].num_draft_tokens == 0 and not out.preempted
 
 
@@ -83,11 +83,11 @@ def test_accept_draft_tokens_trims_the_rejected_drafts_blocks():
     a = make_request(0, [1, 2, 3], max_tokens=30)
     scheduler.add(a)
     verify_step(scheduler, scheduler.schedule())
-    out = scheduler.schedule({"r0": [0] * 8})              # 4 tokens + 8 drafts: 3 blocks
+    out = scheduler.schedule({"r0": [0] * 8})  # 4 tokens + 8 drafts: 3 blocks
     assert len(a.block_table) == 3
     scheduler.update_after_step(out)
-    assert a.num_computed_tokens == 4                        # the request's own token only
-    a.append_token(fake_next_token(a.token_ids))             # every draft rejected: the correction
+    assert a.num_computed_tokens == 4  # the request's own token only
+    a.append_token(fake_next_token(a.token_ids))  # every draft rejected: the correction
     with pytest.raises(ValueError, match="accepted drafts"):
         scheduler.accept_draft_tokens(a, 1)
     scheduler.accept_draft_tokens(a, 0)
@@ -99,11 +99,16 @@ def test_accept_draft_tokens_trims_the_rejected_drafts_blocks():
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_random_workloads_with_drafts_give_the_outputs_without(seed, policy):
     rng = random.Random(seed)
-    scheduler = make_scheduler(num_blocks=rng.choice([12, 24, 64]), max_num_batched_tokens=rng.choice([8, 16, 64]),
-                               max_num_seqs=rng.choice([2, 4, 8]), policy=policy,
-                               enable_prefix_caching=rng.random() < 0.5)
-    requests = [make_request(i, [rng.randrange(1000) for _ in range(rng.randint(1, 20))], rng.randint(1, 16))
-                for i in range(10)]
+    scheduler = make_scheduler(
+        num_blocks=rng.choice([12, 24, 64]),
+        max_num_batched_tokens=rng.choice([8, 16, 64]),
+        max_num_seqs=rng.choice([2, 4, 8]),
+        policy=policy,
+        enable_prefix_caching=rng.random() < 0.5,
+    )
+    requests = [
+        make_request(i, [rng.randrange(1000) for _ in range(rng.randint(1, 20))], rng.randint(1, 16)) for i in range(10)
+    ]
     for r in requests:
         scheduler.add(r)
     drafted = 0
@@ -111,7 +116,7 @@ def test_random_workloads_with_drafts_give_the_outputs_without(seed, policy):
         if not scheduler.has_unfinished():
             break
         drafts = {}
-        for r in scheduler.running:   # the true continuation, cut short or corrupted at random
+        for r in scheduler.running:  # the true continuation, cut short or corrupted at random
             truth = expected_output(r.token_ids, 6)
             k = rng.randint(0, 5)
             if rng.random() < 0.4:

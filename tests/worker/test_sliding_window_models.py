@@ -25,7 +25,7 @@ from infer.worker.models.llama import layer_windows
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-LOGPROB_TOLERANCE = 2e-4   # fp32: our log-probabilities vs transformers' log_softmax of its logits
+LOGPROB_TOLERANCE = 2e-4  # fp32: our log-probabilities vs transformers' log_softmax of its logits
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -38,15 +38,36 @@ def _prompts(seed: int) -> list[list[int]]:
 
 PROMPTS = _prompts(0)
 
-COMMON = dict(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-              rope_theta=10000.0, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
+COMMON = dict(
+    hidden_size=96,
+    intermediate_size=160,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 MODELS = {
     # model type, config fields, each layer's window as transformers reads them
     "mistral": ("mistral", dict(COMMON, num_hidden_layers=2, sliding_window=8), (8, 8)),
-    "qwen2": ("qwen2", dict(COMMON, num_hidden_layers=3, use_sliding_window=True, sliding_window=12,
-                            max_window_layers=1), (0, 12, 12)),
-    "mixed": ("qwen3", dict(COMMON, num_hidden_layers=3, use_sliding_window=True, sliding_window=10,
-                            layer_types=["sliding_attention", "full_attention", "sliding_attention"]), (10, 0, 10)),
+    "qwen2": (
+        "qwen2",
+        dict(COMMON, num_hidden_layers=3, use_sliding_window=True, sliding_window=12, max_window_layers=1),
+        (0, 12, 12),
+    ),
+    "mixed": (
+        "qwen3",
+        dict(
+            COMMON,
+            num_hidden_layers=3,
+            use_sliding_window=True,
+            sliding_window=10,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        (10, 0, 10),
+    ),
 }
 
 
@@ -58,10 +79,15 @@ def windowed(tmp_path_factory, smollm2_tokenizer):
     def make(name: str) -> Path:
         if name not in made:
             model_type, fields, _ = MODELS[name]
-            fields = dict(fields, vocab_size=len(smollm2_tokenizer), bos_token_id=smollm2_tokenizer.bos_token_id,
-                          eos_token_id=smollm2_tokenizer.eos_token_id)
-            made[name] = save_tiny_model(model_type, fields, tmp_path_factory.mktemp(f"swa-{name}"),
-                                         smollm2_tokenizer, seed=1234)
+            fields = dict(
+                fields,
+                vocab_size=len(smollm2_tokenizer),
+                bos_token_id=smollm2_tokenizer.bos_token_id,
+                eos_token_id=smollm2_tokenizer.eos_token_id,
+            )
+            made[name] = save_tiny_model(
+                model_type, fields, tmp_path_factory.mktemp(f"swa-{name}"), smollm2_tokenizer, seed=1234
+            )
         return made[name]
 
     return make
@@ -81,8 +107,14 @@ def want(windowed):
 
 
 def _llm(model: Path, **options) -> LLM:
-    options = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": 8_000_000, "num_threads": 1,
-               "block_size": 4, **options}
+    options = {
+        "dtype": "float32",
+        "max_model_len": 256,
+        "kv_cache_memory": 8_000_000,
+        "num_threads": 1,
+        "block_size": 4,
+        **options,
+    }
     return LLM(model=str(model), **options)
 
 
@@ -99,7 +131,7 @@ def test_each_layer_gets_the_window_transformers_gives_it(windowed, name):
     assert layer_windows(config) == MODELS[name][2]
     hf = hf_model(path)
     hf_windows = tuple(getattr(layer.self_attn, "sliding_window", None) or 0 for layer in hf.model.layers)
-    if name != "mistral":   # Mistral's layers read the config's window at run time (no per-layer field)
+    if name != "mistral":  # Mistral's layers read the config's window at run time (no per-layer field)
         assert hf_windows == MODELS[name][2]
     model = load_model(path, torch.float32, torch.device("cpu"))
     assert tuple(layer.self_attn.window for layer in model.model.layers) == MODELS[name][2]
@@ -122,8 +154,18 @@ def test_chunked_prefill_and_preemption_keep_the_tokens(windowed, want):
     from infer.worker.forward_batch import KVCache
 
     pool = KVCache.bytes_per_block(3, 4, 2, 16, torch.float32) * 40
-    engine = Engine(EngineConfig(model=str(windowed("qwen2")), dtype="float32", max_model_len=128, num_threads=1,
-                                 device="cpu", block_size=4, max_num_batched_tokens=8, kv_cache_memory=pool))
+    engine = Engine(
+        EngineConfig(
+            model=str(windowed("qwen2")),
+            dtype="float32",
+            max_model_len=128,
+            num_threads=1,
+            device="cpu",
+            block_size=4,
+            max_num_batched_tokens=8,
+            kv_cache_memory=pool,
+        )
+    )
     got = _engine_tokens(engine, PROMPTS)
     assert engine.scheduler.stats.num_preemptions > 0
     assert got == want("qwen2")
@@ -139,7 +181,7 @@ def test_logprobs_within_tolerance_of_transformers(windowed):
     for prompt, completion in zip(PROMPTS[:4], completions, strict=True):
         ids = prompt + completion.token_ids
         with torch.inference_mode():
-            logits = hf(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float()
+            logits = hf(torch.tensor([ids])).logits[0, len(prompt) - 1 : -1].float()
         expected = logits.log_softmax(-1)
         for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
             for candidate, logprob in entry.items():
@@ -170,9 +212,20 @@ def _engine_tokens(engine: Engine, prompts: list[list[int]], params: SamplingPar
 def test_step_graphs_give_the_tokens(windowed, want):
     """Decode steps compiled (CPU step graphs: the native decode kernel as an operator, each layer's window a
     constant of its graph), buckets 1, 2, 4."""
-    engine = Engine(EngineConfig(model=str(windowed("mixed")), dtype="float32", max_model_len=256, num_threads=1,
-                                 device="cpu", block_size=4, enforce_eager=False, max_graph_batch_size=4,
-                                 max_num_seqs=4, enable_prefix_caching=False))
+    engine = Engine(
+        EngineConfig(
+            model=str(windowed("mixed")),
+            dtype="float32",
+            max_model_len=256,
+            num_threads=1,
+            device="cpu",
+            block_size=4,
+            enforce_eager=False,
+            max_graph_batch_size=4,
+            max_num_seqs=4,
+            enable_prefix_caching=False,
+        )
+    )
     graphs = engine.runner.step_graphs
     assert graphs is not None and graphs.buckets == (1, 2, 4)
     assert _engine_tokens(engine, PROMPTS[:4]) == want("mixed")[:4]
@@ -183,8 +236,18 @@ def test_blocks_out_of_every_window_are_given_back(windowed, want, eager):
     """Mistral (every layer a window of 8, blocks of 4): after each step a request holds its last few blocks
     only (the released entries read as block 0, or the step graphs' scratch block), and the tokens stay
     transformers'. Then the same prompts again: the released blocks were still cached."""
-    engine = Engine(EngineConfig(model=str(windowed("mistral")), dtype="float32", max_model_len=256, num_threads=1,
-                                 device="cpu", block_size=4, enforce_eager=eager, max_graph_batch_size=4))
+    engine = Engine(
+        EngineConfig(
+            model=str(windowed("mistral")),
+            dtype="float32",
+            max_model_len=256,
+            num_threads=1,
+            device="cpu",
+            block_size=4,
+            enforce_eager=eager,
+            max_graph_batch_size=4,
+        )
+    )
     assert engine.scheduler.config.release_window == 8
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)
@@ -202,8 +265,11 @@ def test_blocks_out_of_every_window_are_given_back(windowed, want, eager):
 
 
 def test_a_model_with_a_full_layer_keeps_every_block(windowed):
-    engine = Engine(EngineConfig(model=str(windowed("mixed")), dtype="float32", max_model_len=256, num_threads=1,
-                                 device="cpu", block_size=4))
+    engine = Engine(
+        EngineConfig(
+            model=str(windowed("mixed")), dtype="float32", max_model_len=256, num_threads=1, device="cpu", block_size=4
+        )
+    )
     assert engine.scheduler.config.release_window == 0
 
 
@@ -220,12 +286,21 @@ def test_native_bf16_decode_step_equals_the_layers(windowed, monkeypatch):
     monkeypatch.setattr(native_decode, "decode_layers", counting)
 
     def run(native: bool) -> list[list]:
-        engine = Engine(EngineConfig(model=str(windowed("mistral")), dtype="bfloat16", max_model_len=256,
-                                     num_threads=2, device="cpu", block_size=4))
+        engine = Engine(
+            EngineConfig(
+                model=str(windowed("mistral")),
+                dtype="bfloat16",
+                max_model_len=256,
+                num_threads=2,
+                device="cpu",
+                block_size=4,
+            )
+        )
         if not native:
             engine.model.model.native_decode = False
-        return _engine_tokens(engine, PROMPTS[:4], SamplingParams(temperature=0, max_tokens=MAX_NEW,
-                                                                  ignore_eos=True, logprobs=2))
+        return _engine_tokens(
+            engine, PROMPTS[:4], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+        )
 
     fused = run(True)
     native_steps = len(calls)

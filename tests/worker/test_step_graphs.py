@@ -19,8 +19,14 @@ from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.forward_batch import KVCache
 
-GRAPH_OPTIONS = dict(dtype="float32", max_model_len=256, block_size=4, max_num_seqs=5, max_graph_batch_size=4,
-                     enable_prefix_caching=False)
+GRAPH_OPTIONS = dict(
+    dtype="float32",
+    max_model_len=256,
+    block_size=4,
+    max_num_seqs=5,
+    max_graph_batch_size=4,
+    enable_prefix_caching=False,
+)
 
 
 def _kv_bytes(path: str, num_blocks: int) -> int:
@@ -28,17 +34,22 @@ def _kv_bytes(path: str, num_blocks: int) -> int:
 
     cfg = AutoConfig.from_pretrained(path)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return num_blocks * KVCache.bytes_per_block(cfg.num_hidden_layers, GRAPH_OPTIONS["block_size"],
-                                                cfg.num_key_value_heads, head_dim, torch.float32)
+    return num_blocks * KVCache.bytes_per_block(
+        cfg.num_hidden_layers, GRAPH_OPTIONS["block_size"], cfg.num_key_value_heads, head_dim, torch.float32
+    )
 
 
 def _workload(vocab: int) -> dict[str, tuple[list[int], SamplingParams]]:
     """Five requests of different lengths (so the batch shrinks one by one), greedy, EOS ignored."""
     rng = random.Random(3)
     lengths, outputs = [3, 9, 17, 30, 6], [40, 8, 23, 31, 14]
-    return {f"r{i}": ([rng.randrange(3, vocab) for _ in range(n)],
-                      SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
-            for i, (n, m) in enumerate(zip(lengths, outputs))}
+    return {
+        f"r{i}": (
+            [rng.randrange(3, vocab) for _ in range(n)],
+            SamplingParams(temperature=0, max_tokens=m, ignore_eos=True),
+        )
+        for i, (n, m) in enumerate(zip(lengths, outputs))
+    }
 
 
 def _drive(engine: Engine, requests: dict, abort_at: dict[int, str]) -> dict[str, list[int]]:
@@ -62,8 +73,10 @@ def engines(request, tiny_model_dir):
     do not fit, so requests are preempted and recomputed, shrinking and regrowing the batch."""
     path = str(tiny_model_dir(request.param))
     budget = _kv_bytes(path, 24)
-    return tuple(Engine(EngineConfig(model=path, enforce_eager=eager, kv_cache_memory=budget, **GRAPH_OPTIONS))
-                 for eager in (True, False))
+    return tuple(
+        Engine(EngineConfig(model=path, enforce_eager=eager, kv_cache_memory=budget, **GRAPH_OPTIONS))
+        for eager in (True, False)
+    )
 
 
 def test_graphs_are_made_for_the_small_buckets_at_start(engines):
@@ -84,8 +97,8 @@ def test_compiled_steps_match_eager_across_bucket_boundaries(engines, abort_at):
     got = _drive(compiled, requests, abort_at)
     assert got == want
     replays = {b: n - replays_before.get(b, 0) for b, n in compiled.runner.step_graphs.replays.items()}
-    assert all(replays.get(b, 0) > 0 for b in (1, 2, 4)), replays   # 3 sequences ran in bucket 4
-    if not abort_at:   # (aborts free blocks early enough that nothing needs preempting)
+    assert all(replays.get(b, 0) > 0 for b in (1, 2, 4)), replays  # 3 sequences ran in bucket 4
+    if not abort_at:  # (aborts free blocks early enough that nothing needs preempting)
         assert all(e.scheduler.stats.num_preemptions > before for e, before in zip(engines, preemptions_before))
 
 

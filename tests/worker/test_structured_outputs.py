@@ -12,19 +12,27 @@ import re
 
 import jsonschema
 import pytest
+from structured_cases import MAX_TOKENS, SCHEMAS
 
 from infer import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams as Spec
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
-from structured_cases import MAX_TOKENS, SCHEMAS
 
 PROMPT = [3, 17, 42, 99]
 
 
 def make_engine(model_dir, seed: int = 0) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=512, max_num_seqs=64,
-                               kv_cache_memory=32 << 20, seed=seed))
+    return Engine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            max_model_len=512,
+            max_num_seqs=64,
+            kv_cache_memory=32 << 20,
+            seed=seed,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +60,12 @@ def run(engine: Engine, params: dict[str, SamplingParams], resumed: dict[str, li
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_schema_is_matched_greedy_and_sampled(engine, temperature):
-    params = {name: SamplingParams(temperature=temperature, seed=7, max_tokens=MAX_TOKENS,
-                                   structured_outputs=Spec(json=schema)) for name, schema in SCHEMAS.items()}
+    params = {
+        name: SamplingParams(
+            temperature=temperature, seed=7, max_tokens=MAX_TOKENS, structured_outputs=Spec(json=schema)
+        )
+        for name, schema in SCHEMAS.items()
+    }
     for name, (_, text, reason, error) in run(engine, params).items():
         assert reason == "stop", (name, reason, error, text)
         jsonschema.validate(json.loads(text), SCHEMAS[name])
@@ -63,11 +75,13 @@ def test_every_schema_is_matched_greedy_and_sampled(engine, temperature):
 def test_regex_choice_and_grammar_are_matched(engine, temperature):
     specs = {
         "regex": Spec(regex=r"[A-Z]{2}-\d{3}(\.[a-z]{1,4})?"),
-        "choice": Spec(choice=["left", "right", "up \"quoted\"", "日本"]),
+        "choice": Spec(choice=["left", "right", 'up "quoted"', "日本"]),
         "grammar": Spec(grammar='root ::= num (op num)? (op num)?\nnum ::= [1-9] [0-9]?\nop ::= "+" | "*" | "-"'),
-    }   # json_object: a random model never closes its strings (the HTTP tests run it on the real model)
-    params = {k: SamplingParams(temperature=temperature, seed=3, max_tokens=MAX_TOKENS, structured_outputs=s)
-              for k, s in specs.items()}
+    }  # json_object: a random model never closes its strings (the HTTP tests run it on the real model)
+    params = {
+        k: SamplingParams(temperature=temperature, seed=3, max_tokens=MAX_TOKENS, structured_outputs=s)
+        for k, s in specs.items()
+    }
     out = run(engine, params)
     assert all(reason == "stop" for _, _, reason, _ in out.values()), out
     assert re.fullmatch(r"[A-Z]{2}-\d{3}(\.[a-z]{1,4})?", out["regex"][1])
@@ -79,34 +93,50 @@ def test_regex_choice_and_grammar_are_matched(engine, temperature):
 def test_a_constrained_request_shares_the_batch_with_free_ones_which_it_does_not_change(engine):
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = run(engine, {"free": free})["free"][0]
-    both = run(engine, {"free": free, "json": SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, structured_outputs=Spec(json=SCHEMAS["flat object"]))})
+    both = run(
+        engine,
+        {
+            "free": free,
+            "json": SamplingParams(
+                temperature=0, max_tokens=MAX_TOKENS, structured_outputs=Spec(json=SCHEMAS["flat object"])
+            ),
+        },
+    )
     assert both["free"][0] == alone
     jsonschema.validate(json.loads(both["json"][1]), SCHEMAS["flat object"])
 
 
-@pytest.mark.parametrize("spec, reason", [
-    (Spec(regex="a(b"), "The parenthesis is not closed"),
-    (Spec(json='{"type": 5}'), "Type should be a string"),
-    (Spec(grammar="root ::= nothing"), 'Rule "nothing" is not defined'),
-    (Spec(grammar="root ::= a\na ::= root"), "admits no output"),
-    (Spec(json='{"$ref": "#"}'), "admits no output"),
-])
+@pytest.mark.parametrize(
+    "spec, reason",
+    [
+        (Spec(regex="a(b"), "The parenthesis is not closed"),
+        (Spec(json='{"type": 5}'), "Type should be a string"),
+        (Spec(grammar="root ::= nothing"), 'Rule "nothing" is not defined'),
+        (Spec(grammar="root ::= a\na ::= root"), "admits no output"),
+        (Spec(json='{"$ref": "#"}'), "admits no output"),
+    ],
+)
 def test_an_invalid_spec_fails_its_request_alone_as_invalid(engine, spec, reason):
-    out = run(engine, {"bad": SamplingParams(max_tokens=4, structured_outputs=spec),
-                       "good": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)})
+    out = run(
+        engine,
+        {
+            "bad": SamplingParams(max_tokens=4, structured_outputs=spec),
+            "good": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        },
+    )
     _, _, finish, error = out["bad"]
     assert finish == "error" and error.startswith("structured_outputs: ") and reason in error
     assert out["good"][2] == "length"
 
 
 def test_a_request_waits_unscheduled_while_its_grammar_compiles(engine):
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                            structured_outputs=Spec(json={**SCHEMAS["mixed"], "title": "fresh"}))
+    params = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, structured_outputs=Spec(json={**SCHEMAS["mixed"], "title": "fresh"})
+    )
     request = engine.add_request("compiling", PROMPT, params)
     assert engine.scheduler.get("compiling") is None and engine.has_unfinished()
     assert engine.load().num_waiting == 1
-    assert engine.abort("compiling")                       # an abort while compiling ends it at once
+    assert engine.abort("compiling")  # an abort while compiling ends it at once
     [final] = engine.step()
     assert final.finish_reason == "abort" and request.status.value == "abort" and not engine.has_unfinished()
 
@@ -115,9 +145,14 @@ def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_the_engin
     import infer.worker.engine as engine_module
 
     monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.05)
-    slow = Spec(json={"type": "string", "minLength": 1, "maxLength": 10**7})   # seconds of compiling
-    out = run(engine, {"slow": SamplingParams(max_tokens=4, structured_outputs=slow),
-                       "free": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)})
+    slow = Spec(json={"type": "string", "minLength": 1, "maxLength": 10**7})  # seconds of compiling
+    out = run(
+        engine,
+        {
+            "slow": SamplingParams(max_tokens=4, structured_outputs=slow),
+            "free": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        },
+    )
     assert out["slow"][2] == "error" and "did not compile within 0.05 s" in out["slow"][3]
     assert out["free"][2] == "length"
 
@@ -137,7 +172,7 @@ def test_a_resumed_request_rebuilds_its_matcher_from_the_delivered_tokens(tiny_m
 
 # ---- bounds on a grammar's work (worker/structured.py) ----------------------------------------------------------
 
-COSTLY_REGEX = r"([\s\S]{0,100}){0,100}"   # compiles in 1 s, a cheap first mask, then masks of seconds a token
+COSTLY_REGEX = r"([\s\S]{0,100}){0,100}"  # compiles in 1 s, a cheap first mask, then masks of seconds a token
 
 
 def finals(engine: Engine, requests: dict[str, tuple[SamplingParams, str | None]]) -> dict:
@@ -154,29 +189,49 @@ def finals(engine: Engine, requests: dict[str, tuple[SamplingParams, str | None]
 
 
 def test_a_grammar_too_costly_to_follow_fails_alone_and_a_plain_request_beside_it_completes(engine):
-    out = finals(engine, {
-        "costly": (SamplingParams(temperature=1.0, seed=1, max_tokens=64, structured_outputs=Spec(
-            regex=COSTLY_REGEX)), None),
-        "plain": (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), None)})
+    out = finals(
+        engine,
+        {
+            "costly": (
+                SamplingParams(temperature=1.0, seed=1, max_tokens=64, structured_outputs=Spec(regex=COSTLY_REGEX)),
+                None,
+            ),
+            "plain": (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), None),
+        },
+    )
     costly = out["costly"]
     assert costly.finish_reason == "error" and costly.error_code == "invalid_request", costly
-    assert costly.error.startswith("structured_outputs: the grammar is too costly to follow") and \
-        "--max-grammar-step-ms" in costly.error, costly.error
+    assert (
+        costly.error.startswith("structured_outputs: the grammar is too costly to follow")
+        and "--max-grammar-step-ms" in costly.error
+    ), costly.error
     assert out["plain"].finish_reason == "length"
 
 
 def test_a_grammar_whose_first_mask_costs_more_than_a_step_is_refused_before_it_runs(tiny_model_dir):
-    engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=512,
-                                 kv_cache_memory=32 << 20, max_grammar_step_ms=0.001))   # every mask costs more
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory=32 << 20,
+            max_grammar_step_ms=0.001,
+        )
+    )  # every mask costs more
     spec = Spec(regex=r"[A-Z]{2}-\d{3}")
-    out = finals(engine, {"costly": (SamplingParams(max_tokens=8, structured_outputs=spec), None),
-                          "plain": (SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), None)})
+    out = finals(
+        engine,
+        {
+            "costly": (SamplingParams(max_tokens=8, structured_outputs=spec), None),
+            "plain": (SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), None),
+        },
+    )
     costly = out["costly"]
     assert costly.error_code == "invalid_request" and costly.token_ids == [] and costly.queue_time_s is None
     assert "too costly to follow" in costly.error and "for its first token" in costly.error, costly.error
     assert out["plain"].finish_reason == "length"
     again = finals(engine, {"again": (SamplingParams(max_tokens=8, structured_outputs=spec), None)})["again"]
-    assert again.error == costly.error           # judged once: the refusal is cached with the spec
+    assert again.error == costly.error  # judged once: the refusal is cached with the spec
 
 
 def slow_schema(i: int) -> Spec:
@@ -185,26 +240,34 @@ def slow_schema(i: int) -> Spec:
 
 
 def test_compiles_past_the_engine_and_client_bounds_are_refused_as_overloaded_at_once(tiny_model_dir):
-    engine = Engine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=512,
-                                 kv_cache_memory=32 << 20, max_grammar_compiles=3, max_grammar_compiles_per_client=2))
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")),
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory=32 << 20,
+            max_grammar_compiles=3,
+            max_grammar_compiles_per_client=2,
+        )
+    )
 
     def params(spec: Spec) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)
 
-    requests = {f"a{i}": (params(slow_schema(i)), "a") for i in range(3)}          # a2: past a's bound of 2
-    requests |= {f"b{i}": (params(slow_schema(10 + i)), "b") for i in range(3)}    # b1, b2: past the engine's 3
-    requests["a0 again"] = (params(slow_schema(0)), "a")   # the same spec as a0 compiling: no place taken
+    requests = {f"a{i}": (params(slow_schema(i)), "a") for i in range(3)}  # a2: past a's bound of 2
+    requests |= {f"b{i}": (params(slow_schema(10 + i)), "b") for i in range(3)}  # b1, b2: past the engine's 3
+    requests["a0 again"] = (params(slow_schema(0)), "a")  # the same spec as a0 compiling: no place taken
     requests["b0 again"] = (params(slow_schema(10)), None)
     out = finals(engine, requests)
     refused = {rid: d for rid, d in out.items() if d.error_code == "overloaded"}
     assert set(refused) == {"a2", "b1", "b2"}, {rid: d.error for rid, d in out.items()}
     assert "--max-grammar-compiles-per-client 2" in refused["a2"].error
     assert all("--max-grammar-compiles 3" in refused[rid].error for rid in ("b1", "b2"))
-    assert all(d.queue_time_s == 0.0 and d.token_ids == [] for d in refused.values())   # the client hears it
+    assert all(d.queue_time_s == 0.0 and d.token_ids == [] for d in refused.values())  # the client hears it
     assert all(d.finish_reason == "length" for rid, d in out.items() if rid not in refused)
 
-    burst = {f"c{i}": (params(slow_schema(20 + i)), f"c{i}") for i in range(3)}   # the engine's bound, full
-    burst["cached"] = (params(slow_schema(0)), "c0")       # compiled before: it waits behind none of them
+    burst = {f"c{i}": (params(slow_schema(20 + i)), f"c{i}") for i in range(3)}  # the engine's bound, full
+    burst["cached"] = (params(slow_schema(0)), "c0")  # compiled before: it waits behind none of them
     out = finals(engine, burst)
     assert all(d.finish_reason == "length" for d in out.values()), {rid: d.error for rid, d in out.items()}
 
@@ -212,9 +275,11 @@ def test_compiles_past_the_engine_and_client_bounds_are_refused_as_overloaded_at
 def test_the_compile_thread_takes_turns_between_clients(tiny_model_dir):
     engine = make_engine(tiny_model_dir("llama"))
     quick = Spec(regex=r"[a-z]{1,3}")
-    requests = {f"a{i}": (SamplingParams(temperature=0, max_tokens=4, structured_outputs=slow_schema(30 + i)), "a")
-                for i in range(3)}
-    requests["b"] = (SamplingParams(temperature=0, max_tokens=4, structured_outputs=quick), "b")   # queued last
+    requests = {
+        f"a{i}": (SamplingParams(temperature=0, max_tokens=4, structured_outputs=slow_schema(30 + i)), "a")
+        for i in range(3)
+    }
+    requests["b"] = (SamplingParams(temperature=0, max_tokens=4, structured_outputs=quick), "b")  # queued last
     for rid, (params, client) in requests.items():
         engine.add_request(rid, PROMPT, params, client=client)
     order = []
@@ -222,4 +287,4 @@ def test_the_compile_thread_takes_turns_between_clients(tiny_model_dir):
         order += [d.request_id for d in engine.step() if d.finished]
         if not engine.has_unfinished():
             break
-    assert order.index("b") < order.index("a1") < order.index("a2"), order   # b's compile ran after a0's only
+    assert order.index("b") < order.index("a1") < order.index("a2"), order  # b's compile ran after a0's only

@@ -31,8 +31,9 @@ def _batch(ids: list[int]):
     from infer.worker.request import Request
     from infer.worker.scheduler import ScheduledChunk
 
-    request = Request(request_id="r", prompt_token_ids=ids, params=SamplingParams(), token_ids=list(ids),
-                      block_table=[0, 1, 2])
+    request = Request(
+        request_id="r", prompt_token_ids=ids, params=SamplingParams(), token_ids=list(ids), block_table=[0, 1, 2]
+    )
     return build_forward_batch([ScheduledChunk(request, 0, len(ids), len(ids))], 16, CPU)
 
 
@@ -57,7 +58,7 @@ def _rank_main(rank: int, port: int, path: str, scenario: str, results) -> None:
             except GroupBroken as e:
                 results.put((rank, f"broken: {e}"))
             return
-        read = []   # elements each FileTensor materialized
+        read = []  # elements each FileTensor materialized
         narrow, whole = loader.FileTensor.narrow, loader.FileTensor.read
         loader.FileTensor.narrow = lambda self, *a: read.append((t := narrow(self, *a)).numel()) or t
         loader.FileTensor.read = lambda self: read.append((t := whole(self)).numel()) or t
@@ -66,15 +67,28 @@ def _rank_main(rank: int, port: int, path: str, scenario: str, results) -> None:
         batch = _batch(list(range(3, 40)))
         with torch.inference_mode():
             logits = model.compute_logits(model(batch, kv)[batch.logits_indices])
-        results.put((rank, {"bytes": _weight_bytes(model), "read": sum(read), "kv_heads": model.num_kv_heads,
-                            "logits": None if logits is None else logits.tolist()}))
+        results.put(
+            (
+                rank,
+                {
+                    "bytes": _weight_bytes(model),
+                    "read": sum(read),
+                    "kv_heads": model.num_kv_heads,
+                    "logits": None if logits is None else logits.tolist(),
+                },
+            )
+        )
     except BaseException:
         results.put((rank, traceback.format_exc()))
 
 
 def _spawn(path: Path | str, scenario: str = "load") -> dict[int, object]:
-    return run_two_ranks(_rank_main, lambda rank: (str(path), scenario), timeout_s=120,
-                         answering=(0,) if scenario == "member-dies" else (0, 1))
+    return run_two_ranks(
+        _rank_main,
+        lambda rank: (str(path), scenario),
+        timeout_s=120,
+        answering=(0,) if scenario == "member-dies" else (0, 1),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +107,10 @@ def test_each_rank_holds_and_reads_half_the_weights_and_the_forward_is_unchanged
     got = _spawn(path)
     for rank in (0, 1):
         assert isinstance(got[rank], dict), got[rank]
-        assert 0.49 * full < got[rank]["bytes"] < 0.51 * full, (got[rank]["bytes"], full)   # norms replicated
-        assert got[rank]["read"] * 4 < 0.51 * full             # from the files: its shard, never a whole tensor
-        assert got[rank]["kv_heads"] == whole.num_kv_heads // 2   # the KV pool per rank holds only its heads
-    assert got[1]["logits"] is None                             # logits are gathered on TP rank 0 only
+        assert 0.49 * full < got[rank]["bytes"] < 0.51 * full, (got[rank]["bytes"], full)  # norms replicated
+        assert got[rank]["read"] * 4 < 0.51 * full  # from the files: its shard, never a whole tensor
+        assert got[rank]["kv_heads"] == whole.num_kv_heads // 2  # the KV pool per rank holds only its heads
+    assert got[1]["logits"] is None  # logits are gathered on TP rank 0 only
     kv = KVCache.allocate(whole.num_layers, 4, 16, whole.num_kv_heads, whole.head_dim, torch.float32, CPU)
     batch = _batch(list(range(3, 40)))
     with torch.inference_mode():
@@ -115,7 +129,7 @@ def test_sizes_that_do_not_split_are_refused_naming_both(tiny_model_dir):
 
     from infer.worker.loader import build_model
 
-    config = AutoConfig.from_pretrained(tiny_model_dir("llama"))   # 4 heads, 2 KV heads, vocabulary 49152
+    config = AutoConfig.from_pretrained(tiny_model_dir("llama"))  # 4 heads, 2 KV heads, vocabulary 49152
     with pytest.raises(ValueError, match=r"the number of attention heads \(4\) does not split across 3 tensor"):
         build_model(config, torch.float32, "meta", tp=TensorParallel(rank=0, size=3))
     config.vocab_size = 49153
@@ -130,9 +144,9 @@ def test_sizes_that_do_not_split_are_refused_naming_both(tiny_model_dir):
 
 def test_tp_ranks_from_flags_torchrun_and_slurm():
     assert resolve_ranks(2, 1, 1, None, env={}) == (1, None)
-    assert resolve_ranks(2, None, 1, None, env={}) == (None, None)                   # supervise the group
-    assert resolve_ranks(2, None, 2, None, env={"RANK": "3"}) == (1, 1)              # global 3 = ep 1, tp 1
-    assert resolve_ranks(2, None, 2, None, env={"SLURM_PROCID": "6"}) == (0, 1)      # 6 % 4 = ep 1, tp 0
+    assert resolve_ranks(2, None, 1, None, env={}) == (None, None)  # supervise the group
+    assert resolve_ranks(2, None, 2, None, env={"RANK": "3"}) == (1, 1)  # global 3 = ep 1, tp 1
+    assert resolve_ranks(2, None, 2, None, env={"SLURM_PROCID": "6"}) == (0, 1)  # 6 % 4 = ep 1, tp 0
     assert resolve_ranks(2, None, 1, None, env={"RANK": "1", "INFER_TP_SUPERVISED": "1"}) == (None, None)
     with pytest.raises(ValueError, match="RANK must be an integer"):
         resolve_ranks(2, None, 1, None, env={"RANK": "x"})
@@ -154,7 +168,7 @@ def test_llm_with_tensor_parallel_size_2_equals_one_process(tiny_model_dir):
         assert llm.engine.tp.size == 2 and llm.engine.model.num_kv_heads == 1
         assert [c.token_ids for c in llm.generate(prompts, params, use_tqdm=False)] == want
         children = llm.engine.runner.followers._children
-    assert all(child.poll() is not None for child in children)   # close() ended TP rank 1
+    assert all(child.poll() is not None for child in children)  # close() ended TP rank 1
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(model=path, tensor_parallel_size=0)
 

@@ -17,7 +17,7 @@ def test_a_traced_request_is_one_span_from_dispatch_to_its_last_token():
     h.welcome()
     h.now = 100.0
     h.send(dispatch("r1", prompt=[1, 2, 3], max_tokens=3, traceparent=f"00-{TRACE}-{PARENT}-01"))
-    h.send(dispatch("r2", prompt=[4, 5], max_tokens=1))   # untraced by its caller: a trace of its own
+    h.send(dispatch("r2", prompt=[4, 5], max_tokens=1))  # untraced by its caller: a trace of its own
     times = []
     while h.engine.has_unfinished():
         h.now += 0.25
@@ -28,15 +28,21 @@ def test_a_traced_request_is_one_span_from_dispatch_to_its_last_token():
     span = spans["r1"]
     assert (span.name, span.trace_id, span.parent_span_id) == ("worker", TRACE, PARENT)
     assert parse_traceparent(span.traceparent) == (TRACE, span.span_id)
-    assert (span.start, span.end) == (100.0, times[2])            # one token a step: the third step ends it
-    assert [name for name, _ in span.events] == ["first token"]    # the benchmark engine reports no queue time
+    assert (span.start, span.end) == (100.0, times[2])  # one token a step: the third step ends it
+    assert [name for name, _ in span.events] == ["first token"]  # the benchmark engine reports no queue time
     assert span.events[0][1] == times[0]
     assert span.attributes == {
-        "gen_ai.request.id": "r1", "gen_ai.usage.prompt_tokens": 3, "gen_ai.request.max_tokens": 3,
-        "infer.resumed_tokens": 0, "gen_ai.response.finish_reasons": "length",
-        "gen_ai.usage.completion_tokens": 3, "gen_ai.latency.time_to_first_token": times[0] - 100.0,
-        "gen_ai.latency.e2e": times[2] - 100.0, "gen_ai.latency.time_in_model_prefill": times[0] - 100.0,
-        "gen_ai.latency.time_in_model_decode": times[2] - times[0]}
+        "gen_ai.request.id": "r1",
+        "gen_ai.usage.prompt_tokens": 3,
+        "gen_ai.request.max_tokens": 3,
+        "infer.resumed_tokens": 0,
+        "gen_ai.response.finish_reasons": "length",
+        "gen_ai.usage.completion_tokens": 3,
+        "gen_ai.latency.time_to_first_token": times[0] - 100.0,
+        "gen_ai.latency.e2e": times[2] - 100.0,
+        "gen_ai.latency.time_in_model_prefill": times[0] - 100.0,
+        "gen_ai.latency.time_in_model_decode": times[2] - times[0],
+    }
     other = spans["r2"]
     assert other.parent_span_id is None and other.trace_id != TRACE
     assert other.attributes["gen_ai.usage.completion_tokens"] == 1
@@ -63,7 +69,7 @@ def test_a_request_the_coordinator_aborts_ends_its_span_there():
     assert span.end == 2.0 and span.attributes["gen_ai.response.finish_reasons"] == "abort (by the coordinator)"
     assert span.attributes["gen_ai.usage.completion_tokens"] == 1
     assert span.attributes["gen_ai.latency.time_in_model_decode"] == 1.0
-    assert h.run_until_finished() == [] and h.core.take_spans() == []     # its final delta is silenced
+    assert h.run_until_finished() == [] and h.core.take_spans() == []  # its final delta is silenced
 
 
 def test_without_tracing_nothing_is_recorded():

@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from infer.worker.attention import paged_attention
+from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import ForwardBatch
+from infer.worker.models.deepseek_moe import deepseek_mlp_factory
 from infer.worker.models.layers import (
     ColumnLinear,
     RMSNorm,
@@ -37,8 +39,6 @@ from infer.worker.models.layers import (
     VocabEmbedding,
     rope_parameters,
 )
-from infer.worker.expert_parallel import ExpertParallel
-from infer.worker.models.deepseek_moe import deepseek_mlp_factory
 from infer.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, MLPFactory
 from infer.worker.tensor_parallel import TensorParallel
 
@@ -82,14 +82,21 @@ class MLAttention(nn.Module):
             self.q_b_proj = ColumnLinear(self.q_lora_rank, q_size, False, dtype, tp)
         self.kv_a_proj_with_mqa = ColumnLinear(hidden, self.rank + self.rope, bias, dtype, single)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, dtype)
-        self.kv_b_proj = DenseColumnLinear(self.rank, config.num_attention_heads * (self.nope + self.v_dim), False,
-                                           dtype, tp)
+        self.kv_b_proj = DenseColumnLinear(
+            self.rank, config.num_attention_heads * (self.nope + self.v_dim), False, dtype, tp
+        )
         self.o_proj = RowLinear(config.num_attention_heads * self.v_dim, hidden, bias, dtype, tp)
         self.scale = mla_softmax_scale(config)
         self.rotary_emb = rotary_emb
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """positions [T], hidden [T, hidden_size] -> [T, hidden_size]; appends the tokens' latents to the pool
         (k_cache / v_cache [1, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim])."""
         num_tokens = hidden.shape[0]
@@ -101,21 +108,22 @@ class MLAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope], -1)
         kv = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_pe), -1).view(num_tokens, 1, -1)
         q_pe = q_pe.contiguous()
-        self.rotary_emb(positions, q_pe, kv[..., self.rank:])                     # both rotated in place
+        self.rotary_emb(positions, q_pe, kv[..., self.rank :])  # both rotated in place
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)                 # [H, nope, rank], [H, v, rank]
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)                   # [T, H, rank]
-        query = torch.cat((q_latent, q_pe), -1)                                 # [T, H, rank + rope]
+        w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, rank]
+        query = torch.cat((q_latent, q_pe), -1)  # [T, H, rank + rope]
         out = paged_attention(query, kv, kv, k_cache, v_cache, batch, self.scale)
-        out = torch.einsum("thr,hvr->thv", out[..., :self.rank], w_uv)          # [T, H, v]
+        out = torch.einsum("thr,hvr->thv", out[..., : self.rank], w_uv)  # [T, H, v]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
     """LlamaDecoderLayer with MLA for its attention (same forward)."""
 
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, dtype: torch.dtype, mlp: nn.Module,
-                 tp: TensorParallel) -> None:
+    def __init__(
+        self, config: Any, rotary_emb: RotaryEmbedding, dtype: torch.dtype, mlp: nn.Module, tp: TensorParallel
+    ) -> None:
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = MLAttention(config, rotary_emb, dtype, tp)
@@ -127,8 +135,14 @@ class DeepseekV2Model(LlamaModel):
     """Embedding, MLA decoder layers with `mlp_factory`'s feed-forward sublayers (dense or MoE), final norm
     (LlamaModel's forward; no native decode step)."""
 
-    def __init__(self, config: Any, head_dim: int, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_dim: int,
+        dtype: torch.dtype,
+        mlp_factory: MLPFactory | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         nn.Module.__init__(self)
         tp = TensorParallel.single() if tp is None else tp
         if mlp_factory is None:
@@ -138,7 +152,8 @@ class DeepseekV2Model(LlamaModel):
         self.rotary_emb = RotaryEmbedding(config, config.qk_rope_head_dim, is_neox=not interleaved)
         self.layers = nn.ModuleList(
             DeepseekV2DecoderLayer(config, self.rotary_emb, dtype, mlp_factory(i), tp)
-            for i in range(config.num_hidden_layers))
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tp_size = tp.size
         self.native_decode = False
@@ -151,27 +166,32 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     experts."""
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
     }
     # per-expert checkpoint module (mlp.experts.{i}.<name>) -> (our fused expert parameter, projection)
     expert_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
         "down_proj": ("down_proj", "down"),
     }
     base_model_class: ClassVar[Any] = DeepseekV2Model
-    supports_step_graphs: ClassVar[bool] = False   # expert dispatch is data-dependent; MLA has no graph path yet
+    supports_step_graphs: ClassVar[bool] = False  # expert dispatch is data-dependent; MLA has no graph path yet
     supports_expert_parallel: ClassVar[bool] = True
-    kv_shared: ClassVar[bool] = True               # V is K: the latent row, stored once
+    kv_shared: ClassVar[bool] = True  # V is K: the latent row, stored once
 
-    def __init__(self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None, tp: TensorParallel | None = None
+    ) -> None:
         ep = ExpertParallel.single() if ep is None else ep
         tp = TensorParallel.single() if tp is None else tp
         mlp_factory, sparse = deepseek_mlp_factory(config, dtype, ep, tp)
         if ep.size > 1 and not sparse:
-            raise ValueError(f"an EP group of {ep.size} ranks needs MoE layers; this {config.model_type} config has "
-                             f"none (n_routed_experts={getattr(config, 'n_routed_experts', None)}, "
-                             f"first_k_dense_replace={getattr(config, 'first_k_dense_replace', None)})")
+            raise ValueError(
+                f"an EP group of {ep.size} ranks needs MoE layers; this {config.model_type} config has "
+                f"none (n_routed_experts={getattr(config, 'n_routed_experts', None)}, "
+                f"first_k_dense_replace={getattr(config, 'first_k_dense_replace', None)})"
+            )
         super().__init__(config, dtype, mlp_factory, tp)
         self.ep = ep
         self.num_kv_heads = 1
@@ -184,5 +204,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         decoder layers, as the released checkpoints store them), which serving does not run (transformers skips
         them too)."""
         parts = key.split(".", 3)
-        return (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
-                and int(parts[2]) in self.mtp_layers)
+        return (
+            len(parts) == 4
+            and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit()
+            and int(parts[2]) in self.mtp_layers
+        )

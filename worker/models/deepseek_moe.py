@@ -61,16 +61,15 @@ class GroupedTopK:
 
     num_experts: int
     top_k: int
-    method: str                 # "greedy", "group_limited_greedy" or "noaux_tc"
-    num_groups: int             # 1: no grouping
+    method: str  # "greedy", "group_limited_greedy" or "noaux_tc"
+    num_groups: int  # 1: no grouping
     topk_groups: int
     renormalize: bool
     scaling_factor: float
 
     def __post_init__(self) -> None:
         if self.method not in _SCORING:
-            raise NotImplementedError(f"topk_method {self.method!r} is not supported; supported: "
-                                      f"{', '.join(_SCORING)}")
+            raise NotImplementedError(f"topk_method {self.method!r} is not supported; supported: {', '.join(_SCORING)}")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {self.num_experts}] (n_routed_experts)")
         if self.num_groups < 1 or self.num_experts % self.num_groups:
@@ -78,8 +77,10 @@ class GroupedTopK:
         if not 0 < self.topk_groups <= self.num_groups:
             raise ValueError(f"topk_group {self.topk_groups} must be in [1, n_group {self.num_groups}]")
         if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
-            raise ValueError(f"topk_group {self.topk_groups} groups of {self.num_experts // self.num_groups} "
-                             f"experts hold fewer than num_experts_per_tok {self.top_k}")
+            raise ValueError(
+                f"topk_group {self.topk_groups} groups of {self.num_experts // self.num_groups} "
+                f"experts hold fewer than num_experts_per_tok {self.top_k}"
+            )
 
     @classmethod
     def from_config(cls, config: Any) -> GroupedTopK:
@@ -87,22 +88,32 @@ class GroupedTopK:
         methods = _TOPK_METHODS[config.model_type]
         method = getattr(config, "topk_method", None) or methods[0]
         if method not in methods:
-            raise NotImplementedError(f"{config.model_type}: topk_method {method!r} is not supported; supported: "
-                                      f"{', '.join(methods)}")
+            raise NotImplementedError(
+                f"{config.model_type}: topk_method {method!r} is not supported; supported: {', '.join(methods)}"
+            )
         scoring = getattr(config, "scoring_func", None) or _SCORING[method]
         if scoring != _SCORING[method]:
-            raise NotImplementedError(f"{config.model_type}: scoring_func {scoring!r} is not supported with "
-                                      f"topk_method {method!r} (only {_SCORING[method]!r})")
+            raise NotImplementedError(
+                f"{config.model_type}: scoring_func {scoring!r} is not supported with "
+                f"topk_method {method!r} (only {_SCORING[method]!r})"
+            )
         renormalize = bool(getattr(config, "norm_topk_prob", False))
         if renormalize and method != "noaux_tc":
             # transformers' DeepSeek-V2 never renormalizes (no released V2 config asks it to)
-            raise NotImplementedError(f"{config.model_type}: norm_topk_prob=True is not supported with topk_method "
-                                      f"{method!r}")
+            raise NotImplementedError(
+                f"{config.model_type}: norm_topk_prob=True is not supported with topk_method {method!r}"
+            )
         grouped = method != "greedy" and (getattr(config, "n_group", None) or 1) > 1
         groups = int(config.n_group) if grouped else 1
-        return cls(num_routed_experts(config), int(config.num_experts_per_tok), method, groups,
-                   int(config.topk_group) if grouped else 1, renormalize,
-                   float(getattr(config, "routed_scaling_factor", None) or 1.0))
+        return cls(
+            num_routed_experts(config),
+            int(config.num_experts_per_tok),
+            method,
+            groups,
+            int(config.topk_group) if grouped else 1,
+            renormalize,
+            float(getattr(config, "routed_scaling_factor", None) or 1.0),
+        )
 
     def select(self, logits: torch.Tensor, correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [T, E] float32 -> (weights [T, k] float32, ids [T, k] int64), as transformers' routers compute
@@ -124,9 +135,9 @@ class GroupedTopK:
         scores the sum of its `best_of_group` best experts' scores."""
         if self.num_groups == 1:
             return scores
-        grouped = scores.view(scores.shape[0], self.num_groups, -1)                  # [T, G, E / G]
-        group_scores = grouped.topk(best_of_group, dim=-1)[0].sum(dim=-1)            # [T, G]
-        best = torch.topk(group_scores, self.topk_groups, dim=-1, sorted=False)[1]   # [T, topk_groups]
+        grouped = scores.view(scores.shape[0], self.num_groups, -1)  # [T, G, E / G]
+        group_scores = grouped.topk(best_of_group, dim=-1)[0].sum(dim=-1)  # [T, G]
+        best = torch.topk(group_scores, self.topk_groups, dim=-1, sorted=False)[1]  # [T, topk_groups]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), fill).view_as(scores)
 
@@ -138,8 +149,9 @@ class DeepseekRouter(nn.Module):
         super().__init__()
         self.routing = routing
         self.weight = _param(routing.num_experts, hidden_size, dtype=torch.float32)
-        self.e_score_correction_bias = (_param(routing.num_experts, dtype=torch.float32)
-                                        if routing.method == "noaux_tc" else None)
+        self.e_score_correction_bias = (
+            _param(routing.num_experts, dtype=torch.float32) if routing.method == "noaux_tc" else None
+        )
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
@@ -151,17 +163,21 @@ class DeepseekMoE(nn.Module):
     """hidden [T, H] -> the routed experts' weighted sum plus the shared experts' output, [T, H]. With an EP group
     of several ranks a collective (every rank calls it, T may be 0)."""
 
-    def __init__(self, config: Any, routing: GroupedTopK, dtype: torch.dtype, ep: ExpertParallel,
-                 tp: TensorParallel) -> None:
+    def __init__(
+        self, config: Any, routing: GroupedTopK, dtype: torch.dtype, ep: ExpertParallel, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.ep, self.tp = ep, tp
         self.gate = DeepseekRouter(routing, config.hidden_size)
-        self.experts = FusedExperts(routing.num_experts, config.hidden_size, config.moe_intermediate_size, dtype,
-                                    ep, tp)
+        self.experts = FusedExperts(
+            routing.num_experts, config.hidden_size, config.moe_intermediate_size, dtype, ep, tp
+        )
         shared = int(getattr(config, "n_shared_experts", None) or 0)
-        self.shared_experts = (LlamaMLP(config, dense_variant(config), dtype, tp,
-                                        intermediate_size=shared * config.moe_intermediate_size)
-                               if shared else None)
+        self.shared_experts = (
+            LlamaMLP(config, dense_variant(config), dtype, tp, intermediate_size=shared * config.moe_intermediate_size)
+            if shared
+            else None
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(hidden)
@@ -172,12 +188,10 @@ class DeepseekMoE(nn.Module):
 
 def dense_variant(config: Any) -> LlamaVariant:
     """The dense and shared MLPs' biases: V2's `mlp_bias` (V3 has none)."""
-    return LlamaVariant(qkv_bias=False, o_bias=False, mlp_bias=bool(getattr(config, "mlp_bias", False)),
-                        qk_norm=False)
+    return LlamaVariant(qkv_bias=False, o_bias=False, mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=False)
 
 
-def deepseek_mlp_factory(config: Any, dtype: torch.dtype, ep: ExpertParallel,
-                         tp: TensorParallel) -> tuple[Any, bool]:
+def deepseek_mlp_factory(config: Any, dtype: torch.dtype, ep: ExpertParallel, tp: TensorParallel) -> tuple[Any, bool]:
     """(layer index -> that layer's feed-forward sublayer, whether any layer is sparse) for a DeepSeek config."""
     sparse = [i for i in range(config.num_hidden_layers) if is_sparse_layer(config, i)]
     routing = GroupedTopK.from_config(config) if sparse else None

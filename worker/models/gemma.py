@@ -79,12 +79,25 @@ class GemmaDecoderLayer(nn.Module):
     LlamaDecoderLayer's (residual in and out is always None here), so step graphs compile it the same way.
     `qk_norm`: q and k normed per head (Gemma 3)."""
 
-    def __init__(self, config: Any, head_dim: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 mlp: nn.Module, tp: TensorParallel, window: int, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_dim: int,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        mlp: nn.Module,
+        tp: TensorParallel,
+        window: int,
+        qk_norm: bool,
+    ) -> None:
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
-        variant = LlamaVariant(qkv_bias=bool(getattr(config, "attention_bias", False)),
-                               o_bias=bool(getattr(config, "attention_bias", False)), mlp_bias=False, qk_norm=False)
+        variant = LlamaVariant(
+            qkv_bias=bool(getattr(config, "attention_bias", False)),
+            o_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=False,
+            qk_norm=False,
+        )
         self.self_attn = LlamaAttention(config, variant, head_dim, rotary_emb, dtype, tp, window)
         if qk_norm:
             self.self_attn.q_norm = GemmaRMSNorm(head_dim, eps, dtype)
@@ -97,8 +110,15 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, None]:
         """hidden [T, hidden_size]: the residual stream -> (the stream after this layer, None)."""
         attn = self.self_attn(positions, self.input_layernorm(hidden), batch, k_cache, v_cache)
         hidden = hidden + self.post_attention_layernorm(attn)
@@ -127,27 +147,45 @@ class Gemma3Model(nn.Module):
 
     qk_norm: ClassVar[bool] = True
 
-    def __init__(self, config: Any, head_dim: int, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_dim: int,
+        dtype: torch.dtype,
+        mlp_factory: MLPFactory | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         tp = TensorParallel.single() if tp is None else tp
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.embed_scale = config.hidden_size ** 0.5
+        self.embed_scale = config.hidden_size**0.5
         windows = layer_windows(config)
         self.rotary_local = RotaryEmbedding(_LayerTypeRope(config, "sliding_attention"), head_dim)
         self.rotary_global = RotaryEmbedding(_LayerTypeRope(config, "full_attention"), head_dim)
         if self.rotary_local.length_dependent or self.rotary_global.length_dependent:
             raise NotImplementedError(f"{config.model_type}: rope_type 'longrope' is not supported in Gemma layers")
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, head_dim, self.rotary_local if windows[i] else self.rotary_global, dtype,
-                              mlp_factory(i) if mlp_factory else GemmaMLP(config, dtype, tp), tp, windows[i],
-                              self.qk_norm)
-            for i in range(config.num_hidden_layers))
+            GemmaDecoderLayer(
+                config,
+                head_dim,
+                self.rotary_local if windows[i] else self.rotary_global,
+                dtype,
+                mlp_factory(i) if mlp_factory else GemmaMLP(config, dtype, tp),
+                tp,
+                windows[i],
+                self.qk_norm,
+            )
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tp_size = tp.size
 
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache,
-                layers: Sequence[Callable[..., tuple[torch.Tensor, None]]] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        layers: Sequence[Callable[..., tuple[torch.Tensor, None]]] | None = None,
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         longest = max(batch.context_lens, default=0)
@@ -169,11 +207,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text model (model_type "gemma3_text"); see the module docstring for what it changes."""
 
     base_model_class: ClassVar[Callable[..., LlamaModel | Gemma3Model]] = Gemma3Model
-    implemented_fields: ClassVar[frozenset[str]] = frozenset({"query_pre_attn_scalar", "final_logit_softcapping",
-                                                              "attn_logit_softcapping"})
+    implemented_fields: ClassVar[frozenset[str]] = frozenset(
+        {"query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"}
+    )
 
-    def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__(config, dtype, mlp_factory, tp)
         self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
 

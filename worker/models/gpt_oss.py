@@ -43,11 +43,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     a byte, the low nibble first), scales [E, R, G] uint8 (a power of two, biased by 127, per block of 32) ->
     [E, G * 32, R] in `dtype` (gate_up_proj's [E, H, 2I] from [E, 2I, H / 32, 16], down_proj's [E, I, H])."""
     if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(f"MXFP4 blocks [E, R, G, 16] and scales [E, R, G] expected, got {tuple(blocks.shape)} and "
-                         f"{tuple(scales.shape)}")
+        raise ValueError(
+            f"MXFP4 blocks [E, R, G, 16] and scales [E, R, G] expected, got {tuple(blocks.shape)} and "
+            f"{tuple(scales.shape)}"
+        )
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     codes = blocks.to(torch.int64)
-    values = torch.stack((lut[codes & 0x0F], lut[codes >> 4]), dim=-1).flatten(-2)     # [E, R, G, 32]
+    values = torch.stack((lut[codes & 0x0F], lut[codes >> 4]), dim=-1).flatten(-2)  # [E, R, G, 32]
     values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
     num_experts, rows = blocks.shape[:2]
     return values.reshape(num_experts, rows, -1).transpose(1, 2).to(dtype).contiguous()
@@ -78,8 +80,15 @@ class GptOssAttention(LlamaAttention):
     """LlamaAttention with a sink logit per query head (`sinks` [this rank's heads], loaded from the checkpoint's
     full [H] by `load_shard`)."""
 
-    def __init__(self, config: Any, head_dim: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 tp: TensorParallel, window: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_dim: int,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        window: int,
+    ) -> None:
         bias = bool(getattr(config, "attention_bias", True))
         variant = LlamaVariant(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False)
         super().__init__(config, variant, head_dim, rotary_emb, dtype, tp, window)
@@ -91,21 +100,39 @@ class GptOssAttention(LlamaAttention):
             raise ValueError(f"{type(self).__name__} loads only its sinks whole, not {param_name!r} [{shard}]")
         part = _rank_slice(tensor, 0, self.tp.rank, self.tp.size, "sinks")
         if tuple(part.shape) != tuple(self.sinks.shape):
-            raise ValueError(f"sinks: checkpoint shape {tuple(tensor.shape)} != expected "
-                             f"{(self.num_heads * self.tp.size,)}")
+            raise ValueError(
+                f"sinks: checkpoint shape {tuple(tensor.shape)} != expected {(self.num_heads * self.tp.size,)}"
+            )
         self.sinks.copy_(part if isinstance(part, torch.Tensor) else part.read())
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """positions [T], hidden [T, hidden_size] -> [T, hidden_size]; writes this layer's new K, V into the cache."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        self.rotary_emb(positions, q, None)   # K is rotated by the KV append as it is stored
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.rotary_emb.cos_sin_cache,
-                              self.rotary_emb.is_neox, self.window, sinks=self.sinks.float())
+        self.rotary_emb(positions, q, None)  # K is rotated by the KV append as it is stored
+        out = paged_attention(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            batch,
+            self.scale,
+            self.rotary_emb.cos_sin_cache,
+            self.rotary_emb.is_neox,
+            self.window,
+            sinks=self.sinks.float(),
+        )
         return self.o_proj(out.view(num_tokens, -1))
 
 
@@ -158,8 +185,9 @@ class GptOssExperts(nn.Module):
         if shard is not None:
             raise ValueError(f"{param_name} takes the experts' fused tensor, not a shard {shard!r}")
         if tensor.shape[0] != self.num_experts:
-            raise ValueError(f"{param_name}: {tensor.shape[0]} experts in the checkpoint, the config has "
-                             f"{self.num_experts}")
+            raise ValueError(
+                f"{param_name}: {tensor.shape[0]} experts in the checkpoint, the config has {self.num_experts}"
+            )
         ours = tensor.narrow(0, self.expert_range.start, len(self.expert_range))
         ours = ours if isinstance(ours, torch.Tensor) else ours.read()
         if param_name.endswith(("_blocks", "_scales")) and self.mxfp4:
@@ -183,8 +211,10 @@ class GptOssExperts(nn.Module):
         elif param_name == "down_proj":
             tensor = _rank_slice(tensor, 1, self.tp.rank, self.tp.size, param_name)
         if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"{param_name}: checkpoint shape {tuple(tensor.shape)} (this rank's part) != expected "
-                             f"{tuple(param.shape)}")
+            raise ValueError(
+                f"{param_name}: checkpoint shape {tuple(tensor.shape)} (this rank's part) != expected "
+                f"{tuple(param.shape)}"
+            )
         param.copy_(tensor)
 
 
@@ -212,16 +242,31 @@ class GptOssDecoderLayer(nn.Module):
     """Pre-norm attention and MoE over a residual stream carried whole (the call of LlamaDecoderLayer, residual
     always None)."""
 
-    def __init__(self, config: Any, head_dim: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
-                 mlp: nn.Module, tp: TensorParallel, window: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_dim: int,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        mlp: nn.Module,
+        tp: TensorParallel,
+        window: int,
+    ) -> None:
         super().__init__()
         self.input_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = GptOssAttention(config, head_dim, rotary_emb, dtype, tp, window)
         self.post_attention_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, None]:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), batch, k_cache, v_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), None
 
@@ -230,8 +275,14 @@ class GptOssModel(nn.Module):
     """Embedding, GPT-OSS layers (each with its layer type's window), final norm; LlamaModel's constructor and
     forward (`mlp_factory` builds each layer's MoE block)."""
 
-    def __init__(self, config: Any, head_dim: int, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_dim: int,
+        dtype: torch.dtype,
+        mlp_factory: MLPFactory | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         if mlp_factory is None:
             raise ValueError("GptOssModel needs the MoE block factory of GptOssForCausalLM")
@@ -243,12 +294,17 @@ class GptOssModel(nn.Module):
         windows = layer_windows(config)
         self.layers = nn.ModuleList(
             GptOssDecoderLayer(config, head_dim, self.rotary_emb, dtype, mlp_factory(i), tp, windows[i])
-            for i in range(config.num_hidden_layers))
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tp_size = tp.size
 
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache,
-                layers: Sequence[Callable[..., tuple[torch.Tensor, None]]] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        layers: Sequence[Callable[..., tuple[torch.Tensor, None]]] | None = None,
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
         self.rotary_emb.reserve(max(batch.context_lens, default=0))
         steps: Iterable[Callable[..., tuple[torch.Tensor, None]]] = self.layers if layers is None else layers
@@ -261,18 +317,23 @@ class GptOssForCausalLM(LlamaForCausalLM):
     """GPT-OSS (model_type "gpt_oss"); see the module docstring."""
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
     }
     base_model_class: ClassVar[Any] = GptOssModel
-    supports_step_graphs: ClassVar[bool] = False   # expert dispatch is data-dependent
+    supports_step_graphs: ClassVar[bool] = False  # expert dispatch is data-dependent
     supports_expert_parallel: ClassVar[bool] = True
 
-    def __init__(self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None, tp: TensorParallel | None = None
+    ) -> None:
         method = _quant_method(config)
         if method not in (None, "mxfp4"):
-            raise NotImplementedError(f"gpt_oss: quantization_config.quant_method {method!r} is not supported "
-                                      f"(only mxfp4, dequantized at load)")
+            raise NotImplementedError(
+                f"gpt_oss: quantization_config.quant_method {method!r} is not supported "
+                f"(only mxfp4, dequantized at load)"
+            )
         ep = ExpertParallel.single() if ep is None else ep
         tp_ = TensorParallel.single() if tp is None else tp
 

@@ -32,7 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.kernels.cpu_kernels import (
-    GEMV_MAX_ROWS, gemv, gemv_takes, gemv_takes_any_rows, silu_and_mul_fits, silu_and_mul_native
+    GEMV_MAX_ROWS,
+    gemv,
+    gemv_takes,
+    gemv_takes_any_rows,
+    silu_and_mul_fits,
+    silu_and_mul_native,
 )
 from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_linear, quant_matmul_takes, quant_source
 from infer.kernels.rmsnorm import rms_norm
@@ -85,7 +90,7 @@ class QuantStorage(nn.Module):
         self.register_parameter("weight_mins", None)
         self.quant_format: str | None = None
         self.quant: QuantWeight | None = None
-        self.quant_native = False   # the native kernel takes self.quant (decided with the view)
+        self.quant_native = False  # the native kernel takes self.quant (decided with the view)
 
     def materialize(self, fmt: str | None, device: torch.device | str) -> None:
         """Give a deferred (meta) weight its storage on `device`: dense in self.dtype (fmt None) or quantized."""
@@ -128,14 +133,15 @@ class QuantStorage(nn.Module):
         if self.quant_format is None or self.weight.numel() == 0:
             self.quant, self.quant_native = None, False
             return
-        self.quant = QuantWeight("q4" if self.quant_format == "q4" else "q8", self.weight, self.weight_scales,
-                                 self.weight_mins)
+        self.quant = QuantWeight(
+            "q4" if self.quant_format == "q4" else "q8", self.weight, self.weight_scales, self.weight_mins
+        )
         self.quant_native = quant_matmul_takes(self.quant)
 
     def copy_weight_rows(self, start: int, length: int, tensor: Any, what: str) -> None:
         """Fill rows [start, start + length) of the weight from a checkpoint tensor of exactly that shape (a
         torch.Tensor, a lazy file tensor, or a GGUF tensor), quantizing or dequantizing as the storage needs."""
-        if self.quant_format is None or self.weight_scales is None:   # dense (a format comes with its scales)
+        if self.quant_format is None or self.weight_scales is None:  # dense (a format comes with its scales)
             rows = self.weight.narrow(0, start, length)
             if tuple(rows.shape) != tuple(tensor.shape):
                 raise ValueError(f"{what}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(rows.shape)}")
@@ -157,9 +163,12 @@ class QuantStorage(nn.Module):
         """Rows `ids` of the weight in self.dtype (an embedding lookup of a quantized table)."""
         if self.quant is None:
             raise RuntimeError("the quantized table has no storage (released, or not loaded)")
-        picked = QuantWeight(self.quant.format, self.quant.qs.index_select(0, ids),
-                             self.quant.scales.index_select(0, ids),
-                             None if self.quant.mins is None else self.quant.mins.index_select(0, ids))
+        picked = QuantWeight(
+            self.quant.format,
+            self.quant.qs.index_select(0, ids),
+            self.quant.scales.index_select(0, ids),
+            None if self.quant.mins is None else self.quant.mins.index_select(0, ids),
+        )
         return dequantize(picked, self.dtype)
 
 
@@ -176,7 +185,7 @@ def _rank_slice(tensor: Any, dim: int, index: int, num_parts: int, what: str) ->
     if size % num_parts:
         raise ValueError(f"{what}: dimension {dim} of size {size} does not split across {num_parts} ranks")
     if num_parts == 1:
-        return tensor   # whole: a GGUF tensor keeps its blocks
+        return tensor  # whole: a GGUF tensor keeps its blocks
     part = size // num_parts
     return tensor.narrow(dim, index * part, part)
 
@@ -204,8 +213,9 @@ class RMSNorm(nn.Module):
     @overload
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return rms_norm(x, self.weight, self.eps, any_rows=self.any_rows)
         return rms_norm(x, self.weight, self.eps, residual, any_rows=self.any_rows), residual
@@ -226,9 +236,9 @@ class PackedLinear(QuantStorage):
 
     bias: nn.Parameter | None
     packed: torch.Tensor | None = None
-    gemv_ready: bool = False             # the plain weight suits the native GEMV (decided with the packing)
-    gemv_rows: int = GEMV_MAX_ROWS       # up to how many rows it goes there (any, where oneDNN packs no bf16)
-    lora: Any = None                     # a worker/lora.py LoraLayer once an adapter targets this layer
+    gemv_ready: bool = False  # the plain weight suits the native GEMV (decided with the packing)
+    gemv_rows: int = GEMV_MAX_ROWS  # up to how many rows it goes there (any, where oneDNN packs no bf16)
+    lora: Any = None  # a worker/lora.py LoraLayer once an adapter targets this layer
 
     def pack_weights(self) -> None:
         self.refresh_quant()
@@ -247,8 +257,7 @@ class PackedLinear(QuantStorage):
             y = quant_linear(x.reshape(-1, x.shape[-1]), self.quant, self.quant_native).reshape(*x.shape[:-1], -1)
             return y if bias is None else y.add_(bias)
         if x.dim() == 2 and not torch.compiler.is_compiling():
-            if (self.gemv_ready and 0 < x.shape[0] <= self.gemv_rows and x.dtype == torch.bfloat16
-                    and x.stride(1) == 1):
+            if self.gemv_ready and 0 < x.shape[0] <= self.gemv_rows and x.dtype == torch.bfloat16 and x.stride(1) == 1:
                 y = gemv(x, self.weight)
                 return y if bias is None else y.add_(bias)
             if self.packed is not None:
@@ -268,8 +277,9 @@ class PackedLinear(QuantStorage):
 
 
 @torch.library.custom_op("infer::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x [N, in] @ weight^T (+ bias) through oneDNN's pre-packed `packed` copy of weight [out, in]. An opaque
     op to the compiler (inductor has no lowering for a packed weight it did not pack itself)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -295,8 +305,9 @@ def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
 class ColumnLinear(PackedLinear):
     """y = x W^T + b with W's output rows split across tensor-parallel ranks (no communication)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 tp: TensorParallel = _SINGLE) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TensorParallel = _SINGLE
+    ) -> None:
         super().__init__()
         if out_features % tp.size:
             raise ValueError(f"out_features {out_features} does not split across {tp.size} ranks")
@@ -313,8 +324,7 @@ class ColumnLinear(PackedLinear):
         if shard is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
         rows = self.logical_shape[0]
-        self.load_rows(param_name, 0, rows, _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name),
-                       param_name)
+        self.load_rows(param_name, 0, rows, _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name), param_name)
 
 
 class MergedColumnLinear(ColumnLinear):
@@ -326,13 +336,21 @@ class MergedColumnLinear(ColumnLinear):
     replicated over ranks: one head of the KV heads on every size / num_kv_heads ranks).
     """
 
-    def __init__(self, in_features: int, shard_sizes: Mapping[str, int], bias: bool, dtype: torch.dtype,
-                 tp: TensorParallel = _SINGLE, shard_parts: Mapping[str, tuple[int, int]] | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: Mapping[str, int],
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallel = _SINGLE,
+        shard_parts: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
         self.shard_parts = {name: (shard_parts or {}).get(name, (tp.size, tp.rank)) for name in shard_sizes}
         for name, size in shard_sizes.items():
             if size % self.shard_parts[name][0]:
-                raise ValueError(f"shard {name!r} of size {size} does not split across "
-                                 f"{self.shard_parts[name][0]} ranks")
+                raise ValueError(
+                    f"shard {name!r} of size {size} does not split across {self.shard_parts[name][0]} ranks"
+                )
         local = {name: size // self.shard_parts[name][0] for name, size in shard_sizes.items()}
         super().__init__(in_features, sum(local.values()) * tp.size, bias, dtype, tp)
         self.shard_sizes = local
@@ -351,20 +369,17 @@ class MergedColumnLinear(ColumnLinear):
         if shard is None:
             full = {name: size * self.shard_parts[name][0] for name, size in self.shard_sizes.items()}
             if tensor.shape[0] != sum(full.values()):
-                raise ValueError(f"{param_name}: a fused checkpoint tensor of {tensor.shape[0]} rows for shards "
-                                 f"{full}")
+                raise ValueError(f"{param_name}: a fused checkpoint tensor of {tensor.shape[0]} rows for shards {full}")
             start = 0
             for name, rows in full.items():
                 self.load_shard(param_name, tensor.narrow(0, start, rows), name)
                 start += rows
             return
         if shard not in self.shard_sizes:
-            raise ValueError(f"{type(self).__name__} needs one of the shards {self.shard_names}, "
-                             f"got {shard!r}")
+            raise ValueError(f"{type(self).__name__} needs one of the shards {self.shard_names}, got {shard!r}")
         num_parts, index = self.shard_parts[shard]
         part = _rank_slice(tensor, 0, index, num_parts, f"{param_name}[{shard}]")
-        self.load_rows(param_name, self.shard_offsets[shard], self.shard_sizes[shard], part,
-                       f"{param_name}[{shard}]")
+        self.load_rows(param_name, self.shard_offsets[shard], self.shard_sizes[shard], part, f"{param_name}[{shard}]")
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The per-shard views of a forward output, in shard order."""
@@ -377,8 +392,15 @@ class RowLinear(PackedLinear):
     The bias is added once, after the reduction.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 tp: TensorParallel = _SINGLE, reduce_results: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallel = _SINGLE,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"in_features {in_features} does not split across {tp.size} ranks")
@@ -388,7 +410,7 @@ class RowLinear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, None)
-        if self.lora is not None:   # before the reduction: this rank's part of the delta (its x columns through A's)
+        if self.lora is not None:  # before the reduction: this rank's part of the delta (its x columns through A's)
             y = self.lora.apply(x, y)
         if self.reduce_results:
             self.tp.all_reduce(y)
@@ -432,8 +454,9 @@ class VocabEmbedding(QuantStorage):
     def load_shard(self, param_name: str, tensor: Any, shard: str | None = None) -> None:
         if shard is not None or param_name != "weight":
             raise ValueError(f"{type(self).__name__} has no shard {shard!r} of {param_name!r}")
-        self.copy_weight_rows(0, len(self.rows), _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name),
-                              param_name)
+        self.copy_weight_rows(
+            0, len(self.rows), _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name), param_name
+        )
 
 
 class LMHead(PackedLinear):
@@ -456,8 +479,13 @@ class LMHead(PackedLinear):
     def load_shard(self, param_name: str, tensor: Any, shard: str | None = None) -> None:
         if shard is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
-        self.load_rows(param_name, 0, self.logical_shape[0],
-                       _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name), param_name)
+        self.load_rows(
+            param_name,
+            0,
+            self.logical_shape[0],
+            _rank_slice(tensor, 0, self.tp.rank, self.tp.size, param_name),
+            param_name,
+        )
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -555,8 +583,12 @@ def _longrope_factor(p: dict[str, Any], config: Any) -> float:
     return factor if factor is not None else config.max_position_embeddings / p["original_max_position_embeddings"]
 
 
-def _longrope_inv_freq(p: dict[str, Any], dim: int, config: Any, factors: str = "short_factor",
-                       ) -> tuple[torch.Tensor, float]:
+def _longrope_inv_freq(
+    p: dict[str, Any],
+    dim: int,
+    config: Any,
+    factors: str = "short_factor",
+) -> tuple[torch.Tensor, float]:
     """LongRoPE (Phi-3's "su"): theta's frequencies divided by one factor per pair, `short_factor` for sequences up
     to original_max_position_embeddings, `long_factor` past it; cos / sin scaled by the attention factor."""
     ext = torch.tensor(p[factors], dtype=torch.float32)
@@ -579,7 +611,7 @@ _ROPE_TYPES = {
     "dynamic": _dynamic_inv_freq,
     "longrope": _longrope_inv_freq,
 }
-_ROPE_ALIASES = {"su": "longrope"}   # Phi-3's older name
+_ROPE_ALIASES = {"su": "longrope"}  # Phi-3's older name
 
 
 # Cache length for configs that state no max_position_embeddings (the engine's context length is then 4096 too).
@@ -611,7 +643,7 @@ class RotaryEmbedding(nn.Module):
     Phi-3 recomputes them then.)
     """
 
-    inv_freq: torch.Tensor          # buffers (registered in __init__), typed for their readers
+    inv_freq: torch.Tensor  # buffers (registered in __init__), typed for their readers
     cos_sin_cache: torch.Tensor
 
     def __init__(self, config: Any, head_dim: int, is_neox: bool = True, partial: bool = False) -> None:
@@ -619,8 +651,9 @@ class RotaryEmbedding(nn.Module):
         params = rope_parameters(config)
         rope_type = params["rope_type"]
         if rope_type not in _ROPE_TYPES:
-            raise NotImplementedError(f"rope_type {rope_type!r} is not supported; supported: "
-                                      f"{', '.join(sorted(_ROPE_TYPES))}")
+            raise NotImplementedError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(sorted(_ROPE_TYPES))}"
+            )
         factor = float(params["partial_rotary_factor"])
         if factor != 1.0 and not partial:
             raise NotImplementedError(f"partial_rotary_factor {factor} is not supported by this model")
@@ -670,8 +703,10 @@ class RotaryEmbedding(nn.Module):
         """Make the cache cover positions 0 .. num_positions - 1 (growing it to the next power of two)."""
         if num_positions > self.max_positions:
             if self.rope_type == "dynamic":
-                raise NotImplementedError(f"rope_type 'dynamic' past max_position_embeddings {self.max_positions} "
-                                          f"(transformers rescales it with each step's length): {num_positions}")
+                raise NotImplementedError(
+                    f"rope_type 'dynamic' past max_position_embeddings {self.max_positions} "
+                    f"(transformers rescales it with each step's length): {num_positions}"
+                )
             self.cos_sin_cache = self._cache(1 << (num_positions - 1).bit_length())
 
     def rope_batch(self, batch: ForwardBatch) -> ForwardBatch:
@@ -681,12 +716,12 @@ class RotaryEmbedding(nn.Module):
         prompt at once)."""
         if not self.length_dependent:
             return batch
-        lens = batch.seq_lens                                                     # [B]
-        if batch.prefill_decode_from is not None:   # the prefill chunks' prompt lengths
+        lens = batch.seq_lens  # [B]
+        if batch.prefill_decode_from is not None:  # the prefill chunks' prompt lengths
             decodes = batch.num_decodes
             lens = torch.cat((lens[:decodes], torch.maximum(lens[decodes:], batch.prefill_decode_from)))
         long = lens > self.original_max_positions
-        if not batch.step_graph:   # rows of prefill chunks: their sequence's flag; padding rows keep theirs
+        if not batch.step_graph:  # rows of prefill chunks: their sequence's flag; padding rows keep theirs
             long = torch.repeat_interleave(long, torch.tensor(batch.query_lens, device=long.device))
             long = F.pad(long, (0, batch.positions.shape[0] - long.shape[0]))
         return replace(batch, positions=batch.positions + long.to(torch.int64) * self.max_positions)
@@ -703,5 +738,11 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     rest; here pair i < r/2 sits at (i, i + head_dim/2) and the passing dims fill each half's remainder."""
     half, rot_half = head_dim // 2, rotary_dim // 2
     passing = torch.arange(rotary_dim, head_dim)
-    return torch.cat((torch.arange(rot_half), passing[:half - rot_half],
-                      torch.arange(rot_half, rotary_dim), passing[half - rot_half:]))
+    return torch.cat(
+        (
+            torch.arange(rot_half),
+            passing[: half - rot_half],
+            torch.arange(rot_half, rotary_dim),
+            passing[half - rot_half :],
+        )
+    )

@@ -18,10 +18,8 @@ import torch
 from torch import nn
 
 from infer.worker.attention import paged_attention
-from infer.worker.lora import lora_rows_active
-from infer.worker.models.native_decode import NativeDecoder
 from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.tensor_parallel import TensorParallel
+from infer.worker.lora import lora_rows_active
 from infer.worker.models.layers import (
     LMHead,
     MergedColumnLinear,
@@ -31,6 +29,8 @@ from infer.worker.models.layers import (
     VocabEmbedding,
     silu_and_mul,
 )
+from infer.worker.models.native_decode import NativeDecoder
+from infer.worker.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from infer.worker.models.gemma import Gemma3Model
@@ -50,9 +50,12 @@ class LlamaVariant:
         if config.model_type == "qwen2":  # biases on q, k, v only, always
             return cls(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
         attention_bias = bool(getattr(config, "attention_bias", False))
-        return cls(qkv_bias=attention_bias, o_bias=attention_bias,
-                   mlp_bias=bool(getattr(config, "mlp_bias", False)),
-                   qk_norm=config.model_type in ("qwen3", "qwen3_moe"))
+        return cls(
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=config.model_type in ("qwen3", "qwen3_moe"),
+        )
 
 
 # Model types whose transformers implementation applies `sliding_window` to every layer when it is set (and no
@@ -100,15 +103,18 @@ def layer_windows(config: Any) -> tuple[int, ...]:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None and config.model_type in ("qwen2", "qwen3") and getattr(config, "use_sliding_window", False):
         first = getattr(config, "max_window_layers", num_layers)
-        layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                       for i in range(num_layers)]
+        layer_types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)
+        ]
     if layer_types is not None:
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
         unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
         if unknown:
-            raise NotImplementedError(f"{config.model_type}: layer type(s) {', '.join(unknown)} are not supported; "
-                                      f"supported: {', '.join(_LAYER_TYPES)}")
+            raise NotImplementedError(
+                f"{config.model_type}: layer type(s) {', '.join(unknown)} are not supported; "
+                f"supported: {', '.join(_LAYER_TYPES)}"
+            )
         if "sliding_attention" not in layer_types:
             return (0,) * num_layers
     elif config.model_type in _WINDOW_ON_EVERY_LAYER and window is not None:
@@ -125,28 +131,48 @@ class LlamaAttention(nn.Module):
     (tp.part of them) and the KV heads they read (`TensorParallel.kv_heads`); o_proj sums the ranks'
     partial outputs. `window` > 0: a sliding window (see `layer_windows`); 0: full causal attention."""
 
-    def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype, tp: TensorParallel, window: int = 0) -> None:
+    def __init__(
+        self,
+        config: Any,
+        variant: LlamaVariant,
+        head_dim: int,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        window: int = 0,
+    ) -> None:
         super().__init__()
         self.window = window
-        self.softcap = 0.0   # attention logit soft-capping (Gemma 2 sets it)
+        self.softcap = 0.0  # attention logit soft-capping (Gemma 2 sets it)
         total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_heads = len(tp.part(total_heads, "the number of attention heads"))
         kv_heads = tp.kv_heads(total_kv_heads)
         self.num_kv_heads = len(kv_heads)
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         q_size, kv_size = total_heads * head_dim, total_kv_heads * head_dim
         kv_parts = (tp.size, tp.rank) if total_kv_heads >= tp.size else (total_kv_heads, kv_heads.start)
-        self.qkv_proj = MergedColumnLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                           variant.qkv_bias, dtype, tp, shard_parts={"k": kv_parts, "v": kv_parts})
+        self.qkv_proj = MergedColumnLinear(
+            config.hidden_size,
+            {"q": q_size, "k": kv_size, "v": kv_size},
+            variant.qkv_bias,
+            dtype,
+            tp,
+            shard_parts={"k": kv_parts, "v": kv_parts},
+        )
         self.o_proj = RowLinear(q_size, config.hidden_size, variant.o_bias, dtype, tp)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by all layers
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """positions [T], hidden [T, hidden_size] -> [T, hidden_size]; writes this layer's new K, V into the
         cache."""
         num_tokens = hidden.shape[0]
@@ -157,23 +183,41 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary_emb(positions, q, None)  # q in place; K is rotated by the KV append as it is stored
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale, self.rotary_emb.cos_sin_cache,
-                              self.rotary_emb.is_neox, self.window, self.softcap)
+        out = paged_attention(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            batch,
+            self.scale,
+            self.rotary_emb.cos_sin_cache,
+            self.rotary_emb.is_neox,
+            self.window,
+            self.softcap,
+        )
         return self.o_proj(out.view(num_tokens, -1))
 
 
 class LlamaMLP(nn.Module):
     """SiLU-gated MLP of `intermediate_size` (default: the config's)."""
 
-    def __init__(self, config: Any, variant: LlamaVariant, dtype: torch.dtype, tp: TensorParallel,
-                 intermediate_size: int | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        variant: LlamaVariant,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        intermediate_size: int | None = None,
+    ) -> None:
         super().__init__()
         if config.hidden_act not in ("silu", "swish"):
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         size = config.intermediate_size if intermediate_size is None else intermediate_size
         tp.part(size, "the intermediate size")
-        self.gate_up_proj = MergedColumnLinear(config.hidden_size, {"gate": size, "up": size},
-                                               variant.mlp_bias, dtype, tp)
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size, {"gate": size, "up": size}, variant.mlp_bias, dtype, tp
+        )
         self.down_proj = RowLinear(size, config.hidden_size, variant.mlp_bias, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,17 +233,32 @@ class LlamaDecoderLayer(nn.Module):
     the previous sublayer's output into `residual` in place, fused with the norm. `mlp` is the feed-forward
     sublayer (a `LlamaMLP`, or an MoE block in the MoE models)."""
 
-    def __init__(self, config: Any, variant: LlamaVariant, head_dim: int, rotary_emb: RotaryEmbedding,
-                 dtype: torch.dtype, mlp: nn.Module, tp: TensorParallel, window: int = 0) -> None:
+    def __init__(
+        self,
+        config: Any,
+        variant: LlamaVariant,
+        head_dim: int,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        mlp: nn.Module,
+        tp: TensorParallel,
+        window: int = 0,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, variant, head_dim, rotary_emb, dtype, tp, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = mlp
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden_size]: the previous layer's MLP output (or, with residual None, the embeddings)
         -> (this layer's MLP output, residual stream up to its input)."""
         if residual is None:
@@ -218,28 +277,41 @@ class LlamaModel(nn.Module):
     # whether the family keeps its q / k heads in partial_rotary_order (a partial_rotary_factor is refused if not)
     partial_rotary: ClassVar[bool] = False
 
-    def __init__(self, config: Any, head_dim: int, dtype: torch.dtype,
-                 mlp_factory: MLPFactory | None = None, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_dim: int,
+        dtype: torch.dtype,
+        mlp_factory: MLPFactory | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         tp = TensorParallel.single() if tp is None else tp
         variant = LlamaVariant.from_config(config)
         if mlp_factory is None:
+
             def mlp_factory(layer_index: int) -> nn.Module:
                 return LlamaMLP(config, variant, dtype, tp)
+
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.rotary_emb = RotaryEmbedding(config, head_dim, partial=self.partial_rotary)
         windows = layer_windows(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype, mlp_factory(i), tp, windows[i])
-            for i in range(config.num_hidden_layers))
+            for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tp_size = tp.size
         # Steps of 1-8 decoding sequences in one native call (CPU; worker/models/native_decode.py), built on the
         # first step after the weights changed; `native_decode = False` keeps every step on the layers one by one.
         self.native_decode: NativeDecoder | Literal[False] | None = None
 
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache,
-                layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    ) -> torch.Tensor:
         """`layers` stand in for self.layers, one for one (the step graphs' compiled copies)."""
         hidden, residual = self.embed_tokens(batch.input_ids), None
         self.rotary_emb.reserve(max(batch.context_lens, default=0))
@@ -247,8 +319,12 @@ class LlamaModel(nn.Module):
         if layers is None and batch.num_decodes and not torch.compiler.is_compiling() and not lora_rows_active():
             if self.native_decode is None:
                 self.native_decode = NativeDecoder.for_model(self, self.tp_size) or False
-            if (isinstance(self.native_decode, NativeDecoder) and hidden.dtype == self.native_decode.dtype
-                    and hidden.dim() == 2 and self.native_decode.takes(batch, kv_cache)):
+            if (
+                isinstance(self.native_decode, NativeDecoder)
+                and hidden.dtype == self.native_decode.dtype
+                and hidden.dim() == 2
+                and self.native_decode.takes(batch, kv_cache)
+            ):
                 return self.native_decode.run(hidden, batch, kv_cache)
         steps: Iterable[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = self.layers if layers is None else layers
         for layer, k_cache, v_cache in zip(steps, kv_cache.k, kv_cache.v, strict=True):
@@ -261,8 +337,11 @@ class LlamaForCausalLM(nn.Module):
 
     # checkpoint module name -> (our fused module, shard)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
     }
 
     # Step graphs (worker/step_graphs.py) can compile its decoder layers: dense layers trace into one graph
@@ -274,8 +353,9 @@ class LlamaForCausalLM(nn.Module):
     base_model_class: ClassVar[Callable[..., LlamaModel | Gemma3Model]] = LlamaModel
     implemented_fields: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, mlp_factory: MLPFactory | None = None, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -283,8 +363,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers: int = config.num_hidden_layers
         self.tp.part(config.num_attention_heads, "the number of attention heads")
         self.num_kv_heads: int = len(self.tp.kv_heads(config.num_key_value_heads))  # on this rank
-        self.head_dim: int = (getattr(config, "head_dim", None)
-                              or config.hidden_size // config.num_attention_heads)
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.vocab_size: int = config.vocab_size
         refuse_unsupported(config, self.implemented_fields)
         # each layer's sliding window, 0 for full attention (every layer's KV blocks are kept: none are freed)
@@ -302,8 +381,12 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_tied(self) -> bool:
         return self.lm_head.weight is self.model.embed_tokens.weight
 
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache,
-                layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        layers: Sequence[Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden_size] of every token of the batch; K, V of the new tokens are cached.
         `layers`: see LlamaModel.forward."""
         return self.model(batch, kv_cache, layers)

@@ -57,8 +57,15 @@ class FusedExperts(nn.Module):
     size (I below is then I / tp.size): its outputs are partial sums, which the block all-reduces.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 ep: ExpertParallel, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        ep: ExpertParallel,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.tp = TensorParallel.single() if tp is None else tp
         self.num_experts = num_experts
@@ -89,8 +96,9 @@ class FusedExperts(nn.Module):
         param: torch.Tensor = getattr(self, param_name)
         if shard is None:  # the fused layout: every expert's tensor stacked along dim 0
             if tensor.shape[0] != self.num_experts:
-                raise ValueError(f"{param_name}: {tensor.shape[0]} experts in the checkpoint, the config has "
-                                 f"{self.num_experts}")
+                raise ValueError(
+                    f"{param_name}: {tensor.shape[0]} experts in the checkpoint, the config has {self.num_experts}"
+                )
             ours = tensor.narrow(0, self.expert_range.start, len(self.expert_range))
             for i in range(len(self.expert_range)):
                 if param_name == "down_proj":
@@ -104,8 +112,9 @@ class FusedExperts(nn.Module):
             raise ValueError(f"{param_name} takes an expert shard, got {shard!r}")
         if (param_name == "down_proj") != (shard.projection == "down"):
             raise ValueError(f"{shard} does not belong in {param_name}")
-        self._load_projection(param[shard.expert - self.expert_range.start], shard.projection, tensor,
-                              f"{param_name}[{shard}]")
+        self._load_projection(
+            param[shard.expert - self.expert_range.start], shard.projection, tensor, f"{param_name}[{shard}]"
+        )
 
     def _load_projection(self, expert_param: torch.Tensor, projection: str, tensor: Any, what: str) -> None:
         """One expert's full gate / up [I, H] or down [H, I] -> this rank's slice of it in `expert_param`."""
@@ -123,9 +132,9 @@ class Routing:
 
     num_experts: int
     top_k: int
-    renormalize: bool               # divide the top-k probabilities by their sum
-    weights_in_model_dtype: bool    # round the weights to the model dtype before weighting (Qwen3-MoE);
-                                    # Mixtral weights the expert outputs by float32 weights
+    renormalize: bool  # divide the top-k probabilities by their sum
+    weights_in_model_dtype: bool  # round the weights to the model dtype before weighting (Qwen3-MoE);
+    # Mixtral weights the expert outputs by float32 weights
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -151,8 +160,15 @@ class SparseMoeBlock(nn.Module):
     with tensor parallelism the experts' partial sums are all-reduced over the TP group after it.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, routing: Routing, dtype: torch.dtype,
-                 ep: ExpertParallel, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        routing: Routing,
+        dtype: torch.dtype,
+        ep: ExpertParallel,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.routing = routing
         self.ep = ep
@@ -181,15 +197,19 @@ class MixtralForCausalLM(LlamaForCausalLM):
     checkpoint_module_renames: ClassVar[dict[str, str]] = {"block_sparse_moe": "mlp"}
     # per-expert checkpoint module (experts.{i}.<name>) -> (our fused expert parameter, projection)
     expert_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
-        "w1": ("gate_up_proj", "gate"), "w3": ("gate_up_proj", "up"), "w2": ("down_proj", "down"),
+        "w1": ("gate_up_proj", "gate"),
+        "w3": ("gate_up_proj", "up"),
+        "w2": ("down_proj", "down"),
     }
 
-    def __init__(self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None, tp: TensorParallel | None = None
+    ) -> None:
         _check_activation(config)
         ep = ExpertParallel.single() if ep is None else ep
-        routing = Routing(config.num_local_experts, config.num_experts_per_tok, renormalize=True,
-                          weights_in_model_dtype=False)
+        routing = Routing(
+            config.num_local_experts, config.num_experts_per_tok, renormalize=True, weights_in_model_dtype=False
+        )
 
         def sparse_block(layer_index: int) -> nn.Module:
             return SparseMoeBlock(config.hidden_size, config.intermediate_size, routing, dtype, ep, tp)
@@ -207,17 +227,23 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     supports_step_graphs: ClassVar[bool] = False  # expert dispatch is data-dependent
     supports_expert_parallel: ClassVar[bool] = True
     expert_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
         "down_proj": ("down_proj", "down"),
     }
 
-    def __init__(self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, ep: ExpertParallel | None = None, tp: TensorParallel | None = None
+    ) -> None:
         _check_activation(config)
         ep = ExpertParallel.single() if ep is None else ep
         tp = TensorParallel.single() if tp is None else tp
-        routing = Routing(config.num_experts, config.num_experts_per_tok,
-                          renormalize=bool(config.norm_topk_prob), weights_in_model_dtype=True)
+        routing = Routing(
+            config.num_experts,
+            config.num_experts_per_tok,
+            renormalize=bool(config.norm_topk_prob),
+            weights_in_model_dtype=True,
+        )
         variant = LlamaVariant.from_config(config)
 
         def mlp_of_layer(layer_index: int) -> nn.Module:
@@ -231,5 +257,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     @staticmethod
     def is_sparse_layer(config: Any, layer_index: int) -> bool:
         """transformers' rule for which Qwen3-MoE layers have experts."""
-        return (layer_index not in (getattr(config, "mlp_only_layers", None) or ())
-                and config.num_experts > 0 and (layer_index + 1) % config.decoder_sparse_step == 0)
+        return (
+            layer_index not in (getattr(config, "mlp_only_layers", None) or ())
+            and config.num_experts > 0
+            and (layer_index + 1) % config.decoder_sparse_step == 0
+        )

@@ -36,7 +36,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.kernels.cpu_kernels import (
-    GEMV_MAX_ROWS, MAX_BLOCK, MAX_GROUP, MAX_HEAD_DIM, MAX_HIDDEN, decode_layers, native_ready
+    GEMV_MAX_ROWS,
+    MAX_BLOCK,
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    MAX_HIDDEN,
+    decode_layers,
+    native_ready,
 )
 from infer.kernels.quant import FORMAT_CODES
 from infer.worker.forward_batch import ForwardBatch, KVCache
@@ -89,8 +95,15 @@ class NativeDecoder:
         weights: list[torch.Tensor | None] = []
         for layer in layers:
             qkv, o, gate_up, down = linears = _linears(layer)
-            weights += [layer.input_layernorm.weight, qkv.weight, o.weight, layer.post_attention_layernorm.weight,
-                        gate_up.weight, down.weight, *(linear.bias for linear in linears)]
+            weights += [
+                layer.input_layernorm.weight,
+                qkv.weight,
+                o.weight,
+                layer.post_attention_layernorm.weight,
+                gate_up.weight,
+                down.weight,
+                *(linear.bias for linear in linears),
+            ]
             weights += [t for linear in linears for t in (linear.weight_scales, linear.weight_mins)]
         weights.append(model.norm.weight)
         self.weights = (ctypes.c_void_p * len(weights))(*[None if t is None else t.data_ptr() for t in weights])
@@ -102,8 +115,8 @@ class NativeDecoder:
         self.scratch = torch.empty(GEMV_MAX_ROWS * self.scratch_per_row, dtype=self.dtype)
         self.residual = torch.empty(GEMV_MAX_ROWS, self.hidden, dtype=self.dtype)
         self._pools: tuple[tuple[int, ...], ctypes.Array] | None = None
-        self.steps = 0                # steps run here
-        self.verification_steps = 0   # of them, steps with a verification's rows
+        self.steps = 0  # steps run here
+        self.verification_steps = 0  # of them, steps with a verification's rows
 
     @classmethod
     def for_model(cls, model: LlamaModel, tp_size: int) -> NativeDecoder | None:
@@ -120,24 +133,45 @@ class NativeDecoder:
             return None
         if model.norm.weight.device.type != "cpu" or model.rotary_emb.cos_sin_cache.dtype != torch.float32:
             return None
-        if not all(type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
-                   and type(layer.mlp) is LlamaMLP and layer.self_attn.q_norm is None
-                   and not layer.self_attn.softcap for layer in layers):
+        if not all(
+            type(layer) is LlamaDecoderLayer
+            and type(layer.self_attn) is LlamaAttention
+            and type(layer.mlp) is LlamaMLP
+            and layer.self_attn.q_norm is None
+            and not layer.self_attn.softcap
+            for layer in layers
+        ):
             return None
         attn = layers[0].self_attn
         norms = [model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         linears = [linear for layer in layers for linear in _linears(layer)]
-        shapes_fit = (attn.head_dim % 16 == 0 and attn.head_dim <= MAX_HEAD_DIM
-                      and attn.num_heads % attn.num_kv_heads == 0 and attn.num_heads // attn.num_kv_heads <= MAX_GROUP
-                      and model.norm.weight.shape[0] <= MAX_HIDDEN)
-        same = all(layer.self_attn.num_heads == attn.num_heads and layer.self_attn.num_kv_heads == attn.num_kv_heads
-                   and layer.self_attn.head_dim == attn.head_dim and layer.self_attn.scale == attn.scale
-                   for layer in layers) and len({n.eps for n in norms}) == 1
+        shapes_fit = (
+            attn.head_dim % 16 == 0
+            and attn.head_dim <= MAX_HEAD_DIM
+            and attn.num_heads % attn.num_kv_heads == 0
+            and attn.num_heads // attn.num_kv_heads <= MAX_GROUP
+            and model.norm.weight.shape[0] <= MAX_HIDDEN
+        )
+        same = (
+            all(
+                layer.self_attn.num_heads == attn.num_heads
+                and layer.self_attn.num_kv_heads == attn.num_kv_heads
+                and layer.self_attn.head_dim == attn.head_dim
+                and layer.self_attn.scale == attn.scale
+                for layer in layers
+            )
+            and len({n.eps for n in norms}) == 1
+        )
         formats = [_linear_format(linear, dtype) for linear in linears]
-        plain = all(code is not None for code in formats) and all(
-            lin.bias is None or (lin.bias.dtype == dtype and lin.bias.is_contiguous()
-                                 and lin.bias.shape[0] == lin.logical_shape[0]) for lin in linears) and all(
-            n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms)
+        plain = (
+            all(code is not None for code in formats)
+            and all(
+                lin.bias is None
+                or (lin.bias.dtype == dtype and lin.bias.is_contiguous() and lin.bias.shape[0] == lin.logical_shape[0])
+                for lin in linears
+            )
+            and all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms)
+        )
         return cls(model, formats) if shapes_fit and same and plain else None  # type: ignore[arg-type]
 
     def takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
@@ -145,18 +179,32 @@ class NativeDecoder:
         nothing else, outside a step graph, over pools of the model's type and of the shape the kernels take."""
         rows, runs = batch.input_ids.shape[0], batch.decode_runs
         requests = rows if runs is None else runs.shape[0]
-        if (batch.step_graph or not 0 < rows <= MAX_ROWS or not 0 < requests <= GEMV_MAX_ROWS
-                or batch.num_decodes != rows or len(batch.context_lens) != rows):
+        if (
+            batch.step_graph
+            or not 0 < rows <= MAX_ROWS
+            or not 0 < requests <= GEMV_MAX_ROWS
+            or batch.num_decodes != rows
+            or len(batch.context_lens) != rows
+        ):
             return False
         if runs is not None and not (runs.dtype == torch.int32 and runs.is_contiguous() and runs.device.type == "cpu"):
             return False
         pool, tables, cos_sin = kv_cache.k[0], batch.block_tables, self.model.rotary_emb.cos_sin_cache
-        return (batch.positions.dtype == batch.slot_mapping.dtype == torch.int64 and batch.positions.is_contiguous()
-                and batch.slot_mapping.is_contiguous()
-                and batch.seq_lens.dtype == torch.int32 and batch.seq_lens.is_contiguous()
-                and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and pool.dtype == self.dtype
-                and pool.dim() == 4 and pool.is_contiguous()
-                and pool.shape[2] <= MAX_BLOCK and tables.dtype == torch.int32 and tables.stride(1) == 1)
+        return (
+            batch.positions.dtype == batch.slot_mapping.dtype == torch.int64
+            and batch.positions.is_contiguous()
+            and batch.slot_mapping.is_contiguous()
+            and batch.seq_lens.dtype == torch.int32
+            and batch.seq_lens.is_contiguous()
+            and cos_sin.dtype == torch.float32
+            and cos_sin.is_contiguous()
+            and pool.dtype == self.dtype
+            and pool.dim() == 4
+            and pool.is_contiguous()
+            and pool.shape[2] <= MAX_BLOCK
+            and tables.dtype == torch.int32
+            and tables.stride(1) == 1
+        )
 
     def pool_addresses(self, kv_cache: KVCache) -> ctypes.Array:
         """The pools' addresses as decode_layers.c takes them (made again when the pool's tensors change: a
@@ -172,14 +220,34 @@ class NativeDecoder:
         [B, hidden], for a step that `takes` accepts. K and V of the new tokens are stored in every layer's pool."""
         h = hidden if hidden.is_contiguous() else hidden.contiguous()
         rows = h.shape[0]
-        if self.residual.shape[0] < rows:   # grown to the most rows a step brought (a verification: 1 + k each)
+        if self.residual.shape[0] < rows:  # grown to the most rows a step brought (a verification: 1 + k each)
             self.residual = torch.empty(rows, self.hidden, dtype=self.dtype)
             self.scratch = torch.empty(rows * self.scratch_per_row, dtype=self.dtype)
         rotary = self.model.rotary_emb
-        decode_layers(h, self.residual, self.weights, self.formats, self.pool_addresses(kv_cache), self.num_layers,
-                      self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, self.eps, self.scale,
-                      batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens, kv_cache.k[0],
-                      rotary.cos_sin_cache, rotary.is_neox, self.scratch, self.windows, batch.decode_runs)
+        decode_layers(
+            h,
+            self.residual,
+            self.weights,
+            self.formats,
+            self.pool_addresses(kv_cache),
+            self.num_layers,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate,
+            self.eps,
+            self.scale,
+            batch.positions,
+            batch.slot_mapping,
+            batch.block_tables,
+            batch.seq_lens,
+            kv_cache.k[0],
+            rotary.cos_sin_cache,
+            rotary.is_neox,
+            self.scratch,
+            self.windows,
+            batch.decode_runs,
+        )
         self.steps += 1
         self.verification_steps += batch.decode_runs is not None
         return h

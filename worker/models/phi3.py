@@ -26,8 +26,16 @@ class PartialRotaryQKV(MergedColumnLinear):
     """The fused qkv projection with each q and k head's rows in `order` (partial_rotary_order): the rotation the
     kernels apply to whole heads is then transformers' partial one."""
 
-    def __init__(self, like: MergedColumnLinear, in_features: int, bias: bool, head_dim: int, order: torch.Tensor,
-                 dtype: torch.dtype, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        like: MergedColumnLinear,
+        in_features: int,
+        bias: bool,
+        head_dim: int,
+        order: torch.Tensor,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+    ) -> None:
         full = {name: size * like.shard_parts[name][0] for name, size in like.shard_sizes.items()}
         super().__init__(in_features, full, bias, dtype, tp, shard_parts=like.shard_parts)
         self.head_dim, self.order = head_dim, order
@@ -48,8 +56,14 @@ class Phi3Model(LlamaModel):
 
     partial_rotary: ClassVar[bool] = True
 
-    def __init__(self, config: Any, head_dim: int, dtype: torch.dtype, mlp_factory: MLPFactory | None = None,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_dim: int,
+        dtype: torch.dtype,
+        mlp_factory: MLPFactory | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__(config, head_dim, dtype, mlp_factory, tp)
         rotary_dim = self.rotary_emb.rotary_dim
         if rotary_dim == head_dim:
@@ -58,8 +72,9 @@ class Phi3Model(LlamaModel):
         tp = TensorParallel.single() if tp is None else tp
         for layer in self.layers:
             attn = layer.self_attn
-            attn.qkv_proj = PartialRotaryQKV(attn.qkv_proj, config.hidden_size, attn.qkv_proj.bias is not None,
-                                             head_dim, order, dtype, tp)
+            attn.qkv_proj = PartialRotaryQKV(
+                attn.qkv_proj, config.hidden_size, attn.qkv_proj.bias is not None, head_dim, order, dtype, tp
+            )
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

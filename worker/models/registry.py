@@ -11,8 +11,8 @@ from infer.worker.models.deepseek import DeepseekV2ForCausalLM
 from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from infer.worker.models.gpt_oss import GptOssForCausalLM
 from infer.worker.models.llama import LlamaForCausalLM
-from infer.worker.models.phi3 import Phi3ForCausalLM
 from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from infer.worker.models.phi3 import Phi3ForCausalLM
 
 
 class CausalLM(Protocol):
@@ -87,6 +87,8 @@ def model_class(config: Any) -> type:
     for arch in getattr(config, "architectures", None) or ():
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
-    raise ValueError(f"unsupported model: model_type {model_type!r}, architectures "
-                     f"{getattr(config, 'architectures', None)}; supported model types: "
-                     f"{', '.join(sorted(MODEL_TYPES))}")
+    raise ValueError(
+        f"unsupported model: model_type {model_type!r}, architectures "
+        f"{getattr(config, 'architectures', None)}; supported model types: "
+        f"{', '.join(sorted(MODEL_TYPES))}"
+    )
