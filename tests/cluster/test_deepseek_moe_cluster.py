@@ -6,56 +6,26 @@ and of the shared experts' intermediate size) give transformers' greedy tokens."
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from family_cluster import ENGINE_FLAGS, generate, greedy, models_made_once, start_tp2_x_ep2
 from family_models import FAMILIES, tiny_checkpoint
-from group_procs import free_port, ready
-from hf_reference import transformers_greedy
 
-from infer import SamplingParams
-
-ENGINE_FLAGS = (
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    "256",
-    "--kv-cache-memory",
-    "8000000",
-    "--threads",
-    "1",
-    "--block-size",
-    "4",
-)
-TP_FLAGS = ("--tp-size", "2", "--tp-timeout", "5", "--max-num-batched-tokens", "32")
 MAX_NEW = 12
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+GREEDY = greedy(MAX_NEW)
 PROMPTS = [[(5 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate((9, 36, 50))]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, smollm2_tokenizer):
-    """name -> (model directory, transformers' greedy tokens), each made once."""
-    made = {}
+    def build(name, folder):
+        model_type, fields = FAMILIES[name]
+        return tiny_checkpoint(folder, smollm2_tokenizer, model_type, **fields)
 
-    def make(name: str):
-        if name not in made:
-            model_type, fields = FAMILIES[name]
-            path = tiny_checkpoint(tmp_path_factory.mktemp(name), smollm2_tokenizer, model_type, **fields)
-            made[name] = path, transformers_greedy(path, PROMPTS, MAX_NEW)
-        return made[name]
-
-    return make
+    return models_made_once(tmp_path_factory, build, PROMPTS, MAX_NEW)
 
 
 async def _generate(client, pin_rank=None) -> list[list[int]]:
-    def rank_of(i: int):
-        return pin_rank if pin_rank is not None else i % 2
-
-    done = await asyncio.wait_for(
-        asyncio.gather(*(client.generate(p, GREEDY, pin_rank=rank_of(i)) for i, p in enumerate(PROMPTS))), 240
-    )
-    return [c.token_ids for c in done]
+    return await generate(client, PROMPTS, GREEDY, lambda i: pin_rank if pin_rank is not None else i % 2)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -83,24 +53,7 @@ async def test_ep2_group_equals_transformers(ep_groups, models, name):
 async def test_tp2_x_ep2_equals_transformers(cluster_factory, models):
     model, want = models("deepseek_v3")
     cluster = cluster_factory()
-    cluster.coordinator()
-    dist_init = f"tcp://127.0.0.1:{free_port()}"
-    for ep_rank in range(2):
-        cluster.worker(
-            ep_rank,
-            *ENGINE_FLAGS,
-            *TP_FLAGS,
-            "--ep-size",
-            "2",
-            "--ep-rank",
-            str(ep_rank),
-            "--dist-init",
-            dist_init,
-            "--ep-timeout",
-            "20",
-            model=model,
-        )
-    ready(cluster, 2)
+    start_tp2_x_ep2(cluster, model)
     async with cluster.client() as client:
         assert await _generate(client, 0) == want  # EP rank 1's TP group idle: dummy steps
         assert await _generate(client) == want

@@ -6,51 +6,27 @@ slice of kv_b_proj and the whole latent)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from family_cluster import ENGINE_FLAGS, TP_FLAGS, generate, greedy, models_made_once
 from family_models import DEEPSEEK_V2, GEMMA2, PHI3, tiny_checkpoint
-from hf_reference import transformers_greedy
 
-from infer import SamplingParams
-
-ENGINE_FLAGS = (
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    "256",
-    "--kv-cache-memory",
-    "8000000",
-    "--threads",
-    "1",
-    "--block-size",
-    "4",
-)
-TP_FLAGS = ("--tp-size", "2", "--tp-timeout", "5", "--max-num-batched-tokens", "32")
 MAX_NEW = 16
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+GREEDY = greedy(MAX_NEW)
 PROMPTS = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate((19, 30, 57, 70))]
 MODELS = {"gemma2": GEMMA2, "phi3": PHI3, "deepseek_v2": DEEPSEEK_V2}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, smollm2_tokenizer):
-    """name -> (model directory, transformers' greedy tokens), each made once."""
-    made = {}
+    def build(name, folder):
+        return tiny_checkpoint(folder, smollm2_tokenizer, name, **MODELS[name])
 
-    def make(name: str):
-        if name not in made:
-            path = tiny_checkpoint(tmp_path_factory.mktemp(name), smollm2_tokenizer, name, **MODELS[name])
-            made[name] = path, transformers_greedy(path, PROMPTS, MAX_NEW)
-        return made[name]
-
-    return make
+    return models_made_once(tmp_path_factory, build, PROMPTS, MAX_NEW)
 
 
-async def _generate(cluster, **options) -> list[list[int]]:
+async def _generate(cluster, pin_rank=None) -> list[list[int]]:
     async with cluster.client() as client:
-        done = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY, **options) for p in PROMPTS)), 180)
-    return [c.token_ids for c in done]
+        return await generate(client, PROMPTS, GREEDY, lambda i: pin_rank)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -6,30 +6,13 @@ window."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from family_cluster import ENGINE_FLAGS, generate, greedy, start_tp2_x_ep2
 from gpt_oss_models import tiny_gpt_oss
-from group_procs import free_port, ready
 from hf_reference import transformers_greedy
 
-from infer import SamplingParams
-
-ENGINE_FLAGS = (
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    "256",
-    "--kv-cache-memory",
-    "8000000",
-    "--threads",
-    "1",
-    "--block-size",
-    "4",
-)
-TP_FLAGS = ("--tp-size", "2", "--tp-timeout", "5", "--max-num-batched-tokens", "32")
 MAX_NEW = 16
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+GREEDY = greedy(MAX_NEW)
 PROMPTS = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate((19, 30, 57, 70))]
 
 
@@ -42,10 +25,7 @@ def model(tmp_path_factory, smollm2_tokenizer):
 
 async def _generate(cluster, pin=lambda i: None) -> list[list[int]]:
     async with cluster.client() as client:
-        done = await asyncio.wait_for(
-            asyncio.gather(*(client.generate(p, GREEDY, pin_rank=pin(i)) for i, p in enumerate(PROMPTS))), 180
-        )
-    return [c.token_ids for c in done]
+        return await generate(client, PROMPTS, GREEDY, pin)
 
 
 async def test_two_workers_equal_transformers(model_cluster, model):
@@ -66,22 +46,5 @@ async def test_a_two_rank_ep_group_equals_transformers(ep_groups, model):
 async def test_tp2_x_ep2_equals_transformers(cluster_factory, model):
     path, want = model
     cluster = cluster_factory()
-    cluster.coordinator()
-    dist_init = f"tcp://127.0.0.1:{free_port()}"
-    for ep_rank in range(2):
-        cluster.worker(
-            ep_rank,
-            *ENGINE_FLAGS,
-            *TP_FLAGS,
-            "--ep-size",
-            "2",
-            "--ep-rank",
-            str(ep_rank),
-            "--dist-init",
-            dist_init,
-            "--ep-timeout",
-            "20",
-            model=path,
-        )
-    ready(cluster, 2)
+    start_tp2_x_ep2(cluster, path)
     assert await _generate(cluster, lambda i: i % 2) == want

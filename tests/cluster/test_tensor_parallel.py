@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from family_cluster import start_tp2_x_ep2
 from fault_streams import assert_exact_streams, streams_through_a_fault
 from group_procs import children, free_port, prompts, ready, state, twice_in_one_batch
 from hf_reference import transformers_greedy
@@ -92,24 +93,7 @@ async def test_tp2_x_ep2_on_an_moe_model_equals_transformers(cluster_factory, mo
     model = models["mixtral"]()
     want = transformers_greedy(model, PROMPTS, MAX_NEW)
     cluster = cluster_factory()
-    cluster.coordinator()
-    dist_init = f"tcp://127.0.0.1:{free_port()}"
-    for ep_rank in range(2):
-        cluster.worker(
-            ep_rank,
-            *ENGINE_FLAGS,
-            *TP_FLAGS,
-            "--ep-size",
-            "2",
-            "--ep-rank",
-            str(ep_rank),
-            "--dist-init",
-            dist_init,
-            "--ep-timeout",
-            "20",
-            model=model,
-        )
-    ready(cluster, 2)
+    start_tp2_x_ep2(cluster, model, ENGINE_FLAGS)
     async with cluster.client() as client:
         pinned = await asyncio.gather(*(client.generate(p, GREEDY, pin_rank=0) for p in PROMPTS))
         assert [c.token_ids for c in pinned] == want  # EP rank 1's TP group idle: dummy steps
