@@ -228,4 +228,4 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
     """Gemma 2 (model_type "gemma2"); see the module docstring for what it changes."""
 
-    base_model_class: ClassVar[Callable[..., nn.Module]] = Gemma2Model
+    base_model_class: ClassVar[Callable[..., LlamaModel | Gemma3Model]] = Gemma2Model

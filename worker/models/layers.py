@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import replace
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -133,9 +133,9 @@ class QuantStorage(nn.Module):
         if self.quant_format is None or self.weight.numel() == 0:
             self.quant, self.quant_native = None, False
             return
-        self.quant = QuantWeight(
-            "q4" if self.quant_format == "q4" else "q8", self.weight, self.weight_scales, self.weight_mins
-        )
+        # materialize gives a quantized weight its scales with its format (and share_storage copies both)
+        scales = cast(torch.Tensor, self.weight_scales)
+        self.quant = QuantWeight("q4" if self.quant_format == "q4" else "q8", self.weight, scales, self.weight_mins)
         self.quant_native = quant_matmul_takes(self.quant)
 
     def copy_weight_rows(self, start: int, length: int, tensor: Any, what: str) -> None:

@@ -161,8 +161,9 @@ class LlamaAttention(nn.Module):
             shard_parts={"k": kv_parts, "v": kv_parts},
         )
         self.o_proj = RowLinear(q_size, config.hidden_size, variant.o_bias, dtype, tp)
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
+        # per-head norms of q and k (Qwen3's RMSNorm; Gemma 3 puts its own norm here)
+        self.q_norm: nn.Module | None = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
+        self.k_norm: nn.Module | None = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by all layers
 
     def forward(
@@ -231,7 +232,8 @@ MLPFactory = Callable[[int], nn.Module]
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block over a residual stream that is carried between layers (vLLM's layout): each norm adds
     the previous sublayer's output into `residual` in place, fused with the norm. `mlp` is the feed-forward
-    sublayer (a `LlamaMLP`, or an MoE block in the MoE models)."""
+    sublayer (a `LlamaMLP`, or an MoE block in the MoE models); `self_attn` the attention (a `LlamaAttention`, or
+    DeepSeek's MLA in its subclass)."""
 
     def __init__(
         self,
@@ -246,7 +248,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, variant, head_dim, rotary_emb, dtype, tp, window)
+        self.self_attn: nn.Module = LlamaAttention(config, variant, head_dim, rotary_emb, dtype, tp, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = mlp
 

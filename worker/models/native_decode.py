@@ -31,7 +31,7 @@ equals greedy output without it, token for token, where the steps without it run
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -50,12 +50,23 @@ from infer.worker.spec_config import MAX_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     from infer.worker.models.layers import PackedLinear
-    from infer.worker.models.llama import LlamaDecoderLayer, LlamaModel
+    from infer.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+
+def _attention(layer: LlamaDecoderLayer) -> LlamaAttention:
+    """A dense layer's attention (`for_model` admits only layers whose attention is a LlamaAttention)."""
+    return cast("LlamaAttention", layer.self_attn)
+
+
+def _mlp(layer: LlamaDecoderLayer) -> LlamaMLP:
+    """A dense layer's MLP (`for_model` admits only layers whose MLP is a LlamaMLP)."""
+    return cast("LlamaMLP", layer.mlp)
 
 
 def _linears(layer: LlamaDecoderLayer) -> tuple[PackedLinear, PackedLinear, PackedLinear, PackedLinear]:
     """A decoder layer's four linears, in decode_layers.c's order."""
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    attn, mlp = _attention(layer), _mlp(layer)
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 # Rows a step may bring: 1-8 requests, each one decode row or a verification's 1 + k (k <= MAX_SPECULATIVE_TOKENS).
@@ -81,8 +92,8 @@ class NativeDecoder:
     (load, refit, resume), drops it, and the next step builds a new one."""
 
     def __init__(self, model: LlamaModel, formats: list[int]) -> None:
-        layers = list(model.layers)
-        attn, mlp = layers[0].self_attn, layers[0].mlp
+        layers = cast("list[LlamaDecoderLayer]", list(model.layers))  # for_model admits no other layer
+        attn, mlp = _attention(layers[0]), _mlp(layers[0])
         self.model = model
         self.dtype = model.norm.weight.dtype
         self.num_layers = len(layers)
@@ -109,7 +120,7 @@ class NativeDecoder:
         self.weights = (ctypes.c_void_p * len(weights))(*[None if t is None else t.data_ptr() for t in weights])
         self.formats = (ctypes.c_int32 * len(formats))(*formats)
         # each layer's sliding window (0: full), as the layers' own attention takes it
-        self.windows = (ctypes.c_int32 * len(layers))(*[layer.self_attn.window for layer in layers])
+        self.windows = (ctypes.c_int32 * len(layers))(*[_attention(layer).window for layer in layers])
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scratch_per_row = 2 * self.hidden + 2 * q_size + 2 * kv_size + 3 * self.intermediate
         self.scratch = torch.empty(GEMV_MAX_ROWS * self.scratch_per_row, dtype=self.dtype)
@@ -142,9 +153,11 @@ class NativeDecoder:
             for layer in layers
         ):
             return None
-        attn = layers[0].self_attn
-        norms = [model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        linears = [linear for layer in layers for linear in _linears(layer)]
+        dense = cast("list[LlamaDecoderLayer]", layers)  # each one checked just above
+        attns = [_attention(layer) for layer in dense]
+        attn = attns[0]
+        norms = [model.norm] + [n for layer in dense for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        linears = [linear for layer in dense for linear in _linears(layer)]
         shapes_fit = (
             attn.head_dim % 16 == 0
             and attn.head_dim <= MAX_HEAD_DIM
@@ -154,11 +167,11 @@ class NativeDecoder:
         )
         same = (
             all(
-                layer.self_attn.num_heads == attn.num_heads
-                and layer.self_attn.num_kv_heads == attn.num_kv_heads
-                and layer.self_attn.head_dim == attn.head_dim
-                and layer.self_attn.scale == attn.scale
-                for layer in layers
+                other.num_heads == attn.num_heads
+                and other.num_kv_heads == attn.num_kv_heads
+                and other.head_dim == attn.head_dim
+                and other.scale == attn.scale
+                for other in attns
             )
             and len({n.eps for n in norms}) == 1
         )
@@ -172,7 +185,8 @@ class NativeDecoder:
             )
             and all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms)
         )
-        return cls(model, formats) if shapes_fit and same and plain else None  # type: ignore[arg-type]
+        # `plain` holds only where no code is None
+        return cls(model, cast("list[int]", formats)) if shapes_fit and same and plain else None
 
     def takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
         """Whether this step is one for the native call: 1-8 decoding requests (verifications' rows included) and

@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
 from infer.worker.models.layers import MergedColumnLinear, _rank_slice, partial_rotary_order
-from infer.worker.models.llama import LlamaForCausalLM, LlamaModel, MLPFactory
+from infer.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, MLPFactory
 from infer.worker.tensor_parallel import TensorParallel
 
 
@@ -71,7 +71,7 @@ class Phi3Model(LlamaModel):
         order = partial_rotary_order(head_dim, rotary_dim)
         tp = TensorParallel.single() if tp is None else tp
         for layer in self.layers:
-            attn = layer.self_attn
+            attn = cast(LlamaAttention, layer.self_attn)  # LlamaModel builds LlamaDecoderLayers: a LlamaAttention each
             attn.qkv_proj = PartialRotaryQKV(
                 attn.qkv_proj, config.hidden_size, attn.qkv_proj.bias is not None, head_dim, order, dtype, tp
             )
