@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from typing import cast
 
 from infer.protocol.sampling import SamplingParams
 
@@ -30,8 +31,11 @@ def chat_prompts(model: str | None) -> list[str]:
     from infer.worker.model_files import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(model))
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+    return [  # the casts: with tokenize=False the template's text (transformers types every return form)
+        cast(
+            str,
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+        )
         for q in QUESTIONS
     ]
 

@@ -7,14 +7,17 @@ either, which is how `AsyncLLM.serve()` puts the same HTTP front on direct mode 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
-from typing import Protocol, runtime_checkable
+import os
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
+# new weights: a safetensors directory, or (checkpoint name, tensor) pairs (a mapping of them, or an iterable)
+WeightSource = str | os.PathLike[str] | Iterable[tuple[str, Any]] | Mapping[str, Any]
 
 
 class ClusterError(RuntimeError):
@@ -91,7 +94,9 @@ class EngineClient(Protocol):
 
     async def resume(self) -> str: ...
 
-    async def update_weights(self, source: object, *, on_running: str = "drain", timeout: float = 600.0) -> int: ...
+    async def update_weights(
+        self, source: WeightSource, *, on_running: str = "drain", timeout: float = 600.0
+    ) -> int: ...
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]: ...
 

@@ -45,7 +45,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -205,7 +205,10 @@ class InferenceClient:
         if self._conn is not None:
             raise ClusterError("already connected")
         ctx = zmq.asyncio.Context()
-        sock = make_socket(ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=self.curve)
+        # the cast: an asyncio context makes asyncio sockets (make_socket is typed for both kinds)
+        sock = cast(
+            zmq.asyncio.Socket, make_socket(ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=self.curve)
+        )
         conn = self._conn = _Connection(ctx, sock, sock.get_monitor_socket(HANDSHAKE_EVENTS))
         sock.connect(self.address)
         self._last_heard = time.monotonic()
@@ -400,24 +403,24 @@ class InferenceClient:
 
     async def pause(self) -> str:
         """Hold new requests in the coordinator (in-flight ones may pause too); returns the new state."""
-        return await self._control("pause")
+        return await self._control(Command.PAUSE)
 
     async def unpause(self) -> str:
-        return await self._control("unpause")
+        return await self._control(Command.UNPAUSE)
 
     async def suspend(self) -> str:
         """From paused: let workers release memory. Returns the new state."""
-        return await self._control("suspend")
+        return await self._control(Command.SUSPEND)
 
     async def resume(self) -> str:
         """From suspended back to paused. Returns the new state."""
-        return await self._control("resume")
+        return await self._control(Command.RESUME)
 
     async def stop(self) -> str:
         """Stop the cluster: pending requests fail with an error, workers stop, the coordinator exits."""
-        return await self._control("stop")
+        return await self._control(Command.STOP)
 
-    async def _control(self, command: str) -> str:
+    async def _control(self, command: Command) -> str:
         # suspend and resume are answered once every worker released / restored its memory
         timeout = self.call_timeout if command not in (Command.SUSPEND, Command.RESUME) else self.call_timeout + 300.0
         ack = await self._request_reply(Control(command=command), (ControlAck,), timeout)

@@ -1022,7 +1022,11 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list of them) and generate. Special-token text
         inside a message's content is tokenized as plain text (it cannot forge a turn: client/chat_encoding.py)
         unless `allow_special_tokens_in_content`; ValueError if such content cannot be kept as text."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # a first item that is a dict makes `messages` one conversation; else it is a list of them
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast("list[dict[str, str]]", messages)]
+        else:
+            conversations = list(cast("Sequence[list[dict[str, str]]]", messages))
         tokenizer = self.get_tokenizer()
         encoder = self._chat_encoder = self._chat_encoder or ChatEncoder(tokenizer)
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from infer.client.engine_client import ClusterError
-from infer.protocol.codes import FinishReason
+from infer.protocol.codes import ClusterState, FinishReason
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.messages import MAX_ID_LEN, MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
 from infer.protocol.outputs import Completion, RequestOutput
@@ -101,7 +101,7 @@ def local_stats(engine: Engine, counters: RequestCounters, *, num_in_flight: int
     )
     return ClusterStats(
         coordinator_id="local",
-        state="running",
+        state=ClusterState.RUNNING,
         policy="direct",
         model_id=engine.model_id,
         workers=[worker],

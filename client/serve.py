@@ -32,6 +32,7 @@ import socket
 import sys
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from infer.client.api.server import add_front_arguments, check_front_exposure, front_argv, front_config, listen_socket
 from infer.client.inference_client import ClusterError, InferenceClient
@@ -39,7 +40,7 @@ from infer.client.restarts import RestartPolicy, how_it_ended
 from infer.client.supervisor import Supervisor
 from infer.coordinator.config import CoordinatorConfig
 from infer.protocol import env
-from infer.protocol.keys import ClusterKeyDir, refuse_open_bind
+from infer.protocol.keys import ClientKeyOptions, ClusterKeyDir, refuse_open_bind
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import ClusterStats
@@ -84,12 +85,12 @@ class LocalCluster:
         return f"tcp://{self.host}:{self.port}"
 
     @property
-    def client_options(self) -> dict[str, str]:
+    def client_options(self) -> ClientKeyOptions:
         """InferenceClient's key options for this cluster's clients, the HTTP front (none without keys)."""
         return {} if self.keys is None else self.keys.client_options()
 
     @property
-    def admin_options(self) -> dict[str, str]:
+    def admin_options(self) -> ClientKeyOptions:
         """InferenceClient's key options for the launcher itself: the administrator key (none without keys)."""
         return {} if self.keys is None else self.keys.admin_options()
 
@@ -147,10 +148,9 @@ class LocalCluster:
         async with InferenceClient(self.address, connect_timeout=timeout, **self.admin_options) as client:
             ready = asyncio.create_task(client.wait_for_workers(self.num_workers, timeout))
             exits = {} if trouble is not None else {asyncio.create_task(p.wait()): p for p in self.processes}
+            waiting: list[asyncio.Future[typing.Any]] = [ready, *exits, *([trouble] if trouble else [])]
             try:
-                done, _ = await asyncio.wait(
-                    [ready, *exits, *([trouble] if trouble else [])], return_when=asyncio.FIRST_COMPLETED
-                )
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for task in [ready, *exits]:
                     task.cancel()
@@ -188,7 +188,7 @@ def check_cluster_security(coordinator_host: str, keys_dir: str | None, trusted_
     """The cluster's keys (`--keys-dir`), checked; ValueError for unusable key files, or for a non-loopback
     coordinator without keys unless the network is declared trusted."""
     if keys_dir is not None:
-        return ClusterKeyDir(keys_dir)
+        return ClusterKeyDir(Path(keys_dir))
     if not trusted_network:
         refuse_open_bind(
             coordinator_host,
@@ -346,7 +346,8 @@ def _watch_cluster(supervisor: Supervisor, cluster: LocalCluster) -> None:
 async def _serve_until_stopped(supervisor: Supervisor, stop: asyncio.Event) -> int:
     """Until a signal (0), the coordinator's STOP (0) or an essential child given up (1)."""
     stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait([stopped, supervisor.ended], return_when=asyncio.FIRST_COMPLETED)
+    waiting: list[asyncio.Future[typing.Any]] = [stopped, supervisor.ended]
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
     if not supervisor.ended.done():
         return 0

@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -26,6 +27,9 @@ from infer.protocol import env
 from infer.worker.core import EXIT_OK
 from infer.worker.daemon import Worker
 from infer.worker.options import WorkerOptions
+
+if TYPE_CHECKING:
+    from infer.worker.engine import Engine
 
 log = logging.getLogger("infer.spmd")
 
@@ -96,7 +100,7 @@ def _free_port() -> int:
 class InProcessWorker:
     """The `infer-worker` loop around an engine of this process, on a thread of its own (one DP rank)."""
 
-    def __init__(self, engine: object, coordinator: str, dp_rank: int, connect_timeout: float) -> None:
+    def __init__(self, engine: Engine, coordinator: str, dp_rank: int, connect_timeout: float) -> None:
         self.context = zmq.Context()
         worker_id = f"{socket.gethostname()}-rank{dp_rank}-{os.getpid()}"
         options = WorkerOptions(

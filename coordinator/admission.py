@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import cast
 
 from infer.coordinator.books import Books
 from infer.coordinator.config import CoordinatorConfig
@@ -59,7 +60,7 @@ class Admission:
                 "coordinator", submit.traceparent, now, **{"gen_ai.request.id": submit.request_id}
             )
         if request.deadline is not None:
-            self._add_deadline(request)
+            self._add_deadline(request, request.deadline)
         return request
 
     def _seeded(self, sampling: SamplingParams) -> SamplingParams:
@@ -272,8 +273,8 @@ class Admission:
             ]
         return self.routable_cache
 
-    def _add_deadline(self, request: RequestRecord) -> None:
-        self.deadlines.push(request.deadline, request.request_id, len(self.books.requests), self._deadline_current)
+    def _add_deadline(self, request: RequestRecord, deadline: float) -> None:
+        self.deadlines.push(deadline, request.request_id, len(self.books.requests), self._deadline_current)
 
     def _deadline_current(self, deadline: float, request_id: str) -> bool:
         request = self.books.requests.get(request_id)
@@ -298,9 +299,13 @@ class Admission:
         if self.status.state is not ClusterState.RUNNING:
             return  # paused requests wait as long as the pause lasts
         limit = self.config.queue_timeout
-        for request in [r for r in self.books.requests.held.values() if now - r.held_since > limit]:
+
+        def waited(request: RequestRecord) -> float:
+            return now - cast(float, request.held_since)  # a held request has one (RequestTable.hold sets it)
+
+        for request in [r for r in self.books.requests.held.values() if waited(r) > limit]:
             self.books.fail(
                 request,
-                f"request {request.request_id!r} waited {now - request.held_since:.1f} s for a "
+                f"request {request.request_id!r} waited {waited(request):.1f} s for a "
                 f"healthy worker (queue timeout {limit} s)",
             )

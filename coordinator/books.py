@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import ClientRecord, RequestRecord, RequestTable, WorkerRecord, WorkerTable
+from infer.protocol.codes import ErrorCode
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import Abort, Counters, Delta, Error, Refused
+from infer.protocol.tracing import Attribute
 
 MAX_REJECTION_CHARS = 2000  # of the text answering a bad frame (which may quote the frame)
 
@@ -51,7 +53,7 @@ class Books:
         if refuse:
             self.outbox.send(identity, Refused(reason=text))
         elif request_id is not None:
-            self.outbox.send(identity, Error(message=text, request_id=request_id, code="invalid_request"))
+            self.outbox.send(identity, Error(message=text, request_id=request_id, code=ErrorCode.INVALID_REQUEST))
         else:
             self.outbox.send(identity, Error(message=text))
 
@@ -77,16 +79,12 @@ class Books:
         if request.worker_id is not None:
             to_workers.setdefault(request.worker_id, []).append(request.request_id)
         if request.trace is not None:
-            self.outbox.end_span(
-                request.trace.finish(
-                    None,
-                    **{
-                        "gen_ai.response.finish_reasons": str(final.finish_reason) if final else "client gone",
-                        "gen_ai.usage.completion_tokens": len(request.delivered),
-                        "infer.redispatches": request.retries,
-                    },
-                )
-            )
+            attributes: dict[str, Attribute] = {
+                "gen_ai.response.finish_reasons": str(final.finish_reason) if final else "client gone",
+                "gen_ai.usage.completion_tokens": len(request.delivered),
+                "infer.redispatches": request.retries,
+            }
+            self.outbox.end_span(request.trace.finish(None, **attributes))
         self.detach(request)
         self.requests.remove(request)
         client = self.clients.get(request.client)

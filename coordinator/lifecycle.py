@@ -36,7 +36,8 @@ class Refusal:
 _R, _P, _S, _X = ClusterState.RUNNING, ClusterState.PAUSED, ClusterState.SUSPENDED, ClusterState.STOPPED
 _STOP = Transition(_X, (Action.FAIL_PENDING, Action.TELL_WORKERS, Action.EXIT))
 
-TABLE: dict[tuple[ClusterState, Command], Transition | Refusal] = {
+# keyed by str: Command members are strs, and transition() looks any command string up in it
+TABLE: dict[tuple[ClusterState, str], Transition | Refusal] = {
     (_R, Command.PAUSE): Transition(_P, (Action.TELL_WORKERS,)),
     (_R, Command.UNPAUSE): Transition(_R),
     (_R, Command.SUSPEND): Refusal("cannot suspend a running cluster: pause it first"),

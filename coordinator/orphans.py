@@ -20,7 +20,7 @@ class Orphan:
 
     worker_id: str
     request_id: str
-    prompt_token_ids: TokenIds
+    prompt_token_ids: list[int]
     since: float
     journal: StreamJournal = field(default_factory=StreamJournal)
     latest: Delta | None = None

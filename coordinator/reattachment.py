@@ -62,9 +62,11 @@ class Reattachment:
         """Hand `orphan` (its worker runs it) back to `request`'s client: send what the client lacks, then
         relay as usual. False when the client's copy does not fit the worker's (resume it instead)."""
         worker = self.books.workers.by_id.get(orphan.worker_id)
-        catch_up = orphan.catch_up(request.delivered) if worker is not None and worker.healthy else None
+        if worker is None or not worker.healthy:
+            return False
+        catch_up = orphan.catch_up(request.delivered)
         if catch_up is None:
-            if worker is not None and worker.healthy and orphan.final is None:
+            if orphan.final is None:
                 self.outbox.send(worker.identity, Abort(request_ids=[orphan.request_id]))
             return False
         tokens, text = catch_up

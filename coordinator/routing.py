@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 Prompt = str | Sequence[int]
 
@@ -37,19 +37,23 @@ class RankLoad(Protocol):
         ...
 
 
+# A policy returns one of the candidates it was given, so the caller gets its own rank type back.
+R = TypeVar("R", bound=RankLoad)
+
+
 class RoutingPolicy(Protocol):
     """Chooses one of `candidates` (never empty, all healthy) for a request."""
 
     name: str
 
-    def choose(self, prompt: Prompt, candidates: Sequence[RankLoad]) -> RankLoad: ...
+    def choose(self, prompt: Prompt, candidates: Sequence[R]) -> R: ...
 
     def forget_rank(self, dp_rank: int) -> None:
         """The rank left the cluster: drop whatever the policy remembers about it."""
         ...
 
 
-def least_loaded(candidates: Sequence[RankLoad]) -> RankLoad:
+def least_loaded(candidates: Sequence[R]) -> R:
     """The least loaded rank of the group whose busiest rank is least loaded (the ranks of an EP group step
     together, so a group's step costs what its busiest rank's costs); within it the lowest score, then fewer
     in-flight requests, then the lower rank. With groups of one rank: simply the lowest score."""
@@ -66,7 +70,7 @@ class LeastLoaded:
 
     name = "least-loaded"
 
-    def choose(self, prompt: Prompt, candidates: Sequence[RankLoad]) -> RankLoad:
+    def choose(self, prompt: Prompt, candidates: Sequence[R]) -> R:
         return least_loaded(candidates)
 
     def forget_rank(self, dp_rank: int) -> None:
@@ -81,7 +85,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._last = -1
 
-    def choose(self, prompt: Prompt, candidates: Sequence[RankLoad]) -> RankLoad:
+    def choose(self, prompt: Prompt, candidates: Sequence[R]) -> R:
         after = [c for c in candidates if c.dp_rank > self._last]
         chosen = min(after or candidates, key=lambda c: c.dp_rank)
         self._last = chosen.dp_rank
@@ -124,7 +128,7 @@ class PrefixAffinity:
     def __len__(self) -> int:
         return len(self._table)
 
-    def choose(self, prompt: Prompt, candidates: Sequence[RankLoad]) -> RankLoad:
+    def choose(self, prompt: Prompt, candidates: Sequence[R]) -> R:
         hashes = self.prefix_hashes(prompt)
         best = least_loaded(candidates)
         home = self._lookup(hashes, {c.dp_rank: c for c in candidates})
@@ -147,7 +151,7 @@ class PrefixAffinity:
             hashes.append(h)
         return hashes
 
-    def _lookup(self, hashes: list[int], by_rank: dict[int, RankLoad]) -> RankLoad | None:
+    def _lookup(self, hashes: list[int], by_rank: dict[int, R]) -> R | None:
         for h in reversed(hashes):  # longest known prefix first
             rank = self._table.get(h)
             if rank is None:

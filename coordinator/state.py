@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import cast
 
 from infer.protocol.codes import ClusterState
 from infer.protocol.logsafe import safe
@@ -35,7 +36,7 @@ class RequestRecord:
     request_id: str
     client: bytes  # the client's ROUTER identity
     prompt: str | None
-    prompt_token_ids: TokenIds | None  # as submitted, or as the first worker tokenized the prompt
+    prompt_token_ids: list[int] | None  # as submitted, or as the first worker tokenized the prompt
     sampling: SamplingParams  # as submitted; a sampled request without a seed is given one
     pin_rank: int | None
     submitted_at: float
@@ -70,7 +71,7 @@ class RequestRecord:
         return prompt + output
 
     @property
-    def routing_prompt(self) -> str | TokenIds:
+    def routing_prompt(self) -> str | list[int]:
         return self.prompt_token_ids if self.prompt_token_ids is not None else (self.prompt or "")
 
     def remaining_budget(self) -> int | None:
@@ -138,9 +139,23 @@ class WorkerRecord:
     weight_version: int = 0  # the weights it serves (Hello, its loads, its refit answers)
     lora_adapters: dict[str, str] = field(default_factory=dict)  # its LoRA adapters (Hello, its LoraDone answers)
 
+    # A worker's Hello always carries its KV geometry and batch bound (Hello.__post_init__ requires them of the
+    # role "worker", the only role a WorkerRecord is made for): typed optional only for the other roles.
+    @property
+    def num_kv_blocks(self) -> int:
+        return cast(int, self.hello.num_kv_blocks)
+
+    @property
+    def block_size(self) -> int:
+        return cast(int, self.hello.block_size)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return cast(int, self.hello.max_num_seqs)
+
     @property
     def capacity_tokens(self) -> int:
-        return max(1, self.hello.num_kv_blocks * self.hello.block_size)
+        return max(1, self.num_kv_blocks * self.block_size)
 
     @property
     def num_in_flight(self) -> int:
@@ -149,7 +164,7 @@ class WorkerRecord:
     def request_limit(self, configured: int | None) -> int | None:
         """How many requests this worker may have at a time: the coordinator's bound, capped by what the
         worker says it holds (max_num_seqs running + max_waiting queued); None: unbounded."""
-        own = None if self.hello.max_waiting is None else self.hello.max_num_seqs + self.hello.max_waiting
+        own = None if self.hello.max_waiting is None else self.max_num_seqs + self.hello.max_waiting
         if configured is None or own is None:
             return own if configured is None else configured
         return min(configured, own)
@@ -164,7 +179,7 @@ class WorkerRecord:
         if load is None:
             return self.cost_in_flight / self.capacity_tokens
         used_blocks = max(0, load.num_total_blocks - load.num_free_blocks)
-        reported = load.num_queued_tokens + used_blocks * self.hello.block_size
+        reported = load.num_queued_tokens + used_blocks * self.block_size
         unreported = in_flight - load.num_waiting - load.num_running
         if unreported > 0:
             reported += unreported * self.cost_in_flight // in_flight

@@ -9,6 +9,8 @@ is skipped. With `cos_sin_cache`, K is rotated (rotary embedding at `positions`)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from infer.kernels._triton import tl, triton, use_triton
@@ -214,6 +216,21 @@ def append_kv(
 ) -> None:
     """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
     the twin (see `append_kv_torch` for the contract)."""
+    # the three share append_kv's arguments, all passed by position
+    impl: Callable[
+        [
+            torch.Tensor,
+            torch.Tensor,
+            torch.Tensor,
+            torch.Tensor,
+            torch.Tensor,
+            torch.Tensor | None,
+            torch.Tensor | None,
+            bool,
+            int | None,
+        ],
+        None,
+    ]
     if use_triton(k_cache):
         impl = append_kv_triton
     elif append_fits(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache):

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from infer.protocol.sampling import SamplingParams
 
@@ -32,13 +33,14 @@ class BeamSearchParams:
         self.to_sampling_params()  # every check of SamplingParams, each naming its field
 
     def to_sampling_params(self) -> SamplingParams:
+        # the casts: SamplingParams.__post_init__ takes the forms users write (a str, a list, None) and stores tuples
         return SamplingParams(
             temperature=self.temperature,
             max_tokens=self.max_tokens,
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
+            stop=cast("tuple[str, ...]", self.stop),
+            stop_token_ids=cast("tuple[int, ...]", self.stop_token_ids),
             min_tokens=self.min_tokens,
             beam_width=self.beam_width,
             n=self.beam_width if self.n is None else self.n,

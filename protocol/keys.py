@@ -32,6 +32,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypedDict
 
 import zmq
 import zmq.auth
@@ -358,6 +359,14 @@ def write_key_pair(directory: PathLike, name: str, *, force: bool = False) -> tu
     return public, secret
 
 
+class ClientKeyOptions(TypedDict, total=False):
+    """InferenceClient's CurveZMQ keyword options (both or neither): its secret key file and the coordinator's
+    public key file."""
+
+    curve_key: str
+    coordinator_key: str
+
+
 @dataclass(frozen=True)
 class ClusterKeyDir:
     """One cluster's keys in one directory, as `infer-keygen --cluster --dir D` writes them:
@@ -410,11 +419,11 @@ class ClusterKeyDir:
     def worker_flags(self) -> list[str]:
         return ["--curve-key", str(self.secret("worker")), "--coordinator-key", str(self.public("coordinator"))]
 
-    def client_options(self, name: str = "client") -> dict[str, str]:
+    def client_options(self, name: str = "client") -> ClientKeyOptions:
         """InferenceClient's keyword options with key pair `name` ("admin": the administrator's)."""
         return {"curve_key": str(self.secret(name)), "coordinator_key": str(self.public("coordinator"))}
 
-    def admin_options(self) -> dict[str, str]:
+    def admin_options(self) -> ClientKeyOptions:
         """InferenceClient's keyword options as the administrator (lifecycle commands allowed)."""
         return self.client_options("admin")
 

@@ -83,7 +83,7 @@ HANDSHAKE_EVENTS = (
 )
 
 
-def handshake_failure(event: dict, curve: bool, flags: tuple[str, str]) -> str | None:
+def handshake_failure(event: Mapping[str, Any], curve: bool, flags: tuple[str, str]) -> str | None:
     """What a failed handshake, as a connecting socket's monitor reports it (HANDSHAKE_EVENTS), says about
     this peer's keys; None for any other event. `curve`: this peer has keys; `flags`: how its key options are
     spelled (its secret key file, the coordinator's public key file), for the hint."""

@@ -53,7 +53,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Self, TypeVar
+from typing import Any, Protocol, Self, TypeVar, cast
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -92,6 +92,7 @@ from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.schemas import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -105,21 +106,19 @@ from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import ClusterError, EngineClient
 from infer.protocol.codes import ClusterState, FinishReason
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import BeamOutput
+from infer.protocol.messages import BeamOutput, ClusterStats
 from infer.protocol.outputs import RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams, grammar_error
-from infer.protocol.tracing import HopSpan, open_sink, parse_traceparent, require_sdk
+from infer.protocol.tracing import Attribute, HopSpan, open_sink, parse_traceparent, require_sdk
 
 log = logging.getLogger("infer.api")
 
 
 class _RequestBody(Protocol):
-    """A request schema (a pydantic model) naming the model it asks for; None: the one served."""
-
-    @property
-    def model(self) -> str | None: ...
+    """A request schema (a pydantic model). One with a `model` field names the model it asks for (None: the one
+    served); `_parse` reads it with getattr, so the LoRA admin bodies, which name none, are bodies too."""
 
     @classmethod
     def model_validate(cls, obj: Any) -> Self: ...
@@ -393,6 +392,7 @@ class Front:
 
     async def _any_max_model_len(self) -> int:
         """The context length of the cluster's workers (healthy or not: tokenizing needs no worker)."""
+        view: ClusterStats | None
         try:
             view = await self.admission.cluster_view()
         except ApiError:
@@ -410,6 +410,7 @@ class Front:
 
     async def models(self, request: Request) -> Response:
         authorize(request, self.config.api_key)
+        view: ClusterStats | None
         try:
             view = await self.admission.cluster_view()
         except ApiError:
@@ -608,14 +609,16 @@ class Front:
         the loop); the caller checks the count of ids."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
-        if len(body.messages) > max_len:
+        # a TokenizeRequest comes here only without a prompt, and then has messages (its validator `_one_input`)
+        chat = cast("list[ChatMessage]", body.messages)
+        if len(chat) > max_len:
             raise ApiError(
                 400,
-                f"messages: {len(body.messages)} messages; a context of {max_len} tokens holds at most {max_len}",
+                f"messages: {len(chat)} messages; a context of {max_len} tokens holds at most {max_len}",
                 param="messages",
                 code="context_length_exceeded",
             )
-        messages = template_messages([m.as_template_message() for m in body.messages])
+        messages = template_messages([m.as_template_message() for m in chat])
         if tools and "tools" not in self.tokenizer.chat_template:  # a template that ignores `tools`
             messages = [{"role": "system", "content": tools_system_prompt(tools)}, *messages]
         self._check_text_size("".join(m["content"] for m in messages) + json.dumps(tools or []), max_len, "messages")
@@ -804,15 +807,16 @@ class Front:
     async def _traced_stream(self, job: Job, extra: dict[str, Any]) -> AsyncIterator[RequestOutput]:
         """`job`'s engine request as the front's hop of its trace (protocol/tracing.py): from here to its last
         delta (or the caller leaving), with its first token and finish reason."""
+        attributes: dict[str, Attribute] = {
+            "gen_ai.request.id": job.request_id,
+            "gen_ai.response.model": self.config.served_model_name,
+            "gen_ai.usage.prompt_tokens": len(job.prompt_token_ids),
+        }
         span = HopSpan.child_of(
             "front",
             job.traceparent,
             time.monotonic(),
-            **{
-                "gen_ai.request.id": job.request_id,
-                "gen_ai.response.model": self.config.served_model_name,
-                "gen_ai.usage.prompt_tokens": len(job.prompt_token_ids),
-            },
+            **attributes,
         )
         finish_reason, num_tokens = "abandoned", 0
         try:
@@ -831,10 +835,11 @@ class Front:
                     finish_reason = str(delta.finish_reason)
                 yield delta
         finally:
-            span.finish(
-                time.monotonic(),
-                **{"gen_ai.response.finish_reasons": finish_reason, "gen_ai.usage.completion_tokens": num_tokens},
-            )
+            finished: dict[str, Attribute] = {
+                "gen_ai.response.finish_reasons": finish_reason,
+                "gen_ai.usage.completion_tokens": num_tokens,
+            }
+            span.finish(time.monotonic(), **finished)
             if self.spans is not None:
                 self.spans.export([span])
 

@@ -299,8 +299,8 @@ def prompt_logprobs_json(front: Front, job: Job, n: int) -> list[dict[str, Any] 
     decoded_token}} for the token itself and the top n."""
     out: list[dict[str, Any] | None] = [None]
     for token_id, row in zip(job.prompt_token_ids[1:], job.prompt_logprobs or []):
-        keep = dict(_top(row, n))
-        keep[token_id] = row.get(token_id)
+        keep: dict[int, float | None] = dict(_top(row, n))
+        keep[token_id] = row.get(token_id)  # None (reported as -9999) where the row lacks the token
         out.append({str(t): {"logprob": _finite(lp), "decoded_token": front.token_text(t)} for t, lp in keep.items()})
     return out
 

@@ -107,7 +107,8 @@ def generation_defaults(setting: str, model_dir: str | os.PathLike[str] | None) 
     from infer.protocol.sampling import SamplingParams
 
     try:
-        SamplingParams(**{k: v for k, v in defaults.items()})
+        fields: dict[str, Any] = {k: v for k, v in defaults.items()}  # SamplingParams fields, typed as checked above
+        SamplingParams(**fields)
     except ValueError as e:
         raise ValueError(f"--generation-config: {path}: {e}") from None
     if defaults:

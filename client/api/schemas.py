@@ -13,7 +13,7 @@ answered 504 with code "timeout" (an SSE `error` event once a stream has begun).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -272,7 +272,7 @@ class _SamplingFields(BaseModel):
             "repetition_penalty": 1.0,
             **(defaults or {}),
         }
-        beams = {}
+        beams: dict[str, Any] = {}  # SamplingParams' beam-search keywords, each of its own type
         if self.use_beam_search:  # deterministic: the sampling defaults do not apply (a given temperature > 0 fails)
             ours.update(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
             beams = dict(
@@ -283,6 +283,8 @@ class _SamplingFields(BaseModel):
             )
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         value = {name: ours[name] if v is None else v for name, v in given.items()}
+        # the casts: SamplingParams.__post_init__ takes a single stop string or a list, and logit_bias as a
+        # mapping of decimal-string ids, and stores them as tuples
         return SamplingParams(
             temperature=value["temperature"],
             top_p=value["top_p"],
@@ -290,7 +292,7 @@ class _SamplingFields(BaseModel):
             min_p=value["min_p"],
             max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens or self.min_tokens),
-            stop=self.stop,
+            stop=cast("tuple[str, ...]", self.stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             seed=seed,
@@ -300,8 +302,8 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            logit_bias=self.logit_bias or None,
-            allowed_token_ids=self.allowed_token_ids,
+            logit_bias=cast("tuple[tuple[int, float], ...] | None", self.logit_bias or None),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()),
             structured_outputs=structured,
             prompt_logprobs=prompt_logprobs,
@@ -525,7 +527,8 @@ class ChatCompletionRequest(_SamplingFields):
         else:
             schema = required_schema(self.tool_dicts, self.parallel_tool_calls)
         try:
-            return "tools", StructuredOutputsParams(json=schema)
+            # the cast: StructuredOutputsParams.__post_init__ takes a schema dict and stores it as compact JSON text
+            return "tools", StructuredOutputsParams(json=cast(str, schema))
         except ValueError as e:
             raise ApiError(400, f"tools: {e}", param="tools") from None
 
