@@ -23,7 +23,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import msgspec
 import torch
@@ -133,6 +133,9 @@ class Engine:
             loaded = in_memory_model(model, tokenizer, self.dtype, self.device, self.ep)
             self.model_path: Path | None = None
             self.model_id = config.model or loaded.model_id
+            # our model class (an nn.Module meeting models.registry.CausalLM), or on a pipeline's stage 0 a
+            # StageModel, which has the same attributes and calls for the forward path: no one static type
+            self.model: Any
             self.tokenizer, self.eos_token_ids, self.model = loaded.tokenizer, loaded.eos_token_ids, loaded.model
             self._weight_files: list[list[Path]] | None = None  # nothing to reload them from: spill on suspend
         else:
@@ -1169,13 +1172,21 @@ def release_window(model: torch.nn.Module) -> int:
     return max(windows) if windows and all(windows) else 0
 
 
-def shares_kv(model: torch.nn.Module) -> bool:
+def shares_kv(model: object) -> bool:
     """Whether the model's V is its K (`kv_shared`: MLA's latent row), stored once in the pool."""
     return bool(getattr(model, "kv_shared", False))
 
 
+class KVGeometry(Protocol):
+    """What sizes a model's KV pool: this rank's (or pipeline stage's) layers, KV heads and head size."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
 def num_kv_blocks(
-    config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, max_model_len: int
+    config: EngineConfig, model: KVGeometry, dtype: torch.dtype, device: torch.device, max_model_len: int
 ) -> int:
     """Blocks of the KV pool: `config.kv_cache_memory` (else its fraction of the memory) over the bytes of one
     block of this rank's KV heads, at most what max_num_seqs full-length sequences can use."""

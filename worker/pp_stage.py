@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -162,7 +162,8 @@ def load_stage(
             f"{', '.join(sorted(PIPELINE_MODEL_TYPES))})"
         )
     with deferred_weights():
-        lm = build_model(config, dtype, device, group.ep, group.tp)
+        # a Llama-family class: PIPELINE_MODEL_TYPES' classes are LlamaForCausalLM or its subclasses
+        lm = cast(LlamaForCausalLM, build_model(config, dtype, device, group.ep, group.tp))
     plan = quant_plan(lm, files, quantization)  # of the whole model: the names are the same
     tied = lm.lm_head_tied
     keep_stage_parts(lm, group, tied)
