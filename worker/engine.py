@@ -23,7 +23,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, cast
 
 import msgspec
 import torch
@@ -32,7 +32,7 @@ from infer.protocol.messages import MAX_ID_LEN, Delta, Load, TokenIds, UpdateWei
 from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
-from infer.protocol.structured import NO_FIRST_TOKEN, grammar_reason
+from infer.protocol.structured import NO_FIRST_TOKEN, StructuredOutputsParams, grammar_reason
 from infer.worker.beam_groups import BeamGroup, BeamGroups
 from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
@@ -384,7 +384,8 @@ class Engine:
         or how it ended without them (abort, error)."""
         beams = self.beams.outputs(group) if status is RequestStatus.FINISHED_STOPPED else None
         best = beams[0] if beams else None
-        reason = best.finish_reason if best is not None else status.finish_reason
+        # `status` is a finished one (the search ended), which has a finish reason
+        reason = best.finish_reason if best is not None else cast(str, status.finish_reason)
         self.stats.num_requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
         root = group.root
@@ -514,7 +515,7 @@ class Engine:
         more requests decode than `disable_by_batch_size`, or for a request that opted out). A request gets at
         most what is left before its max_tokens (minus the token sampled after the drafts) and the context."""
         spec = self.config.speculative_config
-        if self.proposer is None:
+        if self.proposer is None or spec is None:  # together: the proposer is made from the spec
             return {}
         decoding = [r for r in self.scheduler.running if r.num_tokens_to_compute == 1 and r.beam_group is None]
         if len(decoding) > spec.disable_by_batch_size:
@@ -819,7 +820,8 @@ class Engine:
                 step_budget_s=self._grammar_budget_s,
             )
         try:
-            future = self._grammars.compile(request.params.structured_outputs, client)
+            # set: add_request compiles only a request with structured outputs
+            future = self._grammars.compile(cast(StructuredOutputsParams, request.params.structured_outputs), client)
         except CompilesFull as e:
             log.warning("request %r refused: %s", request.request_id, e)
             request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, str(e), "overloaded"
@@ -1007,9 +1009,12 @@ class Engine:
             if chunk.request.is_finished:  # it failed while finishing: nothing is left to fail
                 raise
             log.exception("post-processing request %r failed", chunk.request.request_id)
-            return self._fail(
-                chunk.request,
-                f"the engine failed after sampling token(s) {list(row.token_ids)}: {type(e).__name__}: {e}",
+            return cast(  # not a beam (the caller's filter), so _fail returns its Delta
+                Delta,
+                self._fail(
+                    chunk.request,
+                    f"the engine failed after sampling token(s) {list(row.token_ids)}: {type(e).__name__}: {e}",
+                ),
             )
 
     def _append_tokens(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
@@ -1035,7 +1040,8 @@ class Engine:
             status = self._stop_status(request, token_id, detok)
             if status is not None:
                 break
-        lps = None if row.logprobs is None else list(row.logprobs[: len(token_ids)])
+        # a row with logprobs has a dict for each token (its request asked for them, so the sampler computed them)
+        lps = None if row.logprobs is None else cast("list[TokenLogprobs]", list(row.logprobs[: len(token_ids)]))
         first = self._first_output_fields(request)
         if status is None:
             if chunk.num_draft_tokens:
@@ -1097,7 +1103,7 @@ class Engine:
         self.sampler.release(request.request_id)
         if self.proposer is not None:
             self.proposer.release(request.request_id)
-        reason = request.status.finish_reason
+        reason = cast(str, request.status.finish_reason)  # the scheduler finished it: it has one
         self.stats.num_requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
         return Delta.final(

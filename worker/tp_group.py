@@ -190,7 +190,7 @@ def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: date
     return store
 
 
-def check_same_model(tp: TensorParallel, group: Any, facts: dict[str, Any]) -> None:
+def check_same_model(tp: TensorParallel | None, group: Any, facts: dict[str, Any]) -> None:
     """Compare `facts` (model files fingerprint, dtype, sizes) with every member of `group`; ValueError naming
     the first member that differs and both values."""
     import torch.distributed as dist
