@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer.protocol.codes import FinishReason
 from infer.protocol.messages import BeamOutput, TokenIds
 from infer.worker.beam_search import Beam, BeamSearch, Hypothesis
 from infer.worker.detokenizer import IncrementalDetokenizer
@@ -82,7 +83,7 @@ class BeamGroups:
         finish_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else root.eos_token_ids)
         search = BeamSearch.start(
             root.request_id,
-            params.beam_width,
+            params.beam_width or 1,  # set on every beam search; `or 1` as the engine reads it
             root.max_tokens,
             params.length_penalty,
             params.early_stopping,
@@ -195,6 +196,6 @@ class BeamGroups:
             text=self._text(group, hypothesis.token_ids)[0],
             cumulative_logprob=hypothesis.cumulative_logprob,
             score=hypothesis.score,
-            finish_reason=hypothesis.finish_reason,
+            finish_reason=FinishReason(hypothesis.finish_reason),
             logprobs=[dict(step) for step in hypothesis.logprobs],
         )

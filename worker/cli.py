@@ -180,6 +180,7 @@ def _run(
                 return run_follower(config, parallel, path)
         if options is None:
             raise ValueError("only TP rank 0 of stage 0 talks to the coordinator")
+        engine: EngineLike
         if pp is not None:
             engine = leader_engine(config, parallel)
         else:

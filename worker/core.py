@@ -60,7 +60,7 @@ from infer.protocol.messages import (
     peek_request_id,
 )
 from infer.protocol.sampling import SamplingParams
-from infer.protocol.tracing import HopSpan
+from infer.protocol.tracing import Attribute, HopSpan
 from infer.worker.config import EngineConfig
 from infer.worker.lifecycle import Action, WorkerState, transition
 from infer.worker.options import WorkerOptions
@@ -111,7 +111,8 @@ class EngineLike(Protocol):
     def suspend(self) -> int: ...
     def resume(self) -> int: ...
     def prepare_update(self, msg: UpdateWeights) -> object: ...
-    def check_prepared(self, update: object) -> None: ...
+    # `update`: what this engine's prepare_update returned (its own type, opaque to the worker)
+    def check_prepared(self, update: Any) -> None: ...
     def update_weights(self, source: object, version: int | None = None) -> int: ...
     @property
     def weight_version(self) -> int: ...
@@ -475,7 +476,7 @@ class WorkerCore:
                 f"{len(self._requests)} requests (max_num_seqs + --max-waiting-requests = {limit})",
                 "overloaded",
             )
-        prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids)
+        prompt = msg.prompt if msg.prompt is not None else list(msg.prompt_token_ids or ())  # Dispatch holds one
         try:
             with self.busy():  # a huge prompt's tokenization: heartbeats go on meanwhile
                 request = self.engine.add_request(
@@ -697,7 +698,7 @@ class _Sent:
     def __init__(
         self,
         prompt_token_ids: TokenIds,
-        resumed_token_ids: TokenIds,
+        resumed_token_ids: Sequence[int],
         seed: int | None = None,
         echo_prompt: bool = False,
     ) -> None:
@@ -727,16 +728,12 @@ class WorkerTrace:
 
     @classmethod
     def start(cls, msg: Dispatch, num_prompt_tokens: int, now: float) -> WorkerTrace:
-        span = HopSpan.child_of(
-            "worker",
-            msg.traceparent,
-            now,
-            **{
-                "gen_ai.request.id": msg.request_id,
-                "gen_ai.usage.prompt_tokens": num_prompt_tokens,
-                "infer.resumed_tokens": len(msg.resumed_token_ids),
-            },
-        )
+        attributes: dict[str, Attribute] = {
+            "gen_ai.request.id": msg.request_id,
+            "gen_ai.usage.prompt_tokens": num_prompt_tokens,
+            "infer.resumed_tokens": len(msg.resumed_token_ids),
+        }
+        span = HopSpan.child_of("worker", msg.traceparent, now, **attributes)
         if msg.sampling.max_tokens is not None:
             span.attributes["gen_ai.request.max_tokens"] = msg.sampling.max_tokens
         return cls(span)
@@ -755,14 +752,12 @@ class WorkerTrace:
 
     def end(self, finish_reason: str, now: float) -> HopSpan:
         """The span ended at `now`; the latencies that need a first token only when one came."""
-        span = self.span.finish(
-            now,
-            **{
-                "gen_ai.response.finish_reasons": finish_reason,
-                "gen_ai.usage.completion_tokens": self.num_tokens,
-                "gen_ai.latency.e2e": now - self.span.start,
-            },
-        )
+        attributes: dict[str, Attribute] = {
+            "gen_ai.response.finish_reasons": finish_reason,
+            "gen_ai.usage.completion_tokens": self.num_tokens,
+            "gen_ai.latency.e2e": now - self.span.start,
+        }
+        span = self.span.finish(now, **attributes)
         first = self.first_token_at
         if first is not None:
             scheduled = span.start + float(span.attributes.get("gen_ai.latency.time_in_queue", 0.0))

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -49,6 +49,7 @@ from infer.worker.group_sync import GroupBroken
 from infer.worker.options import WorkerOptions
 
 if TYPE_CHECKING:
+    from infer.worker.engine import Engine
     from infer.worker.group_sync import GroupSync
 
 log = logging.getLogger("infer.worker")
@@ -282,7 +283,9 @@ class Worker:
                 return
             core.group_broken(f"a member of EP group {core.group_id!r} left", time.monotonic())
         if any_work:
-            outputs = self._engine_step(self.engine.step if has_work else self.engine.dummy_step)
+            # an EP group's engine is a real Engine (WorkerOptions refuses --benchmark-mode with --ep-size)
+            engine = cast("Engine", self.engine)
+            outputs = self._engine_step(engine.step if has_work else engine.dummy_step)
         else:
             outputs = self.engine.take_pending()
         core.after_step(outputs, time.monotonic(), refit=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -28,6 +29,9 @@ from infer.worker.model_runner import build_forward_batch
 from infer.worker.request import Request
 from infer.worker.scheduler import ScheduledChunk
 from infer.worker.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from infer.worker.models.registry import CausalLM
 
 
 class DraftModelProposer:
@@ -45,9 +49,8 @@ class DraftModelProposer:
         max_model_len: int,
         vocab_size: int,
     ) -> None:
-        self.model = load_model(
-            resolve_model(model_path), dtype, device, ExpertParallel.single(), TensorParallel.single()
-        )
+        model = load_model(resolve_model(model_path), dtype, device, ExpertParallel.single(), TensorParallel.single())
+        self.model = cast("CausalLM", model)  # one of our model classes, which meet the CausalLM contract
         if int(self.model.vocab_size) != vocab_size:
             raise ValueError(
                 f"speculative_config: the draft model's vocabulary ({self.model.vocab_size} tokens) is "

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, cast
 
 import msgspec
 import torch
@@ -32,7 +32,7 @@ from infer.protocol.messages import MAX_ID_LEN, Delta, Load, TokenIds, UpdateWei
 from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
-from infer.protocol.structured import NO_FIRST_TOKEN, grammar_reason
+from infer.protocol.structured import NO_FIRST_TOKEN, StructuredOutputsParams, grammar_reason
 from infer.worker.beam_groups import BeamGroup, BeamGroups
 from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
@@ -133,6 +133,9 @@ class Engine:
             loaded = in_memory_model(model, tokenizer, self.dtype, self.device, self.ep)
             self.model_path: Path | None = None
             self.model_id = config.model or loaded.model_id
+            # our model class (an nn.Module meeting models.registry.CausalLM), or on a pipeline's stage 0 a
+            # StageModel, which has the same attributes and calls for the forward path: no one static type
+            self.model: Any
             self.tokenizer, self.eos_token_ids, self.model = loaded.tokenizer, loaded.eos_token_ids, loaded.model
             self._weight_files: list[list[Path]] | None = None  # nothing to reload them from: spill on suspend
         else:
@@ -381,7 +384,8 @@ class Engine:
         or how it ended without them (abort, error)."""
         beams = self.beams.outputs(group) if status is RequestStatus.FINISHED_STOPPED else None
         best = beams[0] if beams else None
-        reason = best.finish_reason if best is not None else status.finish_reason
+        # `status` is a finished one (the search ended), which has a finish reason
+        reason = best.finish_reason if best is not None else cast(str, status.finish_reason)
         self.stats.num_requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
         root = group.root
@@ -511,7 +515,7 @@ class Engine:
         more requests decode than `disable_by_batch_size`, or for a request that opted out). A request gets at
         most what is left before its max_tokens (minus the token sampled after the drafts) and the context."""
         spec = self.config.speculative_config
-        if self.proposer is None:
+        if self.proposer is None or spec is None:  # together: the proposer is made from the spec
             return {}
         decoding = [r for r in self.scheduler.running if r.num_tokens_to_compute == 1 and r.beam_group is None]
         if len(decoding) > spec.disable_by_batch_size:
@@ -816,7 +820,8 @@ class Engine:
                 step_budget_s=self._grammar_budget_s,
             )
         try:
-            future = self._grammars.compile(request.params.structured_outputs, client)
+            # set: add_request compiles only a request with structured outputs
+            future = self._grammars.compile(cast(StructuredOutputsParams, request.params.structured_outputs), client)
         except CompilesFull as e:
             log.warning("request %r refused: %s", request.request_id, e)
             request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, str(e), "overloaded"
@@ -1004,9 +1009,12 @@ class Engine:
             if chunk.request.is_finished:  # it failed while finishing: nothing is left to fail
                 raise
             log.exception("post-processing request %r failed", chunk.request.request_id)
-            return self._fail(
-                chunk.request,
-                f"the engine failed after sampling token(s) {list(row.token_ids)}: {type(e).__name__}: {e}",
+            return cast(  # not a beam (the caller's filter), so _fail returns its Delta
+                Delta,
+                self._fail(
+                    chunk.request,
+                    f"the engine failed after sampling token(s) {list(row.token_ids)}: {type(e).__name__}: {e}",
+                ),
             )
 
     def _append_tokens(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
@@ -1032,7 +1040,8 @@ class Engine:
             status = self._stop_status(request, token_id, detok)
             if status is not None:
                 break
-        lps = None if row.logprobs is None else list(row.logprobs[: len(token_ids)])
+        # a row with logprobs has a dict for each token (its request asked for them, so the sampler computed them)
+        lps = None if row.logprobs is None else cast("list[TokenLogprobs]", list(row.logprobs[: len(token_ids)]))
         first = self._first_output_fields(request)
         if status is None:
             if chunk.num_draft_tokens:
@@ -1094,7 +1103,7 @@ class Engine:
         self.sampler.release(request.request_id)
         if self.proposer is not None:
             self.proposer.release(request.request_id)
-        reason = request.status.finish_reason
+        reason = cast(str, request.status.finish_reason)  # the scheduler finished it: it has one
         self.stats.num_requests_finished += 1
         self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
         return Delta.final(
@@ -1169,13 +1178,21 @@ def release_window(model: torch.nn.Module) -> int:
     return max(windows) if windows and all(windows) else 0
 
 
-def shares_kv(model: torch.nn.Module) -> bool:
+def shares_kv(model: object) -> bool:
     """Whether the model's V is its K (`kv_shared`: MLA's latent row), stored once in the pool."""
     return bool(getattr(model, "kv_shared", False))
 
 
+class KVGeometry(Protocol):
+    """What sizes a model's KV pool: this rank's (or pipeline stage's) layers, KV heads and head size."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
 def num_kv_blocks(
-    config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, max_model_len: int
+    config: EngineConfig, model: KVGeometry, dtype: torch.dtype, device: torch.device, max_model_len: int
 ) -> int:
     """Blocks of the KV pool: `config.kv_cache_memory` (else its fraction of the memory) over the bytes of one
     block of this rank's KV heads, at most what max_num_seqs full-length sequences can use."""

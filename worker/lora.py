@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -161,8 +161,9 @@ def _this_ranks_part(
     out_rows, in_cols = linear.logical_shape
     in_parts, in_index, out_parts, out_index = 1, 0, 1, 0
     if isinstance(linear, MergedColumnLinear):
-        out_rows = linear.shard_sizes[shard]
-        out_parts, out_index = linear.shard_parts[shard]
+        fused = cast(str, shard)  # a fused layer is reached through packed_modules_mapping, which names the shard
+        out_rows = linear.shard_sizes[fused]
+        out_parts, out_index = linear.shard_parts[fused]
     elif isinstance(linear, RowLinear):
         in_parts, in_index = linear.tp.size, linear.tp.rank
     elif isinstance(linear, ColumnLinear):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from infer.worker.loader import (
     weight_files,
 )
 from infer.worker.models.layers import deferred_weights
-from infer.worker.models.llama import LlamaForCausalLM
+from infer.worker.models.llama import LlamaForCausalLM, LlamaModel
 from infer.worker.pp_group import PendingSend, PipelineGroup, agree_min
 
 log = logging.getLogger("infer.worker")
@@ -75,7 +75,8 @@ class StageModel:
         `batch.logits_indices` go to stage 0 as logits at once (`receive_logits`) and which are kept for "logits"
         commands. Hand-offs are not waited for: the stage goes on with the next micro-batch. Returns the row
         numbers [T] (stage 0's runner indexes them; see the module doc)."""
-        model = self.lm.model
+        model = cast(LlamaModel, self.lm.model)  # load_stage takes only PIPELINE_MODEL_TYPES: LlamaModel's forward
+        layers = cast(nn.ModuleDict, model.layers)  # keep_stage_parts: this stage's layers by global index
         num_tokens = batch.input_ids.shape[0]
         if self.group.is_first:
             hidden, residual = model.embed_tokens(batch.input_ids), None
@@ -84,7 +85,7 @@ class StageModel:
             hidden, residual = both[0], both[1]
         model.rotary_emb.reserve(max(batch.context_lens, default=0))
         batch = model.rotary_emb.rope_batch(batch)  # LongRoPE: the long factors' rows past the original length
-        for layer, k_cache, v_cache in zip(model.layers.values(), kv_cache.k, kv_cache.v, strict=True):
+        for layer, k_cache, v_cache in zip(layers.values(), kv_cache.k, kv_cache.v, strict=True):
             hidden, residual = layer(batch.positions, hidden, residual, batch, k_cache, v_cache)
         if self.group.is_last:
             self._final = model.norm(hidden, residual)[0]
@@ -162,7 +163,8 @@ def load_stage(
             f"{', '.join(sorted(PIPELINE_MODEL_TYPES))})"
         )
     with deferred_weights():
-        lm = build_model(config, dtype, device, group.ep, group.tp)
+        # a Llama-family class: PIPELINE_MODEL_TYPES' classes are LlamaForCausalLM or its subclasses
+        lm = cast(LlamaForCausalLM, build_model(config, dtype, device, group.ep, group.tp))
     plan = quant_plan(lm, files, quantization)  # of the whole model: the names are the same
     tied = lm.lm_head_tied
     keep_stage_parts(lm, group, tied)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from infer.worker.request import Request
 from infer.worker.spec_config import SpeculativeConfig
@@ -82,9 +82,10 @@ def make_proposer(config: SpeculativeConfig, **target: Any) -> Proposer:
     """The proposer of `config.method`; `target`: what a draft model needs of the target engine (dtype, device,
     block_size, num_blocks, max_model_len, vocab_size; worker/draft_model.py)."""
     if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        # both set: SpeculativeConfig.__post_init__ fills an ngram config's bounds
+        return NgramProposer(cast(int, config.prompt_lookup_min), cast(int, config.prompt_lookup_max))
     if config.method == "draft_model":
         from infer.worker.draft_model import DraftModelProposer  # torch: only a draft model needs it
 
-        return DraftModelProposer(config.model, **target)
+        return DraftModelProposer(cast(str, config.model), **target)  # __post_init__ requires it for draft_model
     raise ValueError(f"no proposer for method {config.method!r}")

@@ -218,25 +218,25 @@ def _logit_bias(
 def _allowed_tokens(
     requests: Sequence[Request], vocab_size: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    rows = [i for i, r in enumerate(requests) if r.params.allowed_token_ids is not None]
-    if not rows:
+    allowed = [(i, ids) for i, r in enumerate(requests) if (ids := r.params.allowed_token_ids) is not None]
+    if not allowed:
         return None
-    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
-    for k, i in enumerate(rows):
-        mask[k, list(requests[i].params.allowed_token_ids)] = True
-    return torch.tensor(rows, dtype=torch.int64, device=device), mask.to(device)
+    mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool)
+    for k, (_, ids) in enumerate(allowed):
+        mask[k, list(ids)] = True
+    return torch.tensor([i for i, _ in allowed], dtype=torch.int64, device=device), mask.to(device)
 
 
 def _grammar_bitmask(
     requests: Sequence[Request], vocab_size: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-    if not rows:
+    grammars = [(i, g) for i, r in enumerate(requests) if (g := r.grammar) is not None]
+    if not grammars:
         return None
-    bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32)
-    for k, i in enumerate(rows):
-        requests[i].grammar.fill(bitmask, k)
-    return torch.tensor(rows, dtype=torch.int64, device=device), bitmask.to(device)
+    bitmask = torch.full((len(grammars), -(-vocab_size // 32)), -1, dtype=torch.int32)
+    for k, (_, grammar) in enumerate(grammars):
+        grammar.fill(bitmask, k)
+    return torch.tensor([i for i, _ in grammars], dtype=torch.int64, device=device), bitmask.to(device)
 
 
 def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -27,12 +27,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from infer.protocol.outputs import TokenLogprobs
 from infer.worker.request import Request
 from infer.worker.scheduler import ScheduledChunk
+
+if TYPE_CHECKING:
+    from infer.worker.structured import GrammarState
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,12 @@ def sampling_rows(chunk: ScheduledChunk) -> list[Request]:
     if not drafts:
         return [request]
     masks = request.grammar.masks_along(drafts) if request.grammar is not None else None
+    # a _FixedMask stands in for the GrammarState: these views go only to the sampler, which calls only fill()
     return [
         dataclasses.replace(
             request,
             token_ids=request.token_ids + list(drafts[:j]),
-            grammar=None if masks is None else _FixedMask(masks[j]),
+            grammar=None if masks is None else cast("GrammarState", _FixedMask(masks[j])),
         )
         for j in range(len(drafts) + 1)
     ]

@@ -23,7 +23,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -287,8 +287,15 @@ def make_step_graphs(
     if getattr(getattr(model, "tp", None), "size", 1) > 1:
         log.info("step graphs: off (tensor parallelism runs eagerly: its followers replay no graphs)")
         return None
+    # supports_step_graphs: True only on LlamaForCausalLM (and the subclasses that keep its forward)
     graphs = StepGraphs(
-        model, kv_cache, config.block_size, max_model_len, config.max_num_seqs, config.max_graph_batch_size, device
+        cast("LlamaForCausalLM", model),
+        kv_cache,
+        config.block_size,
+        max_model_len,
+        config.max_num_seqs,
+        config.max_graph_batch_size,
+        device,
     )
     try:
         seconds = graphs.warm_up()

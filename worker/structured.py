@@ -177,7 +177,7 @@ class GrammarCompilerPool:
         if kind == "regex":
             return compiler.compile_regex(spec.regex)
         if kind == "choice":
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice or ()))
         return compiler.compile_grammar(spec.grammar)
 
     def _make_compiler(self) -> Any:

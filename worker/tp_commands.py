@@ -23,7 +23,7 @@ import subprocess
 import threading
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 import msgpack
@@ -121,7 +121,7 @@ def decode_batch(body: dict[str, Any], device: torch.device) -> ForwardBatch:
     from infer.worker.forward_batch import ForwardBatch
 
     known = {f.name for f in fields(ForwardBatch)}
-    values: dict[str, object] = {name: _unpack_tensor(body[name], device) for name in _BATCH_TENSORS}
+    values: dict[str, Any] = {name: _unpack_tensor(body[name], device) for name in _BATCH_TENSORS}
     values.update(
         num_decodes=body["num_decodes"],
         query_lens=tuple(body["query_lens"]),
@@ -147,7 +147,8 @@ class TpLeader:
     ) -> None:
         """`children`: the follower processes this process started (stop() waits for them, and leaves the
         torch.distributed world so that another group can be made here)."""
-        self._group = parallel.commands  # the TP group, or a pipeline's processes (worker/pp_group.py)
+        # the TP group, or a pipeline's processes (worker/pp_group.py): set, as the world is joined before
+        self._group = cast("TensorParallel", parallel.commands)
         self._member = parallel.member
         self._children = list(children)
         # a context of its own unless given one: stop() terminates it, which waits (LINGER) until the "stop" frames
@@ -163,7 +164,7 @@ class TpLeader:
             push = make_socket(ctx, zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 0)
             self._monitors.append((rank, _watch_peer(push, self._interval, parallel.options.timeout_s)))
-            push.connect(address)
+            push.connect(cast(str, address))  # a follower's (only rank 0 sends None)
             self._pushes.append(push)
         self._stop = threading.Event()
         self._pinger = threading.Thread(target=self._ping_while_alive, name="infer-tp-ping", daemon=True)
@@ -253,7 +254,7 @@ class FollowerChannel:
         dist_init = parallel.options.dist_init or "tcp://127.0.0.1:0"
         host = _local_address_towards(urlsplit(dist_init).hostname or "127.0.0.1")
         port = self.pull.bind_to_random_port(f"tcp://{host}")
-        _gather_addresses(parallel.commands, f"tcp://{host}:{port}")
+        _gather_addresses(cast("TensorParallel", parallel.commands), f"tcp://{host}:{port}")  # set: world joined
 
     def receive(self) -> dict[str, Any]:
         """The next command; LeaderGone after `timeout_s` of silence, or once the leader's connection has closed

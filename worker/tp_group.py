@@ -33,7 +33,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from infer.worker.expert_parallel import ExpertParallel
     from infer.worker.group_sync import EpOptions
+    from infer.worker.models.registry import CausalLM
     from infer.worker.tensor_parallel import TensorParallel
 
 log = logging.getLogger("infer.worker")
@@ -189,7 +190,7 @@ def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: date
     return store
 
 
-def check_same_model(tp: TensorParallel, group: Any, facts: dict[str, Any]) -> None:
+def check_same_model(tp: TensorParallel | None, group: Any, facts: dict[str, Any]) -> None:
     """Compare `facts` (model files fingerprint, dtype, sizes) with every member of `group`; ValueError naming
     the first member that differs and both values."""
     import torch.distributed as dist
@@ -298,14 +299,15 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
     model = load_model(path, dtype, device, parallel.ep, parallel.tp, config.quantization)
+    lm = cast("CausalLM", model)  # one of our model classes, which meet the CausalLM contract
     max_model_len = context_length(config, model.config)
-    blocks = agree_min(parallel.tp, num_kv_blocks(config, model, dtype, device, max_model_len))
+    blocks = agree_min(parallel.tp, num_kv_blocks(config, lm, dtype, device, max_model_len))
     kv_cache = KVCache.allocate(
-        model.num_layers,
+        lm.num_layers,
         blocks,
         config.block_size,
-        model.num_kv_heads,
-        model.head_dim,
+        lm.num_kv_heads,
+        lm.head_dim,
         dtype,
         device,
         shared_kv=shares_kv(model),

@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -40,6 +41,9 @@ from infer.worker.loader import (
     weight_files,
 )
 from infer.worker.models.layers import PackedLinear
+
+if TYPE_CHECKING:
+    from infer.worker.models.registry import CausalLM
 
 log = logging.getLogger("infer.worker")
 
@@ -223,9 +227,10 @@ class _SavedParameters:
 
 def meta_twin(model: nn.Module) -> nn.Module:
     """A shape-only copy of `model` on the meta device (same class, config, dtype, EP share and tying)."""
-    twin = build_model(model.config, model.dtype, "meta", getattr(model, "ep", None), getattr(model, "tp", None))
+    dtype = cast("CausalLM", model).dtype  # one of our model classes, which meet the CausalLM contract
+    twin = build_model(model.config, dtype, "meta", getattr(model, "ep", None), getattr(model, "tp", None))
     if getattr(model, "lm_head_tied", False) and not twin.lm_head_tied:
-        twin.tie_lm_head()
+        cast("CausalLM", twin).tie_lm_head()  # build_model makes one of our model classes
     return twin
 
 
