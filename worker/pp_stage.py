@@ -181,13 +181,16 @@ def load_stage(
 
 def keep_stage_parts(lm: LlamaForCausalLM, group: PipelineGroup, tied: bool) -> None:
     """Remove from `lm` (built with deferred weights) what other stages hold: other layers, the embedding (kept
-    on the last stage as a `tied` LM head's weight), the final norm and LM head."""
+    on the last stage as a `tied` LM head's weight), the final norm and LM head. (register_module: the stage's
+    model is a Llama model with its parts reshaped, layers keyed by their global index and empty slots None, which
+    the Llama classes' attribute types do not say.)"""
     model = lm.model
-    model.layers = nn.ModuleDict({str(i): model.layers[i] for i in group.layers})
+    model.register_module("layers", nn.ModuleDict({str(i): model.layers[i] for i in group.layers}))
     if not group.is_last:
-        lm.lm_head, model.norm = None, None
+        lm.register_module("lm_head", None)
+        model.register_module("norm", None)
     if not group.is_first and not (group.is_last and tied):
-        model.embed_tokens = None
+        model.register_module("embed_tokens", None)
 
 
 def holds(key: str, group: PipelineGroup, tied: bool) -> bool:
