@@ -95,7 +95,9 @@ class Completion:
             self.prompt_logprobs = [None, *delta.prompt_logprobs]
         self.weight_version = delta.weight_version
         if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)  # (in place: a long stream's deltas are not copied each time)
         if delta.embedding is not None:
             self.embedding = delta.embedding
         if delta.beams is not None:

@@ -107,7 +107,7 @@ from infer.client.engine_client import ClusterError, EngineClient
 from infer.protocol.codes import ClusterState, FinishReason
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import BeamOutput, ClusterStats
-from infer.protocol.outputs import RequestOutput, TokenLogprobs
+from infer.protocol.outputs import Completion, RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams, grammar_error
@@ -183,7 +183,9 @@ class FrontConfig:
 
 @dataclass
 class Job:
-    """One engine request of an HTTP request: prompt `prompt_index`, choice `index` of the response."""
+    """One engine request of an HTTP request: prompt `prompt_index`, choice `index` of the response. What its
+    deltas carried is folded into `completion` (protocol/outputs.py, the same record `LLM` returns); the
+    properties read it the way the response formats want it."""
 
     index: int
     prompt_index: int
@@ -194,32 +196,48 @@ class Job:
     timeout: float | None = None
     priority: int = 0
     echo: str = ""  # completions' `echo`: the prompt's text, shown before the first text
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
     num_prompt_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..
-    embedding: list[float] | None = None  # a pooling request's vector
-    beams: list[BeamOutput] | None = None  # a beam search's best n beams (formats.beam_choices)
     traceparent: str | None = None  # the caller's W3C trace context (a valid `traceparent` header), passed on
+    completion: Completion = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.completion = Completion(self.request_id, self.prompt_token_ids)
 
     def add(self, delta: RequestOutput) -> None:
         self.tracker.on_delta(delta)
-        self.token_ids.extend(delta.token_ids)
-        self.text += delta.text
-        if delta.logprobs:
-            self.logprobs.extend(delta.logprobs)
+        self.completion.add(delta)
         if delta.num_prompt_tokens:
             self.num_prompt_tokens = delta.num_prompt_tokens
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
-        if delta.embedding is not None:
-            self.embedding = delta.embedding
-        if delta.beams is not None:
-            self.beams = delta.beams
-        if delta.finished:
-            self.finish_reason = delta.finish_reason
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.completion.token_ids
+
+    @property
+    def text(self) -> str:
+        return self.completion.text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.completion.finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        return self.completion.logprobs or []
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """Prompt tokens 1.. (the Completion's list starts with None, vLLM's entry for the first prompt token)."""
+        rows = self.completion.prompt_logprobs
+        return None if rows is None else cast("list[TokenLogprobs]", rows[1:])
+
+    @property
+    def embedding(self) -> list[float] | None:
+        return self.completion.embedding
+
+    @property
+    def beams(self) -> list[BeamOutput] | None:
+        return self.completion.beams
 
 
 class Front:

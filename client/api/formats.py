@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from infer.client.api.reasoning import ReasoningSplitter
 from infer.client.api.tools import PARSERS, ToolCall, ToolCallStream, calls_of_required, new_call_id
 from infer.protocol.codes import FinishReason
-from infer.protocol.outputs import RequestOutput, TokenLogprobs
+from infer.protocol.outputs import Completion, RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from infer.client.api.app import Front, Job
@@ -318,16 +318,16 @@ def beam_choices(jobs: list[Job], n: int) -> list[Job]:
     choices = []
     for job in jobs:
         for rank, beam in enumerate(job.beams or ()):
-            choices.append(
-                dataclasses.replace(
-                    job,
-                    index=job.prompt_index * n + rank,
-                    token_ids=list(beam.token_ids),
-                    text=beam.text,
-                    finish_reason=beam.finish_reason,
-                    logprobs=[],
-                )
+            choice = dataclasses.replace(job, index=job.prompt_index * n + rank)
+            choice.completion = Completion(
+                job.request_id,
+                job.prompt_token_ids,
+                token_ids=list(beam.token_ids),
+                text=beam.text,
+                finish_reason=beam.finish_reason,
+                prompt_logprobs=job.completion.prompt_logprobs,
             )
+            choices.append(choice)
     return choices
 
 
