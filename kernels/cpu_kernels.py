@@ -1051,22 +1051,26 @@ def lora_rows(
     a_t: torch.Tensor,
     b_t: torch.Tensor,
     rank: int,
-    subs: torch.Tensor,
+    sub_first: torch.Tensor,
+    sub_cols: torch.Tensor,
 ) -> torch.Tensor:
     """y [T, out] += (x_i a_t[s]) b_t[s] for each row i of slot s = slots[i] >= 0 (int32 [T]; -1: left alone), in
-    place, for arguments `lora_rows_fit` takes. subs int64 [n, 2]: each sub-block's (first output column, columns),
-    ranks k * rank ... (k + 1) * rank - 1 of a slot reaching only those (b_t block-diagonal, worker/lora.py)."""
+    place, for arguments `lora_rows_fit` takes. sub_first, sub_cols int64 [n]: each sub-block's first output column
+    and columns, ranks k * rank ... (k + 1) * rank - 1 of a slot reaching only those (b_t block-diagonal,
+    worker/lora.py)."""
     rows, (num_slots, in_features, width), out_features = x.shape[0], a_t.shape, b_t.shape[2]
     if slots.dtype != torch.int32 or not slots.is_contiguous() or slots.shape != (rows,) or y.shape[0] != rows:
         raise ValueError(f"lora_rows: slots must be int32 [{rows}] and y [{rows}, out], got {slots.shape}, {y.shape}")
-    if subs.dtype != torch.int64 or subs.dim() != 2 or subs.shape[1] != 2 or subs.shape[0] * rank != width:
-        raise ValueError(f"lora_rows: sub-blocks {tuple(subs.shape)} of rank {rank} do not make width {width}")
+    subs = sub_first.shape[0]
+    if not all(t.dtype == torch.int64 and t.is_contiguous() and t.shape == (subs,) for t in (sub_first, sub_cols)):
+        raise ValueError("lora_rows: sub_first and sub_cols must be int64 [n] alike")
+    if subs * rank != width:
+        raise ValueError(f"lora_rows: {subs} sub-blocks of rank {rank} do not make width {width}")
     if x.shape[1] != in_features or y.shape[1] != out_features or b_t.shape[:2] != (num_slots, width):
         raise ValueError(
             f"lora_rows: x {tuple(x.shape)}, y {tuple(y.shape)}, a_t {tuple(a_t.shape)}, b_t {tuple(b_t.shape)} "
             "do not fit"
         )
-    firsts, cols = subs[:, 0].contiguous(), subs[:, 1].contiguous()
     status = _native().lora_rows(
         x.data_ptr(),
         x.stride(0),
@@ -1080,13 +1084,15 @@ def lora_rows(
         in_features,
         out_features,
         rank,
-        firsts.data_ptr(),
-        cols.data_ptr(),
-        subs.shape[0],
+        sub_first.data_ptr(),
+        sub_cols.data_ptr(),
+        subs,
         int(x.dtype == torch.bfloat16),
     )
     if status == -2:
         raise ValueError(f"lora_rows: a slot past the {num_slots} slots")
+    if status == -3:
+        raise MemoryError("lora_rows: out of memory")
     if status != 0:
         raise ValueError(
             f"lora_rows: width {width} past {LORA_MAX_WIDTH}, or sub-blocks outside {out_features} columns"

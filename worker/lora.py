@@ -262,8 +262,9 @@ class LoraLayer:
         self.rank = max_rank
         out_features, in_features = linear.logical_shape
         self.width = len(self.subs) * max_rank
-        # each sub-block's (first output column, columns): the native kernel reads only B's diagonal blocks
-        self.sub_blocks = torch.tensor([[first, rows] for _, first, rows in self.subs], dtype=torch.int64)
+        # each sub-block's first output column and columns: the native kernel reads only B's diagonal blocks
+        self.sub_first = torch.tensor([first for _, first, _ in self.subs], dtype=torch.int64)
+        self.sub_cols = torch.tensor([rows for _, _, rows in self.subs], dtype=torch.int64)
         self.a_t = torch.zeros(num_slots, in_features, self.width, dtype=dtype, device=device)
         self.b_t = torch.zeros(num_slots, self.width, out_features, dtype=dtype, device=device)
 
@@ -286,7 +287,7 @@ class LoraLayer:
             return y
         stacked = step.stacked
         if step.row_slots is not None and lora_rows_fit(x, y, self.a_t, self.b_t):
-            return lora_rows(x, y, step.row_slots, self.a_t, self.b_t, self.rank, self.sub_blocks)
+            return lora_rows(x, y, step.row_slots, self.a_t, self.b_t, self.rank, self.sub_first, self.sub_cols)
         if stacked is not None:
             # [count, per_slot, in] @ [count, in, width] @ [count, width, out]: each place by its slot's A and B
             places = x.index_select(0, stacked.index)

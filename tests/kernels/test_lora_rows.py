@@ -109,15 +109,17 @@ def test_refusals_are_precise_errors():
     linear = LAYERS["odd"](torch.float32)
     layer, _ = _filled_layer(linear, torch.float32, seed=1)
     x, y = torch.randn(3, 37), torch.randn(3, 13)
+    before = y.clone()
+    slots = torch.tensor([0, 1, -1], dtype=torch.int32)
+    subs = layer.sub_first, layer.sub_cols
     with pytest.raises(ValueError, match="slot past the 5 slots"):
-        lora_rows(x, y, torch.tensor([0, 5, -1], dtype=torch.int32), layer.a_t, layer.b_t, MAX_RANK, layer.sub_blocks)
+        lora_rows(x, y, torch.tensor([0, 5, -1], dtype=torch.int32), layer.a_t, layer.b_t, MAX_RANK, *subs)
     with pytest.raises(ValueError, match=r"slots must be int32 \[3\]"):
-        lora_rows(x, y, torch.tensor([0, 1, -1]), layer.a_t, layer.b_t, MAX_RANK, layer.sub_blocks)
+        lora_rows(x, y, torch.tensor([0, 1, -1]), layer.a_t, layer.b_t, MAX_RANK, *subs)
     with pytest.raises(ValueError, match="sub-blocks outside 13 columns"):
-        lora_rows(
-            x, y, torch.tensor([0, 1, -1], dtype=torch.int32), layer.a_t, layer.b_t, MAX_RANK, torch.tensor([[6, 8]])
-        )
+        lora_rows(x, y, slots, layer.a_t, layer.b_t, MAX_RANK, torch.tensor([6]), torch.tensor([8]))
     with pytest.raises(ValueError, match="do not make width 8"):
-        lora_rows(x, y, torch.tensor([0, 1, -1], dtype=torch.int32), layer.a_t, layer.b_t, 4, layer.sub_blocks)
+        lora_rows(x, y, slots, layer.a_t, layer.b_t, 4, *subs)
+    assert torch.equal(y, before), "a refused call writes nothing"
     assert not lora_rows_fit(torch.randn(37, 3).T, y, layer.a_t, layer.b_t), "columns must be unit stride"
     assert not lora_rows_fit(x.double(), y.double(), layer.a_t.double(), layer.b_t.double())
