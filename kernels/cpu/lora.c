@@ -5,8 +5,7 @@
  *
  * Layout (worker/lora.py): a_t [slots, in, width] and b_t [slots, width, out], each slot contiguous; width = subs *
  * rank, and b_t block-diagonal: ranks [k * rank, (k + 1) * rank) of sub-block k (q, k, v of a fused qkv) reach only
- * its output columns [sub_first[k], sub_first[k] + sub_cols[k]), so only those are read. Ranks whose t is exactly 0
- * (zero-padded ranks of an adapter of smaller rank) are skipped.
+ * its output columns [sub_first[k], sub_first[k] + sub_cols[k]), so only those are read.
  *
  * Rows are taken by slot, NR at a time (their A and B read once for all of them; a group short of NR computes zero
  * rows in the empty places), TW ranks and TC output columns a pass in fp32 accumulators the compiler keeps in
@@ -158,7 +157,7 @@ static inline __attribute__((always_inline)) void lora_group(const void *const *
 }
 
 /* x [rows, in] (rows x_stride elements apart), y [rows, out] (y_stride apart) updated in place; slots [rows] int32
- * (-1: no adapter); a_t [num_slots, in, width], b_t [num_slots, width, out] contiguous; sub-blocks as above (width =
+ * (negative: no adapter); a_t [num_slots, in, width], b_t [num_slots, width, out] contiguous; sub-blocks as above (width =
  * subs * rank). 0, or -1: width past LORA_MAX_WIDTH or sub-blocks that do not fit; -2: a slot outside the table;
  * -3: out of memory. */
 int lora_rows(const void *x, int64_t x_stride, void *y, int64_t y_stride, const int32_t *slots, int64_t rows,
