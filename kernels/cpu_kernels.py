@@ -15,6 +15,8 @@
   rows on AVX2 builds), and a whole bf16 decode step
   of 1-8 sequences through a dense Llama's layers in one call (cpu/decode_layers.c, driven by
   worker/models/native_decode.py).
+- A LoRA decode step's delta for one linear layer, every row by its own adapter, in one call (cpu/lora.c): in place
+  of the twin's gather, two batched matmuls and scatter-add (worker/lora.py).
 
 Built with `cc -O3 -fopenmp -shared` once per ISA level (`ISA_LEVELS`): "avx512" (-march=native on a CPU with
 AVX-512 F/BW/VL/DQ, so its AVX512-BF16 and VNNI paths come on where the CPU has them), "avx2" (-march=x86-64-v3:
@@ -54,7 +56,7 @@ log = logging.getLogger("infer.kernels")
 _CPU_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCES = tuple(
     _CPU_DIR / name
-    for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c", "quant.c", "decode_layers.c")
+    for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c", "quant.c", "decode_layers.c", "lora.c")
 )
 HEADERS = (_CPU_DIR / "common.h",)  # included by the sources: part of the build's hash
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")  # plus the level's -march
@@ -332,6 +334,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemv_rows_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.gemv_rows_bf16w_f32x.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.gemv_paths.argtypes = []
+    lib.lora_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
     lib.decode_layers.argtypes = [
         ptr,
         ptr,
@@ -377,6 +380,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.gemv_rows_bf16w_f32x,
         lib.gemv_paths,
         lib.decode_layers,
+        lib.lora_rows,
     ):
         fn.restype = i32
 
@@ -1016,3 +1020,81 @@ def _(
     window: int = 0,
 ) -> None:
     return None
+
+
+LORA_MAX_WIDTH = 1024  # lora.c's widest slot (sub-blocks x rank)
+
+
+def lora_rows_fit(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> bool:
+    """Whether `lora_rows` takes these: x [T, in] and y [T, out] rows of unit column stride, a_t [slots, in, width]
+    and b_t [slots, width, out] contiguous, all of one type the kernels have, on a CPU, outside torch.compile."""
+    return (
+        not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and x.dtype in NATIVE_DTYPES
+        and all(t.dtype == x.dtype for t in (y, a_t, b_t))
+        and x.dim() == 2
+        and y.dim() == 2
+        and x.stride(1) == 1
+        and y.stride(1) == 1
+        and a_t.is_contiguous()
+        and b_t.is_contiguous()
+        and a_t.shape[2] <= LORA_MAX_WIDTH
+        and native_ready()
+    )
+
+
+def lora_rows(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    slots: torch.Tensor,
+    a_t: torch.Tensor,
+    b_t: torch.Tensor,
+    rank: int,
+    sub_first: torch.Tensor,
+    sub_cols: torch.Tensor,
+) -> torch.Tensor:
+    """y [T, out] += (x_i a_t[s]) b_t[s] for each row i of slot s = slots[i] >= 0 (int32 [T]; -1: left alone), in
+    place, for arguments `lora_rows_fit` takes. sub_first, sub_cols int64 [n]: each sub-block's first output column
+    and columns, ranks k * rank ... (k + 1) * rank - 1 of a slot reaching only those (b_t block-diagonal,
+    worker/lora.py)."""
+    rows, (num_slots, in_features, width), out_features = x.shape[0], a_t.shape, b_t.shape[2]
+    if slots.dtype != torch.int32 or not slots.is_contiguous() or slots.shape != (rows,) or y.shape[0] != rows:
+        raise ValueError(f"lora_rows: slots must be int32 [{rows}] and y [{rows}, out], got {slots.shape}, {y.shape}")
+    subs = sub_first.shape[0]
+    if not all(t.dtype == torch.int64 and t.is_contiguous() and t.shape == (subs,) for t in (sub_first, sub_cols)):
+        raise ValueError("lora_rows: sub_first and sub_cols must be int64 [n] alike")
+    if subs * rank != width:
+        raise ValueError(f"lora_rows: {subs} sub-blocks of rank {rank} do not make width {width}")
+    if x.shape[1] != in_features or y.shape[1] != out_features or b_t.shape[:2] != (num_slots, width):
+        raise ValueError(
+            f"lora_rows: x {tuple(x.shape)}, y {tuple(y.shape)}, a_t {tuple(a_t.shape)}, b_t {tuple(b_t.shape)} "
+            "do not fit"
+        )
+    status = _native().lora_rows(
+        x.data_ptr(),
+        x.stride(0),
+        y.data_ptr(),
+        y.stride(0),
+        slots.data_ptr(),
+        rows,
+        a_t.data_ptr(),
+        b_t.data_ptr(),
+        num_slots,
+        in_features,
+        out_features,
+        rank,
+        sub_first.data_ptr(),
+        sub_cols.data_ptr(),
+        subs,
+        int(x.dtype == torch.bfloat16),
+    )
+    if status == -2:
+        raise ValueError(f"lora_rows: a slot past the {num_slots} slots")
+    if status == -3:
+        raise MemoryError("lora_rows: out of memory")
+    if status != 0:
+        raise ValueError(
+            f"lora_rows: width {width} past {LORA_MAX_WIDTH}, or sub-blocks outside {out_features} columns"
+        )
+    return y

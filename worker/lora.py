@@ -12,12 +12,14 @@ layer (qkv_proj, gate_up_proj) has one sub-block per checkpoint projection (q, k
 so one shrink and one expand matmul cover the fused output. A step's rows are laid out by slot once (`LoraStep`,
 `LoraManager.step`); `LoraLayer.apply` adds each row's (x A_slot^T) B_slot^T to the base output, each row multiplied
 by its own adapter only: a step of few rows (decodes) gathered into [slots, rows per slot, in] and two batched
-matmuls over the slots (at most five ops a linear layer, whatever the number of adapters), a larger one
+matmuls over the slots (at most five ops a linear layer, whatever the number of adapters; on a CPU with the
+native kernels, one call to kernels/cpu/lora.c instead, each row by its slot's A and B in place), a larger one
 (prefills) by slices of consecutive rows of one adapter, or gathered slot groups where the runs are many. (Until
 2026-11-27 a decode step multiplied every row by every slot's A and B, the other slots masked to zero: 8x the work
 with 8 adapters.)
-That is the CPU path and the reference of any kernel (none on GPU yet: the same torch ops run there); it works
-over dense and quantized base weights alike (it only adds to their output).
+The torch ops are the native kernel's twin (and fallback, INFER_CPU_KERNELS=0) and the reference of any kernel
+(none on GPU yet: the same torch ops run there); both work over dense and quantized base weights alike (they only
+add to their output).
 
 The current step's row grouping is scoped by `lora_step(...)` (the model runner enters it around the forward; it
 does not nest). Steps with rows of an adapter run the layers one by one: the native CPU decode step
@@ -45,6 +47,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from infer.kernels.cpu_kernels import lora_rows, lora_rows_fit
 from infer.protocol.lora import ADAPTER_WEIGHTS, LORA_TARGETS, check_lora_name, read_lora_config
 from infer.worker.lora_slots import LoraSlots
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, PackedLinear, RowLinear
@@ -212,10 +215,12 @@ class StackedRows:
 @dataclass(frozen=True)
 class LoraStep:
     """One forward's adapter rows: `stacked` (a step of few rows), or `groups` of (slot, rows: a slice of the step's
-    rows or a row index [n] int64). Rows of the base model are in neither."""
+    rows or a row index [n] int64). Rows of the base model are in neither. A CPU step of few rows also has
+    `row_slots`, for the native kernel (kernels/cpu/lora.c: every row by its own slot in one call a layer)."""
 
     groups: tuple[tuple[int, slice | torch.Tensor], ...] = ()
     stacked: StackedRows | None = None
+    row_slots: torch.Tensor | None = None  # with `stacked` on a CPU: each row's slot, int32 [T] (-1: base model)
 
     @property
     def has_rows(self) -> bool:
@@ -258,6 +263,9 @@ class LoraLayer:
         self.rank = max_rank
         out_features, in_features = linear.logical_shape
         self.width = len(self.subs) * max_rank
+        # each sub-block's first output column and columns: the native kernel reads only B's diagonal blocks
+        self.sub_first = torch.tensor([first for _, first, _ in self.subs], dtype=torch.int64)
+        self.sub_cols = torch.tensor([rows for _, _, rows in self.subs], dtype=torch.int64)
         self.a_t = torch.zeros(num_slots, in_features, self.width, dtype=dtype, device=device)
         self.b_t = torch.zeros(num_slots, self.width, out_features, dtype=dtype, device=device)
 
@@ -279,6 +287,8 @@ class LoraLayer:
         if step is None:
             return y
         stacked = step.stacked
+        if step.row_slots is not None and lora_rows_fit(x, y, self.a_t, self.b_t):
+            return lora_rows(x, y, step.row_slots, self.a_t, self.b_t, self.rank, self.sub_first, self.sub_cols)
         if stacked is not None:
             # [count, per_slot, in] @ [count, in, width] @ [count, width, out]: each place by its slot's A and B
             places = x.index_select(0, stacked.index)
@@ -414,7 +424,10 @@ class LoraManager:
         if not runs:
             return None
         if sum(n for _, n in slot_rows) <= STACKED_MAX_ROWS:
-            return LoraStep(stacked=self._stacked(runs))
+            row_slots = None
+            if self.device.type == "cpu":
+                row_slots = torch.tensor([slot for slot, n in slot_rows for _ in range(n)], dtype=torch.int32)
+            return LoraStep(stacked=self._stacked(runs), row_slots=row_slots)
         return LoraStep(groups=self._groups(runs))
 
     def _stacked(self, runs: list[tuple[int, int, int]]) -> StackedRows:

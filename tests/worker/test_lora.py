@@ -93,6 +93,39 @@ def test_mixed_batch_equals_transformers_and_peft(families, arch):
     assert len(engine.lora.slots.placed) == 3 and len(engine.lora.layers) == 4 * 2
 
 
+def test_cpu_steps_take_the_native_kernel_and_the_twin_gives_the_same_tokens(family, monkeypatch):
+    """On a CPU with the native kernels every LoraLayer.apply of a step of few rows is one call to kernels/cpu/lora.c
+    (each forward with adapter rows: one call per targeted layer); the torch twin, forced, gives the same tokens, and
+    both equal transformers + PEFT."""
+    import infer.worker.lora as lora_module
+    from infer.kernels.cpu_kernels import native_ready
+
+    if not native_ready():
+        pytest.skip("no native CPU kernels (no C compiler, or INFER_CPU_KERNELS=0)")
+    model_dir, folders = family
+    prompts = _prompts(3, seed=21)
+    requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts) for name in (None, *folders)}
+    calls: list[int] = []
+    native = lora_module.lora_rows
+
+    def counted(x, y, slots, *rest):
+        calls.append(int((slots >= 0).sum()))
+        return native(x, y, slots, *rest)
+
+    monkeypatch.setattr(lora_module, "lora_rows", counted)
+    engine = _engine(model_dir, folders)
+    got = _run(engine, requests)
+    layers = len(engine.lora.layers)
+    assert calls and len(calls) % layers == 0 and all(n > 0 for n in calls)
+    assert max(calls) == len(folders) * len(prompts), "a decode step of every adapter's rows in one call a layer"
+    monkeypatch.setattr(lora_module, "lora_rows_fit", lambda *args: False)
+    calls.clear()
+    assert _run(_engine(model_dir, folders), requests) == got and not calls
+    for name in (None, *folders):
+        expected = peft_greedy(model_dir, folders.get(name), prompts, MAX_NEW)
+        assert [got[f"{name}-{i}"] for i in range(len(prompts))] == expected, name
+
+
 def test_slots_evict_least_recently_used_and_bound_the_running_adapters(family):
     model_dir, folders = family
     prompts = _prompts(3, seed=5)
