@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, cast
@@ -52,7 +52,15 @@ from infer.worker.sampler import Sampler, SamplerOutput
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.speculative import verify
 from infer.worker.step_graphs import make_step_graphs
-from infer.worker.structured import COMPILE_TIMEOUT_S, CompilesFull, GrammarCompilerPool, GrammarState, step_cost_error
+from infer.worker.structured import (
+    COMPILE_TIMEOUT_S,
+    COMPILE_WAIT_TIMEOUT_S,
+    CompileFuture,
+    CompilesFull,
+    GrammarCompilerPool,
+    GrammarState,
+    step_cost_error,
+)
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 
@@ -70,9 +78,24 @@ class _Compiling:
     """A structured-output request whose grammar is compiling: scheduled when `future` is done."""
 
     request: Request
-    future: Future
-    deadline: float  # time.monotonic() past which it fails
+    future: CompileFuture
+    arrived: float  # time.monotonic() when it came
     resumed: list[int]  # delivered tokens (a failover) its matcher must replay
+
+    def late(self, now: float) -> tuple[str, str] | None:
+        """(error, code) when it fails before its grammar is ready: its compile ran past COMPILE_TIMEOUT_S (the
+        grammar's fault: "invalid_request"), or it waited past COMPILE_WAIT_TIMEOUT_S in all, most of it queued
+        ("overloaded"; worker/structured.py); None while it may wait on."""
+        started = self.future.started_at
+        if started is not None and now - started > COMPILE_TIMEOUT_S:
+            return f"structured_outputs: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s", "invalid_request"
+        if now - self.arrived > COMPILE_WAIT_TIMEOUT_S:
+            return (
+                f"structured_outputs: the grammar was not ready within {COMPILE_WAIT_TIMEOUT_S:g} s of the "
+                f"request's arrival, queued behind other compiles on this worker; retry later",
+                "overloaded",
+            )
+        return None
 
 
 @dataclass
@@ -828,7 +851,7 @@ class Engine:
             request.queue_time_s = 0.0  # with it, the coordinator tells the client (coordinator/relay.py)
             self._pending.append(self._final_output(request, "", [], queue_time_s=0.0))
             return
-        self._compiling[request.request_id] = _Compiling(request, future, time.monotonic() + COMPILE_TIMEOUT_S, resumed)
+        self._compiling[request.request_id] = _Compiling(request, future, time.monotonic(), resumed)
 
     @property
     def _grammar_budget_s(self) -> float:
@@ -840,24 +863,26 @@ class Engine:
         outputs = []
         now = time.monotonic()
         for rid, waiting in list(self._compiling.items()):
-            if not waiting.future.done() and now < waiting.deadline:
+            # (a compile that is late stays in flight: other requests may share it, and it still counts against the
+            # bounds while the compile thread works on it)
+            failed = None if waiting.future.done() else waiting.late(now)
+            if failed is None and not waiting.future.done():
                 continue
             del self._compiling[rid]
-            error = self._start_grammar(waiting)
-            if error is None:
-                self.scheduler.add(waiting.request)
-                continue
+            if failed is None:
+                error = self._start_grammar(waiting)
+                if error is None:
+                    self.scheduler.add(waiting.request)
+                    continue
+                failed = error, "invalid_request"
             request = waiting.request
-            request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, error, "invalid_request"
+            request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, *failed
             outputs.append(self._final_output(request, "", []))
         return outputs
 
     def _start_grammar(self, waiting: _Compiling) -> str | None:
-        """Give the request its matcher, advanced over its resumed tokens; the reason it cannot have one. (A
-        compile that is late stays in flight: other requests may share it, and it still counts against the
-        bounds while the compile thread works on it.)"""
-        if not waiting.future.done():
-            return f"structured_outputs: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s"
+        """Give the request its matcher (its compile done), advanced over its resumed tokens; the reason it cannot
+        have one."""
         try:
             state = GrammarState(waiting.future.result())
         except Exception as e:  # xgrammar's reason: an invalid schema, regex or grammar; or one too costly

@@ -8,9 +8,12 @@ request, and the step's token bitmask. A grammar's work is bounded three ways (R
   compile past `max_compiles` in flight on this engine, or past `max_compiles_per_client` in flight for the
   client that asks, raises CompilesFull (the request is refused as "overloaded", not queued). The engine
   keeps the request out of the scheduler until its Future is done (worker/engine.py), so a slow compile never
-  stalls a step. A compile cannot be interrupted: a request whose grammar is not ready within COMPILE_TIMEOUT_S
-  fails, and with one compile thread at most one runaway compile occupies a core (the specs' sizes are bounded in
-  protocol/structured.py; the costliest measured, maxLength 10**7, takes ~4 s).
+  stalls a step. A compile cannot be interrupted: a request whose grammar is not ready COMPILE_TIMEOUT_S after its
+  compile started fails, and with one compile thread at most one runaway compile occupies a core (the specs' sizes
+  are bounded in protocol/structured.py; the costliest measured, maxLength 10**7, takes ~4 s). The time it waits in
+  the queue before that is not counted there (a burst of distinct schemas is worked off in turn, however loaded
+  the machine: `CompileFuture.started_at`), only against COMPILE_WAIT_TIMEOUT_S from its arrival, the bound on a
+  queue stuck behind a runaway compile.
 - Up front, by the grammar's cost: on the compile thread, a compiled grammar's first token mask is filled once
   and timed (CPU time of the thread); one that takes more than a step's budget (`step_budget_s`) is refused
   (GrammarTooCostly, "invalid_request") before its request enters a batch. So is one whose compiled form is
@@ -44,7 +47,8 @@ from infer.protocol.structured import StructuredOutputsParams
 
 log = logging.getLogger("infer.structured")
 
-COMPILE_TIMEOUT_S = 30.0
+COMPILE_TIMEOUT_S = 30.0  # a compile's own time, from when the compile thread takes it up
+COMPILE_WAIT_TIMEOUT_S = 300.0  # a request's whole wait for its grammar, queued and compiling
 CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse (their memory_size_bytes)
 MAX_CACHED = 4096  # ... and at most this many specs (refusals included)
 MAX_GRAMMAR_BYTES = 64 << 20  # a compiled grammar larger than this is refused
@@ -72,7 +76,7 @@ def step_cost_error(cost_s: float, budget_s: float, what: str = "in one engine s
 class _Compile:
     """A compile in flight: its Future, and the client it is counted against (None: no client known)."""
 
-    future: Future
+    future: CompileFuture
     client: str | None
 
 
@@ -99,10 +103,10 @@ class GrammarCompilerPool:
         self._queue = FairQueue(self._compile)
         self._compiler: Any = None  # built on the pool's thread, used only there
         self._in_flight: dict[StructuredOutputsParams, _Compile] = {}
-        self._done: OrderedDict[StructuredOutputsParams, tuple[Future, int]] = OrderedDict()  # LRU: (result, bytes)
+        self._done: OrderedDict[StructuredOutputsParams, tuple[CompileFuture, int]] = OrderedDict()  # (result, bytes)
         self._done_bytes = 0
 
-    def compile(self, spec: StructuredOutputsParams, client: str | None = None) -> Future:
+    def compile(self, spec: StructuredOutputsParams, client: str | None = None) -> CompileFuture:
         """The Future of `spec`'s CompiledGrammar (module doc); CompilesFull past a bound."""
         self._collect()
         done = self._done.get(spec)
@@ -142,7 +146,7 @@ class GrammarCompilerPool:
                 del self._in_flight[spec]
                 self._remember(spec, job.future)
 
-    def _remember(self, spec: StructuredOutputsParams, future: Future) -> None:
+    def _remember(self, spec: StructuredOutputsParams, future: CompileFuture) -> None:
         size = len(repr(spec))
         if not future.cancelled() and future.exception() is None:
             size += future.result().memory_size_bytes
@@ -191,6 +195,13 @@ class GrammarCompilerPool:
         return self._compiler
 
 
+class CompileFuture(Future):
+    """The Future of one compile; `started_at`: time.monotonic() when the compile thread took it up (None while it
+    is queued)."""
+
+    started_at: float | None = None
+
+
 class FairQueue:
     """One thread that runs `run(spec)` for the specs submitted, taking turns between clients (round robin; the
     requests without a client are one more): a client's backlog delays another client's compile by at most the
@@ -198,13 +209,13 @@ class FairQueue:
 
     def __init__(self, run: Callable[[StructuredOutputsParams], Any]) -> None:
         self._run = run
-        self._queues: OrderedDict[str | None, deque[tuple[StructuredOutputsParams, Future]]] = OrderedDict()
+        self._queues: OrderedDict[str | None, deque[tuple[StructuredOutputsParams, CompileFuture]]] = OrderedDict()
         self._cond = threading.Condition()
         self._closed = False
         threading.Thread(target=self._loop, name="infer-grammar", daemon=True).start()
 
-    def submit(self, spec: StructuredOutputsParams, client: str | None) -> Future:
-        future: Future = Future()
+    def submit(self, spec: StructuredOutputsParams, client: str | None) -> CompileFuture:
+        future = CompileFuture()
         with self._cond:
             self._queues.setdefault(client, deque()).append((spec, future))
             self._cond.notify()
@@ -220,7 +231,7 @@ class FairQueue:
             self._queues.clear()
             self._cond.notify()
 
-    def _next(self) -> tuple[StructuredOutputsParams, Future] | None:
+    def _next(self) -> tuple[StructuredOutputsParams, CompileFuture] | None:
         with self._cond:
             while not self._queues and not self._closed:
                 self._cond.wait()  # for a submit or close (both notify): nothing else wakes this thread
@@ -238,6 +249,7 @@ class FairQueue:
             spec, future = job
             if not future.set_running_or_notify_cancel():
                 continue
+            future.started_at = time.monotonic()
             try:
                 future.set_result(self._run(spec))
             except Exception as e:  # xgrammar's reason, or GrammarTooCostly: the request's answer

@@ -309,14 +309,9 @@ def test_opt_out_and_large_batches_do_not_speculate(tiny_model_dir):
     assert engine.stats.spec_decode_num_drafts > 0
 
 
-def test_structured_outputs_with_speculation(tiny_model_dir, monkeypatch):
-    import infer.worker.engine as engine_module
-
-    # The 21 grammars queue at once on each engine's one compile thread, and the engine fails a request whose
-    # grammar is not ready within COMPILE_TIMEOUT_S (30 s) of its arrival, queueing included: on a loaded machine
-    # (CI running two test processes on 2 cores) the last ones took longer, failed in one run and not in the other,
-    # and the runs differed. That deadline has its own test (test_structured_outputs.py); here it is out of the way.
-    monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 600.0)
+def test_structured_outputs_with_speculation(tiny_model_dir):
+    # (the 21 grammars queue at once on each engine's one compile thread: the time queued does not count against a
+    # compile's bound, so on a loaded machine the last ones are late, not failed)
     model = str(tiny_model_dir("llama"))
     requests = {
         name: (

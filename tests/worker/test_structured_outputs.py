@@ -157,6 +157,62 @@ def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_the_engin
     assert out["free"][2] == "length"
 
 
+def _held_compile_thread(monkeypatch, release_after_s: float) -> None:
+    """Make compile threads spend `release_after_s` on the spec titled "blocker" (a stand-in for a costly compile,
+    without depending on how fast this machine compiles one)."""
+    import threading
+
+    from infer.worker.structured import GrammarCompilerPool
+
+    compile_spec, release = GrammarCompilerPool._compile_spec, threading.Event()
+
+    def held(pool, spec):
+        if spec.json is not None and json.loads(spec.json).get("title") == "blocker":
+            release.wait(release_after_s)
+        return compile_spec(pool, spec)
+
+    monkeypatch.setattr(GrammarCompilerPool, "_compile_spec", held)
+
+
+def test_time_queued_behind_other_compiles_does_not_count_against_a_compile(tiny_model_dir, monkeypatch):
+    """A grammar queued behind a compile that takes 1.5 s, with a 0.5 s compile bound: the blocker fails, the one
+    queued behind it (1.5 s queued, then quick to compile) is served."""
+    import infer.worker.engine as engine_module
+
+    engine = make_engine(tiny_model_dir("llama"))
+    monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.5)
+    _held_compile_thread(monkeypatch, 1.5)
+    out = run(
+        engine,
+        {
+            "blocker": SamplingParams(
+                max_tokens=4, structured_outputs=Spec(json={"type": "string", "title": "blocker"})
+            ),
+            "queued": SamplingParams(
+                temperature=0, max_tokens=MAX_TOKENS, structured_outputs=Spec(json={**SCHEMAS["mixed"], "title": "q"})
+            ),
+        },
+    )
+    assert out["blocker"][2] == "error" and "did not compile within 0.5 s" in out["blocker"][3]
+    assert out["queued"][2] in ("stop", "length") and out["queued"][3] is None, out["queued"]
+
+
+def test_a_request_queued_past_the_wait_bound_fails_as_overloaded(tiny_model_dir, monkeypatch):
+    import infer.worker.engine as engine_module
+
+    engine = make_engine(tiny_model_dir("llama"))
+    monkeypatch.setattr(engine_module, "COMPILE_WAIT_TIMEOUT_S", 0.5)
+    _held_compile_thread(monkeypatch, 1.5)
+    for rid, title in (("blocker", "blocker"), ("queued", "q")):
+        engine.add_request(rid, PROMPT, SamplingParams(max_tokens=4, structured_outputs=Spec(json={"title": title})))
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({d.request_id: d for d in engine.step() if d.finished})
+    queued = finals["queued"]
+    assert queued.finish_reason == "error" and "not ready within 0.5 s" in queued.error
+    assert queued.error_code == "overloaded"
+
+
 def test_a_resumed_request_rebuilds_its_matcher_from_the_delivered_tokens(tiny_model_dir, engine):
     schema = SCHEMAS["array of objects"]
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=MAX_TOKENS, structured_outputs=Spec(json=schema))
