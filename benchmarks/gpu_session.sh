@@ -5,13 +5,13 @@
 # Prepared on the dev machine first (both folders are git-ignored and travel as the call's `carry`):
 #   .whl/            pyzmq, pytest-asyncio and gguf wheels for the machine's Python (pip download ... -d .whl)
 #   .gpu/tokenizer/  SmolLM2's tokenizer files (from the converted embedded model in ~/.cache/infer/models)
-# Then:  bash benchmarks/gpu_session.sh [tests] [bench] [kernels] [quant]   (default: all four; a lent machine
-# runs at most 10 minutes per call, so give `quant` (~3 minutes) a call of its own)
+# Then:  bash benchmarks/gpu_session.sh [tests] [bench] [spec] [kernels] [quant]   (default: all five; a lent
+# machine runs at most 10 minutes per call, so give `quant` (~3 minutes) a call of its own)
 # Logs and result JSON go to $OUT (or benchmarks/results/ when OUT is unset).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
-PARTS=${*:-tests bench kernels quant}
+PARTS=${*:-tests bench spec kernels quant}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
@@ -42,6 +42,15 @@ for part in $PARTS; do
         --parts decode --batches 1 32 --dtypes bfloat16 --steps 60 2>&1 \
         | tee "$OUT/gpu-bench-1b.log" | grep -v "^\s*$" | tail -4
     cp "$(ls -t benchmarks/results/step_graphs-*.json | head -1)" "$OUT/"
+    ;;
+  spec)
+    # Speculative decoding with CUDA graphs (verification steps replay them: "graph_verification_replays"), batch 1
+    # and offline batch 64, with vs without, on a random-weight SmolLM2 shape (no real weights travel: its
+    # acceptance is whatever the random model's own repetition gives).
+    timeout 150 python3 benchmarks/speculative.py --random-model smollm2-135m --tokenizer .gpu/tokenizer \
+        --parts batch1 offline --workloads rewrite random --rounds 3 --max-tokens 96 2>&1 \
+        | tee "$OUT/gpu-spec.log" | grep -v "^\s*$" | tail -20
+    cp "$(ls -t benchmarks/results/speculative-*.json | head -1)" "$OUT/"
     ;;
   kernels)
     timeout 100 python3 benchmarks/kernels.py --no-cpu 2>&1 | tee "$OUT/gpu-kernels.log" | tail -30

@@ -29,7 +29,8 @@ llama.cpp's prompt-lookup decoding (`llama-lookup`) on the same GGUF and prompts
   should be ~1 (what must not regress).
 Each result carries the acceptance counters (drafts, draft tokens, accepted, by position) and the proposal hit rate
 (the share of the speculating side's steps after each request's first token that had drafts to verify); batch-1
-results also the verification steps the native CPU decode step ran ("native_verification_steps").
+results also the verification steps the native CPU decode step ran ("native_verification_steps") and those that
+replayed step graphs ("graph_verification_replays": CUDA graphs, the default on a GPU).
 
 Writes benchmarks/results/speculative-<date>.json (date, machine, git revision). Not a test.
 """
@@ -212,10 +213,18 @@ def _native_verifications(engine) -> int:
     return getattr(decoder, "verification_steps", 0) if decoder else 0
 
 
+def _graph_verifications(engine) -> int:
+    """Verification steps that replayed a step graph (worker/step_graphs.py: CUDA graphs on a GPU; 0 where the
+    engine runs eagerly, a CPU's default)."""
+    graphs = engine.runner.step_graphs
+    return graphs.verification_replays if graphs is not None else 0
+
+
 def _counters(engine) -> dict:
     s = engine.stats
     return {
         "native_verification_steps": _native_verifications(engine),
+        "graph_verification_replays": _graph_verifications(engine),
         "drafts": s.spec_decode_num_drafts,
         "draft_tokens": s.spec_decode_num_draft_tokens,
         "accepted_tokens": s.spec_decode_num_accepted_tokens,
@@ -269,9 +278,8 @@ def batch1(
         r["prompt_tokens"] = len(prompts[0][0])
         r["acceptance"] = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
         # steps that verified through the native CPU decode step (a new decoder after a weight change starts at 0)
-        r["native_verification_steps"] = max(
-            0, after["native_verification_steps"] - before["native_verification_steps"]
-        )
+        for key in ("native_verification_steps", "graph_verification_replays"):
+            r[key] = max(0, after[key] - before[key])
         r["acceptance"]["rate"] = r["acceptance"]["accepted_tokens"] / max(1, r["acceptance"]["draft_tokens"])
         per_pos = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"] + [0] * 16)]
         r["acceptance"]["accepted_per_position"] = per_pos

@@ -33,8 +33,9 @@ class EngineConfig:
         max_model_len (without, since a whole prompt must then fit in one step).
     kv_cache_memory: bytes for the KV pool (all layers, K and V); None takes `kv_cache_memory_fraction`
         of the machine's memory (CPU) or of the free device memory (CUDA).
-    enforce_eager: no step graphs; every step runs the model op by op (vLLM's name). With False, pure-decode
-        steps of up to `max_graph_batch_size` sequences replay graphs made per padded batch size
+    enforce_eager: no step graphs; every step runs the model op by op (vLLM's name). With False, decode steps
+        (speculative verifications' k + 1 rows a request included) of up to `max_graph_batch_size` rows replay
+        graphs made per padded row count
         (torch.compile on CPU, CUDA graphs on CUDA; worker/step_graphs.py). None (the default) chooses by
         device: graphs on CUDA, eager on a CPU. On an H100, CUDA graphs measured 9.6x eager at batch 1 and
         3.8x at batch 128 (benchmarks/results/step_graphs-20261124T0148*). On a CPU the eager step with the
@@ -54,8 +55,8 @@ class EngineConfig:
         one client (the HTTP front is one); the compile thread takes turns between clients, so one client's backlog
         delays another's compile by one compile each, not by the backlog.
     speculative_config: speculative decoding (worker/speculative.py), a dict of vLLM's keys or a SpeculativeConfig
-        (worker/spec_config.py); None: off. A verification chunk is computed as decode rows (the native CPU decode
-        step takes up to 8 rows); step graphs replay one-token decodes only, so steps that verify run eagerly.
+        (worker/spec_config.py); None: off. A verification chunk is computed as decode rows: eagerly (the native CPU
+        decode step takes 1-8 requests' rows), or through the step graphs where they are on.
     suspend_weights: what suspend does with the weights: "host_copy" moves them to pinned host memory (on a
         CPU they stay where they are: nothing of them is freed), "reload" frees them and reloads them on resume
         from the files they came from (or from a spill file, when they came from tensors in memory); "auto"
@@ -98,7 +99,9 @@ class EngineConfig:
         "decode steps replay graphs compiled (CPU) or captured (CUDA) per "
         "batch size (default: graphs on CUDA, eager on a CPU)",
     )
-    max_graph_batch_size: int = option(256, "the largest decode batch a step graph is made for", metavar="N")
+    max_graph_batch_size: int = option(
+        256, "the most rows (decoding sequences, verification rows) a step graph is made for", metavar="N"
+    )
     scheduling_policy: str = option(
         "fcfs", "fcfs, or priority: lower request priority first, with aging", choices=SCHEDULING_POLICIES
     )

@@ -66,8 +66,8 @@ class ModelRunner:
         """Run one forward over `chunks` (decodes first) and sample one token for each chunk whose
         `samples` is set, in chunk order (a verification chunk: one per position from its last token on,
         `chunk.num_sampled_rows`). Returns None when no chunk samples (all mid-prefill).
-        Pure-decode steps that fit a step-graph bucket replay its graph; the others (verification steps
-        included) run eagerly."""
+        Decode and verification steps whose rows fit a step-graph bucket replay its graph; the others run
+        eagerly."""
         return self.finish(self.launch(chunks))
 
     @torch.inference_mode()

@@ -1,10 +1,10 @@
 """Step-graph shapes: which padded batch a decode step runs at, and what its padding rows hold. No torch.
 
 A step graph (worker/step_graphs.py) is made once per batch-size bucket: compiled on CPU, captured on CUDA. A
-decode step of n sequences runs in the smallest bucket >= n; its rows past n are padding: token 0 at
-position 0, slot -1 (the KV append skips it, or the CPU twin sends it to the pool's scratch slot), a block
-table of scratch blocks and length 1, so it attends to something finite and is never sampled. Steps with a
-prefill, or more sequences than the largest bucket, run eagerly.
+decode step of n rows (a row a sequence, or k + 1 for a speculative verification) runs in the smallest bucket >= n;
+its rows past n are padding: token 0 at position 0, slot -1 (the KV append skips it, or the CPU twin sends it to the
+pool's scratch slot), a block table of scratch blocks and length 1, so it attends to something finite and is never
+sampled. Steps with a prefill, or more rows than the largest bucket, run eagerly.
 
 The block table is padded too: to the full width (max_model_len / block_size) under CUDA graphs, whose
 kernels stop at each sequence's length; on CPU to the step's longest table rounded up to `granularity`
@@ -18,11 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def batch_buckets(max_num_seqs: int, max_bucket: int) -> tuple[int, ...]:
-    """1, 2, 4, ... (powers of two) below min(max_num_seqs, max_bucket), then that limit itself."""
-    if max_num_seqs < 1 or max_bucket < 1:
-        raise ValueError(f"max_num_seqs and max_bucket must be >= 1, got {max_num_seqs} and {max_bucket}")
-    limit = min(max_num_seqs, max_bucket)
+def batch_buckets(max_rows: int, max_bucket: int) -> tuple[int, ...]:
+    """1, 2, 4, ... (powers of two) below min(max_rows, max_bucket), then that limit itself. `max_rows`: the most
+    rows a step brings (its sequences; a speculative verification's k + 1 rows a request)."""
+    if max_rows < 1 or max_bucket < 1:
+        raise ValueError(f"max_rows and max_bucket must be >= 1, got {max_rows} and {max_bucket}")
+    limit = min(max_rows, max_bucket)
     sizes, size = [], 1
     while size < limit:
         sizes.append(size)
@@ -48,7 +49,8 @@ def table_width(longest: int, max_width: int, granularity: int) -> int:
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One sequence's decode: the token it feeds, that token's position, and its block table."""
+    """One decode row: the token it feeds, that token's position, and its sequence's block table (a verification
+    brings k + 1 rows of one sequence, at consecutive positions over the same table)."""
 
     token_id: int
     position: int

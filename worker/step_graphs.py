@@ -8,12 +8,14 @@ One mechanism, two backends chosen by device:
 - CUDA: a CUDA graph per bucket, captured over the eager forward (its Triton kernels) on the persistent
   input buffers, the block table at full width (the kernels stop at each sequence's length).
 
-Steps that are not pure decodes of at most the largest bucket run eagerly (model_runner.py). So do speculative
-verification steps (k + 1 rows a request, worker/speculative.py): a graph is made per row count, and the rows of
-a verification vary with its drafts step by step (0..k drafts a request, each request its own), so graphs per
-shape would multiply the buckets by the shapes; they are refused, with the reason logged once, and
-run eagerly, on a CPU through the native decode step where it applies (worker/models/native_decode.py). How rows
-and tables are padded is worked out, torch-free, in step_buckets.py.
+A speculative verification step (worker/speculative.py) replays the same graphs: a request's last token and its
+k drafts are k + 1 decode rows at consecutive positions over its one block table (row j attends to the context up
+to its own position, whose K/V the step appends before attending: the eager forward's layout,
+model_runner.build_forward_batch), so a graph is made per row count, not per draft shape, and a step of n
+requests with d_i drafts each runs in the smallest bucket >= sum(1 + d_i). Where speculation is on, the buckets
+reach the rows of its largest verifying batch (`graph_rows`). Steps with a prefill, a row that does not sample, or
+more rows than the largest bucket run eagerly (model_runner.py). How rows and tables are padded is worked out,
+torch-free, in step_buckets.py.
 """
 
 from __future__ import annotations
@@ -111,14 +113,14 @@ class StepGraphs:
         kv_cache: KVCache,
         block_size: int,
         max_model_len: int,
-        max_num_seqs: int,
+        max_rows: int,
         max_bucket: int,
         device: torch.device,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.buckets = batch_buckets(max_num_seqs, max_bucket)
+        self.buckets = batch_buckets(max_rows, max_bucket)
         self.max_width = -(-max_model_len // block_size)
         self.split_tokens = decode_split_tokens(max_model_len)  # the eager steps' too: the same bits
         self.device = device
@@ -126,35 +128,37 @@ class StepGraphs:
         self.backend: _Backend = _CudaGraphs(self) if device.type == "cuda" else _CompiledLayers(self)
         self.compile_seconds: dict[int, float] = {}
         self.replays: Counter[int] = Counter()  # steps run per bucket
-        self.refused_verifications = 0  # verification steps sent back to the eager forward
+        self.verification_replays = 0  # of those, speculative verification steps
 
     # ---- the step -------------------------------------------------------------------------------
 
     def bucket_for(self, chunks: Sequence[ScheduledChunk]) -> int | None:
         """The bucket this step runs in, or None when it must run eagerly (a prefill, a row that does not
-        sample, more rows than the largest bucket, a speculative verification: the module docstring)."""
-        if any(c.num_draft_tokens for c in chunks):
-            if not self.refused_verifications:
-                log.info(
-                    "step graphs take one-token decodes only: speculative verification steps (k + 1 rows a "
-                    "request, their shapes varying step by step) run eagerly%s",
-                    ", through the native decode step where it applies" if self.device.type == "cpu" else "",
-                )
-            self.refused_verifications += 1
-            return None
-        if not all(c.num_new_tokens == 1 and c.samples for c in chunks):
-            return None
-        return bucket_for(len(chunks), self.buckets)
+        sample, more rows than the largest bucket: the module docstring)."""
+        rows = 0
+        for c in chunks:
+            # a decode (one new token) or a verification (the last token and its drafts), sampled at every row
+            if not c.samples or c.num_new_tokens != 1 + c.num_draft_tokens:
+                return None
+            rows += c.num_new_tokens
+        return bucket_for(rows, self.buckets)
 
     def run(self, chunks: Sequence[ScheduledChunk], bucket: int) -> torch.Tensor:
-        """Logits [len(chunks), V] float32 of a pure-decode step (`bucket` from `bucket_for`)."""
+        """Logits [rows, V] float32 of a decode or verification step (`bucket` from `bucket_for`), a row per
+        token in chunk order: what the eager forward's logits rows are."""
         if bucket not in self.compile_seconds:  # a bucket past the warm-up's, on its first step
             self._make(bucket)
-        rows = [DecodeRow(c.request.token_ids[c.start], c.start, c.request.block_table) for c in chunks]
+        rows = [
+            DecodeRow(token_id, c.start + j, c.request.block_table)
+            for c in chunks
+            for j, token_id in enumerate(c.token_ids)
+        ]
         width = self.backend.width(max(len(r.block_table) for r in rows))
         self.buffers.fill(pad_decode(rows, bucket, width, self.block_size, self.kv_cache.scratch_block))
         self.replays[bucket] += 1
-        return self.backend.run(bucket, width)[: len(chunks)]
+        if len(rows) > len(chunks):
+            self.verification_replays += 1
+        return self.backend.run(bucket, width)[: len(rows)]
 
     # ---- making the graphs ----------------------------------------------------------------------
 
@@ -273,6 +277,16 @@ class _CudaGraphs(_Backend):
         return logits
 
 
+def graph_rows(config: EngineConfig) -> int:
+    """The most rows a step graph can be asked for: a decode of `max_num_seqs` sequences, or with speculation a
+    verification of as many requests as it runs for (`disable_by_batch_size`), k + 1 rows each."""
+    spec = config.speculative_config
+    if spec is None:
+        return config.max_num_seqs
+    verifying = min(config.max_num_seqs, spec.disable_by_batch_size)
+    return max(config.max_num_seqs, verifying * (1 + spec.num_speculative_tokens))
+
+
 def make_step_graphs(
     config: EngineConfig, model: torch.nn.Module, kv_cache: KVCache, max_model_len: int, device: torch.device
 ) -> StepGraphs | None:
@@ -293,7 +307,7 @@ def make_step_graphs(
         kv_cache,
         config.block_size,
         max_model_len,
-        config.max_num_seqs,
+        graph_rows(config),
         config.max_graph_batch_size,
         device,
     )

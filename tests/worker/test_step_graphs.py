@@ -108,3 +108,59 @@ def test_a_model_without_step_graph_support_runs_eagerly(tmp_path, smollm2_token
     assert engine.runner.step_graphs is None
     out = _drive(engine, {"a": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))}, {})
     assert len(out["a"]) == 3
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def _repetitive(vocab: int) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Two prompts that repeat a short cycle, so that n-gram drafts are found every step (some accepted, some not,
+    on a random model), greedy, EOS ignored, with logprobs."""
+    cycles = ([7, 11, 5, 9], [13, 6, 12])
+    return {
+        f"s{i}": (
+            [t % vocab for t in cycle * 6],
+            SamplingParams(temperature=0, max_tokens=m, logprobs=1, ignore_eos=True),
+        )
+        for i, (cycle, m) in enumerate(zip(cycles, (30, 19)))
+    }
+
+
+def _drive_logprobs(engine: Engine, requests: dict) -> dict[str, list[tuple[int, float]]]:
+    """Every request's (token, its logprob) in order."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    out: dict[str, list[tuple[int, float]]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id].extend(
+                (t, lp[t]) for t, lp in zip(delta.token_ids, delta.logprobs or [], strict=True)
+            )
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_verification_steps_replay_the_graphs_with_the_tokens_of_decoding_without_speculation(tiny_model_dir, family):
+    """A verification step's k + 1 rows a request run as decode rows of the graphs (the buckets reach 2 requests x
+    4 rows): greedy tokens equal decoding without speculation, compiled and eager alike."""
+    path = str(tiny_model_dir(family))
+    options = {**GRAPH_OPTIONS, "max_num_seqs": 2, "max_graph_batch_size": 256}
+
+    def engine(eager: bool, spec: dict | None) -> Engine:
+        return Engine(EngineConfig(model=path, enforce_eager=eager, speculative_config=spec, **options))
+
+    requests = _repetitive(engine(True, None).vocab_size)
+    want = _drive_logprobs(engine(True, None), requests)
+    plain = engine(False, None)
+    assert plain.runner.step_graphs is not None and plain.runner.step_graphs.buckets == (1, 2)
+    speculating = engine(False, SPEC)
+    graphs = speculating.runner.step_graphs
+    assert graphs is not None and graphs.buckets == (1, 2, 4, 8)  # 2 requests x (1 + 3) rows
+    got_plain, got = _drive_logprobs(plain, requests), _drive_logprobs(speculating, requests)
+    for rid, pairs in want.items():
+        assert [t for t, _ in got[rid]] == [t for t, _ in got_plain[rid]] == [t for t, _ in pairs]
+        assert [lp for _, lp in got[rid]] == pytest.approx([lp for _, lp in pairs], abs=1e-4)
+    stats = speculating.stats
+    assert graphs.verification_replays > 0 and stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens  # rejections too
+    assert set(graphs.replays) & {4, 8}  # rows past the 2 sequences' buckets
