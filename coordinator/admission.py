@@ -110,7 +110,7 @@ class Admission:
         limit = self.config.max_held_requests
         if len(self.books.requests.held) < limit:
             return None
-        fresh = [r for r in self.books.requests.held.values() if not r.delivered]
+        fresh = [r for r in self.books.requests.held.values() if not r.num_delivered]
         victim = max(reversed(fresh), key=lambda r: r.priority, default=None)  # the newest of the worst
         if victim is not None and victim.priority > submit.priority:
             self.books.fail(
@@ -158,7 +158,7 @@ class Admission:
                 return True
         else:
             worker = self.policy.choose(request.routing_prompt, self._for_suspect(request, candidates))
-        if request.delivered and request.prompt_token_ids is None:
+        if request.num_delivered and request.prompt_token_ids is None:
             self.books.fail(
                 request,
                 f"request {request.request_id!r} cannot be resumed: its worker never reported the prompt's token ids",
@@ -289,7 +289,7 @@ class Admission:
             self.books.fail(
                 request,
                 f"request {rid!r} did not finish within its timeout ({waited:.1f} s); it was "
-                f"aborted after {len(request.delivered)} token(s)",
+                f"aborted after {request.num_delivered} token(s)",
                 "timeout",
             )
             self.dispatch_held(now)

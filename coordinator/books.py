@@ -81,7 +81,7 @@ class Books:
         if request.trace is not None:
             attributes: dict[str, Attribute] = {
                 "gen_ai.response.finish_reasons": str(final.finish_reason) if final else "client gone",
-                "gen_ai.usage.completion_tokens": len(request.delivered),
+                "gen_ai.usage.completion_tokens": request.num_delivered,
                 "infer.redispatches": request.retries,
             }
             self.outbox.end_span(request.trace.finish(None, **attributes))

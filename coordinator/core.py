@@ -21,10 +21,11 @@ A worker's death reaches commands and the orphan table, a lost client statistics
 
 A request's path: Submit -> held (paused, or no healthy worker) or routed -> Dispatch to a worker ->
 the worker's StepBatch deltas are relayed to the client (gathered per client into one DeltaBatch per
-cycle) and `delivered` grows -> the finished delta removes it. If its worker dies, hangs, or aborts it on
-its own (a draining worker), the request is held again at the front of the queue and re-dispatched as
-prompt + delivered tokens with the remaining budget, so the client's stream goes on without a gap or a
-repeat. Deltas from a worker that does not own the request are dropped and the request aborted there.
+cycle) and recorded in its journal (the tokens and the length of their text) -> the finished delta removes
+it. If its worker dies, hangs, or aborts it on its own (a draining worker), the request is held again at the
+front of the queue and re-dispatched as prompt + delivered tokens with the remaining budget, so the client's
+stream goes on without a gap or a repeat. Deltas from a worker that does not own the request are dropped and
+the request aborted there.
 
 Poison quarantine: a request that may kill its worker must not walk through the fleet. Every request
 running on a worker when it dies (connection gone, or silent past the timeout) records that death and is a

@@ -17,6 +17,7 @@ from infer.coordinator.orphans import Orphan, OrphanTable
 from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import ClientRecord, RequestRecord, WorkerRecord
 from infer.protocol.codes import FinishReason
+from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import Abort, Delta, Hello, Submit, TokenIds
 
@@ -64,7 +65,7 @@ class Reattachment:
         worker = self.books.workers.by_id.get(orphan.worker_id)
         if worker is None or not worker.healthy:
             return False
-        catch_up = orphan.catch_up(request.delivered)
+        catch_up = orphan.catch_up(request.journal.token_ids)
         if catch_up is None:
             if orphan.final is None:
                 self.outbox.send(worker.identity, Abort(request_ids=[orphan.request_id]))
@@ -90,9 +91,7 @@ class Reattachment:
             seed=request.sampling.seed if first else None,
         )
         request.sent_prompt_ids = True
-        request.delivered.extend(tokens)
-        if request.delivered_text_len is not None:
-            request.delivered_text_len += len(text)
+        request.journal.record(tokens, text)
         request.dispatch_seq = 0  # every Hello of that worker lists it (no Dispatch of ours to cross)
         if final is not None:
             self.books.counters.requests_failed += final.finish_reason == FinishReason.ERROR
@@ -106,7 +105,7 @@ class Reattachment:
             "request %s re-attached on worker %s after %d token(s)",
             safe(request.request_id),
             safe(worker.worker_id),
-            len(request.delivered),
+            request.num_delivered,
         )
         return True
 
@@ -115,9 +114,9 @@ class Reattachment:
         worker's copy if one registered, wait for it during restart_grace, else resume from the client's."""
         rid = submit.request_id
         request = self.admission.new_record(client.identity, submit, now)
-        request.delivered = TokenIds(submit.delivered_token_ids)
-        request.delivered_text_len = submit.delivered_text_len if request.delivered else 0
-        request.sent_prompt_ids = bool(request.delivered)
+        delivered = submit.delivered_token_ids
+        request.journal = StreamJournal.lengths_only(delivered, submit.delivered_text_len if delivered else 0)
+        request.sent_prompt_ids = bool(delivered)
         self.books.requests.add(request)
         client.requests.add(rid)
         orphan = self.orphans.take(rid)

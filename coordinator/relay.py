@@ -88,9 +88,7 @@ class Relay:
         if request.retries or request.sent_prompt_ids:
             delta = self._continuation(request, delta)
         request.sent_prompt_ids = True
-        request.delivered.extend(delta.token_ids)
-        if request.delivered_text_len is not None:
-            request.delivered_text_len += len(delta.text)
+        request.journal.record(delta.token_ids, delta.text)
         if delta.finished:
             if delta.finish_reason == FinishReason.ERROR:
                 self.books.counters.requests_failed += 1

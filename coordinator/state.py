@@ -4,9 +4,10 @@
 Invariants (kept by coordinator/books.py):
 - a request is either held (worker_id is None, it sits in RequestTable.held) or runs on exactly one
   worker (worker_id set, the id is in that worker's `requests`);
-- `delivered` is every token id already relayed to the client, in order, and `delivered_text_len` the
-  characters of text relayed with them; with the prompt token ids and the seed in `sampling` they are what a
-  re-dispatch resumes from (the worker rebuilds its detokenizer from them);
+- `journal` holds every token id already relayed to the client, in order, and the number of characters of text
+  relayed with them (a StreamJournal that keeps lengths only: protocol/journal.py); with the prompt token ids
+  and the seed in `sampling` they are what a re-dispatch resumes from (the worker rebuilds its detokenizer from
+  them);
 - a worker's `cost_in_flight` is the sum of its requests' `charged` (their estimated cost when dispatched);
 - `worker_deaths` names the workers that died while running the request, in order: one makes it a suspect,
   two quarantine it (admission.py `failover`).
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from infer.protocol.codes import ClusterState
+from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import Dispatch, Hello, Load, TokenIds
 from infer.protocol.sampling import SamplingParams
@@ -42,8 +44,7 @@ class RequestRecord:
     submitted_at: float
     worker_id: str | None = None  # where it runs now; None while held
     held_since: float | None = None
-    delivered: TokenIds = field(default_factory=TokenIds)
-    delivered_text_len: int | None = 0  # characters of text relayed with `delivered` (None: unknown)
+    journal: StreamJournal = field(default_factory=StreamJournal.lengths_only)  # what the client was relayed
     charged: int = 0  # its estimated cost when dispatched, counted in its worker's cost_in_flight
     sent_prompt_ids: bool = False  # the client has had the prompt token ids
     retries: int = 0
@@ -63,12 +64,17 @@ class RequestRecord:
     def cost(self) -> int:
         """Estimated tokens this request adds to a rank: prompt (not yet computed) + output still to come."""
         if self.prompt_token_ids is not None:
-            prompt = len(self.prompt_token_ids) + len(self.delivered)
+            prompt = len(self.prompt_token_ids) + self.num_delivered
         else:
             prompt = len(self.prompt or "") // CHARS_PER_TOKEN + 1
         max_tokens = self.sampling.max_tokens
-        output = UNBOUNDED_OUTPUT_ESTIMATE if max_tokens is None else max(0, max_tokens - len(self.delivered))
+        output = UNBOUNDED_OUTPUT_ESTIMATE if max_tokens is None else max(0, max_tokens - self.num_delivered)
         return prompt + output
+
+    @property
+    def num_delivered(self) -> int:
+        """Output tokens relayed to the client so far."""
+        return len(self.journal.token_ids)
 
     @property
     def routing_prompt(self) -> str | list[int]:
@@ -78,12 +84,12 @@ class RequestRecord:
         """max_tokens left after what was delivered (None: up to the context length); for routing and for a
         request whose every token is out. A Dispatch carries max_tokens as submitted: the engine counts."""
         max_tokens = self.sampling.max_tokens
-        return None if max_tokens is None else max_tokens - len(self.delivered)
+        return None if max_tokens is None else max_tokens - self.num_delivered
 
     def dispatch(self) -> Dispatch:
         """The Dispatch that (re)starts this request where the client's stream stands: its SamplingParams as
         they are, and the tokens already delivered, which the engine counts toward max_tokens / min_tokens."""
-        if not self.delivered:
+        if not self.journal.token_ids:
             return Dispatch(
                 request_id=self.request_id,
                 sampling=self.sampling,
@@ -97,8 +103,8 @@ class RequestRecord:
             request_id=self.request_id,
             sampling=self.sampling,
             prompt_token_ids=self.prompt_token_ids,
-            resumed_token_ids=TokenIds(self.delivered),
-            resumed_text_len=self.delivered_text_len,
+            resumed_token_ids=TokenIds(self.journal.token_ids),
+            resumed_text_len=self.journal.text_len,
             priority=self.priority,
             client=self.client_tag,
             traceparent=self.dispatch_traceparent,

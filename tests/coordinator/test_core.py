@@ -246,7 +246,7 @@ def test_worker_death_resumes_the_stream_with_no_gap_and_no_repeat():
     assert "unknown worker" in of_type(out, Error, W0)[0].message
     assert of_type(out, Abort, W0)[0].request_ids == ["r"]
     assert not client_deltas(out, C1)
-    assert h.core.requests.get("r").delivered == [7, 8, 9, 10]
+    assert h.core.requests.get("r").journal.token_ids == [7, 8, 9, 10]
 
 
 def test_a_continued_stream_reports_the_weight_version_that_computed_it():

@@ -83,7 +83,7 @@ def test_a_client_key_cannot_register_as_a_worker_and_never_gets_a_dispatch():
     # deltas it forges for a request it does not run are refused, never relayed
     out = step(h, intruder, CLIENT_KEY, delta("r0", 666, 667, prompt=[1, 2, 3]))
     assert not deltas_to(out, C1) and of_type(out, Error, intruder)
-    assert h.core.requests.get("r0").delivered == []
+    assert h.core.requests.get("r0").journal.token_ids == []
 
 
 def test_a_worker_key_cannot_act_as_a_client_and_an_admin_key_can():

@@ -191,3 +191,23 @@ def test_a_hello_that_crossed_a_dispatch_does_not_move_it():
     assert request.retries == 1
     h.send(b"w0", worker_hello("w0", 0, incarnation="p2", dispatches_seen=0))  # a new process
     assert request.retries == 2
+
+
+def test_the_relay_counts_the_text_it_relays_after_the_clients_copy_and_keeps_an_unknown_length_unknown():
+    """A re-attached request resumed from the client's copy, relayed a delta, then its worker dies: the next
+    Dispatch resumes from every token relayed, with the text length the client gave plus the relayed text's,
+    or, when the client gave none, with the length still unknown (None: the worker counts the whole text as
+    delivered). The relay keeps the length only, never the text."""
+    for given, expected in ((3, 3 + len("<9>")), (None, None)):
+        h = Harness(restart_grace=0.0)
+        h.worker("w0", 0)
+        extra = {} if given is None else {"delivered_text_len": given}
+        (dispatch,) = _to(_reattach(h, "r", [7, 8], **extra), b"w0", Dispatch)
+        assert dispatch.resumed_text_len == given
+        (relayed,) = _client_deltas(h.step("w0", delta("r", 9)))
+        assert relayed.text == "<9>"
+        journal = h.core.requests.get("r").journal
+        assert journal.token_ids == [7, 8, 9] and journal.text_len == expected and not journal.keeps_text
+        h.core.peer_gone(b"w0", h.now)
+        (dispatch,) = _to(h.worker("w1", 1), b"w1", Dispatch)
+        assert list(dispatch.resumed_token_ids) == [7, 8, 9] and dispatch.resumed_text_len == expected

@@ -93,3 +93,45 @@ def test_a_worker_snapshot_read_back_catches_up_as_before():
     assert journal.catch_up([5, 6]) == ([7, 8], "yz")
     assert journal.catch_up([5, 6, 7, 8]) == ([], "")
     assert journal.catch_up([5, 6, 7]) is None and journal.catch_up([]) is None
+
+
+@pytest.mark.parametrize("count", range(len(DELTAS) + 1))
+def test_a_journal_of_lengths_only_keeps_the_tokens_and_text_length_of_a_full_one_and_no_text(count):
+    """The coordinator's relay: what a re-dispatch resumes from (the tokens and how long their text is), with
+    no text and no delta boundaries kept."""
+    full, lengths = _journal(DELTAS[:count]), StreamJournal.lengths_only(RESUMED)
+    for tokens, text in DELTAS[:count]:
+        lengths.record(tokens, text)
+    assert lengths.token_ids == full.token_ids and lengths.text_len == full.text_len
+    assert not lengths.keeps_text and full.keeps_text
+    assert lengths.resumed == 0 and lengths.delta_ends == [] and lengths.text_ends == []
+
+
+def test_a_journal_of_lengths_only_starts_from_a_copy_and_its_text_length():
+    """A client re-attached with 2 tokens whose text is 3 characters: the deltas after them add theirs."""
+    journal = StreamJournal.lengths_only([7, 8], 3)
+    journal.record([9], "éz")
+    journal.record([], "")
+    journal.record([10, 11], "")
+    assert journal.token_ids == [7, 8, 9, 10, 11] and journal.text_len == 5
+    assert StreamJournal.lengths_only().token_ids == [] and StreamJournal.lengths_only().text_len == 0
+
+
+def test_an_unknown_text_length_stays_unknown_while_the_tokens_grow():
+    """A client re-attached without saying how much text it holds: the resumed stream's text length is unknown
+    (the worker then takes the tokens' whole text as delivered), however many deltas follow."""
+    journal = StreamJournal.lengths_only([7, 8], None)
+    journal.record([9], "abc")
+    assert journal.token_ids == [7, 8, 9] and journal.text_len is None
+
+
+def test_a_journal_of_lengths_only_refuses_text_snapshot_and_catch_up():
+    journal = StreamJournal.lengths_only([7, 8], 3)
+    journal.record([9], "x")
+    with pytest.raises(ValueError, match="keeps the length of its text only.*no text"):
+        _ = journal.text
+    with pytest.raises(ValueError, match="keeps the length of its text only.*no snapshot"):
+        journal.snapshot("r", PROMPT)
+    for held in ([7, 8], [7, 8, 9], [1]):  # not even a copy that could never fit is answered
+        with pytest.raises(ValueError, match="keeps the length of its text only.*no catch-up"):
+            journal.catch_up(held)
