@@ -331,7 +331,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
-    lib.gemv_rows_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    lib.gemv_rows_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.gemv_rows_bf16w_f32x.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.gemv_paths.argtypes = []
     lib.lora_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
@@ -830,11 +830,18 @@ def gemv_takes_any_rows() -> bool:
     return gemv_paths() & GEMV_BF16_FP32_CORE != 0
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16, unit column stride, M >= 1) @ weight [N, K]^T -> [M, N] bf16 (a new tensor), for a weight
-    `gemv_takes`. Each output row is the same bits whatever M (each row's sum is taken alone). The eager linears
-    send it 1-8 rows (any number where `gemv_takes_any_rows`); past 8, AVX512-BF16 takes groups of 8 rows over
-    each weight row (the native decode step's verification rows)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16, unit column stride, M >= 1) @ weight [N, K]^T (+ bias [N], bf16 contiguous) -> [M, N] bf16 (a
+    new tensor), for a weight `gemv_takes`. The bias is added to each fp32 sum before its one rounding, as a fused
+    linear adds it (oneDNN's, F.linear's). Each output row is the same bits whatever M (each row's sum is taken
+    alone). The eager linears send it 1-8 rows (any number where `gemv_takes_any_rows`); past 8, AVX512-BF16 takes
+    groups of 8 rows over each weight row (the native decode step's verification rows)."""
+    if bias is not None and not (
+        bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.shape == (weight.shape[0],)
+    ):
+        raise ValueError(
+            f"the native GEMV takes a contiguous bf16 bias of [{weight.shape[0]}], got {bias.dtype} {list(bias.shape)}"
+        )
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
     status = _native().gemv_rows_bf16(
         x.data_ptr(),
@@ -845,6 +852,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x.shape[0],
         weight.shape[0],
         weight.shape[1],
+        None if bias is None else bias.data_ptr(),
     )
     if status == -3:
         raise MemoryError("the native GEMV could not allocate x's fp32 copy")

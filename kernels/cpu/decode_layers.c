@@ -19,7 +19,8 @@
  * weights: 18 pointers a layer (input norm, Wqkv [q + 2 kv, hidden], Wo [hidden, q], post-attention norm,
  * Wgate_up [2 I, hidden], Wdown [hidden, I], then the biases of the four linears or NULL: Qwen2 has the qkv one,
  * then each linear's block scales and mins for a quantized one, else NULL) and the final norm's weight last; a bias
- * is added to the product's output (bf16: rounded again, as `y.add_(bias)`). formats: 4 a layer, one per linear:
+ * is added as the eager linears add it: to the GEMV's fp32 sums before their one rounding (bf16 rows), to a quantized
+ * product's output (bf16: rounded again, as `y.add_(bias)`). formats: 4 a layer, one per linear:
  * -1 its weight is dense bf16 (the GEMV: bf16 rows, or fp32 rows with bf16 weights), 0 / 1 quantized q4 / q8
  * (kernels/quant.py's layouts; quant_matmul). Norms, biases, pools and rows are all of the one type is_bf16 names.
  * pools: K and V of each layer ([Hkv, num_blocks, block_size, D] contiguous). scratch: rows x (hidden + (q + 2 kv)
@@ -44,7 +45,7 @@
 int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride, const void *weight, void *out,
              int64_t out_stride, int64_t rows, int hidden, float eps, int is_bf16);
 int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M, int64_t N,
-                   int64_t K);
+                   int64_t K, const void *bias);
 int gemv_rows_bf16w_f32x(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M,
                          int64_t N, int64_t K);
 int quant_matmul(const void *x, int64_t x_stride, const void *qs, const uint16_t *scales, const uint16_t *mins, int fmt,
@@ -84,14 +85,14 @@ static int linear(const void *const *w, const int32_t *formats, int j, const voi
                   int64_t K, int is_bf16) {
     static const int weight_at[4] = {1, 2, 4, 5};
     const void *W = w[weight_at[j]];
-    int status;
-    if (formats[j] < 0)
-        status = is_bf16 ? gemv_rows_bf16(x, K, W, y, N, rows, N, K) : gemv_rows_bf16w_f32x(x, K, W, y, N, rows, N, K);
-    else
-        status = quant_matmul(x, K, W, (const uint16_t *)w[10 + 2 * j], (const uint16_t *)w[11 + 2 * j], formats[j], y,
-                              N, rows, N, K, is_bf16);
+    const void *bias = w[6 + j];
+    if (formats[j] < 0 && is_bf16) return gemv_rows_bf16(x, K, W, y, N, rows, N, K, bias);   /* the bias fused */
+    const int status = formats[j] < 0
+                           ? gemv_rows_bf16w_f32x(x, K, W, y, N, rows, N, K)
+                           : quant_matmul(x, K, W, (const uint16_t *)w[10 + 2 * j], (const uint16_t *)w[11 + 2 * j],
+                                          formats[j], y, N, rows, N, K, is_bf16);
     if (status) return status;
-    add_bias(y, N, w[6 + j], rows, N, is_bf16);
+    add_bias(y, N, bias, rows, N, is_bf16);
     return 0;
 }
 

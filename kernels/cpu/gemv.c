@@ -52,8 +52,8 @@ static inline __mmask32 chunk_mask(int64_t K, int64_t k) {
  * and dotted with every row of x, each row's sum taken exactly as for M = 1 (so a row's output does not depend
  * on the rows beside it). */
 static inline __attribute__((always_inline)) void gemv_cols(const uint16_t *x, int64_t x_stride, const uint16_t *w,
-                                                            uint16_t *y, int64_t y_stride, int64_t n0, int64_t n1,
-                                                            int64_t K, const int M) {
+                                                            const uint16_t *bias, uint16_t *y, int64_t y_stride,
+                                                            int64_t n0, int64_t n1, int64_t K, const int M) {
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *row = w + n * K;
         __m512 even[MAX_ROWS], odd[MAX_ROWS];
@@ -72,22 +72,23 @@ static inline __attribute__((always_inline)) void gemv_cols(const uint16_t *x, i
             for (int m = 0; m < M; m++)
                 even[m] = _mm512_dpbf16_ps(even[m], (__m512bh)_mm512_maskz_loadu_epi16(live, x + m * x_stride + k), w0);
         }
+        const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
         for (int m = 0; m < M; m++)
-            y[m * y_stride + n] = f32_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m])));
+            y[m * y_stride + n] = f32_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m])) + b);
     }
 }
 
-static void gemv_cols_any(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *y, int64_t y_stride,
-                          int64_t n0, int64_t n1, int64_t K, int M) {
+static void gemv_cols_any(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                          int64_t y_stride, int64_t n0, int64_t n1, int64_t K, int M) {
     switch (M) {
-    case 1: gemv_cols(x, x_stride, w, y, y_stride, n0, n1, K, 1); break;
-    case 2: gemv_cols(x, x_stride, w, y, y_stride, n0, n1, K, 2); break;
-    case 3: gemv_cols(x, x_stride, w, y, y_stride, n0, n1, K, 3); break;
-    case 4: gemv_cols(x, x_stride, w, y, y_stride, n0, n1, K, 4); break;
-    case 5: gemv_cols(x, x_stride, w, y, y_stride, n0, n1, K, 5); break;
-    case 6: gemv_cols(x, x_stride, w, y, y_stride, n0, n1, K, 6); break;
-    case 7: gemv_cols(x, x_stride, w, y, y_stride, n0, n1, K, 7); break;
-    default: gemv_cols(x, x_stride, w, y, y_stride, n0, n1, K, 8); break;
+    case 1: gemv_cols(x, x_stride, w, bias, y, y_stride, n0, n1, K, 1); break;
+    case 2: gemv_cols(x, x_stride, w, bias, y, y_stride, n0, n1, K, 2); break;
+    case 3: gemv_cols(x, x_stride, w, bias, y, y_stride, n0, n1, K, 3); break;
+    case 4: gemv_cols(x, x_stride, w, bias, y, y_stride, n0, n1, K, 4); break;
+    case 5: gemv_cols(x, x_stride, w, bias, y, y_stride, n0, n1, K, 5); break;
+    case 6: gemv_cols(x, x_stride, w, bias, y, y_stride, n0, n1, K, 6); break;
+    case 7: gemv_cols(x, x_stride, w, bias, y, y_stride, n0, n1, K, 7); break;
+    default: gemv_cols(x, x_stride, w, bias, y, y_stride, n0, n1, K, 8); break;
     }
 }
 #endif
@@ -139,15 +140,16 @@ static void dot_rows_any(const uint16_t *row, const float *x, int64_t K, int64_t
 
 /* Output columns [n0, n1) of M rows: each weight row read once from memory, the rows of x F_ROWS at a time
  * over it (from L1 after the first pass). */
-static void fp32_cols(const float *x, int64_t K, const uint16_t *w, void *y, int64_t y_stride, int64_t n0, int64_t n1,
-                      int M, int y_bf16) {
+static void fp32_cols(const float *x, int64_t K, const uint16_t *w, const uint16_t *bias, void *y, int64_t y_stride,
+                      int64_t n0, int64_t n1, int M, int y_bf16) {
     const int64_t K16 = (K + 15) / 16 * 16;
     float sums[MAX_ROWS];
     for (int64_t n = n0; n < n1; n++) {
         for (int m = 0; m < M; m += F_ROWS)
             dot_rows_any(w + n * K, x + m * K16, K, K16, sums + m, M - m < F_ROWS ? M - m : F_ROWS);
+        const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
         for (int m = 0; m < M; m++) {
-            if (y_bf16) ((uint16_t *)y)[m * y_stride + n] = f32_to_bf16(sums[m]);
+            if (y_bf16) ((uint16_t *)y)[m * y_stride + n] = f32_to_bf16(sums[m] + b);
             else ((float *)y)[m * y_stride + n] = sums[m];
         }
     }
@@ -205,8 +207,8 @@ static void dot_tile_any(const uint16_t *w, int64_t K, const float *x, int64_t K
 }
 
 /* Rows [0, M) of the block xf (fp32, K16 apart) times weight rows [n0, n1), into y (rows y_stride apart). */
-static void tile_cols(const float *xf, int M, int64_t K, int64_t K16, const uint16_t *w, void *y, int64_t y_stride,
-                      int64_t n0, int64_t n1, int y_bf16) {
+static void tile_cols(const float *xf, int M, int64_t K, int64_t K16, const uint16_t *w, const uint16_t *bias, void *y,
+                      int64_t y_stride, int64_t n0, int64_t n1, int y_bf16) {
     float sums[T_ROWS * T_COLS];
     for (int64_t n = n0; n < n1; n += T_COLS) {
         const int C = n1 - n < T_COLS ? (int)(n1 - n) : T_COLS;
@@ -216,7 +218,9 @@ static void tile_cols(const float *xf, int M, int64_t K, int64_t K16, const uint
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < C; c++) {
                     const int64_t at = (m + r) * y_stride + n + c;
-                    if (y_bf16) ((uint16_t *)y)[at] = f32_to_bf16(sums[r * T_COLS + c]);
+                    if (y_bf16)
+                        ((uint16_t *)y)[at] = f32_to_bf16(sums[r * T_COLS + c]
+                                                          + (bias ? bf16_to_f32(bias[n + c]) : 0.0f));
                     else ((float *)y)[at] = sums[r * T_COLS + c];
                 }
         }
@@ -225,8 +229,8 @@ static void tile_cols(const float *xf, int M, int64_t K, int64_t K16, const uint
 
 /* Any M >= 1: x widened M_BLOCK rows at a time, each block's tiles over contiguous ranges of weight rows per
  * thread. -3: no memory. */
-static int tiled_core(const void *x, int64_t x_stride, int x_bf16, const uint16_t *w, void *y, int64_t y_stride,
-                      int y_bf16, int64_t M, int64_t N, int64_t K) {
+static int tiled_core(const void *x, int64_t x_stride, int x_bf16, const uint16_t *w, const uint16_t *bias, void *y,
+                      int64_t y_stride, int y_bf16, int64_t M, int64_t N, int64_t K) {
     const int64_t K16 = (K + 15) / 16 * 16, rows = M < M_BLOCK ? M : M_BLOCK;
     float *xf = (float *)aligned_alloc(64, (size_t)(rows * K16 * 4 + 63) / 64 * 64);
     if (!xf) return -3;
@@ -246,7 +250,7 @@ static int tiled_core(const void *x, int64_t x_stride, int x_bf16, const uint16_
             const int64_t n0 = N * me / threads / T_COLS * T_COLS,
                           n1 = me + 1 == threads ? N : N * (me + 1) / threads / T_COLS * T_COLS;
             char *y_block = (char *)y + m0 * y_stride * (y_bf16 ? 2 : 4);
-            tile_cols(xf, block, K, K16, w, y_block, y_stride, n0, n1, y_bf16);
+            tile_cols(xf, block, K, K16, w, bias, y_block, y_stride, n0, n1, y_bf16);
         }
     }
     free(xf);
@@ -256,10 +260,10 @@ static int tiled_core(const void *x, int64_t x_stride, int x_bf16, const uint16_
 /* The fp32 core: x [M, K] (bf16 when x_bf16, else fp32; rows x_stride apart) copied into a zero-padded fp32
  * buffer, then threads take contiguous ranges of weight rows; more than MAX_ROWS rows go through the tiles, with
  * the same sums. -1: M < 1 or K < 1; -3: no memory. */
-static int fp32_core(const void *x, int64_t x_stride, int x_bf16, const uint16_t *w, void *y, int64_t y_stride,
-                     int y_bf16, int64_t M, int64_t N, int64_t K) {
+static int fp32_core(const void *x, int64_t x_stride, int x_bf16, const uint16_t *w, const uint16_t *bias, void *y,
+                     int64_t y_stride, int y_bf16, int64_t M, int64_t N, int64_t K) {
     if (M < 1 || K < 1) return -1;
-    if (M > MAX_ROWS) return tiled_core(x, x_stride, x_bf16, w, y, y_stride, y_bf16, M, N, K);
+    if (M > MAX_ROWS) return tiled_core(x, x_stride, x_bf16, w, bias, y, y_stride, y_bf16, M, N, K);
     const int64_t K16 = (K + 15) / 16 * 16;
     float *xf = (float *)aligned_alloc(64, (size_t)(M * K16 * 4 + 63) / 64 * 64);
     if (!xf) return -3;
@@ -272,7 +276,7 @@ static int fp32_core(const void *x, int64_t x_stride, int x_bf16, const uint16_t
 #pragma omp parallel if (N * K > 65536)
     {
         const int threads = omp_get_num_threads(), me = omp_get_thread_num();
-        fp32_cols(xf, K, w, y, y_stride, N * me / threads, N * (me + 1) / threads, (int)M, y_bf16);
+        fp32_cols(xf, K, w, bias, y, y_stride, N * me / threads, N * (me + 1) / threads, (int)M, y_bf16);
     }
     free(xf);
     return 0;
@@ -294,13 +298,14 @@ int gemv_paths(void) {
     return paths;
 }
 
-/* y [M, N] = x [M, K] W^T for M >= 1 rows of x (rows x_stride elements apart; y's y_stride apart), in bf16 (see
- * the top of this file). Past MAX_ROWS rows the AVX512-BF16 path takes each weight row once for groups of
+/* y [M, N] = x [M, K] W^T (+ bias [N] bf16, or NULL) for M >= 1 rows of x (rows x_stride elements apart; y's y_stride
+ * apart), in bf16 (see the top of this file); the bias is added to the fp32 sum, which is rounded once, as a fused
+ * linear (oneDNN's, ATen's) does: a bias added to the rounded product would round twice. Past MAX_ROWS rows the AVX512-BF16 path takes each weight row once for groups of
  * MAX_ROWS rows in turn (the native decode step's verification rows: kernels/cpu/decode_layers.c), each sum as
  * for one row; the eager linears send it 1-8 rows only (oneDNN's packed path is faster past that, with other
  * bits). -1: a build without the bf16 GEMV (gemv_paths), or M < 1. */
 int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M, int64_t N,
-                   int64_t K) {
+                   int64_t K, const void *bias) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
     if (M < 1) return -1;
 #pragma omp parallel if (N * K > 65536)
@@ -309,20 +314,21 @@ int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int6
         const int threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t n0 = N * me / threads, n1 = N * (me + 1) / threads;
         if (M <= MAX_ROWS) {
-            gemv_cols_any((const uint16_t *)x, x_stride, (const uint16_t *)w, (uint16_t *)y, y_stride, n0, n1, K,
-                          (int)M);
+            gemv_cols_any((const uint16_t *)x, x_stride, (const uint16_t *)w, (const uint16_t *)bias, (uint16_t *)y,
+                          y_stride, n0, n1, K, (int)M);
         } else {   /* each weight row read from memory once, the rows of x MAX_ROWS at a time over it (from L1) */
             for (int64_t n = n0; n < n1; n++)
                 for (int64_t m = 0; m < M; m += MAX_ROWS)
                     gemv_cols_any((const uint16_t *)x + m * x_stride, x_stride, (const uint16_t *)w,
-                                  (uint16_t *)y + m * y_stride, y_stride, n, n + 1, K,
+                                  (const uint16_t *)bias, (uint16_t *)y + m * y_stride, y_stride, n, n + 1, K,
                                   (int)(M - m < MAX_ROWS ? M - m : MAX_ROWS));
         }
     }
     return 0;
 #elif defined(HAVE_FP32_CORE)
-    return fp32_core(x, x_stride, 1, (const uint16_t *)w, y, y_stride, 1, M, N, K);
+    return fp32_core(x, x_stride, 1, (const uint16_t *)w, (const uint16_t *)bias, y, y_stride, 1, M, N, K);
 #else
+    (void)bias;
     (void)x;
     (void)x_stride;
     (void)w;
@@ -341,7 +347,7 @@ int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int6
 int gemv_rows_bf16w_f32x(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M,
                          int64_t N, int64_t K) {
 #if defined(HAVE_FP32_CORE)
-    return fp32_core(x, x_stride, 0, (const uint16_t *)w, y, y_stride, 0, M, N, K);
+    return fp32_core(x, x_stride, 0, (const uint16_t *)w, NULL, y, y_stride, 0, M, N, K);
 #else
     (void)x;
     (void)x_stride;

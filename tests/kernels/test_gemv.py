@@ -145,7 +145,9 @@ def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gem
     if not onednn_packs_bf16:
         monkeypatch.setattr("infer.worker.models.layers._pack_for_cpu", lambda w: None)
     rows_seen: list[int] = []
-    monkeypatch.setattr("infer.worker.models.layers.gemv", lambda x, w: rows_seen.append(x.shape[0]) or gemv(x, w))
+    monkeypatch.setattr(
+        "infer.worker.models.layers.gemv", lambda x, w, b=None: rows_seen.append(x.shape[0]) or gemv(x, w, b)
+    )
     layer = ColumnLinear(64, 48, bias=True, dtype=torch.bfloat16)
     x, w = operands(48, 64, seed=5)
     layer.weight.data.copy_(w)
@@ -154,7 +156,7 @@ def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gem
     assert layer.gemv_ready
     one = layer(x)
     assert rows_seen == [1]
-    assert torch.equal(one, gemv(x, w).add_(layer.bias))  # the bias after the product
+    assert torch.equal(one, gemv(x, w, layer.bias))  # the bias fused (one rounding)
     eight = layer(x.expand(8, 64).contiguous())
     assert rows_seen == [1, 8] and torch.equal(eight[7], one[0])
     nine = layer(x.expand(9, 64).contiguous())  # nine rows: oneDNN where it packs
@@ -201,6 +203,30 @@ def test_on_the_fp32_core_the_bf16_gemv_is_the_fp32_one_rounded(native_gemv: int
     else:
         apart = (gemv(x, w).view(torch.int16).int() - rounded.view(torch.int16).int()).abs()
         assert apart.max() <= 1
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 40])
+def test_a_bias_is_added_to_the_fp32_sums_before_their_one_rounding(rows: int, native_gemv: int) -> None:
+    """gemv(x, w, bias) rounds sum + bias once, as a fused linear does (rounding the product, then the sum with the
+    bias, rounds twice: on GPT-OSS's biased router that flipped experts and put its bf16 logits 5x further from fp32
+    than transformers' bf16). On the fp32 core the bits are those of the fp32 sums plus the bias, rounded; with bf16
+    pairs within a bf16 ulp of them; each row the bits it gets alone, past 8 rows too."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    w = torch.randn(200, 96, generator=g).div_(96**0.5).to(torch.bfloat16)
+    bias = (torch.randn(200, generator=g) * 3).to(torch.bfloat16)
+    got = gemv(x, w, bias)
+    fused = (gemv_bf16w_f32x(x.float(), w) + bias.float()).to(torch.bfloat16)
+    if native_gemv & GEMV_BF16_FP32_CORE:
+        assert torch.equal(got, fused)
+    else:
+        assert (got.view(torch.int16).int() - fused.view(torch.int16).int()).abs().max() <= 1
+    for m in {0, rows - 1}:
+        assert torch.equal(got[m], gemv(x[m : m + 1].contiguous(), w, bias)[0])
+    twice = gemv(x, w).add_(bias)
+    assert not torch.equal(got, twice)  # (the double rounding this replaces differs somewhere on these operands)
+    with pytest.raises(ValueError, match="contiguous bf16 bias of \\[200\\]"):
+        gemv(x, w, bias.float())
 
 
 def test_fp32_rows_are_checked(native_gemv: int) -> None:

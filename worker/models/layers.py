@@ -258,8 +258,9 @@ class PackedLinear(QuantStorage):
             return y if bias is None else y.add_(bias)
         if x.dim() == 2 and not torch.compiler.is_compiling():
             if self.gemv_ready and 0 < x.shape[0] <= self.gemv_rows and x.dtype == torch.bfloat16 and x.stride(1) == 1:
-                y = gemv(x, self.weight)
-                return y if bias is None else y.add_(bias)
+                if bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()):
+                    return gemv(x, self.weight, bias)  # the bias fused: one rounding, as oneDNN's
+                return gemv(x, self.weight).add_(bias)
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # (no op overhead)
         elif self.packed is not None and x.dim() == 2:
