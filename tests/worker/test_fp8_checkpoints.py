@@ -21,6 +21,7 @@ import torch
 from family_models import FAMILIES, tiny_checkpoint
 from hf_reference import transformers_greedy
 from model_batches import quantized_layers
+from moe_models import tiny_mixtral, tiny_qwen3_moe
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
@@ -32,9 +33,23 @@ CPU = torch.device("cpu")
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 DEEPSEEK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-# arch -> weight_block_size: none divides every linear's rows and columns (tiny llama: 64 / 128 / 32 wide; qwen3:
-# q 128 x 64; deepseek_v3: q_a_proj 24 rows, kv_a_proj 48, kv_b_proj 160 x 32, experts 32 x 64)
-BLOCKS = {"llama": [24, 40], "qwen3": [16, 16], "deepseek_v3": [32, 32]}
+# arch -> weight_block_size: none divides every linear's rows and columns (tiny llama: 64 / 128 / 32 wide; qwen2: 80
+# wide, qkv biases; qwen3: q 128 x 64; deepseek_v3: q_a_proj 24 rows, kv_a_proj 48, kv_b_proj 160 x 32, experts
+# 32 x 64; qwen3_moe: experts 48 x 64; mixtral: experts w1 / w2 / w3 96 x 64)
+BLOCKS = {
+    "llama": [24, 40],
+    "qwen2": [32, 32],
+    "qwen3": [16, 16],
+    "deepseek_v3": [32, 32],
+    "qwen3_moe": [16, 24],
+    "mixtral": [40, 24],
+}
+# arch -> (expert 5's down projection in the checkpoint, our fused parameter of the layer's experts)
+EXPERT_5_DOWN = {
+    "deepseek_v3": ("model.layers.2.mlp.experts.5.down_proj", "model.layers.2.mlp.experts.down_proj"),
+    "qwen3_moe": ("model.layers.1.mlp.experts.5.down_proj", "model.layers.1.mlp.experts.down_proj"),
+    "mixtral": ("model.layers.1.block_sparse_moe.experts.5.w2", "model.layers.1.mlp.experts.down_proj"),
+}
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1023, 64, 12, 88, 301, 7, 450, 33, 2, 19, 600], [1000, 2000, 3000], [42]]
@@ -69,8 +84,10 @@ def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, block: list[in
 
 
 def is_linear(name: str, tensor: torch.Tensor) -> bool:
-    """A decoder linear's weight (q_proj ... down_proj, MLA's q_a / kv_a / kv_b, experts'), not the router."""
-    return name.endswith(".weight") and tensor.dim() == 2 and "proj" in name.removesuffix(".weight").rpartition(".")[2]
+    """A decoder linear's weight (q_proj ... down_proj, MLA's q_a / kv_a / kv_b, experts', Mixtral's w1 / w2 / w3),
+    not a router."""
+    module = name.removesuffix(".weight").rpartition(".")[2]
+    return name.endswith(".weight") and tensor.dim() == 2 and ("proj" in module or module in ("w1", "w2", "w3"))
 
 
 def write_fp8_checkpoint(dense_dir: Path, out: Path, block: list[int] | None, **quant) -> Path:
@@ -125,9 +142,12 @@ def fp8_dir(tiny_model_dir, tmp_path_factory, smollm2_tokenizer):
 
     def make(arch: str) -> Path:
         if arch not in made:
+            where = tmp_path_factory.mktemp(f"{arch}-source") / "m"
             if arch == "deepseek_v3":
                 model_type, fields = FAMILIES[arch]
-                source = tiny_checkpoint(tmp_path_factory.mktemp("dsv3") / "m", smollm2_tokenizer, model_type, **fields)
+                source = tiny_checkpoint(where, smollm2_tokenizer, model_type, **fields)
+            elif arch in ("qwen3_moe", "mixtral"):
+                source = (tiny_qwen3_moe if arch == "qwen3_moe" else tiny_mixtral)(where, tokenizer=smollm2_tokenizer)
             else:
                 source = tiny_model_dir(arch)
             out = tmp_path_factory.mktemp("fp8") / arch
@@ -243,10 +263,10 @@ def test_the_weights_loaded_are_the_dequantized_values_in_the_dtype(fp8_dir, arc
     prefix = "model.layers.1.self_attn.o_proj"
     want = dequantize_blocks(tensors[f"{prefix}.weight"], tensors[f"{prefix}.weight_scale_inv"], BLOCKS[arch])
     assert ours[f"{prefix}.weight"].dtype == dtype and torch.equal(ours[f"{prefix}.weight"], want.to(dtype))
-    if arch == "deepseek_v3":  # the routed experts are FP8 too: expert 5's down projection in the fused parameter
-        down = "model.layers.2.mlp.experts.5.down_proj"
+    if arch in EXPERT_5_DOWN:  # the routed experts are FP8 too: expert 5's down projection in the fused parameter
+        down, fused = EXPERT_5_DOWN[arch]
         want = dequantize_blocks(tensors[f"{down}.weight"], tensors[f"{down}.weight_scale_inv"], BLOCKS[arch])
-        assert torch.equal(ours["model.layers.2.mlp.experts.down_proj"][5], want.to(dtype))
+        assert torch.equal(ours[fused][5], want.to(dtype))
 
 
 @pytest.mark.parametrize("arch", list(BLOCKS))
