@@ -294,6 +294,36 @@ def test_each_tensor_parallel_rank_loads_its_shard_of_the_dequantized_values(fp8
         assert mine.keys() == want.keys() and all(torch.equal(mine[name], want[name]) for name in mine)
 
 
+def test_a_tensor_parallel_rank_reads_half_the_fp8_weights_one_tensor_at_a_time(fp8_dir, monkeypatch) -> None:
+    """Every tiny Llama linear is sharded over 2 ranks: a rank reads exactly half of the FP8 elements from the files
+    (its rows or columns, by narrowing; never a whole FP8 tensor), and each weight is read just before it is copied
+    (one float32 tensor in flight, not the checkpoint)."""
+    from transformers import AutoConfig
+
+    from infer.worker import loader
+
+    path = fp8_dir("llama")
+    total = sum(t.numel() for t in load_file(str(path / "model.safetensors")).values() if t.dtype in FP8_DTYPE.values())
+    events: list[tuple[str, int]] = []
+    narrow, whole, copy = loader.FileTensor.narrow, loader.FileTensor.read, loader.load_tensor
+
+    def counted(what: str, tensor: torch.Tensor) -> torch.Tensor:
+        events.append((what if tensor.dtype in FP8_DTYPE.values() else "other", tensor.numel()))
+        return tensor
+
+    monkeypatch.setattr(loader.FileTensor, "narrow", lambda self, *a: counted("narrow", narrow(self, *a)))
+    monkeypatch.setattr(loader.FileTensor, "read", lambda self: counted("read", whole(self)))
+    monkeypatch.setattr(loader, "load_tensor", lambda *a: events.append(("copy", 0)) or copy(*a))
+    for rank in (0, 1):
+        events.clear()
+        model = build_model(AutoConfig.from_pretrained(str(path)), torch.float32, "cpu", tp=TensorParallel(rank, 2))
+        loader.load_named_tensors(model, loader.file_tensors(weight_files(path)))
+        assert sum(n for what, n in events if what == "narrow") == total // 2
+        assert not any(what == "read" for what, _ in events)
+        kinds = [what for what, _ in events if what != "other"]  # each FP8 read, then its copy
+        assert all(kinds[i + 1] == "copy" for i, what in enumerate(kinds) if what == "narrow")
+
+
 def test_tensor_parallel_size_2_serves_transformers_tokens(fp8_dir) -> None:
     path = fp8_dir("llama")
     want = transformers_greedy(dense_twin(path), PROMPTS, MAX_NEW)
