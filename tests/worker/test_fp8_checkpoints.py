@@ -356,10 +356,13 @@ def test_auto_keeps_an_fp8_checkpoint_dense(fp8_dir) -> None:
 
 
 def test_per_tensor_e5m2_static_checkpoints_load_and_skip_their_activation_scales(tiny_model_dir, tmp_path) -> None:
-    """No weight_block_size: one scale a weight (named weight_scale, as older per-tensor checkpoints do); e5m2
-    weights; activation_scheme "static" with input_scale tensors and a KV cache scale, which are skipped (the
-    activations and the KV cache are in --dtype)."""
+    """No weight_block_size: one scale a weight (named weight_scale, as older per-tensor checkpoints do; a 0-d one
+    for the embedding, FP8 too as transformers' modules_to_convert makes it); e5m2 weights; activation_scheme
+    "static" with input_scale tensors and a KV cache scale, which are skipped (the activations and the KV cache are
+    in --dtype)."""
     source = write_fp8_checkpoint(tiny_model_dir("llama"), tmp_path / "pt", None, fmt="e5m2")
+    embed = "model.embed_tokens.weight"
+    values, scale = quantize_blocks(load_file(str(source / "model.safetensors"))[embed], [1 << 20] * 2, "e5m2")
 
     def static(tensors: dict) -> None:
         for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
@@ -367,11 +370,14 @@ def test_per_tensor_e5m2_static_checkpoints_load_and_skip_their_activation_scale
             tensors[f"{prefix}.weight_scale"] = tensors.pop(name)
             tensors[f"{prefix}.input_scale"] = torch.tensor([0.02])
         tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(1.0)
+        tensors[embed], tensors["model.embed_tokens.weight_scale"] = values, scale.reshape(())
 
     path = edited(source, tmp_path / "static", static, {"activation_scheme": "static"})
     assert fp8_scheme_of(json.loads((path / "config.json").read_text())) == Fp8Scheme(None, "e5m2")
     ours, theirs = params(path), params(dense_twin(source))
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs if name != embed)
+    assert torch.equal(ours[embed], values.float() * scale.reshape(()))
 
 
 def test_dense_modules_beside_fp8_ones_load_as_they_are(fp8_dir, tmp_path) -> None:
