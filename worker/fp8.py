@@ -153,8 +153,8 @@ class Fp8Tensor:
         self.name, self.scheme, self.scale_name = name, scheme, scale_name
         self._weight, self._scale = weight, scale
         dims = tuple(int(d) for d in weight.shape)
-        if len(dims) != 2:
-            raise ValueError(f"FP8 weight {name} has shape {list(dims)}: a linear weight is [out, in]")
+        if len(dims) != 2 or 0 in dims:
+            raise ValueError(f"FP8 weight {name} has shape {list(dims)}: a linear weight is [out, in], not empty")
         if getattr(weight, "dtype", None) != scheme.weight_dtype:
             raise ValueError(
                 f"{name} is {getattr(weight, 'dtype', None)}, but quantization_config.fmt {scheme.fmt!r} stores "
