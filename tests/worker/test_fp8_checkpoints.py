@@ -232,7 +232,10 @@ def test_a_narrow_reads_only_its_rows_or_columns_and_the_blocks_they_touch() -> 
         assert weight.reads == [(dim % 2, start, length)] and scale.reads == [scale_read]
     both = Fp8Tensor("w.weight", Fp8Scheme((16, 24)), values, scales, "s").narrow(0, 5, 60).narrow(1, 30, 41)
     assert torch.equal(both.narrow(0, 7, 20).read(), full[12:32, 30:71])
-    for bad, message in [(torch.zeros(4, 3, 2), "has shape \\[4, 3, 2\\]"), (torch.zeros(0, 8), "has shape \\[0, 8\\]: a linear weight is \\[out, in\\], not empty")]:
+    for bad, message in [
+        (torch.zeros(4, 3, 2), "has shape \\[4, 3, 2\\]"),
+        (torch.zeros(0, 8), "has shape \\[0, 8\\]: a linear weight is \\[out, in\\], not empty"),
+    ]:
         with pytest.raises(ValueError, match=f"FP8 weight w.weight {message}"):
             Fp8Tensor("w.weight", Fp8Scheme((16, 24)), bad.to(torch.float8_e4m3fn), scales, "s")
     with pytest.raises(ValueError, match="cannot narrow dim 0 to \\[60, 71\\)"):
