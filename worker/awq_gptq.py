@@ -73,9 +73,10 @@ class Int4Scheme:
 
 
 def scheme_of(config: Mapping[str, Any]) -> Int4Scheme | None:
-    """The int4 scheme of a config.json dict: None when it has no `quantization_config`. ValueError naming the
-    field for what we do not load: another quant_method, bits other than 4, AWQ other than "gemm" with zero
-    points, a GPTQ format other than gptq / gptq_v2 or other than int32 words, per-module overrides."""
+    """The int4 scheme of a config.json dict: None when it has no `quantization_config` (or an FP8 / MXFP4 one, read
+    elsewhere). ValueError naming the field for what we do not load: another quant_method, bits other than 4, AWQ
+    other than "gemm" with zero points, a GPTQ format other than gptq / gptq_v2 or other than int32 words, per-module
+    overrides."""
     quant = config.get("quantization_config")
     if quant is None:
         return None
@@ -88,9 +89,11 @@ def scheme_of(config: Mapping[str, Any]) -> Int4Scheme | None:
         return _gptq_scheme(quant)
     if method == "mxfp4":  # GPT-OSS's experts: its model dequantizes them at load (worker/models/gpt_oss.py)
         return None
+    if method == "fp8":  # read dense at load (worker/fp8.py)
+        return None
     raise ValueError(
         f"quantization_config.quant_method {quant.get('quant_method')!r} is not supported: AWQ and "
-        "GPTQ int4 checkpoints load as they are, others need a dense or GGUF checkpoint"
+        "GPTQ int4 checkpoints load as they are, FP8 ones dense, others need a dense or GGUF checkpoint"
     )
 
 

@@ -78,7 +78,8 @@ class EngineConfig:
     quantization: str = option(
         "auto",
         "weights kept quantized: auto keeps a GGUF's blocks as they are (dense "
-        "checkpoints dense); none makes every weight dense in --dtype; int8 / int4 "
+        "checkpoints dense; an FP8 one dense in --dtype: 2 bytes a weight in bf16, int8 "
+        "keeps it near 1); none makes every weight dense in --dtype; int8 / int4 "
         "quantize the linear layers at load (weight-only, blocks of 32)",
         choices=QUANTIZATIONS,
     )

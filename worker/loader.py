@@ -1,7 +1,7 @@
 """Loading weights (torch): `load_model` builds our implementation from a model directory's config.json and fills
 it from its *.safetensors, or from the GGUF its model.gguf links to (worker/gguf.py: quantized tensors kept in
-their blocks). AWQ / GPTQ int4 safetensors load as they are too (worker/awq_gptq.py). Finding the directory
-(`resolve_model`), the tokenizer and the EOS ids need no torch: worker/model_files.py.
+their blocks). AWQ / GPTQ int4 safetensors load as they are too (worker/awq_gptq.py), FP8 ones dense (worker/fp8.py).
+Finding the directory (`resolve_model`), the tokenizer and the EOS ids need no torch: worker/model_files.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 
 from infer.worker.awq_gptq import Int4Scheme, directory_scheme, group_tensors
 from infer.worker.expert_parallel import ExpertParallel
+from infer.worker.fp8 import Fp8Scheme, directory_fp8_scheme, group_fp8_tensors
 from infer.worker.gguf import close_gguf_files
 from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
 from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, RMSNorm, VocabEmbedding, deferred_weights
@@ -89,7 +90,7 @@ def load_model(
     load only its experts; a dense model refuses an EP group of more than one rank. `tp`: this process's
     place in its TP group; it reads only its shard of each sharded tensor from the files. `quantization`
     (vLLM's option): "auto" keeps a GGUF's quantized tensors in their blocks, an AWQ / GPTQ int4 checkpoint's in q4
-    (worker/awq_gptq.py) and dense checkpoints dense,
+    (worker/awq_gptq.py) and dense checkpoints dense (an FP8 checkpoint's weights dequantized: worker/fp8.py),
     "none" makes every weight dense in `dtype`, "int8" / "int4" quantize the linear layers at load (weight-only,
     blocks of 32; the embedding and LM head int8); see `quant_plan`."""
     from transformers import AutoConfig
@@ -171,6 +172,13 @@ def _int4_scheme(files: list[Path]) -> Int4Scheme | None:
     return directory_scheme(files[0].parent)
 
 
+def _fp8_scheme(files: list[Path]) -> Fp8Scheme | None:
+    """The FP8 scheme of safetensors `files` (their directory's config.json), None for another checkpoint."""
+    if not files or files[0].suffix == ".gguf":
+        return None
+    return directory_fp8_scheme(files[0].parent)
+
+
 def materialize(model: nn.Module, plan: dict[str, str], device: torch.device | str) -> None:
     """Give every deferred weight of `model` (built inside `deferred_weights`) its storage on `device`: the
     format `plan` names for its layer, else dense. A tied LM head shares the embedding's storage again."""
@@ -247,14 +255,34 @@ def load_weights(model: nn.Module, files: Iterable[Path]) -> None:
     load_named_tensors(model, file_tensors(files))
 
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+
+
 class FileTensor:
-    """A checkpoint tensor in a safetensors file, not read yet: `shape`, `narrow(dim, start, length)` (reads
+    """A checkpoint tensor in a safetensors file, not read yet: `shape`, `dtype`, `narrow(dim, start, length)` (reads
     only that part: a tensor-parallel rank's shard) and `read()` (all of it). What `load_shard` receives
     from the loader in place of a torch.Tensor."""
 
     def __init__(self, piece: Any) -> None:
         self._piece = piece  # safetensors' PySafeSlice
         self.shape = tuple(piece.get_shape())
+        self.dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())  # None: a type torch has no name for here
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = [slice(None)] * len(self.shape)
@@ -274,6 +302,10 @@ def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], Any]
     scheme = _int4_scheme(files)
     if scheme is not None:
         yield from _int4_file_tensors(files, scheme)
+        return
+    fp8 = _fp8_scheme(files)
+    if fp8 is not None:
+        yield from _fp8_file_tensors(files, fp8)
         return
     for file in files:
         if file.suffix == ".gguf":
@@ -300,17 +332,32 @@ def _file_tensor(f: safe_open, key: str) -> FileTensor:
 def _int4_file_tensors(files: list[Path], scheme: Int4Scheme) -> Iterator[tuple[str, Callable[[], Any], str]]:
     """file_tensors of an AWQ / GPTQ checkpoint: each layer's packed tensors (which may sit in different files) as
     one Int4Tensor `<prefix>.weight`, the other tensors as FileTensors."""
+    with ExitStack() as stack:
+        tensors, where = _open_all(stack, files)
+        for name, read in group_tensors(scheme, tensors):
+            yield name, read, where.get(name) or f"{where[name.removesuffix('.weight') + '.qweight']} ({scheme.method})"
+
+
+def _fp8_file_tensors(files: list[Path], scheme: Fp8Scheme) -> Iterator[tuple[str, Callable[[], Any], str]]:
+    """file_tensors of an FP8 checkpoint: each FP8 weight with its scale (which may sit in another file) as one
+    Fp8Tensor, the other tensors as FileTensors."""
+    with ExitStack() as stack:
+        tensors, where = _open_all(stack, files)
+        for name, read in group_fp8_tensors(scheme, tensors):
+            yield name, read, where[name]
+
+
+def _open_all(stack: ExitStack, files: list[Path]) -> tuple[dict[str, FileTensor], dict[str, str]]:
+    """Every tensor of `files` (opened on `stack`) as an unread FileTensor, and where it is ("in <file>")."""
     from safetensors import safe_open
 
     tensors: dict[str, FileTensor] = {}
     where: dict[str, str] = {}
-    with ExitStack() as stack:
-        for file in files:
-            f = stack.enter_context(safe_open(str(file), framework="pt"))
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[key], where[key] = FileTensor(f.get_slice(key)), f"in {file.name}"
-        for name, read in group_tensors(scheme, tensors):
-            yield name, read, where.get(name) or f"{where[name.removesuffix('.weight') + '.qweight']} ({scheme.method})"
+    for file in files:
+        f = stack.enter_context(safe_open(str(file), framework="pt"))
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            tensors[key], where[key] = FileTensor(f.get_slice(key)), f"in {file.name}"
+    return tensors, where
 
 
 def load_named_tensors(model: nn.Module, tensors: Iterable[tuple[str, Callable[[], torch.Tensor], str]]) -> None:

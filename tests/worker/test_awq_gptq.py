@@ -406,13 +406,13 @@ def test_act_order_with_a_shuffled_g_idx_is_refused(int4_dir, tmp_path) -> None:
 
 
 def test_an_unsupported_method_is_refused_at_load(tiny_model_dir, tmp_path) -> None:
-    path = tmp_path / "fp8"
+    path = tmp_path / "bnb"
     shutil.copytree(tiny_model_dir("llama"), path)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8"}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (path / "config.json").write_text(json.dumps(config))
     for quantization in ("auto", "none"):
-        with pytest.raises(ValueError, match="quant_method 'fp8' is not supported"):
+        with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
             load_model(path, torch.float32, CPU, quantization=quantization)
 
 
