@@ -19,7 +19,7 @@ from torch import nn
 
 from infer.worker.awq_gptq import Int4Scheme, directory_scheme, group_tensors
 from infer.worker.expert_parallel import ExpertParallel
-from infer.worker.fp8 import Fp8Scheme, directory_fp8_scheme, group_fp8_tensors
+from infer.worker.fp8 import FP8_DTYPES, Fp8Scheme, directory_fp8_scheme, group_fp8_tensors
 from infer.worker.gguf import close_gguf_files
 from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
 from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, RMSNorm, VocabEmbedding, deferred_weights
@@ -325,8 +325,16 @@ def _constant(value: T) -> Callable[[], T]:
 
 
 def _file_tensor(f: safe_open, key: str) -> FileTensor:
-    """Tensor `key` of the open safetensors file `f`, not read yet."""
-    return FileTensor(f.get_slice(key))
+    """Tensor `key` of the open safetensors file `f`, not read yet. An FP8 tensor is refused here: in a checkpoint
+    whose config.json declares no FP8 quantization (those read through `_fp8_file_tensors`) nothing says what
+    scales it, and cast unscaled its values would be wrong."""
+    tensor = FileTensor(f.get_slice(key))
+    if tensor.dtype in FP8_DTYPES:
+        raise ValueError(
+            f"{key} is {str(tensor.dtype).removeprefix('torch.')}, but config.json has no quantization_config with "
+            'quant_method "fp8" to say how it is scaled; an FP8 checkpoint needs one (worker/fp8.py)'
+        )
+    return tensor
 
 
 def _int4_file_tensors(files: list[Path], scheme: Int4Scheme) -> Iterator[tuple[str, Callable[[], Any], str]]:

@@ -486,6 +486,19 @@ def test_block_scales_without_a_block_size_are_refused(fp8_dir, tmp_path) -> Non
         load_model(path, torch.float32, CPU)
 
 
+def test_fp8_tensors_without_an_fp8_quantization_config_are_refused(fp8_dir, tmp_path) -> None:
+    """Without quantization_config nothing says what scales an FP8 tensor: refused by name, not cast unscaled."""
+    path = tmp_path / "undeclared"
+    shutil.copytree(fp8_dir("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match='is float8_e4m3fn, but config.json has no quantization_config with quant_method "fp8"'
+    ):
+        load_model(path, torch.float32, CPU)
+
+
 def test_the_worker_exits_2_naming_the_tensor_without_a_traceback(fp8_dir, tmp_path) -> None:
     """A bad checkpoint never crashes the daemon: its fatal line names the tensor, exit 2 (a usage error)."""
     path = edited(fp8_dir("llama"), tmp_path / "bad", lambda t: t.pop(f"{DOWN}.weight_scale_inv"))
