@@ -2,7 +2,8 @@
 
 - Paged decode attention (cpu/paged_decode.c): it reads K and V where they sit in the pool, where the PyTorch
   twin gathers each sequence's blocks into a padded copy first and hands it to SDPA. That copy, and SDPA's
-  packing of each tiny per-head problem, were most of a CPU decode step's attention time.
+  packing of each tiny per-head problem, were most of a CPU decode step's attention time. It and the prefill
+  kernel take a sliding window, Gemma 2's logit soft-capping and GPT-OSS's attention sinks, as the twins.
 - Paged prefill / mixed-step attention (cpu/paged_prefill.c): causal chunks over the pool in place, 32 keys
   at a time (bf16: packed once per call for vdpbf16ps) for up to 64 query rows sharing a KV head. torch's CPU
   flash attention, which the twin calls per chunk, took 4.8 ms a layer for a 500-token prompt of SmolLM2-135M
@@ -38,6 +39,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -280,6 +282,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         f32,
         i32,
         i32,
+        f32,
+        ptr,
     ]
     lib.paged_decode_runs.argtypes = [
         ptr,
@@ -302,6 +306,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         f32,
         i32,
         i32,
+        f32,
+        ptr,
     ]
     lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
     lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
@@ -327,6 +333,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32,
         ptr,
         i32,
+        f32,
+        ptr,
     ]
     lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
     lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
@@ -392,12 +400,44 @@ def _window(window: int) -> int:
     return window
 
 
+def _softcap(softcap: float) -> float:
+    """A soft-cap as the kernels take it (> 0, or 0 for none)."""
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"an attention softcap must be a finite number >= 0 (0: none), got {softcap}")
+    return float(softcap)
+
+
+def sinks_fit(sinks: torch.Tensor | None, num_heads: int) -> bool:
+    """Whether the native attention kernels take these attention sinks: none, or [num_heads] float32, contiguous,
+    on a CPU (the twins take any floating type)."""
+    return sinks is None or (
+        sinks.device.type == "cpu"
+        and sinks.dtype == torch.float32
+        and sinks.shape == (num_heads,)
+        and sinks.is_contiguous()
+    )
+
+
+def _sinks(sinks: torch.Tensor | None, num_heads: int) -> int | None:
+    """The sinks' address for the kernels (None: no sinks), after `sinks_fit`."""
+    if not sinks_fit(sinks, num_heads):
+        raise ValueError(
+            f"the native attention kernels take sinks as a contiguous float32 [{num_heads}] on the CPU, got "
+            f"{None if sinks is None else (tuple(sinks.shape), sinks.dtype, sinks.device.type)}"
+        )
+    return None if sinks is None else sinks.data_ptr()
+
+
 def decode_kernel_fits(
-    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> bool:
     """Whether the native kernel takes these arguments (CPU, a type it has, layouts and sizes in its
-    limits); without it the caller runs the twin."""
-    if q.dim() != 3 or k_cache.dim() != 4 or block_tables.dim() != 2:
+    limits, sinks as `sinks_fit` says); without it the caller runs the twin."""
+    if q.dim() != 3 or k_cache.dim() != 4 or block_tables.dim() != 2 or not sinks_fit(sinks, q.shape[1]):
         return False
     num_kv_heads, _, block_size, head_dim = k_cache.shape
     return (
@@ -429,6 +469,8 @@ def paged_decode_attention_native(
     out: torch.Tensor,
     window: int = 0,
     runs: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] over the pool [Hkv, NB, bs, D] into out [B, H, D] (contiguous), as
     `paged_decode_attention_torch`; the arguments must pass `decode_kernel_fits` (and v_cache be shaped
@@ -436,7 +478,9 @@ def paged_decode_attention_native(
     `window` > 0: each sequence attends to its last `window` positions only (0: all). `runs` [R] int32
     (contiguous, summing to B): rows of one sequence at consecutive positions each (a speculative verification;
     lengths going up by one within a run), which read their K and V once through the run's first table, with the
-    bits of the rows one by one (paged_decode.c's paged_decode_runs)."""
+    bits of the rows one by one (paged_decode.c's paged_decode_runs). `softcap` > 0: scores s become
+    softcap * tanh(s / softcap) (Gemma 2; 0: none); `sinks` [H] float32 (GPT-OSS; see `sinks_fit`): each head's sink
+    logit joins its softmax's denominator, as kernels/paged_attention.py's twins define both."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     if not (v_cache.is_contiguous() and v_cache.shape == k_cache.shape and out.is_contiguous()):
@@ -463,6 +507,8 @@ def paged_decode_attention_native(
         scale,
         int(q.dtype == torch.bfloat16),
         _window(window),
+        _softcap(softcap),
+        _sinks(sinks, num_heads),
     )
     if runs is None:
         status = _native().paged_decode(*args, out.data_ptr(), *shape)
@@ -490,11 +536,12 @@ def prefill_kernel_fits(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> bool:
     """Whether the native prefill kernel takes these arguments (as `decode_kernel_fits`, plus a head_dim that
     is a multiple of 16 and int32 query offsets); without it the caller runs the twin."""
     return (
-        decode_kernel_fits(q, k_cache, block_tables, seq_lens)
+        decode_kernel_fits(q, k_cache, block_tables, seq_lens, sinks)
         and k_cache.shape[3] % 16 == 0
         and query_start_loc.dtype == torch.int32
         and query_start_loc.is_contiguous()
@@ -512,6 +559,8 @@ def paged_prefill_attention_native(
     out: torch.Tensor,
     decode_from: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (sequence b's chunk: rows query_start_loc[b] .. [b + 1] - 1, the last of its seq_lens[b]
     positions) over the pool [Hkv, NB, bs, D] into out [T, H, D] (contiguous), causal, as
@@ -519,7 +568,8 @@ def paged_prefill_attention_native(
     query_start_loc[B] are left as they are. `decode_from` [B] int32: sequence b's rows at positions from
     decode_from[b] on have the bits the decode kernel gives them (paged_prefill.c: a prompt's rows as its
     prefill, a generated token's as its decode step); without it only the packed bf16 path differs from those.
-    `window` > 0: each row attends to its last `window` positions only (all rows then take the decode arithmetic)."""
+    `window` > 0: each row attends to its last `window` positions only (all rows then take the decode arithmetic).
+    `softcap`, `sinks`: as `paged_decode_attention_native`."""
     if decode_from is not None and not (
         decode_from.dtype == torch.int32
         and decode_from.is_contiguous()
@@ -557,6 +607,8 @@ def paged_prefill_attention_native(
         int(q.dtype == torch.bfloat16),
         None if decode_from is None else decode_from.data_ptr(),
         _window(window),
+        _softcap(softcap),
+        _sinks(sinks, num_heads),
     )
     if status == -3:
         raise MemoryError("the native prefill kernel could not allocate its packed key tiles")
@@ -1010,10 +1062,14 @@ def paged_decode_cpu_op(
     scale: float,
     out: torch.Tensor,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """`paged_decode_attention_native` as a torch operator, so that a compiled step graph (worker/step_graphs.py)
     calls the kernel instead of tracing into it; `out` is written in place."""
-    paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window)
+    paged_decode_attention_native(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, window, softcap=softcap, sinks=sinks
+    )
 
 
 @paged_decode_cpu_op.register_fake
@@ -1026,6 +1082,8 @@ def _(
     scale: float,
     out: torch.Tensor,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     return None
 

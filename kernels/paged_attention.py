@@ -15,12 +15,11 @@ Two operations, each a Triton kernel plus a PyTorch twin of the same signature:
 Every operation takes `window`: 0 for full causal attention, W > 0 for a sliding window, where the query at
 position p attends to keys in (p - W, p] only (transformers' `sliding_window`, Mistral's and Gemma's layers);
 and `softcap`: 0 for none, c > 0 for Gemma 2's attention logit soft-capping, each score s (already scaled)
-becoming c * tanh(s / c) before the mask and the softmax. The native CPU kernels take no softcap: the dispatchers
-send a soft-capped call to the twin (or Triton).
+becoming c * tanh(s / c) before the mask and the softmax (the native CPU kernels and Triton compute it too).
 
 And `sinks`: None, or attention sinks (GPT-OSS), one learned logit per query head [H] float32 that joins each
-softmax's denominator and attends to nothing: p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink_h)). Only the twins
-compute sinks; the dispatchers send a call with sinks to them, on a CPU and on CUDA alike.
+softmax's denominator and attends to nothing: p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink_h)). The twins and the
+native CPU kernels compute sinks, Triton does not: the dispatchers send a call with sinks on CUDA to the twins.
 
 Sequence i's token j lives at slot block_tables[i, j // block_size] * block_size + j % block_size.
 Scores and the softmax run in float32 (fp32 inputs use IEEE fp32 dot products, not TF32); outputs are in
@@ -866,23 +865,22 @@ def paged_decode_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
-    the twin (see `paged_decode_attention_torch`). The CPU paths reduce each sequence in one pass and ignore
-    `num_splits` / `split_tokens` (and the native kernel `plan`). With sinks, the twin on every device."""
-    if sinks is not None:
-        return paged_decode_attention_torch(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan, window, softcap, sinks
-        )
-    if use_triton(q):
+    """Triton on CUDA (the twin with sinks, which Triton lacks); on a CPU the native kernel where it takes the
+    arguments (kernels/cpu_kernels.py: softcap and sinks included), else the twin (see
+    `paged_decode_attention_torch`). The CPU paths reduce each sequence in one pass and ignore `num_splits` /
+    `split_tokens` (and the native kernel `plan`)."""
+    if use_triton(q) and sinks is None:
         return paged_decode_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan, split_tokens, window, softcap
         )
-    if not softcap and decode_kernel_fits(q, k_cache, block_tables, seq_lens) and (out is None or out.is_contiguous()):
+    if decode_kernel_fits(q, k_cache, block_tables, seq_lens, sinks) and (out is None or out.is_contiguous()):
         _check(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
         out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-        return paged_decode_attention_native(q, k_cache, v_cache, block_tables, seq_lens, scale, out, window)
+        return paged_decode_attention_native(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out, window, softcap=softcap, sinks=sinks
+        )
     return paged_decode_attention_torch(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan, window, softcap
+        q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan, window, softcap, sinks
     )
 
 
@@ -901,11 +899,23 @@ def paged_prefill_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
-    the twin (see `paged_prefill_attention_torch`). `decode_from`: the native kernel's (its rows from those
-    positions with the decode kernel's bits); the others ignore it. With sinks, the twin on every device."""
-    if sinks is not None:
-        return paged_prefill_attention_torch(
+    """Triton on CUDA (the twin with sinks, which Triton lacks); on a CPU the native kernel where it takes the
+    arguments (kernels/cpu_kernels.py: softcap and sinks included), else the twin (see
+    `paged_prefill_attention_torch`). `decode_from`: the native kernel's (its rows from those positions with the
+    decode kernel's bits); the others ignore it."""
+    if use_triton(q) and sinks is None:
+        return paged_prefill_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len, window, softcap
+        )
+    if prefill_kernel_fits(q, k_cache, block_tables, seq_lens, query_start_loc, sinks) and (
+        out is None or out.is_contiguous()
+    ):
+        num_seqs = block_tables.shape[0]
+        _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+        if query_start_loc.shape != (num_seqs + 1,):
+            raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+        out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+        return paged_prefill_attention_native(
             q,
             k_cache,
             v_cache,
@@ -914,28 +924,11 @@ def paged_prefill_attention(
             query_start_loc,
             scale,
             out,
-            max_query_len,
+            decode_from,
             window,
             softcap,
             sinks,
         )
-    if use_triton(q):
-        return paged_prefill_attention_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len, window, softcap
-        )
-    if (
-        not softcap
-        and prefill_kernel_fits(q, k_cache, block_tables, seq_lens, query_start_loc)
-        and (out is None or out.is_contiguous())
-    ):
-        num_seqs = block_tables.shape[0]
-        _check(q, k_cache, v_cache, block_tables, seq_lens, num_seqs)
-        if query_start_loc.shape != (num_seqs + 1,):
-            raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
-        out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-        return paged_prefill_attention_native(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, decode_from, window
-        )
     return paged_prefill_attention_torch(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len, window, softcap
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len, window, softcap, sinks
     )

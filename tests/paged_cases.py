@@ -98,9 +98,12 @@ def context_of(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.T
     return cache[:, blocks, positions % block_size].transpose(0, 1)
 
 
-def reference_attention(batch: PagedBatch, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def reference_attention(
+    batch: PagedBatch, scale: float, window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """float64, one sequence and one head at a time: the definition, [T, H, D]. `window` > 0: the query at
-    position p sees keys in (p - window, p] only; `softcap` > 0: scores s become softcap * tanh(s / softcap)."""
+    position p sees keys in (p - window, p] only; `softcap` > 0: scores s become softcap * tanh(s / softcap);
+    `sinks` [H]: head h's softmax denominator also holds exp(sinks[h]) (a logit that attends to nothing)."""
     num_heads = batch.q.shape[1]
     group = num_heads // batch.k_cache.shape[0]
     out = torch.empty(batch.q.shape, dtype=torch.float64, device=batch.q.device)
@@ -119,6 +122,11 @@ def reference_attention(batch: PagedBatch, scale: float, window: int = 0, softca
             scores = batch.q[start:end, h].double() @ keys[:, h // group].T * scale
             if softcap:
                 scores = torch.tanh(scores / softcap) * softcap
-            probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if sinks is not None:
+                sink = torch.full((n, 1), float(sinks[h]), dtype=torch.float64, device=out.device)
+                probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[:, :-1]
+            else:
+                probs = scores.softmax(dim=-1)
             out[start:end, h] = probs @ values[:, h // group]
     return out

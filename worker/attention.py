@@ -1,8 +1,9 @@
 """The attention step of one layer over the paged KV pool: append this step's K/V, then attend.
 
 Decodes (the first batch.num_decodes sequences, one query each) go to the flash-decoding kernel in one
-call; the prefill chunks after them go to the prefill/mixed kernel in one call. Both are Triton on CUDA
-and their PyTorch twins elsewhere (infer.kernels). The pool of one layer is [Hkv, num_blocks, block_size, D].
+call; the prefill chunks after them go to the prefill/mixed kernel in one call. Both are Triton on CUDA, the
+native kernels on a CPU where they take the call, and their PyTorch twins elsewhere (infer.kernels). The pool of
+one layer is [Hkv, num_blocks, block_size, D].
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store k, v [T, Hkv, D] at the batch's slots (rotating k there when `cos_sin_cache` is given), then
     attend q [T, H, D] over each sequence's context (its last `window` positions with a sliding window > 0; scores
-    soft-capped with a softcap > 0, on the kernels that compute it: the native CPU ones do not; attention sinks
-    [H] float32 in each softmax's denominator where given (GPT-OSS): the twins, on every device).
+    soft-capped with a softcap > 0 (Gemma 2); attention sinks [H] float32 in each softmax's denominator where given
+    (GPT-OSS): the native CPU kernels and the twins compute them, Triton not sinks, so on CUDA those go to the twins).
     Returns [T, H, D] in q's dtype; padding rows are 0."""
     if batch.step_graph:
         return _padded_decode(q, k, v, k_cache, v_cache, batch, scale, cos_sin_cache, is_neox, window, softcap, sinks)
@@ -50,8 +51,8 @@ def paged_attention(
     if num_decodes:
         tables, lens = batch.block_tables[:num_decodes], batch.seq_lens[:num_decodes]
         plan = None
-        if (sinks is not None or not use_triton(q)) and (
-            softcap or sinks is not None or not decode_kernel_fits(q, k_cache, tables, lens)
+        if (sinks is not None and use_triton(q)) or (
+            not use_triton(q) and not decode_kernel_fits(q, k_cache, tables, lens, sinks)
         ):
             # the twin's tiling, planned by the first layer of the step with this window
             key = f"decode_plan/{window}"
@@ -108,16 +109,12 @@ def _padded_decode(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """A step graph's attention: every row decodes, padding rows included (they write the scratch slot and
-    attend to it), with no host sync and no shape that depends on the lengths' values. With sinks, the version
-    written for the compiler on every device (neither the native kernel nor Triton computes sinks)."""
+    attend to it), with no host sync and no shape that depends on the lengths' values. With sinks on CUDA, the
+    version written for the compiler (Triton computes no sinks)."""
     append_kv(
         k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox, pad_slot=batch.pad_slot
     )
-    if sinks is not None:
-        return paged_decode_attention_compiled(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, window, softcap, sinks
-        )
-    if use_triton(q):  # captured in a CUDA graph
+    if use_triton(q) and sinks is None:  # captured in a CUDA graph
         return paged_decode_attention(
             q,
             k_cache,
@@ -129,12 +126,12 @@ def _padded_decode(
             window=window,
             softcap=softcap,
         )
-    # the native kernel, as an operator (it takes no softcap)
-    if not softcap and decode_kernel_fits(q, k_cache, batch.block_tables, batch.seq_lens):
+    # the native kernel, as an operator
+    if decode_kernel_fits(q, k_cache, batch.block_tables, batch.seq_lens, sinks):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        paged_decode_cpu_op(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, out, window)
+        paged_decode_cpu_op(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, out, window, softcap, sinks)
         return out
-    # else compiled by inductor (CPU): reads K and V in place in the pool
+    # else compiled by inductor (CPU, or CUDA with sinks): reads K and V in place in the pool
     return paged_decode_attention_compiled(
-        q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, window, softcap
+        q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, window, softcap, sinks
     )

@@ -75,6 +75,34 @@ static inline __m512 exp16(__m512 x, __mmask16 valid) {
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
+/* tanh(x) lane-wise, for Gemma 2's soft-capped scores: t = -e / (2 + e) with e = expm1(-2|x|) (as exp16, 2^n * p(r),
+ * written as 2^n (p(r) - 1) + (2^n - 1) so that small |x| lose nothing to cancellation), x's sign put back; within a
+ * few ulp of tanhf. |x| >= 43.5 gives +-1. */
+static inline __m512 tanh16(__m512 x) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    __m512 y = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));   /* -|x| */
+    y = _mm512_max_ps(_mm512_add_ps(y, y), _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), y);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.3888889e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333338e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666668e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512 one = _mm512_set1_ps(1.0f), two_n = _mm512_scalef_ps(one, n);
+    __m512 e = _mm512_fmadd_ps(two_n, _mm512_mul_ps(p, r), _mm512_sub_ps(two_n, one));   /* expm1(y) */
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_setzero_ps(), e), _mm512_add_ps(e, _mm512_set1_ps(2.0f)));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(_mm512_castps_si512(x), sign)));
+}
+
+/* Gemma 2's soft-capping of 16 scores: cap * tanh(s / cap). */
+static inline __m512 softcap16(__m512 s, float cap) {
+    return _mm512_mul_ps(tanh16(_mm512_div_ps(s, _mm512_set1_ps(cap))), _mm512_set1_ps(cap));
+}
+
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -127,6 +155,34 @@ static inline __m256 exp8(__m256 x, __m256 valid) {
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
     __m256 live = _mm256_and_ps(valid, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));
     return _mm256_and_ps(live, _mm256_mul_ps(p, two_n));
+}
+
+/* tanh(x) lane-wise, as tanh16 (2^n built in the exponent bits: n >= -126 here). */
+static inline __m256 tanh8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 y = _mm256_or_ps(x, sign);   /* -|x| */
+    y = _mm256_max_ps(_mm256_add_ps(y, y), _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(y, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), y);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.3888889e-3f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3333338e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1666668e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666667e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 two_n = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+    __m256 e = _mm256_fmadd_ps(two_n, _mm256_mul_ps(p, r), _mm256_sub_ps(two_n, one));   /* expm1(y) */
+    __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_setzero_ps(), e), _mm256_add_ps(e, _mm256_set1_ps(2.0f)));
+    return _mm256_or_ps(t, _mm256_and_ps(x, sign));
+}
+
+/* Gemma 2's soft-capping of 8 scores: cap * tanh(s / cap). */
+static inline __m256 softcap8(__m256 s, float cap) {
+    return _mm256_mul_ps(tanh8(_mm256_div_ps(s, _mm256_set1_ps(cap))), _mm256_set1_ps(cap));
 }
 
 /* 8 fp32 lanes rounded to bf16 (nearest even; NaN stays NaN, quieted), as f32_to_bf16 lane-wise: the 32-bit

@@ -59,7 +59,8 @@ int append_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, 
 int paged_decode_runs(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                       const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
                       const int32_t *runs, int num_runs, void *out, int num_rows, int num_heads, int num_kv_heads,
-                      int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16, int window);
+                      int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16, int window,
+                      float softcap, const float *sinks);
 int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d, int is_bf16);
 
 /* y [rows, N] (rows y_stride apart) += bias [N], in the rows' type (bf16: one rounding of the fp32 sum, as torch's
@@ -129,7 +130,7 @@ int decode_layers(void *h, void *residual, const void *const *weights, const int
             return status;
         if ((status = paged_decode_runs(qkv, qkv_size, k_pool, v_pool, tables, table_stride, table_width, seq_lens,
                                         runs, num_runs, attn, (int)rows, num_heads, num_kv_heads, head_dim, block_size,
-                                        num_blocks, scale, is_bf16, windows ? windows[i] : 0)))
+                                        num_blocks, scale, is_bf16, windows ? windows[i] : 0, 0.0f, NULL)))
             return status;
         if ((status = linear(w, f, 1, attn, out, rows, hidden, q_size, is_bf16))) return status;
         if ((status = rms_norm(out, hidden, residual, hidden, w[3], normed, hidden, rows, (int)hidden, eps, is_bf16)))

@@ -16,7 +16,10 @@
  * fp32 once; token i sees positions 0 .. first_len + i - 1 (a decode: one token seeing the whole context), or with
  * a sliding window W > 0 only the last W of them, first_len + i - W .. first_len + i - 1 (clamped at 0).
  * Chunk by chunk of positions, an online softmax (running max m, sum l, accumulator acc) in fp32 per row, as
- * the Triton kernel does; the output is acc / l in the pool's type.
+ * the Triton kernel does; the output is acc / l in the pool's type. As kernels/paged_attention.py's twins define
+ * them: with a softcap c > 0 (Gemma 2) each scaled score s becomes c * tanh(s / c) before the softmax; with sinks
+ * (GPT-OSS, one fp32 logit per query head) each row's softmax starts from its head's sink as a position with no
+ * value (m = sink, l = 1), so that exp(sink - m) joins the denominator, m the max over the scores and the sink.
  *
  * Chunks of positions start at multiples of the chunk width (16, 8, or a block), from the chunk holding the task's
  * first seen position; a row takes part only in the chunks where it sees a position, masking the others in them.
@@ -72,7 +75,15 @@ typedef struct {
     int64_t out_token_bytes;
     int first_len;            /* positions token 0 sees; token i sees first_len + i */
     int window;               /* > 0: each token sees only its last `window` positions; 0: all of them */
+    float softcap;            /* > 0: scores s become softcap * tanh(s / softcap); 0: none */
+    const float *sinks;       /* the group's heads' sink logits (row r: sinks[r % group]); NULL: none */
 } Rows;
+
+/* Row r's online softmax before any position: its sink as a position with no value (m = sink, l = 1), or nothing. */
+static inline void start_row(const Rows *rows, int r, int group, float *m, float *l) {
+    *m = rows->sinks ? rows->sinks[r % group] : -INFINITY;
+    *l = rows->sinks ? 1.0f : 0.0f;
+}
 
 static inline const char *q_of(const Rows *rows, int r, int group, int64_t row_bytes) {
     return rows->q + (int64_t)(r / group) * rows->q_token_bytes + (int64_t)(r % group) * row_bytes;
@@ -148,8 +159,7 @@ static inline __attribute__((always_inline)) void attend_portable(const Rows *ro
             qf[r][d] *= scale;
             acc[r][d] = 0.0f;
         }
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
+        start_row(rows, r, group, &m[r], &l[r]);
     }
     for (int start = first_chunk(rows, block_size); start < len; start += block_size) {
         int n = len - start < block_size ? len - start : block_size;
@@ -164,6 +174,8 @@ static inline __attribute__((always_inline)) void attend_portable(const Rows *ro
         }
         for (int r = lo; r < hi; r++) {
             int nr = seen_by(rows, r, tokens, group, start, n), skip = skipped_by(rows, r, group, start);
+            if (rows->softcap)
+                for (int t = skip; t < nr; t++) s[r][t] = rows->softcap * tanhf(s[r][t] / rows->softcap);
             float top = m[r];
             for (int t = skip; t < nr; t++) top = s[r][t] > top ? s[r][t] : top;
             float rescale = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
@@ -274,8 +286,7 @@ static inline __attribute__((always_inline)) void attend_avx512(const Rows *rows
         if (dp)
             for (int c = 0; c < head_dim / 32; c++) q2[r][c] = _mm512_loadu_si512((const void *)(q_row + 64 * c));
 #endif
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
+        start_row(rows, r, group, &m[r], &l[r]);
     }
     const int from = first_chunk(rows, 16);
     int block = from / block_size,
@@ -318,6 +329,7 @@ static inline __attribute__((always_inline)) void attend_avx512(const Rows *rows
             const __mmask16 valid = (__mmask16)(((1u << seen) - 1u) & ~((1u << skip) - 1u));
             __m512 scores = lane_sums(partial[r]);
             if (dp) scores = _mm512_mul_ps(scores, _mm512_set1_ps(scale));
+            if (rows->softcap) scores = softcap16(scores, rows->softcap);
             float top = _mm512_mask_reduce_max_ps(valid, scores);
             top = top > m[r] ? top : m[r];
             float rescale = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
@@ -377,8 +389,7 @@ static inline __attribute__((always_inline)) void attend_avx2(const Rows *rows, 
             qv[r][c] = _mm256_mul_ps(load8(q_row, c, is_bf16), _mm256_set1_ps(scale));
             acc[r][c] = _mm256_setzero_ps();
         }
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
+        start_row(rows, r, group, &m[r], &l[r]);
     }
     const int from = first_chunk(rows, 8);
     int block = from / block_size,
@@ -407,6 +418,7 @@ static inline __attribute__((always_inline)) void attend_avx2(const Rows *rows, 
             const __m256 valid = _mm256_andnot_ps(lanes_below(skipped_by(rows, r, group, start)),
                                                   lanes_below(seen_by(rows, r, tokens, group, start, n)));
             __m256 scores = lane_sums8(partial[r]);
+            if (rows->softcap) scores = softcap8(scores, rows->softcap);
             float top = hmax8(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores, valid));
             top = top > m[r] ? top : m[r];
             float rescale = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
@@ -503,15 +515,16 @@ static int shapes_fit(int group, int head_dim, int block_size) {
                : 0;
 }
 
-/* Decodes (`window` > 0: each sees its last `window` positions; 0: all): 0 on success; -1 for shapes past the limits above (the caller checks them first), -2 for a length < 1
- * or past the table, or a table entry outside the pool (nothing is computed then). Elements are bf16 or fp32 by
- * is_bf16. */
+/* Decodes (`window` > 0: each sees its last `window` positions; 0: all; `softcap` > 0: scores soft-capped, 0: not;
+ * `sinks` [num_heads] fp32 or NULL: see the top): 0 on success; -1 for shapes past the limits above or a negative
+ * window or softcap (the caller checks them first), -2 for a length < 1 or past the table, or a table entry outside
+ * the pool (nothing is computed then). Elements are bf16 or fp32 by is_bf16. */
 int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int32_t *block_tables,
                  int64_t table_stride, int64_t table_width, const int32_t *seq_lens, void *out, int num_seqs,
                  int num_heads, int num_kv_heads, int head_dim, int block_size, int64_t num_blocks, float scale,
-                 int is_bf16, int window) {
+                 int is_bf16, int window, float softcap, const float *sinks) {
     int group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4;
-    if (window < 0) return -1;
+    if (window < 0 || !(softcap >= 0.0f)) return -1;
     if (shapes_fit(group, head_dim, block_size)) return -1;
     for (int64_t b = 0; b < num_seqs; b++) {   /* nothing read outside the pool or the table */
         int64_t len = seq_lens[b], used = (len + block_size - 1) / block_size;
@@ -532,7 +545,9 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void
                      (char *)out + (b * num_heads + h * group) * head_dim * elem,
                      0,
                      seq_lens[b],
-                     window};
+                     window,
+                     softcap,
+                     sinks ? sinks + h * group : NULL};
         task(&rows, (const char *)k_pool + h * head_stride, (const char *)v_pool + h * head_stride,
              block_tables + b * table_stride, 1, group, head_dim, block_size, scale);
     }
@@ -551,13 +566,14 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void
 int paged_decode_runs(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                       const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
                       const int32_t *runs, int num_runs, void *out, int num_rows, int num_heads, int num_kv_heads,
-                      int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16, int window) {
+                      int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16, int window,
+                      float softcap, const float *sinks) {
     if (!runs)
         return paged_decode(q, q_stride, k_pool, v_pool, block_tables, table_stride, table_width, seq_lens, out,
-                            num_rows, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, is_bf16,
-                            window);
+                            num_rows, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, is_bf16, window,
+                            softcap, sinks);
     int group = num_heads / num_kv_heads, elem = is_bf16 ? 2 : 4;
-    if (window < 0 || shapes_fit(group, head_dim, block_size) || num_runs < 1) return -1;
+    if (window < 0 || !(softcap >= 0.0f) || shapes_fit(group, head_dim, block_size) || num_runs < 1) return -1;
     const int piece = MAX_ROWS / group;   /* tokens of a run one task takes */
     int64_t pieces = 0, row = 0;
     for (int i = 0; i < num_runs; row += runs[i++]) {   /* nothing read outside the pool or the table */
@@ -596,7 +612,9 @@ int paged_decode_runs(const void *q, int64_t q_stride, const void *k_pool, const
                      (char *)out + (r * num_heads + h * group) * head_dim * elem,
                      (int64_t)num_heads * head_dim * elem,
                      seq_lens[r],
-                     window};
+                     window,
+                     softcap,
+                     sinks ? sinks + h * group : NULL};
         (tokens == 1 ? one : many)(
             &rows, (const char *)k_pool + h * head_stride, (const char *)v_pool + h * head_stride,
             block_tables + (int64_t)plan[3 * pc + 2] * table_stride, tokens, group, head_dim, block_size, scale);
@@ -607,14 +625,14 @@ int paged_decode_runs(const void *q, int64_t q_stride, const void *k_pool, const
 
 /* Prefill rows (paged_prefill.c's tasks without a packed path): tokens t0 .. t1 - 1 of a chunk whose first token
  * sees first_len positions, times the group's heads of one KV head (t1 - t0 <= attend_max_tokens(group)); q, out
- * at token t0, head 0 of that group; k_pool, v_pool that KV head's pool; the caller has checked the shapes and
- * the table. */
+ * at token t0, head 0 of that group; k_pool, v_pool that KV head's pool; sinks that group's (or NULL); the caller
+ * has checked the shapes and the table. */
 int attend_max_tokens(int group) { return MAX_ROWS / group; }
 
 void attend_rows(const void *q, int64_t q_token_bytes, const void *k_pool, const void *v_pool, const int32_t *table,
                  int first_len, int tokens, void *out, int64_t out_token_bytes, int group, int head_dim, int block_size,
-                 float scale, int is_bf16, int window) {
-    Rows rows = {(const char *)q, q_token_bytes, (char *)out, out_token_bytes, first_len, window};
+                 float scale, int is_bf16, int window, float softcap, const float *sinks) {
+    Rows rows = {(const char *)q, q_token_bytes, (char *)out, out_token_bytes, first_len, window, softcap, sinks};
     task_fn task = is_bf16 ? pick_bf16(0, group, head_dim) : pick_f32(0, group, head_dim);
     task(&rows, k_pool, v_pool, table, tokens, group, head_dim, block_size, scale);
 }

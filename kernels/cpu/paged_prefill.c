@@ -17,7 +17,9 @@
  *   (a stream resumed from its delivered tokens, prefilled here, goes on exactly as it would have).
  * Both keep an online softmax (running max m, sum l) in fp32 per row, as the decode kernel; query token t at
  * position len - n + t sees keys 0 .. len - n + t (with a sliding window W > 0: len - n + t - W + 1 .. len - n + t, and
- * every row takes the decode arithmetic, no packed path). The output is acc / l in the pool's type. Every task's
+ * every row takes the decode arithmetic, no packed path). Soft-capping (Gemma 2: a scaled score s becomes
+ * c * tanh(s / c)) and attention sinks (GPT-OSS: each row's softmax starts from its head's sink logit as a
+ * position with no value) as paged_decode.c computes them, on both paths. The output is acc / l in the pool's type. Every task's
  * arithmetic depends only on its own rows and keys, so a sequence's output does not change with the batch
  * around it.
  */
@@ -36,7 +38,7 @@
 int attend_max_tokens(int group);
 void attend_rows(const void *q, int64_t q_token_bytes, const void *k_pool, const void *v_pool, const int32_t *table,
                  int first_len, int tokens, void *out, int64_t out_token_bytes, int group, int head_dim, int block_size,
-                 float scale, int is_bf16, int window);
+                 float scale, int is_bf16, int window, float softcap, const float *sinks);
 
 #if defined(__AVX512BF16__)
 /* ---- bf16 with AVX512-BF16: keys packed once, 32 at a time, and multiplied by pairs of bf16 (vdpbf16ps) ----
@@ -160,15 +162,25 @@ static __attribute__((noinline)) void pk_scores_rows(const uint32_t (*q2)[PF_MAX
     }
 }
 
-/* One row's online-softmax step over its scores s of a tile, in base 2: x = s * scale * log2(e), p = 2^(x - m)
- * with m the running max of x. m, the row's 16 partial sums of p (lsum) and its acc move on, and its
- * probabilities go to pp (16 bf16 pairs). `seen`: how many of the tile's keys the row sees (1 .. 32). */
-static inline void pk_softmax(const float *s, int seen, float scale_log2e, float *m, float *lsum, float *acc,
+/* One row's online-softmax step over its scores s of a tile, in base 2: x = s * scale * log2(e) (soft-capped
+ * first where softcap > 0: x = c * tanh(s * scale / c) * log2(e)), p = 2^(x - m) with m the running max of x. m,
+ * the row's 16 partial sums of p (lsum) and its acc move on, and its probabilities go to pp (16 bf16 pairs).
+ * `seen`: how many of the tile's keys the row sees (1 .. 32). */
+static inline void pk_softmax(const float *s, int seen, float scale, float softcap, float *m, float *lsum, float *acc,
                               uint32_t *pp, int head_dim) {
-    const __m512 minus_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale_log2e);
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     const __mmask16 v0 = (__mmask16)(seen >= 16 ? 0xffffu : (1u << seen) - 1u);
     const __mmask16 v1 = (__mmask16)(seen >= 32 ? 0xffffu : seen > 16 ? (1u << (seen - 16)) - 1u : 0u);
-    __m512 x0 = _mm512_mul_ps(_mm512_load_ps(s), sc), x1 = _mm512_mul_ps(_mm512_load_ps(s + 16), sc);
+    __m512 x0, x1;
+    if (softcap) {
+        const __m512 sc = _mm512_set1_ps(scale), log2e = _mm512_set1_ps(1.44269504088896341f);
+        x0 = _mm512_mul_ps(softcap16(_mm512_mul_ps(_mm512_load_ps(s), sc), softcap), log2e);
+        x1 = _mm512_mul_ps(softcap16(_mm512_mul_ps(_mm512_load_ps(s + 16), sc), softcap), log2e);
+    } else {
+        const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f);
+        x0 = _mm512_mul_ps(_mm512_load_ps(s), sc);
+        x1 = _mm512_mul_ps(_mm512_load_ps(s + 16), sc);
+    }
     float top = _mm512_reduce_max_ps(
         _mm512_max_ps(_mm512_mask_mov_ps(minus_inf, v0, x0), _mm512_mask_mov_ps(minus_inf, v1, x1)));
     __m512 sum = _mm512_load_ps(lsum);
@@ -228,10 +240,12 @@ static __attribute__((noinline)) void pk_values_rows(float (*acc)[PF_MAX_HEAD_DI
 }
 
 /* One task of the packed path: rows t0 .. t1 - 1 of a sequence's chunk times the group's heads. `tiles` holds
- * the head's packed tiles when the sequence was packed up front, else NULL (the task packs each tile itself). */
+ * the head's packed tiles when the sequence was packed up front, else NULL (the task packs each tile itself).
+ * `sinks`: the group's heads' sink logits, or NULL; each row starts from its sink (m = sink in base 2, l = 1). */
 static void packed_task(const char *q, int64_t token_bytes, const uint16_t *k_pool, const uint16_t *v_pool,
                         const int32_t *table, const uint32_t *tiles, int len, int n, int t0, int t1, char *out,
-                        int64_t out_token_bytes, int group, int head_dim, int block_size, float scale) {
+                        int64_t out_token_bytes, int group, int head_dim, int block_size, float scale, float softcap,
+                        const float *sinks) {
     const int64_t row_bytes = (int64_t)head_dim * 2;
     const int rows = (t1 - t0) * group, pairs = head_dim / 2;
     uint32_t q2[PF_ROWS][PF_MAX_HEAD_DIM / 2] __attribute__((aligned(64)));
@@ -242,13 +256,13 @@ static void packed_task(const char *q, int64_t token_bytes, const uint16_t *k_po
     float lsum[PF_ROWS][16] __attribute__((aligned(64)));
     float m[PF_ROWS], l[PF_ROWS];
     int last[PF_ROWS];
-    const float scale_log2e = scale * 1.44269504088896341f;
     for (int r = 0; r < rows; r++) {
         int t = t0 + r / group, g = r % group;
         for (int j = 0; j < 16; j++) lsum[r][j] = 0.0f;
         memcpy(q2[r], q + t * token_bytes + (int64_t)g * row_bytes, (size_t)row_bytes);
         for (int d = 0; d < head_dim; d++) acc[r][d] = 0.0f;
-        m[r] = -INFINITY;
+        m[r] = sinks ? sinks[g] * 1.44269504088896341f : -INFINITY;
+        if (sinks) lsum[r][0] = 1.0f;
         l[r] = 0.0f;
         last[r] = len - n + t;
     }
@@ -264,7 +278,7 @@ static void packed_task(const char *q, int64_t token_bytes, const uint16_t *k_po
             pk_scores_rows(q2 + r, tile, pairs, s + r, rows - r < PK_RS ? rows - r : PK_RS);
         for (int r = first; r < rows; r++) {
             int seen = last[r] - k0 + 1;
-            pk_softmax(s[r], seen < nk ? seen : nk, scale_log2e, &m[r], lsum[r], acc[r], pp[r], head_dim);
+            pk_softmax(s[r], seen < nk ? seen : nk, scale, softcap, &m[r], lsum[r], acc[r], pp[r], head_dim);
         }
         const uint32_t *vt = tile + (int64_t)pairs * PK_KEYS;
         const int key_pairs = (nk + 1) / 2;
@@ -280,17 +294,18 @@ static void packed_task(const char *q, int64_t token_bytes, const uint16_t *k_po
  * the decode kernel's arithmetic on the packed path too: the engine passes each sequence's prompt length, so that
  * a prompt's rows have the bits its first prefill gave them and a generated token's row the bits its decode step
  * gave it, whenever they are computed again (a failover's resumed stream, a recompute after preemption).
- * 0 on success; -1 for shapes past the limits above or a head_dim that is no multiple of 16
- * (the caller checks them first); -2 for a chunk longer than its context, a context past its block table, a
+ * `softcap` > 0 soft-caps the scores (0: not); `sinks` [num_heads] fp32 (NULL: none) joins each softmax's
+ * denominator. 0 on success; -1 for shapes past the limits above, a head_dim that is no multiple of 16, or a
+ * negative window or softcap (the caller checks them first); -2 for a chunk longer than its context, a context past its block table, a
  * table entry outside the pool, or query offsets that are not increasing within [0, num_tokens]; -3 when the
  * packed tiles could not be allocated (nothing is computed after -1, -2 or -3). */
 int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool, const int32_t *block_tables,
                   int64_t table_stride, int64_t table_width, const int32_t *seq_lens, const int32_t *query_start_loc,
                   int64_t num_tokens, void *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                  int block_size, int64_t num_blocks, float scale, int is_bf16, const int32_t *decode_from,
-                  int window) {
+                  int block_size, int64_t num_blocks, float scale, int is_bf16, const int32_t *decode_from, int window,
+                  float softcap, const float *sinks) {
     int group = num_heads / num_kv_heads;
-    if (window < 0 || group < 1 || group > PF_MAX_GROUP || group * num_kv_heads != num_heads
+    if (window < 0 || !(softcap >= 0.0f) || group < 1 || group > PF_MAX_GROUP || group * num_kv_heads != num_heads
         || head_dim > PF_MAX_HEAD_DIM || head_dim % 16 || block_size > PF_MAX_BLOCK || block_size < 1)
         return -1;
     for (int64_t b = 0; b < num_seqs; b++) {   /* nothing read or written outside q, out, the pool or the table */
@@ -391,7 +406,7 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const voi
                 packed_task(qh, q_stride * elem, (const uint16_t *)((const char *)k_pool + h * head_stride),
                             (const uint16_t *)((const char *)v_pool + h * head_stride), block_tables + b * table_stride,
                             tiles_of, seq_lens[b], n, t0, split, oh, out_token_bytes, group, head_dim, block_size,
-                            scale);
+                            scale, softcap, sinks ? sinks + h * group : NULL);
             }
         }
 #endif
@@ -400,7 +415,7 @@ int paged_prefill(const void *q, int64_t q_stride, const void *k_pool, const voi
             attend_rows(qh + t * q_stride * elem, q_stride * elem, (const char *)k_pool + h * head_stride,
                         (const char *)v_pool + h * head_stride, block_tables + b * table_stride,
                         seq_lens[b] - n + t + 1, stop - t, oh + t * out_token_bytes, out_token_bytes, group, head_dim,
-                        block_size, scale, is_bf16, window);
+                        block_size, scale, is_bf16, window, softcap, sinks ? sinks + h * group : NULL);
         }
     }
 #if defined(__AVX512BF16__)

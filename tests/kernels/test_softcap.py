@@ -1,7 +1,7 @@
 """Attention logit soft-capping (Gemma 2: each scaled score s becomes c * tanh(s / c) before the mask and softmax) in
 every attention path that computes it: the decode twin (planned and not), the prefill twin over mixed batches, the
-compiled decode formulation, the CPU dispatchers (which must not hand a soft-capped call to the native kernels,
-which take no softcap) and the Triton kernels (CUDA, or TRITON_INTERPRET=1 on a CPU), against the float64
+compiled decode formulation, the CPU dispatchers (the native kernels; tests/kernels/test_native_softcap_sinks.py
+tests those once per build) and the Triton kernels (CUDA, or TRITON_INTERPRET=1 on a CPU), against the float64
 definition, with and without a sliding window. A scale of 0.5 makes scores of several units, so that a cap of 2
 changes every distribution."""
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_calls import assert_native_attention, count_attention_kernels
 from family_models import GEMMA2, tiny_checkpoint
 from hf_reference import assert_bf16_as_close_as_transformers, hf_model, transformers_greedy
 
@@ -59,12 +60,15 @@ def test_the_model_is_ours_with_soft_capped_windowed_layers(gemma2):
     assert model.final_logit_softcapping == 3.0
 
 
-def test_greedy_tokens_equal_transformers_past_the_window(gemma2, want):
+def test_greedy_tokens_equal_transformers_past_the_window(gemma2, want, monkeypatch):
+    """On a CPU every soft-capped layer's attention (windowed or not) runs on the native kernels."""
+    calls = count_attention_kernels(monkeypatch)
     llm = _llm(gemma2)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [c.token_ids for c in again] == want
     assert sum(c.num_cached_tokens for c in again) > 0
+    assert_native_attention(calls)
 
 
 def test_logprobs_within_tolerance_of_transformers(gemma2):
@@ -82,7 +86,7 @@ def test_logprobs_within_tolerance_of_transformers(gemma2):
 
 
 def test_step_graphs_give_the_tokens(gemma2, want):
-    """Decode steps in compiled graphs: the soft-capped compiled formulation (never the native kernel)."""
+    """Decode steps in compiled graphs: the native kernel as an operator, soft-capped."""
     engine = Engine(
         EngineConfig(
             model=str(gemma2),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_calls import assert_native_attention, count_attention_kernels
 from gpt_oss_models import tiny_gpt_oss
 from hf_reference import hf_model, transformers_greedy
 
@@ -196,10 +197,13 @@ def test_the_model_is_ours_with_windows_sinks_and_experts(checkpoint):
 
 
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_greedy_tokens_equal_transformers(checkpoint, chunk):
+def test_greedy_tokens_equal_transformers(checkpoint, chunk, monkeypatch):
+    """On a CPU the attention with sinks (windowed layers and full ones) runs on the native kernels."""
     path, want = checkpoint
+    calls = count_attention_kernels(monkeypatch)
     llm = _llm(path, **({"max_num_batched_tokens": chunk} if chunk else {}))
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    assert_native_attention(calls)
 
 
 def test_logprobs_within_tolerance_of_transformers(checkpoint):

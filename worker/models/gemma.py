@@ -9,8 +9,8 @@
   their own rope (rope_parameters["sliding_attention"]), global ones full with theirs.
 - GeGLU: gelu (tanh approximation) of the gate times up.
 - Attention logit soft-capping (`attn_logit_softcapping`, Gemma 2's 50): each scaled score s becomes
-  c * tanh(s / c) before the mask and softmax (`LlamaAttention.softcap`: the attention twins and Triton kernels
-  compute it; the native CPU kernels do not, so a soft-capped layer's attention runs on the twins on a CPU).
+  c * tanh(s / c) before the mask and softmax (`LlamaAttention.softcap`: the native CPU attention kernels, the
+  twins and the Triton kernels compute it).
 - Final logit soft-capping (tanh(x / c) * c) where the config sets it (Gemma 2's 30; Gemma 3 none by default).
 """
 

@@ -14,9 +14,9 @@ layers, and a mixture of experts with its own router and expert MLP.
   bf16), so the model runs dense in its dtype.
 
 Expert parallelism and TP x EP as for Mixtral (`ExpertParallel.run_experts`; each TP rank holds its slice of every
-local expert's intermediate size and the block all-reduces). The attention runs on the kernels' PyTorch twins,
-which alone compute sinks: no native CPU attention kernel, native decode step or step graph (expert dispatch is
-data-dependent).
+local expert's intermediate size and the block all-reduces). The attention with sinks runs on the native CPU
+attention kernels on a CPU and on the kernels' PyTorch twins on CUDA (Triton computes no sinks); no native decode
+step or step graph (expert dispatch is data-dependent).
 """
 
 from __future__ import annotations
