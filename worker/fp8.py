@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,14 +108,6 @@ def _block_of(value: Any) -> tuple[int, int] | None:
     ):
         raise ValueError(f"quantization_config.weight_block_size must be two positive integers, got {value!r}")
     return int(value[0]), int(value[1])
-
-
-def directory_fp8_scheme(path: Path) -> Fp8Scheme | None:
-    """The FP8 scheme of the checkpoint in directory `path` (its config.json), None for another one or no config."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    return fp8_scheme_of(json.loads(config.read_text()))
 
 
 # ---------------------------------------------------------------------------------------------------------

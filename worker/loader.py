@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, runtime_che
 import torch
 from torch import nn
 
-from infer.worker.awq_gptq import Int4Scheme, directory_scheme, group_tensors
+from infer.worker.awq_gptq import Int4Scheme, group_tensors, scheme_of
 from infer.worker.expert_parallel import ExpertParallel
-from infer.worker.fp8 import FP8_DTYPES, Fp8Scheme, directory_fp8_scheme, group_fp8_tensors
+from infer.worker.fp8 import FP8_DTYPES, Fp8Scheme, fp8_scheme_of, group_fp8_tensors
 from infer.worker.gguf import close_gguf_files
 from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
 from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, RMSNorm, VocabEmbedding, deferred_weights
@@ -165,18 +165,18 @@ def _stored_formats(files: list[Path]) -> Iterator[tuple[str, str | None]]:
                     yield (key.removesuffix(".qweight") + ".weight", "q4") if key.endswith(".qweight") else (key, None)
 
 
+def _checkpoint_config(files: list[Path]) -> dict[str, Any] | None:
+    """The config.json beside safetensors `files`, None for a GGUF file or a directory without one."""
+    if not files or files[0].suffix == ".gguf":
+        return None
+    config = files[0].parent / "config.json"
+    return json.loads(config.read_text()) if config.is_file() else None
+
+
 def _int4_scheme(files: list[Path]) -> Int4Scheme | None:
     """The AWQ / GPTQ scheme of safetensors `files` (their directory's config.json), None for a dense checkpoint."""
-    if not files or files[0].suffix == ".gguf":
-        return None
-    return directory_scheme(files[0].parent)
-
-
-def _fp8_scheme(files: list[Path]) -> Fp8Scheme | None:
-    """The FP8 scheme of safetensors `files` (their directory's config.json), None for another checkpoint."""
-    if not files or files[0].suffix == ".gguf":
-        return None
-    return directory_fp8_scheme(files[0].parent)
+    config = _checkpoint_config(files)
+    return None if config is None else scheme_of(config)
 
 
 def materialize(model: nn.Module, plan: dict[str, str], device: torch.device | str) -> None:
@@ -299,11 +299,12 @@ def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], Any]
     from safetensors import safe_open
 
     files = list(files)
-    scheme = _int4_scheme(files)
+    config = _checkpoint_config(files)
+    scheme = None if config is None else scheme_of(config)
     if scheme is not None:
         yield from _int4_file_tensors(files, scheme)
         return
-    fp8 = _fp8_scheme(files)
+    fp8 = None if config is None else fp8_scheme_of(config)
     if fp8 is not None:
         yield from _fp8_file_tensors(files, fp8)
         return
