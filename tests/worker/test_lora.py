@@ -5,6 +5,7 @@ load / unload, the prefix cache keyed by adapter, bad adapters refused by name."
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -504,3 +505,27 @@ def test_an_unloaded_adapter_nothing_holds_is_freed_at_once(family):
     while engine.has_unfinished():
         engine.step()
     assert engine.lora.by_id == {}
+
+
+def test_a_request_whose_adapter_makes_nan_fails_alone_over_a_quantized_base(family):
+    """Non-finite values in one request's rows (its adapter's weights spoiled in memory, past the load checks) reach
+    the logits through the quantized layers, so the sampler's check fails that request alone with its reason; the
+    base model's request beside it keeps its tokens. Before, the quantized matmul read a NaN row as finite numbers:
+    the request ran on with meaningless tokens (issue 43: token 0, flat logprobs) and no error."""
+    model_dir, folders = family
+    engine = _engine(model_dir, {"qv": folders["qv"]}, quantization="int8")
+    prompt = _prompts(1, seed=5)[0]
+    base = _run(engine, {"alone": (prompt, None)})["alone"]
+    for a, b in engine.lora.by_name["qv"].weights.values():
+        b[0, 0] = math.nan  # not in a slot yet: copied in with the request's first step
+    engine.add_request("spoiled", prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, lora_name="qv"))
+    engine.add_request("base", prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    finals, tokens = {}, {"spoiled": [], "base": []}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+            if delta.finished:
+                finals[delta.request_id] = delta
+    assert finals["spoiled"].finish_reason == "error" and finals["spoiled"].error_code == "internal"
+    assert "non-finite logits" in finals["spoiled"].error and tokens["spoiled"] == []
+    assert finals["base"].finish_reason == "length" and tokens["base"] == base
