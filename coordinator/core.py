@@ -127,7 +127,7 @@ class Coordinator:
         self.admission = Admission(self.books, send, self.status, self.policy, config)
         self.reattachment = Reattachment(self.books, self.outbox, self.admission, config, now)
         self.relay = Relay(self.books, self.outbox, self.admission, self.reattachment.orphans, self.peer_warnings)
-        self.loras = Loras(self.books, send)
+        self.loras = Loras(self.books, send, self.status)
         self.statistics = Statistics(
             self.books, send, self.status, self.admission, self.loras, config, self.policy.name, now
         )

@@ -14,7 +14,7 @@ import logging
 from infer.coordinator.barriers import WorkerBarrier
 from infer.coordinator.books import Books
 from infer.coordinator.outbox import Send
-from infer.coordinator.state import WorkerRecord
+from infer.coordinator.state import ClusterStatus, WorkerRecord
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import Error, LoraCommand, LoraDone
 
@@ -26,9 +26,10 @@ LORA_TIMEOUT_S = 120.0  # how long a load / unload waits for every worker's answ
 class Loras:
     """The pending LoRA command and the cluster's adapters."""
 
-    def __init__(self, books: Books, send: Send) -> None:
+    def __init__(self, books: Books, send: Send, status: ClusterStatus) -> None:
         self.books = books
         self.send = send
+        self.status = status  # its model_id: the name no adapter may take
         self.barrier: WorkerBarrier | None = None
         self.command: LoraCommand | None = None
         self.adapters: dict[str, str] = {}  # loaded through this coordinator: sent to workers that join later
@@ -44,7 +45,7 @@ class Loras:
             if self.barrier is not None
             else "no healthy worker"
             if not workers
-            else None
+            else self._name_refusal(msg)
         )
         if refusal is not None:
             self.send(identity, Error(message=f"{what} refused: {refusal}"))
@@ -54,6 +55,13 @@ class Loras:
         for worker in [w for w in self.books.workers if w.worker_id in workers]:
             self.send(worker.identity, msg)
         log.info("%s: sent to %d worker(s)", safe(what), len(workers))
+
+    def _name_refusal(self, msg: LoraCommand) -> str | None:
+        """Why a load may not take its name: the cluster's model id (the base model's name, a front's default
+        `model`) is no adapter's (the workers refuse it too)."""
+        if msg.action == "load" and msg.lora_name == self.status.model_id:
+            return "the name is the base model's (the cluster's model id): give the adapter another"
+        return None
 
     def on_done(self, identity: bytes, msg: LoraDone, now: float) -> None:
         worker = self.books.workers.by_identity.get(identity)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -160,13 +161,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     block of 32 as the kernel does it: amax = max |x|, d = amax / 127 in fp32 (d < FLT_MIN taken as 0),
     q = round-half-to-even(x * (1 / d)) (0 where d = 0; |q| <= 127 without a clamp), s = d * sum(q) in fp32.
     Each element's error is at most d / 2 plus the fp32 rounding of x * (1 / d) (|x| * 2^-22 bounds both roundings).
-    Activations are assumed finite."""
+    A block holding a NaN or an infinity has d = NaN (its q unspecified): its row's outputs are NaN, as the kernel's."""
     m, k = x.shape
     blocks = x.float().reshape(m, k // BLOCK, BLOCK)
-    amax = blocks.abs().amax(dim=-1)
+    amax = blocks.abs().amax(dim=-1)  # NaN where a block holds one
     d = torch.div(amax, torch.full_like(amax, 127.0))
     d = torch.where(d >= _FLT_MIN, d, torch.zeros_like(d))
-    inverse = torch.where(d > 0, torch.div(torch.ones_like(d), torch.where(d > 0, d, torch.ones_like(d))), d)
+    d = torch.where(amax.isfinite(), d, torch.full_like(d, math.nan))
+    inverse = torch.where(
+        d > 0, torch.div(torch.ones_like(d), torch.where(d > 0, d, torch.ones_like(d))), torch.zeros_like(d)
+    )
     q = torch.round(blocks * inverse.unsqueeze(-1))
     s = d * q.sum(dim=-1)
     return q.to(torch.int8).reshape(m, k), d, s

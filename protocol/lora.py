@@ -8,6 +8,7 @@ Submit, Dispatch and failover re-dispatch); the engine holds the adapters themse
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,9 @@ class LoraConfig:
     target_modules: tuple[str, ...]
 
     def scaling(self, rank: int) -> float:
+        """The scale of a module of rank `rank` (ValueError below 1: a module's rank is read from its tensors)."""
+        if rank < 1:
+            raise ValueError(f"rank (r) must be >= 1, got {rank}")
         return self.lora_alpha / (rank**0.5 if self.use_rslora else rank)
 
 
@@ -151,9 +155,11 @@ def read_lora_config(folder: str | Path) -> LoraConfig:
             raise ValueError(f"{path}: {_REFUSED[key][1]} is not supported ({key}={value!r})")
     r, alpha = config.get("r"), config.get("lora_alpha", 8)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"{path}: r must be a positive integer, got {r!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"{path}: lora_alpha must be a positive number, got {alpha!r}")
+        raise ValueError(f"{path}: rank (r) must be an integer >= 1, got {r!r}")
+    # JSON as Python reads it allows Infinity and NaN; a huge finite alpha is judged by the scaled weights it makes
+    # (worker/lora.py)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
+        raise ValueError(f"{path}: lora_alpha must be a finite positive number, got {alpha!r}")
     rslora = config.get("use_rslora", False)
     if not isinstance(rslora, bool):
         raise ValueError(f"{path}: use_rslora must be true or false, got {rslora!r}")

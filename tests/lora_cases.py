@@ -60,3 +60,14 @@ def make_adapters(model_dir, tmp_path_factory, names=tuple(ADAPTERS)) -> dict:
             folders[name] = tmp_path_factory.mktemp(f"lora-{name}")
             make_adapter(model_dir, folders[name], 100 + i, **options)
     return folders
+
+
+async def load_unload_cycles(client, name: str, folder, cycles: int, rss) -> list[int]:
+    """`cycles` loads and unloads of adapter `folder` as `name` through an admin InferenceClient, no request
+    between them; `rss()` (a worker's resident bytes) read after each unload: the samples, in order."""
+    samples = []
+    for _ in range(cycles):
+        await client.load_lora_adapter(name, folder)
+        await client.unload_lora_adapter(name)
+        samples.append(rss())
+    return samples

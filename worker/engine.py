@@ -443,8 +443,8 @@ class Engine:
             return outputs
         _stamp_queue_time(scheduled)
         outputs.extend(self._after_forward(scheduled, self._execute(scheduled.chunks)))
-        if self.lora is not None:
-            self.lora.collect(self._lora_ids_held())
+        if self.lora is not None and self.lora.collect(self._lora_ids_held()):
+            self._give_memory_back()
         self.heap.after_step(busy=self.scheduler.has_unfinished())
         return outputs
 
@@ -502,8 +502,14 @@ class Engine:
 
     def remove_lora(self, name: str) -> bool:
         """Unload `name`: requests that name it from now on are refused; those that hold it finish with it (its
-        weights go after the last). False if no adapter has that name."""
-        return self._require_lora().remove(name)
+        weights go after the last; at once when none does, the freed heap given back to the system: an idle engine
+        that loads and unloads adapters stays flat). False if no adapter has that name."""
+        manager = self._require_lora()
+        if not manager.remove(name):
+            return False
+        if manager.collect(self._lora_ids_held()):
+            self._give_memory_back()
+        return True
 
     def list_loras(self) -> list[dict[str, object]]:
         return [] if self.lora is None else self.lora.listing()
@@ -516,7 +522,14 @@ class Engine:
                 "enable_lora is not supported with pipeline parallelism yet: the stages would need the "
                 "adapters' step commands"
             )
-        manager = LoraManager(self.model, self.config.max_loras, self.config.max_lora_rank, self.dtype, self.device)
+        manager = LoraManager(
+            self.model,
+            self.config.max_loras,
+            self.config.max_lora_rank,
+            self.dtype,
+            self.device,
+            base_names=(self.model_id,),
+        )
         for name, path in self.config.lora_modules:
             manager.add(name, path)
         return manager

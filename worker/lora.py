@@ -122,21 +122,58 @@ def load_adapter(
                 f"{weights_file}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
                 f"[r, in] and [out, r]"
             )
+        if r < 1:
+            raise ValueError(
+                f"{weights_file}: {module}: rank (r) must be >= 1, got lora_A {tuple(a.shape)} and "
+                f"lora_B {tuple(b.shape)}"
+            )
         if r > max_rank:
             raise ValueError(f"{weights_file}: {module} has rank {r}, above --max-lora-rank {max_rank}")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ValueError(f"{weights_file}: {module} holds values that are not finite")
         try:
+            a, b = _as_they_run(a, b, config.scaling(r), dtype)
             a, b = _this_ranks_part(linear, shard, a, b)
         except ValueError as e:
             raise ValueError(f"{weights_file}: {module}: {e}") from None
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise ValueError(f"{weights_file}: {module} holds values that are not finite")
-        scale = config.scaling(r)
-        weights[(target, shard)] = (
-            a.to(device=device, dtype=dtype),
-            (b.float() * scale).to(device=device, dtype=dtype),
-        )
+        weights[(target, shard)] = (a.to(device=device), b.to(device=device))
         rank = max(rank, r)
     return LoraAdapter(name, lora_id, int_id, str(folder), rank, weights)
+
+
+# The most any entry of an adapter's update scale * B A may reach: float16's largest finite value. The update is added
+# to the base weight's contribution, whose entries in trained models are well under 1 (as are trained adapters'
+# updates: PEFT's are about 1e-3..1e-1); one of 65504 already overflows float16 activations of 1 and swamps the base
+# model in any dtype, so an adapter that can reach it is a broken or hostile file (lora_alpha 1e308 made inf and
+# NaN, then token 0). Judged in float64 on the checkpoint's tensors (before TP sharding: every rank agrees), the
+# same in every serving dtype.
+MAX_LORA_UPDATE = 65504.0
+
+
+def update_bound(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
+    """An upper bound of max |scale * B A| over the entries, for A [r, in] and B [out, r], in O(r (in + out)):
+    |sum_k s B_ik A_kj| <= sum_k (max_i |s B_ik|) (max_j |A_kj|). Infinite or NaN when the product overflows."""
+    return float(((b.double().abs().amax(dim=0) * abs(scale)) * a.double().abs().amax(dim=1)).sum())
+
+
+def _as_they_run(
+    a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, in] and B [out, r] (finite) -> A and scale * B in `dtype`, as the layers use them; ValueError when the
+    update can exceed MAX_LORA_UPDATE or a scaled value does not fit `dtype`."""
+    bound = update_bound(a, b, scale)
+    if not bound <= MAX_LORA_UPDATE:
+        raise ValueError(
+            f"its update scale * B A (scale {scale:.6g}: lora_alpha / r, or / sqrt(r) with use_rslora) can reach "
+            f"{bound:.3g} in one entry, above {MAX_LORA_UPDATE:g} (float16's largest): the adapter's weights or "
+            "lora_alpha are broken"
+        )
+    a_run, b_run = a.to(dtype), (b.float() * scale).to(dtype)
+    if not (torch.isfinite(a_run).all() and torch.isfinite(b_run).all()):
+        raise ValueError(
+            f"scale * lora_B (scale {scale:.6g}) or lora_A does not fit {str(dtype).removeprefix('torch.')}"
+        )
+    return a_run, b_run
 
 
 def _target(model: nn.Module, module: str, where: Path) -> tuple[str, str | None, PackedLinear]:
@@ -316,11 +353,19 @@ class LoraManager:
     step's rows by slot."""
 
     def __init__(
-        self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        base_names: tuple[str, ...] = (),
     ) -> None:
+        """`base_names`: the names the base model is served under (its model id), which no adapter may take."""
         if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
         self.model, self.max_rank, self.dtype, self.device = model, max_lora_rank, dtype, device
+        self.base_names = base_names
         self.slots = LoraSlots(max_loras)
         self.by_name: dict[str, LoraAdapter] = {}  # what new requests may name
         self.by_id: dict[int, LoraAdapter] = {}  # and the unloaded ones requests still hold
@@ -344,9 +389,11 @@ class LoraManager:
         )
 
     def add(self, name: str, path: str | Path, int_id: int | None = None) -> LoraAdapter:
-        """Load an adapter under `name` (ValueError: a bad folder, a rank above max_lora_rank, a name taken by
-        another path). Loading the same name and path again is a no-op."""
+        """Load an adapter under `name` (ValueError: the base model's name, a bad folder, a rank above max_lora_rank,
+        a name taken by another path). Loading the same name and path again is a no-op."""
         check_lora_name(name)
+        if name in self.base_names:
+            raise ValueError(f"LoRA adapter name {name!r} is the base model's name: give the adapter another")
         current = self.by_name.get(name)
         if current is not None:
             if Path(current.path) == Path(path):
@@ -368,11 +415,14 @@ class LoraManager:
         """Unload `name`: new requests may no longer name it. False if no adapter has that name."""
         return self.by_name.pop(name, None) is not None
 
-    def collect(self, held: set[int]) -> None:
-        """Free the unloaded adapters no request in `held` (waiting or running ids) holds any more."""
-        for lora_id in [i for i, a in self.by_id.items() if self.by_name.get(a.name) is not a and i not in held]:
+    def collect(self, held: set[int]) -> int:
+        """Free the unloaded adapters no request in `held` (waiting or running ids) holds any more (nothing else
+        refers to their weights: a slot holds a copy); returns how many."""
+        gone = [i for i, a in self.by_id.items() if self.by_name.get(a.name) is not a and i not in held]
+        for lora_id in gone:
             del self.by_id[lora_id]
             self.slots.drop(lora_id)
+        return len(gone)
 
     def lora_id(self, name: str) -> int:
         adapter = self.by_name.get(name)

@@ -135,10 +135,20 @@ class Admission:
         self._view, self._view_at = view, time.monotonic()
         return view
 
-    def reserve(self, num_requests: int) -> None:
-        """Count `num_requests` engine requests in flight, or 503 "overloaded" at once past the limit. The
-        caller releases them when they end; a StreamRun does it in close()."""
+    def reserve(self, num_requests: int, param: str | None = None) -> None:
+        """Count `num_requests` engine requests in flight, or 503 "overloaded" at once past the limit. One HTTP
+        request of more engine requests than the limit itself could never pass: a 400 naming the limit (`param`: the
+        field that makes them many), not a 503 to retry forever. The caller releases them when they end; a StreamRun
+        does it in close()."""
         limit = self.config.max_concurrent_requests
+        if num_requests > limit:
+            raise ApiError(
+                400,
+                f"this request needs {num_requests} engine requests at once (one per input or prompt, times n or "
+                f"best_of), more than this server ever admits (--max-concurrent-requests {limit}); split it",
+                param=param,
+                code="too_many_engine_requests",
+            )
         if self.in_flight + num_requests > limit:
             raise ApiError(
                 503,

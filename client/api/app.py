@@ -15,7 +15,8 @@ The path of a request:
    an invalid field, naming it), the model name (404 if it is neither the served model nor a LoRA adapter; an
    adapter's name runs the request with it: SamplingParams.lora_name).
 2. Admission: 503 with Retry-After and code "overloaded" at once when this front already has
-   `max_concurrent_requests` engine requests in flight; 503 "unavailable" when the cluster is stopping or
+   `max_concurrent_requests` engine requests in flight (400 "too_many_engine_requests" for a request of more
+   engine requests than that limit: it could never pass); 503 "unavailable" when the cluster is stopping or
    no worker is healthy (a cluster view at most `view_max_age` old, refreshed by one stats round trip).
 3. Prompts are tokenized here (chat: the tokenizer's chat template), so the length is checked against the
    cluster's context length before anything is sent (400, with both numbers). A text prompt is first
@@ -32,7 +33,8 @@ The path of a request:
 A stream always ends with `[DONE]`: a failure once the 200 is out (the cluster's, a timeout, an engine
 stream that ends without a final delta, an exception here) is an SSE `error` event just before it.
 
-Failed requests' error codes pick the status (`errors.request_error`): invalid_request 400, overloaded 503 (+
+Failed requests' error codes pick the status (`errors.request_error`): invalid_request 400 (404 model_not_found
+when the request's LoRA adapter is gone: unloaded elsewhere since this front last listed them), overloaded 503 (+
 Retry-After: a queue on the way was full, nothing ran), unavailable, client_too_slow and client_lost 503 (the
 last two: this front, the coordinator's client, fell behind or was cut off), timeout 504, anything else 500.
 Nothing internal leaves the front: an unexpected exception, or an "internal" failure in the cluster, is
@@ -104,7 +106,7 @@ from infer.client.api.schemas import (
 from infer.client.api.tools import TOOL_PARSERS, default_parser, template_messages, tools_system_prompt
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import ClusterError, EngineClient
-from infer.protocol.codes import ClusterState, FinishReason
+from infer.protocol.codes import ClusterState, ErrorCode, FinishReason
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import BeamOutput, ClusterStats
 from infer.protocol.outputs import Completion, RequestOutput, TokenLogprobs
@@ -315,7 +317,7 @@ class Front:
             pooling=body.pooling, normalize=body.normalize, temperature=0, max_tokens=1, lora_name=self.lora_of(body)
         )
         base_id = f"embd-{uuid.uuid4().hex}"
-        self.admission.reserve(len(inputs))
+        self.admission.reserve(len(inputs), param="input")
         try:
             max_len = await self.admission.admit()
             prompts = await self._prompt_token_ids(inputs, max_len, param="input")
@@ -458,6 +460,7 @@ class Front:
                 "max_model_len": max_len,
             }
             for name, path in sorted(self.lora_adapters.items())
+            if name != self.config.served_model_name  # `model` names the base model: one id, one model
         ]
         return JSONResponse({"object": "list", "data": [card, *adapters]})
 
@@ -497,15 +500,30 @@ class Front:
         except (ClusterError, ValueError):
             pass
         if model not in self.lora_adapters:
-            names = ", ".join(map(repr, sorted(self.lora_adapters)))
-            adapters = f" and the LoRA adapters {names}" if names else ""
-            raise ApiError(
-                404,
-                f"the model {model[:200]!r} does not exist; this server serves "
-                f"{self.config.served_model_name!r}{adapters}",
-                param="model",
-                code="model_not_found",
-            )
+            raise self._model_not_found(model)
+
+    def _model_not_found(self, model: str) -> ApiError:
+        names = ", ".join(map(repr, sorted(set(self.lora_adapters) - {self.config.served_model_name})))
+        adapters = f" and the LoRA adapters {names}" if names else ""
+        return ApiError(
+            404,
+            f"the model {model[:200]!r} does not exist; this server serves {self.config.served_model_name!r}{adapters}",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def failure(self, delta: RequestOutput, lora: str | None) -> ApiError:
+        """The answer to an engine request that failed (errors.request_error), but 404 model_not_found when it named
+        a LoRA adapter that is gone: unloaded through another front or an admin client after this front last
+        looked (its list is refreshed here, on the failure path only)."""
+        if lora is not None and delta.error_code == ErrorCode.INVALID_REQUEST:
+            try:
+                await self._refresh_adapters()
+            except (ClusterError, ValueError):
+                pass
+            if lora not in self.lora_adapters:
+                return self._model_not_found(lora)
+        return request_error(delta, self.config.retry_after)
 
     def lora_of(self, body: Any) -> str | None:
         """The LoRA adapter a checked body's `model` names (None: the base model)."""
@@ -692,7 +710,7 @@ class Front:
             fmt.id = caller_request_id(request) or fmt.id
         except ValueError as e:
             raise ApiError(400, str(e), param="X-Request-Id") from None
-        self.admission.reserve(num_requests)
+        self.admission.reserve(num_requests, param="prompt" if num_prompts > 1 else "n")
         run: StreamRun | None = None
         cancellable = Cancellable(bearer_digest(request))
         try:
@@ -866,7 +884,7 @@ class Front:
             async for delta in self.engine_stream(job):
                 job.add(delta)
                 if delta.finish_reason == FinishReason.ERROR:
-                    raise request_error(delta, self.config.retry_after)
+                    raise await self.failure(delta, job.params.lora_name)
             if job.finish_reason is None:
                 raise ended_early(job)
 
@@ -895,7 +913,7 @@ class Front:
                 yield event(chunk, job)
             async for job, delta in run.deltas():
                 if delta.finish_reason == FinishReason.ERROR:
-                    yield sse_event(request_error(delta, self.config.retry_after).body())
+                    yield sse_event((await self.failure(delta, job.params.lora_name)).body())
                     break
                 for chunk in fmt.chunks(job, delta):
                     yield event(chunk, job)
@@ -960,7 +978,7 @@ class StreamRun:
             while len(started) < len(self.jobs):
                 job, delta = await self._next()
                 if delta.finish_reason == FinishReason.ERROR:
-                    raise request_error(delta, self.front.config.retry_after)
+                    raise await self.front.failure(delta, job.params.lora_name)
                 started.add(job.index)
                 self._buffer.append((job, delta))
         except BaseException:

@@ -3,6 +3,7 @@
  * Arithmetic (quant_matmul_reference in kernels/quant.py states it in PyTorch):
  *   - each row of x is quantized per block of 32 to int8: amax = max |x|, d = amax / 127 (fp32; d < FLT_MIN is taken
  *     as 0), q = rint(x * (1 / d)) (round half to even; 0 where d = 0), s = d * sum(q). |q| <= 127 without a clamp.
+ *     A block holding a NaN or an infinity has d = NaN: its row's outputs are all NaN (see block_scale).
  *   - y[m][n] = sum over blocks b of (d_w * d_x) * dot(q_w, q_x) + m_w * s_x, d_w and m_w the block's fp16 scale and
  *     min (no min term for symmetric q8). The integer dots are exact; the scale products are fp32 products; the sum
  *     of the block terms is an fp32 sum (FMA where the ISA has it) whose order depends on the ISA, not on M, on the
@@ -124,8 +125,15 @@ static inline float load_x(const void *row, int64_t i, int is_bf16) {
 
 /* ---- activation quantization: one block of 32 -> 32 int8 in element order, d and s ---- */
 
-/* d from the block's amax (the rule at the top of this file); *inverse = 1 / d, or 0. */
-static inline float block_scale(float amax, float *inverse) {
+/* d from the block's amax (the rule at the top of this file); *inverse = 1 / d, or 0. A block holding a NaN
+ * (`has_nan`: the max above drops NaNs) or an infinity gets d = NaN and inverse 0: every output of its row is then NaN
+ * (its q are unspecified, each multiplied by d), as x W^T's would be, so the engine's non-finite logits check sees a
+ * spoiled row instead of a finite one made of zeros. */
+static inline float block_scale(float amax, int has_nan, float *inverse) {
+    if (has_nan || !(amax <= FLT_MAX)) {
+        *inverse = 0.0f;
+        return NAN;
+    }
     float d = amax / 127.0f;
     if (!(d >= FLT_MIN)) d = 0.0f;
     *inverse = d != 0.0f ? 1.0f / d : 0.0f;
@@ -144,7 +152,8 @@ static inline __m512 load16_x(const void *row, int64_t k, int is_bf16) {
 static inline void quantize_block(const void *row, int64_t k, int is_bf16, int8_t out[QBLOCK], float *d, float *s) {
     const __m512 a = load16_x(row, k, is_bf16), b = load16_x(row, k + 16, is_bf16);
     float inverse;
-    *d = block_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))), &inverse);
+    const int has_nan = (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)) != 0;
+    *d = block_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))), has_nan, &inverse);
     const __m512 inv = _mm512_set1_ps(inverse);
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
     *s = *d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
@@ -168,13 +177,14 @@ static inline __m128i pack16(__m256i lo, __m256i hi) {
 
 static inline void quantize_block(const void *row, int64_t k, int is_bf16, int8_t out[QBLOCK], float *d, float *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4], amax = _mm256_setzero_ps();
+    __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
         v[i] = load8_x(row, k + 8 * i, is_bf16);
         amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
     }
     float inverse;
-    *d = block_scale(hmax8(amax), &inverse);
+    *d = block_scale(hmax8(amax), _mm256_movemask_ps(nan) != 0, &inverse);
     const __m256 inv = _mm256_set1_ps(inverse);
     __m256i q[4], sum = _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) {
@@ -191,13 +201,15 @@ static inline void quantize_block(const void *row, int64_t k, int is_bf16, int8_
 #else
 static inline void quantize_block(const void *row, int64_t k, int is_bf16, int8_t out[QBLOCK], float *d, float *s) {
     float v[QBLOCK], amax = 0.0f;
+    int has_nan = 0;
     for (int i = 0; i < QBLOCK; i++) {
         v[i] = load_x(row, k + i, is_bf16);
         const float a = fabsf(v[i]);
         amax = a > amax ? a : amax;
+        has_nan |= v[i] != v[i];
     }
     float inverse;
-    *d = block_scale(amax, &inverse);
+    *d = block_scale(amax, has_nan, &inverse);
     int sum = 0;
     for (int i = 0; i < QBLOCK; i++) {
         out[i] = (int8_t)lrintf(v[i] * inverse);

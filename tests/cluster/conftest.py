@@ -78,11 +78,11 @@ class Cluster:
     def address(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
 
-    def spawn(self, name: str, *argv: str) -> Proc:
+    def spawn(self, name: str, *argv: str, cwd: Path | None = None) -> Proc:
         log = self.logs / f"{name}-{len(self.procs)}.log"
         with open(log, "wb") as out:
             popen = subprocess.Popen(
-                [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
             )
         proc = Proc(name, popen, log)
         self.procs.append(proc)
@@ -100,9 +100,11 @@ class Cluster:
         model: str | Path | None = None,
         benchmark: bool = False,
         dp_rank: int | None = None,
+        cwd: Path | None = None,
     ) -> Proc:
         """Worker `index` (its name, and its --worker-id w<index>-<n>), started as the README starts one:
-        no --dp-rank (the coordinator assigns it) unless `dp_rank` is given."""
+        no --dp-rank (the coordinator assigns it) unless `dp_rank` is given; `cwd`: its working directory (a
+        relative `model`)."""
         worker_id = f"w{index}-{len(self.procs)}"
         argv = ["-m", "infer.worker.daemon", "--coordinator", self.address, "--worker-id", worker_id, *WORKER_FLAGS]
         if dp_rank is not None:
@@ -111,7 +113,7 @@ class Cluster:
             argv.append("--benchmark-mode")
         if model is not None:
             argv += ["--model", str(model)]
-        proc = self.spawn(f"worker{index}", *argv, *flags)
+        proc = self.spawn(f"worker{index}", *argv, *flags, cwd=cwd)
         proc.worker_id = worker_id
         return proc
 

@@ -62,3 +62,12 @@ def test_a_worker_that_dies_before_it_answers_fails_its_part():
     answers = [m for i, m in out if i == ADMIN and isinstance(m, LoraDone)]
     assert answers and "worker w1: the worker died before it answered" in answers[0].error
     assert h.core.loras.adapters == {"sql": "/adapters/sql"}  # w0 serves it: the cluster's table has it
+
+
+def test_a_load_named_after_the_clusters_model_is_refused_before_any_worker_sees_it():
+    h = _cluster()
+    out = h.send(ADMIN, LoraCommand(action="load", lora_name=h.core.status.model_id, lora_path="/adapters/sql"))
+    assert [i for i, _ in out] == [ADMIN] and isinstance(out[0][1], Error)
+    assert "the name is the base model's" in out[0][1].message
+    assert h.core.loras.barrier is None  # nothing pending: the next command runs
+    assert sorted(i for i, m in h.send(ADMIN, LOAD) if isinstance(m, LoraCommand)) == [b"w0", b"w1"]

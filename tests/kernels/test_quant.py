@@ -16,6 +16,7 @@ rounding of each side for bf16 output.
 from __future__ import annotations
 
 import ctypes
+import math
 import subprocess
 from pathlib import Path
 
@@ -334,3 +335,24 @@ def test_the_default_path_follows_the_selected_build(
         outputs[name] = quant_matmul(x, weight)
         assert torch.equal(outputs[name], quant_matmul(x, weight, lib=lib))
     assert not torch.equal(outputs["native"], outputs["x86-64"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_holding_nan_or_inf_gives_nan_outputs_and_the_other_rows_their_own(
+    build: ctypes.CDLL, fmt: str, dtype: torch.dtype
+) -> None:
+    """A NaN or an infinity anywhere in a row of x (first, middle or last place of a block, first or last block)
+    makes every output of that row NaN, as x W^T's would be non-finite: the engine's non-finite logits check then
+    fails the request (a NaN used to be dropped by the block's max and its row came out as finite numbers). The other
+    rows keep their bits."""
+    m, n, k = 9, 41, 576
+    weight, x = make_weight(fmt, n, k, seed=31), make_x(m, k, dtype, seed=32)
+    clean = {"kernel": quant_matmul(x, weight, lib=build), "twin": quant_matmul_reference(x, weight)}
+    spoiled = {1: (0, math.nan), 3: (300, math.inf), 4: (575, -math.inf), 6: (31, math.nan), 7: (544, math.inf)}
+    for row, (col, value) in spoiled.items():
+        x[row, col] = value
+    kept = [row for row in range(m) if row not in spoiled]
+    for name, got in (("kernel", quant_matmul(x, weight, lib=build)), ("twin", quant_matmul_reference(x, weight))):
+        assert got[list(spoiled)].isnan().all(), name
+        assert torch.equal(got[kept], clean[name][kept]), name

@@ -5,6 +5,7 @@ load / unload, the prefix cache keyed by adapter, bad adapters refused by name."
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -414,3 +415,117 @@ def test_tensor_parallel_ranks_shard_the_adapters_like_their_layers(family):
         )
     for out, prompt, name in zip(outs, prompts, names):
         assert out.token_ids == peft_greedy(model_dir, folders.get(name), [prompt], MAX_NEW)[0], name
+
+
+def _rewrite_tensors(src, dst, edit) -> None:
+    """A copy of adapter `src` in `dst` with its tensors passed through `edit(name, tensor) -> tensor`."""
+    from safetensors.torch import load_file, save_file
+
+    _copy_adapter(src, dst, drop_weights=True)
+    tensors = {name: edit(name, t) for name, t in load_file(str(src / "adapter_model.safetensors")).items()}
+    save_file(tensors, str(dst / "adapter_model.safetensors"))
+
+
+def test_adapters_are_checked_as_they_will_run(family, tmp_path):
+    """The scaled update is bounded (a finite lora_alpha of 1e308, or a huge rsLoRA alpha, made inf / NaN weights
+    that loaded and ran), a rank of 0 is named (it was a ZeroDivisionError), the base model's name is taken, and a
+    sane adapter at the edge of the bound still loads."""
+    model_dir, folders = family
+    engine = _engine(model_dir, {})
+    cases = {
+        "alpha": (_copy_adapter(folders["qv"], tmp_path / "a", {"lora_alpha": 1e308}), r"scale 2.5e\+307.* can reach"),
+        "rs": (_copy_adapter(folders["all-rs"], tmp_path / "b", {"lora_alpha": 1e9}), r"can reach [0-9.e+]+ in one"),
+        "inf": (_copy_adapter(folders["qv"], tmp_path / "c", {"lora_alpha": "Infinity"}), "must be a finite positive"),
+        "rank0": (tmp_path / "d", r"rank \(r\) must be >= 1, got lora_A \(0, 64\)"),
+    }
+    _rewrite_tensors(folders["qv"], tmp_path / "d", lambda name, t: t[:0] if "lora_A" in name else t[:, :0])
+    (tmp_path / "c" / "adapter_config.json").write_text(
+        (tmp_path / "c" / "adapter_config.json").read_text().replace('"Infinity"', "Infinity")
+    )
+    for name, (path, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            engine.add_lora(name, str(path))
+    assert engine.list_loras() == []
+    # B scaled so that the bound is just under the limit: loads (the bound is what is judged, not alpha alone)
+    bound = update_bound_of(folders["qv"])
+    config = json.loads((folders["qv"] / "adapter_config.json").read_text())
+    edge = _copy_adapter(folders["qv"], tmp_path / "e", {"lora_alpha": config["lora_alpha"] * 60000 / bound})
+    engine.add_lora("edge", str(edge))
+    over = _copy_adapter(folders["qv"], tmp_path / "f", {"lora_alpha": config["lora_alpha"] * 70000 / bound})
+    with pytest.raises(ValueError, match="above 65504"):
+        engine.add_lora("over", str(over))
+
+
+def update_bound_of(folder) -> float:
+    """The largest update bound over an adapter's modules, as worker/lora.py judges it."""
+    from safetensors.torch import load_file
+
+    from infer.worker.lora import update_bound
+
+    config = read_lora_config(folder)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    bounds = []
+    for name, a in tensors.items():
+        if "lora_A" in name:
+            b = tensors[name.replace("lora_A", "lora_B")]
+            bounds.append(update_bound(a, b, config.scaling(a.shape[0])))
+    return max(bounds)
+
+
+def test_no_adapter_takes_the_base_models_name(family, monkeypatch):
+    """The model id (what the engine reports and a front serves by default) is no adapter's name, at start
+    (--lora-modules) or at runtime: /v1/models listed it twice and the adapter could not be reached."""
+    model_dir, folders = family
+    monkeypatch.chdir(model_dir.parent)  # a relative --model: its id is a valid adapter name
+    with pytest.raises(ValueError, match=f"'{model_dir.name}' is the base model's name"):
+        _engine(model_dir.name, {model_dir.name: folders["qv"]})
+    engine = _engine(model_dir.name, {})
+    assert engine.model_id == model_dir.name
+    with pytest.raises(ValueError, match="is the base model's name: give the adapter another"):
+        engine.add_lora(model_dir.name, str(folders["qv"]))
+    assert engine.list_loras() == []
+
+
+def test_an_unloaded_adapter_nothing_holds_is_freed_at_once(family):
+    """On an idle engine an unload drops the adapter's weights there and then (they waited for the next forward
+    step before, so load / unload cycles with no requests grew the process by the adapter's size each time); one a
+    request holds stays until it ends."""
+    model_dir, folders = family
+    engine = _engine(model_dir, {})
+    trims = engine.heap.num_trims
+    for _ in range(3):
+        engine.add_lora("qv", str(folders["qv"]))
+        assert engine.remove_lora("qv") is True
+        assert engine.lora.by_id == {} and engine.lora.slots.placed == ()
+    assert engine.heap.num_trims == trims + 3  # the freed heap went back each time
+    engine.add_lora("qv", str(folders["qv"]))
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, lora_name="qv"))
+    engine.step()
+    assert engine.remove_lora("qv") is True and len(engine.lora.by_id) == 1  # held by "r"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.lora.by_id == {}
+
+
+def test_a_request_whose_adapter_makes_nan_fails_alone_over_a_quantized_base(family):
+    """Non-finite values in one request's rows (its adapter's weights spoiled in memory, past the load checks) reach
+    the logits through the quantized layers, so the sampler's check fails that request alone with its reason; the
+    base model's request beside it keeps its tokens. Before, the quantized matmul read a NaN row as finite numbers:
+    the request ran on with meaningless tokens (issue 43: token 0, flat logprobs) and no error."""
+    model_dir, folders = family
+    engine = _engine(model_dir, {"qv": folders["qv"]}, quantization="int8")
+    prompt = _prompts(1, seed=5)[0]
+    base = _run(engine, {"alone": (prompt, None)})["alone"]
+    for a, b in engine.lora.by_name["qv"].weights.values():
+        b[0, 0] = math.nan  # not in a slot yet: copied in with the request's first step
+    engine.add_request("spoiled", prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, lora_name="qv"))
+    engine.add_request("base", prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    finals, tokens = {}, {"spoiled": [], "base": []}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+            if delta.finished:
+                finals[delta.request_id] = delta
+    assert finals["spoiled"].finish_reason == "error" and finals["spoiled"].error_code == "internal"
+    assert "non-finite logits" in finals["spoiled"].error and tokens["spoiled"] == []
+    assert finals["base"].finish_reason == "length" and tokens["base"] == base
