@@ -68,8 +68,8 @@ def parse_command(frame: bytes) -> dict[str, Any]:
         command = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as e:  # noqa: BLE001 - msgpack raises ValueError / its own errors, by what is wrong
         raise BadCommand(f"not a msgpack command: {type(e).__name__}: {safe(e)}") from None
-    if not isinstance(command, dict) or command.get("op") not in _OPS:
-        op = command.get("op") if isinstance(command, dict) else None
+    op = command.get("op") if isinstance(command, dict) else None
+    if not (isinstance(op, str) and op in _OPS):  # (an op may be any value: a list is not even hashable)
         raise BadCommand(f"not a command: {type(command).__name__} with op {safe(repr(op))}")
     return command
 

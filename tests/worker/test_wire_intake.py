@@ -1,10 +1,11 @@
-"""Generative tests of the worker's intake (issue 43): any frame from its coordinator's socket, valid or hostile
+"""Generative tests of the worker's intakes (issue 43): any frame from its coordinator's socket, valid or hostile
 (tests/wire_frames.py), between the steps of a request it runs. `on_frame` raises nothing but WorkerExit (a
 Refused, a stop: the worker's own decision on what it was told), answers what it cannot use with an Error, and
 the request in flight streams exactly the tokens it streams alone."""
 
 from __future__ import annotations
 
+import msgpack
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -20,7 +21,8 @@ from infer.protocol.messages import (
     Welcome,
     decode,
 )
-from tests.wire_frames import frames
+from infer.worker.tp_commands import BadCommand, parse_command
+from tests.wire_frames import VALUES, frames
 from tests.worker_harness import WorkerHarness, deltas, dispatch
 
 # What a coordinator may legitimately tell a worker to change or end: its lifecycle, its registration, its weights
@@ -57,3 +59,14 @@ def test_a_nested_frame_is_answered_with_the_bound_it_broke():
     h.welcome()
     answer = h.raw([b"\x83\xa4type\xa8dispatch\xa1v" + b"\x91" * 1000 + b"\x04\xa4body\x80"])
     assert [m.message for m in answer if m.TYPE == "error"] == ["frame refused: nesting deeper than 32 levels"]
+
+
+@given(st.one_of(frames(), st.builds(msgpack.packb, st.fixed_dictionaries({"op": VALUES}, optional={"x": VALUES}))))
+def test_a_tp_follower_takes_only_commands_from_its_channel(frame):
+    """The TP / PP command channel's intake (worker/tp_commands.py): a frame is a command rank 0 sends (a map with
+    a known op) or BadCommand, which the follower drops with a log line; never another error."""
+    try:
+        command = parse_command(frame)
+    except BadCommand:
+        return
+    assert isinstance(command, dict) and command["op"] in {"forward", "lora_copy_in", "logits", "dummy", "stop", "ping"}
