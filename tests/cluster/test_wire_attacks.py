@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from infer import SamplingParams
@@ -183,7 +183,6 @@ async def test_hostile_frames_from_every_peer_are_answered_or_dropped_and_a_byst
                 if hello:
                     peer.hello("hostile-client")
 
-            @settings(max_examples=40)
             @given(st.lists(st.tuples(st.sampled_from(range(len(ROLES))), frames()), min_size=1, max_size=4))
             def send(sent: list[tuple[int, bytes]]) -> None:
                 for role, frame in sent:
