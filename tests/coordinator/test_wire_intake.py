@@ -5,12 +5,12 @@ raises, and a bystander's request, dispatched before, relays exactly its worker'
 from __future__ import annotations
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from infer.protocol.messages import Control, Error, Hello, ProtocolError, decode, encode
+from infer.protocol.messages import Control, Error, Hello, decode, encode
 from tests.core_harness import Harness, client_deltas, delta, dispatches
-from tests.wire_frames import frames
+from tests.wire_frames import ISSUE_43_FRAMES, frames
 
 PEERS = [b"hostile-client", b"stranger", b"w0"]  # w0: the registered worker's own identity
 
@@ -20,11 +20,13 @@ def _instruction(frame: bytes) -> bool:
     and a Hello (a registration: a worker taking over w0's identity, a client re-attaching)."""
     try:
         return isinstance(decode(frame), (Control, Hello))
-    except ProtocolError:
+    except Exception:  # noqa: BLE001 - a frame decode refuses (by its contract a ProtocolError, but the filter
+        # must not be where a codec bug shows up: the intake under test is)
         return False
 
 
 @given(st.lists(st.tuples(st.sampled_from(PEERS), frames()), min_size=1, max_size=3))
+@example([(peer, frame) for peer, frame in zip(PEERS, ISSUE_43_FRAMES)])
 def test_no_frame_costs_more_than_itself_and_a_bystander_is_relayed_exactly(sent):
     assume(not any(_instruction(frame) for _, frame in sent))
     h = Harness()

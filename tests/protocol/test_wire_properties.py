@@ -5,13 +5,16 @@ random. (The hypothesis profile in tests/conftest.py sets how many: HYPOTHESIS_P
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 
 from infer.protocol.messages import REGISTRY, Message, ProtocolError, decode, encode, peek_request_id
-from tests.wire_frames import frames, valid_frames
+from tests.wire_frames import ISSUE_43_FRAMES, frames, valid_frames
 
 
 @given(frames())
+@example(ISSUE_43_FRAMES[0])
+@example(ISSUE_43_FRAMES[1])
+@example(ISSUE_43_FRAMES[2])
 def test_decode_returns_a_valid_message_or_raises_protocol_error(frame):
     try:
         msg = decode(frame)

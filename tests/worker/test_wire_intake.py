@@ -6,7 +6,7 @@ the request in flight streams exactly the tokens it streams alone."""
 from __future__ import annotations
 
 import msgpack
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from infer.protocol.messages import (
@@ -15,14 +15,13 @@ from infer.protocol.messages import (
     Control,
     Dispatch,
     LoraCommand,
-    ProtocolError,
     Refused,
     UpdateWeights,
     Welcome,
     decode,
 )
 from infer.worker.tp_commands import BadCommand, parse_command
-from tests.wire_frames import VALUES, frames
+from tests.wire_frames import ISSUE_43_FRAMES, VALUES, frames
 from tests.worker_harness import WorkerHarness, deltas, dispatch
 
 # What a coordinator may legitimately tell a worker to change or end: its lifecycle, its registration, its weights
@@ -35,11 +34,13 @@ ALONE = [(len(PROMPT) + i) % 1000 for i in range(MAX_TOKENS)]  # BenchmarkEngine
 def _instruction(frame: bytes) -> bool:
     try:
         return isinstance(decode(frame), INSTRUCTIONS)
-    except ProtocolError:
+    except Exception:  # noqa: BLE001 - a frame decode refuses (by its contract a ProtocolError, but the filter
+        # must not be where a codec bug shows up: the intake under test is)
         return False
 
 
-@given(st.lists(frames(), min_size=1, max_size=6))
+@given(st.lists(frames(), min_size=1, max_size=3))
+@example(ISSUE_43_FRAMES)
 def test_no_frame_ends_the_worker_and_a_request_in_flight_streams_exactly(hostile):
     assume(not any(map(_instruction, hostile)))
     h = WorkerHarness()
@@ -62,6 +63,8 @@ def test_a_nested_frame_is_answered_with_the_bound_it_broke():
 
 
 @given(st.one_of(frames(), st.builds(msgpack.packb, st.fixed_dictionaries({"op": VALUES}, optional={"x": VALUES}))))
+@example(b"\x81\xa2op\x90")  # an op that is a list (found by this test: TypeError, unhashable)
+@example(b"\x81\xa2op" + b"\x91" * 5000 + b"\x04")
 def test_a_tp_follower_takes_only_commands_from_its_channel(frame):
     """The TP / PP command channel's intake (worker/tp_commands.py): a frame is a command rank 0 sends (a map with
     a known op) or BadCommand, which the follower drops with a log line; never another error."""
