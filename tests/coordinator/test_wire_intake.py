@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from infer.protocol.messages import Control, Error, Hello, decode, encode
+from infer.protocol.messages import CommitWeights, Control, Error, Hello, LoraCommand, UpdateWeights, decode, encode
 from tests.core_harness import Harness, client_deltas, delta, dispatches
 from tests.wire_frames import ISSUE_43_FRAMES, frames
 
@@ -16,10 +16,11 @@ PEERS = [b"hostile-client", b"stranger", b"w0"]  # w0: the registered worker's o
 
 
 def _instruction(frame: bytes) -> bool:
-    """Valid frames that legitimately change the cluster (without keys every peer may): lifecycle commands,
-    and a Hello (a registration: a worker taking over w0's identity, a client re-attaching)."""
+    """Valid frames that legitimately change the cluster (without keys every peer may): lifecycle commands, weight
+    updates (which may abort running requests), adapter commands, and a Hello (a registration: a worker taking over
+    w0's identity, a client re-attaching)."""
     try:
-        return isinstance(decode(frame), (Control, Hello))
+        return isinstance(decode(frame), (Control, UpdateWeights, CommitWeights, LoraCommand, Hello))
     except Exception:  # noqa: BLE001 - a frame decode refuses (by its contract a ProtocolError, but the filter
         # must not be where a codec bug shows up: the intake under test is)
         return False
