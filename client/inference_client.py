@@ -56,7 +56,7 @@ from infer.client.engine_client import ClusterError
 from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.journal import StreamJournal
 from infer.protocol.keys import CurveKeys, PathLike
-from infer.protocol.logsafe import safe
+from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.lora import check_lora_name
 from infer.protocol.messages import (
     MAX_REFIT_TIMEOUT_S,
@@ -178,6 +178,7 @@ class InferenceClient:
         self.silence_timeout = silence_timeout
         self.welcome: Welcome | None = None
         self._instance: str | None = None  # the coordinator process last heard (Welcome / Heartbeat)
+        self._warn = RateLimitedLog(log)  # frames from the coordinator this client drops
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}
         self._call: _Call | None = None
@@ -598,9 +599,15 @@ class InferenceClient:
             try:
                 msg = decode(frames[0])
             except ProtocolError as e:
-                log.warning("dropped a bad frame from the coordinator: %s", safe(e))
+                self._warn.warning("dropped a bad frame from the coordinator: %s", safe(e))
                 continue
-            self._on_message(msg)
+            except Exception:  # noqa: BLE001 - decode raises ProtocolError only; anything else is a bug
+                self._warn.exception("dropped a frame from the coordinator that could not be read")
+                continue
+            try:
+                self._on_message(msg)
+            except Exception:  # noqa: BLE001 - a bug a frame found costs that frame, never the connection
+                self._warn.exception("dropped a %r frame from the coordinator: handling it failed", msg.TYPE)
 
     def _on_message(self, msg: Message) -> None:
         if isinstance(msg, DeltaBatch):

@@ -174,7 +174,15 @@ class Coordinator:
 
     def handle(self, identity: bytes, payload: list[bytes], now: float, key: bytes | None = None) -> None:
         """One multipart message from the ROUTER (identity stripped), authenticated as `key` (the public key
-        of its CURVE connection; None without keys). Never raises."""
+        of its CURVE connection; None without keys). Never raises: whatever a peer sends costs at most its own
+        frame (answered with an Error, or dropped with a rate-limited log line)."""
+        try:
+            self._handle(identity, payload, now, key)
+        except Exception as e:  # noqa: BLE001 - a bug a peer's frame found: it costs that frame, never the loop
+            self.peer_warnings.exception("internal error on a frame from %s; frame dropped", safe(identity))
+            self.send(identity, Error(message=f"internal error on this frame: {type(e).__name__}"))
+
+    def _handle(self, identity: bytes, payload: list[bytes], now: float, key: bytes | None) -> None:
         if len(payload) != 1:
             self.books.reject(identity, f"expected exactly one frame after the routing identity, got {len(payload)}")
             return
@@ -183,6 +191,10 @@ class Coordinator:
         except ProtocolError as e:
             request_id = peek_request_id(payload[0]) if e.message_type == Submit.TYPE else None
             self.books.reject(identity, f"bad frame: {e}", refuse=e.message_type == "hello", request_id=request_id)
+            return
+        except Exception as e:  # noqa: BLE001 - decode raises ProtocolError only; anything else is a bug
+            self.peer_warnings.exception("decoding a frame from %s failed", safe(identity))
+            self.books.reject(identity, f"bad frame: it could not be read ({type(e).__name__})")
             return
         handler = self._handlers.get(type(msg))
         if handler is None:
@@ -197,7 +209,7 @@ class Coordinator:
         try:
             handler(identity, msg, now)
         except Exception as e:  # a bug must cost one message, never the loop
-            log.exception("internal error handling %r from %s", msg.TYPE, safe(identity))
+            self.peer_warnings.exception("internal error handling %r from %s", msg.TYPE, safe(identity))
             self.send(identity, Error(message=f"internal error handling {msg.TYPE!r}: {type(e).__name__}: {e}"))
         self._check_drain(now)  # the last request of a drain may just have finished
 

@@ -138,26 +138,33 @@ class CoordinatorDaemon:
     def _drain(self) -> None:
         if self.authorized is not None:
             return self._drain_authenticated()
-        sock, core = self.sock, self.core
+        sock = self.sock
         now = time.monotonic()
         for _ in range(MAX_MESSAGES_PER_CYCLE):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            core.handle(frames[0], frames[1:], now)
+            self._handle(frames[0], frames[1:], now, None)
 
     def _drain_authenticated(self) -> None:
         """As _drain, with each frame's authenticated key: the User-Id the KeyGate gave its connection."""
-        sock, core = self.sock, self.core
+        sock = self.sock
         now = time.monotonic()
         for _ in range(MAX_MESSAGES_PER_CYCLE):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            key = _user_id(frames[-1])
-            core.handle(frames[0].bytes, [f.bytes for f in frames[1:]], now, key=key)
+            self._handle(frames[0].bytes, [f.bytes for f in frames[1:]], now, _user_id(frames[-1]))
+
+    def _handle(self, identity: bytes, payload: list[bytes], now: float, key: bytes | None) -> None:
+        """The core's `handle` (which never raises); should a bug make it, the frame is lost and the loop goes on:
+        no peer's input ends the coordinator (it exits only on STOP or a signal)."""
+        try:
+            self.core.handle(identity, payload, now, key=key)
+        except Exception:  # noqa: BLE001
+            self.core.peer_warnings.exception("a frame from %s raised out of the core; dropped", safe(identity))
 
     def _flush(self, now: float) -> None:
         send, core = self.sock.send, self.core

@@ -62,9 +62,18 @@ class RateLimitedLog:
         self.throttle = Throttle(burst, period)
 
     def warning(self, text: str, *args: object) -> None:
+        if self._allow():
+            self.log.warning(text, *args)
+
+    def exception(self, text: str, *args: object) -> None:
+        """An error with the traceback of the exception being handled (a bug a peer's input found), as limited."""
+        if self._allow():
+            self.log.exception(text, *args)
+
+    def _allow(self) -> bool:
         if not self.throttle.allow():
-            return
+            return False
         held = self.throttle.take_suppressed()
         if held:
             self.log.warning("(%d similar warning(s) were not logged)", held)
-        self.log.warning(text, *args)
+        return True

@@ -7,7 +7,9 @@ size, msgpack, header, version, missing / unknown fields and every field's type 
 msgspec, from the annotations), then what types cannot say (cross-field rules) in each Struct's `__post_init__`,
 which also runs when a message is built. Any failure is a ProtocolError whose text names the field's path
 ("field 'sampling.top_p': ..."); nothing from the wire is ever pickled or evaluated. A field at its default
-stays off the wire (`omit_defaults`): most deltas carry 3 fields.
+stays off the wire (`omit_defaults`): most deltas carry 3 fields. The frame's shape is bounded before anything
+is built (protocol/bounds.py: at most MAX_FRAME_BYTES, nested at most 32 deep, no array or map past MAX_ITEMS);
+`decode` raises nothing but ProtocolError, whatever the bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 from msgspec.structs import force_setattr
 
+from infer.protocol.bounds import Items, Mapping, ShapeError, check_shape
 from infer.protocol.codes import ClusterState, Command, ErrorCode, FinishReason, Word, WorkerState
 from infer.protocol.lora import check_lora_name
 from infer.protocol.sampling import SamplingParams
@@ -72,7 +75,7 @@ class TokenIds(list):
 
 # Types with bounds the decoder checks in C (a message built in-process is not checked against them: its builder
 # made the values).
-TokenIdList = list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
+TokenIdList = Items[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -172,8 +175,8 @@ class RequestSnapshot(Message, frozen=True):
     token_ids: TokenIdList = msgspec.field(default_factory=list)
     resumed: int = 0
     text: str = ""
-    delta_ends: list[int] = msgspec.field(default_factory=list)
-    text_ends: list[int] = msgspec.field(default_factory=list)
+    delta_ends: Items[int] = msgspec.field(default_factory=list)
+    text_ends: Items[int] = msgspec.field(default_factory=list)
     seed: Seed | None = None  # the sampling seed it runs with
 
     def __post_init__(self) -> None:
@@ -216,15 +219,15 @@ class Hello(Message, frozen=True):
     block_size: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
-    running: list[str] = msgspec.field(default_factory=list)  # request ids a worker still runs (re-registration)
-    snapshots: list[RequestSnapshot] = msgspec.field(default_factory=list)  # those requests as they stand
+    running: Items[str] = msgspec.field(default_factory=list)  # request ids a worker still runs (re-registration)
+    snapshots: Items[RequestSnapshot] = msgspec.field(default_factory=list)  # those requests as they stand
     max_waiting: int | None = None  # a worker's bound on requests waiting in its engine (admission control)
     # A worker process's random id, and the Dispatch frames it had received (since the Welcome of this
     # coordinator instance) when it sent this Hello: a Hello that crossed later Dispatches does not lose them.
     incarnation: str | None = None
     dispatches_seen: int | None = None
     weight_version: int = 0  # a worker's: the weights it serves (routed only at the cluster's version)
-    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)  # a worker's LoRA adapters: name -> folder
+    lora_adapters: Mapping[str, str] = msgspec.field(default_factory=dict)  # a worker's LoRA adapters: name -> folder
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -391,7 +394,7 @@ class BeamOutput(Message, frozen=True):
     cumulative_logprob: float
     score: float
     finish_reason: FinishReason
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: Items[Mapping[int, float]] | None = None
 
     def __post_init__(self) -> None:
         _set_members(self, finish_reason=FinishReason)
@@ -413,17 +416,17 @@ class Delta(Message, frozen=True):
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: Items[Mapping[int, float]] | None = None
     num_prompt_tokens: NonNegative = 0
     num_cached_tokens: NonNegative = 0
     prompt_token_ids: TokenIdList | None = None  # a worker's first delta of a text prompt: what it tokenized
     error_code: ErrorCode | None = None  # with finish_reason "error": why (protocol/codes.py)
     queue_time_s: float | None = None  # a worker's first delta: seconds waiting before first scheduled
     seed: Seed | None = None  # the first delta: the sampling seed the request runs with
-    prompt_logprobs: list[dict[int, float]] | None = None  # the first delta, when asked: prompt tokens 1..
+    prompt_logprobs: Items[Mapping[int, float]] | None = None  # the first delta, when asked: prompt tokens 1..
     weight_version: int = 0  # the version of the weights that computed it (update_weights)
-    embedding: list[float] | None = None  # a pooling request's last delta: its vector (worker/pooling.py)
-    beams: list[BeamOutput] | None = None  # a beam search's last (and only) delta: its best n beams, best first
+    embedding: Items[float] | None = None  # a pooling request's last delta: its vector (worker/pooling.py)
+    beams: Items[BeamOutput] | None = None  # a beam search's last (and only) delta: its best n beams, best first
 
     @classmethod
     def final(
@@ -464,7 +467,7 @@ class Delta(Message, frozen=True):
 @message
 class Abort(Message, frozen=True):
     TYPE: ClassVar[str] = "abort"
-    request_ids: list[Id]
+    request_ids: Items[Id]
 
 
 @message
@@ -523,7 +526,7 @@ class StepBatch(Message, frozen=True):
     """Worker -> coordinator, once per engine step: every request's delta of that step and the load after it."""
 
     TYPE: ClassVar[str] = "step_batch"
-    deltas: list[Delta]
+    deltas: Items[Delta]
     load: Load
 
 
@@ -582,7 +585,7 @@ class WeightTensor(Message, frozen=True):
     TYPE: ClassVar[str] = "weight_tensor"
     name: str
     dtype: str
-    shape: list[int]
+    shape: Items[int]
 
     def __post_init__(self) -> None:
         _require(0 < len(self.name) <= 1024, f"field 'name' must be 1..1024 characters, got {len(self.name)}")
@@ -605,7 +608,7 @@ class WeightSync(Message, frozen=True):
     TYPE: ClassVar[str] = "weight_sync"
     init_method: str
     world_size: int
-    tensors: list[WeightTensor]
+    tensors: Items[WeightTensor]
     rank: int = 0
     backend: str = "gloo"
     bucket_bytes: int = 64 << 20
@@ -720,7 +723,7 @@ class LoraDone(Message, frozen=True):
     action: str
     lora_name: str
     error: str | None = None
-    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    lora_adapters: Mapping[str, str] = msgspec.field(default_factory=dict)
 
 
 # ---- coordinator <-> client extras ---------------------------------------------------------------
@@ -731,7 +734,7 @@ class DeltaBatch(Message, frozen=True):
     """Coordinator -> client: the deltas of one client's requests gathered into one frame."""
 
     TYPE: ClassVar[str] = "delta_batch"
-    deltas: list[Delta]
+    deltas: Items[Delta]
 
 
 @message
@@ -815,7 +818,7 @@ class ClusterStats(Message, frozen=True):
     state: ClusterState
     policy: str
     model_id: str | None
-    workers: list[WorkerStats]
+    workers: Items[WorkerStats]
     num_clients: int
     num_in_flight: int  # dispatched to a worker, not finished
     num_held: int  # waiting in the coordinator (paused, or no healthy worker)
@@ -833,7 +836,7 @@ class ClusterStats(Message, frozen=True):
     clients_too_slow: int = 0
     weight_version: int = 0  # the weights the cluster serves (the last update_weights every worker applied)
     # the healthy workers' LoRA adapters: name -> folder
-    lora_adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    lora_adapters: Mapping[str, str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _set_members(self, state=ClusterState)
@@ -876,6 +879,10 @@ _ENCODER = msgspec.msgpack.Encoder()
 _FRAME_DECODER = msgspec.msgpack.Decoder(_Frame)
 _DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in REGISTRY.items()}
 _PATH = re.compile(r"(?s)(.*) - at `\$\.?(.*)`")
+_TYPE_KEY = b"\x83\xa4type"  # how `encode` begins a frame: a map of 3, its first key "type" ...
+_VERSION_BODY = b"\xa1v" + _ENCODER.encode(PROTOCOL_VERSION) + b"\xa4body"  # ... then the type's name, "v", "body"
+_FAST_DECODERS = {_ENCODER.encode(kind): decoder for kind, decoder in _DECODERS.items()}
+_FAST_HEAD_BYTES = len(_TYPE_KEY) + 1 + max(map(len, REGISTRY)) + len(_VERSION_BODY)
 
 
 def encode(msg: Message) -> bytes:
@@ -884,11 +891,47 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
-    """The message in `frame`, fully validated; ProtocolError (naming the problem) otherwise."""
+    """The message in `frame`, fully validated; ProtocolError (naming the problem) otherwise.
+
+    Bounded before anything is built (protocol/bounds.py): a frame of at most `max_bytes`, nested at most
+    MAX_DEPTH deep, no array or map longer than MAX_ITEMS. A frame as `encode` writes it ({"type", "v": this
+    version, "body"} in that order) has its body decoded at once by its message's decoder, whose schema bounds
+    every container at its header and goes only as deep as the schema does; any other frame, and any frame
+    that fails there, has its shape checked first and is decoded the general way (so a bad frame's error is
+    the same whichever way it came)."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"a frame must be bytes, got {type(frame).__name__}")
     if len(frame) > max_bytes:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
+    fast = _fast_body(frame)
+    if fast is not None:
+        try:
+            return fast[0].decode(memoryview(frame)[fast[1] :])
+        except (msgspec.MsgspecError, ValueError):
+            pass  # the general way names the problem
+    try:
+        check_shape(frame)
+    except ShapeError as e:
+        raise ProtocolError(f"frame refused: {e}") from None
+    return _decode_checked(frame)
+
+
+def _fast_body(frame: bytes | bytearray | memoryview) -> tuple[msgspec.msgpack.Decoder, int] | None:
+    """(the body's decoder, the body's offset) when `frame` begins as `encode` writes one: a map of 3 whose
+    keys are "type" (a known type), "v" (PROTOCOL_VERSION) and "body", in that order; else None."""
+    head = bytes(frame[:_FAST_HEAD_BYTES])
+    start = len(_TYPE_KEY)
+    if len(head) <= start or not head.startswith(_TYPE_KEY):
+        return None
+    name_end = start + 1 + (head[start] & 0x1F) if 0xA0 <= head[start] <= 0xBF else 0
+    decoder = _FAST_DECODERS.get(head[start:name_end])
+    if decoder is None or head[name_end : name_end + len(_VERSION_BODY)] != _VERSION_BODY:
+        return None
+    return decoder, name_end + len(_VERSION_BODY)
+
+
+def _decode_checked(frame: bytes | bytearray | memoryview) -> Message:
+    """`decode` of a frame whose shape is within the bounds."""
     try:
         outer = _FRAME_DECODER.decode(frame)
     except msgspec.ValidationError as e:
@@ -902,7 +945,7 @@ def decode(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Message:
     if outer.v != PROTOCOL_VERSION:
         raise _named(
             ProtocolError(
-                f"schema version {outer.v!r} of {kind!r} is not supported (this side speaks {PROTOCOL_VERSION})"
+                f"schema version {outer.v!r:.80} of {kind!r} is not supported (this side speaks {PROTOCOL_VERSION})"
             ),
             kind,
         )
@@ -938,6 +981,7 @@ def peek_request_id(frame: bytes) -> str | None:
     """The request id of a frame that failed to decode, when it can be read (so that request alone fails);
     never raises."""
     try:
+        check_shape(frame)  # (the peek skips values it does not want: recursively)
         request_id = msgspec.msgpack.decode(frame, type=_PeekFrame).body.request_id
     except Exception:  # noqa: BLE001 - a frame we cannot read
         return None

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from msgspec.structs import force_setattr
 
+from infer.protocol.bounds import Many
 from infer.protocol.lora import check_lora_name
 from infer.protocol.structured import StructuredOutputsParams
 
@@ -98,8 +99,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     min_p: float = 0.0
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop: Many[str] = ()
+    stop_token_ids: Many[int] = ()
     ignore_eos: bool = False
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -108,9 +109,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logit_bias: tuple[tuple[int, float], ...] | None = None
-    allowed_token_ids: tuple[int, ...] | None = None
-    bad_words: tuple[str, ...] = ()
+    logit_bias: Many[tuple[int, float]] | None = None
+    allowed_token_ids: Many[int] | None = None
+    bad_words: Many[str] = ()
     structured_outputs: StructuredOutputsParams | None = None
     prompt_logprobs: int | None = None
     disable_speculative_decoding: bool = False

@@ -17,6 +17,8 @@ from typing import Any
 import msgspec
 from msgspec.structs import force_setattr
 
+from infer.protocol.bounds import Many
+
 MAX_SCHEMA_CHARS = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
 MAX_REGEX_CHARS = 4096
@@ -32,7 +34,7 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, omit_defaults=True, f
 
     json: str | None = None
     regex: str | None = None
-    choice: tuple[str, ...] | None = None
+    choice: Many[str] | None = None
     grammar: str | None = None
     json_object: bool = False
 

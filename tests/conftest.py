@@ -17,6 +17,15 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from hypothesis import settings
+
+# Property-based tests (hypothesis): "ci", the default, replays the same examples on every run (derandomized:
+# a failure is a failure of the code, not of the draw) with a modest number of them; "soak" draws many more, at
+# random: HYPOTHESIS_PROFILE=soak .venv/bin/python -m pytest tests/protocol/test_wire_properties.py ...
+# A test's own @settings(max_examples=...) still wins over both.
+settings.register_profile("ci", derandomize=True, max_examples=50, deadline=None, print_blob=True)
+settings.register_profile("soak", max_examples=2000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _share_the_cores() -> None:

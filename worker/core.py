@@ -178,7 +178,8 @@ class WorkerCore:
         self._send_hello(now)
 
     def on_frame(self, frames: list[bytes], now: float) -> None:
-        """One multipart message from the coordinator."""
+        """One multipart message from the coordinator. Raises only WorkerExit (the worker's own decision: a
+        Refused, a stop); any other failure on a frame is answered with an Error and logged (rate-limited)."""
         self.last_heard = now
         if len(frames) != 1:
             return self._bad_frame(f"expected one frame per message, got {len(frames)}", frames[0][:64], now)
@@ -186,10 +187,19 @@ class WorkerCore:
             msg = decode(frames[0])
         except ProtocolError as e:
             return self._bad_frame(e, frames[0], now)
+        except Exception as e:  # noqa: BLE001 - decode raises ProtocolError only; anything else is a bug
+            self._warn.exception("decoding a frame from the coordinator failed")
+            return self._bad_frame(f"the frame could not be read ({type(e).__name__})", frames[0], now)
         handler = self._HANDLERS.get(type(msg))
         if handler is None:
             return self._send(Error(message=f"a worker does not handle {msg.TYPE!r} messages"), now)
-        handler(self, msg, now)
+        try:
+            handler(self, msg, now)
+        except WorkerExit:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug a frame found costs that frame, never the worker
+            self._warn.exception("internal error handling %r from the coordinator", msg.TYPE)
+            self._send(Error(message=f"internal error handling {msg.TYPE!r}: {type(e).__name__}: {safe(e)}"), now)
 
     def wants_step(self) -> bool:
         """The engine has work and the lifecycle lets it step."""

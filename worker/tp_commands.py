@@ -29,6 +29,8 @@ from urllib.parse import urlsplit
 import msgpack
 import zmq
 
+from infer.protocol.bounds import check_shape
+from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.transport import make_socket
 from infer.worker.group_sync import GroupBroken, _local_address_towards
 from infer.worker.tp_supervisor import reap
@@ -49,6 +51,27 @@ _LAST_WORDS_MS = 1000  # how long a follower waits for the frames rank 0 sent be
 
 class LeaderGone(RuntimeError):
     """A follower heard nothing from TP rank 0 within the timeout, or its connection from rank 0 closed."""
+
+
+class BadCommand(ValueError):
+    """A frame on the command channel that is not a command rank 0 sends (the text says what is wrong)."""
+
+
+_OPS = frozenset({"forward", "lora_copy_in", "logits", "dummy", "stop", "ping"})
+_MAX_COMMAND_DEPTH = 8  # rank 0's commands nest 4 deep (a forward's batch's tensors' shapes)
+
+
+def parse_command(frame: bytes) -> dict[str, Any]:
+    """A command frame as rank 0 writes it: a msgpack map with a known "op"; BadCommand otherwise."""
+    try:
+        check_shape(frame, max_depth=_MAX_COMMAND_DEPTH)
+        command = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as e:  # noqa: BLE001 - msgpack raises ValueError / its own errors, by what is wrong
+        raise BadCommand(f"not a msgpack command: {type(e).__name__}: {safe(e)}") from None
+    op = command.get("op") if isinstance(command, dict) else None
+    if not (isinstance(op, str) and op in _OPS):  # (an op may be any value: a list is not even hashable)
+        raise BadCommand(f"not a command: {type(command).__name__} with op {safe(repr(op))}")
+    return command
 
 
 def _watch_peer(sock: zmq.Socket, interval_s: float, timeout_s: float) -> zmq.Socket:
@@ -251,6 +274,7 @@ class FollowerChannel:
         self.poller.register(self.pull, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.leader_closed = False
+        self.dropped = RateLimitedLog(log)  # frames that were not commands
         dist_init = parallel.options.dist_init or "tcp://127.0.0.1:0"
         host = _local_address_towards(urlsplit(dist_init).hostname or "127.0.0.1")
         port = self.pull.bind_to_random_port(f"tcp://{host}")
@@ -258,19 +282,22 @@ class FollowerChannel:
 
     def receive(self) -> dict[str, Any]:
         """The next command; LeaderGone after `timeout_s` of silence, or once the leader's connection has closed
-        and what it sent before (its "stop", say: the monitor may report the close first) has been read."""
-        events = dict(self.poller.poll(int(self.timeout_s * 1000)))
-        if self.monitor in events and _closed(self.monitor):
-            self.leader_closed = True
-        if self.pull not in events:
-            if not self.leader_closed:
-                raise LeaderGone(f"nothing heard from {self.leader} for {self.timeout_s:g} s")
-            if not self.pull.poll(_LAST_WORDS_MS):
-                raise LeaderGone(f"{self.leader}'s connection closed")
-        command = msgpack.unpackb(self.pull.recv(), raw=False)
-        if not isinstance(command, dict) or not isinstance(command.get("op"), str):
-            raise ValueError(f"a malformed TP command: {type(command).__name__}")
-        return command
+        and what it sent before (its "stop", say: the monitor may report the close first) has been read. A frame
+        that is not a command (rank 0 sends none: another peer on the port) is dropped with a log line."""
+        while True:
+            events = dict(self.poller.poll(int(self.timeout_s * 1000)))
+            if self.monitor in events and _closed(self.monitor):
+                self.leader_closed = True
+            if self.pull not in events:
+                if not self.leader_closed:
+                    raise LeaderGone(f"nothing heard from {self.leader} for {self.timeout_s:g} s")
+                if not self.pull.poll(_LAST_WORDS_MS):
+                    raise LeaderGone(f"{self.leader}'s connection closed")
+            frame = self.pull.recv()
+            try:
+                return parse_command(frame)
+            except BadCommand as e:
+                self.dropped.warning("dropped a frame on the TP command channel (%d bytes): %s", len(frame), e)
 
     def close(self) -> None:
         self.pull.disable_monitor()
@@ -297,17 +324,31 @@ def serve_follower(
             command = channel.receive()
             op = command["op"]
             if op == "forward":
-                step = None if lora is None or "lora_rows" not in command else lora.step(command["lora_rows"])
+                try:  # its arguments read before the forward: a frame that is not rank 0's costs only itself
+                    batch = decode_batch(command["batch"], device)
+                    step = None if lora is None or "lora_rows" not in command else lora.step(command["lora_rows"])
+                except Exception as e:  # noqa: BLE001 - missing keys, wrong types, shapes that do not fit
+                    channel.dropped.warning("dropped a forward command whose batch cannot be read: %r", e)
+                    continue
                 with lora_step(step):
-                    hidden = model(decode_batch(command["batch"], device), kv_cache)
+                    hidden = model(batch, kv_cache)
             elif op == "lora_copy_in":
                 if lora is None:
                     raise ValueError("a LoRA command, but LoRA is not enabled on this rank")
-                lora.copy_in(lora.read(command["name"], command["path"], command["lora_id"]), command["slot"])
+                name, path, lora_id, slot = (command.get(key) for key in ("name", "path", "lora_id", "slot"))
+                if not (isinstance(name, str) and isinstance(path, str) and type(lora_id) is type(slot) is int):
+                    channel.dropped.warning("dropped a lora_copy_in command for %s", safe(repr(name)))
+                    continue
+                lora.copy_in(lora.read(name, path, lora_id), slot)
             elif op == "logits":
-                if hidden is None:
-                    raise ValueError("a logits command before any forward")
-                model.compute_logits(hidden[_unpack_tensor(command["rows"], device)])
+                try:
+                    rows = _unpack_tensor(command["rows"], device)
+                    if hidden is None:
+                        raise ValueError("a logits command before any forward")
+                except Exception as e:  # noqa: BLE001
+                    channel.dropped.warning("dropped a logits command: %r", e)
+                    continue
+                model.compute_logits(hidden[rows])
             elif op == "dummy":
                 model(dummy_forward_batch(block_size, device), kv_cache)
             elif op == "stop":
@@ -317,5 +358,3 @@ def serve_follower(
                     "%s says stop (it exits with code %d); exiting", channel.leader, code
                 )
                 return code
-            elif op != "ping":
-                raise ValueError(f"unknown command {op!r} from {channel.leader}")

@@ -9,13 +9,15 @@ past 64 bits (msgpack cannot carry them) or past Python's 4300-digit conversion 
 - a surrogate code point in any string or key (a valid pair is one character after parsing, so any
   surrogate left is unpaired);
 - an integer outside the signed 64-bit range;
-- NaN, Infinity and -Infinity (not JSON; Python's parser takes them).
+- NaN, Infinity and -Infinity (not JSON; Python's parser takes them), and number literals too large for a
+  float (1e400: Python reads them as infinity).
 The walk is iterative and linear in the body, which the front already bounds (--max-body-bytes).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -44,6 +46,18 @@ class _Constant:
         self.name = name
 
 
+class _HugeFloat:
+    """A number literal past the float range (1e400), kept only to name its field."""
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+
+def _finite_float(literal: str) -> float | _HugeFloat:
+    value = float(literal)
+    return _HugeFloat(literal) if math.isinf(value) else value
+
+
 class _HugeInt:
     """An integer literal too long to convert (past Python's digit limit), kept only to name its field."""
 
@@ -68,7 +82,7 @@ def decode_body(raw: bytes) -> dict[str, Any]:
 
 def _loads(text: str) -> Any:
     try:
-        return json.loads(text, parse_constant=_Constant)
+        return json.loads(text, parse_constant=_Constant, parse_float=_finite_float)
     except RecursionError:
         raise _too_deep(_deep_field(text)) from None
     except json.JSONDecodeError as e:
@@ -76,7 +90,7 @@ def _loads(text: str) -> Any:
     except ValueError:  # an integer past Python's digit limit: parse again, keeping it aside to name its field
         pass
     try:
-        return json.loads(text, parse_constant=_Constant, parse_int=_bounded_int)
+        return json.loads(text, parse_constant=_Constant, parse_int=_bounded_int, parse_float=_finite_float)
     except (RecursionError, ValueError) as e:
         raise _invalid_json(str(e)) from None
 
@@ -141,6 +155,9 @@ def _check_scalar(value: Any, path: Path) -> None:
         raise ApiError(400, f"{param}: {value.name} is not a JSON value", param=param, code="invalid_json")
     elif isinstance(value, _HugeInt):
         raise _out_of_range(path, f"an integer of {value.num_digits} digits")
+    elif isinstance(value, _HugeFloat):
+        param = field_name(path)
+        raise ApiError(400, f"{param}: {value.literal[:40]} is past the range of a float", param=param)
     elif isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
         raise _out_of_range(path, str(value))
 

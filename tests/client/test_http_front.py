@@ -395,6 +395,8 @@ HOSTILE_COMPLETIONS = {  # name: (JSON body text, the field the 400 names)
     "2^64 in a token-id list": (f'{{"model": "tiny", "prompt": [[3], [4, {_BIG}]]}}', "prompt.1.1"),
     "5000-digit max_tokens": ('{"model": "tiny", "prompt": "hi", "max_tokens": %s}' % ("9" * 5000), "max_tokens"),
     "NaN temperature": ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature"),
+    "1e400 timeout": ('{"model": "tiny", "prompt": "hi", "timeout": 1e400}', "timeout"),
+    "-1e999 in logit_bias": ('{"model": "tiny", "prompt": "hi", "logit_bias": {"5": -1e999}}', "logit_bias.5"),
 }
 HOSTILE_CHATS = {
     "surrogate in content": (

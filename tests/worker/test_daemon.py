@@ -328,6 +328,8 @@ def test_garbage_frames_get_errors_and_serving_goes_on(served):
         (msgpack.packb({"type": "nope", "v": PROTOCOL_VERSION, "body": {}}), "unknown message type 'nope'"),
         (msgpack.packb({"type": "abort", "v": 99, "body": {}}), "schema version 99"),
         (encode(Delta(request_id="x", token_ids=TokenIds(), text="")), "does not handle 'delta'"),
+        # issue 43: nesting 1,000 deep made decode raise RecursionError, which ended the worker
+        (b"\x83\xa4type\xa8dispatch\xa1v\x04\xa4body" + b"\x91" * 1000 + b"\x80", "nesting deeper than 32 levels"),
     ]
     for frame, _ in cases:
         coord.send_raw(frame)
