@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
 from infer.protocol.messages import Hello, Submit, TokenIds, Welcome, decode, encode
+from infer.protocol.ports import reserved_port
 from infer.protocol.sampling import SamplingParams
 
 PROMPT = TokenIds(range(1, 17))
@@ -89,12 +89,6 @@ class Phase:
     def percentile(self, q: float) -> float:
         data = sorted(self.latencies_ms)
         return data[min(len(data) - 1, int(q * len(data)))] if data else float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -206,7 +200,7 @@ def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
 
 
 def run_path(name: str, args: argparse.Namespace, ctx: zmq.Context) -> tuple[Phase, Phase]:
-    port = free_port()
+    port = reserved_port()
     address = f"tcp://127.0.0.1:{port}"
     if name == "coordinator":
         hub = spawn(
@@ -229,7 +223,7 @@ def run_path(name: str, args: argparse.Namespace, ctx: zmq.Context) -> tuple[Pha
             for r in range(args.workers)
         ]
     else:
-        back = f"tcp://127.0.0.1:{free_port()}"
+        back = f"tcp://127.0.0.1:{reserved_port()}"
         hub = spawn("-c", RELAY, address, back)
         workers = [spawn("-c", ECHO, back) for _ in range(args.workers)]
     procs = [hub, *workers]

@@ -28,9 +28,10 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
-from coordinator_overhead import _wait_for_workers, cpu_seconds, dealer, free_port, spawn, stop
+from coordinator_overhead import _wait_for_workers, cpu_seconds, dealer, spawn, stop
 
 from infer.protocol.messages import DeltaBatch, Submit, TokenIds, decode, encode
+from infer.protocol.ports import reserved_port
 from infer.protocol.sampling import SamplingParams
 
 PROMPT = TokenIds(range(1, 17))
@@ -38,7 +39,7 @@ PROMPT = TokenIds(range(1, 17))
 
 def start_cluster(args: argparse.Namespace) -> tuple[str, list, list]:
     """The coordinator and its workers as the README starts them (plus benchmark mode); (address, hub, workers)."""
-    port = free_port()
+    port = reserved_port()
     address = f"tcp://127.0.0.1:{port}"
     hub = spawn(
         "-m", "infer.coordinator.daemon", "--port", str(port), "--client-timeout", "600", "--log-level", "WARNING"

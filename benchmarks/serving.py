@@ -46,7 +46,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -71,6 +70,7 @@ from infer.client.bench import (
     send,
     summarize,
 )
+from infer.protocol.ports import reserved_port
 
 SYSTEMS = ("infer", "vllm")
 SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -191,12 +191,6 @@ def _kill_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def server_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment both servers get: vLLM's CPU knobs as throughput.py sets them, no API keys."""
     env = {k: v for k, v in os.environ.items() if k not in ("INFER_API_KEY", "VLLM_API_KEY")}
@@ -273,7 +267,7 @@ COMMANDS = {"infer": infer_command, "vllm": vllm_command}
 async def bench_system(
     system: str, args: argparse.Namespace, model: Path, schedules: list[Schedule], slo: Slo, log_dir: Path
 ) -> dict:
-    port = args.port or free_port()
+    port = args.port or reserved_port(HOST)
     server = Server(system, COMMANDS[system](args, model, port), server_env(args), port, log_dir / f"{system}.log")
     result: dict = {"command": server.command, "log": str(server.log_path), "rates": {}}
     print(f"-- {system}: {shlex.join(server.command)}", flush=True)

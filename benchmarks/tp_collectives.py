@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import socket
 import statistics
 import sys
 import time
@@ -29,12 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RANDOM_SHAPES, write_result  # noqa: E402
 
 VOCAB = 49152
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -56,7 +49,8 @@ def _rank_main(rank: int, size: int, port: int, cases: list[dict], device: str, 
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    store = dist.TCPStore("127.0.0.1", port, size, False)  # the one measure() hosts
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
 
     def synced(fn):
@@ -85,8 +79,12 @@ def _rank_main(rank: int, size: int, port: int, cases: list[dict], device: str, 
 def measure(size: int, cases: list[dict], device: str, repeats: int) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, cases, device, repeats, results)) for r in range(size)]
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # the OS's port, held until the end
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, size, store.port, cases, device, repeats, results)) for r in range(size)
+    ]
     for proc in procs:
         proc.start()
     got = dict(results.get(timeout=1800) for _ in procs)

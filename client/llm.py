@@ -371,6 +371,7 @@ class AsyncLLM:
                     coordinator_args=logging_argv(self.options.log_level),
                 )
                 await self._cluster.start()
+                world = self._world = dataclasses.replace(world, port=self._cluster.port)  # port 0: the OS's
                 self._reaper = weakref.finalize(self, _kill_process_groups, [p.pid for p in self._cluster.processes])
             engine = await asyncio.wait_for(asyncio.to_thread(_make_engine, self.options), self.options.ready_timeout)
             self._local = InProcessWorker(engine, world.address, world.rank, self.options.ready_timeout)

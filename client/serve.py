@@ -45,17 +45,11 @@ from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import ClusterStats
 from infer.protocol.options import add_options, add_vllm_flags, flag_names, given, to_argv
+from infer.protocol.ports import bound_port, listening_socket
 from infer.worker.config import EngineConfig
 from infer.worker.options import WorkerFlags, WorkerOptions
 
 log = logging.getLogger("infer.serve")
-
-
-def free_port(host: str) -> int:
-    """A TCP port nothing listens on right now (the coordinator binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -79,6 +73,7 @@ class LocalCluster:
     python: str = sys.executable
     coordinator: asyncio.subprocess.Process | None = None
     workers: list[asyncio.subprocess.Process] = field(default_factory=list)
+    listener: socket.socket | None = None  # the coordinator's port, held from `start` on (`close` lets it go)
 
     @property
     def address(self) -> str:
@@ -102,22 +97,32 @@ class LocalCluster:
         return [] if self.keys is None else self.keys.worker_flags()
 
     async def start(self) -> None:
-        if self.port == 0:
-            self.port = free_port(self.host)
+        """Bind the coordinator's port here (0: one the OS chooses) and keep it: each coordinator, a restarted
+        one too, serves on this socket (`--listen-fd`), so no other process can take the port in between."""
+        if self.listener is None:
+            self.listener = listening_socket(self.host, self.port, backlog=1024, inheritable=True)
+            self.port = bound_port(self.listener)
         self.coordinator = await self.spawn_coordinator()
         for _ in range(self.num_workers):
             self.workers.append(await self.spawn_worker())
 
     async def spawn_coordinator(self) -> asyncio.subprocess.Process:
-        """A coordinator on this cluster's address (a restarted one too: workers and clients re-attach)."""
+        """A coordinator on this cluster's address (a restarted one too: workers and clients re-attach), serving on
+        the socket `start` bound."""
+        if self.listener is None:
+            raise RuntimeError("LocalCluster.start() binds the coordinator's port before a coordinator starts")
+        fd = self.listener.fileno()
         return await self._spawn(
             "infer.coordinator.daemon",
             "--host",
             self.host,
             "--port",
             str(self.port),
+            "--listen-fd",
+            str(fd),
             *self.security_args("coordinator"),
             *self.coordinator_args,
+            pass_fds=(fd,),
         )
 
     async def spawn_worker(self) -> asyncio.subprocess.Process:
@@ -134,8 +139,10 @@ class LocalCluster:
         self.workers[index] = await self.spawn_worker()
         return self.workers[index]
 
-    async def _spawn(self, module: str, *args: str) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(self.python, "-m", module, *args, start_new_session=True)
+    async def _spawn(self, module: str, *args: str, pass_fds: tuple[int, ...] = ()) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            self.python, "-m", module, *args, start_new_session=True, pass_fds=pass_fds
+        )
 
     @property
     def processes(self) -> list[asyncio.subprocess.Process]:
@@ -182,6 +189,9 @@ class LocalCluster:
             _signal_group(proc, signal.SIGKILL)  # stragglers, and anything a child left in its group
         if pending:
             await asyncio.wait(pending, timeout=10)
+        if self.listener is not None:  # the coordinator's port, held until now
+            self.listener.close()
+            self.listener = None
 
 
 def check_cluster_security(coordinator_host: str, keys_dir: str | None, trusted_network: bool) -> ClusterKeyDir | None:

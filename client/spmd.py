@@ -59,7 +59,8 @@ class SpmdWorld:
     @classmethod
     def from_env(cls) -> SpmdWorld:
         """$RANK / $SLURM_PROCID, $WORLD_SIZE / $SLURM_NTASKS, $MASTER_ADDR, $INFER_COORDINATOR_PORT or
-        $MASTER_PORT + 1; a single process (rank 0 of 1 on loopback, a free port) when they are not set.
+        $MASTER_PORT + 1; a single process (rank 0 of 1 on loopback, port 0: its coordinator binds one the OS
+        chooses, and `LLM` reads it back) when they are not set.
         ValueError for values that cannot be right."""
         rank = _int_env("RANK", "SLURM_PROCID") or 0
         world_size = _int_env("WORLD_SIZE", "SLURM_NTASKS") or 1
@@ -74,8 +75,8 @@ class SpmdWorld:
         port = _int_env(env.COORDINATOR_PORT.name)
         if port is None:
             master_port = _int_env("MASTER_PORT")
-            port = (master_port or DEFAULT_MASTER_PORT) + 1 if world_size > 1 or master_port else _free_port()
-        if not 0 < port < 65536:
+            port = (master_port or DEFAULT_MASTER_PORT) + 1 if world_size > 1 or master_port else 0
+        if not 0 < port < 65536 and not (port == 0 and world_size == 1):
             raise ValueError(f"the coordinator port {port} is not a TCP port")
         return cls(rank, world_size, host or "127.0.0.1", port)
 
@@ -89,12 +90,6 @@ class SpmdWorld:
             return self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class InProcessWorker:

@@ -45,7 +45,14 @@ class CoordinatorConfig:
     """
 
     host: str = option("127.0.0.1", "address to bind (0.0.0.0 for all)")
-    port: int = option(5555, "TCP port (0 picks a free one)")
+    port: int = option(5555, "TCP port (0 picks a free one; the log's 'listening on' line names it)")
+    listen_fd: int | None = option(
+        None,
+        "serve on this inherited listening TCP socket, bound to --host / --port by the parent that started this "
+        "process and kept by it (infer-serve's: its port is never free between a choice and a bind, nor "
+        "between a coordinator and its restart)",
+        metavar="FD",
+    )
     policy: str = option("least-loaded", "routing policy", choices=POLICIES)
     heartbeat_interval: float = option(1.0, "seconds between heartbeats and timer runs", metavar="S")
     worker_timeout: float = option(10.0, "declare a silent worker dead after S seconds", metavar="S")
@@ -123,6 +130,8 @@ class CoordinatorConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.listen_fd is not None and (self.listen_fd < 0 or self.port == 0):
+            raise ValueError(f"listen_fd {self.listen_fd} needs a file descriptor >= 0 and the port it is bound to")
         for name in (
             "heartbeat_interval",
             "worker_timeout",

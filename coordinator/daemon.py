@@ -78,7 +78,10 @@ class CoordinatorDaemon:
         # with the connection that has it: another connection presenting it (another key that learnt it) is
         # ignored by ZeroMQ and never receives that peer's frames (peers pick random, secret ids).
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if authorized is not None else 1)
-        if config.port == 0:
+        if config.listen_fd is not None:  # a socket the parent bound and keeps (ZeroMQ takes this copy of it)
+            self.sock.setsockopt(zmq.USE_FD, config.listen_fd)
+            self.sock.bind(config.endpoint)
+        elif config.port == 0:
             port = self.sock.bind_to_random_port(f"tcp://{config.host}")
             config = dataclasses.replace(config, port=port)
         else:

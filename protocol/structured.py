@@ -5,7 +5,9 @@ strings), `grammar` (EBNF, xgrammar's GBNF dialect: `root ::= ...`) or `json_obj
 object). Sizes are bounded here, on construction, so that no component spends unbounded time on one
 request's spec; whether the spec compiles is checked by `grammar_error` (the HTTP front, before anything
 runs) and by the worker's compiler (worker/structured.py), which answers "invalid_request" with xgrammar's
-message otherwise.
+message otherwise. A spec that admits no output at all is ours to name ("admits no output: ..."), whatever
+xgrammar's version says of it: `admits_no_value` (a schema that only refers to itself) before xgrammar sees it,
+and a compiled grammar that lets no byte begin (`NO_FIRST_TOKEN`).
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ def grammar_error(spec: StructuredOutputsParams) -> str | None:
     xgrammar on first use; not for the coordinator."""
     import xgrammar as xgr
 
+    if (reason := admits_no_value(spec)) is not None:
+        return reason
     try:
         kind = spec.kind
         if kind == "json" and spec.json is not None:
@@ -169,6 +173,48 @@ NO_FIRST_TOKEN = (
     "admits no output: no token can start it (its rules never reach a character, e.g. a rule that "
     "only refers to itself)"
 )
+
+
+# Keywords that say nothing about a value: a schema of these and a `$ref` is only its reference.
+_NO_CONTENT = frozenset(
+    {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description", "examples", "default"}
+)
+
+
+def admits_no_value(spec: StructuredOutputsParams) -> str | None:
+    """Our reason when `spec` is a JSON schema that no value matches because it only refers onward: from the root,
+    a chain of `$ref`s (through schemas with nothing but annotations beside the `$ref`) that comes back to a
+    schema it passed; None otherwise (also for a `$ref` that resolves nowhere: xgrammar says so). Found here, not
+    left to xgrammar, whose versions compile such a schema to an empty grammar or refuse it, each in its words."""
+    if spec.json is None:
+        return None
+    schema = json.loads(spec.json)
+    chain: list[str] = []
+    node, pointer = schema, "#"
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and set(node) <= _NO_CONTENT:
+        if pointer in chain:
+            loop = " -> ".join([*chain[chain.index(pointer) :], pointer])
+            return f"admits no output: its $ref chain {loop} comes back to where it began without a schema"
+        chain.append(pointer)
+        pointer = node["$ref"]
+        node = _resolve_pointer(schema, pointer)
+    return None
+
+
+def _resolve_pointer(schema: Any, pointer: str) -> Any:
+    """The part of `schema` a local `$ref` ("#", "#/$defs/a") names; None where it names nothing."""
+    if not pointer.startswith("#"):
+        return None  # a remote reference: not ours to follow
+    node = schema
+    for part in pointer[1:].split("/")[1:]:
+        key = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
 
 
 def _admits_a_first_byte(xgr: Any, grammar: Any) -> bool:

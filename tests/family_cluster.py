@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from group_procs import free_port, ready
+from group_procs import ready, reserved_port
 from hf_reference import transformers_greedy
 
 from infer import SamplingParams
@@ -50,7 +50,7 @@ async def generate(
 def start_tp2_x_ep2(cluster, model: Path, engine_flags: Sequence[str] = ENGINE_FLAGS) -> None:
     """A coordinator and one EP group of 2 ranks, each rank a TP group of 2 processes; returns once both are ready."""
     cluster.coordinator()
-    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
     for ep_rank in range(2):
         cluster.worker(ep_rank, *engine_flags, *TP_FLAGS, "--ep-size", "2", "--ep-rank", str(ep_rank),
                        "--dist-init", dist_init, "--ep-timeout", "20", model=model)  # fmt: skip

@@ -1,4 +1,4 @@
-"""What the cluster tests of multi-process DP ranks (TP groups, pipelines) share: a free port for a rendezvous,
+"""What the cluster tests of multi-process DP ranks (TP groups, pipelines) share: a port for a rendezvous,
 waiting for the ranks, the processes under a supervising infer-worker, their state, and the prompts and batches
 whose greedy tokens the tests compare with transformers."""
 
@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 from pathlib import Path
+
+from ports import reserved_port
 
 from infer.client.inference_client import SyncInferenceClient
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["children", "prompts", "ready", "reserved_port", "state", "twice_in_one_batch"]
 
 
 def ready(cluster, workers: int) -> None:

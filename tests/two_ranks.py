@@ -1,7 +1,8 @@
 """Two torch.distributed ranks as spawned processes, for the EP and TP worker tests.
 
-`run_two_ranks(target, args_of, timeout_s)` starts `target(rank, port, *args_of(rank), results)` for ranks 0 and 1
-on a free loopback port; each rank puts (rank, value) on `results` (a traceback string when it fails). It returns
+`run_two_ranks(target, args_of, timeout_s)` starts `target(rank, port, *args_of(rank), results)` for ranks 0 and 1,
+`port` that of a TCPStore this process hosts on a port the OS chose (tests/ports.py; a rank joins with
+`join_gloo(rank, 2, port)`); each rank puts (rank, value) on `results` (a traceback string when it fails). It returns
 {rank: value} for the ranks in `answering` (a rank that is meant to die answers nothing), and kills any rank still
 alive 30 s after that.
 """
@@ -9,14 +10,9 @@ alive 30 s after that.
 from __future__ import annotations
 
 import multiprocessing
-import socket
 from collections.abc import Callable
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import tcp_store
 
 
 def run_two_ranks(
@@ -24,8 +20,8 @@ def run_two_ranks(
 ) -> dict[int, object]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(rank, port, *args_of(rank), results)) for rank in (0, 1)]
+    store = tcp_store()  # held until both ranks are done
+    procs = [ctx.Process(target=target, args=(rank, store.port, *args_of(rank), results)) for rank in (0, 1)]
     for proc in procs:
         proc.start()
     got = {}

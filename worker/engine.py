@@ -1184,11 +1184,12 @@ def tensor_parallel_engine(
     """An engine that is TP rank 0 of a group of `size`, the other ranks started now as child processes of
     this one on this machine (`infer-worker` with `worker_flags`: the same engine options); `close()` ends
     them. (LLM / AsyncLLM's direct mode with tensor_parallel_size > 1.)"""
+    from infer.protocol.ports import reserved_port
     from infer.worker.tp_commands import TpLeader
     from infer.worker.tp_group import TpOptions, join
-    from infer.worker.tp_supervisor import free_local_port, start_followers
+    from infer.worker.tp_supervisor import start_followers
 
-    dist_init = f"tcp://127.0.0.1:{free_local_port()}"
+    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
     children = start_followers(size, dist_init, worker_flags)
     try:
         parallel, _, config = join(config, TpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s), None)

@@ -521,10 +521,11 @@ def pipeline_parallel_engine(
     """An engine that is stage 0 of a pipeline of `size` stages (each a TP group of `tp_size` processes), the other
     processes started now as children of this one on this machine (`infer-worker` with `worker_flags`: the same
     engine options); `close()` ends them. (LLM / AsyncLLM's direct mode with pipeline_parallel_size > 1.)"""
+    from infer.protocol.ports import reserved_port
     from infer.worker.tp_group import TpOptions
-    from infer.worker.tp_supervisor import free_local_port, members, start_members
+    from infer.worker.tp_supervisor import members, start_members
 
-    dist_init = f"tcp://127.0.0.1:{free_local_port()}"
+    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
     flags = [*worker_flags, "--pp-size", str(size), "--pp-timeout", str(timeout_s)]
     if tp_size > 1:
         flags += ["--tp-size", str(tp_size), "--tp-timeout", str(timeout_s)]

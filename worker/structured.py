@@ -10,7 +10,8 @@ request, and the step's token bitmask. A grammar's work is bounded three ways (R
   keeps the request out of the scheduler until its Future is done (worker/engine.py), so a slow compile never
   stalls a step. A compile cannot be interrupted: a request whose grammar is not ready COMPILE_TIMEOUT_S after its
   compile started fails, and with one compile thread at most one runaway compile occupies a core (the specs' sizes
-  are bounded in protocol/structured.py; the costliest measured, maxLength 10**7, takes ~4 s). The time it waits in
+  are bounded in protocol/structured.py; what a schema costs depends on xgrammar's version: maxLength 10**7 took
+  ~4 s with 0.1.x, milliseconds with 0.2.9, so the tests hold a compile on an event instead). The time it waits in
   the queue before that is not counted there (a burst of distinct schemas is worked off in turn, however loaded
   the machine: `CompileFuture.started_at`), only against COMPILE_WAIT_TIMEOUT_S from its arrival, the bound on a
   queue stuck behind a runaway compile.
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 
-from infer.protocol.structured import StructuredOutputsParams
+from infer.protocol.structured import StructuredOutputsParams, admits_no_value
 
 log = logging.getLogger("infer.structured")
 
@@ -172,6 +173,8 @@ class GrammarCompilerPool:
         return compiled
 
     def _compile_spec(self, spec: StructuredOutputsParams) -> Any:
+        if (reason := admits_no_value(spec)) is not None:
+            raise ValueError(reason)  # ours to name, whatever xgrammar's version would say (protocol/structured.py)
         compiler = self._compiler or self._make_compiler()
         kind = spec.kind
         if kind == "json":

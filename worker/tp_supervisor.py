@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 
 from infer.protocol.env import TP_SUPERVISED
+from infer.protocol.ports import reserved_port
 
 log = logging.getLogger("infer.worker")
 
@@ -86,15 +86,9 @@ def die_with_parent() -> None:
         pass
 
 
-def free_local_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def supervise(argv: Sequence[str], group: Sequence[tuple[str, Sequence[str]]], dist_init: str | None) -> int:
     """Start this DP rank's processes (`group`: `members()`; each this command line + its rank flags, one shared
-        --dist-init: `dist_init`, or a free local port) and wait;
+        --dist-init: `dist_init`, or a reserved local port, protocol/ports.py) and wait;
         once one exits, rank 0 gets a SIGTERM (a drain: with its group broken it gives its requests back) and
         the others SUPERVISOR_GRACE_S to follow, then SIGKILL. SIGTERM / SIGINT go to TP
         rank 0 (it drains, then stops the others). Returns the exit code of the member that ended first when it is
@@ -102,7 +96,7 @@ def supervise(argv: Sequence[str], group: Sequence[tuple[str, Sequence[str]]], d
     first non-zero one.
         The members run in a process group of their own (a signal to the supervisor's group reaches only it) and
         die with it (SIGKILL when it dies, kill -9 included)."""
-    dist_init = dist_init or f"tcp://127.0.0.1:{free_local_port()}"
+    dist_init = dist_init or f"tcp://127.0.0.1:{reserved_port()}"
     env = {**os.environ, TP_SUPERVISED.name: "1"}
     children = []
     for name, flags in group:

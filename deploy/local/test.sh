@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash deploy/local/install.sh
+# The venv install.sh made (INFER_VENV, .venv by default; deploy/local/test-latest.sh passes .venv-latest).
+BIN=$(cd "${INFER_VENV:-.venv}" && pwd)/bin
 SLURM_PACKAGES="slurmctld slurmd slurm-client munge tini"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmd >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
@@ -14,14 +16,14 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmd >/
 fi
 # The style the code follows (pyproject's [tool.ruff]; the C kernels' kernels/cpu/.clang-format) and types (every
 # package), then the tests.
-.venv/bin/python -m ruff check --quiet .
-.venv/bin/python -m ruff format --check --quiet .
-.venv/bin/clang-format --dry-run --Werror kernels/cpu/*.c kernels/cpu/*.h
+"$BIN"/python -m ruff check --quiet .
+"$BIN"/python -m ruff format --check --quiet .
+"$BIN"/clang-format --dry-run --Werror kernels/cpu/*.c kernels/cpu/*.h
 # mypy reads the checkout as the package `infer` (through a link of that name in a scratch folder), so that every
 # `infer.*` import is followed and checked; through the editable install's import hook it would read them as Any.
 ROOT=$PWD MYPY_ROOT=$(mktemp -d) STATUS=0
 ln -s "$ROOT" "$MYPY_ROOT/infer"
-(cd "$MYPY_ROOT" && "$ROOT/.venv/bin/python" -m mypy --no-error-summary --config-file "$ROOT/pyproject.toml" \
+(cd "$MYPY_ROOT" && "$BIN/python" -m mypy --no-error-summary --config-file "$ROOT/pyproject.toml" \
     --cache-dir "$ROOT/.mypy_cache" -p infer.protocol -p infer.coordinator -p infer.kernels -p infer.client \
     -p infer.worker) || STATUS=$?
 rm -rf "$MYPY_ROOT"
@@ -34,4 +36,4 @@ rm -rf "$MYPY_ROOT"
 # runs one file, `test.sh -n 0` runs in this one process.
 CORES=$(nproc)
 WORKERS=$(( CORES < 2 ? 2 : (CORES > 4 ? 4 : CORES) ))
-exec .venv/bin/python -m pytest -q -n "$WORKERS" --dist loadfile "$@"
+exec "$BIN"/python -m pytest -q -n "$WORKERS" --dist loadfile "$@"

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import reserved_port
 from serve_harness import Served
 
 BENCH = (
@@ -76,8 +76,6 @@ def test_bad_options_exit_2_naming_them(argv, message):
 
 
 def test_a_server_that_cannot_be_reached_exits_1_saying_so():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = reserved_port()  # nothing listens there, and nothing else may bind it
     done = subprocess.run([*BENCH, "--url", f"http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and f"cannot benchmark http://127.0.0.1:{port}" in done.stderr, done.stderr

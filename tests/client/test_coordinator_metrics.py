@@ -14,12 +14,12 @@ import urllib.request
 
 import msgpack
 import zmq
+from ports import reserved_port
 
 from infer.client import InferenceClient
 from infer.client.api.app import FrontConfig
 from infer.client.api.server import HttpFront
 from infer.protocol.messages import Counters
-from tests.group_procs import free_port
 
 
 def _series(text: str, name: str) -> float:
@@ -36,7 +36,7 @@ def _send_junk(address: str, frames: list[bytes]) -> None:
 
 
 async def test_counters_the_coordinator_increments_show_up_in_metrics(tmp_path):
-    port = free_port()
+    port = reserved_port()
     address = f"tcp://127.0.0.1:{port}"
     with open(tmp_path / "coordinator.log", "wb") as log:
         coordinator = subprocess.Popen(

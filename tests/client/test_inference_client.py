@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from ports import reserved_port
 
 from infer import SamplingParams
 from infer.client import ClusterError, InferenceClient, SyncInferenceClient
@@ -23,15 +23,9 @@ FAST = ["--heartbeat-interval", "0.2"]
 ENDLESS = SamplingParams(max_tokens=900_000)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Procs:
     def __init__(self, tmp_path) -> None:
-        self.port = _free_port()
+        self.port = reserved_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.tmp_path = tmp_path
         self.all: list[subprocess.Popen] = []
@@ -151,7 +145,7 @@ async def test_heartbeats_keep_a_waiting_request_alive(cluster):
 async def test_no_coordinator_raises_after_the_connect_timeout():
     started = time.monotonic()
     with pytest.raises(ClusterError, match="no answer to 'hello'.*within 0.5 s"):
-        async with InferenceClient(f"tcp://127.0.0.1:{_free_port()}", connect_timeout=0.5):
+        async with InferenceClient(f"tcp://127.0.0.1:{reserved_port()}", connect_timeout=0.5):
             pass
     assert time.monotonic() - started < 3
 

@@ -7,28 +7,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hf_reference import transformers_greedy
+from ports import reserved_port
 
 PROGRAM = Path(__file__).with_name("spmd_program.py")
 PROMPTS = [[7 + i, 100 + i, 5] for i in range(20)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(mode: str, model: Path, out: Path) -> list[dict]:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
-    env["INFER_COORDINATOR_PORT"] = str(_free_port())
+    env["INFER_COORDINATOR_PORT"] = str(reserved_port())
     done = subprocess.run(
         [
             torchrun,
@@ -37,7 +31,7 @@ def _torchrun(mode: str, model: Path, out: Path) -> list[dict]:
             "--master-addr",
             "127.0.0.1",
             "--master-port",
-            str(_free_port()),
+            str(reserved_port()),
             str(PROGRAM),
             mode,
             str(model),

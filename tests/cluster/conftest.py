@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from ports import reserved_port
 
 from infer.client.inference_client import InferenceClient, SyncInferenceClient
 
@@ -33,12 +33,6 @@ COORDINATOR_FLAGS = [
 ]
 WORKER_FLAGS = ["--heartbeat-interval", "0.2", "--coordinator-timeout", "3", "--drain-timeout", "2"]
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -71,7 +65,7 @@ class Cluster:
     """Starts and tracks the processes of one test cluster (see the module docstring)."""
 
     logs: Path
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=reserved_port)
     procs: list[Proc] = field(default_factory=list)
 
     @property
@@ -218,7 +212,7 @@ def start_ep_groups(
     cluster.coordinator(*coordinator_flags)
     members = []
     for g in range(groups):
-        dist_init = f"tcp://127.0.0.1:{free_port()}"
+        dist_init = f"tcp://127.0.0.1:{reserved_port()}"
         members.append(
             [
                 cluster.worker(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from fault_streams import assert_exact_streams, streams_through_a_fault
-from group_procs import children, free_port, prompts, ready, state, twice_in_one_batch
+from group_procs import children, prompts, ready, reserved_port, state, twice_in_one_batch
 from hf_reference import transformers_greedy
 from moe_models import save_tiny_model, tiny_mixtral
 
@@ -100,7 +100,7 @@ async def test_pp2_with_ep2_on_an_moe_model_equals_transformers(cluster_factory,
     want = transformers_greedy(model, PROMPTS, MAX_NEW)
     cluster = cluster_factory()
     cluster.coordinator()
-    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
     for ep_rank in range(2):
         cluster.worker(
             ep_rank,
@@ -197,7 +197,7 @@ def test_idle_stages_started_one_by_one_end_whole_when_one_is_killed(cluster_fac
     minute), so a restarting launcher restarts the whole rank."""
     cluster = cluster_factory()
     cluster.coordinator()
-    flags = (*ENGINE_FLAGS, "--pp-size", "2", "--pp-timeout", "60", "--dist-init", f"tcp://127.0.0.1:{free_port()}")
+    flags = (*ENGINE_FLAGS, "--pp-size", "2", "--pp-timeout", "60", "--dist-init", f"tcp://127.0.0.1:{reserved_port()}")
     model = tiny_model_dir("llama")
     first = cluster.worker(0, *flags, "--pp-rank", "0", model=model)
     second = cluster.worker(1, *flags, "--pp-rank", "1", model=model)
@@ -214,7 +214,7 @@ def test_idle_stages_started_one_by_one_end_whole_when_one_is_killed(cluster_fac
 
 def test_a_stage_with_another_partition_is_refused(cluster_factory, five_layers):
     cluster = cluster_factory()
-    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
     first = cluster.worker(
         0,
         *ENGINE_FLAGS,

@@ -14,7 +14,6 @@ import asyncio
 import multiprocessing
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from aioprocs import kill_group
+from ports import join_gloo, tcp_store
 
 from infer import AsyncLLM, SamplingParams
 from infer.client import ClusterError, InferenceClient
@@ -361,7 +361,7 @@ def _ep_rank(rank: int, port: int, key_files: list[str], stranger_secret: str, r
 
     try:
         options = EpOptions(size=2, rank=rank, dist_init=f"tcp://127.0.0.1:{port}", timeout_s=20)
-        dist.init_process_group("gloo", init_method=options.dist_init, rank=rank, world_size=2)
+        join_gloo(rank, 2, port)
         ctx = zmq.Context()
         curve = CurveKeys.server(key_files[rank])
         try:
@@ -396,16 +396,11 @@ def _ep_rank(rank: int, port: int, key_files: list[str], stranger_secret: str, r
         results.put((rank, traceback.format_exc()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_ep_wake_channel_needs_keys_on_every_rank_and_lets_in_only_the_groups(keys, stranger):
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
-    port = _free_port()
+    store = tcp_store()  # the ranks' rendezvous, held by this process until they are done
+    port = store.port
     key_files = [str(keys.secret("worker")), str(keys.secret("client"))]  # each rank its own pair
     intruder = str(stranger.secret("worker"))
     procs = [spawn.Process(target=_ep_rank, args=(r, port, key_files, intruder, results)) for r in (0, 1)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from family_cluster import start_tp2_x_ep2
 from fault_streams import assert_exact_streams, streams_through_a_fault
-from group_procs import children, free_port, prompts, ready, state, twice_in_one_batch
+from group_procs import children, prompts, ready, reserved_port, state, twice_in_one_batch
 from hf_reference import transformers_greedy
 from moe_models import save_tiny_model, tiny_mixtral, tiny_qwen3_moe
 
@@ -157,7 +157,7 @@ def _group_member_by_member(cluster_factory, models):
     launcher's tasks start them), ready: (cluster, leader, follower)."""
     cluster = cluster_factory()
     cluster.coordinator()
-    flags = (*ENGINE_FLAGS, "--tp-size", "2", "--tp-timeout", "60", "--dist-init", f"tcp://127.0.0.1:{free_port()}")
+    flags = (*ENGINE_FLAGS, "--tp-size", "2", "--tp-timeout", "60", "--dist-init", f"tcp://127.0.0.1:{reserved_port()}")
     model = models["llama"]()
     leader = cluster.worker(0, *flags, "--tp-rank", "0", model=model)
     follower = cluster.worker(1, *flags, "--tp-rank", "1", model=model)
@@ -191,7 +191,7 @@ def test_a_group_told_to_stop_ends_with_every_member_at_exit_0(cluster_factory, 
 def test_a_member_with_other_model_files_is_refused(cluster_factory, models, tiny_model_dir):
     cluster = cluster_factory()
     cluster.coordinator()
-    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
     flags = (*ENGINE_FLAGS, "--tp-size", "2", "--tp-timeout", "20", "--dist-init", dist_init)
     leader = cluster.worker(0, *flags, "--tp-rank", "0", model=models["llama"]())
     other = cluster.worker(1, *flags, "--tp-rank", "1", model=tiny_model_dir("qwen3"))
@@ -204,7 +204,7 @@ def test_a_member_with_other_model_files_is_refused(cluster_factory, models, tin
 
 def test_a_member_with_another_tp_size_is_refused(cluster_factory, models):
     cluster = cluster_factory()
-    dist_init = f"tcp://127.0.0.1:{free_port()}"
+    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
     model = models["llama"]()
     leader = cluster.worker(
         0, *ENGINE_FLAGS, "--tp-size", "2", "--tp-rank", "0", "--tp-timeout", "8", "--dist-init", dist_init, model=model

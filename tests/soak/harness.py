@@ -21,7 +21,6 @@ import itertools
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from aioprocs import processes_mentioning  # tests/ is on sys.path (pytest, and 
 
 from infer import SamplingParams
 from infer.client.inference_client import ClusterError, InferenceClient
+from infer.protocol.ports import reserved_port
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER_VAR = "INFER_HARNESS_RUN"
@@ -55,12 +55,6 @@ FAST_COORDINATOR_FLAGS = (
 )
 FAST_WORKER_FLAGS = ("--heartbeat-interval", "0.2", "--coordinator-timeout", "2", "--drain-timeout", "2")
 QUIET = ("--log-level", "WARNING")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def expected_tokens(prompt_len: int, count: int) -> list[int]:
@@ -158,7 +152,7 @@ class ProcessCluster:
         self.spec = spec
         self.logs = logs
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = reserved_port(HOST)
         self.run_id = uuid.uuid4().hex  # in every process's environment: MARKER_VAR=run_id
         self.daemons: list[Daemon] = []  # every process started, the dead ones too
         self.coordinator: Daemon | None = None

@@ -11,6 +11,7 @@ import traceback
 
 import pytest
 import torch
+from ports import join_gloo
 from two_ranks import run_two_ranks
 
 from infer.worker.expert_parallel import ExpertParallel
@@ -42,14 +43,13 @@ def _run_experts(ep: ExpertParallel, hidden, ids, weights) -> torch.Tensor:
 
 
 def _rank_main(rank: int, port: int, tokens: list[int], scenario: str, results) -> None:
-    import torch.distributed as dist
     import zmq
 
     from infer.worker.group_sync import GroupBroken, GroupSync
 
     try:
         options = EpOptions(size=2, rank=rank, dist_init=f"tcp://127.0.0.1:{port}", timeout_s=20)
-        dist.init_process_group("gloo", init_method=options.dist_init, rank=rank, world_size=2)
+        join_gloo(rank, 2, port)
         ep = ExpertParallel(rank=rank, size=2)
         if scenario == "exchange":
             out = [_run_experts(ep, *_inputs(rank, n)) for n in tokens]  # one call per "layer"

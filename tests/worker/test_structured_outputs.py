@@ -9,6 +9,9 @@ from __future__ import annotations
 import ast
 import json
 import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import jsonschema
 import pytest
@@ -16,6 +19,7 @@ from structured_cases import MAX_TOKENS, SCHEMAS
 
 from infer import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams as Spec
+from infer.protocol.structured import admits_no_value, grammar_error
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 
@@ -141,37 +145,78 @@ def test_a_request_waits_unscheduled_while_its_grammar_compiles(engine):
     assert final.finish_reason == "abort" and request.status.value == "abort" and not engine.has_unfinished()
 
 
-def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_the_engine_goes_on(engine, monkeypatch):
-    import infer.worker.engine as engine_module
+@pytest.mark.parametrize(
+    "schema, loop",
+    [
+        ({"$ref": "#"}, "# -> #"),
+        (
+            {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b", "title": "A"}, "b": {"$ref": "#/$defs/a"}}},
+            "#/$defs/a -> #/$defs/b -> #/$defs/a",
+        ),
+        ({"$ref": "#/definitions/x~1y", "definitions": {"x/y": {"$ref": "#"}}}, "# -> #/definitions/x~1y -> #"),
+    ],
+)
+def test_a_schema_that_only_refers_to_itself_admits_no_output_in_our_words(schema, loop):
+    reason = admits_no_value(Spec(json=schema))
+    assert reason == f"admits no output: its $ref chain {loop} comes back to where it began without a schema"
+    assert grammar_error(Spec(json=schema)) == reason  # the HTTP front's check says the same
 
-    monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.05)
-    slow = Spec(json={"type": "string", "minLength": 1, "maxLength": 10**7})  # seconds of compiling
-    out = run(
-        engine,
-        {
-            "slow": SamplingParams(max_tokens=4, structured_outputs=slow),
-            "free": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-        },
-    )
-    assert out["slow"][2] == "error" and "did not compile within 0.05 s" in out["slow"][3]
-    assert out["free"][2] == "length"
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#/$defs/a", "$defs": {"a": {"type": "string"}}},
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#", "type": "object"}}},  # content beside the $ref
+        {"type": "object", "properties": {"next": {"$ref": "#"}}},  # recursive, with content: a linked list
+        {"$ref": "#/$defs/missing"},  # resolves nowhere: xgrammar's to name
+    ],
+)
+def test_a_schema_with_content_or_an_unresolved_ref_is_not_ours_to_refuse(schema):
+    assert admits_no_value(Spec(json=schema)) is None
 
 
-def _held_compile_thread(monkeypatch, release_after_s: float) -> None:
-    """Make compile threads spend `release_after_s` on the spec titled "blocker" (a stand-in for a costly compile,
-    without depending on how fast this machine compiles one)."""
-    import threading
-
+@contextmanager
+def held_compiles(
+    monkeypatch, title: str, release_after_s: float = 60.0, order: list[str] | None = None
+) -> Iterator[threading.Event]:
+    """Hold the compile thread on every JSON schema whose title starts with `title` until the block ends (or
+    `release_after_s`, or the event yielded is set): a compile slow by construction, not by a schema that happens
+    to be slow to compile in one xgrammar version. `order` gets each compile's title (its kind when it has none)
+    as the thread takes it up."""
     from infer.worker.structured import GrammarCompilerPool
 
     compile_spec, release = GrammarCompilerPool._compile_spec, threading.Event()
 
     def held(pool, spec):
-        if spec.json is not None and json.loads(spec.json).get("title") == "blocker":
+        label = str(json.loads(spec.json).get("title", "")) if spec.json is not None else spec.kind
+        if order is not None:
+            order.append(label)
+        if label.startswith(title):
             release.wait(release_after_s)
         return compile_spec(pool, spec)
 
     monkeypatch.setattr(GrammarCompilerPool, "_compile_spec", held)
+    try:
+        yield release
+    finally:
+        release.set()
+
+
+def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_the_engine_goes_on(engine, monkeypatch):
+    import infer.worker.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.05)
+    slow = Spec(json={"type": "string", "title": "slow to compile"})
+    with held_compiles(monkeypatch, "slow"):
+        out = run(
+            engine,
+            {
+                "slow": SamplingParams(max_tokens=4, structured_outputs=slow),
+                "free": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            },
+        )
+    assert out["slow"][2] == "error" and "did not compile within 0.05 s" in out["slow"][3]
+    assert out["free"][2] == "length"
 
 
 def test_time_queued_behind_other_compiles_does_not_count_against_a_compile(tiny_model_dir, monkeypatch):
@@ -181,18 +226,20 @@ def test_time_queued_behind_other_compiles_does_not_count_against_a_compile(tiny
 
     engine = make_engine(tiny_model_dir("llama"))
     monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.5)
-    _held_compile_thread(monkeypatch, 1.5)
-    out = run(
-        engine,
-        {
-            "blocker": SamplingParams(
-                max_tokens=4, structured_outputs=Spec(json={"type": "string", "title": "blocker"})
-            ),
-            "queued": SamplingParams(
-                temperature=0, max_tokens=MAX_TOKENS, structured_outputs=Spec(json={**SCHEMAS["mixed"], "title": "q"})
-            ),
-        },
-    )
+    with held_compiles(monkeypatch, "blocker", release_after_s=1.5):
+        out = run(
+            engine,
+            {
+                "blocker": SamplingParams(
+                    max_tokens=4, structured_outputs=Spec(json={"type": "string", "title": "blocker"})
+                ),
+                "queued": SamplingParams(
+                    temperature=0,
+                    max_tokens=MAX_TOKENS,
+                    structured_outputs=Spec(json={**SCHEMAS["mixed"], "title": "q"}),
+                ),
+            },
+        )
     assert out["blocker"][2] == "error" and "did not compile within 0.5 s" in out["blocker"][3]
     assert out["queued"][2] in ("stop", "length") and out["queued"][3] is None, out["queued"]
 
@@ -202,12 +249,14 @@ def test_a_request_queued_past_the_wait_bound_fails_as_overloaded(tiny_model_dir
 
     engine = make_engine(tiny_model_dir("llama"))
     monkeypatch.setattr(engine_module, "COMPILE_WAIT_TIMEOUT_S", 0.5)
-    _held_compile_thread(monkeypatch, 1.5)
-    for rid, title in (("blocker", "blocker"), ("queued", "q")):
-        engine.add_request(rid, PROMPT, SamplingParams(max_tokens=4, structured_outputs=Spec(json={"title": title})))
-    finals = {}
-    while engine.has_unfinished():
-        finals.update({d.request_id: d for d in engine.step() if d.finished})
+    with held_compiles(monkeypatch, "blocker", release_after_s=1.5):
+        for rid, title in (("blocker", "blocker"), ("queued", "q")):
+            engine.add_request(
+                rid, PROMPT, SamplingParams(max_tokens=4, structured_outputs=Spec(json={"title": title}))
+            )
+        finals = {}
+        while engine.has_unfinished():
+            finals.update({d.request_id: d for d in engine.step() if d.finished})
     queued = finals["queued"]
     assert queued.finish_reason == "error" and "not ready within 0.5 s" in queued.error
     assert queued.error_code == "overloaded"
@@ -231,10 +280,15 @@ def test_a_resumed_request_rebuilds_its_matcher_from_the_delivered_tokens(tiny_m
 COSTLY_REGEX = r"([\s\S]{0,100}){0,100}"  # compiles in 1 s, a cheap first mask, then masks of seconds a token
 
 
-def finals(engine: Engine, requests: dict[str, tuple[SamplingParams, str | None]]) -> dict:
-    """Add every request (params, client) at once, step until all end; id -> its final delta."""
+def finals(
+    engine: Engine, requests: dict[str, tuple[SamplingParams, str | None]], release: threading.Event | None = None
+) -> dict:
+    """Add every request (params, client) at once, set `release` (held compiles go on), step until all end;
+    id -> its final delta."""
     for rid, (params, client) in requests.items():
         engine.add_request(rid, PROMPT, params, client=client)
+    if release is not None:
+        release.set()
     out = {}
     for _ in range(2000):
         if not engine.has_unfinished():
@@ -290,12 +344,12 @@ def test_a_grammar_whose_first_mask_costs_more_than_a_step_is_refused_before_it_
     assert again.error == costly.error  # judged once: the refusal is cached with the spec
 
 
-def slow_schema(i: int) -> Spec:
-    """A distinct JSON schema that takes a good fraction of a second to compile for SmolLM2's vocabulary."""
-    return Spec(json={"type": "string", "minLength": 1, "maxLength": 10**6 + i})
+def slow_schema(i: object) -> Spec:
+    """A distinct JSON schema whose compile `held_compiles(monkeypatch, "held")` holds."""
+    return Spec(json={"type": "string", "title": f"held {i}"})
 
 
-def test_compiles_past_the_engine_and_client_bounds_are_refused_as_overloaded_at_once(tiny_model_dir):
+def test_compiles_past_the_engine_and_client_bounds_are_refused_as_overloaded_at_once(tiny_model_dir, monkeypatch):
     engine = Engine(
         EngineConfig(
             model=str(tiny_model_dir("llama")),
@@ -314,7 +368,8 @@ def test_compiles_past_the_engine_and_client_bounds_are_refused_as_overloaded_at
     requests |= {f"b{i}": (params(slow_schema(10 + i)), "b") for i in range(3)}  # b1, b2: past the engine's 3
     requests["a0 again"] = (params(slow_schema(0)), "a")  # the same spec as a0 compiling: no place taken
     requests["b0 again"] = (params(slow_schema(10)), None)
-    out = finals(engine, requests)
+    with held_compiles(monkeypatch, "held") as release:  # all still compiling when the last one comes
+        out = finals(engine, requests, release)
     refused = {rid: d for rid, d in out.items() if d.error_code == "overloaded"}
     assert set(refused) == {"a2", "b1", "b2"}, {rid: d.error for rid, d in out.items()}
     assert "--max-grammar-compiles-per-client 2" in refused["a2"].error
@@ -324,23 +379,23 @@ def test_compiles_past_the_engine_and_client_bounds_are_refused_as_overloaded_at
 
     burst = {f"c{i}": (params(slow_schema(20 + i)), f"c{i}") for i in range(3)}  # the engine's bound, full
     burst["cached"] = (params(slow_schema(0)), "c0")  # compiled before: it waits behind none of them
-    out = finals(engine, burst)
+    with held_compiles(monkeypatch, "held") as release:
+        out = finals(engine, burst, release)
     assert all(d.finish_reason == "length" for d in out.values()), {rid: d.error for rid, d in out.items()}
 
 
-def test_the_compile_thread_takes_turns_between_clients(tiny_model_dir):
+def test_the_compile_thread_takes_turns_between_clients(tiny_model_dir, monkeypatch):
+    """Client a queues three compiles, then b one, while the thread is held on another client's: b's compile runs
+    after a0's only, not after a's whole backlog."""
     engine = make_engine(tiny_model_dir("llama"))
-    quick = Spec(regex=r"[a-z]{1,3}")
+    params = {"gate": slow_schema("gate")} | {f"a{i}": slow_schema(30 + i) for i in range(3)}
     requests = {
-        f"a{i}": (SamplingParams(temperature=0, max_tokens=4, structured_outputs=slow_schema(30 + i)), "a")
-        for i in range(3)
+        rid: (SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec), rid[0])
+        for rid, spec in params.items()
     }
-    requests["b"] = (SamplingParams(temperature=0, max_tokens=4, structured_outputs=quick), "b")  # queued last
-    for rid, (params, client) in requests.items():
-        engine.add_request(rid, PROMPT, params, client=client)
-    order = []
-    for _ in range(2000):
-        order += [d.request_id for d in engine.step() if d.finished]
-        if not engine.has_unfinished():
-            break
-    assert order.index("b") < order.index("a1") < order.index("a2"), order  # b's compile ran after a0's only
+    requests["b"] = (SamplingParams(temperature=0, max_tokens=4, structured_outputs=Spec(regex=r"[a-z]{1,3}")), "b")
+    order: list[str] = []
+    with held_compiles(monkeypatch, "held gate", order=order) as release:
+        out = finals(engine, requests, release)
+    assert order == ["held gate", "held 30", "regex", "held 31", "held 32"]
+    assert all(d.finish_reason in ("stop", "length") for d in out.values()), {rid: d.error for rid, d in out.items()}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from moe_models import tiny_qwen3_moe
+from ports import join_gloo
 from two_ranks import run_two_ranks
 
 from infer.worker.tensor_parallel import TensorParallel
@@ -45,7 +46,7 @@ def _rank_main(rank: int, port: int, path: str, scenario: str, results) -> None:
     from infer.worker.group_sync import GroupBroken
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        join_gloo(rank, 2, port)
         tp = TensorParallel(rank=rank, size=2, group=dist.group.WORLD, cpu_group=dist.group.WORLD)
         if scenario == "member-dies":
             if rank == 1:
