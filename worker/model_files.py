@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from infer.worker.config import model_cache_dir
 
@@ -145,11 +145,44 @@ def build_once(dest: Path, build: Callable[[Path], None]) -> Path:
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in model directory `path` (chat template included), as AutoTokenizer picks its class
-    (the engines'; with torch installed, transformers imports it here)."""
+    """The tokenizer saved in model directory `path` (chat template included), of the class AutoTokenizer picks
+    (the engines').
+
+    AutoTokenizer reads the model's config only for its model type, tokenizer class and name, but reading it through
+    AutoConfig imports the model's configuration module, and with it transformers' model-loading code
+    (torch.distributed.tensor, accelerate, sympy: ~60 MiB, worker/model_config.py). So it is handed a bare config
+    with just those fields, read from config.json as JSON. A checkpoint whose config or tokenizer brings its own
+    code (`auto_map`), where the config's class takes part in the choice, goes through AutoConfig as it is."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    config = tokenizer_choice_config(path)
+    if config is None:
+        return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), config=config)
+
+
+# What AutoTokenizer reads of a model's config to choose the tokenizer's class (transformers 5.24).
+_TOKENIZER_CHOICE_FIELDS = ("model_type", "tokenizer_class", "model_name")
+
+
+def tokenizer_choice_config(path: Path) -> Any:
+    """A bare transformers PreTrainedConfig with config.json's model type, tokenizer class and model name (what
+    AutoTokenizer chooses by); None where config.json or tokenizer_config.json has an `auto_map` (the checkpoint's
+    own code) or there is no config.json."""
+    from transformers import PreTrainedConfig
+
+    config, tokenizer_config = path / "config.json", path / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    values = json.loads(config.read_text())
+    own_code = "auto_map" in values or (
+        tokenizer_config.is_file() and "auto_map" in json.loads(tokenizer_config.read_text())
+    )
+    if own_code:
+        return None
+    fields: dict[str, Any] = {name: values[name] for name in _TOKENIZER_CHOICE_FIELDS if name in values}
+    fields["name_or_path"] = str(path)  # what AutoConfig sets
+    return PreTrainedConfig(**fields)
 
 
 def front_tokenizer(path: Path) -> PreTrainedTokenizerBase:
