@@ -6,11 +6,14 @@ them is the one AutoTokenizer loads."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from infer.worker.model_files import conversion_dir
 
 # Modules a worker on a Llama-family model must not import (each pulls tens of MiB into every worker process).
 HEAVY = (
@@ -37,15 +40,18 @@ print(json.dumps([name for name in sys.argv[2:] if name in sys.modules]))
 """
 
 
-def test_engine_on_the_embedded_model_imports_no_model_code(smollm2_gguf: Path) -> None:
+def test_engine_on_the_embedded_model_imports_no_model_code(smollm2_gguf: Path, tmp_path: Path) -> None:
+    """From an empty model cache: the GGUF's conversion (transformers' GGUF and config code) runs in a child."""
     out = subprocess.run(
         [sys.executable, "-c", LOAD_AND_STEP, str(smollm2_gguf), *HEAVY],
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "INFER_MODEL_CACHE": str(tmp_path)},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.splitlines()[-1]) == []
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [conversion_dir(smollm2_gguf).name]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
