@@ -17,6 +17,8 @@ systems warm up first on a prompt of the same length (other token ids). Defined 
     e2e tok/s            128 generated / (time to first token + the 127 decode steps that yield tokens 2..128)
     peak RSS             the process's high-water mark (ru_maxrss from wait4 on it): weights, caches, runtime
                          (ours: with the KV pool at its default size, reported beside it as kv_pool_mib)
+    RSS budget           issue 47's bound on ours: the peak RSS of a bare `python -c "import torch"` (measured
+                         the same way, once per round, median) + 1.5 x llama.cpp's peak on the same file
 
 llama.cpp: `llama-bench -m F -t 2 -r 1`, twice per round: `-p 0 -n 128 -d 128` (tg128 at depth 128) gives
 decode; `-p 128 -n 0 -pg 128,127` gives the first token (pp128) and e2e (pp128 + tg127 in one timed run).
@@ -317,10 +319,24 @@ def _status_kib(field: str) -> int:
 # ---- the parent: rounds, medians, the floor, the table ----------------------------------------------
 
 
-def run_rounds(files: dict[str, Path], bin_dir: Path, threads: int, batch: int, rounds: int, timeout: float) -> dict:
-    """format -> system -> the list of per-round results (a dict with "error" where a run failed)."""
+def measure_bare_torch(timeout: float) -> float:
+    """The peak RSS (MiB) of a bare `python -c "import torch"`: where any torch process starts (issue 47's floor)."""
+    code, _, err, rss = run_process([sys.executable, "-c", "import torch"], timeout)
+    if code != 0:
+        raise RuntimeError(f"python -c 'import torch' exited {code}: {err[-2000:]}")
+    return rss / 1024
+
+
+def run_rounds(
+    files: dict[str, Path], bin_dir: Path, threads: int, batch: int, rounds: int, timeout: float
+) -> tuple[dict, list[float]]:
+    """(format -> system -> the list of per-round results (a dict with "error" where a run failed), the bare
+    `import torch` peak RSS of each round)."""
     runs: dict[str, dict[str, list[dict]]] = {fmt: {s: [] for s in SYSTEMS} for fmt in files}
+    bare_torch = []
     for i in range(rounds):
+        bare_torch.append(measure_bare_torch(timeout))
+        print(f"   round {i + 1} bare import torch: peak RSS {bare_torch[-1]:.0f} MiB", flush=True)
         order = SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]
         for fmt, gguf in files.items():
             for system in order:
@@ -344,7 +360,7 @@ def run_rounds(files: dict[str, Path], bin_dir: Path, threads: int, batch: int, 
                     ),
                     flush=True,
                 )
-    return runs
+    return runs, bare_torch
 
 
 def median_row(results: list[dict]) -> dict:
@@ -356,7 +372,9 @@ def median_row(results: list[dict]) -> dict:
     return {**{k: statistics.median(r[k] for r in ok) for k in keys}, "rounds_ok": len(ok)}
 
 
-def summarize(runs: dict, files: dict[str, Path], described: list[dict], bandwidth: float, batch: int) -> list[dict]:
+def summarize(
+    runs: dict, files: dict[str, Path], described: list[dict], bandwidth: float, batch: int, bare_torch_mib: float
+) -> list[dict]:
     rows = []
     for (fmt, by_system), facts in zip(runs.items(), described):
         nbytes = facts["bytes_per_token"]
@@ -371,6 +389,7 @@ def summarize(runs: dict, files: dict[str, Path], described: list[dict], bandwid
             if "error" not in ours and "error" not in peer
             else None
         )
+        budget = bare_torch_mib + 1.5 * peer["peak_rss_mib"] if "error" not in peer else None
         rows.append(
             {
                 "format": fmt,
@@ -380,6 +399,8 @@ def summarize(runs: dict, files: dict[str, Path], described: list[dict], bandwid
                 "floor_tok_s": floor,
                 "median": medians,
                 "infer_over_llamacpp": ratios,
+                "rss_budget_mib": budget,
+                "within_rss_budget": None if budget is None or "error" in ours else ours["peak_rss_mib"] <= budget,
                 "rounds": by_system,
             }
         )
@@ -414,6 +435,12 @@ def print_table(rows: list[dict], bandwidth: float, batch: int) -> None:
             print(
                 f"{row['format']:6} {'ours/l.cpp':10} {r['decode_tok_s']:11.2f}x {r['e2e_tok_s']:9.2f}x "
                 f"{'':>8} {r['peak_rss_mib']:7.2f}x"
+            )
+        if row["rss_budget_mib"] is not None:
+            verdict = {True: "within", False: "OVER", None: "?"}[row["within_rss_budget"]]
+            print(
+                f"{row['format']:6} {'RSS budget':10} {'':>12} {'':>10} {'':>8} {row['rss_budget_mib']:8.0f}"
+                f"  (bare torch + 1.5 x llama.cpp; ours {verdict})"
             )
 
 
@@ -468,11 +495,12 @@ def main() -> None:
         )
     described = describe_in_child(list(files.values()))
     load_start = os.getloadavg()
-    runs = run_rounds(files, args.llama_cpp_bin, args.threads, args.batch, args.rounds, args.timeout)
+    runs, bare_torch = run_rounds(files, args.llama_cpp_bin, args.threads, args.batch, args.rounds, args.timeout)
     parent_hwm = _status_kib("VmHWM") / 1024
     bandwidth = read_bandwidth(args.threads)
-    rows = summarize(runs, files, described, bandwidth, args.batch)
+    rows = summarize(runs, files, described, bandwidth, args.batch, statistics.median(bare_torch))
     print_table(rows, bandwidth, args.batch)
+    print(f"bare `import torch`: peak RSS {statistics.median(bare_torch):.0f} MiB (median of {len(bare_torch)})")
     print(f"this parent's high-water mark {parent_hwm:.0f} MiB (no child's peak RSS can read below it)")
     out = write_result(
         "llamacpp",
@@ -488,6 +516,7 @@ def main() -> None:
             "load_avg_start": load_start,
             "load_avg_end": os.getloadavg(),
             "parent_hwm_mib": parent_hwm,
+            "bare_torch_peak_rss_mib": {"median": statistics.median(bare_torch), "rounds": bare_torch},
             "rows": rows,
         },
     )

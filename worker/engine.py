@@ -41,7 +41,7 @@ from infer.worker.forward_batch import KVCache
 from infer.worker.in_memory import in_memory_model
 from infer.worker.loader import load_model, weight_files
 from infer.worker.lora import LoraManager
-from infer.worker.memory import HeapTrimmer, keep_freed_heap
+from infer.worker.memory import HeapTrimmer, keep_freed_heap, trim_heap
 from infer.worker.micro_batches import MicroBatches
 from infer.worker.model_files import eos_token_ids, load_tokenizer, resolve_model
 from infer.worker.model_runner import ModelRunner
@@ -160,6 +160,7 @@ class Engine:
             # StageModel, which has the same attributes and calls for the forward path: no one static type
             self.model: Any
             self.tokenizer, self.eos_token_ids, self.model = loaded.tokenizer, loaded.eos_token_ids, loaded.model
+            self.prompt_token_bytes = max_token_bytes(self.tokenizer)
             self._weight_files: list[list[Path]] | None = None  # nothing to reload them from: spill on suspend
         else:
             if tokenizer is not None:
@@ -168,12 +169,14 @@ class Engine:
             self.model_id = config.model_id
             self.tokenizer = load_tokenizer(self.model_path)
             self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+            # bounds text prompts before tokenizing; read before the weights, which reuse the heap it frees
+            self.prompt_token_bytes = max_token_bytes(self.tokenizer)
             if stage is None:
                 self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp, config.quantization)
             else:  # this stage's layers only
                 self.model = stage.load_model(self.model_path, self.dtype, self.device, config.quantization)
             self._weight_files = [weight_files(self.model_path)]
-        self.prompt_token_bytes = max_token_bytes(self.tokenizer)  # bounds text prompts before tokenizing
+        trim_heap()  # what loading freed (tokenizer files, weight conversion), before the KV pool and the first steps
         self.vocab_size = int(self.model.vocab_size)
         self.max_model_len = context_length(config, self.model.config)
         self.block_size = config.block_size

@@ -1,4 +1,5 @@
-"""Loading weights (torch): `load_model` builds our implementation from a model directory's config.json and fills
+"""Loading weights (torch): `load_model` builds our implementation from a model directory's config.json (read by
+worker/model_config.py, without transformers for the Llama family) and fills
 it from its *.safetensors, or from the GGUF its model.gguf links to (worker/gguf.py: quantized tensors kept in
 their blocks). AWQ / GPTQ int4 safetensors load as they are too (worker/awq_gptq.py), FP8 ones dense (worker/fp8.py).
 Finding the directory (`resolve_model`), the tokenizer and the EOS ids need no torch: worker/model_files.py.
@@ -21,6 +22,7 @@ from infer.worker.awq_gptq import Int4Scheme, group_tensors, scheme_of
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.fp8 import FP8_DTYPES, Fp8Scheme, fp8_scheme_of, group_fp8_tensors
 from infer.worker.gguf import close_gguf_files
+from infer.worker.model_config import read_model_config
 from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
 from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, RMSNorm, VocabEmbedding, deferred_weights
 from infer.worker.models.moe import ExpertShard
@@ -93,13 +95,11 @@ def load_model(
     (worker/awq_gptq.py) and dense checkpoints dense (an FP8 checkpoint's weights dequantized: worker/fp8.py),
     "none" makes every weight dense in `dtype`, "int8" / "int4" quantize the linear layers at load (weight-only,
     blocks of 32; the embedding and LM head int8); see `quant_plan`."""
-    from transformers import AutoConfig
-
     path = Path(path)
     validate_model_dir(path)
     files = weight_files(path)
     with deferred_weights():
-        model = build_model(AutoConfig.from_pretrained(str(path)), dtype, device, ep, tp)
+        model = build_model(read_model_config(path), dtype, device, ep, tp)
     materialize(model, quant_plan(model, files, quantization), device)
     try:
         load_weights(model, files)
@@ -199,9 +199,10 @@ def build_model(
     ep: ExpertParallel | None = None,
     tp: TensorParallel | None = None,
 ) -> nn.Module:
-    """Our implementation of a transformers `config`, parameters allocated (uninitialised) on `device`
-    ("meta" for a shape-only twin), this TP rank's shard of it. ValueError for a dense model in an EP group
-    of more than one rank, or a TP size that does not divide the heads, the vocabulary or the MLP."""
+    """Our implementation of a transformers `config` (or a worker/model_config.py ModelConfig), parameters allocated
+    (uninitialised) on `device` ("meta" for a shape-only twin), this TP rank's shard of it. ValueError for a dense
+    model in an EP group of more than one rank, or a TP size that does not divide the heads, the vocabulary or the
+    MLP."""
     cls = model_class(config)
     ep = ExpertParallel.single() if ep is None else ep
     tp = TensorParallel.single() if tp is None else tp

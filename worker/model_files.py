@@ -1,6 +1,6 @@
 """A model's files without torch: what the user passed (None, a .gguf file, a directory) resolved to a directory in
-transformers' layout (a GGUF is converted once into a cached safetensors directory; the conversion itself runs in
-worker/loader.py, which imports torch, and only when a conversion is due), and the tokenizer and EOS ids read from
+transformers' layout (a GGUF is converted once into a cached directory; the conversion itself runs worker/gguf.py,
+which imports torch, in a child process, and only when a conversion is due), and the tokenizer and EOS ids read from
 it.
 
 The HTTP front (infer-serve's front process, infer-api) reads its tokenizer here without importing torch:
@@ -16,10 +16,12 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from infer.worker.config import model_cache_dir
 
@@ -102,15 +104,38 @@ def conversion_dir(gguf: Path) -> Path:
     return model_cache_dir() / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
+# The conversion reads the GGUF's metadata through transformers' GGUF and configuration code, which would stay in
+# the process for good (~60 MiB: worker/model_config.py): it runs in a child process of its own.
+_CONVERT = "import sys; from infer.worker.gguf import write_model_dir; write_model_dir(sys.argv[1], sys.argv[2])"
+CONVERSION_TIMEOUT_S = 600.0
+
+
 def convert_gguf(gguf: Path) -> Path:
-    """The cached conversion of `gguf`, made on first use: its config, tokenizer and generation config, and a link
-    to the GGUF, whose tensors the loader reads as they are (worker/gguf.py)."""
+    """The cached conversion of `gguf`, made on first use (in a child process): its config, tokenizer and generation
+    config, and a link to the GGUF, whose tensors the loader reads as they are (worker/gguf.py). ValueError naming
+    the file for one that is no readable GGUF of an architecture we read."""
     dest = conversion_dir(gguf)
     if dest.is_dir():
         return dest
-    from infer.worker.gguf import write_model_dir
+    from infer.worker.gguf import GGUFFile
 
-    return build_once(dest, lambda out: write_model_dir(gguf, out))
+    GGUFFile(gguf)  # its refusals raised here, in this process, before any child runs
+    return build_once(dest, lambda out: _convert_in_child(gguf, out))
+
+
+def _convert_in_child(gguf: Path, out: Path) -> None:
+    """write_model_dir(gguf, out) in a child process; RuntimeError with its error output if it fails."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CONVERT, str(gguf), str(out)],
+            capture_output=True,
+            text=True,
+            timeout=CONVERSION_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"converting {gguf} took over {CONVERSION_TIMEOUT_S:.0f} s") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"converting {gguf} failed (exit {done.returncode}): {done.stderr[-3000:]}")
 
 
 def build_once(dest: Path, build: Callable[[Path], None]) -> Path:
@@ -145,11 +170,44 @@ def build_once(dest: Path, build: Callable[[Path], None]) -> Path:
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in model directory `path` (chat template included), as AutoTokenizer picks its class
-    (the engines'; with torch installed, transformers imports it here)."""
+    """The tokenizer saved in model directory `path` (chat template included), of the class AutoTokenizer picks
+    (the engines').
+
+    AutoTokenizer reads the model's config only for its model type, tokenizer class and name, but reading it through
+    AutoConfig imports the model's configuration module, and with it transformers' model-loading code
+    (torch.distributed.tensor, accelerate, sympy: ~60 MiB, worker/model_config.py). So it is handed a bare config
+    with just those fields, read from config.json as JSON. A checkpoint whose config or tokenizer brings its own
+    code (`auto_map`), where the config's class takes part in the choice, goes through AutoConfig as it is."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    config = tokenizer_choice_config(path)
+    if config is None:
+        return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), config=config)
+
+
+# What AutoTokenizer reads of a model's config to choose the tokenizer's class (transformers 5.24).
+_TOKENIZER_CHOICE_FIELDS = ("model_type", "tokenizer_class", "model_name")
+
+
+def tokenizer_choice_config(path: Path) -> Any:
+    """A bare transformers PreTrainedConfig with config.json's model type, tokenizer class and model name (what
+    AutoTokenizer chooses by); None where config.json or tokenizer_config.json has an `auto_map` (the checkpoint's
+    own code) or there is no config.json."""
+    from transformers import PreTrainedConfig
+
+    config, tokenizer_config = path / "config.json", path / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    values = json.loads(config.read_text())
+    own_code = "auto_map" in values or (
+        tokenizer_config.is_file() and "auto_map" in json.loads(tokenizer_config.read_text())
+    )
+    if own_code:
+        return None
+    fields: dict[str, Any] = {name: values[name] for name in _TOKENIZER_CHOICE_FIELDS if name in values}
+    fields["name_or_path"] = str(path)  # what AutoConfig sets
+    return PreTrainedConfig(**fields)
 
 
 def front_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -287,10 +287,10 @@ def join(
     import dataclasses
 
     import torch.distributed as dist
-    from transformers import AutoConfig
 
     from infer.worker.engine import pick_device
     from infer.worker.loader import weight_files
+    from infer.worker.model_config import read_model_config
     from infer.worker.model_files import resolve_model
     from infer.worker.tp_group import check_same_model, engine_facts
 
@@ -302,7 +302,7 @@ def join(
     tp_size, tp_rank = (tp.size, tp.rank or 0) if tp is not None else (1, 0)
     ep_size, ep_rank = (ep.size, ep.rank) if ep is not None else (1, 0)
     path = resolve_model(config.model)
-    model_config = AutoConfig.from_pretrained(str(path))
+    model_config = read_model_config(path)
     layers = options.layers(model_config.num_hidden_layers)
     per_rank = options.size * tp_size
     rank = ep_rank * per_rank + options.rank * tp_size + tp_rank

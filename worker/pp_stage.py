@@ -152,10 +152,10 @@ def load_stage(
     path: Path, dtype: torch.dtype, device: torch.device, group: PipelineGroup, quantization: str = "auto"
 ) -> LlamaForCausalLM:
     """Our model of directory `path` with only `group`'s parts, filled from the files' tensors of those parts."""
-    from transformers import AutoConfig
+    from infer.worker.model_config import read_model_config
 
     files = weight_files(Path(path))
-    config = AutoConfig.from_pretrained(str(path))
+    config = read_model_config(Path(path))
     if config.model_type not in PIPELINE_MODEL_TYPES:
         raise ValueError(
             f"pipeline parallelism does not support model type {config.model_type!r} yet: a stage runs "
