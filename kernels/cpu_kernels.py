@@ -35,7 +35,9 @@ environment sets INFER_CPU_KERNELS=0, `native_ready()` is False and the callers 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -45,7 +47,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +64,9 @@ SOURCES = tuple(
 )
 HEADERS = (_CPU_DIR / "common.h",)  # included by the sources: part of the build's hash
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")  # plus the level's -march
-BUILD_TIMEOUT_S = 120
+# A build takes seconds on a quiet machine and minutes on a loaded 2-core one (seen: past 120 s beside a test run);
+# a timeout leaves the process on the twins for its whole life, so it is generous.
+BUILD_TIMEOUT_S = 600
 # What the compiled kernel accepts (paged_decode.c's MAX_ROWS: query heads per KV head, MAX_HEAD_DIM, MAX_BLOCK).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 256
 MAX_HIDDEN = 16384  # the native RMSNorm's widest row (elementwise.c)
@@ -236,6 +240,20 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """One build of `target` at a time across processes (the test processes and the daemons they start all look
+    for the library at once): the others wait on the lock, then load what the first built. The wait is bounded by
+    the holder's build (its compiler is killed at BUILD_TIMEOUT_S; a holder that dies releases the lock)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _load(isa: str) -> ctypes.CDLL | None:
     if env.read(env.CPU_KERNELS) == "0":
         return None
@@ -245,14 +263,15 @@ def _load(isa: str) -> ctypes.CDLL | None:
         return None
     try:
         path = _library_path(compiler, isa)
-        if not path.exists():
-            _build(compiler, path, isa)
-            log.info("built the native CPU kernels (%s): %s", isa, path)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:  # a damaged file in the cache: build it again, once
-            _build(compiler, path, isa)
-            lib = ctypes.CDLL(str(path))
+        with _build_lock(path):
+            if not path.exists():
+                _build(compiler, path, isa)
+                log.info("built the native CPU kernels (%s): %s", isa, path)
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError:  # a damaged file in the cache: build it again, once
+                _build(compiler, path, isa)
+                lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("the native CPU kernels could not be built (%s): their PyTorch twins run instead", e)
         return None

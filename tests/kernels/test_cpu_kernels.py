@@ -493,6 +493,39 @@ def test_the_library_is_built_again_over_a_damaged_cache_file_and_not_at_all_wit
     assert cpu_kernels._load(isa) is None
 
 
+def test_processes_starting_at_once_build_the_library_once_and_all_load_it(tmp_path, isa):
+    """The test processes and the daemons they start all look for the library at once: one builds, the others
+    wait for it (a stand-in compiler counts its builds, holds each for a moment, and copies the real library)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    built = cpu_kernels.library(isa)
+    assert built is not None
+    real = cpu_kernels._library_path(cpu_kernels._compiler(), isa)
+    compiler = tmp_path / "cc"
+    compiler.write_text(
+        textwrap.dedent(f"""\
+            #!/bin/sh
+            [ "$1" = --version ] && {{ echo stand-in 1.0; exit 0; }}
+            echo build >> {tmp_path}/builds
+            while [ "$1" != -o ]; do shift; done
+            sleep 1
+            cp {real} "$2"
+            """)
+    )
+    compiler.chmod(0o755)
+    env = {**os.environ, "CC": str(compiler), "INFER_COMPILE_CACHE": str(tmp_path / "cache")}
+    script = f"from infer.kernels import cpu_kernels; print(cpu_kernels.library({isa!r}) is not None)"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert outputs == ["True"] * 3
+    assert (tmp_path / "builds").read_text().splitlines() == ["build"]
+
+
 # ---- the greedy step's row max -----------------------------------------------------------------------------
 
 
