@@ -99,12 +99,16 @@ class LocalCluster:
     async def start(self) -> None:
         """Bind the coordinator's port here (0: one the OS chooses) and keep it: each coordinator, a restarted
         one too, serves on this socket (`--listen-fd`), so no other process can take the port in between."""
-        if self.listener is None:
-            self.listener = listening_socket(self.host, self.port, backlog=1024, inheritable=True)
-            self.port = bound_port(self.listener)
+        self.listen()
         self.coordinator = await self.spawn_coordinator()
         for _ in range(self.num_workers):
             self.workers.append(await self.spawn_worker())
+
+    def listen(self) -> None:
+        """The coordinator's socket, bound once (port 0: one the OS chooses, read back into `port`)."""
+        if self.listener is None:
+            self.listener = listening_socket(self.host, self.port, backlog=1024, inheritable=True)
+            self.port = bound_port(self.listener)
 
     async def spawn_coordinator(self) -> asyncio.subprocess.Process:
         """A coordinator on this cluster's address (a restarted one too: workers and clients re-attach), serving on

@@ -574,6 +574,7 @@ class SrunCluster(LocalCluster):
     srun: list[str] = field(default_factory=list)
 
     async def start(self) -> None:
+        self.listen()
         self.coordinator = await self.spawn_coordinator()
         self.workers.append(await self.spawn_worker())
 
