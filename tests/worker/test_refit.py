@@ -102,7 +102,9 @@ def test_suspend_after_a_refit_from_tensors_spills_and_restores_them(weights_a, 
 
 
 def test_suspend_gives_the_memory_back_to_the_os(weights_a) -> None:
-    """RSS (read from /proc) falls by >= 90% of what suspend reports; a big KV pool makes it measurable."""
+    """RSS (read from /proc) falls by >= 85% of what suspend reports; a big KV pool makes it measurable. (90%
+    passed until the engine trimmed the heap once loading was done: suspend's own trim then also gave back what
+    loading had freed. Measured since, on the 2-core Zen 3: 110 of 125 MB, 88%.)"""
     engine = Engine(
         EngineConfig(
             model=str(weights_a),
@@ -119,7 +121,7 @@ def test_suspend_gives_the_memory_back_to_the_os(weights_a) -> None:
     rss = _rss_bytes()
     released = engine.suspend()
     assert released >= 0.9 * (64 << 20)
-    assert rss - _rss_bytes() >= 0.9 * released
+    assert rss - _rss_bytes() >= 0.85 * released
     restored = engine.resume()
     assert restored <= released < restored + 64 * 4096  # the pool's size vs its resident pages (rounded up)
 
