@@ -24,6 +24,10 @@ MODEL_CACHE = Variable(
 COMPILE_CACHE = Variable(
     "INFER_COMPILE_CACHE", "where compiled step graphs are cached across restarts (default ~/.cache/infer/compile)"
 )
+GRAMMAR_COMPILE_DELAY = Variable(
+    "INFER_TEST_GRAMMAR_COMPILE_DELAY_S",
+    "tests only: seconds every grammar compile waits in the compile thread first (a compile slow by construction)",
+)
 KERNELS = Variable("INFER_KERNELS", "'torch': run the kernels' PyTorch twins even on CUDA")
 CPU_KERNELS = Variable("INFER_CPU_KERNELS", "'0': no C kernels on a CPU (kernels/cpu_kernels.py): the twins run")
 API_KEY = Variable("INFER_API_KEY", "the HTTP front's API key when neither --api-key nor --api-key-file is given")

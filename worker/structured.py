@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from infer.protocol import env
 from infer.protocol.structured import StructuredOutputsParams, admits_no_value
 
 log = logging.getLogger("infer.structured")
@@ -159,6 +160,9 @@ class GrammarCompilerPool:
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
         """(The pool's thread.) The compiled grammar, checked for size and for the cost of its first mask."""
+        delay = env.read(env.GRAMMAR_COMPILE_DELAY)
+        if delay is not None:  # the tests' compile slow by construction, whatever xgrammar's speed
+            time.sleep(float(delay))
         compiled = self._compile_spec(spec)
         if compiled.memory_size_bytes > MAX_GRAMMAR_BYTES:
             raise GrammarTooCostly(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import os
 import re
 
 import jsonschema
@@ -155,8 +156,13 @@ BOUNDED_FLAGS = [
 
 @pytest.fixture(scope="module")
 def bounded_server(tmp_path_factory, tiny_llama):
-    """infer-serve (two workers) on the tiny Llama, each worker compiling at most 2 grammars at once."""
-    server = Served(tiny_llama, tmp_path_factory.mktemp("bounded") / "serve.log", "tiny", BOUNDED_FLAGS)
+    """infer-serve (two workers) on the tiny Llama, each worker compiling at most 2 grammars at once, each compile
+    taking at least 2 s (INFER_TEST_GRAMMAR_COMPILE_DELAY_S: slow by construction, whatever xgrammar's version)."""
+    os.environ["INFER_TEST_GRAMMAR_COMPILE_DELAY_S"] = "2"
+    try:
+        server = Served(tiny_llama, tmp_path_factory.mktemp("bounded") / "serve.log", "tiny", BOUNDED_FLAGS)
+    finally:
+        del os.environ["INFER_TEST_GRAMMAR_COMPILE_DELAY_S"]
     yield server
     server.stop()
 
