@@ -18,6 +18,7 @@ from typing import Callable
 
 import pytest
 from hypothesis import settings
+from tiny_models import save_tiny_model
 
 # Property-based tests (hypothesis): "ci", the default, replays the same examples on every run (derandomized:
 # a failure is a failure of the code, not of the draw) with a modest number of them; "soak" draws many more, at
@@ -85,111 +86,16 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(str(resolve_model(None)))
 
 
-TINY_CONFIGS: dict[str, dict] = {
-    # Small enough to run in milliseconds, shaped to exercise GQA (4:2, 6:2, 5:1), q/k norm, qkv bias,
-    # tied embeddings, rope scaling, sliding-window-free Mistral and a Mistral with a window of 16.
-    "llama": dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-    ),
-    "mistral": dict(
-        model_type="mistral",
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=None,
-        rope_theta=1000000.0,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    "mistral-swa": dict(
-        model_type="mistral",
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=16,
-        rope_theta=1000000.0,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    "qwen2": dict(
-        model_type="qwen2",
-        hidden_size=80,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=5,
-        num_key_value_heads=1,
-        rope_theta=1000000.0,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-    ),
-    "qwen3": dict(
-        model_type="qwen3",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        rope_theta=1000000.0,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-    ),
-}
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]:
     """Factory: tiny_model_dir("qwen3") -> a directory with config.json, random safetensors weights
     (fixed seed) and SmolLM2's tokenizer, loadable by transformers and by our loader."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     made: dict[str, Path] = {}
 
     def make(arch: str) -> Path:
-        if arch in made:
-            return made[arch]
-        fields = dict(TINY_CONFIGS[arch])
-        model_type = fields.pop("model_type")
-        config = AutoConfig.for_model(
-            model_type,
-            vocab_size=len(smollm2_tokenizer),
-            bos_token_id=smollm2_tokenizer.bos_token_id,
-            eos_token_id=smollm2_tokenizer.eos_token_id,
-            **fields,
-        )
-        torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():  # larger-than-default weights so logits are far from uniform
-            for p in model.parameters():
-                if p.dim() > 1:
-                    p.normal_(0.0, 0.08)
-        path = tmp_path_factory.mktemp(f"tiny-{arch}")
-        model.save_pretrained(path, safe_serialization=True)
-        smollm2_tokenizer.save_pretrained(path)
-        made[arch] = path
-        return path
+        if arch not in made:
+            made[arch] = save_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), smollm2_tokenizer)
+        return made[arch]
 
     return make
 

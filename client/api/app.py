@@ -491,15 +491,20 @@ class Front:
     async def _refresh_adapters(self) -> None:
         self.lora_adapters = dict(await self.engine.list_lora_adapters())
 
-    async def _check_model(self, model: str) -> None:
-        """404 unless `model` is the served model or a LoRA adapter (looked up again when not seen yet)."""
-        if model == self.config.served_model_name or model in self.lora_adapters:
-            return
+    async def _adapter_known_now(self, name: str) -> bool:
+        """Whether `name` is a LoRA adapter, the list asked of the cluster again first (kept as it was when the
+        cluster cannot answer)."""
         try:
             await self._refresh_adapters()
         except (ClusterError, ValueError):
             pass
-        if model not in self.lora_adapters:
+        return name in self.lora_adapters
+
+    async def _check_model(self, model: str) -> None:
+        """404 unless `model` is the served model or a LoRA adapter (looked up again when not seen yet)."""
+        if model == self.config.served_model_name or model in self.lora_adapters:
+            return
+        if not await self._adapter_known_now(model):
             raise self._model_not_found(model)
 
     def _model_not_found(self, model: str) -> ApiError:
@@ -517,11 +522,7 @@ class Front:
         a LoRA adapter that is gone: unloaded through another front or an admin client after this front last
         looked (its list is refreshed here, on the failure path only)."""
         if lora is not None and delta.error_code == ErrorCode.INVALID_REQUEST:
-            try:
-                await self._refresh_adapters()
-            except (ClusterError, ValueError):
-                pass
-            if lora not in self.lora_adapters:
+            if not await self._adapter_known_now(lora):
                 return self._model_not_found(lora)
         return request_error(delta, self.config.retry_after)
 

@@ -114,23 +114,26 @@ async def _under_attack(cluster: Cluster, keys: ClusterKeyDir, attack) -> None:
     assert all(p.popen.poll() is None for p in cluster.procs), cluster.dump()
 
 
+def _one_frame(cluster, keys, name: str, frame: bytes, answers: list[Message], probe: bool) -> None:
+    """(The attacker's thread.) A client key says Hello as `name`, sends `frame` and appends the answer; with
+    `probe`, checks that the coordinator still hears it after."""
+    ctx = zmq.Context()
+    try:
+        peer = Peer(ctx, cluster, keys, "client")
+        peer.hello(name)
+        peer.send(frame)
+        answers.append(peer.answer())
+        if probe:
+            peer.probe()
+    finally:
+        ctx.destroy(linger=0)
+
+
 @pytest.mark.parametrize("where", NESTED)
 async def test_a_frame_nested_1000_deep_is_answered_and_a_bystander_streams_exactly(keyed, where):
     cluster, keys = keyed
     answers: list[Message] = []
-
-    def attack() -> None:
-        ctx = zmq.Context()
-        try:
-            peer = Peer(ctx, cluster, keys, "client")
-            peer.hello("attacker")
-            peer.send(NESTED[where])
-            answers.append(peer.answer())
-            peer.probe()  # and it still hears the attacker too
-        finally:
-            ctx.destroy(linger=0)
-
-    await _under_attack(cluster, keys, attack)
+    await _under_attack(cluster, keys, lambda: _one_frame(cluster, keys, "attacker", NESTED[where], answers, True))
     (answer,) = answers
     assert (
         isinstance(answer, Error)
@@ -143,18 +146,7 @@ async def test_a_frame_of_8m_token_ids_is_refused_by_the_length_bound(keyed):
     ids = b"\xdd" + (8_000_000).to_bytes(4, "big") + b"\x07" * 8_000_000
     frame = SUBMIT_HEAD + b"\x04\xa4body\x82\xaarequest_id\xa5r-big\xb0prompt_token_ids" + ids
     answers: list[Message] = []
-
-    def attack() -> None:
-        ctx = zmq.Context()
-        try:
-            peer = Peer(ctx, cluster, keys, "client")
-            peer.hello("attacker-big")
-            peer.send(frame)
-            answers.append(peer.answer())
-        finally:
-            ctx.destroy(linger=0)
-
-    await _under_attack(cluster, keys, attack)
+    await _under_attack(cluster, keys, lambda: _one_frame(cluster, keys, "attacker-big", frame, answers, False))
     (answer,) = answers
     assert isinstance(answer, Error) and answer.request_id is None
     assert answer.message == f"bad frame: frame refused: an array of 8000000 items exceeds the limit of {MAX_ITEMS}"

@@ -28,38 +28,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `soak`, `lora_cases` import as a script
 from cluster.conftest import Cluster  # noqa: E402 - after the path
 from lora_cases import ALL_TARGETS, load_unload_cycles, make_adapter  # noqa: E402
+from tiny_models import save_tiny_model  # noqa: E402
 
 from infer.client.inference_client import InferenceClient  # noqa: E402
 from soak.harness import read_memory_kb, write_result  # noqa: E402
 
-TINY_LLAMA = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
-
 
 def make_tiny_llama(folder: Path) -> Path:
-    """A random tiny Llama with SmolLM2's tokenizer (tests/conftest.py's "llama" shape), saved in `folder`."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """tests/conftest.py's tiny "llama" with SmolLM2's tokenizer, saved in `folder`."""
+    from transformers import AutoTokenizer
 
     from infer.worker.model_files import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **TINY_LLAMA,
-    )
-    torch.manual_seed(1234)
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_model("llama", folder, AutoTokenizer.from_pretrained(str(resolve_model(None))))
 
 
 async def cycle(address: str, adapter: Path, cycles: int, pid: int) -> tuple[int, list[int], float]:

@@ -1,0 +1,105 @@
+"""Tiny random models of each architecture the tests load (tests/conftest.py's `tiny_model_dir`, and the soak
+scripts, which run outside pytest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TINY_CONFIGS: dict[str, dict] = {
+    # Small enough to run in milliseconds, shaped to exercise GQA (4:2, 6:2, 5:1), q/k norm, qkv bias,
+    # tied embeddings, rope scaling, sliding-window-free Mistral and a Mistral with a window of 16.
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=None,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "mistral-swa": dict(
+        model_type="mistral",
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=80,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+    ),
+}
+
+
+def save_tiny_model(arch: str, folder: Path, tokenizer: Any) -> Path:
+    """TINY_CONFIGS[arch] with random weights (fixed seed, larger than default so that logits are far from uniform)
+    and `tokenizer`, saved in `folder`: loadable by transformers and by our loader."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(TINY_CONFIGS[arch])
+    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **fields,
+    )
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
