@@ -35,6 +35,7 @@ from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import encode
 from infer.protocol.options import add_options, given
+from infer.protocol.ports import check_listening_fd
 from infer.protocol.roles import Role
 from infer.protocol.tracing import open_sink
 from infer.protocol.transport import KeyGate, make_socket
@@ -79,6 +80,7 @@ class CoordinatorDaemon:
         # ignored by ZeroMQ and never receives that peer's frames (peers pick random, secret ids).
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if authorized is not None else 1)
         if config.listen_fd is not None:  # a socket the parent bound and keeps (ZeroMQ takes this copy of it)
+            check_listening_fd(config.listen_fd, config.port)
             self.sock.setsockopt(zmq.USE_FD, config.listen_fd)
             self.sock.bind(config.endpoint)
         elif config.port == 0:

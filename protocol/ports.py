@@ -102,3 +102,20 @@ def _bindable(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def check_listening_fd(fd: int, port: int) -> None:
+    """ValueError, in words, unless `fd` is a listening TCP socket bound to `port` (what `--listen-fd` hands a
+    coordinator: ZeroMQ aborts the process on a descriptor that is not open, and serves nothing on one that is
+    not a listening socket)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError as e:
+        raise ValueError(f"--listen-fd {fd} is not an open socket: {e.strerror or e}") from None
+    with sock:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            raise ValueError(f"--listen-fd {fd} is not a TCP socket")
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            raise ValueError(f"--listen-fd {fd} is a TCP socket that is not listening")
+        if bound_port(sock) != port:
+            raise ValueError(f"--listen-fd {fd} is bound to port {bound_port(sock)}, not --port {port}")

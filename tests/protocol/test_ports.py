@@ -10,6 +10,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import zmq
 from ports import bound_port, listening_socket, reserved_port, tcp_store
 
@@ -88,3 +89,37 @@ def test_reserved_ports_are_outside_the_ephemeral_range_and_never_handed_out_twi
     assert all(LOWEST_RESERVED <= p < _ephemeral_start() for p in ports)
     with listening_socket("127.0.0.1", mine[0]) as sock:  # reserved: nothing else holds it, its owner binds it
         assert bound_port(sock) == mine[0]
+
+
+def test_a_listen_fd_that_is_not_a_listening_socket_on_the_port_is_refused_in_words(tmp_path) -> None:
+    from infer.protocol.ports import check_listening_fd
+
+    bound = socket.socket()
+    bound.bind(("127.0.0.1", 0))
+    with open(tmp_path / "f", "w") as plain, bound:
+        with pytest.raises(ValueError, match="is not an open socket"):
+            check_listening_fd(plain.fileno(), 1234)
+        with pytest.raises(ValueError, match="that is not listening"):
+            check_listening_fd(bound.fileno(), bound.getsockname()[1])
+        bound.listen()
+        with pytest.raises(ValueError, match=f"is bound to port {bound.getsockname()[1]}, not --port 1"):
+            check_listening_fd(bound.fileno(), 1)
+        check_listening_fd(bound.fileno(), bound.getsockname()[1])
+    # a descriptor that is not open: ZeroMQ aborted the daemon on it ("Bad file descriptor (src/epoll.cpp:73)")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "infer.coordinator.daemon",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "5555",
+            "--listen-fd",
+            "987",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "--listen-fd 987 is not an open socket" in done.stderr, done.stderr
