@@ -3,7 +3,9 @@ requests go out in order (resumed ones first, then by priority) when room appear
 fail from one deadline heap (protocol/deadlines.py, which LocalEngine uses too); a request whose worker died, gave it up
 or drains goes back to the front of the queue (failover), or fails past its retries or as a likely poison. No I/O: a
 job the Coordinator (core.py) builds, on the books, the routing policy and the cluster's status (every other job
-calls it; it calls none). It owns the deadline heap and the routable workers."""
+calls it; it calls none). It owns the deadline heap, the routable workers and a routing policy per model: a request
+runs on a worker of its model (RequestRecord.model, coordinator/models.py), and each model's queue of held requests
+moves on its own (a model with no free worker holds up none of the others)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ import logging
 import random
 from typing import cast
 
+import msgspec
+
 from infer.coordinator.books import Books
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import ClusterState
+from infer.coordinator.models import Models, Refusal, Target
 from infer.coordinator.outbox import Send
-from infer.coordinator.routing import RoutingPolicy
+from infer.coordinator.routing import RoutingPolicy, make_policy
 from infer.coordinator.state import ClusterStatus, RequestRecord, WorkerRecord
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.messages import Delta, Submit
@@ -31,24 +36,38 @@ class Admission:
     """Which requests go where, and when; the deadline heap; the routable workers."""
 
     def __init__(
-        self, books: Books, send: Send, status: ClusterStatus, policy: RoutingPolicy, config: CoordinatorConfig
+        self, books: Books, send: Send, status: ClusterStatus, models: Models, config: CoordinatorConfig
     ) -> None:
         self.books = books
         self.send = send
         self.status = status
-        self.policy = policy
+        self.models = models
+        self.policies: dict[str, RoutingPolicy] = {}  # one per model: each remembers only its own ranks
         self.config = config
         self._seeds = random.Random()  # seeds for sampled requests that come without one
         self.routable_cache: list[WorkerRecord] | None = None
         self.deadlines: DeadlineHeap[str] = DeadlineHeap()  # request ids by deadline; stale entries skipped
 
-    def new_record(self, identity: bytes, submit: Submit, now: float) -> RequestRecord:
+    def policy(self, model_id: str) -> RoutingPolicy:
+        """The routing policy of `model_id`'s workers (made on first use)."""
+        policy = self.policies.get(model_id)
+        if policy is None:
+            policy = self.policies[model_id] = make_policy(self.config.policy)
+        return policy
+
+    def new_record(self, identity: bytes, submit: Submit, now: float, target: Target | None = None) -> RequestRecord:
+        """The record of an accepted Submit, to run on `target` (default: the model the Submit names)."""
+        target = Target(submit.model) if target is None else target
+        sampling = submit.sampling
+        if target.lora_name is not None:  # `model` named the adapter: the request runs with it
+            sampling = msgspec.structs.replace(sampling, lora_name=target.lora_name)
         request = RequestRecord(
             request_id=submit.request_id,
             client=identity,
             prompt=submit.prompt,
             prompt_token_ids=submit.prompt_token_ids,
-            sampling=self._seeded(submit.sampling),
+            model=target.model_id,
+            sampling=self._seeded(sampling),
             pin_rank=submit.pin_rank,
             priority=submit.priority,
             submitted_at=now,
@@ -71,35 +90,37 @@ class Admission:
         return sampling.with_seed(self._seeds.getrandbits(63))
 
     def admit(self, request: RequestRecord, now: float) -> None:
-        """Dispatch an accepted request now, or hold it behind the ones already waiting."""
-        if self._dispatching and not self.books.requests.held:
+        """Dispatch an accepted request now, or hold it behind the ones of its model already waiting."""
+        if self._dispatching and not any(r.model == request.model for r in self.books.requests.held.values()):
             self._dispatch(request, now)
         else:
             self.books.requests.hold(request, now)
 
-    def admission_refusal(self, submit: Submit) -> str | None:
+    def admission_refusal(self, submit: Submit, model_id: str | None = None) -> str | None:
         """Why a new request must be refused at once as overloaded (its queues are full), or None.
 
         Priority (lower first) decides who is shed: with every worker at its limit, a request of a better
         priority than some request in flight is held (first in line for the next free seat, and its worker
         ranks it first) instead of refused; with the held queue full, a newcomer of a better priority
-        takes the place of the worst held request that has not started, which fails as "overloaded"."""
-        if self.status.state is not ClusterState.RUNNING or not self.routable():
+        takes the place of the worst held request that has not started, which fails as "overloaded". Only the
+        workers of the request's model (`model_id`; None: the default) count."""
+        routable = self.routable_for(model_id)
+        if self.status.state is not ClusterState.RUNNING or not routable:
             return self._held_room(submit)
         if submit.pin_rank is not None:
-            pinned = [w for w in self.routable() if w.dp_rank == submit.pin_rank]
+            pinned = [w for w in routable if w.dp_rank == submit.pin_rank]
             if pinned and not self._has_room(pinned[0]):
                 return (
                     f"the cluster is overloaded: dp_rank {submit.pin_rank} already has "
                     f"{pinned[0].num_in_flight} requests, its limit; retry later"
                 )
             return None
-        if not any(self._has_room(w) for w in self.routable()):
+        if not any(self._has_room(w) for w in routable):
             if submit.priority < self._worst_priority_in_flight():
                 return self._held_room(submit)
-            busiest = max(self.routable(), key=lambda w: w.num_in_flight)
+            busiest = max(routable, key=lambda w: w.num_in_flight)
             return (
-                f"the cluster is overloaded: every worker has its limit of requests (dp_rank "
+                f"the cluster is overloaded: every worker{self._of_model(busiest)} has its limit of requests (dp_rank "
                 f"{busiest.dp_rank}: {busiest.num_in_flight}); retry later"
             )
         return None
@@ -132,13 +153,20 @@ class Admission:
             (r.priority for r in self.books.requests.by_id.values() if r.worker_id is not None), default=-(2**63)
         )
 
+    def _of_model(self, worker: WorkerRecord) -> str:
+        """ " of model 'm'" when the cluster serves several models (error texts), else nothing."""
+        return f" of model {worker.model_id!r}" if len(self.models.served()) > 1 else ""
+
     def _has_room(self, worker: WorkerRecord) -> bool:
         limit = worker.request_limit(self.config.max_requests_per_worker)
         return limit is None or worker.num_in_flight < limit
 
     def _dispatch(self, request: RequestRecord, now: float) -> bool:
-        """Route and send `request`; False (it stays or becomes held) if no worker can take it now."""
-        routable = self.routable()
+        """Route and send `request` to a worker of its model; False (it stays or becomes held) if none can take it
+        now."""
+        if request.model is None and not self._settle_model(request):
+            return True
+        routable = self.routable_for(request.model)
         candidates = [w for w in routable if self._has_room(w)]
         if not candidates:
             self.books.requests.hold(request, now)
@@ -157,7 +185,9 @@ class Admission:
                 )
                 return True
         else:
-            worker = self.policy.choose(request.routing_prompt, self._for_suspect(request, candidates))
+            worker = self.policy(worker_model(candidates)).choose(
+                request.routing_prompt, self._for_suspect(request, candidates)
+            )
         if request.num_delivered and request.prompt_token_ids is None:
             self.books.fail(
                 request,
@@ -178,6 +208,16 @@ class Admission:
         self.send(worker.identity, request.dispatch())
         return True
 
+    def _settle_model(self, request: RequestRecord) -> bool:
+        """A request that named no model before any worker registered runs on the default model now that there is
+        one; False (it failed) if the cluster now serves several with no default."""
+        target = self.models.resolve(None, request.sampling.lora_name)
+        if isinstance(target, Refusal):
+            self.books.fail(request, f"request {request.request_id!r}: {target.message}", target.code)
+            return False
+        request.model = target.model_id
+        return True
+
     def _for_suspect(self, request: RequestRecord, candidates: list[WorkerRecord]) -> list[WorkerRecord]:
         """A suspect goes where no other suspect runs, when such a worker can take it: should one of them be a
         poison, the next death then hits it alone, not the bystanders that died with it once."""
@@ -196,11 +236,16 @@ class Admission:
         return self.status.state is ClusterState.RUNNING and not self.status.refit_pending
 
     def dispatch_held(self, now: float) -> None:
+        """Held requests out in order, each model's queue on its own: a request no worker of its model can take
+        now keeps the later ones of that model held, and no others."""
         if not self._dispatching or not self.books.requests.held or not self.routable():
             return
+        stuck: set[str | None] = set()  # models whose next held request found no worker
         for request in self._held_in_order():
+            if request.model in stuck:
+                continue
             if not self._dispatch(request, now):
-                return
+                stuck.add(request.model)
 
     def _held_in_order(self) -> list[RequestRecord]:
         """Held requests in dispatch order: resumed ones (a failover) first, then by priority, each in the order
@@ -246,9 +291,10 @@ class Admission:
         )
 
     def worker_died(self, worker: WorkerRecord) -> None:
-        """`worker` is dead: out of routing, and the policy forgets its rank (its requests move: `failover`)."""
+        """`worker` is dead: out of routing, and its model's policy forgets its rank (its requests move:
+        `failover`)."""
         self.routes_changed()
-        self.policy.forget_rank(worker.dp_rank)
+        self.policy(worker.model_id).forget_rank(worker.dp_rank)
 
     def note_version(self, worker: WorkerRecord, version: int) -> None:
         """What a worker's load or answer says it serves: it routes only at the cluster's version."""
@@ -264,14 +310,24 @@ class Admission:
         """Healthy workers whose whole group is healthy (a dead member stalls an EP group's collectives) and
         that serve the cluster's weight version (a worker behind is brought to it first: commands.py)."""
         if self.routable_cache is None:
-            dead_groups = {w.group_id for w in self.books.workers if not w.healthy}
+            dead_groups = {w.group_key for w in self.books.workers if not w.healthy}
             version = self.status.weight_version
             self.routable_cache = [
                 w
                 for w in self.books.workers
-                if w.healthy and not w.draining and w.group_id not in dead_groups and w.weight_version == version
+                if w.healthy and not w.draining and w.group_key not in dead_groups and w.weight_version == version
             ]
         return self.routable_cache
+
+    def routable_for(self, model_id: str | None) -> list[WorkerRecord]:
+        """The routable workers of `model_id` (None: of the default model; none while there is no default)."""
+        model = self.models.default if model_id is None else model_id
+        routable = self.routable()
+        if model is None:
+            return []
+        if all(w.model_id == model for w in routable):  # one model: the list as it is
+            return routable
+        return [w for w in routable if w.model_id == model]
 
     def _add_deadline(self, request: RequestRecord, deadline: float) -> None:
         self.deadlines.push(deadline, request.request_id, len(self.books.requests), self._deadline_current)
@@ -309,3 +365,8 @@ class Admission:
                 f"request {request.request_id!r} waited {waited(request):.1f} s for a "
                 f"healthy worker (queue timeout {limit} s)",
             )
+
+
+def worker_model(workers: list[WorkerRecord]) -> str:
+    """The model of `workers` (never empty, all of one model)."""
+    return workers[0].model_id

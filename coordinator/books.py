@@ -8,8 +8,15 @@ Invariants (state.py): a request is held or on exactly one worker, in that worke
 from __future__ import annotations
 
 from infer.coordinator.outbox import Outbox
-from infer.coordinator.state import ClientRecord, RequestRecord, RequestTable, WorkerRecord, WorkerTable
-from infer.protocol.codes import ErrorCode
+from infer.coordinator.state import (
+    ClientRecord,
+    ModelCounters,
+    RequestRecord,
+    RequestTable,
+    WorkerRecord,
+    WorkerTable,
+)
+from infer.protocol.codes import ErrorCode, FinishReason
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import Abort, Counters, Delta, Error, Refused
 from infer.protocol.tracing import Attribute
@@ -33,6 +40,11 @@ class Books:
         self.clients = clients
         self.counters = counters
         self.outbox = outbox
+        self.model_counters: dict[str, ModelCounters] = {}  # per model: bounded by the models served
+
+    def count_submitted(self, model: str | None) -> None:
+        if model is not None:
+            self.model_counters.setdefault(model, ModelCounters()).submitted += 1
 
     def client(self, identity: bytes, now: float) -> ClientRecord | None:
         """The client behind `identity` (registered on first contact); None (and an Error) if it is a worker."""
@@ -85,6 +97,12 @@ class Books:
                 "infer.redispatches": request.retries,
             }
             self.outbox.end_span(request.trace.finish(None, **attributes))
+        if request.model is not None and final is not None and final.finish_reason != FinishReason.ABORT:
+            counters = self.model_counters.setdefault(request.model, ModelCounters())
+            if final.finish_reason == FinishReason.ERROR:
+                counters.failed += 1
+            else:
+                counters.completed += 1
         self.detach(request)
         self.requests.remove(request)
         client = self.clients.get(request.client)

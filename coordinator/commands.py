@@ -201,6 +201,12 @@ class Commands:
             return f"{self.barrier.what} is still waiting for the workers"
         if not num_workers:
             return "no healthy worker"
+        served = self.admission.models.served()
+        if len(served) > 1:
+            return (
+                f"the cluster serves {len(served)} models and update_weights sends one model's weights to every "
+                f"worker: refit a cluster of one model"
+            )
         if msg.sync is not None and msg.sync.world_size != num_workers + 1:
             return (
                 f"the weight-sync group has world_size {msg.sync.world_size}, but {num_workers} worker(s) are "

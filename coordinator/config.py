@@ -24,7 +24,10 @@ class CoordinatorConfig:
     stop_timeout: how long STOP waits for workers to acknowledge before the coordinator exits anyway.
     drain_timeout: on SIGTERM / SIGINT, how long requests already accepted get to finish (new ones are
         refused as "unavailable") before STOP; 0 runs STOP at once. A second signal runs STOP at once.
-    model_id: the model every worker must serve; None takes the first worker's.
+    model_id: the models the cluster serves, comma-separated: a worker of any other is refused, and the first is
+        the default, where requests that name no model go. None: workers of any model join; requests that name
+        none go to the cluster's only model, and are refused (naming the models) once it serves several
+        (coordinator/models.py).
     max_requests_per_worker: admission bound on the requests one worker has at a time (running and
         waiting in its engine); None takes each worker's own bound (its max_num_seqs + max_waiting). A
         request that finds every routable worker full is refused at once with error code "overloaded".
@@ -67,7 +70,12 @@ class CoordinatorConfig:
         "once)",
         metavar="S",
     )
-    model_id: str | None = option(None, "the model id every worker must serve (default: the first worker's)")
+    model_id: str | None = option(
+        None,
+        "the model ids the cluster serves, comma-separated (workers of others are refused); the first is the "
+        "default for requests that name no model (default: any model joins; requests that name none go to the "
+        "only model served)",
+    )
     coordinator_id: str = option("coordinator", "the name this coordinator gives itself in Welcome and stats")
     max_requests_per_worker: int | None = option(
         None,
@@ -126,6 +134,8 @@ class CoordinatorConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.model_id is not None and not all(self.model_ids):
+            raise ValueError(f"model_id must be model ids separated by commas, got {self.model_id!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 0 <= self.port <= 65535:
@@ -167,6 +177,11 @@ class CoordinatorConfig:
                 "coordinator's secret key file and the directory of the public keys it lets in, "
                 "or --worker-keys / --client-keys / --admin-keys) or neither"
             )
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        """The models --model-id pins, the default first; () when any model may join."""
+        return () if self.model_id is None else tuple(m.strip() for m in self.model_id.split(","))
 
     @property
     def endpoint(self) -> str:

@@ -58,11 +58,11 @@ from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import ClusterState, commands_to_reach
 from infer.coordinator.liveness import Liveness
 from infer.coordinator.loras import Loras
+from infer.coordinator.models import Models, Refusal
 from infer.coordinator.orphans import OrphanTable
 from infer.coordinator.outbox import Outbox
 from infer.coordinator.reattachment import Reattachment
 from infer.coordinator.relay import Relay
-from infer.coordinator.routing import make_policy
 from infer.coordinator.state import ClientRecord, ClusterStatus, RequestTable, WorkerRecord, WorkerTable
 from infer.coordinator.statistics import Statistics
 from infer.protocol.codes import Command, ErrorCode
@@ -109,9 +109,9 @@ class Coordinator:
         `wall_offset`: added to `now` gives the wall-clock time heartbeats carry."""
         self.config = config
         self.access = AccessControl(keys)
-        self.status = ClusterStatus(model_id=config.model_id)
-        self.policy = make_policy(config.policy)
+        self.status = ClusterStatus(model_id=config.model_ids[0] if config.model_ids else None)
         self.workers = WorkerTable()
+        self.models = Models(self.workers, config.model_ids)
         self.clients: dict[bytes, ClientRecord] = {}
         self.requests = RequestTable()
         self.instance = uuid.uuid4().hex[:16]  # this process; peers notice a restart when it changes
@@ -124,13 +124,11 @@ class Coordinator:
         self.peer_warnings = RateLimitedLog(log)  # warnings a peer can trigger at will
         # the jobs, each after the ones it calls
         send = self.outbox.send
-        self.admission = Admission(self.books, send, self.status, self.policy, config)
+        self.admission = Admission(self.books, send, self.status, self.models, config)
         self.reattachment = Reattachment(self.books, self.outbox, self.admission, config, now)
         self.relay = Relay(self.books, self.outbox, self.admission, self.reattachment.orphans, self.peer_warnings)
-        self.loras = Loras(self.books, send, self.status)
-        self.statistics = Statistics(
-            self.books, send, self.status, self.admission, self.loras, config, self.policy.name, now
-        )
+        self.loras = Loras(self.books, send, self.status, self.models)
+        self.statistics = Statistics(self.books, send, self.status, self.admission, self.loras, config, now)
         self.commands = Commands(self.books, send, self.status, self.admission, self.statistics, config)
         self.liveness = Liveness(
             self.books,
@@ -402,16 +400,14 @@ class Coordinator:
         )
 
     def _admission_problem(self, hello: Hello) -> str | None:
-        if self.status.model_id is not None and hello.model_id != self.status.model_id:
-            source = "--model-id" if self.config.model_id is not None else "the first worker"
-            return (
-                f"model id differs: the cluster serves {self.status.model_id!r} (from {source}), worker "
-                f"{hello.peer_id!r} has {hello.model_id!r}"
-            )
-        other = None if hello.dp_rank is None else self.workers.live_with_rank(hello.dp_rank)
+        problem = self.models.join_problem(hello)
+        if problem is not None:
+            return problem
+        other = None if hello.dp_rank is None else self.workers.live_with_rank(hello.dp_rank, hello.model_id)
         if other is not None and other.worker_id != hello.peer_id:
+            of_model = f" of model {hello.model_id!r}" if len(self.models.served()) > 1 else ""
             return (
-                f"duplicate dp_rank {hello.dp_rank}: live worker {other.worker_id!r} already serves it "
+                f"duplicate dp_rank {hello.dp_rank}{of_model}: live worker {other.worker_id!r} already serves it "
                 f"(give each worker its own --dp-rank, or leave it out to have one assigned)"
             )
         return None
@@ -438,14 +434,17 @@ class Coordinator:
                 worker.dispatches_sent = old.dispatches_sent
             running = set(hello.running)
             seen = hello.dispatches_seen if same_process and hello.dispatches_seen is not None else math.inf
+            same_model = old.model_id == worker.model_id
             for request in [r for r in map(self.requests.get, list(old.requests)) if r is not None]:
-                if request.request_id in running or request.dispatch_seq > seen:
+                if same_model and (request.request_id in running or request.dispatch_seq > seen):
                     worker.requests.add(request.request_id)
                     worker.cost_in_flight += request.charged
                 else:
                     self.admission.failover(request, f"worker {old.worker_id!r} re-registered without it", now)
         for superseded in [
-            w for w in self.workers if not w.healthy and w.dp_rank == rank and w.worker_id != hello.peer_id
+            w
+            for w in self.workers
+            if not w.healthy and w.dp_rank == rank and w.model_id == worker.model_id and w.worker_id != hello.peer_id
         ]:
             self.workers.remove(superseded)
         self.workers.add(worker)
@@ -504,7 +503,14 @@ class Coordinator:
         if submit.reattach:
             self.reattachment.reattach(client, submit, now)
             return
-        overloaded = self.admission.admission_refusal(submit)
+        target = self.models.resolve(submit.model, submit.sampling.lora_name)
+        if isinstance(target, Refusal):
+            self.send(
+                identity,
+                Error(message=f"request {rid!r} not accepted: {target.message}", request_id=rid, code=target.code),
+            )
+            return
+        overloaded = self.admission.admission_refusal(submit, target.model_id)
         if overloaded is not None:
             self.counters.requests_rejected += 1
             self.send(
@@ -512,10 +518,11 @@ class Coordinator:
                 Error(message=f"request {rid!r} not accepted: {overloaded}", request_id=rid, code=ErrorCode.OVERLOADED),
             )
             return
-        request = self.admission.new_record(identity, submit, now)
+        request = self.admission.new_record(identity, submit, now, target)
         self.requests.add(request)
         client.requests.add(rid)
         self.counters.requests_submitted += 1
+        self.books.count_submitted(request.model or self.models.default)
         self.admission.admit(request, now)
 
     def _on_abort(self, identity: bytes, abort: Abort, now: float) -> None:

@@ -105,7 +105,7 @@ class Liveness:
         worker.healthy = False
         self.admission.worker_died(worker)
         self.on_worker_dead(worker)
-        mates = [w for w in self.books.workers if w.healthy and w.group_id == worker.group_id]
+        mates = [w for w in self.books.workers if w.healthy and w.group_key == worker.group_key]
         log.warning(
             "worker left: %s: %s; moving its %d request(s)%s",
             worker.describe(),

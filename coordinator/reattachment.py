@@ -13,6 +13,7 @@ import msgspec
 from infer.coordinator.admission import Admission
 from infer.coordinator.books import Books
 from infer.coordinator.config import CoordinatorConfig
+from infer.coordinator.models import Refusal
 from infer.coordinator.orphans import Orphan, OrphanTable
 from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import ClientRecord, RequestRecord, WorkerRecord
@@ -72,6 +73,7 @@ class Reattachment:
             return False
         tokens, text = catch_up
         self.books.counters.requests_reattached += 1
+        request.model = worker.model_id  # where it runs: a failover later stays on its model
         if request.prompt_token_ids is None:
             request.prompt_token_ids = orphan.prompt_token_ids
         if orphan.seed is not None:  # what the worker runs with (the client may not have heard it yet)
@@ -113,7 +115,11 @@ class Reattachment:
         """A client sends an unfinished request again after this coordinator (re)started: take over the
         worker's copy if one registered, wait for it during restart_grace, else resume from the client's."""
         rid = submit.request_id
-        request = self.admission.new_record(client.identity, submit, now)
+        target = self.admission.models.resolve(submit.model, submit.sampling.lora_name)
+        # (a model no worker has registered with yet after the restart: kept as named, it waits for one)
+        request = self.admission.new_record(
+            client.identity, submit, now, None if isinstance(target, Refusal) else target
+        )
         delivered = submit.delivered_token_ids
         request.journal = StreamJournal.lengths_only(delivered, submit.delivered_text_len if delivered else 0)
         request.sent_prompt_ids = bool(delivered)

@@ -42,6 +42,7 @@ class RequestRecord:
     sampling: SamplingParams  # as submitted; a sampled request without a seed is given one
     pin_rank: int | None
     submitted_at: float
+    model: str | None = None  # the model it runs on (coordinator/models.py); None: the default, none known yet
     worker_id: str | None = None  # where it runs now; None while held
     held_since: float | None = None
     journal: StreamJournal = field(default_factory=StreamJournal.lengths_only)  # what the client was relayed
@@ -148,6 +149,15 @@ class WorkerRecord:
     # A worker's Hello always carries its KV geometry and batch bound (Hello.__post_init__ requires them of the
     # role "worker", the only role a WorkerRecord is made for): typed optional only for the other roles.
     @property
+    def model_id(self) -> str:
+        return cast(str, self.hello.model_id)
+
+    @property
+    def group_key(self) -> tuple[str, str]:
+        """Its EP group across the cluster: group ids are each model's own."""
+        return (self.model_id, self.group_id)
+
+    @property
     def num_kv_blocks(self) -> int:
         return cast(int, self.hello.num_kv_blocks)
 
@@ -193,7 +203,8 @@ class WorkerRecord:
 
     def describe(self) -> str:
         return (
-            f"worker {safe(self.worker_id)} (dp_rank {self.dp_rank}, group {safe(self.group_id)}, "
+            f"worker {safe(self.worker_id)} (model {safe(self.model_id)}, dp_rank {self.dp_rank}, group "
+            f"{safe(self.group_id)}, "
             f"{self.hello.num_kv_blocks} KV blocks x {self.hello.block_size}, max_num_seqs "
             f"{self.hello.max_num_seqs}, max_model_len {self.hello.max_model_len})"
         )
@@ -225,17 +236,26 @@ class WorkerTable:
     def healthy(self) -> list[WorkerRecord]:
         return [w for w in self.by_id.values() if w.healthy]
 
-    def live_with_rank(self, dp_rank: int) -> WorkerRecord | None:
-        return next((w for w in self.by_id.values() if w.healthy and w.dp_rank == dp_rank), None)
+    def live_with_rank(self, dp_rank: int, model_id: str | None) -> WorkerRecord | None:
+        """The live worker of `model_id` at `dp_rank` (each model has its own ranks)."""
+        return next(
+            (w for w in self.by_id.values() if w.healthy and w.dp_rank == dp_rank and w.model_id == model_id), None
+        )
 
     def rank_for(self, hello: Hello) -> int:
-        """The DP rank a worker serves: the one its Hello names; else the one it already has here (it
-        registers again after a partition); else its hint (the rank an earlier coordinator process gave it)
-        when no live worker holds that; else the lowest rank no live worker holds."""
+        """The DP rank a worker serves among its model's: the one its Hello names; else the one it already has
+        here (it registers again after a partition, same model); else its hint (the rank an earlier coordinator
+        process gave it) when no live worker of its model holds that; else the lowest rank none holds."""
         if hello.dp_rank is not None:
             return hello.dp_rank
         old = self.by_id.get(hello.peer_id)
-        held = {w.dp_rank for w in self.by_id.values() if w.healthy and w.worker_id != hello.peer_id}
+        if old is not None and old.model_id != hello.model_id:
+            old = None  # it came back serving another model: a new rank among that model's
+        held = {
+            w.dp_rank
+            for w in self.by_id.values()
+            if w.healthy and w.worker_id != hello.peer_id and w.model_id == hello.model_id
+        }
         for wanted in (old.dp_rank if old is not None else None, hello.rank_hint):
             if wanted is not None and wanted not in held:
                 return wanted
@@ -288,11 +308,22 @@ class RequestTable:
 
 
 @dataclass
+class ModelCounters:
+    """What one model's requests came to (ModelStats): submitted, finished without an error (aborts not counted),
+    failed."""
+
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+@dataclass
 class ClusterStatus:
     """The cluster-wide facts: one part writes each, the jobs read them. `state`: the lifecycle (commands.py
     applies the table); `weight_version`: the weights every routable worker serves, and `refit_pending`: a weight
-    update waits for the workers, holding new requests (commands.py); `model_id`: --model-id or the first
-    worker's (core.py); `drain`: (why, deadline) of a drain before STOP (core.py)."""
+    update waits for the workers, holding new requests (commands.py); `model_id`: the model Welcome names (the
+    default model: --model-id's first, else the first worker's; coordinator/models.py serves the others);
+    `drain`: (why, deadline) of a drain before STOP (core.py)."""
 
     model_id: str | None
     state: ClusterState = ClusterState.RUNNING

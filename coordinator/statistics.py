@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 from infer.coordinator.admission import Admission
@@ -14,9 +15,9 @@ from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import ClusterState
 from infer.coordinator.loras import Loras
 from infer.coordinator.outbox import Send
-from infer.coordinator.state import ClientRecord, ClusterStatus
+from infer.coordinator.state import ClientRecord, ClusterStatus, ModelCounters
 from infer.protocol.codes import ErrorCode
-from infer.protocol.messages import ClusterStats, Error, StatsRequest, WorkerStats
+from infer.protocol.messages import ClusterStats, Error, ModelStats, StatsRequest, WorkerStats
 
 log = logging.getLogger("infer.coordinator")
 
@@ -44,7 +45,6 @@ class Statistics:
         admission: Admission,
         loras: Loras,
         config: CoordinatorConfig,
-        policy_name: str,
         started: float,
     ) -> None:
         self.books = books
@@ -53,7 +53,6 @@ class Statistics:
         self.admission = admission
         self.loras = loras
         self.config = config
-        self.policy_name = policy_name
         self.started = started
         self.stats_waiters: list[_StatsWaiter] = []
         self._rejected_logged = 0
@@ -129,13 +128,14 @@ class Statistics:
                 seconds_since_heard=round(now - w.last_seen, 3),
                 registrations=w.registrations,
                 load=w.load,
+                model_id=w.model_id,
             )
             for w in sorted(self.books.workers, key=lambda w: (w.dp_rank, w.worker_id))
         ]
         return ClusterStats(
             coordinator_id=self.config.coordinator_id,
             state=self.status.state,
-            policy=self.policy_name,
+            policy=self.config.policy,
             model_id=self.status.model_id,
             workers=workers,
             num_clients=len(self.books.clients),
@@ -144,8 +144,42 @@ class Statistics:
             uptime_s=round(now - self.started, 3),
             weight_version=self.status.weight_version,
             lora_adapters=self.loras.cluster_adapters(),
+            models=self.model_stats(routable),
             **dataclasses.asdict(self.books.counters),
         )
+
+    def model_stats(self, routable: set[str]) -> list[ModelStats]:
+        """One ModelStats per model served (coordinator/models.py's order: --model-id's first, then by name)."""
+        models = self.admission.models
+        default = models.default
+        in_flight: Counter[str | None] = Counter()
+        held: Counter[str | None] = Counter()
+        for r in self.books.requests.by_id.values():
+            (held if r.worker_id is None else in_flight)[r.model or default] += 1
+        stats = []
+        for model in models.served():
+            workers = [w for w in self.books.workers if w.model_id == model]
+            counters = self.books.model_counters.get(model, ModelCounters())
+            adapters: dict[str, str] = {}
+            for worker in sorted((w for w in workers if w.healthy), key=lambda w: w.dp_rank):
+                for name, path in worker.lora_adapters.items():
+                    adapters.setdefault(name, path)
+            stats.append(
+                ModelStats(
+                    model_id=model,
+                    num_workers=len(workers),
+                    num_healthy_workers=sum(w.worker_id in routable for w in workers),
+                    num_in_flight=in_flight[model],
+                    num_held=held[model],
+                    requests_submitted=counters.submitted,
+                    requests_completed=counters.completed,
+                    requests_failed=counters.failed,
+                    max_model_len=min((w.hello.max_model_len or 0 for w in workers), default=None),
+                    lora_adapters=adapters,
+                    default=model == default,
+                )
+            )
+        return stats
 
     def log_rejections(self) -> None:
         rejected = self.books.counters.frames_rejected

@@ -33,6 +33,8 @@ class ErrorCode(Word):
     """Why a request failed (with finish_reason "error"), for callers that must tell bad input from a busy cluster."""
 
     INVALID_REQUEST = "invalid_request"  # the request can never be served (prompt too long, bad token ids, options)
+    MODEL_NOT_FOUND = "model_not_found"  # it names a model (or LoRA adapter) no worker serves; the text names those
+    # that are served (HTTP 404)
     UNAVAILABLE = "unavailable"  # the cluster cannot serve it now (no healthy worker in time, draining,
     # stopping, retries spent)
     INTERNAL = "internal"  # a component failed while serving it

@@ -37,6 +37,7 @@ from infer.protocol.tracing import parse_traceparent
 PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 64 << 20  # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
+MAX_MODEL_ID_LEN = 4096  # a model id is a name or the model's path (Hello.model_id, Submit.model)
 MAX_DP_RANK = (1 << 20) - 1
 LIFECYCLE_COMMANDS = tuple(Command)
 ROLES = ("client", "worker")
@@ -77,6 +78,7 @@ class TokenIds(list):
 # made the values).
 TokenIdList = Items[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+ModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -209,7 +211,9 @@ class Hello(Message, frozen=True):
     role: str
     peer_id: str
     protocol_version: int = PROTOCOL_VERSION
-    model_id: str | None = None
+    model_id: ModelId | None = (
+        None  # a worker's: the model it serves (a name or its path); its DP ranks are the model's
+    )
     # A worker's DP rank and EP group: None asks the coordinator to assign them (the lowest free rank, group
     # "dp<rank>"); `rank_hint` is the rank a coordinator gave this process before (kept across a restart).
     dp_rank: int | None = None
@@ -293,6 +297,9 @@ class Submit(Message, frozen=True):
     it is). Its `sampling` then carries the seed the first delta reported.
     `priority`: lower is served first (vLLM's convention) by workers with the priority scheduling policy;
     the coordinator holds and sheds requests by it too (coordinator/core.py).
+    `model`: the model to run it (a worker's model id, or a LoRA adapter: routed to the workers of its base model);
+    None: the cluster's only model, or its default (coordinator/models.py says which; several models and no
+    default: refused, naming them).
     """
 
     TYPE: ClassVar[str] = "submit"
@@ -307,10 +314,13 @@ class Submit(Message, frozen=True):
     delivered_text_len: int | None = None
     priority: int = 0
     traceparent: str | None = None  # W3C trace context of the request (OpenTelemetry), passed through
+    model: ModelId | None = None
 
     def __post_init__(self) -> None:
         # (`if ...: raise`, not _require: the messages are formatted only for a bad Submit, once per request)
         _check_id("request_id", self.request_id)
+        if self.model is not None and not 0 < len(self.model) <= MAX_MODEL_ID_LEN:
+            raise ProtocolError(f"field 'model' must be 1..{MAX_MODEL_ID_LEN} characters, got {len(self.model)}")
         _check_priority(self.priority)
         _check_traceparent(self.traceparent)
         if (self.prompt is None) == (self.prompt_token_ids is None):
@@ -690,7 +700,8 @@ LORA_ACTIONS = ("load", "unload")
 
 @message
 class LoraCommand(Message, frozen=True):
-    """Load or unload a LoRA adapter on every worker (client -> coordinator -> workers; an administrator's key):
+    """Load or unload a LoRA adapter on every worker of its base model (client -> coordinator -> workers; an
+    administrator's key):
     `lora_path` a PEFT folder each worker reads (load), none for unload. Answered by LoraDone once every worker
     did (the coordinator also loads the cluster's adapters into a worker that registers later)."""
 
@@ -698,6 +709,7 @@ class LoraCommand(Message, frozen=True):
     action: str
     lora_name: str
     lora_path: str | None = None
+    model: ModelId | None = None  # the base model whose workers load it (None: the cluster's default model)
 
     def __post_init__(self) -> None:
         _require(
@@ -778,6 +790,26 @@ class WorkerStats(Message, frozen=True):
     seconds_since_heard: float
     registrations: int = 1  # 1 + how often it re-registered
     load: Load | None = None
+    model_id: str | None = None  # the model it serves (its DP rank and group are that model's)
+
+
+@message
+class ModelStats(Message, frozen=True):
+    """One model the cluster serves, as the coordinator sees it: its workers, what it runs and holds, what it was
+    asked, its LoRA adapters (name -> folder). Every model some worker registered with (healthy or not) has one."""
+
+    TYPE: ClassVar[str] = "model_stats"
+    model_id: str
+    num_workers: int
+    num_healthy_workers: int  # routable: healthy, whole group healthy, at the cluster's weight version
+    num_in_flight: int = 0
+    num_held: int = 0
+    requests_submitted: int = 0
+    requests_completed: int = 0
+    requests_failed: int = 0
+    max_model_len: int | None = None  # the smallest of its workers'
+    lora_adapters: Mapping[str, str] = msgspec.field(default_factory=dict)
+    default: bool = False  # requests that name no model go to it
 
 
 def _counter(text: str) -> Any:
@@ -837,9 +869,13 @@ class ClusterStats(Message, frozen=True):
     weight_version: int = 0  # the weights the cluster serves (the last update_weights every worker applied)
     # the healthy workers' LoRA adapters: name -> folder
     lora_adapters: Mapping[str, str] = msgspec.field(default_factory=dict)
+    models: Items[ModelStats] = msgspec.field(default_factory=list)  # every model some worker serves, by id
 
     def __post_init__(self) -> None:
         _set_members(self, state=ClusterState)
+
+    def model(self, model_id: str) -> ModelStats | None:
+        return next((m for m in self.models if m.model_id == model_id), None)
 
     @property
     def num_healthy_workers(self) -> int:

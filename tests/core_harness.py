@@ -71,11 +71,14 @@ class Harness:
         self, client: bytes, rid: str, prompt_ids: list[int] | None = None, prompt: str | None = None, **sampling
     ) -> list[tuple[bytes, Message]]:
         pin = sampling.pop("pin_rank", None)
+        model = sampling.pop("model", None)
         params = SamplingParams(**{"temperature": 0.0, "max_tokens": 10, **sampling})
         if prompt is None:
             ids = TokenIds(prompt_ids or [1, 2, 3])
-            return self.send(client, Submit(request_id=rid, prompt_token_ids=ids, sampling=params, pin_rank=pin))
-        return self.send(client, Submit(request_id=rid, prompt=prompt, sampling=params, pin_rank=pin))
+            submit = Submit(request_id=rid, prompt_token_ids=ids, sampling=params, pin_rank=pin, model=model)
+        else:
+            submit = Submit(request_id=rid, prompt=prompt, sampling=params, pin_rank=pin, model=model)
+        return self.send(client, submit)
 
     def step(self, wid: str, *deltas: Delta, free: int = 90) -> list[tuple[bytes, Message]]:
         load = Load(

@@ -82,14 +82,14 @@ async def test_refused_lifecycle_command_raises_with_the_servers_reason(cluster_
 
 async def test_incompatible_workers_are_refused_with_what_differs(cluster_factory):
     cluster = cluster_factory()
-    cluster.coordinator()
+    cluster.coordinator("--model-id", "model-a")  # pinned: a worker of another model is refused
     first = cluster.worker(0, "--model", "model-a", benchmark=True, dp_rank=0)
     async with cluster.client() as client:
         await client.wait_for_workers(1, timeout=30)
         other_model = cluster.worker(1, "--model", "model-b", benchmark=True)
         same_rank = cluster.worker(0, "--model", "model-a", benchmark=True, dp_rank=0)
         assert other_model.wait(timeout=30) == 3 and same_rank.wait(timeout=30) == 3
-        assert "model id differs: the cluster serves 'model-a' (from the first worker)" in other_model.text()
+        assert "model id differs: the cluster serves 'model-a' (from --model-id)" in other_model.text()
         assert "'model-b'" in other_model.text()
         assert "duplicate dp_rank 0: live worker 'w0-1' already serves it" in same_rank.text()
         refused = await _hello(

@@ -12,7 +12,7 @@ from graphlib import CycleError, TopologicalSorter
 import pytest
 
 JOBS = ("admission", "reattachment", "relay", "statistics", "commands", "liveness", "loras")
-SHARED = ("books", "outbox", "state", "orphans")  # what jobs share: tables and primitives, no job logic
+SHARED = ("books", "outbox", "state", "orphans", "models")  # what jobs share: tables and primitives, no job logic
 EXPECTED = {  # job -> the jobs it calls
     "admission": set(),
     "reattachment": {"admission"},

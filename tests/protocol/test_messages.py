@@ -27,6 +27,7 @@ from infer.protocol.messages import (
     Load,
     LoraCommand,
     LoraDone,
+    ModelStats,
     ProtocolError,
     Refused,
     RequestSnapshot,
@@ -90,6 +91,7 @@ EXAMPLES = [
     Refused(reason="model id differs: coordinator serves 'a', worker has 'b'"),
     Submit(request_id="r1", prompt="hello", sampling=SamplingParams(temperature=0.0, max_tokens=4, stop=["\n"])),
     Submit(request_id="r2", prompt_token_ids=TokenIds([1, 2, 2**31 - 1]), pin_rank=1),
+    Submit(request_id="r3", prompt="hi", model="/models/qwen3-0.6b-int4"),
     Submit(
         request_id="r4",
         prompt_token_ids=TokenIds([1, 2]),
@@ -189,6 +191,7 @@ EXAMPLES = [
     ),
     StatsRequest(),
     StatsRequest(min_healthy_workers=2, timeout_s=30.0),
+    ModelStats(model_id="m", num_workers=2, num_healthy_workers=1),
     WorkerStats(
         worker_id="w0",
         dp_rank=0,
@@ -222,6 +225,19 @@ EXAMPLES = [
                 seconds_since_heard=9.5,
                 registrations=2,
                 load=Load(num_waiting=1, num_running=2, num_free_blocks=3, num_total_blocks=10, num_queued_tokens=40),
+                model_id="m",
+            )
+        ],
+        models=[
+            ModelStats(
+                model_id="m",
+                num_workers=1,
+                num_healthy_workers=0,
+                num_held=2,
+                requests_submitted=5,
+                max_model_len=256,
+                lora_adapters={"sql": "/adapters/sql"},
+                default=True,
             )
         ],
         num_clients=1,
