@@ -53,6 +53,9 @@ class EngineClient(Protocol):
       the engine(s) and return the adapters then served (name -> folder); `list_lora_adapters()` returns them. A
       refusal (bad folder, LoRA not enabled, no administrator key on a cluster) raises (ValueError in-process,
       ClusterError from a cluster). Requests name an adapter by `SamplingParams.lora_name`.
+    - `model`: the model the request runs on (a cluster of several: a worker's model id, or a LoRA adapter, which
+      runs on its base model); None: the only model served, or the cluster's default. A model not served ends the
+      request with error_code "model_not_found" (a cluster) or raises ValueError (in-process: one model).
     - `traceparent` (W3C trace context of the caller's span): the hops behind `stream` that trace record their
       spans under it (protocol/tracing.py); in-process, nothing further is traced.
     - Transport failures (cluster unreachable, client closed) raise `ClusterError`.
@@ -70,6 +73,7 @@ class EngineClient(Protocol):
         timeout: float | None = None,
         priority: int = 0,
         traceparent: str | None = None,
+        model: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def generate(
@@ -80,6 +84,7 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         timeout: float | None = None,
         priority: int = 0,
+        model: str | None = None,
     ) -> Completion: ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -261,15 +261,18 @@ class InferenceClient:
         timeout: float | None = None,
         priority: int = 0,
         traceparent: str | None = None,
+        model: str | None = None,
     ) -> Completion:
         """Run one request to the end. Request-level failures come back as finish_reason "error"; transport
         failures raise. With `timeout` (seconds) the cluster aborts the request (freeing its KV blocks) if it
         has not finished by then, and the completion ends with error_code "timeout". `priority`: lower is
         served first (workers with --scheduling-policy priority; the coordinator sheds the highest first).
         `traceparent`: the caller's W3C trace context; the cluster's hops that trace (--otlp-traces-endpoint)
-        record their spans under it (protocol/tracing.py)."""
+        record their spans under it (protocol/tracing.py). `model`: the model to run it on (a worker's model id, or
+        a LoRA adapter: its base model's workers); None: the cluster's only model, or its default (--model-id);
+        one not served ends it with error_code "model_not_found", the text naming the models served."""
         _check_timeout(timeout)
-        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority, traceparent)
+        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority, traceparent, model)
         completion = Completion(
             request.request_id, prompt_token_ids=[], prompt=prompt if isinstance(prompt, str) else None
         )
@@ -289,12 +292,13 @@ class InferenceClient:
         timeout: float | None = None,
         priority: int = 0,
         traceparent: str | None = None,
+        model: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request as they arrive (`token_ids` and `text` new since the last one); the last
-        has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout`, `priority` and
-        `traceparent`: as in `generate`; after a timeout the last delta has error_code "timeout"."""
+        has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout`, `priority`,
+        `traceparent` and `model`: as in `generate`; after a timeout the last delta has error_code "timeout"."""
         _check_timeout(timeout)
-        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority, traceparent)
+        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority, traceparent, model)
         async with contextlib.aclosing(self._deltas(request, timeout)) as deltas:
             async for delta in deltas:
                 yield delta
@@ -331,6 +335,7 @@ class InferenceClient:
         timeout: float | None = None,
         priority: int = 0,
         traceparent: str | None = None,
+        model: str | None = None,
     ) -> _Request:
         self._check_open()
         check_priority(priority)
@@ -350,6 +355,7 @@ class InferenceClient:
                 timeout_s=timeout,
                 priority=priority,
                 traceparent=traceparent,
+                model=model,
             )
         else:
             submit = Submit(
@@ -360,6 +366,7 @@ class InferenceClient:
                 timeout_s=timeout,
                 priority=priority,
                 traceparent=traceparent,
+                model=model,
             )
         request = self._requests[rid] = _Request(
             rid,

@@ -220,11 +220,14 @@ class LocalEngine:
         timeout: float | None = None,
         priority: int = 0,
         traceparent: str | None = None,
+        model: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request; the last has `finished`. Leaving the loop early aborts the request.
         `timeout` (seconds from this call): past it the request is aborted and its last delta has
         finish_reason "error", error_code "timeout". `priority`: lower first (scheduling_policy "priority").
-        `traceparent`: accepted for the EngineClient contract; the engine runs in this process, no hop to trace."""
+        `traceparent`: accepted for the EngineClient contract; the engine runs in this process, no hop to trace.
+        `model`: None or this engine's model id (ValueError otherwise: one engine serves one model)."""
+        self._check_model(model)
         stream = self._open(prompt, params, request_id, timeout, priority)
         async with aclosing(self._deltas(stream)) as deltas:
             async for delta in deltas:
@@ -238,15 +241,21 @@ class LocalEngine:
         request_id: str | None = None,
         timeout: float | None = None,
         priority: int = 0,
+        model: str | None = None,
     ) -> Completion:
         """The request run to the end as one Completion; past `timeout` it ends with finish_reason "error",
-        error_code "timeout" (aborted, KV blocks freed)."""
+        error_code "timeout" (aborted, KV blocks freed). `model`: as in `stream`."""
+        self._check_model(model)
         stream = self._open(prompt, params, request_id, timeout, priority)
         completion = Completion(stream.request_id, [], prompt=prompt if isinstance(prompt, str) else None)
         await self._fold(stream, completion)
         given = [] if isinstance(prompt, str) else list(prompt)
         completion.prompt_token_ids = stream.prompt_token_ids or given
         return completion
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.model_id:
+            raise ValueError(f"model {model[:200]!r} is not served here: this engine serves {self.engine.model_id!r}")
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""

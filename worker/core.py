@@ -386,13 +386,18 @@ class WorkerCore:
 
     # ---- registration ----------------------------------------------------------------------------
 
+    @property
+    def model_id(self) -> str:
+        """The model this worker serves to the cluster: --served-model-name, else its engine's model id."""
+        return self.options.served_model_name or self.engine.model_id
+
     def _send_hello(self, now: float) -> None:
         engine = self.engine
         self._send(
             Hello(
                 role="worker",
                 peer_id=self.options.worker_id,
-                model_id=engine.model_id,
+                model_id=self.model_id,
                 dp_rank=self.options.dp_rank,
                 group_id=self.options.group_id,
                 rank_hint=self.rank,
@@ -438,7 +443,7 @@ class WorkerCore:
             opts.coordinator,
             safe(msg.coordinator_id),
             safe(msg.state),
-            self.engine.model_id,
+            self.model_id,
             self.engine.num_kv_blocks,
             self.engine.block_size,
         )

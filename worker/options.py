@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 
 from infer.protocol.keys import CurveKeys
-from infer.protocol.messages import MAX_DP_RANK, MAX_ID_LEN
+from infer.protocol.messages import MAX_DP_RANK, MAX_ID_LEN, MAX_MODEL_ID_LEN
 from infer.protocol.options import option
 from infer.protocol.tracing import require_sdk
 from infer.worker.group_sync import EpOptions
@@ -39,6 +39,11 @@ class WorkerOptions:
     )
     group_id: str | None = option(
         None, "the group of this rank (default: an EP group is named after its --dist-init; otherwise dp<rank>)"
+    )
+    served_model_name: str | None = option(
+        None,
+        "the model id this worker registers under, the name requests give its model (default: its --model); "
+        "tells apart workers of one checkpoint in other dtypes or quantizations behind one coordinator",
     )
     heartbeat_interval: float = option(1.0, "seconds between heartbeats", metavar="S")
     coordinator_timeout: float = option(10.0, "seconds of coordinator silence before registering again", metavar="S")
@@ -77,6 +82,8 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if not self.coordinator.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--coordinator must be tcp://HOST:PORT (or ipc://PATH), got {self.coordinator!r}")
+        if self.served_model_name is not None and not 0 < len(self.served_model_name) <= MAX_MODEL_ID_LEN:
+            raise ValueError(f"--served-model-name must be 1..{MAX_MODEL_ID_LEN} characters")
         for name in ("worker_id", "group_id"):
             value = getattr(self, name)
             if value is not None and not 0 < len(value) <= MAX_ID_LEN:

@@ -24,8 +24,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("infer.api")
 
 
-def max_model_len(view: ClusterStats, healthy_only: bool = True) -> int | None:
-    lens = [w.max_model_len for w in view.workers if w.healthy or not healthy_only]
+def max_model_len(view: ClusterStats, healthy_only: bool = True, model: str | None = None) -> int | None:
+    """The smallest context length of the view's workers (healthy ones, unless not `healthy_only`), of `model`'s
+    workers when given."""
+    lens = [
+        w.max_model_len
+        for w in view.workers
+        if (w.healthy or not healthy_only) and (model is None or w.model_id in (None, model))
+    ]
     return min(lens) if lens else None
 
 
@@ -162,16 +168,18 @@ class Admission:
     def release(self, num_requests: int) -> None:
         self.in_flight -= num_requests
 
-    async def admit(self) -> int:
-        """The context length to check prompts against; ApiError 503 when the cluster cannot take them."""
+    async def admit(self, model: str | None = None) -> int:
+        """The context length to check prompts against (`model`'s workers' on a cluster of several models); ApiError
+        503 when the cluster, or every worker of `model`, cannot take them."""
         view = await self.cluster_view()
         if view.state == ClusterState.STOPPED:
             raise self.unavailable("the cluster is stopping")
-        max_len = max_model_len(view)
+        max_len = max_model_len(view, model=model)
         if max_len is None:
             if view.state == ClusterState.RUNNING:
-                raise self.unavailable("no worker is available to serve the request")
-            max_len = max_model_len(view, healthy_only=False) or 0
+                of_model = "" if model is None else f" of the model {model[:200]!r}"
+                raise self.unavailable(f"no worker{of_model} is available to serve the request; retry later")
+            max_len = max_model_len(view, healthy_only=False, model=model) or 0
         return max_len
 
     def unavailable(self, message: str) -> ApiError:

@@ -45,6 +45,7 @@ wrong methods (405) and every other error also answer in OpenAI's error shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import importlib.metadata
@@ -52,7 +53,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, TypeVar, cast
@@ -108,7 +109,7 @@ from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import ClusterError, EngineClient
 from infer.protocol.codes import ClusterState, ErrorCode, FinishReason
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import BeamOutput, ClusterStats
+from infer.protocol.messages import BeamOutput, ClusterStats, ModelStats
 from infer.protocol.outputs import Completion, RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
@@ -200,6 +201,7 @@ class Job:
     echo: str = ""  # completions' `echo`: the prompt's text, shown before the first text
     num_prompt_tokens: int = 0
     traceparent: str | None = None  # the caller's W3C trace context (a valid `traceparent` header), passed on
+    model: str | None = None  # the cluster's model it runs on, when it serves several (Front.model_of)
     completion: Completion = field(init=False)
 
     def __post_init__(self) -> None:
@@ -319,12 +321,14 @@ class Front:
         base_id = f"embd-{uuid.uuid4().hex}"
         self.admission.reserve(len(inputs), param="input")
         try:
-            max_len = await self.admission.admit()
+            model = self.model_of(body)
+            max_len = await self.admission.admit(model)
             prompts = await self._prompt_token_ids(inputs, max_len, param="input")
             for ids in prompts:
                 check_length(len(ids), None, max_len)
+            tracker = functools.partial(self.metrics.tracker, self.metrics_label(body))
             jobs = [
-                Job(i, i, ids, params, f"{base_id}-{i}", self.metrics.tracker(), body.timeout, body.priority)
+                Job(i, i, ids, params, f"{base_id}-{i}", tracker(), body.timeout, body.priority, model=model)
                 for i, ids in enumerate(prompts)
             ]
             await _cancel_on_disconnect(request, self._run_to_end(jobs))
@@ -435,34 +439,49 @@ class Front:
             view = await self.admission.cluster_view()
         except ApiError:
             view = self.admission.last_view
-        max_len = max_model_len(view, healthy_only=False) if view is not None else None
-        card = {
-            "id": self.config.served_model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "infer",
-            "root": self.engine.model_id,
-            "parent": None,
-            "max_model_len": max_len,
-        }
         try:
             await self._refresh_adapters()
         except (ClusterError, ValueError):
             pass  # the adapters as last seen
+        if view is not None and len(view.models) > 1:
+            return JSONResponse({"object": "list", "data": self._model_cards(view)})
+        max_len = max_model_len(view, healthy_only=False) if view is not None else None
+        card = self._card(self.config.served_model_name, self.engine.model_id, None, max_len)
         adapters = [
-            {
-                "id": name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "infer",
-                "root": path,
-                "parent": self.config.served_model_name,
-                "max_model_len": max_len,
-            }
+            self._card(name, path, self.config.served_model_name, max_len)
             for name, path in sorted(self.lora_adapters.items())
             if name != self.config.served_model_name  # `model` names the base model: one id, one model
         ]
         return JSONResponse({"object": "list", "data": [card, *adapters]})
+
+    def _card(self, name: str, root: str | None, parent: str | None, max_len: int | None) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "infer",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_len,
+        }
+
+    def _model_cards(self, view: ClusterStats) -> list[dict[str, Any]]:
+        """Every model of a cluster of several, then each one's LoRA adapters with it as their parent; the model
+        Welcome named (the cluster's default) under this front's --served-model-name."""
+        cards, adapters = [], []
+        for model in view.models:
+            name = self.served_name(model.model_id)
+            cards.append(self._card(name, model.model_id, None, model.max_model_len))
+            adapters += [
+                self._card(adapter, path, name, model.max_model_len)
+                for adapter, path in sorted(model.lora_adapters.items())
+            ]
+        return cards + adapters
+
+    def served_name(self, model_id: str) -> str:
+        """The name clients give the cluster's model `model_id`: this front's --served-model-name for the model the
+        cluster named when the front joined, else the model's id."""
+        return self.config.served_model_name if model_id == self.engine.model_id else model_id
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: every engine loads the PEFT folder, served
@@ -501,18 +520,37 @@ class Front:
         return name in self.lora_adapters
 
     async def _check_model(self, model: str) -> None:
-        """404 unless `model` is the served model or a LoRA adapter (looked up again when not seen yet)."""
-        if model == self.config.served_model_name or model in self.lora_adapters:
+        """404 unless `model` is a served model or a LoRA adapter (looked up again when not seen yet: a model that
+        joined the cluster since the last view, an adapter loaded through another front)."""
+        if self._known_model(model):
             return
-        if not await self._adapter_known_now(model):
+        with contextlib.suppress(ApiError):
+            await self.admission.cluster_view(fresh=True)
+        if not self._known_model(model) and not await self._adapter_known_now(model):
             raise self._model_not_found(model)
 
+    def _cluster_models(self) -> Sequence[ModelStats]:
+        """The cluster's models as last seen, when it serves several (else none: the front's one model)."""
+        view = self.admission.last_view
+        return view.models if view is not None and len(view.models) > 1 else ()
+
+    def _known_model(self, model: str) -> bool:
+        return (
+            model == self.config.served_model_name
+            or model in self.lora_adapters
+            or any(
+                model in (m.model_id, self.served_name(m.model_id)) or model in m.lora_adapters
+                for m in self._cluster_models()
+            )
+        )
+
     def _model_not_found(self, model: str) -> ApiError:
-        names = ", ".join(map(repr, sorted(set(self.lora_adapters) - {self.config.served_model_name})))
+        models = [self.served_name(m.model_id) for m in self._cluster_models()] or [self.config.served_model_name]
+        names = ", ".join(map(repr, sorted(set(self.lora_adapters) - set(models))))
         adapters = f" and the LoRA adapters {names}" if names else ""
         return ApiError(
             404,
-            f"the model {model[:200]!r} does not exist; this server serves {self.config.served_model_name!r}{adapters}",
+            f"the model {model[:200]!r} does not exist; this server serves {', '.join(map(repr, models))}{adapters}",
             param="model",
             code="model_not_found",
         )
@@ -527,9 +565,32 @@ class Front:
         return request_error(delta, self.config.retry_after)
 
     def lora_of(self, body: Any) -> str | None:
-        """The LoRA adapter a checked body's `model` names (None: the base model)."""
+        """The LoRA adapter a checked body's `model` names (None: a base model)."""
         model = getattr(body, "model", None)
-        return None if model is None or model == self.config.served_model_name else model
+        if model is None or model == self.config.served_model_name:
+            return None
+        return (
+            None if any(model in (m.model_id, self.served_name(m.model_id)) for m in self._cluster_models()) else model
+        )
+
+    def model_of(self, body: Any) -> str | None:
+        """The cluster's model a checked body's `model` runs on, when the cluster serves several (an adapter's:
+        its base model's); None on a cluster of one model, whose default it is (older engines take no model)."""
+        models = self._cluster_models()
+        if not models:
+            return None
+        name = getattr(body, "model", None)
+        if name is None or name == self.config.served_model_name:
+            return self.engine.model_id
+        for m in models:
+            if name == m.model_id or name in m.lora_adapters:
+                return m.model_id
+        return name  # an adapter loaded since the last view: the coordinator finds its base
+
+    def metrics_label(self, body: Any) -> str:
+        """The `model_name` label of a body's request metrics: the name of the base model it runs on."""
+        model = self.model_of(body)
+        return self.config.served_model_name if model is None else self.served_name(model)
 
     async def health(self, request: Request) -> Response:
         """200 only if a fresh round trip to the cluster shows it running with a healthy worker."""
@@ -564,7 +625,7 @@ class Front:
             view = await self.admission.cluster_view(fresh=True)
         except ApiError:
             view = None
-        return Response(self.metrics.exposition(view), media_type=CONTENT_TYPE)
+        return Response(self.metrics.exposition(view, self.served_name), media_type=CONTENT_TYPE)
 
     # ---- parsing ----------------------------------------------------------------------------------
 
@@ -715,7 +776,7 @@ class Front:
         run: StreamRun | None = None
         cancellable = Cancellable(bearer_digest(request))
         try:
-            max_len = await self.admission.admit()
+            max_len = await self.admission.admit(self.model_of(body))
             prompts = await token_ids(max_len)
             for ids in prompts:
                 check_length(len(ids), max_tokens, max_len)
@@ -796,7 +857,7 @@ class Front:
         if candidates > body.n and logprobs is None:
             logprobs = 0  # best_of ranks candidates by the sum of their sampled tokens' logprobs
         echoes = body.prompts() if getattr(body, "echo", False) else None
-        lora = self.lora_of(body)
+        lora, model, label = self.lora_of(body), self.model_of(body), self.metrics_label(body)
         for p, ids in enumerate(prompts):
             echo = "" if echoes is None else (echoes[p] if isinstance(echoes[p], str) else self.tokenizer.decode(ids))
             for c in range(candidates):
@@ -821,10 +882,11 @@ class Front:
                         ids,
                         params,
                         f"{base_id}-{index}",
-                        self.metrics.tracker(),
+                        self.metrics.tracker(label),
                         body.timeout,
                         body.priority,
                         echo=echo,
+                        model=model,
                     )
                 )
         return jobs
@@ -833,6 +895,8 @@ class Front:
         """The engine request of `job`, with its deadline; its span when this front traces, else the caller's trace
         context passed on."""
         extra: dict[str, Any] = {"priority": job.priority} if job.priority else {}  # older engine clients work on
+        if job.model is not None:
+            extra["model"] = job.model
         if self.spans is not None:
             return self._traced_stream(job, extra)
         if job.traceparent is not None:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -186,92 +188,125 @@ class FrontMetrics:
             f.name: Counter(f"infer:coordinator_{f.name}", f.metadata["help"], labels, registry=r)
             for f in dataclasses.fields(Counters)
         }
-        self.prompt_tokens = Counter(
-            "infer:prompt_tokens", "Prompt tokens of served requests.", labels, registry=r
-        ).labels(model_name)
-        self.generation_tokens = Counter(
+        self._prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of served requests.", labels, registry=r)
+        self._generation_tokens = Counter(
             "infer:generation_tokens", "Generated tokens of served requests.", labels, registry=r
-        ).labels(model_name)
+        )
         self._success = Counter(
             "infer:request_success", "Finished requests by finish reason.", labels + ["finished_reason"], registry=r
         )
-        self.ttft = Histogram(
+        self._ttft = Histogram(
             "infer:time_to_first_token_seconds", "Time to first token.", labels, buckets=TTFT_BUCKETS, registry=r
-        ).labels(model_name)
-        self.itl = Histogram(
+        )
+        self._itl = Histogram(
             "infer:inter_token_latency_seconds",
             "Time between consecutive output tokens.",
             labels,
             buckets=ITL_BUCKETS,
             registry=r,
-        ).labels(model_name)
-        self.e2e = Histogram(
+        )
+        self._e2e = Histogram(
             "infer:e2e_request_latency_seconds",
             "End-to-end request latency.",
             labels,
             buckets=LATENCY_BUCKETS,
             registry=r,
-        ).labels(model_name)
-        self.queue_time = Histogram(
+        )
+        self._queue_time = Histogram(
             "infer:request_queue_time_seconds",
             "Time a request waited in its worker before it was first scheduled.",
             labels,
             buckets=LATENCY_BUCKETS,
             registry=r,
-        ).labels(model_name)
+        )
         self.model_name = model_name
-        for metric in [*self._gauges.values(), *self._worker_counters.values(), *self._coordinator_counters.values()]:
-            metric.labels(model_name)  # a labelled series exists (at 0) before its first change
+        self._series: dict[str, ModelSeries] = {}
         self._last_totals: dict[tuple[str, str], int] = {}
+        self._labelled(model_name)
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def _labelled(self, model: str) -> ModelSeries:
+        """`model`'s request series; on first use, every series of the model made (at 0, before its first change)."""
+        series = self._series.get(model)
+        if series is None:
+            for metric in [
+                *self._gauges.values(),
+                *self._worker_counters.values(),
+                *self._coordinator_counters.values(),
+            ]:
+                metric.labels(model)
+            series = self._series[model] = ModelSeries(
+                model,
+                self._prompt_tokens.labels(model),
+                self._generation_tokens.labels(model),
+                self._ttft.labels(model),
+                self._itl.labels(model),
+                self._e2e.labels(model),
+                self._queue_time.labels(model),
+                self._success,
+            )
+        return series
 
-    def finished(self, reason: str) -> None:
-        self._success.labels(self.model_name, reason).inc()
+    def tracker(self, model_name: str | None = None) -> RequestTracker:
+        """A tracker of one request of `model_name` (the label of the base model it runs on; None: the front's)."""
+        return RequestTracker(self._labelled(model_name or self.model_name))
 
-    def exposition(self, stats: ClusterStats | None) -> bytes:
-        """The text to answer a scrape with; `stats` None (cluster unreachable) leaves the gauges at 0."""
-        self._update_cluster(stats)
+    def exposition(self, stats: ClusterStats | None, served_name: Callable[[str], str] | None = None) -> bytes:
+        """The text to answer a scrape with; `stats` None (cluster unreachable) leaves the gauges at 0. On a cluster
+        of several models each model's series carry its name (`served_name(model_id)`, default: the id)."""
+        self._update_cluster(stats, served_name)
         return generate_latest(self.registry)
 
-    def _update_cluster(self, stats: ClusterStats | None) -> None:
-        healthy = [] if stats is None else [w for w in stats.workers if w.healthy]
-        loads = [w.load for w in healthy if w.load is not None]
+    def _update_cluster(self, stats: ClusterStats | None, served_name: Callable[[str], str] | None = None) -> None:
+        """The cluster gauges and counters, each model's under its name (`served_name` of its id) on a cluster of
+        several models; the coordinator's own counters and lifecycle state under the front's model."""
+        models = [] if stats is None or len(stats.models) <= 1 else [m.model_id for m in stats.models]
+        if not models:
+            self._update_model(stats, self.model_name, None)
+        for model in models:
+            self._update_model(stats, served_name(model) if served_name is not None else model, model)
         name = self.model_name
+        for state in ClusterState:
+            self._state.labels(name, state).set(1 if stats is not None and stats.state == state else 0)
+        if stats is not None:
+            for attr, total in dataclasses.asdict(stats.counters).items():
+                self._add_total(
+                    self._coordinator_counters[attr].labels(name), f"coordinator {stats.coordinator_id}", attr, total
+                )
+
+    def _update_model(self, stats: ClusterStats | None, name: str, model: str | None) -> None:
+        """The series of `model`'s workers (None: all) under the label `name`."""
+        self._labelled(name)
+        workers = [] if stats is None else [w for w in stats.workers if model is None or w.model_id == model]
+        healthy = [w for w in workers if w.healthy]
+        loads = [w.load for w in healthy if w.load is not None]
         self._gauges["running"].labels(name).set(sum(load.num_running for load in loads))
-        held = 0 if stats is None else stats.num_held
+        if stats is None:
+            held = 0
+        elif model is None:
+            held = stats.num_held
+        else:
+            held = next((m.num_held for m in stats.models if m.model_id == model), 0)
         self._gauges["waiting"].labels(name).set(sum(load.num_waiting for load in loads) + held)
         total = sum(load.num_total_blocks for load in loads)
         used = sum(load.num_total_blocks - load.num_free_blocks for load in loads)
         self._gauges["kv"].labels(name).set(used / total if total else 0.0)
         self._gauges["workers"].labels(name).set(len(healthy))
         self._gauges["weight_version"].labels(name).set(0 if stats is None else stats.weight_version)
-        every = [] if stats is None else [w.load for w in stats.workers if w.load is not None]
+        every = [w.load for w in workers if w.load is not None]
         self._gauges["released"].labels(name).set(sum(load.bytes_released for load in every))
-        for state in ClusterState:
-            self._state.labels(name, state).set(1 if stats is not None and stats.state == state else 0)
-        for worker in [] if stats is None else stats.workers:
+        for worker in workers:
             if worker.load is not None:
                 for attr, counter in self._worker_counters.items():
                     self._add_total(
-                        counter.labels(self.model_name), f"worker {worker.worker_id}", attr, getattr(worker.load, attr)
+                        counter.labels(name), f"worker {worker.worker_id}", attr, getattr(worker.load, attr)
                     )
                 for position, total in enumerate(worker.load.spec_decode_num_accepted_tokens_per_pos):
                     self._add_total(
-                        self._accepted_per_pos.labels(self.model_name, str(position)),
+                        self._accepted_per_pos.labels(name, str(position)),
                         f"worker {worker.worker_id}",
                         f"accepted_pos_{position}",
                         total,
                     )
-        if stats is not None:
-            for attr, total in dataclasses.asdict(stats.counters).items():
-                self._add_total(
-                    self._coordinator_counters[attr].labels(self.model_name),
-                    f"coordinator {stats.coordinator_id}",
-                    attr,
-                    total,
-                )
 
     def _add_total(self, counter, source: str, attr: str, total: int) -> None:
         """Add to `counter` (a labelled series) what `source`'s counter `attr` gained since its last report."""
@@ -282,11 +317,28 @@ class FrontMetrics:
             counter.inc(increase)
 
 
+@dataclass(frozen=True)
+class ModelSeries:
+    """One model's request series (its `model_name` label's children)."""
+
+    model_name: str
+    prompt_tokens: Any
+    generation_tokens: Any
+    ttft: Any
+    itl: Any
+    e2e: Any
+    queue_time: Any
+    success: Counter
+
+    def finished(self, reason: str) -> None:
+        self.success.labels(self.model_name, reason).inc()
+
+
 @dataclass
 class RequestTracker:
-    """Observes one engine request's deltas into the front's histograms and counters."""
+    """Observes one engine request's deltas into its model's histograms and counters."""
 
-    metrics: FrontMetrics
+    metrics: ModelSeries
     start: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
     prompt_counted: bool = False
