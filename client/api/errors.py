@@ -34,6 +34,8 @@ def request_error(delta: RequestOutput, retry_after: int = 1) -> ApiError:
     code = delta.error_code
     if code == ErrorCode.INVALID_REQUEST:
         return ApiError(400, message)
+    if code == ErrorCode.MODEL_NOT_FOUND:  # gone from the cluster after the front's check (its last worker left)
+        return ApiError(404, message, param="model", code="model_not_found")
     if code in _RETRY_LATER:
         return ApiError(503, message, code=code, retry_after=retry_after)
     if code == ErrorCode.TIMEOUT:
