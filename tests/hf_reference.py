@@ -7,14 +7,52 @@ from pathlib import Path
 
 def hf_model(model_dir: Path, dtype=None, **options):
     """transformers' own model of a model directory: its safetensors, or the GGUF a conversion directory links to
-    (worker/model_files.py; transformers dequantizes it)."""
+    (worker/model_files.py; transformers dequantizes it, once per machine: see _dequantized)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    gguf = Path(model_dir) / "model.gguf"
-    if gguf.exists():
-        options["gguf_file"] = gguf.name
+    model_dir = Path(model_dir)
+    if (model_dir / "model.gguf").exists():
+        model_dir = _dequantized(model_dir)
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or torch.float32, **options).eval()
+
+
+def _dequantized(conversion: Path) -> Path:
+    """transformers' reading of a conversion directory's GGUF (its config and dequantized float32 weights), saved
+    as a safetensors directory the first time and loaded from there after: reading the GGUF took 25-30 s a load on
+    the 2-core CI machines (its metadata and vocabulary, then 272 tensors), and the suite loads the embedded model
+    as its oracle some fifty times. The weights are exactly transformers' own dequantization; the directory is
+    keyed by the file (path, size, mtime) and transformers' version, and written under a lock, whole, by the
+    first test process that needs it."""
+    import fcntl
+    import hashlib
+    import os
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    gguf = (conversion / "model.gguf").resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()
+    root = Path(tempfile.gettempdir()) / "infer-test-oracles"
+    root.mkdir(exist_ok=True)
+    target = root / key[:16]
+    with open(root / f"{key[:16]}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "model.safetensors").exists():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(conversion), gguf_file="model.gguf", dtype=torch.float32
+            ).eval()
+            scratch = Path(tempfile.mkdtemp(dir=root))
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            model.config.__class__.from_dict(config).save_pretrained(scratch)
+            save_model(model, str(scratch / "model.safetensors"))
+            os.replace(scratch, target)
+    return target
 
 
 def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
