@@ -15,9 +15,16 @@ from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import ClusterState
 from infer.coordinator.loras import Loras
 from infer.coordinator.outbox import Send
-from infer.coordinator.state import ClientRecord, ClusterStatus, ModelCounters
+from infer.coordinator.state import ClientRecord, ClusterStatus, ModelCounters, WorkerRecord
 from infer.protocol.codes import ErrorCode
-from infer.protocol.messages import ClusterStats, Error, ModelStats, StatsRequest, WorkerStats
+from infer.protocol.messages import (
+    MAX_TOKENIZER_SOURCES,
+    ClusterStats,
+    Error,
+    ModelStats,
+    StatsRequest,
+    WorkerStats,
+)
 
 log = logging.getLogger("infer.coordinator")
 
@@ -31,6 +38,17 @@ class _StatsWaiter:
     identity: bytes
     min_healthy_workers: int
     deadline: float
+
+
+def tokenizer_sources(workers: list[WorkerRecord]) -> list[str]:
+    """Where a model's workers read its tokenizer (Hello.tokenizer), distinct, the healthy and lowest ranks' first,
+    at most MAX_TOKENIZER_SOURCES (a front tries them in turn: workers on hosts with the model at different paths)."""
+    sources: list[str] = []
+    for worker in sorted(workers, key=lambda w: (not w.healthy, w.dp_rank, w.worker_id)):
+        source = worker.hello.tokenizer
+        if source is not None and source not in sources and len(sources) < MAX_TOKENIZER_SOURCES:
+            sources.append(source)
+    return sources
 
 
 class Statistics:
@@ -177,6 +195,7 @@ class Statistics:
                     max_model_len=min((w.hello.max_model_len or 0 for w in workers), default=None),
                     lora_adapters=adapters,
                     default=model == default,
+                    tokenizers=tokenizer_sources(workers),
                 )
             )
         return stats

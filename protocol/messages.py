@@ -38,6 +38,7 @@ PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 64 << 20  # also set as the sockets' ZMQ_MAXMSGSIZE
 MAX_ID_LEN = 256
 MAX_MODEL_ID_LEN = 4096  # a model id is a name or the model's path (Hello.model_id, Submit.model)
+MAX_TOKENIZER_SOURCES = 8  # ModelStats.tokenizers: the distinct places a model's workers read their tokenizer
 MAX_DP_RANK = (1 << 20) - 1
 LIFECYCLE_COMMANDS = tuple(Command)
 ROLES = ("client", "worker")
@@ -232,6 +233,9 @@ class Hello(Message, frozen=True):
     dispatches_seen: int | None = None
     weight_version: int = 0  # a worker's: the weights it serves (routed only at the cluster's version)
     lora_adapters: Mapping[str, str] = msgspec.field(default_factory=dict)  # a worker's LoRA adapters: name -> folder
+    # A worker's model directory (absolute), where an HTTP front reads the model's tokenizer; sent only when
+    # `model_id` does not say it (--served-model-name), so a worker named by its path sends nothing new.
+    tokenizer: ModelId | None = None
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -810,6 +814,11 @@ class ModelStats(Message, frozen=True):
     max_model_len: int | None = None  # the smallest of its workers'
     lora_adapters: Mapping[str, str] = msgspec.field(default_factory=dict)
     default: bool = False  # requests that name no model go to it
+    # Where its workers read its tokenizer (their Hello.tokenizer: model directories), distinct, the lowest rank's
+    # first; empty when none said (the model id is then the model's path). An HTTP front loads the first it can.
+    tokenizers: Annotated[list[ModelId], msgspec.Meta(max_length=MAX_TOKENIZER_SOURCES)] = msgspec.field(
+        default_factory=list
+    )
 
 
 def _counter(text: str) -> Any:

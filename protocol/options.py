@@ -107,6 +107,16 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
             continue
 
 
+class _Extend(argparse.Action):
+    """A flag of several values that may also be given several times: `--x A --x B` is `--x A B` (the default, when
+    the flag is given, is replaced, not added to)."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        current = getattr(namespace, self.dest, None)
+        given = [] if current is None or current is self.default else list(current)
+        setattr(namespace, self.dest, [*given, *values])
+
+
 def option(
     default: Any = dataclasses.MISSING,
     help: str = "",
@@ -196,7 +206,7 @@ def add_options(
             if f.metadata.get("metavar"):
                 kwargs["metavar"] = f.metadata["metavar"]
             if f.metadata.get("show"):
-                kwargs["nargs"] = "+"
+                kwargs["nargs"], kwargs["action"] = "+", _Extend
         parser.add_argument(*flag_names(flag_of(f)), **kwargs)
 
 

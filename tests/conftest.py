@@ -18,7 +18,7 @@ from typing import Callable
 
 import pytest
 from hypothesis import settings
-from tiny_models import save_tiny_model
+from tiny_models import save_tiny_model, word_level_tokenizer
 
 # Property-based tests (hypothesis): "ci", the default, replays the same examples on every run (derandomized:
 # a failure is a failure of the code, not of the draw) with a modest number of them; "soak" draws many more, at
@@ -98,6 +98,13 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]
         return made[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_words_model(tmp_path_factory) -> Path:
+    """The tiny Qwen3 with a word-level tokenizer of its own (tiny_models.word_level_tokenizer: another vocabulary
+    and chat template than SmolLM2's), for a cluster of models that tokenize differently."""
+    return save_tiny_model("qwen3", tmp_path_factory.mktemp("tiny-words"), word_level_tokenizer())
 
 
 @pytest.fixture(scope="session")

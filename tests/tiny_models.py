@@ -103,3 +103,46 @@ def save_tiny_model(arch: str, folder: Path, tokenizer: Any) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+# A vocabulary unlike SmolLM2's: whole words, so the same text is other ids (and fewer of them) than SmolLM2's BPE.
+WORDS = (
+    "the a an of to in and is it that for on with as was he she they we you i be at by this have from or one had "
+    "not but what all were when there can said use each which do how their if will up other about out many then "
+    "them these so some her would make like him into time has look two more write go see number no way could "
+    "people my than first water been call who its now find long down day did get come made may part over new "
+    "sound take only little work know place year live me back give most very after thing our just name good "
+    "sentence man think say great where help through much before line right too mean old any same tell boy "
+    "follow came want show also around form three small set put end does another well large must big even such "
+    "because turn here why ask went men read need land different home us move try kind hand picture again change "
+    "off play spell air away animal house point page letter mother answer found study still learn should world "
+    "hello there . , ! ?"
+).split()
+WORDS_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' <|end|> ' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}"
+)
+
+
+def word_level_tokenizer() -> Any:
+    """A word-level tokenizer (the tokenizers library, no download) of WORDS, with BOS, EOS, <unk> and a chat
+    template of its own (`<|role|> content <|end|>`): a model saved with it has a vocabulary and a chat format
+    unlike SmolLM2's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    vocab = {token: i for i, token in enumerate(specials + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=specials[3:],
+    )
+    tokenizer.chat_template = WORDS_CHAT_TEMPLATE
+    return tokenizer

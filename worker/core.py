@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, NoReturn, Protocol
 
 import msgspec
@@ -35,6 +36,7 @@ from infer.protocol.codes import FinishReason
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
+    MAX_MODEL_ID_LEN,
     Abort,
     CommitWeights,
     Control,
@@ -391,6 +393,17 @@ class WorkerCore:
         """The model this worker serves to the cluster: --served-model-name, else its engine's model id."""
         return self.options.served_model_name or self.engine.model_id
 
+    @property
+    def tokenizer_source(self) -> str | None:
+        """Where a front reads this worker's tokenizer (Hello.tokenizer): its model directory, absolute, when the
+        id it serves under is not that model's path (--served-model-name); None otherwise (and for a model built
+        in memory, which has no directory)."""
+        path = getattr(self.engine, "model_path", None)
+        if path is None or self.model_id == self.engine.model_id:
+            return None
+        source = str(Path(path).resolve())
+        return source if len(source) <= MAX_MODEL_ID_LEN else None  # longer than any path the OS resolves
+
     def _send_hello(self, now: float) -> None:
         engine = self.engine
         self._send(
@@ -412,6 +425,7 @@ class WorkerCore:
                 weight_version=engine.weight_version,
                 lora_adapters=self._lora_adapters(),
                 snapshots=[sent.snapshot(rid) for rid, sent in self._requests.items()],
+                tokenizer=self.tokenizer_source,
             ),
             now,
         )

@@ -18,7 +18,8 @@ The path of a request:
    `max_concurrent_requests` engine requests in flight (400 "too_many_engine_requests" for a request of more
    engine requests than that limit: it could never pass); 503 "unavailable" when the cluster is stopping or
    no worker is healthy (a cluster view at most `view_max_age` old, refreshed by one stats round trip).
-3. Prompts are tokenized here (chat: the tokenizer's chat template), so the length is checked against the
+3. Prompts are tokenized here, with the tokenizer of the model the request runs on (tokenization.py: 503 when
+   this front cannot read it; chat: that tokenizer's chat template), so the length is checked against the
    cluster's context length before anything is sent (400, with both numbers). A text prompt is first
    checked by its size (protocol/prompt_limits.py: one too big to fit is refused untokenized); the body's
    JSON, the template and the tokenizer run on the front's tokenizer threads, never on the event loop.
@@ -46,16 +47,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import functools
 import importlib.metadata
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar, cast
 
 import msgspec
@@ -104,14 +105,14 @@ from infer.client.api.schemas import (
     UnloadLoraAdapterRequest,
     UpdateWeightsRequest,
 )
-from infer.client.api.tools import TOOL_PARSERS, default_parser, template_messages, tools_system_prompt
-from infer.client.chat_encoding import ChatEncoder
+from infer.client.api.tokenization import DEFAULT_LOAD_TIMEOUT_S, Tokenization, Tokenizations
+from infer.client.api.tools import TOOL_PARSERS, template_messages, tools_system_prompt
 from infer.client.engine_client import ClusterError, EngineClient
 from infer.protocol.codes import ClusterState, ErrorCode, FinishReason
 from infer.protocol.logsafe import safe
 from infer.protocol.messages import BeamOutput, ClusterStats, ModelStats
 from infer.protocol.outputs import Completion, RequestOutput, TokenLogprobs
-from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
+from infer.protocol.prompt_limits import prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams, grammar_error
 from infer.protocol.tracing import Attribute, HopSpan, open_sink, parse_traceparent, require_sdk
@@ -156,6 +157,9 @@ class FrontConfig:
     chat_template: str | None = None  # instead of the tokenizer's (--chat-template)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # --generation-config: model_defaults.py
     otlp_traces_endpoint: str | None = None  # OpenTelemetry spans of the front's hops (protocol/tracing.py)
+    # (model name, tokenizer path): models whose tokenizer is read there, not where their workers say (--tokenizer-for)
+    tokenizer_for: tuple[tuple[str, str], ...] = ()
+    tokenizer_load_timeout: float = DEFAULT_LOAD_TIMEOUT_S  # seconds a request waits for its model's tokenizer to load
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -167,13 +171,22 @@ class FrontConfig:
         for name in ("max_concurrent_requests", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("health_timeout", "view_max_age"):
+        for name in ("health_timeout", "view_max_age", "tokenizer_load_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.otlp_traces_endpoint is not None:
             require_sdk()
         if self.retry_after < 0:
             raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
+        names = [name for name, _ in self.tokenizer_for]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"--tokenizer-for names {', '.join(map(repr, repeated))} more than once")
+        if self.served_model_name in names:
+            raise ValueError(
+                f"--tokenizer-for {self.served_model_name}=...: {self.served_model_name!r} is this front's default "
+                "model, whose tokenizer --model gives"
+            )
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}"
@@ -247,26 +260,40 @@ class Job:
 class Front:
     """The handlers and the state they share; `build_app` wires them to routes."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Any, config: FrontConfig) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Any,
+        config: FrontConfig,
+        tokenizers_for: Mapping[str, Any] | None = None,
+        tokenizer_dir: Path | None = None,
+    ) -> None:
+        """`tokenizer`: the default model's (read from `tokenizer_dir`, when known); `tokenizers_for`: other models'
+        by name (--tokenizer-for). Every other model's is loaded when a request first needs it (tokenization.py)."""
         self.engine = engine
-        if config.chat_template is not None:  # a copy: the caller's tokenizer keeps its own template
-            tokenizer = copy.copy(tokenizer)
-            tokenizer.chat_template = config.chat_template
-        self.tokenizer = tokenizer
         self.config = config
+
+        def make(loaded: Any) -> Tokenization:
+            return Tokenization.of(loaded, None, config.tool_call_parser, config.reasoning_parser)
+
+        default = Tokenization.of(tokenizer, config.chat_template, config.tool_call_parser, config.reasoning_parser)
+        self.tokenizations = Tokenizations(
+            default,
+            make,
+            tokenizers_for,
+            tokenizer_dir,
+            config.tokenizer_load_timeout,
+            config.retry_after,
+        )
         self.metrics = FrontMetrics(config.served_model_name)
         self.admission = Admission(engine, config)
         self.cancellations = Cancellations(config.admin_api_key)
-        self._token_text: dict[int, str] = {}
         self.created = int(time.time())
-        self.token_bytes = max_token_bytes(tokenizer)  # bounds a text prompt's size before tokenizing it
-        self.chat_encoder = ChatEncoder(tokenizer)  # chat prompts: content tokenized as plain text
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="infer-tokenize")
         # its own thread, so that a spec slow to parse never holds up tokenizing
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="infer-grammar-check")
         self._xgrammar: asyncio.Future | None = None
         self.lora_adapters: dict[str, str] = {}  # the engine(s)' LoRA adapters as last seen: name -> folder
-        self.tool_call_parser = config.tool_call_parser or default_parser(getattr(tokenizer, "chat_template", None))
         self.spans = open_sink("infer-front", config.otlp_traces_endpoint)
 
     def close(self) -> None:
@@ -285,34 +312,37 @@ class Front:
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)
+        tok = await self.tokenization(body)
 
         async def token_ids(max_len: int) -> list[list[int]]:
-            return await self._prompt_token_ids(body.prompts(), max_len)
+            return await self._prompt_token_ids(tok, body.prompts(), max_len)
 
-        fmt = CompletionFormat(self, body)
+        fmt = CompletionFormat(self, body, tok)
         max_tokens = (
             body.max_tokens
             if "max_tokens" in body.model_fields_set
             else self.config.sampling_defaults.get("max_tokens", body.max_tokens)
         )
-        return await self._serve(request, body, token_ids, max_tokens, body.logprobs, fmt)
+        return await self._serve(request, body, tok, token_ids, max_tokens, body.logprobs, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
+        tok = await self.tokenization(body)
 
         async def token_ids(max_len: int) -> list[list[int]]:
-            return [await self._chat_token_ids(body, max_len)]
+            return [await self._chat_token_ids(tok, body, max_len)]
 
-        fmt = ChatFormat(self, body)
+        fmt = ChatFormat(self, body, tok)
         max_tokens = body.max_new_tokens
         if max_tokens is None:
             max_tokens = self.config.sampling_defaults.get("max_tokens")
-        return await self._serve(request, body, token_ids, max_tokens, body.num_logprobs, fmt)
+        return await self._serve(request, body, tok, token_ids, max_tokens, body.num_logprobs, fmt)
 
     async def embeddings(self, request: Request) -> Response:
         """POST /v1/embeddings (OpenAI's shape): one pooling request per input (worker/pooling.py), through the same
         admission, cluster and failover as generation; `dimensions` only for a Matryoshka model (FrontConfig)."""
         body = await self._parse(request, EmbeddingRequest)
+        tok = await self.tokenization(body)
         self._check_dimensions(body.dimensions)
         inputs = body.prompts()
         params = SamplingParams(
@@ -323,7 +353,7 @@ class Front:
         try:
             model = self.model_of(body)
             max_len = await self.admission.admit(model)
-            prompts = await self._prompt_token_ids(inputs, max_len, param="input")
+            prompts = await self._prompt_token_ids(tok, inputs, max_len, param="input")
             for ids in prompts:
                 check_length(len(ids), None, max_len)
             tracker = functools.partial(self.metrics.tracker, self.metrics_label(body))
@@ -376,18 +406,19 @@ class Front:
         """vLLM's /tokenize: a prompt (or chat messages through the template) -> its token ids. The bounds of the
         generation routes apply (the chat template's output checked too), and the ids must fit the context."""
         body = await self._parse(request, TokenizeRequest)
-        max_len = await self._any_max_model_len()
+        tok = await self.tokenization(body)
+        max_len = await self._any_max_model_len(self.model_of(body))
         if body.prompt is not None:
             param = "prompt"
-            self._check_text_size(body.prompt, max_len, param)
+            self._check_text_size(tok, body.prompt, max_len, param)
             special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await self._off_loop(self._encode, body.prompt, add_special_tokens=special)
+            ids = await self._off_loop(tok.encode, body.prompt, add_special_tokens=special)
         else:
             param = "messages"
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = await self._chat_prompt(body, tools, max_len)
+            ids = await self._chat_prompt(tok, body, tools, max_len)
             if body.add_special_tokens:
-                ids = self.chat_encoder.with_added_special_tokens(ids)
+                ids = tok.chat_encoder.with_added_special_tokens(ids)
         if len(ids) > max_len:
             raise ApiError(
                 400,
@@ -395,39 +426,42 @@ class Front:
                 param=param,
                 code="context_length_exceeded",
             )
-        strs = [self.token_text(t) for t in ids] if body.return_token_strs else None
+        strs = [tok.token_text(t) for t in ids] if body.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strs})
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: token ids -> text (at most the context length of ids, each in the vocabulary)."""
         body = await self._parse(request, DetokenizeRequest)
-        max_len = await self._any_max_model_len()
+        tok = await self.tokenization(body)
+        max_len = await self._any_max_model_len(self.model_of(body))
         if len(body.tokens) > max_len:
             raise ApiError(
                 400, f"tokens: {len(body.tokens)} token ids; at most the context length ({max_len})", param="tokens"
             )
-        self._check_vocab("tokens", body.tokens)
-        text = await self._off_loop(self.tokenizer.decode, body.tokens)
+        self._check_vocab(tok, "tokens", body.tokens)
+        text = await self._off_loop(tok.tokenizer.decode, body.tokens)
         return JSONResponse({"prompt": text})
 
     async def version(self, request: Request) -> Response:
         authorize(request, self.config.api_key)
         return JSONResponse({"version": VERSION})
 
-    async def _any_max_model_len(self) -> int:
-        """The context length of the cluster's workers (healthy or not: tokenizing needs no worker)."""
+    async def _any_max_model_len(self, model: str | None) -> int:
+        """The context length of `model`'s workers (None: the cluster's), healthy or not: tokenizing needs no
+        worker."""
         view: ClusterStats | None
         try:
             view = await self.admission.cluster_view()
         except ApiError:
             view = self.admission.last_view
-        max_len = max_model_len(view, healthy_only=False) if view is not None else None
+        max_len = max_model_len(view, healthy_only=False, model=model) if view is not None else None
         if max_len is None:
             raise self.admission.unavailable("no worker has reported its context length yet")
         return max_len
 
-    def _check_vocab(self, param: str, token_ids: list[int]) -> None:
-        vocab = len(self.tokenizer)
+    @staticmethod
+    def _check_vocab(tok: Tokenization, param: str, token_ids: list[int]) -> None:
+        vocab = tok.vocab_size
         bad = next((t for t in token_ids if t >= vocab), None)
         if bad is not None:
             raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
@@ -587,6 +621,31 @@ class Front:
                 return m.model_id
         return name  # an adapter loaded since the last view: the coordinator finds its base
 
+    async def tokenization(self, body: Any) -> Tokenization:
+        """The Tokenization of the model a checked body runs on (an adapter: its base model's): --model's on a
+        cluster of one model, else that model's (client/api/tokenization.py: 503 when this front cannot read it)."""
+        with contextlib.suppress(ApiError):  # the models and where their workers read their tokenizers, as of now
+            await self.admission.cluster_view()  # (the view admission reads next: one round trip a second at most)
+        model = self.model_of(body)
+        if model is None:
+            return self.tokenizations.default
+        stats = self._stats_of(model)
+        if stats is None:  # an adapter loaded since the last view: its base model from a fresh one
+            with contextlib.suppress(ApiError):
+                await self.admission.cluster_view(fresh=True)
+            stats = self._stats_of(model)
+        if stats is None:
+            raise self.admission.unavailable(f"the base model of {model[:200]!r} is not known yet; retry later")
+        default = self.tokenizations.default if stats.model_id == self.engine.model_id else None
+        if default is not None and not stats.tokenizers:  # its id is the path --model defaults to, or no path
+            return default
+        name = self.served_name(stats.model_id)
+        return await self.tokenizations.of(stats.model_id, name, stats.tokenizers, fallback=default)
+
+    def _stats_of(self, model: str) -> ModelStats | None:
+        """The cluster's model `model` (or the base model of the adapter `model`) as last seen."""
+        return next((m for m in self._cluster_models() if model == m.model_id or model in m.lora_adapters), None)
+
     def metrics_label(self, body: Any) -> str:
         """The `model_name` label of a body's request metrics: the name of the base model it runs on."""
         model = self.model_of(body)
@@ -664,48 +723,51 @@ class Front:
         return body
 
     async def _prompt_token_ids(
-        self, prompts: list[str | list[int]], max_len: int, param: str = "prompt"
+        self, tok: Tokenization, prompts: list[str | list[int]], max_len: int, param: str = "prompt"
     ) -> list[list[int]]:
         """Every prompt checked against the context without tokenizing, then tokenized off the loop."""
         for prompt in prompts:
-            self._check_prompt(prompt, max_len, param)
+            self._check_prompt(tok, prompt, max_len, param)
         return [
-            prompt if isinstance(prompt, list) else await self._off_loop(self._encode, prompt, add_special_tokens=True)
+            prompt if isinstance(prompt, list) else await self._off_loop(tok.encode, prompt, add_special_tokens=True)
             for prompt in prompts
         ]
 
-    def _check_prompt(self, prompt: str | list[int], max_len: int, param: str) -> None:
+    def _check_prompt(self, tok: Tokenization, prompt: str | list[int], max_len: int, param: str) -> None:
         """400 for an empty prompt, a token id outside the vocabulary, or a prompt that cannot fit the
         context: token ids by their count, text by its size (prompt_limits), both without tokenizing."""
         if not prompt:
             raise ApiError(400, f"{param} must not be empty", param=param)
         if isinstance(prompt, str):
-            return self._check_text_size(prompt, max_len, param)
+            return self._check_text_size(tok, prompt, max_len, param)
         check_length(len(prompt), None, max_len)
-        vocab = len(self.tokenizer)
+        vocab = tok.vocab_size
         if max(prompt) >= vocab:
             bad = next(t for t in prompt if t >= vocab)
             raise ApiError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
-    def _check_text_size(self, text: str, max_len: int, param: str) -> None:
-        too_long = prompt_size_error(text, max_len, self.token_bytes)
+    @staticmethod
+    def _check_text_size(tok: Tokenization, text: str, max_len: int, param: str) -> None:
+        too_long = prompt_size_error(text, max_len, tok.token_bytes)
         if too_long is not None:
             raise ApiError(400, f"{param}: {too_long}", param=param, code="context_length_exceeded")
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-
-    async def _chat_token_ids(self, body: ChatCompletionRequest, max_len: int) -> list[int]:
-        return await self._chat_prompt(body, body.tool_dicts if body.tool_mode is not None else None, max_len)
+    async def _chat_token_ids(self, tok: Tokenization, body: ChatCompletionRequest, max_len: int) -> list[int]:
+        return await self._chat_prompt(tok, body, body.tool_dicts if body.tool_mode is not None else None, max_len)
 
     async def _chat_prompt(
-        self, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None, max_len: int
+        self,
+        tok: Tokenization,
+        body: ChatCompletionRequest | TokenizeRequest,
+        tools: list[dict[str, Any]] | None,
+        max_len: int,
     ) -> list[int]:
         """The chat template's text, tokenized with the messages' content as plain text (client/chat_encoding.py)
         unless the body allows special tokens in it. Checked before anything runs: the number of messages (each
         takes a token at least), their content's size before the template, the text's size after it (all off
         the loop); the caller checks the count of ids."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = tok.chat_template
+        if not template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         # a TokenizeRequest comes here only without a prompt, and then has messages (its validator `_one_input`)
         chat = cast("list[ChatMessage]", body.messages)
@@ -717,32 +779,34 @@ class Front:
                 code="context_length_exceeded",
             )
         messages = template_messages([m.as_template_message() for m in chat])
-        if tools and "tools" not in self.tokenizer.chat_template:  # a template that ignores `tools`
+        if tools and "tools" not in template:  # a template that ignores `tools`
             messages = [{"role": "system", "content": tools_system_prompt(tools)}, *messages]
-        self._check_text_size("".join(m["content"] for m in messages) + json.dumps(tools or []), max_len, "messages")
+        content = "".join(m["content"] for m in messages) + json.dumps(tools or [])
+        self._check_text_size(tok, content, max_len, "messages")
 
         def render(chat: list[dict[str, Any]]) -> str:
-            text = self._render_chat(chat, body.add_generation_prompt, tools, body.chat_template_kwargs)
-            self._check_text_size(text, max_len, "messages")
+            text = self._render_chat(tok, chat, body.add_generation_prompt, tools, body.chat_template_kwargs)
+            self._check_text_size(tok, text, max_len, "messages")
             return text
 
         try:
             _, ids = await self._off_loop(
-                self.chat_encoder.encode, messages, render, body.allow_special_tokens_in_content
+                tok.chat_encoder.encode, messages, render, body.allow_special_tokens_in_content
             )
         except ValueError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
         return ids
 
+    @staticmethod
     def _render_chat(
-        self,
+        tok: Tokenization,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
+            return tok.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
             )
         except Exception as e:  # the template's own checks (jinja raise_exception), e.g. role order
@@ -756,6 +820,7 @@ class Front:
         self,
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
+        tok: Tokenization,
         token_ids: Callable[[int], Awaitable[list[list[int]]]],
         max_tokens: int | None,
         logprobs: int | None,
@@ -765,7 +830,7 @@ class Front:
         num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
         num_requests = num_prompts * num_candidates(body)
         for param, ids in body.token_id_fields().items():
-            self._check_vocab(param, ids)
+            self._check_vocab(tok, param, ids)
         structured = await self._structured(body)
         engine_base_id = fmt.id  # the front's own: engine request ids never take the caller's X-Request-Id
         try:
@@ -780,7 +845,7 @@ class Front:
             prompts = await token_ids(max_len)
             for ids in prompts:
                 check_length(len(ids), max_tokens, max_len)
-            jobs = self._jobs(engine_base_id, prompts, body, max_tokens, logprobs, structured)
+            jobs = self._jobs(tok, engine_base_id, prompts, body, max_tokens, logprobs, structured)
             traceparent = request.headers.get("traceparent")
             for job in jobs:  # W3C: an invalid header is ignored (a new trace starts), not refused
                 job.traceparent = traceparent if traceparent and parse_traceparent(traceparent) else None
@@ -845,6 +910,7 @@ class Front:
 
     def _jobs(
         self,
+        tok: Tokenization,
         base_id: str,
         prompts: list[list[int]],
         body: Any,
@@ -859,7 +925,7 @@ class Front:
         echoes = body.prompts() if getattr(body, "echo", False) else None
         lora, model, label = self.lora_of(body), self.model_of(body), self.metrics_label(body)
         for p, ids in enumerate(prompts):
-            echo = "" if echoes is None else (echoes[p] if isinstance(echoes[p], str) else self.tokenizer.decode(ids))
+            echo = "" if echoes is None else (echoes[p] if isinstance(echoes[p], str) else tok.tokenizer.decode(ids))
             for c in range(candidates):
                 index = p * candidates + c
                 try:
@@ -1010,12 +1076,6 @@ class Front:
                 yield event(chunk, job)
         if include_usage:
             yield sse_event(fmt.usage_chunk(choices))
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
 
 
 class StreamRun:
@@ -1174,10 +1234,16 @@ def route_list(app: FastAPI) -> list[str]:
     ]
 
 
-def build_app(engine: EngineClient, tokenizer: Any, config: FrontConfig) -> FastAPI:
-    """The ASGI app of one front. Every error leaves as OpenAI's error body; bad input never gets a 500,
-    and no answer carries a traceback, an exception's text or a path."""
-    front = Front(engine, tokenizer, config)
+def build_app(
+    engine: EngineClient,
+    tokenizer: Any,
+    config: FrontConfig,
+    tokenizers_for: Mapping[str, Any] | None = None,
+    tokenizer_dir: Path | None = None,
+) -> FastAPI:
+    """The ASGI app of one front (Front's arguments). Every error leaves as OpenAI's error body; bad input never gets
+    a 500, and no answer carries a traceback, an exception's text or a path."""
+    front = Front(engine, tokenizer, config, tokenizers_for, tokenizer_dir)
     app = FastAPI(title="infer", version="0.1.0", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.front = front
 

@@ -20,6 +20,7 @@ from infer.protocol.outputs import Completion, RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from infer.client.api.app import Front, Job
+    from infer.client.api.tokenization import Tokenization
 
 log = logging.getLogger("infer.api")
 
@@ -31,9 +32,10 @@ class ResponseFormat:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, front: Front, body: Any) -> None:
+    def __init__(self, front: Front, body: Any, tok: Tokenization) -> None:
         self.front = front
         self.body = body
+        self.tok = tok  # the tokenization of the model the body runs on: token strings, parsers
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = body.model
@@ -95,7 +97,7 @@ class CompletionFormat(ResponseFormat):
             "logprobs": logprobs,
         }
         if self.body.prompt_logprobs is not None:
-            out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
+            out["prompt_logprobs"] = prompt_logprobs_json(self.tok, job, self.body.prompt_logprobs)
         return out
 
     def _with_prompt(self, job: Job, completion: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +105,7 @@ class CompletionFormat(ResponseFormat):
         rows = job.prompt_logprobs or []
         ids = job.prompt_token_ids
         head = self._logprobs(ids[1:], rows, 0)
-        first = self.front.token_text(ids[0])
+        first = self.tok.token_text(ids[0])
         offsets = [0] + [o + len(first) for o in head["text_offset"]]
         return {
             "tokens": [first, *head["tokens"], *completion["tokens"]],
@@ -121,7 +123,7 @@ class CompletionFormat(ResponseFormat):
         return {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs], offset: int) -> dict[str, Any]:
-        text = self.front.token_text
+        text = self.tok.token_text
         n = self.body.logprobs or 0
         tokens, token_lps, tops, offsets = [], [], [], []
         for token_id, row in zip(token_ids, rows):
@@ -139,11 +141,11 @@ class ChatFormat(ResponseFormat):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, front: Front, body: Any) -> None:
-        super().__init__(front, body)
+    def __init__(self, front: Front, body: Any, tok: Tokenization) -> None:
+        super().__init__(front, body, tok)
         self.tool_mode = body.tool_mode
-        self.reasoning = front.config.reasoning_parser
-        self.parse_tools = PARSERS[front.tool_call_parser]
+        self.reasoning = tok.reasoning_parser
+        self.parse_tools = PARSERS[tok.tool_call_parser]
         self._splitters: dict[int, ReasoningSplitter] = {}
         self._tool_streams: dict[int, ToolCallStream] = {}
 
@@ -156,7 +158,7 @@ class ChatFormat(ResponseFormat):
             "finish_reason": finish_reason,
         }
         if self.body.prompt_logprobs is not None:
-            out["prompt_logprobs"] = prompt_logprobs_json(self.front, job, self.body.prompt_logprobs)
+            out["prompt_logprobs"] = prompt_logprobs_json(self.tok, job, self.body.prompt_logprobs)
         return out
 
     def _message(self, job: Job) -> tuple[dict[str, Any], str | None]:
@@ -200,7 +202,7 @@ class ChatFormat(ResponseFormat):
         stream = self._tool_streams.get(job.index)
         if stream is None:
             named = self.body.tool_choice.function.name if self.tool_mode == "named" else None
-            stream = self._tool_streams[job.index] = ToolCallStream(self.tool_mode, self.front.tool_call_parser, named)
+            stream = self._tool_streams[job.index] = ToolCallStream(self.tool_mode, self.tok.tool_call_parser, named)
         reasoning, text = self._split_reasoning(job, delta)
         content, events = stream.feed(text)
         if delta.finished:
@@ -275,7 +277,7 @@ class ChatFormat(ResponseFormat):
         return {"index": job.index, "delta": content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
     def _logprobs(self, token_ids: list[int], rows: list[TokenLogprobs]) -> dict[str, Any]:
-        text = self.front.token_text
+        text = self.tok.token_text
         n = self.body.top_logprobs or 0
         content = []
         for token_id, row in zip(token_ids, rows):
@@ -294,14 +296,14 @@ class ChatFormat(ResponseFormat):
         return {"content": content}
 
 
-def prompt_logprobs_json(front: Front, job: Job, n: int) -> list[dict[str, Any] | None]:
+def prompt_logprobs_json(tok: Tokenization, job: Job, n: int) -> list[dict[str, Any] | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob,
     decoded_token}} for the token itself and the top n."""
     out: list[dict[str, Any] | None] = [None]
     for token_id, row in zip(job.prompt_token_ids[1:], job.prompt_logprobs or []):
         keep: dict[int, float | None] = dict(_top(row, n))
         keep[token_id] = row.get(token_id)  # None (reported as -9999) where the row lacks the token
-        out.append({str(t): {"logprob": _finite(lp), "decoded_token": front.token_text(t)} for t, lp in keep.items()})
+        out.append({str(t): {"logprob": _finite(lp), "decoded_token": tok.token_text(t)} for t, lp in keep.items()})
     return out
 
 

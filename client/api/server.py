@@ -3,7 +3,8 @@
 `infer-api --coordinator tcp://H:P [--port 8000] [--host 127.0.0.1] [--api-key K] [--model M]` puts a front
 on an existing cluster; several fronts may share one coordinator. `--model` is where the front reads the
 tokenizer (chat template, prompt lengths, logprob token strings); by default the model the cluster
-reports, and the embedded default model for the cluster's default id.
+reports, and the embedded default model for the cluster's default id. On a cluster of several models each model's
+tokenizer is read where its workers say, or where `--tokenizer-for NAME=PATH` says (client/api/tokenization.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from infer.client.api.admission import read_key_file, resolve_api_key
 from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app
 from infer.client.api.model_defaults import generation_defaults, load_chat_template, matryoshka_dimensions
 from infer.client.api.reasoning import REASONING_PARSERS
+from infer.client.api.tokenization import load_tokenizers_for, parse_tokenizer_for
 from infer.client.api.tools import TOOL_PARSERS
 from infer.client.engine_client import EngineClient
 from infer.client.inference_client import ClusterError, InferenceClient
@@ -56,14 +58,17 @@ class HttpFront:
         host: str = "127.0.0.1",
         port: int = 8000,
         graceful_timeout: float = 5.0,
+        tokenizers_for: Mapping[str, Any] | None = None,
+        tokenizer_dir: Path | None = None,
     ) -> None:
-        """`graceful_timeout`: on shutdown, seconds open requests get to finish (new connections refused)."""
+        """`graceful_timeout`: on shutdown, seconds open requests get to finish (new connections refused);
+        `tokenizers_for`, `tokenizer_dir`: app.Front's."""
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {port}")
         if not graceful_timeout >= 0:
             raise ValueError(f"graceful_timeout must be >= 0 seconds, got {graceful_timeout}")
         self.graceful_timeout = graceful_timeout
-        self.app = build_app(engine, tokenizer, config)
+        self.app = build_app(engine, tokenizer, config, tokenizers_for, tokenizer_dir)
         self.host = host
         self.port = port
         self._socket: socket.socket | None = None
@@ -248,6 +253,15 @@ class FrontFlags:
         "'infer[otel]')",
         metavar="URL",
     )
+    tokenizer_for: tuple[tuple[str, str], ...] = option(
+        (),
+        "on a cluster of several models: read model NAME's tokenizer from PATH (a directory with its tokenizer "
+        "files, or a .gguf file), not from where its workers say they read it (a front on another host); "
+        "repeatable; loaded at start",
+        metavar="NAME=PATH",
+        parse=parse_tokenizer_for,
+        show=lambda pair: f"{pair[0]}={pair[1]}",
+    )
     trusted_network: bool = option(
         False,
         "allow a non-loopback bind with nothing protecting it: the HTTP front "
@@ -299,6 +313,7 @@ def front_config(args: argparse.Namespace, model_id: str | None, model_dir: Path
         sampling_defaults=generation_defaults(args.generation_config, model_dir),
         matryoshka_dimensions=matryoshka_dimensions(model_dir),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        tokenizer_for=tuple(args.tokenizer_for or ()),
     )
 
 
@@ -355,7 +370,7 @@ async def run_front(client: InferenceClient, front: HttpFront) -> None:
         raise failure
 
 
-async def _main(args: argparse.Namespace) -> int:
+async def _main(args: argparse.Namespace, tokenizers_for: Mapping[str, Any]) -> int:
     try:
         async with InferenceClient(
             args.coordinator,
@@ -372,6 +387,8 @@ async def _main(args: argparse.Namespace) -> int:
                 args.host,
                 args.port,
                 graceful_timeout=args.graceful_timeout,
+                tokenizers_for=tokenizers_for,
+                tokenizer_dir=model_dir,
             )
             if args.listen_fd is None:
                 front.bind()
@@ -393,12 +410,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
-        check_front_exposure(args.host, front_config(args, None), args.trusted_network)
+        config = front_config(args, None)
+        check_front_exposure(args.host, config, args.trusted_network)
         CurveKeys.from_files(args.curve_key, args.coordinator_key, flags=("--curve-key", "--coordinator-key"))
+        tokenizers_for = load_tokenizers_for(config.tokenizer_for)
     except ValueError as e:
         print(f"infer-api: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(_main(args))
+    return asyncio.run(_main(args, tokenizers_for))
 
 
 if __name__ == "__main__":

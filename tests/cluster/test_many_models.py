@@ -1,11 +1,14 @@
 """Two models behind one coordinator, through real processes: infer-coordinator, an infer-worker of the tiny Llama
-(served as "llama-a", with the LoRA adapter "qv") and one of the tiny Qwen3 ("qwen-b"), infer-api and the official
-`openai` client. Each request runs on its model's worker (the adapter on its base's), /v1/models lists both and the
-adapter with its parent, an unknown model is a 404 naming it, a model whose worker died a 503 with Retry-After while
-the other keeps serving, and /metrics is labelled per model."""
+(served as "llama-a", with the LoRA adapter "qv"; SmolLM2's tokenizer) and one of the tiny Qwen3 with a word-level
+tokenizer and chat template of its own ("qwen-b"), infer-api (its --model: the Llama's) and the official `openai`
+client. Each request runs on its model's worker (the adapter on its base's) and is tokenized with its model's
+tokenizer (qwen-b's read where its worker says: Hello.tokenizer), /v1/models lists both and the adapter with its
+parent, an unknown model is a 404 naming it, a model whose worker died a 503 with Retry-After while the other keeps
+serving, and /metrics is labelled per model."""
 
 from __future__ import annotations
 
+import json
 import re
 import selectors
 import subprocess
@@ -15,11 +18,14 @@ import urllib.request
 import openai
 import pytest
 from lora_cases import make_adapters
+from tiny_models import word_level_tokenizer
 
 from infer import SamplingParams
 from tests.cluster.conftest import ENGINE_FLAGS, Cluster, Proc
 
-PROMPT = [5, 17, 300, 41, 9]
+PROMPT = [5, 17, 30, 41, 9]  # ids of both vocabularies (qwen-b's has 250 words)
+TEXT = "hello world , the big house"
+GREEDY = dict(max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
 
 
 def start_front(cluster: Cluster, model) -> str:
@@ -41,10 +47,17 @@ def routed(stats) -> dict[str, int]:
     return {w.model_id: w.requests_routed for w in stats.workers}
 
 
+def tokenized(url: str, model: str, text: str) -> list[int]:
+    body = json.dumps({"model": model, "prompt": text}).encode()
+    request = urllib.request.Request(f"{url}/tokenize", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["tokens"]
+
+
 async def test_two_models_and_an_adapter_behind_one_coordinator(
-    cluster_factory, tiny_llama, tiny_model_dir, tmp_path_factory, wait_until
+    cluster_factory, tiny_llama, tiny_words_model, smollm2_tokenizer, tmp_path_factory, wait_until
 ):
-    qwen = tiny_model_dir("qwen3")
+    qwen = tiny_words_model
     qv = make_adapters(tiny_llama, tmp_path_factory, names=("qv",))["qv"]
     cluster = cluster_factory()
     cluster.coordinator()
@@ -87,6 +100,23 @@ async def test_two_models_and_an_adapter_behind_one_coordinator(
         assert routed(await client.stats()) == {"llama-a": 2, "qwen-b": 2}  # qv ran on its base's worker
         assert len(set(texts.values())) == 3  # three models' (random) weights: three answers
 
+        # Each model through its own tokenizer: a text prompt tokenized by the front gives what the model's worker
+        # makes of the same text (the Python client sends the text; the worker tokenizes it), chat through each
+        # model's own template. With llama-a's tokenizer, qwen-b would get other ids, beyond its vocabulary.
+        words = word_level_tokenizer()
+        assert tokenized(url, "qwen-b", TEXT) == words(TEXT)["input_ids"]
+        assert tokenized(url, "llama-a", TEXT) == smollm2_tokenizer(TEXT)["input_ids"] != words(TEXT)["input_ids"]
+        greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        for model in ("qwen-b", "llama-a"):
+            done = api.completions.create(model=model, prompt=TEXT, **GREEDY)
+            own = await client.generate(TEXT, greedy, model=model)
+            assert done.choices[0].text == own.text and done.usage.prompt_tokens == len(own.prompt_token_ids)
+        chat = [{"role": "user", "content": "hello there"}]
+        answer = api.chat.completions.create(model="qwen-b", messages=chat, **GREEDY)
+        rendered = words.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        own = await client.generate(words(rendered, add_special_tokens=False)["input_ids"], greedy, model="qwen-b")
+        assert answer.choices[0].message.content == own.text and answer.usage.prompt_tokens == len(rendered.split())
+
         with pytest.raises(openai.NotFoundError) as missing:
             api.completions.create(model="gpt-nope", prompt=PROMPT, max_tokens=2)
         assert "'gpt-nope' does not exist" in str(missing.value)
@@ -107,8 +137,8 @@ async def test_two_models_and_an_adapter_behind_one_coordinator(
 
         metrics = await wait_until(scraped, 10, "the front to see qwen-b's worker gone")
         assert 'infer:num_healthy_workers{model_name="llama-a"} 1.0' in metrics
-        assert re.search(r'infer:generation_tokens_total\{model_name="qwen-b"\} 4\.0', metrics)
-        assert re.search(r'infer:generation_tokens_total\{model_name="llama-a"\} 8\.0', metrics)  # with qv's 4
+        assert re.search(r'infer:generation_tokens_total\{model_name="qwen-b"\} 12\.0', metrics)
+        assert re.search(r'infer:generation_tokens_total\{model_name="llama-a"\} 12\.0', metrics)  # with qv's 4
         with pytest.raises(openai.APIStatusError) as down:
             api.with_options(timeout=30).completions.create(model="qwen-b", prompt=PROMPT, max_tokens=2)
         assert down.value.status_code == 503 and down.value.response.headers.get("retry-after") == "1"

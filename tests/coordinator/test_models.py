@@ -7,6 +7,7 @@ from __future__ import annotations
 from core_harness import MODEL, Harness, client_deltas, delta, dispatches, worker_hello
 
 from infer.protocol.messages import (
+    MAX_TOKENIZER_SOURCES,
     ClusterStats,
     Error,
     Hello,
@@ -15,6 +16,8 @@ from infer.protocol.messages import (
     Refused,
     StatsRequest,
     Welcome,
+    decode,
+    encode,
 )
 
 C1 = b"client-1"
@@ -160,6 +163,27 @@ def test_stats_are_per_model():
     assert (other.model_id, other.default, other.num_workers, other.requests_submitted) == (OTHER, False, 1, 1)
     assert other.lora_adapters == {"sql": "/adapters/sql"} and mine.lora_adapters == {}
     assert stats.model(OTHER) == other and stats.model("nope") is None
+
+
+def test_a_models_stats_carry_where_its_workers_read_its_tokenizer():
+    """ModelStats.tokenizers: the workers' Hello.tokenizer, distinct, healthy and low ranks first; nothing on the wire
+    for workers that send none (a model named by its path)."""
+    h = Harness()
+    h.worker("w0", 0)
+    for wid, rank, source in [("v1", 1, "/b/qwen"), ("v0", 0, "/a/qwen"), ("v2", 2, "/a/qwen"), ("v3", 3, "/c/qwen")]:
+        h.send(wid.encode(), worker_hello(wid, rank, model=OTHER, tokenizer=source))
+    h.core.peer_gone(b"v0", h.now)
+    h.out()
+    (stats,) = of_type(h.send(C1, StatsRequest()), ClusterStats, C1)
+    assert stats.model(OTHER).tokenizers == ["/b/qwen", "/a/qwen", "/c/qwen"]  # healthy first: v0 is gone
+    assert stats.model(MODEL).tokenizers == []
+    assert b"tokenizers" not in encode(stats.model(MODEL))  # a model without sources sends no new field
+    many = [("x%d" % i, i, f"/m/{i}") for i in range(MAX_TOKENIZER_SOURCES + 3)]
+    for wid, rank, source in many:
+        h.send(wid.encode(), worker_hello(wid, rank, model="many", tokenizer=source))
+    (stats,) = of_type(h.send(C1, StatsRequest()), ClusterStats, C1)
+    assert stats.model("many").tokenizers == [f"/m/{i}" for i in range(MAX_TOKENIZER_SOURCES)]
+    assert decode(encode(stats)).model("many").tokenizers == stats.model("many").tokenizers
 
 
 def test_a_lora_load_goes_to_the_workers_of_its_base_model():

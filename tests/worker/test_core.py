@@ -19,6 +19,7 @@ from infer.protocol.messages import (
     StepBatch,
     UpdateWeights,
     WeightsUpdated,
+    encode,
 )
 from infer.worker.core import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, WorkerExit
 from infer.worker.lifecycle import TABLE, Action, WorkerState, transition
@@ -38,6 +39,23 @@ def tokens(ds) -> list[int]:
 
 
 # ---- registration -------------------------------------------------------------------------------------
+
+
+def test_a_worker_under_a_served_name_says_where_its_tokenizer_is(tmp_path):
+    """Hello.tokenizer: the model directory, absolute, only when the served name is not the model's path (a front
+    reads the model's tokenizer there); a worker named by its path sends no new field."""
+    plain = WorkerHarness()
+    plain.engine.model_path = tmp_path
+    plain.core.take_outgoing()
+    plain.core.start(plain.now)  # says hello again, with model_path now set
+    (hello,) = of_type(plain.out(), Hello)
+    assert hello.tokenizer is None and b"tokenizer" not in encode(hello)
+    named = WorkerHarness(served_model_name="qwen-b")
+    named.engine.model_path = tmp_path / "." / "m" / ".."
+    named.core.take_outgoing()
+    named.core.start(named.now)
+    (hello,) = of_type(named.out(), Hello)
+    assert (hello.model_id, hello.tokenizer) == ("qwen-b", str(tmp_path))
 
 
 def test_start_says_hello_and_no_welcome_in_time_is_fatal():
