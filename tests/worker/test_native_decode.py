@@ -268,21 +268,3 @@ def test_long_verifications_alone(smollm2_dir, calls):
     plain, spec, decoder = _speculating(smollm2_dir, requests, 12, quantization="none")
     assert spec == plain
     assert isinstance(decoder, NativeDecoder) and decoder.verification_steps > 0 and 13 in calls
-
-
-def test_step_graphs_take_verification_steps(tiny_model_dir):
-    """With step graphs on, verification steps replay the graphs (their rows are decode rows), not the native
-    step, which steps of a graph never reach; the tokens are those of the same graphs without speculation."""
-    model = tiny_model_dir("llama")
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
-    greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
-    prompt = [5 + (i * 7) % 11 for i in range(40)]
-    requests = {"a": (prompt, greedy), "b": (prompt[3:], greedy)}
-    plain = _run(_engine(model, enforce_eager=False, max_num_seqs=4), requests)
-    engine = _engine(model, speculative_config=spec, enforce_eager=False, max_num_seqs=4)
-    out = _run(engine, requests)
-    graphs = engine.runner.step_graphs
-    assert graphs is not None and graphs.verification_replays > 0
-    decoder = engine.model.model.native_decode  # made on the first step it could take: none came
-    assert decoder is None or decoder.verification_steps == 0
-    assert [[t for t, _ in out[r]] for r in "ab"] == [[t for t, _ in plain[r]] for r in "ab"]

@@ -144,7 +144,10 @@ def test_verification_steps_replay_the_graphs_with_the_tokens_of_decoding_withou
     """A verification step's k + 1 rows a request run as decode rows of the graphs (the buckets reach 2 requests x
     4 rows): greedy tokens equal decoding without speculation, compiled and eager alike."""
     path = str(tiny_model_dir(family))
-    options = {**GRAPH_OPTIONS, "max_num_seqs": 2, "max_graph_batch_size": 256}
+    # the pool of the `engines` fixture: a graph is specialized on the pool's size, so these engines replay the
+    # buckets that fixture's engine compiled in this process instead of compiling them again (10-20 s each on a
+    # 2-core CI machine); the longer request may be preempted and recomputed, which must change no token either
+    options = {**GRAPH_OPTIONS, "max_num_seqs": 2, "max_graph_batch_size": 256, "kv_cache_memory": _kv_bytes(path, 24)}
 
     def engine(eager: bool, spec: dict | None) -> Engine:
         return Engine(EngineConfig(model=path, enforce_eager=eager, speculative_config=spec, **options))
@@ -164,3 +167,6 @@ def test_verification_steps_replay_the_graphs_with_the_tokens_of_decoding_withou
     assert graphs.verification_replays > 0 and stats.spec_decode_num_accepted_tokens > 0
     assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens  # rejections too
     assert set(graphs.replays) & {4, 8}  # rows past the 2 sequences' buckets
+    # verification steps replay the graphs, never the native decode step (which a graph's steps never reach)
+    decoder = speculating.model.model.native_decode  # made on the first step it could take: none came
+    assert decoder is None or decoder.verification_steps == 0
