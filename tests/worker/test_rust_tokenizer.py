@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from infer.protocol.prompt_limits import max_token_bytes
 from infer.worker.model_files import eos_token_ids, load_tokenizer
 from infer.worker.tokenizer import (
     GENERIC_CLASSES,
@@ -78,6 +79,7 @@ def test_rust_tokenizer_equals_autotokenizer(tokenizer_dirs: dict[str, Path], na
     assert ours.all_special_ids == theirs.all_special_ids
     assert ours.eos_token_id == theirs.eos_token_id and len(ours) == len(theirs)
     assert eos_token_ids(path, ours) == eos_token_ids(path, theirs)
+    assert max_token_bytes(ours) == max_token_bytes(theirs)
     for text in _texts(300, seed=len(name)):
         for special in (True, False):
             want = theirs(text, add_special_tokens=special)["input_ids"]
