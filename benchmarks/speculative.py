@@ -51,6 +51,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RANDOM_SHAPES, make_workload, random_model, write_result  # noqa: E402
 
+from infer.worker.tokenizer import transformers_tokenizer  # noqa: E402
+
 KV_BYTES = 1 << 30
 MODEL: str | None = None  # --model / --random-model; None: the embedded model
 
@@ -107,7 +109,7 @@ def _engine(dtype: str, spec: dict | None, threads: int | None):
 
 def _prompt(engine, workload: str, rng: random.Random) -> tuple[list[int], str]:
     """The workload's prompt: our token ids, and the text they come from (the peer's prompt)."""
-    tokenizer = engine.tokenizer
+    tokenizer = transformers_tokenizer(engine.tokenizer)  # a chat template: transformers'
     if workload == "random":
         ids = [rng.randrange(100, engine.vocab_size - 100) for _ in range(128)]
         return ids, tokenizer.decode(ids)

@@ -226,6 +226,13 @@ class EngineController:
     sampler: Any
 
 
+def _transformers_tokenizer(engine: Engine) -> Any:
+    """`engine`'s tokenizer as a transformers tokenizer (a RustTokenizer's is loaded on first use)."""
+    from infer.worker.tokenizer import transformers_tokenizer
+
+    return transformers_tokenizer(engine.tokenizer)
+
+
 def _model_path(model: str | os.PathLike[str] | None) -> str | None:
     return None if model is None else os.fspath(model)
 
@@ -901,7 +908,7 @@ class LLM:
     def controller(self) -> EngineController:
         """The engine's tokenizer and sampler (expert use); RuntimeError without an engine here."""
         engine = self._require_engine("controller")
-        return EngineController(tokenizer=engine.tokenizer, sampler=engine.sampler)
+        return EngineController(tokenizer=_transformers_tokenizer(engine), sampler=engine.sampler)
 
     def _require_engine(self, what: str) -> Engine:
         engine = self.engine
@@ -913,8 +920,10 @@ class LLM:
         return engine
 
     def get_tokenizer(self) -> Any:
+        """The model's transformers tokenizer (in direct mode the engine's, or what the engine's Rust tokenizer
+        loads of the same directory on first use: worker/tokenizer.py)."""
         if self._engine is not None:
-            return self._engine.tokenizer
+            return _transformers_tokenizer(self._engine)
         return self._require_remote().get_tokenizer()
 
     # ---- generation -----------------------------------------------------------------------------

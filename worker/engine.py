@@ -43,7 +43,7 @@ from infer.worker.loader import load_model, weight_files
 from infer.worker.lora import LoraManager
 from infer.worker.memory import HeapTrimmer, keep_freed_heap, trim_heap
 from infer.worker.micro_batches import MicroBatches
-from infer.worker.model_files import eos_token_ids, load_tokenizer, resolve_model
+from infer.worker.model_files import eos_token_ids, resolve_model
 from infer.worker.model_runner import ModelRunner
 from infer.worker.pooling import PoolingState
 from infer.worker.proposers import Proposer, make_proposer
@@ -62,6 +62,7 @@ from infer.worker.structured import (
     step_cost_error,
 )
 from infer.worker.tensor_parallel import TensorParallel
+from infer.worker.tokenizer import engine_tokenizer
 from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ class Engine:
                 raise ValueError("tokenizer= goes with model=<an in-memory model>; a model path brings its own")
             self.model_path = resolve_model(config.model)
             self.model_id = config.model_id
-            self.tokenizer = load_tokenizer(self.model_path)
+            self.tokenizer = engine_tokenizer(self.model_path)  # Rust tokenizers where exact: worker/tokenizer.py
             self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
             # bounds text prompts before tokenizing; read before the weights, which reuse the heap it frees
             self.prompt_token_bytes = max_token_bytes(self.tokenizer)
@@ -963,7 +964,7 @@ class Engine:
             too_long = prompt_size_error(prompt, self.max_model_len, self.prompt_token_bytes)
             if too_long is not None:  # before tokenizing: that is linear in the prompt, and this loop's time
                 raise ValueError(too_long)
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:  # the model directory's tokenizer knows more tokens than the model
                 raise ValueError(

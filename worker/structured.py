@@ -46,6 +46,7 @@ import torch
 
 from infer.protocol import env
 from infer.protocol.structured import StructuredOutputsParams, admits_no_value
+from infer.worker.tokenizer import transformers_tokenizer
 
 log = logging.getLogger("infer.structured")
 
@@ -194,8 +195,9 @@ class GrammarCompilerPool:
     def _make_compiler(self) -> Any:
         import xgrammar as xgr
 
+        # xgrammar reads a transformers tokenizer: the engine's RustTokenizer loads its own here, on this thread
         info = xgr.TokenizerInfo.from_huggingface(
-            self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            transformers_tokenizer(self.tokenizer), vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
         )
         # xgrammar's own cache is off: the pool keeps what it compiled (`_done`), looked up without the thread
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -243,7 +243,7 @@ def test_a_malformed_rank_is_named(cluster_llm, monkeypatch):
 def test_engine_context_and_controller_for_expert_use(llm, cluster_llm):
     assert llm.context.kv_cache is llm.engine.kv_cache
     assert llm.context.block_manager is llm.engine.scheduler.block_manager
-    assert llm.controller.tokenizer is llm.engine.tokenizer and llm.controller.sampler is llm.engine.sampler
+    assert llm.controller.tokenizer is llm.get_tokenizer() and llm.controller.sampler is llm.engine.sampler
     assert cluster_llm.engine is None  # its engines run in worker processes
     with pytest.raises(RuntimeError, match="needs an engine in this process"):
         _ = cluster_llm.context

@@ -16,6 +16,7 @@ from infer.client.api.server import HttpFront
 from infer.client.local_engine import LocalEngine
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
+from infer.worker.tokenizer import transformers_tokenizer
 
 MODEL = "tiny"
 KEY = "k-123"
@@ -39,7 +40,9 @@ def front(tiny_model_dir):
             EngineConfig(model=str(model), dtype="float32", max_model_len=256, kv_cache_memory=4_000_000, num_threads=1)
         )
     )
-    http = HttpFront(local, local.engine.tokenizer, FrontConfig(served_model_name=MODEL, api_key=KEY), port=0)
+    http = HttpFront(
+        local, transformers_tokenizer(local.engine.tokenizer), FrontConfig(served_model_name=MODEL, api_key=KEY), port=0
+    )
     http.bind()
     thread = threading.Thread(target=asyncio.run, args=(http.serve(),), daemon=True)
     thread.start()

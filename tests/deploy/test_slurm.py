@@ -50,7 +50,7 @@ def in_process_chat(questions: list[str], max_tokens: int) -> list[str]:
     """The embedded model's greedy answers to each question (one user turn, the chat template), in this process."""
     llm = LLM(dtype="float32", num_threads=1, max_model_len=512, kv_cache_memory=64_000_000)  # as the job's workers
     prompts = [
-        llm.engine.tokenizer.apply_chat_template(
+        llm.get_tokenizer().apply_chat_template(
             [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
         )
         for q in questions
@@ -747,7 +747,7 @@ def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions(sandbox, tm
     ]
     questions = ["What is 2 + 2?", "Name a color.", "Say hello."]
     llm = LLM(model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000, num_threads=1)
-    tokenizer = llm.engine.tokenizer
+    tokenizer = llm.get_tokenizer()
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         for q in questions

@@ -1,7 +1,8 @@
 """A worker carries only what it needs (issue 47): an engine loaded on the embedded model and stepped, in a process
 of its own, has not imported transformers' model code or what it drags in (sympy, accelerate,
-torch.distributed.tensor: ~60 MiB), nor torch's compiler with step graphs off. And the tokenizer it loads without
-them is the one AutoTokenizer loads."""
+torch.distributed.tensor: ~60 MiB), nor torch's compiler with step graphs off, nor transformers at all where the
+Rust tokenizer is AutoTokenizer's exactly (worker/tokenizer.py; transformers' import alone is ~1.75 s of CPU). And
+the tokenizer it loads without them is the one AutoTokenizer loads."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ HEAVY = (
     "transformers.activations",
     "transformers.models.llama.configuration_llama",
     "transformers.modeling_utils",
+    "transformers",
 )
 # The engine's load sequence and one step, then the heavy modules present.
 LOAD_AND_STEP = """
 import json, sys
+import infer.worker.daemon
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
@@ -52,6 +55,19 @@ def test_engine_on_the_embedded_model_imports_no_model_code(smollm2_gguf: Path, 
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.splitlines()[-1]) == []
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [conversion_dir(smollm2_gguf).name]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_on_a_tiny_checkpoint_imports_no_transformers(tiny_model_dir, arch: str) -> None:
+    """A checkpoint saved by transformers with SmolLM2's tokenizer (the generic class): no transformers either."""
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_STEP, str(tiny_model_dir(arch)), *HEAVY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == []
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
