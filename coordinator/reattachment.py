@@ -100,7 +100,10 @@ class Reattachment:
             self.books.counters.requests_completed += final.finish_reason != FinishReason.ERROR
             self.books.finish(request, delta, {})
             return True
-        if tokens or text or delta.prompt_token_ids is not None:
+        client = self.books.clients.get(request.client)
+        if client is not None and client.streams and worker.hello.stream_address is not None:
+            request.direct = True  # its worker goes on streaming to the client's subscription: nothing to relay
+        elif tokens or text or delta.prompt_token_ids is not None:
             self.outbox.to_client(request.client, delta)
         self.books.place(request, worker)
         log.debug(
