@@ -126,6 +126,7 @@ class _Request:
     received: StreamJournal = field(default_factory=StreamJournal)  # the output tokens and text delivered so far
     seed: int | None = None  # the seed the first delta reported
     placement: Placement | None = None  # where its direct stream runs (None: relayed, or detached)
+    started: bool = False  # a delta of it reached the caller (a later one carries no seed or prompt ids)
 
 
 @dataclass(eq=False)
@@ -674,20 +675,24 @@ class InferenceClient:
         log.warning("%s (%s): re-attaching %d request(s) in flight", why, self.address, len(self._requests))
         self._send_nowait(Hello(role="client", peer_id=self.client_id, streams=self.direct_streams))
         for request in list(self._requests.values()):
-            submit = self._resubmission(request)
-            if submit is not None:
-                self._send_nowait(submit)
-                continue
-            del self._requests[request.request_id]
-            request.queue.put_nowait(
-                Delta.final(
-                    request.request_id,
-                    "error",
-                    f"request {request.request_id!r} cannot be resumed ({why}) without a "
-                    f"repeat: the coordinator never told this client the prompt's token ids",
-                    "unavailable",
-                )
+            self._reattach(request, why)
+
+    def _reattach(self, request: _Request, why: str) -> None:
+        """Send `request` again from what this client holds (the coordinator resumes it from there); if it cannot
+        go on exactly, it ends with an error saying why."""
+        submit = self._resubmission(request)
+        if submit is not None:
+            return self._send_nowait(submit)
+        del self._requests[request.request_id]
+        request.queue.put_nowait(
+            Delta.final(
+                request.request_id,
+                "error",
+                f"request {request.request_id!r} cannot be resumed ({why}) without a "
+                f"repeat: the coordinator never told this client the prompt's token ids",
+                "unavailable",
             )
+        )
 
     @staticmethod
     def _resubmission(request: _Request) -> Submit | None:
@@ -720,7 +725,9 @@ class InferenceClient:
         """Where a direct stream runs now: subscribe there from what this client holds; or (no address) it left
         its worker: send the coordinator this client's copy, which it resumes from."""
         request = self._requests.get(msg.request_id)
-        if request is None:
+        if request is None:  # it ended here (its final delta came from its worker): nothing to resume
+            if msg.stream_address is None:
+                self._send_nowait(Abort(request_ids=[msg.request_id]))
             return
         request.placement = msg if msg.stream_address is not None else None
         if request.placement is None:
@@ -728,9 +735,7 @@ class InferenceClient:
         self._subscribe(self._link(msg), request, msg)
 
     def _ask_coordinator(self, request: _Request) -> None:
-        submit = self._resubmission(request)
-        if submit is not None:
-            self._send_nowait(submit)
+        self._reattach(request, "its direct stream left its worker")
 
     def _link(self, placement: Placement) -> _StreamLink:
         address = cast(str, placement.stream_address)
@@ -794,6 +799,9 @@ class InferenceClient:
                 continue
             if token_start != len(request.received.token_ids) or text_start != (request.received.text_len or 0):
                 continue
+            if request.started and (delta.seed is not None or delta.prompt_token_ids is not None):
+                # a re-dispatch's first delta: what only the stream's first delta carries went out once already
+                delta = msgspec.structs.replace(delta, seed=None, prompt_token_ids=None, queue_time_s=None)
             self._on_delta(delta)
 
     def _check_links(self, now: float) -> None:
@@ -821,6 +829,7 @@ class InferenceClient:
         if delta.prompt_token_ids is not None and request.prompt_token_ids is None:
             request.prompt_token_ids = list(delta.prompt_token_ids)
         request.received.record(delta.token_ids, delta.text)
+        request.started = True
         if delta.seed is not None:
             request.seed = delta.seed
         request.queue.put_nowait(delta)

@@ -557,7 +557,9 @@ class WorkerCore:
         if self.options.otlp_traces_endpoint is not None:
             sent.trace = WorkerTrace.start(msg, len(request.prompt_token_ids), now)
         if msg.stream_token is not None and msg.stream_owner is not None and self.stream_address is not None:
-            stream = DirectStream(msg.stream_owner, msg.stream_token, sent.journal, msg.resumed_text_len or 0)
+            stream = DirectStream(
+                msg.stream_owner, msg.stream_token, len(msg.resumed_token_ids or ()), msg.resumed_text_len or 0
+            )
             self.streams.open(msg.request_id, stream, now)
 
     def _reject(self, request_id: str, reason: str, code: str) -> None:

@@ -216,8 +216,8 @@ class Worker:
                 return
             if len(frames) < 2:
                 continue
-            user = frames[-1].get("User-Id") if self._stream_gate is not None else ""
-            self.core.on_stream_frame(frames[0].bytes, user or "", [f.bytes for f in frames[1:]], time.monotonic())
+            user = str(frames[-1].get("User-Id") or "") if self._stream_gate is not None else ""
+            self.core.on_stream_frame(frames[0].bytes, user, [f.bytes for f in frames[1:]], time.monotonic())
 
     def _poll_timeout(self) -> float:
         """Seconds to block in poll: 0 while there is work, else until the next timer is due (the core's)."""

@@ -3,42 +3,67 @@ a stream owner go from this worker's stream socket straight to the client that s
 (and, with keys, the owner's key), not through the coordinator. No I/O: the worker's core feeds it and the shell
 sends what `take` returns.
 
-Each stream shares its request's StreamJournal (worker/core.py `_Sent`), so a Subscribe that comes late (or
-again, after a reconnection) gets what the client lacks from the delta boundary where its copy stops; every
-delta sent says where it starts (tokens, characters), and the client takes only exact continuations.
+Each stream keeps the deltas it sent with the place each starts (output tokens, characters of text), so a Subscribe
+that comes late (or again, after a reconnection) is sent the very deltas its client lacks, from the delta boundary
+where its copy stops: the first one with what only a first delta carries (a text prompt's token ids, the seed),
+each with its logprobs. The client takes only exact continuations.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from dataclasses import dataclass
-
-import msgspec
+from dataclasses import dataclass, field
 
 from infer.protocol.codes import ErrorCode
-from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
-from infer.protocol.messages import Delta, Error, Heartbeat, Message, StreamBatch, Subscribe, TokenIds
+from infer.protocol.messages import Delta, Error, Heartbeat, Message, StreamBatch, Subscribe
 
 log = logging.getLogger("infer.worker")
 
 MAX_EARLY_SUBSCRIPTIONS = 4096  # Subscribes waiting for their Dispatch (bounded: a peer may send junk ids)
 
 
+@dataclass(frozen=True)
+class Sent:
+    """One delta of a direct stream and where it starts in the client's copy."""
+
+    delta: Delta
+    token_start: int  # output tokens before it (resumed ones included)
+    text_start: int  # characters of text before it (the resumed tokens' included)
+
+    @property
+    def ends(self) -> tuple[int, int]:
+        return self.token_start + len(self.delta.token_ids), self.text_start + len(self.delta.text)
+
+
 @dataclass(eq=False)
 class DirectStream:
-    """One direct stream: who may read it, its journal (shared with the request), the characters of text the
-    resumed tokens carried (the client's, before this journal's text), its reader, and its end once it ended."""
+    """One direct stream: who may read it, where its copy starts (the resumed tokens and their text, which the
+    client holds already), the deltas sent so far, its reader, and when it ended."""
 
     owner: str  # the owner's z85 public key; "" without keys
     token: str
-    journal: StreamJournal
-    text_base: int
+    num_resumed: int = 0
+    text_base: int = 0
+    sent: list[Sent] = field(default_factory=list)
     subscriber: bytes | None = None
-    final: Delta | None = None
     ended_at: float | None = None
-    pushed_final: bool = False
+
+    @property
+    def head(self) -> tuple[int, int]:
+        """Where the next delta starts."""
+        return self.sent[-1].ends if self.sent else (self.num_resumed, self.text_base)
+
+    def since(self, num_tokens: int, text_len: int) -> list[Sent] | None:
+        """The deltas a copy of `num_tokens` tokens and `text_len` characters lacks; None when that copy does not
+        stop at a delta boundary of this stream."""
+        if (num_tokens, text_len) == self.head:
+            return []
+        for i, sent in enumerate(self.sent):
+            if (sent.token_start, sent.text_start) == (num_tokens, text_len):
+                return self.sent[i:]
+        return None
 
 
 class StreamTable:
@@ -76,57 +101,39 @@ class StreamTable:
             if len(self._early) < MAX_EARLY_SUBSCRIPTIONS:
                 self._early[msg.request_id] = (peer, user_id, msg, now)
             else:
-                self._reply(peer, msg.request_id, "too many subscriptions wait for their requests", "overloaded")
+                self._reply(peer, msg.request_id, "too many subscriptions wait for requests", ErrorCode.OVERLOADED)
             return
-        if not hmac.compare_digest(stream.token, msg.stream_token) or stream.owner not in ("", user_id):
+        if not hmac.compare_digest(stream.token.encode(), msg.stream_token.encode()) or stream.owner not in (
+            "",
+            user_id,
+        ):
             self.refused += 1
             self._warn.warning("refused a subscription to request %s: wrong token or key", safe(msg.request_id))
             self._reply(peer, msg.request_id, "no such stream for this peer", ErrorCode.INVALID_REQUEST)
             return
-        catch_up = self._since(stream, msg.num_tokens, msg.text_len)
-        if catch_up is None:
-            self._reply(
-                peer, msg.request_id, "the copy does not stop at a delta boundary of this stream", "unavailable"
-            )
+        missing = stream.since(msg.num_tokens, msg.text_len)
+        if missing is None:
+            self._reply(peer, msg.request_id, "the copy does not stop at a delta boundary here", ErrorCode.UNAVAILABLE)
             return
         stream.subscriber = peer
-        tokens, text = catch_up
-        final = stream.final
-        if final is not None:
-            delta = msgspec.structs.replace(final, token_ids=tokens, text=text, logprobs=None)
-        elif tokens or text:
-            delta = Delta(request_id=msg.request_id, token_ids=tokens, text=text)
-        else:
-            return
-        self._queue(peer, delta, msg.num_tokens, msg.text_len)
-        if final is not None:
+        for sent in missing:
+            self._queue(peer, sent)
+        if stream.ended_at is not None:
             del self.streams[msg.request_id]
 
-    def _since(self, stream: DirectStream, num_tokens: int, text_len: int) -> tuple[TokenIds, str] | None:
-        """What a copy of `num_tokens` tokens and `text_len` characters lacks, when it stops at a boundary."""
-        journal = stream.journal
-        text_start = text_len - stream.text_base
-        if num_tokens == journal.resumed and text_start == 0:
-            start = 0
-        else:
-            start = next(
-                (t for n, t in zip(journal.delta_ends, journal.text_ends) if n == num_tokens and t == text_start), -1
-            )
-            if start < 0:
-                return None
-        end = journal.delta_ends[-1] if journal.delta_ends else journal.resumed
-        return TokenIds(journal.token_ids[num_tokens:end]), journal.text[start:]
-
     def push(self, delta: Delta, token_start: int, text_start: int, now: float) -> None:
-        """A delta of a direct stream (recorded in its journal already): to its reader, if it has one; a final one
-        ends the stream (kept `linger` seconds for a reader that has not come)."""
+        """A delta of a direct stream starting at output token `token_start` and character `text_start` of the
+        text after the resumed tokens: to its reader, if it has one; a final one ends the stream (kept `linger`
+        seconds for a reader that has not come)."""
         stream = self.streams.get(delta.request_id)
         if stream is None:
             return
+        sent = Sent(delta, token_start, stream.text_base + text_start)
+        stream.sent.append(sent)
         if stream.subscriber is not None:
-            self._queue(stream.subscriber, delta, token_start, stream.text_base + text_start)
+            self._queue(stream.subscriber, sent)
         if delta.finished:
-            stream.final, stream.ended_at = delta, now
+            stream.ended_at = now
             if stream.subscriber is not None:
                 del self.streams[delta.request_id]
 
@@ -143,16 +150,18 @@ class StreamTable:
             del self.streams[rid]
         for rid in [r for r, e in self._early.items() if now - e[3] > self.wait]:
             peer = self._early.pop(rid)[0]
-            self._reply(peer, rid, "this worker does not run that request", "unavailable")
+            self._reply(peer, rid, "this worker does not run that request", ErrorCode.UNAVAILABLE)
         if now - self._last_beat >= self.heartbeat_interval:
             self._last_beat = now
             for peer in {s.subscriber for s in self.streams.values() if s.subscriber is not None}:
                 self._replies.append((peer, Heartbeat(sent_at=now)))
 
     def reply_error(self, peer: bytes, text: str) -> None:
-        self._replies.append((peer, Error(message=text)))
+        """A frame that is no message this socket handles: an Error naming no stream."""
+        self._replies.append((peer, Error(message=text, code=ErrorCode.INVALID_REQUEST)))
 
     def take(self) -> list[tuple[bytes, Message]]:
+        """What to send on the stream socket now, by peer routing id."""
         out: list[tuple[bytes, Message]] = [
             (peer, StreamBatch(deltas=d, token_starts=t, text_starts=c)) for peer, (d, t, c) in self._batches.items()
         ]
@@ -160,13 +169,13 @@ class StreamTable:
         self._batches, self._replies = {}, []
         return out
 
-    def _queue(self, peer: bytes, delta: Delta, token_start: int, text_start: int) -> None:
+    def _queue(self, peer: bytes, sent: Sent) -> None:
         batch = self._batches.get(peer)
         if batch is None:
             batch = self._batches[peer] = ([], [], [])
-        batch[0].append(delta)
-        batch[1].append(token_start)
-        batch[2].append(text_start)
+        batch[0].append(sent.delta)
+        batch[1].append(sent.token_start)
+        batch[2].append(sent.text_start)
 
-    def _reply(self, peer: bytes, request_id: str, text: str, code: str) -> None:
+    def _reply(self, peer: bytes, request_id: str, text: str, code: ErrorCode) -> None:
         self._replies.append((peer, Error(message=f"request {request_id!r}: {text}", request_id=request_id, code=code)))
