@@ -725,10 +725,8 @@ class InferenceClient:
         """Where a direct stream runs now: subscribe there from what this client holds; or (no address) it left
         its worker: send the coordinator this client's copy, which it resumes from."""
         request = self._requests.get(msg.request_id)
-        if request is None:  # it ended here (its final delta came from its worker): nothing to resume
-            if msg.stream_address is None:
-                self._send_nowait(Abort(request_ids=[msg.request_id]))
-            return
+        if request is None:  # it ended here (its final delta came from its worker): nothing to run or resume
+            return self._send_nowait(Abort(request_ids=[msg.request_id]))
         request.placement = msg if msg.stream_address is not None else None
         if request.placement is None:
             return self._ask_coordinator(request)
@@ -784,8 +782,10 @@ class InferenceClient:
                 self._on_stream_batch(link, msg)
             elif isinstance(msg, Error) and msg.request_id is not None:
                 request = self._requests.get(msg.request_id)
-                if request is not None and self._placed_at(request, link):
-                    self._ask_coordinator(request)  # the worker has no such stream (any more): where is it?
+                if request is None or not self._placed_at(request, link):
+                    continue
+                if msg.stream_token == cast(Placement, request.placement).stream_token:
+                    self._ask_coordinator(request)  # not served there: the coordinator resumes it from the copy
 
     @staticmethod
     def _placed_at(request: _Request, link: _StreamLink) -> bool:

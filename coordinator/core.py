@@ -495,12 +495,13 @@ class Coordinator:
             return
         existing = self.requests.get(rid)
         if existing is not None and submit.reattach and existing.client == identity:
-            # a direct stream's client sends its copy: it was told its worker is gone (resume from the copy), or
-            # its stream fell silent (where does it run?); else it got here before the client noticed a restart
+            # a direct stream's client sends its copy: it was told its worker is gone, or its worker did not serve
+            # its subscription, or its stream fell silent: resume from the copy; else (relayed) it got here before
+            # the client noticed a restart
             if existing.awaiting_client is not None:
                 self.admission.resume_from(existing, submit, now)
-            elif existing.direct and existing.placement is not None:
-                self.send(identity, existing.placement)
+            elif existing.direct:
+                self.admission.move_to_copy(existing, submit, now)
             return
         if existing is not None:
             self.send(

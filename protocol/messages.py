@@ -80,6 +80,7 @@ TokenIdList = Items[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
 Token = Annotated[str, msgspec.Meta(min_length=16, max_length=64)]  # a direct stream's capability
 Address = Annotated[str, msgspec.Meta(min_length=6, max_length=MAX_ID_LEN, pattern="^tcp://")]
+Owner = Annotated[str, msgspec.Meta(max_length=40)]  # a direct stream's owner: a z85 public key, "" without keys
 ModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -182,9 +183,16 @@ class RequestSnapshot(Message, frozen=True):
     delta_ends: Items[int] = msgspec.field(default_factory=list)
     text_ends: Items[int] = msgspec.field(default_factory=list)
     seed: Seed | None = None  # the sampling seed it runs with
+    # A direct stream's (Dispatch.stream_owner / stream_token): a restarted coordinator hands it back to its owner
+    # only, with a Placement at this worker under the same token (docs/architecture.md, "Direct streams")
+    stream_owner: Owner | None = None
+    stream_token: Token | None = None
 
     def __post_init__(self) -> None:
         _check_id("request_id", self.request_id)
+        _require(
+            (self.stream_owner is None) == (self.stream_token is None), "'stream_owner' and 'stream_token' go together"
+        )
         _require(
             0 <= self.resumed <= len(self.token_ids),
             f"field 'resumed' must be in [0, {len(self.token_ids)}], got {self.resumed}",
@@ -384,7 +392,7 @@ class Dispatch(Message, frozen=True):
     traceparent: str | None = None  # W3C trace context of the request (OpenTelemetry), passed through
     # A direct stream: its deltas go to the stream peer that subscribes with `stream_token` and, with keys, whose
     # authenticated key is `stream_owner` (z85; "" without keys). None: relayed through the coordinator.
-    stream_owner: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    stream_owner: Owner | None = None
     stream_token: Token | None = None
 
     def __post_init__(self) -> None:
@@ -500,6 +508,7 @@ class Error(Message, frozen=True):
     message: str
     request_id: str | None = None
     code: ErrorCode | None = None  # for a request's failure: why (protocol/codes.py)
+    stream_token: Token | None = None  # a worker stream socket's answer to a Subscribe: the token it named
 
     def __post_init__(self) -> None:
         _set_members(self, nullable=True, code=ErrorCode)

@@ -453,7 +453,7 @@ class WorkerCore:
                 dispatches_seen=self._dispatches_seen,
                 weight_version=engine.weight_version,
                 lora_adapters=self._lora_adapters(),
-                snapshots=[sent.snapshot(rid) for rid, sent in self._requests.items()],
+                snapshots=[self._snapshot(rid, sent) for rid, sent in self._requests.items()],
                 stream_address=self.stream_address,
             ),
             now,
@@ -561,6 +561,14 @@ class WorkerCore:
                 msg.stream_owner, msg.stream_token, len(msg.resumed_token_ids or ()), msg.resumed_text_len or 0
             )
             self.streams.open(msg.request_id, stream, now)
+
+    def _snapshot(self, request_id: str, sent: _Sent) -> RequestSnapshot:
+        """A running request as it stands, for a (new) coordinator; a direct stream's with its owner and token."""
+        snapshot = sent.snapshot(request_id)
+        stream = self.streams.streams.get(request_id)
+        if stream is None:
+            return snapshot
+        return msgspec.structs.replace(snapshot, stream_owner=stream.owner, stream_token=stream.token)
 
     def _reject(self, request_id: str, reason: str, code: str) -> None:
         """A final error delta; it echoes no prompt ids (a text prompt refused here was not tokenized)."""

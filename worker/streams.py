@@ -58,12 +58,10 @@ class DirectStream:
     def since(self, num_tokens: int, text_len: int) -> list[Sent] | None:
         """The deltas a copy of `num_tokens` tokens and `text_len` characters lacks; None when that copy does not
         stop at a delta boundary of this stream."""
-        if (num_tokens, text_len) == self.head:
-            return []
-        for i, sent in enumerate(self.sent):
+        for i, sent in enumerate(self.sent):  # (an empty delta, say a final one, starts where the last one ended)
             if (sent.token_start, sent.text_start) == (num_tokens, text_len):
                 return self.sent[i:]
-        return None
+        return [] if (num_tokens, text_len) == self.head else None
 
 
 class StreamTable:
@@ -73,7 +71,8 @@ class StreamTable:
     def __init__(self, linger: float, wait: float, heartbeat_interval: float) -> None:
         self.linger, self.wait, self.heartbeat_interval = linger, wait, heartbeat_interval
         self.streams: dict[str, DirectStream] = {}
-        self._early: dict[str, tuple[bytes, str, Subscribe, float]] = {}
+        # Subscribes waiting for a stream they may read, by (request id, peer): (peer's key, the Subscribe, since)
+        self._early: dict[tuple[str, bytes], tuple[str, Subscribe, float]] = {}
         self._batches: dict[bytes, tuple[list[Delta], list[int], list[int]]] = {}
         self._replies: list[tuple[bytes, Message]] = []
         self._last_beat = 0.0
@@ -86,40 +85,42 @@ class StreamTable:
     def open(self, request_id: str, stream: DirectStream, now: float) -> None:
         """A Dispatch of a direct stream; a Subscribe that came first is served now."""
         self.streams[request_id] = stream
-        early = self._early.pop(request_id, None)
-        if early is not None:
-            self.subscribe(early[0], early[1], early[2], now)
+        for rid, peer in [key for key in self._early if key[0] == request_id]:
+            user_id, msg, _ = self._early[rid, peer]
+            if self._may_read(stream, user_id, msg):
+                del self._early[rid, peer]
+                self.subscribe(peer, user_id, msg, now)
 
     def remove(self, request_id: str) -> None:
         """The coordinator aborted it, or the worker gave it back: nothing more goes out for it."""
         self.streams.pop(request_id, None)
 
     def subscribe(self, peer: bytes, user_id: str, msg: Subscribe, now: float) -> None:
-        """A client asks for a stream from where its copy stops: served when its token (and key) match."""
+        """A client asks for a stream from where its copy stops: served when its token (and key) match. One that
+        does not match (yet: its Dispatch, with a new token, may be on its way) waits up to `wait` seconds."""
         stream = self.streams.get(msg.request_id)
-        if stream is None:
-            if len(self._early) < MAX_EARLY_SUBSCRIPTIONS:
-                self._early[msg.request_id] = (peer, user_id, msg, now)
+        if stream is None or not self._may_read(stream, user_id, msg):
+            key = (msg.request_id, peer)
+            if key in self._early or len(self._early) < MAX_EARLY_SUBSCRIPTIONS:
+                self._early[key] = (user_id, msg, now)
             else:
-                self._reply(peer, msg.request_id, "too many subscriptions wait for requests", ErrorCode.OVERLOADED)
-            return
-        if not hmac.compare_digest(stream.token.encode(), msg.stream_token.encode()) or stream.owner not in (
-            "",
-            user_id,
-        ):
-            self.refused += 1
-            self._warn.warning("refused a subscription to request %s: wrong token or key", safe(msg.request_id))
-            self._reply(peer, msg.request_id, "no such stream for this peer", ErrorCode.INVALID_REQUEST)
+                self._reply(peer, msg, "too many subscriptions wait for requests", ErrorCode.OVERLOADED)
             return
         missing = stream.since(msg.num_tokens, msg.text_len)
         if missing is None:
-            self._reply(peer, msg.request_id, "the copy does not stop at a delta boundary here", ErrorCode.UNAVAILABLE)
+            self._reply(peer, msg, "the copy does not stop at a delta boundary here", ErrorCode.UNAVAILABLE)
             return
         stream.subscriber = peer
         for sent in missing:
             self._queue(peer, sent)
         if stream.ended_at is not None:
             del self.streams[msg.request_id]
+
+    @staticmethod
+    def _may_read(stream: DirectStream, user_id: str, msg: Subscribe) -> bool:
+        """The token matches (in constant time) and, with keys, the frame's key is the owner's."""
+        token_ok = hmac.compare_digest(stream.token.encode(), msg.stream_token.encode())
+        return token_ok and (stream.owner == "" or hmac.compare_digest(stream.owner.encode(), user_id.encode()))
 
     def push(self, delta: Delta, token_start: int, text_start: int, now: float) -> None:
         """A delta of a direct stream starting at output token `token_start` and character `text_start` of the
@@ -148,9 +149,14 @@ class StreamTable:
         heartbeat interval, each reader of a running stream gets a Heartbeat (its silence watchdog)."""
         for rid in [r for r, s in self.streams.items() if s.ended_at is not None and now - s.ended_at > self.linger]:
             del self.streams[rid]
-        for rid in [r for r, e in self._early.items() if now - e[3] > self.wait]:
-            peer = self._early.pop(rid)[0]
-            self._reply(peer, rid, "this worker does not run that request", ErrorCode.UNAVAILABLE)
+        for rid, peer in [key for key, early in self._early.items() if now - early[2] > self.wait]:
+            msg = self._early.pop((rid, peer))[1]
+            if rid in self.streams:  # a wrong token or key
+                self.refused += 1
+                self._warn.warning("refused a subscription to request %s: wrong token or key", safe(rid))
+                self._reply(peer, msg, "no such stream for this peer", ErrorCode.INVALID_REQUEST)
+            else:
+                self._reply(peer, msg, "this worker does not run that request", ErrorCode.UNAVAILABLE)
         if now - self._last_beat >= self.heartbeat_interval:
             self._last_beat = now
             for peer in {s.subscriber for s in self.streams.values() if s.subscriber is not None}:
@@ -177,5 +183,9 @@ class StreamTable:
         batch[1].append(sent.token_start)
         batch[2].append(sent.text_start)
 
-    def _reply(self, peer: bytes, request_id: str, text: str, code: ErrorCode) -> None:
-        self._replies.append((peer, Error(message=f"request {request_id!r}: {text}", request_id=request_id, code=code)))
+    def _reply(self, peer: bytes, msg: Subscribe, text: str, code: ErrorCode) -> None:
+        """A Subscribe not served: the Error names its request and token (the client's own), so the client knows
+        which of its subscriptions it answers."""
+        rid = msg.request_id
+        error = Error(message=f"request {rid!r}: {text}", request_id=rid, code=code, stream_token=msg.stream_token)
+        self._replies.append((peer, error))
