@@ -136,7 +136,8 @@ class _StreamLink:
 
     address: str
     sock: zmq.asyncio.Socket
-    task: asyncio.Task | None = None
+    monitor: zmq.asyncio.Socket  # its handshakes: after each reconnection, every stream on it is subscribed again
+    tasks: list[asyncio.Task] = field(default_factory=list)
     last_heard: float = 0.0
     resubscribed: bool = False  # its silence was answered by subscribing again; next, the coordinator is asked
 
@@ -264,12 +265,13 @@ class InferenceClient:
         self._fail_all(ClusterError("the client was closed"))
         conn.closed.set()
         links, self._links = list(self._links.values()), {}
-        for task in [*self._tasks, *(link.task for link in links if link.task is not None)]:
+        tasks = [*self._tasks, *(task for link in links for task in link.tasks)]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(
-            *self._tasks, *(link.task for link in links if link.task is not None), return_exceptions=True
-        )
+        await asyncio.gather(*tasks, return_exceptions=True)
         for link in links:
+            link.sock.disable_monitor()
+            link.monitor.close(linger=0)
             link.sock.close(linger=0)
         conn.sock.disable_monitor()
         conn.monitor.close(linger=0)
@@ -748,10 +750,29 @@ class InferenceClient:
             zmq.asyncio.Socket,
             make_socket(conn.ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=curve),
         )
+        monitor = cast(zmq.asyncio.Socket, sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
         sock.connect(address)
-        link = self._links[address] = _StreamLink(address, sock, last_heard=time.monotonic())
-        link.task = asyncio.create_task(self._stream_loop(link), name=f"{self.client_id}-stream")
+        link = self._links[address] = _StreamLink(address, sock, monitor, last_heard=time.monotonic())
+        link.tasks = [
+            asyncio.create_task(self._stream_loop(link), name=f"{self.client_id}-stream"),
+            asyncio.create_task(self._watch_link(link), name=f"{self.client_id}-stream-monitor"),
+        ]
         return link
+
+    async def _watch_link(self, link: _StreamLink) -> None:
+        """After every reconnection of `link` (a handshake past the first), subscribe again to each stream placed
+        there, from what this client holds (the worker dropped the subscriptions its sends to it failed)."""
+        handshakes = 0
+        while True:
+            try:
+                parse_monitor_message(await link.monitor.recv_multipart())
+            except zmq.ZMQError:
+                return
+            handshakes += 1
+            if handshakes == 1:
+                continue
+            for request in [r for r in self._requests.values() if self._placed_at(r, link)]:
+                self._subscribe(link, request, cast(Placement, request.placement))
 
     def _subscribe(self, link: _StreamLink, request: _Request, placement: Placement) -> None:
         received = request.received
