@@ -72,7 +72,8 @@ class StreamTable:
         self.linger, self.wait, self.heartbeat_interval = linger, wait, heartbeat_interval
         self.streams: dict[str, DirectStream] = {}
         # Subscribes waiting for a stream they may read, by (request id, peer): (peer's key, the Subscribe, since)
-        self._early: dict[tuple[str, bytes], tuple[str, Subscribe, float]] = {}
+        self._early: dict[str, dict[bytes, tuple[str, Subscribe, float]]] = {}
+        self._num_early = 0
         self._batches: dict[bytes, tuple[list[Delta], list[int], list[int]]] = {}
         self._replies: list[tuple[bytes, Message]] = []
         self._last_beat = 0.0
@@ -85,10 +86,10 @@ class StreamTable:
     def open(self, request_id: str, stream: DirectStream, now: float) -> None:
         """A Dispatch of a direct stream; a Subscribe that came first is served now."""
         self.streams[request_id] = stream
-        for rid, peer in [key for key in self._early if key[0] == request_id]:
-            user_id, msg, _ = self._early[rid, peer]
+        waiting = self._early.get(request_id, {})
+        for peer, (user_id, msg, _) in list(waiting.items()):
             if self._may_read(stream, user_id, msg):
-                del self._early[rid, peer]
+                self._unpark(request_id, peer)
                 self.subscribe(peer, user_id, msg, now)
 
     def remove(self, request_id: str) -> None:
@@ -100,9 +101,12 @@ class StreamTable:
         does not match (yet: its Dispatch, with a new token, may be on its way) waits up to `wait` seconds."""
         stream = self.streams.get(msg.request_id)
         if stream is None or not self._may_read(stream, user_id, msg):
-            key = (msg.request_id, peer)
-            if key in self._early or len(self._early) < MAX_EARLY_SUBSCRIPTIONS:
-                self._early[key] = (user_id, msg, now)
+            waiting = self._early.get(msg.request_id)
+            if waiting is not None and peer in waiting:
+                waiting[peer] = (user_id, msg, now)
+            elif self._num_early < MAX_EARLY_SUBSCRIPTIONS:
+                self._early.setdefault(msg.request_id, {})[peer] = (user_id, msg, now)
+                self._num_early += 1
             else:
                 self._reply(peer, msg, "too many subscriptions wait for requests", ErrorCode.OVERLOADED)
             return
@@ -149,8 +153,9 @@ class StreamTable:
         heartbeat interval, each reader of a running stream gets a Heartbeat (its silence watchdog)."""
         for rid in [r for r, s in self.streams.items() if s.ended_at is not None and now - s.ended_at > self.linger]:
             del self.streams[rid]
-        for rid, peer in [key for key, early in self._early.items() if now - early[2] > self.wait]:
-            msg = self._early.pop((rid, peer))[1]
+        expired = [(r, p) for r, waiting in self._early.items() for p, e in waiting.items() if now - e[2] > self.wait]
+        for rid, peer in expired:
+            msg = self._unpark(rid, peer)
             if rid in self.streams:  # a wrong token or key
                 self.refused += 1
                 self._warn.warning("refused a subscription to request %s: wrong token or key", safe(rid))
@@ -161,6 +166,14 @@ class StreamTable:
             self._last_beat = now
             for peer in {s.subscriber for s in self.streams.values() if s.subscriber is not None}:
                 self._replies.append((peer, Heartbeat(sent_at=now)))
+
+    def _unpark(self, request_id: str, peer: bytes) -> Subscribe:
+        waiting = self._early[request_id]
+        msg = waiting.pop(peer)[1]
+        self._num_early -= 1
+        if not waiting:
+            del self._early[request_id]
+        return msg
 
     def reply_error(self, peer: bytes, text: str) -> None:
         """A frame that is no message this socket handles: an Error naming no stream."""
