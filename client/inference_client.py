@@ -735,6 +735,9 @@ class InferenceClient:
         self._subscribe(self._link(msg), request, msg)
 
     def _ask_coordinator(self, request: _Request) -> None:
+        """Send the coordinator this client's copy, which it resumes `request` from; until it says where, no delta
+        is taken (a late one of the old placement would move the copy past where the resumed stream starts)."""
+        request.placement = None
         self._reattach(request, "its direct stream left its worker")
 
     def _link(self, placement: Placement) -> _StreamLink:
