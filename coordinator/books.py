@@ -96,7 +96,7 @@ class Books:
         if request.trace is not None:
             attributes: dict[str, Attribute] = {
                 "gen_ai.response.finish_reasons": str(final.finish_reason) if final else "client gone",
-                "gen_ai.usage.completion_tokens": request.num_delivered,
+                "gen_ai.usage.completion_tokens": max(request.num_delivered, final.num_output_tokens if final else 0),
                 "infer.redispatches": request.retries,
             }
             self.outbox.end_span(request.trace.finish(None, **attributes))

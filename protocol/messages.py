@@ -457,6 +457,9 @@ class Delta(Message, frozen=True):
     weight_version: int = 0  # the version of the weights that computed it (update_weights)
     embedding: Items[float] | None = None  # a pooling request's last delta: its vector (worker/pooling.py)
     beams: Items[BeamOutput] | None = None  # a beam search's last (and only) delta: its best n beams, best first
+    # a direct stream's end as its worker tells the coordinator (tokens and text went to the client): the output
+    # tokens the stream carried in all, resumed ones included (docs/architecture.md, "Direct streams")
+    num_output_tokens: NonNegative = 0
 
     @classmethod
     def final(

@@ -424,7 +424,14 @@ class WorkerCore:
             self.streams.push(out, token_start, text_start, now)
         if not out.finished:
             return None
-        return msgspec.structs.replace(out, token_ids=TokenIds(), text="", logprobs=None, prompt_token_ids=None)
+        return msgspec.structs.replace(
+            out,
+            token_ids=TokenIds(),
+            text="",
+            logprobs=None,
+            prompt_token_ids=None,
+            num_output_tokens=token_start + len(out.token_ids),
+        )
 
     # ---- registration ----------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ def test_a_direct_streams_deltas_go_to_its_subscriber_and_the_coordinator_gets_o
     assert [t for ids, _ in got for t in ids] == [3, 4, 5]  # benchmark: token i of a 3-token prompt is 3 + i
     assert [n for _, n in got] == [0, 1, 2, 3][: len(got)]
     [end] = deltas(to_coordinator)
-    assert end.finished and end.token_ids == [] and end.text == ""
+    assert end.finished and end.token_ids == [] and end.text == "" and end.num_output_tokens == 3
 
 
 def test_a_late_subscriber_of_a_text_prompt_gets_its_first_delta_with_the_prompt_ids():
