@@ -798,18 +798,27 @@ class InferenceClient:
                 return
             link.last_heard, link.resubscribed = time.monotonic(), False
             try:
-                msg = decode(frames[-1])
-            except ProtocolError as e:
-                self._warn.warning("dropped a bad frame from worker stream %s: %s", safe(link.address), safe(e))
-                continue
-            if isinstance(msg, StreamBatch):
-                self._on_stream_batch(link, msg)
-            elif isinstance(msg, Error) and msg.request_id is not None:
-                request = self._requests.get(msg.request_id)
-                if request is None or not self._placed_at(request, link):
-                    continue
-                if msg.stream_token == cast(Placement, request.placement).stream_token:
-                    self._ask_coordinator(request)  # not served there: the coordinator resumes it from the copy
+                self._on_stream_frame(link, frames)
+            except Exception:  # noqa: BLE001 - a bug a frame found costs that frame, never the stream socket
+                self._warn.exception("dropped a frame from worker stream %s: handling it failed", safe(link.address))
+            # a worker that streams faster than this client decodes must not starve its other tasks (heartbeats to
+            # the coordinator among them): a receive that finds a frame waiting does not yield by itself
+            await asyncio.sleep(0)
+
+    def _on_stream_frame(self, link: _StreamLink, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames[-1])
+        except ProtocolError as e:
+            self._warn.warning("dropped a bad frame from worker stream %s: %s", safe(link.address), safe(e))
+            return
+        if isinstance(msg, StreamBatch):
+            self._on_stream_batch(link, msg)
+        elif isinstance(msg, Error) and msg.request_id is not None:
+            request = self._requests.get(msg.request_id)
+            if request is None or not self._placed_at(request, link):
+                return
+            if msg.stream_token == cast(Placement, request.placement).stream_token:
+                self._ask_coordinator(request)  # not served there: the coordinator resumes it from the copy
 
     @staticmethod
     def _placed_at(request: _Request, link: _StreamLink) -> bool:
