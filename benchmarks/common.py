@@ -44,6 +44,21 @@ def make_workload(name: str, vocab_size: int, seed: int = 0) -> Workload:
     return Workload(name, prompts, outs)
 
 
+NOTABLE_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's flags that decide the fast paths (/proc/cpuinfo; [] where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [f for f in NOTABLE_CPU_FLAGS if f in flags]
+    except OSError:
+        pass
+    return []
+
+
 def machine() -> dict:
     cpu = "unknown"
     try:
@@ -54,6 +69,7 @@ def machine() -> dict:
     except OSError:
         pass
     facts = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    facts["cpu_flags"] = cpu_flags()
     try:
         import torch
 

@@ -74,10 +74,13 @@ from infer.protocol.messages import (
     LoraCommand,
     LoraDone,
     Message,
+    Placement,
     ProtocolError,
     Refused,
     StatsRequest,
+    StreamBatch,
     Submit,
+    Subscribe,
     TokenIds,
     UpdateWeights,
     WeightsUpdated,
@@ -122,6 +125,21 @@ class _Request:
     prompt_token_ids: list[int] | None = None  # a token-id prompt's own; a text prompt's from its first delta
     received: StreamJournal = field(default_factory=StreamJournal)  # the output tokens and text delivered so far
     seed: int | None = None  # the seed the first delta reported
+    placement: Placement | None = None  # where its direct stream runs (None: relayed, or detached)
+    started: bool = False  # a delta of it reached the caller (a later one carries no seed or prompt ids)
+
+
+@dataclass(eq=False)
+class _StreamLink:
+    """One DEALER to a worker's stream socket (docs/architecture.md, "Direct streams"), opened at the first
+    Placement there; its routing identity stays across reconnections, so the worker's subscriptions do too."""
+
+    address: str
+    sock: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket  # its handshakes: after each reconnection, every stream on it is subscribed again
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    last_heard: float = 0.0
+    resubscribed: bool = False  # its silence was answered by subscribing again; next, the coordinator is asked
 
 
 @dataclass(eq=False)
@@ -159,9 +177,11 @@ class InferenceClient:
         client_id: str | None = None,
         curve_key: PathLike | None = None,
         coordinator_key: PathLike | None = None,
+        direct_streams: bool = True,
     ) -> None:
         """`curve_key`, `coordinator_key`: CurveZMQ (both or neither): this client's secret key file and the
-        coordinator's public key file (infer-keygen); the files are read here (ValueError if unusable)."""
+        coordinator's public key file (infer-keygen); the files are read here (ValueError if unusable).
+        `direct_streams`: read deltas from the workers' stream sockets (False: the coordinator relays them)."""
         if heartbeat_interval <= 0 or silence_timeout <= heartbeat_interval:
             raise ValueError(
                 f"need 0 < heartbeat_interval ({heartbeat_interval}) < silence_timeout ({silence_timeout})"
@@ -186,6 +206,8 @@ class InferenceClient:
         self._tasks: list[asyncio.Task] = []
         self._failure: ClusterError | None = None
         self._last_heard = 0.0
+        self._links: dict[str, _StreamLink] = {}  # worker stream address -> its link
+        self.direct_streams = direct_streams
 
     @property
     def model_id(self) -> str | None:
@@ -221,7 +243,9 @@ class InferenceClient:
         ]
         try:
             self.welcome = await self._request_reply(
-                Hello(role="client", peer_id=self.client_id), (Welcome,), self.connect_timeout
+                Hello(role="client", peer_id=self.client_id, streams=self.direct_streams),
+                (Welcome,),
+                self.connect_timeout,
             )
         except BaseException as e:
             await self.close()
@@ -240,9 +264,15 @@ class InferenceClient:
             self._send_nowait(Abort(request_ids=list(self._requests)))
         self._fail_all(ClusterError("the client was closed"))
         conn.closed.set()
-        for task in self._tasks:
+        links, self._links = list(self._links.values()), {}
+        tasks = [*self._tasks, *(task for link in links for task in link.tasks)]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for link in links:
+            link.sock.disable_monitor()
+            link.monitor.close(linger=0)
+            link.sock.close(linger=0)
         conn.sock.disable_monitor()
         conn.monitor.close(linger=0)
         conn.sock.close(linger=CLOSE_LINGER_MS)
@@ -624,6 +654,8 @@ class InferenceClient:
             self._on_delta(msg)
         elif isinstance(msg, Error):
             self._on_error(msg)
+        elif isinstance(msg, Placement):
+            self._on_placement(msg)
         elif isinstance(msg, Refused):  # a refused Hello, or this client cut off: nothing more will work
             self._end(ClusterError(f"refused by the coordinator: {msg.reason}"))
         elif isinstance(msg, Heartbeat):
@@ -643,22 +675,26 @@ class InferenceClient:
 
     def _reattach_all(self, why: str) -> None:
         log.warning("%s (%s): re-attaching %d request(s) in flight", why, self.address, len(self._requests))
-        self._send_nowait(Hello(role="client", peer_id=self.client_id))
+        self._send_nowait(Hello(role="client", peer_id=self.client_id, streams=self.direct_streams))
         for request in list(self._requests.values()):
-            submit = self._resubmission(request)
-            if submit is not None:
-                self._send_nowait(submit)
-                continue
-            del self._requests[request.request_id]
-            request.queue.put_nowait(
-                Delta.final(
-                    request.request_id,
-                    "error",
-                    f"request {request.request_id!r} cannot be resumed ({why}) without a "
-                    f"repeat: the coordinator never told this client the prompt's token ids",
-                    "unavailable",
-                )
+            self._reattach(request, why)
+
+    def _reattach(self, request: _Request, why: str) -> None:
+        """Send `request` again from what this client holds (the coordinator resumes it from there); if it cannot
+        go on exactly, it ends with an error saying why."""
+        submit = self._resubmission(request)
+        if submit is not None:
+            return self._send_nowait(submit)
+        del self._requests[request.request_id]
+        request.queue.put_nowait(
+            Delta.final(
+                request.request_id,
+                "error",
+                f"request {request.request_id!r} cannot be resumed ({why}) without a "
+                f"repeat: the coordinator never told this client the prompt's token ids",
+                "unavailable",
             )
+        )
 
     @staticmethod
     def _resubmission(request: _Request) -> Submit | None:
@@ -685,6 +721,140 @@ class InferenceClient:
             delivered_text_len=request.received.text_len,
         )
 
+    # ---- direct streams (docs/architecture.md, "Direct streams") ------------------------------------
+
+    def _on_placement(self, msg: Placement) -> None:
+        """Where a direct stream runs now: subscribe there from what this client holds; or (no address) it left
+        its worker: send the coordinator this client's copy, which it resumes from."""
+        request = self._requests.get(msg.request_id)
+        if request is None:  # it ended here (its final delta came from its worker): nothing to run or resume
+            return self._send_nowait(Abort(request_ids=[msg.request_id]))
+        request.placement = msg if msg.stream_address is not None else None
+        if request.placement is None:
+            return self._ask_coordinator(request)
+        self._subscribe(self._link(msg), request, msg)
+
+    def _ask_coordinator(self, request: _Request) -> None:
+        """Send the coordinator this client's copy, which it resumes `request` from; until it says where, no delta
+        is taken (a late one of the old placement would move the copy past where the resumed stream starts)."""
+        request.placement = None
+        self._reattach(request, "its direct stream left its worker")
+
+    def _link(self, placement: Placement) -> _StreamLink:
+        address = cast(str, placement.stream_address)
+        link = self._links.get(address)
+        if link is not None:
+            return link
+        conn = self._connected()
+        curve = None
+        if self.curve is not None and placement.worker_key is not None:
+            curve = CurveKeys(self.curve.public_key, self.curve.secret_key, server_key=placement.worker_key.encode())
+        sock = cast(
+            zmq.asyncio.Socket,
+            make_socket(conn.ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=curve),
+        )
+        monitor = cast(zmq.asyncio.Socket, sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+        sock.connect(address)
+        link = self._links[address] = _StreamLink(address, sock, monitor, last_heard=time.monotonic())
+        link.tasks = [
+            asyncio.create_task(self._stream_loop(link), name=f"{self.client_id}-stream"),
+            asyncio.create_task(self._watch_link(link), name=f"{self.client_id}-stream-monitor"),
+        ]
+        return link
+
+    async def _watch_link(self, link: _StreamLink) -> None:
+        """After every reconnection of `link` (a handshake past the first), subscribe again to each stream placed
+        there, from what this client holds (the worker dropped the subscriptions its sends to it failed)."""
+        handshakes = 0
+        while True:
+            try:
+                parse_monitor_message(await link.monitor.recv_multipart())
+            except zmq.ZMQError:
+                return
+            handshakes += 1
+            if handshakes == 1:
+                continue
+            for request in [r for r in self._requests.values() if self._placed_at(r, link)]:
+                self._subscribe(link, request, cast(Placement, request.placement))
+
+    def _subscribe(self, link: _StreamLink, request: _Request, placement: Placement) -> None:
+        received = request.received
+        msg = Subscribe(
+            request_id=request.request_id,
+            stream_token=cast(str, placement.stream_token),
+            num_tokens=len(received.token_ids),
+            text_len=received.text_len or 0,
+        )
+        future: asyncio.Future = link.sock.send_multipart([encode(msg)])  # type: ignore[assignment]
+        future.add_done_callback(_consume)
+
+    async def _stream_loop(self, link: _StreamLink) -> None:
+        while True:
+            try:
+                frames = await link.sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError:
+                return
+            link.last_heard, link.resubscribed = time.monotonic(), False
+            try:
+                self._on_stream_frame(link, frames)
+            except Exception:  # noqa: BLE001 - a bug a frame found costs that frame, never the stream socket
+                self._warn.exception("dropped a frame from worker stream %s: handling it failed", safe(link.address))
+            # a worker that streams faster than this client decodes must not starve its other tasks (heartbeats to
+            # the coordinator among them): a receive that finds a frame waiting does not yield by itself
+            await asyncio.sleep(0)
+
+    def _on_stream_frame(self, link: _StreamLink, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames[-1])
+        except ProtocolError as e:
+            self._warn.warning("dropped a bad frame from worker stream %s: %s", safe(link.address), safe(e))
+            return
+        if isinstance(msg, StreamBatch):
+            self._on_stream_batch(link, msg)
+        elif isinstance(msg, Error) and msg.request_id is not None:
+            request = self._requests.get(msg.request_id)
+            if request is None or not self._placed_at(request, link):
+                return
+            if msg.stream_token == cast(Placement, request.placement).stream_token:
+                self._ask_coordinator(request)  # not served there: the coordinator resumes it from the copy
+
+    @staticmethod
+    def _placed_at(request: _Request, link: _StreamLink) -> bool:
+        return request.placement is not None and request.placement.stream_address == link.address
+
+    def _on_stream_batch(self, link: _StreamLink, batch: StreamBatch) -> None:
+        """Each delta that continues its request's copy exactly, from its current placement; the rest dropped."""
+        for delta, token_start, text_start in zip(batch.deltas, batch.token_starts, batch.text_starts):
+            request = self._requests.get(delta.request_id)
+            if request is None or not self._placed_at(request, link):
+                continue
+            if token_start != len(request.received.token_ids) or text_start != (request.received.text_len or 0):
+                continue
+            if request.started and (delta.seed is not None or delta.prompt_token_ids is not None):
+                # a re-dispatch's first delta: what only the stream's first delta carries went out once already
+                delta = msgspec.structs.replace(delta, seed=None, prompt_token_ids=None, queue_time_s=None)
+            self._on_delta(delta)
+
+    def _check_links(self, now: float) -> None:
+        """A stream socket silent for half the silence timeout (workers beat on it): subscribe again; silent
+        as long again: ask the coordinator where each of its streams runs (it resumes those it lost)."""
+        for link in self._links.values():
+            placed = [r for r in self._requests.values() if self._placed_at(r, link)]
+            if not placed:
+                link.last_heard = now
+                continue
+            if now - link.last_heard < self.silence_timeout / 2:
+                continue
+            link.last_heard = now
+            for request in placed:
+                if link.resubscribed:
+                    self._ask_coordinator(request)
+                else:
+                    self._subscribe(link, request, cast(Placement, request.placement))
+            link.resubscribed = not link.resubscribed
+
     def _on_delta(self, delta: Delta) -> None:
         request = self._requests.get(delta.request_id)
         if request is None:
@@ -692,6 +862,7 @@ class InferenceClient:
         if delta.prompt_token_ids is not None and request.prompt_token_ids is None:
             request.prompt_token_ids = list(delta.prompt_token_ids)
         request.received.record(delta.token_ids, delta.text)
+        request.started = True
         if delta.seed is not None:
             request.seed = delta.seed
         request.queue.put_nowait(delta)
@@ -755,6 +926,7 @@ class InferenceClient:
                 self._last_heard = max(self._last_heard, now - self.heartbeat_interval)
             if not self._requests and self._call is None:
                 continue
+            self._check_links(now)
             silent = now - self._last_heard
             if silent > self.silence_timeout:
                 self._fail_all(

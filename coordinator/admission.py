@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 from typing import cast
 
 import msgspec
@@ -23,7 +24,9 @@ from infer.coordinator.outbox import Send
 from infer.coordinator.routing import RoutingPolicy, make_policy
 from infer.coordinator.state import ClusterStatus, RequestRecord, WorkerRecord
 from infer.protocol.deadlines import DeadlineHeap
-from infer.protocol.messages import Delta, Submit
+from infer.protocol.journal import StreamJournal
+from infer.protocol.logsafe import safe
+from infer.protocol.messages import Abort, Delta, Dispatch, Placement, Submit
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import HopSpan
 
@@ -45,6 +48,7 @@ class Admission:
         self.policies: dict[str, RoutingPolicy] = {}  # one per model: each remembers only its own ranks
         self.config = config
         self._seeds = random.Random()  # seeds for sampled requests that come without one
+        self._awaiting: dict[str, RequestRecord] = {}  # detached direct streams waiting for their client's copy
         self.routable_cache: list[WorkerRecord] | None = None
         self.deadlines: DeadlineHeap[str] = DeadlineHeap()  # request ids by deadline; stale entries skipped
 
@@ -205,8 +209,25 @@ class Admission:
         if request.trace is not None:
             request.trace.event("dispatch", now)
             request.trace.attributes["infer.worker_id"] = worker.worker_id
-        self.send(worker.identity, request.dispatch())
+        self.send(worker.identity, self._dispatch_message(request, worker))
         return True
+
+    def _dispatch_message(self, request: RequestRecord, worker: WorkerRecord) -> Dispatch:
+        """The request's Dispatch; a direct stream (docs/architecture.md, "Direct streams") when its client reads
+        them and the worker has a stream socket: the owner's key and a new token go to the worker, and the client
+        hears where to subscribe (Placement)."""
+        dispatch = request.dispatch()
+        client = self.books.clients.get(request.client)
+        address = worker.hello.stream_address
+        request.direct = address is not None and client is not None and client.streams and not self.config.relay_streams
+        if not request.direct or client is None:
+            return dispatch
+        token = secrets.token_hex(16)
+        request.placement = Placement(
+            request_id=request.request_id, stream_address=address, worker_key=worker.key, stream_token=token
+        )
+        self.send(request.client, request.placement)
+        return msgspec.structs.replace(dispatch, stream_owner=client.key, stream_token=token)
 
     def _settle_model(self, request: RequestRecord) -> bool:
         """A request that named no model before any worker registered runs on the default model now that there is
@@ -270,6 +291,11 @@ class Admission:
             return
         request.retries += 1
         self.books.counters.requests_redispatched += 1
+        if request.direct:  # only the client knows what it holds: it re-attaches with its copy (resume_from)
+            request.direct, request.placement, request.awaiting_client = False, None, now
+            self._awaiting[request.request_id] = request
+            self.send(request.client, Placement(request_id=request.request_id))
+            return
         self.books.requests.hold(request, now)
         self.books.requests.held.move_to_end(request.request_id, last=False)
 
@@ -289,6 +315,31 @@ class Admission:
             f"instead of being moved to another worker",
             "internal",
         )
+
+    def resume_from(self, request: RequestRecord, submit: Submit, now: float) -> None:
+        """A detached direct stream's client sent its copy (a re-attach Submit): resume from it, first in line."""
+        request.awaiting_client = None
+        self._awaiting.pop(request.request_id, None)
+        delivered = submit.delivered_token_ids
+        request.journal = StreamJournal.lengths_only(delivered, submit.delivered_text_len if delivered else 0)
+        if request.prompt_token_ids is None and submit.prompt_token_ids is not None:
+            request.prompt_token_ids = list(submit.prompt_token_ids)
+        if submit.sampling.seed is not None:
+            request.sampling = request.sampling.with_seed(submit.sampling.seed)
+        self.books.requests.hold(request, now)
+        self.books.requests.held.move_to_end(request.request_id, last=False)
+        self.dispatch_held(now)
+
+    def move_to_copy(self, request: RequestRecord, submit: Submit, now: float) -> None:
+        """A running direct stream's client sent its copy (its worker did not serve the stream): abort it there
+        (silently) and resume it from the copy; not a retry (no worker failed here)."""
+        worker = self.books.workers.by_id.get(request.worker_id) if request.worker_id is not None else None
+        self.books.detach(request)
+        if worker is not None:
+            self.send(worker.identity, Abort(request_ids=[request.request_id]))
+        request.direct, request.placement = False, None
+        log.info("request %s resumes from its client's copy (its stream was not served)", safe(request.request_id))
+        self.resume_from(request, submit, now)
 
     def worker_died(self, worker: WorkerRecord) -> None:
         """`worker` is dead: out of routing, and its model's policy forgets its rank (its requests move:
@@ -351,6 +402,7 @@ class Admission:
             self.dispatch_held(now)
 
     def check_held(self, now: float) -> None:
+        self._check_awaiting(now)
         self.dispatch_held(now)
         if self.status.state is not ClusterState.RUNNING:
             return  # paused requests wait as long as the pause lasts
@@ -365,6 +417,22 @@ class Admission:
                 f"request {request.request_id!r} waited {waited(request):.1f} s for a "
                 f"healthy worker (queue timeout {limit} s)",
             )
+
+    def _check_awaiting(self, now: float) -> None:
+        """Detached direct streams whose client sent no copy within the client timeout fail (a client that is
+        gone, or that had it end already, never will); those that ended otherwise are forgotten here."""
+        limit = self.config.client_timeout
+        for rid, request in list(self._awaiting.items()):
+            if request.awaiting_client is None or self.books.requests.get(rid) is not request:
+                del self._awaiting[rid]
+            elif now - request.awaiting_client > limit:
+                del self._awaiting[rid]
+                request.awaiting_client = None
+                self.books.fail(
+                    request,
+                    f"request {rid!r} failed: its worker left and its client sent no copy to resume it from within "
+                    f"{limit:g} s (--client-timeout)",
+                )
 
 
 def worker_model(workers: list[WorkerRecord]) -> str:

@@ -86,14 +86,17 @@ class Books:
         request.charged = 0
         request.worker_id = None
 
-    def finish(self, request: RequestRecord, final: Delta | None, to_workers: dict[str, list[str]]) -> None:
-        """Forget `request`; send `final` to its client; note an abort for its worker if it runs on one."""
+    def finish(
+        self, request: RequestRecord, final: Delta | None, to_workers: dict[str, list[str]], tell_client: bool = True
+    ) -> None:
+        """Forget `request`; send `final` to its client (unless a direct stream brings it: `tell_client` false);
+        note an abort for its worker if it runs on one."""
         if request.worker_id is not None:
             to_workers.setdefault(request.worker_id, []).append(request.request_id)
         if request.trace is not None:
             attributes: dict[str, Attribute] = {
                 "gen_ai.response.finish_reasons": str(final.finish_reason) if final else "client gone",
-                "gen_ai.usage.completion_tokens": request.num_delivered,
+                "gen_ai.usage.completion_tokens": max(request.num_delivered, final.num_output_tokens if final else 0),
                 "infer.redispatches": request.retries,
             }
             self.outbox.end_span(request.trace.finish(None, **attributes))
@@ -108,7 +111,7 @@ class Books:
         client = self.clients.get(request.client)
         if client is not None:
             client.requests.discard(request.request_id)
-            if final is not None:
+            if final is not None and tell_client:
                 self.outbox.to_client(request.client, final)
 
     def fail(self, request: RequestRecord, message: str, code: str = "unavailable") -> None:

@@ -60,6 +60,11 @@ class CoordinatorConfig:
     heartbeat_interval: float = option(1.0, "seconds between heartbeats and timer runs", metavar="S")
     worker_timeout: float = option(10.0, "declare a silent worker dead after S seconds", metavar="S")
     client_timeout: float = option(10.0, "abort the requests of a client silent for S seconds", metavar="S")
+    relay_streams: bool = option(
+        False,
+        "relay every delta through the coordinator, as before direct streams (docs/architecture.md): for comparison "
+        "and for workers or clients that cannot reach each other",
+    )
     max_retries: int = option(3, "re-dispatches allowed per request after worker failures", metavar="N")
     queue_timeout: float = option(120.0, "fail a request that waited S seconds for a healthy worker", metavar="S")
     stop_timeout: float = option(5.0, "on STOP, wait at most S seconds for workers to acknowledge", metavar="S")

@@ -115,6 +115,7 @@ class Coordinator:
         self.clients: dict[bytes, ClientRecord] = {}
         self.requests = RequestTable()
         self.instance = uuid.uuid4().hex[:16]  # this process; peers notice a restart when it changes
+        self._frame_key = ""  # the authenticated key of the frame being handled ("" without keys)
         self.counters = Counters()
         self.wall_offset = wall_offset
         self.outbox = Outbox()
@@ -198,6 +199,7 @@ class Coordinator:
         if handler is None:
             self.books.reject(identity, f"the coordinator does not accept {msg.TYPE!r} messages")
             return
+        self._frame_key = key.decode() if key is not None else ""  # the sender's key, for the handler
         denial = self.access.check(identity, key, msg)
         if denial is not None:
             self._deny(identity, msg, denial, now)
@@ -379,6 +381,7 @@ class Coordinator:
             client = self.books.client(identity, now)
             if client is not None:
                 client.peer_id = hello.peer_id
+                client.streams, client.key = hello.streams, self._frame_key
                 self.send(identity, self._welcome())
             return
         problem = self._admission_problem(hello)
@@ -423,6 +426,7 @@ class Coordinator:
             dp_rank=rank,
             group_id=hello.group_id or f"dp{rank}",
             weight_version=hello.weight_version,
+            key=self._frame_key or None,
         )
         if old is not None:
             worker.requests_routed = old.requests_routed
@@ -491,7 +495,14 @@ class Coordinator:
             return
         existing = self.requests.get(rid)
         if existing is not None and submit.reattach and existing.client == identity:
-            return  # it got here before the client noticed the restart: nothing to re-attach
+            # a direct stream's client sends its copy: it was told its worker is gone, or its worker did not serve
+            # its subscription, or its stream fell silent: resume from the copy; else (relayed) it got here before
+            # the client noticed a restart
+            if existing.awaiting_client is not None:
+                self.admission.resume_from(existing, submit, now)
+            elif existing.direct:
+                self.admission.move_to_copy(existing, submit, now)
+            return
         if existing is not None:
             self.send(
                 identity,

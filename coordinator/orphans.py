@@ -25,6 +25,8 @@ class Orphan:
     journal: StreamJournal = field(default_factory=StreamJournal)
     latest: Delta | None = None
     seed: int | None = None  # the sampling seed it runs with
+    stream_owner: str | None = None  # a direct stream's owner (its client's key, "" without keys) and token
+    stream_token: str | None = None
 
     @property
     def final(self) -> Delta | None:
@@ -40,6 +42,8 @@ class Orphan:
             since=now,
             journal=StreamJournal.from_snapshot(snapshot),
             seed=snapshot.seed,
+            stream_owner=snapshot.stream_owner,
+            stream_token=snapshot.stream_token,
         )
 
     def extend(self, delta: Delta) -> None:

@@ -6,7 +6,9 @@ the orphan table (the relay extends orphans, liveness drops a dead worker's) and
 
 from __future__ import annotations
 
+import hmac
 import logging
+from typing import cast
 
 import msgspec
 
@@ -20,7 +22,7 @@ from infer.coordinator.state import ClientRecord, RequestRecord, WorkerRecord
 from infer.protocol.codes import FinishReason
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import Abort, Delta, Hello, Submit, TokenIds
+from infer.protocol.messages import Abort, Delta, Hello, Placement, Submit, TokenIds
 
 log = logging.getLogger("infer.coordinator")
 
@@ -66,6 +68,8 @@ class Reattachment:
         worker = self.books.workers.by_id.get(orphan.worker_id)
         if worker is None or not worker.healthy:
             return False
+        if orphan.stream_token is not None:
+            return self._adopt_direct(request, orphan, worker)
         catch_up = orphan.catch_up(request.journal.token_ids)
         if catch_up is None:
             if orphan.final is None:
@@ -109,6 +113,47 @@ class Reattachment:
             safe(worker.worker_id),
             request.num_delivered,
         )
+        return True
+
+    def _adopt_direct(self, request: RequestRecord, orphan: Orphan, worker: WorkerRecord) -> bool:
+        """Hand a direct stream back to its owner: a Placement at its worker under the same token, where the client
+        subscribes from its copy (the worker sends what it lacks; nothing passes through here). False (resume it
+        from the client's copy) unless the client is the stream's owner and reads direct streams."""
+        client = self.books.clients.get(request.client)
+        address = worker.hello.stream_address
+        owner = cast(str, orphan.stream_owner)
+        if (
+            client is None
+            or not client.streams
+            or address is None
+            or self.config.relay_streams
+            or not hmac.compare_digest(client.key.encode(), owner.encode())
+        ):
+            if orphan.final is None:
+                self.outbox.send(worker.identity, Abort(request_ids=[orphan.request_id]))
+            return False
+        self.books.counters.requests_reattached += 1
+        request.model = worker.model_id
+        if request.prompt_token_ids is None:
+            request.prompt_token_ids = orphan.prompt_token_ids
+        if orphan.seed is not None:
+            request.sampling = request.sampling.with_seed(orphan.seed)
+        request.direct, request.dispatch_seq = True, 0
+        request.placement = Placement(
+            request_id=request.request_id,
+            stream_address=address,
+            worker_key=worker.key,
+            stream_token=orphan.stream_token,
+        )
+        self.outbox.send(request.client, request.placement)
+        final = orphan.final
+        if final is not None:  # it ended while this coordinator was away: its worker keeps the end for the client
+            self.books.counters.requests_failed += final.finish_reason == FinishReason.ERROR
+            self.books.counters.requests_completed += final.finish_reason != FinishReason.ERROR
+            self.books.finish(request, final, {}, tell_client=False)
+            return True
+        self.books.place(request, worker)
+        log.debug("direct stream %s handed back at worker %s", safe(request.request_id), safe(worker.worker_id))
         return True
 
     def reattach(self, client: ClientRecord, submit: Submit, now: float) -> None:

@@ -85,6 +85,9 @@ class Relay:
             self.admission.failover(request, f"worker {worker.worker_id!r} was full ({delta.error})", now)
             self.admission.dispatch_held(now)
             return
+        if request.direct:  # its tokens went to the client from the worker: this is its end only
+            self._direct_end(request, delta)
+            return
         if request.retries or request.sent_prompt_ids:
             delta = self._continuation(request, delta)
         request.sent_prompt_ids = True
@@ -97,6 +100,18 @@ class Relay:
             self.books.finish(request, delta, {})
         else:
             self.outbox.to_client(request.client, delta)
+
+    def _direct_end(self, request: RequestRecord, delta: Delta) -> None:
+        """A direct stream's end (its worker sends nothing else of it here): the books, not the client (its
+        worker's stream socket brings the final delta)."""
+        if not delta.finished:
+            return
+        if delta.finish_reason == FinishReason.ERROR:
+            self.books.counters.requests_failed += 1
+        else:
+            self.books.counters.requests_completed += 1
+        # an error may come from a worker that never streamed it (a rejected Dispatch): the client hears it here
+        self.books.finish(request, delta, {}, tell_client=delta.finish_reason == FinishReason.ERROR)
 
     def _continuation(self, request: RequestRecord, delta: Delta) -> Delta:
         """`delta` as the client should see it: the prompt ids and the seed only once, counted from the

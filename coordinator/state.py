@@ -23,7 +23,7 @@ from typing import cast
 from infer.protocol.codes import ClusterState
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import Dispatch, Hello, Load, TokenIds
+from infer.protocol.messages import Dispatch, Hello, Load, Placement, TokenIds
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import HopSpan
 
@@ -55,6 +55,9 @@ class RequestRecord:
     priority: int = 0  # lower first (Submit.priority): held, dispatched and shed by it
     traceparent: str | None = None  # the caller's span (Submit.traceparent)
     trace: HopSpan | None = None  # this hop's span, when the coordinator traces (protocol/tracing.py)
+    direct: bool = False  # its current worker streams its deltas to the client directly (not relayed)
+    awaiting_client: float | None = None  # detached from its worker: since when its client's copy is awaited
+    placement: Placement | None = None  # where its client reads its direct stream (when `direct`)
 
     @property
     def suspect(self) -> bool:
@@ -145,6 +148,7 @@ class WorkerRecord:
     dispatches_sent: int = 0  # Dispatch frames sent to this worker process (see Hello.dispatches_seen)
     weight_version: int = 0  # the weights it serves (Hello, its loads, its refit answers)
     lora_adapters: dict[str, str] = field(default_factory=dict)  # its LoRA adapters (Hello, its LoraDone answers)
+    key: str | None = None  # its authenticated public key (z85): its stream socket's server key
 
     # A worker's Hello always carries its KV geometry and batch bound (Hello.__post_init__ requires them of the
     # role "worker", the only role a WorkerRecord is made for): typed optional only for the other roles.
@@ -219,6 +223,8 @@ class ClientRecord:
     stats_window: float = -1.0  # start of the current one-second window of its StatsRequests
     stats_in_window: int = 0  # StatsRequests in that window (a per-client budget)
     stats_waiting: int = 0  # its StatsRequests waiting for workers (wait_for_workers)
+    streams: bool = False  # it reads direct streams from workers (Hello.streams)
+    key: str = ""  # its authenticated public key (z85), "" without keys: a direct stream's owner
 
 
 class WorkerTable:

@@ -79,6 +79,9 @@ class TokenIds(list):
 # made the values).
 TokenIdList = Items[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+Token = Annotated[str, msgspec.Meta(min_length=16, max_length=64)]  # a direct stream's capability
+Address = Annotated[str, msgspec.Meta(min_length=6, max_length=MAX_ID_LEN, pattern="^tcp://")]
+Owner = Annotated[str, msgspec.Meta(max_length=40)]  # a direct stream's owner: a z85 public key, "" without keys
 ModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -181,9 +184,16 @@ class RequestSnapshot(Message, frozen=True):
     delta_ends: Items[int] = msgspec.field(default_factory=list)
     text_ends: Items[int] = msgspec.field(default_factory=list)
     seed: Seed | None = None  # the sampling seed it runs with
+    # A direct stream's (Dispatch.stream_owner / stream_token): a restarted coordinator hands it back to its owner
+    # only, with a Placement at this worker under the same token (docs/architecture.md, "Direct streams")
+    stream_owner: Owner | None = None
+    stream_token: Token | None = None
 
     def __post_init__(self) -> None:
         _check_id("request_id", self.request_id)
+        _require(
+            (self.stream_owner is None) == (self.stream_token is None), "'stream_owner' and 'stream_token' go together"
+        )
         _require(
             0 <= self.resumed <= len(self.token_ids),
             f"field 'resumed' must be in [0, {len(self.token_ids)}], got {self.resumed}",
@@ -236,6 +246,10 @@ class Hello(Message, frozen=True):
     # A worker's model directory (absolute), where an HTTP front reads the model's tokenizer; sent only when
     # `model_id` does not say it (--served-model-name), so a worker named by its path sends nothing new.
     tokenizer: ModelId | None = None
+    # A worker's stream socket (docs/architecture.md, "Direct streams"): where clients subscribe to its requests'
+    # deltas (tcp://HOST:PORT). A client's `streams`: it subscribes at workers (else the coordinator relays).
+    stream_address: Address | None = None
+    streams: bool = False
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
@@ -380,9 +394,15 @@ class Dispatch(Message, frozen=True):
     priority: Priority = 0
     client: Id | None = None
     traceparent: str | None = None  # W3C trace context of the request (OpenTelemetry), passed through
+    # A direct stream: its deltas go to the stream peer that subscribes with `stream_token` and, with keys, whose
+    # authenticated key is `stream_owner` (z85; "" without keys). None: relayed through the coordinator.
+    stream_owner: Owner | None = None
+    stream_token: Token | None = None
 
     def __post_init__(self) -> None:
         _check_traceparent(self.traceparent)
+        if (self.stream_owner is None) != (self.stream_token is None):
+            raise ProtocolError("'stream_owner' and 'stream_token' go together")
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise ProtocolError("exactly one of 'prompt' and 'prompt_token_ids' must be given")
         if self.resumed_token_ids and self.prompt_token_ids is None:
@@ -441,6 +461,9 @@ class Delta(Message, frozen=True):
     weight_version: int = 0  # the version of the weights that computed it (update_weights)
     embedding: Items[float] | None = None  # a pooling request's last delta: its vector (worker/pooling.py)
     beams: Items[BeamOutput] | None = None  # a beam search's last (and only) delta: its best n beams, best first
+    # a direct stream's end as its worker tells the coordinator (tokens and text went to the client): the output
+    # tokens the stream carried in all, resumed ones included (docs/architecture.md, "Direct streams")
+    num_output_tokens: NonNegative = 0
 
     @classmethod
     def final(
@@ -492,6 +515,7 @@ class Error(Message, frozen=True):
     message: str
     request_id: str | None = None
     code: ErrorCode | None = None  # for a request's failure: why (protocol/codes.py)
+    stream_token: Token | None = None  # a worker stream socket's answer to a Subscribe: the token it named
 
     def __post_init__(self) -> None:
         _set_members(self, nullable=True, code=ErrorCode)
@@ -743,6 +767,51 @@ class LoraDone(Message, frozen=True):
 
 
 # ---- coordinator <-> client extras ---------------------------------------------------------------
+
+
+@message
+class Placement(Message, frozen=True):
+    """Coordinator -> client: where a direct stream runs now (docs/architecture.md, "Direct streams"): subscribe at
+    `stream_address` (a worker's stream socket; with keys its public key is `worker_key`, z85) with
+    `stream_token`. `stream_address` None: the request left its worker; send it again with `reattach` and what
+    you hold, and it resumes from there."""
+
+    TYPE: ClassVar[str] = "placement"
+    request_id: Id
+    stream_address: Address | None = None
+    worker_key: Annotated[str, msgspec.Meta(min_length=40, max_length=40)] | None = None
+    stream_token: Token | None = None
+
+    def __post_init__(self) -> None:
+        if (self.stream_address is None) != (self.stream_token is None):
+            raise ProtocolError("'stream_address' and 'stream_token' go together")
+
+
+@message
+class Subscribe(Message, frozen=True):
+    """Client -> worker stream socket: send me request `request_id`'s deltas past the `num_tokens` output tokens
+    and `text_len` characters of text I hold (at a delta boundary of the worker's journal), then every later one."""
+
+    TYPE: ClassVar[str] = "subscribe"
+    request_id: Id
+    stream_token: Token
+    num_tokens: NonNegative = 0
+    text_len: NonNegative = 0
+
+
+@message
+class StreamBatch(Message, frozen=True):
+    """Worker stream socket -> client: one step's deltas of that client's direct streams; delta i continues a
+    copy holding `token_starts[i]` output tokens and `text_starts[i]` characters (the client drops any other)."""
+
+    TYPE: ClassVar[str] = "stream_batch"
+    deltas: Items[Delta]
+    token_starts: Items[NonNegative]
+    text_starts: Items[NonNegative]
+
+    def __post_init__(self) -> None:
+        if not len(self.deltas) == len(self.token_starts) == len(self.text_starts):
+            raise ProtocolError("'deltas', 'token_starts' and 'text_starts' must be of one length")
 
 
 @message

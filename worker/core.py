@@ -54,6 +54,7 @@ from infer.protocol.messages import (
     Refused,
     RequestSnapshot,
     StepBatch,
+    Subscribe,
     TokenIds,
     UpdateWeights,
     WeightsUpdated,
@@ -67,6 +68,7 @@ from infer.worker.config import EngineConfig
 from infer.worker.lifecycle import Action, WorkerState, transition
 from infer.worker.options import WorkerOptions
 from infer.worker.request import Request
+from infer.worker.streams import DirectStream, StreamTable
 
 log = logging.getLogger("infer.worker")
 
@@ -172,6 +174,9 @@ class WorkerCore:
         self.last_load: Load = engine.load()  # what a heartbeat sent during a step reports
         self._refit: _PendingRefit | None = None  # an UpdateWeights waiting for a drain, then its commit
         self._last_shed_check = -_SHED_CHECK_S
+        # direct streams (worker/streams.py); the shell sets the address once its stream socket is bound
+        self.streams = StreamTable(options.stream_linger, options.coordinator_timeout, options.heartbeat_interval)
+        self.stream_address: str | None = None
 
     # ---- the shell's surface -------------------------------------------------------------------
 
@@ -202,6 +207,26 @@ class WorkerCore:
         except Exception as e:  # noqa: BLE001 - a bug a frame found costs that frame, never the worker
             self._warn.exception("internal error handling %r from the coordinator", msg.TYPE)
             self._send(Error(message=f"internal error handling {msg.TYPE!r}: {type(e).__name__}: {safe(e)}"), now)
+
+    def on_stream_frame(self, peer: bytes, user_id: str, frames: list[bytes], now: float) -> None:
+        """One message on the stream socket from `peer` (authenticated as `user_id`: its z85 key, "" without
+        keys): a Subscribe, or a client's Heartbeat. Anything else gets an Error; nothing ends the worker."""
+        if len(frames) != 1:
+            return self.streams.reply_error(peer, f"expected one frame per message, got {len(frames)}")
+        try:
+            msg = decode(frames[0])
+        except ProtocolError as e:
+            return self.streams.reply_error(peer, str(e))
+        except Exception as e:  # noqa: BLE001 - decode raises ProtocolError only; anything else is a bug
+            return self.streams.reply_error(peer, f"the frame could not be read ({type(e).__name__})")
+        if isinstance(msg, Subscribe):
+            self.streams.subscribe(peer, user_id, msg, now)
+        elif not isinstance(msg, Heartbeat):
+            self.streams.reply_error(peer, f"a worker's stream socket does not handle {msg.TYPE!r} messages")
+
+    def take_stream_outgoing(self) -> list[tuple[bytes, Message]]:
+        """(peer, message) to send on the stream socket."""
+        return self.streams.take()
 
     def wants_step(self) -> bool:
         """The engine has work and the lifecycle lets it step."""
@@ -259,6 +284,7 @@ class WorkerCore:
         """Liveness: no first Welcome by --connect-timeout ends the worker; coordinator silence (`silence_due`,
         with nothing waiting in the inbox: frames that came during a long step are not silence) registers
         again; otherwise a heartbeat each interval."""
+        self.streams.tick(now)
         if not self.ever_welcomed and now >= self._connect_deadline:
             raise WorkerExit(
                 EXIT_FATAL,
@@ -359,7 +385,7 @@ class WorkerCore:
         if self._silenced:
             kept = [out for out in outputs if not self._silence(out)]
             silenced, outputs = len(outputs) - len(kept), kept
-        deltas, self._outbox = self._outbox + [self._delta(out, now) for out in outputs], []
+        deltas, self._outbox = self._outbox + [d for out in outputs if (d := self._delta(out, now)) is not None], []
         if deltas or silenced:  # an abort freed blocks: the coordinator hears of it at once
             self.last_load = self.engine.load()
             self._send(StepBatch(deltas=deltas, load=self.last_load), now)
@@ -370,21 +396,44 @@ class WorkerCore:
             return True
         return False
 
-    def _delta(self, out: Delta, now: float) -> Delta:
+    def _delta(self, out: Delta, now: float) -> Delta | None:
         """An engine output as it goes out: recorded in its request's journal (and its trace), the first of a text
-        prompt echoing the prompt ids."""
+        prompt echoing the prompt ids. A direct stream's goes to its reader (worker/streams.py); the coordinator
+        gets only its end, without tokens or text (None: nothing for the coordinator)."""
         sent = self._requests.pop(out.request_id, None) if out.finished else self._requests.get(out.request_id)
         if sent is None:
             return out
+        token_start, text_start = len(sent.journal.token_ids), sent.journal.text_len or 0
         sent.journal.record(out.token_ids, out.text)
         if sent.trace is not None:
             sent.trace.record(out, now)
             if out.finished:
                 self._spans.append(sent.trace.span)
-        if not sent.echo_prompt:
+        if sent.echo_prompt:
+            sent.echo_prompt = False
+            out = msgspec.structs.replace(out, prompt_token_ids=sent.prompt_token_ids)
+        if out.request_id not in self.streams:
             return out
-        sent.echo_prompt = False
-        return msgspec.structs.replace(out, prompt_token_ids=sent.prompt_token_ids)
+        return self._direct(out, token_start, text_start, now)
+
+    def _direct(self, out: Delta, token_start: int, text_start: int, now: float) -> Delta | None:
+        if out.finish_reason == FinishReason.ABORT:  # given back (drain, group failure): its reader is moved
+            if out.token_ids or out.text:
+                last = msgspec.structs.replace(out, finished=False, finish_reason=None, error=None, error_code=None)
+                self.streams.push(last, token_start, text_start, now)
+            self.streams.remove(out.request_id)
+        else:
+            self.streams.push(out, token_start, text_start, now)
+        if not out.finished:
+            return None
+        return msgspec.structs.replace(
+            out,
+            token_ids=TokenIds(),
+            text="",
+            logprobs=None,
+            prompt_token_ids=None,
+            num_output_tokens=token_start + len(out.token_ids),
+        )
 
     # ---- registration ----------------------------------------------------------------------------
 
@@ -424,8 +473,9 @@ class WorkerCore:
                 dispatches_seen=self._dispatches_seen,
                 weight_version=engine.weight_version,
                 lora_adapters=self._lora_adapters(),
-                snapshots=[sent.snapshot(rid) for rid, sent in self._requests.items()],
+                snapshots=[self._snapshot(rid, sent) for rid, sent in self._requests.items()],
                 tokenizer=self.tokenizer_source,
+                stream_address=self.stream_address,
             ),
             now,
         )
@@ -527,6 +577,19 @@ class WorkerCore:
         )
         if self.options.otlp_traces_endpoint is not None:
             sent.trace = WorkerTrace.start(msg, len(request.prompt_token_ids), now)
+        if msg.stream_token is not None and msg.stream_owner is not None and self.stream_address is not None:
+            stream = DirectStream(
+                msg.stream_owner, msg.stream_token, len(msg.resumed_token_ids or ()), msg.resumed_text_len or 0
+            )
+            self.streams.open(msg.request_id, stream, now)
+
+    def _snapshot(self, request_id: str, sent: _Sent) -> RequestSnapshot:
+        """A running request as it stands, for a (new) coordinator; a direct stream's with its owner and token."""
+        snapshot = sent.snapshot(request_id)
+        stream = self.streams.streams.get(request_id)
+        if stream is None:
+            return snapshot
+        return msgspec.structs.replace(snapshot, stream_owner=stream.owner, stream_token=stream.token)
 
     def _reject(self, request_id: str, reason: str, code: str) -> None:
         """A final error delta; it echoes no prompt ids (a text prompt refused here was not tokenized)."""
@@ -537,6 +600,7 @@ class WorkerCore:
         """The coordinator forgot these requests before it asked: free their KV blocks now and send no final
         delta (so the same id may be dispatched here again at once). Unknown or finished ids: nothing to do."""
         for request_id in msg.request_ids:
+            self.streams.remove(request_id)
             sent = self._requests.pop(request_id, None)
             if sent is None:
                 continue

@@ -40,10 +40,11 @@ from typing import TYPE_CHECKING, cast
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from infer.protocol.keys import CurveKeys
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.outputs import RequestOutput
 from infer.protocol.tracing import open_sink
-from infer.protocol.transport import HANDSHAKE_EVENTS, frames_for, handshake_failure, make_socket
+from infer.protocol.transport import HANDSHAKE_EVENTS, KeyGate, frames_for, handshake_failure, make_socket
 from infer.worker.core import EXIT_OK, EngineLike, WorkerCore, WorkerExit
 from infer.worker.group_sync import GroupBroken
 from infer.worker.options import WorkerOptions
@@ -91,6 +92,28 @@ class Worker:
         self._socket_lock = threading.Lock()  # held by the loop's thread except inside an engine step
         self._step_started: float | None = None
         self._beats_stop = threading.Event()
+        self.stream_sock: zmq.Socket | None = None
+        self._stream_ctx: zmq.Context | None = None
+        self._stream_gate: KeyGate | None = None
+        if options.stream_port >= 0:
+            self._open_stream_socket(options)
+
+    def _open_stream_socket(self, options: WorkerOptions) -> None:
+        """The stream socket clients read their direct streams from (docs/architecture.md, "Direct streams"): a
+        ROUTER of its own context; with keys a CURVE server under this worker's own key pair, letting in any key
+        (each stream is authorized by its owner's key and token, worker/streams.py)."""
+        ctx = self._stream_ctx = zmq.Context()
+        curve = None
+        if options.curve is not None:
+            curve = CurveKeys(options.curve.public_key, options.curve.secret_key)
+            self._stream_gate = KeyGate(ctx, lambda _key: True, logger=log, peers="stream client")
+        sock = self.stream_sock = make_socket(ctx, zmq.ROUTER, curve=curve)
+        sock.setsockopt(zmq.SNDHWM, 10000)
+        sock.bind(f"tcp://*:{options.stream_port}" if options.stream_port else "tcp://*:0")
+        port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.core.stream_address = f"tcp://{_advertised_host(options)}:{port}"
+        self.poller.register(sock, zmq.POLLIN)
+        log.info("stream socket at %s", self.core.stream_address)
 
     # ---- running -------------------------------------------------------------------------------
 
@@ -144,6 +167,12 @@ class Worker:
                 self.group.close()
             if self.spans is not None:
                 self.spans.close()
+            if self.stream_sock is not None:
+                self.stream_sock.close(0)
+            if self._stream_gate is not None:
+                self._stream_gate.close()
+            if self._stream_ctx is not None:
+                self._stream_ctx.term()
 
     def _loop(self) -> int:
         core = self.core
@@ -162,6 +191,8 @@ class Worker:
                 return EXIT_OK
 
     def _flush(self) -> None:
+        if self.stream_sock is not None:
+            self._flush_streams(self.stream_sock)
         for msg in self.core.take_outgoing():
             try:
                 self.sock.send_multipart(frames_for(msg), zmq.NOBLOCK)
@@ -169,6 +200,24 @@ class Worker:
                 self._warn.warning("send queue to the coordinator is full; dropped a %r frame", msg.TYPE)
         if self.spans is not None:
             self.spans.export(self.core.take_spans())
+
+    def _flush_streams(self, sock: zmq.Socket) -> None:
+        for peer, msg in self.core.take_stream_outgoing():
+            try:
+                sock.send_multipart(frames_for(msg, peer), zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):  # gone (unroutable) or not reading: its subscriptions lapse
+                self.core.streams.drop_peer(peer)
+
+    def _receive_streams(self, sock: zmq.Socket) -> None:
+        for _ in range(_MAX_FRAMES_PER_TURN):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            user = str(frames[-1].get("User-Id") or "") if self._stream_gate is not None else ""
+            self.core.on_stream_frame(frames[0].bytes, user, [f.bytes for f in frames[1:]], time.monotonic())
 
     def _poll_timeout(self) -> float:
         """Seconds to block in poll: 0 while there is work, else until the next timer is due (the core's)."""
@@ -190,6 +239,8 @@ class Worker:
             self._wakeup.recv(4096)
         if self.handshakes in events:
             self._on_handshake_events()
+        if self.stream_sock is not None and self.stream_sock in events:
+            self._receive_streams(self.stream_sock)
         for _ in range(_MAX_FRAMES_PER_TURN):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -299,6 +350,16 @@ class Worker:
             self._advance_group(group)
         except WorkerExit:
             self._flush()
+
+
+def _advertised_host(options: WorkerOptions) -> str:
+    """--advertise-host, else 127.0.0.1 for a coordinator on loopback, else this machine's host name."""
+    if options.advertise_host:
+        return options.advertise_host
+    host = options.coordinator.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", "::1") or host.startswith("127.") or options.coordinator.startswith("ipc://"):
+        return "127.0.0.1"
+    return socket.getfqdn()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,21 @@ class WorkerOptions:
         metavar="S",
     )
     curve: CurveKeys | None = option(None, cli=False)  # CurveZMQ towards the coordinator (and the EP wake channel)
+    stream_port: int = option(
+        0,
+        "the port of this worker's stream socket, where clients read their requests' deltas directly (0: one the "
+        "OS chooses; -1: no stream socket, the coordinator relays every delta)",
+        metavar="PORT",
+    )
+    advertise_host: str | None = option(
+        None,
+        "the host clients reach the stream socket at (default: 127.0.0.1 when the coordinator is on loopback, "
+        "else this machine's host name)",
+        metavar="HOST",
+    )
+    stream_linger: float = option(
+        60.0, "seconds a finished direct stream no client fetched is kept for one (then dropped)", metavar="S"
+    )
     otlp_traces_endpoint: str | None = option(
         None,
         "export an OpenTelemetry span of each request's worker hop (queue, prefill, decode, tokens) to this "
@@ -112,6 +127,10 @@ class WorkerOptions:
             raise ValueError("--benchmark-mode has no model, so no TP group: leave out --tp-size")
         if self.otlp_traces_endpoint is not None:
             require_sdk()
+        if not -1 <= self.stream_port <= 65535:
+            raise ValueError(f"--stream-port must be in [-1, 65535], got {self.stream_port}")
+        if not 0 < self.stream_linger <= MAX_QUEUE_TIME_S:
+            raise ValueError(f"--stream-linger must be in (0, {MAX_QUEUE_TIME_S:g}] s, got {self.stream_linger}")
         if self.coordinator_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "

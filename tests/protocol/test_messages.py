@@ -28,12 +28,15 @@ from infer.protocol.messages import (
     LoraCommand,
     LoraDone,
     ModelStats,
+    Placement,
     ProtocolError,
     Refused,
     RequestSnapshot,
     StatsRequest,
     StepBatch,
+    StreamBatch,
     Submit,
+    Subscribe,
     TokenIds,
     UpdateWeights,
     WeightsUpdated,
@@ -251,6 +254,32 @@ EXAMPLES = [
         frames_rejected=4,
         uptime_s=1.5,
     ),
+]
+
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a z85 public key: 40 characters
+
+EXAMPLES += [
+    Hello(role="client", peer_id="c2", streams=True),
+    Dispatch(
+        request_id="r",
+        sampling=SamplingParams(),
+        prompt_token_ids=TokenIds([1, 2]),
+        stream_owner=KEY,
+        stream_token=TOKEN,
+    ),
+    Dispatch(request_id="r", sampling=SamplingParams(), prompt="hi", stream_owner="", stream_token=TOKEN),
+    Placement(request_id="r", stream_address="tcp://127.0.0.1:5555", worker_key=KEY, stream_token=TOKEN),
+    Placement(request_id="r"),
+    Subscribe(request_id="r", stream_token=TOKEN, num_tokens=3, text_len=7),
+    StreamBatch(
+        deltas=[Delta(request_id="r", token_ids=TokenIds([4]), text="a"), Delta.final("s", "length")],
+        token_starts=[3, 0],
+        text_starts=[7, 0],
+    ),
+    Error(message="no such stream", request_id="r", code="unavailable", stream_token=TOKEN),
+    RequestSnapshot(request_id="r", prompt_token_ids=TokenIds([1]), stream_owner="", stream_token=TOKEN),
 ]
 
 
@@ -612,3 +641,64 @@ def test_request_output_is_the_wire_delta_and_final_makes_every_last_one():
     completion.add(last)
     assert (completion.token_ids, completion.text, completion.finish_reason) == ([3, 4, 5], "xab", "length")
     assert completion.seed == 7 and completion.weight_version == 2
+
+
+@pytest.mark.parametrize(
+    "build, text",
+    [
+        (
+            lambda: Placement(request_id="r", stream_address="tcp://h:1"),
+            "'stream_address' and 'stream_token' go together",
+        ),
+        (lambda: Placement(request_id="r", stream_token=TOKEN), "'stream_address' and 'stream_token' go together"),
+        (
+            lambda: Dispatch(request_id="r", sampling=SamplingParams(), prompt="x", stream_token=TOKEN),
+            "'stream_owner' and 'stream_token' go together",
+        ),
+        (
+            lambda: RequestSnapshot(request_id="r", prompt_token_ids=TokenIds([1]), stream_owner=""),
+            "'stream_owner' and 'stream_token' go together",
+        ),
+        (
+            lambda: StreamBatch(
+                deltas=[Delta(request_id="r", token_ids=TokenIds(), text="")], token_starts=[], text_starts=[0]
+            ),
+            "must be of one length",
+        ),
+    ],
+)
+def test_direct_stream_messages_are_checked(build, text):
+    with pytest.raises(ProtocolError, match=text):
+        build()
+
+
+@pytest.mark.parametrize(
+    "frame, message",
+    [
+        (_frame("subscribe", {"request_id": "r", "stream_token": "short"}), "stream_token"),
+        (_frame("subscribe", {"request_id": "r", "stream_token": TOKEN, "num_tokens": -1}), "num_tokens"),
+        (_frame("subscribe", {"request_id": "r", "stream_token": "x" * 65}), "stream_token"),
+        (
+            _frame("placement", {"request_id": "r", "stream_address": "ipc:///tmp/x", "stream_token": TOKEN}),
+            "stream_address",
+        ),
+        (
+            _frame(
+                "placement",
+                {"request_id": "r", "stream_address": "tcp://h:1", "stream_token": TOKEN, "worker_key": "k"},
+            ),
+            "worker_key",
+        ),
+        (_frame("stream_batch", {"deltas": [], "token_starts": [-1], "text_starts": [0]}), "token_starts"),
+        (
+            _frame(
+                "dispatch",
+                {"request_id": "r", "sampling": {}, "prompt": "x", "stream_owner": "k" * 41, "stream_token": TOKEN},
+            ),
+            "stream_owner",
+        ),
+    ],
+)
+def test_malformed_direct_stream_frames_name_the_field(frame, message):
+    with pytest.raises(ProtocolError, match=message):
+        decode(frame)
