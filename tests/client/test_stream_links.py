@@ -97,6 +97,14 @@ async def stand_ins():
     worker.close()
 
 
+async def _until(condition, timeout: float = 5.0) -> None:
+    """Waits (polling) until `condition()` holds; fails after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
 async def _streaming(coordinator: StandIn, worker: WorkerStandIn):
     """A connected client streaming request "r", subscribed at the worker stand-in; (client, its deltas' task)."""
     client = InferenceClient(coordinator.address, heartbeat_interval=0.2, silence_timeout=5.0)
@@ -147,6 +155,8 @@ async def test_a_stream_that_leaves_its_worker_or_is_not_served_is_sent_again_fr
         first = Delta(request_id="r", token_ids=TokenIds([7]), text="a", prompt_token_ids=TokenIds([1, 2, 3]))
         await worker.send(StreamBatch(deltas=[first], token_starts=[0], text_starts=[0]))
         await worker.send(Error(message="not yours", request_id="r", code="invalid_request", stream_token="x" * 32))
+        # the worker's socket and the coordinator's are two: let the delta arrive before the Placement is sent
+        await _until(lambda: client._requests["r"].received.token_ids == [7])
         await coordinator.send(Placement(request_id="r"))  # its worker left: send the copy
         copy = await coordinator.recv(Submit)
         assert copy.reattach and copy.delivered_token_ids == [7] and copy.delivered_text_len == 1
