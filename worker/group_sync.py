@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer.worker")
 
+# The least time the members of a TP or PP group get to meet, load their shards and agree before serving: they load
+# at different speeds (a busy disk, a busy CPU), and the steps' own timeout (--tp-timeout, --pp-timeout) is for a
+# member that stops answering while serving, not for one still loading.
+STARTUP_TIMEOUT_S = 300.0
 _WAKE = struct.Struct("<q")  # the round number the sender is about to enter
 _ZAP_DOMAIN = "infer-ep"
 

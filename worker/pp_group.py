@@ -54,7 +54,7 @@ from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
-from infer.worker.group_sync import GroupBroken, rendezvous_address
+from infer.worker.group_sync import STARTUP_TIMEOUT_S, GroupBroken, rendezvous_address
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -69,8 +69,6 @@ if TYPE_CHECKING:
     from infer.worker.tp_group import TpOptions
 
 log = logging.getLogger("infer.worker")
-
-STARTUP_TIMEOUT_S = 300.0  # the least time the stages get to meet, load and agree before serving
 
 
 @dataclass(frozen=True)

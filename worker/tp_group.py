@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
-from infer.worker.group_sync import GroupBroken, rendezvous_address
+from infer.worker.group_sync import STARTUP_TIMEOUT_S, GroupBroken, rendezvous_address
 
 if TYPE_CHECKING:
     import torch
@@ -225,7 +225,10 @@ def model_fingerprint(path: Path, weight_files: Sequence[Path]) -> str:
 
 
 def agree_min(tp: TensorParallel, value: int) -> int:
-    """The smallest `value` over the TP group (the KV blocks every member can hold)."""
+    """The smallest `value` over the TP group (the KV blocks every member can hold), once every member has loaded
+    its shard: the members first wait for each other up to STARTUP_TIMEOUT_S (a gloo monitored barrier; a member
+    that died fails it at once), since one loads seconds after another on a busy machine, and the group's own
+    timeout (--tp-timeout, 5 s in the tests) broke the start of a TP group whose follower loaded 5 s late."""
     if tp.size == 1:
         return value
     import torch
@@ -233,6 +236,7 @@ def agree_min(tp: TensorParallel, value: int) -> int:
 
     t = torch.tensor([value], dtype=torch.int64)
     try:
+        dist.monitored_barrier(group=tp.cpu_group, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
     except Exception as e:  # noqa: BLE001
         raise GroupBroken(f"TP group agreement failed: {e}") from e
