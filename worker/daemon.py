@@ -353,13 +353,24 @@ class Worker:
 
 
 def _advertised_host(options: WorkerOptions) -> str:
-    """--advertise-host, else 127.0.0.1 for a coordinator on loopback, else this machine's host name."""
+    """--advertise-host, else 127.0.0.1 for a coordinator on loopback, else the address of this machine's interface
+    toward the coordinator (the source address the kernel picks for it: a network the coordinator's clients reach
+    too), else this machine's host name. The host name alone failed where nodes' names resolve only on the nodes
+    (the Slurm sandbox's namespaces, many clusters' compute nodes)."""
     if options.advertise_host:
         return options.advertise_host
-    host = options.coordinator.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    address = options.coordinator.removeprefix("tcp://")
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
     if host in ("localhost", "::1") or host.startswith("127.") or options.coordinator.startswith("ipc://"):
         return "127.0.0.1"
-    return socket.getfqdn()
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # connect() on UDP sends nothing: a route lookup
+            probe.connect((host, int(port)))
+            return str(probe.getsockname()[0])
+    except (OSError, ValueError):
+        return socket.getfqdn()
 
 
 if __name__ == "__main__":
