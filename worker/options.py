@@ -81,7 +81,7 @@ class WorkerOptions:
     advertise_host: str | None = option(
         None,
         "the host clients reach the stream socket at (default: 127.0.0.1 when the coordinator is on loopback, "
-        "else this machine's host name)",
+        "else the address of this machine's interface toward the coordinator)",
         metavar="HOST",
     )
     stream_linger: float = option(
