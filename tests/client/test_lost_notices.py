@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import zmq
-import zmq.asyncio
+from stand_ins import WAIT, StandIn
 
 from infer import SamplingParams
 from infer.client import InferenceClient
@@ -17,44 +16,10 @@ from infer.protocol.messages import (
     DeltaBatch,
     Error,
     Hello,
-    Message,
     StatsRequest,
     Submit,
     TokenIds,
-    Welcome,
-    decode,
-    encode,
 )
-
-WAIT = 10.0
-
-
-class StandIn:
-    def __init__(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
-        self.peer = b""
-
-    async def recv(self, kind: type[Message]) -> Message:
-        while True:
-            self.peer, frame = await asyncio.wait_for(self.sock.recv_multipart(), WAIT)
-            msg = decode(frame)
-            if isinstance(msg, kind):
-                return msg
-
-    async def send(self, msg: Message) -> None:
-        await self.sock.send_multipart([self.peer, encode(msg)])
-
-    async def welcome(self) -> None:
-        await self.recv(Hello)
-        await self.send(Welcome(coordinator_id="stand-in", state="running", instance="i1"))
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 import zmq
 import zmq.asyncio
+from stand_ins import WAIT, StandIn
 
 from infer import SamplingParams
 from infer.client import InferenceClient
@@ -18,45 +19,15 @@ from infer.protocol.messages import (
     Delta,
     Error,
     Hello,
-    Message,
     Placement,
     StreamBatch,
     Submit,
     Subscribe,
     TokenIds,
     Welcome,
-    decode,
-    encode,
 )
 
 TOKEN = "t" * 32
-WAIT = 10.0
-
-
-class StandIn:
-    """A ROUTER on loopback speaking the codec; it answers the last peer it heard."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
-        self.peer = b""
-
-    async def recv(self, kind: type[Message]) -> Message:
-        while True:
-            self.peer, frame = await asyncio.wait_for(self.sock.recv_multipart(), WAIT)
-            msg = decode(frame)
-            if isinstance(msg, kind):
-                return msg
-
-    async def send(self, msg: Message) -> None:
-        await self.sock.send_multipart([self.peer, encode(msg)])
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
 
 
 class WorkerStandIn(StandIn):
