@@ -74,6 +74,9 @@ log = logging.getLogger("infer.worker")
 
 EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 _SHED_CHECK_S = 0.25  # how often the queue is checked for requests past --max-queue-time
+# A step whose deltas all went to direct streams still tells the coordinator its load (an empty StepBatch): at
+# once when it admitted or ended a request (the counts routing and admission read), else at most this often.
+_LOAD_EVERY_S = 0.05
 
 
 class WorkerExit(Exception):
@@ -389,6 +392,12 @@ class WorkerCore:
         if deltas or silenced:  # an abort freed blocks: the coordinator hears of it at once
             self.last_load = self.engine.load()
             self._send(StepBatch(deltas=deltas, load=self.last_load), now)
+        elif outputs:  # only direct deltas: the coordinator routes on this worker's load all the same
+            load, sent = self.engine.load(), self.last_load
+            moved = (load.num_running, load.num_waiting) != (sent.num_running, sent.num_waiting)
+            if moved or now - self._last_sent >= _LOAD_EVERY_S:
+                self.last_load = load
+                self._send(StepBatch(deltas=[], load=load), now)
 
     def _silence(self, out: Delta) -> bool:
         if out.finish_reason == FinishReason.ABORT and out.request_id in self._silenced:

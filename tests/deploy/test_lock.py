@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import sysconfig
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -58,7 +59,10 @@ def test_every_pin_has_a_hash_and_the_lock_names_its_platform_and_command() -> N
 def test_this_environment_runs_the_locked_versions() -> None:
     if lockfile.locked_platform(LOCK.read_text()) != lockfile.platform_key():
         pytest.skip("the lock was written for another platform; install.sh used it as constraints")
-    installed = {lockfile.normalize(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    # Only what pip installed: setuptools puts its _vendor folder (with its own packaging's dist-info, a version
+    # behind) on sys.path once anything imports it, so sys.path's distributions depend on what ran before.
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed = {lockfile.normalize(d.metadata["Name"]): d.version for d in metadata.distributions(path=site)}
     assert {name: installed.get(name) for name in PINS} == {name: pin.version for name, pin in PINS.items()}
 
 
