@@ -287,6 +287,9 @@ class Welcome(Message, frozen=True):
     instance: str | None = None  # new with every coordinator process: a change means it restarted
     dp_rank: int | None = None  # to a worker: the DP rank it serves (assigned when its Hello gave none)
     group_id: str | None = None  # to a worker: its group
+    # Several coordinators (docs/architecture.md, "Several coordinators"): the leader's term. A worker follows no
+    # coordinator whose term is below one it has followed (a deposed leader that has not noticed yet).
+    term: NonNegative = 0
 
     def __post_init__(self) -> None:
         _set_members(self, state=ClusterState)
@@ -298,6 +301,89 @@ class Refused(Message, frozen=True):
 
     TYPE: ClassVar[str] = "refused"
     reason: str
+
+
+@message
+class Redirect(Message, frozen=True):
+    """Coordinator -> client or worker: this coordinator does not lead the cluster now (one of several: docs/
+    architecture.md, "Several coordinators"), and did nothing with the frame. Go to `leader`, or (None: no
+    leader known yet) to the next coordinator address. Not an end, unlike Refused."""
+
+    TYPE: ClassVar[str] = "redirect"
+    reason: str
+    leader: Address | None = None
+
+
+# ---- coordinator to coordinator (docs/architecture.md, "Several coordinators") ----------------------
+
+MAX_COORDINATORS = 15
+PeerIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_COORDINATORS)]  # a coordinator's place in the address list
+
+
+class RankHold(Message, frozen=True):
+    """A DP rank the leader gave a worker (part of a Replica)."""
+
+    worker_id: Id
+    model_id: ModelId
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, le=MAX_DP_RANK)]
+    group_id: Id
+
+
+class Replica(Message, frozen=True):
+    """What the leader's successor must know that no worker can tell it: the lifecycle state, the cluster's weight
+    version, the LoRA adapters loaded (name -> folder, name -> base model) and the DP ranks given out. `version`
+    grows with every change."""
+
+    version: NonNegative
+    state: ClusterState
+    weight_version: NonNegative = 0
+    lora_adapters: Mapping[str, str] = msgspec.field(default_factory=dict)
+    lora_models: Mapping[str, str] = msgspec.field(default_factory=dict)
+    ranks: Items[RankHold] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _set_members(self, state=ClusterState)
+
+
+@message
+class PeerBeat(Message, frozen=True):
+    """Leader -> the other coordinators, every beat: I lead in `term`; acknowledge beat `seq` (a majority's
+    acknowledgements extend the leader's lease). Carries the Replica when it changed (and now and then)."""
+
+    TYPE: ClassVar[str] = "peer_beat"
+    term: NonNegative
+    sender: PeerIndex
+    seq: NonNegative
+    replica: Replica | None = None
+
+
+@message
+class PeerAck(Message, frozen=True):
+    """A coordinator -> the leader: beat `seq` of `term` received (a `term` above the leader's deposes it)."""
+
+    TYPE: ClassVar[str] = "peer_ack"
+    term: NonNegative
+    sender: PeerIndex
+    seq: NonNegative
+
+
+@message
+class VoteRequest(Message, frozen=True):
+    """A candidate -> the other coordinators: make me leader of `term`."""
+
+    TYPE: ClassVar[str] = "vote_request"
+    term: NonNegative
+    sender: PeerIndex
+
+
+@message
+class VoteGrant(Message, frozen=True):
+    """A coordinator -> a candidate: its vote in `term` (`granted`), or (not granted) the term it is at."""
+
+    TYPE: ClassVar[str] = "vote_grant"
+    term: NonNegative
+    sender: PeerIndex
+    granted: bool
 
 
 # ---- requests and their streams ------------------------------------------------------------------
