@@ -9,7 +9,8 @@ with (the ZAP User-Id). AccessControl decides, frame by frame:
 - the message needs a role: Hello "worker", StepBatch and ControlAck a worker key; Hello "client",
   Submit, Abort and StatsRequest a client or administrator key; Control (pause, unpause, suspend, resume,
   stop), UpdateWeights and LoraCommand (load / unload a LoRA adapter) an administrator key; WeightsUpdated and
-  LoraDone a worker key. A Heartbeat with a load report (a worker's) needs a worker key, one without a
+  LoraDone a worker key; the coordinators' own messages (PeerBeat, PeerAck, VoteRequest, VoteGrant) the key they
+  share, which may send nothing else. A Heartbeat with a load report (a worker's) needs a worker key, one without a
   client or administrator key; Error goes with any role.
 
 Without keys (loopback or --trusted-network) everything is allowed, as before roles existed.
@@ -22,6 +23,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from infer.coordinator.election import PEER_MESSAGES
 from infer.protocol.messages import (
     Abort,
     Control,
@@ -93,8 +95,11 @@ class Denial:
 class AccessControl:
     """The role and identity checks of one coordinator; `keys` None: no CURVE, everyone trusted."""
 
-    def __init__(self, keys: KeyRoles | None) -> None:
+    def __init__(self, keys: KeyRoles | None, peer_key: bytes | None = None) -> None:
+        """`peer_key`: the key the other coordinators of the cluster authenticate with (they share this one's key
+        pair); only it may send their messages (coordinator/election.py)."""
         self.keys = keys
+        self.peer_key = peer_key
         self._bound: dict[bytes, bytes] = {}  # routing identity -> the key that first sent from it
         self._cut_off: set[bytes] = set()  # identities answered with nothing more
         self._generation = None if keys is None else keys.generation
@@ -108,6 +113,10 @@ class AccessControl:
             return Denial("cut off before", silent=True)
         if key is None:
             return Denial("the frame carries no authenticated key", cut_off=True)
+        if isinstance(msg, PEER_MESSAGES) or (self.peer_key is not None and key == self.peer_key):
+            if key == self.peer_key and isinstance(msg, PEER_MESSAGES):
+                return None
+            return Denial(f"{msg.TYPE!r} refused: only the cluster's coordinators send it, and they send nothing else")
         bound = self._bound.setdefault(identity, key)
         if bound != key:
             return Denial(

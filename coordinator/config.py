@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infer.coordinator.election import LEASE_S
 from infer.coordinator.routing import POLICIES
+from infer.protocol.messages import MAX_COORDINATORS
 from infer.protocol.options import option
 from infer.protocol.tracing import require_sdk
+from infer.protocol.transport import split_addresses
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class CoordinatorConfig:
         of its Submit's traceparent, and export it there; None: no tracing.
     trusted_network: allow binding a non-loopback host without keys (plaintext, anyone who reaches the port
         may connect); without it such a bind is refused.
+    peers, peer_index, lease: several coordinators (coordinator/election.py): every coordinator's address in one
+        order all share, this one's place in it, and the leader's lease.
     """
 
     host: str = option("127.0.0.1", "address to bind (0.0.0.0 for all)")
@@ -138,7 +143,49 @@ class CoordinatorConfig:
         "only loopback is allowed otherwise",
     )
 
+    peers: str | None = option(
+        None,
+        "every coordinator of this cluster, this one included: tcp://HOST:PORT addresses, comma-separated, in one "
+        "order all share (workers, HTTP fronts and clients take the same list). 1, or 3 or more: they elect one "
+        "leader under a lease a majority grants; the others answer with Redirect and take over when it dies "
+        "(docs/architecture.md, 'Several coordinators'). With keys all share one key pair",
+        metavar="LIST",
+    )
+    peer_index: int | None = option(
+        None, "this coordinator's place in --peers, from 0 (default: the one entry whose port is --port)", metavar="I"
+    )
+    lease: float = option(
+        LEASE_S,
+        "with --peers: the leader's lease; a leader that dies is replaced about one lease later, one cut off from "
+        "a majority stops leading within one",
+        metavar="S",
+    )
+
     def __post_init__(self) -> None:
+        if self.peers is not None:
+            peers = split_addresses(self.peers)
+            if len(peers) == 2:
+                raise ValueError(
+                    "--peers names 2 coordinators: two cannot tell a dead peer from a cut cable, so neither could "
+                    "take over safely; run 1, or 3 or more (a majority of 2 of 3 survives the loss of any one)"
+                )
+            if len(peers) > MAX_COORDINATORS:
+                raise ValueError(f"--peers names {len(peers)} coordinators; at most {MAX_COORDINATORS}")
+            if self.port == 0:
+                raise ValueError("--peers needs a fixed --port (the one its entry in the list names)")
+            index = self.peer_index
+            if index is None:
+                mine = [i for i, a in enumerate(peers) if a.rpartition(":")[2] == str(self.port)]
+                if len(mine) != 1:
+                    raise ValueError(
+                        f"--peer-index is needed: {len(mine)} entries of --peers {self.peers!r} have port {self.port}"
+                    )
+            elif not 0 <= index < len(peers):
+                raise ValueError(f"--peer-index {index} is not a place in --peers (0..{len(peers) - 1})")
+            if not isinstance(self.lease, (int, float)) or not 0.1 <= self.lease <= 60:
+                raise ValueError(f"lease must be in [0.1, 60] seconds, got {self.lease!r}")
+        elif self.peer_index is not None:
+            raise ValueError("--peer-index needs --peers")
         if self.model_id is not None and not all(self.model_ids):
             raise ValueError(f"model_id must be model ids separated by commas, got {self.model_id!r}")
         if self.policy not in POLICIES:
@@ -187,6 +234,21 @@ class CoordinatorConfig:
     def model_ids(self) -> tuple[str, ...]:
         """The models --model-id pins, the default first; () when any model may join."""
         return () if self.model_id is None else tuple(m.strip() for m in self.model_id.split(","))
+
+    @property
+    def peer_addresses(self) -> tuple[str, ...]:
+        """Every coordinator's address (--peers); (its own endpoint,) when it is the only one."""
+        return (self.endpoint,) if self.peers is None else split_addresses(self.peers)
+
+    @property
+    def index(self) -> int:
+        """Its place in peer_addresses."""
+        if self.peer_index is not None:
+            return self.peer_index
+        if self.peers is None:
+            return 0
+        port = str(self.port)
+        return next(i for i, a in enumerate(self.peer_addresses) if a.rpartition(":")[2] == port)
 
     @property
     def endpoint(self) -> str:

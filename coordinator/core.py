@@ -55,6 +55,7 @@ from infer.coordinator.admission import Admission
 from infer.coordinator.books import Books
 from infer.coordinator.commands import Commands
 from infer.coordinator.config import CoordinatorConfig
+from infer.coordinator.election import PEER_MESSAGES, Election
 from infer.coordinator.lifecycle import ClusterState, commands_to_reach
 from infer.coordinator.liveness import Liveness
 from infer.coordinator.loras import Loras
@@ -82,7 +83,10 @@ from infer.protocol.messages import (
     LoraDone,
     Message,
     ProtocolError,
+    RankHold,
+    Redirect,
     Refused,
+    Replica,
     StatsRequest,
     StepBatch,
     Submit,
@@ -103,12 +107,21 @@ class Coordinator:
     `peer_gone`, `take_outgoing`; the handshake, Submit / Abort, the drain and the key roles."""
 
     def __init__(
-        self, config: CoordinatorConfig, now: float, keys: KeyRoles | None = None, wall_offset: float = 0.0
+        self,
+        config: CoordinatorConfig,
+        now: float,
+        keys: KeyRoles | None = None,
+        wall_offset: float = 0.0,
+        election: Election | None = None,
+        peer_key: bytes | None = None,
     ) -> None:
         """`keys`: the roles of the authenticated keys (CurveZMQ); None: no keys, every peer trusted.
-        `wall_offset`: added to `now` gives the wall-clock time heartbeats carry."""
+        `wall_offset`: added to `now` gives the wall-clock time heartbeats carry. `election`: one of several
+        coordinators (coordinator/election.py): it serves only while it leads, from the election's newest
+        Replica; `peer_key`: with keys, the key the other coordinators authenticate with (this one's own)."""
         self.config = config
-        self.access = AccessControl(keys)
+        self.election = election
+        self.access = AccessControl(keys, peer_key)
         self.status = ClusterStatus(model_id=config.model_ids[0] if config.model_ids else None)
         self.workers = WorkerTable()
         self.models = Models(self.workers, config.model_ids)
@@ -157,6 +170,10 @@ class Coordinator:
             LoraCommand: self.loras.on_command,
             LoraDone: self.loras.on_done,
         }
+        for peer_message in PEER_MESSAGES:
+            self._handlers[peer_message] = self._on_peer
+        if election is not None and election.replica is not None:
+            self._restore(election.replica, now)
 
     @property
     def orphans(self) -> OrphanTable:
@@ -204,6 +221,9 @@ class Coordinator:
         if denial is not None:
             self._deny(identity, msg, denial, now)
             return
+        if self.election is not None and not isinstance(msg, PEER_MESSAGES) and not self.election.leading(now):
+            self._redirect(identity)
+            return
         if identity in self.liveness.lost and self.liveness.remind_lost(identity, msg, now):
             return
         try:
@@ -223,6 +243,7 @@ class Coordinator:
             return
         self._next_tick = now + self.config.heartbeat_interval
         self._check_keys(now)
+        self.workers.expire_reservations(now)
         self.liveness.check_workers(now)
         self.liveness.check_clients(now)
         self.reattachment.check_reattaching(now)
@@ -400,7 +421,70 @@ class Coordinator:
             state=self.state,
             model_id=self.status.model_id,
             instance=self.instance,
+            term=0 if self.election is None else self.election.term,
         )
+
+    # ---- several coordinators (coordinator/election.py) ------------------------------------------
+
+    def _on_peer(self, identity: bytes, msg: Message, now: float) -> None:
+        if self.election is not None:
+            self.election.on_message(msg, now)
+
+    def _redirect(self, identity: bytes) -> None:
+        """A frame this coordinator may not serve (it does not lead): where to go instead."""
+        election = self.election
+        assert election is not None
+        leader = None if election.leader is None or election.leader == election.index else election.leader
+        self.counters.frames_rejected += 1
+        self.send(
+            identity,
+            Redirect(
+                reason=f"coordinator {self.config.index} of {election.count} does not lead the cluster"
+                + (f"; coordinator {leader} does" if leader is not None else "; no leader yet: try the next"),
+                leader=None if leader is None else self.config.peer_addresses[leader],
+            ),
+        )
+
+    def replica(self) -> Replica:
+        """What a successor needs that no worker can tell it (coordinator/election.py); the version is the
+        election's."""
+        ranks = [
+            RankHold(worker_id=w.worker_id, model_id=w.model_id, dp_rank=w.dp_rank, group_id=w.group_id)
+            for w in self.workers
+            if w.healthy
+        ]
+        held = {(r.worker_id, r.model_id) for r in ranks}
+        ranks += [r for r in self.workers.reserved.values() if (r.worker_id, r.model_id) not in held]
+        return Replica(
+            version=0,
+            state=self.state,
+            weight_version=self.status.weight_version,
+            lora_adapters=dict(self.loras.adapters),
+            lora_models=dict(self.loras.adapter_models),
+            ranks=ranks,
+        )
+
+    def _restore(self, replica: Replica, now: float) -> None:
+        """Start from the last leader's Replica: its lifecycle state (every worker that registers is brought to
+        it), weight version, adapters, and its DP ranks held for their workers for a worker timeout."""
+        self.status.state = replica.state
+        self.status.weight_version = replica.weight_version
+        self.loras.adapters.update(replica.lora_adapters)
+        self.loras.adapter_models.update(replica.lora_models)
+        self.workers.reserve(replica.ranks, now + self.config.worker_timeout)
+        log.info(
+            "leading from the last leader's state: %s, weight version %d, %d LoRA adapter(s), %d DP rank(s) held",
+            replica.state.value,
+            replica.weight_version,
+            len(replica.lora_adapters),
+            len(replica.ranks),
+        )
+
+    def step_down(self) -> None:
+        """It no longer leads: tell every worker and client to go to the leader (nothing else leaves)."""
+        self.outbox.drop_all()
+        for identity in [*self.workers.by_identity, *self.clients]:
+            self._redirect(identity)
 
     def _admission_problem(self, hello: Hello) -> str | None:
         problem = self.models.join_problem(hello)

@@ -25,11 +25,13 @@ import signal
 import socket
 import sys
 import time
+import uuid
 
 import zmq
 
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.core import Coordinator
+from infer.coordinator.election import Election
 from infer.protocol.keys import AuthorizedKeys, CurveKeys, refuse_open_bind
 from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.logsafe import safe
@@ -46,6 +48,7 @@ MAX_MESSAGES_PER_CYCLE = 1024
 PEER_SNDHWM = 1000  # messages queued to one peer (see CoordinatorDaemon.__init__)
 PEER_RCVHWM = 100  # messages queued from one peer; more wait in TCP (the loop reads ~1000 per cycle)
 EXIT_LINGER_MS = 2000
+PEER_LINK_HWM = 64
 
 
 class CoordinatorDaemon:
@@ -55,13 +58,17 @@ class CoordinatorDaemon:
         """ValueError for a bad key file, or a non-loopback host without keys or trusted_network;
         zmq.ZMQError when the address cannot be bound."""
         curve, authorized = load_security(config)
+        peers = config.peer_addresses
+        # several coordinators share one key pair: each lets the others' connections (that key) in
+        peer_key = curve.public_key if curve is not None and len(peers) > 1 else None
         self.spans = open_sink("infer-coordinator", config.otlp_traces_endpoint)  # ValueError without the SDK
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, curve=curve)
         self.gate: KeyGate | None = None
         self.authorized = authorized
         if authorized is not None:  # before bind: no handshake may find the gate missing
-            self.gate = KeyGate(self.ctx, authorized.allows, logger=log, peers="worker or client", watch=self.sock)
+            allows = authorized.allows if peer_key is None else lambda key: key == peer_key or authorized.allows(key)
+            self.gate = KeyGate(self.ctx, allows, logger=log, peers="worker or client", watch=self.sock)
             log.info(
                 "CurveZMQ on: coordinator public key %s; %d authorized key(s): %s",
                 "?" if curve is None else curve.public_key.decode(),
@@ -89,7 +96,27 @@ class CoordinatorDaemon:
         else:
             self.sock.bind(config.endpoint)
         self.config = config
-        self.core = Coordinator(config, time.monotonic(), keys=authorized, wall_offset=time.time() - time.monotonic())
+        now = time.monotonic()
+        self.election = None if len(peers) == 1 else Election(config.index, len(peers), now, lease=config.lease)
+        self._keys, self._peer_key = authorized, peer_key
+        self.core = self._new_core(now)
+        self._leading = False
+        # one DEALER to each other coordinator, for the election's frames (theirs reach our ROUTER); a peer that is
+        # down gets nothing queued (IMMEDIATE), and a slow one at most PEER_LINK_HWM frames
+        self.peer_links: dict[int, zmq.Socket] = {}
+        for index, address in enumerate(peers):
+            if index == config.index:
+                continue
+            link = make_socket(
+                self.ctx,
+                zmq.DEALER,
+                identity=f"coordinator-{config.index}-{uuid.uuid4().hex[:8]}".encode(),
+                curve=None if curve is None else dataclasses.replace(curve, server_key=curve.public_key),
+            )
+            link.setsockopt(zmq.IMMEDIATE, 1)
+            link.setsockopt(zmq.SNDHWM, PEER_LINK_HWM)
+            link.connect(address)
+            self.peer_links[index] = link
         self._next_key_check = time.monotonic() + config.heartbeat_interval
         self._wake_r, self._wake_w = socket.socketpair()
 
@@ -109,6 +136,14 @@ class CoordinatorDaemon:
             self.config.client_timeout,
             self.config.max_retries,
         )
+        if self.election is not None:
+            log.info(
+                "coordinator %d of %d (%s); it serves while it leads, under a %.2f s lease a majority grants",
+                self.election.index,
+                self.election.count,
+                ", ".join(self.config.peer_addresses),
+                self.config.lease,
+            )
         core = self.core
         while True:
             now = time.monotonic()
@@ -120,6 +155,9 @@ class CoordinatorDaemon:
                 self._drain()
             now = time.monotonic()
             self._check_keys(now)
+            if self.election is not None:
+                self._elect(now)
+                core = self.core
             core.tick(now)
             self._flush(now)
             if core.done(now):
@@ -129,9 +167,49 @@ class CoordinatorDaemon:
         return 0
 
     def _next_deadline(self) -> float:
-        if self.authorized is None:
-            return self.core.next_deadline()
-        return min(self.core.next_deadline(), self._next_key_check)
+        due = self.core.next_deadline()
+        if self.election is not None:
+            due = min(due, self.election.next_deadline())
+        return due if self.authorized is None else min(due, self._next_key_check)
+
+    def _new_core(self, now: float) -> Coordinator:
+        return Coordinator(
+            self.config,
+            now,
+            keys=self._keys,
+            wall_offset=time.time() - time.monotonic(),
+            election=self.election,
+            peer_key=self._peer_key,
+        )
+
+    def _elect(self, now: float) -> None:
+        """The election's timers and frames; a change of leadership: a fresh core (from the last leader's Replica
+        when it starts leading; after telling its workers and clients where to go when it stops)."""
+        election = self.election
+        assert election is not None
+        election.tick(now)
+        leading = election.leading(now)
+        if leading != self._leading:
+            self._leading = leading
+            if leading:
+                log.info("coordinator %d leads the cluster (term %d)", election.index, election.term)
+            else:
+                log.warning(
+                    "coordinator %d no longer leads (term %d%s): its workers and clients go to the leader",
+                    election.index,
+                    election.term,
+                    f", coordinator {election.leader} does" if election.leader is not None else "",
+                )
+                self.core.step_down()
+                self._flush(now)
+            self.core = self._new_core(now)
+        if leading:
+            election.set_replica(self.core.replica())
+        for index, msg in election.take_outgoing():
+            try:
+                self.peer_links[index].send(encode(msg), zmq.NOBLOCK)
+            except zmq.Again:  # down, or not reading: the election copes with lost frames
+                pass
 
     def _check_keys(self, now: float) -> None:
         """Every heartbeat interval, read the authorized keys again if their files changed (the core cuts off
@@ -212,6 +290,8 @@ class CoordinatorDaemon:
     def _close(self) -> None:
         self.sock.setsockopt(zmq.LINGER, EXIT_LINGER_MS)  # let the last acks and errors leave
         self.sock.close()
+        for link in self.peer_links.values():
+            link.close(linger=0)
         if self.gate is not None:
             self.gate.close()
         self.ctx.term()

@@ -57,3 +57,8 @@ class Outbox:
         """Nothing queued for `identity` leaves (it was cut off)."""
         self._client_deltas.pop(identity, None)
         self._out = [(i, m) for i, m in self._out if i != identity]
+
+    def drop_all(self) -> None:
+        """Nothing queued leaves (this coordinator stopped leading: coordinator/election.py)."""
+        self._client_deltas = {}
+        self._out = []

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
 from infer.protocol.codes import ClusterState
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import Dispatch, Hello, Load, Placement, TokenIds
+from infer.protocol.messages import Dispatch, Hello, Load, Placement, RankHold, TokenIds
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import HopSpan
 
@@ -235,9 +236,21 @@ class WorkerTable:
     def __init__(self) -> None:
         self.by_id: dict[str, WorkerRecord] = {}
         self.by_identity: dict[bytes, WorkerRecord] = {}
+        # DP ranks the last leader gave out (several coordinators), held for their workers until they register
+        # again or `_reserved_until` passes: (worker id, model id) -> its hold
+        self.reserved: dict[tuple[str, str], RankHold] = {}
+        self._reserved_until = 0.0
 
     def __iter__(self):
         return iter(self.by_id.values())
+
+    def reserve(self, ranks: Iterable[RankHold], until: float) -> None:
+        self.reserved = {(r.worker_id, r.model_id): r for r in ranks}
+        self._reserved_until = until
+
+    def expire_reservations(self, now: float) -> None:
+        if self.reserved and now >= self._reserved_until:
+            self.reserved = {}
 
     def healthy(self) -> list[WorkerRecord]:
         return [w for w in self.by_id.values() if w.healthy]
@@ -254,6 +267,7 @@ class WorkerTable:
         process gave it) when no live worker of its model holds that; else the lowest rank none holds."""
         if hello.dp_rank is not None:
             return hello.dp_rank
+        hold = self.reserved.pop((hello.peer_id, hello.model_id or ""), None)
         old = self.by_id.get(hello.peer_id)
         if old is not None and old.model_id != hello.model_id:
             old = None  # it came back serving another model: a new rank among that model's
@@ -262,9 +276,12 @@ class WorkerTable:
             for w in self.by_id.values()
             if w.healthy and w.worker_id != hello.peer_id and w.model_id == hello.model_id
         }
-        for wanted in (old.dp_rank if old is not None else None, hello.rank_hint):
+        held |= {r.dp_rank for r in self.reserved.values() if r.model_id == hello.model_id}  # others' holds
+        for wanted in (hold.dp_rank if hold is not None else None, old.dp_rank if old is not None else None):
             if wanted is not None and wanted not in held:
                 return wanted
+        if hello.rank_hint is not None and hello.rank_hint not in held:
+            return hello.rank_hint
         return next(rank for rank in range(len(held) + 1) if rank not in held)
 
     def add(self, worker: WorkerRecord) -> None:

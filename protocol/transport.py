@@ -240,3 +240,18 @@ class KeyGate:
 def frames_for(msg: Message, identity: bytes | None = None) -> list[bytes]:
     """The multipart frames that carry `msg` ([identity, frame] on a ROUTER, [frame] on a DEALER)."""
     return [encode(msg)] if identity is None else [identity, encode(msg)]
+
+
+def split_addresses(text: str, what: str = "coordinator") -> tuple[str, ...]:
+    """A comma-separated list of tcp://HOST:PORT addresses (one or several coordinators of one cluster), or
+    ValueError naming the entry that is not one."""
+    addresses = tuple(part.strip() for part in text.split(","))
+    for address in addresses:
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        if not address.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"{what} addresses must be tcp://HOST:PORT, comma-separated; {address!r} in {text!r} is not one"
+            )
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"{what} addresses must differ; {text!r} names one twice")
+    return addresses
