@@ -1,7 +1,8 @@
 """infer-serve: a whole cluster on one machine: a coordinator, N workers and the HTTP front, shut down cleanly.
 
 `infer-serve [--model M] [--workers N] [--tp-size T | --pp-size P] [--threads T] [--host H] [--port 8000]
-[--api-key K] [--keys-dir D] [engine options] [-- extra worker flags]` starts `infer-coordinator` and N
+[--api-key K] [--keys-dir D] [--coordinators C] [engine options] [-- extra worker flags]` starts `infer-coordinator`
+(C of them, electing a leader, with --coordinators C: docs/architecture.md, "Several coordinators") and N
 `infer-worker`s (the coordinator assigns their dp ranks), each in its own process group, waits until the coordinator
 reports N healthy workers (ClusterStats, answered by the coordinator when ready: no polling), starts the
 OpenAI-compatible HTTP front (`infer-api`, a child too, serving on a socket this process binds and keeps),
@@ -43,7 +44,7 @@ from infer.protocol import env
 from infer.protocol.keys import ClientKeyOptions, ClusterKeyDir, refuse_open_bind
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import ClusterStats
+from infer.protocol.messages import MAX_COORDINATORS, ClusterStats
 from infer.protocol.options import add_options, add_vllm_flags, flag_names, given, to_argv
 from infer.protocol.ports import bound_port, listening_socket
 from infer.worker.config import EngineConfig
@@ -71,13 +72,25 @@ class LocalCluster:
     keys: ClusterKeyDir | None = None
     trusted_network: bool = False
     python: str = sys.executable
-    coordinator: asyncio.subprocess.Process | None = None
+    num_coordinators: int = 1  # several: they elect a leader (docs/architecture.md, "Several coordinators")
+    coordinators: list[asyncio.subprocess.Process] = field(default_factory=list)
     workers: list[asyncio.subprocess.Process] = field(default_factory=list)
-    listener: socket.socket | None = None  # the coordinator's port, held from `start` on (`close` lets it go)
+    listeners: list[socket.socket] = field(default_factory=list)  # the coordinators' ports, held from `start` on
+    ports: list[int] = field(default_factory=list)
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        """The coordinators' addresses, comma-separated (what workers, the front and clients are given)."""
+        return ",".join(f"tcp://{self.host}:{port}" for port in (self.ports or [self.port]))
+
+    @property
+    def coordinator(self) -> asyncio.subprocess.Process | None:
+        """The first coordinator (the only one, unless num_coordinators > 1)."""
+        return self.coordinators[0] if self.coordinators else None
+
+    @property
+    def listener(self) -> socket.socket | None:
+        return self.listeners[0] if self.listeners else None
 
     @property
     def client_options(self) -> ClientKeyOptions:
@@ -97,33 +110,44 @@ class LocalCluster:
         return [] if self.keys is None else self.keys.worker_flags()
 
     async def start(self) -> None:
-        """Bind the coordinator's port here (0: one the OS chooses) and keep it: each coordinator, a restarted
-        one too, serves on this socket (`--listen-fd`), so no other process can take the port in between."""
+        """Bind the coordinators' ports here (0: ones the OS chooses) and keep them: each coordinator, a restarted
+        one too, serves on its socket (`--listen-fd`), so no other process can take a port in between."""
         self.listen()
-        self.coordinator = await self.spawn_coordinator()
+        for index in range(self.num_coordinators):
+            self.coordinators.append(await self.spawn_coordinator(index))
         for _ in range(self.num_workers):
             self.workers.append(await self.spawn_worker())
 
     def listen(self) -> None:
-        """The coordinator's socket, bound once (port 0: one the OS chooses, read back into `port`)."""
-        if self.listener is None:
-            self.listener = listening_socket(self.host, self.port, backlog=1024, inheritable=True)
-            self.port = bound_port(self.listener)
+        """The coordinators' sockets, bound once (port 0: ones the OS chooses, read back into `ports`; `port` is
+        the first)."""
+        if self.num_coordinators == 2 or not 1 <= self.num_coordinators <= MAX_COORDINATORS:
+            raise ValueError(
+                f"--coordinators must be 1, or 3 to {MAX_COORDINATORS} (two cannot tell a dead peer from a cut "
+                f"cable, so neither could take over safely), got {self.num_coordinators}"
+            )
+        if not self.listeners:
+            ports = [self.port] + [0] * (self.num_coordinators - 1) if self.port else [0] * self.num_coordinators
+            self.listeners = [listening_socket(self.host, p, backlog=1024, inheritable=True) for p in ports]
+            self.ports = [bound_port(listener) for listener in self.listeners]
+            self.port = self.ports[0]
 
-    async def spawn_coordinator(self) -> asyncio.subprocess.Process:
-        """A coordinator on this cluster's address (a restarted one too: workers and clients re-attach), serving on
-        the socket `start` bound."""
-        if self.listener is None:
-            raise RuntimeError("LocalCluster.start() binds the coordinator's port before a coordinator starts")
-        fd = self.listener.fileno()
+    async def spawn_coordinator(self, index: int = 0) -> asyncio.subprocess.Process:
+        """Coordinator `index` on its address (a restarted one too: workers and clients re-attach), serving on the
+        socket `start` bound; with several, each is told all of them and its place."""
+        if not self.listeners:
+            raise RuntimeError("LocalCluster.start() binds the coordinators' ports before a coordinator starts")
+        fd = self.listeners[index].fileno()
+        peers = ["--peers", self.address, "--peer-index", str(index)] if self.num_coordinators > 1 else []
         return await self._spawn(
             "infer.coordinator.daemon",
             "--host",
             self.host,
             "--port",
-            str(self.port),
+            str(self.ports[index]),
             "--listen-fd",
             str(fd),
+            *peers,
             *self.security_args("coordinator"),
             *self.coordinator_args,
             pass_fds=(fd,),
@@ -135,9 +159,9 @@ class LocalCluster:
             "infer.worker.daemon", "--coordinator", self.address, *self.security_args("worker"), *self.worker_args
         )
 
-    async def respawn_coordinator(self) -> asyncio.subprocess.Process:
-        self.coordinator = await self.spawn_coordinator()
-        return self.coordinator
+    async def respawn_coordinator(self, index: int = 0) -> asyncio.subprocess.Process:
+        self.coordinators[index] = await self.spawn_coordinator(index)
+        return self.coordinators[index]
 
     async def respawn_worker(self, index: int) -> asyncio.subprocess.Process:
         self.workers[index] = await self.spawn_worker()
@@ -150,7 +174,7 @@ class LocalCluster:
 
     @property
     def processes(self) -> list[asyncio.subprocess.Process]:
-        return [p for p in [self.coordinator, *self.workers] if p is not None]
+        return [*self.coordinators, *self.workers]
 
     async def wait_ready(self, timeout: float, trouble: asyncio.Future[str] | None = None) -> ClusterStats:
         """ClusterStats once every worker is healthy; ClusterError if time runs out, or if a child exits first
@@ -178,8 +202,8 @@ class LocalCluster:
             )
 
     def _name(self, proc: asyncio.subprocess.Process) -> str:
-        if proc is self.coordinator:
-            return "the coordinator"
+        if proc in self.coordinators:
+            return "the coordinator" if len(self.coordinators) == 1 else f"coordinator {self.coordinators.index(proc)}"
         return f"worker {self.workers.index(proc)} (pid {proc.pid})"
 
     async def shutdown(self, timeout: float = 30.0) -> None:
@@ -193,9 +217,9 @@ class LocalCluster:
             _signal_group(proc, signal.SIGKILL)  # stragglers, and anything a child left in its group
         if pending:
             await asyncio.wait(pending, timeout=10)
-        if self.listener is not None:  # the coordinator's port, held until now
-            self.listener.close()
-            self.listener = None
+        for listener in self.listeners:  # the coordinators' ports, held until now
+            listener.close()
+        self.listeners = []
 
 
 def check_cluster_security(coordinator_host: str, keys_dir: str | None, trusted_network: bool) -> ClusterKeyDir | None:
@@ -248,6 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_front_arguments(p)
     p.add_argument("--coordinator-host", default="127.0.0.1", help="the coordinator's bind address (default 127.0.0.1)")
     p.add_argument("--coordinator-port", type=int, default=0, help="the coordinator's port (default: a free one)")
+    p.add_argument(
+        "--coordinators",
+        type=int,
+        default=1,
+        metavar="N",
+        help="coordinator processes (default 1): 1, or 3 or more; they elect a leader under a lease a majority grants "
+        "and another takes over within about a lease when it dies, losing no request (docs/architecture.md, "
+        "'Several coordinators'); --coordinator-port is the first one's",
+    )
     p.add_argument(
         "--keys-dir",
         metavar="DIR",
@@ -351,8 +384,12 @@ async def serve(cluster: LocalCluster, args: argparse.Namespace) -> int:
 
 def _watch_cluster(supervisor: Supervisor, cluster: LocalCluster) -> None:
     """The coordinator and every worker under `supervisor` (restarted in place in `cluster`)."""
-    if cluster.coordinator is not None:
-        supervisor.watch("the coordinator", cluster.coordinator, cluster.respawn_coordinator, essential=True)
+    several = len(cluster.coordinators) > 1
+    for index, coordinator in enumerate(cluster.coordinators):
+        # one of several given up: the others serve on (a majority of them must live)
+        name = f"coordinator {index}" if several else "the coordinator"
+        respawn = functools.partial(cluster.respawn_coordinator, index)
+        supervisor.watch(name, coordinator, respawn, essential=not several)
     for index, worker in enumerate(cluster.workers):
         supervisor.watch(f"worker {index}", worker, functools.partial(cluster.respawn_worker, index))
 
@@ -451,6 +488,11 @@ def check_launcher_args(args: argparse.Namespace) -> None:
     WorkerFlags(
         tp_size=1 if args.tp_size is None else args.tp_size, pp_size=1 if args.pp_size is None else args.pp_size
     )
+    if args.coordinators == 2 or not 1 <= args.coordinators <= MAX_COORDINATORS:
+        raise ValueError(
+            f"--coordinators must be 1, or 3 to {MAX_COORDINATORS} (two cannot tell a dead peer from a cut cable, so "
+            f"neither could take over safely), got {args.coordinators}"
+        )
     for flag, value in (("--workers", args.workers), ("--threads", args.threads)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -479,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=args.workers,
         host=args.coordinator_host,
         port=args.coordinator_port,
+        num_coordinators=args.coordinators,
         worker_args=worker_args(args, extra) + log_level,
         coordinator_args=coordinator_args(args) + log_level,
         keys=keys,
