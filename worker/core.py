@@ -51,6 +51,7 @@ from infer.protocol.messages import (
     LoraDone,
     Message,
     ProtocolError,
+    Redirect,
     Refused,
     RequestSnapshot,
     StepBatch,
@@ -77,6 +78,11 @@ _SHED_CHECK_S = 0.25  # how often the queue is checked for requests past --max-q
 # A step whose deltas all went to direct streams still tells the coordinator its load (an empty StepBatch): at
 # once when it admitted or ended a request (the counts routing and admission read), else at most this often.
 _LOAD_EVERY_S = 0.05
+# Several coordinators (docs/architecture.md, "Several coordinators"): after a Redirect or a lost connection the
+# worker registers elsewhere this much later (a new leader is elected meanwhile); a Hello one of them leaves
+# unanswered this long (capped by --coordinator-timeout) moves it on to the next address.
+SWITCH_BACKOFF_S = 0.2
+ATTEMPT_S = 2.0
 
 
 class WorkerExit(Exception):
@@ -161,6 +167,14 @@ class WorkerCore:
         self._requests: dict[str, _Sent] = {}
         self._silenced: set[str] = set()  # aborted at the coordinator's request: their final delta is dropped
         self._instance: str | None = None  # the coordinator process that welcomed us (a change: it restarted)
+        # Several coordinators: the address in use (the shell connects there: take_reconnect), the highest term a
+        # Welcome we followed carried, and a move to another address planned (at _switch_due, after a Redirect or
+        # a lost connection)
+        self.coordinators = options.coordinators
+        self.coordinator = self.coordinators[0]
+        self.term = 0
+        self._switch: tuple[float, str] | None = None
+        self._reconnect: str | None = None
         self._incarnation = uuid.uuid4().hex[:16]  # this process, as the coordinator tells it from another
         self._dispatches_seen = 0  # Dispatch frames received since that coordinator's Welcome
         self.rank = options.dp_rank  # the DP rank and group the coordinator's Welcome gave us
@@ -294,9 +308,22 @@ class WorkerCore:
                 f"fatal: no Welcome from the coordinator at {self.options.coordinator} "
                 f"within {self.options.connect_timeout:g} s",
             )
-        if self.silence_due(now) and inbox_empty:
+        if self._switch is not None and now >= self._switch[0]:
+            self._move(self._switch[1], now)
+        elif self.silence_due(now) and inbox_empty:
+            if len(self.coordinators) > 1:
+                log.warning(
+                    "nothing heard from the coordinator at %s for %.1f s; registering at %s",
+                    self.coordinator,
+                    now - self.last_heard,
+                    self._next_address(),
+                )
+                return self._move(self._next_address(), now)
             log.warning("nothing heard from the coordinator for %.1f s; registering again", now - self.last_heard)
             self._send_hello(now)
+        elif self._attempt_over(now) and inbox_empty:
+            log.info("no answer from the coordinator at %s; registering at %s", self.coordinator, self._next_address())
+            self._move(self._next_address(), now)
         elif self.ever_welcomed and now - self._last_sent >= self.options.heartbeat_interval:
             self._heartbeat(now)
 
@@ -336,6 +363,10 @@ class WorkerCore:
         if group_busy:
             return 0.0
         due = [max(self.last_heard, self._hello_sent_at) + self.options.coordinator_timeout]
+        if self._switch is not None:
+            due.append(self._switch[0])
+        elif len(self.coordinators) > 1 and not self._welcomed:
+            due.append(self._hello_sent_at + self._attempt_s)
         due.append(self._last_sent + self.options.heartbeat_interval if self.ever_welcomed else self._connect_deadline)
         if self._drain_deadline is not None:
             due.append(self._drain_deadline)
@@ -352,9 +383,31 @@ class WorkerCore:
         if self.ever_welcomed and not refused_key:
             self._warn.warning("a reconnection to the coordinator failed in the handshake: %s", problem)
             return
-        raise WorkerExit(
-            EXIT_REFUSED, f"fatal: cannot register with the coordinator at {self.options.coordinator}: {problem}"
+        raise WorkerExit(EXIT_REFUSED, f"fatal: cannot register with the coordinator at {self.coordinator}: {problem}")
+
+    def on_connection_lost(self, endpoint: str, now: float, connected: bool) -> None:
+        """The shell's socket monitor: the connection to `endpoint` broke (`connected`: it was up; else a connect
+        attempt failed). With several coordinators, one to the coordinator in use moves this worker to the next
+        address SWITCH_BACKOFF_S later (a killed leader is noticed at once, not after --coordinator-timeout); a
+        failed attempt does so only while the Hello there waits for its answer."""
+        if len(self.coordinators) < 2 or endpoint != self.coordinator or self._switch is not None:
+            return
+        if not connected and self._welcomed:
+            return
+        target = self._next_address()
+        log.warning(
+            "%s the coordinator at %s; registering at %s",
+            "lost the connection to" if connected else "cannot reach",
+            self.coordinator,
+            target,
         )
+        self._switch = (now + SWITCH_BACKOFF_S, target)
+
+    def take_reconnect(self) -> str | None:
+        """The address the shell connects its socket to now, instead of the one before (before sending what
+        take_outgoing returns: the Hello for that coordinator is among it); None: stay."""
+        target, self._reconnect = self._reconnect, None
+        return target
 
     def take_outgoing(self) -> list[Message]:
         out, self._outgoing = self._outgoing, []
@@ -462,6 +515,43 @@ class WorkerCore:
         source = str(Path(path).resolve())
         return source if len(source) <= MAX_MODEL_ID_LEN else None  # longer than any path the OS resolves
 
+    # ---- several coordinators --------------------------------------------------------------------
+
+    @property
+    def _attempt_s(self) -> float:
+        return min(ATTEMPT_S, self.options.coordinator_timeout)
+
+    def _attempt_over(self, now: float) -> bool:
+        """With several coordinators: the latest Hello went unanswered for ATTEMPT_S."""
+        return len(self.coordinators) > 1 and not self._welcomed and now - self._hello_sent_at >= self._attempt_s
+
+    def _next_address(self) -> str:
+        """The address after the one in use, in the order given (the first, if a Redirect led outside the list)."""
+        if self.coordinator not in self.coordinators:
+            return self.coordinators[0]
+        return self.coordinators[(self.coordinators.index(self.coordinator) + 1) % len(self.coordinators)]
+
+    def _move(self, target: str, now: float) -> None:
+        """Register at `target` now: the shell connects there, then sends the Hello (with the running requests)."""
+        self._switch = None
+        if target != self.coordinator:
+            self.coordinator = self._reconnect = target
+        self._send_hello(now)
+
+    def _on_redirect(self, msg: Redirect, now: float) -> None:
+        """The coordinator in use does not lead: register at the leader it names, else (none known yet) at the next
+        address, SWITCH_BACKOFF_S from now. The requests running here go on meanwhile."""
+        if self._switch is not None or (msg.leader is not None and msg.leader == self.coordinator):
+            # the frames sent before the move are answered too: one move; and one naming the coordinator in use came
+            # from the one before (a coordinator never names itself), late
+            return
+        target = msg.leader if msg.leader is not None else self._next_address()
+        log.info(
+            "the coordinator at %s does not lead (%s); registering at %s", self.coordinator, safe(msg.reason), target
+        )
+        self._welcomed = False
+        self._switch = (now + SWITCH_BACKOFF_S, target)
+
     def _send_hello(self, now: float) -> None:
         engine = self.engine
         self._send(
@@ -494,7 +584,20 @@ class WorkerCore:
     def _on_welcome(self, msg: Welcome, now: float) -> None:
         if self._welcomed:
             return
+        if msg.term < self.term:  # a deposed leader that has not noticed yet: its successor has the requests
+            if self._switch is None:
+                log.warning(
+                    "the coordinator at %s welcomed this worker in term %d, below term %d it followed; registering "
+                    "at %s",
+                    self.coordinator,
+                    msg.term,
+                    self.term,
+                    self._next_address(),
+                )
+                self._switch = (now + SWITCH_BACKOFF_S, self._next_address())
+            return
         self._welcomed = True
+        self.term = msg.term
         if msg.instance != self._instance:  # a coordinator process new to us counts its Dispatches from 0
             self._instance, self._dispatches_seen = msg.instance, 0
         if msg.dp_rank is not None:
@@ -503,7 +606,11 @@ class WorkerCore:
             self.rank, self.group_id = msg.dp_rank, msg.group_id or self.group_id
         if self.ever_welcomed:
             log.info(
-                "re-registered with coordinator %s (%d requests running)", safe(msg.coordinator_id), len(self._requests)
+                "re-registered with coordinator %s at %s, term %d (%d requests running)",
+                safe(msg.coordinator_id),
+                self.coordinator,
+                msg.term,
+                len(self._requests),
             )
             return
         self.ever_welcomed = True
@@ -513,7 +620,7 @@ class WorkerCore:
             self.rank,
             safe(self.group_id),
             opts.worker_id,
-            opts.coordinator,
+            self.coordinator,
             safe(msg.coordinator_id),
             safe(msg.state),
             self.model_id,
@@ -779,6 +886,7 @@ class WorkerCore:
     _HANDLERS: ClassVar[dict[type[Message], Callable[[WorkerCore, Any, float], None]]] = {
         Welcome: _on_welcome,
         Refused: _on_refused,
+        Redirect: _on_redirect,
         Error: _on_error,
         Dispatch: _on_dispatch,
         Abort: _on_abort,

@@ -18,6 +18,15 @@ Lifecycle and exit codes:
   at once, saying which; no Welcome within --connect-timeout: exit 1.
 - the coordinator silent for --coordinator-timeout, or an Error("unknown worker ..."): Hello again with the
   ids still running (re-registration); running requests keep going meanwhile.
+- several coordinators (--coordinator tcp://H1:P,tcp://H2:P,tcp://H3:P; docs/architecture.md, "Several
+  coordinators"): the worker registers with the one that leads. One that does not answers with Redirect: the
+  worker registers at the leader it names (or, none known yet, at the next address) 0.2 s later, with the same
+  Hello and snapshots as after a restart. The socket monitor reports a broken connection to the coordinator in
+  use at once (a leader killed with -9): 0.2 s later the worker tries the next address; so does silence for
+  --coordinator-timeout, or a Hello unanswered for 2 s. A Welcome whose term is below one the worker followed (a
+  deposed leader that has not noticed) is not followed. The core picks the address; this shell disconnects its
+  DEALER from the old one and connects it to the new (same routing identity, same CURVE server key: the
+  coordinators of a cluster share one key pair). Running requests keep going, and direct streams with them.
 - SIGTERM / SIGINT: drain (new Dispatches get an error delta "worker is draining"; running requests finish,
   the rest is aborted after --drain-timeout), exit 0. A second signal ends the drain at once.
 - Control "stop": abort everything, exit 0. Bad options: exit 2. Any other fatal error: exit 1.
@@ -57,6 +66,7 @@ log = logging.getLogger("infer.worker")
 
 _CLOSE_LINGER_MS = 2000  # how long the final frames may take to leave on exit
 _MAX_FRAMES_PER_TURN = 4096  # frames handled between two engine steps, so a flood cannot starve the engine
+_CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 class Worker:
@@ -78,7 +88,9 @@ class Worker:
         )
         self.sock = make_socket(ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=options.curve)
         self.spans = open_sink("infer-worker", options.otlp_traces_endpoint)
-        self.handshakes = self.sock.get_monitor_socket(HANDSHAKE_EVENTS)
+        several = len(self.core.coordinators) > 1  # a broken connection moves it to another coordinator
+        self.handshakes = self.sock.get_monitor_socket(HANDSHAKE_EVENTS | (_CONNECTION_EVENTS if several else 0))
+        self._endpoint = self.core.coordinator  # where the socket is connected
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.handshakes, zmq.POLLIN)
@@ -146,7 +158,7 @@ class Worker:
         beats = threading.Thread(target=self._beat_during_steps, name="infer-worker-heartbeat", daemon=True)
         beats.start()
         try:
-            self.sock.connect(self.options.coordinator)
+            self.sock.connect(self._endpoint)
             self.core.start(time.monotonic())
             return self._loop()
         except WorkerExit as e:
@@ -193,6 +205,9 @@ class Worker:
     def _flush(self) -> None:
         if self.stream_sock is not None:
             self._flush_streams(self.stream_sock)
+        target = self.core.take_reconnect()
+        if target is not None:
+            self._reconnect(target)
         for msg in self.core.take_outgoing():
             try:
                 self.sock.send_multipart(frames_for(msg), zmq.NOBLOCK)
@@ -200,6 +215,15 @@ class Worker:
                 self._warn.warning("send queue to the coordinator is full; dropped a %r frame", msg.TYPE)
         if self.spans is not None:
             self.spans.export(self.core.take_spans())
+
+    def _reconnect(self, target: str) -> None:
+        """Another coordinator (the core chose it): the same DEALER leaves the old endpoint for `target`."""
+        try:
+            self.sock.disconnect(self._endpoint)
+        except zmq.ZMQError:  # not connected there any more
+            pass
+        self.sock.connect(target)
+        self._endpoint = target
 
     def _flush_streams(self, sock: zmq.Socket) -> None:
         for peer, msg in self.core.take_stream_outgoing():
@@ -255,6 +279,10 @@ class Worker:
                 event = recv_monitor_message(self.handshakes, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if event["event"] & _CONNECTION_EVENTS:
+                endpoint = event["endpoint"].decode(errors="replace")
+                self.core.on_connection_lost(endpoint, time.monotonic(), event["event"] == zmq.EVENT_DISCONNECTED)
+                continue
             problem = handshake_failure(event, self.options.curve is not None, ("--curve-key", "--coordinator-key"))
             if problem is not None:
                 self.core.on_handshake_failure(problem, event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH)
@@ -359,10 +387,11 @@ def _advertised_host(options: WorkerOptions) -> str:
     (the Slurm sandbox's namespaces, many clusters' compute nodes)."""
     if options.advertise_host:
         return options.advertise_host
-    address = options.coordinator.removeprefix("tcp://")
+    coordinator = options.coordinators[0]  # several: one network (they share the address list)
+    address = coordinator.removeprefix("tcp://")
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
-    if host in ("localhost", "::1") or host.startswith("127.") or options.coordinator.startswith("ipc://"):
+    if host in ("localhost", "::1") or host.startswith("127.") or coordinator.startswith("ipc://"):
         return "127.0.0.1"
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 
 from infer.protocol.keys import CurveKeys
-from infer.protocol.messages import MAX_DP_RANK, MAX_ID_LEN, MAX_MODEL_ID_LEN
+from infer.protocol.messages import MAX_COORDINATORS, MAX_DP_RANK, MAX_ID_LEN, MAX_MODEL_ID_LEN
 from infer.protocol.options import option
 from infer.protocol.tracing import require_sdk
 from infer.worker.group_sync import EpOptions
@@ -28,8 +28,9 @@ class WorkerOptions:
     """The worker's own options (the engine's are EngineConfig). Times are seconds."""
 
     coordinator: str = option(
-        help="the coordinator's address, tcp://HOST:PORT (required, except by TP ranks and "
-        "pipeline stages > 0: only rank / stage 0 talks to the coordinator)"
+        help="the coordinator's address, tcp://HOST:PORT, or every coordinator's of a cluster with several, "
+        "comma-separated (tcp://H1:P,tcp://H2:P,tcp://H3:P: the worker registers with the one that leads) "
+        "(required, except by TP ranks and pipeline stages > 0: only rank / stage 0 talks to the coordinator)"
     )
     worker_id: str = option(help="this worker's identity (default: hostname-pid)")
     dp_rank: int | None = option(
@@ -95,8 +96,7 @@ class WorkerOptions:
     )
 
     def __post_init__(self) -> None:
-        if not self.coordinator.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"--coordinator must be tcp://HOST:PORT (or ipc://PATH), got {self.coordinator!r}")
+        _parse_coordinators(self.coordinator)
         if self.served_model_name is not None and not 0 < len(self.served_model_name) <= MAX_MODEL_ID_LEN:
             raise ValueError(f"--served-model-name must be 1..{MAX_MODEL_ID_LEN} characters")
         for name in ("worker_id", "group_id"):
@@ -136,6 +136,30 @@ class WorkerOptions:
                 f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "
                 f"({self.heartbeat_interval})"
             )
+
+    @property
+    def coordinators(self) -> tuple[str, ...]:
+        """Every coordinator's address, in the order given (one, or several that elect a leader)."""
+        return _parse_coordinators(self.coordinator)
+
+
+def _parse_coordinators(value: str) -> tuple[str, ...]:
+    """--coordinator as a tuple of addresses; ValueError naming the entry that is not one."""
+    if "," not in value:
+        if not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--coordinator must be tcp://HOST:PORT (or ipc://PATH), got {value!r}")
+        return (value,)
+    addresses = tuple(entry.strip() for entry in value.split(","))
+    for i, entry in enumerate(addresses):
+        if not entry:
+            raise ValueError(f"--coordinator: entry {i + 1} of {value!r} is empty")
+        if not entry.startswith(("tcp://", "ipc://")) or len(entry) <= len("tcp://"):
+            raise ValueError(f"--coordinator: entry {i + 1}, {entry!r}, is not tcp://HOST:PORT (or ipc://PATH)")
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"--coordinator names an address twice: {value!r}")
+    if len(addresses) > MAX_COORDINATORS:
+        raise ValueError(f"--coordinator: at most {MAX_COORDINATORS} coordinators, got {len(addresses)}")
+    return addresses
 
 
 @dataclass(frozen=True)
