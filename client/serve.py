@@ -127,7 +127,9 @@ class LocalCluster:
                 f"cable, so neither could take over safely), got {self.num_coordinators}"
             )
         if not self.listeners:
-            ports = [self.port] + [0] * (self.num_coordinators - 1) if self.port else [0] * self.num_coordinators
+            # a port given: the first's, and the ones after it (a Slurm job's other nodes count on them)
+            count = self.num_coordinators
+            ports = [self.port + i for i in range(count)] if self.port else [0] * count
             self.listeners = [listening_socket(self.host, p, backlog=1024, inheritable=True) for p in ports]
             self.ports = [bound_port(listener) for listener in self.listeners]
             self.port = self.ports[0]
@@ -279,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="coordinator processes (default 1): 1, or 3 or more; they elect a leader under a lease a majority grants "
         "and another takes over within about a lease when it dies, losing no request (docs/architecture.md, "
-        "'Several coordinators'); --coordinator-port is the first one's",
+        "'Several coordinators'); with --coordinator-port P they take P and the ports after it",
     )
     p.add_argument(
         "--keys-dir",

@@ -70,6 +70,7 @@ from infer.client.serve import LocalCluster, serve
 from infer.coordinator.config import CoordinatorConfig
 from infer.protocol.keys import ClusterKeyDir
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
+from infer.protocol.messages import MAX_COORDINATORS
 from infer.protocol.options import add_options, given, option, to_argv
 from infer.worker.config import EngineConfig
 from infer.worker.options import WorkerFlags, WorkerOptions
@@ -263,6 +264,7 @@ class TaskOptions:
 
     coordinator_port: int = option(DEFAULT_COORDINATOR_PORT, "the coordinator's port")
     coordinator_host: str | None = option(None, "the coordinator's address (default: the job's first node)")
+    coordinators: int = option(1, "coordinators, on --coordinator-port and the ports after it")
     ep_size: int = option(1, "ranks per EP group")
     tp_size: int = option(1, "processes (srun tasks) per DP rank")
     pp_size: int = option(1, "pipeline stages (srun tasks) per DP rank")
@@ -297,7 +299,7 @@ def worker_argv(
         "-m",
         "infer.worker.daemon",
         "--coordinator",
-        f"tcp://{host}:{task.coordinator_port}",
+        ",".join(f"tcp://{host}:{task.coordinator_port + i}" for i in range(task.coordinators)),
         *plan.flags(),
         *extra,
     ]
@@ -385,6 +387,12 @@ class JobOptions:
     dist_port: int = option(DEFAULT_DIST_PORT, "EP group g's torch.distributed rendezvous port is this + g")
     coordinator_host: str | None = option(None, "the coordinator's bind address (default: the first node's address)")
     coordinator_port: int = option(DEFAULT_COORDINATOR_PORT, "the coordinator's port")
+    coordinators: int = option(
+        1,
+        "coordinator processes on the head node (1, or 3 or more), on --coordinator-port and the ports after it: "
+        "they elect a leader, and another takes over within about a lease when it dies (docs/architecture.md, "
+        "'Several coordinators')",
+    )
     drain_timeout: float = option(
         15.0,
         "on scancel, seconds requests already accepted get to finish: the "
@@ -478,6 +486,7 @@ class HeadPlan:
     srun: list[str] = field(default_factory=list)
     tp_size: int = 1
     pp_size: int = 1
+    coordinators: int = 1
 
     @property
     def num_workers(self) -> int:
@@ -519,12 +528,20 @@ def plan_head(
     for name in ("coordinator_port", "port", "dist_port"):
         if not 0 < getattr(args, name) < 65536:
             raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535 (the other nodes must know it)")
+    if args.coordinators == 2 or not 1 <= args.coordinators <= MAX_COORDINATORS:
+        raise ValueError(
+            f"--coordinators must be 1, or 3 to {MAX_COORDINATORS} (two cannot tell a dead peer from a cut cable), "
+            f"got {args.coordinators}"
+        )
+    if args.coordinator_port + args.coordinators > 65536:
+        raise ValueError(f"--coordinator-port {args.coordinator_port} leaves no room for {args.coordinators} ports")
     restarts = RestartPolicy(**given(RestartPolicy, args))  # checked here: a bad value fails before anything starts
     explicit_host = args.coordinator_host not in (None, "0.0.0.0", "::")
     coordinator_host = args.coordinator_host or reachable_address(nodes[0], nodes)
     task = TaskOptions(
         coordinator_port=args.coordinator_port,
         coordinator_host=coordinator_host if explicit_host else None,
+        coordinators=args.coordinators,
         ep_size=args.ep_size,
         tp_size=args.tp_size,
         pp_size=args.pp_size,
@@ -563,6 +580,7 @@ def plan_head(
         srun,
         args.tp_size,
         args.pp_size,
+        args.coordinators,
     )
 
 
@@ -575,7 +593,8 @@ class SrunCluster(LocalCluster):
 
     async def start(self) -> None:
         self.listen()
-        self.coordinator = await self.spawn_coordinator()
+        for index in range(self.num_coordinators):
+            self.coordinators.append(await self.spawn_coordinator(index))
         self.workers.append(await self.spawn_worker())
 
     async def spawn_worker(self) -> asyncio.subprocess.Process:
@@ -583,7 +602,9 @@ class SrunCluster(LocalCluster):
         return await asyncio.create_subprocess_exec(*self.srun, start_new_session=True)
 
     def _name(self, proc: asyncio.subprocess.Process) -> str:
-        return "the coordinator" if proc is self.coordinator else f"the workers' srun step (pid {proc.pid})"
+        if proc in self.coordinators:
+            return super()._name(proc)
+        return f"the workers' srun step (pid {proc.pid})"
 
 
 def job_keys_dir(env: SlurmEnv) -> Path:
@@ -652,8 +673,9 @@ def _serve_job(
             f"(pause, suspend, stop) with curve_key={keys.secret('admin')}",
             flush=True,
         )
+    addresses = ",".join(f"tcp://{plan.coordinator_host}:{plan.coordinator_port + i}" for i in range(plan.coordinators))
     print(
-        f"infer.sbatch: job {env.job_id}: coordinator tcp://{plan.coordinator_host}:{plan.coordinator_port} on "
+        f"infer.sbatch: job {env.job_id}: coordinator{'s' if plan.coordinators > 1 else ''} {addresses} on "
         f"{plan.nodes[0]}; {plan.num_workers} workers ({plan.workers_per_node} tasks per node on "
         f"{','.join(plan.nodes)}, EP size {plan.ep_size}, TP size {plan.tp_size}, PP size {plan.pp_size}); HTTP "
         f"front on "
@@ -664,6 +686,7 @@ def _serve_job(
         num_workers=plan.num_workers,
         host=plan.coordinator_host,
         port=plan.coordinator_port,
+        num_coordinators=plan.coordinators,
         coordinator_args=coordinator_flags(args),
         srun=plan.srun,
         keys=keys,

@@ -201,6 +201,13 @@ def test_an_explicit_coordinator_address_reaches_the_workers():
     assert _worker_command(plan, 1, ["localhost", "n2"])[4] == "tcp://10.1.2.3:5555"
 
 
+def test_three_coordinators_on_the_head_take_consecutive_ports_and_every_worker_gets_the_list():
+    _, plan = _head(["--coordinators", "3", "--coordinator-port", "6000"])
+    assert plan.coordinators == 3
+    command = _worker_command(plan, 1, ["localhost", "n2"])
+    assert command[4] == "tcp://localhost:6000,tcp://localhost:6001,tcp://localhost:6002"
+
+
 def test_a_pipelines_stages_take_adjacent_tasks_and_rendezvous_on_its_stage_0s_node():
     # PP=3 on 2 nodes x 3 tasks: tasks 0..2 on n1 are DP rank 0, tasks 3..5 on n2 DP rank 1
     plans = [launch.plan_worker(i, ["n1", "n2"], [3, 3], 1, 7000, pp_size=3) for i in range(6)]
@@ -285,6 +292,8 @@ def test_the_workers_per_node_default_is_sbatchs_ntasks_per_node():
         (["--pp-size", "3"], {}, "do not split into pipelines of 3 stages"),
         (["--pp-size", "2", "--tp-size", "2"], {}, r"pipelines of 2 stages \(x TP groups of 2"),
         (["--dist-port", "70000"], {}, "--dist-port must be in 1..65535"),
+        (["--coordinators", "2"], {}, "--coordinators must be 1, or 3 to 15"),
+        (["--coordinators", "3", "--coordinator-port", "65534"], {}, "leaves no room for 3 ports"),
     ],
 )
 def test_the_head_refuses_a_plan_that_cannot_work(argv, env, message):
