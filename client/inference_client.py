@@ -14,6 +14,20 @@ re-attachment runs when the coordinator answers with Error "client_lost" (this c
 past the coordinator's client timeout); "client_too_slow" (it did not read) ends every request with that code.
 A pause of this process itself (SIGSTOP) is not taken for the coordinator's silence.
 
+Several coordinators (`InferenceClient("tcp://h1:5555,tcp://h2:5555,tcp://h3:5555")`; docs/architecture.md,
+"Several coordinators"): one leads, and only it serves; `address` is the one in use, `addresses` all of them.
+connect() says Hello to the first; a Redirect sends it to the leader named (or, none known yet, to the next
+address) after 0.1-0.25 s, and so on around the list until one welcomes it, or ClusterError at connect_timeout
+naming every address tried and why the last did not do. Once connected, a Redirect (the leader was deposed), the
+socket monitor's word that the connection broke (a leader killed with -9), or silence for half of
+`silence_timeout` while something is in flight switch the client the same way, on a fresh DEALER; the new
+leader's Welcome re-attaches every request in flight (as after a restart: each stream resumes exactly), and the
+call under way is sent there again once (lifecycle commands, stats and LoRA commands are idempotent; an
+update_weights fails instead, its outcome unknown). Requests submitted during the switch go out after that
+Welcome. Direct streams keep flowing from their workers throughout. Only silence from every coordinator for
+`silence_timeout` fails what is in flight. A Redirect never ends the client; with one address, a Redirect
+answering connect() fails it naming the leader, and a later one moves the client to that leader.
+
 Errors, and where they surface:
 - Request-level failures (the prompt is too long, its worker failed and retries ran out, the cluster was
   stopped before it finished) are *returned*: `generate` gives a Completion with finish_reason "error"
@@ -38,6 +52,7 @@ import ipaddress
 import itertools
 import logging
 import os
+import random
 import secrets
 import socket
 import threading
@@ -76,6 +91,7 @@ from infer.protocol.messages import (
     Message,
     Placement,
     ProtocolError,
+    Redirect,
     Refused,
     StatsRequest,
     StreamBatch,
@@ -104,6 +120,32 @@ _CURVE_HINT = (
 )
 _NO_CURVE_HINT = "if the coordinator requires CURVE keys, pass curve_key and coordinator_key"
 DEADLINE_GRACE_S = 5.0  # past a request's timeout, how long to wait for the coordinator's own "timeout"
+# Several coordinators: the pause before trying another one (a leader is elected meanwhile), and how long one may
+# leave a Hello unanswered before the next is tried.
+SWITCH_BACKOFF_S = (0.1, 0.25)
+ATTEMPT_S = 1.0
+_CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+# calls that may go to the new leader again when a switch interrupted them (lifecycle commands and LoRA loads are
+# idempotent); a refit may not: whether the old leader started it is unknown
+_REPEATABLE = (StatsRequest, Control, LoraCommand)
+
+
+def parse_addresses(address: str) -> tuple[str, ...]:
+    """`address` as the coordinators' addresses: one (taken as it is), or several, comma-separated, each tcp://HOST:PORT
+    (ValueError naming the entry that is not)."""
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a string, got {type(address).__name__}")
+    if "," not in address:
+        return (address,)
+    addresses = tuple(entry.strip() for entry in address.split(","))
+    for i, entry in enumerate(addresses):
+        if not entry:
+            raise ValueError(f"coordinator address list {address!r}: entry {i + 1} is empty")
+        if not entry.startswith("tcp://") or len(entry) <= len("tcp://"):
+            raise ValueError(f"coordinator address list {address!r}: entry {i + 1}, {entry!r}, is not tcp://HOST:PORT")
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"coordinator address list {address!r} names an address twice")
+    return addresses
 
 
 def _check_timeout(timeout: float | None) -> None:
@@ -127,6 +169,7 @@ class _Request:
     seed: int | None = None  # the seed the first delta reported
     placement: Placement | None = None  # where its direct stream runs (None: relayed, or detached)
     started: bool = False  # a delta of it reached the caller (a later one carries no seed or prompt ids)
+    sent: bool = False  # its Submit went to a coordinator (else, submitted during a switch, it goes after the Welcome)
 
 
 @dataclass(eq=False)
@@ -144,12 +187,15 @@ class _StreamLink:
 
 @dataclass(eq=False)
 class _Connection:
-    """What connect() opens and close() releases, all at once: the socket, its context and handshake monitor,
-    the event the loops end on, and the lock that keeps request-reply calls one at a time."""
+    """What connect() opens and close() releases, all at once: the context, the socket to the coordinator in use
+    with its monitor (handshakes; with several coordinators, broken connections too) and the two tasks that read
+    them (a switch to another coordinator replaces these four), the event the loops end on, and the lock that
+    keeps request-reply calls one at a time."""
 
     ctx: zmq.asyncio.Context
-    sock: zmq.asyncio.Socket
-    monitor: zmq.asyncio.Socket
+    sock: zmq.asyncio.Socket | None = None
+    monitor: zmq.asyncio.Socket | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     call_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -158,13 +204,17 @@ class _Connection:
 class _Call:
     expect: tuple[type[Message], ...]
     future: asyncio.Future
+    msg: Message
+    send: asyncio.Future | None = None  # its latest send (None: not sent yet, a switch was under way)
+    sends: int = 0
 
 
 _DEFAULT_PARAMS = SamplingParams()
 
 
 class InferenceClient:
-    """Async client of one coordinator. Use as `async with InferenceClient("tcp://host:port") as client:`."""
+    """Async client of a cluster's coordinator. Use as `async with InferenceClient("tcp://host:port") as client:`;
+    with several coordinators, `InferenceClient("tcp://h1:5555,tcp://h2:5555,tcp://h3:5555")`."""
 
     def __init__(
         self,
@@ -179,7 +229,9 @@ class InferenceClient:
         coordinator_key: PathLike | None = None,
         direct_streams: bool = True,
     ) -> None:
-        """`curve_key`, `coordinator_key`: CurveZMQ (both or neither): this client's secret key file and the
+        """`address`: the coordinator's, or every coordinator's of a cluster with several, comma-separated (each
+        tcp://HOST:PORT; ValueError naming an entry that is not): the client talks to the one that leads.
+        `curve_key`, `coordinator_key`: CurveZMQ (both or neither): this client's secret key file and the
         coordinator's public key file (infer-keygen); the files are read here (ValueError if unusable).
         `direct_streams`: read deltas from the workers' stream sockets (False: the coordinator relays them)."""
         if heartbeat_interval <= 0 or silence_timeout <= heartbeat_interval:
@@ -188,7 +240,8 @@ class InferenceClient:
             )
         if connect_timeout <= 0 or call_timeout <= 0:
             raise ValueError("connect_timeout and call_timeout must be > 0")
-        self.address = address
+        self.addresses = parse_addresses(address)
+        self.address = self.addresses[0]  # the coordinator in use
         self.curve = CurveKeys.from_files(curve_key, coordinator_key)
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.connect_timeout = connect_timeout
@@ -208,6 +261,15 @@ class InferenceClient:
         self._last_heard = 0.0
         self._links: dict[str, _StreamLink] = {}  # worker stream address -> its link
         self.direct_streams = direct_streams
+        # a switch to another coordinator (several, or a Redirect): its task, the Hello it waits on, and the Aborts
+        # sent meanwhile (they go to the new leader after its Welcome)
+        self._rejoin: asyncio.Task | None = None
+        self._attempt: asyncio.Future | None = None
+        self._held: list[Abort] = []
+
+    @property
+    def _several(self) -> bool:
+        return len(self.addresses) > 1
 
     @property
     def model_id(self) -> str | None:
@@ -227,26 +289,17 @@ class InferenceClient:
         """Connect and handshake; ClusterError if refused or unanswered within `connect_timeout`."""
         if self._conn is not None:
             raise ClusterError("already connected")
-        ctx = zmq.asyncio.Context()
-        # the cast: an asyncio context makes asyncio sockets (make_socket is typed for both kinds)
-        sock = cast(
-            zmq.asyncio.Socket, make_socket(ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=self.curve)
-        )
-        conn = self._conn = _Connection(ctx, sock, sock.get_monitor_socket(HANDSHAKE_EVENTS))
-        sock.connect(self.address)
+        conn = self._conn = _Connection(zmq.asyncio.Context())
         self._last_heard = time.monotonic()
         self._failure = None
-        self._tasks = [
-            asyncio.create_task(self._receive_loop(conn), name=f"{self.client_id}-receive"),
-            asyncio.create_task(self._heartbeat_loop(conn), name=f"{self.client_id}-heartbeat"),
-            asyncio.create_task(self._handshake_loop(conn), name=f"{self.client_id}-handshakes"),
-        ]
+        self._tasks = [asyncio.create_task(self._heartbeat_loop(conn), name=f"{self.client_id}-heartbeat")]
         try:
-            self.welcome = await self._request_reply(
-                Hello(role="client", peer_id=self.client_id, streams=self.direct_streams),
-                (Welcome,),
-                self.connect_timeout,
-            )
+            if self._several:
+                self.welcome = await self._join(conn, self.addresses[0], time.monotonic() + self.connect_timeout)
+                self._instance = self.welcome.instance
+                return self.welcome
+            self._open(conn, self.address)
+            self.welcome = await self._request_reply(self._hello(), (Welcome,), self.connect_timeout)
         except BaseException as e:
             await self.close()
             if isinstance(e, ClusterError) and isinstance(e.__context__, asyncio.TimeoutError):
@@ -265,7 +318,9 @@ class InferenceClient:
         self._fail_all(ClusterError("the client was closed"))
         conn.closed.set()
         links, self._links = list(self._links.values()), {}
-        tasks = [*self._tasks, *(task for link in links for task in link.tasks)]
+        rejoin, self._rejoin = self._rejoin, None
+        tasks = [*self._tasks, *conn.tasks, *(task for link in links for task in link.tasks)]
+        tasks += [rejoin] if rejoin is not None else []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -273,11 +328,41 @@ class InferenceClient:
             link.sock.disable_monitor()
             link.monitor.close(linger=0)
             link.sock.close(linger=0)
-        conn.sock.disable_monitor()
-        conn.monitor.close(linger=0)
-        conn.sock.close(linger=CLOSE_LINGER_MS)
+        self._close_socket(conn, CLOSE_LINGER_MS)
         conn.ctx.term()
         self._conn = None
+
+    def _open(self, conn: _Connection, address: str) -> None:
+        """Connect `conn` to the coordinator at `address` with a fresh DEALER (the one before, if any, closed: a
+        frame still queued there is dropped) and start its receive and monitor tasks."""
+        self._close_socket(conn, 0)
+        # the cast: an asyncio context makes asyncio sockets (make_socket is typed for both kinds)
+        sock = cast(
+            zmq.asyncio.Socket,
+            make_socket(conn.ctx, zmq.DEALER, identity=secrets.token_hex(16).encode(), curve=self.curve),
+        )
+        conn.sock = sock
+        conn.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS | (_CONNECTION_EVENTS if self._several else 0))
+        sock.connect(address)
+        self.address = address
+        conn.tasks = [
+            asyncio.create_task(self._receive_loop(conn, sock), name=f"{self.client_id}-receive"),
+            asyncio.create_task(self._handshake_loop(sock, conn.monitor), name=f"{self.client_id}-handshakes"),
+        ]
+
+    @staticmethod
+    def _close_socket(conn: _Connection, linger: int) -> None:
+        for task in conn.tasks:
+            task.cancel()
+        conn.tasks = []
+        if conn.sock is not None:
+            conn.sock.disable_monitor()
+            cast(zmq.asyncio.Socket, conn.monitor).close(linger=0)
+            conn.sock.close(linger=linger)
+        conn.sock = conn.monitor = None
+
+    def _hello(self) -> Hello:
+        return Hello(role="client", peer_id=self.client_id, streams=self.direct_streams)
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -407,7 +492,7 @@ class InferenceClient:
         if len(self._requests) == 1 and self._call is None:
             self._last_heard = time.monotonic()  # the silence clock starts when there is something to wait for
         try:
-            await self._send(submit)
+            request.sent = await self._send(submit)
         except BaseException:
             self._requests.pop(rid, None)
             raise
@@ -597,15 +682,11 @@ class InferenceClient:
         """Send `msg` and wait for the answer; one such call at a time (answers carry no request id)."""
         conn = self._check_open()
         async with conn.call_lock:
-            call = self._call = _Call(expect, asyncio.get_running_loop().create_future())
+            call = self._call = _Call(expect, asyncio.get_running_loop().create_future(), msg)
             if not self._requests:
                 self._last_heard = time.monotonic()
-            # Not awaited before the answer: with no live pipe (a refused CURVE handshake tears it down, at times
-            # before the Hello is queued) a DEALER's send waits for one; the handshake monitor fails the call
-            # meanwhile, and the timeout bounds both.
-            # pyzmq's stub says Awaitable; zmq.asyncio's send_multipart returns an asyncio.Future
-            send: asyncio.Future = conn.sock.send_multipart([encode(msg)])  # type: ignore[assignment]
-            send.add_done_callback(_consume)
+            if self._rejoin is None:  # else it goes to the next leader, after its Welcome
+                self._send_call(conn, call)
             try:
                 return await asyncio.wait_for(call.future, timeout)
             except asyncio.TimeoutError:
@@ -614,13 +695,23 @@ class InferenceClient:
                 ) from None
             finally:
                 self._call = None
-                if not send.done():
-                    send.cancel()
+                if call.send is not None and not call.send.done():
+                    call.send.cancel()
+
+    @staticmethod
+    def _send_call(conn: _Connection, call: _Call) -> None:
+        # Not awaited before the answer: with no live pipe (a refused CURVE handshake tears it down, at times
+        # before the Hello is queued) a DEALER's send waits for one; the handshake monitor fails the call
+        # meanwhile, and the timeout bounds both.
+        # pyzmq's stub says Awaitable; zmq.asyncio's send_multipart returns an asyncio.Future
+        send: asyncio.Future = cast(zmq.asyncio.Socket, conn.sock).send_multipart([encode(call.msg)])  # type: ignore[assignment]
+        send.add_done_callback(_consume)
+        call.send = send
+        call.sends += 1
 
     # ---- the receive side -----------------------------------------------------------------------
 
-    async def _receive_loop(self, conn: _Connection) -> None:
-        sock = conn.sock
+    async def _receive_loop(self, conn: _Connection, sock: zmq.asyncio.Socket) -> None:
         while True:
             try:
                 frames = await sock.recv_multipart()
@@ -629,7 +720,7 @@ class InferenceClient:
             except zmq.ZMQError as e:
                 self._fail_all(ClusterError(f"the connection to {self.address} failed: {e}"))
                 return
-            self._last_heard = time.monotonic()
+            heard = time.monotonic()
             if len(frames) != 1:
                 log.warning("dropped a %d-frame message from the coordinator", len(frames))
                 continue
@@ -641,6 +732,8 @@ class InferenceClient:
             except Exception:  # noqa: BLE001 - decode raises ProtocolError only; anything else is a bug
                 self._warn.exception("dropped a frame from the coordinator that could not be read")
                 continue
+            if not isinstance(msg, Redirect):  # a coordinator that does not lead serves nothing: not an answer
+                self._last_heard = heard
             try:
                 self._on_message(msg)
             except Exception:  # noqa: BLE001 - a bug a frame found costs that frame, never the connection
@@ -660,6 +753,10 @@ class InferenceClient:
             self._end(ClusterError(f"refused by the coordinator: {msg.reason}"))
         elif isinstance(msg, Heartbeat):
             self._check_instance(msg.instance)
+        elif isinstance(msg, (Welcome, Redirect)) and self._attempt is not None and not self._attempt.done():
+            self._attempt.set_result(msg)  # the answer to a switch's Hello
+        elif isinstance(msg, Redirect):
+            self._on_redirect(msg)
         else:
             if isinstance(msg, Welcome):
                 self._check_instance(msg.instance)
@@ -673,18 +770,24 @@ class InferenceClient:
         if restarted and self._conn is not None:
             self._reattach_all("the coordinator restarted")
 
-    def _reattach_all(self, why: str) -> None:
+    def _reattach_all(self, why: str, hello: bool = True) -> None:
         log.warning("%s (%s): re-attaching %d request(s) in flight", why, self.address, len(self._requests))
-        self._send_nowait(Hello(role="client", peer_id=self.client_id, streams=self.direct_streams))
+        if hello:
+            self._send_nowait(self._hello())
         for request in list(self._requests.values()):
             self._reattach(request, why)
 
     def _reattach(self, request: _Request, why: str) -> None:
         """Send `request` again from what this client holds (the coordinator resumes it from there); if it cannot
-        go on exactly, it ends with an error saying why."""
+        go on exactly, it ends with an error saying why. One no coordinator received yet goes as it is."""
+        if not request.sent:
+            timeout = None if request.deadline is None else max(1e-3, request.deadline - time.monotonic())
+            request.sent = self._send_nowait(msgspec.structs.replace(request.submit, timeout_s=timeout))
+            return None
         submit = self._resubmission(request)
         if submit is not None:
-            return self._send_nowait(submit)
+            self._send_nowait(submit)
+            return None
         del self._requests[request.request_id]
         request.queue.put_nowait(
             Delta.final(
@@ -929,26 +1032,43 @@ class InferenceClient:
             self._check_links(now)
             silent = now - self._last_heard
             if silent > self.silence_timeout:
-                self._fail_all(
-                    ClusterError(
-                        f"no frame from the coordinator at {self.address} for {silent:.1f} s "
-                        f"(silence timeout {self.silence_timeout} s)"
-                    )
+                where = (
+                    f"any coordinator ({', '.join(self.addresses)})"
+                    if self._several
+                    else f"the coordinator at {self.address}"
                 )
+                self._fail_all(
+                    ClusterError(f"no frame from {where} for {silent:.1f} s (silence timeout {self.silence_timeout} s)")
+                )
+            elif self._several and silent > self.silence_timeout / 2:
+                self._switch(self._next_address(self.address), f"no frame from {self.address} for {silent:.1f} s")
             else:
                 self._send_nowait(Heartbeat(sent_at=time.time()))
 
-    async def _handshake_loop(self, conn: _Connection) -> None:
+    async def _handshake_loop(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
         """Failed CURVE handshakes, as the socket reports them: before the Welcome (and a refused key at any
         time) they end the client at once with what they mean; a later one that may be a restarting
-        coordinator is only logged (the silence timeout covers a coordinator that never comes back)."""
+        coordinator is only logged (the silence timeout covers a coordinator that never comes back), or, while a
+        switch waits on this socket's Hello, moves it on. With several coordinators also a broken connection
+        (a leader killed with -9): a switch to the next one, at once."""
         while True:
-            event = parse_monitor_message(await conn.monitor.recv_multipart())
+            event = parse_monitor_message(await monitor.recv_multipart())
+            attempt = self._attempt if self._attempt is not None and not self._attempt.done() else None
+            if event["event"] & _CONNECTION_EVENTS:
+                lost = "lost the connection" if event["event"] == zmq.EVENT_DISCONNECTED else "cannot connect"
+                if attempt is not None:
+                    attempt.set_result(lost)
+                elif event["event"] == zmq.EVENT_DISCONNECTED and self.welcome is not None:
+                    self._switch(self._next_address(self.address), f"{lost} to the coordinator at {self.address}")
+                continue
             problem = handshake_failure(event, self.curve is not None, _KEY_FLAGS)
             if problem is None:
                 continue
             if self.welcome is not None and event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                log.warning("a reconnection to %s failed in the handshake: %s", self.address, problem)
+                if attempt is not None:
+                    attempt.set_result(f"the handshake failed: {problem}")
+                else:
+                    log.warning("a reconnection to %s failed in the handshake: %s", self.address, problem)
                 continue
             self._end(ClusterError(f"cannot talk to the coordinator at {self.address}: {problem}"))
 
@@ -956,6 +1076,112 @@ class InferenceClient:
         """The coordinator will not serve this client: fail what waits, and every later call, with `error`."""
         self._failure = error
         self._fail_all(error)
+        if self._attempt is not None and not self._attempt.done():
+            self._attempt.set_exception(error)
+
+    # ---- several coordinators (docs/architecture.md, "Several coordinators") ----------------------
+
+    def _next_address(self, address: str) -> str:
+        """The address after `address` in the list (the first, for a leader's address outside it)."""
+        if address not in self.addresses:
+            return self.addresses[0]
+        return self.addresses[(self.addresses.index(address) + 1) % len(self.addresses)]
+
+    def _on_redirect(self, msg: Redirect) -> None:
+        """The coordinator in use does not lead (any more): switch to the leader it names, else to the next
+        address. Never an end. One address, while connecting: connect() fails saying where the leader is."""
+        call = self._call
+        if self.welcome is None:  # connecting (with several addresses, each Hello's Redirect goes to _join)
+            if call is not None and not call.future.done():
+                where = f"the leader is {msg.leader}" if msg.leader is not None else "no leader is known yet"
+                call.future.set_exception(
+                    ClusterError(
+                        f"the coordinator at {self.address} does not lead the cluster ({msg.reason}); {where}: give "
+                        f"the client every coordinator's address, comma-separated"
+                    )
+                )
+            return
+        if msg.leader == self.address:  # from the coordinator before, late (a coordinator never names itself)
+            return
+        target = msg.leader if msg.leader is not None else self._next_address(self.address)
+        self._switch(target, f"the coordinator at {self.address} does not lead ({safe(msg.reason)})")
+
+    def _switch(self, target: str, why: str) -> None:
+        """Move to the coordinator at `target` (after a short pause), and on from there until one leads: its Welcome
+        re-attaches every request in flight and re-sends the call under way. Direct streams go on meanwhile."""
+        conn = self._conn
+        if self._rejoin is not None or conn is None or self._failure is not None or self.welcome is None:
+            return
+        log.warning("%s: switching to %s (%d request(s) in flight)", why, target, len(self._requests))
+        self._rejoin = asyncio.create_task(self._rejoin_at(conn, target, why), name=f"{self.client_id}-switch")
+
+    async def _rejoin_at(self, conn: _Connection, target: str, why: str) -> None:
+        try:
+            await asyncio.sleep(random.uniform(*SWITCH_BACKOFF_S))
+            welcome = await self._join(conn, target, None)
+        finally:
+            self._rejoin = None
+        self.welcome, self._instance = welcome, welcome.instance
+        self._last_heard = time.monotonic()
+        self._reattach_all(f"{why}; {self.address} leads now", hello=False)
+        held, self._held = self._held, []
+        for abort in held:
+            self._send_nowait(abort)
+        self._resume_call(conn, why)
+
+    async def _join(self, conn: _Connection, target: str, deadline: float | None) -> Welcome:
+        """Hello to `target`, then to the leader a Redirect names, or to the next address, each after a short
+        pause, until one welcomes this client; ClusterError at `deadline` (None: none) naming every address tried
+        and why the last did not do."""
+        tried: list[str] = []
+        while True:
+            self._open(conn, target)
+            tried += [target] if target not in tried else []
+            attempt = self._attempt = asyncio.get_running_loop().create_future()
+            self._send_raw(conn, self._hello())
+            wait = ATTEMPT_S if deadline is None else max(0.0, min(ATTEMPT_S, deadline - time.monotonic()))
+            try:
+                outcome = await asyncio.wait_for(attempt, wait)
+            except asyncio.TimeoutError:
+                outcome = f"no answer within {wait:.2g} s"
+            finally:
+                self._attempt = None
+            if isinstance(outcome, Welcome):
+                return outcome
+            if isinstance(outcome, Redirect):
+                last = f"{target} does not lead ({outcome.reason})"
+                following = outcome.leader if outcome.leader not in (None, target) else self._next_address(target)
+            else:
+                last, following = f"{target}: {outcome}", self._next_address(target)
+            pause = random.uniform(*SWITCH_BACKOFF_S)
+            if deadline is not None and time.monotonic() + pause >= deadline:
+                raise ClusterError(
+                    f"no coordinator leads the cluster, or none answered, within {self.connect_timeout} s "
+                    f"(tried {', '.join(tried)}); the last: {last}"
+                )
+            log.debug("%s; trying %s", last, following)
+            await asyncio.sleep(pause)
+            target = cast(str, following)
+
+    def _resume_call(self, conn: _Connection, why: str) -> None:
+        """The call under way when the switch began goes to the new leader: sent now if it was not yet, again (once)
+        if it can be repeated safely; a refit fails instead (whether the old leader started it is unknown)."""
+        call = self._call
+        if call is None or call.future.done():
+            return
+        if call.sends == 0:
+            return self._send_call(conn, call)
+        if not isinstance(call.msg, _REPEATABLE) or call.sends > 1:
+            what = "it cannot be repeated safely" if call.sends == 1 else "it was interrupted twice"
+            call.future.set_exception(
+                ClusterError(
+                    f"{call.msg.TYPE!r} was interrupted by a switch of coordinator ({why}) before its answer, and "
+                    f"{what}: whether it took effect is unknown (stats() shows the cluster's weight version)"
+                )
+            )
+            return
+        log.warning("re-sending %r to %s after the switch", call.msg.TYPE, self.address)
+        self._send_call(conn, call)
 
     def _fail_all(self, error: ClusterError) -> None:
         for request in self._requests.values():
@@ -977,21 +1203,48 @@ class InferenceClient:
             raise self._failure
         return conn
 
-    async def _send(self, msg: Message) -> None:
-        """Queue `msg` for the coordinator. A DEALER with no live pipe (the coordinator refused the handshake, or
-        is gone and its pipe with it) waits for one: past `silence_timeout` that is a ClusterError, not a hang."""
+    async def _send(self, msg: Message) -> bool:
+        """Queue `msg` for the coordinator; False: held for the next leader, a switch is under way (see _hold). A
+        DEALER with no live pipe (the coordinator refused the handshake, or is gone and its pipe with it) waits
+        for one: past `silence_timeout` that is a ClusterError, not a hang."""
+        conn = self._connected()
+        if self._rejoin is not None:
+            return self._hold(msg)
+        # pyzmq's stub says Awaitable; zmq.asyncio's send_multipart returns an asyncio.Future
+        send: asyncio.Future = cast(zmq.asyncio.Socket, conn.sock).send_multipart([encode(msg)])  # type: ignore[assignment]
         try:
-            await asyncio.wait_for(self._connected().sock.send_multipart([encode(msg)]), self.silence_timeout)
+            await asyncio.wait_for(asyncio.shield(send), self.silence_timeout)
         except asyncio.TimeoutError:
             raise ClusterError(
                 f"could not send {msg.TYPE!r} to the coordinator at {self.address} within "
                 f"{self.silence_timeout} s (no connection to it)"
             ) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if send.cancelled() and task is not None and not task.cancelling():
+                return self._hold(msg)  # a switch closed the socket under it
+            raise
+        return True
 
-    def _send_nowait(self, msg: Message) -> None:
+    def _send_nowait(self, msg: Message) -> bool:
+        """Queue `msg` for the coordinator; False: held for the next leader (see _hold)."""
+        if self._rejoin is not None:
+            return self._hold(msg)
+        self._send_raw(self._connected(), msg)
+        return True
+
+    @staticmethod
+    def _send_raw(conn: _Connection, msg: Message) -> None:
         # pyzmq's stub says Awaitable; zmq.asyncio's send_multipart returns an asyncio.Future
-        future: asyncio.Future = self._connected().sock.send_multipart([encode(msg)])  # type: ignore[assignment]
+        future: asyncio.Future = cast(zmq.asyncio.Socket, conn.sock).send_multipart([encode(msg)])  # type: ignore[assignment]
         future.add_done_callback(_consume)
+
+    def _hold(self, msg: Message) -> bool:
+        """During a switch: an Abort waits for the next leader's Welcome; a Submit or re-attachment is not needed
+        (that Welcome re-attaches every request in flight), nor is a Heartbeat."""
+        if isinstance(msg, Abort):
+            self._held.append(msg)
+        return False
 
 
 def _consume(future: asyncio.Future) -> None:

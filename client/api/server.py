@@ -30,7 +30,7 @@ from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tokenization import load_tokenizers_for, parse_tokenizer_for
 from infer.client.api.tools import TOOL_PARSERS
 from infer.client.engine_client import EngineClient
-from infer.client.inference_client import ClusterError, InferenceClient
+from infer.client.inference_client import ClusterError, InferenceClient, parse_addresses
 from infer.protocol.keys import CurveKeys, refuse_open_bind
 from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.options import add_options, add_vllm_flags, option, to_argv
@@ -322,7 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="infer-api",
         description="An OpenAI-compatible HTTP front on an existing infer cluster (several may share one coordinator).",
     )
-    p.add_argument("--coordinator", required=True, help="the coordinator's address, tcp://HOST:PORT")
+    p.add_argument(
+        "--coordinator",
+        required=True,
+        help="the coordinator's address, tcp://HOST:PORT, or every coordinator's of a cluster with several, "
+        "comma-separated (the front talks to the one that leads)",
+    )
     p.add_argument("--model", help="where to read the tokenizer (default: the model the cluster serves)")
     add_front_arguments(p)
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the coordinator")
@@ -411,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_format)
     try:
         config = front_config(args, None)
+        parse_addresses(args.coordinator)
         check_front_exposure(args.host, config, args.trusted_network)
         CurveKeys.from_files(args.curve_key, args.coordinator_key, flags=("--curve-key", "--coordinator-key"))
         tokenizers_for = load_tokenizers_for(config.tokenizer_for)
