@@ -290,6 +290,7 @@ class InferenceClient:
         if self._conn is not None:
             raise ClusterError("already connected")
         conn = self._conn = _Connection(zmq.asyncio.Context())
+        self.welcome = None  # until this connection's Welcome
         self._last_heard = time.monotonic()
         self._failure = None
         self._tasks = [asyncio.create_task(self._heartbeat_loop(conn), name=f"{self.client_id}-heartbeat")]
