@@ -435,7 +435,6 @@ class Coordinator:
         election = self.election
         assert election is not None
         leader = None if election.leader is None or election.leader == election.index else election.leader
-        self.counters.frames_rejected += 1
         self.send(
             identity,
             Redirect(
