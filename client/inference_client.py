@@ -107,7 +107,7 @@ from infer.protocol.messages import (
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
 from infer.protocol.tracing import check_traceparent
-from infer.protocol.transport import HANDSHAKE_EVENTS, handshake_failure, make_socket
+from infer.protocol.transport import HANDSHAKE_EVENTS, handshake_failure, make_socket, split_addresses
 
 log = logging.getLogger("infer.client")
 
@@ -131,21 +131,11 @@ _REPEATABLE = (StatsRequest, Control, LoraCommand)
 
 
 def parse_addresses(address: str) -> tuple[str, ...]:
-    """`address` as the coordinators' addresses: one (taken as it is), or several, comma-separated, each tcp://HOST:PORT
-    (ValueError naming the entry that is not)."""
+    """`address` as the coordinators' addresses: one (taken as it is), or several, comma-separated
+    (protocol/transport.py `split_addresses`: ValueError naming the entry that is not one)."""
     if not isinstance(address, str):
         raise TypeError(f"address must be a string, got {type(address).__name__}")
-    if "," not in address:
-        return (address,)
-    addresses = tuple(entry.strip() for entry in address.split(","))
-    for i, entry in enumerate(addresses):
-        if not entry:
-            raise ValueError(f"coordinator address list {address!r}: entry {i + 1} is empty")
-        if not entry.startswith("tcp://") or len(entry) <= len("tcp://"):
-            raise ValueError(f"coordinator address list {address!r}: entry {i + 1}, {entry!r}, is not tcp://HOST:PORT")
-    if len(set(addresses)) != len(addresses):
-        raise ValueError(f"coordinator address list {address!r} names an address twice")
-    return addresses
+    return (address,) if "," not in address else split_addresses(address)
 
 
 def _check_timeout(timeout: float | None) -> None:

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from infer.coordinator.election import LEASE_S
 from infer.coordinator.routing import POLICIES
-from infer.protocol.messages import MAX_COORDINATORS
 from infer.protocol.options import option
 from infer.protocol.tracing import require_sdk
 from infer.protocol.transport import split_addresses
@@ -163,14 +162,12 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         if self.peers is not None:
-            peers = split_addresses(self.peers)
+            peers = split_addresses(self.peers, what="--peers", tcp_ports=True)
             if len(peers) == 2:
                 raise ValueError(
                     "--peers names 2 coordinators: two cannot tell a dead peer from a cut cable, so neither could "
                     "take over safely; run 1, or 3 or more (a majority of 2 of 3 survives the loss of any one)"
                 )
-            if len(peers) > MAX_COORDINATORS:
-                raise ValueError(f"--peers names {len(peers)} coordinators; at most {MAX_COORDINATORS}")
             if self.port == 0:
                 raise ValueError("--peers needs a fixed --port (the one its entry in the list names)")
             index = self.peer_index
@@ -238,7 +235,7 @@ class CoordinatorConfig:
     @property
     def peer_addresses(self) -> tuple[str, ...]:
         """Every coordinator's address (--peers); (its own endpoint,) when it is the only one."""
-        return (self.endpoint,) if self.peers is None else split_addresses(self.peers)
+        return (self.endpoint,) if self.peers is None else split_addresses(self.peers, tcp_ports=True)
 
     @property
     def index(self) -> int:

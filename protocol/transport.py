@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from infer.protocol.keys import CurveKeys
 from infer.protocol.logsafe import Throttle, safe
-from infer.protocol.messages import MAX_FRAME_BYTES, Message, encode
+from infer.protocol.messages import MAX_COORDINATORS, MAX_FRAME_BYTES, Message, encode
 
 ZAP_DOMAIN = "infer"  # the coordinator's socket; EP wake sockets use their own
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (one handler per context)
@@ -242,16 +242,20 @@ def frames_for(msg: Message, identity: bytes | None = None) -> list[bytes]:
     return [encode(msg)] if identity is None else [identity, encode(msg)]
 
 
-def split_addresses(text: str, what: str = "coordinator") -> tuple[str, ...]:
-    """A comma-separated list of tcp://HOST:PORT addresses (one or several coordinators of one cluster), or
-    ValueError naming the entry that is not one."""
-    addresses = tuple(part.strip() for part in text.split(","))
-    for address in addresses:
-        host, _, port = address.removeprefix("tcp://").rpartition(":")
-        if not address.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f"{what} addresses must be tcp://HOST:PORT, comma-separated; {address!r} in {text!r} is not one"
-            )
+def split_addresses(text: str, what: str = "coordinator address list", tcp_ports: bool = False) -> tuple[str, ...]:
+    """The coordinators of one cluster, comma-separated: each tcp://HOST:PORT or ipc://PATH (`tcp_ports`: tcp://HOST:PORT
+    only, as --peers needs), none twice, at most MAX_COORDINATORS; ValueError naming the entry that is not one."""
+    addresses = tuple(entry.strip() for entry in text.split(","))
+    for i, entry in enumerate(addresses):
+        if not entry:
+            raise ValueError(f"{what}: entry {i + 1} of {text!r} is empty")
+        host, _, port = entry.removeprefix("tcp://").rpartition(":")
+        tcp = entry.startswith("tcp://") and bool(host) and port.isdigit() and 0 < int(port) < 65536
+        if not (tcp or (not tcp_ports and entry.startswith("ipc://") and len(entry) > len("ipc://"))):
+            form = "tcp://HOST:PORT" if tcp_ports else "tcp://HOST:PORT (or ipc://PATH)"
+            raise ValueError(f"{what} {text!r}: entry {i + 1}, {entry!r}, is not {form}")
     if len(set(addresses)) != len(addresses):
-        raise ValueError(f"{what} addresses must differ; {text!r} names one twice")
+        raise ValueError(f"{what} {text!r} names an address twice")
+    if len(addresses) > MAX_COORDINATORS:
+        raise ValueError(f"{what} {text!r}: at most {MAX_COORDINATORS} coordinators, got {len(addresses)}")
     return addresses

@@ -9,9 +9,10 @@ import os
 from dataclasses import dataclass
 
 from infer.protocol.keys import CurveKeys
-from infer.protocol.messages import MAX_COORDINATORS, MAX_DP_RANK, MAX_ID_LEN, MAX_MODEL_ID_LEN
+from infer.protocol.messages import MAX_DP_RANK, MAX_ID_LEN, MAX_MODEL_ID_LEN
 from infer.protocol.options import option
 from infer.protocol.tracing import require_sdk
+from infer.protocol.transport import split_addresses
 from infer.worker.group_sync import EpOptions
 from infer.worker.pp_group import PpOptions, parse_partition, resolve_stage
 from infer.worker.tp_group import TpOptions, resolve_ranks
@@ -149,17 +150,7 @@ def _parse_coordinators(value: str) -> tuple[str, ...]:
         if not value.startswith(("tcp://", "ipc://")):
             raise ValueError(f"--coordinator must be tcp://HOST:PORT (or ipc://PATH), got {value!r}")
         return (value,)
-    addresses = tuple(entry.strip() for entry in value.split(","))
-    for i, entry in enumerate(addresses):
-        if not entry:
-            raise ValueError(f"--coordinator: entry {i + 1} of {value!r} is empty")
-        if not entry.startswith(("tcp://", "ipc://")) or len(entry) <= len("tcp://"):
-            raise ValueError(f"--coordinator: entry {i + 1}, {entry!r}, is not tcp://HOST:PORT (or ipc://PATH)")
-    if len(set(addresses)) != len(addresses):
-        raise ValueError(f"--coordinator names an address twice: {value!r}")
-    if len(addresses) > MAX_COORDINATORS:
-        raise ValueError(f"--coordinator: at most {MAX_COORDINATORS} coordinators, got {len(addresses)}")
-    return addresses
+    return split_addresses(value, what="--coordinator")
 
 
 @dataclass(frozen=True)

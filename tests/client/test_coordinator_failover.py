@@ -87,7 +87,7 @@ def test_the_address_list_is_checked_entry_by_entry():
     client = InferenceClient("tcp://h:1, tcp://h:2,tcp://h:3")
     assert client.addresses == ("tcp://h:1", "tcp://h:2", "tcp://h:3") and client.address == "tcp://h:1"
     assert InferenceClient("tcp://h:1").addresses == ("tcp://h:1",)
-    with pytest.raises(ValueError, match="entry 2 is empty"):
+    with pytest.raises(ValueError, match="entry 2 of .* is empty"):
         InferenceClient("tcp://h:1,,tcp://h:3")
     with pytest.raises(ValueError, match="entry 3, 'h:3', is not tcp://HOST:PORT"):
         InferenceClient("tcp://h:1,tcp://h:2,h:3")
