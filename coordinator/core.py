@@ -222,7 +222,7 @@ class Coordinator:
             self._deny(identity, msg, denial, now)
             return
         if self.election is not None and not isinstance(msg, PEER_MESSAGES) and not self.election.leading(now):
-            self._redirect(identity)
+            self._redirect(identity, now)
             return
         if identity in self.liveness.lost and self.liveness.remind_lost(identity, msg, now):
             return
@@ -430,11 +430,12 @@ class Coordinator:
         if self.election is not None:
             self.election.on_message(msg, now)
 
-    def _redirect(self, identity: bytes) -> None:
-        """A frame this coordinator may not serve (it does not lead): where to go instead."""
+    def _redirect(self, identity: bytes, now: float) -> None:
+        """A frame this coordinator may not serve (it does not lead): where to go instead (the leader it trusts
+        now; none while it trusts none, so that no one is sent to a leader that died a moment ago)."""
         election = self.election
         assert election is not None
-        leader = None if election.leader is None or election.leader == election.index else election.leader
+        leader = election.trusted_leader(now)
         self.send(
             identity,
             Redirect(
@@ -479,11 +480,11 @@ class Coordinator:
             len(replica.ranks),
         )
 
-    def step_down(self) -> None:
+    def step_down(self, now: float) -> None:
         """It no longer leads: tell every worker and client to go to the leader (nothing else leaves)."""
         self.outbox.drop_all()
         for identity in [*self.workers.by_identity, *self.clients]:
-            self._redirect(identity)
+            self._redirect(identity, now)
 
     def _admission_problem(self, hello: Hello) -> str | None:
         problem = self.models.join_problem(hello)

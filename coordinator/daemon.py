@@ -200,7 +200,7 @@ class CoordinatorDaemon:
                     election.term,
                     f", coordinator {election.leader} does" if election.leader is not None else "",
                 )
-                self.core.step_down()
+                self.core.step_down(now)
                 self._flush(now)
             self.core = self._new_core(now)
         if leading:

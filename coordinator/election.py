@@ -109,6 +109,11 @@ class Election:
     def leading(self, now: float) -> bool:
         return self.role is Role.LEADER and now < self._lease_until
 
+    def trusted_leader(self, now: float) -> int | None:
+        """Another coordinator this one follows and heard from within a lease; None otherwise."""
+        following = self.role is Role.FOLLOWER and self.leader is not None and self.leader != self.index
+        return self.leader if following and now < self._trust_until else None
+
     def lease_left(self, now: float) -> float:
         return max(0.0, self._lease_until - now) if self.role is Role.LEADER else 0.0
 
@@ -248,8 +253,7 @@ class Election:
                 del self._sent[seq], self._acks[seq]
 
     def _on_vote_request(self, request: VoteRequest, now: float) -> None:
-        following = self.role is Role.FOLLOWER and self.leader is not None and now < self._trust_until
-        trusting = self.leading(now) or following
+        trusting = self.leading(now) or self.trusted_leader(now) is not None
         voted = self._voted
         free = voted is None or voted[0] < request.term or voted == (request.term, request.sender)
         grant = request.term > self.term and free and not trusting and now >= self._blackout_until

@@ -108,7 +108,7 @@ def test_a_deposed_leader_redirects_every_worker_and_client_it_knew():
     _run(core, b"w0", worker_hello("w0", None), now)
     _run(core, b"c", Hello(role="client", peer_id="c"), now)
     election.on_message(PeerBeat(term=2, sender=2, seq=1), now + 0.1)  # coordinator 2 won term 2
-    core.step_down()
+    core.step_down(now + 0.1)
     out = [(i, decode(encode(m))) for i, m in core.take_outgoing()]
     assert sorted(i for i, m in out if isinstance(m, Redirect)) == [b"c", b"w0"]
     assert all(m.leader == "tcp://127.0.0.1:7002" for _, m in out)
