@@ -793,3 +793,45 @@ def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions(sandbox, tm
         sandbox.slurm("scancel", job.id)
         wait_for(lambda: not sandbox.job_active(job.id), 60, f"job {job.id} to leave the queue")
         wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {job.id} to exit")
+
+
+# ---- several coordinators (after the jobs above ended) ------------------------------------------------------
+
+
+async def test_three_coordinators_on_the_head_hand_over_when_the_leader_is_killed(sandbox, tmp_path_factory):
+    """infer.sbatch --coordinators 3: three coordinators on the head node (ports 5555-5557), every worker given the
+    list; kill -9 of the leader mid-stream: another leads, and every stream ends with the reference tokens."""
+    cut = JOB_OPTIONS.index("--")
+    options = [*JOB_OPTIONS[:cut], "--coordinators", "3", *JOB_OPTIONS[cut:]]
+    with running_job(sandbox, tmp_path_factory.mktemp("trio"), options) as started:
+        host = started.coordinator.rsplit(":", 1)[0]
+        job = Job(
+            started.id,
+            started.output,
+            started.nodes,
+            started.http,
+            ",".join(f"{host}:{COORDINATOR_PORT + i}" for i in range(3)),
+        )
+        async with coordinator_client(job) as cluster:
+            leader = int(cluster.address.rsplit(":", 1)[1])
+            reference = [
+                c.token_ids
+                for c in await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, LONG) for p in PROMPTS)), 120)
+            ]
+        [pid] = [
+            int(p)
+            for p in os.listdir("/proc")
+            if p.isdigit()
+            and "infer.coordinator.daemon" in (argv := _argv(int(p)))
+            and argv[argv.index("--port") + 1] == str(leader)
+        ]
+
+        async def kill_the_leader(client) -> None:
+            os.kill(pid, signal.SIGKILL)
+
+        streams, _ = await streams_through_a_fault(_Clients(job), PROMPTS, LONG, kill_the_leader, finish_timeout=120)
+        assert_exact_streams(streams, reference)
+        async with coordinator_client(job) as cluster:
+            assert int(cluster.address.rsplit(":", 1)[1]) != leader
+            assert (await cluster.wait_for_workers(2, 30)).num_healthy_workers == 2
+        assert f"coordinators {job.coordinator} on" in job.text()
