@@ -133,13 +133,19 @@ def _stages(proc) -> list[int]:
     return sorted(children(proc.popen.pid))
 
 
+@pytest.fixture(scope="module")
+def fault_reference(five_layers) -> list[list[int]]:
+    """One process's greedy tokens of FAULT_PROMPTS on the five-layer Llama, made once for both faults."""
+    return _one_process(five_layers, FAULT_PROMPTS, LONG)
+
+
 @pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
-async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers, wait_until, fault):
+async def test_a_struck_stage_takes_its_dp_rank_out(cluster_factory, five_layers, fault_reference, wait_until, fault):
     """PP 3 under load, the middle stage struck: every stream exact on the other rank; after kill -9 the rank is out
     of routing within --pp-timeout (its connections close at once), and the other two stages exit on their own
     (code 1: stage 0 gives its requests back, stage 2 hears stop or loses its peers), none killed by the
     supervisor, no traceback; a hung stage (SIGSTOP) is found by the timeout and killed by the supervisor."""
-    want = _one_process(five_layers, FAULT_PROMPTS, LONG)
+    want = fault_reference
     cluster = cluster_factory()
     cluster.coordinator()
     ranks = [cluster.worker(g, *ENGINE_FLAGS, *PP_FLAGS, "--pp-size", "3", model=five_layers) for g in range(2)]

@@ -110,10 +110,16 @@ def _follower(proc) -> int:
     return sorted(members)[1]
 
 
+@pytest.fixture(scope="module")
+def fault_reference(models) -> list[list[int]]:
+    """One process's greedy tokens of FAULT_PROMPTS on the tiny Llama, made once for both faults."""
+    return _one_process(models["llama"](), FAULT_PROMPTS, LONG)
+
+
 @pytest.mark.parametrize("fault", ["kill -9", "SIGSTOP"])
-async def test_a_struck_tp_member_takes_its_dp_rank_out(cluster_factory, models, wait_until, fault):
+async def test_a_struck_tp_member_takes_its_dp_rank_out(cluster_factory, models, fault_reference, wait_until, fault):
     model = models["llama"]()
-    want = _one_process(model, FAULT_PROMPTS, LONG)
+    want = fault_reference
     cluster = cluster_factory()
     cluster.coordinator()
     groups = [cluster.worker(g, *ENGINE_FLAGS, *TP_FLAGS, model=model) for g in range(2)]

@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from infer.worker.model_files import conversion_dir
 
 # Modules a worker on a Llama-family model must not import (each pulls tens of MiB into every worker process).
@@ -27,7 +25,7 @@ HEAVY = (
     "transformers.modeling_utils",
     "transformers",
 )
-# The engine's load sequence and one step, then the heavy modules present.
+# The engine's load sequence and one step on each model of argv[1] (a JSON list), then the heavy modules present.
 LOAD_AND_STEP = """
 import json, sys
 import infer.worker.daemon
@@ -35,10 +33,11 @@ from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 
-engine = Engine(EngineConfig(model=sys.argv[1], enforce_eager=True, max_model_len=256, kv_cache_memory=16 << 20))
-engine.add_request("r", "Hello there", SamplingParams(max_tokens=2, temperature=0))
-while engine.has_unfinished():
-    engine.step()
+for model in json.loads(sys.argv[1]):
+    engine = Engine(EngineConfig(model=model, enforce_eager=True, max_model_len=256, kv_cache_memory=16 << 20))
+    engine.add_request("r", "Hello there", SamplingParams(max_tokens=2, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
 print(json.dumps([name for name in sys.argv[2:] if name in sys.modules]))
 """
 
@@ -46,7 +45,7 @@ print(json.dumps([name for name in sys.argv[2:] if name in sys.modules]))
 def test_engine_on_the_embedded_model_imports_no_model_code(smollm2_gguf: Path, tmp_path: Path) -> None:
     """From an empty model cache: the GGUF's conversion (transformers' GGUF and config code) runs in a child."""
     out = subprocess.run(
-        [sys.executable, "-c", LOAD_AND_STEP, str(smollm2_gguf), *HEAVY],
+        [sys.executable, "-c", LOAD_AND_STEP, json.dumps([str(smollm2_gguf)]), *HEAVY],
         capture_output=True,
         text=True,
         timeout=300,
@@ -57,11 +56,12 @@ def test_engine_on_the_embedded_model_imports_no_model_code(smollm2_gguf: Path, 
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [conversion_dir(smollm2_gguf).name]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_engine_on_a_tiny_checkpoint_imports_no_transformers(tiny_model_dir, arch: str) -> None:
-    """A checkpoint saved by transformers with SmolLM2's tokenizer (the generic class): no transformers either."""
+def test_engine_on_tiny_checkpoints_imports_no_transformers(tiny_model_dir) -> None:
+    """Checkpoints saved by transformers with SmolLM2's tokenizer (the generic class), a Llama and a Qwen3, each
+    loaded and stepped in one process (one interpreter's start for both): no transformers either."""
+    models = [str(tiny_model_dir(arch)) for arch in ("llama", "qwen3")]
     out = subprocess.run(
-        [sys.executable, "-c", LOAD_AND_STEP, str(tiny_model_dir(arch)), *HEAVY],
+        [sys.executable, "-c", LOAD_AND_STEP, json.dumps(models), *HEAVY],
         capture_output=True,
         text=True,
         timeout=300,
@@ -70,8 +70,7 @@ def test_engine_on_a_tiny_checkpoint_imports_no_transformers(tiny_model_dir, arc
     assert json.loads(out.stdout.splitlines()[-1]) == []
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tokenizer_is_autotokenizers(smollm2_dir: Path, tiny_model_dir, arch: str) -> None:
+def test_tokenizer_is_autotokenizers(smollm2_dir: Path, tiny_model_dir) -> None:
     """load_tokenizer (a bare config for AutoTokenizer's choice) gives AutoTokenizer's tokenizer: same class, ids,
     special tokens and chat template, on the embedded model and on tiny checkpoints saved by transformers."""
     from transformers import AutoTokenizer
@@ -79,7 +78,7 @@ def test_tokenizer_is_autotokenizers(smollm2_dir: Path, tiny_model_dir, arch: st
     from infer.worker.model_files import load_tokenizer
 
     texts = ["Hello world", " leading space", "你好 😀 é", "<|im_start|>user\nhi<|im_end|>"]
-    for path in (smollm2_dir, tiny_model_dir(arch)):
+    for path in (smollm2_dir, tiny_model_dir("llama"), tiny_model_dir("qwen3")):
         ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
         assert type(ours) is type(theirs)
         assert ours.chat_template == theirs.chat_template
