@@ -203,8 +203,9 @@ class Worker:
                 return EXIT_OK
 
     def _flush(self) -> None:
-        if self.stream_sock is not None:
-            self._flush_streams(self.stream_sock)
+        """The coordinator's frames, then the stream sockets': a step's StepBatch (the ends of its requests) leaves
+        before their last deltas reach the clients, so a client that asks for stats once its stream ended finds
+        it counted (a race of two sockets otherwise)."""
         target = self.core.take_reconnect()
         if target is not None:
             self._reconnect(target)
@@ -213,6 +214,8 @@ class Worker:
                 self.sock.send_multipart(frames_for(msg), zmq.NOBLOCK)
             except zmq.Again:  # the coordinator is away and the queue is full: the frame is lost
                 self._warn.warning("send queue to the coordinator is full; dropped a %r frame", msg.TYPE)
+        if self.stream_sock is not None:
+            self._flush_streams(self.stream_sock)
         if self.spans is not None:
             self.spans.export(self.core.take_spans())
 

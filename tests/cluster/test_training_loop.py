@@ -192,7 +192,7 @@ async def test_a_worker_killed_mid_refit_never_leaves_mixed_versions_serving(
 
 
 async def test_a_soak_of_refits_under_load_loses_nothing_and_mixes_no_versions(
-    model_cluster, tiny_llama, tiny_weights_b
+    model_cluster, tiny_llama, tiny_weights_b, wait_until
 ) -> None:
     """Eight refits from directories, alternating weights B and A, while four streams of requests keep both workers
     busy: every request completes (none failed, none lost), each with exactly the tokens of the version it reports
@@ -220,6 +220,14 @@ async def test_a_soak_of_refits_under_load_loses_nothing_and_mixes_no_versions(
             await asyncio.sleep(0.3)
         stop.set()
         await asyncio.wait_for(asyncio.gather(*load), 60)
+
+        async def all_counted() -> bool:
+            # a direct stream's last delta reaches its client from the worker, its end the coordinator in the
+            # worker's StepBatch of the same step: the two sockets race by a few milliseconds
+            stats = await client.stats()
+            return stats.requests_completed - before.requests_completed >= len(done)
+
+        await wait_until(all_counted, 10, "the coordinator to count every completion")
         after = await client.stats()
     assert after.weight_version == 8 and [w.load.weight_version for w in after.workers] == [8, 8]
     assert all(c.finish_reason == "length" and c.error is None for _, c in done)
