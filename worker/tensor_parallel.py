@@ -31,6 +31,9 @@ class TensorParallel:
     group: Any = None  # the torch.distributed process group of the TP group (unused when size 1)
     leader: int = 0  # the global rank of TP rank 0 (where logits are gathered)
     cpu_group: Any = None  # the same processes on gloo, for host-side agreements (the group itself with gloo)
+    # the same processes on gloo with STARTUP_TIMEOUT_S, for the agreements before serving (members load at their
+    # own pace; the group's step timeout is for steps)
+    startup_group: Any = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

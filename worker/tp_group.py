@@ -152,8 +152,17 @@ def init_world(options: TpOptions, ep: EpOptions | None, device: torch.device) -
     tp_cpu = [cpu([e * T + t for t in range(T)]) for e in range(ep_size)] if cpu else tp_groups
     ep_groups = [dist.new_group([e * T + t for e in range(ep_size)], timeout=timeout) for t in range(T)]
     leaders_cpu = cpu([e * T for e in range(ep_size)]) if cpu else ep_groups[0]
+    startup = datetime.timedelta(seconds=max(options.timeout_s, STARTUP_TIMEOUT_S))
+    tp_startup = [
+        dist.new_group([e * T + t for t in range(T)], backend="gloo", timeout=startup) for e in range(ep_size)
+    ]
     tp = TensorParallel(
-        rank=options.rank, size=T, group=tp_groups[ep_rank], leader=ep_rank * T, cpu_group=tp_cpu[ep_rank]
+        rank=options.rank,
+        size=T,
+        group=tp_groups[ep_rank],
+        leader=ep_rank * T,
+        cpu_group=tp_cpu[ep_rank],
+        startup_group=tp_startup[ep_rank],
     )
     expert = ExpertParallel(rank=ep_rank, size=ep_size, group=ep_groups[options.rank])
     log.info(
@@ -226,9 +235,10 @@ def model_fingerprint(path: Path, weight_files: Sequence[Path]) -> str:
 
 def agree_min(tp: TensorParallel, value: int) -> int:
     """The smallest `value` over the TP group (the KV blocks every member can hold), once every member has loaded
-    its shard: the members first wait for each other up to STARTUP_TIMEOUT_S (a gloo monitored barrier; a member
-    that died fails it at once), since one loads seconds after another on a busy machine, and the group's own
-    timeout (--tp-timeout, 5 s in the tests) broke the start of a TP group whose follower loaded 5 s late."""
+    its shard: on the group's startup group (gloo, STARTUP_TIMEOUT_S), since one member loads seconds after another
+    on a busy machine; the group's own timeout (--tp-timeout, 5 s in the tests) broke the start of a TP group
+    whose members loaded 5 s apart, on whichever side waited (a monitored barrier bounds only rank 0's wait: the
+    others' send to it runs under the group's timeout). A member that died fails the all-reduce at once."""
     if tp.size == 1:
         return value
     import torch
@@ -236,8 +246,7 @@ def agree_min(tp: TensorParallel, value: int) -> int:
 
     t = torch.tensor([value], dtype=torch.int64)
     try:
-        dist.monitored_barrier(group=tp.cpu_group, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.startup_group or tp.cpu_group)
     except Exception as e:  # noqa: BLE001
         raise GroupBroken(f"TP group agreement failed: {e}") from e
     return int(t.item())
