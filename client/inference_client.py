@@ -822,7 +822,8 @@ class InferenceClient:
         its worker: send the coordinator this client's copy, which it resumes from."""
         request = self._requests.get(msg.request_id)
         if request is None:  # it ended here (its final delta came from its worker): nothing to run or resume
-            return self._send_nowait(Abort(request_ids=[msg.request_id]))
+            self._send_nowait(Abort(request_ids=[msg.request_id]))
+            return
         request.placement = msg if msg.stream_address is not None else None
         if request.placement is None:
             return self._ask_coordinator(request)
