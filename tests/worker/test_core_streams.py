@@ -6,10 +6,9 @@ on the stream socket is answered with an Error and changes nothing."""
 from __future__ import annotations
 
 import msgspec
-from worker_harness import WorkerHarness, deltas, dispatch, of_type
+from worker_harness import WorkerHarness, deltas, dispatch, heartbeats, of_type
 
 from infer.protocol.messages import Error, Heartbeat, Hello, StepBatch, StreamBatch, Subscribe, encode
-from infer.worker.core import _LOAD_EVERY_S
 
 TOKEN = "k" * 32
 PEER = b"client-1"
@@ -47,16 +46,17 @@ def test_a_direct_streams_deltas_go_to_its_subscriber_and_the_coordinator_gets_o
 
 
 def test_a_step_of_direct_deltas_only_still_tells_the_coordinator_its_load():
-    """The coordinator routes on each worker's load: an admission or an end is reported by the step that made it,
-    steps in between at most every _LOAD_EVERY_S (a relayed stream's deltas carried it every step)."""
+    """The coordinator routes on each worker's load: an admission is reported by the step that made it (an end
+    comes with its delta), the steps in between by the heartbeats (a relayed stream's deltas carried it every
+    step)."""
     h = _direct_harness()
     h.send(_direct("r", max_tokens=50))
     [first] = of_type(h.step(), StepBatch)
     assert first.deltas == [] and first.load.num_running == 1
-    assert of_type(h.step(), StepBatch) == []  # the same counts, no time passed
-    h.advance(_LOAD_EVERY_S)
-    [later] = of_type(h.step(), StepBatch)
-    assert later.deltas == [] and later.load.num_queued_tokens < first.load.num_queued_tokens
+    assert of_type(h.step(), StepBatch) == []  # the same counts
+    h.step()
+    [beat] = heartbeats(h.advance(h.core.options.heartbeat_interval))
+    assert beat.load.num_running == 1 and beat.load.num_queued_tokens < first.load.num_queued_tokens
 
 
 def test_a_late_subscriber_of_a_text_prompt_gets_its_first_delta_with_the_prompt_ids():
