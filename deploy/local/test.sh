@@ -33,8 +33,9 @@ rm -rf "$MYPY_ROOT"
 # once, and what a file's tests share (the Slurm sandbox, fixed ports) is used by one process at a time. (Not
 # loadgroup: with pytest 9.2 its xdist_group marks are silently ignored, pytest-xdist 3.8 renames nodes in a way
 # pytest no longer reads.) Torch threads: tests/conftest.py. Arguments come last: `test.sh tests/some_file.py`
-# runs one file, `test.sh -n 0` runs in this one process. The 25 slowest tests close every run (--durations;
+# runs one file, `test.sh -n 0` runs in this one process. Files start slowest first (tests/file_durations.py; xdist's
+# own reordering, most tests first, is off): the run does not end on one long file. The 25 slowest tests close every run (--durations;
 # `--durations=0` after it lists them all), so that a run that outgrows the 30-minute budget says where.
 CORES=$(nproc)
 WORKERS=$(( CORES < 2 ? 2 : (CORES > 4 ? 4 : CORES) ))
-exec "$BIN"/python -m pytest -q -n "$WORKERS" --dist loadfile --durations=25 "$@"
+exec "$BIN"/python -m pytest -q -n "$WORKERS" --dist loadfile --no-loadscope-reorder --durations=25 "$@"
