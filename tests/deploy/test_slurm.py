@@ -801,6 +801,16 @@ def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions(sandbox, tm
 # ---- several coordinators (after the jobs above ended) ------------------------------------------------------
 
 
+def on_a_node_of(pid: int, job: Job) -> bool:
+    """Whether process `pid` runs on one of the job's nodes of this sandbox (in its network namespace), not in an
+    earlier sandbox's on the same addresses and ports (a run cut short can leave its processes behind)."""
+    try:
+        namespace = os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return False
+    return any(namespace == os.stat(f"/run/netns/ci-{node}").st_ino for node in job.nodes)
+
+
 def hello(address: str) -> object:
     """A client's Hello to one coordinator, raw: its answer (Welcome, or Redirect to the leader), None if silent."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -844,6 +854,7 @@ async def test_three_coordinators_over_two_nodes_hand_over_when_the_leader_is_ki
             if p.isdigit()
             and (argv := _argv(int(p)))[1:3] == ["-m", "infer.coordinator.daemon"]
             and argv[argv.index("--port") + 1] == port
+            and on_a_node_of(int(p), job)
         ]
         leader_node = nodes[addresses.index(leader)]
 
