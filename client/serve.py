@@ -75,7 +75,8 @@ class LocalCluster:
     num_coordinators: int = 1  # several: they elect a leader (docs/architecture.md, "Several coordinators")
     coordinators: list[asyncio.subprocess.Process] = field(default_factory=list)
     workers: list[asyncio.subprocess.Process] = field(default_factory=list)
-    listeners: list[socket.socket] = field(default_factory=list)  # the coordinators' ports, held from `start` on
+    # the coordinators' ports, held from `start` on, by coordinator index (a launcher may place some elsewhere)
+    listeners: dict[int, socket.socket] = field(default_factory=dict)
     ports: list[int] = field(default_factory=list)
 
     @property
@@ -90,7 +91,7 @@ class LocalCluster:
 
     @property
     def listener(self) -> socket.socket | None:
-        return self.listeners[0] if self.listeners else None
+        return self.listeners.get(0)
 
     @property
     def client_options(self) -> ClientKeyOptions:
@@ -130,8 +131,10 @@ class LocalCluster:
             # a port given: the first's, and the ones after it (a Slurm job's other nodes count on them)
             count = self.num_coordinators
             ports = [self.port + i for i in range(count)] if self.port else [0] * count
-            self.listeners = [listening_socket(self.host, p, backlog=1024, inheritable=True) for p in ports]
-            self.ports = [bound_port(listener) for listener in self.listeners]
+            self.listeners = {
+                i: listening_socket(self.host, p, backlog=1024, inheritable=True) for i, p in enumerate(ports)
+            }
+            self.ports = [bound_port(listener) for listener in self.listeners.values()]
             self.port = self.ports[0]
 
     async def spawn_coordinator(self, index: int = 0) -> asyncio.subprocess.Process:
@@ -219,9 +222,9 @@ class LocalCluster:
             _signal_group(proc, signal.SIGKILL)  # stragglers, and anything a child left in its group
         if pending:
             await asyncio.wait(pending, timeout=10)
-        for listener in self.listeners:  # the coordinators' ports, held until now
+        for listener in self.listeners.values():  # the coordinators' ports, held until now
             listener.close()
-        self.listeners = []
+        self.listeners = {}
 
 
 def check_cluster_security(coordinator_host: str, keys_dir: str | None, trusted_network: bool) -> ClusterKeyDir | None:

@@ -114,12 +114,6 @@ class Election:
         following = self.role is Role.FOLLOWER and self.leader is not None and self.leader != self.index
         return self.leader if following and now < self._trust_until else None
 
-    def lease_left(self, now: float) -> float:
-        return max(0.0, self._lease_until - now) if self.role is Role.LEADER else 0.0
-
-    def peers(self) -> range:
-        return range(self.count)
-
     def take_outgoing(self) -> list[tuple[int, Message]]:
         out, self._outgoing = self._outgoing, []
         return out

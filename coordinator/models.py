@@ -15,7 +15,9 @@ Which model a request runs on (`resolve`):
 - Anything else: refused with error code "model_not_found", naming the models (and adapters) served.
 A model counts as served from its first worker's registration on, healthy or not (a request for it waits for a
 worker like any other, then fails "unavailable" past --queue-timeout); --model-id's models are served from the
-start.
+start; so are, at a leader that took over (several coordinators), the models of the DP ranks the last leader gave
+out, while they are held for their workers: a request arriving before those workers registered again waits for
+them instead of being refused.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Models:
 
     def served(self) -> list[str]:
         """Every model served, in order: --model-id's first, then the others by name."""
-        known = {w.model_id for w in self.workers}
+        known = {w.model_id for w in self.workers} | {hold.model_id for hold in self.workers.reserved.values()}
         return [*self.pinned, *sorted(known - set(self.pinned))]
 
     @property

@@ -2,18 +2,20 @@
 """The launcher behind deploy/slurm/infer.sbatch: one infer cluster over the nodes of a Slurm job.
 
 `launch.py head [options] [-- worker options]` is the batch step, on the job's first node. It starts
-infer-coordinator there, then the workers as one `srun` step over every node of the job (each task runs
-`launch.py worker`), waits until every worker has joined, starts the OpenAI-compatible HTTP front, prints
-its address, and serves until the job ends (infer-serve's loop: LocalCluster, with srun as the workers).
+infer-coordinator there (with --coordinators N > 1, coordinator i on node i mod the job's nodes, the head first,
+each other node's as an `srun` step of one task there; --no-spread-coordinators keeps them all on the head), then
+the workers as one `srun` step over every node of the job (each task runs `launch.py worker`), waits until every
+worker has joined, starts the OpenAI-compatible HTTP front, prints its address, and serves until the job ends
+(infer-serve's loop: LocalCluster, with srun as the workers and as the other nodes' coordinators).
 On `scancel` or the time limit Slurm sends SIGTERM to every process of the job at once, and everything
 drains for at most --drain-timeout: the coordinator refuses new requests and lets accepted ones finish, then
 runs STOP (what is still running ends with an error message); the workers finish theirs; the front refuses
 new connections and lets open ones finish. Then the head SIGKILLs whatever still runs after
 --shutdown-timeout (keep both under Slurm's KillWait), so nothing outlives the job.
 
-`launch.py worker [options] [-- worker options]` is one srun task. From Slurm's environment (SLURM_PROCID,
-the step's node list and tasks per node) it derives the coordinator's address (--coordinator-port on the
-job's first node), its DP rank (the task's global index i) and, with --ep-size E > 1, its EP group
+`launch.py worker [options] [-- worker options]` is one srun task. It is given the coordinators' addresses (the
+head's list); from Slurm's environment (SLURM_PROCID, the step's node list and tasks per node) it derives its DP
+rank (the task's global index i) and, with --ep-size E > 1, its EP group
 g = i // E, its rank in the group i % E, the group id `ep<g>` and the group's torch.distributed rendezvous
 tcp://<node of the group's rank 0>:<--dist-port + g>; then it execs infer-worker. With --tp-size T > 1 each
 task is one process of a TP group: tasks i..i+T-1 (adjacent, so on one node when T divides the tasks per
@@ -30,8 +32,8 @@ member dies the others notice at once, even while idle (worker/tp_commands.py, w
 requests back and exit non-zero, so every task of the group restarts its member and the group meets again at its
 rendezvous. A worker that exits 0 was told to stop (a STOP, the drain on scancel) and is not restarted. The worker
 runs in the task's process group, so Slurm's signals reach it directly (the task itself only stops restarting),
-and it dies with the task. The head restarts the coordinator and the HTTP front as infer-serve does
-(client/supervisor.py), and the whole srun step if every task has ended.
+and it dies with the task. The head restarts the coordinators (another node's: its srun step) and the HTTP front
+as infer-serve does (client/supervisor.py), and the workers' whole srun step if every task has ended.
 
 Options that are not the launcher's own (engine options such as --dtype or --threads, worker options such as
 --coordinator-timeout) go to every worker unchanged, as do the arguments after `--`.
@@ -61,6 +63,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +75,7 @@ from infer.protocol.keys import ClusterKeyDir
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.messages import MAX_COORDINATORS
 from infer.protocol.options import add_options, given, option, to_argv
+from infer.protocol.ports import listening_socket
 from infer.worker.config import EngineConfig
 from infer.worker.options import WorkerFlags, WorkerOptions
 from infer.worker.tp_supervisor import die_with_parent
@@ -81,6 +85,8 @@ DEFAULT_HTTP_PORT = 8000
 DEFAULT_DIST_PORT = 29500
 
 log = logging.getLogger("infer.slurm")
+
+Resolver = Callable[[str], str]  # a host name -> its address (socket.gethostbyname; tests give their own)
 
 
 # ---- where each worker goes (pure) ------------------------------------------------------------------
@@ -240,10 +246,10 @@ def hostnames(nodelist: str) -> list[str]:
     return out
 
 
-def reachable_address(node: str, nodes: list[str]) -> str:
+def reachable_address(node: str, nodes: list[str], resolve: Resolver = socket.gethostbyname) -> str:
     """The address to bind on `node` so the other nodes reach it: what `node` resolves to here, or every
     interface (0.0.0.0) when that is a loopback address (Debian maps the own hostname to 127.0.1.1)."""
-    address = socket.gethostbyname(node)
+    address = resolve(node)
     if ipaddress.ip_address(address).is_loopback and len(nodes) > 1:
         log.warning(
             "%s resolves to %s here: binding 0.0.0.0 instead (pass --coordinator-host / --host to choose an interface)",
@@ -254,17 +260,63 @@ def reachable_address(node: str, nodes: list[str]) -> str:
     return address
 
 
+@dataclass(frozen=True)
+class CoordinatorPlace:
+    """Where coordinator `index` runs: its node, the address it binds there, and the host every other process
+    (workers, clients, the HTTP front, its peers) reaches it at."""
+
+    index: int
+    node: str
+    bind_host: str
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+def place_coordinators(
+    count: int,
+    nodes: list[str],
+    port: int,
+    head_host: str,
+    spread: bool,
+    resolve: Resolver = socket.gethostbyname,
+) -> list[CoordinatorPlace]:
+    """Coordinator i on `port` + i; with `spread`, on node i mod len(nodes) (the head, nodes[0], first), else on
+    the head. The head's bind `head_host` (--coordinator-host, or what reachable_address found); another node's,
+    what its name resolves to here. Where that is every interface (0.0.0.0 / ::) the others reach it by its node's
+    name."""
+    places = []
+    for index in range(count):
+        node = nodes[index % len(nodes)] if spread else nodes[0]
+        if node == nodes[0]:
+            bind = head_host
+        else:
+            try:
+                bind = reachable_address(node, nodes, resolve)
+            except OSError as e:
+                raise ValueError(
+                    f"cannot resolve node {node} here to place coordinator {index} on it ({e}): "
+                    f"pass --no-spread-coordinators to keep the coordinators on the head"
+                ) from None
+        host = node if bind in ("0.0.0.0", "::") else bind
+        places.append(CoordinatorPlace(index, node, bind, host, port + index))
+    return places
+
+
 # ---- worker: one srun task ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class TaskOptions:
-    """`launch.py worker`'s own options: where the coordinator listens and how the job's tasks form groups. The
+    """`launch.py worker`'s own options: where the coordinators listen and how the job's tasks form groups. The
     head writes them into the srun command (`to_argv`), every task reads them back."""
 
-    coordinator_port: int = option(DEFAULT_COORDINATOR_PORT, "the coordinator's port")
-    coordinator_host: str | None = option(None, "the coordinator's address (default: the job's first node)")
-    coordinators: int = option(1, "coordinators, on --coordinator-port and the ports after it")
+    coordinator: str = option(
+        f"tcp://localhost:{DEFAULT_COORDINATOR_PORT}", "the coordinators' addresses, comma-separated (the head's list)"
+    )
     ep_size: int = option(1, "ranks per EP group")
     tp_size: int = option(1, "processes (srun tasks) per DP rank")
     pp_size: int = option(1, "pipeline stages (srun tasks) per DP rank")
@@ -288,18 +340,16 @@ def worker_argv(
     index: int,
     step_nodes: list[str],
     tasks_per_node: list[int],
-    first_node: str,
 ) -> list[str]:
-    """The infer-worker command line of srun task `index` (the job's first node runs the coordinator)."""
+    """The infer-worker command line of srun task `index`."""
     task = TaskOptions(**given(TaskOptions, args))
-    host = task.coordinator_host or first_node
     plan = plan_worker(index, step_nodes, tasks_per_node, task.ep_size, task.dist_port, task.tp_size, task.pp_size)
     return [
         sys.executable,
         "-m",
         "infer.worker.daemon",
         "--coordinator",
-        ",".join(f"tcp://{host}:{task.coordinator_port + i}" for i in range(task.coordinators)),
+        task.coordinator,
         *plan.flags(),
         *extra,
     ]
@@ -318,7 +368,6 @@ def run_worker(argv: list[str]) -> int:
             env.procid,
             hostnames(env.step_nodelist or env.job_nodelist),
             expand_counts(env.step_tasks_per_node),
-            hostnames(env.job_nodelist)[0],
         )
         policy = RestartPolicy(**given(RestartPolicy, args))
     except (ValueError, OSError, subprocess.SubprocessError) as e:
@@ -389,9 +438,17 @@ class JobOptions:
     coordinator_port: int = option(DEFAULT_COORDINATOR_PORT, "the coordinator's port")
     coordinators: int = option(
         1,
-        "coordinator processes on the head node (1, or 3 or more), on --coordinator-port and the ports after it: "
-        "they elect a leader, and another takes over within about a lease when it dies (docs/architecture.md, "
-        "'Several coordinators')",
+        "coordinator processes (1, or 3 or more), on --coordinator-port and the ports after it: they elect a leader, "
+        "and another takes over within about a lease when it dies (docs/architecture.md, 'Several coordinators')",
+    )
+    spread_coordinators: bool = option(
+        True,
+        "coordinator i on node i mod the job's nodes (the head first; each other node's as an srun step there), "
+        "so that a standby does not share the leader's node: its link, its load, its memory. Slurm ends the job "
+        "when a node fails (unless sbatch --no-kill) and always when the head's does, so this is not against a dead "
+        "node but against what does not end the job: a node cut off or flapping (the side with the majority serves "
+        "on), or so loaded (the head also runs the HTTP front) that its coordinators miss their beats. Off: all on "
+        "the head, where they survive each other's deaths only",
     )
     drain_timeout: float = option(
         15.0,
@@ -487,6 +544,14 @@ class HeadPlan:
     tp_size: int = 1
     pp_size: int = 1
     coordinators: int = 1
+    places: list[CoordinatorPlace] = field(default_factory=list)  # one per coordinator
+    # the srun step of each coordinator on another node than the head, by index
+    coordinator_steps: dict[int, list[str]] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        """Every coordinator's address, comma-separated: what workers, clients and the coordinators are given."""
+        return ",".join(place.address for place in self.places)
 
     @property
     def num_workers(self) -> int:
@@ -500,9 +565,10 @@ def plan_head(
     nodes: list[str],
     env: SlurmEnv,
     keys: ClusterKeyDir | None = None,
+    resolve: Resolver = socket.gethostbyname,
 ) -> HeadPlan:
     """Validate the options against the job's `nodes` and build the plan; ValueError naming what is wrong.
-    `keys`: the workers get their key flags from it."""
+    `keys`: the workers and the coordinators get their key flags from it; `resolve`: a node's name to its address."""
     if env.node_name is not None and env.node_name != nodes[0]:
         raise ValueError(
             f"the head must run on the job's first node {nodes[0]}, not {env.node_name} "
@@ -536,12 +602,13 @@ def plan_head(
     if args.coordinator_port + args.coordinators > 65536:
         raise ValueError(f"--coordinator-port {args.coordinator_port} leaves no room for {args.coordinators} ports")
     restarts = RestartPolicy(**given(RestartPolicy, args))  # checked here: a bad value fails before anything starts
-    explicit_host = args.coordinator_host not in (None, "0.0.0.0", "::")
-    coordinator_host = args.coordinator_host or reachable_address(nodes[0], nodes)
+    coordinator_host = args.coordinator_host or reachable_address(nodes[0], nodes, resolve)
+    places = place_coordinators(
+        args.coordinators, nodes, args.coordinator_port, coordinator_host, args.spread_coordinators, resolve
+    )
+    address = ",".join(place.address for place in places)
     task = TaskOptions(
-        coordinator_port=args.coordinator_port,
-        coordinator_host=coordinator_host if explicit_host else None,
-        coordinators=args.coordinators,
+        coordinator=address,
         ep_size=args.ep_size,
         tp_size=args.tp_size,
         pp_size=args.pp_size,
@@ -570,6 +637,12 @@ def plan_head(
         "--job-name=infer-workers",
         *worker,
     ]
+    security = [*(keys.coordinator_flags() if keys else []), *(["--trusted-network"] if args.trusted_network else [])]
+    steps = {
+        place.index: coordinator_step(place, address, [*security, *coordinator_flags(args)])
+        for place in places
+        if place.node != nodes[0]
+    }
     return HeadPlan(
         nodes,
         per_node,
@@ -581,15 +654,66 @@ def plan_head(
         args.tp_size,
         args.pp_size,
         args.coordinators,
+        places,
+        steps,
     )
+
+
+def coordinator_step(place: CoordinatorPlace, address: str, flags: list[str]) -> list[str]:
+    """The srun step that runs coordinator `place.index` on its node (not the head's): one task, sharing the job's
+    CPUs with the workers' step (--overlap), binding its node's address; `address`: every coordinator's."""
+    return [
+        "srun",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={place.node}",
+        "--overlap",
+        "--kill-on-bad-exit=0",
+        f"--job-name=infer-coordinator{place.index}",
+        sys.executable,
+        "-m",
+        "infer.coordinator.daemon",
+        "--host",
+        place.bind_host,
+        "--port",
+        str(place.port),
+        "--peers",
+        address,
+        "--peer-index",
+        str(place.index),
+        *flags,
+    ]
 
 
 @dataclass
 class SrunCluster(LocalCluster):
-    """infer-serve's LocalCluster with the workers as one srun step over the job's nodes: the coordinator
-    is a child of this process, srun the only 'worker' process (it exits when every task has)."""
+    """infer-serve's LocalCluster with the workers as one srun step over the job's nodes: the head's coordinators
+    are children of this process, another node's coordinator is its srun step (`coordinator_steps`), and srun the
+    only 'worker' process (it exits when every task has)."""
 
     srun: list[str] = field(default_factory=list)
+    places: list[CoordinatorPlace] = field(default_factory=list)
+    coordinator_steps: dict[int, list[str]] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return ",".join(place.address for place in self.places) if self.places else super().address
+
+    def listen(self) -> None:
+        """The sockets of the head's coordinators (another node's binds its own there)."""
+        if not self.listeners:
+            self.listeners = {
+                place.index: listening_socket(place.bind_host, place.port, backlog=1024, inheritable=True)
+                for place in self.places
+                if place.index not in self.coordinator_steps
+            }
+        self.ports = [place.port for place in self.places]
+        self.port = self.ports[0]
+
+    async def spawn_coordinator(self, index: int = 0) -> asyncio.subprocess.Process:
+        if index not in self.coordinator_steps:
+            return await super().spawn_coordinator(index)
+        return await asyncio.create_subprocess_exec(*self.coordinator_steps[index], start_new_session=True)
 
     async def start(self) -> None:
         self.listen()
@@ -673,10 +797,10 @@ def _serve_job(
             f"(pause, suspend, stop) with curve_key={keys.secret('admin')}",
             flush=True,
         )
-    addresses = ",".join(f"tcp://{plan.coordinator_host}:{plan.coordinator_port + i}" for i in range(plan.coordinators))
+    nodes = ",".join(place.node for place in plan.places)
     print(
-        f"infer.sbatch: job {env.job_id}: coordinator{'s' if plan.coordinators > 1 else ''} {addresses} on "
-        f"{plan.nodes[0]}; {plan.num_workers} workers ({plan.workers_per_node} tasks per node on "
+        f"infer.sbatch: job {env.job_id}: coordinator{'s' if plan.coordinators > 1 else ''} {plan.address} on "
+        f"{nodes}; {plan.num_workers} workers ({plan.workers_per_node} tasks per node on "
         f"{','.join(plan.nodes)}, EP size {plan.ep_size}, TP size {plan.tp_size}, PP size {plan.pp_size}); HTTP "
         f"front on "
         f"{plan.http_host}:{args.port} once every worker has joined",
@@ -689,6 +813,8 @@ def _serve_job(
         num_coordinators=plan.coordinators,
         coordinator_args=coordinator_flags(args),
         srun=plan.srun,
+        places=plan.places,
+        coordinator_steps=plan.coordinator_steps,
         keys=keys,
         trusted_network=args.trusted_network,
     )

@@ -2,12 +2,13 @@
 lead answers every client and worker frame with Redirect (the leader's address once it knows one) and changes
 nothing; the leader's Welcome carries its term; its Replica holds the lifecycle state, the weight version, the LoRA
 adapters and the DP ranks, and a successor built from it starts paused, at that version, with those adapters, and
-gives each worker its old rank even when another registers first; a deposed leader redirects everyone it knew;
-peer frames need the coordinators' own key."""
+gives each worker its old rank even when another registers first, and holds a request for a model none of whose
+workers has registered again yet (rather than refusing a model it does not know yet); a deposed leader redirects
+everyone it knew; peer frames need the coordinators' own key."""
 
 from __future__ import annotations
 
-from core_harness import MODEL, worker_hello
+from core_harness import MODEL, dispatches, worker_hello
 
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.core import Coordinator
@@ -20,6 +21,7 @@ from infer.protocol.messages import (
     PeerBeat,
     Redirect,
     StatsRequest,
+    Submit,
     VoteGrant,
     Welcome,
     decode,
@@ -100,6 +102,24 @@ def test_a_successor_starts_from_the_leaders_replica():
     out = _run(successor, b"w1", worker_hello("w1", None), later)
     assert [m.dp_rank for _, m in out if isinstance(m, Welcome)] == [1]
     assert successor.loras.adapters == {"sql": "/adapters/sql"}
+
+
+def test_a_successor_holds_a_request_for_a_model_whose_workers_have_not_registered_again():
+    election, now = _leading_election(0)
+    leader = Coordinator(_config(0), now, election=election)
+    _run(leader, b"w0", worker_hello("w0", None), now)
+    _run(leader, b"q0", worker_hello("q0", None, model="other"), now)
+    successor_election, later = _leading_election(1)
+    successor_election.replica = leader.replica()
+    successor = Coordinator(_config(1), later, election=successor_election)
+    _run(successor, b"w0", worker_hello("w0", None), later)  # MODEL's worker is back, "other"'s not yet
+    _run(successor, b"c", Hello(role="client", peer_id="c"), later)
+    out = _run(successor, b"c", Submit(request_id="r", prompt_token_ids=[1, 2], model="other"), later)
+    assert out == [] and "r" in successor.books.requests.held  # held: neither refused nor sent to MODEL's worker
+    [models] = [m for _, m in _run(successor, b"c", StatsRequest(), later) if m.TYPE == "cluster_stats"]
+    assert [m.model_id for m in models.models] == ["other", MODEL]  # (by name) what an HTTP front admits requests by
+    out = _run(successor, b"q0", worker_hello("q0", None, model="other"), later + 0.1)
+    assert [d.request_id for d in dispatches(out)[b"q0"]] == ["r"]
 
 
 def test_a_deposed_leader_redirects_every_worker_and_client_it_knew():

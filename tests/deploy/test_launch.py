@@ -8,6 +8,7 @@ import importlib.util
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,10 +145,20 @@ def _env(**overrides) -> object:
     return launch.SlurmEnv.from_environ({**env, **overrides})
 
 
+ADDRESSES = {"localhost": "127.0.0.1", "n2": "10.0.0.2", "n3": "10.0.0.3"}
+
+
+def _resolve(node: str) -> str:
+    """The test's name service: ADDRESSES, any other name unknown (as socket.gethostbyname says it)."""
+    if node not in ADDRESSES:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    return ADDRESSES[node]
+
+
 def _head(argv: list[str], nodes=("localhost", "n2"), **env):
     own, extra = launch.split_extra(argv)
     args, unknown = launch.head_parser().parse_known_args(own)
-    return args, launch.plan_head(args, unknown + extra, list(nodes), _env(**env))
+    return args, launch.plan_head(args, unknown + extra, list(nodes), _env(**env), resolve=_resolve)
 
 
 def _worker_command(plan, index: int, nodes: list[str]) -> list[str]:
@@ -155,7 +166,7 @@ def _worker_command(plan, index: int, nodes: list[str]) -> list[str]:
     worker = plan.srun[plan.srun.index("worker") + 1 :]
     own, extra = launch.split_extra(worker)
     args, unknown = launch.worker_parser().parse_known_args(own)
-    return launch.worker_argv(args, unknown + extra, index, nodes, [plan.workers_per_node] * len(nodes), nodes[0])
+    return launch.worker_argv(args, unknown + extra, index, nodes, [plan.workers_per_node] * len(nodes))
 
 
 def test_the_head_runs_one_srun_step_and_passes_unknown_options_to_every_worker():
@@ -201,11 +212,31 @@ def test_an_explicit_coordinator_address_reaches_the_workers():
     assert _worker_command(plan, 1, ["localhost", "n2"])[4] == "tcp://10.1.2.3:5555"
 
 
-def test_three_coordinators_on_the_head_take_consecutive_ports_and_every_worker_gets_the_list():
-    _, plan = _head(["--coordinators", "3", "--coordinator-port", "6000"])
-    assert plan.coordinators == 3
-    command = _worker_command(plan, 1, ["localhost", "n2"])
-    assert command[4] == "tcp://localhost:6000,tcp://localhost:6001,tcp://localhost:6002"
+def test_three_coordinators_spread_over_the_nodes_on_consecutive_ports_and_every_worker_gets_the_list():
+    _, plan = _head(["--coordinators", "3", "--coordinator-port", "6000", "--heartbeat-interval", "0.5"])
+    # coordinator i on node i mod 2, the head first; the head binds every interface (localhost is loopback), so the
+    # others reach it by its name; n2's binds its address
+    want = "tcp://localhost:6000,tcp://10.0.0.2:6001,tcp://localhost:6002"
+    assert plan.coordinators == 3 and plan.address == want
+    head, n2 = ("localhost", "0.0.0.0"), ("n2", "10.0.0.2")
+    assert [(p.node, p.bind_host) for p in plan.places] == [head, n2, head]
+    assert _worker_command(plan, 1, ["localhost", "n2"])[4] == want
+    # n2's coordinator is an srun step of one task there, sharing the workers' CPUs, told the list and its place
+    [step] = plan.coordinator_steps.values()
+    assert step[:6] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=n2", "--overlap", "--kill-on-bad-exit=0"]
+    daemon = step[step.index("infer.coordinator.daemon") + 1 :]
+    config = config_from_args(coordinator_parser().parse_args(daemon))
+    assert (config.host, config.port, config.peers, config.peer_index) == ("10.0.0.2", 6001, want, 1)
+    assert config.heartbeat_interval == 0.5  # the coordinator options, as the head's own get them
+    assert list(plan.coordinator_steps) == [1]  # the others run on the head
+
+    _, kept = _head(["--coordinators", "3", "--coordinator-port", "6000", "--no-spread-coordinators"])
+    assert kept.address == "tcp://localhost:6000,tcp://localhost:6001,tcp://localhost:6002"
+    assert kept.coordinator_steps == {}
+    _, explicit = _head(["--coordinators", "3", "--coordinator-host", "10.0.0.1"], nodes=("localhost", "n2", "n3"))
+    assert explicit.address == "tcp://10.0.0.1:5555,tcp://10.0.0.2:5556,tcp://10.0.0.3:5557"
+    with pytest.raises(ValueError, match="cannot resolve node n9 here to place coordinator 1 on it.*--no-spread"):
+        _head(["--coordinators", "3"], nodes=("localhost", "n9"))
 
 
 def test_a_pipelines_stages_take_adjacent_tasks_and_rendezvous_on_its_stage_0s_node():
@@ -304,7 +335,7 @@ def test_the_head_refuses_a_plan_that_cannot_work(argv, env, message):
 def test_the_launchers_own_options_are_declared_once_on_their_dataclasses():
     assert launch.JobOptions(**given(launch.JobOptions, launch.head_parser().parse_args([]))) == launch.JobOptions()
     task = launch.TaskOptions(
-        coordinator_port=6000, coordinator_host="10.0.0.1", ep_size=2, tp_size=2, pp_size=3, dist_port=7000
+        coordinator="tcp://10.0.0.1:6000,tcp://n2:6001", ep_size=2, tp_size=2, pp_size=3, dist_port=7000
     )
     parsed = launch.worker_parser().parse_args(to_argv(launch.TaskOptions, task))
     assert launch.TaskOptions(**given(launch.TaskOptions, parsed)) == task

@@ -75,7 +75,7 @@ def test_the_workers_and_the_coordinator_get_their_key_files(tmp_path):
     worker = plan.srun[plan.srun.index("worker") + 1 :]
     own, extra = launch.split_extra(worker)
     wargs, unknown = launch.worker_parser().parse_known_args(own)
-    command = launch.worker_argv(wargs, unknown + extra, 1, ["localhost", "n2"], [1, 1], "localhost")
+    command = launch.worker_argv(wargs, unknown + extra, 1, ["localhost", "n2"], [1, 1])
     daemon = worker_daemon_parser().parse_args(command[3:])
     assert daemon.curve_key == str(keys.secret("worker")) == str(keys.path / "workers" / "worker.key_secret")
     assert daemon.coordinator_key == str(keys.public("coordinator"))
@@ -87,6 +87,18 @@ def test_the_workers_and_the_coordinator_get_their_key_files(tmp_path):
     )
     assert cluster.client_options == keys.client_options()  # the HTTP front: a client
     assert cluster.admin_options["curve_key"] == str(keys.path / "admins" / "admin.key_secret")  # the head
+    # a coordinator on another node than the head (its srun step) holds the same key as the head's
+    spread = launch.plan_head(
+        _args("--coordinators", "3"),
+        [],
+        ["localhost", "n2"],
+        _env(tmp_path),
+        keys,
+        resolve={"localhost": "127.0.0.1", "n2": "10.0.0.2"}.get,
+    )
+    [step] = spread.coordinator_steps.values()
+    remote = coordinator_parser().parse_args(step[step.index("infer.coordinator.daemon") + 1 :])
+    assert (remote.curve_secret_key, remote.authorized_keys) == (coordinator.curve_secret_key, str(keys.path))
 
 
 def test_the_http_front_off_loopback_needs_an_api_key_or_a_trusted_network(monkeypatch, tmp_path):
