@@ -49,7 +49,7 @@ def _reference(model_dir, prompt_ids: list[list[int]], max_new: int) -> list[lis
 
 def _prompts_for(model_name: str, tokenizer) -> list[list[int]]:
     if model_name == "smollm2":
-        texts = varied_prompts(8, longest_words=780)
+        texts = varied_prompts(16, longest_words=780)
         return [tokenizer(t)["input_ids"] for t in texts]
     rng = random.Random(7)
     lengths = [1, 2, 5, 9, 16, 17, 31, 64, 100, 128, 200, 255, 300, 511, 700, 1000]
