@@ -643,7 +643,7 @@ class _Cursor:
     98k vocabulary and merge strings), numeric arrays through one numpy read."""
 
     def __init__(self, buffer: np.ndarray) -> None:
-        self.view, self.at, self.size = memoryview(buffer), 0, len(buffer)
+        self.view, self.at, self.size = buffer.data, 0, len(buffer)
 
     def _advance(self, size: int) -> int:
         at = self.at
