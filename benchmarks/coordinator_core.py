@@ -181,8 +181,10 @@ def main() -> None:
         row = {
             "workers": w,
             "heartbeat_us": round(beats, 2),
-            "direct": {k: statistics.median(r[k] for r in direct) for k in direct[0] if k != "relayed_delta_us"},
-            "relayed": {k: statistics.median(r[k] for r in relayed) for k in relayed[0]},
+            "direct": {
+                k: round(statistics.median(r[k] for r in direct), 3) for k in direct[0] if k != "relayed_delta_us"
+            },
+            "relayed": {k: round(statistics.median(r[k] for r in relayed), 3) for k in relayed[0]},
         }
         rows.append(row)
         d, r = row["direct"], row["relayed"]
