@@ -59,10 +59,16 @@ def least_loaded(candidates: Sequence[R]) -> R:
     in-flight requests, then the lower rank. With groups of one rank: simply the lowest score."""
     if len(candidates) == 1:
         return candidates[0]
+    scores = [rank.score for rank in candidates]  # once each: it is most of a choice's cost at many ranks
     busiest: dict[str, float] = {}
-    for rank in candidates:
-        busiest[rank.group_id] = max(busiest.get(rank.group_id, 0.0), rank.score)
-    return min(candidates, key=lambda r: (busiest[r.group_id], r.score, r.num_in_flight, r.dp_rank))
+    for rank, score in zip(candidates, scores):
+        if score > busiest.get(rank.group_id, -1.0):
+            busiest[rank.group_id] = score
+    keys = [
+        (busiest[r.group_id], score, r.num_in_flight, r.dp_rank, i)
+        for i, (r, score) in enumerate(zip(candidates, scores))
+    ]
+    return candidates[min(keys)[-1]]
 
 
 class LeastLoaded:

@@ -152,31 +152,27 @@ class WorkerRecord:
     key: str | None = None  # its authenticated public key (z85): its stream socket's server key
 
     # A worker's Hello always carries its KV geometry and batch bound (Hello.__post_init__ requires them of the
-    # role "worker", the only role a WorkerRecord is made for): typed optional only for the other roles.
-    @property
-    def model_id(self) -> str:
-        return cast(str, self.hello.model_id)
+    # role "worker", the only role a WorkerRecord is made for): typed optional only for the other roles. They are
+    # copied here once (a record's Hello never changes: a new Hello makes a new record) since routing reads them
+    # for every candidate of every request.
+    model_id: str = field(init=False)
+    num_kv_blocks: int = field(init=False)
+    block_size: int = field(init=False)
+    max_num_seqs: int = field(init=False)
+    capacity_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        hello = self.hello
+        self.model_id = cast(str, hello.model_id)
+        self.num_kv_blocks = cast(int, hello.num_kv_blocks)
+        self.block_size = cast(int, hello.block_size)
+        self.max_num_seqs = cast(int, hello.max_num_seqs)
+        self.capacity_tokens = max(1, self.num_kv_blocks * self.block_size)
 
     @property
     def group_key(self) -> tuple[str, str]:
         """Its EP group across the cluster: group ids are each model's own."""
         return (self.model_id, self.group_id)
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return cast(int, self.hello.num_kv_blocks)
-
-    @property
-    def block_size(self) -> int:
-        return cast(int, self.hello.block_size)
-
-    @property
-    def max_num_seqs(self) -> int:
-        return cast(int, self.hello.max_num_seqs)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return max(1, self.num_kv_blocks * self.block_size)
 
     @property
     def num_in_flight(self) -> int:
