@@ -514,7 +514,7 @@ def test_speculative_config_flag_on_worker_serve_llm_and_slurm():
     worker = plan.srun[plan.srun.index("worker") + 1 :]
     own, extra = launch.split_extra(worker)
     wargs, unknown = launch.worker_parser().parse_known_args(own)
-    command = launch.worker_argv(wargs, unknown + extra, 0, ["localhost"], [1], "localhost")
+    command = launch.worker_argv(wargs, unknown + extra, 0, ["localhost"], [1])
     assert worker_config(command[5:]).speculative_config == expected
 
 
