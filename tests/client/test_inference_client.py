@@ -176,6 +176,8 @@ def test_sync_client(cluster):
         assert [d.token_ids for d in client.stream([9] * 3, SamplingParams(max_tokens=2))] == [[3], [4]]
         for _ in client.stream([1], ENDLESS):
             break
-        stats = client.stats()
+        deadline = time.monotonic() + 30  # the last delta comes straight from the worker, the count a moment later
+        while (stats := client.stats()).requests_completed < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert stats.num_healthy_workers == 2 and stats.requests_completed == 4
         assert client.pause() == "paused" and client.unpause() == "running"

@@ -159,4 +159,6 @@ def test_a_request_is_one_trace_of_front_coordinator_and_worker_under_the_caller
     assert coordinator["events"] == ["dispatch"] and front["events"] == ["first token"]
     slack = 50_000_000  # ns: each process turns its monotonic clock into wall time on its own
     assert front["start"] <= coordinator["start"] + slack and coordinator["start"] <= worker["start"] + slack
-    assert worker["end"] <= coordinator["end"] + slack and coordinator["end"] <= front["end"] + slack
+    # the coordinator hears the end from the worker's progress report while the front reads the last delta
+    # straight from the worker (direct streams): both end after the worker, in either order between them
+    assert worker["end"] <= coordinator["end"] + slack and worker["end"] <= front["end"] + slack
