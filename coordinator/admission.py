@@ -19,9 +19,10 @@ import msgspec
 from infer.coordinator.books import Books
 from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.lifecycle import ClusterState
+from infer.coordinator.load_index import LoadIndex
 from infer.coordinator.models import Models, Refusal, Target
 from infer.coordinator.outbox import Send
-from infer.coordinator.routing import RoutingPolicy, make_policy
+from infer.coordinator.routing import LeastLoaded, RoutingPolicy, make_policy
 from infer.coordinator.state import ClusterStatus, RequestRecord, WorkerRecord
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.journal import StreamJournal
@@ -50,6 +51,8 @@ class Admission:
         self._seeds = random.Random()  # seeds for sampled requests that come without one
         self._awaiting: dict[str, RequestRecord] = {}  # detached direct streams waiting for their client's copy
         self.routable_cache: list[WorkerRecord] | None = None
+        self.index = LoadIndex()  # the routable workers by load, rebuilt with routable_cache
+        books.worker_unloaded = self.index.touch
         self.deadlines: DeadlineHeap[str] = DeadlineHeap()  # request ids by deadline; stale entries skipped
 
     def policy(self, model_id: str) -> RoutingPolicy:
@@ -119,7 +122,12 @@ class Admission:
                     f"{pinned[0].num_in_flight} requests, its limit; retry later"
                 )
             return None
-        if not any(self._has_room(w) for w in routable):
+        model = routable[0].model_id
+        if self._indexed(model):
+            full = self.index.best(model, self._has_room) is None
+        else:
+            full = not any(self._has_room(w) for w in routable)
+        if full:
             if submit.priority < self._worst_priority_in_flight():
                 return self._held_room(submit)
             busiest = max(routable, key=lambda w: w.num_in_flight)
@@ -171,16 +179,22 @@ class Admission:
         if request.model is None and not self._settle_model(request):
             return True
         routable = self.routable_for(request.model)
-        candidates = [w for w in routable if self._has_room(w)]
-        if not candidates:
+        pinned = request.pin_rank is not None and request.retries == 0
+        if routable and not pinned and not request.suspect and self._indexed(routable[0].model_id):
+            best = self.index.best(routable[0].model_id, self._has_room)  # O(log workers): no scan
+            if best is None:
+                self.books.requests.hold(request, now)
+                return False
+            worker = best
+        elif not (candidates := [w for w in routable if self._has_room(w)]):
             self.books.requests.hold(request, now)
             return False
-        if request.pin_rank is not None and request.retries == 0:
-            worker = next((w for w in candidates if w.dp_rank == request.pin_rank), None)
-            if worker is None and any(w.dp_rank == request.pin_rank for w in routable):
+        elif pinned:
+            pinned_to = next((w for w in candidates if w.dp_rank == request.pin_rank), None)
+            if pinned_to is None and any(w.dp_rank == request.pin_rank for w in routable):
                 self.books.requests.hold(request, now)  # its rank is full: it waits for room there
                 return False
-            if worker is None:
+            if pinned_to is None:
                 ranks = ", ".join(str(w.dp_rank) for w in sorted(routable, key=lambda w: w.dp_rank))
                 self.books.fail(
                     request,
@@ -188,6 +202,7 @@ class Admission:
                     f"which is not available (healthy ranks: {ranks})",
                 )
                 return True
+            worker = pinned_to
         else:
             worker = self.policy(worker_model(candidates)).choose(
                 request.routing_prompt, self._for_suspect(request, candidates)
@@ -353,6 +368,12 @@ class Admission:
             worker.weight_version = version
             self.routes_changed()
 
+    def note_load(self, worker: WorkerRecord) -> None:
+        """`worker.load` is a new report: the version it serves, and its place in the routing index."""
+        if worker.load is not None:
+            self.note_version(worker, worker.load.weight_version)
+        self.index.touch(worker)
+
     def routes_changed(self) -> None:
         """A worker joined, died or drains: `routable` is worked out afresh."""
         self.routable_cache = None
@@ -368,17 +389,19 @@ class Admission:
                 for w in self.books.workers
                 if w.healthy and not w.draining and w.group_key not in dead_groups and w.weight_version == version
             ]
+            self.index.rebuild(self.routable_cache)
         return self.routable_cache
 
     def routable_for(self, model_id: str | None) -> list[WorkerRecord]:
         """The routable workers of `model_id` (None: of the default model; none while there is no default)."""
         model = self.models.default if model_id is None else model_id
-        routable = self.routable()
-        if model is None:
-            return []
-        if all(w.model_id == model for w in routable):  # one model: the list as it is
-            return routable
-        return [w for w in routable if w.model_id == model]
+        self.routable()  # the index follows it
+        return [] if model is None else self.index.members(model)
+
+    def _indexed(self, model: str) -> bool:
+        """Whether the routing index chooses `model`'s workers (least-loaded, EP groups of one rank); else the
+        candidates are scanned by the model's policy."""
+        return isinstance(self.policy(model), LeastLoaded) and self.index.indexed(model)
 
     def _add_deadline(self, request: RequestRecord, deadline: float) -> None:
         self.deadlines.push(deadline, request.request_id, len(self.books.requests), self._deadline_current)

@@ -7,6 +7,8 @@ Invariants (state.py): a request is held or on exactly one worker, in that worke
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import (
     ClientRecord,
@@ -41,6 +43,8 @@ class Books:
         self.counters = counters
         self.outbox = outbox
         self.model_counters: dict[str, ModelCounters] = {}  # per model: bounded by the models served
+        # told when a request leaves a worker (its load falls): the routing index re-files it (admission.py)
+        self.worker_unloaded: Callable[[WorkerRecord], None] = lambda worker: None
 
     def count_submitted(self, model: str | None) -> None:
         if model is not None:
@@ -83,6 +87,7 @@ class Books:
         if worker is not None:
             worker.requests.discard(request.request_id)
             worker.cost_in_flight -= request.charged
+            self.worker_unloaded(worker)
         request.charged = 0
         request.worker_id = None
 

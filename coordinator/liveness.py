@@ -76,7 +76,7 @@ class Liveness:
             worker.last_seen = now
             if heartbeat.load is not None:
                 worker.load = heartbeat.load
-                self.admission.note_version(worker, heartbeat.load.weight_version)
+                self.admission.note_load(worker)
             age = heartbeat.step_age_s
             if age is not None and age > self.config.max_step_time:
                 self.mark_dead(

@@ -57,11 +57,14 @@ class Models:
     def __init__(self, workers: WorkerTable, pinned: tuple[str, ...]) -> None:
         self.workers = workers
         self.pinned = pinned  # --model-id's models, the default first; (): any model may join
+        self._served: tuple[frozenset[str], list[str]] = (frozenset(), list(pinned))
 
     def served(self) -> list[str]:
-        """Every model served, in order: --model-id's first, then the others by name."""
-        known = {w.model_id for w in self.workers} | {hold.model_id for hold in self.workers.reserved.values()}
-        return [*self.pinned, *sorted(known - set(self.pinned))]
+        """Every model served, in order: --model-id's first, then the others by name (do not change the list)."""
+        known = self.workers.model_ids()
+        if known is not self._served[0]:
+            self._served = (known, [*self.pinned, *sorted(known - set(self.pinned))])
+        return self._served[1]
 
     @property
     def default(self) -> str | None:

@@ -40,7 +40,7 @@ class Relay:
             return
         worker.last_seen = now
         worker.load = batch.load
-        self.admission.note_version(worker, batch.load.weight_version)
+        self.admission.note_load(worker)
         stray = []
         for delta in batch.deltas:
             request = self.books.requests.get(delta.request_id)

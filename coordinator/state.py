@@ -236,6 +236,16 @@ class WorkerTable:
         # again or `_reserved_until` passes: (worker id, model id) -> its hold
         self.reserved: dict[tuple[str, str], RankHold] = {}
         self._reserved_until = 0.0
+        self._model_ids: frozenset[str] | None = None  # model_ids(), until a worker or a hold comes or goes
+
+    def model_ids(self) -> frozenset[str]:
+        """The model of every worker here (healthy or not) and of every held rank. Every request asks (which
+        models are served): kept until `add`, `remove` or a change of the holds."""
+        if self._model_ids is None:
+            self._model_ids = frozenset(w.model_id for w in self.by_id.values()) | {
+                hold.model_id for hold in self.reserved.values()
+            }
+        return self._model_ids
 
     def __iter__(self):
         return iter(self.by_id.values())
@@ -243,10 +253,12 @@ class WorkerTable:
     def reserve(self, ranks: Iterable[RankHold], until: float) -> None:
         self.reserved = {(r.worker_id, r.model_id): r for r in ranks}
         self._reserved_until = until
+        self._model_ids = None
 
     def expire_reservations(self, now: float) -> None:
         if self.reserved and now >= self._reserved_until:
             self.reserved = {}
+            self._model_ids = None
 
     def healthy(self) -> list[WorkerRecord]:
         return [w for w in self.by_id.values() if w.healthy]
@@ -264,6 +276,7 @@ class WorkerTable:
         if hello.dp_rank is not None:
             return hello.dp_rank
         hold = self.reserved.pop((hello.peer_id, hello.model_id or ""), None)
+        self._model_ids = None
         old = self.by_id.get(hello.peer_id)
         if old is not None and old.model_id != hello.model_id:
             old = None  # it came back serving another model: a new rank among that model's
@@ -286,9 +299,11 @@ class WorkerTable:
             self.by_identity.pop(old.identity, None)
         self.by_id[worker.worker_id] = worker
         self.by_identity[worker.identity] = worker
+        self._model_ids = None
 
     def remove(self, worker: WorkerRecord) -> None:
         self.by_id.pop(worker.worker_id, None)
+        self._model_ids = None
 
 
 class RequestTable:
