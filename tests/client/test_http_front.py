@@ -497,7 +497,7 @@ def test_a_20_mb_prompt_is_refused_at_once_while_a_stream_goes_on_and_health_sta
             assert error["param"] == param and error["code"] == "context_length_exceeded"
             assert "256 tokens" in error["message"] and "without tokenizing" in error["message"]
             started = time.monotonic()
-            assert _http(f"{url}/health")[0] == 200 and time.monotonic() - started < 1.0
+            assert _http(f"{url}/health")[0] == 200 and time.monotonic() - started < 3.0  # the loop is not blocked
         streaming.join(60)
         events = _sse_events(b"".join(lines).decode())
         assert events[-1] == "[DONE]"

@@ -32,7 +32,7 @@ async def _refusal_while_streaming(cluster) -> None:
             done.extend([delta async for delta in stream])
         assert refused.finish_reason == "error" and refused.error_code == "invalid_request", refused
         assert "refused without tokenizing" in refused.error and "256 tokens" in refused.error
-        assert elapsed < 1.0, f"the refusal took {elapsed:.1f} s"  # at once, not after tokenizing
+        assert elapsed < 3.0, f"the refusal took {elapsed:.1f} s"  # at once, not after tokenizing (5-8 s of CPU)
         assert sum(len(d.token_ids) for d in done) == 200 and done[-1].finish_reason == "length"
         stats = await client.stats()
         assert stats.requests_redispatched == 0 and stats.num_healthy_workers == 1
