@@ -710,16 +710,18 @@ async def _start_local_engine(options: LLMOptions) -> EngineClient:
 def _make_engine(options: LLMOptions) -> Engine:
     """This process's engine: from the model path, or around the in-memory model; with tensor parallelism,
     TP rank 0, the other ranks started as child processes."""
-    from infer.worker.engine import Engine, tensor_parallel_engine
+    from infer.worker.engine import Engine
 
     if options.pipeline_parallel_size > 1:
-        from infer.worker.pp_group import pipeline_parallel_engine
+        from infer.worker.pp_stage import pipeline_parallel_engine
 
         flags = options.engine_flags() + logging_argv(options.log_level)
         return pipeline_parallel_engine(
             options.engine_config(), options.pipeline_parallel_size, flags, tp_size=options.tensor_parallel_size
         )
     if options.tensor_parallel_size > 1:
+        from infer.worker.tp_group import tensor_parallel_engine
+
         flags = options.engine_flags() + logging_argv(options.log_level)
         return tensor_parallel_engine(options.engine_config(), options.tensor_parallel_size, flags)
     return Engine(options.engine_config(), model=options.in_memory_model, tokenizer=options.tokenizer)

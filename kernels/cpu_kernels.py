@@ -94,9 +94,7 @@ _LEVELS = {level.name: level for level in ISA_LEVELS}
 
 
 def _cache_dir() -> Path:
-    from infer.worker.config import compile_cache_dir
-
-    return compile_cache_dir() / "cpu_kernels"
+    return env.compile_cache_dir() / "cpu_kernels"
 
 
 def _cpu_flags() -> str:
@@ -105,6 +103,13 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return platform.processor()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16) and the kernels run at the avx512 level
+    (INFER_CPU_ISA set below it makes the engine compute as a CPU without them would)."""
+    flags = set(_cpu_flags().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"}) and selected_isa() == "avx512"
 
 
 def _is_x86() -> bool:

@@ -297,15 +297,3 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, lib: ctypes.CDLL | None =
             f"{weight.format} weight {list(weight.shape)}"
         )
     return out
-
-
-def quant_linear(x: torch.Tensor, weight: QuantWeight, native: bool) -> torch.Tensor:
-    """x [M, K] times a quantized weight [N, K], transposed -> [M, N] in x's dtype, by the fastest path here: the
-    native kernel on a CPU (`native`: the caller's `quant_matmul_takes(weight)`, decided once per weight) for bf16 /
-    fp32 rows, else kernels/quant_triton.py's dispatcher: Triton on CUDA, the plain twin (dequantize, fp32 matmul)
-    elsewhere."""
-    if native and x.dtype in cpu_kernels.NATIVE_DTYPES and x.is_cpu and x.shape[0] > 0:
-        return quant_matmul(x if x.stride(1) == 1 else x.contiguous(), weight)
-    from infer.kernels.quant_triton import quant_matmul_gpu
-
-    return quant_matmul_gpu(x, weight)

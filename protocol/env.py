@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -68,3 +69,17 @@ def read(variable: Variable, environ: Mapping[str, str] | None = None) -> str | 
 def read_raw(variable: Variable, environ: Mapping[str, str] | None = None) -> str | None:
     """The variable's value as set (None when unset): for callers that tell "set but blank" apart."""
     return (os.environ if environ is None else environ).get(variable.name)
+
+
+def model_cache_dir() -> Path:
+    """Where GGUF conversions (config, tokenizer, a link to the file) are kept: $INFER_MODEL_CACHE or
+    ~/.cache/infer/models."""
+    value = read(MODEL_CACHE)
+    return Path(value) if value else Path.home() / ".cache" / "infer" / "models"
+
+
+def compile_cache_dir() -> Path:
+    """Where compiled step graphs (inductor's FX graph cache) and the C kernels' builds are cached across
+    restarts: $INFER_COMPILE_CACHE or ~/.cache/infer/compile."""
+    value = read(COMPILE_CACHE)
+    return Path(value) if value else Path.home() / ".cache" / "infer" / "compile"

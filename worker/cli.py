@@ -104,7 +104,8 @@ def make_engine(
         from infer.worker.benchmark_engine import BenchmarkEngine
 
         return BenchmarkEngine(config, benchmark_step_time)
-    from infer.worker.engine import Engine, pick_device  # torch is imported only when a model runs
+    from infer.worker.engine import Engine  # torch is imported only when a model runs
+    from infer.worker.engine_setup import pick_device
 
     if parallel is not None:
         from infer.worker.tp_commands import TpLeader
@@ -114,9 +115,9 @@ def make_engine(
         return engine
     if ep is None:
         return Engine(config)
-    from infer.worker.group_sync import init_group
+    from infer.worker.expert_parallel import ExpertParallel
 
-    return Engine(config, init_group(ep, pick_device(config.device)))
+    return Engine(config, ExpertParallel.join(ep, pick_device(config.device)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,7 +168,8 @@ def _run(
     parallel: Any = None
     try:
         if pp is not None:  # its stages TP groups with --tp-size, one DP rank of an EP group with --ep-size
-            from infer.worker.pp_group import join, leader_engine, run_stage
+            from infer.worker.pp_group import join
+            from infer.worker.pp_stage import leader_engine, run_stage
 
             parallel, path, config = join(config, pp, tp, ep)
             if not parallel.is_leader:

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from infer.protocol import env
 from infer.protocol.lora import lora_modules, parse_lora_module
 from infer.protocol.options import option
 from infer.worker.scheduler import SCHEDULING_POLICIES
@@ -270,17 +268,3 @@ ENGINE_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(EngineConfig)
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def model_cache_dir() -> Path:
-    """Where GGUF conversions (config, tokenizer, a link to the file) are kept: $INFER_MODEL_CACHE or
-    ~/.cache/infer/models."""
-    value = env.read(env.MODEL_CACHE)
-    return Path(value) if value else Path.home() / ".cache" / "infer" / "models"
-
-
-def compile_cache_dir() -> Path:
-    """Where compiled step graphs are cached across restarts (inductor's FX graph cache):
-    $INFER_COMPILE_CACHE or ~/.cache/infer/compile."""
-    value = env.read(env.COMPILE_CACHE)
-    return Path(value) if value else Path.home() / ".cache" / "infer" / "compile"

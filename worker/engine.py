@@ -17,13 +17,11 @@ error_code "internal", its KV blocks freed) and the engine goes on with the othe
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, cast
+from typing import Any, Protocol, Sequence, cast
 
 import msgspec
 import torch
@@ -36,6 +34,15 @@ from infer.protocol.structured import NO_FIRST_TOKEN, StructuredOutputsParams, g
 from infer.worker.beam_groups import BeamGroup, BeamGroups
 from infer.worker.config import EngineConfig
 from infer.worker.detokenizer import IncrementalDetokenizer
+from infer.worker.engine_setup import (
+    context_length,
+    kept_quantized,
+    num_kv_blocks,
+    pick_device,
+    pick_dtype,
+    release_window,
+    shares_kv,
+)
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.in_memory import in_memory_model
@@ -65,12 +72,26 @@ from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.tokenizer import engine_tokenizer
 from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 
-if TYPE_CHECKING:
-    from infer.worker.pp_stage import StageLoader
-
 log = logging.getLogger("infer.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+class PipelineSize(Protocol):
+    @property
+    def size(self) -> int: ...
+
+
+class Stage(Protocol):
+    """Stage 0 of a pipeline, as the engine sees it (worker/pp_stage.py StageLoader): its layers' model, the KV block
+    count agreed with the other stages, the pipeline's size."""
+
+    @property
+    def group(self) -> PipelineSize: ...
+
+    def load_model(self, path: Path, dtype: torch.dtype, device: torch.device, quantization: str) -> Any: ...
+
+    def agree_min(self, num_blocks: int) -> int: ...
+
+
 GRAMMAR_WAIT_S = 0.05  # a step with nothing to run but grammars compiling waits this long for one
 
 
@@ -131,7 +152,7 @@ class Engine:
         model: object = None,
         tokenizer: object = None,
         tp: TensorParallel | None = None,
-        stage: StageLoader | None = None,
+        stage: Stage | None = None,
     ) -> None:
         """`model` / `tokenizer`: build the engine around weights already in memory (a transformers
         PreTrainedModel, whose weights are copied into our implementation, or one of our own model objects,
@@ -182,10 +203,7 @@ class Engine:
         self.max_model_len = context_length(config, self.model.config)
         self.block_size = config.block_size
         num_blocks = self._num_kv_blocks()
-        if self.tp.size > 1:
-            from infer.worker.tp_group import agree_min
-
-            num_blocks = agree_min(self.tp, num_blocks)  # every member's pool holds the same block ids
+        num_blocks = self.tp.agree_min(num_blocks)  # every TP member's pool holds the same block ids
         if stage is not None:
             num_blocks = stage.agree_min(num_blocks)  # every stage's pool holds the same block ids
         self.kv_cache = KVCache.allocate(
@@ -1182,80 +1200,11 @@ def _pooling_params(params: SamplingParams) -> SamplingParams:
     return msgspec.structs.replace(params, temperature=0.0, max_tokens=1, min_tokens=0, seed=None)
 
 
-def tensor_parallel_engine(
-    config: EngineConfig, size: int, worker_flags: Sequence[str], timeout_s: float = 60.0
-) -> Engine:
-    """An engine that is TP rank 0 of a group of `size`, the other ranks started now as child processes of
-    this one on this machine (`infer-worker` with `worker_flags`: the same engine options); `close()` ends
-    them. (LLM / AsyncLLM's direct mode with tensor_parallel_size > 1.)"""
-    from infer.protocol.ports import reserved_port
-    from infer.worker.tp_commands import TpLeader
-    from infer.worker.tp_group import TpOptions, join
-    from infer.worker.tp_supervisor import start_followers
-
-    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
-    children = start_followers(size, dist_init, worker_flags)
-    try:
-        parallel, _, config = join(config, TpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s), None)
-        engine = Engine(config, parallel.ep, tp=parallel.tp)
-        engine.runner.followers = TpLeader(parallel, children=children)
-    except BaseException:
-        for child in children:
-            child.kill()
-            child.wait(timeout=10)
-        raise
-    return engine
-
-
 def _rope_depends_on_length(model: Any) -> bool:
     """Whether the model's keys at a position depend on the sequence's length (LongRoPE past its original length):
     a cached prefix block would then be wrong for a sequence of another length, so prefix caching stays off."""
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     return bool(getattr(rotary, "length_dependent", False))
-
-
-def release_window(model: torch.nn.Module) -> int:
-    """The scheduler's release window (SchedulerConfig.release_window): the largest of the model's sliding windows
-    when every layer has one (`layer_windows`), else 0 (a full-attention layer needs every block)."""
-    windows = tuple(getattr(model, "layer_windows", ()))
-    return max(windows) if windows and all(windows) else 0
-
-
-def shares_kv(model: object) -> bool:
-    """Whether the model's V is its K (`kv_shared`: MLA's latent row), stored once in the pool."""
-    return bool(getattr(model, "kv_shared", False))
-
-
-class KVGeometry(Protocol):
-    """What sizes a model's KV pool: this rank's (or pipeline stage's) layers, KV heads and head size."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-
-def num_kv_blocks(
-    config: EngineConfig, model: KVGeometry, dtype: torch.dtype, device: torch.device, max_model_len: int
-) -> int:
-    """Blocks of the KV pool: `config.kv_cache_memory` (else its fraction of the memory) over the bytes of one
-    block of this rank's KV heads, at most what max_num_seqs full-length sequences can use."""
-    per_block = KVCache.bytes_per_block(
-        model.num_layers, config.block_size, model.num_kv_heads, model.head_dim, dtype, shares_kv(model)
-    )
-    budget = config.kv_cache_memory
-    if budget is None:
-        budget = int(_memory_bytes(device) * config.kv_cache_memory_fraction)
-    num_blocks = budget // per_block
-    if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory of {budget} bytes is too small for one KV block: a block of {config.block_size} "
-            f"tokens needs {per_block} bytes ({model.num_layers} layers x K and V x "
-            f"{model.num_kv_heads} KV heads x head_dim {model.head_dim} x "
-            f"{torch.empty((), dtype=dtype).element_size()} bytes)"
-        )
-    # More blocks than max_num_seqs full-length sequences can use would only waste memory.
-    useful = config.max_num_seqs * math.ceil(max_model_len / config.block_size) + 1
-    return int(min(num_blocks, useful))
 
 
 NON_FINITE_LOGITS = (
@@ -1333,83 +1282,3 @@ def _logprobs_rows(sampled: SamplerOutput, wants: list[int | None]) -> list[Toke
                 row.setdefault(t, v)
         rows.append(row)
     return rows
-
-
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but no CUDA device is available")
-    return torch.device(device)
-
-
-def pick_dtype(dtype: str, device: torch.device, quantized: bool = False) -> torch.dtype:
-    """`dtype` ("auto": by device; a CPU's rule is in the comment above _cpu_isa). `quantized`: the model's matmuls
-    multiply weights kept quantized (`kept_quantized`)."""
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    isa = _cpu_isa()
-    bf16 = _cpu_has_native_bf16() or isa == "avx2" or (quantized and isa == "avx512")
-    return torch.bfloat16 if bf16 else torch.float32
-
-
-def kept_quantized(config: EngineConfig) -> bool:
-    """Whether the engine's weights will be a GGUF's (its blocks, or a BF16 file's bf16 values) or quantized
-    (--quantization int8 / int4, an AWQ / GPTQ checkpoint): their matmuls then run in kernels/cpu/quant.c
-    (or the bf16 GEMV), which take bf16 rows natively on AVX2 as well, and no oneDNN bf16 matmul is left to
-    emulate; bf16 rows also keep the native decode step (worker/models/native_decode.py)."""
-    from infer.worker.awq_gptq import directory_scheme
-    from infer.worker.model_files import model_source
-
-    if config.quantization in ("int8", "int4"):
-        return True
-    if config.quantization == "none":
-        return False
-    source = model_source(config.model)
-    return source.suffix.lower() == ".gguf" or (source.is_dir() and directory_scheme(source) is not None)
-
-
-# "auto" on a CPU: bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX), and on AVX2 machines (Zen 3),
-# where oneDNN has no bf16 at all and our kernels multiply every bf16 linear (kernels/cpu/gemv.c's fp32 core: bf16
-# weights widened in registers, any number of rows; quant.c for weights kept quantized); fp32 on AVX-512 CPUs
-# without BF16 unless the weights are kept quantized (oneDNN emulates bf16 matmuls there; not measured).
-# Measured 2026-11-27 on the 2-core Zen 5 VM, avx2 build with torch held to AVX2 (INFER_CPU_ISA=avx2,
-# ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2), the embedded SmolLM2-135M dense (quantization "none"), 2
-# threads, two alternating rounds: batch-1 decode bf16 143-177 tok/s against fp32 45-46 (half the bytes a token,
-# and oneDNN's fp32 GEMV is slower than the native one); a 500-token prefill 623 tok/s against 894-918 (our tiles
-# reach ~60% of oneDNN's sgemm); offline 16 x (200 -> 96) 152 against 151 tok/s. A 500-token prompt and 128 tokens
-# out: ~1.6 s bf16, ~3.4 s fp32. (Before the GEMV took more than 8 rows and served weights oneDNN cannot pack,
-# bf16 prefills ran on ATen's bf16 matmul at 220 tok/s.)
-# With INFER_CPU_ISA set below avx512 the engine computes as such a CPU would (the kernels' build, and this choice).
-def _cpu_isa() -> str:
-    from infer.kernels.cpu_kernels import selected_isa
-
-    return selected_isa()
-
-
-def _cpu_has_native_bf16() -> bool:
-    from infer.kernels.cpu_kernels import selected_isa
-
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return (" avx512_bf16" in flags or " amx_bf16" in flags) and selected_isa() == "avx512"
-
-
-def _memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def context_length(config: EngineConfig, hf_config) -> int:
-    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
-    if config.max_model_len is None:
-        return model_max
-    if config.max_model_len > model_max:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context length {model_max}")
-    return config.max_model_len

@@ -12,13 +12,17 @@ has no work: the worker loop keeps the group in lockstep (see `infer.worker.grou
 
 from __future__ import annotations
 
+import datetime
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from infer.worker.group_sync import GroupBroken
+from infer.worker.group_sync import EpOptions, GroupBroken
+
+log = logging.getLogger("infer.worker")
 
 # (rows [N, hidden], local expert ids [N] int64) -> each row through its expert [N, hidden], unweighted
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -37,6 +41,22 @@ class ExpertParallel:
     @classmethod
     def single(cls) -> ExpertParallel:
         return cls(rank=0, size=1)
+
+    @classmethod
+    def join(cls, options: EpOptions, device: torch.device) -> ExpertParallel:
+        """Join the group's torch.distributed world (blocks until every rank has joined, at most timeout_s)."""
+        import torch.distributed as dist
+
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=options.dist_init,
+            rank=options.rank,
+            world_size=options.size,
+            timeout=datetime.timedelta(seconds=options.timeout_s),
+        )
+        log.info("EP group joined: rank %d of %d at %s (%s)", options.rank, options.size, options.dist_init, backend)
+        return cls(rank=options.rank, size=options.size)
 
     def expert_range(self, num_experts: int) -> range:
         """The global ids of the experts this rank holds (a contiguous 1/size of them)."""

@@ -1,5 +1,6 @@
-"""Lockstep for the ranks of an EP group: torch.distributed setup, the per-step agreement, and wake-ups.
-(torch is imported only when a group is joined: the worker daemon imports this module to parse its flags.)
+"""Lockstep for the ranks of an EP group: the per-step agreement and wake-ups (joining the group's torch.distributed
+world: `ExpertParallel.join`). torch is imported only when a group runs: the worker daemon imports this module to
+parse its flags.
 
 The MoE layers of an EP group exchange tokens with collectives, so every rank must run one forward per
 group step, a dummy one when it has nothing to do. Each rank still has its own requests, so the group
@@ -25,24 +26,17 @@ agrees before every step:
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import socket
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import zmq
 
 from infer.protocol.keys import CurveKeys, is_loopback
 from infer.protocol.transport import KeyGate, make_socket
-
-if TYPE_CHECKING:
-    import torch
-
-    from infer.worker.expert_parallel import ExpertParallel
 
 log = logging.getLogger("infer.worker")
 
@@ -113,24 +107,6 @@ def _env_int(env: dict[str, str], name: str) -> int:
         return int(env[name])
     except ValueError:
         raise ValueError(f"environment variable {name} must be an integer, got {env[name]!r}") from None
-
-
-def init_group(options: EpOptions, device: torch.device) -> ExpertParallel:
-    """Join the group's torch.distributed world (blocks until every rank has joined, at most timeout_s)."""
-    import torch.distributed as dist
-
-    from infer.worker.expert_parallel import ExpertParallel
-
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method=options.dist_init,
-        rank=options.rank,
-        world_size=options.size,
-        timeout=datetime.timedelta(seconds=options.timeout_s),
-    )
-    log.info("EP group joined: rank %d of %d at %s (%s)", options.rank, options.size, options.dist_init, backend)
-    return ExpertParallel(rank=options.rank, size=options.size)
 
 
 class GroupSync:
@@ -233,6 +209,20 @@ class GroupSync:
         self.wake_socket.close(0)
         if self._gate is not None:
             self._gate.close()
+
+
+def agree_min(value: int, group: object, what: str) -> int:
+    """The smallest `value` over the processes of `group` (a gloo process group; None: the whole world), e.g. the KV
+    blocks every member of a TP group or pipeline can hold. GroupBroken naming `what` when a member is gone."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    except Exception as e:  # noqa: BLE001
+        raise GroupBroken(f"{what} agreement failed: {e}") from e
+    return int(t.item())
 
 
 def rendezvous_address(dist_init: str) -> tuple[str, int]:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infer.worker.config import model_cache_dir
+from infer.protocol.env import model_cache_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
@@ -19,7 +19,6 @@ from infer.worker.step_graphs import StepGraphs
 
 if TYPE_CHECKING:
     from infer.worker.models.registry import CausalLM
-    from infer.worker.tp_commands import TpLeader
 
 
 @dataclass
@@ -33,13 +32,28 @@ class Launched:
     logits: torch.Tensor | None = None
 
 
+class Followers(Protocol):
+    """The command channel from the engine's process to the other processes of its TP group or pipeline
+    (worker/tp_commands.py TpLeader): each forward, logits computation and dummy step is sent to them first, so that
+    they run the same collectives."""
+
+    def forward(self, batch: ForwardBatch, lora_rows: list[tuple[int, int]] | None = None) -> None: ...
+
+    def logits(self, rows: torch.Tensor) -> None: ...
+
+    def dummy(self) -> None: ...
+
+    def lora_copy_in(self, name: str, path: str, lora_id: int, slot: int) -> None: ...
+
+    def stop(self, code: int = 0) -> None: ...
+
+
 class ModelRunner:
     """Owns the model and the KV pool on one device; stateless between steps otherwise.
 
-    In a TP group (TP rank 0 runs the engine) `followers` is the command channel to the other ranks: each
-    forward and each logits computation is sent to them first, so that they run the same collectives."""
+    In a TP group (TP rank 0 runs the engine) `followers` is the command channel to the other ranks (`Followers`)."""
 
-    followers: TpLeader | None = None
+    followers: Followers | None = None
     lora: LoraManager | None = None  # the engine's LoRA adapters (worker/lora.py), when enabled
 
     def __init__(

@@ -45,8 +45,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -55,6 +53,7 @@ from urllib.parse import urlsplit
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
 from infer.worker.group_sync import STARTUP_TIMEOUT_S, GroupBroken, rendezvous_address
+from infer.worker.group_sync import agree_min as group_agree_min
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -62,7 +61,6 @@ if TYPE_CHECKING:
     import torch
 
     from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
     from infer.worker.expert_parallel import ExpertParallel
     from infer.worker.group_sync import EpOptions
     from infer.worker.tensor_parallel import TensorParallel
@@ -286,7 +284,7 @@ def join(
 
     import torch.distributed as dist
 
-    from infer.worker.engine import pick_device
+    from infer.worker.engine_setup import pick_device
     from infer.worker.loader import weight_files
     from infer.worker.model_config import read_model_config
     from infer.worker.model_files import resolve_model
@@ -435,113 +433,4 @@ def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: date
 
 def agree_min(group: PipelineGroup, value: int) -> int:
     """The smallest `value` over this DP rank's processes (the KV blocks every one of them can hold)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.int64)
-    try:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=None if group.commands is None else group.commands.cpu_group)
-    except Exception as e:  # noqa: BLE001
-        raise GroupBroken(f"pipeline agreement failed: {e}") from e
-    return int(t.item())
-
-
-# ---- the processes' entry points ---------------------------------------------------------------------------
-
-
-def leader_engine(config: EngineConfig, group: PipelineGroup, children: Sequence[Any] = ()) -> Engine:
-    """Stage 0's engine (TP rank 0 of stage 0), connected to this DP rank's other processes
-    (`engine.runner.followers`: the command channel); with an EP group it steps with the group's other engines."""
-    from infer.worker.engine import Engine
-    from infer.worker.pp_stage import StageLoader
-    from infer.worker.tp_commands import TpLeader
-
-    if config.enforce_eager is False:
-        log.warning(
-            "--no-enforce-eager: step graphs are not made for pipeline stages yet (a stage's layers and its "
-            "hand-offs run op by op); the pipeline runs eagerly"
-        )
-    engine = Engine(config, group.ep, stage=StageLoader(group))
-    engine.runner.followers = TpLeader(group, children=children)
-    return engine
-
-
-def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
-    """The life of any other process of the pipeline (a stage > 0, or a TP rank > 0 of a stage): load its share of
-    its stage's layers, size its KV pool with the others, serve stage 0's commands (worker/tp_commands.py's
-    follower loop). Returns the exit code (stage 0's when it said stop: 0 only when the rank was told to stop)."""
-    import torch
-
-    from infer.worker.engine import context_length, num_kv_blocks, pick_device, pick_dtype
-    from infer.worker.forward_batch import KVCache
-    from infer.worker.pp_stage import StageLoader
-    from infer.worker.tp_commands import FollowerChannel, LeaderGone, serve_follower
-
-    for sig in (signal.SIGTERM, signal.SIGINT):  # stage 0 decides when the rank ends (it drains first)
-        signal.signal(sig, signal.SIG_IGN)
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    device = pick_device(config.device)
-    dtype = pick_dtype(config.dtype, device)
-    loader = StageLoader(group)
-    model = loader.load_model(path, dtype, device, config.quantization)
-    max_model_len = context_length(config, model.config)
-    blocks = loader.agree_min(num_kv_blocks(config, model, dtype, device, max_model_len))
-    kv_cache = KVCache.allocate(
-        model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim, dtype, device
-    )
-    channel = FollowerChannel(group)
-    log.info(
-        "%s ready on %s: layers %d..%d, %d KV blocks",
-        group.member(group.index),
-        socket.gethostname(),
-        group.layers.start,
-        group.layers.stop - 1,
-        blocks,
-    )
-    try:
-        return serve_follower(model, kv_cache, config.block_size, channel, device)
-    except (LeaderGone, GroupBroken) as e:
-        log.error("fatal: %s; exiting", e)
-        return 1
-    finally:
-        channel.close()
-
-
-def pipeline_parallel_engine(
-    config: EngineConfig,
-    size: int,
-    worker_flags: Sequence[str],
-    timeout_s: float = 60.0,
-    partition: tuple[int, ...] | None = None,
-    tp_size: int = 1,
-) -> Engine:
-    """An engine that is stage 0 of a pipeline of `size` stages (each a TP group of `tp_size` processes), the other
-    processes started now as children of this one on this machine (`infer-worker` with `worker_flags`: the same
-    engine options); `close()` ends them. (LLM / AsyncLLM's direct mode with pipeline_parallel_size > 1.)"""
-    from infer.protocol.ports import reserved_port
-    from infer.worker.tp_group import TpOptions
-    from infer.worker.tp_supervisor import members, start_members
-
-    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
-    flags = [*worker_flags, "--pp-size", str(size), "--pp-timeout", str(timeout_s)]
-    if tp_size > 1:
-        flags += ["--tp-size", str(tp_size), "--tp-timeout", str(timeout_s)]
-    if partition is not None:
-        flags += ["--pp-layer-partition", ",".join(map(str, partition))]
-    children = start_members(members(tp_size, size)[1:], dist_init, flags)
-    try:
-        tp = TpOptions(size=tp_size, rank=0, dist_init=dist_init, timeout_s=timeout_s) if tp_size > 1 else None
-        group, _, config = join(
-            config, PpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s, partition=partition), tp
-        )
-        return leader_engine(config, group, children)
-    except BaseException:
-        for child in children:
-            child.kill()
-            child.wait(timeout=10)
-        import torch.distributed as dist
-
-        if dist.is_initialized():  # so that another pipeline can be made in this process
-            dist.destroy_process_group()
-        raise
+    return group_agree_min(value, None if group.commands is None else group.commands.cpu_group, "pipeline")

@@ -1,4 +1,6 @@
-"""One pipeline stage's share of a Llama-family model (see worker/pp_group.py for the pipeline itself).
+"""One pipeline stage's share of a Llama-family model (see worker/pp_group.py for the pipeline itself), and the
+processes' entry points: stage 0's engine (`leader_engine`, `pipeline_parallel_engine`), every other process's loop
+(`run_stage`).
 
 `StageLoader.load_model` builds our model with deferred weights, keeps only this stage's parts (its layers under
 their own names `model.layers.<i>.*`, so the loader's name mapping holds; the embedding on the first stage; the
@@ -25,15 +27,19 @@ Step graphs and the native CPU decode step are not used on stages (every step ru
 from __future__ import annotations
 
 import logging
+import signal
+import socket
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
 
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.gguf import close_gguf_files
+from infer.worker.group_sync import GroupBroken
 from infer.worker.loader import (
     build_model,
     file_tensors,
@@ -45,7 +51,11 @@ from infer.worker.loader import (
 )
 from infer.worker.models.layers import deferred_weights
 from infer.worker.models.llama import LlamaForCausalLM, LlamaModel
-from infer.worker.pp_group import PendingSend, PipelineGroup, agree_min
+from infer.worker.pp_group import PendingSend, PipelineGroup, PpOptions, agree_min, join
+
+if TYPE_CHECKING:
+    from infer.worker.config import EngineConfig
+    from infer.worker.engine import Engine
 
 log = logging.getLogger("infer.worker")
 
@@ -204,3 +214,101 @@ def holds(key: str, group: PipelineGroup, tied: bool) -> bool:
     if parts[0] == "lm_head" or "norm" in parts:
         return group.is_last
     return True
+
+
+# ---- the processes' entry points ---------------------------------------------------------------------------
+
+
+def leader_engine(config: EngineConfig, group: PipelineGroup, children: Sequence[Any] = ()) -> Engine:
+    """Stage 0's engine (TP rank 0 of stage 0), connected to this DP rank's other processes
+    (`engine.runner.followers`: the command channel); with an EP group it steps with the group's other engines."""
+    from infer.worker.engine import Engine
+    from infer.worker.tp_commands import TpLeader
+
+    if config.enforce_eager is False:
+        log.warning(
+            "--no-enforce-eager: step graphs are not made for pipeline stages yet (a stage's layers and its "
+            "hand-offs run op by op); the pipeline runs eagerly"
+        )
+    engine = Engine(config, group.ep, stage=StageLoader(group))
+    engine.runner.followers = TpLeader(group, children=children)
+    return engine
+
+
+def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
+    """The life of any other process of the pipeline (a stage > 0, or a TP rank > 0 of a stage): load its share of
+    its stage's layers, size its KV pool with the others, serve stage 0's commands (worker/tp_commands.py's
+    follower loop). Returns the exit code (stage 0's when it said stop: 0 only when the rank was told to stop)."""
+    import torch
+
+    from infer.worker.engine_setup import context_length, num_kv_blocks, pick_device, pick_dtype
+    from infer.worker.tp_commands import FollowerChannel, LeaderGone, serve_follower
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stage 0 decides when the rank ends (it drains first)
+        signal.signal(sig, signal.SIG_IGN)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    loader = StageLoader(group)
+    model = loader.load_model(path, dtype, device, config.quantization)
+    max_model_len = context_length(config, model.config)
+    blocks = loader.agree_min(num_kv_blocks(config, model, dtype, device, max_model_len))
+    kv_cache = KVCache.allocate(
+        model.num_layers, blocks, config.block_size, model.num_kv_heads, model.head_dim, dtype, device
+    )
+    channel = FollowerChannel(group)
+    log.info(
+        "%s ready on %s: layers %d..%d, %d KV blocks",
+        group.member(group.index),
+        socket.gethostname(),
+        group.layers.start,
+        group.layers.stop - 1,
+        blocks,
+    )
+    try:
+        return serve_follower(model, kv_cache, config.block_size, channel, device)
+    except (LeaderGone, GroupBroken) as e:
+        log.error("fatal: %s; exiting", e)
+        return 1
+    finally:
+        channel.close()
+
+
+def pipeline_parallel_engine(
+    config: EngineConfig,
+    size: int,
+    worker_flags: Sequence[str],
+    timeout_s: float = 60.0,
+    partition: tuple[int, ...] | None = None,
+    tp_size: int = 1,
+) -> Engine:
+    """An engine that is stage 0 of a pipeline of `size` stages (each a TP group of `tp_size` processes), the other
+    processes started now as children of this one on this machine (`infer-worker` with `worker_flags`: the same
+    engine options); `close()` ends them. (LLM / AsyncLLM's direct mode with pipeline_parallel_size > 1.)"""
+    from infer.protocol.ports import reserved_port
+    from infer.worker.tp_group import TpOptions
+    from infer.worker.tp_supervisor import members, start_members
+
+    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
+    flags = [*worker_flags, "--pp-size", str(size), "--pp-timeout", str(timeout_s)]
+    if tp_size > 1:
+        flags += ["--tp-size", str(tp_size), "--tp-timeout", str(timeout_s)]
+    if partition is not None:
+        flags += ["--pp-layer-partition", ",".join(map(str, partition))]
+    children = start_members(members(tp_size, size)[1:], dist_init, flags)
+    try:
+        tp = TpOptions(size=tp_size, rank=0, dist_init=dist_init, timeout_s=timeout_s) if tp_size > 1 else None
+        group, _, config = join(
+            config, PpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s, partition=partition), tp
+        )
+        return leader_engine(config, group, children)
+    except BaseException:
+        for child in children:
+            child.kill()
+            child.wait(timeout=10)
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # so that another pipeline can be made in this process
+            dist.destroy_process_group()
+        raise

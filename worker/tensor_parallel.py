@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from infer.worker.group_sync import GroupBroken
+from infer.worker.group_sync import GroupBroken, agree_min
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,16 @@ class TensorParallel:
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    def agree_min(self, value: int) -> int:
+        """The smallest `value` over the group (the KV blocks every member can hold), once every member has loaded
+        its shard: on the group's startup group (gloo, STARTUP_TIMEOUT_S), since one member loads seconds after
+        another on a busy machine; the group's own timeout (--tp-timeout, 5 s in the tests) broke the start of a TP
+        group whose members loaded 5 s apart, on whichever side waited (a monitored barrier bounds only rank 0's
+        wait: the others' send to it runs under the group's timeout). A member that died fails it at once."""
+        if self.size == 1:
+            return value
+        return agree_min(value, self.startup_group or self.cpu_group, "TP group")
 
     def part(self, size: int, what: str) -> range:
         """This rank's contiguous 1/size of `size` items (heads, rows, ...); ValueError if they do not split."""

@@ -23,7 +23,7 @@ import subprocess
 import threading
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import msgpack
@@ -39,11 +39,35 @@ if TYPE_CHECKING:
     import torch
 
     from infer.worker.forward_batch import ForwardBatch
-    from infer.worker.pp_group import PipelineGroup
     from infer.worker.tensor_parallel import TensorParallel
-    from infer.worker.tp_group import Parallel
 
 log = logging.getLogger("infer.worker")
+
+
+class ChannelOptions(Protocol):
+    """What the channel reads of its group's options (tp_group.TpOptions, pp_group.PpOptions)."""
+
+    @property
+    def dist_init(self) -> str | None: ...
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    @property
+    def ping_interval_s(self) -> float: ...
+
+
+class CommandGroup(Protocol):
+    """The processes a command channel joins (tp_group.Parallel: a TP group; pp_group.PipelineGroup: a pipeline's
+    processes): `commands` their process group (rank 0 the engine's process), their options, their names."""
+
+    @property
+    def commands(self) -> TensorParallel | None: ...
+
+    @property
+    def options(self) -> ChannelOptions: ...
+
+    def member(self, index: int) -> str: ...
 
 
 _LAST_WORDS_MS = 1000  # how long a follower waits for the frames rank 0 sent before its connection closed
@@ -164,7 +188,7 @@ class TpLeader:
 
     def __init__(
         self,
-        parallel: Parallel | PipelineGroup,
+        parallel: CommandGroup,
         ctx: zmq.Context | None = None,
         children: Sequence[subprocess.Popen] = (),
     ) -> None:
@@ -264,7 +288,7 @@ class TpLeader:
 class FollowerChannel:
     """A follower's end of the command channel: one PULL socket, and the monitor of its connection from rank 0."""
 
-    def __init__(self, parallel: Parallel | PipelineGroup, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, parallel: CommandGroup, ctx: zmq.Context | None = None) -> None:
         ctx = ctx or zmq.Context.instance()
         self.timeout_s = parallel.options.timeout_s
         self.leader = parallel.member(0)  # its name in messages

@@ -43,6 +43,8 @@ from infer.worker.group_sync import STARTUP_TIMEOUT_S, GroupBroken, rendezvous_a
 if TYPE_CHECKING:
     import torch
 
+    from infer.worker.config import EngineConfig
+    from infer.worker.engine import Engine
     from infer.worker.expert_parallel import ExpertParallel
     from infer.worker.group_sync import EpOptions
     from infer.worker.models.registry import CausalLM
@@ -233,25 +235,6 @@ def model_fingerprint(path: Path, weight_files: Sequence[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-def agree_min(tp: TensorParallel, value: int) -> int:
-    """The smallest `value` over the TP group (the KV blocks every member can hold), once every member has loaded
-    its shard: on the group's startup group (gloo, STARTUP_TIMEOUT_S), since one member loads seconds after another
-    on a busy machine; the group's own timeout (--tp-timeout, 5 s in the tests) broke the start of a TP group
-    whose members loaded 5 s apart, on whichever side waited (a monitored barrier bounds only rank 0's wait: the
-    others' send to it runs under the group's timeout). A member that died fails the all-reduce at once."""
-    if tp.size == 1:
-        return value
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.int64)
-    try:
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.startup_group or tp.cpu_group)
-    except Exception as e:  # noqa: BLE001
-        raise GroupBroken(f"TP group agreement failed: {e}") from e
-    return int(t.item())
-
-
 def engine_facts(config: Any, path: Path, weight_files: Sequence[Path], dtype: Any) -> dict[str, Any]:
     """What every member of a group must agree on before serving (see check_same_model)."""
     return {
@@ -271,7 +254,7 @@ def join(config: Any, options: TpOptions, ep: EpOptions | None) -> tuple[Paralle
     directory, `config` with this process's own GPU when it runs on CUDA)."""
     import dataclasses
 
-    from infer.worker.engine import pick_device
+    from infer.worker.engine_setup import pick_device
     from infer.worker.loader import weight_files
     from infer.worker.model_files import resolve_model
 
@@ -300,7 +283,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     Returns the exit code (rank 0's when it said stop: 0 only when the group was told to stop)."""
     import torch
 
-    from infer.worker.engine import context_length, num_kv_blocks, pick_device, pick_dtype, shares_kv
+    from infer.worker.engine_setup import context_length, num_kv_blocks, pick_device, pick_dtype, shares_kv
     from infer.worker.forward_batch import KVCache
     from infer.worker.loader import load_model
     from infer.worker.tp_commands import FollowerChannel, LeaderGone, serve_follower
@@ -314,7 +297,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     model = load_model(path, dtype, device, parallel.ep, parallel.tp, config.quantization)
     lm = cast("CausalLM", model)  # one of our model classes, which meet the CausalLM contract
     max_model_len = context_length(config, model.config)
-    blocks = agree_min(parallel.tp, num_kv_blocks(config, lm, dtype, device, max_model_len))
+    blocks = parallel.tp.agree_min(num_kv_blocks(config, lm, dtype, device, max_model_len))
     kv_cache = KVCache.allocate(
         lm.num_layers,
         blocks,
@@ -345,3 +328,28 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
         return 1
     finally:
         channel.close()
+
+
+def tensor_parallel_engine(
+    config: EngineConfig, size: int, worker_flags: Sequence[str], timeout_s: float = 60.0
+) -> Engine:
+    """An engine that is TP rank 0 of a group of `size`, the other ranks started now as child processes of
+    this one on this machine (`infer-worker` with `worker_flags`: the same engine options); `close()` ends
+    them. (LLM / AsyncLLM's direct mode with tensor_parallel_size > 1.)"""
+    from infer.protocol.ports import reserved_port
+    from infer.worker.engine import Engine
+    from infer.worker.tp_commands import TpLeader
+    from infer.worker.tp_supervisor import start_followers
+
+    dist_init = f"tcp://127.0.0.1:{reserved_port()}"
+    children = start_followers(size, dist_init, worker_flags)
+    try:
+        parallel, _, config = join(config, TpOptions(size=size, rank=0, dist_init=dist_init, timeout_s=timeout_s), None)
+        engine = Engine(config, parallel.ep, tp=parallel.tp)
+        engine.runner.followers = TpLeader(parallel, children=children)
+    except BaseException:
+        for child in children:
+            child.kill()
+            child.wait(timeout=10)
+        raise
+    return engine

@@ -21,7 +21,7 @@ from model_batches import Pager, new_cache
 
 from infer import LLM, SamplingParams
 from infer.worker.config import EngineConfig
-from infer.worker.engine import num_kv_blocks
+from infer.worker.engine_setup import num_kv_blocks
 from infer.worker.forward_batch import KVCache
 from infer.worker.loader import build_model, load_model
 from infer.worker.models.deepseek_moe import DeepseekMoE, GroupedTopK

@@ -16,7 +16,10 @@ from infer.kernels import cpu_kernels
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.models import native_decode
+from infer.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from infer.worker.models.native_decode import NativeDecoder
+
+DENSE = (LlamaDecoderLayer, LlamaAttention, LlamaMLP)  # the classes whose layers the native step runs
 
 
 @pytest.fixture(autouse=True, params=[isa for isa in native_isa_levels() if isa != "generic"])
@@ -157,15 +160,15 @@ def test_which_models_it_serves(arch, serves, tiny_model_dir, calls):
 def test_fp32_and_multi_rank_models_keep_the_layers(smollm2_dir):
     for quantization in ("auto", "none"):
         fp32 = _engine(smollm2_dir, dtype="float32", quantization=quantization)
-        assert NativeDecoder.for_model(fp32.model.model, 1) is None
+        assert NativeDecoder.for_model(fp32.model.model, 1, DENSE) is None
     bf16 = _engine(smollm2_dir)
-    assert NativeDecoder.for_model(bf16.model.model, 1) is not None
-    assert NativeDecoder.for_model(bf16.model.model, 2) is None
+    assert NativeDecoder.for_model(bf16.model.model, 1, DENSE) is not None
+    assert NativeDecoder.for_model(bf16.model.model, 2, DENSE) is None
 
 
 def test_positions_and_slots_out_of_range_are_refused(smollm2_dir):
     engine = _engine(smollm2_dir)
-    decoder = NativeDecoder.for_model(engine.model.model, 1)
+    decoder = NativeDecoder.for_model(engine.model.model, 1, DENSE)
     model, kv = engine.model.model, engine.kv_cache
     weights, formats, pools = decoder.weights, decoder.formats, decoder.pool_addresses(kv)
     tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)

@@ -34,7 +34,6 @@ from infer.worker.models.layers import (
 from infer.worker.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
-    LlamaModel,
     LlamaVariant,
     MLPFactory,
     layer_windows,
@@ -206,7 +205,7 @@ class Gemma2Model(Gemma3Model):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's text model (model_type "gemma3_text"); see the module docstring for what it changes."""
 
-    base_model_class: ClassVar[Callable[..., LlamaModel | Gemma3Model]] = Gemma3Model
+    base_model_class: ClassVar[Callable[..., Any]] = Gemma3Model
     implemented_fields: ClassVar[frozenset[str]] = frozenset(
         {"query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping"}
     )
@@ -228,4 +227,4 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 class Gemma2ForCausalLM(Gemma3ForCausalLM):
     """Gemma 2 (model_type "gemma2"); see the module docstring for what it changes."""
 
-    base_model_class: ClassVar[Callable[..., LlamaModel | Gemma3Model]] = Gemma2Model
+    base_model_class: ClassVar[Callable[..., Any]] = Gemma2Model

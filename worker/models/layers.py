@@ -33,13 +33,14 @@ from torch import nn
 
 from infer.kernels.cpu_kernels import (
     GEMV_MAX_ROWS,
+    NATIVE_DTYPES,
     gemv,
     gemv_takes,
     gemv_takes_any_rows,
     silu_and_mul_fits,
     silu_and_mul_native,
 )
-from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_linear, quant_matmul_takes, quant_source
+from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_matmul, quant_matmul_takes, quant_source
 from infer.kernels.rmsnorm import rms_norm
 from infer.kernels.rotary import build_cos_sin_cache, rotary_embedding
 from infer.worker.forward_batch import ForwardBatch
@@ -221,6 +222,18 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual, any_rows=self.any_rows), residual
 
 
+def quant_linear(x: torch.Tensor, weight: QuantWeight, native: bool) -> torch.Tensor:
+    """x [M, K] times a quantized weight [N, K], transposed -> [M, N] in x's dtype, by the fastest path here: the
+    native kernel on a CPU (`native`: the caller's `quant_matmul_takes(weight)`, decided once per weight) for bf16 /
+    fp32 rows, else kernels/quant_triton.py's dispatcher: Triton on CUDA, the plain twin (dequantize, fp32 matmul)
+    elsewhere."""
+    if native and x.dtype in NATIVE_DTYPES and x.is_cpu and x.shape[0] > 0:
+        return quant_matmul(x if x.stride(1) == 1 else x.contiguous(), weight)
+    from infer.kernels.quant_triton import quant_matmul_gpu  # not imported by CPU workers that need none
+
+    return quant_matmul_gpu(x, weight)
+
+
 class PackedLinear(QuantStorage):
     """Base of the linear layers: `self.weight` [out, in] (+ optional `self.bias`), and on CPU an optional
     oneDNN pre-packed copy of the weight that `pack_weights()` makes once the checkpoint is loaded.
@@ -230,7 +243,7 @@ class PackedLinear(QuantStorage):
     (a decode at batch 1-8) go to the native GEMV instead (`infer.kernels.cpu_kernels.gemv`), which streams the
     plain weight at a higher memory bandwidth than oneDNN reaches there; where oneDNN packs no bf16 weight (an
     AVX2 CPU), bf16 rows of any count go there (its fp32 core). A quantized weight (QuantStorage) is
-    multiplied by `infer.kernels.quant.quant_linear` at every row count: the native kernel on a CPU, Triton
+    multiplied by `quant_linear` (below) at every row count: the native kernel on a CPU, Triton
     on CUDA, the twin elsewhere.
     """
 

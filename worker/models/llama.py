@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -31,9 +31,6 @@ from infer.worker.models.layers import (
 )
 from infer.worker.models.native_decode import NativeDecoder
 from infer.worker.tensor_parallel import TensorParallel
-
-if TYPE_CHECKING:
-    from infer.worker.models.gemma import Gemma3Model
 
 
 @dataclass(frozen=True)
@@ -308,6 +305,11 @@ class LlamaModel(nn.Module):
         # first step after the weights changed; `native_decode = False` keeps every step on the layers one by one.
         self.native_decode: NativeDecoder | Literal[False] | None = None
 
+    def native_decoder(self) -> NativeDecoder | None:
+        """The native step for this model's decodes (worker/models/native_decode.py), or None where it does not
+        apply (it runs only these dense classes' layers, exactly)."""
+        return NativeDecoder.for_model(self, self.tp_size, (LlamaDecoderLayer, LlamaAttention, LlamaMLP))
+
     def forward(
         self,
         batch: ForwardBatch,
@@ -320,7 +322,7 @@ class LlamaModel(nn.Module):
         batch = self.rotary_emb.rope_batch(batch)
         if layers is None and batch.num_decodes and not torch.compiler.is_compiling() and not lora_rows_active():
             if self.native_decode is None:
-                self.native_decode = NativeDecoder.for_model(self, self.tp_size) or False
+                self.native_decode = self.native_decoder() or False
             if (
                 isinstance(self.native_decode, NativeDecoder)
                 and hidden.dtype == self.native_decode.dtype
@@ -352,7 +354,7 @@ class LlamaForCausalLM(nn.Module):
 
     # What a family built on these classes changes: the model it runs (same constructor as LlamaModel) and the
     # config fields of _UNSUPPORTED_FIELDS its layers compute.
-    base_model_class: ClassVar[Callable[..., LlamaModel | Gemma3Model]] = LlamaModel
+    base_model_class: ClassVar[Callable[..., Any]] = LlamaModel
     implemented_fields: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(

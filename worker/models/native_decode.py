@@ -31,7 +31,7 @@ equals greedy output without it, token for token, where the steps without it run
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -50,20 +50,25 @@ from infer.worker.spec_config import MAX_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     from infer.worker.models.layers import PackedLinear
-    from infer.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+
+# The model's parts are worker/models/llama.py's (LlamaModel and its dense LlamaDecoderLayer, LlamaAttention and
+# LlamaMLP): typed Any here, since the model builds its decoder (`for_model`, given its own dense classes) and this
+# module imports no model. `for_model` admits only layers of exactly those classes.
+Model = Any
+Layer = Any
 
 
-def _attention(layer: LlamaDecoderLayer) -> LlamaAttention:
-    """A dense layer's attention (`for_model` admits only layers whose attention is a LlamaAttention)."""
-    return cast("LlamaAttention", layer.self_attn)
+def _attention(layer: Layer) -> Any:
+    """A dense layer's attention."""
+    return layer.self_attn
 
 
-def _mlp(layer: LlamaDecoderLayer) -> LlamaMLP:
-    """A dense layer's MLP (`for_model` admits only layers whose MLP is a LlamaMLP)."""
-    return cast("LlamaMLP", layer.mlp)
+def _mlp(layer: Layer) -> Any:
+    """A dense layer's MLP."""
+    return layer.mlp
 
 
-def _linears(layer: LlamaDecoderLayer) -> tuple[PackedLinear, PackedLinear, PackedLinear, PackedLinear]:
+def _linears(layer: Layer) -> tuple[PackedLinear, PackedLinear, PackedLinear, PackedLinear]:
     """A decoder layer's four linears, in decode_layers.c's order."""
     attn, mlp = _attention(layer), _mlp(layer)
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
@@ -91,8 +96,8 @@ class NativeDecoder:
     weights as they are when it is built: the loader's `pack_weights`, which runs after every change of the weights
     (load, refit, resume), drops it, and the next step builds a new one."""
 
-    def __init__(self, model: LlamaModel, formats: list[int]) -> None:
-        layers = cast("list[LlamaDecoderLayer]", list(model.layers))  # for_model admits no other layer
+    def __init__(self, model: Model, formats: list[int]) -> None:
+        layers = list(model.layers)  # dense layers (for_model admits no other)
         attn, mlp = _attention(layers[0]), _mlp(layers[0])
         self.model = model
         self.dtype = model.norm.weight.dtype
@@ -130,11 +135,12 @@ class NativeDecoder:
         self.verification_steps = 0  # of them, steps with a verification's rows
 
     @classmethod
-    def for_model(cls, model: LlamaModel, tp_size: int) -> NativeDecoder | None:
-        """The decoder for `model`, or None where the native step does not apply to it."""
-        from infer.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-
-        layers = list(model.layers)
+    def for_model(cls, model: Model, tp_size: int, dense: tuple[Any, Any, Any]) -> NativeDecoder | None:
+        """The decoder for `model`, or None where the native step does not apply to it. `dense`: the model's own
+        dense (decoder layer, attention, MLP) classes; a layer of any other class (a subclass included) is not
+        run here."""
+        dense_layer, dense_attention, dense_mlp = dense
+        layers: list[Layer] = list(model.layers)
         dtype = model.norm.weight.dtype
         # bf16 only: an fp32 model's layers run torch's RMSNorm and SiLU on a decode's few rows (RMS_NORM_MIN_ROWS:
         # transformers' bits), so its native step (the same C kernels for fp32 rows as for bf16) would give a
@@ -145,19 +151,18 @@ class NativeDecoder:
         if model.norm.weight.device.type != "cpu" or model.rotary_emb.cos_sin_cache.dtype != torch.float32:
             return None
         if not all(
-            type(layer) is LlamaDecoderLayer
-            and type(layer.self_attn) is LlamaAttention
-            and type(layer.mlp) is LlamaMLP
+            type(layer) is dense_layer
+            and type(layer.self_attn) is dense_attention
+            and type(layer.mlp) is dense_mlp
             and layer.self_attn.q_norm is None
             and not layer.self_attn.softcap
             for layer in layers
         ):
             return None
-        dense = cast("list[LlamaDecoderLayer]", layers)  # each one checked just above
-        attns = [_attention(layer) for layer in dense]
+        attns = [_attention(layer) for layer in layers]
         attn = attns[0]
-        norms = [model.norm] + [n for layer in dense for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        linears = [linear for layer in dense for linear in _linears(layer)]
+        norms = [model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        linears = [linear for layer in layers for linear in _linears(layer)]
         shapes_fit = (
             attn.head_dim % 16 == 0
             and attn.head_dim <= MAX_HEAD_DIM
