@@ -18,15 +18,17 @@ import msgspec
 
 from infer.coordinator.books import Books
 from infer.coordinator.config import CoordinatorConfig
+from infer.coordinator.kv_index import KvAware
 from infer.coordinator.lifecycle import ClusterState
 from infer.coordinator.models import Models, Refusal, Target
 from infer.coordinator.outbox import Send
 from infer.coordinator.routing import RoutingPolicy, make_policy
+from infer.coordinator.sessions import Sessions
 from infer.coordinator.state import ClusterStatus, RequestRecord, WorkerRecord
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.journal import StreamJournal
-from infer.protocol.logsafe import safe
-from infer.protocol.messages import Abort, Delta, Dispatch, Placement, Submit
+from infer.protocol.logsafe import RateLimitedLog, safe
+from infer.protocol.messages import Abort, Delta, Dispatch, KvEvents, KvResync, Placement, Submit
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import HopSpan
 
@@ -51,13 +53,37 @@ class Admission:
         self._awaiting: dict[str, RequestRecord] = {}  # detached direct streams waiting for their client's copy
         self.routable_cache: list[WorkerRecord] | None = None
         self.deadlines: DeadlineHeap[str] = DeadlineHeap()  # request ids by deadline; stale entries skipped
+        self.sessions = Sessions()  # conversations pinned to the rank of their last request (Submit.session_id)
+        self._kv_warnings = RateLimitedLog(log)
 
     def policy(self, model_id: str) -> RoutingPolicy:
         """The routing policy of `model_id`'s workers (made on first use)."""
         policy = self.policies.get(model_id)
         if policy is None:
-            policy = self.policies[model_id] = make_policy(self.config.policy)
+            policy = self.policies[model_id] = make_policy(self.config.policy, self.config.kv_overlap_weight)
         return policy
+
+    def on_kv_events(self, worker: WorkerRecord, events: KvEvents, now: float) -> None:
+        """A worker's prefix-cache changes into its model's index (kv-aware only; a draining worker's are dropped:
+        it takes nothing new). A gap or a broken bound drops the worker's entries and asks it for a snapshot."""
+        policy = self.policy(worker.model_id)
+        if not isinstance(policy, KvAware) or worker.draining:
+            return
+        problem = policy.index.apply(worker.worker_id, worker, worker.dp_rank, events, worker.num_kv_blocks, now)
+        if problem is not None:
+            self._kv_warnings.warning(
+                "KV events of worker %s dropped, snapshot asked for: %s", safe(worker.worker_id), problem
+            )
+            self.send(worker.identity, KvResync(reason=problem))
+
+    def worker_draining(self, worker: WorkerRecord) -> None:
+        """`worker` drains: out of routing (the caller marked it), and what routing remembers of it goes."""
+        self.routes_changed()
+        self._forget(worker)
+
+    def _forget(self, worker: WorkerRecord) -> None:
+        self.policy(worker.model_id).forget_rank(worker.dp_rank)
+        self.sessions.forget_rank(worker.model_id, worker.dp_rank)
 
     def new_record(self, identity: bytes, submit: Submit, now: float, target: Target | None = None) -> RequestRecord:
         """The record of an accepted Submit, to run on `target` (default: the model the Submit names)."""
@@ -71,6 +97,7 @@ class Admission:
             prompt=submit.prompt,
             prompt_token_ids=submit.prompt_token_ids,
             model=target.model_id,
+            session_id=submit.session_id,
             sampling=self._seeded(sampling),
             pin_rank=submit.pin_rank,
             priority=submit.priority,
@@ -189,9 +216,7 @@ class Admission:
                 )
                 return True
         else:
-            worker = self.policy(worker_model(candidates)).choose(
-                request.routing_prompt, self._for_suspect(request, candidates)
-            )
+            worker = self._route(request, self._for_suspect(request, candidates))
         if request.num_delivered and request.prompt_token_ids is None:
             self.books.fail(
                 request,
@@ -211,6 +236,22 @@ class Admission:
             request.trace.attributes["infer.worker_id"] = worker.worker_id
         self.send(worker.identity, self._dispatch_message(request, worker))
         return True
+
+    def _route(self, request: RequestRecord, candidates: list[WorkerRecord]) -> WorkerRecord:
+        """Its session's rank when that can take it (coordinator/sessions.py), else its model's policy's choice
+        (kv-aware: by the blocks each rank holds of its prompt, keyed by its adapter as on the worker)."""
+        model = worker_model(candidates)
+        session = request.session_id
+        worker = None if session is None else self.sessions.home(model, session, candidates)
+        if worker is None:
+            policy = self.policy(model)
+            if isinstance(policy, KvAware):
+                worker = policy.choose_for(request.routing_prompt, candidates, request.sampling.lora_name)
+            else:
+                worker = policy.choose(request.routing_prompt, candidates)
+        if session is not None:
+            self.sessions.remember(model, session, worker.dp_rank)
+        return worker
 
     def _dispatch_message(self, request: RequestRecord, worker: WorkerRecord) -> Dispatch:
         """The request's Dispatch; a direct stream (docs/architecture.md, "Direct streams") when its client reads
@@ -342,10 +383,10 @@ class Admission:
         self.resume_from(request, submit, now)
 
     def worker_died(self, worker: WorkerRecord) -> None:
-        """`worker` is dead: out of routing, and its model's policy forgets its rank (its requests move:
+        """`worker` is dead: out of routing, and its model's policy and sessions forget its rank (its requests move:
         `failover`)."""
         self.routes_changed()
-        self.policy(worker.model_id).forget_rank(worker.dp_rank)
+        self._forget(worker)
 
     def note_version(self, worker: WorkerRecord, version: int) -> None:
         """What a worker's load or answer says it serves: it routes only at the cluster's version."""

@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 
 Prompt = str | Sequence[int]
 
-POLICIES = ("least-loaded", "round-robin", "prefix-affinity")
+POLICIES = ("least-loaded", "round-robin", "prefix-affinity", "kv-aware")
 
 
 class RankLoad(Protocol):
@@ -179,7 +179,13 @@ class PrefixAffinity:
             table.popitem(last=False)
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def make_policy(name: str, kv_overlap_weight: float = 1.0) -> RoutingPolicy:
+    """The policy `name`; `kv_overlap_weight`: kv-aware's weight of a token not to prefill against a token of queue
+    (coordinator/kv_index.py)."""
+    if name == "kv-aware":
+        from infer.coordinator.kv_index import KvAware  # (it builds on this module)
+
+        return KvAware(kv_overlap_weight)
     if name == "least-loaded":
         return LeastLoaded()
     if name == "round-robin":
