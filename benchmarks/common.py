@@ -118,6 +118,15 @@ def write_result(kind: str, payload: dict) -> Path:
 # Shapes of random-weight Llama models, for machines that cannot take real weights (the lent GPU machine) or
 # for sizes the embedded model does not have. Throughput does not depend on the weights' values.
 RANDOM_SHAPES: dict[str, dict] = {
+    "tiny": dict(  # the tests' tiny Llama: milliseconds a step, for benchmarks of the cluster around the model
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    ),
     "smollm2-135m": dict(
         hidden_size=576,
         intermediate_size=1536,

@@ -58,6 +58,8 @@ class EngineClient(Protocol):
       request with error_code "model_not_found" (a cluster) or raises ValueError (in-process: one model).
     - `traceparent` (W3C trace context of the caller's span): the hops behind `stream` that trace record their
       spans under it (protocol/tracing.py); in-process, nothing further is traced.
+    - `session_id` (the HTTP front's X-Session-ID): a cluster runs the request where the session's previous one ran,
+      while that worker can take it (coordinator/sessions.py); in-process it changes nothing.
     - Transport failures (cluster unreachable, client closed) raise `ClusterError`.
     """
 
@@ -74,6 +76,7 @@ class EngineClient(Protocol):
         priority: int = 0,
         traceparent: str | None = None,
         model: str | None = None,
+        session_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def generate(
@@ -85,6 +88,7 @@ class EngineClient(Protocol):
         timeout: float | None = None,
         priority: int = 0,
         model: str | None = None,
+        session_id: str | None = None,
     ) -> Completion: ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -76,6 +76,7 @@ from infer.protocol.lora import check_lora_name
 from infer.protocol.messages import (
     MAX_REFIT_TIMEOUT_S,
     MAX_REQUEST_TIMEOUT_S,
+    MAX_SESSION_ID_LEN,
     ON_RUNNING,
     Abort,
     ClusterStats,
@@ -368,6 +369,7 @@ class InferenceClient:
         priority: int = 0,
         traceparent: str | None = None,
         model: str | None = None,
+        session_id: str | None = None,
     ) -> Completion:
         """Run one request to the end. Request-level failures come back as finish_reason "error"; transport
         failures raise. With `timeout` (seconds) the cluster aborts the request (freeing its KV blocks) if it
@@ -376,9 +378,14 @@ class InferenceClient:
         `traceparent`: the caller's W3C trace context; the cluster's hops that trace (--otlp-traces-endpoint)
         record their spans under it (protocol/tracing.py). `model`: the model to run it on (a worker's model id, or
         a LoRA adapter: its base model's workers); None: the cluster's only model, or its default (--model-id);
-        one not served ends it with error_code "model_not_found", the text naming the models served."""
+        one not served ends it with error_code "model_not_found", the text naming the models served. `session_id`:
+        the conversation it belongs to (the HTTP front's X-Session-ID, at most 256 characters): the cluster runs it
+        where the session's previous request ran, while that worker is healthy and not overloaded (its KV is
+        there)."""
         _check_timeout(timeout)
-        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority, traceparent, model)
+        request = await self._submit(
+            prompt, params, request_id, pin_rank, timeout, priority, traceparent, model, session_id
+        )
         completion = Completion(
             request.request_id, prompt_token_ids=[], prompt=prompt if isinstance(prompt, str) else None
         )
@@ -399,12 +406,16 @@ class InferenceClient:
         priority: int = 0,
         traceparent: str | None = None,
         model: str | None = None,
+        session_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request as they arrive (`token_ids` and `text` new since the last one); the last
         has `finished` and `finish_reason`. Leaving the loop early aborts the request. `timeout`, `priority`,
-        `traceparent` and `model`: as in `generate`; after a timeout the last delta has error_code "timeout"."""
+        `traceparent`, `model` and `session_id`: as in `generate`; after a timeout the last delta has error_code
+        "timeout"."""
         _check_timeout(timeout)
-        request = await self._submit(prompt, params, request_id, pin_rank, timeout, priority, traceparent, model)
+        request = await self._submit(
+            prompt, params, request_id, pin_rank, timeout, priority, traceparent, model, session_id
+        )
         async with contextlib.aclosing(self._deltas(request, timeout)) as deltas:
             async for delta in deltas:
                 yield delta
@@ -442,8 +453,13 @@ class InferenceClient:
         priority: int = 0,
         traceparent: str | None = None,
         model: str | None = None,
+        session_id: str | None = None,
     ) -> _Request:
         self._check_open()
+        if session_id is not None and not (isinstance(session_id, str) and 0 < len(session_id) <= MAX_SESSION_ID_LEN):
+            raise ValueError(
+                f"session_id must be a string of 1..{MAX_SESSION_ID_LEN} characters, got {session_id!r:.80}"
+            )
         check_priority(priority)
         check_traceparent(traceparent)
         params = _DEFAULT_PARAMS if params is None else params
@@ -462,6 +478,7 @@ class InferenceClient:
                 priority=priority,
                 traceparent=traceparent,
                 model=model,
+                session_id=session_id,
             )
         else:
             submit = Submit(
@@ -473,6 +490,7 @@ class InferenceClient:
                 priority=priority,
                 traceparent=traceparent,
                 model=model,
+                session_id=session_id,
             )
         request = self._requests[rid] = _Request(
             rid,
@@ -811,6 +829,7 @@ class InferenceClient:
             reattach=True,
             priority=submit.priority,
             traceparent=submit.traceparent,
+            session_id=submit.session_id,
             delivered_token_ids=TokenIds(request.received.token_ids),
             delivered_text_len=request.received.text_len,
         )

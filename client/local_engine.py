@@ -221,11 +221,13 @@ class LocalEngine:
         priority: int = 0,
         traceparent: str | None = None,
         model: str | None = None,
+        session_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Deltas of one request; the last has `finished`. Leaving the loop early aborts the request.
         `timeout` (seconds from this call): past it the request is aborted and its last delta has
         finish_reason "error", error_code "timeout". `priority`: lower first (scheduling_policy "priority").
-        `traceparent`: accepted for the EngineClient contract; the engine runs in this process, no hop to trace.
+        `traceparent` and `session_id`: accepted for the EngineClient contract; the engine runs in this process, no
+        hop to trace and no other engine to route to.
         `model`: None or this engine's model id (ValueError otherwise: one engine serves one model)."""
         self._check_model(model)
         stream = self._open(prompt, params, request_id, timeout, priority)
@@ -242,9 +244,10 @@ class LocalEngine:
         timeout: float | None = None,
         priority: int = 0,
         model: str | None = None,
+        session_id: str | None = None,
     ) -> Completion:
         """The request run to the end as one Completion; past `timeout` it ends with finish_reason "error",
-        error_code "timeout" (aborted, KV blocks freed). `model`: as in `stream`."""
+        error_code "timeout" (aborted, KV blocks freed). `model` and `session_id`: as in `stream`."""
         self._check_model(model)
         stream = self._open(prompt, params, request_id, timeout, priority)
         completion = Completion(stream.request_id, [], prompt=prompt if isinstance(prompt, str) else None)

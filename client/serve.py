@@ -314,7 +314,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _TOP_LEVEL_ENGINE_OPTIONS = ("model", "num_threads")  # --model and --threads, among the launcher's own flags
-_COORDINATOR_OPTIONS = ("policy", "heartbeat_interval", "worker_timeout", "client_timeout", "max_retries")
+_COORDINATOR_OPTIONS = (
+    "policy",
+    "kv_overlap_weight",
+    "heartbeat_interval",
+    "worker_timeout",
+    "client_timeout",
+    "max_retries",
+)
 
 
 def coordinator_args(args: argparse.Namespace) -> list[str]:

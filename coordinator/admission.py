@@ -18,22 +18,38 @@ import msgspec
 
 from infer.coordinator.books import Books
 from infer.coordinator.config import CoordinatorConfig
+from infer.coordinator.kv_index import KvAware
 from infer.coordinator.lifecycle import ClusterState
 from infer.coordinator.load_index import LoadIndex
 from infer.coordinator.models import Models, Refusal, Target
 from infer.coordinator.outbox import Send
-from infer.coordinator.routing import LeastLoaded, RoutingPolicy, make_policy
+from infer.coordinator.routing import POLICIES, LeastLoaded, PrefixAffinity, RoundRobin, RoutingPolicy
+from infer.coordinator.sessions import Sessions
 from infer.coordinator.state import ClusterStatus, RequestRecord, WorkerRecord
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.journal import StreamJournal
-from infer.protocol.logsafe import safe
-from infer.protocol.messages import Abort, Delta, Dispatch, Placement, Submit
+from infer.protocol.logsafe import RateLimitedLog, safe
+from infer.protocol.messages import Abort, Delta, Dispatch, KvEvents, KvResync, Placement, Submit
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import HopSpan
 
 log = logging.getLogger("infer.coordinator")
 
 QUARANTINE_DEATHS = 2  # worker deaths while it ran that fail a request as a likely poison
+
+
+def make_policy(name: str, kv_overlap_weight: float = 1.0) -> RoutingPolicy:
+    """The policy `name` (coordinator/routing.py's, or kv-aware: coordinator/kv_index.py); `kv_overlap_weight`:
+    kv-aware's weight of a token not to prefill against a token of queue."""
+    if name == "kv-aware":
+        return KvAware(kv_overlap_weight)
+    if name == "least-loaded":
+        return LeastLoaded()
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "prefix-affinity":
+        return PrefixAffinity()
+    raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")
 
 
 class Admission:
@@ -54,13 +70,37 @@ class Admission:
         self.index = LoadIndex()  # the routable workers by load, rebuilt with routable_cache
         books.worker_unloaded = self.index.touch
         self.deadlines: DeadlineHeap[str] = DeadlineHeap()  # request ids by deadline; stale entries skipped
+        self.sessions = Sessions()  # conversations pinned to the rank of their last request (Submit.session_id)
+        self._kv_warnings = RateLimitedLog(log)
 
     def policy(self, model_id: str) -> RoutingPolicy:
         """The routing policy of `model_id`'s workers (made on first use)."""
         policy = self.policies.get(model_id)
         if policy is None:
-            policy = self.policies[model_id] = make_policy(self.config.policy)
+            policy = self.policies[model_id] = make_policy(self.config.policy, self.config.kv_overlap_weight)
         return policy
+
+    def on_kv_events(self, worker: WorkerRecord, events: KvEvents, now: float) -> None:
+        """A worker's prefix-cache changes into its model's index (kv-aware only; a draining worker's are dropped:
+        it takes nothing new). A gap or a broken bound drops the worker's entries and asks it for a snapshot."""
+        policy = self.policy(worker.model_id)
+        if not isinstance(policy, KvAware) or worker.draining:
+            return
+        problem = policy.index.apply(worker.worker_id, worker, worker.dp_rank, events, worker.num_kv_blocks, now)
+        if problem is not None:
+            self._kv_warnings.warning(
+                "KV events of worker %s dropped, snapshot asked for: %s", safe(worker.worker_id), problem
+            )
+            self.send(worker.identity, KvResync(reason=problem))
+
+    def worker_draining(self, worker: WorkerRecord) -> None:
+        """`worker` drains: out of routing (the caller marked it), and what routing remembers of it goes."""
+        self.routes_changed()
+        self._forget(worker)
+
+    def _forget(self, worker: WorkerRecord) -> None:
+        self.policy(worker.model_id).forget_rank(worker.dp_rank)
+        self.sessions.forget_rank(worker.model_id, worker.dp_rank)
 
     def new_record(self, identity: bytes, submit: Submit, now: float, target: Target | None = None) -> RequestRecord:
         """The record of an accepted Submit, to run on `target` (default: the model the Submit names)."""
@@ -74,6 +114,7 @@ class Admission:
             prompt=submit.prompt,
             prompt_token_ids=submit.prompt_token_ids,
             model=target.model_id,
+            session_id=submit.session_id,
             sampling=self._seeded(sampling),
             pin_rank=submit.pin_rank,
             priority=submit.priority,
@@ -180,7 +221,8 @@ class Admission:
             return True
         routable = self.routable_for(request.model)
         pinned = request.pin_rank is not None and request.retries == 0
-        if routable and not pinned and not request.suspect and self._indexed(routable[0].model_id):
+        scanned = pinned or request.suspect or request.session_id is not None  # sessions: coordinator/sessions.py
+        if routable and not scanned and self._indexed(routable[0].model_id):
             best = self.index.best(routable[0].model_id, self._has_room)  # O(log workers): no scan
             if best is None:
                 self.books.requests.hold(request, now)
@@ -204,9 +246,7 @@ class Admission:
                 return True
             worker = pinned_to
         else:
-            worker = self.policy(worker_model(candidates)).choose(
-                request.routing_prompt, self._for_suspect(request, candidates)
-            )
+            worker = self._route(request, self._for_suspect(request, candidates))
         if request.num_delivered and request.prompt_token_ids is None:
             self.books.fail(
                 request,
@@ -226,6 +266,22 @@ class Admission:
             request.trace.attributes["infer.worker_id"] = worker.worker_id
         self.send(worker.identity, self._dispatch_message(request, worker))
         return True
+
+    def _route(self, request: RequestRecord, candidates: list[WorkerRecord]) -> WorkerRecord:
+        """Its session's rank when that can take it (coordinator/sessions.py), else its model's policy's choice
+        (kv-aware: by the blocks each rank holds of its prompt, keyed by its adapter as on the worker)."""
+        model = worker_model(candidates)
+        session = request.session_id
+        worker = None if session is None else self.sessions.home(model, session, candidates)
+        if worker is None:
+            policy = self.policy(model)
+            if isinstance(policy, KvAware):
+                worker = policy.choose_for(request.routing_prompt, candidates, request.sampling.lora_name)
+            else:
+                worker = policy.choose(request.routing_prompt, candidates)
+        if session is not None:
+            self.sessions.remember(model, session, worker.dp_rank)
+        return worker
 
     def _dispatch_message(self, request: RequestRecord, worker: WorkerRecord) -> Dispatch:
         """The request's Dispatch; a direct stream (docs/architecture.md, "Direct streams") when its client reads
@@ -357,10 +413,10 @@ class Admission:
         self.resume_from(request, submit, now)
 
     def worker_died(self, worker: WorkerRecord) -> None:
-        """`worker` is dead: out of routing, and its model's policy forgets its rank (its requests move:
+        """`worker` is dead: out of routing, and its model's policy and sessions forget its rank (its requests move:
         `failover`)."""
         self.routes_changed()
-        self.policy(worker.model_id).forget_rank(worker.dp_rank)
+        self._forget(worker)
 
     def note_version(self, worker: WorkerRecord, version: int) -> None:
         """What a worker's load or answer says it serves: it routes only at the cluster's version."""
@@ -399,8 +455,8 @@ class Admission:
         return [] if model is None else self.index.members(model)
 
     def _indexed(self, model: str) -> bool:
-        """Whether the routing index chooses `model`'s workers (least-loaded, EP groups of one rank); else the
-        candidates are scanned by the model's policy."""
+        """Whether the routing index chooses `model`'s workers (least-loaded, EP groups of one rank; a request of a
+        session is routed by `_route`); else the candidates are scanned by the model's policy."""
         return isinstance(self.policy(model), LeastLoaded) and self.index.indexed(model)
 
     def _add_deadline(self, request: RequestRecord, deadline: float) -> None:

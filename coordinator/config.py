@@ -60,7 +60,18 @@ class CoordinatorConfig:
         "between a coordinator and its restart)",
         metavar="FD",
     )
-    policy: str = option("least-loaded", "routing policy", choices=POLICIES)
+    policy: str = option(
+        "least-loaded",
+        "routing policy (kv-aware: by the prefix-cache blocks each worker reports holding, against its queue; "
+        "docs/architecture.md)",
+        choices=POLICIES,
+    )
+    kv_overlap_weight: float = option(
+        1.0,
+        "kv-aware: what a prompt token a worker need not prefill (it holds its KV) is worth against a token of "
+        "work queued there (0: load only; higher: follow the cache further onto busier workers)",
+        metavar="W",
+    )
     heartbeat_interval: float = option(1.0, "seconds between heartbeats and timer runs", metavar="S")
     worker_timeout: float = option(10.0, "declare a silent worker dead after S seconds", metavar="S")
     client_timeout: float = option(10.0, "abort the requests of a client silent for S seconds", metavar="S")
@@ -187,6 +198,8 @@ class CoordinatorConfig:
             raise ValueError(f"model_id must be model ids separated by commas, got {self.model_id!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not isinstance(self.kv_overlap_weight, (int, float)) or not 0 <= self.kv_overlap_weight <= 1000:
+            raise ValueError(f"kv_overlap_weight must be in [0, 1000], got {self.kv_overlap_weight!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.listen_fd is not None and (self.listen_fd < 0 or self.port == 0):

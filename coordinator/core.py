@@ -542,7 +542,8 @@ class Coordinator:
         stale = self.reattachment.take_back(worker, hello, now)
         if stale:
             self.send(identity, Abort(request_ids=stale))
-        self.send(identity, replace(self._welcome(), dp_rank=rank, group_id=worker.group_id))
+        kv_events = self.config.policy == "kv-aware"  # coordinator/kv_index.py: the worker publishes its cache
+        self.send(identity, replace(self._welcome(), dp_rank=rank, group_id=worker.group_id, kv_events=kv_events))
         for command in commands_to_reach(self.state):
             self.send(identity, Control(command=command))
         self.commands.on_worker_registered(worker, now)

@@ -41,6 +41,8 @@ class Relay:
         worker.last_seen = now
         worker.load = batch.load
         self.admission.note_load(worker)
+        if batch.kv_events is not None:
+            self.admission.on_kv_events(worker, batch.kv_events, now)
         stray = []
         for delta in batch.deltas:
             request = self.books.requests.get(delta.request_id)
@@ -138,7 +140,7 @@ class Relay:
         """The worker refused a dispatch because it drains (SIGTERM): route nothing more to it."""
         if not worker.draining:
             worker.draining = True
-            self.admission.routes_changed()
+            self.admission.worker_draining(worker)
             log.info(
                 "worker %s (dp_rank %d) is draining: no new requests go to it", safe(worker.worker_id), worker.dp_rank
             )

@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 
 Prompt = str | Sequence[int]
 
-POLICIES = ("least-loaded", "round-robin", "prefix-affinity")
+POLICIES = ("least-loaded", "round-robin", "prefix-affinity", "kv-aware")
 
 
 class RankLoad(Protocol):
@@ -177,13 +177,3 @@ class PrefixAffinity:
             table.move_to_end(h)
         while len(table) > self.max_entries:
             table.popitem(last=False)
-
-
-def make_policy(name: str) -> RoutingPolicy:
-    if name == "least-loaded":
-        return LeastLoaded()
-    if name == "round-robin":
-        return RoundRobin()
-    if name == "prefix-affinity":
-        return PrefixAffinity()
-    raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")

@@ -59,6 +59,7 @@ class RequestRecord:
     direct: bool = False  # its current worker streams its deltas to the client directly (not relayed)
     awaiting_client: float | None = None  # detached from its worker: since when its client's copy is awaited
     placement: Placement | None = None  # where its client reads its direct stream (when `direct`)
+    session_id: str | None = None  # the conversation it belongs to (Submit.session_id: coordinator/sessions.py)
 
     @property
     def suspect(self) -> bool:

@@ -40,6 +40,8 @@ MAX_ID_LEN = 256
 MAX_MODEL_ID_LEN = 4096  # a model id is a name or the model's path (Hello.model_id, Submit.model)
 MAX_TOKENIZER_SOURCES = 8  # ModelStats.tokenizers: the distinct places a model's workers read their tokenizer
 MAX_DP_RANK = (1 << 20) - 1
+MAX_SESSION_ID_LEN = 256  # Submit.session_id (the HTTP front's X-Session-ID header)
+MAX_KV_EVENTS = 1 << 16  # block hashes of one KvEvents' `stored` or `removed` (a worker sends at most 8,192 a frame)
 LIFECYCLE_COMMANDS = tuple(Command)
 ROLES = ("client", "worker")
 MAX_STATS_WAIT_S = 3600.0
@@ -86,6 +88,9 @@ ModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_ID_LEN)
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_ID_LEN)]
+# a block hash: an unsigned 64-bit int (msgpack holds no larger integer, so `ge=0` is the whole bound)
+BlockHashes = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_KV_EVENTS)]
 
 
 DEFAULT_SAMPLING = SamplingParams()
@@ -290,6 +295,9 @@ class Welcome(Message, frozen=True):
     # Several coordinators (docs/architecture.md, "Several coordinators"): the leader's term. A worker follows no
     # coordinator whose term is below one it has followed (a deposed leader that has not noticed yet).
     term: NonNegative = 0
+    # To a worker: publish the prefix cache's changes (KvEvents on StepBatch), starting with a full snapshot; the
+    # coordinator asks only when it routes on them (--policy kv-aware).
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         _set_members(self, state=ClusterState)
@@ -404,6 +412,9 @@ class Submit(Message, frozen=True):
     `model`: the model to run it (a worker's model id, or a LoRA adapter: routed to the workers of its base model);
     None: the cluster's only model, or its default (coordinator/models.py says which; several models and no
     default: refused, naming them).
+    `session_id`: the conversation it belongs to (the HTTP front's X-Session-ID header): the coordinator sends it to
+    the DP rank that ran the session's previous request while that rank is healthy and not overloaded
+    (coordinator/sessions.py), where its KV blocks are.
     """
 
     TYPE: ClassVar[str] = "submit"
@@ -419,12 +430,17 @@ class Submit(Message, frozen=True):
     priority: int = 0
     traceparent: str | None = None  # W3C trace context of the request (OpenTelemetry), passed through
     model: ModelId | None = None
+    session_id: SessionId | None = None
 
     def __post_init__(self) -> None:
         # (`if ...: raise`, not _require: the messages are formatted only for a bad Submit, once per request)
         _check_id("request_id", self.request_id)
         if self.model is not None and not 0 < len(self.model) <= MAX_MODEL_ID_LEN:
             raise ProtocolError(f"field 'model' must be 1..{MAX_MODEL_ID_LEN} characters, got {len(self.model)}")
+        if self.session_id is not None and not 0 < len(self.session_id) <= MAX_SESSION_ID_LEN:
+            raise ProtocolError(
+                f"field 'session_id' must be 1..{MAX_SESSION_ID_LEN} characters, got {len(self.session_id)}"
+            )
         _check_priority(self.priority)
         _check_traceparent(self.traceparent)
         if (self.prompt is None) == (self.prompt_token_ids is None):
@@ -645,13 +661,46 @@ class Load(Message, frozen=True):
     )
 
 
+class KvEvents(Message, frozen=True):
+    """A worker's prefix-cache changes since its previous KvEvents (worker/kv_events.py; the coordinator's index:
+    coordinator/kv_index.py). Hashes are the cache's own block keys (protocol/prefix_hash.py); a hash is held while
+    at least one cached block of the worker has it. `stored` and `removed` are disjoint (a hash's latest state).
+
+    `epoch` changes with every snapshot and `seq` counts the KvEvents of an epoch from 0, so the coordinator sees a
+    lost or rejected frame as a gap; `reset`: forget every hash this worker held before applying (the first frame of
+    a snapshot, whose hashes may span several frames). On a gap the coordinator drops the worker's entries and sends
+    KvResync; the worker's next KvEvents is a reset.
+    """
+
+    TYPE: ClassVar[str] = "kv_events"
+    epoch: NonNegative
+    seq: NonNegative
+    reset: bool = False
+    stored: BlockHashes = msgspec.field(default_factory=list)
+    removed: BlockHashes = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _require(not self.reset or self.seq == 0, f"a reset starts its epoch: field 'seq' must be 0, got {self.seq}")
+
+
 @message
 class StepBatch(Message, frozen=True):
-    """Worker -> coordinator, once per engine step: every request's delta of that step and the load after it."""
+    """Worker -> coordinator, once per engine step: every request's delta of that step and the load after it, and
+    the prefix cache's changes (`kv_events`) when the coordinator asked for them (Welcome.kv_events)."""
 
     TYPE: ClassVar[str] = "step_batch"
     deltas: Items[Delta]
     load: Load
+    kv_events: KvEvents | None = None
+
+
+@message
+class KvResync(Message, frozen=True):
+    """Coordinator -> worker: its KvEvents had a gap (a frame lost or rejected) or broke a bound; the coordinator
+    forgot what the worker holds, and the worker's next KvEvents is a full snapshot (reset)."""
+
+    TYPE: ClassVar[str] = "kv_resync"
+    reason: str = ""
 
 
 @message

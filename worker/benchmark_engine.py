@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from infer.protocol.messages import Delta, Load, TokenIds, UpdateWeights
+from infer.protocol.messages import Delta, KvEvents, Load, TokenIds, UpdateWeights
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.request import Request, overdue_message
@@ -160,6 +160,12 @@ class BenchmarkEngine:
 
     def list_loras(self) -> list[dict[str, object]]:
         return []
+
+    def publish_kv_events(self, on: bool) -> None:
+        pass  # no prefix cache: nothing to publish
+
+    def take_kv_events(self) -> KvEvents | None:
+        return None
 
     def load(self) -> Load:
         running = self._running()

@@ -4,9 +4,10 @@ The pool has `num_blocks` blocks of `block_size` token slots. A request's `block
 holding its tokens `[i * block_size, (i + 1) * block_size)`.
 
 Prefix caching keeps the KV of full blocks reusable across requests. Block `i` of a token sequence is
-named by a hash chain, `hash_i = xxh64(hash_{i-1} as 8 bytes + tokens of block i as int64)` (the first block's
-parent is the request's LoRA adapter id, `Request.lora_id`, when it has one), and
-`request.block_hashes` caches those hashes so they are computed once per request. A hash only finds
+named by a hash chain, `hash_i = xxh64(hash_{i-1} as 8 bytes + tokens of block i as int64)`
+(protocol/prefix_hash.py, which the coordinator computes too; the first block's parent is the request's
+`cache_salt`: its LoRA adapter's, from the adapter's name), and `request.block_hashes` caches those hashes so they
+are computed once per request. A hash only finds
 candidates: a hit also needs equal tokens, the same parent and the same adapter (see `_Content`), so a hash
 collision can cost a hit but never gives a request the KV of other tokens or of another adapter (the base model
 and each adapter compute other K / V for the same prompt).
@@ -18,13 +19,12 @@ until the allocator hands it out again.
 
 from __future__ import annotations
 
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import xxhash
-
+from infer.protocol.prefix_hash import hash_block_tokens
+from infer.worker.kv_events import KvEventLog
 from infer.worker.request import Request
 
 # A block-table entry whose block was given back (`release_before`): its positions are out of every layer's
@@ -33,11 +33,7 @@ from infer.worker.request import Request
 RELEASED = -1
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chain hash of one full block: xxh64 over the parent's hash (8 bytes, absent for the first block)
-    followed by the block's token ids as native-endian int64."""
-    parent = b"" if parent_hash is None else parent_hash.to_bytes(8, "little")
-    return xxhash.xxh64_intdigest(parent + array("q", token_ids).tobytes())
+__all__ = ["RELEASED", "BlockManager", "hash_block_tokens"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +93,19 @@ class BlockManager:
         self.num_queried_tokens = 0  # tokens of first-scheduled requests looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens served from the cache
         self.num_evicted_blocks = 0  # cached blocks handed out for new content
+        self.events: KvEventLog | None = None  # the cache's changes for the coordinator, once publishing
+
+    def publish_events(self, on: bool) -> KvEventLog | None:
+        """Start (again, from a snapshot of every hash held) or stop logging the prefix cache's changes: a hash is
+        `stored` when its first cached block appears and `removed` when its last one goes (worker/kv_events.py).
+        Nothing to log without prefix caching."""
+        if not on or not self.enable_prefix_caching:
+            self.events = None
+        elif self.events is None:
+            self.events = KvEventLog(self._cached.keys, max_pending=max(2 * self.num_blocks, 4096))
+        else:
+            self.events.restart()
+        return self.events
 
     # ---- sizes -----------------------------------------------------------------------------------
 
@@ -167,7 +176,7 @@ class BlockManager:
         """`request.block_hashes`, extended (once, cached on the request) to cover `num_full_blocks`."""
         hashes = request.block_hashes
         while len(hashes) < num_full_blocks:
-            parent = hashes[-1] if hashes else (request.lora_id or None)
+            parent = hashes[-1] if hashes else request.cache_salt
             hashes.append(hash_block_tokens(parent, self._block_tokens(request, len(hashes))))
         return hashes
 
@@ -279,6 +288,8 @@ class BlockManager:
         del ids[block.block_id]
         if not ids:
             del self._cached[content.hash]
+            if self.events is not None:
+                self.events.removed(content.hash)
         block.content = None
 
     # ---- registration and freeing ----------------------------------------------------------------
@@ -322,7 +333,12 @@ class BlockManager:
     ) -> None:
         block.content = _Content(self._next_key, block_hash, parent_key, token_ids, lora_id)
         self._next_key += 1
-        self._cached.setdefault(block_hash, {})[block.block_id] = None
+        ids = self._cached.get(block_hash)
+        if ids is None:
+            ids = self._cached[block_hash] = {}
+            if self.events is not None:
+                self.events.stored(block_hash)
+        ids[block.block_id] = None
 
     def trim(self, request: Request) -> int:
         """Give back the blocks past those `request.token_ids` need (slots of rejected draft tokens: their K/V
@@ -371,11 +387,14 @@ class BlockManager:
         KV would be registered again later. Returns the number of blocks forgotten."""
         if len(self._free) != self.num_blocks:
             raise ValueError(f"cannot reset the prefix cache while {self.num_used_blocks} block(s) are held")
-        forgotten = 0
+        forgotten, events, self.events = 0, self.events, None  # one reset instead of an event a block
         for block in self._blocks:
             if block.content is not None:
                 self._uncache(block, block.content)
                 forgotten += 1
+        if events is not None:
+            events.cleared()
+        self.events = events
         return forgotten
 
     def release_before(self, request: Request, position: int) -> int:

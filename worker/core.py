@@ -46,6 +46,8 @@ from infer.protocol.messages import (
     Error,
     Heartbeat,
     Hello,
+    KvEvents,
+    KvResync,
     Load,
     LoraCommand,
     LoraDone,
@@ -75,6 +77,9 @@ log = logging.getLogger("infer.worker")
 
 EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 _SHED_CHECK_S = 0.25  # how often the queue is checked for requests past --max-queue-time
+# The prefix cache's changes (KvEvents) ride on every StepBatch that goes anyway; changes that no StepBatch carries
+# (steps of direct streams only) go in one of their own at most this often (each frame costs the coordinator a turn).
+KV_EVENT_FLUSH_S = 0.05
 # Several coordinators (docs/architecture.md, "Several coordinators"): after a Redirect or a lost connection the
 # worker registers elsewhere this much later (a new leader is elected meanwhile); a Hello one of them leaves
 # unanswered this long (capped by --coordinator-timeout) moves it on to the next address.
@@ -118,6 +123,8 @@ class EngineLike(Protocol):
     def abort(self, request_id: str, release_text: bool = True) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def load(self) -> Load: ...
+    def publish_kv_events(self, on: bool) -> None: ...
+    def take_kv_events(self) -> KvEvents | None: ...
     def suspend(self) -> int: ...
     def resume(self) -> int: ...
     def prepare_update(self, msg: UpdateWeights) -> object: ...
@@ -191,6 +198,10 @@ class WorkerCore:
         # direct streams (worker/streams.py); the shell sets the address once its stream socket is bound
         self.streams = StreamTable(options.stream_linger, options.coordinator_timeout, options.heartbeat_interval)
         self.stream_address: str | None = None
+        # KV events (Welcome.kv_events): publishing, when the last went out, and whether some may wait
+        self._kv_events = False
+        self._kv_sent_at = now
+        self._kv_maybe_pending = False
 
     # ---- the shell's surface -------------------------------------------------------------------
 
@@ -299,6 +310,8 @@ class WorkerCore:
         with nothing waiting in the inbox: frames that came during a long step are not silence) registers
         again; otherwise a heartbeat each interval."""
         self.streams.tick(now)
+        if self._kv_events and self._welcomed:
+            self._flush_kv_events(now)
         if not self.ever_welcomed and now >= self._connect_deadline:
             raise WorkerExit(
                 EXIT_FATAL,
@@ -371,6 +384,8 @@ class WorkerCore:
             due.append(self._refit.deadline)
         if group_check_due is not None:
             due.append(group_check_due)
+        if self._kv_events and self._kv_maybe_pending:
+            due.append(self._kv_sent_at + KV_EVENT_FLUSH_S)
         return max(0.0, min(due) - now)
 
     def on_handshake_failure(self, problem: str, refused_key: bool) -> None:
@@ -439,19 +454,54 @@ class WorkerCore:
             kept = [out for out in outputs if not self._silence(out)]
             silenced, outputs = len(outputs) - len(kept), kept
         deltas, self._outbox = self._outbox + [d for out in outputs if (d := self._delta(out, now)) is not None], []
+        self._kv_maybe_pending = self._kv_events
+        load: Load | None = None
         if deltas or silenced:  # an abort freed blocks: the coordinator hears of it at once
-            self.last_load = self.engine.load()
-            self._send(StepBatch(deltas=deltas, load=self.last_load), now)
+            load = self.engine.load()
         elif outputs:
             # Only direct deltas: the coordinator still hears of this worker's load, at once when the step admitted or
             # ended a request (the counts admission and routing read; an end comes with its delta), else with the
             # next heartbeat. Not every step: each frame costs the coordinator a turn of its loop (~100 us here,
             # which at one frame per 50 ms step made 64 workers' direct streams cost 21 us of its CPU per delta
             # instead of 4.6: benchmarks/coordinator_scale.py, 2026-11-29).
-            load, sent = self.engine.load(), self.last_load
-            if (load.num_running, load.num_waiting) != (sent.num_running, sent.num_waiting):
-                self.last_load = load
-                self._send(StepBatch(deltas=[], load=load), now)
+            counts, sent = self.engine.load(), self.last_load
+            if (counts.num_running, counts.num_waiting) != (sent.num_running, sent.num_waiting):
+                load = counts
+        if load is not None:
+            self.last_load = load
+            self._send(StepBatch(deltas=deltas, load=load, kv_events=self._take_kv_events(now, due=True)), now)
+        else:
+            self._flush_kv_events(now)
+
+    def _take_kv_events(self, now: float, due: bool) -> KvEvents | None:
+        """The prefix cache's next KvEvents when publishing and a frame goes anyway (`due`) or KV_EVENT_FLUSH_S
+        passed since the last."""
+        if not self._kv_events or not self._kv_maybe_pending or (not due and now - self._kv_sent_at < KV_EVENT_FLUSH_S):
+            return None
+        events = self.engine.take_kv_events()
+        if events is None:
+            self._kv_maybe_pending = False
+        else:
+            self._kv_sent_at = now
+        return events
+
+    def _flush_kv_events(self, now: float) -> None:
+        """KvEvents no StepBatch carried, in one of their own (with the load) once KV_EVENT_FLUSH_S passed."""
+        events = self._take_kv_events(now, due=False)
+        if events is not None:
+            self.last_load = self.engine.load()
+            self._send(StepBatch(deltas=[], load=self.last_load, kv_events=events), now)
+
+    def _on_kv_resync(self, msg: KvResync, now: float) -> None:
+        """The coordinator lost track of this worker's prefix cache: start over from a snapshot."""
+        if self._kv_events:
+            log.info("the coordinator asked for a snapshot of the prefix cache: %s", safe(msg.reason))
+            self._publish_kv_events(True)
+
+    def _publish_kv_events(self, on: bool) -> None:
+        self._kv_events = on
+        self.engine.publish_kv_events(on)
+        self._kv_maybe_pending = on
 
     def _silence(self, out: Delta) -> bool:
         if out.finish_reason == FinishReason.ABORT and out.request_id in self._silenced:
@@ -599,6 +649,7 @@ class WorkerCore:
             return
         self._welcomed = True
         self.term = msg.term
+        self._publish_kv_events(msg.kv_events)  # a coordinator new to us (or that forgot us) starts from a snapshot
         if msg.instance != self._instance:  # a coordinator process new to us counts its Dispatches from 0
             self._instance, self._dispatches_seen = msg.instance, 0
         if msg.dp_rank is not None:
@@ -886,6 +937,7 @@ class WorkerCore:
 
     _HANDLERS: ClassVar[dict[type[Message], Callable[[WorkerCore, Any, float], None]]] = {
         Welcome: _on_welcome,
+        KvResync: _on_kv_resync,
         Refused: _on_refused,
         Redirect: _on_redirect,
         Error: _on_error,

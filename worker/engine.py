@@ -26,8 +26,9 @@ from typing import Any, Protocol, Sequence, cast
 import msgspec
 import torch
 
-from infer.protocol.messages import MAX_ID_LEN, Delta, Load, TokenIds, UpdateWeights
+from infer.protocol.messages import MAX_ID_LEN, Delta, KvEvents, Load, TokenIds, UpdateWeights
 from infer.protocol.outputs import TokenLogprobs
+from infer.protocol.prefix_hash import adapter_salt
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.structured import NO_FIRST_TOKEN, StructuredOutputsParams, grammar_reason
@@ -356,6 +357,7 @@ class Engine:
             prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None,
             pooled=None if params.pooling is None else PoolingState(params.pooling, params.normalize, len(prompt_ids)),
             lora_id=lora_id,
+            cache_salt=adapter_salt(params.lora_name),
         )
         if params.beam_search:
             return self._add_beam_search(request)
@@ -688,6 +690,16 @@ class Engine:
             spec_decode_num_accepted_tokens=self.stats.spec_decode_num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.stats.spec_decode_num_accepted_tokens_per_pos),
         )
+
+    def publish_kv_events(self, on: bool) -> None:
+        """Start (again: from a snapshot) or stop logging the prefix cache's changes for the coordinator
+        (worker/kv_events.py; nothing without prefix caching)."""
+        self.scheduler.block_manager.publish_events(on)
+
+    def take_kv_events(self) -> KvEvents | None:
+        """The prefix cache's next KvEvents (bounded), or None: nothing changed, or not publishing."""
+        events = self.scheduler.block_manager.events
+        return None if events is None else events.take()
 
     # ---- suspend / resume, weight refit -------------------------------------------------------
 

@@ -91,6 +91,9 @@ class Request:
     # the engine's id of the LoRA adapter it runs with (worker/lora.py; 0: the base model): its KV blocks are
     # cached apart from every other adapter's (block_manager.py), and it holds the adapter's slot while running
     lora_id: int = 0
+    # the root of its prefix-cache hash chain (protocol/prefix_hash.py adapter_salt: its adapter's, by name; None: the
+    # base model), which the coordinator computes too to see where its blocks are cached
+    cache_salt: int | None = None
 
     @property
     def num_logprobs(self) -> int | None:

@@ -110,7 +110,7 @@ from infer.client.api.tools import TOOL_PARSERS, template_messages, tools_system
 from infer.client.engine_client import ClusterError, EngineClient
 from infer.protocol.codes import ClusterState, ErrorCode, FinishReason
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import BeamOutput, ClusterStats, ModelStats
+from infer.protocol.messages import MAX_SESSION_ID_LEN, BeamOutput, ClusterStats, ModelStats
 from infer.protocol.outputs import Completion, RequestOutput, TokenLogprobs
 from infer.protocol.prompt_limits import prompt_size_error
 from infer.protocol.sampling import SamplingParams
@@ -197,6 +197,20 @@ class FrontConfig:
             )
 
 
+def caller_session_id(request: Request) -> str | None:
+    """The caller's `X-Session-ID` (vLLM router's name: the conversation a request belongs to, which the cluster
+    runs where its previous turn ran): 1 to MAX_SESSION_ID_LEN printable ASCII characters; ValueError otherwise."""
+    value = request.headers.get("x-session-id")
+    if value is None:
+        return None
+    if not value or len(value) > MAX_SESSION_ID_LEN or not (value.isascii() and value.isprintable()):
+        raise ValueError(
+            f"X-Session-ID must be 1 to {MAX_SESSION_ID_LEN} printable ASCII characters, got {len(value)} "
+            f"characters starting {value[:40]!r}"
+        )
+    return value
+
+
 @dataclass
 class Job:
     """One engine request of an HTTP request: prompt `prompt_index`, choice `index` of the response. What its
@@ -215,6 +229,7 @@ class Job:
     num_prompt_tokens: int = 0
     traceparent: str | None = None  # the caller's W3C trace context (a valid `traceparent` header), passed on
     model: str | None = None  # the cluster's model it runs on, when it serves several (Front.model_of)
+    session_id: str | None = None  # the caller's X-Session-ID: the cluster pins the conversation to its worker
     completion: Completion = field(init=False)
 
     def __post_init__(self) -> None:
@@ -837,6 +852,10 @@ class Front:
             fmt.id = caller_request_id(request) or fmt.id
         except ValueError as e:
             raise ApiError(400, str(e), param="X-Request-Id") from None
+        try:
+            session_id = caller_session_id(request)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="X-Session-ID") from None
         self.admission.reserve(num_requests, param="prompt" if num_prompts > 1 else "n")
         run: StreamRun | None = None
         cancellable = Cancellable(bearer_digest(request))
@@ -849,6 +868,7 @@ class Front:
             traceparent = request.headers.get("traceparent")
             for job in jobs:  # W3C: an invalid header is ignored (a new trace starts), not refused
                 job.traceparent = traceparent if traceparent and parse_traceparent(traceparent) else None
+                job.session_id = session_id
             cancellable.engine_request_ids = [job.request_id for job in jobs]
             self.cancellations.add(fmt.id, cancellable)
             if not body.stream:
@@ -963,6 +983,8 @@ class Front:
         extra: dict[str, Any] = {"priority": job.priority} if job.priority else {}  # older engine clients work on
         if job.model is not None:
             extra["model"] = job.model
+        if job.session_id is not None:
+            extra["session_id"] = job.session_id
         if self.spans is not None:
             return self._traced_stream(job, extra)
         if job.traceparent is not None:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from infer.coordinator.routing import LeastLoaded, PrefixAffinity, RoundRobin, make_policy
+from infer.coordinator.admission import make_policy
+from infer.coordinator.routing import LeastLoaded, PrefixAffinity, RoundRobin
 
 
 @dataclass

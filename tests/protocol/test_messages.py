@@ -24,6 +24,8 @@ from infer.protocol.messages import (
     Error,
     Heartbeat,
     Hello,
+    KvEvents,
+    KvResync,
     Load,
     LoraCommand,
     LoraDone,
@@ -308,6 +310,15 @@ EXAMPLES += [
     VoteRequest(term=4, sender=2),
     VoteGrant(term=4, sender=0, granted=True),
     Welcome(coordinator_id="c", state="running", term=4),
+    # routing by what the workers hold (coordinator/kv_index.py)
+    Welcome(coordinator_id="c", state="running", kv_events=True),
+    StepBatch(
+        deltas=[],
+        load=Load(num_waiting=0, num_running=1, num_free_blocks=9, num_total_blocks=10, num_queued_tokens=1),
+        kv_events=KvEvents(epoch=3, seq=0, reset=True, stored=[0, 2**64 - 1]),
+    ),
+    KvResync(reason="a gap in its KV events"),
+    Submit(request_id="r", prompt_token_ids=TokenIds([1]), session_id="conversation-7"),
 ]
 
 
