@@ -54,6 +54,7 @@ from coordinator_overhead import _wait_for_workers, dealer, spawn, stop
 from infer.protocol.messages import (
     Delta,
     DeltaBatch,
+    Error,
     Hello,
     Placement,
     StreamBatch,
@@ -145,6 +146,8 @@ class Reader:
         self.first_ms: list[float] = []
         self.gaps_ms: list[float] = []
         self.deltas = self.finished = self.dropped = 0
+        self.errors: list[str] = []  # Errors the coordinator answered (a refusal, or this client cut off as too slow)
+        self.placed = 0  # Placements (and refusals) heard
 
     def submit(self, rid: str, params: SamplingParams) -> None:
         self.sent[rid], self.held[rid] = time.perf_counter(), (0, 0)
@@ -169,7 +172,13 @@ class Reader:
                     self._take(delta, now)
                 else:
                     self.dropped += 1
+        elif isinstance(msg, Error):
+            self.errors.append(msg.message)
+            self.placed += msg.request_id is not None
+            if msg.request_id is None or msg.request_id in self.held:
+                self.finished += msg.request_id is not None  # that stream ended (not exact)
         elif isinstance(msg, Placement) and msg.stream_address is not None and msg.stream_token is not None:
+            self.placed += 1
             num_tokens, text_len = self.held[msg.request_id]
             subscribe = Subscribe(
                 request_id=msg.request_id, stream_token=msg.stream_token, num_tokens=num_tokens, text_len=text_len
@@ -271,6 +280,12 @@ def run_phase(ctx: zmq.Context, cluster: Cluster, case: Case, mode: str, tag: st
         start = time.perf_counter()
         for i in range(case.streams):
             reader.submit(f"{tag}-{i}", params)
+            # 256 at a time, each batch's answers read before the next goes: a client that has more than PEER_SNDHWM
+            # (1,000) answers waiting for it is cut off as too slow, and 2,048 Submits at once were (at 64 x 32)
+            while (
+                mode == "direct" and i % 256 == 255 and reader.placed < i + 1 and time.perf_counter() < start + timeout
+            ):
+                reader.read(100)
         deadline = start + timeout
         while reader.finished < case.streams and time.perf_counter() < deadline:
             reader.read(1000)
@@ -290,6 +305,8 @@ def run_phase(ctx: zmq.Context, cluster: Cluster, case: Case, mode: str, tag: st
         "exact": reader.finished == case.streams and all(n == case.tokens for n, _ in reader.held.values()),
         "deltas": reader.deltas,
         "repeats_dropped": reader.dropped,
+        "errors": len(reader.errors),
+        "first_error": reader.errors[0] if reader.errors else None,
         "seconds": round(elapsed, 3),
         "deltas_per_s": round(reader.deltas / elapsed),
         "steady_deltas_per_s": round(steady) if steady is not None else None,
@@ -415,6 +432,7 @@ def _line(p: dict) -> str:
         f"hub {p['hub_cpu_us_per_delta']:.2f} us/delta, {p['hub_cpu_beyond_idle_us_per_stream']:.0f} us/stream "
         f"beyond idle; gap +{p['added_gap_ms']['p50']} / +{p['added_gap_ms']['p99']} ms; "
         f"machine {p['machine_busy']:.0%} busy; exact {p['exact']}"
+        + (f"; {p['errors']} errors, the first: {p['first_error']}" if p["errors"] else "")
     )
 
 
