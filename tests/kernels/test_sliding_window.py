@@ -220,9 +220,24 @@ def test_twins_and_reference_match_float64(window, heads):
 # ---- Triton (CUDA; TRITON_INTERPRET=1 on a CPU) ----------------------------------------------------------------
 
 
+TRITON_WINDOWS = [1, 16, 37, 200]
+
+
+def _triton_window_dtypes() -> list[tuple[int, torch.dtype]]:
+    """(window, dtype) cases of the Triton tests: every pair on a GPU; in the interpreter (a CPU, seconds a case) each
+    window once, the dtypes in turn. The window enters the kernels as positions only (the bounds of the keys a row
+    sees), the same code whatever the dtype, and tests/kernels/test_paged_attention.py runs the kernels in each
+    dtype without a window."""
+    if DEVICE.type == "cuda":
+        return [(w, d) for w in TRITON_WINDOWS for d in KERNEL_DTYPES]
+    return [(w, KERNEL_DTYPES[i % len(KERNEL_DTYPES)]) for i, w in enumerate(TRITON_WINDOWS)]
+
+
+TRITON_CASES = [pytest.param(w, d, id=f"{w}-{d}") for w, d in _triton_window_dtypes()]
+
+
 @requires_triton
-@pytest.mark.parametrize("window", [1, 16, 37, 200])
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("window, dtype", TRITON_CASES)
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_triton_decode_window_matches_float64_and_the_twin(window, dtype, num_splits):
     """Splits before the window (empty), holding its start, and after it."""
@@ -235,8 +250,7 @@ def test_triton_decode_window_matches_float64_and_the_twin(window, dtype, num_sp
 
 
 @requires_triton
-@pytest.mark.parametrize("window", [1, 16, 37, 200])
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("window, dtype", TRITON_CASES)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (5, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
 def test_triton_prefill_window_matches_float64_and_the_twin(window, dtype, heads):
     """Query tiles whose rows start seeing keys in different key tiles (rows that see nothing of a tile)."""

@@ -496,18 +496,15 @@ def test_embedded_token_embedding_repacks_exactly(smollm: GGUFFile) -> None:
 
 
 @pytest.fixture(scope="module")
-def transformers_weights(smollm2_gguf: Path) -> dict[str, torch.Tensor]:
+def transformers_weights(smollm2_dir: Path) -> dict[str, torch.Tensor]:
     """The embedded model as transformers' own GGUF loading gives it (gguf-py's dequantization, its reverse q / k
-    permutation), float32."""
-    from transformers import AutoModelForCausalLM, GgufConfig
+    permutation), float32: hf_reference's copy of that loading (tests/hf_reference.py, _dequantized), written once
+    per machine by the first test that takes the embedded model's oracle, where reading the GGUF's 272 tensors
+    again took ~60 s of this file on the 2-core CI machine. The copy holds transformers' float32 values as they
+    are (safetensors), so the comparisons below stay bit for bit against transformers' own reading."""
+    from hf_reference import hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent),
-        gguf_file=smollm2_gguf.name,
-        dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True),
-    )
-    return model.state_dict()
+    return hf_model(smollm2_dir).state_dict()
 
 
 def test_embedded_layers_agree_with_transformers_loading(smollm: GGUFFile, transformers_weights) -> None:
