@@ -79,7 +79,7 @@ async def run_cluster(args: argparse.Namespace, prompts: list[str], params: Samp
 
 async def ask_over_http(client, args: argparse.Namespace) -> None:
     """The HTTP front on this cluster (a free port), and one streamed chat completion through it."""
-    from infer.client.api.app import FrontConfig
+    from infer.client.api.config import FrontConfig
     from infer.client.api.server import HttpFront, load_front_tokenizer
 
     front = HttpFront(

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from infer.client.api.app import FrontConfig
+from infer.client.api.config import FrontConfig
 from infer.client.api.server import HttpFront
 from infer.client.local_engine import LocalEngine
 from infer.worker.config import EngineConfig

@@ -19,7 +19,7 @@ from infer.protocol.codes import ClusterState
 from infer.protocol.messages import ClusterStats
 
 if TYPE_CHECKING:
-    from infer.client.api.app import FrontConfig
+    from infer.client.api.config import FrontConfig
 
 log = logging.getLogger("infer.api")
 

@@ -55,7 +55,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar, cast
 
@@ -71,6 +70,7 @@ from starlette.requests import ClientDisconnect
 from infer.client.api.admission import Admission, authorize, check_length, max_model_len
 from infer.client.api.body import decode_body
 from infer.client.api.cancel import Cancellable, Cancellations, bearer_digest, caller_request_id
+from infer.client.api.config import FrontConfig
 from infer.client.api.errors import (
     ended_early,
     error_response,
@@ -91,8 +91,8 @@ from infer.client.api.formats import (
     num_candidates,
     sse_event,
 )
-from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics, RequestTracker
-from infer.client.api.reasoning import REASONING_PARSERS
+from infer.client.api.jobs import Job
+from infer.client.api.metrics import CONTENT_TYPE, FrontMetrics
 from infer.client.api.schemas import (
     ApiError,
     ChatCompletionRequest,
@@ -105,17 +105,17 @@ from infer.client.api.schemas import (
     UnloadLoraAdapterRequest,
     UpdateWeightsRequest,
 )
-from infer.client.api.tokenization import DEFAULT_LOAD_TIMEOUT_S, Tokenization, Tokenizations
-from infer.client.api.tools import TOOL_PARSERS, template_messages, tools_system_prompt
+from infer.client.api.tokenization import Tokenization, Tokenizations
+from infer.client.api.tools import template_messages, tools_system_prompt
 from infer.client.engine_client import ClusterError, EngineClient
 from infer.protocol.codes import ClusterState, ErrorCode, FinishReason
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import MAX_SESSION_ID_LEN, BeamOutput, ClusterStats, ModelStats
-from infer.protocol.outputs import Completion, RequestOutput, TokenLogprobs
+from infer.protocol.messages import MAX_SESSION_ID_LEN, ClusterStats, ModelStats
+from infer.protocol.outputs import RequestOutput
 from infer.protocol.prompt_limits import prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams, grammar_error
-from infer.protocol.tracing import Attribute, HopSpan, open_sink, parse_traceparent, require_sdk
+from infer.protocol.tracing import Attribute, HopSpan, open_sink, parse_traceparent
 
 log = logging.getLogger("infer.api")
 
@@ -130,71 +130,12 @@ class _RequestBody(Protocol):
 
 Body = TypeVar("Body", bound=_RequestBody)
 R = TypeVar("R")
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 try:
     VERSION = importlib.metadata.version("infer")
 except importlib.metadata.PackageNotFoundError:  # running from a tree that was never installed
     VERSION = "0+unknown"
 GRAMMAR_CHECK_TIMEOUT_S = 5.0
 TOKENIZER_THREADS = 2  # body parsing, chat templates and tokenization run on these, never on the event loop
-
-
-@dataclass(frozen=True)
-class FrontConfig:
-    """Options of one HTTP front. `served_model_name`: the name clients put in `model`."""
-
-    served_model_name: str
-    api_key: str | None = None
-    max_concurrent_requests: int = 1024  # engine requests in flight through this front (n counts n times)
-    health_timeout: float = 5.0  # seconds /health (and /metrics) wait for the cluster's answer
-    view_max_age: float = 1.0  # seconds a cluster view serves admission before a fresh round trip
-    retry_after: int = 1  # seconds, in the Retry-After header of a 503
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is refused with 413
-    tool_call_parser: str | None = None  # client/api/tools.py; None: the one the chat template's format calls for
-    matryoshka_dimensions: tuple[int, ...] | None = None  # /v1/embeddings' dimensions: None refused, () any size
-    reasoning_parser: str | None = None  # client/api/reasoning.py; None: no reasoning_content
-    admin_api_key: str | None = None  # may cancel any request (client/api/cancel.py)
-    chat_template: str | None = None  # instead of the tokenizer's (--chat-template)
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # --generation-config: model_defaults.py
-    otlp_traces_endpoint: str | None = None  # OpenTelemetry spans of the front's hops (protocol/tracing.py)
-    # (model name, tokenizer path): models whose tokenizer is read there, not where their workers say (--tokenizer-for)
-    tokenizer_for: tuple[tuple[str, str], ...] = ()
-    tokenizer_load_timeout: float = DEFAULT_LOAD_TIMEOUT_S  # seconds a request waits for its model's tokenizer to load
-
-    def __post_init__(self) -> None:
-        if not self.served_model_name:
-            raise ValueError("served_model_name must not be empty")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty (leave it unset to serve without a key)")
-        if self.admin_api_key is not None and (not self.admin_api_key or self.admin_api_key == self.api_key):
-            raise ValueError("admin_api_key must not be empty nor the same as api_key")
-        for name in ("max_concurrent_requests", "max_body_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("health_timeout", "view_max_age", "tokenizer_load_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.otlp_traces_endpoint is not None:
-            require_sdk()
-        if self.retry_after < 0:
-            raise ValueError(f"retry_after must be >= 0, got {self.retry_after}")
-        names = [name for name, _ in self.tokenizer_for]
-        repeated = sorted({name for name in names if names.count(name) > 1})
-        if repeated:
-            raise ValueError(f"--tokenizer-for names {', '.join(map(repr, repeated))} more than once")
-        if self.served_model_name in names:
-            raise ValueError(
-                f"--tokenizer-for {self.served_model_name}=...: {self.served_model_name!r} is this front's default "
-                "model, whose tokenizer --model gives"
-            )
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(
-                f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}"
-            )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(
-                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
-            )
 
 
 def caller_session_id(request: Request) -> str | None:
@@ -209,67 +150,6 @@ def caller_session_id(request: Request) -> str | None:
             f"characters starting {value[:40]!r}"
         )
     return value
-
-
-@dataclass
-class Job:
-    """One engine request of an HTTP request: prompt `prompt_index`, choice `index` of the response. What its
-    deltas carried is folded into `completion` (protocol/outputs.py, the same record `LLM` returns); the
-    properties read it the way the response formats want it."""
-
-    index: int
-    prompt_index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    request_id: str
-    tracker: RequestTracker
-    timeout: float | None = None
-    priority: int = 0
-    echo: str = ""  # completions' `echo`: the prompt's text, shown before the first text
-    num_prompt_tokens: int = 0
-    traceparent: str | None = None  # the caller's W3C trace context (a valid `traceparent` header), passed on
-    model: str | None = None  # the cluster's model it runs on, when it serves several (Front.model_of)
-    session_id: str | None = None  # the caller's X-Session-ID: the cluster pins the conversation to its worker
-    completion: Completion = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.completion = Completion(self.request_id, self.prompt_token_ids)
-
-    def add(self, delta: RequestOutput) -> None:
-        self.tracker.on_delta(delta)
-        self.completion.add(delta)
-        if delta.num_prompt_tokens:
-            self.num_prompt_tokens = delta.num_prompt_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.completion.token_ids
-
-    @property
-    def text(self) -> str:
-        return self.completion.text
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.completion.finish_reason
-
-    @property
-    def logprobs(self) -> list[TokenLogprobs]:
-        return self.completion.logprobs or []
-
-    @property
-    def prompt_logprobs(self) -> list[TokenLogprobs] | None:
-        """Prompt tokens 1.. (the Completion's list starts with None, vLLM's entry for the first prompt token)."""
-        rows = self.completion.prompt_logprobs
-        return None if rows is None else cast("list[TokenLogprobs]", rows[1:])
-
-    @property
-    def embedding(self) -> list[float] | None:
-        return self.completion.embedding
-
-    @property
-    def beams(self) -> list[BeamOutput] | None:
-        return self.completion.beams
 
 
 class Front:
@@ -332,7 +212,7 @@ class Front:
         async def token_ids(max_len: int) -> list[list[int]]:
             return await self._prompt_token_ids(tok, body.prompts(), max_len)
 
-        fmt = CompletionFormat(self, body, tok)
+        fmt = CompletionFormat(body, tok)
         max_tokens = (
             body.max_tokens
             if "max_tokens" in body.model_fields_set
@@ -347,7 +227,7 @@ class Front:
         async def token_ids(max_len: int) -> list[list[int]]:
             return [await self._chat_token_ids(tok, body, max_len)]
 
-        fmt = ChatFormat(self, body, tok)
+        fmt = ChatFormat(body, tok)
         max_tokens = body.max_new_tokens
         if max_tokens is None:
             max_tokens = self.config.sampling_defaults.get("max_tokens")

@@ -19,7 +19,7 @@ from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from infer.client.api.app import Job
+    from infer.client.api.jobs import Job
 
 log = logging.getLogger("infer.api")
 

@@ -19,7 +19,7 @@ from infer.protocol.codes import FinishReason
 from infer.protocol.outputs import Completion, RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
-    from infer.client.api.app import Front, Job
+    from infer.client.api.jobs import Job
     from infer.client.api.tokenization import Tokenization
 
 log = logging.getLogger("infer.api")
@@ -32,8 +32,7 @@ class ResponseFormat:
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, front: Front, body: Any, tok: Tokenization) -> None:
-        self.front = front
+    def __init__(self, body: Any, tok: Tokenization) -> None:
         self.body = body
         self.tok = tok  # the tokenization of the model the body runs on: token strings, parsers
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -141,8 +140,8 @@ class ChatFormat(ResponseFormat):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, front: Front, body: Any, tok: Tokenization) -> None:
-        super().__init__(front, body, tok)
+    def __init__(self, body: Any, tok: Tokenization) -> None:
+        super().__init__(body, tok)
         self.tool_mode = body.tool_mode
         self.reasoning = tok.reasoning_parser
         self.parse_tools = PARSERS[tok.tool_call_parser]

@@ -24,7 +24,8 @@ from typing import Any
 import uvicorn
 
 from infer.client.api.admission import read_key_file, resolve_api_key
-from infer.client.api.app import DEFAULT_MAX_BODY_BYTES, FrontConfig, build_app
+from infer.client.api.app import build_app
+from infer.client.api.config import DEFAULT_MAX_BODY_BYTES, FrontConfig
 from infer.client.api.model_defaults import generation_defaults, load_chat_template, matryoshka_dimensions
 from infer.client.api.reasoning import REASONING_PARSERS
 from infer.client.api.tokenization import load_tokenizers_for, parse_tokenizer_for

@@ -17,7 +17,7 @@ import zmq
 from ports import reserved_port
 
 from infer.client import InferenceClient
-from infer.client.api.app import FrontConfig
+from infer.client.api.config import FrontConfig
 from infer.client.api.server import HttpFront
 from infer.protocol.messages import Counters
 

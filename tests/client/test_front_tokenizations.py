@@ -23,7 +23,7 @@ from front_harness import error_of as _error
 from front_harness import http as _http
 
 from infer.client.api import server, tokenization
-from infer.client.api.app import FrontConfig
+from infer.client.api.config import FrontConfig
 from infer.client.api.server import HttpFront, build_parser, front_argv, front_config
 from infer.client.api.tokenization import Tokenization, Tokenizations, parse_tokenizer_for
 from infer.client.local_engine import LocalEngine

@@ -26,7 +26,7 @@ from front_harness import error_of as _error
 from front_harness import http as _http
 
 from infer.client.api.admission import resolve_api_key
-from infer.client.api.app import FrontConfig
+from infer.client.api.config import FrontConfig
 from infer.client.local_engine import LocalEngine
 from infer.protocol.outputs import RequestOutput
 

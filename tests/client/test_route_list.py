@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi.routing import APIRoute
 from front_harness import error_of, http, serving
 
-from infer.client.api.app import FrontConfig, build_app, route_list
+from infer.client.api.app import build_app, route_list
+from infer.client.api.config import FrontConfig
 
 
 def test_a_404_lists_every_route_of_the_app():

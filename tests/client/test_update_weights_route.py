@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from infer.client.api.app import FrontConfig
+from infer.client.api.config import FrontConfig
 from infer.client.api.server import HttpFront
 from infer.client.local_engine import LocalEngine
 from infer.worker.config import EngineConfig

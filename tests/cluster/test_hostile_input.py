@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from infer import SamplingParams
-from infer.client.api.app import FrontConfig
+from infer.client.api.config import FrontConfig
 from infer.client.api.server import HttpFront
 from infer.protocol.messages import PROTOCOL_VERSION, Error, decode
 
