@@ -1,10 +1,14 @@
-"""Fused kernels: each a Triton kernel plus a PyTorch twin of the same signature.
-
-Every module exposes, per operation `op`:
+"""Fused kernels. The Triton modules (rmsnorm, rotary, kv_append, paged_attention, quant_triton, ...) expose, per
+operation `op`:
 - `op_triton(...)`: launches the Triton kernel (CUDA tensors; CPU tensors under TRITON_INTERPRET=1);
-- `op_torch(...)`: the twin, same signature and semantics; the CPU hot path and the test oracle;
+- `op_torch(...)`: the twin, same signature and semantics; the test oracle, and what runs where neither Triton nor a
+  native kernel does;
 - `op(...)`: picks Triton on CUDA devices and the twin elsewhere (`_triton.use_triton`).
 
-Conventions (../shared/DESIGN.md): padding is a sentinel (slot -1 is skipped), offsets are computed in
-int64, shapes are commented at each signature.
+On a CPU the hot paths are native C (cpu_kernels.py and cpu/*.c, every entry point declared once in cpu/kernels.h);
+quant.py holds the quantized weights, the native matmul's wrapper and its exact twin; reference.py the plain
+per-sequence definitions (the benchmarks' baseline).
+
+Conventions: padding is a sentinel (slot -1 is skipped), offsets are computed in int64, shapes are commented at
+each signature.
 """

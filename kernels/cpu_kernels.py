@@ -44,10 +44,11 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,8 @@ SOURCES = tuple(
     _CPU_DIR / name
     for name in ("paged_decode.c", "paged_prefill.c", "elementwise.c", "gemv.c", "quant.c", "decode_layers.c", "lora.c")
 )
-HEADERS = (_CPU_DIR / "common.h",)  # included by the sources: part of the build's hash
+KERNELS_H = _CPU_DIR / "kernels.h"  # every entry point, declared once (the bindings are read from it)
+HEADERS = (_CPU_DIR / "common.h", KERNELS_H)  # included by the sources: part of the build's hash
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=fast")  # plus the level's -march
 # A build takes seconds on a quiet machine and minutes on a loaded 2-core one (seen: past 120 s beside a test run);
 # a timeout leaves the process on the twins for its whole life, so it is generous.
@@ -280,141 +282,48 @@ def _load(isa: str) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("the native CPU kernels could not be built (%s): their PyTorch twins run instead", e)
         return None
-    _declare(lib)
+    declare(lib)
     return lib
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    """The entry points' argument types (every one returns an int status)."""
-    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-    lib.paged_decode.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i64,
-        f32,
-        i32,
-        i32,
-        f32,
-        ptr,
-    ]
-    lib.paged_decode_runs.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        i32,
-        ptr,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i64,
-        f32,
-        i32,
-        i32,
-        f32,
-        ptr,
-    ]
-    lib.rotary_inplace.argtypes = [ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
-    lib.append_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i32, i32, ptr, ptr, i64, i32, i32]
-    lib.paged_prefill.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        ptr,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i64,
-        f32,
-        i32,
-        ptr,
-        i32,
-        f32,
-        ptr,
-    ]
-    lib.rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32, f32, i32]
-    lib.row_max.argtypes = [ptr, i64, i64, i64, ptr, ptr]
-    lib.silu_and_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
-    lib.gemv_rows_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr]
-    lib.gemv_rows_bf16w_f32x.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
-    lib.gemv_paths.argtypes = []
-    lib.lora_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i32]
-    lib.decode_layers.argtypes = [
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i32,
-        i32,
-        i32,
-        i64,
-        f32,
-        f32,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        ptr,
-        i64,
-        i32,
-        ptr,
-        i64,
-        i32,
-        ptr,
-        i32,
-        ptr,
-        ptr,
-        i32,
-    ]
-    for fn in (
-        lib.paged_decode,
-        lib.paged_decode_runs,
-        lib.paged_prefill,
-        lib.rotary_inplace,
-        lib.append_kv,
-        lib.rms_norm,
-        lib.row_max,
-        lib.silu_and_mul,
-        lib.gemv_rows_bf16,
-        lib.gemv_rows_bf16w_f32x,
-        lib.gemv_paths,
-        lib.decode_layers,
-        lib.lora_rows,
-    ):
-        fn.restype = i32
+# C parameter types -> ctypes (kernels.h uses no others: `entry_points` refuses the rest)
+_C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
+_PROTOTYPE = re.compile(r"^int ([a-z_0-9]+)\(([^)]*)\);", re.M)
+
+
+@functools.cache
+def entry_points() -> dict[str, list[type]]:
+    """The exported entry points of kernels/cpu/kernels.h (the part before "internal") and their ctypes argument
+    types, read from the header: the one declaration of the C signatures."""
+    text = KERNELS_H.read_text()
+    exported = text[: text.index("---- internal")]
+    points: dict[str, list[type]] = {}
+    for name, params in _PROTOTYPE.findall(exported):
+        types: list[type] = []
+        for param in params.split(","):
+            param = " ".join(param.split())
+            if param in ("void", ""):
+                continue
+            if "*" in param:
+                types.append(ctypes.c_void_p)
+                continue
+            c_type = param.rsplit(" ", 1)[0].removeprefix("const ")
+            if c_type not in _C_TYPES:
+                raise ValueError(f"kernels.h: {name}'s parameter {param!r} has a type the binding does not read")
+            types.append(_C_TYPES[c_type])
+        points[name] = types
+    return points
+
+
+def declare(lib: ctypes.CDLL, names: Iterable[str] | None = None) -> ctypes.CDLL:
+    """Declare the entry points `names` (None: every exported one) on a loaded library, from kernels.h: their
+    argument types, and an int result."""
+    points = entry_points()
+    for name in points if names is None else names:
+        fn = getattr(lib, name)
+        fn.argtypes = points[name]
+        fn.restype = ctypes.c_int
+    return lib
 
 
 def _window(window: int) -> int:

@@ -222,11 +222,9 @@ def quant_matmul_reference(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare quant_matmul's C signature on a loaded library (the package's, or a test's build of quant.c)."""
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.quant_matmul.argtypes = [ptr, i64, ptr, ptr, ptr, i32, ptr, i64, i64, i64, i64, i32]
-    lib.quant_matmul.restype = i32
-    return lib
+    """Declare quant_matmul's C signature (kernels/cpu/kernels.h) on a loaded library (the package's, or a test's
+    build of quant.c)."""
+    return cpu_kernels.declare(lib, ["quant_matmul"])
 
 
 @functools.cache

@@ -39,29 +39,9 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define LAYER_POINTERS 18   /* a layer's entries in `weights` (see the top of this file) */
-
-int rms_norm(const void *x, int64_t x_stride, void *residual, int64_t res_stride, const void *weight, void *out,
-             int64_t out_stride, int64_t rows, int hidden, float eps, int is_bf16);
-int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M, int64_t N,
-                   int64_t K, const void *bias);
-int gemv_rows_bf16w_f32x(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M,
-                         int64_t N, int64_t K);
-int quant_matmul(const void *x, int64_t x_stride, const void *qs, const uint16_t *scales, const uint16_t *mins, int fmt,
-                 void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int is_bf16);
-int rotary_inplace(void *x, int64_t stride, int64_t num_tokens, int num_heads, int head_dim, const int64_t *positions,
-                   const float *cos_sin, int64_t num_positions, int is_neox, int is_bf16);
-int append_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_pool, void *v_pool,
-              int64_t num_slots, const int64_t *slots, int64_t pad_slot, int64_t num_tokens, int num_kv_heads,
-              int head_dim, const int64_t *positions, const float *cos_sin, int64_t num_positions, int is_neox,
-              int is_bf16);
-int paged_decode_runs(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
-                      const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,
-                      const int32_t *runs, int num_runs, void *out, int num_rows, int num_heads, int num_kv_heads,
-                      int head_dim, int block_size, int64_t num_blocks, float scale, int is_bf16, int window,
-                      float softcap, const float *sinks);
-int silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t rows, int64_t d, int is_bf16);
 
 /* y [rows, N] (rows y_stride apart) += bias [N], in the rows' type (bf16: one rounding of the fp32 sum, as torch's
  * add_). */

@@ -14,6 +14,7 @@
  */
 
 #include "common.h"
+#include "kernels.h"
 
 #pragma GCC optimize("fp-contract=off")
 

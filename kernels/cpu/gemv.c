@@ -38,6 +38,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define MAX_ROWS 8   /* rows of x a call takes (each weight row read once for all of them) */
 

@@ -17,6 +17,7 @@
  */
 
 #include "common.h"
+#include "kernels.h"
 
 #include <stdlib.h>
 

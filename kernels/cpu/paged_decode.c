@@ -39,6 +39,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define MAX_ROWS 16      /* rows per task: query heads per KV head, times tokens */
 #define MAX_HEAD_DIM 256

@@ -28,17 +28,12 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #define PF_MAX_GROUP 16
 #define PF_MAX_HEAD_DIM 256
 #define PF_MAX_BLOCK 256
 #define PF_ROWS 64           /* rows (query tokens x group heads) per task of the packed path, at most */
-
-/* paged_decode.c: the decode kernel's arithmetic for up to attend_max_tokens(group) tokens of a chunk */
-int attend_max_tokens(int group);
-void attend_rows(const void *q, int64_t q_token_bytes, const void *k_pool, const void *v_pool, const int32_t *table,
-                 int first_len, int tokens, void *out, int64_t out_token_bytes, int group, int head_dim, int block_size,
-                 float scale, int is_bf16, int window, float softcap, const float *sinks);
 
 #if defined(__AVX512BF16__)
 /* ---- bf16 with AVX512-BF16: keys packed once, 32 at a time, and multiplied by pairs of bf16 (vdpbf16ps) ----

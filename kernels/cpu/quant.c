@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
