@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from infer import LLM
+
 # Gemma 2: alternating local (window 8) and global layers, attention and final logit soft-capping, a query
 # pre-attention scalar other than head_dim.
 GEMMA2: dict[str, Any] = dict(
@@ -151,3 +153,12 @@ def tiny_checkpoint(path: Path, tokenizer: Any, model_type: str, seed: int = 7, 
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+def tiny_llm(path: Path, **options: Any) -> LLM:
+    """An LLM on a tiny checkpoint as the family tests run it: fp32, 256 tokens of context, an 8 MB KV pool of
+    4-token blocks, one thread; `options` override any of these."""
+    defaults: dict[str, Any] = dict(
+        dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1, block_size=4
+    )
+    return LLM(model=str(path), **{**defaults, **options})

@@ -8,7 +8,14 @@ from typing import Callable
 
 from infer.protocol.sampling import SamplingParams
 from infer.worker.request import Request, RequestStatus
-from infer.worker.scheduler import Scheduler, SchedulerOutput
+from infer.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    """A scheduler of 8 sequences, 64-token steps, 64 blocks of 4 tokens, unless `overrides` say otherwise."""
+    options = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048, block_size=4, num_blocks=64)
+    options.update(overrides)
+    return Scheduler(SchedulerConfig(**options))
 
 
 def make_request(i: int, prompt: list[int], max_tokens: int = 4) -> Request:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_models import DEEPSEEK_V2, FAMILIES, tiny_checkpoint
+from family_models import DEEPSEEK_V2, FAMILIES, tiny_checkpoint, tiny_llm
 from hf_reference import hf_model, transformers_greedy
 from model_batches import Pager, new_cache
 
@@ -49,17 +49,7 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer):
 
 
 def _llm(path: Path, **options) -> LLM:
-    return LLM(
-        model=str(path),
-        **{
-            "dtype": "float32",
-            "max_model_len": 256,
-            "kv_cache_memory": 4_000_000,
-            "num_threads": 1,
-            "block_size": 4,
-            **options,
-        },
-    )
+    return tiny_llm(path, **{"kv_cache_memory": 4_000_000, **options})  # a smaller pool than the default
 
 
 def _config(model_type: str, **fields):

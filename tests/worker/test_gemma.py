@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_models import tiny_llm
 from gemma_models import tiny_gemma3
 from hf_reference import assert_bf16_as_close_as_transformers, hf_model, transformers_greedy
 
-from infer import LLM, SamplingParams
+from infer import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.loader import load_model
@@ -36,20 +37,6 @@ def want(gemma3) -> list[list[int]]:
     return transformers_greedy(gemma3, PROMPTS, MAX_NEW)
 
 
-def _llm(path: Path, **options) -> LLM:
-    return LLM(
-        model=str(path),
-        **{
-            "dtype": "float32",
-            "max_model_len": 256,
-            "kv_cache_memory": 8_000_000,
-            "num_threads": 1,
-            "block_size": 4,
-            **options,
-        },
-    )
-
-
 def test_the_model_is_ours_with_each_layer_s_window_and_rope(gemma3):
     model = load_model(gemma3, torch.float32, torch.device("cpu"))
     assert type(model).__name__ == "Gemma3ForCausalLM" and model.lm_head_tied
@@ -61,7 +48,7 @@ def test_the_model_is_ours_with_each_layer_s_window_and_rope(gemma3):
 
 
 def test_greedy_tokens_equal_transformers_past_the_window(gemma3, want):
-    llm = _llm(gemma3)
+    llm = tiny_llm(gemma3)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [c.token_ids for c in again] == want
@@ -70,7 +57,7 @@ def test_greedy_tokens_equal_transformers_past_the_window(gemma3, want):
 
 def test_logprobs_within_tolerance_of_transformers(gemma3):
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-    completions = _llm(gemma3).generate(PROMPTS, params, use_tqdm=False)
+    completions = tiny_llm(gemma3).generate(PROMPTS, params, use_tqdm=False)
     hf = hf_model(gemma3, attn_implementation="eager")
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         with torch.inference_mode():

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from attention_calls import assert_native_attention, count_attention_kernels
-from family_models import GEMMA2, tiny_checkpoint
+from family_models import GEMMA2, tiny_checkpoint, tiny_llm
 from hf_reference import assert_bf16_as_close_as_transformers, hf_model, transformers_greedy
 
-from infer import LLM, SamplingParams
+from infer import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.loader import load_model
@@ -37,20 +37,6 @@ def want(gemma2) -> list[list[int]]:
     return transformers_greedy(gemma2, PROMPTS, MAX_NEW)
 
 
-def _llm(path: Path, **options) -> LLM:
-    return LLM(
-        model=str(path),
-        **{
-            "dtype": "float32",
-            "max_model_len": 256,
-            "kv_cache_memory": 8_000_000,
-            "num_threads": 1,
-            "block_size": 4,
-            **options,
-        },
-    )
-
-
 def test_the_model_is_ours_with_soft_capped_windowed_layers(gemma2):
     model = load_model(gemma2, torch.float32, torch.device("cpu"))
     assert type(model).__name__ == "Gemma2ForCausalLM" and model.lm_head_tied
@@ -63,7 +49,7 @@ def test_the_model_is_ours_with_soft_capped_windowed_layers(gemma2):
 def test_greedy_tokens_equal_transformers_past_the_window(gemma2, want, monkeypatch):
     """On a CPU every soft-capped layer's attention (windowed or not) runs on the native kernels."""
     calls = count_attention_kernels(monkeypatch)
-    llm = _llm(gemma2)
+    llm = tiny_llm(gemma2)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [c.token_ids for c in again] == want
@@ -73,7 +59,7 @@ def test_greedy_tokens_equal_transformers_past_the_window(gemma2, want, monkeypa
 
 def test_logprobs_within_tolerance_of_transformers(gemma2):
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-    completions = _llm(gemma2).generate(PROMPTS, params, use_tqdm=False)
+    completions = tiny_llm(gemma2).generate(PROMPTS, params, use_tqdm=False)
     hf = hf_model(gemma2, attn_implementation="eager")
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         with torch.inference_mode():

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from attention_calls import assert_native_attention, count_attention_kernels
+from family_models import tiny_llm
 from gpt_oss_models import tiny_gpt_oss
 from hf_reference import hf_model, transformers_greedy
 
-from infer import LLM, SamplingParams
+from infer import SamplingParams
 from infer.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_compiled,
@@ -36,20 +37,6 @@ PROMPTS = [[_rng.randrange(3, 250) for _ in range(n)] for n in (9, 23, 41, 70)]
 def checkpoint(tmp_path_factory, smollm2_tokenizer) -> tuple[Path, list[list[int]]]:
     path = tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss"), smollm2_tokenizer)
     return path, transformers_greedy(path, PROMPTS, MAX_NEW)
-
-
-def _llm(path: Path, **options) -> LLM:
-    return LLM(
-        model=str(path),
-        **{
-            "dtype": "float32",
-            "max_model_len": 256,
-            "kv_cache_memory": 8_000_000,
-            "num_threads": 1,
-            "block_size": 4,
-            **options,
-        },
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -201,7 +188,7 @@ def test_greedy_tokens_equal_transformers(checkpoint, chunk, monkeypatch):
     """On a CPU the attention with sinks (windowed layers and full ones) runs on the native kernels."""
     path, want = checkpoint
     calls = count_attention_kernels(monkeypatch)
-    llm = _llm(path, **({"max_num_batched_tokens": chunk} if chunk else {}))
+    llm = tiny_llm(path, **({"max_num_batched_tokens": chunk} if chunk else {}))
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     assert_native_attention(calls)
 
@@ -209,7 +196,7 @@ def test_greedy_tokens_equal_transformers(checkpoint, chunk, monkeypatch):
 def test_logprobs_within_tolerance_of_transformers(checkpoint):
     path, _ = checkpoint
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-    completions = _llm(path).generate(PROMPTS, params, use_tqdm=False)
+    completions = tiny_llm(path).generate(PROMPTS, params, use_tqdm=False)
     hf = hf_model(path)
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         with torch.inference_mode():

@@ -9,17 +9,11 @@ import dataclasses
 import random
 
 import pytest
-from sched_sim import expected_output, fake_next_token, finish_step, make_request
+from sched_sim import expected_output, fake_next_token, finish_step, make_request, make_scheduler
 
 from infer.worker.micro_batches import MicroBatches, runs_alone
 from infer.worker.request import RequestStatus
-from infer.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-
-
-def make_scheduler(**overrides) -> Scheduler:
-    options = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048, block_size=4, num_blocks=64)
-    options.update(overrides)
-    return Scheduler(SchedulerConfig(**options))
+from infer.worker.scheduler import Scheduler, SchedulerOutput
 
 
 def finish_oldest(scheduler: Scheduler, flights: MicroBatches) -> SchedulerOutput:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_models import PHI3, tiny_checkpoint
+from family_models import PHI3, tiny_checkpoint, tiny_llm
 from hf_reference import assert_bf16_as_close_as_transformers, hf_model, transformers_greedy
 
-from infer import LLM, SamplingParams
+from infer import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.loader import load_model
@@ -52,20 +52,6 @@ def checkpoints(tmp_path_factory, smollm2_tokenizer):
     return make
 
 
-def _llm(path: Path, **options) -> LLM:
-    return LLM(
-        model=str(path),
-        **{
-            "dtype": "float32",
-            "max_model_len": 256,
-            "kv_cache_memory": 8_000_000,
-            "num_threads": 1,
-            "block_size": 4,
-            **options,
-        },
-    )
-
-
 def test_the_model_is_ours_with_fused_weights_partial_rotary_and_windows(checkpoints):
     path, _ = checkpoints("phi3")
     model = load_model(path, torch.float32, torch.device("cpu"))
@@ -85,14 +71,14 @@ def test_the_model_is_ours_with_fused_weights_partial_rotary_and_windows(checkpo
 def test_greedy_tokens_equal_transformers(checkpoints, name, chunk):
     """Chunks of 16 tokens: a prompt longer than the original length takes the long factors from its first chunk."""
     path, want = checkpoints(name)
-    llm = _llm(path, **({"max_num_batched_tokens": chunk} if chunk else {}))
+    llm = tiny_llm(path, **({"max_num_batched_tokens": chunk} if chunk else {}))
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
 
 
 def test_logprobs_within_tolerance_of_transformers(checkpoints):
     path, _ = checkpoints("phi3")
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-    completions = _llm(path).generate(PROMPTS, params, use_tqdm=False)
+    completions = tiny_llm(path).generate(PROMPTS, params, use_tqdm=False)
     hf = hf_model(path)
     for prompt, completion in zip(PROMPTS, completions, strict=True):
         if len(prompt) <= 48 < len(prompt) + MAX_NEW:
@@ -181,7 +167,7 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoints):
 def test_pipeline_stages_take_the_long_factors_past_the_original_length(checkpoints):
     """PP 2: each stage picks LongRoPE's rows by the sequence's length as one process does."""
     path, want = checkpoints("phi3")
-    llm = _llm(path, pipeline_parallel_size=2)
+    llm = tiny_llm(path, pipeline_parallel_size=2)
     try:
         assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     finally:

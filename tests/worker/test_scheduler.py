@@ -7,17 +7,11 @@ import itertools
 import random
 
 import pytest
-from sched_sim import expected_output, fake_next_token, finish_step, make_request
+from sched_sim import expected_output, fake_next_token, finish_step, make_request, make_scheduler
 
 from infer.protocol.sampling import SamplingParams
 from infer.worker.request import Request, RequestStatus
-from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-
-
-def make_scheduler(**overrides) -> Scheduler:
-    options = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048, block_size=4, num_blocks=64)
-    options.update(overrides)
-    return Scheduler(SchedulerConfig(**options))
+from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 
 
 def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:

@@ -4,22 +4,18 @@ of high priority ones. Steps are counted, never timed."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
+import sched_sim
 from sched_sim import expected_output, fake_next_token, finish_step
 
 from infer.protocol.sampling import SamplingParams
 from infer.worker.request import Request, RequestStatus
-from infer.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from infer.worker.scheduler import Scheduler, SchedulerOutput
 
-
-def make_scheduler(**overrides) -> Scheduler:
-    options = dict(
-        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048, block_size=4, num_blocks=64, policy="priority"
-    )
-    options.update(overrides)
-    return Scheduler(SchedulerConfig(**options))
+make_scheduler = functools.partial(sched_sim.make_scheduler, policy="priority")
 
 
 def make_request(i: int, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:

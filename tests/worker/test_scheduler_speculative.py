@@ -8,16 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from sched_sim import expected_output, fake_next_token, make_request
+from sched_sim import expected_output, fake_next_token, make_request, make_scheduler
 
 from infer.worker.request import RequestStatus
-from infer.worker.scheduler import Scheduler, SchedulerConfig
-
-
-def make_scheduler(**overrides) -> Scheduler:
-    options = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048, block_size=4, num_blocks=64)
-    options.update(overrides)
-    return Scheduler(SchedulerConfig(**options))
+from infer.worker.scheduler import Scheduler
 
 
 def verify_step(scheduler: Scheduler, output) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_models import tiny_llm
 from hf_reference import hf_model, transformers_greedy
 from moe_models import save_tiny_model, tiny_mixtral
 
@@ -106,18 +107,6 @@ def want(windowed):
     return of
 
 
-def _llm(model: Path, **options) -> LLM:
-    options = {
-        "dtype": "float32",
-        "max_model_len": 256,
-        "kv_cache_memory": 8_000_000,
-        "num_threads": 1,
-        "block_size": 4,
-        **options,
-    }
-    return LLM(model=str(model), **options)
-
-
 def _tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
     return [c.token_ids for c in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -140,7 +129,7 @@ def test_each_layer_gets_the_window_transformers_gives_it(windowed, name):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_tokens_equal_transformers_past_the_window(windowed, want, name):
     """Twice in one LLM: the second round's prompts hit the prefix cache (blocks of 4: most of each prompt)."""
-    llm = _llm(windowed(name))
+    llm = tiny_llm(windowed(name))
     first = _tokens(llm)
     second = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert first == want(name)
@@ -176,7 +165,7 @@ def test_logprobs_within_tolerance_of_transformers(windowed):
     generated tokens (fp32, eager attention)."""
     path = windowed("mixed")
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-    completions = _llm(path).generate(PROMPTS[:4], params, use_tqdm=False)
+    completions = tiny_llm(path).generate(PROMPTS[:4], params, use_tqdm=False)
     hf = hf_model(path, attn_implementation="eager")
     for prompt, completion in zip(PROMPTS[:4], completions, strict=True):
         ids = prompt + completion.token_ids
@@ -192,7 +181,7 @@ def test_logprobs_within_tolerance_of_transformers(windowed):
 
 def test_mixtral_with_a_window(tmp_path, smollm2_tokenizer):
     path = tiny_mixtral(tmp_path / "mixtral", tokenizer=smollm2_tokenizer, sliding_window=8)
-    assert _tokens(_llm(path)) == transformers_greedy(path, PROMPTS, MAX_NEW)
+    assert _tokens(tiny_llm(path)) == transformers_greedy(path, PROMPTS, MAX_NEW)
 
 
 def _engine_tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list]:
@@ -310,7 +299,7 @@ def test_native_bf16_decode_step_equals_the_layers(windowed, monkeypatch):
 
 def test_bf16_agrees_with_fp32_on_most_tokens(windowed, want):
     """bf16 rounds differently from fp32 on a random model's near-ties: at least 75% of the greedy tokens agree."""
-    got = _tokens(_llm(windowed("mistral"), dtype="bfloat16"))
+    got = _tokens(tiny_llm(windowed("mistral"), dtype="bfloat16"))
     pairs = [(a, b) for ours, theirs in zip(got, want("mistral")) for a, b in zip(ours, theirs)]
     agree = sum(a == b for a, b in pairs) / len(pairs)
     print(f"bf16 vs fp32 transformers: {agree:.0%} of the greedy tokens agree")
