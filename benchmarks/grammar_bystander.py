@@ -1,4 +1,4 @@
-"""A plain request's latency beside hostile grammars on the same worker (issue 31's bounds on grammar work).
+"""A plain request's latency beside hostile grammars on the same worker (the bounds on grammar work).
 Not a test.
 
 `infer-serve --workers 1` on the embedded model at its defaults (one worker: every request shares it). Each

