@@ -7,7 +7,11 @@ import json
 import os
 import platform
 import random
+import re
+import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,3 +214,34 @@ def dense_model_dir(gguf: Path | None = None) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(path)
     return path
+
+
+SERVE_READY = re.compile(r"infer-serve: ready: .* clients connect to (\S+)")
+
+
+def start_serve(flags: list[str], ready_timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """`infer-serve --port 0 FLAGS` in its own process group; (the process, its coordinator's address) once it
+    prints its ready line (RuntimeError if it exits or `ready_timeout` passes first)."""
+    argv = [sys.executable, "-m", "infer.client.serve", "--port", "0", *flags]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + ready_timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the ready line, or the end of its output when it fails
+        if m := SERVE_READY.search(line):
+            return proc, m[1]
+        if time.monotonic() > deadline:
+            break
+    stop_serve(proc)
+    raise RuntimeError(f"infer-serve did not get ready (exit {proc.returncode})")
+
+
+def stop_serve(proc: subprocess.Popen) -> None:
+    """SIGTERM to its process group (SIGKILL after 60 s)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

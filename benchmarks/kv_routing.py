@@ -22,51 +22,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import re
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import random_model, write_result
+from common import random_model, stop_serve, write_result
+from common import start_serve as serve
 
 from infer.client.inference_client import InferenceClient
 from infer.protocol.sampling import SamplingParams
 
-READY = re.compile(r"infer-serve: ready: .* clients connect to (\S+)")
 VOCAB_LOW, VOCAB_HIGH = 100, 49000
 
 
 def start_serve(model: Path, workers: int, policy: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    argv = [sys.executable, "-m", "infer.client.serve", "--port", "0", "--workers", str(workers)]
-    argv += ["--model", str(model), "--policy", policy, "--log-level", "WARNING", "--dtype", "float32"]
-    argv += ["--max-model-len", "2048", "--kv-cache-memory", str(args.kv_cache_memory), "--threads", "1"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 300
-    for line in proc.stdout:
-        if m := READY.search(line):
-            return proc, m[1]
-        if time.monotonic() > deadline:
-            break
-    stop_serve(proc)
-    raise RuntimeError(f"infer-serve did not get ready (exit {proc.returncode})")
-
-
-def stop_serve(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    flags = ["--workers", str(workers), "--model", str(model), "--policy", policy, "--log-level", "WARNING"]
+    flags += ["--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory", str(args.kv_cache_memory)]
+    return serve(flags + ["--threads", "1"])
 
 
 def workload(args: argparse.Namespace) -> list[list[list[int]]]:

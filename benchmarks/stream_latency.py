@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,40 +33,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result
+from common import start_serve as serve
+from common import stop_serve, write_result
 
 from infer.client.inference_client import InferenceClient
 from infer.protocol.sampling import SamplingParams
 
-READY = re.compile(r"infer-serve: ready: .* clients connect to (\S+)")
 VOCAB_LOW, VOCAB_HIGH = 100, 49000  # token ids of the embedded model's vocabulary (49,152), past the specials
 
 
 def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """`infer-serve` in its own process group; (the process, its coordinator's address) once it is ready."""
-    argv = [sys.executable, "-m", "infer.client.serve", "--port", "0", "--workers", str(args.workers)]
-    argv += ["--log-level", "WARNING", *args.serve_args.split()]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + args.ready_timeout
-    assert proc.stdout is not None
-    for line in proc.stdout:  # the ready line, or the end of its output when it fails
-        if m := READY.search(line):
-            return proc, m[1]
-        if time.monotonic() > deadline:
-            break
-    stop_serve(proc)
-    raise RuntimeError(f"infer-serve did not get ready (exit {proc.returncode})")
-
-
-def stop_serve(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    return serve(
+        ["--workers", str(args.workers), "--log-level", "WARNING", *args.serve_args.split()], args.ready_timeout
+    )
 
 
 class Prompts:
