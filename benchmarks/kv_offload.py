@@ -12,7 +12,8 @@ the runs, whose prefill chunks differ).
 
 Reported per run: prefix-cache hit rate (prompt tokens served from the pool, including the blocks read back from
 disk / prompt tokens looked up), prompt tokens prefilled, TTFT (add_request -> first token, in-process, queueing
-included) p50 / p99, wall time, the tier's counters; and whether every answer equals the big pool's.
+included) p50 / p99, wall time, the tier's counters, the machine's load average around the run (the dev machine is
+shared); and whether every answer equals the big pool's. `--tier-first` swaps the order of the first two runs.
 
     .venv/bin/python benchmarks/kv_offload.py [--conversations 12] [--turns 4] [--pool-blocks 160]
 """
@@ -20,6 +21,7 @@ included) p50 / p99, wall time, the tier's counters; and whether every answer eq
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -67,6 +69,7 @@ def run(name: str, args: argparse.Namespace, pool_blocks: int, offload_dir: str 
     ttfts: list[float] = []
     before = engine.load()
     prefilled = engine.stats.prefill_tokens_computed
+    load_avg_before = os.getloadavg()[0]
     start = time.perf_counter()
     for turn in range(args.turns):
         submitted: dict[str, float] = {}
@@ -100,6 +103,7 @@ def run(name: str, args: argparse.Namespace, pool_blocks: int, offload_dir: str 
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "wall_s": wall,
+        "load_avg_1m": [load_avg_before, os.getloadavg()[0]],  # the machine's, before / after: others' jobs share it
         "spilled_blocks": load.kv_offload_spilled_blocks,
         "loaded_blocks": load.kv_offload_loaded_blocks,
         "dropped_blocks": load.kv_offload_dropped_blocks,
@@ -117,15 +121,19 @@ def main() -> None:
     parser.add_argument("--pool-blocks", type=int, default=160, help="the small pool, in 16-token blocks")
     parser.add_argument("--offload-gb", type=float, default=2.0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--tier-first", action="store_true", help="run the tier before the run without it")
     args = parser.parse_args()
     working_set = args.conversations * (32 + args.first + (args.turns - 1) * 48 + args.turns * 16) // 16 + 1
     results = []
     with tempfile.TemporaryDirectory(prefix="kv-offload-bench-") as directory:
-        for name, blocks, offload in (
+        runs = [
             ("small pool, no tier", args.pool_blocks, None),
             ("small pool + disk tier", args.pool_blocks, directory),
             ("pool holding everything", working_set + 64 * args.max_num_seqs, None),
-        ):
+        ]
+        if args.tier_first:
+            runs[:2] = runs[1::-1]
+        for name, blocks, offload in runs:
             results.append(run(name, args, blocks, offload))
             print(f"  {name}: done in {results[-1]['wall_s']:.1f} s", file=sys.stderr)
     reference = results[-1]["answers"]
@@ -141,7 +149,7 @@ def main() -> None:
             f"{r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>6.0f}ms {r['wall_s']:>6.1f}s "
             f"{r['spilled_blocks']:>7} {r['loaded_blocks']:>6} {str(r['answers_equal_reference']):>5}"
         )
-    without, tier = results[0], results[1]
+    without, tier = (results[1], results[0]) if args.tier_first else (results[0], results[1])
     ratios = {
         "hit_rate_tier_over_none": tier["hit_rate"] / without["hit_rate"] if without["hit_rate"] else None,
         "ttft_p50_tier_over_none": tier["ttft_p50_ms"] / without["ttft_p50_ms"],
