@@ -168,3 +168,22 @@ def test_a_restarted_engine_reuses_the_files_it_left(tiny_model_dir, tmp_path, b
 def test_an_unusable_directory_stops_the_engine_before_it_loads(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="no such directory"):
         engine(tiny_model_dir("llama"), tmp_path / "missing")
+
+
+def test_suspend_keeps_the_files_and_new_weights_delete_them(tiny_model_dir, tmp_path, baseline):
+    out1, out2, _ = baseline
+    model_dir = tiny_model_dir("llama")
+    first, second = turns()
+    eng = engine(model_dir, tmp_path)
+    assert run(eng, first) == out1
+    store = eng.offload.store
+    on_disk = len(store)
+    eng.suspend()  # the pool goes, the weights come back the same: the files stay valid
+    eng.resume()
+    assert len(store) == on_disk
+    assert run(eng, second[:1]) == out2[:1] and eng.offload.counters.loaded > 0
+    old_fingerprint = store.fingerprint
+    assert eng.update_weights(str(model_dir)) == 1  # the same values, but KV of "other" weights: never reused
+    assert len(store) == 0 and not list(iter_spill_files(store.path)) and store.fingerprint != old_fingerprint
+    assert run(eng, second) == out2
+    eng.close()
