@@ -187,3 +187,28 @@ def test_suspend_keeps_the_files_and_new_weights_delete_them(tiny_model_dir, tmp
     assert len(store) == 0 and not list(iter_spill_files(store.path)) and store.fingerprint != old_fingerprint
     assert run(eng, second) == out2
     eng.close()
+
+
+def beams(eng: Engine, prompt: list[int]) -> list[list[int]]:
+    """A beam search's beams (its forks take free blocks, evicting cached ones: copied out before the fork's copy)."""
+    params = SamplingParams(temperature=0, max_tokens=6, beam_width=3, n=3, ignore_eos=True)
+    eng.add_request("beams", prompt, params)
+    found: list[list[int]] = []
+    while eng.has_unfinished():
+        for delta in eng.step():
+            found.extend(list(beam.token_ids) for beam in delta.beams or ())
+    return found
+
+
+def test_beam_search_over_a_full_pool_spills_and_equals_the_run_without(tiny_model_dir, tmp_path):
+    first, second = turns()
+    plain = engine(tiny_model_dir("llama"))
+    run(plain, first)
+    expected = beams(plain, second[0])
+    eng = engine(tiny_model_dir("llama"), tmp_path)
+    run(eng, first)
+    spilled = eng.offload.counters.spilled
+    assert beams(eng, second[0]) == expected and len(expected) == 3
+    assert eng.offload.store.flush(timeout=60) and eng.offload.counters.spilled > spilled
+    assert eng.offload.counters.loaded > 0  # its prompt's prefix came back from disk
+    eng.close()
