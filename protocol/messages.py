@@ -639,6 +639,9 @@ class Load(Message, frozen=True):
         are released (suspend), and what that gave back.
     spec_decode_*: speculative decoding's counters since the engine started (vLLM's names): verification chunks,
         their draft tokens, the drafts accepted, and accepted drafts by position (index j: position j + 1).
+    kv_offload_*: the KV tier beyond the pool (--kv-offload-dir), blocks since the engine started: written to disk,
+        read back into the pool (their tokens count in prefix_cache_hits), not written (the writer's queue full, a
+        write error), and files rejected (corrupt, truncated, foreign: deleted, recomputed).
     """
 
     TYPE: ClassVar[str] = "load"
@@ -659,6 +662,10 @@ class Load(Message, frozen=True):
     spec_decode_num_accepted_tokens_per_pos: Annotated[list[NonNegative], msgspec.Meta(max_length=64)] = msgspec.field(
         default_factory=list
     )
+    kv_offload_spilled_blocks: NonNegative = 0
+    kv_offload_loaded_blocks: NonNegative = 0
+    kv_offload_dropped_blocks: NonNegative = 0
+    kv_offload_corrupt_blocks: NonNegative = 0
 
 
 class KvEvents(Message, frozen=True):

@@ -54,7 +54,10 @@ VLLM_REFUSED: dict[str, Refused] = {
         "--kv-cache-memory-bytes) or as a share of the memory free once the weights are loaded "
         "(--kv-cache-memory-fraction)"
     ),
-    "--swap-space": Refused("preemption recomputes here; there is no CPU swap space for KV blocks"),
+    "--swap-space": Refused(
+        "preemption recomputes here; there is no CPU swap space for KV blocks (evicted prefix-cache blocks can go to "
+        "disk: --kv-offload-dir DIR --kv-offload-gb N)"
+    ),
     "--cpu-offload-gb": Refused(
         "weights are not offloaded to CPU memory; use --quantization int8 / int4 to fit a model in less memory"
     ),

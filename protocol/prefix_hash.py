@@ -11,6 +11,7 @@ correctness; at the coordinator a collision costs a routing choice.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from array import array
 from collections.abc import Sequence
@@ -25,6 +26,17 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     if _SWAP:
         tokens.byteswap()
     return tokens.tobytes()
+
+
+def prefix_digest(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """A 16-byte blake2b digest chained like the hashes (the parent's digest, None for a sequence's first block,
+    then the block's tokens as int64 little-endian): what a block spilled beyond the pool is checked against when it
+    is read back (worker/kv_offload_store.py). Unlike the 64-bit hash it proves the whole prefix's tokens, since a
+    file outlives the pool's own checks (tokens, parent, adapter)."""
+    h = hashlib.blake2b(digest_size=16, person=b"infer-kv-prefix")
+    h.update(b"root" if parent is None else parent)
+    h.update(_token_bytes(token_ids))
+    return h.digest()
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:

@@ -15,6 +15,14 @@ and each adapter compute other K / V for the same prompt).
 Free blocks wait in one queue; allocation takes blocks from its front (evicting any cached content
 they still hold). A freed block that holds cached content keeps it and can be revived by a later hit
 until the allocator hands it out again.
+
+A tier beyond the pool (`attach_tier`: worker/kv_offload.py, files of worker/kv_offload_store.py): base-model blocks
+evicted from the pool are listed in `evicted` (block id, hash, prefix digest) for the engine to copy out before any
+forward overwrites them; `plan_restore` finds a waiting request's leading blocks missing from the pool but on disk,
+and `restore` puts those the engine could read back into free blocks as cached content (most recently used), where
+the request's admission finds them as ordinary hits. With a tier, every base-model block also carries its prefix
+digest (protocol/prefix_hash.py: the proof a file is checked against; a 64-bit hash alone is never trusted), and a
+hash stays held for the KV events while the tier holds it.
 """
 
 from __future__ import annotations
@@ -22,8 +30,9 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from infer.protocol.prefix_hash import hash_block_tokens
+from infer.protocol.prefix_hash import hash_block_tokens, prefix_digest
 from infer.worker.kv_events import KvEventLog
 from infer.worker.request import Request
 
@@ -33,7 +42,19 @@ from infer.worker.request import Request
 RELEASED = -1
 
 
-__all__ = ["RELEASED", "BlockManager", "hash_block_tokens"]
+__all__ = ["RELEASED", "BlockManager", "LowerTier", "hash_block_tokens"]
+
+
+class LowerTier(Protocol):
+    """Where evicted blocks go (worker/kv_offload_store.py's DiskStore). Called from the engine's thread only, but
+    its answers may change between calls (a writer thread of its own): `holds` is true while a hash is stored or
+    queued to be; `on_disk` only once stored."""
+
+    def holds(self, block_hash: int) -> bool: ...
+
+    def on_disk(self, block_hash: int) -> bool: ...
+
+    def hashes(self) -> Iterable[int]: ...
 
 
 @dataclass(frozen=True)
@@ -42,13 +63,14 @@ class _Content:
     other tokens never matches an old reference to it. `parent_key` is the key of the block holding the
     previous block of the same sequence (None for a sequence's first block): a chain of verified parents
     plus equal tokens proves the whole prefix equal, whatever the hashes do. `lora_id`: the adapter whose K / V it
-    holds (0: the base model)."""
+    holds (0: the base model). `digest`: with a tier beyond the pool, a base-model block's prefix digest."""
 
     key: int
     hash: int
     parent_key: int | None
     token_ids: tuple[int, ...]
     lora_id: int = 0
+    digest: bytes | None = None
 
 
 @dataclass
@@ -94,6 +116,28 @@ class BlockManager:
         self.num_hit_tokens = 0  # of those, tokens served from the cache
         self.num_evicted_blocks = 0  # cached blocks handed out for new content
         self.events: KvEventLog | None = None  # the cache's changes for the coordinator, once publishing
+        self.tier: LowerTier | None = None  # the tier beyond the pool (attach_tier)
+        self.evicted: list[tuple[int, int, bytes]] = []  # (block id, hash, digest) evicted, not yet copied out
+
+    def attach_tier(self, tier: LowerTier) -> None:
+        """Spill evicted base-model blocks to `tier` and restore them from it (see the module docstring). Before the
+        first registration: every block must carry its digest."""
+        if not self.enable_prefix_caching:
+            raise ValueError("a KV tier beyond the pool needs prefix caching")
+        if self._cached:
+            raise ValueError("attach the KV tier before any block is cached")
+        self.tier = tier
+
+    def holds(self, block_hash: int) -> bool:
+        """Whether a pool block with this hash is cached (held by a request or free)."""
+        return block_hash in self._cached
+
+    def _held_hashes(self) -> list[int]:
+        """What the KV events say this worker holds: the pool's cached hashes and the tier's."""
+        held = list(self._cached)
+        if self.tier is not None:
+            held.extend(self.tier.hashes())
+        return held
 
     def publish_events(self, on: bool) -> KvEventLog | None:
         """Start (again, from a snapshot of every hash held) or stop logging the prefix cache's changes: a hash is
@@ -102,7 +146,7 @@ class BlockManager:
         if not on or not self.enable_prefix_caching:
             self.events = None
         elif self.events is None:
-            self.events = KvEventLog(self._cached.keys, max_pending=max(2 * self.num_blocks, 4096))
+            self.events = KvEventLog(self._held_hashes, max_pending=max(2 * self.num_blocks, 4096))
         else:
             self.events.restart()
         return self.events
@@ -277,9 +321,12 @@ class BlockManager:
         """Pop the front of the free queue, evicting the cached content it may hold."""
         block_id, _ = self._free.popitem(last=False)
         block = self._blocks[block_id]
-        if block.content is not None:
-            self._uncache(block, block.content)
+        content = block.content
+        if content is not None:
+            self._uncache(block, content)
             self.num_evicted_blocks += 1
+            if self.tier is not None and content.digest is not None:
+                self.evicted.append((block_id, content.hash, content.digest))
         block.ref_count = 1
         return block_id
 
@@ -288,7 +335,7 @@ class BlockManager:
         del ids[block.block_id]
         if not ids:
             del self._cached[content.hash]
-            if self.events is not None:
+            if self.events is not None and (self.tier is None or not self.tier.holds(content.hash)):
                 self.events.removed(content.hash)
         block.content = None
 
@@ -311,27 +358,30 @@ class BlockManager:
         ):
             first -= 1
         for i in range(first, num_full):
-            parent_key = self._parent_key(request, i)
             self._register(
                 self._blocks[request.block_table[i]],
                 hashes[i],
-                parent_key,
+                self._parent(request, i),
                 self._block_tokens(request, i),
                 request.lora_id,
             )
 
-    def _parent_key(self, request: Request, index: int) -> int | None:
+    def _parent(self, request: Request, index: int) -> _Content | None:
         if index == 0:
             return None
         parent = self._blocks[request.block_table[index - 1]].content
         if parent is None:  # unreachable while cached blocks form a leading run of every table
             raise ValueError(f"request {request.request_id!r}: block {index - 1} is not cached before block {index}")
-        return parent.key
+        return parent
 
     def _register(
-        self, block: _Block, block_hash: int, parent_key: int | None, token_ids: tuple[int, ...], lora_id: int = 0
+        self, block: _Block, block_hash: int, parent: _Content | None, token_ids: tuple[int, ...], lora_id: int = 0
     ) -> None:
-        block.content = _Content(self._next_key, block_hash, parent_key, token_ids, lora_id)
+        digest = None
+        if self.tier is not None and lora_id == 0 and (parent is None or parent.digest is not None):
+            digest = prefix_digest(None if parent is None else parent.digest, token_ids)
+        parent_key = None if parent is None else parent.key
+        block.content = _Content(self._next_key, block_hash, parent_key, token_ids, lora_id, digest)
         self._next_key += 1
         ids = self._cached.get(block_hash)
         if ids is None:
@@ -392,9 +442,13 @@ class BlockManager:
             if block.content is not None:
                 self._uncache(block, block.content)
                 forgotten += 1
-        if events is not None:
-            events.cleared()
+        self.evicted.clear()
         self.events = events
+        if events is not None:
+            if self.tier is None:
+                events.cleared()
+            else:
+                events.restart()  # a snapshot: what the tier still holds
         return forgotten
 
     def release_before(self, request: Request, position: int) -> int:
@@ -436,6 +490,61 @@ class BlockManager:
             self._free[block_id] = None
             if block.content is None:
                 self._free.move_to_end(block_id, last=False)
+
+    # ---- the tier beyond the pool ----------------------------------------------------------------
+
+    def take_evicted(self) -> list[tuple[int, int, bytes]]:
+        """(block id, hash, digest) of the blocks evicted since the last call: their KV is still in the pool until
+        the next forward or block copy writes there."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
+    def plan_restore(self, request: Request) -> tuple[list[int], list[tuple[int, bytes]]]:
+        """The request's pool hits (`find_cached_prefix`) and (hash, prefix digest) of the blocks right after them
+        that the tier has on disk, in order, up to the first it lacks: what `restore` could add. A base-model request
+        that holds no blocks only."""
+        if self.tier is None or request.lora_id or request.block_table:
+            return [], []
+        hits = self.find_cached_prefix(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        parent = self._blocks[hits[-1]].content if hits else None
+        digest = None if parent is None else parent.digest
+        if parent is not None and digest is None:
+            return hits, []
+        wanted: list[tuple[int, bytes]] = []
+        for i in range(len(hits), max_blocks):
+            if not self.tier.on_disk(hashes[i]):
+                break
+            digest = prefix_digest(digest, self._block_tokens(request, i))
+            wanted.append((hashes[i], digest))
+        return hits, wanted
+
+    def restore(self, request: Request, hits: Sequence[int], loaded: Sequence[tuple[int, bytes]]) -> list[int]:
+        """Give `loaded` (the leading part of `plan_restore`'s list, read back and checked by the caller, right
+        after that call) free blocks as cached content, free and most recently used, right after the request's
+        `hits`; the hits are moved to the recent end too, so that nothing taken here evicts them, and as many are
+        restored as the free queue holds beside them. Returns the block ids in order: the caller writes their KV
+        (after copying out what `take_evicted` lists: taking them may evict other content) before any forward."""
+        free_hits = [block_id for block_id in hits if self._blocks[block_id].ref_count == 0]
+        self._touch(free_hits)
+        parent = self._blocks[hits[-1]].content if hits else None
+        restored: list[int] = []
+        for block_hash, _digest in loaded[: max(0, len(self._free) - len(free_hits))]:
+            block_id = self._take_free_block()
+            tokens = self._block_tokens(request, len(hits) + len(restored))
+            self._register(self._blocks[block_id], block_hash, parent, tokens)
+            parent = self._blocks[block_id].content
+            restored.append(block_id)
+        for block_id in reversed(restored):
+            self._unref(block_id)  # free and cached: to the recent end, the tail first
+        self._touch(free_hits)
+        return restored
+
+    def _touch(self, free_blocks: Sequence[int]) -> None:
+        """Move free cached blocks of one sequence (in table order) to the recent end, the head last (evicted last)."""
+        for block_id in reversed(free_blocks):
+            self._free.move_to_end(block_id)
 
     # ---- checks ----------------------------------------------------------------------------------
 

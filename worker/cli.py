@@ -21,6 +21,7 @@ from infer.worker.config import EngineConfig
 from infer.worker.core import EXIT_FATAL, EXIT_USAGE, EngineLike
 from infer.worker.daemon import Worker
 from infer.worker.group_sync import EpOptions
+from infer.worker.kv_offload_store import check_offload_dir
 from infer.worker.options import EP_FLAGS, KEY_FLAGS, PP_FLAGS, TP_FLAGS, WorkerFlags, WorkerOptions
 from infer.worker.pp_group import PpOptions
 from infer.worker.tp_group import TpOptions
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, args.log_format)
     try:
         config, flags = engine_config(args), worker_flags(args)
+        if config.kv_offload_dir is not None:  # on this host, before anything loads
+            check_offload_dir(config.kv_offload_dir)
         ep, tp = flags.groups()
         pp = flags.pipeline()
         if config.enable_lora and pp is not None:

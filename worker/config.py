@@ -65,6 +65,12 @@ class EngineConfig:
     enable_lora, max_loras, max_lora_rank, lora_modules: LoRA adapters (worker/lora.py; vLLM's names): served per
         request (SamplingParams.lora_name), at most `max_loras` of them in one step, ranks up to `max_lora_rank`;
         `lora_modules` are (name, path) pairs loaded at start (a dict, or "name=path" strings, are taken too).
+    kv_offload_dir, kv_offload_gb: the KV tier beyond the pool (worker/kv_offload.py): evicted prefix-cache blocks of
+        the base model are written to files under the directory by a background thread (at most `kv_offload_gb` GiB,
+        least recently used deleted first) and read back into the pool when a waiting request's prefix misses the
+        pool but is on disk. Needs prefix caching and a model loaded from files; not with TP / PP yet. The directory
+        is checked (exists, writable) when the engine starts, where it is used: a launcher may build this config
+        on another host.
     """
 
     model: str | None = option(
@@ -89,6 +95,17 @@ class EngineConfig:
     kv_cache_memory: int | None = option(None, "bytes for the KV cache pool")
     kv_cache_memory_fraction: float = option(0.1, "share of memory for the KV pool when --kv-cache-memory is not given")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of a shared prompt prefix")
+    kv_offload_dir: str | None = option(
+        None,
+        "spill prefix-cache blocks evicted from the KV pool to files in this local directory, and read them back on "
+        "a later hit instead of prefilling (needs --kv-offload-gb; off by default)",
+        metavar="DIR",
+    )
+    kv_offload_gb: float | None = option(
+        None,
+        "with --kv-offload-dir: the most GiB of spilled blocks kept there (least recently used deleted first)",
+        metavar="N",
+    )
     enable_chunked_prefill: bool = option(True, "split long prompts over steps, mixed with decodes")
     seed: int = option(0, "the engine's seed (a request's own seed wins)")
     num_threads: int | None = option(None, "torch threads", flag="--threads", metavar="N")
@@ -216,6 +233,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_kv_offload()
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool or None (by device), got {self.enforce_eager!r}")
         if self.suspend_weights not in SUSPEND_WEIGHTS:
@@ -234,6 +252,25 @@ class EngineConfig:
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) so a whole prompt fits in one step"
             )
+
+    def _check_kv_offload(self) -> None:
+        gb, path = self.kv_offload_gb, self.kv_offload_dir
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < float("inf")):
+            raise ValueError(f"kv_offload_gb must be a number of GiB > 0, got {gb!r}")
+        if path is not None and (not isinstance(path, str) or not path):
+            raise ValueError(f"kv_offload_dir must be a non-empty directory path, got {path!r}")
+        if (path is None) != (gb is None):
+            raise ValueError(
+                "kv_offload_dir (--kv-offload-dir) and kv_offload_gb (--kv-offload-gb) go together: the directory "
+                "for spilled KV blocks and the most GiB they may take there"
+            )
+        if path is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir spills prefix-cache blocks: it needs enable_prefix_caching")
+
+    @property
+    def kv_offload_bytes(self) -> int | None:
+        """`kv_offload_gb` in bytes (GiB), or None: no tier beyond the pool."""
+        return None if self.kv_offload_gb is None else int(self.kv_offload_gb * (1 << 30))
 
     @property
     def model_id(self) -> str:

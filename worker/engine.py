@@ -47,6 +47,8 @@ from infer.worker.engine_setup import (
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.in_memory import in_memory_model
+from infer.worker.kv_offload import KvOffload, ModelFiles
+from infer.worker.kv_offload_store import check_offload_dir
 from infer.worker.loader import load_model, weight_files
 from infer.worker.lora import LoraManager
 from infer.worker.memory import HeapTrimmer, keep_freed_heap, trim_heap
@@ -166,6 +168,8 @@ class Engine:
         self.stage = stage
         self.ep = ExpertParallel.single() if ep is None else ep  # this rank's share of an MoE model's experts
         self.tp = TensorParallel.single() if tp is None else tp  # this rank's shard of every layer
+        if config.kv_offload_dir is not None:  # before the weights load: a bad directory fails at once
+            _check_kv_offload(config.kv_offload_dir, model, self.tp, stage)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device)
@@ -232,6 +236,15 @@ class Engine:
                 max_loras=config.max_loras if config.enable_lora else 0,
             )
         )
+        self.offload: KvOffload | None = None  # the KV tier beyond the pool (worker/kv_offload.py)
+        if config.kv_offload_dir is not None and config.kv_offload_bytes is not None and self.model_path is not None:
+            self.offload = KvOffload.open(
+                Path(config.kv_offload_dir),
+                config.kv_offload_bytes,
+                self.kv_cache,
+                self.scheduler.block_manager,
+                ModelFiles(self.model_path, tuple(weight_files(self.model_path)), config.quantization),
+            )
         self.sampler = Sampler(seed=config.seed, device=self.device)
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tp.size > 1:
@@ -421,6 +434,8 @@ class Engine:
         if not len(self.beams):
             return []
         copies, done = self.beams.advance()
+        if self.offload is not None:  # a fork's new block may have evicted a cached one: copy it out first
+            self.offload.spill_evicted()
         self.kv_cache.copy_blocks(copies)
         return [self._beam_final(group, RequestStatus.FINISHED_STOPPED) for group in done]
 
@@ -458,7 +473,11 @@ class Engine:
             outputs.extend(self._admit_compiled())
         if self.in_flight.depth > 1:
             return outputs + self._step_micro_batches()
+        if self.offload is not None:  # waiting prefixes on disk back into the pool, as cached blocks
+            self.offload.restore(self.scheduler.waiting, self.config.max_num_seqs - self.scheduler.num_running)
         scheduled = self.scheduler.schedule(self._propose_drafts())
+        if self.offload is not None:  # the blocks scheduling evicted, copied out before the forward writes there
+            self.offload.spill_evicted()
         if scheduled.is_empty:
             if self.ep.size > 1:  # the group steps together: this rank's MoE layers must join in
                 self.runner.execute_dummy()
@@ -640,6 +659,8 @@ class Engine:
         if self._grammars is not None:
             self._grammars.close()
             self._grammars = None
+        if self.offload is not None:
+            self.offload.close()
 
     def shed_overdue(self, max_queue_time: float) -> int:
         """Fail, with error code "overloaded", each request that has waited more than `max_queue_time` seconds
@@ -689,7 +710,20 @@ class Engine:
             spec_decode_num_draft_tokens=self.stats.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=self.stats.spec_decode_num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.stats.spec_decode_num_accepted_tokens_per_pos),
+            **self._offload_counts(),
         )
+
+    def _offload_counts(self) -> dict[str, int]:
+        """The KV tier's counters as Load's fields (none without a tier: the defaults, 0)."""
+        if self.offload is None:
+            return {}
+        c = self.offload.counters
+        return {
+            "kv_offload_spilled_blocks": c.spilled,
+            "kv_offload_loaded_blocks": c.loaded,
+            "kv_offload_dropped_blocks": c.dropped,
+            "kv_offload_corrupt_blocks": c.corrupt,
+        }
 
     def publish_kv_events(self, on: bool) -> None:
         """Start (again: from a snapshot) or stop logging the prefix cache's changes for the coordinator
@@ -699,6 +733,8 @@ class Engine:
     def take_kv_events(self) -> KvEvents | None:
         """The prefix cache's next KvEvents (bounded), or None: nothing changed, or not publishing."""
         events = self.scheduler.block_manager.events
+        if events is not None and self.offload is not None:
+            self.offload.publish_changes()
         return None if events is None else events.take()
 
     # ---- suspend / resume, weight refit -------------------------------------------------------
@@ -761,6 +797,8 @@ class Engine:
         update.check_unchanged()
         check_specs(self.model, update.specs)
         self.scheduler.preempt_all()
+        if self.offload is not None:
+            self.offload.clear()  # before the reset, whose snapshot for the KV events then leaves the disk out
         self.scheduler.block_manager.reset_prefix_cache()
         applied = apply_tensors(self.model, update.tensors)
         if self._weight_files is not None and update.files is not None:
@@ -772,6 +810,8 @@ class Engine:
                 self.config, self.model, self.kv_cache, self.max_model_len, self.device
             )
         self.weight_version = self.weight_version + 1 if version is None else version
+        if self.offload is not None:
+            self.offload.new_weights(self.weight_version)
         log.info(
             "weights updated to version %d: %d tensor(s) from %s", self.weight_version, applied, update.description
         )
@@ -1200,6 +1240,18 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+
+def _check_kv_offload(path: str, model: object, tp: TensorParallel, stage: object) -> None:
+    """ValueError when the KV tier beyond the pool cannot run here (the directory, or what is not supported yet)."""
+    check_offload_dir(path)
+    if model is not None:
+        raise ValueError(
+            "kv_offload_dir needs a model loaded from files: an in-memory model has nothing a later process could "
+            "check spilled blocks against"
+        )
+    if tp.size > 1 or stage is not None:
+        raise ValueError("kv_offload_dir is not supported with tensor or pipeline parallelism yet")
 
 
 def _pooling_params(params: SamplingParams) -> SamplingParams:

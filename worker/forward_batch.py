@@ -194,6 +194,26 @@ class KVCache:
             for t in pool:
                 t.index_copy_(1, dst, t.index_select(1, src))
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """[pool tensors (K and V of every layer, or K alone when V is K), num_kv_heads, block_size, head_dim]: one
+        block of every tensor, as `read_blocks` / `write_block` move it."""
+        heads, _, block_size, head_dim = self.shape
+        return (sum(len(pool) for pool in self._pools), heads, block_size, head_dim)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A host copy of these blocks: [len(block_ids), *block_shape], contiguous (the KV tier's spills)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.k[0].device)
+        # each [Hkv, n, bs, D] -> [n, Hkv, bs, D]; stacked on dim 1: [n, tensors, Hkv, bs, D]
+        picked = [t.index_select(1, index).transpose(0, 1) for pool in self._pools for t in pool]
+        return torch.stack(picked, dim=1).to("cpu").contiguous()
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Write one block of every tensor from `data`: [*block_shape] in the pool's dtype (the KV tier's loads)."""
+        data = data.to(self.k[0].device)
+        for i, t in enumerate(t for pool in self._pools for t in pool):
+            t[:, block_id].copy_(data[i])
+
     @staticmethod
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, shared_kv: bool = False

@@ -162,6 +162,27 @@ class FrontMetrics:
             "prefix_cache_hits": Counter(
                 "infer:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r
             ),
+            "kv_offload_spilled_blocks": Counter(
+                "infer:kv_offload_spilled_blocks", "KV tier: blocks written to disk.", labels, registry=r
+            ),
+            "kv_offload_loaded_blocks": Counter(
+                "infer:kv_offload_loaded_blocks",
+                "KV tier: blocks read back from disk instead of prefilled.",
+                labels,
+                registry=r,
+            ),
+            "kv_offload_dropped_blocks": Counter(
+                "infer:kv_offload_dropped_blocks",
+                "KV tier: evicted blocks not written (writer queue full, write error).",
+                labels,
+                registry=r,
+            ),
+            "kv_offload_corrupt_blocks": Counter(
+                "infer:kv_offload_corrupt_blocks",
+                "KV tier: spilled files rejected (corrupt, truncated, foreign) and recomputed.",
+                labels,
+                registry=r,
+            ),
             "spec_decode_num_drafts": Counter(
                 "infer:spec_decode_num_drafts",
                 "Speculative decoding: verifications (a request's drafts checked in one step).",

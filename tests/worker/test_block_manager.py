@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sched_sim import finish_step, make_request
 
+from infer.protocol.prefix_hash import prefix_digest
 from infer.worker import block_manager as bm_module
 from infer.worker.block_manager import BlockManager, hash_block_tokens
 from infer.worker.request import Request, RequestStatus
@@ -404,3 +405,128 @@ def apply_op(scheduler: Scheduler, kv: FakeKV, requests: list[Request], op: tupl
         if not request.is_finished:
             scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             assert request.block_table == [] and request.status is RequestStatus.FINISHED_STOPPED
+
+
+# ---- the tier beyond the pool (worker/kv_offload.py's bookkeeping) -----------------------------------------------
+
+
+class FakeTier:
+    """A LowerTier whose 'disk' is a dict: hash -> digest (what the engine would have written)."""
+
+    def __init__(self) -> None:
+        self.disk: dict[int, bytes] = {}
+
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self.disk
+
+    def on_disk(self, block_hash: int) -> bool:
+        return block_hash in self.disk
+
+    def hashes(self) -> list[int]:
+        return list(self.disk)
+
+
+def tiered(num_blocks: int) -> tuple[BlockManager, FakeTier]:
+    manager = BlockManager(num_blocks=num_blocks, block_size=4, enable_prefix_caching=True)
+    tier = FakeTier()
+    manager.attach_tier(tier)
+    return manager, tier
+
+
+def spill_all(manager: BlockManager, tier: FakeTier) -> list[int]:
+    """What the engine does after a schedule: every evicted block goes to the tier; the evicted ids."""
+    evicted = manager.take_evicted()
+    for _, block_hash, digest in evicted:
+        tier.disk[block_hash] = digest
+    return [block_id for block_id, _, _ in evicted]
+
+
+def test_evicted_blocks_are_listed_with_their_hash_and_prefix_digest():
+    manager, _ = tiered(4)
+    a = prefilled(manager, 0, list(range(13)))  # 3 full blocks + 1 token: all 4 blocks
+    table, hashes = list(a.block_table), list(a.block_hashes)
+    manager.free(a)
+    assert manager.take_evicted() == []
+    b = prefilled(manager, 1, [100 + i for i in range(9)])  # 3 blocks: a's partial one, then its tail first
+    d0 = prefix_digest(None, range(4))
+    d1 = prefix_digest(d0, range(4, 8))
+    d2 = prefix_digest(d1, range(8, 12))
+    assert manager.take_evicted() == [(table[2], hashes[2], d2), (table[1], hashes[1], d1)]
+    assert manager.take_evicted() == []
+    manager.check_invariants(holders=[b])
+
+
+def test_a_waiting_request_gets_its_prefix_back_from_the_tier_behind_its_pool_hits():
+    manager, tier = tiered(6)
+    prompt = list(range(17))  # 4 full blocks + 1 token
+    a = prefilled(manager, 0, prompt)
+    manager.free(a)
+    filler = prefilled(manager, 1, [500 + i for i in range(17)])  # evicts a's tail: blocks 3, 2, 1
+    spill_all(manager, tier)
+    manager.free(filler)  # a's head now sits second in the free queue: the next allocation but one takes it
+    again = make_request(2, prompt)
+    hits, wanted = manager.plan_restore(again)
+    assert len(hits) == 1 and [h for h, _ in wanted] == a.block_hashes[1:4]
+    assert [d for _, d in wanted] == [tier.disk[h] for h in a.block_hashes[1:4]]  # the same digest chain
+    restored = manager.restore(again, hits, wanted)
+    assert len(restored) == 3 and hits[0] not in restored
+    assert manager.find_cached_prefix(again) == hits + restored  # ordinary hits now
+    assert manager.num_free_blocks == 6  # restored blocks wait free and cached
+    compute(manager, again, 1, manager.find_cached_prefix(again))
+    assert again.num_cached_tokens == 16
+    manager.check_invariants(holders=[again])
+
+
+def test_restoring_never_evicts_the_requests_own_hits():
+    manager, tier = tiered(5)
+    prompt = list(range(13))
+    a = prefilled(manager, 0, prompt)
+    manager.free(a)
+    held = prefilled(manager, 1, [300 + i for i in range(9)])  # holds 3 blocks: evicts a's block 2
+    spill_all(manager, tier)
+    again = make_request(2, prompt)
+    hits, wanted = manager.plan_restore(again)
+    assert len(hits) == 2 and len(wanted) == 1
+    assert manager.restore(again, hits, wanted) == []  # the free queue holds only the hits
+    assert manager.find_cached_prefix(again) == hits
+    manager.free(held)
+    hits, wanted = manager.plan_restore(again)
+    restored = manager.restore(again, hits, wanted)
+    assert len(restored) == 1 and manager.find_cached_prefix(again) == hits + restored
+    manager.check_invariants(holders=[])
+
+
+def test_lora_requests_and_requests_holding_blocks_are_not_planned():
+    manager, _ = tiered(8)
+    request = make_request(0, list(range(9)))
+    request.lora_id = 1
+    assert manager.plan_restore(request) == ([], [])
+    plain = prefilled(manager, 1, list(range(9)))
+    assert manager.plan_restore(plain) == ([], [])
+
+
+def test_a_hash_the_tier_holds_stays_held_in_the_kv_events():
+    manager, tier = tiered(3)
+    log = manager.publish_events(True)
+    assert log is not None
+    log.take()
+    a = prefilled(manager, 0, list(range(9)))  # 2 full blocks + 1 token: all 3 blocks
+    manager.free(a)
+    tier.disk[a.block_hashes[1]] = b"x" * 16  # as if spilled already
+    b = prefilled(manager, 1, [200 + i for i in range(9)])  # evicts both of a's cached blocks
+    events = log.take()
+    assert events is not None
+    assert a.block_hashes[0] in events.removed and a.block_hashes[1] not in events.removed
+    manager.free(b)
+    manager.reset_prefix_cache()  # the pool forgets; the disk still holds its block
+    snapshot = log.take()
+    assert snapshot is not None and snapshot.reset and snapshot.stored == [a.block_hashes[1]]
+
+
+def test_the_tier_needs_prefix_caching_and_an_empty_cache():
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        BlockManager(4, 4, enable_prefix_caching=False).attach_tier(FakeTier())
+    manager = BlockManager(4, 4, enable_prefix_caching=True)
+    prefilled(manager, 0, list(range(5)))
+    with pytest.raises(ValueError, match="before any block is cached"):
+        manager.attach_tier(FakeTier())

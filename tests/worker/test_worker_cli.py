@@ -94,6 +94,12 @@ def test_options_survive_argv_and_back():
             [*COORDINATOR, "--max-grammar-compiles-per-client", "-2"],
             "max_grammar_compiles_per_client must be a positive",
         ),
+        ([*COORDINATOR, "--kv-offload-dir", "/", "--kv-offload-gb", "0"], "kv_offload_gb must be a number of GiB > 0"),
+        ([*COORDINATOR, "--kv-offload-dir", "/nonexistent/kv"], "go together"),
+        (
+            [*COORDINATOR, "--kv-offload-dir", "/nonexistent/kv", "--kv-offload-gb", "4"],
+            "--kv-offload-dir /nonexistent/kv: no such directory",
+        ),
     ],
 )
 def test_bad_values_exit_2_with_the_message(argv, message, capsys):

@@ -1,0 +1,214 @@
+"""The KV tier beyond the pool on a real engine (tiny Llama, fp32): with a pool smaller than the working set, prefixes
+evicted to disk come back instead of being prefilled, and greedy output equals the engine's without the tier; corrupt,
+truncated and foreign files are recomputed, never served; the size bound holds; a restarted engine reuses the files;
+the KV events count blocks on disk as held.
+
+Spills are asynchronous; the tests wait for the writer after each request (`store.flush`) so that what is on disk
+when the next request comes is the same on every run."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer import SamplingParams
+from infer.worker.config import EngineConfig
+from infer.worker.engine import Engine
+from infer.worker.forward_batch import KVCache
+from infer.worker.kv_offload_store import HEADER_SIZE, iter_spill_files
+
+BS = 16
+POOL_BLOCKS = 20
+BLOCK_BYTES = KVCache.bytes_per_block(2, BS, 2, 16, torch.float32)  # the tiny Llama: 2 layers, 2 KV heads, dim 16
+CONVERSATIONS = 8
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def turns() -> tuple[list[list[int]], list[list[int]]]:
+    """Turn 1 of every conversation (a 48-token prefix of its own + a question), then turn 2 (turn 1 + another
+    question): 8 x 3 cached blocks after turn 1 do not fit a 20-block pool, so the early conversations' blocks are
+    evicted by the time their second turn comes."""
+    rng = random.Random(45)
+    first, second = [], []
+    for _ in range(CONVERSATIONS):
+        prompt = [rng.randrange(3, 49000) for _ in range(58)]
+        first.append(prompt)
+        second.append(prompt + [rng.randrange(3, 49000) for _ in range(20)])
+    return first, second
+
+
+def engine(model_dir, tmp_path=None, gb: float | None = None) -> Engine:
+    offload = {} if tmp_path is None else {"kv_offload_dir": str(tmp_path), "kv_offload_gb": gb or 1.0}
+    return Engine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            max_model_len=256,
+            block_size=BS,
+            kv_cache_memory=POOL_BLOCKS * BLOCK_BYTES,
+            **offload,
+        )
+    )
+
+
+def run(eng: Engine, prompts: list[list[int]], view: set[int] | None = None) -> list[list[int]]:
+    """Each prompt alone, in order; the writer drained after each; `view`: the coordinator's set of held hashes,
+    kept by the engine's KV events."""
+    outputs = []
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"r{len(outputs)}-{i}-{id(prompts)}", prompt, PARAMS)
+        tokens: list[int] = []
+        while eng.has_unfinished():
+            for delta in eng.step():
+                tokens.extend(delta.token_ids)
+        outputs.append(tokens)
+        if eng.offload is not None:
+            assert eng.offload.store.flush(timeout=60)
+        if view is not None:
+            while (events := eng.take_kv_events()) is not None:
+                if events.reset:
+                    view.clear()
+                view.difference_update(events.removed)
+                view.update(events.stored)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir):
+    """Outputs and prefill work of both turns without the tier."""
+    eng = engine(tiny_model_dir("llama"))
+    assert eng.num_kv_blocks == POOL_BLOCKS
+    first, second = turns()
+    out1 = run(eng, first)
+    before = eng.stats.prefill_tokens_computed
+    out2 = run(eng, second)
+    return out1, out2, eng.stats.prefill_tokens_computed - before
+
+
+def test_spilled_prefixes_come_back_from_disk_and_outputs_are_unchanged(tiny_model_dir, tmp_path, baseline):
+    out1, out2, prefilled_without = baseline
+    eng = engine(tiny_model_dir("llama"), tmp_path)
+    eng.publish_kv_events(True)
+    view: set[int] = set()
+    first, second = turns()
+    assert run(eng, first, view) == out1
+    spilled = eng.offload.counters.spilled
+    assert spilled > 0  # the pool overflowed: evicted blocks went to disk
+    before, hits_before = eng.stats.prefill_tokens_computed, eng.load().prefix_cache_hits
+    assert run(eng, second, view) == out2
+    load = eng.load()
+    assert load.kv_offload_loaded_blocks > 0 and load.kv_offload_corrupt_blocks == 0
+    assert load.kv_offload_spilled_blocks >= spilled and load.kv_offload_dropped_blocks == 0
+    # the loaded blocks' tokens counted as cached, not computed
+    prefilled_with = eng.stats.prefill_tokens_computed - before
+    assert prefilled_with < prefilled_without
+    assert load.prefix_cache_hits - hits_before >= BS * load.kv_offload_loaded_blocks
+    # the coordinator's view: the pool's hashes and the disk's
+    blocks = eng.scheduler.block_manager
+    assert view == set(blocks._cached) | set(eng.offload.store.hashes())
+    eng.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_damaged_files_are_recomputed_never_served(tiny_model_dir, tmp_path, baseline, damage):
+    out1, out2, _ = baseline
+    eng = engine(tiny_model_dir("llama"), tmp_path)
+    first, second = turns()
+    assert run(eng, first) == out1
+    damaged: dict[Path, bytes] = {}
+    for file in iter_spill_files(eng.offload.store.path):
+        data = bytearray(file.read_bytes())
+        if damage == "flip":
+            data[HEADER_SIZE + len(data) // 3] ^= 0x40  # one bit of the K/V payload
+        elif damage == "truncate":
+            data = data[: len(data) // 2]
+        else:  # another model's file under this name: its fingerprint differs
+            data[20:36] = bytes(16)
+        damaged[file] = bytes(data)
+        file.write_bytes(damaged[file])
+    assert damaged
+    assert run(eng, second) == out2
+    # every damaged file met was rejected and deleted (blocks spilled during turn 2 load back as usual)
+    counters = eng.offload.counters
+    still_damaged = [f for f, data in damaged.items() if f.exists() and f.read_bytes() == data]
+    assert counters.corrupt > 0 and len(still_damaged) == len(damaged) - counters.corrupt
+    eng.close()
+
+
+def test_the_size_bound_holds(tiny_model_dir, tmp_path, baseline):
+    out1, out2, _ = baseline
+    max_bytes = 5 * (HEADER_SIZE + BLOCK_BYTES)
+    eng = engine(tiny_model_dir("llama"), tmp_path, gb=max_bytes / (1 << 30))
+    first, second = turns()
+    assert run(eng, first) + run(eng, second) == out1 + out2
+    store = eng.offload.store
+    assert store.max_bytes == max_bytes
+    assert store.counters.evicted > 0 and store.num_bytes <= max_bytes
+    assert sum(f.stat().st_size for f in iter_spill_files(store.path)) <= max_bytes
+    eng.close()
+
+
+def test_a_restarted_engine_reuses_the_files_it_left(tiny_model_dir, tmp_path, baseline):
+    out1, out2, _ = baseline
+    first, second = turns()
+    eng = engine(tiny_model_dir("llama"), tmp_path)
+    assert run(eng, first) == out1
+    path, spilled = eng.offload.store.path, eng.offload.counters.spilled
+    eng.close()  # writes what is queued, releases the slot
+    again = engine(tiny_model_dir("llama"), tmp_path)
+    assert again.offload.store.path == path and len(again.offload.store) == spilled
+    assert run(again, second) == out2
+    assert again.offload.counters.loaded > 0 and again.offload.counters.corrupt == 0
+    again.close()
+
+
+def test_an_unusable_directory_stops_the_engine_before_it_loads(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="no such directory"):
+        engine(tiny_model_dir("llama"), tmp_path / "missing")
+
+
+def test_suspend_keeps_the_files_and_new_weights_delete_them(tiny_model_dir, tmp_path, baseline):
+    out1, out2, _ = baseline
+    model_dir = tiny_model_dir("llama")
+    first, second = turns()
+    eng = engine(model_dir, tmp_path)
+    assert run(eng, first) == out1
+    store = eng.offload.store
+    on_disk = len(store)
+    eng.suspend()  # the pool goes, the weights come back the same: the files stay valid
+    eng.resume()
+    assert len(store) == on_disk
+    assert run(eng, second[:1]) == out2[:1] and eng.offload.counters.loaded > 0
+    old_fingerprint = store.fingerprint
+    assert eng.update_weights(str(model_dir)) == 1  # the same values, but KV of "other" weights: never reused
+    assert len(store) == 0 and not list(iter_spill_files(store.path)) and store.fingerprint != old_fingerprint
+    assert run(eng, second) == out2
+    eng.close()
+
+
+def beams(eng: Engine, prompt: list[int]) -> list[list[int]]:
+    """A beam search's beams (its forks take free blocks, evicting cached ones: copied out before the fork's copy)."""
+    params = SamplingParams(temperature=0, max_tokens=6, beam_width=3, n=3, ignore_eos=True)
+    eng.add_request("beams", prompt, params)
+    found: list[list[int]] = []
+    while eng.has_unfinished():
+        for delta in eng.step():
+            found.extend(list(beam.token_ids) for beam in delta.beams or ())
+    return found
+
+
+def test_beam_search_over_a_full_pool_spills_and_equals_the_run_without(tiny_model_dir, tmp_path):
+    first, second = turns()
+    plain = engine(tiny_model_dir("llama"))
+    run(plain, first)
+    expected = beams(plain, second[0])
+    eng = engine(tiny_model_dir("llama"), tmp_path)
+    run(eng, first)
+    spilled = eng.offload.counters.spilled
+    assert beams(eng, second[0]) == expected and len(expected) == 3
+    assert eng.offload.store.flush(timeout=60) and eng.offload.counters.spilled > spilled
+    assert eng.offload.counters.loaded > 0  # its prompt's prefix came back from disk
+    eng.close()
