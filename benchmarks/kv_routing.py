@@ -3,7 +3,8 @@ prefix-affinity and least-loaded, and the hit rate one worker holding everything
 of it, with no worker's queue above 2x the mean).
 
 Workload (fixed seed): `--conversations` conversations (32) of `--turns` turns (8), all running at once, each turn
-sent when the previous one's answer is in: a shared 32-token system prefix, a 64-token first user message, then
+sent a think time after the previous one's answer is in (uniform in [0, `--think-ms`], 300 ms by default, fixed by
+the seed: the conversations drift out of step, as users' do; 0: in lockstep): a shared 32-token system prefix, a 64-token first user message, then
 32 new user tokens a turn; every prompt is the whole conversation so far (prompts, answers, the new turn) as token
 ids, answers 16 tokens (greedy, ignore_eos). The model is the tests' tiny Llama (random weights, the embedded
 model's tokenizer, float32), so the run measures the cluster's routing and the engines' real prefix caches, not
@@ -15,7 +16,11 @@ summed over the workers' Load counters), TTFT (first token-carrying delta - subm
 requests each worker ran and the mean of its in-flight requests sampled every 50 ms, with the busiest worker's
 over the mean ("queue max/mean"). JSON: benchmarks/results/kv_routing-*.json.
 
-    .venv/bin/python benchmarks/kv_routing.py [--conversations 32] [--turns 8] [--workers 4]
+kv-aware runs once per weight of `--overlap-weights` (the coordinator's --kv-overlap-weight; one run named
+"kv-aware" for the coordinator's default, "kv-aware@W" for each W given).
+
+    .venv/bin/python benchmarks/kv_routing.py [--conversations 32] [--turns 8] [--workers 4] [--think-ms 300]
+        [--overlap-weights 1,4]
 """
 
 from __future__ import annotations
@@ -38,25 +43,32 @@ from infer.protocol.sampling import SamplingParams
 VOCAB_LOW, VOCAB_HIGH = 100, 49000
 
 
-def start_serve(model: Path, workers: int, policy: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_serve(
+    model: Path, workers: int, policy: str, args: argparse.Namespace, weight: str | None = None
+) -> tuple[subprocess.Popen, str]:
     flags = ["--workers", str(workers), "--model", str(model), "--policy", policy, "--log-level", "WARNING"]
+    if weight is not None:
+        flags += ["--kv-overlap-weight", weight]
     flags += ["--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory", str(args.kv_cache_memory)]
     return serve(flags + ["--threads", "1"])
 
 
-def workload(args: argparse.Namespace) -> list[list[list[int]]]:
-    """Each conversation's user turns (the first with the shared system prefix)."""
+Turn = tuple[float, list[int]]  # (seconds to think before sending it, its user tokens)
+
+
+def workload(args: argparse.Namespace) -> list[list[Turn]]:
+    """Each conversation's user turns (the first with the shared system prefix), each with its think time."""
     rng = random.Random(0)
     system = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(32)]
     conversations = []
     for _ in range(args.conversations):
         first = system + [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(64)]
         later = [[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(32)] for _ in range(args.turns - 1)]
-        conversations.append([first, *later])
+        conversations.append([(rng.uniform(0, args.think_ms) / 1000, user) for user in [first, *later]])
     return conversations
 
 
-async def run_policy(address: str, conversations: list[list[list[int]]], sessions: bool) -> dict:
+async def run_policy(address: str, conversations: list[list[Turn]], sessions: bool) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ttfts: list[float] = []
     async with InferenceClient(address, connect_timeout=60) as client:
@@ -74,9 +86,10 @@ async def run_policy(address: str, conversations: list[list[list[int]]], session
                 except asyncio.TimeoutError:
                     pass
 
-        async def converse(index: int, turns: list[list[int]]) -> None:
+        async def converse(index: int, turns: list[Turn]) -> None:
             history: list[int] = []
-            for user in turns:
+            for think, user in turns:
+                await asyncio.sleep(think)
                 history = history + user
                 began, first, output = time.perf_counter(), None, []
                 session = f"conversation-{index}" if sessions else None
@@ -122,7 +135,9 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--kv-cache-memory", type=int, default=32_000_000)
+    p.add_argument("--think-ms", type=float, default=300.0)
     p.add_argument("--policies", default="kv-aware,kv-aware+sessions,prefix-affinity,least-loaded")
+    p.add_argument("--overlap-weights", default="", help="kv-aware again at each of these weights (comma-separated)")
     args = p.parse_args()
     from infer.worker.model_files import resolve_model
 
@@ -130,10 +145,13 @@ def main() -> None:
     model = random_model("tiny", str(resolve_model(None)), folder)
     conversations = workload(args)
     runs: dict[str, dict] = {}
-    plans = [(name, args.workers) for name in args.policies.split(",")] + [("single worker", 1)]
+    plans = [(name, args.workers) for name in args.policies.split(",")]
+    plans += [(f"kv-aware@{w}", args.workers) for w in args.overlap_weights.split(",") if w]
+    plans += [("single worker", 1)]
     for name, workers in plans:
-        policy = "least-loaded" if name == "single worker" else name.removesuffix("+sessions")
-        proc, address = start_serve(model, workers, policy, args)
+        policy = "least-loaded" if name == "single worker" else name.removesuffix("+sessions").split("@")[0]
+        weight = name.split("@")[1] if "@" in name else None
+        proc, address = start_serve(model, workers, policy, args, weight)
         try:
             runs[name] = asyncio.run(run_policy(address, conversations, name.endswith("+sessions")))
         finally:
@@ -152,7 +170,7 @@ def main() -> None:
         "hit rate against one worker holding everything: "
         + ", ".join(f"{name} {r['hit_rate_vs_single']:.1%}" for name, r in runs.items() if name != "single worker")
     )
-    config = {k: getattr(args, k) for k in ("conversations", "turns", "workers", "kv_cache_memory")}
+    config = {k: getattr(args, k) for k in ("conversations", "turns", "workers", "kv_cache_memory", "think_ms")}
     path = write_result("kv_routing", {"config": config, "model": "tiny Llama (random, float32)", "runs": runs})
     print(f"wrote {path}")
 

@@ -18,7 +18,7 @@ import msgspec
 
 from infer.coordinator.books import Books
 from infer.coordinator.config import CoordinatorConfig
-from infer.coordinator.kv_index import KvAware
+from infer.coordinator.kv_index import DEFAULT_OVERLAP_WEIGHT, KvAware
 from infer.coordinator.lifecycle import ClusterState
 from infer.coordinator.load_index import LoadIndex
 from infer.coordinator.models import Models, Refusal, Target
@@ -38,7 +38,7 @@ log = logging.getLogger("infer.coordinator")
 QUARANTINE_DEATHS = 2  # worker deaths while it ran that fail a request as a likely poison
 
 
-def make_policy(name: str, kv_overlap_weight: float = 1.0) -> RoutingPolicy:
+def make_policy(name: str, kv_overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> RoutingPolicy:
     """The policy `name` (coordinator/routing.py's, or kv-aware: coordinator/kv_index.py); `kv_overlap_weight`:
     kv-aware's weight of a token not to prefill against a token of queue."""
     if name == "kv-aware":

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infer.coordinator.election import LEASE_S
+from infer.coordinator.kv_index import DEFAULT_OVERLAP_WEIGHT
 from infer.coordinator.routing import POLICIES
 from infer.protocol.options import option
 from infer.protocol.tracing import require_sdk
@@ -67,7 +68,7 @@ class CoordinatorConfig:
         choices=POLICIES,
     )
     kv_overlap_weight: float = option(
-        1.0,
+        DEFAULT_OVERLAP_WEIGHT,
         "kv-aware: what a prompt token a worker need not prefill (it holds its KV) is worth against a token of "
         "work queued there (0: load only; higher: follow the cache further onto busier workers)",
         metavar="W",

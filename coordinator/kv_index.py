@@ -22,13 +22,20 @@ default) and takes the highest. We take Dynamo's form, in tokens, on the load th
 requests sent since: routing.py) times its KV capacity, taken at the busiest rank of its EP group as least_loaded
 does; `cached_tokens` is the leading run of the prompt's full blocks the index says the rank holds (at most
 `(len - 1) // block_size` blocks: the last token is always computed). Why this form: it is a sum of two counts in
-the same unit (tokens of work), so the weight has a plain meaning (1.0: a token not to prefill is worth a token
-of queue elsewhere), it needs no normalization across ranks (llm-d's min-max scaling makes a 1-token difference
+the same unit (tokens), so the weight has a plain meaning (W: a token not to prefill is worth W tokens of load
+elsewhere), it needs no normalization across ranks (llm-d's min-max scaling makes a 1-token difference
 look like the whole range when two ranks are close), and an idle rank with nothing cached still wins against a
 rank whose queue is longer than the prompt it would save (SGLang's cache-aware router piles onto the rank that
 holds the prefix however long its queue; here the queue pays for itself). A rank whose pool is full (score >= 1)
 is left out while another can take the request. No overlap anywhere, or a text prompt (the coordinator has no
 tokenizer: the worker tokenizes text, and a direct stream's ids never come back to it): least_loaded, exactly.
+
+The default weight is 8, not Dynamo's 1, because the two counts are not the same work here: a running request's
+whole context counts in `load_tokens` (it holds that much KV), though a decode step adds one token of compute for
+it, while an uncached prompt token is a token of prefill. At 1, load differences of one request's context (a few
+hundred tokens, common whenever conversations run at once) outweighed a whole conversation's cached history, and
+kv-aware hit little more than least-loaded; at 8 it reached 97-99% of the hit rate of one worker holding
+everything, with the busiest worker's queue at most 1.2x the mean (benchmarks/kv_routing.py, the README's table).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from infer.protocol.messages import KvEvents
 from infer.protocol.prefix_hash import adapter_salt, prompt_block_hashes
 
 RESYNC_INTERVAL_S = 1.0  # a stale worker is asked for a snapshot again at most this often
+DEFAULT_OVERLAP_WEIGHT = 8.0  # measured: benchmarks/kv_routing.py, the README's table (why not 1: the module doc)
 DEFAULT_MAX_ENTRIES = 1 << 21  # (hash, worker) pairs: ~2M, some 300 MiB at most; 64 workers of 32k blocks fit
 
 
@@ -213,7 +221,7 @@ class KvAware:
 
     name = "kv-aware"
 
-    def __init__(self, overlap_weight: float = 1.0, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(self, overlap_weight: float = DEFAULT_OVERLAP_WEIGHT, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         if not overlap_weight >= 0:
             raise ValueError(f"overlap_weight must be >= 0, got {overlap_weight}")
         self.overlap_weight = overlap_weight

@@ -118,7 +118,7 @@ def test_the_rank_holding_the_prefix_wins_at_equal_load():
 
 
 def test_a_queue_longer_than_the_saved_prefill_sends_it_elsewhere():
-    policy, a, b = KvAware(), Rank(0), Rank(1)
+    policy, a, b = KvAware(overlap_weight=1.0), Rank(0), Rank(1)
     feed(policy.index, b, HASHES)  # saves 96 tokens of prefill
     b.score = 0.05  # 50 tokens queued: worth it
     assert policy.choose(PROMPT, [a, b]) is b
