@@ -226,6 +226,8 @@ class KvAware:
             raise ValueError(f"overlap_weight must be >= 0, got {overlap_weight}")
         self.overlap_weight = overlap_weight
         self.index = KvIndex(max_entries)
+        self.routed_prompt_tokens = 0  # of the requests routed by overlap (some rank held part of the prompt)
+        self.routed_cached_tokens = 0  # of those, the tokens the chosen rank held by the index
 
     def choose(self, prompt: Prompt, candidates: Sequence[R]) -> R:
         """RoutingPolicy's entry (no adapter); the candidates must be KvRanks (the coordinator's WorkerRecords are):
@@ -251,7 +253,10 @@ class KvAware:
             load = busiest[rank.group_id] * rank.capacity_tokens
             return (load + weight * (num_tokens - cached[i]), scores[i], rank.num_in_flight, rank.dp_rank)
 
-        return candidates[min(room, key=cost)]
+        chosen = min(room, key=cost)
+        self.routed_prompt_tokens += num_tokens
+        self.routed_cached_tokens += cached[chosen]
+        return candidates[chosen]
 
     def forget_rank(self, dp_rank: int) -> None:
         self.index.drop_rank(dp_rank)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from infer.coordinator.admission import Admission
 from infer.coordinator.books import Books
 from infer.coordinator.config import CoordinatorConfig
+from infer.coordinator.kv_index import KvAware
 from infer.coordinator.lifecycle import ClusterState
 from infer.coordinator.loras import Loras
 from infer.coordinator.outbox import Send
@@ -176,6 +177,8 @@ class Statistics:
             (held if r.worker_id is None else in_flight)[r.model or default] += 1
         stats = []
         for model in models.served():
+            policy = self.admission.policies.get(model)
+            kv = policy if isinstance(policy, KvAware) else None
             workers = [w for w in self.books.workers if w.model_id == model]
             counters = self.books.model_counters.get(model, ModelCounters())
             adapters: dict[str, str] = {}
@@ -196,6 +199,10 @@ class Statistics:
                     lora_adapters=adapters,
                     default=model == default,
                     tokenizers=tokenizer_sources(workers),
+                    kv_index_entries=0 if kv is None else kv.index.num_entries,
+                    kv_index_resyncs=0 if kv is None else kv.index.num_resyncs,
+                    kv_routed_prompt_tokens=0 if kv is None else kv.routed_prompt_tokens,
+                    kv_routed_cached_tokens=0 if kv is None else kv.routed_cached_tokens,
                 )
             )
         return stats

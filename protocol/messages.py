@@ -1030,6 +1030,13 @@ class ModelStats(Message, frozen=True):
     tokenizers: Annotated[list[ModelId], msgspec.Meta(max_length=MAX_TOKENIZER_SOURCES)] = msgspec.field(
         default_factory=list
     )
+    # Under --policy kv-aware (0 under the others): the (block hash, worker) pairs its index holds now, the snapshots
+    # it asked workers for (KvResync: a gap in their events, a bound broken), and, over the requests it routed by
+    # overlap, the prompt tokens they had and those the chosen rank held by the index (the hits it expected).
+    kv_index_entries: int = 0
+    kv_index_resyncs: int = 0
+    kv_routed_prompt_tokens: int = 0
+    kv_routed_cached_tokens: int = 0
 
 
 def _counter(text: str) -> Any:

@@ -136,6 +136,12 @@ class FrontMetrics:
                 labels,
                 registry=r,
             ),
+            "kv_index_entries": Gauge(
+                "infer:kv_index_entries",
+                "kv-aware routing: (block hash, worker) pairs in the coordinator's index of what the workers hold.",
+                labels,
+                registry=r,
+            ),
             "released": Gauge(
                 "infer:suspended_bytes",
                 "Bytes of KV pool and weights the workers released while suspended.",
@@ -199,6 +205,26 @@ class FrontMetrics:
                 registry=r,
             ),
         }
+        self._kv_counters = {
+            "kv_index_resyncs": Counter(
+                "infer:kv_index_resyncs",
+                "kv-aware routing: snapshots the coordinator asked workers for (a gap in their KV events).",
+                labels,
+                registry=r,
+            ),
+            "kv_routed_prompt_tokens": Counter(
+                "infer:kv_routed_prompt_tokens",
+                "kv-aware routing: prompt tokens of the requests routed by what a worker holds.",
+                labels,
+                registry=r,
+            ),
+            "kv_routed_cached_tokens": Counter(
+                "infer:kv_routed_cached_tokens",
+                "kv-aware routing: of those, the tokens the chosen worker held by the index (the hits expected).",
+                labels,
+                registry=r,
+            ),
+        }
         self._accepted_per_pos = Counter(
             "infer:spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: draft tokens accepted, by position in the drafts (0: the first).",
@@ -253,6 +279,7 @@ class FrontMetrics:
                 *self._gauges.values(),
                 *self._worker_counters.values(),
                 *self._coordinator_counters.values(),
+                *self._kv_counters.values(),
             ]:
                 metric.labels(model)
             series = self._series[model] = ModelSeries(
@@ -313,6 +340,13 @@ class FrontMetrics:
         self._gauges["kv"].labels(name).set(used / total if total else 0.0)
         self._gauges["workers"].labels(name).set(len(healthy))
         self._gauges["weight_version"].labels(name).set(0 if stats is None else stats.weight_version)
+        kv_models = [] if stats is None else [m for m in stats.models if model is None or m.model_id == model]
+        self._gauges["kv_index_entries"].labels(name).set(sum(m.kv_index_entries for m in kv_models))
+        if stats is not None:
+            for m in kv_models:
+                source = f"coordinator {stats.coordinator_id} model {m.model_id}"
+                for attr, counter in self._kv_counters.items():
+                    self._add_total(counter.labels(name), source, attr, getattr(m, attr))
         every = [w.load for w in workers if w.load is not None]
         self._gauges["released"].labels(name).set(sum(load.bytes_released for load in every))
         for worker in workers:

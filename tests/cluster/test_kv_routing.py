@@ -7,6 +7,8 @@ coordinator counted the previous one done: the KvEvents of a step ride on the St
 
 from __future__ import annotations
 
+import urllib.request
+
 import openai
 import pytest
 from serve_harness import Served
@@ -76,6 +78,12 @@ async def test_turns_follow_the_cache_evictions_move_them_and_a_killed_worker_ho
         # generated): 47 // 16 * 16 = 32 tokens, then 63 -> 48, then 79 -> 64
         assert hits(now, 1) - hits(start, 1) >= 32 + 48 + 64
         assert hits(now, 0) == hits(start, 0)
+        # The coordinator's own account (ModelStats, the front's /metrics): the index holds rank 1's blocks, and the
+        # turns it routed by overlap were expected to hit what they did hit.
+        (model,) = (await client.stats()).models
+        assert model.kv_index_entries >= 64 // 16
+        assert model.kv_routed_cached_tokens >= 32 + 48 + 64
+        assert model.kv_routed_prompt_tokens > model.kv_routed_cached_tokens
 
         # Evictions: fill rank 1's pool with other prompts; what it reports evicted no longer draws the conversation.
         history = [t for user, out in zip(conversation, outputs) for t in user + out]
@@ -160,3 +168,21 @@ def test_x_session_id_pins_a_chat_to_its_rank_with_the_official_client(served):
         with pytest.raises(openai.BadRequestError, match="X-Session-ID"):
             ask("hi", "s" * 300)
         assert ask("still serving", "beta") == 1
+
+        # A prompt of several blocks asked again, with no session: the policy routes it by what a rank now holds
+        # (once that rank's events are in: the request ends on the stream before its StepBatch reaches the
+        # coordinator), and counts the tokens it expected to hit.
+        long_prompt = " ".join(f"word{i}" for i in range(60))
+        for _ in range(50):
+            ask(long_prompt, None, chat=False)
+            if cluster.stats().models[0].kv_routed_cached_tokens > 0:
+                break
+        assert cluster.stats().models[0].kv_routed_cached_tokens >= 16
+
+    # The index on the front's /metrics: what the workers hold, and the routed tokens of the turns above.
+    with urllib.request.urlopen(f"{served.url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    series = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines() if line.startswith("infer:kv_")}
+    assert series["infer:kv_index_entries"] > 0
+    assert series["infer:kv_routed_prompt_tokens_total"] >= series["infer:kv_routed_cached_tokens_total"] > 0
+    assert series["infer:kv_index_resyncs_total"] >= 0
