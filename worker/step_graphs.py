@@ -292,8 +292,8 @@ def make_step_graphs(
     config: EngineConfig, model: torch.nn.Module, kv_cache: KVCache, max_model_len: int, device: torch.device
 ) -> StepGraphs | None:
     """The engine's step graphs, their small buckets made now (logged with the time it took), or None:
-    `enforce_eager`, a model whose layers do not trace into one graph, or a failure to make them (logged;
-    the engine then runs eagerly)."""
+    `enforce_eager`, a model whose layers do not trace into one graph (on a CPU: native quantized linears), or a
+    failure to make them (logged; the engine then runs eagerly)."""
     if config.eager_on(device.type):
         return None
     if not getattr(model, "supports_step_graphs", False):
@@ -301,6 +301,9 @@ def make_step_graphs(
         return None
     if getattr(getattr(model, "tp", None), "size", 1) > 1:
         log.info("step graphs: off (tensor parallelism runs eagerly: its followers replay no graphs)")
+        return None
+    if device.type == "cpu" and any(getattr(m, "quant_native", False) for m in model.modules()):
+        log.info("step graphs: off (the native quantized matmul is a ctypes call, which torch.compile cannot trace)")
         return None
     # supports_step_graphs: True only on LlamaForCausalLM (and the subclasses that keep its forward)
     graphs = StepGraphs(

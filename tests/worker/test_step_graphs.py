@@ -110,6 +110,17 @@ def test_a_model_without_step_graph_support_runs_eagerly(tmp_path, smollm2_token
     assert len(out["a"]) == 3
 
 
+def test_native_quantized_linears_run_eagerly_and_say_why(smollm2_gguf, caplog):
+    """On a CPU the quantized matmul is a ctypes call torch.compile cannot trace: asked for step graphs, the engine
+    says so at start and runs eagerly, instead of failing inside the compiler."""
+    with caplog.at_level("INFO", logger="infer"):
+        engine = Engine(EngineConfig(model=str(smollm2_gguf), enforce_eager=False, **GRAPH_OPTIONS))
+    assert engine.runner.step_graphs is None
+    assert "native quantized matmul" in caplog.text and "making them failed" not in caplog.text
+    out = _drive(engine, {"a": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))}, {})
+    assert len(out["a"]) == 3
+
+
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
