@@ -27,7 +27,6 @@ Step graphs and the native CPU decode step are not used on stages (every step ru
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 from collections import deque
 from collections.abc import Sequence
@@ -39,7 +38,6 @@ from torch import nn
 
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.gguf import close_gguf_files
-from infer.worker.group_sync import GroupBroken
 from infer.worker.loader import (
     build_model,
     file_tensors,
@@ -239,17 +237,10 @@ def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
     """The life of any other process of the pipeline (a stage > 0, or a TP rank > 0 of a stage): load its share of
     its stage's layers, size its KV pool with the others, serve stage 0's commands (worker/tp_commands.py's
     follower loop). Returns the exit code (stage 0's when it said stop: 0 only when the rank was told to stop)."""
-    import torch
+    from infer.worker.engine_setup import context_length, num_kv_blocks
+    from infer.worker.tp_commands import FollowerChannel, serve_follower, start_follower
 
-    from infer.worker.engine_setup import context_length, num_kv_blocks, pick_device, pick_dtype
-    from infer.worker.tp_commands import FollowerChannel, LeaderGone, serve_follower
-
-    for sig in (signal.SIGTERM, signal.SIGINT):  # stage 0 decides when the rank ends (it drains first)
-        signal.signal(sig, signal.SIG_IGN)
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    device = pick_device(config.device)
-    dtype = pick_dtype(config.dtype, device)
+    device, dtype = start_follower(config)
     loader = StageLoader(group)
     model = loader.load_model(path, dtype, device, config.quantization)
     max_model_len = context_length(config, model.config)
@@ -266,13 +257,7 @@ def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
         group.layers.stop - 1,
         blocks,
     )
-    try:
-        return serve_follower(model, kv_cache, config.block_size, channel, device)
-    except (LeaderGone, GroupBroken) as e:
-        log.error("fatal: %s; exiting", e)
-        return 1
-    finally:
-        channel.close()
+    return serve_follower(model, kv_cache, config.block_size, channel, device)
 
 
 def pipeline_parallel_engine(

@@ -329,7 +329,39 @@ class FollowerChannel:
         self.pull.close(0)
 
 
+def start_follower(config: Any) -> tuple[torch.device, torch.dtype]:
+    """A follower process's first steps (a TP rank > 0, a pipeline's later processes): SIGTERM and SIGINT ignored
+    (rank 0 decides when the group ends: it drains first), its thread count, its device and dtype."""
+    import signal
+
+    import torch
+
+    from infer.worker.engine_setup import pick_device, pick_dtype
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    device = pick_device(config.device)
+    return device, pick_dtype(config.dtype, device)
+
+
 def serve_follower(
+    model: Any, kv_cache: Any, block_size: int, channel: FollowerChannel, device: torch.device, lora: Any = None
+) -> int:
+    """A follower process's life once it is loaded (a TP rank > 0, or any process of a pipeline but stage 0's first):
+    `follow` rank 0's commands until they end, then close `channel`. Returns the process's exit code: rank 0's
+    when it said stop, 1 when rank 0 is gone (LeaderGone) or the group broke (GroupBroken), logged."""
+    try:
+        return follow(model, kv_cache, block_size, channel, device, lora)
+    except (LeaderGone, GroupBroken) as e:
+        log.error("fatal: %s; exiting", e)
+        return 1
+    finally:
+        channel.close()
+
+
+def follow(
     model: Any, kv_cache: Any, block_size: int, channel: FollowerChannel, device: torch.device, lora: Any = None
 ) -> int:
     """Run rank 0's commands on this rank's shards (or a pipeline stage's layers: worker/pp_stage.py's StageModel,

@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
-from infer.worker.group_sync import STARTUP_TIMEOUT_S, GroupBroken, rendezvous_address
+from infer.worker.group_sync import STARTUP_TIMEOUT_S, rendezvous_address
 
 if TYPE_CHECKING:
     import torch
@@ -281,19 +280,13 @@ def _local_gpu(options: TpOptions, ep: EpOptions | None) -> int:
 def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     """A follower's life: load this rank's shards, size the KV pool with the group, serve rank 0's commands.
     Returns the exit code (rank 0's when it said stop: 0 only when the group was told to stop)."""
-    import torch
 
-    from infer.worker.engine_setup import context_length, num_kv_blocks, pick_device, pick_dtype, shares_kv
+    from infer.worker.engine_setup import context_length, num_kv_blocks, shares_kv
     from infer.worker.forward_batch import KVCache
     from infer.worker.loader import load_model
-    from infer.worker.tp_commands import FollowerChannel, LeaderGone, serve_follower
+    from infer.worker.tp_commands import FollowerChannel, serve_follower, start_follower
 
-    for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 decides when the group ends (it drains first)
-        signal.signal(sig, signal.SIG_IGN)
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    device = pick_device(config.device)
-    dtype = pick_dtype(config.dtype, device)
+    device, dtype = start_follower(config)
     model = load_model(path, dtype, device, parallel.ep, parallel.tp, config.quantization)
     lm = cast("CausalLM", model)  # one of our model classes, which meet the CausalLM contract
     max_model_len = context_length(config, model.config)
@@ -321,13 +314,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
         blocks,
         model.num_kv_heads,
     )
-    try:
-        return serve_follower(model, kv_cache, config.block_size, channel, device, lora)
-    except (LeaderGone, GroupBroken) as e:
-        log.error("fatal: %s; exiting", e)
-        return 1
-    finally:
-        channel.close()
+    return serve_follower(model, kv_cache, config.block_size, channel, device, lora)
 
 
 def tensor_parallel_engine(
