@@ -1,0 +1,148 @@
+"""Disaggregated prefill and decode through real processes: a coordinator, a kv_producer and a kv_consumer worker
+on the tiny Llama (loopback). Each request is prefilled on the producer, its KV blocks travel to the consumer, and
+it decodes there: greedy outputs equal one kv_both worker's token for token, and the consumer's counters prove the
+blocks arrived and were hit. Then the faults: the consumer killed -9 before its transfer, a transfer that stalls (the
+consumer stopped), the producer killed -9 mid-transfer, the consumer killed -9 while it decodes; each request
+completes with the same tokens, in a bounded time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+from infer.protocol.sampling import SamplingParams
+
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1"]
+TIMEOUT_S = 2.0  # kv_transfer_timeout: a stalled transfer ends after this
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((40, 53, 70))]
+
+
+def role(name: str) -> list[str]:
+    config = {"kv_role": name, "kv_transfer_timeout": TIMEOUT_S}
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+class Disaggregated:
+    """A coordinator, a kv_producer, a kv_consumer and a kv_both worker (the reference: requests pinned to it run
+    whole there); `rank` maps each worker's role to its DP rank once ready."""
+
+    def __init__(self, cluster_factory, tiny_llama) -> None:
+        self.cluster = cluster_factory()
+        self.cluster.coordinator()
+        self.procs = {
+            name: self.cluster.worker(i, *ENGINE_FLAGS, *role(name), model=tiny_llama)
+            for i, name in enumerate(("kv_producer", "kv_consumer", "kv_both"))
+        }
+        self.rank: dict[str, int] = {}
+
+    async def ready(self, client, wait_until) -> None:
+        async def all_healthy() -> bool:
+            return sum(w.healthy for w in (await client.stats()).workers) == len(self.procs)
+
+        await wait_until(all_healthy, 120, "the workers")
+        by_id = {w.worker_id: w.dp_rank for w in (await client.stats()).workers}
+        self.rank = {name: by_id[proc.worker_id] for name, proc in self.procs.items()}
+
+    async def reference(self, client, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+        return (await client.generate(prompt, params, pin_rank=self.rank["kv_both"])).token_ids
+
+    def generate(self, client, prompt: list[int], params: SamplingParams = GREEDY):
+        """A request that starts on the producer (its consumer: the kv_consumer)."""
+        return client.generate(prompt, params, pin_rank=self.rank["kv_producer"])
+
+    def stop(self, name: str) -> None:
+        os.killpg(self.procs[name].popen.pid, signal.SIGSTOP)
+
+    def cont(self, name: str) -> None:
+        os.killpg(self.procs[name].popen.pid, signal.SIGCONT)
+
+
+async def loads(client) -> dict[str, object]:
+    """Each healthy worker's last load, by worker id (heartbeats bring it)."""
+    await asyncio.sleep(0.6)  # a heartbeat interval or two: the counters of the last step
+    return {w.worker_id: w.load for w in (await client.stats()).workers if w.healthy}
+
+
+async def test_prefill_on_the_producer_decode_on_the_consumer_equal_outputs(cluster_factory, tiny_llama, wait_until):
+    pd = Disaggregated(cluster_factory, tiny_llama)
+    async with pd.cluster.client() as client:
+        await pd.ready(client, wait_until)
+        reference = [await pd.reference(client, p) for p in PROMPTS]
+        outputs = [(await pd.generate(client, p)).token_ids for p in PROMPTS]
+        assert outputs == reference
+        now = await loads(client)
+        sent, got = now[pd.procs["kv_producer"].worker_id], now[pd.procs["kv_consumer"].worker_id]
+        full_blocks = sum(len(p) // 16 for p in PROMPTS)
+        assert sent.kv_transfer_sent_blocks == full_blocks
+        assert got.kv_transfer_received_blocks == full_blocks and got.kv_transfer_dropped_blocks == 0
+        # the consumer prefilled only each prompt's tail: its hits cover every full block the continuation looks up
+        assert got.prefix_cache_hits == sum((len(p) // 16) * 16 for p in PROMPTS)
+        # the same prompt again: the consumer holds its blocks, so none travels
+        assert (await pd.generate(client, PROMPTS[0])).token_ids == reference[0]
+        again = await loads(client)
+        assert again[pd.procs["kv_consumer"].worker_id].kv_transfer_received_blocks == full_blocks
+
+
+async def test_consumer_killed_before_the_transfer(cluster_factory, tiny_llama, wait_until):
+    """The request goes on at the kv_both worker (no consumer left), by recompute, with the same tokens."""
+    pd = Disaggregated(cluster_factory, tiny_llama)
+    async with pd.cluster.client() as client:
+        await pd.ready(client, wait_until)
+        reference = await pd.reference(client, PROMPTS[1])
+        pd.procs["kv_consumer"].kill9()
+        started = time.monotonic()
+        assert (await pd.generate(client, PROMPTS[1])).token_ids == reference
+        assert time.monotonic() - started < 20
+
+
+async def test_a_stalled_transfer_ends_in_bounded_time(cluster_factory, tiny_llama, wait_until):
+    """The consumer stops (SIGSTOP) before the transfer: the producer waits kv_transfer_timeout, hands off; the
+    coordinator declares the silent consumer dead (--worker-timeout 5) and the request completes elsewhere."""
+    pd = Disaggregated(cluster_factory, tiny_llama)
+    async with pd.cluster.client() as client:
+        await pd.ready(client, wait_until)
+        reference = await pd.reference(client, PROMPTS[2])
+        pd.stop("kv_consumer")
+        try:
+            started = time.monotonic()
+            assert (await pd.generate(client, PROMPTS[2])).token_ids == reference
+            assert time.monotonic() - started < 20
+        finally:
+            pd.cont("kv_consumer")
+
+
+async def test_producer_killed_mid_transfer(cluster_factory, tiny_llama, wait_until):
+    """The consumer stops, so the transfer waits; the producer is killed -9 meanwhile, then the consumer goes on: the
+    request fails over (a new request again: to the kv_both worker), with the same tokens."""
+    pd = Disaggregated(cluster_factory, tiny_llama)
+    async with pd.cluster.client() as client:
+        await pd.ready(client, wait_until)
+        reference = await pd.reference(client, PROMPTS[0])
+        pd.stop("kv_consumer")
+        try:
+            task = asyncio.create_task(pd.generate(client, PROMPTS[0]))
+            await asyncio.sleep(TIMEOUT_S / 2)  # its first token is out; its transfer waits for the consumer
+            pd.procs["kv_producer"].kill9()
+        finally:
+            pd.cont("kv_consumer")
+        assert (await asyncio.wait_for(task, 30)).token_ids == reference
+
+
+async def test_consumer_killed_while_it_decodes(cluster_factory, tiny_llama, wait_until):
+    pd = Disaggregated(cluster_factory, tiny_llama)
+    long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    async with pd.cluster.client() as client:
+        await pd.ready(client, wait_until)
+        reference = await pd.reference(client, PROMPTS[1], long)
+        tokens: list[int] = []
+        consumer = pd.procs["kv_consumer"]
+        async for delta in client.stream(PROMPTS[1], long, pin_rank=pd.rank["kv_producer"]):
+            tokens += delta.token_ids
+            if len(tokens) >= 10 and consumer.popen.poll() is None:
+                consumer.kill9()
+        assert tokens == reference
+        assert consumer.popen.poll() is not None
