@@ -137,13 +137,8 @@ class WorkerOptions:
             raise ValueError("--benchmark-mode has no model, so no TP group: leave out --tp-size")
         kv_role = self.kv_transfer_config.kv_role
         if kv_role != "kv_both":
-            for refused, why in (
-                (self.benchmark_mode, "--benchmark-mode (no model, no KV)"),
-                (self.tp is not None, "tensor parallelism (--tp-size > 1: each rank's shard is not sent yet)"),
-                (self.ep is not None, "an EP group (--ep-size > 1)"),
-            ):
-                if refused:
-                    raise ValueError(f"--kv-transfer-config: {kv_role} is not supported with {why}")
+            if self.benchmark_mode:  # the other combinations: worker/cli.py (they need the engine's flags)
+                raise ValueError(f"--kv-transfer-config: {kv_role} is not supported with --benchmark-mode (no KV)")
         if self.otlp_traces_endpoint is not None:
             require_sdk()
         if not -1 <= self.stream_port <= 65535:
