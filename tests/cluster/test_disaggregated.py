@@ -146,3 +146,34 @@ async def test_consumer_killed_while_it_decodes(cluster_factory, tiny_llama, wai
                 consumer.kill9()
         assert tokens == reference
         assert consumer.popen.poll() is not None
+
+
+def test_infer_serve_starts_a_producer_and_a_consumer_and_the_official_client_gets_equal_text(
+    model_cluster, tiny_llama, tmp_path
+):
+    """`infer-serve --workers 2 --kv-roles kv_producer,kv_consumer`, through the official `openai` client (token-id
+    prompts, streamed and not): the same text as one kv_both worker, and the consumer received the blocks."""
+    import openai
+    from serve_harness import Served
+
+    from infer.client.inference_client import SyncInferenceClient
+
+    plain = model_cluster(workers=1)
+    with SyncInferenceClient(plain.address, connect_timeout=30) as cluster:
+        reference = [cluster.generate(p, GREEDY).text for p in PROMPTS]
+    served = Served(
+        tiny_llama, tmp_path / "serve.log", "tiny", ["--kv-roles", "kv_producer,kv_consumer", *ENGINE_FLAGS]
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        common = dict(model="tiny", max_tokens=GREEDY.max_tokens, temperature=0, extra_body={"ignore_eos": True})
+        texts = [client.completions.create(prompt=p, **common).choices[0].text for p in PROMPTS]
+        streamed = "".join(
+            c.choices[0].text for c in client.completions.create(prompt=PROMPTS[2], stream=True, **common)
+        )
+        assert texts == reference and streamed == reference[2]
+        with SyncInferenceClient(served.address, connect_timeout=30) as cluster:
+            received = sum(w.load.kv_transfer_received_blocks for w in cluster.stats().workers if w.load is not None)
+        assert received >= sum(len(p) // 16 for p in PROMPTS)
+    finally:
+        served.stop()

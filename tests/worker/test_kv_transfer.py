@@ -218,3 +218,17 @@ def test_a_consumer_without_free_blocks_drops_them_and_recomputes(tiny_model_dir
     assert free < 2
     assert consumer.kv_port.store(tokens, 0, payloads) == free
     assert consumer.kv_port.dropped_blocks == 2 - free
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workers", "2", "--kv-roles", "kv_producer"], "--kv-roles names 1 role(s) for 2 worker(s)"),
+        (["--workers", "2", "--kv-roles", "kv_producer,decoder"], "--kv-roles: 'decoder' is not one of kv_both"),
+    ],
+)
+def test_infer_serve_refuses_kv_roles_that_do_not_fit(argv, message, capsys):
+    from infer.client import serve
+
+    assert serve.main(argv) == 2
+    assert message in capsys.readouterr().err
