@@ -30,13 +30,23 @@ class Disaggregated:
     """A coordinator, a kv_producer, a kv_consumer and a kv_both worker (the reference: requests pinned to it run
     whole there); `rank` maps each worker's role to its DP rank once ready."""
 
-    def __init__(self, cluster_factory, tiny_llama) -> None:
+    def __init__(self, cluster_factory, tiny_llama, keys=None, producer_keys: tuple[str, ...] = ()) -> None:
+        """`keys`: a ClusterKeyDir (CurveZMQ everywhere); `producer_keys`: the producer's key flags instead of the
+        workers' shared pair."""
         self.cluster = cluster_factory()
-        self.cluster.coordinator()
+        self.cluster.coordinator(*(keys.coordinator_flags() if keys is not None else ()))
+        key_flags = keys.worker_flags() if keys is not None else []
         self.procs = {
-            name: self.cluster.worker(i, *ENGINE_FLAGS, *role(name), model=tiny_llama)
+            name: self.cluster.worker(
+                i,
+                *ENGINE_FLAGS,
+                *role(name),
+                *(producer_keys if producer_keys and name == "kv_producer" else key_flags),
+                model=tiny_llama,
+            )
             for i, name in enumerate(("kv_producer", "kv_consumer", "kv_both"))
         }
+        self.keys = keys
         self.rank: dict[str, int] = {}
 
     async def ready(self, client, wait_until) -> None:
@@ -85,6 +95,29 @@ async def test_prefill_on_the_producer_decode_on_the_consumer_equal_outputs(clus
         assert (await pd.generate(client, PROMPTS[0])).token_ids == reference[0]
         again = await loads(client)
         assert again[pd.procs["kv_consumer"].worker_id].kv_transfer_received_blocks == full_blocks
+
+
+async def test_with_keys_the_kv_traffic_is_curve_and_a_producer_under_another_key_is_refused(
+    cluster_factory, tiny_llama, wait_until, tmp_path
+):
+    """CurveZMQ on every link (infer-keygen --cluster): the blocks travel between the workers' shared key pair. A
+    producer under another worker key (the coordinator lets it in) fails the consumer's handshake: its transfer
+    times out and the consumer recomputes; the tokens are the same either way."""
+    from infer.protocol.keys import ClusterKeyDir, write_key_pair
+
+    keys = ClusterKeyDir.create(tmp_path / "keys")
+    _, secret = write_key_pair(keys.path / "workers", "stranger")
+    for stranger in (False, True):
+        flags = ("--curve-key", str(secret), "--coordinator-key", str(keys.public("coordinator"))) if stranger else ()
+        pd = Disaggregated(cluster_factory, tiny_llama, keys, producer_keys=flags)
+        async with pd.cluster.client(**keys.client_options()) as client:
+            await pd.ready(client, wait_until)
+            reference = await pd.reference(client, PROMPTS[2])
+            assert (await pd.generate(client, PROMPTS[2])).token_ids == reference
+            got = (await loads(client))[pd.procs["kv_consumer"].worker_id]
+            assert got.kv_transfer_received_blocks == (0 if stranger else len(PROMPTS[2]) // 16)
+        pd.cluster.teardown()
+    assert "KV producer" in pd.procs["kv_consumer"].text()  # the refused handshake, logged by the consumer
 
 
 async def test_consumer_killed_before_the_transfer(cluster_factory, tiny_llama, wait_until):
