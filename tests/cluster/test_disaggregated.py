@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
 from infer.protocol.sampling import SamplingParams
+from infer.protocol.structured import StructuredOutputsParams
 
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1"]
 TIMEOUT_S = 2.0  # kv_transfer_timeout: a stalled transfer ends after this
@@ -57,8 +59,10 @@ class Disaggregated:
         by_id = {w.worker_id: w.dp_rank for w in (await client.stats()).workers}
         self.rank = {name: by_id[proc.worker_id] for name, proc in self.procs.items()}
 
-    async def reference(self, client, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
-        return (await client.generate(prompt, params, pin_rank=self.rank["kv_both"])).token_ids
+    async def reference(self, client, prompt: list[int], params: SamplingParams = GREEDY):
+        """The tokens of `prompt` on the kv_both worker (the Completion, with `params` other than GREEDY)."""
+        completion = await client.generate(prompt, params, pin_rank=self.rank["kv_both"])
+        return completion.token_ids if params is GREEDY else completion
 
     def generate(self, client, prompt: list[int], params: SamplingParams = GREEDY):
         """A request that starts on the producer (its consumer: the kv_consumer)."""
@@ -95,6 +99,13 @@ async def test_prefill_on_the_producer_decode_on_the_consumer_equal_outputs(clus
         assert (await pd.generate(client, PROMPTS[0])).token_ids == reference[0]
         again = await loads(client)
         assert again[pd.procs["kv_consumer"].worker_id].kv_transfer_received_blocks == full_blocks
+        # structured outputs: the consumer's grammar replays the producer's first token
+        regex = SamplingParams(
+            temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{2,5} [0-9]{1,3}")
+        )
+        expected = await pd.reference(client, PROMPTS[1], regex)
+        constrained = await pd.generate(client, PROMPTS[1], regex)
+        assert constrained.token_ids == expected.token_ids and re.fullmatch("[a-z]{2,5} [0-9]{1,3}", constrained.text)
 
 
 async def test_with_keys_the_kv_traffic_is_curve_and_a_producer_under_another_key_is_refused(
@@ -170,7 +181,7 @@ async def test_consumer_killed_while_it_decodes(cluster_factory, tiny_llama, wai
     long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     async with pd.cluster.client() as client:
         await pd.ready(client, wait_until)
-        reference = await pd.reference(client, PROMPTS[1], long)
+        reference = (await pd.reference(client, PROMPTS[1], long)).token_ids
         tokens: list[int] = []
         consumer = pd.procs["kv_consumer"]
         async for delta in client.stream(PROMPTS[1], long, pin_rank=pd.rank["kv_producer"]):

@@ -161,12 +161,17 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = [(5 * j) % 300 + 7 for j in range(45)]  # 2 full blocks of 16, and a tail
 
 
-def make_engine(model_dir, kv_cache_memory: int = 4_000_000):
+def make_engine(model_dir, kv_cache_memory: int = 4_000_000, quantization: str = "auto"):
     from infer.worker.engine import Engine
 
-    return Engine(
-        EngineConfig(model=str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory=kv_cache_memory)
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory=kv_cache_memory,
+        quantization=quantization,
     )
+    return Engine(config)
 
 
 def finish(engine, request_id: str) -> list[int]:
@@ -178,19 +183,22 @@ def finish(engine, request_id: str) -> list[int]:
     return tokens
 
 
-def test_blocks_prefilled_on_one_engine_serve_the_prompt_on_another(tiny_model_dir):
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+def test_blocks_prefilled_on_one_engine_serve_the_prompt_on_another(tiny_model_dir, quantization):
+    """Dense and quantized weights (int8 at load): the KV is the pool's dtype either way."""
     model = tiny_model_dir("llama")
-    reference = make_engine(model)
+    reference = make_engine(model, quantization=quantization)
     reference.add_request("ref", PROMPT, GREEDY)
     expected = finish(reference, "ref")
 
-    producer, consumer = make_engine(model), make_engine(model)
+    producer, consumer = make_engine(model, quantization=quantization), make_engine(model, quantization=quantization)
     producer.add_request("r", PROMPT, GREEDY)
     (first,) = [d for d in producer.step() if d.request_id == "r"]
     assert first.token_ids == expected[:1]
     tokens, payloads = producer.kv_port.export("r")
     assert tokens == PROMPT[:33] and len(payloads) == 2
     assert producer.kv_port.fingerprint(0) == consumer.kv_port.fingerprint(0)
+    assert producer.kv_port.fingerprint(0) != make_engine(model, quantization="int4").kv_port.fingerprint(0)
 
     port = consumer.kv_port
     assert port.first_missing(tokens) == 0
