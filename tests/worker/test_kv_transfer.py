@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from infer import SamplingParams
-from infer.protocol.messages import KvBlocks, KvOffer, KvStored, KvWant
+from infer.protocol.messages import KvBlocks, KvOffer, KvStored, KvWant, encode
 from infer.protocol.options import to_argv
 from infer.worker import cli
 from infer.worker.config import EngineConfig
@@ -240,3 +240,66 @@ def test_infer_serve_refuses_kv_roles_that_do_not_fit(argv, message, capsys):
 
     assert serve.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- the worker core (sans-I/O, tests/worker_harness.py) -----------------------------------------------------
+
+
+def producer_harness(port: FakePort):
+    """A kv_producer's core over BenchmarkEngine with `port` as its KV port, welcomed."""
+    from worker_harness import WorkerHarness
+
+    from infer.worker.core import WorkerCore
+
+    h = WorkerHarness(kv_transfer_config=KvTransferConfig("kv_producer", kv_transfer_timeout=3.0))
+    h.engine.kv_port = port
+    h.core = WorkerCore(h.engine, h.core.options, h.now, wall_offset=1e9)
+    h.core.start(h.now)
+    h.out()
+    h.welcome()
+    return h
+
+
+class ExportingPort(FakePort):
+    def export(self, request_id):
+        return [1] * 33, [b"a" * 8, b"b" * 8]
+
+
+def test_a_producer_streams_the_first_token_then_hands_off_once_the_transfer_ended():
+    from worker_harness import deltas, dispatch
+
+    h = producer_harness(ExportingPort())
+    h.send(dispatch("r", max_tokens=8, kv_consumer_address="tcp://127.0.0.1:6001", kv_consumer_key=""))
+    first = deltas(h.step())
+    assert [d.token_ids for d in first] == [[3]] and not first[0].finished  # the first token, relayed
+    (offer,) = h.core.take_kv_outgoing()
+    assert offer[:2] == ("tcp://127.0.0.1:6001", "") and isinstance(offer[2], KvOffer)
+    assert not h.engine.has_unfinished()  # aborted here, its blocks freed
+    assert not deltas(h.step())  # the abort waits for the transfer
+    receiver = KvReceiver(FakePort(held=1))
+    for _address, _key, msg in [offer]:
+        h.core.kv_sender.on_message(receiver.on_message(msg, b"fp0"))
+    (blocks,) = h.core.take_kv_outgoing()
+    h.core.on_kv_answer([encode(receiver.on_message(blocks[2], b"fp0"))], h.now)
+    (handoff,) = deltas(h.out())
+    assert handoff.finish_reason == "abort" and handoff.error_code == "kv_handoff"
+    assert handoff.error == "KV transfer: stored 2 of 2 blocks"
+
+
+def test_a_stalled_transfer_hands_off_at_its_deadline_and_an_abort_cancels_it():
+    from worker_harness import deltas, dispatch
+
+    from infer.protocol.messages import Abort
+
+    h = producer_harness(ExportingPort())
+    for rid in ("stalled", "aborted"):
+        h.send(dispatch(rid, max_tokens=8, kv_consumer_address="tcp://127.0.0.1:6001", kv_consumer_key=""))
+    h.step()
+    assert len(h.core.take_kv_outgoing()) == 2
+    h.send(Abort(request_ids=["aborted"]))
+    assert h.core.poll_timeout(h.now) <= 3.0
+    assert not deltas(h.advance(2.9))
+    (handoff,) = deltas(h.advance(0.2))
+    assert handoff.request_id == "stalled" and handoff.error_code == "kv_handoff"
+    assert "timed out after 3 s" in handoff.error
+    assert not h.core.kv_sender.transfers
