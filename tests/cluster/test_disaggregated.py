@@ -221,3 +221,52 @@ def test_infer_serve_starts_a_producer_and_a_consumer_and_the_official_client_ge
         assert received >= sum(len(p) // 16 for p in PROMPTS)
     finally:
         served.stop()
+
+
+async def test_producer_killed_before_its_first_token(cluster_factory, tiny_llama, wait_until):
+    """The producer stops before it can step (SIGSTOP), gets the request, and is killed -9: an ordinary failover
+    (the kv_both worker prefills it: no producer left)."""
+    pd = Disaggregated(cluster_factory, tiny_llama)
+    async with pd.cluster.client() as client:
+        await pd.ready(client, wait_until)
+        reference = await pd.reference(client, PROMPTS[0])
+        pd.stop("kv_producer")
+        task = asyncio.create_task(pd.generate(client, PROMPTS[0]))
+        await asyncio.sleep(0.5)  # dispatched to the stopped producer
+        pd.procs["kv_producer"].kill9()
+        assert (await asyncio.wait_for(task, 30)).token_ids == reference
+
+
+async def test_consumer_killed_mid_transfer_and_producer_killed_after_the_hand_off(
+    cluster_factory, tiny_llama, wait_until
+):
+    """Two kill points on one cluster. The consumer, stopped so that its transfer waits, is killed -9: the transfer
+    times out and the request goes on at the kv_both worker. Then a restarted consumer decodes a request whose
+    producer is killed -9 after the hand-off: nothing moves, the stream ends as it would have."""
+    pd = Disaggregated(cluster_factory, tiny_llama)
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    async with pd.cluster.client() as client:
+        await pd.ready(client, wait_until)
+        reference = await pd.reference(client, PROMPTS[1])
+        pd.stop("kv_consumer")
+        task = asyncio.create_task(pd.generate(client, PROMPTS[1]))
+        await asyncio.sleep(TIMEOUT_S / 2)  # the first token is out; the transfer waits
+        pd.procs["kv_consumer"].kill9()
+        assert (await asyncio.wait_for(task, 30)).token_ids == reference
+
+        consumer = pd.cluster.worker(3, *ENGINE_FLAGS, *role("kv_consumer"), model=tiny_llama)
+        pd.procs["kv_consumer"] = consumer
+
+        async def back() -> bool:
+            return any(w.worker_id == consumer.worker_id and w.healthy for w in (await client.stats()).workers)
+
+        await wait_until(back, 120, "the new consumer")
+        expected = (await pd.reference(client, PROMPTS[2], long)).token_ids
+        tokens: list[int] = []
+        async for delta in client.stream(PROMPTS[2], long, pin_rank=pd.rank["kv_producer"]):
+            tokens += delta.token_ids
+            if len(tokens) >= 5 and pd.procs["kv_producer"].popen.poll() is None:
+                pd.procs["kv_producer"].kill9()
+        assert tokens == expected
+        got = (await loads(client))[consumer.worker_id]
+        assert got.kv_transfer_received_blocks == len(PROMPTS[2]) // 16
