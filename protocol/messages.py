@@ -88,6 +88,7 @@ Address = Annotated[str, msgspec.Meta(min_length=6, max_length=MAX_ID_LEN, patte
 Owner = Annotated[str, msgspec.Meta(max_length=40)]  # a direct stream's owner: a z85 public key, "" without keys
 ModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+ShmPath = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]  # a KV transfer's shared-memory file
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_ID_LEN)]
@@ -1142,6 +1143,13 @@ class KvOffer(Message, frozen=True):
     transfer_id: Id
     fingerprint: bytes
     token_ids: TokenIdList
+    # shared memory (worker/kv_links.py ShmArea): a file of the producer's in its shared-memory directory and the
+    # token it holds; a consumer that reads that token there shares the directory (the same host, the same mounts)
+    shm_probe: ShmPath | None = None
+    shm_token: Token | None = None
+
+    def __post_init__(self) -> None:
+        _require((self.shm_probe is None) == (self.shm_token is None), "'shm_probe' and 'shm_token' go together")
 
 
 @message
@@ -1153,6 +1161,7 @@ class KvWant(Message, frozen=True):
     transfer_id: Id
     first_block: NonNegative = 0
     refusal: str | None = None
+    shm: bool = False  # it read the offer's probe: send the blocks through shared memory
 
 
 @message
@@ -1169,9 +1178,13 @@ class KvBlocks(Message, frozen=True):
     blocks: Annotated[list[bytes], msgspec.Meta(max_length=MAX_KV_BLOCKS_PER_FRAME)]
     checksums: Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_KV_BLOCKS_PER_FRAME)]
     last: bool = True
+    shm_path: ShmPath | None = None  # the payloads, back to back, in this shared-memory file instead of `blocks`
 
     def __post_init__(self) -> None:
-        _require(len(self.blocks) == len(self.checksums), "fields 'blocks' and 'checksums' must have one item each")
+        if self.shm_path is None:
+            _require(len(self.blocks) == len(self.checksums), "fields 'blocks' and 'checksums' must have one item each")
+        else:
+            _require(not self.blocks and bool(self.checksums), "with 'shm_path': no 'blocks', a checksum per block")
 
 
 @message

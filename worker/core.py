@@ -296,7 +296,8 @@ class WorkerCore:
 
     def _hand_off(self, outputs: list[Delta], now: float) -> list[Delta]:
         """A producer's requests that made their first token in this step: their KV copied out, their transfer
-        started, the request aborted here (its abort delta goes to the coordinator once the transfer ends)."""
+        started, the request aborted here (its abort delta goes to the coordinator once the transfer ends). One
+        without a full block of KV decodes here: a hand-off would move nothing."""
         sender, port = self.kv_sender, self.kv_port
         if sender is None or port is None:
             return outputs
@@ -312,6 +313,8 @@ class WorkerCore:
                 continue
             del self._kv_targets[out.request_id]
             exported = port.export(out.request_id)
+            if exported is None:  # no full block to send (a short prompt): it decodes here
+                continue
             self.engine.abort(out.request_id, release_text=False)
             self._kv_transferring.add(out.request_id)
             sender.start(

@@ -8,12 +8,23 @@
 - A kv_producer opens one DEALER per consumer address (lazily; with keys a CURVE client towards the consumer's key,
   which the coordinator vouched for in the Dispatch). Blocks go only after the consumer's KvWant (it is alive), so a
   dead consumer has only an offer queued towards it; at most _SNDHWM frames queue per consumer.
+- Shared memory (`kv_shm_dir`, /dev/shm by default): a producer's offer names a probe file of its own there and the
+  random token it holds; a consumer that reads that token there (the same host and mounts, a user allowed to read the
+  producer's 0600 files) says so, and the producer writes each frame's payloads to a file there instead of sending
+  them: the frame carries the path and the checksums, the consumer reads and checks the file, the producer deletes it
+  when the transfer ends. A consumer reads only files named as a producer names them, in its own `kv_shm_dir`.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
+import re
+import secrets
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import zmq
 
@@ -27,6 +38,84 @@ log = logging.getLogger("infer.kv_transfer")
 _SNDHWM = 16  # frames (each up to 32 MiB) queued towards one consumer
 
 
+_SHM_NAME = re.compile(r"infer-kv-[0-9a-f]{16}\.(probe|[0-9]+)")
+
+
+class ShmArea:
+    """This worker's files in a shared-memory directory (see the module docstring); worker/kv_transfer.py's
+    SharedMemory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.prefix = f"infer-kv-{secrets.token_hex(8)}"
+        self._count = 0
+        self._files: set[str] = set()
+        token = secrets.token_hex(16)
+        path = self._create(f"{self.prefix}.probe", [token.encode()])
+        self.probe = (path, token)
+
+    def _create(self, name: str, parts: Sequence[bytes]) -> str:
+        path = str(self.dir / name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        try:
+            for part in parts:
+                view = memoryview(part)
+                while view:
+                    view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        self._files.add(path)
+        return path
+
+    def _ours_to_read(self, path: str) -> bool:
+        """A name a producer gives, in this directory (nothing else is ever opened for a peer)."""
+        where = Path(path)
+        return where.parent == self.dir and _SHM_NAME.fullmatch(where.name) is not None
+
+    def sees(self, path: str, token: str) -> bool:
+        if not self._ours_to_read(path) or not path.endswith(".probe"):
+            return False
+        try:
+            with open(path, "rb") as f:
+                held = f.read(64)
+        except OSError:
+            return False
+        return hmac.compare_digest(held, token.encode())
+
+    def write(self, payloads: Sequence[bytes]) -> str:
+        self._count += 1
+        return self._create(f"{self.prefix}.{self._count}", payloads)
+
+    def read(self, path: str, size: int) -> bytes | None:
+        if not self._ours_to_read(path) or path.endswith(".probe"):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                return None
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read(size)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return data if len(data) == size else None
+
+    def remove(self, path: str) -> None:
+        self._files.discard(path)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for path in list(self._files):
+            self.remove(path)
+
+
 class KvLinks:
     """A worker's KV sockets: the consumer's ROUTER or the producer's DEALERs (see the module docstring)."""
 
@@ -37,6 +126,13 @@ class KvLinks:
         self.server: zmq.Socket | None = None
         self.links: dict[tuple[str, str], zmq.Socket] = {}
         self._warn = RateLimitedLog(log)
+        self.shm: ShmArea | None = None
+        shm_dir = core.options.kv_transfer_config.kv_shm_dir
+        if shm_dir and os.path.isdir(shm_dir):
+            self.shm = ShmArea(Path(shm_dir))
+            for end in (core.kv_sender, core.kv_receiver):
+                if end is not None:
+                    end.shm = self.shm
         if core.kv_receiver is not None:
             self._bind(host, core.options.kv_transfer_config.kv_port)
 
@@ -106,3 +202,5 @@ class KvLinks:
         if self._gate is not None:
             self._gate.close()
         self.ctx.term()
+        if self.shm is not None:
+            self.shm.close()

@@ -20,6 +20,7 @@ what it lacks). A producer that dies mid-transfer is a dead worker: its requests
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -41,11 +42,13 @@ MAX_TRANSFER_TIMEOUT_S = 600.0
 class KvTransferConfig:
     """`--kv-transfer-config` (vLLM's flag and key names): `kv_role` kv_both (the default: no transfers),
     kv_producer (prefills, hands requests off) or kv_consumer (receives KV blocks, decodes); `kv_port` the consumer's
-    KV socket (0: one the OS chooses); `kv_transfer_timeout` seconds a producer waits for a transfer to finish."""
+    KV socket (0: one the OS chooses); `kv_transfer_timeout` seconds a producer waits for a transfer to finish;
+    `kv_shm_dir` the shared-memory directory blocks go through when the consumer sees it too ("": TCP always)."""
 
     kv_role: str = "kv_both"
     kv_port: int = 0
     kv_transfer_timeout: float = 10.0
+    kv_shm_dir: str = "/dev/shm"  # shared memory between a producer and a consumer that both see it ("": never)
 
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
@@ -54,6 +57,8 @@ class KvTransferConfig:
             )
         if isinstance(self.kv_port, bool) or not isinstance(self.kv_port, int) or not 0 <= self.kv_port <= 65535:
             raise ValueError(f"kv_transfer_config: kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
+        if not isinstance(self.kv_shm_dir, str) or (self.kv_shm_dir and not self.kv_shm_dir.startswith("/")):
+            raise ValueError(f'kv_transfer_config: kv_shm_dir must be an absolute path or "", got {self.kv_shm_dir!r}')
         timeout = self.kv_transfer_timeout
         if (
             isinstance(timeout, bool)
@@ -76,7 +81,7 @@ class KvTransferConfig:
                 raise ValueError(f"kv_transfer_config: not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
-        known = ("kv_role", "kv_port", "kv_transfer_timeout")
+        known = ("kv_role", "kv_port", "kv_transfer_timeout", "kv_shm_dir")
         unknown = sorted(str(k) for k in value if k not in known)
         if unknown:
             raise ValueError(
@@ -95,10 +100,7 @@ class KvTransferConfig:
         return self.kv_role == "kv_consumer"
 
     def __str__(self) -> str:
-        return json.dumps(
-            {"kv_role": self.kv_role, "kv_port": self.kv_port, "kv_transfer_timeout": self.kv_transfer_timeout},
-            separators=(",", ":"),
-        )
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
 
 class KvBlocksPort(Protocol):
@@ -111,6 +113,23 @@ class KvBlocksPort(Protocol):
     def store(self, token_ids: Sequence[int], first_block: int, payloads: Sequence[bytes]) -> int: ...
 
     def fingerprint(self, weight_version: int) -> bytes: ...
+
+    @property
+    def block_bytes(self) -> int: ...
+
+
+class SharedMemory(Protocol):
+    """Where blocks go between workers that share a directory in memory (worker/kv_links.py ShmArea)."""
+
+    probe: tuple[str, str]  # (a file of ours, the token it holds)
+
+    def sees(self, path: str, token: str) -> bool: ...
+
+    def write(self, payloads: Sequence[bytes]) -> str: ...
+
+    def read(self, path: str, size: int) -> bytes | None: ...
+
+    def remove(self, path: str) -> None: ...
 
 
 @dataclass
@@ -126,6 +145,7 @@ class Transfer:
     deadline: float
     num_blocks: int = 0
     frames_left: int = 0  # KvStored still expected
+    shm_paths: list[str] = dataclasses.field(default_factory=list)  # its files in shared memory (removed at its end)
     stored: int = 0
     outcome: str | None = None  # set when it ended: "stored N of M blocks", or why not
 
@@ -135,8 +155,9 @@ class KvSender:
     `on_message`, `tick` for the deadlines; `take_outgoing` gives (address, server key, message) to send, `take_done`
     the transfers that ended."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, shm: SharedMemory | None = None) -> None:
         self.timeout_s = timeout_s
+        self.shm = shm  # set by the shell when shared memory is on
         self.transfers: dict[str, Transfer] = {}  # by transfer id = request id
         self._outgoing: list[tuple[str, str, Message]] = []
         self._done: list[Transfer] = []
@@ -159,9 +180,11 @@ class KvSender:
         if not payloads:
             return self._end(transfer, "nothing to send (no full block)", failed=False)
         self.transfers[request_id] = transfer
-        self._outgoing.append(
-            (address, server_key, KvOffer(transfer_id=request_id, fingerprint=fingerprint, token_ids=tokens))
+        probe, token = self.shm.probe if self.shm is not None else (None, None)
+        offer = KvOffer(
+            transfer_id=request_id, fingerprint=fingerprint, token_ids=tokens, shm_probe=probe, shm_token=token
         )
+        self._outgoing.append((address, server_key, offer))
 
     def on_message(self, msg: Message) -> None:
         transfer = self.transfers.get(getattr(msg, "transfer_id", ""))
@@ -189,16 +212,22 @@ class KvSender:
         per_frame = max(1, MAX_FRAME_PAYLOAD // max(1, len(transfer.payloads[0])))
         starts = range(first, len(transfer.payloads), per_frame)
         transfer.frames_left = len(starts)
+        shm = self.shm if want.shm else None
         for start in starts:
             blocks = transfer.payloads[start : start + per_frame]
+            path = None
+            if shm is not None:
+                path = shm.write(blocks)
+                transfer.shm_paths.append(path)
             frame = KvBlocks(
                 transfer_id=transfer.request_id,
                 fingerprint=transfer.fingerprint,
                 token_ids=transfer.token_ids,
                 first_block=start,
-                blocks=blocks,
+                blocks=[] if path is not None else blocks,
                 checksums=[xxhash.xxh3_64_intdigest(b) for b in blocks],
                 last=start + per_frame >= len(transfer.payloads),
+                shm_path=path,
             )
             self._outgoing.append((transfer.address, transfer.server_key, frame))
         transfer.payloads = []  # in the frames now
@@ -218,6 +247,9 @@ class KvSender:
         self.transfers.pop(transfer.request_id, None)
         transfer.outcome = outcome
         transfer.payloads = []  # the bytes are not needed any more
+        if self.shm is not None:
+            for path in transfer.shm_paths:
+                self.shm.remove(path)
         if failed:
             self.failed += 1
             log.warning("KV transfer of %s to %s: %s", safe(transfer.request_id), safe(transfer.address), outcome)
@@ -238,24 +270,42 @@ class KvSender:
 class KvReceiver:
     """A consumer's answers to producers (see the module docstring); no state between frames."""
 
-    def __init__(self, port: KvBlocksPort) -> None:
+    def __init__(self, port: KvBlocksPort, shm: SharedMemory | None = None) -> None:
         self.port = port
+        self.shm = shm  # set by the shell when shared memory is on
 
     def on_message(self, msg: Message, fingerprint: bytes) -> Message | None:
         """The answer to a producer's frame; `fingerprint`: this engine's now (its weights may have changed)."""
         if isinstance(msg, KvOffer):
             if msg.fingerprint != fingerprint:
                 return KvWant(transfer_id=msg.transfer_id, refusal=_FOREIGN)
-            return KvWant(transfer_id=msg.transfer_id, first_block=self.port.first_missing(msg.token_ids))
+            shared = (
+                self.shm is not None and msg.shm_probe is not None and self.shm.sees(msg.shm_probe, msg.shm_token or "")
+            )
+            return KvWant(transfer_id=msg.transfer_id, first_block=self.port.first_missing(msg.token_ids), shm=shared)
         if isinstance(msg, KvBlocks):
             if msg.fingerprint != fingerprint:
                 return KvStored(transfer_id=msg.transfer_id, last=msg.last, refusal=_FOREIGN)
-            if any(xxhash.xxh3_64_intdigest(b) != c for b, c in zip(msg.blocks, msg.checksums, strict=True)):
+            blocks = self._blocks(msg)
+            if blocks is None:
+                return KvStored(transfer_id=msg.transfer_id, last=msg.last, refusal="its shared memory is unreadable")
+            if any(xxhash.xxh3_64_intdigest(b) != c for b, c in zip(blocks, msg.checksums, strict=True)):
                 return KvStored(transfer_id=msg.transfer_id, last=msg.last, refusal="a block's checksum differs")
-            stored = self.port.store(msg.token_ids, msg.first_block, msg.blocks)
-            refusal = None if stored == len(msg.blocks) else "no free block for the rest (or the prefix was evicted)"
+            stored = self.port.store(msg.token_ids, msg.first_block, blocks)
+            refusal = None if stored == len(blocks) else "no free block for the rest (or the prefix was evicted)"
             return KvStored(transfer_id=msg.transfer_id, stored=stored, last=msg.last, refusal=refusal)
         return None
+
+    def _blocks(self, msg: KvBlocks) -> list[bytes] | None:
+        """The frame's payloads: its own, or those in its shared-memory file (None: not readable here)."""
+        if msg.shm_path is None:
+            return list(msg.blocks)
+        step = self.port.block_bytes
+        size = step * len(msg.checksums)
+        data = None if self.shm is None else self.shm.read(msg.shm_path, size)
+        if data is None:
+            return None
+        return [data[i : i + step] for i in range(0, size, step)]
 
 
 _FOREIGN = "another model, weight version, dtype or block geometry"

@@ -94,7 +94,8 @@ class WorkerOptions:
         KvTransferConfig(),
         'disaggregated prefill and decode, vLLM\'s keys as JSON: {"kv_role": "kv_producer" | "kv_consumer" | '
         '"kv_both"} (kv_both, the default: prefill and decode here); optional "kv_port" (a consumer\'s KV socket, 0: '
-        'one the OS chooses) and "kv_transfer_timeout" (seconds a producer waits for a transfer, default 10)',
+        'one the OS chooses), "kv_transfer_timeout" (seconds a producer waits for a transfer, default 10) and '
+        '"kv_shm_dir" (on one host the blocks go through files there, default /dev/shm; "": over TCP always)',
         metavar="JSON",
         parse=KvTransferConfig.of,
     )

@@ -23,8 +23,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((40, 53, 70))]
 
 
-def role(name: str) -> list[str]:
-    config = {"kv_role": name, "kv_transfer_timeout": TIMEOUT_S}
+def role(name: str, shm: bool = True) -> list[str]:
+    """The flag of a worker of KV role `name`; `shm` False: its blocks go over TCP even on one host."""
+    config = {"kv_role": name, "kv_transfer_timeout": TIMEOUT_S, **({} if shm else {"kv_shm_dir": ""})}
     return ["--kv-transfer-config", json.dumps(config)]
 
 
@@ -32,9 +33,11 @@ class Disaggregated:
     """A coordinator, a kv_producer, a kv_consumer and a kv_both worker (the reference: requests pinned to it run
     whole there); `rank` maps each worker's role to its DP rank once ready."""
 
-    def __init__(self, cluster_factory, tiny_llama, keys=None, producer_keys: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, cluster_factory, tiny_llama, keys=None, producer_keys: tuple[str, ...] = (), shm: bool = True
+    ) -> None:
         """`keys`: a ClusterKeyDir (CurveZMQ everywhere); `producer_keys`: the producer's key flags instead of the
-        workers' shared pair."""
+        workers' shared pair; `shm` False: the blocks go over TCP (on one host they go through /dev/shm)."""
         self.cluster = cluster_factory()
         self.cluster.coordinator(*(keys.coordinator_flags() if keys is not None else ()))
         key_flags = keys.worker_flags() if keys is not None else []
@@ -42,7 +45,7 @@ class Disaggregated:
             name: self.cluster.worker(
                 i,
                 *ENGINE_FLAGS,
-                *role(name),
+                *role(name, shm),
                 *(producer_keys if producer_keys and name == "kv_producer" else key_flags),
                 model=tiny_llama,
             )
@@ -111,7 +114,7 @@ async def test_prefill_on_the_producer_decode_on_the_consumer_equal_outputs(clus
 async def test_with_keys_the_kv_traffic_is_curve_and_a_producer_under_another_key_is_refused(
     cluster_factory, tiny_llama, wait_until, tmp_path
 ):
-    """CurveZMQ on every link (infer-keygen --cluster): the blocks travel between the workers' shared key pair. A
+    """CurveZMQ on every link (infer-keygen --cluster): the blocks travel (over TCP) between the workers' shared key pair. A
     producer under another worker key (the coordinator lets it in) fails the consumer's handshake: its transfer
     times out and the consumer recomputes; the tokens are the same either way."""
     from infer.protocol.keys import ClusterKeyDir, write_key_pair
@@ -120,7 +123,7 @@ async def test_with_keys_the_kv_traffic_is_curve_and_a_producer_under_another_ke
     _, secret = write_key_pair(keys.path / "workers", "stranger")
     for stranger in (False, True):
         flags = ("--curve-key", str(secret), "--coordinator-key", str(keys.public("coordinator"))) if stranger else ()
-        pd = Disaggregated(cluster_factory, tiny_llama, keys, producer_keys=flags)
+        pd = Disaggregated(cluster_factory, tiny_llama, keys, producer_keys=flags, shm=False)
         async with pd.cluster.client(**keys.client_options()) as client:
             await pd.ready(client, wait_until)
             reference = await pd.reference(client, PROMPTS[2])
@@ -161,8 +164,8 @@ async def test_a_stalled_transfer_ends_in_bounded_time(cluster_factory, tiny_lla
 
 async def test_producer_killed_mid_transfer(cluster_factory, tiny_llama, wait_until):
     """The consumer stops, so the transfer waits; the producer is killed -9 meanwhile, then the consumer goes on: the
-    request fails over (a new request again: to the kv_both worker), with the same tokens."""
-    pd = Disaggregated(cluster_factory, tiny_llama)
+    request fails over (a new request again: to the kv_both worker), with the same tokens. Over TCP."""
+    pd = Disaggregated(cluster_factory, tiny_llama, shm=False)
     async with pd.cluster.client() as client:
         await pd.ready(client, wait_until)
         reference = await pd.reference(client, PROMPTS[0])

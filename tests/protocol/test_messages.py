@@ -343,7 +343,23 @@ EXAMPLES += [
         kv_consumer_key=KEY,
     ),
     KvOffer(transfer_id="r", fingerprint=b"f" * 16, token_ids=TokenIds([1, 2, 3])),
-    KvWant(transfer_id="r", first_block=1),
+    KvOffer(
+        transfer_id="r",
+        fingerprint=b"f" * 16,
+        token_ids=TokenIds([1]),
+        shm_probe="/dev/shm/infer-kv-0123456789abcdef.probe",
+        shm_token=TOKEN,
+    ),
+    KvBlocks(
+        transfer_id="r",
+        fingerprint=b"f" * 16,
+        token_ids=TokenIds([1, 2, 3]),
+        first_block=0,
+        blocks=[],
+        checksums=[7, 8],
+        shm_path="/dev/shm/infer-kv-0123456789abcdef.1",
+    ),
+    KvWant(transfer_id="r", first_block=1, shm=True),
     KvWant(transfer_id="r", refusal="another model"),
     KvBlocks(
         transfer_id="r",
@@ -366,6 +382,18 @@ def test_kv_roles_and_transfers_are_checked_when_built_and_decoded():
         Hello(**common, max_model_len=64, kv_role="kv_consumer")
     with pytest.raises(ProtocolError, match="'kv_consumer_address' and 'kv_consumer_key' go together"):
         Dispatch(request_id="r", sampling=SamplingParams(), prompt="x", kv_consumer_address="tcp://h:1")
+    with pytest.raises(ProtocolError, match="with 'shm_path': no 'blocks', a checksum per block"):
+        KvBlocks(
+            transfer_id="r",
+            fingerprint=b"",
+            token_ids=TokenIds([1]),
+            first_block=0,
+            blocks=[b""],
+            checksums=[1],
+            shm_path="/x",
+        )
+    with pytest.raises(ProtocolError, match="'shm_probe' and 'shm_token' go together"):
+        KvOffer(transfer_id="r", fingerprint=b"", token_ids=TokenIds([1]), shm_probe="/dev/shm/x")
     with pytest.raises(ProtocolError, match="'blocks' and 'checksums' must have one item each"):
         KvBlocks(transfer_id="r", fingerprint=b"", token_ids=TokenIds([1]), first_block=0, blocks=[b""], checksums=[])
 

@@ -6,6 +6,8 @@ its prompt served from them; a consumer with no free block drops them (counted) 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from infer import SamplingParams
@@ -54,6 +56,10 @@ def test_the_config_survives_argv_and_back_and_defaults_to_kv_both():
             "kv_transfer_timeout must be in (0, 600] s, got 0",
         ),
         (["--kv-transfer-config", '{"kv_role": "kv_consumer", "kv_port": 70000}'], "kv_port must be an integer"),
+        (
+            ["--kv-transfer-config", '{"kv_role": "kv_consumer", "kv_shm_dir": "shm"}'],
+            "kv_shm_dir must be an absolute path or \"\", got 'shm'",
+        ),
         ([*PRODUCER, "--tp-size", "2"], "kv_producer is not supported with --tp-size > 1"),
         ([*CONSUMER, "--pp-size", "2"], "kv_consumer is not supported with --pp-size > 1"),
         ([*PRODUCER, "--enable-lora"], "kv_producer is not supported with --enable-lora"),
@@ -77,6 +83,8 @@ def test_bad_configs_and_refused_combinations_exit_2_naming_them(argv, message, 
 
 class FakePort:
     """A consumer's prefix cache holding `held` leading blocks; stores up to `room` blocks."""
+
+    block_bytes = 8
 
     def __init__(self, held: int = 0, room: int = 100) -> None:
         self.held, self.room = held, room
@@ -143,6 +151,36 @@ def test_a_consumer_out_of_blocks_a_foreign_engine_and_a_silent_one_end_the_tran
     assert done.outcome == "timed out after 5 s (kv_transfer_timeout)" and sender.failed == 2
     sender.on_message(KvWant(transfer_id="stalled"))  # a late answer: ignored
     assert not sender.take_outgoing()
+
+
+def test_on_one_host_the_blocks_go_through_shared_memory_and_their_files_are_removed(tmp_path):
+    from infer.worker.kv_links import ShmArea
+
+    producer_area, consumer_area = ShmArea(tmp_path), ShmArea(tmp_path)
+    sender, port = KvSender(timeout_s=5.0, shm=producer_area), FakePort()
+    receiver = KvReceiver(port, shm=consumer_area)
+    blocks = [bytes([i]) * 8 for i in range(3)]
+    sender.start("r", "tcp://c:1", "", ([1] * 49, blocks), b"fp0", now=0.0)
+    (offer,) = [m for _, _, m in sender.take_outgoing()]
+    want = receiver.on_message(offer, b"fp0")
+    assert want.shm and want.first_block == 0
+    sender.on_message(want)
+    (frame,) = [m for _, _, m in sender.take_outgoing()]
+    assert frame.blocks == [] and frame.shm_path.startswith(str(tmp_path))
+    sender.on_message(receiver.on_message(frame, b"fp0"))
+    (done,) = sender.take_done()
+    assert done.outcome == "stored 3 of 3 blocks" and port.stored == [(0, 3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        Path(a.probe[0]).name for a in (producer_area, consumer_area)
+    )  # the frame's file is gone, the probes stay until close
+
+    elsewhere = ShmArea(tmp_path / "other" if (tmp_path / "other").mkdir() is None else tmp_path)
+    assert not elsewhere.sees(*producer_area.probe)  # another directory: TCP
+    assert not consumer_area.sees(producer_area.probe[0], "0" * 32)  # the wrong token
+    assert consumer_area.read("/etc/passwd", 10) is None and consumer_area.read(producer_area.probe[0], 32) is None
+    for area in (producer_area, consumer_area, elsewhere):
+        area.close()
+    assert not [p for p in tmp_path.iterdir() if p.is_file()]
 
 
 def test_a_consumer_refuses_a_block_whose_checksum_differs():
@@ -303,3 +341,13 @@ def test_a_stalled_transfer_hands_off_at_its_deadline_and_an_abort_cancels_it():
     assert handoff.request_id == "stalled" and handoff.error_code == "kv_handoff"
     assert "timed out after 3 s" in handoff.error
     assert not h.core.kv_sender.transfers
+
+
+def test_a_request_without_a_full_block_decodes_on_the_producer():
+    from worker_harness import dispatch
+
+    h = producer_harness(FakePort())  # exports nothing
+    h.send(dispatch("r", max_tokens=3, kv_consumer_address="tcp://127.0.0.1:6001", kv_consumer_key=""))
+    out = h.run_until_finished()
+    assert [d.token_ids for d in out] == [[3], [4], [5]] and out[-1].finish_reason == "length"
+    assert not h.core.take_kv_outgoing()
