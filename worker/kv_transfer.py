@@ -158,6 +158,7 @@ class KvSender:
     def __init__(self, timeout_s: float, shm: SharedMemory | None = None) -> None:
         self.timeout_s = timeout_s
         self.shm = shm  # set by the shell when shared memory is on
+        self._shm_peers: set[str] = set()  # consumers reached through shared memory (logged once each)
         self.transfers: dict[str, Transfer] = {}  # by transfer id = request id
         self._outgoing: list[tuple[str, str, Message]] = []
         self._done: list[Transfer] = []
@@ -213,6 +214,9 @@ class KvSender:
         starts = range(first, len(transfer.payloads), per_frame)
         transfer.frames_left = len(starts)
         shm = self.shm if want.shm else None
+        if shm is not None and transfer.address not in self._shm_peers:
+            self._shm_peers.add(transfer.address)
+            log.info("KV transfers to %s go through shared memory", safe(transfer.address))
         for start in starts:
             blocks = transfer.payloads[start : start + per_frame]
             path = None

@@ -109,6 +109,7 @@ async def test_prefill_on_the_producer_decode_on_the_consumer_equal_outputs(clus
         expected = await pd.reference(client, PROMPTS[1], regex)
         constrained = await pd.generate(client, PROMPTS[1], regex)
         assert constrained.token_ids == expected.token_ids and re.fullmatch("[a-z]{2,5} [0-9]{1,3}", constrained.text)
+    assert "go through shared memory" in pd.procs["kv_producer"].text()  # one host: /dev/shm, not TCP
 
 
 async def test_with_keys_the_kv_traffic_is_curve_and_a_producer_under_another_key_is_refused(
@@ -130,6 +131,7 @@ async def test_with_keys_the_kv_traffic_is_curve_and_a_producer_under_another_ke
             assert (await pd.generate(client, PROMPTS[2])).token_ids == reference
             got = (await loads(client))[pd.procs["kv_consumer"].worker_id]
             assert got.kv_transfer_received_blocks == (0 if stranger else len(PROMPTS[2]) // 16)
+            assert "go through shared memory" not in pd.procs["kv_producer"].text()  # over CURVE
         pd.cluster.teardown()
     assert "KV producer" in pd.procs["kv_consumer"].text()  # the refused handshake, logged by the consumer
 
