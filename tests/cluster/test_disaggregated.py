@@ -78,10 +78,23 @@ class Disaggregated:
         os.killpg(self.procs[name].popen.pid, signal.SIGCONT)
 
 
-async def loads(client) -> dict[str, object]:
-    """Each healthy worker's last load, by worker id (heartbeats bring it)."""
+async def loads(client, wait_until=None, worker_id: str = "", received: int = 0) -> dict[str, object]:
+    """Each healthy worker's last load, by worker id (heartbeats bring it); with `wait_until`, once `worker_id`
+    reports `received` blocks received (a loaded machine's heartbeat may come late)."""
     await asyncio.sleep(0.6)  # a heartbeat interval or two: the counters of the last step
-    return {w.worker_id: w.load for w in (await client.stats()).workers if w.healthy}
+
+    async def current() -> dict[str, object]:
+        return {w.worker_id: w.load for w in (await client.stats()).workers if w.healthy and w.load is not None}
+
+    if wait_until is not None:
+
+        async def arrived() -> bool:
+            load = (await current()).get(worker_id)
+            return load is not None and load.kv_transfer_received_blocks >= received
+
+        await wait_until(arrived, 20, f"{worker_id} to report {received} blocks received")
+        await asyncio.sleep(0.6)  # and the counters of the step that used them
+    return await current()
 
 
 async def test_prefill_on_the_producer_decode_on_the_consumer_equal_outputs(cluster_factory, tiny_llama, wait_until):
@@ -91,9 +104,9 @@ async def test_prefill_on_the_producer_decode_on_the_consumer_equal_outputs(clus
         reference = [await pd.reference(client, p) for p in PROMPTS]
         outputs = [(await pd.generate(client, p)).token_ids for p in PROMPTS]
         assert outputs == reference
-        now = await loads(client)
-        sent, got = now[pd.procs["kv_producer"].worker_id], now[pd.procs["kv_consumer"].worker_id]
         full_blocks = sum(len(p) // 16 for p in PROMPTS)
+        now = await loads(client, wait_until, pd.procs["kv_consumer"].worker_id, full_blocks)
+        sent, got = now[pd.procs["kv_producer"].worker_id], now[pd.procs["kv_consumer"].worker_id]
         assert sent.kv_transfer_sent_blocks == full_blocks
         assert got.kv_transfer_received_blocks == full_blocks and got.kv_transfer_dropped_blocks == 0
         # the consumer prefilled only each prompt's tail: its hits cover every full block the continuation looks up
@@ -129,7 +142,9 @@ async def test_with_keys_the_kv_traffic_is_curve_and_a_producer_under_another_ke
             await pd.ready(client, wait_until)
             reference = await pd.reference(client, PROMPTS[2])
             assert (await pd.generate(client, PROMPTS[2])).token_ids == reference
-            got = (await loads(client))[pd.procs["kv_consumer"].worker_id]
+            expected_blocks = 0 if stranger else len(PROMPTS[2]) // 16
+            consumer_id = pd.procs["kv_consumer"].worker_id
+            got = (await loads(client, wait_until, consumer_id, expected_blocks))[consumer_id]
             assert got.kv_transfer_received_blocks == (0 if stranger else len(PROMPTS[2]) // 16)
             assert "go through shared memory" not in pd.procs["kv_producer"].text()  # over CURVE
         pd.cluster.teardown()
@@ -273,5 +288,5 @@ async def test_consumer_killed_mid_transfer_and_producer_killed_after_the_hand_o
             if len(tokens) >= 5 and pd.procs["kv_producer"].popen.poll() is None:
                 pd.procs["kv_producer"].kill9()
         assert tokens == expected
-        got = (await loads(client))[consumer.worker_id]
+        got = (await loads(client, wait_until, consumer.worker_id, len(PROMPTS[2]) // 16))[consumer.worker_id]
         assert got.kv_transfer_received_blocks == len(PROMPTS[2]) // 16
