@@ -11,8 +11,10 @@
 - Shared memory (`kv_shm_dir`, /dev/shm by default): a producer's offer names a probe file of its own there and the
   random token it holds; a consumer that reads that token there (the same host and mounts, a user allowed to read the
   producer's 0600 files) says so, and the producer writes each frame's payloads to a file there instead of sending
-  them: the frame carries the path and the checksums, the consumer reads and checks the file, the producer deletes it
-  when the transfer ends. A consumer reads only files named as a producer names them, in its own `kv_shm_dir`.
+  them: the frame carries the path and the checksums, the consumer reads, deletes and checks the file; the producer
+  deletes what is left of a transfer's files (its probe too) when the transfer ends. A consumer reads only files named
+  as a producer names them, in its own `kv_shm_dir`. Left behind only by a producer killed mid-transfer whose
+  consumer never read the frame (at most the frames of the transfers in flight, each at most 32 MiB).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ log = logging.getLogger("infer.kv_transfer")
 _SNDHWM = 16  # frames (each up to 32 MiB) queued towards one consumer
 
 
-_SHM_NAME = re.compile(r"infer-kv-[0-9a-f]{16}\.(probe|[0-9]+)")
+_SHM_NAME = re.compile(r"infer-kv-[0-9a-f]{16}\.[0-9]+(\.probe)?")
 
 
 class ShmArea:
@@ -50,9 +52,12 @@ class ShmArea:
         self.prefix = f"infer-kv-{secrets.token_hex(8)}"
         self._count = 0
         self._files: set[str] = set()
+
+    def new_probe(self) -> tuple[str, str]:
+        """A probe file for one transfer's offer and the random token in it (removed with the transfer's files)."""
+        self._count += 1
         token = secrets.token_hex(16)
-        path = self._create(f"{self.prefix}.probe", [token.encode()])
-        self.probe = (path, token)
+        return self._create(f"{self.prefix}.{self._count}.probe", [token.encode()]), token
 
     def _create(self, name: str, parts: Sequence[bytes]) -> str:
         path = str(self.dir / name)
@@ -102,7 +107,13 @@ class ShmArea:
             return None
         finally:
             os.close(fd)
-        return data if len(data) == size else None
+        if len(data) != size:
+            return None
+        try:  # read once: gone now, even if its producer dies before its transfer ends (best effort: our user's)
+            os.unlink(path)
+        except OSError:
+            pass
+        return data
 
     def remove(self, path: str) -> None:
         self._files.discard(path)

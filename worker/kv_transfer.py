@@ -121,7 +121,7 @@ class KvBlocksPort(Protocol):
 class SharedMemory(Protocol):
     """Where blocks go between workers that share a directory in memory (worker/kv_links.py ShmArea)."""
 
-    probe: tuple[str, str]  # (a file of ours, the token it holds)
+    def new_probe(self) -> tuple[str, str]: ...
 
     def sees(self, path: str, token: str) -> bool: ...
 
@@ -181,7 +181,9 @@ class KvSender:
         if not payloads:
             return self._end(transfer, "nothing to send (no full block)", failed=False)
         self.transfers[request_id] = transfer
-        probe, token = self.shm.probe if self.shm is not None else (None, None)
+        probe, token = self.shm.new_probe() if self.shm is not None else (None, None)
+        if probe is not None:
+            transfer.shm_paths.append(probe)
         offer = KvOffer(
             transfer_id=request_id, fingerprint=fingerprint, token_ids=tokens, shm_probe=probe, shm_token=token
         )

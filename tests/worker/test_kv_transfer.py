@@ -6,8 +6,6 @@ its prompt served from them; a consumer with no free block drops them (counted) 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from infer import SamplingParams
@@ -170,17 +168,17 @@ def test_on_one_host_the_blocks_go_through_shared_memory_and_their_files_are_rem
     sender.on_message(receiver.on_message(frame, b"fp0"))
     (done,) = sender.take_done()
     assert done.outcome == "stored 3 of 3 blocks" and port.stored == [(0, 3)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        Path(a.probe[0]).name for a in (producer_area, consumer_area)
-    )  # the frame's file is gone, the probes stay until close
+    assert not list(tmp_path.iterdir())  # the frame's file (read: deleted) and the transfer's probe (its end) are gone
 
-    elsewhere = ShmArea(tmp_path / "other" if (tmp_path / "other").mkdir() is None else tmp_path)
-    assert not elsewhere.sees(*producer_area.probe)  # another directory: TCP
-    assert not consumer_area.sees(producer_area.probe[0], "0" * 32)  # the wrong token
-    assert consumer_area.read("/etc/passwd", 10) is None and consumer_area.read(producer_area.probe[0], 32) is None
+    probe = producer_area.new_probe()
+    (tmp_path / "other").mkdir()
+    elsewhere = ShmArea(tmp_path / "other")
+    assert not elsewhere.sees(*probe)  # another directory: TCP
+    assert not consumer_area.sees(probe[0], "0" * 32)  # the wrong token
+    assert consumer_area.read("/etc/passwd", 10) is None and consumer_area.read(probe[0], 32) is None
     for area in (producer_area, consumer_area, elsewhere):
         area.close()
-    assert not [p for p in tmp_path.iterdir() if p.is_file()]
+    assert not [p for p in tmp_path.iterdir() if p.is_file()]  # close removes what is left (the probe)
 
 
 def test_a_consumer_refuses_a_block_whose_checksum_differs():
