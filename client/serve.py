@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import logging
 import os
 import signal
@@ -44,7 +45,7 @@ from infer.protocol import env
 from infer.protocol.keys import ClientKeyOptions, ClusterKeyDir, refuse_open_bind
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.logsafe import safe
-from infer.protocol.messages import MAX_COORDINATORS, ClusterStats
+from infer.protocol.messages import KV_ROLES, MAX_COORDINATORS, ClusterStats
 from infer.protocol.options import add_options, add_vllm_flags, flag_names, given, to_argv
 from infer.protocol.ports import bound_port, listening_socket
 from infer.worker.config import EngineConfig
@@ -72,6 +73,7 @@ class LocalCluster:
     keys: ClusterKeyDir | None = None
     trusted_network: bool = False
     python: str = sys.executable
+    worker_roles: list[str] = field(default_factory=list)  # each worker's KV role (infer-serve --kv-roles), or none
     num_coordinators: int = 1  # several: they elect a leader (docs/architecture.md, "Several coordinators")
     coordinators: list[asyncio.subprocess.Process] = field(default_factory=list)
     workers: list[asyncio.subprocess.Process] = field(default_factory=list)
@@ -158,10 +160,20 @@ class LocalCluster:
             pass_fds=(fd,),
         )
 
-    async def spawn_worker(self) -> asyncio.subprocess.Process:
-        """One worker (with --tp-size, its TP group's supervisor): the coordinator gives it a free DP rank."""
+    async def spawn_worker(self, index: int | None = None) -> asyncio.subprocess.Process:
+        """Worker `index` (default: the next; with --tp-size, its TP group's supervisor): the coordinator gives it a
+        free DP rank; with `worker_roles`, its KV role."""
+        index = len(self.workers) if index is None else index
+        role = []
+        if self.worker_roles:
+            role = ["--kv-transfer-config", json.dumps({"kv_role": self.worker_roles[index]})]
         return await self._spawn(
-            "infer.worker.daemon", "--coordinator", self.address, *self.security_args("worker"), *self.worker_args
+            "infer.worker.daemon",
+            "--coordinator",
+            self.address,
+            *self.security_args("worker"),
+            *self.worker_args,
+            *role,
         )
 
     async def respawn_coordinator(self, index: int = 0) -> asyncio.subprocess.Process:
@@ -169,7 +181,7 @@ class LocalCluster:
         return self.coordinators[index]
 
     async def respawn_worker(self, index: int) -> asyncio.subprocess.Process:
-        self.workers[index] = await self.spawn_worker()
+        self.workers[index] = await self.spawn_worker(index)
         return self.workers[index]
 
     async def _spawn(self, module: str, *args: str, pass_fds: tuple[int, ...] = ()) -> asyncio.subprocess.Process:
@@ -260,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="safetensors dir or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument(*flag_names("--workers"), type=int, default=1, help="number of workers (DP ranks) (default 1)")
     p.add_argument("--threads", type=int, help="torch threads per worker")
+    p.add_argument(
+        "--kv-roles",
+        metavar="ROLE,...",
+        help="disaggregated prefill and decode: each worker's KV role, comma-separated, one per worker (kv_producer, "
+        "kv_consumer or kv_both; e.g. --workers 2 --kv-roles kv_producer,kv_consumer); default: kv_both",
+    )
     p.add_argument(
         *flag_names("--tp-size"),
         type=int,
@@ -505,12 +523,26 @@ def check_launcher_args(args: argparse.Namespace) -> None:
             f"--coordinators must be 1, or 3 to {MAX_COORDINATORS} (two cannot tell a dead peer from a cut cable, so "
             f"neither could take over safely), got {args.coordinators}"
         )
+    kv_roles(args)
     for flag, value in (("--workers", args.workers), ("--threads", args.threads)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     for flag, seconds in (("--ready-timeout", args.ready_timeout), ("--shutdown-timeout", args.shutdown_timeout)):
         if not seconds > 0:
             raise ValueError(f"{flag} must be > 0 seconds, got {seconds}")
+
+
+def kv_roles(args: argparse.Namespace) -> list[str]:
+    """--kv-roles as a list, one role per worker (none given: []); ValueError naming what does not fit."""
+    if args.kv_roles is None:
+        return []
+    roles = [r.strip() for r in args.kv_roles.split(",")]
+    for r in roles:
+        if r not in KV_ROLES:
+            raise ValueError(f"--kv-roles: {r!r} is not one of {', '.join(KV_ROLES)}")
+    if len(roles) != args.workers:
+        raise ValueError(f"--kv-roles names {len(roles)} role(s) for {args.workers} worker(s) (--workers): one each")
+    return roles
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -531,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     log_level = logging_flags(args)
     cluster = LocalCluster(
         num_workers=args.workers,
+        worker_roles=kv_roles(args),
         host=args.coordinator_host,
         port=args.coordinator_port,
         num_coordinators=args.coordinators,

@@ -220,8 +220,11 @@ class Admission:
         if request.model is None and not self._settle_model(request):
             return True
         routable = self.routable_for(request.model)
-        pinned = request.pin_rank is not None and request.retries == 0
-        scanned = pinned or request.suspect or request.session_id is not None  # sessions: coordinator/sessions.py
+        disaggregated = any(w.kv_role != "kv_both" for w in routable)
+        if disaggregated:
+            routable = self._by_kv_role(request, routable)
+        pinned = request.pin_rank is not None and request.retries == 0 and not request.handed_off
+        scanned = pinned or request.suspect or request.session_id is not None or disaggregated
         if routable and not scanned and self._indexed(routable[0].model_id):
             best = self.index.best(routable[0].model_id, self._has_room)  # O(log workers): no scan
             if best is None:
@@ -283,11 +286,55 @@ class Admission:
             self.sessions.remember(model, session, worker.dp_rank)
         return worker
 
+    def _by_kv_role(self, request: RequestRecord, routable: list[WorkerRecord]) -> list[WorkerRecord]:
+        """Disaggregated prefill and decode (docs/architecture.md): a new request goes to producers and kv_both
+        workers, a handed-off one to its consumer (else to any consumer or kv_both worker); a role with no worker
+        that can take the request leaves it to the others, so a request never waits for a missing role."""
+        if request.handed_off:
+            mine = [w for w in routable if w.worker_id == request.kv_consumer and self._has_room(w)]
+            if mine:
+                return mine
+            wanted = [w for w in routable if w.kv_role != "kv_producer" and self._has_room(w)]
+        else:
+            wanted = [w for w in routable if w.kv_role != "kv_consumer" and self._has_room(w)]
+        return wanted or routable
+
+    def _kv_consumer_for(self, request: RequestRecord, producer: WorkerRecord) -> WorkerRecord | None:
+        """The consumer a producer's request goes on at (the model's policy among the consumers with room)."""
+        consumers = [w for w in self.routable_for(request.model) if w.kv_role == "kv_consumer" and self._has_room(w)]
+        if not consumers:
+            return None
+        policy = self.policy(producer.model_id)
+        if isinstance(policy, KvAware):
+            return policy.choose_for(request.routing_prompt, consumers, request.sampling.lora_name)
+        return policy.choose(request.routing_prompt, consumers)
+
+    def handoff(self, request: RequestRecord, producer: WorkerRecord, now: float) -> None:
+        """A producer prefilled `request` and sent its KV to its consumer: continue it there (as a failover does,
+        from where its stream stands, but not counted as a retry: nothing failed)."""
+        self.books.detach(request)
+        request.handed_off = True
+        log.debug("request %s handed off by %s to %s", request.request_id, producer.worker_id, request.kv_consumer)
+        if request.direct:  # the client re-attaches with its copy (resume_from), which then goes to the consumer
+            request.direct, request.placement, request.awaiting_client = False, None, now
+            self._awaiting[request.request_id] = request
+            self.send(request.client, Placement(request_id=request.request_id))
+            return
+        self.books.requests.hold(request, now)
+        self.books.requests.held.move_to_end(request.request_id, last=False)
+
     def _dispatch_message(self, request: RequestRecord, worker: WorkerRecord) -> Dispatch:
         """The request's Dispatch; a direct stream (docs/architecture.md, "Direct streams") when its client reads
         them and the worker has a stream socket: the owner's key and a new token go to the worker, and the client
         hears where to subscribe (Placement)."""
         dispatch = request.dispatch()
+        if worker.kv_role == "kv_producer" and not request.handed_off:
+            consumer = self._kv_consumer_for(request, worker)
+            request.kv_consumer = None if consumer is None else consumer.worker_id
+            if consumer is not None:
+                dispatch = msgspec.structs.replace(
+                    dispatch, kv_consumer_address=consumer.hello.kv_address, kv_consumer_key=consumer.key or ""
+                )
         client = self.books.clients.get(request.client)
         address = worker.hello.stream_address
         request.direct = address is not None and client is not None and client.streams and not self.config.relay_streams

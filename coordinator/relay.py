@@ -71,6 +71,9 @@ class Relay:
     def _relay(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
         if request.prompt_token_ids is None:  # a string prompt: keep the ids its first worker made
             request.prompt_token_ids = delta.prompt_token_ids
+        if delta.finish_reason == FinishReason.ABORT and delta.error_code == ErrorCode.KV_HANDOFF:
+            self._handed_off(request, worker, delta, now)
+            return
         if delta.finish_reason == FinishReason.ABORT:  # not asked for by us (we forget a request before aborting it)
             self._worker_gave_up(request, worker, delta, now)
             return
@@ -134,6 +137,15 @@ class Relay:
             unfinished = msgspec.structs.replace(delta, finished=False, finish_reason=None, error=None, error_code=None)
             self._relay(request, worker, unfinished, now)
         self.admission.failover(request, f"worker {worker.worker_id!r} aborted it", now)
+        self.admission.dispatch_held(now)
+
+    def _handed_off(self, request: RequestRecord, worker: WorkerRecord, delta: Delta, now: float) -> None:
+        """A kv_producer prefilled it and sent its KV to the consumer named: relay its last tokens, continue it
+        there."""
+        if delta.token_ids or delta.text:
+            unfinished = msgspec.structs.replace(delta, finished=False, finish_reason=None, error=None, error_code=None)
+            self._relay(request, worker, unfinished, now)
+        self.admission.handoff(request, worker, now)
         self.admission.dispatch_held(now)
 
     def _worker_draining(self, request: RequestRecord, worker: WorkerRecord, now: float) -> None:

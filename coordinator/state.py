@@ -60,6 +60,10 @@ class RequestRecord:
     awaiting_client: float | None = None  # detached from its worker: since when its client's copy is awaited
     placement: Placement | None = None  # where its client reads its direct stream (when `direct`)
     session_id: str | None = None  # the conversation it belongs to (Submit.session_id: coordinator/sessions.py)
+    # disaggregated prefill and decode: the kv_consumer its producer sends its KV to (worker id), and whether the
+    # producer handed it off (it then continues on a consumer: admission._by_kv_role)
+    kv_consumer: str | None = None
+    handed_off: bool = False
 
     @property
     def suspect(self) -> bool:
@@ -169,6 +173,12 @@ class WorkerRecord:
         self.block_size = cast(int, hello.block_size)
         self.max_num_seqs = cast(int, hello.max_num_seqs)
         self.capacity_tokens = max(1, self.num_kv_blocks * self.block_size)
+
+    @property
+    def kv_role(self) -> str:
+        """kv_both (prefill and decode), kv_producer (prefill, then hand off) or kv_consumer (decode handed-off
+        requests; new ones only when no other worker can take them)."""
+        return self.hello.kv_role
 
     @property
     def group_key(self) -> tuple[str, str]:

@@ -44,6 +44,8 @@ MAX_SESSION_ID_LEN = 256  # Submit.session_id (the HTTP front's X-Session-ID hea
 MAX_KV_EVENTS = 1 << 16  # block hashes of one KvEvents' `stored` or `removed` (a worker sends at most 8,192 a frame)
 LIFECYCLE_COMMANDS = tuple(Command)
 ROLES = ("client", "worker")
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")  # vLLM's names (--kv-transfer-config's kv_role)
+MAX_KV_BLOCKS_PER_FRAME = 4096  # KvBlocks.blocks: a transfer goes in frames under MAX_FRAME_BYTES
 MAX_STATS_WAIT_S = 3600.0
 MAX_REQUEST_TIMEOUT_S = 7 * 86400.0
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the engine
@@ -86,6 +88,7 @@ Address = Annotated[str, msgspec.Meta(min_length=6, max_length=MAX_ID_LEN, patte
 Owner = Annotated[str, msgspec.Meta(max_length=40)]  # a direct stream's owner: a z85 public key, "" without keys
 ModelId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_ID_LEN)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+ShmPath = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]  # a KV transfer's shared-memory file
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_ID_LEN)]
@@ -255,9 +258,20 @@ class Hello(Message, frozen=True):
     # deltas (tcp://HOST:PORT). A client's `streams`: it subscribes at workers (else the coordinator relays).
     stream_address: Address | None = None
     streams: bool = False
+    # A worker's KV role (docs/architecture.md, "Disaggregated prefill and decode"): kv_producer workers prefill
+    # and hand requests off, kv_consumer workers receive their KV blocks at `kv_address` and decode them.
+    kv_role: str = "kv_both"
+    kv_address: Address | None = None
 
     def __post_init__(self) -> None:
         _require(self.role in ROLES, f"field 'role' must be one of {', '.join(ROLES)}, got {self.role!r}")
+        _require(
+            self.kv_role in KV_ROLES, f"field 'kv_role' must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r:.80}"
+        )
+        _require(
+            (self.kv_role == "kv_consumer") == (self.kv_address is not None),
+            "a kv_consumer hello needs field 'kv_address', and only a kv_consumer's has one",
+        )
         _check_id("peer_id", self.peer_id)
         if self.role == "worker":
             for name in ("model_id", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len"):
@@ -500,9 +514,15 @@ class Dispatch(Message, frozen=True):
     # authenticated key is `stream_owner` (z85; "" without keys). None: relayed through the coordinator.
     stream_owner: Owner | None = None
     stream_token: Token | None = None
+    # To a kv_producer: prefill it, stream its first token, send its KV blocks to this consumer's KV socket
+    # (`kv_consumer_key`: the consumer's public key, z85, "" without keys), then give it back (ErrorCode.KV_HANDOFF).
+    kv_consumer_address: Address | None = None
+    kv_consumer_key: Owner | None = None
 
     def __post_init__(self) -> None:
         _check_traceparent(self.traceparent)
+        if (self.kv_consumer_address is None) != (self.kv_consumer_key is None):
+            raise ProtocolError("'kv_consumer_address' and 'kv_consumer_key' go together")
         if (self.stream_owner is None) != (self.stream_token is None):
             raise ProtocolError("'stream_owner' and 'stream_token' go together")
         if (self.prompt is None) == (self.prompt_token_ids is None):
@@ -666,6 +686,11 @@ class Load(Message, frozen=True):
     kv_offload_loaded_blocks: NonNegative = 0
     kv_offload_dropped_blocks: NonNegative = 0
     kv_offload_corrupt_blocks: NonNegative = 0
+    # KV transfers between workers (disaggregated prefill and decode): blocks a producer sent, blocks a consumer
+    # stored in its prefix cache, blocks it received but could not store (no free block, a gap, a bad checksum)
+    kv_transfer_sent_blocks: NonNegative = 0
+    kv_transfer_received_blocks: NonNegative = 0
+    kv_transfer_dropped_blocks: NonNegative = 0
 
 
 class KvEvents(Message, frozen=True):
@@ -1111,6 +1136,74 @@ class ClusterStats(Message, frozen=True):
     @property
     def counters(self) -> Counters:
         return Counters(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Counters)})
+
+
+# ---- KV transfer between workers (worker/kv_transfer.py) -----------------------------------------------------
+
+
+@message
+class KvOffer(Message, frozen=True):
+    """Producer -> consumer's KV socket: the KV of these tokens' full blocks is here (`fingerprint`: the model,
+    weights, dtype and block geometry it was computed with). The consumer answers KvWant."""
+
+    TYPE: ClassVar[str] = "kv_offer"
+    transfer_id: Id
+    fingerprint: bytes
+    token_ids: TokenIdList
+    # shared memory (worker/kv_links.py ShmArea): a file of the producer's in its shared-memory directory and the
+    # token it holds; a consumer that reads that token there shares the directory (the same host, the same mounts)
+    shm_probe: ShmPath | None = None
+    shm_token: Token | None = None
+
+    def __post_init__(self) -> None:
+        _require((self.shm_probe is None) == (self.shm_token is None), "'shm_probe' and 'shm_token' go together")
+
+
+@message
+class KvWant(Message, frozen=True):
+    """Consumer -> producer: send the blocks from `first_block` on (those before it are in its prefix cache);
+    `refusal` set: send nothing (another model or geometry, no prefix caching), why in words."""
+
+    TYPE: ClassVar[str] = "kv_want"
+    transfer_id: Id
+    first_block: NonNegative = 0
+    refusal: str | None = None
+    shm: bool = False  # it read the offer's probe: send the blocks through shared memory
+
+
+@message
+class KvBlocks(Message, frozen=True):
+    """Producer -> consumer: the KV of blocks `first_block ..` of `token_ids` (each payload: every layer's K and V
+    of one block, in the pool's dtype and layout), `checksums[i]` the xxh3-64 of `blocks[i]`; `last`: the
+    transfer's final frame. The consumer answers each with KvStored."""
+
+    TYPE: ClassVar[str] = "kv_blocks"
+    transfer_id: Id
+    fingerprint: bytes
+    token_ids: TokenIdList
+    first_block: NonNegative
+    blocks: Annotated[list[bytes], msgspec.Meta(max_length=MAX_KV_BLOCKS_PER_FRAME)]
+    checksums: Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_KV_BLOCKS_PER_FRAME)]
+    last: bool = True
+    shm_path: ShmPath | None = None  # the payloads, back to back, in this shared-memory file instead of `blocks`
+
+    def __post_init__(self) -> None:
+        if self.shm_path is None:
+            _require(len(self.blocks) == len(self.checksums), "fields 'blocks' and 'checksums' must have one item each")
+        else:
+            _require(not self.blocks and bool(self.checksums), "with 'shm_path': no 'blocks', a checksum per block")
+
+
+@message
+class KvStored(Message, frozen=True):
+    """Consumer -> producer: of a KvBlocks frame, `stored` blocks are now cached there (the rest dropped:
+    `refusal` says why: no free blocks, a bad checksum, a prefix it no longer holds)."""
+
+    TYPE: ClassVar[str] = "kv_stored"
+    transfer_id: Id
+    stored: NonNegative = 0
+    last: bool = True
+    refusal: str | None = None
 
 
 # ---- codec ---------------------------------------------------------------------------------------

@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             options = worker_options(args, flags)
             if pp is not None and options.benchmark_mode:
                 raise ValueError("--benchmark-mode has no model, so no pipeline: leave out --pp-size")
+            _check_kv_role(flags, config, options)
     except ValueError as e:
         parser.error(str(e))  # exit 2
     if (tp is not None and tp.rank is None) or (pp is not None and pp.rank is None):  # this DP rank's processes
@@ -157,6 +158,27 @@ def main(argv: list[str] | None = None) -> None:
             supervise(argv, members(tp.size if tp is not None else 1, pp.size if pp is not None else 1), dist_init)
         )
     _exit(_run(config, options if leads else None, ep, tp, pp))
+
+
+def _check_kv_role(flags: WorkerFlags, config: EngineConfig, options: WorkerOptions) -> None:
+    """What a kv_producer or kv_consumer does not do yet is refused by name (ValueError: exit 2)."""
+    if options.kv_transfer_config.kv_role == "kv_both":
+        return
+    role = options.kv_transfer_config.kv_role
+    refused = (
+        (flags.tp_size > 1, "--tp-size > 1 (each TP rank's shard of the KV is not sent yet)"),
+        (flags.pp_size > 1, "--pp-size > 1 (each stage's layers' KV is not sent yet)"),
+        (flags.ep_size > 1, "--ep-size > 1"),
+        (config.enable_lora, "--enable-lora (an adapter's KV blocks are not sent yet)"),
+        (config.speculative_config is not None, "--speculative-config (not tested with a KV transfer yet)"),
+        (
+            role == "kv_consumer" and not config.enable_prefix_caching,
+            "prefix caching off (a consumer keeps the blocks it receives in its prefix cache)",
+        ),
+    )
+    for bad, why in refused:
+        if bad:
+            raise ValueError(f"--kv-transfer-config: {role} is not supported with {why}")
 
 
 def _run(

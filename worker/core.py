@@ -32,7 +32,7 @@ from typing import Any, ClassVar, NoReturn, Protocol
 
 import msgspec
 
-from infer.protocol.codes import FinishReason
+from infer.protocol.codes import ErrorCode, FinishReason
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.messages import (
@@ -68,6 +68,7 @@ from infer.protocol.messages import (
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import Attribute, HopSpan
 from infer.worker.config import EngineConfig
+from infer.worker.kv_transfer import KvBlocksPort, KvReceiver, KvSender
 from infer.worker.lifecycle import Action, WorkerState, transition
 from infer.worker.options import WorkerOptions
 from infer.worker.request import Request
@@ -202,6 +203,18 @@ class WorkerCore:
         self._kv_events = False
         self._kv_sent_at = now
         self._kv_maybe_pending = False
+        # disaggregated prefill and decode (worker/kv_transfer.py): a producer's transfers, a consumer's answers; the
+        # shell sets `kv_address` once a consumer's KV socket is bound
+        kv = options.kv_transfer_config
+        port: KvBlocksPort | None = getattr(engine, "kv_port", None)
+        self.kv_port = port
+        self.kv_sender = KvSender(kv.kv_transfer_timeout) if kv.producer and port is not None else None
+        self.kv_receiver = KvReceiver(port) if kv.consumer and port is not None else None
+        self.kv_address: str | None = None
+        self._kv_targets: dict[str, tuple[str, str]] = {}  # dispatched with a consumer: (its KV address, its key)
+        self._kv_transferring: set[str] = set()  # handed off in this step: their abort delta is on its way
+        self._kv_handed: dict[str, Delta] = {}  # given back, waiting for their transfer to end: the delta that says so
+        self._kv_replies: list[tuple[bytes, Message]] = []  # a consumer's answers: (producer's peer id, message)
 
     # ---- the shell's surface -------------------------------------------------------------------
 
@@ -271,9 +284,111 @@ class WorkerCore:
         """The outputs of the step the shell ran (or of `take_pending` when it did not step): one StepBatch with
         their deltas and any rejections; then a pending refit is applied if the engine has emptied (`refit`;
         an EP group's rank never applies one here)."""
+        if self.kv_sender is not None and self._kv_targets:
+            outputs = self._hand_off(outputs, now)
         self._send_step_batch(outputs, now)
+        if self.kv_sender is not None:
+            self._finish_transfers(now)
         if refit and self._refit is not None:
             self._apply_refit(now)
+
+    # ---- disaggregated prefill and decode (worker/kv_transfer.py) -------------------------------------------
+
+    def _hand_off(self, outputs: list[Delta], now: float) -> list[Delta]:
+        """A producer's requests that made their first token in this step: their KV copied out, their transfer
+        started, the request aborted here (its abort delta goes to the coordinator once the transfer ends). One
+        without a full block of KV decodes here: a hand-off would move nothing."""
+        sender, port = self.kv_sender, self.kv_port
+        if sender is None or port is None:
+            return outputs
+        handed = False
+        for out in outputs:
+            target = self._kv_targets.get(out.request_id)
+            if target is None:
+                continue
+            if out.finished:  # done with its first token (EOS, max_tokens 1): nothing to continue
+                del self._kv_targets[out.request_id]
+                continue
+            if not out.token_ids:
+                continue
+            del self._kv_targets[out.request_id]
+            exported = port.export(out.request_id)
+            if exported is None:  # no full block to send (a short prompt): it decodes here
+                continue
+            self.engine.abort(out.request_id, release_text=False)
+            self._kv_transferring.add(out.request_id)
+            sender.start(
+                out.request_id, target[0], target[1], exported, port.fingerprint(self.engine.weight_version), now
+            )
+            handed = True
+        return outputs + self.engine.take_pending() if handed else outputs
+
+    def _held_for_transfer(self, delta: Delta) -> bool:
+        """A handed-off request's abort delta waits for its transfer's end (`_finish_transfers`)."""
+        sender = self.kv_sender
+        if sender is None or delta.finish_reason != FinishReason.ABORT:
+            return False
+        if delta.request_id not in self._kv_transferring:
+            return False
+        self._kv_transferring.discard(delta.request_id)
+        self._kv_handed[delta.request_id] = delta
+        return True
+
+    def _finish_transfers(self, now: float) -> None:
+        """Transfers that ended: their requests go back to the coordinator, which continues each on its consumer."""
+        sender = self.kv_sender
+        if sender is None:
+            return
+        ended = []
+        for transfer in sender.take_done():
+            delta = self._kv_handed.pop(transfer.request_id, None)
+            if delta is None:
+                continue  # aborted by the coordinator meanwhile
+            ended.append(
+                msgspec.structs.replace(
+                    delta, error_code=ErrorCode.KV_HANDOFF, error=f"KV transfer: {transfer.outcome}"
+                )
+            )
+        if ended:
+            self._outbox.extend(ended)
+            self._send_step_batch([], now)
+
+    def on_kv_answer(self, frames: list[bytes], now: float) -> None:
+        """A consumer's answer on a producer's KV link."""
+        if self.kv_sender is None or len(frames) != 1:
+            return
+        try:
+            msg = decode(frames[0])
+        except ProtocolError as e:
+            self._warn.warning("a bad frame from a KV consumer: %s", e)
+            return
+        self.kv_sender.on_message(msg)
+        self._finish_transfers(now)
+
+    def on_kv_frame(self, peer: bytes, frames: list[bytes], now: float) -> None:
+        """A producer's frame on this consumer's KV socket: answered (take_kv_replies)."""
+        if self.kv_receiver is None or len(frames) != 1:
+            return
+        try:
+            msg = decode(frames[0])
+        except ProtocolError as e:
+            self._warn.warning("a bad frame from a KV producer: %s", e)
+            return
+        with self.busy():  # a large transfer's copy into the pool: heartbeats go on meanwhile
+            reply = self.kv_receiver.on_message(msg, self.kv_fingerprint())
+        if reply is not None:
+            self._kv_replies.append((peer, reply))
+
+    def kv_fingerprint(self) -> bytes:
+        return b"" if self.kv_port is None else self.kv_port.fingerprint(self.engine.weight_version)
+
+    def take_kv_outgoing(self) -> list[tuple[str, str, Message]]:
+        """A producer's frames to consumers: (KV address, the consumer's key, message)."""
+        return [] if self.kv_sender is None else self.kv_sender.take_outgoing()
+
+    def take_kv_replies(self) -> list[tuple[bytes, Message]]:
+        replies, self._kv_replies = self._kv_replies, []
+        return replies
 
     def engine_broken(self, error: Exception, now: float) -> NoReturn:
         """The engine step raised (the engine fails single requests itself, so this is the engine broken)."""
@@ -310,6 +425,9 @@ class WorkerCore:
         with nothing waiting in the inbox: frames that came during a long step are not silence) registers
         again; otherwise a heartbeat each interval."""
         self.streams.tick(now)
+        if self.kv_sender is not None:
+            self.kv_sender.tick(now)
+            self._finish_transfers(now)
         if self._kv_events and self._welcomed:
             self._flush_kv_events(now)
         if not self.ever_welcomed and now >= self._connect_deadline:
@@ -386,6 +504,8 @@ class WorkerCore:
             due.append(group_check_due)
         if self._kv_events and self._kv_maybe_pending:
             due.append(self._kv_sent_at + KV_EVENT_FLUSH_S)
+        if self.kv_sender is not None and (transfer_due := self.kv_sender.next_deadline()) is not None:
+            due.append(transfer_due)
         return max(0.0, min(due) - now)
 
     def on_handshake_failure(self, problem: str, refused_key: bool) -> None:
@@ -454,6 +574,8 @@ class WorkerCore:
             kept = [out for out in outputs if not self._silence(out)]
             silenced, outputs = len(outputs) - len(kept), kept
         deltas, self._outbox = self._outbox + [d for out in outputs if (d := self._delta(out, now)) is not None], []
+        if self._kv_transferring:
+            deltas = [d for d in deltas if not self._held_for_transfer(d)]
         self._kv_maybe_pending = self._kv_events
         load: Load | None = None
         if deltas or silenced:  # an abort freed blocks: the coordinator hears of it at once
@@ -626,6 +748,8 @@ class WorkerCore:
                 snapshots=[self._snapshot(rid, sent) for rid, sent in self._requests.items()],
                 tokenizer=self.tokenizer_source,
                 stream_address=self.stream_address,
+                kv_role=self.options.kv_transfer_config.kv_role,
+                kv_address=self.kv_address,
             ),
             now,
         )
@@ -745,6 +869,8 @@ class WorkerCore:
         )
         if self.options.otlp_traces_endpoint is not None:
             sent.trace = WorkerTrace.start(msg, len(request.prompt_token_ids), now)
+        if self.kv_sender is not None and msg.kv_consumer_address is not None and msg.kv_consumer_key is not None:
+            self._kv_targets[msg.request_id] = (msg.kv_consumer_address, msg.kv_consumer_key)
         if msg.stream_token is not None and msg.stream_owner is not None and self.stream_address is not None:
             stream = DirectStream(
                 msg.stream_owner, msg.stream_token, len(msg.resumed_token_ids or ()), msg.resumed_text_len or 0
@@ -769,6 +895,10 @@ class WorkerCore:
         delta (so the same id may be dispatched here again at once). Unknown or finished ids: nothing to do."""
         for request_id in msg.request_ids:
             self.streams.remove(request_id)
+            self._kv_targets.pop(request_id, None)
+            self._kv_handed.pop(request_id, None)
+            if self.kv_sender is not None:
+                self.kv_sender.cancel(request_id)
             sent = self._requests.pop(request_id, None)
             if sent is None:
                 continue

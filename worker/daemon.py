@@ -56,6 +56,7 @@ from infer.protocol.tracing import open_sink
 from infer.protocol.transport import HANDSHAKE_EVENTS, KeyGate, frames_for, handshake_failure, make_socket
 from infer.worker.core import EXIT_OK, EngineLike, WorkerCore, WorkerExit
 from infer.worker.group_sync import GroupBroken
+from infer.worker.kv_links import KvLinks
 from infer.worker.options import WorkerOptions
 
 if TYPE_CHECKING:
@@ -109,6 +110,9 @@ class Worker:
         self._stream_gate: KeyGate | None = None
         if options.stream_port >= 0:
             self._open_stream_socket(options)
+        self.kv: KvLinks | None = None  # a KV role's sockets (worker/kv_links.py)
+        if options.kv_transfer_config.kv_role != "kv_both":
+            self.kv = KvLinks(self.core, options.curve, _advertised_host(options), self.poller)
 
     def _open_stream_socket(self, options: WorkerOptions) -> None:
         """The stream socket clients read their direct streams from (docs/architecture.md, "Direct streams"): a
@@ -185,6 +189,8 @@ class Worker:
                 self._stream_gate.close()
             if self._stream_ctx is not None:
                 self._stream_ctx.term()
+            if self.kv is not None:
+                self.kv.close()
 
     def _loop(self) -> int:
         core = self.core
@@ -216,6 +222,8 @@ class Worker:
                 self._warn.warning("send queue to the coordinator is full; dropped a %r frame", msg.TYPE)
         if self.stream_sock is not None:
             self._flush_streams(self.stream_sock)
+        if self.kv is not None:
+            self.kv.flush()
         if self.spans is not None:
             self.spans.export(self.core.take_spans())
 
@@ -268,6 +276,8 @@ class Worker:
             self._on_handshake_events()
         if self.stream_sock is not None and self.stream_sock in events:
             self._receive_streams(self.stream_sock)
+        if self.kv is not None:
+            self.kv.receive(events)
         for _ in range(_MAX_FRAMES_PER_TURN):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)

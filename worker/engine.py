@@ -49,6 +49,7 @@ from infer.worker.forward_batch import KVCache
 from infer.worker.in_memory import in_memory_model
 from infer.worker.kv_offload import KvOffload, ModelFiles
 from infer.worker.kv_offload_store import check_offload_dir
+from infer.worker.kv_port import KvPort
 from infer.worker.loader import load_model, weight_files
 from infer.worker.lora import LoraManager
 from infer.worker.memory import HeapTrimmer, keep_freed_heap, trim_heap
@@ -245,6 +246,8 @@ class Engine:
                 self.scheduler.block_manager,
                 ModelFiles(self.model_path, tuple(weight_files(self.model_path)), config.quantization),
             )
+        # the pool as blocks of bytes, for KV transfers between workers (worker/kv_port.py)
+        self.kv_port = KvPort(self.kv_cache, self.scheduler, self.model_id, config.quantization, self.offload)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tp.size > 1:
@@ -711,6 +714,7 @@ class Engine:
             spec_decode_num_accepted_tokens=self.stats.spec_decode_num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.stats.spec_decode_num_accepted_tokens_per_pos),
             **self._offload_counts(),
+            **self.kv_port.counters(),
         )
 
     def _offload_counts(self) -> dict[str, int]:

@@ -14,6 +14,7 @@ from infer.protocol.options import option
 from infer.protocol.tracing import require_sdk
 from infer.protocol.transport import split_addresses
 from infer.worker.group_sync import EpOptions
+from infer.worker.kv_transfer import KvTransferConfig
 from infer.worker.pp_group import PpOptions, parse_partition, resolve_stage
 from infer.worker.tp_group import TpOptions, resolve_ranks
 
@@ -89,6 +90,15 @@ class WorkerOptions:
     stream_linger: float = option(
         60.0, "seconds a finished direct stream no client fetched is kept for one (then dropped)", metavar="S"
     )
+    kv_transfer_config: KvTransferConfig = option(
+        KvTransferConfig(),
+        'disaggregated prefill and decode, vLLM\'s keys as JSON: {"kv_role": "kv_producer" | "kv_consumer" | '
+        '"kv_both"} (kv_both, the default: prefill and decode here); optional "kv_port" (a consumer\'s KV socket, 0: '
+        'one the OS chooses), "kv_transfer_timeout" (seconds a producer waits for a transfer, default 10) and '
+        '"kv_shm_dir" (on one host the blocks go through files there, default /dev/shm; "": over TCP always)',
+        metavar="JSON",
+        parse=KvTransferConfig.of,
+    )
     otlp_traces_endpoint: str | None = option(
         None,
         "export an OpenTelemetry span of each request's worker hop (queue, prefill, decode, tokens) to this "
@@ -126,6 +136,10 @@ class WorkerOptions:
             raise ValueError("--benchmark-mode has no model, so no EP group: leave out --ep-size")
         if self.tp is not None and self.benchmark_mode:
             raise ValueError("--benchmark-mode has no model, so no TP group: leave out --tp-size")
+        kv_role = self.kv_transfer_config.kv_role
+        if kv_role != "kv_both":
+            if self.benchmark_mode:  # the other combinations: worker/cli.py (they need the engine's flags)
+                raise ValueError(f"--kv-transfer-config: {kv_role} is not supported with --benchmark-mode (no KV)")
         if self.otlp_traces_endpoint is not None:
             require_sdk()
         if not -1 <= self.stream_port <= 65535:

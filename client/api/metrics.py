@@ -189,6 +189,21 @@ class FrontMetrics:
                 labels,
                 registry=r,
             ),
+            "kv_transfer_sent_blocks": Counter(
+                "infer:kv_transfer_sent_blocks", "KV blocks a kv_producer sent to consumers.", labels, registry=r
+            ),
+            "kv_transfer_received_blocks": Counter(
+                "infer:kv_transfer_received_blocks",
+                "KV blocks a kv_consumer received and cached instead of prefilling.",
+                labels,
+                registry=r,
+            ),
+            "kv_transfer_dropped_blocks": Counter(
+                "infer:kv_transfer_dropped_blocks",
+                "KV blocks a kv_consumer received but could not cache (no free block, bad checksum).",
+                labels,
+                registry=r,
+            ),
             "spec_decode_num_drafts": Counter(
                 "infer:spec_decode_num_drafts",
                 "Speculative decoding: verifications (a request's drafts checked in one step).",

@@ -24,8 +24,12 @@ from infer.protocol.messages import (
     Error,
     Heartbeat,
     Hello,
+    KvBlocks,
     KvEvents,
+    KvOffer,
     KvResync,
+    KvStored,
+    KvWant,
     Load,
     LoraCommand,
     LoraDone,
@@ -319,7 +323,79 @@ EXAMPLES += [
     ),
     KvResync(reason="a gap in its KV events"),
     Submit(request_id="r", prompt_token_ids=TokenIds([1]), session_id="conversation-7"),
+    # disaggregated prefill and decode (worker/kv_transfer.py)
+    Hello(
+        role="worker",
+        peer_id="w",
+        model_id="m",
+        num_kv_blocks=4,
+        block_size=16,
+        max_num_seqs=2,
+        max_model_len=64,
+        kv_role="kv_consumer",
+        kv_address="tcp://127.0.0.1:5557",
+    ),
+    Dispatch(
+        request_id="r",
+        sampling=SamplingParams(),
+        prompt_token_ids=TokenIds([1]),
+        kv_consumer_address="tcp://127.0.0.1:5557",
+        kv_consumer_key=KEY,
+    ),
+    KvOffer(transfer_id="r", fingerprint=b"f" * 16, token_ids=TokenIds([1, 2, 3])),
+    KvOffer(
+        transfer_id="r",
+        fingerprint=b"f" * 16,
+        token_ids=TokenIds([1]),
+        shm_probe="/dev/shm/infer-kv-0123456789abcdef.probe",
+        shm_token=TOKEN,
+    ),
+    KvBlocks(
+        transfer_id="r",
+        fingerprint=b"f" * 16,
+        token_ids=TokenIds([1, 2, 3]),
+        first_block=0,
+        blocks=[],
+        checksums=[7, 8],
+        shm_path="/dev/shm/infer-kv-0123456789abcdef.1",
+    ),
+    KvWant(transfer_id="r", first_block=1, shm=True),
+    KvWant(transfer_id="r", refusal="another model"),
+    KvBlocks(
+        transfer_id="r",
+        fingerprint=b"f" * 16,
+        token_ids=TokenIds([1, 2, 3]),
+        first_block=0,
+        blocks=[b"\0" * 8],
+        checksums=[2**64 - 1],
+        last=False,
+    ),
+    KvStored(transfer_id="r", stored=1, refusal="no free block"),
 ]
+
+
+def test_kv_roles_and_transfers_are_checked_when_built_and_decoded():
+    common = dict(role="worker", peer_id="w", model_id="m", num_kv_blocks=4, block_size=16, max_num_seqs=2)
+    with pytest.raises(ProtocolError, match="field 'kv_role' must be one of kv_both, kv_producer, kv_consumer"):
+        Hello(**common, max_model_len=64, kv_role="kv_decoder")
+    with pytest.raises(ProtocolError, match="a kv_consumer hello needs field 'kv_address'"):
+        Hello(**common, max_model_len=64, kv_role="kv_consumer")
+    with pytest.raises(ProtocolError, match="'kv_consumer_address' and 'kv_consumer_key' go together"):
+        Dispatch(request_id="r", sampling=SamplingParams(), prompt="x", kv_consumer_address="tcp://h:1")
+    with pytest.raises(ProtocolError, match="with 'shm_path': no 'blocks', a checksum per block"):
+        KvBlocks(
+            transfer_id="r",
+            fingerprint=b"",
+            token_ids=TokenIds([1]),
+            first_block=0,
+            blocks=[b""],
+            checksums=[1],
+            shm_path="/x",
+        )
+    with pytest.raises(ProtocolError, match="'shm_probe' and 'shm_token' go together"):
+        KvOffer(transfer_id="r", fingerprint=b"", token_ids=TokenIds([1]), shm_probe="/dev/shm/x")
+    with pytest.raises(ProtocolError, match="'blocks' and 'checksums' must have one item each"):
+        KvBlocks(transfer_id="r", fingerprint=b"", token_ids=TokenIds([1]), first_block=0, blocks=[b""], checksums=[])
 
 
 def test_every_registered_type_has_an_example():

@@ -1,0 +1,67 @@
+"""Disaggregated prefill and decode in the coordinator, frame by frame: a new request goes to a kv_producer with the
+kv_consumer named, the producer's hand-off (its abort delta, ErrorCode.KV_HANDOFF) continues it on that consumer from
+the tokens delivered (not counted as a retry), and a missing role leaves the work to the others."""
+
+from __future__ import annotations
+
+from core_harness import Harness, client_deltas, delta, dispatches, worker_hello
+
+CONSUMER_ADDRESS = "tcp://127.0.0.1:6001"
+
+
+def cluster(*roles: str) -> Harness:
+    """One worker per role, at ranks 0, 1, ...: p (kv_producer), c (kv_consumer), b (kv_both)."""
+    h = Harness()
+    for rank, role in enumerate(roles):
+        address = CONSUMER_ADDRESS if role == "kv_consumer" else None
+        wid = {"kv_producer": "p", "kv_consumer": "c", "kv_both": "b"}[role] + str(rank)
+        h.send(wid.encode(), worker_hello(wid, rank, kv_role=role, kv_address=address))
+    return h
+
+
+def test_a_request_prefills_on_the_producer_and_continues_on_its_consumer():
+    h = cluster("kv_producer", "kv_consumer")
+    out = h.submit(b"cl", "r", [1, 2, 3, 4])
+    (first,) = dispatches(out)[b"p0"]
+    assert (first.kv_consumer_address, first.kv_consumer_key) == (CONSUMER_ADDRESS, "")
+    assert [d.token_ids for d in client_deltas(h.step("p0", delta("r", 9)), b"cl")] == [[9]]
+    out = h.step("p0", delta("r", finish="abort", code="kv_handoff", error="KV transfer: stored 1 of 1 blocks"))
+    (moved,) = dispatches(out)[b"c1"]
+    assert moved.resumed_token_ids == [9] and moved.kv_consumer_address is None
+    assert not client_deltas(out, b"cl")  # the client sees no end: its stream goes on
+    out = h.step("c1", delta("r", 5, 6, finish="length"))
+    assert [d.token_ids for d in client_deltas(out, b"cl")] == [[5, 6]]
+    assert h.core.books.counters.requests_redispatched == 0
+
+
+def test_a_pinned_request_leaves_its_producer_and_a_kv_both_worker_takes_new_work_too():
+    h = cluster("kv_producer", "kv_consumer", "kv_both")
+    h.submit(b"cl", "r", [1, 2, 3], pin_rank=0)
+    out = h.step("p0", delta("r", 9, finish="abort", code="kv_handoff"))
+    assert list(dispatches(out)) == [b"c1"]  # the pin was the prefill's
+    out = h.submit(b"cl", "s", [4, 5, 6], pin_rank=2)
+    (plain,) = dispatches(out)[b"b2"]
+    assert plain.kv_consumer_address is None
+
+
+def test_without_a_consumer_the_producer_runs_the_whole_request_and_without_producers_the_consumer_does():
+    h = cluster("kv_producer", "kv_consumer")
+    h.core.books.workers.by_id["c1"].healthy = False  # declared dead
+    h.core.admission.routes_changed()
+    (alone,) = dispatches(h.submit(b"cl", "r", [1, 2]))[b"p0"]
+    assert alone.kv_consumer_address is None
+
+    h = cluster("kv_consumer")
+    assert list(dispatches(h.submit(b"cl", "r", [1, 2]))) == [b"c0"]
+
+
+def test_a_consumer_that_dies_after_the_hand_off_moves_its_request_to_the_producer():
+    h = cluster("kv_producer", "kv_consumer")
+    h.submit(b"cl", "r", [1, 2, 3])
+    h.step("p0", delta("r", 9, finish="abort", code="kv_handoff"))
+    h.step("c1", delta("r", 4))
+    out = h.advance(0.6)
+    out += h.step("p0")  # the producer stays alive; the consumer is silent past --worker-timeout
+    out += h.advance(0.6)
+    (moved,) = dispatches(out)[b"p0"]
+    assert moved.resumed_token_ids == [9, 4] and moved.kv_consumer_address is None

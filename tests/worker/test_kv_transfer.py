@@ -1,0 +1,351 @@
+"""Disaggregated prefill and decode, in pieces: `--kv-transfer-config` and what a KV role refuses (exit 2 naming it),
+the transfer's state machine (worker/kv_transfer.py, sans-I/O, against a fake port: offer, want, frames, answers,
+refusals, the deadline), and the engine's side (worker/kv_port.py) on two real tiny-Llama engines: the blocks one
+prefilled are stored in the other's prefix cache, and the request resumed there gives the same greedy tokens with
+its prompt served from them; a consumer with no free block drops them (counted) and recomputes."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import SamplingParams
+from infer.protocol.messages import KvBlocks, KvOffer, KvStored, KvWant, encode
+from infer.protocol.options import to_argv
+from infer.worker import cli
+from infer.worker.config import EngineConfig
+from infer.worker.kv_transfer import KvReceiver, KvSender, KvTransferConfig
+from infer.worker.options import WorkerOptions
+
+COORDINATOR = ["--coordinator", "tcp://127.0.0.1:9"]
+PRODUCER = ["--kv-transfer-config", '{"kv_role": "kv_producer"}']
+CONSUMER = ["--kv-transfer-config", '{"kv_role": "kv_consumer"}']
+
+
+# ---- the flag -------------------------------------------------------------------------------------------------
+
+
+def test_the_config_survives_argv_and_back_and_defaults_to_kv_both():
+    assert WorkerOptions(coordinator="tcp://h:1", worker_id="w").kv_transfer_config.kv_role == "kv_both"
+    options = WorkerOptions(
+        coordinator="tcp://h:1",
+        worker_id="w",
+        kv_transfer_config=KvTransferConfig("kv_consumer", kv_port=5601, kv_transfer_timeout=2.5),
+    )
+    args = cli.build_parser().parse_args(to_argv(WorkerOptions, options))
+    assert cli.worker_options(args, cli.worker_flags(args)) == options
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kv-transfer-config", "{kv_role"], "kv_transfer_config: not valid JSON"),
+        (["--kv-transfer-config", "[1]"], "kv_transfer_config must be a JSON object, got list"),
+        (["--kv-transfer-config", "{}"], "kv_transfer_config: 'kv_role' is required"),
+        (
+            ["--kv-transfer-config", '{"kv_role": "kv_decoder"}'],
+            "kv_role must be one of kv_both, kv_producer, kv_consumer, got 'kv_decoder'",
+        ),
+        (
+            ["--kv-transfer-config", '{"kv_role": "kv_both", "kv_connector": "x"}'],
+            "unknown key(s) 'kv_connector'; known: kv_role, kv_port, kv_transfer_timeout",
+        ),
+        (
+            ["--kv-transfer-config", '{"kv_role": "kv_producer", "kv_transfer_timeout": 0}'],
+            "kv_transfer_timeout must be in (0, 600] s, got 0",
+        ),
+        (["--kv-transfer-config", '{"kv_role": "kv_consumer", "kv_port": 70000}'], "kv_port must be an integer"),
+        (
+            ["--kv-transfer-config", '{"kv_role": "kv_consumer", "kv_shm_dir": "shm"}'],
+            "kv_shm_dir must be an absolute path or \"\", got 'shm'",
+        ),
+        ([*PRODUCER, "--tp-size", "2"], "kv_producer is not supported with --tp-size > 1"),
+        ([*CONSUMER, "--pp-size", "2"], "kv_consumer is not supported with --pp-size > 1"),
+        ([*PRODUCER, "--enable-lora"], "kv_producer is not supported with --enable-lora"),
+        (
+            [*CONSUMER, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+            "kv_consumer is not supported with --speculative-config",
+        ),
+        ([*CONSUMER, "--no-enable-prefix-caching"], "kv_consumer is not supported with prefix caching off"),
+        ([*PRODUCER, "--benchmark-mode"], "kv_producer is not supported with --benchmark-mode"),
+    ],
+)
+def test_bad_configs_and_refused_combinations_exit_2_naming_them(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*COORDINATOR, *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- the transfer (sans-I/O) ----------------------------------------------------------------------------------
+
+
+class FakePort:
+    """A consumer's prefix cache holding `held` leading blocks; stores up to `room` blocks."""
+
+    block_bytes = 8
+
+    def __init__(self, held: int = 0, room: int = 100) -> None:
+        self.held, self.room = held, room
+        self.stored: list[tuple[int, int]] = []
+
+    def export(self, request_id):
+        return None
+
+    def first_missing(self, token_ids) -> int:
+        return self.held
+
+    def store(self, token_ids, first_block, payloads) -> int:
+        n = min(len(payloads), self.room)
+        self.room -= n
+        self.stored.append((first_block, n))
+        return n
+
+    def fingerprint(self, weight_version: int) -> bytes:
+        return b"fp%d" % weight_version
+
+
+def run_transfer(sender: KvSender, receiver: KvReceiver, fingerprint: bytes = b"fp0") -> list[str]:
+    """Deliver every frame both ways until nothing moves; the message types the consumer saw."""
+    seen = []
+    while out := sender.take_outgoing():
+        for _address, _key, msg in out:
+            seen.append(msg.TYPE)
+            reply = receiver.on_message(msg, fingerprint)
+            if reply is not None:
+                sender.on_message(reply)
+    return seen
+
+
+def test_only_the_blocks_the_consumer_lacks_travel_in_bounded_frames(monkeypatch):
+    monkeypatch.setattr("infer.worker.kv_transfer.MAX_FRAME_PAYLOAD", 2 * 8)  # two 8-byte blocks a frame
+    sender, port = KvSender(timeout_s=5.0), FakePort(held=1)
+    blocks = [bytes([i]) * 8 for i in range(5)]
+    sender.start("r", "tcp://c:1", "", (list(range(81)), blocks), b"fp0", now=0.0)
+    assert run_transfer(sender, KvReceiver(port)) == ["kv_offer", "kv_blocks", "kv_blocks"]
+    assert port.stored == [(1, 2), (3, 2)]  # block 0 was held: blocks 1..4 in two frames
+    (done,) = sender.take_done()
+    assert done.outcome == "stored 5 of 5 blocks" and not sender.transfers and sender.completed == 1
+
+
+def test_a_consumer_out_of_blocks_a_foreign_engine_and_a_silent_one_end_the_transfer():
+    sender, port = KvSender(timeout_s=5.0), FakePort(room=1)
+    sender.start("full", "tcp://c:1", "", ([1] * 49, [b"a" * 8] * 3), b"fp0", now=0.0)
+    run_transfer(sender, KvReceiver(port))
+    (done,) = sender.take_done()
+    assert done.outcome == "stored 1 of 3 blocks"
+
+    sender.start("foreign", "tcp://c:1", "", ([1] * 17, [b"a" * 8]), b"fp0", now=0.0)
+    assert run_transfer(sender, KvReceiver(FakePort()), fingerprint=b"fp7") == ["kv_offer"]
+    (done,) = sender.take_done()
+    assert done.outcome.startswith("refused by the consumer: another model")
+
+    sender.start("stalled", "tcp://c:1", "", ([1] * 17, [b"a" * 8]), b"fp0", now=10.0)
+    assert [m.TYPE for _, _, m in sender.take_outgoing()] == ["kv_offer"]
+    assert sender.next_deadline() == 15.0
+    sender.tick(14.9)
+    assert not sender.take_done()
+    sender.tick(15.0)
+    (done,) = sender.take_done()
+    assert done.outcome == "timed out after 5 s (kv_transfer_timeout)" and sender.failed == 2
+    sender.on_message(KvWant(transfer_id="stalled"))  # a late answer: ignored
+    assert not sender.take_outgoing()
+
+
+def test_on_one_host_the_blocks_go_through_shared_memory_and_their_files_are_removed(tmp_path):
+    from infer.worker.kv_links import ShmArea
+
+    producer_area, consumer_area = ShmArea(tmp_path), ShmArea(tmp_path)
+    sender, port = KvSender(timeout_s=5.0, shm=producer_area), FakePort()
+    receiver = KvReceiver(port, shm=consumer_area)
+    blocks = [bytes([i]) * 8 for i in range(3)]
+    sender.start("r", "tcp://c:1", "", ([1] * 49, blocks), b"fp0", now=0.0)
+    (offer,) = [m for _, _, m in sender.take_outgoing()]
+    want = receiver.on_message(offer, b"fp0")
+    assert want.shm and want.first_block == 0
+    sender.on_message(want)
+    (frame,) = [m for _, _, m in sender.take_outgoing()]
+    assert frame.blocks == [] and frame.shm_path.startswith(str(tmp_path))
+    sender.on_message(receiver.on_message(frame, b"fp0"))
+    (done,) = sender.take_done()
+    assert done.outcome == "stored 3 of 3 blocks" and port.stored == [(0, 3)]
+    assert not list(tmp_path.iterdir())  # the frame's file (read: deleted) and the transfer's probe (its end) are gone
+
+    probe = producer_area.new_probe()
+    (tmp_path / "other").mkdir()
+    elsewhere = ShmArea(tmp_path / "other")
+    assert not elsewhere.sees(*probe)  # another directory: TCP
+    assert not consumer_area.sees(probe[0], "0" * 32)  # the wrong token
+    assert consumer_area.read("/etc/passwd", 10) is None and consumer_area.read(probe[0], 32) is None
+    for area in (producer_area, consumer_area, elsewhere):
+        area.close()
+    assert not [p for p in tmp_path.iterdir() if p.is_file()]  # close removes what is left (the probe)
+
+
+def test_a_consumer_refuses_a_block_whose_checksum_differs():
+    receiver = KvReceiver(FakePort())
+    bad = KvBlocks(transfer_id="r", fingerprint=b"fp0", token_ids=[1] * 17, first_block=0, blocks=[b"x"], checksums=[1])
+    reply = receiver.on_message(bad, b"fp0")
+    assert isinstance(reply, KvStored) and reply.stored == 0 and reply.refusal == "a block's checksum differs"
+    assert receiver.on_message(KvOffer(transfer_id="r", fingerprint=b"fp0", token_ids=[1]), b"fp0") == KvWant(
+        transfer_id="r", first_block=0
+    )
+
+
+# ---- the engine's side (real engines) ------------------------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPT = [(5 * j) % 300 + 7 for j in range(45)]  # 2 full blocks of 16, and a tail
+
+
+def make_engine(model_dir, kv_cache_memory: int = 4_000_000, quantization: str = "auto"):
+    from infer.worker.engine import Engine
+
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory=kv_cache_memory,
+        quantization=quantization,
+    )
+    return Engine(config)
+
+
+def finish(engine, request_id: str) -> list[int]:
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.request_id == request_id:
+                tokens.extend(delta.token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+def test_blocks_prefilled_on_one_engine_serve_the_prompt_on_another(tiny_model_dir, quantization):
+    """Dense and quantized weights (int8 at load): the KV is the pool's dtype either way."""
+    model = tiny_model_dir("llama")
+    reference = make_engine(model, quantization=quantization)
+    reference.add_request("ref", PROMPT, GREEDY)
+    expected = finish(reference, "ref")
+
+    producer, consumer = make_engine(model, quantization=quantization), make_engine(model, quantization=quantization)
+    producer.add_request("r", PROMPT, GREEDY)
+    (first,) = [d for d in producer.step() if d.request_id == "r"]
+    assert first.token_ids == expected[:1]
+    tokens, payloads = producer.kv_port.export("r")
+    assert tokens == PROMPT[:33] and len(payloads) == 2
+    assert producer.kv_port.fingerprint(0) == consumer.kv_port.fingerprint(0)
+    assert producer.kv_port.fingerprint(0) != make_engine(model, quantization="int4").kv_port.fingerprint(0)
+
+    port = consumer.kv_port
+    assert port.first_missing(tokens) == 0
+    assert port.store(tokens, 0, payloads) == 2 and port.first_missing(tokens) == 2
+    assert port.store(tokens, 1, payloads[1:]) == 1  # held already: counted as there, nothing written
+    assert port.received_blocks == 2 and port.dropped_blocks == 0
+    consumer.add_request("r", PROMPT, GREEDY, resumed_token_ids=first.token_ids)
+    assert first.token_ids + finish(consumer, "r") == expected
+    assert consumer.scheduler.block_manager.num_hit_tokens == 32
+    consumer.scheduler.block_manager.check_invariants()
+
+
+def test_a_consumer_without_free_blocks_drops_them_and_recomputes(tiny_model_dir):
+    model = tiny_model_dir("llama")
+    producer = make_engine(model)
+    producer.add_request("r", PROMPT, GREEDY)
+    producer.step()
+    tokens, payloads = producer.kv_port.export("r")
+    consumer = make_engine(model, kv_cache_memory=9 * 8192)  # 9 blocks of the tiny Llama's 16 tokens
+    blocks = consumer.scheduler.block_manager
+    hog = [(3 * j) % 200 + 1 for j in range(blocks.num_blocks * 16 - 20)]  # holds every block but one
+    consumer.add_request("hog", hog, SamplingParams(temperature=0.0, max_tokens=3))
+    consumer.step()  # the hog's prefill holds its blocks until it finishes
+    free = blocks.num_free_blocks
+    assert free < 2
+    assert consumer.kv_port.store(tokens, 0, payloads) == free
+    assert consumer.kv_port.dropped_blocks == 2 - free
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workers", "2", "--kv-roles", "kv_producer"], "--kv-roles names 1 role(s) for 2 worker(s)"),
+        (["--workers", "2", "--kv-roles", "kv_producer,decoder"], "--kv-roles: 'decoder' is not one of kv_both"),
+    ],
+)
+def test_infer_serve_refuses_kv_roles_that_do_not_fit(argv, message, capsys):
+    from infer.client import serve
+
+    assert serve.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- the worker core (sans-I/O, tests/worker_harness.py) -----------------------------------------------------
+
+
+def producer_harness(port: FakePort):
+    """A kv_producer's core over BenchmarkEngine with `port` as its KV port, welcomed."""
+    from worker_harness import WorkerHarness
+
+    from infer.worker.core import WorkerCore
+
+    h = WorkerHarness(kv_transfer_config=KvTransferConfig("kv_producer", kv_transfer_timeout=3.0))
+    h.engine.kv_port = port
+    h.core = WorkerCore(h.engine, h.core.options, h.now, wall_offset=1e9)
+    h.core.start(h.now)
+    h.out()
+    h.welcome()
+    return h
+
+
+class ExportingPort(FakePort):
+    def export(self, request_id):
+        return [1] * 33, [b"a" * 8, b"b" * 8]
+
+
+def test_a_producer_streams_the_first_token_then_hands_off_once_the_transfer_ended():
+    from worker_harness import deltas, dispatch
+
+    h = producer_harness(ExportingPort())
+    h.send(dispatch("r", max_tokens=8, kv_consumer_address="tcp://127.0.0.1:6001", kv_consumer_key=""))
+    first = deltas(h.step())
+    assert [d.token_ids for d in first] == [[3]] and not first[0].finished  # the first token, relayed
+    (offer,) = h.core.take_kv_outgoing()
+    assert offer[:2] == ("tcp://127.0.0.1:6001", "") and isinstance(offer[2], KvOffer)
+    assert not h.engine.has_unfinished()  # aborted here, its blocks freed
+    assert not deltas(h.step())  # the abort waits for the transfer
+    receiver = KvReceiver(FakePort(held=1))
+    for _address, _key, msg in [offer]:
+        h.core.kv_sender.on_message(receiver.on_message(msg, b"fp0"))
+    (blocks,) = h.core.take_kv_outgoing()
+    h.core.on_kv_answer([encode(receiver.on_message(blocks[2], b"fp0"))], h.now)
+    (handoff,) = deltas(h.out())
+    assert handoff.finish_reason == "abort" and handoff.error_code == "kv_handoff"
+    assert handoff.error == "KV transfer: stored 2 of 2 blocks"
+
+
+def test_a_stalled_transfer_hands_off_at_its_deadline_and_an_abort_cancels_it():
+    from worker_harness import deltas, dispatch
+
+    from infer.protocol.messages import Abort
+
+    h = producer_harness(ExportingPort())
+    for rid in ("stalled", "aborted"):
+        h.send(dispatch(rid, max_tokens=8, kv_consumer_address="tcp://127.0.0.1:6001", kv_consumer_key=""))
+    h.step()
+    assert len(h.core.take_kv_outgoing()) == 2
+    h.send(Abort(request_ids=["aborted"]))
+    assert h.core.poll_timeout(h.now) <= 3.0
+    assert not deltas(h.advance(2.9))
+    (handoff,) = deltas(h.advance(0.2))
+    assert handoff.request_id == "stalled" and handoff.error_code == "kv_handoff"
+    assert "timed out after 3 s" in handoff.error
+    assert not h.core.kv_sender.transfers
+
+
+def test_a_request_without_a_full_block_decodes_on_the_producer():
+    from worker_harness import dispatch
+
+    h = producer_harness(FakePort())  # exports nothing
+    h.send(dispatch("r", max_tokens=3, kv_consumer_address="tcp://127.0.0.1:6001", kv_consumer_key=""))
+    out = h.run_until_finished()
+    assert [d.token_ids for d in out] == [[3], [4], [5]] and out[-1].finish_reason == "length"
+    assert not h.core.take_kv_outgoing()
