@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import os
 
+# OpenMP threads (torch's and the native kernels', libgomp) spin-wait at every barrier by default, which is fastest on
+# cores of their own and collapses when the cores are shared: under `-n 2` on 2 cores, with the daemons the tests
+# start and mypy beside them, a test's 2-thread engine took 5-10x the time it takes with short spins (a native
+# decode step of SmolLM2 ~1 s instead of ~0.1 s; tests/worker/test_native_decode.py 294 -> 88 s of CPU alone on a
+# loaded 2-core VM). libgomp reads this when it loads, i.e. before torch is imported; the daemons inherit it.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
 # The Triton kernels run in Triton's interpreter on CPU-only machines. The flag is read when a kernel is
 # decorated, i.e. when infer.kernels is first imported, so it is set here, before any test module imports.
 if "TRITON_INTERPRET" not in os.environ:
