@@ -26,6 +26,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/worker/test_quantized_gguf.py": 217,
     "tests/cluster/test_tensor_parallel.py": 204,
     "tests/worker/test_speculative.py": 153,
+    "tests/cluster/test_disaggregated.py": 150,  # new: 124 s of -n 2 wall with test_kv_routing, loaded
     "tests/cluster/test_coordinator_restart.py": 131,
     "tests/worker/test_sliding_window_models.py": 125,
     "tests/cluster/test_structured_outputs.py": 123,
