@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import socket
 import time
 
@@ -104,7 +106,15 @@ def test_a_stream_ends_with_an_error_event_and_done_when_the_coordinator_dies(cl
         while not reader.readline().startswith(b"data: {"):  # the first chunk: the stream is under way
             pass
         cluster.procs[0].kill9()  # the coordinator, mid-stream, never back
-        events = [line.strip() for line in reader if line.startswith(b"data: ")]
+        # The worker stopped too, so that the stream cannot end by itself first: a direct stream keeps flowing from
+        # its worker, and only the coordinator's silence for the front's 10 s ends it (a fast machine finished all
+        # 2,000 tokens within those 10 s).
+        worker = cluster.procs[1].popen
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            events = [line.strip() for line in reader if line.startswith(b"data: ")]
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
     assert events[-1] == b"data: [DONE]", events[-3:]
     error = json.loads(events[-2][6:])["error"]
     assert error["code"] == "unavailable" and "coordinator" in error["message"]
