@@ -315,7 +315,12 @@ class Admission:
         self.books.detach(request)
         request.handed_off = True
         log.debug("request %s handed off by %s to %s", request.request_id, producer.worker_id, request.kv_consumer)
-        if request.direct:  # the client re-attaches with its copy (resume_from), which then goes to the consumer
+        self._run_again(request, now)  # the client's copy, on a direct stream, then goes to the consumer
+
+    def _run_again(self, request: RequestRecord, now: float) -> None:
+        """Queue a detached request to run again from where its stream stands, first in line. A direct stream: only
+        the client knows what it holds, so it re-attaches with its copy (resume_from) first."""
+        if request.direct:
             request.direct, request.placement, request.awaiting_client = False, None, now
             self._awaiting[request.request_id] = request
             self.send(request.client, Placement(request_id=request.request_id))
@@ -409,13 +414,7 @@ class Admission:
             return
         request.retries += 1
         self.books.counters.requests_redispatched += 1
-        if request.direct:  # only the client knows what it holds: it re-attaches with its copy (resume_from)
-            request.direct, request.placement, request.awaiting_client = False, None, now
-            self._awaiting[request.request_id] = request
-            self.send(request.client, Placement(request_id=request.request_id))
-            return
-        self.books.requests.hold(request, now)
-        self.books.requests.held.move_to_end(request.request_id, last=False)
+        self._run_again(request, now)
 
     def _quarantine(self, request: RequestRecord, reason: str) -> None:
         """Fail a request that was running on QUARANTINE_DEATHS workers when they died: a likely poison."""
