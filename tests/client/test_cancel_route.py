@@ -49,7 +49,6 @@ def _all_blocks_free(engine: LocalEngine) -> None:
 
 def test_the_sender_cancels_its_stream_by_the_response_id_and_no_one_else_can(slow_local, smollm2_tokenizer):
     with serving(slow_local, smollm2_tokenizer, admin_api_key="admin-key") as url:
-        started = time.monotonic()
         stream = _client(url, "alice-token").completions.create(**LONG, stream=True)
         first = next(iter(stream))
         request_id = first.id
@@ -60,8 +59,7 @@ def test_the_sender_cancels_its_stream_by_the_response_id_and_no_one_else_can(sl
         status, text = _cancel(url, request_id, "alice-token")
         assert status == 200, text
         rest = list(stream)
-        assert rest[-1].choices[0].finish_reason == "abort"
-        assert time.monotonic() - started < 5  # long before its 200 tokens
+        assert rest[-1].choices[0].finish_reason == "abort"  # not "length": it ended short of its 200 tokens
         assert _cancel(url, request_id, "alice-token")[0] == 404  # over: nothing left to cancel
     _all_blocks_free(slow_local)
 

@@ -160,7 +160,7 @@ async def test_consumer_killed_before_the_transfer(cluster_factory, tiny_llama, 
         pd.procs["kv_consumer"].kill9()
         started = time.monotonic()
         assert (await pd.generate(client, PROMPTS[1])).token_ids == reference
-        assert time.monotonic() - started < 20
+        assert time.monotonic() - started < 60  # bounded: the timeouts above, with room for a loaded machine
 
 
 async def test_a_stalled_transfer_ends_in_bounded_time(cluster_factory, tiny_llama, wait_until):
@@ -174,7 +174,7 @@ async def test_a_stalled_transfer_ends_in_bounded_time(cluster_factory, tiny_lla
         try:
             started = time.monotonic()
             assert (await pd.generate(client, PROMPTS[2])).token_ids == reference
-            assert time.monotonic() - started < 20
+            assert time.monotonic() - started < 60  # bounded: the timeouts above, with room for a loaded machine
         finally:
             pd.cont("kv_consumer")
 

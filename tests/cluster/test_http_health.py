@@ -138,11 +138,10 @@ def test_a_request_the_cluster_refuses_as_overloaded_is_a_503_and_the_accepted_o
         while not reader.readline().startswith(b"data: {"):  # it runs on the worker
             pass
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
-        for stream in (False, True):
-            started = time.monotonic()
+        for stream in (False, True):  # a 503, not queued behind the running request (that would end in a 200)
             with pytest.raises(openai.APIStatusError) as err:
                 client.completions.create(model=MODEL, prompt="hi", max_tokens=2, stream=stream)
-            assert err.value.status_code == 503 and time.monotonic() - started < 5
+            assert err.value.status_code == 503
             assert err.value.code == "overloaded" and "overloaded" in err.value.message
             assert err.value.response.headers["retry-after"]
         events = [json.loads(line[6:]) for line in reader if line.startswith(b"data: {")]

@@ -182,7 +182,7 @@ def test_an_idle_group_started_member_by_member_ends_whole_when_one_is_killed(cl
     victim.kill9()
     killed_at = time.monotonic()
     code = survivor.wait(timeout=30)
-    assert code != 0 and time.monotonic() - killed_at < 10, (code, survivor.text()[-2000:])
+    assert code != 0 and time.monotonic() - killed_at < 40, (code, survivor.text()[-2000:])  # not --tp-timeout's minute
     assert "connection closed" in survivor.text(), survivor.text()[-2000:]
     if struck == "follower":
         assert "giving back" in leader.text()

@@ -181,8 +181,8 @@ def test_the_daemon_follows_a_redirect_and_leaves_a_killed_leader_at_once():
         b.expect(StepBatch)
         started = time.monotonic()
         b.close()  # the leader is gone (as after kill -9): its connection breaks
-        peer, hello = c.expect(Hello, timeout=5.0)
-        assert time.monotonic() - started < 2.0
+        peer, hello = c.expect(Hello, timeout=20.0)
+        assert time.monotonic() - started < 15.0  # the socket monitor, not the 30 s coordinator timeout
         assert hello.running == ["r1"] and hello.snapshots[0].token_ids
         c.sock.send_multipart([peer, encode(Welcome(coordinator_id="c", state="running", instance="c", term=2))])
         c.sock.send_multipart([peer, encode(Control(command="stop"))])
