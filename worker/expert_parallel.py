@@ -45,16 +45,11 @@ class ExpertParallel:
     @classmethod
     def join(cls, options: EpOptions, device: torch.device) -> ExpertParallel:
         """Join the group's torch.distributed world (blocks until every rank has joined, at most timeout_s)."""
-        import torch.distributed as dist
+        from infer.worker.group_sync import join_world
 
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=options.dist_init,
-            rank=options.rank,
-            world_size=options.size,
-            timeout=datetime.timedelta(seconds=options.timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=options.timeout_s)
+        layout = f"EP {options.size}"
+        backend = join_world(options.dist_init, options.rank, options.size, layout, "--ep-size", timeout, device)
         log.info("EP group joined: rank %d of %d at %s (%s)", options.rank, options.size, options.dist_init, backend)
         return cls(rank=options.rank, size=options.size)
 

@@ -1,6 +1,6 @@
-"""Lockstep for the ranks of an EP group: the per-step agreement and wake-ups (joining the group's torch.distributed
-world: `ExpertParallel.join`). torch is imported only when a group runs: the worker daemon imports this module to
-parse its flags.
+"""Lockstep for the ranks of an EP group: the per-step agreement and wake-ups; and `join_world`, the one bootstrap of
+every group's torch.distributed world (TP, PP and EP), with `agree_min`. torch is imported only when a group runs:
+the worker daemon imports this module to parse its flags.
 
 The MoE layers of an EP group exchange tokens with collectives, so every rank must run one forward per
 group step, a dummy one when it has nothing to do. Each rank still has its own requests, so the group
@@ -26,11 +26,13 @@ agrees before every step:
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
@@ -223,6 +225,45 @@ def agree_min(value: int, group: object, what: str) -> int:
     except Exception as e:  # noqa: BLE001
         raise GroupBroken(f"{what} agreement failed: {e}") from e
     return int(t.item())
+
+
+def join_world(
+    dist_init: str, rank: int, size: int, layout: str, flags: str, timeout: datetime.timedelta, device: Any
+) -> str:
+    """Join the torch.distributed world of `size` processes that meets at `dist_init` (tcp://HOST:PORT; global rank 0
+    hosts its TCPStore there) as global `rank`, and return the backend (NCCL on a GPU, gloo on a CPU). Blocks until
+    every process has joined, at most `timeout`. First, through the store, every process checks that it was started
+    with the same `layout` (the sizes that the command-line `flags` set) as global rank 0, and rank 0 checks every
+    process: ValueError naming both sides otherwise, so that a mistyped size fails fast on both sides instead of
+    hanging in a collective. The one bootstrap of the TP, PP and EP worlds."""
+    import torch
+    import torch.distributed as dist
+
+    if not 0 <= rank < size:
+        raise ValueError(f"global rank {rank} is outside the world of {size} processes")
+    host, port = rendezvous_address(dist_init)
+    store = dist.TCPStore(host, port, None if rank else size, rank == 0, timeout=timeout, wait_for_workers=False)
+    key = "infer/layout/{}".format
+    # rank 0 leaves at once when one layout differs, taking the store with it: read its layout before it can see
+    # ours
+    theirs = store.get(key(0)).decode() if rank else layout
+    store.set(key(rank), layout)
+    others = [(0, theirs)]
+    if rank == 0:  # every process's layout, so that rank 0 leaves at once too
+        keys = [key(r) for r in range(size)]
+        store.wait(keys, timeout)
+        others = [(r, value.decode()) for r, value in enumerate(store.multi_get(keys))]
+    for other, stored in others:
+        if stored != layout:
+            raise ValueError(
+                f"this process (global rank {rank}) was started with {flags} = {layout}, but global rank {other} "
+                f"of the group at {dist_init} with {stored}: every process of the group must be given the same sizes"
+            )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    return backend
 
 
 def rendezvous_address(dist_init: str) -> tuple[str, int]:

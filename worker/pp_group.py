@@ -52,7 +52,7 @@ from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
-from infer.worker.group_sync import STARTUP_TIMEOUT_S, GroupBroken, rendezvous_address
+from infer.worker.group_sync import STARTUP_TIMEOUT_S, GroupBroken, join_world
 from infer.worker.group_sync import agree_min as group_agree_min
 
 if TYPE_CHECKING:
@@ -312,13 +312,8 @@ def join(
     timeout = datetime.timedelta(seconds=max(options.timeout_s, STARTUP_TIMEOUT_S))  # steps: options.timeout_s
     split = ",".join(str(len(r)) for r in layers)
     layout = f"{options.size} stages, layers {split}, x TP {tp_size} x EP {ep_size}"
-    store = _rendezvous(options.dist_init, rank, ep_size * per_rank, layout, timeout)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=ep_size * per_rank, timeout=timeout)
+    flags = "--pp-size / --pp-layer-partition / --tp-size / --ep-size"
+    backend = join_world(options.dist_init, rank, ep_size * per_rank, layout, flags, timeout, device)
     group = _make_groups(options, rank, layers, model_config.num_hidden_layers, device, tp, ep, timeout)
     world_cpu = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     facts = engine_facts(config, path, weight_files(path), config.dtype)
@@ -398,37 +393,6 @@ def _make_groups(
         ep_leaders_group=leaders,
         base=base,
     )
-
-
-def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: datetime.timedelta) -> Any:
-    """The world's TCPStore (global rank 0 hosts it), after checking that this process and global rank 0 agree on
-    the layout (stages, layer partition, TP and EP sizes): ValueError naming both sides otherwise."""
-    import torch.distributed as dist
-
-    host, port = rendezvous_address(dist_init)
-    store = dist.TCPStore(host, port, None if rank else size, rank == 0, timeout=timeout, wait_for_workers=False)
-    mine = layout
-    theirs = store.get("infer/pp-layout/0").decode() if rank else mine  # read before rank 0 can see ours, and go
-    store.set(f"infer/pp-layout/{rank}", mine)
-    if rank == 0:  # every process's layout, so that rank 0 leaves at once too when one differs
-        keys = [f"infer/pp-layout/{r}" for r in range(size)]
-        store.wait(keys, timeout)
-        for other, stored in enumerate(store.multi_get(keys)):
-            if stored.decode() != mine:
-                raise ValueError(
-                    f"pipeline process {other} (global rank) was started with --pp-size / "
-                    f"--pp-layer-partition / --tp-size / --ep-size giving {stored.decode()}, this "
-                    f"process (stage 0 at {dist_init}) with {mine}: every process must be given the "
-                    f"same sizes"
-                )
-        return store
-    if theirs != mine:
-        raise ValueError(
-            f"this process (global rank {rank} of a pipeline) was started with --pp-size / "
-            f"--pp-layer-partition / --tp-size / --ep-size giving {mine}, but stage 0 at {dist_init} "
-            f"with {theirs}: every process must be given the same sizes"
-        )
-    return store
 
 
 def agree_min(group: PipelineGroup, value: int) -> int:

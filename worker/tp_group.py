@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
-from infer.worker.group_sync import STARTUP_TIMEOUT_S, rendezvous_address
+from infer.worker.group_sync import STARTUP_TIMEOUT_S, join_world
 
 if TYPE_CHECKING:
     import torch
@@ -140,13 +140,8 @@ def init_world(options: TpOptions, ep: EpOptions | None, device: torch.device) -
     ep_size, ep_rank = (ep.size, ep.rank) if ep is not None else (1, 0)
     size, rank = options.size * ep_size, ep_rank * options.size + options.rank
     timeout = datetime.timedelta(seconds=options.timeout_s)
-    store = _rendezvous(options.dist_init, rank, size, f"{options.size}x{ep_size}", timeout)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    layout = f"{options.size}x{ep_size}"
+    backend = join_world(options.dist_init, rank, size, layout, "--tp-size x --ep-size", timeout, device)
     T = options.size
     cpu = (lambda ranks: dist.new_group(ranks, backend="gloo", timeout=timeout)) if backend == "nccl" else None
     tp_groups = [dist.new_group([e * T + t for t in range(T)], timeout=timeout) for e in range(ep_size)]
@@ -178,26 +173,6 @@ def init_world(options: TpOptions, ep: EpOptions | None, device: torch.device) -
         backend,
     )
     return Parallel(tp=tp, ep=expert, ep_leaders_group=leaders_cpu if ep_size > 1 else None, options=options)
-
-
-def _rendezvous(dist_init: str, rank: int, size: int, layout: str, timeout: datetime.timedelta) -> Any:
-    """The world's TCPStore (global rank 0 hosts it), after checking that this process and global rank 0
-    agree on the layout (TP size x EP size): ValueError naming both sides otherwise."""
-    import torch.distributed as dist
-
-    host, port = rendezvous_address(dist_init)
-    store = dist.TCPStore(host, port, None if rank else size, rank == 0, timeout=timeout, wait_for_workers=False)
-    store.set(f"infer/layout/{rank}", f"{layout}:{size}")
-    theirs = store.get("infer/layout/0").decode()
-    if theirs != f"{layout}:{size}":
-        raise ValueError(
-            f"this process (global rank {rank}) was started with --tp-size x --ep-size = {layout}, "
-            f"but global rank 0 at {dist_init} with {theirs.split(':')[0]}: every member of the "
-            f"group must be given the same sizes"
-        )
-    if rank >= size:
-        raise ValueError(f"global rank {rank} is outside the world of {size} processes")
-    return store
 
 
 def check_same_model(tp: TensorParallel | None, group: Any, facts: dict[str, Any]) -> None:
