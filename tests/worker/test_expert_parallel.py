@@ -136,3 +136,37 @@ def test_ep_options_from_flags_torchrun_and_slurm():
         EpOptions(size=2, rank=0, dist_init="h:1")
     with pytest.raises(ValueError, match="SLURM_PROCID must be an integer"):
         EpOptions.resolve(2, None, "tcp://h:1", 30, env={"SLURM_PROCID": "x"})
+
+
+def _join_with_size(rank: int, size: int, port: int, results) -> None:
+    try:
+        opts = EpOptions(size=size, rank=rank, dist_init=f"tcp://127.0.0.1:{port}", timeout_s=20)
+        ExpertParallel.join(opts, torch.device("cpu"))
+        results.put((rank, "joined"))
+    except ValueError as e:
+        results.put((rank, str(e)))
+
+
+def test_a_member_started_with_another_ep_size_is_refused_by_name_on_both_sides():
+    """Rank 0 (--ep-size 2) and rank 1 (--ep-size 3) at one rendezvous: each leaves with a ValueError naming the
+    flag and both sizes, well before the 20 s timeout a bare init_process_group would wait out."""
+    import multiprocessing
+
+    from infer.protocol.ports import reserved_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = reserved_port()
+    procs = [ctx.Process(target=_join_with_size, args=(rank, size, port, results)) for rank, size in ((0, 2), (1, 3))]
+    for proc in procs:
+        proc.start()
+    try:
+        got = dict(results.get(timeout=60) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    assert "this process (global rank 1) was started with --ep-size = EP 3, but global rank 0" in got[1], got
+    assert "this process (global rank 0) was started with --ep-size = EP 2, but global rank 1" in got[0], got
+    assert all("EP 2" in text and "EP 3" in text and "same sizes" in text for text in got.values()), got
