@@ -115,6 +115,39 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]
 
 
 @pytest.fixture(scope="session")
+def family_dir(tmp_path_factory, smollm2_tokenizer) -> Callable[[str], Path]:
+    """Factory: family_dir("phi3") -> the tiny random checkpoint of tests/family_cases.py's row (made once here)."""
+    from family_cases import CASES
+
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            made[name] = CASES[name].build(tmp_path_factory.mktemp(name), smollm2_tokenizer)
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(family_dir) -> Callable[[str], tuple[Path, list[list[int]]]]:
+    """Factory: family_checkpoint("phi3") -> (family_dir("phi3"), transformers' greedy tokens for the row's prompts),
+    each made once here."""
+    from family_cases import CASES
+    from hf_reference import transformers_greedy
+
+    made: dict[str, tuple[Path, list[list[int]]]] = {}
+
+    def make(name: str) -> tuple[Path, list[list[int]]]:
+        if name not in made:
+            case = CASES[name]
+            made[name] = family_dir(name), transformers_greedy(family_dir(name), case.prompts, case.max_new)
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_words_model(tmp_path_factory) -> Path:
     """The tiny Qwen3 with a word-level tokenizer of its own (tiny_models.word_level_tokenizer: another vocabulary
     and chat template than SmolLM2's), for a cluster of models that tokenize differently."""

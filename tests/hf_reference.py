@@ -76,10 +76,19 @@ def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new: int)
     return outs
 
 
-def assert_bf16_as_close_as_transformers(model_dir: Path, ids: list[int], name: str, **options) -> None:
-    """Our bf16 logits of `ids` (one sequence, paged) differ from transformers' fp32 ones no more than 1.5x
-    transformers' own bf16 forward does, and pick fp32's next token at 80% of the positions or more (the figures
-    are printed). `options` go to transformers' model (e.g. attn_implementation)."""
+def assert_bf16_as_close_as_transformers(
+    model_dir: Path, ids: list[int], name: str, measure: str = "max", same_at_least: float = 0.8, **options
+) -> None:
+    """Our bf16 logits of `ids` (one sequence, paged) drift from transformers' fp32 ones no more than 1.5x
+    transformers' own bf16 forward does, and pick fp32's next token at `same_at_least` of the positions or more (the
+    figures are printed). The drift is each position's largest error relative to the largest fp32 logit, taken by
+    `measure`:
+    - "max": the largest over the positions;
+    - "95%": at 95% of the positions ours within 1.5x transformers' largest (a router whose expert scores nearly tie
+      may route one position to another expert in bf16, in ours or in theirs, moving that position's logits);
+    - "mean": the mean over the positions, ours against theirs (with a router, the maximum is the one position where
+      bf16 rounding flips a top-k expert, which is luck either way).
+    `options` go to transformers' model (e.g. attn_implementation)."""
     import torch
     from model_batches import Pager, new_cache
 
@@ -92,13 +101,22 @@ def assert_bf16_as_close_as_transformers(model_dir: Path, ids: list[int], name: 
         batch = Pager(num_blocks=32, block_size=4).batch([("s", ids, 0, len(ids))])
         ours = model.compute_logits(model(batch, new_cache(model, 32, 4)))
 
-    def rel_err(logits: torch.Tensor) -> float:
-        return ((logits - reference).abs().max() / reference.abs().max()).item()
+    def drift(logits: torch.Tensor) -> torch.Tensor:  # [positions]
+        return (logits - reference).abs().amax(-1) / reference.abs().max()
 
     same = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    if measure == "max":
+        figure, bound = drift(ours).max().item(), 1.5 * drift(theirs).max().item()
+    elif measure == "mean":
+        figure, bound = drift(ours).mean().item(), 1.5 * drift(theirs).mean().item()
+    elif measure == "95%":
+        figure = 1.0 - (drift(ours) <= 1.5 * drift(theirs).max()).float().mean().item()
+        bound = 0.05  # the share of positions past 1.5x transformers' largest drift
+    else:
+        raise ValueError(f"measure must be 'max', '95%' or 'mean', got {measure!r}")
     print(
-        f"{name} bf16: ours {rel_err(ours):.3g}, transformers' {rel_err(theirs):.3g} of the largest fp32 logit; "
-        f"{same:.0%} of the next tokens as fp32"
+        f"{name} bf16 ({measure}): ours {figure:.3g}, bound {bound:.3g} (transformers' drift "
+        f"{drift(theirs).max():.3g} at most); {same:.0%} of the next tokens as fp32"
     )
-    assert rel_err(ours) <= 1.5 * rel_err(theirs)
-    assert same >= 0.8
+    assert figure <= bound
+    assert same >= same_at_least

@@ -1,23 +1,18 @@
-"""GPT-OSS against transformers on a tiny random checkpoint (tests/gpt_oss_models.py): attention sinks, alternating
-sliding (window 8) and full layers, its router and clamped SwiGLU experts with biases, yarn rope. Greedy tokens equal
-transformers' `generate` in fp32 on prompts longer than the window (whole and in chunks of 16); logprobs within 2e-4;
-bf16 as close to fp32 as transformers' own bf16. The sink-aware attention twins against a plain softmax with the
-sink; MXFP4 dequantization against transformers' own, and an MXFP4 checkpoint loading to the dense weights."""
+"""What only GPT-OSS has, on the tiny random checkpoint of tests/family_cases.py (attention sinks, alternating
+sliding (window 8) and full layers, its router and clamped SwiGLU experts with biases, yarn rope; its greedy tokens,
+whole and in chunks, logprobs and bf16 against transformers: tests/worker/test_families.py): the sink-aware attention
+twins against a plain softmax with the sink; MXFP4 dequantization against transformers' own, and an MXFP4 checkpoint
+loading to the dense weights; the model's parts equal transformers'."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
-from attention_calls import assert_native_attention, count_attention_kernels
-from family_models import tiny_llm
-from gpt_oss_models import tiny_gpt_oss
-from hf_reference import hf_model, transformers_greedy
+from hf_reference import hf_model
 
-from infer import SamplingParams
 from infer.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_compiled,
@@ -25,19 +20,6 @@ from infer.kernels.paged_attention import (
 )
 from infer.worker.loader import load_model
 from infer.worker.models.gpt_oss import dequantize_mxfp4
-
-MAX_NEW = 16
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-_rng = random.Random(5)
-# all past the window of 8; 70 + 16 past yarn's original 64 positions
-PROMPTS = [[_rng.randrange(3, 250) for _ in range(n)] for n in (9, 23, 41, 70)]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, smollm2_tokenizer) -> tuple[Path, list[list[int]]]:
-    path = tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss"), smollm2_tokenizer)
-    return path, transformers_greedy(path, PROMPTS, MAX_NEW)
-
 
 # ---------------------------------------------------------------------------------------------------------
 # The attention twins with sinks
@@ -149,8 +131,8 @@ def _mxfp4_checkpoint(dense_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     return dense
 
 
-def test_an_mxfp4_checkpoint_loads_its_experts_dequantized(checkpoint, tmp_path):
-    path, _ = checkpoint
+def test_an_mxfp4_checkpoint_loads_its_experts_dequantized(family_dir, tmp_path):
+    path = family_dir("gpt_oss")
     dense = _mxfp4_checkpoint(path, tmp_path / "mxfp4")
     model = load_model(tmp_path / "mxfp4", torch.float32, torch.device("cpu"))
     params = dict(model.named_parameters())
@@ -171,8 +153,8 @@ def test_an_mxfp4_checkpoint_loads_its_experts_dequantized(checkpoint, tmp_path)
 # Against transformers
 
 
-def test_the_model_is_ours_with_windows_sinks_and_experts(checkpoint):
-    path, _ = checkpoint
+def test_the_model_is_ours_with_windows_sinks_and_experts(family_dir):
+    path = family_dir("gpt_oss")
     model = load_model(path, torch.float32, torch.device("cpu"))
     assert type(model).__name__ == "GptOssForCausalLM" and not model.supports_step_graphs
     assert model.layer_windows == (8, 0, 8, 0)
@@ -181,57 +163,3 @@ def test_the_model_is_ours_with_windows_sinks_and_experts(checkpoint):
     assert torch.equal(ours.self_attn.sinks, theirs.model.layers[1].self_attn.sinks)
     assert torch.equal(ours.mlp.experts.gate_up_proj, theirs.model.layers[1].mlp.experts.gate_up_proj)
     assert torch.equal(ours.mlp.router.bias, theirs.model.layers[1].mlp.router.bias)
-
-
-@pytest.mark.parametrize("chunk", [None, 16])
-def test_greedy_tokens_equal_transformers(checkpoint, chunk, monkeypatch):
-    """On a CPU the attention with sinks (windowed layers and full ones) runs on the native kernels."""
-    path, want = checkpoint
-    calls = count_attention_kernels(monkeypatch)
-    llm = tiny_llm(path, **({"max_num_batched_tokens": chunk} if chunk else {}))
-    assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
-    assert_native_attention(calls)
-
-
-def test_logprobs_within_tolerance_of_transformers(checkpoint):
-    path, _ = checkpoint
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-    completions = tiny_llm(path).generate(PROMPTS, params, use_tqdm=False)
-    hf = hf_model(path)
-    for prompt, completion in zip(PROMPTS, completions, strict=True):
-        with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1].float()
-        expected = logits.log_softmax(-1)
-        for step, entry in enumerate(completion.logprobs):
-            for candidate, logprob in entry.items():
-                value = logprob.logprob if hasattr(logprob, "logprob") else logprob
-                assert abs(value - expected[step, candidate].item()) <= 2e-4, (step, candidate)
-
-
-def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoint):
-    """bf16 logits over the longest prompt and its fp32 greedy continuation (86 positions): each position's largest
-    error against transformers' fp32, averaged, no more than 1.5x transformers' own bf16 forward's, and fp32's next
-    token at 90% of the positions or more (the figures are printed). The average, not hf_reference's maximum: with a
-    router, the maximum is the one position where bf16 rounding flips a top-k expert (one in theirs, another in ours),
-    which is luck either way."""
-    from model_batches import Pager, new_cache
-
-    path, want = checkpoint
-    ids = PROMPTS[3] + want[3]
-    with torch.inference_mode():
-        reference = hf_model(path)(torch.tensor([ids])).logits[0].float()
-        theirs = hf_model(path, torch.bfloat16)(torch.tensor([ids])).logits[0].float()
-        model = load_model(path, torch.bfloat16, torch.device("cpu"))
-        batch = Pager(num_blocks=32, block_size=4).batch([("s", ids, 0, len(ids))])
-        ours = model.compute_logits(model(batch, new_cache(model, 32, 4)))
-
-    def mean_err(logits: torch.Tensor) -> float:
-        return ((logits - reference).abs().amax(-1).mean() / reference.abs().max()).item()
-
-    same = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    print(
-        f"gpt_oss bf16: mean per-position error ours {mean_err(ours):.3g}, transformers' {mean_err(theirs):.3g} of "
-        f"the largest fp32 logit; {same:.0%} of the next tokens as fp32"
-    )
-    assert mean_err(ours) <= 1.5 * mean_err(theirs)
-    assert same >= 0.9
