@@ -170,8 +170,11 @@ class StepGraphs:
             self._make(bucket)
         return time.perf_counter() - start
 
+    @torch.inference_mode()
     def _make(self, bucket: int) -> None:
-        """Compile or capture `bucket`, running it once on padding rows only (they write the scratch block)."""
+        """Compile or capture `bucket`, running it once on padding rows only (they write the scratch block). In
+        inference mode, as the steps run (model_runner.py): a graph compiled with grad mode on fails the compiled
+        code's grad-mode guard at the first step, which then compiles the bucket again on the request's path."""
         start = time.perf_counter()
         self.buffers.fill(
             pad_decode(

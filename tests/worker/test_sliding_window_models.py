@@ -218,6 +218,7 @@ def test_step_graphs_give_the_tokens(windowed, want):
     graphs = engine.runner.step_graphs
     assert graphs is not None and graphs.buckets == (1, 2, 4)
     assert _engine_tokens(engine, PROMPTS[:4]) == want("mixed")[:4]
+    assert sum(graphs.replays.values()) >= MAX_NEW - 1  # the decode steps ran in the graphs
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "step-graphs"])
@@ -235,6 +236,7 @@ def test_blocks_out_of_every_window_are_given_back(windowed, want, eager):
             block_size=4,
             enforce_eager=eager,
             max_graph_batch_size=4,
+            max_num_seqs=4,  # 4 requests, then 2: each batch decodes in a graph
         )
     )
     assert engine.scheduler.config.release_window == 8
@@ -251,6 +253,8 @@ def test_blocks_out_of_every_window_are_given_back(windowed, want, eager):
     assert max(held) <= 4 * len(PROMPTS) < sum(-(-(len(p) + MAX_NEW) // 4) for p in PROMPTS) // 2
     assert _engine_tokens(engine, PROMPTS) == want("mistral")
     assert engine.scheduler.stats.prefix_cache_hit_tokens > 0
+    if not eager:
+        assert sum(engine.runner.step_graphs.replays.values()) >= MAX_NEW - 1
 
 
 def test_a_model_with_a_full_layer_keeps_every_block(windowed):

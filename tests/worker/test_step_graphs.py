@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 from moe_models import tiny_mixtral
+from torch._dynamo.utils import counters
 
 from infer import SamplingParams
 from infer.worker.config import EngineConfig
@@ -94,8 +95,11 @@ def test_compiled_steps_match_eager_across_bucket_boundaries(engines, abort_at):
     replays_before = dict(compiled.runner.step_graphs.replays)
     preemptions_before = [e.scheduler.stats.num_preemptions for e in engines]
     want = _drive(eager, requests, abort_at)
+    graphs_before = counters["stats"]["unique_graphs"]
     got = _drive(compiled, requests, abort_at)
     assert got == want
+    # nothing compiled on the requests' path: the start made every bucket they use, in the steps' inference mode
+    assert counters["stats"]["unique_graphs"] == graphs_before
     replays = {b: n - replays_before.get(b, 0) for b, n in compiled.runner.step_graphs.replays.items()}
     assert all(replays.get(b, 0) > 0 for b in (1, 2, 4)), replays  # 3 sequences ran in bucket 4
     if not abort_at:  # (aborts free blocks early enough that nothing needs preempting)
