@@ -111,7 +111,7 @@ class Worker:
         if options.stream_port >= 0:
             self._open_stream_socket(options)
         self.kv: KvLinks | None = None  # a KV role's sockets (worker/kv_links.py)
-        if options.kv_transfer_config.kv_role != "kv_both":
+        if options.kv_port_open:
             self.kv = KvLinks(self.core, options.curve, _advertised_host(options), self.poller)
 
     def _open_stream_socket(self, options: WorkerOptions) -> None:

@@ -138,14 +138,14 @@ class KvLinks:
         self.links: dict[tuple[str, str], zmq.Socket] = {}
         self._warn = RateLimitedLog(log)
         self.shm: ShmArea | None = None
-        shm_dir = core.options.kv_transfer_config.kv_shm_dir
+        shm_dir = core.options.kv.kv_shm_dir
         if shm_dir and os.path.isdir(shm_dir):
             self.shm = ShmArea(Path(shm_dir))
             for end in (core.kv_sender, core.kv_receiver):
                 if end is not None:
                     end.shm = self.shm
         if core.kv_receiver is not None:
-            self._bind(host, core.options.kv_transfer_config.kv_port)
+            self._bind(host, core.options.kv.kv_port)
 
     def _bind(self, host: str, port: int) -> None:
         curve = None
@@ -158,7 +158,7 @@ class KvLinks:
         bound = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self.core.kv_address = f"tcp://{host}:{bound}"
         self.poller.register(sock, zmq.POLLIN)
-        log.info("KV socket (kv_consumer) at %s", self.core.kv_address)
+        log.info("KV socket (%s) at %s", self.core.options.kv.kv_role, self.core.kv_address)
 
     def sockets(self) -> list[zmq.Socket]:
         return ([self.server] if self.server is not None else []) + list(self.links.values())
