@@ -314,8 +314,8 @@ class Admission:
         model's policy among the routable workers with a KV port and room (consumers and kv_both workers before
         producers); None: no such worker (the request finishes on `source`). The request's hand-off then goes
         there (`request.kv_consumer`)."""
-        if request.model is None or request.pin_rank is not None and request.retries == 0:
-            return None  # pinned to its rank: it finishes there
+        if request.model is None:
+            return None
         able = [w for w in self.routable_for(request.model) if w.hello.kv_address is not None and self._has_room(w)]
         candidates = [w for w in able if w.kv_role != "kv_producer"] or able
         candidates = [w for w in candidates if w is not source]

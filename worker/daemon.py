@@ -27,8 +27,9 @@ Lifecycle and exit codes:
   deposed leader that has not noticed) is not followed. The core picks the address; this shell disconnects its
   DEALER from the old one and connects it to the new (same routing identity, same CURVE server key: the
   coordinators of a cluster share one key pair). Running requests keep going, and direct streams with them.
-- SIGTERM / SIGINT: drain (new Dispatches get an error delta "worker is draining"; running requests finish,
-  the rest is aborted after --drain-timeout), exit 0. A second signal ends the drain at once.
+- SIGTERM / SIGINT: drain (new Dispatches get an error delta "worker is draining"; running requests finish, or
+  with --kv-transfer-config move to other workers with their KV; the rest is aborted after --drain-timeout), exit 0.
+  A second signal ends the drain at once.
 - Control "stop": abort everything, exit 0. Bad options: exit 2. Any other fatal error: exit 1.
 Nothing from the wire can end the worker except Refused and "stop": a bad frame gets an Error back.
 """

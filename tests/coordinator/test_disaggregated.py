@@ -1,6 +1,7 @@
 """Disaggregated prefill and decode in the coordinator, frame by frame: a new request goes to a kv_producer with the
 kv_consumer named, the producer's hand-off (its abort delta, ErrorCode.KV_HANDOFF) continues it on that consumer from
-the tokens delivered (not counted as a retry), and a missing role leaves the work to the others."""
+the tokens delivered (not counted as a retry), and a missing role leaves the work to the others; a draining worker with
+a KV port gets a target per request (DrainMoves / MoveTargets) and its hand-off continues there."""
 
 from __future__ import annotations
 
@@ -77,7 +78,6 @@ def test_a_draining_worker_with_a_kv_port_moves_its_requests_to_another_and_they
     h.core.admission.routes_changed()
     h.submit(b"cl", "r", [1, 2, 3], pin_rank=0)
     h.step("b0", delta("r", 9))
-    h.core.books.requests.get("r").pin_rank = None  # routed, not pinned (a pinned request finishes where it is)
     out = h.send(b"b0", DrainMoves(request_ids=["r", "gone"]))
     (answer,) = [m for who, m in out if who == b"b0" and isinstance(m, MoveTargets)]
     assert [(m.request_id, m.kv_address) for m in answer.moves] == [("r", "tcp://127.0.0.1:6001")]

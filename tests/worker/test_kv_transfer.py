@@ -2,7 +2,8 @@
 the transfer's state machine (worker/kv_transfer.py, sans-I/O, against a fake port: offer, want, frames, answers,
 refusals, the deadline), and the engine's side (worker/kv_port.py) on two real tiny-Llama engines: the blocks one
 prefilled are stored in the other's prefix cache, and the request resumed there gives the same greedy tokens with
-its prompt served from them; a consumer with no free block drops them (counted) and recomputes."""
+its prompt served from them; a consumer with no free block drops them (counted) and recomputes. Then a drain's moves in
+the worker core: it asks where its requests go, ships and hands back each named one, ends at its deadline."""
 
 from __future__ import annotations
 
