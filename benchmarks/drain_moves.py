@@ -7,14 +7,21 @@ holds none of their blocks), and once every stream has `--before` tokens sends A
 
     kv         A has a KV port (--kv-transfer-config kv_both): its requests move with their KV (full blocks of prompt
                and generated tokens) to B, which prefills only the last partial block
-    recompute  A has none and --drain-timeout 0: its requests are given back at once and B prefills prompt + tokens
+    recompute  the same move with no blocks: A's kv_transfer_timeout is 1 ms, so each transfer ends before any block
+               leaves and B prefills prompt + tokens. The rest of the path (the coordinator's targets, the hand-off,
+               the client's re-attach) is the same, so the difference is the KV shipped against the re-prefill.
+
+A drain without a KV port is not the baseline: its requests finish on A, and only those left at --drain-timeout are
+re-prefilled (on this machine such a give-back stalled the stream ~5 s, a stall of its own, not the prefill's). The
+client's silence timeout is 60 s: a re-prefill longer than half the default 10 s had the client re-attach its streams
+from their copies again and again (a long wait at the new worker, not a lost one).
 
 Measured per stream: the move's gap, the longest gap between consecutive tokens from the SIGTERM on (the stream's
 next token after the move; tokens A still made before it moved come earlier). Medians over every stream of a mode,
 B's KV counters per round; benchmarks/results/drain_moves-*.json holds every gap.
 
     .venv/bin/python benchmarks/drain_moves.py [--rounds 3] [--streams 2] [--prompt-len 1024] [--before 16]
-                                               [--tokens 48] [--model M] [--threads 1]
+                                               [--tokens 48] [--chunk 256] [--model M] [--threads 1]
 """
 
 from __future__ import annotations
@@ -39,13 +46,24 @@ from infer.protocol.sampling import SamplingParams
 
 MODES = {
     "kv": ["--kv-transfer-config", json.dumps({"kv_role": "kv_both"}), "--drain-timeout", "60"],
-    "recompute": ["--drain-timeout", "0"],
+    "recompute": [
+        "--kv-transfer-config",
+        json.dumps({"kv_role": "kv_both", "kv_transfer_timeout": 0.001}),
+        "--drain-timeout",
+        "60",
+    ],
 }
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """Every worker's: room for a stream, and prefill in chunks of --chunk tokens, so that no step outlasts the
+    streams' silence checks (a worker beats on its stream socket between steps)."""
+    return ["--max-model-len", str(args.prompt_len + args.tokens + 64), "--max-num-batched-tokens", str(args.chunk)]
 
 
 def start_worker(address: str, worker_id: str, flags: list[str], args: argparse.Namespace) -> subprocess.Popen:
     argv = [sys.executable, "-m", "infer.worker.daemon", "--coordinator", address, "--worker-id", worker_id]
-    argv += ["--threads", str(args.threads), "--max-model-len", str(args.prompt_len + args.tokens + 64), *flags]
+    argv += ["--threads", str(args.threads), *engine_flags(args), *flags]
     if args.model:
         argv += ["--model", args.model]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -73,6 +91,7 @@ async def one_round(client: InferenceClient, address: str, mode: str, index: int
         rank = await rank_of(client, worker_id)
         params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
         times: list[list[float]] = [[] for _ in range(args.streams)]
+        ends: list[str] = ["" for _ in range(args.streams)]
         ready = asyncio.Event()
 
         async def stream(i: int, prompt: list[int]) -> None:
@@ -81,6 +100,8 @@ async def one_round(client: InferenceClient, address: str, mode: str, index: int
                     times[i] += [time.perf_counter()] * len(delta.token_ids)
                 if all(len(t) >= args.before for t in times):
                     ready.set()
+                if delta.finish_reason is not None:
+                    ends[i] = f"{delta.finish_reason}{f': {delta.error}' if delta.error else ''}"
 
         before = await b_load(client, b_id)
         prompts = [[rng.randrange(3, 30000) for _ in range(args.prompt_len)] for _ in range(args.streams)]
@@ -105,12 +126,13 @@ async def one_round(client: InferenceClient, address: str, mode: str, index: int
         "received_blocks": after.kv_transfer_received_blocks - before.kv_transfer_received_blocks,
         "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
         "tokens": [len(t) for t in times],
+        "ends": ends,
     }
 
 
 async def measure(address: str, args: argparse.Namespace) -> list[dict]:
     rng = random.Random(0)
-    async with InferenceClient(address) as client:
+    async with InferenceClient(address, silence_timeout=60.0) as client:  # a re-prefill's wait is no silence
         (b,) = (await client.stats()).workers
         await client.generate([1, 2, 3], SamplingParams(max_tokens=2))  # warm B
         rounds = []
@@ -120,7 +142,7 @@ async def measure(address: str, args: argparse.Namespace) -> list[dict]:
             r = rounds[-1]
             print(
                 f"round {index} {mode:9} move gaps {', '.join(f'{g * 1000:.0f}' for g in r['move_gaps_s'])} ms; "
-                f"B received {r['received_blocks']} blocks, hit {r['prefix_cache_hits']} tokens",
+                f"B received {r['received_blocks']} blocks, hit {r['prefix_cache_hits']} tokens; ends {r['ends']}",
                 flush=True,
             )
     return rounds
@@ -133,11 +155,12 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--before", type=int, default=16, help="tokens each stream has when A drains")
     p.add_argument("--tokens", type=int, default=48, help="max_tokens of each stream")
+    p.add_argument("--chunk", type=int, default=256, help="--max-num-batched-tokens of every worker")
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     flags = ["--workers", "1", "--kv-roles", "kv_both", "--threads", str(args.threads)]
-    flags += ["--max-model-len", str(args.prompt_len + args.tokens + 64)]
+    flags += engine_flags(args)
     if args.model:
         flags += ["--model", args.model]
     proc, address = start_serve(flags)

@@ -312,8 +312,9 @@ class Admission:
     def move_target(self, request: RequestRecord, source: WorkerRecord) -> KvMove | None:
         """Where a draining worker's request goes on with its KV (docs/architecture.md, "A drain that moves KV"): the
         model's policy among the routable workers with a KV port and room (consumers and kv_both workers before
-        producers); None: no such worker (the request finishes on `source`). The request's hand-off then goes
-        there (`request.kv_consumer`)."""
+        producers; a producer's request keeps the consumer it was dispatched with, which may hold its blocks by
+        then); None: no such worker (the request finishes on `source`). Its hand-off then goes there
+        (`request.kv_consumer`)."""
         if request.model is None:
             return None
         able = [w for w in self.routable_for(request.model) if w.hello.kv_address is not None and self._has_room(w)]
@@ -322,9 +323,10 @@ class Admission:
         if not candidates:
             return None
         policy = self.policy(source.model_id)
-        if isinstance(policy, KvAware):
+        target = next((w for w in candidates if w.worker_id == request.kv_consumer), None)
+        if target is None and isinstance(policy, KvAware):
             target = policy.choose_for(request.routing_prompt, candidates, request.sampling.lora_name)
-        else:
+        elif target is None:
             target = policy.choose(request.routing_prompt, candidates)
         request.kv_consumer = target.worker_id
         return KvMove(
