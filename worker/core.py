@@ -172,7 +172,9 @@ class WorkerCore:
         self.signals = 0  # SIGTERM / SIGINT received (the shell's handler counts them)
         self._outgoing: list[Message] = []
         self._requests: dict[str, _Sent] = {}
-        self._silenced: set[str] = set()  # aborted at the coordinator's request: their final delta is dropped
+        # aborted at the coordinator's request: how many of their final deltas are dropped (the same id may be
+        # aborted, dispatched again and aborted again before a step: each abort's delta is dropped, and no other)
+        self._silenced: dict[str, int] = {}
         self._instance: str | None = None  # the coordinator process that welcomed us (a change: it restarted)
         # Several coordinators: the address in use (the shell connects there: take_reconnect), the highest term a
         # Welcome we followed carried, and a move to another address planned (at _switch_due, after a Redirect or
@@ -682,10 +684,14 @@ class WorkerCore:
         self._kv_maybe_pending = on
 
     def _silence(self, out: Delta) -> bool:
-        if out.finish_reason == FinishReason.ABORT and out.request_id in self._silenced:
-            self._silenced.discard(out.request_id)
-            return True
-        return False
+        left = self._silenced.get(out.request_id, 0) if out.finish_reason == FinishReason.ABORT else 0
+        if not left:
+            return False
+        if left == 1:
+            del self._silenced[out.request_id]
+        else:
+            self._silenced[out.request_id] = left - 1
+        return True
 
     def _delta(self, out: Delta, now: float) -> Delta | None:
         """An engine output as it goes out: recorded in its request's journal (and its trace), the first of a text
@@ -961,7 +967,7 @@ class WorkerCore:
             if sent.trace is not None:
                 self._spans.append(sent.trace.end("abort (by the coordinator)", now))
             if self.engine.abort(request_id):
-                self._silenced.add(request_id)
+                self._silenced[request_id] = self._silenced.get(request_id, 0) + 1
 
     def _abort_all(self, now: float) -> None:
         """Give every request back. Text held back stays out of the final deltas: whoever resumes a request
