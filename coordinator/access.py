@@ -6,7 +6,7 @@ with (the ZAP User-Id). AccessControl decides, frame by frame:
 - the key must still hold a role (a key whose file was removed is revoked: its peers are cut off);
 - the routing identity belongs to the key that used it first: a frame from the same identity with another
   key (the first connection is gone and someone else took its id) cuts the identity off;
-- the message needs a role: Hello "worker", StepBatch and ControlAck a worker key; Hello "client",
+- the message needs a role: Hello "worker", StepBatch, DrainMoves and ControlAck a worker key; Hello "client",
   Submit, Abort and StatsRequest a client or administrator key; Control (pause, unpause, suspend, resume,
   stop), UpdateWeights and LoraCommand (load / unload a LoRA adapter) an administrator key; WeightsUpdated and
   LoraDone a worker key; the coordinators' own messages (PeerBeat, PeerAck, VoteRequest, VoteGrant) the key they
@@ -28,6 +28,7 @@ from infer.protocol.messages import (
     Abort,
     Control,
     ControlAck,
+    DrainMoves,
     Error,
     Heartbeat,
     Hello,
@@ -53,6 +54,7 @@ _REQUIRED: dict[type[Message], frozenset[Role]] = {
     StatsRequest: CLIENT_ROLES,
     Control: ADMIN_ROLES,
     StepBatch: WORKER_ROLES,
+    DrainMoves: WORKER_ROLES,
     ControlAck: WORKER_ROLES,
     Error: ANY_ROLE,
     UpdateWeights: ADMIN_ROLES,

@@ -29,7 +29,7 @@ from infer.coordinator.state import ClusterStatus, RequestRecord, WorkerRecord
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.journal import StreamJournal
 from infer.protocol.logsafe import RateLimitedLog, safe
-from infer.protocol.messages import Abort, Delta, Dispatch, KvEvents, KvResync, Placement, Submit
+from infer.protocol.messages import Abort, Delta, Dispatch, KvEvents, KvMove, KvResync, Placement, Submit
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import HopSpan
 
@@ -220,7 +220,7 @@ class Admission:
         if request.model is None and not self._settle_model(request):
             return True
         routable = self.routable_for(request.model)
-        disaggregated = any(w.kv_role != "kv_both" for w in routable)
+        disaggregated = any(w.kv_role != "kv_both" for w in routable) or request.handed_off
         if disaggregated:
             routable = self._by_kv_role(request, routable)
         pinned = request.pin_rank is not None and request.retries == 0 and not request.handed_off
@@ -308,6 +308,30 @@ class Admission:
         if isinstance(policy, KvAware):
             return policy.choose_for(request.routing_prompt, consumers, request.sampling.lora_name)
         return policy.choose(request.routing_prompt, consumers)
+
+    def move_target(self, request: RequestRecord, source: WorkerRecord) -> KvMove | None:
+        """Where a draining worker's request goes on with its KV (docs/architecture.md, "A drain that moves KV"): the
+        model's policy among the routable workers with a KV port and room (consumers and kv_both workers before
+        producers; a producer's request keeps the consumer it was dispatched with, which may hold its blocks by
+        then); None: no such worker (the request finishes on `source`). Its hand-off then goes there
+        (`request.kv_consumer`)."""
+        if request.model is None:
+            return None
+        able = [w for w in self.routable_for(request.model) if w.hello.kv_address is not None and self._has_room(w)]
+        candidates = [w for w in able if w.kv_role != "kv_producer"] or able
+        candidates = [w for w in candidates if w is not source]
+        if not candidates:
+            return None
+        policy = self.policy(source.model_id)
+        target = next((w for w in candidates if w.worker_id == request.kv_consumer), None)
+        if target is None and isinstance(policy, KvAware):
+            target = policy.choose_for(request.routing_prompt, candidates, request.sampling.lora_name)
+        elif target is None:
+            target = policy.choose(request.routing_prompt, candidates)
+        request.kv_consumer = target.worker_id
+        return KvMove(
+            request_id=request.request_id, kv_address=cast(str, target.hello.kv_address), kv_key=target.key or ""
+        )
 
     def handoff(self, request: RequestRecord, producer: WorkerRecord, now: float) -> None:
         """A producer prefilled `request` and sent its KV to its consumer: continue it there (as a failover does,

@@ -16,7 +16,7 @@ from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import RequestRecord, WorkerRecord
 from infer.protocol.codes import ErrorCode, FinishReason
 from infer.protocol.logsafe import RateLimitedLog, safe
-from infer.protocol.messages import Abort, Delta, Error, StepBatch
+from infer.protocol.messages import Abort, Delta, DrainMoves, Error, MoveTargets, StepBatch
 
 log = logging.getLogger("infer.coordinator")
 
@@ -150,14 +150,42 @@ class Relay:
 
     def _worker_draining(self, request: RequestRecord, worker: WorkerRecord, now: float) -> None:
         """The worker refused a dispatch because it drains (SIGTERM): route nothing more to it."""
+        self._mark_draining(worker)
+        self.admission.failover(request, f"worker {worker.worker_id!r} is draining", now)
+        self.admission.dispatch_held(now)
+
+    def _mark_draining(self, worker: WorkerRecord) -> None:
         if not worker.draining:
             worker.draining = True
             self.admission.worker_draining(worker)
             log.info(
                 "worker %s (dp_rank %d) is draining: no new requests go to it", safe(worker.worker_id), worker.dp_rank
             )
-        self.admission.failover(request, f"worker {worker.worker_id!r} is draining", now)
-        self.admission.dispatch_held(now)
+
+    def on_drain_moves(self, identity: bytes, msg: DrainMoves, now: float) -> None:
+        """A worker with a KV port drains and asks where its running requests go (docs/architecture.md, "A drain
+        that moves KV"): out of routing now; each of its requests that another worker can take gets a target."""
+        worker = self.books.workers.by_identity.get(identity)
+        if worker is None or not worker.healthy:
+            self.unknown_worker(identity, worker, [])
+            return
+        worker.last_seen = now
+        self._mark_draining(worker)
+        moves = []
+        for request_id in msg.request_ids:
+            request = self.books.requests.get(request_id)
+            if request is None or request.worker_id != worker.worker_id:
+                continue  # ended, or moved already
+            move = self.admission.move_target(request, worker)
+            if move is not None:
+                moves.append(move)
+        log.info(
+            "worker %s drains: %d of %d request(s) move with their KV",
+            safe(worker.worker_id),
+            len(moves),
+            len(msg.request_ids),
+        )
+        self.outbox.send(identity, MoveTargets(moves=moves))
 
     def on_error(self, identity: bytes, error: Error, now: float) -> None:
         worker = self.books.workers.by_identity.get(identity)

@@ -52,7 +52,8 @@ class ErrorCode(Word):
     # coordinator moves the request to another worker and routes nothing more
     # to this one
     KV_HANDOFF = "kv_handoff"  # (worker -> coordinator only, finish_reason "abort") a kv_producer prefilled it and
-    # sent its KV blocks to the consumer the Dispatch named: the coordinator continues it there
+    # sent its KV blocks to the consumer the Dispatch named, or a draining worker sent them to the target MoveTargets
+    # named: the coordinator continues it there
 
 
 class Command(Word):

@@ -259,7 +259,8 @@ class Hello(Message, frozen=True):
     stream_address: Address | None = None
     streams: bool = False
     # A worker's KV role (docs/architecture.md, "Disaggregated prefill and decode"): kv_producer workers prefill
-    # and hand requests off, kv_consumer workers receive their KV blocks at `kv_address` and decode them.
+    # and hand requests off, kv_consumer workers receive their KV blocks at `kv_address` and decode them. Any worker
+    # started with --kv-transfer-config has a `kv_address` (a drain moves requests there with their KV).
     kv_role: str = "kv_both"
     kv_address: Address | None = None
 
@@ -269,8 +270,8 @@ class Hello(Message, frozen=True):
             self.kv_role in KV_ROLES, f"field 'kv_role' must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r:.80}"
         )
         _require(
-            (self.kv_role == "kv_consumer") == (self.kv_address is not None),
-            "a kv_consumer hello needs field 'kv_address', and only a kv_consumer's has one",
+            self.kv_role != "kv_consumer" or self.kv_address is not None,
+            "a kv_consumer hello needs field 'kv_address'",
         )
         _check_id("peer_id", self.peer_id)
         if self.role == "worker":
@@ -1204,6 +1205,37 @@ class KvStored(Message, frozen=True):
     stored: NonNegative = 0
     last: bool = True
     refusal: str | None = None
+
+
+# ---- a drain that moves requests with their KV (worker/core.py `_start_moves`) ---------------------------
+
+
+@message
+class DrainMoves(Message, frozen=True):
+    """Worker (with a KV port) -> coordinator: it drains (SIGTERM) and would move these running requests, with
+    their KV blocks, to the workers that continue them. The coordinator routes nothing new to it from now on and
+    answers MoveTargets; requests it names no target for stay and finish here within the drain timeout."""
+
+    TYPE: ClassVar[str] = "drain_moves"
+    request_ids: Items[Id]
+
+
+class KvMove(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One request's new worker: its KV socket and its public key (z85, "" without keys)."""
+
+    request_id: Id
+    kv_address: Address
+    kv_key: Owner
+
+
+@message
+class MoveTargets(Message, frozen=True):
+    """Coordinator -> draining worker: for each request, the worker that continues it (chosen by the model's
+    routing policy among the workers with a KV port, draining ones left out). The worker ships the request's KV
+    blocks the target lacks there, then gives the request back (ErrorCode.KV_HANDOFF), as a kv_producer does."""
+
+    TYPE: ClassVar[str] = "move_targets"
+    moves: Items[KvMove]
 
 
 # ---- codec ---------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/worker/test_sliding_window_models.py": 125,
     "tests/cluster/test_structured_outputs.py": 123,
     "tests/client/test_family_entry_points.py": 121,
+    "tests/cluster/test_drain_moves.py": 120,  # new: its tests alone (-n 0), 2026-11-30, loaded
     "tests/worker/test_native_decode.py": 118,
     "tests/worker/test_engine.py": 112,
     "tests/cluster/test_self_healing.py": 111,

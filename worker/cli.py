@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _check_kv_role(flags: WorkerFlags, config: EngineConfig, options: WorkerOptions) -> None:
-    """What a kv_producer or kv_consumer does not do yet is refused by name (ValueError: exit 2)."""
-    if options.kv_transfer_config.kv_role == "kv_both":
+    """What a worker with a KV port (any role) does not do yet is refused by name (ValueError: exit 2)."""
+    if options.kv_transfer_config is None:
         return
     role = options.kv_transfer_config.kv_role
     refused = (
@@ -172,8 +172,8 @@ def _check_kv_role(flags: WorkerFlags, config: EngineConfig, options: WorkerOpti
         (config.enable_lora, "--enable-lora (an adapter's KV blocks are not sent yet)"),
         (config.speculative_config is not None, "--speculative-config (not tested with a KV transfer yet)"),
         (
-            role == "kv_consumer" and not config.enable_prefix_caching,
-            "prefix caching off (a consumer keeps the blocks it receives in its prefix cache)",
+            role != "kv_producer" and not config.enable_prefix_caching,
+            "prefix caching off (the blocks it receives are kept in its prefix cache)",
         ),
     )
     for bad, why in refused:

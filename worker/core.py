@@ -43,6 +43,7 @@ from infer.protocol.messages import (
     ControlAck,
     Delta,
     Dispatch,
+    DrainMoves,
     Error,
     Heartbeat,
     Hello,
@@ -52,6 +53,7 @@ from infer.protocol.messages import (
     LoraCommand,
     LoraDone,
     Message,
+    MoveTargets,
     ProtocolError,
     Redirect,
     Refused,
@@ -170,7 +172,9 @@ class WorkerCore:
         self.signals = 0  # SIGTERM / SIGINT received (the shell's handler counts them)
         self._outgoing: list[Message] = []
         self._requests: dict[str, _Sent] = {}
-        self._silenced: set[str] = set()  # aborted at the coordinator's request: their final delta is dropped
+        # aborted at the coordinator's request: how many of their final deltas are dropped (the same id may be
+        # aborted, dispatched again and aborted again before a step: each abort's delta is dropped, and no other)
+        self._silenced: dict[str, int] = {}
         self._instance: str | None = None  # the coordinator process that welcomed us (a change: it restarted)
         # Several coordinators: the address in use (the shell connects there: take_reconnect), the highest term a
         # Welcome we followed carried, and a move to another address planned (at _switch_due, after a Redirect or
@@ -203,13 +207,12 @@ class WorkerCore:
         self._kv_events = False
         self._kv_sent_at = now
         self._kv_maybe_pending = False
-        # disaggregated prefill and decode (worker/kv_transfer.py): a producer's transfers, a consumer's answers; the
-        # shell sets `kv_address` once a consumer's KV socket is bound
-        kv = options.kv_transfer_config
-        port: KvBlocksPort | None = getattr(engine, "kv_port", None)
+        # KV transfers (worker/kv_transfer.py), with --kv-transfer-config: a producer's hand-offs and a drain's moves
+        # send, every KV socket answers; the shell sets `kv_address` once the KV socket is bound
+        port: KvBlocksPort | None = getattr(engine, "kv_port", None) if options.kv_port_open else None
         self.kv_port = port
-        self.kv_sender = KvSender(kv.kv_transfer_timeout) if kv.producer and port is not None else None
-        self.kv_receiver = KvReceiver(port) if kv.consumer and port is not None else None
+        self.kv_sender = KvSender(options.kv.kv_transfer_timeout) if port is not None else None
+        self.kv_receiver = KvReceiver(port) if port is not None else None
         self.kv_address: str | None = None
         self._kv_targets: dict[str, tuple[str, str]] = {}  # dispatched with a consumer: (its KV address, its key)
         self._kv_transferring: set[str] = set()  # handed off in this step: their abort delta is on its way
@@ -390,6 +393,56 @@ class WorkerCore:
         replies, self._kv_replies = self._kv_replies, []
         return replies
 
+    # ---- a drain that moves requests with their KV (docs/architecture.md, "A drain that moves KV") ----------
+
+    def _ask_moves(self, now: float) -> None:
+        """The drain starts on a worker with a KV port: ask the coordinator where its requests go on (DrainMoves).
+        Until MoveTargets answers (and for the requests it names no target for) they run here, as in any drain."""
+        if self.kv_sender is None or not self.ever_welcomed:
+            return
+        movable = [rid for rid in self._requests if rid not in self._kv_transferring]
+        if movable:
+            self._send(DrainMoves(request_ids=movable), now)
+
+    def _on_move_targets(self, msg: MoveTargets, now: float) -> None:
+        """Each named request still running here: its full blocks copied out, the request aborted here and its
+        transfer started to its target (as a producer's hand-off: `_finish_transfers` gives it back once the
+        target stored the blocks, or the transfer ended otherwise)."""
+        sender, port = self.kv_sender, self.kv_port
+        if sender is None or port is None or self._drain_deadline is None:
+            return
+        fingerprint = port.fingerprint(self.engine.weight_version)
+        moved = 0
+        for move in msg.moves:
+            rid = move.request_id
+            if rid not in self._requests or rid in self._kv_transferring or rid in sender.transfers:
+                continue  # finished meanwhile, or on its way already
+            self._kv_targets.pop(rid, None)  # a producer's request before its first token: the move replaces it
+            exported = port.export(rid)
+            if not self.engine.abort(rid, release_text=False):
+                continue
+            self._kv_transferring.add(rid)
+            sender.start(rid, move.kv_address, move.kv_key, exported, fingerprint, now)
+            moved += 1
+        if moved:
+            log.info("drain: moving %d request(s) with their KV", moved)
+            self._send_step_batch(self.engine.take_pending(), now)
+            self._finish_transfers(now)
+
+    def _end_moves(self, now: float) -> None:
+        """The drain's deadline: every transfer still under way ends now, and its request goes back as it stands."""
+        if self.kv_sender is not None:
+            self.kv_sender.end_all(f"the drain timeout ({self.options.drain_timeout:g} s) passed")
+        self._finish_transfers(now)
+        left = [
+            msgspec.structs.replace(delta, error_code=ErrorCode.KV_HANDOFF, error="KV transfer: the drain ended")
+            for delta in self._kv_handed.values()
+        ]
+        self._kv_handed.clear()
+        if left:
+            self._outbox.extend(left)
+            self._send_step_batch([], now)
+
     def engine_broken(self, error: Exception, now: float) -> NoReturn:
         """The engine step raised (the engine fails single requests itself, so this is the engine broken)."""
         self._send(Error(message=f"worker {self.options.worker_id} failed: engine step: {error!r}"), now)
@@ -412,6 +465,7 @@ class WorkerCore:
             log.info(
                 "signal received: draining %d requests (at most %g s)", len(self._requests), self.options.drain_timeout
             )
+            self._ask_moves(now)
         elif self.signals > 1 and self._drain_deadline > now:
             log.info("second signal: aborting the %d requests left", len(self._requests))
             self._drain_deadline = now
@@ -465,13 +519,17 @@ class WorkerCore:
             )
 
     def drained(self, now: float) -> bool:
-        """A drain is under way and over: every request finished (those left at its deadline given back)."""
+        """A drain is under way and over: every request finished or moved (those left at its deadline given back,
+        the moves still shipping KV then handed back as they stand: their targets recompute what they lack)."""
         if self._drain_deadline is None:
             return False
-        if self._requests and now >= self._drain_deadline:
-            log.warning("drain timeout: aborting %d requests", len(self._requests))
-            self._abort_all(now)
-        return not self._requests and not self.engine.has_unfinished()
+        if now >= self._drain_deadline:
+            if self._requests:
+                log.warning("drain timeout: aborting %d requests", len(self._requests))
+                self._abort_all(now)
+            if self._kv_handed:
+                self._end_moves(now)
+        return not self._requests and not self.engine.has_unfinished() and not self._kv_handed
 
     @property
     def draining(self) -> bool:
@@ -626,10 +684,14 @@ class WorkerCore:
         self._kv_maybe_pending = on
 
     def _silence(self, out: Delta) -> bool:
-        if out.finish_reason == FinishReason.ABORT and out.request_id in self._silenced:
-            self._silenced.discard(out.request_id)
-            return True
-        return False
+        left = self._silenced.get(out.request_id, 0) if out.finish_reason == FinishReason.ABORT else 0
+        if not left:
+            return False
+        if left == 1:
+            del self._silenced[out.request_id]
+        else:
+            self._silenced[out.request_id] = left - 1
+        return True
 
     def _delta(self, out: Delta, now: float) -> Delta | None:
         """An engine output as it goes out: recorded in its request's journal (and its trace), the first of a text
@@ -748,7 +810,7 @@ class WorkerCore:
                 snapshots=[self._snapshot(rid, sent) for rid, sent in self._requests.items()],
                 tokenizer=self.tokenizer_source,
                 stream_address=self.stream_address,
-                kv_role=self.options.kv_transfer_config.kv_role,
+                kv_role=self.options.kv.kv_role,
                 kv_address=self.kv_address,
             ),
             now,
@@ -905,7 +967,7 @@ class WorkerCore:
             if sent.trace is not None:
                 self._spans.append(sent.trace.end("abort (by the coordinator)", now))
             if self.engine.abort(request_id):
-                self._silenced.add(request_id)
+                self._silenced[request_id] = self._silenced.get(request_id, 0) + 1
 
     def _abort_all(self, now: float) -> None:
         """Give every request back. Text held back stays out of the final deltas: whoever resumes a request
@@ -1073,6 +1135,7 @@ class WorkerCore:
         Error: _on_error,
         Dispatch: _on_dispatch,
         Abort: _on_abort,
+        MoveTargets: _on_move_targets,
         Control: _on_control,
         Heartbeat: _on_heartbeat,
         UpdateWeights: _on_update_weights,

@@ -27,8 +27,9 @@ Lifecycle and exit codes:
   deposed leader that has not noticed) is not followed. The core picks the address; this shell disconnects its
   DEALER from the old one and connects it to the new (same routing identity, same CURVE server key: the
   coordinators of a cluster share one key pair). Running requests keep going, and direct streams with them.
-- SIGTERM / SIGINT: drain (new Dispatches get an error delta "worker is draining"; running requests finish,
-  the rest is aborted after --drain-timeout), exit 0. A second signal ends the drain at once.
+- SIGTERM / SIGINT: drain (new Dispatches get an error delta "worker is draining"; running requests finish, or
+  with --kv-transfer-config move to other workers with their KV; the rest is aborted after --drain-timeout), exit 0.
+  A second signal ends the drain at once.
 - Control "stop": abort everything, exit 0. Bad options: exit 2. Any other fatal error: exit 1.
 Nothing from the wire can end the worker except Refused and "stop": a bad frame gets an Error back.
 """
@@ -111,7 +112,7 @@ class Worker:
         if options.stream_port >= 0:
             self._open_stream_socket(options)
         self.kv: KvLinks | None = None  # a KV role's sockets (worker/kv_links.py)
-        if options.kv_transfer_config.kv_role != "kv_both":
+        if options.kv_port_open:
             self.kv = KvLinks(self.core, options.curve, _advertised_host(options), self.poller)
 
     def _open_stream_socket(self, options: WorkerOptions) -> None:

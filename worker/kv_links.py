@@ -1,11 +1,12 @@
-"""The KV sockets of a worker with a KV role (the I/O of worker/kv_transfer.py; its decisions are WorkerCore's).
+"""The KV sockets of a worker with --kv-transfer-config (the I/O of worker/kv_transfer.py; its decisions are
+WorkerCore's). A producer's hand-offs and a drain's moves send the same way; "consumer" below is whoever receives.
 
-- A kv_consumer binds a ROUTER (`kv_port`, 0: one the OS chooses) and says where in its Hello (`kv_address`). With
+- Every such worker binds a ROUTER (`kv_port`, 0: one the OS chooses) and says where in its Hello (`kv_address`). With
   keys it is a CURVE server under the worker's own key pair, and lets in only that public key: the producers of a
   cluster made with `infer-keygen --cluster` share the workers' one key pair (a producer under another key fails the
   handshake, its transfer times out and its requests are recomputed on the consumer: never served unauthenticated
   KV).
-- A kv_producer opens one DEALER per consumer address (lazily; with keys a CURVE client towards the consumer's key,
+- A sender opens one DEALER per consumer address (lazily; with keys a CURVE client towards the consumer's key,
   which the coordinator vouched for in the Dispatch). Blocks go only after the consumer's KvWant (it is alive), so a
   dead consumer has only an offer queued towards it; at most _SNDHWM frames queue per consumer.
 - Shared memory (`kv_shm_dir`, /dev/shm by default): a producer's offer names a probe file of its own there and the
@@ -138,14 +139,14 @@ class KvLinks:
         self.links: dict[tuple[str, str], zmq.Socket] = {}
         self._warn = RateLimitedLog(log)
         self.shm: ShmArea | None = None
-        shm_dir = core.options.kv_transfer_config.kv_shm_dir
+        shm_dir = core.options.kv.kv_shm_dir
         if shm_dir and os.path.isdir(shm_dir):
             self.shm = ShmArea(Path(shm_dir))
             for end in (core.kv_sender, core.kv_receiver):
                 if end is not None:
                     end.shm = self.shm
         if core.kv_receiver is not None:
-            self._bind(host, core.options.kv_transfer_config.kv_port)
+            self._bind(host, core.options.kv.kv_port)
 
     def _bind(self, host: str, port: int) -> None:
         curve = None
@@ -158,7 +159,7 @@ class KvLinks:
         bound = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self.core.kv_address = f"tcp://{host}:{bound}"
         self.poller.register(sock, zmq.POLLIN)
-        log.info("KV socket (kv_consumer) at %s", self.core.kv_address)
+        log.info("KV socket (%s) at %s", self.core.options.kv.kv_role, self.core.kv_address)
 
     def sockets(self) -> list[zmq.Socket]:
         return ([self.server] if self.server is not None else []) + list(self.links.values())

@@ -245,6 +245,11 @@ class KvSender:
     def next_deadline(self) -> float | None:
         return min((t.deadline for t in self.transfers.values()), default=None)
 
+    def end_all(self, reason: str) -> None:
+        """End every transfer under way now (a drain's deadline): their requests go back as they stand."""
+        for transfer in list(self.transfers.values()):
+            self._end(transfer, reason, failed=True)
+
     def cancel(self, request_id: str) -> None:
         """The request ended here meanwhile (aborted by the coordinator): forget its transfer."""
         self.transfers.pop(request_id, None)

@@ -90,12 +90,13 @@ class WorkerOptions:
     stream_linger: float = option(
         60.0, "seconds a finished direct stream no client fetched is kept for one (then dropped)", metavar="S"
     )
-    kv_transfer_config: KvTransferConfig = option(
-        KvTransferConfig(),
-        'disaggregated prefill and decode, vLLM\'s keys as JSON: {"kv_role": "kv_producer" | "kv_consumer" | '
-        '"kv_both"} (kv_both, the default: prefill and decode here); optional "kv_port" (a consumer\'s KV socket, 0: '
-        'one the OS chooses), "kv_transfer_timeout" (seconds a producer waits for a transfer, default 10) and '
-        '"kv_shm_dir" (on one host the blocks go through files there, default /dev/shm; "": over TCP always)',
+    kv_transfer_config: KvTransferConfig | None = option(
+        None,
+        "a KV port: disaggregated prefill and decode, and drains that move requests with their KV; vLLM's keys as "
+        'JSON: {"kv_role": "kv_producer" | "kv_consumer" | "kv_both"} (kv_both: prefill and decode here); optional '
+        '"kv_port" (this worker\'s KV socket, 0: one the OS chooses), "kv_transfer_timeout" (seconds a transfer may '
+        'take, default 10) and "kv_shm_dir" (on one host the blocks go through files there, default /dev/shm; "": '
+        "over TCP always). Without it: no KV port, kv_both",
         metavar="JSON",
         parse=KvTransferConfig.of,
     )
@@ -136,10 +137,9 @@ class WorkerOptions:
             raise ValueError("--benchmark-mode has no model, so no EP group: leave out --ep-size")
         if self.tp is not None and self.benchmark_mode:
             raise ValueError("--benchmark-mode has no model, so no TP group: leave out --tp-size")
-        kv_role = self.kv_transfer_config.kv_role
-        if kv_role != "kv_both":
-            if self.benchmark_mode:  # the other combinations: worker/cli.py (they need the engine's flags)
-                raise ValueError(f"--kv-transfer-config: {kv_role} is not supported with --benchmark-mode (no KV)")
+        if self.kv_transfer_config is not None and self.benchmark_mode:  # the rest: worker/cli.py (engine flags)
+            role = self.kv_transfer_config.kv_role
+            raise ValueError(f"--kv-transfer-config: {role} is not supported with --benchmark-mode (no KV)")
         if self.otlp_traces_endpoint is not None:
             require_sdk()
         if not -1 <= self.stream_port <= 65535:
@@ -151,6 +151,16 @@ class WorkerOptions:
                 f"coordinator_timeout ({self.coordinator_timeout}) must exceed heartbeat_interval "
                 f"({self.heartbeat_interval})"
             )
+
+    @property
+    def kv(self) -> KvTransferConfig:
+        """--kv-transfer-config, or kv_both without a KV port when it was not given (`kv_port_open` False)."""
+        return self.kv_transfer_config or KvTransferConfig()
+
+    @property
+    def kv_port_open(self) -> bool:
+        """--kv-transfer-config was given: this worker has a KV socket (any role)."""
+        return self.kv_transfer_config is not None
 
     @property
     def coordinators(self) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """Disaggregated prefill and decode in the coordinator, frame by frame: a new request goes to a kv_producer with the
 kv_consumer named, the producer's hand-off (its abort delta, ErrorCode.KV_HANDOFF) continues it on that consumer from
-the tokens delivered (not counted as a retry), and a missing role leaves the work to the others."""
+the tokens delivered (not counted as a retry), and a missing role leaves the work to the others; a draining worker with
+a KV port gets a target per request (DrainMoves / MoveTargets) and its hand-off continues there."""
 
 from __future__ import annotations
 
@@ -65,3 +66,25 @@ def test_a_consumer_that_dies_after_the_hand_off_moves_its_request_to_the_produc
     out += h.advance(0.6)
     (moved,) = dispatches(out)[b"p0"]
     assert moved.resumed_token_ids == [9, 4] and moved.kv_consumer_address is None
+
+
+def test_a_draining_worker_with_a_kv_port_moves_its_requests_to_another_and_they_continue_there():
+    from infer.protocol.messages import DrainMoves, MoveTargets
+
+    h = Harness()
+    for rank, wid in enumerate(("b0", "b1", "b2")):
+        address = None if wid == "b2" else f"tcp://127.0.0.1:600{rank}"  # b2: no KV port
+        h.send(wid.encode(), worker_hello(wid, rank, kv_role="kv_both", kv_address=address))
+    h.core.admission.routes_changed()
+    h.submit(b"cl", "r", [1, 2, 3], pin_rank=0)
+    h.step("b0", delta("r", 9))
+    out = h.send(b"b0", DrainMoves(request_ids=["r", "gone"]))
+    (answer,) = [m for who, m in out if who == b"b0" and isinstance(m, MoveTargets)]
+    assert [(m.request_id, m.kv_address) for m in answer.moves] == [("r", "tcp://127.0.0.1:6001")]
+    assert h.core.books.workers.by_id["b0"].draining  # nothing new goes to it
+    out = h.step("b0", delta("r", 4, finish="abort", code="kv_handoff", error="KV transfer: stored 1 of 1 blocks"))
+    (moved,) = dispatches(out)[b"b1"]
+    assert moved.resumed_token_ids == [9, 4]
+    assert h.core.books.counters.requests_redispatched == 0
+    for rid in ("s", "t", "u"):
+        assert list(dispatches(h.submit(b"cl", rid, [5, 6]))) in ([b"b1"], [b"b2"])

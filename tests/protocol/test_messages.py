@@ -21,11 +21,13 @@ from infer.protocol.messages import (
     Delta,
     DeltaBatch,
     Dispatch,
+    DrainMoves,
     Error,
     Heartbeat,
     Hello,
     KvBlocks,
     KvEvents,
+    KvMove,
     KvOffer,
     KvResync,
     KvStored,
@@ -34,6 +36,7 @@ from infer.protocol.messages import (
     LoraCommand,
     LoraDone,
     ModelStats,
+    MoveTargets,
     PeerAck,
     PeerBeat,
     Placement,
@@ -371,6 +374,8 @@ EXAMPLES += [
         last=False,
     ),
     KvStored(transfer_id="r", stored=1, refusal="no free block"),
+    DrainMoves(request_ids=["r1", "r2"]),
+    MoveTargets(moves=[KvMove(request_id="r1", kv_address="tcp://127.0.0.1:5601", kv_key="")]),
 ]
 
 

@@ -207,6 +207,19 @@ def test_abort_is_silenced_and_frees_the_id_at_once(h):
     assert tokens(h.run_until_finished()) == [3, 4]
 
 
+def test_two_aborts_of_one_id_between_steps_drop_both_deltas_and_keep_the_third_dispatch(h):
+    """Abort, dispatch, abort, dispatch of one id queued during a long step (a client re-attaching twice): both
+    aborts' deltas are dropped, and the request running now stays tracked and finishes."""
+    h.send(dispatch("a", max_tokens=10))
+    h.step()
+    for _ in range(2):
+        h.send(Abort(request_ids=["a"]))
+        h.send(dispatch("a", [1, 2, 3], max_tokens=2))
+    assert h.core.num_requests == 1
+    out = h.run_until_finished()
+    assert tokens(out) == [3, 4] and [d.finish_reason for d in out if d.finished] == ["length"]
+
+
 # ---- drain ---------------------------------------------------------------------------------------------
 
 

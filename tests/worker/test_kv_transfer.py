@@ -2,7 +2,8 @@
 the transfer's state machine (worker/kv_transfer.py, sans-I/O, against a fake port: offer, want, frames, answers,
 refusals, the deadline), and the engine's side (worker/kv_port.py) on two real tiny-Llama engines: the blocks one
 prefilled are stored in the other's prefix cache, and the request resumed there gives the same greedy tokens with
-its prompt served from them; a consumer with no free block drops them (counted) and recomputes."""
+its prompt served from them; a consumer with no free block drops them (counted) and recomputes. Then a drain's moves in
+the worker core: it asks where its requests go, ships and hands back each named one, ends at its deadline."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ CONSUMER = ["--kv-transfer-config", '{"kv_role": "kv_consumer"}']
 # ---- the flag -------------------------------------------------------------------------------------------------
 
 
-def test_the_config_survives_argv_and_back_and_defaults_to_kv_both():
-    assert WorkerOptions(coordinator="tcp://h:1", worker_id="w").kv_transfer_config.kv_role == "kv_both"
+def test_the_config_survives_argv_and_back_and_defaults_to_kv_both_without_a_port():
+    default = WorkerOptions(coordinator="tcp://h:1", worker_id="w")
+    assert default.kv.kv_role == "kv_both" and not default.kv_port_open
     options = WorkerOptions(
         coordinator="tcp://h:1",
         worker_id="w",
@@ -67,6 +69,11 @@ def test_the_config_survives_argv_and_back_and_defaults_to_kv_both():
         ),
         ([*CONSUMER, "--no-enable-prefix-caching"], "kv_consumer is not supported with prefix caching off"),
         ([*PRODUCER, "--benchmark-mode"], "kv_producer is not supported with --benchmark-mode"),
+        (["--kv-transfer-config", '{"kv_role": "kv_both"}', "--tp-size", "2"], "kv_both is not supported with --tp"),
+        (
+            ["--kv-transfer-config", '{"kv_role": "kv_both"}', "--no-enable-prefix-caching"],
+            "kv_both is not supported with prefix caching off",
+        ),
     ],
 )
 def test_bad_configs_and_refused_combinations_exit_2_naming_them(argv, message, capsys):
@@ -349,3 +356,97 @@ def test_a_request_without_a_full_block_decodes_on_the_producer():
     out = h.run_until_finished()
     assert [d.token_ids for d in out] == [[3], [4], [5]] and out[-1].finish_reason == "length"
     assert not h.core.take_kv_outgoing()
+
+
+# ---- a drain that moves requests with their KV (worker core, sans-I/O) ---------------------------------------
+
+
+def kv_port_harness(port: FakePort, **options):
+    """A kv_both worker with a KV port (--kv-transfer-config given) over BenchmarkEngine, welcomed."""
+    from worker_harness import WorkerHarness
+
+    from infer.worker.core import WorkerCore
+
+    h = WorkerHarness(kv_transfer_config=KvTransferConfig("kv_both", kv_transfer_timeout=3.0), **options)
+    h.engine.kv_port = port
+    h.core = WorkerCore(h.engine, h.core.options, h.now, wall_offset=1e9)
+    h.core.start(h.now)
+    h.out()
+    h.welcome()
+    return h
+
+
+def drain_started(h, rids=("a", "b")):
+    """Dispatch `rids`, step twice (their first tokens), SIGTERM: the DrainMoves the worker asks with."""
+    from worker_harness import dispatch
+
+    from infer.protocol.messages import DrainMoves
+
+    for rid in rids:
+        h.send(dispatch(rid, max_tokens=50))
+    h.step()
+    h.step()
+    h.core.signals += 1
+    (ask,) = [m for m in h.step() if isinstance(m, DrainMoves)]
+    return ask
+
+
+def test_a_drain_asks_where_its_requests_go_and_hands_each_back_once_its_blocks_are_stored():
+    from worker_harness import deltas
+
+    from infer.protocol.messages import KvMove, MoveTargets
+
+    h = kv_port_harness(ExportingPort())
+    assert sorted(drain_started(h).request_ids) == ["a", "b"]
+    assert not h.core.drained(h.now)  # both still run until the answer
+    target = KvMove(request_id="a", kv_address="tcp://127.0.0.1:6001", kv_key="")
+    h.send(MoveTargets(moves=[target]))  # b has no target: it finishes here, as in any drain
+    (offer,) = h.core.take_kv_outgoing()
+    assert offer[0] == "tcp://127.0.0.1:6001" and offer[2].transfer_id == "a"
+    assert not h.core.drained(h.now)  # the move is under way
+    receiver = KvReceiver(FakePort())
+    h.core.kv_sender.on_message(receiver.on_message(offer[2], b"fp0"))
+    (blocks,) = h.core.take_kv_outgoing()
+    h.core.on_kv_answer([encode(receiver.on_message(blocks[2], b"fp0"))], h.now)
+    (moved,) = [d for d in deltas(h.out()) if d.request_id == "a"]
+    assert moved.finish_reason == "abort" and moved.error_code == "kv_handoff"
+    assert moved.error == "KV transfer: stored 2 of 2 blocks"
+    rest = h.run_until_finished()
+    assert {d.request_id for d in rest} == {"b"} and rest[-1].finish_reason == "length"
+    assert h.core.drained(h.now)
+
+
+def test_a_move_stalled_past_the_drain_timeout_goes_back_at_the_deadline():
+    from worker_harness import deltas
+
+    from infer.protocol.messages import KvMove, MoveTargets
+
+    h = kv_port_harness(ExportingPort(), drain_timeout=2.0)
+    drain_started(h, rids=("a",))
+    h.send(MoveTargets(moves=[KvMove(request_id="a", kv_address="tcp://127.0.0.1:6001", kv_key="")]))
+    assert len(h.core.take_kv_outgoing()) == 1  # the offer, never answered (a stopped target)
+    h.now += 2.1
+    assert h.core.drained(h.now)  # bounded by --drain-timeout (2 s), before kv_transfer_timeout (3 s)
+    (moved,) = deltas(h.out())
+    assert moved.error_code == "kv_handoff" and "drain timeout" in moved.error
+
+
+def test_without_an_answer_or_a_kv_port_a_drain_is_as_before():
+    from worker_harness import WorkerHarness, deltas, dispatch
+
+    from infer.protocol.messages import DrainMoves
+
+    h = kv_port_harness(ExportingPort(), drain_timeout=5.0)
+    drain_started(h, rids=("a",))
+    out = h.run_until_finished()  # the coordinator never answered: it runs to its end here
+    assert out[-1].finish_reason == "length" and h.core.drained(h.now)
+    plain = WorkerHarness()
+    plain.welcome()
+    plain.send(dispatch("a", max_tokens=50))
+    plain.step()
+    plain.core.signals += 1
+    assert not [m for m in plain.step() if isinstance(m, DrainMoves)]
+    plain.now += 31
+    assert plain.core.drained(plain.now)
+    (given_back,) = deltas(plain.out())
+    assert given_back.finish_reason == "abort" and given_back.error_code is None
