@@ -1,0 +1,45 @@
+"""vLLM's multimodal prompt form, torch-free: `{"prompt": "...<image>...", "multi_modal_data": {"image": X}}` (or
+`"prompt_token_ids"` instead of `"prompt"`), X a PIL image, encoded image bytes, or a list of those, in the order of
+the prompt's image tokens. `split_prompt` takes it apart; `image_bytes` encodes a PIL image for the wire (PNG:
+lossless, so the worker decodes the same pixels)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+MODALITIES = ("image",)
+
+
+def split_prompt(prompt: Any) -> tuple[Any, list[Any]]:
+    """(the text or token ids, the images) of a prompt; a plain string or id list has no images. ValueError naming
+    what is wrong with a dict."""
+    if not isinstance(prompt, dict):
+        return prompt, []
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+    if unknown:
+        raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids' and 'multi_modal_data', got {unknown}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+    text = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"multi_modal_data must be a dict, got {type(data).__name__}")
+    others = sorted(set(data) - set(MODALITIES))
+    if others:
+        raise ValueError(f"multi_modal_data: modality {others[0]!r} is not supported; supported: image")
+    images = data.get("image", [])
+    return text, list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def image_bytes(image: Any) -> bytes:
+    """Encoded bytes of an image given as bytes or a PIL image (PNG); ValueError for anything else."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"an image must be encoded bytes or a PIL.Image, got {type(image).__name__}")
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
