@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from infer.protocol.messages import MAX_IMAGE_BYTES, MAX_IMAGES
+
 MODALITIES = ("image",)
 
 
@@ -30,6 +32,17 @@ def split_prompt(prompt: Any) -> tuple[Any, list[Any]]:
         raise ValueError(f"multi_modal_data: modality {others[0]!r} is not supported; supported: image")
     images = data.get("image", [])
     return text, list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def wire_images(images: list[Any]) -> list[bytes]:
+    """The images encoded for Submit.images, within the wire's bounds (ValueError naming the one that is not)."""
+    if len(images) > MAX_IMAGES:
+        raise ValueError(f"{len(images)} images exceed the wire's limit of {MAX_IMAGES} per request")
+    out = [image_bytes(image) for image in images]
+    for index, data in enumerate(out):
+        if len(data) > MAX_IMAGE_BYTES:
+            raise ValueError(f"image {index}: {len(data)} bytes exceeds the limit of {MAX_IMAGE_BYTES} bytes per image")
+    return out
 
 
 def image_bytes(image: Any) -> bytes:

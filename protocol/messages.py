@@ -49,6 +49,8 @@ MAX_KV_BLOCKS_PER_FRAME = 4096  # KvBlocks.blocks: a transfer goes in frames und
 MAX_STATS_WAIT_S = 3600.0
 MAX_REQUEST_TIMEOUT_S = 7 * 86400.0
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the engine
+MAX_IMAGE_BYTES = 20 << 20  # one encoded image of a prompt (Submit.images / Dispatch.images)
+MAX_IMAGES = 16  # images one Submit or Dispatch may carry (a worker's --limit-mm-per-prompt may allow fewer)
 
 
 class ProtocolError(ValueError):
@@ -92,6 +94,11 @@ ShmPath = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]  # a
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_ID_LEN)]
+# a prompt's images, encoded (PNG, JPEG, ...: the worker decodes and checks them, worker/images.py), in the order of its
+# image tokens
+Images = Annotated[
+    list[Annotated[bytes, msgspec.Meta(max_length=MAX_IMAGE_BYTES)]], msgspec.Meta(max_length=MAX_IMAGES)
+]
 # a block hash: an unsigned 64-bit int (msgpack holds no larger integer, so `ge=0` is the whole bound)
 BlockHashes = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_KV_EVENTS)]
 
@@ -429,6 +436,9 @@ class Submit(Message, frozen=True):
     `session_id`: the conversation it belongs to (the HTTP front's X-Session-ID header): the coordinator sends it to
     the DP rank that ran the session's previous request while that rank is healthy and not overloaded
     (coordinator/sessions.py), where its KV blocks are.
+    `images`: the prompt's images, encoded, in the order of its image tokens (a model that takes images); the
+    coordinator keeps them with the request, so that a failover's Dispatch carries them again. A coordinator older
+    than this field drops them: the worker then refuses the prompt's image tokens by name.
     """
 
     TYPE: ClassVar[str] = "submit"
@@ -445,6 +455,7 @@ class Submit(Message, frozen=True):
     traceparent: str | None = None  # W3C trace context of the request (OpenTelemetry), passed through
     model: ModelId | None = None
     session_id: SessionId | None = None
+    images: Images = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         # (`if ...: raise`, not _require: the messages are formatted only for a bad Submit, once per request)
@@ -518,6 +529,7 @@ class Dispatch(Message, frozen=True):
     # (`kv_consumer_key`: the consumer's public key, z85, "" without keys), then give it back (ErrorCode.KV_HANDOFF).
     kv_consumer_address: Address | None = None
     kv_consumer_key: Owner | None = None
+    images: Images = msgspec.field(default_factory=list)  # Submit.images, on every (re)dispatch
 
     def __post_init__(self) -> None:
         _check_traceparent(self.traceparent)

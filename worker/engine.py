@@ -803,6 +803,8 @@ class Engine:
         self._check_not_tensor_parallel("suspend")
         self.scheduler.preempt_all()
         self.scheduler.block_manager.reset_prefix_cache()  # the cached KV goes with the pool
+        if self.runner.images is not None:
+            self.runner.images.clear()  # the encoder's features go with it
         self.runner.step_graphs = None  # they hold the pool (CUDA graphs: its addresses)
         released = self.kv_cache.release()
         self._suspended = release_weights(self.model, self.config.suspend_weights, self.device, self._weight_files)
@@ -850,6 +852,8 @@ class Engine:
         if self.offload is not None:
             self.offload.clear()  # before the reset, whose snapshot for the KV events then leaves the disk out
         self.scheduler.block_manager.reset_prefix_cache()
+        if self.runner.images is not None:
+            self.runner.images.clear()  # features of the old vision weights
         applied = apply_tensors(self.model, update.tensors)
         if self._weight_files is not None and update.files is not None:
             self._weight_files.append(update.files)

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from infer.protocol.messages import MAX_IMAGE_BYTES
+
 
 @dataclass(frozen=True)
 class ImageLimits:
@@ -33,7 +35,7 @@ class ImageLimits:
     `max_bytes` encoded and `max_pixels` decoded (width x height)."""
 
     max_images: int = 4
-    max_bytes: int = 20 * 1024 * 1024
+    max_bytes: int = MAX_IMAGE_BYTES
     max_pixels: int = 4096 * 4096
 
     def __post_init__(self) -> None:
