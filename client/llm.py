@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from infer.client.spmd import InProcessWorker, SpmdWorld
     from infer.worker.engine import Engine
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]  # a dict: vLLM's multimodal form (client/multimodal.py)
 T = TypeVar("T")
 log = logging.getLogger("infer.llm")
 
@@ -1075,16 +1075,16 @@ class LLM:
         request_id = f"llm-{next(self._ids)}"
         self._counters.submitted += 1
         try:
-            prompt, images = split_prompt(prompt)  # vLLM's {"prompt": ..., "multi_modal_data": ...}
+            plain, images = split_prompt(prompt)  # vLLM's {"prompt": ..., "multi_modal_data": ...}
         except ValueError as e:
             self._counters.record_final("error")
             return Completion(request_id, [], finish_reason="error", error=str(e), error_code="invalid_request")
-        text = prompt if isinstance(prompt, str) else None
+        text = plain if isinstance(plain, str) else None
         try:
-            request = engine.add_request(request_id, prompt, params, priority=priority, images=images)
+            request = engine.add_request(request_id, plain, params, priority=priority, images=images)
         except ValueError as e:
             self._counters.record_final("error")
-            ids = list(prompt) if isinstance(prompt, list) else []
+            ids = list(plain) if isinstance(plain, list) else []
             return Completion(
                 request_id, ids, finish_reason="error", error=str(e), prompt=text, error_code="invalid_request"
             )
