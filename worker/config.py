@@ -103,7 +103,7 @@ class EngineConfig:
         metavar="N",
     )
     mm_encoder_cache_images: int = option(
-        64, "images whose vision-encoder features are kept for reuse (a model that takes images; LRU)"
+        64, "images whose vision-encoder features are kept for reuse (a model that takes images; LRU)", metavar="N"
     )
     kv_offload_dir: str | None = option(
         None,

@@ -434,7 +434,11 @@ class Engine:
         placed = []
         for index, ((offset, length), item) in enumerate(zip(places, images, strict=True)):
             image, key = load_image(item, self.image_limits, index)
-            placed.append(PlacedImage(offset, length, key, self.preprocess(image)))
+            try:
+                pixels = self.preprocess(image)
+            except ValueError as error:
+                raise ValueError(f"image {index}: {error}") from None
+            placed.append(PlacedImage(offset, length, key, pixels))
         return ids, tuple(placed)
 
     def _check_beam_search(self, params: SamplingParams, num_prompt_tokens: int, resumed: list[int]) -> None:

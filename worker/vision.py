@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 64  # longer side / shorter side: past it, a resize of the shortest edge would make a huge image
 
 
 @runtime_checkable
@@ -87,6 +88,11 @@ class ClipPreprocessor:
 
         width, height = image.size
         short, long = (width, height) if width <= height else (height, width)
+        if long > MAX_ASPECT_RATIO * short:
+            raise ValueError(
+                f"{width}x{height} pixels: an aspect ratio past {MAX_ASPECT_RATIO}:1 is refused (resizing its "
+                f"shorter side to {self.shortest_edge} would make it {self.shortest_edge * long // short} pixels long)"
+            )
         new_short, new_long = self.shortest_edge, int(self.shortest_edge * long / short)
         new_w, new_h = (new_short, new_long) if width <= height else (new_long, new_short)
         image = image.resize((new_w, new_h), resample=Image.Resampling.BICUBIC)

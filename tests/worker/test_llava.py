@@ -142,11 +142,12 @@ def _bomb() -> bytes:
         (["ok", "ok"], "x <image>", "do not match its 2 image(s): it holds 1 in 1 run(s)"),
         ([], "x <image>", "the prompt holds image tokens"),
         ([12], "x <image>", "image 0: expected encoded image bytes or a PIL.Image, got int"),
+        (["thin"], "x <image>", "image 0: 1x3000 pixels: an aspect ratio past 64:1 is refused"),
     ],
 )
 def test_hostile_images_are_refused_by_name(llm, images, prompt, message):
     good = png(20, 20, seed=6)
-    made = {"truncated": good[: len(good) // 2], "bomb": _bomb(), "ok": good}
+    made = {"truncated": good[: len(good) // 2], "bomb": _bomb(), "ok": good, "thin": png(1, 3000, seed=7)}
     images = [made.get(i, i) if isinstance(i, str) else i for i in images]
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
     assert out.finish_reason == "error" and message in out.error, out.error
