@@ -437,8 +437,10 @@ class Submit(Message, frozen=True):
     the DP rank that ran the session's previous request while that rank is healthy and not overloaded
     (coordinator/sessions.py), where its KV blocks are.
     `images`: the prompt's images, encoded, in the order of its image tokens (a model that takes images); the
-    coordinator keeps them with the request, so that a failover's Dispatch carries them again. A coordinator older
-    than this field drops them: the worker then refuses the prompt's image tokens by name.
+    coordinator keeps them with the request, so that a failover's Dispatch carries them again. A request without
+    images leaves the field out (omit_defaults), so peers older than it serve such requests as before; one with
+    images is refused by an older coordinator or worker as a frame with an unknown field 'images' (that request
+    alone fails, invalid_request, the field named).
     """
 
     TYPE: ClassVar[str] = "submit"
