@@ -705,6 +705,10 @@ class Load(Message, frozen=True):
     kv_transfer_sent_blocks: NonNegative = 0
     kv_transfer_received_blocks: NonNegative = 0
     kv_transfer_dropped_blocks: NonNegative = 0
+    # images (a model that takes them, worker/vision.py): images run through the vision encoder, and images whose
+    # features came from its cache instead, since the engine started
+    mm_images_encoded: NonNegative = 0
+    mm_encoder_cache_hits: NonNegative = 0
 
 
 class KvEvents(Message, frozen=True):

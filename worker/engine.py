@@ -765,7 +765,13 @@ class Engine:
             spec_decode_num_accepted_tokens_per_pos=list(self.stats.spec_decode_num_accepted_tokens_per_pos),
             **self._offload_counts(),
             **self.kv_port.counters(),
+            **self._image_counts(),
         )
+
+    def _image_counts(self) -> dict[str, int]:
+        """The vision encoder's counters as Load's fields (none for a text-only model: the defaults, 0)."""
+        images = self.runner.images
+        return {} if images is None else {"mm_images_encoded": images.encoded, "mm_encoder_cache_hits": images.hits}
 
     def _offload_counts(self) -> dict[str, int]:
         """The KV tier's counters as Load's fields (none without a tier: the defaults, 0)."""

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
+import urllib.request
 
 import openai
 import pytest
 from llava_models import IMAGE_TOKEN, TOKENS_PER_IMAGE, llava_checkpoint, png
+from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import Served
 
 from infer import LLM, SamplingParams
@@ -96,13 +99,27 @@ def _data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
 def test_openai_chat_with_a_data_url_image_equals_direct_mode(served, direct):
+    """Twice in one session (X-Session-ID: the same worker), the second time from its prefix cache: the image's
+    tokens are not computed again, so it is not encoded again either."""
     want = direct[1]
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    for _ in range(2):  # the second time from the prefix and encoder caches of whichever worker runs it
-        answer = _chat(client, _data_url(IMAGE))
+    encoded = _metric(served.url, "infer:mm_images_encoded_total")
+    hits = _metric(served.url, "infer:prefix_cache_hits_total")
+    for _ in range(2):
+        answer = _chat(client, _data_url(IMAGE), extra_headers={"X-Session-ID": "one conversation"})
         assert answer.choices[0].message.content == want.text
         assert answer.usage.prompt_tokens == len(want.prompt_token_ids) > TOKENS_PER_IMAGE
+    deadline = time.monotonic() + 30  # the workers' loads reach the coordinator with their steps and heartbeats
+    while _metric(served.url, "infer:prefix_cache_hits_total") < hits + TOKENS_PER_IMAGE:
+        assert time.monotonic() < deadline, "no prefix-cache hit reported"
+        time.sleep(0.2)
+    assert _metric(served.url, "infer:mm_images_encoded_total") == encoded + 1
 
 
 @pytest.mark.parametrize(
