@@ -21,6 +21,8 @@ tokenizing at the same time (the HTTP front has several).
 Images: the HTTP front puts a marker of its own (`ImageSlot.marker`, random per request) in the content where each
 image part was; each marker becomes the model's image token id, and the returned text shows the image token there.
 An image token a caller wrote as text stays text (the worker then finds fewer image tokens than images: refused).
+A template that iterates content parts (`takes_content_parts`: llava-hf's) gets them as a list instead and writes
+the image token itself; special-token text in such parts is refused (ValueError), not kept as text.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ from dataclasses import dataclass
 from typing import Any
 
 Messages = list[dict[str, Any]]
+# how a chat template reads a content part's type: content['type'], selectattr('type', ...), content.type ==
+_READS_PART_TYPE = re.compile(r"""\[\s*['"]type['"]\s*\]|selectattr\(\s*['"]type['"]|\.type\s*==""")
+
+
+def takes_content_parts(template: str | None) -> bool:
+    """Whether a chat template iterates a message's content parts (OpenAI's list form) rather than taking a
+    string."""
+    return bool(template) and _READS_PART_TYPE.search(template or "") is not None
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,11 @@ class ChatEncoder:
         ]
         if not marked:
             return text, self._encode_live(text)
+        if any(not isinstance(messages[i].get("content"), str) for i in marked):
+            raise ValueError(
+                "a message's content parts hold special-token text, which this model's chat template (it takes content "
+                "parts) cannot keep as plain text; remove the special tokens or set allow_special_tokens_in_content"
+            )
         nonce = secrets.token_hex(8)
         sentinels = {f"\x00content-{nonce}-{i}\x00": messages[i]["content"] for i in marked}
         stand_ins = list(messages)

@@ -30,7 +30,7 @@ from infer.client.api.metrics import FrontMetrics
 from infer.client.api.schemas import ApiError, ChatCompletionRequest, ChatMessage, TokenizeRequest
 from infer.client.api.tokenization import Tokenization, Tokenizations
 from infer.client.api.tools import template_messages, tools_system_prompt
-from infer.client.chat_encoding import ImageSlot
+from infer.client.chat_encoding import ImageSlot, takes_content_parts
 from infer.client.engine_client import ClusterError, EngineClient
 from infer.protocol.codes import ErrorCode, FinishReason
 from infer.protocol.messages import ClusterStats, ModelStats
@@ -329,11 +329,15 @@ class Front:
                 code="context_length_exceeded",
             )
         image = self._image_slot(tok, chat, body)
-        marker = "" if image is None else image.marker
-        messages = template_messages([m.as_template_message(marker) for m in chat])
+        if image is not None and takes_content_parts(template):  # the template writes the image token itself
+            image = None
+            messages = template_messages([m.as_template_parts() for m in chat])
+        else:
+            marker = "" if image is None else image.marker
+            messages = template_messages([m.as_template_message(marker) for m in chat])
         if tools and "tools" not in template:  # a template that ignores `tools`
             messages = [{"role": "system", "content": tools_system_prompt(tools)}, *messages]
-        content = "".join(m["content"] for m in messages) + json.dumps(tools or [])
+        content = "".join(_text_of(m["content"]) for m in messages) + json.dumps(tools or [])
         self.check_text_size(tok, content, max_len, "messages")
 
         def render(chat: list[dict[str, Any]]) -> str:
@@ -504,3 +508,10 @@ async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _text_of(content: Any) -> str:
+    """A template message's content as text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content or ())

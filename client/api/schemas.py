@@ -434,6 +434,20 @@ class ChatMessage(BaseModel):
         message.update(role="system" if self.role == "developer" else self.role, content=content or "")
         return message
 
+    def as_template_parts(self) -> dict[str, Any]:
+        """The message for a chat template that iterates content parts (llava-hf's): a list of {"type": "text",
+        "text"} and {"type": "image"}, in order (the template writes the image token itself)."""
+        content = self.content
+        if isinstance(content, list):
+            parts = [
+                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in content
+            ]
+        else:
+            parts = [{"type": "text", "text": content}] if content else []
+        message = dict(self.model_extra or {})
+        message.update(role="system" if self.role == "developer" else self.role, content=parts)
+        return message
+
 
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -1,15 +1,19 @@
 """A chat's image_url parts at the HTTP front, without a cluster (client/api/images.py, client/chat_encoding.py): which
 URLs give bytes and which a 400 naming why; each image part becomes the image token where it was, while an image token
-a caller typed stays text; a tokenizer without an image token marks a text-only model; AsyncLLM's direct mode takes
-vLLM's multimodal prompt."""
+a caller typed stays text; a tokenizer without an image token marks a text-only model; a front over direct mode with
+a llava-hf-style template (content parts: it writes the image token) answers as direct mode does, and a text-only
+model's front refuses images with a 400; AsyncLLM's direct mode takes vLLM's multimodal prompt."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
+import json
 import os
 
 import pytest
+from front_harness import MODEL, error_of
 
 from infer.client.api.images import image_bytes_of
 from infer.client.api.schemas import ApiError, ChatMessage
@@ -75,12 +79,80 @@ def test_image_parts_become_the_image_token_where_they_were(smollm2_tokenizer):
     assert ids[at - len(typed) : at] == typed
 
 
-async def test_async_llm_direct_takes_multimodal_prompts(tmp_path_factory, smollm2_tokenizer):
-    from llava_models import llava_checkpoint, png
+# llava-hf's chat template (content parts: the images first, then the texts)
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, smollm2_tokenizer):
+    from llava_models import llava_checkpoint
+
+    return llava_checkpoint(tmp_path_factory.mktemp("llava"), smollm2_tokenizer)
+
+
+def _chat_body(data: bytes, text: str = "What is this?") -> dict:
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
+    return dict(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0,
+                ignore_eos=True)  # fmt: skip
+
+
+def test_a_content_parts_template_writes_the_image_token(llava):
+    from front_harness import http, local_engine, serving
+    from llava_models import png
+    from transformers import AutoTokenizer
+
+    from infer import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(str(llava))
+    image = png(33, 21, seed=8)
+    text = "USER: <image>\nWhat is this? ASSISTANT:"  # what the template renders
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    direct = LLM(model=str(llava), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        want = direct.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, params, False)[0]
+    finally:
+        direct.close()
+    local = local_engine(llava)
+    try:
+        with serving(local, tokenizer, chat_template=LLAVA_TEMPLATE) as url:
+            status, _, body = http(f"{url}/v1/chat/completions", _chat_body(image))
+            assert status == 200, body
+            answer = json.loads(body)
+            assert answer["choices"][0]["message"]["content"] == want.text
+            assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+            typed = _chat_body(image, "a typed <image> token")
+            status, _, body = http(f"{url}/v1/chat/completions", typed)
+            assert status == 400 and "content parts hold special-token text" in error_of(body)["message"]
+    finally:
+        asyncio.run(local.close())
+
+
+def test_a_text_only_models_front_refuses_images(tiny_model_dir, smollm2_tokenizer):
+    from front_harness import http, local_engine, serving
+    from llava_models import png
+
+    local = local_engine(tiny_model_dir("llama"))
+    try:
+        with serving(local, smollm2_tokenizer) as url:
+            status, _, body = http(f"{url}/v1/chat/completions", _chat_body(png(8, 8, seed=1)))
+            assert status == 400 and "takes no images" in error_of(body)["message"], body
+    finally:
+        asyncio.run(local.close())
+
+
+async def test_async_llm_direct_takes_multimodal_prompts(llava):
+    from llava_models import png
 
     from infer import AsyncLLM, SamplingParams
 
-    path = llava_checkpoint(tmp_path_factory.mktemp("llava"), smollm2_tokenizer)
+    path = llava
     options = dict(dtype="float32", max_model_len=128, kv_cache_memory=4_000_000, num_threads=1)
     async with AsyncLLM(model=str(path), **options) as llm:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
