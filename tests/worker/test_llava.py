@@ -169,3 +169,42 @@ def test_a_text_model_refuses_images(tiny_model_dir):
         assert out.finish_reason == "error" and "takes no images: it is a text-only model" in out.error
     finally:
         text_llm.close()
+
+
+@pytest.mark.parametrize(
+    "renames",
+    [
+        # published LLaVA checkpoints: the CLIP tower under vision_model
+        (("vision_tower.", "vision_tower.vision_model."),),
+        # transformers 5's module names, unconverted
+        (
+            ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+        ),
+    ],
+    ids=["published", "transformers5-modules"],
+)
+def test_every_checkpoint_layout_loads_the_same_weights(llava, tmp_path, renames):
+    """transformers 5 saves `language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`,
+    `multi_modal_projector.*`; the other layouts load into the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from infer.worker.loader import load_model
+
+    other = tmp_path / "other"
+    shutil.copytree(llava, other)
+
+    def renamed(key: str) -> str:
+        return next((new + key[len(old) :] for old, new in renames if key.startswith(old)), key)
+
+    tensors = load_file(other / "model.safetensors")
+    save_file({renamed(k): v for k, v in tensors.items()}, other / "model.safetensors")
+    cpu = torch.device("cpu")
+    saved, moved = load_model(llava, torch.float32, cpu), load_model(other, torch.float32, cpu)
+    assert type(saved).__name__ == "LlavaForConditionalGeneration" and saved.num_vision_layers == 2
+    for (name, a), (_, b) in zip(saved.state_dict().items(), moved.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

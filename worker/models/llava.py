@@ -7,10 +7,10 @@ class token dropped under the "default" select strategy. The language model is `
 features go in through `ForwardBatch.image_rows` / `image_embeds` (worker/vision.py builds them per step), and the
 positions are the tokens' places in the sequence.
 
-Checkpoint names: transformers 5's (`model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`,
-`lm_head.*`) and the older layout of published LLaVA checkpoints (`language_model.model.*`,
-`language_model.lm_head.*`, `vision_tower.vision_model.*`, `multi_modal_projector.*`) both load
-(`checkpoint_prefix_renames`).
+Checkpoint names: what transformers 5 saves (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`,
+`multi_modal_projector.*`), its module names (`model.language_model.*`, `model.vision_tower.*`,
+`model.multi_modal_projector.*`, `lm_head.*`) and published LLaVA checkpoints' (`vision_tower.vision_model.*`) all
+load (`checkpoint_prefix_renames`).
 """
 
 from __future__ import annotations
