@@ -1,8 +1,9 @@
 """LLaVA-1.5 against transformers on a tiny random checkpoint (tests/llava_models.py): our preprocessing equals
 CLIPImageProcessor's (PIL backend); greedy tokens equal transformers' `generate` in fp32 through `LLM.generate` with
 vLLM's prompt form (one `<image>` per image, or the image's tokens already expanded), with two images in one prompt
-and with prefill chunks that split an image's tokens; a second turn with the same image neither encodes nor prefills
-it again, and another image with the same token ids never hits; hostile images are refused by name."""
+and with prefill chunks that split an image's tokens, and through preemption by recompute; a second turn with the same
+image neither encodes nor prefills it again, and another image with the same token ids never hits; every checkpoint
+layout loads; hostile images are refused by name."""
 
 from __future__ import annotations
 
@@ -208,3 +209,21 @@ def test_every_checkpoint_layout_loads_the_same_weights(llava, tmp_path, renames
     assert type(saved).__name__ == "LlavaForConditionalGeneration" and saved.num_vision_layers == 2
     for (name, a), (_, b) in zip(saved.state_dict().items(), moved.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_preempted_image_requests_recompute_their_images(llava, llm):
+    """A pool of 14 blocks of 4 tokens for three 30-token image prompts of 24 new tokens: preemption by recompute
+    runs their images' tokens again (from the encoder cache) and the tokens equal the roomy engine's."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [
+        {"prompt": f"q{i}: {IMAGE_TOKEN} describe it", "multi_modal_data": {"image": png(20 + i, 20, seed=30 + i)}}
+        for i in range(3)
+    ]
+    roomy = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    small = LLM(model=str(llava), **{**OPTIONS, "kv_cache_memory": 14 * 2048})
+    try:
+        outs = small.generate(prompts, params, use_tqdm=False)
+        assert [o.error for o in outs] == [None] * 3 and [o.token_ids for o in outs] == roomy
+        assert small._engine.scheduler.num_preemptions > 0
+    finally:
+        small.close()
