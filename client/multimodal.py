@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from infer.protocol.messages import MAX_IMAGE_BYTES, MAX_IMAGES
+from infer.protocol.messages import MAX_IMAGE_BYTES, MAX_IMAGES, MAX_REQUEST_IMAGE_BYTES
 
 MODALITIES = ("image",)
 
@@ -42,6 +42,9 @@ def wire_images(images: list[Any]) -> list[bytes]:
     for index, data in enumerate(out):
         if len(data) > MAX_IMAGE_BYTES:
             raise ValueError(f"image {index}: {len(data)} bytes exceeds the limit of {MAX_IMAGE_BYTES} bytes per image")
+    total = sum(map(len, out))
+    if total > MAX_REQUEST_IMAGE_BYTES:
+        raise ValueError(f"the images hold {total} bytes, more than the limit of {MAX_REQUEST_IMAGE_BYTES} a request")
     return out
 
 

@@ -51,6 +51,7 @@ MAX_REQUEST_TIMEOUT_S = 7 * 86400.0
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the engine
 MAX_IMAGE_BYTES = 20 << 20  # one encoded image of a prompt (Submit.images / Dispatch.images)
 MAX_IMAGES = 16  # images one Submit or Dispatch may carry (a worker's --limit-mm-per-prompt may allow fewer)
+MAX_REQUEST_IMAGE_BYTES = MAX_FRAME_BYTES // 2  # all images of one request: its frame keeps room for the rest
 
 
 class ProtocolError(ValueError):
@@ -482,6 +483,10 @@ class Submit(Message, frozen=True):
             )
         if self.delivered_token_ids:
             self._check_delivered()
+        image_bytes = sum(map(len, self.images))
+        if image_bytes > MAX_REQUEST_IMAGE_BYTES:
+            limit = MAX_REQUEST_IMAGE_BYTES
+            raise ProtocolError(f"field 'images' holds {image_bytes} bytes, more than {limit} a request")
         if type(self.sampling) is not SamplingParams:  # (a user's Submit is built, not decoded)
             raise ProtocolError(f"field 'sampling' must be SamplingParams, got {type(self.sampling).__name__}")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from infer.client.api.schemas import ApiError
-from infer.protocol.messages import MAX_IMAGE_BYTES, MAX_IMAGES
+from infer.protocol.messages import MAX_IMAGE_BYTES, MAX_IMAGES, MAX_REQUEST_IMAGE_BYTES
 
 
 def image_bytes_of(urls: list[str], allowed_dir: Path | None) -> list[bytes]:
@@ -25,7 +25,15 @@ def image_bytes_of(urls: list[str], allowed_dir: Path | None) -> list[bytes]:
         raise ApiError(
             400, f"messages: {len(urls)} images exceed the limit of {MAX_IMAGES} per request", param="messages"
         )
-    return [_image(url, allowed_dir, f"messages: image {i}") for i, url in enumerate(urls)]
+    images = [_image(url, allowed_dir, f"messages: image {i}") for i, url in enumerate(urls)]
+    total = sum(map(len, images))
+    if total > MAX_REQUEST_IMAGE_BYTES:
+        raise ApiError(
+            400,
+            f"messages: the images hold {total} bytes, more than {MAX_REQUEST_IMAGE_BYTES} a request",
+            param="messages",
+        )
+    return images
 
 
 def _image(url: str, allowed_dir: Path | None, where: str) -> bytes:

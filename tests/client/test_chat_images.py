@@ -19,7 +19,8 @@ from infer.client.api.images import image_bytes_of
 from infer.client.api.schemas import ApiError, ChatMessage
 from infer.client.api.tokenization import Tokenization
 from infer.client.chat_encoding import ChatEncoder, ImageSlot
-from infer.protocol.messages import MAX_IMAGE_BYTES
+from infer.client.multimodal import wire_images
+from infer.protocol.messages import MAX_IMAGE_BYTES, MAX_REQUEST_IMAGE_BYTES
 
 
 def _refusal(urls, allowed=None) -> str:
@@ -48,6 +49,10 @@ def test_urls(tmp_path):
     big = "data:image/png;base64," + "A" * (MAX_IMAGE_BYTES // 3 * 4 + 8)
     assert f"more than the limit of {MAX_IMAGE_BYTES} bytes" in _refusal([big])
     assert "17 images exceed the limit of 16" in _refusal([data] * 17)
+    large = "data:image/png;base64," + base64.b64encode(b"\0" * (MAX_IMAGE_BYTES - 1)).decode()
+    assert f"more than {MAX_REQUEST_IMAGE_BYTES} a request" in _refusal([large, large])
+    with pytest.raises(ValueError, match=f"more than the limit of {MAX_REQUEST_IMAGE_BYTES} a request"):
+        wire_images([b"\0" * (MAX_IMAGE_BYTES - 1)] * 2)  # InferenceClient's check: the frame keeps its room
 
 
 def test_image_parts_become_the_image_token_where_they_were(smollm2_tokenizer):
