@@ -17,6 +17,12 @@ The content encoder is a copy of the fast tokenizer's backend with `encode_speci
 tokenizing at the same time (the HTTP front has several).
 
 `allow_special_tokens_in_content=True` is the explicit opt-in to the old behaviour (content's specials live).
+
+Images: the HTTP front puts a marker of its own (`ImageSlot.marker`, random per request) in the content where each
+image part was; each marker becomes the model's image token id, and the returned text shows the image token there.
+An image token a caller wrote as text stays text (the worker then finds fewer image tokens than images: refused).
+A template that iterates content parts (`takes_content_parts`: llava-hf's) gets them as a list instead and writes
+the image token itself; special-token text in such parts is refused (ValueError), not kept as text.
 """
 
 from __future__ import annotations
@@ -24,9 +30,31 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 Messages = list[dict[str, Any]]
+# how a chat template reads a content part's type: content['type'], selectattr('type', ...), content.type ==
+_READS_PART_TYPE = re.compile(r"""\[\s*['"]type['"]\s*\]|selectattr\(\s*['"]type['"]|\.type\s*==""")
+
+
+def takes_content_parts(template: str | None) -> bool:
+    """Whether a chat template iterates a message's content parts (OpenAI's list form) rather than taking a
+    string."""
+    return bool(template) and _READS_PART_TYPE.search(template or "") is not None
+
+
+@dataclass(frozen=True)
+class ImageSlot:
+    """Where an image goes in a message's content (`marker`), and what it becomes: the image token's id and text."""
+
+    marker: str
+    token_id: int
+    token: str
+
+    @classmethod
+    def new(cls, token_id: int, token: str) -> ImageSlot:
+        return cls(f"\x00image-{secrets.token_hex(8)}\x00", token_id, token)
 
 
 class ChatEncoder:
@@ -44,18 +72,29 @@ class ChatEncoder:
         return self._special.search(text) is not None
 
     def encode(
-        self, messages: Messages, render: Callable[[Messages], str], allow_special_tokens_in_content: bool = False
+        self,
+        messages: Messages,
+        render: Callable[[Messages], str],
+        allow_special_tokens_in_content: bool = False,
+        image: ImageSlot | None = None,
     ) -> tuple[str, list[int]]:
         """(the rendered text, its token ids); `render(messages)` applies the chat template. ValueError if a
-        content with special-token text cannot be kept as text (the template rewrites it)."""
+        content with special-token text (or an image) cannot be kept as text (the template rewrites it).
+        `image`: each of its markers in a content becomes the image token (module doc)."""
         text = render(messages)
-        marked = (
-            []
-            if allow_special_tokens_in_content
-            else [i for i, m in enumerate(messages) if self.has_special_text(str(m.get("content") or ""))]
-        )
+        marked = [
+            i
+            for i, m in enumerate(messages)
+            if (not allow_special_tokens_in_content and self.has_special_text(str(m.get("content") or "")))
+            or (image is not None and image.marker in str(m.get("content") or ""))
+        ]
         if not marked:
             return text, self._encode_live(text)
+        if any(not isinstance(messages[i].get("content"), str) for i in marked):
+            raise ValueError(
+                "a message's content parts hold special-token text, which this model's chat template (it takes content "
+                "parts) cannot keep as plain text; remove the special tokens or set allow_special_tokens_in_content"
+            )
         nonce = secrets.token_hex(8)
         sentinels = {f"\x00content-{nonce}-{i}\x00": messages[i]["content"] for i in marked}
         stand_ins = list(messages)
@@ -74,8 +113,22 @@ class ChatEncoder:
             )
         ids: list[int] = []
         for piece in pieces:
-            ids += self._encode_text(sentinels[piece]) if piece in sentinels else self._encode_live(piece)
-        return text, ids
+            if piece in sentinels:
+                ids += self._encode_content(sentinels[piece], image, allow_special_tokens_in_content)
+            else:
+                ids += self._encode_live(piece)
+        return (text if image is None else text.replace(image.marker, image.token)), ids
+
+    def _encode_content(self, content: str, image: ImageSlot | None, live: bool) -> list[int]:
+        """A marked content's ids: as text (special tokens' text too, unless `live`), each image marker the image
+        token."""
+        encode = self._encode_live if live else self._encode_text
+        if image is None or image.marker not in content:
+            return encode(content)
+        ids: list[int] = []
+        for k, piece in enumerate(content.split(image.marker)):
+            ids += ([image.token_id] if k else []) + encode(piece)
+        return ids
 
     def with_added_special_tokens(self, ids: list[int]) -> list[int]:
         """`ids` wrapped in what `add_special_tokens=True` adds around one sequence (e.g. BOS), read off the

@@ -15,7 +15,7 @@ from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict[str, Any]  # a dict: vLLM's multimodal form (client/multimodal.py)
 # new weights: a safetensors directory, or (checkpoint name, tensor) pairs (a mapping of them, or an iterable)
 WeightSource = str | os.PathLike[str] | Iterable[tuple[str, Any]] | Mapping[str, Any]
 

@@ -68,6 +68,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from infer.client.engine_client import ClusterError
+from infer.client.multimodal import split_prompt, wire_images
 from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.journal import StreamJournal
 from infer.protocol.keys import CurveKeys, PathLike
@@ -112,7 +113,7 @@ from infer.protocol.transport import HANDSHAKE_EVENTS, handshake_failure, make_s
 
 log = logging.getLogger("infer.client")
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict[str, Any]  # a dict: vLLM's multimodal form (client/multimodal.py)
 CLOSE_LINGER_MS = 200
 _KEY_FLAGS = ("curve_key", "coordinator_key")
 _CURVE_HINT = (
@@ -386,13 +387,15 @@ class InferenceClient:
         request = await self._submit(
             prompt, params, request_id, pin_rank, timeout, priority, traceparent, model, session_id
         )
+        prompt, _ = split_prompt(prompt)
         completion = Completion(
             request.request_id, prompt_token_ids=[], prompt=prompt if isinstance(prompt, str) else None
         )
         async with contextlib.aclosing(self._deltas(request, timeout)) as deltas:
             async for delta in deltas:
                 completion.add(delta)
-        completion.prompt_token_ids = request.prompt_token_ids or (list(prompt) if not isinstance(prompt, str) else [])
+        given = [] if isinstance(prompt, (str, dict)) else list(prompt)
+        completion.prompt_token_ids = request.prompt_token_ids or given
         return completion
 
     async def stream(
@@ -468,6 +471,8 @@ class InferenceClient:
         rid = request_id or f"{self.client_id}-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in flight")
+        prompt, images = split_prompt(prompt)
+        encoded = wire_images(images)
         if isinstance(prompt, str):
             submit = Submit(
                 request_id=rid,
@@ -479,6 +484,7 @@ class InferenceClient:
                 traceparent=traceparent,
                 model=model,
                 session_id=session_id,
+                images=encoded,
             )
         else:
             submit = Submit(
@@ -491,12 +497,14 @@ class InferenceClient:
                 traceparent=traceparent,
                 model=model,
                 session_id=session_id,
+                images=encoded,
             )
         request = self._requests[rid] = _Request(
             rid,
             submit,
             None if timeout is None else time.monotonic() + timeout,
-            prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+            # with images the worker echoes the ids with each image's tokens expanded
+            prompt_token_ids=None if isinstance(prompt, (str, dict)) or encoded else list(prompt),
         )
         if len(self._requests) == 1 and self._call is None:
             self._last_heard = time.monotonic()  # the silence clock starts when there is something to wait for
@@ -830,6 +838,7 @@ class InferenceClient:
             priority=submit.priority,
             traceparent=submit.traceparent,
             session_id=submit.session_id,
+            images=submit.images,
             delivered_token_ids=TokenIds(request.received.token_ids),
             delivered_text_len=request.received.text_len,
         )

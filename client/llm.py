@@ -35,6 +35,7 @@ import msgspec
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
 from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
+from infer.client.multimodal import split_prompt
 from infer.protocol.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from infer.protocol.keys import CurveKeys
 from infer.protocol.logs import LOG_LEVELS, logging_argv
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from infer.client.spmd import InProcessWorker, SpmdWorld
     from infer.worker.engine import Engine
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]  # a dict: vLLM's multimodal form (client/multimodal.py)
 T = TypeVar("T")
 log = logging.getLogger("infer.llm")
 
@@ -1072,13 +1073,18 @@ class LLM:
 
     def _submit(self, engine: Engine, prompt: Prompt, params: SamplingParams, priority: int = 0) -> Completion:
         request_id = f"llm-{next(self._ids)}"
-        text = prompt if isinstance(prompt, str) else None
         self._counters.submitted += 1
         try:
-            request = engine.add_request(request_id, prompt, params, priority=priority)
+            plain, images = split_prompt(prompt)  # vLLM's {"prompt": ..., "multi_modal_data": ...}
         except ValueError as e:
             self._counters.record_final("error")
-            ids = list(prompt) if isinstance(prompt, list) else []
+            return Completion(request_id, [], finish_reason="error", error=str(e), error_code="invalid_request")
+        text = plain if isinstance(plain, str) else None
+        try:
+            request = engine.add_request(request_id, plain, params, priority=priority, images=images)
+        except ValueError as e:
+            self._counters.record_final("error")
+            ids = list(plain) if isinstance(plain, list) else []
             return Completion(
                 request_id, ids, finish_reason="error", error=str(e), prompt=text, error_code="invalid_request"
             )
@@ -1239,8 +1245,8 @@ async def _merged(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGe
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, (str, dict)):  # a dict: vLLM's {"prompt": ..., "multi_modal_data": ...} (multimodal.py)
+        return [cast(Prompt, prompts)]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # a single token-id prompt
     if not isinstance(prompts, (list, tuple)):

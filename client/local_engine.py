@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from infer.client.engine_client import ClusterError
+from infer.client.multimodal import split_prompt
 from infer.protocol.codes import ClusterState, FinishReason
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.messages import MAX_ID_LEN, MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer.local_engine")
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict[str, Any]  # a dict: vLLM's multimodal form (client/multimodal.py)
 
 IDLE_WAIT_S = 1.0  # an idle engine thread wakes up this often (a bounded wait, nothing is polled)
 CALL_TIMEOUT_S = 30.0  # stats() round trip through the engine thread
@@ -250,9 +251,10 @@ class LocalEngine:
         error_code "timeout" (aborted, KV blocks freed). `model` and `session_id`: as in `stream`."""
         self._check_model(model)
         stream = self._open(prompt, params, request_id, timeout, priority)
-        completion = Completion(stream.request_id, [], prompt=prompt if isinstance(prompt, str) else None)
+        plain = prompt.get("prompt", prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else prompt
+        completion = Completion(stream.request_id, [], prompt=plain if isinstance(plain, str) else None)
         await self._fold(stream, completion)
-        given = [] if isinstance(prompt, str) else list(prompt)
+        given = [] if isinstance(plain, str) or plain is None else list(plain)
         completion.prompt_token_ids = stream.prompt_token_ids or given
         return completion
 
@@ -446,8 +448,9 @@ class LocalEngine:
         if stream.request_id in self._streams:
             return self._reject(stream, f"request id {stream.request_id!r} is already in flight", "invalid_request")
         try:
+            prompt, images = split_prompt(command.prompt)  # vLLM's {"prompt": ..., "multi_modal_data": ...}
             request = self.engine.add_request(
-                stream.request_id, command.prompt, command.params, priority=command.priority
+                stream.request_id, prompt, command.params, priority=command.priority, images=images
             )
         except ValueError as e:
             return self._reject(stream, str(e), "invalid_request")

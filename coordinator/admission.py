@@ -121,6 +121,7 @@ class Admission:
             submitted_at=now,
             deadline=None if submit.timeout_s is None else now + submit.timeout_s,
             traceparent=submit.traceparent,
+            images=submit.images,
         )
         if self.config.otlp_traces_endpoint is not None:
             request.trace = HopSpan.child_of(

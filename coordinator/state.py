@@ -64,6 +64,7 @@ class RequestRecord:
     # producer handed it off (it then continues on a consumer: admission._by_kv_role)
     kv_consumer: str | None = None
     handed_off: bool = False
+    images: list[bytes] = field(default_factory=list)  # Submit.images: every Dispatch of it carries them
 
     @property
     def suspect(self) -> bool:
@@ -108,6 +109,7 @@ class RequestRecord:
                 priority=self.priority,
                 client=self.client_tag,
                 traceparent=self.dispatch_traceparent,
+                images=self.images,
             )
         return Dispatch(
             request_id=self.request_id,
@@ -118,6 +120,7 @@ class RequestRecord:
             priority=self.priority,
             client=self.client_tag,
             traceparent=self.dispatch_traceparent,
+            images=self.images,
         )
 
     @property

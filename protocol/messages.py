@@ -49,6 +49,9 @@ MAX_KV_BLOCKS_PER_FRAME = 4096  # KvBlocks.blocks: a transfer goes in frames und
 MAX_STATS_WAIT_S = 3600.0
 MAX_REQUEST_TIMEOUT_S = 7 * 86400.0
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32 in the engine
+MAX_IMAGE_BYTES = 20 << 20  # one encoded image of a prompt (Submit.images / Dispatch.images)
+MAX_IMAGES = 16  # images one Submit or Dispatch may carry (a worker's --limit-mm-per-prompt may allow fewer)
+MAX_REQUEST_IMAGE_BYTES = MAX_FRAME_BYTES // 2  # all images of one request: its frame keeps room for the rest
 
 
 class ProtocolError(ValueError):
@@ -92,6 +95,11 @@ ShmPath = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]  # a
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_ID_LEN)]
+# a prompt's images, encoded (PNG, JPEG, ...: the worker decodes and checks them, worker/images.py), in the order of its
+# image tokens
+Images = Annotated[
+    list[Annotated[bytes, msgspec.Meta(max_length=MAX_IMAGE_BYTES)]], msgspec.Meta(max_length=MAX_IMAGES)
+]
 # a block hash: an unsigned 64-bit int (msgpack holds no larger integer, so `ge=0` is the whole bound)
 BlockHashes = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_KV_EVENTS)]
 
@@ -430,6 +438,11 @@ class Submit(Message, frozen=True):
     `session_id`: the conversation it belongs to (the HTTP front's X-Session-ID header): the coordinator sends it to
     the DP rank that ran the session's previous request while that rank is healthy and not overloaded
     (coordinator/sessions.py), where its KV blocks are.
+    `images`: the prompt's images, encoded, in the order of its image tokens (a model that takes images); the
+    coordinator keeps them with the request, so that a failover's Dispatch carries them again. A request without
+    images leaves the field out (omit_defaults), so peers older than it serve such requests as before; one with
+    images is refused by an older coordinator or worker as a frame with an unknown field 'images' (that request
+    alone fails, invalid_request, the field named).
     """
 
     TYPE: ClassVar[str] = "submit"
@@ -446,6 +459,7 @@ class Submit(Message, frozen=True):
     traceparent: str | None = None  # W3C trace context of the request (OpenTelemetry), passed through
     model: ModelId | None = None
     session_id: SessionId | None = None
+    images: Images = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         # (`if ...: raise`, not _require: the messages are formatted only for a bad Submit, once per request)
@@ -470,6 +484,10 @@ class Submit(Message, frozen=True):
             )
         if self.delivered_token_ids:
             self._check_delivered()
+        image_bytes = sum(map(len, self.images))
+        if image_bytes > MAX_REQUEST_IMAGE_BYTES:
+            limit = MAX_REQUEST_IMAGE_BYTES
+            raise ProtocolError(f"field 'images' holds {image_bytes} bytes, more than {limit} a request")
         if type(self.sampling) is not SamplingParams:  # (a user's Submit is built, not decoded)
             raise ProtocolError(f"field 'sampling' must be SamplingParams, got {type(self.sampling).__name__}")
 
@@ -519,6 +537,7 @@ class Dispatch(Message, frozen=True):
     # (`kv_consumer_key`: the consumer's public key, z85, "" without keys), then give it back (ErrorCode.KV_HANDOFF).
     kv_consumer_address: Address | None = None
     kv_consumer_key: Owner | None = None
+    images: Images = msgspec.field(default_factory=list)  # Submit.images, on every (re)dispatch
 
     def __post_init__(self) -> None:
         _check_traceparent(self.traceparent)
@@ -692,6 +711,10 @@ class Load(Message, frozen=True):
     kv_transfer_sent_blocks: NonNegative = 0
     kv_transfer_received_blocks: NonNegative = 0
     kv_transfer_dropped_blocks: NonNegative = 0
+    # images (a model that takes them, worker/vision.py): images run through the vision encoder, and images whose
+    # features came from its cache instead, since the engine started
+    mm_images_encoded: NonNegative = 0
+    mm_encoder_cache_hits: NonNegative = 0
 
 
 class KvEvents(Message, frozen=True):

@@ -45,9 +45,12 @@ class BenchmarkEngine:
         resumed_text_len: int | None = None,
         priority: int = 0,
         client: str | None = None,
+        images: Sequence[object] = (),
     ) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if images:
+            raise ValueError("the benchmark engine takes no images: it runs no model")
         params = params or SamplingParams()
         if isinstance(prompt, str) and len(prompt) >= self.max_model_len:  # a token per byte: never fits
             raise ValueError(f"the prompt is {len(prompt)} characters; the context is {self.max_model_len} tokens")

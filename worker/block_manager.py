@@ -225,8 +225,12 @@ class BlockManager:
         return hashes
 
     def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+        """What names block `index`'s content besides its parent: its tokens, then the keys of the images whose
+        tokens it holds (Request.image_tags), which the hash chain and the hit check both take in; the same image
+        tokens of another image never hit."""
         start = index * self.block_size
-        return tuple(request.token_ids[start : start + self.block_size])
+        tokens = tuple(request.token_ids[start : start + self.block_size])
+        return tokens + request.image_tags(start, start + self.block_size) if request.images else tokens
 
     # ---- allocation ------------------------------------------------------------------------------
 
@@ -581,8 +585,10 @@ class BlockManager:
                 continue
             if block.block_id not in self._cached.get(block.content.hash, {}):
                 raise ValueError(f"cached block {block.block_id} is missing from the hash map")
-            if len(block.content.token_ids) != self.block_size:
-                raise ValueError(f"cached block {block.block_id} holds {len(block.content.token_ids)} tokens")
+            # a block's tokens, then its image tags in (key, offset) pairs (Request.image_tags)
+            extra = len(block.content.token_ids) - self.block_size
+            if extra < 0 or extra % 2:
+                raise ValueError(f"cached block {block.block_id} holds {len(block.content.token_ids)} tokens and tags")
 
     def _check_ref_counts(self, holders: Iterable[Request]) -> None:
         counts = [0] * self.num_blocks

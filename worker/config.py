@@ -7,6 +7,7 @@ the engine reads are declared in protocol/env.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,15 @@ class EngineConfig:
     kv_cache_memory: int | None = option(None, "bytes for the KV cache pool")
     kv_cache_memory_fraction: float = option(0.1, "share of memory for the KV pool when --kv-cache-memory is not given")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of a shared prompt prefix")
+    limit_mm_per_prompt: int = option(
+        4,
+        "the most images one prompt may hold (a model that takes images): N, or vLLM's JSON '{\"image\": N}'",
+        parse=lambda text: parse_mm_limit(text),
+        metavar="N",
+    )
+    mm_encoder_cache_images: int = option(
+        64, "images whose vision-encoder features are kept for reuse (a model that takes images; LRU)", metavar="N"
+    )
     kv_offload_dir: str | None = option(
         None,
         "spill prefix-cache blocks evicted from the KV pool to files in this local directory, and read them back on "
@@ -215,6 +225,8 @@ class EngineConfig:
         ):
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction!r}")
         _positive_int("max_graph_batch_size", self.max_graph_batch_size)
+        _positive_int("limit_mm_per_prompt", self.limit_mm_per_prompt)
+        _positive_int("mm_encoder_cache_images", self.mm_encoder_cache_images)
         _positive_int("max_grammar_compiles", self.max_grammar_compiles)
         _positive_int("max_grammar_compiles_per_client", self.max_grammar_compiles_per_client)
         if (
@@ -300,6 +312,24 @@ class EngineConfig:
 
 
 ENGINE_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def parse_mm_limit(text: str) -> int:
+    """--limit-mm-per-prompt: an int, or vLLM's JSON object of modality -> count (only "image" is served)."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            limits = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not a JSON object: {error}") from None
+        others = sorted(set(limits) - {"image"}) if isinstance(limits, dict) else []
+        if not isinstance(limits, dict) or others or not isinstance(limits.get("image"), int):
+            raise ValueError(f'expected {{"image": N}} (images are the only modality served), got {text!r}')
+        return int(limits["image"])
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f'expected N or {{"image": N}}, got {text!r}') from None
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -119,6 +119,7 @@ class EngineLike(Protocol):
         resumed_text_len: int | None = None,
         priority: int = 0,
         client: str | None = None,
+        images: Sequence[object] = (),
     ) -> Request: ...
     def step(self) -> list[Delta]: ...
     def take_pending(self) -> list[Delta]: ...
@@ -920,6 +921,7 @@ class WorkerCore:
                     msg.resumed_text_len,
                     priority=msg.priority,
                     client=msg.client,
+                    images=msg.images,
                 )
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request")
@@ -927,7 +929,7 @@ class WorkerCore:
             TokenIds(request.prompt_token_ids),
             msg.resumed_token_ids,
             request.params.seed,
-            echo_prompt=msg.prompt is not None,
+            echo_prompt=msg.prompt is not None or bool(msg.images),  # images: their tokens expanded here
         )
         if self.options.otlp_traces_endpoint is not None:
             sent.trace = WorkerTrace.start(msg, len(request.prompt_token_ids), now)

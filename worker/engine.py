@@ -46,6 +46,7 @@ from infer.worker.engine_setup import (
 )
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
+from infer.worker.images import ImageLimits, PlacedImage, load_image, place_images
 from infer.worker.in_memory import in_memory_model
 from infer.worker.kv_offload import KvOffload, ModelFiles
 from infer.worker.kv_offload_store import check_offload_dir
@@ -74,6 +75,7 @@ from infer.worker.structured import (
 )
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.tokenizer import engine_tokenizer
+from infer.worker.vision import ClipPreprocessor, ImageEncoder, VisionModel
 from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 
 log = logging.getLogger("infer.engine")
@@ -276,6 +278,12 @@ class Engine:
         )
         self.lora = self._lora_manager()
         self.runner.lora = self.lora
+        # a model that takes images (worker/vision.py): its encoder cache and preprocessing
+        self.image_limits = ImageLimits(max_images=config.limit_mm_per_prompt)
+        self.preprocess: ClipPreprocessor | None = None
+        if isinstance(self.model, VisionModel):
+            self.runner.images = ImageEncoder(self.model, config.mm_encoder_cache_images)
+            self.preprocess = ClipPreprocessor.for_model(self.model_path, self.model.image_size)
         self.heap = HeapTrimmer()  # freed activations go back to the OS now and then (worker/memory.py)
         if self.device.type == "cpu" and not keep_freed_heap():  # ... and stay mapped between steps
             log.info("could not tune the C library's malloc: large activations are mapped anew every step")
@@ -311,8 +319,13 @@ class Engine:
         resumed_text_len: int | None = None,
         priority: int = 0,
         client: str | None = None,
+        images: Sequence[object] = (),
     ) -> Request:
         """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged.
+
+        `images`: the prompt's images, in order (encoded bytes or PIL images), for a model that takes them; the
+        prompt holds one image token per image (expanded here to the image's tokens) or each image's tokens already
+        expanded (worker/images.py `place_images`).
 
         A sampled request without a seed gets one here (drawn from the engine's `seed`), reported with its
         first output: the request's randomness is then a function of that seed and its token count.
@@ -355,6 +368,7 @@ class Engine:
             params = params.with_seed(self.sampler.draw_seed())
         lora_id = self._lora_id(params.lora_name)
         prompt_ids = self._prompt_token_ids(prompt)
+        prompt_ids, placed = self._place_images(prompt_ids, images)
         self._check_token_lists(params)
         resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids, params.max_tokens)
         if params.beam_search:
@@ -374,6 +388,7 @@ class Engine:
             pooled=None if params.pooling is None else PoolingState(params.pooling, params.normalize, len(prompt_ids)),
             lora_id=lora_id,
             cache_salt=adapter_salt(params.lora_name),
+            images=placed,
         )
         if params.beam_search:
             return self._add_beam_search(request)
@@ -390,6 +405,41 @@ class Engine:
         if params.structured_outputs is not None:
             self._compile_grammar(request, resumed, client)
         return request
+
+    def _place_images(
+        self, prompt_ids: list[int], images: Sequence[object]
+    ) -> tuple[list[int], tuple[PlacedImage, ...]]:
+        """The prompt's ids with its images' tokens in place, and the images decoded, checked, preprocessed and
+        placed; ValueError naming what is wrong (worker/images.py). Without images the prompt must hold no image
+        token either."""
+        if isinstance(images, (bytes, str)) or not isinstance(images, Sequence):
+            raise ValueError(f"images must be a list of encoded images or PIL images, got {type(images).__name__}")
+        model = self.model if isinstance(self.model, VisionModel) else None
+        if not images:
+            if model is not None and model.image_token_id in prompt_ids:
+                raise ValueError(
+                    f"the prompt holds image tokens (id {model.image_token_id}) but no image was given with it"
+                )
+            return prompt_ids, ()
+        if model is None or self.preprocess is None:
+            raise ValueError(f"model {self.model_id!r} takes no images: it is a text-only model")
+        if self.proposer is not None:
+            raise ValueError("images with speculative decoding are not supported yet")
+        if len(images) > self.image_limits.max_images:
+            raise ValueError(
+                f"{len(images)} images exceed the limit of {self.image_limits.max_images} per prompt "
+                "(--limit-mm-per-prompt)"
+            )
+        ids, places = place_images(prompt_ids, model.image_token_id, model.tokens_per_image, len(images))
+        placed = []
+        for index, ((offset, length), item) in enumerate(zip(places, images, strict=True)):
+            image, key = load_image(item, self.image_limits, index)
+            try:
+                pixels = self.preprocess(image)
+            except ValueError as error:
+                raise ValueError(f"image {index}: {error}") from None
+            placed.append(PlacedImage(offset, length, key, pixels))
+        return ids, tuple(placed)
 
     def _check_beam_search(self, params: SamplingParams, num_prompt_tokens: int, resumed: list[int]) -> None:
         """ValueError unless this engine can run a beam search of `params` (worker/beam_groups.py)."""
@@ -715,7 +765,13 @@ class Engine:
             spec_decode_num_accepted_tokens_per_pos=list(self.stats.spec_decode_num_accepted_tokens_per_pos),
             **self._offload_counts(),
             **self.kv_port.counters(),
+            **self._image_counts(),
         )
+
+    def _image_counts(self) -> dict[str, int]:
+        """The vision encoder's counters as Load's fields (none for a text-only model: the defaults, 0)."""
+        images = self.runner.images
+        return {} if images is None else {"mm_images_encoded": images.encoded, "mm_encoder_cache_hits": images.hits}
 
     def _offload_counts(self) -> dict[str, int]:
         """The KV tier's counters as Load's fields (none without a tier: the defaults, 0)."""
@@ -757,6 +813,8 @@ class Engine:
         self._check_not_tensor_parallel("suspend")
         self.scheduler.preempt_all()
         self.scheduler.block_manager.reset_prefix_cache()  # the cached KV goes with the pool
+        if self.runner.images is not None:
+            self.runner.images.clear()  # the encoder's features go with it
         self.runner.step_graphs = None  # they hold the pool (CUDA graphs: its addresses)
         released = self.kv_cache.release()
         self._suspended = release_weights(self.model, self.config.suspend_weights, self.device, self._weight_files)
@@ -804,6 +862,8 @@ class Engine:
         if self.offload is not None:
             self.offload.clear()  # before the reset, whose snapshot for the KV events then leaves the disk out
         self.scheduler.block_manager.reset_prefix_cache()
+        if self.runner.images is not None:
+            self.runner.images.clear()  # features of the old vision weights
         applied = apply_tensors(self.model, update.tensors)
         if self._weight_files is not None and update.files is not None:
             self._weight_files.append(update.files)

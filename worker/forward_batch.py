@@ -46,6 +46,10 @@ class ForwardBatch:
     # plain decode, k + 1 for a verification; summing to num_decodes), so that the native CPU decode step reads a
     # request's K and V once for all its rows (worker/models/native_decode.py). None: one row a request.
     decode_runs: torch.Tensor | None = None
+    # Images (worker/vision.py): the rows of T that hold image tokens [R] int64 and the features that replace their
+    # token embeddings [R, hidden] (None: no image token in this step)
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
     # values every layer needs, derived once by the first layer that asks (e.g. the decode twin's plan)
     per_step: dict = field(default_factory=dict, compare=False, repr=False)
 

@@ -443,11 +443,17 @@ def _parameter_of(model: nn.Module, key: str) -> tuple[str, Shard]:
     """Checkpoint name -> (our parameter name, shard of a fused parameter or None).
 
     The model's class attributes say how its names differ from the checkpoint's: `checkpoint_module_renames`
-    (checkpoint module name -> ours, e.g. Mixtral's block_sparse_moe -> mlp), `expert_modules_mapping`
+    (checkpoint module name -> ours, e.g. Mixtral's block_sparse_moe -> mlp), `checkpoint_prefix_renames`
+    ((checkpoint name prefix, ours), the first that matches; e.g. LLaVA's `model.language_model.` -> `model.`),
+    `expert_modules_mapping`
     (per-expert module in `experts.{i}.<module>.weight` -> (fused expert parameter, projection)) and
     `packed_modules_mapping` (module -> (fused module, shard)).
     """
     renames: dict[str, str] = getattr(model, "checkpoint_module_renames", {})
+    for prefix, ours in getattr(model, "checkpoint_prefix_renames", ()):
+        if key.startswith(prefix):
+            key = ours + key[len(prefix) :]
+            break
     *modules, param_name = key.split(".")
     modules = [renames.get(module, module) for module in modules]
     experts: dict[str, tuple[str, str]] = getattr(model, "expert_modules_mapping", {})

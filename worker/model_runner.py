@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
@@ -16,6 +16,7 @@ from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, recor
 from infer.worker.scheduler import ScheduledChunk
 from infer.worker.speculative import sampling_rows
 from infer.worker.step_graphs import StepGraphs
+from infer.worker.vision import ImageEncoder, step_image_rows
 
 if TYPE_CHECKING:
     from infer.worker.models.registry import CausalLM
@@ -55,6 +56,7 @@ class ModelRunner:
 
     followers: Followers | None = None
     lora: LoraManager | None = None  # the engine's LoRA adapters (worker/lora.py), when enabled
+    images: ImageEncoder | None = None  # a vision model's encoder and its cache (worker/vision.py)
 
     def __init__(
         self,
@@ -96,10 +98,17 @@ class ModelRunner:
         graphs = self.step_graphs
         if graphs is not None and (lora is not None or any(c.request.pooled is not None for c in chunks)):
             graphs = None  # LoRA rows run the layers one by one; pooling needs the hidden states
+        if graphs is not None and self.images is not None and any(_computes_images(c) for c in chunks):
+            graphs = None  # image rows take their features in the eager forward
         bucket = graphs.bucket_for(chunks) if graphs is not None else None
         if graphs is not None and bucket is not None:
             return Launched(chunks, logits=graphs.run(chunks, bucket))
         batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
+        if self.images is not None:
+            placed = step_image_rows(chunks, self.images)
+            if placed is not None:
+                rows = torch.tensor(placed[0], dtype=torch.int64, device=self.device)
+                batch = replace(batch, image_rows=rows, image_embeds=placed[1])
         with lora_step(lora):
             hidden = self._forward(batch, slot_rows if lora is not None else None)
         return Launched(chunks, batch, hidden)
@@ -161,6 +170,11 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.logits(rows)
         return self.model.compute_logits(hidden[rows])
+
+
+def _computes_images(chunk: ScheduledChunk) -> bool:
+    """Whether the chunk computes any of its request's image tokens."""
+    return any(image.offset < chunk.end and image.end > chunk.start for image in chunk.request.images)
 
 
 def dummy_forward_batch(block_size: int, device: torch.device) -> ForwardBatch:

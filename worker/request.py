@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from infer.protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:  # worker/structured.py imports torch; the scheduler's tests run without it
+    from infer.worker.images import PlacedImage
     from infer.worker.pooling import PoolingState
     from infer.worker.structured import GrammarState
 
@@ -94,6 +95,10 @@ class Request:
     # the root of its prefix-cache hash chain (protocol/prefix_hash.py adapter_salt: its adapter's, by name; None: the
     # base model), which the coordinator computes too to see where its blocks are cached
     cache_salt: int | None = None
+    # its images (worker/images.py PlacedImage: prompt tokens, content key, pixels), in prompt order: each is encoded
+    # when a prefill chunk first covers its tokens, and its key is mixed into the prefix-cache key of every block
+    # that holds any of them (`image_tags`)
+    images: tuple[PlacedImage, ...] = ()
 
     @property
     def num_logprobs(self) -> int | None:
@@ -134,6 +139,17 @@ class Request:
     def num_tokens_to_compute(self) -> int:
         """Tokens whose KV is not in the cache yet (the whole prompt when new, 1 when decoding)."""
         return self.num_tokens - self.num_computed_tokens
+
+    def image_tags(self, start: int, stop: int) -> tuple[int, ...]:
+        """What tokens [start, stop) hold of images, beyond their ids: (key, the image's offset - start) of each image
+        they overlap, flattened (empty without images). Two blocks with equal tokens and tags hold the same image
+        parts at the same places."""
+        return tuple(
+            value
+            for image in self.images
+            if image.offset < stop and image.end > start
+            for value in (image.key, image.offset - start)
+        )
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

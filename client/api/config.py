@@ -4,6 +4,7 @@ read them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from infer.client.api.reasoning import REASONING_PARSERS
@@ -25,6 +26,7 @@ class FrontConfig:
     view_max_age: float = 1.0  # seconds a cluster view serves admission before a fresh round trip
     retry_after: int = 1  # seconds, in the Retry-After header of a 503
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body is refused with 413
+    allowed_local_media_path: Path | None = None  # file:// image URLs are read under it (client/api/images.py)
     tool_call_parser: str | None = None  # client/api/tools.py; None: the one the chat template's format calls for
     matryoshka_dimensions: tuple[int, ...] | None = None  # /v1/embeddings' dimensions: None refused, () any size
     reasoning_parser: str | None = None  # client/api/reasoning.py; None: no reasoning_content

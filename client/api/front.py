@@ -24,11 +24,13 @@ from infer.client.api.body import decode_body
 from infer.client.api.cancel import Cancellations
 from infer.client.api.config import FrontConfig
 from infer.client.api.errors import ended_early, request_error, too_large, validation_error
+from infer.client.api.images import image_bytes_of
 from infer.client.api.jobs import Job
 from infer.client.api.metrics import FrontMetrics
 from infer.client.api.schemas import ApiError, ChatCompletionRequest, ChatMessage, TokenizeRequest
 from infer.client.api.tokenization import Tokenization, Tokenizations
 from infer.client.api.tools import template_messages, tools_system_prompt
+from infer.client.chat_encoding import ImageSlot, takes_content_parts
 from infer.client.engine_client import ClusterError, EngineClient
 from infer.protocol.codes import ErrorCode, FinishReason
 from infer.protocol.messages import ClusterStats, ModelStats
@@ -326,10 +328,16 @@ class Front:
                 param="messages",
                 code="context_length_exceeded",
             )
-        messages = template_messages([m.as_template_message() for m in chat])
+        image = self._image_slot(tok, chat, body)
+        if image is not None and takes_content_parts(template):  # the template writes the image token itself
+            image = None
+            messages = template_messages([m.as_template_parts() for m in chat])
+        else:
+            marker = "" if image is None else image.marker
+            messages = template_messages([m.as_template_message(marker) for m in chat])
         if tools and "tools" not in template:  # a template that ignores `tools`
             messages = [{"role": "system", "content": tools_system_prompt(tools)}, *messages]
-        content = "".join(m["content"] for m in messages) + json.dumps(tools or [])
+        content = "".join(_text_of(m["content"]) for m in messages) + json.dumps(tools or [])
         self.check_text_size(tok, content, max_len, "messages")
 
         def render(chat: list[dict[str, Any]]) -> str:
@@ -339,11 +347,33 @@ class Front:
 
         try:
             _, ids = await self.off_loop(
-                tok.chat_encoder.encode, messages, render, body.allow_special_tokens_in_content
+                tok.chat_encoder.encode, messages, render, body.allow_special_tokens_in_content, image
             )
         except ValueError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
         return ids
+
+    def _image_slot(self, tok: Tokenization, chat: list[ChatMessage], body: Any) -> ImageSlot | None:
+        """Where the messages' image parts go (client/chat_encoding.py), or None when they have none; 400 for a
+        model that takes no images."""
+        if not any(m.image_urls for m in chat):
+            return None
+        if tok.image_token is None:
+            raise ApiError(
+                400,
+                f"messages: model {getattr(body, 'model', None) or self.config.served_model_name!r} takes no "
+                "images (its tokenizer has no image token): it is a text-only model",
+                param="messages",
+            )
+        text, token_id = tok.image_token
+        return ImageSlot.new(token_id, text)
+
+    async def chat_images(self, chat: list[ChatMessage]) -> list[bytes]:
+        """The encoded images of the messages' image_url parts, in order (client/api/images.py; off the loop)."""
+        urls = [url for m in chat for url in m.image_urls]
+        if not urls:
+            return []
+        return await self.off_loop(image_bytes_of, urls, self.config.allowed_local_media_path)
 
     @staticmethod
     def _render_chat(
@@ -393,9 +423,7 @@ class Front:
             return self._traced_stream(job, extra)
         if job.traceparent is not None:
             extra["traceparent"] = job.traceparent
-        return self.engine.stream(
-            job.prompt_token_ids, job.params, request_id=job.request_id, timeout=job.timeout, **extra
-        )
+        return self.engine.stream(job.prompt, job.params, request_id=job.request_id, timeout=job.timeout, **extra)
 
     async def _traced_stream(self, job: Job, extra: dict[str, Any]) -> AsyncIterator[RequestOutput]:
         """`job`'s engine request as the front's hop of its trace (protocol/tracing.py): from here to its last
@@ -414,7 +442,7 @@ class Front:
         finish_reason, num_tokens = "abandoned", 0
         try:
             async for delta in self.engine.stream(
-                job.prompt_token_ids,
+                job.prompt,
                 job.params,
                 request_id=job.request_id,
                 timeout=job.timeout,
@@ -480,3 +508,10 @@ async def _gather_or_cancel(coros: list[Awaitable[None]]) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _text_of(content: Any) -> str:
+    """A template message's content as text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content or ())

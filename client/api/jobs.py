@@ -4,7 +4,7 @@ formats read them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from infer.client.api.metrics import RequestTracker
 from infer.protocol.messages import BeamOutput
@@ -31,10 +31,18 @@ class Job:
     traceparent: str | None = None  # the caller's W3C trace context (a valid `traceparent` header), passed on
     model: str | None = None  # the cluster's model it runs on, when it serves several (Front.model_of)
     session_id: str | None = None  # the caller's X-Session-ID: the cluster pins the conversation to its worker
+    images: list[bytes] = field(default_factory=list)  # a chat's images, in the order of its image tokens
     completion: Completion = field(init=False)
 
     def __post_init__(self) -> None:
         self.completion = Completion(self.request_id, self.prompt_token_ids)
+
+    @property
+    def prompt(self) -> list[int] | dict[str, Any]:
+        """What the engine client is given: the prompt's ids, with its images in vLLM's multimodal form."""
+        if not self.images:
+            return self.prompt_token_ids
+        return {"prompt_token_ids": self.prompt_token_ids, "multi_modal_data": {"image": self.images}}
 
     def add(self, delta: RequestOutput) -> None:
         self.tracker.on_delta(delta)

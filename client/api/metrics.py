@@ -204,6 +204,15 @@ class FrontMetrics:
                 labels,
                 registry=r,
             ),
+            "mm_images_encoded": Counter(
+                "infer:mm_images_encoded", "Images run through the vision encoder.", labels, registry=r
+            ),
+            "mm_encoder_cache_hits": Counter(
+                "infer:mm_encoder_cache_hits",
+                "Images whose vision-encoder features came from the encoder cache instead.",
+                labels,
+                registry=r,
+            ),
             "spec_decode_num_drafts": Counter(
                 "infer:spec_decode_num_drafts",
                 "Speculative decoding: verifications (a request's drafts checked in one step).",

@@ -394,17 +394,58 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; every image is taken at the model's size
+
+
+class ImageUrlPart(BaseModel):
+    """OpenAI's image content part: a base64 `data:` URL, or a `file://` URL under --allowed-local-media-path
+    (client/api/images.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. `name`; passed to the chat template as given
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
-    def as_template_message(self) -> dict[str, Any]:
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImageUrlPart)]
+
+    def as_template_message(self, image_marker: str = "") -> dict[str, Any]:
+        """The message for the chat template: content parts joined into one text, each image part as
+        `image_marker` (where client/chat_encoding.py puts the model's image token)."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "".join(part.text if isinstance(part, TextPart) else image_marker for part in content)
         message = dict(self.model_extra or {})
         message.update(role="system" if self.role == "developer" else self.role, content=content or "")
+        return message
+
+    def as_template_parts(self) -> dict[str, Any]:
+        """The message for a chat template that iterates content parts (llava-hf's): a list of {"type": "text",
+        "text"} and {"type": "image"}, in order (the template writes the image token itself)."""
+        content = self.content
+        if isinstance(content, list):
+            parts = [
+                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in content
+            ]
+        else:
+            parts = [{"type": "text", "text": content}] if content else []
+        message = dict(self.model_extra or {})
+        message.update(role="system" if self.role == "developer" else self.role, content=parts)
         return message
 
 

@@ -224,6 +224,12 @@ class FrontFlags:
         1024, "engine requests in flight through this front; past it new requests get 503 'overloaded' at once"
     )
     max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, "largest request body; larger ones get 413")
+    allowed_local_media_path: str | None = option(
+        None,
+        "serve chat image_url parts given as file:// URLs from files under DIR (vLLM's flag; default: refused); "
+        "http(s) URLs are never fetched, base64 data: URLs always taken",
+        metavar="DIR",
+    )
     tool_call_parser: str | None = option(
         None,
         "the format of the model's tool calls (default: the one its chat "
@@ -295,6 +301,16 @@ def check_front_exposure(host: str, config: FrontConfig, trusted_network: bool) 
         )
 
 
+def media_dir(path: str | None) -> Path | None:
+    """--allowed-local-media-path, resolved; ValueError naming the flag unless it is a directory."""
+    if path is None:
+        return None
+    resolved = Path(path).resolve()
+    if not resolved.is_dir():
+        raise ValueError(f"--allowed-local-media-path {path}: not a directory")
+    return resolved
+
+
 def front_config(args: argparse.Namespace, model_id: str | None, model_dir: Path | None = None) -> FrontConfig:
     """The FrontConfig the flags describe; ValueError (naming the flag) if they are invalid. `model_dir`: where
     --generation-config auto looks (None: nowhere yet)."""
@@ -308,6 +324,7 @@ def front_config(args: argparse.Namespace, model_id: str | None, model_dir: Path
         ),
         max_concurrent_requests=args.max_concurrent_requests,
         max_body_bytes=args.max_body_bytes,
+        allowed_local_media_path=media_dir(args.allowed_local_media_path),
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),

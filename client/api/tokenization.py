@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
 import threading
 import time
@@ -91,6 +92,14 @@ class Tokenization:
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
+
+    @functools.cached_property
+    def image_token(self) -> tuple[str, int] | None:
+        """(text, id) of the token a chat's image parts become: the tokenizer's `image_token` (transformers' name),
+        else an added `<image>` token (LLaVA's); None: the model takes no images."""
+        token = getattr(self.tokenizer, "image_token", None) or "<image>"
+        added = {t.content: i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()}
+        return (token, added[token]) if token in added else None
 
     @property
     def chat_template(self) -> str | None:

@@ -318,6 +318,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """`layers` stand in for self.layers, one for one (the step graphs' compiled copies)."""
         hidden, residual = self.embed_tokens(batch.input_ids), None
+        if batch.image_rows is not None and batch.image_embeds is not None:  # a vision model's (models/llava.py)
+            hidden = hidden.index_copy(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
         self.rotary_emb.reserve(max(batch.context_lens, default=0))
         batch = self.rotary_emb.rope_batch(batch)
         if layers is None and batch.num_decodes and not torch.compiler.is_compiling() and not lora_rows_active():

@@ -11,6 +11,7 @@ from infer.worker.models.deepseek import DeepseekV2ForCausalLM
 from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from infer.worker.models.gpt_oss import GptOssForCausalLM
 from infer.worker.models.llama import LlamaForCausalLM
+from infer.worker.models.llava import LlavaForConditionalGeneration
 from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from infer.worker.models.phi3 import Phi3ForCausalLM
 
@@ -50,6 +51,7 @@ class CausalLM(Protocol):
 
 MODEL_TYPES: dict[str, type] = {
     "llama": LlamaForCausalLM,
+    "llava": LlavaForConditionalGeneration,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
@@ -65,6 +67,7 @@ MODEL_TYPES: dict[str, type] = {
 
 ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,

@@ -83,7 +83,8 @@ class Generation:
         max_tokens = body.max_new_tokens
         if max_tokens is None:
             max_tokens = self.front.config.sampling_defaults.get("max_tokens")
-        return await self._serve(request, body, tok, token_ids, max_tokens, body.num_logprobs, fmt)
+        images = await self.front.chat_images(body.messages)
+        return await self._serve(request, body, tok, token_ids, max_tokens, body.num_logprobs, fmt, images)
 
     async def _chat_token_ids(self, tok: Tokenization, body: ChatCompletionRequest, max_len: int) -> list[int]:
         return await self.front.chat_prompt(tok, body, body.tool_dicts if body.tool_mode is not None else None, max_len)
@@ -97,8 +98,10 @@ class Generation:
         max_tokens: int | None,
         logprobs: int | None,
         fmt: ResponseFormat,
+        images: list[bytes] | None = None,
     ) -> Response:
-        """`token_ids(max_len)`: the prompts' token ids, or a 400 for a prompt that cannot fit max_len."""
+        """`token_ids(max_len)`: the prompts' token ids, or a 400 for a prompt that cannot fit max_len. `images`: a
+        chat's, sent with its every engine request."""
         num_prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
         num_requests = num_prompts * num_candidates(body)
         for param, ids in body.token_id_fields().items():
@@ -122,6 +125,8 @@ class Generation:
             for ids in prompts:
                 check_length(len(ids), max_tokens, max_len)
             jobs = self._jobs(tok, engine_base_id, prompts, body, max_tokens, logprobs, structured)
+            for job in jobs:
+                job.images = images or []
             traceparent = request.headers.get("traceparent")
             for job in jobs:  # W3C: an invalid header is ignored (a new trace starts), not refused
                 job.traceparent = traceparent if traceparent and parse_traceparent(traceparent) else None

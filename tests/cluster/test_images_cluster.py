@@ -1,0 +1,141 @@
+"""Images through real clusters (tests/llava_models.py's tiny LLaVA): kill -9 of the worker streaming an image request
+ends it exactly as direct mode does, on the other worker, which decodes and encodes the image again; `infer-serve`
+with 2 workers answers the official `openai` client's chat with a base64 data: URL image with direct mode's greedy
+text, and answers hostile images with a 400 naming what is wrong while it keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import urllib.request
+
+import openai
+import pytest
+from llava_models import IMAGE_TOKEN, TOKENS_PER_IMAGE, llava_checkpoint, png
+from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import Served
+
+from infer import LLM, SamplingParams
+
+ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1)
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1"]
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+TEXT = f"USER: {IMAGE_TOKEN}\nTell me a long story about it. ASSISTANT:"
+IMAGE = png(48, 36, seed=21)
+QUESTION = "What is in this picture?"
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, smollm2_tokenizer):
+    return llava_checkpoint(tmp_path_factory.mktemp("llava"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def direct(llava):
+    """Direct mode's answers: the long stream's, and the chat prompt's ids (as the front renders them) with its text."""
+    llm = LLM(model=str(llava), **ENGINE)
+    try:
+        tokenizer = llm.get_tokenizer()
+        long = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": IMAGE}}, LONG, use_tqdm=False)[0]
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTION + IMAGE_TOKEN}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        chat = llm.generate(
+            {"prompt_token_ids": ids, "multi_modal_data": {"image": IMAGE}},
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        return long, chat
+    finally:
+        llm.close()
+
+
+async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, llava, direct):
+    want = direct[0]
+    cluster = model_cluster(workers=2, model=llava)
+    async with cluster.client() as client:
+        tokens: list[int] = []
+        killed = False
+        prompt = {"prompt": TEXT, "multi_modal_data": {"image": IMAGE}}
+        async with asyncio.timeout(240):
+            async for delta in client.stream(prompt, LONG):
+                tokens += delta.token_ids
+                if not killed and len(tokens) >= 3:
+                    victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
+                    assert victim.num_in_flight == 1
+                    cluster.proc_of(victim.worker_id).kill9()
+                    killed = True
+        stats = await client.stats()
+    assert stats.requests_redispatched == 1
+    assert tokens == want.token_ids
+
+
+@pytest.fixture(scope="module")
+def served(llava, tmp_path_factory):
+    server = Served(llava, tmp_path_factory.mktemp("serve") / "serve.log", "llava", ENGINE_FLAGS)
+    yield server
+    server.stop()
+
+
+def _chat(client: openai.OpenAI, url: str, **extra):
+    return client.chat.completions.create(
+        model="llava",
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": url}}],
+            }
+        ],
+        temperature=0,
+        max_tokens=12,
+        extra_body={"ignore_eos": True},
+        **extra,
+    )
+
+
+def _data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def test_openai_chat_with_a_data_url_image_equals_direct_mode(served, direct):
+    """Twice in one session (X-Session-ID: the same worker), the second time from its prefix cache: the image's
+    tokens are not computed again, so it is not encoded again either."""
+    want = direct[1]
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    encoded = _metric(served.url, "infer:mm_images_encoded_total")
+    hits = _metric(served.url, "infer:prefix_cache_hits_total")
+    for _ in range(2):
+        answer = _chat(client, _data_url(IMAGE), extra_headers={"X-Session-ID": "one conversation"})
+        assert answer.choices[0].message.content == want.text
+        assert answer.usage.prompt_tokens == len(want.prompt_token_ids) > TOKENS_PER_IMAGE
+    deadline = time.monotonic() + 30  # the workers' loads reach the coordinator with their steps and heartbeats
+    while _metric(served.url, "infer:prefix_cache_hits_total") < hits + TOKENS_PER_IMAGE:
+        assert time.monotonic() < deadline, "no prefix-cache hit reported"
+        time.sleep(0.2)
+    assert _metric(served.url, "infer:mm_images_encoded_total") == encoded + 1
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("http://example.invalid/cat.png", "http URLs are not fetched"),
+        ("file:///etc/passwd", "file: URLs are refused unless the server runs with --allowed-local-media-path"),
+        ("data:image/png;base64,@@@@", "the data: URL's data is not valid base64"),
+        ("data:text/plain;base64,aGVsbG8=", "media type 'text/plain' is not an image"),
+        (_data_url(b"GIF89a but not really"), "image 0: not an image Pillow can read"),
+        (_data_url(IMAGE[: len(IMAGE) // 2]), "image 0: cannot decode its pixels (PNG)"),
+    ],
+)
+def test_hostile_images_get_a_400_naming_the_problem(served, url, message):
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as refused:
+        _chat(client, url)
+    assert message in str(refused.value), refused.value
+    assert _chat(client, _data_url(IMAGE)).choices[0].finish_reason == "length"  # still serving
