@@ -85,6 +85,8 @@ def _local_file(url: str, allowed_dir: Path | None, where: str) -> bytes:
     root = Path(os.path.realpath(allowed_dir))
     if not path.is_relative_to(root):
         raise ApiError(400, f"{where}: the file is outside --allowed-local-media-path", param="messages")
+    if path.exists() and not path.is_file():  # a FIFO or a device would block the read or never end
+        raise ApiError(400, f"{where}: the file: URL names no regular file", param="messages")
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_IMAGE_BYTES + 1)

@@ -44,6 +44,9 @@ def test_urls(tmp_path):
     assert "image 1: the file is outside" in _refusal([data, f"file://{media}/../secret.png"], media)
     assert "the file is outside" in _refusal([f"file://{media}/link.png"], media)  # links resolved first
     assert "cannot read the file" in _refusal([f"file://{media}/missing.png"], media)
+    os.mkfifo(media / "pipe.png")  # opening it would wait for a writer forever
+    assert "names no regular file" in _refusal([f"file://{media}/pipe.png"], media)
+    assert "names no regular file" in _refusal([f"file://{media}"], media)  # the directory itself
     assert "names no other host" in _refusal([f"file://elsewhere{media}/a.png"], media)
     assert "unsupported URL scheme 'ftp'" in _refusal(["ftp://h/x.png"])
     big = "data:image/png;base64," + "A" * (MAX_IMAGE_BYTES // 3 * 4 + 8)
