@@ -512,12 +512,13 @@ class WorkerCore:
 
     def beat_during_step(self, now: float, step_started: float) -> None:
         """Called by the shell's heartbeat thread while an engine call runs: a Heartbeat (the last load and the
-        step's age) when an interval passed since the last frame out."""
+        step's age) when an interval passed since the last frame out, and one to each direct stream's reader."""
         if self.ever_welcomed and now - self._last_sent >= self.options.heartbeat_interval:
             self._send(
                 Heartbeat(sent_at=now + self.wall_offset, load=self.last_load, step_age_s=round(now - step_started, 3)),
                 now,
             )
+        self.streams.beat(now)
 
     def drained(self, now: float) -> bool:
         """A drain is under way and over: every request finished or moved (those left at its deadline given back,

@@ -9,8 +9,9 @@ that step's deltas as one StepBatch, keep the link alive (heartbeats, re-registr
 Liveness does not depend on step length: the loop's thread owns the socket except during an engine step (or
 an add_request, which tokenizes), when it hands it (a lock: a full memory barrier, so one thread at a time
 uses it) to a heartbeat thread that sends a Heartbeat each interval the step lasts, with the last load and
-the step's age (`step_age_s`). A stopped process (SIGSTOP) stops both threads, so silence still means hung;
-an engine stuck inside one step shows in the age (the coordinator's --max-step-time).
+the step's age (`step_age_s`), beats to each direct stream's reader and takes the stream socket's Subscribes.
+A stopped process (SIGSTOP) stops both threads, so silence still means hung; an engine stuck inside one step
+shows in the age (the coordinator's --max-step-time).
 
 Lifecycle and exit codes:
 - start: Hello -> Welcome ("worker ready" is logged) or Refused (exit 3); a handshake the coordinator
@@ -339,7 +340,11 @@ class Worker:
             self._step_started = None
 
     def _beat_during_steps(self) -> None:
-        """The heartbeat thread: while an engine step runs, a Heartbeat each interval (see the module doc)."""
+        """The heartbeat thread: while an engine step runs, a Heartbeat each interval to the coordinator and to each
+        direct stream's reader, and the stream socket's Subscribes taken (a client that subscribes during a long
+        step is a reader at once), so that a step longer than a client's silence timeout (a long prefill chunk on
+        a CPU) sets off no re-attach (see the module doc). The loop's thread is inside engine code meanwhile,
+        which touches neither the core's streams nor the sockets."""
         interval = self.options.heartbeat_interval
         while not self._beats_stop.wait(interval / 4):
             if self._step_started is None or not self._socket_lock.acquire(blocking=False):
@@ -347,6 +352,8 @@ class Worker:
             try:
                 started = self._step_started
                 if started is not None:
+                    if self.stream_sock is not None:
+                        self._receive_streams(self.stream_sock)
                     self.core.beat_during_step(time.monotonic(), started)
                     self._flush()
             finally:

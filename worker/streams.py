@@ -162,6 +162,12 @@ class StreamTable:
                 self._reply(peer, msg, "no such stream for this peer", ErrorCode.INVALID_REQUEST)
             else:
                 self._reply(peer, msg, "this worker does not run that request", ErrorCode.UNAVAILABLE)
+        self.beat(now)
+
+    def beat(self, now: float) -> None:
+        """Every heartbeat interval, each reader of a running stream gets a Heartbeat (its silence watchdog); also
+        from the shell's heartbeat thread during a long engine step, so that no reader takes the step for a lost
+        worker."""
         if now - self._last_beat >= self.heartbeat_interval:
             self._last_beat = now
             for peer in {s.subscriber for s in self.streams.values() if s.subscriber is not None}:

@@ -96,3 +96,24 @@ async def test_a_second_client_with_a_valid_key_cannot_read_another_clients_stre
 async def _consume(stream, deltas: list) -> None:
     async for delta in stream:
         deltas.append(delta)
+
+
+async def test_steps_longer_than_the_clients_silence_timeout_keep_the_direct_stream(cluster_factory, monkeypatch):
+    """A worker inside one step for 3 s at a time (a long prefill chunk on a CPU), past the client's 2 s silence
+    timeout: its heartbeat thread takes the client's Subscribe and beats to it during the steps, so the client
+    subscribes once, never asks the coordinator where the stream went (a re-dispatch: the request started again), and
+    the stream ends exactly (a benchmark worker: output token i of a 3-token prompt is 3 + i)."""
+    cluster = cluster_factory()
+    cluster.coordinator()
+    cluster.worker(0, "--benchmark-step-time", "3", benchmark=True)
+    async with cluster.client(heartbeat_interval=0.2, silence_timeout=2.0) as client:
+        await client.wait_for_workers(1, timeout=30)
+        subscribes, asks = [], []
+        subscribe, ask = client._subscribe, client._ask_coordinator
+        monkeypatch.setattr(client, "_subscribe", lambda *a: (subscribes.append(a[1].request_id), subscribe(*a)))
+        monkeypatch.setattr(client, "_ask_coordinator", lambda r: (asks.append(r.request_id), ask(r)))
+        deltas = [d async for d in client.stream([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))]
+        stats = await client.stats()
+    assert [t for d in deltas for t in d.token_ids] == [3, 4, 5] and deltas[-1].finish_reason == "length"
+    assert asks == [] and len(subscribes) == 1, (subscribes, asks)
+    assert stats.requests_redispatched == 0
