@@ -60,7 +60,8 @@ async def _more(client, done: int) -> bool:
 
 
 def hits(stats, rank: int) -> int:
-    return stats[rank].load.prefix_cache_hits
+    load = stats[rank].load
+    return 0 if load is None else load.prefix_cache_hits  # None: a worker just joined, before its first report
 
 
 async def test_turns_follow_the_cache_evictions_move_them_and_a_killed_worker_holds_nothing(
