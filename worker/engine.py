@@ -19,22 +19,20 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, Sequence, cast
 
 import msgspec
 import torch
 
-from infer.protocol.messages import MAX_ID_LEN, Delta, KvEvents, Load, TokenIds, UpdateWeights
-from infer.protocol.outputs import TokenLogprobs
+from infer.protocol.messages import MAX_ID_LEN, Delta, KvEvents, Load, UpdateWeights
 from infer.protocol.prefix_hash import adapter_salt
 from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.structured import NO_FIRST_TOKEN, StructuredOutputsParams, grammar_reason
-from infer.worker.beam_groups import BeamGroup, BeamGroups
+from infer.worker.beam_groups import BeamGroups
 from infer.worker.config import EngineConfig
-from infer.worker.detokenizer import IncrementalDetokenizer
 from infer.worker.engine_setup import (
     context_length,
     kept_quantized,
@@ -57,12 +55,12 @@ from infer.worker.memory import HeapTrimmer, keep_freed_heap, trim_heap
 from infer.worker.micro_batches import MicroBatches
 from infer.worker.model_files import eos_token_ids, resolve_model
 from infer.worker.model_runner import ModelRunner
+from infer.worker.output_processor import EngineStats, OutputProcessor, StepRow, step_rows
 from infer.worker.pooling import PoolingState
 from infer.worker.proposers import Proposer, make_proposer
 from infer.worker.request import Request, RequestStatus, overdue_message
-from infer.worker.sampler import Sampler, SamplerOutput
+from infer.worker.sampler import Sampler
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from infer.worker.speculative import verify
 from infer.worker.step_graphs import make_step_graphs
 from infer.worker.structured import (
     COMPILE_TIMEOUT_S,
@@ -126,24 +124,6 @@ class _Compiling:
         return None
 
 
-@dataclass
-class EngineStats:
-    """Monotonic counters since the engine started (Prometheus-style)."""
-
-    num_steps: int = 0
-    num_requests_finished: int = 0
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
-    prefill_tokens_computed: int = 0  # tokens actually run through the model before the first sample
-    generation_tokens: int = 0
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-    # speculative decoding (vLLM's spec_decode counters): verification chunks, their draft tokens, the drafts
-    # accepted, and accepted drafts by position (index j: drafts accepted at position j + 1 of a chunk)
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-
 class Engine:
     """Accepts requests, steps the model over all of them together, returns per-step deltas.
 
@@ -177,7 +157,6 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device, model is None and kept_quantized(config))
-        self.weight_version = 0  # +1 (or the coordinator's number) per update_weights
         self._suspended: SuspendedWeights | None = None
         self._released_bytes = 0  # what the current suspend released
         if model is not None:
@@ -288,11 +267,14 @@ class Engine:
         if self.device.type == "cpu" and not keep_freed_heap():  # ... and stay mapped between steps
             log.info("could not tune the C library's malloc: large activations are mapped anew every step")
         self.stats = EngineStats()
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[Delta] = []  # final outputs of aborts, returned by the next step
         self._grammars: GrammarCompilerPool | None = None  # made at the first structured-output request
         self._compiling: dict[str, _Compiling] = {}  # requests waiting for their grammar, not yet scheduled
         self.beams = BeamGroups(self.scheduler, self.tokenizer)  # beam searches (worker/beam_groups.py)
+        # a step's rows into Deltas, each request's detokenizer (worker/output_processor.py)
+        self.outputs = OutputProcessor(
+            self.scheduler, self.beams, self.sampler, self.proposer, self.tokenizer, self.stats, self.max_model_len
+        )
         # a pipeline's stage 0: a micro-batch per stage in flight (worker/micro_batches.py) unless told otherwise;
         # speculative decoding steps one batch at a time (its proposals read the tokens of the step before)
         depth = 1 if stage is None or spec is not None else config.pp_micro_batches or stage.group.size
@@ -392,15 +374,13 @@ class Engine:
         )
         if params.beam_search:
             return self._add_beam_search(request)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
-        if resumed:
-            detok.resume(resumed, resumed_text_len)
+        detok = self.outputs.detokenizer(prompt_ids, params, resumed, resumed_text_len)
         if params.structured_outputs is None:
             self.scheduler.add(request)  # raises ValueError if it can never fit in the KV pool
         else:
             self.scheduler.check_new(request)
         self._arrivals += 1
-        self._detokenizers[request_id] = detok
+        self.outputs.track(request_id, detok)
         self.stats.prompt_tokens += len(prompt_ids)
         if params.structured_outputs is not None:
             self._compile_grammar(request, resumed, client)
@@ -490,33 +470,7 @@ class Engine:
         if self.offload is not None:  # a fork's new block may have evicted a cached one: copy it out first
             self.offload.spill_evicted()
         self.kv_cache.copy_blocks(copies)
-        return [self._beam_final(group, RequestStatus.FINISHED_STOPPED) for group in done]
-
-    def _beam_final(
-        self, group: BeamGroup, status: RequestStatus, error: str | None = None, error_code: str | None = None
-    ) -> Delta:
-        """The one output of a beam search: its best n beams (the best one's tokens and text as the request's),
-        or how it ended without them (abort, error)."""
-        beams = self.beams.outputs(group) if status is RequestStatus.FINISHED_STOPPED else None
-        best = beams[0] if beams else None
-        # `status` is a finished one (the search ended), which has a finish reason
-        reason = best.finish_reason if best is not None else cast(str, status.finish_reason)
-        self.stats.num_requests_finished += 1
-        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
-        root = group.root
-        return Delta.final(
-            group.request_id,
-            reason,
-            error,
-            error_code,
-            token_ids=[] if best is None else best.token_ids,
-            text="" if best is None else best.text,
-            beams=beams,
-            num_prompt_tokens=root.num_prompt_tokens,
-            num_cached_tokens=root.num_cached_tokens,
-            weight_version=self.weight_version,
-            **self._first_output_fields(root),
-        )
+        return [self.outputs.beam_final(group, RequestStatus.FINISHED_STOPPED) for group in done]
 
     def step(self) -> list[Delta]:
         """One engine step: schedule, run, advance, post-process. Returns this step's deltas."""
@@ -548,7 +502,7 @@ class Engine:
         """Advance the scheduler over a finished forward and post-process its rows."""
         outputs = self._fail_rows(scheduled.chunks, rows)
         self.scheduler.update_after_step(scheduled)
-        outputs.extend(self._postprocess(scheduled, rows))
+        outputs.extend(self.outputs.process(scheduled, rows))
         outputs.extend(self._advance_beams())
         outputs.extend(self._fail_costly_grammars(scheduled.chunks))
         return outputs
@@ -687,7 +641,7 @@ class Engine:
         on elsewhere from its delivered tokens: that text is produced there)."""
         group = self.beams.end(request_id, RequestStatus.FINISHED_ABORTED)
         if group is not None:
-            self._pending.append(self._beam_final(group, RequestStatus.FINISHED_ABORTED))
+            self._pending.append(self.outputs.beam_final(group, RequestStatus.FINISHED_ABORTED))
             return True
         request = self.scheduler.abort(request_id)
         if request is None and request_id in self._compiling:
@@ -695,7 +649,7 @@ class Engine:
             request.status = RequestStatus.FINISHED_ABORTED
         if request is None:
             return False
-        self._pending.append(self._final_output(request, "", [], release_text=release_text))
+        self._pending.append(self.outputs.final(request, "", [], release_text=release_text))
         return True
 
     def has_unfinished(self) -> bool:
@@ -728,7 +682,7 @@ class Engine:
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, overdue_message(waited, max_queue_time))
             request.error_code = "overloaded"
             request.queue_time_s = waited
-            self._pending.append(self._final_output(request, "", [], queue_time_s=waited))
+            self._pending.append(self.outputs.final(request, "", [], queue_time_s=waited))
         if overdue:
             log.warning(
                 "shed %d request(s) that waited over %g s without starting (overloaded)", len(overdue), max_queue_time
@@ -798,6 +752,11 @@ class Engine:
         return None if events is None else events.take()
 
     # ---- suspend / resume, weight refit -------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """+1 (or the coordinator's number) per update_weights; every output carries it."""
+        return self.outputs.weight_version
 
     @property
     def suspended(self) -> bool:
@@ -873,7 +832,7 @@ class Engine:
             self.runner.step_graphs = make_step_graphs(
                 self.config, self.model, self.kv_cache, self.max_model_len, self.device
             )
-        self.weight_version = self.weight_version + 1 if version is None else version
+        self.outputs.weight_version = self.weight_version + 1 if version is None else version
         if self.offload is not None:
             self.offload.new_weights(self.weight_version)
         log.info(
@@ -965,19 +924,8 @@ class Engine:
             raise error from None
 
     def _fail_rows(self, chunks: Sequence[ScheduledChunk], rows: list[StepRow]) -> list[Delta]:
-        failed = [self._fail(chunk.request, row.error) for chunk, row in zip(chunks, rows) if row.error is not None]
+        failed = [self.outputs.fail(c.request, row.error) for c, row in zip(chunks, rows) if row.error is not None]
         return [delta for delta in failed if delta is not None]
-
-    def _fail(self, request: Request, message: str) -> Delta | None:
-        """Finish `request` alone as failed by the engine (code "internal"), its KV blocks freed (a beam: its
-        whole search; None when a sibling failed it already)."""
-        log.error("request %r failed: %s", request.request_id, message)
-        if request.beam_group is not None:
-            group = self.beams.end(request.beam_group, RequestStatus.FINISHED_ERROR)
-            return None if group is None else self._beam_final(group, RequestStatus.FINISHED_ERROR, message, "internal")
-        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message)
-        request.error_code = "internal"
-        return self._final_output(request, "", [])
 
     # ---- structured outputs ------------------------------------------------------------------
 
@@ -1000,7 +948,7 @@ class Engine:
             log.warning("request %r refused: %s", request.request_id, e)
             request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, str(e), "overloaded"
             request.queue_time_s = 0.0  # with it, the coordinator tells the client (coordinator/relay.py)
-            self._pending.append(self._final_output(request, "", [], queue_time_s=0.0))
+            self._pending.append(self.outputs.final(request, "", [], queue_time_s=0.0))
             return
         self._compiling[request.request_id] = _Compiling(request, future, time.monotonic(), resumed)
 
@@ -1028,7 +976,7 @@ class Engine:
                 failed = error, "invalid_request"
             request = waiting.request
             request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, *failed
-            outputs.append(self._final_output(request, "", []))
+            outputs.append(self.outputs.final(request, "", []))
         return outputs
 
     def _start_grammar(self, waiting: _Compiling) -> str | None:
@@ -1063,7 +1011,7 @@ class Engine:
                 log.warning("request %r failed: %s", request.request_id, message)
                 self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message)
                 request.error_code = "invalid_request"
-                failed.append(self._final_output(request, "", []))
+                failed.append(self.outputs.final(request, "", []))
         return failed
 
     # ---- input -------------------------------------------------------------------------------
@@ -1148,154 +1096,6 @@ class Engine:
         usable = min(self.max_model_len, self.kv_cache.num_blocks * self.block_size)
         return max(1, usable - num_prompt_tokens)
 
-    # ---- output ------------------------------------------------------------------------------
-
-    def _postprocess(self, scheduled: SchedulerOutput, rows: list[StepRow]) -> list[Delta]:
-        computed = [(c, row) for c, row in zip(scheduled.chunks, rows) if row.error is None]
-        self.stats.num_steps += 1
-        self.stats.prefill_tokens_computed += sum(
-            c.num_new_tokens for c, _ in computed if c.start < c.request.num_prompt_tokens
-        )
-        for chunk, row in computed:
-            if chunk.num_draft_tokens:
-                self._count_verification(chunk, row)
-        for chunk, row in computed:  # a beam's step gives its candidates to its search (worker/beam_groups.py)
-            if row.token_ids and chunk.request.beam_group is not None and not chunk.request.is_finished:
-                self.beams.report(chunk.request, row.logprobs[0] if row.logprobs else None)
-        outputs = [
-            self._append_tokens_or_fail(c, row) for c, row in computed if row.token_ids and c.request.beam_group is None
-        ]
-        self.stats.generation_tokens += sum(len(d.token_ids) for d in outputs)
-        return outputs
-
-    def _count_verification(self, chunk: ScheduledChunk, row: StepRow) -> None:
-        stats = self.stats
-        stats.spec_decode_num_drafts += 1
-        stats.spec_decode_num_draft_tokens += chunk.num_draft_tokens
-        stats.spec_decode_num_accepted_tokens += row.num_accepted
-        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
-        per_pos.extend([0] * (chunk.num_draft_tokens - len(per_pos)))
-        for j in range(row.num_accepted):
-            per_pos[j] += 1
-
-    def _append_tokens_or_fail(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
-        try:
-            return self._append_tokens(chunk, row)
-        except Exception as e:
-            if chunk.request.is_finished:  # it failed while finishing: nothing is left to fail
-                raise
-            log.exception("post-processing request %r failed", chunk.request.request_id)
-            return cast(  # not a beam (the caller's filter), so _fail returns its Delta
-                Delta,
-                self._fail(
-                    chunk.request,
-                    f"the engine failed after sampling token(s) {list(row.token_ids)}: {type(e).__name__}: {e}",
-                ),
-            )
-
-    def _append_tokens(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
-        """Append the row's tokens (one; or a verification's accepted drafts and the token after them) up to the
-        first that finishes the request (the rest are dropped: an accepted run is cut at a stop)."""
-        request = chunk.request
-        if request.pooled is not None:  # its prompt is complete: the vector, not the token, is its output
-            if not request.pooled.complete:
-                raise RuntimeError("a pooling request reached its last prompt token with positions not pooled")
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            return self._final_output(
-                request, "", [], embedding=request.pooled.vector(), **self._first_output_fields(request)
-            )
-        detok = self._detokenizers[request.request_id]
-        token_ids: list[int] = []
-        text, status = "", None
-        for token_id in row.token_ids:
-            request.append_token(token_id)
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                raise RuntimeError(f"the grammar rejected sampled token {token_id}")
-            token_ids.append(token_id)
-            text += detok.add([token_id])
-            status = self._stop_status(request, token_id, detok)
-            if status is not None:
-                break
-        # a row with logprobs has a dict for each token (its request asked for them, so the sampler computed them)
-        lps = None if row.logprobs is None else cast("list[TokenLogprobs]", list(row.logprobs[: len(token_ids)]))
-        first = self._first_output_fields(request)
-        if status is None:
-            if chunk.num_draft_tokens:
-                self.scheduler.accept_draft_tokens(request, len(token_ids) - 1)
-            return Delta(
-                request_id=request.request_id,
-                token_ids=TokenIds(token_ids),
-                text=text,
-                logprobs=lps,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens,
-                weight_version=self.weight_version,
-                **first,
-            )
-        self.scheduler.finish(request, status)
-        return self._final_output(request, text, token_ids, lps, **first)
-
-    @staticmethod
-    def _first_output_fields(request: Request) -> dict[str, Any]:
-        """What only a request's first output carries (its queue time, seed and prompt logprobs); {} after it."""
-        if request.queue_time_reported:
-            return {}
-        request.queue_time_reported = True
-        return {
-            "queue_time_s": request.queue_time_s,
-            "seed": request.params.seed,
-            "prompt_logprobs": request.prompt_logprobs,
-        }
-
-    def _stop_status(self, request: Request, token_id: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
-        params = request.params
-        if request.grammar is not None and request.grammar.terminated:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
-            if (token_id in request.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if detok.stopped:
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _final_output(
-        self,
-        request: Request,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[TokenLogprobs] | None = None,
-        release_text: bool = True,
-        **first: Any,
-    ) -> Delta:
-        """The last output of `request` (finished, its status set): the text held back is released unless
-        `release_text` is False; `first`: the fields of a first output (`_first_output_fields`), or queue_time_s."""
-        detok = self._detokenizers.pop(request.request_id, None)
-        if request.beam_group is not None:  # a beam search shed before it started: its search ends too
-            self.beams.end(request.beam_group, request.status)
-        if detok is not None and release_text:
-            text += detok.finish()
-        self.sampler.release(request.request_id)
-        if self.proposer is not None:
-            self.proposer.release(request.request_id)
-        reason = cast(str, request.status.finish_reason)  # the scheduler finished it: it has one
-        self.stats.num_requests_finished += 1
-        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
-        return Delta.final(
-            request.request_id,
-            reason,
-            request.error,
-            request.error_code,
-            token_ids=token_ids,
-            text=text,
-            logprobs=logprobs,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            weight_version=self.weight_version,
-            **first,
-        )
-
     # ---- sizing ------------------------------------------------------------------------------
 
     def _num_kv_blocks(self) -> int:
@@ -1335,51 +1135,6 @@ def _rope_depends_on_length(model: Any) -> bool:
     return bool(getattr(rotary, "length_dependent", False))
 
 
-NON_FINITE_LOGITS = (
-    "the model produced non-finite logits (NaN or inf) for this request, after its penalties; "
-    "it was stopped rather than sampled from them"
-)
-
-
-@dataclass(frozen=True)
-class StepRow:
-    """What one step gave one scheduled chunk: its sampled token (a verification chunk: its accepted drafts
-    and the token after them; worker/speculative.py) and their logprobs, nothing (a chunk that does not sample:
-    mid-prefill), or the error that fails its request. `num_accepted`: drafts accepted."""
-
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprobs | None, ...] | None = None
-    error: str | None = None
-    num_accepted: int = 0
-
-
-def step_rows(chunks: Sequence[ScheduledChunk], sampled: SamplerOutput | None) -> list[StepRow]:
-    """One StepRow per chunk from the sampler's tensors (one host copy each); a row the sampler found
-    non-finite fails its chunk with NON_FINITE_LOGITS (a verification chunk's: up to where its walk stops)."""
-    if sampled is None:
-        return [StepRow() for _ in chunks]
-    wants = [c.request.num_logprobs for c in chunks for _ in range(c.num_sampled_rows)]
-    token_ids = sampled.token_ids.tolist()
-    lps = _logprobs_rows(sampled, wants)
-    bad = set(sampled.bad_rows)
-    rows, at = [], 0
-    for chunk in chunks:
-        n = chunk.num_sampled_rows
-        if not n:
-            rows.append(StepRow())
-            continue
-        found = verify(
-            chunk.draft_token_ids, token_ids[at : at + n], lps[at : at + n], [i in bad for i in range(at, at + n)]
-        )
-        at += n
-        if found.bad:
-            rows.append(StepRow(error=NON_FINITE_LOGITS))
-        else:
-            with_lps = chunk.request.num_logprobs is not None
-            rows.append(StepRow(found.token_ids, found.logprobs if with_lps else None, num_accepted=found.num_accepted))
-    return rows
-
-
 def _stamp_queue_time(scheduled: SchedulerOutput) -> None:
     """Record how long each request scheduled for the first time waited since add_request."""
     now = None
@@ -1388,25 +1143,3 @@ def _stamp_queue_time(scheduled: SchedulerOutput) -> None:
         if request.queue_time_s is None:
             now = now or time.monotonic()
             request.queue_time_s = now - request.arrival_time
-
-
-def _logprobs_rows(sampled: SamplerOutput, wants: list[int | None]) -> list[TokenLogprobs | None]:
-    """One {token_id: logprob} dict per sampled row that asked for logprobs (sampled token + its top-n);
-    `wants`: each row's Request.num_logprobs."""
-    if sampled.sampled_logprobs is None:
-        return [None] * len(wants)
-    chosen = sampled.token_ids.tolist()
-    values = sampled.sampled_logprobs.tolist()
-    top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
-    top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-    rows: list[TokenLogprobs | None] = []
-    for i, n in enumerate(wants):
-        if n is None:
-            rows.append(None)
-            continue
-        row = {chosen[i]: values[i]}
-        if top_ids is not None and top_lps is not None and n > 0:  # set together by the sampler
-            for t, v in zip(top_ids[i][:n], top_lps[i][:n]):
-                row.setdefault(t, v)
-        rows.append(row)
-    return rows
