@@ -1,6 +1,10 @@
 """Engine: continuous batching over a paged KV cache. One engine is one DP rank.
 
-The step loop reads in four lines: schedule, run the model, advance the scheduler, post-process.
+The step loop reads in four lines: schedule, run the model, advance the scheduler, post-process. The engine holds
+the step core (construction, add_request's outline, step, abort, load) and hands each other concept to a
+collaborator of its own: worker/intake.py checks a request's input and builds its Request, worker/grammar_queue.py
+holds structured-output requests while their grammar compiles, worker/output_processor.py turns a step's rows into
+Deltas (and makes every final one).
 
 Fault isolation: a failure while computing one request fails that request alone (finish_reason "error",
 error_code "internal", its KV blocks freed) and the engine goes on with the others:
@@ -18,19 +22,15 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol, Sequence, cast
+from typing import Any, Protocol, Sequence
 
-import msgspec
 import torch
 
-from infer.protocol.messages import MAX_ID_LEN, Delta, KvEvents, Load, UpdateWeights
-from infer.protocol.prefix_hash import adapter_salt
-from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
+from infer.protocol.messages import Delta, KvEvents, Load, UpdateWeights
+from infer.protocol.prompt_limits import max_token_bytes
 from infer.protocol.sampling import SamplingParams
-from infer.protocol.structured import NO_FIRST_TOKEN, StructuredOutputsParams, grammar_reason
 from infer.worker.beam_groups import BeamGroups
 from infer.worker.config import EngineConfig
 from infer.worker.engine_setup import (
@@ -44,8 +44,10 @@ from infer.worker.engine_setup import (
 )
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
-from infer.worker.images import ImageLimits, PlacedImage, load_image, place_images
+from infer.worker.grammar_queue import GrammarQueue
+from infer.worker.images import ImageLimits
 from infer.worker.in_memory import in_memory_model
+from infer.worker.intake import Intake, check_request_id
 from infer.worker.kv_offload import KvOffload, ModelFiles
 from infer.worker.kv_offload_store import check_offload_dir
 from infer.worker.kv_port import KvPort
@@ -56,21 +58,11 @@ from infer.worker.micro_batches import MicroBatches
 from infer.worker.model_files import eos_token_ids, resolve_model
 from infer.worker.model_runner import ModelRunner
 from infer.worker.output_processor import EngineStats, OutputProcessor, StepRow, step_rows
-from infer.worker.pooling import PoolingState
 from infer.worker.proposers import Proposer, make_proposer
 from infer.worker.request import Request, RequestStatus, overdue_message
 from infer.worker.sampler import Sampler
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.step_graphs import make_step_graphs
-from infer.worker.structured import (
-    COMPILE_TIMEOUT_S,
-    COMPILE_WAIT_TIMEOUT_S,
-    CompileFuture,
-    CompilesFull,
-    GrammarCompilerPool,
-    GrammarState,
-    step_cost_error,
-)
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.tokenizer import engine_tokenizer
 from infer.worker.vision import ClipPreprocessor, ImageEncoder, VisionModel
@@ -94,34 +86,6 @@ class Stage(Protocol):
     def load_model(self, path: Path, dtype: torch.dtype, device: torch.device, quantization: str) -> Any: ...
 
     def agree_min(self, num_blocks: int) -> int: ...
-
-
-GRAMMAR_WAIT_S = 0.05  # a step with nothing to run but grammars compiling waits this long for one
-
-
-@dataclass
-class _Compiling:
-    """A structured-output request whose grammar is compiling: scheduled when `future` is done."""
-
-    request: Request
-    future: CompileFuture
-    arrived: float  # time.monotonic() when it came
-    resumed: list[int]  # delivered tokens (a failover) its matcher must replay
-
-    def late(self, now: float) -> tuple[str, str] | None:
-        """(error, code) when it fails before its grammar is ready: its compile ran past COMPILE_TIMEOUT_S (the
-        grammar's fault: "invalid_request"), or it waited past COMPILE_WAIT_TIMEOUT_S in all, most of it queued
-        ("overloaded"; worker/structured.py); None while it may wait on."""
-        started = self.future.started_at
-        if started is not None and now - started > COMPILE_TIMEOUT_S:
-            return f"structured_outputs: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s", "invalid_request"
-        if now - self.arrived > COMPILE_WAIT_TIMEOUT_S:
-            return (
-                f"structured_outputs: the grammar was not ready within {COMPILE_WAIT_TIMEOUT_S:g} s of the "
-                f"request's arrival, queued behind other compiles on this worker; retry later",
-                "overloaded",
-            )
-        return None
 
 
 class Engine:
@@ -268,12 +232,35 @@ class Engine:
             log.info("could not tune the C library's malloc: large activations are mapped anew every step")
         self.stats = EngineStats()
         self._pending: list[Delta] = []  # final outputs of aborts, returned by the next step
-        self._grammars: GrammarCompilerPool | None = None  # made at the first structured-output request
-        self._compiling: dict[str, _Compiling] = {}  # requests waiting for their grammar, not yet scheduled
         self.beams = BeamGroups(self.scheduler, self.tokenizer)  # beam searches (worker/beam_groups.py)
         # a step's rows into Deltas, each request's detokenizer (worker/output_processor.py)
         self.outputs = OutputProcessor(
             self.scheduler, self.beams, self.sampler, self.proposer, self.tokenizer, self.stats, self.max_model_len
+        )
+        # structured-output requests while their grammar compiles (worker/grammar_queue.py)
+        self.grammars = GrammarQueue(
+            config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.scheduler, self.outputs
+        )
+        # add_request's input checked and its Request built (worker/intake.py)
+        self.intake = Intake(
+            config,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            prompt_token_bytes=self.prompt_token_bytes,
+            eos_token_ids=self.eos_token_ids,
+            model_id=self.model_id,
+            scheduler=self.scheduler,
+            num_kv_blocks=self.kv_cache.num_blocks,
+            block_size=self.block_size,
+            draw_seed=self.sampler.draw_seed,
+            lora_id=self._lora_id,
+            vision=self.model if isinstance(self.model, VisionModel) else None,
+            preprocess=self.preprocess,
+            image_limits=self.image_limits,
+            speculative=self.proposer is not None,
+            pipeline=stage is not None,
+            model_parallel=self.tp.size > 1 or stage is not None,
         )
         # a pipeline's stage 0: a micro-batch per stage in flight (worker/micro_batches.py) unless told otherwise;
         # speculative decoding steps one batch at a time (its proposals read the tokens of the step before)
@@ -324,54 +311,13 @@ class Engine:
         `priority` (a 64-bit integer, lower first) matters under `scheduling_policy="priority"`. `client` tags
         the client it came from (Dispatch.client): a structured-output request's compile counts against it.
         """
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_ID_LEN:
-            raise ValueError(
-                f"request_id must be a non-empty string of at most {MAX_ID_LEN} characters (every "
-                f"delta carries it), got {request_id!r:.80}"
-            )
-        if self.scheduler.get(request_id) is not None or request_id in self._compiling:
+        check_request_id(request_id)
+        if self.scheduler.get(request_id) is not None or request_id in self.grammars:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1 and not params.beam_search:
-            raise ValueError(
-                f"n={params.n}: an engine runs one sample per request; LLM / AsyncLLM and the HTTP "
-                f"front run n > 1 as n requests (SamplingParams.samples())"
-            )
-        if params.pooling is not None:
-            if self.stage is not None:
-                raise ValueError(
-                    "embeddings (pooling) are not supported with pipeline parallelism yet: the hidden "
-                    "states stay on the last stage, which sends stage 0 only logits"
-                )
-            params = _pooling_params(params)
-        if params.seed is None and params.temperature > 0:
-            params = params.with_seed(self.sampler.draw_seed())
-        lora_id = self._lora_id(params.lora_name)
-        prompt_ids = self._prompt_token_ids(prompt)
-        prompt_ids, placed = self._place_images(prompt_ids, images)
-        self._check_token_lists(params)
-        resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids, params.max_tokens)
-        if params.beam_search:
-            self._check_beam_search(params, len(prompt_ids), resumed)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            arrival_order=self._arrivals,
-            eos_token_ids=self.eos_token_ids,
-            max_tokens=self._resolve_max_tokens(len(prompt_ids), params),
-            token_ids=prompt_ids + resumed,
-            arrival_time=time.monotonic(),
-            priority=priority,
-            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-            prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None,
-            pooled=None if params.pooling is None else PoolingState(params.pooling, params.normalize, len(prompt_ids)),
-            lora_id=lora_id,
-            cache_salt=adapter_salt(params.lora_name),
-            images=placed,
+        request, resumed = self.intake.request(
+            request_id, prompt, params, resumed_token_ids, priority, images, self._arrivals
         )
+        prompt_ids, params = request.prompt_token_ids, request.params
         if params.beam_search:
             return self._add_beam_search(request)
         detok = self.outputs.detokenizer(prompt_ids, params, resumed, resumed_text_len)
@@ -383,79 +329,13 @@ class Engine:
         self.outputs.track(request_id, detok)
         self.stats.prompt_tokens += len(prompt_ids)
         if params.structured_outputs is not None:
-            self._compile_grammar(request, resumed, client)
+            refused = self.grammars.compile(request, resumed, client)
+            if refused is not None:  # past the compile bounds: its final delta comes with the next step
+                self._pending.append(refused)
         return request
-
-    def _place_images(
-        self, prompt_ids: list[int], images: Sequence[object]
-    ) -> tuple[list[int], tuple[PlacedImage, ...]]:
-        """The prompt's ids with its images' tokens in place, and the images decoded, checked, preprocessed and
-        placed; ValueError naming what is wrong (worker/images.py). Without images the prompt must hold no image
-        token either."""
-        if isinstance(images, (bytes, str)) or not isinstance(images, Sequence):
-            raise ValueError(f"images must be a list of encoded images or PIL images, got {type(images).__name__}")
-        model = self.model if isinstance(self.model, VisionModel) else None
-        if not images:
-            if model is not None and model.image_token_id in prompt_ids:
-                raise ValueError(
-                    f"the prompt holds image tokens (id {model.image_token_id}) but no image was given with it"
-                )
-            return prompt_ids, ()
-        if model is None or self.preprocess is None:
-            raise ValueError(f"model {self.model_id!r} takes no images: it is a text-only model")
-        if self.proposer is not None:
-            raise ValueError("images with speculative decoding are not supported yet")
-        if len(images) > self.image_limits.max_images:
-            raise ValueError(
-                f"{len(images)} images exceed the limit of {self.image_limits.max_images} per prompt "
-                "(--limit-mm-per-prompt)"
-            )
-        ids, places = place_images(prompt_ids, model.image_token_id, model.tokens_per_image, len(images))
-        placed = []
-        for index, ((offset, length), item) in enumerate(zip(places, images, strict=True)):
-            image, key = load_image(item, self.image_limits, index)
-            try:
-                pixels = self.preprocess(image)
-            except ValueError as error:
-                raise ValueError(f"image {index}: {error}") from None
-            placed.append(PlacedImage(offset, length, key, pixels))
-        return ids, tuple(placed)
-
-    def _check_beam_search(self, params: SamplingParams, num_prompt_tokens: int, resumed: list[int]) -> None:
-        """ValueError unless this engine can run a beam search of `params` (worker/beam_groups.py)."""
-        width = params.beam_width or 1
-        if self.tp.size > 1 or self.stage is not None:
-            raise ValueError(
-                "beam search is not supported with tensor or pipeline parallelism yet (a fork copies "
-                "KV blocks, which the other ranks' shards do not do yet)"
-            )
-        if self.scheduler.config.release_window:
-            raise ValueError(
-                "beam search is not supported on a model whose every layer has a sliding window yet "
-                "(its beams give blocks back, which forks cannot share)"
-            )
-        if resumed:
-            raise ValueError("a beam search cannot continue from delivered tokens: it delivers none before its end")
-        if width > self.config.max_num_seqs:
-            raise ValueError(
-                f"beam_width {width} is more than max_num_seqs ({self.config.max_num_seqs}): every beam "
-                f"is a sequence of the batch"
-            )
-        needed = width * self.scheduler.block_manager.blocks_for_tokens(
-            num_prompt_tokens + self._resolve_max_tokens(num_prompt_tokens, params)
-        )
-        if needed > self.num_kv_blocks:
-            raise ValueError(
-                f"a beam search of {width} beams can never fit in the KV cache: {width} x (prompt + "
-                f"max_tokens) need up to {needed} KV blocks, the pool has {self.num_kv_blocks}"
-            )
 
     def _add_beam_search(self, request: Request) -> Request:
         """Queue a beam search: its prompt's request is its first beam (worker/beam_groups.py)."""
-        request.beam_group = request.request_id
-        request.num_beam_candidates = BeamGroups.num_candidates(request.params.beam_width or 1, self.eos_token_ids)
-        if request.params.min_tokens:  # the candidates min_tokens bans are left out: K more make up for them
-            request.num_beam_candidates += len(self.eos_token_ids) + len(request.params.stop_token_ids)
         self.scheduler.add(request)
         self.beams.start(request)
         self._arrivals += 1
@@ -476,8 +356,8 @@ class Engine:
         """One engine step: schedule, run, advance, post-process. Returns this step's deltas."""
         self._check_not_suspended("step()")
         outputs, self._pending = self._pending, []
-        if self._compiling:
-            outputs.extend(self._admit_compiled())
+        if self.grammars:
+            outputs.extend(self.grammars.admit_ready())
         if self.in_flight.depth > 1:
             return outputs + self._step_micro_batches()
         if self.offload is not None:  # waiting prefixes on disk back into the pool, as cached blocks
@@ -488,8 +368,8 @@ class Engine:
         if scheduled.is_empty:
             if self.ep.size > 1:  # the group steps together: this rank's MoE layers must join in
                 self.runner.execute_dummy()
-            elif self._compiling:  # only grammars to wait for: a bounded wait instead of a busy loop
-                wait([c.future for c in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+            elif self.grammars:  # only grammars to wait for: a bounded wait instead of a busy loop
+                self.grammars.wait()
             return outputs
         _stamp_queue_time(scheduled)
         outputs.extend(self._after_forward(scheduled, self._execute(scheduled.chunks)))
@@ -504,7 +384,7 @@ class Engine:
         self.scheduler.update_after_step(scheduled)
         outputs.extend(self.outputs.process(scheduled, rows))
         outputs.extend(self._advance_beams())
-        outputs.extend(self._fail_costly_grammars(scheduled.chunks))
+        outputs.extend(self.grammars.fail_costly(scheduled.chunks))
         return outputs
 
     def _step_micro_batches(self) -> list[Delta]:
@@ -524,8 +404,8 @@ class Engine:
                 self.runner.execute_dummy()
             if len(self.in_flight):
                 outputs.extend(self._finish_oldest())
-            elif self._compiling:
-                wait([c.future for c in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+            elif self.grammars:
+                self.grammars.wait()
         self.heap.after_step(busy=self.has_unfinished())
         return outputs
 
@@ -593,7 +473,7 @@ class Engine:
         return 0 if name is None else self._require_lora().lora_id(name)
 
     def _lora_ids_held(self) -> set[int]:
-        requests = [*self.scheduler.waiting, *self.scheduler.running, *(c.request for c in self._compiling.values())]
+        requests = [*self.scheduler.waiting, *self.scheduler.running, *self.grammars.requests]
         return {r.lora_id for r in requests if r.lora_id}
 
     def _propose_drafts(self) -> dict[str, list[int]]:
@@ -644,9 +524,10 @@ class Engine:
             self._pending.append(self.outputs.beam_final(group, RequestStatus.FINISHED_ABORTED))
             return True
         request = self.scheduler.abort(request_id)
-        if request is None and request_id in self._compiling:
-            request = self._compiling.pop(request_id).request
-            request.status = RequestStatus.FINISHED_ABORTED
+        if request is None:
+            request = self.grammars.pop(request_id)
+            if request is not None:
+                request.status = RequestStatus.FINISHED_ABORTED
         if request is None:
             return False
         self._pending.append(self.outputs.final(request, "", [], release_text=release_text))
@@ -654,7 +535,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return (
-            self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling) or bool(len(self.in_flight))
+            self.scheduler.has_unfinished() or bool(self._pending) or bool(self.grammars) or bool(len(self.in_flight))
         )
 
     def close(self) -> None:
@@ -663,9 +544,7 @@ class Engine:
         parallelism)."""
         if self.runner.followers is not None:
             self.runner.followers.stop()
-        if self._grammars is not None:
-            self._grammars.close()
-            self._grammars = None
+        self.grammars.close()
         if self.offload is not None:
             self.offload.close()
 
@@ -702,7 +581,7 @@ class Engine:
         queued = sum(r.num_tokens_to_compute + r.max_tokens - r.num_output_tokens for r in requests)
         blocks = self.scheduler.block_manager
         return Load(
-            num_waiting=self.scheduler.num_waiting + len(self._compiling),
+            num_waiting=self.scheduler.num_waiting + len(self.grammars),
             num_running=self.scheduler.num_running,
             num_free_blocks=blocks.num_free_blocks,
             num_total_blocks=self.num_kv_blocks,
@@ -927,175 +806,6 @@ class Engine:
         failed = [self.outputs.fail(c.request, row.error) for c, row in zip(chunks, rows) if row.error is not None]
         return [delta for delta in failed if delta is not None]
 
-    # ---- structured outputs ------------------------------------------------------------------
-
-    def _compile_grammar(self, request: Request, resumed: list[int], client: str | None) -> None:
-        """Compile the request's grammar on the compiler's thread; `_admit_compiled` schedules it once ready.
-        Past the compile bounds it fails at once as "overloaded" (its final delta comes with the next step)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompilerPool(
-                self.tokenizer,
-                self.vocab_size,
-                list(self.eos_token_ids),
-                max_compiles=self.config.max_grammar_compiles,
-                max_compiles_per_client=self.config.max_grammar_compiles_per_client,
-                step_budget_s=self._grammar_budget_s,
-            )
-        try:
-            # set: add_request compiles only a request with structured outputs
-            future = self._grammars.compile(cast(StructuredOutputsParams, request.params.structured_outputs), client)
-        except CompilesFull as e:
-            log.warning("request %r refused: %s", request.request_id, e)
-            request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, str(e), "overloaded"
-            request.queue_time_s = 0.0  # with it, the coordinator tells the client (coordinator/relay.py)
-            self._pending.append(self.outputs.final(request, "", [], queue_time_s=0.0))
-            return
-        self._compiling[request.request_id] = _Compiling(request, future, time.monotonic(), resumed)
-
-    @property
-    def _grammar_budget_s(self) -> float:
-        return self.config.max_grammar_step_ms / 1e3
-
-    def _admit_compiled(self) -> list[Delta]:
-        """Schedule the requests whose grammar is ready (their matcher replays tokens already delivered);
-        fail those whose spec did not compile, or not in time, or costs too much, as invalid requests."""
-        outputs = []
-        now = time.monotonic()
-        for rid, waiting in list(self._compiling.items()):
-            # (a compile that is late stays in flight: other requests may share it, and it still counts against the
-            # bounds while the compile thread works on it)
-            failed = None if waiting.future.done() else waiting.late(now)
-            if failed is None and not waiting.future.done():
-                continue
-            del self._compiling[rid]
-            if failed is None:
-                error = self._start_grammar(waiting)
-                if error is None:
-                    self.scheduler.add(waiting.request)
-                    continue
-                failed = error, "invalid_request"
-            request = waiting.request
-            request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, *failed
-            outputs.append(self.outputs.final(request, "", []))
-        return outputs
-
-    def _start_grammar(self, waiting: _Compiling) -> str | None:
-        """Give the request its matcher (its compile done), advanced over its resumed tokens; the reason it cannot
-        have one."""
-        try:
-            state = GrammarState(waiting.future.result())
-        except Exception as e:  # xgrammar's reason: an invalid schema, regex or grammar; or one too costly
-            return f"structured_outputs: {grammar_reason(e)}"
-        for token_id in waiting.resumed:
-            if not state.accept(token_id):
-                return f"structured_outputs: resumed token {token_id} does not match the grammar"
-        if not state.terminated and not state.admits_a_token():  # the sampler would have no token to choose
-            if waiting.resumed:
-                return f"structured_outputs: the grammar admits no token after the {len(waiting.resumed)} resumed"
-            return f"structured_outputs: {NO_FIRST_TOKEN}"
-        cost, steps = state.take_step_cost(), 1 + len(waiting.resumed)  # a resumed request's replay: a step each
-        if cost > self._grammar_budget_s * steps:
-            return f"structured_outputs: {step_cost_error(cost, self._grammar_budget_s, 'to start', steps)}"
-        waiting.request.grammar = state
-        return None
-
-    def _fail_costly_grammars(self, chunks: Sequence[ScheduledChunk]) -> list[Delta]:
-        """Fail (invalid_request) each request of the step whose grammar took more CPU than its budget in it
-        (worker/structured.py): it slowed this step; it slows no other."""
-        failed = []
-        for chunk in chunks:
-            request, budget = chunk.request, self._grammar_budget_s
-            cost = 0.0 if request.grammar is None else request.grammar.take_step_cost()
-            if cost > budget and not request.is_finished:
-                message = f"structured_outputs: {step_cost_error(cost, budget)}"
-                log.warning("request %r failed: %s", request.request_id, message)
-                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message)
-                request.error_code = "invalid_request"
-                failed.append(self.outputs.final(request, "", []))
-        return failed
-
-    # ---- input -------------------------------------------------------------------------------
-
-    def _check_token_lists(self, params: SamplingParams) -> None:
-        """ValueError naming the field if logit_bias or allowed_token_ids names a token outside the vocabulary."""
-        for name, ids in (
-            ("logit_bias", [t for t, _ in params.logit_bias or ()]),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-        ):
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-
-    def _bad_words_token_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
-        """Each bad word's token ids as it starts the text and as it follows a space (vLLM keeps the second
-        only when it is as long as the first, which lets " word" through when "word" splits differently)."""
-        out: list[list[int]] = []
-        for word in bad_words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            variants = [plain]
-            if spaced != plain:
-                variants.append(spaced)
-            out += [ids for ids in variants if ids and max(ids) < self.vocab_size]
-        return out
-
-    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            too_long = prompt_size_error(prompt, self.max_model_len, self.prompt_token_bytes)
-            if too_long is not None:  # before tokenizing: that is linear in the prompt, and this loop's time
-                raise ValueError(too_long)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:  # the model directory's tokenizer knows more tokens than the model
-                raise ValueError(
-                    f"the tokenizer turned the prompt into token id {bad}, outside the model's "
-                    f"vocabulary [0, {self.vocab_size}): the tokenizer does not match the model"
-                )
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            bad = next(
-                (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size), None
-            )
-            if bad is not None:
-                raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, but the context length is {self.max_model_len}: "
-                f"it must be shorter to leave room for at least one generated token"
-            )
-        return ids
-
-    def _resumed_token_ids(self, num_prompt_tokens: int, resumed: Sequence[int], max_tokens: int | None) -> list[int]:
-        ids = list(resumed)
-        bad = next(
-            (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size), None
-        )
-        if bad is not None:
-            raise ValueError(f"resumed token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        if num_prompt_tokens + len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + resumed tokens ({len(ids)}) reach the "
-                f"context length {self.max_model_len}: nothing is left to generate"
-            )
-        if max_tokens is not None and len(ids) >= max_tokens:
-            raise ValueError(
-                f"the resumed tokens ({len(ids)}) reach max_tokens ({max_tokens}): nothing is left to generate"
-            )
-        return ids
-
-    def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        if params.max_tokens is not None:
-            return min(params.max_tokens, self.max_model_len - num_prompt_tokens)
-        # "Up to the context length": the context a lone request can really have is also bounded by the pool.
-        usable = min(self.max_model_len, self.kv_cache.num_blocks * self.block_size)
-        return max(1, usable - num_prompt_tokens)
-
     # ---- sizing ------------------------------------------------------------------------------
 
     def _num_kv_blocks(self) -> int:
@@ -1116,16 +826,6 @@ def _check_kv_offload(path: str, model: object, tp: TensorParallel, stage: objec
         )
     if tp.size > 1 or stage is not None:
         raise ValueError("kv_offload_dir is not supported with tensor or pipeline parallelism yet")
-
-
-def _pooling_params(params: SamplingParams) -> SamplingParams:
-    """A pooling request's params (worker/pooling.py): what only generation takes is refused (ValueError); it runs
-    its prompt and one greedy step, whose token is dropped."""
-    names = ("structured_outputs", "prompt_logprobs", "logprobs", "bad_words", "logit_bias", "allowed_token_ids")
-    given = [name for name in names if getattr(params, name) not in (None, ())]
-    if given:
-        raise ValueError(f"pooling (an embedding) takes no generation options; got {', '.join(given)}")
-    return msgspec.structs.replace(params, temperature=0.0, max_tokens=1, min_tokens=0, seed=None)
 
 
 def _rope_depends_on_length(model: Any) -> bool:
