@@ -4,7 +4,7 @@ The step loop reads in four lines: schedule, run the model, advance the schedule
 the step core (construction, add_request's outline, step, abort, load) and hands each other concept to a
 collaborator of its own: worker/intake.py checks a request's input and builds its Request, worker/grammar_queue.py
 holds structured-output requests while their grammar compiles, worker/output_processor.py turns a step's rows into
-Deltas (and makes every final one).
+Deltas (and makes every final one), worker/engine_weights.py suspends, resumes and updates the weights.
 
 Fault isolation: a failure while computing one request fails that request alone (finish_reason "error",
 error_code "internal", its KV blocks freed) and the engine goes on with the others:
@@ -42,6 +42,7 @@ from infer.worker.engine_setup import (
     release_window,
     shares_kv,
 )
+from infer.worker.engine_weights import EngineWeights
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.grammar_queue import GrammarQueue
@@ -66,7 +67,7 @@ from infer.worker.step_graphs import make_step_graphs
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.tokenizer import engine_tokenizer
 from infer.worker.vision import ClipPreprocessor, ImageEncoder, VisionModel
-from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
+from infer.worker.weights import WeightUpdate
 
 log = logging.getLogger("infer.engine")
 
@@ -121,8 +122,6 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device, model is None and kept_quantized(config))
-        self._suspended: SuspendedWeights | None = None
-        self._released_bytes = 0  # what the current suspend released
         if model is not None:
             if self.tp.size > 1 or stage is not None:
                 raise ValueError("an in-memory model cannot be tensor- or pipeline-parallel: give a model path")
@@ -134,7 +133,7 @@ class Engine:
             self.model: Any
             self.tokenizer, self.eos_token_ids, self.model = loaded.tokenizer, loaded.eos_token_ids, loaded.model
             self.prompt_token_bytes = max_token_bytes(self.tokenizer)
-            self._weight_files: list[list[Path]] | None = None  # nothing to reload them from: spill on suspend
+            files: list[list[Path]] | None = None  # nothing to reload them from: spill on suspend
         else:
             if tokenizer is not None:
                 raise ValueError("tokenizer= goes with model=<an in-memory model>; a model path brings its own")
@@ -148,7 +147,7 @@ class Engine:
                 self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp, config.quantization)
             else:  # this stage's layers only
                 self.model = stage.load_model(self.model_path, self.dtype, self.device, config.quantization)
-            self._weight_files = [weight_files(self.model_path)]
+            files = [weight_files(self.model_path)]
         trim_heap()  # what loading freed (tokenizer files, weight conversion), before the KV pool and the first steps
         self.vocab_size = int(self.model.vocab_size)
         self.max_model_len = context_length(config, self.model.config)
@@ -240,6 +239,22 @@ class Engine:
         # structured-output requests while their grammar compiles (worker/grammar_queue.py)
         self.grammars = GrammarQueue(
             config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.scheduler, self.outputs
+        )
+        # suspend / resume and weight updates (worker/engine_weights.py)
+        self.weights = EngineWeights(
+            config,
+            self.model,
+            self.device,
+            files,
+            max_model_len=self.max_model_len,
+            kv_cache=self.kv_cache,
+            scheduler=self.scheduler,
+            runner=self.runner,
+            offload=self.offload,
+            outputs=self.outputs,
+            tp_size=self.tp.size,
+            pp_size=None if stage is None else stage.group.size,
+            give_memory_back=self._give_memory_back,
         )
         # add_request's input checked and its Request built (worker/intake.py)
         self.intake = Intake(
@@ -354,7 +369,7 @@ class Engine:
 
     def step(self) -> list[Delta]:
         """One engine step: schedule, run, advance, post-process. Returns this step's deltas."""
-        self._check_not_suspended("step()")
+        self.weights.check_not_suspended("step()")
         outputs, self._pending = self._pending, []
         if self.grammars:
             outputs.extend(self.grammars.admit_ready())
@@ -425,7 +440,7 @@ class Engine:
         wrong (LoRA not enabled, missing files, a rank above max_lora_rank, a target this model lacks). Returns its
         listing entry."""
         manager = self._require_lora()
-        if self._suspended is not None:  # the layers' shapes are read from their (released) weights
+        if self.weights.suspended:  # the layers' shapes are read from their (released) weights
             raise ValueError("add_lora on a suspended engine: resume() first")
         adapter = manager.add(name, path, int_id)
         return {"name": adapter.name, "int_id": adapter.int_id, "path": adapter.path, "rank": adapter.rank}
@@ -508,7 +523,7 @@ class Engine:
         """The step of an EP-group rank with nothing to run (paused, or no requests): one forward of a
         padding token so the group's collectives complete; returns the deltas ready without a step (and, on a
         pipeline's stage 0, those of micro-batches in flight that must finish before another forward)."""
-        self._check_not_suspended("dummy_step()")
+        self.weights.check_not_suspended("dummy_step()")
         outputs = self.take_pending()
         while self.in_flight.must_finish():  # a micro-batch that runs alone reads the last stage's latest forward
             outputs.extend(self._finish_oldest())
@@ -591,7 +606,7 @@ class Engine:
             prefix_cache_hits=blocks.num_hit_tokens,
             weight_version=self.weight_version,
             suspended=self.suspended,
-            bytes_released=self._released_bytes,
+            bytes_released=self.weights.released_bytes,
             spec_decode_num_drafts=self.stats.spec_decode_num_drafts,
             spec_decode_num_draft_tokens=self.stats.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=self.stats.spec_decode_num_accepted_tokens,
@@ -639,123 +654,28 @@ class Engine:
 
     @property
     def suspended(self) -> bool:
-        return self._suspended is not None
+        return self.weights.suspended
 
     def suspend(self) -> int:
-        """Release the KV pool and the weights (`config.suspend_weights` says how); returns the bytes released.
-        Requests stay: running ones are preempted by recompute and continue after resume() with the same
-        tokens (greedy, or seeded: the noise is a function of seed and token count). step() raises until
-        resume(). Idempotent (0 when already suspended)."""
-        if self._suspended is not None:
-            return 0
-        self._check_not_tensor_parallel("suspend")
-        self.scheduler.preempt_all()
-        self.scheduler.block_manager.reset_prefix_cache()  # the cached KV goes with the pool
-        if self.runner.images is not None:
-            self.runner.images.clear()  # the encoder's features go with it
-        self.runner.step_graphs = None  # they hold the pool (CUDA graphs: its addresses)
-        released = self.kv_cache.release()
-        self._suspended = release_weights(self.model, self.config.suspend_weights, self.device, self._weight_files)
-        released += self._suspended.bytes_released
-        self._released_bytes = released
-        self._give_memory_back()
-        log.info("suspended: %d bytes released (KV pool and weights: %s)", released, self._suspended.mode)
-        return released
+        """Release the KV pool and the weights; the bytes released (worker/engine_weights.py says what stays)."""
+        return self.weights.suspend()
 
     def resume(self) -> int:
-        """Restore the weights and a fresh (zeroed) KV pool after suspend(); returns the bytes restored.
-        Idempotent (0 when not suspended)."""
-        if self._suspended is None:
-            return 0
-        restored = self._suspended.restore(self.model, self.device) + self.kv_cache.restore()
-        self._suspended = None
-        self._released_bytes = 0
-        self.runner.step_graphs = make_step_graphs(
-            self.config, self.model, self.kv_cache, self.max_model_len, self.device
-        )
-        log.info("resumed: %d bytes restored", restored)
-        return restored
+        """Restore the weights and a fresh KV pool after suspend(); the bytes restored."""
+        return self.weights.resume()
 
     def update_weights(self, source: object, version: int | None = None) -> int:
-        """Load new weights: a safetensors directory, an iterable of (checkpoint name, tensor) pairs, or a
-        WeightUpdate. All or nothing: every tensor's name, shape and dtype is checked and every value read into
-        memory and checked finite first (ValueError naming the first bad one, the old weights untouched); a
-        failure while copying them in puts the old values back. A subset of the weights may be given. Returns
-        the new weight version (`version`, else the current one + 1), which every later output carries.
-
-        Requests still running are preempted by recompute (they continue on the new weights); callers that
-        want them to finish on the old weights first step until `num_running` is 0 (a drain), or abort them.
-        The prefix cache is emptied: KV computed by the old weights is never served again."""
-        self._check_not_suspended("update_weights()")
-        self._check_not_tensor_parallel("a weight update")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise ValueError(f"version must be a non-negative integer, got {version!r}")
-        update = source if isinstance(source, WeightUpdate) else WeightUpdate.of(source)
-        if not update.staged:
-            check_specs(self.model, update.specs)  # before reading any value
-        update = update.stage()
-        update.check_unchanged()
-        check_specs(self.model, update.specs)
-        self.scheduler.preempt_all()
-        if self.offload is not None:
-            self.offload.clear()  # before the reset, whose snapshot for the KV events then leaves the disk out
-        self.scheduler.block_manager.reset_prefix_cache()
-        if self.runner.images is not None:
-            self.runner.images.clear()  # features of the old vision weights
-        applied = apply_tensors(self.model, update.tensors)
-        if self._weight_files is not None and update.files is not None:
-            self._weight_files.append(update.files)
-        else:
-            self._weight_files = None
-        if self.runner.step_graphs is not None:  # compiled code may hold the old packed weights
-            self.runner.step_graphs = make_step_graphs(
-                self.config, self.model, self.kv_cache, self.max_model_len, self.device
-            )
-        self.outputs.weight_version = self.weight_version + 1 if version is None else version
-        if self.offload is not None:
-            self.offload.new_weights(self.weight_version)
-        log.info(
-            "weights updated to version %d: %d tensor(s) from %s", self.weight_version, applied, update.description
-        )
-        return self.weight_version
+        """Load new weights, all or nothing (worker/engine_weights.py); returns the new weight version."""
+        return self.weights.update_weights(source, version)
 
     def prepare_update(self, msg: UpdateWeights) -> WeightUpdate:
-        """The staged WeightUpdate of an UpdateWeights message, nothing changed yet: the safetensors directory
-        `msg.path`, or the tensors received now from the trainer's weight-sync group (`msg.sync`, within
-        `msg.timeout_s`; received in full even when they turn out not to fit, so the trainer's broadcast
-        completes); every spec checked against the model, every value in memory and finite. ValueError naming
-        a bad tensor."""
-        self._check_not_tensor_parallel("a weight update")
-        if msg.sync is not None:
-            from infer.worker.weight_sync import receive_weights
-
-            update = WeightUpdate.from_pairs(receive_weights(msg.sync, self.device, msg.timeout_s))
-            update.description = f"the trainer at {msg.sync.init_method}"
-        else:
-            update = WeightUpdate.of(msg.path)
-        check_specs(self.model, update.specs)
-        return update.stage()
+        """The staged, checked WeightUpdate of an UpdateWeights message, nothing changed yet."""
+        return self.weights.prepare_update(msg)
 
     def check_prepared(self, update: WeightUpdate) -> None:
         """ValueError if the files of a prepared (staged) update changed since they were read: what would be
         applied is then not what the files hold (a later reload would read other values)."""
         update.check_unchanged()
-
-    def _check_not_tensor_parallel(self, what: str) -> None:
-        if self.tp.size > 1:
-            raise ValueError(
-                f"{what} is not supported with tensor parallelism yet (tensor_parallel_size "
-                f"{self.tp.size}): the other ranks of the group hold their own shards"
-            )
-        if self.stage is not None:
-            raise ValueError(
-                f"{what} is not supported with pipeline parallelism yet (pipeline_parallel_size "
-                f"{self.stage.group.size}): the other stages hold their own layers"
-            )
-
-    def _check_not_suspended(self, what: str) -> None:
-        if self._suspended is not None:
-            raise RuntimeError(f"{what} on a suspended engine: its KV pool and weights are released; resume() first")
 
     def _give_memory_back(self) -> None:
         if self.device.type == "cuda":
