@@ -1,6 +1,10 @@
 """Engine: continuous batching over a paged KV cache. One engine is one DP rank.
 
-The step loop reads in four lines: schedule, run the model, advance the scheduler, post-process.
+The step loop reads in four lines: schedule, run the model, advance the scheduler, post-process. The engine holds
+the step core (construction, add_request's outline, step, abort, load) and hands each other concept to a
+collaborator of its own: worker/intake.py checks a request's input and builds its Request, worker/grammar_queue.py
+holds structured-output requests while their grammar compiles, worker/output_processor.py turns a step's rows into
+Deltas (and makes every final one), worker/engine_weights.py suspends, resumes and updates the weights.
 
 Fault isolation: a failure while computing one request fails that request alone (finish_reason "error",
 error_code "internal", its KV blocks freed) and the engine goes on with the others:
@@ -18,23 +22,17 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol, Sequence, cast
+from typing import Any, Protocol, Sequence
 
-import msgspec
 import torch
 
-from infer.protocol.messages import MAX_ID_LEN, Delta, KvEvents, Load, TokenIds, UpdateWeights
-from infer.protocol.outputs import TokenLogprobs
-from infer.protocol.prefix_hash import adapter_salt
-from infer.protocol.prompt_limits import max_token_bytes, prompt_size_error
+from infer.protocol.messages import Delta, KvEvents, Load, UpdateWeights
+from infer.protocol.prompt_limits import max_token_bytes
 from infer.protocol.sampling import SamplingParams
-from infer.protocol.structured import NO_FIRST_TOKEN, StructuredOutputsParams, grammar_reason
-from infer.worker.beam_groups import BeamGroup, BeamGroups
+from infer.worker.beam_groups import BeamGroups
 from infer.worker.config import EngineConfig
-from infer.worker.detokenizer import IncrementalDetokenizer
 from infer.worker.engine_setup import (
     context_length,
     kept_quantized,
@@ -44,10 +42,13 @@ from infer.worker.engine_setup import (
     release_window,
     shares_kv,
 )
+from infer.worker.engine_weights import EngineWeights
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
-from infer.worker.images import ImageLimits, PlacedImage, load_image, place_images
+from infer.worker.grammar_queue import GrammarQueue
+from infer.worker.images import ImageLimits
 from infer.worker.in_memory import in_memory_model
+from infer.worker.intake import Intake, check_request_id
 from infer.worker.kv_offload import KvOffload, ModelFiles
 from infer.worker.kv_offload_store import check_offload_dir
 from infer.worker.kv_port import KvPort
@@ -57,26 +58,16 @@ from infer.worker.memory import HeapTrimmer, keep_freed_heap, trim_heap
 from infer.worker.micro_batches import MicroBatches
 from infer.worker.model_files import eos_token_ids, resolve_model
 from infer.worker.model_runner import ModelRunner
-from infer.worker.pooling import PoolingState
+from infer.worker.output_processor import EngineStats, OutputProcessor, StepRow, step_rows
 from infer.worker.proposers import Proposer, make_proposer
 from infer.worker.request import Request, RequestStatus, overdue_message
-from infer.worker.sampler import Sampler, SamplerOutput
+from infer.worker.sampler import Sampler
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from infer.worker.speculative import verify
 from infer.worker.step_graphs import make_step_graphs
-from infer.worker.structured import (
-    COMPILE_TIMEOUT_S,
-    COMPILE_WAIT_TIMEOUT_S,
-    CompileFuture,
-    CompilesFull,
-    GrammarCompilerPool,
-    GrammarState,
-    step_cost_error,
-)
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.tokenizer import engine_tokenizer
 from infer.worker.vision import ClipPreprocessor, ImageEncoder, VisionModel
-from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
+from infer.worker.weights import WeightUpdate
 
 log = logging.getLogger("infer.engine")
 
@@ -96,52 +87,6 @@ class Stage(Protocol):
     def load_model(self, path: Path, dtype: torch.dtype, device: torch.device, quantization: str) -> Any: ...
 
     def agree_min(self, num_blocks: int) -> int: ...
-
-
-GRAMMAR_WAIT_S = 0.05  # a step with nothing to run but grammars compiling waits this long for one
-
-
-@dataclass
-class _Compiling:
-    """A structured-output request whose grammar is compiling: scheduled when `future` is done."""
-
-    request: Request
-    future: CompileFuture
-    arrived: float  # time.monotonic() when it came
-    resumed: list[int]  # delivered tokens (a failover) its matcher must replay
-
-    def late(self, now: float) -> tuple[str, str] | None:
-        """(error, code) when it fails before its grammar is ready: its compile ran past COMPILE_TIMEOUT_S (the
-        grammar's fault: "invalid_request"), or it waited past COMPILE_WAIT_TIMEOUT_S in all, most of it queued
-        ("overloaded"; worker/structured.py); None while it may wait on."""
-        started = self.future.started_at
-        if started is not None and now - started > COMPILE_TIMEOUT_S:
-            return f"structured_outputs: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s", "invalid_request"
-        if now - self.arrived > COMPILE_WAIT_TIMEOUT_S:
-            return (
-                f"structured_outputs: the grammar was not ready within {COMPILE_WAIT_TIMEOUT_S:g} s of the "
-                f"request's arrival, queued behind other compiles on this worker; retry later",
-                "overloaded",
-            )
-        return None
-
-
-@dataclass
-class EngineStats:
-    """Monotonic counters since the engine started (Prometheus-style)."""
-
-    num_steps: int = 0
-    num_requests_finished: int = 0
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
-    prefill_tokens_computed: int = 0  # tokens actually run through the model before the first sample
-    generation_tokens: int = 0
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-    # speculative decoding (vLLM's spec_decode counters): verification chunks, their draft tokens, the drafts
-    # accepted, and accepted drafts by position (index j: drafts accepted at position j + 1 of a chunk)
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -177,9 +122,6 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device, model is None and kept_quantized(config))
-        self.weight_version = 0  # +1 (or the coordinator's number) per update_weights
-        self._suspended: SuspendedWeights | None = None
-        self._released_bytes = 0  # what the current suspend released
         if model is not None:
             if self.tp.size > 1 or stage is not None:
                 raise ValueError("an in-memory model cannot be tensor- or pipeline-parallel: give a model path")
@@ -191,7 +133,7 @@ class Engine:
             self.model: Any
             self.tokenizer, self.eos_token_ids, self.model = loaded.tokenizer, loaded.eos_token_ids, loaded.model
             self.prompt_token_bytes = max_token_bytes(self.tokenizer)
-            self._weight_files: list[list[Path]] | None = None  # nothing to reload them from: spill on suspend
+            files: list[list[Path]] | None = None  # nothing to reload them from: spill on suspend
         else:
             if tokenizer is not None:
                 raise ValueError("tokenizer= goes with model=<an in-memory model>; a model path brings its own")
@@ -205,7 +147,7 @@ class Engine:
                 self.model = load_model(self.model_path, self.dtype, self.device, self.ep, self.tp, config.quantization)
             else:  # this stage's layers only
                 self.model = stage.load_model(self.model_path, self.dtype, self.device, config.quantization)
-            self._weight_files = [weight_files(self.model_path)]
+            files = [weight_files(self.model_path)]
         trim_heap()  # what loading freed (tokenizer files, weight conversion), before the KV pool and the first steps
         self.vocab_size = int(self.model.vocab_size)
         self.max_model_len = context_length(config, self.model.config)
@@ -288,11 +230,53 @@ class Engine:
         if self.device.type == "cpu" and not keep_freed_heap():  # ... and stay mapped between steps
             log.info("could not tune the C library's malloc: large activations are mapped anew every step")
         self.stats = EngineStats()
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[Delta] = []  # final outputs of aborts, returned by the next step
-        self._grammars: GrammarCompilerPool | None = None  # made at the first structured-output request
-        self._compiling: dict[str, _Compiling] = {}  # requests waiting for their grammar, not yet scheduled
         self.beams = BeamGroups(self.scheduler, self.tokenizer)  # beam searches (worker/beam_groups.py)
+        # a step's rows into Deltas, each request's detokenizer (worker/output_processor.py)
+        self.outputs = OutputProcessor(
+            self.scheduler, self.beams, self.sampler, self.proposer, self.tokenizer, self.stats, self.max_model_len
+        )
+        # structured-output requests while their grammar compiles (worker/grammar_queue.py)
+        self.grammars = GrammarQueue(
+            config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.scheduler, self.outputs
+        )
+        # suspend / resume and weight updates (worker/engine_weights.py)
+        self.weights = EngineWeights(
+            config,
+            self.model,
+            self.device,
+            files,
+            max_model_len=self.max_model_len,
+            kv_cache=self.kv_cache,
+            scheduler=self.scheduler,
+            runner=self.runner,
+            offload=self.offload,
+            outputs=self.outputs,
+            tp_size=self.tp.size,
+            pp_size=None if stage is None else stage.group.size,
+            give_memory_back=self._give_memory_back,
+        )
+        # add_request's input checked and its Request built (worker/intake.py)
+        self.intake = Intake(
+            config,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            prompt_token_bytes=self.prompt_token_bytes,
+            eos_token_ids=self.eos_token_ids,
+            model_id=self.model_id,
+            scheduler=self.scheduler,
+            num_kv_blocks=self.kv_cache.num_blocks,
+            block_size=self.block_size,
+            draw_seed=self.sampler.draw_seed,
+            lora_id=self._lora_id,
+            vision=self.model if isinstance(self.model, VisionModel) else None,
+            preprocess=self.preprocess,
+            image_limits=self.image_limits,
+            speculative=self.proposer is not None,
+            pipeline=stage is not None,
+            model_parallel=self.tp.size > 1 or stage is not None,
+        )
         # a pipeline's stage 0: a micro-batch per stage in flight (worker/micro_batches.py) unless told otherwise;
         # speculative decoding steps one batch at a time (its proposals read the tokens of the step before)
         depth = 1 if stage is None or spec is not None else config.pp_micro_batches or stage.group.size
@@ -342,140 +326,31 @@ class Engine:
         `priority` (a 64-bit integer, lower first) matters under `scheduling_policy="priority"`. `client` tags
         the client it came from (Dispatch.client): a structured-output request's compile counts against it.
         """
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_ID_LEN:
-            raise ValueError(
-                f"request_id must be a non-empty string of at most {MAX_ID_LEN} characters (every "
-                f"delta carries it), got {request_id!r:.80}"
-            )
-        if self.scheduler.get(request_id) is not None or request_id in self._compiling:
+        check_request_id(request_id)
+        if self.scheduler.get(request_id) is not None or request_id in self.grammars:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1 and not params.beam_search:
-            raise ValueError(
-                f"n={params.n}: an engine runs one sample per request; LLM / AsyncLLM and the HTTP "
-                f"front run n > 1 as n requests (SamplingParams.samples())"
-            )
-        if params.pooling is not None:
-            if self.stage is not None:
-                raise ValueError(
-                    "embeddings (pooling) are not supported with pipeline parallelism yet: the hidden "
-                    "states stay on the last stage, which sends stage 0 only logits"
-                )
-            params = _pooling_params(params)
-        if params.seed is None and params.temperature > 0:
-            params = params.with_seed(self.sampler.draw_seed())
-        lora_id = self._lora_id(params.lora_name)
-        prompt_ids = self._prompt_token_ids(prompt)
-        prompt_ids, placed = self._place_images(prompt_ids, images)
-        self._check_token_lists(params)
-        resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids, params.max_tokens)
-        if params.beam_search:
-            self._check_beam_search(params, len(prompt_ids), resumed)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            arrival_order=self._arrivals,
-            eos_token_ids=self.eos_token_ids,
-            max_tokens=self._resolve_max_tokens(len(prompt_ids), params),
-            token_ids=prompt_ids + resumed,
-            arrival_time=time.monotonic(),
-            priority=priority,
-            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-            prompt_logprobs=[] if params.prompt_logprobs is not None and not resumed else None,
-            pooled=None if params.pooling is None else PoolingState(params.pooling, params.normalize, len(prompt_ids)),
-            lora_id=lora_id,
-            cache_salt=adapter_salt(params.lora_name),
-            images=placed,
+        request, resumed = self.intake.request(
+            request_id, prompt, params, resumed_token_ids, priority, images, self._arrivals
         )
+        prompt_ids, params = request.prompt_token_ids, request.params
         if params.beam_search:
             return self._add_beam_search(request)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
-        if resumed:
-            detok.resume(resumed, resumed_text_len)
+        detok = self.outputs.detokenizer(prompt_ids, params, resumed, resumed_text_len)
         if params.structured_outputs is None:
             self.scheduler.add(request)  # raises ValueError if it can never fit in the KV pool
         else:
             self.scheduler.check_new(request)
         self._arrivals += 1
-        self._detokenizers[request_id] = detok
+        self.outputs.track(request_id, detok)
         self.stats.prompt_tokens += len(prompt_ids)
         if params.structured_outputs is not None:
-            self._compile_grammar(request, resumed, client)
+            refused = self.grammars.compile(request, resumed, client)
+            if refused is not None:  # past the compile bounds: its final delta comes with the next step
+                self._pending.append(refused)
         return request
-
-    def _place_images(
-        self, prompt_ids: list[int], images: Sequence[object]
-    ) -> tuple[list[int], tuple[PlacedImage, ...]]:
-        """The prompt's ids with its images' tokens in place, and the images decoded, checked, preprocessed and
-        placed; ValueError naming what is wrong (worker/images.py). Without images the prompt must hold no image
-        token either."""
-        if isinstance(images, (bytes, str)) or not isinstance(images, Sequence):
-            raise ValueError(f"images must be a list of encoded images or PIL images, got {type(images).__name__}")
-        model = self.model if isinstance(self.model, VisionModel) else None
-        if not images:
-            if model is not None and model.image_token_id in prompt_ids:
-                raise ValueError(
-                    f"the prompt holds image tokens (id {model.image_token_id}) but no image was given with it"
-                )
-            return prompt_ids, ()
-        if model is None or self.preprocess is None:
-            raise ValueError(f"model {self.model_id!r} takes no images: it is a text-only model")
-        if self.proposer is not None:
-            raise ValueError("images with speculative decoding are not supported yet")
-        if len(images) > self.image_limits.max_images:
-            raise ValueError(
-                f"{len(images)} images exceed the limit of {self.image_limits.max_images} per prompt "
-                "(--limit-mm-per-prompt)"
-            )
-        ids, places = place_images(prompt_ids, model.image_token_id, model.tokens_per_image, len(images))
-        placed = []
-        for index, ((offset, length), item) in enumerate(zip(places, images, strict=True)):
-            image, key = load_image(item, self.image_limits, index)
-            try:
-                pixels = self.preprocess(image)
-            except ValueError as error:
-                raise ValueError(f"image {index}: {error}") from None
-            placed.append(PlacedImage(offset, length, key, pixels))
-        return ids, tuple(placed)
-
-    def _check_beam_search(self, params: SamplingParams, num_prompt_tokens: int, resumed: list[int]) -> None:
-        """ValueError unless this engine can run a beam search of `params` (worker/beam_groups.py)."""
-        width = params.beam_width or 1
-        if self.tp.size > 1 or self.stage is not None:
-            raise ValueError(
-                "beam search is not supported with tensor or pipeline parallelism yet (a fork copies "
-                "KV blocks, which the other ranks' shards do not do yet)"
-            )
-        if self.scheduler.config.release_window:
-            raise ValueError(
-                "beam search is not supported on a model whose every layer has a sliding window yet "
-                "(its beams give blocks back, which forks cannot share)"
-            )
-        if resumed:
-            raise ValueError("a beam search cannot continue from delivered tokens: it delivers none before its end")
-        if width > self.config.max_num_seqs:
-            raise ValueError(
-                f"beam_width {width} is more than max_num_seqs ({self.config.max_num_seqs}): every beam "
-                f"is a sequence of the batch"
-            )
-        needed = width * self.scheduler.block_manager.blocks_for_tokens(
-            num_prompt_tokens + self._resolve_max_tokens(num_prompt_tokens, params)
-        )
-        if needed > self.num_kv_blocks:
-            raise ValueError(
-                f"a beam search of {width} beams can never fit in the KV cache: {width} x (prompt + "
-                f"max_tokens) need up to {needed} KV blocks, the pool has {self.num_kv_blocks}"
-            )
 
     def _add_beam_search(self, request: Request) -> Request:
         """Queue a beam search: its prompt's request is its first beam (worker/beam_groups.py)."""
-        request.beam_group = request.request_id
-        request.num_beam_candidates = BeamGroups.num_candidates(request.params.beam_width or 1, self.eos_token_ids)
-        if request.params.min_tokens:  # the candidates min_tokens bans are left out: K more make up for them
-            request.num_beam_candidates += len(self.eos_token_ids) + len(request.params.stop_token_ids)
         self.scheduler.add(request)
         self.beams.start(request)
         self._arrivals += 1
@@ -490,40 +365,14 @@ class Engine:
         if self.offload is not None:  # a fork's new block may have evicted a cached one: copy it out first
             self.offload.spill_evicted()
         self.kv_cache.copy_blocks(copies)
-        return [self._beam_final(group, RequestStatus.FINISHED_STOPPED) for group in done]
-
-    def _beam_final(
-        self, group: BeamGroup, status: RequestStatus, error: str | None = None, error_code: str | None = None
-    ) -> Delta:
-        """The one output of a beam search: its best n beams (the best one's tokens and text as the request's),
-        or how it ended without them (abort, error)."""
-        beams = self.beams.outputs(group) if status is RequestStatus.FINISHED_STOPPED else None
-        best = beams[0] if beams else None
-        # `status` is a finished one (the search ended), which has a finish reason
-        reason = best.finish_reason if best is not None else cast(str, status.finish_reason)
-        self.stats.num_requests_finished += 1
-        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
-        root = group.root
-        return Delta.final(
-            group.request_id,
-            reason,
-            error,
-            error_code,
-            token_ids=[] if best is None else best.token_ids,
-            text="" if best is None else best.text,
-            beams=beams,
-            num_prompt_tokens=root.num_prompt_tokens,
-            num_cached_tokens=root.num_cached_tokens,
-            weight_version=self.weight_version,
-            **self._first_output_fields(root),
-        )
+        return [self.outputs.beam_final(group, RequestStatus.FINISHED_STOPPED) for group in done]
 
     def step(self) -> list[Delta]:
         """One engine step: schedule, run, advance, post-process. Returns this step's deltas."""
-        self._check_not_suspended("step()")
+        self.weights.check_not_suspended("step()")
         outputs, self._pending = self._pending, []
-        if self._compiling:
-            outputs.extend(self._admit_compiled())
+        if self.grammars:
+            outputs.extend(self.grammars.admit_ready())
         if self.in_flight.depth > 1:
             return outputs + self._step_micro_batches()
         if self.offload is not None:  # waiting prefixes on disk back into the pool, as cached blocks
@@ -534,8 +383,8 @@ class Engine:
         if scheduled.is_empty:
             if self.ep.size > 1:  # the group steps together: this rank's MoE layers must join in
                 self.runner.execute_dummy()
-            elif self._compiling:  # only grammars to wait for: a bounded wait instead of a busy loop
-                wait([c.future for c in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+            elif self.grammars:  # only grammars to wait for: a bounded wait instead of a busy loop
+                self.grammars.wait()
             return outputs
         _stamp_queue_time(scheduled)
         outputs.extend(self._after_forward(scheduled, self._execute(scheduled.chunks)))
@@ -548,9 +397,9 @@ class Engine:
         """Advance the scheduler over a finished forward and post-process its rows."""
         outputs = self._fail_rows(scheduled.chunks, rows)
         self.scheduler.update_after_step(scheduled)
-        outputs.extend(self._postprocess(scheduled, rows))
+        outputs.extend(self.outputs.process(scheduled, rows))
         outputs.extend(self._advance_beams())
-        outputs.extend(self._fail_costly_grammars(scheduled.chunks))
+        outputs.extend(self.grammars.fail_costly(scheduled.chunks))
         return outputs
 
     def _step_micro_batches(self) -> list[Delta]:
@@ -570,8 +419,8 @@ class Engine:
                 self.runner.execute_dummy()
             if len(self.in_flight):
                 outputs.extend(self._finish_oldest())
-            elif self._compiling:
-                wait([c.future for c in self._compiling.values()], GRAMMAR_WAIT_S, FIRST_COMPLETED)
+            elif self.grammars:
+                self.grammars.wait()
         self.heap.after_step(busy=self.has_unfinished())
         return outputs
 
@@ -591,7 +440,7 @@ class Engine:
         wrong (LoRA not enabled, missing files, a rank above max_lora_rank, a target this model lacks). Returns its
         listing entry."""
         manager = self._require_lora()
-        if self._suspended is not None:  # the layers' shapes are read from their (released) weights
+        if self.weights.suspended:  # the layers' shapes are read from their (released) weights
             raise ValueError("add_lora on a suspended engine: resume() first")
         adapter = manager.add(name, path, int_id)
         return {"name": adapter.name, "int_id": adapter.int_id, "path": adapter.path, "rank": adapter.rank}
@@ -639,7 +488,7 @@ class Engine:
         return 0 if name is None else self._require_lora().lora_id(name)
 
     def _lora_ids_held(self) -> set[int]:
-        requests = [*self.scheduler.waiting, *self.scheduler.running, *(c.request for c in self._compiling.values())]
+        requests = [*self.scheduler.waiting, *self.scheduler.running, *self.grammars.requests]
         return {r.lora_id for r in requests if r.lora_id}
 
     def _propose_drafts(self) -> dict[str, list[int]]:
@@ -674,7 +523,7 @@ class Engine:
         """The step of an EP-group rank with nothing to run (paused, or no requests): one forward of a
         padding token so the group's collectives complete; returns the deltas ready without a step (and, on a
         pipeline's stage 0, those of micro-batches in flight that must finish before another forward)."""
-        self._check_not_suspended("dummy_step()")
+        self.weights.check_not_suspended("dummy_step()")
         outputs = self.take_pending()
         while self.in_flight.must_finish():  # a micro-batch that runs alone reads the last stage's latest forward
             outputs.extend(self._finish_oldest())
@@ -687,20 +536,21 @@ class Engine:
         on elsewhere from its delivered tokens: that text is produced there)."""
         group = self.beams.end(request_id, RequestStatus.FINISHED_ABORTED)
         if group is not None:
-            self._pending.append(self._beam_final(group, RequestStatus.FINISHED_ABORTED))
+            self._pending.append(self.outputs.beam_final(group, RequestStatus.FINISHED_ABORTED))
             return True
         request = self.scheduler.abort(request_id)
-        if request is None and request_id in self._compiling:
-            request = self._compiling.pop(request_id).request
-            request.status = RequestStatus.FINISHED_ABORTED
+        if request is None:
+            request = self.grammars.pop(request_id)
+            if request is not None:
+                request.status = RequestStatus.FINISHED_ABORTED
         if request is None:
             return False
-        self._pending.append(self._final_output(request, "", [], release_text=release_text))
+        self._pending.append(self.outputs.final(request, "", [], release_text=release_text))
         return True
 
     def has_unfinished(self) -> bool:
         return (
-            self.scheduler.has_unfinished() or bool(self._pending) or bool(self._compiling) or bool(len(self.in_flight))
+            self.scheduler.has_unfinished() or bool(self._pending) or bool(self.grammars) or bool(len(self.in_flight))
         )
 
     def close(self) -> None:
@@ -709,9 +559,7 @@ class Engine:
         parallelism)."""
         if self.runner.followers is not None:
             self.runner.followers.stop()
-        if self._grammars is not None:
-            self._grammars.close()
-            self._grammars = None
+        self.grammars.close()
         if self.offload is not None:
             self.offload.close()
 
@@ -728,7 +576,7 @@ class Engine:
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, overdue_message(waited, max_queue_time))
             request.error_code = "overloaded"
             request.queue_time_s = waited
-            self._pending.append(self._final_output(request, "", [], queue_time_s=waited))
+            self._pending.append(self.outputs.final(request, "", [], queue_time_s=waited))
         if overdue:
             log.warning(
                 "shed %d request(s) that waited over %g s without starting (overloaded)", len(overdue), max_queue_time
@@ -748,7 +596,7 @@ class Engine:
         queued = sum(r.num_tokens_to_compute + r.max_tokens - r.num_output_tokens for r in requests)
         blocks = self.scheduler.block_manager
         return Load(
-            num_waiting=self.scheduler.num_waiting + len(self._compiling),
+            num_waiting=self.scheduler.num_waiting + len(self.grammars),
             num_running=self.scheduler.num_running,
             num_free_blocks=blocks.num_free_blocks,
             num_total_blocks=self.num_kv_blocks,
@@ -758,7 +606,7 @@ class Engine:
             prefix_cache_hits=blocks.num_hit_tokens,
             weight_version=self.weight_version,
             suspended=self.suspended,
-            bytes_released=self._released_bytes,
+            bytes_released=self.weights.released_bytes,
             spec_decode_num_drafts=self.stats.spec_decode_num_drafts,
             spec_decode_num_draft_tokens=self.stats.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=self.stats.spec_decode_num_accepted_tokens,
@@ -800,124 +648,34 @@ class Engine:
     # ---- suspend / resume, weight refit -------------------------------------------------------
 
     @property
+    def weight_version(self) -> int:
+        """+1 (or the coordinator's number) per update_weights; every output carries it."""
+        return self.outputs.weight_version
+
+    @property
     def suspended(self) -> bool:
-        return self._suspended is not None
+        return self.weights.suspended
 
     def suspend(self) -> int:
-        """Release the KV pool and the weights (`config.suspend_weights` says how); returns the bytes released.
-        Requests stay: running ones are preempted by recompute and continue after resume() with the same
-        tokens (greedy, or seeded: the noise is a function of seed and token count). step() raises until
-        resume(). Idempotent (0 when already suspended)."""
-        if self._suspended is not None:
-            return 0
-        self._check_not_tensor_parallel("suspend")
-        self.scheduler.preempt_all()
-        self.scheduler.block_manager.reset_prefix_cache()  # the cached KV goes with the pool
-        if self.runner.images is not None:
-            self.runner.images.clear()  # the encoder's features go with it
-        self.runner.step_graphs = None  # they hold the pool (CUDA graphs: its addresses)
-        released = self.kv_cache.release()
-        self._suspended = release_weights(self.model, self.config.suspend_weights, self.device, self._weight_files)
-        released += self._suspended.bytes_released
-        self._released_bytes = released
-        self._give_memory_back()
-        log.info("suspended: %d bytes released (KV pool and weights: %s)", released, self._suspended.mode)
-        return released
+        """Release the KV pool and the weights; the bytes released (worker/engine_weights.py says what stays)."""
+        return self.weights.suspend()
 
     def resume(self) -> int:
-        """Restore the weights and a fresh (zeroed) KV pool after suspend(); returns the bytes restored.
-        Idempotent (0 when not suspended)."""
-        if self._suspended is None:
-            return 0
-        restored = self._suspended.restore(self.model, self.device) + self.kv_cache.restore()
-        self._suspended = None
-        self._released_bytes = 0
-        self.runner.step_graphs = make_step_graphs(
-            self.config, self.model, self.kv_cache, self.max_model_len, self.device
-        )
-        log.info("resumed: %d bytes restored", restored)
-        return restored
+        """Restore the weights and a fresh KV pool after suspend(); the bytes restored."""
+        return self.weights.resume()
 
     def update_weights(self, source: object, version: int | None = None) -> int:
-        """Load new weights: a safetensors directory, an iterable of (checkpoint name, tensor) pairs, or a
-        WeightUpdate. All or nothing: every tensor's name, shape and dtype is checked and every value read into
-        memory and checked finite first (ValueError naming the first bad one, the old weights untouched); a
-        failure while copying them in puts the old values back. A subset of the weights may be given. Returns
-        the new weight version (`version`, else the current one + 1), which every later output carries.
-
-        Requests still running are preempted by recompute (they continue on the new weights); callers that
-        want them to finish on the old weights first step until `num_running` is 0 (a drain), or abort them.
-        The prefix cache is emptied: KV computed by the old weights is never served again."""
-        self._check_not_suspended("update_weights()")
-        self._check_not_tensor_parallel("a weight update")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise ValueError(f"version must be a non-negative integer, got {version!r}")
-        update = source if isinstance(source, WeightUpdate) else WeightUpdate.of(source)
-        if not update.staged:
-            check_specs(self.model, update.specs)  # before reading any value
-        update = update.stage()
-        update.check_unchanged()
-        check_specs(self.model, update.specs)
-        self.scheduler.preempt_all()
-        if self.offload is not None:
-            self.offload.clear()  # before the reset, whose snapshot for the KV events then leaves the disk out
-        self.scheduler.block_manager.reset_prefix_cache()
-        if self.runner.images is not None:
-            self.runner.images.clear()  # features of the old vision weights
-        applied = apply_tensors(self.model, update.tensors)
-        if self._weight_files is not None and update.files is not None:
-            self._weight_files.append(update.files)
-        else:
-            self._weight_files = None
-        if self.runner.step_graphs is not None:  # compiled code may hold the old packed weights
-            self.runner.step_graphs = make_step_graphs(
-                self.config, self.model, self.kv_cache, self.max_model_len, self.device
-            )
-        self.weight_version = self.weight_version + 1 if version is None else version
-        if self.offload is not None:
-            self.offload.new_weights(self.weight_version)
-        log.info(
-            "weights updated to version %d: %d tensor(s) from %s", self.weight_version, applied, update.description
-        )
-        return self.weight_version
+        """Load new weights, all or nothing (worker/engine_weights.py); returns the new weight version."""
+        return self.weights.update_weights(source, version)
 
     def prepare_update(self, msg: UpdateWeights) -> WeightUpdate:
-        """The staged WeightUpdate of an UpdateWeights message, nothing changed yet: the safetensors directory
-        `msg.path`, or the tensors received now from the trainer's weight-sync group (`msg.sync`, within
-        `msg.timeout_s`; received in full even when they turn out not to fit, so the trainer's broadcast
-        completes); every spec checked against the model, every value in memory and finite. ValueError naming
-        a bad tensor."""
-        self._check_not_tensor_parallel("a weight update")
-        if msg.sync is not None:
-            from infer.worker.weight_sync import receive_weights
-
-            update = WeightUpdate.from_pairs(receive_weights(msg.sync, self.device, msg.timeout_s))
-            update.description = f"the trainer at {msg.sync.init_method}"
-        else:
-            update = WeightUpdate.of(msg.path)
-        check_specs(self.model, update.specs)
-        return update.stage()
+        """The staged, checked WeightUpdate of an UpdateWeights message, nothing changed yet."""
+        return self.weights.prepare_update(msg)
 
     def check_prepared(self, update: WeightUpdate) -> None:
         """ValueError if the files of a prepared (staged) update changed since they were read: what would be
         applied is then not what the files hold (a later reload would read other values)."""
         update.check_unchanged()
-
-    def _check_not_tensor_parallel(self, what: str) -> None:
-        if self.tp.size > 1:
-            raise ValueError(
-                f"{what} is not supported with tensor parallelism yet (tensor_parallel_size "
-                f"{self.tp.size}): the other ranks of the group hold their own shards"
-            )
-        if self.stage is not None:
-            raise ValueError(
-                f"{what} is not supported with pipeline parallelism yet (pipeline_parallel_size "
-                f"{self.stage.group.size}): the other stages hold their own layers"
-            )
-
-    def _check_not_suspended(self, what: str) -> None:
-        if self._suspended is not None:
-            raise RuntimeError(f"{what} on a suspended engine: its KV pool and weights are released; resume() first")
 
     def _give_memory_back(self) -> None:
         if self.device.type == "cuda":
@@ -965,336 +723,8 @@ class Engine:
             raise error from None
 
     def _fail_rows(self, chunks: Sequence[ScheduledChunk], rows: list[StepRow]) -> list[Delta]:
-        failed = [self._fail(chunk.request, row.error) for chunk, row in zip(chunks, rows) if row.error is not None]
+        failed = [self.outputs.fail(c.request, row.error) for c, row in zip(chunks, rows) if row.error is not None]
         return [delta for delta in failed if delta is not None]
-
-    def _fail(self, request: Request, message: str) -> Delta | None:
-        """Finish `request` alone as failed by the engine (code "internal"), its KV blocks freed (a beam: its
-        whole search; None when a sibling failed it already)."""
-        log.error("request %r failed: %s", request.request_id, message)
-        if request.beam_group is not None:
-            group = self.beams.end(request.beam_group, RequestStatus.FINISHED_ERROR)
-            return None if group is None else self._beam_final(group, RequestStatus.FINISHED_ERROR, message, "internal")
-        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message)
-        request.error_code = "internal"
-        return self._final_output(request, "", [])
-
-    # ---- structured outputs ------------------------------------------------------------------
-
-    def _compile_grammar(self, request: Request, resumed: list[int], client: str | None) -> None:
-        """Compile the request's grammar on the compiler's thread; `_admit_compiled` schedules it once ready.
-        Past the compile bounds it fails at once as "overloaded" (its final delta comes with the next step)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompilerPool(
-                self.tokenizer,
-                self.vocab_size,
-                list(self.eos_token_ids),
-                max_compiles=self.config.max_grammar_compiles,
-                max_compiles_per_client=self.config.max_grammar_compiles_per_client,
-                step_budget_s=self._grammar_budget_s,
-            )
-        try:
-            # set: add_request compiles only a request with structured outputs
-            future = self._grammars.compile(cast(StructuredOutputsParams, request.params.structured_outputs), client)
-        except CompilesFull as e:
-            log.warning("request %r refused: %s", request.request_id, e)
-            request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, str(e), "overloaded"
-            request.queue_time_s = 0.0  # with it, the coordinator tells the client (coordinator/relay.py)
-            self._pending.append(self._final_output(request, "", [], queue_time_s=0.0))
-            return
-        self._compiling[request.request_id] = _Compiling(request, future, time.monotonic(), resumed)
-
-    @property
-    def _grammar_budget_s(self) -> float:
-        return self.config.max_grammar_step_ms / 1e3
-
-    def _admit_compiled(self) -> list[Delta]:
-        """Schedule the requests whose grammar is ready (their matcher replays tokens already delivered);
-        fail those whose spec did not compile, or not in time, or costs too much, as invalid requests."""
-        outputs = []
-        now = time.monotonic()
-        for rid, waiting in list(self._compiling.items()):
-            # (a compile that is late stays in flight: other requests may share it, and it still counts against the
-            # bounds while the compile thread works on it)
-            failed = None if waiting.future.done() else waiting.late(now)
-            if failed is None and not waiting.future.done():
-                continue
-            del self._compiling[rid]
-            if failed is None:
-                error = self._start_grammar(waiting)
-                if error is None:
-                    self.scheduler.add(waiting.request)
-                    continue
-                failed = error, "invalid_request"
-            request = waiting.request
-            request.status, request.error, request.error_code = RequestStatus.FINISHED_ERROR, *failed
-            outputs.append(self._final_output(request, "", []))
-        return outputs
-
-    def _start_grammar(self, waiting: _Compiling) -> str | None:
-        """Give the request its matcher (its compile done), advanced over its resumed tokens; the reason it cannot
-        have one."""
-        try:
-            state = GrammarState(waiting.future.result())
-        except Exception as e:  # xgrammar's reason: an invalid schema, regex or grammar; or one too costly
-            return f"structured_outputs: {grammar_reason(e)}"
-        for token_id in waiting.resumed:
-            if not state.accept(token_id):
-                return f"structured_outputs: resumed token {token_id} does not match the grammar"
-        if not state.terminated and not state.admits_a_token():  # the sampler would have no token to choose
-            if waiting.resumed:
-                return f"structured_outputs: the grammar admits no token after the {len(waiting.resumed)} resumed"
-            return f"structured_outputs: {NO_FIRST_TOKEN}"
-        cost, steps = state.take_step_cost(), 1 + len(waiting.resumed)  # a resumed request's replay: a step each
-        if cost > self._grammar_budget_s * steps:
-            return f"structured_outputs: {step_cost_error(cost, self._grammar_budget_s, 'to start', steps)}"
-        waiting.request.grammar = state
-        return None
-
-    def _fail_costly_grammars(self, chunks: Sequence[ScheduledChunk]) -> list[Delta]:
-        """Fail (invalid_request) each request of the step whose grammar took more CPU than its budget in it
-        (worker/structured.py): it slowed this step; it slows no other."""
-        failed = []
-        for chunk in chunks:
-            request, budget = chunk.request, self._grammar_budget_s
-            cost = 0.0 if request.grammar is None else request.grammar.take_step_cost()
-            if cost > budget and not request.is_finished:
-                message = f"structured_outputs: {step_cost_error(cost, budget)}"
-                log.warning("request %r failed: %s", request.request_id, message)
-                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message)
-                request.error_code = "invalid_request"
-                failed.append(self._final_output(request, "", []))
-        return failed
-
-    # ---- input -------------------------------------------------------------------------------
-
-    def _check_token_lists(self, params: SamplingParams) -> None:
-        """ValueError naming the field if logit_bias or allowed_token_ids names a token outside the vocabulary."""
-        for name, ids in (
-            ("logit_bias", [t for t, _ in params.logit_bias or ()]),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-        ):
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-
-    def _bad_words_token_ids(self, bad_words: Sequence[str]) -> list[list[int]]:
-        """Each bad word's token ids as it starts the text and as it follows a space (vLLM keeps the second
-        only when it is as long as the first, which lets " word" through when "word" splits differently)."""
-        out: list[list[int]] = []
-        for word in bad_words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            variants = [plain]
-            if spaced != plain:
-                variants.append(spaced)
-            out += [ids for ids in variants if ids and max(ids) < self.vocab_size]
-        return out
-
-    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            too_long = prompt_size_error(prompt, self.max_model_len, self.prompt_token_bytes)
-            if too_long is not None:  # before tokenizing: that is linear in the prompt, and this loop's time
-                raise ValueError(too_long)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:  # the model directory's tokenizer knows more tokens than the model
-                raise ValueError(
-                    f"the tokenizer turned the prompt into token id {bad}, outside the model's "
-                    f"vocabulary [0, {self.vocab_size}): the tokenizer does not match the model"
-                )
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            bad = next(
-                (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size), None
-            )
-            if bad is not None:
-                raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, but the context length is {self.max_model_len}: "
-                f"it must be shorter to leave room for at least one generated token"
-            )
-        return ids
-
-    def _resumed_token_ids(self, num_prompt_tokens: int, resumed: Sequence[int], max_tokens: int | None) -> list[int]:
-        ids = list(resumed)
-        bad = next(
-            (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size), None
-        )
-        if bad is not None:
-            raise ValueError(f"resumed token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        if num_prompt_tokens + len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + resumed tokens ({len(ids)}) reach the "
-                f"context length {self.max_model_len}: nothing is left to generate"
-            )
-        if max_tokens is not None and len(ids) >= max_tokens:
-            raise ValueError(
-                f"the resumed tokens ({len(ids)}) reach max_tokens ({max_tokens}): nothing is left to generate"
-            )
-        return ids
-
-    def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        if params.max_tokens is not None:
-            return min(params.max_tokens, self.max_model_len - num_prompt_tokens)
-        # "Up to the context length": the context a lone request can really have is also bounded by the pool.
-        usable = min(self.max_model_len, self.kv_cache.num_blocks * self.block_size)
-        return max(1, usable - num_prompt_tokens)
-
-    # ---- output ------------------------------------------------------------------------------
-
-    def _postprocess(self, scheduled: SchedulerOutput, rows: list[StepRow]) -> list[Delta]:
-        computed = [(c, row) for c, row in zip(scheduled.chunks, rows) if row.error is None]
-        self.stats.num_steps += 1
-        self.stats.prefill_tokens_computed += sum(
-            c.num_new_tokens for c, _ in computed if c.start < c.request.num_prompt_tokens
-        )
-        for chunk, row in computed:
-            if chunk.num_draft_tokens:
-                self._count_verification(chunk, row)
-        for chunk, row in computed:  # a beam's step gives its candidates to its search (worker/beam_groups.py)
-            if row.token_ids and chunk.request.beam_group is not None and not chunk.request.is_finished:
-                self.beams.report(chunk.request, row.logprobs[0] if row.logprobs else None)
-        outputs = [
-            self._append_tokens_or_fail(c, row) for c, row in computed if row.token_ids and c.request.beam_group is None
-        ]
-        self.stats.generation_tokens += sum(len(d.token_ids) for d in outputs)
-        return outputs
-
-    def _count_verification(self, chunk: ScheduledChunk, row: StepRow) -> None:
-        stats = self.stats
-        stats.spec_decode_num_drafts += 1
-        stats.spec_decode_num_draft_tokens += chunk.num_draft_tokens
-        stats.spec_decode_num_accepted_tokens += row.num_accepted
-        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
-        per_pos.extend([0] * (chunk.num_draft_tokens - len(per_pos)))
-        for j in range(row.num_accepted):
-            per_pos[j] += 1
-
-    def _append_tokens_or_fail(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
-        try:
-            return self._append_tokens(chunk, row)
-        except Exception as e:
-            if chunk.request.is_finished:  # it failed while finishing: nothing is left to fail
-                raise
-            log.exception("post-processing request %r failed", chunk.request.request_id)
-            return cast(  # not a beam (the caller's filter), so _fail returns its Delta
-                Delta,
-                self._fail(
-                    chunk.request,
-                    f"the engine failed after sampling token(s) {list(row.token_ids)}: {type(e).__name__}: {e}",
-                ),
-            )
-
-    def _append_tokens(self, chunk: ScheduledChunk, row: StepRow) -> Delta:
-        """Append the row's tokens (one; or a verification's accepted drafts and the token after them) up to the
-        first that finishes the request (the rest are dropped: an accepted run is cut at a stop)."""
-        request = chunk.request
-        if request.pooled is not None:  # its prompt is complete: the vector, not the token, is its output
-            if not request.pooled.complete:
-                raise RuntimeError("a pooling request reached its last prompt token with positions not pooled")
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            return self._final_output(
-                request, "", [], embedding=request.pooled.vector(), **self._first_output_fields(request)
-            )
-        detok = self._detokenizers[request.request_id]
-        token_ids: list[int] = []
-        text, status = "", None
-        for token_id in row.token_ids:
-            request.append_token(token_id)
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                raise RuntimeError(f"the grammar rejected sampled token {token_id}")
-            token_ids.append(token_id)
-            text += detok.add([token_id])
-            status = self._stop_status(request, token_id, detok)
-            if status is not None:
-                break
-        # a row with logprobs has a dict for each token (its request asked for them, so the sampler computed them)
-        lps = None if row.logprobs is None else cast("list[TokenLogprobs]", list(row.logprobs[: len(token_ids)]))
-        first = self._first_output_fields(request)
-        if status is None:
-            if chunk.num_draft_tokens:
-                self.scheduler.accept_draft_tokens(request, len(token_ids) - 1)
-            return Delta(
-                request_id=request.request_id,
-                token_ids=TokenIds(token_ids),
-                text=text,
-                logprobs=lps,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens,
-                weight_version=self.weight_version,
-                **first,
-            )
-        self.scheduler.finish(request, status)
-        return self._final_output(request, text, token_ids, lps, **first)
-
-    @staticmethod
-    def _first_output_fields(request: Request) -> dict[str, Any]:
-        """What only a request's first output carries (its queue time, seed and prompt logprobs); {} after it."""
-        if request.queue_time_reported:
-            return {}
-        request.queue_time_reported = True
-        return {
-            "queue_time_s": request.queue_time_s,
-            "seed": request.params.seed,
-            "prompt_logprobs": request.prompt_logprobs,
-        }
-
-    def _stop_status(self, request: Request, token_id: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
-        params = request.params
-        if request.grammar is not None and request.grammar.terminated:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
-            if (token_id in request.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if detok.stopped:
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _final_output(
-        self,
-        request: Request,
-        text: str,
-        token_ids: list[int],
-        logprobs: list[TokenLogprobs] | None = None,
-        release_text: bool = True,
-        **first: Any,
-    ) -> Delta:
-        """The last output of `request` (finished, its status set): the text held back is released unless
-        `release_text` is False; `first`: the fields of a first output (`_first_output_fields`), or queue_time_s."""
-        detok = self._detokenizers.pop(request.request_id, None)
-        if request.beam_group is not None:  # a beam search shed before it started: its search ends too
-            self.beams.end(request.beam_group, request.status)
-        if detok is not None and release_text:
-            text += detok.finish()
-        self.sampler.release(request.request_id)
-        if self.proposer is not None:
-            self.proposer.release(request.request_id)
-        reason = cast(str, request.status.finish_reason)  # the scheduler finished it: it has one
-        self.stats.num_requests_finished += 1
-        self.stats.finish_reasons[reason] = self.stats.finish_reasons.get(reason, 0) + 1
-        return Delta.final(
-            request.request_id,
-            reason,
-            request.error,
-            request.error_code,
-            token_ids=token_ids,
-            text=text,
-            logprobs=logprobs,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            weight_version=self.weight_version,
-            **first,
-        )
 
     # ---- sizing ------------------------------------------------------------------------------
 
@@ -1318,66 +748,11 @@ def _check_kv_offload(path: str, model: object, tp: TensorParallel, stage: objec
         raise ValueError("kv_offload_dir is not supported with tensor or pipeline parallelism yet")
 
 
-def _pooling_params(params: SamplingParams) -> SamplingParams:
-    """A pooling request's params (worker/pooling.py): what only generation takes is refused (ValueError); it runs
-    its prompt and one greedy step, whose token is dropped."""
-    names = ("structured_outputs", "prompt_logprobs", "logprobs", "bad_words", "logit_bias", "allowed_token_ids")
-    given = [name for name in names if getattr(params, name) not in (None, ())]
-    if given:
-        raise ValueError(f"pooling (an embedding) takes no generation options; got {', '.join(given)}")
-    return msgspec.structs.replace(params, temperature=0.0, max_tokens=1, min_tokens=0, seed=None)
-
-
 def _rope_depends_on_length(model: Any) -> bool:
     """Whether the model's keys at a position depend on the sequence's length (LongRoPE past its original length):
     a cached prefix block would then be wrong for a sequence of another length, so prefix caching stays off."""
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     return bool(getattr(rotary, "length_dependent", False))
-
-
-NON_FINITE_LOGITS = (
-    "the model produced non-finite logits (NaN or inf) for this request, after its penalties; "
-    "it was stopped rather than sampled from them"
-)
-
-
-@dataclass(frozen=True)
-class StepRow:
-    """What one step gave one scheduled chunk: its sampled token (a verification chunk: its accepted drafts
-    and the token after them; worker/speculative.py) and their logprobs, nothing (a chunk that does not sample:
-    mid-prefill), or the error that fails its request. `num_accepted`: drafts accepted."""
-
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprobs | None, ...] | None = None
-    error: str | None = None
-    num_accepted: int = 0
-
-
-def step_rows(chunks: Sequence[ScheduledChunk], sampled: SamplerOutput | None) -> list[StepRow]:
-    """One StepRow per chunk from the sampler's tensors (one host copy each); a row the sampler found
-    non-finite fails its chunk with NON_FINITE_LOGITS (a verification chunk's: up to where its walk stops)."""
-    if sampled is None:
-        return [StepRow() for _ in chunks]
-    wants = [c.request.num_logprobs for c in chunks for _ in range(c.num_sampled_rows)]
-    token_ids = sampled.token_ids.tolist()
-    lps = _logprobs_rows(sampled, wants)
-    bad = set(sampled.bad_rows)
-    rows, at = [], 0
-    for chunk in chunks:
-        n = chunk.num_sampled_rows
-        if not n:
-            rows.append(StepRow())
-            continue
-        found = verify(
-            chunk.draft_token_ids, token_ids[at : at + n], lps[at : at + n], [i in bad for i in range(at, at + n)]
-        )
-        at += n
-        if found.bad:
-            rows.append(StepRow(error=NON_FINITE_LOGITS))
-        else:
-            with_lps = chunk.request.num_logprobs is not None
-            rows.append(StepRow(found.token_ids, found.logprobs if with_lps else None, num_accepted=found.num_accepted))
-    return rows
 
 
 def _stamp_queue_time(scheduled: SchedulerOutput) -> None:
@@ -1388,25 +763,3 @@ def _stamp_queue_time(scheduled: SchedulerOutput) -> None:
         if request.queue_time_s is None:
             now = now or time.monotonic()
             request.queue_time_s = now - request.arrival_time
-
-
-def _logprobs_rows(sampled: SamplerOutput, wants: list[int | None]) -> list[TokenLogprobs | None]:
-    """One {token_id: logprob} dict per sampled row that asked for logprobs (sampled token + its top-n);
-    `wants`: each row's Request.num_logprobs."""
-    if sampled.sampled_logprobs is None:
-        return [None] * len(wants)
-    chosen = sampled.token_ids.tolist()
-    values = sampled.sampled_logprobs.tolist()
-    top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
-    top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-    rows: list[TokenLogprobs | None] = []
-    for i, n in enumerate(wants):
-        if n is None:
-            rows.append(None)
-            continue
-        row = {chosen[i]: values[i]}
-        if top_ids is not None and top_lps is not None and n > 0:  # set together by the sampler
-            for t, v in zip(top_ids[i][:n], top_lps[i][:n]):
-                row.setdefault(t, v)
-        rows.append(row)
-    return rows

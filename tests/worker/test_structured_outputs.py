@@ -203,9 +203,9 @@ def held_compiles(
 
 
 def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_the_engine_goes_on(engine, monkeypatch):
-    import infer.worker.engine as engine_module
+    import infer.worker.grammar_queue as grammar_queue
 
-    monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(grammar_queue, "COMPILE_TIMEOUT_S", 0.05)
     slow = Spec(json={"type": "string", "title": "slow to compile"})
     with held_compiles(monkeypatch, "slow"):
         out = run(
@@ -222,10 +222,10 @@ def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_the_engin
 def test_time_queued_behind_other_compiles_does_not_count_against_a_compile(tiny_model_dir, monkeypatch):
     """A grammar queued behind a compile that takes 1.5 s, with a 0.5 s compile bound: the blocker fails, the one
     queued behind it (1.5 s queued, then quick to compile) is served."""
-    import infer.worker.engine as engine_module
+    import infer.worker.grammar_queue as grammar_queue
 
     engine = make_engine(tiny_model_dir("llama"))
-    monkeypatch.setattr(engine_module, "COMPILE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(grammar_queue, "COMPILE_TIMEOUT_S", 0.5)
     with held_compiles(monkeypatch, "blocker", release_after_s=1.5):
         out = run(
             engine,
@@ -245,10 +245,10 @@ def test_time_queued_behind_other_compiles_does_not_count_against_a_compile(tiny
 
 
 def test_a_request_queued_past_the_wait_bound_fails_as_overloaded(tiny_model_dir, monkeypatch):
-    import infer.worker.engine as engine_module
+    import infer.worker.grammar_queue as grammar_queue
 
     engine = make_engine(tiny_model_dir("llama"))
-    monkeypatch.setattr(engine_module, "COMPILE_WAIT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(grammar_queue, "COMPILE_WAIT_TIMEOUT_S", 0.5)
     with held_compiles(monkeypatch, "blocker", release_after_s=1.5):
         for rid, title in (("blocker", "blocker"), ("queued", "q")):
             engine.add_request(
