@@ -128,6 +128,11 @@ class Request:
         return self.prompt_token_ids if self.encoder_token_ids is None else self.encoder_token_ids
 
     @property
+    def num_input_tokens(self) -> int:
+        """len(input_token_ids): the prompt tokens outputs report (an encoder-decoder model's: its encoder input's)."""
+        return len(self.input_token_ids)
+
+    @property
     def num_encoder_tokens(self) -> int:
         return 0 if self.encoder_token_ids is None else len(self.encoder_token_ids)
 
