@@ -2,11 +2,13 @@
 worker processes answer as direct mode does, through kill -9 of the worker streaming the request (the failover's
 Dispatch carries the encoder's ids the first worker tokenized and the decoder prompt); hostile input is refused by
 name and the cluster keeps serving; a decoder-only model's cluster refuses a decoder prompt by name; `infer-serve`'s
-/v1/completions takes the prompt as the encoder's input."""
+/v1/completions takes the prompt as the encoder's input; a worker refuses KV transfers for such a model."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -107,3 +109,15 @@ def test_openai_completions_take_the_prompt_as_the_encoder_input(served):
         model="t5", prompt=TEXT, temperature=0, max_tokens=12, extra_body={"ignore_eos": True}
     )
     assert again.choices[0].text == want.text  # still serving
+
+
+def test_a_worker_refuses_kv_transfers_for_an_encoder_decoder_model(tmp_path, smollm2_tokenizer):
+    """Its cross-attention blocks are not sent: infer-worker exits 2 naming the flag, before it joins anything."""
+    path = encdec_checkpoint("t5", tmp_path / "t5", smollm2_tokenizer)
+    argv = ["--coordinator", "tcp://127.0.0.1:9", "--model", str(path), *ENGINE_FLAGS]
+    kv = ["--kv-transfer-config", '{"kv_role": "kv_both"}']
+    done = subprocess.run(
+        [sys.executable, "-m", "infer.worker.cli", *argv, *kv], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 2
+    assert "--kv-transfer-config is not supported for an encoder-decoder model" in done.stderr
