@@ -57,6 +57,17 @@ def test_greedy_equals_transformers(family):
         llm.close()
 
 
+def test_an_in_memory_transformers_model(family, smollm2_tokenizer):
+    """LLM(model=<transformers' model object>): its tensors copied into ours by their checkpoint names (the tied
+    embeddings, BART's final_logits_bias buffer)."""
+    name, path, want, _ = family
+    llm = LLM(model=hf_encdec(path), tokenizer=smollm2_tokenizer, **OPTIONS)
+    try:
+        assert _tokens(llm, PROMPTS[:2]) == want[:2]
+    finally:
+        llm.close()
+
+
 def test_prefill_chunks_and_preemption(family):
     """A 3-token budget splits the decoder prompts' prefill; a pool of 16 blocks holds two of these requests at a
     time, so the others wait or are preempted (their cross blocks freed, their encoder run again on return)."""
