@@ -49,6 +49,9 @@ def test_greedy_equals_transformers(family):
         forms = [{"encoder_prompt": p, "decoder_prompt": DECODER_PREFIX} for p in PROMPTS[:2]]
         forms.append({"encoder_prompt": {"prompt_token_ids": PROMPTS[2]}})
         assert _tokens(llm, forms) == [*prefixed, want[2]]
+        ids = llm.get_tokenizer().encode("The house", add_special_tokens=False)  # text: no special tokens added
+        text_form = {"encoder_prompt": PROMPTS[0], "decoder_prompt": "The house"}
+        assert _tokens(llm, [text_form]) == _tokens(llm, [{"encoder_prompt": PROMPTS[0], "decoder_prompt": ids}])
         completion = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0]
         assert completion.prompt_token_ids == PROMPTS[1]  # the encoder's input, as given
         # the pool is whole again: every self and cross block came back
