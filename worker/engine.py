@@ -225,9 +225,7 @@ class Engine:
             self.max_model_len,
             self.device,
             self.sampler,
-            None
-            if encdec is not None
-            else make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device),
+            make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device),
         )
         self.runner.encoder = encdec
         self.lora = self._lora_manager()

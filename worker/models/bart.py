@@ -14,7 +14,7 @@ wants the BOS gives it as the decoder prompt). Module and parameter names are tr
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -95,6 +95,7 @@ class BartForConditionalGeneration(nn.Module):
     ForwardBatch), as worker/encoder_decoder.py's EncoderDecoderModel says."""
 
     is_encoder_decoder = True
+    supports_step_graphs: ClassVar[bool] = False  # the encoder runs at a request's first step, eagerly
     packed_modules_mapping: dict[str, tuple[str, str]] = {}
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:

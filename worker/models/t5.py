@@ -15,7 +15,7 @@ quantized weights are refused for these models).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, cast
+from typing import Any, Callable, ClassVar, cast
 
 import torch
 from torch import nn
@@ -174,6 +174,7 @@ class T5ForConditionalGeneration(nn.Module):
     ForwardBatch), as worker/encoder_decoder.py's EncoderDecoderModel says."""
 
     is_encoder_decoder = True
+    supports_step_graphs: ClassVar[bool] = False  # the encoder runs at a request's first step, eagerly
     packed_modules_mapping: dict[str, tuple[str, str]] = {}
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
