@@ -2,7 +2,7 @@
 layers, the attention step, the sampler and the MoE experts take their kernels from (each module gets it when it is
 built, from the device it is built on; `worker/loader.build_model` builds under that device).
 
-Devices and what they run (a op's table entry; "where it takes": the op's `*_takes` predicate in
+Devices and what they run (an op's table entry; "where it takes": the op's `*_takes` predicate in
 kernels/cpu_kernels.py or kernels/quant.py, checked per call, the twin where it says no):
 
     op                           cuda ("triton")              cpu ("cpu")                              other ("torch")
@@ -28,12 +28,12 @@ INFER_CPU_ISA picks a lower one); the table records that level (`isa`). Every `*
 the library could not be built (`cpu_kernels.native_ready()`), so such a CPU runs the twins. Two CPU kernels have
 no twin of the same call and stay with their callers, each decided by its own predicate: the GEMV for a decode's
 1-8 bf16 rows (`gemv_takes`, once per weight when worker/models/layers.py's PackedLinear packs it) and the whole
-native decode step of a dense bf16 Llama (worker/models/native_decode.py: `NativeDecoder.for_model` once per
-weights, `takes` per step).
+native decode step of a bf16 Llama with dense or quantized linears (worker/models/native_decode.py:
+`NativeDecoder.for_model` once per weights, `takes` per step).
 
 "triton" needs a CUDA device with triton installed; INFER_KERNELS=torch makes such a device run the twins
 ("torch"), to rule out a kernel while debugging. A table does not depend on the dtype: each CPU `*_takes` checks
-the tensors' dtypes per call (bf16 / fp32 native, anything else the twin), as Triton's kernels take any float type.
+the tensors' dtypes per call (bf16 / fp32 native, anything else the twin).
 """
 
 from __future__ import annotations
