@@ -6,6 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# The engine options under which tests run a tiny model's decode steps in compiled graphs (CPU step graphs, batch
+# buckets 1, 2, 4; fp32, 4-slot blocks, no prefix cache): test_step_graphs, test_families, test_sliding_window_models.
+STEP_GRAPH_OPTIONS: dict[str, Any] = dict(
+    dtype="float32",
+    max_model_len=256,
+    num_threads=1,
+    device="cpu",
+    block_size=4,
+    enforce_eager=False,
+    max_graph_batch_size=4,
+    max_num_seqs=4,
+    enable_prefix_caching=False,
+)
+
 TINY_CONFIGS: dict[str, dict] = {
     # Small enough to run in milliseconds, shaped to exercise GQA (4:2, 6:2, 5:1), q/k norm, qkv bias,
     # tied embeddings, rope scaling, sliding-window-free Mistral and a Mistral with a window of 16.

@@ -270,9 +270,11 @@ class Front:
             body = model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e) from None
-        name = getattr(body, "model", None)
-        if name is not None:
-            await self._check_model(name)
+        fields = cast(Any, body)
+        if "model" in type(fields).model_fields and fields.model is None:
+            fields.model = self.config.served_model_name  # vLLM's: a body that names no model runs on the default
+        elif getattr(body, "model", None) is not None:
+            await self._check_model(fields.model)
         return body
 
     async def prompt_token_ids(

@@ -135,7 +135,7 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None  # None: the server's default model (--served-model-name), as vLLM takes it
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     # Ranges of what becomes SamplingParams are stated there, once (its FieldError is a 400 naming the field); the
     # fields bounded here are the ones the front itself uses first (max_tokens, n, stop, seed, timeout, priority).
@@ -628,7 +628,7 @@ class EmbeddingRequest(BaseModel):
     `priority` as for generation."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None  # None: the server's default model
     input: (
         Annotated[str, Field(min_length=1)]
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]

@@ -574,3 +574,19 @@ def test_a_failed_requests_error_code_picks_the_status(code, status):
     )
     assert error.status == status
     assert (error.retry_after is not None) == (status == 503)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    ],
+)
+def test_a_body_without_model_runs_on_the_default_model(front_url, path, body):
+    """vLLM's: `model` may be left out (OpenAI's clients always send it; curl users often do not)."""
+    status, _, answer = _http(f"{front_url}{path}", json.dumps(body).encode())
+    assert status == 200, answer
+    assert json.loads(answer)["model"] == MODEL
+    status, _, answer = _http(f"{front_url}{path}", json.dumps({**body, "model": "other"}).encode())
+    assert status == 404 and _error(answer)["code"] == "model_not_found", answer

@@ -111,6 +111,17 @@ class Cluster:
         proc.worker_id = worker_id
         return proc
 
+    async def ranks(self, client: InferenceClient, workers: dict[str, Proc], wait_until) -> dict[str, int]:
+        """Once as many workers as `workers` are healthy: each one's DP rank (the coordinator assigns them), by the
+        name it has in `workers`."""
+
+        async def all_healthy() -> bool:
+            return sum(w.healthy for w in (await client.stats()).workers) == len(workers)
+
+        await wait_until(all_healthy, 120, "the workers")
+        by_id = {w.worker_id: w.dp_rank for w in (await client.stats()).workers}
+        return {name: by_id[proc.worker_id] for name, proc in workers.items()}
+
     def proc_of(self, worker_id: str) -> Proc:
         """The process of the worker the coordinator's stats call `worker_id`."""
         return next(p for p in self.procs if p.worker_id == worker_id)

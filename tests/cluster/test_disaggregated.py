@@ -55,12 +55,7 @@ class Disaggregated:
         self.rank: dict[str, int] = {}
 
     async def ready(self, client, wait_until) -> None:
-        async def all_healthy() -> bool:
-            return sum(w.healthy for w in (await client.stats()).workers) == len(self.procs)
-
-        await wait_until(all_healthy, 120, "the workers")
-        by_id = {w.worker_id: w.dp_rank for w in (await client.stats()).workers}
-        self.rank = {name: by_id[proc.worker_id] for name, proc in self.procs.items()}
+        self.rank = await self.cluster.ranks(client, self.procs, wait_until)
 
     async def reference(self, client, prompt: list[int], params: SamplingParams = GREEDY):
         """The tokens of `prompt` on the kv_both worker (the Completion, with `params` other than GREEDY)."""

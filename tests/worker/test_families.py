@@ -12,6 +12,7 @@ from attention_calls import assert_native_attention, count_attention_kernels
 from family_cases import CASES
 from family_models import tiny_llm
 from hf_reference import assert_bf16_as_close_as_transformers, hf_model
+from tiny_models import STEP_GRAPH_OPTIONS
 
 from infer import SamplingParams
 from infer.worker.config import EngineConfig
@@ -71,20 +72,7 @@ def test_step_graphs_give_the_tokens(family_checkpoint, name):
     """Decode steps in compiled graphs (CPU step graphs, batch buckets up to 4): transformers' tokens."""
     case = CASES[name]
     path, want = family_checkpoint(name)
-    engine = Engine(
-        EngineConfig(
-            model=str(path),
-            dtype="float32",
-            max_model_len=256,
-            num_threads=1,
-            device="cpu",
-            block_size=4,
-            enforce_eager=False,
-            max_graph_batch_size=4,
-            max_num_seqs=4,
-            enable_prefix_caching=False,
-        )
-    )
+    engine = Engine(EngineConfig(model=str(path), **STEP_GRAPH_OPTIONS))
     graphs = engine.runner.step_graphs
     assert graphs is not None
     params = _greedy(case.max_new)

@@ -16,6 +16,7 @@ import torch
 from family_models import tiny_llm
 from hf_reference import hf_model, transformers_greedy
 from moe_models import save_tiny_model, tiny_mixtral
+from tiny_models import STEP_GRAPH_OPTIONS
 
 from infer import LLM, SamplingParams
 from infer.worker.config import EngineConfig
@@ -201,20 +202,7 @@ def _engine_tokens(engine: Engine, prompts: list[list[int]], params: SamplingPar
 def test_step_graphs_give_the_tokens(windowed, want):
     """Decode steps compiled (CPU step graphs: the native decode kernel as an operator, each layer's window a
     constant of its graph), buckets 1, 2, 4."""
-    engine = Engine(
-        EngineConfig(
-            model=str(windowed("mixed")),
-            dtype="float32",
-            max_model_len=256,
-            num_threads=1,
-            device="cpu",
-            block_size=4,
-            enforce_eager=False,
-            max_graph_batch_size=4,
-            max_num_seqs=4,
-            enable_prefix_caching=False,
-        )
-    )
+    engine = Engine(EngineConfig(model=str(windowed("mixed")), **STEP_GRAPH_OPTIONS))
     graphs = engine.runner.step_graphs
     assert graphs is not None and graphs.buckets == (1, 2, 4)
     assert _engine_tokens(engine, PROMPTS[:4]) == want("mixed")[:4]

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 from moe_models import tiny_mixtral
+from tiny_models import STEP_GRAPH_OPTIONS
 from torch._dynamo.utils import counters
 
 from infer import SamplingParams
@@ -20,14 +21,7 @@ from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
 from infer.worker.forward_batch import KVCache
 
-GRAPH_OPTIONS = dict(
-    dtype="float32",
-    max_model_len=256,
-    block_size=4,
-    max_num_seqs=5,
-    max_graph_batch_size=4,
-    enable_prefix_caching=False,
-)
+GRAPH_OPTIONS = {**STEP_GRAPH_OPTIONS, "max_num_seqs": 5}  # the five requests of the workload at once
 
 
 def _kv_bytes(path: str, num_blocks: int) -> int:
@@ -75,7 +69,7 @@ def engines(request, tiny_model_dir):
     path = str(tiny_model_dir(request.param))
     budget = _kv_bytes(path, 24)
     return tuple(
-        Engine(EngineConfig(model=path, enforce_eager=eager, kv_cache_memory=budget, **GRAPH_OPTIONS))
+        Engine(EngineConfig(**{**GRAPH_OPTIONS, "model": path, "enforce_eager": eager, "kv_cache_memory": budget}))
         for eager in (True, False)
     )
 
@@ -108,7 +102,7 @@ def test_compiled_steps_match_eager_across_bucket_boundaries(engines, abort_at):
 
 def test_a_model_without_step_graph_support_runs_eagerly(tmp_path, smollm2_tokenizer):
     path = tiny_mixtral(tmp_path / "mixtral", tokenizer=smollm2_tokenizer)
-    engine = Engine(EngineConfig(model=str(path), enforce_eager=False, **GRAPH_OPTIONS))
+    engine = Engine(EngineConfig(model=str(path), **GRAPH_OPTIONS))
     assert engine.runner.step_graphs is None
     out = _drive(engine, {"a": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))}, {})
     assert len(out["a"]) == 3
@@ -118,7 +112,7 @@ def test_native_quantized_linears_run_eagerly_and_say_why(smollm2_gguf, caplog):
     """On a CPU the quantized matmul is a ctypes call torch.compile cannot trace: asked for step graphs, the engine
     says so at start and runs eagerly, instead of failing inside the compiler."""
     with caplog.at_level("INFO", logger="infer"):
-        engine = Engine(EngineConfig(model=str(smollm2_gguf), enforce_eager=False, **GRAPH_OPTIONS))
+        engine = Engine(EngineConfig(model=str(smollm2_gguf), **GRAPH_OPTIONS))
     assert engine.runner.step_graphs is None
     assert "native quantized matmul" in caplog.text and "making them failed" not in caplog.text
     out = _drive(engine, {"a": ([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))}, {})
@@ -165,7 +159,7 @@ def test_verification_steps_replay_the_graphs_with_the_tokens_of_decoding_withou
     options = {**GRAPH_OPTIONS, "max_num_seqs": 2, "max_graph_batch_size": 256, "kv_cache_memory": _kv_bytes(path, 24)}
 
     def engine(eager: bool, spec: dict | None) -> Engine:
-        return Engine(EngineConfig(model=path, enforce_eager=eager, speculative_config=spec, **options))
+        return Engine(EngineConfig(**{**options, "model": path, "enforce_eager": eager, "speculative_config": spec}))
 
     requests = _repetitive(engine(True, None).vocab_size)
     want = _drive_logprobs(engine(True, None), requests)
