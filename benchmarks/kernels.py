@@ -284,6 +284,9 @@ def _w1_child(python_path: str | None, workload: str = "W1", dtype: str = "bfloa
     helpers = Path(tempfile.mkdtemp(prefix="w1-"))
     for name in ("throughput.py", "common.py"):
         shutil.copy(Path(__file__).parent / name, helpers / name)
+    peers = Path(__file__).resolve().parent / ".peers"  # the dense model, converted once, not once per child
+    peers.mkdir(exist_ok=True)
+    (helpers / ".peers").symlink_to(peers)
     code = (
         "import sys, json; sys.path.insert(0, %r); import throughput, infer; "
         "from common import make_workload; from transformers import AutoConfig; "
