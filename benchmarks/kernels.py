@@ -275,7 +275,9 @@ def gpu_tables() -> dict:
 # W1 before / after
 
 
-def _w1_child(python_path: str | None, workload: str = "W1", dtype: str = "bfloat16") -> dict:
+def _w1_child(
+    python_path: str | None, workload: str = "W1", dtype: str = "bfloat16", threads: int | None = None
+) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if python_path:
         env["PYTHONPATH"] = python_path
@@ -288,12 +290,12 @@ def _w1_child(python_path: str | None, workload: str = "W1", dtype: str = "bfloa
     peers.mkdir(exist_ok=True)
     (helpers / ".peers").symlink_to(peers)
     code = (
-        "import sys, json; sys.path.insert(0, %r); import throughput, infer; "
+        "import sys, json; sys.path.insert(0, %r); import throughput, infer; throughput.THREADS = %r; "
         "from common import make_workload; from transformers import AutoConfig; "
         "p = throughput.model_dir(); w = make_workload(%r, AutoConfig.from_pretrained(p).vocab_size); "
         "r = throughput.run_infer(p, %r, w); r['tok_per_s'] = w.output_tokens / r['elapsed_s']; "
         "r['infer_from'] = infer.__file__; print('RESULT ' + json.dumps(r))"
-    ) % (str(helpers), workload, dtype)
+    ) % (str(helpers), threads, workload, dtype)
     # cwd outside the repository, whose kernels/ folder would answer the same probe
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600, cwd=tempfile.gettempdir()
@@ -304,7 +306,9 @@ def _w1_child(python_path: str | None, workload: str = "W1", dtype: str = "bfloa
     return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-2000:]}
 
 
-def w1_before_after(revision: str, rounds: int, workload: str = "W1", dtype: str = "bfloat16") -> dict:
+def w1_before_after(
+    revision: str, rounds: int, workload: str = "W1", dtype: str = "bfloat16", threads: int | None = None
+) -> dict:
     """`workload` (W1 or B1) in `dtype` at `revision` (a git worktree, imported as `infer` through a PYTHONPATH shim) and here,
     alternating for `rounds` rounds: this VM's throughput drifts by 10-20% between runs minutes apart, so
     one before/after pair can mislead; the medians are compared."""
@@ -321,7 +325,7 @@ def w1_before_after(revision: str, rounds: int, workload: str = "W1", dtype: str
             for i in range(rounds):
                 pair = [("before", str(shim), before), ("after", None, after)]
                 for name, path, samples in pair if i % 2 == 0 else pair[::-1]:
-                    samples.append(_w1_child(path, workload, dtype))
+                    samples.append(_w1_child(path, workload, dtype, threads))
                     print(
                         f"{workload} {dtype} round {i + 1} {name}: {samples[-1].get('tok_per_s', float('nan')):.1f} tok/s",
                         flush=True,
@@ -341,6 +345,7 @@ def w1_before_after(revision: str, rounds: int, workload: str = "W1", dtype: str
         "revision_before": revision,
         "workload": workload,
         "dtype": dtype,
+        "threads": threads,
         "rounds": rounds,
         "before": before,
         "after": after,
