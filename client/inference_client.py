@@ -75,6 +75,7 @@ from infer.protocol.keys import CurveKeys, PathLike
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.lora import check_lora_name
 from infer.protocol.messages import (
+    MAX_ID_LEN,
     MAX_REFIT_TIMEOUT_S,
     MAX_REQUEST_TIMEOUT_S,
     MAX_SESSION_ID_LEN,
@@ -85,6 +86,8 @@ from infer.protocol.messages import (
     ControlAck,
     Delta,
     DeltaBatch,
+    DrainStarted,
+    DrainWorker,
     Error,
     Heartbeat,
     Hello,
@@ -559,6 +562,27 @@ class InferenceClient:
     async def stop(self) -> str:
         """Stop the cluster: pending requests fail with an error, workers stop, the coordinator exits."""
         return await self._control(Command.STOP)
+
+    async def drain_worker(self, worker_id: str, wait: bool = True, timeout: float = 600.0) -> int:
+        """Scale the cluster down by one worker (with keys: an administrator key). The coordinator routes nothing
+        new to `worker_id` (as `stats().workers` names it) and the worker drains as on SIGTERM: with
+        --kv-transfer-config its running requests continue on other workers with their KV, the others finish there
+        (within its --drain-timeout); then it exits 0. Returns how many requests it held when the drain started;
+        with `wait`, once it has left the cluster (ClusterError if it has not within `timeout` s). ClusterError
+        naming the cluster's workers when `worker_id` is none of them."""
+        if not isinstance(worker_id, str) or not 0 < len(worker_id) <= MAX_ID_LEN:
+            raise ValueError(f"worker_id must be a string of 1..{MAX_ID_LEN} characters, got {worker_id!r:.80}")
+        if not (isinstance(timeout, (int, float)) and 0 < timeout <= MAX_REQUEST_TIMEOUT_S):
+            raise ValueError(f"timeout must be in (0, {MAX_REQUEST_TIMEOUT_S:g}] s, got {timeout!r}")
+        started = await self._request_reply(DrainWorker(worker_id=worker_id), (DrainStarted,), self.call_timeout)
+        deadline = time.monotonic() + timeout
+        while wait:
+            if not any(w.worker_id == worker_id and w.healthy for w in (await self.stats()).workers):
+                break
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"worker {worker_id!r} is draining but has not left the cluster within {timeout} s")
+            await asyncio.sleep(0.25)
+        return started.num_requests
 
     async def _control(self, command: Command) -> str:
         # suspend and resume are answered once every worker released / restored its memory
@@ -1337,6 +1361,9 @@ class SyncInferenceClient:
 
     def stop(self) -> str:
         return self._run(self.client.stop())
+
+    def drain_worker(self, worker_id: str, wait: bool = True, timeout: float = 600.0) -> int:
+        return self._run(self.client.drain_worker(worker_id, wait, timeout))
 
     def update_weights(self, source: Any, **options: Any) -> int:
         return self._run(self.client.update_weights(source, **options))

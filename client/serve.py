@@ -534,14 +534,20 @@ def check_launcher_args(args: argparse.Namespace) -> None:
 
 def kv_roles(args: argparse.Namespace) -> list[str]:
     """--kv-roles as a list, one role per worker (none given: []); ValueError naming what does not fit."""
-    if args.kv_roles is None:
+    return parse_kv_roles(args.kv_roles, args.workers, "worker(s) (--workers)")
+
+
+def parse_kv_roles(spec: str | None, count: int, what: str) -> list[str]:
+    """A comma-separated --kv-roles list, one role for each of the `count` `what` (none given: []); ValueError
+    naming what does not fit. infer-serve's and the Slurm launcher's."""
+    if spec is None:
         return []
-    roles = [r.strip() for r in args.kv_roles.split(",")]
+    roles = [r.strip() for r in spec.split(",")]
     for r in roles:
         if r not in KV_ROLES:
-            raise ValueError(f"--kv-roles: {r!r} is not one of {', '.join(KV_ROLES)}")
-    if len(roles) != args.workers:
-        raise ValueError(f"--kv-roles names {len(roles)} role(s) for {args.workers} worker(s) (--workers): one each")
+            raise ValueError(f"--kv-roles: {r!r:.80} is not one of {', '.join(KV_ROLES)}")
+    if len(roles) != count:
+        raise ValueError(f"--kv-roles names {len(roles)} role(s) for {count} {what}: one each")
     return roles
 
 

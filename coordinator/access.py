@@ -8,7 +8,8 @@ with (the ZAP User-Id). AccessControl decides, frame by frame:
   key (the first connection is gone and someone else took its id) cuts the identity off;
 - the message needs a role: Hello "worker", StepBatch, DrainMoves and ControlAck a worker key; Hello "client",
   Submit, Abort and StatsRequest a client or administrator key; Control (pause, unpause, suspend, resume,
-  stop), UpdateWeights and LoraCommand (load / unload a LoRA adapter) an administrator key; WeightsUpdated and
+  stop), DrainWorker (scale one worker down), UpdateWeights and LoraCommand (load / unload a LoRA adapter) an
+  administrator key; WeightsUpdated and
   LoraDone a worker key; the coordinators' own messages (PeerBeat, PeerAck, VoteRequest, VoteGrant) the key they
   share, which may send nothing else. A Heartbeat with a load report (a worker's) needs a worker key, one without a
   client or administrator key; Error goes with any role.
@@ -29,6 +30,7 @@ from infer.protocol.messages import (
     Control,
     ControlAck,
     DrainMoves,
+    DrainWorker,
     Error,
     Heartbeat,
     Hello,
@@ -55,6 +57,7 @@ _REQUIRED: dict[type[Message], frozenset[Role]] = {
     Control: ADMIN_ROLES,
     StepBatch: WORKER_ROLES,
     DrainMoves: WORKER_ROLES,
+    DrainWorker: ADMIN_ROLES,
     ControlAck: WORKER_ROLES,
     Error: ANY_ROLE,
     UpdateWeights: ADMIN_ROLES,

@@ -16,7 +16,7 @@ from infer.coordinator.outbox import Outbox
 from infer.coordinator.state import RequestRecord, WorkerRecord
 from infer.protocol.codes import ErrorCode, FinishReason
 from infer.protocol.logsafe import RateLimitedLog, safe
-from infer.protocol.messages import Abort, Delta, DrainMoves, Error, MoveTargets, StepBatch
+from infer.protocol.messages import Abort, Delta, DrainMoves, DrainStarted, DrainWorker, Error, MoveTargets, StepBatch
 
 log = logging.getLogger("infer.coordinator")
 
@@ -186,6 +186,27 @@ class Relay:
             len(msg.request_ids),
         )
         self.outbox.send(identity, MoveTargets(moves=moves))
+
+    def on_drain_worker(self, identity: bytes, msg: DrainWorker, now: float) -> None:
+        """An administrator scales one worker down: out of routing now, and told to drain as on SIGTERM (with a KV
+        port it then asks where its requests go, on_drain_moves). A worker already draining is answered again."""
+        if self.books.client(identity, now) is None:
+            return
+        worker = self.books.workers.by_id.get(msg.worker_id)
+        if worker is None or not worker.healthy:
+            names = sorted(w.worker_id for w in self.books.workers if w.healthy)
+            shown = ", ".join(map(repr, names[:20])) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+            self.outbox.send(
+                identity,
+                Error(message=f"drain_worker: no worker {msg.worker_id!r} in this cluster; it has {shown or 'none'}"),
+            )
+            return
+        if not worker.draining:
+            log.info("drain of worker %s asked by an administrator", safe(worker.worker_id))
+            self.outbox.send(worker.identity, DrainWorker(worker_id=worker.worker_id))
+        self._mark_draining(worker)
+        self.admission.dispatch_held(now)  # what waited for room may go elsewhere
+        self.outbox.send(identity, DrainStarted(worker_id=worker.worker_id, num_requests=worker.num_in_flight))
 
     def on_error(self, identity: bytes, error: Error, now: float) -> None:
         worker = self.books.workers.by_identity.get(identity)

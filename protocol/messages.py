@@ -1261,6 +1261,27 @@ class MoveTargets(Message, frozen=True):
     moves: Items[KvMove]
 
 
+@message
+class DrainWorker(Message, frozen=True):
+    """Scale-down, one worker at a time. Administrator -> coordinator: drain worker `worker_id` (as ClusterStats
+    names it); the coordinator routes nothing new to it, forwards this frame to it and answers DrainStarted (or an
+    Error naming why not). Coordinator -> that worker: drain as on SIGTERM (with --kv-transfer-config its running
+    requests move to other workers with their KV; the rest finish there within --drain-timeout), then exit 0."""
+
+    TYPE: ClassVar[str] = "drain_worker"
+    worker_id: Id
+
+
+@message
+class DrainStarted(Message, frozen=True):
+    """Coordinator -> administrator: worker `worker_id` drains; it held `num_requests` requests then. It leaves the
+    cluster's stats once it has exited."""
+
+    TYPE: ClassVar[str] = "drain_started"
+    worker_id: Id
+    num_requests: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
 # ---- codec ---------------------------------------------------------------------------------------
 
 

@@ -44,6 +44,7 @@ from infer.protocol.messages import (
     Delta,
     Dispatch,
     DrainMoves,
+    DrainWorker,
     Error,
     Heartbeat,
     Hello,
@@ -462,14 +463,25 @@ class WorkerCore:
             return
         self._signals_seen = self.signals
         if self._drain_deadline is None:
-            self._drain_deadline = now + self.options.drain_timeout
-            log.info(
-                "signal received: draining %d requests (at most %g s)", len(self._requests), self.options.drain_timeout
-            )
-            self._ask_moves(now)
+            self._start_drain("signal received", now)
         elif self.signals > 1 and self._drain_deadline > now:
             log.info("second signal: aborting the %d requests left", len(self._requests))
             self._drain_deadline = now
+
+    def _start_drain(self, why: str, now: float) -> None:
+        """New Dispatches are refused from now on; the running requests finish here or, with a KV port, move with
+        their KV; whatever is left at --drain-timeout is given back. `drained` then ends the process (exit 0)."""
+        self._drain_deadline = now + self.options.drain_timeout
+        log.info("%s: draining %d requests (at most %g s)", why, len(self._requests), self.options.drain_timeout)
+        self._ask_moves(now)
+
+    def _on_drain_worker(self, msg: DrainWorker, now: float) -> None:
+        """The coordinator scales this worker down (an administrator's DrainWorker): the drain SIGTERM starts. A
+        frame naming another worker (a coordinator confused about who is who) is refused, not obeyed."""
+        if msg.worker_id != self.options.worker_id:
+            self._send(Error(message=f"drain_worker names {msg.worker_id!r}; this is {self.options.worker_id!r}"), now)
+        elif self._drain_deadline is None:
+            self._start_drain("drain asked by the coordinator", now)
 
     def silence_due(self, now: float) -> bool:
         """The coordinator has been silent for --coordinator-timeout (since it was heard, or since our Hello)."""
@@ -1139,6 +1151,7 @@ class WorkerCore:
         Dispatch: _on_dispatch,
         Abort: _on_abort,
         MoveTargets: _on_move_targets,
+        DrainWorker: _on_drain_worker,
         Control: _on_control,
         Heartbeat: _on_heartbeat,
         UpdateWeights: _on_update_weights,

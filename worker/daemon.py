@@ -30,7 +30,8 @@ Lifecycle and exit codes:
   coordinators of a cluster share one key pair). Running requests keep going, and direct streams with them.
 - SIGTERM / SIGINT: drain (new Dispatches get an error delta "worker is draining"; running requests finish, or
   with --kv-transfer-config move to other workers with their KV; the rest is aborted after --drain-timeout), exit 0.
-  A second signal ends the drain at once.
+  A second signal ends the drain at once. The coordinator's DrainWorker (an administrator's scale-down) starts the
+  same drain.
 - Control "stop": abort everything, exit 0. Bad options: exit 2. Any other fatal error: exit 1.
 Nothing from the wire can end the worker except Refused and "stop": a bad frame gets an Error back.
 """

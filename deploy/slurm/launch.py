@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -69,7 +70,7 @@ from pathlib import Path
 
 from infer.client.api.server import add_front_arguments, check_front_exposure, front_config
 from infer.client.restarts import CrashLoop, GiveUp, RestartPolicy, how_it_ended
-from infer.client.serve import LocalCluster, serve
+from infer.client.serve import LocalCluster, parse_kv_roles, serve
 from infer.coordinator.config import CoordinatorConfig
 from infer.protocol.keys import ClusterKeyDir
 from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
@@ -321,6 +322,7 @@ class TaskOptions:
     tp_size: int = option(1, "processes (srun tasks) per DP rank")
     pp_size: int = option(1, "pipeline stages (srun tasks) per DP rank")
     dist_port: int = option(DEFAULT_DIST_PORT, "EP group g rendezvouses on this port + g on the node of its rank 0")
+    kv_roles: str | None = option(None, "DP rank i's KV role is the i-th of this comma-separated list (the head's)")
 
 
 def worker_parser() -> argparse.ArgumentParser:
@@ -344,6 +346,10 @@ def worker_argv(
     """The infer-worker command line of srun task `index`."""
     task = TaskOptions(**given(TaskOptions, args))
     plan = plan_worker(index, step_nodes, tasks_per_node, task.ep_size, task.dist_port, task.tp_size, task.pp_size)
+    roles = task.kv_roles.split(",") if task.kv_roles else []
+    if roles and plan.dp_rank >= len(roles):
+        raise ValueError(f"--kv-roles names {len(roles)} role(s); this task is DP rank {plan.dp_rank}")
+    role = ["--kv-transfer-config", json.dumps({"kv_role": roles[plan.dp_rank]})] if roles else []
     return [
         sys.executable,
         "-m",
@@ -351,6 +357,7 @@ def worker_argv(
         "--coordinator",
         task.coordinator,
         *plan.flags(),
+        *role,
         *extra,
     ]
 
@@ -434,6 +441,15 @@ class JobOptions:
         "rendezvous on the node of its stage 0 (not with --tp-size / --ep-size yet)",
     )
     dist_port: int = option(DEFAULT_DIST_PORT, "EP group g's torch.distributed rendezvous port is this + g")
+    kv_roles: str | None = option(
+        None,
+        "disaggregated prefill and decode: one KV role per DP rank, comma-separated, in DP rank order (kv_producer, "
+        "kv_consumer or kv_both; ranks are numbered node by node: with 2 nodes x 1 worker, "
+        "kv_producer,kv_consumer puts the producer on the first node). DP rank i is started with "
+        "--kv-transfer-config '{\"kv_role\": ROLE i}'. Default: none (no KV sockets); not with --tp-size, --pp-size "
+        "or --ep-size > 1",
+        metavar="ROLES",
+    )
     coordinator_host: str | None = option(None, "the coordinator's bind address (default: the first node's address)")
     coordinator_port: int = option(DEFAULT_COORDINATOR_PORT, "the coordinator's port")
     coordinators: int = option(
@@ -601,6 +617,14 @@ def plan_head(
         )
     if args.coordinator_port + args.coordinators > 65536:
         raise ValueError(f"--coordinator-port {args.coordinator_port} leaves no room for {args.coordinators} ports")
+    if args.kv_roles is not None:
+        if world > 1:
+            raise ValueError(
+                "--kv-roles: workers with a KV role are not supported with --tp-size, --pp-size or --ep-size > 1"
+            )
+        if any(a.split("=", 1)[0] == "--kv-transfer-config" for a in worker_extra):
+            raise ValueError("--kv-roles gives each worker its --kv-transfer-config: pass one or the other")
+        parse_kv_roles(args.kv_roles, total, "DP rank(s) (nodes x --workers-per-node)")
     restarts = RestartPolicy(**given(RestartPolicy, args))  # checked here: a bad value fails before anything starts
     coordinator_host = args.coordinator_host or reachable_address(nodes[0], nodes, resolve)
     places = place_coordinators(
@@ -613,6 +637,7 @@ def plan_head(
         tp_size=args.tp_size,
         pp_size=args.pp_size,
         dist_port=args.dist_port,
+        kv_roles=",".join(parse_kv_roles(args.kv_roles, total, "DP rank(s)")) or None,
     )
     worker = [
         sys.executable,

@@ -13,6 +13,9 @@ import re
 import signal
 import time
 
+import pytest
+
+from infer.client import ClusterError
 from infer.protocol.sampling import SamplingParams
 
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "320", "--kv-cache-memory", "8000000", "--threads", "1"]
@@ -51,9 +54,10 @@ class Three:
         worker_id = self.procs[name].worker_id
         return next(w.load for w in (await client.stats()).workers if w.worker_id == worker_id)
 
-    async def drain_under_load(self, client, name: str, before_drain=None) -> list[list[int]]:
+    async def drain_under_load(self, client, name: str, before_drain=None, drain=None) -> list[list[int]]:
         """Stream every prompt on worker `name`; once each has BEFORE tokens, SIGTERM it (stopped meanwhile, so the
-        drain starts with them all there) and run `before_drain` first; the streams' tokens."""
+        drain starts with them all there) and run `before_drain` first, or await `drain()` instead; the streams'
+        tokens."""
         tokens: list[list[int]] = [[] for _ in PROMPTS]
         started = asyncio.Event()
 
@@ -65,11 +69,14 @@ class Three:
 
         tasks = [asyncio.create_task(stream(i)) for i in range(len(PROMPTS))]
         await asyncio.wait_for(started.wait(), 60)
-        self.signal(name, signal.SIGSTOP)
-        if before_drain is not None:
-            before_drain()
-        self.signal(name, signal.SIGTERM)
-        self.signal(name, signal.SIGCONT)
+        if drain is not None:
+            await drain()
+        else:
+            self.signal(name, signal.SIGSTOP)
+            if before_drain is not None:
+                before_drain()
+            self.signal(name, signal.SIGTERM)
+            self.signal(name, signal.SIGCONT)
         await asyncio.wait_for(asyncio.gather(*tasks), 90)
         return tokens
 
@@ -92,6 +99,36 @@ async def test_a_drain_under_load_moves_the_kv_and_the_streams_go_on_exactly(clu
     text = three.procs["A"].text()
     assert "drain: moving 3 request(s) with their KV" in text
     assert re.search(r"drains: 3 of 3 request\(s\) move with their KV", three.cluster.procs[0].text())
+
+
+async def test_an_administrators_drain_worker_moves_the_kv_and_returns_once_the_worker_left(
+    cluster_factory, tiny_llama, wait_until
+):
+    """Scale-down from the coordinator: drain_worker(A) under load does what SIGTERM does (A's streams go on on B
+    with their KV, exactly; A exits 0) and returns, with the requests A held, once A has left the cluster. An id
+    that names no worker is refused with the workers there are, and the cluster goes on."""
+    three = Three(cluster_factory, tiny_llama)
+    async with three.cluster.client() as client:
+        await three.ready(client, wait_until)
+        with pytest.raises(ClusterError, match=r"drain_worker: no worker 'nobody' in this cluster; it has 'w0-1'"):
+            await client.drain_worker("nobody")
+        with pytest.raises(ValueError, match="worker_id must be a string of 1..256 characters"):
+            await client.drain_worker("")
+        reference = await three.reference(client, "A")
+        held: list[int] = []
+
+        async def drain() -> None:
+            held.append(await client.drain_worker(three.procs["A"].worker_id, timeout=60))
+            assert three.procs["A"].worker_id not in {w.worker_id for w in (await client.stats()).workers if w.healthy}
+
+        assert await three.drain_under_load(client, "A", drain=drain) == reference
+        assert held == [len(PROMPTS)]
+        assert three.procs["A"].wait(30) == 0
+        got = await three.load(client, "B")
+        assert got.kv_transfer_received_blocks >= sum((len(p) + BEFORE - 1) // 16 for p in PROMPTS)
+    text = three.procs["A"].text()
+    assert "drain asked by the coordinator: draining 3 requests" in text
+    assert "drain: moving 3 request(s) with their KV" in text
 
 
 async def test_a_target_killed_or_stopped_mid_ship_ends_in_recompute_exactly(cluster_factory, tiny_llama, wait_until):

@@ -124,7 +124,8 @@ async def test_a_client_key_cannot_register_as_a_worker(cluster, keys):
 async def test_only_an_admin_key_pauses_or_stops_and_it_may_act_as_a_client(cluster, keys):
     async with cluster.client(**keys.client_options()) as client:
         await client.wait_for_workers(1, timeout=30)
-        for command in (client.pause, client.stop):
+        worker_id = (await client.stats()).workers[0].worker_id
+        for command in (client.pause, client.stop, lambda: client.drain_worker(worker_id)):
             with pytest.raises(ClusterError, match="refused: it needs a admin key, and key .* is a client key"):
                 await command()
         assert (await client.generate([1, 2, 3], SHORT)).token_ids == [3, 4, 5, 6]  # still serving

@@ -308,6 +308,17 @@ def test_a_pipelines_stages_take_adjacent_tasks_and_rendezvous_on_its_stage_0s_n
     assert (daemon.pp_size, daemon.tp_size, daemon.pp_rank, daemon.tp_rank) == (2, 2, None, None)  # supervises 4
 
 
+def test_kv_roles_give_each_dp_rank_its_kv_transfer_config():
+    """--kv-roles (infer-serve's, per DP rank in rank order): each task's infer-worker gets its role's flag."""
+    _, plan = _head(["--workers-per-node", "2", "--kv-roles", "kv_producer,kv_consumer,kv_consumer,kv_both"])
+    nodes = ["localhost", "n2"]
+    for index, role in enumerate(["kv_producer", "kv_consumer", "kv_consumer", "kv_both"]):
+        daemon = worker_daemon_parser().parse_args(_worker_command(plan, index, nodes)[3:])
+        assert daemon.kv_transfer_config.kv_role == role
+    _, plain = _head(["--workers-per-node", "2"])
+    assert worker_daemon_parser().parse_args(_worker_command(plain, 0, nodes)[3:]).kv_transfer_config is None
+
+
 def test_the_workers_per_node_default_is_sbatchs_ntasks_per_node():
     assert _head([], SLURM_NTASKS_PER_NODE="3")[1].num_workers == 6
 
@@ -325,6 +336,14 @@ def test_the_workers_per_node_default_is_sbatchs_ntasks_per_node():
         (["--dist-port", "70000"], {}, "--dist-port must be in 1..65535"),
         (["--coordinators", "2"], {}, "--coordinators must be 1, or 3 to 15"),
         (["--coordinators", "3", "--coordinator-port", "65534"], {}, "leaves no room for 3 ports"),
+        (["--kv-roles", "kv_producer"], {}, r"--kv-roles names 1 role\(s\) for 2 DP rank\(s\)"),
+        (["--kv-roles", "kv_producer,decoder"], {}, "--kv-roles: 'decoder' is not one of kv_both"),
+        (["--kv-roles", "kv_producer,kv_consumer", "--tp-size", "2"], {}, "not supported with --tp-size"),
+        (
+            ["--kv-roles", "kv_producer,kv_consumer", "--", "--kv-transfer-config", "{}"],
+            {},
+            "pass one or the other",
+        ),
     ],
 )
 def test_the_head_refuses_a_plan_that_cannot_work(argv, env, message):

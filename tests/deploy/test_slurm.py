@@ -804,6 +804,55 @@ def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions(sandbox, tm
         wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {job.id} to exit")
 
 
+def test_kv_roles_put_a_producer_and_a_consumer_on_two_nodes(sandbox, tmp_path_factory, tiny_model_dir):
+    """--kv-roles kv_producer,kv_consumer on 2 nodes x 1 worker: each prompt is prefilled on the first node, its KV
+    blocks reach the consumer on the second through the address its KV socket advertised, and decoding goes on
+    there; the official `openai` client's greedy chat completions equal one process's."""
+    model = tiny_model_dir("llama")
+    cut = JOB_OPTIONS.index("--")
+    options = [*JOB_OPTIONS[:cut], "--model", str(model), "--kv-roles", "kv_producer,kv_consumer", *JOB_OPTIONS[cut:]]
+    questions = [f"Question {i}: what comes after {i} in the list of numbers we are counting through?" for i in (3, 8)]
+    llm = LLM(model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000, num_threads=1)
+    tokenizer = llm.get_tokenizer()
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
+    assert all(len(tokenizer.encode(p)) >= 32 for p in prompts)  # two full blocks at least: something to send
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [c.text for c in llm.generate(prompts, greedy, use_tqdm=False)]
+    with running_job(sandbox, tmp_path_factory.mktemp("kv-roles-job"), options) as job:
+
+        async def serve() -> tuple[list[str], object]:
+            client = openai_client(job)
+            answers = [
+                await asyncio.wait_for(
+                    client.chat.completions.create(
+                        model=(await client.models.list()).data[0].id,
+                        messages=[{"role": "user", "content": q}],
+                        max_tokens=8,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    ),
+                    120,
+                )
+                for q in questions
+            ]
+            await asyncio.sleep(1.5)  # a heartbeat or two: the counters of the last step
+            async with coordinator_client(job) as cluster:
+                return [a.choices[0].message.content for a in answers], await cluster.stats()
+
+        got, stats = asyncio.run(serve())
+        assert got == want
+        by_rank = {w.dp_rank: w for w in stats.workers}
+        producer, consumer = by_rank[0], by_rank[1]
+        assert node_of(producer.worker_id) != node_of(consumer.worker_id)
+        assert consumer.load.kv_transfer_received_blocks >= 2 * len(questions), consumer.load
+        assert re.search(r"KV socket \(kv_consumer\) at tcp://10\.200\.0\.\d+:\d+", job.text()), job.text()[-3000:]
+        sandbox.slurm("scancel", job.id)
+        wait_for(lambda: not sandbox.job_active(job.id), 60, f"job {job.id} to leave the queue")
+
+
 # ---- several coordinators (after the jobs above ended) ------------------------------------------------------
 
 

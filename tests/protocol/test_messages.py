@@ -22,6 +22,8 @@ from infer.protocol.messages import (
     DeltaBatch,
     Dispatch,
     DrainMoves,
+    DrainStarted,
+    DrainWorker,
     Error,
     Heartbeat,
     Hello,
@@ -376,6 +378,8 @@ EXAMPLES += [
     KvStored(transfer_id="r", stored=1, refusal="no free block"),
     DrainMoves(request_ids=["r1", "r2"]),
     MoveTargets(moves=[KvMove(request_id="r1", kv_address="tcp://127.0.0.1:5601", kv_key="")]),
+    DrainWorker(worker_id="w-1"),
+    DrainStarted(worker_id="w-1", num_requests=3),
 ]
 
 

@@ -248,6 +248,22 @@ def test_drain_timeout_and_second_signal_give_the_rest_back(h):
     assert final.finish_reason == "abort" and final.request_id == "a"
 
 
+def test_the_coordinators_drain_worker_drains_as_a_signal_does_and_one_for_another_worker_is_refused(h):
+    from infer.protocol.messages import DrainWorker, Error
+
+    h.send(dispatch("a", max_tokens=3))
+    (refusal,) = [m for m in h.send(DrainWorker(worker_id="w-other")) if isinstance(m, Error)]
+    assert refusal.message == "drain_worker names 'w-other'; this is 'w-test'" and not h.core.draining
+    h.send(DrainWorker(worker_id="w-test"))
+    assert h.core.state_name() == "draining"
+    h.send(dispatch("b", max_tokens=3))
+    ds = h.run_until_finished()
+    (refused,) = [d for d in ds if d.request_id == "b"]
+    assert refused.error_code == "draining"
+    assert tokens([d for d in ds if d.request_id == "a"]) == [3, 4, 5] and ds[-1].finish_reason == "length"
+    assert h.core.drained(h.now)
+
+
 def test_drain_deadline():
     h = WorkerHarness(drain_timeout=5.0)
     h.welcome()
