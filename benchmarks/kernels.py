@@ -364,6 +364,7 @@ def main() -> None:
     parser.add_argument(
         "--dtypes", nargs="+", default=["bfloat16"], help="the before/after dtypes, one after the other"
     )
+    parser.add_argument("--threads", type=int, help="the before/after engines' torch threads (default: the engine's)")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU tables")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -379,7 +380,7 @@ def main() -> None:
     if args.w1_before:
         for dtype in args.dtypes:
             key = "w1" if args.workload == "W1" and dtype == "bfloat16" else f"{args.workload.lower()}_{dtype}"
-            payload[key] = w1_before_after(args.w1_before, args.w1_rounds, args.workload, dtype)
+            payload[key] = w1_before_after(args.w1_before, args.w1_rounds, args.workload, dtype, args.threads)
     print("wrote", write_result("kernels", payload))
 
 
