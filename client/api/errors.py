@@ -69,7 +69,11 @@ def too_large(size: str, limit: int) -> ApiError:
 
 
 def validation_error(e: ValidationError) -> ApiError:
-    first = e.errors()[0]
+    """A 400 naming the field of the most specific problem: of the errors a union's members give (a token id list
+    tried as a string, as ids, as strings...), the one deepest in the body (`[-5]`: item 0 is below 0, not "the
+    prompt is no string"); the first among equals."""
+    errors = e.errors()
+    first = max(errors, key=lambda err: sum(not _is_union_tag(part) for part in err["loc"]))
     param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part)) or None
     given = first.get("input")
     detail = first["msg"]
@@ -77,7 +81,7 @@ def validation_error(e: ValidationError) -> ApiError:
         detail += f" (got {json.dumps(given, default=str)[:80]})"
     if first["type"] == "extra_forbidden":
         detail = "unknown field"
-    more = f" (and {len(e.errors()) - 1} more problem(s))" if len(e.errors()) > 1 else ""
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return ApiError(400, f"{param}: {detail}{more}" if param else f"{detail}{more}", param=param)
 
 

@@ -392,6 +392,9 @@ HOSTILE_COMPLETIONS = {  # name: (JSON body text, the field the 400 names)
     "2^64 n": (f'{{"model": "tiny", "prompt": "hi", "n": {_BIG}}}', "n"),
     "2^64 token id": (f'{{"model": "tiny", "prompt": [3, {_BIG}]}}', "prompt.1"),
     "2^64 in a token-id list": (f'{{"model": "tiny", "prompt": [[3], [4, {_BIG}]]}}', "prompt.1.1"),
+    # a union's deepest problem is named (the id below 0), not its first member's ("the prompt is no string")
+    "negative token id": ('{"model": "tiny", "prompt": [3, -5]}', "prompt.1"),
+    "negative id in a token-id list": ('{"model": "tiny", "prompt": [[3], [-1]]}', "prompt.1.0"),
     "5000-digit max_tokens": ('{"model": "tiny", "prompt": "hi", "max_tokens": %s}' % ("9" * 5000), "max_tokens"),
     "NaN temperature": ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature"),
     "1e400 timeout": ('{"model": "tiny", "prompt": "hi", "timeout": 1e400}', "timeout"),
