@@ -14,11 +14,13 @@ and KV append at batch 64-256, context 1k-32k, head dim 128, bf16: achieved band
 must move / time, as a fraction of the measured copy bandwidth, and decode attention against SDPA on the
 same data laid out dense.
 
-W1 (--w1-before REV): the engine's offline W1 throughput (64 x 128 prompt, 128 out, bf16) at git revision
-REV and at the working tree, each in its own process, alternating for --w1-rounds rounds (medians compared).
+Before / after (--w1-before REV): the engine's offline throughput on --workload (W1: 64 x 128 prompt, 128 out;
+B1: one request, 128 -> 128, batch-1 decoding) in each of --dtypes (bf16 by default), at git revision REV and at the working tree, each in its own
+process, alternating for --w1-rounds rounds (medians compared).
 
     .venv/bin/python benchmarks/kernels.py                         # CPU table (and GPU when present)
     .venv/bin/python benchmarks/kernels.py --w1-before 31df831     # + W1 before/after
+    .venv/bin/python benchmarks/kernels.py --no-cpu --w1-before main --workload B1   # batch 1 only
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import git_revision, write_result  # noqa: E402
 
-from infer.kernels.kv_append import append_kv, append_kv_torch  # noqa: E402
+from infer.kernels.dispatch import kernels_for  # noqa: E402
+from infer.kernels.kv_append import append_kv_torch  # noqa: E402
 from infer.kernels.paged_attention import (  # noqa: E402
-    paged_decode_attention,
     paged_decode_attention_torch,
     plan_decode,
 )
@@ -198,6 +200,7 @@ def _time_cuda(fn, repeats: int = 20) -> float:
 
 def gpu_tables() -> dict:
     device = "cuda"
+    kernels = kernels_for(device)
     big = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(big)
     copy_s = _time_cuda(lambda: dst.copy_(big))
@@ -222,7 +225,7 @@ def gpu_tables() -> dict:
             q, k_cache, v_cache, tables, seq_lens = _decode_case(
                 batch, context, torch.bfloat16, device, kv_heads, heads, head_dim
             )
-            seconds = _time_cuda(lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale))
+            seconds = _time_cuda(lambda: kernels.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale))
             moved = 2 * batch * context * kv_heads * head_dim * 2 + 2 * q.numel() * 2
             dense_k = torch.randn(batch, kv_heads, context, head_dim, dtype=torch.bfloat16, device=device)
             dense_v = torch.randn_like(dense_k)
@@ -253,7 +256,7 @@ def gpu_tables() -> dict:
         k = torch.randn(tokens, kv_heads, head_dim, dtype=torch.bfloat16, device=device)
         v = torch.randn_like(k)
         slots = torch.randperm(65536 * BLOCK_SIZE, device=device)[:tokens]
-        seconds = _time_cuda(lambda: append_kv(k, v, k_cache, v_cache, slots))
+        seconds = _time_cuda(lambda: kernels.append_kv(k, v, k_cache, v_cache, slots))
         moved = 2 * 2 * k.numel() * 2 + slots.numel() * 8
         row = {
             "tokens": tokens,
@@ -272,7 +275,9 @@ def gpu_tables() -> dict:
 # W1 before / after
 
 
-def _w1_child(python_path: str | None) -> dict:
+def _w1_child(
+    python_path: str | None, workload: str = "W1", dtype: str = "bfloat16", threads: int | None = None
+) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if python_path:
         env["PYTHONPATH"] = python_path
@@ -281,13 +286,16 @@ def _w1_child(python_path: str | None) -> dict:
     helpers = Path(tempfile.mkdtemp(prefix="w1-"))
     for name in ("throughput.py", "common.py"):
         shutil.copy(Path(__file__).parent / name, helpers / name)
+    peers = Path(__file__).resolve().parent / ".peers"  # the dense model, converted once, not once per child
+    peers.mkdir(exist_ok=True)
+    (helpers / ".peers").symlink_to(peers)
     code = (
-        "import sys, json; sys.path.insert(0, %r); import throughput, infer; "
+        "import sys, json; sys.path.insert(0, %r); import throughput, infer; throughput.THREADS = %r; "
         "from common import make_workload; from transformers import AutoConfig; "
-        "p = throughput.model_dir(); w = make_workload('W1', AutoConfig.from_pretrained(p).vocab_size); "
-        "r = throughput.run_infer(p, 'bfloat16', w); r['tok_per_s'] = w.output_tokens / r['elapsed_s']; "
+        "p = throughput.model_dir(); w = make_workload(%r, AutoConfig.from_pretrained(p).vocab_size); "
+        "r = throughput.run_infer(p, %r, w); r['tok_per_s'] = w.output_tokens / r['elapsed_s']; "
         "r['infer_from'] = infer.__file__; print('RESULT ' + json.dumps(r))"
-    ) % str(helpers)
+    ) % (str(helpers), threads, workload, dtype)
     # cwd outside the repository, whose kernels/ folder would answer the same probe
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600, cwd=tempfile.gettempdir()
@@ -298,8 +306,10 @@ def _w1_child(python_path: str | None) -> dict:
     return {"error": f"exit {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-2000:]}
 
 
-def w1_before_after(revision: str, rounds: int) -> dict:
-    """W1 bf16 at `revision` (a git worktree, imported as `infer` through a PYTHONPATH shim) and here,
+def w1_before_after(
+    revision: str, rounds: int, workload: str = "W1", dtype: str = "bfloat16", threads: int | None = None
+) -> dict:
+    """`workload` (W1 or B1) in `dtype` at `revision` (a git worktree, imported as `infer` through a PYTHONPATH shim) and here,
     alternating for `rounds` rounds: this VM's throughput drifts by 10-20% between runs minutes apart, so
     one before/after pair can mislead; the medians are compared."""
     before, after = [], []
@@ -315,9 +325,9 @@ def w1_before_after(revision: str, rounds: int) -> dict:
             for i in range(rounds):
                 pair = [("before", str(shim), before), ("after", None, after)]
                 for name, path, samples in pair if i % 2 == 0 else pair[::-1]:
-                    samples.append(_w1_child(path))
+                    samples.append(_w1_child(path, workload, dtype, threads))
                     print(
-                        f"W1 bf16 round {i + 1} {name}: {samples[-1].get('tok_per_s', float('nan')):.1f} tok/s",
+                        f"{workload} {dtype} round {i + 1} {name}: {samples[-1].get('tok_per_s', float('nan')):.1f} tok/s",
                         flush=True,
                     )
         finally:
@@ -327,12 +337,15 @@ def w1_before_after(revision: str, rounds: int) -> dict:
         for name, samples in (("before", before), ("after", after))
     }
     print(
-        f"W1 bf16 medians of {rounds}: before ({revision}) {medians['before']:.1f} tok/s, "
+        f"{workload} {dtype} medians of {rounds}: before ({revision}) {medians['before']:.1f} tok/s, "
         f"after {medians['after']:.1f} tok/s ({medians['after'] / medians['before']:.2f}x)",
         flush=True,
     )
     return {
         "revision_before": revision,
+        "workload": workload,
+        "dtype": dtype,
+        "threads": threads,
         "rounds": rounds,
         "before": before,
         "after": after,
@@ -346,7 +359,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048])
     parser.add_argument("--w1-before", metavar="REV", help="also measure W1 throughput at REV and here")
-    parser.add_argument("--w1-rounds", type=int, default=3, help="alternating before/after W1 rounds")
+    parser.add_argument("--w1-rounds", type=int, default=3, help="alternating before/after rounds")
+    parser.add_argument("--workload", default="W1", choices=["W1", "B1"], help="the before/after workload")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["bfloat16"], help="the before/after dtypes, one after the other"
+    )
+    parser.add_argument("--threads", type=int, help="the before/after engines' torch threads (default: the engine's)")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU tables")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -360,7 +378,9 @@ def main() -> None:
         payload["gpu"] = None
         print("no CUDA device: GPU tables skipped", flush=True)
     if args.w1_before:
-        payload["w1"] = w1_before_after(args.w1_before, args.w1_rounds)
+        for dtype in args.dtypes:
+            key = "w1" if args.workload == "W1" and dtype == "bfloat16" else f"{args.workload.lower()}_{dtype}"
+            payload[key] = w1_before_after(args.w1_before, args.w1_rounds, args.workload, dtype, args.threads)
     print("wrote", write_result("kernels", payload))
 
 

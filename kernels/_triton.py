@@ -1,7 +1,7 @@
 """Triton, when it is installed and can run here; otherwise stand-ins that let the kernel modules import.
 
 Triton ships for Linux only. Elsewhere `HAS_TRITON` is False, the `@triton.jit` functions become
-placeholders that raise when launched, and the engine runs the PyTorch twins (see `use_triton`). The same
+placeholders that raise when launched, and the engine runs the PyTorch twins (kernels/dispatch.py). The same
 holds on a machine without CUDA, unless TRITON_INTERPRET=1 (the CPU test mode): there no kernel could launch,
 and importing triton would cost every CPU worker about 70 MiB of resident memory (libtriton) for nothing.
 """
@@ -12,8 +12,6 @@ import os
 from typing import Any
 
 import torch
-
-from infer.protocol import env
 
 
 def interpreting() -> bool:
@@ -62,13 +60,4 @@ if not HAS_TRITON:
     triton = _TritonStandIn()  # type: ignore[assignment]
     tl = _LanguageStandIn()  # type: ignore[assignment]
 
-# INFER_KERNELS=torch forces the twins on every device (debugging a suspected kernel bug on a GPU).
-_FORCE_TWINS = (env.read(env.KERNELS) or "").lower() == "torch"
-
-
-def use_triton(tensor: torch.Tensor) -> bool:
-    """Whether the dispatching entry points run Triton for `tensor`: on CUDA devices with triton present."""
-    return HAS_TRITON and tensor.is_cuda and not _FORCE_TWINS
-
-
-__all__ = ["HAS_TRITON", "interpreting", "tl", "triton", "use_triton"]
+__all__ = ["HAS_TRITON", "interpreting", "tl", "triton"]

@@ -222,7 +222,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _native() -> ctypes.CDLL:
-    """`_library()` for a kernel's call: callers have checked that it is loaded (each kernel's `*_fits`)."""
+    """`_library()` for a kernel's call: callers have checked that it is loaded (each kernel's `*_takes`)."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not loaded (native_ready() is False)")
@@ -340,7 +340,7 @@ def _softcap(softcap: float) -> float:
     return float(softcap)
 
 
-def sinks_fit(sinks: torch.Tensor | None, num_heads: int) -> bool:
+def takes_sinks(sinks: torch.Tensor | None, num_heads: int) -> bool:
     """Whether the native attention kernels take these attention sinks: none, or [num_heads] float32, contiguous,
     on a CPU (the twins take any floating type)."""
     return sinks is None or (
@@ -352,8 +352,8 @@ def sinks_fit(sinks: torch.Tensor | None, num_heads: int) -> bool:
 
 
 def _sinks(sinks: torch.Tensor | None, num_heads: int) -> int | None:
-    """The sinks' address for the kernels (None: no sinks), after `sinks_fit`."""
-    if not sinks_fit(sinks, num_heads):
+    """The sinks' address for the kernels (None: no sinks), after `takes_sinks`."""
+    if not takes_sinks(sinks, num_heads):
         raise ValueError(
             f"the native attention kernels take sinks as a contiguous float32 [{num_heads}] on the CPU, got "
             f"{None if sinks is None else (tuple(sinks.shape), sinks.dtype, sinks.device.type)}"
@@ -361,7 +361,7 @@ def _sinks(sinks: torch.Tensor | None, num_heads: int) -> int | None:
     return None if sinks is None else sinks.data_ptr()
 
 
-def decode_kernel_fits(
+def paged_decode_takes(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -369,8 +369,8 @@ def decode_kernel_fits(
     sinks: torch.Tensor | None = None,
 ) -> bool:
     """Whether the native kernel takes these arguments (CPU, a type it has, layouts and sizes in its
-    limits, sinks as `sinks_fit` says); without it the caller runs the twin."""
-    if q.dim() != 3 or k_cache.dim() != 4 or block_tables.dim() != 2 or not sinks_fit(sinks, q.shape[1]):
+    limits, sinks as `takes_sinks` says); without it the caller runs the twin."""
+    if q.dim() != 3 or k_cache.dim() != 4 or block_tables.dim() != 2 or not takes_sinks(sinks, q.shape[1]):
         return False
     num_kv_heads, _, block_size, head_dim = k_cache.shape
     return (
@@ -406,13 +406,13 @@ def paged_decode_attention_native(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] over the pool [Hkv, NB, bs, D] into out [B, H, D] (contiguous), as
-    `paged_decode_attention_torch`; the arguments must pass `decode_kernel_fits` (and v_cache be shaped
+    `paged_decode_attention_torch`; the arguments must pass `paged_decode_takes` (and v_cache be shaped
     like k_cache). Every length must be >= 1 and every table entry it reaches a block of the pool.
     `window` > 0: each sequence attends to its last `window` positions only (0: all). `runs` [R] int32
     (contiguous, summing to B): rows of one sequence at consecutive positions each (a speculative verification;
     lengths going up by one within a run), which read their K and V once through the run's first table, with the
     bits of the rows one by one (paged_decode.c's paged_decode_runs). `softcap` > 0: scores s become
-    softcap * tanh(s / softcap) (Gemma 2; 0: none); `sinks` [H] float32 (GPT-OSS; see `sinks_fit`): each head's sink
+    softcap * tanh(s / softcap) (Gemma 2; 0: none); `sinks` [H] float32 (GPT-OSS; see `takes_sinks`): each head's sink
     logit joins its softmax's denominator, as kernels/paged_attention.py's twins define both."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, num_blocks, block_size, _ = k_cache.shape
@@ -463,7 +463,7 @@ def paged_decode_attention_native(
     return out
 
 
-def prefill_kernel_fits(
+def paged_prefill_takes(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -471,10 +471,10 @@ def prefill_kernel_fits(
     query_start_loc: torch.Tensor,
     sinks: torch.Tensor | None = None,
 ) -> bool:
-    """Whether the native prefill kernel takes these arguments (as `decode_kernel_fits`, plus a head_dim that
+    """Whether the native prefill kernel takes these arguments (as `paged_decode_takes`, plus a head_dim that
     is a multiple of 16 and int32 query offsets); without it the caller runs the twin."""
     return (
-        decode_kernel_fits(q, k_cache, block_tables, seq_lens, sinks)
+        paged_decode_takes(q, k_cache, block_tables, seq_lens, sinks)
         and k_cache.shape[3] % 16 == 0
         and query_start_loc.dtype == torch.int32
         and query_start_loc.is_contiguous()
@@ -497,7 +497,7 @@ def paged_prefill_attention_native(
 ) -> torch.Tensor:
     """q [T, H, D] (sequence b's chunk: rows query_start_loc[b] .. [b + 1] - 1, the last of its seq_lens[b]
     positions) over the pool [Hkv, NB, bs, D] into out [T, H, D] (contiguous), causal, as
-    `paged_prefill_attention_torch`; the arguments must pass `prefill_kernel_fits`. Rows of out past
+    `paged_prefill_attention_torch`; the arguments must pass `paged_prefill_takes`. Rows of out past
     query_start_loc[B] are left as they are. `decode_from` [B] int32: sequence b's rows at positions from
     decode_from[b] on have the bits the decode kernel gives them (paged_prefill.c: a prompt's rows as its
     prefill, a generated token's as its decode step); without it only the packed bf16 path differs from those.
@@ -559,7 +559,7 @@ def paged_prefill_attention_native(
     return out
 
 
-def _rows_fit(x: torch.Tensor) -> bool:
+def _takes_rows(x: torch.Tensor) -> bool:
     """[T, heads, D] with contiguous heads (rows may be views into a wider tensor), of a type the kernels take."""
     return (
         x.device.type == "cpu"
@@ -572,11 +572,11 @@ def _rows_fit(x: torch.Tensor) -> bool:
     )
 
 
-def rotary_fits(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+def rotary_takes(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
     """Whether the native rotary takes these (never under torch.compile: inductor fuses the twin there)."""
     return (
         not torch.compiler.is_compiling()
-        and _rows_fit(q)
+        and _takes_rows(q)
         and positions.dtype == torch.int64
         and positions.is_contiguous()
         and cos_sin_cache.dtype == torch.float32
@@ -606,7 +606,7 @@ def rotary_native(positions: torch.Tensor, q: torch.Tensor, cos_sin_cache: torch
         )
 
 
-def append_fits(
+def append_kv_takes(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
@@ -618,8 +618,8 @@ def append_fits(
     """Whether the native append takes these (never under torch.compile: inductor fuses the twin there)."""
     return (
         not torch.compiler.is_compiling()
-        and _rows_fit(k)
-        and _rows_fit(v)
+        and _takes_rows(k)
+        and _takes_rows(v)
         and v.dtype == k.dtype == k_cache.dtype == v_cache.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -649,7 +649,7 @@ def append_kv_native(
     is_neox: bool,
     pad_slot: int | None,
 ) -> None:
-    """As `append_kv_torch` (checked args that pass `append_fits`): k, v [T, Hkv, D] into the pools at
+    """As `append_kv_torch` (checked args that pass `append_kv_takes`): k, v [T, Hkv, D] into the pools at
     slot_mapping, K rotated when `cos_sin_cache` is given; slot -1 skipped, or written at `pad_slot`."""
     num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     rope: tuple[int | None, int | None, int] = (None, None, 0)  # positions, cos/sin cache, its rows
@@ -696,7 +696,7 @@ def _row_stride(t: torch.Tensor) -> int | None:
 RMS_NORM_MIN_ROWS = 64
 
 
-def rms_norm_fits(
+def rms_norm_takes(
     x: torch.Tensor,
     weight: torch.Tensor,
     residual: torch.Tensor | None,
@@ -727,7 +727,7 @@ def rms_norm_native(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As `rms_norm_torch` (checked args, of a type `rms_norm_fits` takes): residual updated in place to
+    """As `rms_norm_torch` (checked args, of a type `rms_norm_takes` takes): residual updated in place to
     x + residual when given, the norm into out (or a new tensor). x, residual and out must each flatten into
     rows of unit column stride without a copy."""
     if out is None:
@@ -753,7 +753,7 @@ def rms_norm_native(
     return out
 
 
-def silu_and_mul_fits(x: torch.Tensor) -> bool:
+def silu_and_mul_takes(x: torch.Tensor) -> bool:
     """Whether the native SiLU * mul takes x [N, 2d] (gate | up): bf16 rows of unit column stride on a CPU (from
     one row: 4.9 vs 5.7 us at 1 x 1536, 15 vs 22 at 16; 2-core dev VM, 2026-11-26), never under torch.compile
     (inductor fuses the twin there). fp32 stays with torch, whose bits the fp32 parity tests against
@@ -770,7 +770,7 @@ def silu_and_mul_fits(x: torch.Tensor) -> bool:
 
 
 def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
-    """x [N, 2d] (gate | up) -> silu(gate) * up [N, d] (a new tensor), for x that passes `silu_and_mul_fits`."""
+    """x [N, 2d] (gate | up) -> silu(gate) * up [N, d] (a new tensor), for x that passes `silu_and_mul_takes`."""
     rows, d = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, d), dtype=x.dtype)
     _native().silu_and_mul(x.data_ptr(), x.stride(0), out.data_ptr(), d, rows, d, int(x.dtype == torch.bfloat16))
@@ -961,7 +961,7 @@ def decode_layers(
         )
 
 
-def row_max_fits(x: torch.Tensor) -> bool:
+def row_max_takes(x: torch.Tensor) -> bool:
     """Whether the native row max takes x: [B, V] fp32 on a CPU with unit column stride, V >= 1."""
     return (
         x.device.type == "cpu"
@@ -976,7 +976,7 @@ def row_max_fits(x: torch.Tensor) -> bool:
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [B], indices [B] int64) as `x.max(dim=-1)` (first index of the maximum; a NaN wins), for x
-    that passes `row_max_fits`."""
+    that passes `row_max_takes`."""
     rows = x.shape[0]
     top = torch.empty(rows, dtype=torch.float32)
     index = torch.empty(rows, dtype=torch.int64)
@@ -1024,7 +1024,7 @@ def _(
 LORA_MAX_WIDTH = 1024  # lora.c's widest slot (sub-blocks x rank)
 
 
-def lora_rows_fit(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> bool:
+def lora_rows_takes(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> bool:
     """Whether `lora_rows` takes these: x [T, in] and y [T, out] rows of unit column stride, a_t [slots, in, width]
     and b_t [slots, width, out] contiguous, all of one type the kernels have, on a CPU, outside torch.compile."""
     return (
@@ -1054,7 +1054,7 @@ def lora_rows(
     sub_cols: torch.Tensor,
 ) -> torch.Tensor:
     """y [T, out] += (x_i a_t[s]) b_t[s] for each row i of slot s = slots[i] >= 0 (int32 [T]; -1: left alone), in
-    place, for arguments `lora_rows_fit` takes. sub_first, sub_cols int64 [n]: each sub-block's first output column
+    place, for arguments `lora_rows_takes` takes. sub_first, sub_cols int64 [n]: each sub-block's first output column
     and columns, ranks k * rank ... (k + 1) * rank - 1 of a slot reaching only those (b_t block-diagonal,
     worker/lora.py)."""
     rows, (num_slots, in_features, width), out_features = x.shape[0], a_t.shape, b_t.shape[2]

@@ -9,12 +9,10 @@ is skipped. With `cos_sin_cache`, K is rotated (rotary embedding at `positions`)
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from infer.kernels._triton import tl, triton, use_triton
-from infer.kernels.cpu_kernels import append_fits, append_kv_native
+from infer.kernels._triton import tl, triton
+from infer.kernels.cpu_kernels import append_kv_native, append_kv_takes
 
 
 def _check(
@@ -203,7 +201,7 @@ def append_kv_triton(
     )
 
 
-def append_kv(
+def append_kv_cpu(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
@@ -214,28 +212,10 @@ def append_kv(
     is_neox: bool = True,
     pad_slot: int | None = None,
 ) -> None:
-    """Triton on CUDA; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py), else
-    the twin (see `append_kv_torch` for the contract)."""
-    # the three share append_kv's arguments, all passed by position
-    impl: Callable[
-        [
-            torch.Tensor,
-            torch.Tensor,
-            torch.Tensor,
-            torch.Tensor,
-            torch.Tensor,
-            torch.Tensor | None,
-            torch.Tensor | None,
-            bool,
-            int | None,
-        ],
-        None,
-    ]
-    if use_triton(k_cache):
-        impl = append_kv_triton
-    elif append_fits(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache):
+    """A CPU's KV append (kernels/dispatch.py): the native kernel where it takes the arguments
+    (kernels/cpu_kernels.py), else the twin (see `append_kv_torch` for the contract)."""
+    if append_kv_takes(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache):
         _check(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache)
-        impl = append_kv_native
+        append_kv_native(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, pad_slot)
     else:
-        impl = append_kv_torch
-    impl(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, pad_slot)
+        append_kv_torch(k, v, k_cache, v_cache, slot_mapping, positions, cos_sin_cache, is_neox, pad_slot)

@@ -1,6 +1,6 @@
 """The expert MLPs of a mixture-of-experts layer, fused: every row through its own expert.
 
-    fused_experts(x, expert_ids, w13, w2) -> out,
+    fused_experts_torch(x, expert_ids, w13, w2) -> out  (and fused_experts_triton, the same contract)
         out[n] = w2[e] @ (silu(w13[e, :I] @ x[n]) * (w13[e, I:] @ x[n]))  with e = expert_ids[n]
 
 x [N, H] are the rows (one per (token, chosen expert) pair, already routed: the caller weights and sums
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from infer.kernels._triton import tl, triton, use_triton
+from infer.kernels._triton import tl, triton
 
 
 def _check(
@@ -281,17 +281,4 @@ def fused_experts_triton(
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Dispatch
-
-
-def fused_experts(
-    x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Triton on CUDA devices, the twin elsewhere (see `fused_experts_torch` for shapes and semantics)."""
-    if use_triton(x):
-        return fused_experts_triton(x, expert_ids, w13, w2, out)
-    return fused_experts_torch(x, expert_ids, w13, w2, out)
-
-
-__all__ = ["fused_experts", "fused_experts_torch", "fused_experts_triton"]
+__all__ = ["fused_experts_torch", "fused_experts_triton"]

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from infer.kernels._triton import tl, triton, use_triton
+from infer.kernels._triton import tl, triton
 from infer.kernels.cpu_kernels import (
-    decode_kernel_fits,
     paged_decode_attention_native,
+    paged_decode_takes,
     paged_prefill_attention_native,
-    prefill_kernel_fits,
+    paged_prefill_takes,
 )
 
 # The decode twin works in tiles of sequences whose gathered K + V take about this many bytes: big enough
@@ -850,7 +850,7 @@ def paged_prefill_attention_triton(
 # Dispatch
 
 
-def paged_decode_attention(
+def paged_decode_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -865,15 +865,10 @@ def paged_decode_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton on CUDA (the twin with sinks, which Triton lacks); on a CPU the native kernel where it takes the
-    arguments (kernels/cpu_kernels.py: softcap and sinks included), else the twin (see
-    `paged_decode_attention_torch`). The CPU paths reduce each sequence in one pass and ignore `num_splits` /
-    `split_tokens` (and the native kernel `plan`)."""
-    if use_triton(q) and sinks is None:
-        return paged_decode_attention_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, plan, split_tokens, window, softcap
-        )
-    if decode_kernel_fits(q, k_cache, block_tables, seq_lens, sinks) and (out is None or out.is_contiguous()):
+    """A CPU's decode attention (kernels/dispatch.py): the native kernel where it takes the arguments
+    (kernels/cpu_kernels.py: softcap and sinks included), else the twin (see `paged_decode_attention_torch`). Both
+    reduce each sequence in one pass and ignore `num_splits` / `split_tokens` (and the native kernel `plan`)."""
+    if paged_decode_takes(q, k_cache, block_tables, seq_lens, sinks) and (out is None or out.is_contiguous()):
         _check(q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
         out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
         return paged_decode_attention_native(
@@ -884,7 +879,7 @@ def paged_decode_attention(
     )
 
 
-def paged_prefill_attention(
+def paged_prefill_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -899,15 +894,11 @@ def paged_prefill_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton on CUDA (the twin with sinks, which Triton lacks); on a CPU the native kernel where it takes the
-    arguments (kernels/cpu_kernels.py: softcap and sinks included), else the twin (see
-    `paged_prefill_attention_torch`). `decode_from`: the native kernel's (its rows from those positions with the
-    decode kernel's bits); the others ignore it."""
-    if use_triton(q) and sinks is None:
-        return paged_prefill_attention_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, max_query_len, window, softcap
-        )
-    if prefill_kernel_fits(q, k_cache, block_tables, seq_lens, query_start_loc, sinks) and (
+    """A CPU's prefill / mixed attention (kernels/dispatch.py): the native kernel where it takes the arguments
+    (kernels/cpu_kernels.py: softcap and sinks included), else the twin (see `paged_prefill_attention_torch`).
+    `decode_from`: the native kernel's (its rows from those positions with the decode kernel's bits); the twin
+    ignores it."""
+    if paged_prefill_takes(q, k_cache, block_tables, seq_lens, query_start_loc, sinks) and (
         out is None or out.is_contiguous()
     ):
         num_seqs = block_tables.shape[0]

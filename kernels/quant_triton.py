@@ -2,7 +2,6 @@
 QuantWeight [N, K] (kernels/quant.py: q4 nibbles or q8 int8, blocks of 32 along K with an fp16 scale and
 optional fp16 min) -> [M, N] in x's dtype, the weight dequantized in registers and never materialized.
 
-    quant_matmul_gpu(x, weight)     Triton on CUDA (use_triton), the twin elsewhere
     quant_matmul_triton(x, weight)  the kernels below
     quant_matmul_torch(x, weight)   the twin and test oracle: dequantize in fp32, fp32 matmul, cast
 
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.kernels._triton import tl, triton, use_triton
+from infer.kernels._triton import tl, triton
 from infer.kernels.quant import BLOCK, QuantWeight, dequantize
 
 GEMV_MAX_M = 4  # rows up to which the broadcast-multiply-sum kernel runs; the tl.dot kernel above
@@ -364,15 +363,4 @@ def quant_matmul_triton(
     return out.to(x.dtype) if split else out
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Dispatch
-
-
-def quant_matmul_gpu(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype: Triton on CUDA devices, the twin elsewhere."""
-    if use_triton(x):
-        return quant_matmul_triton(x, weight)
-    return quant_matmul_torch(x, weight)
-
-
-__all__ = ["GEMV_MAX_M", "Plan", "quant_matmul_gpu", "quant_matmul_torch", "quant_matmul_triton"]
+__all__ = ["GEMV_MAX_M", "Plan", "quant_matmul_torch", "quant_matmul_triton"]

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from infer.kernels._triton import tl, triton, use_triton
-from infer.kernels.cpu_kernels import RMS_NORM_MIN_ROWS, rms_norm_fits, rms_norm_native
+from infer.kernels._triton import tl, triton
+from infer.kernels.cpu_kernels import RMS_NORM_MIN_ROWS, rms_norm_native, rms_norm_takes
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None) -> None:
@@ -134,7 +134,7 @@ def _rows_in_place(t: torch.Tensor, name: str) -> torch.Tensor:
         ) from None
 
 
-def rms_norm(
+def rms_norm_cpu(
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
@@ -142,16 +142,14 @@ def rms_norm(
     out: torch.Tensor | None = None,
     any_rows: bool = False,
 ) -> torch.Tensor:
-    """Triton on CUDA devices; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py:
+    """A CPU's RMSNorm (kernels/dispatch.py): the native kernel where it takes the arguments (kernels/cpu_kernels.py:
     one pass instead of the twin's pow / mean / rsqrt / mul / mul), else the twin (see `rms_norm_torch` for
     shapes and semantics). fp32 rows take the native kernel from a prefill's rows on (transformers' bits for a
     decode's), or from one row with `any_rows`: the same bits for a row in any batch."""
-    if use_triton(x):
-        return rms_norm_triton(x, weight, eps, residual, out)
-    if rms_norm_fits(x, weight, residual, out, 1 if any_rows else RMS_NORM_MIN_ROWS):
+    if rms_norm_takes(x, weight, residual, out, 1 if any_rows else RMS_NORM_MIN_ROWS):
         _check(x, weight, residual, out)
         return rms_norm_native(x, weight, eps, residual, out)
     return rms_norm_torch(x, weight, eps, residual, out)
 
 
-__all__ = ["rms_norm", "rms_norm_torch", "rms_norm_triton"]
+__all__ = ["rms_norm_cpu", "rms_norm_torch", "rms_norm_triton"]

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from infer.kernels._triton import tl, triton, use_triton
-from infer.kernels.cpu_kernels import rotary_fits, rotary_native
+from infer.kernels._triton import tl, triton
+from infer.kernels.cpu_kernels import rotary_native, rotary_takes
 
 
 def build_cos_sin_cache(
@@ -208,14 +208,12 @@ def rotary_embedding_triton(
     )
 
 
-def rotary_embedding(
+def rotary_embedding_cpu(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos_sin_cache: torch.Tensor, is_neox: bool
 ) -> None:
-    """Triton on CUDA devices; on a CPU the native kernel where it takes the arguments (kernels/cpu_kernels.py),
-    else the twin (see `rotary_embedding_torch` for shapes)."""
-    if use_triton(q):
-        rotary_embedding_triton(positions, q, k, cos_sin_cache, is_neox)
-    elif rotary_fits(positions, q, cos_sin_cache) and (k is None or rotary_fits(positions, k, cos_sin_cache)):
+    """A CPU's rotary embedding (kernels/dispatch.py): the native kernel where it takes the arguments
+    (kernels/cpu_kernels.py), else the twin (see `rotary_embedding_torch` for shapes)."""
+    if rotary_takes(positions, q, cos_sin_cache) and (k is None or rotary_takes(positions, k, cos_sin_cache)):
         _check(positions, q, k, cos_sin_cache)
         for x in (q, k) if k is not None else (q,):
             rotary_native(positions, x, cos_sin_cache, is_neox)
@@ -223,4 +221,4 @@ def rotary_embedding(
         rotary_embedding_torch(positions, q, k, cos_sin_cache, is_neox)
 
 
-__all__ = ["build_cos_sin_cache", "rotary_embedding", "rotary_embedding_torch", "rotary_embedding_triton"]
+__all__ = ["build_cos_sin_cache", "rotary_embedding_cpu", "rotary_embedding_torch", "rotary_embedding_triton"]

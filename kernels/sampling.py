@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.kernels._triton import tl, triton, use_triton
+from infer.kernels._triton import tl, triton
 
 # Below this temperature a row is sampled greedily (dividing by it would overflow float32), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
@@ -297,7 +297,7 @@ def sample_torch(
     cutoffs: torch.Tensor | None = None,  # [B] float32, written in full when given
 ) -> torch.Tensor:  # [B] int64 token ids (`out` when given)
     """The twin of `sample_triton`. Made for the CPU: it reads a few per-row flags on the host to pick the
-    cheapest vectorized path (on CUDA that would be a sync; the dispatcher runs Triton there)."""
+    cheapest vectorized path (on CUDA that would be a sync; kernels/dispatch.py runs Triton there)."""
     num_rows = logits.shape[0]
     x = logits.float()
     rows = (temperature >= GREEDY_TEMPERATURE).nonzero().squeeze(1)
@@ -548,20 +548,4 @@ def _gumbel_torch(counters: torch.Tensor, key: torch.Tensor) -> torch.Tensor:  #
     return u.log_().neg_().log_().neg_()
 
 
-def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    offsets: torch.Tensor,
-    out: torch.Tensor | None = None,
-    cutoffs: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`sample_triton` on CUDA devices, `sample_torch` elsewhere (same signature)."""
-    impl = sample_triton if use_triton(logits) else sample_torch
-    return impl(logits, temperature, top_k, top_p, min_p, seeds, offsets, out=out, cutoffs=cutoffs)
-
-
-__all__ = ["GREEDY_TEMPERATURE", "GROUP", "sample", "sample_torch", "sample_triton"]
+__all__ = ["GREEDY_TEMPERATURE", "GROUP", "sample_torch", "sample_triton"]

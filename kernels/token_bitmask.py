@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.kernels._triton import tl, triton, use_triton
+from infer.kernels._triton import tl, triton
 
 BLOCK = 1024  # token ids per Triton program
 
@@ -76,9 +76,3 @@ def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows
     _bitmask_kernel[(rows.numel(), triton.cdiv(vocab_size, BLOCK))](
         logits, logits.stride(0), bitmask, bitmask.stride(0), rows, vocab_size, BLOCK=BLOCK
     )
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """Triton on CUDA, the twin elsewhere (see `apply_token_bitmask_torch`)."""
-    impl = apply_token_bitmask_triton if use_triton(logits) else apply_token_bitmask_torch
-    impl(logits, bitmask, rows)

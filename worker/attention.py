@@ -1,28 +1,22 @@
 """The attention step of one layer over the paged KV pool: append this step's K/V, then attend.
 
 Decodes (the first batch.num_decodes sequences, one query each) go to the flash-decoding kernel in one
-call; the prefill chunks after them go to the prefill/mixed kernel in one call. Both are Triton on CUDA, the
-native kernels on a CPU where they take the call, and their PyTorch twins elsewhere (infer.kernels). The pool of
-one layer is [Hkv, num_blocks, block_size, D].
+call; the prefill chunks after them go to the prefill/mixed kernel in one call. Which kernels those are (Triton on
+CUDA, the native kernels on a CPU where they take the call, their PyTorch twins elsewhere) is the device's table
+(kernels/dispatch.py), which the calling layer holds. The pool of one layer is [Hkv, num_blocks, block_size, D].
 """
 
 from __future__ import annotations
 
 import torch
 
-from infer.kernels._triton import use_triton
-from infer.kernels.cpu_kernels import decode_kernel_fits, paged_decode_cpu_op
-from infer.kernels.kv_append import append_kv
-from infer.kernels.paged_attention import (
-    paged_decode_attention,
-    paged_decode_attention_compiled,
-    paged_prefill_attention,
-    plan_decode,
-)
+from infer.kernels.dispatch import Kernels
+from infer.kernels.paged_attention import plan_decode
 from infer.worker.forward_batch import ForwardBatch
 
 
 def paged_attention(
+    kernels: Kernels,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -42,8 +36,10 @@ def paged_attention(
     (GPT-OSS): the native CPU kernels and the twins compute them, Triton not sinks, so on CUDA those go to the twins).
     Returns [T, H, D] in q's dtype; padding rows are 0."""
     if batch.step_graph:
-        return _padded_decode(q, k, v, k_cache, v_cache, batch, scale, cos_sin_cache, is_neox, window, softcap, sinks)
-    append_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox)
+        return _padded_decode(
+            kernels, q, k, v, k_cache, v_cache, batch, scale, cos_sin_cache, is_neox, window, softcap, sinks
+        )
+    kernels.append_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox)
     out = torch.empty_like(q)
     num_real, num_decodes = batch.num_real_tokens, batch.num_decodes
     if num_real < q.shape[0]:  # padding tokens after the last sequence: defined output, never attended
@@ -51,9 +47,7 @@ def paged_attention(
     if num_decodes:
         tables, lens = batch.block_tables[:num_decodes], batch.seq_lens[:num_decodes]
         plan = None
-        if (sinks is not None and use_triton(q)) or (
-            not use_triton(q) and not decode_kernel_fits(q, k_cache, tables, lens, sinks)
-        ):
+        if not kernels.paged_decode_takes(q, k_cache, tables, lens, sinks):
             # the twin's tiling, planned by the first layer of the step with this window
             key = f"decode_plan/{window}"
             plan = batch.per_step.get(key)
@@ -61,7 +55,7 @@ def paged_attention(
                 plan = batch.per_step[key] = plan_decode(
                     tables, lens, k_cache, batch.context_lens[:num_decodes], window
                 )
-        paged_decode_attention(
+        kernels.paged_decode_attention(
             q[:num_decodes],
             k_cache,
             v_cache,
@@ -76,7 +70,7 @@ def paged_attention(
             sinks=sinks,
         )
     if num_decodes < batch.num_seqs:
-        paged_prefill_attention(
+        kernels.paged_prefill_attention(
             q[num_decodes:num_real],
             k_cache,
             v_cache,
@@ -95,6 +89,7 @@ def paged_attention(
 
 
 def _padded_decode(
+    kernels: Kernels,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -109,29 +104,20 @@ def _padded_decode(
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """A step graph's attention: every row decodes, padding rows included (they write the scratch slot and
-    attend to it), with no host sync and no shape that depends on the lengths' values. With sinks on CUDA, the
-    version written for the compiler (Triton computes no sinks)."""
-    append_kv(
+    attend to it), with no host sync and no shape that depends on the lengths' values (the table's
+    `step_graph_decode`: Triton in a CUDA graph, the native operator or the version written for the compiler)."""
+    kernels.append_kv(
         k, v, k_cache, v_cache, batch.slot_mapping, batch.positions, cos_sin_cache, is_neox, pad_slot=batch.pad_slot
     )
-    if use_triton(q) and sinks is None:  # captured in a CUDA graph
-        return paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            batch.block_tables,
-            batch.seq_lens,
-            scale,
-            split_tokens=batch.decode_split_tokens,
-            window=window,
-            softcap=softcap,
-        )
-    # the native kernel, as an operator
-    if decode_kernel_fits(q, k_cache, batch.block_tables, batch.seq_lens, sinks):
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        paged_decode_cpu_op(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, out, window, softcap, sinks)
-        return out
-    # else compiled by inductor (CPU, or CUDA with sinks): reads K and V in place in the pool
-    return paged_decode_attention_compiled(
-        q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale, window, softcap, sinks
+    return kernels.step_graph_decode(
+        q,
+        k_cache,
+        v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        scale,
+        batch.decode_split_tokens,
+        window,
+        softcap,
+        sinks,
     )

@@ -34,8 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from infer.kernels.kv_append import append_kv
-from infer.kernels.paged_attention import paged_decode_attention
+from infer.kernels.dispatch import Kernels
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.request import Request
 
@@ -129,7 +128,7 @@ def cross_rows(
 
 
 def cross_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
+    kernels: Kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """q [T, H, D] over each row's request's cross K/V (non-causal, the whole encoder length); [T, H, D] in q's
     dtype, rows past the real tokens 0."""
@@ -137,7 +136,7 @@ def cross_attention(
         raise ValueError("cross-attention needs the batch's cross block tables (an encoder-decoder request's step)")
     out = torch.zeros_like(q)
     num_real = batch.num_real_tokens
-    paged_decode_attention(
+    kernels.paged_decode_attention(
         q[:num_real].contiguous(),
         k_cache,
         v_cache,
@@ -150,10 +149,15 @@ def cross_attention(
 
 
 def write_cross_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    kernels: Kernels,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """One decoder layer's cross K, V [S, Hkv, D] into its pool tensors at `slots` (no rotation)."""
-    append_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)
+    kernels.append_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, slots)
 
 
 def dense_attention(
@@ -169,6 +173,7 @@ def dense_attention(
 
 
 def biased_paged_attention(
+    kernels: Kernels,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -182,7 +187,7 @@ def biased_paged_attention(
     context with `bias(query positions [n], key positions [L])` -> [H, n, L] added to the scores (T5's relative
     position bias; no fused kernel takes an additive bias, so this is torch, one sequence at a time). Returns
     [T, H, D] in q's dtype; padding rows 0."""
-    append_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.positions)
+    kernels.append_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.positions)
     out = torch.zeros_like(q)
     num_kv_heads, _, block_size, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads

@@ -47,7 +47,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from infer.kernels.cpu_kernels import lora_rows, lora_rows_fit
+from infer.kernels.dispatch import kernels_for
 from infer.protocol.lora import ADAPTER_WEIGHTS, LORA_TARGETS, check_lora_name, read_lora_config
 from infer.worker.lora_slots import LoraSlots
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, PackedLinear, RowLinear
@@ -305,6 +305,7 @@ class LoraLayer:
         self.sub_cols = torch.tensor([rows for _, _, rows in self.subs], dtype=torch.int64)
         self.a_t = torch.zeros(num_slots, in_features, self.width, dtype=dtype, device=device)
         self.b_t = torch.zeros(num_slots, self.width, out_features, dtype=dtype, device=device)
+        self.kernels = linear.kernels  # the device's (kernels/dispatch.py): its LoRA row kernel, if it has one
 
     def clear(self, slot: int) -> None:
         self.a_t[slot].zero_()
@@ -324,8 +325,13 @@ class LoraLayer:
         if step is None:
             return y
         stacked = step.stacked
-        if step.row_slots is not None and lora_rows_fit(x, y, self.a_t, self.b_t):
-            return lora_rows(x, y, step.row_slots, self.a_t, self.b_t, self.rank, self.sub_first, self.sub_cols)
+        rows_kernel = self.kernels.lora_rows
+        if (
+            step.row_slots is not None
+            and rows_kernel is not None
+            and self.kernels.lora_rows_takes(x, y, self.a_t, self.b_t)
+        ):
+            return rows_kernel(x, y, step.row_slots, self.a_t, self.b_t, self.rank, self.sub_first, self.sub_cols)
         if stacked is not None:
             # [count, per_slot, in] @ [count, in, width] @ [count, width, out]: each place by its slot's A and B
             places = x.index_select(0, stacked.index)
@@ -365,6 +371,7 @@ class LoraManager:
         if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be a positive integer, got {max_lora_rank!r}")
         self.model, self.max_rank, self.dtype, self.device = model, max_lora_rank, dtype, device
+        self.kernels = kernels_for(device)
         self.base_names = base_names
         self.slots = LoraSlots(max_loras)
         self.by_name: dict[str, LoraAdapter] = {}  # what new requests may name
@@ -475,7 +482,7 @@ class LoraManager:
             return None
         if sum(n for _, n in slot_rows) <= STACKED_MAX_ROWS:
             row_slots = None
-            if self.device.type == "cpu":
+            if self.kernels.lora_rows is not None:  # the device's row kernel (a CPU's) takes a slot per row
                 row_slots = torch.tensor([slot for slot, n in slot_rows for _ in range(n)], dtype=torch.int32)
             return LoraStep(stacked=self._stacked(runs), row_slots=row_slots)
         return LoraStep(groups=self._groups(runs))

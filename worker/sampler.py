@@ -33,10 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.kernels.cpu_kernels import row_max, row_max_fits
+from infer.kernels.dispatch import Kernels, kernels_for
 from infer.kernels.sampling import GREEDY_TEMPERATURE
-from infer.kernels.sampling import sample as sample_kernel
-from infer.kernels.token_bitmask import apply_token_bitmask
 from infer.worker.request import Request
 
 
@@ -239,8 +237,9 @@ def _grammar_bitmask(
     return torch.tensor([i for i, _ in grammars], dtype=torch.int64, device=device), bitmask.to(device)
 
 
-def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """[B, V] float32 logits with logit_bias added and disallowed or banned tokens at -inf (a new tensor)."""
+def apply_processors(logits: torch.Tensor, meta: SamplingMetadata, kernels: Kernels) -> torch.Tensor:
+    """[B, V] float32 logits with logit_bias added and disallowed or banned tokens at -inf (a new tensor); the
+    grammar's bitmask by `kernels` (the device's table)."""
     if meta.logit_bias is not None:
         rows, ids, bias = meta.logit_bias
         logits = logits.index_put((rows, ids), bias, accumulate=True)
@@ -254,7 +253,7 @@ def apply_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         logits = (
             logits.clone() if meta.logit_bias is None and meta.allowed is None and meta.banned is None else logits
         )  # the steps above made a new tensor already
-        apply_token_bitmask(logits, bitmask, rows)
+        kernels.apply_token_bitmask(logits, bitmask, rows)
     return logits
 
 
@@ -280,6 +279,7 @@ class Sampler:
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
+        self.kernels = kernels_for(self.device)  # the device's sampling, bitmask and greedy row max
         self._generator = random.Random(seed)
         self._drawn_seeds: dict[str, int] = {}
 
@@ -294,7 +294,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32, not modified."""
         if meta.fast_greedy:  # each row's max (the check) and its first index (the token)
-            top, token_ids = row_max(logits) if row_max_fits(logits) else logits.max(dim=-1)
+            top, token_ids = self.kernels.row_max(logits)
             return SamplerOutput(token_ids=token_ids, bad_rows=_rows_not_finite(top))
         processed = logits.float()
         if meta.penalties is not None:
@@ -303,11 +303,11 @@ class Sampler:
         if bad_rows:
             processed = processed.index_fill(0, torch.tensor(bad_rows, device=processed.device), 0.0)
         if meta.has_processors:
-            processed = apply_processors(processed, meta)
+            processed = apply_processors(processed, meta, self.kernels)
         if meta.all_greedy:
             token_ids = processed.argmax(dim=-1)
         else:
-            token_ids = sample_kernel(
+            token_ids = self.kernels.sample(
                 processed, meta.temperature, meta.top_k, meta.top_p, meta.min_p, self._seeds(meta), meta.offsets
             )
         if meta.max_num_logprobs is None:

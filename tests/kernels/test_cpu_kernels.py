@@ -11,15 +11,15 @@ from paged_cases import make_batch, random_pool, random_tables, reference_attent
 
 from infer.kernels import cpu_kernels
 from infer.kernels.cpu_kernels import (
-    decode_kernel_fits,
     paged_decode_attention_native,
+    paged_decode_takes,
     paged_prefill_attention_native,
-    prefill_kernel_fits,
+    paged_prefill_takes,
 )
 from infer.kernels.paged_attention import (
-    paged_decode_attention,
+    paged_decode_attention_cpu,
     paged_decode_attention_torch,
-    paged_prefill_attention,
+    paged_prefill_attention_cpu,
     paged_prefill_attention_torch,
 )
 
@@ -31,7 +31,7 @@ CPU = torch.device("cpu")  # the native kernels' tensors, also on a CUDA machine
 
 def _native(batch, scale, out=None):
     out = poisoned(batch.q.shape, batch.q.dtype, CPU) if out is None else out
-    assert decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
+    assert paged_decode_takes(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
     return paged_decode_attention_native(
         batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale, out
     )
@@ -65,7 +65,7 @@ def test_dispatch_picks_native_and_agrees_with_the_twin(dtype):
     batch = make_batch([5, 64, 200], [1, 1, 1], 8, 2, 64, 16, dtype, seed=3, device=CPU)
     qkv = torch.cat([batch.q.flatten(1), torch.zeros(3, 256, dtype=dtype)], dim=1)  # q as a view, as in a layer
     q = qkv[:, : 8 * 64].view(3, 8, 64)
-    native = paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    native = paged_decode_attention_cpu(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
     twin = paged_decode_attention_torch(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
     assert_close(native, twin, dtype, "native vs twin")
 
@@ -212,11 +212,11 @@ def test_bad_runs_are_refused_before_anything_is_written(case):
 
 def test_what_it_does_not_take_goes_to_the_twin():
     batch = make_batch([10, 30], [1, 1], 4, 2, 64, 16, torch.float16, seed=1, device=CPU)
-    assert not decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
-    got = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
+    assert not paged_decode_takes(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
+    got = paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
     assert_close(got, reference_attention(batch, 0.125), torch.float16, "fp16 through the twin")
     wide = make_batch([10], [1], 34, 2, 64, 16, torch.float32, seed=2, device=CPU)  # a group of 17: past MAX_GROUP
-    assert not decode_kernel_fits(wide.q, wide.k_cache, wide.block_tables, wide.seq_lens)
+    assert not paged_decode_takes(wide.q, wide.k_cache, wide.block_tables, wide.seq_lens)
 
 
 # ---- prefill / mixed steps ----------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_what_it_does_not_take_goes_to_the_twin():
 
 def _prefill(batch, scale, out=None):
     out = poisoned(batch.q.shape, batch.q.dtype, CPU) if out is None else out
-    assert prefill_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    assert paged_prefill_takes(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
     return paged_prefill_attention_native(
         batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, scale, out
     )
@@ -259,8 +259,8 @@ def test_prefill_dispatch_picks_native_agrees_with_the_twin_and_leaves_padding_r
     batch = make_batch([33, 12, 1, 200], [33, 5, 1, 64], 6, 2, 64, 16, dtype, seed=4, device=CPU)
     q = torch.cat([batch.q, torch.randn(3, 6, 64).to(dtype)])  # three padding tokens after the last sequence
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)
-    assert prefill_kernel_fits(q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
-    native = paged_prefill_attention(*args, out=poisoned(q.shape, dtype, CPU))
+    assert paged_prefill_takes(q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    native = paged_prefill_attention_cpu(*args, out=poisoned(q.shape, dtype, CPU))
     twin = paged_prefill_attention_torch(*args, out=poisoned(q.shape, dtype, CPU))
     assert torch.isnan(native[-3:]).all()
     assert_close(native[:-3], twin[:-3], dtype, "native prefill vs twin")
@@ -394,13 +394,13 @@ def test_bad_prefill_batches_are_refused_before_anything_is_read(case):
 
 def test_prefill_shapes_it_does_not_take_go_to_the_twin():
     odd = make_batch([10, 30], [10, 4], 4, 2, 72, 16, torch.float32, seed=12, device=CPU)  # head_dim 72: not 16k
-    assert not prefill_kernel_fits(odd.q, odd.k_cache, odd.block_tables, odd.seq_lens, odd.query_start_loc)
-    got = paged_prefill_attention(
+    assert not paged_prefill_takes(odd.q, odd.k_cache, odd.block_tables, odd.seq_lens, odd.query_start_loc)
+    got = paged_prefill_attention_cpu(
         odd.q, odd.k_cache, odd.v_cache, odd.block_tables, odd.seq_lens, odd.query_start_loc, 0.125
     )
     assert_close(got, reference_attention(odd, 0.125), torch.float32, "head_dim 72 through the twin")
     half = make_batch([10], [10], 4, 2, 64, 16, torch.float16, seed=13, device=CPU)
-    assert not prefill_kernel_fits(half.q, half.k_cache, half.block_tables, half.seq_lens, half.query_start_loc)
+    assert not paged_prefill_takes(half.q, half.k_cache, half.block_tables, half.seq_lens, half.query_start_loc)
 
 
 # ---- rotary and KV append: the twins' bits --------------------------------------------------------------
@@ -429,12 +429,12 @@ def _qkv(tokens: int, dtype: torch.dtype, heads=(6, 2), head_dim=64, seed=0):
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=str)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 def test_rotary_gives_the_twins_bits(dtype, is_neox):
-    from infer.kernels.rotary import rotary_embedding, rotary_embedding_torch
+    from infer.kernels.rotary import rotary_embedding_cpu, rotary_embedding_torch
 
     cos_sin = _cos_sin(4096)
     positions = torch.tensor([0, 5, 17, 4095, 300, 1], dtype=torch.int64)
     native, twin = _qkv(6, dtype)[0], _qkv(6, dtype)[0]
-    rotary_embedding(positions, native, None, cos_sin, is_neox)
+    rotary_embedding_cpu(positions, native, None, cos_sin, is_neox)
     rotary_embedding_torch(positions, twin, None, cos_sin, is_neox)
     assert torch.equal(native, twin)
 
@@ -443,14 +443,14 @@ def test_rotary_gives_the_twins_bits(dtype, is_neox):
 @pytest.mark.parametrize("rotate", [True, False], ids=["rotated", "plain"])
 @pytest.mark.parametrize("pad_slot", [None, 5], ids=["skip-padding", "pad-slot"])
 def test_append_gives_the_twins_bits(dtype, rotate, pad_slot):
-    from infer.kernels.kv_append import append_kv, append_kv_torch
+    from infer.kernels.kv_append import append_kv_cpu, append_kv_torch
 
     _, k, v = _qkv(7, dtype, seed=1)
     cos_sin = _cos_sin(2048) if rotate else None
     positions = torch.tensor([3, 9, 0, 2047, 64, 65, 7], dtype=torch.int64)
     slots = torch.tensor([40, -1, 3, 127, 16, -1, 0], dtype=torch.int64)
     pools = [torch.zeros(2, 8, 16, 64, dtype=dtype) for _ in range(4)]
-    append_kv(k, v, pools[0], pools[1], slots, positions, cos_sin, True, pad_slot)
+    append_kv_cpu(k, v, pools[0], pools[1], slots, positions, cos_sin, True, pad_slot)
     append_kv_torch(k, v, pools[2], pools[3], slots, positions, cos_sin, True, pad_slot)
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
 
@@ -543,7 +543,7 @@ def test_processes_starting_at_once_build_the_library_once_and_all_load_it(tmp_p
 
 
 def test_row_max_is_torch_max_over_the_last_dim_ties_nans_and_infinities_included():
-    from infer.kernels.cpu_kernels import row_max, row_max_fits
+    from infer.kernels.cpu_kernels import row_max, row_max_takes
 
     generator = torch.Generator().manual_seed(21)
     wide = torch.randn(12, 49152 + 40, generator=generator)
@@ -554,11 +554,11 @@ def test_row_max_is_torch_max_over_the_last_dim_ties_nans_and_infinities_include
     x[3, -1] = float("inf")  # the last element
     x[4] = 1.0  # all equal
     x[5, 63], x[5, 64] = 50.0, 50.0  # a tie across the 64-element blocks
-    assert row_max_fits(x)
+    assert row_max_takes(x)
     top, index = row_max(x)
     want_top, want_index = x.max(dim=-1)
     assert torch.equal(index, want_index)
     assert torch.equal(top.nan_to_num(), want_top.nan_to_num()) and top[0].isnan()
     for odd in (torch.randn(3, 5, generator=generator), torch.randn(2, 1, generator=generator)):
         assert torch.equal(row_max(odd)[1], odd.max(dim=-1).indices)
-    assert not row_max_fits(x.to(torch.bfloat16)) and not row_max_fits(x.t())
+    assert not row_max_takes(x.to(torch.bfloat16)) and not row_max_takes(x.t())

@@ -153,7 +153,7 @@ def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gem
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(torch.linspace(-1, 1, 48))
     layer.pack_weights()
-    assert layer.gemv_ready
+    assert layer.gemv_native
     one = layer(x)
     assert rows_seen == [1]
     assert torch.equal(one, gemv(x, w, layer.bias))  # the bias fused (one rounding)
@@ -168,7 +168,7 @@ def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gem
     fp32 = RowLinear(64, 48, bias=False, dtype=torch.float32)
     fp32.weight.data.copy_(w.float())
     fp32.pack_weights()
-    assert not fp32.gemv_ready and not gemv_takes(w.t())  # fp32, and a transposed weight
+    assert not fp32.gemv_native and not gemv_takes(w.t())  # fp32, and a transposed weight
 
 
 # ---- bf16 weights, fp32 activations (the fp32 core) ---------------------------------------------------------

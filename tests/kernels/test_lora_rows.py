@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from infer.kernels.cpu_kernels import lora_rows, lora_rows_fit
+from infer.kernels.cpu_kernels import lora_rows, lora_rows_takes
 from infer.worker.lora import LoraLayer, LoraManager, lora_step
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, RowLinear
 
@@ -85,7 +85,7 @@ def test_native_matches_twin_and_float64(dtype, layer_name, step_name):
     manager = LoraManager(torch.nn.Module(), max_loras=NUM_SLOTS, max_lora_rank=MAX_RANK, dtype=dtype, device=CPU)
     step = manager.step(slot_rows)
     assert step is not None and step.row_slots is not None and step.row_slots.tolist() == slots
-    assert lora_rows_fit(x, y, layer.a_t, layer.b_t)
+    assert lora_rows_takes(x, y, layer.a_t, layer.b_t)
     with lora_step(step):
         native = layer.apply(x, y.clone())
     with lora_step(dataclasses.replace(step, row_slots=None)):  # the twin: the stacked torch path
@@ -121,5 +121,5 @@ def test_refusals_are_precise_errors():
     with pytest.raises(ValueError, match="do not make width 8"):
         lora_rows(x, y, slots, layer.a_t, layer.b_t, 4, *subs)
     assert torch.equal(y, before), "a refused call writes nothing"
-    assert not lora_rows_fit(torch.randn(37, 3).T, y, layer.a_t, layer.b_t), "columns must be unit stride"
-    assert not lora_rows_fit(x.double(), y.double(), layer.a_t.double(), layer.b_t.double())
+    assert not lora_rows_takes(torch.randn(37, 3).T, y, layer.a_t, layer.b_t), "columns must be unit stride"
+    assert not lora_rows_takes(x.double(), y.double(), layer.a_t.double(), layer.b_t.double())

@@ -16,7 +16,8 @@ import pytest
 import torch
 from kernel_checks import DEVICE, KERNEL_DTYPES, assert_close, poisoned, requires_triton
 
-from infer.kernels.moe import _align_to_tiles, fused_experts, fused_experts_torch, fused_experts_triton
+from infer.kernels.dispatch import kernels_for
+from infer.kernels.moe import _align_to_tiles, fused_experts_torch, fused_experts_triton
 
 TWIN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # the twin is the CPU path, bf16 included
 
@@ -108,6 +109,7 @@ def test_triton_reads_strided_inputs_and_writes_a_strided_output(seed):
 def test_dispatch_uses_the_twin_off_cuda(seed):
     x, ids, w13, w2 = inputs(9, 32, 16, 4, "random", torch.float32, seed)
     if DEVICE.type == "cpu":
+        fused_experts = kernels_for(DEVICE).fused_experts
         assert torch.equal(fused_experts(x, ids, w13, w2), fused_experts_torch(x, ids, w13, w2))
 
 

@@ -18,16 +18,16 @@ from paged_cases import make_batch, reference_attention
 
 from infer.kernels import paged_attention
 from infer.kernels.cpu_kernels import (
-    decode_kernel_fits,
     paged_decode_attention_native,
     paged_decode_cpu_op,
+    paged_decode_takes,
     paged_prefill_attention_native,
-    prefill_kernel_fits,
+    paged_prefill_takes,
 )
 from infer.kernels.paged_attention import (
-    paged_decode_attention,
+    paged_decode_attention_cpu,
     paged_decode_attention_torch,
-    paged_prefill_attention,
+    paged_prefill_attention_cpu,
     paged_prefill_attention_torch,
 )
 
@@ -82,7 +82,7 @@ def test_native_decode_matches_float64_and_the_twin(extra, window, dtype, heads,
         SEQ_LENS, [1] * len(SEQ_LENS), *heads, head_dim, block_size, dtype, seed=_seed("d", heads, dtype), device=CPU
     )
     sinks = _sinks(heads[0], with_sinks, _seed("sinks", heads))
-    assert decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, sinks)
+    assert paged_decode_takes(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, sinks)
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, SCALE)
     out = paged_decode_attention_native(
         *args, poisoned(batch.q.shape, dtype, CPU), window, softcap=softcap, sinks=sinks
@@ -107,7 +107,7 @@ def test_native_prefill_matches_float64_and_the_twin(extra, window, dtype, heads
     )
     sinks = _sinks(heads[0], with_sinks, _seed("sinks", heads))
     starts = batch.query_start_loc
-    assert prefill_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, starts, sinks)
+    assert paged_prefill_takes(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, starts, sinks)
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, starts, SCALE)
     out = paged_prefill_attention_native(
         *args, poisoned(batch.q.shape, dtype, CPU), window=window, softcap=softcap, sinks=sinks
@@ -208,20 +208,20 @@ def test_the_dispatchers_and_the_step_graph_operator_take_the_native_kernels(dty
     for softcap, extra_sinks in ((CAP, None), (0.0, sinks), (CAP, sinks)):
         kw = dict(window=7, softcap=softcap, sinks=extra_sinks)
         twin = paged_decode_attention_torch(*dargs, **kw)
-        assert_close(paged_decode_attention(*dargs, **kw), twin, dtype, "decode dispatch")
+        assert_close(paged_decode_attention_cpu(*dargs, **kw), twin, dtype, "decode dispatch")
         op_out = poisoned(decodes.q.shape, dtype, CPU)
         paged_decode_cpu_op(*dargs, op_out, 7, softcap, extra_sinks)
         assert_close(op_out, twin, dtype, "step graph operator")
         assert_close(
-            paged_prefill_attention(*margs, **kw),
+            paged_prefill_attention_cpu(*margs, **kw),
             paged_prefill_attention_torch(*margs, **kw),
             dtype,
             "prefill dispatch",
         )
     assert calls == {"decode": 3, "prefill": 3}
     half = sinks.half()
-    assert not decode_kernel_fits(decodes.q, decodes.k_cache, decodes.block_tables, decodes.seq_lens, half)
-    got = paged_decode_attention(*dargs, softcap=CAP, sinks=half)
+    assert not paged_decode_takes(decodes.q, decodes.k_cache, decodes.block_tables, decodes.seq_lens, half)
+    got = paged_decode_attention_cpu(*dargs, softcap=CAP, sinks=half)
     assert_close(got, paged_decode_attention_torch(*dargs, softcap=CAP, sinks=half), dtype, "fp16 sinks, twin")
     assert calls["decode"] == 3
 

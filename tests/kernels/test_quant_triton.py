@@ -19,14 +19,20 @@ import pytest
 import torch
 from kernel_checks import DEVICE, KERNEL_DTYPES, requires_triton
 
+from infer.kernels.dispatch import kernels_for
 from infer.kernels.quant import BLOCK, QuantWeight, quantize
 from infer.kernels.quant_triton import (
     GEMV_MAX_M,
     _plan,
-    quant_matmul_gpu,
     quant_matmul_torch,
     quant_matmul_triton,
 )
+
+
+def quant_matmul_gpu(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """What the engine runs for a quantized weight on DEVICE where the native CPU kernel does not take it."""
+    return kernels_for(DEVICE).quant_matmul(x, weight, False)
+
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 FORMATS = ["q4", "q8", "q8-affine"]

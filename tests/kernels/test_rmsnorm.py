@@ -15,7 +15,7 @@ import torch
 from kernel_checks import DEVICE, KERNEL_DTYPES, assert_close, poisoned, requires_triton
 
 from infer.kernels.cpu_kernels import RMS_NORM_MIN_ROWS, rms_norm_native
-from infer.kernels.rmsnorm import rms_norm, rms_norm_torch, rms_norm_triton
+from infer.kernels.rmsnorm import rms_norm_cpu, rms_norm_torch, rms_norm_triton
 
 TWIN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # the twin is the CPU path, bf16 included
 EPS = 1e-5
@@ -129,18 +129,18 @@ def test_cpu_dispatch_takes_the_native_kernel_for_bf16_and_an_fp32_prefills_rows
     )
     for n in (1, RMS_NORM_MIN_ROWS - 1, RMS_NORM_MIN_ROWS, 300):
         x, weight, residual = (t.cpu() for t in inputs(n, 576, torch.float32, seed=n))
-        rms_norm(x, weight, EPS, residual)
+        rms_norm_cpu(x, weight, EPS, residual)
     assert calls == [RMS_NORM_MIN_ROWS, 300]
     calls.clear()
     for n in (1, RMS_NORM_MIN_ROWS - 1):
         x, weight, residual = (t.cpu() for t in inputs(n, 576, torch.bfloat16, seed=n))
-        rms_norm(x, weight, EPS, residual)
+        rms_norm_cpu(x, weight, EPS, residual)
     assert calls == [1, RMS_NORM_MIN_ROWS - 1]
     calls.clear()
     x, weight, _ = (t.cpu() for t in inputs(80, 7 * 16, torch.float32, seed=7))
     q = x[:, : 4 * 16].view(80, 4, 16)[:, :3]  # heads that do not flatten into rows: the twin
     expected, _ = reference(q, weight[:16], EPS, None)
-    assert_close(rms_norm(q, weight[:16].contiguous(), EPS), expected, torch.float32, "strided heads")
+    assert_close(rms_norm_cpu(q, weight[:16].contiguous(), EPS), expected, torch.float32, "strided heads")
     assert calls == []
 
 
@@ -185,10 +185,10 @@ def test_twin_is_transformers_llama_rmsnorm_bitwise() -> None:
 def test_dispatch_and_shape_errors() -> None:
     x, weight, residual = (t.cpu() for t in inputs(3, 8, torch.float32, seed=6))
     expected = rms_norm_torch(x, weight, EPS)
-    assert torch.equal(rms_norm(x, weight, EPS), expected)  # CPU tensors: the twin
+    assert torch.equal(rms_norm_cpu(x, weight, EPS), expected)  # CPU tensors: the twin
     with pytest.raises(ValueError, match=r"weight of shape \(7,\) does not match x of shape \(3, 8\)"):
-        rms_norm(x, weight[:7], EPS)
+        rms_norm_cpu(x, weight[:7], EPS)
     with pytest.raises(ValueError, match=r"residual \(1, 8\) torch.float32 does not match x \(3, 8\)"):
-        rms_norm(x, weight, EPS, residual[:1])
+        rms_norm_cpu(x, weight, EPS, residual[:1])
     with pytest.raises(ValueError, match="out .* torch.float16 does not match x"):
-        rms_norm(x, weight, EPS, out=x.half())
+        rms_norm_cpu(x, weight, EPS, out=x.half())

@@ -15,7 +15,7 @@ from kernel_checks import DEVICE, KERNEL_DTYPES, assert_close, requires_triton
 
 from infer.kernels.rotary import (
     build_cos_sin_cache,
-    rotary_embedding,
+    rotary_embedding_cpu,
     rotary_embedding_torch,
     rotary_embedding_triton,
 )
@@ -233,13 +233,13 @@ def test_dispatch_and_errors() -> None:
     q, k, _ = heads_of(fused_qkv(3, 2, 1, 8, torch.float32, seed=11)[0].cpu(), 2, 1, 8)  # CPU: the twin
     cache, positions = cache_for(8).cpu(), torch.tensor([5, 1, 5])
     expected = rotate64(q, positions, cache, True)
-    rotary_embedding(positions, q, k, cache, True)  # CPU tensors: the twin
+    rotary_embedding_cpu(positions, q, k, cache, True)  # CPU tensors: the twin
     assert_close(q, expected, torch.float32, "q")
     with pytest.raises(ValueError, match="cos_sin_cache must be float32"):
-        rotary_embedding(positions, q, k, cache.half(), True)
+        rotary_embedding_cpu(positions, q, k, cache.half(), True)
     with pytest.raises(ValueError, match=r"cos_sin_cache \(4096, 16\) must be \[max_positions, head_dim\]"):
-        rotary_embedding(positions, q, k, cache_for(16), True)
+        rotary_embedding_cpu(positions, q, k, cache_for(16), True)
     with pytest.raises(ValueError, match=r"k \(2, 1, 8\) torch.float32 \(strides .*\) must be \[T, heads, head_dim\]"):
-        rotary_embedding(positions, q, k[:2], cache, True)
+        rotary_embedding_cpu(positions, q, k[:2], cache, True)
     with pytest.raises(ValueError, match=r"q \(3, 8, 2\) \(strides \(32, 1, 8\)\) must be .* unit stride along"):
-        rotary_embedding(positions, q.transpose(1, 2), None, cache_for(2), True)
+        rotary_embedding_cpu(positions, q.transpose(1, 2), None, cache_for(2), True)

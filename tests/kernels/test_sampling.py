@@ -10,7 +10,10 @@ import pytest
 import torch
 from kernel_checks import DEVICE, KERNEL_DTYPES, requires_triton
 
-from infer.kernels.sampling import GREEDY_TEMPERATURE, GROUP, sample, sample_torch, sample_triton
+from infer.kernels.dispatch import kernels_for
+from infer.kernels.sampling import GREEDY_TEMPERATURE, GROUP, sample_torch, sample_triton
+
+sample = kernels_for(DEVICE).sample  # what the engine runs on DEVICE
 
 # (temperature, top_k, top_p, min_p) of one row of each kind; top_k <= 0 or >= V, top_p >= 1, min_p <= 0: off.
 ROW_KINDS: dict[str, tuple[float, int, float, float]] = {

@@ -1,5 +1,5 @@
 """SiLU * mul, the MLP's activation: the native CPU kernel (bf16) against float64 and against torch's two ops
-(`F.silu(gate).mul_(up)`, what `worker/models/layers.silu_and_mul` runs elsewhere), and its dispatch.
+(`F.silu(gate).mul_(up)`, what the CPU's `silu_and_mul` (kernels/dispatch.py) runs elsewhere), and its dispatch.
 
 d = 1536 is SmolLM2's intermediate size; 1, 15, 17 and 100 leave a tail past the kernel's 16-lane vectors.
 """
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.kernels.cpu_kernels import silu_and_mul_fits, silu_and_mul_native
-from infer.worker.models.layers import silu_and_mul
+from infer.kernels.cpu_kernels import silu_and_mul_native, silu_and_mul_takes
+from infer.kernels.dispatch import kernels_for
 
 requires_native = pytest.mark.usefixtures("isa")  # once per build of the C kernels (conftest.py)
 
@@ -79,7 +79,7 @@ def test_strided_rows_read_in_place() -> None:
     """Rows of x farther apart than 2d (a view into a wider buffer) are read where they are."""
     wide = inputs(5, 80, seed=7)
     x = wide[:, :64]  # rows 160 elements apart, [gate | up] of d = 32
-    assert not x.is_contiguous() and silu_and_mul_fits(x)
+    assert not x.is_contiguous() and silu_and_mul_takes(x)
     assert torch.equal(silu_and_mul_native(x), silu_and_mul_native(x.contiguous()))
 
 
@@ -87,12 +87,13 @@ def test_strided_rows_read_in_place() -> None:
 def test_dispatch_takes_bf16_rows_only(monkeypatch) -> None:
     calls: list[int] = []
     monkeypatch.setattr(
-        "infer.worker.models.layers.silu_and_mul_native", lambda x: calls.append(x.shape[0]) or silu_and_mul_native(x)
+        "infer.kernels.cpu_kernels.silu_and_mul_native", lambda x: calls.append(x.shape[0]) or silu_and_mul_native(x)
     )
+    silu_and_mul = kernels_for("cpu").silu_and_mul
     silu_and_mul(inputs(1, 64, seed=1))  # one row (a decode at batch 1)
     silu_and_mul(inputs(40, 64, seed=2))
     fp32 = inputs(40, 64, seed=3).float()
     assert torch.equal(silu_and_mul(fp32), torch_ops(fp32))  # fp32 keeps torch's bits
     assert calls == [1, 40]
-    assert not silu_and_mul_fits(inputs(40, 64, seed=4).t())  # columns not unit-strided
-    assert not silu_and_mul_fits(inputs(40, 64, seed=5)[:, :127])  # odd width: no gate | up
+    assert not silu_and_mul_takes(inputs(40, 64, seed=4).t())  # columns not unit-strided
+    assert not silu_and_mul_takes(inputs(40, 64, seed=5)[:, :127])  # odd width: no gate | up

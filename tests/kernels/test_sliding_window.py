@@ -12,10 +12,10 @@ from kernel_checks import DEVICE, KERNEL_DTYPES, assert_close, poisoned, require
 from paged_cases import make_batch, reference_attention
 
 from infer.kernels.cpu_kernels import (
-    decode_kernel_fits,
     paged_decode_attention_native,
+    paged_decode_takes,
     paged_prefill_attention_native,
-    prefill_kernel_fits,
+    paged_prefill_takes,
 )
 from infer.kernels.paged_attention import (
     paged_decode_attention_compiled,
@@ -84,7 +84,7 @@ def test_native_decode_window_matches_float64(window, dtype, heads, head_dim, bl
     larger than the 16- or 8-position chunks."""
     batch = _decode_batch(dtype, heads, head_dim, block_size, CPU)
     scale = head_dim**-0.5
-    assert decode_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
+    assert paged_decode_takes(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens)
     out = paged_decode_attention_native(
         batch.q,
         batch.k_cache,
@@ -109,7 +109,7 @@ def test_native_decode_window_matches_float64(window, dtype, heads, head_dim, bl
 def test_native_prefill_window_matches_float64(window, dtype, heads, head_dim, block_size):
     batch = _mixed_batch(dtype, heads, head_dim, block_size, CPU)
     scale = head_dim**-0.5
-    assert prefill_kernel_fits(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    assert paged_prefill_takes(batch.q, batch.k_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
     out = paged_prefill_attention_native(
         batch.q,
         batch.k_cache,

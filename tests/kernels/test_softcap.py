@@ -15,11 +15,11 @@ from kernel_checks import DEVICE, KERNEL_DTYPES, assert_close, poisoned, require
 from paged_cases import make_batch, reference_attention
 
 from infer.kernels.paged_attention import (
-    paged_decode_attention,
     paged_decode_attention_compiled,
+    paged_decode_attention_cpu,
     paged_decode_attention_torch,
     paged_decode_attention_triton,
-    paged_prefill_attention,
+    paged_prefill_attention_cpu,
     paged_prefill_attention_torch,
     paged_prefill_attention_triton,
     plan_decode,
@@ -63,7 +63,7 @@ def test_twins_and_dispatchers_match_float64(window, heads):
         paged_decode_attention_torch(*args, plan=plan, window=window, softcap=CAP), expected, dtype, "planned twin"
     )
     assert_close(paged_decode_attention_compiled(*args, window=window, softcap=CAP), expected, dtype, "compiled")
-    assert_close(paged_decode_attention(*args, window=window, softcap=CAP), expected, dtype, "decode dispatch")
+    assert_close(paged_decode_attention_cpu(*args, window=window, softcap=CAP), expected, dtype, "decode dispatch")
     expected = reference_attention(mixed, SCALE, window, CAP)
     margs = _args(mixed, mixed=True)
     assert_close(
@@ -72,20 +72,20 @@ def test_twins_and_dispatchers_match_float64(window, heads):
         dtype,
         "prefill twin",
     )
-    assert_close(paged_prefill_attention(*margs, window=window, softcap=CAP), expected, dtype, "prefill dispatch")
+    assert_close(paged_prefill_attention_cpu(*margs, window=window, softcap=CAP), expected, dtype, "prefill dispatch")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_twins_in_half_precision(dtype):
     decodes, mixed = _batches(dtype, (8, 2), CPU)
     assert_close(
-        paged_decode_attention(*_args(decodes), window=16, softcap=CAP),
+        paged_decode_attention_cpu(*_args(decodes), window=16, softcap=CAP),
         reference_attention(decodes, SCALE, 16, CAP),
         dtype,
         "decode dispatch",
     )
     assert_close(
-        paged_prefill_attention(*_args(mixed, mixed=True), window=16, softcap=CAP),
+        paged_prefill_attention_cpu(*_args(mixed, mixed=True), window=16, softcap=CAP),
         reference_attention(mixed, SCALE, 16, CAP),
         dtype,
         "prefill dispatch",

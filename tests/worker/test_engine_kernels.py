@@ -8,13 +8,14 @@ first), and greedy decoding flips at near-ties: on SmolLM2 one prompt in six sta
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from prompts import varied_prompts
 
 from infer import LLM, SamplingParams
 from infer.kernels.reference import paged_attention_reference
-from infer.worker import attention
 
 
 def _reference_decode(
@@ -76,8 +77,12 @@ def test_twins_match_plain_attention_greedy(model, smollm2_dir, tiny_model_dir, 
     )
     with_kernels = [c.token_ids for c in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.engine.scheduler.stats.prefix_cache_hit_tokens > 0  # the last prompt extends another
-    monkeypatch.setattr(attention, "paged_decode_attention", _reference_decode)
-    monkeypatch.setattr(attention, "paged_prefill_attention", _reference_prefill)
+    for module in llm.engine.model.modules():  # the attention layers' kernels (kernels/dispatch.py), swapped
+        if (kernels := getattr(module, "kernels", None)) is not None:
+            plain = dataclasses.replace(
+                kernels, paged_decode_attention=_reference_decode, paged_prefill_attention=_reference_prefill
+            )
+            monkeypatch.setattr(module, "kernels", plain)
     with_plain = [c.token_ids for c in llm.generate(prompts, params, use_tqdm=False)]
     assert max(len(p) for p in prompts) > 128  # chunked prefill beside running decodes
     for i, (got, want) in enumerate(zip(with_kernels, with_plain, strict=True)):

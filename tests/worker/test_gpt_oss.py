@@ -14,9 +14,9 @@ import torch
 from hf_reference import hf_model
 
 from infer.kernels.paged_attention import (
-    paged_decode_attention,
     paged_decode_attention_compiled,
-    paged_prefill_attention,
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
 )
 from infer.worker.loader import load_model
 from infer.worker.models.gpt_oss import dequantize_mxfp4
@@ -61,7 +61,7 @@ def test_attention_twins_put_the_sink_in_the_denominator(window):
 
     q_dec = torch.randn(2, heads, dim, generator=g)
     want = torch.cat([_reference(q_dec[i : i + 1], *context(i), sinks, scale, window, lens[i] - 1) for i in range(2)])
-    got = paged_decode_attention(q_dec, k_cache, v_cache, tables, seq_lens, scale, window=window, sinks=sinks)
+    got = paged_decode_attention_cpu(q_dec, k_cache, v_cache, tables, seq_lens, scale, window=window, sinks=sinks)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     compiled = paged_decode_attention_compiled(q_dec, k_cache, v_cache, tables, seq_lens, scale, window, sinks=sinks)
     torch.testing.assert_close(compiled, want, atol=1e-5, rtol=1e-5)
@@ -74,10 +74,12 @@ def test_attention_twins_put_the_sink_in_the_denominator(window):
             _reference(q_pre[5:], *context(1), sinks, scale, window, lens[1] - 1),
         )
     )
-    got = paged_prefill_attention(q_pre, k_cache, v_cache, tables, seq_lens, starts, scale, window=window, sinks=sinks)
+    got = paged_prefill_attention_cpu(
+        q_pre, k_cache, v_cache, tables, seq_lens, starts, scale, window=window, sinks=sinks
+    )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # and the sinks matter: without them the output differs
-    plain = paged_prefill_attention(q_pre, k_cache, v_cache, tables, seq_lens, starts, scale, window=window)
+    plain = paged_prefill_attention_cpu(q_pre, k_cache, v_cache, tables, seq_lens, starts, scale, window=window)
     assert (plain - got).abs().max() > 1e-2
 
 

@@ -4,6 +4,7 @@ load / unload, the prefix cache keyed by adapter, bad adapters refused by name."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -48,6 +49,14 @@ def family(families):
 def _prompts(n: int, seed: int = 3) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 49000) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+def _swap_kernels(monkeypatch, engine: Engine, **ops) -> None:
+    """Give the engine's model layers their device's kernel table (kernels/dispatch.py) with `ops` replaced; the
+    LoRA layers made from then on take it from their linears."""
+    for module in engine.model.modules():
+        if (kernels := getattr(module, "kernels", None)) is not None:
+            monkeypatch.setattr(module, "kernels", dataclasses.replace(kernels, **ops))
 
 
 def _engine(model_dir, folders, **options) -> Engine:
@@ -98,8 +107,7 @@ def test_cpu_steps_take_the_native_kernel_and_the_twin_gives_the_same_tokens(fam
     """On a CPU with the native kernels every LoraLayer.apply of a step of few rows is one call to kernels/cpu/lora.c
     (each forward with adapter rows: one call per targeted layer); the torch twin, forced, gives the same tokens, and
     both equal transformers + PEFT."""
-    import infer.worker.lora as lora_module
-    from infer.kernels.cpu_kernels import native_ready
+    from infer.kernels.cpu_kernels import lora_rows, native_ready
 
     if not native_ready():
         pytest.skip("no native CPU kernels (no C compiler, or INFER_CPU_KERNELS=0)")
@@ -107,21 +115,21 @@ def test_cpu_steps_take_the_native_kernel_and_the_twin_gives_the_same_tokens(fam
     prompts = _prompts(3, seed=21)
     requests = {f"{name}-{i}": (p, name) for i, p in enumerate(prompts) for name in (None, *folders)}
     calls: list[int] = []
-    native = lora_module.lora_rows
 
     def counted(x, y, slots, *rest):
         calls.append(int((slots >= 0).sum()))
-        return native(x, y, slots, *rest)
+        return lora_rows(x, y, slots, *rest)
 
-    monkeypatch.setattr(lora_module, "lora_rows", counted)
     engine = _engine(model_dir, folders)
+    _swap_kernels(monkeypatch, engine, lora_rows=counted)
     got = _run(engine, requests)
     layers = len(engine.lora.layers)
     assert calls and len(calls) % layers == 0 and all(n > 0 for n in calls)
     assert max(calls) == len(folders) * len(prompts), "a decode step of every adapter's rows in one call a layer"
-    monkeypatch.setattr(lora_module, "lora_rows_fit", lambda *args: False)
     calls.clear()
-    assert _run(_engine(model_dir, folders), requests) == got and not calls
+    engine = _engine(model_dir, folders)
+    _swap_kernels(monkeypatch, engine, lora_rows=counted, lora_rows_takes=lambda *args: False)
+    assert _run(engine, requests) == got and not calls
     for name in (None, *folders):
         expected = peft_greedy(model_dir, folders.get(name), prompts, MAX_NEW)
         assert [got[f"{name}-{i}"] for i in range(len(prompts))] == expected, name

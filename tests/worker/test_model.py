@@ -15,6 +15,7 @@ import torch
 from hf_reference import hf_model
 from model_batches import Pager, new_cache, token_ids
 
+from infer.kernels.dispatch import kernels_for
 from infer.worker.attention import paged_attention
 from infer.worker.loader import load_model
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, RotaryEmbedding, RowLinear
@@ -172,7 +173,7 @@ def test_paged_attention_matches_dense(dtype: torch.dtype, tol: float, num_heads
     v = torch.cat([fv[c:] for fv, (c, _) in zip(full_v, shapes, strict=True)] + [padding])
     scale = head_dim**-0.5
 
-    out = paged_attention(q, k, v, k_cache, v_cache, batch, scale)
+    out = paged_attention(kernels_for(q.device), q, k, v, k_cache, v_cache, batch, scale)
 
     assert out.shape == q.shape and out.dtype == dtype
     starts = batch.query_start_loc.tolist()

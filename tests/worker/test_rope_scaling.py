@@ -13,7 +13,7 @@ from family_models import tiny_checkpoint
 from hf_reference import transformers_greedy
 
 from infer import LLM, SamplingParams
-from infer.kernels.rotary import rotary_embedding
+from infer.kernels.rotary import rotary_embedding_cpu
 from infer.worker.models.layers import RotaryEmbedding, partial_rotary_order
 
 LONG = 4096
@@ -117,7 +117,7 @@ def test_partial_rotary_q_k_equal_transformers():
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[positions][None], sin[positions][None]
     )
     q_ours, k_ours = q[..., order].contiguous(), k[..., order].contiguous()
-    rotary_embedding(positions + LONG, q_ours, k_ours, ours.cos_sin_cache, True)
+    rotary_embedding_cpu(positions + LONG, q_ours, k_ours, ours.cos_sin_cache, True)
     back = torch.argsort(order)
     torch.testing.assert_close(q_ours[..., back], want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_ours[..., back], want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

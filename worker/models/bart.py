@@ -19,6 +19,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
+from infer.kernels.dispatch import Kernels, kernels_here
 from infer.worker.attention import paged_attention
 from infer.worker.encoder_decoder import cross_attention, dense_attention, write_cross_kv
 from infer.worker.forward_batch import ForwardBatch, KVCache
@@ -113,6 +114,7 @@ class BartForConditionalGeneration(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, dtype=dtype)
         self.final_logits_bias = nn.Parameter(torch.zeros(1, config.vocab_size, dtype=dtype))
         self.tie_lm_head()  # BART's head is always the shared embedding
+        self.kernels: Kernels = kernels_here()
 
     def tie_lm_head(self) -> None:
         self.lm_head.weight = self.model.shared.weight
@@ -130,7 +132,12 @@ class BartForConditionalGeneration(nn.Module):
         for i, layer in enumerate(self.model.decoder.each_layer()):
             cross = layer.encoder_attn
             write_cross_kv(
-                cross.heads(cross.k_proj(h)), cross.heads(cross.v_proj(h)), kv_cache.k[i], kv_cache.v[i], slots
+                self.kernels,
+                cross.heads(cross.k_proj(h)),
+                cross.heads(cross.v_proj(h)),
+                kv_cache.k[i],
+                kv_cache.v[i],
+                slots,
             )
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -139,10 +146,14 @@ class BartForConditionalGeneration(nn.Module):
         for i, layer in enumerate(stack.each_layer()):
             attn = layer.self_attn
             q, k, v = attn.heads(attn.q_proj(h)), attn.heads(attn.k_proj(h)), attn.heads(attn.v_proj(h))
-            out = paged_attention(q, k.contiguous(), v.contiguous(), kv_cache.k[i], kv_cache.v[i], batch, attn.scale)
+            out = paged_attention(
+                self.kernels, q, k.contiguous(), v.contiguous(), kv_cache.k[i], kv_cache.v[i], batch, attn.scale
+            )
             h = layer.self_attn_layer_norm(h + attn.out_proj(out.reshape(h.shape[0], -1)))
             cross = layer.encoder_attn
-            out = cross_attention(cross.heads(cross.q_proj(h)), kv_cache.k[i], kv_cache.v[i], batch, cross.scale)
+            out = cross_attention(
+                self.kernels, cross.heads(cross.q_proj(h)), kv_cache.k[i], kv_cache.v[i], batch, cross.scale
+            )
             h = layer.encoder_attn_layer_norm(h + cross.out_proj(out.reshape(h.shape[0], -1)))
             h = layer.mlp(h)
         return h

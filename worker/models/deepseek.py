@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from infer.kernels.dispatch import Kernels, kernels_here
 from infer.worker.attention import paged_attention
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import ForwardBatch
@@ -67,6 +68,7 @@ class MLAttention(nn.Module):
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
+        self.kernels: Kernels = kernels_here()
         single = TensorParallel.single()
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
         self.num_heads = len(tp.part(config.num_attention_heads, "the number of attention heads"))
@@ -113,7 +115,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, rank]
         query = torch.cat((q_latent, q_pe), -1)  # [T, H, rank + rope]
-        out = paged_attention(query, kv, kv, k_cache, v_cache, batch, self.scale)
+        out = paged_attention(self.kernels, query, kv, kv, k_cache, v_cache, batch, self.scale)
         out = torch.einsum("thr,hvr->thv", out[..., : self.rank], w_uv)  # [T, H, v]
         return self.o_proj(out.reshape(num_tokens, -1))
 

@@ -121,6 +121,7 @@ class GptOssAttention(LlamaAttention):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         self.rotary_emb(positions, q, None)  # K is rotated by the KV append as it is stored
         out = paged_attention(
+            self.kernels,
             q,
             k,
             v,

@@ -31,18 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.kernels.cpu_kernels import (
-    GEMV_MAX_ROWS,
-    NATIVE_DTYPES,
-    gemv,
-    gemv_takes,
-    gemv_takes_any_rows,
-    silu_and_mul_fits,
-    silu_and_mul_native,
-)
-from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_matmul, quant_matmul_takes, quant_source
-from infer.kernels.rmsnorm import rms_norm
-from infer.kernels.rotary import build_cos_sin_cache, rotary_embedding
+from infer.kernels.cpu_kernels import GEMV_MAX_ROWS, gemv, gemv_takes, gemv_takes_any_rows
+from infer.kernels.dispatch import Kernels, kernels_here
+from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_source
+from infer.kernels.rotary import build_cos_sin_cache
 from infer.worker.forward_batch import ForwardBatch
 from infer.worker.tensor_parallel import TensorParallel
 
@@ -92,6 +84,7 @@ class QuantStorage(nn.Module):
         self.quant_format: str | None = None
         self.quant: QuantWeight | None = None
         self.quant_native = False  # the native kernel takes self.quant (decided with the view)
+        self.kernels: Kernels = kernels_here()
 
     def materialize(self, fmt: str | None, device: torch.device | str) -> None:
         """Give a deferred (meta) weight its storage on `device`: dense in self.dtype (fmt None) or quantized."""
@@ -137,7 +130,7 @@ class QuantStorage(nn.Module):
         # materialize gives a quantized weight its scales with its format (and share_storage copies both)
         scales = cast(torch.Tensor, self.weight_scales)
         self.quant = QuantWeight("q4" if self.quant_format == "q4" else "q8", self.weight, scales, self.weight_mins)
-        self.quant_native = quant_matmul_takes(self.quant)
+        self.quant_native = self.kernels.quant_matmul_takes(self.quant)
 
     def copy_weight_rows(self, start: int, length: int, tensor: Any, what: str) -> None:
         """Fill rows [start, start + length) of the weight from a checkpoint tensor of exactly that shape (a
@@ -207,6 +200,7 @@ class RMSNorm(nn.Module):
         # activations turn the native kernel's and the twin's last-bit differences into other tokens now and then,
         # and a row must get the same bits alone as in a batch)
         self.any_rows = False
+        self.kernels: Kernels = kernels_here()
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
@@ -218,20 +212,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, any_rows=self.any_rows)
-        return rms_norm(x, self.weight, self.eps, residual, any_rows=self.any_rows), residual
-
-
-def quant_linear(x: torch.Tensor, weight: QuantWeight, native: bool) -> torch.Tensor:
-    """x [M, K] times a quantized weight [N, K], transposed -> [M, N] in x's dtype, by the fastest path here: the
-    native kernel on a CPU (`native`: the caller's `quant_matmul_takes(weight)`, decided once per weight) for bf16 /
-    fp32 rows, else kernels/quant_triton.py's dispatcher: Triton on CUDA, the plain twin (dequantize, fp32 matmul)
-    elsewhere."""
-    if native and x.dtype in NATIVE_DTYPES and x.is_cpu and x.shape[0] > 0:
-        return quant_matmul(x if x.stride(1) == 1 else x.contiguous(), weight)
-    from infer.kernels.quant_triton import quant_matmul_gpu  # not imported by CPU workers that need none
-
-    return quant_matmul_gpu(x, weight)
+            return self.kernels.rms_norm(x, self.weight, self.eps, any_rows=self.any_rows)
+        return self.kernels.rms_norm(x, self.weight, self.eps, residual, any_rows=self.any_rows), residual
 
 
 class PackedLinear(QuantStorage):
@@ -243,34 +225,35 @@ class PackedLinear(QuantStorage):
     (a decode at batch 1-8) go to the native GEMV instead (`infer.kernels.cpu_kernels.gemv`), which streams the
     plain weight at a higher memory bandwidth than oneDNN reaches there; where oneDNN packs no bf16 weight (an
     AVX2 CPU), bf16 rows of any count go there (its fp32 core). A quantized weight (QuantStorage) is
-    multiplied by `quant_linear` (below) at every row count: the native kernel on a CPU, Triton
-    on CUDA, the twin elsewhere.
+    multiplied by the device's `quant_matmul` (kernels/dispatch.py) at every row count: the native kernel on a
+    CPU (where it takes the weight), Triton on CUDA, the twin elsewhere.
     """
 
     bias: nn.Parameter | None
     packed: torch.Tensor | None = None
-    gemv_ready: bool = False  # the plain weight suits the native GEMV (decided with the packing)
+    gemv_native: bool = False  # the plain weight suits the native GEMV (decided with the packing)
     gemv_rows: int = GEMV_MAX_ROWS  # up to how many rows it goes there (any, where oneDNN packs no bf16)
     lora: Any = None  # a worker/lora.py LoraLayer once an adapter targets this layer
 
     def pack_weights(self) -> None:
         self.refresh_quant()
         if self.quant is not None:
-            self.packed, self.gemv_ready = None, False
+            self.packed, self.gemv_native = None, False
             return
         self.packed = _pack_for_cpu(self.weight)
         # not tied to oneDNN's packing: on an AVX2 CPU oneDNN packs no bf16 weight (it needs AVX512-BW/VL/DQ or
         # AVX-NE-CONVERT), and the GEMV is the fast path there most of all, for a prefill's rows as well
-        self.gemv_ready = gemv_takes(self.weight)
+        self.gemv_native = gemv_takes(self.weight)
         self.gemv_rows = GEMV_MAX_ROWS if self.packed is not None or not gemv_takes_any_rows() else 1 << 62
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [N, in] -> x W^T + bias, [N, out]."""
         if self.quant is not None:
-            y = quant_linear(x.reshape(-1, x.shape[-1]), self.quant, self.quant_native).reshape(*x.shape[:-1], -1)
+            y = self.kernels.quant_matmul(x.reshape(-1, x.shape[-1]), self.quant, self.quant_native)
+            y = y.reshape(*x.shape[:-1], -1)
             return y if bias is None else y.add_(bias)
         if x.dim() == 2 and not torch.compiler.is_compiling():
-            if self.gemv_ready and 0 < x.shape[0] <= self.gemv_rows and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+            if self.gemv_native and 0 < x.shape[0] <= self.gemv_rows and x.dtype == torch.bfloat16 and x.stride(1) == 1:
                 if bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()):
                     return gemv(x, self.weight, bias)  # the bias fused: one rounding, as oneDNN's
                 return gemv(x, self.weight).add_(bias)
@@ -502,15 +485,6 @@ class LMHead(PackedLinear):
         )
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2d] (gate | up) -> silu(gate) * up, [..., d]. A CPU's bf16 rows take the native kernel (one pass;
-    `infer.kernels.cpu_kernels`), the rest torch's two ops."""
-    if silu_and_mul_fits(x):
-        return silu_and_mul_native(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Rotary embedding
 
@@ -685,6 +659,7 @@ class RotaryEmbedding(nn.Module):
             if max_positions > self.original_max_positions:
                 self.long_inv_freq = _longrope_inv_freq(params, self.rotary_dim, config, "long_factor")[0]
         self.register_buffer("cos_sin_cache", self._cache(max_positions), persistent=False)
+        self.kernels: Kernels = kernels_here()
 
     @property
     def length_dependent(self) -> bool:
@@ -743,7 +718,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None) -> None:
         """Rotate q [T, Hq, head_dim] and k [T, Hk, head_dim] (views into the qkv output are fine) in place,
         token i by positions[i] [T]."""
-        rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
+        self.kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
 
 
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
+from infer.kernels.dispatch import Kernels, kernels_here
 from infer.worker.attention import paged_attention
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.lora import lora_rows_active
@@ -27,7 +28,6 @@ from infer.worker.models.layers import (
     RotaryEmbedding,
     RowLinear,
     VocabEmbedding,
-    silu_and_mul,
 )
 from infer.worker.models.native_decode import NativeDecoder
 from infer.worker.tensor_parallel import TensorParallel
@@ -162,6 +162,7 @@ class LlamaAttention(nn.Module):
         self.q_norm: nn.Module | None = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
         self.k_norm: nn.Module | None = RMSNorm(head_dim, config.rms_norm_eps, dtype) if variant.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by all layers
+        self.kernels: Kernels = kernels_here()
 
     def forward(
         self,
@@ -182,6 +183,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary_emb(positions, q, None)  # q in place; K is rotated by the KV append as it is stored
         out = paged_attention(
+            self.kernels,
             q,
             k,
             v,
@@ -217,9 +219,10 @@ class LlamaMLP(nn.Module):
             config.hidden_size, {"gate": size, "up": size}, variant.mlp_bias, dtype, tp
         )
         self.down_proj = RowLinear(size, config.hidden_size, variant.mlp_bias, dtype, tp)
+        self.kernels: Kernels = kernels_here()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 # Builds the feed-forward sublayer of layer i: (layer index) -> module mapping [T, hidden] -> [T, hidden].

@@ -6,8 +6,8 @@ an `mlp_factory`); a layer's feed-forward sublayer is a `SparseMoeBlock`, or for
 
 A `SparseMoeBlock` routes each token to its top-k experts (router logits in the model dtype, softmax in
 float32, top-k, optional renormalization) and hands the routed rows to `ExpertParallel.run_experts`, which
-runs them through the experts' fused MLP (`infer.kernels.moe.fused_experts`) on the rank that holds each
-expert and sums the weighted results per token. A rank holds only `ep.expert_range(num_experts)`.
+runs them through the experts' fused MLP (`infer.kernels.moe`: the kernel kernels/dispatch.py picks) on the rank
+that holds each expert and sums the weighted results per token. A rank holds only `ep.expert_range(num_experts)`.
 
 Parameter names follow transformers' in-memory modules (`mlp.gate.weight`, `mlp.experts.gate_up_proj`
 [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). Checkpoints saved by transformers store the experts one by
@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from infer.kernels.moe import fused_experts
+from infer.kernels.dispatch import Kernels, kernels_here
 from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.models.layers import ColumnLinear, _copy_checked, _param, _rank_slice
 from infer.worker.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant
@@ -75,10 +75,11 @@ class FusedExperts(nn.Module):
         num_local = len(self.expert_range)
         self.gate_up_proj = _param(num_local, 2 * self.intermediate_size, hidden_size, dtype=dtype)
         self.down_proj = _param(num_local, hidden_size, self.intermediate_size, dtype=dtype)
+        self.kernels: Kernels = kernels_here()
 
     def forward(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """rows [N, H], local_ids [N] int64 in [0, E_local) -> [N, H]."""
-        return fused_experts(rows, local_ids, self.gate_up_proj, self.down_proj)
+        return self.kernels.fused_experts(rows, local_ids, self.gate_up_proj, self.down_proj)
 
     # Loading (see infer.worker.loader): per-expert tensors arrive with an ExpertShard, the fused layout
     # [E, ...] with shard None.

@@ -87,7 +87,7 @@ def _linear_format(linear: PackedLinear, dtype: torch.dtype) -> int | None:
     streams bf16 weights only)."""
     if linear.quant is not None:
         return FORMAT_CODES[linear.quant.format] if linear.quant_native else None
-    return DENSE_BF16 if linear.gemv_ready and dtype == torch.bfloat16 else None
+    return DENSE_BF16 if linear.gemv_native and dtype == torch.bfloat16 else None
 
 
 class NativeDecoder:
@@ -163,7 +163,7 @@ class NativeDecoder:
         attn = attns[0]
         norms = [model.norm] + [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         linears = [linear for layer in layers for linear in _linears(layer)]
-        shapes_fit = (
+        shapes_taken = (
             attn.head_dim % 16 == 0
             and attn.head_dim <= MAX_HEAD_DIM
             and attn.num_heads % attn.num_kv_heads == 0
@@ -191,7 +191,7 @@ class NativeDecoder:
             and all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in norms)
         )
         # `plain` holds only where no code is None
-        return cls(model, cast("list[int]", formats)) if shapes_fit and same and plain else None
+        return cls(model, cast("list[int]", formats)) if shapes_taken and same and plain else None
 
     def takes(self, batch: ForwardBatch, kv_cache: KVCache) -> bool:
         """Whether this step is one for the native call: 1-8 decoding requests (verifications' rows included) and

@@ -20,6 +20,7 @@ from typing import Any, Callable, ClassVar, cast
 import torch
 from torch import nn
 
+from infer.kernels.dispatch import Kernels, kernels_here
 from infer.worker.encoder_decoder import biased_paged_attention, cross_attention, dense_attention, write_cross_kv
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.tensor_parallel import TensorParallel
@@ -193,6 +194,7 @@ class T5ForConditionalGeneration(nn.Module):
         self.encoder = T5Stack(config, dtype, decoder=False, embed_tokens=self.shared)
         self.decoder = T5Stack(config, dtype, decoder=True, embed_tokens=self.shared)
         self.lm_head = _linear(config.vocab_size, config.d_model, dtype)
+        self.kernels: Kernels = kernels_here()
 
     def tie_lm_head(self) -> None:
         self.lm_head.weight = self.shared.weight
@@ -214,7 +216,9 @@ class T5ForConditionalGeneration(nn.Module):
         h = stack.final_layer_norm(h)
         for i, block in enumerate(self.decoder.blocks()):
             cross = block.attention(1)
-            write_cross_kv(cross.heads(cross.k(h)), cross.heads(cross.v(h)), kv_cache.k[i], kv_cache.v[i], slots)
+            write_cross_kv(
+                self.kernels, cross.heads(cross.k(h)), cross.heads(cross.v(h)), kv_cache.k[i], kv_cache.v[i], slots
+            )
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         stack = self.decoder
@@ -227,11 +231,11 @@ class T5ForConditionalGeneration(nn.Module):
             attn = block.attention(0)
             x = block.part(0).layer_norm(h)
             q, k, v = attn.heads(attn.q(x)), attn.heads(attn.k(x)), attn.heads(attn.v(x))
-            out = biased_paged_attention(q, k, v, kv_cache.k[i], kv_cache.v[i], batch, 1.0, bias)
+            out = biased_paged_attention(self.kernels, q, k, v, kv_cache.k[i], kv_cache.v[i], batch, 1.0, bias)
             h = h + attn.o(out.reshape(h.shape[0], -1))
             cross = block.attention(1)
             x = block.part(1).layer_norm(h)
-            out = cross_attention(cross.heads(cross.q(x)), kv_cache.k[i], kv_cache.v[i], batch, 1.0)
+            out = cross_attention(self.kernels, cross.heads(cross.q(x)), kv_cache.k[i], kv_cache.v[i], batch, 1.0)
             h = block.mlp(h + cross.o(out.reshape(h.shape[0], -1)))
         h = stack.final_layer_norm(h)
         return h * (self.config.d_model**-0.5) if self.scale_output else h
