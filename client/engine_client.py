@@ -15,7 +15,9 @@ from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
 
-Prompt = str | Sequence[int] | dict[str, Any]  # a dict: vLLM's multimodal form (client/multimodal.py)
+Prompt = (
+    str | Sequence[int] | dict[str, Any]
+)  # a dict: vLLM's multimodal or encoder-decoder form (client/multimodal.py, prompt_forms.py)
 # new weights: a safetensors directory, or (checkpoint name, tensor) pairs (a mapping of them, or an iterable)
 WeightSource = str | os.PathLike[str] | Iterable[tuple[str, Any]] | Mapping[str, Any]
 

@@ -69,6 +69,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from infer.client.engine_client import ClusterError
 from infer.client.multimodal import split_prompt, wire_images
+from infer.client.prompt_forms import split_encoder_decoder
 from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.journal import StreamJournal
 from infer.protocol.keys import CurveKeys, PathLike
@@ -116,7 +117,9 @@ from infer.protocol.transport import HANDSHAKE_EVENTS, handshake_failure, make_s
 
 log = logging.getLogger("infer.client")
 
-Prompt = str | Sequence[int] | dict[str, Any]  # a dict: vLLM's multimodal form (client/multimodal.py)
+Prompt = (
+    str | Sequence[int] | dict[str, Any]
+)  # a dict: vLLM's multimodal or encoder-decoder form (client/multimodal.py, prompt_forms.py)
 CLOSE_LINGER_MS = 200
 _KEY_FLAGS = ("curve_key", "coordinator_key")
 _CURVE_HINT = (
@@ -390,7 +393,7 @@ class InferenceClient:
         request = await self._submit(
             prompt, params, request_id, pin_rank, timeout, priority, traceparent, model, session_id
         )
-        prompt, _ = split_prompt(prompt)
+        prompt, _ = split_prompt(split_encoder_decoder(prompt)[0])
         completion = Completion(
             request.request_id, prompt_token_ids=[], prompt=prompt if isinstance(prompt, str) else None
         )
@@ -474,8 +477,16 @@ class InferenceClient:
         rid = request_id or f"{self.client_id}-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in flight")
+        prompt, decoder = split_encoder_decoder(prompt)  # vLLM's {"encoder_prompt": ..., "decoder_prompt": ...}
         prompt, images = split_prompt(prompt)
         encoded = wire_images(images)
+        decoder_fields = (
+            {}
+            if decoder is None
+            else {"decoder_prompt": decoder}
+            if isinstance(decoder, str)
+            else {"decoder_prompt_token_ids": TokenIds.checked(decoder, "decoder_prompt")}
+        )
         if isinstance(prompt, str):
             submit = Submit(
                 request_id=rid,
@@ -488,6 +499,7 @@ class InferenceClient:
                 model=model,
                 session_id=session_id,
                 images=encoded,
+                **decoder_fields,
             )
         else:
             submit = Submit(
@@ -501,6 +513,7 @@ class InferenceClient:
                 model=model,
                 session_id=session_id,
                 images=encoded,
+                **decoder_fields,
             )
         request = self._requests[rid] = _Request(
             rid,
@@ -863,6 +876,8 @@ class InferenceClient:
             traceparent=submit.traceparent,
             session_id=submit.session_id,
             images=submit.images,
+            decoder_prompt=submit.decoder_prompt,
+            decoder_prompt_token_ids=submit.decoder_prompt_token_ids,
             delivered_token_ids=TokenIds(request.received.token_ids),
             delivered_text_len=request.received.text_len,
         )

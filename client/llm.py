@@ -36,6 +36,7 @@ from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
 from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
 from infer.client.multimodal import split_prompt
+from infer.client.prompt_forms import split_encoder_decoder
 from infer.protocol.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from infer.protocol.keys import CurveKeys
 from infer.protocol.logs import LOG_LEVELS, logging_argv
@@ -53,7 +54,9 @@ if TYPE_CHECKING:
     from infer.client.spmd import InProcessWorker, SpmdWorld
     from infer.worker.engine import Engine
 
-Prompt = str | list[int] | dict[str, Any]  # a dict: vLLM's multimodal form (client/multimodal.py)
+Prompt = (
+    str | list[int] | dict[str, Any]
+)  # a dict: vLLM's multimodal or encoder-decoder form (client/multimodal.py, prompt_forms.py)
 T = TypeVar("T")
 log = logging.getLogger("infer.llm")
 
@@ -1075,20 +1078,23 @@ class LLM:
         request_id = f"llm-{next(self._ids)}"
         self._counters.submitted += 1
         try:
-            plain, images = split_prompt(prompt)  # vLLM's {"prompt": ..., "multi_modal_data": ...}
+            plain, decoder = split_encoder_decoder(prompt)  # vLLM's {"encoder_prompt": ..., "decoder_prompt": ...}
+            plain, images = split_prompt(plain)  # vLLM's {"prompt": ..., "multi_modal_data": ...}
         except ValueError as e:
             self._counters.record_final("error")
             return Completion(request_id, [], finish_reason="error", error=str(e), error_code="invalid_request")
         text = plain if isinstance(plain, str) else None
         try:
-            request = engine.add_request(request_id, plain, params, priority=priority, images=images)
+            request = engine.add_request(
+                request_id, plain, params, priority=priority, images=images, decoder_prompt=decoder
+            )
         except ValueError as e:
             self._counters.record_final("error")
             ids = list(plain) if isinstance(plain, list) else []
             return Completion(
                 request_id, ids, finish_reason="error", error=str(e), prompt=text, error_code="invalid_request"
             )
-        return Completion(request_id, list(request.prompt_token_ids), prompt=text)
+        return Completion(request_id, list(request.input_token_ids), prompt=text)
 
     # ---- cluster control ------------------------------------------------------------------------
 

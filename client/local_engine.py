@@ -38,6 +38,7 @@ import msgspec
 
 from infer.client.engine_client import ClusterError
 from infer.client.multimodal import split_prompt
+from infer.client.prompt_forms import split_encoder_decoder
 from infer.protocol.codes import ClusterState, FinishReason
 from infer.protocol.deadlines import DeadlineHeap
 from infer.protocol.messages import MAX_ID_LEN, MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
@@ -49,7 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infer.local_engine")
 
-Prompt = str | Sequence[int] | dict[str, Any]  # a dict: vLLM's multimodal form (client/multimodal.py)
+Prompt = (
+    str | Sequence[int] | dict[str, Any]
+)  # a dict: vLLM's multimodal or encoder-decoder form (client/multimodal.py, prompt_forms.py)
 
 IDLE_WAIT_S = 1.0  # an idle engine thread wakes up this often (a bounded wait, nothing is polled)
 CALL_TIMEOUT_S = 30.0  # stats() round trip through the engine thread
@@ -251,7 +254,8 @@ class LocalEngine:
         error_code "timeout" (aborted, KV blocks freed). `model` and `session_id`: as in `stream`."""
         self._check_model(model)
         stream = self._open(prompt, params, request_id, timeout, priority)
-        plain = prompt.get("prompt", prompt.get("prompt_token_ids")) if isinstance(prompt, dict) else prompt
+        plain = split_encoder_decoder(prompt)[0] if isinstance(prompt, dict) and "encoder_prompt" in prompt else prompt
+        plain = plain.get("prompt", plain.get("prompt_token_ids")) if isinstance(plain, dict) else plain
         completion = Completion(stream.request_id, [], prompt=plain if isinstance(plain, str) else None)
         await self._fold(stream, completion)
         given = [] if isinstance(plain, str) or plain is None else list(plain)
@@ -448,16 +452,22 @@ class LocalEngine:
         if stream.request_id in self._streams:
             return self._reject(stream, f"request id {stream.request_id!r} is already in flight", "invalid_request")
         try:
-            prompt, images = split_prompt(command.prompt)  # vLLM's {"prompt": ..., "multi_modal_data": ...}
+            prompt, decoder = split_encoder_decoder(command.prompt)  # {"encoder_prompt": ..., "decoder_prompt": ...}
+            prompt, images = split_prompt(prompt)  # vLLM's {"prompt": ..., "multi_modal_data": ...}
             request = self.engine.add_request(
-                stream.request_id, prompt, command.params, priority=command.priority, images=images
+                stream.request_id,
+                prompt,
+                command.params,
+                priority=command.priority,
+                images=images,
+                decoder_prompt=decoder,
             )
         except ValueError as e:
             return self._reject(stream, str(e), "invalid_request")
         except Exception as e:  # the engine is unchanged by a failed add; only this request fails
             log.exception("add_request(%r) failed", stream.request_id)
             return self._reject(stream, f"{type(e).__name__}: {e}", "internal")
-        stream.prompt_token_ids = list(request.prompt_token_ids)
+        stream.prompt_token_ids = list(request.input_token_ids)
         self._streams[stream.request_id] = stream
         if command.timeout is not None:
             deadline = command.submitted_at + command.timeout

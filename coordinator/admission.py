@@ -122,6 +122,8 @@ class Admission:
             deadline=None if submit.timeout_s is None else now + submit.timeout_s,
             traceparent=submit.traceparent,
             images=submit.images,
+            decoder_prompt=submit.decoder_prompt,
+            decoder_prompt_token_ids=submit.decoder_prompt_token_ids,
         )
         if self.config.otlp_traces_endpoint is not None:
             request.trace = HopSpan.child_of(

@@ -65,6 +65,9 @@ class RequestRecord:
     kv_consumer: str | None = None
     handed_off: bool = False
     images: list[bytes] = field(default_factory=list)  # Submit.images: every Dispatch of it carries them
+    # Submit.decoder_prompt / decoder_prompt_token_ids (an encoder-decoder model's): every Dispatch carries them
+    decoder_prompt: str | None = None
+    decoder_prompt_token_ids: list[int] | None = None
 
     @property
     def suspect(self) -> bool:
@@ -110,6 +113,8 @@ class RequestRecord:
                 client=self.client_tag,
                 traceparent=self.dispatch_traceparent,
                 images=self.images,
+                decoder_prompt=self.decoder_prompt,
+                decoder_prompt_token_ids=self.decoder_prompt_token_ids,
             )
         return Dispatch(
             request_id=self.request_id,
@@ -121,6 +126,8 @@ class RequestRecord:
             client=self.client_tag,
             traceparent=self.dispatch_traceparent,
             images=self.images,
+            decoder_prompt=self.decoder_prompt,
+            decoder_prompt_token_ids=self.decoder_prompt_token_ids,
         )
 
     @property

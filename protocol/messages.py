@@ -438,6 +438,10 @@ class Submit(Message, frozen=True):
     `session_id`: the conversation it belongs to (the HTTP front's X-Session-ID header): the coordinator sends it to
     the DP rank that ran the session's previous request while that rank is healthy and not overloaded
     (coordinator/sessions.py), where its KV blocks are.
+    `decoder_prompt` / `decoder_prompt_token_ids` (at most one): for an encoder-decoder model (T5, BART), whose
+    `prompt` is its encoder's input, the decoder's prefix after its start token; kept with the request like the
+    images, so that every Dispatch of it carries it. Left out when not given (older peers parse the rest); a
+    decoder-only worker refuses it by name.
     `images`: the prompt's images, encoded, in the order of its image tokens (a model that takes images); the
     coordinator keeps them with the request, so that a failover's Dispatch carries them again. A request without
     images leaves the field out (omit_defaults), so peers older than it serve such requests as before; one with
@@ -460,6 +464,8 @@ class Submit(Message, frozen=True):
     model: ModelId | None = None
     session_id: SessionId | None = None
     images: Images = msgspec.field(default_factory=list)
+    decoder_prompt: str | None = None
+    decoder_prompt_token_ids: TokenIdList | None = None
 
     def __post_init__(self) -> None:
         # (`if ...: raise`, not _require: the messages are formatted only for a bad Submit, once per request)
@@ -474,6 +480,7 @@ class Submit(Message, frozen=True):
         _check_traceparent(self.traceparent)
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise ProtocolError("exactly one of 'prompt' and 'prompt_token_ids' must be given")
+        _check_decoder_prompt(self.decoder_prompt, self.decoder_prompt_token_ids)
         if self.delivered_text_len is not None and self.delivered_text_len < 0:
             raise ProtocolError(f"field 'delivered_text_len' must be >= 0, got {self.delivered_text_len}")
         if self.pin_rank is not None and self.pin_rank < 0:
@@ -538,9 +545,13 @@ class Dispatch(Message, frozen=True):
     kv_consumer_address: Address | None = None
     kv_consumer_key: Owner | None = None
     images: Images = msgspec.field(default_factory=list)  # Submit.images, on every (re)dispatch
+    # Submit.decoder_prompt / decoder_prompt_token_ids (an encoder-decoder model's), on every (re)dispatch
+    decoder_prompt: str | None = None
+    decoder_prompt_token_ids: TokenIdList | None = None
 
     def __post_init__(self) -> None:
         _check_traceparent(self.traceparent)
+        _check_decoder_prompt(self.decoder_prompt, self.decoder_prompt_token_ids)
         if (self.kv_consumer_address is None) != (self.kv_consumer_key is None):
             raise ProtocolError("'kv_consumer_address' and 'kv_consumer_key' go together")
         if (self.stream_owner is None) != (self.stream_token is None):
@@ -549,6 +560,11 @@ class Dispatch(Message, frozen=True):
             raise ProtocolError("exactly one of 'prompt' and 'prompt_token_ids' must be given")
         if self.resumed_token_ids and self.prompt_token_ids is None:
             raise ProtocolError("'resumed_token_ids' needs 'prompt_token_ids'")
+
+
+def _check_decoder_prompt(text: str | None, ids: list[int] | None) -> None:
+    if text is not None and ids is not None:
+        raise ProtocolError("at most one of 'decoder_prompt' and 'decoder_prompt_token_ids' may be given")
 
 
 @message

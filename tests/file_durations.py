@@ -32,6 +32,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/cluster/test_structured_outputs.py": 123,
     "tests/client/test_family_entry_points.py": 121,
     "tests/cluster/test_drain_moves.py": 120,  # new: its tests alone (-n 0), 2026-11-30, loaded
+    "tests/cluster/test_encdec_cluster.py": 120,  # new: ~120 s alone (-n 0) on the loaded shared 2-core Zen 3
     "tests/worker/test_native_decode.py": 118,
     "tests/worker/test_engine.py": 112,
     "tests/cluster/test_self_healing.py": 111,
@@ -59,6 +60,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/worker/test_lora.py": 74,
     "tests/client/test_demo.py": 72,
     "tests/worker/test_resume.py": 72,
+    "tests/worker/test_encoder_decoder.py": 70,  # new: ~70 s alone (-n 0), same machine
     "tests/cluster/test_speculative_groups.py": 66,
     "tests/cluster/test_images_cluster.py": 60,  # new: 31-86 s alone (-n 0), by the shared 2-core Zen 3's load
     "tests/cluster/test_serve.py": 57,

@@ -46,9 +46,12 @@ class BenchmarkEngine:
         priority: int = 0,
         client: str | None = None,
         images: Sequence[object] = (),
+        decoder_prompt: str | Sequence[int] | None = None,
     ) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if decoder_prompt is not None:
+            raise ValueError("decoder_prompt is for encoder-decoder models; the benchmark engine is decoder-only")
         if images:
             raise ValueError("the benchmark engine takes no images: it runs no model")
         params = params or SamplingParams()

@@ -244,7 +244,14 @@ class BlockManager:
         total = request.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_new_blocks = max(0, self.blocks_for_tokens(total) - len(request.block_table) - len(cached_blocks))
         num_revived = sum(1 for block_id in cached_blocks if self._blocks[block_id].ref_count == 0)
-        return num_new_blocks + num_revived
+        return num_new_blocks + num_revived + self.num_cross_blocks_to_allocate(request)
+
+    def num_cross_blocks_to_allocate(self, request: Request) -> int:
+        """Blocks an encoder-decoder request's cross-attention K/V still needs (all of them at its first
+        allocation, none after): they are taken with its first blocks and freed with them."""
+        if request.encoder_token_ids is None or request.cross_block_table:
+            return 0
+        return self.blocks_for_tokens(len(request.encoder_token_ids))
 
     def allocate(
         self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (), num_draft_tokens: int = 0
@@ -262,6 +269,8 @@ class BlockManager:
             return False
         if not request.block_table:
             self._start(request, cached_blocks)
+        for _ in range(self.num_cross_blocks_to_allocate(request)):
+            request.cross_block_table.append(self._take_free_block())
         total = request.num_computed_tokens + num_new_tokens
         while len(request.block_table) < self.blocks_for_tokens(total):
             request.block_table.append(self._take_free_block())
@@ -484,7 +493,11 @@ class BlockManager:
                 raise ValueError(f"request {request.request_id!r} frees block {block_id}, which is already free")
         for block_id in reversed(held):
             self._unref(block_id)
+        for block_id in request.cross_block_table:  # never cached: to the front of the free queue
+            self._unref(block_id)
         request.block_table.clear()
+        request.cross_block_table.clear()
+        request.encoder_computed = False
         request.num_computed_tokens = 0
 
     def _unref(self, block_id: int) -> None:
@@ -602,7 +615,7 @@ class BlockManager:
                 raise ValueError(
                     f"request {request.request_id!r}: released entries are no leading run: {request.block_table}"
                 )
-            for block_id in held:
+            for block_id in held + request.cross_block_table:
                 counts[block_id] += 1
         for block, count in zip(self._blocks, counts, strict=True):
             if block.ref_count != count:

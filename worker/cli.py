@@ -212,6 +212,13 @@ def _run(
             engine = leader_engine(config, parallel)
         else:
             engine = make_engine(config, options.benchmark_mode, options.ep, options.benchmark_step_time, parallel)
+        if options.kv_transfer_config is not None and getattr(
+            getattr(engine, "model", None), "is_encoder_decoder", False
+        ):
+            raise ValueError(
+                "--kv-transfer-config is not supported for an encoder-decoder model (its cross-attention blocks are "
+                "not sent)"
+            )
     except ValueError as e:  # options the engine finds impossible (model path, KV budget, context length)
         log.error("fatal: %s", e)
         return EXIT_USAGE

@@ -121,6 +121,7 @@ class EngineLike(Protocol):
         priority: int = 0,
         client: str | None = None,
         images: Sequence[object] = (),
+        decoder_prompt: str | Sequence[int] | None = None,
     ) -> Request: ...
     def step(self) -> list[Delta]: ...
     def take_pending(self) -> list[Delta]: ...
@@ -935,11 +936,14 @@ class WorkerCore:
                     priority=msg.priority,
                     client=msg.client,
                     images=msg.images,
+                    decoder_prompt=msg.decoder_prompt
+                    if msg.decoder_prompt is not None
+                    else msg.decoder_prompt_token_ids,
                 )
         except ValueError as e:
             return self._reject(msg.request_id, str(e), "invalid_request")
         sent = self._requests[msg.request_id] = _Sent(
-            TokenIds(request.prompt_token_ids),
+            TokenIds(request.input_token_ids),  # an encoder-decoder model's: its encoder input, as given
             msg.resumed_token_ids,
             request.params.seed,
             echo_prompt=msg.prompt is not None or bool(msg.images),  # images: their tokens expanded here

@@ -33,6 +33,8 @@ from infer.protocol.prompt_limits import max_token_bytes
 from infer.protocol.sampling import SamplingParams
 from infer.worker.beam_groups import BeamGroups
 from infer.worker.config import EngineConfig
+from infer.worker.encoder_decoder import check_engine as check_encoder_decoder
+from infer.worker.encoder_decoder import is_encoder_decoder
 from infer.worker.engine_setup import (
     context_length,
     kept_quantized,
@@ -149,6 +151,11 @@ class Engine:
                 self.model = stage.load_model(self.model_path, self.dtype, self.device, config.quantization)
             files = [weight_files(self.model_path)]
         trim_heap()  # what loading freed (tokenizer files, weight conversion), before the KV pool and the first steps
+        # an encoder-decoder model (worker/encoder_decoder.py): what it does not run is refused here, by name
+        check_encoder_decoder(
+            config, self.model, tp_size=self.tp.size, pipeline=stage is not None, ep_size=self.ep.size
+        )
+        encdec = self.model if is_encoder_decoder(self.model) else None
         self.vocab_size = int(self.model.vocab_size)
         self.max_model_len = context_length(config, self.model.config)
         self.block_size = config.block_size
@@ -173,7 +180,9 @@ class Engine:
                 max_model_len=self.max_model_len,
                 block_size=self.block_size,
                 num_blocks=num_blocks,
-                enable_prefix_caching=config.enable_prefix_caching and not _rope_depends_on_length(self.model),
+                enable_prefix_caching=config.enable_prefix_caching
+                and not _rope_depends_on_length(self.model)
+                and encdec is None,  # a decoder block's keys depend on the encoder's input, which hashes omit
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
                 priority_aging_steps=config.priority_aging_steps,
@@ -218,6 +227,7 @@ class Engine:
             self.sampler,
             make_step_graphs(config, self.model, self.kv_cache, self.max_model_len, self.device),
         )
+        self.runner.encoder = encdec
         self.lora = self._lora_manager()
         self.runner.lora = self.lora
         # a model that takes images (worker/vision.py): its encoder cache and preprocessing
@@ -276,6 +286,7 @@ class Engine:
             speculative=self.proposer is not None,
             pipeline=stage is not None,
             model_parallel=self.tp.size > 1 or stage is not None,
+            encoder_decoder=encdec,
         )
         # a pipeline's stage 0: a micro-batch per stage in flight (worker/micro_batches.py) unless told otherwise;
         # speculative decoding steps one batch at a time (its proposals read the tokens of the step before)
@@ -304,8 +315,13 @@ class Engine:
         priority: int = 0,
         client: str | None = None,
         images: Sequence[object] = (),
+        decoder_prompt: str | Sequence[int] | None = None,
     ) -> Request:
         """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged.
+
+        An encoder-decoder model's `prompt` is its encoder's input; `decoder_prompt` (text, tokenized without special
+        tokens, or ids) follows the decoder's start token (worker/encoder_decoder.py). A decoder-only model refuses
+        a `decoder_prompt`.
 
         `images`: the prompt's images, in order (encoded bytes or PIL images), for a model that takes them; the
         prompt holds one image token per image (expanded here to the image's tokens) or each image's tokens already
@@ -330,7 +346,7 @@ class Engine:
         if self.scheduler.get(request_id) is not None or request_id in self.grammars:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request, resumed = self.intake.request(
-            request_id, prompt, params, resumed_token_ids, priority, images, self._arrivals
+            request_id, prompt, params, resumed_token_ids, priority, images, self._arrivals, decoder_prompt
         )
         prompt_ids, params = request.prompt_token_ids, request.params
         if params.beam_search:

@@ -133,5 +133,9 @@ def num_kv_blocks(
             f"{torch.empty((), dtype=dtype).element_size()} bytes)"
         )
     # More blocks than max_num_seqs full-length sequences can use would only waste memory.
-    useful = config.max_num_seqs * math.ceil(max_model_len / config.block_size) + 1
+    per_seq = math.ceil(max_model_len / config.block_size)
+    if getattr(model, "is_encoder_decoder", False):  # + its cross-attention blocks over the longest encoder input
+        encoder_len = getattr(model, "max_encoder_len", None) or max_model_len
+        per_seq += math.ceil(min(encoder_len, max_model_len) / config.block_size)
+    useful = config.max_num_seqs * per_seq + 1
     return int(min(num_blocks, useful))

@@ -50,6 +50,10 @@ class ForwardBatch:
     # token embeddings [R, hidden] (None: no image token in this step)
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # Encoder-decoder models (worker/encoder_decoder.py): each real row's request's cross-attention block table
+    # [T, max cross blocks] int32 (padded with 0) and encoder length [T] int32 (None: a decoder-only model)
+    cross_block_tables: torch.Tensor | None = None
+    cross_lens: torch.Tensor | None = None
     # values every layer needs, derived once by the first layer that asks (e.g. the decode twin's plan)
     per_step: dict = field(default_factory=dict, compare=False, repr=False)
 

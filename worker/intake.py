@@ -21,6 +21,7 @@ from infer.protocol.prompt_limits import prompt_size_error
 from infer.protocol.sampling import SamplingParams
 from infer.worker.beam_groups import BeamGroups
 from infer.worker.config import EngineConfig
+from infer.worker.encoder_decoder import EncoderDecoderModel
 from infer.worker.images import ImageLimits, PlacedImage, load_image, place_images
 from infer.worker.pooling import PoolingState
 from infer.worker.request import Request
@@ -62,11 +63,13 @@ class Intake:
         speculative: bool,
         pipeline: bool,
         model_parallel: bool,
+        encoder_decoder: EncoderDecoderModel | None = None,
     ) -> None:
         """`draw_seed`: a seed for a sampled request without one; `lora_id`: an adapter name's id (0: none;
         ValueError for an unknown one); `vision` / `preprocess`: a model that takes images and its preprocessing;
         `speculative`: drafts are proposed (no images yet); `pipeline`: this is a pipeline's stage 0 (no
-        pooling); `model_parallel`: tensor or pipeline parallel (no beam search)."""
+        pooling); `model_parallel`: tensor or pipeline parallel (no beam search); `encoder_decoder`: the model when it
+        is one (worker/encoder_decoder.py): the prompt is then its encoder's input."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -85,6 +88,7 @@ class Intake:
         self.speculative = speculative
         self.pipeline = pipeline
         self.model_parallel = model_parallel
+        self.encoder_decoder = encoder_decoder
 
     def request(
         self,
@@ -95,6 +99,7 @@ class Intake:
         priority: int,
         images: Sequence[object],
         arrival_order: int,
+        decoder_prompt: str | Sequence[int] | None = None,
     ) -> tuple[Request, list[int]]:
         """The Request (status WAITING; a beam search's first beam) and its resumed tokens; ValueError naming what
         is wrong (Engine.add_request says what each argument means)."""
@@ -116,8 +121,19 @@ class Intake:
         if params.seed is None and params.temperature > 0:
             params = params.with_seed(self.draw_seed())
         lora_id = self.lora_id(params.lora_name)
-        prompt_ids = self._prompt_token_ids(prompt)
-        prompt_ids, placed = self._place_images(prompt_ids, images)
+        encoder_ids = None
+        placed: tuple[PlacedImage, ...] = ()
+        if self.encoder_decoder is not None:
+            encoder_ids = self._encoder_token_ids(prompt, params, images)
+            prompt_ids = self._decoder_prompt_ids(decoder_prompt)
+        elif decoder_prompt is not None:
+            raise ValueError(
+                f"decoder_prompt is for encoder-decoder models; model {self.model_id!r} is decoder-only: give the "
+                "whole prompt as 'prompt'"
+            )
+        else:
+            prompt_ids = self._prompt_token_ids(prompt)
+            prompt_ids, placed = self._place_images(prompt_ids, images)
         self._check_token_lists(params)
         resumed = self._resumed_token_ids(len(prompt_ids), resumed_token_ids, params.max_tokens)
         if params.beam_search:
@@ -138,6 +154,7 @@ class Intake:
             lora_id=lora_id,
             cache_salt=adapter_salt(params.lora_name),
             images=placed,
+            encoder_token_ids=encoder_ids,
         )
         if params.beam_search:  # its prompt's request is its first beam (worker/beam_groups.py)
             request.beam_group = request.request_id
@@ -180,6 +197,62 @@ class Intake:
                 raise ValueError(f"image {index}: {error}") from None
             placed.append(PlacedImage(offset, length, key, pixels))
         return ids, tuple(placed)
+
+    def _encoder_token_ids(
+        self, prompt: str | Sequence[int], params: SamplingParams, images: Sequence[object]
+    ) -> list[int]:
+        """An encoder-decoder model's encoder input from the request's prompt; ValueError naming what such a model
+        does not take (worker/encoder_decoder.py) or a prompt it cannot encode."""
+        model = self.encoder_decoder
+        if model is None:
+            raise ValueError("not an encoder-decoder model")
+        refused = [
+            name
+            for name, given in (
+                ("beam search", params.beam_search),
+                ("images", bool(images)),
+                ("pooling (embeddings)", params.pooling is not None),
+                ("prompt_logprobs", params.prompt_logprobs is not None),
+            )
+            if given
+        ]
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: not supported for encoder-decoder model {self.model_id!r}")
+        limit = self.max_model_len if model.max_encoder_len is None else min(self.max_model_len, model.max_encoder_len)
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("the encoder prompt is empty")
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            raise ValueError("the encoder prompt is empty (no tokens)")
+        return self._prompt_token_ids(prompt, encoder_limit=limit)
+
+    def _decoder_prompt_ids(self, decoder_prompt: str | Sequence[int] | None) -> list[int]:
+        """The decoder's prompt: its start token, then `decoder_prompt` (text tokenized without special tokens, or
+        ids)."""
+        model = self.encoder_decoder
+        if model is None:
+            raise ValueError("not an encoder-decoder model")
+        if decoder_prompt is None:
+            prefix: list[int] = []
+        elif isinstance(decoder_prompt, str):
+            prefix = self.tokenizer.encode(decoder_prompt, add_special_tokens=False) if decoder_prompt else []
+        elif isinstance(decoder_prompt, (list, tuple)):
+            prefix = list(decoder_prompt)
+        else:
+            raise ValueError(
+                f"decoder_prompt must be a string or a list of token ids, got {type(decoder_prompt).__name__}"
+            )
+        bad = next(
+            (t for t in prefix if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size), None
+        )
+        if bad is not None:
+            raise ValueError(f"decoder prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        ids = [model.decoder_start_token_id, *prefix]
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the decoder prompt has {len(ids)} tokens (its start token included), but the decoder's context "
+                f"length is {self.max_model_len}"
+            )
+        return ids
 
     def _check_beam_search(self, params: SamplingParams, num_prompt_tokens: int, resumed: list[int]) -> None:
         """ValueError unless this engine can run a beam search of `params` (worker/beam_groups.py)."""
@@ -233,11 +306,14 @@ class Intake:
             out += [ids for ids in variants if ids and max(ids) < self.vocab_size]
         return out
 
-    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def _prompt_token_ids(self, prompt: str | Sequence[int], encoder_limit: int | None = None) -> list[int]:
+        """The prompt's ids, checked: shorter than the context length, or with `encoder_limit` (an encoder's input)
+        at most that many tokens."""
+        limit = self.max_model_len if encoder_limit is None else encoder_limit + 1
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            too_long = prompt_size_error(prompt, self.max_model_len, self.prompt_token_bytes)
+            too_long = prompt_size_error(prompt, limit, self.prompt_token_bytes)
             if too_long is not None:  # before tokenizing: that is linear in the prompt, and this loop's time
                 raise ValueError(too_long)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -258,9 +334,11 @@ class Intake:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
-        if len(ids) >= self.max_model_len:
+        if encoder_limit is not None and len(ids) > encoder_limit:
+            raise ValueError(f"the encoder prompt has {len(ids)} tokens, more than the encoder takes ({encoder_limit})")
+        if len(ids) >= limit:
             raise ValueError(
-                f"prompt has {len(ids)} tokens, but the context length is {self.max_model_len}: "
+                f"prompt has {len(ids)} tokens, but the context length is {limit}: "
                 f"it must be shorter to leave room for at least one generated token"
             )
         return ids

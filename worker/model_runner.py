@@ -9,6 +9,7 @@ import torch
 
 from infer.kernels.cpu_kernels import GEMV_MAX_ROWS
 from infer.kernels.paged_attention import decode_split_tokens
+from infer.worker.encoder_decoder import EncoderDecoderModel, cross_rows, run_encoders
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.lora import LoraManager, lora_step
 from infer.worker.pooling import record_pooling
@@ -57,6 +58,7 @@ class ModelRunner:
     followers: Followers | None = None
     lora: LoraManager | None = None  # the engine's LoRA adapters (worker/lora.py), when enabled
     images: ImageEncoder | None = None  # a vision model's encoder and its cache (worker/vision.py)
+    encoder: EncoderDecoderModel | None = None  # an encoder-decoder model (worker/encoder_decoder.py)
 
     def __init__(
         self,
@@ -103,6 +105,8 @@ class ModelRunner:
         bucket = graphs.bucket_for(chunks) if graphs is not None else None
         if graphs is not None and bucket is not None:
             return Launched(chunks, logits=graphs.run(chunks, bucket))
+        if self.encoder is not None:  # each new request's encoder, once: its cross K/V into its cross blocks
+            run_encoders([c.request for c in chunks], self.encoder, self.kv_cache, self.block_size)
         batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
         if self.images is not None:
             placed = step_image_rows(chunks, self.images)
@@ -237,6 +241,9 @@ def build_forward_batch(
         tables.append(req.block_table)
         logits_indices.extend(range(len(input_ids) - chunk.num_sampled_rows, len(input_ids)))
 
+    cross = (
+        cross_rows(chunks, query_lens, device) if any(c.request.encoder_token_ids is not None for c in chunks) else None
+    )
     max_blocks = max(len(t) for t in tables)
     # released entries (-1: out of every window, never read) name block 0
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32).clamp_(min=0)
@@ -262,4 +269,6 @@ def build_forward_batch(
         decode_split_tokens=decode_split_tokens,
         prefill_decode_from=torch.tensor(prompt_lens, dtype=torch.int32).to(device) if prompt_lens else None,
         decode_runs=(torch.tensor(decode_runs, dtype=torch.int32) if len(decode_runs) < num_decodes else None),
+        cross_block_tables=None if cross is None else cross[0],
+        cross_lens=None if cross is None else cross[1],
     )

@@ -99,6 +99,13 @@ class Request:
     # when a prefill chunk first covers its tokens, and its key is mixed into the prefix-cache key of every block
     # that holds any of them (`image_tags`)
     images: tuple[PlacedImage, ...] = ()
+    # an encoder-decoder model's request (worker/encoder_decoder.py): the encoder's input (the caller's prompt; then
+    # `prompt_token_ids` is the decoder's, its start token first), the blocks that hold each decoder layer's
+    # cross-attention K/V over the encoder's output (a second table, allocated with the request's first blocks and
+    # freed with them), and whether the encoder has written them since they were allocated
+    encoder_token_ids: list[int] | None = None
+    cross_block_table: list[int] = field(default_factory=list)
+    encoder_computed: bool = False
 
     @property
     def num_logprobs(self) -> int | None:
@@ -114,6 +121,20 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The prompt as the caller gave it, tokenized: an encoder-decoder model's encoder input, else the prompt."""
+        return self.prompt_token_ids if self.encoder_token_ids is None else self.encoder_token_ids
+
+    @property
+    def num_input_tokens(self) -> int:
+        """len(input_token_ids): the prompt tokens outputs report (an encoder-decoder model's: its encoder input's)."""
+        return len(self.input_token_ids)
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        return 0 if self.encoder_token_ids is None else len(self.encoder_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

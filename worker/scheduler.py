@@ -288,6 +288,14 @@ class Scheduler:
             )
         needed_tokens = request.num_prompt_tokens + request.max_tokens
         needed_blocks = self.block_manager.blocks_for_tokens(needed_tokens)
+        cross_blocks = self.block_manager.num_cross_blocks_to_allocate(request)
+        if needed_blocks + cross_blocks > self.config.num_blocks and cross_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} can never fit in the KV cache: its encoder prompt of "
+                f"{request.num_encoder_tokens} tokens needs {cross_blocks} KV blocks of cross-attention keys and "
+                f"values, and decoder prompt + max_tokens = {needed_tokens} tokens need {needed_blocks} more, but "
+                f"the pool has only {self.config.num_blocks} blocks of {self.config.block_size} tokens"
+            )
         if needed_blocks > self.config.num_blocks:
             raise ValueError(
                 f"request {request.request_id!r} can never fit in the KV cache: prompt + max_tokens = "

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import copy
 import functools
+import json
 import logging
 import threading
 import time
@@ -100,6 +101,17 @@ class Tokenization:
         token = getattr(self.tokenizer, "image_token", None) or "<image>"
         added = {t.content: i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()}
         return (token, added[token]) if token in added else None
+
+    @functools.cached_property
+    def encoder_decoder(self) -> bool:
+        """Whether the model beside the tokenizer (its directory's config.json) is an encoder-decoder model (T5,
+        BART): its prompt is the encoder's input, which takes no room in the decoder's context (False when no
+        config is there to say)."""
+        config = Path(str(getattr(self.tokenizer, "name_or_path", "") or "")) / "config.json"
+        try:
+            return bool(json.loads(config.read_text()).get("is_encoder_decoder", False))
+        except (OSError, ValueError, AttributeError):
+            return False
 
     @property
     def chat_template(self) -> str | None:

@@ -702,3 +702,26 @@ def test_load_score_counts_unreported_requests_once():
     assert w0.score == pytest.approx(40 / 1600)
     h.submit(C1, "d", max_tokens=20, pin_rank=0)  # dispatched after that report: estimated on top
     assert w0.score == pytest.approx((40 + 23) / 1600)
+
+
+def test_a_failover_replays_an_encoder_decoder_request_with_both_prompts():
+    """An encoder-decoder request (T5, BART): its text prompt is the encoder's input, which the first worker tokenized
+    and echoed; its decoder prompt rides beside it. The replay after its worker died carries the encoder's ids, the
+    decoder prompt and the tokens delivered."""
+    from infer.protocol.messages import Submit
+
+    h = two_workers()
+    submit = Submit(
+        request_id="r",
+        prompt="translate this",
+        sampling=SamplingParams(temperature=0.0, max_tokens=10),
+        decoder_prompt_token_ids=TokenIds([8, 9]),
+    )
+    ((ran, (first,)),) = dispatches(h.send(C1, submit)).items()
+    assert first.prompt == "translate this" and first.decoder_prompt_token_ids == [8, 9]
+    h.step(ran.decode(), delta("r", 4, prompt=[21, 22, 23]))
+    h.step(ran.decode(), delta("r", 5))
+    h.core.peer_gone(ran, h.now)
+    (replay,) = dispatches(h.out())[W1 if ran == W0 else W0]
+    assert replay.prompt is None and replay.prompt_token_ids == [21, 22, 23]
+    assert replay.decoder_prompt_token_ids == [8, 9] and replay.resumed_token_ids == [4, 5]

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 import torch
 
 from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.models.bart import BartForConditionalGeneration
 from infer.worker.models.deepseek import DeepseekV2ForCausalLM
 from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from infer.worker.models.gpt_oss import GptOssForCausalLM
@@ -14,6 +15,7 @@ from infer.worker.models.llama import LlamaForCausalLM
 from infer.worker.models.llava import LlavaForConditionalGeneration
 from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from infer.worker.models.phi3 import Phi3ForCausalLM
+from infer.worker.models.t5 import T5ForConditionalGeneration
 
 
 class CausalLM(Protocol):
@@ -50,6 +52,8 @@ class CausalLM(Protocol):
 
 
 MODEL_TYPES: dict[str, type] = {
+    "bart": BartForConditionalGeneration,
+    "t5": T5ForConditionalGeneration,
     "llama": LlamaForCausalLM,
     "llava": LlavaForConditionalGeneration,
     "mistral": LlamaForCausalLM,
@@ -66,6 +70,8 @@ MODEL_TYPES: dict[str, type] = {
 }
 
 ARCHITECTURES: dict[str, type] = {
+    "BartForConditionalGeneration": BartForConditionalGeneration,
+    "T5ForConditionalGeneration": T5ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "MistralForCausalLM": LlamaForCausalLM,

@@ -122,8 +122,8 @@ class Generation:
         try:
             max_len = await self.front.admission.admit(self.front.model_of(body))
             prompts = await token_ids(max_len)
-            for ids in prompts:
-                check_length(len(ids), max_tokens, max_len)
+            for ids in prompts:  # an encoder-decoder model's prompt is its encoder's: the decoder's context is free
+                check_length(len(ids), None if tok.encoder_decoder else max_tokens, max_len)
             jobs = self._jobs(tok, engine_base_id, prompts, body, max_tokens, logprobs, structured)
             for job in jobs:
                 job.images = images or []
