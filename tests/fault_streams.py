@@ -60,6 +60,13 @@ async def streams_through_a_fault(
         return streams, await client.stats()
 
 
+async def kill9_the_busiest_worker(cluster: Any, client: Any, in_flight: int = 1) -> None:
+    """A `fault` for streams_through_a_fault: kill -9 the worker running the most requests (`in_flight` of them)."""
+    victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
+    assert victim.num_in_flight == in_flight
+    cluster.proc_of(victim.worker_id).kill9()
+
+
 def assert_exact_streams(streams: list, want_token_ids: list[list[int]]) -> None:
     """Each stream ends once, with "length", and its tokens are exactly the reference's: no gap, no repeat."""
     for deltas, want in zip(streams, want_token_ids, strict=True):

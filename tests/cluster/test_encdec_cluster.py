@@ -6,13 +6,13 @@ name and the cluster keeps serving; a decoder-only model's cluster refuses a dec
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 
 import openai
 import pytest
 from encdec_models import encdec_checkpoint
+from fault_streams import kill9_the_busiest_worker, streams_through_a_fault
 from serve_harness import Served
 
 from infer import LLM, SamplingParams
@@ -42,20 +42,13 @@ async def test_kill_9_of_the_worker_streaming_an_encoder_decoder_request(model_c
     path, want = family
     assert want.finish_reason == "length" and len(want.token_ids) == 100
     cluster = model_cluster(workers=2, model=path, engine_flags=ENGINE_FLAGS)
+    (stream,), stats = await streams_through_a_fault(
+        cluster, [PROMPT], LONG, lambda client: kill9_the_busiest_worker(cluster, client), finish_timeout=240
+    )
+    assert stats.requests_redispatched == 1
+    tokens = [t for delta in stream for t in delta.token_ids]
+    assert tokens == want.token_ids  # the replay encoded the same input and continued the same decoder
     async with cluster.client() as client:
-        tokens: list[int] = []
-        killed = False
-        async with asyncio.timeout(240):
-            async for delta in client.stream(PROMPT, LONG):
-                tokens += delta.token_ids
-                if not killed and len(tokens) >= 3:
-                    victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
-                    assert victim.num_in_flight == 1
-                    cluster.proc_of(victim.worker_id).kill9()
-                    killed = True
-        stats = await client.stats()
-        assert stats.requests_redispatched == 1
-        assert tokens == want.token_ids  # the replay encoded the same input and continued the same decoder
         # hostile input: each refused by name, the cluster serving on
         too_long = await client.generate(list(range(3, 3 + 129)), LONG)
         assert too_long.finish_reason == "error"

@@ -5,13 +5,13 @@ text, and answers hostile images with a 400 naming what is wrong while it keeps 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 import urllib.request
 
 import openai
 import pytest
+from fault_streams import kill9_the_busiest_worker, streams_through_a_fault
 from llava_models import IMAGE_TOKEN, TOKENS_PER_IMAGE, llava_checkpoint, png
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import Served
@@ -55,21 +55,12 @@ def direct(llava):
 async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, llava, direct):
     want = direct[0]
     cluster = model_cluster(workers=2, model=llava)
-    async with cluster.client() as client:
-        tokens: list[int] = []
-        killed = False
-        prompt = {"prompt": TEXT, "multi_modal_data": {"image": IMAGE}}
-        async with asyncio.timeout(240):
-            async for delta in client.stream(prompt, LONG):
-                tokens += delta.token_ids
-                if not killed and len(tokens) >= 3:
-                    victim = max((await client.stats()).workers, key=lambda w: w.num_in_flight)
-                    assert victim.num_in_flight == 1
-                    cluster.proc_of(victim.worker_id).kill9()
-                    killed = True
-        stats = await client.stats()
+    prompt = {"prompt": TEXT, "multi_modal_data": {"image": IMAGE}}
+    (stream,), stats = await streams_through_a_fault(
+        cluster, [prompt], LONG, lambda client: kill9_the_busiest_worker(cluster, client), finish_timeout=240
+    )
     assert stats.requests_redispatched == 1
-    assert tokens == want.token_ids
+    assert [t for delta in stream for t in delta.token_ids] == want.token_ids
 
 
 @pytest.fixture(scope="module")
