@@ -172,6 +172,9 @@ class Intake:
         if isinstance(images, (bytes, str)) or not isinstance(images, Sequence):
             raise ValueError(f"images must be a list of encoded images or PIL images, got {type(images).__name__}")
         model = self.vision
+        video = getattr(model, "video_token_id", None)
+        if video is not None and video in prompt_ids:
+            raise ValueError(f"the prompt holds video tokens (id {video}): video inputs are not supported, only images")
         if not images:
             if model is not None and model.image_token_id in prompt_ids:
                 raise ValueError(

@@ -12,7 +12,8 @@ tokens, and our Llama-family language model (Qwen2's layers) with M-RoPE.
   at the image tokens' rows (`ForwardBatch.image_rows` / `image_embeds`), as LLaVA's.
 - Preprocessing is worker/vision.py's `Qwen2VLPreprocessor` (transformers' Qwen2VLImageProcessor).
 
-Not supported, refused by name: videos (the engine takes images only), tensor parallelism (the tower is not
+Not supported, refused by name: videos (`multi_modal_data` takes images only; a prompt holding the video token is
+refused), tensor parallelism (the tower is not
 sharded). Step graphs are off for these models (a graph's decode rows carry no per-request position delta): every
 step runs eagerly, decodes on the CPU's native step still.
 
@@ -236,6 +237,8 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         super().__init__(config.text_config, dtype, tp=tp)
         self.vl_config = config
         self.image_token_id: int = int(config.image_token_id)
+        video = getattr(config, "video_token_id", None)
+        self.video_token_id: int | None = None if video is None else int(video)  # refused in prompts (worker/intake.py)
         self.visual = QwenVisionTransformer(config.vision_config, qwen25, dtype)
 
     def image_preprocessor(self, model_dir: Path | None) -> Qwen2VLPreprocessor:
