@@ -183,7 +183,7 @@ class Qwen2VLPreprocessor:
         raw = json.loads(path.read_text()) if path is not None and path.is_file() else {}
         if raw.get("do_resize") is False or raw.get("resample", 3) != 3:
             raise NotImplementedError(f"{path}: only Qwen2VLImageProcessor's bicubic smart_resize is supported")
-        size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
+        size: dict[str, Any] = raw["size"] if isinstance(raw.get("size"), dict) else {}
         min_pixels = raw.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels
         max_pixels = raw.get("max_pixels") or size.get("longest_edge") or cls.max_pixels
         return cls(

@@ -135,6 +135,19 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).reshape(-1, self.hidden))
 
 
+class PatchEmbed(nn.Module):
+    """A Conv3d whose kernel is its stride: each patch [C, T, P, P] to one vector."""
+
+    def __init__(self, channels: int, dim: int, kernel: tuple[int, int, int], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.size = kernel[1:]
+        self.proj = nn.Conv3d(channels, dim, kernel, kernel, bias=False, dtype=dtype)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """patches [L, C, T, P, P] -> [L, dim]."""
+        return self.proj(patches.to(self.proj.weight.dtype)).view(patches.shape[0], -1)
+
+
 class QwenVisionTransformer(nn.Module):
     """The vision tower of one image: patches [rows, cols, merge, merge, patch_dim] -> [rows * cols, text hidden]."""
 
@@ -149,9 +162,9 @@ class QwenVisionTransformer(nn.Module):
         self.temporal_patch_size, self.merge = int(vision.temporal_patch_size), int(vision.spatial_merge_size)
         self.window_size = int(getattr(vision, "window_size", 0) or 0)
         self.full_blocks = frozenset(getattr(vision, "fullatt_block_indexes", None) or ()) if qwen25 else None
-        self.patch_embed = nn.Module()
-        kernel = (self.temporal_patch_size, self.patch_size, self.patch_size)
-        self.patch_embed.proj = nn.Conv3d(self.in_channels, dim, kernel, kernel, bias=False, dtype=dtype)
+        self.patch_embed = PatchEmbed(
+            self.in_channels, dim, (self.temporal_patch_size, self.patch_size, self.patch_size), dtype
+        )
         self.blocks = nn.ModuleList(VisionBlock(vision, qwen25, dtype) for _ in range(vision.depth))
         self.merger = PatchMerger(out_dim, dim, self.merge, qwen25, dtype)
         head_dim = dim // vision.num_heads
@@ -188,9 +201,7 @@ class QwenVisionTransformer(nn.Module):
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         rows, cols = patches.shape[0], patches.shape[1]
-        weight = self.patch_embed.proj.weight
-        x = patches.reshape(-1, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
-        x = self.patch_embed.proj(x.to(weight.dtype)).view(x.shape[0], -1)  # [L, dim]
+        x = self.patch_embed(patches.reshape(-1, self.in_channels, self.temporal_patch_size, *self.patch_embed.size))
         cos, sin = self._rotary(rows, cols)
         full = [0, x.shape[0]]
         unit = self.merge * self.merge
