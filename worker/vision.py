@@ -34,7 +34,7 @@ import torch
 from infer.worker.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from infer.worker.images import PlacedImage
+    from infer.worker.request import Request
     from infer.worker.scheduler import ScheduledChunk
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -301,19 +301,22 @@ def with_mrope_positions(batch: ForwardBatch, chunks: Sequence[ScheduledChunk]) 
 
 def step_mrope_positions(chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
     """[3, T] int64: M-RoPE's (temporal, height, width) position of each token of the step's chunks, in
-    `build_forward_batch`'s order (transformers' get_rope_index for still images: a text token's three are equal,
-    counted on from the previous image's largest + 1; an image's token at (row r, column c) of its grid is at
-    (s, s + r, s + c), s the position its first token takes)."""
-    return torch.cat([_mrope_positions(chunk.request.images, chunk.start, chunk.num_new_tokens) for chunk in chunks], 1)
+    `build_forward_batch`'s order (`mrope_positions` of each chunk's tokens)."""
+    return torch.cat([mrope_positions(c.request, c.start, c.num_new_tokens) for c in chunks], dim=1)
 
 
-def _mrope_positions(images: Sequence[PlacedImage], start: int, n: int) -> torch.Tensor:
-    """[3, n]: the positions of tokens [start, start + n) of a request with these images."""
-    positions = torch.arange(start, start + n, dtype=torch.int64).expand(3, n).clone()
+def mrope_positions(request: Request, start: int, n: int) -> torch.Tensor:
+    """[3, n]: the positions of the request's tokens [start, start + n), as transformers' get_rope_index gives them for
+    still images: a text token's three are equal, counted on from the previous image's largest + 1; an image's token at
+    (row r, column c) of its grid is at (s, s + r, s + c), s the position its first token takes. Past the last image
+    (every decode) a token's place plus `Request.rope_delta`."""
+    places = torch.arange(start, start + n, dtype=torch.int64)
+    on_grid = [(image, image.grid[1]) for image in request.images if image.grid is not None]
+    if not on_grid or start >= on_grid[-1][0].end:
+        return (places + request.rope_delta).expand(3, n).clone()
+    positions = places.expand(3, n).clone()
     passed = 0  # the shift of the images before this one
-    for image in images:
-        if image.grid is None:
-            continue
+    for image, cols in on_grid:
         if image.end < start + n:  # the tokens after it fall behind by its shift
             positions[:, max(image.end - start, 0) :] += image.rope_shift
         lo, hi = max(start, image.offset), min(start + n, image.end)
@@ -321,7 +324,7 @@ def _mrope_positions(images: Sequence[PlacedImage], start: int, n: int) -> torch
             index = torch.arange(lo - image.offset, hi - image.offset)
             first = image.offset + passed
             positions[0, lo - start : hi - start] = first
-            positions[1, lo - start : hi - start] = first + index // image.grid[1]
-            positions[2, lo - start : hi - start] = first + index % image.grid[1]
+            positions[1, lo - start : hi - start] = first + index // cols
+            positions[2, lo - start : hi - start] = first + index % cols
         passed += image.rope_shift
     return positions

@@ -84,6 +84,26 @@ def test_preprocessing_equals_qwen2vl_image_processor(width, height, mode, bound
     torch.testing.assert_close(got.reshape(-1, got.shape[-1]), reference["pixel_values"], atol=1e-5, rtol=0)
 
 
+def test_mrope_positions_equal_get_rope_index(checkpoint, llm):
+    """The positions of a request with two images, in chunks that cut each image anywhere, equal transformers'
+    get_rope_index; decode positions are the place plus its rope delta."""
+    from transformers import AutoModelForImageTextToText
+
+    from infer.worker.vision import mrope_positions
+
+    inputs = transformers_inputs(checkpoint[1], TWO, [WIDE, TALL])
+    ids = inputs["input_ids"][0].tolist()
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint[1]).model
+    want, delta = model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+    request, _ = llm._engine.intake.request("r", ids, None, (), 0, [WIDE, TALL], 0)  # checked, not queued
+    assert request.prompt_token_ids == ids and request.rope_delta == int(delta) < 0
+    for cuts in ((0, len(ids)), (0, 5, 9, 17, 30, len(ids)), tuple(range(len(ids) + 1))):
+        got = torch.cat([mrope_positions(request, a, b - a) for a, b in zip(cuts, cuts[1:])], dim=1)
+        assert got.tolist() == want[:, 0].tolist(), cuts
+    after = mrope_positions(request, len(ids), 3)
+    assert after.tolist() == [[len(ids) + int(delta) + k for k in range(3)]] * 3
+
+
 def test_greedy_equals_transformers_in_one_batch(checkpoint, llm, expected):
     """One image, two images of different sizes and a text-only prompt in one batch; the first again as token ids
     with its image's pad already expanded. Each prompt's ids equal Qwen2VLProcessor's expansion."""
