@@ -206,6 +206,7 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoint, expected):
             SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
             use_tqdm=False,
         )[0]
+        _assert_decodes_score_as_a_prefill(bf16)
     finally:
         bf16.close()
     rows = scored.prompt_logprobs[1:]
@@ -221,6 +222,23 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoint, expected):
     )
     assert ours <= 1.5 * theirs
     assert same_ours >= same_theirs - 1
+
+
+def _assert_decodes_score_as_a_prefill(bf16: LLM) -> None:
+    """bf16 decodes past two images (the CPU's native decode step, at the place plus the rope delta) give each token
+    the log-probability a prefill of the same tokens gives it (the M-RoPE positions of its chunks) to 1e-3 (a wrong
+    delta moves them by tenths)."""
+    images = {"image": [WIDE, TALL]}
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    out = bf16.generate({"prompt": TWO, "multi_modal_data": images}, params, use_tqdm=False)[0]
+    native = bf16._engine.runner.model.model.native_decode
+    assert native and native.steps >= 9
+    ids = out.prompt_token_ids + out.token_ids
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    rows = bf16.generate({"prompt_token_ids": ids, "multi_modal_data": images}, score, use_tqdm=False)[0]
+    prefilled = rows.prompt_logprobs[len(out.prompt_token_ids) :]
+    for decoded, row, token in zip(out.logprobs, prefilled, out.token_ids, strict=True):
+        assert abs(decoded[token] - row[token]) <= 1e-3, (token, decoded[token], row[token])
 
 
 def _bomb() -> bytes:
