@@ -255,6 +255,8 @@ def _bomb() -> bytes:
         ([b"not an image at all"], f"x {IMAGE}", "image 0: not an image Pillow can read"),
         (["truncated"], f"x {IMAGE}", "image 0: cannot decode its pixels (PNG)"),
         (["bomb"], f"x {IMAGE}", "5000x5000 = 25000000 pixels exceeds the limit of 16777216 pixels per image"),
+        ([b"\x89PNG" + b"\0" * (21 * 1024 * 1024)], f"x {IMAGE}", "exceeds the limit of 20971520 bytes per image"),
+        ([12], f"x {IMAGE}", "image 0: expected encoded image bytes or a PIL.Image, got int"),
         (["ok"] * 5, "x" + f" {IMAGE}" * 5, "5 images exceed the limit of 4 per prompt (--limit-mm-per-prompt)"),
         (["ok", "ok"], f"x {IMAGE}", "do not match its 2 image(s): it holds 1 in 1 run(s)"),
         ([], f"x {IMAGE}", "the prompt holds image tokens"),
