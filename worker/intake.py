@@ -26,7 +26,7 @@ from infer.worker.images import ImageLimits, PlacedImage, load_image, place_imag
 from infer.worker.pooling import PoolingState
 from infer.worker.request import Request
 from infer.worker.scheduler import Scheduler
-from infer.worker.vision import ClipPreprocessor, VisionModel
+from infer.worker.vision import Preprocessor, VisionModel
 
 
 def check_request_id(request_id: object) -> None:
@@ -58,7 +58,7 @@ class Intake:
         draw_seed: Callable[[], int],
         lora_id: Callable[[str | None], int],
         vision: VisionModel | None,
-        preprocess: ClipPreprocessor | None,
+        preprocess: Preprocessor | None,
         image_limits: ImageLimits,
         speculative: bool,
         pipeline: bool,
@@ -172,6 +172,9 @@ class Intake:
         if isinstance(images, (bytes, str)) or not isinstance(images, Sequence):
             raise ValueError(f"images must be a list of encoded images or PIL images, got {type(images).__name__}")
         model = self.vision
+        video = getattr(model, "video_token_id", None)
+        if video is not None and video in prompt_ids:
+            raise ValueError(f"the prompt holds video tokens (id {video}): video inputs are not supported, only images")
         if not images:
             if model is not None and model.image_token_id in prompt_ids:
                 raise ValueError(
@@ -187,15 +190,19 @@ class Intake:
                 f"{len(images)} images exceed the limit of {self.image_limits.max_images} per prompt "
                 "(--limit-mm-per-prompt)"
             )
-        ids, places = place_images(prompt_ids, model.image_token_id, model.tokens_per_image, len(images))
-        placed = []
-        for index, ((offset, length), item) in enumerate(zip(places, images, strict=True)):
+        prepared = []
+        for index, item in enumerate(images):
             image, key = load_image(item, self.image_limits, index)
             try:
                 pixels = self.preprocess(image)
             except ValueError as error:
                 raise ValueError(f"image {index}: {error}") from None
-            placed.append(PlacedImage(offset, length, key, pixels))
+            prepared.append((key, pixels, *model.image_placement(pixels)))
+        ids, places = place_images(prompt_ids, model.image_token_id, [tokens for _, _, tokens, _ in prepared])
+        placed = [
+            PlacedImage(offset, length, key, pixels, grid)
+            for (offset, length), (key, pixels, _, grid) in zip(places, prepared, strict=True)
+        ]
         return ids, tuple(placed)
 
     def _encoder_token_ids(

@@ -97,10 +97,12 @@ class Tokenization:
     @functools.cached_property
     def image_token(self) -> tuple[str, int] | None:
         """(text, id) of the token a chat's image parts become: the tokenizer's `image_token` (transformers' name),
-        else an added `<image>` token (LLaVA's); None: the model takes no images."""
-        token = getattr(self.tokenizer, "image_token", None) or "<image>"
+        else an added `<image>` token (LLaVA's) or `<|image_pad|>` (Qwen2-VL's, whose chat template writes it between
+        its vision start and end tokens); None: the model takes no images."""
         added = {t.content: i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()}
-        return (token, added[token]) if token in added else None
+        named = getattr(self.tokenizer, "image_token", None)
+        token = next((t for t in (named, "<image>", "<|image_pad|>") if t is not None and t in added), None)
+        return None if token is None else (token, added[token])
 
     @functools.cached_property
     def encoder_decoder(self) -> bool:

@@ -1,5 +1,6 @@
-"""Images through real clusters (tests/llava_models.py's tiny LLaVA): kill -9 of the worker streaming an image request
-ends it exactly as direct mode does, on the other worker, which decodes and encodes the image again; `infer-serve`
+"""Images through real clusters (tests/llava_models.py's tiny LLaVA, tests/qwen2_vl_models.py's tiny Qwen2-VL): kill -9
+of the worker streaming an image request ends it exactly as direct mode does, on the other worker, which decodes and
+encodes the image again (Qwen2-VL: and gives the resumed tokens their M-RoPE positions again); `infer-serve`
 with 2 workers answers the official `openai` client's chat with a base64 data: URL image with direct mode's greedy
 text, and answers hostile images with a 400 naming what is wrong while it keeps serving."""
 
@@ -31,13 +32,34 @@ def llava(tmp_path_factory, smollm2_tokenizer):
     return llava_checkpoint(tmp_path_factory.mktemp("llava"), smollm2_tokenizer)
 
 
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+def family(request, tmp_path_factory, smollm2_tokenizer):
+    """(checkpoint, a long-story prompt with one image) of each vision family."""
+    if request.param == "llava":
+        return request.getfixturevalue("llava"), TEXT
+    from qwen2_vl_models import IMAGE as QWEN_IMAGE
+    from qwen2_vl_models import qwen2_vl_checkpoint
+
+    path = qwen2_vl_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), smollm2_tokenizer)
+    return path, f"User: {QWEN_IMAGE}\nTell me a long story about it. Assistant:"
+
+
+@pytest.fixture(scope="module")
+def long_stream(family):
+    """Direct mode's answer to the family's long prompt."""
+    llm = LLM(model=str(family[0]), **ENGINE)
+    try:
+        return llm.generate({"prompt": family[1], "multi_modal_data": {"image": IMAGE}}, LONG, use_tqdm=False)[0]
+    finally:
+        llm.close()
+
+
 @pytest.fixture(scope="module")
 def direct(llava):
-    """Direct mode's answers: the long stream's, and the chat prompt's ids (as the front renders them) with its text."""
+    """Direct mode's answer to the chat prompt's ids (as the front renders them)."""
     llm = LLM(model=str(llava), **ENGINE)
     try:
         tokenizer = llm.get_tokenizer()
-        long = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": IMAGE}}, LONG, use_tqdm=False)[0]
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": QUESTION + IMAGE_TOKEN}], add_generation_prompt=True, tokenize=False
         )
@@ -47,15 +69,15 @@ def direct(llava):
             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
             use_tqdm=False,
         )[0]
-        return long, chat
+        return chat
     finally:
         llm.close()
 
 
-async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, llava, direct):
-    want = direct[0]
-    cluster = model_cluster(workers=2, model=llava)
-    prompt = {"prompt": TEXT, "multi_modal_data": {"image": IMAGE}}
+async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, family, long_stream):
+    want = long_stream
+    cluster = model_cluster(workers=2, model=family[0])
+    prompt = {"prompt": family[1], "multi_modal_data": {"image": IMAGE}}
     (stream,), stats = await streams_through_a_fault(
         cluster, [prompt], LONG, lambda client: kill9_the_busiest_worker(cluster, client), finish_timeout=240
     )
@@ -98,7 +120,7 @@ def _metric(url: str, name: str) -> float:
 def test_openai_chat_with_a_data_url_image_equals_direct_mode(served, direct):
     """Twice in one session (X-Session-ID: the same worker), the second time from its prefix cache: the image's
     tokens are not computed again, so it is not encoded again either."""
-    want = direct[1]
+    want = direct
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
     encoded = _metric(served.url, "infer:mm_images_encoded_total")
     hits = _metric(served.url, "infer:prefix_cache_hits_total")
