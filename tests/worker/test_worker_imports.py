@@ -24,6 +24,7 @@ HEAVY = (
     "transformers.models.llama.configuration_llama",
     "transformers.modeling_utils",
     "transformers",
+    "infer.client",  # the client (LLM, InferenceClient, the HTTP front): `import infer` loads none of it
 )
 # The engine's load sequence and one step on each model of argv[1] (a JSON list), then the heavy modules present.
 LOAD_AND_STEP = """
