@@ -11,6 +11,7 @@ import os
 from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from infer.protocol.lora import LoRARequest
 from infer.protocol.messages import ClusterStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams
@@ -51,8 +52,9 @@ class EngineClient(Protocol):
       returns the new weight version once the engine(s) serve it; every later delta carries it
       (`weight_version`). A bad tensor raises (ValueError in-process, ClusterError from a cluster) and the
       old weights keep serving.
-    - `load_lora_adapter(name, path)` / `unload_lora_adapter(name)` load / unload a LoRA adapter (PEFT's folder) on
-      the engine(s) and return the adapters then served (name -> folder); `list_lora_adapters()` returns them. A
+    - `add_lora(LoRARequest)` / `remove_lora(name)` load / unload a LoRA adapter (PEFT's folder) on the engine(s)
+      and return the adapters then served (name -> folder); `list_loras()` returns them (vLLM's engine names, which
+      LLM and AsyncLLM use too). A
       refusal (bad folder, LoRA not enabled, no administrator key on a cluster) raises (ValueError in-process,
       ClusterError from a cluster). Requests name an adapter by `SamplingParams.lora_name`.
     - `model`: the model the request runs on (a cluster of several: a worker's model id, or a LoRA adapter, which
@@ -109,10 +111,10 @@ class EngineClient(Protocol):
         self, source: WeightSource, *, on_running: str = "drain", timeout: float = 600.0
     ) -> int: ...
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]: ...
+    async def add_lora(self, lora_request: LoRARequest) -> dict[str, str]: ...
 
-    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]: ...
+    async def remove_lora(self, lora_name: str) -> dict[str, str]: ...
 
-    async def list_lora_adapters(self) -> dict[str, str]: ...
+    async def list_loras(self) -> dict[str, str]: ...
 
     async def close(self) -> None: ...

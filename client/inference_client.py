@@ -58,6 +58,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -74,7 +75,7 @@ from infer.protocol.codes import Command, ErrorCode
 from infer.protocol.journal import StreamJournal
 from infer.protocol.keys import CurveKeys, PathLike
 from infer.protocol.logsafe import RateLimitedLog, safe
-from infer.protocol.lora import check_lora_name
+from infer.protocol.lora import LoRARequest, check_lora_name
 from infer.protocol.messages import (
     MAX_ID_LEN,
     MAX_REFIT_TIMEOUT_S,
@@ -608,23 +609,42 @@ class InferenceClient:
 
     # ---- LoRA adapters --------------------------------------------------------------------------
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike[str]) -> dict[str, str]:
-        """Load a PEFT LoRA adapter (a folder every worker reads) on every worker under `lora_name`; returns the
-        cluster's adapters (name -> folder) once every worker did. Needs an administrator key (with keys); like a
-        refit, the path is not looked at here. ClusterError naming each worker that failed (a missing file, a rank
-        above --max-lora-rank, LoRA not enabled), or the refusal."""
-        msg = LoraCommand(
-            action="load", lora_name=check_lora_name(lora_name), lora_path=os.path.abspath(os.fspath(lora_path))
-        )
-        return await self._lora_command(msg)
+    # One vocabulary with LLM and AsyncLLM (vLLM's engine names): add_lora(LoRARequest), remove_lora(name),
+    # list_loras(). The HTTP front's routes keep vLLM's HTTP names (POST /v1/load_lora_adapter, ...).
 
-    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+    async def add_lora(self, lora_request: LoRARequest) -> dict[str, str]:
+        """Load `lora_request`'s PEFT LoRA adapter (a folder every worker reads) on every worker under its
+        `lora_name`; returns the cluster's adapters (name -> folder) once every worker did (its `lora_int_id` is not
+        used: a cluster names adapters). Needs an administrator key (with keys); like a refit, the path is not
+        looked at here. ClusterError naming each worker that failed (a missing file, a rank above --max-lora-rank,
+        LoRA not enabled), or the refusal."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"add_lora takes a LoRARequest, got {type(lora_request).__name__}")
+        path = os.path.abspath(lora_request.lora_path)
+        return await self._lora_command(LoraCommand(action="load", lora_name=lora_request.lora_name, lora_path=path))
+
+    async def remove_lora(self, lora_name: str) -> dict[str, str]:
         """Unload `lora_name` on every worker (requests holding it finish with it); returns the cluster's adapters."""
         return await self._lora_command(LoraCommand(action="unload", lora_name=check_lora_name(lora_name)))
 
-    async def list_lora_adapters(self) -> dict[str, str]:
+    async def list_loras(self) -> dict[str, str]:
         """The healthy workers' adapters, name -> folder (from a fresh stats round trip)."""
         return dict((await self.stats()).lora_adapters)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike[str]) -> dict[str, str]:
+        """Deprecated: `add_lora(LoRARequest(lora_name, 1, lora_path))`, the name LLM and AsyncLLM use."""
+        _deprecated("load_lora_adapter(name, path)", "add_lora(LoRARequest(name, 1, path))")
+        return await self.add_lora(LoRARequest(check_lora_name(lora_name), 1, os.fspath(lora_path)))
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+        """Deprecated: `remove_lora(lora_name)`."""
+        _deprecated("unload_lora_adapter", "remove_lora")
+        return await self.remove_lora(lora_name)
+
+    async def list_lora_adapters(self) -> dict[str, str]:
+        """Deprecated: `list_loras()`."""
+        _deprecated("list_lora_adapters", "list_loras")
+        return await self.list_loras()
 
     async def _lora_command(self, msg: LoraCommand) -> dict[str, str]:
         reply = await self._request_reply(msg, (LoraDone,), self.call_timeout + 120.0)
@@ -1311,6 +1331,14 @@ def _consume(future: asyncio.Future) -> None:
         log.debug("send failed: %s", future.exception())
 
 
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"InferenceClient.{old} is deprecated and will be removed; use {new}, as LLM and AsyncLLM do",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 class SyncInferenceClient:
     """Blocking facade: an InferenceClient on an event loop in a background thread.
 
@@ -1385,6 +1413,15 @@ class SyncInferenceClient:
 
     def stats(self) -> ClusterStats:
         return self._run(self.client.stats())
+
+    def add_lora(self, lora_request: LoRARequest) -> dict[str, str]:
+        return self._run(self.client.add_lora(lora_request))
+
+    def remove_lora(self, lora_name: str) -> dict[str, str]:
+        return self._run(self.client.remove_lora(lora_name))
+
+    def list_loras(self) -> dict[str, str]:
+        return self._run(self.client.list_loras())
 
     def wait_for_workers(self, count: int, timeout: float) -> ClusterStats:
         return self._run(self.client.wait_for_workers(count, timeout))

@@ -613,18 +613,18 @@ class AsyncLLM:
     async def add_lora(self, lora_request: LoRARequest) -> dict[str, str]:
         """Load `lora_request`'s adapter (on every worker in coordinator mode); the same name and folder again is a
         no-op. Returns the adapters served (name -> folder). ValueError / ClusterError naming what is wrong."""
-        adapters = await self.engine.load_lora_adapter(lora_request.lora_name, lora_request.lora_path)
+        adapters = await self.engine.add_lora(lora_request)
         self._loras = dict(adapters)
         return adapters
 
     async def remove_lora(self, lora_name: str) -> dict[str, str]:
         """Unload an adapter (requests holding it finish with it); returns the adapters served."""
-        adapters = await self.engine.unload_lora_adapter(lora_name)
+        adapters = await self.engine.remove_lora(lora_name)
         self._loras = dict(adapters)
         return adapters
 
     async def list_loras(self) -> dict[str, str]:
-        return await self.engine.list_lora_adapters()
+        return await self.engine.list_loras()
 
     async def _ensure_loras(self, loras: list[LoRARequest | None]) -> None:
         """Load the adapters of a generate call that are not loaded from the same folder yet (vLLM loads a
@@ -640,7 +640,7 @@ class AsyncLLM:
             ]
 
         if missing():  # perhaps loaded already (--lora-modules, another client): no load, no admin key needed
-            self._loras = dict(await self.engine.list_lora_adapters())
+            self._loras = dict(await self.engine.list_loras())
         for request in missing():
             await self.add_lora(request)
 

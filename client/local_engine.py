@@ -41,6 +41,7 @@ from infer.client.multimodal import split_prompt
 from infer.client.prompt_forms import split_encoder_decoder
 from infer.protocol.codes import ClusterState, FinishReason
 from infer.protocol.deadlines import DeadlineHeap
+from infer.protocol.lora import LoRARequest
 from infer.protocol.messages import MAX_ID_LEN, MAX_REQUEST_TIMEOUT_S, ClusterStats, WorkerStats
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
@@ -309,11 +310,14 @@ class LocalEngine:
         except asyncio.TimeoutError:
             raise ClusterError(f"the engine thread did not finish update_weights within {timeout} s") from None
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, str]:
+    async def add_lora(self, lora_request: LoRARequest) -> dict[str, str]:
         """Load a PEFT LoRA adapter into the engine (Engine.add_lora: ValueError naming what is wrong)."""
-        return await self._call(lambda engine: (engine.add_lora(lora_name, str(lora_path)), _adapters(engine))[1])
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"add_lora takes a LoRARequest, got {type(lora_request).__name__}")
+        name, path, int_id = lora_request.lora_name, lora_request.lora_path, lora_request.lora_int_id
+        return await self._call(lambda engine: (engine.add_lora(name, path, int_id), _adapters(engine))[1])
 
-    async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
+    async def remove_lora(self, lora_name: str) -> dict[str, str]:
         """Unload an adapter (requests holding it finish with it); ValueError if none has that name."""
 
         def unload(engine: Engine) -> dict[str, str]:
@@ -323,7 +327,7 @@ class LocalEngine:
 
         return await self._call(unload)
 
-    async def list_lora_adapters(self) -> dict[str, str]:
+    async def list_loras(self) -> dict[str, str]:
         return await self._call(_adapters)
 
     async def _call(self, fn: Callable[[Engine], Any], timeout: float = 120.0) -> Any:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from hf_reference import hf_model
 
+from infer import LoRARequest
+
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> PEFT LoraConfig options (init_lora_weights=False: B random too, so each adapter changes the output)
 ADAPTERS = {
@@ -67,7 +69,7 @@ async def load_unload_cycles(client, name: str, folder, cycles: int, rss) -> lis
     between them; `rss()` (a worker's resident bytes) read after each unload: the samples, in order."""
     samples = []
     for _ in range(cycles):
-        await client.load_lora_adapter(name, folder)
-        await client.unload_lora_adapter(name)
+        await client.add_lora(LoRARequest(name, 1, folder))
+        await client.remove_lora(name)
         samples.append(rss())
     return samples

@@ -132,7 +132,7 @@ class Front:
         return self.config.served_model_name if model_id == self.engine.model_id else model_id
 
     async def refresh_adapters(self) -> None:
-        self.lora_adapters = dict(await self.engine.list_lora_adapters())
+        self.lora_adapters = dict(await self.engine.list_loras())
 
     async def adapter_known_now(self, name: str) -> bool:
         """Whether `name` is a LoRA adapter, the list asked of the cluster again first (kept as it was when the

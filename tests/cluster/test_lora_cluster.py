@@ -10,8 +10,8 @@ import pytest
 from fault_streams import streams_through_a_fault
 from lora_cases import make_adapters, peft_greedy
 
-from infer import SamplingParams
-from infer.client import ClusterError
+from infer import LoRARequest, SamplingParams
+from infer.client import ClusterError, SyncInferenceClient
 from infer.protocol.keys import ClusterKeyDir
 
 MAX_NEW = 60
@@ -28,14 +28,24 @@ async def test_adapters_reach_every_worker_and_a_failover_keeps_the_adapter(
     prompts = [[rng.randrange(3, 49000) for _ in range(8)] for _ in range(6)]
     loras = [None, "qv", "mlp"] * 2
     async with cluster.client() as client:
-        assert await client.list_lora_adapters() == {"qv": str(folders["qv"])}
-        assert await client.load_lora_adapter("mlp", folders["mlp"]) == {
+        assert await client.list_loras() == {"qv": str(folders["qv"])}
+        assert await client.add_lora(LoRARequest("mlp", 2, folders["mlp"])) == {
             "qv": str(folders["qv"]),
             "mlp": str(folders["mlp"]),
         }
         assert all(w.num_in_flight == 0 for w in (await client.stats()).workers)
         with pytest.raises(ClusterError, match="adapter_config.json: no such file"):
-            await client.load_lora_adapter("broken", "/nowhere")
+            await client.add_lora(LoRARequest("broken", 3, "/nowhere"))
+        with pytest.raises(TypeError, match="add_lora takes a LoRARequest, got str"):
+            await client.add_lora("broken")  # type: ignore[arg-type]
+        # the names before LLM's vocabulary was the client's too: deprecated, and still working
+        with pytest.warns(DeprecationWarning, match=r"load_lora_adapter\(name, path\) is deprecated.*add_lora"):
+            with pytest.raises(ClusterError, match="adapter_config.json: no such file"):
+                await client.load_lora_adapter("broken", "/nowhere")
+        with pytest.warns(
+            DeprecationWarning, match="list_lora_adapters is deprecated and will be removed; use list_loras"
+        ):
+            assert set(await client.list_lora_adapters()) == {"qv", "mlp"}
         unknown = await client.generate(prompts[0], SamplingParams(max_tokens=2, lora_name="nope"))
         assert unknown.finish_reason == "error" and unknown.error_code == "invalid_request"
         assert "unknown LoRA adapter 'nope'" in unknown.error
@@ -68,15 +78,21 @@ async def test_only_an_admin_key_loads_or_unloads_an_adapter(cluster_factory, ke
         await client.wait_for_workers(1, timeout=30)
         for path in (tmp_path, tmp_path / "missing"):
             with pytest.raises(ClusterError, match="refused: it needs a admin key, and key .* is a client key") as e:
-                await client.load_lora_adapter("sql", path)
+                await client.add_lora(LoRARequest("sql", 1, path))
             answers.append(str(e.value))
         with pytest.raises(ClusterError, match="refused: it needs a admin key"):
-            await client.unload_lora_adapter("sql")
+            await client.remove_lora("sql")
         assert answers[0] == answers[1] and str(tmp_path) not in answers[0]  # nothing read, nothing learnt
         assert (await client.generate([1, 2, 3], SamplingParams(max_tokens=2))).token_ids == [3, 4]  # still serving
         async with cluster.client(**keys.admin_options()) as admin:  # an admin's reaches the workers
             with pytest.raises(ClusterError, match="not in --benchmark-mode"):
-                await admin.load_lora_adapter("sql", tmp_path)
+                await admin.add_lora(LoRARequest("sql", 1, tmp_path))
+    with SyncInferenceClient(cluster.address, **keys.client_options()) as sync:  # the blocking face: the same verbs
+        assert sync.list_loras() == {}
+        with pytest.raises(ClusterError, match="refused: it needs a admin key"):
+            sync.add_lora(LoRARequest("sql", 1, tmp_path))
+        with pytest.raises(ClusterError, match="refused: it needs a admin key"):
+            sync.remove_lora("sql")
 
 
 def test_llm_in_coordinator_mode_loads_lora_requests_on_the_workers(tiny_llama, tmp_path_factory):

@@ -32,7 +32,7 @@ import pytest
 from lora_cases import load_unload_cycles, make_adapter
 from soak.harness import read_memory_kb
 
-from infer import SamplingParams
+from infer import LoRARequest, SamplingParams
 from infer.client import ClusterError
 from infer.client.inference_client import SyncInferenceClient
 from tests.cluster.conftest import Cluster, Proc
@@ -147,13 +147,13 @@ async def test_a_huge_alpha_and_a_rank_of_zero_are_refused_in_words(served, adap
     client = await _ready(cluster)
     try:
         with pytest.raises(ClusterError, match=r"scale 2\.5e\+307.* can reach .* above 65504"):
-            await client.load_lora_adapter("alpha", adapters["alpha"])
+            await client.add_lora(LoRARequest("alpha", 1, adapters["alpha"]))
         with pytest.raises(ClusterError, match=r"scale 5e\+11: .*use_rslora\) can reach"):
-            await client.load_lora_adapter("rs-alpha", adapters["rs-alpha"])
+            await client.add_lora(LoRARequest("rs-alpha", 1, adapters["rs-alpha"]))
         with pytest.raises(ClusterError, match=r"rank \(r\) must be >= 1, got lora_A \(0, 64\)") as refused:
-            await client.load_lora_adapter("rank0", adapters["rank0"])
+            await client.add_lora(LoRARequest("rank0", 1, adapters["rank0"]))
         assert "ZeroDivisionError" not in str(refused.value)
-        assert await client.list_lora_adapters() == {}
+        assert await client.list_loras() == {}
         done = await client.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         assert done.finish_reason == "length"  # still serving
     finally:
@@ -165,7 +165,7 @@ async def test_no_adapter_takes_the_base_models_name(served, adapters):
     client = await _ready(cluster)
     try:
         with pytest.raises(ClusterError, match="the name is the base model's"):
-            await client.load_lora_adapter(model_id, adapters["qv"])
+            await client.add_lora(LoRARequest(model_id, 1, adapters["qv"]))
         status, models = await asyncio.to_thread(front.call, "/v1/models")
         assert status == 200 and [card["id"] for card in models["data"]] == [model_id]
     finally:
@@ -177,10 +177,10 @@ async def test_an_adapter_unloaded_behind_the_fronts_back_is_a_404(served, adapt
     client = await _ready(cluster)
     body = {"model": "qv", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
     try:
-        await client.load_lora_adapter("qv", adapters["qv"])
+        await client.add_lora(LoRARequest("qv", 1, adapters["qv"]))
         status, answer = await asyncio.to_thread(front.call, "/v1/completions", body)
         assert status == 200, answer  # the front now lists "qv"
-        await client.unload_lora_adapter("qv")  # the admin client, not this front
+        await client.remove_lora("qv")  # the admin client, not this front
         status, answer = await asyncio.to_thread(front.call, "/v1/completions", body)
         assert status == 404 and answer["error"]["code"] == "model_not_found", answer
         assert "'qv' does not exist" in answer["error"]["message"]

@@ -382,6 +382,29 @@ def test_llm_generate_takes_lora_requests_per_prompt(family):
         llm.generate(prompts[0], params, use_tqdm=False, lora_request=LoRARequest("gone", 3, "/nowhere"))
 
 
+async def test_async_llm_has_the_same_lora_verbs(family):
+    """AsyncLLM in-process (its engine thread): add_lora / remove_lora / list_loras, the verbs LLM and
+    InferenceClient have too, and a request that names a loaded adapter gets its tokens."""
+    from infer import AsyncLLM
+
+    model_dir, folders = family
+    prompt = _prompts(1, seed=13)[0]
+    qv = LoRARequest("qv", 1, str(folders["qv"]))
+    options = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20, enable_lora=True, max_lora_rank=8)
+    async with AsyncLLM(str(model_dir), **options) as llm:
+        assert await llm.list_loras() == {}
+        assert await llm.add_lora(qv) == {"qv": str(folders["qv"])}
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, lora_name="qv")
+        assert (await llm.generate_batch([prompt], params))[0].token_ids == peft_greedy(
+            model_dir, folders["qv"], [prompt], MAX_NEW
+        )[0]
+        with pytest.raises(TypeError, match="add_lora takes a LoRARequest, got str"):
+            await llm.engine.add_lora("qv")  # type: ignore[arg-type]
+        assert await llm.remove_lora("qv") == {}
+        with pytest.raises(ValueError, match="no LoRA adapter 'qv' is loaded"):
+            await llm.remove_lora("qv")
+
+
 def test_over_a_quantized_base_each_row_gets_its_adapter_alone_or_mixed(family):
     """int8 base weights (their matmul differs from transformers' in the last bits): every request's output in a
     mixed batch equals the same request run alone, and the adapters still change it."""

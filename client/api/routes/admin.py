@@ -16,6 +16,7 @@ from infer.client.api.schemas import ApiError, LoadLoraAdapterRequest, UnloadLor
 from infer.client.engine_client import ClusterError
 from infer.protocol.codes import ClusterState
 from infer.protocol.logsafe import safe
+from infer.protocol.lora import LoRARequest
 from infer.protocol.messages import ClusterStats
 
 try:
@@ -127,7 +128,8 @@ class Admin:
         if body.lora_name == self.front.config.served_model_name:
             raise ApiError(400, f"lora_name {body.lora_name!r} is the served model's name", param="lora_name")
         try:
-            self.front.lora_adapters = await self.front.engine.load_lora_adapter(body.lora_name, body.lora_path)
+            adapter = LoRARequest(body.lora_name, 1, body.lora_path)  # (a cluster names adapters; the id is unused)
+            self.front.lora_adapters = await self.front.engine.add_lora(adapter)
         except (ValueError, ClusterError) as e:
             raise ApiError(400, f"load_lora_adapter failed: {safe(e, 2000)}", param="lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -137,7 +139,7 @@ class Admin:
         running finish with it. The same roles as loading; 400 for a name no engine has."""
         body = await self.front.parse(request, UnloadLoraAdapterRequest)
         try:
-            self.front.lora_adapters = await self.front.engine.unload_lora_adapter(body.lora_name)
+            self.front.lora_adapters = await self.front.engine.remove_lora(body.lora_name)
         except (ValueError, ClusterError) as e:
             raise ApiError(400, f"unload_lora_adapter failed: {safe(e, 2000)}", param="lora_name") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
