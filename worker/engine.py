@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -68,7 +68,7 @@ from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, S
 from infer.worker.step_graphs import make_step_graphs
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.tokenizer import engine_tokenizer
-from infer.worker.vision import ClipPreprocessor, ImageEncoder, VisionModel
+from infer.worker.vision import ImageEncoder, VisionModel, preprocessor_for
 from infer.worker.weights import WeightUpdate
 
 log = logging.getLogger("infer.engine")
@@ -188,6 +188,7 @@ class Engine:
                 priority_aging_steps=config.priority_aging_steps,
                 release_window=release_window(self.model),
                 max_loras=config.max_loras if config.enable_lora else 0,
+                whole_images=bool(getattr(self.model, "bidirectional_images", False)),
             )
         )
         self.offload: KvOffload | None = None  # the KV tier beyond the pool (worker/kv_offload.py)
@@ -232,10 +233,10 @@ class Engine:
         self.runner.lora = self.lora
         # a model that takes images (worker/vision.py): its encoder cache and preprocessing
         self.image_limits = ImageLimits(max_images=config.limit_mm_per_prompt)
-        self.preprocess: ClipPreprocessor | None = None
+        self.preprocess: Callable[[Any], Any] | None = None  # an image (PIL) -> its pixels
         if isinstance(self.model, VisionModel):
             self.runner.images = ImageEncoder(self.model, config.mm_encoder_cache_images)
-            self.preprocess = ClipPreprocessor.for_model(self.model_path, self.model.image_size)
+            self.preprocess = preprocessor_for(self.model, self.model_path)
         self.heap = HeapTrimmer()  # freed activations go back to the OS now and then (worker/memory.py)
         if self.device.type == "cpu" and not keep_freed_heap():  # ... and stay mapped between steps
             log.info("could not tune the C library's malloc: large activations are mapped anew every step")

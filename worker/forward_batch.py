@@ -50,6 +50,9 @@ class ForwardBatch:
     # token embeddings [R, hidden] (None: no image token in this step)
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # A model whose image tokens attend to each other both ways (Gemma 3; worker/attention.py image_span_attention):
+    # (sequence index, image offset, image end) of each image a chunk of this step computes (None: none)
+    image_spans: tuple[tuple[int, int, int], ...] | None = None
     # Encoder-decoder models (worker/encoder_decoder.py): each real row's request's cross-attention block table
     # [T, max cross blocks] int32 (padded with 0) and encoder length [T] int32 (None: a decoder-only model)
     cross_block_tables: torch.Tensor | None = None
