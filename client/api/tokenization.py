@@ -115,13 +115,12 @@ class Tokenization:
             raw = json.loads(config.read_text())
         except (OSError, ValueError):
             return None
-        tokens = [getattr(self.tokenizer, name, None) for name in ("boi_token", "image_token", "eoi_token")]
+        boi, image, eoi = (getattr(self.tokenizer, name, None) for name in ("boi_token", "image_token", "eoi_token"))
         if not isinstance(raw, dict) or raw.get("model_type") != "gemma3":
             return None
         count = raw.get("mm_tokens_per_image")
-        if not all(isinstance(t, str) for t in tokens) or not isinstance(count, int):
+        if not (isinstance(boi, str) and isinstance(image, str) and isinstance(eoi, str) and isinstance(count, int)):
             return None
-        boi, image, eoi = tokens
         return boi, f"\n\n{boi}{image * count}{eoi}\n\n"
 
     @functools.cached_property
