@@ -1,7 +1,9 @@
-"""Images through real clusters (tests/llava_models.py's tiny LLaVA): kill -9 of the worker streaming an image request
-ends it exactly as direct mode does, on the other worker, which decodes and encodes the image again; `infer-serve`
-with 2 workers answers the official `openai` client's chat with a base64 data: URL image with direct mode's greedy
-text, and answers hostile images with a 400 naming what is wrong while it keeps serving."""
+"""Images through real clusters, for each family that takes them (tests/llava_models.py's tiny LLaVA,
+tests/gemma3_vision_models.py's tiny Gemma 3): kill -9 of the worker streaming an image request ends it exactly as
+direct mode does, on the other worker, which decodes and encodes the image again; `infer-serve` with 2 workers answers
+the official `openai` client's chat with a base64 data: URL image with direct mode's greedy text (for the chat
+template's prompt as transformers renders and expands it), and answers hostile images with a 400 naming what is
+wrong while it keeps serving."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import urllib.request
 import openai
 import pytest
 from fault_streams import kill9_the_busiest_worker, streams_through_a_fault
+from gemma3_vision_models import BOI, gemma3_vision_checkpoint
 from llava_models import IMAGE_TOKEN, TOKENS_PER_IMAGE, llava_checkpoint, png
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import Served
@@ -21,27 +24,49 @@ from infer import LLM, SamplingParams
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1)
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1"]
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-TEXT = f"USER: {IMAGE_TOKEN}\nTell me a long story about it. ASSISTANT:"
+TEXT = {
+    "llava": f"USER: {IMAGE_TOKEN}\nTell me a long story about it. ASSISTANT:",
+    "gemma3": f"Tell me a long story about it:{BOI}",
+}
 IMAGE = png(48, 36, seed=21)
 QUESTION = "What is in this picture?"
 
 
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory, smollm2_tokenizer):
-    return llava_checkpoint(tmp_path_factory.mktemp("llava"), smollm2_tokenizer)
+@pytest.fixture(scope="module", params=["llava", "gemma3"])
+def family(request, tmp_path_factory, smollm2_tokenizer):
+    """(name, checkpoint) of each family that takes images."""
+    build = {"llava": llava_checkpoint, "gemma3": gemma3_vision_checkpoint}[request.param]
+    return request.param, build(tmp_path_factory.mktemp(request.param), smollm2_tokenizer)
+
+
+def _chat_ids(name: str, path, tokenizer) -> list[int]:
+    """The chat prompt's ids as transformers renders them (Gemma 3: expanded by its processor, as the front does)."""
+    if name == "gemma3":
+        import io
+
+        from PIL import Image
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(path))
+        content = [{"type": "text", "text": QUESTION}, {"type": "image"}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        return processor(text=text, images=[Image.open(io.BytesIO(IMAGE))])["input_ids"][0]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION + IMAGE_TOKEN}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.fixture(scope="module")
-def direct(llava):
+def direct(family):
     """Direct mode's answers: the long stream's, and the chat prompt's ids (as the front renders them) with its text."""
-    llm = LLM(model=str(llava), **ENGINE)
+    name, path = family
+    llm = LLM(model=str(path), **ENGINE)
     try:
         tokenizer = llm.get_tokenizer()
-        long = llm.generate({"prompt": TEXT, "multi_modal_data": {"image": IMAGE}}, LONG, use_tqdm=False)[0]
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": QUESTION + IMAGE_TOKEN}], add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt = {"prompt": TEXT[name], "multi_modal_data": {"image": IMAGE}}
+        long = llm.generate(prompt, LONG, use_tqdm=False)[0]
+        ids = _chat_ids(name, path, tokenizer)
         chat = llm.generate(
             {"prompt_token_ids": ids, "multi_modal_data": {"image": IMAGE}},
             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
@@ -52,10 +77,11 @@ def direct(llava):
         llm.close()
 
 
-async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, llava, direct):
+async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, family, direct):
     want = direct[0]
-    cluster = model_cluster(workers=2, model=llava)
-    prompt = {"prompt": TEXT, "multi_modal_data": {"image": IMAGE}}
+    name, path = family
+    cluster = model_cluster(workers=2, model=path)
+    prompt = {"prompt": TEXT[name], "multi_modal_data": {"image": IMAGE}}
     (stream,), stats = await streams_through_a_fault(
         cluster, [prompt], LONG, lambda client: kill9_the_busiest_worker(cluster, client), finish_timeout=240
     )
@@ -64,15 +90,16 @@ async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, ll
 
 
 @pytest.fixture(scope="module")
-def served(llava, tmp_path_factory):
-    server = Served(llava, tmp_path_factory.mktemp("serve") / "serve.log", "llava", ENGINE_FLAGS)
+def served(family, tmp_path_factory):
+    name, path = family
+    server = Served(path, tmp_path_factory.mktemp("serve") / "serve.log", name, ENGINE_FLAGS)
     yield server
     server.stop()
 
 
 def _chat(client: openai.OpenAI, url: str, **extra):
     return client.chat.completions.create(
-        model="llava",
+        model=client.models.list().data[0].id,
         messages=[
             {
                 "role": "user",
