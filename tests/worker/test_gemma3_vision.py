@@ -332,3 +332,39 @@ def test_image_limits_are_the_engine_s(llm):
     assert llm._engine.image_limits == ImageLimits()
     pixels = llm._engine.preprocess(load_image(png(10, 90, seed=8), ImageLimits())[0])
     assert pixels.shape == (3, IMAGE_SIZE, IMAGE_SIZE)  # resized whole: no aspect-ratio crop
+
+
+@pytest.mark.parametrize(
+    "renames",
+    [
+        (("vision_tower.", "vision_tower.vision_model."),),  # published Gemma 3 checkpoints
+        (  # transformers 5's module names, unconverted
+            ("language_model.model.", "model.language_model."),
+            ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+        ),
+    ],
+    ids=["published", "transformers5-modules"],
+)
+def test_every_checkpoint_layout_loads_the_same_weights(gemma3, tmp_path, renames):
+    """transformers 5 saves `language_model.model.*`, `vision_tower.*` (its attention-pooling head too, which Gemma 3
+    never runs: skipped), `multi_modal_projector.*`, the LM head tied; the other layouts load into the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from infer.worker.loader import load_model
+
+    other = tmp_path / "other"
+    shutil.copytree(gemma3, other)
+    tensors = load_file(other / "model.safetensors")
+    assert any(k.startswith("vision_tower.head.") for k in tensors) and "lm_head.weight" not in tensors
+    renamed = {
+        next((new + k[len(old) :] for old, new in renames if k.startswith(old)), k): v for k, v in tensors.items()
+    }
+    save_file(renamed, other / "model.safetensors")
+    cpu = torch.device("cpu")
+    saved, moved = load_model(gemma3, torch.float32, cpu), load_model(other, torch.float32, cpu)
+    assert type(saved).__name__ == "Gemma3ForConditionalGeneration" and saved.lm_head_tied
+    for (name, a), (_, b) in zip(saved.state_dict().items(), moved.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name

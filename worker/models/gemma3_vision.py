@@ -19,9 +19,9 @@ embeddings at its image tokens, and the image's tokens attending to each other b
   ends a chunk inside such an image (`SchedulerConfig.whole_images`), so every key an image token needs is in the
   pool or in its chunk.
 
-Checkpoint names: what transformers 5 saves and published Gemma 3 checkpoints hold (`language_model.model.*`,
-`vision_tower.vision_model.*`, `multi_modal_projector.*`, the LM head tied) and transformers' module names
-(`model.language_model.*`, `model.vision_tower.vision_model.*`, `model.multi_modal_projector.*`, `lm_head.*`).
+Checkpoint names: what transformers 5 saves (`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`, the
+LM head tied), what published Gemma 3 checkpoints hold (the tower under `vision_tower.vision_model.*`) and transformers'
+module names (`model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`, `lm_head.*`).
 """
 
 from __future__ import annotations
