@@ -316,6 +316,16 @@ def test_the_text_only_gemma3_refuses_images(family_dir):
         text_llm.close()
 
 
+def test_images_with_speculative_decoding_are_refused_by_name(gemma3):
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    speculative = LLM(model=str(gemma3), **{**OPTIONS, "speculative_config": spec})
+    try:
+        out = speculative.generate({"prompt": ONE, "multi_modal_data": {"image": png(9, 9, 1)}}, GREEDY, False)[0]
+        assert out.finish_reason == "error" and "images with speculative decoding are not supported yet" in out.error
+    finally:
+        speculative.close()
+
+
 def test_tensor_parallel_is_refused_by_name(gemma3):
     from transformers import AutoConfig
 
