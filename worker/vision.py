@@ -233,10 +233,13 @@ def step_image_spans(chunks: Sequence[ScheduledChunk]) -> tuple[tuple[int, int, 
     """(sequence index in the batch, image offset, image end) of every image whose tokens a chunk computes and some
     of which attend to later tokens of the same image (all but its last token), for a model whose image tokens
     attend to each other both ways (`bidirectional_images`; worker/attention.py `image_span_attention`). Chunks in
-    `build_forward_batch`'s order."""
+    `build_forward_batch`'s order, each one sequence of the batch (a verification chunk is several: its request holds
+    no image, since images refuse speculative decoding)."""
     spans = []
-    for index, chunk in enumerate(chunks):
+    index = 0
+    for chunk in chunks:
         for image in chunk.request.images:
             if image.offset < chunk.end and chunk.start < image.end - 1:
                 spans.append((index, image.offset, image.end))
+        index += chunk.num_new_tokens if chunk.num_draft_tokens else 1
     return tuple(spans)
