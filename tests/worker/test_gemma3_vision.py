@@ -190,7 +190,7 @@ def test_second_turn_hits_the_encoder_and_prefix_caches(llm):
     assert engine.scheduler.block_manager.num_hit_tokens - cached <= image_start  # another image never hits
 
 
-def test_a_prefix_cache_hit_that_ends_inside_an_image(gemma3, processor):
+def test_a_prefix_cache_hit_that_ends_inside_an_image(gemma3, llm, processor):
     """The cache keeps only the first blocks of an earlier request (the later ones evicted, as the pool's LRU takes
     a freed request's tail first), ending inside its image: the next request with the same image takes those blocks
     (computed with the whole image) and computes the image's rest in one chunk; the tokens equal transformers'."""
@@ -200,21 +200,17 @@ def test_a_prefix_cache_hit_that_ends_inside_an_image(gemma3, processor):
     start = ids.index(processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
     keep = start // 4 + 2  # blocks of 4 tokens: the cache ends 5-8 tokens into the image
     assert start < keep * 4 < start + TOKENS_PER_IMAGE
-    fresh = LLM(model=str(gemma3), **OPTIONS)
-    try:
-        prompt = {"prompt": text, "multi_modal_data": {"image": image}}
-        assert fresh.generate(prompt, GREEDY, use_tqdm=False)[0].error is None
-        blocks = fresh._engine.scheduler.block_manager
-        taken = []
-        while blocks.num_cached_blocks > keep:  # evict from the front of the free queue: the request's tail first
-            taken.append(blocks._take_free_block())
-        for block_id in taken:
-            blocks._unref(block_id)
-        again = fresh.generate(prompt, GREEDY, use_tqdm=False)[0]
-        assert again.num_cached_tokens == keep * 4
-        assert again.token_ids == transformers_gemma3_greedy(gemma3, ids, pixels, MAX_NEW)
-    finally:
-        fresh.close()
+    prompt = {"prompt": text, "multi_modal_data": {"image": image}}
+    assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].error is None
+    blocks = llm._engine.scheduler.block_manager
+    taken = []
+    while blocks.num_cached_blocks > keep:  # evict from the front of the free queue: the oldest, this request's last
+        taken.append(blocks._take_free_block())
+    for block_id in taken:
+        blocks._unref(block_id)
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == keep * 4
+    assert again.token_ids == transformers_gemma3_greedy(gemma3, ids, pixels, MAX_NEW)
 
 
 def test_preempted_image_requests_recompute_their_images(gemma3, llm):
