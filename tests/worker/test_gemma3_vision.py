@@ -1,11 +1,12 @@
 """Gemma 3 with images (transformers' Gemma3ForConditionalGeneration) against transformers on a tiny random checkpoint
 (tests/gemma3_vision_models.py): our preprocessing equals Gemma3ImageProcessor's (PIL backend) and pan-and-scan is
-refused by name; prompts expand as Gemma3Processor's do (text, token ids, the chat template); greedy fp32 tokens equal
-transformers' `generate` with its two-way mask over each image (the model's local layers have a window of 8, shorter
-than an image's 16 tokens): one image, two images, a batch mixing image and text requests, prefill chunks of a few
-tokens (an image never split: the scheduler keeps its tokens in one chunk), preemption by recompute; a second turn
-hits the encoder and prefix caches; bf16 is as close to fp32 as transformers' bf16; hostile input is refused by name;
-the text-only Gemma 3 still refuses images."""
+refused by name; prompts expand as Gemma3Processor's do (text, token ids, the chat template's rendering); greedy fp32
+tokens equal transformers' `generate` with its two-way mask over each image (the model's local layers have a window of
+8, shorter than an image's 16 tokens): one image, two images, a batch mixing image and text requests, prefill chunks
+of a few tokens (an image never split: the scheduler keeps its tokens in one chunk), a prefix-cache hit that ends
+inside an image, preemption by recompute; a second turn hits the encoder and prefix caches; fp32 logits within 1e-4 of
+transformers' and bf16 as close to fp32 as transformers' bf16; every checkpoint layout loads; hostile input, images
+with speculative decoding and tensor parallelism are refused by name; the text-only Gemma 3 still refuses images."""
 
 from __future__ import annotations
 
