@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 # The engine options under which tests run a tiny model's decode steps in compiled graphs (CPU step graphs, batch
-# buckets 1, 2, 4; fp32, 4-slot blocks, no prefix cache): test_step_graphs, test_families, test_sliding_window_models.
+# buckets 1, 2, 4; fp32, 4-slot blocks, no prefix cache): test_step_graphs, which crosses every bucket's boundaries.
 STEP_GRAPH_OPTIONS: dict[str, Any] = dict(
     dtype="float32",
     max_model_len=256,
@@ -19,6 +19,12 @@ STEP_GRAPH_OPTIONS: dict[str, Any] = dict(
     max_num_seqs=4,
     enable_prefix_caching=False,
 )
+
+# One bucket (batch 1, the requests one after another): for tests of whether a model's own layers trace into a step
+# graph and give transformers' tokens there (test_families, test_sliding_window_models). The buckets' padding and
+# boundaries are test_step_graphs's; each bucket is a compile of every distinct layer graph (first layer, each window),
+# 8-30 s apiece on a 2-core CI machine with a cold compile cache, so a family's three buckets cost it a minute.
+ONE_BUCKET_OPTIONS: dict[str, Any] = {**STEP_GRAPH_OPTIONS, "max_graph_batch_size": 1, "max_num_seqs": 1}
 
 TINY_CONFIGS: dict[str, dict] = {
     # Small enough to run in milliseconds, shaped to exercise GQA (4:2, 6:2, 5:1), q/k norm, qkv bias,

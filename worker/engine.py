@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -68,7 +68,7 @@ from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, S
 from infer.worker.step_graphs import make_step_graphs
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.tokenizer import engine_tokenizer
-from infer.worker.vision import ImageEncoder, VisionModel, preprocessor_for
+from infer.worker.vision import ImageEncoder, Preprocessor, VisionModel
 from infer.worker.weights import WeightUpdate
 
 log = logging.getLogger("infer.engine")
@@ -233,10 +233,10 @@ class Engine:
         self.runner.lora = self.lora
         # a model that takes images (worker/vision.py): its encoder cache and preprocessing
         self.image_limits = ImageLimits(max_images=config.limit_mm_per_prompt)
-        self.preprocess: Callable[[Any], Any] | None = None  # an image (PIL) -> its pixels
+        self.preprocess: Preprocessor | None = None
         if isinstance(self.model, VisionModel):
             self.runner.images = ImageEncoder(self.model, config.mm_encoder_cache_images)
-            self.preprocess = preprocessor_for(self.model, self.model_path)
+            self.preprocess = self.model.image_preprocessor(self.model_path)
         self.heap = HeapTrimmer()  # freed activations go back to the OS now and then (worker/memory.py)
         if self.device.type == "cpu" and not keep_freed_heap():  # ... and stay mapped between steps
             log.info("could not tune the C library's malloc: large activations are mapped anew every step")

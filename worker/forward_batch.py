@@ -53,6 +53,12 @@ class ForwardBatch:
     # A model whose image tokens attend to each other both ways (Gemma 3; worker/attention.py image_span_attention):
     # (sequence index, image offset, image end) of each image a chunk of this step computes (None: none)
     image_spans: tuple[tuple[int, int, int], ...] | None = None
+    # M-RoPE (Qwen2-VL: worker/vision.py step_mrope_positions): [3, T] int64 (temporal, height, width) position of
+    # each token, set where they differ (a step that computes image tokens; elsewhere `positions` holds the shared
+    # one); `rope_cache` [T, head_dim] float32: the cos | sin row of each token that the model's M-RoPE builds from
+    # them, which `positions` (then 0 .. T-1) index in place of the model's cos/sin cache
+    mrope_positions: torch.Tensor | None = None
+    rope_cache: torch.Tensor | None = None
     # Encoder-decoder models (worker/encoder_decoder.py): each real row's request's cross-attention block table
     # [T, max cross blocks] int32 (padded with 0) and encoder length [T] int32 (None: a decoder-only model)
     cross_block_tables: torch.Tensor | None = None

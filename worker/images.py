@@ -12,9 +12,10 @@ that a peer can trigger raises ValueError naming what is wrong, before any pixel
 An image's `key` is a 63-bit integer from a blake2b digest of what it is: its encoded bytes, or a PIL image's mode,
 size and pixels. The encoder cache and the prefix cache name an image by it (worker/vision.py, block_manager.py).
 
-`place_images` finds where each image's tokens are in a prompt: one run of `tokens_per_image` image tokens per image,
-as transformers' processors expand them, or one image token per image, which it expands (vLLM's prompt form
-"...<image>...").
+`place_images` finds where each image's tokens are in a prompt: one run of the image's tokens per image (a fixed count
+for LLaVA, one that follows from the image's size for Qwen2-VL), as transformers' processors expand them, or one image
+token per image, which it expands (vLLM's prompt form "...<image>...", Qwen2-VL's "<|vision_start|><|image_pad|>
+<|vision_end|>").
 """
 
 from __future__ import annotations
@@ -48,16 +49,25 @@ class ImageLimits:
 @dataclass(frozen=True)
 class PlacedImage:
     """One image of a request: its prompt tokens [offset, offset + length), its content key and its preprocessed
-    pixels (a tensor: worker/vision.py; typed Any so that the scheduler's modules stay torch-free)."""
+    pixels (a tensor: worker/vision.py; typed Any so that the scheduler's modules stay torch-free). `grid`: the
+    (rows, columns) its tokens make on an M-RoPE model's position grid (Qwen2-VL: rows x columns = length), None for
+    a model whose image tokens take their places in the sequence as positions (LLaVA)."""
 
     offset: int
     length: int
     key: int
     pixels: Any
+    grid: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def rope_shift(self) -> int:
+        """How far the positions of the tokens after this image fall behind their places in the sequence: M-RoPE
+        gives the image max(rows, columns) positions for its rows x columns tokens (0 without a grid)."""
+        return 0 if self.grid is None else max(self.grid) - self.length
 
 
 def _key(*parts: bytes) -> int:
@@ -127,13 +137,15 @@ def _check_pixels(where: str, width: int, height: int, limits: ImageLimits) -> N
 
 
 def place_images(
-    prompt_ids: Sequence[int], image_token_id: int, tokens_per_image: int, num_images: int
+    prompt_ids: Sequence[int], image_token_id: int, tokens_per_image: Sequence[int]
 ) -> tuple[list[int], list[tuple[int, int]]]:
-    """(the prompt's token ids with every image's tokens in place, each image's (offset, length)).
+    """(the prompt's token ids with every image's tokens in place, each image's (offset, length)), for images of
+    `tokens_per_image[i]` tokens each, in order.
 
-    The prompt holds either one image token per image (each expanded to `tokens_per_image`) or, already expanded,
-    one run of exactly `tokens_per_image` image tokens per image; anything else is a ValueError saying what it
-    holds."""
+    The prompt holds either one image token per image (image i's expanded to tokens_per_image[i]) or, already
+    expanded, one run of exactly tokens_per_image[i] image tokens for image i; anything else is a ValueError saying
+    what it holds."""
+    num_images = len(tokens_per_image)
     runs: list[tuple[int, int]] = []
     i = 0
     while i < len(prompt_ids):
@@ -149,18 +161,19 @@ def place_images(
         ids: list[int] = []
         placed: list[tuple[int, int]] = []
         last = 0
-        for start, _ in runs:
+        for (start, _), count in zip(runs, tokens_per_image, strict=True):
             ids.extend(prompt_ids[last:start])
-            placed.append((len(ids), tokens_per_image))
-            ids.extend([image_token_id] * tokens_per_image)
+            placed.append((len(ids), count))
+            ids.extend([image_token_id] * count)
             last = start + 1
         ids.extend(prompt_ids[last:])
         return ids, placed
-    if len(runs) == num_images and all(length == tokens_per_image for _, length in runs):
+    if [length for _, length in runs] == list(tokens_per_image):
         return list(prompt_ids), runs
+    counts = ", ".join(map(str, tokens_per_image))
     raise ValueError(
         f"the prompt's image tokens (id {image_token_id}) do not match its {num_images} image(s): it holds {total} in "
-        f"{len(runs)} run(s); give one image token per image, or {tokens_per_image} in a row per image"
+        f"{len(runs)} run(s); give one image token per image, or each image's tokens in a row ({counts})"
     )
 
 
@@ -210,7 +223,7 @@ class Gemma3ImagePrompt:
         """(the ids with every image's tokens in place, each image's (offset, length)); ValueError saying what the
         prompt holds when it fits neither form."""
         if self.image_token_id in prompt_ids:
-            return place_images(prompt_ids, self.image_token_id, self.tokens_per_image, num_images)
+            return place_images(prompt_ids, self.image_token_id, [self.tokens_per_image] * num_images)
         bois = [i for i, t in enumerate(prompt_ids) if t == self.boi_token_id]
         if len(bois) != num_images:
             raise ValueError(

@@ -26,7 +26,7 @@ from infer.worker.images import Gemma3ImagePrompt, ImageLimits, PlacedImage, loa
 from infer.worker.pooling import PoolingState
 from infer.worker.request import Request
 from infer.worker.scheduler import Scheduler
-from infer.worker.vision import VisionModel
+from infer.worker.vision import Preprocessor, VisionModel
 
 
 def check_request_id(request_id: object) -> None:
@@ -58,7 +58,7 @@ class Intake:
         draw_seed: Callable[[], int],
         lora_id: Callable[[str | None], int],
         vision: VisionModel | None,
-        preprocess: Callable[[Any], Any] | None,
+        preprocess: Preprocessor | None,
         image_limits: ImageLimits,
         speculative: bool,
         pipeline: bool,
@@ -177,6 +177,9 @@ class Intake:
         if isinstance(images, (bytes, str)) or not isinstance(images, Sequence):
             raise ValueError(f"images must be a list of encoded images or PIL images, got {type(images).__name__}")
         model = self.vision
+        video = getattr(model, "video_token_id", None)
+        if video is not None and video in prompt_ids:
+            raise ValueError(f"the prompt holds video tokens (id {video}): video inputs are not supported, only images")
         if not images:
             if model is not None and model.image_token_id in prompt_ids:
                 raise ValueError(
@@ -188,24 +191,29 @@ class Intake:
         if self.speculative:
             raise ValueError("images with speculative decoding are not supported yet")
         self._check_image_count(len(images))
-        budget = self.scheduler.config.max_num_batched_tokens
-        if self.scheduler.config.whole_images and model.tokens_per_image > budget:
-            raise ValueError(
-                f"an image takes {model.tokens_per_image} tokens, more than max_num_batched_tokens ({budget}): "
-                f"model {self.model_id!r} computes an image's tokens in one step (they attend to each other both ways)"
-            )
-        if self.image_prompt is not None:
-            ids, places = self.image_prompt.place(prompt_ids, len(images))
-        else:
-            ids, places = place_images(prompt_ids, model.image_token_id, model.tokens_per_image, len(images))
-        placed = []
-        for index, ((offset, length), item) in enumerate(zip(places, images, strict=True)):
+        prepared = []
+        for index, item in enumerate(images):
             image, key = load_image(item, self.image_limits, index)
             try:
                 pixels = self.preprocess(image)
             except ValueError as error:
                 raise ValueError(f"image {index}: {error}") from None
-            placed.append(PlacedImage(offset, length, key, pixels))
+            prepared.append((key, pixels, *model.image_placement(pixels)))
+        counts = [tokens for _, _, tokens, _ in prepared]
+        budget = self.scheduler.config.max_num_batched_tokens
+        if self.scheduler.config.whole_images and max(counts) > budget:
+            raise ValueError(
+                f"an image takes {max(counts)} tokens, more than max_num_batched_tokens ({budget}): "
+                f"model {self.model_id!r} computes an image's tokens in one step (they attend to each other both ways)"
+            )
+        if self.image_prompt is not None:
+            ids, places = self.image_prompt.place(prompt_ids, len(images))
+        else:
+            ids, places = place_images(prompt_ids, model.image_token_id, counts)
+        placed = [
+            PlacedImage(offset, length, key, pixels, grid)
+            for (offset, length), (key, pixels, _, grid) in zip(places, prepared, strict=True)
+        ]
         return ids, tuple(placed)
 
     def _check_image_count(self, count: int) -> None:

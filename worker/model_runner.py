@@ -17,7 +17,7 @@ from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, recor
 from infer.worker.scheduler import ScheduledChunk
 from infer.worker.speculative import sampling_rows
 from infer.worker.step_graphs import StepGraphs
-from infer.worker.vision import ImageEncoder, step_image_rows, step_image_spans
+from infer.worker.vision import ImageEncoder, step_image_rows, step_image_spans, with_mrope_positions
 
 if TYPE_CHECKING:
     from infer.worker.models.registry import CausalLM
@@ -108,6 +108,8 @@ class ModelRunner:
         if self.encoder is not None:  # each new request's encoder, once: its cross K/V into its cross blocks
             run_encoders([c.request for c in chunks], self.encoder, self.kv_cache, self.block_size)
         batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
+        if getattr(self.model, "uses_mrope", False):  # Qwen2-VL: three positions a token (worker/vision.py)
+            batch = with_mrope_positions(batch, chunks)
         if self.images is not None:
             placed = step_image_rows(chunks, self.images)
             if placed is not None:

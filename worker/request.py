@@ -161,6 +161,12 @@ class Request:
         """Tokens whose KV is not in the cache yet (the whole prompt when new, 1 when decoding)."""
         return self.num_tokens - self.num_computed_tokens
 
+    @property
+    def rope_delta(self) -> int:
+        """M-RoPE's position delta (transformers' rope_deltas): a token after the last image, generated ones
+        included, has the position its place in the sequence plus this (<= 0; 0 without images on a grid)."""
+        return sum(image.rope_shift for image in self.images)
+
     def image_tags(self, start: int, stop: int) -> tuple[int, ...]:
         """What tokens [start, stop) hold of images, beyond their ids: (key, the image's offset - start) of each image
         they overlap, flattened (empty without images). Two blocks with equal tokens and tags hold the same image

@@ -97,12 +97,14 @@ class Tokenization:
     @functools.cached_property
     def image_token(self) -> tuple[str, int] | None:
         """(text, id) of the token a chat's image parts become: Gemma 3's `<start_of_image>` (`image_sequence`), the
-        tokenizer's `image_token` (transformers' name), else an added `<image>` token (LLaVA's); None: the model takes
-        no images."""
+        tokenizer's `image_token` (transformers' name), else an added `<image>` token (LLaVA's) or `<|image_pad|>`
+        (Qwen2-VL's, whose chat template writes it between its vision start and end tokens); None: the model takes no
+        images."""
         sequence = self.image_sequence
-        token = sequence[0] if sequence else getattr(self.tokenizer, "image_token", None) or "<image>"
         added = {t.content: i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()}
-        return (token, added[token]) if token in added else None
+        named = sequence[0] if sequence else getattr(self.tokenizer, "image_token", None)
+        token = next((t for t in (named, "<image>", "<|image_pad|>") if t is not None and t in added), None)
+        return None if token is None else (token, added[token])
 
     @functools.cached_property
     def image_sequence(self) -> tuple[str, str] | None:

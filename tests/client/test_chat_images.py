@@ -1,7 +1,7 @@
 """A chat's image_url parts at the HTTP front, without a cluster (client/api/images.py, client/chat_encoding.py): which
 URLs give bytes and which a 400 naming why; each image part becomes the image token where it was, while an image token
 a caller typed stays text; a tokenizer without an image token marks a text-only model; a front over direct mode with
-a llava-hf-style template (content parts: it writes the image token) answers as direct mode does, and a text-only
+a llava-hf-style or Qwen2-VL-style template (content parts: it writes the image token) answers as direct mode does, and a text-only
 model's front refuses images with a 400; AsyncLLM's direct mode takes vLLM's multimodal prompt."""
 
 from __future__ import annotations
@@ -97,11 +97,40 @@ LLAVA_TEMPLATE = (
 )
 
 
+# Qwen2-VL's chat template, cut to what it does with content parts: each image part becomes its vision tokens
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# each family: its template, what it renders for _chat_body (text, then the image), and its image token
+FAMILIES = {
+    "llava": (LLAVA_TEMPLATE, "USER: <image>\nWhat is this? ASSISTANT:", "<image>"),
+    "qwen2_vl": (
+        QWEN2_VL_TEMPLATE,
+        "<|im_start|>user\nWhat is this?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n",
+        "<|image_pad|>",
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory, smollm2_tokenizer):
     from llava_models import llava_checkpoint
 
     return llava_checkpoint(tmp_path_factory.mktemp("llava"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def vision_family(request, tmp_path_factory, smollm2_tokenizer):
+    """(name, checkpoint) of each vision family."""
+    if request.param == "llava":
+        return "llava", request.getfixturevalue("llava")
+    from qwen2_vl_models import qwen2_vl_checkpoint
+
+    return request.param, qwen2_vl_checkpoint(tmp_path_factory.mktemp(request.param), smollm2_tokenizer)
 
 
 def _chat_body(data: bytes, text: str = "What is this?") -> dict:
@@ -111,32 +140,35 @@ def _chat_body(data: bytes, text: str = "What is this?") -> dict:
                 ignore_eos=True)  # fmt: skip
 
 
-def test_a_content_parts_template_writes_the_image_token(llava):
+def test_a_content_parts_template_writes_the_image_token(vision_family):
+    """llava-hf's template and Qwen2-VL's (which writes each image between its vision start and end tokens)."""
     from front_harness import http, local_engine, serving
     from llava_models import png
     from transformers import AutoTokenizer
 
     from infer import LLM, SamplingParams
 
-    tokenizer = AutoTokenizer.from_pretrained(str(llava))
+    name, path = vision_family
+    template, text, image_token = FAMILIES[name]
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
     image = png(33, 21, seed=8)
-    text = "USER: <image>\nWhat is this? ASSISTANT:"  # what the template renders
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    direct = LLM(model=str(llava), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    direct = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
     try:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         want = direct.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, params, False)[0]
     finally:
         direct.close()
-    local = local_engine(llava)
+    assert want.error is None
+    local = local_engine(path)
     try:
-        with serving(local, tokenizer, chat_template=LLAVA_TEMPLATE) as url:
+        with serving(local, tokenizer, chat_template=template) as url:
             status, _, body = http(f"{url}/v1/chat/completions", _chat_body(image))
             assert status == 200, body
             answer = json.loads(body)
             assert answer["choices"][0]["message"]["content"] == want.text
             assert answer["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
-            typed = _chat_body(image, "a typed <image> token")
+            typed = _chat_body(image, f"a typed {image_token} token")
             status, _, body = http(f"{url}/v1/chat/completions", typed)
             assert status == 400 and "content parts hold special-token text" in error_of(body)["message"]
     finally:

@@ -1,9 +1,10 @@
-"""Images through real clusters, for each family that takes them (tests/llava_models.py's tiny LLaVA,
+"""Images through real clusters (tests/llava_models.py's tiny LLaVA, tests/qwen2_vl_models.py's tiny Qwen2-VL,
 tests/gemma3_vision_models.py's tiny Gemma 3): kill -9 of the worker streaming an image request ends it exactly as
-direct mode does, on the other worker, which decodes and encodes the image again; `infer-serve` with 2 workers answers
-the official `openai` client's chat with a base64 data: URL image with direct mode's greedy text (for the chat
-template's prompt as transformers renders and expands it), and answers hostile images with a 400 naming what is
-wrong while it keeps serving."""
+direct mode does, on the other worker, which decodes and encodes the image again (Qwen2-VL: and gives the resumed
+tokens their M-RoPE positions again); `infer-serve` with 2 workers (LLaVA, Gemma 3) answers the official `openai`
+client's chat with a base64 data: URL image with direct mode's greedy text (Gemma 3: for the chat prompt as its
+processor renders and expands it), and answers hostile images with a 400 naming what is wrong while it keeps
+serving."""
 
 from __future__ import annotations
 
@@ -24,23 +25,53 @@ from infer import LLM, SamplingParams
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1)
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "8000000", "--threads", "1"]
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-TEXT = {
-    "llava": f"USER: {IMAGE_TOKEN}\nTell me a long story about it. ASSISTANT:",
-    "gemma3": f"Tell me a long story about it:{BOI}",
-}
+TEXT = f"USER: {IMAGE_TOKEN}\nTell me a long story about it. ASSISTANT:"
 IMAGE = png(48, 36, seed=21)
 QUESTION = "What is in this picture?"
 
 
-@pytest.fixture(scope="module", params=["llava", "gemma3"])
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, smollm2_tokenizer):
+    return llava_checkpoint(tmp_path_factory.mktemp("llava"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, smollm2_tokenizer):
+    return gemma3_vision_checkpoint(tmp_path_factory.mktemp("gemma3"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "gemma3"])
 def family(request, tmp_path_factory, smollm2_tokenizer):
-    """(name, checkpoint) of each family that takes images."""
-    build = {"llava": llava_checkpoint, "gemma3": gemma3_vision_checkpoint}[request.param]
-    return request.param, build(tmp_path_factory.mktemp(request.param), smollm2_tokenizer)
+    """(checkpoint, a long-story prompt with one image) of each vision family."""
+    if request.param == "llava":
+        return request.getfixturevalue("llava"), TEXT
+    if request.param == "gemma3":
+        return request.getfixturevalue("gemma3"), f"Tell me a long story about it:{BOI}"
+    from qwen2_vl_models import IMAGE as QWEN_IMAGE
+    from qwen2_vl_models import qwen2_vl_checkpoint
+
+    path = qwen2_vl_checkpoint(tmp_path_factory.mktemp("qwen2_vl"), smollm2_tokenizer)
+    return path, f"User: {QWEN_IMAGE}\nTell me a long story about it. Assistant:"
+
+
+@pytest.fixture(scope="module")
+def long_stream(family):
+    """Direct mode's answer to the family's long prompt."""
+    llm = LLM(model=str(family[0]), **ENGINE)
+    try:
+        return llm.generate({"prompt": family[1], "multi_modal_data": {"image": IMAGE}}, LONG, use_tqdm=False)[0]
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module", params=["llava", "gemma3"])
+def chat_model(request):
+    """(name, checkpoint) of each family the chat tests serve."""
+    return request.param, request.getfixturevalue(request.param)
 
 
 def _chat_ids(name: str, path, tokenizer) -> list[int]:
-    """The chat prompt's ids as transformers renders them (Gemma 3: expanded by its processor, as the front does)."""
+    """The chat prompt's ids as the front renders them (Gemma 3: expanded as its processor does)."""
     if name == "gemma3":
         import io
 
@@ -58,30 +89,26 @@ def _chat_ids(name: str, path, tokenizer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def direct(family):
-    """Direct mode's answers: the long stream's, and the chat prompt's ids (as the front renders them) with its text."""
-    name, path = family
+def direct(chat_model):
+    """Direct mode's answer to the chat prompt's ids (as the front renders them)."""
+    name, path = chat_model
     llm = LLM(model=str(path), **ENGINE)
     try:
-        tokenizer = llm.get_tokenizer()
-        prompt = {"prompt": TEXT[name], "multi_modal_data": {"image": IMAGE}}
-        long = llm.generate(prompt, LONG, use_tqdm=False)[0]
-        ids = _chat_ids(name, path, tokenizer)
+        ids = _chat_ids(name, path, llm.get_tokenizer())
         chat = llm.generate(
             {"prompt_token_ids": ids, "multi_modal_data": {"image": IMAGE}},
             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
             use_tqdm=False,
         )[0]
-        return long, chat
+        return chat
     finally:
         llm.close()
 
 
-async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, family, direct):
-    want = direct[0]
-    name, path = family
-    cluster = model_cluster(workers=2, model=path)
-    prompt = {"prompt": TEXT[name], "multi_modal_data": {"image": IMAGE}}
+async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, family, long_stream):
+    want = long_stream
+    cluster = model_cluster(workers=2, model=family[0])
+    prompt = {"prompt": family[1], "multi_modal_data": {"image": IMAGE}}
     (stream,), stats = await streams_through_a_fault(
         cluster, [prompt], LONG, lambda client: kill9_the_busiest_worker(cluster, client), finish_timeout=240
     )
@@ -90,8 +117,8 @@ async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, fa
 
 
 @pytest.fixture(scope="module")
-def served(family, tmp_path_factory):
-    name, path = family
+def served(chat_model, tmp_path_factory):
+    name, path = chat_model
     server = Served(path, tmp_path_factory.mktemp("serve") / "serve.log", name, ENGINE_FLAGS)
     yield server
     server.stop()
@@ -125,7 +152,7 @@ def _metric(url: str, name: str) -> float:
 def test_openai_chat_with_a_data_url_image_equals_direct_mode(served, direct):
     """Twice in one session (X-Session-ID: the same worker), the second time from its prefix cache: the image's
     tokens are not computed again, so it is not encoded again either."""
-    want = direct[1]
+    want = direct
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
     encoded = _metric(served.url, "infer:mm_images_encoded_total")
     hits = _metric(served.url, "infer:prefix_cache_hits_total")

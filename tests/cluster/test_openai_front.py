@@ -321,7 +321,7 @@ async def test_64_streams_with_8_cut_off_aborts_those_and_finishes_the_rest(serv
     cut_at = time.monotonic()
     with SyncInferenceClient(served.address) as cluster:
         while cluster.stats().requests_aborted < before.requests_aborted + 8:
-            assert time.monotonic() - cut_at < 5, "the cut-off streams were not aborted within 5 s"
+            assert time.monotonic() - cut_at < 30, "the cut-off streams were not aborted within 30 s"
             await asyncio.sleep(0.1)
         cluster.unpause()
         results = await asyncio.wait_for(asyncio.gather(*others), 120)
@@ -354,9 +354,9 @@ async def test_a_non_streaming_request_whose_client_leaves_is_aborted(served):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         writer.transport.abort()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while cluster.stats().requests_aborted < before + 1:
-            assert time.monotonic() < deadline, "the abandoned request was not aborted within 5 s"
+            assert time.monotonic() < deadline, "the abandoned request was not aborted within 30 s"
             await asyncio.sleep(0.1)
 
 

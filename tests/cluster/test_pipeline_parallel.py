@@ -212,7 +212,8 @@ def test_idle_stages_started_one_by_one_end_whole_when_one_is_killed(cluster_fac
     victim.kill9()
     killed_at = time.monotonic()
     code = survivor.wait(timeout=30)
-    assert code != 0 and time.monotonic() - killed_at < 10, (code, survivor.text()[-2000:])
+    # well inside --pp-timeout (60 s): the survivor saw the connection close, it did not wait the timeout out
+    assert code != 0 and time.monotonic() - killed_at < 30, (code, survivor.text()[-2000:])
     assert "connection closed" in survivor.text(), survivor.text()[-2000:]
     if struck == "stage 1":
         assert "PP stage 1's connection closed" in first.text() and "giving back" in first.text()

@@ -12,7 +12,7 @@ from attention_calls import assert_native_attention, count_attention_kernels
 from family_cases import CASES
 from family_models import tiny_llm
 from hf_reference import assert_bf16_as_close_as_transformers, hf_model
-from tiny_models import STEP_GRAPH_OPTIONS
+from tiny_models import ONE_BUCKET_OPTIONS
 
 from infer import SamplingParams
 from infer.worker.config import EngineConfig
@@ -69,10 +69,11 @@ def test_logprobs_within_tolerance_of_transformers(family_checkpoint, name):
 
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.step_graphs])
 def test_step_graphs_give_the_tokens(family_checkpoint, name):
-    """Decode steps in compiled graphs (CPU step graphs, batch buckets up to 4): transformers' tokens."""
+    """Decode steps in a compiled graph (CPU step graphs, batch 1: the requests one after another; the other
+    buckets are test_step_graphs's): transformers' tokens, every decode step in the graph."""
     case = CASES[name]
     path, want = family_checkpoint(name)
-    engine = Engine(EngineConfig(model=str(path), **STEP_GRAPH_OPTIONS))
+    engine = Engine(EngineConfig(model=str(path), **ONE_BUCKET_OPTIONS))
     graphs = engine.runner.step_graphs
     assert graphs is not None
     params = _greedy(case.max_new)
@@ -83,7 +84,8 @@ def test_step_graphs_give_the_tokens(family_checkpoint, name):
         for delta in engine.step():
             out[delta.request_id].extend(delta.token_ids)
     assert [out[str(i)] for i in range(len(case.prompts))] == want
-    assert sum(graphs.replays.values()) >= case.max_new - 1  # the decode steps ran in the graphs
+    assert graphs.buckets == (1,)
+    assert graphs.replays[1] >= len(case.prompts) * (case.max_new - 1)  # every decode step ran in the graph
 
 
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case.bf16])

@@ -102,9 +102,9 @@ class Gemma3Projector(nn.Module):
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """Gemma 3 with images over the paged KV cache: the registry's CausalLM contract (of its text model, whose config
-    is `self.config`) plus worker/vision.py's VisionModel (`image_token_id`, `tokens_per_image`, `encode_images`,
-    `bidirectional_images`, `preprocessor`) and the Gemma 3 prompt form (`boi_token_id`, `eoi_token_id`: an image
-    is "\\n\\n" boi, its image tokens, eoi "\\n\\n": worker/images.py `Gemma3ImagePrompt`)."""
+    is `self.config`) plus worker/vision.py's VisionModel (`image_token_id`, `image_preprocessor`, `image_placement`,
+    `encode_images`; `bidirectional_images`) and the Gemma 3 prompt form (`image_prompt`: an image is "\\n\\n" boi,
+    its image tokens, eoi "\\n\\n": worker/images.py `Gemma3ImagePrompt`)."""
 
     checkpoint_prefix_renames: ClassVar[tuple[tuple[str, str], ...]] = (
         ("model.language_model.", "model."),
@@ -153,8 +153,12 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             tokenizer, self.boi_token_id, self.eoi_token_id, self.image_token_id, self.tokens_per_image
         )
 
-    def preprocessor(self, model_dir: Path | None) -> Gemma3Preprocessor:
+    def image_preprocessor(self, model_dir: Path | None) -> Gemma3Preprocessor:
         return Gemma3Preprocessor.for_model(model_dir, self.image_size)
+
+    def image_placement(self, pixels: torch.Tensor) -> tuple[int, None]:
+        """Every image is `tokens_per_image` tokens, at their places in the sequence."""
+        return self.tokens_per_image, None
 
     @torch.inference_mode()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:

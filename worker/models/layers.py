@@ -599,7 +599,8 @@ _ROPE_TYPES = {
     "dynamic": _dynamic_inv_freq,
     "longrope": _longrope_inv_freq,
 }
-_ROPE_ALIASES = {"su": "longrope"}  # Phi-3's older name
+# Phi-3's older name; Qwen2-VL's older configs name M-RoPE's type "mrope": default frequencies (MRotaryEmbedding)
+_ROPE_ALIASES = {"su": "longrope", "mrope": "default"}
 
 
 # Cache length for configs that state no max_position_embeddings (the engine's context length is then 4096 too).
@@ -715,10 +716,44 @@ class RotaryEmbedding(nn.Module):
             long = F.pad(long, (0, batch.positions.shape[0] - long.shape[0]))
         return replace(batch, positions=batch.positions + long.to(torch.int64) * self.max_positions)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None) -> None:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos_sin: torch.Tensor | None = None
+    ) -> None:
         """Rotate q [T, Hq, head_dim] and k [T, Hk, head_dim] (views into the qkv output are fine) in place,
-        token i by positions[i] [T]."""
-        self.kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
+        token i by row positions[i] [T] of `cos_sin` (default: this cache)."""
+        cache = self.cos_sin_cache if cos_sin is None else cos_sin
+        self.kernels.rotary_embedding(positions, q, k, cache, self.is_neox)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal rotary embedding (M-RoPE): each token has three positions (temporal, height, width), and
+    the rotated pairs are cut into `mrope_section` runs, the first rotated by the temporal position, the next by the
+    height, the last by the width (transformers' recomposition of the frequencies). Where a token's three are equal
+    (every text token) that is the plain rotation at that position, so a step without image tokens runs on
+    `positions` and the shared cache as any model does (decodes, native steps included); a step whose batch carries
+    `mrope_positions` gets a cos | sin row per token (`rope_batch`), which its positions then index."""
+
+    column_sections: torch.Tensor  # [head_dim] int64: the position (0 t, 1 h, 2 w) each cache column rotates by
+
+    def __init__(self, config: Any, head_dim: int, is_neox: bool = True, partial: bool = False) -> None:
+        super().__init__(config, head_dim, is_neox, partial)
+        sections = [int(n) for n in rope_parameters(config).get("mrope_section") or ()]
+        if len(sections) != 3 or sum(sections) * 2 != self.rotary_dim or min(sections) < 0:
+            raise ValueError(
+                f"mrope_section {sections}: three runs of rotated pairs summing to {self.rotary_dim // 2} expected"
+            )
+        half = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+        self.register_buffer("column_sections", torch.cat((half, half)), persistent=False)
+
+    def rope_batch(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch with one cos | sin row per token where it carries `mrope_positions` (positions 0 .. T-1 index
+        them); unchanged otherwise."""
+        if batch.mrope_positions is None:
+            return batch
+        index = batch.mrope_positions[self.column_sections].t()  # [T, head_dim]: each column's position
+        rows = self.cos_sin_cache.gather(0, index.contiguous())
+        positions = torch.arange(index.shape[0], dtype=torch.int64, device=index.device)
+        return replace(batch, positions=positions, rope_cache=rows)
 
 
 def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:

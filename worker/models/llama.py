@@ -44,7 +44,7 @@ class LlamaVariant:
 
     @classmethod
     def from_config(cls, config: Any) -> LlamaVariant:
-        if config.model_type == "qwen2":  # biases on q, k, v only, always
+        if config.model_type in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text"):  # biases on q, k, v only, always
             return cls(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
@@ -181,7 +181,9 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary_emb(positions, q, None)  # q in place; K is rotated by the KV append as it is stored
+        # rows the positions index: the model's cos/sin cache, or a step's per-token rows (M-RoPE)
+        cos_sin = self.rotary_emb.cos_sin_cache if batch.rope_cache is None else batch.rope_cache
+        self.rotary_emb(positions, q, None, cos_sin)  # q in place; K is rotated by the KV append as it is stored
         out = paged_attention(
             self.kernels,
             q,
@@ -191,7 +193,7 @@ class LlamaAttention(nn.Module):
             v_cache,
             batch,
             self.scale,
-            self.rotary_emb.cos_sin_cache,
+            cos_sin,
             self.rotary_emb.is_neox,
             self.window,
             self.softcap,
@@ -278,6 +280,8 @@ class LlamaModel(nn.Module):
 
     # whether the family keeps its q / k heads in partial_rotary_order (a partial_rotary_factor is refused if not)
     partial_rotary: ClassVar[bool] = False
+    # the rotary embedding its layers share (Qwen2-VL's text model: M-RoPE)
+    rotary_class: ClassVar[type[RotaryEmbedding]] = RotaryEmbedding
 
     def __init__(
         self,
@@ -296,7 +300,7 @@ class LlamaModel(nn.Module):
                 return LlamaMLP(config, variant, dtype, tp)
 
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.rotary_emb = RotaryEmbedding(config, head_dim, partial=self.partial_rotary)
+        self.rotary_emb = self.rotary_class(config, head_dim, partial=self.partial_rotary)
         windows = layer_windows(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, variant, head_dim, self.rotary_emb, dtype, mlp_factory(i), tp, windows[i])
@@ -325,7 +329,13 @@ class LlamaModel(nn.Module):
             hidden = hidden.index_copy(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
         self.rotary_emb.reserve(max(batch.context_lens, default=0))
         batch = self.rotary_emb.rope_batch(batch)
-        if layers is None and batch.num_decodes and not torch.compiler.is_compiling() and not lora_rows_active():
+        if (
+            layers is None
+            and batch.num_decodes
+            and batch.rope_cache is None
+            and not torch.compiler.is_compiling()
+            and not lora_rows_active()
+        ):
             if self.native_decode is None:
                 self.native_decode = self.native_decoder() or False
             if (

@@ -15,6 +15,7 @@ load (`checkpoint_prefix_renames`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -24,15 +25,17 @@ from torch import nn
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear
 from infer.worker.models.llama import LlamaForCausalLM
 from infer.worker.tensor_parallel import TensorParallel
+from infer.worker.vision import ClipPreprocessor
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
 }
 
 
-def _activation(name: str, what: str) -> Any:
+def activation(name: str, what: str) -> Any:
     if name not in _ACTIVATIONS:
         raise NotImplementedError(f"{what} {name!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
     return _ACTIVATIONS[name]
@@ -61,7 +64,7 @@ class ClipAttention(nn.Module):
 class ClipMLP(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.act = _activation(config.hidden_act, "the vision tower's hidden_act")
+        self.act = activation(config.hidden_act, "the vision tower's hidden_act")
         self.fc1 = ColumnLinear(config.hidden_size, config.intermediate_size, True, dtype)
         self.fc2 = ColumnLinear(config.intermediate_size, config.hidden_size, True, dtype)
 
@@ -130,7 +133,7 @@ class LlavaProjector(nn.Module):
         bias = bool(getattr(config, "multimodal_projector_bias", True))
         text_hidden = config.text_config.hidden_size
         self.linear_1 = ColumnLinear(config.vision_config.hidden_size, text_hidden, bias, dtype)
-        self.act = _activation(config.projector_hidden_act, "projector_hidden_act")
+        self.act = activation(config.projector_hidden_act, "projector_hidden_act")
         self.linear_2 = ColumnLinear(text_hidden, text_hidden, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +155,8 @@ def feature_layers(config: Any) -> int:
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     """LLaVA-1.5 over the paged KV cache: the registry's CausalLM contract (of its language model, whose config is
-    `self.config`) plus worker/vision.py's VisionModel (`image_token_id`, `tokens_per_image`, `encode_images`)."""
+    `self.config`) plus worker/vision.py's VisionModel (`image_token_id`, `image_preprocessor`, `image_placement`:
+    `tokens_per_image` each, `encode_images`)."""
 
     checkpoint_prefix_renames: ClassVar[tuple[tuple[str, str], ...]] = (
         ("model.language_model.", "model."),
@@ -193,6 +197,13 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if "vision_tower." in key and marker in key:
             return int(key.split(marker, 1)[1].split(".", 1)[0]) >= self.num_vision_layers
         return False
+
+    def image_preprocessor(self, model_dir: Path | None) -> ClipPreprocessor:
+        return ClipPreprocessor.for_model(model_dir, self.image_size)
+
+    def image_placement(self, pixels: torch.Tensor) -> tuple[int, None]:
+        """Every image is `tokens_per_image` tokens, at their places in the sequence."""
+        return self.tokens_per_image, None
 
     @torch.inference_mode()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:

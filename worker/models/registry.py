@@ -16,6 +16,7 @@ from infer.worker.models.llama import LlamaForCausalLM
 from infer.worker.models.llava import LlavaForConditionalGeneration
 from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from infer.worker.models.phi3 import Phi3ForCausalLM
+from infer.worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from infer.worker.models.t5 import T5ForConditionalGeneration
 
 
@@ -59,6 +60,8 @@ MODEL_TYPES: dict[str, type] = {
     "llava": LlavaForConditionalGeneration,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen2_vl": Qwen2VLForConditionalGeneration,
+    "qwen2_5_vl": Qwen2VLForConditionalGeneration,
     "qwen3": LlamaForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV2ForCausalLM,
@@ -78,6 +81,8 @@ ARCHITECTURES: dict[str, type] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
