@@ -85,7 +85,63 @@ def paged_attention(
             softcap=softcap,
             sinks=sinks,
         )
+    if batch.image_spans:
+        image_span_attention(q, k_cache, v_cache, batch, scale, window, softcap, sinks, out)
     return out
+
+
+def image_span_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """Rows of `out` [T, H, D] that are image tokens of `batch.image_spans`, recomputed with the image's tokens
+    attending to each other both ways (transformers' Gemma 3 mask): the query at p sees the key at k where (k <= p or
+    k is a token of the same image) and, with a sliding window, k > p - window. The chunk's K/V are already in the
+    pool. Every token of the image must be in the pool or in this chunk (the scheduler keeps an image's remaining
+    tokens in one chunk: SchedulerConfig.whole_images); RuntimeError if not. Plain torch, in float32."""
+    if sinks is not None:
+        raise NotImplementedError("attention sinks with bidirectional image attention are not supported")
+    starts = [0]
+    for length in batch.query_lens:
+        starts.append(starts[-1] + length)
+    block_size = k_cache.shape[2]
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
+    for seq, lo, hi in batch.image_spans or ():
+        end = batch.context_lens[seq]
+        first = end - batch.query_lens[seq]  # the chunk's first position
+        if hi > end:
+            raise RuntimeError(
+                f"an image's tokens [{lo}, {hi}) end past its chunk [{first}, {end}): split across chunks"
+            )
+        q_lo = max(lo, first)
+        if q_lo >= hi:
+            continue
+        k_lo = max(0, q_lo - window + 1) if window else 0
+        device = q.device
+        keys = torch.arange(k_lo, hi, device=device)
+        table = batch.block_tables[seq].to(device=device, dtype=torch.int64)
+        blocks, offsets = table[keys // block_size], keys % block_size
+        k = k_cache[:, blocks, offsets].float()  # [Hkv, L, D]
+        v = v_cache[:, blocks, offsets].float()
+        rows = slice(starts[seq] + q_lo - first, starts[seq] + hi - first)
+        qs = q[rows].float().transpose(0, 1).reshape(kv_heads, heads // kv_heads, hi - q_lo, -1)  # [Hkv, G, n, D]
+        scores = torch.einsum("hgnd,hld->hgnl", qs, k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        p = torch.arange(q_lo, hi, device=device).unsqueeze(1)
+        allowed = (keys <= p) | ((keys >= lo) & (keys < hi))
+        if window:
+            allowed &= keys > p - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        attended = torch.einsum("hgnl,hld->hgnd", scores.softmax(-1), v)  # [Hkv, G, n, D]
+        out[rows] = attended.reshape(heads, hi - q_lo, -1).transpose(0, 1).to(out.dtype)
 
 
 def _padded_decode(

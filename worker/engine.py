@@ -188,6 +188,7 @@ class Engine:
                 priority_aging_steps=config.priority_aging_steps,
                 release_window=release_window(self.model),
                 max_loras=config.max_loras if config.enable_lora else 0,
+                whole_images=bool(getattr(self.model, "bidirectional_images", False)),
             )
         )
         self.offload: KvOffload | None = None  # the KV tier beyond the pool (worker/kv_offload.py)

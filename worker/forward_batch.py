@@ -50,6 +50,9 @@ class ForwardBatch:
     # token embeddings [R, hidden] (None: no image token in this step)
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # A model whose image tokens attend to each other both ways (Gemma 3; worker/attention.py image_span_attention):
+    # (sequence index, image offset, image end) of each image a chunk of this step computes (None: none)
+    image_spans: tuple[tuple[int, int, int], ...] | None = None
     # M-RoPE (Qwen2-VL: worker/vision.py step_mrope_positions): [3, T] int64 (temporal, height, width) position of
     # each token, set where they differ (a step that computes image tokens; elsewhere `positions` holds the shared
     # one); `rope_cache` [T, head_dim] float32: the cos | sin row of each token that the model's M-RoPE builds from

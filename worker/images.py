@@ -175,3 +175,96 @@ def place_images(
         f"the prompt's image tokens (id {image_token_id}) do not match its {num_images} image(s): it holds {total} in "
         f"{len(runs)} run(s); give one image token per image, or each image's tokens in a row ({counts})"
     )
+
+
+@dataclass(frozen=True)
+class Gemma3ImagePrompt:
+    """Gemma 3's image prompt form, as transformers' Gemma3Processor writes it: each `<start_of_image>` (boi: what its
+    chat template writes for an image part) becomes "\\n\\n" boi, `tokens_per_image` image tokens, eoi "\\n\\n".
+
+    - A text prompt is expanded as text before it is tokenized (`expand_text`): the processor's way, so its ids.
+    - Token ids (`place`): already expanded (one run of `tokens_per_image` image tokens per image: the processor's
+      output, a failover's resumed prompt) taken as they are; else each boi expanded in ids, its "\\n\\n" merged with
+      a newline token beside it into the one token of the whole run where the vocabulary has one (vLLM's merge:
+      what Gemma's tokenizer, whose newline runs are single tokens, gives for the expanded text).
+    `newline_ids[k - 1]`: the id of the token of k newlines, -1 where the vocabulary has none."""
+
+    boi_token: str
+    full_image_text: str
+    boi_token_id: int
+    eoi_token_id: int
+    image_token_id: int
+    tokens_per_image: int
+    newline_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokenizer: Any, boi_id: int, eoi_id: int, image_id: int, tokens_per_image: int) -> Gemma3ImagePrompt:
+        """From the model's token ids and its tokenizer (the tokens' text, the newline runs' ids)."""
+        boi, eoi, image = (tokenizer.decode([i]) for i in (boi_id, eoi_id, image_id))
+        newlines = []
+        for k in range(1, 32):
+            ids = tokenizer.encode("\n" * k, add_special_tokens=False)
+            newlines.append(ids[0] if len(ids) == 1 else -1)
+        if newlines[0] < 0:
+            raise ValueError("the tokenizer has no token for a newline, which Gemma 3's image prompt form needs")
+        full = f"\n\n{boi}{image * tokens_per_image}{eoi}\n\n"
+        return cls(boi, full, boi_id, eoi_id, image_id, tokens_per_image, tuple(newlines))
+
+    def expand_text(self, text: str, num_images: int) -> str:
+        """`text` with each boi replaced by its image's whole sequence; ValueError unless it holds one per image."""
+        count = text.count(self.boi_token)
+        if count != num_images:
+            raise ValueError(
+                f"the prompt holds {count} {self.boi_token} token(s) for its {num_images} image(s): give one per image"
+            )
+        return text.replace(self.boi_token, self.full_image_text)
+
+    def place(self, prompt_ids: Sequence[int], num_images: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """(the ids with every image's tokens in place, each image's (offset, length)); ValueError saying what the
+        prompt holds when it fits neither form."""
+        if self.image_token_id in prompt_ids:
+            return place_images(prompt_ids, self.image_token_id, [self.tokens_per_image] * num_images)
+        bois = [i for i, t in enumerate(prompt_ids) if t == self.boi_token_id]
+        if len(bois) != num_images:
+            raise ValueError(
+                f"the prompt holds {len(bois)} {self.boi_token} token(s) (id {self.boi_token_id}) and no image tokens "
+                f"for its {num_images} image(s): give one {self.boi_token} per image, or each image's tokens expanded"
+            )
+        ids: list[int] = []
+        places: list[tuple[int, int]] = []
+        last = 0
+        for at in bois:
+            ids.extend(prompt_ids[last:at])
+            self._newlines_before(ids)
+            ids.append(self.boi_token_id)
+            places.append((len(ids), self.tokens_per_image))
+            ids.extend([self.image_token_id] * self.tokens_per_image)
+            ids.append(self.eoi_token_id)
+            last = at + 1
+            after = self._newline_count(prompt_ids[last]) if last < len(prompt_ids) else 0
+            if after and self._newline(2 + after) >= 0:
+                ids.append(self._newline(2 + after))
+                last += 1
+            else:
+                ids.extend(self._two_newlines())
+        ids.extend(prompt_ids[last:])
+        return ids, places
+
+    def _newlines_before(self, ids: list[int]) -> None:
+        """Append "\\n\\n" to `ids`, merged into their last token where that is a newline run with room to grow."""
+        before = self._newline_count(ids[-1]) if ids else 0
+        if before and self._newline(before + 2) >= 0:
+            ids[-1] = self._newline(before + 2)
+        else:
+            ids.extend(self._two_newlines())
+
+    def _two_newlines(self) -> list[int]:
+        two = self._newline(2)
+        return [two] if two >= 0 else [self._newline(1)] * 2
+
+    def _newline(self, count: int) -> int:
+        return self.newline_ids[count - 1] if count <= len(self.newline_ids) else -1
+
+    def _newline_count(self, token_id: int) -> int:
+        """k when `token_id` is the token of k newlines, else 0."""
+        return self.newline_ids.index(token_id) + 1 if token_id >= 0 and token_id in self.newline_ids else 0

@@ -22,7 +22,7 @@ from infer.protocol.sampling import SamplingParams
 from infer.worker.beam_groups import BeamGroups
 from infer.worker.config import EngineConfig
 from infer.worker.encoder_decoder import EncoderDecoderModel
-from infer.worker.images import ImageLimits, PlacedImage, load_image, place_images
+from infer.worker.images import Gemma3ImagePrompt, ImageLimits, PlacedImage, load_image, place_images
 from infer.worker.pooling import PoolingState
 from infer.worker.request import Request
 from infer.worker.scheduler import Scheduler
@@ -89,6 +89,8 @@ class Intake:
         self.pipeline = pipeline
         self.model_parallel = model_parallel
         self.encoder_decoder = encoder_decoder
+        make_prompt = getattr(vision, "image_prompt", None)  # a prompt form of its own (Gemma 3's boi / eoi)
+        self.image_prompt: Gemma3ImagePrompt | None = None if make_prompt is None else make_prompt(tokenizer)
 
     def request(
         self,
@@ -132,6 +134,9 @@ class Intake:
                 "whole prompt as 'prompt'"
             )
         else:
+            if self.image_prompt is not None and isinstance(prompt, str) and isinstance(images, Sequence) and images:
+                self._check_image_count(len(images))  # before the text grows by each image's tokens
+                prompt = self.image_prompt.expand_text(prompt, len(images))
             prompt_ids = self._prompt_token_ids(prompt)
             prompt_ids, placed = self._place_images(prompt_ids, images)
         self._check_token_lists(params)
@@ -185,11 +190,7 @@ class Intake:
             raise ValueError(f"model {self.model_id!r} takes no images: it is a text-only model")
         if self.speculative:
             raise ValueError("images with speculative decoding are not supported yet")
-        if len(images) > self.image_limits.max_images:
-            raise ValueError(
-                f"{len(images)} images exceed the limit of {self.image_limits.max_images} per prompt "
-                "(--limit-mm-per-prompt)"
-            )
+        self._check_image_count(len(images))
         prepared = []
         for index, item in enumerate(images):
             image, key = load_image(item, self.image_limits, index)
@@ -198,12 +199,28 @@ class Intake:
             except ValueError as error:
                 raise ValueError(f"image {index}: {error}") from None
             prepared.append((key, pixels, *model.image_placement(pixels)))
-        ids, places = place_images(prompt_ids, model.image_token_id, [tokens for _, _, tokens, _ in prepared])
+        counts = [tokens for _, _, tokens, _ in prepared]
+        budget = self.scheduler.config.max_num_batched_tokens
+        if self.scheduler.config.whole_images and max(counts) > budget:
+            raise ValueError(
+                f"an image takes {max(counts)} tokens, more than max_num_batched_tokens ({budget}): "
+                f"model {self.model_id!r} computes an image's tokens in one step (they attend to each other both ways)"
+            )
+        if self.image_prompt is not None:
+            ids, places = self.image_prompt.place(prompt_ids, len(images))
+        else:
+            ids, places = place_images(prompt_ids, model.image_token_id, counts)
         placed = [
             PlacedImage(offset, length, key, pixels, grid)
             for (offset, length), (key, pixels, _, grid) in zip(places, prepared, strict=True)
         ]
         return ids, tuple(placed)
+
+    def _check_image_count(self, count: int) -> None:
+        if count > self.image_limits.max_images:
+            raise ValueError(
+                f"{count} images exceed the limit of {self.image_limits.max_images} per prompt (--limit-mm-per-prompt)"
+            )
 
     def _encoder_token_ids(
         self, prompt: str | Sequence[int], params: SamplingParams, images: Sequence[object]

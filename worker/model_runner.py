@@ -17,7 +17,7 @@ from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, recor
 from infer.worker.scheduler import ScheduledChunk
 from infer.worker.speculative import sampling_rows
 from infer.worker.step_graphs import StepGraphs
-from infer.worker.vision import ImageEncoder, step_image_rows, with_mrope_positions
+from infer.worker.vision import ImageEncoder, step_image_rows, step_image_spans, with_mrope_positions
 
 if TYPE_CHECKING:
     from infer.worker.models.registry import CausalLM
@@ -115,6 +115,8 @@ class ModelRunner:
             if placed is not None:
                 rows = torch.tensor(placed[0], dtype=torch.int64, device=self.device)
                 batch = replace(batch, image_rows=rows, image_embeds=placed[1])
+                if getattr(self.model, "bidirectional_images", False):
+                    batch = replace(batch, image_spans=step_image_spans(chunks))
         with lora_step(lora):
             hidden = self._forward(batch, slot_rows if lora is not None else None)
         return Launched(chunks, batch, hidden)

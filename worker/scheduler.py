@@ -87,6 +87,10 @@ class SchedulerConfig:
     # > 0 with LoRA adapters (worker/lora.py): the running requests use at most this many distinct adapters (the
     # engine's weight slots); a waiting request of another adapter waits (FCFS: admission stops there). 0: no bound.
     max_loras: int = 0
+    # A model whose image tokens attend to each other both ways (Gemma 3): a prefill chunk never ends inside an
+    # image (it stops before the image, or takes the image's rest whole, or the request waits for the budget), so
+    # each image token's keys are in the pool or in its chunk (worker/attention.py image_span_attention).
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -106,7 +110,7 @@ class SchedulerConfig:
             raise ValueError(f"max_loras must be an integer >= 0, got {self.max_loras!r}")
         if isinstance(self.release_window, bool) or not isinstance(self.release_window, int) or self.release_window < 0:
             raise ValueError(f"release_window must be an integer >= 0, got {self.release_window!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "whole_images"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -524,11 +528,25 @@ class Scheduler:
         if drafts and self.block_manager.allocate(request, 1 + len(drafts), num_draft_tokens=len(drafts)):
             step.add(request, 1 + len(drafts), drafts)
             return True
-        num_new = min(request.num_tokens_to_compute, step.token_budget)
+        num_new = self._image_bounded(request, min(request.num_tokens_to_compute, step.token_budget))
+        if num_new == 0:
+            return True  # an image's rest does not fit this step's budget: it waits, holding its blocks
         if not self._allocate_or_preempt(request, num_new, step):
             return False
         step.add(request, num_new)
         return True
+
+    def _image_bounded(self, request: Request, num_new: int, start: int | None = None) -> int:
+        """With `whole_images`, a chunk of `num_new` tokens from `start` (default: the computed tokens) that would end
+        inside an image: cut back to the image's start, or 0 when it starts in the image (its rest does not fit)."""
+        if not self.config.whole_images:
+            return num_new
+        start = request.num_computed_tokens if start is None else start
+        end = start + num_new
+        for image in request.images:
+            if image.offset < end < image.end:
+                return max(0, image.offset - start)
+        return num_new
 
     @staticmethod
     def _drafts_for(request: Request, step: _Step) -> tuple[int, ...]:
@@ -623,7 +641,8 @@ class Scheduler:
         the rest must fit."""
         remaining = request.num_tokens - num_cached_blocks * self.config.block_size
         if self.config.enable_chunked_prefill:
-            return min(remaining, token_budget)
+            start = num_cached_blocks * self.config.block_size
+            return self._image_bounded(request, min(remaining, token_budget), start)
         return remaining if remaining <= token_budget else 0
 
     def _blocks_needed_by_running(self) -> int:

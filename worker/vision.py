@@ -285,6 +285,69 @@ def step_image_rows(chunks: Sequence[ScheduledChunk], encoder: ImageEncoder) -> 
     return rows, torch.cat(parts)
 
 
+@dataclass(frozen=True)
+class Gemma3Preprocessor:
+    """Gemma3ImageProcessor's default steps (pan-and-scan off), equal to transformers' PIL backend: RGB, resize to
+    height x width (bilinear), rescale, normalize."""
+
+    height: int = 896
+    width: int = 896
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+
+    @classmethod
+    def for_model(cls, model_dir: Path | None, image_size: int) -> Gemma3Preprocessor:
+        """From the model's preprocessor_config.json when it has one, else the defaults at the tower's size;
+        NotImplementedError naming a setting it does not compute (pan-and-scan, another resample, a step off)."""
+        path = None if model_dir is None else Path(model_dir) / "preprocessor_config.json"
+        if path is None or not path.is_file():
+            return cls(image_size, image_size)
+        raw = json.loads(path.read_text())
+        if raw.get("do_pan_and_scan"):
+            raise NotImplementedError(f"{path}: do_pan_and_scan (Gemma 3's pan-and-scan crops) is not supported")
+        off = [name for name in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb") if raw.get(name) is False]
+        if off or raw.get("resample", 2) != 2:
+            what = ", ".join(f"{name}=false" for name in off) or f"resample={raw.get('resample')!r}"
+            raise NotImplementedError(f"{path}: {what} is not supported (only Gemma3ImageProcessor's bilinear resize)")
+        size = raw.get("size", {"height": image_size, "width": image_size})
+        height, width = (size["height"], size["width"]) if isinstance(size, dict) else (int(size), int(size))
+        return cls(
+            int(height),
+            int(width),
+            tuple(raw.get("image_mean", (0.5, 0.5, 0.5))),
+            tuple(raw.get("image_std", (0.5, 0.5, 0.5))),
+            float(raw.get("rescale_factor", 1 / 255)),
+        )
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        """An RGB PIL image (worker/images.py to_rgb) -> pixels [3, height, width] float32."""
+        from PIL import Image
+
+        image = image.resize((self.width, self.height), resample=Image.Resampling.BILINEAR)
+        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(self.height, self.width, 3)
+        scaled = (pixels.permute(2, 0, 1).to(torch.float64) * self.rescale_factor).to(torch.float32)
+        mean = torch.tensor(self.mean, dtype=torch.float32).view(3, 1, 1)
+        std = torch.tensor(self.std, dtype=torch.float32).view(3, 1, 1)
+        return ((scaled - mean) / std).contiguous()
+
+
+def step_image_spans(chunks: Sequence[ScheduledChunk]) -> tuple[tuple[int, int, int], ...]:
+    """(sequence index in the batch, image offset, image end) of every image whose tokens a chunk computes and some
+    of which attend to later tokens of the same image (all but its last token), for a model whose image tokens
+    attend to each other both ways (`bidirectional_images`; worker/attention.py `image_span_attention`). Chunks in
+    `build_forward_batch`'s order, each one sequence of the batch (a verification chunk is several: its request holds
+    no image, since images refuse speculative decoding)."""
+    spans = []
+    index = 0
+    for chunk in chunks:
+        for image in chunk.request.images:
+            if image.offset < chunk.end and chunk.start < image.end - 1:
+                spans.append((index, image.offset, image.end))
+        index += chunk.num_new_tokens if chunk.num_draft_tokens else 1
+    return tuple(spans)
+
+
 def with_mrope_positions(batch: ForwardBatch, chunks: Sequence[ScheduledChunk]) -> ForwardBatch:
     """The batch of `chunks` with M-RoPE's positions: `positions` the text position of each token (its place in the
     sequence plus the shift of the images before it), and `mrope_positions` [3, T] as well where a token's three

@@ -331,6 +331,9 @@ class Front:
                 code="context_length_exceeded",
             )
         image = self._image_slot(tok, chat, body)
+        # Gemma 3: each image's placeholder in the rendered text becomes its whole sequence before tokenizing, as
+        # transformers' processor does (a template writing the placeholder itself: content parts)
+        expand = tok.image_sequence if image is not None else None
         if image is not None and takes_content_parts(template):  # the template writes the image token itself
             image = None
             messages = template_messages([m.as_template_parts() for m in chat])
@@ -344,6 +347,8 @@ class Front:
 
         def render(chat: list[dict[str, Any]]) -> str:
             text = self._render_chat(tok, chat, body.add_generation_prompt, tools, body.chat_template_kwargs)
+            if expand is not None:
+                text = text.replace(*expand)
             self.check_text_size(tok, text, max_len, "messages")
             return text
 

@@ -96,13 +96,34 @@ class Tokenization:
 
     @functools.cached_property
     def image_token(self) -> tuple[str, int] | None:
-        """(text, id) of the token a chat's image parts become: the tokenizer's `image_token` (transformers' name),
-        else an added `<image>` token (LLaVA's) or `<|image_pad|>` (Qwen2-VL's, whose chat template writes it between
-        its vision start and end tokens); None: the model takes no images."""
+        """(text, id) of the token a chat's image parts become: Gemma 3's `<start_of_image>` (`image_sequence`), the
+        tokenizer's `image_token` (transformers' name), else an added `<image>` token (LLaVA's) or `<|image_pad|>`
+        (Qwen2-VL's, whose chat template writes it between its vision start and end tokens); None: the model takes no
+        images."""
+        sequence = self.image_sequence
         added = {t.content: i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()}
-        named = getattr(self.tokenizer, "image_token", None)
+        named = sequence[0] if sequence else getattr(self.tokenizer, "image_token", None)
         token = next((t for t in (named, "<image>", "<|image_pad|>") if t is not None and t in added), None)
         return None if token is None else (token, added[token])
+
+    @functools.cached_property
+    def image_sequence(self) -> tuple[str, str] | None:
+        """(the text that stands for an image, what it becomes before tokenizing) for a model whose prompts hold
+        images as Gemma 3's do (its directory's config.json: model_type "gemma3"; the tokenizer's boi / image / eoi
+        tokens): transformers' Gemma3Processor makes each `<start_of_image>` "\\n\\n" boi, mm_tokens_per_image image
+        tokens, eoi "\\n\\n"; None for any other model."""
+        config = Path(str(getattr(self.tokenizer, "name_or_path", "") or "")) / "config.json"
+        try:
+            raw = json.loads(config.read_text())
+        except (OSError, ValueError):
+            return None
+        boi, image, eoi = (getattr(self.tokenizer, name, None) for name in ("boi_token", "image_token", "eoi_token"))
+        if not isinstance(raw, dict) or raw.get("model_type") != "gemma3":
+            return None
+        count = raw.get("mm_tokens_per_image")
+        if not (isinstance(boi, str) and isinstance(image, str) and isinstance(eoi, str) and isinstance(count, int)):
+            return None
+        return boi, f"\n\n{boi}{image * count}{eoi}\n\n"
 
     @functools.cached_property
     def encoder_decoder(self) -> bool:

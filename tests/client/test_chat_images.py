@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import io
 import json
 import os
 
@@ -170,6 +171,43 @@ def test_a_content_parts_template_writes_the_image_token(vision_family):
             typed = _chat_body(image, f"a typed {image_token} token")
             status, _, body = http(f"{url}/v1/chat/completions", typed)
             assert status == 400 and "content parts hold special-token text" in error_of(body)["message"]
+    finally:
+        asyncio.run(local.close())
+
+
+def test_a_gemma3_chat_expands_its_images_as_gemma3_processor(tmp_path_factory, smollm2_tokenizer):
+    """Gemma 3's template writes `<start_of_image>` for an image part; the front expands it in the rendered text as
+    Gemma3Processor does, so the prompt is the processor's ids and the answer direct mode's for them."""
+    from front_harness import http, local_engine, serving
+    from gemma3_vision_models import BOI, gemma3_vision_checkpoint
+    from llava_models import png
+    from PIL import Image
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from infer import LLM, SamplingParams
+
+    path = gemma3_vision_checkpoint(tmp_path_factory.mktemp("gemma3-vision"), smollm2_tokenizer)
+    processor, tokenizer = AutoProcessor.from_pretrained(str(path)), AutoTokenizer.from_pretrained(str(path))
+    image = png(33, 21, seed=8)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    assert text.count(BOI) == 1
+    ids = processor(text=text, images=[Image.open(io.BytesIO(image))])["input_ids"][0]
+    assert Tokenization(tokenizer, "hermes").image_token == (BOI, tokenizer.convert_tokens_to_ids(BOI))
+    direct = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        want = direct.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, params, False)[0]
+    finally:
+        direct.close()
+    local = local_engine(path)
+    try:
+        with serving(local, tokenizer) as url:
+            status, _, body = http(f"{url}/v1/chat/completions", _chat_body(image))
+            assert status == 200, body
+            answer = json.loads(body)
+            assert answer["choices"][0]["message"]["content"] == want.text
+            assert answer["usage"]["prompt_tokens"] == len(ids) == len(want.prompt_token_ids)
     finally:
         asyncio.run(local.close())
 

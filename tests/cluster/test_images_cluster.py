@@ -1,8 +1,10 @@
-"""Images through real clusters (tests/llava_models.py's tiny LLaVA, tests/qwen2_vl_models.py's tiny Qwen2-VL): kill -9
-of the worker streaming an image request ends it exactly as direct mode does, on the other worker, which decodes and
-encodes the image again (Qwen2-VL: and gives the resumed tokens their M-RoPE positions again); `infer-serve`
-with 2 workers answers the official `openai` client's chat with a base64 data: URL image with direct mode's greedy
-text, and answers hostile images with a 400 naming what is wrong while it keeps serving."""
+"""Images through real clusters (tests/llava_models.py's tiny LLaVA, tests/qwen2_vl_models.py's tiny Qwen2-VL,
+tests/gemma3_vision_models.py's tiny Gemma 3): kill -9 of the worker streaming an image request ends it exactly as
+direct mode does, on the other worker, which decodes and encodes the image again (Qwen2-VL: and gives the resumed
+tokens their M-RoPE positions again); `infer-serve` with 2 workers (LLaVA, Gemma 3) answers the official `openai`
+client's chat with a base64 data: URL image with direct mode's greedy text (Gemma 3: for the chat prompt as its
+processor renders and expands it), and answers hostile images with a 400 naming what is wrong while it keeps
+serving."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import urllib.request
 import openai
 import pytest
 from fault_streams import kill9_the_busiest_worker, streams_through_a_fault
+from gemma3_vision_models import BOI, gemma3_vision_checkpoint
 from llava_models import IMAGE_TOKEN, TOKENS_PER_IMAGE, llava_checkpoint, png
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import Served
@@ -32,11 +35,18 @@ def llava(tmp_path_factory, smollm2_tokenizer):
     return llava_checkpoint(tmp_path_factory.mktemp("llava"), smollm2_tokenizer)
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, smollm2_tokenizer):
+    return gemma3_vision_checkpoint(tmp_path_factory.mktemp("gemma3"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl", "gemma3"])
 def family(request, tmp_path_factory, smollm2_tokenizer):
     """(checkpoint, a long-story prompt with one image) of each vision family."""
     if request.param == "llava":
         return request.getfixturevalue("llava"), TEXT
+    if request.param == "gemma3":
+        return request.getfixturevalue("gemma3"), f"Tell me a long story about it:{BOI}"
     from qwen2_vl_models import IMAGE as QWEN_IMAGE
     from qwen2_vl_models import qwen2_vl_checkpoint
 
@@ -54,16 +64,37 @@ def long_stream(family):
         llm.close()
 
 
+@pytest.fixture(scope="module", params=["llava", "gemma3"])
+def chat_model(request):
+    """(name, checkpoint) of each family the chat tests serve."""
+    return request.param, request.getfixturevalue(request.param)
+
+
+def _chat_ids(name: str, path, tokenizer) -> list[int]:
+    """The chat prompt's ids as the front renders them (Gemma 3: expanded as its processor does)."""
+    if name == "gemma3":
+        import io
+
+        from PIL import Image
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(path))
+        content = [{"type": "text", "text": QUESTION}, {"type": "image"}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        return processor(text=text, images=[Image.open(io.BytesIO(IMAGE))])["input_ids"][0]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION + IMAGE_TOKEN}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 @pytest.fixture(scope="module")
-def direct(llava):
+def direct(chat_model):
     """Direct mode's answer to the chat prompt's ids (as the front renders them)."""
-    llm = LLM(model=str(llava), **ENGINE)
+    name, path = chat_model
+    llm = LLM(model=str(path), **ENGINE)
     try:
-        tokenizer = llm.get_tokenizer()
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": QUESTION + IMAGE_TOKEN}], add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = _chat_ids(name, path, llm.get_tokenizer())
         chat = llm.generate(
             {"prompt_token_ids": ids, "multi_modal_data": {"image": IMAGE}},
             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
@@ -86,15 +117,16 @@ async def test_kill_9_of_the_worker_streaming_an_image_request(model_cluster, fa
 
 
 @pytest.fixture(scope="module")
-def served(llava, tmp_path_factory):
-    server = Served(llava, tmp_path_factory.mktemp("serve") / "serve.log", "llava", ENGINE_FLAGS)
+def served(chat_model, tmp_path_factory):
+    name, path = chat_model
+    server = Served(path, tmp_path_factory.mktemp("serve") / "serve.log", name, ENGINE_FLAGS)
     yield server
     server.stop()
 
 
 def _chat(client: openai.OpenAI, url: str, **extra):
     return client.chat.completions.create(
-        model="llava",
+        model=client.models.list().data[0].id,
         messages=[
             {
                 "role": "user",

@@ -465,3 +465,40 @@ def test_sustained_pressure_starves_nobody():
     assert scheduler.block_manager.num_free_blocks == 24
     for request in everyone:
         assert request.output_token_ids == expected_output(request.prompt_token_ids, request.max_tokens)
+
+
+# ---- whole images (a model whose image tokens attend to each other both ways: Gemma 3) -------------------------------
+
+
+def _with_images(i: int, prompt: list[int], spans: list[tuple[int, int]]) -> Request:
+    from infer.worker.images import PlacedImage
+
+    request = make_request(i, prompt)
+    request.images = tuple(PlacedImage(offset, length, 100 + k, None) for k, (offset, length) in enumerate(spans))
+    return request
+
+
+def test_whole_images_are_never_split_across_chunks():
+    """8 tokens a step, images at [3, 9) and [12, 18) of a 20-token prompt: the first chunk stops before the first
+    image, the next takes it whole; a request whose image's rest does not fit the budget left waits (an older
+    request's decode took a token) and computes it whole later; without `whole_images` chunks end anywhere."""
+    spans = [(3, 6), (12, 6)]
+    scheduler = make_scheduler(max_num_batched_tokens=8, whole_images=True)
+    scheduler.add(_with_images(0, list(range(20)), spans))
+    chunks = [(c.start, c.end) for output in run_to_completion(scheduler) for c in output.chunks if c.start < 20]
+    assert chunks == [(0, 3), (3, 11), (11, 19), (19, 20)]
+    plain = make_scheduler(max_num_batched_tokens=8)
+    plain.add(_with_images(0, list(range(20)), spans))
+    assert [(c.start, c.end) for c in plain.schedule().chunks] == [(0, 8)]
+
+    scheduler = make_scheduler(max_num_batched_tokens=6, whole_images=True)
+    scheduler.add(make_request(0, [1, 2], max_tokens=8))
+    engine_step(scheduler)  # request 0 now decodes: one token of every step's budget
+    scheduler.add(_with_images(1, list(range(12)), [(3, 6)]))
+    first = engine_step(scheduler)
+    assert [(c.request.request_id, c.start, c.end) for c in first.chunks] == [("r0", 2, 3), ("r1", 0, 3)]
+    second = engine_step(scheduler)  # [3, 9) needs 6 tokens, 5 are left: r1 waits, holding its blocks
+    assert [(c.request.request_id, c.start, c.end) for c in second.chunks] == [("r0", 3, 4)]
+    run = run_to_completion(scheduler)
+    r1 = [(c.start, c.end) for output in run for c in output.chunks if c.request.request_id == "r1" and c.start < 12]
+    assert r1 == [(3, 9), (9, 12)]

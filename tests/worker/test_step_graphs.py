@@ -179,3 +179,29 @@ def test_verification_steps_replay_the_graphs_with_the_tokens_of_decoding_withou
     # verification steps replay the graphs, never the native decode step (which a graph's steps never reach)
     decoder = speculating.model.model.native_decode  # made on the first step it could take: none came
     assert decoder is None or decoder.verification_steps == 0
+
+
+def test_image_requests_decode_in_the_graphs(tmp_path, smollm2_tokenizer):
+    """Gemma 3 with images (tests/gemma3_vision_models.py): the image's prefill runs eagerly (its features and two-way
+    attention), every decode step after it replays the graph, and the tokens are transformers'."""
+    import io
+
+    from gemma3_vision_models import BOI, gemma3_vision_checkpoint, transformers_gemma3_greedy
+    from llava_models import png
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    path = gemma3_vision_checkpoint(tmp_path / "gemma3", smollm2_tokenizer)
+    image, text = png(40, 30, seed=1), f"Describe {BOI} now."
+    processed = AutoProcessor.from_pretrained(str(path))(
+        text=text, images=[Image.open(io.BytesIO(image))], return_tensors="pt"
+    )
+    want = transformers_gemma3_greedy(path, processed["input_ids"][0].tolist(), processed["pixel_values"], 8)
+    engine = Engine(EngineConfig(model=str(path), **{**STEP_GRAPH_OPTIONS, "max_graph_batch_size": 1}))
+    graphs = engine.runner.step_graphs
+    assert graphs is not None
+    engine.add_request("a", text, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), images=[image])
+    out: list[int] = []
+    while engine.has_unfinished():
+        out += [t for delta in engine.step() for t in delta.token_ids]
+    assert out == want and graphs.replays[1] == 7

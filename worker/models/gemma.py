@@ -187,6 +187,8 @@ class Gemma3Model(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        if batch.image_rows is not None and batch.image_embeds is not None:  # Gemma 3's images (gemma3_vision.py)
+            hidden = hidden.index_copy(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
         longest = max(batch.context_lens, default=0)
         self.rotary_local.reserve(longest)
         self.rotary_global.reserve(longest)

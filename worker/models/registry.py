@@ -10,6 +10,7 @@ from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.bart import BartForConditionalGeneration
 from infer.worker.models.deepseek import DeepseekV2ForCausalLM
 from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from infer.worker.models.gemma3_vision import Gemma3ForConditionalGeneration
 from infer.worker.models.gpt_oss import GptOssForCausalLM
 from infer.worker.models.llama import LlamaForCausalLM
 from infer.worker.models.llava import LlavaForConditionalGeneration
@@ -66,6 +67,7 @@ MODEL_TYPES: dict[str, type] = {
     "deepseek_v3": DeepseekV2ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "gemma3": Gemma3ForConditionalGeneration,
     "gpt_oss": GptOssForCausalLM,
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM,
@@ -86,6 +88,7 @@ ARCHITECTURES: dict[str, type] = {
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
