@@ -62,7 +62,8 @@ FILE_SECONDS: dict[str, float] = {
     "tests/worker/test_resume.py": 72,
     "tests/worker/test_encoder_decoder.py": 70,  # new: ~70 s alone (-n 0), same machine
     "tests/cluster/test_speculative_groups.py": 66,
-    "tests/cluster/test_images_cluster.py": 100,  # LLaVA and Qwen2-VL: 102 s alone (-n 0), loaded
+    "tests/cluster/test_images_cluster.py": 150,  # LLaVA, Qwen2-VL, Gemma 3: 216 s alone (-n 0), loaded
+    "tests/worker/test_gemma3_vision.py": 30,  # new: 22 s of test time alone (-n 0), quiet
     "tests/worker/test_qwen2_vl.py": 60,  # new: 59 s of test time alone (-n 0), loaded
     "tests/cluster/test_serve.py": 57,
     "tests/examples/test_rl_loop.py": 56,

@@ -21,9 +21,10 @@ STEP_GRAPH_OPTIONS: dict[str, Any] = dict(
 )
 
 # One bucket (batch 1, the requests one after another): for tests of whether a model's own layers trace into a step
-# graph and give transformers' tokens there (test_families, test_sliding_window_models). The buckets' padding and
-# boundaries are test_step_graphs's; each bucket is a compile of every distinct layer graph (first layer, each window),
-# 8-30 s apiece on a 2-core CI machine with a cold compile cache, so a family's three buckets cost it a minute.
+# graph and give transformers' tokens there (test_families, test_sliding_window_models, test_step_graphs' image
+# case). The buckets' padding and boundaries are test_step_graphs's; each bucket is a compile of every distinct layer
+# graph (first layer, each window), 8-30 s apiece on a 2-core CI machine with a cold compile cache, so a family's
+# three buckets cost it a minute.
 ONE_BUCKET_OPTIONS: dict[str, Any] = {**STEP_GRAPH_OPTIONS, "max_graph_batch_size": 1, "max_num_seqs": 1}
 
 TINY_CONFIGS: dict[str, dict] = {

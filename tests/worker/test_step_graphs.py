@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 from moe_models import tiny_mixtral
-from tiny_models import STEP_GRAPH_OPTIONS
+from tiny_models import ONE_BUCKET_OPTIONS, STEP_GRAPH_OPTIONS
 from torch._dynamo.utils import counters
 
 from infer import SamplingParams
@@ -197,7 +197,7 @@ def test_image_requests_decode_in_the_graphs(tmp_path, smollm2_tokenizer):
         text=text, images=[Image.open(io.BytesIO(image))], return_tensors="pt"
     )
     want = transformers_gemma3_greedy(path, processed["input_ids"][0].tolist(), processed["pixel_values"], 8)
-    engine = Engine(EngineConfig(model=str(path), **{**STEP_GRAPH_OPTIONS, "max_graph_batch_size": 1}))
+    engine = Engine(EngineConfig(model=str(path), **ONE_BUCKET_OPTIONS))
     graphs = engine.runner.step_graphs
     assert graphs is not None
     engine.add_request("a", text, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), images=[image])
