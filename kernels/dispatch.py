@@ -129,6 +129,11 @@ def _table(device_type: str, backend: Backend) -> Kernels:
     if backend == "triton":
         return _triton_table(device_type)
     if backend == "cpu":
+        # The library is built (a cold compile cache: ~35 s of a 2-core VM) or loaded now, as the first table is made
+        # (the engine's construction), never inside a step: a first step that waited on the build stalled the first
+        # request that long, and a pipeline stage's or TP rank's peer gave up on it (--pp-timeout, --tp-timeout).
+        # Without a compiler, or with INFER_CPU_KERNELS=0, the kernels' `*_takes` say no and the twins run.
+        cpu_kernels.native_ready()
         # the level the native library is built at, chosen once per process as the library is (cpu_kernels)
         return _cpu_table(device_type, cpu_kernels.selected_isa())
     return _twin_table(device_type)

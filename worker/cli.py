@@ -192,6 +192,8 @@ def _run(
     stage > 0 (`options` None) serves its group's rank 0 instead."""
     parallel: Any = None
     try:
+        if options is None or not options.benchmark_mode:
+            _load_kernels(config)
         if pp is not None:  # its stages TP groups with --tp-size, one DP rank of an EP group with --ep-size
             from infer.worker.pp_group import join
             from infer.worker.pp_stage import leader_engine, run_stage
@@ -247,6 +249,18 @@ def _exit(code: int) -> NoReturn:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _load_kernels(config: EngineConfig) -> None:
+    """On a CPU: the kernel table made (the native library built, a cold cache's tens of seconds, or loaded) before
+    this process joins a TP group or pipeline, whose peers bound every wait of a step by --tp-timeout / --pp-timeout:
+    none of that should be spent on one member's build. (A GPU's table builds nothing; its device is the join's.)"""
+    from infer.kernels.dispatch import kernels_for
+    from infer.worker.engine_setup import pick_device
+
+    device = pick_device(config.device)
+    if device.type == "cpu":
+        kernels_for(device)
 
 
 def _join_tp_group(config: EngineConfig, tp: TpOptions, ep: EpOptions | None) -> tuple[Any, Any, EngineConfig]:

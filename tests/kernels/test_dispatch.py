@@ -102,3 +102,22 @@ def test_a_built_model_holds_its_devices_table_in_every_kernel_layer(device, tin
     kinds = {type(m).__name__ for m in holders}
     assert {"RMSNorm", "RotaryEmbedding", "MergedColumnLinear", "RowLinear", "LlamaAttention", "LlamaMLP"} <= kinds
     assert all(m.kernels is kernels_for(device) for m in holders)
+
+
+def test_the_cpu_table_loads_the_native_library_when_it_is_made() -> None:
+    """Made at the engine's construction, the CPU table builds or loads the native library then, never in a step: a
+    first step that waited on a cold cache's build (~35 s on a 2-core VM) stalled the first request, and a pipeline
+    stage's peer gave up on it (--pp-timeout). In a fresh process: nothing loaded before the table, loaded after."""
+    import subprocess
+    import sys
+
+    script = (
+        "from infer.kernels import cpu_kernels\n"
+        "from infer.kernels.dispatch import kernels_for\n"
+        "before = cpu_kernels._library.cache_info().currsize\n"
+        "kernels_for('cpu')\n"
+        "print(before, cpu_kernels._library.cache_info().currsize, cpu_kernels._LOADED)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True)
+    loaded = "True" if cpu_kernels.native_ready() else "False"  # (False where no compiler builds it)
+    assert out.stdout.split() == ["0", "1", loaded], out.stderr[-2000:]
