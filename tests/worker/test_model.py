@@ -271,7 +271,12 @@ def test_rope_legacy_fields_and_unknown_type() -> None:
     assert torch.allclose(legacy.inv_freq, 1.0 / (1000.0 ** (torch.arange(0, 8, 2) / 8)) / 2.0)
 
     class Unknown:
-        rope_parameters: ClassVar[dict] = {"rope_type": "mrope", "rope_theta": 10000.0}
+        rope_parameters: ClassVar[dict] = {"rope_type": "proportional", "rope_theta": 10000.0}
 
-    with pytest.raises(NotImplementedError, match="rope_type 'mrope' is not supported; supported: default, "):
+    with pytest.raises(NotImplementedError, match="rope_type 'proportional' is not supported; supported: default, "):
         RotaryEmbedding(Unknown(), head_dim=8)
+
+    class Mrope:  # Qwen2-VL's older configs name M-RoPE's type "mrope": the default frequencies, as transformers reads it
+        rope_parameters: ClassVar[dict] = {"rope_type": "mrope", "rope_theta": 1000.0}
+
+    assert torch.allclose(RotaryEmbedding(Mrope(), head_dim=8).inv_freq, 1.0 / (1000.0 ** (torch.arange(0, 8, 2) / 8)))

@@ -133,9 +133,9 @@ def test_refusals_by_name():
         RotaryEmbedding(_config("longrope-partial"), head_dim=16)
 
     class Unknown:
-        rope_parameters = {"rope_type": "mrope", "rope_theta": 10000.0}  # noqa: RUF012
+        rope_parameters = {"rope_type": "proportional", "rope_theta": 10000.0}  # noqa: RUF012
 
-    with pytest.raises(NotImplementedError, match="rope_type 'mrope' is not supported"):
+    with pytest.raises(NotImplementedError, match="rope_type 'proportional' is not supported"):
         RotaryEmbedding(Unknown(), head_dim=8)
 
 
