@@ -77,6 +77,15 @@ def llava_checkpoint(path: Path, base_tokenizer: Any, seed: int = 5) -> Path:
     return Path(path)
 
 
+def bomb() -> bytes:
+    """A PNG that declares 5000 x 5000 pixels (of one colour: a few KB compressed): a decompression bomb."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("L", (5000, 5000)).save(out, format="PNG")
+    return out.getvalue()
+
+
 def png(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
     """A random image of that size as PNG bytes."""
     from PIL import Image

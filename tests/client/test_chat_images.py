@@ -140,25 +140,30 @@ def _chat_body(data: bytes, text: str = "What is this?") -> dict:
                 ignore_eos=True)  # fmt: skip
 
 
+def _direct_answer(path, ids: list[int], image: bytes):
+    """Direct mode's greedy 6 tokens for `ids` with `image` (the Completion): what the front must answer."""
+    from infer import LLM, SamplingParams
+
+    direct = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        return direct.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, params, False)[0]
+    finally:
+        direct.close()
+
+
 def test_a_content_parts_template_writes_the_image_token(vision_family):
     """llava-hf's template and Qwen2-VL's (which writes each image between its vision start and end tokens)."""
     from front_harness import http, local_engine, serving
     from llava_models import png
     from transformers import AutoTokenizer
 
-    from infer import LLM, SamplingParams
-
     name, path = vision_family
     template, text, image_token = FAMILIES[name]
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     image = png(33, 21, seed=8)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    direct = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        want = direct.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, params, False)[0]
-    finally:
-        direct.close()
+    want = _direct_answer(path, ids, image)
     assert want.error is None
     local = local_engine(path)
     try:
@@ -184,8 +189,6 @@ def test_a_gemma3_chat_expands_its_images_as_gemma3_processor(tmp_path_factory, 
     from PIL import Image
     from transformers import AutoProcessor, AutoTokenizer
 
-    from infer import LLM, SamplingParams
-
     path = gemma3_vision_checkpoint(tmp_path_factory.mktemp("gemma3-vision"), smollm2_tokenizer)
     processor, tokenizer = AutoProcessor.from_pretrained(str(path)), AutoTokenizer.from_pretrained(str(path))
     image = png(33, 21, seed=8)
@@ -194,12 +197,7 @@ def test_a_gemma3_chat_expands_its_images_as_gemma3_processor(tmp_path_factory, 
     assert text.count(BOI) == 1
     ids = processor(text=text, images=[Image.open(io.BytesIO(image))])["input_ids"][0]
     assert Tokenization(tokenizer, "hermes").image_token == (BOI, tokenizer.convert_tokens_to_ids(BOI))
-    direct = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        want = direct.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, params, False)[0]
-    finally:
-        direct.close()
+    want = _direct_answer(path, ids, image)
     local = local_engine(path)
     try:
         with serving(local, tokenizer) as url:

@@ -25,7 +25,7 @@ from gemma3_vision_models import (
     gemma3_vision_checkpoint,
     transformers_gemma3_greedy,
 )
-from llava_models import png
+from llava_models import bomb, png
 
 from infer import LLM, SamplingParams
 from infer.worker.images import ImageLimits, load_image, to_rgb
@@ -288,14 +288,6 @@ def _our_logits(
         return model.compute_logits(model(batch, new_cache(model, 32, 4)))
 
 
-def _bomb() -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("L", (5000, 5000)).save(out, format="PNG")
-    return out.getvalue()
-
-
 @pytest.mark.parametrize(
     "images, prompt, message",
     [
@@ -310,7 +302,7 @@ def _bomb() -> bytes:
 )
 def test_hostile_input_is_refused_by_name(llm, images, prompt, message):
     good = png(20, 20, seed=6)
-    made = {"truncated": good[: len(good) // 2], "bomb": _bomb(), "ok": good}
+    made = {"truncated": good[: len(good) // 2], "bomb": bomb(), "ok": good}
     images = [made.get(i, i) if isinstance(i, str) else i for i in images]
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
     assert out.finish_reason == "error" and message in out.error, out.error

@@ -11,7 +11,15 @@ import io
 
 import pytest
 import torch
-from llava_models import IMAGE_SIZE, IMAGE_TOKEN, TOKENS_PER_IMAGE, llava_checkpoint, png, transformers_llava_greedy
+from llava_models import (
+    IMAGE_SIZE,
+    IMAGE_TOKEN,
+    TOKENS_PER_IMAGE,
+    bomb,
+    llava_checkpoint,
+    png,
+    transformers_llava_greedy,
+)
 
 from infer import LLM, SamplingParams
 from infer.worker.images import ImageLimits, load_image, to_rgb
@@ -125,15 +133,6 @@ def test_second_turn_hits_the_encoder_and_prefix_caches(llm):
     assert engine.runner.images.encoded == encoded + 1 and engine.runner.images.hits == hits + 1
 
 
-def _bomb() -> bytes:
-    """A PNG that declares 5000 x 5000 pixels (of one colour: a few KB compressed)."""
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("L", (5000, 5000)).save(out, format="PNG")
-    return out.getvalue()
-
-
 @pytest.mark.parametrize(
     "images, prompt, message",
     [
@@ -154,7 +153,7 @@ def _bomb() -> bytes:
 )
 def test_hostile_images_are_refused_by_name(llm, images, prompt, message):
     good = png(20, 20, seed=6)
-    made = {"truncated": good[: len(good) // 2], "bomb": _bomb(), "ok": good, "thin": png(1, 3000, seed=7)}
+    made = {"truncated": good[: len(good) // 2], "bomb": bomb(), "ok": good, "thin": png(1, 3000, seed=7)}
     images = [made.get(i, i) if isinstance(i, str) else i for i in images]
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
     assert out.finish_reason == "error" and message in out.error, out.error

@@ -11,7 +11,7 @@ import io
 
 import pytest
 import torch
-from llava_models import png
+from llava_models import bomb, png
 from qwen2_vl_models import (
     IMAGE,
     IMAGE_PAD,
@@ -241,14 +241,6 @@ def _assert_decodes_score_as_a_prefill(bf16: LLM) -> None:
         assert abs(decoded[token] - row[token]) <= 1e-3, (token, decoded[token], row[token])
 
 
-def _bomb() -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("L", (5000, 5000)).save(out, format="PNG")
-    return out.getvalue()
-
-
 @pytest.mark.parametrize(
     "images, prompt, message",
     [
@@ -265,7 +257,7 @@ def _bomb() -> bytes:
 )
 def test_hostile_images_are_refused_by_name(llm, images, prompt, message):
     good = png(20, 20, seed=6)
-    made = {"truncated": good[: len(good) // 2], "bomb": _bomb(), "ok": good, "thin": png(1, 300, seed=7)}
+    made = {"truncated": good[: len(good) // 2], "bomb": bomb(), "ok": good, "thin": png(1, 300, seed=7)}
     images = [made.get(i, i) if isinstance(i, str) else i for i in images]
     out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)[0]
     assert out.finish_reason == "error" and message in out.error, out.error

@@ -35,7 +35,7 @@ from torch import nn
 
 from infer.worker.images import Gemma3ImagePrompt
 from infer.worker.models.gemma import Gemma3ForCausalLM, GemmaRMSNorm
-from infer.worker.models.llava import ClipEncoder
+from infer.worker.models.llava import ClipEncoder, SquareImages
 from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.vision import Gemma3Preprocessor
 
@@ -100,7 +100,7 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).type_as(x)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(SquareImages, Gemma3ForCausalLM):
     """Gemma 3 with images over the paged KV cache: the registry's CausalLM contract (of its text model, whose config
     is `self.config`) plus worker/vision.py's VisionModel (`image_token_id`, `image_preprocessor`, `image_placement`,
     `encode_images`; `bidirectional_images`) and the Gemma 3 prompt form (`image_prompt`: an image is "\\n\\n" boi,
@@ -156,14 +156,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def image_preprocessor(self, model_dir: Path | None) -> Gemma3Preprocessor:
         return Gemma3Preprocessor.for_model(model_dir, self.image_size)
 
-    def image_placement(self, pixels: torch.Tensor) -> tuple[int, None]:
-        """Every image is `tokens_per_image` tokens, at their places in the sequence."""
-        return self.tokens_per_image, None
-
     @torch.inference_mode()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, 3, H, W] -> features [N, tokens_per_image, text hidden] in the model's dtype."""
-        if pixels.shape[-2:] != (self.image_size, self.image_size):
-            size = self.image_size
-            raise ValueError(f"pixels of {tuple(pixels.shape[-2:])}: the vision tower takes {size}x{size}")
+        self.check_pixels(pixels)
         return self.multi_modal_projector(self.vision_tower(pixels)).to(self.dtype)

@@ -153,7 +153,25 @@ def feature_layers(config: Any) -> int:
     return count
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class SquareImages:
+    """What a model whose tower takes images of one square size, each `tokens_per_image` tokens, answers the image
+    path (worker/vision.py): LLaVA-1.5 and Gemma 3."""
+
+    image_size: int
+    tokens_per_image: int
+
+    def image_placement(self, pixels: torch.Tensor) -> tuple[int, None]:
+        """Every image is `tokens_per_image` tokens, at their places in the sequence."""
+        return self.tokens_per_image, None
+
+    def check_pixels(self, pixels: torch.Tensor) -> None:
+        """pixels [N, 3, H, W] must be the tower's size (its preprocessor's output)."""
+        if pixels.shape[-2:] != (self.image_size, self.image_size):
+            size = self.image_size
+            raise ValueError(f"pixels of {tuple(pixels.shape[-2:])}: the vision tower takes {size}x{size}")
+
+
+class LlavaForConditionalGeneration(SquareImages, LlamaForCausalLM):
     """LLaVA-1.5 over the paged KV cache: the registry's CausalLM contract (of its language model, whose config is
     `self.config`) plus worker/vision.py's VisionModel (`image_token_id`, `image_preprocessor`, `image_placement`:
     `tokens_per_image` each, `encode_images`)."""
@@ -201,16 +219,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def image_preprocessor(self, model_dir: Path | None) -> ClipPreprocessor:
         return ClipPreprocessor.for_model(model_dir, self.image_size)
 
-    def image_placement(self, pixels: torch.Tensor) -> tuple[int, None]:
-        """Every image is `tokens_per_image` tokens, at their places in the sequence."""
-        return self.tokens_per_image, None
-
     @torch.inference_mode()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, 3, H, W] -> features [N, tokens_per_image, text hidden] in the model's dtype."""
-        if pixels.shape[-2:] != (self.image_size, self.image_size):
-            size = self.image_size
-            raise ValueError(f"pixels of {tuple(pixels.shape[-2:])}: the vision tower takes {size}x{size}")
+        self.check_pixels(pixels)
         hidden = self.vision_tower(pixels)
         if self.drop_class_token:
             hidden = hidden[:, 1:]
