@@ -634,7 +634,7 @@ class InferenceClient:
     async def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike[str]) -> dict[str, str]:
         """Deprecated: `add_lora(LoRARequest(lora_name, 1, lora_path))`, the name LLM and AsyncLLM use."""
         _deprecated("load_lora_adapter(name, path)", "add_lora(LoRARequest(name, 1, path))")
-        return await self.add_lora(LoRARequest(check_lora_name(lora_name), 1, os.fspath(lora_path)))
+        return await self.add_lora(LoRARequest(lora_name, 1, os.fspath(lora_path)))
 
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, str]:
         """Deprecated: `remove_lora(lora_name)`."""
