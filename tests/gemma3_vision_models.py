@@ -61,8 +61,11 @@ def gemma3_tokenizer(base_tokenizer: Any, scratch: Path) -> Any:
     return tokenizer
 
 
-def gemma3_vision_checkpoint(path: Path, base_tokenizer: Any, seed: int = 11, **text_overrides: Any) -> Path:
-    """The checkpoint in `path` (created), with Gemma3Processor's files; returns it."""
+def gemma3_vision_checkpoint(
+    path: Path, base_tokenizer: Any, seed: int = 11, vocab_multiple: int = 1, **text_overrides: Any
+) -> Path:
+    """The checkpoint in `path` (created), with Gemma3Processor's files; returns it. `vocab_multiple`: the
+    embedding's rows rounded up to a multiple of it (tensor parallelism splits the vocabulary)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, Gemma3TextConfig
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     from transformers.models.siglip import SiglipVisionConfig
@@ -75,7 +78,7 @@ def gemma3_vision_checkpoint(path: Path, base_tokenizer: Any, seed: int = 11, **
         for name, token in (("boi", BOI), ("image", IMAGE_TOKEN), ("eoi", EOI))
     }
     text = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=-(-len(tokenizer) // vocab_multiple) * vocab_multiple,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=0,

@@ -37,8 +37,9 @@ TEXT: dict[str, Any] = dict(
 )
 
 
-def llava_checkpoint(path: Path, base_tokenizer: Any, seed: int = 5) -> Path:
-    """The checkpoint in `path` (created); returns it."""
+def llava_checkpoint(path: Path, base_tokenizer: Any, seed: int = 5, vocab_multiple: int = 1) -> Path:
+    """The checkpoint in `path` (created); returns it. `vocab_multiple`: the embedding's rows rounded up to a multiple
+    of it (tensor parallelism splits the vocabulary; the rows past the tokenizer's are never a prompt's)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -46,7 +47,7 @@ def llava_checkpoint(path: Path, base_tokenizer: Any, seed: int = 5) -> Path:
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     text = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=-(-len(tokenizer) // vocab_multiple) * vocab_multiple,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=0,

@@ -36,8 +36,11 @@ VISION = {
 }  # fmt: skip
 
 
-def qwen2_vl_checkpoint(path: Path, base_tokenizer: Any, model_type: str = "qwen2_vl", seed: int = 7) -> Path:
-    """The checkpoint of `model_type` ("qwen2_vl" or "qwen2_5_vl") in `path` (created); returns it."""
+def qwen2_vl_checkpoint(
+    path: Path, base_tokenizer: Any, model_type: str = "qwen2_vl", seed: int = 7, vocab_multiple: int = 1
+) -> Path:
+    """The checkpoint of `model_type` ("qwen2_vl" or "qwen2_5_vl") in `path` (created); returns it. `vocab_multiple`:
+    the embedding's rows rounded up to a multiple of it (tensor parallelism splits the vocabulary)."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -54,7 +57,10 @@ def qwen2_vl_checkpoint(path: Path, base_tokenizer: Any, model_type: str = "qwen
         "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
     }[model_type]
     text = dict(
-        TEXT, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+        TEXT,
+        vocab_size=-(-len(tokenizer) // vocab_multiple) * vocab_multiple,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     config = config_class(
         text_config=text,

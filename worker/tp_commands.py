@@ -137,8 +137,13 @@ _BATCH_TENSORS = (
 
 
 def _pack_tensor(t: torch.Tensor) -> list[Any]:
+    import torch
+
     t = t.detach().to("cpu").contiguous()
-    return [str(t.dtype).removeprefix("torch."), list(t.shape), t.numpy().tobytes()]
+    name = str(t.dtype).removeprefix("torch.")
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
+        t = t.view(torch.int16)
+    return [name, list(t.shape), t.numpy().tobytes()]
 
 
 def _unpack_tensor(packed: list[Any], device: torch.device) -> torch.Tensor:
@@ -146,12 +151,28 @@ def _unpack_tensor(packed: list[Any], device: torch.device) -> torch.Tensor:
     import torch
 
     dtype, shape, data = packed
+    if dtype == "bfloat16":
+        bits = np.frombuffer(data, dtype=np.int16).reshape(shape)
+        return torch.from_numpy(bits.copy()).view(torch.bfloat16).to(device)
     array = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
     return torch.from_numpy(array.copy()).to(device)
 
 
+# A vision model's step (worker/vision.py, worker/models/llava.py): rank 0 alone holds the requests' images and runs
+# the vision tower; the other ranks take its features with the batch and place them as it does (the rows they
+# replace, the images' spans for two-way attention, M-RoPE's positions), so every rank's text layers see the same
+# input embeddings.
+_IMAGE_TENSORS = ("image_rows", "image_embeds", "mrope_positions", "rope_cache")
+
+
 def encode_batch(batch: ForwardBatch) -> dict[str, Any]:
     body: dict[str, Any] = {name: _pack_tensor(getattr(batch, name)) for name in _BATCH_TENSORS}
+    for name in _IMAGE_TENSORS:
+        value = getattr(batch, name)
+        if value is not None:
+            body[name] = _pack_tensor(value)
+    if batch.image_spans is not None:
+        body["image_spans"] = [list(span) for span in batch.image_spans]
     body.update(
         num_decodes=batch.num_decodes,
         query_lens=list(batch.query_lens),
@@ -178,6 +199,11 @@ def decode_batch(body: dict[str, Any], device: torch.device) -> ForwardBatch:
     )
     if body.get("prefill_decode_from") is not None:
         values["prefill_decode_from"] = _unpack_tensor(body["prefill_decode_from"], device)
+    for name in _IMAGE_TENSORS:
+        if body.get(name) is not None:
+            values[name] = _unpack_tensor(body[name], device)
+    if body.get("image_spans") is not None:
+        values["image_spans"] = tuple((int(seq), int(lo), int(hi)) for seq, lo, hi in body["image_spans"])
     return ForwardBatch(**{k: v for k, v in values.items() if k in known})
 
 

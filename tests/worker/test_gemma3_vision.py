@@ -5,8 +5,9 @@ tokens equal transformers' `generate` with its two-way mask over each image (the
 8, shorter than an image's 16 tokens): one image, two images, a batch mixing image and text requests, prefill chunks
 of a few tokens (an image never split: the scheduler keeps its tokens in one chunk), a prefix-cache hit that ends
 inside an image, preemption by recompute; a second turn hits the encoder and prefix caches; fp32 logits within 1e-4 of
-transformers' and bf16 as close to fp32 as transformers' bf16; every checkpoint layout loads; hostile input, images
-with speculative decoding and tensor parallelism are refused by name; the text-only Gemma 3 still refuses images."""
+transformers' and bf16 as close to fp32 as transformers' bf16; every checkpoint layout loads; hostile input and images
+with speculative decoding are refused by name; the text-only Gemma 3 still refuses images. (Tensor parallelism:
+tests/worker/test_images_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -342,16 +343,10 @@ def test_images_with_speculative_decoding_are_refused_by_name(gemma3):
         speculative.close()
 
 
-def test_tensor_parallel_is_refused_by_name(gemma3):
+def test_the_checkpoint_s_image_size_is_the_tests(gemma3):
     from transformers import AutoConfig
 
-    from infer.worker.models.gemma3_vision import Gemma3ForConditionalGeneration
-    from infer.worker.tensor_parallel import TensorParallel
-
-    config = AutoConfig.from_pretrained(gemma3)
-    with pytest.raises(ValueError, match="Gemma 3 with images is not supported with tensor parallelism"):
-        Gemma3ForConditionalGeneration(config, torch.float32, tp=TensorParallel(rank=0, size=2, group=None))
-    assert IMAGE_SIZE == config.vision_config.image_size
+    assert IMAGE_SIZE == AutoConfig.from_pretrained(gemma3).vision_config.image_size
 
 
 def test_image_limits_are_the_engine_s(llm):

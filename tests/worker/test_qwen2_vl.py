@@ -264,11 +264,8 @@ def test_hostile_images_are_refused_by_name(llm, images, prompt, message):
 
 
 def test_what_is_not_supported_is_refused_by_name(checkpoint, llm):
-    """Videos (the engine takes images), tensor parallelism (the tower is not sharded); step graphs are off."""
-    from transformers import AutoConfig
-
+    """Videos (the engine takes images); step graphs are off. (Tensor parallelism: test_images_tensor_parallel.)"""
     from infer.worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
-    from infer.worker.tensor_parallel import TensorParallel
 
     video = llm.generate({"prompt": "x", "multi_modal_data": {"video": [WIDE]}}, GREEDY, use_tqdm=False)[0]
     assert "modality 'video' is not supported; supported: image" in video.error
@@ -276,7 +273,3 @@ def test_what_is_not_supported_is_refused_by_name(checkpoint, llm):
     video = llm.generate({"prompt": f"x {pad}", "multi_modal_data": {"image": []}}, GREEDY, use_tqdm=False)[0]
     assert "the prompt holds video tokens" in video.error and "video inputs are not supported" in video.error
     assert not Qwen2VLForConditionalGeneration.supports_step_graphs
-    config = AutoConfig.from_pretrained(checkpoint[1])
-    tp = TensorParallel(size=2, rank=0, group=None)
-    with pytest.raises(ValueError, match=f"{checkpoint[0]} is not supported with tensor parallelism"):
-        Qwen2VLForConditionalGeneration(config, torch.float32, tp=tp)

@@ -177,7 +177,8 @@ def test_llm_with_tensor_parallel_size_2_equals_one_process(tiny_model_dir):
 def test_a_step_batch_crosses_the_command_channel_whole():
     """What rank 0 sends its followers (and a pipeline's stages) decodes to the same batch, prefill_decode_from
     included: a recomputed generated row (a resumed stream, a preemption) takes the decode arithmetic on every
-    rank, not on rank 0 alone."""
+    rank, not on rank 0 alone. So do a vision model's image rows and features (bf16 ones too, which numpy has no
+    type for), its images' spans and M-RoPE positions: rank 0 alone runs the vision tower."""
     import dataclasses
 
     import msgpack
@@ -186,7 +187,16 @@ def test_a_step_batch_crosses_the_command_channel_whole():
 
     plain = _batch(list(range(3, 40)))
     resumed = dataclasses.replace(plain, prefill_decode_from=torch.tensor([30], dtype=torch.int32))
-    for batch in (plain, resumed):
+    generator = torch.Generator().manual_seed(3)
+    images = dataclasses.replace(
+        plain,
+        image_rows=torch.arange(4, 20, dtype=torch.int64),
+        image_embeds=torch.randn(16, 8, generator=generator).to(torch.bfloat16),
+        image_spans=((0, 4, 20),),
+        mrope_positions=torch.randint(0, 40, (3, 37), generator=generator),
+        rope_cache=torch.randn(37, 8, generator=generator),
+    )
+    for batch in (plain, resumed, images):
         got = decode_batch(msgpack.unpackb(msgpack.packb(encode_batch(batch), use_bin_type=True), raw=False), CPU)
         for f in dataclasses.fields(batch):
             mine, theirs = getattr(batch, f.name), getattr(got, f.name)

@@ -19,6 +19,10 @@ embeddings at its image tokens, and the image's tokens attending to each other b
   ends a chunk inside such an image (`SchedulerConfig.whole_images`), so every key an image token needs is in the
   pool or in its chunk.
 
+With tensor parallelism the text model is sharded as Gemma 3's; the vision tower and projector are whole on every
+rank and run on rank 0 only, whose features and image spans the other ranks take with each step
+(worker/tp_commands.py).
+
 Checkpoint names: what transformers 5 saves (`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`, the
 LM head tied), what published Gemma 3 checkpoints hold (the tower under `vision_tower.vision_model.*`) and transformers'
 module names (`model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`, `lm_head.*`).
@@ -119,10 +123,6 @@ class Gemma3ForConditionalGeneration(SquareImages, Gemma3ForCausalLM):
     bidirectional_images: ClassVar[bool] = True  # an image's tokens attend to each other both ways
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError(
-                "Gemma 3 with images is not supported with tensor parallelism yet (the vision tower is not sharded)"
-            )
         vision = config.vision_config
         if getattr(vision, "model_type", "siglip_vision_model") != "siglip_vision_model":
             raise NotImplementedError(

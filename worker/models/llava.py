@@ -5,7 +5,9 @@ The vision tower is CLIP's (pre-LN transformer, quick_gelu, a class token); the 
 `vision_feature_layer` layers (-2: all but the last; only those layers are built, the others' tensors skipped), the
 class token dropped under the "default" select strategy. The language model is `LlamaForCausalLM` as is: the
 features go in through `ForwardBatch.image_rows` / `image_embeds` (worker/vision.py builds them per step), and the
-positions are the tokens' places in the sequence.
+positions are the tokens' places in the sequence. With tensor parallelism the language model is sharded as Llama's;
+the vision tower and projector are whole on every rank and run on rank 0 only, whose features the other ranks take
+with each step (worker/tp_commands.py).
 
 Checkpoint names: what transformers 5 saves (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`,
 `multi_modal_projector.*`), its module names (`model.language_model.*`, `model.vision_tower.*`,
@@ -188,8 +190,6 @@ class LlavaForConditionalGeneration(SquareImages, LlamaForCausalLM):
     supports_step_graphs: ClassVar[bool] = True  # decode steps hold no image token: the Llama layers' graphs apply
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError("LLaVA is not supported with tensor parallelism yet (the vision tower is not sharded)")
         strategy = getattr(config, "vision_feature_select_strategy", "default")
         if strategy not in ("default", "full"):
             raise NotImplementedError(f"vision_feature_select_strategy {strategy!r} is not supported")

@@ -12,9 +12,11 @@ tokens, and our Llama-family language model (Qwen2's layers) with M-RoPE.
   at the image tokens' rows (`ForwardBatch.image_rows` / `image_embeds`), as LLaVA's.
 - Preprocessing is worker/vision.py's `Qwen2VLPreprocessor` (transformers' Qwen2VLImageProcessor).
 
+With tensor parallelism the language model is sharded as Qwen2's; the vision tower is whole on every rank and runs
+on rank 0 only, whose features and M-RoPE positions the other ranks take with each step (worker/tp_commands.py).
+
 Not supported, refused by name: videos (`multi_modal_data` takes images only; a prompt holding the video token is
-refused), tensor parallelism (the tower is not
-sharded). Step graphs are off for these models (a graph's decode rows carry no per-request position delta): every
+refused). Step graphs are off for these models (a graph's decode rows carry no per-request position delta): every
 step runs eagerly, decodes on the CPU's native step still.
 
 Checkpoint names: what transformers saves (`model.*`, `lm_head.*`, `visual.*`) and its module names
@@ -240,10 +242,6 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     uses_mrope: ClassVar[bool] = True
 
     def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError(
-                f"{config.model_type} is not supported with tensor parallelism yet (the vision tower is not sharded)"
-            )
         qwen25 = config.model_type == "qwen2_5_vl"
         super().__init__(config.text_config, dtype, tp=tp)
         self.vl_config = config
