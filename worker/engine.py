@@ -284,7 +284,7 @@ class Engine:
             vision=self.model if isinstance(self.model, VisionModel) else None,
             preprocess=self.preprocess,
             image_limits=self.image_limits,
-            speculative=self.proposer is not None,
+            speculative=None if spec is None else spec.method,
             pipeline=stage is not None,
             model_parallel=self.tp.size > 1 or stage is not None,
             encoder_decoder=encdec,

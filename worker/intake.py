@@ -60,14 +60,15 @@ class Intake:
         vision: VisionModel | None,
         preprocess: Preprocessor | None,
         image_limits: ImageLimits,
-        speculative: bool,
+        speculative: str | None,
         pipeline: bool,
         model_parallel: bool,
         encoder_decoder: EncoderDecoderModel | None = None,
     ) -> None:
         """`draw_seed`: a seed for a sampled request without one; `lora_id`: an adapter name's id (0: none;
         ValueError for an unknown one); `vision` / `preprocess`: a model that takes images and its preprocessing;
-        `speculative`: drafts are proposed (no images yet); `pipeline`: this is a pipeline's stage 0 (no
+        `speculative`: the method that proposes drafts (None: no speculative decoding; a draft model takes no
+        images); `pipeline`: this is a pipeline's stage 0 (no
         pooling); `model_parallel`: tensor or pipeline parallel (no beam search); `encoder_decoder`: the model when it
         is one (worker/encoder_decoder.py): the prompt is then its encoder's input."""
         self.config = config
@@ -188,8 +189,11 @@ class Intake:
             return prompt_ids, ()
         if model is None or self.preprocess is None:
             raise ValueError(f"model {self.model_id!r} takes no images: it is a text-only model")
-        if self.speculative:
-            raise ValueError("images with speculative decoding are not supported yet")
+        if self.speculative == "draft_model":
+            raise ValueError(
+                "images with a draft model are not supported: the draft model reads text only (speculative_config "
+                "method 'ngram' takes images)"
+            )
         self._check_image_count(len(images))
         prepared = []
         for index, item in enumerate(images):

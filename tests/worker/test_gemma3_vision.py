@@ -5,9 +5,9 @@ tokens equal transformers' `generate` with its two-way mask over each image (the
 8, shorter than an image's 16 tokens): one image, two images, a batch mixing image and text requests, prefill chunks
 of a few tokens (an image never split: the scheduler keeps its tokens in one chunk), a prefix-cache hit that ends
 inside an image, preemption by recompute; a second turn hits the encoder and prefix caches; fp32 logits within 1e-4 of
-transformers' and bf16 as close to fp32 as transformers' bf16; every checkpoint layout loads; hostile input and images
-with speculative decoding are refused by name; the text-only Gemma 3 still refuses images. (Tensor parallelism:
-tests/worker/test_images_tensor_parallel.py.)"""
+transformers' and bf16 as close to fp32 as transformers' bf16; every checkpoint layout loads; hostile input is refused by
+name; the text-only Gemma 3 still refuses images. (Tensor parallelism: tests/worker/test_images_tensor_parallel.py;
+speculative decoding: tests/worker/test_images_speculative.py.)"""
 
 from __future__ import annotations
 
@@ -331,16 +331,6 @@ def test_the_text_only_gemma3_refuses_images(family_dir):
         assert type(text_llm._engine.model).__name__ == "Gemma3ForCausalLM"
     finally:
         text_llm.close()
-
-
-def test_images_with_speculative_decoding_are_refused_by_name(gemma3):
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    speculative = LLM(model=str(gemma3), **{**OPTIONS, "speculative_config": spec})
-    try:
-        out = speculative.generate({"prompt": ONE, "multi_modal_data": {"image": png(9, 9, 1)}}, GREEDY, False)[0]
-        assert out.finish_reason == "error" and "images with speculative decoding are not supported yet" in out.error
-    finally:
-        speculative.close()
 
 
 def test_the_checkpoint_s_image_size_is_the_tests(gemma3):
