@@ -39,16 +39,17 @@ BART: dict[str, Any] = dict(
 FAMILIES = {"t5": T5_V11, "t5-original": T5_ORIGINAL, "bart": BART}
 
 
-def encdec_checkpoint(name: str, path: Path, tokenizer: Any, seed: int = 3) -> Path:
-    """The tiny checkpoint of FAMILIES[name] in `path` (created), with `tokenizer`; returns the path."""
+def encdec_checkpoint(name: str, path: Path, tokenizer: Any, seed: int = 3, **overrides: Any) -> Path:
+    """The tiny checkpoint of FAMILIES[name] (with `overrides` of its config) in `path` (created), with `tokenizer`;
+    returns the path."""
     from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
     ids = dict(vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=2)
     if name == "bart":
-        config: Any = BartConfig(**ids, bos_token_id=1, decoder_start_token_id=2, **BART)
+        config: Any = BartConfig(**ids, bos_token_id=1, decoder_start_token_id=2, **{**BART, **overrides})
         cls: Any = BartForConditionalGeneration
     else:
-        config = T5Config(**ids, decoder_start_token_id=0, **FAMILIES[name])
+        config = T5Config(**ids, decoder_start_token_id=0, **{**FAMILIES[name], **overrides})
         cls = T5ForConditionalGeneration
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)

@@ -58,7 +58,7 @@ from infer.worker.loader import load_model, weight_files
 from infer.worker.lora import LoraManager
 from infer.worker.memory import HeapTrimmer, keep_freed_heap, trim_heap
 from infer.worker.micro_batches import MicroBatches
-from infer.worker.model_files import eos_token_ids, resolve_model
+from infer.worker.model_files import eos_token_ids, forced_token_ids, resolve_model
 from infer.worker.model_runner import ModelRunner
 from infer.worker.output_processor import EngineStats, OutputProcessor, StepRow, step_rows
 from infer.worker.proposers import Proposer, make_proposer
@@ -157,6 +157,9 @@ class Engine:
         )
         encdec = self.model if is_encoder_decoder(self.model) else None
         self.vocab_size = int(self.model.vocab_size)
+        forced = (None, None) if encdec is None or self.model_path is None else forced_token_ids(self.model_path)
+        if any(t is not None and t >= self.vocab_size for t in forced):
+            raise ValueError(f"the generation config's forced tokens {forced} are outside the vocabulary")
         self.max_model_len = context_length(config, self.model.config)
         self.block_size = config.block_size
         num_blocks = self._num_kv_blocks()
@@ -288,6 +291,7 @@ class Engine:
             pipeline=stage is not None,
             model_parallel=self.tp.size > 1 or stage is not None,
             encoder_decoder=encdec,
+            forced_tokens=forced,
         )
         # a pipeline's stage 0: a micro-batch per stage in flight (worker/micro_batches.py) unless told otherwise;
         # speculative decoding steps one batch at a time (its proposals read the tokens of the step before)

@@ -64,13 +64,15 @@ class Intake:
         pipeline: bool,
         model_parallel: bool,
         encoder_decoder: EncoderDecoderModel | None = None,
+        forced_tokens: tuple[int | None, int | None] = (None, None),
     ) -> None:
         """`draw_seed`: a seed for a sampled request without one; `lora_id`: an adapter name's id (0: none;
         ValueError for an unknown one); `vision` / `preprocess`: a model that takes images and its preprocessing;
         `speculative`: the method that proposes drafts (None: no speculative decoding; a draft model takes no
         images); `pipeline`: this is a pipeline's stage 0 (no
         pooling); `model_parallel`: tensor or pipeline parallel (no beam search); `encoder_decoder`: the model when it
-        is one (worker/encoder_decoder.py): the prompt is then its encoder's input."""
+        is one (worker/encoder_decoder.py): the prompt is then its encoder's input; `forced_tokens`: its generation
+        config's (forced BOS, forced EOS), worker/request.py's forced_token."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -90,6 +92,7 @@ class Intake:
         self.pipeline = pipeline
         self.model_parallel = model_parallel
         self.encoder_decoder = encoder_decoder
+        self.forced_bos, self.forced_eos = forced_tokens
         make_prompt = getattr(vision, "image_prompt", None)  # a prompt form of its own (Gemma 3's boi / eoi)
         self.image_prompt: Gemma3ImagePrompt | None = None if make_prompt is None else make_prompt(tokenizer)
 
@@ -161,6 +164,10 @@ class Intake:
             cache_salt=adapter_salt(params.lora_name),
             images=placed,
             encoder_token_ids=encoder_ids,
+            # transformers forces BOS where the decoder's input is its start token alone (a decoder prompt given:
+            # not), and EOS as the last token a length limit allows
+            forced_bos_token_id=self.forced_bos if len(prompt_ids) == 1 else None,
+            forced_eos_token_id=self.forced_eos,
         )
         if params.beam_search:  # its prompt's request is its first beam (worker/beam_groups.py)
             request.beam_group = request.request_id

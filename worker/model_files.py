@@ -250,6 +250,22 @@ def _byte_level(path: Path) -> bool:
     return any(isinstance(part, dict) and part.get("type") == "ByteLevel" for part in parts)
 
 
+def forced_token_ids(path: Path) -> tuple[int | None, int | None]:
+    """The generation config's (forced_bos_token_id, forced_eos_token_id), as transformers' `generate` reads them:
+    generation_config.json where there is one, else config.json (BART-style checkpoints: the first generated token
+    forced to BOS, the last one a length limit allows to EOS). None where a file names none."""
+    for name in ("generation_config.json", "config.json"):
+        file = Path(path) / name
+        if file.is_file():
+            values = json.loads(file.read_text())
+            bos, eos = values.get("forced_bos_token_id"), values.get("forced_eos_token_id")
+            for key, value in (("forced_bos_token_id", bos), ("forced_eos_token_id", eos)):
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                    raise ValueError(f"{file}: {key} must be a token id, got {value!r}")
+            return bos, eos
+    return None, None
+
+
 def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> frozenset[int]:
     """Token ids that end generation: generation_config.json's eos_token_id (else config.json's; an int or
     a list) plus the tokenizer's eos_token_id. Pass `tokenizer` to avoid loading it again."""

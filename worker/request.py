@@ -104,6 +104,10 @@ class Request:
     # cross-attention K/V over the encoder's output (a second table, allocated with the request's first blocks and
     # freed with them), and whether the encoder has written them since they were allocated
     encoder_token_ids: list[int] | None = None
+    # The generation config's forced tokens (encoder-decoder models, worker/model_files.py forced_token_ids): the first
+    # generated token when the decoder starts from its start token alone, and the last one `max_tokens` allows
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: int | None = None
     cross_block_table: list[int] = field(default_factory=list)
     encoder_computed: bool = False
 
@@ -147,6 +151,17 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def forced_token(self) -> int | None:
+        """The token the next sample must be (transformers' ForcedBOS / ForcedEOS logits processors), or None: the
+        forced BOS as the first generated token, the forced EOS as the last one `max_tokens` allows (unless
+        ignore_eos)."""
+        produced = self.num_output_tokens
+        if self.forced_bos_token_id is not None and produced == 0:
+            return self.forced_bos_token_id
+        if self.forced_eos_token_id is not None and produced == self.max_tokens - 1 and not self.params.ignore_eos:
+            return self.forced_eos_token_id
+        return None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,11 +1,12 @@
 """Sampler: one batched sampling step over the logits of B requests.
 
-Order (as vLLM): penalties on the raw logits, then the per-request logit processors (logit_bias added,
-tokens outside allowed_token_ids and those banned by min_tokens or bad_words set to -inf), then the grammar
-bitmask of the rows with structured outputs (each request's matcher fills its row of one [R, V/32] int32 mask;
-one kernel launch applies them all: kernels/token_bitmask.py), then one fused sampling kernel
-(infer.kernels.sampling): greedy rows take the argmax; the others are scaled by their temperature, filtered by
-top-k, top-p and min-p and drawn by an exponential race, per-row parameters in one launch, no host sync.
+Order (as vLLM): penalties on the raw logits, then the per-request logit processors (logit_bias added, tokens
+outside allowed_token_ids (all but the token a forced BOS / EOS names, where one applies) and those banned by
+min_tokens or bad_words set to -inf), then the grammar bitmask of the rows with structured outputs (each request's
+matcher fills its row of one [R, V/32] int32 mask; one kernel launch applies them all: kernels/token_bitmask.py),
+then one fused sampling kernel (infer.kernels.sampling): greedy rows take the argmax; the others are scaled by their
+temperature, filtered by top-k, top-p and min-p and drawn by an exponential race, per-row parameters in one launch,
+no host sync.
 
 Reproducibility: a row's noise is a hash of (seed, offset). The seed is `params.seed` (the engine gives every
 sampled request one, from `draw_seed`), or for a row without one, a seed the sampler draws for the request from
@@ -176,6 +177,8 @@ def _banned_tokens(
     rows: list[int] = []
     ids: list[int] = []
     for i, r in enumerate(requests):
+        if r.forced_token() is not None:  # one token is allowed: nothing else to ban (_allowed_tokens)
+            continue
         p = r.params
         banned = _bad_word_bans(r)
         if r.num_output_tokens < p.min_tokens:
@@ -216,7 +219,12 @@ def _logit_bias(
 def _allowed_tokens(
     requests: Sequence[Request], vocab_size: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    allowed = [(i, ids) for i, r in enumerate(requests) if (ids := r.params.allowed_token_ids) is not None]
+    allowed: list[tuple[int, tuple[int, ...]]] = []
+    for i, r in enumerate(requests):
+        forced = r.forced_token()  # the generation config's forced BOS / EOS: that token alone
+        ids = (forced,) if forced is not None else r.params.allowed_token_ids
+        if ids is not None:
+            allowed.append((i, tuple(ids)))
     if not allowed:
         return None
     mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool)

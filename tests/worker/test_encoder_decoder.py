@@ -175,6 +175,45 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def test_the_generation_config_s_forced_bos_and_eos_as_transformers_applies_them(tmp_path, smollm2_tokenizer):
+    """BART-large-CNN's config forces the first generated token to BOS and the last one max_new_tokens allows to EOS:
+    the tokens equal transformers' `generate` with the checkpoint's own generation config, for a decoder that starts
+    from its start token alone (BOS forced) and one with a prefix (not: transformers forces it at the first position
+    only); an output that ends earlier on its own EOS ends there in both; ignore_eos turns the forced EOS off."""
+    import json
+
+    path = encdec_checkpoint("bart", tmp_path / "bart", smollm2_tokenizer, forced_eos_token_id=2)
+    generation = json.loads((path / "generation_config.json").read_text())  # BartConfig 5 keeps no forced BOS
+    (path / "generation_config.json").write_text(json.dumps({**generation, "forced_bos_token_id": 1}))
+    model = hf_encdec(path)
+    assert (model.generation_config.forced_bos_token_id, model.generation_config.forced_eos_token_id) == (1, 2)
+
+    def transformers_tokens(ids: list[int], decoder: list[int]) -> list[int]:
+        with torch.inference_mode():
+            y = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                decoder_input_ids=torch.tensor([[model.config.decoder_start_token_id, *decoder]]),
+                do_sample=False,
+                num_beams=1,
+                max_new_tokens=MAX_NEW,
+            )
+        return y[0, 1 + len(decoder) :].tolist()
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    with LLM(model=str(path), **OPTIONS) as llm:
+        plain = llm.generate(PROMPTS, params, use_tqdm=False)
+        prefixed = llm.generate([{"encoder_prompt": PROMPTS[0], "decoder_prompt": DECODER_PREFIX}], params, False)
+        free = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]  # ignore_eos
+    for prompt, completion in zip(PROMPTS, plain, strict=True):
+        assert completion.token_ids == transformers_tokens(prompt, [])
+        assert completion.token_ids[0] == 1 and completion.token_ids[-1] == 2  # forced (or its own EOS)
+    assert prefixed[0].token_ids == transformers_tokens(PROMPTS[0], DECODER_PREFIX)
+    assert prefixed[0].token_ids[0] != 1 or transformers_tokens(PROMPTS[0], DECODER_PREFIX)[0] == 1
+    assert len(free.token_ids) == MAX_NEW and free.token_ids[0] == 1
+    assert any(len(c.token_ids) == MAX_NEW and c.finish_reason == "stop" for c in plain)  # an EOS that was forced
+
+
 def test_cross_blocks_taken_at_admission_and_freed_with_the_request():
     """Torch-free: the first allocation takes the encoder's blocks too (counted in num_blocks_to_allocate); a
     second allocation takes none; free gives all back and marks the encoder's output gone."""
