@@ -45,15 +45,18 @@ class EncoderDecoderModel(Protocol):
 
     `num_layers`, `num_kv_heads`, `head_dim` describe the decoder (its self- and cross-attention share the pool);
     `forward` runs the decoder over a ForwardBatch whose `cross_block_tables` / `cross_lens` are set.
-    `encode(input_ids [S], slots [S])` runs the encoder over one request's tokens and writes each decoder layer's
-    cross-attention K/V at `slots` of the pool. `max_encoder_len`: the longest encoder input it takes (learned
-    positions), None without a bound of its own."""
+    `encode(input_ids [T], lengths, slots [T])` runs the encoder over the tokens of one or more requests, laid end
+    to end (`lengths`: each one's count; its projections and MLPs over all T rows at once, its attention within each
+    request), and writes each decoder layer's cross-attention K/V at `slots` of the pool. `max_encoder_len`: the
+    longest encoder input it takes (learned positions), None without a bound of its own."""
 
     is_encoder_decoder: bool
     decoder_start_token_id: int
     max_encoder_len: int | None
 
-    def encode(self, input_ids: torch.Tensor, slots: torch.Tensor, kv_cache: KVCache) -> None: ...
+    def encode(
+        self, input_ids: torch.Tensor, lengths: Sequence[int], slots: torch.Tensor, kv_cache: KVCache
+    ) -> None: ...
 
 
 def is_encoder_decoder(model: object) -> bool:
@@ -90,14 +93,16 @@ def check_engine(config: Any, model: object, *, tp_size: int, pipeline: bool, ep
 
 
 def run_encoders(requests: Sequence[Request], model: EncoderDecoderModel, kv_cache: KVCache, block_size: int) -> None:
-    """Run the encoder of each request whose cross blocks are not written yet, writing them (once per request, in
-    the order given)."""
-    for request in requests:
-        if request.encoder_token_ids is None or request.encoder_computed:
-            continue
-        device = kv_cache.k[0].device
-        ids = torch.tensor(request.encoder_token_ids, dtype=torch.int64, device=device)
-        model.encode(ids, cross_slots(request, block_size, device), kv_cache)
+    """Run the encoder of each request whose cross blocks are not written yet, writing them: one encoder pass over
+    all of them (a step's new requests share its matrix products), once per request."""
+    todo = [r for r in requests if r.encoder_token_ids is not None and not r.encoder_computed]
+    if not todo:
+        return
+    device = kv_cache.k[0].device
+    ids = torch.tensor([t for r in todo for t in r.encoder_token_ids or ()], dtype=torch.int64, device=device)
+    slots = torch.cat([cross_slots(r, block_size, device) for r in todo])
+    model.encode(ids, [r.num_encoder_tokens for r in todo], slots, kv_cache)
+    for request in todo:
         request.encoder_computed = True
 
 
@@ -161,15 +166,37 @@ def write_cross_kv(
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    lengths: Sequence[int],
+    biases: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """An encoder's bidirectional attention over one request: q, k, v [S, H, D], `bias` [H, S, S] added to the
-    scores; float32 inside, [S, H, D] in q's dtype."""
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    if bias is not None:
-        scores = scores + bias.float()
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+    """An encoder's bidirectional attention within each request of a pass: q, k, v [T, H, D], the requests' tokens
+    end to end (`lengths`), `biases[S]` [H, S, S] added to the scores of a request of S tokens; float32 inside,
+    [T, H, D] in q's dtype."""
+    out = []
+    for start, end in _bounds(lengths):
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * scale
+        if biases is not None:
+            scores = scores + biases[end - start].float()
+        probs = torch.softmax(scores, dim=-1)
+        out.append(torch.einsum("hqk,khd->qhd", probs, v[start:end].float()))
+    return torch.cat(out).to(q.dtype)
+
+
+def positions_of(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[T] int64: each token's position within its request, the requests end to end."""
+    return torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths]).to(device)
+
+
+def _bounds(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for n in lengths:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
 
 
 def biased_paged_attention(

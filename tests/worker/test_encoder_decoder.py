@@ -175,6 +175,27 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def test_a_step_s_new_requests_share_one_encoder_pass(family):
+    """The four prompts arrive together: one encoder pass over their tokens end to end (each one's attention its
+    own), with transformers' tokens (test_greedy_equals_transformers's); a request that arrives later gets a pass
+    of its own."""
+    name, path, want, _ = family
+    with LLM(model=str(path), **OPTIONS) as llm:
+        model = llm.engine.model
+        passes: list[list[int]] = []
+        encode = model.encode
+
+        def recording(input_ids, lengths, slots, kv_cache):
+            passes.append(list(lengths))
+            return encode(input_ids, lengths, slots, kv_cache)
+
+        model.encode = recording
+        assert _tokens(llm, PROMPTS) == want
+        assert passes == [[len(p) for p in PROMPTS]]
+        assert _tokens(llm, PROMPTS[1:2]) == want[1:2]
+        assert passes[1:] == [[len(PROMPTS[1])]]
+
+
 def test_the_generation_config_s_forced_bos_and_eos_as_transformers_applies_them(tmp_path, smollm2_tokenizer):
     """BART-large-CNN's config forces the first generated token to BOS and the last one max_new_tokens allows to EOS:
     the tokens equal transformers' `generate` with the checkpoint's own generation config, for a decoder that starts

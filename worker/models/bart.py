@@ -7,13 +7,14 @@ LayerNorm), the LM head tied to the shared embedding plus `final_logits_bias`.
 
 The decoder's self-attention runs on the engine's paged kernels (worker/attention.py) and its cross-attention on the
 paged decode kernel; the encoder runs once per request, dense. `max_position_embeddings` bounds both the encoder's
-input and the decoder's context. The generation config's forced BOS / EOS tokens are not applied (a caller who
-wants the BOS gives it as the decoder prompt). Module and parameter names are transformers'.
+input and the decoder's context. The generation config's forced BOS / EOS tokens are the engine's (worker/request.py
+forced_token). Module and parameter names are transformers'.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar, cast
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 
 from infer.kernels.dispatch import Kernels, kernels_here
 from infer.worker.attention import paged_attention
-from infer.worker.encoder_decoder import cross_attention, dense_attention, write_cross_kv
+from infer.worker.encoder_decoder import cross_attention, dense_attention, positions_of, write_cross_kv
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.t5 import activation
 from infer.worker.tensor_parallel import TensorParallel
@@ -119,13 +120,13 @@ class BartForConditionalGeneration(nn.Module):
     def tie_lm_head(self) -> None:
         self.lm_head.weight = self.model.shared.weight
 
-    def encode(self, input_ids: torch.Tensor, slots: torch.Tensor, kv_cache: KVCache) -> None:
+    def encode(self, input_ids: torch.Tensor, lengths: Sequence[int], slots: torch.Tensor, kv_cache: KVCache) -> None:
         stack = self.model.encoder
-        h = stack.embed(input_ids, torch.arange(input_ids.shape[0], device=input_ids.device))
+        h = stack.embed(input_ids, positions_of(lengths, input_ids.device))
         for layer in stack.each_layer():
             attn = layer.self_attn
             out = dense_attention(
-                attn.heads(attn.q_proj(h)), attn.heads(attn.k_proj(h)), attn.heads(attn.v_proj(h)), attn.scale
+                attn.heads(attn.q_proj(h)), attn.heads(attn.k_proj(h)), attn.heads(attn.v_proj(h)), attn.scale, lengths
             )
             h = layer.self_attn_layer_norm(h + attn.out_proj(out.reshape(h.shape[0], -1)))
             h = layer.mlp(h)

@@ -15,6 +15,7 @@ quantized weights are refused for these models).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Callable, ClassVar, cast
 
 import torch
@@ -203,15 +204,18 @@ class T5ForConditionalGeneration(nn.Module):
         # older checkpoints carry a relative bias table in the first cross-attention, which T5 never reads
         return key.endswith("EncDecAttention.relative_attention_bias.weight")
 
-    def encode(self, input_ids: torch.Tensor, slots: torch.Tensor, kv_cache: KVCache) -> None:
+    def encode(self, input_ids: torch.Tensor, lengths: Sequence[int], slots: torch.Tensor, kv_cache: KVCache) -> None:
         stack = self.encoder
         h = self.shared(input_ids)
-        pos = torch.arange(input_ids.shape[0], device=input_ids.device)
-        bias = stack.position_bias(pos, pos, True, self.config)
+        biases = {}  # each request length's relative position bias, for every layer
+        for n in set(lengths):
+            pos = torch.arange(n, device=input_ids.device)
+            biases[n] = stack.position_bias(pos, pos, True, self.config)
         for block in stack.blocks():
             attn = block.attention(0)
             x = block.part(0).layer_norm(h)
-            out = dense_attention(attn.heads(attn.q(x)), attn.heads(attn.k(x)), attn.heads(attn.v(x)), 1.0, bias)
+            q, k, v = attn.heads(attn.q(x)), attn.heads(attn.k(x)), attn.heads(attn.v(x))
+            out = dense_attention(q, k, v, 1.0, lengths, biases)
             h = block.mlp(h + attn.o(out.reshape(h.shape[0], -1)))
         h = stack.final_layer_norm(h)
         for i, block in enumerate(self.decoder.blocks()):
