@@ -19,9 +19,11 @@ import sys
 # test_quantized_gguf, test_gguf and kernels/test_sliding_window: that run's figures scaled by what their cuts saved
 # (branch suite-trim, measured file by file, alone). 2026-11-30: test_native_decode and test_engine scaled again by
 # the CPU seconds their files took alone before and after short OpenMP spins (conftest) and test_engine's smaller
-# preemption case (294 -> 97 and ~311 -> 114).
+# preemption case (294 -> 97 and ~311 -> 114). Later on 2026-11-30: the files whose cases were cut or merged
+# (test_step_graphs, the cluster family files, test_images_cluster, test_engine, test_slurm, test_faults) less the
+# seconds of what they dropped in the cold-cache run of 43656f7.
 FILE_SECONDS: dict[str, float] = {
-    "tests/deploy/test_slurm.py": 257,
+    "tests/deploy/test_slurm.py": 235,
     "tests/cluster/test_pipeline_parallel.py": 242,
     "tests/worker/test_quantized_gguf.py": 217,
     "tests/cluster/test_tensor_parallel.py": 204,
@@ -34,36 +36,37 @@ FILE_SECONDS: dict[str, float] = {
     "tests/cluster/test_drain_moves.py": 120,  # new: its tests alone (-n 0), 2026-11-30, loaded
     "tests/cluster/test_encdec_cluster.py": 120,  # new: ~120 s alone (-n 0) on the loaded shared 2-core Zen 3
     "tests/worker/test_native_decode.py": 118,
-    "tests/worker/test_engine.py": 112,
+    "tests/worker/test_engine.py": 80,
     "tests/cluster/test_self_healing.py": 111,
-    "tests/cluster/test_sliding_window_cluster.py": 106,
+    "tests/cluster/test_sliding_window_cluster.py": 75,
     "tests/kernels/test_sliding_window.py": 105,
     "tests/worker/test_pipeline_parallel.py": 105,
     "tests/kernels/test_paged_attention.py": 104,
     "tests/cluster/test_training_loop.py": 103,
     "tests/kernels/test_cpu_kernels.py": 101,
-    "tests/cluster/test_deepseek_moe_cluster.py": 100,
+    "tests/cluster/test_deepseek_moe_cluster.py": 75,
     "tests/worker/test_families.py": 60,  # step graphs: one bucket a family (154 -> 45 s of a cold-cache run)
-    "tests/cluster/test_faults.py": 99,
+    "tests/cluster/test_faults.py": 85,
     "tests/worker/test_gguf.py": 97,
     "tests/kernels/test_quant.py": 96,
     "tests/kernels/test_native_softcap_sinks.py": 94,
-    "tests/cluster/test_gpt_oss_cluster.py": 90,
+    "tests/cluster/test_gpt_oss_cluster.py": 80,
     "tests/worker/test_engine_kernels.py": 89,
     "tests/worker/test_fp8_checkpoints.py": 88,
     "tests/worker/test_refit.py": 87,
     "tests/worker/test_worker_imports.py": 85,
     "tests/cluster/test_http_health.py": 84,
     "tests/cluster/test_expert_parallel.py": 84,
-    "tests/worker/test_step_graphs.py": 83,
+    "tests/worker/test_step_graphs.py": 50,  # one model's buckets (-70 s of a cold run)
     "tests/cluster/test_peer_limits.py": 78,
     "tests/worker/test_lora.py": 74,
     "tests/client/test_demo.py": 72,
     "tests/worker/test_resume.py": 72,
     "tests/worker/test_encoder_decoder.py": 70,  # new: ~70 s alone (-n 0), same machine
     "tests/cluster/test_speculative_groups.py": 66,
-    "tests/cluster/test_images_cluster.py": 150,  # LLaVA, Qwen2-VL, Gemma 3: 216 s alone (-n 0), loaded
-    "tests/worker/test_gemma3_vision.py": 30,  # new: 22 s of test time alone (-n 0), quiet
+    "tests/cluster/test_images_cluster.py": 125,  # LLaVA, Qwen2-VL, Gemma 3: 216 s alone (-n 0), loaded
+    "tests/worker/test_gemma3_vision.py": 30,
+    "tests/worker/test_images_tensor_parallel.py": 25,  # new: ~30 s alone (-n 0), loaded  # new: 22 s of test time alone (-n 0), quiet
     "tests/worker/test_qwen2_vl.py": 60,  # new: 59 s of test time alone (-n 0), loaded
     "tests/cluster/test_serve.py": 57,
     "tests/examples/test_rl_loop.py": 56,
@@ -74,7 +77,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/cluster/test_openai_front.py": 51,
     "tests/worker/test_structured_outputs.py": 51,
     "tests/cluster/test_lora_cluster.py": 51,
-    "tests/cluster/test_families_cluster.py": 49,
+    "tests/cluster/test_families_cluster.py": 35,
     "tests/cluster/test_traces.py": 44,
     "tests/worker/test_phi3.py": 30,  # its shared checks moved to test_families
     "tests/kernels/test_sampling.py": 42,
