@@ -42,6 +42,7 @@ decoding anything.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import functools
@@ -752,13 +753,41 @@ def write_model_dir(gguf_path: str | Path, out_dir: str | Path) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     folder, name = str(source.parent), source.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)  # metadata only: no tensor is read
-    config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    with _one_metadata_read():
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)  # metadata only: no tensor is read
+        config.save_pretrained(out)
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     link = out / "model.gguf"
     link.unlink(missing_ok=True)
     link.symlink_to(source)
+
+
+@contextlib.contextmanager
+def _one_metadata_read() -> Iterator[None]:
+    """transformers reads a GGUF's whole metadata (its vocabulary and merges included, value by value: ~8 s on a
+    2-core VM for the embedded model) once for AutoConfig and again for AutoTokenizer, which builds the same config
+    to pick the tokenizer class. Within this block the second call takes a copy of the first's result (metadata
+    only, return_tensors=False; anything else goes through as it is); both import the function from its module when
+    they run, so the module's attribute is what they call."""
+    from transformers import modeling_gguf_pytorch_utils as utils
+
+    read = utils.load_gguf_checkpoint
+    done: dict[str, Any] = {}
+
+    def once(path: Any, return_tensors: Any = False, model_to_load: Any = None, torch_dtype: Any = None) -> Any:
+        if return_tensors or model_to_load is not None or torch_dtype is not None:
+            return read(path, return_tensors, model_to_load, torch_dtype)
+        key = str(path)
+        if key not in done:
+            done[key] = read(path, False)
+        return copy.deepcopy(done[key])
+
+    utils.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        utils.load_gguf_checkpoint = read
 
 
 @functools.lru_cache(maxsize=4)

@@ -562,15 +562,26 @@ def test_loader_fills_a_tensor_parallel_rank_from_gguf_tensors(
 
 
 def test_write_model_dir_has_config_tokenizer_and_a_link_no_weights(
-    smollm2_gguf: Path, smollm_config, tmp_path: Path
+    smollm2_gguf: Path, smollm_config, tmp_path: Path, monkeypatch
 ) -> None:
     from transformers import AutoConfig, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as utils
 
     # the oracle is transformers' own reading of the GGUF (the smollm2_tokenizer fixture is the cached conversion's)
     gguf_tokenizer = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
 
+    reads = []
+    read = utils.load_gguf_checkpoint
+
+    def counted(*args, **options):
+        reads.append(args)
+        return read(*args, **options)
+
+    monkeypatch.setattr(utils, "load_gguf_checkpoint", counted)
     out = tmp_path / "model"
     write_model_dir(smollm2_gguf, out)
+    assert len(reads) == 1  # the metadata read once, for the config and the tokenizer (seconds each time)
+    assert utils.load_gguf_checkpoint is counted  # put back as it was
     assert (out / "model.gguf").is_symlink() and (out / "model.gguf").readlink() == smollm2_gguf.resolve()
     assert not list(out.glob("*.safetensors"))
     config = AutoConfig.from_pretrained(str(out))
