@@ -99,8 +99,8 @@ class LLMOptions:
         objects) with its tokenizer: the engine is built around weights already in memory (worker/in_memory.py).
         In coordinator mode such an engine runs in this process (SPMD ranks, client/spmd.py).
     tensor_parallel_size: processes per engine (vLLM's name): each holds a 1/T shard of every layer
-        (worker/tensor_parallel.py). Direct mode: this process is TP rank 0 and starts the other T - 1 as child
-        processes; coordinator mode: every worker is started with --tp-size T.
+        (worker/distributed/tensor_parallel.py). Direct mode: this process is TP rank 0 and starts the other T - 1 as
+        child processes; coordinator mode: every worker is started with --tp-size T.
     pipeline_parallel_size: processes per engine (vLLM's name), each holding a contiguous range of the layers
         (worker/pp_group.py; one batch at a time through the stages: capacity, not speed). Direct mode: this
         process is stage 0 and starts the other P - 1 as child processes; coordinator mode: every worker is

@@ -20,7 +20,7 @@ from infer.protocol.options import add_options, add_vllm_flags, given
 from infer.worker.config import EngineConfig
 from infer.worker.core import EXIT_FATAL, EXIT_USAGE, EngineLike
 from infer.worker.daemon import Worker
-from infer.worker.group_sync import EpOptions
+from infer.worker.distributed.group_sync import EpOptions
 from infer.worker.kv_offload_store import check_offload_dir
 from infer.worker.options import EP_FLAGS, KEY_FLAGS, PP_FLAGS, TP_FLAGS, WorkerFlags, WorkerOptions
 from infer.worker.pp_group import PpOptions
@@ -116,7 +116,7 @@ def make_engine(
         return engine
     if ep is None:
         return Engine(config)
-    from infer.worker.expert_parallel import ExpertParallel
+    from infer.worker.distributed.expert_parallel import ExpertParallel
 
     return Engine(config, ExpertParallel.join(ep, pick_device(config.device)))
 
@@ -277,7 +277,7 @@ def _serve(engine: EngineLike, options: WorkerOptions, parallel: Any, followers:
     ctx = zmq.Context()
     group = None
     if options.ep is not None:
-        from infer.worker.group_sync import GroupSync
+        from infer.worker.distributed.group_sync import GroupSync
 
         try:
             group = GroupSync(

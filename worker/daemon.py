@@ -58,13 +58,13 @@ from infer.protocol.outputs import RequestOutput
 from infer.protocol.tracing import open_sink
 from infer.protocol.transport import HANDSHAKE_EVENTS, KeyGate, frames_for, handshake_failure, make_socket
 from infer.worker.core import EXIT_OK, EngineLike, WorkerCore, WorkerExit
-from infer.worker.group_sync import GroupBroken
+from infer.worker.distributed.group_sync import GroupBroken
 from infer.worker.kv_links import KvLinks
 from infer.worker.options import WorkerOptions
 
 if TYPE_CHECKING:
+    from infer.worker.distributed.group_sync import GroupSync
     from infer.worker.engine import Engine
-    from infer.worker.group_sync import GroupSync
 
 log = logging.getLogger("infer.worker")
 
@@ -360,7 +360,7 @@ class Worker:
             finally:
                 self._socket_lock.release()
 
-    # ---- EP group lockstep (see infer.worker.group_sync) -------------------------------------------
+    # ---- EP group lockstep (see infer.worker.distributed.group_sync) -------------------------------------------
 
     def _advance_group(self, group: GroupSync) -> None:
         """Enter the group's next round when anyone may have work (or to check the members while idle),

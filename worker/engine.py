@@ -33,6 +33,8 @@ from infer.protocol.prompt_limits import max_token_bytes
 from infer.protocol.sampling import SamplingParams
 from infer.worker.beam_groups import BeamGroups
 from infer.worker.config import EngineConfig
+from infer.worker.distributed.expert_parallel import ExpertParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.encoder_decoder import check_engine as check_encoder_decoder
 from infer.worker.encoder_decoder import is_encoder_decoder
 from infer.worker.engine_setup import (
@@ -45,7 +47,6 @@ from infer.worker.engine_setup import (
     shares_kv,
 )
 from infer.worker.engine_weights import EngineWeights
-from infer.worker.expert_parallel import ExpertParallel
 from infer.worker.forward_batch import KVCache
 from infer.worker.grammar_queue import GrammarQueue
 from infer.worker.images import ImageLimits
@@ -66,7 +67,6 @@ from infer.worker.request import Request, RequestStatus, overdue_message
 from infer.worker.sampler import Sampler
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.step_graphs import make_step_graphs
-from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.tokenizer import engine_tokenizer
 from infer.worker.vision import ImageEncoder, Preprocessor, VisionModel
 from infer.worker.weights import WeightUpdate

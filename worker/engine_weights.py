@@ -161,7 +161,7 @@ class EngineWeights:
         a bad tensor."""
         self._check_not_tensor_parallel("a weight update")
         if msg.sync is not None:
-            from infer.worker.weight_sync import receive_weights
+            from infer.worker.distributed.weight_sync import receive_weights
 
             update = WeightUpdate.from_pairs(receive_weights(msg.sync, self.device, msg.timeout_s))
             update.description = f"the trainer at {msg.sync.init_method}"

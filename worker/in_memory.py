@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeGuard
 import torch
 from torch import nn
 
-from infer.worker.expert_parallel import ExpertParallel
+from infer.worker.distributed.expert_parallel import ExpertParallel
 from infer.worker.loader import build_model, load_named_tensors, pack_weights
 
 

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from infer.worker.awq_gptq import Int4Scheme, group_tensors, scheme_of
-from infer.worker.expert_parallel import ExpertParallel
+from infer.worker.distributed.expert_parallel import ExpertParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.fp8 import FP8_DTYPES, Fp8Scheme, fp8_scheme_of, group_fp8_tensors
 from infer.worker.gguf import close_gguf_files
 from infer.worker.model_config import read_model_config
@@ -27,7 +28,6 @@ from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
 from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, RMSNorm, VocabEmbedding, deferred_weights
 from infer.worker.models.moe import ExpertShard
 from infer.worker.models.registry import model_class
-from infer.worker.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from safetensors import safe_open

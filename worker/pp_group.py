@@ -4,12 +4,12 @@ final norm and the LM head (a tied head: it loads the embedding table as its wei
 a group is joined: the worker daemon imports this module to parse its flags.) The stage model is
 worker/pp_stage.py.
 
-**Composition.** PP x TP: each stage is a TP group of T processes (worker/tensor_parallel.py's shards of the
+**Composition.** PP x TP: each stage is a TP group of T processes (worker/distributed/tensor_parallel.py's shards of the
 stage's layers); TP rank t of a stage hands its hidden states to TP rank t of the next. PP with EP: the E DP ranks
 of an EP group are E pipelines in one world; stage s's MoE layers exchange tokens among the processes of stage s
 (with the same TP rank), and the engines (stage 0, TP rank 0 of each) keep the group in lockstep as EP ranks do
-(worker/group_sync.py), their dummy steps flowing through the stages like real ones. Global rank = (EP rank x P +
-stage) x T + TP rank.
+(worker/distributed/group_sync.py), their dummy steps flowing through the stages like real ones. Global rank = (EP rank
+x P + stage) x T + TP rank.
 
 **A step.** The engine's process (stage 0, TP rank 0) runs the engine as TP rank 0 does: before each forward its
 `TpLeader` (worker/tp_commands.py, the same channel and watch over the peers' connections) sends the step's
@@ -52,8 +52,8 @@ from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
-from infer.worker.group_sync import STARTUP_TIMEOUT_S, GroupBroken, join_world
-from infer.worker.group_sync import agree_min as group_agree_min
+from infer.worker.distributed.group_sync import STARTUP_TIMEOUT_S, GroupBroken, join_world
+from infer.worker.distributed.group_sync import agree_min as group_agree_min
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -61,9 +61,9 @@ if TYPE_CHECKING:
     import torch
 
     from infer.worker.config import EngineConfig
-    from infer.worker.expert_parallel import ExpertParallel
-    from infer.worker.group_sync import EpOptions
-    from infer.worker.tensor_parallel import TensorParallel
+    from infer.worker.distributed.expert_parallel import ExpertParallel
+    from infer.worker.distributed.group_sync import EpOptions
+    from infer.worker.distributed.tensor_parallel import TensorParallel
     from infer.worker.tp_group import TpOptions
 
 log = logging.getLogger("infer.worker")
@@ -347,8 +347,8 @@ def _make_groups(
     group, in the same order (torch.distributed's rule)."""
     import torch.distributed as dist
 
-    from infer.worker.expert_parallel import ExpertParallel
-    from infer.worker.tensor_parallel import TensorParallel
+    from infer.worker.distributed.expert_parallel import ExpertParallel
+    from infer.worker.distributed.tensor_parallel import TensorParallel
 
     P, T, E = options.size, tp.size if tp is not None else 1, ep.size if ep is not None else 1
     ep_rank, rest = divmod(rank, P * T)

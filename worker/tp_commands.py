@@ -32,14 +32,14 @@ import zmq
 from infer.protocol.bounds import check_shape
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.transport import make_socket
-from infer.worker.group_sync import GroupBroken, _local_address_towards
+from infer.worker.distributed.group_sync import GroupBroken, _local_address_towards
 from infer.worker.tp_supervisor import reap
 
 if TYPE_CHECKING:
     import torch
 
+    from infer.worker.distributed.tensor_parallel import TensorParallel
     from infer.worker.forward_batch import ForwardBatch
-    from infer.worker.tensor_parallel import TensorParallel
 
 log = logging.getLogger("infer.worker")
 

@@ -37,17 +37,17 @@ from urllib.parse import urlsplit
 
 from infer.protocol.env import TP_SUPERVISED
 from infer.protocol.env import read as read_env
-from infer.worker.group_sync import STARTUP_TIMEOUT_S, join_world
+from infer.worker.distributed.group_sync import STARTUP_TIMEOUT_S, join_world
 
 if TYPE_CHECKING:
     import torch
 
     from infer.worker.config import EngineConfig
+    from infer.worker.distributed.expert_parallel import ExpertParallel
+    from infer.worker.distributed.group_sync import EpOptions
+    from infer.worker.distributed.tensor_parallel import TensorParallel
     from infer.worker.engine import Engine
-    from infer.worker.expert_parallel import ExpertParallel
-    from infer.worker.group_sync import EpOptions
     from infer.worker.models.registry import CausalLM
-    from infer.worker.tensor_parallel import TensorParallel
 
 log = logging.getLogger("infer.worker")
 
@@ -132,8 +132,8 @@ def init_world(options: TpOptions, ep: EpOptions | None, device: torch.device) -
     """Join the T x E world (blocks until every process has joined, at most the timeout) and make its groups."""
     import torch.distributed as dist
 
-    from infer.worker.expert_parallel import ExpertParallel
-    from infer.worker.tensor_parallel import TensorParallel
+    from infer.worker.distributed.expert_parallel import ExpertParallel
+    from infer.worker.distributed.tensor_parallel import TensorParallel
 
     if options.rank is None or options.dist_init is None:
         raise ValueError("init_world needs this process's --tp-rank and the group's --dist-init")

@@ -28,8 +28,8 @@ backoff (--restart-backoff, doubled per restart within --restart-window), and gi
 the window, or at once when it exits 2 (its options or model refused: client/restarts.py); the task's output,
 labelled with its number, says why, and the other tasks serve on. The restarted worker registers again under its
 DP rank and gets the cluster's weight version before it serves. A TP or EP group is restarted whole: when one
-member dies the others notice at once, even while idle (worker/tp_commands.py, worker/group_sync.py), give their
-requests back and exit non-zero, so every task of the group restarts its member and the group meets again at its
+member dies the others notice at once, even while idle (worker/tp_commands.py, worker/distributed/group_sync.py), give
+their requests back and exit non-zero, so every task of the group restarts its member and the group meets again at its
 rendezvous. A worker that exits 0 was told to stop (a STOP, the drain on scancel) and is not restarted. The worker
 runs in the task's process group, so Slurm's signals reach it directly (the task itself only stops restarting),
 and it dies with the task. The head restarts the coordinators (another node's: its srun step) and the HTTP front

@@ -357,7 +357,7 @@ def _ep_rank(rank: int, port: int, key_files: list[str], stranger_secret: str, r
 
     from infer.protocol.keys import CurveKeys
     from infer.protocol.transport import make_socket
-    from infer.worker.group_sync import EpOptions, GroupSync
+    from infer.worker.distributed.group_sync import EpOptions, GroupSync
 
     try:
         options = EpOptions(size=2, rank=rank, dist_init=f"tcp://127.0.0.1:{port}", timeout_s=20)

@@ -25,10 +25,10 @@ from infer import SamplingParams
 from infer.kernels.quant import dequantize, unpack_q4
 from infer.worker.awq_gptq import Int4Scheme, Int4Tensor, scheme_of
 from infer.worker.config import EngineConfig
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.engine import Engine
 from infer.worker.loader import build_model, file_tensors, load_model, load_named_tensors, weight_files
 from infer.worker.models.layers import QuantStorage
-from infer.worker.tensor_parallel import TensorParallel
 
 CPU = torch.device("cpu")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]

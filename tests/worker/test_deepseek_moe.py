@@ -119,7 +119,7 @@ def test_inconsistent_groups_are_a_value_error():
 
 
 def test_a_dense_config_refuses_an_ep_group():
-    from infer.worker.expert_parallel import ExpertParallel
+    from infer.worker.distributed.expert_parallel import ExpertParallel
 
     dense = _config("deepseek_v2", **DEEPSEEK_V2, norm_topk_prob=False)
     with pytest.raises(ValueError, match="EP group of 2 ranks needs MoE layers"):

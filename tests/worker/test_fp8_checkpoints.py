@@ -25,9 +25,9 @@ from moe_models import tiny_mixtral, tiny_qwen3_moe
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.fp8 import Fp8Scheme, Fp8Tensor, fp8_scheme_of
 from infer.worker.loader import build_model, file_tensors, load_model, load_named_tensors, weight_files
-from infer.worker.tensor_parallel import TensorParallel
 
 CPU = torch.device("cpu")
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}

@@ -345,8 +345,8 @@ def test_images_with_speculative_decoding_are_refused_by_name(gemma3):
 def test_tensor_parallel_is_refused_by_name(gemma3):
     from transformers import AutoConfig
 
+    from infer.worker.distributed.tensor_parallel import TensorParallel
     from infer.worker.models.gemma3_vision import Gemma3ForConditionalGeneration
-    from infer.worker.tensor_parallel import TensorParallel
 
     config = AutoConfig.from_pretrained(gemma3)
     with pytest.raises(ValueError, match="Gemma 3 with images is not supported with tensor parallelism"):

@@ -528,8 +528,8 @@ def test_loader_fills_a_tensor_parallel_rank_from_gguf_tensors(
 ) -> None:
     """The loader takes GGUFTensors where it takes safetensors' lazy tensors: rank 1 of 3 narrows rows (q / k / v,
     gate / up, embedding) and whole blocks of columns (o_proj, down_proj) out of the unpermuted Q4_1 blocks."""
+    from infer.worker.distributed.tensor_parallel import TensorParallel
     from infer.worker.loader import build_model, load_named_tensors
-    from infer.worker.tensor_parallel import TensorParallel
 
     model = build_model(smollm_config, torch.float32, "cpu", tp=TensorParallel(rank=1, size=3))
     load_named_tensors(model, ((name, lambda t=t: t, "in the embedded GGUF") for name, t in smollm.tensors()))

@@ -267,8 +267,8 @@ def test_what_is_not_supported_is_refused_by_name(checkpoint, llm):
     """Videos (the engine takes images), tensor parallelism (the tower is not sharded); step graphs are off."""
     from transformers import AutoConfig
 
+    from infer.worker.distributed.tensor_parallel import TensorParallel
     from infer.worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
-    from infer.worker.tensor_parallel import TensorParallel
 
     video = llm.generate({"prompt": "x", "multi_modal_data": {"video": [WIDE]}}, GREEDY, use_tqdm=False)[0]
     assert "modality 'video' is not supported; supported: image" in video.error

@@ -324,7 +324,7 @@ async def test_async_llm_direct_mode_drains_or_aborts_around_a_refit(weights_a, 
 
 def test_weight_sync_buckets_group_consecutive_tensors_of_one_dtype_up_to_the_size() -> None:
     from infer.protocol.messages import WeightTensor
-    from infer.worker.weight_sync import describe, plan_buckets
+    from infer.worker.distributed.weight_sync import describe, plan_buckets
 
     tensors = [
         WeightTensor("a", "float32", [4]),

@@ -15,7 +15,7 @@ from moe_models import tiny_qwen3_moe
 from ports import join_gloo
 from two_ranks import run_two_ranks
 
-from infer.worker.tensor_parallel import TensorParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.tp_group import TpOptions, resolve_ranks
 
 CPU = torch.device("cpu")
@@ -42,8 +42,8 @@ def _rank_main(rank: int, port: int, path: str, scenario: str, results) -> None:
     import torch.distributed as dist
 
     from infer.worker import loader
+    from infer.worker.distributed.group_sync import GroupBroken
     from infer.worker.forward_batch import KVCache
-    from infer.worker.group_sync import GroupBroken
 
     try:
         join_gloo(rank, 2, port)

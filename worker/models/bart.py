@@ -21,10 +21,10 @@ from torch import nn
 
 from infer.kernels.dispatch import Kernels, kernels_here
 from infer.worker.attention import paged_attention
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.encoder_decoder import cross_attention, dense_attention, write_cross_kv
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.t5 import activation
-from infer.worker.tensor_parallel import TensorParallel
 
 POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding looks position p up at row p + 2
 

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.images import Gemma3ImagePrompt
 from infer.worker.models.gemma import Gemma3ForCausalLM, GemmaRMSNorm
 from infer.worker.models.llava import ClipEncoder, SquareImages
-from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.vision import Gemma3Preprocessor
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from infer.kernels.dispatch import Kernels, kernels_here
 from infer.worker.attention import paged_attention
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.forward_batch import ForwardBatch, KVCache
 from infer.worker.lora import lora_rows_active
 from infer.worker.models.layers import (
@@ -30,7 +31,6 @@ from infer.worker.models.layers import (
     VocabEmbedding,
 )
 from infer.worker.models.native_decode import NativeDecoder
-from infer.worker.tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear
 from infer.worker.models.llama import LlamaForCausalLM
-from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.vision import ClipPreprocessor
 
 _ACTIVATIONS = {

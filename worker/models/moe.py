@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from infer.kernels.dispatch import Kernels, kernels_here
-from infer.worker.expert_parallel import ExpertParallel
+from infer.worker.distributed.expert_parallel import ExpertParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.models.layers import ColumnLinear, _copy_checked, _param, _rank_slice
 from infer.worker.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant
-from infer.worker.tensor_parallel import TensorParallel
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 

@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, MRotaryEmbedding, RMSNorm
 from infer.worker.models.llama import LlamaForCausalLM, LlamaModel
 from infer.worker.models.llava import activation
-from infer.worker.tensor_parallel import TensorParallel
 from infer.worker.vision import Qwen2VLPreprocessor
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")

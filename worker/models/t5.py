@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from infer.kernels.dispatch import Kernels, kernels_here
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.encoder_decoder import biased_paged_attention, cross_attention, dense_attention, write_cross_kv
 from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.tensor_parallel import TensorParallel
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

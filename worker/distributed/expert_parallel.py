@@ -5,7 +5,7 @@ layers split the experts: rank r holds experts [r * E / N, (r + 1) * E / N). In 
 sends each (token, chosen expert) pair to the rank holding that expert, which runs it and sends the result
 back (two all-to-alls over torch.distributed: gloo on CPUs, NCCL on GPUs); the sender weights and sums
 the results per token. Every rank must therefore run every MoE layer of every step, with zero tokens if it
-has no work: the worker loop keeps the group in lockstep (see `infer.worker.group_sync`).
+has no work: the worker loop keeps the group in lockstep (see `infer.worker.distributed.group_sync`).
 
 `ExpertParallel.single()` is the one-rank case: every expert is local and nothing is exchanged.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from infer.worker.group_sync import EpOptions, GroupBroken
+from infer.worker.distributed.group_sync import EpOptions, GroupBroken
 
 log = logging.getLogger("infer.worker")
 
@@ -45,7 +45,7 @@ class ExpertParallel:
     @classmethod
     def join(cls, options: EpOptions, device: torch.device) -> ExpertParallel:
         """Join the group's torch.distributed world (blocks until every rank has joined, at most timeout_s)."""
-        from infer.worker.group_sync import join_world
+        from infer.worker.distributed.group_sync import join_world
 
         timeout = datetime.timedelta(seconds=options.timeout_s)
         layout = f"EP {options.size}"

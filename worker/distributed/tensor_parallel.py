@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from infer.worker.group_sync import GroupBroken, agree_min
+from infer.worker.distributed.group_sync import GroupBroken, agree_min
 
 
 @dataclass(frozen=True)
