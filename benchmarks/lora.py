@@ -75,7 +75,7 @@ def tiny_model(folder: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
     config = LlamaConfig(
@@ -137,10 +137,10 @@ def main() -> None:
     if args.tiny:
         model = str(tiny_model(work))
     elif args.random_model:
-        from infer.worker.model_files import resolve_model
+        from infer.worker.loading.model_files import resolve_model
 
         model = str(random_model(args.random_model, str(resolve_model(None)), Path(__file__).parent / ".peers"))
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     model_dir = str(resolve_model(model))
     adapters = {f"a{i}": str(write_adapter(model_dir, work / f"a{i}", args.rank, seed=i)) for i in range(args.adapters)}

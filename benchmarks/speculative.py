@@ -51,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RANDOM_SHAPES, make_workload, random_model, write_result  # noqa: E402
 
-from infer.worker.tokenizer import transformers_tokenizer  # noqa: E402
+from infer.worker.loading.tokenizer import transformers_tokenizer  # noqa: E402
 
 KV_BYTES = 1 << 30
 MODEL: str | None = None  # --model / --random-model; None: the embedded model
@@ -323,7 +323,7 @@ def _peer_result(runs: list[dict]) -> dict:
 
 def offline(dtype: str, spec: dict, rounds: int, threads: int | None) -> dict:
     from infer import LLM, SamplingParams
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     path = MODEL or str(resolve_model(None))
     llms = {
@@ -447,7 +447,7 @@ def main() -> None:
 def _model_gguf(parser: argparse.ArgumentParser) -> Path:
     """The GGUF our engine reads (the peer's file): --model's, or the embedded model's."""
     if MODEL is None:
-        from infer.worker.model_files import default_model_gguf
+        from infer.worker.loading.model_files import default_model_gguf
 
         return default_model_gguf()
     if MODEL.endswith(".gguf"):

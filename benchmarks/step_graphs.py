@@ -90,7 +90,7 @@ def decode(dtype: str, batch: int, steps: int, threads: int | None) -> dict:
 def offline(dtype: str, rounds: int, threads: int | None) -> dict:
     """W1 through LLM.generate, rounds alternating between the two engines."""
     from infer import LLM, SamplingParams
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     path = MODEL or str(resolve_model(None))
     llms = {

@@ -96,7 +96,7 @@ class LLMOptions:
         key file and the coordinator's public key file (both or neither; see infer.protocol.keys). A client
         key generates; pause / unpause / suspend / resume need an administrator key (the coordinator's admins/).
     in_memory_model, tokenizer: `model=<an object>` (a transformers PreTrainedModel or one of infer's model
-        objects) with its tokenizer: the engine is built around weights already in memory (worker/in_memory.py).
+        objects) with its tokenizer: the engine is built around weights already in memory (worker/loading/in_memory.py).
         In coordinator mode such an engine runs in this process (SPMD ranks, client/spmd.py).
     tensor_parallel_size: processes per engine (vLLM's name): each holds a 1/T shard of every layer
         (worker/distributed/tensor_parallel.py). Direct mode: this process is TP rank 0 and starts the other T - 1 as
@@ -232,7 +232,7 @@ class EngineController:
 
 def _transformers_tokenizer(engine: Engine) -> Any:
     """`engine`'s tokenizer as a transformers tokenizer (a RustTokenizer's is loaded on first use)."""
-    from infer.worker.tokenizer import transformers_tokenizer
+    from infer.worker.loading.tokenizer import transformers_tokenizer
 
     return transformers_tokenizer(engine.tokenizer)
 
@@ -248,7 +248,7 @@ def _default_sampling_params(setting: str, options: LLMOptions) -> SamplingParam
 
     model_dir = None
     if setting == "auto" and options.in_memory_model is None:
-        from infer.worker.model_files import resolve_model
+        from infer.worker.loading.model_files import resolve_model
 
         try:
             model_dir = resolve_model(options.model)
@@ -498,7 +498,7 @@ class AsyncLLM:
         if self._tokenizer is None and self.options.tokenizer is not None:
             self._tokenizer = self.options.tokenizer
         if self._tokenizer is None:
-            from infer.worker.model_files import load_tokenizer, resolve_model
+            from infer.worker.loading.model_files import load_tokenizer, resolve_model
 
             self._tokenizer = load_tokenizer(resolve_model(self._tokenizer_model()))
         return self._tokenizer
@@ -927,7 +927,7 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer (in direct mode the engine's, or what the engine's Rust tokenizer
-        loads of the same directory on first use: worker/tokenizer.py)."""
+        loads of the same directory on first use: worker/loading/tokenizer.py)."""
         if self._engine is not None:
             return _transformers_tokenizer(self._engine)
         return self._require_remote().get_tokenizer()

@@ -31,7 +31,7 @@ _INCOMPLETE = "\ufffd"
 
 class IncrementalDetokenizer:
     """Turns output token ids into text deltas. `tokenizer` is a transformers tokenizer or the engine's RustTokenizer
-    (worker/tokenizer.py)."""
+    (worker/loading/tokenizer.py)."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer

@@ -24,8 +24,8 @@ from infer.worker.block_manager import BlockManager
 from infer.worker.distributed.expert_parallel import ExpertParallel
 from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.forward_batch import KVCache
-from infer.worker.loader import load_model
-from infer.worker.model_files import resolve_model
+from infer.worker.loading.loader import load_model
+from infer.worker.loading.model_files import resolve_model
 from infer.worker.model_runner import build_forward_batch
 from infer.worker.request import Request
 from infer.worker.scheduler import ScheduledChunk

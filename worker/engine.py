@@ -50,16 +50,18 @@ from infer.worker.engine_weights import EngineWeights
 from infer.worker.forward_batch import KVCache
 from infer.worker.grammar_queue import GrammarQueue
 from infer.worker.images import ImageLimits
-from infer.worker.in_memory import in_memory_model
 from infer.worker.intake import Intake, check_request_id
 from infer.worker.kv_offload import KvOffload, ModelFiles
 from infer.worker.kv_offload_store import check_offload_dir
 from infer.worker.kv_port import KvPort
-from infer.worker.loader import load_model, weight_files
+from infer.worker.loading.in_memory import in_memory_model
+from infer.worker.loading.loader import load_model, weight_files
+from infer.worker.loading.model_files import eos_token_ids, resolve_model
+from infer.worker.loading.tokenizer import engine_tokenizer
+from infer.worker.loading.weights import WeightUpdate
 from infer.worker.lora import LoraManager
 from infer.worker.memory import HeapTrimmer, keep_freed_heap, trim_heap
 from infer.worker.micro_batches import MicroBatches
-from infer.worker.model_files import eos_token_ids, resolve_model
 from infer.worker.model_runner import ModelRunner
 from infer.worker.output_processor import EngineStats, OutputProcessor, StepRow, step_rows
 from infer.worker.proposers import Proposer, make_proposer
@@ -67,9 +69,7 @@ from infer.worker.request import Request, RequestStatus, overdue_message
 from infer.worker.sampler import Sampler
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.step_graphs import make_step_graphs
-from infer.worker.tokenizer import engine_tokenizer
 from infer.worker.vision import ImageEncoder, Preprocessor, VisionModel
-from infer.worker.weights import WeightUpdate
 
 log = logging.getLogger("infer.engine")
 
@@ -109,7 +109,7 @@ class Engine:
     ) -> None:
         """`model` / `tokenizer`: build the engine around weights already in memory (a transformers
         PreTrainedModel, whose weights are copied into our implementation, or one of our own model objects,
-        used as is) instead of `config.model`'s files; the tokenizer is then required (see worker/in_memory.py).
+        used as is) instead of `config.model`'s files; the tokenizer is then required (see worker/loading/in_memory.py).
         `tp`: this is TP rank 0 of a TP group (worker/tp_group.py); the KV pool's size is agreed with the
         group, and `self.runner.followers` must be set before the first step. `stage`: this is stage 0 of a
         pipeline (a worker/pp_stage.py StageLoader: this stage's layers, the KV block count agreed with the
@@ -141,7 +141,8 @@ class Engine:
                 raise ValueError("tokenizer= goes with model=<an in-memory model>; a model path brings its own")
             self.model_path = resolve_model(config.model)
             self.model_id = config.model_id
-            self.tokenizer = engine_tokenizer(self.model_path)  # Rust tokenizers where exact: worker/tokenizer.py
+            # Rust tokenizers where exact: worker/loading/tokenizer.py
+            self.tokenizer = engine_tokenizer(self.model_path)
             self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
             # bounds text prompts before tokenizing; read before the weights, which reuse the heap it frees
             self.prompt_token_bytes = max_token_bytes(self.tokenizer)

@@ -42,8 +42,8 @@ def kept_quantized(config: EngineConfig) -> bool:
     (--quantization int8 / int4, an AWQ / GPTQ checkpoint): their matmuls then run in kernels/cpu/quant.c
     (or the bf16 GEMV), which take bf16 rows natively on AVX2 as well, and no oneDNN bf16 matmul is left to
     emulate; bf16 rows also keep the native decode step (worker/models/native_decode.py)."""
-    from infer.worker.awq_gptq import directory_scheme
-    from infer.worker.model_files import model_source
+    from infer.worker.loading.awq_gptq import directory_scheme
+    from infer.worker.loading.model_files import model_source
 
     if config.quantization in ("int8", "int4"):
         return True

@@ -1,6 +1,6 @@
 """An engine's weights over its life: suspend / resume and weight updates (refit).
 
-Owns whether the engine is suspended (what was released and how it comes back: worker/weights.py's
+Owns whether the engine is suspended (what was released and how it comes back: worker/loading/weights.py's
 SuspendedWeights), the bytes the current suspend released, and the files the weights in memory can be reloaded
 from (none once an update came from tensors in memory). Suspending releases the KV pool and the weights, resuming
 restores them (a fresh pool, step graphs made again); an update checks and stages every tensor before it changes
@@ -20,11 +20,11 @@ from infer.protocol.messages import UpdateWeights
 from infer.worker.config import EngineConfig
 from infer.worker.forward_batch import KVCache
 from infer.worker.kv_offload import KvOffload
+from infer.worker.loading.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 from infer.worker.model_runner import ModelRunner
 from infer.worker.output_processor import OutputProcessor
 from infer.worker.scheduler import Scheduler
 from infer.worker.step_graphs import make_step_graphs
-from infer.worker.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 
 log = logging.getLogger("infer.engine")
 

@@ -285,9 +285,9 @@ def join(
     import torch.distributed as dist
 
     from infer.worker.engine_setup import pick_device
-    from infer.worker.loader import weight_files
-    from infer.worker.model_config import read_model_config
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.loader import weight_files
+    from infer.worker.loading.model_config import read_model_config
+    from infer.worker.loading.model_files import resolve_model
     from infer.worker.tp_group import check_same_model, engine_facts
 
     if options.rank is None or options.dist_init is None or (tp is not None and tp.rank is None):

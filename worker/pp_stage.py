@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.gguf import close_gguf_files
-from infer.worker.loader import (
+from infer.worker.loading.gguf import close_gguf_files
+from infer.worker.loading.loader import (
     build_model,
     file_tensors,
     load_named_tensors,
@@ -160,7 +160,7 @@ def load_stage(
     path: Path, dtype: torch.dtype, device: torch.device, group: PipelineGroup, quantization: str = "auto"
 ) -> LlamaForCausalLM:
     """Our model of directory `path` with only `group`'s parts, filled from the files' tensors of those parts."""
-    from infer.worker.model_config import read_model_config
+    from infer.worker.loading.model_config import read_model_config
 
     files = weight_files(Path(path))
     config = read_model_config(Path(path))

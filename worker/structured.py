@@ -46,7 +46,7 @@ import torch
 
 from infer.protocol import env
 from infer.protocol.structured import StructuredOutputsParams, admits_no_value
-from infer.worker.tokenizer import transformers_tokenizer
+from infer.worker.loading.tokenizer import transformers_tokenizer
 
 log = logging.getLogger("infer.structured")
 

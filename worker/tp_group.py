@@ -229,8 +229,8 @@ def join(config: Any, options: TpOptions, ep: EpOptions | None) -> tuple[Paralle
     import dataclasses
 
     from infer.worker.engine_setup import pick_device
-    from infer.worker.loader import weight_files
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.loader import weight_files
+    from infer.worker.loading.model_files import resolve_model
 
     path = resolve_model(config.model)
     device = pick_device(config.device)
@@ -258,7 +258,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
 
     from infer.worker.engine_setup import context_length, num_kv_blocks, shares_kv
     from infer.worker.forward_batch import KVCache
-    from infer.worker.loader import load_model
+    from infer.worker.loading.loader import load_model
     from infer.worker.tp_commands import FollowerChannel, serve_follower, start_follower
 
     device, dtype = start_follower(config)

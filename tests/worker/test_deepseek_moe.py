@@ -19,7 +19,7 @@ from infer import LLM
 from infer.worker.config import EngineConfig
 from infer.worker.engine_setup import num_kv_blocks
 from infer.worker.forward_batch import KVCache
-from infer.worker.loader import build_model, load_model
+from infer.worker.loading.loader import build_model, load_model
 from infer.worker.models.deepseek_moe import DeepseekMoE, GroupedTopK
 from infer.worker.models.llama import LlamaMLP
 

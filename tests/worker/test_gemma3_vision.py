@@ -273,7 +273,7 @@ def _our_logits(
     (`two_way`) each image's span for its two-way attention, as the model runner gives them."""
     from model_batches import Pager, new_cache
 
-    from infer.worker.loader import load_model
+    from infer.worker.loading.loader import load_model
 
     model = load_model(path, dtype, torch.device("cpu"))
     rows = torch.nonzero(types).flatten()
@@ -379,7 +379,7 @@ def test_every_checkpoint_layout_loads_the_same_weights(gemma3, tmp_path, rename
 
     from safetensors.torch import load_file, save_file
 
-    from infer.worker.loader import load_model
+    from infer.worker.loading.loader import load_model
 
     other = tmp_path / "other"
     shutil.copytree(gemma3, other)

@@ -193,7 +193,7 @@ def test_every_checkpoint_layout_loads_the_same_weights(llava, tmp_path, renames
 
     from safetensors.torch import load_file, save_file
 
-    from infer.worker.loader import load_model
+    from infer.worker.loading.loader import load_model
 
     other = tmp_path / "other"
     shutil.copytree(llava, other)

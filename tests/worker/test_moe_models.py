@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from infer import LLM, SamplingParams
 from infer.worker.distributed.expert_parallel import ExpertParallel
-from infer.worker.loader import load_model
+from infer.worker.loading.loader import load_model
 from infer.worker.models.moe import FusedExperts, MixtralForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
 
 MAX_NEW = 10

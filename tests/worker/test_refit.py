@@ -238,7 +238,7 @@ def test_files_swapped_while_a_prepared_refit_drains_are_refused_with_nothing_ch
 def test_a_failure_while_applying_puts_every_touched_value_back(weights_a, weights_b, monkeypatch) -> None:
     """A copy that fails after others succeeded (say, memory runs out): the layers already written get their
     old values back, re-packed, and the engine serves the old weights exactly."""
-    from infer.worker import weights as weights_module
+    from infer.worker.loading import weights as weights_module
 
     engine = Engine(_config(weights_a))
     on_a = _run(engine, prefix="a")[0]

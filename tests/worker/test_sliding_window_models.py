@@ -21,7 +21,7 @@ from tiny_models import ONE_BUCKET_OPTIONS
 from infer import LLM, SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
-from infer.worker.loader import load_model
+from infer.worker.loading.loader import load_model
 from infer.worker.models import native_decode
 from infer.worker.models.llama import layer_windows
 

@@ -41,9 +41,9 @@ def _batch(ids: list[int]):
 def _rank_main(rank: int, port: int, path: str, scenario: str, results) -> None:
     import torch.distributed as dist
 
-    from infer.worker import loader
     from infer.worker.distributed.group_sync import GroupBroken
     from infer.worker.forward_batch import KVCache
+    from infer.worker.loading import loader
 
     try:
         join_gloo(rank, 2, port)
@@ -100,7 +100,7 @@ def qwen3_moe(tmp_path_factory, smollm2_tokenizer) -> Path:
 @pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
 def test_each_rank_holds_and_reads_half_the_weights_and_the_forward_is_unchanged(arch, tiny_model_dir, qwen3_moe):
     from infer.worker.forward_batch import KVCache
-    from infer.worker.loader import load_model
+    from infer.worker.loading.loader import load_model
 
     path = tiny_model_dir("llama") if arch == "llama" else qwen3_moe
     whole = load_model(path, torch.float32, CPU)
@@ -128,7 +128,7 @@ def test_a_dead_member_breaks_the_next_collective_instead_of_hanging(tiny_model_
 def test_sizes_that_do_not_split_are_refused_naming_both(tiny_model_dir):
     from transformers import AutoConfig
 
-    from infer.worker.loader import build_model
+    from infer.worker.loading.loader import build_model
 
     config = AutoConfig.from_pretrained(tiny_model_dir("llama"))  # 4 heads, 2 KV heads, vocabulary 49152
     with pytest.raises(ValueError, match=r"the number of attention heads \(4\) does not split across 3 tensor"):

@@ -81,7 +81,7 @@ class FusedExperts(nn.Module):
         """rows [N, H], local_ids [N] int64 in [0, E_local) -> [N, H]."""
         return self.kernels.fused_experts(rows, local_ids, self.gate_up_proj, self.down_proj)
 
-    # Loading (see infer.worker.loader): per-expert tensors arrive with an ExpertShard, the fused layout
+    # Loading (see infer.worker.loading.loader): per-expert tensors arrive with an ExpertShard, the fused layout
     # [E, ...] with shard None.
 
     def shards_of(self, param_name: str) -> tuple[ExpertShard, ...]:

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from infer.worker.gguf import close_gguf_files
-from infer.worker.loader import (
+from infer.worker.loading.gguf import close_gguf_files
+from infer.worker.loading.loader import (
     build_model,
     checkpoint_target,
     file_tensors,

@@ -89,7 +89,7 @@ def scheme_of(config: Mapping[str, Any]) -> Int4Scheme | None:
         return _gptq_scheme(quant)
     if method == "mxfp4":  # GPT-OSS's experts: its model dequantizes them at load (worker/models/gpt_oss.py)
         return None
-    if method == "fp8":  # read dense at load (worker/fp8.py)
+    if method == "fp8":  # read dense at load (worker/loading/fp8.py)
         return None
     raise ValueError(
         f"quantization_config.quant_method {quant.get('quant_method')!r} is not supported: AWQ and "

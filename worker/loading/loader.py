@@ -1,8 +1,9 @@
 """Loading weights (torch): `load_model` builds our implementation from a model directory's config.json (read by
-worker/model_config.py, without transformers for the Llama family) and fills
-it from its *.safetensors, or from the GGUF its model.gguf links to (worker/gguf.py: quantized tensors kept in
-their blocks). AWQ / GPTQ int4 safetensors load as they are too (worker/awq_gptq.py), FP8 ones dense (worker/fp8.py).
-Finding the directory (`resolve_model`), the tokenizer and the EOS ids need no torch: worker/model_files.py.
+worker/loading/model_config.py, without transformers for the Llama family) and fills
+it from its *.safetensors, or from the GGUF its model.gguf links to (worker/loading/gguf.py: quantized tensors kept in
+their blocks). AWQ / GPTQ int4 safetensors load as they are too (worker/loading/awq_gptq.py), FP8 ones dense
+(worker/loading/fp8.py). Finding the directory (`resolve_model`), the tokenizer and the EOS ids need no torch:
+worker/loading/model_files.py.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, runtime_che
 import torch
 from torch import nn
 
-from infer.worker.awq_gptq import Int4Scheme, group_tensors, scheme_of
 from infer.worker.distributed.expert_parallel import ExpertParallel
 from infer.worker.distributed.tensor_parallel import TensorParallel
-from infer.worker.fp8 import FP8_DTYPES, Fp8Scheme, fp8_scheme_of, group_fp8_tensors
-from infer.worker.gguf import close_gguf_files
-from infer.worker.model_config import read_model_config
-from infer.worker.model_files import GGUF_WEIGHTS, validate_model_dir
+from infer.worker.loading.awq_gptq import Int4Scheme, group_tensors, scheme_of
+from infer.worker.loading.fp8 import FP8_DTYPES, Fp8Scheme, fp8_scheme_of, group_fp8_tensors
+from infer.worker.loading.gguf import close_gguf_files
+from infer.worker.loading.model_config import read_model_config
+from infer.worker.loading.model_files import GGUF_WEIGHTS, validate_model_dir
 from infer.worker.models.layers import LMHead, PackedLinear, QuantStorage, RMSNorm, VocabEmbedding, deferred_weights
 from infer.worker.models.moe import ExpertShard
 from infer.worker.models.registry import model_class
@@ -92,9 +93,9 @@ def load_model(
     load only its experts; a dense model refuses an EP group of more than one rank. `tp`: this process's
     place in its TP group; it reads only its shard of each sharded tensor from the files. `quantization`
     (vLLM's option): "auto" keeps a GGUF's quantized tensors in their blocks, an AWQ / GPTQ int4 checkpoint's in q4
-    (worker/awq_gptq.py) and dense checkpoints dense (an FP8 checkpoint's weights dequantized: worker/fp8.py),
-    "none" makes every weight dense in `dtype`, "int8" / "int4" quantize the linear layers at load (weight-only,
-    blocks of 32; the embedding and LM head int8); see `quant_plan`."""
+    (worker/loading/awq_gptq.py) and dense checkpoints dense (an FP8 checkpoint's weights dequantized:
+    worker/loading/fp8.py), "none" makes every weight dense in `dtype`, "int8" / "int4" quantize the linear layers at
+    load (weight-only, blocks of 32; the embedding and LM head int8); see `quant_plan`."""
     path = Path(path)
     validate_model_dir(path)
     files = weight_files(path)
@@ -155,7 +156,7 @@ def _stored_formats(files: list[Path]) -> Iterator[tuple[str, str | None]]:
     scheme = _int4_scheme(files)
     for file in files:
         if file.suffix == ".gguf":
-            from infer.worker.gguf import open_gguf
+            from infer.worker.loading.gguf import open_gguf
 
             for key, tensor in open_gguf(file).tensors():
                 yield key, GGUF_FORMATS.get(tensor.ggml_type)
@@ -199,9 +200,9 @@ def build_model(
     ep: ExpertParallel | None = None,
     tp: TensorParallel | None = None,
 ) -> nn.Module:
-    """Our implementation of a transformers `config` (or a worker/model_config.py ModelConfig), parameters allocated
-    (uninitialised) on `device` ("meta" for a shape-only twin), this TP rank's shard of it. ValueError for a dense
-    model in an EP group of more than one rank, or a TP size that does not divide the heads, the vocabulary or the
+    """Our implementation of a transformers `config` (or a worker/loading/model_config.py ModelConfig), parameters
+    allocated (uninitialised) on `device` ("meta" for a shape-only twin), this TP rank's shard of it. ValueError for a
+    dense model in an EP group of more than one rank, or a TP size that does not divide the heads, the vocabulary or the
     MLP."""
     cls = model_class(config)
     ep = ExpertParallel.single() if ep is None else ep
@@ -229,7 +230,7 @@ def pack_weights(model: nn.Module) -> None:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The weight files of a checkpoint: a GGUF conversion's model.gguf (worker/gguf.py), else the safetensors
+    """The weight files of a checkpoint: a GGUF conversion's model.gguf (worker/loading/gguf.py), else the safetensors
     files its index names, else model.safetensors, else all.
 
     (Some repositories also ship a consolidated.safetensors in another naming scheme; the index or
@@ -311,7 +312,7 @@ def file_tensors(files: Iterable[Path]) -> Iterator[tuple[str, Callable[[], Any]
         return
     for file in files:
         if file.suffix == ".gguf":
-            from infer.worker.gguf import open_gguf
+            from infer.worker.loading.gguf import open_gguf
 
             for key, tensor in open_gguf(file).tensors():
                 yield key, _constant(tensor), f"in {file.name}"
@@ -334,7 +335,7 @@ def _file_tensor(f: safe_open, key: str) -> FileTensor:
     if tensor.dtype in FP8_DTYPES:
         raise ValueError(
             f"{key} is {str(tensor.dtype).removeprefix('torch.')}, but config.json has no quantization_config with "
-            'quant_method "fp8" to say how it is scaled; an FP8 checkpoint needs one (worker/fp8.py)'
+            'quant_method "fp8" to say how it is scaled; an FP8 checkpoint needs one (worker/loading/fp8.py)'
         )
     return tensor
 

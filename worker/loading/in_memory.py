@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from infer.worker.distributed.expert_parallel import ExpertParallel
-from infer.worker.loader import build_model, load_named_tensors, pack_weights
+from infer.worker.loading.loader import build_model, load_named_tensors, pack_weights
 
 
 @dataclass(frozen=True)

@@ -196,7 +196,7 @@ class RustTokenizer:
         first call (imports transformers: seconds) and kept."""
         with self._lock:
             if self._transformers is None:
-                from infer.worker.model_files import load_tokenizer
+                from infer.worker.loading.model_files import load_tokenizer
 
                 self._transformers = load_tokenizer(self.path)
             return self._transformers
@@ -204,10 +204,10 @@ class RustTokenizer:
 
 def engine_tokenizer(path: Path) -> Any:
     """The engine's tokenizer of model directory `path`: a RustTokenizer where that is AutoTokenizer's exactly, else
-    AutoTokenizer's own (worker/model_files.py's load_tokenizer)."""
+    AutoTokenizer's own (worker/loading/model_files.py's load_tokenizer)."""
     if rust_tokenizer_refusal(path) is None:
         return RustTokenizer(path)
-    from infer.worker.model_files import load_tokenizer
+    from infer.worker.loading.model_files import load_tokenizer
 
     return load_tokenizer(path)
 

@@ -1,7 +1,7 @@
 """A model's files without torch: what the user passed (None, a .gguf file, a directory) resolved to a directory in
-transformers' layout (a GGUF is converted once into a cached directory; the conversion itself runs worker/gguf.py,
-which imports torch, in a child process, and only when a conversion is due), and the tokenizer and EOS ids read from
-it.
+transformers' layout (a GGUF is converted once into a cached directory; the conversion itself runs
+worker/loading/gguf.py, which imports torch, in a child process, and only when a conversion is due), and the tokenizer
+and EOS ids read from it.
 
 The HTTP front (infer-serve's front process, infer-api) reads its tokenizer here without importing torch:
 `front_tokenizer` loads the class the tokenizer files name, since transformers' AutoTokenizer imports torch
@@ -105,19 +105,21 @@ def conversion_dir(gguf: Path) -> Path:
 
 
 # The conversion reads the GGUF's metadata through transformers' GGUF and configuration code, which would stay in
-# the process for good (~60 MiB: worker/model_config.py): it runs in a child process of its own.
-_CONVERT = "import sys; from infer.worker.gguf import write_model_dir; write_model_dir(sys.argv[1], sys.argv[2])"
+# the process for good (~60 MiB: worker/loading/model_config.py): it runs in a child process of its own.
+_CONVERT = (
+    "import sys; from infer.worker.loading.gguf import write_model_dir; write_model_dir(sys.argv[1], sys.argv[2])"
+)
 CONVERSION_TIMEOUT_S = 600.0
 
 
 def convert_gguf(gguf: Path) -> Path:
     """The cached conversion of `gguf`, made on first use (in a child process): its config, tokenizer and generation
-    config, and a link to the GGUF, whose tensors the loader reads as they are (worker/gguf.py). ValueError naming
-    the file for one that is no readable GGUF of an architecture we read."""
+    config, and a link to the GGUF, whose tensors the loader reads as they are (worker/loading/gguf.py). ValueError
+    naming the file for one that is no readable GGUF of an architecture we read."""
     dest = conversion_dir(gguf)
     if dest.is_dir():
         return dest
-    from infer.worker.gguf import GGUFFile
+    from infer.worker.loading.gguf import GGUFFile
 
     GGUFFile(gguf)  # its refusals raised here, in this process, before any child runs
     return build_once(dest, lambda out: _convert_in_child(gguf, out))
@@ -175,8 +177,8 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
     AutoTokenizer reads the model's config only for its model type, tokenizer class and name, but reading it through
     AutoConfig imports the model's configuration module, and with it transformers' model-loading code
-    (torch.distributed.tensor, accelerate, sympy: ~60 MiB, worker/model_config.py). So it is handed a bare config
-    with just those fields, read from config.json as JSON. A checkpoint whose config or tokenizer brings its own
+    (torch.distributed.tensor, accelerate, sympy: ~60 MiB, worker/loading/model_config.py). So it is handed a bare
+    config with just those fields, read from config.json as JSON. A checkpoint whose config or tokenizer brings its own
     code (`auto_map`), where the config's class takes part in the choice, goes through AutoConfig as it is."""
     from transformers import AutoTokenizer
 
