@@ -734,7 +734,7 @@ class Load(Message, frozen=True):
 
 
 class KvEvents(Message, frozen=True):
-    """A worker's prefix-cache changes since its previous KvEvents (worker/kv_events.py; the coordinator's index:
+    """A worker's prefix-cache changes since its previous KvEvents (worker/kv/events.py; the coordinator's index:
     coordinator/kv_index.py). Hashes are the cache's own block keys (protocol/prefix_hash.py); a hash is held while
     at least one cached block of the worker has it. `stored` and `removed` are disjoint (a hash's latest state).
 
@@ -1178,7 +1178,7 @@ class ClusterStats(Message, frozen=True):
         return Counters(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Counters)})
 
 
-# ---- KV transfer between workers (worker/kv_transfer.py) -----------------------------------------------------
+# ---- KV transfer between workers (worker/kv/transfer.py) -----------------------------------------------------
 
 
 @message

@@ -16,7 +16,7 @@ Free blocks wait in one queue; allocation takes blocks from its front (evicting 
 they still hold). A freed block that holds cached content keeps it and can be revived by a later hit
 until the allocator hands it out again.
 
-A tier beyond the pool (`attach_tier`: worker/kv_offload.py, files of worker/kv_offload_store.py): base-model blocks
+A tier beyond the pool (`attach_tier`: worker/kv/offload.py, files of worker/kv/offload_store.py): base-model blocks
 evicted from the pool are listed in `evicted` (block id, hash, prefix digest) for the engine to copy out before any
 forward overwrites them; `plan_restore` finds a waiting request's leading blocks missing from the pool but on disk,
 and `restore` puts those the engine could read back into free blocks as cached content (most recently used), where
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from infer.protocol.prefix_hash import hash_block_tokens, prefix_digest
-from infer.worker.kv_events import KvEventLog
+from infer.worker.kv.events import KvEventLog
 from infer.worker.request import Request
 
 # A block-table entry whose block was given back (`release_before`): its positions are out of every layer's
@@ -46,7 +46,7 @@ __all__ = ["RELEASED", "BlockManager", "LowerTier", "hash_block_tokens"]
 
 
 class LowerTier(Protocol):
-    """Where evicted blocks go (worker/kv_offload_store.py's DiskStore). Called from the engine's thread only, but
+    """Where evicted blocks go (worker/kv/offload_store.py's DiskStore). Called from the engine's thread only, but
     its answers may change between calls (a writer thread of its own): `holds` is true while a hash is stored or
     queued to be; `on_disk` only once stored."""
 
@@ -141,7 +141,7 @@ class BlockManager:
 
     def publish_events(self, on: bool) -> KvEventLog | None:
         """Start (again, from a snapshot of every hash held) or stop logging the prefix cache's changes: a hash is
-        `stored` when its first cached block appears and `removed` when its last one goes (worker/kv_events.py).
+        `stored` when its first cached block appears and `removed` when its last one goes (worker/kv/events.py).
         Nothing to log without prefix caching."""
         if not on or not self.enable_prefix_caching:
             self.events = None

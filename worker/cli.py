@@ -21,7 +21,7 @@ from infer.worker.config import EngineConfig
 from infer.worker.core import EXIT_FATAL, EXIT_USAGE, EngineLike
 from infer.worker.daemon import Worker
 from infer.worker.distributed.group_sync import EpOptions
-from infer.worker.kv_offload_store import check_offload_dir
+from infer.worker.kv.offload_store import check_offload_dir
 from infer.worker.options import EP_FLAGS, KEY_FLAGS, PP_FLAGS, TP_FLAGS, WorkerFlags, WorkerOptions
 from infer.worker.pp_group import PpOptions
 from infer.worker.tp_group import TpOptions

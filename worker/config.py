@@ -66,7 +66,7 @@ class EngineConfig:
     enable_lora, max_loras, max_lora_rank, lora_modules: LoRA adapters (worker/lora.py; vLLM's names): served per
         request (SamplingParams.lora_name), at most `max_loras` of them in one step, ranks up to `max_lora_rank`;
         `lora_modules` are (name, path) pairs loaded at start (a dict, or "name=path" strings, are taken too).
-    kv_offload_dir, kv_offload_gb: the KV tier beyond the pool (worker/kv_offload.py): evicted prefix-cache blocks of
+    kv_offload_dir, kv_offload_gb: the KV tier beyond the pool (worker/kv/offload.py): evicted prefix-cache blocks of
         the base model are written to files under the directory by a background thread (at most `kv_offload_gb` GiB,
         least recently used deleted first) and read back into the pool when a waiting request's prefix misses the
         pool but is on disk. Needs prefix caching and a model loaded from files; not with TP / PP yet. The directory

@@ -71,7 +71,7 @@ from infer.protocol.messages import (
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import Attribute, HopSpan
 from infer.worker.config import EngineConfig
-from infer.worker.kv_transfer import KvBlocksPort, KvReceiver, KvSender
+from infer.worker.kv.transfer import KvBlocksPort, KvReceiver, KvSender
 from infer.worker.lifecycle import Action, WorkerState, transition
 from infer.worker.options import WorkerOptions
 from infer.worker.request import Request
@@ -210,7 +210,7 @@ class WorkerCore:
         self._kv_events = False
         self._kv_sent_at = now
         self._kv_maybe_pending = False
-        # KV transfers (worker/kv_transfer.py), with --kv-transfer-config: a producer's hand-offs and a drain's moves
+        # KV transfers (worker/kv/transfer.py), with --kv-transfer-config: a producer's hand-offs and a drain's moves
         # send, every KV socket answers; the shell sets `kv_address` once the KV socket is bound
         port: KvBlocksPort | None = getattr(engine, "kv_port", None) if options.kv_port_open else None
         self.kv_port = port
@@ -298,7 +298,7 @@ class WorkerCore:
         if refit and self._refit is not None:
             self._apply_refit(now)
 
-    # ---- disaggregated prefill and decode (worker/kv_transfer.py) -------------------------------------------
+    # ---- disaggregated prefill and decode (worker/kv/transfer.py) -------------------------------------------
 
     def _hand_off(self, outputs: list[Delta], now: float) -> list[Delta]:
         """A producer's requests that made their first token in this step: their KV copied out, their transfer

@@ -51,9 +51,9 @@ from infer.worker.forward_batch import KVCache
 from infer.worker.grammar_queue import GrammarQueue
 from infer.worker.images import ImageLimits
 from infer.worker.intake import Intake, check_request_id
-from infer.worker.kv_offload import KvOffload, ModelFiles
-from infer.worker.kv_offload_store import check_offload_dir
-from infer.worker.kv_port import KvPort
+from infer.worker.kv.offload import KvOffload, ModelFiles
+from infer.worker.kv.offload_store import check_offload_dir
+from infer.worker.kv.port import KvPort
 from infer.worker.loading.in_memory import in_memory_model
 from infer.worker.loading.loader import load_model, weight_files
 from infer.worker.loading.model_files import eos_token_ids, resolve_model
@@ -192,7 +192,7 @@ class Engine:
                 whole_images=bool(getattr(self.model, "bidirectional_images", False)),
             )
         )
-        self.offload: KvOffload | None = None  # the KV tier beyond the pool (worker/kv_offload.py)
+        self.offload: KvOffload | None = None  # the KV tier beyond the pool (worker/kv/offload.py)
         if config.kv_offload_dir is not None and config.kv_offload_bytes is not None and self.model_path is not None:
             self.offload = KvOffload.open(
                 Path(config.kv_offload_dir),
@@ -201,7 +201,7 @@ class Engine:
                 self.scheduler.block_manager,
                 ModelFiles(self.model_path, tuple(weight_files(self.model_path)), config.quantization),
             )
-        # the pool as blocks of bytes, for KV transfers between workers (worker/kv_port.py)
+        # the pool as blocks of bytes, for KV transfers between workers (worker/kv/port.py)
         self.kv_port = KvPort(self.kv_cache, self.scheduler, self.model_id, config.quantization, self.offload)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         spec = config.speculative_config
@@ -653,7 +653,7 @@ class Engine:
 
     def publish_kv_events(self, on: bool) -> None:
         """Start (again: from a snapshot) or stop logging the prefix cache's changes for the coordinator
-        (worker/kv_events.py; nothing without prefix caching)."""
+        (worker/kv/events.py; nothing without prefix caching)."""
         self.scheduler.block_manager.publish_events(on)
 
     def take_kv_events(self) -> KvEvents | None:

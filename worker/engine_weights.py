@@ -19,7 +19,7 @@ import torch
 from infer.protocol.messages import UpdateWeights
 from infer.worker.config import EngineConfig
 from infer.worker.forward_batch import KVCache
-from infer.worker.kv_offload import KvOffload
+from infer.worker.kv.offload import KvOffload
 from infer.worker.loading.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
 from infer.worker.model_runner import ModelRunner
 from infer.worker.output_processor import OutputProcessor

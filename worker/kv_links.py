@@ -1,4 +1,4 @@
-"""The KV sockets of a worker with --kv-transfer-config (the I/O of worker/kv_transfer.py; its decisions are
+"""The KV sockets of a worker with --kv-transfer-config (the I/O of worker/kv/transfer.py; its decisions are
 WorkerCore's). A producer's hand-offs and a drain's moves send the same way; "consumer" below is whoever receives.
 
 - Every such worker binds a ROUTER (`kv_port`, 0: one the OS chooses) and says where in its Hello (`kv_address`). With
@@ -45,7 +45,7 @@ _SHM_NAME = re.compile(r"infer-kv-[0-9a-f]{16}\.[0-9]+(\.probe)?")
 
 
 class ShmArea:
-    """This worker's files in a shared-memory directory (see the module docstring); worker/kv_transfer.py's
+    """This worker's files in a shared-memory directory (see the module docstring); worker/kv/transfer.py's
     SharedMemory."""
 
     def __init__(self, directory: Path) -> None:

@@ -14,7 +14,7 @@ from infer.protocol.options import option
 from infer.protocol.tracing import require_sdk
 from infer.protocol.transport import split_addresses
 from infer.worker.distributed.group_sync import EpOptions
-from infer.worker.kv_transfer import KvTransferConfig
+from infer.worker.kv.transfer import KvTransferConfig
 from infer.worker.pp_group import PpOptions, parse_partition, resolve_stage
 from infer.worker.tp_group import TpOptions, resolve_ranks
 

@@ -407,7 +407,7 @@ def apply_op(scheduler: Scheduler, kv: FakeKV, requests: list[Request], op: tupl
             assert request.block_table == [] and request.status is RequestStatus.FINISHED_STOPPED
 
 
-# ---- the tier beyond the pool (worker/kv_offload.py's bookkeeping) -----------------------------------------------
+# ---- the tier beyond the pool (worker/kv/offload.py's bookkeeping) -----------------------------------------------
 
 
 class FakeTier:

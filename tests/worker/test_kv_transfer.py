@@ -1,6 +1,6 @@
 """Disaggregated prefill and decode, in pieces: `--kv-transfer-config` and what a KV role refuses (exit 2 naming it),
-the transfer's state machine (worker/kv_transfer.py, sans-I/O, against a fake port: offer, want, frames, answers,
-refusals, the deadline), and the engine's side (worker/kv_port.py) on two real tiny-Llama engines: the blocks one
+the transfer's state machine (worker/kv/transfer.py, sans-I/O, against a fake port: offer, want, frames, answers,
+refusals, the deadline), and the engine's side (worker/kv/port.py) on two real tiny-Llama engines: the blocks one
 prefilled are stored in the other's prefix cache, and the request resumed there gives the same greedy tokens with
 its prompt served from them; a consumer with no free block drops them (counted) and recomputes. Then a drain's moves in
 the worker core: it asks where its requests go, ships and hands back each named one, ends at its deadline."""
@@ -14,7 +14,7 @@ from infer.protocol.messages import KvBlocks, KvOffer, KvStored, KvWant, encode
 from infer.protocol.options import to_argv
 from infer.worker import cli
 from infer.worker.config import EngineConfig
-from infer.worker.kv_transfer import KvReceiver, KvSender, KvTransferConfig
+from infer.worker.kv.transfer import KvReceiver, KvSender, KvTransferConfig
 from infer.worker.options import WorkerOptions
 
 COORDINATOR = ["--coordinator", "tcp://127.0.0.1:9"]
@@ -124,7 +124,7 @@ def run_transfer(sender: KvSender, receiver: KvReceiver, fingerprint: bytes = b"
 
 
 def test_only_the_blocks_the_consumer_lacks_travel_in_bounded_frames(monkeypatch):
-    monkeypatch.setattr("infer.worker.kv_transfer.MAX_FRAME_PAYLOAD", 2 * 8)  # two 8-byte blocks a frame
+    monkeypatch.setattr("infer.worker.kv.transfer.MAX_FRAME_PAYLOAD", 2 * 8)  # two 8-byte blocks a frame
     sender, port = KvSender(timeout_s=5.0), FakePort(held=1)
     blocks = [bytes([i]) * 8 for i in range(5)]
     sender.start("r", "tcp://c:1", "", (list(range(81)), blocks), b"fp0", now=0.0)

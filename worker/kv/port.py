@@ -1,5 +1,5 @@
 """KvPort: an engine's KV blocks as bytes, out to another worker and in from one (disaggregated prefill and decode;
-the wire and its state are worker/kv_transfer.py's, torch-free; this module touches the pool).
+the wire and its state are worker/kv/transfer.py's, torch-free; this module touches the pool).
 
 - `export(request_id)`: a producer's request after its prefill: the tokens whose KV it holds (its computed tokens'
   full blocks, plus one token so the consumer's lookup covers every one of them) and each full block's bytes (every
@@ -27,7 +27,7 @@ import torch
 from infer.protocol.sampling import SamplingParams
 from infer.worker.block_manager import BlockManager
 from infer.worker.forward_batch import KVCache
-from infer.worker.kv_offload import KvOffload
+from infer.worker.kv.offload import KvOffload
 from infer.worker.request import Request
 from infer.worker.scheduler import Scheduler
 

@@ -1,7 +1,7 @@
 """KvOffload: the engine's KV tier beyond the pool, on disk (`--kv-offload-dir DIR --kv-offload-gb N`).
 
 The bookkeeping is the block manager's (worker/block_manager.py: `evicted`, `plan_restore`, `restore`), the files
-the store's (worker/kv_offload_store.py: format, checks, LRU bound, the writer thread); this module moves the bytes
+the store's (worker/kv/offload_store.py: format, checks, LRU bound, the writer thread); this module moves the bytes
 between them and the pool, once per engine step:
 
 - before scheduling, `restore(waiting)`: for the first waiting requests (as many as could start this step), the
@@ -12,7 +12,7 @@ between them and the pool, once per engine step:
 - after scheduling (and before a beam's block copies), `spill_evicted()`: the blocks the allocator evicted are copied
   to host memory (one gather) before the forward overwrites them, and handed to the writer thread; the step never
   waits on the disk, and a full queue drops the spill (counted);
-- `publish_changes()`: hashes that arrived on disk or left it go into the KV events (worker/kv_events.py), so the
+- `publish_changes()`: hashes that arrived on disk or left it go into the KV events (worker/kv/events.py), so the
   coordinator's kv-aware index counts blocks on disk as held (the event format has one tier: a worker "holds" a
   hash in its pool or on its disk alike).
 
@@ -35,7 +35,7 @@ import torch
 
 from infer.worker.block_manager import BlockManager
 from infer.worker.forward_batch import KVCache
-from infer.worker.kv_offload_store import DiskStore, OffloadCounters
+from infer.worker.kv.offload_store import DiskStore, OffloadCounters
 from infer.worker.request import Request
 
 log = logging.getLogger("infer.kv_offload")

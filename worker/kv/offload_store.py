@@ -1,14 +1,14 @@
 """DiskStore: the KV tier beyond the pool, one file per spilled prefix-cache block in a local directory (no torch).
 
 A block evicted from the pool (worker/block_manager.py) is written here by a background thread; a later prefix-cache
-miss on its hash reads it back (worker/kv_offload.py moves the bytes between the pool and this store).
+miss on its hash reads it back (worker/kv/offload.py moves the bytes between the pool and this store).
 
 File: `<hash as 16 hex digits>.kv` in this worker's slot directory, `DIR/<fingerprint[:16]>-<n>` (the first slot
 whose lock, an flock on `.lock`, is free: workers of one model on one host share DIR without sharing files; a
 restarted worker takes its slot back and reuses what it finds there). Each file is a fixed header and the payload:
 
     magic b"INFERKV\\0", format version (u32), payload length (u64), fingerprint (16 bytes: model, weights, dtype, block
-    geometry: worker/kv_offload.py), block hash (u64: the prefix cache's key, protocol/prefix_hash.py), prefix digest
+    geometry: worker/kv/offload.py), block hash (u64: the prefix cache's key, protocol/prefix_hash.py), prefix digest
     (16 bytes: prefix_hash.prefix_digest, blake2b chained over every token of the prefix: the proof that the block
     holds *these* tokens' KV, since a 64-bit hash alone is never trusted), payload checksum (u64: xxh3_64), then the
     payload.
@@ -20,7 +20,7 @@ Bounds: at most `max_bytes` of files (the least recently written or read are del
 `max_queue` spills waiting for the writer (past it a spill is dropped and counted: the step loop never waits on the
 disk). Thread safety: the index and counters are guarded by one lock; `load` runs on the caller's thread (the engine
 step), writes on the writer thread. `take_changes` hands the engine the hashes that arrived on disk or left it, for
-the KV events (worker/kv_events.py), on the engine's thread.
+the KV events (worker/kv/events.py), on the engine's thread.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Disaggregated prefill and decode between workers: the KV role (`--kv-transfer-config`) and the transfers, sans-I/O
-(no torch, no sockets: the engine's bytes come through `KvPort`, worker/kv_port.py; the sockets are worker/daemon.py's).
+(no torch, no sockets: the engine's bytes come through `KvPort`, worker/kv/port.py; the sockets are worker/daemon.py's).
 
 A producer (kv_producer) runs a request the coordinator dispatched with a consumer named (`Dispatch.kv_consumer_*`)
 until its first token, then gives it back; between the two, `KvSender` moves its KV to the consumer:
@@ -104,7 +104,7 @@ class KvTransferConfig:
 
 
 class KvBlocksPort(Protocol):
-    """What the transfers need of the engine (worker/kv_port.py's KvPort)."""
+    """What the transfers need of the engine (worker/kv/port.py's KvPort)."""
 
     def export(self, request_id: str) -> tuple[list[int], list[bytes]] | None: ...
 
