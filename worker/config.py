@@ -14,7 +14,7 @@ from typing import Any
 from infer.protocol.lora import lora_modules, parse_lora_module
 from infer.protocol.options import option
 from infer.worker.scheduler import SCHEDULING_POLICIES
-from infer.worker.spec_config import SpeculativeConfig
+from infer.worker.speculative.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUSPEND_WEIGHTS = ("auto", "host_copy", "reload")
@@ -53,9 +53,9 @@ class EngineConfig:
         tokens and then take seconds a step. The compile bounds' defaults let a burst of 20 distinct schemas through
         one client (the HTTP front is one); the compile thread takes turns between clients, so one client's backlog
         delays another's compile by one compile each, not by the backlog.
-    speculative_config: speculative decoding (worker/speculative.py), a dict of vLLM's keys or a SpeculativeConfig
-        (worker/spec_config.py); None: off. A verification chunk is computed as decode rows: eagerly (the native CPU
-        decode step takes 1-8 requests' rows), or through the step graphs where they are on.
+    speculative_config: speculative decoding (worker/speculative/verification.py), a dict of vLLM's keys or a
+        SpeculativeConfig (worker/speculative/config.py); None: off. A verification chunk is computed as decode rows:
+        eagerly (the native CPU decode step takes 1-8 requests' rows), or through the step graphs where they are on.
     suspend_weights: what suspend does with the weights: "host_copy" moves them to pinned host memory (on a
         CPU they stay where they are: nothing of them is freed), "reload" frees them and reloads them on resume
         from the files they came from (or from a spill file, when they came from tensors in memory); "auto"

@@ -64,10 +64,10 @@ from infer.worker.memory import HeapTrimmer, keep_freed_heap, trim_heap
 from infer.worker.micro_batches import MicroBatches
 from infer.worker.model_runner import ModelRunner
 from infer.worker.output_processor import EngineStats, OutputProcessor, StepRow, step_rows
-from infer.worker.proposers import Proposer, make_proposer
 from infer.worker.request import Request, RequestStatus, overdue_message
 from infer.worker.sampler import Sampler
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from infer.worker.speculative.proposers import Proposer, make_proposer
 from infer.worker.step_graphs import make_step_graphs
 from infer.worker.vision import ImageEncoder, Preprocessor, VisionModel
 

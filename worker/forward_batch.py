@@ -41,9 +41,9 @@ class ForwardBatch:
     # computed again: a failover's resumed stream, a recompute after preemption) take the decode kernel's
     # arithmetic in the CPU prefill kernel, as they did when they were decoded (None: every row the prefill's)
     prefill_decode_from: torch.Tensor | None = None
-    # Speculative verification (worker/speculative.py): a verification chunk's k + 1 tokens are k + 1 decode rows,
-    # each its own sequence here; `decode_runs` [R] int32 gives the decode rows of each request in order (1 for a
-    # plain decode, k + 1 for a verification; summing to num_decodes), so that the native CPU decode step reads a
+    # Speculative verification (worker/speculative/verification.py): a verification chunk's k + 1 tokens are k + 1
+    # decode rows, each its own sequence here; `decode_runs` [R] int32 gives the decode rows of each request in order (1
+    # for a plain decode, k + 1 for a verification; summing to num_decodes), so that the native CPU decode step reads a
     # request's K and V once for all its rows (worker/models/native_decode.py). None: one row a request.
     decode_runs: torch.Tensor | None = None
     # Images (worker/vision.py): the rows of T that hold image tokens [R] int64 and the features that replace their

@@ -15,7 +15,7 @@ from infer.worker.lora import LoraManager, lora_step
 from infer.worker.pooling import record_pooling
 from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, record_prompt_logprobs
 from infer.worker.scheduler import ScheduledChunk
-from infer.worker.speculative import sampling_rows
+from infer.worker.speculative.verification import sampling_rows
 from infer.worker.step_graphs import StepGraphs
 from infer.worker.vision import ImageEncoder, step_image_rows, step_image_spans, with_mrope_positions
 

@@ -20,11 +20,11 @@ from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.sampling import SamplingParams
 from infer.worker.beam_groups import BeamGroup, BeamGroups
 from infer.worker.detokenizer import IncrementalDetokenizer
-from infer.worker.proposers import Proposer
 from infer.worker.request import Request, RequestStatus
 from infer.worker.sampler import Sampler, SamplerOutput
 from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from infer.worker.speculative import verify
+from infer.worker.speculative.proposers import Proposer
+from infer.worker.speculative.verification import verify
 
 log = logging.getLogger("infer.engine")
 
@@ -276,8 +276,8 @@ NON_FINITE_LOGITS = (
 @dataclass(frozen=True)
 class StepRow:
     """What one step gave one scheduled chunk: its sampled token (a verification chunk: its accepted drafts
-    and the token after them; worker/speculative.py) and their logprobs, nothing (a chunk that does not sample:
-    mid-prefill), or the error that fails its request. `num_accepted`: drafts accepted."""
+    and the token after them; worker/speculative/verification.py) and their logprobs, nothing (a chunk that does not
+    sample: mid-prefill), or the error that fails its request. `num_accepted`: drafts accepted."""
 
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs | None, ...] | None = None

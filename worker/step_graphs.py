@@ -8,8 +8,8 @@ One mechanism, two backends chosen by device:
 - CUDA: a CUDA graph per bucket, captured over the eager forward (its Triton kernels) on the persistent
   input buffers, the block table at full width (the kernels stop at each sequence's length).
 
-A speculative verification step (worker/speculative.py) replays the same graphs: a request's last token and its
-k drafts are k + 1 decode rows at consecutive positions over its one block table (row j attends to the context up
+A speculative verification step (worker/speculative/verification.py) replays the same graphs: a request's last token and
+its k drafts are k + 1 decode rows at consecutive positions over its one block table (row j attends to the context up
 to its own position, whose K/V the step appends before attending: the eager forward's layout,
 model_runner.build_forward_batch), so a graph is made per row count, not per draft shape, and a step of n
 requests with d_i drafts each runs in the smallest bucket >= sum(1 + d_i). Where speculation is on, the buckets

@@ -18,9 +18,9 @@ from infer import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams as Spec
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine
-from infer.worker.proposers import NgramProposer, ngram_drafts
 from infer.worker.request import Request
-from infer.worker.spec_config import SpeculativeConfig
+from infer.worker.speculative.config import SpeculativeConfig
+from infer.worker.speculative.proposers import NgramProposer, ngram_drafts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PASSAGE = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. "

@@ -10,7 +10,7 @@ the layers do one by one (the linears send 1-8 rows to the same GEMV), so the to
 bit (tests/worker/test_native_decode.py).
 
 It serves a step whose batch is 1-8 decoding requests (GEMV_MAX_ROWS), each one decode row or the k + 1 rows of a
-speculative verification (worker/speculative.py: its last token and k drafts at consecutive positions,
+speculative verification (worker/speculative/verification.py: its last token and k drafts at consecutive positions,
 `ForwardBatch.decode_runs`; MAX_ROWS rows in all), outside step graphs, when every layer
 is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank, in bf16 (decode_layers.c takes
 fp32 rows too; `for_model` says why fp32 models keep their layers), with every linear's weight one the native
@@ -46,7 +46,7 @@ from infer.kernels.cpu_kernels import (
 )
 from infer.kernels.quant import FORMAT_CODES
 from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.spec_config import MAX_SPECULATIVE_TOKENS
+from infer.worker.speculative.config import MAX_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     from infer.worker.models.layers import PackedLinear

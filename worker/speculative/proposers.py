@@ -1,8 +1,8 @@
-"""Proposers of draft tokens for speculative decoding (worker/speculative.py verifies them). No torch.
+"""Proposers of draft tokens for speculative decoding (worker/speculative/verification.py verifies them). No torch.
 
 A proposer looks at the requests that decode this step and proposes up to `num_tokens[i]` draft tokens for
 each; it keeps no per-request state the engine must clean up. Proposers must be deterministic given the
-context (a point-mass draft distribution: the exactness argument in worker/speculative.py rests on it).
+context (a point-mass draft distribution: the exactness argument in worker/speculative/verification.py rests on it).
 Model-based proposers (a draft model with its own small KV pool, EAGLE / MTP heads that read the target's
 hidden states) fit the same call; they would be handed what they need when they are built.
 """
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 from infer.worker.request import Request
-from infer.worker.spec_config import SpeculativeConfig
+from infer.worker.speculative.config import SpeculativeConfig
 
 
 class Proposer(Protocol):
@@ -80,12 +80,12 @@ def _continuation(data: bytes, length: int, min_n: int, max_n: int) -> int | Non
 
 def make_proposer(config: SpeculativeConfig, **target: Any) -> Proposer:
     """The proposer of `config.method`; `target`: what a draft model needs of the target engine (dtype, device,
-    block_size, num_blocks, max_model_len, vocab_size; worker/draft_model.py)."""
+    block_size, num_blocks, max_model_len, vocab_size; worker/speculative/draft_model.py)."""
     if config.method == "ngram":
         # both set: SpeculativeConfig.__post_init__ fills an ngram config's bounds
         return NgramProposer(cast(int, config.prompt_lookup_min), cast(int, config.prompt_lookup_max))
     if config.method == "draft_model":
-        from infer.worker.draft_model import DraftModelProposer  # torch: only a draft model needs it
+        from infer.worker.speculative.draft_model import DraftModelProposer  # torch: only a draft model needs it
 
         return DraftModelProposer(cast(str, config.model), **target)  # __post_init__ requires it for draft_model
     raise ValueError(f"no proposer for method {config.method!r}")

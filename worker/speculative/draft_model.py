@@ -7,8 +7,8 @@ table). Each proposal first brings the shadow in line with the target request: t
 the shadow's K/V past the first token the target did not accept are dropped by bookkeeping (its blocks trimmed),
 and the target's new tokens are computed in one prefill-like chunk; then k greedy decode steps, batched over
 the requests, each appending its argmax. Greedy drafts make the draft distribution a point mass, the case
-worker/speculative.py's acceptance is exact for. A shadow whose blocks cannot be had (the pool is full of other
-shadows) evicts the least recently used others; failing that, the request gets no drafts this step.
+worker/speculative/verification.py's acceptance is exact for. A shadow whose blocks cannot be had (the pool is full of
+other shadows) evicts the least recently used others; failing that, the request gets no drafts this step.
 """
 
 from __future__ import annotations
