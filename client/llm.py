@@ -102,7 +102,7 @@ class LLMOptions:
         (worker/distributed/tensor_parallel.py). Direct mode: this process is TP rank 0 and starts the other T - 1 as
         child processes; coordinator mode: every worker is started with --tp-size T.
     pipeline_parallel_size: processes per engine (vLLM's name), each holding a contiguous range of the layers
-        (worker/pp_group.py; one batch at a time through the stages: capacity, not speed). Direct mode: this
+        (worker/parallel/pp_group.py; one batch at a time through the stages: capacity, not speed). Direct mode: this
         process is stage 0 and starts the other P - 1 as child processes; coordinator mode: every worker is
         started with --pp-size P. Not with tensor_parallel_size > 1 yet.
     """
@@ -717,14 +717,14 @@ def _make_engine(options: LLMOptions) -> Engine:
     from infer.worker.engine import Engine
 
     if options.pipeline_parallel_size > 1:
-        from infer.worker.pp_stage import pipeline_parallel_engine
+        from infer.worker.parallel.pp_stage import pipeline_parallel_engine
 
         flags = options.engine_flags() + logging_argv(options.log_level)
         return pipeline_parallel_engine(
             options.engine_config(), options.pipeline_parallel_size, flags, tp_size=options.tensor_parallel_size
         )
     if options.tensor_parallel_size > 1:
-        from infer.worker.tp_group import tensor_parallel_engine
+        from infer.worker.parallel.tp_group import tensor_parallel_engine
 
         flags = options.engine_flags() + logging_argv(options.log_level)
         return tensor_parallel_engine(options.engine_config(), options.tensor_parallel_size, flags)

@@ -114,7 +114,7 @@ def test_the_graph_sees_the_imports_it_must():
     """The reader works: known edges are found, lazy ones and relative ones included."""
     graph = _graph(_modules())
     assert "protocol.messages" in graph["coordinator.core"]
-    assert "worker.tp_commands" in graph["worker.cli"]  # a lazy import, inside a function
+    assert "worker.parallel.tp_commands" in graph["worker.cli"]  # a lazy import, inside a function
     assert "worker.daemon" in graph["worker.cli"] and "worker.cli" not in graph["worker.daemon"]  # __main__ guard
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
 

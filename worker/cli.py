@@ -23,8 +23,8 @@ from infer.worker.daemon import Worker
 from infer.worker.distributed.group_sync import EpOptions
 from infer.worker.kv.offload_store import check_offload_dir
 from infer.worker.options import EP_FLAGS, KEY_FLAGS, PP_FLAGS, TP_FLAGS, WorkerFlags, WorkerOptions
-from infer.worker.pp_group import PpOptions
-from infer.worker.tp_group import TpOptions
+from infer.worker.parallel.pp_group import PpOptions
+from infer.worker.parallel.tp_group import TpOptions
 
 log = logging.getLogger("infer.worker")
 
@@ -109,7 +109,7 @@ def make_engine(
     from infer.worker.engine_setup import pick_device
 
     if parallel is not None:
-        from infer.worker.tp_commands import TpLeader
+        from infer.worker.parallel.tp_commands import TpLeader
 
         engine = Engine(config, parallel.ep, tp=parallel.tp)
         engine.runner.followers = TpLeader(parallel)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))  # exit 2
     if (tp is not None and tp.rank is None) or (pp is not None and pp.rank is None):  # this DP rank's processes
-        from infer.worker.tp_supervisor import members, supervise
+        from infer.worker.parallel.tp_supervisor import members, supervise
 
         if pp is not None and tp is not None and (pp.rank is None) != (tp.rank is None):
             parser.error(
@@ -195,8 +195,8 @@ def _run(
         if options is None or not options.benchmark_mode:
             _load_kernels(config)
         if pp is not None:  # its stages TP groups with --tp-size, one DP rank of an EP group with --ep-size
-            from infer.worker.pp_group import join
-            from infer.worker.pp_stage import leader_engine, run_stage
+            from infer.worker.parallel.pp_group import join
+            from infer.worker.parallel.pp_stage import leader_engine, run_stage
 
             parallel, path, config = join(config, pp, tp, ep)
             if not parallel.is_leader:
@@ -204,7 +204,7 @@ def _run(
         elif tp is not None:
             parallel, path, config = _join_tp_group(config, tp, ep)
             if parallel.tp.rank > 0:
-                from infer.worker.tp_group import run_follower
+                from infer.worker.parallel.tp_group import run_follower
 
                 return run_follower(config, parallel, path)
         if options is None:
@@ -266,7 +266,7 @@ def _load_kernels(config: EngineConfig) -> None:
 def _join_tp_group(config: EngineConfig, tp: TpOptions, ep: EpOptions | None) -> tuple[Any, Any, EngineConfig]:
     """Join the TP group's world: (this process's place there, the model directory, the config with this
     process's own GPU)."""
-    from infer.worker.tp_group import join
+    from infer.worker.parallel.tp_group import join
 
     return join(config, tp, ep)
 

@@ -80,8 +80,8 @@ class PipelineSize(Protocol):
 
 
 class Stage(Protocol):
-    """Stage 0 of a pipeline, as the engine sees it (worker/pp_stage.py StageLoader): its layers' model, the KV block
-    count agreed with the other stages, the pipeline's size."""
+    """Stage 0 of a pipeline, as the engine sees it (worker/parallel/pp_stage.py StageLoader): its layers' model, the KV
+    block count agreed with the other stages, the pipeline's size."""
 
     @property
     def group(self) -> PipelineSize: ...
@@ -110,10 +110,10 @@ class Engine:
         """`model` / `tokenizer`: build the engine around weights already in memory (a transformers
         PreTrainedModel, whose weights are copied into our implementation, or one of our own model objects,
         used as is) instead of `config.model`'s files; the tokenizer is then required (see worker/loading/in_memory.py).
-        `tp`: this is TP rank 0 of a TP group (worker/tp_group.py); the KV pool's size is agreed with the
+        `tp`: this is TP rank 0 of a TP group (worker/parallel/tp_group.py); the KV pool's size is agreed with the
         group, and `self.runner.followers` must be set before the first step. `stage`: this is stage 0 of a
-        pipeline (a worker/pp_stage.py StageLoader: this stage's layers, the KV block count agreed with the
-        others); `self.runner.followers` must be set too (worker/pp_group.py)."""
+        pipeline (a worker/parallel/pp_stage.py StageLoader: this stage's layers, the KV block count agreed with the
+        others); `self.runner.followers` must be set too (worker/parallel/pp_group.py)."""
         self.config = config
         self.stage = stage
         self.ep = ExpertParallel.single() if ep is None else ep  # this rank's share of an MoE model's experts

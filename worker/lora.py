@@ -29,7 +29,7 @@ Tensor parallelism: each rank holds its part of A and B, sharded like the layer 
 column-parallel layer's output rows split B's rows; a row-parallel layer's input columns split A's columns, and its
 rank's partial (x_part A_part^T) B^T is summed by the layer's own all-reduce, added before it). TP rank 0 decides the
 slots; each adapter it copies into a slot, and each forward's (slot, rows) runs, go to the other ranks with its
-step commands (worker/tp_commands.py), which read the folder themselves. Pipelines are refused.
+step commands (worker/parallel/tp_commands.py), which read the folder themselves. Pipelines are refused.
 """
 
 from __future__ import annotations
@@ -378,8 +378,8 @@ class LoraManager:
         self.by_id: dict[int, LoraAdapter] = {}  # and the unloaded ones requests still hold
         self.layers: dict[str, LoraLayer] = {}  # made on the first adapter that targets each layer
         self._ids = itertools.count(1)
-        # TP rank 0's command channel (worker/tp_commands.py; set by the engine): each adapter copied into a slot
-        # here is copied into the same slot on every other rank, from its own read of the folder (its shards)
+        # TP rank 0's command channel (worker/parallel/tp_commands.py; set by the engine): each adapter copied into a
+        # slot here is copied into the same slot on every other rank, from its own read of the folder (its shards)
         self.followers: Any = None
 
     def read(self, name: str, path: str | Path, lora_id: int, int_id: int | None = None) -> LoraAdapter:

@@ -1,4 +1,4 @@
-"""Micro-batches in flight through a pipeline (worker/pp_group.py), torch-free: what the engine of stage 0 has
+"""Micro-batches in flight through a pipeline (worker/parallel/pp_group.py), torch-free: what the engine of stage 0 has
 launched and not yet finished, and the rules for launching the next.
 
 With P stages, stage 0 launches up to `depth` = P micro-batches before it finishes the oldest, so that while the

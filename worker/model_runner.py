@@ -36,8 +36,8 @@ class Launched:
 
 class Followers(Protocol):
     """The command channel from the engine's process to the other processes of its TP group or pipeline
-    (worker/tp_commands.py TpLeader): each forward, logits computation and dummy step is sent to them first, so that
-    they run the same collectives."""
+    (worker/parallel/tp_commands.py TpLeader): each forward, logits computation and dummy step is sent to them first, so
+    that they run the same collectives."""
 
     def forward(self, batch: ForwardBatch, lora_rows: list[tuple[int, int]] | None = None) -> None: ...
 
@@ -92,7 +92,7 @@ class ModelRunner:
     def launch(self, chunks: Sequence[ScheduledChunk]) -> Launched:
         """The first half of `execute`: start the forward over `chunks`. On a pipeline's stage 0 this runs stage 0's
         layers and hands the batch on; the later stages compute it while the engine launches the next micro-batch
-        (worker/pp_group.py). `finish` completes it (launched forwards finish in launch order)."""
+        (worker/parallel/pp_group.py). `finish` completes it (launched forwards finish in launch order)."""
         slot_rows = (
             [] if self.lora is None else self.lora.slot_rows([(c.request.lora_id, c.num_new_tokens) for c in chunks])
         )
@@ -127,7 +127,7 @@ class ModelRunner:
         stage), prompt logprobs and pooling, and the sampling."""
         chunks, batch, hidden, logits = launched.chunks, launched.batch, launched.hidden, launched.logits
         if batch is not None and hidden is not None:
-            receive = getattr(self.model, "receive_logits", None)  # a pipeline stage (worker/pp_stage.py)
+            receive = getattr(self.model, "receive_logits", None)  # a pipeline stage (worker/parallel/pp_stage.py)
             if receive is not None and batch.logits_indices.numel():
                 logits = receive(batch.logits_indices.shape[0])  # sent first: before any prompt logprobs
             if any(c.request.prompt_logprobs is not None for c in chunks):

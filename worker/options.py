@@ -15,8 +15,8 @@ from infer.protocol.tracing import require_sdk
 from infer.protocol.transport import split_addresses
 from infer.worker.distributed.group_sync import EpOptions
 from infer.worker.kv.transfer import KvTransferConfig
-from infer.worker.pp_group import PpOptions, parse_partition, resolve_stage
-from infer.worker.tp_group import TpOptions, resolve_ranks
+from infer.worker.parallel.pp_group import PpOptions, parse_partition, resolve_stage
+from infer.worker.parallel.tp_group import TpOptions, resolve_ranks
 
 MAX_QUEUE_TIME_S = 86400.0  # the largest --max-queue-time
 TP_FLAGS = ("tp_size", "tp_rank", "tp_timeout")

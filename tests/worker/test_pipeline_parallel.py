@@ -16,8 +16,8 @@ from moe_models import save_tiny_model
 
 from infer import LLM, SamplingParams
 from infer.worker.options import WorkerFlags
-from infer.worker.pp_group import PipelineGroup, PpOptions, stage_layers
-from infer.worker.pp_stage import holds
+from infer.worker.parallel.pp_group import PipelineGroup, PpOptions, stage_layers
+from infer.worker.parallel.pp_stage import holds
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -190,7 +190,7 @@ def test_flags_of_composed_pipelines():
     assert flags.pipeline(env).rank == 1 and flags.groups(env)[1].rank == 0
     ep_flags = WorkerFlags(pp_size=2, tp_size=2, ep_size=2, dist_init="tcp://h:9")
     assert ep_flags.groups(env)[0].rank == 1
-    from infer.worker.tp_supervisor import members
+    from infer.worker.parallel.tp_supervisor import members
 
     assert [flags for _, flags in members(2, 2)] == [
         ["--pp-rank", "0", "--tp-rank", "0"],

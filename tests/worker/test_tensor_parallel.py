@@ -16,7 +16,7 @@ from ports import join_gloo
 from two_ranks import run_two_ranks
 
 from infer.worker.distributed.tensor_parallel import TensorParallel
-from infer.worker.tp_group import TpOptions, resolve_ranks
+from infer.worker.parallel.tp_group import TpOptions, resolve_ranks
 
 CPU = torch.device("cpu")
 
@@ -182,7 +182,7 @@ def test_a_step_batch_crosses_the_command_channel_whole():
 
     import msgpack
 
-    from infer.worker.tp_commands import decode_batch, encode_batch
+    from infer.worker.parallel.tp_commands import decode_batch, encode_batch
 
     plain = _batch(list(range(3, 40)))
     resumed = dataclasses.replace(plain, prefill_decode_from=torch.tensor([30], dtype=torch.int32))

@@ -2,7 +2,7 @@
 KV cache). Stage 0 owns the embedding, schedules, samples and talks to the coordinator; the last stage owns the
 final norm and the LM head (a tied head: it loads the embedding table as its weight). (torch is imported only when
 a group is joined: the worker daemon imports this module to parse its flags.) The stage model is
-worker/pp_stage.py.
+worker/parallel/pp_stage.py.
 
 **Composition.** PP x TP: each stage is a TP group of T processes (worker/distributed/tensor_parallel.py's shards of the
 stage's layers); TP rank t of a stage hands its hidden states to TP rank t of the next. PP with EP: the E DP ranks
@@ -12,7 +12,7 @@ of an EP group are E pipelines in one world; stage s's MoE layers exchange token
 x P + stage) x T + TP rank.
 
 **A step.** The engine's process (stage 0, TP rank 0) runs the engine as TP rank 0 does: before each forward its
-`TpLeader` (worker/tp_commands.py, the same channel and watch over the peers' connections) sends the step's
+`TpLeader` (worker/parallel/tp_commands.py, the same channel and watch over the peers' connections) sends the step's
 ForwardBatch to every other process of the DP rank; stage 0 then runs the embedding and its layers and sends
 (hidden, residual) to stage 1 over torch.distributed point-to-point (gloo on CPU, NCCL on GPU); each stage
 receives, runs its layers and sends on; the last stage keeps the normed hidden states. The rows whose logits stage
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from infer.worker.distributed.expert_parallel import ExpertParallel
     from infer.worker.distributed.group_sync import EpOptions
     from infer.worker.distributed.tensor_parallel import TensorParallel
-    from infer.worker.tp_group import TpOptions
+    from infer.worker.parallel.tp_group import TpOptions
 
 log = logging.getLogger("infer.worker")
 
@@ -165,9 +165,9 @@ class PipelineGroup:
     group are E pipelines; stage s's MoE layers exchange tokens among the E processes of stage s with the same TP
     rank). Global rank = (EP rank x P + stage) x T + TP rank. `commands` are this DP rank's P x T processes (rank
     stage x T + TP rank; rank 0, stage 0's TP rank 0, runs the engine): the group of the command channel
-    (worker/tp_commands.py), which also reads `options.timeout_s`, `options.ping_interval_s`, `options.dist_init`
-    and `member()`. `tp` / `ep` / `commands` None: a group of one (a stage with no TP group, no EP group; a world
-    not joined)."""
+    (worker/parallel/tp_commands.py), which also reads `options.timeout_s`, `options.ping_interval_s`,
+    `options.dist_init` and `member()`. `tp` / `ep` / `commands` None: a group of one (a stage with no TP group, no EP
+    group; a world not joined)."""
 
     stage: int
     size: int
@@ -288,7 +288,7 @@ def join(
     from infer.worker.loading.loader import weight_files
     from infer.worker.loading.model_config import read_model_config
     from infer.worker.loading.model_files import resolve_model
-    from infer.worker.tp_group import check_same_model, engine_facts
+    from infer.worker.parallel.tp_group import check_same_model, engine_facts
 
     if options.rank is None or options.dist_init is None or (tp is not None and tp.rank is None):
         raise ValueError(

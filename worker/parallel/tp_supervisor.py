@@ -51,7 +51,7 @@ def start_followers(
     size: int, dist_init: str, worker_flags: Sequence[str], size_flag: str = "--tp-size", rank_flag: str = "--tp-rank"
 ) -> list[subprocess.Popen]:
     """TP ranks 1 .. size-1 as `infer-worker` child processes of this one (which is TP rank 0); with
-    `size_flag` / `rank_flag` "--pp-size" / "--pp-rank", pipeline stages 1 .. size-1 (worker/pp_group.py)."""
+    `size_flag` / `rank_flag` "--pp-size" / "--pp-rank", pipeline stages 1 .. size-1 (worker/parallel/pp_group.py)."""
     return start_members(
         [(rank_flag, [rank_flag, str(rank)]) for rank in range(1, size)],
         dist_init,

@@ -1,7 +1,7 @@
 """The processes of a TP group: joining the torch.distributed world, agreeing before serving, and the
 members' entry points. (torch is imported only when a group is joined: the worker daemon imports this
-module to parse its flags.) The step commands are worker/tp_commands.py; starting a group's processes on
-one node, worker/tp_supervisor.py.
+module to parse its flags.) The step commands are worker/parallel/tp_commands.py; starting a group's processes on
+one node, worker/parallel/tp_supervisor.py.
 
 **World.** A DP rank of T processes is a TP group; with an EP group of E DP ranks the world is T x E
 processes, global rank = ep_rank * T + tp_rank. Every process joins the same rendezvous (`--dist-init`);
@@ -13,7 +13,7 @@ others (`check_same_model`): a rank started with other files is refused before a
 
 **Faults.** Every collective has the group's timeout (`--tp-timeout`): a member that died fails the next
 collective at once, one that hangs fails it after the timeout; rank 0 notices a follower that died even while
-idle (its command connection closes, worker/tp_commands.py). Rank 0 then gives its requests back and exits
+idle (its command connection closes, worker/parallel/tp_commands.py). Rank 0 then gives its requests back and exits
 (`GroupBroken`, as an EP group), telling the followers to stop with its exit code. A follower that hears nothing
 from rank 0 for the timeout, or whose connection from rank 0 closes, exits non-zero. So every member of a broken
 group exits non-zero, and a launcher that restarts failed processes (the Slurm launcher's tasks) restarts the
@@ -93,7 +93,7 @@ class Parallel:
 
     @property
     def commands(self) -> TensorParallel:
-        """The processes of the command channel (worker/tp_commands.py): the TP group, rank 0 its leader."""
+        """The processes of the command channel (worker/parallel/tp_commands.py): the TP group, rank 0 its leader."""
         return self.tp
 
     def member(self, index: int) -> str:
@@ -259,7 +259,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     from infer.worker.engine_setup import context_length, num_kv_blocks, shares_kv
     from infer.worker.forward_batch import KVCache
     from infer.worker.loading.loader import load_model
-    from infer.worker.tp_commands import FollowerChannel, serve_follower, start_follower
+    from infer.worker.parallel.tp_commands import FollowerChannel, serve_follower, start_follower
 
     device, dtype = start_follower(config)
     model = load_model(path, dtype, device, parallel.ep, parallel.tp, config.quantization)
@@ -300,8 +300,8 @@ def tensor_parallel_engine(
     them. (LLM / AsyncLLM's direct mode with tensor_parallel_size > 1.)"""
     from infer.protocol.ports import reserved_port
     from infer.worker.engine import Engine
-    from infer.worker.tp_commands import TpLeader
-    from infer.worker.tp_supervisor import start_followers
+    from infer.worker.parallel.tp_commands import TpLeader
+    from infer.worker.parallel.tp_supervisor import start_followers
 
     dist_init = f"tcp://127.0.0.1:{reserved_port()}"
     children = start_followers(size, dist_init, worker_flags)

@@ -1,6 +1,6 @@
 """The step commands of a TP group: TP rank 0 (`TpLeader`) sends each model forward it runs to the other
 ranks before running it, and each follower (`serve_follower`) runs the same forward on its shards, so the
-collectives inside the forward keep the group in step (see worker/tp_group.py for the group itself).
+collectives inside the forward keep the group in step (see worker/parallel/tp_group.py for the group itself).
 
 Commands go over zmq (PUSH -> each follower's PULL; frames are msgpack maps, tensors as raw bytes, never
 pickled): "forward" (the step's ForwardBatch), "logits" (rows of the last forward's hidden states whose
@@ -33,7 +33,7 @@ from infer.protocol.bounds import check_shape
 from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.transport import make_socket
 from infer.worker.distributed.group_sync import GroupBroken, _local_address_towards
-from infer.worker.tp_supervisor import reap
+from infer.worker.parallel.tp_supervisor import reap
 
 if TYPE_CHECKING:
     import torch
@@ -194,7 +194,7 @@ class TpLeader:
     ) -> None:
         """`children`: the follower processes this process started (stop() waits for them, and leaves the
         torch.distributed world so that another group can be made here)."""
-        # the TP group, or a pipeline's processes (worker/pp_group.py): set, as the world is joined before
+        # the TP group, or a pipeline's processes (worker/parallel/pp_group.py): set, as the world is joined before
         self._group = cast("TensorParallel", parallel.commands)
         self._member = parallel.member
         self._children = list(children)
@@ -364,9 +364,9 @@ def serve_follower(
 def follow(
     model: Any, kv_cache: Any, block_size: int, channel: FollowerChannel, device: torch.device, lora: Any = None
 ) -> int:
-    """Run rank 0's commands on this rank's shards (or a pipeline stage's layers: worker/pp_stage.py's StageModel,
-    whose forward returns row numbers and whose compute_logits sends them on) until "stop" (returns rank 0's exit
-    code, which this process exits with), silence or rank 0's connection closed (LeaderGone), or a broken
+    """Run rank 0's commands on this rank's shards (or a pipeline stage's layers: worker/parallel/pp_stage.py's
+    StageModel, whose forward returns row numbers and whose compute_logits sends them on) until "stop" (returns rank 0's
+    exit code, which this process exits with), silence or rank 0's connection closed (LeaderGone), or a broken
     collective or hand-off (GroupBroken). `lora`: this rank's LoraManager (worker/lora.py) when LoRA is enabled:
     rank 0 says what goes in which slot."""
     import torch

@@ -1,4 +1,4 @@
-"""One pipeline stage's share of a Llama-family model (see worker/pp_group.py for the pipeline itself), and the
+"""One pipeline stage's share of a Llama-family model (see worker/parallel/pp_group.py for the pipeline itself), and the
 processes' entry points: stage 0's engine (`leader_engine`, `pipeline_parallel_engine`), every other process's loop
 (`run_stage`).
 
@@ -13,8 +13,8 @@ their tensors from the files. `StageModel` is what the engine (stage 0) and the 
 - a later stage receives (hidden, residual), runs its layers, and sends on or, on the last stage, sends the logits
   of the batch's `logits_indices` rows to stage 0 at once (`receive_logits` there) and keeps the normed hidden
   states for "logits" commands (prompt logprobs), whose logits it sends too (`compute_logits`), so that the
-  later stages (and stage 0's TP ranks > 0) run worker/tp_commands.py's follower loop as TP followers do. Sends
-  are not waited for (micro-batches in flight: worker/pp_group.py).
+  later stages (and stage 0's TP ranks > 0) run worker/parallel/tp_commands.py's follower loop as TP followers do. Sends
+  are not waited for (micro-batches in flight: worker/parallel/pp_group.py).
 
 PP x TP: each stage is a TP group whose processes hold their shards of the stage's layers (the embedding and LM
 head vocabulary-parallel); after a stage's layers every TP rank holds the whole (hidden, residual) (the row-parallel
@@ -49,7 +49,7 @@ from infer.worker.loading.loader import (
 )
 from infer.worker.models.layers import deferred_weights
 from infer.worker.models.llama import LlamaForCausalLM, LlamaModel
-from infer.worker.pp_group import PendingSend, PipelineGroup, PpOptions, agree_min, join
+from infer.worker.parallel.pp_group import PendingSend, PipelineGroup, PpOptions, agree_min, join
 
 if TYPE_CHECKING:
     from infer.worker.config import EngineConfig
@@ -221,7 +221,7 @@ def leader_engine(config: EngineConfig, group: PipelineGroup, children: Sequence
     """Stage 0's engine (TP rank 0 of stage 0), connected to this DP rank's other processes
     (`engine.runner.followers`: the command channel); with an EP group it steps with the group's other engines."""
     from infer.worker.engine import Engine
-    from infer.worker.tp_commands import TpLeader
+    from infer.worker.parallel.tp_commands import TpLeader
 
     if config.enforce_eager is False:
         log.warning(
@@ -235,10 +235,10 @@ def leader_engine(config: EngineConfig, group: PipelineGroup, children: Sequence
 
 def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
     """The life of any other process of the pipeline (a stage > 0, or a TP rank > 0 of a stage): load its share of
-    its stage's layers, size its KV pool with the others, serve stage 0's commands (worker/tp_commands.py's
+    its stage's layers, size its KV pool with the others, serve stage 0's commands (worker/parallel/tp_commands.py's
     follower loop). Returns the exit code (stage 0's when it said stop: 0 only when the rank was told to stop)."""
     from infer.worker.engine_setup import context_length, num_kv_blocks
-    from infer.worker.tp_commands import FollowerChannel, serve_follower, start_follower
+    from infer.worker.parallel.tp_commands import FollowerChannel, serve_follower, start_follower
 
     device, dtype = start_follower(config)
     loader = StageLoader(group)
@@ -272,8 +272,8 @@ def pipeline_parallel_engine(
     processes started now as children of this one on this machine (`infer-worker` with `worker_flags`: the same
     engine options); `close()` ends them. (LLM / AsyncLLM's direct mode with pipeline_parallel_size > 1.)"""
     from infer.protocol.ports import reserved_port
-    from infer.worker.tp_group import TpOptions
-    from infer.worker.tp_supervisor import members, start_members
+    from infer.worker.parallel.tp_group import TpOptions
+    from infer.worker.parallel.tp_supervisor import members, start_members
 
     dist_init = f"tcp://127.0.0.1:{reserved_port()}"
     flags = [*worker_flags, "--pp-size", str(size), "--pp-timeout", str(timeout_s)]
