@@ -46,7 +46,7 @@ from infer.protocol.options import to_argv
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
 from infer.worker.config import EngineConfig
-from infer.worker.options import WorkerFlags
+from infer.worker.service.options import WorkerFlags
 
 if TYPE_CHECKING:
     from infer.client.inference_client import InferenceClient

@@ -1190,8 +1190,8 @@ class KvOffer(Message, frozen=True):
     transfer_id: Id
     fingerprint: bytes
     token_ids: TokenIdList
-    # shared memory (worker/kv_links.py ShmArea): a file of the producer's in its shared-memory directory and the
-    # token it holds; a consumer that reads that token there shares the directory (the same host, the same mounts)
+    # shared memory (worker/service/kv_links.py ShmArea): a file of the producer's in its shared-memory directory and
+    # the token it holds; a consumer that reads that token there shares the directory (the same host, the same mounts)
     shm_probe: ShmPath | None = None
     shm_token: Token | None = None
 
@@ -1246,7 +1246,7 @@ class KvStored(Message, frozen=True):
     refusal: str | None = None
 
 
-# ---- a drain that moves requests with their KV (worker/core.py `_start_moves`) ---------------------------
+# ---- a drain that moves requests with their KV (worker/service/core.py `_start_moves`) ---------------------------
 
 
 @message

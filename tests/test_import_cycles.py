@@ -114,8 +114,9 @@ def test_the_graph_sees_the_imports_it_must():
     """The reader works: known edges are found, lazy ones and relative ones included."""
     graph = _graph(_modules())
     assert "protocol.messages" in graph["coordinator.core"]
-    assert "worker.parallel.tp_commands" in graph["worker.cli"]  # a lazy import, inside a function
-    assert "worker.daemon" in graph["worker.cli"] and "worker.cli" not in graph["worker.daemon"]  # __main__ guard
+    assert "worker.parallel.tp_commands" in graph["worker.service.cli"]  # a lazy import, inside a function
+    assert "worker.service.daemon" in graph["worker.service.cli"]
+    assert "worker.service.cli" not in graph["worker.service.daemon"]  # under its __main__ guard
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
 
 

@@ -79,8 +79,8 @@ from infer.protocol.messages import MAX_COORDINATORS
 from infer.protocol.options import add_options, given, option, to_argv
 from infer.protocol.ports import listening_socket
 from infer.worker.config import EngineConfig
-from infer.worker.options import WorkerFlags, WorkerOptions
 from infer.worker.parallel.tp_supervisor import die_with_parent
+from infer.worker.service.options import WorkerFlags, WorkerOptions
 
 DEFAULT_COORDINATOR_PORT = 5555
 DEFAULT_HTTP_PORT = 8000
@@ -354,7 +354,7 @@ def worker_argv(
     return [
         sys.executable,
         "-m",
-        "infer.worker.daemon",
+        "infer.worker.service.daemon",
         "--coordinator",
         task.coordinator,
         *plan.flags(),

@@ -14,11 +14,11 @@ import zmq
 
 from infer.protocol.messages import Control, Hello, Message, Redirect, StepBatch, Welcome, decode, encode
 from infer.protocol.transport import make_socket
-from infer.worker.benchmark_engine import BenchmarkEngine
 from infer.worker.config import EngineConfig
-from infer.worker.core import ATTEMPT_S, SWITCH_BACKOFF_S
-from infer.worker.daemon import Worker
-from infer.worker.options import WorkerOptions
+from infer.worker.service.benchmark_engine import BenchmarkEngine
+from infer.worker.service.core import ATTEMPT_S, SWITCH_BACKOFF_S
+from infer.worker.service.daemon import Worker
+from infer.worker.service.options import WorkerOptions
 from tests.worker_harness import WorkerHarness, dispatch, of_type
 
 A, B, C = "tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002", "tcp://127.0.0.1:7003"
@@ -187,7 +187,7 @@ def test_the_daemon_follows_a_redirect_and_leaves_a_killed_leader_at_once():
         c.sock.send_multipart([peer, encode(Welcome(coordinator_id="c", state="running", instance="c", term=2))])
         c.sock.send_multipart([peer, encode(Control(command="stop"))])
         thread.join(timeout=10)
-        assert not thread.is_alive() and worker.core.term == 2
+        assert not thread.is_alive() and worker.service.core.term == 2
     finally:
         if thread.is_alive():
             worker.request_drain()

@@ -134,7 +134,16 @@ class WorkerProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - the process writes to it until kill()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infer.worker.daemon", "--coordinator", coordinator, "--worker-id", "w-test", *args],
+            [
+                sys.executable,
+                "-m",
+                "infer.worker.service.daemon",
+                "--coordinator",
+                coordinator,
+                "--worker-id",
+                "w-test",
+                *args,
+            ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )

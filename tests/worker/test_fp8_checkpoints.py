@@ -503,7 +503,15 @@ def test_the_worker_exits_2_naming_the_tensor_without_a_traceback(fp8_dir, tmp_p
     """A bad checkpoint never crashes the daemon: its fatal line names the tensor, exit 2 (a usage error)."""
     path = edited(fp8_dir("llama"), tmp_path / "bad", lambda t: t.pop(f"{DOWN}.weight_scale_inv"))
     done = subprocess.run(
-        [sys.executable, "-m", "infer.worker.daemon", "--coordinator", "tcp://127.0.0.1:9", "--model", str(path)],
+        [
+            sys.executable,
+            "-m",
+            "infer.worker.service.daemon",
+            "--coordinator",
+            "tcp://127.0.0.1:9",
+            "--model",
+            str(path),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

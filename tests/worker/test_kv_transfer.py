@@ -12,10 +12,10 @@ import pytest
 from infer import SamplingParams
 from infer.protocol.messages import KvBlocks, KvOffer, KvStored, KvWant, encode
 from infer.protocol.options import to_argv
-from infer.worker import cli
 from infer.worker.config import EngineConfig
 from infer.worker.kv.transfer import KvReceiver, KvSender, KvTransferConfig
-from infer.worker.options import WorkerOptions
+from infer.worker.service import cli
+from infer.worker.service.options import WorkerOptions
 
 COORDINATOR = ["--coordinator", "tcp://127.0.0.1:9"]
 PRODUCER = ["--kv-transfer-config", '{"kv_role": "kv_producer"}']
@@ -159,7 +159,7 @@ def test_a_consumer_out_of_blocks_a_foreign_engine_and_a_silent_one_end_the_tran
 
 
 def test_on_one_host_the_blocks_go_through_shared_memory_and_their_files_are_removed(tmp_path):
-    from infer.worker.kv_links import ShmArea
+    from infer.worker.service.kv_links import ShmArea
 
     producer_area, consumer_area = ShmArea(tmp_path), ShmArea(tmp_path)
     sender, port = KvSender(timeout_s=5.0, shm=producer_area), FakePort()
@@ -292,7 +292,7 @@ def producer_harness(port: FakePort):
     """A kv_producer's core over BenchmarkEngine with `port` as its KV port, welcomed."""
     from worker_harness import WorkerHarness
 
-    from infer.worker.core import WorkerCore
+    from infer.worker.service.core import WorkerCore
 
     h = WorkerHarness(kv_transfer_config=KvTransferConfig("kv_producer", kv_transfer_timeout=3.0))
     h.engine.kv_port = port
@@ -365,7 +365,7 @@ def kv_port_harness(port: FakePort, **options):
     """A kv_both worker with a KV port (--kv-transfer-config given) over BenchmarkEngine, welcomed."""
     from worker_harness import WorkerHarness
 
-    from infer.worker.core import WorkerCore
+    from infer.worker.service.core import WorkerCore
 
     h = WorkerHarness(kv_transfer_config=KvTransferConfig("kv_both", kv_transfer_timeout=3.0), **options)
     h.engine.kv_port = port

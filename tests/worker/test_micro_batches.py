@@ -144,7 +144,7 @@ def test_the_depth_and_the_seats():
 def test_the_micro_batch_flag_reaches_the_engine_config_through_worker_and_serve():
     from infer.client.serve import build_parser as serve_parser
     from infer.client.serve import worker_args
-    from infer.worker.cli import build_parser, engine_config
+    from infer.worker.service.cli import build_parser, engine_config
 
     args = build_parser().parse_args(
         ["--coordinator", "tcp://127.0.0.1:1", "--pp-size", "2", "--pp-micro-batches", "1"]

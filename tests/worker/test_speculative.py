@@ -483,8 +483,8 @@ def test_speculative_config_flag_on_worker_serve_llm_and_slurm():
     from infer.client.llm import LLMOptions
     from infer.client.serve import build_parser as serve_parser
     from infer.client.serve import worker_args
-    from infer.worker.cli import build_parser as worker_parser
-    from infer.worker.cli import engine_config
+    from infer.worker.service.cli import build_parser as worker_parser
+    from infer.worker.service.cli import engine_config
 
     text = json.dumps(NGRAM)
     expected = SpeculativeConfig.of(NGRAM)

@@ -29,7 +29,7 @@ HEAVY = (
 # The engine's load sequence and one step on each model of argv[1] (a JSON list), then the heavy modules present.
 LOAD_AND_STEP = """
 import json, sys
-import infer.worker.daemon
+import infer.worker.service.daemon
 from infer.protocol.sampling import SamplingParams
 from infer.worker.config import EngineConfig
 from infer.worker.engine import Engine

@@ -13,7 +13,7 @@ the wire and its state are worker/kv/transfer.py's, torch-free; this module touc
 
 The fingerprint names the model, its weight version, the pool's dtype and block geometry: a producer and a consumer
 whose fingerprints differ exchange nothing (the consumer refuses the offer). Base model only (LoRA is refused with a
-KV role at start, worker/cli.py).
+KV role at start, worker/service/cli.py).
 """
 
 from __future__ import annotations

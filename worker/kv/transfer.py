@@ -1,5 +1,6 @@
 """Disaggregated prefill and decode between workers: the KV role (`--kv-transfer-config`) and the transfers, sans-I/O
-(no torch, no sockets: the engine's bytes come through `KvPort`, worker/kv/port.py; the sockets are worker/daemon.py's).
+(no torch, no sockets: the engine's bytes come through `KvPort`, worker/kv/port.py; the sockets are
+worker/service/daemon.py's).
 
 A producer (kv_producer) runs a request the coordinator dispatched with a consumer named (`Dispatch.kv_consumer_*`)
 until its first token, then gives it back; between the two, `KvSender` moves its KV to the consumer:
@@ -119,7 +120,7 @@ class KvBlocksPort(Protocol):
 
 
 class SharedMemory(Protocol):
-    """Where blocks go between workers that share a directory in memory (worker/kv_links.py ShmArea)."""
+    """Where blocks go between workers that share a directory in memory (worker/service/kv_links.py ShmArea)."""
 
     def new_probe(self) -> tuple[str, str]: ...
 

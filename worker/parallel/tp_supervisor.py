@@ -67,7 +67,7 @@ def start_members(
     env = {**os.environ, TP_SUPERVISED.name: "1"}
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "infer.worker.daemon", *worker_flags, *flags, "--dist-init", dist_init],
+            [sys.executable, "-m", "infer.worker.service.daemon", *worker_flags, *flags, "--dist-init", dist_init],
             env=env,
             preexec_fn=die_with_parent,
             process_group=0,
@@ -100,7 +100,7 @@ def supervise(argv: Sequence[str], group: Sequence[tuple[str, Sequence[str]]], d
     env = {**os.environ, TP_SUPERVISED.name: "1"}
     children = []
     for name, flags in group:
-        cmd = [sys.executable, "-m", "infer.worker.daemon", *argv, *flags, "--dist-init", dist_init]
+        cmd = [sys.executable, "-m", "infer.worker.service.daemon", *argv, *flags, "--dist-init", dist_init]
         children.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, process_group=0))
         log.info("%s of this DP rank: pid %d", name, children[-1].pid)
 

@@ -1,7 +1,7 @@
 """The worker's logic with no I/O: frames in, messages out, time passed in (the worker's twin of the
 coordinator's `handle / tick / take_outgoing`; `tests/worker_harness.py` drives it frame by frame).
 
-The shell (`worker/daemon.py`) owns the socket, the poller, the signal handlers, the heartbeat thread and the
+The shell (`worker/service/daemon.py`) owns the socket, the poller, the signal handlers, the heartbeat thread and the
 EP group's collectives; it calls, in its loop:
 
     core.on_frame(frames, now)        each frame the coordinator sent (Dispatch -> Engine.add_request, ...)
@@ -72,10 +72,10 @@ from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import Attribute, HopSpan
 from infer.worker.config import EngineConfig
 from infer.worker.kv.transfer import KvBlocksPort, KvReceiver, KvSender
-from infer.worker.lifecycle import Action, WorkerState, transition
-from infer.worker.options import WorkerOptions
 from infer.worker.request import Request
-from infer.worker.streams import DirectStream, StreamTable
+from infer.worker.service.lifecycle import Action, WorkerState, transition
+from infer.worker.service.options import WorkerOptions
+from infer.worker.service.streams import DirectStream, StreamTable
 
 log = logging.getLogger("infer.worker")
 
@@ -171,7 +171,7 @@ class WorkerCore:
         self.engine, self.options = engine, options
         self.busy = busy
         self.wall_offset = wall_offset
-        self.state = WorkerState.RUNNING  # by Control (worker/lifecycle.py)
+        self.state = WorkerState.RUNNING  # by Control (worker/service/lifecycle.py)
         self.signals = 0  # SIGTERM / SIGINT received (the shell's handler counts them)
         self._outgoing: list[Message] = []
         self._requests: dict[str, _Sent] = {}
@@ -203,7 +203,7 @@ class WorkerCore:
         self.last_load: Load = engine.load()  # what a heartbeat sent during a step reports
         self._refit: _PendingRefit | None = None  # an UpdateWeights waiting for a drain, then its commit
         self._last_shed_check = -_SHED_CHECK_S
-        # direct streams (worker/streams.py); the shell sets the address once its stream socket is bound
+        # direct streams (worker/service/streams.py); the shell sets the address once its stream socket is bound
         self.streams = StreamTable(options.stream_linger, options.coordinator_timeout, options.heartbeat_interval)
         self.stream_address: str | None = None
         # KV events (Welcome.kv_events): publishing, when the last went out, and whether some may wait
@@ -710,7 +710,7 @@ class WorkerCore:
 
     def _delta(self, out: Delta, now: float) -> Delta | None:
         """An engine output as it goes out: recorded in its request's journal (and its trace), the first of a text
-        prompt echoing the prompt ids. A direct stream's goes to its reader (worker/streams.py); the coordinator
+        prompt echoing the prompt ids. A direct stream's goes to its reader (worker/service/streams.py); the coordinator
         gets only its end, without tokens or text (None: nothing for the coordinator)."""
         sent = self._requests.pop(out.request_id, None) if out.finished else self._requests.get(out.request_id)
         if sent is None:
@@ -995,7 +995,7 @@ class WorkerCore:
             self.engine.abort(request_id, release_text=False)
         self._send_step_batch(self.engine.take_pending(), now)
 
-    # ---- lifecycle (worker/lifecycle.py) ---------------------------------------------------------
+    # ---- lifecycle (worker/service/lifecycle.py) ---------------------------------------------------------
 
     def _on_control(self, msg: Control, now: float) -> None:
         step = transition(self.state, msg.command)

@@ -137,7 +137,8 @@ class WorkerOptions:
             raise ValueError("--benchmark-mode has no model, so no EP group: leave out --ep-size")
         if self.tp is not None and self.benchmark_mode:
             raise ValueError("--benchmark-mode has no model, so no TP group: leave out --tp-size")
-        if self.kv_transfer_config is not None and self.benchmark_mode:  # the rest: worker/cli.py (engine flags)
+        # the rest: worker/service/cli.py (engine flags)
+        if self.kv_transfer_config is not None and self.benchmark_mode:
             role = self.kv_transfer_config.kv_role
             raise ValueError(f"--kv-transfer-config: {role} is not supported with --benchmark-mode (no KV)")
         if self.otlp_traces_endpoint is not None:

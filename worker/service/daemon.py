@@ -1,5 +1,5 @@
-"""infer-worker's shell: one DP rank on the wire (the command line is `worker/cli.py`; every decision is made by
-`WorkerCore`, `worker/core.py`, which this module only feeds frames, signals, step outputs and the time).
+"""infer-worker's shell: one DP rank on the wire (the command line is `worker/service/cli.py`; every decision is made by
+`WorkerCore`, `worker/service/core.py`, which this module only feeds frames, signals, step outputs and the time).
 
 One zmq DEALER (its routing identity a random secret, never the worker id others may guess) talks to the
 coordinator's ROUTER. The loop reads in four lines:
@@ -57,10 +57,10 @@ from infer.protocol.logsafe import RateLimitedLog, safe
 from infer.protocol.outputs import RequestOutput
 from infer.protocol.tracing import open_sink
 from infer.protocol.transport import HANDSHAKE_EVENTS, KeyGate, frames_for, handshake_failure, make_socket
-from infer.worker.core import EXIT_OK, EngineLike, WorkerCore, WorkerExit
 from infer.worker.distributed.group_sync import GroupBroken
-from infer.worker.kv_links import KvLinks
-from infer.worker.options import WorkerOptions
+from infer.worker.service.core import EXIT_OK, EngineLike, WorkerCore, WorkerExit
+from infer.worker.service.kv_links import KvLinks
+from infer.worker.service.options import WorkerOptions
 
 if TYPE_CHECKING:
     from infer.worker.distributed.group_sync import GroupSync
@@ -113,14 +113,14 @@ class Worker:
         self._stream_gate: KeyGate | None = None
         if options.stream_port >= 0:
             self._open_stream_socket(options)
-        self.kv: KvLinks | None = None  # a KV role's sockets (worker/kv_links.py)
+        self.kv: KvLinks | None = None  # a KV role's sockets (worker/service/kv_links.py)
         if options.kv_port_open:
             self.kv = KvLinks(self.core, options.curve, _advertised_host(options), self.poller)
 
     def _open_stream_socket(self, options: WorkerOptions) -> None:
         """The stream socket clients read their direct streams from (docs/architecture.md, "Direct streams"): a
         ROUTER of its own context; with keys a CURVE server under this worker's own key pair, letting in any key
-        (each stream is authorized by its owner's key and token, worker/streams.py)."""
+        (each stream is authorized by its owner's key and token, worker/service/streams.py)."""
         ctx = self._stream_ctx = zmq.Context()
         curve = None
         if options.curve is not None:
@@ -425,6 +425,6 @@ def _advertised_host(options: WorkerOptions) -> str:
 
 
 if __name__ == "__main__":
-    from infer.worker.cli import main
+    from infer.worker.service.cli import main
 
     main()

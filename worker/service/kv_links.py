@@ -34,7 +34,7 @@ import zmq
 from infer.protocol.keys import CurveKeys
 from infer.protocol.logsafe import RateLimitedLog
 from infer.protocol.transport import KeyGate, frames_for, make_socket
-from infer.worker.core import WorkerCore
+from infer.worker.service.core import WorkerCore
 
 log = logging.getLogger("infer.kv_transfer")
 

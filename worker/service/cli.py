@@ -1,7 +1,7 @@
 """infer-worker's command line: `infer-worker --coordinator tcp://H:P [--model M] [engine options]`.
 
 Flags -> EngineConfig + WorkerOptions (bad ones: exit 2), the engine built (torch imported only when a model
-runs), then the daemon (`worker/daemon.py`) until it exits with its code (see `worker/core.py`).
+runs), then the daemon (`worker/service/daemon.py`) until it exits with its code (see `worker/service/core.py`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import zmq
 from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.options import add_options, add_vllm_flags, given
 from infer.worker.config import EngineConfig
-from infer.worker.core import EXIT_FATAL, EXIT_USAGE, EngineLike
-from infer.worker.daemon import Worker
 from infer.worker.distributed.group_sync import EpOptions
 from infer.worker.kv.offload_store import check_offload_dir
-from infer.worker.options import EP_FLAGS, KEY_FLAGS, PP_FLAGS, TP_FLAGS, WorkerFlags, WorkerOptions
 from infer.worker.parallel.pp_group import PpOptions
 from infer.worker.parallel.tp_group import TpOptions
+from infer.worker.service.core import EXIT_FATAL, EXIT_USAGE, EngineLike
+from infer.worker.service.daemon import Worker
+from infer.worker.service.options import EP_FLAGS, KEY_FLAGS, PP_FLAGS, TP_FLAGS, WorkerFlags, WorkerOptions
 
 log = logging.getLogger("infer.worker")
 
@@ -102,7 +102,7 @@ def make_engine(
     with `parallel` (TP rank 0 of a TP group, world joined), the engine on this rank's shards, connected to
     its followers."""
     if benchmark_mode:
-        from infer.worker.benchmark_engine import BenchmarkEngine
+        from infer.worker.service.benchmark_engine import BenchmarkEngine
 
         return BenchmarkEngine(config, benchmark_step_time)
     from infer.worker.engine import Engine  # torch is imported only when a model runs
