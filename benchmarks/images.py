@@ -27,8 +27,8 @@ import torch
 from common import write_result
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

@@ -9,7 +9,7 @@ Three sides, rounds alternating (A, B, C, A, B, C, ...: what survives a shared, 
 engine's step loop:
 - base: an engine without LoRA;
 - lora: an engine with --enable-lora, request i runs adapter i % `--adapters` (rank `--rank` on q, k, v, o, gate,
-  up, down; random A and B in PEFT's files), so every step mixes every adapter (worker/lora.py's batched path);
+  up, down; random A and B in PEFT's files), so every step mixes every adapter (worker/engine/lora.py's batched path);
 - lora-base-rows: the LoRA engine with no adapter in the batch (the cost of enabling LoRA alone).
 Output tokens per second (wall time of the whole batch, prefill included): each side's median and the ratios to
 base. The issue's target: lora / base >= 0.8.
@@ -129,8 +129,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
 
     work = Path(tempfile.mkdtemp(prefix="infer-lora-bench-"))
     model = args.model

@@ -92,8 +92,8 @@ TEXTS = {
 
 
 def _engine(dtype: str, spec: dict | None, threads: int | None):
-    from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
 
     return Engine(
         EngineConfig(
@@ -216,7 +216,7 @@ def _native_verifications(engine) -> int:
 
 
 def _graph_verifications(engine) -> int:
-    """Verification steps that replayed a step graph (worker/step_graphs.py: CUDA graphs on a GPU; 0 where the
+    """Verification steps that replayed a step graph (worker/engine/step_graphs.py: CUDA graphs on a GPU; 0 where the
     engine runs eagerly, a CPU's default)."""
     graphs = engine.runner.step_graphs
     return graphs.verification_replays if graphs is not None else 0

@@ -35,8 +35,8 @@ MODEL: str | None = None  # --model / --random-model; None: the embedded model
 
 
 def _engine(dtype: str, enforce_eager: bool, threads: int | None, max_num_seqs: int = 256):
-    from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
 
     start = time.perf_counter()
     engine = Engine(

@@ -45,14 +45,14 @@ from infer.protocol.messages import ClusterStats
 from infer.protocol.options import to_argv
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
-from infer.worker.config import EngineConfig
+from infer.worker.engine.config import EngineConfig
 from infer.worker.service.options import WorkerFlags
 
 if TYPE_CHECKING:
     from infer.client.inference_client import InferenceClient
     from infer.client.serve import LocalCluster
     from infer.client.spmd import InProcessWorker, SpmdWorld
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
 Prompt = (
     str | list[int] | dict[str, Any]
@@ -714,7 +714,7 @@ async def _start_local_engine(options: LLMOptions) -> EngineClient:
 def _make_engine(options: LLMOptions) -> Engine:
     """This process's engine: from the model path, or around the in-memory model; with tensor parallelism,
     TP rank 0, the other ranks started as child processes."""
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
     if options.pipeline_parallel_size > 1:
         from infer.worker.parallel.pp_stage import pipeline_parallel_engine
@@ -956,7 +956,8 @@ class LLM:
 
         `lora_request` (vLLM's): a LoRARequest for every prompt, or one (or None: the base model) per prompt; each
         adapter is loaded on first use (needs enable_lora=True), then runs per request in the same batch as the
-        others (worker/lora.py). A LoRARequest that cannot load raises ValueError (ClusterError in coordinator mode).
+        others (worker/engine/lora.py). A LoRARequest that cannot load raises ValueError (ClusterError in coordinator
+        mode).
         """
         prompts = _as_prompt_list(prompts)
         loras = _as_lora_list(lora_request, len(prompts))
@@ -983,7 +984,7 @@ class LLM:
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
     ) -> list[BeamSearchOutput]:
-        """vLLM's LLM.beam_search: each prompt's `params.beam_width` beams (worker/beam_search.py: transformers'
+        """vLLM's LLM.beam_search: each prompt's `params.beam_width` beams (worker/engine/beam_search.py: transformers'
         generate(num_beams=k, do_sample=False) rule), best first, one BeamSearchOutput per prompt in order. Each
         prompt is one engine request whose beams share their KV blocks. Prompts are strings, token-id lists, or vLLM's
         TextPrompt / TokensPrompt dicts ({"prompt": ...} / {"prompt_token_ids": [...]}). A prompt the engine rejects
@@ -1023,7 +1024,7 @@ class LLM:
     ) -> list[Completion]:
         """An embedding per prompt (`Completion.embedding`, a list of floats), in prompt order: the hidden states
         that feed the LM head pooled by `pooling` ("last", "mean" or "cls"), L2-normalized when `normalize`
-        (worker/pooling.py). Through the same engine (or cluster) as generate; a rejected prompt is a Completion
+        (worker/engine/pooling.py). Through the same engine (or cluster) as generate; a rejected prompt is a Completion
         with finish_reason "error", as there."""
         params = SamplingParams(pooling=pooling, normalize=normalize, temperature=0, max_tokens=1)
         return self.generate(prompts, params, use_tqdm, priority)

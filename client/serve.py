@@ -48,7 +48,7 @@ from infer.protocol.logsafe import safe
 from infer.protocol.messages import KV_ROLES, MAX_COORDINATORS, ClusterStats
 from infer.protocol.options import add_options, add_vllm_flags, flag_names, given, to_argv
 from infer.protocol.ports import bound_port, listening_socket
-from infer.worker.config import EngineConfig
+from infer.worker.engine.config import EngineConfig
 from infer.worker.service.options import WorkerFlags, WorkerOptions
 
 log = logging.getLogger("infer.serve")

@@ -29,7 +29,7 @@ from infer.worker.service.daemon import Worker
 from infer.worker.service.options import WorkerOptions
 
 if TYPE_CHECKING:
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
 log = logging.getLogger("infer.spmd")
 

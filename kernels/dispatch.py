@@ -91,7 +91,7 @@ class Kernels:
     # (the attention step plans the twin's tiles only where the twin runs)
     paged_decode_takes: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None], bool]
     # A step graph's decode: (q, k_cache, v_cache, block_tables, seq_lens, scale, split_tokens, window, softcap,
-    # sinks) -> out, every row decoding, traceable (worker/attention.py)
+    # sinks) -> out, every row decoding, traceable (worker/engine/attention.py)
     step_graph_decode: Callable[..., Tensor]
     silu_and_mul: Callable[[Tensor], Tensor]  # [..., 2d] (gate | up) -> silu(gate) * up [..., d]
     quant_matmul: Callable[[Tensor, QuantWeight, bool], Tensor]  # (x [M, K], weight, native: quant_matmul_takes)

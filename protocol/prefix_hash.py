@@ -1,5 +1,5 @@
-"""The prefix cache's block keys, torch-free: what a worker's cache names a block by (worker/block_manager.py) and
-what the coordinator computes for a prompt to find the workers that hold it (coordinator/kv_index.py). One
+"""The prefix cache's block keys, torch-free: what a worker's cache names a block by (worker/engine/block_manager.py)
+and what the coordinator computes for a prompt to find the workers that hold it (coordinator/kv_index.py). One
 definition, so both sides always agree.
 
 Block `i` of a token sequence is `h_i = xxh64(h_{i-1} as 8 bytes little-endian + tokens of block i as int64

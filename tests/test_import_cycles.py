@@ -1,7 +1,7 @@
 """The product's import graph has no cycle: no module imports one that (indirectly) imports it. Every import
 counts: at module level, inside functions (lazy ones) and under TYPE_CHECKING; only a script's
 `if __name__ == "__main__":` block does not (it runs as `__main__`, a module of its own). A layer that needs what a
-higher one holds takes it as a Protocol (worker/engine.py's Stage, worker/model_runner.py's Followers) or is handed
+higher one holds takes it as a Protocol (worker/engine/engine.py's Stage, worker/engine/model_runner.py's Followers) or is handed
 it (worker/models/native_decode.py's dense classes)."""
 
 from __future__ import annotations

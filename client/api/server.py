@@ -35,7 +35,7 @@ from infer.client.inference_client import ClusterError, InferenceClient, parse_a
 from infer.protocol.keys import CurveKeys, refuse_open_bind
 from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.options import add_options, add_vllm_flags, option, to_argv
-from infer.worker.config import DEFAULT_MODEL_ID
+from infer.worker.engine.config import DEFAULT_MODEL_ID
 
 log = logging.getLogger("infer.api")
 

@@ -163,7 +163,7 @@ def parse_tokenizer_for(text: str) -> tuple[str, str]:
 def tokenizer_dir(source: str) -> Path:
     """The directory holding the tokenizer `source` names: a directory with tokenizer files, a .gguf file (its
     cached conversion, made here if due), or the embedded default model's id; ValueError saying what is missing."""
-    from infer.worker.config import DEFAULT_MODEL_ID
+    from infer.worker.engine.config import DEFAULT_MODEL_ID
     from infer.worker.loading.model_files import resolve_model
 
     if source == DEFAULT_MODEL_ID:

@@ -78,7 +78,7 @@ from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.messages import MAX_COORDINATORS
 from infer.protocol.options import add_options, given, option, to_argv
 from infer.protocol.ports import listening_socket
-from infer.worker.config import EngineConfig
+from infer.worker.engine.config import EngineConfig
 from infer.worker.parallel.tp_supervisor import die_with_parent
 from infer.worker.service.options import WorkerFlags, WorkerOptions
 

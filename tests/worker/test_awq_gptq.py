@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 
 from infer import SamplingParams
 from infer.kernels.quant import dequantize, unpack_q4
-from infer.worker.config import EngineConfig
 from infer.worker.distributed.tensor_parallel import TensorParallel
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 from infer.worker.loading.awq_gptq import Int4Scheme, Int4Tensor, scheme_of
 from infer.worker.loading.loader import build_model, file_tensors, load_model, load_named_tensors, weight_files
 from infer.worker.models.layers import QuantStorage

@@ -14,7 +14,7 @@ import zmq
 
 from infer.protocol.messages import Control, Hello, Message, Redirect, StepBatch, Welcome, decode, encode
 from infer.protocol.transport import make_socket
-from infer.worker.config import EngineConfig
+from infer.worker.engine.config import EngineConfig
 from infer.worker.service.benchmark_engine import BenchmarkEngine
 from infer.worker.service.core import ATTEMPT_S, SWITCH_BACKOFF_S
 from infer.worker.service.daemon import Worker

@@ -199,8 +199,8 @@ def model_dir(tiny_model_dir) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir):
     """The in-process oracle: the same engine options as the worker."""
-    from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
 
     return Engine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000))
 

@@ -16,9 +16,9 @@ from family_models import DEEPSEEK_V2, FAMILIES, tiny_llm
 from hf_reference import hf_model
 
 from infer import LLM
-from infer.worker.config import EngineConfig
-from infer.worker.engine_setup import num_kv_blocks
-from infer.worker.forward_batch import KVCache
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine_setup import num_kv_blocks
+from infer.worker.engine.forward_batch import KVCache
 from infer.worker.loading.loader import build_model, load_model
 from infer.worker.models.deepseek_moe import DeepseekMoE, GroupedTopK
 from infer.worker.models.llama import LlamaMLP

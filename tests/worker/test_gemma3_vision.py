@@ -28,8 +28,8 @@ from gemma3_vision_models import (
 from llava_models import bomb, png
 
 from infer import LLM, SamplingParams
-from infer.worker.images import ImageLimits, load_image, to_rgb
-from infer.worker.vision import Gemma3Preprocessor
+from infer.worker.engine.images import ImageLimits, load_image, to_rgb
+from infer.worker.engine.vision import Gemma3Preprocessor
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

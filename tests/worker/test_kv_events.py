@@ -12,9 +12,9 @@ from sched_sim import make_request
 
 from infer.protocol.messages import KvEvents, KvResync, StepBatch, Welcome
 from infer.protocol.prefix_hash import adapter_salt, prompt_block_hashes
-from infer.worker.block_manager import BlockManager
+from infer.worker.engine.block_manager import BlockManager
+from infer.worker.engine.request import Request
 from infer.worker.kv.events import KvEventLog
-from infer.worker.request import Request
 
 BS = 4
 

@@ -12,7 +12,7 @@ import pytest
 
 from infer.protocol.options import add_options, given, to_argv
 from infer.protocol.prefix_hash import prefix_digest
-from infer.worker.config import EngineConfig
+from infer.worker.engine.config import EngineConfig
 from infer.worker.kv.offload_store import (
     HEADER_SIZE,
     DiskStore,

@@ -12,7 +12,7 @@ import pytest
 from infer import SamplingParams
 from infer.protocol.messages import KvBlocks, KvOffer, KvStored, KvWant, encode
 from infer.protocol.options import to_argv
-from infer.worker.config import EngineConfig
+from infer.worker.engine.config import EngineConfig
 from infer.worker.kv.transfer import KvReceiver, KvSender, KvTransferConfig
 from infer.worker.service import cli
 from infer.worker.service.options import WorkerOptions
@@ -205,7 +205,7 @@ PROMPT = [(5 * j) % 300 + 7 for j in range(45)]  # 2 full blocks of 16, and a ta
 
 
 def make_engine(model_dir, kv_cache_memory: int = 4_000_000, quantization: str = "auto"):
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
     config = EngineConfig(
         model=str(model_dir),

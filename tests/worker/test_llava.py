@@ -22,8 +22,8 @@ from llava_models import (
 )
 
 from infer import LLM, SamplingParams
-from infer.worker.images import ImageLimits, load_image, to_rgb
-from infer.worker.vision import ClipPreprocessor
+from infer.worker.engine.images import ImageLimits, load_image, to_rgb
+from infer.worker.engine.vision import ClipPreprocessor
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -19,8 +19,8 @@ import torch
 from model_batches import Pager, kl_and_top1, new_cache, quantized_layers, token_ids
 
 from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 from infer.worker.loading.loader import load_model, quant_plan
 
 CPU = torch.device("cpu")

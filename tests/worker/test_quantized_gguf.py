@@ -76,8 +76,8 @@ from gguf import GGUFValueType, LlamaFileType
 from model_batches import Pager, new_cache
 
 from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 from infer.worker.loading.gguf import GGUFFile, GGUFTensor
 from infer.worker.loading.loader import GGUF_FORMATS, load_model
 from infer.worker.models.layers import QuantStorage

@@ -12,8 +12,8 @@ import torch
 from hf_reference import transformers_greedy
 
 from infer import LLM, SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1023, 64, 12, 88, 301, 7, 450, 33, 2, 19, 600], [1000, 2000, 3000], [42]]

@@ -16,9 +16,9 @@ from structured_cases import MAX_TOKENS, SCHEMAS
 
 from infer import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams as Spec
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.request import Request
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.engine.request import Request
 from infer.worker.speculative.config import SpeculativeConfig
 from infer.worker.speculative.proposers import NgramProposer, ngram_drafts
 
@@ -208,7 +208,7 @@ def test_greedy_under_preemption_and_prefix_caching(tiny_model_dir):
 def _kv_bytes(model_dir: str, num_blocks: int, block_size: int) -> int:
     from transformers import AutoConfig
 
-    from infer.worker.forward_batch import KVCache
+    from infer.worker.engine.forward_batch import KVCache
 
     cfg = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from infer.worker.config import EngineConfig
-from infer.worker.step_buckets import DecodeRow, batch_buckets, bucket_for, pad_decode, table_width
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.step_buckets import DecodeRow, batch_buckets, bucket_for, pad_decode, table_width
 
 
 @pytest.mark.parametrize(

@@ -28,9 +28,9 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 def _batch(ids: list[int]):
     from infer.protocol.sampling import SamplingParams
-    from infer.worker.model_runner import build_forward_batch
-    from infer.worker.request import Request
-    from infer.worker.scheduler import ScheduledChunk
+    from infer.worker.engine.model_runner import build_forward_batch
+    from infer.worker.engine.request import Request
+    from infer.worker.engine.scheduler import ScheduledChunk
 
     request = Request(
         request_id="r", prompt_token_ids=ids, params=SamplingParams(), token_ids=list(ids), block_table=[0, 1, 2]
@@ -42,7 +42,7 @@ def _rank_main(rank: int, port: int, path: str, scenario: str, results) -> None:
     import torch.distributed as dist
 
     from infer.worker.distributed.group_sync import GroupBroken
-    from infer.worker.forward_batch import KVCache
+    from infer.worker.engine.forward_batch import KVCache
     from infer.worker.loading import loader
 
     try:
@@ -99,7 +99,7 @@ def qwen3_moe(tmp_path_factory, smollm2_tokenizer) -> Path:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
 def test_each_rank_holds_and_reads_half_the_weights_and_the_forward_is_unchanged(arch, tiny_model_dir, qwen3_moe):
-    from infer.worker.forward_batch import KVCache
+    from infer.worker.engine.forward_batch import KVCache
     from infer.worker.loading.loader import load_model
 
     path = tiny_model_dir("llama") if arch == "llama" else qwen3_moe

@@ -31,8 +31,8 @@ LOAD_AND_STEP = """
 import json, sys
 import infer.worker.service.daemon
 from infer.protocol.sampling import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 for model in json.loads(sys.argv[1]):
     engine = Engine(EngineConfig(model=model, enforce_eager=True, max_model_len=256, kv_cache_memory=16 << 20))

@@ -1,6 +1,6 @@
 """KvOffload: the engine's KV tier beyond the pool, on disk (`--kv-offload-dir DIR --kv-offload-gb N`).
 
-The bookkeeping is the block manager's (worker/block_manager.py: `evicted`, `plan_restore`, `restore`), the files
+The bookkeeping is the block manager's (worker/engine/block_manager.py: `evicted`, `plan_restore`, `restore`), the files
 the store's (worker/kv/offload_store.py: format, checks, LRU bound, the writer thread); this module moves the bytes
 between them and the pool, once per engine step:
 
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from infer.worker.block_manager import BlockManager
-from infer.worker.forward_batch import KVCache
+from infer.worker.engine.block_manager import BlockManager
+from infer.worker.engine.forward_batch import KVCache
+from infer.worker.engine.request import Request
 from infer.worker.kv.offload_store import DiskStore, OffloadCounters
-from infer.worker.request import Request
 
 log = logging.getLogger("infer.kv_offload")
 

@@ -1,7 +1,7 @@
 """DiskStore: the KV tier beyond the pool, one file per spilled prefix-cache block in a local directory (no torch).
 
-A block evicted from the pool (worker/block_manager.py) is written here by a background thread; a later prefix-cache
-miss on its hash reads it back (worker/kv/offload.py moves the bytes between the pool and this store).
+A block evicted from the pool (worker/engine/block_manager.py) is written here by a background thread; a later
+prefix-cache miss on its hash reads it back (worker/kv/offload.py moves the bytes between the pool and this store).
 
 File: `<hash as 16 hex digits>.kv` in this worker's slot directory, `DIR/<fingerprint[:16]>-<n>` (the first slot
 whose lock, an flock on `.lock`, is free: workers of one model on one host share DIR without sharing files; a

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.block_manager import BlockManager
-from infer.worker.forward_batch import KVCache
+from infer.worker.engine.block_manager import BlockManager
+from infer.worker.engine.forward_batch import KVCache
+from infer.worker.engine.request import Request
+from infer.worker.engine.scheduler import Scheduler
 from infer.worker.kv.offload import KvOffload
-from infer.worker.request import Request
-from infer.worker.scheduler import Scheduler
 
 
 class KvPort:

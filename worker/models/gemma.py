@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.worker.distributed.tensor_parallel import TensorParallel
-from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.layers import (
     MergedColumnLinear,
     RotaryEmbedding,

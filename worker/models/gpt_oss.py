@@ -27,10 +27,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from infer.worker.attention import paged_attention
 from infer.worker.distributed.expert_parallel import ExpertParallel
 from infer.worker.distributed.tensor_parallel import TensorParallel
-from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.engine.attention import paged_attention
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.layers import ColumnLinear, RotaryEmbedding, VocabEmbedding, _param, _rank_slice
 from infer.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaVariant, MLPFactory, layer_windows
 

@@ -36,7 +36,7 @@ from infer.kernels.dispatch import Kernels, kernels_here
 from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_source
 from infer.kernels.rotary import build_cos_sin_cache
 from infer.worker.distributed.tensor_parallel import TensorParallel
-from infer.worker.forward_batch import ForwardBatch
+from infer.worker.engine.forward_batch import ForwardBatch
 
 _SINGLE = TensorParallel.single()
 
@@ -233,7 +233,7 @@ class PackedLinear(QuantStorage):
     packed: torch.Tensor | None = None
     gemv_native: bool = False  # the plain weight suits the native GEMV (decided with the packing)
     gemv_rows: int = GEMV_MAX_ROWS  # up to how many rows it goes there (any, where oneDNN packs no bf16)
-    lora: Any = None  # a worker/lora.py LoraLayer once an adapter targets this layer
+    lora: Any = None  # a worker/engine/lora.py LoraLayer once an adapter targets this layer
 
     def pack_weights(self) -> None:
         self.refresh_quant()

@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
-from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.bart import BartForConditionalGeneration
 from infer.worker.models.deepseek import DeepseekV2ForCausalLM
 from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM

@@ -21,7 +21,7 @@ sends their logits back to stage 0 (prompt logprobs the same way). Every process
 follower loop (`serve_follower`).
 
 **Micro-batches in flight.** Stage 0 launches up to P micro-batches (`--pp-micro-batches`) before it finishes the
-oldest (worker/micro_batches.py: a request is in one at most, each takes its share of the requests), so that
+oldest (worker/engine/micro_batches.py: a request is in one at most, each takes its share of the requests), so that
 while the last stage computes batch k the first computes batch k + 1 and every stage works at once. For that no
 stage waits on a hand-off it sends (`start_send`: the receiver takes it when it gets to that batch), and the last
 stage sends each forward's logits (its `logits_indices` rows) as soon as it has them, unasked; stage 0 receives
@@ -60,10 +60,10 @@ if TYPE_CHECKING:
 
     import torch
 
-    from infer.worker.config import EngineConfig
     from infer.worker.distributed.expert_parallel import ExpertParallel
     from infer.worker.distributed.group_sync import EpOptions
     from infer.worker.distributed.tensor_parallel import TensorParallel
+    from infer.worker.engine.config import EngineConfig
     from infer.worker.parallel.tp_group import TpOptions
 
 log = logging.getLogger("infer.worker")
@@ -284,7 +284,7 @@ def join(
 
     import torch.distributed as dist
 
-    from infer.worker.engine_setup import pick_device
+    from infer.worker.engine.engine_setup import pick_device
     from infer.worker.loading.loader import weight_files
     from infer.worker.loading.model_config import read_model_config
     from infer.worker.loading.model_files import resolve_model

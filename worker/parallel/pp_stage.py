@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import torch
 from torch import nn
 
-from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
 from infer.worker.loading.gguf import close_gguf_files
 from infer.worker.loading.loader import (
     build_model,
@@ -52,8 +52,8 @@ from infer.worker.models.llama import LlamaForCausalLM, LlamaModel
 from infer.worker.parallel.pp_group import PendingSend, PipelineGroup, PpOptions, agree_min, join
 
 if TYPE_CHECKING:
-    from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
 
 log = logging.getLogger("infer.worker")
 
@@ -220,7 +220,7 @@ def holds(key: str, group: PipelineGroup, tied: bool) -> bool:
 def leader_engine(config: EngineConfig, group: PipelineGroup, children: Sequence[Any] = ()) -> Engine:
     """Stage 0's engine (TP rank 0 of stage 0), connected to this DP rank's other processes
     (`engine.runner.followers`: the command channel); with an EP group it steps with the group's other engines."""
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
     from infer.worker.parallel.tp_commands import TpLeader
 
     if config.enforce_eager is False:
@@ -237,7 +237,7 @@ def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
     """The life of any other process of the pipeline (a stage > 0, or a TP rank > 0 of a stage): load its share of
     its stage's layers, size its KV pool with the others, serve stage 0's commands (worker/parallel/tp_commands.py's
     follower loop). Returns the exit code (stage 0's when it said stop: 0 only when the rank was told to stop)."""
-    from infer.worker.engine_setup import context_length, num_kv_blocks
+    from infer.worker.engine.engine_setup import context_length, num_kv_blocks
     from infer.worker.parallel.tp_commands import FollowerChannel, serve_follower, start_follower
 
     device, dtype = start_follower(config)

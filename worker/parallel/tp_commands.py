@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from infer.worker.distributed.tensor_parallel import TensorParallel
-    from infer.worker.forward_batch import ForwardBatch
+    from infer.worker.engine.forward_batch import ForwardBatch
 
 log = logging.getLogger("infer.worker")
 
@@ -165,7 +165,7 @@ def encode_batch(batch: ForwardBatch) -> dict[str, Any]:
 
 
 def decode_batch(body: dict[str, Any], device: torch.device) -> ForwardBatch:
-    from infer.worker.forward_batch import ForwardBatch
+    from infer.worker.engine.forward_batch import ForwardBatch
 
     known = {f.name for f in fields(ForwardBatch)}
     values: dict[str, Any] = {name: _unpack_tensor(body[name], device) for name in _BATCH_TENSORS}
@@ -218,7 +218,7 @@ class TpLeader:
         self._pinger.start()
 
     def forward(self, batch: ForwardBatch, lora_rows: list[tuple[int, int]] | None = None) -> None:
-        """`lora_rows`: the forward's (LoRA slot, rows) runs when it has adapter rows (worker/lora.py)."""
+        """`lora_rows`: the forward's (LoRA slot, rows) runs when it has adapter rows (worker/engine/lora.py)."""
         if self.lost is not None:
             raise GroupBroken(self.lost)
         command: dict[str, Any] = {"op": "forward", "batch": encode_batch(batch)}
@@ -336,7 +336,7 @@ def start_follower(config: Any) -> tuple[torch.device, torch.dtype]:
 
     import torch
 
-    from infer.worker.engine_setup import pick_device, pick_dtype
+    from infer.worker.engine.engine_setup import pick_device, pick_dtype
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
@@ -367,12 +367,12 @@ def follow(
     """Run rank 0's commands on this rank's shards (or a pipeline stage's layers: worker/parallel/pp_stage.py's
     StageModel, whose forward returns row numbers and whose compute_logits sends them on) until "stop" (returns rank 0's
     exit code, which this process exits with), silence or rank 0's connection closed (LeaderGone), or a broken
-    collective or hand-off (GroupBroken). `lora`: this rank's LoraManager (worker/lora.py) when LoRA is enabled:
+    collective or hand-off (GroupBroken). `lora`: this rank's LoraManager (worker/engine/lora.py) when LoRA is enabled:
     rank 0 says what goes in which slot."""
     import torch
 
-    from infer.worker.lora import lora_step
-    from infer.worker.model_runner import dummy_forward_batch
+    from infer.worker.engine.lora import lora_step
+    from infer.worker.engine.model_runner import dummy_forward_batch
 
     hidden = None
     with torch.inference_mode():

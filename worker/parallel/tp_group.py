@@ -42,11 +42,11 @@ from infer.worker.distributed.group_sync import STARTUP_TIMEOUT_S, join_world
 if TYPE_CHECKING:
     import torch
 
-    from infer.worker.config import EngineConfig
     from infer.worker.distributed.expert_parallel import ExpertParallel
     from infer.worker.distributed.group_sync import EpOptions
     from infer.worker.distributed.tensor_parallel import TensorParallel
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
     from infer.worker.models.registry import CausalLM
 
 log = logging.getLogger("infer.worker")
@@ -228,7 +228,7 @@ def join(config: Any, options: TpOptions, ep: EpOptions | None) -> tuple[Paralle
     directory, `config` with this process's own GPU when it runs on CUDA)."""
     import dataclasses
 
-    from infer.worker.engine_setup import pick_device
+    from infer.worker.engine.engine_setup import pick_device
     from infer.worker.loading.loader import weight_files
     from infer.worker.loading.model_files import resolve_model
 
@@ -256,8 +256,8 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     """A follower's life: load this rank's shards, size the KV pool with the group, serve rank 0's commands.
     Returns the exit code (rank 0's when it said stop: 0 only when the group was told to stop)."""
 
-    from infer.worker.engine_setup import context_length, num_kv_blocks, shares_kv
-    from infer.worker.forward_batch import KVCache
+    from infer.worker.engine.engine_setup import context_length, num_kv_blocks, shares_kv
+    from infer.worker.engine.forward_batch import KVCache
     from infer.worker.loading.loader import load_model
     from infer.worker.parallel.tp_commands import FollowerChannel, serve_follower, start_follower
 
@@ -278,7 +278,7 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
     )
     lora = None
     if config.enable_lora:
-        from infer.worker.lora import LoraManager
+        from infer.worker.engine.lora import LoraManager
 
         lora = LoraManager(model, config.max_loras, config.max_lora_rank, dtype, device)
     channel = FollowerChannel(parallel)
@@ -299,7 +299,7 @@ def tensor_parallel_engine(
     this one on this machine (`infer-worker` with `worker_flags`: the same engine options); `close()` ends
     them. (LLM / AsyncLLM's direct mode with tensor_parallel_size > 1.)"""
     from infer.protocol.ports import reserved_port
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
     from infer.worker.parallel.tp_commands import TpLeader
     from infer.worker.parallel.tp_supervisor import start_followers
 

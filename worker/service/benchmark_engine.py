@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from infer.protocol.messages import Delta, KvEvents, Load, TokenIds, UpdateWeights
 from infer.protocol.sampling import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.request import Request, overdue_message
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.request import Request, overdue_message
 
 
 class BenchmarkEngine:

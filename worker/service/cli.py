@@ -17,8 +17,8 @@ import zmq
 
 from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.options import add_options, add_vllm_flags, given
-from infer.worker.config import EngineConfig
 from infer.worker.distributed.group_sync import EpOptions
+from infer.worker.engine.config import EngineConfig
 from infer.worker.kv.offload_store import check_offload_dir
 from infer.worker.parallel.pp_group import PpOptions
 from infer.worker.parallel.tp_group import TpOptions
@@ -105,8 +105,8 @@ def make_engine(
         from infer.worker.service.benchmark_engine import BenchmarkEngine
 
         return BenchmarkEngine(config, benchmark_step_time)
-    from infer.worker.engine import Engine  # torch is imported only when a model runs
-    from infer.worker.engine_setup import pick_device
+    from infer.worker.engine.engine import Engine  # torch is imported only when a model runs
+    from infer.worker.engine.engine_setup import pick_device
 
     if parallel is not None:
         from infer.worker.parallel.tp_commands import TpLeader
@@ -256,7 +256,7 @@ def _load_kernels(config: EngineConfig) -> None:
     this process joins a TP group or pipeline, whose peers bound every wait of a step by --tp-timeout / --pp-timeout:
     none of that should be spent on one member's build. (A GPU's table builds nothing; its device is the join's.)"""
     from infer.kernels.dispatch import kernels_for
-    from infer.worker.engine_setup import pick_device
+    from infer.worker.engine.engine_setup import pick_device
 
     device = pick_device(config.device)
     if device.type == "cpu":

@@ -70,9 +70,9 @@ from infer.protocol.messages import (
 )
 from infer.protocol.sampling import SamplingParams
 from infer.protocol.tracing import Attribute, HopSpan
-from infer.worker.config import EngineConfig
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.request import Request
 from infer.worker.kv.transfer import KvBlocksPort, KvReceiver, KvSender
-from infer.worker.request import Request
 from infer.worker.service.lifecycle import Action, WorkerState, transition
 from infer.worker.service.options import WorkerOptions
 from infer.worker.service.streams import DirectStream, StreamTable
@@ -1031,7 +1031,7 @@ class WorkerCore:
     # ---- LoRA adapters -------------------------------------------------------------------------
 
     def _on_lora_command(self, msg: LoraCommand, now: float) -> None:
-        """Load or unload an adapter now (worker/lora.py: requests holding an unloaded one finish with it); the
+        """Load or unload an adapter now (worker/engine/lora.py: requests holding an unloaded one finish with it); the
         answer carries this worker's adapters after it, or the error (nothing changed)."""
         error = None
         try:

@@ -64,7 +64,7 @@ from infer.worker.service.options import WorkerOptions
 
 if TYPE_CHECKING:
     from infer.worker.distributed.group_sync import GroupSync
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
 log = logging.getLogger("infer.worker")
 

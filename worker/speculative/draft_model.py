@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from infer.kernels.paged_attention import decode_split_tokens
-from infer.worker.block_manager import BlockManager
 from infer.worker.distributed.expert_parallel import ExpertParallel
 from infer.worker.distributed.tensor_parallel import TensorParallel
-from infer.worker.forward_batch import KVCache
+from infer.worker.engine.block_manager import BlockManager
+from infer.worker.engine.forward_batch import KVCache
+from infer.worker.engine.model_runner import build_forward_batch
+from infer.worker.engine.request import Request
+from infer.worker.engine.scheduler import ScheduledChunk
 from infer.worker.loading.loader import load_model
 from infer.worker.loading.model_files import resolve_model
-from infer.worker.model_runner import build_forward_batch
-from infer.worker.request import Request
-from infer.worker.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
     from infer.worker.models.registry import CausalLM

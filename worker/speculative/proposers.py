@@ -13,7 +13,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
-from infer.worker.request import Request
+from infer.worker.engine.request import Request
 from infer.worker.speculative.config import SpeculativeConfig
 
 

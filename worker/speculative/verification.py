@@ -1,11 +1,11 @@
 """Speculative decoding's verification: the sampling rows of a verification chunk, and acceptance.
 
-A verification chunk (worker/scheduler.py) computes a decoding request's last token followed by k draft tokens
-d_1..d_k in one forward, as k + 1 decode rows (worker/model_runner.py: row j attends to the context up to its own
+A verification chunk (worker/engine/scheduler.py) computes a decoding request's last token followed by k draft tokens
+d_1..d_k in one forward, as k + 1 decode rows (worker/engine/model_runner.py: row j attends to the context up to its own
 position, so it has the bits the decode step at that position would have); each row is sampled as that decode step
 would be: row j sees the request as if d_1..d_j had been generated (penalties, min_tokens and bad-words bans, the
 grammar's bitmask after them) and draws with the noise of output position `num_output_tokens + j` of the request's
-seed (worker/sampler.py). Acceptance walks the rows in order: row j's token t_j is emitted; while t_j equals
+seed (worker/engine/sampler.py). Acceptance walks the rows in order: row j's token t_j is emitted; while t_j equals
 d_{j+1} the next row is valid too (its context is exactly what the request would have been), else the walk stops.
 So a verification step emits t_0..t_a, the a accepted drafts plus the token after them (the correction, or the
 bonus token when all k are accepted).
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from infer.protocol.outputs import TokenLogprobs
-from infer.worker.request import Request
-from infer.worker.scheduler import ScheduledChunk
+from infer.worker.engine.request import Request
+from infer.worker.engine.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
-    from infer.worker.structured import GrammarState
+    from infer.worker.engine.structured import GrammarState
 
 
 @dataclass(frozen=True)

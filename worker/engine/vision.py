@@ -10,7 +10,7 @@ image rows.
   preprocessing, each preprocessed image's token count and M-RoPE grid, and `encode_images` (vision tower +
   projector) -> [N, tokens, hidden].
 - `ImageEncoder`: runs the tower once per image, at the first prefill chunk that needs any of its tokens, and keeps
-  its features in a bounded LRU by the image's content key (worker/images.py), so a later request (a second turn
+  its features in a bounded LRU by the image's content key (worker/engine/images.py), so a later request (a second turn
   with the same image, a preemption's recompute, a failover's resume) takes them from there.
 - `step_image_rows`: for one step's chunks, the rows of the flattened tokens that hold image tokens and the feature
   rows that go there; a chunk that covers part of an image (chunked prefill) takes that part.
@@ -31,18 +31,18 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from infer.worker.forward_batch import ForwardBatch
+from infer.worker.engine.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from infer.worker.request import Request
-    from infer.worker.scheduler import ScheduledChunk
+    from infer.worker.engine.request import Request
+    from infer.worker.engine.scheduler import ScheduledChunk
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 64  # longer side / shorter side: past it, a resize of the shortest edge would make a huge image
 
 
-# an RGB PIL image (worker/images.py to_rgb) -> its pixels as the model's vision tower takes them (a tensor);
+# an RGB PIL image (worker/engine/images.py to_rgb) -> its pixels as the model's vision tower takes them (a tensor);
 # ValueError for an image it cannot take
 Preprocessor = Callable[[Any], torch.Tensor]
 
@@ -118,7 +118,7 @@ class ClipPreprocessor:
         )
 
     def __call__(self, image: Any) -> torch.Tensor:
-        """An RGB PIL image (worker/images.py to_rgb) -> pixels [3, crop_height, crop_width] float32."""
+        """An RGB PIL image (worker/engine/images.py to_rgb) -> pixels [3, crop_height, crop_width] float32."""
         from PIL import Image
 
         width, height = image.size
@@ -321,7 +321,7 @@ class Gemma3Preprocessor:
         )
 
     def __call__(self, image: Any) -> torch.Tensor:
-        """An RGB PIL image (worker/images.py to_rgb) -> pixels [3, height, width] float32."""
+        """An RGB PIL image (worker/engine/images.py to_rgb) -> pixels [3, height, width] float32."""
         from PIL import Image
 
         image = image.resize((self.width, self.height), resample=Image.Resampling.BILINEAR)
@@ -335,8 +335,8 @@ class Gemma3Preprocessor:
 def step_image_spans(chunks: Sequence[ScheduledChunk]) -> tuple[tuple[int, int, int], ...]:
     """(sequence index in the batch, image offset, image end) of every image whose tokens a chunk computes and some
     of which attend to later tokens of the same image (all but its last token), for a model whose image tokens
-    attend to each other both ways (`bidirectional_images`; worker/attention.py `image_span_attention`). Chunks in
-    `build_forward_batch`'s order, each one sequence of the batch (a verification chunk is several: its request holds
+    attend to each other both ways (`bidirectional_images`; worker/engine/attention.py `image_span_attention`). Chunks
+    in `build_forward_batch`'s order, each one sequence of the batch (a verification chunk is several: its request holds
     no image, since images refuse speculative decoding)."""
     spans = []
     index = 0

@@ -26,12 +26,12 @@ appends the accepted tokens and calls `accept_draft_tokens`, which counts the ac
 and gives back the blocks past the request's tokens (rejected drafts' slots: rolled back by bookkeeping, never
 copied). Only computed tokens' full blocks are registered in the prefix cache, so rejected drafts never are.
 
-Micro-batches in flight (a pipeline's stage 0, worker/micro_batches.py): `schedule(busy=ids, max_seqs=n)` plans a
+Micro-batches in flight (a pipeline's stage 0, worker/engine/micro_batches.py): `schedule(busy=ids, max_seqs=n)` plans a
 step beside earlier ones whose tokens are not computed yet: the `busy` requests are neither scheduled (their next
 tokens are unknown) nor preempted (a later stage still writes their KV); a request that needs their blocks waits.
 `max_seqs` caps this step's requests (its share), below max_num_seqs, which still caps the running requests.
 
-Beam search (worker/beam_groups.py): the beams of one search are requests sharing `beam_group` (and its rank, so
+Beam search (worker/engine/beam_groups.py): the beams of one search are requests sharing `beam_group` (and its rank, so
 they sit together in both queues). Preempting any of them preempts them all (a search never waits, holding blocks,
 on a beam of its own that waits for blocks); `fork` adds a beam beside its parent, sharing its computed KV.
 
@@ -60,8 +60,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from infer.protocol.sampling import check_priority
-from infer.worker.block_manager import BlockManager
-from infer.worker.request import Request, RequestStatus
+from infer.worker.engine.block_manager import BlockManager
+from infer.worker.engine.request import Request, RequestStatus
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -84,12 +84,12 @@ class SchedulerConfig:
     # blocks wholly before position num_computed_tokens - release_window + 1 are given back (no later query
     # of it sees them). 0: every block is kept until the request ends.
     release_window: int = 0
-    # > 0 with LoRA adapters (worker/lora.py): the running requests use at most this many distinct adapters (the
+    # > 0 with LoRA adapters (worker/engine/lora.py): the running requests use at most this many distinct adapters (the
     # engine's weight slots); a waiting request of another adapter waits (FCFS: admission stops there). 0: no bound.
     max_loras: int = 0
     # A model whose image tokens attend to each other both ways (Gemma 3): a prefill chunk never ends inside an
     # image (it stops before the image, or takes the image's rest whole, or the request waits for the budget), so
-    # each image token's keys are in the pool or in its chunk (worker/attention.py image_span_attention).
+    # each image token's keys are in the pool or in its chunk (worker/engine/attention.py image_span_attention).
     whole_images: bool = False
 
     def __post_init__(self) -> None:
@@ -574,7 +574,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, step: _Step) -> None:
         """Preempt by recompute: drop blocks and progress; the tokens so far are kept and recomputed. The beams
-        of a beam search go together (worker/beam_groups.py): a group never waits on a beam of its own."""
+        of a beam search go together (worker/engine/beam_groups.py): a group never waits on a beam of its own."""
         group = request.beam_group
         members = [request] if group is None else [r for r in self._running if r.beam_group == group]
         for member in reversed(members):

@@ -17,14 +17,14 @@ from typing import Any, Callable
 import torch
 
 from infer.protocol.messages import UpdateWeights
-from infer.worker.config import EngineConfig
-from infer.worker.forward_batch import KVCache
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.forward_batch import KVCache
+from infer.worker.engine.model_runner import ModelRunner
+from infer.worker.engine.output_processor import OutputProcessor
+from infer.worker.engine.scheduler import Scheduler
+from infer.worker.engine.step_graphs import make_step_graphs
 from infer.worker.kv.offload import KvOffload
 from infer.worker.loading.weights import SuspendedWeights, WeightUpdate, apply_tensors, check_specs, release_weights
-from infer.worker.model_runner import ModelRunner
-from infer.worker.output_processor import OutputProcessor
-from infer.worker.scheduler import Scheduler
-from infer.worker.step_graphs import make_step_graphs
 
 log = logging.getLogger("infer.engine")
 

@@ -10,7 +10,7 @@ that a peer can trigger raises ValueError naming what is wrong, before any pixel
 - bytes that are no image Pillow reads, or a truncated one (decoding fails), are refused by name.
 
 An image's `key` is a 63-bit integer from a blake2b digest of what it is: its encoded bytes, or a PIL image's mode,
-size and pixels. The encoder cache and the prefix cache name an image by it (worker/vision.py, block_manager.py).
+size and pixels. The encoder cache and the prefix cache name an image by it (worker/engine/vision.py, block_manager.py).
 
 `place_images` finds where each image's tokens are in a prompt: one run of the image's tokens per image (a fixed count
 for LLaVA, one that follows from the image's size for Qwen2-VL), as transformers' processors expand them, or one image
@@ -49,7 +49,7 @@ class ImageLimits:
 @dataclass(frozen=True)
 class PlacedImage:
     """One image of a request: its prompt tokens [offset, offset + length), its content key and its preprocessed
-    pixels (a tensor: worker/vision.py; typed Any so that the scheduler's modules stay torch-free). `grid`: the
+    pixels (a tensor: worker/engine/vision.py; typed Any so that the scheduler's modules stay torch-free). `grid`: the
     (rows, columns) its tokens make on an M-RoPE model's position grid (Qwen2-VL: rows x columns = length), None for
     a model whose image tokens take their places in the sequence as positions (LLaVA)."""
 

@@ -7,7 +7,7 @@ request, and the step's token bitmask. A grammar's work is bounded three ways (R
   thread, which takes turns between clients (FairQueue: one client's backlog is not another's wait). A new
   compile past `max_compiles` in flight on this engine, or past `max_compiles_per_client` in flight for the
   client that asks, raises CompilesFull (the request is refused as "overloaded", not queued). The engine
-  keeps the request out of the scheduler until its Future is done (worker/engine.py), so a slow compile never
+  keeps the request out of the scheduler until its Future is done (worker/engine/engine.py), so a slow compile never
   stalls a step. A compile cannot be interrupted: a request whose grammar is not ready COMPILE_TIMEOUT_S after its
   compile started fails, and with one compile thread at most one runaway compile occupies a core (the specs' sizes
   are bounded in protocol/structured.py; what a schema costs depends on xgrammar's version: maxLength 10**7 took

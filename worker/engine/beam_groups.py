@@ -1,4 +1,4 @@
-"""BeamGroups: the engine's beam searches, each a BeamSearch (worker/beam_search.py) whose live beams run as
+"""BeamGroups: the engine's beam searches, each a BeamSearch (worker/engine/beam_search.py) whose live beams run as
 scheduler Requests. Torch-free.
 
 Why one group per request inside the engine (and not vLLM's loop of one-token requests per round): the beams
@@ -28,10 +28,10 @@ from typing import Any
 
 from infer.protocol.codes import FinishReason
 from infer.protocol.messages import BeamOutput, TokenIds
-from infer.worker.beam_search import Beam, BeamSearch, Hypothesis
-from infer.worker.detokenizer import IncrementalDetokenizer
-from infer.worker.request import Request, RequestStatus
-from infer.worker.scheduler import Scheduler
+from infer.worker.engine.beam_search import Beam, BeamSearch, Hypothesis
+from infer.worker.engine.detokenizer import IncrementalDetokenizer
+from infer.worker.engine.request import Request, RequestStatus
+from infer.worker.engine.scheduler import Scheduler
 
 BlockCopy = tuple[int, int]  # (source block, destination block) of the KV pool
 
@@ -157,7 +157,7 @@ class BeamGroups:
         return child
 
     def _finish_reason(self, group: BeamGroup, beam: Beam, token_id: int) -> str | None:
-        """How `beam` + `token_id` ends (the rule of worker/beam_search.py), or None."""
+        """How `beam` + `token_id` ends (the rule of worker/engine/beam_search.py), or None."""
         if token_id in group.finish_ids:
             return "stop"
         output = beam.token_ids + (token_id,)

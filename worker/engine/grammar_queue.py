@@ -1,11 +1,11 @@
 """The grammar queue: structured-output requests between add_request and the scheduler.
 
-Owns the engine's grammar compiler (worker/structured.py's GrammarCompilerPool, made at the first structured-output
-request) and the requests whose grammar is compiling. A request enters with `compile` (past the compile bounds it
-is refused at once as "overloaded"); `admit_ready`, at the start of each step, gives each request whose compile is
-done its matcher (advanced over its resumed tokens) and adds it to the scheduler, or fails it (a spec that did not
-compile, not in time, or too costly to start). `fail_costly` fails, after a step, each request whose grammar took
-more CPU in it than its budget. Every failure is a final Delta made by the OutputProcessor.
+Owns the engine's grammar compiler (worker/engine/structured.py's GrammarCompilerPool, made at the first
+structured-output request) and the requests whose grammar is compiling. A request enters with `compile` (past the
+compile bounds it is refused at once as "overloaded"); `admit_ready`, at the start of each step, gives each request
+whose compile is done its matcher (advanced over its resumed tokens) and adds it to the scheduler, or fails it (a spec
+that did not compile, not in time, or too costly to start). `fail_costly` fails, after a step, each request whose
+grammar took more CPU in it than its budget. Every failure is a final Delta made by the OutputProcessor.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any, Collection, Sequence, cast
 
 from infer.protocol.messages import Delta
 from infer.protocol.structured import NO_FIRST_TOKEN, StructuredOutputsParams, grammar_reason
-from infer.worker.config import EngineConfig
-from infer.worker.output_processor import OutputProcessor
-from infer.worker.request import Request, RequestStatus
-from infer.worker.scheduler import ScheduledChunk, Scheduler
-from infer.worker.structured import (
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.output_processor import OutputProcessor
+from infer.worker.engine.request import Request, RequestStatus
+from infer.worker.engine.scheduler import ScheduledChunk, Scheduler
+from infer.worker.engine.structured import (
     COMPILE_TIMEOUT_S,
     COMPILE_WAIT_TIMEOUT_S,
     CompileFuture,
@@ -49,7 +49,7 @@ class _Compiling:
     def late(self, now: float) -> tuple[str, str] | None:
         """(error, code) when it fails before its grammar is ready: its compile ran past COMPILE_TIMEOUT_S (the
         grammar's fault: "invalid_request"), or it waited past COMPILE_WAIT_TIMEOUT_S in all, most of it queued
-        ("overloaded"; worker/structured.py); None while it may wait on."""
+        ("overloaded"; worker/engine/structured.py); None while it may wait on."""
         started = self.future.started_at
         if started is not None and now - started > COMPILE_TIMEOUT_S:
             return f"structured_outputs: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s", "invalid_request"
@@ -181,7 +181,7 @@ class GrammarQueue:
 
     def fail_costly(self, chunks: Sequence[ScheduledChunk]) -> list[Delta]:
         """Fail (invalid_request) each request of the step whose grammar took more CPU than its budget in it
-        (worker/structured.py): it slowed this step; it slows no other."""
+        (worker/engine/structured.py): it slowed this step; it slows no other."""
         failed = []
         for chunk in chunks:
             request, budget = chunk.request, self._budget_s

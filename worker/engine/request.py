@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from infer.protocol.sampling import SamplingParams
 
-if TYPE_CHECKING:  # worker/structured.py imports torch; the scheduler's tests run without it
-    from infer.worker.images import PlacedImage
-    from infer.worker.pooling import PoolingState
-    from infer.worker.structured import GrammarState
+if TYPE_CHECKING:  # worker/engine/structured.py imports torch; the scheduler's tests run without it
+    from infer.worker.engine.images import PlacedImage
+    from infer.worker.engine.pooling import PoolingState
+    from infer.worker.engine.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -82,25 +82,25 @@ class Request:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     grammar: GrammarState | None = None  # params.structured_outputs' matcher, once compiled
     # with params.prompt_logprobs (and not resumed elsewhere: its first output went out there): row j is prompt
-    # token j + 1's logprobs, filled as prefill chunks run (worker/sampler.py: record_prompt_logprobs)
+    # token j + 1's logprobs, filled as prefill chunks run (worker/engine/sampler.py: record_prompt_logprobs)
     prompt_logprobs: list[dict[int, float]] | None = None
-    pooled: PoolingState | None = None  # a pooling request's vector so far (worker/pooling.py)
-    # a beam of a beam search (worker/beam_groups.py): the search's request id (the scheduler preempts a group's
+    pooled: PoolingState | None = None  # a pooling request's vector so far (worker/engine/pooling.py)
+    # a beam of a beam search (worker/engine/beam_groups.py): the search's request id (the scheduler preempts a group's
     # beams together), and how many top log-probabilities each of its steps reports (its candidates)
     beam_group: str | None = None
     num_beam_candidates: int = 0
-    # the engine's id of the LoRA adapter it runs with (worker/lora.py; 0: the base model): its KV blocks are
+    # the engine's id of the LoRA adapter it runs with (worker/engine/lora.py; 0: the base model): its KV blocks are
     # cached apart from every other adapter's (block_manager.py), and it holds the adapter's slot while running
     lora_id: int = 0
     # the root of its prefix-cache hash chain (protocol/prefix_hash.py adapter_salt: its adapter's, by name; None: the
     # base model), which the coordinator computes too to see where its blocks are cached
     cache_salt: int | None = None
-    # its images (worker/images.py PlacedImage: prompt tokens, content key, pixels), in prompt order: each is encoded
-    # when a prefill chunk first covers its tokens, and its key is mixed into the prefix-cache key of every block
-    # that holds any of them (`image_tags`)
+    # its images (worker/engine/images.py PlacedImage: prompt tokens, content key, pixels), in prompt order: each is
+    # encoded when a prefill chunk first covers its tokens, and its key is mixed into the prefix-cache key of every
+    # block that holds any of them (`image_tags`)
     images: tuple[PlacedImage, ...] = ()
-    # an encoder-decoder model's request (worker/encoder_decoder.py): the encoder's input (the caller's prompt; then
-    # `prompt_token_ids` is the decoder's, its start token first), the blocks that hold each decoder layer's
+    # an encoder-decoder model's request (worker/engine/encoder_decoder.py): the encoder's input (the caller's prompt;
+    # then `prompt_token_ids` is the decoder's, its start token first), the blocks that hold each decoder layer's
     # cross-attention K/V over the encoder's output (a second table, allocated with the request's first blocks and
     # freed with them), and whether the encoder has written them since they were allocated
     encoder_token_ids: list[int] | None = None

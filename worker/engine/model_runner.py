@@ -9,15 +9,15 @@ import torch
 
 from infer.kernels.cpu_kernels import GEMV_MAX_ROWS
 from infer.kernels.paged_attention import decode_split_tokens
-from infer.worker.encoder_decoder import EncoderDecoderModel, cross_rows, run_encoders
-from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.lora import LoraManager, lora_step
-from infer.worker.pooling import record_pooling
-from infer.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, record_prompt_logprobs
-from infer.worker.scheduler import ScheduledChunk
+from infer.worker.engine.encoder_decoder import EncoderDecoderModel, cross_rows, run_encoders
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
+from infer.worker.engine.lora import LoraManager, lora_step
+from infer.worker.engine.pooling import record_pooling
+from infer.worker.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, record_prompt_logprobs
+from infer.worker.engine.scheduler import ScheduledChunk
+from infer.worker.engine.step_graphs import StepGraphs
+from infer.worker.engine.vision import ImageEncoder, step_image_rows, step_image_spans, with_mrope_positions
 from infer.worker.speculative.verification import sampling_rows
-from infer.worker.step_graphs import StepGraphs
-from infer.worker.vision import ImageEncoder, step_image_rows, step_image_spans, with_mrope_positions
 
 if TYPE_CHECKING:
     from infer.worker.models.registry import CausalLM
@@ -56,9 +56,9 @@ class ModelRunner:
     In a TP group (TP rank 0 runs the engine) `followers` is the command channel to the other ranks (`Followers`)."""
 
     followers: Followers | None = None
-    lora: LoraManager | None = None  # the engine's LoRA adapters (worker/lora.py), when enabled
-    images: ImageEncoder | None = None  # a vision model's encoder and its cache (worker/vision.py)
-    encoder: EncoderDecoderModel | None = None  # an encoder-decoder model (worker/encoder_decoder.py)
+    lora: LoraManager | None = None  # the engine's LoRA adapters (worker/engine/lora.py), when enabled
+    images: ImageEncoder | None = None  # a vision model's encoder and its cache (worker/engine/vision.py)
+    encoder: EncoderDecoderModel | None = None  # an encoder-decoder model (worker/engine/encoder_decoder.py)
 
     def __init__(
         self,
@@ -108,7 +108,7 @@ class ModelRunner:
         if self.encoder is not None:  # each new request's encoder, once: its cross K/V into its cross blocks
             run_encoders([c.request for c in chunks], self.encoder, self.kv_cache, self.block_size)
         batch = build_forward_batch(chunks, self.block_size, self.device, self.split_tokens)
-        if getattr(self.model, "uses_mrope", False):  # Qwen2-VL: three positions a token (worker/vision.py)
+        if getattr(self.model, "uses_mrope", False):  # Qwen2-VL: three positions a token (worker/engine/vision.py)
             batch = with_mrope_positions(batch, chunks)
         if self.images is not None:
             placed = step_image_rows(chunks, self.images)

@@ -23,7 +23,7 @@ tensors.
 What these models do not run is refused by name when the engine is built (`refusals`): speculative decoding, LoRA,
 tensor / pipeline / expert parallelism, step graphs, quantized weights and the KV tier beyond the pool. Prefix
 caching is turned off for them (a decoder block's keys depend on the encoder's input, which its hash does not
-hold). Per request (worker/intake.py): beam search, images, pooling and prompt logprobs are refused.
+hold). Per request (worker/engine/intake.py): beam search, images, pooling and prompt logprobs are refused.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from infer.kernels.dispatch import Kernels
-from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.request import Request
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
+from infer.worker.engine.request import Request
 
 
 @runtime_checkable
@@ -61,7 +61,7 @@ def is_encoder_decoder(model: object) -> bool:
 
 
 def refusals(config: Any, *, tp_size: int, pipeline: bool, ep_size: int) -> list[str]:
-    """What an engine of an encoder-decoder model is asked for that it does not run (worker/config.py's
+    """What an engine of an encoder-decoder model is asked for that it does not run (worker/engine/config.py's
     EngineConfig), each a sentence; empty when it can be built."""
     out = []
     if config.speculative_config is not None:

@@ -11,8 +11,8 @@ from typing import Protocol
 
 import torch
 
-from infer.worker.config import EngineConfig
-from infer.worker.forward_batch import KVCache
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.forward_batch import KVCache
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

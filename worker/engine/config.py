@@ -13,7 +13,7 @@ from typing import Any
 
 from infer.protocol.lora import lora_modules, parse_lora_module
 from infer.protocol.options import option
-from infer.worker.scheduler import SCHEDULING_POLICIES
+from infer.worker.engine.scheduler import SCHEDULING_POLICIES
 from infer.worker.speculative.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -35,17 +35,17 @@ class EngineConfig:
     enforce_eager: no step graphs; every step runs the model op by op (vLLM's name). With False, decode steps
         (speculative verifications' k + 1 rows a request included) of up to `max_graph_batch_size` rows replay
         graphs made per padded row count
-        (torch.compile on CPU, CUDA graphs on CUDA; worker/step_graphs.py). None (the default) chooses by
+        (torch.compile on CPU, CUDA graphs on CUDA; worker/engine/step_graphs.py). None (the default) chooses by
         device: graphs on CUDA, eager on a CPU. On an H100, CUDA graphs measured 9.6x eager at batch 1 and
         3.8x at batch 128 (benchmarks/results/step_graphs-20261124T0148*). On a CPU the eager step with the
         native kernels (kernels/cpu_kernels.py) measured faster than the compiled one (2-core dev VM,
         2026-11-24, batch 48 bf16, 1 thread: 80 vs 93 ms of CPU a step), and the compile costs start-up time
         (seconds with a warm cache, minutes cold).
     scheduling_policy: "fcfs" (arrival order) or "priority" (lower `priority` first, with preemption of worse
-        ranked requests and the aging rule of worker/scheduler.py: a request waiting `priority_aging_steps`
+        ranked requests and the aging rule of worker/engine/scheduler.py: a request waiting `priority_aging_steps`
         engine steps ranks ahead of every younger one).
     max_grammar_step_ms, max_grammar_compiles, max_grammar_compiles_per_client: the bounds on structured outputs'
-        grammars (worker/structured.py): the CPU time one request's grammar may take in a step (measured, so that
+        grammars (worker/engine/structured.py): the CPU time one request's grammar may take in a step (measured, so that
         a grammar costly to follow fails alone after one step instead of slowing every step of the engine), and
         the compiles in flight, per engine and per client (past them, "overloaded" at once instead of a queue).
         The step bound's default is 5x the costliest mask measured for the test schemas on SmolLM2's 49k-token
@@ -61,9 +61,9 @@ class EngineConfig:
         from the files they came from (or from a spill file, when they came from tensors in memory); "auto"
         is host_copy on a GPU, reload on a CPU. The KV pool is always freed.
     pp_micro_batches: on a pipeline's stage 0 (pipeline_parallel_size P), the micro-batches in flight through the
-        stages (worker/micro_batches.py); None: P, one per stage. 1 steps one batch at a time (what the benchmark
+        stages (worker/engine/micro_batches.py); None: P, one per stage. 1 steps one batch at a time (what the benchmark
         compares against). Ignored without a pipeline and with speculative decoding (one at a time).
-    enable_lora, max_loras, max_lora_rank, lora_modules: LoRA adapters (worker/lora.py; vLLM's names): served per
+    enable_lora, max_loras, max_lora_rank, lora_modules: LoRA adapters (worker/engine/lora.py; vLLM's names): served per
         request (SamplingParams.lora_name), at most `max_loras` of them in one step, ranks up to `max_lora_rank`;
         `lora_modules` are (name, path) pairs loaded at start (a dict, or "name=path" strings, are taken too).
     kv_offload_dir, kv_offload_gb: the KV tier beyond the pool (worker/kv/offload.py): evicted prefix-cache blocks of

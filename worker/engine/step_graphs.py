@@ -32,10 +32,10 @@ import torch
 from infer.kernels import cpu_kernels
 from infer.kernels.paged_attention import decode_split_tokens
 from infer.protocol.env import compile_cache_dir
-from infer.worker.config import EngineConfig
-from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.scheduler import ScheduledChunk
-from infer.worker.step_buckets import DecodeRow, PaddedDecode, batch_buckets, bucket_for, pad_decode, table_width
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
+from infer.worker.engine.scheduler import ScheduledChunk
+from infer.worker.engine.step_buckets import DecodeRow, PaddedDecode, batch_buckets, bucket_for, pad_decode, table_width
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE

@@ -5,7 +5,7 @@ checks the config). Each targeted linear layer W gains `scale * B A`: for input 
 (x A^T) B^T, with A [r, in], B [out, r] and scale = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), as PEFT
 computes it. Never merged into W: one batch mixes rows of several adapters and of the base model.
 
-Weights live in `max_loras` slots (LoraSlots, worker/lora_slots.py: LRU over adapters no running request holds).
+Weights live in `max_loras` slots (LoraSlots, worker/engine/lora_slots.py: LRU over adapters no running request holds).
 Per targeted layer, `LoraLayer` holds every slot's A transposed [slots, in, subs * R] and B transposed (scale
 folded in) [slots, subs * R, out], each slot contiguous, R = `max_lora_rank` (smaller ranks zero-padded); a fused
 layer (qkv_proj, gate_up_proj) has one sub-block per checkpoint projection (q, k, v), B block-diagonal over them,
@@ -49,7 +49,7 @@ from torch import nn
 
 from infer.kernels.dispatch import kernels_for
 from infer.protocol.lora import ADAPTER_WEIGHTS, LORA_TARGETS, check_lora_name, read_lora_config
-from infer.worker.lora_slots import LoraSlots
+from infer.worker.engine.lora_slots import LoraSlots
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, PackedLinear, RowLinear
 
 log = logging.getLogger("infer.lora")

@@ -1,6 +1,6 @@
 """BeamSearch: one prompt's beams, ranked and stopped as transformers' `generate(num_beams=k, do_sample=False)`.
 
-The decision core of one beam-search request, torch-free and engine-free (worker/beam_groups.py runs it): each
+The decision core of one beam-search request, torch-free and engine-free (worker/engine/beam_groups.py runs it): each
 live beam reports its candidates (the top next tokens with their log-probabilities) once the step that computed
 its last token ends; when every live beam has reported, `advance` says which beams continue with which token
 (best first), which beams are dropped, and whether the search is over; the finished hypotheses accumulate.

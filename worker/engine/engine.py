@@ -2,9 +2,10 @@
 
 The step loop reads in four lines: schedule, run the model, advance the scheduler, post-process. The engine holds
 the step core (construction, add_request's outline, step, abort, load) and hands each other concept to a
-collaborator of its own: worker/intake.py checks a request's input and builds its Request, worker/grammar_queue.py
-holds structured-output requests while their grammar compiles, worker/output_processor.py turns a step's rows into
-Deltas (and makes every final one), worker/engine_weights.py suspends, resumes and updates the weights.
+collaborator of its own: worker/engine/intake.py checks a request's input and builds its Request,
+worker/engine/grammar_queue.py holds structured-output requests while their grammar compiles,
+worker/engine/output_processor.py turns a step's rows into Deltas (and makes every final one),
+worker/engine/engine_weights.py suspends, resumes and updates the weights.
 
 Fault isolation: a failure while computing one request fails that request alone (finish_reason "error",
 error_code "internal", its KV blocks freed) and the engine goes on with the others:
@@ -31,13 +32,13 @@ import torch
 from infer.protocol.messages import Delta, KvEvents, Load, UpdateWeights
 from infer.protocol.prompt_limits import max_token_bytes
 from infer.protocol.sampling import SamplingParams
-from infer.worker.beam_groups import BeamGroups
-from infer.worker.config import EngineConfig
 from infer.worker.distributed.expert_parallel import ExpertParallel
 from infer.worker.distributed.tensor_parallel import TensorParallel
-from infer.worker.encoder_decoder import check_engine as check_encoder_decoder
-from infer.worker.encoder_decoder import is_encoder_decoder
-from infer.worker.engine_setup import (
+from infer.worker.engine.beam_groups import BeamGroups
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.encoder_decoder import check_engine as check_encoder_decoder
+from infer.worker.engine.encoder_decoder import is_encoder_decoder
+from infer.worker.engine.engine_setup import (
     context_length,
     kept_quantized,
     num_kv_blocks,
@@ -46,11 +47,21 @@ from infer.worker.engine_setup import (
     release_window,
     shares_kv,
 )
-from infer.worker.engine_weights import EngineWeights
-from infer.worker.forward_batch import KVCache
-from infer.worker.grammar_queue import GrammarQueue
-from infer.worker.images import ImageLimits
-from infer.worker.intake import Intake, check_request_id
+from infer.worker.engine.engine_weights import EngineWeights
+from infer.worker.engine.forward_batch import KVCache
+from infer.worker.engine.grammar_queue import GrammarQueue
+from infer.worker.engine.images import ImageLimits
+from infer.worker.engine.intake import Intake, check_request_id
+from infer.worker.engine.lora import LoraManager
+from infer.worker.engine.memory import HeapTrimmer, keep_freed_heap, trim_heap
+from infer.worker.engine.micro_batches import MicroBatches
+from infer.worker.engine.model_runner import ModelRunner
+from infer.worker.engine.output_processor import EngineStats, OutputProcessor, StepRow, step_rows
+from infer.worker.engine.request import Request, RequestStatus, overdue_message
+from infer.worker.engine.sampler import Sampler
+from infer.worker.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from infer.worker.engine.step_graphs import make_step_graphs
+from infer.worker.engine.vision import ImageEncoder, Preprocessor, VisionModel
 from infer.worker.kv.offload import KvOffload, ModelFiles
 from infer.worker.kv.offload_store import check_offload_dir
 from infer.worker.kv.port import KvPort
@@ -59,17 +70,7 @@ from infer.worker.loading.loader import load_model, weight_files
 from infer.worker.loading.model_files import eos_token_ids, resolve_model
 from infer.worker.loading.tokenizer import engine_tokenizer
 from infer.worker.loading.weights import WeightUpdate
-from infer.worker.lora import LoraManager
-from infer.worker.memory import HeapTrimmer, keep_freed_heap, trim_heap
-from infer.worker.micro_batches import MicroBatches
-from infer.worker.model_runner import ModelRunner
-from infer.worker.output_processor import EngineStats, OutputProcessor, StepRow, step_rows
-from infer.worker.request import Request, RequestStatus, overdue_message
-from infer.worker.sampler import Sampler
-from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from infer.worker.speculative.proposers import Proposer, make_proposer
-from infer.worker.step_graphs import make_step_graphs
-from infer.worker.vision import ImageEncoder, Preprocessor, VisionModel
 
 log = logging.getLogger("infer.engine")
 
@@ -152,7 +153,7 @@ class Engine:
                 self.model = stage.load_model(self.model_path, self.dtype, self.device, config.quantization)
             files = [weight_files(self.model_path)]
         trim_heap()  # what loading freed (tokenizer files, weight conversion), before the KV pool and the first steps
-        # an encoder-decoder model (worker/encoder_decoder.py): what it does not run is refused here, by name
+        # an encoder-decoder model (worker/engine/encoder_decoder.py): what it does not run is refused here, by name
         check_encoder_decoder(
             config, self.model, tp_size=self.tp.size, pipeline=stage is not None, ep_size=self.ep.size
         )
@@ -232,27 +233,27 @@ class Engine:
         self.runner.encoder = encdec
         self.lora = self._lora_manager()
         self.runner.lora = self.lora
-        # a model that takes images (worker/vision.py): its encoder cache and preprocessing
+        # a model that takes images (worker/engine/vision.py): its encoder cache and preprocessing
         self.image_limits = ImageLimits(max_images=config.limit_mm_per_prompt)
         self.preprocess: Preprocessor | None = None
         if isinstance(self.model, VisionModel):
             self.runner.images = ImageEncoder(self.model, config.mm_encoder_cache_images)
             self.preprocess = self.model.image_preprocessor(self.model_path)
-        self.heap = HeapTrimmer()  # freed activations go back to the OS now and then (worker/memory.py)
+        self.heap = HeapTrimmer()  # freed activations go back to the OS now and then (worker/engine/memory.py)
         if self.device.type == "cpu" and not keep_freed_heap():  # ... and stay mapped between steps
             log.info("could not tune the C library's malloc: large activations are mapped anew every step")
         self.stats = EngineStats()
         self._pending: list[Delta] = []  # final outputs of aborts, returned by the next step
-        self.beams = BeamGroups(self.scheduler, self.tokenizer)  # beam searches (worker/beam_groups.py)
-        # a step's rows into Deltas, each request's detokenizer (worker/output_processor.py)
+        self.beams = BeamGroups(self.scheduler, self.tokenizer)  # beam searches (worker/engine/beam_groups.py)
+        # a step's rows into Deltas, each request's detokenizer (worker/engine/output_processor.py)
         self.outputs = OutputProcessor(
             self.scheduler, self.beams, self.sampler, self.proposer, self.tokenizer, self.stats, self.max_model_len
         )
-        # structured-output requests while their grammar compiles (worker/grammar_queue.py)
+        # structured-output requests while their grammar compiles (worker/engine/grammar_queue.py)
         self.grammars = GrammarQueue(
             config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.scheduler, self.outputs
         )
-        # suspend / resume and weight updates (worker/engine_weights.py)
+        # suspend / resume and weight updates (worker/engine/engine_weights.py)
         self.weights = EngineWeights(
             config,
             self.model,
@@ -268,7 +269,7 @@ class Engine:
             pp_size=None if stage is None else stage.group.size,
             give_memory_back=self._give_memory_back,
         )
-        # add_request's input checked and its Request built (worker/intake.py)
+        # add_request's input checked and its Request built (worker/engine/intake.py)
         self.intake = Intake(
             config,
             tokenizer=self.tokenizer,
@@ -290,8 +291,8 @@ class Engine:
             model_parallel=self.tp.size > 1 or stage is not None,
             encoder_decoder=encdec,
         )
-        # a pipeline's stage 0: a micro-batch per stage in flight (worker/micro_batches.py) unless told otherwise;
-        # speculative decoding steps one batch at a time (its proposals read the tokens of the step before)
+        # a pipeline's stage 0: a micro-batch per stage in flight (worker/engine/micro_batches.py) unless told
+        # otherwise; speculative decoding steps one batch at a time (its proposals read the tokens of the step before)
         depth = 1 if stage is None or spec is not None else config.pp_micro_batches or stage.group.size
         self.in_flight = MicroBatches(depth)
         self._arrivals = 0
@@ -322,12 +323,12 @@ class Engine:
         """Queue a request. Invalid input raises ValueError with the reason; the engine is unchanged.
 
         An encoder-decoder model's `prompt` is its encoder's input; `decoder_prompt` (text, tokenized without special
-        tokens, or ids) follows the decoder's start token (worker/encoder_decoder.py). A decoder-only model refuses
-        a `decoder_prompt`.
+        tokens, or ids) follows the decoder's start token (worker/engine/encoder_decoder.py). A decoder-only model
+        refuses a `decoder_prompt`.
 
         `images`: the prompt's images, in order (encoded bytes or PIL images), for a model that takes them; the
         prompt holds one image token per image (expanded here to the image's tokens) or each image's tokens already
-        expanded (worker/images.py `place_images`).
+        expanded (worker/engine/images.py `place_images`).
 
         A sampled request without a seed gets one here (drawn from the engine's `seed`), reported with its
         first output: the request's randomness is then a function of that seed and its token count.
@@ -368,7 +369,7 @@ class Engine:
         return request
 
     def _add_beam_search(self, request: Request) -> Request:
-        """Queue a beam search: its prompt's request is its first beam (worker/beam_groups.py)."""
+        """Queue a beam search: its prompt's request is its first beam (worker/engine/beam_groups.py)."""
         self.scheduler.add(request)
         self.beams.start(request)
         self._arrivals += 1
@@ -421,8 +422,8 @@ class Engine:
         return outputs
 
     def _step_micro_batches(self) -> list[Delta]:
-        """A pipeline's step (worker/micro_batches.py): finish the oldest micro-batch when it must, then launch the
-        next over the requests not in flight (or, with nothing to launch, finish the oldest). In the steady state
+        """A pipeline's step (worker/engine/micro_batches.py): finish the oldest micro-batch when it must, then launch
+        the next over the requests not in flight (or, with nothing to launch, finish the oldest). In the steady state
         one finishes and one is launched per step, while the later stages compute those in flight."""
         outputs: list[Delta] = []
         while self.in_flight.must_finish():
@@ -451,7 +452,7 @@ class Engine:
         scheduled = replace(flight.scheduled, chunks=tuple(c for c, _ in kept))
         return self._after_forward(scheduled, [row for _, row in kept])
 
-    # ---- LoRA adapters (worker/lora.py) -------------------------------------------------------
+    # ---- LoRA adapters (worker/engine/lora.py) -------------------------------------------------------
 
     def add_lora(self, name: str, path: str, int_id: int | None = None) -> dict[str, object]:
         """Load a PEFT LoRA adapter under `name` (the same name and path again: a no-op); ValueError naming what is
@@ -675,7 +676,7 @@ class Engine:
         return self.weights.suspended
 
     def suspend(self) -> int:
-        """Release the KV pool and the weights; the bytes released (worker/engine_weights.py says what stays)."""
+        """Release the KV pool and the weights; the bytes released (worker/engine/engine_weights.py says what stays)."""
         return self.weights.suspend()
 
     def resume(self) -> int:
@@ -683,7 +684,7 @@ class Engine:
         return self.weights.resume()
 
     def update_weights(self, source: object, version: int | None = None) -> int:
-        """Load new weights, all or nothing (worker/engine_weights.py); returns the new weight version."""
+        """Load new weights, all or nothing (worker/engine/engine_weights.py); returns the new weight version."""
         return self.weights.update_weights(source, version)
 
     def prepare_update(self, msg: UpdateWeights) -> WeightUpdate:

@@ -35,7 +35,7 @@ import torch
 
 from infer.kernels.dispatch import Kernels, kernels_for
 from infer.kernels.sampling import GREEDY_TEMPERATURE
-from infer.worker.request import Request
+from infer.worker.engine.request import Request
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 
 from infer.kernels.dispatch import Kernels
 from infer.kernels.paged_attention import plan_decode
-from infer.worker.forward_batch import ForwardBatch
+from infer.worker.engine.forward_batch import ForwardBatch
 
 
 def paged_attention(

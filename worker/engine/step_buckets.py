@@ -1,6 +1,6 @@
 """Step-graph shapes: which padded batch a decode step runs at, and what its padding rows hold. No torch.
 
-A step graph (worker/step_graphs.py) is made once per batch-size bucket: compiled on CPU, captured on CUDA. A
+A step graph (worker/engine/step_graphs.py) is made once per batch-size bucket: compiled on CPU, captured on CUDA. A
 decode step of n rows (a row a sequence, or k + 1 for a speculative verification) runs in the smallest bucket >= n;
 its rows past n are padding: token 0 at position 0, slot -1 (the KV append skips it, or the CPU twin sends it to the
 pool's scratch slot), a block table of scratch blocks and length 1, so it attends to something finite and is never

@@ -3,7 +3,7 @@
 Owns every check of add_request's input past the request id: the SamplingParams (n, pooling, a seed drawn for a
 sampled request without one, token lists, beam-search limits), the prompt (a text prompt bounded before it is
 tokenized, token ids in the vocabulary, room left in the context), its images (decoded, checked, preprocessed and
-placed: worker/images.py), resumed tokens (a failover), and max_tokens resolved against the context and the pool.
+placed: worker/engine/images.py), resumed tokens (a failover), and max_tokens resolved against the context and the pool.
 Invalid input raises ValueError with the reason; nothing is queued and no engine state changes (but the seed drawn).
 The engine queues the Request it returns (scheduler, beam searches, grammar queue).
 """
@@ -19,14 +19,14 @@ from infer.protocol.messages import MAX_ID_LEN
 from infer.protocol.prefix_hash import adapter_salt
 from infer.protocol.prompt_limits import prompt_size_error
 from infer.protocol.sampling import SamplingParams
-from infer.worker.beam_groups import BeamGroups
-from infer.worker.config import EngineConfig
-from infer.worker.encoder_decoder import EncoderDecoderModel
-from infer.worker.images import Gemma3ImagePrompt, ImageLimits, PlacedImage, load_image, place_images
-from infer.worker.pooling import PoolingState
-from infer.worker.request import Request
-from infer.worker.scheduler import Scheduler
-from infer.worker.vision import Preprocessor, VisionModel
+from infer.worker.engine.beam_groups import BeamGroups
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.encoder_decoder import EncoderDecoderModel
+from infer.worker.engine.images import Gemma3ImagePrompt, ImageLimits, PlacedImage, load_image, place_images
+from infer.worker.engine.pooling import PoolingState
+from infer.worker.engine.request import Request
+from infer.worker.engine.scheduler import Scheduler
+from infer.worker.engine.vision import Preprocessor, VisionModel
 
 
 def check_request_id(request_id: object) -> None:
@@ -69,7 +69,7 @@ class Intake:
         ValueError for an unknown one); `vision` / `preprocess`: a model that takes images and its preprocessing;
         `speculative`: drafts are proposed (no images yet); `pipeline`: this is a pipeline's stage 0 (no
         pooling); `model_parallel`: tensor or pipeline parallel (no beam search); `encoder_decoder`: the model when it
-        is one (worker/encoder_decoder.py): the prompt is then its encoder's input."""
+        is one (worker/engine/encoder_decoder.py): the prompt is then its encoder's input."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -161,7 +161,7 @@ class Intake:
             images=placed,
             encoder_token_ids=encoder_ids,
         )
-        if params.beam_search:  # its prompt's request is its first beam (worker/beam_groups.py)
+        if params.beam_search:  # its prompt's request is its first beam (worker/engine/beam_groups.py)
             request.beam_group = request.request_id
             request.num_beam_candidates = BeamGroups.num_candidates(params.beam_width or 1, self.eos_token_ids)
             if params.min_tokens:  # the candidates min_tokens bans are left out: K more make up for them
@@ -172,7 +172,7 @@ class Intake:
         self, prompt_ids: list[int], images: Sequence[object]
     ) -> tuple[list[int], tuple[PlacedImage, ...]]:
         """The prompt's ids with its images' tokens in place, and the images decoded, checked, preprocessed and
-        placed; ValueError naming what is wrong (worker/images.py). Without images the prompt must hold no image
+        placed; ValueError naming what is wrong (worker/engine/images.py). Without images the prompt must hold no image
         token either."""
         if isinstance(images, (bytes, str)) or not isinstance(images, Sequence):
             raise ValueError(f"images must be a list of encoded images or PIL images, got {type(images).__name__}")
@@ -226,7 +226,7 @@ class Intake:
         self, prompt: str | Sequence[int], params: SamplingParams, images: Sequence[object]
     ) -> list[int]:
         """An encoder-decoder model's encoder input from the request's prompt; ValueError naming what such a model
-        does not take (worker/encoder_decoder.py) or a prompt it cannot encode."""
+        does not take (worker/engine/encoder_decoder.py) or a prompt it cannot encode."""
         model = self.encoder_decoder
         if model is None:
             raise ValueError("not an encoder-decoder model")
@@ -279,7 +279,7 @@ class Intake:
         return ids
 
     def _check_beam_search(self, params: SamplingParams, num_prompt_tokens: int, resumed: list[int]) -> None:
-        """ValueError unless this engine can run a beam search of `params` (worker/beam_groups.py)."""
+        """ValueError unless this engine can run a beam search of `params` (worker/engine/beam_groups.py)."""
         width = params.beam_width or 1
         if self.model_parallel:
             raise ValueError(
@@ -394,8 +394,8 @@ class Intake:
 
 
 def _pooling_params(params: SamplingParams) -> SamplingParams:
-    """A pooling request's params (worker/pooling.py): what only generation takes is refused (ValueError); it runs
-    its prompt and one greedy step, whose token is dropped."""
+    """A pooling request's params (worker/engine/pooling.py): what only generation takes is refused (ValueError); it
+    runs its prompt and one greedy step, whose token is dropped."""
     names = ("structured_outputs", "prompt_logprobs", "logprobs", "bad_words", "logit_bias", "allowed_token_ids")
     given = [name for name in names if getattr(params, name) not in (None, ())]
     if given:

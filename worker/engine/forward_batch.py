@@ -29,7 +29,7 @@ class ForwardBatch:
     query_lens: tuple[int, ...]  # host copies, for loops over prefill chunks
     context_lens: tuple[int, ...]  # host copy of seq_lens
     block_size: int
-    # Step graphs (worker/step_graphs.py): every row is a decode, rows past the real ones are padding (slot -1,
+    # Step graphs (worker/engine/step_graphs.py): every row is a decode, rows past the real ones are padding (slot -1,
     # length 1 over the pool's scratch block), and no host copy of the lengths is read, so the forward traces
     # into one graph. `pad_slot` is where the CPU twin writes the padding rows' K/V (KVCache.pad_slot).
     step_graph: bool = False
@@ -46,20 +46,21 @@ class ForwardBatch:
     # for a plain decode, k + 1 for a verification; summing to num_decodes), so that the native CPU decode step reads a
     # request's K and V once for all its rows (worker/models/native_decode.py). None: one row a request.
     decode_runs: torch.Tensor | None = None
-    # Images (worker/vision.py): the rows of T that hold image tokens [R] int64 and the features that replace their
-    # token embeddings [R, hidden] (None: no image token in this step)
+    # Images (worker/engine/vision.py): the rows of T that hold image tokens [R] int64 and the features that replace
+    # their token embeddings [R, hidden] (None: no image token in this step)
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
-    # A model whose image tokens attend to each other both ways (Gemma 3; worker/attention.py image_span_attention):
-    # (sequence index, image offset, image end) of each image a chunk of this step computes (None: none)
+    # A model whose image tokens attend to each other both ways (Gemma 3; worker/engine/attention.py
+    # image_span_attention): (sequence index, image offset, image end) of each image a chunk of this step computes
+    # (None: none)
     image_spans: tuple[tuple[int, int, int], ...] | None = None
-    # M-RoPE (Qwen2-VL: worker/vision.py step_mrope_positions): [3, T] int64 (temporal, height, width) position of
-    # each token, set where they differ (a step that computes image tokens; elsewhere `positions` holds the shared
+    # M-RoPE (Qwen2-VL: worker/engine/vision.py step_mrope_positions): [3, T] int64 (temporal, height, width) position
+    # of each token, set where they differ (a step that computes image tokens; elsewhere `positions` holds the shared
     # one); `rope_cache` [T, head_dim] float32: the cos | sin row of each token that the model's M-RoPE builds from
     # them, which `positions` (then 0 .. T-1) index in place of the model's cos/sin cache
     mrope_positions: torch.Tensor | None = None
     rope_cache: torch.Tensor | None = None
-    # Encoder-decoder models (worker/encoder_decoder.py): each real row's request's cross-attention block table
+    # Encoder-decoder models (worker/engine/encoder_decoder.py): each real row's request's cross-attention block table
     # [T, max cross blocks] int32 (padded with 0) and encoder length [T] int32 (None: a decoder-only model)
     cross_block_tables: torch.Tensor | None = None
     cross_lens: torch.Tensor | None = None
@@ -201,7 +202,7 @@ class KVCache:
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks (source, destination) in every layer's K and V: a forked beam's partial last block
-        (worker/beam_groups.py). Destinations are distinct and never sources."""
+        (worker/engine/beam_groups.py). Destinations are distinct and never sources."""
         if not copies:
             return
         device = self.k[0].device

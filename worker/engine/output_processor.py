@@ -5,8 +5,8 @@ carries, and the engine's counters (EngineStats) for what it counts. `step_rows`
 one StepRow per scheduled chunk; `OutputProcessor.process` appends each row's tokens to its request (a grammar's
 matcher advanced, text detokenized), checks EOS / stop ids / stop strings / length, finishes requests through the
 scheduler and gives one Delta per request that moved. A beam's row goes to its search instead
-(worker/beam_groups.py); `beam_final` is a search's one Delta. `final` and `fail` make the last Delta of a request
-the engine ends for any reason (finished, aborted, shed, failed).
+(worker/engine/beam_groups.py); `beam_final` is a search's one Delta. `final` and `fail` make the last Delta of a
+request the engine ends for any reason (finished, aborted, shed, failed).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any, Sequence, cast
 from infer.protocol.messages import Delta, TokenIds
 from infer.protocol.outputs import TokenLogprobs
 from infer.protocol.sampling import SamplingParams
-from infer.worker.beam_groups import BeamGroup, BeamGroups
-from infer.worker.detokenizer import IncrementalDetokenizer
-from infer.worker.request import Request, RequestStatus
-from infer.worker.sampler import Sampler, SamplerOutput
-from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from infer.worker.engine.beam_groups import BeamGroup, BeamGroups
+from infer.worker.engine.detokenizer import IncrementalDetokenizer
+from infer.worker.engine.request import Request, RequestStatus
+from infer.worker.engine.sampler import Sampler, SamplerOutput
+from infer.worker.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from infer.worker.speculative.proposers import Proposer
 from infer.worker.speculative.verification import verify
 
@@ -94,7 +94,7 @@ class OutputProcessor:
         for chunk, row in computed:
             if chunk.num_draft_tokens:
                 self._count_verification(chunk, row)
-        for chunk, row in computed:  # a beam's step gives its candidates to its search (worker/beam_groups.py)
+        for chunk, row in computed:  # a beam's step gives its candidates to its search (worker/engine/beam_groups.py)
             if row.token_ids and chunk.request.beam_group is not None and not chunk.request.is_finished:
                 self.beams.report(chunk.request, row.logprobs[0] if row.logprobs else None)
         outputs = [

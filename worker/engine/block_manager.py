@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from infer.protocol.prefix_hash import hash_block_tokens, prefix_digest
+from infer.worker.engine.request import Request
 from infer.worker.kv.events import KvEventLog
-from infer.worker.request import Request
 
 # A block-table entry whose block was given back (`release_before`): its positions are out of every layer's
 # sliding window, so no step reads them again. The tensors the kernels get name block 0 (or the step graphs'

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from infer.worker.scheduler import SchedulerOutput
+from infer.worker.engine.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class InFlight:
     """One launched micro-batch: what the scheduler planned, and the runner's handle to finish it with."""
 
     scheduled: SchedulerOutput
-    launched: Any  # worker/model_runner.py's Launched
+    launched: Any  # worker/engine/model_runner.py's Launched
     alone: bool  # nothing may be launched after it before it finishes
 
 

@@ -1,6 +1,6 @@
 """LoraSlots: which LoRA adapter sits in which of the engine's `max_loras` weight slots. Torch-free.
 
-An adapter is computed from a slot (worker/lora.py stacks every slot's A and B per layer). A step needs a slot
+An adapter is computed from a slot (worker/engine/lora.py stacks every slot's A and B per layer). A step needs a slot
 for each adapter its rows use; `place` gives them one, taking a free slot or evicting the least recently used
 adapter that no running request holds. The scheduler admits a request only while the running requests use at
 most `max_loras` adapters (SchedulerConfig.max_loras), so a step's adapters always fit.
