@@ -187,7 +187,7 @@ def test_the_daemon_follows_a_redirect_and_leaves_a_killed_leader_at_once():
         c.sock.send_multipart([peer, encode(Welcome(coordinator_id="c", state="running", instance="c", term=2))])
         c.sock.send_multipart([peer, encode(Control(command="stop"))])
         thread.join(timeout=10)
-        assert not thread.is_alive() and worker.service.core.term == 2
+        assert not thread.is_alive() and worker.core.term == 2
     finally:
         if thread.is_alive():
             worker.request_drain()
