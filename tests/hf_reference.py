@@ -55,6 +55,27 @@ def _dequantized(conversion: Path) -> Path:
     return target
 
 
+def first_layers(conversion: Path, num_layers: int, out: Path) -> Path:
+    """The embedded model's real weights cut to its first `num_layers` decoder layers (embedding, those layers, the
+    final norm, the tied head; transformers' dequantization), saved as a float32 safetensors directory at `out`: the
+    real weights' magnitudes, vocabulary and rotary at a fraction of the whole model's compute and step-graph
+    compile. (The cut model's text means nothing; its tokens are still compared with transformers'.)"""
+    import torch
+
+    model = hf_model(conversion, torch.float32)
+    model.model.layers = model.model.layers[:num_layers]
+    config = model.config.to_dict()
+    config["num_hidden_layers"] = num_layers
+    for key in ("layer_types", "quantization_config"):
+        config.pop(key, None)
+    model.config = model.config.__class__.from_dict(config)
+    model.save_pretrained(out)  # the tied head as transformers writes it: the embedding's tensor once
+    for item in conversion.iterdir():  # the tokenizer and generation config, not the GGUF link
+        if item.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+            (out / item.name).write_bytes(item.read_bytes())
+    return out
+
+
 def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """Exactly `max_new` greedy tokens per prompt (EOS ignored), one prompt at a time (no padding effects)."""
     import torch

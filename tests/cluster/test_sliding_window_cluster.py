@@ -1,6 +1,5 @@
-"""Sliding-window models through real clusters (coordinator and infer-worker processes): a 2-worker cluster and a
-TP 2 rank give transformers' greedy tokens past the window, whichever worker serves each request, and again from
-the prefix cache. Qwen2 with use_sliding_window (layer 0 full, layers 1-2 a window of 8), Gemma 3 (local layers
+"""Sliding-window models through real clusters (coordinator and infer-worker processes): a TP 2 rank gives
+transformers' greedy tokens past the window, and again from the prefix cache. Qwen2 with use_sliding_window (layer 0 full, layers 1-2 a window of 8), Gemma 3 (local layers
 with a window of 8, a global one) and Mistral (every layer a window of 8: blocks out of it given back)."""
 
 from __future__ import annotations
@@ -76,23 +75,16 @@ async def _generate(cluster, pin_rank=None) -> list[list[int]]:
         return await generate(client, PROMPTS, GREEDY, lambda i: pin_rank)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-async def test_two_workers_equal_transformers_past_the_window(model_cluster, models, name):
-    model, want = models(name)
-    cluster = model_cluster(workers=2, engine_flags=ENGINE_FLAGS, model=model)
-    for rank in (0, 1):
-        assert await _generate(cluster, pin_rank=rank) == want, f"rank {rank}"
-    async with cluster.client() as client:
-        again = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS)), 180)
-    assert [c.token_ids for c in again] == want
-    assert sum(c.num_cached_tokens for c in again) > 0
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 async def test_tp2_equals_transformers_past_the_window(model_cluster, models, name):
-    """Each rank of the TP group attends with its heads' windows (chunks of 32 tokens: chunked prefill too)."""
+    """Each rank of the TP group attends with its heads' windows (chunks of 32 tokens: chunked prefill too); the
+    prompts again are served from the prefix cache with the same tokens."""
     model, want = models(name)
     cluster = model_cluster(workers=1, engine_flags=(*ENGINE_FLAGS, *TP_FLAGS), model=model)
     assert await _generate(cluster) == want
     assert "TP rank 1 ready" in cluster.procs[1].text()
+    async with cluster.client() as client:
+        again = await asyncio.wait_for(asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS)), 180)
+    assert [c.token_ids for c in again] == want
+    assert sum(c.num_cached_tokens for c in again) > 0

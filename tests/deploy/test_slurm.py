@@ -5,9 +5,9 @@ link of the worker node that is not the head for 20 s moves its streams to the o
 or repeated while new requests keep succeeding, and once the link is back that worker registers again, takes
 new requests, and no request finished twice; kill -9 of that worker mid-stream moves its streams likewise and its
 srun task restarts it on its node within 30 s; `scancel` leaves no process of the job behind. A TP group of two
-tasks on two nodes equals one process, and is restarted whole after kill -9 of its member on the other node; so is
-a pipeline of two stages on two nodes; TP 2 x PP 2 over 2 nodes x 2 tasks (a stage per node) serves the `openai`
-client's chat completions with one process's greedy text. Three coordinators spread over two nodes hand over when
+tasks on two nodes equals one process, and is restarted whole after kill -9 of its member on the other node; TP 2 x
+PP 2 over 2 nodes x 2 tasks (a stage per node) serves the `openai` client's chat completions with one process's
+greedy text, and is restarted whole likewise after kill -9 of a stage 1 process. Three coordinators spread over two nodes hand over when
 the leader is killed mid-stream, every stream ending exactly.
 
 Needs root and network namespaces (skips without them) and Debian's slurmctld, slurmd, slurm-client and
@@ -663,79 +663,18 @@ def test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarte
         wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {tp_job.id} to exit")
 
 
-# ---- pipeline parallelism: one DP rank whose two stages run on two nodes ----------------------------------
-
-
-def test_one_pp2_worker_spans_two_nodes_equals_one_process_and_is_restarted_whole(
-    sandbox, tmp_path_factory, tiny_model_dir
-):
-    """--pp-size 2 on 2 nodes x 1 task: one DP rank, stage 0 (the embedding and layer 0) on one node, stage 1
-    (layer 1, the norm and the tied LM head) on the other, hidden states and logits over the sandbox's network
-    (gloo); its greedy output equals one process; kill -9 of stage 1 while idle restarts the whole rank, which
-    serves the same tokens again."""
-    from infer import LLM
-
-    model = tiny_model_dir("llama")
-    cut = JOB_OPTIONS.index("--")
-    options = [*JOB_OPTIONS[:cut], "--model", str(model), "--pp-size", "2", *JOB_OPTIONS[cut:], "--pp-timeout", "20"]
-    prompts = [[5, 6, 7, 8], list(range(20, 60)), [300, 301, 302]]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    want = [
-        c.token_ids
-        for c in LLM(
-            model=str(model), dtype="float32", max_model_len=512, kv_cache_memory=64_000_000, num_threads=1
-        ).generate(prompts, params, use_tqdm=False)
-    ]
-    with running_job(sandbox, tmp_path_factory.mktemp("pp-job"), options) as pp_job:
-
-        async def serve() -> tuple[object, list[list[int]]]:
-            async with coordinator_client(pp_job) as cluster:
-                done = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, params) for p in prompts)), 120)
-                return await cluster.stats(), [c.token_ids for c in done]
-
-        stats, got = asyncio.run(serve())
-        assert got == want
-        assert len(stats.workers) == 1 and stats.workers[0].healthy  # 2 stages, one DP rank
-        stage1 = re.search(r"PP stage 1 ready on (\S+):", pp_job.text())
-        assert stage1 is not None, pp_job.text()[-3000:]
-        assert {node_of(stats.workers[0].worker_id), stage1.group(1)} == set(pp_job.nodes)  # a stage per node
-        marker = f"SLURM_JOB_ID={pp_job.id}\0".encode()
-        pids = [int(line.split(":")[0]) for line in processes_mentioning(marker)]
-        stage1_pid = next(
-            pid
-            for pid in pids
-            if _argv(pid)[1:3] == ["-m", "infer.worker.service.daemon"]
-            and "--pp-rank" in _argv(pid)
-            and _argv(pid)[_argv(pid).index("--pp-rank") + 1] == "1"
-        )
-        os.kill(stage1_pid, signal.SIGKILL)
-
-        async def regrouped() -> list[list[int]]:
-            async with coordinator_client(pp_job) as cluster:
-                await wait_for_stats(
-                    cluster,
-                    lambda st: any(w.healthy and w.worker_id != stats.workers[0].worker_id for w in st.workers),
-                    90,
-                    "the pipeline's restart",
-                )
-                done = await asyncio.wait_for(asyncio.gather(*(cluster.generate(p, params) for p in prompts)), 120)
-                return [c.token_ids for c in done]
-
-        assert asyncio.run(regrouped()) == want
-        assert "PP stage 1's connection closed" in pp_job.text() and "restarting it in" in pp_job.text()
-        sandbox.slurm("scancel", pp_job.id)
-        wait_for(lambda: not sandbox.job_active(pp_job.id), 60, f"job {pp_job.id} to leave the queue")
-        wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {pp_job.id} to exit")
-
-
 # ---- TP 2 x PP 2: one DP rank of four tasks, a stage (a TP group of two) on each node --------------------------
 
 
-def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions(sandbox, tmp_path_factory, tiny_model_dir):
+def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions_and_is_restarted_whole(
+    sandbox, tmp_path_factory, tiny_model_dir
+):
     """--tp-size 2 --pp-size 2 on 2 nodes x 2 tasks: one DP rank of four processes, stage 0's TP group (the
     embedding and layer 0) on one node, stage 1's (layer 1, the norm and the tied LM head) on the other, hidden
     states and logits crossing the sandbox's network (gloo); the official `openai` client's greedy chat completions
-    equal one process's."""
+    equal one process's. kill -9 of a stage 1 process (on the other node) while idle restarts the whole rank, which
+    answers the same again. (A pipeline's stages across nodes is this case's; a TP group across nodes,
+    test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarted_whole's.)"""
     model = tiny_model_dir("llama")
     cut = JOB_OPTIONS.index("--")
     options = [
@@ -767,8 +706,15 @@ def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions(sandbox, tm
     ]
     with running_job(sandbox, tmp_path_factory.mktemp("tp-pp-job"), options, ("--ntasks-per-node=2",)) as job:
 
-        async def serve() -> tuple[object, list[str]]:
+        async def serve(after_restart_of: str | None = None) -> tuple[object, list[str]]:
             async with coordinator_client(job) as cluster:
+                if after_restart_of is not None:
+                    await wait_for_stats(
+                        cluster,
+                        lambda st: any(w.healthy and w.worker_id != after_restart_of for w in st.workers),
+                        90,
+                        "the TP x PP rank's restart",
+                    )
                 stats = await cluster.stats()
             client = openai_client(job)
             name = (await client.models.list()).data[0].id
@@ -799,6 +745,18 @@ def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions(sandbox, tm
         assert ready["PP stage 0 TP rank 1"] == stage0  # a stage's TP group on one node
         assert ready["PP stage 1 TP rank 0"] == ready["PP stage 1 TP rank 1"] != stage0
         marker = f"SLURM_JOB_ID={job.id}\0".encode()
+        pids = [int(line.split(":")[0]) for line in processes_mentioning(marker)]
+        stage1_pid = next(
+            pid
+            for pid in pids
+            if _argv(pid)[1:3] == ["-m", "infer.worker.service.daemon"]
+            and "--pp-rank" in _argv(pid)
+            and _argv(pid)[_argv(pid).index("--pp-rank") + 1] == "1"
+        )
+        os.kill(stage1_pid, signal.SIGKILL)
+        _, again = asyncio.run(serve(after_restart_of=stats.workers[0].worker_id))
+        assert again == want
+        assert "connection closed" in job.text() and "restarting it in" in job.text()
         sandbox.slurm("scancel", job.id)
         wait_for(lambda: not sandbox.job_active(job.id), 60, f"job {job.id} to leave the queue")
         wait_for(lambda: not processes_mentioning(marker), 30, f"every process of job {job.id} to exit")

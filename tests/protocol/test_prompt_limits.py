@@ -42,3 +42,48 @@ def test_a_prompt_at_the_bound_is_refused_and_one_below_is_left_to_the_tokenizer
 def test_a_tokenizer_without_a_bound_refuses_nothing():
     assert max_token_bytes(object()) is None
     assert prompt_size_error("x" * 10_000_000, 256, None) is None
+
+
+def _tokenizers() -> dict[str, object]:
+    """Rust tokenizers of each kind the bound reads, built in place: byte-level BPE with an added token, BPE with
+    byte fallback behind a normalizer, Unigram with and without byte fallback, and WordPiece (no bound)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    byte_level = Tokenizer(models.BPE({"a": 0, "Ġb": 1, "abc": 2}, []))
+    byte_level.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(), pre_tokenizers.ByteLevel()])
+    byte_level.add_special_tokens([AddedToken("<|a much longer special token|>", special=True)])
+    fallback = Tokenizer(models.BPE({"▁": 0, "é": 1, "<0x41>": 2, "▁hello": 3}, [], byte_fallback=True))
+    fallback.normalizer = normalizers.NFKC()
+    fallback.decoder = decoders.ByteFallback()
+    pieces = [("<unk>", 0.0), ("▁x", -1.0), ("ééé", -2.0)]
+    return {
+        "byte-level BPE": byte_level,
+        "byte-fallback BPE": fallback,
+        "Unigram, byte fallback": Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True)),
+        "Unigram": Tokenizer(models.Unigram(pieces, unk_id=0)),
+        "WordPiece": Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1}, unk_token="[UNK]")),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_tokenizers()))
+def test_the_bound_from_the_tokenizer_s_parts_equals_the_bound_from_its_description(kind):
+    """The bound is read from the Rust tokenizer's parts (cheap) where it exposes them; it must equal the bound read
+    from the whole JSON description, which says everything (and is what a tokenizer.json holds)."""
+    import json
+    import types
+
+    from infer.protocol.prompt_limits import _from_description
+
+    backend = _tokenizers()[kind]
+    want = _from_description(json.loads(backend.to_str()))
+    assert max_token_bytes(types.SimpleNamespace(backend_tokenizer=backend)) == want
+    assert (want is None) == (kind in ("WordPiece", "Unigram"))
+
+
+def test_the_bound_of_the_embedded_tokenizer_equals_its_description_s(smollm2_tokenizer):
+    import json
+
+    from infer.protocol.prompt_limits import _from_description
+
+    want = _from_description(json.loads(smollm2_tokenizer.backend_tokenizer.to_str()))
+    assert want is not None and max_token_bytes(smollm2_tokenizer) == want

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from hf_reference import hf_model
+from hf_reference import first_layers, hf_model
 from prompts import prompt_of_length
 
 from infer import LLM, SamplingParams
@@ -93,6 +93,10 @@ SCENARIOS = {
 # model's real weights take preemption under step graphs: its other scenarios take no path that this one and the
 # tiny models' runs miss (eager preemption and 64-token chunks cost 40 s each on that machine; 4-token blocks, ~1,000
 # token prompts in fp32, ~150 s of a fresh 2-core run: the tiny models take 4-token blocks over the same lengths).
+# Its first EMBEDDED_LAYERS layers only (hf_reference.first_layers: real weights, vocabulary and rotary): all 30
+# cost 111 s of a cold-cache 2-core run (transformers' reference, a 30-layer graph compile and the steps), and a
+# layer past the fourth takes no path the first four do not.
+EMBEDDED_LAYERS = 4
 EMBEDDED_SCENARIOS = ("preemption-graphs",)
 CASES = [("smollm2", s) for s in EMBEDDED_SCENARIOS] + [
     (m, s) for m in ("qwen3", "mistral") for s in SCENARIOS if not s.endswith("graphs")
@@ -100,7 +104,7 @@ CASES = [("smollm2", s) for s in EMBEDDED_SCENARIOS] + [
 
 
 @pytest.fixture(scope="module")
-def model_cases(smollm2_dir, tiny_model_dir, smollm2_tokenizer):
+def model_cases(smollm2_dir, tiny_model_dir, smollm2_tokenizer, tmp_path_factory):
     """A model's (path, prompts, transformers' reference), made once per model for all its scenarios (an
     indirect parameter would make it again for every (model, scenario) pair: 16 transformers generations for
     each tiny model)."""
@@ -108,7 +112,10 @@ def model_cases(smollm2_dir, tiny_model_dir, smollm2_tokenizer):
 
     def case(name: str) -> tuple:
         if name not in made:
-            path = smollm2_dir if name == "smollm2" else tiny_model_dir(name)
+            if name == "smollm2":
+                path = first_layers(smollm2_dir, EMBEDDED_LAYERS, tmp_path_factory.mktemp("smollm2-cut"))
+            else:
+                path = tiny_model_dir(name)
             prompts = _prompts_for(name, smollm2_tokenizer)
             made[name] = path, prompts, _reference(path, prompts, MAX_NEW)
         return made[name]
@@ -121,7 +128,8 @@ def model_cases(smollm2_dir, tiny_model_dir, smollm2_tokenizer):
 def test_greedy_matches_transformers_in_one_batch(model_cases, name, scenario):
     path, prompts, expected = model_cases(name)
     options = SCENARIOS[scenario](path, prompts)
-    # transformers dequantizes the embedded GGUF: ours too (quantization none), so that the model code is compared
+    # the embedded model's layers as transformers dequantizes them (quantization none), so that the model code is
+    # compared
     llm = LLM(model=str(path), dtype="float32", max_model_len=2048, quantization="none", **options)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     got = llm.generate(prompts, params, use_tqdm=False)
