@@ -2,7 +2,7 @@
 
 Public API: `from infer import LLM, AsyncLLM, SamplingParams, LoRARequest`.
 
-The names are imported on first use (PEP 562): every daemon (`python -m infer.worker.daemon`, the coordinator's,
+The names are imported on first use (PEP 562): every daemon (`python -m infer.worker.service.daemon`, the coordinator's,
 the HTTP front's) loads this package first, and a worker or a coordinator should not import the client
 (`infer.client.llm` and what it imports: ~0.3 s of CPU and its modules' memory in every process) to run.
 """

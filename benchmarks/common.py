@@ -197,7 +197,7 @@ def dense_model_dir(gguf: Path | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if gguf is None:
-        from infer.worker.model_files import default_model_gguf
+        from infer.worker.loading.model_files import default_model_gguf
 
         gguf = default_model_gguf()
     path = PEER_MODELS / f"{gguf.stem}-dense"

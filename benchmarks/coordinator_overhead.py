@@ -209,7 +209,7 @@ def run_path(name: str, args: argparse.Namespace, ctx: zmq.Context) -> tuple[Pha
         workers = [
             spawn(
                 "-m",
-                "infer.worker.daemon",
+                "infer.worker.service.daemon",
                 "--coordinator",
                 address,
                 "--dp-rank",

@@ -113,7 +113,7 @@ def start_cluster(case: Case) -> tuple[str, subprocess.Popen, list[subprocess.Po
     workers = [
         spawn(
             "-m",
-            "infer.worker.daemon",
+            "infer.worker.service.daemon",
             "--coordinator",
             address,
             "--benchmark-mode",

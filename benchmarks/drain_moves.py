@@ -62,7 +62,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def start_worker(address: str, worker_id: str, flags: list[str], args: argparse.Namespace) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "infer.worker.daemon", "--coordinator", address, "--worker-id", worker_id]
+    argv = [sys.executable, "-m", "infer.worker.service.daemon", "--coordinator", address, "--worker-id", worker_id]
     argv += ["--threads", str(args.threads), *engine_flags(args), *flags]
     if args.model:
         argv += ["--model", args.model]

@@ -27,8 +27,8 @@ import torch
 from common import write_result
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -36,7 +36,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 def checkpoint(folder: Path, args: argparse.Namespace) -> Path:
     from transformers import AutoTokenizer, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     tokenizer = copy.deepcopy(AutoTokenizer.from_pretrained(str(resolve_model(None))))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})

@@ -31,8 +31,8 @@ import time
 from common import write_result
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 VOCAB_LOW, VOCAB_HIGH = 100, 49000
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -139,7 +139,7 @@ def main() -> None:
     p.add_argument("--policies", default="kv-aware,kv-aware+sessions,prefix-affinity,least-loaded")
     p.add_argument("--overlap-weights", default="", help="kv-aware again at each of these weights (comma-separated)")
     args = p.parse_args()
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     folder = Path(tempfile.gettempdir()) / "infer-bench-models"
     model = random_model("tiny", str(resolve_model(None)), folder)

@@ -484,12 +484,16 @@ def main() -> None:
         parser.error(
             f"--llama-cpp-bin (or $LLAMA_CPP_BIN) must name llama.cpp's build/bin, with {tool} (see the docstring)"
         )
-    from infer.worker.model_files import default_model_gguf
+    from infer.worker.loading.model_files import default_model_gguf
 
     files = gguf_files(args.formats, default_model_gguf(), args.models_dir, args.llama_cpp_bin)
     for gguf in files.values():  # our GGUF conversion, when one is due: once, outside any timed run
         subprocess.run(
-            [sys.executable, "-c", f"from infer.worker.model_files import resolve_model; resolve_model({str(gguf)!r})"],
+            [
+                sys.executable,
+                "-c",
+                f"from infer.worker.loading.model_files import resolve_model; resolve_model({str(gguf)!r})",
+            ],
             check=True,
             timeout=args.timeout,
         )

@@ -9,7 +9,7 @@ Three sides, rounds alternating (A, B, C, A, B, C, ...: what survives a shared, 
 engine's step loop:
 - base: an engine without LoRA;
 - lora: an engine with --enable-lora, request i runs adapter i % `--adapters` (rank `--rank` on q, k, v, o, gate,
-  up, down; random A and B in PEFT's files), so every step mixes every adapter (worker/lora.py's batched path);
+  up, down; random A and B in PEFT's files), so every step mixes every adapter (worker/engine/lora.py's batched path);
 - lora-base-rows: the LoRA engine with no adapter in the batch (the cost of enabling LoRA alone).
 Output tokens per second (wall time of the whole batch, prefill included): each side's median and the ratios to
 base. The issue's target: lora / base >= 0.8.
@@ -75,7 +75,7 @@ def tiny_model(folder: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
     config = LlamaConfig(
@@ -129,18 +129,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
 
-    from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
 
     work = Path(tempfile.mkdtemp(prefix="infer-lora-bench-"))
     model = args.model
     if args.tiny:
         model = str(tiny_model(work))
     elif args.random_model:
-        from infer.worker.model_files import resolve_model
+        from infer.worker.loading.model_files import resolve_model
 
         model = str(random_model(args.random_model, str(resolve_model(None)), Path(__file__).parent / ".peers"))
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     model_dir = str(resolve_model(model))
     adapters = {f"a{i}": str(write_adapter(model_dir, work / f"a{i}", args.rank, seed=i)) for i in range(args.adapters)}

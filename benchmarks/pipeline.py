@@ -55,7 +55,7 @@ def make_model(shape: str, folder: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from infer.worker.model_files import default_model_gguf
+    from infer.worker.loading.model_files import default_model_gguf
 
     path = folder / f"pp-random-{shape}"
     if (path / "config.json").exists():

@@ -270,8 +270,8 @@ def run_vllm(model: str, batch: int, prompt: int, steps: int, eager: bool) -> di
 
 def run_infer(model: str, batch: int, prompt: int, steps: int, eager: bool) -> dict:
     from infer import SamplingParams
-    from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
     from infer.worker.models import llama
 
     start = time.perf_counter()

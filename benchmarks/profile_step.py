@@ -15,8 +15,8 @@ import time
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 
 def main() -> None:

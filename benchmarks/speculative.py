@@ -51,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RANDOM_SHAPES, make_workload, random_model, write_result  # noqa: E402
 
-from infer.worker.tokenizer import transformers_tokenizer  # noqa: E402
+from infer.worker.loading.tokenizer import transformers_tokenizer  # noqa: E402
 
 KV_BYTES = 1 << 30
 MODEL: str | None = None  # --model / --random-model; None: the embedded model
@@ -92,8 +92,8 @@ TEXTS = {
 
 
 def _engine(dtype: str, spec: dict | None, threads: int | None):
-    from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
 
     return Engine(
         EngineConfig(
@@ -216,7 +216,7 @@ def _native_verifications(engine) -> int:
 
 
 def _graph_verifications(engine) -> int:
-    """Verification steps that replayed a step graph (worker/step_graphs.py: CUDA graphs on a GPU; 0 where the
+    """Verification steps that replayed a step graph (worker/engine/step_graphs.py: CUDA graphs on a GPU; 0 where the
     engine runs eagerly, a CPU's default)."""
     graphs = engine.runner.step_graphs
     return graphs.verification_replays if graphs is not None else 0
@@ -323,7 +323,7 @@ def _peer_result(runs: list[dict]) -> dict:
 
 def offline(dtype: str, spec: dict, rounds: int, threads: int | None) -> dict:
     from infer import LLM, SamplingParams
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     path = MODEL or str(resolve_model(None))
     llms = {
@@ -447,7 +447,7 @@ def main() -> None:
 def _model_gguf(parser: argparse.ArgumentParser) -> Path:
     """The GGUF our engine reads (the peer's file): --model's, or the embedded model's."""
     if MODEL is None:
-        from infer.worker.model_files import default_model_gguf
+        from infer.worker.loading.model_files import default_model_gguf
 
         return default_model_gguf()
     if MODEL.endswith(".gguf"):

@@ -29,8 +29,8 @@ import time
 from common import dense_model_dir, write_result
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 PROMPT = 128
 

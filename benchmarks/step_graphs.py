@@ -35,8 +35,8 @@ MODEL: str | None = None  # --model / --random-model; None: the embedded model
 
 
 def _engine(dtype: str, enforce_eager: bool, threads: int | None, max_num_seqs: int = 256):
-    from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
 
     start = time.perf_counter()
     engine = Engine(
@@ -90,7 +90,7 @@ def decode(dtype: str, batch: int, steps: int, threads: int | None) -> dict:
 def offline(dtype: str, rounds: int, threads: int | None) -> dict:
     """W1 through LLM.generate, rounds alternating between the two engines."""
     from infer import LLM, SamplingParams
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     path = MODEL or str(resolve_model(None))
     llms = {

@@ -34,7 +34,7 @@ HTTP_QUESTION = "Name three primary colours."
 
 
 def chat_prompts(model: str | None) -> list[str]:
-    from infer.worker.model_files import load_tokenizer, resolve_model
+    from infer.worker.loading.model_files import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(model))
     return [  # the casts: with tokenize=False the template's text (transformers types every return form)

@@ -694,7 +694,7 @@ class InferenceClient:
     async def _update_from_tensors(
         self, source: Any, on_running: str, timeout: float, sync_host: str | None, bucket_bytes: int, wait: float
     ) -> int:
-        from infer.worker.weight_sync import WeightSender, describe  # torch: only for a trainer's tensors
+        from infer.worker.distributed.weight_sync import WeightSender, describe  # torch: only for a trainer's tensors
 
         if isinstance(source, Mapping):
             source = source.items()

@@ -45,14 +45,14 @@ from infer.protocol.messages import ClusterStats
 from infer.protocol.options import to_argv
 from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
-from infer.worker.config import EngineConfig
-from infer.worker.options import WorkerFlags
+from infer.worker.engine.config import EngineConfig
+from infer.worker.service.options import WorkerFlags
 
 if TYPE_CHECKING:
     from infer.client.inference_client import InferenceClient
     from infer.client.serve import LocalCluster
     from infer.client.spmd import InProcessWorker, SpmdWorld
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
 Prompt = (
     str | list[int] | dict[str, Any]
@@ -96,13 +96,13 @@ class LLMOptions:
         key file and the coordinator's public key file (both or neither; see infer.protocol.keys). A client
         key generates; pause / unpause / suspend / resume need an administrator key (the coordinator's admins/).
     in_memory_model, tokenizer: `model=<an object>` (a transformers PreTrainedModel or one of infer's model
-        objects) with its tokenizer: the engine is built around weights already in memory (worker/in_memory.py).
+        objects) with its tokenizer: the engine is built around weights already in memory (worker/loading/in_memory.py).
         In coordinator mode such an engine runs in this process (SPMD ranks, client/spmd.py).
     tensor_parallel_size: processes per engine (vLLM's name): each holds a 1/T shard of every layer
-        (worker/tensor_parallel.py). Direct mode: this process is TP rank 0 and starts the other T - 1 as child
-        processes; coordinator mode: every worker is started with --tp-size T.
+        (worker/distributed/tensor_parallel.py). Direct mode: this process is TP rank 0 and starts the other T - 1 as
+        child processes; coordinator mode: every worker is started with --tp-size T.
     pipeline_parallel_size: processes per engine (vLLM's name), each holding a contiguous range of the layers
-        (worker/pp_group.py; one batch at a time through the stages: capacity, not speed). Direct mode: this
+        (worker/parallel/pp_group.py; one batch at a time through the stages: capacity, not speed). Direct mode: this
         process is stage 0 and starts the other P - 1 as child processes; coordinator mode: every worker is
         started with --pp-size P. Not with tensor_parallel_size > 1 yet.
     """
@@ -232,7 +232,7 @@ class EngineController:
 
 def _transformers_tokenizer(engine: Engine) -> Any:
     """`engine`'s tokenizer as a transformers tokenizer (a RustTokenizer's is loaded on first use)."""
-    from infer.worker.tokenizer import transformers_tokenizer
+    from infer.worker.loading.tokenizer import transformers_tokenizer
 
     return transformers_tokenizer(engine.tokenizer)
 
@@ -248,7 +248,7 @@ def _default_sampling_params(setting: str, options: LLMOptions) -> SamplingParam
 
     model_dir = None
     if setting == "auto" and options.in_memory_model is None:
-        from infer.worker.model_files import resolve_model
+        from infer.worker.loading.model_files import resolve_model
 
         try:
             model_dir = resolve_model(options.model)
@@ -498,7 +498,7 @@ class AsyncLLM:
         if self._tokenizer is None and self.options.tokenizer is not None:
             self._tokenizer = self.options.tokenizer
         if self._tokenizer is None:
-            from infer.worker.model_files import load_tokenizer, resolve_model
+            from infer.worker.loading.model_files import load_tokenizer, resolve_model
 
             self._tokenizer = load_tokenizer(resolve_model(self._tokenizer_model()))
         return self._tokenizer
@@ -714,17 +714,17 @@ async def _start_local_engine(options: LLMOptions) -> EngineClient:
 def _make_engine(options: LLMOptions) -> Engine:
     """This process's engine: from the model path, or around the in-memory model; with tensor parallelism,
     TP rank 0, the other ranks started as child processes."""
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
     if options.pipeline_parallel_size > 1:
-        from infer.worker.pp_stage import pipeline_parallel_engine
+        from infer.worker.parallel.pp_stage import pipeline_parallel_engine
 
         flags = options.engine_flags() + logging_argv(options.log_level)
         return pipeline_parallel_engine(
             options.engine_config(), options.pipeline_parallel_size, flags, tp_size=options.tensor_parallel_size
         )
     if options.tensor_parallel_size > 1:
-        from infer.worker.tp_group import tensor_parallel_engine
+        from infer.worker.parallel.tp_group import tensor_parallel_engine
 
         flags = options.engine_flags() + logging_argv(options.log_level)
         return tensor_parallel_engine(options.engine_config(), options.tensor_parallel_size, flags)
@@ -927,7 +927,7 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer (in direct mode the engine's, or what the engine's Rust tokenizer
-        loads of the same directory on first use: worker/tokenizer.py)."""
+        loads of the same directory on first use: worker/loading/tokenizer.py)."""
         if self._engine is not None:
             return _transformers_tokenizer(self._engine)
         return self._require_remote().get_tokenizer()
@@ -956,7 +956,8 @@ class LLM:
 
         `lora_request` (vLLM's): a LoRARequest for every prompt, or one (or None: the base model) per prompt; each
         adapter is loaded on first use (needs enable_lora=True), then runs per request in the same batch as the
-        others (worker/lora.py). A LoRARequest that cannot load raises ValueError (ClusterError in coordinator mode).
+        others (worker/engine/lora.py). A LoRARequest that cannot load raises ValueError (ClusterError in coordinator
+        mode).
         """
         prompts = _as_prompt_list(prompts)
         loras = _as_lora_list(lora_request, len(prompts))
@@ -983,7 +984,7 @@ class LLM:
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
     ) -> list[BeamSearchOutput]:
-        """vLLM's LLM.beam_search: each prompt's `params.beam_width` beams (worker/beam_search.py: transformers'
+        """vLLM's LLM.beam_search: each prompt's `params.beam_width` beams (worker/engine/beam_search.py: transformers'
         generate(num_beams=k, do_sample=False) rule), best first, one BeamSearchOutput per prompt in order. Each
         prompt is one engine request whose beams share their KV blocks. Prompts are strings, token-id lists, or vLLM's
         TextPrompt / TokensPrompt dicts ({"prompt": ...} / {"prompt_token_ids": [...]}). A prompt the engine rejects
@@ -1023,7 +1024,7 @@ class LLM:
     ) -> list[Completion]:
         """An embedding per prompt (`Completion.embedding`, a list of floats), in prompt order: the hidden states
         that feed the LM head pooled by `pooling` ("last", "mean" or "cls"), L2-normalized when `normalize`
-        (worker/pooling.py). Through the same engine (or cluster) as generate; a rejected prompt is a Completion
+        (worker/engine/pooling.py). Through the same engine (or cluster) as generate; a rejected prompt is a Completion
         with finish_reason "error", as there."""
         params = SamplingParams(pooling=pooling, normalize=normalize, temperature=0, max_tokens=1)
         return self.generate(prompts, params, use_tqdm, priority)

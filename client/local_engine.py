@@ -47,7 +47,7 @@ from infer.protocol.outputs import Completion, RequestOutput
 from infer.protocol.sampling import SamplingParams, check_priority
 
 if TYPE_CHECKING:
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
 log = logging.getLogger("infer.local_engine")
 

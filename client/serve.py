@@ -48,8 +48,8 @@ from infer.protocol.logsafe import safe
 from infer.protocol.messages import KV_ROLES, MAX_COORDINATORS, ClusterStats
 from infer.protocol.options import add_options, add_vllm_flags, flag_names, given, to_argv
 from infer.protocol.ports import bound_port, listening_socket
-from infer.worker.config import EngineConfig
-from infer.worker.options import WorkerFlags, WorkerOptions
+from infer.worker.engine.config import EngineConfig
+from infer.worker.service.options import WorkerFlags, WorkerOptions
 
 log = logging.getLogger("infer.serve")
 
@@ -168,7 +168,7 @@ class LocalCluster:
         if self.worker_roles:
             role = ["--kv-transfer-config", json.dumps({"kv_role": self.worker_roles[index]})]
         return await self._spawn(
-            "infer.worker.daemon",
+            "infer.worker.service.daemon",
             "--coordinator",
             self.address,
             *self.security_args("worker"),

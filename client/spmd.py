@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 import zmq
 
 from infer.protocol import env
-from infer.worker.core import EXIT_OK
-from infer.worker.daemon import Worker
-from infer.worker.options import WorkerOptions
+from infer.worker.service.core import EXIT_OK
+from infer.worker.service.daemon import Worker
+from infer.worker.service.options import WorkerOptions
 
 if TYPE_CHECKING:
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
 log = logging.getLogger("infer.spmd")
 

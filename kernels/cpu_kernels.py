@@ -17,7 +17,7 @@
   of 1-8 sequences through a dense Llama's layers in one call (cpu/decode_layers.c, driven by
   worker/models/native_decode.py).
 - A LoRA decode step's delta for one linear layer, every row by its own adapter, in one call (cpu/lora.c): in place
-  of the twin's gather, two batched matmuls and scatter-add (worker/lora.py).
+  of the twin's gather, two batched matmuls and scatter-add (worker/engine/lora.py).
 
 Built with `cc -O3 -fopenmp -shared` once per ISA level (`ISA_LEVELS`): "avx512" (-march=native on a CPU with
 AVX-512 F/BW/VL/DQ, so its AVX512-BF16 and VNNI paths come on where the CPU has them), "avx2" (-march=x86-64-v3:
@@ -26,7 +26,7 @@ has an AVX-512 path and an AVX2 sibling in the same file; rotary, the KV append 
 that the compiler vectorizes for the level. The level that runs is the best this CPU supports (/proc/cpuinfo),
 or the one INFER_CPU_ISA names (`selected_isa`; a level the CPU cannot run is refused); `library(isa)` loads any
 runnable level's build (the tests run each kernel through each). Each build lives in INFER_COMPILE_CACHE (see
-worker/config.py) under a name with its level and a hash of the sources, the flags, the compiler and this CPU's
+worker/engine/config.py) under a name with its level and a hash of the sources, the flags, the compiler and this CPU's
 feature flags, so a shared home directory serves machines of different kinds; a build is written to a temporary
 name and renamed, so processes starting together do not read half a file. Loaded after torch, the library's
 OpenMP is torch's own runtime (the same soname), so it runs on torch's threads. Where no compiler works, or the
@@ -998,7 +998,7 @@ def paged_decode_cpu_op(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> None:
-    """`paged_decode_attention_native` as a torch operator, so that a compiled step graph (worker/step_graphs.py)
+    """`paged_decode_attention_native` as a torch operator, so that a compiled step graph (worker/engine/step_graphs.py)
     calls the kernel instead of tracing into it; `out` is written in place."""
     paged_decode_attention_native(
         q, k_cache, v_cache, block_tables, seq_lens, scale, out, window, softcap=softcap, sinks=sinks
@@ -1056,7 +1056,7 @@ def lora_rows(
     """y [T, out] += (x_i a_t[s]) b_t[s] for each row i of slot s = slots[i] >= 0 (int32 [T]; -1: left alone), in
     place, for arguments `lora_rows_takes` takes. sub_first, sub_cols int64 [n]: each sub-block's first output column
     and columns, ranks k * rank ... (k + 1) * rank - 1 of a slot reaching only those (b_t block-diagonal,
-    worker/lora.py)."""
+    worker/engine/lora.py)."""
     rows, (num_slots, in_features, width), out_features = x.shape[0], a_t.shape, b_t.shape[2]
     if slots.dtype != torch.int32 or not slots.is_contiguous() or slots.shape != (rows,) or y.shape[0] != rows:
         raise ValueError(f"lora_rows: slots must be int32 [{rows}] and y [{rows}, out], got {slots.shape}, {y.shape}")

@@ -1,6 +1,6 @@
 """Which kernel runs each op, chosen once per device: `kernels_for(device)` gives the frozen table the model's
 layers, the attention step, the sampler and the MoE experts take their kernels from (each module gets it when it is
-built, from the device it is built on; `worker/loader.build_model` builds under that device).
+built, from the device it is built on; `worker/loading/loader.build_model` builds under that device).
 
 Devices and what they run (an op's table entry; "where it takes": the op's `*_takes` predicate in
 kernels/cpu_kernels.py or kernels/quant.py, checked per call, the twin where it says no):
@@ -91,7 +91,7 @@ class Kernels:
     # (the attention step plans the twin's tiles only where the twin runs)
     paged_decode_takes: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None], bool]
     # A step graph's decode: (q, k_cache, v_cache, block_tables, seq_lens, scale, split_tokens, window, softcap,
-    # sinks) -> out, every row decoding, traceable (worker/attention.py)
+    # sinks) -> out, every row decoding, traceable (worker/engine/attention.py)
     step_graph_decode: Callable[..., Tensor]
     silu_and_mul: Callable[[Tensor], Tensor]  # [..., 2d] (gate | up) -> silu(gate) * up [..., d]
     quant_matmul: Callable[[Tensor, QuantWeight, bool], Tensor]  # (x [M, K], weight, native: quant_matmul_takes)
@@ -114,7 +114,7 @@ def _backend(device: torch.device) -> Backend:
 
 def kernels_here() -> Kernels:
     """The table of the device modules are being built on (torch's default device, which
-    worker/loader.build_model sets): what a layer holds from its construction on."""
+    worker/loading/loader.build_model sets): what a layer holds from its construction on."""
     return kernels_for(torch.get_default_device())
 
 

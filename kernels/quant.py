@@ -10,7 +10,7 @@ variant, an fp16 min: element = scale * q + min.
 - "q8": q in -128..127. qs int8 [N, K]. mins None (symmetric: Q8_0, Q5_0 as q - 16, int8 at load) or present
   (affine: Q5_1, Q5_K, AWQ / GPTQ zero points).
 
-GGUF's formats map onto these at load (worker/gguf.py): Q4_0, Q4_1 exactly; Q4_K, Q5_K with their sub-block
+GGUF's formats map onto these at load (worker/loading/gguf.py): Q4_0, Q4_1 exactly; Q4_K, Q5_K with their sub-block
 scales and mins rounded to fp16; Q8_0, Q5_0, Q5_1 exactly; Q6_K requantized to q8 blocks of 32. All three
 tensors are row-major with N leading, so a tensor-parallel rank's rows (or its whole blocks of columns) are a
 narrowing of each.

@@ -13,7 +13,7 @@ Semantics (the Triton kernel and the twin agree token for token, up to float rou
   (argmax of s + Gumbel noise). Only G + GROUP noise values are drawn per row, not V.
 - Hostile input never raises and always gives a token id of the vocabulary: a cut search that finds no value
   (a row of NaN or inf, whose masses compare false) keeps at least the row's max. Such a row's token means
-  nothing; the engine checks the logits and fails its request (worker/sampler.py).
+  nothing; the engine checks the logits and fails its request (worker/engine/sampler.py).
 - The noise is a counter-based hash of (seed, offset, counter): a row key mixed from the seed and the
   offset, then mix32(key + counter * golden ratio) per token id or group, computed identically by both paths
   (uint32 in Triton, int64 masked to 32 bits in torch, multipliers < 2**31 so products fit in int64). A

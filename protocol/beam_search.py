@@ -1,7 +1,7 @@
 """vLLM's beam-search API: BeamSearchParams in, BeamSearchOutput (sequences of BeamSearchSequence) out. Torch-free.
 
 `LLM.beam_search(prompts, BeamSearchParams(...))` runs each prompt as one beam-search request (SamplingParams with
-`beam_width`; worker/beam_search.py has the rule, transformers' generate(num_beams=k, do_sample=False)).
+`beam_width`; worker/engine/beam_search.py has the rule, transformers' generate(num_beams=k, do_sample=False)).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class ErrorCode(Word):
 
 
 class Command(Word):
-    """A lifecycle command (`Control`): coordinator/lifecycle.py and worker/lifecycle.py say what each does."""
+    """A lifecycle command (`Control`): coordinator/lifecycle.py and worker/service/lifecycle.py say what each does."""
 
     PAUSE = "pause"
     UNPAUSE = "unpause"
@@ -77,7 +77,7 @@ class ClusterState(Word):
 
 
 class WorkerState(Word):
-    """A worker's lifecycle state (worker/lifecycle.py), in its ControlAck."""
+    """A worker's lifecycle state (worker/service/lifecycle.py), in its ControlAck."""
 
     RUNNING = "running"  # steps the engine
     PAUSED = "paused"  # keeps its requests and memory, does not step

@@ -2,7 +2,7 @@
 entries, and PEFT's adapter_config.json read and checked (what the engine computes, and the rest refused by name).
 
 A request names its adapter by `SamplingParams.lora_name` (so it travels with the request's params on every
-Submit, Dispatch and failover re-dispatch); the engine holds the adapters themselves (worker/lora.py).
+Submit, Dispatch and failover re-dispatch); the engine holds the adapters themselves (worker/engine/lora.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ MAX_LORA_NAME_LEN = 128
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# The checkpoint module names an adapter may target (the Llama family's linear layers; worker/lora.py maps the
+# The checkpoint module names an adapter may target (the Llama family's linear layers; worker/engine/lora.py maps the
 # fused ones onto qkv_proj / gate_up_proj)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -157,7 +157,7 @@ def read_lora_config(folder: str | Path) -> LoraConfig:
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"{path}: rank (r) must be an integer >= 1, got {r!r}")
     # JSON as Python reads it allows Infinity and NaN; a huge finite alpha is judged by the scaled weights it makes
-    # (worker/lora.py)
+    # (worker/engine/lora.py)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
         raise ValueError(f"{path}: lora_alpha must be a finite positive number, got {alpha!r}")
     rslora = config.get("use_rslora", False)

@@ -95,8 +95,8 @@ ShmPath = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]  # a
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Priority = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SESSION_ID_LEN)]
-# a prompt's images, encoded (PNG, JPEG, ...: the worker decodes and checks them, worker/images.py), in the order of its
-# image tokens
+# a prompt's images, encoded (PNG, JPEG, ...: the worker decodes and checks them, worker/engine/images.py), in the order
+# of its image tokens
 Images = Annotated[
     list[Annotated[bytes, msgspec.Meta(max_length=MAX_IMAGE_BYTES)]], msgspec.Meta(max_length=MAX_IMAGES)
 ]
@@ -523,7 +523,7 @@ class Dispatch(Message, frozen=True):
     the stream goes on with no token or character lost or repeated, as if nothing had happened.
 
     `client` is a short tag of the client that submitted it (a hash of its identity, the same for all its
-    requests): the worker counts each client's grammar compiles by it (worker/structured.py).
+    requests): the worker counts each client's grammar compiles by it (worker/engine/structured.py).
     """
 
     TYPE: ClassVar[str] = "dispatch"
@@ -575,7 +575,7 @@ class Accepted(Message, frozen=True):
 
 @message
 class BeamOutput(Message, frozen=True):
-    """One beam of a finished beam search (worker/beam_search.py), best first in `Delta.beams`: its output
+    """One beam of a finished beam search (worker/engine/beam_search.py), best first in `Delta.beams`: its output
     tokens, their text, the sum of their log-probabilities, its length-penalized score and why it ended;
     `logprobs`: for each output token, the top log-probabilities of its step (the token's own among them; vLLM's
     beam logprobs)."""
@@ -617,7 +617,7 @@ class Delta(Message, frozen=True):
     seed: Seed | None = None  # the first delta: the sampling seed the request runs with
     prompt_logprobs: Items[Mapping[int, float]] | None = None  # the first delta, when asked: prompt tokens 1..
     weight_version: int = 0  # the version of the weights that computed it (update_weights)
-    embedding: Items[float] | None = None  # a pooling request's last delta: its vector (worker/pooling.py)
+    embedding: Items[float] | None = None  # a pooling request's last delta: its vector (worker/engine/pooling.py)
     beams: Items[BeamOutput] | None = None  # a beam search's last (and only) delta: its best n beams, best first
     # a direct stream's end as its worker tells the coordinator (tokens and text went to the client): the output
     # tokens the stream carried in all, resumed ones included (docs/architecture.md, "Direct streams")
@@ -727,14 +727,14 @@ class Load(Message, frozen=True):
     kv_transfer_sent_blocks: NonNegative = 0
     kv_transfer_received_blocks: NonNegative = 0
     kv_transfer_dropped_blocks: NonNegative = 0
-    # images (a model that takes them, worker/vision.py): images run through the vision encoder, and images whose
+    # images (a model that takes them, worker/engine/vision.py): images run through the vision encoder, and images whose
     # features came from its cache instead, since the engine started
     mm_images_encoded: NonNegative = 0
     mm_encoder_cache_hits: NonNegative = 0
 
 
 class KvEvents(Message, frozen=True):
-    """A worker's prefix-cache changes since its previous KvEvents (worker/kv_events.py; the coordinator's index:
+    """A worker's prefix-cache changes since its previous KvEvents (worker/kv/events.py; the coordinator's index:
     coordinator/kv_index.py). Hashes are the cache's own block keys (protocol/prefix_hash.py); a hash is held while
     at least one cached block of the worker has it. `stored` and `removed` are disjoint (a hash's latest state).
 
@@ -1178,7 +1178,7 @@ class ClusterStats(Message, frozen=True):
         return Counters(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Counters)})
 
 
-# ---- KV transfer between workers (worker/kv_transfer.py) -----------------------------------------------------
+# ---- KV transfer between workers (worker/kv/transfer.py) -----------------------------------------------------
 
 
 @message
@@ -1190,8 +1190,8 @@ class KvOffer(Message, frozen=True):
     transfer_id: Id
     fingerprint: bytes
     token_ids: TokenIdList
-    # shared memory (worker/kv_links.py ShmArea): a file of the producer's in its shared-memory directory and the
-    # token it holds; a consumer that reads that token there shares the directory (the same host, the same mounts)
+    # shared memory (worker/service/kv_links.py ShmArea): a file of the producer's in its shared-memory directory and
+    # the token it holds; a consumer that reads that token there shares the directory (the same host, the same mounts)
     shm_probe: ShmPath | None = None
     shm_token: Token | None = None
 
@@ -1246,7 +1246,7 @@ class KvStored(Message, frozen=True):
     refusal: str | None = None
 
 
-# ---- a drain that moves requests with their KV (worker/core.py `_start_moves`) ---------------------------
+# ---- a drain that moves requests with their KV (worker/service/core.py `_start_moves`) ---------------------------
 
 
 @message

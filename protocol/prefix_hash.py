@@ -1,5 +1,5 @@
-"""The prefix cache's block keys, torch-free: what a worker's cache names a block by (worker/block_manager.py) and
-what the coordinator computes for a prompt to find the workers that hold it (coordinator/kv_index.py). One
+"""The prefix cache's block keys, torch-free: what a worker's cache names a block by (worker/engine/block_manager.py)
+and what the coordinator computes for a prompt to find the workers that hold it (coordinator/kv_index.py). One
 definition, so both sides always agree.
 
 Block `i` of a token sequence is `h_i = xxh64(h_{i-1} as 8 bytes little-endian + tokens of block i as int64
@@ -31,7 +31,7 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 def prefix_digest(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     """A 16-byte blake2b digest chained like the hashes (the parent's digest, None for a sequence's first block,
     then the block's tokens as int64 little-endian): what a block spilled beyond the pool is checked against when it
-    is read back (worker/kv_offload_store.py). Unlike the 64-bit hash it proves the whole prefix's tokens, since a
+    is read back (worker/kv/offload_store.py). Unlike the 64-bit hash it proves the whole prefix's tokens, since a
     file outlives the pool's own checks (tokens, parent, adapter)."""
     h = hashlib.blake2b(digest_size=16, person=b"infer-kv-prefix")
     h.update(b"root" if parent is None else parent)

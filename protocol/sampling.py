@@ -38,10 +38,10 @@ MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
 MAX_ALLOWED_TOKEN_IDS = 65536
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 256
-POOLING_TYPES = ("last", "mean", "cls")  # worker/pooling.py
+POOLING_TYPES = ("last", "mean", "cls")  # worker/engine/pooling.py
 MAX_N = 256  # samples per prompt (LLM / AsyncLLM expand them into that many engine requests)
 MAX_BEAM_WIDTH = 32  # beams of one beam search (each beam is a sequence of the batch, 2 x width candidates)
-EARLY_STOPPING = (False, True, "never")  # transformers' values (worker/beam_search.py says what each does)
+EARLY_STOPPING = (False, True, "never")  # transformers' values (worker/engine/beam_search.py says what each does)
 # Options a beam search refuses by name (its beams are ranked by the model's own log-probabilities): each with the
 # value that means "not given".
 _NOT_WITH_BEAMS = (
@@ -85,7 +85,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     engine requests (`samples()`): with a seed, sample i gets seed + i (vLLM's rule), so the n differ and the set
     is reproducible; without one, each draws its own. An engine runs one sample per request and refuses n > 1.
     `beam_width` (ours on the wire; vLLM's BeamSearchParams name): a beam search of that many beams instead of
-    sampling (worker/beam_search.py), returning the best `n` of them (n <= beam_width) in one request, all at its
+    sampling (worker/engine/beam_search.py), returning the best `n` of them (n <= beam_width) in one request, all at its
     end; `length_penalty` and `early_stopping` rank and stop the beams as transformers' generate does. A beam
     search is deterministic (temperature 0) and refuses the options that would change its scores by name.
     `lora_name` (ours; vLLM passes a LoRARequest beside the params): the LoRA adapter the request runs with (None:

@@ -4,7 +4,7 @@ Exactly one of: `json` (a JSON schema, given as a dict or its JSON text), `regex
 strings), `grammar` (EBNF, xgrammar's GBNF dialect: `root ::= ...`) or `json_object=True` (any JSON
 object). Sizes are bounded here, on construction, so that no component spends unbounded time on one
 request's spec; whether the spec compiles is checked by `grammar_error` (the HTTP front, before anything
-runs) and by the worker's compiler (worker/structured.py), which answers "invalid_request" with xgrammar's
+runs) and by the worker's compiler (worker/engine/structured.py), which answers "invalid_request" with xgrammar's
 message otherwise. A spec that admits no output at all is ours to name ("admits no output: ..."), whatever
 xgrammar's version says of it: `admits_no_value` (a schema that only refers to itself) before xgrammar sees it,
 and a compiled grammar that lets no byte begin (`NO_FIRST_TOKEN`).

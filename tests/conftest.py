@@ -88,12 +88,12 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """SmolLM2's tokenizer, as the embedded model's cached conversion holds it (transformers' reading of the GGUF,
-    saved by worker/gguf.py's write_model_dir once per machine): that loads in seconds, where reading the GGUF's
+    saved by worker/loading/gguf.py's write_model_dir once per machine): that loads in seconds, where reading the GGUF's
     vocabulary again took tens of seconds in every test process. tests/worker/test_gguf.py checks the conversion's
     tokenizer against the GGUF's own."""
     from transformers import AutoTokenizer
 
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     if TOKENIZER_ONLY:
         return AutoTokenizer.from_pretrained(TOKENIZER_ONLY)
@@ -157,7 +157,7 @@ def tiny_words_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded model as a safetensors directory: converted once into the model cache, then reused."""
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     if TOKENIZER_ONLY:
         pytest.skip("INFER_TEST_TOKENIZER_DIR is set: no embedded model on this machine")

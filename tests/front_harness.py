@@ -16,14 +16,14 @@ from typing import Any
 from infer.client.api.config import FrontConfig
 from infer.client.api.server import HttpFront
 from infer.client.local_engine import LocalEngine
-from infer.worker.config import EngineConfig
+from infer.worker.engine.config import EngineConfig
 
 MODEL = "tiny"
 ENGINE_OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
 
 
 def local_engine(model: Path, step_delay: float = 0.0, **options: Any) -> LocalEngine:
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
     local = LocalEngine(Engine(EngineConfig.from_options(model=str(model), **{**ENGINE_OPTIONS, **options})))
     if step_delay:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 def hf_model(model_dir: Path, dtype=None, **options):
     """transformers' own model of a model directory: its safetensors, or the GGUF a conversion directory links to
-    (worker/model_files.py; transformers dequantizes it, once per machine: see _dequantized)."""
+    (worker/loading/model_files.py; transformers dequantizes it, once per machine: see _dequantized)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -113,7 +113,7 @@ def assert_bf16_as_close_as_transformers(
     import torch
     from model_batches import Pager, new_cache
 
-    from infer.worker.loader import load_model
+    from infer.worker.loading.loader import load_model
 
     with torch.inference_mode():
         reference = hf_model(model_dir, **options)(torch.tensor([ids])).logits[0].float()

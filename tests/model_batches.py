@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
 
 CPU = torch.device("cpu")
 

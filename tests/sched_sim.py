@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Callable
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.request import Request, RequestStatus
-from infer.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from infer.worker.engine.request import Request, RequestStatus
+from infer.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
 def make_scheduler(**overrides) -> Scheduler:

@@ -1,8 +1,20 @@
 """The product's import graph has no cycle: no module imports one that (indirectly) imports it. Every import
 counts: at module level, inside functions (lazy ones) and under TYPE_CHECKING; only a script's
 `if __name__ == "__main__":` block does not (it runs as `__main__`, a module of its own). A layer that needs what a
-higher one holds takes it as a Protocol (worker/engine.py's Stage, worker/model_runner.py's Followers) or is handed
-it (worker/models/native_decode.py's dense classes)."""
+higher one holds takes it as a Protocol (worker/engine/engine.py's Stage, worker/engine/model_runner.py's Followers)
+or is handed it (worker/models/native_decode.py's dense classes).
+
+The worker's subpackages are layers (docs/architecture.md, the map of worker/), and these imports between them are
+the whole list (WORKER_LAYERS): a new one fails here until it is written down, and some never may be:
+- service/ (the daemon: flags, WorkerCore, the zmq shells) is the top: no other worker package imports it.
+- parallel/ (TP groups, pipelines, the node supervisor) builds engines: only service/ imports it; the engine core
+  reaches a pipeline's stage 0 and a TP group's command channel only through the protocols it declares.
+- engine/ (the engine core) imports neither service/ nor parallel/; it uses speculative/, kv/, loading/, models/
+  and distributed/ (and speculative/, kv/ and models/ build on its requests, scheduler, pool and step primitives).
+- loading/ (a model's files into our model) imports only models/ and distributed/: no engine module.
+- distributed/ (process groups and sharding) is the floor: it imports no other worker package.
+- Sockets: of the worker, only service/, parallel/ (the TP command channel) and distributed/ (the EP group's
+  wake-ups) import zmq; the engine core, speculative/, kv/, loading/ and models/ do no I/O of their own."""
 
 from __future__ import annotations
 
@@ -114,8 +126,9 @@ def test_the_graph_sees_the_imports_it_must():
     """The reader works: known edges are found, lazy ones and relative ones included."""
     graph = _graph(_modules())
     assert "protocol.messages" in graph["coordinator.core"]
-    assert "worker.tp_commands" in graph["worker.cli"]  # a lazy import, inside a function
-    assert "worker.daemon" in graph["worker.cli"] and "worker.cli" not in graph["worker.daemon"]  # __main__ guard
+    assert "worker.parallel.tp_commands" in graph["worker.service.cli"]  # a lazy import, inside a function
+    assert "worker.service.daemon" in graph["worker.service.cli"]
+    assert "worker.service.cli" not in graph["worker.service.daemon"]  # under its __main__ guard
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
 
 
@@ -124,3 +137,68 @@ def test_no_import_cycle():
     assert not cycles, (
         f"import cycles: {[sorted(c) for c in cycles]}: a module imports one that (indirectly) imports it"
     )
+
+
+# package -> the worker packages its modules import (worker/weight_sync.py: the deprecated alias of
+# distributed/weight_sync.py the README names)
+WORKER_LAYERS = {
+    "service": {"parallel", "engine", "kv", "distributed"},
+    "parallel": {"engine", "loading", "models", "distributed"},
+    "engine": {"speculative", "kv", "loading", "models", "distributed"},
+    "speculative": {"engine", "loading", "models", "distributed"},
+    "kv": {"engine"},
+    "loading": {"models", "distributed"},
+    "models": {"engine", "speculative", "distributed"},
+    "distributed": set(),
+    "weight_sync": {"distributed"},
+}
+SOCKETS = {"service", "parallel", "distributed"}  # the worker packages that may import zmq
+
+
+def _worker_package(module: str) -> str:
+    """worker.engine.scheduler -> engine; worker.weight_sync -> weight_sync."""
+    return module.split(".")[1]
+
+
+def _layer_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    layers: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        if name.startswith("worker."):
+            package = _worker_package(name)
+            found = {_worker_package(t) for t in targets if t.startswith("worker.")}
+            layers.setdefault(package, set()).update(found - {package})
+    return layers
+
+
+def _zmq_users(modules: dict[str, Path]) -> set[str]:
+    users = set()
+    for name, path in modules.items():
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(n == "zmq" or n.startswith("zmq.") for n in names):
+                users.add(name)
+    return users
+
+
+def test_the_worker_packages_import_each_other_as_documented():
+    layers = _layer_graph(_graph(_modules()))
+    for package, allowed in WORKER_LAYERS.items():
+        extra = layers.get(package, set()) - allowed
+        assert not extra, f"worker/{package}/ imports {sorted(extra)}, which its layer may not (WORKER_LAYERS)"
+    assert layers == WORKER_LAYERS, "an import between worker packages is gone: update WORKER_LAYERS and the map"
+
+
+def test_the_layering_rules_hold():
+    """The rules of the module docstring, on the table itself (so a table edit that breaks one is caught too)."""
+    assert not any("service" in targets for targets in WORKER_LAYERS.values())
+    assert {p for p, targets in WORKER_LAYERS.items() if "parallel" in targets} == {"service"}
+    assert not WORKER_LAYERS["engine"] & {"service", "parallel"}
+    assert WORKER_LAYERS["loading"] <= {"models", "distributed"}
+    assert not WORKER_LAYERS["distributed"]
+
+
+def test_only_the_io_layers_open_sockets():
+    modules = _modules()
+    users = {_worker_package(name) for name in _zmq_users(modules) if name.startswith("worker.")}
+    assert users <= SOCKETS, f"worker packages that import zmq but do no I/O by design: {sorted(users - SOCKETS)}"
+    assert "worker.engine.engine" in modules and "worker.service.daemon" in _zmq_users(modules)

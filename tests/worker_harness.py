@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from infer.protocol.messages import Delta, Dispatch, Heartbeat, Message, StepBatch, TokenIds, Welcome, decode, encode
 from infer.protocol.sampling import SamplingParams
-from infer.worker.benchmark_engine import BenchmarkEngine
-from infer.worker.config import EngineConfig
-from infer.worker.core import WorkerCore
-from infer.worker.options import WorkerOptions
+from infer.worker.engine.config import EngineConfig
+from infer.worker.service.benchmark_engine import BenchmarkEngine
+from infer.worker.service.core import WorkerCore
+from infer.worker.service.options import WorkerOptions
 
 
 class WorkerHarness:

@@ -1,5 +1,5 @@
 """The images of a chat request's `image_url` parts, as encoded bytes for the engine (torch-free, Pillow-free: the
-worker decodes and checks the pixels, worker/images.py). Every refusal is an ApiError 400 naming the part.
+worker decodes and checks the pixels, worker/engine/images.py). Every refusal is an ApiError 400 naming the part.
 
 - `data:image/...;base64,...`: decoded here, its size bounded before decoding (MAX_IMAGE_BYTES);
 - `http://` / `https://`: refused; this server fetches nothing from the network (a cluster node may have none);

@@ -35,7 +35,7 @@ from infer.client.inference_client import ClusterError, InferenceClient, parse_a
 from infer.protocol.keys import CurveKeys, refuse_open_bind
 from infer.protocol.logs import add_logging_args, setup_logging
 from infer.protocol.options import add_options, add_vllm_flags, option, to_argv
-from infer.worker.config import DEFAULT_MODEL_ID
+from infer.worker.engine.config import DEFAULT_MODEL_ID
 
 log = logging.getLogger("infer.api")
 
@@ -169,7 +169,7 @@ def front_model_dir(model: str | None, model_id: str | None) -> Path:
     """The directory of `model` (a path), else of the model the cluster reports (`model_id`): where the front reads
     the tokenizer and generation_config.json (a GGUF not converted on this machine yet is converted here, which
     imports torch)."""
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     source = model if model is not None else (None if model_id in (None, DEFAULT_MODEL_ID) else model_id)
     try:
@@ -182,8 +182,9 @@ def front_model_dir(model: str | None, model_id: str | None) -> Path:
 
 
 def load_front_tokenizer(model: str | None, model_id: str | None) -> Any:
-    """The tokenizer of `front_model_dir(model, model_id)`, read without importing torch (worker/model_files.py)."""
-    from infer.worker.model_files import front_tokenizer
+    """The tokenizer of `front_model_dir(model, model_id)`, read without importing torch
+    (worker/loading/model_files.py)."""
+    from infer.worker.loading.model_files import front_tokenizer
 
     path = front_model_dir(model, model_id)
     try:

@@ -163,8 +163,8 @@ def parse_tokenizer_for(text: str) -> tuple[str, str]:
 def tokenizer_dir(source: str) -> Path:
     """The directory holding the tokenizer `source` names: a directory with tokenizer files, a .gguf file (its
     cached conversion, made here if due), or the embedded default model's id; ValueError saying what is missing."""
-    from infer.worker.config import DEFAULT_MODEL_ID
-    from infer.worker.model_files import resolve_model
+    from infer.worker.engine.config import DEFAULT_MODEL_ID
+    from infer.worker.loading.model_files import resolve_model
 
     if source == DEFAULT_MODEL_ID:
         return resolve_model(None).resolve()
@@ -179,8 +179,9 @@ def tokenizer_dir(source: str) -> Path:
 
 
 def read_tokenizer(source: str) -> tuple[Path, Any]:
-    """(its directory, the tokenizer) of `source` (see tokenizer_dir), read without torch (worker/model_files.py)."""
-    from infer.worker.model_files import front_tokenizer
+    """(its directory, the tokenizer) of `source` (see tokenizer_dir), read without torch
+    (worker/loading/model_files.py)."""
+    from infer.worker.loading.model_files import front_tokenizer
 
     path = tokenizer_dir(source)
     return path, front_tokenizer(path)

@@ -28,12 +28,13 @@ backoff (--restart-backoff, doubled per restart within --restart-window), and gi
 the window, or at once when it exits 2 (its options or model refused: client/restarts.py); the task's output,
 labelled with its number, says why, and the other tasks serve on. The restarted worker registers again under its
 DP rank and gets the cluster's weight version before it serves. A TP or EP group is restarted whole: when one
-member dies the others notice at once, even while idle (worker/tp_commands.py, worker/group_sync.py), give their
-requests back and exit non-zero, so every task of the group restarts its member and the group meets again at its
-rendezvous. A worker that exits 0 was told to stop (a STOP, the drain on scancel) and is not restarted. The worker
-runs in the task's process group, so Slurm's signals reach it directly (the task itself only stops restarting),
-and it dies with the task. The head restarts the coordinators (another node's: its srun step) and the HTTP front
-as infer-serve does (client/supervisor.py), and the workers' whole srun step if every task has ended.
+member dies the others notice at once, even while idle (worker/parallel/tp_commands.py,
+worker/distributed/group_sync.py), give their requests back and exit non-zero, so every task of the group restarts its
+member and the group meets again at its rendezvous. A worker that exits 0 was told to stop (a STOP, the drain on
+scancel) and is not restarted. The worker runs in the task's process group, so Slurm's signals reach it directly (the
+task itself only stops restarting), and it dies with the task. The head restarts the coordinators (another node's: its
+srun step) and the HTTP front as infer-serve does (client/supervisor.py), and the workers' whole srun step if every task
+has ended.
 
 Options that are not the launcher's own (engine options such as --dtype or --threads, worker options such as
 --coordinator-timeout) go to every worker unchanged, as do the arguments after `--`.
@@ -77,9 +78,9 @@ from infer.protocol.logs import add_logging_args, logging_flags, setup_logging
 from infer.protocol.messages import MAX_COORDINATORS
 from infer.protocol.options import add_options, given, option, to_argv
 from infer.protocol.ports import listening_socket
-from infer.worker.config import EngineConfig
-from infer.worker.options import WorkerFlags, WorkerOptions
-from infer.worker.tp_supervisor import die_with_parent
+from infer.worker.engine.config import EngineConfig
+from infer.worker.parallel.tp_supervisor import die_with_parent
+from infer.worker.service.options import WorkerFlags, WorkerOptions
 
 DEFAULT_COORDINATOR_PORT = 5555
 DEFAULT_HTTP_PORT = 8000
@@ -353,7 +354,7 @@ def worker_argv(
     return [
         sys.executable,
         "-m",
-        "infer.worker.daemon",
+        "infer.worker.service.daemon",
         "--coordinator",
         task.coordinator,
         *plan.flags(),

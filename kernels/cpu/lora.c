@@ -1,11 +1,11 @@
-/* A LoRA decode step's delta for one linear layer in one call (worker/lora.py's LoraLayer): for each row i of the
- * step whose slot s = slots[i] is >= 0, t = x_i @ a_t[s] ([width] ranks), then y_i += t @ b_t[s] (scale folded into
- * b_t); rows of slot -1 (the base model) are left alone. In place of the twin's gather, two batched matmuls and
+/* A LoRA decode step's delta for one linear layer in one call (worker/engine/lora.py's LoraLayer): for each row i of
+ * the step whose slot s = slots[i] is >= 0, t = x_i @ a_t[s] ([width] ranks), then y_i += t @ b_t[s] (scale folded
+ * into b_t); rows of slot -1 (the base model) are left alone. In place of the twin's gather, two batched matmuls and
  * scatter-add (each ~20 us of torch dispatch at a handful of FLOPs).
  *
- * Layout (worker/lora.py): a_t [slots, in, width] and b_t [slots, width, out], each slot contiguous; width = subs *
- * rank, and b_t block-diagonal: ranks [k * rank, (k + 1) * rank) of sub-block k (q, k, v of a fused qkv) reach only
- * its output columns [sub_first[k], sub_first[k] + sub_cols[k]), so only those are read.
+ * Layout (worker/engine/lora.py): a_t [slots, in, width] and b_t [slots, width, out], each slot contiguous; width =
+ * subs * rank, and b_t block-diagonal: ranks [k * rank, (k + 1) * rank) of sub-block k (q, k, v of a fused qkv)
+ * reach only its output columns [sub_first[k], sub_first[k] + sub_cols[k]), so only those are read.
  *
  * Rows are taken by slot, NR at a time (their A and B read once for all of them; a group short of NR computes zero
  * rows in the empty places), TW ranks and TC output columns a pass in fp32 accumulators the compiler keeps in

@@ -555,14 +555,14 @@ int paged_decode(const void *q, int64_t q_stride, const void *k_pool, const void
     return 0;
 }
 
-/* Decode rows in runs (a speculative verification: a request's last token and its k drafts, worker/speculative.py):
- * run i is runs[i] consecutive rows of one sequence at consecutive positions, its first row at r0 (the lengths of
- * the runs before it summed), seeing seq_lens[r0] positions, row r0 + t seeing seq_lens[r0] + t (the K and V of
- * all of them already in the pool), all through row r0's block table. Each (run, KV head) reads K and V once for
- * up to MAX_ROWS / G of its tokens (a longer run in pieces), where paged_decode reads them once per row; each row's
- * arithmetic is its decode's (`attend` computes a row from its own q, length and window only), so the bits are
- * paged_decode's for the same rows (tests/kernels/test_cpu_kernels.py). runs NULL: each row a run of one
- * (paged_decode). Returns as paged_decode; -2 also for runs that do not add up to num_rows or lengths that do not
+/* Decode rows in runs (a speculative verification: a request's last token and its k drafts,
+ * worker/speculative/verification.py): run i is runs[i] consecutive rows of one sequence at consecutive positions, its
+ * first row at r0 (the lengths of the runs before it summed), seeing seq_lens[r0] positions, row r0 + t seeing
+ * seq_lens[r0] + t (the K and V of all of them already in the pool), all through row r0's block table. Each (run, KV
+ * head) reads K and V once for up to MAX_ROWS / G of its tokens (a longer run in pieces), where paged_decode reads them
+ * once per row; each row's arithmetic is its decode's (`attend` computes a row from its own q, length and window only),
+ * so the bits are paged_decode's for the same rows (tests/kernels/test_cpu_kernels.py). runs NULL: each row a run of
+ * one (paged_decode). Returns as paged_decode; -2 also for runs that do not add up to num_rows or lengths that do not
  * go up by one within a run; -3 no memory. */
 int paged_decode_runs(const void *q, int64_t q_stride, const void *k_pool, const void *v_pool,
                       const int32_t *block_tables, int64_t table_stride, int64_t table_width, const int32_t *seq_lens,

@@ -16,7 +16,7 @@ from aioprocs import pid_gone
 from infer import LLM, AsyncLLM, SamplingParams
 from infer.client.engine_client import ClusterError, EngineClient
 from infer.client.local_engine import LocalEngine
-from infer.worker.config import EngineConfig
+from infer.worker.engine.config import EngineConfig
 
 ENGINE_OPTIONS = dict(dtype="float32", max_model_len=256, kv_cache_memory=8 << 20)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -46,7 +46,7 @@ def direct(tiny_llama):
 
 
 def _local_engine(model: Path) -> LocalEngine:
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
     return LocalEngine(Engine(EngineConfig.from_options(model=str(model), **ENGINE_OPTIONS)))
 

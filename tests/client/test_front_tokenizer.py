@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from infer.worker.model_files import front_tokenizer, load_tokenizer
+from infer.worker.loading.model_files import front_tokenizer, load_tokenizer
 
 # The front's imports and its tokenizer (argv[1]: a model directory; none: the embedded model), then the torch
 # modules loaded by then.

@@ -55,7 +55,7 @@ def cluster(tmp_path):
     )
     for rank in range(2):
         procs.spawn(
-            "infer.worker.daemon",
+            "infer.worker.service.daemon",
             "--coordinator",
             procs.address,
             "--dp-rank",

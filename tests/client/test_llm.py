@@ -188,7 +188,7 @@ def test_bad_options_raise_before_anything_starts(options, message):
 
 def test_engine_options_become_the_same_worker_config(tmp_path):
     from infer.client.llm import LLMOptions
-    from infer.worker.cli import build_parser, engine_config, worker_flags
+    from infer.worker.service.cli import build_parser, engine_config, worker_flags
 
     options = LLMOptions(
         model=str(tmp_path),

@@ -14,9 +14,9 @@ import pytest
 from infer.client.api.config import FrontConfig
 from infer.client.api.server import HttpFront
 from infer.client.local_engine import LocalEngine
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.tokenizer import transformers_tokenizer
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.loading.tokenizer import transformers_tokenizer
 
 MODEL = "tiny"
 KEY = "k-123"

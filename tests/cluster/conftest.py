@@ -100,7 +100,15 @@ class Cluster:
         no --dp-rank (the coordinator assigns it) unless `dp_rank` is given; `cwd`: its working directory (a
         relative `model`)."""
         worker_id = f"w{index}-{len(self.procs)}"
-        argv = ["-m", "infer.worker.daemon", "--coordinator", self.address, "--worker-id", worker_id, *WORKER_FLAGS]
+        argv = [
+            "-m",
+            "infer.worker.service.daemon",
+            "--coordinator",
+            self.address,
+            "--worker-id",
+            worker_id,
+            *WORKER_FLAGS,
+        ]
         if dp_rank is not None:
             argv += ["--dp-rank", str(dp_rank)]
         if benchmark:

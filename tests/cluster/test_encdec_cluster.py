@@ -110,7 +110,7 @@ def test_a_worker_refuses_kv_transfers_for_an_encoder_decoder_model(tmp_path, sm
     argv = ["--coordinator", "tcp://127.0.0.1:9", "--model", str(path), *ENGINE_FLAGS]
     kv = ["--kv-transfer-config", '{"kv_role": "kv_both"}']
     done = subprocess.run(
-        [sys.executable, "-m", "infer.worker.cli", *argv, *kv], capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", "infer.worker.service.cli", *argv, *kv], capture_output=True, text=True, timeout=180
     )
     assert done.returncode == 2
     assert "--kv-transfer-config is not supported for an encoder-decoder model" in done.stderr

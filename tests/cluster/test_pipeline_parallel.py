@@ -292,7 +292,7 @@ async def test_infer_serve_restarts_a_pipeline_whole_after_kill_9_of_a_stage(tin
     try:
         async with InferenceClient(served.address) as client:
             reference = [c.token_ids for c in await asyncio.gather(*(client.generate(p, LONG) for p in PROMPTS))]
-        ranks = [pid for pid in children(served.proc.pid) if "infer.worker.daemon" in _cmdline(pid)]
+        ranks = [pid for pid in children(served.proc.pid) if "infer.worker.service.daemon" in _cmdline(pid)]
         stage1 = [pid for rank in ranks for pid in children(rank) if "--pp-rank\x001" in _cmdline(pid)]
         assert len(ranks) == 2 and len(stage1) == 2, (ranks, stage1)
         killed_at = 0.0
@@ -311,7 +311,7 @@ async def test_infer_serve_restarts_a_pipeline_whole_after_kill_9_of_a_stage(tin
         now = [
             pid
             for rank in children(served.proc.pid)
-            if "infer.worker.daemon" in _cmdline(rank)
+            if "infer.worker.service.daemon" in _cmdline(rank)
             for pid in children(rank)
         ]
         assert stage1[0] not in now and len(now) == 4, now

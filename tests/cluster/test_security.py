@@ -196,7 +196,7 @@ def test_without_keys_a_non_loopback_bind_needs_trusted_network(cluster_factory)
 )
 def test_bad_key_options_exit_2_with_the_reason(case, keys, tmp_path):
     coordinator = ("-m", "infer.coordinator.daemon", "--port", "0")
-    worker = ("-m", "infer.worker.daemon", "--coordinator", "tcp://127.0.0.1:9", "--benchmark-mode")
+    worker = ("-m", "infer.worker.service.daemon", "--coordinator", "tcp://127.0.0.1:9", "--benchmark-mode")
     (tmp_path / "empty").mkdir()
     (tmp_path / "flat").mkdir()
     (tmp_path / "flat" / "client.key").write_bytes(keys.public("client").read_bytes())
@@ -357,7 +357,7 @@ def _ep_rank(rank: int, port: int, key_files: list[str], stranger_secret: str, r
 
     from infer.protocol.keys import CurveKeys
     from infer.protocol.transport import make_socket
-    from infer.worker.group_sync import EpOptions, GroupSync
+    from infer.worker.distributed.group_sync import EpOptions, GroupSync
 
     try:
         options = EpOptions(size=2, rank=rank, dist_init=f"tcp://127.0.0.1:{port}", timeout_s=20)

@@ -89,7 +89,7 @@ async def _kill_9_under_load(served: Served, module: str, reference: list[list[i
 
 
 async def test_a_killed_worker_is_restarted_and_streams_complete_exactly(served, reference):
-    await _kill_9_under_load(served, "infer.worker.daemon", reference)
+    await _kill_9_under_load(served, "infer.worker.service.daemon", reference)
     assert "worker" in served.log.read_text() and "restarting it in" in served.log.read_text()
 
 
@@ -129,7 +129,7 @@ async def test_a_killed_tp_member_takes_its_group_down_and_the_group_is_restarte
     try:
         async with InferenceClient(served.address) as client:
             reference = [c.token_ids for c in await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))]
-        groups = _child_pids(served, "infer.worker.daemon")
+        groups = _child_pids(served, "infer.worker.service.daemon")
         followers = [pid for group in groups for pid in _member_pids(group) if "--tp-rank\x001" in _cmdline(pid)]
         assert len(groups) == 2 and len(followers) == 2, (groups, followers)
         killed_at = 0.0
@@ -144,7 +144,7 @@ async def test_a_killed_tp_member_takes_its_group_down_and_the_group_is_restarte
         await _back_to_full_capacity(served, killed_at)
         text = served.log.read_text()
         assert "restarting it in" in text and followers[0] not in [
-            pid for group in _child_pids(served, "infer.worker.daemon") for pid in _member_pids(group)
+            pid for group in _child_pids(served, "infer.worker.service.daemon") for pid in _member_pids(group)
         ]
     finally:
         served.stop()

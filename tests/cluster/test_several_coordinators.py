@@ -93,7 +93,7 @@ class Trio:
         return self.cluster.spawn(
             f"worker{index}",
             "-m",
-            "infer.worker.daemon",
+            "infer.worker.service.daemon",
             "--coordinator",
             self.address,
             "--worker-id",

@@ -57,7 +57,7 @@ async def test_suspend_frees_worker_memory_and_resume_restores_identical_outputs
         assert await client.suspend() == "suspended"
         released = client.last_ack.bytes_released
         # the weights (fp32: the tied 49152 x 64 embedding alone is 12.6 MB) and the KV pool's resident pages (a CPU
-        # pool is mapped as steps touch it: worker/forward_batch.py zeroed_pool)
+        # pool is mapped as steps touch it: worker/engine/forward_batch.py zeroed_pool)
         assert released >= 12 << 20
         assert rss - _rss(pid) >= 0.9 * released  # given back to the OS
         stats = await client.stats()

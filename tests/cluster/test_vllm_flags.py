@@ -12,7 +12,7 @@ from serve_harness import Served
 
 from infer.client import InferenceClient
 from infer.client.serve import build_parser, worker_args
-from infer.worker.cli import build_parser as worker_parser
+from infer.worker.service.cli import build_parser as worker_parser
 
 
 async def test_infer_serve_takes_vllms_names_for_data_and_tensor_parallel_sizes(tmp_path):
@@ -49,8 +49,12 @@ async def test_infer_serve_takes_vllms_names_for_data_and_tensor_parallel_sizes(
         ),
         ("infer.client.serve", ["--gpu-memory-utilization", "0.9"], "--kv-cache-memory-fraction"),
         ("infer.client.serve", ["--swap-space", "4"], "recomputes"),
-        ("infer.worker.cli", ["--coordinator", "tcp://127.0.0.1:9", "--kv-cache-dtype", "fp8_e5m2"], "only 'auto'"),
-        ("infer.worker.cli", ["--coordinator", "tcp://127.0.0.1:9", "--enable-expert-parallel"], "--ep-size N"),
+        (
+            "infer.worker.service.cli",
+            ["--coordinator", "tcp://127.0.0.1:9", "--kv-cache-dtype", "fp8_e5m2"],
+            "only 'auto'",
+        ),
+        ("infer.worker.service.cli", ["--coordinator", "tcp://127.0.0.1:9", "--enable-expert-parallel"], "--ep-size N"),
         ("infer.client.api.server", ["--coordinator", "tcp://127.0.0.1:9", "--cpu-offload-gb", "8"], "--quantization"),
     ],
 )

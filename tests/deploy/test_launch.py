@@ -20,7 +20,7 @@ from infer.coordinator.config import CoordinatorConfig
 from infer.coordinator.daemon import build_parser as coordinator_parser
 from infer.coordinator.daemon import config_from_args
 from infer.protocol.options import given, to_argv
-from infer.worker.cli import build_parser as worker_daemon_parser
+from infer.worker.service.cli import build_parser as worker_daemon_parser
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -193,7 +193,7 @@ def test_the_head_runs_one_srun_step_and_passes_unknown_options_to_every_worker(
     assert plan.coordinator_host == "0.0.0.0" == plan.http_host  # localhost is loopback: bind every interface
     assert plan.srun[:5] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--distribution=block"]
     command = _worker_command(plan, 2, ["localhost", "n2"])
-    assert command[1:5] == ["-m", "infer.worker.daemon", "--coordinator", "tcp://localhost:5555"]
+    assert command[1:5] == ["-m", "infer.worker.service.daemon", "--coordinator", "tcp://localhost:5555"]
     daemon = worker_daemon_parser().parse_args(command[3:])  # infer-worker accepts all of it
     assert (daemon.model, daemon.dtype, daemon.drain_timeout) == ("/m", "float32", 5.0)
     assert (daemon.dp_rank, daemon.ep_size, daemon.ep_rank, daemon.group_id, daemon.dist_init) == (

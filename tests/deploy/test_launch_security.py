@@ -15,7 +15,7 @@ import pytest
 from infer.client.api.server import check_front_exposure, front_config
 from infer.coordinator.daemon import build_parser as coordinator_parser
 from infer.protocol.keys import ClusterKeyDir
-from infer.worker.cli import build_parser as worker_daemon_parser
+from infer.worker.service.cli import build_parser as worker_daemon_parser
 
 REPO = Path(__file__).resolve().parents[2]
 

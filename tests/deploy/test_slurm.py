@@ -637,7 +637,7 @@ def test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarte
         follower_pid = next(
             pid
             for pid in pids
-            if _argv(pid)[1:3] == ["-m", "infer.worker.daemon"]
+            if _argv(pid)[1:3] == ["-m", "infer.worker.service.daemon"]
             and "--tp-rank" in _argv(pid)
             and _argv(pid)[_argv(pid).index("--tp-rank") + 1] == "1"
         )
@@ -749,7 +749,7 @@ def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions_and_is_rest
         stage1_pid = next(
             pid
             for pid in pids
-            if _argv(pid)[1:3] == ["-m", "infer.worker.daemon"]
+            if _argv(pid)[1:3] == ["-m", "infer.worker.service.daemon"]
             and "--pp-rank" in _argv(pid)
             and _argv(pid)[_argv(pid).index("--pp-rank") + 1] == "1"
         )

@@ -23,7 +23,7 @@ from infer.kernels.paged_attention import (
 from infer.kernels.rmsnorm import rms_norm_cpu
 from infer.kernels.sampling import sample_torch, sample_triton
 from infer.protocol import env
-from infer.worker.loader import build_model
+from infer.worker.loading.loader import build_model
 
 CPU = torch.device("cpu")
 

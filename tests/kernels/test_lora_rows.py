@@ -1,4 +1,4 @@
-"""The native LoRA decode step (kernels/cpu/lora.c, `cpu_kernels.lora_rows`) against its torch twin (worker/lora.py's
+"""The native LoRA decode step (kernels/cpu/lora.c, `cpu_kernels.lora_rows`) against its torch twin (worker/engine/lora.py's
 stacked path: gather, two batched matmuls, scatter-add) and float64: fused layers with per-projection sub-blocks,
 adapters of smaller rank than the slots' (zero-padded ranks), slots no row uses, cleared slots, and base rows
 (slot -1), which must keep their bits."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from infer.kernels.cpu_kernels import lora_rows, lora_rows_takes
-from infer.worker.lora import LoraLayer, LoraManager, lora_step
+from infer.worker.engine.lora import LoraLayer, LoraManager, lora_step
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, RowLinear
 
 pytestmark = pytest.mark.usefixtures("isa")  # every test once per build this CPU runs (conftest.py)

@@ -85,7 +85,7 @@ def test_setup_logging_refuses_an_unknown_format():
     "module, argv",
     [
         ("infer.coordinator.daemon", []),
-        ("infer.worker.cli", ["--coordinator", "tcp://127.0.0.1:5555"]),
+        ("infer.worker.service.cli", ["--coordinator", "tcp://127.0.0.1:5555"]),
         ("infer.client.serve", []),
         ("infer.client.api.server", ["--coordinator", "tcp://127.0.0.1:5555"]),
     ],
@@ -102,7 +102,7 @@ def test_every_command_takes_the_same_logging_flags(module, argv):
 
 
 def test_child_processes_get_the_logging_flags_the_same_way():
-    from infer.worker.cli import build_parser
+    from infer.worker.service.cli import build_parser
 
     args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:5555", *logging_argv("DEBUG", "json")])
     assert (args.log_level, args.log_format) == ("DEBUG", "json") and logging_flags(args) == logging_argv(

@@ -328,7 +328,7 @@ EXAMPLES += [
     ),
     KvResync(reason="a gap in its KV events"),
     Submit(request_id="r", prompt_token_ids=TokenIds([1]), session_id="conversation-7"),
-    # disaggregated prefill and decode (worker/kv_transfer.py)
+    # disaggregated prefill and decode (worker/kv/transfer.py)
     Hello(
         role="worker",
         peer_id="w",

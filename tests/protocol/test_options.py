@@ -13,7 +13,7 @@ import pytest
 from infer.coordinator.config import CoordinatorConfig
 from infer.protocol import env
 from infer.protocol.options import add_options, cli_fields, given, to_argv
-from infer.worker.config import EngineConfig
+from infer.worker.engine.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

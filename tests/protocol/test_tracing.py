@@ -86,7 +86,7 @@ WITHOUT_SDK = """
 import sys
 for name in ("opentelemetry.sdk", "opentelemetry.exporter"):   # as if the extra were not installed (the API
     sys.modules[name] = None                                    # alone comes with fastapi): their imports fail
-import infer, infer.client.api.app, infer.client.serve, infer.coordinator.daemon, infer.worker.daemon
+import infer, infer.client.api.app, infer.client.serve, infer.coordinator.daemon, infer.worker.service.daemon
 from infer.coordinator.daemon import main
 sys.exit(main(["--port", "0", "--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces"]))
 """

@@ -209,7 +209,7 @@ class ProcessCluster:
             self.worker_ids[rank] = f"w{rank}-{next(self._starts)}"
         argv = [
             "-m",
-            "infer.worker.daemon",
+            "infer.worker.service.daemon",
             "--coordinator",
             self.address,
             "--dp-rank",

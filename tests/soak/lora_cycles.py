@@ -38,7 +38,7 @@ def make_tiny_llama(folder: Path) -> Path:
     """tests/conftest.py's tiny "llama" with SmolLM2's tokenizer, saved in `folder`."""
     from transformers import AutoTokenizer
 
-    from infer.worker.model_files import resolve_model
+    from infer.worker.loading.model_files import resolve_model
 
     return save_tiny_model("llama", folder, AutoTokenizer.from_pretrained(str(resolve_model(None))))
 

@@ -1,4 +1,4 @@
-"""AWQ and GPTQ int4 checkpoints load as they are (worker/awq_gptq.py, the loader's wiring).
+"""AWQ and GPTQ int4 checkpoints load as they are (worker/loading/awq_gptq.py, the loader's wiring).
 
 There is no AutoAWQ / AutoGPTQ here, so the checkpoints are written by this file's own packers, each a plain loop
 over the documented bit positions (nibble i of an int32 word is bits 4i .. 4i + 3):
@@ -23,12 +23,12 @@ from safetensors.torch import load_file, save_file
 
 from infer import SamplingParams
 from infer.kernels.quant import dequantize, unpack_q4
-from infer.worker.awq_gptq import Int4Scheme, Int4Tensor, scheme_of
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.loader import build_model, file_tensors, load_model, load_named_tensors, weight_files
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.loading.awq_gptq import Int4Scheme, Int4Tensor, scheme_of
+from infer.worker.loading.loader import build_model, file_tensors, load_model, load_named_tensors, weight_files
 from infer.worker.models.layers import QuantStorage
-from infer.worker.tensor_parallel import TensorParallel
 
 CPU = torch.device("cpu")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -330,7 +330,7 @@ def test_a_tensor_parallel_rank_reads_its_shard_of_the_packed_tensors(int4_dir) 
     the GPTQ tensors, dense and kept in q4."""
     from transformers import AutoConfig
 
-    from infer.worker.loader import materialize, pack_weights, quant_plan
+    from infer.worker.loading.loader import materialize, pack_weights, quant_plan
     from infer.worker.models.layers import deferred_weights
 
     path = int4_dir("llama", "gptq", "gptq", False, 32)

@@ -9,10 +9,10 @@ import math
 import pytest
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.beam_search import BeamSearch
-from infer.worker.block_manager import BlockManager
-from infer.worker.request import Request, RequestStatus
-from infer.worker.scheduler import Scheduler, SchedulerConfig
+from infer.worker.engine.beam_search import BeamSearch
+from infer.worker.engine.block_manager import BlockManager
+from infer.worker.engine.request import Request, RequestStatus
+from infer.worker.engine.scheduler import Scheduler, SchedulerConfig
 
 EOS = 0
 
@@ -140,13 +140,13 @@ def test_scheduler_fork_and_group_preemption():
 
 
 def scheduler_step():
-    from infer.worker.scheduler import _Step
+    from infer.worker.engine.scheduler import _Step
 
     return _Step(0, 0)
 
 
 def test_a_fork_without_a_free_block_preempts_its_group_and_voids_its_copies():
-    from infer.worker.beam_groups import BeamGroups
+    from infer.worker.engine.beam_groups import BeamGroups
 
     scheduler = _scheduler(num_blocks=3)
     root = Request(

@@ -1,4 +1,4 @@
-"""Beam search (worker/beam_search.py, worker/beam_groups.py): the best beam equals transformers'
+"""Beam search (worker/engine/beam_search.py, worker/engine/beam_groups.py): the best beam equals transformers'
 generate(num_beams=k, do_sample=False, length_penalty=...) on tiny random models, beams share KV blocks by
 reference count, and the engine stays consistent under chunked prefill, preemption, aborts and stop strings."""
 
@@ -14,9 +14,9 @@ from hf_reference import hf_model, transformers_greedy
 
 from infer import SamplingParams
 from infer.protocol.beam_search import BeamSearchParams
-from infer.worker.beam_groups import BeamGroups
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.beam_groups import BeamGroups
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 MAX_NEW = 8
 PROMPT_LENGTHS = (1, 4, 9, 23)
@@ -280,7 +280,7 @@ def test_engine_refusals_keep_it_serving(eos_model, engine):
 def _kv_bytes(model_dir, num_blocks: int, block_size: int) -> int:
     from transformers import AutoConfig
 
-    from infer.worker.forward_batch import KVCache
+    from infer.worker.engine.forward_batch import KVCache
 
     cfg = AutoConfig.from_pretrained(model_dir)
     head_dim = cfg.hidden_size // cfg.num_attention_heads

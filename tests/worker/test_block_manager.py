@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from sched_sim import finish_step, make_request
 
 from infer.protocol.prefix_hash import prefix_digest
-from infer.worker import block_manager as bm_module
-from infer.worker.block_manager import BlockManager, hash_block_tokens
-from infer.worker.request import Request, RequestStatus
-from infer.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from infer.worker.engine import block_manager as bm_module
+from infer.worker.engine.block_manager import BlockManager, hash_block_tokens
+from infer.worker.engine.request import Request, RequestStatus
+from infer.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 
 def compute(manager: BlockManager, request: Request, num_new_tokens: int, cached: list[int] | None = None) -> None:
@@ -407,7 +407,7 @@ def apply_op(scheduler: Scheduler, kv: FakeKV, requests: list[Request], op: tupl
             assert request.block_table == [] and request.status is RequestStatus.FINISHED_STOPPED
 
 
-# ---- the tier beyond the pool (worker/kv_offload.py's bookkeeping) -----------------------------------------------
+# ---- the tier beyond the pool (worker/kv/offload.py's bookkeeping) -----------------------------------------------
 
 
 class FakeTier:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from sched_sim import finish_step, make_request
 
-from infer.worker.block_manager import RELEASED, BlockManager
-from infer.worker.scheduler import Scheduler, SchedulerConfig
+from infer.worker.engine.block_manager import RELEASED, BlockManager
+from infer.worker.engine.scheduler import Scheduler, SchedulerConfig
 
 
 def _scheduler(release_window: int, prefix_caching: bool, num_blocks: int = 64) -> Scheduler:

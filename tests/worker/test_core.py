@@ -21,8 +21,8 @@ from infer.protocol.messages import (
     WeightsUpdated,
     encode,
 )
-from infer.worker.core import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, WorkerExit
-from infer.worker.lifecycle import TABLE, Action, WorkerState, transition
+from infer.worker.service.core import EXIT_FATAL, EXIT_OK, EXIT_REFUSED, WorkerExit
+from infer.worker.service.lifecycle import TABLE, Action, WorkerState, transition
 from tests.worker_harness import WorkerHarness, deltas, dispatch, heartbeats, of_type
 
 

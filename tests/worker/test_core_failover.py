@@ -14,11 +14,11 @@ import zmq
 
 from infer.protocol.messages import Control, Hello, Message, Redirect, StepBatch, Welcome, decode, encode
 from infer.protocol.transport import make_socket
-from infer.worker.benchmark_engine import BenchmarkEngine
-from infer.worker.config import EngineConfig
-from infer.worker.core import ATTEMPT_S, SWITCH_BACKOFF_S
-from infer.worker.daemon import Worker
-from infer.worker.options import WorkerOptions
+from infer.worker.engine.config import EngineConfig
+from infer.worker.service.benchmark_engine import BenchmarkEngine
+from infer.worker.service.core import ATTEMPT_S, SWITCH_BACKOFF_S
+from infer.worker.service.daemon import Worker
+from infer.worker.service.options import WorkerOptions
 from tests.worker_harness import WorkerHarness, dispatch, of_type
 
 A, B, C = "tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002", "tcp://127.0.0.1:7003"

@@ -134,7 +134,16 @@ class WorkerProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - the process writes to it until kill()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infer.worker.daemon", "--coordinator", coordinator, "--worker-id", "w-test", *args],
+            [
+                sys.executable,
+                "-m",
+                "infer.worker.service.daemon",
+                "--coordinator",
+                coordinator,
+                "--worker-id",
+                "w-test",
+                *args,
+            ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )
@@ -190,8 +199,8 @@ def model_dir(tiny_model_dir) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir):
     """The in-process oracle: the same engine options as the worker."""
-    from infer.worker.config import EngineConfig
-    from infer.worker.engine import Engine
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
 
     return Engine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.worker.loader import load_model
+from infer.worker.loading.loader import load_model
 
 
 def test_the_pool_holds_the_latent(family_dir):

@@ -16,10 +16,10 @@ from family_models import DEEPSEEK_V2, FAMILIES, tiny_llm
 from hf_reference import hf_model
 
 from infer import LLM
-from infer.worker.config import EngineConfig
-from infer.worker.engine_setup import num_kv_blocks
-from infer.worker.forward_batch import KVCache
-from infer.worker.loader import build_model, load_model
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine_setup import num_kv_blocks
+from infer.worker.engine.forward_batch import KVCache
+from infer.worker.loading.loader import build_model, load_model
 from infer.worker.models.deepseek_moe import DeepseekMoE, GroupedTopK
 from infer.worker.models.llama import LlamaMLP
 
@@ -119,7 +119,7 @@ def test_inconsistent_groups_are_a_value_error():
 
 
 def test_a_dense_config_refuses_an_ep_group():
-    from infer.worker.expert_parallel import ExpertParallel
+    from infer.worker.distributed.expert_parallel import ExpertParallel
 
     dense = _config("deepseek_v2", **DEEPSEEK_V2, norm_topk_prob=False)
     with pytest.raises(ValueError, match="EP group of 2 ranks needs MoE layers"):

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.detokenizer import IncrementalDetokenizer
+from infer.worker.engine.detokenizer import IncrementalDetokenizer
 
 PROMPT_TEXT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
 PIECES = [

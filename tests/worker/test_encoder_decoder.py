@@ -14,8 +14,8 @@ import torch
 from encdec_models import encdec_checkpoint, hf_encdec, transformers_greedy
 
 from infer import LLM, SamplingParams
-from infer.worker.block_manager import BlockManager
-from infer.worker.request import Request
+from infer.worker.engine.block_manager import BlockManager
+from infer.worker.engine.request import Request
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -12,9 +12,9 @@ from hf_reference import first_layers, hf_model
 from prompts import prompt_of_length
 
 from infer import LLM, SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.forward_batch import KVCache
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.engine.forward_batch import KVCache
 
 MAX_NEW = 12
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

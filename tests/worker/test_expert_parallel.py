@@ -14,8 +14,8 @@ import torch
 from ports import join_gloo
 from two_ranks import run_two_ranks
 
-from infer.worker.expert_parallel import ExpertParallel
-from infer.worker.group_sync import EpOptions
+from infer.worker.distributed.expert_parallel import ExpertParallel
+from infer.worker.distributed.group_sync import EpOptions
 
 NUM_EXPERTS, HIDDEN, TOP_K = 4, 8, 2
 
@@ -45,7 +45,7 @@ def _run_experts(ep: ExpertParallel, hidden, ids, weights) -> torch.Tensor:
 def _rank_main(rank: int, port: int, tokens: list[int], scenario: str, results) -> None:
     import zmq
 
-    from infer.worker.group_sync import GroupBroken, GroupSync
+    from infer.worker.distributed.group_sync import GroupBroken, GroupSync
 
     try:
         options = EpOptions(size=2, rank=rank, dist_init=f"tcp://127.0.0.1:{port}", timeout_s=20)

@@ -15,8 +15,8 @@ from hf_reference import assert_bf16_as_close_as_transformers, hf_model
 from tiny_models import ONE_BUCKET_OPTIONS
 
 from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 LOGPROB_TOLERANCE = 2e-4  # fp32: ours against transformers' log_softmax of its logits
 

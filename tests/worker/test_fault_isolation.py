@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from infer.protocol.outputs import Completion
 from infer.protocol.sampling import MAX_REPETITION_PENALTY, MAX_TOP_K, MIN_REPETITION_PENALTY, SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [40, 41, 42], "c": [300, 301, 302, 303, 304, 305, 306]}

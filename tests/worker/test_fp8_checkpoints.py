@@ -1,4 +1,4 @@
-"""FP8 block-wise checkpoints (worker/fp8.py, the loader's wiring) load as their dense values.
+"""FP8 block-wise checkpoints (worker/loading/fp8.py, the loader's wiring) load as their dense values.
 
 There is no FP8 checkpoint here, and transformers' own FP8 path wants a GPU, so this file writes them: every decoder
 linear of a tiny random model quantized per block [bo, bi] as DeepSeek's and Qwen's releases are (scale = the
@@ -25,9 +25,9 @@ from moe_models import tiny_mixtral, tiny_qwen3_moe
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
-from infer.worker.fp8 import Fp8Scheme, Fp8Tensor, fp8_scheme_of
-from infer.worker.loader import build_model, file_tensors, load_model, load_named_tensors, weight_files
-from infer.worker.tensor_parallel import TensorParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.loading.fp8 import Fp8Scheme, Fp8Tensor, fp8_scheme_of
+from infer.worker.loading.loader import build_model, file_tensors, load_model, load_named_tensors, weight_files
 
 CPU = torch.device("cpu")
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -306,7 +306,7 @@ def test_a_tensor_parallel_rank_reads_half_the_fp8_weights_one_tensor_at_a_time(
     (one float32 tensor in flight, not the checkpoint)."""
     from transformers import AutoConfig
 
-    from infer.worker import loader
+    from infer.worker.loading import loader
 
     path = fp8_dir("llama")
     total = sum(t.numel() for t in load_file(str(path / "model.safetensors")).values() if t.dtype in FP8_DTYPE.values())
@@ -503,7 +503,15 @@ def test_the_worker_exits_2_naming_the_tensor_without_a_traceback(fp8_dir, tmp_p
     """A bad checkpoint never crashes the daemon: its fatal line names the tensor, exit 2 (a usage error)."""
     path = edited(fp8_dir("llama"), tmp_path / "bad", lambda t: t.pop(f"{DOWN}.weight_scale_inv"))
     done = subprocess.run(
-        [sys.executable, "-m", "infer.worker.daemon", "--coordinator", "tcp://127.0.0.1:9", "--model", str(path)],
+        [
+            sys.executable,
+            "-m",
+            "infer.worker.service.daemon",
+            "--coordinator",
+            "tcp://127.0.0.1:9",
+            "--model",
+            str(path),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

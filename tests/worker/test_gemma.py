@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from infer.worker.loader import load_model
+from infer.worker.loading.loader import load_model
 
 
 def test_gemma3_is_ours_with_each_layer_s_window_and_rope(family_dir):

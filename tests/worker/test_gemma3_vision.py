@@ -29,8 +29,8 @@ from gemma3_vision_models import (
 from llava_models import bomb, png
 
 from infer import LLM, SamplingParams
-from infer.worker.images import ImageLimits, load_image, to_rgb
-from infer.worker.vision import Gemma3Preprocessor
+from infer.worker.engine.images import ImageLimits, load_image, to_rgb
+from infer.worker.engine.vision import Gemma3Preprocessor
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -274,7 +274,7 @@ def _our_logits(
     (`two_way`) each image's span for its two-way attention, as the model runner gives them."""
     from model_batches import Pager, new_cache
 
-    from infer.worker.loader import load_model
+    from infer.worker.loading.loader import load_model
 
     model = load_model(path, dtype, torch.device("cpu"))
     rows = torch.nonzero(types).flatten()
@@ -364,7 +364,7 @@ def test_every_checkpoint_layout_loads_the_same_weights(gemma3, tmp_path, rename
 
     from safetensors.torch import load_file, save_file
 
-    from infer.worker.loader import load_model
+    from infer.worker.loading.loader import load_model
 
     other = tmp_path / "other"
     shutil.copytree(gemma3, other)

@@ -1,4 +1,4 @@
-"""GGUF files read as they are (worker/gguf.py): our torch decoding against gguf-py's numpy reference, the repack
+"""GGUF files read as they are (worker/loading/gguf.py): our torch decoding against gguf-py's numpy reference, the repack
 into kernels.quant's q4 / q8 (exact where the module says exact, within its stated bound elsewhere), lazy narrowing,
 transformers names and the llama q / k unpermutation (tiny files written with gguf.GGUFWriter, and the embedded
 SmolLM2 against transformers' own GGUF loading), broken files, and the weightless model directory."""
@@ -16,9 +16,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from infer.kernels.quant import dequantize
-from infer.worker import gguf as gguf_module
-from infer.worker.gguf import GGUFFile, GGUFTensor, checkpoint_name, unpermute_order, write_model_dir
-from infer.worker.model_files import default_model_gguf
+from infer.worker.loading import gguf as gguf_module
+from infer.worker.loading.gguf import GGUFFile, GGUFTensor, checkpoint_name, unpermute_order, write_model_dir
+from infer.worker.loading.model_files import default_model_gguf
 
 QUANTIZED = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 SUPPORTED = (Q.F32, Q.F16, Q.BF16, *QUANTIZED)
@@ -528,8 +528,8 @@ def test_loader_fills_a_tensor_parallel_rank_from_gguf_tensors(
 ) -> None:
     """The loader takes GGUFTensors where it takes safetensors' lazy tensors: rank 1 of 3 narrows rows (q / k / v,
     gate / up, embedding) and whole blocks of columns (o_proj, down_proj) out of the unpermuted Q4_1 blocks."""
-    from infer.worker.loader import build_model, load_named_tensors
-    from infer.worker.tensor_parallel import TensorParallel
+    from infer.worker.distributed.tensor_parallel import TensorParallel
+    from infer.worker.loading.loader import build_model, load_named_tensors
 
     model = build_model(smollm_config, torch.float32, "cpu", tp=TensorParallel(rank=1, size=3))
     load_named_tensors(model, ((name, lambda t=t: t, "in the embedded GGUF") for name, t in smollm.tensors()))

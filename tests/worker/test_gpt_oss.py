@@ -18,7 +18,7 @@ from infer.kernels.paged_attention import (
     paged_decode_attention_cpu,
     paged_prefill_attention_cpu,
 )
-from infer.worker.loader import load_model
+from infer.worker.loading.loader import load_model
 from infer.worker.models.gpt_oss import dequantize_mxfp4
 
 # ---------------------------------------------------------------------------------------------------------

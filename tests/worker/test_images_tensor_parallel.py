@@ -1,7 +1,7 @@
 """Vision models under tensor parallelism (LLM's tensor_parallel_size in direct mode: rank 0 here, rank 1 a process
 of its own): the language model sharded over the two ranks, the vision tower whole on each and run on rank 0 only,
 whose features (and Qwen2-VL's M-RoPE positions, Gemma 3's image spans) rank 1 takes with each step
-(worker/tp_commands.py). The greedy tokens of a prompt with an image, and of one with two, equal one process's, for
+(worker/parallel/tp_commands.py). The greedy tokens of a prompt with an image, and of one with two, equal one process's, for
 LLaVA, Qwen2-VL and Gemma 3 (each family's own tests hold one process's tokens to transformers')."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The prefix cache's changes as the coordinator sees them (worker/kv_events.py): the block manager reports a hash
+"""The prefix cache's changes as the coordinator sees them (worker/kv/events.py): the block manager reports a hash
 stored when its first cached block appears and removed when its last goes; applying every KvEvents taken since the
 last reset to an empty set always gives the hashes the cache holds; the log is bounded per frame and in total (past
 it: a snapshot); the hashes are the ones the coordinator computes for the same prompt (protocol/prefix_hash.py)."""
@@ -12,9 +12,9 @@ from sched_sim import make_request
 
 from infer.protocol.messages import KvEvents, KvResync, StepBatch, Welcome
 from infer.protocol.prefix_hash import adapter_salt, prompt_block_hashes
-from infer.worker.block_manager import BlockManager
-from infer.worker.kv_events import KvEventLog
-from infer.worker.request import Request
+from infer.worker.engine.block_manager import BlockManager
+from infer.worker.engine.request import Request
+from infer.worker.kv.events import KvEventLog
 
 BS = 4
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.forward_batch import KVCache
-from infer.worker.kv_offload_store import HEADER_SIZE, iter_spill_files
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.engine.forward_batch import KVCache
+from infer.worker.kv.offload_store import HEADER_SIZE, iter_spill_files
 
 BS = 16
 POOL_BLOCKS = 20

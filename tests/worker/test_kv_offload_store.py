@@ -1,4 +1,4 @@
-"""DiskStore (worker/kv_offload_store.py), no torch: the file format and its checks (corrupt, truncated, foreign,
+"""DiskStore (worker/kv/offload_store.py), no torch: the file format and its checks (corrupt, truncated, foreign,
 another prefix: rejected, deleted, counted), the size bound (LRU), the bounded writer queue (a full queue drops),
 a restarted store reusing its slot, slots kept apart by their locks, the directory's checks and the config's."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from infer.protocol.options import add_options, given, to_argv
 from infer.protocol.prefix_hash import prefix_digest
-from infer.worker.config import EngineConfig
-from infer.worker.kv_offload_store import (
+from infer.worker.engine.config import EngineConfig
+from infer.worker.kv.offload_store import (
     HEADER_SIZE,
     DiskStore,
     check_offload_dir,

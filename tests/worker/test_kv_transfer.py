@@ -1,6 +1,6 @@
 """Disaggregated prefill and decode, in pieces: `--kv-transfer-config` and what a KV role refuses (exit 2 naming it),
-the transfer's state machine (worker/kv_transfer.py, sans-I/O, against a fake port: offer, want, frames, answers,
-refusals, the deadline), and the engine's side (worker/kv_port.py) on two real tiny-Llama engines: the blocks one
+the transfer's state machine (worker/kv/transfer.py, sans-I/O, against a fake port: offer, want, frames, answers,
+refusals, the deadline), and the engine's side (worker/kv/port.py) on two real tiny-Llama engines: the blocks one
 prefilled are stored in the other's prefix cache, and the request resumed there gives the same greedy tokens with
 its prompt served from them; a consumer with no free block drops them (counted) and recomputes. Then a drain's moves in
 the worker core: it asks where its requests go, ships and hands back each named one, ends at its deadline."""
@@ -12,10 +12,10 @@ import pytest
 from infer import SamplingParams
 from infer.protocol.messages import KvBlocks, KvOffer, KvStored, KvWant, encode
 from infer.protocol.options import to_argv
-from infer.worker import cli
-from infer.worker.config import EngineConfig
-from infer.worker.kv_transfer import KvReceiver, KvSender, KvTransferConfig
-from infer.worker.options import WorkerOptions
+from infer.worker.engine.config import EngineConfig
+from infer.worker.kv.transfer import KvReceiver, KvSender, KvTransferConfig
+from infer.worker.service import cli
+from infer.worker.service.options import WorkerOptions
 
 COORDINATOR = ["--coordinator", "tcp://127.0.0.1:9"]
 PRODUCER = ["--kv-transfer-config", '{"kv_role": "kv_producer"}']
@@ -124,7 +124,7 @@ def run_transfer(sender: KvSender, receiver: KvReceiver, fingerprint: bytes = b"
 
 
 def test_only_the_blocks_the_consumer_lacks_travel_in_bounded_frames(monkeypatch):
-    monkeypatch.setattr("infer.worker.kv_transfer.MAX_FRAME_PAYLOAD", 2 * 8)  # two 8-byte blocks a frame
+    monkeypatch.setattr("infer.worker.kv.transfer.MAX_FRAME_PAYLOAD", 2 * 8)  # two 8-byte blocks a frame
     sender, port = KvSender(timeout_s=5.0), FakePort(held=1)
     blocks = [bytes([i]) * 8 for i in range(5)]
     sender.start("r", "tcp://c:1", "", (list(range(81)), blocks), b"fp0", now=0.0)
@@ -159,7 +159,7 @@ def test_a_consumer_out_of_blocks_a_foreign_engine_and_a_silent_one_end_the_tran
 
 
 def test_on_one_host_the_blocks_go_through_shared_memory_and_their_files_are_removed(tmp_path):
-    from infer.worker.kv_links import ShmArea
+    from infer.worker.service.kv_links import ShmArea
 
     producer_area, consumer_area = ShmArea(tmp_path), ShmArea(tmp_path)
     sender, port = KvSender(timeout_s=5.0, shm=producer_area), FakePort()
@@ -205,7 +205,7 @@ PROMPT = [(5 * j) % 300 + 7 for j in range(45)]  # 2 full blocks of 16, and a ta
 
 
 def make_engine(model_dir, kv_cache_memory: int = 4_000_000, quantization: str = "auto"):
-    from infer.worker.engine import Engine
+    from infer.worker.engine.engine import Engine
 
     config = EngineConfig(
         model=str(model_dir),
@@ -292,7 +292,7 @@ def producer_harness(port: FakePort):
     """A kv_producer's core over BenchmarkEngine with `port` as its KV port, welcomed."""
     from worker_harness import WorkerHarness
 
-    from infer.worker.core import WorkerCore
+    from infer.worker.service.core import WorkerCore
 
     h = WorkerHarness(kv_transfer_config=KvTransferConfig("kv_producer", kv_transfer_timeout=3.0))
     h.engine.kv_port = port
@@ -365,7 +365,7 @@ def kv_port_harness(port: FakePort, **options):
     """A kv_both worker with a KV port (--kv-transfer-config given) over BenchmarkEngine, welcomed."""
     from worker_harness import WorkerHarness
 
-    from infer.worker.core import WorkerCore
+    from infer.worker.service.core import WorkerCore
 
     h = WorkerHarness(kv_transfer_config=KvTransferConfig("kv_both", kv_transfer_timeout=3.0), **options)
     h.engine.kv_port = port

@@ -22,8 +22,8 @@ from llava_models import (
 )
 
 from infer import LLM, SamplingParams
-from infer.worker.images import ImageLimits, load_image, to_rgb
-from infer.worker.vision import ClipPreprocessor
+from infer.worker.engine.images import ImageLimits, load_image, to_rgb
+from infer.worker.engine.vision import ClipPreprocessor
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -193,7 +193,7 @@ def test_every_checkpoint_layout_loads_the_same_weights(llava, tmp_path, renames
 
     from safetensors.torch import load_file, save_file
 
-    from infer.worker.loader import load_model
+    from infer.worker.loading.loader import load_model
 
     other = tmp_path / "other"
     shutil.copytree(llava, other)

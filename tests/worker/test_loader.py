@@ -15,8 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infer.worker.loader import load_model
-from infer.worker.model_files import build_once, default_model_gguf, eos_token_ids, load_tokenizer, resolve_model
+from infer.worker.loading.loader import load_model
+from infer.worker.loading.model_files import (
+    build_once,
+    default_model_gguf,
+    eos_token_ids,
+    load_tokenizer,
+    resolve_model,
+)
 
 CPU = torch.device("cpu")
 
@@ -93,7 +99,7 @@ def test_a_builder_killed_mid_way_leaves_nothing_behind_the_next_one(tmp_path: P
             sys.executable,
             "-c",
             (
-                "import sys, time; from pathlib import Path; from infer.worker.model_files import build_once\n"
+                "import sys, time; from pathlib import Path; from infer.worker.loading.model_files import build_once\n"
                 "def hang(out): (out / 'partial').write_text('half'); print('building', flush=True); time.sleep(600)\n"
                 f"build_once(Path({str(dest)!r}), hang)"
             ),

@@ -1,4 +1,4 @@
-"""LoRA adapters (worker/lora.py): adapters made with PEFT on tiny random models; greedy output of each request equals
+"""LoRA adapters (worker/engine/lora.py): adapters made with PEFT on tiny random models; greedy output of each request equals
 transformers + PEFT with its adapter, with several adapters and the base model mixed in one batch; slots, eviction,
 load / unload, the prefix cache keyed by adapter, bad adapters refused by name."""
 
@@ -15,10 +15,10 @@ from lora_cases import ADAPTERS, make_adapter, peft_greedy
 
 from infer import SamplingParams
 from infer.protocol.lora import LoRARequest, lora_modules, parse_lora_module, read_lora_config
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.lora import STACKED_MAX_ROWS, LoraLayer, LoraManager, lora_step, slot_runs
-from infer.worker.lora_slots import LoraSlots
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.engine.lora import STACKED_MAX_ROWS, LoraLayer, LoraManager, lora_step, slot_runs
+from infer.worker.engine.lora_slots import LoraSlots
 from infer.worker.models.layers import MergedColumnLinear
 
 MAX_NEW = 8
@@ -488,10 +488,10 @@ def test_adapters_are_checked_as_they_will_run(family, tmp_path):
 
 
 def update_bound_of(folder) -> float:
-    """The largest update bound over an adapter's modules, as worker/lora.py judges it."""
+    """The largest update bound over an adapter's modules, as worker/engine/lora.py judges it."""
     from safetensors.torch import load_file
 
-    from infer.worker.lora import update_bound
+    from infer.worker.engine.lora import update_bound
 
     config = read_lora_config(folder)
     tensors = load_file(str(folder / "adapter_model.safetensors"))

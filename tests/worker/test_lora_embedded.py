@@ -10,8 +10,8 @@ import pytest
 from lora_cases import ADAPTERS
 
 from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 MAX_NEW = 8
 

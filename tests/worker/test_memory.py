@@ -1,4 +1,4 @@
-"""HeapTrimmer: when the engine gives freed heap memory back (worker/memory.py), and that the trim is real."""
+"""HeapTrimmer: when the engine gives freed heap memory back (worker/engine/memory.py), and that the trim is real."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from infer.worker.memory import HeapTrimmer, _malloc_trim
+from infer.worker.engine.memory import HeapTrimmer, _malloc_trim
 
 
 def trimmer(**options) -> tuple[HeapTrimmer, list[int]]:
@@ -69,7 +69,7 @@ def test_kept_heap_serves_a_step_sized_block_again_without_page_faults():
     anew (every page faults again); after keep_freed_heap() it comes back from the heap, its pages resident."""
     script = """
 import ctypes, resource, sys
-from infer.worker.memory import keep_freed_heap
+from infer.worker.engine.memory import keep_freed_heap
 if sys.argv[1] == "keep":
     assert keep_freed_heap()
 libc = ctypes.CDLL("libc.so.6")

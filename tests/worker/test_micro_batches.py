@@ -1,4 +1,4 @@
-"""Micro-batches in flight (worker/micro_batches.py) around the real scheduler, torch-free: the engine's pipelined
+"""Micro-batches in flight (worker/engine/micro_batches.py) around the real scheduler, torch-free: the engine's pipelined
 step replayed with a fake model. A request is never in two micro-batches in flight nor preempted while in one;
 under block pressure, aborts and random arrivals every request still gets exactly the tokens of the fake model;
 decodes split into `depth` micro-batches of equal share."""
@@ -11,9 +11,9 @@ import random
 import pytest
 from sched_sim import expected_output, fake_next_token, finish_step, make_request, make_scheduler
 
-from infer.worker.micro_batches import MicroBatches, runs_alone
-from infer.worker.request import RequestStatus
-from infer.worker.scheduler import Scheduler, SchedulerOutput
+from infer.worker.engine.micro_batches import MicroBatches, runs_alone
+from infer.worker.engine.request import RequestStatus
+from infer.worker.engine.scheduler import Scheduler, SchedulerOutput
 
 
 def finish_oldest(scheduler: Scheduler, flights: MicroBatches) -> SchedulerOutput:
@@ -132,7 +132,7 @@ def test_a_batch_with_prompt_logprobs_runs_alone():
 
 
 def test_the_depth_and_the_seats():
-    from infer.worker.config import EngineConfig
+    from infer.worker.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="the depth is at least 1, got 0"):
         MicroBatches(0)
@@ -144,7 +144,7 @@ def test_the_depth_and_the_seats():
 def test_the_micro_batch_flag_reaches_the_engine_config_through_worker_and_serve():
     from infer.client.serve import build_parser as serve_parser
     from infer.client.serve import worker_args
-    from infer.worker.cli import build_parser, engine_config
+    from infer.worker.service.cli import build_parser, engine_config
 
     args = build_parser().parse_args(
         ["--coordinator", "tcp://127.0.0.1:1", "--pp-size", "2", "--pp-micro-batches", "1"]

@@ -16,10 +16,10 @@ from hf_reference import hf_model
 from model_batches import Pager, new_cache, token_ids
 
 from infer.kernels.dispatch import kernels_for
-from infer.worker.attention import paged_attention
-from infer.worker.loader import load_model
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.attention import paged_attention
+from infer.worker.loading.loader import load_model
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, RotaryEmbedding, RowLinear
-from infer.worker.tensor_parallel import TensorParallel
 
 TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 CPU = torch.device("cpu")

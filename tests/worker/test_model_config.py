@@ -1,4 +1,4 @@
-"""worker/model_config.py against transformers: for the Llama family, our config.json reader gives every field our
+"""worker/loading/model_config.py against transformers: for the Llama family, our config.json reader gives every field our
 models read as transformers' config class does (defaults for what config.json leaves out, the derived head_dim and
 KV heads, Qwen's windows, standardized rope parameters), and a model built from either is the same model. Other
 model types still come from transformers."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from infer.worker.loader import build_model
-from infer.worker.model_config import ModelConfig, read_model_config
+from infer.worker.loading.loader import build_model
+from infer.worker.loading.model_config import ModelConfig, read_model_config
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, vocab_size=128)
 # Each: (model_type, what config.json says beyond SMALL). Several leave out fields whose default matters.

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from infer import LLM, SamplingParams
-from infer.worker.expert_parallel import ExpertParallel
-from infer.worker.loader import load_model
+from infer.worker.distributed.expert_parallel import ExpertParallel
+from infer.worker.loading.loader import load_model
 from infer.worker.models.moe import FusedExperts, MixtralForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
 
 MAX_NEW = 10

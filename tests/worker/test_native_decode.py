@@ -13,8 +13,8 @@ from kernel_checks import native_isa_levels, use_native_isa
 
 from infer import SamplingParams
 from infer.kernels import cpu_kernels
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 from infer.worker.models import native_decode
 from infer.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from infer.worker.models.native_decode import NativeDecoder
@@ -108,7 +108,7 @@ def test_batches_growing_past_eight_and_shrinking_back_with_an_abort(smollm2_dir
 def test_preemption_and_released_pools(smollm2_dir, calls):
     """Small blocks and a pool of 24: requests preempt each other; then the engine suspends (weights and pools
     released) and resumes, and a request decodes alone again over the new allocations."""
-    from infer.worker.forward_batch import KVCache
+    from infer.worker.engine.forward_batch import KVCache
 
     blocks = KVCache.bytes_per_block(30, 4, 3, 64, torch.bfloat16) * 24
     requests = {

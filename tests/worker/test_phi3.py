@@ -12,9 +12,9 @@ from family_models import tiny_llm
 from hf_reference import hf_model
 
 from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.loader import load_model
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.loading.loader import load_model
 from infer.worker.models import native_decode
 from infer.worker.models.phi3 import PartialRotaryQKV
 

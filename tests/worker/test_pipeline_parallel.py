@@ -15,9 +15,9 @@ from hf_reference import transformers_greedy
 from moe_models import save_tiny_model
 
 from infer import LLM, SamplingParams
-from infer.worker.options import WorkerFlags
-from infer.worker.pp_group import PipelineGroup, PpOptions, stage_layers
-from infer.worker.pp_stage import holds
+from infer.worker.parallel.pp_group import PipelineGroup, PpOptions, stage_layers
+from infer.worker.parallel.pp_stage import holds
+from infer.worker.service.options import WorkerFlags
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -190,7 +190,7 @@ def test_flags_of_composed_pipelines():
     assert flags.pipeline(env).rank == 1 and flags.groups(env)[1].rank == 0
     ep_flags = WorkerFlags(pp_size=2, tp_size=2, ep_size=2, dist_init="tcp://h:9")
     assert ep_flags.groups(env)[0].rank == 1
-    from infer.worker.tp_supervisor import members
+    from infer.worker.parallel.tp_supervisor import members
 
     assert [flags for _, flags in members(2, 2)] == [
         ["--pp-rank", "0", "--tp-rank", "0"],
@@ -213,7 +213,7 @@ def test_flags_that_do_not_fit_are_refused():
 
 def test_coordinator_mode_starts_its_workers_with_the_pp_size(tiny_model_dir):
     from infer.client.llm import LLMOptions
-    from infer.worker.cli import build_parser
+    from infer.worker.service.cli import build_parser
 
     options = LLMOptions(model=str(tiny_model_dir("llama")), use_coordinator=True, pipeline_parallel_size=2)
     args = build_parser().parse_args(["--coordinator", "tcp://127.0.0.1:1", *options.worker_args()])

@@ -1,4 +1,4 @@
-"""Embeddings (worker/pooling.py) through the engine: LLM.embed equals transformers' last hidden states (after the
+"""Embeddings (worker/engine/pooling.py) through the engine: LLM.embed equals transformers' last hidden states (after the
 final norm) pooled the same way, within fp32 tolerance, for last / mean / CLS pooling with and without
 normalization, on prompts split over several prefill chunks; mixed in one batch with generation, each output is
 what it is alone; options only generation takes are refused."""

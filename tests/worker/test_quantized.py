@@ -19,9 +19,9 @@ import torch
 from model_batches import Pager, kl_and_top1, new_cache, quantized_layers, token_ids
 
 from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.loader import load_model, quant_plan
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.loading.loader import load_model, quant_plan
 
 CPU = torch.device("cpu")
 # The CPU's kernels (int8 activations), and Triton's on a GPU where there is one (kernels/quant_triton.py)
@@ -132,7 +132,7 @@ def test_a_refit_of_a_quantized_engine_quantizes_the_new_weights_as_a_load_would
 def test_a_quantized_refit_failing_mid_apply_restores_values_scales_and_mins(
     tiny_model_dir, tiny_weights_b, quantization, monkeypatch
 ) -> None:
-    from infer.worker import weights as weights_module
+    from infer.worker.loading import weights as weights_module
 
     engine = _engine(tiny_model_dir("mistral"), quantization=quantization)
     before_out = _greedy(engine, "a")

@@ -76,10 +76,10 @@ from gguf import GGUFValueType, LlamaFileType
 from model_batches import Pager, new_cache
 
 from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.gguf import GGUFFile, GGUFTensor
-from infer.worker.loader import GGUF_FORMATS, load_model
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.loading.gguf import GGUFFile, GGUFTensor
+from infer.worker.loading.loader import GGUF_FORMATS, load_model
 from infer.worker.models.layers import QuantStorage
 
 CPU = torch.device("cpu")
@@ -138,7 +138,7 @@ def one_thread() -> Iterator[None]:
 
 def requantize_gguf(reader: gguf.GGUFReader, dest: Path, qtype: Q, file_type: LlamaFileType) -> None:
     """The file `reader` reads rewritten as `dest`: every metadata field as it is (general.file_type set to
-    `file_type`), the float tensors as they are, every quantized matrix dequantized (worker/gguf.py) and quantized
+    `file_type`), the float tensors as they are, every quantized matrix dequantized (worker/loading/gguf.py) and quantized
     to `qtype` by gguf-py. Tensors keep their GGUF names, order and row order (attn_q / attn_k stay permuted as
     llama.cpp stores them: the GGUFTensor made here has no row order)."""
     writer = gguf.GGUFWriter(dest, str(reader.fields["general.architecture"].contents()))

@@ -24,8 +24,8 @@ from qwen2_vl_models import (
 )
 
 from infer import LLM, SamplingParams
-from infer.worker.images import to_rgb
-from infer.worker.vision import Qwen2VLPreprocessor
+from infer.worker.engine.images import to_rgb
+from infer.worker.engine.vision import Qwen2VLPreprocessor
 
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -89,7 +89,7 @@ def test_mrope_positions_equal_get_rope_index(checkpoint, llm):
     get_rope_index; decode positions are the place plus its rope delta."""
     from transformers import AutoModelForImageTextToText
 
-    from infer.worker.vision import mrope_positions
+    from infer.worker.engine.vision import mrope_positions
 
     inputs = transformers_inputs(checkpoint[1], TWO, [WIDE, TALL])
     ids = inputs["input_ids"][0].tolist()

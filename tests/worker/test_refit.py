@@ -12,8 +12,8 @@ import torch
 from hf_reference import transformers_greedy
 
 from infer import LLM, SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1023, 64, 12, 88, 301, 7, 450, 33, 2, 19, 600], [1000, 2000, 3000], [42]]
@@ -238,7 +238,7 @@ def test_files_swapped_while_a_prepared_refit_drains_are_refused_with_nothing_ch
 def test_a_failure_while_applying_puts_every_touched_value_back(weights_a, weights_b, monkeypatch) -> None:
     """A copy that fails after others succeeded (say, memory runs out): the layers already written get their
     old values back, re-packed, and the engine serves the old weights exactly."""
-    from infer.worker import weights as weights_module
+    from infer.worker.loading import weights as weights_module
 
     engine = Engine(_config(weights_a))
     on_a = _run(engine, prefix="a")[0]
@@ -324,7 +324,7 @@ async def test_async_llm_direct_mode_drains_or_aborts_around_a_refit(weights_a, 
 
 def test_weight_sync_buckets_group_consecutive_tensors_of_one_dtype_up_to_the_size() -> None:
     from infer.protocol.messages import WeightTensor
-    from infer.worker.weight_sync import describe, plan_buckets
+    from infer.worker.distributed.weight_sync import describe, plan_buckets
 
     tensors = [
         WeightTensor("a", "float32", [4]),

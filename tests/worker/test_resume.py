@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 PROMPT = "Words:"
 MAX_TOKENS = 40

@@ -1,4 +1,4 @@
-"""worker/tokenizer.py: the engine's Rust tokenizer equals transformers' AutoTokenizer wherever it is used (SmolLM2's
+"""worker/loading/tokenizer.py: the engine's Rust tokenizer equals transformers' AutoTokenizer wherever it is used (SmolLM2's
 byte-level BPE and the tiny word-level tokenizer), and anything it cannot prove equal goes to transformers."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from infer.protocol.prompt_limits import max_token_bytes
-from infer.worker.model_files import eos_token_ids, load_tokenizer
-from infer.worker.tokenizer import (
+from infer.worker.loading.model_files import eos_token_ids, load_tokenizer
+from infer.worker.loading.tokenizer import (
     GENERIC_CLASSES,
     MODEL_TYPES,
     RustTokenizer,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.request import Request
-from infer.worker.sampler import Sampler, SamplingMetadata, apply_penalties
+from infer.worker.engine.request import Request
+from infer.worker.engine.sampler import Sampler, SamplingMetadata, apply_penalties
 
 EOS = 2
 

@@ -10,8 +10,8 @@ import pytest
 from sched_sim import expected_output, fake_next_token, finish_step, make_request, make_scheduler
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.request import Request, RequestStatus
-from infer.worker.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from infer.worker.engine.request import Request, RequestStatus
+from infer.worker.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 
 
 def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
@@ -471,7 +471,7 @@ def test_sustained_pressure_starves_nobody():
 
 
 def _with_images(i: int, prompt: list[int], spans: list[tuple[int, int]]) -> Request:
-    from infer.worker.images import PlacedImage
+    from infer.worker.engine.images import PlacedImage
 
     request = make_request(i, prompt)
     request.images = tuple(PlacedImage(offset, length, 100 + k, None) for k, (offset, length) in enumerate(spans))

@@ -12,8 +12,8 @@ import sched_sim
 from sched_sim import expected_output, fake_next_token, finish_step
 
 from infer.protocol.sampling import SamplingParams
-from infer.worker.request import Request, RequestStatus
-from infer.worker.scheduler import Scheduler, SchedulerOutput
+from infer.worker.engine.request import Request, RequestStatus
+from infer.worker.engine.scheduler import Scheduler, SchedulerOutput
 
 make_scheduler = functools.partial(sched_sim.make_scheduler, policy="priority")
 

@@ -10,8 +10,8 @@ import random
 import pytest
 from sched_sim import expected_output, fake_next_token, make_request, make_scheduler
 
-from infer.worker.request import RequestStatus
-from infer.worker.scheduler import Scheduler
+from infer.worker.engine.request import RequestStatus
+from infer.worker.engine.scheduler import Scheduler
 
 
 def verify_step(scheduler: Scheduler, output) -> None:

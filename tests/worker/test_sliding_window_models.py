@@ -19,9 +19,9 @@ from moe_models import save_tiny_model, tiny_mixtral
 from tiny_models import ONE_BUCKET_OPTIONS
 
 from infer import LLM, SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.loader import load_model
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.loading.loader import load_model
 from infer.worker.models import native_decode
 from infer.worker.models.llama import layer_windows
 
@@ -141,7 +141,7 @@ def test_greedy_tokens_equal_transformers_past_the_window(windowed, want, name):
 def test_chunked_prefill_and_preemption_keep_the_tokens(windowed, want):
     """Prefill chunks of 8 tokens (chunk boundaries inside and at a window's edge) and a pool too small for the
     batch (requests preempted and recomputed)."""
-    from infer.worker.forward_batch import KVCache
+    from infer.worker.engine.forward_batch import KVCache
 
     pool = KVCache.bytes_per_block(3, 4, 2, 16, torch.float32) * 40
     engine = Engine(

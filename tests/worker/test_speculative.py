@@ -16,11 +16,11 @@ from structured_cases import MAX_TOKENS, SCHEMAS
 
 from infer import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams as Spec
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.proposers import NgramProposer, ngram_drafts
-from infer.worker.request import Request
-from infer.worker.spec_config import SpeculativeConfig
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.engine.request import Request
+from infer.worker.speculative.config import SpeculativeConfig
+from infer.worker.speculative.proposers import NgramProposer, ngram_drafts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PASSAGE = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. "
@@ -208,7 +208,7 @@ def test_greedy_under_preemption_and_prefix_caching(tiny_model_dir):
 def _kv_bytes(model_dir: str, num_blocks: int, block_size: int) -> int:
     from transformers import AutoConfig
 
-    from infer.worker.forward_batch import KVCache
+    from infer.worker.engine.forward_batch import KVCache
 
     cfg = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -483,8 +483,8 @@ def test_speculative_config_flag_on_worker_serve_llm_and_slurm():
     from infer.client.llm import LLMOptions
     from infer.client.serve import build_parser as serve_parser
     from infer.client.serve import worker_args
-    from infer.worker.cli import build_parser as worker_parser
-    from infer.worker.cli import engine_config
+    from infer.worker.service.cli import build_parser as worker_parser
+    from infer.worker.service.cli import engine_config
 
     text = json.dumps(NGRAM)
     expected = SpeculativeConfig.of(NGRAM)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from infer.worker.config import EngineConfig
-from infer.worker.step_buckets import DecodeRow, batch_buckets, bucket_for, pad_decode, table_width
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.step_buckets import DecodeRow, batch_buckets, bucket_for, pad_decode, table_width
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,7 @@ def test_pad_decode_rejects_rows_that_do_not_fit(rows, bucket, width, message):
 def test_worker_and_serve_flags_reach_the_engine_config():
     from infer.client.serve import build_parser as serve_parser
     from infer.client.serve import worker_args
-    from infer.worker.cli import build_parser, engine_config
+    from infer.worker.service.cli import build_parser, engine_config
 
     args = build_parser().parse_args(
         ["--coordinator", "tcp://127.0.0.1:1", "--enforce-eager", "--max-graph-batch-size", "16"]

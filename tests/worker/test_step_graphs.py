@@ -17,9 +17,9 @@ from tiny_models import ONE_BUCKET_OPTIONS, STEP_GRAPH_OPTIONS
 from torch._dynamo.utils import counters
 
 from infer import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
-from infer.worker.forward_batch import KVCache
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
+from infer.worker.engine.forward_batch import KVCache
 
 GRAPH_OPTIONS = {**STEP_GRAPH_OPTIONS, "max_num_seqs": 5}  # the five requests of the workload at once
 

@@ -1,4 +1,4 @@
-"""worker/streams.py, the worker's direct streams without I/O: who may subscribe (token, and with keys the owner's
+"""worker/service/streams.py, the worker's direct streams without I/O: who may subscribe (token, and with keys the owner's
 key), what a subscriber is sent (the very deltas its copy lacks, each with where it starts), and the timers (early
 Subscribes, ended streams nobody fetched, heartbeats)."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from infer.protocol.codes import ErrorCode
 from infer.protocol.messages import Delta, Error, Heartbeat, StreamBatch, Subscribe, TokenIds
-from infer.worker.streams import MAX_EARLY_SUBSCRIPTIONS, DirectStream, StreamTable
+from infer.worker.service.streams import MAX_EARLY_SUBSCRIPTIONS, DirectStream, StreamTable
 
 TOKEN = "a" * 32
 OTHER_TOKEN = "b" * 32

@@ -20,8 +20,8 @@ from structured_cases import MAX_TOKENS, SCHEMAS
 from infer import SamplingParams
 from infer.protocol.structured import StructuredOutputsParams as Spec
 from infer.protocol.structured import admits_no_value, grammar_error
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 PROMPT = [3, 17, 42, 99]
 
@@ -183,7 +183,7 @@ def held_compiles(
     `release_after_s`, or the event yielded is set): a compile slow by construction, not by a schema that happens
     to be slow to compile in one xgrammar version. `order` gets each compile's title (its kind when it has none)
     as the thread takes it up."""
-    from infer.worker.structured import GrammarCompilerPool
+    from infer.worker.engine.structured import GrammarCompilerPool
 
     compile_spec, release = GrammarCompilerPool._compile_spec, threading.Event()
 
@@ -203,7 +203,7 @@ def held_compiles(
 
 
 def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_the_engine_goes_on(engine, monkeypatch):
-    import infer.worker.grammar_queue as grammar_queue
+    import infer.worker.engine.grammar_queue as grammar_queue
 
     monkeypatch.setattr(grammar_queue, "COMPILE_TIMEOUT_S", 0.05)
     slow = Spec(json={"type": "string", "title": "slow to compile"})
@@ -222,7 +222,7 @@ def test_a_grammar_that_does_not_compile_in_time_fails_its_request_and_the_engin
 def test_time_queued_behind_other_compiles_does_not_count_against_a_compile(tiny_model_dir, monkeypatch):
     """A grammar queued behind a compile that takes 1.5 s, with a 0.5 s compile bound: the blocker fails, the one
     queued behind it (1.5 s queued, then quick to compile) is served."""
-    import infer.worker.grammar_queue as grammar_queue
+    import infer.worker.engine.grammar_queue as grammar_queue
 
     engine = make_engine(tiny_model_dir("llama"))
     monkeypatch.setattr(grammar_queue, "COMPILE_TIMEOUT_S", 0.5)
@@ -245,7 +245,7 @@ def test_time_queued_behind_other_compiles_does_not_count_against_a_compile(tiny
 
 
 def test_a_request_queued_past_the_wait_bound_fails_as_overloaded(tiny_model_dir, monkeypatch):
-    import infer.worker.grammar_queue as grammar_queue
+    import infer.worker.engine.grammar_queue as grammar_queue
 
     engine = make_engine(tiny_model_dir("llama"))
     monkeypatch.setattr(grammar_queue, "COMPILE_WAIT_TIMEOUT_S", 0.5)
@@ -275,7 +275,7 @@ def test_a_resumed_request_rebuilds_its_matcher_from_the_delivered_tokens(tiny_m
     assert bad[2] == "error" and "does not match the grammar" in bad[3]
 
 
-# ---- bounds on a grammar's work (worker/structured.py) ----------------------------------------------------------
+# ---- bounds on a grammar's work (worker/engine/structured.py) ----------------------------------------------------------
 
 COSTLY_REGEX = r"([\s\S]{0,100}){0,100}"  # compiles in 1 s, a cheap first mask, then masks of seconds a token
 

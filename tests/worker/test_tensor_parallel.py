@@ -15,8 +15,8 @@ from moe_models import tiny_qwen3_moe
 from ports import join_gloo
 from two_ranks import run_two_ranks
 
-from infer.worker.tensor_parallel import TensorParallel
-from infer.worker.tp_group import TpOptions, resolve_ranks
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.parallel.tp_group import TpOptions, resolve_ranks
 
 CPU = torch.device("cpu")
 
@@ -28,9 +28,9 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 def _batch(ids: list[int]):
     from infer.protocol.sampling import SamplingParams
-    from infer.worker.model_runner import build_forward_batch
-    from infer.worker.request import Request
-    from infer.worker.scheduler import ScheduledChunk
+    from infer.worker.engine.model_runner import build_forward_batch
+    from infer.worker.engine.request import Request
+    from infer.worker.engine.scheduler import ScheduledChunk
 
     request = Request(
         request_id="r", prompt_token_ids=ids, params=SamplingParams(), token_ids=list(ids), block_table=[0, 1, 2]
@@ -41,9 +41,9 @@ def _batch(ids: list[int]):
 def _rank_main(rank: int, port: int, path: str, scenario: str, results) -> None:
     import torch.distributed as dist
 
-    from infer.worker import loader
-    from infer.worker.forward_batch import KVCache
-    from infer.worker.group_sync import GroupBroken
+    from infer.worker.distributed.group_sync import GroupBroken
+    from infer.worker.engine.forward_batch import KVCache
+    from infer.worker.loading import loader
 
     try:
         join_gloo(rank, 2, port)
@@ -99,8 +99,8 @@ def qwen3_moe(tmp_path_factory, smollm2_tokenizer) -> Path:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
 def test_each_rank_holds_and_reads_half_the_weights_and_the_forward_is_unchanged(arch, tiny_model_dir, qwen3_moe):
-    from infer.worker.forward_batch import KVCache
-    from infer.worker.loader import load_model
+    from infer.worker.engine.forward_batch import KVCache
+    from infer.worker.loading.loader import load_model
 
     path = tiny_model_dir("llama") if arch == "llama" else qwen3_moe
     whole = load_model(path, torch.float32, CPU)
@@ -128,7 +128,7 @@ def test_a_dead_member_breaks_the_next_collective_instead_of_hanging(tiny_model_
 def test_sizes_that_do_not_split_are_refused_naming_both(tiny_model_dir):
     from transformers import AutoConfig
 
-    from infer.worker.loader import build_model
+    from infer.worker.loading.loader import build_model
 
     config = AutoConfig.from_pretrained(tiny_model_dir("llama"))  # 4 heads, 2 KV heads, vocabulary 49152
     with pytest.raises(ValueError, match=r"the number of attention heads \(4\) does not split across 3 tensor"):
@@ -183,7 +183,7 @@ def test_a_step_batch_crosses_the_command_channel_whole():
 
     import msgpack
 
-    from infer.worker.tp_commands import decode_batch, encode_batch
+    from infer.worker.parallel.tp_commands import decode_batch, encode_batch
 
     plain = _batch(list(range(3, 40)))
     resumed = dataclasses.replace(plain, prefill_decode_from=torch.tensor([30], dtype=torch.int32))

@@ -1,4 +1,4 @@
-"""The worker's hop of a traced request (worker/core.py's WorkerTrace), driven frame by frame on the benchmark
+"""The worker's hop of a traced request (worker/service/core.py's WorkerTrace), driven frame by frame on the benchmark
 engine: the child of the Dispatch's traceparent, from the Dispatch to the final delta, with queue, prefill and
 decode times and the token counts under vLLM's attribute names; nothing recorded without --otlp-traces-endpoint."""
 

@@ -20,7 +20,7 @@ from infer.protocol.messages import (
     Welcome,
     decode,
 )
-from infer.worker.tp_commands import BadCommand, parse_command
+from infer.worker.parallel.tp_commands import BadCommand, parse_command
 from tests.wire_frames import ISSUE_43_FRAMES, VALUES, frames
 from tests.worker_harness import WorkerHarness, deltas, dispatch
 
@@ -66,7 +66,7 @@ def test_a_nested_frame_is_answered_with_the_bound_it_broke():
 @example(b"\x81\xa2op\x90")  # an op that is a list (found by this test: TypeError, unhashable)
 @example(b"\x81\xa2op" + b"\x91" * 5000 + b"\x04")
 def test_a_tp_follower_takes_only_commands_from_its_channel(frame):
-    """The TP / PP command channel's intake (worker/tp_commands.py): a frame is a command rank 0 sends (a map with
+    """The TP / PP command channel's intake (worker/parallel/tp_commands.py): a frame is a command rank 0 sends (a map with
     a known op) or BadCommand, which the follower drops with a log line; never another error."""
     try:
         command = parse_command(frame)

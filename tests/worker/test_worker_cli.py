@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from infer.protocol.options import cli_fields, given, to_argv
-from infer.worker import cli
-from infer.worker.options import WorkerFlags, WorkerOptions
+from infer.worker.service import cli
+from infer.worker.service.options import WorkerFlags, WorkerOptions
 
 COORDINATOR = ["--coordinator", "tcp://127.0.0.1:9"]
 

@@ -1,7 +1,7 @@
 """A worker carries only what it needs (issue 47): an engine loaded on the embedded model and stepped, in a process
 of its own, has not imported transformers' model code or what it drags in (sympy, accelerate,
 torch.distributed.tensor: ~60 MiB), nor torch's compiler with step graphs off, nor transformers at all where the
-Rust tokenizer is AutoTokenizer's exactly (worker/tokenizer.py; transformers' import alone is ~1.75 s of CPU). And
+Rust tokenizer is AutoTokenizer's exactly (worker/loading/tokenizer.py; transformers' import alone is ~1.75 s of CPU). And
 the tokenizer it loads without them is the one AutoTokenizer loads."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from infer.worker.model_files import conversion_dir
+from infer.worker.loading.model_files import conversion_dir
 
 # Modules a worker on a Llama-family model must not import (each pulls tens of MiB into every worker process).
 HEAVY = (
@@ -29,10 +29,10 @@ HEAVY = (
 # The engine's load sequence and one step on each model of argv[1] (a JSON list), then the heavy modules present.
 LOAD_AND_STEP = """
 import json, sys
-import infer.worker.daemon
+import infer.worker.service.daemon
 from infer.protocol.sampling import SamplingParams
-from infer.worker.config import EngineConfig
-from infer.worker.engine import Engine
+from infer.worker.engine.config import EngineConfig
+from infer.worker.engine.engine import Engine
 
 for model in json.loads(sys.argv[1]):
     engine = Engine(EngineConfig(model=model, enforce_eager=True, max_model_len=256, kv_cache_memory=16 << 20))
@@ -76,7 +76,7 @@ def test_tokenizer_is_autotokenizers(smollm2_dir: Path, tiny_model_dir) -> None:
     special tokens and chat template, on the embedded model and on tiny checkpoints saved by transformers."""
     from transformers import AutoTokenizer
 
-    from infer.worker.model_files import load_tokenizer
+    from infer.worker.loading.model_files import load_tokenizer
 
     texts = ["Hello world", " leading space", "你好 😀 é", "<|im_start|>user\nhi<|im_end|>"]
     for path in (smollm2_dir, tiny_model_dir("llama"), tiny_model_dir("qwen3")):

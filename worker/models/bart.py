@@ -1,14 +1,14 @@
-"""BART as an encoder-decoder model of the engine (worker/encoder_decoder.py).
+"""BART as an encoder-decoder model of the engine (worker/engine/encoder_decoder.py).
 
 The math is transformers' BartForConditionalGeneration: token embeddings (times sqrt(d_model) with
 `scale_embedding`) plus learned positions looked up at position + 2 (BART's offset), a LayerNorm over their sum,
 post-norm layers (attention with biases and 1/sqrt(head_dim) scaling, then a GELU MLP, each followed by its
 LayerNorm), the LM head tied to the shared embedding plus `final_logits_bias`.
 
-The decoder's self-attention runs on the engine's paged kernels (worker/attention.py) and its cross-attention on the
-paged decode kernel; the encoder runs once per request, dense. `max_position_embeddings` bounds both the encoder's
-input and the decoder's context. The generation config's forced BOS / EOS tokens are the engine's (worker/request.py
-forced_token). Module and parameter names are transformers'.
+The decoder's self-attention runs on the engine's paged kernels (worker/engine/attention.py) and its cross-attention on
+the paged decode kernel; the encoder runs once per request, dense. `max_position_embeddings` bounds both the encoder's
+input and the decoder's context. The generation config's forced BOS / EOS tokens are the engine's
+(worker/engine/request.py forced_token). Module and parameter names are transformers'.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from infer.kernels.dispatch import Kernels, kernels_here
-from infer.worker.attention import paged_attention
-from infer.worker.encoder_decoder import cross_attention, dense_attention, positions_of, write_cross_kv
-from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.attention import paged_attention
+from infer.worker.engine.encoder_decoder import cross_attention, dense_attention, positions_of, write_cross_kv
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.t5 import activation
-from infer.worker.tensor_parallel import TensorParallel
 
 POSITION_OFFSET = 2  # BartLearnedPositionalEmbedding looks position p up at row p + 2
 
@@ -94,7 +94,7 @@ class BartModel(nn.Module):
 
 class BartForConditionalGeneration(nn.Module):
     """BartForConditionalGeneration's weights; `encode` (one request's encoder) and `forward` (the decoder over a
-    ForwardBatch), as worker/encoder_decoder.py's EncoderDecoderModel says."""
+    ForwardBatch), as worker/engine/encoder_decoder.py's EncoderDecoderModel says."""
 
     is_encoder_decoder = True
     supports_step_graphs: ClassVar[bool] = False  # the encoder runs at a request's first step, eagerly

@@ -28,9 +28,10 @@ import torch
 from torch import nn
 
 from infer.kernels.dispatch import Kernels, kernels_here
-from infer.worker.attention import paged_attention
-from infer.worker.expert_parallel import ExpertParallel
-from infer.worker.forward_batch import ForwardBatch
+from infer.worker.distributed.expert_parallel import ExpertParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.attention import paged_attention
+from infer.worker.engine.forward_batch import ForwardBatch
 from infer.worker.models.deepseek_moe import deepseek_mlp_factory
 from infer.worker.models.layers import (
     ColumnLinear,
@@ -41,7 +42,6 @@ from infer.worker.models.layers import (
     rope_parameters,
 )
 from infer.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, MLPFactory
-from infer.worker.tensor_parallel import TensorParallel
 
 
 def mla_softmax_scale(config: Any) -> float:

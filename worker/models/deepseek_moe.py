@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.worker.expert_parallel import ExpertParallel
+from infer.worker.distributed.expert_parallel import ExpertParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.models.layers import _param
 from infer.worker.models.llama import LlamaMLP, LlamaVariant
 from infer.worker.models.moe import FusedExperts
-from infer.worker.tensor_parallel import TensorParallel
 
 # (model_type, topk_method) -> the scoring function it routes with; the first listed is the family's default.
 _TOPK_METHODS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}

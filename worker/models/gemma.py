@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.layers import (
     MergedColumnLinear,
     RotaryEmbedding,
@@ -38,7 +39,6 @@ from infer.worker.models.llama import (
     MLPFactory,
     layer_windows,
 )
-from infer.worker.tensor_parallel import TensorParallel
 
 
 class GemmaRMSNorm(nn.Module):

@@ -14,14 +14,14 @@ embeddings at its image tokens, and the image's tokens attending to each other b
   text-only Gemma3ForCausalLM caps them where the text config says; published Gemma 3 configs do not).
 - Bidirectional attention within an image: transformers masks each layer with OR(causal, same image) (sliding
   layers: AND(that, the window)), the image being a run of image tokens. Here each prefill chunk that computes
-  image tokens carries the images' spans (`ForwardBatch.image_spans`, built by worker/vision.py's
-  `step_image_spans`) and worker/attention.py recomputes those rows with that mask exactly; the scheduler never
+  image tokens carries the images' spans (`ForwardBatch.image_spans`, built by worker/engine/vision.py's
+  `step_image_spans`) and worker/engine/attention.py recomputes those rows with that mask exactly; the scheduler never
   ends a chunk inside such an image (`SchedulerConfig.whole_images`), so every key an image token needs is in the
   pool or in its chunk.
 
 With tensor parallelism the text model is sharded as Gemma 3's; the vision tower and projector are whole on every
 rank and run on rank 0 only, whose features and image spans the other ranks take with each step
-(worker/tp_commands.py).
+(worker/parallel/tp_commands.py).
 
 Checkpoint names: what transformers 5 saves (`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`, the
 LM head tied), what published Gemma 3 checkpoints hold (the tower under `vision_tower.vision_model.*`) and transformers'
@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.worker.images import Gemma3ImagePrompt
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.images import Gemma3ImagePrompt
+from infer.worker.engine.vision import Gemma3Preprocessor
 from infer.worker.models.gemma import Gemma3ForCausalLM, GemmaRMSNorm
 from infer.worker.models.llava import ClipEncoder, SquareImages
-from infer.worker.tensor_parallel import TensorParallel
-from infer.worker.vision import Gemma3Preprocessor
 
 
 class SiglipEmbeddings(nn.Module):
@@ -106,9 +106,9 @@ class Gemma3Projector(nn.Module):
 
 class Gemma3ForConditionalGeneration(SquareImages, Gemma3ForCausalLM):
     """Gemma 3 with images over the paged KV cache: the registry's CausalLM contract (of its text model, whose config
-    is `self.config`) plus worker/vision.py's VisionModel (`image_token_id`, `image_preprocessor`, `image_placement`,
-    `encode_images`; `bidirectional_images`) and the Gemma 3 prompt form (`image_prompt`: an image is "\\n\\n" boi,
-    its image tokens, eoi "\\n\\n": worker/images.py `Gemma3ImagePrompt`)."""
+    is `self.config`) plus worker/engine/vision.py's VisionModel (`image_token_id`, `image_preprocessor`,
+    `image_placement`, `encode_images`; `bidirectional_images`) and the Gemma 3 prompt form (`image_prompt`: an image is
+    "\\n\\n" boi, its image tokens, eoi "\\n\\n": worker/engine/images.py `Gemma3ImagePrompt`)."""
 
     checkpoint_prefix_renames: ClassVar[tuple[tuple[str, str], ...]] = (
         ("model.language_model.", "model."),
@@ -148,7 +148,7 @@ class Gemma3ForConditionalGeneration(SquareImages, Gemma3ForCausalLM):
         return key.endswith("position_ids") or ".head." in key and "vision_tower." in key
 
     def image_prompt(self, tokenizer: Any) -> Gemma3ImagePrompt:
-        """How a prompt holds an image (boi, the image tokens, eoi; worker/images.py)."""
+        """How a prompt holds an image (boi, the image tokens, eoi; worker/engine/images.py)."""
         return Gemma3ImagePrompt.of(
             tokenizer, self.boi_token_id, self.eoi_token_id, self.image_token_id, self.tokens_per_image
         )

@@ -27,12 +27,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from infer.worker.attention import paged_attention
-from infer.worker.expert_parallel import ExpertParallel
-from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.distributed.expert_parallel import ExpertParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.attention import paged_attention
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.layers import ColumnLinear, RotaryEmbedding, VocabEmbedding, _param, _rank_slice
 from infer.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaVariant, MLPFactory, layer_windows
-from infer.worker.tensor_parallel import TensorParallel
 
 # The 16 values of an FP4 (e2m1) code, by code (transformers' FP4_VALUES).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -2,7 +2,7 @@
 
 Linear layers store W as [out_features, in_features] (the checkpoint layout) and are written for tensor
 parallelism: `ColumnLinear` shards output rows across `tp_size` ranks, `RowLinear` shards input columns and
-sums partial results across ranks (see `infer.worker.tensor_parallel`). Each takes full checkpoint tensors
+sums partial results across ranks (see `infer.worker.distributed.tensor_parallel`). Each takes full checkpoint tensors
 through `load_shard`, which slices out this rank's part, so the loader never needs to know how a layer is
 split. A checkpoint tensor may be a lazy view of a safetensors file (the loader's `FileTensor`): narrowing it
 reads only this rank's part, so no rank ever holds a full copy of a sharded weight.
@@ -35,8 +35,8 @@ from infer.kernels.cpu_kernels import GEMV_MAX_ROWS, gemv, gemv_takes, gemv_take
 from infer.kernels.dispatch import Kernels, kernels_here
 from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_source
 from infer.kernels.rotary import build_cos_sin_cache
-from infer.worker.forward_batch import ForwardBatch
-from infer.worker.tensor_parallel import TensorParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.forward_batch import ForwardBatch
 
 _SINGLE = TensorParallel.single()
 
@@ -233,7 +233,7 @@ class PackedLinear(QuantStorage):
     packed: torch.Tensor | None = None
     gemv_native: bool = False  # the plain weight suits the native GEMV (decided with the packing)
     gemv_rows: int = GEMV_MAX_ROWS  # up to how many rows it goes there (any, where oneDNN packs no bf16)
-    lora: Any = None  # a worker/lora.py LoraLayer once an adapter targets this layer
+    lora: Any = None  # a worker/engine/lora.py LoraLayer once an adapter targets this layer
 
     def pack_weights(self) -> None:
         self.refresh_quant()

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from infer.kernels.dispatch import Kernels, kernels_here
-from infer.worker.attention import paged_attention
-from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.lora import lora_rows_active
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.attention import paged_attention
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
+from infer.worker.engine.lora import lora_rows_active
 from infer.worker.models.layers import (
     LMHead,
     MergedColumnLinear,
@@ -30,7 +31,6 @@ from infer.worker.models.layers import (
     VocabEmbedding,
 )
 from infer.worker.models.native_decode import NativeDecoder
-from infer.worker.tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -363,7 +363,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    # Step graphs (worker/step_graphs.py) can compile its decoder layers: dense layers trace into one graph
+    # Step graphs (worker/engine/step_graphs.py) can compile its decoder layers: dense layers trace into one graph
     # each. (The MoE models' expert dispatch is data-dependent: they run eagerly.)
     supports_step_graphs: ClassVar[bool] = True
 

@@ -4,10 +4,10 @@ Llama language model, with each image's features written into the input embeddin
 The vision tower is CLIP's (pre-LN transformer, quick_gelu, a class token); the features are the hidden states after
 `vision_feature_layer` layers (-2: all but the last; only those layers are built, the others' tensors skipped), the
 class token dropped under the "default" select strategy. The language model is `LlamaForCausalLM` as is: the
-features go in through `ForwardBatch.image_rows` / `image_embeds` (worker/vision.py builds them per step), and the
-positions are the tokens' places in the sequence. With tensor parallelism the language model is sharded as Llama's;
-the vision tower and projector are whole on every rank and run on rank 0 only, whose features the other ranks take
-with each step (worker/tp_commands.py).
+features go in through `ForwardBatch.image_rows` / `image_embeds` (worker/engine/vision.py builds them per step), and
+the positions are the tokens' places in the sequence. With tensor parallelism the language model is sharded as
+Llama's; the vision tower and projector are whole on every rank and run on rank 0 only, whose features the other
+ranks take with each step (worker/parallel/tp_commands.py).
 
 Checkpoint names: what transformers 5 saves (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`,
 `multi_modal_projector.*`), its module names (`model.language_model.*`, `model.vision_tower.*`,
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.vision import ClipPreprocessor
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear
 from infer.worker.models.llama import LlamaForCausalLM
-from infer.worker.tensor_parallel import TensorParallel
-from infer.worker.vision import ClipPreprocessor
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -157,7 +157,7 @@ def feature_layers(config: Any) -> int:
 
 class SquareImages:
     """What a model whose tower takes images of one square size, each `tokens_per_image` tokens, answers the image
-    path (worker/vision.py): LLaVA-1.5 and Gemma 3."""
+    path (worker/engine/vision.py): LLaVA-1.5 and Gemma 3."""
 
     image_size: int
     tokens_per_image: int
@@ -175,8 +175,8 @@ class SquareImages:
 
 class LlavaForConditionalGeneration(SquareImages, LlamaForCausalLM):
     """LLaVA-1.5 over the paged KV cache: the registry's CausalLM contract (of its language model, whose config is
-    `self.config`) plus worker/vision.py's VisionModel (`image_token_id`, `image_preprocessor`, `image_placement`:
-    `tokens_per_image` each, `encode_images`)."""
+    `self.config`) plus worker/engine/vision.py's VisionModel (`image_token_id`, `image_preprocessor`,
+    `image_placement`: `tokens_per_image` each, `encode_images`)."""
 
     checkpoint_prefix_renames: ClassVar[tuple[tuple[str, str], ...]] = (
         ("model.language_model.", "model."),

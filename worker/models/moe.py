@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from infer.kernels.dispatch import Kernels, kernels_here
-from infer.worker.expert_parallel import ExpertParallel
+from infer.worker.distributed.expert_parallel import ExpertParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.models.layers import ColumnLinear, _copy_checked, _param, _rank_slice
 from infer.worker.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant
-from infer.worker.tensor_parallel import TensorParallel
 
 EXPERT_PROJECTIONS = ("gate", "up", "down")
 
@@ -81,7 +81,7 @@ class FusedExperts(nn.Module):
         """rows [N, H], local_ids [N] int64 in [0, E_local) -> [N, H]."""
         return self.kernels.fused_experts(rows, local_ids, self.gate_up_proj, self.down_proj)
 
-    # Loading (see infer.worker.loader): per-expert tensors arrive with an ExpertShard, the fused layout
+    # Loading (see infer.worker.loading.loader): per-expert tensors arrive with an ExpertShard, the fused layout
     # [E, ...] with shard None.
 
     def shards_of(self, param_name: str) -> tuple[ExpertShard, ...]:

@@ -10,14 +10,14 @@ the layers do one by one (the linears send 1-8 rows to the same GEMV), so the to
 bit (tests/worker/test_native_decode.py).
 
 It serves a step whose batch is 1-8 decoding requests (GEMV_MAX_ROWS), each one decode row or the k + 1 rows of a
-speculative verification (worker/speculative.py: its last token and k drafts at consecutive positions,
+speculative verification (worker/speculative/verification.py: its last token and k drafts at consecutive positions,
 `ForwardBatch.decode_runs`; MAX_ROWS rows in all), outside step graphs, when every layer
 is the dense Llama layer without q/k norms (biases are fine: Qwen2), on one rank, in bf16 (decode_layers.c takes
 fp32 rows too; `for_model` says why fp32 models keep their layers), with every linear's weight one the native
 kernels take: kept quantized (kernels/cpu/quant.c, any build), or dense bf16 in a
 bf16 model (the GEMV: the avx512 build's bf16 pairs with AVX512-BF16, else its fp32 core; the avx2 build widens
 bf16 to fp32 in registers; the generic build has no GEMV). Anything else runs the layers one by one; so does a
-step with rows of a LoRA adapter (worker/lora.py: this call knows no LoRA; LlamaModel.forward checks
+step with rows of a LoRA adapter (worker/engine/lora.py: this call knows no LoRA; LlamaModel.forward checks
 `lora_rows_active()`), while steps of base-model rows only keep it.
 
 A verification's rows are computed as the decode at each row's position would be: the linears send all the rows
@@ -45,8 +45,8 @@ from infer.kernels.cpu_kernels import (
     native_ready,
 )
 from infer.kernels.quant import FORMAT_CODES
-from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.spec_config import MAX_SPECULATIVE_TOKENS
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
+from infer.worker.speculative.config import MAX_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     from infer.worker.models.layers import PackedLinear

@@ -17,9 +17,9 @@ from typing import Any, ClassVar, cast
 
 import torch
 
+from infer.worker.distributed.tensor_parallel import TensorParallel
 from infer.worker.models.layers import MergedColumnLinear, _rank_slice, partial_rotary_order
 from infer.worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, MLPFactory
-from infer.worker.tensor_parallel import TensorParallel
 
 
 class PartialRotaryQKV(MergedColumnLinear):

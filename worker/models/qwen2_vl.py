@@ -8,12 +8,13 @@ tokens, and our Llama-family language model (Qwen2's layers) with M-RoPE.
   RMSNorm + a gated (SwiGLU) MLP, with windowed attention (windows of `window_size` pixels) in all blocks but
   `fullatt_block_indexes`; then the patch merger (norm, 2x2 patches concatenated, a two-layer GELU MLP).
 - The language model: `LlamaForCausalLM` with `MRotaryEmbedding` (worker/models/layers.py): each token's three
-  positions come from worker/vision.py's `step_mrope_positions` (`ForwardBatch.mrope_positions`), the features go in
-  at the image tokens' rows (`ForwardBatch.image_rows` / `image_embeds`), as LLaVA's.
-- Preprocessing is worker/vision.py's `Qwen2VLPreprocessor` (transformers' Qwen2VLImageProcessor).
+  positions come from worker/engine/vision.py's `step_mrope_positions` (`ForwardBatch.mrope_positions`), the features go
+  in at the image tokens' rows (`ForwardBatch.image_rows` / `image_embeds`), as LLaVA's.
+- Preprocessing is worker/engine/vision.py's `Qwen2VLPreprocessor` (transformers' Qwen2VLImageProcessor).
 
 With tensor parallelism the language model is sharded as Qwen2's; the vision tower is whole on every rank and runs
-on rank 0 only, whose features and M-RoPE positions the other ranks take with each step (worker/tp_commands.py).
+on rank 0 only, whose features and M-RoPE positions the other ranks take with each step
+(worker/parallel/tp_commands.py).
 
 Not supported, refused by name: videos (`multi_modal_data` takes images only; a prompt holding the video token is
 refused). Step graphs are off for these models (a graph's decode rows carry no per-request position delta): every
@@ -32,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.vision import Qwen2VLPreprocessor
 from infer.worker.models.layers import ColumnLinear, MergedColumnLinear, MRotaryEmbedding, RMSNorm
 from infer.worker.models.llama import LlamaForCausalLM, LlamaModel
 from infer.worker.models.llava import activation
-from infer.worker.tensor_parallel import TensorParallel
-from infer.worker.vision import Qwen2VLPreprocessor
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
@@ -230,8 +231,8 @@ class Qwen2VLTextModel(LlamaModel):
 
 class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     """Qwen2-VL / Qwen2.5-VL over the paged KV cache: the registry's CausalLM contract (of its language model, whose
-    config is `self.config`) plus worker/vision.py's VisionModel; `uses_mrope` tells the model runner to give each
-    step M-RoPE's positions."""
+    config is `self.config`) plus worker/engine/vision.py's VisionModel; `uses_mrope` tells the model runner to give
+    each step M-RoPE's positions."""
 
     checkpoint_prefix_renames: ClassVar[tuple[tuple[str, str], ...]] = (
         ("model.language_model.", "model."),
@@ -247,7 +248,8 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         self.vl_config = config
         self.image_token_id: int = int(config.image_token_id)
         video = getattr(config, "video_token_id", None)
-        self.video_token_id: int | None = None if video is None else int(video)  # refused in prompts (worker/intake.py)
+        # refused in prompts (worker/engine/intake.py)
+        self.video_token_id: int | None = None if video is None else int(video)
         self.visual = QwenVisionTransformer(config.vision_config, qwen25, dtype)
 
     def image_preprocessor(self, model_dir: Path | None) -> Qwen2VLPreprocessor:

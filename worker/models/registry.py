@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
-from infer.worker.forward_batch import ForwardBatch, KVCache
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
 from infer.worker.models.bart import BartForConditionalGeneration
 from infer.worker.models.deepseek import DeepseekV2ForCausalLM
 from infer.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -26,7 +26,7 @@ class CausalLM(Protocol):
     Construction: `cls(config, dtype)` under a `torch.device` scope (MoE classes, which set
     `supports_expert_parallel = True`, take `cls(config, dtype, ep=ExpertParallel)` and hold only
     `ep.expert_range(num_experts)`); parameters are empty until the loader fills them. Names follow
-    transformers' modules, except where class attributes say otherwise (see `infer.worker.loader`):
+    transformers' modules, except where class attributes say otherwise (see `infer.worker.loading.loader`):
     `packed_modules_mapping` maps a checkpoint module name to (our fused module, shard); MoE classes add
     `expert_modules_mapping` (per-expert checkpoint module -> (fused expert parameter, projection)) and
     optionally `checkpoint_module_renames` (checkpoint module name -> ours).

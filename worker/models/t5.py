@@ -1,4 +1,4 @@
-"""T5 (the original, v1.1 and Flan-T5) as an encoder-decoder model of the engine (worker/encoder_decoder.py).
+"""T5 (the original, v1.1 and Flan-T5) as an encoder-decoder model of the engine (worker/engine/encoder_decoder.py).
 
 The math is transformers' T5ForConditionalGeneration: RMS-style layer norms without bias or mean (pre-norm), attention
 with no 1/sqrt(d) scaling and a learned relative position bias (buckets of key - query distance: bidirectional in
@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from infer.kernels.dispatch import Kernels, kernels_here
-from infer.worker.encoder_decoder import biased_paged_attention, cross_attention, dense_attention, write_cross_kv
-from infer.worker.forward_batch import ForwardBatch, KVCache
-from infer.worker.tensor_parallel import TensorParallel
+from infer.worker.distributed.tensor_parallel import TensorParallel
+from infer.worker.engine.encoder_decoder import biased_paged_attention, cross_attention, dense_attention, write_cross_kv
+from infer.worker.engine.forward_batch import ForwardBatch, KVCache
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -173,7 +173,7 @@ class T5Stack(nn.Module):
 
 class T5ForConditionalGeneration(nn.Module):
     """T5ForConditionalGeneration's weights; `encode` (one request's encoder) and `forward` (the decoder over a
-    ForwardBatch), as worker/encoder_decoder.py's EncoderDecoderModel says."""
+    ForwardBatch), as worker/engine/encoder_decoder.py's EncoderDecoderModel says."""
 
     is_encoder_decoder = True
     supports_step_graphs: ClassVar[bool] = False  # the encoder runs at a request's first step, eagerly

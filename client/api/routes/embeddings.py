@@ -23,8 +23,8 @@ class Embeddings:
         self.front = front
 
     async def embeddings(self, request: Request) -> Response:
-        """POST /v1/embeddings (OpenAI's shape): one pooling request per input (worker/pooling.py), through the same
-        admission, cluster and failover as generation; `dimensions` only for a Matryoshka model (FrontConfig)."""
+        """POST /v1/embeddings (OpenAI's shape): one pooling request per input (worker/engine/pooling.py), through the
+        same admission, cluster and failover as generation; `dimensions` only for a Matryoshka model (FrontConfig)."""
         body = await self.front.parse(request, EmbeddingRequest)
         tok = await self.front.tokenization(body)
         self._check_dimensions(body.dimensions)

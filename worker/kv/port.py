@@ -1,0 +1,121 @@
+"""KvPort: an engine's KV blocks as bytes, out to another worker and in from one (disaggregated prefill and decode;
+the wire and its state are worker/kv/transfer.py's, torch-free; this module touches the pool).
+
+- `export(request_id)`: a producer's request after its prefill: the tokens whose KV it holds (its computed tokens'
+  full blocks, plus one token so the consumer's lookup covers every one of them) and each full block's bytes (every
+  layer's K and V in the pool's dtype and layout: one gather, then one bytes object per block).
+- `first_missing(token_ids)`: how many leading full blocks of `token_ids` the prefix cache holds already (the
+  producer sends only the others).
+- `store(token_ids, first_block, payloads)`: blocks `first_block ..` into free blocks as cached prefix-cache content,
+  right after the prefix the cache holds (BlockManager.restore, as the disk tier's loads): the continuation's
+  admission then finds them as ordinary hits. Nothing is stored past a gap (the cache no longer holds the blocks
+  before `first_block`), and as many as the free queue holds beside the prefix (the rest: counted as dropped).
+
+The fingerprint names the model, its weight version, the pool's dtype and block geometry: a producer and a consumer
+whose fingerprints differ exchange nothing (the consumer refuses the offer). Base model only (LoRA is refused with a
+KV role at start, worker/service/cli.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from infer.protocol.sampling import SamplingParams
+from infer.worker.engine.block_manager import BlockManager
+from infer.worker.engine.forward_batch import KVCache
+from infer.worker.engine.request import Request
+from infer.worker.engine.scheduler import Scheduler
+from infer.worker.kv.offload import KvOffload
+
+
+class KvPort:
+    """The engine's pool seen as blocks of bytes (see the module docstring); counters for the worker's stats."""
+
+    def __init__(
+        self, kv: KVCache, scheduler: Scheduler, model_id: str, quantization: str, offload: KvOffload | None
+    ) -> None:
+        self.kv, self.scheduler, self.offload = kv, scheduler, offload
+        self.model_id, self.quantization = model_id, quantization
+        self.sent_blocks = 0  # blocks exported to consumers
+        self.received_blocks = 0  # blocks stored from producers
+        self.dropped_blocks = 0  # blocks received but not stored (no free block, a gap, a bad checksum)
+
+    @property
+    def blocks(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    @property
+    def block_bytes(self) -> int:
+        shape = self.kv.block_shape
+        size = torch.empty((), dtype=self.kv.k[0].dtype).element_size()
+        for n in shape:
+            size *= n
+        return size
+
+    def fingerprint(self, weight_version: int) -> bytes:
+        parts = [self.model_id, str(weight_version), str(self.kv.k[0].dtype), repr(self.kv.block_shape)]
+        return hashlib.blake2b("\0".join([*parts, self.quantization]).encode(), digest_size=16).digest()
+
+    def export(self, request_id: str) -> tuple[list[int], list[bytes]] | None:
+        """(tokens, each full computed block's bytes) of a running request; None if it is not here or holds no full
+        block."""
+        request = self.scheduler.get(request_id)
+        if request is None or request.lora_id:
+            return None
+        num_full = min(request.num_computed_tokens // self.blocks.block_size, len(request.block_table))
+        ids = request.block_table[:num_full]
+        if num_full == 0 or any(block_id < 0 for block_id in ids):
+            return None
+        data = self.kv.read_blocks(ids)
+        payloads = [data[j].contiguous().view(-1).view(torch.uint8).numpy().tobytes() for j in range(num_full)]
+        self.sent_blocks += num_full
+        tokens = request.token_ids[: num_full * self.blocks.block_size + 1]
+        return tokens, payloads
+
+    def first_missing(self, token_ids: Sequence[int]) -> int:
+        """The leading full blocks of `token_ids` (all but its last token) this prefix cache holds."""
+        return len(self.blocks.find_cached_prefix(_probe(token_ids)))
+
+    def store(self, token_ids: Sequence[int], first_block: int, payloads: Sequence[bytes]) -> int:
+        """Store blocks `first_block ..` of `token_ids` as cached content (see the module docstring); returns how
+        many were stored, counting the rest as dropped."""
+        if any(len(p) != self.block_bytes for p in payloads):
+            self.dropped_blocks += len(payloads)
+            return 0
+        probe = _probe(token_ids)
+        hits = self.blocks.find_cached_prefix(probe)
+        skip = len(hits) - first_block
+        if skip < 0 or not self.blocks.enable_prefix_caching:
+            self.dropped_blocks += len(payloads)
+            return 0
+        wanted = payloads[skip:]
+        hashes = probe.block_hashes[len(hits) : len(hits) + len(wanted)]
+        ids = self.blocks.restore(probe, hits, [(h, b"") for h in hashes])
+        if self.offload is not None:  # what taking those blocks evicted, before their KV is overwritten
+            self.offload.spill_evicted()
+        for block_id, payload in zip(ids, wanted, strict=False):
+            self.kv.write_block(block_id, self._tensor(payload))
+        self.received_blocks += len(ids)
+        self.dropped_blocks += len(payloads) - len(ids) - max(0, min(skip, len(payloads)))
+        return len(ids) + max(0, min(skip, len(payloads)))
+
+    def _tensor(self, payload: bytes) -> torch.Tensor:
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return flat.view(self.kv.k[0].dtype).view(self.kv.block_shape)
+
+    def counters(self) -> dict[str, Any]:
+        return {
+            "kv_transfer_sent_blocks": self.sent_blocks,
+            "kv_transfer_received_blocks": self.received_blocks,
+            "kv_transfer_dropped_blocks": self.dropped_blocks,
+        }
+
+
+def _probe(token_ids: Sequence[int]) -> Request:
+    """A request of these tokens that holds no blocks: what the block manager's lookups take (its full blocks are
+    those of all tokens but the last, as for a request about to run)."""
+    return Request("kv-transfer", list(token_ids), SamplingParams(max_tokens=1))
