@@ -323,6 +323,17 @@ def _argv(pid: int) -> list[str]:
         return []
 
 
+def _member_pid(marker: bytes, flag: str, value: str) -> int:
+    """The pid of the job's worker daemon (`marker`: its SLURM_JOB_ID in the environment) started with `flag value`
+    (a TP or PP member: "--tp-rank", "1")."""
+    for line in processes_mentioning(marker):
+        pid = int(line.split(":")[0])
+        argv = _argv(pid)
+        if argv[1:3] == ["-m", "infer.worker.service.daemon"] and flag in argv and argv[argv.index(flag) + 1] == value:
+            return pid
+    raise AssertionError(f"no worker of the job runs with {flag} {value}")
+
+
 def node_of(worker_id: str) -> str:
     return worker_id.rsplit("-", 1)[0]  # infer-worker's default id: <hostname>-<pid>
 
@@ -633,15 +644,7 @@ def test_one_tp2_worker_group_spans_two_nodes_equals_one_process_and_is_restarte
 
         # kill -9 of the member on the other node: the idle leader notices, every member restarts, the group
         # meets again and serves the same tokens
-        pids = [int(line.split(":")[0]) for line in processes_mentioning(marker)]
-        follower_pid = next(
-            pid
-            for pid in pids
-            if _argv(pid)[1:3] == ["-m", "infer.worker.service.daemon"]
-            and "--tp-rank" in _argv(pid)
-            and _argv(pid)[_argv(pid).index("--tp-rank") + 1] == "1"
-        )
-        os.kill(follower_pid, signal.SIGKILL)
+        os.kill(_member_pid(marker, "--tp-rank", "1"), signal.SIGKILL)
         killed_at = time.monotonic()
 
         async def regrouped() -> list[list[int]]:
@@ -745,15 +748,7 @@ def test_one_tp2_x_pp2_worker_over_two_nodes_serves_chat_completions_and_is_rest
         assert ready["PP stage 0 TP rank 1"] == stage0  # a stage's TP group on one node
         assert ready["PP stage 1 TP rank 0"] == ready["PP stage 1 TP rank 1"] != stage0
         marker = f"SLURM_JOB_ID={job.id}\0".encode()
-        pids = [int(line.split(":")[0]) for line in processes_mentioning(marker)]
-        stage1_pid = next(
-            pid
-            for pid in pids
-            if _argv(pid)[1:3] == ["-m", "infer.worker.service.daemon"]
-            and "--pp-rank" in _argv(pid)
-            and _argv(pid)[_argv(pid).index("--pp-rank") + 1] == "1"
-        )
-        os.kill(stage1_pid, signal.SIGKILL)
+        os.kill(_member_pid(marker, "--pp-rank", "1"), signal.SIGKILL)
         _, again = asyncio.run(serve(after_restart_of=stats.workers[0].worker_id))
         assert again == want
         assert "connection closed" in job.text() and "restarting it in" in job.text()

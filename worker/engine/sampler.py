@@ -138,6 +138,7 @@ class SamplingMetadata:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         num_logprobs = tuple(r.num_logprobs for r in requests)  # params.logprobs, or a beam's candidates
+        forced = [r.forced_token() for r in requests]  # each row's forced BOS / EOS (worker/engine/request.py)
         logprob_rows = [i for i, n in enumerate(num_logprobs) if n is not None]
         return cls(
             vocab_size=vocab_size,
@@ -152,9 +153,9 @@ class SamplingMetadata:
             penalties=(
                 Penalties.build(requests, vocab_size, device) if any(p.needs_penalties for p in params) else None
             ),
-            banned=_banned_tokens(requests, vocab_size, device),
+            banned=_banned_tokens(requests, forced, vocab_size, device),
             logit_bias=_logit_bias(requests, device),
-            allowed=_allowed_tokens(requests, vocab_size, device),
+            allowed=_allowed_tokens(requests, forced, vocab_size, device),
             grammar=_grammar_bitmask(requests, vocab_size, device),
             num_logprobs=num_logprobs,
             max_num_logprobs=max((n for n in num_logprobs if n is not None), default=None),
@@ -170,14 +171,14 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device | str) -> torc
 
 
 def _banned_tokens(
-    requests: Sequence[Request], vocab_size: int, device: torch.device | str
+    requests: Sequence[Request], forced: Sequence[int | None], vocab_size: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) to mask: while a request is under min_tokens its stop token ids always and its EOS
     ids unless ignore_eos; the last token of each bad word whose other tokens end the output."""
     rows: list[int] = []
     ids: list[int] = []
     for i, r in enumerate(requests):
-        if r.forced_token() is not None:  # one token is allowed: nothing else to ban (_allowed_tokens)
+        if forced[i] is not None:  # one token is allowed: nothing else to ban (_allowed_tokens)
             continue
         p = r.params
         banned = _bad_word_bans(r)
@@ -217,12 +218,12 @@ def _logit_bias(
 
 
 def _allowed_tokens(
-    requests: Sequence[Request], vocab_size: int, device: torch.device | str
+    requests: Sequence[Request], forced: Sequence[int | None], vocab_size: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     allowed: list[tuple[int, tuple[int, ...]]] = []
     for i, r in enumerate(requests):
-        forced = r.forced_token()  # the generation config's forced BOS / EOS: that token alone
-        ids = (forced,) if forced is not None else r.params.allowed_token_ids
+        token = forced[i]  # the generation config's forced BOS / EOS: that token alone
+        ids = (token,) if token is not None else r.params.allowed_token_ids
         if ids is not None:
             allowed.append((i, tuple(ids)))
     if not allowed:
