@@ -21,6 +21,19 @@ ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memo
 TIMEOUT_S = 2.0  # kv_transfer_timeout: a stalled transfer ends after this
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((40, 53, 70))]
+# speculation on KV roles: drafts verified against the KV the producer sent
+NGRAM = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})]
+
+
+def self_draft(model) -> tuple[str, ...]:
+    """A draft model that is the model itself: its drafts are right (its own KV of the prompt made on the consumer)."""
+    return (
+        "--speculative-config",
+        json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}),
+    )
+
+
+REPEATING = [5, 9, 13, 17, 21] * 8  # drafts can be right
 
 
 def role(name: str, shm: bool = True) -> list[str]:
@@ -34,10 +47,17 @@ class Disaggregated:
     whole there); `rank` maps each worker's role to its DP rank once ready."""
 
     def __init__(
-        self, cluster_factory, tiny_llama, keys=None, producer_keys: tuple[str, ...] = (), shm: bool = True
+        self,
+        cluster_factory,
+        tiny_llama,
+        keys=None,
+        producer_keys: tuple[str, ...] = (),
+        shm: bool = True,
+        consumer_flags: tuple[str, ...] = (),
     ) -> None:
         """`keys`: a ClusterKeyDir (CurveZMQ everywhere); `producer_keys`: the producer's key flags instead of the
-        workers' shared pair; `shm` False: the blocks go over TCP (on one host they go through /dev/shm)."""
+        workers' shared pair; `shm` False: the blocks go over TCP (on one host they go through /dev/shm);
+        `consumer_flags`: the consumer's own engine flags."""
         self.cluster = cluster_factory()
         self.cluster.coordinator(*(keys.coordinator_flags() if keys is not None else ()))
         key_flags = keys.worker_flags() if keys is not None else []
@@ -47,6 +67,7 @@ class Disaggregated:
                 *ENGINE_FLAGS,
                 *role(name, shm),
                 *(producer_keys if producer_keys and name == "kv_producer" else key_flags),
+                *(consumer_flags if name == "kv_consumer" else ()),
                 model=tiny_llama,
             )
             for i, name in enumerate(("kv_producer", "kv_consumer", "kv_both"))
@@ -93,7 +114,9 @@ async def loads(client, wait_until=None, worker_id: str = "", received: int = 0)
 
 
 async def test_prefill_on_the_producer_decode_on_the_consumer_equal_outputs(cluster_factory, tiny_llama, wait_until):
-    pd = Disaggregated(cluster_factory, tiny_llama)
+    """The consumer decodes with a draft model (the reference without): the draft prefills the prompt on the consumer,
+    its drafts are verified against the KV the consumer received, and the greedy tokens stay the reference's."""
+    pd = Disaggregated(cluster_factory, tiny_llama, consumer_flags=self_draft(tiny_llama))
     async with pd.cluster.client() as client:
         await pd.ready(client, wait_until)
         reference = [await pd.reference(client, p) for p in PROMPTS]
@@ -117,6 +140,13 @@ async def test_prefill_on_the_producer_decode_on_the_consumer_equal_outputs(clus
         expected = await pd.reference(client, PROMPTS[1], regex)
         constrained = await pd.generate(client, PROMPTS[1], regex)
         assert constrained.token_ids == expected.token_ids and re.fullmatch("[a-z]{2,5} [0-9]{1,3}", constrained.text)
+        # a longer continuation: drafts proposed and accepted, the tokens still the reference's
+        long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        assert (await pd.generate(client, REPEATING, long)).token_ids == (
+            await pd.reference(client, REPEATING, long)
+        ).token_ids
+        speculated = (await loads(client))[pd.procs["kv_consumer"].worker_id]
+        assert speculated.spec_decode_num_drafts > 0 and speculated.spec_decode_num_accepted_tokens > 0
     assert "go through shared memory" in pd.procs["kv_producer"].text()  # one host: /dev/shm, not TCP
 
 
@@ -210,8 +240,9 @@ async def test_consumer_killed_while_it_decodes(cluster_factory, tiny_llama, wai
 def test_infer_serve_starts_a_producer_and_a_consumer_and_the_official_client_gets_equal_text(
     model_cluster, tiny_llama, tmp_path
 ):
-    """`infer-serve --workers 2 --kv-roles kv_producer,kv_consumer`, through the official `openai` client (token-id
-    prompts, streamed and not): the same text as one kv_both worker, and the consumer received the blocks."""
+    """`infer-serve --workers 2 --kv-roles kv_producer,kv_consumer` with n-gram speculation, through the official
+    `openai` client (token-id prompts, streamed and not): the same text as one kv_both worker without speculation,
+    and the consumer received the blocks."""
     import openai
     from serve_harness import Served
 
@@ -221,7 +252,7 @@ def test_infer_serve_starts_a_producer_and_a_consumer_and_the_official_client_ge
     with SyncInferenceClient(plain.address, connect_timeout=30) as cluster:
         reference = [cluster.generate(p, GREEDY).text for p in PROMPTS]
     served = Served(
-        tiny_llama, tmp_path / "serve.log", "tiny", ["--kv-roles", "kv_producer,kv_consumer", *ENGINE_FLAGS]
+        tiny_llama, tmp_path / "serve.log", "tiny", ["--kv-roles", "kv_producer,kv_consumer", *ENGINE_FLAGS, *NGRAM]
     )
     try:
         client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)

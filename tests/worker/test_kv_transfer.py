@@ -63,10 +63,6 @@ def test_the_config_survives_argv_and_back_and_defaults_to_kv_both_without_a_por
         ([*PRODUCER, "--tp-size", "2"], "kv_producer is not supported with --tp-size > 1"),
         ([*CONSUMER, "--pp-size", "2"], "kv_consumer is not supported with --pp-size > 1"),
         ([*PRODUCER, "--enable-lora"], "kv_producer is not supported with --enable-lora"),
-        (
-            [*CONSUMER, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
-            "kv_consumer is not supported with --speculative-config",
-        ),
         ([*CONSUMER, "--no-enable-prefix-caching"], "kv_consumer is not supported with prefix caching off"),
         ([*PRODUCER, "--benchmark-mode"], "kv_producer is not supported with --benchmark-mode"),
         (["--kv-transfer-config", '{"kv_role": "kv_both"}', "--tp-size", "2"], "kv_both is not supported with --tp"),
