@@ -131,6 +131,14 @@ def _require(condition: bool, text: str) -> None:
         raise ProtocolError(text)
 
 
+def _check_optional_lora_name(name: str | None) -> None:
+    if name is not None:
+        try:
+            check_lora_name(name)
+        except ValueError as e:
+            raise ProtocolError(f"field 'lora_name': {e}") from None
+
+
 def _check_id(name: str, value: str) -> None:
     if not 0 < len(value) <= MAX_ID_LEN:  # (not _require: the message is formatted only when it fails)
         raise ProtocolError(f"field {name!r} must be 1..{MAX_ID_LEN} characters, got {len(value)}")
@@ -1194,9 +1202,11 @@ class KvOffer(Message, frozen=True):
     # the token it holds; a consumer that reads that token there shares the directory (the same host, the same mounts)
     shm_probe: ShmPath | None = None
     shm_token: Token | None = None
+    lora_name: str | None = None  # the LoRA adapter the KV was computed with (None: the base model)
 
     def __post_init__(self) -> None:
         _require((self.shm_probe is None) == (self.shm_token is None), "'shm_probe' and 'shm_token' go together")
+        _check_optional_lora_name(self.lora_name)
 
 
 @message
@@ -1226,8 +1236,10 @@ class KvBlocks(Message, frozen=True):
     checksums: Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_KV_BLOCKS_PER_FRAME)]
     last: bool = True
     shm_path: ShmPath | None = None  # the payloads, back to back, in this shared-memory file instead of `blocks`
+    lora_name: str | None = None  # as KvOffer's
 
     def __post_init__(self) -> None:
+        _check_optional_lora_name(self.lora_name)
         if self.shm_path is None:
             _require(len(self.blocks) == len(self.checksums), "fields 'blocks' and 'checksums' must have one item each")
         else:

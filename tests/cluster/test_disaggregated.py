@@ -54,10 +54,11 @@ class Disaggregated:
         producer_keys: tuple[str, ...] = (),
         shm: bool = True,
         consumer_flags: tuple[str, ...] = (),
+        worker_flags: tuple[str, ...] = (),
     ) -> None:
         """`keys`: a ClusterKeyDir (CurveZMQ everywhere); `producer_keys`: the producer's key flags instead of the
         workers' shared pair; `shm` False: the blocks go over TCP (on one host they go through /dev/shm);
-        `consumer_flags`: the consumer's own engine flags."""
+        `consumer_flags`: the consumer's own engine flags; `worker_flags`: every worker's."""
         self.cluster = cluster_factory()
         self.cluster.coordinator(*(keys.coordinator_flags() if keys is not None else ()))
         key_flags = keys.worker_flags() if keys is not None else []
@@ -68,6 +69,7 @@ class Disaggregated:
                 *role(name, shm),
                 *(producer_keys if producer_keys and name == "kv_producer" else key_flags),
                 *(consumer_flags if name == "kv_consumer" else ()),
+                *worker_flags,
                 model=tiny_llama,
             )
             for i, name in enumerate(("kv_producer", "kv_consumer", "kv_both"))
@@ -151,26 +153,37 @@ async def test_prefill_on_the_producer_decode_on_the_consumer_equal_outputs(clus
 
 
 async def test_with_keys_the_kv_traffic_is_curve_and_a_producer_under_another_key_is_refused(
-    cluster_factory, tiny_llama, wait_until, tmp_path
+    cluster_factory, tiny_llama, wait_until, tmp_path, tmp_path_factory
 ):
-    """CurveZMQ on every link (infer-keygen --cluster): the blocks travel (over TCP) between the workers' shared key pair. A
-    producer under another worker key (the coordinator lets it in) fails the consumer's handshake: its transfer
-    times out and the consumer recomputes; the tokens are the same either way."""
+    """CurveZMQ on every link (infer-keygen --cluster): the blocks travel (over TCP) between the workers' shared key pair,
+    a LoRA request's with its adapter's name. A producer under another worker key (the coordinator lets it in) fails the
+    consumer's handshake: its transfer times out and the consumer recomputes; the tokens are the same either way."""
+    from lora_cases import make_adapters
+
     from infer.protocol.keys import ClusterKeyDir, write_key_pair
+
+    adapter = make_adapters(tiny_llama, tmp_path_factory, names=("qv",))["qv"]
+    lora = ("--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"qv={adapter}")
+    adapted = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora_name="qv")
 
     keys = ClusterKeyDir.create(tmp_path / "keys")
     _, secret = write_key_pair(keys.path / "workers", "stranger")
     for stranger in (False, True):
         flags = ("--curve-key", str(secret), "--coordinator-key", str(keys.public("coordinator"))) if stranger else ()
-        pd = Disaggregated(cluster_factory, tiny_llama, keys, producer_keys=flags, shm=False)
+        pd = Disaggregated(cluster_factory, tiny_llama, keys, producer_keys=flags, shm=False, worker_flags=lora)
         async with pd.cluster.client(**keys.client_options()) as client:
             await pd.ready(client, wait_until)
             reference = await pd.reference(client, PROMPTS[2])
             assert (await pd.generate(client, PROMPTS[2])).token_ids == reference
             expected_blocks = 0 if stranger else len(PROMPTS[2]) // 16
+            if not stranger:  # the adapter's KV, stored under the consumer's id of it: its tokens are the adapter's
+                want = await pd.reference(client, PROMPTS[1], adapted)
+                assert (await pd.generate(client, PROMPTS[1], adapted)).token_ids == want.token_ids
+                assert want.token_ids != await pd.reference(client, PROMPTS[1])  # not the base model's
+                expected_blocks += len(PROMPTS[1]) // 16
             consumer_id = pd.procs["kv_consumer"].worker_id
             got = (await loads(client, wait_until, consumer_id, expected_blocks))[consumer_id]
-            assert got.kv_transfer_received_blocks == (0 if stranger else len(PROMPTS[2]) // 16)
+            assert got.kv_transfer_received_blocks == expected_blocks
             assert "go through shared memory" not in pd.procs["kv_producer"].text()  # over CURVE
         pd.cluster.teardown()
     assert "KV producer" in pd.procs["kv_consumer"].text()  # the refused handshake, logged by the consumer

@@ -13,7 +13,7 @@ from infer import SamplingParams
 from infer.protocol.messages import KvBlocks, KvOffer, KvStored, KvWant, encode
 from infer.protocol.options import to_argv
 from infer.worker.engine.config import EngineConfig
-from infer.worker.kv.transfer import KvReceiver, KvSender, KvTransferConfig
+from infer.worker.kv.transfer import Exported, KvReceiver, KvSender, KvTransferConfig
 from infer.worker.service import cli
 from infer.worker.service.options import WorkerOptions
 
@@ -62,7 +62,6 @@ def test_the_config_survives_argv_and_back_and_defaults_to_kv_both_without_a_por
         ),
         ([*PRODUCER, "--tp-size", "2"], "kv_producer is not supported with --tp-size > 1"),
         ([*CONSUMER, "--pp-size", "2"], "kv_consumer is not supported with --pp-size > 1"),
-        ([*PRODUCER, "--enable-lora"], "kv_producer is not supported with --enable-lora"),
         ([*CONSUMER, "--no-enable-prefix-caching"], "kv_consumer is not supported with prefix caching off"),
         ([*PRODUCER, "--benchmark-mode"], "kv_producer is not supported with --benchmark-mode"),
         (["--kv-transfer-config", '{"kv_role": "kv_both"}', "--tp-size", "2"], "kv_both is not supported with --tp"),
@@ -90,14 +89,17 @@ class FakePort:
     def __init__(self, held: int = 0, room: int = 100) -> None:
         self.held, self.room = held, room
         self.stored: list[tuple[int, int]] = []
+        self.adapters: list[str | None] = []  # the adapter of each lookup and store
 
     def export(self, request_id):
         return None
 
-    def first_missing(self, token_ids) -> int:
+    def first_missing(self, token_ids, lora_name=None) -> int:
+        self.adapters.append(lora_name)
         return self.held
 
-    def store(self, token_ids, first_block, payloads) -> int:
+    def store(self, token_ids, first_block, payloads, lora_name=None) -> int:
+        self.adapters.append(lora_name)
         n = min(len(payloads), self.room)
         self.room -= n
         self.stored.append((first_block, n))
@@ -123,26 +125,27 @@ def test_only_the_blocks_the_consumer_lacks_travel_in_bounded_frames(monkeypatch
     monkeypatch.setattr("infer.worker.kv.transfer.MAX_FRAME_PAYLOAD", 2 * 8)  # two 8-byte blocks a frame
     sender, port = KvSender(timeout_s=5.0), FakePort(held=1)
     blocks = [bytes([i]) * 8 for i in range(5)]
-    sender.start("r", "tcp://c:1", "", (list(range(81)), blocks), b"fp0", now=0.0)
+    sender.start("r", "tcp://c:1", "", Exported(list(range(81)), blocks, "qv"), b"fp0", now=0.0)
     assert run_transfer(sender, KvReceiver(port)) == ["kv_offer", "kv_blocks", "kv_blocks"]
     assert port.stored == [(1, 2), (3, 2)]  # block 0 was held: blocks 1..4 in two frames
+    assert port.adapters == ["qv"] * 3  # a LoRA request's KV: the lookup and each store are the adapter's
     (done,) = sender.take_done()
     assert done.outcome == "stored 5 of 5 blocks" and not sender.transfers and sender.completed == 1
 
 
 def test_a_consumer_out_of_blocks_a_foreign_engine_and_a_silent_one_end_the_transfer():
     sender, port = KvSender(timeout_s=5.0), FakePort(room=1)
-    sender.start("full", "tcp://c:1", "", ([1] * 49, [b"a" * 8] * 3), b"fp0", now=0.0)
+    sender.start("full", "tcp://c:1", "", Exported([1] * 49, [b"a" * 8] * 3), b"fp0", now=0.0)
     run_transfer(sender, KvReceiver(port))
     (done,) = sender.take_done()
     assert done.outcome == "stored 1 of 3 blocks"
 
-    sender.start("foreign", "tcp://c:1", "", ([1] * 17, [b"a" * 8]), b"fp0", now=0.0)
+    sender.start("foreign", "tcp://c:1", "", Exported([1] * 17, [b"a" * 8]), b"fp0", now=0.0)
     assert run_transfer(sender, KvReceiver(FakePort()), fingerprint=b"fp7") == ["kv_offer"]
     (done,) = sender.take_done()
     assert done.outcome.startswith("refused by the consumer: another model")
 
-    sender.start("stalled", "tcp://c:1", "", ([1] * 17, [b"a" * 8]), b"fp0", now=10.0)
+    sender.start("stalled", "tcp://c:1", "", Exported([1] * 17, [b"a" * 8]), b"fp0", now=10.0)
     assert [m.TYPE for _, _, m in sender.take_outgoing()] == ["kv_offer"]
     assert sender.next_deadline() == 15.0
     sender.tick(14.9)
@@ -161,7 +164,7 @@ def test_on_one_host_the_blocks_go_through_shared_memory_and_their_files_are_rem
     sender, port = KvSender(timeout_s=5.0, shm=producer_area), FakePort()
     receiver = KvReceiver(port, shm=consumer_area)
     blocks = [bytes([i]) * 8 for i in range(3)]
-    sender.start("r", "tcp://c:1", "", ([1] * 49, blocks), b"fp0", now=0.0)
+    sender.start("r", "tcp://c:1", "", Exported([1] * 49, blocks), b"fp0", now=0.0)
     (offer,) = [m for _, _, m in sender.take_outgoing()]
     want = receiver.on_message(offer, b"fp0")
     assert want.shm and want.first_block == 0
@@ -184,6 +187,31 @@ def test_on_one_host_the_blocks_go_through_shared_memory_and_their_files_are_rem
     assert not [p for p in tmp_path.iterdir() if p.is_file()]  # close removes what is left (the probe)
 
 
+class AdapterlessPort(FakePort):
+    """A consumer that has no LoRA adapter loaded (the engine's ValueError for a name it does not know)."""
+
+    def first_missing(self, token_ids, lora_name=None) -> int:
+        if lora_name is not None:
+            raise ValueError(f"unknown LoRA adapter {lora_name!r} (loaded: none)")
+        return super().first_missing(token_ids)
+
+    def store(self, token_ids, first_block, payloads, lora_name=None) -> int:
+        self.first_missing(token_ids, lora_name)
+        return super().store(token_ids, first_block, payloads)
+
+
+def test_a_consumer_without_the_adapter_refuses_its_blocks():
+    sender, port = KvSender(timeout_s=5.0), AdapterlessPort()
+    sender.start("r", "tcp://c:1", "", Exported([1] * 33, [b"a" * 8] * 2, "qv"), b"fp0", now=0.0)
+    assert run_transfer(sender, KvReceiver(port)) == ["kv_offer"]
+    (done,) = sender.take_done()
+    assert done.outcome == "refused by the consumer: unknown LoRA adapter 'qv' (loaded: none)" and not port.stored
+    late = KvBlocks(  # the adapter unloaded between the offer and the blocks
+        transfer_id="r", fingerprint=b"fp0", token_ids=[1] * 17, first_block=0, blocks=[], checksums=[], lora_name="qv"
+    )
+    assert KvReceiver(port).on_message(late, b"fp0").refusal == "unknown LoRA adapter 'qv' (loaded: none)"
+
+
 def test_a_consumer_refuses_a_block_whose_checksum_differs():
     receiver = KvReceiver(FakePort())
     bad = KvBlocks(transfer_id="r", fingerprint=b"fp0", token_ids=[1] * 17, first_block=0, blocks=[b"x"], checksums=[1])
@@ -200,7 +228,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = [(5 * j) % 300 + 7 for j in range(45)]  # 2 full blocks of 16, and a tail
 
 
-def make_engine(model_dir, kv_cache_memory: int = 4_000_000, quantization: str = "auto"):
+def make_engine(model_dir, kv_cache_memory: int = 4_000_000, quantization: str = "auto", **options):
     from infer.worker.engine.engine import Engine
 
     config = EngineConfig(
@@ -209,6 +237,7 @@ def make_engine(model_dir, kv_cache_memory: int = 4_000_000, quantization: str =
         max_model_len=128,
         kv_cache_memory=kv_cache_memory,
         quantization=quantization,
+        **options,
     )
     return Engine(config)
 
@@ -234,8 +263,8 @@ def test_blocks_prefilled_on_one_engine_serve_the_prompt_on_another(tiny_model_d
     producer.add_request("r", PROMPT, GREEDY)
     (first,) = [d for d in producer.step() if d.request_id == "r"]
     assert first.token_ids == expected[:1]
-    tokens, payloads = producer.kv_port.export("r")
-    assert tokens == PROMPT[:33] and len(payloads) == 2
+    tokens, payloads, adapter = producer.kv_port.export("r")
+    assert tokens == PROMPT[:33] and len(payloads) == 2 and adapter is None
     assert producer.kv_port.fingerprint(0) == consumer.kv_port.fingerprint(0)
     assert producer.kv_port.fingerprint(0) != make_engine(model, quantization="int4").kv_port.fingerprint(0)
 
@@ -250,12 +279,50 @@ def test_blocks_prefilled_on_one_engine_serve_the_prompt_on_another(tiny_model_d
     consumer.scheduler.block_manager.check_invariants()
 
 
+def test_a_lora_request_s_blocks_serve_it_on_an_engine_with_the_adapter(tiny_model_dir, tmp_path):
+    """A LoRA request's blocks are its adapter's: the consumer stores them under its own id of the adapter (not the
+    producer's), its base model's lookup does not find them, and the request resumed there gives one engine's
+    tokens; an engine without the adapter refuses them by name."""
+    from lora_cases import ADAPTERS, make_adapter
+
+    model = tiny_model_dir("llama")
+    make_adapter(model, tmp_path / "qv", 100, **ADAPTERS["qv"])
+
+    def with_adapters(*names: str):
+        engine = make_engine(model, enable_lora=True, max_lora_rank=8)
+        for name in names:
+            engine.add_lora(name, str(tmp_path / "qv"))
+        return engine
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, lora_name="qv")
+    reference = with_adapters("qv")
+    reference.add_request("base", PROMPT, GREEDY)
+    base = finish(reference, "base")
+    reference.add_request("ref", PROMPT, params)
+    expected = finish(reference, "ref")
+    assert expected != base  # the adapter's K / V differ from the base model's
+
+    producer, consumer = with_adapters("qv"), with_adapters("other", "qv")  # "qv" has another id there
+    producer.add_request("r", PROMPT, params)
+    (first,) = [d for d in producer.step() if d.request_id == "r"]
+    tokens, payloads, adapter = producer.kv_port.export("r")
+    assert adapter == "qv" and len(payloads) == 2
+    port = consumer.kv_port
+    assert port.store(tokens, 0, payloads, "qv") == 2
+    assert port.first_missing(tokens) == 0 and port.first_missing(tokens, "qv") == 2
+    consumer.add_request("r", PROMPT, params, resumed_token_ids=first.token_ids)
+    assert first.token_ids + finish(consumer, "r") == expected
+    assert consumer.scheduler.block_manager.num_hit_tokens == 32
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'qv'"):
+        with_adapters("other").kv_port.first_missing(tokens, "qv")
+
+
 def test_a_consumer_without_free_blocks_drops_them_and_recomputes(tiny_model_dir):
     model = tiny_model_dir("llama")
     producer = make_engine(model)
     producer.add_request("r", PROMPT, GREEDY)
     producer.step()
-    tokens, payloads = producer.kv_port.export("r")
+    tokens, payloads, _ = producer.kv_port.export("r")
     consumer = make_engine(model, kv_cache_memory=9 * 8192)  # 9 blocks of the tiny Llama's 16 tokens
     blocks = consumer.scheduler.block_manager
     hog = [(3 * j) % 200 + 1 for j in range(blocks.num_blocks * 16 - 20)]  # holds every block but one
@@ -301,7 +368,7 @@ def producer_harness(port: FakePort):
 
 class ExportingPort(FakePort):
     def export(self, request_id):
-        return [1] * 33, [b"a" * 8, b"b" * 8]
+        return Exported([1] * 33, [b"a" * 8, b"b" * 8])
 
 
 def test_a_producer_streams_the_first_token_then_hands_off_once_the_transfer_ended():

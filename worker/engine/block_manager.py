@@ -550,7 +550,7 @@ class BlockManager:
         for block_hash, _digest in loaded[: max(0, len(self._free) - len(free_hits))]:
             block_id = self._take_free_block()
             tokens = self._block_tokens(request, len(hits) + len(restored))
-            self._register(self._blocks[block_id], block_hash, parent, tokens)
+            self._register(self._blocks[block_id], block_hash, parent, tokens, request.lora_id)
             parent = self._blocks[block_id].content
             restored.append(block_id)
         for block_id in reversed(restored):

@@ -206,7 +206,9 @@ class Engine:
                 ModelFiles(self.model_path, tuple(weight_files(self.model_path)), config.quantization),
             )
         # the pool as blocks of bytes, for KV transfers between workers (worker/kv/port.py)
-        self.kv_port = KvPort(self.kv_cache, self.scheduler, self.model_id, config.quantization, self.offload)
+        self.kv_port = KvPort(
+            self.kv_cache, self.scheduler, self.model_id, config.quantization, self.offload, self._lora_id
+        )
         self.sampler = Sampler(seed=config.seed, device=self.device)
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tp.size > 1:

@@ -12,33 +12,43 @@ the wire and its state are worker/kv/transfer.py's, torch-free; this module touc
   before `first_block`), and as many as the free queue holds beside the prefix (the rest: counted as dropped).
 
 The fingerprint names the model, its weight version, the pool's dtype and block geometry: a producer and a consumer
-whose fingerprints differ exchange nothing (the consumer refuses the offer). Base model only (LoRA is refused with a
-KV role at start, worker/service/cli.py).
+whose fingerprints differ exchange nothing (the consumer refuses the offer). A LoRA request's blocks go with its
+adapter's name; the consumer looks them up and stores them under its own id for that name (`lora_id`: the engine's
+name -> id, ValueError for an adapter it has not loaded) and the adapter's prefix-cache salt, as its own requests of
+that adapter would find them.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from infer.protocol.prefix_hash import adapter_salt
 from infer.protocol.sampling import SamplingParams
 from infer.worker.engine.block_manager import BlockManager
 from infer.worker.engine.forward_batch import KVCache
 from infer.worker.engine.request import Request
 from infer.worker.engine.scheduler import Scheduler
 from infer.worker.kv.offload import KvOffload
+from infer.worker.kv.transfer import Exported
 
 
 class KvPort:
     """The engine's pool seen as blocks of bytes (see the module docstring); counters for the worker's stats."""
 
     def __init__(
-        self, kv: KVCache, scheduler: Scheduler, model_id: str, quantization: str, offload: KvOffload | None
+        self,
+        kv: KVCache,
+        scheduler: Scheduler,
+        model_id: str,
+        quantization: str,
+        offload: KvOffload | None,
+        lora_id: Callable[[str | None], int] = lambda name: 0,
     ) -> None:
-        self.kv, self.scheduler, self.offload = kv, scheduler, offload
+        self.kv, self.scheduler, self.offload, self.lora_id = kv, scheduler, offload, lora_id
         self.model_id, self.quantization = model_id, quantization
         self.sent_blocks = 0  # blocks exported to consumers
         self.received_blocks = 0  # blocks stored from producers
@@ -60,11 +70,11 @@ class KvPort:
         parts = [self.model_id, str(weight_version), str(self.kv.k[0].dtype), repr(self.kv.block_shape)]
         return hashlib.blake2b("\0".join([*parts, self.quantization]).encode(), digest_size=16).digest()
 
-    def export(self, request_id: str) -> tuple[list[int], list[bytes]] | None:
-        """(tokens, each full computed block's bytes) of a running request; None if it is not here or holds no full
-        block."""
+    def export(self, request_id: str) -> Exported | None:
+        """(tokens, each full computed block's bytes, its adapter's name) of a running request; None if it is not here
+        or holds no full block."""
         request = self.scheduler.get(request_id)
-        if request is None or request.lora_id:
+        if request is None:
             return None
         num_full = min(request.num_computed_tokens // self.blocks.block_size, len(request.block_table))
         ids = request.block_table[:num_full]
@@ -74,19 +84,22 @@ class KvPort:
         payloads = [data[j].contiguous().view(-1).view(torch.uint8).numpy().tobytes() for j in range(num_full)]
         self.sent_blocks += num_full
         tokens = request.token_ids[: num_full * self.blocks.block_size + 1]
-        return tokens, payloads
+        return Exported(tokens, payloads, request.params.lora_name)
 
-    def first_missing(self, token_ids: Sequence[int]) -> int:
-        """The leading full blocks of `token_ids` (all but its last token) this prefix cache holds."""
-        return len(self.blocks.find_cached_prefix(_probe(token_ids)))
+    def first_missing(self, token_ids: Sequence[int], lora_name: str | None = None) -> int:
+        """The leading full blocks of `token_ids` (all but its last token) this prefix cache holds, of `lora_name`'s
+        KV."""
+        return len(self.blocks.find_cached_prefix(self._probe(token_ids, lora_name)))
 
-    def store(self, token_ids: Sequence[int], first_block: int, payloads: Sequence[bytes]) -> int:
-        """Store blocks `first_block ..` of `token_ids` as cached content (see the module docstring); returns how
-        many were stored, counting the rest as dropped."""
+    def store(
+        self, token_ids: Sequence[int], first_block: int, payloads: Sequence[bytes], lora_name: str | None = None
+    ) -> int:
+        """Store blocks `first_block ..` of `token_ids` (`lora_name`'s KV) as cached content (see the module
+        docstring); returns how many were stored, counting the rest as dropped."""
         if any(len(p) != self.block_bytes for p in payloads):
             self.dropped_blocks += len(payloads)
             return 0
-        probe = _probe(token_ids)
+        probe = self._probe(token_ids, lora_name)
         hits = self.blocks.find_cached_prefix(probe)
         skip = len(hits) - first_block
         if skip < 0 or not self.blocks.enable_prefix_caching:
@@ -103,6 +116,13 @@ class KvPort:
         self.dropped_blocks += len(payloads) - len(ids) - max(0, min(skip, len(payloads)))
         return len(ids) + max(0, min(skip, len(payloads)))
 
+    def _probe(self, token_ids: Sequence[int], lora_name: str | None) -> Request:
+        """A request of these tokens that holds no blocks: what the block manager's lookups take (its full blocks are
+        those of all tokens but the last, as for a request about to run), of `lora_name`'s KV."""
+        probe = Request("kv-transfer", list(token_ids), SamplingParams(max_tokens=1, lora_name=lora_name))
+        probe.lora_id, probe.cache_salt = self.lora_id(lora_name), adapter_salt(lora_name)
+        return probe
+
     def _tensor(self, payload: bytes) -> torch.Tensor:
         flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return flat.view(self.kv.k[0].dtype).view(self.kv.block_shape)
@@ -113,9 +133,3 @@ class KvPort:
             "kv_transfer_received_blocks": self.received_blocks,
             "kv_transfer_dropped_blocks": self.dropped_blocks,
         }
-
-
-def _probe(token_ids: Sequence[int]) -> Request:
-    """A request of these tokens that holds no blocks: what the block manager's lookups take (its full blocks are
-    those of all tokens but the last, as for a request about to run)."""
-    return Request("kv-transfer", list(token_ids), SamplingParams(max_tokens=1))

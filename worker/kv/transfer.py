@@ -5,7 +5,7 @@ worker/service/daemon.py's).
 A producer (kv_producer) runs a request the coordinator dispatched with a consumer named (`Dispatch.kv_consumer_*`)
 until its first token, then gives it back; between the two, `KvSender` moves its KV to the consumer:
 
-    producer --KvOffer(tokens, fingerprint)--> consumer's KV socket        (the prompt's full blocks, by their tokens)
+    producer --KvOffer(tokens, fingerprint, adapter)--> consumer's KV socket (the prompt's full blocks, by their tokens)
     producer <--KvWant(first_block)-- consumer                             (the leading blocks it holds already)
     producer --KvBlocks(first_block.., payloads, checksums) x frames--> consumer
     producer <--KvStored(stored) x frames-- consumer                       (stored as cached prefix-cache blocks)
@@ -17,6 +17,10 @@ stalled consumer costs that long, then the request goes on anyway (the consumer,
 what it lacks). A producer that dies mid-transfer is a dead worker: its requests fail over as ever.
 
 `KvReceiver` answers on the consumer; it keeps no state between frames (each carries the tokens it belongs to).
+
+A LoRA request's KV travels with its adapter's name (its blocks are the adapter's: the prefix cache keys them by the
+adapter): the consumer stores them under its own id of that adapter, and refuses the offer when it has none loaded
+by that name (the request then recomputes there, or wherever the coordinator sends it).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import xxhash
 
@@ -104,14 +108,26 @@ class KvTransferConfig:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
 
+class Exported(NamedTuple):
+    """A request's KV as a producer sends it: the tokens whose KV it holds, each full block's bytes, and the LoRA
+    adapter they were computed with (None: the base model)."""
+
+    token_ids: list[int]
+    payloads: list[bytes]
+    lora_name: str | None = None
+
+
 class KvBlocksPort(Protocol):
-    """What the transfers need of the engine (worker/kv/port.py's KvPort)."""
+    """What the transfers need of the engine (worker/kv/port.py's KvPort). `first_missing` and `store` raise
+    ValueError for an adapter this engine has not loaded."""
 
-    def export(self, request_id: str) -> tuple[list[int], list[bytes]] | None: ...
+    def export(self, request_id: str) -> Exported | None: ...
 
-    def first_missing(self, token_ids: Sequence[int]) -> int: ...
+    def first_missing(self, token_ids: Sequence[int], lora_name: str | None = None) -> int: ...
 
-    def store(self, token_ids: Sequence[int], first_block: int, payloads: Sequence[bytes]) -> int: ...
+    def store(
+        self, token_ids: Sequence[int], first_block: int, payloads: Sequence[bytes], lora_name: str | None = None
+    ) -> int: ...
 
     def fingerprint(self, weight_version: int) -> bytes: ...
 
@@ -149,6 +165,7 @@ class Transfer:
     shm_paths: list[str] = dataclasses.field(default_factory=list)  # its files in shared memory (removed at its end)
     stored: int = 0
     outcome: str | None = None  # set when it ended: "stored N of M blocks", or why not
+    lora_name: str | None = None
 
 
 class KvSender:
@@ -171,13 +188,21 @@ class KvSender:
         request_id: str,
         address: str,
         server_key: str,
-        exported: tuple[list[int], list[bytes]] | None,
+        exported: Exported | None,
         fingerprint: bytes,
         now: float,
     ) -> None:
-        tokens, payloads = exported if exported is not None else ([], [])
+        tokens, payloads, lora_name = exported if exported is not None else ([], [], None)
         transfer = Transfer(
-            request_id, address, server_key, tokens, payloads, fingerprint, now + self.timeout_s, len(payloads)
+            request_id,
+            address,
+            server_key,
+            tokens,
+            payloads,
+            fingerprint,
+            now + self.timeout_s,
+            len(payloads),
+            lora_name=lora_name,
         )
         if not payloads:
             return self._end(transfer, "nothing to send (no full block)", failed=False)
@@ -186,7 +211,12 @@ class KvSender:
         if probe is not None:
             transfer.shm_paths.append(probe)
         offer = KvOffer(
-            transfer_id=request_id, fingerprint=fingerprint, token_ids=tokens, shm_probe=probe, shm_token=token
+            transfer_id=request_id,
+            fingerprint=fingerprint,
+            token_ids=tokens,
+            shm_probe=probe,
+            shm_token=token,
+            lora_name=lora_name,
         )
         self._outgoing.append((address, server_key, offer))
 
@@ -235,6 +265,7 @@ class KvSender:
                 checksums=[xxhash.xxh3_64_intdigest(b) for b in blocks],
                 last=start + per_frame >= len(transfer.payloads),
                 shm_path=path,
+                lora_name=transfer.lora_name,
             )
             self._outgoing.append((transfer.address, transfer.server_key, frame))
         transfer.payloads = []  # in the frames now
@@ -294,7 +325,11 @@ class KvReceiver:
             shared = (
                 self.shm is not None and msg.shm_probe is not None and self.shm.sees(msg.shm_probe, msg.shm_token or "")
             )
-            return KvWant(transfer_id=msg.transfer_id, first_block=self.port.first_missing(msg.token_ids), shm=shared)
+            try:
+                first = self.port.first_missing(msg.token_ids, msg.lora_name)
+            except ValueError as e:  # an adapter not loaded here
+                return KvWant(transfer_id=msg.transfer_id, refusal=str(e))
+            return KvWant(transfer_id=msg.transfer_id, first_block=first, shm=shared)
         if isinstance(msg, KvBlocks):
             if msg.fingerprint != fingerprint:
                 return KvStored(transfer_id=msg.transfer_id, last=msg.last, refusal=_FOREIGN)
@@ -303,7 +338,10 @@ class KvReceiver:
                 return KvStored(transfer_id=msg.transfer_id, last=msg.last, refusal="its shared memory is unreadable")
             if any(xxhash.xxh3_64_intdigest(b) != c for b, c in zip(blocks, msg.checksums, strict=True)):
                 return KvStored(transfer_id=msg.transfer_id, last=msg.last, refusal="a block's checksum differs")
-            stored = self.port.store(msg.token_ids, msg.first_block, blocks)
+            try:
+                stored = self.port.store(msg.token_ids, msg.first_block, blocks, msg.lora_name)
+            except ValueError as e:  # the adapter was unloaded since the offer
+                return KvStored(transfer_id=msg.transfer_id, last=msg.last, refusal=str(e))
             refusal = None if stored == len(blocks) else "no free block for the rest (or the prefix was evicted)"
             return KvStored(transfer_id=msg.transfer_id, stored=stored, last=msg.last, refusal=refusal)
         return None

@@ -772,9 +772,10 @@ def _one_metadata_read() -> Iterator[None]:
     builds a numpy view per element of every array: ~15 s on a 2-core VM for the embedded model's 98k vocabulary
     and merge strings, where ours takes tens of milliseconds). Both calls import the function from its module when
     they run, and it imports GGUFReader from `gguf` when it runs, so the modules' attributes are what they call."""
-    import gguf
+    import gguf as gguf_module
     from transformers import modeling_gguf_pytorch_utils as utils
 
+    gguf: Any = gguf_module  # its GGUFReader is swapped for a while
     read, reader = utils.load_gguf_checkpoint, gguf.GGUFReader
     done: dict[str, Any] = {}
 
@@ -848,10 +849,10 @@ def _value_type(value: Any) -> int | None:
 
 def _as_field(value: Any) -> _Field | None:
     items = value if isinstance(value, list) else [value]
-    kinds = {_value_type(item) for item in items}
-    if None in kinds or len(kinds) > 1:
+    kinds = {_value_type(item) for item in items} or {4}  # an empty array: any type reads as []
+    kind = kinds.pop() if len(kinds) == 1 else None
+    if kind is None:
         return None
-    kind = kinds.pop() if kinds else 4
     parts = [item.encode() if kind == _STRING else (item,) for item in items]
     return _Field([_ARRAY, kind] if isinstance(value, list) else [kind], parts, list(range(len(parts))))
 
