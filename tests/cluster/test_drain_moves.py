@@ -21,6 +21,7 @@ from infer.protocol.sampling import SamplingParams
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "320", "--kv-cache-memory", "8000000", "--threads", "1"]
 TIMEOUT_S = 2.0  # kv_transfer_timeout: a stalled move ends after this
 KV_PORT = ["--kv-transfer-config", json.dumps({"kv_role": "kv_both", "kv_transfer_timeout": TIMEOUT_S})]
+NGRAM = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})]
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 PROMPTS = [[(5 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((40, 53, 70))]
 BEFORE = 24  # tokens each stream has when A is told to drain
@@ -29,12 +30,14 @@ BEFORE = 24  # tokens each stream has when A is told to drain
 class Three:
     """A coordinator and workers A, B (KV ports; A drains in 30 s at most) and C (none); `rank` by name once ready."""
 
-    def __init__(self, cluster_factory, tiny_llama) -> None:
+    def __init__(self, cluster_factory, tiny_llama, engine_flags: tuple[str, ...] = ()) -> None:
+        """`engine_flags`: every worker's, beside ENGINE_FLAGS."""
         self.cluster = cluster_factory()
         self.cluster.coordinator()
         flags = {"A": [*KV_PORT, "--drain-timeout", "30"], "B": KV_PORT, "C": []}
         self.procs = {
-            name: self.cluster.worker(i, *ENGINE_FLAGS, *flags[name], model=tiny_llama) for i, name in enumerate(flags)
+            name: self.cluster.worker(i, *ENGINE_FLAGS, *engine_flags, *flags[name], model=tiny_llama)
+            for i, name in enumerate(flags)
         }
         self.rank: dict[str, int] = {}
 
@@ -82,7 +85,8 @@ class Three:
 
 
 async def test_a_drain_under_load_moves_the_kv_and_the_streams_go_on_exactly(cluster_factory, tiny_llama, wait_until):
-    three = Three(cluster_factory, tiny_llama)
+    """Every worker decodes with n-gram speculation: the moved requests go on speculating on B."""
+    three = Three(cluster_factory, tiny_llama, tuple(NGRAM))
     async with three.cluster.client() as client:
         await three.ready(client, wait_until)
         reference = await three.reference(client, "A")
@@ -96,6 +100,7 @@ async def test_a_drain_under_load_moves_the_kv_and_the_streams_go_on_exactly(clu
         # the continuations found them: B prefilled only each request's last partial block
         assert got.prefix_cache_hits - hits_before >= 16 * got.kv_transfer_received_blocks
         assert (await three.load(client, "C")).kv_transfer_received_blocks == 0
+        assert got.spec_decode_num_drafts > 0  # B speculated on the requests it continued
     text = three.procs["A"].text()
     assert "drain: moving 3 request(s) with their KV" in text
     assert re.search(r"drains: 3 of 3 request\(s\) move with their KV", three.cluster.procs[0].text())
