@@ -329,3 +329,44 @@ async def test_consumer_killed_mid_transfer_and_producer_killed_after_the_hand_o
         assert tokens == expected
         got = (await loads(client, wait_until, consumer.worker_id, len(PROMPTS[2]) // 16))[consumer.worker_id]
         assert got.kv_transfer_received_blocks == len(PROMPTS[2]) // 16
+
+
+async def test_ep_groups_prefill_on_a_producer_group_and_decode_on_a_consumer_group(
+    cluster_factory, tmp_path, smollm2_tokenizer, wait_until
+):
+    """Expert parallelism: an EP group of two producers and one of two consumers on a tiny Mixtral (each rank holds
+    its own requests' whole KV; the experts are what is split). Greedy tokens equal one process's; the producers
+    sent blocks and the consumers received and hit them."""
+    from moe_models import tiny_mixtral
+    from ports import reserved_port
+
+    from infer import LLM
+
+    model = tiny_mixtral(tmp_path / "mixtral", tokenizer=smollm2_tokenizer)
+    cluster = cluster_factory()
+    cluster.coordinator()
+    procs = {}
+    for name in ("kv_producer", "kv_consumer"):
+        group = ["--ep-size", "2", "--dist-init", f"tcp://127.0.0.1:{reserved_port()}", "--ep-timeout", "20"]
+        for rank in range(2):
+            procs[f"{name} {rank}"] = cluster.worker(
+                len(procs), *ENGINE_FLAGS, *group, "--ep-rank", str(rank), *role(name), model=model
+            )
+    llm = LLM(model=str(model), dtype="float32", max_model_len=256, kv_cache_memory=8_000_000, num_threads=1)
+    want = [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    async with cluster.client() as client:
+        await cluster.ranks(client, procs, wait_until)
+        assert [c.token_ids for c in await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))] == want
+        full_blocks = sum(len(p) // 16 for p in PROMPTS)
+
+        async def received() -> dict[str, object] | None:
+            now = await loads(client)
+            counts = {pid: load.kv_transfer_received_blocks for pid, load in now.items()}
+            return now if sum(counts.values()) >= full_blocks else None
+
+        now = await wait_until(received, 20, f"the consumers to report {full_blocks} blocks received")
+    by_role = {name: now[proc.worker_id] for name, proc in procs.items()}
+    assert sum(by_role[f"kv_producer {r}"].kv_transfer_sent_blocks for r in range(2)) == full_blocks
+    consumers = [by_role[f"kv_consumer {r}"] for r in range(2)]
+    assert sum(c.kv_transfer_received_blocks for c in consumers) == full_blocks
+    assert sum(c.prefix_cache_hits for c in consumers) == sum((len(p) // 16) * 16 for p in PROMPTS)

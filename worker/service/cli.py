@@ -168,7 +168,6 @@ def _check_kv_role(flags: WorkerFlags, config: EngineConfig, options: WorkerOpti
     refused = (
         (flags.tp_size > 1, "--tp-size > 1 (each TP rank's shard of the KV is not sent yet)"),
         (flags.pp_size > 1, "--pp-size > 1 (each stage's layers' KV is not sent yet)"),
-        (flags.ep_size > 1, "--ep-size > 1"),
         (
             role != "kv_producer" and not config.enable_prefix_caching,
             "prefix caching off (the blocks it receives are kept in its prefix cache)",
