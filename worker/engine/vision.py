@@ -6,9 +6,9 @@ image rows.
 - `Qwen2VLPreprocessor`: transformers' Qwen2VLImageProcessor (Qwen2-VL, Qwen2.5-VL): dynamic resolution
   (`smart_resize` between min_pixels and max_pixels, to multiples of patch x merge), rescale, normalize, and the
   patches flattened in the processor's order (a still image repeated over the temporal patch).
-- `VisionModel`: what a model that takes images offers (models/llava.py, models/qwen2_vl.py): its image token, its
-  preprocessing, each preprocessed image's token count and M-RoPE grid, and `encode_images` (vision tower +
-  projector) -> [N, tokens, hidden].
+- `VisionModel`: what a model that takes images offers (models/llava.py, models/qwen2_vl.py, models/gemma3_vision.py):
+  its image token, its preprocessing, each preprocessed image's token count and M-RoPE grid, and `encode_image`
+  (vision tower + projector: one image, the encoder cache's unit) -> [tokens, hidden].
 - `ImageEncoder`: runs the tower once per image, at the first prefill chunk that needs any of its tokens, and keeps
   its features in a bounded LRU by the image's content key (worker/engine/images.py), so a later request (a second turn
   with the same image, a preemption's recompute, a failover's resume) takes them from there.
@@ -52,16 +52,17 @@ class VisionModel(Protocol):
     """A model whose prompts may hold images. `image_preprocessor(model_dir)` reads its preprocessing (the
     checkpoint's preprocessor_config.json); `image_placement(pixels)` gives one preprocessed image's token count and
     its M-RoPE grid (rows, columns), or None where image tokens take their places in the sequence as positions;
-    `encode_images(pixels [N, ...])` -> features [N, tokens, hidden] in the model's dtype, written at the image
-    tokens' rows of the input embeddings (`ForwardBatch.image_rows` / `image_embeds`)."""
+    `encode_image(pixels)` (one preprocessed image, on the model's device) -> features [tokens, hidden] in the model's
+    dtype, written at the image tokens' rows of the input embeddings (`ForwardBatch.image_rows` / `image_embeds`).
+    `pixels` is what the model's own preprocessor made."""
 
     image_token_id: int
 
     def image_preprocessor(self, model_dir: Path | None) -> Preprocessor: ...
 
-    def image_placement(self, pixels: torch.Tensor) -> tuple[int, tuple[int, int] | None]: ...
+    def image_placement(self, pixels: Any) -> tuple[int, tuple[int, int] | None]: ...
 
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor: ...
+    def encode_image(self, pixels: Any) -> torch.Tensor: ...
 
 
 def _normalized(
@@ -251,7 +252,7 @@ class ImageEncoder:
             self.hits += 1
             return found
         device = next(iter(getattr(self.model, "parameters")()), torch.empty(0)).device
-        out = self.model.encode_images(pixels.unsqueeze(0).to(device))[0]
+        out = self.model.encode_image(pixels.to(device))
         self.encoded += 1
         self._features[key] = out
         while len(self._features) > self.max_images:
