@@ -1,8 +1,9 @@
 """A chat's image_url parts at the HTTP front, without a cluster (client/api/images.py, client/chat_encoding.py): which
 URLs give bytes and which a 400 naming why; each image part becomes the image token where it was, while an image token
 a caller typed stays text; a tokenizer without an image token marks a text-only model; a front over direct mode with
-a llava-hf-style or Qwen2-VL-style template (content parts: it writes the image token) answers as direct mode does, and a text-only
-model's front refuses images with a 400; AsyncLLM's direct mode takes vLLM's multimodal prompt."""
+a llava-hf-style (LLaVA, LLaVA-NeXT: its image's token count follows from its size) or Qwen2-VL-style template
+(content parts: it writes the image token) answers as direct mode does, and a text-only model's front refuses images
+with a 400; AsyncLLM's direct mode takes vLLM's multimodal prompt."""
 
 from __future__ import annotations
 
@@ -108,6 +109,8 @@ QWEN2_VL_TEMPLATE = (
 # each family: its template, what it renders for _chat_body (text, then the image), and its image token
 FAMILIES = {
     "llava": (LLAVA_TEMPLATE, "USER: <image>\nWhat is this? ASSISTANT:", "<image>"),
+    # llava-hf's LLaVA-NeXT checkpoints ship the same form of template; the image's token count follows its size
+    "llava_next": (LLAVA_TEMPLATE, "USER: <image>\nWhat is this? ASSISTANT:", "<image>"),
     "qwen2_vl": (
         QWEN2_VL_TEMPLATE,
         "<|im_start|>user\nWhat is this?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n",
@@ -128,6 +131,10 @@ def vision_family(request, tmp_path_factory, smollm2_tokenizer):
     """(name, checkpoint) of each vision family."""
     if request.param == "llava":
         return "llava", request.getfixturevalue("llava")
+    if request.param == "llava_next":
+        from llava_next_models import llava_next_checkpoint
+
+        return request.param, llava_next_checkpoint(tmp_path_factory.mktemp(request.param), smollm2_tokenizer)
     from qwen2_vl_models import qwen2_vl_checkpoint
 
     return request.param, qwen2_vl_checkpoint(tmp_path_factory.mktemp(request.param), smollm2_tokenizer)

@@ -1,14 +1,15 @@
 """Vision models with speculative decoding (n-gram drafts): the image's prefill runs as without speculation, the
 decode steps after it verify drafts (of these requests only: the drafts counted are theirs), and the greedy tokens
-(with their logprobs) of prompts with images equal decoding without speculation, for LLaVA, Qwen2-VL (M-RoPE: a verification's rows take the
-request's position delta) and Gemma 3 (each family's own tests hold those tokens to transformers'). A draft model,
-which reads text only, refuses images by name."""
+(with their logprobs) of prompts with images equal decoding without speculation, for LLaVA, LLaVA-NeXT, Qwen2-VL
+(M-RoPE: a verification's rows take the request's position delta) and Gemma 3 (each family's own tests hold those
+tokens to transformers'). A draft model, which reads text only, refuses images by name."""
 
 from __future__ import annotations
 
 import pytest
 from gemma3_vision_models import BOI, gemma3_vision_checkpoint
 from llava_models import IMAGE_TOKEN, llava_checkpoint, png
+from llava_next_models import llava_next_checkpoint
 from qwen2_vl_models import IMAGE as QWEN_IMAGE
 from qwen2_vl_models import qwen2_vl_checkpoint
 
@@ -21,6 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=
 REPEATS = " one two three one two three one two"
 FAMILIES = {
     "llava": (llava_checkpoint, f"USER: {IMAGE_TOKEN}\n{REPEATS} ASSISTANT:"),
+    "llava_next": (llava_next_checkpoint, f"USER: {IMAGE_TOKEN}\n{REPEATS} ASSISTANT:"),
     "qwen2_vl": (qwen2_vl_checkpoint, f"User: {QWEN_IMAGE}\n{REPEATS} Assistant:"),
     "gemma3": (gemma3_vision_checkpoint, f"{REPEATS}{BOI}{REPEATS}"),
 }

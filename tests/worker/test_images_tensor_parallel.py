@@ -2,13 +2,15 @@
 of its own): the language model sharded over the two ranks, the vision tower whole on each and run on rank 0 only,
 whose features (and Qwen2-VL's M-RoPE positions, Gemma 3's image spans) rank 1 takes with each step
 (worker/parallel/tp_commands.py). The greedy tokens of a prompt with an image, and of one with two, equal one process's, for
-LLaVA, Qwen2-VL and Gemma 3 (each family's own tests hold one process's tokens to transformers')."""
+LLaVA, LLaVA-NeXT (each image's token count from its size), Qwen2-VL and Gemma 3 (each family's own tests hold one
+process's tokens to transformers')."""
 
 from __future__ import annotations
 
 import pytest
 from gemma3_vision_models import BOI, gemma3_vision_checkpoint
 from llava_models import IMAGE_TOKEN, llava_checkpoint, png
+from llava_next_models import llava_next_checkpoint
 from qwen2_vl_models import IMAGE as QWEN_IMAGE
 from qwen2_vl_models import qwen2_vl_checkpoint
 
@@ -20,6 +22,11 @@ FAMILIES = {
     # family: (checkpoint builder, a prompt with one image, a prompt with two)
     "llava": (
         llava_checkpoint,
+        f"USER: {IMAGE_TOKEN}\nWhat is it? ASSISTANT:",
+        f"USER: {IMAGE_TOKEN} and {IMAGE_TOKEN}\nCompare. ASSISTANT:",
+    ),
+    "llava_next": (
+        llava_next_checkpoint,
         f"USER: {IMAGE_TOKEN}\nWhat is it? ASSISTANT:",
         f"USER: {IMAGE_TOKEN} and {IMAGE_TOKEN}\nCompare. ASSISTANT:",
     ),

@@ -6,9 +6,13 @@ image rows.
 - `Qwen2VLPreprocessor`: transformers' Qwen2VLImageProcessor (Qwen2-VL, Qwen2.5-VL): dynamic resolution
   (`smart_resize` between min_pixels and max_pixels, to multiples of patch x merge), rescale, normalize, and the
   patches flattened in the processor's order (a still image repeated over the temporal patch).
-- `VisionModel`: what a model that takes images offers (models/llava.py, models/qwen2_vl.py): its image token, its
-  preprocessing, each preprocessed image's token count and M-RoPE grid, and `encode_images` (vision tower +
-  projector) -> [N, tokens, hidden].
+- `LlavaNextPreprocessor`: transformers' LlavaNextImageProcessor (LLaVA-NeXT's any resolution; the layout's
+  arithmetic is worker/engine/anyres.py): the image resized into its best grid resolution and padded, cut into tiles,
+  after the whole image resized to one tile; each tile rescaled and normalized as CLIP's. Its output, `AnyresPixels`,
+  keeps the image's size, which the token count and the unpadding of the features read.
+- `VisionModel`: what a model that takes images offers (models/llava.py, models/llava_next.py, models/qwen2_vl.py,
+  models/gemma3_vision.py): its image token, its preprocessing, each preprocessed image's token count and M-RoPE grid,
+  and `encode_image` (vision tower + projector: one image, the encoder cache's unit) -> [tokens, hidden].
 - `ImageEncoder`: runs the tower once per image, at the first prefill chunk that needs any of its tokens, and keeps
   its features in a bounded LRU by the image's content key (worker/engine/images.py), so a later request (a second turn
   with the same image, a preemption's recompute, a failover's resume) takes them from there.
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from infer.worker.engine.anyres import AnyresLayout, fitted_size
 from infer.worker.engine.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -42,9 +47,23 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 64  # longer side / shorter side: past it, a resize of the shortest edge would make a huge image
 
 
-# an RGB PIL image (worker/engine/images.py to_rgb) -> its pixels as the model's vision tower takes them (a tensor);
-# ValueError for an image it cannot take
-Preprocessor = Callable[[Any], torch.Tensor]
+@dataclass(frozen=True)
+class AnyresPixels:
+    """One image preprocessed for LLaVA-NeXT: `tiles` [1 + rows * columns, 3, tile, tile] float32 (the whole image
+    resized to one tile, then its grid's tiles row by row) and the image's `height` x `width` before preprocessing,
+    from which its grid, its token count and the unpadding of its features follow (worker/engine/anyres.py)."""
+
+    tiles: torch.Tensor
+    height: int
+    width: int
+
+    def to(self, device: torch.device | str) -> AnyresPixels:
+        return replace(self, tiles=self.tiles.to(device))
+
+
+# an RGB PIL image (worker/engine/images.py to_rgb) -> its pixels as the model's vision tower takes them (a tensor, or
+# LLaVA-NeXT's AnyresPixels); ValueError for an image it cannot take
+Preprocessor = Callable[[Any], torch.Tensor | AnyresPixels]
 
 
 @runtime_checkable
@@ -52,16 +71,17 @@ class VisionModel(Protocol):
     """A model whose prompts may hold images. `image_preprocessor(model_dir)` reads its preprocessing (the
     checkpoint's preprocessor_config.json); `image_placement(pixels)` gives one preprocessed image's token count and
     its M-RoPE grid (rows, columns), or None where image tokens take their places in the sequence as positions;
-    `encode_images(pixels [N, ...])` -> features [N, tokens, hidden] in the model's dtype, written at the image
-    tokens' rows of the input embeddings (`ForwardBatch.image_rows` / `image_embeds`)."""
+    `encode_image(pixels)` (one preprocessed image, on the model's device) -> features [tokens, hidden] in the model's
+    dtype, written at the image tokens' rows of the input embeddings (`ForwardBatch.image_rows` / `image_embeds`).
+    `pixels` is what the model's own preprocessor made."""
 
     image_token_id: int
 
     def image_preprocessor(self, model_dir: Path | None) -> Preprocessor: ...
 
-    def image_placement(self, pixels: torch.Tensor) -> tuple[int, tuple[int, int] | None]: ...
+    def image_placement(self, pixels: Any) -> tuple[int, tuple[int, int] | None]: ...
 
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor: ...
+    def encode_image(self, pixels: Any) -> torch.Tensor: ...
 
 
 def _normalized(
@@ -134,6 +154,86 @@ class ClipPreprocessor:
         top, left = (new_h - self.crop_height) // 2, (new_w - self.crop_width) // 2
         pixels = _crop(_uint8_pixels(image), top, left, self.crop_height, self.crop_width)
         return _normalized(pixels, self.rescale_factor, self.mean, self.std)
+
+
+@dataclass(frozen=True)
+class LlavaNextPreprocessor:
+    """LlavaNextImageProcessor's steps, equal to transformers' PIL backend: the image resized (bicubic, aspect kept)
+    into the grid resolution `layout` picks for its size, zero-padded to it (centered) and cut into tiles; before
+    them the whole image resized to one tile (squashed); every tile rescaled and normalized. Each tile is already the
+    size that the processor's per-tile resize and center crop keep, so those are no-ops here."""
+
+    layout: AnyresLayout
+    mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    std: tuple[float, ...] = OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+
+    @classmethod
+    def for_model(cls, model_dir: Path | None, layout: AnyresLayout) -> LlavaNextPreprocessor:
+        """From the model's preprocessor_config.json when it has one, else CLIP's defaults at the model's layout.
+        ValueError where its pinpoints differ from the model's (the model cuts the features by its own);
+        NotImplementedError naming a setting whose tiles would not be the tower's (a resize or crop to another size,
+        another resample, a step turned off)."""
+        path = None if model_dir is None else Path(model_dir) / "preprocessor_config.json"
+        if path is None or not path.is_file():
+            return cls(layout)
+        raw = json.loads(path.read_text())
+        pinpoints = AnyresLayout.of(layout.tile, layout.side, raw.get("image_grid_pinpoints", layout.pinpoints))
+        if pinpoints != layout:
+            raise ValueError(
+                f"{path}: image_grid_pinpoints {[list(p) for p in pinpoints.pinpoints]} differ from the model's "
+                f"{[list(p) for p in layout.pinpoints]}"
+            )
+        off = [
+            name
+            for name in ("do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_convert_rgb")
+            if raw.get(name) is False
+        ]
+        wrong = [f"{name} {value}" for name, value in _sizes_of(raw) if value != layout.tile]
+        if off or wrong or raw.get("resample", 3) != 3:
+            what = ", ".join([f"{name}=false" for name in off] + wrong) or f"resample={raw.get('resample')!r}"
+            raise NotImplementedError(
+                f"{path}: {what} is not supported (only LlavaNextImageProcessor's bicubic resize to tiles of the "
+                f"vision tower's {layout.tile} pixels)"
+            )
+        return cls(
+            layout,
+            tuple(raw.get("image_mean", OPENAI_CLIP_MEAN)),
+            tuple(raw.get("image_std", OPENAI_CLIP_STD)),
+            float(raw.get("rescale_factor", 1 / 255)),
+        )
+
+    def __call__(self, image: Any) -> AnyresPixels:
+        """An RGB PIL image (worker/engine/images.py to_rgb) -> its AnyresPixels."""
+        from PIL import Image
+
+        width, height = image.size
+        tile = self.layout.tile
+        best_h, best_w = self.layout.best_resolution(height, width)
+        new_h, new_w = fitted_size(height, width, (best_h, best_w))
+        resized = _uint8_pixels(image.resize((new_w, new_h), resample=Image.Resampling.BICUBIC))
+        canvas = torch.zeros((3, best_h, best_w), dtype=torch.uint8)
+        top, left = (best_h - new_h) // 2, (best_w - new_w) // 2
+        canvas[:, top : top + new_h, left : left + new_w] = resized
+        rows, cols = best_h // tile, best_w // tile
+        grid = canvas.view(3, rows, tile, cols, tile).permute(1, 3, 0, 2, 4).reshape(rows * cols, 3, tile, tile)
+        whole = _uint8_pixels(image.resize((tile, tile), resample=Image.Resampling.BICUBIC))
+        tiles = torch.cat([whole.unsqueeze(0), grid])
+        return AnyresPixels(_normalized(tiles, self.rescale_factor, self.mean, self.std), height, width)
+
+
+def _sizes_of(raw: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(name, value) of every size a preprocessor_config.json's `size` and `crop_size` give: a shortest edge, a height
+    and a width, or a bare int."""
+    found = []
+    for name in ("size", "crop_size"):
+        value = raw.get(name)
+        if isinstance(value, dict):
+            keys = ("shortest_edge", "height", "width")
+            found += [(f"{name}.{key}", v) for key, v in value.items() if key in keys and v is not None]
+        elif value is not None:
+            found.append((name, value))
+    return found
 
 
 MAX_QWEN_ASPECT_RATIO = 200  # smart_resize's own bound
@@ -243,7 +343,7 @@ class ImageEncoder:
         self.encoded = 0
         self.hits = 0
 
-    def features(self, key: int, pixels: torch.Tensor) -> torch.Tensor:
+    def features(self, key: int, pixels: torch.Tensor | AnyresPixels) -> torch.Tensor:
         """[tokens, hidden] of the image `key` (its preprocessed `pixels` encoded if it is not cached)."""
         found = self._features.get(key)
         if found is not None:
@@ -251,7 +351,7 @@ class ImageEncoder:
             self.hits += 1
             return found
         device = next(iter(getattr(self.model, "parameters")()), torch.empty(0)).device
-        out = self.model.encode_images(pixels.unsqueeze(0).to(device))[0]
+        out = self.model.encode_image(pixels.to(device))
         self.encoded += 1
         self._features[key] = out
         while len(self._features) > self.max_images:

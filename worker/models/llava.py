@@ -5,7 +5,8 @@ The vision tower is CLIP's (pre-LN transformer, quick_gelu, a class token); the 
 `vision_feature_layer` layers (-2: all but the last; only those layers are built, the others' tensors skipped), the
 class token dropped under the "default" select strategy. The language model is `LlamaForCausalLM` as is: the
 features go in through `ForwardBatch.image_rows` / `image_embeds` (worker/engine/vision.py builds them per step), and
-the positions are the tokens' places in the sequence. With tensor parallelism the language model is sharded as
+the positions are the tokens' places in the sequence. `ClipLlava` is what LLaVA-NeXT (models/llava_next.py) shares
+with it: the tower, the projector and the checkpoint names. With tensor parallelism the language model is sharded as
 Llama's; the vision tower and projector are whole on every rank and run on rank 0 only, whose features the other
 ranks take with each step (worker/parallel/tp_commands.py).
 
@@ -17,6 +18,7 @@ load (`checkpoint_prefix_renames`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -157,10 +159,11 @@ def feature_layers(config: Any) -> int:
 
 class SquareImages:
     """What a model whose tower takes images of one square size, each `tokens_per_image` tokens, answers the image
-    path (worker/engine/vision.py): LLaVA-1.5 and Gemma 3."""
+    path (worker/engine/vision.py): LLaVA-1.5 and Gemma 3. The model's `encode_images` takes a batch [N, 3, H, W]."""
 
     image_size: int
     tokens_per_image: int
+    encode_images: Callable[[torch.Tensor], torch.Tensor]
 
     def image_placement(self, pixels: torch.Tensor) -> tuple[int, None]:
         """Every image is `tokens_per_image` tokens, at their places in the sequence."""
@@ -172,11 +175,14 @@ class SquareImages:
             size = self.image_size
             raise ValueError(f"pixels of {tuple(pixels.shape[-2:])}: the vision tower takes {size}x{size}")
 
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        """One image's pixels [3, H, W] -> its features [tokens_per_image, text hidden]."""
+        return self.encode_images(pixels.unsqueeze(0))[0]
 
-class LlavaForConditionalGeneration(SquareImages, LlamaForCausalLM):
-    """LLaVA-1.5 over the paged KV cache: the registry's CausalLM contract (of its language model, whose config is
-    `self.config`) plus worker/engine/vision.py's VisionModel (`image_token_id`, `image_preprocessor`,
-    `image_placement`: `tokens_per_image` each, `encode_images`)."""
+
+class ClipLlava(LlamaForCausalLM):
+    """What LLaVA-1.5 and LLaVA-NeXT (models/llava_next.py) share: a CLIP tower run to its feature layer, the
+    projector, the Llama language model (whose config is `self.config`), the image token and the checkpoint names."""
 
     checkpoint_prefix_renames: ClassVar[tuple[tuple[str, str], ...]] = (
         ("model.language_model.", "model."),
@@ -204,8 +210,6 @@ class LlavaForConditionalGeneration(SquareImages, LlamaForCausalLM):
         self.multi_modal_projector = LlavaProjector(config, dtype)
         self.image_token_id: int = int(getattr(config, "image_token_id", None) or config.image_token_index)
         self.image_size: int = int(vision.image_size)
-        patches = (vision.image_size // vision.patch_size) ** 2
-        self.tokens_per_image: int = patches if self.drop_class_token else patches + 1
 
     def skips_checkpoint_tensor(self, key: str) -> bool:
         """The vision layers past the feature layer, the tower's post-layernorm and its position-id buffer."""
@@ -216,6 +220,25 @@ class LlavaForConditionalGeneration(SquareImages, LlamaForCausalLM):
             return int(key.split(marker, 1)[1].split(".", 1)[0]) >= self.num_vision_layers
         return False
 
+    def projected_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [N, 3, image_size, image_size] -> [N, patches (+ 1 under "full"), text hidden] in the model's
+        dtype: the feature layer's hidden states (the class token dropped under "default"), projected."""
+        hidden = self.vision_tower(pixels)
+        if self.drop_class_token:
+            hidden = hidden[:, 1:]
+        return self.multi_modal_projector(hidden).to(self.dtype)
+
+
+class LlavaForConditionalGeneration(SquareImages, ClipLlava):
+    """LLaVA-1.5 over the paged KV cache: the registry's CausalLM contract (of its language model, whose config is
+    `self.config`) plus worker/engine/vision.py's VisionModel (`image_token_id`, `image_preprocessor`,
+    `image_placement`: `tokens_per_image` each, `encode_image`)."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
+        super().__init__(config, dtype, tp=tp)
+        patches = (self.image_size // config.vision_config.patch_size) ** 2
+        self.tokens_per_image: int = patches if self.drop_class_token else patches + 1
+
     def image_preprocessor(self, model_dir: Path | None) -> ClipPreprocessor:
         return ClipPreprocessor.for_model(model_dir, self.image_size)
 
@@ -223,7 +246,4 @@ class LlavaForConditionalGeneration(SquareImages, LlamaForCausalLM):
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, 3, H, W] -> features [N, tokens_per_image, text hidden] in the model's dtype."""
         self.check_pixels(pixels)
-        hidden = self.vision_tower(pixels)
-        if self.drop_class_token:
-            hidden = hidden[:, 1:]
-        return self.multi_modal_projector(hidden).to(self.dtype)
+        return self.projected_features(pixels)

@@ -279,3 +279,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, rows, cols, merge, merge, patch_dim] (N images of one size) -> [N, rows * cols, hidden]."""
         return torch.stack([self.visual(image) for image in pixels]).to(self.dtype)
+
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        """One image's patches [rows, cols, merge, merge, patch_dim] -> [rows * cols, hidden]."""
+        return self.encode_images(pixels.unsqueeze(0))[0]

@@ -14,6 +14,7 @@ from infer.worker.models.gemma3_vision import Gemma3ForConditionalGeneration
 from infer.worker.models.gpt_oss import GptOssForCausalLM
 from infer.worker.models.llama import LlamaForCausalLM
 from infer.worker.models.llava import LlavaForConditionalGeneration
+from infer.worker.models.llava_next import LlavaNextForConditionalGeneration
 from infer.worker.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from infer.worker.models.phi3 import Phi3ForCausalLM
 from infer.worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -58,6 +59,7 @@ MODEL_TYPES: dict[str, type] = {
     "t5": T5ForConditionalGeneration,
     "llama": LlamaForCausalLM,
     "llava": LlavaForConditionalGeneration,
+    "llava_next": LlavaNextForConditionalGeneration,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen2_vl": Qwen2VLForConditionalGeneration,
@@ -79,6 +81,7 @@ ARCHITECTURES: dict[str, type] = {
     "T5ForConditionalGeneration": T5ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
