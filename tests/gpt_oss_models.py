@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tiny_models import save_redrawn
 
 GPT_OSS: dict[str, Any] = dict(
     hidden_size=64,
@@ -55,15 +56,5 @@ def tiny_gpt_oss(path: Path, tokenizer: Any, seed: int = 7, **overrides: Any) ->
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-            elif name.endswith("sinks"):
-                param.normal_(0.0, 1.0)
-            else:
-                param.normal_(0.0, 0.08)
-    Path(path).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    save_redrawn(model, path, tokenizer, wide=("sinks",))
     return Path(path)

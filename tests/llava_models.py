@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tiny_models import save_redrawn
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 28
@@ -63,15 +64,7 @@ def llava_checkpoint(path: Path, base_tokenizer: Any, seed: int = 5, vocab_multi
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-            else:
-                param.normal_(0.0, 0.08)
-    Path(path).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    save_redrawn(model, path, tokenizer)
     CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     ).save_pretrained(path)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from llava_models import IMAGE_SIZE, IMAGE_TOKEN, TEXT, VISION
+from tiny_models import save_redrawn
 
 PATCH = 7
 PINPOINTS = [[28, 56], [56, 28], [56, 56]]  # (height, width) in pixels
@@ -43,15 +44,7 @@ def llava_next_checkpoint(path: Path, base_tokenizer: Any, seed: int = 11, vocab
     )
     torch.manual_seed(seed)
     model = LlavaNextForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-            else:
-                param.normal_(0.0, 0.08)
-    Path(path).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    save_redrawn(model, path, tokenizer)
     image_processor().save_pretrained(path)
     return Path(path)
 

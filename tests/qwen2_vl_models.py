@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tiny_models import save_redrawn
 
 VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
 IMAGE = VISION_START + IMAGE_PAD + VISION_END  # one image in a prompt, as Qwen2-VL's chat template writes it
@@ -73,15 +74,7 @@ def qwen2_vl_checkpoint(
     )
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                param.normal_(1.0, 0.3)
-            else:
-                param.normal_(0.0, 0.08)
-    Path(path).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    save_redrawn(model, path, tokenizer, ones=("norm", "ln_q"))
     image_processor(MIN_PIXELS, MAX_PIXELS).save_pretrained(path)
     assert isinstance(image_processor(1, 1), Qwen2VLImageProcessorPil)
     return Path(path)

@@ -167,3 +167,25 @@ def word_level_tokenizer() -> Any:
     )
     tokenizer.chat_template = WORDS_CHAT_TEMPLATE
     return tokenizer
+
+
+def save_redrawn(
+    model: Any, path: str | Path, tokenizer: Any, ones: tuple[str, ...] = ("norm",), wide: tuple[str, ...] = ()
+) -> Path:
+    """Every parameter of `model` drawn again from the current torch seed (those whose name holds one of `ones`
+    ~ N(1, 0.3), those whose name ends with one of `wide` ~ N(0, 1), the rest ~ N(0, 0.08): logits far from
+    uniform), then the model and `tokenizer` saved in `path` (made if missing); returns the path."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(part in name for part in ones):
+                param.normal_(1.0, 0.3)
+            elif wide and name.endswith(wide):
+                param.normal_(0.0, 1.0)
+            else:
+                param.normal_(0.0, 0.08)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return Path(path)
