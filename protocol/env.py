@@ -45,6 +45,11 @@ TP_SUPERVISED = Variable(
     "set by infer-worker --tp-size on the processes it starts: "
     "their TP rank is their --tp-rank, not $RANK / $SLURM_PROCID",
 )
+FORK_MEMBERS = Variable(
+    "INFER_FORK_MEMBERS",
+    "'0': infer-worker --tp-size / --pp-size starts each member as a new process (its own command line) instead "
+    "of forking it from the supervisor once torch is imported there",
+)
 
 VARIABLES: tuple[Variable, ...] = (
     MODEL_CACHE,
@@ -55,6 +60,7 @@ VARIABLES: tuple[Variable, ...] = (
     API_KEY,
     COORDINATOR_PORT,
     TP_SUPERVISED,
+    FORK_MEMBERS,
 )
 
 

@@ -12,7 +12,7 @@ from ports import reserved_port
 
 from infer.client.inference_client import SyncInferenceClient
 
-__all__ = ["children", "prompts", "ready", "reserved_port", "state", "twice_in_one_batch"]
+__all__ = ["children", "members_named", "prompts", "ready", "reserved_port", "state", "twice_in_one_batch"]
 
 
 def ready(cluster, workers: int) -> None:
@@ -28,6 +28,19 @@ def ready(cluster, workers: int) -> None:
 def children(pid: int) -> list[int]:
     """The pids of the direct children of `pid`."""
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def members_named(supervisor: int, name: str) -> list[int]:
+    """The members of a supervising infer-worker with this process name ("infer-tp1", "infer-pp1": it forks them,
+    worker/parallel/tp_supervisor.py member_name; their command line is its own)."""
+    found = []
+    for pid in children(supervisor):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                found.append(pid)
+        except FileNotFoundError:
+            continue
+    return found
 
 
 def state(pid: int) -> str:

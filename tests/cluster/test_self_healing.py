@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 from fault_streams import assert_exact_streams, streams_through_a_fault
+from group_procs import members_named
 from prompts import prompt_of_length
 from serve_harness import Served
 
@@ -130,7 +131,7 @@ async def test_a_killed_tp_member_takes_its_group_down_and_the_group_is_restarte
         async with InferenceClient(served.address) as client:
             reference = [c.token_ids for c in await asyncio.gather(*(client.generate(p, GREEDY) for p in PROMPTS))]
         groups = _child_pids(served, "infer.worker.service.daemon")
-        followers = [pid for group in groups for pid in _member_pids(group) if "--tp-rank\x001" in _cmdline(pid)]
+        followers = [pid for group in groups for pid in members_named(group, "infer-tp1")]
         assert len(groups) == 2 and len(followers) == 2, (groups, followers)
         killed_at = 0.0
 

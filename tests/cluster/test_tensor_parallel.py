@@ -74,8 +74,12 @@ def _one_process(model: Path, prompts: list, params: SamplingParams) -> list[lis
     return [c.token_ids for c in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3-1kv", "qwen3-moe"])
-async def test_tp2_equals_one_process_and_transformers(cluster_factory, models, arch):
+# Each member forked from its supervisor (named infer-tp0 / infer-tp1), or with INFER_FORK_MEMBERS=0 started as a
+# process of its own (its own command line): worker/parallel/tp_supervisor.py.
+@pytest.mark.parametrize("arch, fork", [("llama", True), ("qwen3-1kv", False), ("qwen3-moe", True)])
+async def test_tp2_equals_one_process_and_transformers(cluster_factory, models, arch, fork, monkeypatch):
+    if not fork:
+        monkeypatch.setenv("INFER_FORK_MEMBERS", "0")
     model = models[arch]()
     want = transformers_greedy(model, PROMPTS, MAX_NEW)
     assert _one_process(model, PROMPTS, GREEDY) == want
@@ -87,6 +91,14 @@ async def test_tp2_equals_one_process_and_transformers(cluster_factory, models, 
     assert first == want and second == want
     log = cluster.procs[1].text()
     assert "TP rank 1 ready" in log and "KV head(s)" in log
+    supervisor = cluster.procs[1].popen.pid
+    members = sorted(children(supervisor))
+    argv = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in [supervisor, *members]]
+    if fork:
+        assert [Path(f"/proc/{pid}/comm").read_text().strip() for pid in members] == ["infer-tp0", "infer-tp1"]
+        assert argv[0] == argv[1] == argv[2] and "(infer-tp1)" in log
+    else:
+        assert [a[a.index(b"--tp-rank") + 1] for a in argv[1:]] == [b"0", b"1"] and b"--tp-rank" not in argv[0]
 
 
 async def test_tp2_x_ep2_on_an_moe_model_equals_transformers(cluster_factory, models):

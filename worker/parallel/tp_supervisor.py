@@ -2,6 +2,13 @@
 (`supervise`; with --pp-size P, P stages, or P x T: each stage a TP group), LLM's direct mode the followers of this
 process (`start_followers`, `start_members`). Members run in
 a process group of their own and die with their parent (SIGKILL when it dies, kill -9 included).
+
+The supervisor forks its members: it imports torch and the engine's modules once (~3 s of CPU, what each member
+would spend on its own start), then each member is a fork that runs infer-worker's main with its rank flags. Its
+command line is the supervisor's, so it is named by its process name instead (`member_name`: `infer-tp1`,
+`infer-pp1`, `infer-pp1tp0`; `ps -o pid,comm`, /proc/PID/comm) and in the supervisor's log. Where a fork is not safe
+(an import initialized CUDA or started a thread) or INFER_FORK_MEMBERS=0, each member is a new process with its own
+command line, as LLM's direct mode always starts them (its process runs torch's threads).
 """
 
 from __future__ import annotations
@@ -11,9 +18,12 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
 
-from infer.protocol.env import TP_SUPERVISED
+from infer.protocol.env import FORK_MEMBERS, TP_SUPERVISED, read
 from infer.protocol.ports import reserved_port
 
 log = logging.getLogger("infer.worker")
@@ -86,9 +96,109 @@ def die_with_parent() -> None:
         pass
 
 
-def supervise(argv: Sequence[str], group: Sequence[tuple[str, Sequence[str]]], dist_init: str | None) -> int:
+def member_name(flags: Sequence[str]) -> str:
+    """The process name of a member with these rank flags: "infer-tp1", "infer-pp2", "infer-pp1tp0" (what a
+    forked member shows in `ps -o comm` and /proc/PID/comm; the kernel keeps 15 bytes)."""
+    ranks = dict(zip(flags[::2], flags[1::2], strict=True))
+    pp, tp = ranks.get("--pp-rank"), ranks.get("--tp-rank")
+    return "infer-" + (f"pp{pp}" if pp is not None else "") + (f"tp{tp}" if tp is not None else "")
+
+
+class ForkedMember:
+    """A member forked from this process, with the part of subprocess.Popen's interface `supervise` uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"member pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def can_fork_members() -> bool:
+    """Import what every member imports before its model (torch, the engine, the EP group's bootstrap) here, once,
+    and say whether members may be forked from this process: not with INFER_FORK_MEMBERS=0, nor once an import
+    initialized CUDA (a forked child cannot use it) or left a Python thread running (a fork copies only the calling
+    one). numpy's OpenBLAS starts its thread pool on import; it shuts the pool down around a fork (pthread_atfork)."""
+    if read(FORK_MEMBERS) == "0":
+        return False
+    import torch
+
+    import infer.worker.distributed.expert_parallel
+    import infer.worker.engine.engine  # noqa: F401  (this package's own modules are a few ms: they import this)
+
+    if torch.cuda.is_initialized() or threading.active_count() > 1:
+        log.info("members start as new processes: this process cannot fork them (CUDA initialized or threads)")
+        return False
+    return True
+
+
+def fork_member(main: Callable[[list[str]], object], argv: Sequence[str], name: str) -> ForkedMember:
+    """A child of this process that runs `main(argv)` (infer-worker's) in a process group of its own, dying with
+    this process, and never returns here: its exit code is main's."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    supervisor = os.getpid()
+    pid = os.fork()
+    if pid:
+        return ForkedMember(pid)
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        die_with_parent()
+        if os.getppid() != supervisor:  # it died before the line above took effect
+            os._exit(128 + signal.SIGKILL)
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(15, name.encode()[:15])  # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
+        os.environ[TP_SUPERVISED.name] = "1"
+        main(list(argv))
+        code = 0
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:  # sys.exit("why"): printed, exit 1, as the interpreter does
+            print(exit_.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def supervise(
+    argv: Sequence[str],
+    group: Sequence[tuple[str, Sequence[str]]],
+    dist_init: str | None,
+    main: Callable[[list[str]], object],
+) -> int:
     """Start this DP rank's processes (`group`: `members()`; each this command line + its rank flags, one shared
-        --dist-init: `dist_init`, or a reserved local port, protocol/ports.py) and wait;
+        --dist-init: `dist_init`, or a reserved local port, protocol/ports.py; forked, each runs `main`, infer-worker's,
+        on it) and wait;
         once one exits, rank 0 gets a SIGTERM (a drain: with its group broken it gives its requests back) and
         the others SUPERVISOR_GRACE_S to follow, then SIGKILL. SIGTERM / SIGINT go to TP
         rank 0 (it drains, then stops the others). Returns the exit code of the member that ended first when it is
@@ -98,11 +208,16 @@ def supervise(argv: Sequence[str], group: Sequence[tuple[str, Sequence[str]]], d
         die with it (SIGKILL when it dies, kill -9 included)."""
     dist_init = dist_init or f"tcp://127.0.0.1:{reserved_port()}"
     env = {**os.environ, TP_SUPERVISED.name: "1"}
-    children = []
+    forking = can_fork_members()
+    children: list[subprocess.Popen | ForkedMember] = []
     for name, flags in group:
-        cmd = [sys.executable, "-m", "infer.worker.service.daemon", *argv, *flags, "--dist-init", dist_init]
-        children.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, process_group=0))
-        log.info("%s of this DP rank: pid %d", name, children[-1].pid)
+        member_argv = [*argv, *flags, "--dist-init", dist_init]
+        if forking:
+            children.append(fork_member(main, member_argv, member_name(flags)))
+        else:
+            cmd = [sys.executable, "-m", "infer.worker.service.daemon", *member_argv]
+            children.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, process_group=0))
+        log.info("%s of this DP rank: pid %d (%s)", name, children[-1].pid, member_name(flags))
 
     def forward(signum: int, _frame: object) -> None:
         if children[0].poll() is None:
@@ -116,19 +231,20 @@ def supervise(argv: Sequence[str], group: Sequence[tuple[str, Sequence[str]]], d
         children[0].send_signal(signal.SIGTERM)
     for child in children:
         if child.pid in codes:
-            child.returncode = codes[child.pid]
+            child.returncode = codes[child.pid]  # reaped above: the Popen must not wait for it again
             continue
         try:
-            child.wait(timeout=SUPERVISOR_GRACE_S)
+            codes[child.pid] = child.wait(timeout=SUPERVISOR_GRACE_S)
         except subprocess.TimeoutExpired:
             log.warning(
                 "%s (pid %d) did not exit with its group; killing it", group[children.index(child)][0], child.pid
             )
             child.kill()
-            child.wait(timeout=SUPERVISOR_GRACE_S)
+            codes[child.pid] = child.wait(timeout=SUPERVISOR_GRACE_S)
     for (name, _), child in zip(group, children, strict=True):
-        how = f"code {child.returncode}" if child.returncode >= 0 else f"signal {-child.returncode}"
-        (log.info if child.returncode == 0 else log.warning)("%s (pid %d) ended with %s", name, child.pid, how)
+        ended = codes[child.pid]
+        how = f"code {ended}" if ended >= 0 else f"signal {-ended}"
+        (log.info if ended == 0 else log.warning)("%s (pid %d) ended with %s", name, child.pid, how)
     first = codes[pid]
-    code = first or children[0].returncode or next((c.returncode for c in children if c.returncode), 0)
+    code = first or codes[children[0].pid] or next((codes[c.pid] for c in children if codes[c.pid]), 0)
     return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says it

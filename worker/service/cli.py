@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> None:
             )
         dist_init = pp.dist_init if pp is not None else tp.dist_init if tp is not None else None
         sys.exit(
-            supervise(argv, members(tp.size if tp is not None else 1, pp.size if pp is not None else 1), dist_init)
+            supervise(
+                argv, members(tp.size if tp is not None else 1, pp.size if pp is not None else 1), dist_init, main
+            )
         )
     _exit(_run(config, options if leads else None, ep, tp, pp))
 
