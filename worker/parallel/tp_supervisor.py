@@ -112,8 +112,13 @@ class ForkedMember:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
+        """Its exit code once it has ended; None while it runs, or once `supervise`'s os.wait() has reaped it and
+        has not yet recorded its code here (a signal handler's poll in between)."""
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return None
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
@@ -128,7 +133,10 @@ class ForkedMember:
 
     def send_signal(self, signum: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, signum)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:  # reaped already
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
