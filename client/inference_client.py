@@ -169,6 +169,7 @@ class _Request:
     placement: Placement | None = None  # where its direct stream runs (None: relayed, or detached)
     started: bool = False  # a delta of it reached the caller (a later one carries no seed or prompt ids)
     sent: bool = False  # its Submit went to a coordinator (else, submitted during a switch, it goes after the Welcome)
+    sending: bool = False  # its Submit is in the socket and submit() has not yet heard so: it goes as it is
 
 
 @dataclass(eq=False)
@@ -525,11 +526,14 @@ class InferenceClient:
         )
         if len(self._requests) == 1 and self._call is None:
             self._last_heard = time.monotonic()  # the silence clock starts when there is something to wait for
+        request.sending = True
         try:
             request.sent = await self._send(submit)
         except BaseException:
             self._requests.pop(rid, None)
             raise
+        finally:
+            request.sending = False
         return request
 
     async def _next(self, request: _Request, deadline: float | None) -> RequestOutput:
@@ -854,6 +858,8 @@ class InferenceClient:
     def _reattach(self, request: _Request, why: str) -> None:
         """Send `request` again from what this client holds (the coordinator resumes it from there); if it cannot
         go on exactly, it ends with an error saying why. One no coordinator received yet goes as it is."""
+        if request.sending:  # a restart noticed while its Submit is on its way: a second one would be refused
+            return None  # ("already in flight") and end the request with that error
         if not request.sent:
             timeout = None if request.deadline is None else max(1e-3, request.deadline - time.monotonic())
             request.sent = self._send_nowait(msgspec.structs.replace(request.submit, timeout_s=timeout))

@@ -233,3 +233,31 @@ async def test_a_refit_interrupted_by_a_switch_fails_clearly(three, tmp_path):
         assert client._failure is None  # a Redirect never ends the client
     finally:
         await client.close()
+
+
+async def test_a_restart_noticed_while_a_submit_is_on_its_way_sends_it_once(three):
+    """The restarted coordinator's Welcome handled in the one loop turn between a Submit entering the socket and
+    submit() hearing so (what the chaos test's coordinator kill -9 hit under load): the request is not sent a second
+    time (the coordinator would refuse the copy, "already in flight", and end the request with that error)."""
+    a = three[0]
+    client = await _connected(three)
+    send = client._send
+
+    async def send_then_restart(msg):
+        sent = await send(msg)
+        client._check_instance("a, restarted")  # as the new instance's first Welcome or Heartbeat does
+        return sent
+
+    client._send = send_then_restart
+    try:
+        reading = asyncio.create_task(client.generate([4, 5], SamplingParams(max_tokens=1), request_id="q"))
+        submit = await a.recv(Submit)
+        assert submit.request_id == "q" and not submit.reattach
+        await a.recv(Hello)  # the re-attachment's Hello: nothing of "q" was sent with it
+        await a.send(Delta.final("q", "length", token_ids=[6], text="x"))
+        completion = await asyncio.wait_for(reading, WAIT)
+        with pytest.raises(asyncio.TimeoutError):  # no second Submit of "q" behind the Hello (Heartbeats only)
+            await asyncio.wait_for(a.recv(Submit), 1.0)
+    finally:
+        await client.close()
+    assert completion.token_ids == [6]
