@@ -74,16 +74,18 @@ def start_members(
 ) -> list[subprocess.Popen]:
     """`followers` (`members()` after the first) as `infer-worker` child processes of this one, each with
     `worker_flags` (the sizes included), its rank flags and `dist_init`."""
-    env = {**os.environ, TP_SUPERVISED.name: "1"}
-    return [
-        subprocess.Popen(
-            [sys.executable, "-m", "infer.worker.service.daemon", *worker_flags, *flags, "--dist-init", dist_init],
-            env=env,
-            preexec_fn=die_with_parent,
-            process_group=0,
-        )
-        for _, flags in followers
-    ]
+    return [spawn_member([*worker_flags, *flags, "--dist-init", dist_init]) for _, flags in followers]
+
+
+def spawn_member(argv: Sequence[str]) -> subprocess.Popen:
+    """`infer-worker argv` as a new process (its own command line), a child of this one in a process group of its
+    own, dying with it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "infer.worker.service.daemon", *argv],
+        env={**os.environ, TP_SUPERVISED.name: "1"},
+        preexec_fn=die_with_parent,
+        process_group=0,
+    )
 
 
 def die_with_parent() -> None:
@@ -215,16 +217,11 @@ def supervise(
         The members run in a process group of their own (a signal to the supervisor's group reaches only it) and
         die with it (SIGKILL when it dies, kill -9 included)."""
     dist_init = dist_init or f"tcp://127.0.0.1:{reserved_port()}"
-    env = {**os.environ, TP_SUPERVISED.name: "1"}
     forking = can_fork_members()
     children: list[subprocess.Popen | ForkedMember] = []
     for name, flags in group:
         member_argv = [*argv, *flags, "--dist-init", dist_init]
-        if forking:
-            children.append(fork_member(main, member_argv, member_name(flags)))
-        else:
-            cmd = [sys.executable, "-m", "infer.worker.service.daemon", *member_argv]
-            children.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, process_group=0))
+        children.append(fork_member(main, member_argv, member_name(flags)) if forking else spawn_member(member_argv))
         log.info("%s of this DP rank: pid %d (%s)", name, children[-1].pid, member_name(flags))
 
     def forward(signum: int, _frame: object) -> None:
