@@ -20,6 +20,7 @@ if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -65,8 +66,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # costs the whole run is its CPU, not its wall time (a file waiting on a timeout leaves the cores to the others).
 # Counted per test (setup, call and teardown, module fixtures' teardown in the file's last test) as this process's
 # CPU plus that of the processes it started and has waited for (os.times' children: a daemon a test stops, and the
-# TP members its supervisor reaped). The run ends with the costliest files (tests/file_durations.py).
+# TP members its supervisor reaped). The run ends with the costliest files (tests/file_durations.py); with
+# INFER_TEST_CPU_JSON=PATH it also writes every test's CPU seconds there, by node id, to find what to cut.
 _CPU_BY_FILE: dict[str, float] = {}
+_CPU_BY_TEST: dict[str, float] = {}
 
 
 def _cpu_seconds() -> float:
@@ -78,20 +81,25 @@ def _cpu_seconds() -> float:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     start = _cpu_seconds()
     yield
+    seconds = _cpu_seconds() - start
     path = item.nodeid.split("::", 1)[0]
-    _CPU_BY_FILE[path] = _CPU_BY_FILE.get(path, 0.0) + _cpu_seconds() - start
+    _CPU_BY_FILE[path] = _CPU_BY_FILE.get(path, 0.0) + seconds
+    _CPU_BY_TEST[item.nodeid] = seconds
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker hands its counts over
     if workeroutput is not None:
         workeroutput["cpu_by_file"] = _CPU_BY_FILE
+        workeroutput["cpu_by_test"] = _CPU_BY_TEST
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
-    for path, seconds in getattr(node, "workeroutput", {}).get("cpu_by_file", {}).items():
+    workeroutput = getattr(node, "workeroutput", {})
+    for path, seconds in workeroutput.get("cpu_by_file", {}).items():
         _CPU_BY_FILE[path] = _CPU_BY_FILE.get(path, 0.0) + seconds
+    _CPU_BY_TEST.update(workeroutput.get("cpu_by_test", {}))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -101,6 +109,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
     terminalreporter.write_sep("=", "CPU seconds by test file (with the processes it started)")
     terminalreporter.write_line(cpu_summary(_CPU_BY_FILE))
+    if os.environ.get("INFER_TEST_CPU_JSON"):
+        Path(os.environ["INFER_TEST_CPU_JSON"]).write_text(json.dumps(_CPU_BY_TEST, indent=1, sort_keys=True))
 
 
 def _gguf_path() -> Path:
