@@ -73,8 +73,10 @@ _CPU_BY_TEST: dict[str, float] = {}
 
 
 def _cpu_seconds() -> float:
+    from daemon_forkserver import reaped_cpu_seconds  # the workers forked for this process (reaped by the server)
+
     times = os.times()
-    return times.user + times.system + times.children_user + times.children_system
+    return times.user + times.system + times.children_user + times.children_system + reaped_cpu_seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -88,6 +90,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    import daemon_forkserver
+
+    daemon_forkserver.close()
     workeroutput = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker hands its counts over
     if workeroutput is not None:
         workeroutput["cpu_by_file"] = _CPU_BY_FILE

@@ -1,7 +1,9 @@
 """Real clusters for acceptance tests: infer-coordinator and infer-worker processes on loopback TCP.
 
 Every process runs in its own session (process group) with its log in the test's tmp dir; whatever a
-test leaves running is SIGKILLed (group-wide) and reaped at teardown. Heartbeats and timeouts are short.
+test leaves running is SIGKILLed (group-wide) and reaped at teardown. Heartbeats and timeouts are short. Workers are
+forked from a process that imported torch once (tests/daemon_forkserver.py: the same module run with the same argv,
+without ~2.5 s of CPU each); INFER_TEST_EXEC_DAEMONS=1 starts each in a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from daemon_forkserver import ForkedPopen, popen_daemon
 from ports import reserved_port
 
 from infer.client.inference_client import InferenceClient, SyncInferenceClient
@@ -38,7 +41,7 @@ ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memo
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedPopen
     log: Path
     worker_id: str | None = None  # a worker's --worker-id
 
@@ -53,7 +56,7 @@ class Proc:
         return self.popen.wait(timeout=timeout)
 
 
-def _killpg(popen: subprocess.Popen, sig: signal.Signals) -> None:
+def _killpg(popen: subprocess.Popen | ForkedPopen, sig: signal.Signals) -> None:
     try:
         os.killpg(popen.pid, sig)
     except ProcessLookupError:
@@ -72,12 +75,17 @@ class Cluster:
     def address(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
 
-    def spawn(self, name: str, *argv: str, cwd: Path | None = None) -> Proc:
+    def spawn(self, name: str, *argv: str, cwd: Path | None = None, fork: bool = False) -> Proc:
+        """`python *argv` in a session of its own, its output in the logs; `fork`: forked from the test process's
+        torch-imported server (tests/daemon_forkserver.py: the workers)."""
         log = self.logs / f"{name}-{len(self.procs)}.log"
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(
-                [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
-            )
+        if fork:
+            popen = popen_daemon(list(argv), log, cwd)
+        else:
+            with open(log, "wb") as out:
+                popen = subprocess.Popen(
+                    [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
+                )
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc
@@ -115,7 +123,7 @@ class Cluster:
             argv.append("--benchmark-mode")
         if model is not None:
             argv += ["--model", str(model)]
-        proc = self.spawn(f"worker{index}", *argv, *flags, cwd=cwd)
+        proc = self.spawn(f"worker{index}", *argv, *flags, cwd=cwd, fork=True)
         proc.worker_id = worker_id
         return proc
 
