@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
+import daemon_forkserver
 import pytest
 from hypothesis import settings
 from tiny_models import save_tiny_model, word_level_tokenizer
@@ -73,10 +74,10 @@ _CPU_BY_TEST: dict[str, float] = {}
 
 
 def _cpu_seconds() -> float:
-    from daemon_forkserver import reaped_cpu_seconds  # the workers forked for this process (reaped by the server)
-
-    times = os.times()
-    return times.user + times.system + times.children_user + times.children_system + reaped_cpu_seconds()
+    times = os.times()  # and the workers forked for this process, which its fork server reaped
+    return (
+        times.user + times.system + times.children_user + times.children_system + daemon_forkserver.reaped_cpu_seconds()
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -90,13 +91,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    import daemon_forkserver
-
     daemon_forkserver.close()
     workeroutput = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker hands its counts over
     if workeroutput is not None:
         workeroutput["cpu_by_file"] = _CPU_BY_FILE
         workeroutput["cpu_by_test"] = _CPU_BY_TEST
+        workeroutput["daemon_starts"] = daemon_forkserver.STARTS
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -105,6 +105,8 @@ def pytest_testnodedown(node, error) -> None:
     for path, seconds in workeroutput.get("cpu_by_file", {}).items():
         _CPU_BY_FILE[path] = _CPU_BY_FILE.get(path, 0.0) + seconds
     _CPU_BY_TEST.update(workeroutput.get("cpu_by_test", {}))
+    for way, count in workeroutput.get("daemon_starts", {}).items():
+        daemon_forkserver.STARTS[way] += count
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -114,6 +116,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
     terminalreporter.write_sep("=", "CPU seconds by test file (with the processes it started)")
     terminalreporter.write_line(cpu_summary(_CPU_BY_FILE))
+    starts = daemon_forkserver.STARTS
+    terminalreporter.write_line(
+        f"cluster workers: {starts['forked']} forked, {starts['exec']} exec'd (daemon_forkserver.py)"
+    )
     if os.environ.get("INFER_TEST_CPU_JSON"):
         Path(os.environ["INFER_TEST_CPU_JSON"]).write_text(json.dumps(_CPU_BY_TEST, indent=1, sort_keys=True))
 

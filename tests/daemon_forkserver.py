@@ -16,8 +16,8 @@ which tests/conftest.py adds to the test's CPU, as it counts an exec'd child's).
 ask a subprocess.Popen: pid, poll(), wait(timeout), returncode, send_signal().
 
 A spawn takes the exec path instead (`popen_daemon` decides) when INFER_TEST_EXEC_DAEMONS=1, when the environment
-differs from the server's in a variable other than INFER_* / PYTEST_* (one read by torch or libgomp at import), or
-when the server could not start or is gone.
+differs from the server's in a variable the interpreter, libgomp, a BLAS or torch read as they load
+(_IMPORT_TIME_PREFIXES), or when the server could not start or is gone.
 """
 
 from __future__ import annotations
@@ -29,9 +29,23 @@ import sys
 import threading
 from pathlib import Path
 
-# Variables that may differ between the server's start and a spawn: ours and pytest's, which nothing imported in the
-# server reads.
-_PASSED_PREFIXES = ("INFER_", "PYTEST_")
+# Variables read when the interpreter, libgomp, a BLAS or torch load (before the fork): a spawn whose environment
+# differs from the server's in one of them is exec'd. Any other variable (ours, pytest's, TORCHINDUCTOR_CACHE_DIR that
+# an in-process engine sets) is set in the child before the daemon's modules are imported, as in a fresh process.
+_IMPORT_TIME_PREFIXES = (
+    "PYTHON",
+    "LD_",
+    "MALLOC_",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "TORCH_",
+    "PYTORCH_",
+    "CUDA_",
+    "NVIDIA_",
+)
 _START_TIMEOUT_S = 120.0
 
 
@@ -150,6 +164,7 @@ class ForkServer:
 
 
 _SERVER: ForkServer | None = None
+STARTS = {"forked": 0, "exec": 0}  # this process's daemon starts by way (tests/conftest.py sums and prints them)
 
 
 def server() -> ForkServer | None:
@@ -174,7 +189,7 @@ def close() -> None:
 
 def _forkable(env: dict[str, str], server_env: dict[str, str]) -> bool:
     keys = set(env) | set(server_env)
-    return all(k.startswith(_PASSED_PREFIXES) for k in keys if env.get(k) != server_env.get(k))
+    return not any(k.startswith(_IMPORT_TIME_PREFIXES) for k in keys if env.get(k) != server_env.get(k))
 
 
 def popen_daemon(argv: list[str], log: Path, cwd: Path | None) -> subprocess.Popen | ForkedPopen:
@@ -184,7 +199,9 @@ def popen_daemon(argv: list[str], log: Path, cwd: Path | None) -> subprocess.Pop
     if forks is not None and _forkable(dict(os.environ), forks.env):
         forked = forks.spawn(argv, log, cwd)
         if forked is not None:
+            STARTS["forked"] += 1
             return forked
+    STARTS["exec"] += 1
     with open(log, "wb") as out:
         return subprocess.Popen(
             [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
