@@ -69,7 +69,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # CPU plus that of the processes it started and has waited for (os.times' children: a daemon a test stops, and the
 # TP members its supervisor reaped). The run ends with the costliest files (tests/file_durations.py); with
 # INFER_TEST_CPU_JSON=PATH it also writes every test's CPU seconds there, by node id, to find what to cut.
-_CPU_BY_FILE: dict[str, float] = {}
 _CPU_BY_TEST: dict[str, float] = {}
 
 
@@ -84,17 +83,13 @@ def _cpu_seconds() -> float:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     start = _cpu_seconds()
     yield
-    seconds = _cpu_seconds() - start
-    path = item.nodeid.split("::", 1)[0]
-    _CPU_BY_FILE[path] = _CPU_BY_FILE.get(path, 0.0) + seconds
-    _CPU_BY_TEST[item.nodeid] = seconds
+    _CPU_BY_TEST[item.nodeid] = _CPU_BY_TEST.get(item.nodeid, 0.0) + _cpu_seconds() - start
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     daemon_forkserver.close()
     workeroutput = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker hands its counts over
     if workeroutput is not None:
-        workeroutput["cpu_by_file"] = _CPU_BY_FILE
         workeroutput["cpu_by_test"] = _CPU_BY_TEST
         workeroutput["daemon_starts"] = daemon_forkserver.STARTS
 
@@ -102,20 +97,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
     workeroutput = getattr(node, "workeroutput", {})
-    for path, seconds in workeroutput.get("cpu_by_file", {}).items():
-        _CPU_BY_FILE[path] = _CPU_BY_FILE.get(path, 0.0) + seconds
     _CPU_BY_TEST.update(workeroutput.get("cpu_by_test", {}))
     for way, count in workeroutput.get("daemon_starts", {}).items():
         daemon_forkserver.STARTS[way] += count
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if getattr(config, "workeroutput", None) is not None or not _CPU_BY_FILE:
+    if getattr(config, "workeroutput", None) is not None or not _CPU_BY_TEST:
         return
     from file_durations import cpu_summary
 
     terminalreporter.write_sep("=", "CPU seconds by test file (with the processes it started)")
-    terminalreporter.write_line(cpu_summary(_CPU_BY_FILE))
+    by_file: dict[str, float] = {}
+    for nodeid, seconds in _CPU_BY_TEST.items():
+        path = nodeid.split("::", 1)[0]
+        by_file[path] = by_file.get(path, 0.0) + seconds
+    terminalreporter.write_line(cpu_summary(by_file))
     starts = daemon_forkserver.STARTS
     terminalreporter.write_line(
         f"cluster workers: {starts['forked']} forked, {starts['exec']} exec'd (daemon_forkserver.py)"

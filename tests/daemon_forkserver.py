@@ -77,9 +77,6 @@ class ForkedPopen:
             except ProcessLookupError:
                 pass
 
-    def kill(self) -> None:
-        self.send_signal(9)
-
 
 class ForkServer:
     """The client of one server process (module docstring)."""
@@ -202,6 +199,11 @@ def popen_daemon(argv: list[str], log: Path, cwd: Path | None) -> subprocess.Pop
             STARTS["forked"] += 1
             return forked
     STARTS["exec"] += 1
+    return exec_daemon(argv, log, cwd)
+
+
+def exec_daemon(argv: list[str], log: Path, cwd: Path | None) -> subprocess.Popen:
+    """`python *argv` as a daemon in a fresh interpreter, in a session of its own, stdout and stderr on `log`."""
     with open(log, "wb") as out:
         return subprocess.Popen(
             [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd

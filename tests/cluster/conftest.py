@@ -12,14 +12,13 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from daemon_forkserver import ForkedPopen, popen_daemon
+from daemon_forkserver import ForkedPopen, exec_daemon, popen_daemon
 from ports import reserved_port
 
 from infer.client.inference_client import InferenceClient, SyncInferenceClient
@@ -79,13 +78,7 @@ class Cluster:
         """`python *argv` in a session of its own, its output in the logs; `fork`: forked from the test process's
         torch-imported server (tests/daemon_forkserver.py: the workers)."""
         log = self.logs / f"{name}-{len(self.procs)}.log"
-        if fork:
-            popen = popen_daemon(list(argv), log, cwd)
-        else:
-            with open(log, "wb") as out:
-                popen = subprocess.Popen(
-                    [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
-                )
+        popen = (popen_daemon if fork else exec_daemon)(list(argv), log, cwd)
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc
