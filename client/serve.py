@@ -39,7 +39,8 @@ from pathlib import Path
 from infer.client.api.server import add_front_arguments, check_front_exposure, front_argv, front_config, listen_socket
 from infer.client.inference_client import ClusterError, InferenceClient
 from infer.client.restarts import RestartPolicy, how_it_ended
-from infer.client.supervisor import Supervisor
+from infer.client.supervisor import ChildProcess, Supervisor
+from infer.client.worker_forks import WorkerForks
 from infer.coordinator.config import CoordinatorConfig
 from infer.protocol import env
 from infer.protocol.keys import ClientKeyOptions, ClusterKeyDir, refuse_open_bind
@@ -76,10 +77,14 @@ class LocalCluster:
     worker_roles: list[str] = field(default_factory=list)  # each worker's KV role (infer-serve --kv-roles), or none
     num_coordinators: int = 1  # several: they elect a leader (docs/architecture.md, "Several coordinators")
     coordinators: list[asyncio.subprocess.Process] = field(default_factory=list)
-    workers: list[asyncio.subprocess.Process] = field(default_factory=list)
+    workers: list[ChildProcess] = field(default_factory=list)
     # the coordinators' ports, held from `start` on, by coordinator index (a launcher may place some elsewhere)
     listeners: dict[int, socket.socket] = field(default_factory=dict)
     ports: list[int] = field(default_factory=list)
+    # workers are forked from one process that imported torch (client/worker_forks.py), unless INFER_FORK_WORKERS=0
+    fork_workers: bool = True
+    _forks: WorkerForks | None = field(default=None, init=False, repr=False)
+    _forks_failed: bool = field(default=False, init=False, repr=False)  # one that cannot start is not tried again
 
     @property
     def address(self) -> str:
@@ -160,27 +165,37 @@ class LocalCluster:
             pass_fds=(fd,),
         )
 
-    async def spawn_worker(self, index: int | None = None) -> asyncio.subprocess.Process:
+    async def spawn_worker(self, index: int | None = None) -> ChildProcess:
         """Worker `index` (default: the next; with --tp-size, its TP group's supervisor): the coordinator gives it a
-        free DP rank; with `worker_roles`, its KV role."""
+        free DP rank; with `worker_roles`, its KV role. Forked from this cluster's fork server (client/worker_forks.py)
+        where it can be, else a new interpreter."""
         index = len(self.workers) if index is None else index
         role = []
         if self.worker_roles:
             role = ["--kv-transfer-config", json.dumps({"kv_role": self.worker_roles[index]})]
-        return await self._spawn(
-            "infer.worker.service.daemon",
-            "--coordinator",
-            self.address,
-            *self.security_args("worker"),
-            *self.worker_args,
-            *role,
-        )
+        args = ["--coordinator", self.address, *self.security_args("worker"), *self.worker_args, *role]
+        forks = await self._worker_forks()
+        if forks is not None and (forked := await forks.spawn(["-m", "infer.worker.service.daemon", *args])):
+            return forked
+        return await self._spawn("infer.worker.service.daemon", *args)
+
+    async def _worker_forks(self) -> WorkerForks | None:
+        """The fork server, started on the first worker's spawn (and again after it died); None: new interpreters."""
+        if not self.fork_workers or env.read(env.FORK_WORKERS) == "0":
+            return None
+        if self._forks is not None and not self._forks.alive:
+            await self._forks.close()
+            self._forks = None
+        if self._forks is None and not self._forks_failed:
+            self._forks = await WorkerForks.start(self.python)
+            self._forks_failed = self._forks is None
+        return self._forks
 
     async def respawn_coordinator(self, index: int = 0) -> asyncio.subprocess.Process:
         self.coordinators[index] = await self.spawn_coordinator(index)
         return self.coordinators[index]
 
-    async def respawn_worker(self, index: int) -> asyncio.subprocess.Process:
+    async def respawn_worker(self, index: int) -> ChildProcess:
         self.workers[index] = await self.spawn_worker(index)
         return self.workers[index]
 
@@ -190,7 +205,7 @@ class LocalCluster:
         )
 
     @property
-    def processes(self) -> list[asyncio.subprocess.Process]:
+    def processes(self) -> list[ChildProcess]:
         return [*self.coordinators, *self.workers]
 
     async def wait_ready(self, timeout: float, trouble: asyncio.Future[str] | None = None) -> ClusterStats:
@@ -218,7 +233,7 @@ class LocalCluster:
                 f"{self._name(exited)} exited with code {exited.returncode} before the cluster was ready"
             )
 
-    def _name(self, proc: asyncio.subprocess.Process) -> str:
+    def _name(self, proc: ChildProcess) -> str:
         if proc in self.coordinators:
             return "the coordinator" if len(self.coordinators) == 1 else f"coordinator {self.coordinators.index(proc)}"
         return f"worker {self.workers.index(proc)} (pid {proc.pid})"
@@ -237,6 +252,9 @@ class LocalCluster:
         for listener in self.listeners.values():  # the coordinators' ports, held until now
             listener.close()
         self.listeners = {}
+        forks, self._forks = self._forks, None
+        if forks is not None:
+            await forks.close()
 
 
 def check_cluster_security(coordinator_host: str, keys_dir: str | None, trusted_network: bool) -> ClusterKeyDir | None:
@@ -253,7 +271,7 @@ def check_cluster_security(coordinator_host: str, keys_dir: str | None, trusted_
     return None
 
 
-def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+def _signal_group(proc: ChildProcess, sig: signal.Signals) -> None:
     try:
         os.killpg(proc.pid, sig)  # start_new_session: the child leads its own group
     except (ProcessLookupError, PermissionError):

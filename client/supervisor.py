@@ -21,13 +21,31 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from infer.client.restarts import CrashLoop, GiveUp, RestartPolicy, how_it_ended
 
 log = logging.getLogger("infer.serve")
 
-Spawn = Callable[[], Awaitable[asyncio.subprocess.Process]]
+
+class ChildProcess(Protocol):
+    """What a launcher asks of a child: an asyncio.subprocess.Process, or a worker forked from the fork server
+    (client/worker_forks.py's ForkedProcess)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+Spawn = Callable[[], Awaitable[ChildProcess]]
 
 
 @dataclass
@@ -35,7 +53,7 @@ class Child:
     """One supervised process: `spawn` starts it again (and records it where its owner keeps it)."""
 
     name: str
-    proc: asyncio.subprocess.Process
+    proc: ChildProcess
     spawn: Spawn
     crash_loop: CrashLoop
     essential: bool = False  # given up, or exiting with 0: the service ends
@@ -64,7 +82,7 @@ class Supervisor:
         self.ended: asyncio.Future[Ended] = asyncio.get_running_loop().create_future()
         self._stopping = asyncio.Event()
 
-    def watch(self, name: str, proc: asyncio.subprocess.Process, spawn: Spawn, essential: bool = False) -> Child:
+    def watch(self, name: str, proc: ChildProcess, spawn: Spawn, essential: bool = False) -> Child:
         child = Child(name, proc, spawn, CrashLoop(self.policy), essential)
         child.watch = asyncio.create_task(self._keep(child), name=f"supervise {name}")
         self.children.append(child)
@@ -136,7 +154,7 @@ class Supervisor:
         return stopping in done
 
 
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
+def _kill_group(proc: ChildProcess) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the child led its own group
     except (ProcessLookupError, PermissionError):

@@ -50,6 +50,11 @@ FORK_MEMBERS = Variable(
     "'0': infer-worker --tp-size / --pp-size starts each member as a new process (its own command line) instead "
     "of forking it from the supervisor once torch is imported there",
 )
+FORK_WORKERS = Variable(
+    "INFER_FORK_WORKERS",
+    "'0': infer-serve and LLM's coordinator mode start each worker as a new interpreter instead of forking it from "
+    "one process that has imported torch (client/worker_forks.py)",
+)
 
 VARIABLES: tuple[Variable, ...] = (
     MODEL_CACHE,
@@ -61,6 +66,7 @@ VARIABLES: tuple[Variable, ...] = (
     COORDINATOR_PORT,
     TP_SUPERVISED,
     FORK_MEMBERS,
+    FORK_WORKERS,
 )
 
 

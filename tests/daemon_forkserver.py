@@ -16,8 +16,10 @@ which tests/conftest.py adds to the test's CPU, as it counts an exec'd child's).
 ask a subprocess.Popen: pid, poll(), wait(timeout), returncode, send_signal().
 
 A spawn takes the exec path instead (`popen_daemon` decides) when INFER_TEST_EXEC_DAEMONS=1, when the environment
-differs from the server's in a variable the interpreter, libgomp, a BLAS or torch read as they load
-(_IMPORT_TIME_PREFIXES), or when the server could not start or is gone.
+differs from the server's in a variable the interpreter, libgomp, a BLAS or torch read as they load (the product's
+rule: client/worker_forks.py's IMPORT_TIME_PREFIXES), or when the server could not start or is gone. The product
+forks its own workers the same way (client/worker_forks.py: infer-serve, LLM's coordinator mode); this file is the
+tests' Cluster's, whose workers also log to a file each and count their CPU.
 """
 
 from __future__ import annotations
@@ -29,23 +31,6 @@ import sys
 import threading
 from pathlib import Path
 
-# Variables read when the interpreter, libgomp, a BLAS or torch load (before the fork): a spawn whose environment
-# differs from the server's in one of them is exec'd. Any other variable (ours, pytest's, TORCHINDUCTOR_CACHE_DIR that
-# an in-process engine sets) is set in the child before the daemon's modules are imported, as in a fresh process.
-_IMPORT_TIME_PREFIXES = (
-    "PYTHON",
-    "LD_",
-    "MALLOC_",
-    "OMP_",
-    "GOMP_",
-    "KMP_",
-    "MKL_",
-    "OPENBLAS_",
-    "TORCH_",
-    "PYTORCH_",
-    "CUDA_",
-    "NVIDIA_",
-)
 _START_TIMEOUT_S = 120.0
 
 
@@ -184,16 +169,13 @@ def close() -> None:
         _SERVER.close()
 
 
-def _forkable(env: dict[str, str], server_env: dict[str, str]) -> bool:
-    keys = set(env) | set(server_env)
-    return not any(k.startswith(_IMPORT_TIME_PREFIXES) for k in keys if env.get(k) != server_env.get(k))
-
-
 def popen_daemon(argv: list[str], log: Path, cwd: Path | None) -> subprocess.Popen | ForkedPopen:
     """`python *argv` as a daemon in a session of its own, stdout and stderr on `log`: forked (module docstring), or
     exec'd as subprocess.Popen when it cannot be."""
+    from infer.client.worker_forks import forkable  # here: the server, this file too, imports nothing of infer
+
     forks = server()
-    if forks is not None and _forkable(dict(os.environ), forks.env):
+    if forks is not None and forkable(dict(os.environ), forks.env):
         forked = forks.spawn(argv, log, cwd)
         if forked is not None:
             STARTS["forked"] += 1

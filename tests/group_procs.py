@@ -30,6 +30,25 @@ def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+def launched(pid: int) -> list[int]:
+    """The processes a launcher (infer-serve, LLM's coordinator mode) started: its children, each fork server
+    (client/worker_forks.py) among them replaced by the workers it forked (their command lines are their own); none
+    once the launcher is gone."""
+    found = []
+    try:
+        for child in children(pid):
+            try:
+                if b"worker_forks.py" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.append(child)
+                    continue
+                found += children(child)
+            except FileNotFoundError:  # it ended meanwhile
+                continue
+    except FileNotFoundError:
+        pass
+    return found
+
+
 def members_named(supervisor: int, name: str) -> list[int]:
     """The members of a supervising infer-worker with this process name ("infer-tp1", "infer-pp1": it forks them,
     worker/parallel/tp_supervisor.py member_name; their command line is its own)."""

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from group_procs import launched
+
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:
     """One line of the child's stdout within `timeout` seconds (AssertionError otherwise)."""
@@ -60,10 +62,8 @@ class Served:
 
     def stop(self) -> None:
         """SIGTERM (infer-serve stops its coordinator and workers), then SIGKILL whatever is left:
-        infer-serve's group and its children's groups (each child leads its own session)."""
-        children = subprocess.run(
-            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
-        ).stdout.split()
+        infer-serve's group and its children's groups (each child, a forked worker too, leads its own session)."""
+        children = launched(self.proc.pid)
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(30)

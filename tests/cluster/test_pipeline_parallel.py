@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from fault_streams import assert_exact_streams, streams_through_a_fault
-from group_procs import children, members_named, prompts, ready, reserved_port, state, twice_in_one_batch
+from group_procs import children, launched, members_named, prompts, ready, reserved_port, state, twice_in_one_batch
 from hf_reference import transformers_greedy
 from moe_models import save_tiny_model, tiny_mixtral
 
@@ -292,7 +292,7 @@ async def test_infer_serve_restarts_a_pipeline_whole_after_kill_9_of_a_stage(tin
     try:
         async with InferenceClient(served.address) as client:
             reference = [c.token_ids for c in await asyncio.gather(*(client.generate(p, LONG) for p in PROMPTS))]
-        ranks = [pid for pid in children(served.proc.pid) if "infer.worker.service.daemon" in _cmdline(pid)]
+        ranks = [pid for pid in launched(served.proc.pid) if "infer.worker.service.daemon" in _cmdline(pid)]
         stage1 = [pid for rank in ranks for pid in members_named(rank, "infer-pp1")]
         assert len(ranks) == 2 and len(stage1) == 2, (ranks, stage1)
         killed_at = 0.0
@@ -310,7 +310,7 @@ async def test_infer_serve_restarts_a_pipeline_whole_after_kill_9_of_a_stage(tin
         assert "restarting it in" in served.log.read_text()
         now = [
             pid
-            for rank in children(served.proc.pid)
+            for rank in launched(served.proc.pid)
             if "infer.worker.service.daemon" in _cmdline(rank)
             for pid in children(rank)
         ]

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 from fault_streams import assert_exact_streams, streams_through_a_fault
-from group_procs import members_named
+from group_procs import launched, members_named
 from prompts import prompt_of_length
 from serve_harness import Served
 
@@ -59,10 +59,7 @@ class _Clients:
 
 
 def _child_pids(served: Served, module: str) -> list[int]:
-    pids = subprocess.run(
-        ["pgrep", "-P", str(served.proc.pid)], capture_output=True, text=True, check=False
-    ).stdout.split()
-    return [int(pid) for pid in pids if module in _cmdline(int(pid))]
+    return [pid for pid in launched(served.proc.pid) if module in _cmdline(pid)]
 
 
 async def _back_to_full_capacity(served: Served, since: float) -> None:

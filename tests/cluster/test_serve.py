@@ -14,14 +14,14 @@ import urllib.request
 
 import pytest
 from aioprocs import kill_group, pid_gone
+from group_procs import launched
 
 from infer import SamplingParams
 from infer.client import InferenceClient
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
-    return [int(x) for x in out.split()]
+    return launched(pid)
 
 
 async def _start_serve(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
