@@ -18,8 +18,10 @@ exit codes could no longer be read) and reported as killed: the Supervisor resta
 unless a new server starts.
 
 The protocol: JSON lines over a socket pair, the launcher's end read by one task. Launcher -> server:
-{"argv": [...], "env": {...}, "cwd": "..."}; server -> launcher: {"ready": true} once torch is imported and the
-process may fork, {"pid": N} per spawn in order, {"exited": N, "code": C} as children end. The launcher closing its
+{"argv": [...], "env": {...}, "cwd": "..."[, "log": path for the child's stdout and stderr]}; server -> launcher:
+{"ready": true} once torch is imported and the process may fork, {"pid": N} per spawn in order, {"exited": N,
+"code": C, "cpu": seconds} as children end (their CPU: tests/daemon_forkserver.py, which runs this server for the
+cluster tests' workers, counts it). The launcher closing its
 end ends the server; the children run on in their sessions.
 """
 
@@ -272,12 +274,13 @@ def _serve(channel: socket.socket) -> dict[str, Any] | None:
 def _reap(channel: socket.socket) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        channel.sendall((json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+        code, cpu = os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
+        channel.sendall((json.dumps({"exited": pid, "code": code, "cpu": cpu}) + "\n").encode())
 
 
 def _become(request: dict[str, Any]) -> str:
@@ -289,6 +292,11 @@ def _become(request: dict[str, Any]) -> str:
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # else every worker would draw what the server's seed gives
+    if "log" in request:  # stdout and stderr to a file of their own (the tests' daemons: tests/daemon_forkserver.py)
+        log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
     sys.path[0] = os.getcwd()
     sys.argv = [request["argv"][1], *request["argv"][2:]]
     _show_argv([sys.executable, *request["argv"]])

@@ -1,14 +1,13 @@
 """Worker daemons for the cluster tests, forked from one process that has imported torch, instead of a fresh
-interpreter each.
+interpreter each: the product's fork server (client/worker_forks.py, as infer-serve forks its workers), one per test
+process, started on first use.
 
 Why: the suite is CPU-bound on 2 cores, and a worker's start is ~3 s of CPU, 2-2.5 s of it `import torch`; the
-cluster tests start ~220 workers (~500 s of the ~2,600 s of CPU a whole run counts). `spawn` hands a worker's argv
-to this file run as a server (one per test process, started on first use): the server imported torch once, forks,
-and the child runs the module as `python -m` would (`__main__`, sys.argv, sys.path[0] the working directory) in a
-session of its own with stdout and stderr on its log. Nothing of infer is imported before the fork, so every module of
-the daemon, and each environment variable it reads, is read in the child as in a fresh interpreter; `random` is
-reseeded there. The real start, a fresh `python -m infer.worker.service.daemon` / `infer-worker`, stays covered where
-the product starts workers itself: infer-serve, the Slurm launcher, the supervisors' restarts, and
+cluster tests start ~220 workers. `spawn` hands a worker's argv to the server, which forks; the child runs the module
+as `python -m` would (`__main__`, sys.argv, sys.path[0] the working directory, the environment at the spawn) in a
+session of its own, with stdout and stderr on its log (the request's "log", which infer-serve does not use). The
+fresh start, `python -m infer.worker.service.daemon` / `infer-worker`, stays covered where the product starts
+workers that way: the Slurm launcher, INFER_FORK_WORKERS=0 (tests/client/test_worker_forks.py), and
 tests/worker/test_worker_imports.py (the modules a fresh worker imports).
 
 The server reaps its children and reports each exit code (Popen's: -N for signal N) and CPU seconds (os.wait4's,
@@ -17,15 +16,14 @@ ask a subprocess.Popen: pid, poll(), wait(timeout), returncode, send_signal().
 
 A spawn takes the exec path instead (`popen_daemon` decides) when INFER_TEST_EXEC_DAEMONS=1, when the environment
 differs from the server's in a variable the interpreter, libgomp, a BLAS or torch read as they load (the product's
-rule: client/worker_forks.py's IMPORT_TIME_PREFIXES), or when the server could not start or is gone. The product
-forks its own workers the same way (client/worker_forks.py: infer-serve, LLM's coordinator mode); this file is the
-tests' Cluster's, whose workers also log to a file each and count their CPU.
+rule, client/worker_forks.py's forkable), or when the server could not start or is gone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -64,17 +62,25 @@ class ForkedPopen:
 
 
 class ForkServer:
-    """The client of one server process (module docstring)."""
+    """A client of the product's fork server (client/worker_forks.py, run by its path), synchronous: one reader
+    thread, spawns one at a time."""
 
     def __init__(self) -> None:
+        from infer.client import worker_forks
+
         self.env = dict(os.environ)
+        ours, theirs = socket.socketpair()
         self._proc = subprocess.Popen(
-            [sys.executable, __file__],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            [sys.executable, worker_forks.__file__, str(theirs.fileno()), " " * worker_forks.ARGV_ROOM],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
             env=self.env,
             cwd="/",
+            start_new_session=True,
         )
+        theirs.close()
+        self._channel = ours
+        self._incoming = ours.makefile("rb")
         self._lock = threading.Lock()  # one spawn request at a time
         self._changed = threading.Condition()
         self._exits: dict[int, int] = {}
@@ -88,14 +94,14 @@ class ForkServer:
         import selectors
 
         with selectors.DefaultSelector() as selector:
-            selector.register(self._proc.stdout, selectors.EVENT_READ)
+            selector.register(self._channel, selectors.EVENT_READ)
             if not selector.select(timeout):
                 return None
-        line = self._proc.stdout.readline()
+        line = self._incoming.readline()
         return json.loads(line) if line else None
 
     def _read_loop(self) -> None:
-        for line in self._proc.stdout:
+        for line in self._incoming:
             message = json.loads(line)
             with self._changed:
                 if "exited" in message:
@@ -113,9 +119,8 @@ class ForkServer:
         request = {"argv": argv, "log": str(log), "cwd": str(cwd or os.getcwd()), "env": dict(os.environ)}
         with self._lock:
             try:
-                self._proc.stdin.write((json.dumps(request) + "\n").encode())
-                self._proc.stdin.flush()
-            except (BrokenPipeError, ValueError):
+                self._channel.sendall((json.dumps(request) + "\n").encode())
+            except OSError:
                 self.alive = False
                 return None
             with self._changed:
@@ -136,8 +141,9 @@ class ForkServer:
             return self._exits.get(pid)
 
     def close(self) -> None:
+        """End the server (its children, if any are left, run on in their sessions)."""
         if self._proc.poll() is None:
-            self._proc.stdin.close()
+            self._channel.shutdown(socket.SHUT_WR)
             try:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -190,85 +196,3 @@ def exec_daemon(argv: list[str], log: Path, cwd: Path | None) -> subprocess.Pope
         return subprocess.Popen(
             [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
         )
-
-
-# ---- the server -------------------------------------------------------------------------------------------------
-
-
-def _send(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
-def _reap() -> None:
-    while True:
-        try:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _send({"exited": pid, "code": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime})
-
-
-def _serve() -> dict | None:
-    """The server's loop; returns (in a forked child only) the request the child is to run."""
-    import selectors
-
-    import torch  # the point: imported once, before every fork
-
-    # as worker/parallel/tp_supervisor.py's can_fork_members: no CUDA, no Python thread (numpy's OpenBLAS pool, the
-    # one native thread `import torch` leaves, stops and restarts around a fork by itself)
-    if torch.cuda.is_initialized() or threading.active_count() > 1:
-        return None
-    _send({"ready": True})
-    selector = selectors.DefaultSelector()
-    selector.register(sys.stdin, selectors.EVENT_READ)
-    while True:
-        ready = selector.select(0.05)
-        _reap()
-        if not ready:
-            continue
-        line = sys.stdin.readline()
-        if not line:  # the test process closed the pipe (or ended): the children run on in their sessions
-            return None
-        request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            selector.close()
-            return request
-        _send({"pid": pid})
-
-
-def _become(request: dict) -> None:
-    """In the forked child: what `python -m` would set up, then stdin, stdout, stderr and the session."""
-    import random
-
-    os.setsid()
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    random.seed()
-    sys.path[0] = os.getcwd()
-    sys.argv = [request["argv"][1], *request["argv"][2:]]
-
-
-if __name__ == "__main__":
-    job = _serve()
-    if job is not None:
-        _become(job)
-        flag, module = job["argv"][0], job["argv"][1]
-        if flag != "-m":
-            raise SystemExit(f"daemon_forkserver: only `-m module` daemons fork, got {job['argv'][:2]}")
-        import runpy
-
-        runpy.run_module(module, run_name="__main__", alter_sys=True)

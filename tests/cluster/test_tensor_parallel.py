@@ -93,7 +93,8 @@ async def test_tp2_equals_one_process_and_transformers(cluster_factory, models, 
     assert "TP rank 1 ready" in log and "KV head(s)" in log
     supervisor = cluster.procs[1].popen.pid
     members = sorted(children(supervisor))
-    argv = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in [supervisor, *members]]
+    # a forked worker's command line is one string (client/worker_forks.py writes it as setproctitle does)
+    argv = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split() for pid in [supervisor, *members]]
     if fork:
         assert [Path(f"/proc/{pid}/comm").read_text().strip() for pid in members] == ["infer-tp0", "infer-tp1"]
         assert argv[0] == argv[1] == argv[2] and "(infer-tp1)" in log
