@@ -262,11 +262,12 @@ async def test_timeouts_cut_only_their_own_requests(slow_local, reference):
 
 
 async def test_a_finished_requests_deadline_does_not_touch_a_later_request_with_its_id(slow_local):
-    first = await slow_local.generate([4, 5, 6], GREEDY, request_id="again", timeout=0.4)
+    # 8 steps well inside 2 s, on a loaded machine too (0.4 s was not, beside a whole suite on 2 cores)
+    first = await slow_local.generate([4, 5, 6], GREEDY, request_id="again", timeout=2.0)
     assert first.finish_reason == "length"
-    longer = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # runs past the first's deadline
+    longer = SamplingParams(temperature=0, max_tokens=250, ignore_eos=True)  # >= 2.5 s: past the first's deadline
     second = await slow_local.generate([4, 5, 6], longer, request_id="again")
-    assert (second.finish_reason, len(second.token_ids)) == ("length", 60)
+    assert (second.finish_reason, len(second.token_ids)) == ("length", 250)
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, 7 * 86400.0 + 1, float("nan"), True, "5"])
