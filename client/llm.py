@@ -1,8 +1,9 @@
 """LLM (blocking) and AsyncLLM (asyncio): the high-level Python API, vLLM's names.
 
 Two modes, chosen by the options both classes share (LLMOptions):
-- direct (the default): one engine in this process. `LLM` steps it in the caller's thread (the fastest
-  path for offline batches); `AsyncLLM` runs it on an engine thread behind a LocalEngine.
+- direct (the default): one engine in this process, stepped by an engine thread of its own behind a LocalEngine
+  (client/local_engine.py). `LLM` is a blocking shell over `AsyncLLM`: its calls run AsyncLLM's on one event
+  loop on a thread of its own.
 - coordinator (`use_coordinator=True`, `data_parallel_size=N`): a local coordinator and N workers are
   started as child processes (LocalCluster) and spoken to through an InferenceClient; or, with
   `coordinator_address=...`, an existing cluster is joined (and never stopped by us).
@@ -16,12 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import os
 import signal
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
@@ -34,9 +33,6 @@ import msgspec
 
 from infer.client.chat_encoding import ChatEncoder
 from infer.client.engine_client import EngineClient
-from infer.client.local_engine import RequestCounters, direct_mode_error, local_stats
-from infer.client.multimodal import split_prompt
-from infer.client.prompt_forms import split_encoder_decoder
 from infer.protocol.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from infer.protocol.keys import CurveKeys
 from infer.protocol.logs import LOG_LEVELS, logging_argv
@@ -489,8 +485,13 @@ class AsyncLLM:
 
     @property
     def local_engine(self) -> Engine | None:
-        """This SPMD rank's engine (its worker thread steps it); None otherwise."""
-        return None if self._local is None else self._local.engine
+        """The engine in this process: direct mode's (its LocalEngine's thread steps it) or this SPMD rank's (its
+        worker thread steps it); None otherwise. For reading between calls, not for driving."""
+        if self._local is not None:
+            return self._local.engine
+        from infer.client.local_engine import LocalEngine
+
+        return self._engine.engine if isinstance(self._engine, LocalEngine) else None
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (a copy of its own in direct mode, so the engine thread's is never shared).
@@ -798,9 +799,11 @@ class LLM:
     max_num_batched_tokens, block_size, kv_cache_memory, enable_prefix_caching, enable_chunked_prefill, seed,
     num_threads, ...); an unknown name raises ValueError naming it.
 
-    Direct mode steps one engine (`engine`) in the caller's thread. Coordinator mode runs an AsyncLLM on an
-    event loop in a background thread; with SPMD ranks (client/spmd.py) `engine` is this rank's engine, served
-    by its worker thread. Use `with LLM(...) as llm:` or call close() (on every rank).
+    A blocking shell over AsyncLLM: every call runs the AsyncLLM's coroutine on one event loop on a thread of this
+    object's, and blocks until it is done (Ctrl-C cancels it: the requests it started are aborted). In direct mode
+    the engine is stepped by its own thread behind a LocalEngine (client/local_engine.py), as AsyncLLM's; `engine`
+    gives it for expert reading. With SPMD ranks (client/spmd.py) `engine` is this rank's engine, served by its
+    worker thread. Use `with LLM(...) as llm:` or call close() (on every rank).
     """
 
     def __init__(
@@ -834,26 +837,14 @@ class LLM:
             **_model_options(model, tokenizer),
         )
         self._default_params = _default_sampling_params(generation_config, self.options)
-        self._engine: Engine | None = None  # direct mode's engine, stepped by the caller
-        self._remote: AsyncLLM | None = None
-        self._loop: _LoopThread | None = None
-        self._ids = itertools.count()
-        self._counters = RequestCounters()
         self._chat_encoder: ChatEncoder | None = None  # made at the first chat
-        if self.options.coordinator_mode:
-            self._start_remote()
-        else:
-            self._engine = _make_engine(self.options)
-        self._started_at = time.monotonic()
-
-    def _start_remote(self) -> None:
-        self._loop = _LoopThread()
-        self._remote = AsyncLLM.from_options(self.options)
+        self._loop: _LoopThread | None = _LoopThread()
+        self._async: AsyncLLM | None = AsyncLLM.from_options(self.options)
         try:
-            self._loop.run(self._remote.start())
+            self._loop.run(self._async.start())
         except BaseException:
             self._loop.stop()
-            self._loop = self._remote = None
+            self._loop = self._async = None
             raise
 
     # ---- lifetime -------------------------------------------------------------------------------
@@ -861,15 +852,12 @@ class LLM:
     def close(self) -> None:
         """Release the engine; in coordinator mode stop every process started here (a joined cluster keeps
         running). Idempotent."""
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.close()
-        remote, loop, self._remote, self._loop = self._remote, self._loop, None, None
+        llm, loop, self._async, self._loop = self._async, self._loop, None, None
         if loop is None:
             return
         try:
-            if remote is not None:  # set with the loop
-                loop.run(remote.close())
+            if llm is not None:  # set with the loop
+                loop.run(llm.close())
         finally:
             loop.stop()
 
@@ -882,12 +870,12 @@ class LLM:
     @property
     def coordinator_address(self) -> str | None:
         """tcp://host:port of the coordinator (started or joined); None in direct mode."""
-        return None if self._remote is None else self._remote.coordinator_address
+        return None if self._async is None else self._async.coordinator_address
 
     @property
     def child_pids(self) -> list[int]:
         """Process ids of the coordinator and workers this LLM started (empty otherwise)."""
-        return [] if self._remote is None else self._remote.child_pids
+        return [] if self._async is None else self._async.child_pids
 
     @property
     def is_primary_rank(self) -> bool:
@@ -898,11 +886,9 @@ class LLM:
 
     @property
     def engine(self) -> Engine | None:
-        """This process's Engine, for expert use: direct mode's, or this SPMD rank's (stepped by its worker
-        thread: read it, do not drive it); None when the engines run in worker processes."""
-        if self._engine is not None:
-            return self._engine
-        return None if self._remote is None else self._remote.local_engine
+        """This process's Engine, for expert reading: direct mode's, or this SPMD rank's (stepped by its thread:
+        read it between calls, do not drive it); None when the engines run in worker processes."""
+        return None if self._async is None else self._async.local_engine
 
     @property
     def context(self) -> EngineContext:
@@ -928,9 +914,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The model's transformers tokenizer (in direct mode the engine's, or what the engine's Rust tokenizer
         loads of the same directory on first use: worker/loading/tokenizer.py)."""
-        if self._engine is not None:
-            return _transformers_tokenizer(self._engine)
-        return self._require_remote().get_tokenizer()
+        engine = self.engine
+        if engine is not None and not self.options.coordinator_mode:
+            return _transformers_tokenizer(engine)
+        return self._require_async().get_tokenizer()
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -960,20 +947,12 @@ class LLM:
         mode).
         """
         prompts = _as_prompt_list(prompts)
-        loras = _as_lora_list(lora_request, len(prompts))
         params = _as_params_list(self._default_params if sampling_params is None else sampling_params, len(prompts))
-        priorities = _as_priority_list(priority, len(prompts))
-        if self._engine is None:
-            return self._run(
-                self._require_remote().generate_batch(
-                    prompts, params, use_tqdm=use_tqdm, priority=priorities, lora_request=loras
-                )
+        return self._run(
+            self._require_async().generate_batch(
+                prompts, params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request
             )
-        for request in {r.lora_name: r for r in loras if r is not None}.values():
-            self._engine.add_lora(request.lora_name, request.lora_path, request.lora_int_id)
-        params = _with_loras(params, loras)
-        flat = _Samples(prompts, params, priorities)
-        return flat.results(self._generate_direct(self._engine, flat.prompts, flat.params, use_tqdm, flat.priorities))
+        )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what generate runs given no sampling_params: the fields of the model's generation_config.json
@@ -995,24 +974,15 @@ class LLM:
     def add_lora(self, lora_request: LoRARequest) -> dict[str, str]:
         """Load an adapter now (generate loads a LoRARequest on first use); the same name and folder again is a
         no-op. Returns the adapters served, name -> folder."""
-        if self._engine is not None:
-            self._engine.add_lora(lora_request.lora_name, lora_request.lora_path, lora_request.lora_int_id)
-            return self.list_loras()
-        return self._run(self._require_remote().add_lora(lora_request))
+        return self._run(self._require_async().add_lora(lora_request))
 
     def remove_lora(self, lora_name: str) -> dict[str, str]:
         """Unload an adapter (requests holding it finish with it); ValueError / ClusterError if none has that name."""
-        if self._engine is not None:
-            if not self._engine.remove_lora(lora_name):
-                raise ValueError(f"no LoRA adapter {lora_name!r} is loaded")
-            return self.list_loras()
-        return self._run(self._require_remote().remove_lora(lora_name))
+        return self._run(self._require_async().remove_lora(lora_name))
 
     def list_loras(self) -> dict[str, str]:
         """The adapters served, name -> folder."""
-        if self._engine is not None:
-            return {str(a["name"]): str(a["path"]) for a in self._engine.list_loras()}
-        return self._run(self._require_remote().list_loras())
+        return self._run(self._require_async().list_loras())
 
     def embed(
         self,
@@ -1056,95 +1026,42 @@ class LLM:
             completion.prompt = text
         return completions
 
-    def _generate_direct(
-        self, engine: Engine, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool, priorities: list[int]
-    ) -> list[Completion]:
-        completions = [self._submit(engine, p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)]
-        by_id = {c.request_id: c for c in completions if c.finish_reason is None}
-        bar = _progress(len(completions), use_tqdm)
-        bar.update(len(completions) - len(by_id))
-        while engine.has_unfinished():
-            for delta in engine.step():
-                completion = by_id.get(delta.request_id)
-                if completion is None:
-                    continue
-                completion.add(delta)
-                if delta.finished:
-                    self._counters.record_final(delta.finish_reason)
-                    bar.update(1)
-        bar.close()
-        return completions
-
-    def _submit(self, engine: Engine, prompt: Prompt, params: SamplingParams, priority: int = 0) -> Completion:
-        request_id = f"llm-{next(self._ids)}"
-        self._counters.submitted += 1
-        try:
-            plain, decoder = split_encoder_decoder(prompt)  # vLLM's {"encoder_prompt": ..., "decoder_prompt": ...}
-            plain, images = split_prompt(plain)  # vLLM's {"prompt": ..., "multi_modal_data": ...}
-        except ValueError as e:
-            self._counters.record_final("error")
-            return Completion(request_id, [], finish_reason="error", error=str(e), error_code="invalid_request")
-        text = plain if isinstance(plain, str) else None
-        try:
-            request = engine.add_request(
-                request_id, plain, params, priority=priority, images=images, decoder_prompt=decoder
-            )
-        except ValueError as e:
-            self._counters.record_final("error")
-            ids = list(plain) if isinstance(plain, list) else []
-            return Completion(
-                request_id, ids, finish_reason="error", error=str(e), prompt=text, error_code="invalid_request"
-            )
-        return Completion(request_id, list(request.input_token_ids), prompt=text)
-
     # ---- cluster control ------------------------------------------------------------------------
 
     def stats(self) -> ClusterStats:
         """Live state: the cluster's ClusterStats, or in direct mode one worker with the engine's load."""
-        if self._engine is not None:
-            return local_stats(
-                self._engine, self._counters, num_in_flight=0, uptime_s=time.monotonic() - self._started_at
-            )
-        return self._run(self._require_remote().stats())
+        return self._run(self._require_async().stats())
 
     def pause(self) -> str:
         """Coordinator mode: hold new requests; returns "paused". RuntimeError in direct mode."""
-        return self._lifecycle("pause")
+        return self._run(self._require_async().pause())
 
     def unpause(self) -> str:
         """Coordinator mode: release held requests; returns "running". RuntimeError in direct mode."""
-        return self._lifecycle("unpause")
+        return self._run(self._require_async().unpause())
 
     def suspend(self) -> str:
         """Coordinator mode, from paused; returns "suspended". RuntimeError in direct mode."""
-        return self._lifecycle("suspend")
+        return self._run(self._require_async().suspend())
 
     def resume(self) -> str:
         """Coordinator mode, from suspended back to "paused". RuntimeError in direct mode."""
-        return self._lifecycle("resume")
+        return self._run(self._require_async().resume())
 
     def update_weights(self, source: Any, *, on_running: str = "drain", timeout: float = 600.0) -> int:
         """Load new weights: a safetensors directory, or an iterable of (checkpoint name, tensor) pairs (names
         as in the checkpoint; in coordinator mode they are broadcast to every worker over torch.distributed).
         Returns the new weight version, carried by every later Completion (`weight_version`). All or nothing:
         a wrong name, shape or dtype raises (ValueError in direct mode, ClusterError in coordinator mode) and
-        the old weights keep serving. The prefix cache is emptied. Direct mode runs nothing concurrently, so
-        `on_running` matters in coordinator mode: "drain" or "abort" the requests in flight."""
-        if self._engine is not None and self._remote is None:
-            if on_running not in ("drain", "abort"):
-                raise ValueError(f"on_running must be one of drain, abort, got {on_running!r}")
-            return self._engine.update_weights(source)
-        return self._run(self._require_remote().update_weights(source, on_running=on_running, timeout=timeout))
+        the old weights keep serving. The prefix cache is emptied. `on_running`: "drain" (requests in flight
+        finish on the old weights; new ones wait) or "abort" them; from this blocking API nothing is in flight
+        unless another thread runs requests on the same LLM."""
+        return self._run(self._require_async().update_weights(source, on_running=on_running, timeout=timeout))
 
-    def _lifecycle(self, command: str) -> str:
-        if self._engine is not None:
-            raise direct_mode_error(command)
-        return self._run(getattr(self._require_remote(), command)())
-
-    def _require_remote(self) -> AsyncLLM:
-        if self._remote is None:
+    def _require_async(self) -> AsyncLLM:
+        if self._async is None:
             raise RuntimeError("this LLM is closed")
-        return self._remote
+        return self._async
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:

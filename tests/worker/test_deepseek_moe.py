@@ -31,9 +31,9 @@ def _llm(path: Path, **options) -> LLM:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_a_dense_first_layer_then_moe_layers_and_the_latent_row_once_in_the_pool(family_dir, name):
     llm = _llm(family_dir(name))
-    layers = llm._engine.model.model.layers
+    layers = llm.engine.model.model.layers
     assert [type(layer.mlp) for layer in layers] == [LlamaMLP, DeepseekMoE, DeepseekMoE]
-    pool = llm._engine.kv_cache
+    pool = llm.engine.kv_cache
     assert all(v is k for k, v in zip(pool.k, pool.v, strict=True))  # the latent row, once
     assert pool.shape[0] == 1 and pool.shape[3] == 32 + 16
 

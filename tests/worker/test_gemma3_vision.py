@@ -93,7 +93,7 @@ def test_prompts_expand_as_gemma3_processor(llm, processor):
     """A text prompt (expanded as text: exactly the processor's ids), token ids with one boi per image (expanded in
     ids, the newlines merged), already expanded ids; and the chat template's rendering."""
     tokenizer = llm.get_tokenizer()
-    engine = llm._engine
+    engine = llm.engine
     image = png(20, 20, seed=9)
     for text in (ONE, TWO, f"Q:{BOI} ok"):
         count = text.count(BOI)
@@ -145,7 +145,7 @@ def test_chunked_prefill_keeps_each_image_in_one_chunk(gemma3, processor):
     red, blue = png(50, 50, seed=3), png(33, 40, seed=4)
     small = LLM(model=str(gemma3), **{**OPTIONS, "max_num_batched_tokens": 20, "enable_prefix_caching": False})
     try:
-        engine = small._engine
+        engine = small.engine
         ids, pixels = _processed(processor, TWO, red, blue)
         chunks: list[tuple[int, int]] = []
         schedule = engine.scheduler.schedule
@@ -174,7 +174,7 @@ def test_chunked_prefill_keeps_each_image_in_one_chunk(gemma3, processor):
 
 
 def test_second_turn_hits_the_encoder_and_prefix_caches(llm):
-    engine = llm._engine
+    engine = llm.engine
     image, other = png(64, 48, seed=5), png(64, 48, seed=6)
     first = f"Look:{BOI} What is in the picture?"
     turn1 = llm.generate({"prompt": first, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
@@ -204,7 +204,7 @@ def test_a_prefix_cache_hit_that_ends_inside_an_image(gemma3, llm, processor):
     assert start < keep * 4 < start + TOKENS_PER_IMAGE
     prompt = {"prompt": text, "multi_modal_data": {"image": image}}
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].error is None
-    blocks = llm._engine.scheduler.block_manager
+    blocks = llm.engine.scheduler.block_manager
     taken = []
     while blocks.num_cached_blocks > keep:  # evict from the front of the free queue: the oldest, this request's last
         taken.append(blocks._take_free_block())
@@ -229,7 +229,7 @@ def test_preempted_image_requests_recompute_their_images(gemma3, llm):
     try:
         outs = small.generate(prompts, params, use_tqdm=False)
         assert [o.error for o in outs] == [None] * 3 and [o.token_ids for o in outs] == roomy
-        assert small._engine.scheduler.num_preemptions > 0
+        assert small.engine.scheduler.num_preemptions > 0
     finally:
         small.close()
 
@@ -328,7 +328,7 @@ def test_the_text_only_gemma3_refuses_images(family_dir):
     try:
         out = text_llm.generate({"prompt": "hi", "multi_modal_data": {"image": png(8, 8, 0)}}, use_tqdm=False)[0]
         assert out.finish_reason == "error" and "takes no images: it is a text-only model" in out.error
-        assert type(text_llm._engine.model).__name__ == "Gemma3ForCausalLM"
+        assert type(text_llm.engine.model).__name__ == "Gemma3ForCausalLM"
     finally:
         text_llm.close()
 
@@ -340,8 +340,8 @@ def test_the_checkpoint_s_image_size_is_the_tests(gemma3):
 
 
 def test_image_limits_are_the_engine_s(llm):
-    assert llm._engine.image_limits == ImageLimits()
-    pixels = llm._engine.preprocess(load_image(png(10, 90, seed=8), ImageLimits())[0])
+    assert llm.engine.image_limits == ImageLimits()
+    pixels = llm.engine.preprocess(load_image(png(10, 90, seed=8), ImageLimits())[0])
     assert pixels.shape == (3, IMAGE_SIZE, IMAGE_SIZE)  # resized whole: no aspect-ratio crop
 
 

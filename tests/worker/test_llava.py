@@ -100,14 +100,14 @@ def test_chunked_prefill_splits_an_image(llava):
         expanded = [t for i in ids for t in ([i] * TOKENS_PER_IMAGE if i == image_id else [i])]
         out = small.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
         assert out.token_ids == transformers_llava_greedy(llava, expanded, _pixels(image), MAX_NEW)
-        images = small._engine.runner.images
+        images = small.engine.runner.images
         assert images.encoded == 1 and images.hits >= 2  # the image's later chunks take the cached features
     finally:
         small.close()
 
 
 def test_second_turn_hits_the_encoder_and_prefix_caches(llm):
-    engine = llm._engine
+    engine = llm.engine
     image, other = png(64, 48, seed=4), png(64, 48, seed=5)
     first = f"USER: {IMAGE_TOKEN}\nWhat is in the picture? ASSISTANT:"
     turn1 = llm.generate({"prompt": first, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
@@ -223,6 +223,6 @@ def test_preempted_image_requests_recompute_their_images(llava, llm):
     try:
         outs = small.generate(prompts, params, use_tqdm=False)
         assert [o.error for o in outs] == [None] * 3 and [o.token_ids for o in outs] == roomy
-        assert small._engine.scheduler.num_preemptions > 0
+        assert small.engine.scheduler.num_preemptions > 0
     finally:
         small.close()

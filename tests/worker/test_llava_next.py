@@ -150,7 +150,7 @@ def test_a_later_turn_s_image_and_the_caches(checkpoint, llm):
     """Turn 2 repeats turn 1 (its image) and adds another image: the first turn's tokens come from the prefix cache,
     the new image is encoded; a third prompt, other text before that image, takes its features from the encoder cache
     (its tokens are computed anew). The tokens equal transformers' each time."""
-    engine, images = llm._engine, llm._engine.runner.images
+    engine, images = llm.engine, llm.engine.runner.images
     turn1 = llm.generate({"prompt": ONE, "multi_modal_data": {"image": SQUARE}}, GREEDY, use_tqdm=False)[0]
     encoded, hits = images.encoded, images.hits
     cached = engine.scheduler.block_manager.num_hit_tokens

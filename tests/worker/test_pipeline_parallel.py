@@ -91,7 +91,7 @@ def test_pp2_with_a_tied_head_equals_transformers(tiny_model_dir):
             done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             assert [c.token_ids for c in done] == want
         assert sum(c.num_cached_tokens for c in done) >= 32
-        assert llm._engine.in_flight.depth == 2 and llm._engine.in_flight.num_overlapped > 0  # micro-batches
+        assert llm.engine.in_flight.depth == 2 and llm.engine.in_flight.num_overlapped > 0  # micro-batches
         logprobs = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
         one = LLM(model=str(model), **OPTIONS).generate(PROMPTS[:2], logprobs, use_tqdm=False)
         two = llm.generate(PROMPTS[:2], logprobs, use_tqdm=False)
@@ -106,7 +106,7 @@ def test_pp3_uneven_equals_transformers(five_layers):
     llm = LLM(model=str(five_layers), pipeline_parallel_size=3, **OPTIONS)
     try:
         assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
-        engine = llm._engine  # stage 0: layers 0 and 1 of 2,2,1, their KV, the embedding
+        engine = llm.engine  # stage 0: layers 0 and 1 of 2,2,1, their KV, the embedding
         names = set(dict(engine.model.lm.named_parameters()))
         assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1"}
         assert "model.embed_tokens.weight" in names and not any(n.startswith(("lm_head", "model.norm")) for n in names)
@@ -125,7 +125,7 @@ def test_pp2_x_tp2_equals_transformers(tiny_model_dir):
     llm = LLM(model=str(model), pipeline_parallel_size=2, tensor_parallel_size=2, **OPTIONS)
     try:
         assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
-        group = llm._engine.stage.group
+        group = llm.engine.stage.group
         assert (group.size, group.tp_size, group.commands.size) == (2, 2, 4)
     finally:
         llm.close()
@@ -142,7 +142,7 @@ def test_pp2_micro_batches_stay_exact_under_preemption_and_an_abort_in_flight(ti
     block_bytes = 2 * 16 * 2 * 16 * 4  # K and V, 16 tokens, 2 KV heads of 16, fp32: one layer a stage
     llm = LLM(model=str(model), pipeline_parallel_size=2, **{**OPTIONS, "kv_cache_memory": 14 * block_bytes})
     try:
-        engine = llm._engine
+        engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, params)
@@ -243,7 +243,7 @@ def test_suspend_and_refit_are_refused_and_step_graphs_run_eagerly_with_pp(tiny_
         llm = LLM(model=str(model), pipeline_parallel_size=2, enforce_eager=False, **OPTIONS)
     try:
         assert "--no-enforce-eager: step graphs are not made for pipeline stages yet" in caplog.text
-        assert llm._engine.runner.step_graphs is None
+        assert llm.engine.runner.step_graphs is None
         done = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
         assert [c.token_ids for c in done] == transformers_greedy(model, PROMPTS[:3], MAX_NEW)
         with pytest.raises(
@@ -251,11 +251,11 @@ def test_suspend_and_refit_are_refused_and_step_graphs_run_eagerly_with_pp(tiny_
             match=r"suspend is not supported with pipeline parallelism yet "
             r"\(pipeline_parallel_size 2\)",
         ):
-            llm._engine.suspend()  # what a worker runs on the cluster's suspend
+            llm.engine.suspend()  # what a worker runs on the cluster's suspend
         with pytest.raises(ValueError, match="a weight update is not supported with pipeline parallelism yet"):
             llm.update_weights(model)
         with pytest.raises(ValueError, match=r"embeddings \(pooling\) are not supported with pipeline parallelism"):
-            llm._engine.add_request("e", [1, 2, 3], SamplingParams(pooling="last"))
+            llm.engine.add_request("e", [1, 2, 3], SamplingParams(pooling="last"))
     finally:
         llm.close()
 

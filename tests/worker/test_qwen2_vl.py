@@ -95,7 +95,7 @@ def test_mrope_positions_equal_get_rope_index(checkpoint, llm):
     ids = inputs["input_ids"][0].tolist()
     model = AutoModelForImageTextToText.from_pretrained(checkpoint[1]).model
     want, delta = model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"])
-    request, _ = llm._engine.intake.request("r", ids, None, (), 0, [WIDE, TALL], 0)  # checked, not queued
+    request, _ = llm.engine.intake.request("r", ids, None, (), 0, [WIDE, TALL], 0)  # checked, not queued
     assert request.prompt_token_ids == ids and request.rope_delta == int(delta) < 0
     for cuts in ((0, len(ids)), (0, 5, 9, 17, 30, len(ids)), tuple(range(len(ids) + 1))):
         got = torch.cat([mrope_positions(request, a, b - a) for a, b in zip(cuts, cuts[1:])], dim=1)
@@ -135,7 +135,7 @@ def test_chunked_prefill_splits_the_images(checkpoint, expected):
     try:
         out = small.generate({"prompt": TWO, "multi_modal_data": {"image": [WIDE, TALL]}}, GREEDY, use_tqdm=False)[0]
         assert out.error is None and out.token_ids == expected["two"]
-        images = small._engine.runner.images
+        images = small.engine.runner.images
         assert images.encoded == 2 and images.hits >= 3
     finally:
         small.close()
@@ -154,13 +154,13 @@ def test_preempted_image_requests_recompute_their_positions(checkpoint, llm):
     try:
         outs = small.generate(prompts, params, use_tqdm=False)
         assert [o.error for o in outs] == [None] * 3 and [o.token_ids for o in outs] == roomy
-        assert small._engine.scheduler.num_preemptions > 0
+        assert small.engine.scheduler.num_preemptions > 0
     finally:
         small.close()
 
 
 def test_second_turn_hits_the_encoder_and_prefix_caches(llm):
-    engine = llm._engine
+    engine = llm.engine
     image, other = png(64, 48, seed=4), png(64, 48, seed=5)
     first = f"User: {IMAGE} what is in the picture? Assistant:"
     turn1 = llm.generate({"prompt": first, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
@@ -231,7 +231,7 @@ def _assert_decodes_score_as_a_prefill(bf16: LLM) -> None:
     images = {"image": [WIDE, TALL]}
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     out = bf16.generate({"prompt": TWO, "multi_modal_data": images}, params, use_tqdm=False)[0]
-    native = bf16._engine.runner.model.model.native_decode
+    native = bf16.engine.runner.model.model.native_decode
     assert native and native.steps >= 9
     ids = out.prompt_token_ids + out.token_ids
     score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
