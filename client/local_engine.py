@@ -403,9 +403,9 @@ class LocalEngine:
     def _run(self) -> None:
         reason = None
         try:
-            while self._apply_commands(block=not self.engine.has_unfinished()):
+            while self._apply_commands(block=not self._stepping()):
                 self._expire_deadlines()
-                if self.engine.has_unfinished():
+                if self._stepping():
                     self._deliver(self.engine.step())
                 if self._refit is not None and not self.engine.has_unfinished():
                     self._finish_refit(self._refit)
@@ -416,6 +416,12 @@ class LocalEngine:
         finally:
             self._stop(reason)
             self.engine.close()
+
+    def _stepping(self) -> bool:
+        """Whether the thread steps the engine: while requests of its own are in it. Requests that a caller added to
+        `engine` directly and steps itself (a benchmark, a test, after LLM.generate returned) are left to that
+        caller: two threads stepping one engine would each take the other's outputs."""
+        return bool(self._streams) and self.engine.has_unfinished()
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply every queued command, waiting up to IDLE_WAIT_S for the first when `block`. False on

@@ -283,3 +283,24 @@ def test_n_without_a_seed_draws_distinct_samples_and_bad_n_is_refused(llm):
             SamplingParams(n=n)
     with pytest.raises(ValueError, match="one sample per request"):  # an engine never runs n > 1 itself
         llm.engine.add_request("n-direct", [1, 2, 3], SamplingParams(n=2))
+
+
+def test_requests_added_to_the_engine_directly_are_left_to_their_caller(llm):
+    """After LLM.generate returns, a caller may drive `llm.engine` itself (add_request, then step until done, as
+    benchmarks/llamacpp.py does): LLM's engine thread does not step those requests (it wakes every second; two
+    threads stepping one engine would each take the other's outputs), and LLM.generate works again afterwards."""
+    import time
+
+    from infer.client.local_engine import IDLE_WAIT_S
+
+    want = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    engine = llm.engine
+    engine.add_request("direct", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    time.sleep(2.5 * IDLE_WAIT_S)  # the thread woke at least twice meanwhile
+    assert engine.has_unfinished() and engine.scheduler.num_waiting == 1  # untouched
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        tokens += [t for delta in engine.step() if delta.request_id == "direct" for t in delta.token_ids]
+    assert tokens == want[0].token_ids
+    again = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert again[0].token_ids == want[0].token_ids
