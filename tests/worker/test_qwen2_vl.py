@@ -24,6 +24,7 @@ from qwen2_vl_models import (
 )
 
 from infer import LLM, SamplingParams
+from infer.kernels import cpu_kernels
 from infer.worker.engine.images import to_rgb
 from infer.worker.engine.vision import Qwen2VLPreprocessor
 
@@ -227,7 +228,8 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(checkpoint, expected):
 def _assert_decodes_score_as_a_prefill(bf16: LLM) -> None:
     """bf16 decodes past two images (the CPU's native decode step, at the place plus the rope delta) give each token
     the log-probability a prefill of the same tokens gives it (the M-RoPE positions of its chunks) to 1e-3 (a wrong
-    delta moves them by tenths)."""
+    delta moves them by tenths). With AVX512-BF16 the prefill's attention takes its packed bf16 path (probabilities
+    rounded to bf16, as transformers does), other arithmetic than a decode's: there to 0.05 (0.015 seen)."""
     images = {"image": [WIDE, TALL]}
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     out = bf16.generate({"prompt": TWO, "multi_modal_data": images}, params, use_tqdm=False)[0]
@@ -237,8 +239,9 @@ def _assert_decodes_score_as_a_prefill(bf16: LLM) -> None:
     score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     rows = bf16.generate({"prompt_token_ids": ids, "multi_modal_data": images}, score, use_tqdm=False)[0]
     prefilled = rows.prompt_logprobs[len(out.prompt_token_ids) :]
+    tolerance = 0.05 if cpu_kernels.gemv_paths() & cpu_kernels.GEMV_BF16_PAIRS else 1e-3
     for decoded, row, token in zip(out.logprobs, prefilled, out.token_ids, strict=True):
-        assert abs(decoded[token] - row[token]) <= 1e-3, (token, decoded[token], row[token])
+        assert abs(decoded[token] - row[token]) <= tolerance, (token, decoded[token], row[token])
 
 
 @pytest.mark.parametrize(
