@@ -708,8 +708,7 @@ class AsyncLLM:
 async def _start_local_engine(options: LLMOptions) -> EngineClient:
     from infer.client.local_engine import LocalEngine
 
-    engine = await asyncio.wait_for(asyncio.to_thread(_make_engine, options), options.ready_timeout)
-    return LocalEngine(engine)
+    return await LocalEngine.start(lambda: _make_engine(options), options.ready_timeout)
 
 
 def _make_engine(options: LLMOptions) -> Engine:

@@ -191,7 +191,53 @@ class LocalEngine:
     """
 
     def __init__(self, engine: Engine) -> None:
+        self._setup()
         self.engine = engine
+        self._thread = threading.Thread(target=self._run, name="infer-local-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def start(cls, make: Callable[[], Engine], timeout: float) -> LocalEngine:
+        """A LocalEngine whose engine `make()` builds on the engine thread, which then steps it; raises what `make`
+        raised, or TimeoutError past `timeout` seconds (the engine is closed once built).
+
+        Where the engine is built matters on a CPU: libgomp gives each thread that starts parallel regions a pool
+        of its own, and once the pools' threads outnumber the CPUs its threads stop spinning between regions and
+        sleep; an engine built on one thread (its weights loaded, its kernels warmed up with all cores) and
+        stepped on another decoded at half speed (2-core Zen 5, 2 threads: 5.1 ms a batch-1 step built and stepped
+        on one thread, 11-12 ms built on another). Torch work with all cores on another thread of the process
+        (the caller's own) costs the engine the same."""
+        local = cls.__new__(cls)
+        local._setup()
+        built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+        local._thread = threading.Thread(
+            target=local._build_and_run, args=(make, built), name="infer-local-engine", daemon=True
+        )
+        local._thread.start()
+        try:
+            local.engine = await asyncio.wait_for(asyncio.wrap_future(built), timeout)
+        except BaseException:
+            with local._lock:  # the thread closes the engine once built (or has failed to build it)
+                local._closed_reason = "the local engine did not start"
+                local._commands.put(_Close())
+            raise
+        return local
+
+    def _build_and_run(self, make: Callable[[], Engine], built: concurrent.futures.Future[Engine]) -> None:
+        try:
+            self.engine = make()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of start()
+            if not built.cancelled():
+                built.set_exception(e)
+            return
+        try:
+            built.set_result(self.engine)
+        except concurrent.futures.InvalidStateError:  # start() gave up waiting: close what it no longer wants
+            self.engine.close()
+            return
+        self._run()
+
+    def _setup(self) -> None:
         self._ids = itertools.count()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is it closed?" + put against close()
@@ -203,8 +249,6 @@ class LocalEngine:
         self._refit: _UpdateWeights | None = None  # engine thread only: a drain before new weights
         self._deferred: list[_Add] = []  # engine thread only: requests that came during that drain
         self._started_at = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="infer-local-engine", daemon=True)
-        self._thread.start()
 
     @property
     def model_id(self) -> str | None:

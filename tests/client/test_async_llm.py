@@ -312,3 +312,44 @@ def test_n_samples_through_asyncllm_batch_and_stream(direct, reference):
     assert [o.token_ids for o in batch.outputs] == [o.token_ids for o in expected.outputs]
     assert sorted(finished) == ["req-0", "req-1"]
     assert [streamed["req-0"], streamed["req-1"]] == [o.token_ids for o in expected.outputs]
+
+
+async def test_local_engine_start_builds_on_the_engine_thread_and_reports_what_failed(tiny_llama):
+    """LocalEngine.start builds the engine on the thread that steps it (libgomp: an engine built with all cores on
+    one thread and stepped on another decoded at half speed); a build that raises reaches the caller; one that
+    outlasts the timeout is a TimeoutError, and the engine is closed once built."""
+    import threading
+
+    from infer.worker.engine.engine import Engine
+
+    built_on: list[str] = []
+    closed = threading.Event()
+
+    def make() -> Engine:
+        built_on.append(threading.current_thread().name)
+        return Engine(EngineConfig.from_options(model=str(tiny_llama), **ENGINE_OPTIONS))
+
+    local = await LocalEngine.start(make, timeout=120)
+    try:
+        assert built_on == ["infer-local-engine"] and local.engine is not None
+        done = await local.generate("hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert len(done.token_ids) == 3
+    finally:
+        await local.close()
+
+    def broken() -> Engine:
+        raise ValueError("no such model: /nowhere")
+
+    with pytest.raises(ValueError, match="no such model"):
+        await LocalEngine.start(broken, timeout=120)
+
+    def slow() -> Engine:
+        time.sleep(1.0)
+        engine = make()
+        real_close = engine.close
+        engine.close = lambda: (real_close(), closed.set())  # type: ignore[method-assign]
+        return engine
+
+    with pytest.raises(TimeoutError):
+        await LocalEngine.start(slow, timeout=0.2)
+    assert await asyncio.to_thread(closed.wait, 120)
