@@ -12,8 +12,8 @@
   position (a failover's resumed stream goes on exactly; it costs 25-45% of the fp32 prefill attention).
 - Rotary embedding in place and the KV append with K rotated on the way (cpu/elementwise.c): one pass each
   instead of the twins' dozen small ops per layer (casts, index_select, muls, copies), with the twins' bits.
-- RMSNorm and SiLU * mul (cpu/elementwise.c), the GEMV for 1-8 rows (cpu/gemv.c: bf16, and bf16 weights with fp32
-  rows on AVX2 builds), and a whole bf16 decode step
+- RMSNorm and SiLU * mul (cpu/elementwise.c), the bf16 linears at every row count (cpu/gemv.c: a GEMV for 1-8
+  rows, tiles past that; bf16 weights with fp32 rows on AVX2 builds), and a whole bf16 decode step
   of 1-8 sequences through a dense Llama's layers in one call (cpu/decode_layers.c, driven by
   worker/models/native_decode.py).
 - A LoRA decode step's delta for one linear layer, every row by its own adapter, in one call (cpu/lora.c): in place
@@ -99,7 +99,9 @@ def _cache_dir() -> Path:
     return env.compile_cache_dir() / "cpu_kernels"
 
 
+@functools.cache
 def _cpu_flags() -> str:
+    """The flags line of /proc/cpuinfo (read once: the linears ask per weight)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -112,6 +114,13 @@ def native_bf16() -> bool:
     (INFER_CPU_ISA set below it makes the engine compute as a CPU without them would)."""
     flags = set(_cpu_flags().split())
     return bool(flags & {"avx512_bf16", "amx_bf16"}) and selected_isa() == "avx512"
+
+
+def amx_bf16() -> bool:
+    """Whether this CPU has AMX-BF16 tiles (Sapphire Rapids and later) and the kernels run at the avx512 level: there
+    oneDNN's packed path multiplies a prefill's bf16 rows on the tiles, far beyond what the GEMV's vector tiles
+    reach, so the linears keep a packed copy for more than 8 rows (worker/models/layers.py's PackedLinear)."""
+    return "amx_bf16" in _cpu_flags().split() and selected_isa() == "avx512"
 
 
 def _is_x86() -> bool:
@@ -777,12 +786,12 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Rows of x up to which the linears take the native GEMV instead of oneDNN (each weight row is read once for all of
-# them), and the decode steps that run in one native call (worker/models/native_decode.py). SmolLM2's 120 layer
-# matrices of a token, 2-core dev VM, 2026-11-26: 1.5-1.7x oneDNN's packed path at 1-3 rows, 1.0x at 4-6, 0.9x
-# at 8; the whole decode step, native against layer by layer on oneDNN: 15 vs 21-23 ms at 4 sequences, 16-20 vs
-# 21-24 at 6, 20-22 vs 24-25 at 8. One rule for both keeps a sequence's bits the same in either path, and in any
-# decode step of 1-8 sequences (the GEMV sums each row alone; oneDNN, past 8 rows, does not).
+# Rows of x that the GEMV streams each weight row once for (past it, gemv.c's tiles, with the same sums), and the
+# decode steps that run in one native call (worker/models/native_decode.py). SmolLM2's 120 layer matrices of a
+# token, 2-core dev VM, 2026-11-26: 1.5-1.7x oneDNN's packed path at 1-3 rows, 1.0x at 4-6, 0.9x at 8; the whole
+# decode step, native against layer by layer on oneDNN: 15 vs 21-23 ms at 4 sequences, 16-20 vs 21-24 at 6, 20-22
+# vs 24-25 at 8. The GEMV and the tiles sum each row alone, so a sequence has the same bits in either path, in any
+# step.
 GEMV_MAX_ROWS = 8
 GEMV_BF16_PAIRS, GEMV_BF16_FP32_CORE, GEMV_F32X = 1, 2, 4  # gemv.c's gemv_paths() bits
 
@@ -797,8 +806,8 @@ def gemv_paths() -> int:
 
 def gemv_takes(weight: torch.Tensor) -> bool:
     """Whether the native GEMV can multiply by weight [N, K]: contiguous bf16 on a CPU, and a build with a GEMV
-    (AVX512-BF16 or AVX2; checked once per weight: the caller then sends it bf16 rows [M <= GEMV_MAX_ROWS, K] with
-    unit column stride, outside torch.compile)."""
+    (AVX512-BF16 or AVX2; checked once per weight: the caller then sends it bf16 rows [M >= 1, K] with unit column
+    stride, any number of them)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
@@ -809,18 +818,11 @@ def gemv_takes(weight: torch.Tensor) -> bool:
     )
 
 
-def gemv_takes_any_rows() -> bool:
-    """Whether `gemv` takes more than GEMV_MAX_ROWS rows: on the fp32 core (AVX2 without AVX512-BF16), where
-    oneDNN packs no bf16 weight, it multiplies a prefill's rows too (tiles, each sum as in a GEMV)."""
-    return gemv_paths() & GEMV_BF16_FP32_CORE != 0
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16, unit column stride, M >= 1) @ weight [N, K]^T (+ bias [N], bf16 contiguous) -> [M, N] bf16 (a
     new tensor), for a weight `gemv_takes`. The bias is added to each fp32 sum before its one rounding, as a fused
     linear adds it (oneDNN's, F.linear's). Each output row is the same bits whatever M (each row's sum is taken
-    alone). The eager linears send it 1-8 rows (any number where `gemv_takes_any_rows`); past 8, AVX512-BF16 takes
-    groups of 8 rows over each weight row (the native decode step's verification rows)."""
+    alone). Past 8 rows it multiplies tiles of rows by tiles of weight rows, with the same sums."""
     if bias is not None and not (
         bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.shape == (weight.shape[0],)
     ):

@@ -1,4 +1,6 @@
-/* y = x W^T for 1-8 rows x (a decode step at batch 1-8): bf16 weights streamed once from memory, front to back.
+/* y = x W^T for bf16 weights as the checkpoint stores them: 1-8 rows of x (a decode step at batch 1-8) stream the
+ * weights once from memory, front to back; more rows (a prefill, a larger batch) go through tiles, each sum taken
+ * as for one row.
  *
  * At batch 1 a decode step is a walk through every weight byte (SmolLM2-135M: 269 MB a token), so its speed is
  * the memory bandwidth its matmuls reach. oneDNN's bf16 path reached 13-21 GB/s on the per-layer matrices of
@@ -16,9 +18,8 @@
  * rows (torch's OpenMP threads). With M rows of x, each weight row is read once and dotted with all of them,
  * each sum taken as for one row, so a row's output does not depend on the rows beside it. Per SmolLM2 token set
  * against oneDNN's packed path (same VM and day): 1.5-1.7x at M = 1-3, 1.0x at 4-6, 0.9x at 8 (from 4 this loop
- * no longer streams at the bandwidth); the linears send it up to 8 rows (GEMV_MAX_ROWS in cpu_kernels.py), the
- * native decode step more where a verification brings them (rows of x 8 at a time over each weight row).
- * That path needs AVX512-BF16 (with VL and DQ).
+ * no longer streams at the bandwidth). Past 8 rows, tiles of 2 rows of x by 4 weight rows (pair_tile). That path
+ * needs AVX512-BF16 (with VL and DQ).
  *
  * AVX2 + FMA (Zen 3; also AVX-512 CPUs without BF16): no bf16 products, so the weights are widened to fp32 in
  * registers (vpmovzxwd, shift left 16: exact) and multiplied by fp32 x with fp32 FMAs, 16 weights a step into two
@@ -76,6 +77,153 @@ static inline __attribute__((always_inline)) void gemv_cols(const uint16_t *x, i
         const float b = bias ? bf16_to_f32(bias[n]) : 0.0f;
         for (int m = 0; m < M; m++)
             y[m * y_stride + n] = f32_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m])) + b);
+    }
+}
+
+/* ---- more rows than a GEMV takes (a prefill, a batch past 8, verification rows): tiles of P_ROWS x P_COLS ----
+ * Each (row of x, weight row) sum is taken exactly as gemv_cols takes it (even and odd chunks of 32 over 64 a
+ * step, the last 1-63 elements masked into the even chain, reduce(even + odd)), so an output has the same bits
+ * whatever the number of rows: a row's output does not depend on the rows beside it, in a prefill, a batch or a
+ * decode. The tile's weight rows stay in L1 while a block of P_BLOCK rows of x (from L2) passes over them. This
+ * path reads the checkpoint's own layout, so a linear keeps one copy of its weight (no oneDNN-packed twin).
+ * One core of the 2-core Zen 5 dev VM, 2026-12-01 (vdpbf16ps peak 233 GFLOP/s, one a cycle): 171-182 GFLOP/s on
+ * SmolLM2's and a 1B Llama's projections at 64-512 rows, where oneDNN's packed path reaches 205-221 (0.78-0.85x);
+ * without the reduction 191 (its dot products leave 16 lanes to add per output, a packed layout leaves none);
+ * passes of 1024 columns were slower at K = 2048, of 4096 at K = 8192. */
+#define P_ROWS 2    /* rows of x a tile */
+#define P_COLS 4    /* weight rows a tile: 2 x 4 x 2 = 16 accumulators, 8 weight and 2 x vectors */
+#define P_BLOCK 96  /* rows of x a pass over the thread's weight rows */
+#define P_KC 2048   /* columns a pass of a tile (a multiple of 64) */
+
+/* The sums of 8 accumulators (even + odd already added) in one vector, lane j = _mm512_reduce_add_ps(s[j]) bit for
+ * bit: the same tree of additions (lane i + lane i + 8, then + 4, + 2, + 1), taken for 8 vectors at once. */
+static inline __m256 reduce8(const __m512 *s) {
+    __m512 t[4], u[2];
+    for (int j = 0; j < 4; j++)   /* i + (i + 8): [s_2j's 8 | s_2j+1's 8] */
+        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int j = 0; j < 2; j++)   /* i + (i + 4): quarter q holds output 4j + q's 4 */
+        u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* i + (i + 2): quarter q = [out q: 2 | out 4 + q: 2] */
+    const __m512 v = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))));
+    /* i + (i + 1): lane 4q = out q, lane 4q + 2 = out 4 + q */
+    const __m512 f = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, f));
+}
+
+/* Tile sums over columns [k0, k1) of K: started at zero where k0 = 0, else from `carry` (the previous pass's
+ * accumulators); handed on in `carry` where k1 < K, else finished (the last 1-63 columns, the reduction, the bias,
+ * one rounding) into y. k0 and a k1 < K are multiples of 64, so the accumulators see the GEMV's chunks in its order
+ * whatever the passes. */
+static inline __attribute__((always_inline)) void pair_tile(const uint16_t *x, int64_t x_stride, const uint16_t *w,
+                                                            int64_t K, int64_t k0, int64_t k1, __m512 *carry,
+                                                            const uint16_t *bias, uint16_t *y, int64_t y_stride,
+                                                            const int R, const int C) {
+    __m512 even[P_ROWS][P_COLS], odd[P_ROWS][P_COLS];
+    if (k0 == 0) {
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) even[r][c] = odd[r][c] = _mm512_setzero_ps();
+    } else {
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) {
+                even[r][c] = carry[(r * P_COLS + c) * 2];
+                odd[r][c] = carry[(r * P_COLS + c) * 2 + 1];
+            }
+    }
+    int64_t k = k0;
+    for (; k + 64 <= k1; k += 64) {
+        __m512bh w0[P_COLS], w1[P_COLS];
+        for (int c = 0; c < C; c++) {
+            w0[c] = (__m512bh)_mm512_loadu_si512(w + c * K + k);
+            w1[c] = (__m512bh)_mm512_loadu_si512(w + c * K + k + 32);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + r * x_stride + k),
+                           x1 = (__m512bh)_mm512_loadu_si512(x + r * x_stride + k + 32);
+            for (int c = 0; c < C; c++) {
+                even[r][c] = _mm512_dpbf16_ps(even[r][c], x0, w0[c]);
+                odd[r][c] = _mm512_dpbf16_ps(odd[r][c], x1, w1[c]);
+            }
+        }
+    }
+    if (k1 < K) {   /* another pass goes on from here */
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) {
+                carry[(r * P_COLS + c) * 2] = even[r][c];
+                carry[(r * P_COLS + c) * 2 + 1] = odd[r][c];
+            }
+        return;
+    }
+    for (; k < K; k += 32) {   /* the last 1-63 elements, 32 at a time, as gemv_cols */
+        const __mmask32 live = chunk_mask(K, k);
+        __m512bh w0[P_COLS];
+        for (int c = 0; c < C; c++) w0[c] = (__m512bh)_mm512_maskz_loadu_epi16(live, w + c * K + k);
+        for (int r = 0; r < R; r++) {
+            const __m512bh x0 = (__m512bh)_mm512_maskz_loadu_epi16(live, x + r * x_stride + k);
+            for (int c = 0; c < C; c++) even[r][c] = _mm512_dpbf16_ps(even[r][c], x0, w0[c]);
+        }
+    }
+    if (R == P_ROWS && C == P_COLS) {   /* a whole tile: 8 sums in one vector, rounded together */
+        __m512 s[P_ROWS * P_COLS];
+        for (int r = 0; r < P_ROWS; r++)
+            for (int c = 0; c < P_COLS; c++) s[r * P_COLS + c] = _mm512_add_ps(even[r][c], odd[r][c]);
+        __m256 sums = reduce8(s);
+        if (bias) {
+            const __m128 b = _mm_castsi128_ps(
+                _mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)bias)), 16));
+            sums = _mm256_add_ps(sums, _mm256_set_m128(b, b));
+        }
+        const __m128i out = to_bf16_8(sums);
+        _mm_storel_epi64((__m128i *)y, out);
+        _mm_storel_epi64((__m128i *)(y + y_stride), _mm_unpackhi_epi64(out, out));
+        return;
+    }
+    for (int c = 0; c < C; c++) {
+        const float b = bias ? bf16_to_f32(bias[c]) : 0.0f;
+        for (int r = 0; r < R; r++)
+            y[r * y_stride + c] = f32_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(even[r][c], odd[r][c])) + b);
+    }
+}
+
+#define PAIR_TILE(R, C) pair_tile(x, x_stride, w, K, k0, k1, carry, bias, y, y_stride, R, C)
+static __attribute__((noinline)) void pair_tile_any(const uint16_t *x, int64_t x_stride, const uint16_t *w, int64_t K,
+                                                    int64_t k0, int64_t k1, __m512 *carry, const uint16_t *bias,
+                                                    uint16_t *y, int64_t y_stride, int R, int C) {
+    switch (R * 8 + C) {
+    case 8 + 1: PAIR_TILE(1, 1); break;
+    case 8 + 2: PAIR_TILE(1, 2); break;
+    case 8 + 3: PAIR_TILE(1, 3); break;
+    case 8 + 4: PAIR_TILE(1, 4); break;
+    case 16 + 1: PAIR_TILE(2, 1); break;
+    case 16 + 2: PAIR_TILE(2, 2); break;
+    case 16 + 3: PAIR_TILE(2, 3); break;
+    default: PAIR_TILE(2, 4); break;
+    }
+}
+#undef PAIR_TILE
+
+/* Weight rows [n0, n1) against all M rows of x: P_BLOCK rows of x at a time, each tile of weight rows over them in
+ * passes of P_KC columns (its slice of the weights stays in L1, the block's slice of x in L2), the accumulators
+ * carried from pass to pass. */
+static void pair_tiles(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                       int64_t y_stride, int64_t n0, int64_t n1, int64_t K, int64_t M) {
+    __m512 carry[(P_BLOCK + P_ROWS - 1) / P_ROWS][P_ROWS * P_COLS * 2];
+    for (int64_t m0 = 0; m0 < M; m0 += P_BLOCK) {
+        const int64_t m1 = M - m0 < P_BLOCK ? M : m0 + P_BLOCK;
+        for (int64_t n = n0; n < n1; n += P_COLS) {
+            const int C = n1 - n < P_COLS ? (int)(n1 - n) : P_COLS;
+            for (int64_t k0 = 0; k0 < K; k0 += P_KC) {
+                const int64_t k1 = K - k0 <= P_KC ? K : k0 + P_KC;
+                for (int64_t m = m0; m < m1; m += P_ROWS)
+                    pair_tile_any(x + m * x_stride, x_stride, w + n * K, K, k0, k1, carry[(m - m0) / P_ROWS],
+                                  bias ? bias + n : NULL, y + m * y_stride + n, y_stride,
+                                  m1 - m < P_ROWS ? (int)(m1 - m) : P_ROWS, C);
+            }
+        }
     }
 }
 
@@ -301,10 +449,9 @@ int gemv_paths(void) {
 
 /* y [M, N] = x [M, K] W^T (+ bias [N] bf16, or NULL) for M >= 1 rows of x (rows x_stride elements apart; y's y_stride
  * apart), in bf16 (see the top of this file); the bias is added to the fp32 sum, which is rounded once, as a fused
- * linear (oneDNN's, ATen's) does: a bias added to the rounded product would round twice. Past MAX_ROWS rows the AVX512-BF16 path takes each weight row once for groups of
- * MAX_ROWS rows in turn (the native decode step's verification rows: kernels/cpu/decode_layers.c), each sum as
- * for one row; the eager linears send it 1-8 rows only (oneDNN's packed path is faster past that, with other
- * bits). -1: a build without the bf16 GEMV (gemv_paths), or M < 1. */
+ * linear (oneDNN's, ATen's) does: a bias added to the rounded product would round twice. Past MAX_ROWS rows the
+ * AVX512-BF16 path takes tiles (pair_tiles), each sum as for one row. -1: a build without the bf16 GEMV
+ * (gemv_paths), or M < 1. */
 int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int64_t y_stride, int64_t M, int64_t N,
                    int64_t K, const void *bias) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -317,12 +464,9 @@ int gemv_rows_bf16(const void *x, int64_t x_stride, const void *w, void *y, int6
         if (M <= MAX_ROWS) {
             gemv_cols_any((const uint16_t *)x, x_stride, (const uint16_t *)w, (const uint16_t *)bias, (uint16_t *)y,
                           y_stride, n0, n1, K, (int)M);
-        } else {   /* each weight row read from memory once, the rows of x MAX_ROWS at a time over it (from L1) */
-            for (int64_t n = n0; n < n1; n++)
-                for (int64_t m = 0; m < M; m += MAX_ROWS)
-                    gemv_cols_any((const uint16_t *)x + m * x_stride, x_stride, (const uint16_t *)w,
-                                  (const uint16_t *)bias, (uint16_t *)y + m * y_stride, y_stride, n, n + 1, K,
-                                  (int)(M - m < MAX_ROWS ? M - m : MAX_ROWS));
+        } else {   /* tiles: the same sums (pair_tile); thread boundaries on whole tiles of weight rows */
+            pair_tiles((const uint16_t *)x, x_stride, (const uint16_t *)w, (const uint16_t *)bias, (uint16_t *)y,
+                       y_stride, n0 / P_COLS * P_COLS, me + 1 == threads ? N : n1 / P_COLS * P_COLS, K, M);
         }
     }
     return 0;

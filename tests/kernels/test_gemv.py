@@ -3,7 +3,7 @@ in every build this CPU runs (the `isa` fixture): AVX512-BF16 products by pairs,
 fp32 with fp32 activations or bf16 ones, and the generic build, which has none and leaves the layers on oneDNN.
 
 N = 960 / 3072 / 576 and K = 576 / 1536 are SmolLM2's projections; 1, 7, 9 and 13 rows leave a tail after the
-blocks of 8, and K = 1, 31, 33 and 100 a tail after the chunks of 32.
+blocks of 8 (and after the tiles' 4), and K = 1, 31, 33 and 100 a tail after the chunks of 32.
 """
 
 from __future__ import annotations
@@ -103,47 +103,40 @@ def test_each_of_several_rows_gets_what_it_gets_alone(rows: int, native_gemv: in
         assert torch.equal(got[m], gemv(x[m : m + 1].contiguous(), w)[0]), m
 
 
-@pytest.mark.parametrize("rows", [9, 16, 17, 40])
-def test_more_than_eight_rows_each_get_what_they_get_alone(rows: int, native_gemv: int) -> None:
-    """Past 8 rows (the native decode step's verification rows) the GEMV takes each weight row once for groups of 8
-    rows (AVX512-BF16) or tiles them (the fp32 core): each output row is still the one-row GEMV's, bit for bit."""
-    _, w = operands(960, 576, seed=rows)
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-    got = gemv(x, w)
-    assert got.shape == (rows, 960)
-    for m in range(rows):
-        assert torch.equal(got[m], gemv(x[m : m + 1].contiguous(), w)[0]), m
-
-
 @pytest.mark.parametrize("rows", [9, 10, 11, 96, 97, 200])
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 33), (9, 31), (1, 100)])
-def test_a_prefill_s_rows_on_the_fp32_core_have_the_bits_of_a_gemv(rows: int, n: int, k: int, native_gemv: int) -> None:
-    """Past 8 rows the fp32 core multiplies in tiles (3 rows x 2 weight rows, x widened 96 rows at a time): each
-    output has the bits of the one-row GEMV's (so a prefill row equals the decode of it), within float64's bound,
-    bf16 rows and fp32 ones alike. Rows of x from a wider buffer; tails of rows, weight rows and K."""
-    if not native_gemv & GEMV_BF16_FP32_CORE:
-        pytest.skip("AVX512-BF16 builds multiply more than 8 bf16 rows with oneDNN")
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 33), (9, 31), (1, 100), (4099, 64), (13, 4100)])
+def test_a_prefill_s_rows_have_the_bits_of_a_gemv(rows: int, n: int, k: int, native_gemv: int) -> None:
+    """Past 8 rows the GEMV multiplies in tiles (AVX512-BF16: 2 rows x 4 weight rows, 96 rows of x a pass; the fp32
+    core: 3 x 2, x widened 96 rows at a time): each output has the bits of the one-row GEMV's (so a prefill row
+    equals the decode of it), the bias fused, within float64's bound. On the fp32 core the fp32 outputs too. Rows
+    of x from a wider buffer; tails of rows, weight rows (not whole tiles, not whole threads' shares) and K; K past
+    2048 (AVX512-BF16 sums it in passes, the accumulators carried)."""
     g = torch.Generator().manual_seed(rows * 31 + n)
     wide = torch.randn(rows, k + 9, generator=g).to(torch.bfloat16)
     x = wide[:, 5 : 5 + k]
     w = torch.randn(n, k, generator=g).div_(k**0.5).to(torch.bfloat16)
-    got, got32 = gemv(x, w), gemv_bf16w_f32x(x.float(), w)
-    assert got.shape == got32.shape == (rows, n)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    got, biased = gemv(x, w), gemv(x, w, bias)
+    assert got.shape == biased.shape == (rows, n)
     exact = x.double() @ w.double().t()
-    assert ((got32.double() - exact).abs() <= (x.double().abs() @ w.double().abs().t()) * (k + 2) * 2.0**-24).all()
-    assert torch.equal(got, got32.to(torch.bfloat16))
+    bound = exact.abs() * 2.0**-8 + (x.double().abs() @ w.double().abs().t()) * k * 2.0**-23
+    assert ((got.double() - exact).abs() <= bound).all()
     for m in sorted({0, 1, 2, 3, rows // 2, rows - 2, rows - 1}):
         assert torch.equal(got[m], gemv(x[m : m + 1].contiguous(), w)[0]), m
-        assert torch.equal(got32[m], gemv_bf16w_f32x(x[m : m + 1].float(), w)[0]), m
+        assert torch.equal(biased[m], gemv(x[m : m + 1].contiguous(), w, bias)[0]), m
+    if native_gemv & GEMV_BF16_FP32_CORE:
+        got32 = gemv_bf16w_f32x(x.float(), w)
+        assert ((got32.double() - exact).abs() <= (x.double().abs() @ w.double().abs().t()) * (k + 2) * 2.0**-24).all()
+        assert torch.equal(got, got32.to(torch.bfloat16))
+        for m in sorted({0, rows // 2, rows - 1}):
+            assert torch.equal(got32[m], gemv_bf16w_f32x(x[m : m + 1].float(), w)[0]), m
 
 
-@pytest.mark.parametrize("onednn_packs_bf16", [True, False], ids=["packed", "no-onednn-bf16"])
-def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gemv: int, onednn_packs_bf16) -> None:
-    """Also where oneDNN packs no bf16 weight (an AVX2 CPU: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT): the GEMV
-    is the fast path there most of all (it was once tied to the packing, and an AVX2 machine's bf16 decode ran on
-    ATen's bf16 matmul at 0.84x llama.cpp's speed), and there the fp32 core takes a prefill's rows too."""
-    if not onednn_packs_bf16:
-        monkeypatch.setattr("infer.worker.models.layers._pack_for_cpu", lambda w: None)
+def test_layers_send_every_bf16_row_to_the_gemv_and_keep_one_copy(monkeypatch, native_gemv: int) -> None:
+    """A bf16 linear takes the GEMV at every row count (1-8 streamed, more in tiles), each row with the bits it has
+    alone, and keeps no oneDNN-packed copy beside its weight (on AVX512-BF16 that copy once doubled the weights'
+    memory; on an AVX2 CPU oneDNN packs no bf16 weight at all, and ATen's bf16 matmul ran at 0.84x llama.cpp's
+    speed). A column stride of 2 is copied to unit stride first. fp32 weights keep oneDNN's packed path."""
     rows_seen: list[int] = []
     monkeypatch.setattr(
         "infer.worker.models.layers.gemv", lambda x, w, b=None: rows_seen.append(x.shape[0]) or gemv(x, w, b)
@@ -153,22 +146,40 @@ def test_layers_take_the_gemv_for_one_to_eight_bf16_rows(monkeypatch, native_gem
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(torch.linspace(-1, 1, 48))
     layer.pack_weights()
-    assert layer.gemv_native
+    assert layer.gemv_native and layer.packed is None
     one = layer(x)
-    assert rows_seen == [1]
     assert torch.equal(one, gemv(x, w, layer.bias))  # the bias fused (one rounding)
     eight = layer(x.expand(8, 64).contiguous())
-    assert rows_seen == [1, 8] and torch.equal(eight[7], one[0])
-    nine = layer(x.expand(9, 64).contiguous())  # nine rows: oneDNN where it packs
-    layer(torch.cat([x, x], dim=1)[:, ::2])  # a column stride of 2: not the GEMV
-    takes_nine = layer.packed is None and bool(native_gemv & GEMV_BF16_FP32_CORE)  # (ONEDNN_MAX_CPU_ISA=AVX2 too)
-    assert rows_seen == ([1, 8, 9] if takes_nine else [1, 8])
-    if takes_nine:
-        assert torch.equal(nine[8], one[0])
+    nine = layer(x.expand(9, 64).contiguous())
+    strided = layer(torch.stack([x, -x], dim=2).reshape(1, 128)[:, ::2])  # x, column stride 2
+    assert rows_seen == [1, 8, 9, 1]
+    assert torch.equal(eight[7], one[0]) and torch.equal(nine[8], one[0]) and torch.equal(strided, one)
     fp32 = RowLinear(64, 48, bias=False, dtype=torch.float32)
     fp32.weight.data.copy_(w.float())
     fp32.pack_weights()
     assert not fp32.gemv_native and not gemv_takes(w.t())  # fp32, and a transposed weight
+    assert (fp32.packed is not None) == torch.backends.mkldnn.is_available()
+
+
+def test_an_amx_cpu_keeps_onednn_s_packed_copy_for_more_than_eight_rows(monkeypatch, native_gemv: int) -> None:
+    """With AMX-BF16 oneDNN multiplies a prefill's rows on the AMX tiles: the layer keeps its packed copy for more
+    than 8 rows and the GEMV for 1-8."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    monkeypatch.setattr("infer.worker.models.layers.amx_bf16", lambda: True)
+    rows_seen: list[int] = []
+    monkeypatch.setattr(
+        "infer.worker.models.layers.gemv", lambda x, w, b=None: rows_seen.append(x.shape[0]) or gemv(x, w, b)
+    )
+    layer = ColumnLinear(64, 48, bias=False, dtype=torch.bfloat16)
+    x, w = operands(48, 64, seed=6)
+    layer.weight.data.copy_(w)
+    layer.pack_weights()
+    assert layer.gemv_native and layer.packed is not None
+    eight, nine = layer(x.expand(8, 64).contiguous()), layer(x.expand(9, 64).contiguous())
+    assert rows_seen == [8]
+    assert nine.shape == (9, 48) and (nine.float() - F.linear(x.float(), w.float())).abs().max() < 0.05  # oneDNN's
+    assert torch.equal(eight[0], gemv(x, w)[0])
 
 
 # ---- bf16 weights, fp32 activations (the fp32 core) ---------------------------------------------------------

@@ -91,7 +91,7 @@ def test_one_request_gets_the_layer_by_layer_tokens_and_logprobs(smollm2_dir, ca
 
 
 def test_batches_growing_past_eight_and_shrinking_back_with_an_abort(smollm2_dir, calls):
-    """Eleven requests of different lengths: steps of 9-11 decodes run the layers (oneDNN), then requests finish
+    """Eleven requests of different lengths: steps of 9-11 decodes run the layers (the GEMV's tiles), then requests finish
     one by one, or are aborted, and the steps of 8 down to 1 run natively."""
 
     def params(n):
@@ -243,8 +243,8 @@ def test_verification_steps_run_natively_with_the_tokens_of_decoding_without_spe
     """Three requests verifying 4 drafts each (15 rows: the GEMV past 8 rows, the LM head in pieces of 8), then
     fewer as they finish: greedy tokens and their log-probabilities equal decoding without speculation's, q4 / q8
     blocks and dense bf16 alike. With the GGUF blocks a long prompt is prefilled in chunks beside them too: those
-    steps run the layers, whose quantized products sum each row alone as well (dense bf16 rows there go to
-    oneDNN, whose sums depend on the rows beside them, with or without speculation)."""
+    steps run the layers, whose quantized products sum each row alone as well (as the GEMV's tiles sum dense bf16
+    rows)."""
 
     def greedy(n):
         return SamplingParams(temperature=0, max_tokens=n, logprobs=2, ignore_eos=True)

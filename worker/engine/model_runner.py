@@ -166,9 +166,10 @@ class ModelRunner:
 
     def _verification_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The logits of a step with verification rows. On a CPU the LM head takes them GEMV_MAX_ROWS at a time: a
-        linear sends 1-8 rows to the GEMV, whose rows each have the bits they have alone, and more to oneDNN, whose
-        sums depend on the rows beside them; so each row gets the logits its decode step would (1-8 requests
-        decode where speculation runs: SpeculativeConfig.disable_by_batch_size)."""
+        bf16 head on the native GEMV gives each row the bits it has alone at any row count, but a head on oneDNN
+        (fp32 weights) sums 1-8 rows as a decode step of 1-8 requests does and more rows otherwise; so each row
+        gets the logits its decode step would (1-8 requests decode where speculation runs:
+        SpeculativeConfig.disable_by_batch_size)."""
         rows = batch.logits_indices
         if self.device.type != "cpu" or rows.numel() <= GEMV_MAX_ROWS:
             return self._logits(hidden, rows)

@@ -218,8 +218,8 @@ def build_model(
 
 
 def pack_weights(model: nn.Module) -> None:
-    """(Re)make the CPU pre-packed copies of every linear layer's weight and the views of the quantized ones,
-    after its weights changed."""
+    """(Re)choose every linear layer's path after its weights changed (PackedLinear.pack_weights: the native GEMV,
+    or a oneDNN pre-packed copy for weights it does not take) and remake the views of the quantized ones."""
     for module in model.modules():
         if isinstance(module, (PackedLinear, VocabEmbedding)):
             module.pack_weights()

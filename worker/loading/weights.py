@@ -9,7 +9,7 @@ was checked, and what a later reload reads). `apply_tensors` copies the staged t
 values of every parameter it touches (quantized storage's scales and mins too), and puts them all back if any
 copy or the re-pack fails. A refit may be a subset of the weights (the others keep their values).
 
-Release. `release_weights` empties every parameter (and the pre-packed copies): to a pinned host copy
+Release. `release_weights` empties every parameter (and any oneDNN pre-packed copies): to a pinned host copy
 ("host_copy"; on a CPU the host copy is the weights themselves, so nothing is freed), or dropped ("reload"),
 restored from the files they were loaded from, or from a spill file written at release when they came from
 tensors in memory (a refit from a trainer, an in-memory model). `SuspendedWeights.restore` puts them back.
@@ -371,7 +371,8 @@ def release_weights(
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """Bytes of the CPU pre-packed copies of the linear weights (released with the weights)."""
+    """Bytes of the oneDNN pre-packed copies of the linear weights that keep one (fp32; bf16 where the native GEMV
+    is missing), released with the weights."""
     return sum(_nbytes(m.packed) for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None)
 
 

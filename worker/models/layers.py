@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.kernels.cpu_kernels import GEMV_MAX_ROWS, gemv, gemv_takes, gemv_takes_any_rows
+from infer.kernels.cpu_kernels import GEMV_MAX_ROWS, amx_bf16, gemv, gemv_takes
 from infer.kernels.dispatch import Kernels, kernels_here
 from infer.kernels.quant import BLOCK, QuantWeight, dequantize, quant_source
 from infer.kernels.rotary import build_cos_sin_cache
@@ -217,22 +217,24 @@ class RMSNorm(nn.Module):
 
 
 class PackedLinear(QuantStorage):
-    """Base of the linear layers: `self.weight` [out, in] (+ optional `self.bias`), and on CPU an optional
-    oneDNN pre-packed copy of the weight that `pack_weights()` makes once the checkpoint is loaded.
+    """Base of the linear layers: `self.weight` [out, in] (+ optional `self.bias`), and the path that multiplies by
+    it, chosen once by `pack_weights()` when the checkpoint is loaded.
 
-    Measured on the 2-core development CPU at decode shapes (M=64): 1.2x faster than F.linear in bf16,
-    1.6-2x in fp32. The plain weight stays (checkpoint loading, tied embeddings, tests read it). 1-8 bf16 rows
-    (a decode at batch 1-8) go to the native GEMV instead (`infer.kernels.cpu_kernels.gemv`), which streams the
-    plain weight at a higher memory bandwidth than oneDNN reaches there; where oneDNN packs no bf16 weight (an
-    AVX2 CPU), bf16 rows of any count go there (its fp32 core). A quantized weight (QuantStorage) is
-    multiplied by the device's `quant_matmul` (kernels/dispatch.py) at every row count: the native kernel on a
-    CPU (where it takes the weight), Triton on CUDA, the twin elsewhere.
+    A bf16 weight on a CPU whose native build has a bf16 GEMV (AVX512-BF16, or AVX2's fp32 core) is multiplied by
+    it at every row count (`infer.kernels.cpu_kernels.gemv`: 1-8 rows stream the weight once; more go through tiles
+    with the same sums, so a row's output has the same bits in a prefill, a batch or a decode), reading the weight
+    as stored: it is kept once. (Until 2026-12-01 an AVX512-BF16 CPU kept a oneDNN-packed copy beside it for more
+    than 8 rows, twice the weights' memory.) A CPU with AMX-BF16 keeps that copy: oneDNN multiplies more than 8
+    rows on the AMX tiles, several times what vector instructions reach (not measured here: no such CPU). Other
+    dense weights on a CPU (fp32; bf16 without a native build) keep a oneDNN pre-packed copy (1.2-2x F.linear at
+    decode shapes) beside the plain weight that checkpoint loading, tied embeddings and tests read. A quantized weight
+    (QuantStorage) is multiplied by the device's `quant_matmul` (kernels/dispatch.py) at every row count: the
+    native kernel on a CPU (where it takes the weight), Triton on CUDA, the twin elsewhere.
     """
 
     bias: nn.Parameter | None
     packed: torch.Tensor | None = None
-    gemv_native: bool = False  # the plain weight suits the native GEMV (decided with the packing)
-    gemv_rows: int = GEMV_MAX_ROWS  # up to how many rows it goes there (any, where oneDNN packs no bf16)
+    gemv_native: bool = False  # bf16 rows go to the native GEMV (all, or 1-8 where a packed copy takes more)
     lora: Any = None  # a worker/engine/lora.py LoraLayer once an adapter targets this layer
 
     def pack_weights(self) -> None:
@@ -240,11 +242,8 @@ class PackedLinear(QuantStorage):
         if self.quant is not None:
             self.packed, self.gemv_native = None, False
             return
-        self.packed = _pack_for_cpu(self.weight)
-        # not tied to oneDNN's packing: on an AVX2 CPU oneDNN packs no bf16 weight (it needs AVX512-BW/VL/DQ or
-        # AVX-NE-CONVERT), and the GEMV is the fast path there most of all, for a prefill's rows as well
         self.gemv_native = gemv_takes(self.weight)
-        self.gemv_rows = GEMV_MAX_ROWS if self.packed is not None or not gemv_takes_any_rows() else 1 << 62
+        self.packed = None if self.gemv_native and not amx_bf16() else _pack_for_cpu(self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [N, in] -> x W^T + bias, [N, out]."""
@@ -252,15 +251,19 @@ class PackedLinear(QuantStorage):
             y = self.kernels.quant_matmul(x.reshape(-1, x.shape[-1]), self.quant, self.quant_native)
             y = y.reshape(*x.shape[:-1], -1)
             return y if bias is None else y.add_(bias)
-        if x.dim() == 2 and not torch.compiler.is_compiling():
-            if self.gemv_native and 0 < x.shape[0] <= self.gemv_rows and x.dtype == torch.bfloat16 and x.stride(1) == 1:
-                if bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()):
-                    return gemv(x, self.weight, bias)  # the bias fused: one rounding, as oneDNN's
-                return gemv(x, self.weight).add_(bias)
-            if self.packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # (no op overhead)
-        elif self.packed is not None and x.dim() == 2:
-            return packed_linear(x, self.packed, self.weight, bias)
+        rows = x.shape[0] if x.dim() == 2 else 0
+        to_gemv = rows <= GEMV_MAX_ROWS or self.packed is None  # (an AMX CPU's packed copy takes more rows)
+        if self.gemv_native and 0 < rows and x.dtype == torch.bfloat16 and to_gemv:
+            fused = bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+            if torch.compiler.is_compiling():  # an opaque op to the compiler, as packed_linear
+                y = native_linear(x, self.weight, bias if fused else None)
+            else:
+                y = gemv(x if x.stride(1) == 1 else x.contiguous(), self.weight, bias if fused else None)
+            return y if fused or bias is None else y.add_(bias)  # the bias fused: one rounding, as oneDNN's
+        if x.dim() == 2 and self.packed is not None:
+            if torch.compiler.is_compiling():
+                return packed_linear(x, self.packed, self.weight, bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")  # (no op overhead)
         return F.linear(x, self.weight, bias)
 
     def load_rows(self, param_name: str, start: int, length: int, tensor: Any, what: str) -> None:
@@ -271,6 +274,17 @@ class PackedLinear(QuantStorage):
             _copy_checked(self.bias.narrow(0, start, length), tensor, what)
         else:
             raise ValueError(f"{type(self).__name__} has no parameter {param_name!r} in a checkpoint")
+
+
+@torch.library.custom_op("infer::native_linear", mutates_args=())
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [N, in] (bf16) @ weight^T (+ bias) through the native GEMV, as an op the compiler does not trace into."""
+    return gemv(x if x.stride(1) == 1 else x.contiguous(), weight, bias)
+
+
+@native_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("infer::packed_linear", mutates_args=())
