@@ -24,9 +24,9 @@ llama.cpp: `llama-bench -m F -t 2 -r 1`, twice per round: `-p 0 -n 128 -d 128` (
 decode; `-p 128 -n 0 -pg 128,127` gives the first token (pp128) and e2e (pp128 + tg127 in one timed run).
 llama-bench does not sample (it feeds random ids): a hair less work per token than a real request.
 
-ours: `LLM(model=F, num_threads=2, max_model_len=1024)` in direct mode, and its engine stepped the way
-`LLM.generate` steps it (Engine.add_request, then Engine.step until done, in the caller's thread: no thread
-hops), stamping each token as its step returns; sampling and detokenization are in the time.
+ours: the engine LLM(model=F, num_threads=2, max_model_len=1024) runs in direct mode, built and stepped on this
+process's main thread the way LLM's engine thread builds and steps it (Engine.add_request, then Engine.step until
+done: no thread hops), stamping each token as its step returns; sampling and detokenization are in the time.
 
 The bandwidth floor: the bytes one token reads (every 2-D tensor of the GGUF, as stored; token_embd counts
 once, as the LM head it is when there is no output.weight, since a lookup reads one row of it; norms are
@@ -264,20 +264,25 @@ def measure_infer(gguf: Path, threads: int, batch: int, timeout: float) -> dict:
 
 def child_main(gguf: str, threads: int, batch: int) -> None:
     """Ours, in this process: load, warm up on `batch` prompts of the same length, then time `batch` requests."""
-    from infer import LLM, SamplingParams
+    from infer import SamplingParams
+    from infer.worker.engine.config import EngineConfig
+    from infer.worker.engine.engine import Engine
 
     sizes = (
         dict(max_model_len=MAX_MODEL_LEN)
         if batch == 1  # batch 1: the default pool, as before
         else dict(max_model_len=PROMPT + GENERATED, max_num_seqs=batch)
     )
-    llm = LLM(model=gguf, num_threads=threads, **sizes)
-    engine = llm.engine
+    # built and stepped on this thread, as LLM's engine thread builds and steps its own (LocalEngine.start)
+    engine = Engine(EngineConfig.from_options(model=gguf, num_threads=threads, **sizes))
     if engine.kv_cache.num_blocks * engine.block_size < batch * (PROMPT + GENERATED - 1):
         raise RuntimeError(f"a KV pool of {engine.kv_cache.num_blocks} blocks cannot hold {batch} requests")
     # seed s: other ids for each prompt, no prefix-cache hit between them or with the warm-up's
     prompts = [make_workload("B1", engine.vocab_size, seed=s).prompts[0] for s in range(2 * batch)]
-    llm.generate(prompts[batch:], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for i, prompt in enumerate(prompts[batch:]):
+        engine.add_request(f"warm-{i}", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts[:batch]):
         engine.add_request(f"bench-{i}", prompt, SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True))
@@ -305,7 +310,7 @@ def child_main(gguf: str, threads: int, batch: int) -> None:
         "dtype": str(engine.dtype).removeprefix("torch."),
     }
     print("RESULT " + json.dumps(result), flush=True)
-    llm.close()
+    engine.close()
 
 
 def _status_kib(field: str) -> int:
