@@ -3,11 +3,10 @@
     .venv/bin/python benchmarks/dense_linears.py              # 3 rounds
     .venv/bin/python benchmarks/dense_linears.py --rounds 1   # a quick check
 
-"one copy" is what the engine does: every bf16 row goes to the native GEMV (1-8 rows) and its tiles (more), which
-read the weights as the checkpoint stores them. "packed twin" is what an AVX512-BF16 CPU did until 2026-12-01: the
-same for 1-8 rows, and a oneDNN-packed copy of every linear's weight, kept beside it, for more rows (made here by
-wrapping PackedLinear in the child, so both run the same code otherwise). On a CPU without AVX512-BF16 oneDNN packs
-no bf16 weight and the two modes are the same.
+"one copy" is what the engine does by default: every bf16 row goes to the native GEMV (1-8 rows) and its tiles
+(more), which read the weights as the checkpoint stores them. "packed twin" is `--cpu-weight-prepack` (what an
+AVX512-BF16 CPU did until 2026-12-01): the same for 1-8 rows, and a oneDNN-packed copy of every linear's weight, kept
+beside it, for more rows. On a CPU without AVX512-BF16 oneDNN packs no bf16 weight and the two modes are the same.
 
 The embedded model dequantized to bf16 (`quantization="none"`), LLM in direct mode, `--threads` threads (2), greedy,
 EOS ignored, random prompt ids (fixed seed, the same for both modes). Each mode runs in its own process, one after
@@ -38,36 +37,11 @@ from common import write_result  # noqa: E402
 MODES = ("one copy", "packed twin")
 
 
-def _packed_twin() -> None:
-    """Wrap PackedLinear as it was: a oneDNN-packed copy of every bf16 weight the GEMV takes, for more than 8 rows."""
-    import torch
-
-    from infer.kernels.cpu_kernels import GEMV_MAX_ROWS
-    from infer.worker.models import layers
-
-    pack, matmul = layers.PackedLinear.pack_weights, layers.PackedLinear.matmul
-
-    def pack_weights(self: layers.PackedLinear) -> None:
-        pack(self)
-        if self.gemv_native:
-            self.packed = layers._pack_for_cpu(self.weight)
-
-    def twin_matmul(self: layers.PackedLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None and self.gemv_native and x.dim() == 2 and x.shape[0] > GEMV_MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return matmul(self, x, bias)
-
-    layers.PackedLinear.pack_weights = pack_weights  # type: ignore[method-assign]
-    layers.PackedLinear.matmul = twin_matmul  # type: ignore[method-assign]
-
-
 def child(mode: str, threads: int) -> dict:
-    if mode == "packed twin":
-        _packed_twin()
     from infer import LLM, SamplingParams
     from infer.worker.loading.weights import packed_bytes
 
-    llm = LLM(quantization="none", num_threads=threads)
+    llm = LLM(quantization="none", num_threads=threads, cpu_weight_prepack=mode == "packed twin")
     vocab = llm.engine.vocab_size
     rng = random.Random(0)
 

@@ -161,12 +161,18 @@ def test_layers_send_every_bf16_row_to_the_gemv_and_keep_one_copy(monkeypatch, n
     assert (fp32.packed is not None) == torch.backends.mkldnn.is_available()
 
 
-def test_an_amx_cpu_keeps_onednn_s_packed_copy_for_more_than_eight_rows(monkeypatch, native_gemv: int) -> None:
-    """With AMX-BF16 oneDNN multiplies a prefill's rows on the AMX tiles: the layer keeps its packed copy for more
-    than 8 rows and the GEMV for 1-8."""
+@pytest.mark.parametrize("why", ["amx", "prepack"])
+def test_an_amx_cpu_or_prepack_keeps_onednn_s_packed_copy_for_more_than_eight_rows(
+    monkeypatch, native_gemv: int, why: str
+) -> None:
+    """With AMX-BF16 oneDNN multiplies a prefill's rows on the AMX tiles, and `prepack` asks for its copy anywhere:
+    the layer keeps its packed copy for more than 8 rows and the GEMV for 1-8. prepack False drops it on AMX too."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch without oneDNN")
-    monkeypatch.setattr("infer.worker.models.layers.amx_bf16", lambda: True)
+    if why == "amx":
+        monkeypatch.setattr("infer.worker.models.layers.amx_bf16", lambda: True)
+    else:
+        monkeypatch.setattr(ColumnLinear, "prepack", True)
     rows_seen: list[int] = []
     monkeypatch.setattr(
         "infer.worker.models.layers.gemv", lambda x, w, b=None: rows_seen.append(x.shape[0]) or gemv(x, w, b)
@@ -180,6 +186,9 @@ def test_an_amx_cpu_keeps_onednn_s_packed_copy_for_more_than_eight_rows(monkeypa
     assert rows_seen == [8]
     assert nine.shape == (9, 48) and (nine.float() - F.linear(x.float(), w.float())).abs().max() < 0.05  # oneDNN's
     assert torch.equal(eight[0], gemv(x, w)[0])
+    monkeypatch.setattr(ColumnLinear, "prepack", False)
+    layer.pack_weights()
+    assert layer.gemv_native and layer.packed is None
 
 
 # ---- bf16 weights, fp32 activations (the fp32 core) ---------------------------------------------------------

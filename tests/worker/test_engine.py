@@ -344,3 +344,32 @@ def _collect_logprobs(engine, params):
         for d in engine.step():
             rows.extend(d.logprobs or [])
     return rows
+
+
+@pytest.mark.parametrize("prepack", [None, True, False, "yes"])
+def test_cpu_weight_prepack_keeps_a_packed_copy_only_when_asked(tiny_model_dir, prepack):
+    """A bf16 engine on a CPU with a native GEMV keeps one copy of its dense linear weights (the packed twin only on
+    AMX-BF16, by default); --cpu-weight-prepack keeps oneDNN's packed copy beside them (twice the weights' bytes),
+    and it survives a re-pack (a refit); anything but a bool or None is refused by name."""
+    from infer.kernels.cpu_kernels import amx_bf16, gemv_paths
+    from infer.worker.loading.loader import pack_weights
+    from infer.worker.loading.weights import packed_bytes
+
+    options = dict(model=str(tiny_model_dir("llama")), dtype="bfloat16", max_model_len=128, kv_cache_memory=4 << 20)
+    if prepack == "yes":
+        with pytest.raises(ValueError, match="cpu_weight_prepack must be a bool or None"):
+            EngineConfig.from_options(**options, cpu_weight_prepack=prepack)
+        return
+    if not gemv_paths() & 3 or not torch.backends.mkldnn.is_available():
+        pytest.skip("no native GEMV or no oneDNN: the linears keep oneDNN's copy whatever the option")
+    engine = Engine(EngineConfig.from_options(**options, cpu_weight_prepack=prepack))
+    try:
+        twin = amx_bf16() if prepack is None else prepack
+        assert (packed_bytes(engine.model) > 0) == twin
+        pack_weights(engine.model)
+        assert (packed_bytes(engine.model) > 0) == twin
+        engine.add_request("r", list(range(5, 40)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        tokens = [t for _ in range(20) if engine.has_unfinished() for d in engine.step() for t in d.token_ids]
+        assert len(tokens) == 4
+    finally:
+        engine.close()

@@ -125,6 +125,12 @@ class EngineConfig:
         "decode steps replay graphs compiled (CPU) or captured (CUDA) per "
         "batch size (default: graphs on CUDA, eager on a CPU)",
     )
+    cpu_weight_prepack: bool | None = option(
+        None,
+        "keep a oneDNN-packed copy of every dense bf16 linear weight beside it for steps of more than 8 rows "
+        "(prefills, larger batches: 1.25x faster on AVX512-BF16, for twice the weights' memory); "
+        "--no-cpu-weight-prepack: never (default: only on AMX-BF16 CPUs, where oneDNN multiplies on AMX tiles)",
+    )
     max_graph_batch_size: int = option(
         256, "the most rows (decoding sequences, verification rows) a step graph is made for", metavar="N"
     )
@@ -246,6 +252,8 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._check_kv_offload()
+        if self.cpu_weight_prepack is not None and not isinstance(self.cpu_weight_prepack, bool):
+            raise ValueError(f"cpu_weight_prepack must be a bool or None (by CPU), got {self.cpu_weight_prepack!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool or None (by device), got {self.enforce_eager!r}")
         if self.suspend_weights not in SUSPEND_WEIGHTS:

@@ -66,7 +66,7 @@ from infer.worker.kv.offload import KvOffload, ModelFiles
 from infer.worker.kv.offload_store import check_offload_dir
 from infer.worker.kv.port import KvPort
 from infer.worker.loading.in_memory import in_memory_model
-from infer.worker.loading.loader import load_model, weight_files
+from infer.worker.loading.loader import load_model, set_weight_prepack, weight_files
 from infer.worker.loading.model_files import eos_token_ids, forced_token_ids, resolve_model
 from infer.worker.loading.tokenizer import engine_tokenizer
 from infer.worker.loading.weights import WeightUpdate
@@ -152,6 +152,7 @@ class Engine:
             else:  # this stage's layers only
                 self.model = stage.load_model(self.model_path, self.dtype, self.device, config.quantization)
             files = [weight_files(self.model_path)]
+        set_weight_prepack(self.model, config.cpu_weight_prepack)
         trim_heap()  # what loading freed (tokenizer files, weight conversion), before the KV pool and the first steps
         # an encoder-decoder model (worker/engine/encoder_decoder.py): what it does not run is refused here, by name
         check_encoder_decoder(

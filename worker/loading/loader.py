@@ -217,6 +217,18 @@ def build_model(
         return cls(config, dtype, ep=ep, tp=tp) if moe else cls(config, dtype, tp=tp)
 
 
+def set_weight_prepack(model: Any, prepack: bool | None) -> None:
+    """Whether the linears whose bf16 weights the native GEMV takes keep a oneDNN-packed copy for more than 8 rows
+    (None: only on AMX-BF16 CPUs; PackedLinear.prepack), their paths chosen again. Kept by later re-packs. `model`:
+    our model, or a pipeline stage's StageModel (anything whose modules() are the model's)."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if all(m.prepack is prepack for m in linears):
+        return
+    for module in linears:
+        module.prepack = prepack
+    pack_weights(model)
+
+
 def pack_weights(model: nn.Module) -> None:
     """(Re)choose every linear layer's path after its weights changed (PackedLinear.pack_weights: the native GEMV,
     or a oneDNN pre-packed copy for weights it does not take) and remake the views of the quantized ones."""

@@ -225,7 +225,9 @@ class PackedLinear(QuantStorage):
     with the same sums, so a row's output has the same bits in a prefill, a batch or a decode), reading the weight
     as stored: it is kept once. (Until 2026-12-01 an AVX512-BF16 CPU kept a oneDNN-packed copy beside it for more
     than 8 rows, twice the weights' memory.) A CPU with AMX-BF16 keeps that copy: oneDNN multiplies more than 8
-    rows on the AMX tiles, several times what vector instructions reach (not measured here: no such CPU). Other
+    rows on the AMX tiles, several times what vector instructions reach (not measured here: no such CPU); so does
+    any CPU where `prepack` is True (`--cpu-weight-prepack`: prefills and batches past 8 rows at oneDNN's speed,
+    1.25x the tiles' on AVX512-BF16, for twice the weights' memory). Other
     dense weights on a CPU (fp32; bf16 without a native build) keep a oneDNN pre-packed copy (1.2-2x F.linear at
     decode shapes) beside the plain weight that checkpoint loading, tied embeddings and tests read. A quantized weight
     (QuantStorage) is multiplied by the device's `quant_matmul` (kernels/dispatch.py) at every row count: the
@@ -235,6 +237,9 @@ class PackedLinear(QuantStorage):
     bias: nn.Parameter | None
     packed: torch.Tensor | None = None
     gemv_native: bool = False  # bf16 rows go to the native GEMV (all, or 1-8 where a packed copy takes more)
+    # beside a weight the GEMV takes, a oneDNN-packed copy for more than 8 rows: None = only on AMX-BF16 CPUs
+    # (EngineConfig.cpu_weight_prepack; worker/loading/loader.py's set_weight_prepack)
+    prepack: bool | None = None
     lora: Any = None  # a worker/engine/lora.py LoraLayer once an adapter targets this layer
 
     def pack_weights(self) -> None:
@@ -243,7 +248,8 @@ class PackedLinear(QuantStorage):
             self.packed, self.gemv_native = None, False
             return
         self.gemv_native = gemv_takes(self.weight)
-        self.packed = None if self.gemv_native and not amx_bf16() else _pack_for_cpu(self.weight)
+        twin = amx_bf16() if self.prepack is None else self.prepack
+        self.packed = None if self.gemv_native and not twin else _pack_for_cpu(self.weight)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [N, in] -> x W^T + bias, [N, out]."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -45,6 +45,7 @@ from infer.worker.loading.loader import (
     materialize,
     pack_weights,
     quant_plan,
+    set_weight_prepack,
     weight_files,
 )
 from infer.worker.models.layers import deferred_weights
@@ -76,6 +77,10 @@ class StageModel:
 
     def __call__(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         return self.forward(batch, kv_cache)
+
+    def modules(self) -> Iterator[nn.Module]:
+        """This stage's modules (as a model's: the loader re-packs its linears through them)."""
+        return self.lm.modules()
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """This stage's part of the forward: from the embedding (stage 0) or the previous stage's (hidden, residual),
@@ -243,6 +248,7 @@ def run_stage(config: EngineConfig, group: PipelineGroup, path: Path) -> int:
     device, dtype = start_follower(config)
     loader = StageLoader(group)
     model = loader.load_model(path, dtype, device, config.quantization)
+    set_weight_prepack(model, config.cpu_weight_prepack)
     max_model_len = context_length(config, model.config)
     blocks = loader.agree_min(num_kv_blocks(config, model, dtype, device, max_model_len))
     kv_cache = KVCache.allocate(

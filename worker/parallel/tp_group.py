@@ -258,11 +258,12 @@ def run_follower(config: Any, parallel: Parallel, path: Path) -> int:
 
     from infer.worker.engine.engine_setup import context_length, num_kv_blocks, shares_kv
     from infer.worker.engine.forward_batch import KVCache
-    from infer.worker.loading.loader import load_model
+    from infer.worker.loading.loader import load_model, set_weight_prepack
     from infer.worker.parallel.tp_commands import FollowerChannel, serve_follower, start_follower
 
     device, dtype = start_follower(config)
     model = load_model(path, dtype, device, parallel.ep, parallel.tp, config.quantization)
+    set_weight_prepack(model, config.cpu_weight_prepack)
     lm = cast("CausalLM", model)  # one of our model classes, which meet the CausalLM contract
     max_model_len = context_length(config, model.config)
     blocks = parallel.tp.agree_min(num_kv_blocks(config, lm, dtype, device, max_model_len))
